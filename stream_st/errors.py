@@ -1,0 +1,122 @@
+"""The exceptions stream_st raises, all in one place.
+
+Every error raised for bad data or misuse derives from :class:`SafetensorsError`::
+
+    SafetensorsError                  root: catch this to catch everything below
+    ├── HeaderError                   the 8-byte length or the JSON header breaks the format
+    │   └── HeaderTooLargeError       the declared header length exceeds the configured limit
+    ├── TruncatedStreamError          the source ended before the bytes the header promised
+    ├── TrailingDataError             a whole object carries bytes after its last tensor
+    ├── TensorNotFoundError           a requested tensor name is not in the header (also KeyError)
+    ├── DtypeError                    a dtype code or numpy dtype that safetensors cannot carry
+    ├── UnsupportedSourceError        `open_stream` cannot tell how to read the given object
+    ├── UsageError                    the API was used out of order (e.g. header before open)
+    ├── AllocationError               a tensor could not be allocated (also MemoryError)
+    └── TransportError                the underlying I/O failed; carries the URL and position
+        └── SourceNotFoundError       the file or object does not exist (also FileNotFoundError)
+
+Messages name the tensor, the offsets and what was expected.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AllocationError",
+    "DtypeError",
+    "HeaderError",
+    "HeaderTooLargeError",
+    "SafetensorsError",
+    "SourceNotFoundError",
+    "TensorNotFoundError",
+    "TrailingDataError",
+    "TransportError",
+    "TruncatedStreamError",
+    "UnsupportedSourceError",
+    "UsageError",
+]
+
+
+class SafetensorsError(Exception):
+    """Root of every error stream_st raises for bad data, misuse or failed I/O."""
+
+
+class HeaderError(SafetensorsError, ValueError):
+    """The length prefix or the JSON header does not follow the safetensors format."""
+
+
+class HeaderTooLargeError(HeaderError):
+    """The declared header length exceeds ``max_header_size``; nothing was allocated for it."""
+
+    def __init__(self, declared: int, limit: int) -> None:
+        super().__init__(
+            f"header length {declared} bytes exceeds the limit of {limit} bytes "
+            "(raise max_header_size if the file is trusted)"
+        )
+        self.declared = declared
+        self.limit = limit
+
+
+class TruncatedStreamError(SafetensorsError, EOFError):
+    """The source ended before every promised byte arrived.
+
+    ``name`` is the tensor being read (``None`` while reading the header), ``offset`` the absolute
+    byte position in the file reached and ``expected`` the absolute position that had to be reached.
+    """
+
+    def __init__(
+        self, what: str, *, name: str | None, offset: int, expected: int, source: str = ""
+    ) -> None:
+        where = f" from {source}" if source else ""
+        super().__init__(
+            f"stream ended{where} while reading {what}: reached byte {offset}, "
+            f"expected data up to byte {expected} ({expected - offset} bytes missing)"
+        )
+        self.name = name
+        self.offset = offset
+        self.expected = expected
+        self.source = source
+
+
+class TrailingDataError(SafetensorsError):
+    """A whole object (file, bytes, iterator) has bytes after the end of its last tensor."""
+
+
+class TensorNotFoundError(SafetensorsError, KeyError):
+    """A tensor name asked for (``include=``, ``header[name]``) is not in the header."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DtypeError(SafetensorsError, ValueError):
+    """A dtype that safetensors cannot carry, or a safetensors code numpy cannot hold."""
+
+
+class UnsupportedSourceError(SafetensorsError, TypeError):
+    """``open_stream`` was given an object or URL scheme it does not know how to read."""
+
+
+class UsageError(SafetensorsError, RuntimeError):
+    """The API was used out of order, e.g. the header was asked for before the stream opened."""
+
+
+class AllocationError(SafetensorsError, MemoryError):
+    """A tensor the header declares could not be allocated."""
+
+
+class TransportError(SafetensorsError, OSError):
+    """The underlying I/O failed. ``url`` names the source, ``position`` the byte offset reached."""
+
+    def __init__(self, message: str, *, url: str = "", position: int | None = None) -> None:
+        parts = [message]
+        if url:
+            parts.append(f"url={url}")
+        if position is not None:
+            parts.append(f"at byte {position}")
+        super().__init__(", ".join(parts))
+        self.url = url
+        self.position = position
+
+
+class SourceNotFoundError(TransportError, FileNotFoundError):
+    """The file or object named does not exist."""

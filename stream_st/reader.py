@@ -1,0 +1,264 @@
+"""The streaming reader: drives a source through the header core and yields numpy arrays."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator, Callable, Collection
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from .errors import (
+    AllocationError,
+    TensorNotFoundError,
+    TrailingDataError,
+    TruncatedStreamError,
+    UsageError,
+)
+from .header import (
+    DEFAULT_MAX_HEADER_SIZE,
+    LENGTH_PREFIX_SIZE,
+    Header,
+    TensorInfo,
+    parse_header,
+    parse_header_length,
+)
+from .sources import Source, SourceLike, open_source
+
+__all__ = ["Include", "TensorStream", "open_stream", "read_header"]
+
+Include = Collection[str] | Callable[[str], bool] | str | None
+"""Which tensors to deliver: ``None`` for all, names, or a predicate on the name."""
+
+
+def _selector(include: Include, header: Header) -> Callable[[str], bool]:
+    if include is None:
+        return lambda name: True
+    if callable(include):
+        return include
+    names = {include} if isinstance(include, str) else set(include)
+    missing = sorted(n for n in names if n not in header)
+    if missing:
+        raise TensorNotFoundError(f"include= names tensors not in the header: {missing}")
+    return names.__contains__
+
+
+def _allocate(info: TensorInfo) -> tuple[np.ndarray[Any, Any], memoryview]:
+    """A fresh array for ``info`` and a writable byte view of its memory."""
+    try:
+        raw = np.empty(info.nbytes, dtype=np.uint8)
+    except (MemoryError, ValueError) as exc:
+        raise AllocationError(
+            f"cannot allocate tensor {info.name!r} of {info.nbytes} bytes: {exc}"
+        ) from None
+    array = raw.view(info.array_dtype).reshape(info.array_shape)
+    return array, raw.data
+
+
+class TensorStream:
+    """One safetensors file read as a stream. Create it with :func:`open_stream`.
+
+    Use it as ``async with open_stream(src) as stream`` to see ``stream.header`` before any data,
+    then ``async for name, array in stream``; or iterate it directly, which opens and closes it.
+    Arrays are fresh, writable, native-endian and handed over to the caller: the stream keeps no
+    reference to them.
+    """
+
+    def __init__(
+        self,
+        source: SourceLike,
+        *,
+        include: Include = None,
+        max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    ) -> None:
+        self._source_like = source
+        self._include = include
+        self._max_header_size = max_header_size
+        self._source: Source | None = None
+        self._header: Header | None = None
+        self._iterated = False
+        self._closed = False
+
+    @property
+    def header(self) -> Header:
+        """The validated header; available once the stream is open."""
+        if self._header is None:
+            raise UsageError("the header is read when the stream opens: use 'async with' first")
+        return self._header
+
+    @property
+    def source(self) -> Source:
+        if self._source is None:
+            raise UsageError("the stream is not open")
+        return self._source
+
+    async def open(self) -> Header:
+        """Open the source, read and validate the header. Idempotent."""
+        if self._header is not None:
+            return self._header
+        if self._closed:
+            raise UsageError("the stream is closed")
+        self._source = open_source(self._source_like)
+        try:
+            self._header = await self._read_header(self._source)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self._header
+
+    async def _read_header(self, source: Source) -> Header:
+        prefix = bytearray(LENGTH_PREFIX_SIZE)
+        got = await source.fill(memoryview(prefix))
+        if got < LENGTH_PREFIX_SIZE:
+            parse_header_length(bytes(prefix[:got]))  # raises: fewer than 8 bytes
+        n = parse_header_length(prefix, max_header_size=self._max_header_size)
+        if source.size is not None and LENGTH_PREFIX_SIZE + n > source.size:
+            raise TruncatedStreamError(
+                "the header",
+                name=None,
+                offset=source.size,
+                expected=LENGTH_PREFIX_SIZE + n,
+                source=source.name,
+            )
+        raw = bytearray(n)
+        got = await source.fill(memoryview(raw))
+        if got < n:
+            raise TruncatedStreamError(
+                "the header",
+                name=None,
+                offset=LENGTH_PREFIX_SIZE + got,
+                expected=LENGTH_PREFIX_SIZE + n,
+                source=source.name,
+            )
+        header = parse_header(raw)
+        if source.size is not None:
+            self._check_size(header, source.size, source.name)
+        return header
+
+    @staticmethod
+    def _check_size(header: Header, size: int, name: str) -> None:
+        if size > header.file_size:
+            raise TrailingDataError(
+                f"{name}: {size - header.file_size} bytes follow the last tensor "
+                f"(the header describes {header.file_size} bytes, the source has {size})"
+            )
+        if size < header.file_size:
+            first_short = next(t for t in header.tensors if header.data_start + t.end > size)
+            raise TruncatedStreamError(
+                f"tensor {first_short.name!r}",
+                name=first_short.name,
+                offset=size,
+                expected=header.data_start + first_short.end,
+                source=name,
+            )
+
+    async def aclose(self) -> None:
+        """Close the source. Bytes not yet read stay unread."""
+        self._closed = True
+        source, self._source = self._source, None
+        if source is not None:
+            await source.aclose()
+
+    async def __aenter__(self) -> TensorStream:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
+        if self._iterated:
+            raise UsageError("a TensorStream can be iterated only once")
+        self._iterated = True
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
+        owns = self._header is None
+        header = await self.open()
+        try:
+            selected = _selector(self._include, header)
+            async for item in self._tensors(header, selected):
+                yield item
+        finally:
+            if owns:
+                await self.aclose()
+
+    async def _tensors(
+        self, header: Header, selected: Callable[[str], bool]
+    ) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
+        source = self.source
+        base = header.data_start
+        for info in header.tensors:
+            if not selected(info.name):
+                continue
+            array, view = _allocate(info)
+            if info.nbytes:
+                got = await source.read_into_at(base + info.start, view)
+                if got < info.nbytes:
+                    raise TruncatedStreamError(
+                        f"tensor {info.name!r}",
+                        name=info.name,
+                        offset=source.position,
+                        expected=base + info.end,
+                        source=source.name,
+                    )
+            if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
+                array.byteswap(inplace=True)
+            yield info.name, array
+            del array, view
+        await self._finish(header)
+
+    async def _finish(self, header: Header) -> None:
+        """Consume the message's tail; a whole object must end right after it."""
+        source = self.source
+        if source.random_access:
+            return  # size checked against the header at open
+        end = header.file_size
+        if source.position < end:
+            await source.skip(end - source.position)
+            if source.position < end:
+                last = header.tensors[-1]
+                raise TruncatedStreamError(
+                    f"tensor {last.name!r}",
+                    name=last.name,
+                    offset=source.position,
+                    expected=end,
+                    source=source.name,
+                )
+        if source.whole_object and not await source.at_end():
+            raise TrailingDataError(f"{source.name}: bytes follow the last tensor at byte {end}")
+
+
+def open_stream(
+    source: SourceLike,
+    *,
+    include: Include = None,
+    max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+) -> TensorStream:
+    """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
+
+    ``source`` is a path (``str``, ``os.PathLike``, ``file://`` URL), a bytes-like object, an async
+    iterable of bytes-like chunks, an anyio ``ByteReceiveStream`` or an asyncio ``StreamReader``.
+    ``include`` selects tensors by name (a collection, one name, or a predicate); skipped tensors
+    are never allocated, and a random-access source never reads their bytes. ``max_header_size``
+    bounds the JSON header, checked before anything is allocated.
+
+    The header is read and validated in full before the first tensor. Errors are
+    :class:`~stream_st.SafetensorsError` subclasses: a tensor the source ends inside is never
+    yielded (:class:`~stream_st.TruncatedStreamError`).
+    """
+    return TensorStream(source, include=include, max_header_size=max_header_size)
+
+
+async def read_header(
+    source: SourceLike, *, max_header_size: int = DEFAULT_MAX_HEADER_SIZE
+) -> Header:
+    """Read and validate only the header of ``source``, then close it."""
+    async with open_stream(source, max_header_size=max_header_size) as stream:
+        return stream.header

@@ -1,0 +1,71 @@
+"""Transports that bytes come in through, and the one place that picks one for an object or URL.
+
+Each kind of source lives in its own module and meets the :class:`~.base.Source` interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterable
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from anyio.abc import ByteReceiveStream
+
+from ..errors import UnsupportedSourceError
+from .base import Source
+from .file import FileSource
+from .memory import BytesSource, ChunkIteratorSource
+from .streams import AnyioStreamSource, AsyncioStreamSource
+
+__all__ = ["Source", "SourceLike", "open_source"]
+
+SourceLike = (
+    str
+    | os.PathLike[str]
+    | bytes
+    | bytearray
+    | memoryview
+    | AsyncIterable[Any]
+    | ByteReceiveStream
+    | asyncio.StreamReader
+    | Source
+)
+"""Everything :func:`open_source` accepts."""
+
+_NETWORK_SCHEMES = ("http", "https", "s3", "tcp")
+
+
+def _path_from_url(url: str) -> str | os.PathLike[str]:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise UnsupportedSourceError(f"file URL with a remote host is not supported: {url}")
+        return unquote(parts.path)
+    if scheme in _NETWORK_SCHEMES:
+        raise UnsupportedSourceError(f"{scheme}:// sources are not supported yet: {url}")
+    raise UnsupportedSourceError(f"unknown URL scheme {scheme!r} in {url!r}")
+
+
+def open_source(obj: SourceLike) -> Source:
+    """Pick the transport for ``obj``: a path or URL, bytes, a byte stream or chunk iterator."""
+    if isinstance(obj, Source):
+        return obj
+    if isinstance(obj, str) and "://" in obj:
+        return FileSource(_path_from_url(obj))
+    if isinstance(obj, str | os.PathLike):
+        return FileSource(obj)
+    if isinstance(obj, bytes | bytearray | memoryview):
+        return BytesSource(obj)
+    if isinstance(obj, asyncio.StreamReader):
+        return AsyncioStreamSource(obj)
+    if isinstance(obj, ByteReceiveStream):
+        return AnyioStreamSource(obj)
+    if hasattr(obj, "__aiter__"):
+        return ChunkIteratorSource(obj)
+    raise UnsupportedSourceError(
+        f"cannot read safetensors from {type(obj).__name__}: expected a path, URL, bytes, "
+        "an async iterable of bytes, an anyio ByteReceiveStream or an asyncio StreamReader"
+    )

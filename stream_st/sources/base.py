@@ -1,0 +1,75 @@
+"""The narrow interface every source meets, and the shared loop helpers built on it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+__all__ = ["DISCARD_CHUNK", "Source"]
+
+DISCARD_CHUNK = 1 << 20
+"""Skipped bytes of a stream are read and dropped in chunks of at most this size."""
+
+
+class Source(ABC):
+    """Bytes in, read front to back.
+
+    ``name`` describes the source in error messages (a path or URL). ``size`` is the total length
+    when known up front. ``whole_object`` is True for a source that is one complete file (path,
+    bytes, iterator of chunks, HTTP body): it must end exactly at the last tensor. A connection
+    (``whole_object`` False) is read up to the end of the message and the rest is left unread.
+    ``random_access`` is True when :meth:`read_into_at` may jump anywhere, so skipped tensors cost
+    nothing.
+    """
+
+    name: str = "<source>"
+    size: int | None = None
+    whole_object: bool = True
+    random_access: bool = False
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    @abstractmethod
+    async def receive_into(self, buffer: memoryview) -> int:
+        """Fill some of ``buffer`` with the next bytes; return how many (0 only at the end)."""
+
+    async def fill(self, buffer: memoryview) -> int:
+        """Fill ``buffer`` completely unless the source ends first; return the bytes filled."""
+        filled = 0
+        total = len(buffer)
+        while filled < total:
+            got = await self.receive_into(buffer[filled:])
+            if got == 0:
+                break
+            filled += got
+        return filled
+
+    async def skip(self, count: int) -> int:
+        """Move ``count`` bytes ahead, discarding them in bounded chunks; return bytes skipped."""
+        scratch = memoryview(bytearray(min(count, DISCARD_CHUNK)))
+        skipped = 0
+        while skipped < count:
+            got = await self.receive_into(scratch[: min(len(scratch), count - skipped)])
+            if got == 0:
+                break
+            skipped += got
+        return skipped
+
+    async def read_into_at(self, offset: int, buffer: memoryview) -> int:
+        """Fill ``buffer`` from absolute ``offset``. Sequential sources only move forward."""
+        if offset < self.position:
+            raise ValueError(f"{self.name} cannot seek back from {self.position} to {offset}")
+        if offset > self.position:
+            await self.skip(offset - self.position)
+            if self.position != offset:
+                return 0
+        return await self.fill(buffer)
+
+    async def at_end(self) -> bool:
+        """True when no byte follows the current position."""
+        if self.size is not None:
+            return self.position >= self.size
+        return await self.receive_into(memoryview(bytearray(1))) == 0
+
+    async def aclose(self) -> None:  # noqa: B027 - a source with nothing to release keeps this
+        """Release the underlying file, stream or connection."""

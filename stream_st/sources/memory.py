@@ -1,0 +1,79 @@
+"""Sources over data already in memory, or arriving as an async iterable of chunks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any
+
+from ..errors import UnsupportedSourceError
+from .base import Source
+
+__all__ = ["BytesSource", "ChunkIteratorSource"]
+
+
+def _as_bytes_view(chunk: Any) -> memoryview:
+    try:
+        view = memoryview(chunk)
+    except TypeError:
+        raise UnsupportedSourceError(
+            f"chunks must be bytes-like, got {type(chunk).__name__}"
+        ) from None
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class BytesSource(Source):
+    """A bytes-like object holding a whole file."""
+
+    random_access = True
+
+    def __init__(self, data: Any, name: str = "<bytes>") -> None:
+        super().__init__()
+        self._data = _as_bytes_view(data)
+        self.size = len(self._data)
+        self.name = name
+
+    async def receive_into(self, buffer: memoryview) -> int:
+        return await self.read_into_at(self.position, buffer)
+
+    async def read_into_at(self, offset: int, buffer: memoryview) -> int:
+        piece = self._data[offset : offset + len(buffer)]
+        buffer[: len(piece)] = piece
+        self.position = offset + len(piece)
+        return len(piece)
+
+    async def skip(self, count: int) -> int:
+        skipped = max(0, min(count, len(self._data) - self.position))
+        self.position += skipped
+        return skipped
+
+
+class ChunkIteratorSource(Source):
+    """An async iterable of bytes-like chunks of any sizes, together making one whole file."""
+
+    def __init__(self, chunks: AsyncIterable[Any], name: str = "<async iterator>") -> None:
+        super().__init__()
+        self._iterable = chunks
+        self._iterator: AsyncIterator[Any] = aiter(chunks)
+        self._chunk = memoryview(b"")
+        self._done = False
+        self.name = name
+
+    async def receive_into(self, buffer: memoryview) -> int:
+        while not self._chunk:
+            if self._done:
+                return 0
+            try:
+                self._chunk = _as_bytes_view(await anext(self._iterator))
+            except StopAsyncIteration:
+                self._done = True
+                return 0
+        count = min(len(buffer), len(self._chunk))
+        buffer[:count] = self._chunk[:count]
+        self._chunk = self._chunk[count:]
+        self.position += count
+        return count
+
+    async def aclose(self) -> None:
+        closer = getattr(self._iterator, "aclose", None)
+        if closer is not None:
+            await closer()
