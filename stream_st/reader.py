@@ -44,6 +44,13 @@ def _selector(include: Include, header: Header) -> Callable[[str], bool]:
     return names.__contains__
 
 
+PROVE_ABOVE = 1 << 30
+"""On a source of unknown length, a tensor larger than this is allocated only once its first
+``PROOF_SIZE`` bytes have arrived, so a short stream claiming a huge tensor costs nothing."""
+
+PROOF_SIZE = 4 << 20
+
+
 def _allocate(info: TensorInfo) -> tuple[np.ndarray[Any, Any], memoryview]:
     """A fresh array for ``info`` and a writable byte view of its memory."""
     try:
@@ -54,6 +61,30 @@ def _allocate(info: TensorInfo) -> tuple[np.ndarray[Any, Any], memoryview]:
         ) from None
     array = raw.view(info.array_dtype).reshape(info.array_shape)
     return array, raw.data
+
+
+async def _read_tensor(source: Source, info: TensorInfo, base: int) -> np.ndarray[Any, Any]:
+    """Read one tensor straight into a fresh array; never return a partly filled one."""
+    start = base + info.start
+    if source.size is None and info.nbytes > PROVE_ABOVE:
+        proof = bytearray(PROOF_SIZE)
+        got = await source.read_into_at(start, memoryview(proof))
+        if got == PROOF_SIZE:
+            array, view = _allocate(info)
+            view[:PROOF_SIZE] = proof
+            got += await source.fill(view[PROOF_SIZE:])
+    else:
+        array, view = _allocate(info)
+        got = await source.read_into_at(start, view) if info.nbytes else 0
+    if got < info.nbytes:
+        raise TruncatedStreamError(
+            f"tensor {info.name!r}",
+            name=info.name,
+            offset=source.position,
+            expected=base + info.end,
+            source=source.name,
+        )
+    return array
 
 
 class TensorStream:
@@ -197,21 +228,11 @@ class TensorStream:
         for info in header.tensors:
             if not selected(info.name):
                 continue
-            array, view = _allocate(info)
-            if info.nbytes:
-                got = await source.read_into_at(base + info.start, view)
-                if got < info.nbytes:
-                    raise TruncatedStreamError(
-                        f"tensor {info.name!r}",
-                        name=info.name,
-                        offset=source.position,
-                        expected=base + info.end,
-                        source=source.name,
-                    )
+            array = await _read_tensor(source, info, base)
             if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
                 array.byteswap(inplace=True)
             yield info.name, array
-            del array, view
+            del array
         await self._finish(header)
 
     async def _finish(self, header: Header) -> None:

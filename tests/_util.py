@@ -1,0 +1,53 @@
+"""Helpers shared by the tests: raw safetensors bytes from a header object, chunked iterators."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import safetensors.numpy as reference_numpy
+
+
+def raw_file(header: Any, data: bytes = b"", *, pad: int = 0) -> bytes:
+    """Bytes of a safetensors file with ``header`` (an object dumped as JSON, or exact text)."""
+    text = header if isinstance(header, str | bytes) else json.dumps(header)
+    body = text.encode() if isinstance(text, str) else text
+    body += b" " * pad
+    return struct.pack("<Q", len(body)) + body + data
+
+
+def sample_tensors() -> dict[str, np.ndarray[Any, Any]]:
+    """A small file's worth of tensors of several dtypes, including a scalar and empties."""
+    return {
+        "weight": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "bias": np.array([1, -2, 3], dtype=np.int64),
+        "scalar": np.array(2.5, dtype=np.float64),
+        "empty": np.zeros((0, 7), dtype=np.float16),
+        "flags": np.array([True, False, True]),
+        "bytes": np.arange(5, dtype=np.uint8),
+    }
+
+
+def sample_file(metadata: dict[str, str] | None = None) -> bytes:
+    """``sample_tensors`` written by the reference implementation."""
+    data: bytes = reference_numpy.save(sample_tensors(), metadata=metadata)
+    return data
+
+
+async def chunked(data: bytes, size: int) -> AsyncIterator[bytes]:
+    """Yield ``data`` in chunks of ``size`` bytes."""
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+def assert_same_arrays(
+    got: dict[str, np.ndarray[Any, Any]], expected: dict[str, np.ndarray[Any, Any]]
+) -> None:
+    assert list(got) == list(expected) or sorted(got) == sorted(expected)
+    for name, array in expected.items():
+        assert got[name].dtype == array.dtype, name
+        assert got[name].shape == array.shape, name
+        assert got[name].tobytes() == array.tobytes(), name

@@ -1,0 +1,34 @@
+"""Shared fixtures: real loopback TCP servers that send given bytes to each client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+StartSender = Callable[[bytes], Awaitable[int]]
+
+
+@pytest.fixture
+async def tcp_sender() -> AsyncIterator[StartSender]:
+    """``await start(payload) -> port``: a TCP server on 127.0.0.1 sending ``payload`` to each
+    client, then closing. Every server stops when the test ends."""
+    servers: list[asyncio.Server] = []
+
+    async def start(payload: bytes) -> int:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(payload)
+            await writer.drain()
+            writer.close()
+            await writer.wait_closed()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        servers.append(server)
+        port: int = server.sockets[0].getsockname()[1]
+        return port
+
+    yield start
+    for server in servers:
+        server.close()
+        await server.wait_closed()
