@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -61,6 +61,19 @@ def _allocate(info: TensorInfo) -> tuple[np.ndarray[Any, Any], memoryview]:
         ) from None
     array = raw.view(info.array_dtype).reshape(info.array_shape)
     return array, raw.data
+
+
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ascending ``(start, end)`` ranges with empty ones dropped and touching ones joined."""
+    merged: list[tuple[int, int]] = []
+    for start, end in ranges:
+        if end <= start:
+            continue
+        if merged and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
 
 
 async def _read_tensor(source: Source, info: TensorInfo, base: int) -> np.ndarray[Any, Any]:
@@ -225,9 +238,9 @@ class TensorStream:
     ) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
         source = self.source
         base = header.data_start
-        for info in header.tensors:
-            if not selected(info.name):
-                continue
+        wanted = [info for info in header.tensors if selected(info.name)]
+        await source.plan_reads(merge_ranges((base + t.start, base + t.end) for t in wanted))
+        for info in wanted:
             array = await _read_tensor(source, info, base)
             if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
                 array.byteswap(inplace=True)

@@ -6,6 +6,7 @@ import asyncio
 import os
 import pathlib
 import tracemalloc
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -24,7 +25,9 @@ from stream_st import (
     UnsupportedSourceError,
     UsageError,
 )
+from stream_st.reader import merge_ranges
 from stream_st.sources.file import FileSource
+from stream_st.sources.memory import BytesSource
 
 from ._util import assert_same_arrays, chunked, raw_file, sample_file, sample_tensors
 from .conftest import StartSender
@@ -343,3 +346,23 @@ async def test_breaking_out_closes_the_file(sample_path: pathlib.Path) -> None:
         async for _ in stream:
             break
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_merge_ranges() -> None:
+    assert merge_ranges([(0, 4), (4, 8), (8, 8), (10, 12), (12, 13)]) == [(0, 8), (10, 13)]
+    assert merge_ranges([]) == []
+
+
+async def test_source_learns_the_merged_read_plan() -> None:
+    data = sample_file()
+    header = await stream_st.read_header(data)
+    plans: list[list[tuple[int, int]]] = []
+
+    class PlanningBytes(BytesSource):
+        async def plan_reads(self, ranges: Sequence[tuple[int, int]]) -> None:
+            plans.append(list(ranges))
+
+    await read_all(PlanningBytes(data), include=["weight", "bias", "empty"])
+    base = header.data_start
+    spans = sorted((base + header[n].start, base + header[n].end) for n in ("weight", "bias"))
+    assert plans == [merge_ranges(spans)]

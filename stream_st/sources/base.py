@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 __all__ = ["DISCARD_CHUNK", "Source"]
 
@@ -64,6 +65,11 @@ class Source(ABC):
             if self.position != offset:
                 return 0
         return await self.fill(buffer)
+
+    async def plan_reads(self, ranges: Sequence[tuple[int, int]]) -> None:  # noqa: B027
+        """Learn, once the header is parsed, the absolute byte ranges the reader will ask for:
+        in order, adjacent ones merged. Ranged transports schedule their requests and read-ahead
+        from it; the others have no use for it."""
 
     async def at_end(self) -> bool:
         """True when no byte follows the current position."""
