@@ -10,12 +10,14 @@
 
 from __future__ import annotations
 
+from .connection import Connection, Listener, connect, listen
 from .dtypes import DTYPES, DType, dtype_for
 from .errors import (
     AllocationError,
     DtypeError,
     HeaderError,
     HeaderTooLargeError,
+    ReadTimeoutError,
     SafetensorsError,
     SourceNotFoundError,
     TensorNotFoundError,
@@ -33,11 +35,14 @@ __version__ = "0.1.0"
 __all__ = [
     "DTYPES",
     "AllocationError",
+    "Connection",
     "DType",
     "DtypeError",
     "Header",
     "HeaderError",
     "HeaderTooLargeError",
+    "Listener",
+    "ReadTimeoutError",
     "SafetensorsError",
     "SourceNotFoundError",
     "TensorInfo",
@@ -51,7 +56,9 @@ __all__ = [
     "UsageError",
     "__version__",
     "build_header",
+    "connect",
     "dtype_for",
+    "listen",
     "open_stream",
     "parse_header",
     "read_header",

@@ -13,7 +13,8 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     ├── UsageError                    the API was used out of order (e.g. header before open)
     ├── AllocationError               a tensor could not be allocated (also MemoryError)
     └── TransportError                the underlying I/O failed; carries the URL and position
-        └── SourceNotFoundError       the file or object does not exist (also FileNotFoundError)
+        ├── SourceNotFoundError       the file or object does not exist (also FileNotFoundError)
+        └── ReadTimeoutError          a peer or server sent nothing for too long (also TimeoutError)
 
 Messages name the tensor, the offsets and what was expected.
 """
@@ -25,6 +26,7 @@ __all__ = [
     "DtypeError",
     "HeaderError",
     "HeaderTooLargeError",
+    "ReadTimeoutError",
     "SafetensorsError",
     "SourceNotFoundError",
     "TensorNotFoundError",
@@ -120,3 +122,7 @@ class TransportError(SafetensorsError, OSError):
 
 class SourceNotFoundError(TransportError, FileNotFoundError):
     """The file or object named does not exist."""
+
+
+class ReadTimeoutError(TransportError, TimeoutError):
+    """A connection, peer or server did not answer within the configured timeout."""

@@ -115,10 +115,12 @@ class TensorStream:
         *,
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+        timeout: float | None = None,
     ) -> None:
         self._source_like = source
         self._include = include
         self._max_header_size = max_header_size
+        self._timeout = timeout
         self._source: Source | None = None
         self._header: Header | None = None
         self._iterated = False
@@ -143,7 +145,7 @@ class TensorStream:
             return self._header
         if self._closed:
             raise UsageError("the stream is closed")
-        self._source = open_source(self._source_like)
+        self._source = await open_source(self._source_like, timeout=self._timeout)
         try:
             self._header = await self._read_header(self._source)
         except BaseException:
@@ -274,6 +276,7 @@ def open_stream(
     *,
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    timeout: float | None = None,
 ) -> TensorStream:
     """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
 
@@ -281,18 +284,22 @@ def open_stream(
     iterable of bytes-like chunks, an anyio ``ByteReceiveStream`` or an asyncio ``StreamReader``.
     ``include`` selects tensors by name (a collection, one name, or a predicate); skipped tensors
     are never allocated, and a random-access source never reads their bytes. ``max_header_size``
-    bounds the JSON header, checked before anything is allocated.
+    bounds the JSON header, checked before anything is allocated. ``timeout`` bounds connecting
+    and each wait for data on network sources (``tcp://``).
 
     The header is read and validated in full before the first tensor. Errors are
     :class:`~stream_st.SafetensorsError` subclasses: a tensor the source ends inside is never
     yielded (:class:`~stream_st.TruncatedStreamError`).
     """
-    return TensorStream(source, include=include, max_header_size=max_header_size)
+    return TensorStream(source, include=include, max_header_size=max_header_size, timeout=timeout)
 
 
 async def read_header(
-    source: SourceLike, *, max_header_size: int = DEFAULT_MAX_HEADER_SIZE
+    source: SourceLike,
+    *,
+    max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    timeout: float | None = None,
 ) -> Header:
     """Read and validate only the header of ``source``, then close it."""
-    async with open_stream(source, max_header_size=max_header_size) as stream:
+    async with open_stream(source, max_header_size=max_header_size, timeout=timeout) as stream:
         return stream.header

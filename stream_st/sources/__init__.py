@@ -18,6 +18,7 @@ from .base import Source
 from .file import FileSource
 from .memory import BytesSource, ChunkIteratorSource
 from .streams import AnyioStreamSource, AsyncioStreamSource
+from .tcp import SocketSource, connect_socket, parse_tcp_url
 
 __all__ = ["Source", "SourceLike", "open_source"]
 
@@ -34,7 +35,7 @@ SourceLike = (
 )
 """Everything :func:`open_source` accepts."""
 
-_NETWORK_SCHEMES = ("http", "https", "s3", "tcp")
+_NETWORK_SCHEMES = ("http", "https", "s3")
 
 
 def _path_from_url(url: str) -> str | os.PathLike[str]:
@@ -49,10 +50,17 @@ def _path_from_url(url: str) -> str | os.PathLike[str]:
     raise UnsupportedSourceError(f"unknown URL scheme {scheme!r} in {url!r}")
 
 
-def open_source(obj: SourceLike) -> Source:
-    """Pick the transport for ``obj``: a path or URL, bytes, a byte stream or chunk iterator."""
+async def open_source(obj: SourceLike, *, timeout: float | None = None) -> Source:
+    """Open the transport for ``obj``: a path or URL, bytes, a byte stream or chunk iterator.
+
+    ``timeout`` bounds connecting and each wait for data on network sources.
+    """
     if isinstance(obj, Source):
         return obj
+    if isinstance(obj, str) and obj.lower().startswith("tcp://"):
+        host, port = parse_tcp_url(obj)
+        sock = await connect_socket(host, port, timeout=timeout)
+        return SocketSource(sock, f"tcp://{host}:{port}", timeout=timeout)
     if isinstance(obj, str) and "://" in obj:
         return FileSource(_path_from_url(obj))
     if isinstance(obj, str | os.PathLike):
