@@ -147,6 +147,7 @@ class TensorStream:
             raise UsageError("the stream is closed")
         self._source = await open_source(self._source_like, timeout=self._timeout)
         try:
+            await self._source.start()
             self._header = await self._read_header(self._source)
         except BaseException:
             await self.aclose()

@@ -16,6 +16,7 @@ from anyio.abc import ByteReceiveStream
 from ..errors import UnsupportedSourceError
 from .base import Source
 from .file import FileSource
+from .http import HttpSource
 from .memory import BytesSource, ChunkIteratorSource
 from .streams import AnyioStreamSource, AsyncioStreamSource
 from .tcp import SocketSource, connect_socket, parse_tcp_url
@@ -35,7 +36,7 @@ SourceLike = (
 )
 """Everything :func:`open_source` accepts."""
 
-_NETWORK_SCHEMES = ("http", "https", "s3")
+_NETWORK_SCHEMES = ("s3",)
 
 
 def _path_from_url(url: str) -> str | os.PathLike[str]:
@@ -61,6 +62,8 @@ async def open_source(obj: SourceLike, *, timeout: float | None = None) -> Sourc
         host, port = parse_tcp_url(obj)
         sock = await connect_socket(host, port, timeout=timeout)
         return SocketSource(sock, f"tcp://{host}:{port}", timeout=timeout)
+    if isinstance(obj, str) and obj.lower().startswith(("http://", "https://")):
+        return HttpSource(obj, timeout=timeout)
     if isinstance(obj, str) and "://" in obj:
         return FileSource(_path_from_url(obj))
     if isinstance(obj, str | os.PathLike):

@@ -30,6 +30,9 @@ class Source(ABC):
     def __init__(self) -> None:
         self.position = 0
 
+    async def start(self) -> None:  # noqa: B027 - most sources are ready once constructed
+        """Connect or send the first request; the reader calls it once, before anything else."""
+
     @abstractmethod
     async def receive_into(self, buffer: memoryview) -> int:
         """Fill some of ``buffer`` with the next bytes; return how many (0 only at the end)."""

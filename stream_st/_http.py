@@ -1,0 +1,530 @@
+"""A small HTTP/1.1 client built for throughput: bodies are received straight into the caller's
+buffers (``recv_into`` on plain sockets), so a tensor's bytes are copied once, by the kernel.
+
+It does what the transports need and no more: keep-alive connections, ``Content-Length`` and
+chunked bodies, chunked uploads, redirects for GET, timeouts, and TLS (through anyio's TLS stream,
+which copies: decryption costs more than the copy). Not public API.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import ssl
+from collections.abc import AsyncIterable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Protocol
+from urllib.parse import urljoin, urlsplit
+
+import anyio
+import anyio.abc
+
+from .errors import (
+    ReadTimeoutError,
+    SafetensorsError,
+    SourceNotFoundError,
+    TransportError,
+    UnsupportedSourceError,
+)
+from .sources.tcp import connect_socket
+
+__all__ = [
+    "HTTPClient",
+    "HTTPNotFoundError",
+    "HTTPStatusError",
+    "Response",
+    "Target",
+]
+
+_HEAD_LIMIT = 64 << 10
+_USER_AGENT = "stream_st"
+
+
+class HTTPStatusError(TransportError):
+    """The server answered with an error status. ``status`` holds it, ``url`` the address."""
+
+    def __init__(self, status: int, reason: str, *, url: str, detail: str = "") -> None:
+        message = f"HTTP {status} {reason}".rstrip()
+        if detail:
+            message += f": {detail}"
+        super().__init__(message, url=url)
+        self.status = status
+
+
+class HTTPNotFoundError(HTTPStatusError, SourceNotFoundError):
+    """HTTP 404: there is nothing at the address."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A parsed ``http(s)://`` address."""
+
+    scheme: str
+    host: str
+    port: int
+    path: str  # path and query, as sent on the request line
+
+    @classmethod
+    def parse(cls, url: str) -> Target:
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme not in ("http", "https") or not parts.hostname:
+            raise UnsupportedSourceError(f"expected an http:// or https:// URL, got {url!r}")
+        port = parts.port or (443 if scheme == "https" else 80)
+        path = parts.path or "/"
+        if parts.query:
+            path += "?" + parts.query
+        return cls(scheme, parts.hostname, port, path)
+
+    @property
+    def authority(self) -> str:
+        default = 443 if self.scheme == "https" else 80
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return host if self.port == default else f"{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.authority}{self.path}"
+
+
+class _Wire(Protocol):
+    async def recv_into(self, buffer: memoryview) -> int: ...
+    async def send(self, data: bytes | memoryview) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+class _PlainWire:
+    """A non-blocking socket: ``recv_into`` straight into the destination."""
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self._sock = sock
+        self._timeout = timeout
+
+    async def recv_into(self, buffer: memoryview) -> int:
+        while True:
+            try:
+                return self._sock.recv_into(buffer)
+            except BlockingIOError:
+                with anyio.fail_after(self._timeout):
+                    await anyio.wait_readable(self._sock)
+
+    async def send(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            try:
+                sent = self._sock.send(view)
+            except BlockingIOError:
+                with anyio.fail_after(self._timeout):
+                    await anyio.wait_writable(self._sock)
+                continue
+            view = view[sent:]
+
+    async def aclose(self) -> None:
+        self._sock.close()
+
+
+class _StreamWire:
+    """An anyio byte stream (TLS): received bytes are copied into the destination."""
+
+    def __init__(self, stream: anyio.abc.ByteStream, timeout: float) -> None:
+        self._stream = stream
+        self._timeout = timeout
+        self._pending = memoryview(b"")
+
+    async def recv_into(self, buffer: memoryview) -> int:
+        if not self._pending:
+            try:
+                with anyio.fail_after(self._timeout):
+                    self._pending = memoryview(await self._stream.receive(max(len(buffer), 65536)))
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ssl.SSLError):
+                return 0
+        count = min(len(buffer), len(self._pending))
+        buffer[:count] = self._pending[:count]
+        self._pending = self._pending[count:]
+        return count
+
+    async def send(self, data: bytes | memoryview) -> None:
+        with anyio.fail_after(self._timeout):
+            await self._stream.send(bytes(data))
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+@dataclass
+class _Connection:
+    target_key: tuple[str, str, int]
+    wire: _Wire
+    leftover: bytearray = field(default_factory=bytearray)
+
+
+class Response:
+    """Status, headers and a body read into caller buffers with :meth:`receive_into`.
+
+    Use as ``async with``: leaving it returns the connection to the pool when the body was read
+    to the end, and closes it otherwise.
+    """
+
+    def __init__(
+        self,
+        client: HTTPClient,
+        connection: _Connection,
+        url: str,
+        status: int,
+        reason: str,
+        headers: dict[str, str],
+        *,
+        has_body: bool,
+    ) -> None:
+        self._client = client
+        self._connection: _Connection | None = connection
+        self.url = url
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self.received = 0
+        self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        length = headers.get("content-length")
+        self.content_length: int | None = int(length) if length and not self._chunked else None
+        if not has_body:
+            self.content_length = 0
+        self._remaining = self.content_length  # None: until the connection closes or last chunk
+        self._chunk_left = 0
+        self._done = self._remaining == 0
+        self._reusable = headers.get("connection", "").lower() != "close"
+
+    @property
+    def complete(self) -> bool:
+        """True once the whole body was received."""
+        return self._done
+
+    async def receive_into(self, buffer: memoryview) -> int:
+        """Receive the next body bytes into ``buffer``; 0 once the body is complete.
+
+        Raises :class:`TransportError` if the connection ends before the body does.
+        """
+        if self._done or not buffer:
+            return 0
+        if self._chunked:
+            return await self._receive_chunked(buffer)
+        if self._remaining is not None:
+            buffer = buffer[: self._remaining]
+        count = await self._raw_into(buffer)
+        if count == 0:
+            if self._remaining is None:  # body delimited by the connection closing
+                self._done = True
+                self._reusable = False
+                return 0
+            raise TransportError(
+                f"connection closed with {self._remaining} body bytes still to come",
+                url=self.url,
+                position=self.received,
+            )
+        self.received += count
+        if self._remaining is not None:
+            self._remaining -= count
+            self._done = self._remaining == 0
+        return count
+
+    async def _receive_chunked(self, buffer: memoryview) -> int:
+        if self._chunk_left == 0:
+            size = int((await self._read_line()).split(b";")[0].strip() or b"x", 16)
+            if size == 0:
+                while await self._read_line():  # trailers end with an empty line
+                    pass
+                self._done = True
+                return 0
+            self._chunk_left = size
+        count = await self._raw_into(buffer[: self._chunk_left])
+        if count == 0:
+            raise TransportError(
+                "connection closed inside a chunk", url=self.url, position=self.received
+            )
+        self._chunk_left -= count
+        self.received += count
+        if self._chunk_left == 0 and await self._read_line() != b"":
+            raise TransportError("malformed chunked body", url=self.url, position=self.received)
+        return count
+
+    async def _raw_into(self, buffer: memoryview) -> int:
+        connection = self._connection
+        if connection is None:
+            raise TransportError("response already closed", url=self.url)
+        if connection.leftover:
+            count = min(len(buffer), len(connection.leftover))
+            buffer[:count] = connection.leftover[:count]
+            del connection.leftover[:count]
+            return count
+        try:
+            return await connection.wire.recv_into(buffer)
+        except TimeoutError as exc:
+            raise ReadTimeoutError(
+                "no data from the server in time", url=self.url, position=self.received
+            ) from exc
+        except OSError as exc:
+            raise TransportError(
+                f"receive failed: {exc.strerror or exc}", url=self.url, position=self.received
+            ) from exc
+
+    async def _read_line(self) -> bytes:
+        connection = self._connection
+        assert connection is not None
+        while b"\r\n" not in connection.leftover:
+            if len(connection.leftover) > _HEAD_LIMIT:
+                raise TransportError("chunk header line too long", url=self.url)
+            more = bytearray(4096)
+            count = await connection.wire.recv_into(memoryview(more))
+            if count == 0:
+                raise TransportError(
+                    "connection closed inside a chunked body", url=self.url, position=self.received
+                )
+            connection.leftover += more[:count]
+        line, _, rest = bytes(connection.leftover).partition(b"\r\n")
+        connection.leftover[:] = rest
+        return line
+
+    async def read_all(self, limit: int = 1 << 20) -> bytes:
+        """The rest of the body as bytes (for small answers: errors, XML); at most ``limit``."""
+        out = bytearray()
+        chunk = bytearray(65536)
+        while len(out) <= limit:
+            count = await self.receive_into(memoryview(chunk))
+            if count == 0:
+                break
+            out += chunk[:count]
+        return bytes(out[:limit])
+
+    async def aclose(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        if self._done and self._reusable:
+            self._client._release(connection)
+        else:
+            await connection.wire.aclose()
+
+    async def __aenter__(self) -> Response:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+Body = bytes | AsyncIterable[bytes | memoryview] | None
+
+
+class HTTPClient:
+    """Keep-alive HTTP/1.1 connections to any number of hosts.
+
+    ``timeout`` bounds connecting and each wait for data; ``ssl_context`` is used for https
+    (default: the system's trusted roots).
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout: float | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        max_redirects: int = 5,
+    ) -> None:
+        self.timeout = math.inf if timeout is None else timeout
+        self._ssl_context = ssl_context
+        self._max_redirects = max_redirects
+        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._closed = False
+
+    async def _connect(self, target: Target) -> tuple[_Connection, bool]:
+        """A connection to ``target``, and whether it was reused from the pool."""
+        key = (target.scheme, target.host, target.port)
+        idle = self._idle.get(key)
+        if idle:
+            return idle.pop(), True
+        timeout = None if math.isinf(self.timeout) else self.timeout
+        wire: _Wire
+        if target.scheme == "https":
+            context = self._ssl_context or ssl.create_default_context()
+            try:
+                with anyio.fail_after(self.timeout):
+                    stream = await anyio.connect_tcp(
+                        target.host, target.port, tls=True, ssl_context=context
+                    )
+            except TimeoutError as exc:
+                raise ReadTimeoutError("connecting timed out", url=target.url) from exc
+            except (OSError, ssl.SSLError) as exc:
+                raise TransportError(f"cannot connect: {exc}", url=target.url) from exc
+            wire = _StreamWire(stream, self.timeout)
+        else:
+            try:
+                sock = await connect_socket(target.host, target.port, timeout=timeout)
+            except TransportError as exc:
+                raise type(exc)(f"cannot connect to {target.authority}", url=target.url) from exc
+            wire = _PlainWire(sock, self.timeout)
+        return _Connection(key, wire), False
+
+    def _release(self, connection: _Connection) -> None:
+        if self._closed:
+            return
+        self._idle.setdefault(connection.target_key, []).append(connection)
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str] | None = None,
+        body: Body = None,
+        *,
+        follow_redirects: bool = True,
+    ) -> Response:
+        """Send a request and read the response head; the body is read from the Response.
+
+        An async iterable body is sent with chunked transfer encoding unless ``headers`` give a
+        ``Content-Length``. A stale keep-alive connection is replaced transparently.
+        """
+        for _ in range(self._max_redirects + 1):
+            response = await self._request_once(method, url, headers, body)
+            location = response.headers.get("location")
+            if (
+                follow_redirects
+                and response.status in (301, 302, 303, 307, 308)
+                and location
+                and method in ("GET", "HEAD")
+            ):
+                await response.aclose()
+                url = urljoin(url, location)
+                continue
+            return response
+        raise TransportError(f"more than {self._max_redirects} redirects", url=url)
+
+    async def _request_once(
+        self, method: str, url: str, headers: Mapping[str, str] | None, body: Body
+    ) -> Response:
+        target = Target.parse(url)
+        lines = [f"{method} {target.path} HTTP/1.1", f"Host: {target.authority}"]
+        given = {k.lower() for k in (headers or {})}
+        if "user-agent" not in given:
+            lines.append(f"User-Agent: {_USER_AGENT}")
+        lines.extend(f"{k}: {v}" for k, v in (headers or {}).items())
+        if isinstance(body, bytes):
+            if "content-length" not in given:
+                lines.append(f"Content-Length: {len(body)}")
+        elif body is not None and "content-length" not in given:
+            lines.append("Transfer-Encoding: chunked")
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        chunked = body is not None and not isinstance(body, bytes) and "content-length" not in given
+
+        for attempt in range(2):
+            connection, reused = await self._connect(target)
+            try:
+                await connection.wire.send(head)
+                if isinstance(body, bytes):
+                    if body:
+                        await connection.wire.send(body)
+                elif body is not None:
+                    async for piece in body:
+                        if chunked:
+                            if len(piece):
+                                await connection.wire.send(f"{len(piece):x}\r\n".encode())
+                                await connection.wire.send(piece)
+                                await connection.wire.send(b"\r\n")
+                        else:
+                            await connection.wire.send(piece)
+                    if chunked:
+                        await connection.wire.send(b"0\r\n\r\n")
+                status, reason, response_headers = await self._read_head(connection, target)
+            except (OSError, TransportError) as exc:
+                await connection.wire.aclose()
+                # A keep-alive connection the server closed meanwhile: retry once, fresh,
+                # when nothing of a streamed body was consumed.
+                if reused and attempt == 0 and (body is None or isinstance(body, bytes)):
+                    continue
+                if isinstance(exc, SafetensorsError):
+                    raise
+                raise TransportError(f"request failed: {exc}", url=target.url) from exc
+            except BaseException:
+                await connection.wire.aclose()
+                raise
+            return Response(
+                self,
+                connection,
+                target.url,
+                status,
+                reason,
+                response_headers,
+                has_body=method != "HEAD" and status not in (204, 304) and status >= 200,
+            )
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _read_head(
+        self, connection: _Connection, target: Target
+    ) -> tuple[int, str, dict[str, str]]:
+        buffer = connection.leftover
+        while True:
+            end = buffer.find(b"\r\n\r\n")
+            if end >= 0:
+                break
+            if len(buffer) > _HEAD_LIMIT:
+                raise TransportError("response head too large", url=target.url)
+            more = bytearray(65536)
+            try:
+                count = await connection.wire.recv_into(memoryview(more))
+            except TimeoutError as exc:
+                raise ReadTimeoutError(
+                    "no response from the server in time", url=target.url
+                ) from exc
+            if count == 0:
+                raise TransportError("connection closed before a response", url=target.url)
+            buffer += more[:count]
+        head = bytes(buffer[:end]).decode("latin-1")
+        del buffer[: end + 4]
+        status_line, *header_lines = head.split("\r\n")
+        parts = status_line.split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+            raise TransportError(f"malformed status line {status_line!r}", url=target.url)
+        headers: dict[str, str] = {}
+        for line in header_lines:
+            name, _, value = line.partition(":")
+            key = name.strip().lower()
+            headers[key] = f"{headers[key]}, {value.strip()}" if key in headers else value.strip()
+        status = int(parts[1])
+        if status == 100:  # an interim answer: the real one follows
+            return await self._read_head(connection, target)
+        return status, parts[2] if len(parts) > 2 else "", headers
+
+    async def aclose(self) -> None:
+        """Close every idle connection."""
+        self._closed = True
+        idle, self._idle = self._idle, {}
+        for connections in idle.values():
+            for connection in connections:
+                await connection.wire.aclose()
+
+    async def __aenter__(self) -> HTTPClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+async def raise_for_status(response: Response) -> None:
+    """Turn an error status into :class:`HTTPStatusError` (404: :class:`HTTPNotFoundError`)."""
+    if response.status < 400:
+        return
+    try:
+        detail = (await response.read_all(2048)).decode("utf-8", "replace").strip()
+    except TransportError:
+        detail = ""
+    finally:
+        await response.aclose()
+    kind = HTTPNotFoundError if response.status == 404 else HTTPStatusError
+    raise kind(response.status, response.reason, url=response.url, detail=detail[:300])
