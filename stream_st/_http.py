@@ -516,8 +516,11 @@ class HTTPClient:
         await self.aclose()
 
 
-async def raise_for_status(response: Response) -> None:
-    """Turn an error status into :class:`HTTPStatusError` (404: :class:`HTTPNotFoundError`)."""
+async def raise_for_status(response: Response, *, name: str | None = None) -> None:
+    """Turn an error status into :class:`HTTPStatusError` (404: :class:`HTTPNotFoundError`).
+
+    ``name`` is the address to report (e.g. ``s3://bucket/key``), by default the HTTP URL.
+    """
     if response.status < 400:
         return
     try:
@@ -527,4 +530,4 @@ async def raise_for_status(response: Response) -> None:
     finally:
         await response.aclose()
     kind = HTTPNotFoundError if response.status == 404 else HTTPStatusError
-    raise kind(response.status, response.reason, url=response.url, detail=detail[:300])
+    raise kind(response.status, response.reason, url=name or response.url, detail=detail[:300])

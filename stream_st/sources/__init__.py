@@ -18,6 +18,7 @@ from .base import Source
 from .file import FileSource
 from .http import HttpSource
 from .memory import BytesSource, ChunkIteratorSource
+from .s3 import S3Source
 from .streams import AnyioStreamSource, AsyncioStreamSource
 from .tcp import SocketSource, connect_socket, parse_tcp_url
 
@@ -36,8 +37,6 @@ SourceLike = (
 )
 """Everything :func:`open_source` accepts."""
 
-_NETWORK_SCHEMES = ("s3",)
-
 
 def _path_from_url(url: str) -> str | os.PathLike[str]:
     parts = urlsplit(url)
@@ -46,8 +45,6 @@ def _path_from_url(url: str) -> str | os.PathLike[str]:
         if parts.netloc not in ("", "localhost"):
             raise UnsupportedSourceError(f"file URL with a remote host is not supported: {url}")
         return unquote(parts.path)
-    if scheme in _NETWORK_SCHEMES:
-        raise UnsupportedSourceError(f"{scheme}:// sources are not supported yet: {url}")
     raise UnsupportedSourceError(f"unknown URL scheme {scheme!r} in {url!r}")
 
 
@@ -64,6 +61,8 @@ async def open_source(obj: SourceLike, *, timeout: float | None = None) -> Sourc
         return SocketSource(sock, f"tcp://{host}:{port}", timeout=timeout)
     if isinstance(obj, str) and obj.lower().startswith(("http://", "https://")):
         return HttpSource(obj, timeout=timeout)
+    if isinstance(obj, str) and obj.lower().startswith("s3://"):
+        return S3Source(obj, timeout=timeout)
     if isinstance(obj, str) and "://" in obj:
         return FileSource(_path_from_url(obj))
     if isinstance(obj, str | os.PathLike):

@@ -48,9 +48,11 @@ class HttpSource(Source):
         timeout: float | None = None,
         retries: int = 3,
         backoff: float = 0.25,
+        name: str | None = None,
     ) -> None:
         super().__init__()
-        self.name = url
+        self.url = url
+        self.name = name or url
         self._owns_client = client is None
         self._client = client or HTTPClient(timeout=timeout)
         self._headers = dict(headers or {})
@@ -96,7 +98,9 @@ class HttpSource(Source):
         headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         for attempt in range(self._retries + 1):
             try:
-                response = await self._client.request("GET", self.name, headers)
+                response = await self._client.request(
+                    "GET", self.url, self.prepare_headers("GET", self.url, headers)
+                )
             except TransportError:
                 if attempt == self._retries:
                     raise
@@ -105,11 +109,15 @@ class HttpSource(Source):
                     await response.aclose()
                     return None
                 if response.status not in _RETRYABLE_STATUS or attempt == self._retries:
-                    await raise_for_status(response)
+                    await raise_for_status(response, name=self.name)
                     return response
                 await response.aclose()
             await anyio.sleep(self._backoff * 2**attempt)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def prepare_headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
+        """The headers to send with a request; object stores sign them here."""
+        return headers
 
     async def plan_reads(self, ranges: Sequence[tuple[int, int]]) -> None:
         self._plan = list(ranges)

@@ -1,0 +1,41 @@
+"""``s3://bucket/key`` sources on any S3-compatible store: signed ranged GETs.
+
+Everything about ranges, retries, resumption and truncation is the HTTP source's; this module
+adds the address and the SigV4 signature of each request (configuration: ``stream_st._s3``).
+"""
+
+from __future__ import annotations
+
+from .._http import HTTPClient
+from .._s3 import S3Config, parse_s3_url
+from .http import HttpSource
+
+__all__ = ["S3Source"]
+
+
+class S3Source(HttpSource):
+    """An object in an S3-compatible store. ``config`` defaults to the AWS environment."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        config: S3Config | None = None,
+        client: HTTPClient | None = None,
+        timeout: float | None = None,
+        retries: int = 3,
+        backoff: float = 0.25,
+    ) -> None:
+        bucket, key = parse_s3_url(url)
+        self.config = config or S3Config.resolve()
+        super().__init__(
+            self.config.object_url(bucket, key),
+            client=client,
+            timeout=timeout,
+            retries=retries,
+            backoff=backoff,
+            name=url,
+        )
+
+    def prepare_headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
+        return self.config.sign(method, url, headers)
