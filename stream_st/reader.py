@@ -232,6 +232,7 @@ class TensorStream:
             selected = _selector(self._include, header)
             async for item in self._tensors(header, selected):
                 yield item
+                del item  # hold no array while the next one is read
         finally:
             if owns:
                 await self.aclose()

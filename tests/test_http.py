@@ -186,3 +186,37 @@ def test_http_on_trio(server: RangeHTTPServer) -> None:
         return await read_all(server.url("/big.safetensors"))
 
     assert_same_arrays(trio.run(main), BIG)
+
+
+async def test_parallel_ranges_deliver_in_offset_order(server: RangeHTTPServer) -> None:
+    url = server.url("/big.safetensors")
+    header = await stream_st.read_header(url)
+    server.requests.clear()
+    source = HttpSource(url, concurrency=4, part_size=100_000)
+    order = []
+    async for name, array in stream_st.open_stream(source):
+        order.append(name)
+        assert array.tobytes() == BIG[name].tobytes()
+    assert order == header.names()
+    data_gets = gets(server)[1:]
+    assert len(data_gets) >= (header.file_size - FIRST_RANGE) // 100_000
+    assert sum(r[3] for r in gets(server)) == header.file_size  # every byte fetched once
+
+
+async def test_parallel_ranges_with_include(server: RangeHTTPServer) -> None:
+    url = server.url("/big.safetensors")
+    names = (await stream_st.read_header(url)).names()
+    wanted = [names[0], names[3], names[5]]
+    source = HttpSource(url, concurrency=3, part_size=64_000)
+    assert_same_arrays(await read_all(source, include=wanted), {n: BIG[n] for n in wanted})
+
+
+async def test_parallel_truncation(server: RangeHTTPServer) -> None:
+    server.close_after = 50_000
+    source = HttpSource(server.url("/big.safetensors"), concurrency=4, part_size=100_000, retries=0)
+    got: Arrays = {}
+    with pytest.raises(TruncatedStreamError) as info:
+        async for name, array in stream_st.open_stream(source):
+            got[name] = array
+    assert info.value.name not in got
+    assert info.value.offset == FIRST_RANGE + 50_000 or info.value.offset < FIRST_RANGE + 50_000

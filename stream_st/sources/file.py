@@ -1,14 +1,19 @@
 """A local file, read with positioned reads (``os.preadv``) straight into the caller's buffer.
 
-Reads run in worker threads so the event loop stays free. A large read is split in two halves
-read by two threads at once: on the page cache that nearly doubles throughput on two cores.
+A read of at most 4 MiB is first tried on the event loop's own thread with ``RWF_NOWAIT``, which
+returns only what the page cache already holds and never waits for the disk: a thread hop costs
+100-350 us here, more than reading 1 MiB from the cache. The loop yields after every 8 MiB read
+this way. What is not cached, and larger reads, go to worker threads; a read of 8 MiB or more is
+split in two halves read by two threads at once (nearly twice the throughput on two cores).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from ..errors import SourceNotFoundError, TransportError
@@ -18,6 +23,14 @@ __all__ = ["FileSource"]
 
 SPLIT_THRESHOLD = 8 << 20
 """Reads of at least this many bytes are split between two threads."""
+
+INLINE_MAX = 4 << 20
+"""Reads of at most this many bytes are first tried on the loop thread (page cache only)."""
+
+CHECKPOINT_BYTES = 8 << 20
+"""After this many bytes read on the loop thread, let other tasks run."""
+
+_RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 
 
 def _pread_fully(fd: int, buffer: memoryview, offset: int) -> int:
@@ -32,6 +45,31 @@ def _pread_fully(fd: int, buffer: memoryview, offset: int) -> int:
     return filled
 
 
+def _pread_boxed(fd: int, box: list[memoryview], offset: int) -> int:
+    """:func:`_pread_fully` on ``box.pop()``. A worker thread keeps its last call's arguments
+    until it gets new work: passing the view in a box it empties frees the array in time."""
+    return _pread_fully(fd, box.pop(), offset)
+
+
+def _pread_cached(fd: int, buffer: memoryview, offset: int) -> int:
+    """Read what the page cache already holds, without ever blocking; returns the bytes read."""
+    filled = 0
+    total = len(buffer)
+    while filled < total:
+        try:
+            got = os.preadv(fd, [buffer[filled:]], offset + filled, _RWF_NOWAIT)
+        except BlockingIOError:  # EAGAIN: the next byte is not cached
+            break
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                break  # no RWF_NOWAIT on this file system: the thread does it all
+            raise
+        if got == 0:
+            break
+        filled += got
+    return filled
+
+
 class FileSource(Source):
     """A local file; ``size`` is known, so truncation and trailing bytes show before any data."""
 
@@ -39,6 +77,7 @@ class FileSource(Source):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__()
+        self._inline_bytes = 0
         self.name = os.fspath(path)
         try:
             self._fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -66,8 +105,18 @@ class FileSource(Source):
 
     async def read_into_at(self, offset: int, buffer: memoryview) -> int:
         try:
-            if len(buffer) < SPLIT_THRESHOLD:
-                got = await anyio.to_thread.run_sync(_pread_fully, self._fd, buffer, offset)
+            if _RWF_NOWAIT and len(buffer) <= INLINE_MAX:
+                got = _pread_cached(self._fd, buffer, offset)
+                self._inline_bytes += got
+                if self._inline_bytes >= CHECKPOINT_BYTES:
+                    self._inline_bytes = 0
+                    await anyio.lowlevel.checkpoint()
+                if got < len(buffer) and offset + got < (self.size or 0):
+                    got += await anyio.to_thread.run_sync(
+                        _pread_boxed, self._fd, [buffer[got:]], offset + got
+                    )
+            elif len(buffer) < SPLIT_THRESHOLD:
+                got = await anyio.to_thread.run_sync(_pread_boxed, self._fd, [buffer], offset)
             else:
                 got = await self._read_halves(offset, buffer)
         except OSError as exc:
@@ -83,7 +132,7 @@ class FileSource(Source):
 
         async def read(index: int, start: int, part: memoryview) -> None:
             counts[index] = await anyio.to_thread.run_sync(
-                _pread_fully, self._fd, part, offset + start
+                _pread_boxed, self._fd, [part], offset + start
             )
 
         async with anyio.create_task_group() as group:

@@ -8,6 +8,11 @@ everything needed: the total size (``Content-Range``) and whether ranges work (2
 * Every tensor: the rest of the file in one more ranged request, read straight into the arrays.
 * ``include=``: one ranged request per run of adjacent selected tensors (the reader's plan).
 * No Range support (200): the answer is the whole body, streamed; skipped bytes are discarded.
+* ``concurrency=K`` (K > 1): the data is fetched in parts of ``part_size`` bytes, K ranged
+  requests at a time, each on its own connection; parts inside the tensor being read land
+  straight in its array, parts beyond it wait in at most K part buffers. Tensors still come out
+  in offset order. Worth it where each connection is slow or far (object stores); on a fast
+  local link one stream is as quick.
 
 A ranged read that breaks (connection reset, closed mid-body, 5xx) is resumed from the byte it
 reached, up to ``retries`` times per read (one tensor, or the header) with exponential backoff. A
@@ -48,9 +53,17 @@ class HttpSource(Source):
         timeout: float | None = None,
         retries: int = 3,
         backoff: float = 0.25,
+        concurrency: int = 1,
+        part_size: int = 8 << 20,
         name: str | None = None,
     ) -> None:
         super().__init__()
+        if concurrency < 1 or part_size < 1:
+            raise ValueError("concurrency and part_size must be positive")
+        self._concurrency = concurrency
+        self._part_size = part_size
+        self._parts: list[tuple[int, memoryview]] = []  # fetched ahead: (offset, bytes)
+        self._data_end: int | None = None  # where a short part showed the object to end
         self.url = url
         self.name = name or url
         self._owns_client = client is None
@@ -137,7 +150,109 @@ class HttpSource(Source):
         return await self._read_at(self.position, buffer, partial=False)
 
     async def read_into_at(self, offset: int, buffer: memoryview) -> int:
+        if self._concurrency > 1 and self.random_access and self._plan:
+            return await self._read_parallel(offset, buffer)
         return await self._read_at(offset, buffer, partial=False)
+
+    def _next_parts(self, at: int, stop: int) -> list[tuple[int, int]]:
+        """Up to ``concurrency`` planned parts from ``at``, split where the current read ends."""
+        parts: list[tuple[int, int]] = []
+        for run_start, run_end in self._plan:
+            if run_end <= at:
+                continue
+            if not parts and run_start > at:
+                break  # ``at`` is outside the plan
+            start = max(run_start, at)
+            while start < run_end and len(parts) < self._concurrency:
+                end = min(run_end, start + self._part_size)
+                if start < stop < end:
+                    end = stop
+                parts.append((start, end))
+                start = end
+            if len(parts) == self._concurrency:
+                break
+        return parts or [(at, stop)]
+
+    async def _read_parallel(self, offset: int, buffer: memoryview) -> int:
+        stop = offset + len(buffer)
+        filled = 0
+        while filled < len(buffer):
+            at = offset + filled
+            if self._data_end is not None and at >= self._data_end:
+                break  # a part came back short: the object ends there
+            if self._response is not None and self._response_at == at < self._response_end:
+                # The first answer (64 KiB) is still open here: use the bytes already coming.
+                want = min(len(buffer) - filled, self._response_end - at)
+                got = await self._read_at(at, buffer[filled : filled + want], partial=False)
+                filled += got
+                if got < want:
+                    break
+                continue
+            self._parts = [p for p in self._parts if p[0] + len(p[1]) > at]
+            if self._parts and self._parts[0][0] <= at:
+                start, data = self._parts[0]
+                piece = data[at - start : at - start + len(buffer) - filled]
+                buffer[filled : filled + len(piece)] = piece
+                filled += len(piece)
+                continue
+            self._parts.clear()
+            parts = self._next_parts(at, stop)
+            # Parts within this read land in the destination itself; the rest wait in buffers.
+            views = [
+                buffer[s - offset : e - offset] if e <= stop else memoryview(bytearray(e - s))
+                for s, e in parts
+            ]
+            counts = await self._fetch_all(parts, views)
+            for (start, end), view, count in zip(parts, views, counts, strict=True):
+                if end <= stop:
+                    filled += count
+                else:
+                    self._parts.append((start, view[:count]))
+                if count < end - start:
+                    self._data_end = start + count
+                    break
+        self.position = offset + filled
+        return filled
+
+    async def _fetch_all(self, parts: list[tuple[int, int]], views: list[memoryview]) -> list[int]:
+        """Fetch every part at once, each with its own request; the bytes each one received."""
+        counts = [0] * len(parts)
+
+        async def fetch(index: int) -> None:
+            counts[index] = await self._fetch_into(parts[index][0], views[index])
+
+        async with anyio.create_task_group() as group:
+            for index in range(len(parts)):
+                group.start_soon(fetch, index)
+        return counts
+
+    async def _fetch_into(self, start: int, view: memoryview) -> int:
+        """One ranged GET into ``view``, resumed after breaks; returns the bytes received."""
+        got = 0
+        failures = 0
+        while got < len(view):
+            response = await self._get(start + got, start + len(view))
+            if response is None:
+                break
+            try:
+                async with response:
+                    while got < len(view):
+                        count = await response.receive_into(view[got:])
+                        if count == 0:
+                            break
+                        got += count
+                if got < len(view) and response.complete:
+                    break  # the server sent less than asked: the object is shorter
+            except HTTPStatusError:
+                raise
+            except TransportError as exc:
+                failures += 1
+                if failures > self._retries:
+                    if isinstance(exc, ReadTimeoutError):
+                        raise
+                    break
+                await anyio.sleep(self._backoff * 2 ** (failures - 1))
+        return got
 
     async def skip(self, count: int) -> int:
         if self.random_access:
