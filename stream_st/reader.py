@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from types import TracebackType
@@ -287,12 +288,21 @@ def open_stream(
     ``include`` selects tensors by name (a collection, one name, or a predicate); skipped tensors
     are never allocated, and a random-access source never reads their bytes. ``max_header_size``
     bounds the JSON header, checked before anything is allocated. ``timeout`` bounds connecting
-    and each wait for data on network sources (``tcp://``).
+    and each wait for data on network sources.
+
+    An address ending in ``.index.json`` (a sharded checkpoint's index) gives a
+    :class:`~stream_st.sharded.ShardedStream` over every shard.
 
     The header is read and validated in full before the first tensor. Errors are
     :class:`~stream_st.SafetensorsError` subclasses: a tensor the source ends inside is never
     yielded (:class:`~stream_st.TruncatedStreamError`).
     """
+    from .sharded import ShardedStream, is_index  # sharded streams are built on this module
+
+    if isinstance(source, str | os.PathLike) and is_index(source):
+        return ShardedStream(
+            source, include=include, max_header_size=max_header_size, timeout=timeout
+        )
     return TensorStream(source, include=include, max_header_size=max_header_size, timeout=timeout)
 
 

@@ -138,3 +138,20 @@ async def test_wrong_credentials_are_refused_by_a_checking_server() -> None:
         with pytest.raises(HTTPStatusError) as info:
             await read_all(S3Source("s3://b/k", config=config))
     assert info.value.status == 403
+
+
+async def test_sharded_checkpoint_on_s3(aws_env: None, s3: MotoS3Server) -> None:
+    import json
+
+    client = s3.client()
+    shards = {"a.safetensors": {"x": np.ones(3)}, "b.safetensors": {"y": np.zeros(2)}}
+    for shard, arrays in shards.items():
+        client.put_object(Bucket="models", Key=f"ckpt/{shard}", Body=reference_numpy.save(arrays))
+    weight_map = {"x": "a.safetensors", "y": "b.safetensors"}
+    client.put_object(
+        Bucket="models",
+        Key="ckpt/model.safetensors.index.json",
+        Body=json.dumps({"weight_map": weight_map}).encode(),
+    )
+    got = await read_all("s3://models/ckpt/model.safetensors.index.json", include=["y"])
+    assert_same_arrays(got, {"y": np.zeros(2)})

@@ -13,7 +13,7 @@ from urllib.parse import unquote, urlsplit
 
 from anyio.abc import ByteReceiveStream
 
-from ..errors import UnsupportedSourceError
+from ..errors import UnsupportedSourceError, UsageError
 from .base import Source
 from .file import FileSource
 from .http import HttpSource
@@ -22,7 +22,7 @@ from .s3 import S3Source
 from .streams import AnyioStreamSource, AsyncioStreamSource
 from .tcp import SocketSource, connect_socket, parse_tcp_url
 
-__all__ = ["Source", "SourceLike", "open_source"]
+__all__ = ["Source", "SourceLike", "open_source", "read_object"]
 
 SourceLike = (
     str
@@ -79,3 +79,22 @@ async def open_source(obj: SourceLike, *, timeout: float | None = None) -> Sourc
         f"cannot read safetensors from {type(obj).__name__}: expected a path, URL, bytes, "
         "an async iterable of bytes, an anyio ByteReceiveStream or an asyncio StreamReader"
     )
+
+
+async def read_object(
+    address: str | os.PathLike[str], *, timeout: float | None = None, limit: int = 64 << 20
+) -> bytes:
+    """The whole of a small object (an index, a manifest) at a path or URL; at most ``limit``."""
+    source = await open_source(address, timeout=timeout)
+    try:
+        await source.start()
+        out = bytearray()
+        chunk = memoryview(bytearray(1 << 20))
+        while len(out) <= limit:
+            got = await source.receive_into(chunk)
+            if got == 0:
+                return bytes(out)
+            out += chunk[:got]
+    finally:
+        await source.aclose()
+    raise UsageError(f"{source.name} is larger than {limit} bytes")
