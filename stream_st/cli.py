@@ -1,21 +1,26 @@
-"""The ``stream-st`` command.
+"""The ``stream-st`` command: demo, inspect, hash, diff, validate.
 
-``stream-st demo`` streams a TinyLlama-shaped KV cache over a loopback TCP connection: a sender
-produces it layer by layer, the receiver reads it with :func:`stream_st.open_stream` as the bytes
-arrive and checks every layer. Nothing to set up by hand.
+Every command takes any source the library reads (a path, ``http(s)://``, ``s3://``, ``tcp://``,
+a sharded ``*.index.json``) and works in constant memory. Exit status: 0 success (equal, valid);
+1 a difference (``diff``) or failed validation (``validate``); 2 an error (bad input, unreachable
+source, bad arguments); 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import anyio
 import numpy as np
 from anyio.abc import SocketStream
 
+from . import tools
 from .errors import SafetensorsError
 from .header import TensorSpec, build_header
 from .reader import open_stream
@@ -79,31 +84,285 @@ async def _demo(layers: int, seq: int) -> int:
     return 0
 
 
+EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+@contextmanager
+def _progress(
+    label: str, total_bytes: int, total_tensors: int, quiet: bool
+) -> Iterator[tools.Progress | None]:
+    """A rich progress bar on stderr (bytes, rate, tensors, ETA), or nothing when quiet or when
+    stderr is not a terminal."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if quiet or not console.is_terminal:
+        yield None
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TextColumn("{task.fields[tensors]}/" + str(total_tensors) + " tensors"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(label, total=total_bytes, tensors=0)
+
+        def update(done_bytes: int, done: int) -> None:
+            bar.update(task, completed=done_bytes, tensors=done)
+
+        yield update
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, ensure_ascii=False))
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+async def _inspect(args: argparse.Namespace) -> int:
+    result = await tools.inspect(args.source, timeout=args.timeout)
+    if args.json:
+        _print_json(result.to_json())
+        return EXIT_OK
+    print(f"{result.source}")
+    shards = f" in {result.shards} shards" if result.shards > 1 else ""
+    print(
+        f"  {result.tensor_count} tensors{shards}, {result.parameter_count:,} parameters, "
+        f"{_human(result.data_bytes)} of data, header {_human(result.header_bytes)}"
+    )
+    if result.metadata:
+        print("  metadata:")
+        for key, value in result.metadata.items():
+            print(f"    {key}: {value}")
+    if result.tensors:
+        width = max(len(t["name"]) for t in result.tensors)
+        print(f"  {'name':<{width}}  {'dtype':<11} {'shape':<22} {'bytes':>12}")
+        for t in result.tensors:
+            shape = str(t["shape"])
+            print(f"  {t['name']:<{width}}  {t['dtype']:<11} {shape:<22} {t['bytes']:>12,}")
+    return EXIT_OK
+
+
+async def _totals(source: str, timeout: float | None) -> tuple[int, int]:
+    found = await tools.inspect(source, timeout=timeout)
+    return found.data_bytes, found.tensor_count
+
+
+async def _hash(args: argparse.Namespace) -> int:
+    total, count = await _totals(args.source, args.timeout) if args.content else (0, 0)
+    with _progress("hashing", total, count, args.quiet) as progress:
+        result = await tools.hash(
+            args.source, content=args.content, timeout=args.timeout, progress=progress
+        )
+    if args.json:
+        _print_json(result)
+    else:
+        print(f"structural {result['structural_hash']}  {args.source}")
+        if "content_hash" in result:
+            print(f"content    {result['content_hash']}  {args.source}")
+    return EXIT_OK
+
+
+async def _diff(args: argparse.Namespace) -> int:
+    total = 0
+    count = 0
+    if args.content:
+        for source in (args.a, args.b):
+            size, tensors = await _totals(source, args.timeout)
+            total += size
+            count += tensors
+    with _progress("comparing", total, count, args.quiet) as progress:
+        result = await tools.diff(
+            args.a, args.b, content=args.content, timeout=args.timeout, progress=progress
+        )
+    if args.json:
+        _print_json(result.to_json())
+    else:
+        for name in result.added:
+            print(f"+ {name}")
+        for name in result.removed:
+            print(f"- {name}")
+        for name, changes in result.changed.items():
+            detail = ", ".join(f"{key} {a} -> {b}" for key, (a, b) in changes.items())
+            print(f"~ {name}: {detail}")
+        for key in result.metadata_added:
+            print(f"+ metadata {key}")
+        for key in result.metadata_removed:
+            print(f"- metadata {key}")
+        for key, (a, b) in result.metadata_changed.items():
+            print(f"~ metadata {key}: {a!r} -> {b!r}")
+        for name in result.content_differs:
+            print(f"~ {name}: content differs")
+        if result.equal:
+            compared = " (content compared)" if result.content_compared else ""
+            print(f"equal{compared}")
+    return EXIT_OK if result.equal else EXIT_DIFFERENT
+
+
+def _load_shapes(path: str | None) -> dict[str, list[int]] | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            shapes = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SafetensorsError(f"cannot read expected shapes from {path}: {exc}") from None
+    if not isinstance(shapes, dict) or not all(
+        isinstance(v, list) and all(isinstance(d, int) for d in v) for v in shapes.values()
+    ):
+        raise SafetensorsError(f"{path} must map tensor names to shapes (lists of integers)")
+    return shapes
+
+
+async def _validate(args: argparse.Namespace) -> int:
+    total, count = await _totals(args.source, args.timeout)
+    with _progress("validating", total, count, args.quiet) as progress:
+        result = await tools.validate(
+            args.source,
+            expect_shapes=_load_shapes(args.expect_shapes),
+            expect_layers=[p for p in (args.expect_layers or "").split(",") if p],
+            warn_abs=args.warn_abs,
+            timeout=args.timeout,
+            progress=progress,
+        )
+    if args.json:
+        _print_json(result.to_json())
+    else:
+        width = max((len(t.name) for t in result.tensors), default=4)
+        print(
+            f"{'name':<{width}}  {'dtype':<8} {'min':>11} {'max':>11} {'mean':>11} "
+            f"{'std':>11} {'nan':>6} {'inf':>6}"
+        )
+
+        def cell(value: float | None) -> str:
+            return f"{value:>11.4g}" if value is not None else f"{'-':>11}"
+
+        for t in result.tensors:
+            print(
+                f"{t.name:<{width}}  {t.dtype:<8} {cell(t.min)} {cell(t.max)} {cell(t.mean)} "
+                f"{cell(t.std)} {t.nan:>6} {t.inf:>6}"
+            )
+        for warning in result.warnings:
+            print(f"warning: {warning}")
+        for error in result.errors:
+            print(f"error: {error}")
+        print(
+            f"{'valid' if result.ok else 'INVALID'}: {len(result.tensors)} tensors, "
+            f"{len(result.errors)} errors, {len(result.warnings)} warnings"
+        )
+    return EXIT_OK if result.ok else EXIT_DIFFERENT
+
+
+async def _demo_command(args: argparse.Namespace) -> int:
+    return await _demo(args.layers, args.seq)
+
+
+EXAMPLES = {
+    "inspect": "stream-st inspect model.safetensors\n"
+    "  stream-st inspect --json s3://bucket/model.safetensors\n"
+    "  stream-st inspect https://host/repo/model.safetensors.index.json",
+    "hash": "stream-st hash model.safetensors\n  stream-st hash --content http://host/m.safetensors",
+    "diff": "stream-st diff a.safetensors b.safetensors\n"
+    "  stream-st diff --content --json a.safetensors s3://bucket/b.safetensors",
+    "validate": "stream-st validate model.safetensors\n"
+    "  stream-st validate --expect-shapes shapes.json \\\n"
+    "      --expect-layers q_proj,k_proj,v_proj,o_proj model.safetensors",
+    "demo": "stream-st demo\n  stream-st demo --layers 4 --seq 512",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="stream-st", description="Read and write safetensors files as streams."
+        prog="stream-st",
+        description="Read and write safetensors files as streams. "
+        "Sources: paths, http(s)://, s3://, tcp://, *.index.json.",
+        epilog="exit status: 0 success, 1 different/invalid, 2 error, 130 interrupted",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = commands.add_parser(
-        "demo",
-        help="stream a KV cache over loopback TCP and check it (the default)",
-        description="Stream a TinyLlama-shaped KV cache over loopback TCP, layer by layer.",
+
+    def command(
+        name: str, help_text: str, handler: Callable[[argparse.Namespace], Any]
+    ) -> argparse.ArgumentParser:
+        sub = commands.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            epilog="examples:\n  " + EXAMPLES[name],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        sub.set_defaults(handler=handler)
+        sub.add_argument("--timeout", type=float, default=None, help="network timeout, seconds")
+        return sub
+
+    demo = command(
+        "demo", "stream a KV cache over loopback TCP and check it (default)", _demo_command
     )
     demo.add_argument("--layers", type=int, default=22, help="number of layers (default 22)")
     demo.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+
+    inspect = command("inspect", "show the header: tensors, sizes, parameters, metadata", _inspect)
+    inspect.add_argument("source")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+
+    hashing = command("hash", "structural hash of the header; --content hashes the data", _hash)
+    hashing.add_argument("source")
+    hashing.add_argument("--content", action="store_true", help="also hash the data, streamed")
+
+    differ = command("diff", "compare two files: tensors, metadata; --content the bytes", _diff)
+    differ.add_argument("a")
+    differ.add_argument("b")
+    differ.add_argument("--content", action="store_true", help="also compare common tensors' bytes")
+
+    check = command("validate", "stream every tensor: statistics, NaN/Inf, expectations", _validate)
+    check.add_argument("source")
+    check.add_argument("--expect-shapes", metavar="JSON", help="file mapping names to shapes")
+    check.add_argument(
+        "--expect-layers", metavar="PARTS", help="comma-separated parts every layer must have"
+    )
+    check.add_argument(
+        "--warn-abs", type=float, default=1e4, help="warn about values beyond this (1e4)"
+    )
+
+    for sub in (hashing, differ, check):
+        sub.add_argument("--json", action="store_true", help="machine-readable output")
+    for sub in (hashing, differ, check):
+        sub.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stream-st`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
+    if args.command is None:
+        args = build_parser().parse_args(["demo"])
     try:
-        if args.command in (None, "demo"):
-            return anyio.run(_demo, getattr(args, "layers", 22), getattr(args, "seq", 2048))
+        status: int = anyio.run(args.handler, args)
     except SafetensorsError as exc:
         print(f"stream-st: error: {exc}", file=sys.stderr)
-        return 2
-    return 0  # pragma: no cover - argparse rejects unknown commands
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("stream-st: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return status
 
 
 if __name__ == "__main__":  # pragma: no cover

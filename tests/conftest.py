@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
+
+from .s3_server import MotoS3Server
 
 StartSender = Callable[[bytes], Awaitable[int]]
 
@@ -32,3 +34,10 @@ async def tcp_sender() -> AsyncIterator[StartSender]:
     for server in servers:
         server.close()
         await server.wait_closed()
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[MotoS3Server]:
+    """One S3-compatible server (moto, in a child process) for the whole test run."""
+    with MotoS3Server() as server:
+        yield server

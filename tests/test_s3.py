@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +23,14 @@ BIG: Arrays = {f"w{i}": np.random.default_rng(i).random(50_000) for i in range(4
 
 
 @pytest.fixture(scope="module")
-def s3() -> Iterator[MotoS3Server]:
-    with MotoS3Server() as server:
-        client = server.client()
-        client.create_bucket(Bucket="models")
-        client.put_object(Bucket="models", Key="small.safetensors", Body=sample_file({"k": "v"}))
-        client.put_object(
-            Bucket="models", Key="dir/big model.safetensors", Body=reference_numpy.save(BIG)
-        )
-        yield server
+def s3(moto_s3: MotoS3Server) -> MotoS3Server:
+    client = moto_s3.client()
+    client.create_bucket(Bucket="models")
+    client.put_object(Bucket="models", Key="small.safetensors", Body=sample_file({"k": "v"}))
+    client.put_object(
+        Bucket="models", Key="dir/big model.safetensors", Body=reference_numpy.save(BIG)
+    )
+    return moto_s3
 
 
 @pytest.fixture

@@ -1,0 +1,449 @@
+"""The library side of the ``stream-st`` commands: inspect, hash, diff, validate.
+
+Each takes any source :func:`~stream_st.open_stream` takes (a path, ``http(s)://``, ``s3://``,
+``tcp://``, a sharded ``*.index.json``) and works in constant memory: one tensor at a time.
+``progress``, where accepted, is called with ``(bytes_done, tensors_done)`` as data moves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import anyio
+import numpy as np
+
+from .errors import TensorNotFoundError
+from .header import Header, TensorInfo
+from .reader import open_stream, read_header
+from .sharded import ShardIndex, is_index, shard_address
+from .sources import SourceLike, read_object
+
+__all__ = [
+    "Diff",
+    "Inspection",
+    "TensorStats",
+    "Validation",
+    "content_digests",
+    "diff",
+    "hash",
+    "inspect",
+    "structural_hash",
+    "validate",
+]
+
+Progress = Callable[[int, int], None]
+"""Called with (bytes done, tensors done)."""
+
+_STATS_CHUNK = 1 << 22
+"""Statistics are accumulated over this many values at a time (bounded scratch memory)."""
+
+
+async def headers_of(source: SourceLike, *, timeout: float | None = None) -> list[Header]:
+    """The header of ``source``, or of every shard of an index (in shard order)."""
+    if isinstance(source, str) and is_index(source):
+        index = ShardIndex(await read_object(source, timeout=timeout), source)
+        return [
+            await read_header(shard_address(source, shard), timeout=timeout)
+            for shard in index.shards
+        ]
+    return [await read_header(source, timeout=timeout)]
+
+
+def _tensors(headers: Iterable[Header]) -> list[TensorInfo]:
+    return [info for header in headers for info in header]
+
+
+def _merged_metadata(headers: Sequence[Header]) -> dict[str, str]:
+    merged: dict[str, str] = {}
+    for header in headers:
+        merged.update(header.metadata)
+    return merged
+
+
+# ---------------------------------------------------------------- inspect
+
+
+@dataclass
+class Inspection:
+    """What a header says: every tensor, sizes, parameter count and metadata."""
+
+    source: str
+    tensors: list[dict[str, Any]]
+    tensor_count: int
+    parameter_count: int
+    data_bytes: int
+    header_bytes: int
+    metadata: dict[str, str]
+    shards: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def inspect(source: SourceLike, *, timeout: float | None = None) -> Inspection:
+    """Read only the header (ranged requests on remote sources) and describe it."""
+    headers = await headers_of(source, timeout=timeout)
+    tensors = _tensors(headers)
+    return Inspection(
+        source=str(source),
+        tensors=[
+            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes}
+            for t in tensors
+        ],
+        tensor_count=len(tensors),
+        parameter_count=sum(t.nelements for t in tensors),
+        data_bytes=sum(h.data_size for h in headers),
+        header_bytes=sum(h.header_size for h in headers),
+        metadata=_merged_metadata(headers),
+        shards=len(headers),
+    )
+
+
+# ---------------------------------------------------------------- hash
+
+
+def structural_hash(tensors: Iterable[TensorInfo]) -> str:
+    """sha256 (hex) of the structure, independent of layout and JSON key order.
+
+    The hashed text is the compact JSON (sorted keys, UTF-8) of
+    ``{"format": "safetensors", "tensors": [{"name", "dtype" (lower case), "shape",
+    "byte_length"}, ... sorted by name]}``.
+    """
+    document = {
+        "format": "safetensors",
+        "tensors": [
+            {
+                "name": t.name,
+                "dtype": t.dtype.lower(),
+                "shape": list(t.shape),
+                "byte_length": t.nbytes,
+            }
+            for t in sorted(tensors, key=lambda t: t.name)
+        ],
+    }
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _wire_bytes(array: np.ndarray[Any, Any]) -> memoryview:
+    """The array's bytes as on the wire (arrays from the reader are C-contiguous, native)."""
+    if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and not _LITTLE):
+        array = array.byteswap()  # pragma: no cover - big-endian hosts
+    return array.reshape(-1).view(np.uint8).data
+
+
+_LITTLE = np.little_endian
+
+
+async def content_digests(
+    source: SourceLike,
+    *,
+    include: Iterable[str] | None = None,
+    timeout: float | None = None,
+    progress: Progress | None = None,
+) -> dict[str, str]:
+    """sha256 (hex) of each tensor's bytes, streamed one tensor at a time.
+
+    Hashing runs in a worker thread while the next tensor is read.
+    """
+    digests: dict[str, str] = {}
+    done_bytes = 0
+    done = 0
+
+    def sha256(array: np.ndarray[Any, Any]) -> str:
+        return hashlib.sha256(_wire_bytes(array)).hexdigest()
+
+    async def digest(name: str, array: np.ndarray[Any, Any], finished: anyio.Event) -> None:
+        digests[name] = await anyio.to_thread.run_sync(sha256, array)
+        finished.set()
+
+    previous: anyio.Event | None = None
+    selected = None if include is None else list(include)
+    async with anyio.create_task_group() as group:
+        async for name, array in open_stream(source, include=selected, timeout=timeout):
+            if previous is not None:
+                await previous.wait()  # one tensor hashing while the next is read, no more
+            previous = anyio.Event()
+            group.start_soon(digest, name, array, previous)
+            done_bytes += array.nbytes
+            done += 1
+            if progress is not None:
+                progress(done_bytes, done)
+            del array
+    return digests
+
+
+def _combined_content(digests: Mapping[str, str]) -> str:
+    text = "".join(f"{name}\0{digests[name]}\n" for name in sorted(digests))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+async def hash(  # the command's name (shadows the builtin only inside this module)
+    source: SourceLike,
+    *,
+    content: bool = False,
+    timeout: float | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """The structural hash (header only); with ``content``, also a hash of the data.
+
+    The content hash is sha256 over ``name NUL sha256(tensor bytes) LF`` for every tensor in name
+    order, so it does not depend on the layout either.
+    """
+    headers = await headers_of(source, timeout=timeout)
+    result: dict[str, Any] = {
+        "source": str(source),
+        "structural_hash": structural_hash(_tensors(headers)),
+        "tensor_count": sum(len(h) for h in headers),
+    }
+    if content:
+        digests = await content_digests(source, timeout=timeout, progress=progress)
+        result["content_hash"] = _combined_content(digests)
+    return result
+
+
+# ---------------------------------------------------------------- diff
+
+
+@dataclass
+class Diff:
+    """Differences between two files; ``equal`` when there are none."""
+
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    changed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    metadata_added: list[str] = field(default_factory=list)
+    metadata_removed: list[str] = field(default_factory=list)
+    metadata_changed: dict[str, list[str]] = field(default_factory=dict)
+    content_differs: list[str] = field(default_factory=list)
+    content_compared: bool = False
+
+    @property
+    def equal(self) -> bool:
+        return not (
+            self.added
+            or self.removed
+            or self.changed
+            or self.metadata_added
+            or self.metadata_removed
+            or self.metadata_changed
+            or self.content_differs
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "equal": self.equal}
+
+
+async def diff(
+    a: SourceLike,
+    b: SourceLike,
+    *,
+    content: bool = False,
+    timeout: float | None = None,
+    progress: Progress | None = None,
+) -> Diff:
+    """Compare tensors (names, dtypes, shapes, byte lengths) and metadata; with ``content``, also
+    the bytes of tensors the two have in common, both streamed at once in constant memory."""
+    headers_a = await headers_of(a, timeout=timeout)
+    headers_b = await headers_of(b, timeout=timeout)
+    tensors_a = {t.name: t for t in _tensors(headers_a)}
+    tensors_b = {t.name: t for t in _tensors(headers_b)}
+    result = Diff(
+        added=sorted(tensors_b.keys() - tensors_a.keys()),
+        removed=sorted(tensors_a.keys() - tensors_b.keys()),
+    )
+    for name in sorted(tensors_a.keys() & tensors_b.keys()):
+        ta, tb = tensors_a[name], tensors_b[name]
+        changes = {
+            key: [va, vb]
+            for key, va, vb in (
+                ("dtype", ta.dtype, tb.dtype),
+                ("shape", list(ta.shape), list(tb.shape)),
+                ("byte_length", ta.nbytes, tb.nbytes),
+            )
+            if va != vb
+        }
+        if changes:
+            result.changed[name] = changes
+    meta_a, meta_b = _merged_metadata(headers_a), _merged_metadata(headers_b)
+    result.metadata_added = sorted(meta_b.keys() - meta_a.keys())
+    result.metadata_removed = sorted(meta_a.keys() - meta_b.keys())
+    result.metadata_changed = {
+        k: [meta_a[k], meta_b[k]]
+        for k in sorted(meta_a.keys() & meta_b.keys())
+        if meta_a[k] != meta_b[k]
+    }
+    if content:
+        common = [n for n in sorted(tensors_a.keys() & tensors_b.keys()) if n not in result.changed]
+        digests: list[dict[str, str]] = [{}, {}]
+        totals = [0, 0]
+
+        def report(side: int) -> Progress:
+            def update(done_bytes: int, done: int) -> None:
+                totals[side] = done_bytes
+                if progress is not None:
+                    progress(totals[0] + totals[1], done)
+
+            return update
+
+        async def run(side: int, source: SourceLike) -> None:
+            digests[side] = await content_digests(
+                source, include=common, timeout=timeout, progress=report(side)
+            )
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run, 0, a)
+            group.start_soon(run, 1, b)
+        result.content_compared = True
+        result.content_differs = [n for n in common if digests[0][n] != digests[1][n]]
+    return result
+
+
+# ---------------------------------------------------------------- validate
+
+
+@dataclass
+class TensorStats:
+    """Statistics of one tensor (``nan`` and ``inf`` counted for floating types)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    min: float | None
+    max: float | None
+    mean: float | None
+    std: float | None
+    nan: int = 0
+    inf: int = 0
+
+
+@dataclass
+class Validation:
+    """Per-tensor statistics, errors (fail) and warnings (reported apart)."""
+
+    source: str
+    tensors: list[TensorStats] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def tensor_stats(
+    name: str, dtype: str, shape: Sequence[int], array: np.ndarray[Any, Any]
+) -> TensorStats:
+    """min, max, mean, std (float64 accumulation), NaN and Inf counts, in bounded scratch memory.
+
+    Packed sub-byte types (F4, F6) have no values to summarise: ``None`` everywhere.
+    """
+    stats = TensorStats(name, dtype, list(shape), None, None, None, None)
+    if dtype in ("F4", "F6_E2M3", "F6_E3M2") or array.size == 0:
+        return stats
+    flat = array.reshape(-1)
+    is_float = not (np.issubdtype(flat.dtype, np.integer) or flat.dtype == np.bool_)
+    is_complex = np.issubdtype(flat.dtype, np.complexfloating)
+    low, high = math.inf, -math.inf
+    total = total_sq = 0.0
+    count = 0
+    for start in range(0, flat.size, _STATS_CHUNK):
+        chunk = flat[start : start + _STATS_CHUNK]
+        values = np.abs(chunk).astype(np.float64) if is_complex else chunk.astype(np.float64)
+        if is_float:
+            nan = np.isnan(values)
+            inf = np.isinf(values)
+            stats.nan += int(nan.sum())
+            stats.inf += int(inf.sum())
+            values = values[~(nan | inf)]
+        if values.size:
+            low = min(low, float(values.min()))
+            high = max(high, float(values.max()))
+            total += float(values.sum())
+            total_sq += float(np.square(values).sum())
+            count += values.size
+    if count:
+        mean = total / count
+        stats.min, stats.max, stats.mean = low, high, mean
+        stats.std = math.sqrt(max(0.0, total_sq / count - mean * mean))
+    return stats
+
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
+
+
+def check_layers(names: Iterable[str], required: Sequence[str]) -> list[str]:
+    """For every layer index found in ``names`` (``...layers.N....``), the ``required`` name
+    parts (e.g. ``q_proj``) that no tensor of that layer contains."""
+    layers: dict[int, list[str]] = {}
+    for name in names:
+        match = _LAYER.search(name)
+        if match:
+            layers.setdefault(int(match.group(1)), []).append(name)
+    problems = []
+    for layer in sorted(layers):
+        missing = [part for part in required if not any(part in n for n in layers[layer])]
+        if missing:
+            problems.append(f"layer {layer} has no tensor for {', '.join(missing)}")
+    if required and not layers:
+        problems.append("no layered tensors found (names like 'layers.N.')")
+    return problems
+
+
+async def validate(
+    source: SourceLike,
+    *,
+    expect_shapes: Mapping[str, Sequence[int]] | None = None,
+    expect_layers: Sequence[str] = (),
+    warn_abs: float = 1e4,
+    timeout: float | None = None,
+    progress: Progress | None = None,
+) -> Validation:
+    """Stream every tensor and check it: NaN and Inf are errors, as are shapes differing from
+    ``expect_shapes`` (name -> shape; a missing tensor too) and layers lacking a part of
+    ``expect_layers``. Warnings: all-zero or constant tensors, values beyond ``warn_abs``."""
+    result = Validation(str(source))
+    headers = await headers_of(source, timeout=timeout)
+    infos = {t.name: t for t in _tensors(headers)}
+    if not infos:
+        result.warnings.append("the file holds no tensors")
+    for name, shape in (expect_shapes or {}).items():
+        if name not in infos:
+            result.errors.append(f"{name}: expected shape {list(shape)}, tensor missing")
+        elif list(infos[name].shape) != list(shape):
+            result.errors.append(f"{name}: shape {list(infos[name].shape)}, expected {list(shape)}")
+    result.errors.extend(check_layers(infos, expect_layers))
+    done_bytes = 0
+    async for name, array in open_stream(source, timeout=timeout):
+        info = infos.get(name)
+        if info is None:
+            raise TensorNotFoundError(f"{name} streamed but not in the header")
+        stats = await anyio.to_thread.run_sync(tensor_stats, name, info.dtype, info.shape, array)
+        result.tensors.append(stats)
+        if stats.nan:
+            result.errors.append(f"{name}: {stats.nan} NaN values")
+        if stats.inf:
+            result.errors.append(f"{name}: {stats.inf} Inf values")
+        if stats.max is not None and stats.min is not None:
+            if max(abs(stats.max), abs(stats.min)) > warn_abs:
+                result.warnings.append(
+                    f"{name}: values up to {max(abs(stats.max), abs(stats.min)):.4g} "
+                    f"(beyond {warn_abs:g})"
+                )
+            if stats.min == stats.max and info.nelements > 1:
+                what = "all zeros" if stats.min == 0 else f"constant {stats.min:.4g}"
+                result.warnings.append(f"{name}: {what}")
+        done_bytes += array.nbytes
+        if progress is not None:
+            progress(done_bytes, len(result.tensors))
+        del array
+    return result

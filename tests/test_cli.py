@@ -1,0 +1,220 @@
+"""The stream-st command end to end, through its real entry point in a subprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+from .http_server import RangeHTTPServer
+from .s3_server import CREDENTIALS, MotoS3Server
+
+COMMAND = shutil.which("stream-st", path=str(Path(sys.executable).parent)) or "stream-st"
+
+TENSORS: dict[str, np.ndarray[Any, Any]] = {
+    "model.layers.0.self_attn.q_proj.weight": np.arange(16, dtype=np.float32).reshape(4, 4),
+    "model.layers.0.self_attn.k_proj.weight": np.ones((4, 4), dtype=np.float16),
+    "model.embed_tokens.weight": np.arange(8, dtype=np.int32).reshape(2, 4),
+}
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [COMMAND, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    path = tmp_path / "model.safetensors"
+    reference_numpy.save_file(TENSORS, str(path), metadata={"format": "np", "note": "ü"})
+    return path
+
+
+def test_help_everywhere() -> None:
+    top = run("--help")
+    assert top.returncode == 0 and "exit status" in top.stdout
+    for command in ("demo", "inspect", "hash", "diff", "validate"):
+        result = run(command, "--help")
+        assert result.returncode == 0, command
+        assert "examples:" in result.stdout, command
+
+
+def test_inspect_table_and_json(model: Path) -> None:
+    table = run("inspect", str(model))
+    assert table.returncode == 0, table.stderr
+    assert "3 tensors, 40 parameters" in table.stdout
+    assert "model.embed_tokens.weight" in table.stdout and "note: ü" in table.stdout
+    result = run("inspect", "--json", str(model))
+    found = json.loads(result.stdout)
+    assert found["tensor_count"] == 3
+    assert found["parameter_count"] == 40
+    assert found["metadata"] == {"format": "np", "note": "ü"}
+    assert {t["name"]: t["shape"] for t in found["tensors"]} == {
+        n: list(a.shape) for n, a in TENSORS.items()
+    }
+    assert found["data_bytes"] == sum(a.nbytes for a in TENSORS.values())
+
+
+def test_inspect_over_http_reads_only_the_header(model: Path) -> None:
+    with RangeHTTPServer(objects={"/m.safetensors": model.read_bytes()}) as server:
+        result = run("inspect", "--json", server.url("/m.safetensors"))
+        assert json.loads(result.stdout)["tensor_count"] == 3
+        assert len(server.requests) == 1
+
+
+def test_inspect_on_s3(model: Path, moto_s3: MotoS3Server) -> None:
+    client = moto_s3.client()
+    client.create_bucket(Bucket="cli")
+    client.put_object(Bucket="cli", Key="m.safetensors", Body=model.read_bytes())
+    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": moto_s3.endpoint_url}
+    result = run("inspect", "--json", "s3://cli/m.safetensors", env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["tensor_count"] == 3
+    hashed = run("hash", "--content", "--json", "s3://cli/m.safetensors", env=env)
+    local = run("hash", "--content", "--json", str(model))
+    assert json.loads(hashed.stdout)["content_hash"] == json.loads(local.stdout)["content_hash"]
+
+
+GOLDEN_STRUCTURAL = "8fe9ad84e0ba10cffced8586ed58e803ba03374d6dc7f53865ccaa8ac847fad2"
+
+
+def relaid(path: Path) -> bytes:
+    """The same tensors with another JSON key order and another data layout."""
+    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
+    header = json.loads(path.read_bytes()[8 : 8 + n])
+    data = path.read_bytes()[8 + n :]
+    names = sorted((k for k in header if k != "__metadata__"), reverse=True)
+    out: dict[str, Any] = {}
+    blob = b""
+    for name in names:
+        start, end = header[name]["data_offsets"]
+        out[name] = {
+            "shape": header[name]["shape"],
+            "data_offsets": [len(blob), len(blob) + end - start],
+            "dtype": header[name]["dtype"],
+        }
+        blob += data[start:end]
+    out["__metadata__"] = header["__metadata__"]
+    text = json.dumps(out).encode()
+    return struct.pack("<Q", len(text)) + text + blob
+
+
+def test_golden_structural_hash_follows_its_definition() -> None:
+    document = {
+        "format": "safetensors",
+        "tensors": [
+            {"name": n, "dtype": d, "shape": list(a.shape), "byte_length": a.nbytes}
+            for n, d, a in sorted(
+                (n, {"float32": "f32", "float16": "f16", "int32": "i32"}[str(a.dtype)], a)
+                for n, a in TENSORS.items()
+            )
+        ],
+    }
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"))
+    assert hashlib.sha256(text.encode()).hexdigest() == GOLDEN_STRUCTURAL
+
+
+def test_hash_is_golden_and_independent_of_layout(model: Path, tmp_path: Path) -> None:
+    first = json.loads(run("hash", "--content", "--json", str(model)).stdout)
+    again = json.loads(run("hash", "--content", "--json", str(model)).stdout)
+    assert first == again
+    assert first["structural_hash"] == GOLDEN_STRUCTURAL
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(relaid(model))
+    moved = json.loads(run("hash", "--content", "--json", str(other)).stdout)
+    assert moved["structural_hash"] == first["structural_hash"]
+    assert moved["content_hash"] == first["content_hash"]
+    plain = run("hash", str(model))
+    assert plain.stdout.split()[1] == GOLDEN_STRUCTURAL
+
+
+def test_diff_exit_status_and_json(model: Path, tmp_path: Path) -> None:
+    same = run("diff", "--content", str(model), str(model))
+    assert same.returncode == 0 and "equal" in same.stdout
+    changed = dict(TENSORS)
+    changed["model.embed_tokens.weight"] = np.zeros((2, 4), dtype=np.int32)  # content only
+    changed["model.layers.0.self_attn.k_proj.weight"] = np.ones((4, 2), dtype=np.float16)
+    del changed["model.layers.0.self_attn.q_proj.weight"]
+    changed["extra"] = np.zeros(1, dtype=np.uint8)
+    other = tmp_path / "other.safetensors"
+    reference_numpy.save_file(changed, str(other), metadata={"format": "pt"})
+    result = run("diff", "--content", "--json", str(model), str(other))
+    assert result.returncode == 1
+    found = json.loads(result.stdout)
+    assert found["added"] == ["extra"]
+    assert found["removed"] == ["model.layers.0.self_attn.q_proj.weight"]
+    assert found["changed"] == {
+        "model.layers.0.self_attn.k_proj.weight": {
+            "shape": [[4, 4], [4, 2]],
+            "byte_length": [32, 16],
+        }
+    }
+    assert found["metadata_removed"] == ["note"]
+    assert found["metadata_changed"] == {"format": ["np", "pt"]}
+    assert found["content_differs"] == ["model.embed_tokens.weight"]
+    text = run("diff", str(model), str(other))
+    assert text.returncode == 1 and "+ extra" in text.stdout
+
+
+def test_validate_finds_nan_inf_and_expectations(tmp_path: Path) -> None:
+    crafted: dict[str, np.ndarray[Any, Any]] = {
+        "model.layers.0.q_proj.weight": np.array([1.0, np.nan, 2.0, np.nan], dtype=np.float32),
+        "model.layers.0.k_proj.weight": np.array([np.inf, -np.inf, 0.5], dtype=np.float16),
+        "model.layers.1.q_proj.weight": np.zeros(4, dtype=np.float32),
+        "model.layers.1.k_proj.weight": np.array([1, 2], dtype=np.int8),
+    }
+    path = tmp_path / "crafted.safetensors"
+    reference_numpy.save_file(crafted, str(path))
+    result = run("validate", "--json", str(path))
+    assert result.returncode == 1
+    found = json.loads(result.stdout)
+    stats = {t["name"]: t for t in found["tensors"]}
+    assert stats["model.layers.0.q_proj.weight"]["nan"] == 2
+    assert stats["model.layers.0.q_proj.weight"]["min"] == 1.0
+    assert stats["model.layers.0.k_proj.weight"]["inf"] == 2
+    assert stats["model.layers.1.k_proj.weight"]["mean"] == 1.5
+    assert any("NaN" in e for e in found["errors"]) and any("Inf" in e for e in found["errors"])
+    assert any("all zeros" in w for w in found["warnings"])
+    clean = {
+        "a.layers.0.q_proj": np.ones(3, np.float32),
+        "a.layers.0.k_proj": np.ones(2, np.float32),
+    }
+    good = tmp_path / "good.safetensors"
+    reference_numpy.save_file(clean, str(good))
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps({"a.layers.0.q_proj": [3], "a.layers.0.k_proj": [2]}))
+    ok = run(
+        "validate", "--expect-shapes", str(shapes), "--expect-layers", "q_proj,k_proj", str(good)
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "valid: 2 tensors, 0 errors" in ok.stdout
+    shapes.write_text(json.dumps({"a.layers.0.q_proj": [4]}))
+    wrong = run("validate", "--expect-shapes", str(shapes), "--expect-layers", "v_proj", str(good))
+    assert wrong.returncode == 1
+    assert "expected [4]" in wrong.stdout and "no tensor for v_proj" in wrong.stdout
+
+
+def test_errors_are_one_line_with_exit_status_2(tmp_path: Path) -> None:
+    missing = run("inspect", str(tmp_path / "nope.safetensors"))
+    assert missing.returncode == 2
+    assert missing.stderr.count("\n") == 1 and "nope.safetensors" in missing.stderr
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00[]")
+    result = run("validate", str(bad))
+    assert result.returncode == 2 and "begin with '{'" in result.stderr
+    assert run("frobnicate").returncode == 2
