@@ -1,0 +1,604 @@
+"""Codecs (none / INT8 / INT4), the correctly rounded bfloat16 cast, and error statistics."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any
+
+import hypothesis.strategies as st
+import ml_dtypes
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis.extra import numpy as hnp
+
+from stream_st import SafetensorsError, TensorSpec, build_header, parse_header
+from stream_st.codecs import (
+    CODECS,
+    Codec,
+    CodecError,
+    Int4Codec,
+    Int8Codec,
+    NoneCodec,
+    codec_from_metadata,
+    error_stats,
+    get_codec,
+    to_bfloat16,
+)
+from stream_st.dtypes import dtype_for
+
+Array = npt.NDArray[Any]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FLOATS = [np.dtype(np.float16), BF16, np.dtype(np.float32)]
+KV_SHAPE = (1, 4, 128, 64)
+
+# Half an ulp at 1.0 (relative rounding error) of each output dtype.
+HALF_ULP = {np.dtype(np.float16): 2.0**-11, BF16: 2.0**-8, np.dtype(np.float32): 2.0**-24}
+HALF_ULP[np.dtype(np.float64)] = 2.0**-53
+# Half the smallest subnormal (absolute rounding error near zero).
+HALF_TINY = {np.dtype(np.float16): 2.0**-25, BF16: 2.0**-134, np.dtype(np.float32): 2.0**-150}
+
+
+def rounding_slack(dtype: np.dtype[Any], magnitude: Array | float) -> Array | float:
+    """Largest error rounding a value of ``magnitude`` to ``dtype`` can add."""
+    return np.abs(magnitude) * HALF_ULP[dtype] + HALF_TINY.get(dtype, 0.0)
+
+
+def kv_tensor(dtype: np.dtype[Any], shape: tuple[int, ...] = KV_SHAPE, seed: int = 0) -> Array:
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def as_f64(array: Array) -> Array:
+    return np.asarray(array).astype(np.float64)
+
+
+def wire_layout(pairs: list[tuple[str, Array]]) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [(name, dtype_for(array.dtype).code, tuple(array.shape)) for name, array in pairs]
+
+
+def spec_layout(specs: list[TensorSpec]) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [(s.name, dtype_for(s.dtype).code, tuple(s.shape)) for s in specs]
+
+
+def roundtrip(codec: Codec, array: Array, name: str = "t") -> tuple[Array, dict[str, Array]]:
+    parts = dict(codec.encode(name, array))
+    return codec.decode(name, parts, array.dtype), parts
+
+
+def check_int8_bound(x: Array, y: Array, scale: float) -> None:
+    bound = 0.5 / scale + 1e-6 / scale + rounding_slack(y.dtype, as_f64(y))
+    assert np.all(np.abs(as_f64(x) - as_f64(y)) <= bound)
+
+
+def check_int4_bound(x: Array, y: Array, steps: Array, group_size: int) -> None:
+    *lead, n = x.shape
+    xs = as_f64(x).reshape(*lead, n // group_size, group_size)
+    ys = as_f64(y).reshape(*lead, n // group_size, group_size)
+    step = as_f64(steps)[..., None]
+    bound = step * (0.5 + 1e-6) + rounding_slack(y.dtype, ys)
+    assert np.all(np.abs(xs - ys) <= bound)
+
+
+# ---------------------------------------------------------------- registry and metadata
+
+
+def test_registry_holds_three_codecs() -> None:
+    assert set(CODECS) == {"none", "int8", "int4"}
+    for key, codec in CODECS.items():
+        assert isinstance(codec, Codec)
+        assert codec.key == key
+        assert codec.compression == key.upper()
+    assert isinstance(CODECS["int4"], Int4Codec)
+    assert CODECS["int4"].group_size == 64
+
+
+def test_get_codec() -> None:
+    assert get_codec("INT8") is CODECS["int8"]
+    assert get_codec("int4", group_size=32) == Int4Codec(group_size=32)
+    with pytest.raises(CodecError, match="unknown codec"):
+        get_codec("int3")
+    with pytest.raises(CodecError, match="int4 codec only"):
+        get_codec("int8", group_size=32)
+
+
+def test_metadata_follows_the_kv_cache_keys() -> None:
+    meta = CODECS["int4"].metadata(np.float16)
+    assert meta["compression"] == "INT4"
+    assert meta["group_size"] == "64"
+    assert meta["original_dtype"] == "float16"
+    assert meta["scale_tensor"] == ".scales"
+    assert "low nibble first" in meta["packing"]
+    meta8 = CODECS["int8"].metadata("BF16")
+    assert meta8["compression"] == "INT8"
+    assert meta8["original_dtype"] == "bfloat16"
+    assert meta8["scale"].startswith("per-tensor symmetric (127 / max|x|)")
+    assert CODECS["none"].metadata() == {"compression": "NONE"}
+    for meta_dict in (meta, meta8):
+        assert all(isinstance(k, str) and isinstance(v, str) for k, v in meta_dict.items())
+    build_header([TensorSpec("t", "F32", (1,))], meta)  # acceptable as __metadata__
+
+
+def test_codec_from_metadata_round_trips() -> None:
+    assert codec_from_metadata({}) is CODECS["none"]
+    assert codec_from_metadata(Int8Codec().metadata("F16")) is CODECS["int8"]
+    assert codec_from_metadata(Int4Codec(group_size=16).metadata("F32")) == Int4Codec(16)
+    assert codec_from_metadata({"compression": "INT4"}) == Int4Codec(64)
+    with pytest.raises(CodecError, match="unknown compression"):
+        codec_from_metadata({"compression": "ZSTD"})
+    with pytest.raises(CodecError, match="group_size"):
+        codec_from_metadata({"compression": "INT4", "group_size": "sixty-four"})
+
+
+def test_decode_accepts_the_metadata_dtype_name() -> None:
+    x = kv_tensor(BF16)
+    codec = CODECS["int4"]
+    meta = codec.metadata(x.dtype)
+    y = codec_from_metadata(meta).decode("k", dict(codec.encode("k", x)), meta["original_dtype"])
+    assert y.dtype == BF16
+
+
+@pytest.mark.parametrize("group_size", [0, -2, 3, 63, True, 2.0])
+def test_int4_group_size_must_be_positive_and_even(group_size: Any) -> None:
+    with pytest.raises(CodecError, match="group_size"):
+        Int4Codec(group_size=group_size)
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+@pytest.mark.parametrize("key", ["none", "int8", "int4"])
+def test_kv_round_trip(key: str, dtype: np.dtype[Any]) -> None:
+    codec = CODECS[key]
+    x = kv_tensor(dtype)
+    y, parts = roundtrip(codec, x, "layer_0_key")
+    assert y.shape == x.shape
+    assert y.dtype == x.dtype
+    stats = error_stats(x, y)
+    if key == "none":
+        assert np.array_equal(as_f64(x), as_f64(y))
+        assert stats["snr_db"] == math.inf
+    elif key == "int8":
+        scale = float(parts["layer_0_key.scale"][0])
+        assert scale == pytest.approx(127 / float(np.max(np.abs(as_f64(x)))), rel=1e-6)
+        check_int8_bound(x, y, scale)
+        assert stats["snr_db"] > 35
+    else:
+        check_int4_bound(x, y, parts["layer_0_key.scales"], 64)
+        assert stats["snr_db"] > 17
+
+
+def test_float64_round_trip_uses_float64() -> None:
+    x = kv_tensor(np.dtype(np.float64), (2, 128))
+    for key in ("int8", "int4"):
+        y, _ = roundtrip(CODECS[key], x)
+        assert y.dtype == np.float64
+
+
+def test_decode_to_another_float_dtype() -> None:
+    x = kv_tensor(np.dtype(np.float32))
+    parts = dict(CODECS["int8"].encode("k", x))
+    assert CODECS["int8"].decode("k", parts, "F16").dtype == np.float16
+    assert CODECS["int8"].decode("k", parts, ml_dtypes.bfloat16).dtype == BF16
+
+
+def test_none_passes_anything_through() -> None:
+    codec = NoneCodec()
+    x = np.arange(6, dtype=np.int32).reshape(2, 3)
+    [(name, wire)] = codec.encode("ids", x)
+    assert name == "ids"
+    assert wire is x
+    assert spec_layout(codec.specs("ids", x.shape, x.dtype)) == [("ids", "I32", (2, 3))]
+    assert codec.decode("ids", {"ids": wire}, "I32") is x
+    nan = np.array([np.nan, np.inf], dtype=np.float32)
+    assert np.array_equal(codec.decode("n", dict(codec.encode("n", nan)), "F32"), nan, True)
+
+
+# ---------------------------------------------------------------- specs match encode
+
+SHAPES = [(), (1,), (7,), (0,), (3, 0), (0, 64), (64,), (2, 128), (1, 4, 128, 64), (2, 3, 5, 192)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+@pytest.mark.parametrize(
+    "codec",
+    [NoneCodec(), Int8Codec(), Int4Codec(), Int4Codec(group_size=2), Int4Codec(group_size=32)],
+    ids=repr,
+)
+def test_specs_match_encode(codec: Codec, dtype: np.dtype[Any], shape: tuple[int, ...]) -> None:
+    x = np.random.default_rng(1).standard_normal(shape).astype(dtype)
+    if isinstance(codec, Int4Codec) and (not shape or shape[-1] % codec.group_size):
+        with pytest.raises(CodecError):
+            codec.specs("t", shape, dtype)
+        with pytest.raises(CodecError):
+            codec.encode("t", x)
+        return
+    specs = codec.specs("t", shape, dtype)
+    wire = codec.encode("t", x)
+    assert spec_layout(specs) == wire_layout(wire)
+    assert [s.name for s in specs] == codec.part_names("t")
+    # The plan is a valid safetensors header and each encoded array fills its slot exactly.
+    _, header = build_header(specs)
+    reparsed = parse_header(build_header(specs)[0][8:])
+    assert reparsed.tensors == header.tensors
+    for info, (_, array) in zip(header.tensors, wire, strict=True):
+        assert info.nbytes == array.nbytes
+    y = codec.decode("t", dict(wire), dtype)
+    assert (y.shape, y.dtype) == (x.shape, x.dtype)
+
+
+def test_specs_accept_codes_and_dtypes_alike() -> None:
+    for dtype in ("F16", "float16", np.float16, np.dtype(np.float16)):
+        assert spec_layout(CODECS["int4"].specs("k", [1, 4, 16, 64], dtype)) == [
+            ("k", "U8", (1, 4, 16, 32)),
+            ("k.scales", "F16", (1, 4, 16, 1)),
+        ]
+    assert spec_layout(CODECS["int8"].specs("v", (2, 3), "BF16")) == [
+        ("v", "I8", (2, 3)),
+        ("v.scale", "F32", (1,)),
+    ]
+
+
+@pytest.mark.parametrize("key", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["I32", "U8", np.int8, np.complex64, "BOOL"])
+def test_quantizers_refuse_non_float_dtypes(key: str, dtype: Any) -> None:
+    with pytest.raises(CodecError, match="float16, bfloat16, float32 or float64"):
+        CODECS[key].specs("t", (64,), dtype)
+    with pytest.raises(CodecError):
+        CODECS[key].encode("t", np.zeros(64, dtype=dtype_for(dtype).numpy))
+
+
+# ---------------------------------------------------------------- INT8
+
+
+def test_int8_scale_and_codes_on_known_values() -> None:
+    x = np.array([-2.0, -1.0, 0.0, 0.5, 1.0, 2.0], dtype=np.float32)
+    parts = dict(CODECS["int8"].encode("t", x))
+    assert parts["t.scale"].dtype == np.float32
+    assert parts["t.scale"].shape == (1,)
+    assert parts["t.scale"][0] == np.float32(127 / 2)
+    assert parts["t"].tolist() == [-127, -64, 0, 32, 64, 127]  # 63.5 and 31.75 rounded
+    y = CODECS["int8"].decode("t", parts, np.float32)
+    assert y.tolist() == pytest.approx([-2.0, -128 / 127, 0.0, 64 / 127, 128 / 127, 2.0])
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 37.0, 1e4])
+def test_int8_error_bound(dtype: np.dtype[Any], magnitude: float) -> None:
+    x = (kv_tensor(np.dtype(np.float32), (4, 300), seed=3) * magnitude).astype(dtype)
+    y, parts = roundtrip(CODECS["int8"], x)
+    codes = parts["t"]
+    assert codes.min() >= -127
+    assert codes.max() <= 127
+    assert 127 in np.abs(codes.astype(np.int16))  # the largest value uses the full range
+    check_int8_bound(x, y, float(parts["t.scale"][0]))
+
+
+def test_int8_zero_tensor_has_unit_scale() -> None:
+    for x in (np.zeros((2, 64), np.float16), np.zeros((0, 3), np.float32), -np.zeros(5, BF16)):
+        y, parts = roundtrip(CODECS["int8"], x)
+        assert parts["t.scale"].tolist() == [1.0]
+        assert not parts["t"].any()
+        assert not as_f64(y).any()
+        assert y.shape == x.shape
+
+
+def test_int8_tiny_values_clamp_the_scale() -> None:
+    x = np.array([1e-40, -3e-41, 0.0], dtype=np.float32)  # 127 / 1e-40 overflows float32
+    y, parts = roundtrip(CODECS["int8"], x)
+    scale = float(parts["t.scale"][0])
+    assert scale == float(np.finfo(np.float32).max)
+    check_int8_bound(x, y, scale)
+
+
+def test_int8_refuses_float64_beyond_the_f32_scale() -> None:
+    with pytest.raises(CodecError, match="too large"):
+        CODECS["int8"].encode("big", np.array([1e300, 0.0]))
+
+
+# ---------------------------------------------------------------- INT4
+
+
+def test_int4_packing_low_nibble_first() -> None:
+    codec = Int4Codec(group_size=4)
+    x = np.array([[7.0, -7.0, 1.0, 0.0], [-1.0, 2.0, -3.0, 3.5]], dtype=np.float32)
+    parts = dict(codec.encode("t", x))
+    # Row 0: step 1, codes [7, -7, 1, 0]. -7 is 0b1001 in 4-bit two's complement.
+    # Row 1: step 0.5, codes [-2, 4, -6, 7].
+    assert parts["t.scales"].tolist() == [[1.0], [0.5]]
+    assert parts["t"].dtype == np.uint8
+    assert parts["t"].tolist() == [[0x97, 0x01], [0x4E, 0x7A]]
+    assert codec.decode("t", parts, np.float32).tolist() == x.tolist()
+
+
+def test_int4_decodes_hand_made_bytes() -> None:
+    codec = Int4Codec(group_size=4)
+    packed = np.array([[0x10, 0x8F]], dtype=np.uint8)  # codes 0, 1, -1, -8 (never written)
+    scales = np.array([[2.0]], dtype=np.float16)
+    y = codec.decode("h", {"h": packed, "h.scales": scales}, np.float32)
+    assert y.tolist() == [[0.0, 2.0, -2.0, -16.0]]
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+@pytest.mark.parametrize("group_size", [2, 8, 64, 128])
+def test_int4_error_bound_per_group(dtype: np.dtype[Any], group_size: int) -> None:
+    codec = Int4Codec(group_size=group_size)
+    rng = np.random.default_rng(group_size)
+    # Groups of very different magnitudes, so that each group's own step matters.
+    x = rng.standard_normal((3, 5, 256)) * rng.choice([1e-3, 1.0, 100.0], size=(3, 5, 1))
+    x = x.astype(dtype)
+    y, parts = roundtrip(codec, x)
+    steps = parts["t.scales"]
+    assert steps.shape == (3, 5, 256 // group_size)
+    group_max = np.max(np.abs(as_f64(x).reshape(3, 5, -1, group_size)), axis=-1)
+    assert np.all(as_f64(steps) >= group_max / 7)  # rounded up: no code needs clipping
+    assert np.all(as_f64(steps) <= group_max / 7 * (1 + 2**-10) + 2**-24)
+    check_int4_bound(x, y, steps, group_size)
+
+
+def test_int4_codes_stay_in_symmetric_range() -> None:
+    x = kv_tensor(np.dtype(np.float32), (8, 640), seed=5)
+    packed = CODECS["int4"].encode("t", x)[0][1]
+    nibbles = np.stack([packed & 0x0F, packed >> 4])
+    assert 8 not in nibbles  # -8 is never written
+    assert {7, 9} <= set(nibbles.ravel().tolist())  # +7 and -7 are used
+
+
+def test_int4_zero_groups() -> None:
+    x = np.zeros((2, 128), dtype=np.float16)
+    x[1, 64:] = np.linspace(-1, 1, 64)
+    y, parts = roundtrip(CODECS["int4"], x)
+    steps = parts["t.scales"]
+    assert steps.tolist()[0] == [0.0, 0.0]
+    assert float(steps[1, 0]) == 0.0
+    assert float(steps[1, 1]) >= 1 / 7  # float16(1/7) is below 1/7, so rounded up to the next
+    assert steps[1, 1] == np.nextafter(np.float16(1 / 7), np.float16(1))
+    assert not parts["t"][0].any()
+    assert not as_f64(y)[:, :64].any()
+    assert not as_f64(y)[0].any()
+    check_int4_bound(x, y, parts["t.scales"], 64)
+
+
+def test_int4_shape_errors() -> None:
+    codec = CODECS["int4"]
+    with pytest.raises(CodecError, match="multiple of the group size 64"):
+        codec.specs("k", (1, 4, 128, 96), "F16")
+    with pytest.raises(CodecError, match="multiple of the group size 64"):
+        codec.encode("k", np.zeros((2, 100), np.float16))
+    with pytest.raises(CodecError, match="scalar"):
+        codec.encode("k", np.ones((), np.float32))
+
+
+def test_int4_refuses_values_beyond_the_f16_step() -> None:
+    x = np.zeros(64, dtype=np.float32)
+    x[3] = 7 * 65504 * 1.01
+    with pytest.raises(CodecError, match="F16 step"):
+        CODECS["int4"].encode("big", x)
+    x[3] = 7 * 65504  # exactly representable: accepted
+    y, _ = roundtrip(CODECS["int4"], x)
+    assert float(y[3]) == 7 * 65504
+
+
+def test_int4_tiny_groups_use_subnormal_steps() -> None:
+    x = np.array([1e-30, -5e-31] * 32, dtype=np.float32)
+    y, parts = roundtrip(CODECS["int4"], x)
+    assert float(parts["t.scales"][0]) == 2.0**-24  # smallest F16 subnormal, rounded up
+    check_int4_bound(x, y, parts["t.scales"], 64)
+
+
+# ---------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("key", ["int8", "int4"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+def test_non_finite_values_are_refused(key: str, bad: float, dtype: np.dtype[Any]) -> None:
+    x = np.ones((2, 64), dtype=np.float32)
+    x[1, 5] = bad
+    with pytest.raises(CodecError, match=r"'layer_3_value'.*non-finite.*index \[1, 5\]") as info:
+        CODECS[key].encode("layer_3_value", x.astype(dtype))
+    assert isinstance(info.value, SafetensorsError)
+    assert isinstance(info.value, ValueError)
+
+
+def test_decode_refuses_bad_parts() -> None:
+    x = kv_tensor(np.dtype(np.float16), (2, 64))
+    p8 = dict(CODECS["int8"].encode("t", x))
+    p4 = dict(CODECS["int4"].encode("t", x))
+    with pytest.raises(CodecError, match=r"'t\.scale' is missing"):
+        CODECS["int8"].decode("t", {"t": p8["t"]}, "F16")
+    with pytest.raises(CodecError, match="must be int8"):
+        CODECS["int8"].decode("t", {**p8, "t": p8["t"].view(np.uint8)}, "F16")
+    with pytest.raises(CodecError, match="finite and > 0"):
+        CODECS["int8"].decode("t", {**p8, "t.scale": np.zeros(1, np.float32)}, "F16")
+    with pytest.raises(CodecError, match="one float"):
+        CODECS["int8"].decode("t", {**p8, "t.scale": np.ones(2, np.float32)}, "F16")
+    with pytest.raises(CodecError, match=r"'t\.scales' is missing"):
+        CODECS["int4"].decode("t", {"t": p4["t"]}, "F16")
+    with pytest.raises(CodecError, match="uint8 codes and float16 scales"):
+        CODECS["int4"].decode("t", {**p4, "t.scales": p4["t.scales"].astype(np.float32)}, "F16")
+    with pytest.raises(CodecError, match="do not match group size 64"):
+        CODECS["int4"].decode("t", {**p4, "t": p4["t"][:, :16]}, "F16")
+    with pytest.raises(CodecError, match="do not match group size 32"):
+        Int4Codec(group_size=32).decode("t", p4, "F16")
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        CODECS["int4"].decode("t", {**p4, "t.scales": p4["t.scales"] * np.inf}, "F16")
+    with pytest.raises(CodecError, match="not int32"):
+        CODECS["int4"].decode("t", p4, np.int32)
+
+
+# ---------------------------------------------------------------- bfloat16
+
+
+def bf16_bits(array: Array) -> list[int]:
+    return [int(b) for b in np.asarray(array).view(np.uint16).ravel()]
+
+
+def reference_rne_f32(values: Array) -> Array:
+    """Round float32 to bfloat16 bits, to nearest-even, on the integer bits (non-NaN only)."""
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def reference_bf16(value: float) -> float:
+    """Exact round-to-nearest-even of a finite float to bfloat16, with Fractions."""
+    if value == 0:
+        return value
+    exponent = max(math.frexp(abs(value))[1] - 1, -126)
+    quantum = Fraction(2) ** (exponent - 7)
+    rounded = round(Fraction(value) / quantum) * quantum  # round() on Fraction is half-even
+    if abs(rounded) >= 2**128:
+        return math.copysign(math.inf, value)
+    return math.copysign(float(rounded), value)
+
+
+def test_bf16_rounds_to_nearest_even_not_truncation() -> None:
+    one = 1.0
+    cases = {
+        one + 2**-8: one,  # tie, 1.0 is even: down
+        one + 2**-8 + 2**-9: one + 2**-7,  # above the tie: up (truncation gives 1.0)
+        one + 3 * 2**-8: one + 2**-6,  # tie, 1 + 2**-7 is odd: up to even
+        one + 2**-7 + 2**-9: one + 2**-7,  # below the tie: down
+        -(one + 2**-8 + 2**-9): -(one + 2**-7),
+        3.4e38: math.inf,  # beyond the bfloat16 maximum: Inf
+        2.0**-133 * 0.75: 2.0**-133,  # subnormal rounding
+    }
+    for dtype in (np.float32, np.float64):
+        x = np.array(list(cases), dtype=dtype)
+        got = to_bfloat16(x)
+        assert got.dtype == BF16
+        assert as_f64(got).tolist() == list(cases.values())
+    truncated = (np.array(list(cases), np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    assert bf16_bits(to_bfloat16(np.array(list(cases), np.float32))) != truncated.tolist()
+
+
+def test_bf16_keeps_nan_and_inf() -> None:
+    signalling = np.array([0x7F800001, 0xFF800001, 0x7FC00000], np.uint32).view(np.float32)
+    with np.errstate(invalid="ignore"):
+        as_double = signalling.astype(np.float64)
+    for x in (signalling, as_double, np.array([0x7C01, 0xFE00], np.uint16).view(np.float16)):
+        bits = np.array(bf16_bits(to_bfloat16(x)), dtype=np.uint16)
+        assert np.all(bits & 0x7FC0 == 0x7FC0)  # NaN with the quiet bit, never Inf
+    infs = np.array([np.inf, -np.inf])
+    for dtype in (np.float16, np.float32, np.float64):
+        assert as_f64(to_bfloat16(infs.astype(dtype))).tolist() == [math.inf, -math.inf]
+
+
+def test_bf16_matches_integer_rne_for_float32() -> None:
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32)
+    bits[:4096] = (bits[:4096] & 0xFFFF0000) | 0x8000  # exact ties
+    bits[4096:8192] &= 0x807FFFFF  # zeros and subnormals
+    x = bits.view(np.float32)
+    x = x[~np.isnan(x)]
+    assert bf16_bits(to_bfloat16(x)) == reference_rne_f32(x).tolist()
+    assert bf16_bits(x.astype(ml_dtypes.bfloat16)) == reference_rne_f32(x).tolist()
+
+
+def test_bf16_matches_reference_for_every_float16() -> None:
+    x = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    x = x[~np.isnan(x)]
+    assert bf16_bits(to_bfloat16(x)) == reference_rne_f32(x.astype(np.float32)).tolist()
+
+
+def test_bf16_from_float64_rounds_once() -> None:
+    rng = np.random.default_rng(11)
+    ties = ((rng.integers(0, 2**31, 2000, dtype=np.uint64) << 16) | 0x8000).astype(np.uint32)
+    ties = ties.view(np.float32)
+    ties = ties[np.isfinite(ties)].astype(np.float64)
+    # Just above / below a bfloat16 tie, by far less than a float32 ulp: float32 would round
+    # these onto the tie and a second rounding would then go the wrong way.
+    hard = np.concatenate(
+        [np.nextafter(ties, np.inf), np.nextafter(ties, -np.inf), ties * (1 + 2**-40), -ties]
+    )
+    values = np.concatenate([hard, rng.standard_normal(2000) * 10.0 ** rng.integers(-45, 39, 2000)])
+    got = as_f64(to_bfloat16(values)).tolist()
+    assert got == [reference_bf16(v) for v in values.tolist()]
+    assert as_f64(to_bfloat16(np.float64(1 + 2**-8 + 2**-40))).tolist() == 1 + 2**-7
+
+
+def test_bf16_edge_inputs() -> None:
+    assert to_bfloat16(np.array([], np.float32)).shape == (0,)
+    assert to_bfloat16(np.float64(1.5)).shape == ()
+    already = np.array([1.0], BF16)
+    copied = to_bfloat16(already)
+    assert copied is not already
+    assert np.array_equal(as_f64(copied), [1.0])
+    assert to_bfloat16(np.ones((2, 3), np.float32)[:, ::2]).shape == (2, 2)
+    with pytest.raises(CodecError, match="not int32"):
+        to_bfloat16(np.ones(3, np.int32))
+
+
+# ---------------------------------------------------------------- error statistics
+
+
+def test_error_stats_known_values() -> None:
+    x = np.array([3.0, 4.0, 0.0, 0.0])
+    y = np.array([3.0, 3.0, 1.0, 0.0])
+    stats = error_stats(x, y)
+    assert stats["rmse"] == pytest.approx(math.sqrt(2 / 4))
+    assert stats["max_abs_error"] == 1.0
+    assert stats["snr_db"] == pytest.approx(10 * math.log10(25 / 2))
+    assert error_stats(x, x) == {"rmse": 0.0, "max_abs_error": 0.0, "snr_db": math.inf}
+    assert error_stats(np.zeros(3), np.ones(3))["snr_db"] == -math.inf
+    assert error_stats(np.zeros(0), np.zeros(0))["snr_db"] == math.inf
+    assert error_stats([1.0, -1.0], [1.1, -0.9])["snr_db"] == pytest.approx(20.0)
+
+
+def test_error_stats_in_float64() -> None:
+    x = np.array([1.0, 2.0], np.float16)
+    y = np.array([1.0, 2.0], BF16)
+    assert error_stats(x, y)["snr_db"] == math.inf
+    big = np.full(10, 60000.0, np.float16)  # squares overflow float16, not float64
+    assert error_stats(big, big * np.float16(0.5))["snr_db"] == pytest.approx(10 * math.log10(4))
+    with pytest.raises(CodecError, match="shapes differ"):
+        error_stats(np.zeros(3), np.zeros(4))
+
+
+# ---------------------------------------------------------------- properties
+
+
+@st.composite
+def codec_and_array(draw: st.DrawFn) -> tuple[Codec, Array]:
+    choices: list[Codec] = [
+        NoneCodec(),
+        Int8Codec(),
+        Int4Codec(2),
+        Int4Codec(4),
+        Int4Codec(16),
+        Int4Codec(),
+    ]
+    codec = draw(st.sampled_from(choices))
+    dtype = draw(st.sampled_from(FLOATS))
+    lead = draw(st.lists(st.integers(0, 3), max_size=3))
+    if isinstance(codec, Int4Codec):
+        shape = (*lead, codec.group_size * draw(st.integers(0, 3)))
+    else:
+        shape = (*lead, *draw(st.lists(st.integers(0, 5), max_size=1)))
+    magnitude = draw(st.sampled_from([2.0**-10, 1.0, 1024.0]))
+    elements = st.floats(-magnitude, magnitude, width=32, allow_subnormal=False)
+    values = draw(hnp.arrays(np.float32, shape, elements=elements))
+    return codec, values.astype(dtype)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(codec_and_array())
+def test_encode_decode_invariants(case: tuple[Codec, Array]) -> None:
+    codec, x = case
+    specs = codec.specs("p", x.shape, x.dtype)
+    wire = codec.encode("p", x)
+    assert spec_layout(specs) == wire_layout(wire)
+    parts = dict(wire)
+    y = codec.decode("p", parts, x.dtype)
+    assert y.shape == x.shape
+    assert y.dtype == x.dtype
+    if isinstance(codec, Int8Codec):
+        check_int8_bound(x, y, float(parts["p.scale"][0]))
+    elif isinstance(codec, Int4Codec):
+        check_int4_bound(x, y, parts["p.scales"], codec.group_size)
+    else:
+        assert np.array_equal(as_f64(x), as_f64(y))
