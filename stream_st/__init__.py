@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from .connection import Connection, Listener, connect, listen
+from .convenience import load, save
 from .dtypes import DTYPES, DType, dtype_for
 from .errors import (
     AllocationError,
@@ -24,11 +25,14 @@ from .errors import (
     TrailingDataError,
     TransportError,
     TruncatedStreamError,
+    UnsupportedSinkError,
     UnsupportedSourceError,
     UsageError,
+    WriterError,
 )
-from .header import Header, TensorInfo, TensorSpec, build_header, parse_header
+from .header import Header, TensorInfo, TensorSpec, build_header, parse_header, plan_order
 from .reader import TensorStream, open_stream, read_header
+from .writer import TensorParts, TensorWriter, open_writer
 
 __version__ = "0.1.0"
 
@@ -47,19 +51,27 @@ __all__ = [
     "SourceNotFoundError",
     "TensorInfo",
     "TensorNotFoundError",
+    "TensorParts",
     "TensorSpec",
     "TensorStream",
+    "TensorWriter",
     "TrailingDataError",
     "TransportError",
     "TruncatedStreamError",
+    "UnsupportedSinkError",
     "UnsupportedSourceError",
     "UsageError",
+    "WriterError",
     "__version__",
     "build_header",
     "connect",
     "dtype_for",
     "listen",
+    "load",
     "open_stream",
+    "open_writer",
     "parse_header",
+    "plan_order",
     "read_header",
+    "save",
 ]

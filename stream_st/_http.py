@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import socket
 import ssl
-from collections.abc import AsyncIterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Protocol
@@ -35,6 +35,7 @@ __all__ = [
     "HTTPStatusError",
     "Response",
     "Target",
+    "Upload",
 ]
 
 _HEAD_LIMIT = 64 << 10
@@ -316,7 +317,92 @@ class Response:
         await self.aclose()
 
 
-Body = bytes | AsyncIterable[bytes | memoryview] | None
+class Upload:
+    """A request being sent: body pieces with :meth:`send`, then :meth:`finish` for the answer.
+
+    :meth:`abort` drops the connection mid-body, so the server sees an incomplete request.
+    """
+
+    def __init__(
+        self,
+        client: HTTPClient,
+        method: str,
+        target: Target,
+        connection: _Connection,
+        *,
+        chunked: bool,
+    ) -> None:
+        self._client = client
+        self._method = method
+        self._target = target
+        self._connection: _Connection | None = connection
+        self._chunked = chunked
+        self.sent = 0
+
+    async def _send_raw(self, data: bytes | memoryview) -> None:
+        connection = self._connection
+        if connection is None:
+            raise TransportError("the upload is closed", url=self._target.url)
+        try:
+            await connection.wire.send(data)
+        except (OSError, TimeoutError) as exc:
+            await self._fail(exc)
+
+    async def _fail(self, exc: BaseException) -> None:
+        """The server stopped taking the body: report its answer if it sent one."""
+        connection, self._connection = self._connection, None
+        assert connection is not None
+        try:
+            with anyio.move_on_after(1):
+                status, reason, headers = await self._client._read_head(connection, self._target)
+                response = self._client._response(
+                    self._method, self._target, connection, status, reason, headers
+                )
+                response._reusable = False  # the body was cut short: never reuse this connection
+                await raise_for_status(response)
+        except HTTPStatusError:
+            raise
+        except (OSError, TransportError):
+            pass  # no answer to report: the send error below says what happened
+        finally:
+            await connection.wire.aclose()
+        raise TransportError(
+            f"upload failed after {self.sent} body bytes: {exc}", url=self._target.url
+        ) from exc
+
+    async def send(self, data: memoryview) -> None:
+        """Send the next body bytes; returns once the connection has taken them all."""
+        if not len(data):
+            return
+        if self._chunked:
+            await self._send_raw(f"{len(data):x}\r\n".encode())
+            await self._send_raw(data)
+            await self._send_raw(b"\r\n")
+        else:
+            await self._send_raw(data)
+        self.sent += len(data)
+
+    async def finish(self) -> Response:
+        """End the body and read the answer's head (its status is not checked here)."""
+        if self._chunked:
+            await self._send_raw(b"0\r\n\r\n")
+        connection, self._connection = self._connection, None
+        if connection is None:
+            raise TransportError("the upload is closed", url=self._target.url)
+        try:
+            status, reason, headers = await self._client._read_head(connection, self._target)
+        except BaseException:
+            await connection.wire.aclose()
+            raise
+        return self._client._response(
+            self._method, self._target, connection, status, reason, headers
+        )
+
+    async def abort(self) -> None:
+        """Drop the connection: the request ends incomplete."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            await connection.wire.aclose()
 
 
 class HTTPClient:
@@ -377,14 +463,14 @@ class HTTPClient:
         method: str,
         url: str,
         headers: Mapping[str, str] | None = None,
-        body: Body = None,
+        body: bytes | None = None,
         *,
         follow_redirects: bool = True,
     ) -> Response:
         """Send a request and read the response head; the body is read from the Response.
 
-        An async iterable body is sent with chunked transfer encoding unless ``headers`` give a
-        ``Content-Length``. A stale keep-alive connection is replaced transparently.
+        A stale keep-alive connection is replaced transparently. Bodies to stream go through
+        :meth:`upload` instead.
         """
         for _ in range(self._max_redirects + 1):
             response = await self._request_once(method, url, headers, body)
@@ -401,47 +487,33 @@ class HTTPClient:
             return response
         raise TransportError(f"more than {self._max_redirects} redirects", url=url)
 
+    @staticmethod
+    def _head(method: str, target: Target, headers: Mapping[str, str], extra: list[str]) -> bytes:
+        lines = [f"{method} {target.path} HTTP/1.1", f"Host: {target.authority}"]
+        if "user-agent" not in {k.lower() for k in headers}:
+            lines.append(f"User-Agent: {_USER_AGENT}")
+        lines.extend(f"{k}: {v}" for k, v in headers.items())
+        lines.extend(extra)
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
     async def _request_once(
-        self, method: str, url: str, headers: Mapping[str, str] | None, body: Body
+        self, method: str, url: str, headers: Mapping[str, str] | None, body: bytes | None
     ) -> Response:
         target = Target.parse(url)
-        lines = [f"{method} {target.path} HTTP/1.1", f"Host: {target.authority}"]
-        given = {k.lower() for k in (headers or {})}
-        if "user-agent" not in given:
-            lines.append(f"User-Agent: {_USER_AGENT}")
-        lines.extend(f"{k}: {v}" for k, v in (headers or {}).items())
-        if isinstance(body, bytes):
-            if "content-length" not in given:
-                lines.append(f"Content-Length: {len(body)}")
-        elif body is not None and "content-length" not in given:
-            lines.append("Transfer-Encoding: chunked")
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        chunked = body is not None and not isinstance(body, bytes) and "content-length" not in given
-
+        given = dict(headers or {})
+        extra = [] if body is None else [f"Content-Length: {len(body)}"]
+        head = self._head(method, target, given, extra)
         for attempt in range(2):
             connection, reused = await self._connect(target)
             try:
                 await connection.wire.send(head)
-                if isinstance(body, bytes):
-                    if body:
-                        await connection.wire.send(body)
-                elif body is not None:
-                    async for piece in body:
-                        if chunked:
-                            if len(piece):
-                                await connection.wire.send(f"{len(piece):x}\r\n".encode())
-                                await connection.wire.send(piece)
-                                await connection.wire.send(b"\r\n")
-                        else:
-                            await connection.wire.send(piece)
-                    if chunked:
-                        await connection.wire.send(b"0\r\n\r\n")
+                if body:
+                    await connection.wire.send(body)
                 status, reason, response_headers = await self._read_head(connection, target)
             except (OSError, TransportError) as exc:
                 await connection.wire.aclose()
-                # A keep-alive connection the server closed meanwhile: retry once, fresh,
-                # when nothing of a streamed body was consumed.
-                if reused and attempt == 0 and (body is None or isinstance(body, bytes)):
+                # A keep-alive connection the server closed meanwhile: retry once, fresh.
+                if reused and attempt == 0:
                     continue
                 if isinstance(exc, SafetensorsError):
                     raise
@@ -449,16 +521,44 @@ class HTTPClient:
             except BaseException:
                 await connection.wire.aclose()
                 raise
-            return Response(
-                self,
-                connection,
-                target.url,
-                status,
-                reason,
-                response_headers,
-                has_body=method != "HEAD" and status not in (204, 304) and status >= 200,
-            )
+            return self._response(method, target, connection, status, reason, response_headers)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _response(
+        self,
+        method: str,
+        target: Target,
+        connection: _Connection,
+        status: int,
+        reason: str,
+        headers: dict[str, str],
+    ) -> Response:
+        has_body = method != "HEAD" and status not in (204, 304) and status >= 200
+        return Response(self, connection, target.url, status, reason, headers, has_body=has_body)
+
+    async def upload(
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        content_length: int | None = None,
+    ) -> Upload:
+        """Start a request whose body is sent piece by piece with :meth:`Upload.send`.
+
+        With ``content_length`` the body is sent as is, else with chunked transfer encoding.
+        """
+        target = Target.parse(url)
+        extra = (
+            [f"Content-Length: {content_length}"]
+            if content_length is not None
+            else ["Transfer-Encoding: chunked"]
+        )
+        head = self._head(method, target, dict(headers or {}), extra)
+        connection, _ = await self._connect(target)
+        upload = Upload(self, method, target, connection, chunked=content_length is None)
+        await upload._send_raw(head)
+        return upload
 
     async def _read_head(
         self, connection: _Connection, target: Target

@@ -19,16 +19,18 @@ each message, so a session of many transfers runs over one socket::
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from types import TracebackType
 
 import anyio
 
 from .errors import UsageError
-from .header import DEFAULT_MAX_HEADER_SIZE
+from .header import DEFAULT_MAX_HEADER_SIZE, TensorSpec
 from .reader import Include, TensorStream
+from .sinks.tcp import SocketSink
 from .sources.tcp import SocketSource, connect_socket, parse_tcp_url
+from .writer import Order, TensorWriter
 
 __all__ = ["Connection", "Listener", "connect", "listen"]
 
@@ -57,6 +59,22 @@ class Connection:
             raise UsageError(f"{self.name}: the connection is closed")
         source = SocketSource(self._sock, self.name, timeout=self.timeout, owns_socket=False)
         return TensorStream(source, include=include, max_header_size=max_header_size)
+
+    def open_writer(
+        self,
+        plan: Iterable[TensorSpec],
+        *,
+        metadata: Mapping[str, str] | None = None,
+        order: Order = "plan",
+    ) -> TensorWriter:
+        """Write the next message on this connection (see :func:`~stream_st.open_writer`).
+
+        A message that fails closes the connection, so the peer sees it end early.
+        """
+        if self._closed:
+            raise UsageError(f"{self.name}: the connection is closed")
+        sink = SocketSink(self._sock, self.name, timeout=self.timeout, owns_socket=False)
+        return TensorWriter(sink, plan, metadata=metadata, order=order)
 
     async def messages(
         self, *, include: Include = None, max_header_size: int = DEFAULT_MAX_HEADER_SIZE

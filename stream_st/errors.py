@@ -10,8 +10,12 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     ├── TensorNotFoundError           a requested tensor name is not in the header (also KeyError)
     ├── DtypeError                    a dtype code or numpy dtype that safetensors cannot carry
     ├── UnsupportedSourceError        `open_stream` cannot tell how to read the given object
+    ├── UnsupportedSinkError          `open_writer` cannot tell how to write to the given object
     ├── UsageError                    the API was used out of order (e.g. header before open)
     ├── AllocationError               a tensor could not be allocated (also MemoryError)
+    ├── WriterError                   a writer used against its plan: unknown or repeated name,
+    │                                 wrong dtype or shape, out of order on a stream, more or
+    │                                 fewer bytes than planned, a tensor unwritten at close
     └── TransportError                the underlying I/O failed; carries the URL and position
         ├── SourceNotFoundError       the file or object does not exist (also FileNotFoundError)
         └── ReadTimeoutError          a peer or server sent nothing for too long (also TimeoutError)
@@ -33,8 +37,10 @@ __all__ = [
     "TrailingDataError",
     "TransportError",
     "TruncatedStreamError",
+    "UnsupportedSinkError",
     "UnsupportedSourceError",
     "UsageError",
+    "WriterError",
 ]
 
 
@@ -126,3 +132,18 @@ class SourceNotFoundError(TransportError, FileNotFoundError):
 
 class ReadTimeoutError(TransportError, TimeoutError):
     """A connection, peer or server did not answer within the configured timeout."""
+
+
+class UnsupportedSinkError(SafetensorsError, TypeError):
+    """``open_writer`` was given an object or URL scheme it does not know how to write to."""
+
+
+class WriterError(SafetensorsError, ValueError):
+    """A writer was used against its plan; the write is aborted and nothing is committed.
+
+    ``name`` is the tensor concerned, or ``None`` when the problem is not about one tensor.
+    """
+
+    def __init__(self, message: str, *, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name

@@ -315,7 +315,7 @@ def build_header(
     ``__metadata__`` first, padded with spaces to a multiple of 8 as the reference writer does.
     """
     entries: dict[str, Any] = {}
-    if metadata:
+    if metadata is not None:  # even empty: the reference writes "__metadata__":{} too
         for key, value in metadata.items():
             if not isinstance(key, str) or not isinstance(value, str):
                 raise HeaderError(
@@ -346,7 +346,10 @@ def build_header(
         }
         infos.append(info)
         offset = info.end
-    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    try:
+        text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate in a name or in metadata
+        raise HeaderError(f"names and metadata must be valid Unicode text: {exc}") from None
     text += b" " * (-len(text) % 8)
     header = Header.from_tensors(infos, metadata or {}, len(text))
     return struct.pack("<Q", len(text)) + text, header

@@ -141,18 +141,27 @@ class RangeHTTPServer:
             reader.close()
             connection.close()
 
-    def _read_body(self, reader: Any, headers: dict[str, str]) -> bytes:
+    def _read_body(self, reader: Any, headers: dict[str, str]) -> bytes | None:
+        """The request body, or None when the client stopped before its end."""
         if "chunked" in headers.get("transfer-encoding", ""):
             body = bytearray()
             while True:
-                size = int(reader.readline().split(b";")[0].strip(), 16)
+                line = reader.readline()
+                if not line.strip():
+                    return None
+                size = int(line.split(b";")[0].strip(), 16)
                 if size == 0:
                     while reader.readline() not in (b"\r\n", b""):
                         pass
                     return bytes(body)
-                body += reader.read(size)
+                piece = reader.read(size)
+                if len(piece) < size:
+                    return None
+                body += piece
                 reader.readline()
-        return bytes(reader.read(int(headers.get("content-length", "0"))))
+        length = int(headers.get("content-length", "0"))
+        data = reader.read(length)
+        return bytes(data) if len(data) == length else None
 
     def _answer(
         self,
@@ -168,6 +177,8 @@ class RangeHTTPServer:
         if method in ("PUT", "POST"):
             body = self._read_body(reader, headers)
             self.requests.append((method, path, "", 0))
+            if body is None:  # an incomplete upload is never stored
+                return False
             if "reject" in query:
                 self._send_head(connection, 500, {"Content-Length": "0"})
                 return True

@@ -1,0 +1,55 @@
+"""One-call helpers: :func:`save` a dict of arrays, :func:`load` a whole file into a dict."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .header import DEFAULT_MAX_HEADER_SIZE, Header, TensorSpec
+from .reader import Include, open_stream
+from .sinks import SinkLike
+from .sources import SourceLike
+from .writer import Order, open_writer
+
+__all__ = ["load", "save"]
+
+
+async def save(
+    dst: SinkLike,
+    tensors: Mapping[str, Any],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    order: Order = "reference",
+    fsync: bool = False,
+) -> Header:
+    """Write ``{name: array}`` to ``dst`` and return the header written.
+
+    By default tensors are ordered as the reference writer orders them, so a file is
+    byte-identical to ``safetensors.numpy.save_file`` of the same dict and metadata;
+    ``order="plan"`` keeps the dict's order. Each array's dtype and shape make its plan entry
+    (packed F4/F6 tensors need :func:`~stream_st.open_writer` with an explicit plan). Arrays are
+    written straight from their memory, one after another; nothing is committed unless all are.
+    """
+    arrays = {name: np.asarray(array) for name, array in tensors.items()}
+    plan = [TensorSpec(name, array.dtype, array.shape) for name, array in arrays.items()]
+    async with open_writer(dst, plan, metadata=metadata, order=order, fsync=fsync) as writer:
+        for info in writer.header.tensors:
+            await writer.write(info.name, arrays[info.name])
+    return writer.header
+
+
+async def load(
+    source: SourceLike,
+    *,
+    include: Include = None,
+    max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    timeout: float | None = None,
+) -> dict[str, np.ndarray[Any, Any]]:
+    """Read a whole safetensors message into ``{name: array}`` in offset order.
+
+    Takes every source :func:`~stream_st.open_stream` takes, and the same options.
+    """
+    stream = open_stream(source, include=include, max_header_size=max_header_size, timeout=timeout)
+    return {name: array async for name, array in stream}

@@ -1,0 +1,69 @@
+"""Transports that bytes go out through, and the one place that picks one for an object or URL.
+
+Each kind of sink lives in its own module and meets the :class:`~.base.Sink` interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from urllib.parse import unquote, urlsplit
+
+from anyio.abc import ByteSendStream
+
+from ..errors import UnsupportedSinkError
+from ..sources.tcp import connect_socket, parse_tcp_url
+from .base import Sink
+from .file import FileSink
+from .http import HttpSink
+from .s3 import S3Sink
+from .streams import AnyioStreamSink, AsyncioStreamSink
+from .tcp import SocketSink
+
+__all__ = ["Sink", "SinkLike", "open_sink"]
+
+SinkLike = str | os.PathLike[str] | ByteSendStream | asyncio.StreamWriter | Sink
+"""Everything :func:`open_sink` accepts."""
+
+
+def _path_from_url(url: str) -> str:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise UnsupportedSinkError(f"file URL with a remote host is not supported: {url}")
+        return unquote(parts.path)
+    raise UnsupportedSinkError(f"unknown URL scheme {scheme!r} in {url!r}")
+
+
+async def open_sink(dst: SinkLike, *, fsync: bool = False, timeout: float | None = None) -> Sink:
+    """Pick the transport for ``dst``: a path or URL, an anyio byte stream, an asyncio writer.
+
+    URLs: ``file://``, ``tcp://host:port`` (connects), ``http(s)://`` (a PUT upload) and
+    ``s3://bucket/key`` (a multipart upload). ``fsync`` applies to files: flush to stable storage
+    before the file is moved into place. ``timeout`` bounds network waits.
+    """
+    if isinstance(dst, Sink):
+        return dst
+    if isinstance(dst, str):
+        scheme = dst.split("://", 1)[0].lower() if "://" in dst else ""
+        if scheme == "tcp":
+            host, port = parse_tcp_url(dst)
+            sock = await connect_socket(host, port, timeout=timeout)
+            return SocketSink(sock, f"tcp://{host}:{port}", timeout=timeout)
+        if scheme in ("http", "https"):
+            return HttpSink(dst, timeout=timeout)
+        if scheme == "s3":
+            return S3Sink(dst, timeout=timeout)
+    if isinstance(dst, str) and "://" in dst:
+        return FileSink(_path_from_url(dst), fsync=fsync)
+    if isinstance(dst, str | os.PathLike):
+        return FileSink(dst, fsync=fsync)
+    if isinstance(dst, asyncio.StreamWriter):
+        return AsyncioStreamSink(dst)
+    if isinstance(dst, ByteSendStream):
+        return AnyioStreamSink(dst)
+    raise UnsupportedSinkError(
+        f"cannot write safetensors to {type(dst).__name__}: expected a path, a file:// URL, "
+        "an anyio ByteSendStream or an asyncio StreamWriter"
+    )

@@ -1,0 +1,77 @@
+"""``http://`` and ``https://`` sinks: one streaming upload (PUT by default) of the message.
+
+The writer announces the message's size before the first byte, so the body goes out with a
+``Content-Length`` (chunked transfer encoding when the size is unknown) straight from each array's
+memory. The upload is committed when the server answers 2xx to the complete body; an aborted
+message drops the connection mid-body, so the server sees an incomplete request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .._http import HTTPClient, Upload, raise_for_status
+from ..errors import TransportError
+from .base import Sink
+
+__all__ = ["HttpSink"]
+
+
+class HttpSink(Sink):
+    """Upload one message to ``url`` with ``method`` (``PUT`` or ``POST``)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        method: str = "PUT",
+        headers: Mapping[str, str] | None = None,
+        client: HTTPClient | None = None,
+        timeout: float | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.url = url
+        self.name = name or url
+        self._method = method
+        self._headers = {"Content-Type": "application/octet-stream", **dict(headers or {})}
+        self._owns_client = client is None
+        self._client = client or HTTPClient(timeout=timeout)
+        self._size: int | None = None
+        self._upload: Upload | None = None
+
+    def prepare_headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
+        """The headers to send with a request; object stores sign them here."""
+        return headers
+
+    async def allocate(self, size: int) -> None:
+        self._size = size
+
+    async def send(self, buffer: memoryview) -> None:
+        if self._upload is None:
+            headers = self.prepare_headers(self._method, self.url, dict(self._headers))
+            self._upload = await self._client.upload(
+                self._method, self.url, headers, content_length=self._size
+            )
+        await self._upload.send(buffer)
+        self.position += len(buffer)
+
+    async def aclose(self) -> None:
+        try:
+            if self._upload is None:
+                raise TransportError("nothing was uploaded", url=self.name)
+            response = await self._upload.finish()
+            self._upload = None
+            await raise_for_status(response, name=self.name)
+            async with response:
+                await response.read_all()
+        finally:
+            if self._owns_client:
+                await self._client.aclose()
+
+    async def abort(self) -> None:
+        upload, self._upload = self._upload, None
+        if upload is not None:
+            await upload.abort()
+        if self._owns_client:
+            await self._client.aclose()

@@ -1,0 +1,451 @@
+"""The streaming writer: lays out a plan with the header core and drives a sink with arrays.
+
+The plan (a list of :class:`~stream_st.TensorSpec`) fixes every byte before any data: the header
+is written as soon as the writer opens, then each tensor's bytes go straight from the array's
+memory to the sink. On a file tensors may come in any order (positioned writes); on a stream they
+must come in header order. A tensor may come whole (:meth:`TensorWriter.write`) or as consecutive
+pieces along its first axis (:meth:`TensorWriter.write_part`, :meth:`TensorWriter.tensor`).
+
+The writer fails closed: any misuse, failed I/O, exception in the ``async with`` body or
+cancellation aborts the whole message. A file destination is then left untouched (no file, or its
+previous content, and no temporary file); a stream is closed so the peer sees an incomplete
+message. On a stream the message's last byte is held back until the commit, so even a writer that
+fails after every tensor went out leaves its peer one byte short, never with a complete message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio
+import numpy as np
+
+from .dtypes import NATIVE_IS_LITTLE, dtype_for
+from .errors import UsageError, WriterError
+from .header import Header, TensorInfo, TensorSpec, build_header, plan_order
+from .sinks import Sink, SinkLike, open_sink
+
+__all__ = ["Order", "TensorParts", "TensorWriter", "open_writer"]
+
+Order = Literal["plan", "reference"]
+"""``"plan"``: tensors laid out in the order given. ``"reference"``: ordered as the reference
+writer does (descending dtype alignment, then name), giving byte-identical files."""
+
+_NEW, _OPEN, _COMMITTED, _ABORTED = "new", "open", "committed", "aborted"
+
+
+def _wire_view(array: np.ndarray[Any, Any]) -> memoryview:
+    """A 1-D byte view of ``array`` as stored on the wire: C order, little-endian.
+
+    No copy for a C-contiguous little-endian array; one copy otherwise.
+    """
+    order = array.dtype.byteorder
+    if order == ">" or (order == "=" and not NATIVE_IS_LITTLE):
+        array = array.astype(array.dtype.newbyteorder("<"), order="C")
+    elif not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return array.reshape(-1).view(np.uint8).data
+
+
+def _describe(info: TensorInfo) -> str:
+    return f"{info.dtype} {list(info.shape)}"
+
+
+class TensorWriter:
+    """One safetensors message being written. Create it with :func:`open_writer`.
+
+    Use it as ``async with open_writer(dst, plan) as writer``: the header is written on entry, the
+    message is committed on a clean exit (a file appears at its destination) and aborted on an
+    exception. :attr:`header` is available at once, with every offset.
+    """
+
+    def __init__(
+        self,
+        dst: SinkLike,
+        plan: Iterable[TensorSpec],
+        *,
+        metadata: Mapping[str, str] | None = None,
+        order: Order = "plan",
+        fsync: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        specs = list(plan)
+        if order == "reference":
+            specs = plan_order(specs)
+        elif order != "plan":
+            raise UsageError(f"order must be 'plan' or 'reference', got {order!r}")
+        self._prefix, self._header = build_header(specs, metadata)
+        self._dst = dst
+        self._fsync = fsync
+        self._timeout = timeout
+        self._sink: Sink | None = None
+        self._state = _NEW
+        self._failure: BaseException | None = None
+        self._position = {info.name: index for index, info in enumerate(self._header.tensors)}
+        self._claimed: dict[str, int] = {}  # bytes handed out per started tensor
+        self._done: dict[str, int] = {}  # bytes written per started tensor
+        self._next = 0  # on a stream: index of the first tensor not fully claimed
+        self._last_send: anyio.Event | None = None  # on a stream: sends go out in claim order
+        self._held = b""  # on a stream: the message's last byte, sent only on commit
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def header(self) -> Header:
+        """The header this writer writes: names, dtypes, shapes and every offset."""
+        return self._header
+
+    @property
+    def remaining(self) -> list[str]:
+        """Names of the tensors not yet completely written, in header order."""
+        return [t.name for t in self._header.tensors if not self._complete(t)]
+
+    @property
+    def random_access(self) -> bool:
+        """True when tensors may be written in any order (a file); False on a stream."""
+        return self._require_sink().random_access
+
+    def _complete(self, info: TensorInfo) -> bool:
+        return self._done.get(info.name) == info.nbytes
+
+    def _require_sink(self) -> Sink:
+        if self._sink is None:
+            raise UsageError("the writer is not open: use 'async with open_writer(...)'")
+        return self._sink
+
+    def _check_usable(self) -> Sink:
+        if self._state == _ABORTED:
+            raise UsageError(
+                f"the write was aborted ({self._failure!r}); nothing was committed"
+            ) from self._failure
+        if self._state == _COMMITTED:
+            raise UsageError("the writer is closed: every tensor was already written")
+        return self._require_sink()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def open(self) -> Header:
+        """Open the destination and write the header. Idempotent."""
+        if self._state == _OPEN:
+            return self._header
+        if self._state != _NEW:
+            raise UsageError("the writer is closed")
+        sink = await open_sink(self._dst, fsync=self._fsync, timeout=self._timeout)
+        self._sink, self._state = sink, _OPEN
+        prefix = memoryview(self._prefix)
+        try:
+            await sink.allocate(self._header.file_size)
+            if sink.random_access:
+                await sink.write_at(0, prefix)
+            else:
+                if not self._header.data_size:  # nothing follows: hold back the header's end
+                    prefix, self._held = prefix[:-1], bytes(prefix[-1:])
+                await sink.send(prefix)
+        except BaseException as exc:
+            await self._abort(exc)
+            raise
+        return self._header
+
+    async def aclose(self) -> None:
+        """Commit: check that every tensor was written in full, then close the sink.
+
+        A file is moved into place; a stream is flushed and left open. Raises
+        :class:`~stream_st.WriterError` (and aborts) if any tensor is missing or incomplete.
+        """
+        if self._state == _COMMITTED:
+            return
+        if self._state == _NEW:
+            self._state = _ABORTED
+            return
+        if self._state == _ABORTED:
+            raise WriterError(
+                f"the write was aborted ({self._failure!r}); nothing was committed"
+            ) from self._failure
+        missing = [t for t in self._header.tensors if not self._complete(t)]
+        if missing:
+            details = ", ".join(
+                f"{t.name!r} ({self._done.get(t.name, 0)} of {t.nbytes} bytes)" for t in missing[:8]
+            )
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            error = WriterError(
+                f"{len(missing)} tensor(s) not completely written when the writer closed: "
+                f"{details}{more}",
+                name=missing[0].name,
+            )
+            await self._abort(error)
+            raise error
+        sink = self._require_sink()
+        try:
+            if self._held:
+                await sink.send(memoryview(self._held))
+                self._held = b""
+            await sink.aclose()
+        except BaseException as exc:
+            await self._abort(exc)
+            raise
+        self._state = _COMMITTED
+
+    async def abort(self) -> None:
+        """Throw the message away: no file at the destination, or a closed stream."""
+        await self._abort(None)
+
+    async def _abort(self, cause: BaseException | None) -> None:
+        if self._state in (_ABORTED, _COMMITTED):
+            return
+        self._state, self._failure = _ABORTED, cause
+        sink = self._sink
+        if sink is None:
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                await sink.abort()
+            except Exception:
+                if cause is None:
+                    raise
+                # Already failing: the first error is the one to report.
+
+    async def __aenter__(self) -> TensorWriter:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            await self._abort(exc)
+        else:
+            await self.aclose()
+
+    # ------------------------------------------------------------------ writing
+
+    async def write(self, name: str, array: Any) -> None:
+        """Write the whole tensor ``name`` from ``array``.
+
+        ``array`` must have the planned dtype (any byte order) and the shape the tensor is
+        delivered as (:attr:`~stream_st.TensorInfo.array_shape`: packed F4/F6 as ``uint8``).
+        Its memory is read until this returns and may be reused afterwards.
+        """
+        self._check_usable()
+        try:
+            info = self._lookup(name)
+            data = self._whole_view(info, array)
+            start = self._claim(info, len(data), "whole")
+            await self._put(info, start, data)
+        except BaseException as exc:
+            await self._abort(exc)
+            raise
+
+    async def write_part(self, name: str, piece: Any) -> None:
+        """Write the next rows of tensor ``name``: consecutive pieces along the first axis.
+
+        ``piece`` has the tensor's dtype and shape ``(k, *rest)`` for ``k`` rows, or ``rest`` for
+        one row, where ``rest`` is the delivered shape without its first axis. The running byte
+        count is checked against the plan; going past it raises :class:`~stream_st.WriterError`.
+        """
+        self._check_usable()
+        try:
+            info = self._lookup(name)
+            data = self._piece_view(info, piece)
+            start = self._claim(info, len(data), "part")
+            await self._put(info, start, data)
+        except BaseException as exc:
+            await self._abort(exc)
+            raise
+
+    def tensor(self, name: str) -> TensorParts:
+        """``async with writer.tensor(name) as t: await t.write(rows)``: write one tensor in parts.
+
+        Leaving the block checks that the parts added up to the whole tensor.
+        """
+        return TensorParts(self, name)
+
+    def _lookup(self, name: str) -> TensorInfo:
+        if name not in self._header:
+            raise WriterError(f"no tensor named {name!r} in the plan", name=name)
+        return self._header[name]
+
+    def _check_dtype(self, info: TensorInfo, array: np.ndarray[Any, Any]) -> None:
+        planned = info.dtype_info
+        if planned.packed:
+            ok = array.dtype == np.uint8
+        else:
+            try:
+                ok = dtype_for(array.dtype).code == planned.code
+            except Exception:
+                ok = False
+        if not ok:
+            raise WriterError(
+                f"tensor {info.name!r}: planned {_describe(info)} takes an array of dtype "
+                f"{info.array_dtype}, got {array.dtype}",
+                name=info.name,
+            )
+
+    def _whole_view(self, info: TensorInfo, array: Any) -> memoryview:
+        array = np.asarray(array)
+        self._check_dtype(info, array)
+        if array.shape != info.array_shape:
+            raise WriterError(
+                f"tensor {info.name!r}: planned {_describe(info)} takes an array of shape "
+                f"{info.array_shape}, got {array.shape}",
+                name=info.name,
+            )
+        return _wire_view(array)
+
+    def _piece_view(self, info: TensorInfo, piece: Any) -> memoryview:
+        piece = np.asarray(piece)
+        self._check_dtype(info, piece)
+        shape = info.array_shape
+        rest = shape[1:]
+        rows = piece.ndim == len(shape) and piece.shape[1:] == rest
+        if not (rows or piece.shape == rest):
+            raise WriterError(
+                f"tensor {info.name!r}: a part of {_describe(info)} must have shape "
+                f"(rows, *{rest}) or {rest}, got {piece.shape}",
+                name=info.name,
+            )
+        return _wire_view(piece)
+
+    def _claim(self, info: TensorInfo, count: int, mode: Literal["whole", "part", "begin"]) -> int:
+        """Reserve the next ``count`` bytes of ``info``; returns their offset in the tensor."""
+        name = info.name
+        claimed = self._claimed.get(name)
+        if claimed is not None and mode != "part":
+            state = "written" if claimed == info.nbytes else "being written in parts"
+            raise WriterError(f"tensor {name!r} is already {state}", name=name)
+        start = claimed or 0
+        if start + count > info.nbytes:
+            raise WriterError(
+                f"tensor {name!r}: parts add up to {start + count} bytes, more than the "
+                f"{info.nbytes} bytes planned for {_describe(info)}",
+                name=name,
+            )
+        sink = self._require_sink()
+        if not sink.random_access:
+            index = self._position[name]
+            if index != self._next and not (claimed is not None and count == 0):
+                expected = self._header.tensors[self._next].name
+                raise WriterError(
+                    f"tensor {name!r} is out of order: a stream takes tensors in header order "
+                    f"and the next one is {expected!r}",
+                    name=name,
+                )
+        self._claimed[name] = start + count
+        self._done.setdefault(name, 0)
+        if not sink.random_access:
+            tensors = self._header.tensors
+            while self._next < len(tensors) and self._claimed.get(tensors[self._next].name) == (
+                tensors[self._next].nbytes
+            ):
+                self._next += 1
+        return start
+
+    async def _put(self, info: TensorInfo, start: int, data: memoryview) -> None:
+        sink = self._require_sink()
+        count = len(data)
+        offset = self._header.data_start + info.start + start
+        if count and sink.random_access:
+            await sink.write_at(offset, data)
+        elif count:
+            if offset + count == self._header.file_size:
+                # The message's last byte waits for the commit: a stream whose writer fails
+                # after sending everything still ends one byte short, never complete.
+                data, self._held = data[:-1], bytes(data[-1:])
+            previous, mine = self._last_send, anyio.Event()
+            self._last_send = mine
+            try:
+                if previous is not None:
+                    await previous.wait()
+                self._check_usable()
+                await sink.send(data)
+            finally:
+                mine.set()
+        self._done[info.name] += count
+
+
+class TensorParts:
+    """One tensor written in consecutive pieces; see :meth:`TensorWriter.tensor`."""
+
+    def __init__(self, writer: TensorWriter, name: str) -> None:
+        self._writer = writer
+        self.name = name
+
+    @property
+    def info(self) -> TensorInfo:
+        """The tensor's entry in the header."""
+        return self._writer.header[self.name]
+
+    @property
+    def written(self) -> int:
+        """Bytes of this tensor written so far."""
+        return self._writer._done.get(self.name, 0)
+
+    @property
+    def remaining(self) -> int:
+        """Bytes of this tensor still to write."""
+        return self.info.nbytes - self.written
+
+    async def write(self, piece: Any) -> None:
+        """Write the next rows; see :meth:`TensorWriter.write_part`."""
+        await self._writer.write_part(self.name, piece)
+
+    async def __aenter__(self) -> TensorParts:
+        writer = self._writer
+        writer._check_usable()
+        try:
+            writer._claim(writer._lookup(self.name), 0, "begin")
+        except BaseException as exc:
+            await writer._abort(exc)
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        writer = self._writer
+        if exc is not None:
+            await writer._abort(exc)
+            return
+        if writer._state == _OPEN and self.remaining:
+            info = self.info
+            error = WriterError(
+                f"tensor {self.name!r}: parts add up to {self.written} bytes, fewer than the "
+                f"{info.nbytes} bytes planned for {_describe(info)}",
+                name=self.name,
+            )
+            await writer._abort(error)
+            raise error
+
+
+def open_writer(
+    dst: SinkLike,
+    plan: Iterable[TensorSpec],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    order: Order = "plan",
+    fsync: bool = False,
+    timeout: float | None = None,
+) -> TensorWriter:
+    """Write a safetensors message to ``dst`` following ``plan``, tensor by tensor.
+
+    ``dst`` is a path (``str``, ``os.PathLike``, ``file://`` URL), ``tcp://host:port``,
+    ``http(s)://`` (a PUT upload), ``s3://bucket/key`` (a multipart upload), an anyio
+    ``ByteSendStream``, an asyncio ``StreamWriter`` or a :class:`~stream_st.sinks.Sink`;
+    ``timeout`` bounds network waits. ``plan`` lists every tensor as a
+    :class:`~stream_st.TensorSpec` (dtype as a safetensors code or a numpy / ml_dtypes dtype);
+    ``order="reference"`` sorts it as the reference writer does. The header is built (and a bad
+    plan refused) right away and written when the writer opens.
+
+    A file is written to a hidden temporary file beside ``dst`` and renamed into place only when
+    every tensor has been written (``fsync=True`` flushes it to disk first); tensors may come in
+    any order. On a stream they must come in header order, and the stream is left open after a
+    complete message. Any error aborts the message: see :class:`TensorWriter`.
+    """
+    return TensorWriter(dst, plan, metadata=metadata, order=order, fsync=fsync, timeout=timeout)
