@@ -1,0 +1,377 @@
+"""Pipelined KV-cache transfer: layer 0 is in use at the receiver while the sender computes on.
+
+A transfer is one plain safetensors message (any reader can open it) laid out as::
+
+    layer_0_key, layer_0_value, layer_0_digest, layer_1_key, ... layer_{L-1}_digest
+
+``layer_{i}_key`` / ``layer_{i}_value`` have shape ``[batch, n_kv_heads, seq, head_dim]`` in F16,
+BF16 or F32, or the wire tensors of a codec (``stream_st.codecs``: INT8 adds ``.scale``, INT4 packs
+codes in U8 and adds ``.scales``). ``layer_{i}_digest`` is U8 ``[32]``: the SHA-256 of every wire
+byte of the layer's key and value tensors in plan order. Its size is fixed, so every offset is
+known before any layer exists: the sender writes the header first, then each layer as soon as it
+is produced, and fills the digest right after. The receiver checks the digest before it hands the
+layer out, so a corrupted layer is never delivered as good.
+
+``__metadata__`` records the codec (``compression``, ``group_size``, ``original_dtype``, ...), and
+``kv_layers``, ``kv_shape``, ``kv_dtype``, ``kv_digest`` so a receiver knows the layout from the
+header alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterable, AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import numpy as np
+from anyio.abc import ObjectReceiveStream
+
+from .codecs import Codec, codec_from_metadata, get_codec
+from .connection import Connection
+from .dtypes import dtype_for
+from .errors import HeaderError, SafetensorsError, UsageError
+from .header import Header, TensorSpec
+from .reader import TensorStream, open_stream
+from .sinks import SinkLike
+from .sources import SourceLike
+from .writer import TensorWriter, open_writer
+
+__all__ = [
+    "DIGEST_SIZE",
+    "IntegrityError",
+    "KVLayout",
+    "KVReceiver",
+    "SendReport",
+    "receive_kv",
+    "send_kv",
+]
+
+Array = np.ndarray[Any, Any]
+DIGEST_SIZE = 32
+
+
+class IntegrityError(SafetensorsError):
+    """A layer's bytes do not match its digest: the layer was not delivered."""
+
+    def __init__(self, layer: int, source: str) -> None:
+        super().__init__(f"layer {layer} from {source} failed its SHA-256 check; not delivered")
+        self.layer = layer
+
+
+def key_name(layer: int) -> str:
+    return f"layer_{layer}_key"
+
+
+def value_name(layer: int) -> str:
+    return f"layer_{layer}_value"
+
+
+def digest_name(layer: int) -> str:
+    return f"layer_{layer}_digest"
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a transfer carries: ``num_layers`` of key and value, each of ``shape`` and ``dtype``
+    (a safetensors code: F16, BF16, F32), through ``codec`` ("none", "int8", "int4")."""
+
+    num_layers: int
+    shape: tuple[int, ...]
+    dtype: str = "F16"
+    codec: str = "none"
+    group_size: int = 64
+    digest: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1 or len(self.shape) != 4:
+            raise UsageError(
+                "a KV layout needs >= 1 layer and a [batch, heads, seq, head_dim] shape"
+            )
+        if self.dtype not in ("F16", "BF16", "F32"):
+            raise UsageError(f"KV dtype must be F16, BF16 or F32, not {self.dtype!r}")
+
+    @property
+    def numpy_dtype(self) -> np.dtype[Any]:
+        return dtype_for(self.dtype).numpy
+
+    def get_codec(self) -> Codec:
+        return get_codec(self.codec, group_size=self.group_size if self.codec == "int4" else None)
+
+    def layer_specs(self, layer: int) -> list[TensorSpec]:
+        """The wire tensors of one layer: key parts, value parts, then the digest."""
+        codec = self.get_codec()
+        specs = [
+            *codec.specs(key_name(layer), self.shape, self.dtype),
+            *codec.specs(value_name(layer), self.shape, self.dtype),
+        ]
+        if self.digest:
+            specs.append(TensorSpec(digest_name(layer), "U8", (DIGEST_SIZE,)))
+        return specs
+
+    def plan(self) -> list[TensorSpec]:
+        return [spec for layer in range(self.num_layers) for spec in self.layer_specs(layer)]
+
+    def metadata(self) -> dict[str, str]:
+        meta = self.get_codec().metadata(self.numpy_dtype)
+        meta.update(
+            kv_layers=str(self.num_layers),
+            kv_shape=json.dumps(list(self.shape)),
+            kv_dtype=self.dtype,
+            kv_digest="sha256" if self.digest else "none",
+            kv_layout="layer_{i}_key / layer_{i}_value: [batch, n_kv_heads, seq, head_dim]",
+        )
+        return meta
+
+    @property
+    def layer_bytes(self) -> int:
+        """Wire bytes of one layer (key, value, codec siblings and digest)."""
+        total = 0
+        for spec in self.layer_specs(0):
+            bits = dtype_for(spec.dtype).bits
+            total += int(np.prod(spec.shape, dtype=np.int64)) * bits // 8
+        return total
+
+    @classmethod
+    def from_header(cls, header: Header) -> KVLayout:
+        meta = header.metadata
+        try:
+            layout = cls(
+                num_layers=int(meta["kv_layers"]),
+                shape=tuple(int(d) for d in json.loads(meta["kv_shape"])),
+                dtype=meta["kv_dtype"],
+                codec=codec_from_metadata(meta).key,
+                group_size=int(meta.get("group_size", "64")),
+                digest=meta.get("kv_digest", "sha256") == "sha256",
+            )
+        except (KeyError, ValueError, TypeError, json.JSONDecodeError) as exc:
+            raise HeaderError(f"not a KV-cache transfer: its metadata lacks {exc}") from None
+        expected = [(s.name, dtype_for(s.dtype).code, s.shape) for s in layout.plan()]
+        actual = [(t.name, t.dtype, t.shape) for t in header.tensors]
+        if expected != actual:
+            raise HeaderError("the tensors do not follow the KV layout their metadata announces")
+        return layout
+
+
+@dataclass
+class SendReport:
+    """When each layer was produced and when its last byte was handed to the transport."""
+
+    produced_at: list[float] = field(default_factory=list)
+    sent_at: list[float] = field(default_factory=list)
+    wire_bytes: int = 0
+    header_sent_at: float = 0.0
+
+
+def _wire(array: Array) -> memoryview:
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+
+
+async def _write_layer(
+    writer: TensorWriter, layout: KVLayout, codec: Codec, layer: int, key: Array, value: Array
+) -> None:
+    digest = hashlib.sha256()
+    for name, array in (
+        *codec.encode(key_name(layer), key),
+        *codec.encode(value_name(layer), value),
+    ):
+        await writer.write(name, array)
+        if layout.digest:
+            digest.update(_wire(array))
+    if layout.digest:
+        await writer.write(digest_name(layer), np.frombuffer(digest.digest(), dtype=np.uint8))
+
+
+async def send_kv(
+    dst: Connection | SinkLike,
+    layout: KVLayout,
+    layers: AsyncIterable[tuple[int, Array, Array]],
+    *,
+    queue: int = 2,
+) -> SendReport:
+    """Send a KV cache layer by layer as ``layers`` yields ``(layer, key, value)`` in order.
+
+    The header goes out before layer 0 exists. The producer runs ahead of the connection by at
+    most ``queue`` layers: a slow receiver slows the producer (backpressure), never grows memory.
+    If the transfer fails (the receiver went away, a layer is out of order or misshapen), it
+    raises at once and stops pulling from the producer; the receiver sees an incomplete message.
+    """
+    report = SendReport()
+    codec = layout.get_codec()
+    start = time.perf_counter()
+    if isinstance(dst, Connection):
+        writer = dst.open_writer(layout.plan(), metadata=layout.metadata())
+    else:
+        writer = open_writer(dst, layout.plan(), metadata=layout.metadata())
+    send_layers, receive_layers = anyio.create_memory_object_stream[tuple[int, Array, Array]](
+        max_buffer_size=max(0, queue - 1)
+    )
+
+    failures: list[BaseException] = []
+
+    async def produce() -> None:
+        try:
+            async with send_layers:
+                async for item in layers:
+                    report.produced_at.append(time.perf_counter() - start)
+                    await send_layers.send(item)
+        except anyio.BrokenResourceError:
+            pass  # the sending side failed and stopped listening: its error is the one to report
+        except Exception as exc:  # the producer's own failure ends the transfer
+            failures.append(exc)
+            await receive_layers.aclose()
+
+    async def consume(items: ObjectReceiveStream[tuple[int, Array, Array]]) -> None:
+        async with items:
+            expected = 0
+            async for layer, key, value in items:
+                if layer != expected:
+                    raise UsageError(f"layer {layer} produced where layer {expected} was due")
+                for what, array in (("key", key), ("value", value)):
+                    if tuple(array.shape) != layout.shape:
+                        raise UsageError(
+                            f"layer {layer} {what} has shape {list(array.shape)}, "
+                            f"the layout says {list(layout.shape)}"
+                        )
+                await _write_layer(writer, layout, codec, layer, key, value)
+                report.sent_at.append(time.perf_counter() - start)
+                expected += 1
+            if expected != layout.num_layers:
+                raise UsageError(
+                    f"the producer stopped after {expected} of {layout.num_layers} layers"
+                )
+
+    async with writer:
+        report.header_sent_at = time.perf_counter() - start
+        async with anyio.create_task_group() as group:
+            group.start_soon(produce)
+            try:
+                await consume(receive_layers)
+            except Exception as exc:  # raised plainly below, not as an exception group
+                failures.insert(0, exc)
+                group.cancel_scope.cancel()
+        if failures:
+            raise failures[0]  # inside the writer's block: the message is aborted
+    report.wire_bytes = writer.header.file_size
+    return report
+
+
+@dataclass
+class _Layer:
+    parts: dict[str, Array] = field(default_factory=dict)
+    digest: Any = None
+
+
+class KVReceiver:
+    """The receiving side of a transfer; made by :func:`receive_kv`.
+
+    Layers are read in the background as they arrive and verified before they are handed out.
+    Iterate for ``(layer, key, value)`` in order, or ``await wait_for_layer(i)`` for one layer
+    (as attention does, layer by layer). ``received_at`` and ``verified_at`` time each layer.
+    """
+
+    def __init__(self, layout: KVLayout, source: str) -> None:
+        self.layout = layout
+        self.source = source
+        self.received_at: list[float] = []
+        self.verified_at: list[float] = []
+        self._codec = layout.get_codec()
+        self._layers: dict[int, tuple[Array, Array]] = {}
+        self._events = [anyio.Event() for _ in range(layout.num_layers)]
+        self._error: BaseException | None = None
+        self._next = 0
+        self._start = time.perf_counter()
+
+    async def wait_for_layer(self, layer: int) -> tuple[Array, Array]:
+        """Key and value of ``layer``, once it has arrived and passed its check."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise UsageError(f"no layer {layer}: the transfer has {self.layout.num_layers}")
+        await self._events[layer].wait()
+        if layer in self._layers:
+            return self._layers[layer]
+        assert self._error is not None
+        raise self._error
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, Array, Array]]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[tuple[int, Array, Array]]:
+        for layer in range(self.layout.num_layers):
+            key, value = await self.wait_for_layer(layer)
+            yield layer, key, value
+
+    async def _run(self, stream: TensorStream) -> None:
+        try:
+            await self._read(stream)
+        except Exception as exc:  # handed to whoever waits for a layer, as a plain exception
+            self._error = exc
+        finally:
+            for event in self._events:
+                event.set()
+
+    async def _read(self, stream: TensorStream) -> None:
+        current = _Layer()
+        digest = hashlib.sha256() if self.layout.digest else None
+        layer = 0
+        wanted = len(self.layout.layer_specs(0))
+        arrived = 0
+        async for name, array in stream:
+            arrived += 1
+            if name == digest_name(layer):
+                current.digest = bytes(array)
+            else:
+                current.parts[name] = array
+                if digest is not None:
+                    digest.update(_wire(array))
+            if arrived < wanted:
+                continue
+            arrived = 0
+            self.received_at.append(time.perf_counter() - self._start)
+            if digest is not None and digest.digest() != current.digest:
+                raise IntegrityError(layer, self.source)
+            dtype = self.layout.numpy_dtype
+            key = self._codec.decode(key_name(layer), current.parts, dtype)
+            value = self._codec.decode(value_name(layer), current.parts, dtype)
+            self._layers[layer] = (key, value)
+            self.verified_at.append(time.perf_counter() - self._start)
+            self._events[layer].set()
+            layer += 1
+            current = _Layer()
+            digest = hashlib.sha256() if self.layout.digest else None
+
+    def release(self, layer: int) -> None:
+        """Forget a layer handed out already (to bound memory when consuming once)."""
+        self._layers.pop(layer, None)
+
+
+@asynccontextmanager
+async def receive_kv(
+    source: Connection | SourceLike, *, timeout: float | None = None
+) -> AsyncIterator[KVReceiver]:
+    """Receive one KV-cache transfer from ``source`` (a Connection, ``tcp://`` URL, path...).
+
+    The header is read and checked against the KV layout on entry. Leaving the block stops
+    reading (on a Connection, an unfinished message leaves it unusable: close it).
+    """
+    stream = (
+        source.open_stream()
+        if isinstance(source, Connection)
+        else open_stream(source, timeout=timeout)
+    )
+    failure: Exception | None = None
+    async with stream:
+        receiver = KVReceiver(KVLayout.from_header(stream.header), stream.source.name)
+        async with anyio.create_task_group() as group:
+            group.start_soon(receiver._run, stream)
+            try:
+                yield receiver
+            except Exception as exc:  # re-raised plainly below, not as an exception group
+                failure = exc
+            finally:
+                group.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
