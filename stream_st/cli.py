@@ -11,78 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import anyio
-import numpy as np
-from anyio.abc import SocketStream
 
 from . import tools
+from .demo import print_report, run_demo
 from .errors import SafetensorsError
-from .header import TensorSpec, build_header
-from .reader import open_stream
-
-
-def _kv_layer(layer: int, kind: int, shape: tuple[int, ...]) -> np.ndarray:
-    """Deterministic synthetic K or V data for a layer, so the receiver can check it."""
-    rng = np.random.default_rng(layer * 2 + kind)
-    return rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
-
-
-async def _demo(layers: int, seq: int) -> int:
-    shape = (1, 4, seq, 64)
-    plan = [
-        TensorSpec(f"layer_{i}_{kind}", "F16", shape)
-        for i in range(layers)
-        for kind in ("key", "value")
-    ]
-    prefix, header = build_header(plan, {"compression": "none", "source": "stream-st demo"})
-    start = time.perf_counter()
-    sent: dict[str, float] = {}
-
-    async def send(stream: SocketStream) -> None:
-        async with stream:
-            await stream.send(prefix)
-            for i in range(layers):
-                for kind_index, kind in enumerate(("key", "value")):
-                    data = _kv_layer(i, kind_index, shape)
-                    await stream.send(data.tobytes())
-                    sent[f"layer_{i}_{kind}"] = time.perf_counter() - start
-
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-    port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    print(
-        f"stream-st demo: {layers} layers x key/value {list(shape)} F16, "
-        f"{header.file_size / 1e6:.1f} MB over tcp://127.0.0.1:{port}"
-    )
-    print(f"{'tensor':<18}{'sent ms':>10}{'received ms':>13}  check")
-    received = 0
-    async with listener, anyio.create_task_group() as group:
-        group.start_soon(listener.serve, send)
-        connection = await anyio.connect_tcp("127.0.0.1", port)
-        async with connection, open_stream(connection) as stream:
-            async for name, array in stream:
-                at = time.perf_counter() - start
-                layer, kind = int(name.split("_")[1]), name.endswith("value")
-                ok = np.array_equal(array, _kv_layer(layer, int(kind), shape))
-                received += array.nbytes
-                print(
-                    f"{name:<18}{sent.get(name, float('nan')) * 1e3:>10.1f}{at * 1e3:>13.1f}"
-                    f"  {'ok' if ok else 'MISMATCH'}"
-                )
-                if not ok:
-                    raise SafetensorsError(f"{name} arrived corrupted")
-        group.cancel_scope.cancel()
-    total = time.perf_counter() - start
-    print(
-        f"received {received / 1e6:.1f} MB in {total * 1e3:.0f} ms "
-        f"({received / total / 1e9:.2f} GB/s), every tensor verified"
-    )
-    return 0
-
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -272,7 +209,10 @@ async def _validate(args: argparse.Namespace) -> int:
 
 
 async def _demo_command(args: argparse.Namespace) -> int:
-    return await _demo(args.layers, args.seq)
+    codecs = tuple(c for c in args.codecs.split(",") if c)
+    results = await run_demo(args.layers, args.seq, codecs)
+    print_report(results, args.layers, args.seq)
+    return EXIT_OK
 
 
 EXAMPLES = {
@@ -285,7 +225,7 @@ EXAMPLES = {
     "validate": "stream-st validate model.safetensors\n"
     "  stream-st validate --expect-shapes shapes.json \\\n"
     "      --expect-layers q_proj,k_proj,v_proj,o_proj model.safetensors",
-    "demo": "stream-st demo\n  stream-st demo --layers 4 --seq 512",
+    "demo": "stream-st demo\n  stream-st demo --layers 4 --seq 512 --codecs none,int4",
 }
 
 
@@ -318,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--layers", type=int, default=22, help="number of layers (default 22)")
     demo.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    demo.add_argument(
+        "--codecs", default="none,int8,int4", help="codecs to run, in order (none,int8,int4)"
+    )
 
     inspect = command("inspect", "show the header: tensors, sizes, parameters, metadata", _inspect)
     inspect.add_argument("source")

@@ -159,7 +159,8 @@ class KVLayout:
 
 @dataclass
 class SendReport:
-    """When each layer was produced and when its last byte was handed to the transport."""
+    """When each layer was produced and when its last byte was handed to the transport
+    (``time.perf_counter()`` values)."""
 
     produced_at: list[float] = field(default_factory=list)
     sent_at: list[float] = field(default_factory=list)
@@ -202,7 +203,6 @@ async def send_kv(
     """
     report = SendReport()
     codec = layout.get_codec()
-    start = time.perf_counter()
     if isinstance(dst, Connection):
         writer = dst.open_writer(layout.plan(), metadata=layout.metadata())
     else:
@@ -217,7 +217,7 @@ async def send_kv(
         try:
             async with send_layers:
                 async for item in layers:
-                    report.produced_at.append(time.perf_counter() - start)
+                    report.produced_at.append(time.perf_counter())
                     await send_layers.send(item)
         except anyio.BrokenResourceError:
             pass  # the sending side failed and stopped listening: its error is the one to report
@@ -238,7 +238,7 @@ async def send_kv(
                             f"the layout says {list(layout.shape)}"
                         )
                 await _write_layer(writer, layout, codec, layer, key, value)
-                report.sent_at.append(time.perf_counter() - start)
+                report.sent_at.append(time.perf_counter())
                 expected += 1
             if expected != layout.num_layers:
                 raise UsageError(
@@ -246,7 +246,7 @@ async def send_kv(
                 )
 
     async with writer:
-        report.header_sent_at = time.perf_counter() - start
+        report.header_sent_at = time.perf_counter()
         async with anyio.create_task_group() as group:
             group.start_soon(produce)
             try:
@@ -271,7 +271,8 @@ class KVReceiver:
 
     Layers are read in the background as they arrive and verified before they are handed out.
     Iterate for ``(layer, key, value)`` in order, or ``await wait_for_layer(i)`` for one layer
-    (as attention does, layer by layer). ``received_at`` and ``verified_at`` time each layer.
+    (as attention does, layer by layer). ``received_at`` and ``verified_at`` time each layer
+    (``time.perf_counter()`` values).
     """
 
     def __init__(self, layout: KVLayout, source: str) -> None:
@@ -284,7 +285,6 @@ class KVReceiver:
         self._events = [anyio.Event() for _ in range(layout.num_layers)]
         self._error: BaseException | None = None
         self._next = 0
-        self._start = time.perf_counter()
 
     async def wait_for_layer(self, layer: int) -> tuple[Array, Array]:
         """Key and value of ``layer``, once it has arrived and passed its check."""
@@ -330,14 +330,14 @@ class KVReceiver:
             if arrived < wanted:
                 continue
             arrived = 0
-            self.received_at.append(time.perf_counter() - self._start)
+            self.received_at.append(time.perf_counter())
             if digest is not None and digest.digest() != current.digest:
                 raise IntegrityError(layer, self.source)
             dtype = self.layout.numpy_dtype
             key = self._codec.decode(key_name(layer), current.parts, dtype)
             value = self._codec.decode(value_name(layer), current.parts, dtype)
             self._layers[layer] = (key, value)
-            self.verified_at.append(time.perf_counter() - self._start)
+            self.verified_at.append(time.perf_counter())
             self._events[layer].set()
             layer += 1
             current = _Layer()

@@ -251,3 +251,18 @@ def test_layout_checks() -> None:
         "layer_1_digest",
     ]
     assert layout.metadata()["compression"] == "INT4"
+
+
+async def test_demo_runs_and_measures() -> None:
+    from stream_st.demo import run_demo
+
+    results = await run_demo(layers=3, seq=128)
+    assert [r.codec for r in results] == ["none", "int8", "int4"]
+    for r in results:
+        assert len(r.verified) == len(r.consumed) == 3
+        assert r.produced == sorted(r.produced)
+        assert all(p <= v <= c for p, v, c in zip(r.produced, r.verified, r.consumed, strict=True))
+        assert 0.0 <= r.overlap_efficiency <= 1.0
+    assert results[0].errors == {}
+    assert results[1].errors["snr_db"] > results[2].errors["snr_db"] > 10
+    assert results[0].wire_bytes > results[1].wire_bytes > results[2].wire_bytes
