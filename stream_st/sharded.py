@@ -1,15 +1,24 @@
-"""Sharded checkpoints: a Hugging Face style ``model.safetensors.index.json`` read as one stream.
+"""Sharded files read as one stream: a Hugging Face ``model.safetensors.index.json`` or a
+``dataset_manifest.json`` (the safetensors-spark dataset layout).
 
-The index maps every tensor to its shard::
+An index maps every tensor to its shard::
 
     {"metadata": {"total_size": 123},
      "weight_map": {"embed.weight": "model-00001-of-00002.safetensors", ...}}
 
-:func:`~stream_st.open_stream` on an index (a path, ``file://``, ``http(s)://`` or ``s3://``
-address ending in ``.index.json``) yields every tensor of every shard, shard after shard (shards
-in name order, tensors in offset order within each); ``include=`` applies across shards and a shard
-with nothing selected is not opened. Shard addresses are resolved next to the index. Each shard's
-header must hold exactly the tensors the index assigns to it.
+A manifest lists its shards with their sizes (and sample counts, and a schema)::
+
+    {"format_version": "1.0", "total_samples": 2000, "total_bytes": 8192000,
+     "shards": [{"shard_path": "part-00000-0000-<uuid>.safetensors", "samples_count": 1000,
+                 "bytes": 4096000}, ...],
+     "schema": {"image": {"dtype": "F32", "shape": [1000, 3, 224, 224]}}}
+
+:func:`~stream_st.open_stream` on either (a path, ``file://``, ``http(s)://`` or ``s3://``
+address) yields every tensor of every shard, shard after shard (index shards in name order,
+manifest shards in its order; tensors in offset order within each). ``include=`` applies across
+shards; with an index, a shard holding nothing selected is never opened. Shard addresses are
+resolved next to the index. Each shard's header must hold exactly the tensors the index assigns
+to it, or describe exactly the bytes the manifest gives for it.
 """
 
 from __future__ import annotations
@@ -31,13 +40,17 @@ from .sources import read_object
 __all__ = ["INDEX_SUFFIX", "ShardIndex", "ShardedStream", "is_index", "shard_address"]
 
 INDEX_SUFFIX = ".index.json"
+MANIFEST_NAME = "dataset_manifest.json"
 MAX_INDEX_SIZE = 64 << 20
 
 
 def is_index(source: object) -> bool:
-    """True for a ``str`` or path naming a ``*.index.json`` file."""
+    """True for a ``str`` or path naming a ``*.index.json`` or ``dataset_manifest.json``."""
     text = source if isinstance(source, str) else getattr(source, "__fspath__", lambda: "")()
-    return isinstance(text, str) and urlsplit(text).path.endswith(INDEX_SUFFIX)
+    if not isinstance(text, str):
+        return False
+    path = urlsplit(text).path
+    return path.endswith(INDEX_SUFFIX) or posixpath.basename(path) == MANIFEST_NAME
 
 
 def shard_address(index: str, shard: str) -> str:
@@ -49,28 +62,66 @@ def shard_address(index: str, shard: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
 
+def _safe_shard(shard: object, name: str) -> str:
+    if not isinstance(shard, str) or not shard:
+        raise HeaderError(f"{name}: shard names must be non-empty strings, got {shard!r}")
+    if shard.startswith("/") or ".." in shard.split("/") or "://" in shard:
+        raise HeaderError(f"{name}: shard {shard!r} must be a path next to the index")
+    return shard
+
+
 class ShardIndex:
-    """A validated index: ``metadata`` (any JSON object) and ``weight_map`` (name -> shard)."""
+    """A validated index of shards: a Hugging Face ``*.index.json`` or a ``dataset_manifest.json``.
+
+    ``shards`` lists the shard files in reading order. For an index, ``weight_map`` maps each
+    tensor to its shard; for a manifest, ``shard_bytes`` gives each shard's size and
+    ``manifest`` the whole document (``total_samples``, ``schema``, ...).
+    """
 
     def __init__(self, raw: bytes, name: str) -> None:
         try:
             obj = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise HeaderError(f"{name}: the index is not valid JSON: {exc}") from None
-        weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
+        if not isinstance(obj, dict):
+            raise HeaderError(f"{name}: the index must be a JSON object")
+        self.weight_map: dict[str, str] | None = None
+        self.shard_bytes: dict[str, int] = {}
+        self.manifest: dict[str, Any] = {}
+        if urlsplit(name).path.endswith(MANIFEST_NAME):
+            self._read_manifest(obj, name)
+        else:
+            self._read_index(obj, name)
+
+    def _read_index(self, obj: dict[str, Any], name: str) -> None:
+        weight_map = obj.get("weight_map")
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):
             raise HeaderError(f"{name}: the index needs a 'weight_map' of tensor name -> shard")
-        for shard in set(weight_map.values()):
-            if shard.startswith("/") or ".." in shard.split("/") or "://" in shard:
-                raise HeaderError(f"{name}: shard {shard!r} must be a path next to the index")
         metadata = obj.get("metadata", {})
         self.metadata: dict[str, Any] = metadata if isinstance(metadata, dict) else {}
-        self.weight_map: dict[str, str] = weight_map
-        self.shards: list[str] = sorted(set(weight_map.values()))
+        self.weight_map = weight_map
+        self.shards = sorted({_safe_shard(shard, name) for shard in weight_map.values()})
 
-    def names_in(self, shard: str) -> set[str]:
+    def _read_manifest(self, obj: dict[str, Any], name: str) -> None:
+        shards = obj.get("shards")
+        if not isinstance(shards, list):
+            raise HeaderError(f"{name}: the manifest needs a 'shards' list")
+        self.shards = []
+        for entry in shards:
+            if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int):
+                raise HeaderError(f"{name}: each shard needs 'shard_path' and 'bytes'")
+            shard = _safe_shard(entry.get("shard_path"), name)
+            self.shards.append(shard)
+            self.shard_bytes[shard] = entry["bytes"]
+        self.metadata = {k: v for k, v in obj.items() if k not in ("shards", "schema")}
+        self.manifest = obj
+
+    def names_in(self, shard: str) -> set[str] | None:
+        """The tensors an index assigns to ``shard``; None for a manifest (it does not say)."""
+        if self.weight_map is None:
+            return None
         return {name for name, where in self.weight_map.items() if where == shard}
 
 
@@ -122,9 +173,10 @@ class ShardedStream(TensorStream):
         if callable(include):
             return include
         names = {include} if isinstance(include, str) else set(include)
-        missing = sorted(names - index.weight_map.keys())
-        if missing:
-            raise TensorNotFoundError(f"include= names tensors not in the index: {missing}")
+        if index.weight_map is not None:
+            missing = sorted(names - index.weight_map.keys())
+            if missing:
+                raise TensorNotFoundError(f"include= names tensors not in the index: {missing}")
         return names.__contains__
 
     async def _iterate(self) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
@@ -133,13 +185,12 @@ class ShardedStream(TensorStream):
         selected = self._selector(index)
         for shard in index.shards:
             expected = index.names_in(shard)
-            wanted = {name for name in expected if selected(name)}
-            if not wanted:
-                continue
+            if expected is not None and not any(selected(name) for name in expected):
+                continue  # nothing wanted there: the shard is never opened
             address = shard_address(self._address, shard)
             stream = TensorStream(
                 address,
-                include=wanted,
+                include=selected,
                 max_header_size=self._max_header_size,
                 timeout=self._timeout,
             )
@@ -147,10 +198,16 @@ class ShardedStream(TensorStream):
             try:
                 async with stream:
                     header = stream.header
-                    if set(header.names()) != expected:
+                    if expected is not None and set(header.names()) != expected:
                         raise HeaderError(
                             f"{address}: the shard holds {sorted(header.names())[:5]}..., the "
                             f"index assigns it {sorted(expected)[:5]}... (they differ)"
+                        )
+                    size = index.shard_bytes.get(shard)
+                    if size is not None and size != header.file_size:
+                        raise HeaderError(
+                            f"{address}: the manifest says {size} bytes, the shard's header "
+                            f"describes {header.file_size}"
                         )
                     self.headers[shard] = header
                     async for item in stream:
@@ -158,6 +215,18 @@ class ShardedStream(TensorStream):
                         del item
             finally:
                 self._current = None
+        self._check_all_found(index)
+
+    def _check_all_found(self, index: ShardIndex) -> None:
+        """A manifest does not list names up front: check ``include=`` names at the end."""
+        include = self._include
+        if index.weight_map is not None or include is None or callable(include):
+            return
+        names = {include} if isinstance(include, str) else set(include)
+        found = {name for header in self.headers.values() for name in header.names()}
+        missing = sorted(names - found)
+        if missing:
+            raise TensorNotFoundError(f"include= names tensors in no shard: {missing}")
 
     async def aclose(self) -> None:
         current, self._current = self._current, None

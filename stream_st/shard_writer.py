@@ -1,0 +1,324 @@
+"""Writers that roll over to a new shard at a target size, then write the index or manifest.
+
+Two layouts:
+
+* :func:`open_sharded_writer`: a Hugging Face checkpoint, ``model-00001-of-0000N.safetensors`` and
+  ``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": ...}``).
+* :func:`open_dataset_writer`: the safetensors-spark dataset layout,
+  ``part-{task:05d}-{shard:04d}-{uuid}.safetensors`` and ``dataset_manifest.json`` (format_version,
+  total_samples, total_bytes, shards with shard_path / samples_count / bytes, schema).
+
+A safetensors header comes first, but which tensors a shard will hold is known only when it is
+full. So each shard's data is spooled to a temporary file beside the destination as it arrives
+(constant memory), and when the shard is sealed its header is written and the spooled bytes are
+copied after it, into a temporary file renamed into place. A group of tensors (one ``write`` or
+``write_batch`` call) never straddles two shards; a shard is sealed before a group that would
+take it past the target size. The index or manifest is written last, atomically, once every shard
+is in place: a reader never sees one that names a shard that is not complete. On any failure,
+nothing new is left in the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from .dtypes import dtype_for
+from .errors import UsageError, WriterError
+from .header import TensorSpec, build_header
+from .sharded import MANIFEST_NAME
+
+__all__ = ["DatasetWriter", "ShardedWriter", "open_dataset_writer", "open_sharded_writer"]
+
+Array = np.ndarray[Any, Any]
+
+
+def _wire(array: Array) -> memoryview:
+    if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and not np.little_endian):
+        array = array.astype(array.dtype.newbyteorder("<"))  # pragma: no cover - big-endian
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        temporary.write_bytes(data)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+class _Shard:
+    """One shard in the making: its plan, and its data spooled to a temporary file."""
+
+    def __init__(self, directory: Path) -> None:
+        fd, name = tempfile.mkstemp(prefix=".shard-", suffix=".spool", dir=directory)
+        self.spool = Path(name)
+        self.file = os.fdopen(fd, "wb")
+        self.specs: list[TensorSpec] = []
+        self.names: set[str] = set()
+        self.data_bytes = 0
+        self.samples = 0
+
+    def add(self, name: str, array: Array) -> None:
+        view = _wire(array)
+        self.file.write(view)
+        self.specs.append(TensorSpec(name, dtype_for(array.dtype).code, array.shape))
+        self.names.add(name)
+        self.data_bytes += len(view)
+
+    def seal(self, destination: Path, metadata: Mapping[str, str] | None) -> int:
+        """Write header + spooled data to ``destination``; returns the file's size."""
+        self.file.close()
+        prefix, header = build_header(self.specs, metadata)
+        temporary = destination.with_name(f".{destination.name}.tmp")
+        try:
+            with temporary.open("wb") as out, self.spool.open("rb") as data:
+                out.write(prefix)
+                shutil.copyfileobj(data, out, 8 << 20)
+            os.replace(temporary, destination)
+        finally:
+            temporary.unlink(missing_ok=True)
+            self.spool.unlink(missing_ok=True)
+        return header.file_size
+
+    def discard(self) -> None:
+        self.file.close()
+        self.spool.unlink(missing_ok=True)
+
+
+class _RollingWriter:
+    """Shards rolled over at ``target_size`` bytes of data; subclasses name them and write the
+    index."""
+
+    def __init__(self, directory: str | os.PathLike[str], target_size: int) -> None:
+        if target_size < 1:
+            raise UsageError("the target shard size must be positive")
+        self.directory = Path(directory)
+        self.target_size = target_size
+        self._current: _Shard | None = None
+        self._sealed: list[tuple[str, int, int, list[TensorSpec]]] = []  # name, bytes, samples
+        self._written: set[str] = set()
+        self._closed = False
+
+    async def _add_group(self, tensors: Mapping[str, Any], samples: int) -> None:
+        if self._closed:
+            raise UsageError("the writer is closed")
+        arrays = {name: np.asarray(array) for name, array in tensors.items()}
+        for name in arrays:
+            if name in self._written:
+                raise WriterError(f"tensor {name!r} was already written", name=name)
+        for array in arrays.values():
+            dtype_for(array.dtype)  # refuses dtypes safetensors cannot carry, before any write
+        size = sum(a.nbytes for a in arrays.values())
+        current = self._current
+        if current is not None and current.specs and current.data_bytes + size > self.target_size:
+            await self._seal()
+            current = None
+        if current is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            current = self._current = _Shard(self.directory)
+        for name, array in arrays.items():
+            await anyio.to_thread.run_sync(current.add, name, array)
+            self._written.add(name)
+        current.samples += samples
+
+    def _shard_name(self, index: int) -> str:
+        raise NotImplementedError
+
+    def _shard_metadata(self) -> Mapping[str, str] | None:
+        return None
+
+    async def _seal(self) -> None:
+        shard, self._current = self._current, None
+        if shard is None:
+            return
+        name = self._shard_name(len(self._sealed))
+        size = await anyio.to_thread.run_sync(
+            shard.seal, self.directory / name, self._shard_metadata()
+        )
+        self._sealed.append((name, size, shard.samples, shard.specs))
+
+    def _index(self) -> tuple[str, dict[str, Any]]:
+        raise NotImplementedError
+
+    def _rename_sealed(self) -> None:
+        """A hook to give sealed shards their final names once their count is known."""
+
+    async def aclose(self) -> None:
+        """Seal the last shard, then write the index (or manifest) atomically."""
+        if self._closed:
+            return
+        try:
+            await self._seal()
+            await anyio.to_thread.run_sync(self._rename_sealed)
+            name, document = self._index()
+            text = json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
+            await anyio.to_thread.run_sync(_atomic_write, self.directory / name, text)
+        except BaseException:
+            await self.abort()
+            raise
+        self._closed = True
+
+    async def abort(self) -> None:
+        """Remove every shard written so far and the spool; nothing is left behind."""
+        self._closed = True
+        if self._current is not None:
+            self._current.discard()
+            self._current = None
+        for name, *_ in self._sealed:
+            (self.directory / name).unlink(missing_ok=True)
+        self._sealed.clear()
+
+    async def _exit(self, exc: BaseException | None) -> None:
+        if exc is not None:
+            await self.abort()
+        else:
+            await self.aclose()
+
+
+class ShardedWriter(_RollingWriter):
+    """A Hugging Face sharded checkpoint; see :func:`open_sharded_writer`."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_shard_size: int,
+        prefix: str = "model",
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(directory, max_shard_size)
+        self.prefix = prefix
+        self.metadata = dict(metadata or {})
+        self._tag = uuid.uuid4().hex[:8]
+
+    async def write(self, name: str, array: Any) -> None:
+        """Add one tensor (to the current shard, or a new one if it would overflow)."""
+        await self._add_group({name: array}, 0)
+
+    def _shard_name(self, index: int) -> str:
+        # The total is unknown until the end: a provisional name, renamed when closing.
+        return f".{self.prefix}-{index + 1:05d}-{self._tag}.partial.safetensors"
+
+    def _shard_metadata(self) -> Mapping[str, str] | None:
+        return {"format": "pt", **self.metadata}
+
+    def _final_name(self, index: int) -> str:
+        count = len(self._sealed)
+        if count == 1:
+            return f"{self.prefix}.safetensors"
+        return f"{self.prefix}-{index + 1:05d}-of-{count:05d}.safetensors"
+
+    def _rename_sealed(self) -> None:
+        renamed = []
+        for index, (name, size, samples, specs) in enumerate(self._sealed):
+            final = self._final_name(index)
+            os.replace(self.directory / name, self.directory / final)
+            renamed.append((final, size, samples, specs))
+        self._sealed = renamed
+
+    def _index(self) -> tuple[str, dict[str, Any]]:
+        weight_map = {spec.name: name for name, _, _, specs in self._sealed for spec in specs}
+        total = sum(size for _, size, _, _ in self._sealed)
+        document = {"metadata": {"total_size": total, **self.metadata}, "weight_map": weight_map}
+        return f"{self.prefix}.safetensors.index.json", document
+
+    async def __aenter__(self) -> ShardedWriter:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._exit(exc)
+
+
+class DatasetWriter(_RollingWriter):
+    """A safetensors-spark style dataset; see :func:`open_dataset_writer`."""
+
+    def __init__(
+        self, directory: str | os.PathLike[str], *, target_shard_size: int, task_id: int = 0
+    ) -> None:
+        super().__init__(directory, target_shard_size)
+        self.task_id = task_id
+        self._uuid = str(uuid.uuid4())
+        self._schema: dict[str, dict[str, Any]] = {}
+
+    async def write_batch(self, tensors: Mapping[str, Any], samples: int) -> None:
+        """Add a group of tensors holding ``samples`` samples; the group stays in one shard.
+
+        The schema records each name's dtype and shape as first written.
+        """
+        if samples < 0:
+            raise UsageError("samples must be >= 0")
+        for name, array in tensors.items():
+            as_array = np.asarray(array)
+            self._schema.setdefault(
+                name, {"dtype": dtype_for(as_array.dtype).code, "shape": list(as_array.shape)}
+            )
+        await self._add_group(tensors, samples)
+
+    def _shard_name(self, index: int) -> str:
+        return f"part-{self.task_id:05d}-{index:04d}-{self._uuid}.safetensors"
+
+    def _index(self) -> tuple[str, dict[str, Any]]:
+        shards = [
+            {"shard_path": name, "samples_count": samples, "bytes": size}
+            for name, size, samples, _ in self._sealed
+        ]
+        document = {
+            "format_version": "1.0",
+            "safetensors_version": "1.0",
+            "total_samples": sum(samples for _, _, samples, _ in self._sealed),
+            "total_bytes": sum(size for _, size, _, _ in self._sealed),
+            "shards": shards,
+            "schema": self._schema,
+        }
+        return MANIFEST_NAME, document
+
+    async def __aenter__(self) -> DatasetWriter:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._exit(exc)
+
+
+def open_sharded_writer(
+    directory: str | os.PathLike[str],
+    *,
+    max_shard_size: int = 5 << 30,
+    prefix: str = "model",
+    metadata: Mapping[str, str] | None = None,
+) -> ShardedWriter:
+    """Write a sharded checkpoint into ``directory``: ``write(name, array)`` per tensor, a new
+    shard whenever the next tensor would take the current one past ``max_shard_size`` bytes of
+    data, then ``{prefix}.safetensors.index.json``. A single shard is named
+    ``{prefix}.safetensors``."""
+    return ShardedWriter(directory, max_shard_size=max_shard_size, prefix=prefix, metadata=metadata)
+
+
+def open_dataset_writer(
+    directory: str | os.PathLike[str], *, target_shard_size: int = 256 << 20, task_id: int = 0
+) -> DatasetWriter:
+    """Write a dataset into ``directory``: ``write_batch({name: array}, samples)`` per group, shards
+    rolled over at ``target_shard_size`` bytes of data, then ``dataset_manifest.json``."""
+    return DatasetWriter(directory, target_shard_size=target_shard_size, task_id=task_id)

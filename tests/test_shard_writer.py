@@ -1,0 +1,133 @@
+"""Rolling shard writers: Hugging Face checkpoints and safetensors-spark datasets."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st
+from stream_st.shard_writer import open_dataset_writer, open_sharded_writer
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+MB = 1_000_000
+
+
+def tensors(count: int, size: int = MB) -> Arrays:
+    return {f"layers.{i}.weight": np.full(size // 4, i, dtype=np.float32) for i in range(count)}
+
+
+async def read_all(source: Any, **kwargs: Any) -> Arrays:
+    return {name: array async for name, array in stream_st.open_stream(source, **kwargs)}
+
+
+async def test_checkpoint_rolls_over_and_writes_its_index(tmp_path: Path) -> None:
+    arrays = tensors(10)
+    async with open_sharded_writer(tmp_path, max_shard_size=3 * MB, metadata={"k": "v"}) as w:
+        for name, array in arrays.items():
+            await w.write(name, array)
+            assert not (tmp_path / "model.safetensors.index.json").exists()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == [f"model-{i:05d}-of-00004.safetensors" for i in range(1, 5)] + [
+        "model.safetensors.index.json"
+    ]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["layers.0.weight"] == "model-00001-of-00004.safetensors"
+    assert index["weight_map"]["layers.9.weight"] == "model-00004-of-00004.safetensors"
+    assert index["metadata"]["total_size"] == sum(
+        (tmp_path / f).stat().st_size for f in files if f.endswith(".safetensors")
+    )
+    for shard in files[:-1]:  # every shard is a plain file the reference reads
+        reference_numpy.load_file(str(tmp_path / shard))
+    got = await read_all(tmp_path / "model.safetensors.index.json")
+    assert list(got) == list(arrays)
+    for name, array in arrays.items():
+        assert np.array_equal(got[name], array)
+
+
+async def test_single_shard_is_model_safetensors(tmp_path: Path) -> None:
+    async with open_sharded_writer(tmp_path, max_shard_size=100 * MB) as w:
+        await w.write("a", np.arange(3))
+    assert (tmp_path / "model.safetensors").exists()
+    assert (await read_all(tmp_path / "model.safetensors.index.json"))["a"].tolist() == [0, 1, 2]
+
+
+async def test_dataset_shards_and_manifest(tmp_path: Path) -> None:
+    async with open_dataset_writer(tmp_path, target_shard_size=2_100_000, task_id=3) as w:
+        for batch in range(5):
+            await w.write_batch(
+                {
+                    f"batch{batch}.image": np.full((10, 25_000), batch, dtype=np.float32),
+                    f"batch{batch}.label": np.arange(10, dtype=np.int64),
+                },
+                samples=10,
+            )
+    manifest = json.loads((tmp_path / "dataset_manifest.json").read_text())
+    assert manifest["format_version"] == "1.0"
+    assert manifest["total_samples"] == 50
+    shards = manifest["shards"]
+    assert len(shards) == 3  # 1 MB per batch: two batches per 2 MB shard
+    for index, shard in enumerate(shards):
+        assert re.fullmatch(
+            rf"part-00003-{index:04d}-[0-9a-f-]{{36}}\.safetensors", shard["shard_path"]
+        )
+        assert shard["bytes"] == (tmp_path / shard["shard_path"]).stat().st_size
+    assert [s["samples_count"] for s in shards] == [20, 20, 10]
+    assert manifest["total_bytes"] == sum(s["bytes"] for s in shards)
+    assert manifest["schema"]["batch0.image"] == {"dtype": "F32", "shape": [10, 25000]}
+    got = await read_all(tmp_path / "dataset_manifest.json", include=["batch4.label"])
+    assert got["batch4.label"].tolist() == list(range(10))
+    all_names = list(await read_all(tmp_path / "dataset_manifest.json"))
+    assert len(all_names) == 10
+
+
+async def test_reader_checks_the_manifest(tmp_path: Path) -> None:
+    async with open_dataset_writer(tmp_path, target_shard_size=MB) as w:
+        await w.write_batch({"x": np.ones(10)}, samples=1)
+    path = tmp_path / "dataset_manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["shards"][0]["bytes"] += 1
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(stream_st.HeaderError, match="manifest says"):
+        await read_all(path)
+    manifest["shards"][0]["bytes"] -= 1
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(stream_st.TensorNotFoundError, match="nope"):
+        await read_all(path, include=["nope"])
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "dataset"])
+async def test_failure_leaves_nothing(tmp_path: Path, kind: str) -> None:
+    before = set(tmp_path.iterdir())
+    with pytest.raises(Boom):
+        if kind == "checkpoint":
+            async with open_sharded_writer(tmp_path, max_shard_size=2 * MB) as w:
+                for name, array in tensors(5).items():
+                    await w.write(name, array)
+                raise Boom
+        else:
+            async with open_dataset_writer(tmp_path, target_shard_size=2 * MB) as d:
+                for name, array in tensors(5).items():
+                    await d.write_batch({name: array}, samples=1)
+                raise Boom
+    assert set(tmp_path.iterdir()) == before
+
+
+async def test_misuse(tmp_path: Path) -> None:
+    async with open_sharded_writer(tmp_path, max_shard_size=MB) as w:
+        await w.write("a", np.zeros(2))
+        with pytest.raises(stream_st.WriterError, match="already written"):
+            await w.write("a", np.zeros(2))
+        with pytest.raises(stream_st.DtypeError):
+            await w.write("s", np.array(["text"]))
+    with pytest.raises(stream_st.UsageError):
+        await w.write("b", np.zeros(2))
