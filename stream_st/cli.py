@@ -1,4 +1,4 @@
-"""The ``stream-st`` command: demo, inspect, hash, diff, validate.
+"""The ``stream-st`` command: demo, inspect, hash, diff, validate, cp.
 
 Every command takes any source the library reads (a path, ``http(s)://``, ``s3://``, ``tcp://``,
 a sharded ``*.index.json``) and works in constant memory. Exit status: 0 success (equal, valid);
@@ -26,7 +26,7 @@ EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 @contextmanager
 def _progress(
-    label: str, total_bytes: int, total_tensors: int, quiet: bool
+    label: str, total_bytes: int | None, total_tensors: int | None, quiet: bool
 ) -> Iterator[tools.Progress | None]:
     """A rich progress bar on stderr (bytes, rate, tensors, ETA), or nothing when quiet or when
     stderr is not a terminal."""
@@ -50,7 +50,11 @@ def _progress(
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
-        TextColumn("{task.fields[tensors]}/" + str(total_tensors) + " tensors"),
+        TextColumn(
+            "{task.fields[tensors]}"
+            + ("" if total_tensors is None else f"/{total_tensors}")
+            + " tensors"
+        ),
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=console, transient=True) as bar:
@@ -98,7 +102,11 @@ async def _inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _totals(source: str, timeout: float | None) -> tuple[int, int]:
+async def _totals(source: str, timeout: float | None) -> tuple[int | None, int | None]:
+    """Bytes and tensors to expect, for the progress bar; unknown for a tcp:// peer, which
+    sends its message once."""
+    if source.lower().startswith("tcp://"):
+        return None, None
     found = await tools.inspect(source, timeout=timeout)
     return found.data_bytes, found.tensor_count
 
@@ -119,13 +127,14 @@ async def _hash(args: argparse.Namespace) -> int:
 
 
 async def _diff(args: argparse.Namespace) -> int:
-    total = 0
-    count = 0
+    total: int | None = 0
+    count: int | None = 0
     if args.content:
-        for source in (args.a, args.b):
-            size, tensors = await _totals(source, args.timeout)
-            total += size
-            count += tensors
+        (bytes_a, count_a), (bytes_b, count_b) = [
+            await _totals(source, args.timeout) for source in (args.a, args.b)
+        ]
+        total = None if bytes_a is None or bytes_b is None else bytes_a + bytes_b
+        count = None if count_a is None or count_b is None else count_a + count_b
     with _progress("comparing", total, count, args.quiet) as progress:
         result = await tools.diff(
             args.a, args.b, content=args.content, timeout=args.timeout, progress=progress
@@ -208,6 +217,26 @@ async def _validate(args: argparse.Namespace) -> int:
     return EXIT_OK if result.ok else EXIT_DIFFERENT
 
 
+async def _cp(args: argparse.Namespace) -> int:
+    total, count = await _totals(args.src, args.timeout)
+    with _progress("copying", total, count, args.quiet) as progress:
+        header = await tools.cp(
+            args.src,
+            args.dst,
+            include=args.include or None,
+            dtype=args.dtype,
+            quantize=args.quantize,
+            timeout=args.timeout,
+            progress=progress,
+        )
+    if not args.quiet:
+        print(
+            f"copied {len(header)} tensors, {header.file_size:,} bytes to {args.dst}",
+            file=sys.stderr,
+        )
+    return EXIT_OK
+
+
 async def _demo_command(args: argparse.Namespace) -> int:
     codecs = tuple(c for c in args.codecs.split(",") if c)
     results = await run_demo(args.layers, args.seq, codecs)
@@ -225,6 +254,9 @@ EXAMPLES = {
     "validate": "stream-st validate model.safetensors\n"
     "  stream-st validate --expect-shapes shapes.json \\\n"
     "      --expect-layers q_proj,k_proj,v_proj,o_proj model.safetensors",
+    "cp": "stream-st cp s3://bucket/model.safetensors model.safetensors\n"
+    "  stream-st cp --dtype bf16 model.safetensors http://host/upload/model-bf16.safetensors\n"
+    "  stream-st cp --quantize int8 --include lm_head.weight m.safetensors tcp://peer:9000",
     "demo": "stream-st demo\n  stream-st demo --layers 4 --seq 512 --codecs none,int4",
 }
 
@@ -285,9 +317,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--warn-abs", type=float, default=1e4, help="warn about values beyond this (1e4)"
     )
 
+    copy = command("cp", "stream-copy between any source and destination", _cp)
+    copy.add_argument("src")
+    copy.add_argument("dst", help="path, file://, tcp://host:port, http(s):// (PUT), s3://")
+    copy.add_argument(
+        "--include", action="append", metavar="NAME", help="copy only this tensor (repeatable)"
+    )
+    copy.add_argument(
+        "--dtype", choices=("bf16", "f16", "f32"), help="convert floating-point tensors"
+    )
+    copy.add_argument(
+        "--quantize", choices=("int8",), help="per-tensor symmetric int8, scales as siblings"
+    )
+
     for sub in (hashing, differ, check):
         sub.add_argument("--json", action="store_true", help="machine-readable output")
-    for sub in (hashing, differ, check):
+    for sub in (hashing, differ, check, copy):
         sub.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return parser
 

@@ -1,4 +1,4 @@
-"""The library side of the ``stream-st`` commands: inspect, hash, diff, validate.
+"""The library side of the ``stream-st`` commands: inspect, hash, diff, validate, cp.
 
 Each takes any source :func:`~stream_st.open_stream` takes (a path, ``http(s)://``, ``s3://``,
 ``tcp://``, a sharded ``*.index.json``) and works in constant memory: one tensor at a time.
@@ -11,25 +11,32 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import anyio
 import numpy as np
 
-from .errors import TensorNotFoundError
-from .header import Header, TensorInfo
-from .reader import open_stream, read_header
-from .sharded import ShardIndex, is_index, shard_address
+from .codecs import get_codec, to_bfloat16
+from .dtypes import dtype_from_code
+from .errors import TensorNotFoundError, UsageError
+from .header import Header, TensorInfo, TensorSpec
+from .reader import Include, TensorStream, open_stream, read_header
+from .sharded import ShardedStream, ShardIndex, is_index, shard_address
+from .sinks import SinkLike
 from .sources import SourceLike, read_object
+from .writer import open_writer
 
 __all__ = [
+    "CONVERTIBLE",
     "Diff",
     "Inspection",
     "TensorStats",
     "Validation",
     "content_digests",
+    "cp",
     "diff",
     "hash",
     "inspect",
@@ -141,17 +148,21 @@ def _wire_bytes(array: np.ndarray[Any, Any]) -> memoryview:
 _LITTLE = np.little_endian
 
 
-async def content_digests(
-    source: SourceLike,
-    *,
-    include: Iterable[str] | None = None,
-    timeout: float | None = None,
-    progress: Progress | None = None,
-) -> dict[str, str]:
-    """sha256 (hex) of each tensor's bytes, streamed one tensor at a time.
+@asynccontextmanager
+async def _opened(
+    source: SourceLike, *, include: Include = None, timeout: float | None = None
+) -> AsyncIterator[tuple[TensorStream, list[Header]]]:
+    """The source opened once, with its headers: a stream may not be readable twice."""
+    stream = open_stream(source, include=include, timeout=timeout)
+    async with stream:
+        if isinstance(stream, ShardedStream):  # every shard's header, up front
+            yield stream, await headers_of(source, timeout=timeout)
+        else:
+            yield stream, [stream.header]
 
-    Hashing runs in a worker thread while the next tensor is read.
-    """
+
+async def _digest_stream(stream: TensorStream, progress: Progress | None) -> dict[str, str]:
+    """sha256 of each tensor's bytes; hashing runs in a thread while the next tensor is read."""
     digests: dict[str, str] = {}
     done_bytes = 0
     done = 0
@@ -164,9 +175,8 @@ async def content_digests(
         finished.set()
 
     previous: anyio.Event | None = None
-    selected = None if include is None else list(include)
     async with anyio.create_task_group() as group:
-        async for name, array in open_stream(source, include=selected, timeout=timeout):
+        async for name, array in stream:
             if previous is not None:
                 await previous.wait()  # one tensor hashing while the next is read, no more
             previous = anyio.Event()
@@ -177,6 +187,19 @@ async def content_digests(
                 progress(done_bytes, done)
             del array
     return digests
+
+
+async def content_digests(
+    source: SourceLike,
+    *,
+    include: Iterable[str] | None = None,
+    timeout: float | None = None,
+    progress: Progress | None = None,
+) -> dict[str, str]:
+    """sha256 (hex) of each tensor's bytes, streamed one tensor at a time."""
+    selected = None if include is None else list(include)
+    async with _opened(source, include=selected, timeout=timeout) as (stream, _):
+        return await _digest_stream(stream, progress)
 
 
 def _combined_content(digests: Mapping[str, str]) -> str:
@@ -196,16 +219,20 @@ async def hash(  # the command's name (shadows the builtin only inside this modu
     The content hash is sha256 over ``name NUL sha256(tensor bytes) LF`` for every tensor in name
     order, so it does not depend on the layout either.
     """
-    headers = await headers_of(source, timeout=timeout)
-    result: dict[str, Any] = {
+    if not content:
+        return _structure(source, await headers_of(source, timeout=timeout))
+    async with _opened(source, timeout=timeout) as (stream, headers):
+        result = _structure(source, headers)
+        result["content_hash"] = _combined_content(await _digest_stream(stream, progress))
+    return result
+
+
+def _structure(source: SourceLike, headers: Sequence[Header]) -> dict[str, Any]:
+    return {
         "source": str(source),
         "structural_hash": structural_hash(_tensors(headers)),
         "tensor_count": sum(len(h) for h in headers),
     }
-    if content:
-        digests = await content_digests(source, timeout=timeout, progress=progress)
-        result["content_hash"] = _combined_content(digests)
-    return result
 
 
 # ---------------------------------------------------------------- diff
@@ -411,8 +438,22 @@ async def validate(
     """Stream every tensor and check it: NaN and Inf are errors, as are shapes differing from
     ``expect_shapes`` (name -> shape; a missing tensor too) and layers lacking a part of
     ``expect_layers``. Warnings: all-zero or constant tensors, values beyond ``warn_abs``."""
-    result = Validation(str(source))
-    headers = await headers_of(source, timeout=timeout)
+    async with _opened(source, timeout=timeout) as (stream, headers):
+        return await _validate_stream(
+            str(source), stream, headers, expect_shapes, expect_layers, warn_abs, progress
+        )
+
+
+async def _validate_stream(
+    source: str,
+    stream: TensorStream,
+    headers: Sequence[Header],
+    expect_shapes: Mapping[str, Sequence[int]] | None,
+    expect_layers: Sequence[str],
+    warn_abs: float,
+    progress: Progress | None,
+) -> Validation:
+    result = Validation(source)
     infos = {t.name: t for t in _tensors(headers)}
     if not infos:
         result.warnings.append("the file holds no tensors")
@@ -423,7 +464,7 @@ async def validate(
             result.errors.append(f"{name}: shape {list(infos[name].shape)}, expected {list(shape)}")
     result.errors.extend(check_layers(infos, expect_layers))
     done_bytes = 0
-    async for name, array in open_stream(source, timeout=timeout):
+    async for name, array in stream:
         info = infos.get(name)
         if info is None:
             raise TensorNotFoundError(f"{name} streamed but not in the header")
@@ -447,3 +488,101 @@ async def validate(
             progress(done_bytes, len(result.tensors))
         del array
     return result
+
+
+# ---------------------------------------------------------------- cp
+
+CONVERTIBLE = ("F16", "BF16", "F32", "F64")
+"""Floating-point dtypes that ``cp`` converts (``dtype=``) or quantizes (``quantize=``)."""
+
+_TARGETS = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
+
+
+def _convert(array: np.ndarray[Any, Any], code: str) -> np.ndarray[Any, Any]:
+    if code == "BF16":
+        return to_bfloat16(array)  # round to nearest even, never truncation
+    converted: np.ndarray[Any, Any] = array.astype(dtype_from_code(code).numpy)
+    return converted
+
+
+async def cp(
+    src: SourceLike,
+    dst: SinkLike,
+    *,
+    include: Include = None,
+    dtype: str | None = None,
+    quantize: str | None = None,
+    timeout: float | None = None,
+    progress: Progress | None = None,
+) -> Header:
+    """Copy ``src`` to ``dst`` as a stream, tensor by tensor, never holding the whole file.
+
+    ``include`` selects tensors. ``dtype`` (``"bf16"``, ``"f16"``, ``"f32"``) converts every
+    floating-point tensor (BF16 rounds to nearest even). ``quantize="int8"`` stores every
+    floating-point tensor as I8 codes plus a sibling F32 ``<name>.scale`` (symmetric, per tensor:
+    ``scale = 127 / max|x|``, ``x ~= code / scale``), recorded in ``__metadata__``. Other tensors
+    are copied as they are. A copy that fails or is interrupted leaves nothing at ``dst``.
+    Returns the header written.
+    """
+    if dtype is not None and quantize is not None:
+        raise UsageError("choose one of dtype= and quantize=")
+    target = None
+    if dtype is not None:
+        target = _TARGETS.get(dtype.lower())
+        if target is None:
+            raise UsageError(f"dtype must be one of {', '.join(_TARGETS)}, not {dtype!r}")
+    codec = None
+    if quantize is not None:
+        if quantize.lower() != "int8":
+            raise UsageError(f"quantize supports int8, not {quantize!r}")
+        codec = get_codec("int8")
+    async with _opened(src, include=include, timeout=timeout) as (stream, headers):
+        wanted = [t for t in _tensors(headers) if _included(include, t.name)]
+        plan: list[TensorSpec] = []
+        converted = 0
+        for info in wanted:
+            if info.dtype in CONVERTIBLE and codec is not None:
+                plan.extend(codec.specs(info.name, info.shape, info.dtype))
+                converted += 1
+            elif info.dtype in CONVERTIBLE and target is not None:
+                plan.append(TensorSpec(info.name, target, info.shape))
+                converted += 1
+            else:
+                plan.append(TensorSpec(info.name, info.dtype, info.shape))
+        metadata = _merged_metadata(headers)
+        if codec is not None:
+            metadata.update(codec.metadata())
+            metadata["quantized_tensors"] = str(converted)
+            metadata.pop("original_dtype", None)
+        if target is not None:
+            metadata["converted_to"] = f"{target} ({converted} floating-point tensors"
+            metadata["converted_to"] += ", round to nearest even)" if target == "BF16" else ")"
+        done_bytes = 0
+        async with open_writer(dst, plan, metadata=metadata, timeout=timeout) as writer:
+            kinds = {t.name: t.dtype for t in wanted}
+            done = 0
+            async for name, array in stream:
+                if kinds[name] in CONVERTIBLE and codec is not None:
+                    parts = codec.encode(name, array)
+                elif kinds[name] in CONVERTIBLE and target is not None:
+                    parts = [(name, await anyio.to_thread.run_sync(_convert, array, target))]
+                else:
+                    parts = [(name, array)]
+                for part_name, part in parts:
+                    await writer.write(part_name, part)
+                done_bytes += array.nbytes
+                done += 1
+                if progress is not None:
+                    progress(done_bytes, done)
+                del array, parts
+        return writer.header
+
+
+def _included(include: Include, name: str) -> bool:
+    if include is None:
+        return True
+    if callable(include):
+        return bool(include(name))
+    if isinstance(include, str):
+        return name == include
+    return name in include

@@ -218,3 +218,39 @@ def test_errors_are_one_line_with_exit_status_2(tmp_path: Path) -> None:
     result = run("validate", str(bad))
     assert result.returncode == 2 and "begin with '{'" in result.stderr
     assert run("frobnicate").returncode == 2
+
+
+def test_cp_round_trip_conversion_and_quantization(model: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy.safetensors"
+    result = run("cp", str(model), str(copy))
+    assert result.returncode == 0, result.stderr
+    assert copy.read_bytes() == model.read_bytes()  # byte-exact
+    bf16 = tmp_path / "bf16.safetensors"
+    assert run("cp", "--dtype", "bf16", str(model), str(bf16)).returncode == 0
+    found = json.loads(run("inspect", "--json", str(bf16)).stdout)
+    dtypes = {t["name"]: t["dtype"] for t in found["tensors"]}
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == "BF16"
+    assert dtypes["model.embed_tokens.weight"] == "I32"  # not floating point: unchanged
+    assert "converted_to" in found["metadata"]
+    q8 = tmp_path / "q8.safetensors"
+    only = "model.layers.0.self_attn.q_proj.weight"
+    assert run("cp", "--quantize", "int8", "--include", only, str(model), str(q8)).returncode == 0
+    quantized = reference_numpy.load_file(str(q8))
+    assert sorted(quantized) == [only, only + ".scale"]
+    scale = quantized[only + ".scale"][0]
+    assert scale == np.float32(127 / 15)
+    np.testing.assert_allclose(quantized[only] / scale, TENSORS[only], atol=0.5 / scale)
+
+
+def test_cp_between_servers_and_interrupted_copy(model: Path, tmp_path: Path) -> None:
+    with RangeHTTPServer(objects={"/m.safetensors": model.read_bytes()}) as server:
+        assert (
+            run("cp", server.url("/m.safetensors"), server.url("/up.safetensors")).returncode == 0
+        )
+        assert server.objects["/up.safetensors"] == model.read_bytes()
+        server.close_after = model.stat().st_size - 10  # the source breaks in the last tensor
+        server.no_range = True
+        target = tmp_path / "broken.safetensors"
+        failed = run("cp", server.url("/m.safetensors"), str(target))
+    assert failed.returncode == 2
+    assert not target.exists() and list(tmp_path.iterdir()) == [model]
