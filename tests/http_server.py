@@ -86,6 +86,8 @@ class RangeHTTPServer:
     def stop(self) -> None:
         self._stopping.set()
         if self._sock is not None:
+            with contextlib.suppress(OSError):  # wakes the thread blocked in accept()
+                self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
         with self._lock:
             for connection in list(self._connections):
