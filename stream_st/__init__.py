@@ -31,7 +31,12 @@ from .errors import (
     WriterError,
 )
 from .header import Header, TensorInfo, TensorSpec, build_header, parse_header, plan_order
+from .kv import IntegrityError, KVLayout, KVReceiver, receive_kv, send_kv
 from .reader import TensorStream, open_stream, read_header
+from .shard_writer import DatasetWriter, ShardedWriter, open_dataset_writer, open_sharded_writer
+from .sharded import ShardedStream
+from .sources.http import HttpSource
+from .sources.s3 import S3Source
 from .writer import TensorParts, TensorWriter, open_writer
 
 __version__ = "0.1.0"
@@ -41,13 +46,21 @@ __all__ = [
     "AllocationError",
     "Connection",
     "DType",
+    "DatasetWriter",
     "DtypeError",
     "Header",
     "HeaderError",
     "HeaderTooLargeError",
+    "HttpSource",
+    "IntegrityError",
+    "KVLayout",
+    "KVReceiver",
     "Listener",
     "ReadTimeoutError",
+    "S3Source",
     "SafetensorsError",
+    "ShardedStream",
+    "ShardedWriter",
     "SourceNotFoundError",
     "TensorInfo",
     "TensorNotFoundError",
@@ -68,10 +81,14 @@ __all__ = [
     "dtype_for",
     "listen",
     "load",
+    "open_dataset_writer",
+    "open_sharded_writer",
     "open_stream",
     "open_writer",
     "parse_header",
     "plan_order",
     "read_header",
+    "receive_kv",
     "save",
+    "send_kv",
 ]
