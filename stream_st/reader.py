@@ -140,15 +140,19 @@ class TensorStream:
             raise UsageError("the stream is not open")
         return self._source
 
-    async def open(self) -> Header:
-        """Open the source, read and validate the header. Idempotent."""
+    async def open(self, *, read_all: bool = False) -> Header:
+        """Open the source, read and validate the header. Idempotent.
+
+        ``read_all`` promises that every tensor will be read next, so a ranged transport may
+        fetch everything with its first request.
+        """
         if self._header is not None:
             return self._header
         if self._closed:
             raise UsageError("the stream is closed")
         self._source = await open_source(self._source_like, timeout=self._timeout)
         try:
-            await self._source.start()
+            await self._source.start(read_all=read_all)
             self._header = await self._read_header(self._source)
         except BaseException:
             await self.aclose()
@@ -228,7 +232,8 @@ class TensorStream:
 
     async def _iterate(self) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
         owns = self._header is None
-        header = await self.open()
+        # Iterated without 'async with' and nothing to skip: every byte will be read.
+        header = await self.open(read_all=owns and self._include is None)
         try:
             selected = _selector(self._include, header)
             async for item in self._tensors(header, selected):

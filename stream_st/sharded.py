@@ -159,7 +159,7 @@ class ShardedStream(TensorStream):
             raise UsageError("a sharded stream has one header per shard: see .headers, .index")
         return self._current._header
 
-    async def open(self) -> Header:
+    async def open(self, *, read_all: bool = False) -> Header:
         """Read and validate the index (shards are opened as iteration reaches them)."""
         if self._index is None:
             raw = await read_object(self._address, timeout=self._timeout, limit=MAX_INDEX_SIZE)
@@ -196,6 +196,7 @@ class ShardedStream(TensorStream):
             )
             self._current = stream
             try:
+                await stream.open(read_all=self._include is None)
                 async with stream:
                     header = stream.header
                     if expected is not None and set(header.names()) != expected:

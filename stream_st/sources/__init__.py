@@ -87,7 +87,7 @@ async def read_object(
     """The whole of a small object (an index, a manifest) at a path or URL; at most ``limit``."""
     source = await open_source(address, timeout=timeout)
     try:
-        await source.start()
+        await source.start(read_all=True)
         out = bytearray()
         chunk = memoryview(bytearray(1 << 20))
         while len(out) <= limit:

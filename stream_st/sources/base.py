@@ -30,8 +30,12 @@ class Source(ABC):
     def __init__(self) -> None:
         self.position = 0
 
-    async def start(self) -> None:  # noqa: B027 - most sources are ready once constructed
-        """Connect or send the first request; the reader calls it once, before anything else."""
+    async def start(self, *, read_all: bool = False) -> None:  # noqa: B027 - most are ready
+        """Connect or send the first request; the reader calls it once, before anything else.
+
+        ``read_all`` tells that every byte will be read (no selection, no header-only look), which
+        lets a ranged transport ask for everything at once.
+        """
 
     @abstractmethod
     async def receive_into(self, buffer: memoryview) -> int:

@@ -27,6 +27,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 import anyio
+import numpy as np
 
 from .._http import HTTPClient, HTTPStatusError, Response, raise_for_status
 from ..errors import ReadTimeoutError, TransportError
@@ -76,9 +77,14 @@ class HttpSource(Source):
         self._response_end = 0  # absolute offset where the open response's body ends
         self._plan: list[tuple[int, int]] = []
 
-    async def start(self) -> None:
-        """Send the first request (the first 64 KiB) and learn size and Range support."""
-        response = await self._get(0, FIRST_RANGE)
+    async def start(self, *, read_all: bool = False) -> None:
+        """Send the first request and learn the size and whether ranges work.
+
+        It asks for the first 64 KiB, unless the reader will read everything through one stream
+        (``read_all``, one connection): then for all of it (``bytes=0-``), so the header and the
+        data come in one response. A later jump closes it and sends a ranged request from there.
+        """
+        response = await self._get(0, None if read_all and self._concurrency == 1 else FIRST_RANGE)
         if response is None:  # an empty object
             self.size = 0
             self.random_access = True
@@ -198,8 +204,8 @@ class HttpSource(Source):
             self._parts.clear()
             parts = self._next_parts(at, stop)
             # Parts within this read land in the destination itself; the rest wait in buffers.
-            views = [
-                buffer[s - offset : e - offset] if e <= stop else memoryview(bytearray(e - s))
+            views = [  # np.empty: a bytearray would zero-fill K parts before any request
+                buffer[s - offset : e - offset] if e <= stop else np.empty(e - s, np.uint8).data
                 for s, e in parts
             ]
             counts = await self._fetch_all(parts, views)

@@ -8,6 +8,7 @@ on asyncio and trio alike.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import math
 import os
 import socket
@@ -38,7 +39,7 @@ async def connect_socket(host: str, port: int, *, timeout: float | None = None) 
     last_error: OSError | None = None
     try:
         with anyio.fail_after(timeout if timeout is not None else math.inf):
-            addresses = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            addresses = await _addresses(host, port)
             for family, kind, proto, _, address in addresses:
                 sock = socket.socket(family, kind, proto)
                 sock.setblocking(False)
@@ -56,6 +57,17 @@ async def connect_socket(host: str, port: int, *, timeout: float | None = None) 
         last_error = exc
     detail = last_error.strerror or str(last_error) if last_error else "no address"
     raise TransportError(f"cannot connect: {detail}", url=url) from last_error
+
+
+async def _addresses(host: str, port: int) -> list[tuple[Any, ...]]:
+    """``getaddrinfo`` results; an IP literal needs no lookup (a worker-thread hop each time)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        found = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return [tuple(entry) for entry in found]
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (host, port))]
 
 
 async def _connect(sock: socket.socket, address: tuple[Any, ...]) -> None:
