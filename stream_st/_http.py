@@ -13,13 +13,13 @@ import socket
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Protocol
 from urllib.parse import urljoin, urlsplit
 
 import anyio
 import anyio.abc
 
+from ._util import AsyncClosing
 from .errors import (
     ReadTimeoutError,
     SafetensorsError,
@@ -160,7 +160,7 @@ class _Connection:
     leftover: bytearray = field(default_factory=bytearray)
 
 
-class Response:
+class Response(AsyncClosing):
     """Status, headers and a body read into caller buffers with :meth:`receive_into`.
 
     Use as ``async with``: leaving it returns the connection to the pool when the body was read
@@ -305,17 +305,6 @@ class Response:
         else:
             await connection.wire.aclose()
 
-    async def __aenter__(self) -> Response:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
 
 class Upload:
     """A request being sent: body pieces with :meth:`send`, then :meth:`finish` for the answer.
@@ -405,7 +394,7 @@ class Upload:
             await connection.wire.aclose()
 
 
-class HTTPClient:
+class HTTPClient(AsyncClosing):
     """Keep-alive HTTP/1.1 connections to any number of hosts.
 
     ``timeout`` bounds connecting and each wait for data; ``ssl_context`` is used for https
@@ -603,17 +592,6 @@ class HTTPClient:
         for connections in idle.values():
             for connection in connections:
                 await connection.wire.aclose()
-
-    async def __aenter__(self) -> HTTPClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 async def raise_for_status(response: Response, *, name: str | None = None) -> None:

@@ -21,10 +21,10 @@ from __future__ import annotations
 import socket
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
-from types import TracebackType
 
 import anyio
 
+from ._util import AsyncClosing
 from .errors import UsageError
 from .header import DEFAULT_MAX_HEADER_SIZE, TensorSpec
 from .reader import Include, TensorStream
@@ -35,7 +35,7 @@ from .writer import Order, TensorWriter
 __all__ = ["Connection", "Listener", "connect", "listen"]
 
 
-class Connection:
+class Connection(AsyncClosing):
     """One TCP connection; read (and write) any number of safetensors messages on it in turn.
 
     ``timeout`` bounds each wait for data from the peer. Close it with ``async with`` or
@@ -104,17 +104,6 @@ class Connection:
         if not self._closed:
             self._closed = True
             self._sock.close()
-
-    async def __aenter__(self) -> Connection:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 async def connect(url: str, *, timeout: float | None = None) -> Connection:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import AsyncIterator, Callable, Collection, Iterable
-from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
+from ._util import AsyncClosing
 from .errors import (
     AllocationError,
     TensorNotFoundError,
@@ -101,7 +101,7 @@ async def _read_tensor(source: Source, info: TensorInfo, base: int) -> np.ndarra
     return array
 
 
-class TensorStream:
+class TensorStream(AsyncClosing):
     """One safetensors file read as a stream. Create it with :func:`open_stream`.
 
     Use it as ``async with open_stream(src) as stream`` to see ``stream.header`` before any data,
@@ -212,17 +212,9 @@ class TensorStream:
         if source is not None:
             await source.aclose()
 
-    async def __aenter__(self) -> TensorStream:
+    async def __aenter__(self) -> Self:
         await self.open()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def __aiter__(self) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
         if self._iterated:

@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import anyio
 import anyio.to_thread
@@ -181,7 +181,15 @@ class _RollingWriter:
             (self.directory / name).unlink(missing_ok=True)
         self._sealed.clear()
 
-    async def _exit(self, exc: BaseException | None) -> None:
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc is not None:
             await self.abort()
         else:
@@ -235,17 +243,6 @@ class ShardedWriter(_RollingWriter):
         document = {"metadata": {"total_size": total, **self.metadata}, "weight_map": weight_map}
         return f"{self.prefix}.safetensors.index.json", document
 
-    async def __aenter__(self) -> ShardedWriter:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._exit(exc)
-
 
 class DatasetWriter(_RollingWriter):
     """A safetensors-spark style dataset; see :func:`open_dataset_writer`."""
@@ -289,17 +286,6 @@ class DatasetWriter(_RollingWriter):
             "schema": self._schema,
         }
         return MANIFEST_NAME, document
-
-    async def __aenter__(self) -> DatasetWriter:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._exit(exc)
 
 
 def open_sharded_writer(

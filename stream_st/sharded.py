@@ -233,7 +233,3 @@ class ShardedStream(TensorStream):
         current, self._current = self._current, None
         if current is not None:
             await current.aclose()
-
-    async def __aenter__(self) -> ShardedStream:
-        await self.open()
-        return self

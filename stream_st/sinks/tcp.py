@@ -8,34 +8,18 @@ that ends early.
 from __future__ import annotations
 
 import contextlib
-import math
 import socket
 
-import anyio
-
-from ..errors import ReadTimeoutError, TransportError
+from ..errors import TransportError
+from ..sources.tcp import SocketEnd
 from .base import Sink
 
 __all__ = ["SocketSink"]
 
 
-class SocketSink(Sink):
+class SocketSink(SocketEnd, Sink):
     """One TCP socket written front to back. ``timeout`` bounds each wait for the peer to take
     bytes (a stalled receiver); ``owns_socket`` decides whether committing closes it."""
-
-    def __init__(
-        self,
-        sock: socket.socket,
-        name: str,
-        *,
-        timeout: float | None = None,
-        owns_socket: bool = True,
-    ) -> None:
-        super().__init__()
-        self._sock = sock
-        self.name = name
-        self._timeout = math.inf if timeout is None else timeout
-        self._owns = owns_socket
 
     async def send(self, buffer: memoryview) -> None:
         view = buffer.cast("B") if buffer.format != "B" else buffer
@@ -43,15 +27,7 @@ class SocketSink(Sink):
             try:
                 sent = self._sock.send(view)
             except BlockingIOError:
-                try:
-                    with anyio.fail_after(self._timeout):
-                        await anyio.wait_writable(self._sock)
-                except TimeoutError as exc:
-                    raise ReadTimeoutError(
-                        f"the peer took no data for {self._timeout} s",
-                        url=self.name,
-                        position=self.position,
-                    ) from exc
+                await self._wait(writable=True)
                 continue
             except OSError as exc:
                 raise TransportError(
@@ -59,10 +35,6 @@ class SocketSink(Sink):
                 ) from exc
             view = view[sent:]
             self.position += sent
-
-    async def aclose(self) -> None:
-        if self._owns:
-            self._sock.close()
 
     async def abort(self) -> None:
         with contextlib.suppress(OSError):  # already gone: nothing to tell the peer

@@ -20,7 +20,7 @@ import anyio
 from ..errors import ReadTimeoutError, TransportError, UnsupportedSourceError
 from .base import Source
 
-__all__ = ["SocketSource", "connect_socket", "parse_tcp_url"]
+__all__ = ["SocketEnd", "SocketSource", "connect_socket", "parse_tcp_url"]
 
 
 def parse_tcp_url(url: str) -> tuple[str, int]:
@@ -82,15 +82,12 @@ async def _connect(sock: socket.socket, address: tuple[Any, ...]) -> None:
             raise OSError(code, os.strerror(code))
 
 
-class SocketSource(Source):
-    """One TCP socket read with ``recv_into``; a connection, so only one message is consumed.
+class SocketEnd:
+    """What a socket source and a socket sink share: the socket, the name to report, the wait
+    for the socket bounded by ``timeout``, and whether closing is theirs (``owns_socket``)."""
 
-    ``timeout`` bounds the wait for each next byte (a peer that stops sending raises
-    :class:`~stream_st.ReadTimeoutError`). ``owns_socket`` decides whether :meth:`aclose` closes
-    the socket: a :class:`~stream_st.Connection` lends it to one message at a time.
-    """
-
-    whole_object = False
+    name: str
+    position: int
 
     def __init__(
         self,
@@ -105,6 +102,34 @@ class SocketSource(Source):
         self.name = name
         self._timeout = math.inf if timeout is None else timeout
         self._owns = owns_socket
+
+    async def _wait(self, *, writable: bool) -> None:
+        try:
+            with anyio.fail_after(self._timeout):
+                if writable:
+                    await anyio.wait_writable(self._sock)
+                else:
+                    await anyio.wait_readable(self._sock)
+        except TimeoutError as exc:
+            what = "the peer took no data" if writable else "no data"
+            raise ReadTimeoutError(
+                f"{what} for {self._timeout} s", url=self.name, position=self.position
+            ) from exc
+
+    async def aclose(self) -> None:
+        if self._owns:
+            self._sock.close()
+
+
+class SocketSource(SocketEnd, Source):
+    """One TCP socket read with ``recv_into``; a connection, so only one message is consumed.
+
+    ``timeout`` bounds the wait for each next byte (a peer that stops sending raises
+    :class:`~stream_st.ReadTimeoutError`). ``owns_socket`` decides whether :meth:`aclose` closes
+    the socket: a :class:`~stream_st.Connection` lends it to one message at a time.
+    """
+
+    whole_object = False
 
     async def receive_into(self, buffer: memoryview) -> int:
         if not buffer:
@@ -124,14 +149,4 @@ class SocketSource(Source):
 
     async def wait_readable(self) -> None:
         """Wait until the socket has data or was closed by the peer, up to the timeout."""
-        try:
-            with anyio.fail_after(self._timeout):
-                await anyio.wait_readable(self._sock)
-        except TimeoutError as exc:
-            raise ReadTimeoutError(
-                f"no data for {self._timeout} s", url=self.name, position=self.position
-            ) from exc
-
-    async def aclose(self) -> None:
-        if self._owns:
-            self._sock.close()
+        await self._wait(writable=False)
