@@ -94,6 +94,7 @@ class KVLayout:
             )
         if self.dtype not in ("F16", "BF16", "F32"):
             raise UsageError(f"KV dtype must be F16, BF16 or F32, not {self.dtype!r}")
+        self.layer_specs(0)  # a codec that cannot carry this shape says so now, not mid-send
 
     @property
     def numpy_dtype(self) -> np.dtype[Any]:
@@ -172,17 +173,31 @@ def _wire(array: Array) -> memoryview:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
+HASH_IN_THREAD = 256 << 10
+"""Tensors from this size on are hashed in a worker thread (hashlib releases the GIL), so the
+event loop keeps sending and receiving meanwhile."""
+
+
+async def _hash(digest: Any, array: Array) -> None:
+    view = _wire(array)
+    if len(view) >= HASH_IN_THREAD:
+        await anyio.to_thread.run_sync(digest.update, view)
+    else:
+        digest.update(view)
+
+
 async def _write_layer(
     writer: TensorWriter, layout: KVLayout, codec: Codec, layer: int, key: Array, value: Array
 ) -> None:
     digest = hashlib.sha256()
-    for name, array in (
+    for name, part in (
         *codec.encode(key_name(layer), key),
         *codec.encode(value_name(layer), value),
     ):
+        array = np.ascontiguousarray(part)  # once, for both the send and the hash
         await writer.write(name, array)
         if layout.digest:
-            digest.update(_wire(array))
+            await _hash(digest, array)
     if layout.digest:
         await writer.write(digest_name(layer), np.frombuffer(digest.digest(), dtype=np.uint8))
 
@@ -269,15 +284,22 @@ class _Layer:
 class KVReceiver:
     """The receiving side of a transfer; made by :func:`receive_kv`.
 
-    Layers are read in the background as they arrive and verified before they are handed out.
-    Iterate for ``(layer, key, value)`` in order, or ``await wait_for_layer(i)`` for one layer
-    (as attention does, layer by layer). ``received_at`` and ``verified_at`` time each layer
+    Layers are read in the background as they arrive and verified before they are handed out,
+    at most ``max_ahead`` layers past the highest one asked for: a slow consumer stops the
+    reading, which stops the sender (backpressure), and memory stays bounded. Iterate for
+    ``(layer, key, value)`` in order, or ``await wait_for_layer(i)`` for one layer (as attention
+    does, layer by layer). ``received_at`` and ``verified_at`` time each layer
     (``time.perf_counter()`` values).
     """
 
-    def __init__(self, layout: KVLayout, source: str) -> None:
+    def __init__(self, layout: KVLayout, source: str, *, max_ahead: int = 2) -> None:
+        if max_ahead < 0:
+            raise UsageError("max_ahead must be >= 0")
         self.layout = layout
         self.source = source
+        self.max_ahead = max_ahead
+        self._asked = -1  # the highest layer asked for so far
+        self._asked_changed = anyio.Event()
         self.received_at: list[float] = []
         self.verified_at: list[float] = []
         self._codec = layout.get_codec()
@@ -290,6 +312,10 @@ class KVReceiver:
         """Key and value of ``layer``, once it has arrived and passed its check."""
         if not 0 <= layer < self.layout.num_layers:
             raise UsageError(f"no layer {layer}: the transfer has {self.layout.num_layers}")
+        if layer > self._asked:
+            self._asked = layer
+            self._asked_changed.set()  # the reader may go on
+            self._asked_changed = anyio.Event()
         await self._events[layer].wait()
         if layer in self._layers:
             return self._layers[layer]
@@ -326,7 +352,7 @@ class KVReceiver:
             else:
                 current.parts[name] = array
                 if digest is not None:
-                    digest.update(_wire(array))
+                    await _hash(digest, array)
             if arrived < wanted:
                 continue
             arrived = 0
@@ -340,6 +366,8 @@ class KVReceiver:
             self.verified_at.append(time.perf_counter())
             self._events[layer].set()
             layer += 1
+            while layer < self.layout.num_layers and layer > self._asked + self.max_ahead:
+                await self._asked_changed.wait()  # the consumer is behind: stop reading
             current = _Layer()
             digest = hashlib.sha256() if self.layout.digest else None
 
@@ -350,7 +378,7 @@ class KVReceiver:
 
 @asynccontextmanager
 async def receive_kv(
-    source: Connection | SourceLike, *, timeout: float | None = None
+    source: Connection | SourceLike, *, timeout: float | None = None, max_ahead: int = 2
 ) -> AsyncIterator[KVReceiver]:
     """Receive one KV-cache transfer from ``source`` (a Connection, ``tcp://`` URL, path...).
 
@@ -364,7 +392,9 @@ async def receive_kv(
     )
     failure: Exception | None = None
     async with stream:
-        receiver = KVReceiver(KVLayout.from_header(stream.header), stream.source.name)
+        receiver = KVReceiver(
+            KVLayout.from_header(stream.header), stream.source.name, max_ahead=max_ahead
+        )
         async with anyio.create_task_group() as group:
             group.start_soon(receiver._run, stream)
             try:

@@ -266,3 +266,32 @@ async def test_demo_runs_and_measures() -> None:
     assert results[0].errors == {}
     assert results[1].errors["snr_db"] > results[2].errors["snr_db"] > 10
     assert results[0].wire_bytes > results[1].wire_bytes > results[2].wire_bytes
+
+
+async def test_slow_consumer_slows_the_sender() -> None:
+    layout = KVLayout(num_layers=30, shape=(1, 8, 512, 64))  # 2 MiB a layer
+    pulled = 0
+    gaps: list[int] = []
+
+    async def producer() -> AsyncIterator[tuple[int, Array, Array]]:
+        nonlocal pulled
+        key, value = kv(0, layout.shape)
+        for layer in range(30):
+            pulled += 1
+            yield layer, key, value
+
+    async with stream_st.listen("127.0.0.1", 0, timeout=10) as listener:
+
+        async def receiver() -> None:
+            connection = await listener.accept()
+            async with connection, receive_kv(connection, max_ahead=1) as kv_in:
+                async for layer, _, _ in kv_in:
+                    await anyio.sleep(0.03)  # a consumer slower than the link
+                    gaps.append(pulled - (layer + 1))
+                    kv_in.release(layer)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(receiver)
+            await send_kv(listener.url, layout, producer(), queue=2)
+    # without read-ahead bounds the sender would run ~all 30 layers ahead at once
+    assert max(gaps) <= 12, gaps
