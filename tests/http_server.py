@@ -71,6 +71,13 @@ class RangeHTTPServer:
         self._stopping = threading.Event()
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._busy = 0  # requests being answered right now
+
+    def settle(self, timeout: float = 2.0) -> None:
+        """Wait until no request is being answered, so ``requests`` is complete."""
+        deadline = time.monotonic() + timeout
+        while self._busy and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def url(self, path: str) -> str:
         return f"http://{self.host}:{self.port}{path}"
@@ -133,8 +140,14 @@ class RangeHTTPServer:
                         break
                     name, _, value = line.partition(":")
                     headers[name.strip().lower()] = value.strip()
-                if not self._answer(connection, reader, method, target, headers):
-                    return
+                with self._lock:
+                    self._busy += 1
+                try:
+                    if not self._answer(connection, reader, method, target, headers):
+                        return
+                finally:
+                    with self._lock:
+                        self._busy -= 1
         except (OSError, ValueError):
             return
         finally:

@@ -74,6 +74,7 @@ def test_inspect_over_http_reads_only_the_header(model: Path) -> None:
     with RangeHTTPServer(objects={"/m.safetensors": model.read_bytes()}) as server:
         result = run("inspect", "--json", server.url("/m.safetensors"))
         assert json.loads(result.stdout)["tensor_count"] == 3
+        server.settle()
         assert len(server.requests) == 1
 
 

@@ -36,6 +36,7 @@ async def read_all(source: Any, **kwargs: Any) -> Arrays:
 
 
 def gets(server: RangeHTTPServer) -> list[tuple[str, str, str, int]]:
+    server.settle()
     return [r for r in server.requests if r[0] == "GET"]
 
 
@@ -79,6 +80,7 @@ async def test_large_header_costs_two_requests(server: RangeHTTPServer) -> None:
 async def test_include_fetches_only_selected_ranges(server: RangeHTTPServer) -> None:
     url = server.url("/big.safetensors")
     header = await stream_st.read_header(url)
+    server.settle()
     server.requests.clear()
     names = header.names()
     wanted = [names[1], names[2], names[4]]  # 1 and 2 are adjacent: one request
@@ -196,6 +198,7 @@ def test_http_on_trio(server: RangeHTTPServer) -> None:
 async def test_parallel_ranges_deliver_in_offset_order(server: RangeHTTPServer) -> None:
     url = server.url("/big.safetensors")
     header = await stream_st.read_header(url)
+    server.settle()
     server.requests.clear()
     source = HttpSource(url, concurrency=4, part_size=100_000)
     order = []
