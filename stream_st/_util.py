@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Self
 
-__all__ = ["AsyncClosing"]
+import anyio
+from anyio.abc import TaskGroup
+
+__all__ = ["AsyncClosing", "task_group"]
 
 
 class AsyncClosing:
@@ -25,3 +30,29 @@ class AsyncClosing:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    leaves: list[BaseException] = []
+    for exc in group.exceptions:
+        leaves.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return leaves
+
+
+@asynccontextmanager
+async def task_group() -> AsyncIterator[TaskGroup]:
+    """anyio's task group, raising the first failure as itself rather than in an exception group.
+
+    Callers catch our errors by type (``except TruncatedStreamError``, ``except
+    SafetensorsError``); a task group would hand them an ``ExceptionGroup`` instead. As in anyio,
+    a failure in the body or in any task cancels the rest. Groups holding anything but plain
+    exceptions (cancellation, ``KeyboardInterrupt``) pass through unchanged.
+    """
+    try:
+        async with anyio.create_task_group() as group:
+            yield group
+    except BaseExceptionGroup as grouped:
+        leaves = _leaves(grouped)
+        if not all(isinstance(exc, Exception) for exc in leaves):
+            raise
+        raise leaves[0] from leaves[0].__cause__  # its own cause kept; the group adds nothing

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 
+from ._util import task_group
 from .errors import SafetensorsError
 
 __all__ = ["BertConfig", "Stage", "StreamingBert", "mean_pool", "run_loaded", "run_streaming"]
@@ -172,11 +174,24 @@ class StreamingBert:
 
     def feed(self, name: str, array: Array) -> list[Stage]:
         """Take one weight; run every stage that became possible. Returns the stages run."""
+        self.add(name, array)
+        return self.run_ready()
+
+    def add(self, name: str, array: Array) -> None:
+        """Take one weight without running anything (see :meth:`run_ready`)."""
         if self.prefix is None:
             self.prefix = "bert." if name.startswith("bert.") else ""
         self.weights[name] = array
+
+    @property
+    def ready(self) -> bool:
+        """Whether the next stage has all its weights."""
+        return not self.finished and self._ready()
+
+    def run_ready(self) -> list[Stage]:
+        """Run every stage whose weights have all arrived, in order. Returns the stages run."""
         ran: list[Stage] = []
-        while not self.finished and self._ready():
+        while self.ready:
             ready = time.perf_counter()
             stage = self._run_next()
             ran.append(Stage(stage, ready, time.perf_counter()))
@@ -262,11 +277,47 @@ class StreamingBert:
 
 
 async def run_streaming(
-    model: StreamingBert, tensors: AsyncIterable[tuple[str, Array]]
+    model: StreamingBert,
+    tensors: AsyncIterable[tuple[str, Array]],
+    *,
+    threaded: bool = True,
 ) -> StreamingBert:
-    """Feed ``tensors`` (e.g. an ``open_stream``) into ``model`` as they arrive; returns it."""
-    async for name, array in tensors:
-        model.feed(name, array)
+    """Feed ``tensors`` (e.g. an ``open_stream``) into ``model`` as they arrive; returns it.
+
+    With ``threaded`` (the default) each stage runs in a worker thread while the event loop goes
+    on receiving, so the transfer does not pause while a layer computes (numpy releases the GIL
+    in its kernels). Without it, stages run on the event loop between tensors: simpler, and
+    enough when compute is small against the transfer. Raises :class:`SafetensorsError` if the
+    tensors end before every stage could run, or whatever the source raised.
+    """
+    if not threaded:
+        async for name, array in tensors:
+            model.feed(name, array)
+        model.output()  # raises if a weight never came
+        return model
+
+    incoming: list[tuple[str, Array]] = []
+    arrived = anyio.Event()
+    ended = False
+
+    async def receive() -> None:
+        nonlocal ended
+        async for item in tensors:
+            incoming.append(item)
+            arrived.set()
+        ended = True
+        arrived.set()
+
+    async with task_group() as group:  # a failure on either side cancels the other
+        group.start_soon(receive)
+        while not (ended and not incoming):
+            await arrived.wait()
+            arrived = anyio.Event()
+            batch, incoming[:] = incoming[:], []
+            for name, array in batch:  # the worker thread never sees the dict change
+                model.add(name, array)
+            if model.ready:
+                await anyio.to_thread.run_sync(model.run_ready)
     model.output()  # raises if a weight never came
     return model
 
@@ -274,6 +325,6 @@ async def run_streaming(
 def run_loaded(model: StreamingBert, weights: Mapping[str, Array]) -> Array:
     """The load-everything-then-run reference: every weight first, then the forward pass."""
     for name, array in weights.items():
-        model.weights[name] = array
-    model.feed(*next(iter(weights.items())))
+        model.add(name, array)
+    model.run_ready()
     return model.output()

@@ -26,6 +26,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from ._util import task_group
 from .codecs import error_stats
 from .connection import connect, listen
 from .kv import KVLayout, receive_kv, send_kv
@@ -155,7 +156,7 @@ async def run_demo(
 
         received_keys: dict[str, list[Array]] = {}
         finished = [anyio.Event() for _ in results]
-        async with anyio.create_task_group() as group:
+        async with task_group() as group:
             group.start_soon(receiver)
             group.start_soon(sender)
     for result in results:

@@ -31,6 +31,7 @@ import anyio
 import numpy as np
 from anyio.abc import ObjectReceiveStream
 
+from ._util import task_group
 from .codecs import Codec, codec_from_metadata, get_codec
 from .connection import Connection
 from .dtypes import dtype_for
@@ -226,9 +227,7 @@ async def send_kv(
         max_buffer_size=max(0, queue - 1)
     )
 
-    failures: list[BaseException] = []
-
-    async def produce() -> None:
+    async def produce() -> None:  # the producer's own failure ends the transfer with its error
         try:
             async with send_layers:
                 async for item in layers:
@@ -236,9 +235,6 @@ async def send_kv(
                     await send_layers.send(item)
         except anyio.BrokenResourceError:
             pass  # the sending side failed and stopped listening: its error is the one to report
-        except Exception as exc:  # the producer's own failure ends the transfer
-            failures.append(exc)
-            await receive_layers.aclose()
 
     async def consume(items: ObjectReceiveStream[tuple[int, Array, Array]]) -> None:
         async with items:
@@ -262,15 +258,9 @@ async def send_kv(
 
     async with writer:
         report.header_sent_at = time.perf_counter()
-        async with anyio.create_task_group() as group:
+        async with task_group() as group:  # a failure leaves the writer's block: message aborted
             group.start_soon(produce)
-            try:
-                await consume(receive_layers)
-            except Exception as exc:  # raised plainly below, not as an exception group
-                failures.insert(0, exc)
-                group.cancel_scope.cancel()
-        if failures:
-            raise failures[0]  # inside the writer's block: the message is aborted
+            await consume(receive_layers)
     report.wire_bytes = writer.header.file_size
     return report
 
@@ -390,18 +380,13 @@ async def receive_kv(
         if isinstance(source, Connection)
         else open_stream(source, timeout=timeout)
     )
-    failure: Exception | None = None
     async with stream:
         receiver = KVReceiver(
             KVLayout.from_header(stream.header), stream.source.name, max_ahead=max_ahead
         )
-        async with anyio.create_task_group() as group:
+        async with task_group() as group:
             group.start_soon(receiver._run, stream)
             try:
                 yield receiver
-            except Exception as exc:  # re-raised plainly below, not as an exception group
-                failure = exc
             finally:
                 group.cancel_scope.cancel()
-    if failure is not None:
-        raise failure

@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from ._util import task_group
 from .codecs import get_codec, to_bfloat16
 from .dtypes import dtype_from_code
 from .errors import TensorNotFoundError, UsageError
@@ -175,7 +176,7 @@ async def _digest_stream(stream: TensorStream, progress: Progress | None) -> dic
         finished.set()
 
     previous: anyio.Event | None = None
-    async with anyio.create_task_group() as group:
+    async with task_group() as group:
         async for name, array in stream:
             if previous is not None:
                 await previous.wait()  # one tensor hashing while the next is read, no more
@@ -324,7 +325,7 @@ async def diff(
                 source, include=common, timeout=timeout, progress=report(side)
             )
 
-        async with anyio.create_task_group() as group:
+        async with task_group() as group:
             group.start_soon(run, 0, a)
             group.start_soon(run, 1, b)
         result.content_compared = True

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,48 @@ async def test_streamed_over_http_and_tcp(
     )
     assert np.array_equal(over_http.output(), reference)
     assert np.array_equal(over_tcp.output(), reference)
+
+
+class WaitsInLayer0(StreamingBert):
+    """Layer 0 blocks until the reading side has passed the last tensor."""
+
+    everything_read = threading.Event()
+
+    def _layer(self, x: np.ndarray[Any, Any], w: list[np.ndarray[Any, Any]]) -> Any:
+        if self.layers_done == -1:
+            assert self.everything_read.wait(10), "reading paused while layer 0 computed"
+        return super()._layer(x, w)
+
+
+async def test_threaded_stages_do_not_pause_the_transfer(
+    inputs: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]], reference: np.ndarray[Any, Any]
+) -> None:
+    async def tensors() -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
+        async for item in stream_st.open_stream(WEIGHTS):
+            yield item
+        WaitsInLayer0.everything_read.set()
+
+    model = WaitsInLayer0(BertConfig.from_json(MODEL_DIR / "config.json"), *inputs)
+    await run_streaming(model, tensors())  # threaded=False would wait in layer 0 and fail
+    assert np.array_equal(model.output(), reference)
+    assert [s.name for s in model.stages][:2] == ["embeddings", "layer 0"]
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+async def test_a_truncated_stream_raises_its_own_error(
+    inputs: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]], threaded: bool
+) -> None:
+    data = WEIGHTS.read_bytes()
+    data = data[: len(data) // 2]
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for at in range(0, len(data), 1 << 20):
+            yield data[at : at + (1 << 20)]
+
+    model = new_model(inputs)
+    with pytest.raises(stream_st.TruncatedStreamError):
+        await run_streaming(model, stream_st.open_stream(chunks()), threaded=threaded)
+    assert not model.finished
 
 
 async def test_missing_layer_is_an_error(

@@ -9,12 +9,16 @@ import shutil
 import struct
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import safetensors.numpy as reference_numpy
+
+import stream_st
+from stream_st.tools import content_digests
 
 from .http_server import RangeHTTPServer
 from .s3_server import CREDENTIALS, MotoS3Server
@@ -219,6 +223,17 @@ def test_errors_are_one_line_with_exit_status_2(tmp_path: Path) -> None:
     result = run("validate", str(bad))
     assert result.returncode == 2 and "begin with '{'" in result.stderr
     assert run("frobnicate").returncode == 2
+
+
+async def test_content_hash_of_a_truncated_stream_raises_our_error(model: Path) -> None:
+    data = model.read_bytes()[:-10]
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for at in range(0, len(data), 4096):
+            yield data[at : at + 4096]
+
+    with pytest.raises(stream_st.TruncatedStreamError):
+        await content_digests(chunks())  # hashing runs beside the reading, in a task group
 
 
 def test_cp_round_trip_conversion_and_quantization(model: Path, tmp_path: Path) -> None:

@@ -228,3 +228,12 @@ async def test_parallel_truncation(server: RangeHTTPServer) -> None:
             got[name] = array
     assert info.value.name not in got
     assert info.value.offset == FIRST_RANGE + 50_000 or info.value.offset < FIRST_RANGE + 50_000
+
+
+async def test_parallel_failure_is_our_error_not_a_group(server: RangeHTTPServer) -> None:
+    source = HttpSource(server.url("/big.safetensors"), concurrency=4, part_size=100_000, retries=0)
+    async with stream_st.open_stream(source) as stream:
+        server.status_for["/big.safetensors"] = 404  # after the header: the parts fail
+        with pytest.raises(stream_st.SourceNotFoundError, match="404"):
+            async for _ in stream:
+                pass

@@ -148,6 +148,20 @@ async def test_sender_dies_mid_layer() -> None:
     assert delivered == [0, 1, 2]
 
 
+async def test_producer_failure_ends_the_transfer_with_its_error(tmp_path: Path) -> None:
+    layout = KVLayout(num_layers=4, shape=SHAPE)
+
+    async def producer() -> AsyncIterator[tuple[int, Array, Array]]:
+        async for item in produce(2):
+            yield item
+        raise RuntimeError("the model failed at layer 2")
+
+    path = tmp_path / "kv.safetensors"
+    with pytest.raises(RuntimeError, match="layer 2"):
+        await send_kv(path, layout, producer())
+    assert list(tmp_path.iterdir()) == []  # the aborted message left nothing behind
+
+
 async def test_receiver_dies_and_the_sender_stops_pulling() -> None:
     layout = KVLayout(num_layers=50, shape=(1, 8, 512, 64))  # 1 MiB per tensor
     pulled = 0

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import anyio
 import anyio.to_thread
 
+from .._util import task_group
 from ..errors import SourceNotFoundError, TransportError, UsageError
 from .base import Sink
 
@@ -165,19 +166,9 @@ class FileSink(Sink):
 
     async def _write_halves(self, offset: int, buffer: memoryview) -> None:
         half = (len(buffer) // 2) & ~4095
-        errors: list[OSError] = []
-
-        async def write(part: memoryview, at: int) -> None:
-            try:
-                await anyio.to_thread.run_sync(_pwrite_fully, self._fd, part, at)
-            except OSError as exc:
-                errors.append(exc)
-
-        async with anyio.create_task_group() as group:
-            group.start_soon(write, buffer[:half], offset)
-            group.start_soon(write, buffer[half:], offset + half)
-        if errors:
-            raise errors[0]
+        async with task_group() as group:
+            for part, at in ((buffer[:half], offset), (buffer[half:], offset + half)):
+                group.start_soon(anyio.to_thread.run_sync, _pwrite_fully, self._fd, part, at)
 
     def _close_fd(self) -> None:
         fd, self._fd = self._fd, -1

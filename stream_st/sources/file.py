@@ -16,6 +16,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
+from .._util import task_group
 from ..errors import SourceNotFoundError, TransportError
 from .base import Source
 
@@ -135,7 +136,7 @@ class FileSource(Source):
                 _pread_boxed, self._fd, [part], offset + start
             )
 
-        async with anyio.create_task_group() as group:
+        async with task_group() as group:
             group.start_soon(read, 0, 0, buffer[:half])
             group.start_soon(read, 1, half, buffer[half:])
         # A short first half means the file ended inside it: the second half read nothing.

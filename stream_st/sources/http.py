@@ -30,6 +30,7 @@ import anyio
 import numpy as np
 
 from .._http import HTTPClient, HTTPStatusError, Response, raise_for_status
+from .._util import task_group
 from ..errors import ReadTimeoutError, TransportError
 from .base import Source
 
@@ -227,7 +228,7 @@ class HttpSource(Source):
         async def fetch(index: int) -> None:
             counts[index] = await self._fetch_into(parts[index][0], views[index])
 
-        async with anyio.create_task_group() as group:
+        async with task_group() as group:
             for index in range(len(parts)):
                 group.start_soon(fetch, index)
         return counts
