@@ -29,7 +29,7 @@ from typing import Any
 
 import anyio
 import numpy as np
-from anyio.abc import ObjectReceiveStream
+from anyio.abc import ObjectReceiveStream, TaskGroup
 
 from ._util import task_group
 from .codecs import Codec, codec_from_metadata, get_codec
@@ -179,28 +179,56 @@ HASH_IN_THREAD = 256 << 10
 event loop keeps sending and receiving meanwhile."""
 
 
-async def _hash(digest: Any, array: Array) -> None:
-    view = _wire(array)
-    if len(view) >= HASH_IN_THREAD:
-        await anyio.to_thread.run_sync(digest.update, view)
-    else:
-        digest.update(view)
+class _LayerHash:
+    """The SHA-256 of one layer's parts, fed in order while the bytes keep moving.
+
+    :meth:`add` returns at once: the part is hashed in a task of ``group`` (in a worker thread
+    from :data:`HASH_IN_THREAD` bytes on), after the parts added before it, so sending the next
+    part, or receiving it, overlaps hashing this one. :meth:`digest` waits for all of them.
+    """
+
+    def __init__(self, group: TaskGroup) -> None:
+        self._group = group
+        self._sha = hashlib.sha256()
+        self._last: anyio.Event | None = None
+
+    def add(self, array: Array) -> None:
+        before, self._last = self._last, anyio.Event()
+        self._group.start_soon(self._update, before, _wire(array), self._last)
+
+    async def _update(
+        self, before: anyio.Event | None, view: memoryview, done: anyio.Event
+    ) -> None:
+        if before is not None:
+            await before.wait()
+        if len(view) >= HASH_IN_THREAD:
+            await anyio.to_thread.run_sync(self._sha.update, view)
+        else:
+            self._sha.update(view)
+        done.set()
+
+    async def digest(self) -> bytes:
+        if self._last is not None:
+            await self._last.wait()
+        return self._sha.digest()
 
 
 async def _write_layer(
     writer: TensorWriter, layout: KVLayout, codec: Codec, layer: int, key: Array, value: Array
 ) -> None:
-    digest = hashlib.sha256()
-    for name, part in (
-        *codec.encode(key_name(layer), key),
-        *codec.encode(value_name(layer), value),
-    ):
-        array = np.ascontiguousarray(part)  # once, for both the send and the hash
-        await writer.write(name, array)
+    async with task_group() as group:
+        digest = _LayerHash(group)
+        for name, part in (
+            *codec.encode(key_name(layer), key),
+            *codec.encode(value_name(layer), value),
+        ):
+            array = np.ascontiguousarray(part)  # once, for both the send and the hash
+            if layout.digest:
+                digest.add(array)  # hashed while the part is being sent
+            await writer.write(name, array)
         if layout.digest:
-            await _hash(digest, array)
-    if layout.digest:
-        await writer.write(digest_name(layer), np.frombuffer(digest.digest(), dtype=np.uint8))
+            checksum = np.frombuffer(await digest.digest(), dtype=np.uint8)
+            await writer.write(digest_name(layer), checksum)
 
 
 async def send_kv(
@@ -265,12 +293,6 @@ async def send_kv(
     return report
 
 
-@dataclass
-class _Layer:
-    parts: dict[str, Array] = field(default_factory=dict)
-    digest: Any = None
-
-
 class KVReceiver:
     """The receiving side of a transfer; made by :func:`receive_kv`.
 
@@ -330,36 +352,52 @@ class KVReceiver:
                 event.set()
 
     async def _read(self, stream: TensorStream) -> None:
-        current = _Layer()
-        digest = hashlib.sha256() if self.layout.digest else None
-        layer = 0
-        wanted = len(self.layout.layer_specs(0))
-        arrived = 0
-        async for name, array in stream:
-            arrived += 1
-            if name == digest_name(layer):
-                current.digest = bytes(array)
-            else:
-                current.parts[name] = array
-                if digest is not None:
-                    await _hash(digest, array)
-            if arrived < wanted:
-                continue
-            arrived = 0
-            self.received_at.append(time.perf_counter())
-            if digest is not None and digest.digest() != current.digest:
-                raise IntegrityError(layer, self.source)
-            dtype = self.layout.numpy_dtype
-            key = self._codec.decode(key_name(layer), current.parts, dtype)
-            value = self._codec.decode(value_name(layer), current.parts, dtype)
-            self._layers[layer] = (key, value)
-            self.verified_at.append(time.perf_counter())
-            self._events[layer].set()
-            layer += 1
-            while layer < self.layout.num_layers and layer > self._asked + self.max_ahead:
-                await self._asked_changed.wait()  # the consumer is behind: stop reading
-            current = _Layer()
-            digest = hashlib.sha256() if self.layout.digest else None
+        async with task_group() as group:
+            finished: anyio.Event | None = None  # set when the previous layer is settled
+            try:
+                layer = 0
+                wanted = len(self.layout.layer_specs(0))
+                parts: dict[str, Array] = {}
+                digest = _LayerHash(group)
+                async for name, array in stream:
+                    parts[name] = array
+                    if self.layout.digest and name != digest_name(layer):
+                        digest.add(array)  # hashed while the next part arrives
+                    if len(parts) < wanted:
+                        continue
+                    self.received_at.append(time.perf_counter())
+                    before, finished = finished, anyio.Event()
+                    group.start_soon(self._settle, layer, parts, digest, before, finished)
+                    layer += 1
+                    parts = {}
+                    digest = _LayerHash(group)
+                    while layer < self.layout.num_layers and layer > self._asked + self.max_ahead:
+                        await self._asked_changed.wait()  # the consumer is behind: stop reading
+            except Exception:
+                if finished is not None:
+                    await finished.wait()  # layers read in full are still verified and handed out
+                raise
+
+    async def _settle(
+        self,
+        layer: int,
+        parts: dict[str, Array],
+        digest: _LayerHash,
+        before: anyio.Event | None,
+        finished: anyio.Event,
+    ) -> None:
+        """Verify and decode one layer read in full, then hand it out after the one before."""
+        if before is not None:
+            await before.wait()  # in order: nothing is handed out past a layer that failed
+        if self.layout.digest and await digest.digest() != bytes(parts[digest_name(layer)]):
+            raise IntegrityError(layer, self.source)
+        dtype = self.layout.numpy_dtype
+        key = self._codec.decode(key_name(layer), parts, dtype)
+        value = self._codec.decode(value_name(layer), parts, dtype)
+        self._layers[layer] = (key, value)
+        self.verified_at.append(time.perf_counter())
+        self._events[layer].set()
+        finished.set()
 
     def release(self, layer: int) -> None:
         """Forget a layer handed out already (to bound memory when consuming once)."""
