@@ -150,8 +150,15 @@ class KVLayout:
                 group_size=int(meta.get("group_size", "64")),
                 digest=meta.get("kv_digest", "sha256") == "sha256",
             )
-        except (KeyError, ValueError, TypeError, json.JSONDecodeError) as exc:
-            raise HeaderError(f"not a KV-cache transfer: its metadata lacks {exc}") from None
+        except (KeyError, ValueError, TypeError, OverflowError) as exc:
+            raise HeaderError(f"not a KV-cache transfer: bad or missing KV metadata ({exc})") from None
+        except UsageError as exc:
+            raise HeaderError(f"not a KV-cache transfer: {exc}") from None
+        if layout.num_layers * len(layout.layer_specs(0)) != len(header.tensors):
+            raise HeaderError(  # checked before the plan is built: kv_layers may be anything
+                f"the metadata announces {layout.num_layers} KV layers, "
+                f"the header holds {len(header.tensors)} tensors"
+            )
         expected = [(s.name, dtype_for(s.dtype).code, s.shape) for s in layout.plan()]
         actual = [(t.name, t.dtype, t.shape) for t in header.tensors]
         if expected != actual:
@@ -231,6 +238,21 @@ async def _write_layer(
             await writer.write(digest_name(layer), checksum)
 
 
+def _checked(item: object) -> tuple[int, Array, Array]:
+    """A producer's ``(layer, key, value)``, or a UsageError saying what came instead."""
+    if (
+        not isinstance(item, tuple)
+        or len(item) != 3
+        or not isinstance(item[0], int | np.integer)
+        or not all(isinstance(array, np.ndarray) for array in item[1:])
+    ):
+        kinds = [type(part).__name__ for part in item] if isinstance(item, tuple) else type(item)
+        raise UsageError(
+            f"the producer must yield (layer: int, key: ndarray, value: ndarray), not {kinds}"
+        )
+    return int(item[0]), item[1], item[2]
+
+
 async def send_kv(
     dst: Connection | SinkLike,
     layout: KVLayout,
@@ -267,7 +289,8 @@ async def send_kv(
     async def consume(items: ObjectReceiveStream[tuple[int, Array, Array]]) -> None:
         async with items:
             expected = 0
-            async for layer, key, value in items:
+            async for item in items:
+                layer, key, value = _checked(item)
                 if layer != expected:
                     raise UsageError(f"layer {layer} produced where layer {expected} was due")
                 for what, array in (("key", key), ("value", value)):

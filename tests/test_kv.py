@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import json
 import socket
+import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -265,6 +267,45 @@ def test_layout_checks() -> None:
         "layer_1_digest",
     ]
     assert layout.metadata()["compression"] == "INT4"
+
+
+async def test_bad_kv_metadata_is_a_header_error(tmp_path: Path) -> None:
+    path = tmp_path / "kv.safetensors"
+    await send_kv(path, KVLayout(num_layers=2, shape=SHAPE), produce(2))
+    header = await stream_st.read_header(path)
+    data = path.read_bytes()
+    for key, value in [
+        ("kv_shape", "[1e400, 4, 64, 64]"),  # not an integer
+        ("kv_layers", "300000"),  # a tiny header claiming many layers: refused at once
+        ("kv_shape", "[1, 4, 64]"),
+        ("kv_dtype", "I8"),
+    ]:
+        meta = {**header.metadata, key: value}
+        tensors = {
+            t.name: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.start, t.end]}
+            for t in header.tensors
+        }
+        blob = json.dumps({"__metadata__": meta, **tensors}).encode()
+        message = struct.pack("<Q", len(blob)) + blob + data[header.data_start :]
+        with pytest.raises(stream_st.HeaderError, match="KV"):
+            async with receive_kv(message):
+                pass
+
+
+@pytest.mark.parametrize(
+    "item",
+    [(0, [1.0], [1.0]), (0, kv(0)[0]), "layer", (0.0, *kv(0))],
+    ids=["lists", "no value", "not a tuple", "float layer"],
+)
+async def test_producer_yielding_the_wrong_thing_is_a_usage_error(
+    tmp_path: Path, item: object
+) -> None:
+    async def producer() -> AsyncIterator[Any]:
+        yield item
+
+    with pytest.raises(stream_st.UsageError, match=r"\(layer: int, key: ndarray"):
+        await send_kv(tmp_path / "kv.safetensors", KVLayout(num_layers=1, shape=SHAPE), producer())
+    assert list(tmp_path.iterdir()) == []
 
 
 async def test_demo_runs_and_measures() -> None:
