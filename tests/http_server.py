@@ -47,6 +47,23 @@ _REASONS = {
 }
 
 
+class Link:
+    """Paces a sender to ``rate`` bytes/s like a network link: time lost while the receiver was
+    not reading is lost, not made up afterwards by a burst above the rate."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._free_at = time.perf_counter()
+
+    def wait(self, count: int) -> None:
+        """Call before sending ``count`` bytes: sleeps until the link is free, then books it."""
+        now = time.perf_counter()
+        if self._free_at > now:
+            time.sleep(self._free_at - now)
+            now = self._free_at
+        self._free_at = now + count / self.rate
+
+
 @dataclass
 class RangeHTTPServer:
     """See the module docstring. Use as a context manager, or ``start()`` / ``stop()``."""
@@ -259,20 +276,18 @@ class RangeHTTPServer:
             if cut is not None:
                 limit = min(limit, cut)
         piece = 1 << 20 if self.rate is None else max(4096, int(self.rate / 100))
-        started = time.perf_counter()
+        link = None if self.rate is None else Link(self.rate)
         sent = 0
         while sent < limit:
             part = body[sent : min(limit, sent + piece)]
+            if link is not None:
+                link.wait(len(part))
             if chunked:
                 connection.sendall(f"{len(part):x}\r\n".encode())
             connection.sendall(part)
             if chunked:
                 connection.sendall(b"\r\n")
             sent += len(part)
-            if self.rate is not None:
-                ahead = sent / self.rate - (time.perf_counter() - started)
-                if ahead > 0:
-                    time.sleep(ahead)
         if sent < len(body):
             if self.close_once:
                 self.close_after = None
