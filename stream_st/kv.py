@@ -151,7 +151,9 @@ class KVLayout:
                 digest=meta.get("kv_digest", "sha256") == "sha256",
             )
         except (KeyError, ValueError, TypeError, OverflowError) as exc:
-            raise HeaderError(f"not a KV-cache transfer: bad or missing KV metadata ({exc})") from None
+            raise HeaderError(
+                f"not a KV-cache transfer: bad or missing KV metadata ({exc})"
+            ) from None
         except UsageError as exc:
             raise HeaderError(f"not a KV-cache transfer: {exc}") from None
         if layout.num_layers * len(layout.layer_specs(0)) != len(header.tensors):

@@ -113,6 +113,8 @@ STRICTER = (
     "begin with '{'",  # the spec: the header is a JSON object
     "unknown field",  # the spec names exactly dtype, shape and data_offsets
     "__metadata__ must be a JSON object",  # null is not a map of strings
+    "dimensions, more than the",  # numpy cannot make the array
+    "too large for a numpy",  # nor one whose dims x item size exceed its address space
 )
 
 
