@@ -45,10 +45,11 @@ def parse_s3_url(url: str) -> tuple[str, str]:
 
 
 def _profile_section(path: Path, section: str) -> dict[str, str]:
+    """``section`` of the INI file at ``path``; empty if the file is missing or unreadable."""
     parser = configparser.ConfigParser(interpolation=None)
     try:
         parser.read(path)
-    except configparser.Error:
+    except (configparser.Error, UnicodeDecodeError):
         return {}
     return dict(parser[section]) if parser.has_section(section) else {}
 

@@ -3,14 +3,17 @@
 Every command takes any source the library reads (a path, ``http(s)://``, ``s3://``, ``tcp://``,
 a sharded ``*.index.json``) and works in constant memory. Exit status: 0 success (equal, valid);
 1 a difference (``diff``) or failed validation (``validate``); 2 an error (bad input, unreachable
-source, bad arguments); 130 interrupted.
+source, bad arguments); 3 an internal error (a bug: the traceback goes to stderr); 130
+interrupted; 141 the output pipe closed early (``| head``), as for a command killed by SIGPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -21,7 +24,8 @@ from . import tools
 from .demo import print_report, run_demo
 from .errors import SafetensorsError
 
-EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
 
 
 @contextmanager
@@ -266,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="stream-st",
         description="Read and write safetensors files as streams. "
         "Sources: paths, http(s)://, s3://, tcp://, *.index.json.",
-        epilog="exit status: 0 success, 1 different/invalid, 2 error, 130 interrupted",
+        epilog="exit status: 0 success, 1 different/invalid, 2 error, 3 internal error (a bug),\n"
+        "  130 interrupted, 141 output pipe closed early",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -344,12 +349,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(["demo"])
     try:
         status: int = anyio.run(args.handler, args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the flush at interpreter exit
     except SafetensorsError as exc:
         print(f"stream-st: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly. As the Python docs recommend, point
+        # stdout at devnull so the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         print("stream-st: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception:
+        traceback.print_exc()
+        print(
+            "stream-st: internal error (a bug, please report it with the traceback above)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
     return status
 
 

@@ -7,11 +7,12 @@ from typing import Any
 
 import numpy as np
 
+from .errors import UsageError
 from .header import DEFAULT_MAX_HEADER_SIZE, Header, TensorSpec
 from .reader import Include, open_stream
 from .sinks import SinkLike
 from .sources import SourceLike
-from .writer import Order, open_writer
+from .writer import Order, as_array, open_writer
 
 __all__ = ["load", "save"]
 
@@ -32,7 +33,9 @@ async def save(
     (packed F4/F6 tensors need :func:`~stream_st.open_writer` with an explicit plan). Arrays are
     written straight from their memory, one after another; nothing is committed unless all are.
     """
-    arrays = {name: np.asarray(array) for name, array in tensors.items()}
+    if not isinstance(tensors, Mapping):
+        raise UsageError(f"save takes a mapping of names to arrays, got {type(tensors).__name__}")
+    arrays = {name: as_array(array, name) for name, array in tensors.items()}
     plan = [TensorSpec(name, array.dtype, array.shape) for name, array in arrays.items()]
     async with open_writer(dst, plan, metadata=metadata, order=order, fsync=fsync) as writer:
         for info in writer.header.tensors:

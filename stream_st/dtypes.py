@@ -109,7 +109,7 @@ def dtype_for(value: str | np.dtype[Any] | type) -> DType:
         return DTYPES[value]
     try:
         as_numpy = np.dtype(value)
-    except TypeError as exc:
+    except Exception as exc:  # TypeError, ValueError, even SyntaxError for "f4,("
         raise DtypeError(f"not a dtype: {value!r}") from exc
     found = _BY_NUMPY.get(as_numpy.newbyteorder("="))
     if found is None:

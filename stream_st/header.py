@@ -14,8 +14,9 @@ strings to strings.
 from __future__ import annotations
 
 import json
+import operator
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .dtypes import DType, array_shape, dtype_for, dtype_from_code
-from .errors import HeaderError, HeaderTooLargeError, TensorNotFoundError
+from .errors import HeaderError, HeaderTooLargeError, TensorNotFoundError, UsageError
 
 __all__ = [
     "DEFAULT_MAX_HEADER_SIZE",
@@ -33,6 +34,7 @@ __all__ = [
     "TensorInfo",
     "TensorSpec",
     "build_header",
+    "decode_json",
     "parse_header",
     "parse_header_length",
 ]
@@ -46,6 +48,8 @@ DEFAULT_MAX_HEADER_SIZE = 100_000_000
 METADATA_KEY = "__metadata__"
 
 _U64_MAX = 2**64 - 1
+_NUMPY_MAX_NDIM = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
+_NUMPY_MAX_BYTES = int(np.iinfo(np.intp).max)
 _TENSOR_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
 
@@ -87,14 +91,30 @@ class TensorInfo:
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """One planned tensor: ``dtype`` is a safetensors code or a numpy / ml_dtypes dtype."""
+    """One planned tensor: ``dtype`` is a safetensors code or a numpy / ml_dtypes dtype.
+
+    ``shape`` is a sequence of integers (Python or numpy); anything else raises
+    :class:`~stream_st.UsageError`.
+    """
 
     name: str
     dtype: str | np.dtype[Any] | type
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if not isinstance(self.name, str):
+            raise UsageError(f"a tensor name must be a string, got {self.name!r}")
+        object.__setattr__(self, "shape", _spec_shape(self.name, self.shape))
+
+
+def _spec_shape(name: str, shape: Any) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints; :class:`UsageError` unless a sequence of integers."""
+    if not isinstance(shape, str | bytes):
+        try:
+            return tuple(operator.index(d) for d in shape)
+        except TypeError:
+            pass
+    raise UsageError(f"tensor {name!r}: shape must be a sequence of integers, got {shape!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +204,27 @@ def _refuse_constant(name: str) -> Any:
     raise HeaderError(f"{name} is not valid JSON")
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant)
+_STRICT_JSON: dict[str, Any] = {
+    "object_pairs_hook": _refuse_duplicates,
+    "parse_constant": _refuse_constant,
+}
+
+
+def decode_json(text: str | bytes, what: str, *, strict: bool = False) -> Any:
+    """Parse the JSON document ``text``; :class:`HeaderError` naming ``what`` if it is invalid.
+
+    Covers what escapes :func:`json.loads` on hostile input: nesting too deep for the parser
+    (``RecursionError``), undecodable bytes and integers too long to convert. ``strict`` also
+    refuses duplicate keys at any level and NaN / Infinity, as a safetensors header must.
+    """
+    try:
+        return json.loads(text, **(_STRICT_JSON if strict else {}))
+    except HeaderError:
+        raise
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of 4300+ digits
+        raise HeaderError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise HeaderError(f"{what} JSON is nested too deeply") from None
 
 
 def _is_int(value: object) -> bool:
@@ -236,12 +276,33 @@ def _parse_tensor(name: str, entry: object) -> tuple[TensorInfo, DType]:
     return TensorInfo(name, dtype.code, tuple(shape), start, end), dtype
 
 
+def _check_numpy_limits(name: str, dtype: DType, shape: tuple[int, ...]) -> None:
+    """Refuse a shape whose array (:func:`~stream_st.dtypes.array_shape`) numpy cannot make.
+
+    numpy caps the number of dimensions (64; 32 before numpy 2) and, even for an empty array,
+    the product of the nonzero dimensions times the item size (the largest ``intp``).
+    """
+    delivered = array_shape(dtype, shape)
+    if len(delivered) > _NUMPY_MAX_NDIM:
+        raise HeaderError(
+            f"tensor {name!r}: {len(delivered)} dimensions, more than the {_NUMPY_MAX_NDIM} "
+            "a numpy array can have"
+        )
+    if prod(d for d in delivered if d) * dtype.numpy.itemsize > _NUMPY_MAX_BYTES:
+        raise HeaderError(
+            f"tensor {name!r}: shape {list(shape)} x {dtype.code} is too large for a numpy "
+            f"array (its nonzero dimensions span more than {_NUMPY_MAX_BYTES} bytes)"
+        )
+
+
 def parse_header(raw: bytes | bytearray | memoryview) -> Header:
     """Parse and fully validate the N header bytes (without the 8-byte prefix).
 
     Checks UTF-8, a leading ``{``, strict JSON (no duplicate keys at any level, no NaN), every
     tensor entry's fields and types, dtype codes, sizes against dtype x shape (sub-byte types must
-    fill whole bytes), and that the offsets tile the data section from 0 with no hole or overlap.
+    fill whole bytes), that the offsets tile the data section from 0 with no hole or overlap, and
+    that numpy can hold every shape (at most 64 dimensions, 32 before numpy 2; nonzero dimensions
+    x item size within the largest ``intp``, even for an empty tensor).
     """
     header_size = len(raw)
     try:
@@ -250,12 +311,7 @@ def parse_header(raw: bytes | bytearray | memoryview) -> Header:
         raise HeaderError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     if not text.startswith("{"):
         raise HeaderError(f"header must begin with '{{', begins with {text[:16]!r}")
-    try:
-        obj = _DECODER.decode(text)
-    except json.JSONDecodeError as exc:
-        raise HeaderError(f"header is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise HeaderError("header JSON is nested too deeply") from None
+    obj = decode_json(text, "header", strict=True)
     if not isinstance(obj, dict):  # pragma: no cover - a leading '{' guarantees an object
         raise HeaderError("header must be a JSON object")
 
@@ -288,34 +344,49 @@ def parse_header(raw: bytes | bytearray | memoryview) -> Header:
                 f"tensor {info.name!r}: {info.nelements} values of {dtype.code} "
                 f"({dtype.bits} bits) are not a whole number of bytes"
             )
-        if nbytes > _U64_MAX:
-            raise HeaderError(
-                f"tensor {info.name!r}: shape {list(info.shape)} x {dtype.code} overflows 64 bits"
-            )
         if nbytes != info.nbytes:
             raise HeaderError(
                 f"tensor {info.name!r}: shape {list(info.shape)} x {dtype.code} needs {nbytes} "
                 f"bytes but data_offsets [{info.start}, {info.end}] span {info.nbytes}"
             )
+        _check_numpy_limits(info.name, dtype, info.shape)
         expected_start = info.end
     return Header.from_tensors((info for info, _ in parsed), metadata, header_size)
 
 
+def _plan_list(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
+    """``specs`` as a list; :class:`UsageError` unless an iterable of :class:`TensorSpec`."""
+    try:
+        plan = list(specs)
+    except TypeError:
+        raise UsageError(f"a plan is a list of TensorSpec, got {type(specs).__name__}") from None
+    for spec in plan:
+        if not isinstance(spec, TensorSpec):
+            raise UsageError(f"a plan lists TensorSpec(name, dtype, shape) entries, got {spec!r}")
+    return plan
+
+
 def plan_order(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
     """Order a plan as the reference writer does: descending dtype alignment, then name."""
-    return sorted(specs, key=lambda s: (-dtype_for(s.dtype).rank, s.name))
+    return sorted(_plan_list(specs), key=lambda s: (-dtype_for(s.dtype).rank, s.name))
 
 
 def build_header(
-    specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None
+    specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = None
 ) -> tuple[bytes, Header]:
     """Lay out a plan: the bytes to write before the data (prefix and padded JSON) and its Header.
 
     Tensors are placed back to back in the order given. The JSON is compact, with
     ``__metadata__`` first, padded with spaces to a multiple of 8 as the reference writer does.
+    A plan that is not a list of :class:`TensorSpec`, or metadata that is not a mapping, raises
+    :class:`UsageError`; a plan no valid header can describe raises :class:`HeaderError`.
     """
     entries: dict[str, Any] = {}
     if metadata is not None:  # even empty: the reference writes "__metadata__":{} too
+        if not isinstance(metadata, Mapping):
+            raise UsageError(
+                f"metadata must be a mapping of strings to strings, got {type(metadata).__name__}"
+            )
         for key, value in metadata.items():
             if not isinstance(key, str) or not isinstance(value, str):
                 raise HeaderError(
@@ -324,7 +395,7 @@ def build_header(
         entries[METADATA_KEY] = dict(metadata)
     infos: list[TensorInfo] = []
     offset = 0
-    for spec in specs:
+    for spec in _plan_list(specs):
         if spec.name == METADATA_KEY:
             raise HeaderError(f"{METADATA_KEY!r} is reserved and cannot name a tensor")
         if spec.name in entries:
@@ -338,6 +409,7 @@ def build_header(
                 f"tensor {spec.name!r}: {prod(spec.shape)} values of {dtype.code} are not a "
                 "whole number of bytes"
             )
+        _check_numpy_limits(spec.name, dtype, spec.shape)
         info = TensorInfo(spec.name, dtype.code, spec.shape, offset, offset + nbytes)
         entries[spec.name] = {
             "dtype": dtype.code,

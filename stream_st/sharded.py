@@ -23,7 +23,6 @@ to it, or describe exactly the bytes the manifest gives for it.
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 from collections.abc import AsyncIterator, Callable
@@ -33,7 +32,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from .errors import HeaderError, TensorNotFoundError, UsageError
-from .header import DEFAULT_MAX_HEADER_SIZE, Header
+from .header import DEFAULT_MAX_HEADER_SIZE, Header, decode_json
 from .reader import Include, TensorStream
 from .sources import read_object
 
@@ -67,6 +66,8 @@ def _safe_shard(shard: object, name: str) -> str:
         raise HeaderError(f"{name}: shard names must be non-empty strings, got {shard!r}")
     if shard.startswith("/") or ".." in shard.split("/") or "://" in shard:
         raise HeaderError(f"{name}: shard {shard!r} must be a path next to the index")
+    if "\0" in shard:
+        raise HeaderError(f"{name}: shard {shard!r} contains a NUL byte, which no path can hold")
     return shard
 
 
@@ -79,10 +80,7 @@ class ShardIndex:
     """
 
     def __init__(self, raw: bytes, name: str) -> None:
-        try:
-            obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise HeaderError(f"{name}: the index is not valid JSON: {exc}") from None
+        obj = decode_json(raw, f"{name}: the index")
         if not isinstance(obj, dict):
             raise HeaderError(f"{name}: the index must be a JSON object")
         self.weight_map: dict[str, str] | None = None

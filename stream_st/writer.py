@@ -27,13 +27,24 @@ from .errors import UsageError, WriterError
 from .header import Header, TensorInfo, TensorSpec, build_header, plan_order
 from .sinks import Sink, SinkLike, open_sink
 
-__all__ = ["Order", "TensorParts", "TensorWriter", "open_writer"]
+__all__ = ["Order", "TensorParts", "TensorWriter", "as_array", "open_writer"]
 
 Order = Literal["plan", "reference"]
 """``"plan"``: tensors laid out in the order given. ``"reference"``: ordered as the reference
 writer does (descending dtype alignment, then name), giving byte-identical files."""
 
 _NEW, _OPEN, _COMMITTED, _ABORTED = "new", "open", "committed", "aborted"
+
+
+def as_array(value: Any, name: str) -> np.ndarray[Any, Any]:
+    """``np.asarray(value)`` for tensor ``name``; :class:`~stream_st.UsageError` if numpy cannot
+    make an array of it (a ragged nested list, an object whose ``__array__`` fails)."""
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(
+            f"tensor {name!r}: cannot make an array of the {type(value).__name__} given: {exc}"
+        ) from None
 
 
 def _wire_view(array: np.ndarray[Any, Any]) -> memoryview:
@@ -71,11 +82,9 @@ class TensorWriter:
         fsync: bool = False,
         timeout: float | None = None,
     ) -> None:
-        specs = list(plan)
-        if order == "reference":
-            specs = plan_order(specs)
-        elif order != "plan":
+        if order not in ("plan", "reference"):
             raise UsageError(f"order must be 'plan' or 'reference', got {order!r}")
+        specs = plan_order(plan) if order == "reference" else plan
         self._prefix, self._header = build_header(specs, metadata)
         self._dst = dst
         self._fsync = fsync
@@ -285,8 +294,8 @@ class TensorWriter:
                 name=info.name,
             )
 
-    def _whole_view(self, info: TensorInfo, array: Any) -> memoryview:
-        array = np.asarray(array)
+    def _whole_view(self, info: TensorInfo, value: Any) -> memoryview:
+        array = as_array(value, info.name)
         self._check_dtype(info, array)
         if array.shape != info.array_shape:
             raise WriterError(
@@ -296,8 +305,8 @@ class TensorWriter:
             )
         return _wire_view(array)
 
-    def _piece_view(self, info: TensorInfo, piece: Any) -> memoryview:
-        piece = np.asarray(piece)
+    def _piece_view(self, info: TensorInfo, value: Any) -> memoryview:
+        piece = as_array(value, info.name)
         self._check_dtype(info, piece)
         shape = info.array_shape
         rest = shape[1:]

@@ -18,6 +18,8 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
+from stream_st import tools
+from stream_st.cli import build_parser, main
 from stream_st.tools import content_digests
 
 from .http_server import RangeHTTPServer
@@ -223,6 +225,41 @@ def test_errors_are_one_line_with_exit_status_2(tmp_path: Path) -> None:
     result = run("validate", str(bad))
     assert result.returncode == 2 and "begin with '{'" in result.stderr
     assert run("frobnicate").returncode == 2
+
+
+@pytest.mark.parametrize("tensors", [3, 3000], ids=["in the flush at exit", "mid-output"])
+def test_closed_output_pipe_exits_quietly(tmp_path: Path, tensors: int) -> None:
+    path = tmp_path / "many.safetensors"
+    reference_numpy.save_file({f"t{i:05d}": np.zeros(1, np.uint8) for i in range(tensors)}, path)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # as `| head -1` does once it has its line
+    try:
+        result = subprocess.run(
+            [COMMAND, "inspect", str(path)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (141, "")
+
+
+def test_unexpected_exception_is_an_internal_error_with_exit_status_3(
+    model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def broken(*args: Any, **kwargs: Any) -> None:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(tools, "inspect", broken)
+    assert main(["inspect", str(model)]) == 3
+    stderr = capsys.readouterr().err
+    assert "Traceback" in stderr and "ZeroDivisionError: a bug" in stderr
+    assert stderr.rstrip().endswith(
+        "stream-st: internal error (a bug, please report it with the traceback above)"
+    )
+    assert "3 internal error" in build_parser().format_help()
 
 
 async def test_content_hash_of_a_truncated_stream_raises_our_error(model: Path) -> None:

@@ -21,7 +21,7 @@ from stream_st import (
     parse_header,
 )
 from stream_st.dtypes import array_shape, dtype_for, dtype_from_code
-from stream_st.errors import DtypeError
+from stream_st.errors import DtypeError, UsageError
 from stream_st.header import parse_header_length, plan_order
 
 
@@ -114,7 +114,24 @@ BAD_HEADERS: list[tuple[str, Any, str]] = [
     (
         "size overflow",
         {"a": entry(dtype="F64", shape=[2**62, 2**62], offsets=[0, 8])},
-        "overflows 64 bits",
+        r"needs 170141183460469231731687303715884105728 bytes",
+    ),
+    # Limits of numpy, not of the format: the reference accepts these headers.
+    ("65 dimensions", {"a": entry(shape=[1] * 65, offsets=[0, 1])}, "65 dimensions, more than"),
+    (
+        "empty tensor, huge dimension",
+        {"a": entry(dtype="F32", shape=[0, 2**64 - 1], offsets=[0, 0])},
+        r"'a': shape \[0, 18446744073709551615\] x F32 is too large for a numpy array",
+    ),
+    (
+        "empty tensor, nonzero dimensions x item size past intp",
+        {"a": entry(dtype="F32", shape=[2**61, 0], offsets=[0, 0])},
+        "too large for a numpy array",
+    ),
+    (
+        "tensor past intp",
+        {"a": entry(dtype="U8", shape=[2**63], offsets=[0, 2**63])},
+        "too large for a numpy array",
     ),
     ("f4 half byte", {"a": entry(dtype="F4", shape=[3], offsets=[0, 2])}, "whole number"),
     ("f6 partial byte", {"a": entry(dtype="F6_E2M3", shape=[3], offsets=[0, 2])}, "whole number"),
@@ -140,6 +157,26 @@ def test_refused(case: str, header: Any, message: str) -> None:
 def test_deeply_nested_json_is_a_header_error() -> None:
     with pytest.raises(HeaderError):
         parse('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+
+
+def test_integer_too_long_to_convert_is_a_header_error() -> None:
+    with pytest.raises(HeaderError, match="not valid JSON"):
+        parse('{"a": {"dtype": "U8", "shape": [1' + "0" * 5000 + '], "data_offsets": [0, 1]}}')
+
+
+def test_shapes_at_numpy_limits_are_accepted() -> None:
+    header = parse(
+        {
+            "dims64": entry(shape=[1] * 64, offsets=[0, 1]),
+            "empty": entry(dtype="F32", shape=[0, 2**61 - 1], offsets=[1, 1]),
+            "empty_u8": entry(shape=[2**63 - 1, 0], offsets=[1, 1]),
+            # 65 dimensions of F6 arrive as 1-D packed bytes: numpy can hold that.
+            "f6": entry(dtype="F6_E2M3", shape=[4] + [1] * 64, offsets=[1, 4]),
+        }
+    )
+    assert [t.array_shape for t in header] == [(1,) * 64, (0, 2**61 - 1), (2**63 - 1, 0), (3,)]
+    for info in header:  # as the reader allocates them
+        np.empty(info.nbytes, np.uint8).view(info.array_dtype).reshape(info.array_shape)
 
 
 # ---------------------------------------------------------------- accepted edge cases
@@ -296,6 +333,41 @@ def test_build_refuses_bad_plans() -> None:
         build_header([TensorSpec("a", "F4", (1,))])
     with pytest.raises(HeaderError, match="strings"):
         build_header([], {"a": 1})  # type: ignore[dict-item]
+    with pytest.raises(HeaderError, match="65 dimensions"):
+        build_header([TensorSpec("a", "U8", (1,) * 65)])
+    with pytest.raises(HeaderError, match="too large for a numpy array"):
+        build_header([TensorSpec("a", "F32", (0, 2**63))])
+
+
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [("a", 3), ("a", ("x",)), ("a", "12"), ("a", (2.5,)), ("a", None), (1, (2,))],
+)
+def test_spec_with_a_bad_name_or_shape_is_a_usage_error(name: Any, shape: Any) -> None:
+    with pytest.raises(UsageError, match="must be a s"):
+        TensorSpec(name, "F32", shape)
+
+
+def test_spec_shape_takes_numpy_integers() -> None:
+    spec = TensorSpec("a", "F32", (np.int64(2), np.uint8(3)))  # type: ignore[arg-type]
+    assert spec.shape == (2, 3) and all(type(d) is int for d in spec.shape)
+
+
+def test_plan_and_metadata_of_the_wrong_type_are_usage_errors() -> None:
+    with pytest.raises(UsageError, match="TensorSpec"):
+        build_header([("a", "F32", (2,))])  # type: ignore[list-item]
+    with pytest.raises(UsageError, match="TensorSpec"):
+        plan_order([("a", "F32", (2,))])  # type: ignore[list-item]
+    with pytest.raises(UsageError, match="a plan is a list"):
+        build_header(None)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="metadata must be a mapping"):
+        build_header([], [("k", "v")])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["(-1,)f4", "f4,(", {"x": 1}, [("a",)], "M8[xyz]"])
+def test_dtype_for_refuses_what_numpy_refuses_with_a_dtype_error(value: Any) -> None:
+    with pytest.raises(DtypeError, match="not a dtype"):
+        dtype_for(value)
 
 
 def test_plan_order_is_descending_alignment_then_name() -> None:

@@ -106,11 +106,29 @@ async def test_chunks_of_mixed_types_and_empty_chunks() -> None:
 
 
 async def test_chunk_that_is_not_bytes() -> None:
-    async def bad() -> Any:
-        yield "text"
+    for chunk in ("text", np.zeros(2, "M8[s]")):  # datetime64 exports no buffer
 
-    with pytest.raises(UnsupportedSourceError, match="bytes-like"):
-        await read_all(bad())
+        async def bad(chunk: Any = chunk) -> Any:
+            yield chunk
+
+        with pytest.raises(UnsupportedSourceError, match="bytes-like"):
+            await read_all(bad())
+
+
+async def test_non_contiguous_buffers_are_read_in_c_order() -> None:
+    data = sample_file()
+    assert len(data) % 4 == 0
+    strided = np.zeros((len(data) // 4, 2), np.uint32)
+    strided[:, 0] = np.frombuffer(data, np.uint32)
+    column = strided[:, 0]
+    assert not column.flags.c_contiguous
+
+    async def chunks() -> Any:
+        yield column[:4]
+        yield column[4:].data
+
+    for source in (column.data, chunks()):
+        assert_same_arrays(await read_all(source), sample_tensors())
 
 
 async def test_anyio_socket_stream(tcp_sender: StartSender) -> None:
@@ -281,6 +299,28 @@ async def test_header_past_the_end_of_a_file(tmp_path: pathlib.Path) -> None:
         await read_all(path)
 
 
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [([1] * 65, "65 dimensions"), ([0, 2**64 - 1], "too large for a numpy array")],
+)
+async def test_shape_numpy_cannot_hold_is_refused_before_any_tensor(
+    shape: list[int], message: str
+) -> None:
+    size = 0 if 0 in shape else 1
+    data = raw_file(
+        {
+            "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+            "b": {"dtype": "U8", "shape": shape, "data_offsets": [1, 1 + size]},
+        },
+        bytes(1 + size),
+    )
+    got: list[str] = []
+    with pytest.raises(HeaderError, match=message):
+        async for name, _ in stream_st.open_stream(data):
+            got.append(name)
+    assert got == []
+
+
 async def test_bad_header_is_refused_before_any_tensor() -> None:
     good = sample_file()
     bad = good.replace(b'"F32"', b'"F33"')
@@ -338,6 +378,12 @@ async def test_missing_file_and_unsupported_sources(tmp_path: pathlib.Path) -> N
         await read_all("gopher://example/x")
     with pytest.raises(UnsupportedSourceError, match="remote host"):
         await read_all("file://otherhost/x")
+
+
+async def test_path_with_a_nul_byte_is_a_usage_error(tmp_path: pathlib.Path) -> None:
+    for path in (tmp_path / "a\0b.safetensors", "file:///tmp/a%00b.safetensors"):
+        with pytest.raises(UsageError, match="invalid path"):
+            await read_all(path)
 
 
 async def test_breaking_out_closes_the_file(sample_path: pathlib.Path) -> None:

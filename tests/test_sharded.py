@@ -11,6 +11,7 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
+from stream_st import tools
 from stream_st.sharded import ShardedStream, shard_address
 
 from ._util import assert_same_arrays
@@ -86,10 +87,15 @@ async def test_bad_indexes(tmp_path: Path) -> None:
         (b"{nope", "not valid JSON"),
         (b'{"weight_map": [1]}', "weight_map"),
         (b'{"weight_map": {"a": "../x.safetensors"}}', "next to the index"),
+        (b'{"weight_map": {"a": "x\\u0000.safetensors"}}', "NUL byte"),
+        (b"[" * 100_000 + b"]" * 100_000, "the index JSON is nested too deeply"),
+        (b'{"metadata": {"total_size": 1' + b"0" * 5000 + b"}}", "not valid JSON"),
     ]:
         bad.write_bytes(content)
         with pytest.raises(stream_st.HeaderError, match=message):
             await read_all(bad)
+        with pytest.raises(stream_st.HeaderError, match=message):
+            await tools.inspect(str(bad))
     # An index that assigns a shard tensors it does not hold.
     wrong = json.loads(index.read_bytes())
     wrong["weight_map"]["lm_head.weight"] = "model-00001-of-00002.safetensors"

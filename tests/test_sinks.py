@@ -178,6 +178,11 @@ def pending_uploads(server: MotoS3Server) -> list[Any]:
     return list(answer.get("Uploads", []))
 
 
+def test_s3_part_size_below_the_minimum_is_a_usage_error() -> None:
+    with pytest.raises(stream_st.UsageError, match="at least 5242880 bytes"):
+        S3Sink("s3://uploads/x.safetensors", part_size=MIN_PART_SIZE - 1)
+
+
 async def test_s3_multipart_upload(s3: tuple[MotoS3Server, S3Config]) -> None:
     server, config = s3
     sink = S3Sink("s3://uploads/m/big.safetensors", config=config, part_size=MIN_PART_SIZE)

@@ -716,6 +716,17 @@ async def test_bad_plans_fail_before_anything_is_created(tmp_path: pathlib.Path)
             stream_st.open_writer(path, plan, metadata=metadata)
     with pytest.raises(UsageError):
         stream_st.open_writer(path, [], order="sorted")  # type: ignore[arg-type]
+    for order in ("plan", "reference"):
+        with pytest.raises(UsageError, match="TensorSpec"):
+            stream_st.open_writer(path, [("a", "F32", (2,))], order=order)  # type: ignore[list-item]
+    with pytest.raises(UsageError, match="metadata must be a mapping"):
+        stream_st.open_writer(path, PLAN, metadata=[("k", "v")])  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="cannot make an array"):
+        await stream_st.save(path, {"a": [[1, 2], [3]]})
+    with pytest.raises(UsageError, match="mapping of names to arrays"):
+        await stream_st.save(path, [np.zeros(2)])  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="invalid path"):
+        await stream_st.save(tmp_path / "a\0b.st", {"a": np.zeros(2)})
     assert os.listdir(tmp_path) == []
 
 
@@ -814,6 +825,14 @@ async def _caught_misuse_then_clean_exit(w: stream_st.TensorWriter) -> None:
         await w.write("a", GOOD["a"])
 
 
+async def _ragged_whole(w: stream_st.TensorWriter) -> None:
+    await w.write("a", [[1, 2, 3], [4, 5]])
+
+
+async def _ragged_part(w: stream_st.TensorWriter) -> None:
+    await w.write_part("a", [[1.0], [2.0, 3.0]])
+
+
 async def _out_of_order(w: stream_st.TensorWriter) -> None:
     await w.write("b", GOOD["b"])
     await w.write("a", GOOD["a"])
@@ -836,6 +855,8 @@ MISUSES: dict[str, tuple[Misuse, type[BaseException], str | None]] = {
     "exception in body": (_exception_in_body, Boom, None),
     "exception in tensor block": (_exception_in_tensor_block, Boom, None),
     "caught misuse": (_caught_misuse_then_clean_exit, WriterError, "aborted"),
+    "ragged list": (_ragged_whole, UsageError, "'a': cannot make an array of the list"),
+    "ragged list part": (_ragged_part, UsageError, "'a': cannot make an array of the list"),
 }
 
 

@@ -118,6 +118,8 @@ class FileSink(Sink):
                 raise TransportError(
                     f"cannot create a file in {directory}: {exc.strerror}", url=self.name
                 ) from exc
+            except ValueError as exc:  # a NUL byte: no path the OS takes
+                raise UsageError(f"invalid path {self.name!r}: {exc}") from None
 
     async def allocate(self, size: int) -> None:
         """Reserve ``size`` bytes on disk; a full disk raises before any data is written."""

@@ -17,7 +17,7 @@ import anyio
 
 from .._http import HTTPClient, raise_for_status
 from .._s3 import S3Config, parse_s3_url
-from ..errors import TransportError
+from ..errors import TransportError, UsageError
 from .base import Sink
 
 __all__ = ["MIN_PART_SIZE", "S3Sink"]
@@ -40,7 +40,7 @@ class S3Sink(Sink):
     ) -> None:
         super().__init__()
         if part_size < MIN_PART_SIZE:
-            raise ValueError(f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum)")
+            raise UsageError(f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum)")
         self.name = url
         self.bucket, self.key = parse_s3_url(url)
         self.config = config or S3Config.resolve()

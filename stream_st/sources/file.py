@@ -17,7 +17,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from .._util import task_group
-from ..errors import SourceNotFoundError, TransportError
+from ..errors import SourceNotFoundError, TransportError, UsageError
 from .base import Source
 
 __all__ = ["FileSource"]
@@ -86,6 +86,8 @@ class FileSource(Source):
             raise SourceNotFoundError(f"no such file: {self.name}", url=self.name) from exc
         except OSError as exc:
             raise TransportError(f"cannot open: {exc.strerror}", url=self.name) from exc
+        except ValueError as exc:  # a NUL byte: no path the OS takes
+            raise UsageError(f"invalid path {self.name!r}: {exc}") from None
         try:
             self.size = os.fstat(self._fd).st_size
         except OSError as exc:  # pragma: no cover - fstat on an open fd does not fail in practice

@@ -12,12 +12,16 @@ __all__ = ["BytesSource", "ChunkIteratorSource"]
 
 
 def _as_bytes_view(chunk: Any) -> memoryview:
+    """A flat byte view of a bytes-like ``chunk``; a non-contiguous one (a strided numpy view)
+    is copied, its elements in C order."""
     try:
         view = memoryview(chunk)
-    except TypeError:
+    except (TypeError, ValueError):  # ValueError: a buffer numpy cannot export (datetime64)
         raise UnsupportedSourceError(
             f"chunks must be bytes-like, got {type(chunk).__name__}"
         ) from None
+    if not view.c_contiguous:
+        view = memoryview(view.tobytes())
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
