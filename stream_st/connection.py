@@ -18,6 +18,7 @@ each message, so a session of many transfers runs over one socket::
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -25,11 +26,18 @@ from contextlib import asynccontextmanager
 import anyio
 
 from ._util import AsyncClosing
-from .errors import UsageError
+from .errors import TransportError, UsageError
 from .header import DEFAULT_MAX_HEADER_SIZE, TensorSpec
 from .reader import Include, TensorStream
 from .sinks.tcp import SocketSink
-from .sources.tcp import SocketSource, connect_socket, parse_tcp_url
+from .sources.tcp import (
+    SocketSource,
+    Turn,
+    close_socket,
+    connect_socket,
+    parse_tcp_url,
+    tcp_url,
+)
 from .writer import Order, TensorWriter
 
 __all__ = ["Connection", "Listener", "connect", "listen"]
@@ -38,8 +46,11 @@ __all__ = ["Connection", "Listener", "connect", "listen"]
 class Connection(AsyncClosing):
     """One TCP connection; read (and write) any number of safetensors messages on it in turn.
 
+    One message at a time is read, and one written (a second one started meanwhile raises
+    :class:`~stream_st.UsageError`); reading and writing may go on at once in two tasks.
     ``timeout`` bounds each wait for data from the peer. Close it with ``async with`` or
-    :meth:`aclose`.
+    :meth:`aclose`, from any task: a task waiting on the connection then fails with
+    :class:`~stream_st.TransportError`.
     """
 
     def __init__(self, sock: socket.socket, name: str, *, timeout: float | None = None) -> None:
@@ -47,6 +58,17 @@ class Connection(AsyncClosing):
         self.name = name
         self.timeout = timeout
         self._closed = False
+        self._reading = Turn("read")
+        self._writing = Turn("written")
+
+    def _check_open(self) -> None:
+        if self._closed or self._sock.fileno() < 0:  # closed here, or by a failed message
+            raise UsageError(f"{self.name}: the connection is closed")
+
+    def _source(self) -> SocketSource:
+        """The socket lent to the next message read."""
+        self._check_open()
+        return SocketSource(self._sock, self.name, timeout=self.timeout, turn=self._reading)
 
     def open_stream(
         self, *, include: Include = None, max_header_size: int = DEFAULT_MAX_HEADER_SIZE
@@ -55,10 +77,7 @@ class Connection(AsyncClosing):
 
         Closing that stream leaves the connection open for the next message.
         """
-        if self._closed:
-            raise UsageError(f"{self.name}: the connection is closed")
-        source = SocketSource(self._sock, self.name, timeout=self.timeout, owns_socket=False)
-        return TensorStream(source, include=include, max_header_size=max_header_size)
+        return TensorStream(self._source(), include=include, max_header_size=max_header_size)
 
     def open_writer(
         self,
@@ -71,9 +90,8 @@ class Connection(AsyncClosing):
 
         A message that fails closes the connection, so the peer sees it end early.
         """
-        if self._closed:
-            raise UsageError(f"{self.name}: the connection is closed")
-        sink = SocketSink(self._sock, self.name, timeout=self.timeout, owns_socket=False)
+        self._check_open()
+        sink = SocketSink(self._sock, self.name, timeout=self.timeout, turn=self._writing)
         return TensorWriter(sink, plan, metadata=metadata, order=order)
 
     async def messages(
@@ -82,63 +100,73 @@ class Connection(AsyncClosing):
         """Every message until the peer closes the connection between two messages.
 
         Each stream is opened (header read) before it is handed out; read it before asking for
-        the next one.
+        the next one. A peer that resets the connection instead of closing it raises
+        :class:`~stream_st.TransportError`, as it does inside a message: a message may be lost.
         """
         while True:
-            if await self._peer_closed():
-                return
-            stream = self.open_stream(include=include, max_header_size=max_header_size)
-            async with stream:
-                yield stream
-
-    async def _peer_closed(self) -> bool:
-        """Wait for the next byte; True if the peer closed the connection cleanly instead."""
-        probe = SocketSource(self._sock, self.name, timeout=self.timeout, owns_socket=False)
-        await probe.wait_readable()
-        try:
-            return self._sock.recv(1, socket.MSG_PEEK) == b""
-        except BlockingIOError:  # pragma: no cover - readable means recv will not block
-            return False
+            source = self._source()
+            try:
+                await source.start()  # the reading turn is held from the wait for the next byte
+                if await source.at_end():
+                    return
+                async with TensorStream(
+                    source, include=include, max_header_size=max_header_size
+                ) as stream:
+                    yield stream
+            finally:
+                await source.aclose()
 
     async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._sock.close()
+        self._closed = True
+        close_socket(self._sock)
 
 
 async def connect(url: str, *, timeout: float | None = None) -> Connection:
     """Connect to ``tcp://host:port``; ``timeout`` bounds the connect and each wait for data."""
     host, port = parse_tcp_url(url)
     sock = await connect_socket(host, port, timeout=timeout)
-    return Connection(sock, f"tcp://{host}:{port}", timeout=timeout)
+    return Connection(sock, tcp_url(host, port), timeout=timeout)
 
 
 class Listener:
-    """Accepts TCP connections; iterate it for :class:`Connection` objects."""
+    """Accepts TCP connections; iterate it for :class:`Connection` objects.
+
+    Several tasks may accept at once. Once the ``listen()`` block is left, :meth:`accept` (even
+    one already waiting) raises :class:`~stream_st.UsageError`.
+    """
 
     def __init__(self, sock: socket.socket, timeout: float | None) -> None:
         self._sock = sock
         self._timeout = timeout
+        self._accepting = anyio.Lock()
         self.host: str = sock.getsockname()[0]
         self.port: int = sock.getsockname()[1]
 
     @property
     def url(self) -> str:
         """``tcp://host:port`` to give to the peer."""
-        return f"tcp://{self.host}:{self.port}"
+        return tcp_url(self.host, self.port)
 
     async def accept(self) -> Connection:
         """Wait for the next connection."""
-        while True:
-            try:
-                sock, address = self._sock.accept()
-                break
-            except BlockingIOError:
-                await anyio.wait_readable(self._sock)
+        async with self._accepting:  # one task waits on the socket, the others here
+            while True:
+                if self._sock.fileno() < 0:
+                    raise UsageError(f"{self.url}: the listener is closed")
+                try:
+                    sock, address = self._sock.accept()
+                    break
+                except BlockingIOError:
+                    with contextlib.suppress(anyio.ClosedResourceError):  # closed: raised above
+                        await anyio.wait_readable(self._sock)
+                except OSError as exc:
+                    raise TransportError(
+                        f"accept failed: {exc.strerror or exc}", url=self.url
+                    ) from exc
         host, port = address[:2]
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return Connection(sock, f"tcp://{host}:{port}", timeout=self._timeout)
+        return Connection(sock, tcp_url(host, port), timeout=self._timeout)
 
     def __aiter__(self) -> AsyncIterator[Connection]:
         return self._connections()
@@ -152,11 +180,22 @@ class Listener:
 async def listen(
     host: str = "127.0.0.1", port: int = 0, *, timeout: float | None = None
 ) -> AsyncIterator[Listener]:
-    """Listen for TCP peers on ``host:port`` (port 0 picks a free one: see ``listener.port``)."""
+    """Listen for TCP peers on ``host:port`` (port 0 picks a free one: see ``listener.port``).
+
+    Raises :class:`~stream_st.TransportError` if the address cannot be listened on (in use,
+    unknown host).
+    """
+    if not 0 <= port <= 65535:
+        raise UsageError(f"port {port} is out of range 0-65535")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=128)
+    try:
+        sock = socket.create_server((host, port), family=family, backlog=128)
+    except OSError as exc:
+        raise TransportError(
+            f"cannot listen: {exc.strerror or exc}", url=tcp_url(host, port)
+        ) from exc
     sock.setblocking(False)
     try:
         yield Listener(sock, timeout)
     finally:
-        sock.close()
+        close_socket(sock)

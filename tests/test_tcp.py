@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -13,12 +17,23 @@ import safetensors.numpy as reference_numpy
 import trio
 
 import stream_st
-from stream_st import ReadTimeoutError, TransportError, TruncatedStreamError, UnsupportedSourceError
+from stream_st import (
+    ReadTimeoutError,
+    TensorSpec,
+    TransportError,
+    TruncatedStreamError,
+    UnsupportedSourceError,
+    UsageError,
+)
 
 from ._util import assert_same_arrays, sample_file, sample_tensors
 from .conftest import StartSender
 
 Arrays = dict[str, np.ndarray[Any, Any]]
+
+SMALL: Arrays = {"x": np.arange(4, dtype=np.uint8)}
+BIG = np.zeros(16 << 20, dtype=np.uint8)  # more than a peer with a small buffer takes in
+SMALL_RECEIVE_BUFFER = 64 << 10
 
 
 async def read_all(source: Any, **kwargs: Any) -> Arrays:
@@ -134,3 +149,226 @@ def test_tcp_on_trio() -> None:
                 return {name: array async for name, array in stream}
 
     assert_same_arrays(trio.run(main), sample_tensors())
+
+
+# ---------------------------------------------------------------- misuse and faults
+
+
+def small_buffer_socket() -> socket.socket:
+    """A TCP socket that takes in little before its sender blocks (no receive autotuning)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_RECEIVE_BUFFER)
+    return sock
+
+
+def reset(sock: socket.socket) -> None:
+    """Close ``sock`` with a TCP reset instead of a clean close."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+@asynccontextmanager
+async def connected() -> AsyncIterator[tuple[socket.socket, stream_st.Connection]]:
+    """A plain (blocking) peer socket, and the Connection accepted from it (no timeout)."""
+    async with stream_st.listen("127.0.0.1", 0) as listener:
+        with small_buffer_socket() as peer:
+            peer.connect(("127.0.0.1", listener.port))
+            async with await listener.accept() as connection:
+                yield peer, connection
+
+
+def received(peer: socket.socket) -> Arrays:
+    """Everything the peer receives until the connection closes, as one safetensors file."""
+    data = b"".join(iter(lambda: peer.recv(1 << 16), b""))
+    arrays: Arrays = reference_numpy.load(data)
+    return arrays
+
+
+@pytest.mark.parametrize("url", ["tcp://127.0.0.1:99999", "tcp://127.0.0.1:abc"])
+async def test_bad_port_in_a_tcp_url_is_a_usage_error(url: str) -> None:
+    names_url = re.escape(repr(url))
+    with pytest.raises(UsageError, match=names_url):
+        await read_all(url)
+    with pytest.raises(UsageError, match=names_url):
+        await stream_st.connect(url)
+    with pytest.raises(UsageError, match=names_url):
+        await stream_st.save(url, SMALL)
+    with pytest.raises(UsageError, match="Invalid IPv6 URL"):
+        await stream_st.connect("tcp://[::1:80")
+
+
+async def test_listen_failures() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(TransportError, match="in use") as info:
+            async with stream_st.listen("127.0.0.1", port):
+                pass
+    assert isinstance(info.value, OSError)
+    assert info.value.url == f"tcp://127.0.0.1:{port}"
+    with pytest.raises(TransportError, match=r"no-such-host\.invalid"):
+        async with stream_st.listen("no-such-host.invalid", 0):
+            pass
+    with pytest.raises(UsageError, match="65536"):
+        async with stream_st.listen("127.0.0.1", 65536):
+            pass
+
+
+async def test_accept_after_the_listener_closed() -> None:
+    async with stream_st.listen("127.0.0.1", 0) as listener:
+        pass
+    with pytest.raises(UsageError, match="the listener is closed"):
+        await listener.accept()
+
+
+async def test_leaving_listen_wakes_the_tasks_accepting() -> None:
+    async def accept_until_closed(listener: stream_st.Listener) -> None:
+        with pytest.raises(UsageError, match="the listener is closed"):
+            await listener.accept()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as group, stream_st.listen() as listener:
+            group.start_soon(accept_until_closed, listener)  # waits on the socket
+            group.start_soon(accept_until_closed, listener)  # waits for its turn
+            await anyio.wait_all_tasks_blocked()
+
+
+async def test_tasks_accept_at_once() -> None:
+    names: list[str] = []
+    async with stream_st.listen("127.0.0.1", 0) as listener:
+
+        async def accept_one() -> None:
+            async with await listener.accept() as connection:
+                names.append(connection.name)
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as group:
+                group.start_soon(accept_one)
+                group.start_soon(accept_one)
+                await anyio.wait_all_tasks_blocked()
+                async with (
+                    await anyio.connect_tcp("127.0.0.1", listener.port),
+                    await anyio.connect_tcp("127.0.0.1", listener.port),
+                ):
+                    pass
+    assert len(set(names)) == 2
+
+
+async def test_ipv6_listener_url() -> None:
+    async with stream_st.listen("::1", 0) as listener:
+        assert listener.url == f"tcp://[::1]:{listener.port}"
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as group:
+                group.start_soon(stream_st.save, listener.url, SMALL)
+                async with await listener.accept() as connection:
+                    assert connection.name.startswith("tcp://[::1]:")
+                    async with connection.open_stream() as stream:
+                        assert_same_arrays({n: a async for n, a in stream}, SMALL)
+
+
+async def test_peer_reset_between_messages_is_a_transport_error() -> None:
+    got: list[Arrays] = []
+    async with connected() as (peer, connection):
+        peer.sendall(reference_numpy.save(SMALL))
+        with anyio.fail_after(5), pytest.raises(TransportError, match="reset") as info:
+            async for stream in connection.messages():
+                got.append({n: a async for n, a in stream})
+                reset(peer)  # a clean close would end the messages: test_connect_reads_...
+    assert not isinstance(info.value, ReadTimeoutError)
+    assert len(got) == 1
+    assert_same_arrays(got[0], SMALL)
+
+
+async def test_one_message_read_at_a_time() -> None:
+    got: list[Arrays] = []
+    async with connected() as (peer, connection):
+
+        async def read_one() -> None:
+            async with connection.open_stream() as stream:
+                got.append({n: a async for n, a in stream})
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as group:
+                group.start_soon(read_one)
+                await anyio.wait_all_tasks_blocked()  # the first reader waits for its header
+                with pytest.raises(UsageError, match="one message at a time on a connection"):
+                    async with connection.open_stream():
+                        pass
+                peer.sendall(reference_numpy.save(SMALL) * 2)
+            async with connection.open_stream() as first:  # the refused stream took no byte
+                with pytest.raises(UsageError, match="not closed yet"):  # nor does this one
+                    async with connection.open_stream():
+                        pass
+                got.append({n: a async for n, a in first})
+    assert len(got) == 2
+    for arrays in got:
+        assert_same_arrays(arrays, SMALL)
+
+
+async def test_one_message_written_at_a_time() -> None:
+    plan = [TensorSpec("x", "U8", (4,))]
+    async with connected() as (peer, connection):
+        async with connection.open_writer(plan) as writer:
+            with pytest.raises(UsageError, match="one message at a time on a connection"):
+                async with connection.open_writer(plan):
+                    pass
+            await writer.write("x", SMALL["x"])  # the refused writer neither wrote nor closed
+        await connection.aclose()
+        assert_same_arrays(received(peer), SMALL)
+
+
+async def until_blocked_then(close: Callable[[], Awaitable[None]], blocked: Awaitable[Any]) -> None:
+    """Run ``blocked`` (no timeout of its own) and ``close`` from another task once it waits;
+    ``blocked`` must fail promptly with a TransportError."""
+
+    async def close_when_blocked() -> None:
+        await anyio.wait_all_tasks_blocked()
+        await close()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as group:
+            group.start_soon(close_when_blocked)
+            with pytest.raises(TransportError, match="closed on this side"):
+                await blocked
+
+
+async def read_header_of(stream: stream_st.TensorStream) -> None:
+    async with stream:
+        pass
+
+
+async def close_wakes_reader() -> None:
+    async with connected() as (_, connection):
+        await until_blocked_then(connection.aclose, read_header_of(connection.open_stream()))
+
+
+async def test_closing_a_connection_wakes_its_reader() -> None:
+    await close_wakes_reader()
+
+
+def test_closing_a_connection_wakes_its_reader_on_trio() -> None:
+    trio.run(close_wakes_reader)
+
+
+async def test_closing_a_connection_wakes_its_writer() -> None:
+    async def write_big(connection: stream_st.Connection) -> None:
+        async with connection.open_writer([TensorSpec("big", "U8", BIG.shape)]) as writer:
+            await writer.write("big", BIG)
+
+    async with connected() as (_, connection):  # the peer reads nothing
+        await until_blocked_then(connection.aclose, write_big(connection))
+
+
+async def test_closing_a_tcp_stream_wakes_its_reader() -> None:
+    async with stream_st.listen("127.0.0.1", 0) as listener:  # accepts, never sends
+        stream = stream_st.open_stream(listener.url)
+        await until_blocked_then(stream.aclose, read_header_of(stream))
+
+
+async def test_aborting_a_tcp_writer_wakes_its_sender() -> None:
+    with small_buffer_socket() as server:  # accepts (backlog), never reads
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        url = f"tcp://127.0.0.1:{server.getsockname()[1]}"
+        writer = stream_st.open_writer(url, [TensorSpec("big", "U8", BIG.shape)])
+        await writer.open()
+        await until_blocked_then(writer.abort, writer.write("big", BIG))

@@ -10,8 +10,7 @@ from __future__ import annotations
 import contextlib
 import socket
 
-from ..errors import TransportError
-from ..sources.tcp import SocketEnd
+from ..sources.tcp import SocketEnd, close_socket
 from .base import Sink
 
 __all__ = ["SocketSink"]
@@ -19,7 +18,11 @@ __all__ = ["SocketSink"]
 
 class SocketSink(SocketEnd, Sink):
     """One TCP socket written front to back. ``timeout`` bounds each wait for the peer to take
-    bytes (a stalled receiver); ``owns_socket`` decides whether committing closes it."""
+    bytes (a stalled receiver); ``turn`` is given when a :class:`~stream_st.Connection` lends its
+    socket to this one message, which committing then leaves open (see :class:`SocketEnd`)."""
+
+    async def allocate(self, size: int) -> None:
+        self._claim()  # the writer announces the message before its first byte
 
     async def send(self, buffer: memoryview) -> None:
         view = buffer.cast("B") if buffer.format != "B" else buffer
@@ -30,13 +33,13 @@ class SocketSink(SocketEnd, Sink):
                 await self._wait(writable=True)
                 continue
             except OSError as exc:
-                raise TransportError(
-                    f"send failed: {exc.strerror or exc}", url=self.name, position=self.position
-                ) from exc
+                raise self._failure("send", exc) from exc
             view = view[sent:]
             self.position += sent
 
     async def abort(self) -> None:
+        if self._turn is not None and not self._turn.held_by(self):
+            return  # refused the connection's turn: sent nothing, and must not end another message
         with contextlib.suppress(OSError):  # already gone: nothing to tell the peer
             self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        close_socket(self._sock)  # a lent socket too: the connection refuses further messages

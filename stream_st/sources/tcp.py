@@ -17,25 +17,52 @@ from urllib.parse import urlsplit
 
 import anyio
 
-from ..errors import ReadTimeoutError, TransportError, UnsupportedSourceError
+from ..errors import ReadTimeoutError, TransportError, UnsupportedSourceError, UsageError
 from .base import Source
 
-__all__ = ["SocketEnd", "SocketSource", "connect_socket", "parse_tcp_url"]
+__all__ = [
+    "SocketEnd",
+    "SocketSource",
+    "Turn",
+    "close_socket",
+    "connect_socket",
+    "parse_tcp_url",
+    "tcp_url",
+]
 
 
 def parse_tcp_url(url: str) -> tuple[str, int]:
     """``tcp://host:port`` -> ``(host, port)``; IPv6 hosts in brackets."""
-    parts = urlsplit(url)
-    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port out of range or not a number, an unclosed IPv6 bracket
+        raise UsageError(f"bad tcp:// URL {url!r}: {exc}") from exc
+    if parts.scheme != "tcp" or not parts.hostname or port is None:
         raise UnsupportedSourceError(f"expected tcp://host:port, got {url!r}")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise UnsupportedSourceError(f"a tcp:// URL takes no path or query: {url!r}")
-    return parts.hostname, parts.port
+    return parts.hostname, port
+
+
+def tcp_url(host: str, port: int) -> str:
+    """``(host, port)`` -> ``tcp://host:port``, an IPv6 host in brackets."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Close ``sock``, first waking every task waiting on it (they get ClosedResourceError).
+
+    Closing a closed socket does nothing.
+    """
+    if sock.fileno() >= 0:
+        anyio.notify_closing(sock)
+        sock.close()
 
 
 async def connect_socket(host: str, port: int, *, timeout: float | None = None) -> socket.socket:
     """Open a non-blocking TCP socket to ``host:port`` (TCP_NODELAY set)."""
-    url = f"tcp://{host}:{port}"
+    url = tcp_url(host, port)
     last_error: OSError | None = None
     try:
         with anyio.fail_after(timeout if timeout is not None else math.inf):
@@ -82,9 +109,45 @@ async def _connect(sock: socket.socket, address: tuple[Any, ...]) -> None:
             raise OSError(code, os.strerror(code))
 
 
+class Turn:
+    """One message at a time in one direction of a connection.
+
+    The socket end carrying a message holds the turn from its first byte until it is closed; a
+    second end that starts meanwhile raises :class:`~stream_st.UsageError` rather than mixing its
+    bytes with the first message's. ``doing`` names what happens to messages: "read", "written".
+    """
+
+    def __init__(self, doing: str) -> None:
+        self.doing = doing
+        self._holder: SocketEnd | None = None
+
+    def claim(self, end: SocketEnd) -> None:
+        """Give the turn to ``end``; UsageError if another end still holds it."""
+        if self._holder is not None and self._holder is not end:
+            raise UsageError(
+                f"{end.name}: the previous message is still being {self.doing} (in another task, "
+                "or its stream or writer is not closed yet): one message at a time on a connection"
+            )
+        self._holder = end
+
+    def release(self, end: SocketEnd) -> None:
+        """Take the turn back from ``end``, if it holds it."""
+        if self._holder is end:
+            self._holder = None
+
+    def held_by(self, end: SocketEnd) -> bool:
+        """True while ``end`` carries the connection's current message."""
+        return self._holder is end
+
+
 class SocketEnd:
     """What a socket source and a socket sink share: the socket, the name to report, the wait
-    for the socket bounded by ``timeout``, and whether closing is theirs (``owns_socket``)."""
+    for the socket bounded by ``timeout``, and who closes the socket.
+
+    Without a ``turn`` the end owns the socket and closing the end closes it. With one, the socket
+    is lent by a :class:`~stream_st.Connection` for one message: the end holds the turn while it
+    carries the message (see :meth:`_claim`) and closing it leaves the socket open.
+    """
 
     name: str
     position: int
@@ -95,13 +158,26 @@ class SocketEnd:
         name: str,
         *,
         timeout: float | None = None,
-        owns_socket: bool = True,
+        turn: Turn | None = None,
     ) -> None:
         super().__init__()
         self._sock = sock
         self.name = name
         self._timeout = math.inf if timeout is None else timeout
-        self._owns = owns_socket
+        self._turn = turn
+
+    def _claim(self) -> None:
+        """The message starts: take the connection's turn (nothing to do on an owned socket)."""
+        if self._turn is not None:
+            self._turn.claim(self)
+
+    def _failure(self, doing: str, exc: OSError | None = None) -> TransportError:
+        """The error for a failed receive or send, or (no ``exc``) a socket closed meanwhile."""
+        if exc is None or self._sock.fileno() < 0:
+            reason = "the connection was closed on this side"
+        else:
+            reason = exc.strerror or str(exc)
+        return TransportError(f"{doing} failed: {reason}", url=self.name, position=self.position)
 
     async def _wait(self, *, writable: bool) -> None:
         try:
@@ -115,21 +191,28 @@ class SocketEnd:
             raise ReadTimeoutError(
                 f"{what} for {self._timeout} s", url=self.name, position=self.position
             ) from exc
+        except anyio.ClosedResourceError as exc:
+            raise self._failure("send" if writable else "receive") from exc
 
     async def aclose(self) -> None:
-        if self._owns:
-            self._sock.close()
+        if self._turn is None:
+            close_socket(self._sock)
+        else:
+            self._turn.release(self)
 
 
 class SocketSource(SocketEnd, Source):
     """One TCP socket read with ``recv_into``; a connection, so only one message is consumed.
 
     ``timeout`` bounds the wait for each next byte (a peer that stops sending raises
-    :class:`~stream_st.ReadTimeoutError`). ``owns_socket`` decides whether :meth:`aclose` closes
-    the socket: a :class:`~stream_st.Connection` lends it to one message at a time.
+    :class:`~stream_st.ReadTimeoutError`). ``turn`` is given when a :class:`~stream_st.Connection`
+    lends its socket to this one message (see :class:`SocketEnd`).
     """
 
     whole_object = False
+
+    async def start(self, *, read_all: bool = False) -> None:
+        self._claim()
 
     async def receive_into(self, buffer: memoryview) -> int:
         if not buffer:
@@ -141,11 +224,23 @@ class SocketSource(SocketEnd, Source):
                 await self.wait_readable()
                 continue
             except OSError as exc:
-                raise TransportError(
-                    f"receive failed: {exc.strerror or exc}", url=self.name, position=self.position
-                ) from exc
+                raise self._failure("receive", exc) from exc
             self.position += count
             return count
+
+    async def at_end(self) -> bool:
+        """Wait for the next byte without taking it; True if the peer closed cleanly instead.
+
+        A reset (or any other failure) raises :class:`~stream_st.TransportError`: only a clean
+        close tells that nothing was lost.
+        """
+        while True:
+            try:
+                return self._sock.recv(1, socket.MSG_PEEK) == b""
+            except BlockingIOError:
+                await self.wait_readable()
+            except OSError as exc:
+                raise self._failure("receive", exc) from exc
 
     async def wait_readable(self) -> None:
         """Wait until the socket has data or was closed by the peer, up to the timeout."""
