@@ -48,7 +48,10 @@ def is_index(source: object) -> bool:
     text = source if isinstance(source, str) else getattr(source, "__fspath__", lambda: "")()
     if not isinstance(text, str):
         return False
-    path = urlsplit(text).path
+    try:
+        path = urlsplit(text).path
+    except ValueError:  # not a URL at all: the transports will say what is wrong with it
+        return False
     return path.endswith(INDEX_SUFFIX) or posixpath.basename(path) == MANIFEST_NAME
 
 

@@ -12,7 +12,7 @@ from urllib.parse import unquote, urlsplit
 from anyio.abc import ByteSendStream
 
 from ..errors import UnsupportedSinkError
-from ..sources.tcp import connect_socket, parse_tcp_url
+from ..sources.tcp import connect_socket, parse_tcp_url, tcp_url
 from .base import Sink
 from .file import FileSink
 from .http import HttpSink
@@ -50,7 +50,7 @@ async def open_sink(dst: SinkLike, *, fsync: bool = False, timeout: float | None
         if scheme == "tcp":
             host, port = parse_tcp_url(dst)
             sock = await connect_socket(host, port, timeout=timeout)
-            return SocketSink(sock, f"tcp://{host}:{port}", timeout=timeout)
+            return SocketSink(sock, tcp_url(host, port), timeout=timeout)
         if scheme in ("http", "https"):
             return HttpSink(dst, timeout=timeout)
         if scheme == "s3":

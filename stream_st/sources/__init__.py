@@ -20,7 +20,7 @@ from .http import HttpSource
 from .memory import BytesSource, ChunkIteratorSource
 from .s3 import S3Source
 from .streams import AnyioStreamSource, AsyncioStreamSource
-from .tcp import SocketSource, connect_socket, parse_tcp_url
+from .tcp import SocketSource, connect_socket, parse_tcp_url, tcp_url
 
 __all__ = ["Source", "SourceLike", "open_source", "read_object"]
 
@@ -58,7 +58,7 @@ async def open_source(obj: SourceLike, *, timeout: float | None = None) -> Sourc
     if isinstance(obj, str) and obj.lower().startswith("tcp://"):
         host, port = parse_tcp_url(obj)
         sock = await connect_socket(host, port, timeout=timeout)
-        return SocketSource(sock, f"tcp://{host}:{port}", timeout=timeout)
+        return SocketSource(sock, tcp_url(host, port), timeout=timeout)
     if isinstance(obj, str) and obj.lower().startswith(("http://", "https://")):
         return HttpSource(obj, timeout=timeout)
     if isinstance(obj, str) and obj.lower().startswith("s3://"):
