@@ -8,13 +8,15 @@ which copies: decryption costs more than the copy). Not public API.
 
 from __future__ import annotations
 
+import errno
 import math
+import re
 import socket
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import quote, urljoin, urlsplit
 
 import anyio
 import anyio.abc
@@ -26,12 +28,14 @@ from .errors import (
     SourceNotFoundError,
     TransportError,
     UnsupportedSourceError,
+    UsageError,
 )
 from .sources.tcp import connect_socket
 
 __all__ = [
     "HTTPClient",
     "HTTPNotFoundError",
+    "HTTPProtocolError",
     "HTTPStatusError",
     "Response",
     "Target",
@@ -39,7 +43,11 @@ __all__ = [
 ]
 
 _HEAD_LIMIT = 64 << 10
+_MAX_INTERIM = 32  # interim (1xx) answers accepted before the final one
 _USER_AGENT = "stream_st"
+_URL_SAFE = "!#$%&'()*+,/:;=?@[]~"  # kept as is in a request target; the rest is percent-encoded
+_STATUS_LINE = re.compile(r"HTTP/1\.[0-9] ([1-5][0-9]{2})(?: (.*))?", re.DOTALL)
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
 
 class HTTPStatusError(TransportError):
@@ -57,6 +65,11 @@ class HTTPNotFoundError(HTTPStatusError, SourceNotFoundError):
     """HTTP 404: there is nothing at the address."""
 
 
+class HTTPProtocolError(TransportError):
+    """The server's answer breaks HTTP/1.1 (status line, body framing) or what was asked
+    (e.g. a range other than the one requested). Retrying the same request will not help."""
+
+
 @dataclass(frozen=True, slots=True)
 class Target:
     """A parsed ``http(s)://`` address."""
@@ -68,15 +81,25 @@ class Target:
 
     @classmethod
     def parse(cls, url: str) -> Target:
-        parts = urlsplit(url)
-        scheme = parts.scheme.lower()
-        if scheme not in ("http", "https") or not parts.hostname:
-            raise UnsupportedSourceError(f"expected an http:// or https:// URL, got {url!r}")
-        port = parts.port or (443 if scheme == "https" else 80)
-        path = parts.path or "/"
-        if parts.query:
-            path += "?" + parts.query
-        return cls(scheme, parts.hostname, port, path)
+        """Split ``url``; characters not allowed on a request line (spaces, non-ASCII) in its path
+        and query are percent-encoded (UTF-8), a non-ASCII host name is IDNA-encoded."""
+        try:
+            parts = urlsplit(url)
+            scheme = parts.scheme.lower()
+            if scheme not in ("http", "https") or not parts.hostname:
+                raise UnsupportedSourceError(f"expected an http:// or https:// URL, got {url!r}")
+            port = parts.port
+            host = parts.hostname
+            if not host.isascii():
+                host = host.encode("idna").decode("ascii")
+            path = quote(parts.path or "/", safe=_URL_SAFE)
+            if parts.query:
+                path += "?" + quote(parts.query, safe=_URL_SAFE)
+        except ValueError as exc:  # a bad port, bracket, host name or lone surrogate
+            raise UsageError(f"invalid URL {url!r}: {exc}") from exc
+        if port is None:
+            port = 443 if scheme == "https" else 80
+        return cls(scheme, host, port, path)
 
     @property
     def authority(self) -> str:
@@ -126,7 +149,11 @@ class _PlainWire:
 
 
 class _StreamWire:
-    """An anyio byte stream (TLS): received bytes are copied into the destination."""
+    """An anyio byte stream (TLS): received bytes are copied into the destination.
+
+    Like a socket, it reports a broken or closed connection as :class:`OSError`; a peer that
+    closes without the TLS closing handshake (common in HTTP) reads as the end of the stream.
+    """
 
     def __init__(self, stream: anyio.abc.ByteStream, timeout: float) -> None:
         self._stream = stream
@@ -138,19 +165,32 @@ class _StreamWire:
             try:
                 with anyio.fail_after(self._timeout):
                     self._pending = memoryview(await self._stream.receive(max(len(buffer), 65536)))
-            except (anyio.EndOfStream, anyio.BrokenResourceError, ssl.SSLError):
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
                 return 0
+            except anyio.ClosedResourceError as exc:
+                raise _closed() from exc
         count = min(len(buffer), len(self._pending))
         buffer[:count] = self._pending[:count]
         self._pending = self._pending[count:]
         return count
 
     async def send(self, data: bytes | memoryview) -> None:
-        with anyio.fail_after(self._timeout):
-            await self._stream.send(bytes(data))
+        try:
+            with anyio.fail_after(self._timeout):
+                await self._stream.send(bytes(data))
+        except anyio.BrokenResourceError as exc:
+            raise ConnectionResetError(errno.ECONNRESET, "connection lost while sending") from exc
+        except anyio.ClosedResourceError as exc:
+            raise _closed() from exc
 
     async def aclose(self) -> None:
-        await self._stream.aclose()
+        # No TLS closing handshake: it would wait on a peer that may be gone or still sending.
+        await anyio.aclose_forcefully(self._stream)
+
+
+def _closed() -> OSError:
+    """The error for using a connection already closed here (what a closed socket raises)."""
+    return OSError(errno.EBADF, "the connection is closed")
 
 
 @dataclass
@@ -158,6 +198,24 @@ class _Connection:
     target_key: tuple[str, str, int]
     wire: _Wire
     leftover: bytearray = field(default_factory=bytearray)
+
+
+def _receive_error(exc: OSError, url: str, position: int | None = None) -> TransportError:
+    """What a failed receive raises: :class:`ReadTimeoutError` for silence longer than the
+    timeout, else :class:`TransportError`."""
+    if isinstance(exc, TimeoutError):
+        return ReadTimeoutError("no data from the server in time", url=url, position=position)
+    return TransportError(f"receive failed: {exc.strerror or exc}", url=url, position=position)
+
+
+def _content_length(headers: Mapping[str, str], url: str) -> int | None:
+    """The ``Content-Length`` header's value; :class:`HTTPProtocolError` if it is not a number."""
+    value = headers.get("content-length")
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdigit()):
+        raise HTTPProtocolError(f"malformed Content-Length {value[:40]!r}", url=url)
+    return int(value)
 
 
 class Response(AsyncClosing):
@@ -186,10 +244,11 @@ class Response(AsyncClosing):
         self.headers = headers
         self.received = 0
         self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-        length = headers.get("content-length")
-        self.content_length: int | None = int(length) if length and not self._chunked else None
+        self.content_length: int | None
         if not has_body:
             self.content_length = 0
+        else:
+            self.content_length = None if self._chunked else _content_length(headers, url)
         self._remaining = self.content_length  # None: until the connection closes or last chunk
         self._chunk_left = 0
         self._done = self._remaining == 0
@@ -203,15 +262,20 @@ class Response(AsyncClosing):
     async def receive_into(self, buffer: memoryview) -> int:
         """Receive the next body bytes into ``buffer``; 0 once the body is complete.
 
-        Raises :class:`TransportError` if the connection ends before the body does.
+        Raises :class:`TransportError` if the connection fails or ends before the body does.
         """
         if self._done or not buffer:
             return 0
-        if self._chunked:
-            return await self._receive_chunked(buffer)
-        if self._remaining is not None:
-            buffer = buffer[: self._remaining]
-        count = await self._raw_into(buffer)
+        try:  # failures translated here, once: the hot path gains no call for it
+            if self._chunked:
+                return await self._receive_chunked(buffer)
+            if self._remaining is not None:
+                buffer = buffer[: self._remaining]
+            count = await self._raw_into(buffer)
+        except TransportError:
+            raise
+        except OSError as exc:
+            raise _receive_error(exc, self.url, self.received) from exc
         if count == 0:
             if self._remaining is None:  # body delimited by the connection closing
                 self._done = True
@@ -230,7 +294,13 @@ class Response(AsyncClosing):
 
     async def _receive_chunked(self, buffer: memoryview) -> int:
         if self._chunk_left == 0:
-            size = int((await self._read_line()).split(b";")[0].strip() or b"x", 16)
+            line = await self._read_line()
+            digits = line.split(b";")[0].strip()
+            if not _CHUNK_SIZE.fullmatch(digits):
+                raise HTTPProtocolError(
+                    f"malformed chunk size line {line[:40]!r}", url=self.url, position=self.received
+                )
+            size = int(digits, 16)
             if size == 0:
                 while await self._read_line():  # trailers end with an empty line
                     pass
@@ -245,7 +315,11 @@ class Response(AsyncClosing):
         self._chunk_left -= count
         self.received += count
         if self._chunk_left == 0 and await self._read_line() != b"":
-            raise TransportError("malformed chunked body", url=self.url, position=self.received)
+            raise HTTPProtocolError(
+                "malformed chunked body: no line end after a chunk",
+                url=self.url,
+                position=self.received,
+            )
         return count
 
     async def _raw_into(self, buffer: memoryview) -> int:
@@ -257,23 +331,14 @@ class Response(AsyncClosing):
             buffer[:count] = connection.leftover[:count]
             del connection.leftover[:count]
             return count
-        try:
-            return await connection.wire.recv_into(buffer)
-        except TimeoutError as exc:
-            raise ReadTimeoutError(
-                "no data from the server in time", url=self.url, position=self.received
-            ) from exc
-        except OSError as exc:
-            raise TransportError(
-                f"receive failed: {exc.strerror or exc}", url=self.url, position=self.received
-            ) from exc
+        return await connection.wire.recv_into(buffer)
 
     async def _read_line(self) -> bytes:
         connection = self._connection
         assert connection is not None
         while b"\r\n" not in connection.leftover:
             if len(connection.leftover) > _HEAD_LIMIT:
-                raise TransportError("chunk header line too long", url=self.url)
+                raise HTTPProtocolError("chunk header line too long", url=self.url)
             more = bytearray(4096)
             count = await connection.wire.recv_into(memoryview(more))
             if count == 0:
@@ -334,10 +399,10 @@ class Upload:
             raise TransportError("the upload is closed", url=self._target.url)
         try:
             await connection.wire.send(data)
-        except (OSError, TimeoutError) as exc:
+        except OSError as exc:
             await self._fail(exc)
 
-    async def _fail(self, exc: BaseException) -> None:
+    async def _fail(self, exc: OSError) -> None:
         """The server stopped taking the body: report its answer if it sent one."""
         connection, self._connection = self._connection, None
         assert connection is not None
@@ -351,12 +416,14 @@ class Upload:
                 await raise_for_status(response)
         except HTTPStatusError:
             raise
-        except (OSError, TransportError):
+        except TransportError:
             pass  # no answer to report: the send error below says what happened
         finally:
             await connection.wire.aclose()
-        raise TransportError(
-            f"upload failed after {self.sent} body bytes: {exc}", url=self._target.url
+        kind = ReadTimeoutError if isinstance(exc, TimeoutError) else TransportError
+        detail = exc.strerror or str(exc) or "timed out"
+        raise kind(
+            f"upload failed after {self.sent} body bytes: {detail}", url=self._target.url
         ) from exc
 
     async def send(self, data: memoryview) -> None:
@@ -380,12 +447,12 @@ class Upload:
             raise TransportError("the upload is closed", url=self._target.url)
         try:
             status, reason, headers = await self._client._read_head(connection, self._target)
+            return self._client._response(
+                self._method, self._target, connection, status, reason, headers
+            )
         except BaseException:
             await connection.wire.aclose()
             raise
-        return self._client._response(
-            self._method, self._target, connection, status, reason, headers
-        )
 
     async def abort(self) -> None:
         """Drop the connection: the request ends incomplete."""
@@ -431,8 +498,9 @@ class HTTPClient(AsyncClosing):
                     )
             except TimeoutError as exc:
                 raise ReadTimeoutError("connecting timed out", url=target.url) from exc
-            except (OSError, ssl.SSLError) as exc:
-                raise TransportError(f"cannot connect: {exc}", url=target.url) from exc
+            except (OSError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
+                detail = str(exc) or "connection lost during the TLS handshake"
+                raise TransportError(f"cannot connect: {detail}", url=target.url) from exc
             wire = _StreamWire(stream, self.timeout)
         else:
             try:
@@ -483,7 +551,13 @@ class HTTPClient(AsyncClosing):
             lines.append(f"User-Agent: {_USER_AGENT}")
         lines.extend(f"{k}: {v}" for k, v in headers.items())
         lines.extend(extra)
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        try:
+            return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        except UnicodeEncodeError as exc:
+            bad = exc.object[exc.start : exc.end]
+            raise UsageError(
+                f"request headers for {target.url} must be Latin-1 text, got {bad!r}"
+            ) from exc
 
     async def _request_once(
         self, method: str, url: str, headers: Mapping[str, str] | None, body: bytes | None
@@ -499,6 +573,7 @@ class HTTPClient(AsyncClosing):
                 if body:
                     await connection.wire.send(body)
                 status, reason, response_headers = await self._read_head(connection, target)
+                return self._response(method, target, connection, status, reason, response_headers)
             except (OSError, TransportError) as exc:
                 await connection.wire.aclose()
                 # A keep-alive connection the server closed meanwhile: retry once, fresh.
@@ -510,7 +585,6 @@ class HTTPClient(AsyncClosing):
             except BaseException:
                 await connection.wire.aclose()
                 raise
-            return self._response(method, target, connection, status, reason, response_headers)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _response(
@@ -552,38 +626,40 @@ class HTTPClient(AsyncClosing):
     async def _read_head(
         self, connection: _Connection, target: Target
     ) -> tuple[int, str, dict[str, str]]:
+        """Status, reason and headers of the answer, past any interim (1xx) answers."""
         buffer = connection.leftover
-        while True:
-            end = buffer.find(b"\r\n\r\n")
-            if end >= 0:
-                break
-            if len(buffer) > _HEAD_LIMIT:
-                raise TransportError("response head too large", url=target.url)
-            more = bytearray(65536)
-            try:
-                count = await connection.wire.recv_into(memoryview(more))
-            except TimeoutError as exc:
-                raise ReadTimeoutError(
-                    "no response from the server in time", url=target.url
-                ) from exc
-            if count == 0:
-                raise TransportError("connection closed before a response", url=target.url)
-            buffer += more[:count]
-        head = bytes(buffer[:end]).decode("latin-1")
-        del buffer[: end + 4]
-        status_line, *header_lines = head.split("\r\n")
-        parts = status_line.split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-            raise TransportError(f"malformed status line {status_line!r}", url=target.url)
-        headers: dict[str, str] = {}
-        for line in header_lines:
-            name, _, value = line.partition(":")
-            key = name.strip().lower()
-            headers[key] = f"{headers[key]}, {value.strip()}" if key in headers else value.strip()
-        status = int(parts[1])
-        if status == 100:  # an interim answer: the real one follows
-            return await self._read_head(connection, target)
-        return status, parts[2] if len(parts) > 2 else "", headers
+        for _ in range(_MAX_INTERIM + 1):
+            while (end := buffer.find(b"\r\n\r\n")) < 0:
+                if len(buffer) > _HEAD_LIMIT:
+                    raise HTTPProtocolError("response head too large", url=target.url)
+                more = bytearray(65536)
+                try:
+                    count = await connection.wire.recv_into(memoryview(more))
+                except OSError as exc:
+                    raise _receive_error(exc, target.url) from exc
+                if count == 0:
+                    raise TransportError("connection closed before a response", url=target.url)
+                buffer += more[:count]
+            head = bytes(buffer[:end]).decode("latin-1")
+            del buffer[: end + 4]
+            status_line, *header_lines = head.split("\r\n")
+            match = _STATUS_LINE.fullmatch(status_line)
+            if match is None:
+                raise HTTPProtocolError(
+                    f"malformed status line {status_line[:100]!r}", url=target.url
+                )
+            status = int(match[1])
+            if status >= 200:
+                headers: dict[str, str] = {}
+                for line in header_lines:
+                    name, _, value = line.partition(":")
+                    key = name.strip().lower()
+                    value = value.strip()
+                    headers[key] = f"{headers[key]}, {value}" if key in headers else value
+                return status, match[2] or "", headers
+        raise HTTPProtocolError(
+            f"more than {_MAX_INTERIM} interim (1xx) answers before the response", url=target.url
+        )
 
     async def aclose(self) -> None:
         """Close every idle connection."""

@@ -8,6 +8,8 @@ everything needed: the total size (``Content-Range``) and whether ranges work (2
 * Every tensor: the rest of the file in one more ranged request, read straight into the arrays.
 * ``include=``: one ranged request per run of adjacent selected tensors (the reader's plan).
 * No Range support (200): the answer is the whole body, streamed; skipped bytes are discarded.
+  A server that honours the first range but answers a later one with anything but that range
+  (a 200 with the whole body, another start) raises :class:`~stream_st.TransportError`.
 * ``concurrency=K`` (K > 1): the data is fetched in parts of ``part_size`` bytes, K ranged
   requests at a time, each on its own connection; parts inside the tensor being read land
   straight in its array, parts beyond it wait in at most K part buffers. Tensors still come out
@@ -18,7 +20,9 @@ A ranged read that breaks (connection reset, closed mid-body, 5xx) is resumed fr
 reached, up to ``retries`` times per read (one tensor, or the header) with exponential backoff. A
 body that still ends early is reported by the reader as a
 :class:`~stream_st.TruncatedStreamError` naming the URL and the offset; a server that stops
-sending raises :class:`~stream_st.ReadTimeoutError` after ``timeout`` seconds.
+sending raises :class:`~stream_st.ReadTimeoutError` after ``timeout`` seconds. An answer that
+breaks HTTP (garbled status line, length or chunks) raises a :class:`~stream_st.TransportError`
+at once, with no retry.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ from collections.abc import Mapping, Sequence
 import anyio
 import numpy as np
 
-from .._http import HTTPClient, HTTPStatusError, Response, raise_for_status
+from .._http import HTTPClient, HTTPProtocolError, Response, raise_for_status
 from .._util import task_group
-from ..errors import ReadTimeoutError, TransportError
+from ..errors import ReadTimeoutError, TransportError, UsageError
 from .base import Source
 
 __all__ = ["FIRST_RANGE", "HttpSource"]
@@ -60,8 +64,11 @@ class HttpSource(Source):
         name: str | None = None,
     ) -> None:
         super().__init__()
-        if concurrency < 1 or part_size < 1:
-            raise ValueError("concurrency and part_size must be positive")
+        if concurrency < 1 or part_size < 1 or retries < 0:
+            raise UsageError(
+                f"HttpSource({url!r}): concurrency ({concurrency}) and part_size ({part_size}) "
+                f"must be positive, retries ({retries}) at least 0"
+            )
         self._concurrency = concurrency
         self._part_size = part_size
         self._parts: list[tuple[int, memoryview]] = []  # fetched ahead: (offset, bytes)
@@ -90,27 +97,45 @@ class HttpSource(Source):
             self.size = 0
             self.random_access = True
         else:
-            self._adopt(response, 0)
+            await self._adopt(response, 0)
 
-    def _adopt(self, response: Response, start: int) -> None:
-        if response.status == 206:
-            match = _CONTENT_RANGE.fullmatch(response.headers.get("content-range", ""))
-            if match is None or int(match.group(1)) != start:
-                raise TransportError(
-                    f"unusable Content-Range {response.headers.get('content-range')!r}",
-                    url=self.name,
-                )
-            if match.group(3) != "*":
-                self.size = int(match.group(3))
-            self.random_access = True
-            end = int(match.group(2)) + 1
-        else:  # 200: the whole body, from byte 0
-            self.size = response.content_length
-            self.random_access = False
-            end = self.size if self.size is not None else 1 << 62
+    async def _adopt(self, response: Response, start: int) -> None:
+        """Make ``response``, the answer to a GET from ``start``, the open one."""
+        self._response_end, size = await self._body_range(response, start)
+        if size is not None:
+            self.size = size
+        self.random_access = response.status == 206
         self._response = response
         self._response_at = start
-        self._response_end = end
+
+    async def _body_range(self, response: Response, start: int) -> tuple[int, int | None]:
+        """Check that ``response`` delivers the object from byte ``start``: a 206 for that
+        range, or a 200 (the whole body) when ``start`` is 0. Returns the absolute offset where
+        its body ends and the object's size if the answer tells it; otherwise closes ``response``
+        and raises :class:`HTTPProtocolError`."""
+        if response.status == 206:
+            content_range = response.headers.get("content-range", "")
+            match = _CONTENT_RANGE.fullmatch(content_range)
+            if match is not None:
+                first, last, total = match.groups()
+                end = int(last) + 1
+                size = None if total == "*" else int(total)
+                if (
+                    int(first) == start < end
+                    and (size is None or end <= size)
+                    and response.content_length in (None, end - start)
+                ):
+                    return end, size
+            problem = f"unusable Content-Range {content_range!r} for the range asked"
+        elif response.status == 200 and start == 0:
+            size = response.content_length
+            return (1 << 62 if size is None else size), size
+        elif response.status == 200:
+            problem = "the server ignored the Range header (200 with the whole body from byte 0)"
+        else:
+            problem = f"unexpected answer HTTP {response.status} {response.reason}".rstrip()
+        await response.aclose()
+        raise HTTPProtocolError(problem, url=self.name, position=start)
 
     async def _get(self, start: int, end: int | None) -> Response | None:
         """GET from ``start`` (to ``end``, exclusive, or the end), retrying retryable failures."""
@@ -121,6 +146,8 @@ class HttpSource(Source):
                 response = await self._client.request(
                     "GET", self.url, self.prepare_headers("GET", self.url, headers)
                 )
+            except HTTPProtocolError:
+                raise  # the same request would get the same garbled answer
             except TransportError:
                 if attempt == self._retries:
                     raise
@@ -241,6 +268,7 @@ class HttpSource(Source):
             response = await self._get(start + got, start + len(view))
             if response is None:
                 break
+            await self._body_range(response, start + got)
             try:
                 async with response:
                     while got < len(view):
@@ -250,7 +278,7 @@ class HttpSource(Source):
                         got += count
                 if got < len(view) and response.complete:
                     break  # the server sent less than asked: the object is shorter
-            except HTTPStatusError:
+            except HTTPProtocolError:
                 raise
             except TransportError as exc:
                 failures += 1
@@ -296,11 +324,11 @@ class HttpSource(Source):
                 fresh = await self._get(at, end)
                 if fresh is None:
                     break
-                self._adopt(fresh, at)
+                await self._adopt(fresh, at)
                 response = fresh
             try:
                 got = await response.receive_into(buffer[filled:])
-            except HTTPStatusError:
+            except HTTPProtocolError:
                 raise
             except TransportError as exc:
                 await self._close_response()
