@@ -9,9 +9,10 @@ Run it from the repository root (about 1.5 minutes on 2 cores; needs the dev ext
 The model file (90.9 MB: 47 MB of word embeddings first, then six encoder layers of 7.1 MB each)
 comes from three sources, each server in its own process (no shared GIL with the measured one):
 
-* ``tcp``: a child of this script sends the file to each connection at ``--rate-mb`` MB/s (a
-  network link; 125 MB/s is 1 Gbit/s), paced in 64 KiB steps like a link: time lost while the
-  receiver was not reading is not made up afterwards by a burst (``tests.http_server.Link``);
+* ``tcp``: ``bench_network.py``'s TCP sender sends the file to each connection at ``--rate-mb``
+  MB/s (a network link; 125 MB/s is 1 Gbit/s), paced in 64 KiB steps like a link: time lost
+  while the receiver was not reading is not made up afterwards by a burst
+  (``tests.http_server.Link``);
 * ``http``: ``python -m tests.http_server FILE --rate ...``: the same rate per connection;
 * ``file``: the local file (in the page cache after the warm-up round): transfer is almost free
   here, so this shows what streaming costs when there is nothing to hide.
@@ -39,10 +40,8 @@ output, every round, must equal the warm-up's load-then-run output bit for bit.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,13 +50,13 @@ from typing import Any
 
 import anyio
 import numpy as np
-from bench_kv import blas_limit
+from bench_kv import blas_limit, print_targets
 from bench_network import Child, http_server
 
 import stream_st
 from stream_st.bert import BertConfig, StreamingBert, run_loaded, run_streaming
 
-SCRIPT = str(Path(__file__).resolve())
+NETWORK = str(Path(__file__).resolve().parent / "bench_network.py")  # its paced TCP sender
 SENTENCES = [
     "Streaming weights into a model while it runs.",
     "Tensors arrive layer by layer over the network.",
@@ -72,36 +71,6 @@ LABELS = {
 }
 
 Array = np.ndarray[Any, Any]
-
-
-def tcp_sender_main(path: Path, rate: float) -> None:
-    """``--tcp-sender FILE --rate-mb R``: send FILE to every connection at R MB/s, then close."""
-    from tests.http_server import Link  # the repository root is on sys.path via bench_network
-
-    data = path.read_bytes()
-    listener = socket.create_server(("127.0.0.1", 0), backlog=8)
-    step = 1 << 16
-
-    def serve() -> None:
-        while True:
-            try:
-                connection, _ = listener.accept()
-            except OSError:
-                return
-            with connection:
-                link = Link(rate)
-                try:
-                    for offset in range(0, len(data), step):
-                        link.wait(step)
-                        connection.sendall(data[offset : offset + step])
-                    connection.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
-
-    threading.Thread(target=serve, daemon=True).start()
-    print(listener.getsockname()[1], flush=True)
-    sys.stdin.read()
-    listener.close()
 
 
 def model_dir() -> Path:
@@ -209,7 +178,7 @@ async def run_main(args: argparse.Namespace) -> list[tuple[str, bool]]:
         f"links at {args.rate_mb:g} MB/s ({size / rate * 1e3:.0f} ms for the file)"
     )
     results: list[tuple[str, bool]] = []
-    sender = [sys.executable, SCRIPT, "--tcp-sender", str(weights), "--rate-mb", str(args.rate_mb)]
+    sender = [sys.executable, NETWORK, "--tcp-sender", str(weights), "--tcp-rate", str(rate)]
     with Child(sender, "tcp sender") as child:
         tcp = f"tcp://127.0.0.1:{child.port}"
         results += await measure(f"tcp at {args.rate_mb:g} MB/s", tcp, args, new_model)
@@ -227,27 +196,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8, help="sequences per batch (8)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (128)")
     parser.add_argument("--blas-threads", type=int, default=0, help="0: library default")
-    parser.add_argument("--tcp-sender", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.tcp_sender is None and args.repeat < 5:
+    if args.repeat < 5:
         parser.error("--repeat must be >= 5 for the figures")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.tcp_sender is not None:
-        tcp_sender_main(args.tcp_sender, args.rate_mb * 1e6)
-        return
     limit, note = blas_limit(args.blas_threads)
     print(f"python {sys.version.split()[0]}, numpy {np.__version__}, {note}")
     started = time.perf_counter()
     with limit:
         results = anyio.run(run_main, args)
-    print("\n== targets")
-    for label, ok in results:
-        print(f"  {'PASS' if ok else 'MISS'}  {label}")
-    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    print_targets(results, started)
 
 
 if __name__ == "__main__":

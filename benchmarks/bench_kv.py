@@ -504,6 +504,14 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
+def print_targets(targets: Sequence[tuple[str, bool]], started: float) -> None:
+    """The summary every benchmark ends with: each target with PASS or MISS, and the run time."""
+    print("\n== targets")
+    for label, ok in targets:
+        print(f"  {verdict(ok)}  {label}")
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+
+
 def report_digest(results: Sequence[SeqResult]) -> None:
     print(
         "\n== digest cost (SHA-256 per layer, computed by the sender and checked by the receiver;"
@@ -877,10 +885,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         targets += measure_concurrent(args)
         if not args.skip_codecs:
             measure_codecs()
-    print("\n== targets")
-    for label, ok in targets:
-        print(f"  {verdict(ok)}  {label}")
-    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    print_targets(targets, started)
 
 
 if __name__ == "__main__":

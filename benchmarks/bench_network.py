@@ -76,7 +76,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import anyio
 import anyio.lowlevel
@@ -395,9 +395,21 @@ def http_server(path: Path, *extra: str) -> Child:
     return Child([sys.executable, "-m", "tests.http_server", str(path), *extra], "http server")
 
 
-def tcp_sender_main(path: Path) -> None:
-    """``--tcp-sender FILE``: send FILE to every connection, one at a time, then close it."""
+def tcp_sender_main(path: Path, rate: float | None = None) -> None:
+    """``--tcp-sender FILE [--tcp-rate B/S]``: send FILE to every connection, one at a time, then
+    close it. With a rate, paced in 64 KiB steps like a link (``tests.http_server.Link``)."""
+    from tests.http_server import Link
+
     listener = socket.create_server(("127.0.0.1", 0), backlog=8)
+
+    def send(connection: socket.socket, f: BinaryIO) -> None:
+        if rate is None:
+            connection.sendfile(f)
+            return
+        link = Link(rate)
+        while piece := f.read(64 << 10):
+            link.wait(len(piece))
+            connection.sendall(piece)
 
     def serve() -> None:
         with path.open("rb") as f:
@@ -409,7 +421,7 @@ def tcp_sender_main(path: Path) -> None:
                 with connection:
                     try:
                         f.seek(0)
-                        connection.sendfile(f)
+                        send(connection, f)
                         connection.shutdown(socket.SHUT_WR)
                     except OSError:
                         pass
@@ -992,6 +1004,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("tcp", "http", "s3", "ranged", "rss", "kv", "big"):
         parser.add_argument(f"--skip-{name}", action="store_true", help=f"skip {name}")
     parser.add_argument("--tcp-sender", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tcp-rate", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rss-child", nargs=3, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.tcp_sender is None and args.rss_child is None and args.repeat < 5:
@@ -1023,7 +1036,7 @@ async def run_all(files: dict[str, Prepared], args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.tcp_sender is not None:
-        tcp_sender_main(args.tcp_sender)
+        tcp_sender_main(args.tcp_sender, args.tcp_rate)
         return
     if args.rss_child is not None:
         url, k, m = args.rss_child
