@@ -35,6 +35,10 @@ max(transfer, embeddings arrived + all compute): it cannot finish before its las
 nor before the stages have run one after another once their inputs were in; transfer and compute
 are measured standalone in the same run (transfer = L's load time, compute = L's run time). Every
 output, every round, must equal the warm-up's load-then-run output bit for bit.
+
+Targets, for T: over a link, total <= 0.90 x L's total, total <= 1.15 x its floor, first layer
+output <= 0.75 x L's; from the file, where there is nothing to hide, total <= 1.10 x L's (what
+streaming costs). I is printed for comparison, without a target.
 """
 
 from __future__ import annotations
@@ -120,7 +124,12 @@ def med(values: Sequence[float]) -> float:
 
 
 async def measure(
-    name: str, source: str, args: argparse.Namespace, new_model: Callable[[], StreamingBert]
+    name: str,
+    source: str,
+    args: argparse.Namespace,
+    new_model: Callable[[], StreamingBert],
+    *,
+    over_link: bool = True,
 ) -> list[tuple[str, bool]]:
     reference = await run_variant("L", source, new_model)  # warm-up, and the expected output
     runs: dict[str, list[Run]] = {v: [] for v in VARIANTS}
@@ -156,9 +165,13 @@ async def measure(
         f"  first layer output: T {first_t * 1e3:.1f} ms vs L {first_l * 1e3:.1f} ms "
         f"({first_l / first_t:.2f}x sooner)"
     )
+    if not over_link:
+        cost = totals["T"] <= 1.1 * totals["L"]
+        return [(f"{name}: streaming total <= 1.10 x load-then-run", cost)]
     return [
-        (f"{name}: streaming total < load-then-run total", totals["T"] < totals["L"]),
-        (f"{name}: first layer output sooner when streaming", first_t < first_l),
+        (f"{name}: streaming total <= 0.90 x load-then-run", totals["T"] <= 0.9 * totals["L"]),
+        (f"{name}: streaming total <= 1.15 x its floor", totals["T"] <= 1.15 * floor),
+        (f"{name}: first layer output <= 0.75 x load-then-run's", first_t <= 0.75 * first_l),
     ]
 
 
@@ -185,7 +198,7 @@ async def run_main(args: argparse.Namespace) -> list[tuple[str, bool]]:
     with http_server(weights, "--rate", str(rate)) as server:
         url = f"http://127.0.0.1:{server.port}/{weights.name}"
         results += await measure(f"http at {args.rate_mb:g} MB/s", url, args, new_model)
-    results += await measure("file (page cache)", str(weights), args, new_model)
+    results += await measure("file (page cache)", str(weights), args, new_model, over_link=False)
     return results
 
 
