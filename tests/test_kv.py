@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+import trio
 
 import stream_st
 from stream_st.codecs import error_stats
@@ -63,6 +64,27 @@ async def test_transfer_over_tcp_with_each_codec(codec: str) -> None:
         else:
             snr = error_stats(expected_key, key)["snr_db"]
             assert snr > (35 if codec == "int8" else 15)
+
+
+def test_kv_transfer_on_trio() -> None:
+    layout = KVLayout(num_layers=3, shape=(1, 4, 1024, 64), codec="int8")  # parts hashed in threads
+
+    async def main() -> list[int]:
+        got = []
+        async with stream_st.listen("127.0.0.1", 0, timeout=10) as listener:
+
+            async def receiver() -> None:
+                async with await listener.accept() as connection, receive_kv(connection) as kv_in:
+                    async for layer, key, _ in kv_in:
+                        assert error_stats(kv(layer, layout.shape)[0], key)["snr_db"] > 35
+                        got.append(layer)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(receiver)
+                await send_kv(listener.url, layout, produce(3, layout.shape))
+        return got
+
+    assert trio.run(main) == [0, 1, 2]
 
 
 async def test_header_first_and_layer_zero_before_the_last_is_produced() -> None:
