@@ -55,4 +55,9 @@ async def task_group() -> AsyncIterator[TaskGroup]:
         leaves = _leaves(grouped)
         if not all(isinstance(exc, Exception) for exc in leaves):
             raise
-        raise leaves[0] from leaves[0].__cause__  # its own cause kept; the group adds nothing
+        first = leaves[0]
+        context, suppress = first.__context__, first.__suppress_context__
+        try:
+            raise first  # the group adds nothing to the report ...
+        finally:
+            first.__context__, first.__suppress_context__ = context, suppress  # ... its own stays

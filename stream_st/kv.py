@@ -279,14 +279,16 @@ async def send_kv(
         max_buffer_size=max(0, queue - 1)
     )
 
-    async def produce() -> None:  # the producer's own failure ends the transfer with its error
-        try:
-            async with send_layers:
-                async for item in layers:
-                    report.produced_at.append(time.perf_counter())
-                    await send_layers.send(item)
-        except anyio.BrokenResourceError:
-            pass  # the sending side failed and stopped listening: its error is the one to report
+    async def produce() -> None:
+        # The producer's own failure ends the transfer with its error: the channel is closed
+        # only after the last layer, so the sending side never takes a failure for an early end.
+        async for item in layers:
+            report.produced_at.append(time.perf_counter())
+            try:
+                await send_layers.send(item)
+            except anyio.BrokenResourceError:
+                return  # the sending side failed and stopped listening: its error is reported
+        await send_layers.aclose()
 
     async def consume(items: ObjectReceiveStream[tuple[int, Array, Array]]) -> None:
         async with items:

@@ -269,6 +269,7 @@ class TensorStream(AsyncClosing):
                 )
         if source.whole_object and not await source.at_end():
             raise TrailingDataError(f"{source.name}: bytes follow the last tensor at byte {end}")
+        source.message_read()
 
 
 def open_stream(

@@ -87,24 +87,23 @@ async def test_streamed_over_http_and_tcp(
     assert np.array_equal(over_tcp.output(), reference)
 
 
-class WaitsInLayer0(StreamingBert):
-    """Layer 0 blocks until the reading side has passed the last tensor."""
-
-    everything_read = threading.Event()
-
-    def _layer(self, x: np.ndarray[Any, Any], w: list[np.ndarray[Any, Any]]) -> Any:
-        if self.layers_done == -1:
-            assert self.everything_read.wait(10), "reading paused while layer 0 computed"
-        return super()._layer(x, w)
-
-
 async def test_threaded_stages_do_not_pause_the_transfer(
     inputs: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]], reference: np.ndarray[Any, Any]
 ) -> None:
+    everything_read = threading.Event()
+
+    class WaitsInLayer0(StreamingBert):
+        """Layer 0 blocks until the reading side has passed the last tensor."""
+
+        def _layer(self, x: np.ndarray[Any, Any], w: list[np.ndarray[Any, Any]]) -> Any:
+            if self.layers_done == -1:
+                assert everything_read.wait(5), "reading paused while layer 0 computed"
+            return super()._layer(x, w)
+
     async def tensors() -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
         async for item in stream_st.open_stream(WEIGHTS):
             yield item
-        WaitsInLayer0.everything_read.set()
+        everything_read.set()
 
     model = WaitsInLayer0(BertConfig.from_json(MODEL_DIR / "config.json"), *inputs)
     await run_streaming(model, tensors())  # threaded=False would wait in layer 0 and fail

@@ -172,12 +172,16 @@ async def test_sender_dies_mid_layer() -> None:
     assert delivered == [0, 1, 2]
 
 
-async def test_producer_failure_ends_the_transfer_with_its_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pause", [0.0, 0.05])  # failing at once, or while the sender waits
+async def test_producer_failure_ends_the_transfer_with_its_error(
+    tmp_path: Path, pause: float
+) -> None:
     layout = KVLayout(num_layers=4, shape=SHAPE)
 
     async def producer() -> AsyncIterator[tuple[int, Array, Array]]:
         async for item in produce(2):
             yield item
+        await anyio.sleep(pause)
         raise RuntimeError("the model failed at layer 2")
 
     path = tmp_path / "kv.safetensors"
@@ -296,11 +300,11 @@ async def test_bad_kv_metadata_is_a_header_error(tmp_path: Path) -> None:
     await send_kv(path, KVLayout(num_layers=2, shape=SHAPE), produce(2))
     header = await stream_st.read_header(path)
     data = path.read_bytes()
-    for key, value in [
-        ("kv_shape", "[1e400, 4, 64, 64]"),  # not an integer
-        ("kv_layers", "300000"),  # a tiny header claiming many layers: refused at once
-        ("kv_shape", "[1, 4, 64]"),
-        ("kv_dtype", "I8"),
+    for key, value, message in [
+        ("kv_shape", "[1e400, 4, 64, 64]", "bad or missing KV metadata"),  # not an integer
+        ("kv_layers", "300000", "announces 300000 KV layers"),  # refused before any plan
+        ("kv_shape", "[1, 4, 64]", "KV layout needs"),
+        ("kv_dtype", "I8", "KV dtype must be"),
     ]:
         meta = {**header.metadata, key: value}
         tensors = {
@@ -308,9 +312,9 @@ async def test_bad_kv_metadata_is_a_header_error(tmp_path: Path) -> None:
             for t in header.tensors
         }
         blob = json.dumps({"__metadata__": meta, **tensors}).encode()
-        message = struct.pack("<Q", len(blob)) + blob + data[header.data_start :]
-        with pytest.raises(stream_st.HeaderError, match="KV"):
-            async with receive_kv(message):
+        blob_message = struct.pack("<Q", len(blob)) + blob + data[header.data_start :]
+        with pytest.raises(stream_st.HeaderError, match=message):
+            async with receive_kv(blob_message):
                 pass
 
 

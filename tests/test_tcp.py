@@ -132,6 +132,20 @@ async def test_connect_reads_messages_in_turn(tcp_sender: StartSender) -> None:
         assert [s async for s in connection.messages()] == []  # the peer closed cleanly
 
 
+async def test_leaving_messages_after_a_read_message_frees_the_connection(
+    tcp_sender: StartSender,
+) -> None:
+    first: Arrays = {"x": np.arange(3, dtype=np.uint8)}
+    second: Arrays = {"y": np.ones(4, dtype=np.float64)}
+    port = await tcp_sender(reference_numpy.save(first) + reference_numpy.save(second))
+    async with await stream_st.connect(f"tcp://127.0.0.1:{port}") as connection:
+        async for stream in connection.messages():
+            assert_same_arrays({n: a async for n, a in stream}, first)
+            break  # the generator stays suspended until collected: it must not hold the turn
+        async with connection.open_stream() as stream:
+            assert_same_arrays({n: a async for n, a in stream}, second)
+
+
 def test_tcp_on_trio() -> None:
     data = sample_file()
 

@@ -84,5 +84,9 @@ class Source(ABC):
             return self.position >= self.size
         return await self.receive_into(memoryview(bytearray(1))) == 0
 
+    def message_read(self) -> None:  # noqa: B027 - only a lent connection has a use for it
+        """The reader consumed the whole message and will read no more: a connection lent for
+        one message may go to the next one before this source is closed."""
+
     async def aclose(self) -> None:  # noqa: B027 - a source with nothing to release keeps this
         """Release the underlying file, stream or connection."""

@@ -228,6 +228,10 @@ class SocketSource(SocketEnd, Source):
             self.position += count
             return count
 
+    def message_read(self) -> None:
+        if self._turn is not None:
+            self._turn.release(self)  # e.g. a loop over messages() left with break
+
     async def at_end(self) -> bool:
         """Wait for the next byte without taking it; True if the peer closed cleanly instead.
 
