@@ -81,6 +81,7 @@ from typing import Any, BinaryIO
 import anyio
 import anyio.lowlevel
 import numpy as np
+from bench_read import KV, NUMPY_DTYPES, BenchFile, Touches, big_file, ensure_file, touch
 
 import stream_st
 from stream_st.sources.http import HttpSource
@@ -91,7 +92,6 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # for tests.s3_server
 
 MiB = 1 << 20
-PAGE = 4096
 CHUNK = 1 * MiB
 RSS_SLACK = 64 * MiB
 BUCKET = "bench"
@@ -100,11 +100,6 @@ SHAPED_RATE = 200e6
 FIRST = 64 << 10  # what HttpSource asks for first
 DEFAULT_PARALLEL = ((8, 8 * MiB), (8, 16 * MiB), (16, 8 * MiB), (16, 4 * MiB))
 DEFAULT_RSS_PARALLEL = ((8, 16 * MiB), (16, 8 * MiB))
-
-NUMPY_DTYPES: dict[str, np.dtype[Any]] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2")}
-
-Touches = dict[str, int]
-"""Per tensor name, in the order delivered, the sum of byte 0 of every 4 KiB page."""
 
 
 def optional(module: str) -> Any | None:
@@ -116,92 +111,6 @@ def optional(module: str) -> Any | None:
 
 
 # --------------------------------------------------------------------------- files
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * NUMPY_DTYPES[self.dtype].itemsize
-
-
-@dataclass(frozen=True)
-class BenchFile:
-    label: str
-    description: str
-    tensors: tuple[TensorLayout, ...]
-
-    @property
-    def largest(self) -> int:
-        return max(t.nbytes for t in self.tensors)
-
-
-def big_file(label: str, mib: int) -> BenchFile:
-    count = max(1, mib // 32)
-    return BenchFile(
-        label,
-        f"{count} x 32 MiB F32 [2048, 4096]",
-        tuple(TensorLayout(f"weight_{i:03d}", "F32", (2048, 4096)) for i in range(count)),
-    )
-
-
-KV = BenchFile(
-    "kv",
-    "TinyLlama KV cache, 22 layers x key/value [1, 4, 2048, 64] F16",
-    tuple(
-        TensorLayout(f"layer_{i}_{kind}", "F16", (1, 4, 2048, 64))
-        for i in range(22)
-        for kind in ("key", "value")
-    ),
-)
-
-
-def header_bytes(tensors: Sequence[TensorLayout]) -> bytes:
-    entries: dict[str, Any] = {}
-    offset = 0
-    for t in tensors:
-        entries[t.name] = {
-            "dtype": t.dtype,
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + t.nbytes],
-        }
-        offset += t.nbytes
-    raw = json.dumps(entries, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw
-
-
-def ensure_file(directory: Path, spec: BenchFile) -> Path:
-    """The file for ``spec`` (name from its size), written unless an identical one is there."""
-    header = header_bytes(spec.tensors)
-    size = len(header) + sum(t.nbytes for t in spec.tensors)
-    path = directory / f"net_{spec.label}_{len(spec.tensors)}.safetensors"
-    if path.exists() and path.stat().st_size == size:
-        with path.open("rb") as f:
-            if f.read(len(header)) == header:
-                return path
-    rng = np.random.default_rng(20240601)
-    pattern = rng.integers(0, 256, size=spec.largest, dtype=np.uint8)
-    scratch = np.empty_like(pattern)
-    with path.open("wb") as f:
-        f.write(header)
-        for index, t in enumerate(spec.tensors):
-            part = scratch[: t.nbytes]
-            np.bitwise_xor(pattern[: t.nbytes], np.uint8((index * 37 + 1) % 256), out=part)
-            f.write(part.data)
-        f.flush()
-        os.fsync(f.fileno())
-    return path
-
-
-def touch(array: np.ndarray[Any, Any]) -> int:
-    """Sum byte 0 of every 4 KiB page of ``array``: faults in every page, ~1 load a page."""
-    flat = array.reshape(-1).view(np.uint8)
-    return int(np.add.reduce(flat[::PAGE], dtype=np.uint64))
 
 
 @dataclass(frozen=True)

@@ -105,11 +105,17 @@ class BenchFile:
         return max(t.nbytes for t in self.tensors)
 
 
-BIG = BenchFile(
-    "big",
-    "64 x 32 MiB F32 [2048, 4096]",
-    tuple(TensorLayout(f"weight_{i:02d}", "F32", (2048, 4096)) for i in range(64)),
-)
+def big_file(label: str, mib: int) -> BenchFile:
+    """``mib`` MiB (rounded down to whole tensors, at least one) of 32 MiB F32 tensors."""
+    count = max(1, mib // 32)
+    return BenchFile(
+        label,
+        f"{count} x 32 MiB F32 [2048, 4096]",
+        tuple(TensorLayout(f"weight_{i:03d}", "F32", (2048, 4096)) for i in range(count)),
+    )
+
+
+BIG = big_file("big", 2048)
 KV = BenchFile(
     "kv",
     "TinyLlama KV cache, 22 layers x key/value [1, 4, 2048, 64] F16",
@@ -161,7 +167,7 @@ def write_file(path: Path, spec: BenchFile) -> None:
 
 def ensure_file(directory: Path, spec: BenchFile) -> Path:
     """The file for ``spec`` in ``directory``, written unless an identical one is already there."""
-    path = directory / f"bench_{spec.label}.safetensors"
+    path = directory / f"bench_{spec.label}_{len(spec.tensors)}.safetensors"
     header = _header_bytes(spec.tensors)
     if path.exists() and path.stat().st_size == len(header) + spec.data_bytes:
         with path.open("rb") as f:
