@@ -39,6 +39,20 @@ async def produce(
         yield layer, key, value
 
 
+class CountedLayers:
+    """The same key and value as every layer of ``layout``; counts the layers the sender pulled."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.pulled = 0
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Array, Array]]:
+        key, value = kv(0, self.layout.shape)
+        for layer in range(self.layout.num_layers):
+            self.pulled += 1
+            yield layer, key, value
+
+
 @pytest.mark.parametrize("codec", ["none", "int8", "int4"])
 async def test_transfer_over_tcp_with_each_codec(codec: str) -> None:
     layout = KVLayout(num_layers=4, shape=SHAPE, dtype="F16", codec=codec)
@@ -192,14 +206,7 @@ async def test_producer_failure_ends_the_transfer_with_its_error(
 
 async def test_receiver_dies_and_the_sender_stops_pulling() -> None:
     layout = KVLayout(num_layers=50, shape=(1, 8, 512, 64))  # 1 MiB per tensor
-    pulled = 0
-
-    async def producer() -> AsyncIterator[tuple[int, Array, Array]]:
-        nonlocal pulled
-        key, value = kv(0, layout.shape)
-        for layer in range(50):
-            pulled += 1
-            yield layer, key, value
+    layers = CountedLayers(layout)
 
     async with stream_st.listen("127.0.0.1", 0, timeout=10) as listener:
 
@@ -212,21 +219,14 @@ async def test_receiver_dies_and_the_sender_stops_pulling() -> None:
             async with anyio.create_task_group() as group:
                 group.start_soon(receiver)
                 with pytest.raises(stream_st.TransportError):
-                    await send_kv(listener.url, layout, producer())
-    assert pulled < 50
+                    await send_kv(listener.url, layout, layers)
+    assert layers.pulled < 50
 
 
 async def test_backpressure_bounds_the_producer() -> None:
     layout = KVLayout(num_layers=40, shape=(1, 8, 512, 64))  # 2 MiB per layer
-    pulled = 0
+    layers = CountedLayers(layout)
     release = anyio.Event()
-
-    async def producer() -> AsyncIterator[tuple[int, Array, Array]]:
-        nonlocal pulled
-        key, value = kv(0, layout.shape)
-        for layer in range(40):
-            pulled += 1
-            yield layer, key, value
 
     async with stream_st.listen("127.0.0.1", 0, timeout=10) as listener:
 
@@ -239,12 +239,12 @@ async def test_backpressure_bounds_the_producer() -> None:
 
         async with anyio.create_task_group() as group:
             group.start_soon(receiver)
-            group.start_soon(functools.partial(send_kv, listener.url, layout, producer(), queue=2))
+            group.start_soon(functools.partial(send_kv, listener.url, layout, layers, queue=2))
             await anyio.sleep(0.5)
-            stalled_at = pulled
+            stalled_at = layers.pulled
             release.set()
     assert stalled_at < 40  # held back by the receiver, not run to the end
-    assert pulled == 40
+    assert layers.pulled == 40
 
 
 async def test_session_of_transfers_and_many_at_once() -> None:
@@ -351,15 +351,8 @@ async def test_demo_runs_and_measures() -> None:
 
 async def test_slow_consumer_slows_the_sender() -> None:
     layout = KVLayout(num_layers=30, shape=(1, 8, 512, 64))  # 2 MiB a layer
-    pulled = 0
+    layers = CountedLayers(layout)
     gaps: list[int] = []
-
-    async def producer() -> AsyncIterator[tuple[int, Array, Array]]:
-        nonlocal pulled
-        key, value = kv(0, layout.shape)
-        for layer in range(30):
-            pulled += 1
-            yield layer, key, value
 
     async with stream_st.listen("127.0.0.1", 0, timeout=10) as listener:
 
@@ -368,11 +361,11 @@ async def test_slow_consumer_slows_the_sender() -> None:
             async with connection, receive_kv(connection, max_ahead=1) as kv_in:
                 async for layer, _, _ in kv_in:
                     await anyio.sleep(0.03)  # a consumer slower than the link
-                    gaps.append(pulled - (layer + 1))
+                    gaps.append(layers.pulled - (layer + 1))
                     kv_in.release(layer)
 
         async with anyio.create_task_group() as group:
             group.start_soon(receiver)
-            await send_kv(listener.url, layout, producer(), queue=2)
+            await send_kv(listener.url, layout, layers, queue=2)
     # without read-ahead bounds the sender would run ~all 30 layers ahead at once
     assert max(gaps) <= 12, gaps
