@@ -15,10 +15,15 @@ __all__ = ["AsyncClosing", "task_group"]
 
 class AsyncClosing:
     """``async with`` for objects with an ``aclose()``: entering gives the object, leaving closes
-    it, whatever happened inside."""
+    it. Leaving on an exception calls :meth:`_abandon` instead, which closes too unless the
+    object has something to throw away (a writer aborts its message)."""
 
     async def aclose(self) -> None:
         raise NotImplementedError
+
+    async def _abandon(self, cause: BaseException) -> None:
+        """Leaving the block on ``cause``: close, as on a clean exit."""
+        await self.aclose()
 
     async def __aenter__(self) -> Self:
         return self
@@ -29,7 +34,10 @@ class AsyncClosing:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.aclose()
+        if exc is not None:
+            await self._abandon(exc)
+        else:
+            await self.aclose()
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

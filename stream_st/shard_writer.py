@@ -27,13 +27,13 @@ import tempfile
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import anyio
 import anyio.to_thread
 import numpy as np
 
+from ._util import AsyncClosing
 from .dtypes import dtype_for
 from .errors import UsageError, WriterError
 from .header import TensorSpec, build_header
@@ -98,7 +98,7 @@ class _Shard:
         self.spool.unlink(missing_ok=True)
 
 
-class _RollingWriter:
+class _RollingWriter(AsyncClosing):
     """Shards rolled over at ``target_size`` bytes of data; subclasses name them and write the
     index."""
 
@@ -181,19 +181,8 @@ class _RollingWriter:
             (self.directory / name).unlink(missing_ok=True)
         self._sealed.clear()
 
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is not None:
-            await self.abort()
-        else:
-            await self.aclose()
+    async def _abandon(self, cause: BaseException) -> None:
+        await self.abort()
 
 
 class ShardedWriter(_RollingWriter):

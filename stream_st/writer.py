@@ -15,13 +15,14 @@ fails after every tensor went out leaves its peer one byte short, never with a c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import anyio
 import numpy as np
 
+from ._util import AsyncClosing
 from .dtypes import NATIVE_IS_LITTLE, dtype_for
 from .errors import UsageError, WriterError
 from .header import Header, TensorInfo, TensorSpec, build_header, plan_order
@@ -64,7 +65,7 @@ def _describe(info: TensorInfo) -> str:
     return f"{info.dtype} {list(info.shape)}"
 
 
-class TensorWriter:
+class TensorWriter(AsyncClosing):
     """One safetensors message being written. Create it with :func:`open_writer`.
 
     Use it as ``async with open_writer(dst, plan) as writer``: the header is written on entry, the
@@ -215,20 +216,12 @@ class TensorWriter:
                     raise
                 # Already failing: the first error is the one to report.
 
-    async def __aenter__(self) -> TensorWriter:
+    async def __aenter__(self) -> Self:
         await self.open()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is not None:
-            await self._abort(exc)
-        else:
-            await self.aclose()
+    async def _abandon(self, cause: BaseException) -> None:
+        await self._abort(cause)
 
     # ------------------------------------------------------------------ writing
 
@@ -239,15 +232,7 @@ class TensorWriter:
         delivered as (:attr:`~stream_st.TensorInfo.array_shape`: packed F4/F6 as ``uint8``).
         Its memory is read until this returns and may be reused afterwards.
         """
-        self._check_usable()
-        try:
-            info = self._lookup(name)
-            data = self._whole_view(info, array)
-            start = self._claim(info, len(data), "whole")
-            await self._put(info, start, data)
-        except BaseException as exc:
-            await self._abort(exc)
-            raise
+        await self._write(name, array, self._whole_view, "whole")
 
     async def write_part(self, name: str, piece: Any) -> None:
         """Write the next rows of tensor ``name``: consecutive pieces along the first axis.
@@ -256,11 +241,21 @@ class TensorWriter:
         one row, where ``rest`` is the delivered shape without its first axis. The running byte
         count is checked against the plan; going past it raises :class:`~stream_st.WriterError`.
         """
+        await self._write(name, piece, self._piece_view, "part")
+
+    async def _write(
+        self,
+        name: str,
+        value: Any,
+        view: Callable[[TensorInfo, Any], memoryview],
+        kind: Literal["whole", "part"],
+    ) -> None:
+        """Check, place and send ``value`` for ``name``; any failure aborts the message."""
         self._check_usable()
         try:
             info = self._lookup(name)
-            data = self._piece_view(info, piece)
-            start = self._claim(info, len(data), "part")
+            data = view(info, value)
+            start = self._claim(info, len(data), kind)
             await self._put(info, start, data)
         except BaseException as exc:
             await self._abort(exc)
