@@ -10,6 +10,23 @@ from typing import Any
 import numpy as np
 import safetensors.numpy as reference_numpy
 
+REFERENCE_DTYPES = [
+    np.bool_,
+    np.uint8,
+    np.int8,
+    np.int16,
+    np.uint16,
+    np.float16,
+    np.int32,
+    np.uint32,
+    np.float32,
+    np.float64,
+    np.int64,
+    np.uint64,
+    np.complex64,
+]
+"""The numpy dtypes the reference's numpy API saves and loads."""
+
 
 def raw_file(header: Any, data: bytes = b"", *, pad: int = 0) -> bytes:
     """Bytes of a safetensors file with ``header`` (an object dumped as JSON, or exact text)."""

@@ -20,23 +20,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 
 import stream_st
 
-from ._util import chunked
-
-REFERENCE_DTYPES = [
-    np.bool_,
-    np.uint8,
-    np.int8,
-    np.int16,
-    np.uint16,
-    np.float16,
-    np.int32,
-    np.uint32,
-    np.float32,
-    np.float64,
-    np.int64,
-    np.uint64,
-    np.complex64,
-]
+from ._util import REFERENCE_DTYPES, chunked
 
 names = st.text(
     st.characters(codec="utf-8", exclude_characters="\x00"), min_size=0, max_size=12

@@ -43,23 +43,9 @@ from stream_st import (
 from stream_st.sinks import open_sink
 from stream_st.sinks.file import FileSink
 
-Arrays = dict[str, np.ndarray[Any, Any]]
+from ._util import REFERENCE_DTYPES
 
-REFERENCE_NUMPY_DTYPES = [
-    np.bool_,
-    np.uint8,
-    np.int8,
-    np.int16,
-    np.uint16,
-    np.float16,
-    np.int32,
-    np.uint32,
-    np.float32,
-    np.float64,
-    np.int64,
-    np.uint64,
-    np.complex64,
-]
+Arrays = dict[str, np.ndarray[Any, Any]]
 
 SERIALIZE_NAMES = {
     "BOOL": "bool",
@@ -227,7 +213,7 @@ def rng() -> np.random.Generator:
 def reference_arrays(rng: np.random.Generator) -> Arrays:
     """Every dtype the reference numpy backend has, with scalars, empties and unicode names."""
     arrays: Arrays = {}
-    for dtype in REFERENCE_NUMPY_DTYPES:
+    for dtype in REFERENCE_DTYPES:
         code = stream_st.dtype_for(dtype).code
         for index, shape in enumerate(DEFAULT_SHAPES):
             arrays[f"{code}/{index}-ünï😀"] = random_array(code, shape, rng)
@@ -414,7 +400,7 @@ def tensor_dicts(draw: st.DrawFn) -> Arrays:
     keys = draw(st.lists(names, min_size=0, max_size=6, unique=True))
     result: Arrays = {}
     for key in keys:
-        dtype = np.dtype(draw(st.sampled_from(REFERENCE_NUMPY_DTYPES)))
+        dtype = np.dtype(draw(st.sampled_from(REFERENCE_DTYPES)))
         shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
         size = math.prod(shape) * dtype.itemsize
         raw = draw(st.binary(min_size=size, max_size=size))

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-from urllib.parse import unquote, urlsplit
 
 from anyio.abc import ByteSendStream
 
 from ..errors import UnsupportedSinkError
+from ..sources import path_from_url
 from ..sources.tcp import connect_socket, parse_tcp_url, tcp_url
 from .base import Sink
 from .file import FileSink
@@ -24,16 +24,6 @@ __all__ = ["Sink", "SinkLike", "open_sink"]
 
 SinkLike = str | os.PathLike[str] | ByteSendStream | asyncio.StreamWriter | Sink
 """Everything :func:`open_sink` accepts."""
-
-
-def _path_from_url(url: str) -> str:
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme == "file":
-        if parts.netloc not in ("", "localhost"):
-            raise UnsupportedSinkError(f"file URL with a remote host is not supported: {url}")
-        return unquote(parts.path)
-    raise UnsupportedSinkError(f"unknown URL scheme {scheme!r} in {url!r}")
 
 
 async def open_sink(dst: SinkLike, *, fsync: bool = False, timeout: float | None = None) -> Sink:
@@ -56,7 +46,7 @@ async def open_sink(dst: SinkLike, *, fsync: bool = False, timeout: float | None
         if scheme == "s3":
             return S3Sink(dst, timeout=timeout)
     if isinstance(dst, str) and "://" in dst:
-        return FileSink(_path_from_url(dst), fsync=fsync)
+        return FileSink(path_from_url(dst, UnsupportedSinkError), fsync=fsync)
     if isinstance(dst, str | os.PathLike):
         return FileSink(dst, fsync=fsync)
     if isinstance(dst, asyncio.StreamWriter):

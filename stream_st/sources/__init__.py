@@ -13,7 +13,7 @@ from urllib.parse import unquote, urlsplit
 
 from anyio.abc import ByteReceiveStream
 
-from ..errors import UnsupportedSourceError, UsageError
+from ..errors import SafetensorsError, UnsupportedSourceError, UsageError
 from .base import Source
 from .file import FileSource
 from .http import HttpSource
@@ -22,7 +22,7 @@ from .s3 import S3Source
 from .streams import AnyioStreamSource, AsyncioStreamSource
 from .tcp import SocketSource, connect_socket, parse_tcp_url, tcp_url
 
-__all__ = ["Source", "SourceLike", "open_source", "read_object"]
+__all__ = ["Source", "SourceLike", "open_source", "path_from_url", "read_object"]
 
 SourceLike = (
     str
@@ -38,14 +38,15 @@ SourceLike = (
 """Everything :func:`open_source` accepts."""
 
 
-def _path_from_url(url: str) -> str | os.PathLike[str]:
+def path_from_url(url: str, unsupported: type[SafetensorsError] = UnsupportedSourceError) -> str:
+    """The local path of a ``file://`` URL; ``unsupported`` is raised for any other URL."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
-            raise UnsupportedSourceError(f"file URL with a remote host is not supported: {url}")
+            raise unsupported(f"file URL with a remote host is not supported: {url}")
         return unquote(parts.path)
-    raise UnsupportedSourceError(f"unknown URL scheme {scheme!r} in {url!r}")
+    raise unsupported(f"unknown URL scheme {scheme!r} in {url!r}")
 
 
 async def open_source(obj: SourceLike, *, timeout: float | None = None) -> Source:
@@ -64,7 +65,7 @@ async def open_source(obj: SourceLike, *, timeout: float | None = None) -> Sourc
     if isinstance(obj, str) and obj.lower().startswith("s3://"):
         return S3Source(obj, timeout=timeout)
     if isinstance(obj, str) and "://" in obj:
-        return FileSource(_path_from_url(obj))
+        return FileSource(path_from_url(obj))
     if isinstance(obj, str | os.PathLike):
         return FileSource(obj)
     if isinstance(obj, bytes | bytearray | memoryview):
