@@ -25,7 +25,7 @@ import numpy as np
 
 from .errors import DtypeError
 
-__all__ = ["DTYPES", "DType", "array_shape", "dtype_for", "dtype_from_code"]
+__all__ = ["DTYPES", "DType", "array_shape", "dtype_for", "dtype_from_code", "wire_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,3 +135,16 @@ def array_shape(dtype: DType, shape: Sequence[int]) -> tuple[int, ...]:
 
 
 NATIVE_IS_LITTLE = sys.byteorder == "little"
+
+
+def wire_bytes(array: np.ndarray[Any, Any]) -> memoryview:
+    """A 1-D byte view of ``array`` as stored on the wire: C order, little-endian.
+
+    No copy for a C-contiguous little-endian array (what the reader hands out); one otherwise.
+    """
+    order = array.dtype.byteorder
+    if order == ">" or (order == "=" and not NATIVE_IS_LITTLE):
+        array = array.astype(array.dtype.newbyteorder("<"), order="C")
+    elif not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return array.reshape(-1).view(np.uint8).data

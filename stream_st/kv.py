@@ -34,7 +34,7 @@ from anyio.abc import ObjectReceiveStream, TaskGroup
 from ._util import task_group
 from .codecs import Codec, codec_from_metadata, get_codec
 from .connection import Connection
-from .dtypes import dtype_for
+from .dtypes import dtype_for, wire_bytes
 from .errors import HeaderError, SafetensorsError, UsageError
 from .header import Header, TensorSpec
 from .reader import TensorStream, open_stream
@@ -179,10 +179,6 @@ class SendReport:
     header_sent_at: float = 0.0
 
 
-def _wire(array: Array) -> memoryview:
-    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
-
-
 HASH_IN_THREAD = 256 << 10
 """Tensors from this size on are hashed in a worker thread (hashlib releases the GIL), so the
 event loop keeps sending and receiving meanwhile."""
@@ -203,7 +199,7 @@ class _LayerHash:
 
     def add(self, array: Array) -> None:
         before, self._last = self._last, anyio.Event()
-        self._group.start_soon(self._update, before, _wire(array), self._last)
+        self._group.start_soon(self._update, before, wire_bytes(array), self._last)
 
     async def _update(
         self, before: anyio.Event | None, view: memoryview, done: anyio.Event

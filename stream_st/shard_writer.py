@@ -34,7 +34,7 @@ import anyio.to_thread
 import numpy as np
 
 from ._util import AsyncClosing
-from .dtypes import dtype_for
+from .dtypes import dtype_for, wire_bytes
 from .errors import UsageError, WriterError
 from .header import TensorSpec, build_header
 from .sharded import MANIFEST_NAME
@@ -42,12 +42,6 @@ from .sharded import MANIFEST_NAME
 __all__ = ["DatasetWriter", "ShardedWriter", "open_dataset_writer", "open_sharded_writer"]
 
 Array = np.ndarray[Any, Any]
-
-
-def _wire(array: Array) -> memoryview:
-    if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and not np.little_endian):
-        array = array.astype(array.dtype.newbyteorder("<"))  # pragma: no cover - big-endian
-    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -72,7 +66,7 @@ class _Shard:
         self.samples = 0
 
     def add(self, name: str, array: Array) -> None:
-        view = _wire(array)
+        view = wire_bytes(array)
         self.file.write(view)
         self.specs.append(TensorSpec(name, dtype_for(array.dtype).code, array.shape))
         self.names.add(name)

@@ -21,7 +21,7 @@ import numpy as np
 
 from ._util import task_group
 from .codecs import get_codec, to_bfloat16
-from .dtypes import dtype_from_code
+from .dtypes import dtype_from_code, wire_bytes
 from .errors import TensorNotFoundError, UsageError
 from .header import Header, TensorInfo, TensorSpec
 from .reader import Include, TensorStream, open_stream, read_header
@@ -139,16 +139,6 @@ def structural_hash(tensors: Iterable[TensorInfo]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _wire_bytes(array: np.ndarray[Any, Any]) -> memoryview:
-    """The array's bytes as on the wire (arrays from the reader are C-contiguous, native)."""
-    if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and not _LITTLE):
-        array = array.byteswap()  # pragma: no cover - big-endian hosts
-    return array.reshape(-1).view(np.uint8).data
-
-
-_LITTLE = np.little_endian
-
-
 @asynccontextmanager
 async def _opened(
     source: SourceLike, *, include: Include = None, timeout: float | None = None
@@ -169,7 +159,7 @@ async def _digest_stream(stream: TensorStream, progress: Progress | None) -> dic
     done = 0
 
     def sha256(array: np.ndarray[Any, Any]) -> str:
-        return hashlib.sha256(_wire_bytes(array)).hexdigest()
+        return hashlib.sha256(wire_bytes(array)).hexdigest()
 
     async def digest(name: str, array: np.ndarray[Any, Any], finished: anyio.Event) -> None:
         digests[name] = await anyio.to_thread.run_sync(sha256, array)

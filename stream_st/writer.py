@@ -23,7 +23,7 @@ import anyio
 import numpy as np
 
 from ._util import AsyncClosing
-from .dtypes import NATIVE_IS_LITTLE, dtype_for
+from .dtypes import dtype_for, wire_bytes
 from .errors import UsageError, WriterError
 from .header import Header, TensorInfo, TensorSpec, build_header, plan_order
 from .sinks import Sink, SinkLike, open_sink
@@ -46,19 +46,6 @@ def as_array(value: Any, name: str) -> np.ndarray[Any, Any]:
         raise UsageError(
             f"tensor {name!r}: cannot make an array of the {type(value).__name__} given: {exc}"
         ) from None
-
-
-def _wire_view(array: np.ndarray[Any, Any]) -> memoryview:
-    """A 1-D byte view of ``array`` as stored on the wire: C order, little-endian.
-
-    No copy for a C-contiguous little-endian array; one copy otherwise.
-    """
-    order = array.dtype.byteorder
-    if order == ">" or (order == "=" and not NATIVE_IS_LITTLE):
-        array = array.astype(array.dtype.newbyteorder("<"), order="C")
-    elif not array.flags.c_contiguous:
-        array = np.ascontiguousarray(array)
-    return array.reshape(-1).view(np.uint8).data
 
 
 def _describe(info: TensorInfo) -> str:
@@ -298,7 +285,7 @@ class TensorWriter(AsyncClosing):
                 f"{info.array_shape}, got {array.shape}",
                 name=info.name,
             )
-        return _wire_view(array)
+        return wire_bytes(array)
 
     def _piece_view(self, info: TensorInfo, value: Any) -> memoryview:
         piece = as_array(value, info.name)
@@ -312,7 +299,7 @@ class TensorWriter(AsyncClosing):
                 f"(rows, *{rest}) or {rest}, got {piece.shape}",
                 name=info.name,
             )
-        return _wire_view(piece)
+        return wire_bytes(piece)
 
     def _claim(self, info: TensorInfo, count: int, mode: Literal["whole", "part", "begin"]) -> int:
         """Reserve the next ``count`` bytes of ``info``; returns their offset in the tensor."""
