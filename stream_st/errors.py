@@ -18,7 +18,11 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     │                                 fewer bytes than planned, a tensor unwritten at close
     └── TransportError                the underlying I/O failed; carries the URL and position
         ├── SourceNotFoundError       the file or object does not exist (also FileNotFoundError)
-        └── ReadTimeoutError          a peer or server sent nothing for too long (also TimeoutError)
+        ├── ReadTimeoutError          a peer or server sent nothing for too long, the deadline
+        │                             passed or the transfer stayed below the speed limit
+        │                             (also TimeoutError)
+        └── OutcomeUnknownError       a write's final answer was lost: the object may or may not
+                                      have been stored at the destination
 
 Messages name the tensor, the offsets and what was expected.
 """
@@ -30,6 +34,7 @@ __all__ = [
     "DtypeError",
     "HeaderError",
     "HeaderTooLargeError",
+    "OutcomeUnknownError",
     "ReadTimeoutError",
     "SafetensorsError",
     "SourceNotFoundError",
@@ -147,3 +152,12 @@ class WriterError(SafetensorsError, ValueError):
     def __init__(self, message: str, *, name: str | None = None) -> None:
         super().__init__(message)
         self.name = name
+
+
+class OutcomeUnknownError(TransportError):
+    """The answer to a write's final request (an upload, S3's CompleteMultipartUpload) was lost.
+
+    The destination may or may not hold the complete object now: check it before relying on it
+    or writing again. Raised instead of a plain :class:`TransportError` whenever the writer cannot
+    tell whether the object was stored.
+    """
