@@ -16,9 +16,13 @@ A manifest lists its shards with their sizes (and sample counts, and a schema)::
 :func:`~stream_st.open_stream` on either (a path, ``file://``, ``http(s)://`` or ``s3://``
 address) yields every tensor of every shard, shard after shard (index shards in name order,
 manifest shards in its order; tensors in offset order within each). ``include=`` applies across
-shards; with an index, a shard holding nothing selected is never opened. Shard addresses are
-resolved next to the index. Each shard's header must hold exactly the tensors the index assigns
-to it, or describe exactly the bytes the manifest gives for it.
+shards; with an index, a shard holding nothing selected is never opened. Each shard's header must
+hold exactly the tensors the index assigns to it, or describe exactly the bytes the manifest gives
+for it.
+
+An index may come from anywhere. Its shard names must be relative paths that stay next to it
+however they are decoded (``stream_st._shards``): every name is checked before any shard is
+opened or requested.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ import os
 import posixpath
 from collections.abc import AsyncIterator, Callable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import numpy as np
 
+from ._shards import shard_address, shard_name
 from .errors import HeaderError, TensorNotFoundError, UsageError
 from .header import DEFAULT_MAX_HEADER_SIZE, Header, decode_json
 from .reader import Include, TensorStream
@@ -53,25 +58,6 @@ def is_index(source: object) -> bool:
     except ValueError:  # not a URL at all: the transports will say what is wrong with it
         return False
     return path.endswith(INDEX_SUFFIX) or posixpath.basename(path) == MANIFEST_NAME
-
-
-def shard_address(index: str, shard: str) -> str:
-    """The address of ``shard`` (a file name from the weight map) next to ``index``."""
-    if "://" not in index:
-        return posixpath.join(posixpath.dirname(index), shard)
-    parts = urlsplit(index)
-    path = posixpath.join(posixpath.dirname(parts.path), shard)
-    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
-
-
-def _safe_shard(shard: object, name: str) -> str:
-    if not isinstance(shard, str) or not shard:
-        raise HeaderError(f"{name}: shard names must be non-empty strings, got {shard!r}")
-    if shard.startswith("/") or ".." in shard.split("/") or "://" in shard:
-        raise HeaderError(f"{name}: shard {shard!r} must be a path next to the index")
-    if "\0" in shard:
-        raise HeaderError(f"{name}: shard {shard!r} contains a NUL byte, which no path can hold")
-    return shard
 
 
 class ShardIndex:
@@ -103,7 +89,7 @@ class ShardIndex:
         metadata = obj.get("metadata", {})
         self.metadata: dict[str, Any] = metadata if isinstance(metadata, dict) else {}
         self.weight_map = weight_map
-        self.shards = sorted({_safe_shard(shard, name) for shard in weight_map.values()})
+        self.shards = sorted({shard_name(shard, name) for shard in weight_map.values()})
 
     def _read_manifest(self, obj: dict[str, Any], name: str) -> None:
         shards = obj.get("shards")
@@ -111,11 +97,15 @@ class ShardIndex:
             raise HeaderError(f"{name}: the manifest needs a 'shards' list")
         self.shards = []
         for entry in shards:
-            if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int):
-                raise HeaderError(f"{name}: each shard needs 'shard_path' and 'bytes'")
-            shard = _safe_shard(entry.get("shard_path"), name)
+            size = entry.get("bytes") if isinstance(entry, dict) else None
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise HeaderError(
+                    f"{name}: each shard needs a 'shard_path' and its size in 'bytes' (an integer "
+                    ">= 0)"
+                )
+            shard = shard_name(entry.get("shard_path"), name)
             self.shards.append(shard)
-            self.shard_bytes[shard] = entry["bytes"]
+            self.shard_bytes[shard] = size
         self.metadata = {k: v for k, v in obj.items() if k not in ("shards", "schema")}
         self.manifest = obj
 

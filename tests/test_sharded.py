@@ -12,6 +12,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import tools
+from stream_st._shards import _inside
 from stream_st.sharded import ShardedStream, shard_address
 
 from ._util import assert_same_arrays
@@ -87,7 +88,7 @@ async def test_bad_indexes(tmp_path: Path) -> None:
         (b"{nope", "not valid JSON"),
         (b'{"weight_map": [1]}', "weight_map"),
         (b'{"weight_map": {"a": "../x.safetensors"}}', "next to the index"),
-        (b'{"weight_map": {"a": "x\\u0000.safetensors"}}', "NUL byte"),
+        (b'{"weight_map": {"a": "x\\u0000.safetensors"}}', "control or invisible character"),
         (b"[" * 100_000 + b"]" * 100_000, "the index JSON is nested too deeply"),
         (b'{"metadata": {"total_size": 1' + b"0" * 5000 + b"}}", "not valid JSON"),
     ]:
@@ -113,3 +114,169 @@ def test_shard_addresses() -> None:
         shard_address("http://h:1/r/i.index.json?x=1", "a.safetensors")
         == "http://h:1/r/a.safetensors?x=1"
     )
+    # A name is a name: percent-encoded where the transport decodes, as written where it does not.
+    assert shard_address("m/i.index.json", "s/a %41.st") == "m/s/a %41.st"
+    assert shard_address("s3://b/i.index.json", "s/a %41.st") == "s3://b/s/a %41.st"
+    assert shard_address("file:///m/i.index.json", "s/a %41.st") == "file:///m/s/a%20%2541.st"
+    assert shard_address("https://h/m/i.index.json", "s/a %41.st") == "https://h/m/s/a%20%2541.st"
+    with pytest.raises(stream_st.HeaderError, match="shard name"):
+        shard_address("https://h/m/i.index.json", "%2e%2e/a.st")
+
+
+@pytest.mark.parametrize(
+    ("index", "address"),
+    [
+        ("/m/i.index.json", "/a.st"),
+        ("/m/i.index.json", "/m/../a.st"),
+        ("/m/i.index.json", "/m/"),
+        ("i.index.json", "../a.st"),
+        ("i.index.json", "/a.st"),
+        ("file:///m/i.index.json", "file:///m/%2e%2e/a.st"),
+        ("http://h/m/i.index.json", "http://h/m/..%2fa.st"),
+        ("http://h/m/i.index.json", "http://other/m/a.st"),
+        ("http://h/m/i.index.json", "https://h/m/a.st"),
+        ("http://h/m/i.index.json?k=1", "http://h/m/a.st?k=2"),
+        ("http://h/m/i.index.json", "http://h/m/a.st#f"),
+        ("s3://b/m/i.index.json", "s3://c/m/a.st"),
+        ("s3://b/m/i.index.json", "s3://b/n/a.st"),
+    ],
+)
+def test_addresses_outside_the_index_directory_are_caught(index: str, address: str) -> None:
+    # The last check on every address shard_address builds, whatever the name check let through.
+    assert not _inside(index, address)
+    assert _inside(index, shard_address(index, "sub/a.st"))
+
+
+# ------------------------------------------------ shard names from untrusted indexes and manifests
+
+OUTSIDE = reference_numpy.save({"stolen": np.arange(4, dtype=np.int32)})
+"""A valid safetensors file one level above the checkpoint: no shard name may reach it."""
+
+ESCAPING_NAMES = [
+    "%2e%2e/outside.safetensors",
+    "..%2Foutside.safetensors",
+    "..%2foutside.safetensors",
+    "%252e%252e/outside.safetensors",  # decoded twice by a second parser or a proxy
+    "%2e%2e%2foutside.safetensors",
+    "..",
+    "../outside.safetensors",
+    "sub/../../outside.safetensors",
+    "..\\outside.safetensors",
+    "..%5Coutside.safetensors",
+    "/etc/passwd",
+    "%2Fetc/passwd",
+    "C:/outside.safetensors",
+    "c:outside.safetensors",
+    "~/outside.safetensors",
+    "%7e/outside.safetensors",
+    "file:///etc/passwd",
+    "http://elsewhere/outside.safetensors",
+    "//elsewhere/outside.safetensors",
+    "sub//model.safetensors",
+    "./model.safetensors",
+    "sub/./model.safetensors",
+    "sub/",
+    "model.safetensors?x=1",
+    "model.safetensors#part",
+    "model\n.safetensors",
+    "model%00.safetensors",
+    "model%0d%0aX-Injected: 1",
+    "\u202emodel.safetensors",
+    "\uff0e\uff0e/outside.safetensors",  # fullwidth dots: '..' once NFKC-normalised
+]
+
+
+def index_naming(shard: object) -> bytes:
+    return json.dumps({"weight_map": {"stolen": shard}}).encode()
+
+
+def manifest_naming(shard: object, size: int = len(OUTSIDE)) -> bytes:
+    return json.dumps({"shards": [{"shard_path": shard, "bytes": size}]}).encode()
+
+
+@pytest.mark.parametrize("shard", ESCAPING_NAMES)
+async def test_shard_names_that_could_leave_the_directory_are_refused(
+    tmp_path: Path, shard: str
+) -> None:
+    (tmp_path / "outside.safetensors").write_bytes(OUTSIDE)
+    checkpoint = tmp_path / "ck"
+    (checkpoint / "sub").mkdir(parents=True)
+    documents = {
+        "model.safetensors.index.json": index_naming(shard),
+        "dataset_manifest.json": manifest_naming(shard),
+    }
+    with RangeHTTPServer() as server:
+        server.objects["/outside.safetensors"] = OUTSIDE
+        for file_name, document in documents.items():
+            (checkpoint / file_name).write_bytes(document)
+            server.objects[f"/ck/{file_name}"] = document
+            for address in (
+                str(checkpoint / file_name),
+                (checkpoint / file_name).as_uri(),
+                server.url(f"/ck/{file_name}"),
+            ):
+                with pytest.raises(stream_st.HeaderError, match="shard name"):
+                    await read_all(address)
+                with pytest.raises(stream_st.HeaderError, match="shard name"):
+                    await tools.inspect(address)
+        # Refused before any request for a shard: the server saw only the index documents.
+        assert {path for _, path, _, _ in server.requests} == {f"/ck/{d}" for d in documents}
+
+
+@pytest.mark.parametrize("shard", [None, 5, ["a"], {"a": 1}, ""])
+async def test_manifest_shard_paths_must_be_names(tmp_path: Path, shard: object) -> None:
+    manifest = tmp_path / "dataset_manifest.json"
+    manifest.write_bytes(manifest_naming(shard))
+    with pytest.raises(stream_st.HeaderError, match="shard name"):
+        await read_all(manifest)
+
+
+@pytest.mark.parametrize("size", [True, -1, 1.5, "12"])
+async def test_manifest_sizes_must_be_byte_counts(tmp_path: Path, size: object) -> None:
+    manifest = tmp_path / "dataset_manifest.json"
+    manifest.write_text(json.dumps({"shards": [{"shard_path": "a.safetensors", "bytes": size}]}))
+    with pytest.raises(stream_st.HeaderError, match="'bytes'"):
+        await read_all(manifest)
+
+
+async def test_a_shard_name_means_the_same_file_next_to_every_kind_of_index(
+    tmp_path: Path,
+) -> None:
+    # Sub-directories, spaces and a literal '%' are names, not URL syntax, wherever the index is.
+    shards = {"sub/50%25 done.safetensors": SHARDS["model-00001-of-00002.safetensors"]}
+    for shard, arrays in shards.items():
+        (tmp_path / shard).parent.mkdir()
+        reference_numpy.save_file(arrays, str(tmp_path / shard))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_bytes(index_bytes(shards))
+    expected = shards["sub/50%25 done.safetensors"]
+    assert_same_arrays(await read_all(index), expected)
+    assert_same_arrays(await read_all(index.as_uri()), expected)
+    with RangeHTTPServer() as server:
+        # The request target percent-encodes the name once; a server decodes it once.
+        server.objects["/r/sub/50%2525%20done.safetensors"] = reference_numpy.save(expected)
+        server.objects["/r/model.safetensors.index.json"] = index_bytes(shards)
+        assert_same_arrays(await read_all(server.url("/r/model.safetensors.index.json")), expected)
+
+
+async def test_symlinked_cache_layout_keeps_working(tmp_path: Path) -> None:
+    # The Hugging Face cache: snapshots/<rev>/<file> are symlinks into ../../blobs/<hash>.
+    blobs = tmp_path / "blobs"
+    snapshot = tmp_path / "snapshots" / "0123abc"
+    blobs.mkdir()
+    (snapshot / "sub").mkdir(parents=True)
+    shards = {
+        "model-00001-of-00002.safetensors": SHARDS["model-00001-of-00002.safetensors"],
+        "sub/model-00002-of-00002.safetensors": SHARDS["model-00002-of-00002.safetensors"],
+    }
+    files = {name: reference_numpy.save(arrays) for name, arrays in shards.items()}
+    files["model.safetensors.index.json"] = index_bytes(shards)
+    for number, (name, data) in enumerate(files.items()):
+        (blobs / f"blob{number}").write_bytes(data)
+        link = snapshot / name
+        link.symlink_to(Path("../" * name.count("/")) / ".." / ".." / "blobs" / f"blob{number}")
+    index = snapshot / "model.safetensors.index.json"
+    assert index.is_symlink()
+    assert_same_arrays(await read_all(index), ALL)
+    assert_same_arrays(await read_all(index.as_uri()), ALL)
+    assert (await tools.inspect(str(index))).tensor_count == len(ALL)
