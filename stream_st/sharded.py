@@ -22,7 +22,9 @@ for it.
 
 An index may come from anywhere. Its shard names must be relative paths that stay next to it
 however they are decoded (``stream_st._shards``): every name is checked before any shard is
-opened or requested.
+opened or requested. A shard that turns out not to be a safetensors file, or not the one the
+index describes, is reported by its address and the kind of problem only, never with values read
+from its bytes: the index may name a file the user never meant to show.
 """
 
 from __future__ import annotations
@@ -36,12 +38,29 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ._shards import shard_address, shard_name
-from .errors import HeaderError, TensorNotFoundError, UsageError
+from .errors import (
+    DtypeError,
+    HeaderError,
+    HeaderTooLargeError,
+    SafetensorsError,
+    TensorNotFoundError,
+    TrailingDataError,
+    TransportError,
+    TruncatedStreamError,
+    UsageError,
+)
 from .header import DEFAULT_MAX_HEADER_SIZE, Header, decode_json
 from .reader import Include, TensorStream
 from .sources import read_object
 
-__all__ = ["INDEX_SUFFIX", "ShardIndex", "ShardedStream", "is_index", "shard_address"]
+__all__ = [
+    "INDEX_SUFFIX",
+    "ShardIndex",
+    "ShardedStream",
+    "is_index",
+    "shard_address",
+    "shard_headers",
+]
 
 INDEX_SUFFIX = ".index.json"
 MANIFEST_NAME = "dataset_manifest.json"
@@ -58,6 +77,56 @@ def is_index(source: object) -> bool:
     except ValueError:  # not a URL at all: the transports will say what is wrong with it
         return False
     return path.endswith(INDEX_SUFFIX) or posixpath.basename(path) == MANIFEST_NAME
+
+
+_PROBLEMS: dict[type[SafetensorsError], str] = {
+    HeaderTooLargeError: "its header is larger than max_header_size allows",
+    TruncatedStreamError: "it ends before the bytes its header describes",
+    TrailingDataError: "bytes follow its last tensor",
+    DtypeError: "its header names a dtype that cannot be read",
+    HeaderError: "it is not a safetensors file (its header is malformed)",
+}
+"""What a shard's error says instead of its own message (most specific class first)."""
+
+
+def _without_contents(exc: SafetensorsError, address: str) -> SafetensorsError:
+    """``exc``, raised opening the shard at ``address``, with a message naming only the shard
+    and the kind of problem: its own may quote the shard's bytes (a header length, an excerpt),
+    and an index may name any file it can reach. The class and attributes are kept."""
+    problem = next(
+        (text for kind, text in _PROBLEMS.items() if isinstance(exc, kind)),
+        f"it cannot be read as a shard ({type(exc).__name__})",
+    )
+    reworded = type(exc).__new__(type(exc), f"{address}: {problem}")
+    reworded.__dict__.update(exc.__dict__)
+    return reworded
+
+
+async def _open_shard(stream: TensorStream, address: str, *, read_all: bool = False) -> Header:
+    """Open the shard ``stream`` reads (at ``address``); its header, or an error that quotes none
+    of its bytes. Failed I/O is reported as is: it names the address and a position only."""
+    try:
+        return await stream.open(read_all=read_all)
+    except TransportError:
+        raise
+    except SafetensorsError as exc:
+        failure = _without_contents(exc, address)
+    raise failure  # outside the handler: the original is not chained for a traceback to show
+
+
+async def shard_headers(address: str, *, timeout: float | None = None) -> list[Header]:
+    """The header of every shard of the index or manifest at ``address``, in reading order,
+    each checked against what the index says of it."""
+    index = await ShardIndex.read(address, timeout=timeout)
+    headers = []
+    for shard in index.shards:
+        where = shard_address(address, shard)
+        stream = TensorStream(where, timeout=timeout)
+        header = await _open_shard(stream, where)
+        await stream.aclose()
+        index.check(shard, where, header)
+        headers.append(header)
+    return headers
 
 
 class ShardIndex:
@@ -79,6 +148,11 @@ class ShardIndex:
             self._read_manifest(obj, name)
         else:
             self._read_index(obj, name)
+
+    @classmethod
+    async def read(cls, address: str, *, timeout: float | None = None) -> ShardIndex:
+        """The index or manifest at ``address`` (a path or URL), read whole and validated."""
+        return cls(await read_object(address, timeout=timeout, limit=MAX_INDEX_SIZE), address)
 
     def _read_index(self, obj: dict[str, Any], name: str) -> None:
         weight_map = obj.get("weight_map")
@@ -114,6 +188,24 @@ class ShardIndex:
         if self.weight_map is None:
             return None
         return {name for name, where in self.weight_map.items() if where == shard}
+
+    def check(self, shard: str, address: str, header: Header) -> None:
+        """:class:`HeaderError` unless ``header`` (of ``shard``, read at ``address``) holds exactly
+        the tensors the index assigns it, or describes exactly the bytes the manifest gives it.
+        The message quotes only the index: the shard may be a file the user never named."""
+        expected = self.names_in(shard)
+        if expected is not None and set(header.names()) != expected:
+            lacking = sorted(expected.difference(header.names()))
+            detail = f"it lacks {lacking[:5]}" if lacking else "it holds tensors not assigned it"
+            raise HeaderError(
+                f"{address}: the shard's tensors differ from those the index assigns it ({detail})"
+            )
+        size = self.shard_bytes.get(shard)
+        if size is not None and size != header.file_size:
+            raise HeaderError(
+                f"{address}: the manifest says {size} bytes, the shard's header describes a "
+                "different size"
+            )
 
 
 class ShardedStream(TensorStream):
@@ -153,8 +245,7 @@ class ShardedStream(TensorStream):
     async def open(self, *, read_all: bool = False) -> Header:
         """Read and validate the index (shards are opened as iteration reaches them)."""
         if self._index is None:
-            raw = await read_object(self._address, timeout=self._timeout, limit=MAX_INDEX_SIZE)
-            self._index = ShardIndex(raw, self._address)
+            self._index = await ShardIndex.read(self._address, timeout=self._timeout)
         return Header.from_tensors((), {}, 0)
 
     def _selector(self, index: ShardIndex) -> Callable[[str], bool]:
@@ -187,20 +278,9 @@ class ShardedStream(TensorStream):
             )
             self._current = stream
             try:
-                await stream.open(read_all=self._include is None)
+                header = await _open_shard(stream, address, read_all=self._include is None)
                 async with stream:
-                    header = stream.header
-                    if expected is not None and set(header.names()) != expected:
-                        raise HeaderError(
-                            f"{address}: the shard holds {sorted(header.names())[:5]}..., the "
-                            f"index assigns it {sorted(expected)[:5]}... (they differ)"
-                        )
-                    size = index.shard_bytes.get(shard)
-                    if size is not None and size != header.file_size:
-                        raise HeaderError(
-                            f"{address}: the manifest says {size} bytes, the shard's header "
-                            f"describes {header.file_size}"
-                        )
+                    index.check(shard, address, header)
                     self.headers[shard] = header
                     async for item in stream:
                         yield item

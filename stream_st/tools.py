@@ -25,9 +25,9 @@ from .dtypes import dtype_from_code, wire_bytes
 from .errors import TensorNotFoundError, UsageError
 from .header import Header, TensorInfo, TensorSpec
 from .reader import Include, TensorStream, open_stream, read_header
-from .sharded import ShardedStream, ShardIndex, is_index, shard_address
+from .sharded import ShardedStream, is_index, shard_headers
 from .sinks import SinkLike
-from .sources import SourceLike, read_object
+from .sources import SourceLike
 from .writer import open_writer
 
 __all__ = [
@@ -55,11 +55,7 @@ _STATS_CHUNK = 1 << 22
 async def headers_of(source: SourceLike, *, timeout: float | None = None) -> list[Header]:
     """The header of ``source``, or of every shard of an index (in shard order)."""
     if isinstance(source, str) and is_index(source):
-        index = ShardIndex(await read_object(source, timeout=timeout), source)
-        return [
-            await read_header(shard_address(source, shard), timeout=timeout)
-            for shard in index.shards
-        ]
+        return await shard_headers(source, timeout=timeout)
     return [await read_header(source, timeout=timeout)]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from stream_st import tools
 from stream_st._shards import _inside
 from stream_st.sharded import ShardedStream, shard_address
 
-from ._util import assert_same_arrays
+from ._util import assert_same_arrays, raw_file
 from .http_server import RangeHTTPServer
 
 Arrays = dict[str, np.ndarray[Any, Any]]
@@ -280,3 +281,90 @@ async def test_symlinked_cache_layout_keeps_working(tmp_path: Path) -> None:
     assert_same_arrays(await read_all(index), ALL)
     assert_same_arrays(await read_all(index.as_uri()), ALL)
     assert (await tools.inspect(str(index))).tensor_count == len(ALL)
+
+
+# ------------------------------------------------ errors never echo bytes of files not asked for
+
+SECRET = b"s3cr3t"
+PAD = 4321
+"""Spaces after each JSON header below: a header length no path or message holds by chance."""
+
+
+def leaky_files() -> dict[str, tuple[bytes, type[stream_st.SafetensorsError]]]:
+    """Files that are not the shards an index names, each with the error its bytes cause."""
+    password_line = b"root:x:0:0:root:/root:/bin/bash\n" + SECRET + b"\n"
+    return {
+        # The first 8 bytes read as a header length, far above the limit.
+        "passwd": (password_line, stream_st.HeaderTooLargeError),
+        # A small length, then text that is not a JSON object.
+        "excerpt": (raw_file(b'"' + SECRET + b'-token"', pad=PAD), stream_st.HeaderError),
+        # A JSON object whose values the parser would quote back.
+        "dtype": (
+            raw_file(
+                {"t": {"dtype": SECRET.decode(), "shape": [1], "data_offsets": [0, 1]}}, pad=PAD
+            ),
+            stream_st.HeaderError,
+        ),
+        # A valid header promising more bytes than the file holds.
+        "short": (
+            raw_file(
+                {SECRET.decode(): {"dtype": "U8", "shape": [9999], "data_offsets": [0, 9999]}},
+                pad=PAD,
+            ),
+            stream_st.TruncatedStreamError,
+        ),
+        "tail": (raw_file({}, SECRET, pad=PAD), stream_st.TrailingDataError),
+        "tiny": (SECRET[:5], stream_st.HeaderError),
+    }
+
+
+def assert_no_echo(exc: BaseException, *forbidden: str) -> None:
+    text = "".join(traceback.format_exception(exc))
+    for value in (SECRET.decode(), *forbidden):
+        assert value not in text, text
+
+
+@pytest.mark.parametrize("kind", list(leaky_files()))
+async def test_errors_from_a_shard_do_not_echo_its_bytes(tmp_path: Path, kind: str) -> None:
+    data, error = leaky_files()[kind]
+    secret = tmp_path / "secret"  # a file the user never named, reached through a symlink
+    secret.write_bytes(data)
+    checkpoint = tmp_path / "ck"
+    checkpoint.mkdir()
+    (checkpoint / "leak.safetensors").symlink_to(secret)
+    (checkpoint / "dataset_manifest.json").write_bytes(manifest_naming("leak.safetensors"))
+    (checkpoint / "model.safetensors.index.json").write_bytes(index_naming("leak.safetensors"))
+    length = str(int.from_bytes(data[:8].ljust(8, b"\0"), "little"))
+    with RangeHTTPServer() as server:
+        server.objects["/ck/leak.safetensors"] = data
+        addresses = []
+        for name in ("dataset_manifest.json", "model.safetensors.index.json"):
+            server.objects[f"/ck/{name}"] = (checkpoint / name).read_bytes()
+            addresses += [
+                checkpoint / name,
+                (checkpoint / name).as_uri(),
+                server.url(f"/ck/{name}"),
+            ]
+        for address in addresses:
+            for read in (read_all, tools.inspect):
+                with pytest.raises(error) as caught:
+                    await read(str(address))
+                assert type(caught.value) is error
+                assert "leak.safetensors" in str(caught.value)  # names the shard
+                assert_no_echo(caught.value, length)
+
+
+async def test_mismatched_shards_are_reported_without_their_contents(tmp_path: Path) -> None:
+    shard = {SECRET.decode(): np.arange(12_345, dtype=np.uint8)}
+    data = reference_numpy.save(shard)
+    (tmp_path / "a.safetensors").write_bytes(data)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_bytes(json.dumps({"weight_map": {"wanted": "a.safetensors"}}).encode())
+    with pytest.raises(stream_st.HeaderError, match=r"differ.*'wanted'") as caught:
+        await read_all(index)
+    assert_no_echo(caught.value)
+    manifest = tmp_path / "dataset_manifest.json"
+    manifest.write_bytes(manifest_naming("a.safetensors", size=77))
+    with pytest.raises(stream_st.HeaderError, match="77 bytes") as caught:
+        await read_all(manifest)
+    assert_no_echo(caught.value, str(len(data)))
