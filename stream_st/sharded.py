@@ -143,6 +143,7 @@ class ShardIndex:
             raise HeaderError(f"{name}: the index must be a JSON object")
         self.weight_map: dict[str, str] | None = None
         self.shard_bytes: dict[str, int] = {}
+        self._names: dict[str, set[str]] = {}
         self.manifest: dict[str, Any] = {}
         if urlsplit(name).path.endswith(MANIFEST_NAME):
             self._read_manifest(obj, name)
@@ -163,7 +164,9 @@ class ShardIndex:
         metadata = obj.get("metadata", {})
         self.metadata: dict[str, Any] = metadata if isinstance(metadata, dict) else {}
         self.weight_map = weight_map
-        self.shards = sorted({shard_name(shard, name) for shard in weight_map.values()})
+        for tensor, shard in weight_map.items():  # one pass: names_in() is a look-up
+            self._names.setdefault(shard, set()).add(tensor)
+        self.shards = sorted(shard_name(shard, name) for shard in self._names)
 
     def _read_manifest(self, obj: dict[str, Any], name: str) -> None:
         shards = obj.get("shards")
@@ -184,10 +187,11 @@ class ShardIndex:
         self.manifest = obj
 
     def names_in(self, shard: str) -> set[str] | None:
-        """The tensors an index assigns to ``shard``; None for a manifest (it does not say)."""
+        """The tensors an index assigns to ``shard`` (the index's own set: do not modify it);
+        None for a manifest (it does not say)."""
         if self.weight_map is None:
             return None
-        return {name for name, where in self.weight_map.items() if where == shard}
+        return self._names.get(shard, set())
 
     def check(self, shard: str, address: str, header: Header) -> None:
         """:class:`HeaderError` unless ``header`` (of ``shard``, read at ``address``) holds exactly

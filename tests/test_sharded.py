@@ -368,3 +368,38 @@ async def test_mismatched_shards_are_reported_without_their_contents(tmp_path: P
     with pytest.raises(stream_st.HeaderError, match="77 bytes") as caught:
         await read_all(manifest)
     assert_no_echo(caught.value, str(len(data)))
+
+
+# ------------------------------------------------ include= on a large index
+
+
+class ScanCounter(dict[str, str]):
+    """A weight map that counts the passes made over it."""
+
+    scans = 0
+
+    def items(self) -> Any:
+        self.scans += 1
+        return super().items()
+
+    def values(self) -> Any:
+        self.scans += 1
+        return super().values()
+
+    def __iter__(self) -> Any:
+        self.scans += 1
+        return super().__iter__()
+
+
+async def test_include_on_an_index_scans_the_weight_map_once(tmp_path: Path) -> None:
+    shards = {f"s{n:04}.safetensors": {f"t{n}": np.full(2, n, np.int16)} for n in range(300)}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_bytes(index_bytes(shards))
+    reference_numpy.save_file(shards["s0123.safetensors"], str(tmp_path / "s0123.safetensors"))
+    async with stream_st.open_stream(index, include=["t123"]) as stream:
+        assert isinstance(stream, ShardedStream)
+        counted = ScanCounter(stream.index.weight_map or {})
+        stream.index.weight_map = counted
+        got = {name: array async for name, array in stream}
+    assert_same_arrays(got, shards["s0123.safetensors"])
+    assert counted.scans <= 1
