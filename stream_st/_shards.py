@@ -4,10 +4,11 @@ An index or manifest may come from anywhere, and its shard names are opened and 
 the reader's behalf, so they are held to one rule (:func:`shard_name`): a relative path of plain
 names that stays inside the index's directory however it is read. Each reading a file system, a
 URL parser or a server may apply is checked: the name as written, each percent-decoding of it
-(a server decodes once, a proxy or a second parser again) and the NFKC form of each. None may
-hold a control character, ``\\``, ``:``, ``?`` or ``#``, begin with ``/`` or ``~``, or have an
-empty, ``.`` or ``..`` part. The name itself is checked, never what it resolves to, so symlinks
-inside the directory (the Hugging Face cache layout) keep working.
+(a server decodes once, a proxy or a second parser again; at most :data:`MAX_DECODINGS`) and
+the NFKC form of each. None may hold a control character, ``\\``, ``:``, ``?`` or ``#``, begin
+with ``/`` or ``~``, or have an empty, ``.`` or ``..`` part. The name itself is checked, never
+what it resolves to, so symlinks inside the directory (the Hugging Face cache layout) keep
+working.
 
 :func:`shard_address` then joins an accepted name to the index's directory so that it means the
 same file wherever the index is, and checks that the address it built stays there. Not public API.
@@ -24,24 +25,32 @@ from .errors import HeaderError
 
 __all__ = ["shard_address", "shard_name"]
 
+MAX_DECODINGS = 3
+"""Percent-decodings a name may take before it stops changing: no real name needs one, and each
+costs a pass over the name."""
+
 _REFUSED = frozenset("\\:?#")
 """Characters that change what a path or URL points at: a Windows separator, a drive or URL
 scheme, a query, a fragment."""
 
 
-def _readings(name: str) -> Iterator[str]:
-    """``name`` as written, each percent-decoding of it in turn, and the NFKC form of each."""
-    while True:
+def _readings(name: str) -> Iterator[str | None]:
+    """``name`` as written, each percent-decoding of it in turn, and the NFKC form of each; None
+    last if it still decodes to something new after :data:`MAX_DECODINGS`."""
+    for _ in range(MAX_DECODINGS + 1):
         yield name
         yield unicodedata.normalize("NFKC", name)
         decoded = unquote(name)
         if decoded == name:
             return
-        name = decoded  # strictly shorter: the loop ends
+        name = decoded
+    yield None
 
 
-def _problem(reading: str) -> str | None:
+def _problem(reading: str | None) -> str | None:
     """Why ``reading`` of a shard name could point outside the index's directory, if it could."""
+    if reading is None:
+        return f"is still percent-encoded after {MAX_DECODINGS} decodings"
     if not reading.isprintable():
         return "holds a control or invisible character"
     refused = sorted(_REFUSED.intersection(reading))
@@ -61,7 +70,7 @@ def shard_name(shard: object, index: str) -> str:
     for reading in _readings(shard):
         problem = _problem(reading)
         if problem is not None:
-            read_as = "" if reading == shard else f" (read as {reading!r})"
+            read_as = "" if reading in (None, shard) else f" (read as {reading!r})"
             raise HeaderError(
                 f"{index}: shard name {shard!r}{read_as} {problem}: it must be a relative path "
                 "that stays next to the index"

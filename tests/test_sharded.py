@@ -13,7 +13,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import tools
-from stream_st._shards import _inside
+from stream_st._shards import _inside, shard_name
 from stream_st.sharded import ShardedStream, shard_address
 
 from ._util import assert_same_arrays, raw_file
@@ -158,6 +158,7 @@ ESCAPING_NAMES = [
     "..%2Foutside.safetensors",
     "..%2foutside.safetensors",
     "%252e%252e/outside.safetensors",  # decoded twice by a second parser or a proxy
+    "%2525252e%2525252e/outside.safetensors",  # '..' only after four decodings
     "%2e%2e%2foutside.safetensors",
     "..",
     "../outside.safetensors",
@@ -222,6 +223,15 @@ async def test_shard_names_that_could_leave_the_directory_are_refused(
                     await tools.inspect(address)
         # Refused before any request for a shard: the server saw only the index documents.
         assert {path for _, path, _, _ in server.requests} == {f"/ck/{d}" for d in documents}
+
+
+def test_names_encoded_past_the_decoding_limit_are_refused() -> None:
+    assert shard_name("%252541.safetensors", "i.index.json") == "%252541.safetensors"
+    with pytest.raises(stream_st.HeaderError, match="still percent-encoded after 3 decodings"):
+        shard_name("%25252541.safetensors", "i.index.json")
+    # Each decoding of this name peels off one layer: checking them all would take minutes.
+    with pytest.raises(stream_st.HeaderError, match="still percent-encoded"):
+        shard_name("%" + "25" * 200_000 + "41.safetensors", "i.index.json")
 
 
 @pytest.mark.parametrize("shard", [None, 5, ["a"], {"a": 1}, ""])
