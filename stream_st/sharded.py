@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeGuard
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -67,7 +67,7 @@ MANIFEST_NAME = "dataset_manifest.json"
 MAX_INDEX_SIZE = 64 << 20
 
 
-def is_index(source: object) -> bool:
+def is_index(source: object) -> TypeGuard[str | os.PathLike[str]]:
     """True for a ``str`` or path naming a ``*.index.json`` or ``dataset_manifest.json``."""
     text = source if isinstance(source, str) else getattr(source, "__fspath__", lambda: "")()
     if not isinstance(text, str):
@@ -114,9 +114,12 @@ async def _open_shard(stream: TensorStream, address: str, *, read_all: bool = Fa
     raise failure  # outside the handler: the original is not chained for a traceback to show
 
 
-async def shard_headers(address: str, *, timeout: float | None = None) -> list[Header]:
-    """The header of every shard of the index or manifest at ``address``, in reading order,
-    each checked against what the index says of it."""
+async def shard_headers(
+    index_address: str | os.PathLike[str], *, timeout: float | None = None
+) -> list[Header]:
+    """The header of every shard of the index or manifest at ``index_address``, in reading
+    order, each checked against what the index says of it."""
+    address = os.fspath(index_address)
     index = await ShardIndex.read(address, timeout=timeout)
     headers = []
     for shard in index.shards:

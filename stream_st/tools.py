@@ -54,7 +54,7 @@ _STATS_CHUNK = 1 << 22
 
 async def headers_of(source: SourceLike, *, timeout: float | None = None) -> list[Header]:
     """The header of ``source``, or of every shard of an index (in shard order)."""
-    if isinstance(source, str) and is_index(source):
+    if is_index(source):
         return await shard_headers(source, timeout=timeout)
     return [await read_header(source, timeout=timeout)]
 
