@@ -31,6 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
+from ._limits import Clock
 from .errors import HeaderError, TensorNotFoundError, UsageError
 from .header import DEFAULT_MAX_HEADER_SIZE, Header, decode_json
 from .reader import Include, TensorStream
@@ -139,9 +140,9 @@ class ShardedStream(TensorStream):
         *,
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
-        timeout: float | None = None,
+        clock: Clock | None = None,
     ) -> None:
-        super().__init__(index, include=include, max_header_size=max_header_size, timeout=timeout)
+        super().__init__(index, include=include, max_header_size=max_header_size, clock=clock)
         self._address = os.fspath(index)
         self._index: ShardIndex | None = None
         self._current: TensorStream | None = None
@@ -163,7 +164,8 @@ class ShardedStream(TensorStream):
     async def open(self, *, read_all: bool = False) -> Header:
         """Read and validate the index (shards are opened as iteration reaches them)."""
         if self._index is None:
-            raw = await read_object(self._address, timeout=self._timeout, limit=MAX_INDEX_SIZE)
+            self._clock.start()  # one clock for the index and every shard
+            raw = await read_object(self._address, self._clock, limit=MAX_INDEX_SIZE)
             self._index = ShardIndex(raw, self._address)
         return Header.from_tensors((), {}, 0)
 
@@ -193,7 +195,7 @@ class ShardedStream(TensorStream):
                 address,
                 include=selected,
                 max_header_size=self._max_header_size,
-                timeout=self._timeout,
+                clock=self._clock,
             )
             self._current = stream
             try:
