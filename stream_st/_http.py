@@ -9,7 +9,6 @@ which copies: decryption costs more than the copy). Not public API.
 from __future__ import annotations
 
 import errno
-import math
 import re
 import socket
 import ssl
@@ -21,6 +20,7 @@ from urllib.parse import quote, urljoin, urlsplit
 import anyio
 import anyio.abc
 
+from ._limits import UNLIMITED, Clock
 from ._util import AsyncClosing
 from .errors import (
     ReadTimeoutError,
@@ -33,6 +33,7 @@ from .errors import (
 from .sources.tcp import connect_socket
 
 __all__ = [
+    "ClientClock",
     "HTTPClient",
     "HTTPNotFoundError",
     "HTTPProtocolError",
@@ -48,6 +49,7 @@ _USER_AGENT = "stream_st"
 _URL_SAFE = "!#$%&'()*+,/:;=?@[]~"  # kept as is in a request target; the rest is percent-encoded
 _STATUS_LINE = re.compile(r"HTTP/1\.[0-9] ([1-5][0-9]{2})(?: (.*))?", re.DOTALL)
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_STALLED = "the server took no data"
 
 
 class HTTPStatusError(TransportError):
@@ -119,19 +121,23 @@ class _Wire(Protocol):
 
 
 class _PlainWire:
-    """A non-blocking socket: ``recv_into`` straight into the destination."""
+    """A non-blocking socket: ``recv_into`` straight into the destination. Waits obey ``clock``
+    and raise a plain :class:`TimeoutError` when a limit passes (see :class:`_Wire` users)."""
 
-    def __init__(self, sock: socket.socket, timeout: float) -> None:
+    def __init__(self, sock: socket.socket, clock: Clock) -> None:
         self._sock = sock
-        self._timeout = timeout
+        self._clock = clock
 
     async def recv_into(self, buffer: memoryview) -> int:
         while True:
             try:
-                return self._sock.recv_into(buffer)
+                count = self._sock.recv_into(buffer)
             except BlockingIOError:
-                with anyio.fail_after(self._timeout):
+                with self._clock.waiting():
                     await anyio.wait_readable(self._sock)
+                continue
+            self._clock.moved(count)
+            return count
 
     async def send(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -139,10 +145,11 @@ class _PlainWire:
             try:
                 sent = self._sock.send(view)
             except BlockingIOError:
-                with anyio.fail_after(self._timeout):
+                with self._clock.waiting(stalled=_STALLED):
                     await anyio.wait_writable(self._sock)
                 continue
             view = view[sent:]
+            self._clock.moved(sent)
 
     async def aclose(self) -> None:
         self._sock.close()
@@ -155,20 +162,21 @@ class _StreamWire:
     closes without the TLS closing handshake (common in HTTP) reads as the end of the stream.
     """
 
-    def __init__(self, stream: anyio.abc.ByteStream, timeout: float) -> None:
+    def __init__(self, stream: anyio.abc.ByteStream, clock: Clock) -> None:
         self._stream = stream
-        self._timeout = timeout
+        self._clock = clock
         self._pending = memoryview(b"")
 
     async def recv_into(self, buffer: memoryview) -> int:
         if not self._pending:
             try:
-                with anyio.fail_after(self._timeout):
+                with self._clock.waiting():
                     self._pending = memoryview(await self._stream.receive(max(len(buffer), 65536)))
             except (anyio.EndOfStream, anyio.BrokenResourceError):
                 return 0
             except anyio.ClosedResourceError as exc:
                 raise _closed() from exc
+            self._clock.moved(len(self._pending))
         count = min(len(buffer), len(self._pending))
         buffer[:count] = self._pending[:count]
         self._pending = self._pending[count:]
@@ -176,12 +184,13 @@ class _StreamWire:
 
     async def send(self, data: bytes | memoryview) -> None:
         try:
-            with anyio.fail_after(self._timeout):
+            with self._clock.waiting(stalled=_STALLED):
                 await self._stream.send(bytes(data))
         except anyio.BrokenResourceError as exc:
             raise ConnectionResetError(errno.ECONNRESET, "connection lost while sending") from exc
         except anyio.ClosedResourceError as exc:
             raise _closed() from exc
+        self._clock.moved(len(data))
 
     async def aclose(self) -> None:
         # No TLS closing handshake: it would wait on a peer that may be gone or still sending.
@@ -201,10 +210,10 @@ class _Connection:
 
 
 def _receive_error(exc: OSError, url: str, position: int | None = None) -> TransportError:
-    """What a failed receive raises: :class:`ReadTimeoutError` for silence longer than the
-    timeout, else :class:`TransportError`."""
+    """What a failed receive raises: :class:`ReadTimeoutError` when a time limit passed (the
+    message says which), else :class:`TransportError`."""
     if isinstance(exc, TimeoutError):
-        return ReadTimeoutError("no data from the server in time", url=url, position=position)
+        return ReadTimeoutError(str(exc) or "timed out", url=url, position=position)
     return TransportError(f"receive failed: {exc.strerror or exc}", url=url, position=position)
 
 
@@ -464,18 +473,19 @@ class Upload:
 class HTTPClient(AsyncClosing):
     """Keep-alive HTTP/1.1 connections to any number of hosts.
 
-    ``timeout`` bounds connecting and each wait for data; ``ssl_context`` is used for https
-    (default: the system's trusted roots).
+    ``clock`` bounds connecting and every wait (see ``stream_st._limits``): a transport that owns
+    its client gives it its operation's clock. ``ssl_context`` is used for https (default: the
+    system's trusted roots).
     """
 
     def __init__(
         self,
         *,
-        timeout: float | None = None,
+        clock: Clock = UNLIMITED,
         ssl_context: ssl.SSLContext | None = None,
         max_redirects: int = 5,
     ) -> None:
-        self.timeout = math.inf if timeout is None else timeout
+        self.clock = clock
         self._ssl_context = ssl_context
         self._max_redirects = max_redirects
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
@@ -487,27 +497,27 @@ class HTTPClient(AsyncClosing):
         idle = self._idle.get(key)
         if idle:
             return idle.pop(), True
-        timeout = None if math.isinf(self.timeout) else self.timeout
+        clock = self.clock
         wire: _Wire
         if target.scheme == "https":
             context = self._ssl_context or ssl.create_default_context()
             try:
-                with anyio.fail_after(self.timeout):
+                with clock.waiting(target.url, stalled="no answer to connect"):
                     stream = await anyio.connect_tcp(
                         target.host, target.port, tls=True, ssl_context=context
                     )
-            except TimeoutError as exc:
-                raise ReadTimeoutError("connecting timed out", url=target.url) from exc
+            except TransportError:
+                raise
             except (OSError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
                 detail = str(exc) or "connection lost during the TLS handshake"
                 raise TransportError(f"cannot connect: {detail}", url=target.url) from exc
-            wire = _StreamWire(stream, self.timeout)
+            wire = _StreamWire(stream, clock)
         else:
             try:
-                sock = await connect_socket(target.host, target.port, timeout=timeout)
+                sock = await connect_socket(target.host, target.port, clock)
             except TransportError as exc:
                 raise type(exc)(f"cannot connect to {target.authority}", url=target.url) from exc
-            wire = _PlainWire(sock, self.timeout)
+            wire = _PlainWire(sock, clock)
         return _Connection(key, wire), False
 
     def _release(self, connection: _Connection) -> None:
@@ -581,7 +591,8 @@ class HTTPClient(AsyncClosing):
                     continue
                 if isinstance(exc, SafetensorsError):
                     raise
-                raise TransportError(f"request failed: {exc}", url=target.url) from exc
+                kind = ReadTimeoutError if isinstance(exc, TimeoutError) else TransportError
+                raise kind(f"request failed: {exc}", url=target.url) from exc
             except BaseException:
                 await connection.wire.aclose()
                 raise
@@ -668,6 +679,20 @@ class HTTPClient(AsyncClosing):
         for connections in idle.values():
             for connection in connections:
                 await connection.wire.aclose()
+
+
+class ClientClock:
+    """For a transport whose every wait is its HTTP client's: its ``clock`` is the client's."""
+
+    _client: HTTPClient
+
+    @property
+    def clock(self) -> Clock:
+        return self._client.clock
+
+    @clock.setter
+    def clock(self, clock: Clock) -> None:
+        self._client.clock = clock
 
 
 async def raise_for_status(response: Response, *, name: str | None = None) -> None:

@@ -16,11 +16,12 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 
 from . import tools
+from ._limits import LimitOptions
 from .demo import print_report, run_demo
 from .errors import SafetensorsError
 
@@ -70,6 +71,16 @@ def _progress(
         yield update
 
 
+def _limits(args: argparse.Namespace) -> LimitOptions:
+    """The time limits given on the command line (each checked where it is used)."""
+    return LimitOptions(
+        timeout=args.timeout,
+        deadline=args.deadline,
+        speed_limit=args.speed_limit,
+        speed_time=args.speed_time,
+    )
+
+
 def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, ensure_ascii=False))
 
@@ -83,7 +94,7 @@ def _human(n: float) -> str:
 
 
 async def _inspect(args: argparse.Namespace) -> int:
-    result = await tools.inspect(args.source, timeout=args.timeout)
+    result = await tools.inspect(args.source, **_limits(args))
     if args.json:
         _print_json(result.to_json())
         return EXIT_OK
@@ -106,21 +117,20 @@ async def _inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _totals(source: str, timeout: float | None) -> tuple[int | None, int | None]:
+async def _totals(source: str, limits: LimitOptions) -> tuple[int | None, int | None]:
     """Bytes and tensors to expect, for the progress bar; unknown for a tcp:// peer, which
     sends its message once."""
     if source.lower().startswith("tcp://"):
         return None, None
-    found = await tools.inspect(source, timeout=timeout)
+    found = await tools.inspect(source, **limits)
     return found.data_bytes, found.tensor_count
 
 
 async def _hash(args: argparse.Namespace) -> int:
-    total, count = await _totals(args.source, args.timeout) if args.content else (0, 0)
+    limits = _limits(args)
+    total, count = await _totals(args.source, limits) if args.content else (0, 0)
     with _progress("hashing", total, count, args.quiet) as progress:
-        result = await tools.hash(
-            args.source, content=args.content, timeout=args.timeout, progress=progress
-        )
+        result = await tools.hash(args.source, content=args.content, progress=progress, **limits)
     if args.json:
         _print_json(result)
     else:
@@ -131,18 +141,17 @@ async def _hash(args: argparse.Namespace) -> int:
 
 
 async def _diff(args: argparse.Namespace) -> int:
+    limits = _limits(args)
     total: int | None = 0
     count: int | None = 0
     if args.content:
         (bytes_a, count_a), (bytes_b, count_b) = [
-            await _totals(source, args.timeout) for source in (args.a, args.b)
+            await _totals(source, limits) for source in (args.a, args.b)
         ]
         total = None if bytes_a is None or bytes_b is None else bytes_a + bytes_b
         count = None if count_a is None or count_b is None else count_a + count_b
     with _progress("comparing", total, count, args.quiet) as progress:
-        result = await tools.diff(
-            args.a, args.b, content=args.content, timeout=args.timeout, progress=progress
-        )
+        result = await tools.diff(args.a, args.b, content=args.content, progress=progress, **limits)
     if args.json:
         _print_json(result.to_json())
     else:
@@ -183,15 +192,16 @@ def _load_shapes(path: str | None) -> dict[str, list[int]] | None:
 
 
 async def _validate(args: argparse.Namespace) -> int:
-    total, count = await _totals(args.source, args.timeout)
+    limits = _limits(args)
+    total, count = await _totals(args.source, limits)
     with _progress("validating", total, count, args.quiet) as progress:
         result = await tools.validate(
             args.source,
             expect_shapes=_load_shapes(args.expect_shapes),
             expect_layers=[p for p in (args.expect_layers or "").split(",") if p],
             warn_abs=args.warn_abs,
-            timeout=args.timeout,
             progress=progress,
+            **limits,
         )
     if args.json:
         _print_json(result.to_json())
@@ -222,7 +232,8 @@ async def _validate(args: argparse.Namespace) -> int:
 
 
 async def _cp(args: argparse.Namespace) -> int:
-    total, count = await _totals(args.src, args.timeout)
+    limits = _limits(args)
+    total, count = await _totals(args.src, limits)
     with _progress("copying", total, count, args.quiet) as progress:
         header = await tools.cp(
             args.src,
@@ -230,8 +241,8 @@ async def _cp(args: argparse.Namespace) -> int:
             include=args.include or None,
             dtype=args.dtype,
             quantize=args.quantize,
-            timeout=args.timeout,
             progress=progress,
+            **limits,
         )
     if not args.quiet:
         print(
@@ -243,7 +254,7 @@ async def _cp(args: argparse.Namespace) -> int:
 
 async def _demo_command(args: argparse.Namespace) -> int:
     codecs = tuple(c for c in args.codecs.split(",") if c)
-    results = await run_demo(args.layers, args.seq, codecs)
+    results = await run_demo(args.layers, args.seq, codecs, **_limits(args))
     print_report(results, args.layers, args.seq)
     return EXIT_OK
 
@@ -265,8 +276,15 @@ EXAMPLES = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad command line in one line, exit status 2, like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="stream-st",
         description="Read and write safetensors files as streams. "
         "Sources: paths, http(s)://, s3://, tcp://, *.index.json.",
@@ -287,7 +305,21 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         sub.set_defaults(handler=handler)
-        sub.add_argument("--timeout", type=float, default=None, help="network timeout, seconds")
+        limits = sub.add_argument_group("time limits (seconds; none by default)")
+        limits.add_argument("--timeout", type=float, help="the longest any one wait may last")
+        limits.add_argument("--deadline", type=float, help="the longest the whole command may take")
+        limits.add_argument(
+            "--speed-limit",
+            type=float,
+            metavar="BYTES",
+            help="fail a transfer slower than BYTES/s for --speed-time seconds (as curl)",
+        )
+        limits.add_argument(
+            "--speed-time",
+            type=float,
+            metavar="SECONDS",
+            help="seconds of waiting over which --speed-limit applies (default 30)",
+        )
         return sub
 
     demo = command(

@@ -22,9 +22,11 @@ import contextlib
 import socket
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
+from typing import Unpack
 
 import anyio
 
+from ._limits import NO_LIMITS, Clock, LimitOptions, Limits
 from ._util import AsyncClosing
 from .errors import TransportError, UsageError
 from .header import DEFAULT_MAX_HEADER_SIZE, TensorSpec
@@ -48,15 +50,17 @@ class Connection(AsyncClosing):
 
     One message at a time is read, and one written (a second one started meanwhile raises
     :class:`~stream_st.UsageError`); reading and writing may go on at once in two tasks.
-    ``timeout`` bounds each wait for data from the peer. Close it with ``async with`` or
-    :meth:`aclose`, from any task: a task waiting on the connection then fails with
+    ``limits`` (from :func:`connect` or :func:`listen`) apply to each message, unless the call
+    that starts one gives its own: its deadline runs from its opening (waiting for a message to
+    begin counts only against the timeout). Close it with ``async with`` or :meth:`aclose`, from
+    any task: a task waiting on the connection then fails with
     :class:`~stream_st.TransportError`.
     """
 
-    def __init__(self, sock: socket.socket, name: str, *, timeout: float | None = None) -> None:
+    def __init__(self, sock: socket.socket, name: str, *, limits: Limits = NO_LIMITS) -> None:
         self._sock = sock
         self.name = name
-        self.timeout = timeout
+        self.limits = limits
         self._closed = False
         self._reading = Turn("read")
         self._writing = Turn("written")
@@ -65,19 +69,30 @@ class Connection(AsyncClosing):
         if self._closed or self._sock.fileno() < 0:  # closed here, or by a failed message
             raise UsageError(f"{self.name}: the connection is closed")
 
-    def _source(self) -> SocketSource:
+    def _clock(self, limits: LimitOptions) -> Clock:
+        """The clock of one message: the call's ``limits`` if it gives any, else the
+        connection's."""
+        return Clock(Limits.of(limits) if limits else self.limits)
+
+    def _source(self, limits: LimitOptions) -> SocketSource:
         """The socket lent to the next message read."""
         self._check_open()
-        return SocketSource(self._sock, self.name, timeout=self.timeout, turn=self._reading)
+        clock = self._clock(limits)
+        return SocketSource(self._sock, self.name, clock=clock, turn=self._reading)
 
     def open_stream(
-        self, *, include: Include = None, max_header_size: int = DEFAULT_MAX_HEADER_SIZE
+        self,
+        *,
+        include: Include = None,
+        max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+        **limits: Unpack[LimitOptions],
     ) -> TensorStream:
         """The next message on this connection, as a :class:`~stream_st.TensorStream`.
 
         Closing that stream leaves the connection open for the next message.
         """
-        return TensorStream(self._source(), include=include, max_header_size=max_header_size)
+        source = self._source(limits)
+        return TensorStream(source, include=include, max_header_size=max_header_size)
 
     def open_writer(
         self,
@@ -85,17 +100,23 @@ class Connection(AsyncClosing):
         *,
         metadata: Mapping[str, str] | None = None,
         order: Order = "plan",
+        **limits: Unpack[LimitOptions],
     ) -> TensorWriter:
         """Write the next message on this connection (see :func:`~stream_st.open_writer`).
 
         A message that fails closes the connection, so the peer sees it end early.
         """
         self._check_open()
-        sink = SocketSink(self._sock, self.name, timeout=self.timeout, turn=self._writing)
+        clock = self._clock(limits)
+        sink = SocketSink(self._sock, self.name, clock=clock, turn=self._writing)
         return TensorWriter(sink, plan, metadata=metadata, order=order)
 
     async def messages(
-        self, *, include: Include = None, max_header_size: int = DEFAULT_MAX_HEADER_SIZE
+        self,
+        *,
+        include: Include = None,
+        max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+        **limits: Unpack[LimitOptions],
     ) -> AsyncIterator[TensorStream]:
         """Every message until the peer closes the connection between two messages.
 
@@ -104,7 +125,7 @@ class Connection(AsyncClosing):
         :class:`~stream_st.TransportError`, as it does inside a message: a message may be lost.
         """
         while True:
-            source = self._source()
+            source = self._source(limits)
             try:
                 await source.start()  # the reading turn is held from the wait for the next byte
                 if await source.at_end():
@@ -121,11 +142,15 @@ class Connection(AsyncClosing):
         close_socket(self._sock)
 
 
-async def connect(url: str, *, timeout: float | None = None) -> Connection:
-    """Connect to ``tcp://host:port``; ``timeout`` bounds the connect and each wait for data."""
+async def connect(url: str, **limits: Unpack[LimitOptions]) -> Connection:
+    """Connect to ``tcp://host:port``. The limits (see :func:`~stream_st.open_stream`) bound the
+    connect and then every message on the connection (see :class:`Connection`)."""
+    checked = Limits.of(limits)
     host, port = parse_tcp_url(url)
-    sock = await connect_socket(host, port, timeout=timeout)
-    return Connection(sock, tcp_url(host, port), timeout=timeout)
+    clock = Clock(checked)
+    clock.start()
+    sock = await connect_socket(host, port, clock)
+    return Connection(sock, tcp_url(host, port), limits=checked)
 
 
 class Listener:
@@ -135,9 +160,9 @@ class Listener:
     one already waiting) raises :class:`~stream_st.UsageError`.
     """
 
-    def __init__(self, sock: socket.socket, timeout: float | None) -> None:
+    def __init__(self, sock: socket.socket, limits: Limits) -> None:
         self._sock = sock
-        self._timeout = timeout
+        self._limits = limits
         self._accepting = anyio.Lock()
         self.host: str = sock.getsockname()[0]
         self.port: int = sock.getsockname()[1]
@@ -166,7 +191,7 @@ class Listener:
         host, port = address[:2]
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return Connection(sock, tcp_url(host, port), timeout=self._timeout)
+        return Connection(sock, tcp_url(host, port), limits=self._limits)
 
     def __aiter__(self) -> AsyncIterator[Connection]:
         return self._connections()
@@ -178,13 +203,16 @@ class Listener:
 
 @asynccontextmanager
 async def listen(
-    host: str = "127.0.0.1", port: int = 0, *, timeout: float | None = None
+    host: str = "127.0.0.1", port: int = 0, **limits: Unpack[LimitOptions]
 ) -> AsyncIterator[Listener]:
     """Listen for TCP peers on ``host:port`` (port 0 picks a free one: see ``listener.port``).
+    The limits (see :func:`~stream_st.open_stream`) apply to every message on every connection
+    accepted (see :class:`Connection`); waiting for a peer to connect is not bounded.
 
     Raises :class:`~stream_st.TransportError` if the address cannot be listened on (in use,
     unknown host).
     """
+    checked = Limits.of(limits)
     if not 0 <= port <= 65535:
         raise UsageError(f"port {port} is out of range 0-65535")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -196,6 +224,6 @@ async def listen(
         ) from exc
     sock.setblocking(False)
     try:
-        yield Listener(sock, timeout)
+        yield Listener(sock, checked)
     finally:
         close_socket(sock)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 
+from ._limits import LimitOptions
 from .errors import UsageError
 from .header import DEFAULT_MAX_HEADER_SIZE, Header, TensorSpec
 from .reader import Include, open_stream
@@ -24,6 +25,7 @@ async def save(
     metadata: Mapping[str, str] | None = None,
     order: Order = "reference",
     fsync: bool = False,
+    **limits: Unpack[LimitOptions],
 ) -> Header:
     """Write ``{name: array}`` to ``dst`` and return the header written.
 
@@ -32,12 +34,15 @@ async def save(
     ``order="plan"`` keeps the dict's order. Each array's dtype and shape make its plan entry
     (packed F4/F6 tensors need :func:`~stream_st.open_writer` with an explicit plan). Arrays are
     written straight from their memory, one after another; nothing is committed unless all are.
+    Time limits as in :func:`~stream_st.open_writer`.
     """
     if not isinstance(tensors, Mapping):
         raise UsageError(f"save takes a mapping of names to arrays, got {type(tensors).__name__}")
     arrays = {name: as_array(array, name) for name, array in tensors.items()}
     plan = [TensorSpec(name, array.dtype, array.shape) for name, array in arrays.items()]
-    async with open_writer(dst, plan, metadata=metadata, order=order, fsync=fsync) as writer:
+    async with open_writer(
+        dst, plan, metadata=metadata, order=order, fsync=fsync, **limits
+    ) as writer:
         for info in writer.header.tensors:
             await writer.write(info.name, arrays[info.name])
     return writer.header
@@ -48,11 +53,11 @@ async def load(
     *,
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
-    timeout: float | None = None,
+    **limits: Unpack[LimitOptions],
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Read a whole safetensors message into ``{name: array}`` in offset order.
 
     Takes every source :func:`~stream_st.open_stream` takes, and the same options.
     """
-    stream = open_stream(source, include=include, max_header_size=max_header_size, timeout=timeout)
+    stream = open_stream(source, include=include, max_header_size=max_header_size, **limits)
     return {name: array async for name, array in stream}

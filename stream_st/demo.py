@@ -21,14 +21,16 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import anyio
 import numpy as np
 
+from ._limits import LimitOptions
 from ._util import task_group
 from .codecs import error_stats
 from .connection import connect, listen
+from .errors import AllocationError, UsageError
 from .kv import KVLayout, receive_kv, send_kv
 
 __all__ = ["DemoResult", "run_demo"]
@@ -104,25 +106,47 @@ def consume_layer(queries: Array, key: Array, value: Array) -> Array:
     return out
 
 
+def _layouts(layers: int, seq: int, codecs: tuple[str, ...]) -> list[KVLayout]:
+    """The layout of each transfer; :class:`~stream_st.UsageError` for what cannot run."""
+    for name, value in (("layers", layers), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{name} must be a positive integer, got {value!r}")
+    names = [codec.lower() for codec in codecs]
+    if not names or len(set(names)) != len(names):
+        raise UsageError(f"the demo needs one or more different codecs, got {list(codecs)}")
+    return [KVLayout(layers, (1, KV_HEADS, seq, HEAD_DIM), "F16", codec) for codec in names]
+
+
 async def run_demo(
-    layers: int = 22, seq: int = 2048, codecs: tuple[str, ...] = ("none", "int8", "int4")
+    layers: int = 22,
+    seq: int = 2048,
+    codecs: tuple[str, ...] = ("none", "int8", "int4"),
+    **limits: Unpack[LimitOptions],
 ) -> list[DemoResult]:
-    """Run one transfer per codec over one loopback TCP connection; returns the measurements."""
-    hidden, wk, wv = _weights(seq)
+    """Run one transfer per codec over one loopback TCP connection; returns the measurements.
+
+    The limits (see :func:`~stream_st.open_stream`) apply to each transfer; ``timeout``
+    defaults to 30 s.
+    """
+    layouts = _layouts(layers, seq, codecs)
+    limits.setdefault("timeout", 30)
+    try:
+        hidden, wk, wv = _weights(seq)
+    except MemoryError:
+        raise AllocationError(f"no memory for the demo's states of {seq} tokens") from None
     queries = np.random.default_rng(1).standard_normal(
         (1, HEADS, NEW_TOKENS, HEAD_DIM), dtype=np.float32
     )
     results: list[DemoResult] = []
-    async with listen("127.0.0.1", 0, timeout=30) as listener:
-        for codec in codecs:
-            results.append(DemoResult(codec))
+    async with listen("127.0.0.1", 0, **limits) as listener:
+        for layout in layouts:
+            results.append(DemoResult(layout.codec))
 
         async def sender() -> None:
-            async with await connect(listener.url, timeout=30) as connection:
-                for index, result in enumerate(results):
+            async with await connect(listener.url, **limits) as connection:
+                for index, (result, layout) in enumerate(zip(results, layouts, strict=True)):
                     if index:  # measure each transfer alone: wait until the last one is used up
                         await finished[index - 1].wait()
-                    layout = KVLayout(layers, (1, KV_HEADS, seq, HEAD_DIM), "F16", result.codec)
                     result.start = time.perf_counter()
 
                     async def produce() -> AsyncIterator[tuple[int, Array, Array]]:

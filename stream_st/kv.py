@@ -25,12 +25,13 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import anyio
 import numpy as np
 from anyio.abc import ObjectReceiveStream, TaskGroup
 
+from ._limits import LimitOptions
 from ._util import task_group
 from .codecs import Codec, codec_from_metadata, get_codec
 from .connection import Connection
@@ -257,6 +258,7 @@ async def send_kv(
     layers: AsyncIterable[tuple[int, Array, Array]],
     *,
     queue: int = 2,
+    **limits: Unpack[LimitOptions],
 ) -> SendReport:
     """Send a KV cache layer by layer as ``layers`` yields ``(layer, key, value)`` in order.
 
@@ -264,13 +266,15 @@ async def send_kv(
     most ``queue`` layers: a slow receiver slows the producer (backpressure), never grows memory.
     If the transfer fails (the receiver went away, a layer is out of order or misshapen), it
     raises at once and stops pulling from the producer; the receiver sees an incomplete message.
+    Time limits as in :func:`~stream_st.open_writer` (on a Connection, the connection's unless
+    given here).
     """
     report = SendReport()
     codec = layout.get_codec()
     if isinstance(dst, Connection):
-        writer = dst.open_writer(layout.plan(), metadata=layout.metadata())
+        writer = dst.open_writer(layout.plan(), metadata=layout.metadata(), **limits)
     else:
-        writer = open_writer(dst, layout.plan(), metadata=layout.metadata())
+        writer = open_writer(dst, layout.plan(), metadata=layout.metadata(), **limits)
     send_layers, receive_layers = anyio.create_memory_object_stream[tuple[int, Array, Array]](
         max_buffer_size=max(0, queue - 1)
     )
@@ -429,17 +433,18 @@ class KVReceiver:
 
 @asynccontextmanager
 async def receive_kv(
-    source: Connection | SourceLike, *, timeout: float | None = None, max_ahead: int = 2
+    source: Connection | SourceLike, *, max_ahead: int = 2, **limits: Unpack[LimitOptions]
 ) -> AsyncIterator[KVReceiver]:
     """Receive one KV-cache transfer from ``source`` (a Connection, ``tcp://`` URL, path...).
 
     The header is read and checked against the KV layout on entry. Leaving the block stops
-    reading (on a Connection, an unfinished message leaves it unusable: close it).
+    reading (on a Connection, an unfinished message leaves it unusable: close it). Time limits
+    as in :func:`~stream_st.open_stream` (on a Connection, the connection's unless given here).
     """
     stream = (
-        source.open_stream()
+        source.open_stream(**limits)
         if isinstance(source, Connection)
-        else open_stream(source, timeout=timeout)
+        else open_stream(source, **limits)
     )
     async with stream:
         receiver = KVReceiver(

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import AsyncIterator, Callable, Collection, Iterable
-from typing import Any, Self
+from typing import Any, Self, Unpack
 
 import numpy as np
 
+from ._limits import Clock, LimitOptions, Limits
 from ._util import AsyncClosing
 from .errors import (
     AllocationError,
@@ -107,7 +108,8 @@ class TensorStream(AsyncClosing):
     Use it as ``async with open_stream(src) as stream`` to see ``stream.header`` before any data,
     then ``async for name, array in stream``; or iterate it directly, which opens and closes it.
     Arrays are fresh, writable, native-endian and handed over to the caller: the stream keeps no
-    reference to them.
+    reference to them. ``clock`` holds the time limits of the read (see :func:`open_stream`);
+    it starts when the stream opens.
     """
 
     def __init__(
@@ -116,12 +118,12 @@ class TensorStream(AsyncClosing):
         *,
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
-        timeout: float | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self._source_like = source
         self._include = include
         self._max_header_size = max_header_size
-        self._timeout = timeout
+        self._clock = clock or Clock()
         self._source: Source | None = None
         self._header: Header | None = None
         self._iterated = False
@@ -150,8 +152,10 @@ class TensorStream(AsyncClosing):
             return self._header
         if self._closed:
             raise UsageError("the stream is closed")
-        self._source = await open_source(self._source_like, timeout=self._timeout)
+        self._clock.start()
+        self._source = await open_source(self._source_like, self._clock)
         try:
+            self._source.clock.start()  # a lent connection brings the clock of its message
             await self._source.start(read_all=read_all)
             self._header = await self._read_header(self._source)
         except BaseException:
@@ -243,6 +247,7 @@ class TensorStream(AsyncClosing):
         wanted = [info for info in header.tensors if selected(info.name)]
         await source.plan_reads(merge_ranges((base + t.start, base + t.end) for t in wanted))
         for info in wanted:
+            source.clock.check(source.name, source.position)
             array = await _read_tensor(source, info, base)
             if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
                 array.byteswap(inplace=True)
@@ -277,7 +282,7 @@ def open_stream(
     *,
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
-    timeout: float | None = None,
+    **limits: Unpack[LimitOptions],
 ) -> TensorStream:
     """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
 
@@ -285,8 +290,13 @@ def open_stream(
     iterable of bytes-like chunks, an anyio ``ByteReceiveStream`` or an asyncio ``StreamReader``.
     ``include`` selects tensors by name (a collection, one name, or a predicate); skipped tensors
     are never allocated, and a random-access source never reads their bytes. ``max_header_size``
-    bounds the JSON header, checked before anything is allocated. ``timeout`` bounds connecting
-    and each wait for data on network sources.
+    bounds the JSON header, checked before anything is allocated.
+
+    Time limits (seconds; ``None``, the default, for none): ``timeout`` bounds connecting and
+    each wait for data; ``deadline`` the whole read, from opening until the last tensor;
+    ``speed_limit`` (bytes per second) with ``speed_time`` (default 30 s) fails a transfer that
+    stays slower than that while waiting on the transport. Each raises
+    :class:`~stream_st.ReadTimeoutError`; a bad value is a :class:`~stream_st.UsageError`.
 
     An address ending in ``.index.json`` (a sharded checkpoint's index) gives a
     :class:`~stream_st.sharded.ShardedStream` over every shard.
@@ -295,21 +305,41 @@ def open_stream(
     :class:`~stream_st.SafetensorsError` subclasses: a tensor the source ends inside is never
     yielded (:class:`~stream_st.TruncatedStreamError`).
     """
+    return stream_for(
+        source, include=include, max_header_size=max_header_size, clock=Clock(Limits.of(limits))
+    )
+
+
+def stream_for(
+    source: SourceLike,
+    *,
+    include: Include = None,
+    max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    clock: Clock,
+) -> TensorStream:
+    """:func:`open_stream` under ``clock``: reads that share one operation's limits."""
     from .sharded import ShardedStream, is_index  # sharded streams are built on this module
 
     if isinstance(source, str | os.PathLike) and is_index(source):
-        return ShardedStream(
-            source, include=include, max_header_size=max_header_size, timeout=timeout
-        )
-    return TensorStream(source, include=include, max_header_size=max_header_size, timeout=timeout)
+        return ShardedStream(source, include=include, max_header_size=max_header_size, clock=clock)
+    return TensorStream(source, include=include, max_header_size=max_header_size, clock=clock)
 
 
 async def read_header(
     source: SourceLike,
     *,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
-    timeout: float | None = None,
+    **limits: Unpack[LimitOptions],
 ) -> Header:
-    """Read and validate only the header of ``source``, then close it."""
-    async with open_stream(source, max_header_size=max_header_size, timeout=timeout) as stream:
+    """Read and validate only the header of ``source``, then close it; limits as in
+    :func:`open_stream`."""
+    return await header_of(source, Clock(Limits.of(limits)), max_header_size=max_header_size)
+
+
+async def header_of(
+    source: SourceLike, clock: Clock, *, max_header_size: int = DEFAULT_MAX_HEADER_SIZE
+) -> Header:
+    """:func:`read_header` under ``clock``."""
+    stream = stream_for(source, max_header_size=max_header_size, clock=clock)
+    async with stream:
         return stream.header

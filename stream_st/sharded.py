@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from ._limits import Clock
 from ._shards import shard_address, shard_name
 from .errors import (
     DtypeError,
@@ -114,17 +115,15 @@ async def _open_shard(stream: TensorStream, address: str, *, read_all: bool = Fa
     raise failure  # outside the handler: the original is not chained for a traceback to show
 
 
-async def shard_headers(
-    index_address: str | os.PathLike[str], *, timeout: float | None = None
-) -> list[Header]:
+async def shard_headers(index_address: str | os.PathLike[str], clock: Clock) -> list[Header]:
     """The header of every shard of the index or manifest at ``index_address``, in reading
-    order, each checked against what the index says of it."""
+    order, each checked against what the index says of it; ``clock`` bounds every wait."""
     address = os.fspath(index_address)
-    index = await ShardIndex.read(address, timeout=timeout)
+    index = await ShardIndex.read(address, clock)
     headers = []
     for shard in index.shards:
         where = shard_address(address, shard)
-        stream = TensorStream(where, timeout=timeout)
+        stream = TensorStream(where, clock=clock)
         header = await _open_shard(stream, where)
         await stream.aclose()
         index.check(shard, where, header)
@@ -154,9 +153,9 @@ class ShardIndex:
             self._read_index(obj, name)
 
     @classmethod
-    async def read(cls, address: str, *, timeout: float | None = None) -> ShardIndex:
+    async def read(cls, address: str, clock: Clock) -> ShardIndex:
         """The index or manifest at ``address`` (a path or URL), read whole and validated."""
-        return cls(await read_object(address, timeout=timeout, limit=MAX_INDEX_SIZE), address)
+        return cls(await read_object(address, clock, limit=MAX_INDEX_SIZE), address)
 
     def _read_index(self, obj: dict[str, Any], name: str) -> None:
         weight_map = obj.get("weight_map")
@@ -228,9 +227,9 @@ class ShardedStream(TensorStream):
         *,
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
-        timeout: float | None = None,
+        clock: Clock | None = None,
     ) -> None:
-        super().__init__(index, include=include, max_header_size=max_header_size, timeout=timeout)
+        super().__init__(index, include=include, max_header_size=max_header_size, clock=clock)
         self._address = os.fspath(index)
         self._index: ShardIndex | None = None
         self._current: TensorStream | None = None
@@ -252,7 +251,8 @@ class ShardedStream(TensorStream):
     async def open(self, *, read_all: bool = False) -> Header:
         """Read and validate the index (shards are opened as iteration reaches them)."""
         if self._index is None:
-            self._index = await ShardIndex.read(self._address, timeout=self._timeout)
+            self._clock.start()  # one clock for the index and every shard
+            self._index = await ShardIndex.read(self._address, self._clock)
         return Header.from_tensors((), {}, 0)
 
     def _selector(self, index: ShardIndex) -> Callable[[str], bool]:
@@ -281,7 +281,7 @@ class ShardedStream(TensorStream):
                 address,
                 include=selected,
                 max_header_size=self._max_header_size,
-                timeout=self._timeout,
+                clock=self._clock,
             )
             self._current = stream
             try:

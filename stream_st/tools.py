@@ -3,6 +3,9 @@
 Each takes any source :func:`~stream_st.open_stream` takes (a path, ``http(s)://``, ``s3://``,
 ``tcp://``, a sharded ``*.index.json``) and works in constant memory: one tensor at a time.
 ``progress``, where accepted, is called with ``(bytes_done, tensors_done)`` as data moves.
+Each takes the time limits of :func:`~stream_st.open_stream` (``timeout``, ``deadline``,
+``speed_limit``, ``speed_time``), which bound the whole command: every source and destination
+it opens.
 """
 
 from __future__ import annotations
@@ -14,21 +17,22 @@ import re
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import anyio
 import numpy as np
 
+from ._limits import Clock, LimitOptions, Limits, checked_number
 from ._util import task_group
 from .codecs import get_codec, to_bfloat16
 from .dtypes import dtype_from_code, wire_bytes
 from .errors import TensorNotFoundError, UsageError
 from .header import Header, TensorInfo, TensorSpec
-from .reader import Include, TensorStream, open_stream, read_header
+from .reader import Include, TensorStream, header_of, stream_for
 from .sharded import ShardedStream, is_index, shard_headers
 from .sinks import SinkLike
 from .sources import SourceLike
-from .writer import open_writer
+from .writer import TensorWriter
 
 __all__ = [
     "CONVERTIBLE",
@@ -52,11 +56,18 @@ _STATS_CHUNK = 1 << 22
 """Statistics are accumulated over this many values at a time (bounded scratch memory)."""
 
 
-async def headers_of(source: SourceLike, *, timeout: float | None = None) -> list[Header]:
+def _clock(limits: LimitOptions) -> Clock:
+    """The clock of one command, started now."""
+    clock = Clock(Limits.of(limits))
+    clock.start()
+    return clock
+
+
+async def headers_of(source: SourceLike, clock: Clock) -> list[Header]:
     """The header of ``source``, or of every shard of an index (in shard order)."""
     if is_index(source):
-        return await shard_headers(source, timeout=timeout)
-    return [await read_header(source, timeout=timeout)]
+        return await shard_headers(source, clock)
+    return [await header_of(source, clock)]
 
 
 def _tensors(headers: Iterable[Header]) -> list[TensorInfo]:
@@ -90,9 +101,9 @@ class Inspection:
         return asdict(self)
 
 
-async def inspect(source: SourceLike, *, timeout: float | None = None) -> Inspection:
+async def inspect(source: SourceLike, **limits: Unpack[LimitOptions]) -> Inspection:
     """Read only the header (ranged requests on remote sources) and describe it."""
-    headers = await headers_of(source, timeout=timeout)
+    headers = await headers_of(source, _clock(limits))
     tensors = _tensors(headers)
     return Inspection(
         source=str(source),
@@ -137,13 +148,13 @@ def structural_hash(tensors: Iterable[TensorInfo]) -> str:
 
 @asynccontextmanager
 async def _opened(
-    source: SourceLike, *, include: Include = None, timeout: float | None = None
+    source: SourceLike, clock: Clock, *, include: Include = None
 ) -> AsyncIterator[tuple[TensorStream, list[Header]]]:
     """The source opened once, with its headers: a stream may not be readable twice."""
-    stream = open_stream(source, include=include, timeout=timeout)
+    stream = stream_for(source, include=include, clock=clock)
     async with stream:
         if isinstance(stream, ShardedStream):  # every shard's header, up front
-            yield stream, await headers_of(source, timeout=timeout)
+            yield stream, await headers_of(source, clock)
         else:
             yield stream, [stream.header]
 
@@ -180,12 +191,18 @@ async def content_digests(
     source: SourceLike,
     *,
     include: Iterable[str] | None = None,
-    timeout: float | None = None,
     progress: Progress | None = None,
+    **limits: Unpack[LimitOptions],
 ) -> dict[str, str]:
     """sha256 (hex) of each tensor's bytes, streamed one tensor at a time."""
+    return await _content_digests(source, _clock(limits), include, progress)
+
+
+async def _content_digests(
+    source: SourceLike, clock: Clock, include: Iterable[str] | None, progress: Progress | None
+) -> dict[str, str]:
     selected = None if include is None else list(include)
-    async with _opened(source, include=selected, timeout=timeout) as (stream, _):
+    async with _opened(source, clock, include=selected) as (stream, _):
         return await _digest_stream(stream, progress)
 
 
@@ -198,17 +215,18 @@ async def hash(  # the command's name (shadows the builtin only inside this modu
     source: SourceLike,
     *,
     content: bool = False,
-    timeout: float | None = None,
     progress: Progress | None = None,
+    **limits: Unpack[LimitOptions],
 ) -> dict[str, Any]:
     """The structural hash (header only); with ``content``, also a hash of the data.
 
     The content hash is sha256 over ``name NUL sha256(tensor bytes) LF`` for every tensor in name
     order, so it does not depend on the layout either.
     """
+    clock = _clock(limits)
     if not content:
-        return _structure(source, await headers_of(source, timeout=timeout))
-    async with _opened(source, timeout=timeout) as (stream, headers):
+        return _structure(source, await headers_of(source, clock))
+    async with _opened(source, clock) as (stream, headers):
         result = _structure(source, headers)
         result["content_hash"] = _combined_content(await _digest_stream(stream, progress))
     return result
@@ -259,13 +277,14 @@ async def diff(
     b: SourceLike,
     *,
     content: bool = False,
-    timeout: float | None = None,
     progress: Progress | None = None,
+    **limits: Unpack[LimitOptions],
 ) -> Diff:
     """Compare tensors (names, dtypes, shapes, byte lengths) and metadata; with ``content``, also
     the bytes of tensors the two have in common, both streamed at once in constant memory."""
-    headers_a = await headers_of(a, timeout=timeout)
-    headers_b = await headers_of(b, timeout=timeout)
+    clock = _clock(limits)
+    headers_a = await headers_of(a, clock)
+    headers_b = await headers_of(b, clock)
     tensors_a = {t.name: t for t in _tensors(headers_a)}
     tensors_b = {t.name: t for t in _tensors(headers_b)}
     result = Diff(
@@ -307,9 +326,7 @@ async def diff(
             return update
 
         async def run(side: int, source: SourceLike) -> None:
-            digests[side] = await content_digests(
-                source, include=common, timeout=timeout, progress=report(side)
-            )
+            digests[side] = await _content_digests(source, clock, common, report(side))
 
         async with task_group() as group:
             group.start_soon(run, 0, a)
@@ -419,13 +436,14 @@ async def validate(
     expect_shapes: Mapping[str, Sequence[int]] | None = None,
     expect_layers: Sequence[str] = (),
     warn_abs: float = 1e4,
-    timeout: float | None = None,
     progress: Progress | None = None,
+    **limits: Unpack[LimitOptions],
 ) -> Validation:
     """Stream every tensor and check it: NaN and Inf are errors, as are shapes differing from
     ``expect_shapes`` (name -> shape; a missing tensor too) and layers lacking a part of
     ``expect_layers``. Warnings: all-zero or constant tensors, values beyond ``warn_abs``."""
-    async with _opened(source, timeout=timeout) as (stream, headers):
+    checked_number("warn_abs", warn_abs)
+    async with _opened(source, _clock(limits)) as (stream, headers):
         return await _validate_stream(
             str(source), stream, headers, expect_shapes, expect_layers, warn_abs, progress
         )
@@ -499,8 +517,8 @@ async def cp(
     include: Include = None,
     dtype: str | None = None,
     quantize: str | None = None,
-    timeout: float | None = None,
     progress: Progress | None = None,
+    **limits: Unpack[LimitOptions],
 ) -> Header:
     """Copy ``src`` to ``dst`` as a stream, tensor by tensor, never holding the whole file.
 
@@ -523,7 +541,8 @@ async def cp(
         if quantize.lower() != "int8":
             raise UsageError(f"quantize supports int8, not {quantize!r}")
         codec = get_codec("int8")
-    async with _opened(src, include=include, timeout=timeout) as (stream, headers):
+    clock = _clock(limits)
+    async with _opened(src, clock, include=include) as (stream, headers):
         wanted = [t for t in _tensors(headers) if _included(include, t.name)]
         plan: list[TensorSpec] = []
         converted = 0
@@ -545,7 +564,7 @@ async def cp(
             metadata["converted_to"] = f"{target} ({converted} floating-point tensors"
             metadata["converted_to"] += ", round to nearest even)" if target == "BF16" else ")"
         done_bytes = 0
-        async with open_writer(dst, plan, metadata=metadata, timeout=timeout) as writer:
+        async with TensorWriter(dst, plan, metadata=metadata, clock=clock) as writer:
             kinds = {t.name: t.dtype for t in wanted}
             done = 0
             async for name, array in stream:

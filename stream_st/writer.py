@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, Unpack
 
 import anyio
 import numpy as np
 
+from ._limits import Clock, LimitOptions, Limits
 from ._util import AsyncClosing
 from .dtypes import dtype_for, wire_bytes
 from .errors import UsageError, WriterError
@@ -57,7 +58,8 @@ class TensorWriter(AsyncClosing):
 
     Use it as ``async with open_writer(dst, plan) as writer``: the header is written on entry, the
     message is committed on a clean exit (a file appears at its destination) and aborted on an
-    exception. :attr:`header` is available at once, with every offset.
+    exception. :attr:`header` is available at once, with every offset. ``clock`` holds the time
+    limits of the write (see :func:`open_writer`); it starts when the writer opens.
     """
 
     def __init__(
@@ -68,7 +70,7 @@ class TensorWriter(AsyncClosing):
         metadata: Mapping[str, str] | None = None,
         order: Order = "plan",
         fsync: bool = False,
-        timeout: float | None = None,
+        clock: Clock | None = None,
     ) -> None:
         if order not in ("plan", "reference"):
             raise UsageError(f"order must be 'plan' or 'reference', got {order!r}")
@@ -76,7 +78,7 @@ class TensorWriter(AsyncClosing):
         self._prefix, self._header = build_header(specs, metadata)
         self._dst = dst
         self._fsync = fsync
-        self._timeout = timeout
+        self._clock = clock or Clock()
         self._sink: Sink | None = None
         self._state = _NEW
         self._failure: BaseException | None = None
@@ -129,7 +131,9 @@ class TensorWriter(AsyncClosing):
             return self._header
         if self._state != _NEW:
             raise UsageError("the writer is closed")
-        sink = await open_sink(self._dst, fsync=self._fsync, timeout=self._timeout)
+        self._clock.start()
+        sink = await open_sink(self._dst, fsync=self._fsync, clock=self._clock)
+        sink.clock.start()  # a lent connection brings the clock of its message
         self._sink, self._state = sink, _OPEN
         prefix = memoryview(self._prefix)
         try:
@@ -238,8 +242,9 @@ class TensorWriter(AsyncClosing):
         kind: Literal["whole", "part"],
     ) -> None:
         """Check, place and send ``value`` for ``name``; any failure aborts the message."""
-        self._check_usable()
+        sink = self._check_usable()
         try:
+            sink.clock.check(sink.name, sink.position)
             info = self._lookup(name)
             data = view(info, value)
             start = self._claim(info, len(data), kind)
@@ -422,14 +427,16 @@ def open_writer(
     metadata: Mapping[str, str] | None = None,
     order: Order = "plan",
     fsync: bool = False,
-    timeout: float | None = None,
+    **limits: Unpack[LimitOptions],
 ) -> TensorWriter:
     """Write a safetensors message to ``dst`` following ``plan``, tensor by tensor.
 
     ``dst`` is a path (``str``, ``os.PathLike``, ``file://`` URL), ``tcp://host:port``,
     ``http(s)://`` (a PUT upload), ``s3://bucket/key`` (a multipart upload), an anyio
-    ``ByteSendStream``, an asyncio ``StreamWriter`` or a :class:`~stream_st.sinks.Sink`;
-    ``timeout`` bounds network waits. ``plan`` lists every tensor as a
+    ``ByteSendStream``, an asyncio ``StreamWriter`` or a :class:`~stream_st.sinks.Sink`. Time
+    limits as in :func:`~stream_st.open_stream`: ``timeout`` bounds connecting and each wait for
+    the destination to take bytes, ``deadline`` the whole write from opening to the last tensor,
+    ``speed_limit``/``speed_time`` a transfer that stays too slow. ``plan`` lists every tensor as a
     :class:`~stream_st.TensorSpec` (dtype as a safetensors code or a numpy / ml_dtypes dtype);
     ``order="reference"`` sorts it as the reference writer does. The header is built (and a bad
     plan refused) right away and written when the writer opens.
@@ -439,4 +446,5 @@ def open_writer(
     any order. On a stream they must come in header order, and the stream is left open after a
     complete message. Any error aborts the message: see :class:`TensorWriter`.
     """
-    return TensorWriter(dst, plan, metadata=metadata, order=order, fsync=fsync, timeout=timeout)
+    clock = Clock(Limits.of(limits))
+    return TensorWriter(dst, plan, metadata=metadata, order=order, fsync=fsync, clock=clock)

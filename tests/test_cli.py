@@ -227,6 +227,86 @@ def test_errors_are_one_line_with_exit_status_2(tmp_path: Path) -> None:
     assert run("frobnicate").returncode == 2
 
 
+LIMIT_OPTIONS = [
+    ["--timeout", "nan"],
+    ["--timeout", "-1"],
+    ["--timeout", "soon"],
+    ["--deadline", "nan"],
+    ["--deadline", "-2"],
+    ["--speed-limit", "inf"],
+    ["--speed-limit", "-5"],
+    ["--speed-time", "0"],
+    ["--speed-time", "inf"],
+]
+COMMAND_LINES = {
+    "inspect": ["inspect", "{model}"],
+    "hash": ["hash", "--content", "{model}"],
+    "diff": ["diff", "--content", "{model}", "{model}"],
+    "validate": ["validate", "{model}"],
+    "cp": ["cp", "{model}", "{out}"],
+    "demo": ["demo", "--layers", "1", "--seq", "8", "--codecs", "none"],
+}
+OTHER_BAD_VALUES = [
+    ["demo", "--seq", "0"],
+    ["demo", "--seq", "x"],
+    ["demo", "--layers", "0"],
+    ["demo", "--layers", "-3"],
+    ["demo", "--codecs", ","],
+    ["demo", "--codecs", "none,NONE"],
+    ["demo", "--codecs", "int3"],
+    ["validate", "--warn-abs", "nan", "{model}"],
+    ["validate", "--warn-abs", "-1", "{model}"],
+    ["cp", "--dtype", "f64", "{model}", "{out}"],
+    ["inspect"],
+]
+
+
+def _status_and_stderr(
+    argv: list[str], capsys: pytest.CaptureFixture[str], **paths: Path
+) -> tuple[int, str]:
+    """Run the command in this process: its exit status and what it wrote to stderr."""
+    try:
+        status = main([arg.format(**paths) for arg in argv])
+    except SystemExit as exc:  # argparse leaves through exit()
+        status = int(exc.code or 0)
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", LIMIT_OPTIONS, ids=" ".join)
+@pytest.mark.parametrize("command", COMMAND_LINES)
+def test_bad_limit_values_exit_2_with_one_line(
+    command: str,
+    option: list[str],
+    model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "out.safetensors"
+    argv = [*COMMAND_LINES[command], *option]
+    status, stderr = _status_and_stderr(argv, capsys, model=model, out=out)
+    assert (status, stderr.count("\n")) == (2, 1), stderr
+    assert stderr.startswith("stream-st") and "error" in stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv", OTHER_BAD_VALUES, ids=" ".join)
+def test_bad_option_values_exit_2_with_one_line(
+    argv: list[str], model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out.safetensors"
+    status, stderr = _status_and_stderr(argv, capsys, model=model, out=out)
+    assert (status, stderr.count("\n")) == (2, 1), stderr
+    assert "Traceback" not in stderr
+
+
+def test_limits_reach_the_command(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["validate", "--deadline", "0", "{model}"]
+    status, stderr = _status_and_stderr(argv, capsys, model=model)
+    assert status == 2 and "deadline of 0 s passed" in stderr
+    argv = ["inspect", "--timeout", "5", "--deadline", "60", "--speed-limit", "1", "{model}"]
+    assert _status_and_stderr(argv, capsys, model=model) == (0, "")
+
+
 @pytest.mark.parametrize("tensors", [3, 3000], ids=["in the flush at exit", "mid-output"])
 def test_closed_output_pipe_exits_quietly(tmp_path: Path, tensors: int) -> None:
     path = tmp_path / "many.safetensors"

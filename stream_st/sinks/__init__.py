@@ -10,6 +10,7 @@ import os
 
 from anyio.abc import ByteSendStream
 
+from .._limits import UNLIMITED, Clock
 from ..errors import UnsupportedSinkError
 from ..sources import path_from_url
 from ..sources.tcp import connect_socket, parse_tcp_url, tcp_url
@@ -26,25 +27,35 @@ SinkLike = str | os.PathLike[str] | ByteSendStream | asyncio.StreamWriter | Sink
 """Everything :func:`open_sink` accepts."""
 
 
-async def open_sink(dst: SinkLike, *, fsync: bool = False, timeout: float | None = None) -> Sink:
+async def open_sink(dst: SinkLike, *, fsync: bool = False, clock: Clock = UNLIMITED) -> Sink:
     """Pick the transport for ``dst``: a path or URL, an anyio byte stream, an asyncio writer.
 
     URLs: ``file://``, ``tcp://host:port`` (connects), ``http(s)://`` (a PUT upload) and
     ``s3://bucket/key`` (a multipart upload). ``fsync`` applies to files: flush to stable storage
-    before the file is moved into place. ``timeout`` bounds network waits.
+    before the file is moved into place. ``clock`` (the operation's limits, see
+    ``stream_st._limits``) bounds connecting and every wait; a :class:`Sink` given as it is keeps
+    its own clock unless ``clock`` sets a limit.
     """
     if isinstance(dst, Sink):
+        if clock.limited:
+            dst.clock = clock
         return dst
+    sink = await _new_sink(dst, fsync, clock)
+    sink.clock = clock
+    return sink
+
+
+async def _new_sink(dst: SinkLike, fsync: bool, clock: Clock) -> Sink:
+    """The transport for ``dst``; a ``tcp://`` peer is connected within ``clock``'s limits."""
     if isinstance(dst, str):
         scheme = dst.split("://", 1)[0].lower() if "://" in dst else ""
         if scheme == "tcp":
             host, port = parse_tcp_url(dst)
-            sock = await connect_socket(host, port, timeout=timeout)
-            return SocketSink(sock, tcp_url(host, port), timeout=timeout)
+            return SocketSink(await connect_socket(host, port, clock), tcp_url(host, port))
         if scheme in ("http", "https"):
-            return HttpSink(dst, timeout=timeout)
+            return HttpSink(dst)
         if scheme == "s3":
-            return S3Sink(dst, timeout=timeout)
+            return S3Sink(dst)
     if isinstance(dst, str) and "://" in dst:
         return FileSink(path_from_url(dst, UnsupportedSinkError), fsync=fsync)
     if isinstance(dst, str | os.PathLike):

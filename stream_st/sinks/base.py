@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from .._limits import UNLIMITED, Clock
+
 __all__ = ["Sink"]
 
 
@@ -21,8 +23,11 @@ class Sink(ABC):
     ``name`` describes the destination in error messages (a path or URL). ``position`` counts the
     bytes appended with :meth:`send`. A sink does not keep any reference to a buffer once the call
     that was given it returns, so the caller may reuse or change the memory afterwards.
+    ``clock`` bounds every wait for the transport (see ``stream_st._limits``); the writer gives
+    the sink its operation's clock.
     """
 
+    clock: Clock = UNLIMITED
     name: str = "<sink>"
     random_access: bool = False
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .._http import HTTPClient, Upload, raise_for_status
+from .._http import ClientClock, HTTPClient, Upload, raise_for_status
 from ..errors import TransportError
 from .base import Sink
 
 __all__ = ["HttpSink"]
 
 
-class HttpSink(Sink):
+class HttpSink(ClientClock, Sink):
     """Upload one message to ``url`` with ``method`` (``PUT`` or ``POST``)."""
 
     def __init__(
@@ -27,7 +27,6 @@ class HttpSink(Sink):
         method: str = "PUT",
         headers: Mapping[str, str] | None = None,
         client: HTTPClient | None = None,
-        timeout: float | None = None,
         name: str | None = None,
     ) -> None:
         super().__init__()
@@ -36,7 +35,7 @@ class HttpSink(Sink):
         self._method = method
         self._headers = {"Content-Type": "application/octet-stream", **dict(headers or {})}
         self._owns_client = client is None
-        self._client = client or HTTPClient(timeout=timeout)
+        self._client = client or HTTPClient()
         self._size: int | None = None
         self._upload: Upload | None = None
 

@@ -15,7 +15,7 @@ from xml.sax.saxutils import escape
 
 import anyio
 
-from .._http import HTTPClient, raise_for_status
+from .._http import ClientClock, HTTPClient, raise_for_status
 from .._s3 import S3Config, parse_s3_url
 from ..errors import TransportError, UsageError
 from .base import Sink
@@ -26,7 +26,7 @@ MIN_PART_SIZE = 5 << 20
 _UPLOAD_ID = re.compile(r"<UploadId>([^<]+)</UploadId>")
 
 
-class S3Sink(Sink):
+class S3Sink(ClientClock, Sink):
     """An object in an S3-compatible store, written by multipart upload."""
 
     def __init__(
@@ -35,7 +35,6 @@ class S3Sink(Sink):
         *,
         config: S3Config | None = None,
         client: HTTPClient | None = None,
-        timeout: float | None = None,
         part_size: int = 16 << 20,
     ) -> None:
         super().__init__()
@@ -45,7 +44,7 @@ class S3Sink(Sink):
         self.bucket, self.key = parse_s3_url(url)
         self.config = config or S3Config.resolve()
         self._owns_client = client is None
-        self._client = client or HTTPClient(timeout=timeout)
+        self._client = client or HTTPClient()
         self._part_size = part_size
         self._part = bytearray()
         self._size: int | None = None

@@ -32,6 +32,8 @@ CHUNK = 1 << 20
 TAIL = 256 << 10
 """The end of each buffer sent as a copy; at least any transport's high-water mark."""
 
+_STALLED = "the peer took no data"
+
 
 def _sends_right_away(stream: ByteSendStream) -> bool:
     """True for anyio streams known to take a memoryview before ``send`` returns.
@@ -67,8 +69,12 @@ class AnyioStreamSink(Sink):
         try:
             for start, end, copy in _pieces(buffer, self._tail):
                 piece: Any = bytes(buffer[start:end]) if copy else buffer[start:end]
-                await stream.send(piece)
+                with self.clock.waiting(self.name, self.position, stalled=_STALLED):
+                    await stream.send(piece)
                 self.position += end - start
+                self.clock.moved(end - start)
+        except TransportError:
+            raise
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             raise TransportError(
                 f"send failed: {exc!r}", url=self.name, position=self.position
@@ -103,17 +109,27 @@ class AsyncioStreamSink(Sink):
                 if writer.is_closing():
                     raise ConnectionResetError("the stream is closed")
                 writer.write(bytes(buffer[start:end]) if copy else buffer[start:end])
-                await writer.drain()
+                await self._drain()
                 self.position += end - start
+                self.clock.moved(end - start)
+        except TransportError:
+            raise
         except OSError as exc:
             raise TransportError(
                 f"send failed: {exc!r}", url=self.name, position=self.position
             ) from exc
 
+    async def _drain(self) -> None:
+        """Wait, within the clock's limits, until the transport's buffer is low again."""
+        with self.clock.waiting(self.name, self.position, stalled=_STALLED):
+            await self._writer.drain()
+
     async def aclose(self) -> None:
         """Wait for the transport to take the last bytes; the stream stays open."""
         try:
-            await self._writer.drain()
+            await self._drain()
+        except TransportError:
+            raise
         except OSError as exc:
             raise TransportError(
                 f"send failed: {exc!r}", url=self.name, position=self.position

@@ -17,7 +17,7 @@ __all__ = ["SocketSink"]
 
 
 class SocketSink(SocketEnd, Sink):
-    """One TCP socket written front to back. ``timeout`` bounds each wait for the peer to take
+    """One TCP socket written front to back. ``clock`` bounds each wait for the peer to take
     bytes (a stalled receiver); ``turn`` is given when a :class:`~stream_st.Connection` lends its
     socket to this one message, which committing then leaves open (see :class:`SocketEnd`)."""
 
@@ -36,6 +36,7 @@ class SocketSink(SocketEnd, Sink):
                 raise self._failure("send", exc) from exc
             view = view[sent:]
             self.position += sent
+            self.clock.moved(sent)
 
     async def abort(self) -> None:
         if self._turn is not None and not self._turn.held_by(self):

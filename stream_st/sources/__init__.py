@@ -13,6 +13,7 @@ from urllib.parse import unquote, urlsplit
 
 from anyio.abc import ByteReceiveStream
 
+from .._limits import UNLIMITED, Clock
 from ..errors import SafetensorsError, UnsupportedSourceError, UsageError
 from .base import Source
 from .file import FileSource
@@ -49,21 +50,31 @@ def path_from_url(url: str, unsupported: type[SafetensorsError] = UnsupportedSou
     raise unsupported(f"unknown URL scheme {scheme!r} in {url!r}")
 
 
-async def open_source(obj: SourceLike, *, timeout: float | None = None) -> Source:
+async def open_source(obj: SourceLike, clock: Clock = UNLIMITED) -> Source:
     """Open the transport for ``obj``: a path or URL, bytes, a byte stream or chunk iterator.
 
-    ``timeout`` bounds connecting and each wait for data on network sources.
+    ``clock`` (the operation's limits, see ``stream_st._limits``) bounds connecting and every
+    wait for data. A :class:`Source` given as it is keeps its own clock unless ``clock`` sets a
+    limit.
     """
     if isinstance(obj, Source):
+        if clock.limited:
+            obj.clock = clock
         return obj
+    source = await _new_source(obj, clock)
+    source.clock = clock
+    return source
+
+
+async def _new_source(obj: SourceLike, clock: Clock) -> Source:
+    """The transport for ``obj``; a ``tcp://`` peer is connected within ``clock``'s limits."""
     if isinstance(obj, str) and obj.lower().startswith("tcp://"):
         host, port = parse_tcp_url(obj)
-        sock = await connect_socket(host, port, timeout=timeout)
-        return SocketSource(sock, tcp_url(host, port), timeout=timeout)
+        return SocketSource(await connect_socket(host, port, clock), tcp_url(host, port))
     if isinstance(obj, str) and obj.lower().startswith(("http://", "https://")):
-        return HttpSource(obj, timeout=timeout)
+        return HttpSource(obj)
     if isinstance(obj, str) and obj.lower().startswith("s3://"):
-        return S3Source(obj, timeout=timeout)
+        return S3Source(obj)
     if isinstance(obj, str) and "://" in obj:
         return FileSource(path_from_url(obj))
     if isinstance(obj, str | os.PathLike):
@@ -83,10 +94,11 @@ async def open_source(obj: SourceLike, *, timeout: float | None = None) -> Sourc
 
 
 async def read_object(
-    address: str | os.PathLike[str], *, timeout: float | None = None, limit: int = 64 << 20
+    address: str | os.PathLike[str], clock: Clock = UNLIMITED, *, limit: int = 64 << 20
 ) -> bytes:
-    """The whole of a small object (an index, a manifest) at a path or URL; at most ``limit``."""
-    source = await open_source(address, timeout=timeout)
+    """The whole of a small object (an index, a manifest) at a path or URL; at most ``limit``.
+    ``clock`` bounds its waits (see :func:`open_source`)."""
+    source = await open_source(address, clock)
     try:
         await source.start(read_all=True)
         out = bytearray()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from .._limits import UNLIMITED, Clock
+
 __all__ = ["DISCARD_CHUNK", "Source"]
 
 DISCARD_CHUNK = 1 << 20
@@ -19,9 +21,11 @@ class Source(ABC):
     bytes, iterator of chunks, HTTP body): it must end exactly at the last tensor. A connection
     (``whole_object`` False) is read up to the end of the message and the rest is left unread.
     ``random_access`` is True when :meth:`read_into_at` may jump anywhere, so skipped tensors cost
-    nothing.
+    nothing. ``clock`` bounds every wait for the transport (see ``stream_st._limits``); the
+    reader gives the source its operation's clock.
     """
 
+    clock: Clock = UNLIMITED
     name: str = "<source>"
     size: int | None = None
     whole_object: bool = True

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 import anyio
 import numpy as np
 
-from .._http import HTTPClient, HTTPProtocolError, Response, raise_for_status
+from .._http import ClientClock, HTTPClient, HTTPProtocolError, Response, raise_for_status
 from .._util import task_group
 from ..errors import ReadTimeoutError, TransportError, UsageError
 from .base import Source
@@ -47,8 +47,9 @@ _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
-class HttpSource(Source):
-    """An object at an ``http(s)://`` URL; a whole object, random access when ranges work."""
+class HttpSource(ClientClock, Source):
+    """An object at an ``http(s)://`` URL; a whole object, random access when ranges work.
+    Every wait is its client's, so its ``clock`` is the client's."""
 
     def __init__(
         self,
@@ -56,7 +57,6 @@ class HttpSource(Source):
         *,
         client: HTTPClient | None = None,
         headers: Mapping[str, str] | None = None,
-        timeout: float | None = None,
         retries: int = 3,
         backoff: float = 0.25,
         concurrency: int = 1,
@@ -76,7 +76,7 @@ class HttpSource(Source):
         self.url = url
         self.name = name or url
         self._owns_client = client is None
-        self._client = client or HTTPClient(timeout=timeout)
+        self._client = client or HTTPClient()
         self._headers = dict(headers or {})
         self._retries = retries
         self._backoff = backoff

@@ -67,10 +67,13 @@ class ChunkIteratorSource(Source):
             if self._done:
                 return 0
             try:
-                self._chunk = _as_bytes_view(await anext(self._iterator))
+                with self.clock.waiting(self.name, self.position):
+                    chunk = await anext(self._iterator)
             except StopAsyncIteration:
                 self._done = True
                 return 0
+            self._chunk = _as_bytes_view(chunk)
+            self.clock.moved(len(self._chunk))
         count = min(len(buffer), len(self._chunk))
         buffer[:count] = self._chunk[:count]
         self._chunk = self._chunk[count:]

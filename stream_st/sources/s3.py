@@ -22,7 +22,6 @@ class S3Source(HttpSource):
         *,
         config: S3Config | None = None,
         client: HTTPClient | None = None,
-        timeout: float | None = None,
         retries: int = 3,
         backoff: float = 0.25,
     ) -> None:
@@ -31,7 +30,6 @@ class S3Source(HttpSource):
         super().__init__(
             self.config.object_url(bucket, key),
             client=client,
-            timeout=timeout,
             retries=retries,
             backoff=backoff,
             name=url,

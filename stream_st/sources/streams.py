@@ -31,9 +31,12 @@ class AnyioStreamSource(Source):
         if not buffer:
             return 0
         try:
-            data = await self._stream.receive(len(buffer))
+            with self.clock.waiting(self.name, self.position):
+                data = await self._stream.receive(len(buffer))
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             return 0
+        except TransportError:
+            raise
         except (anyio.BrokenResourceError, OSError) as exc:
             raise TransportError(
                 f"receive failed: {exc!r}", url=self.name, position=self.position
@@ -41,6 +44,7 @@ class AnyioStreamSource(Source):
         count = len(data)
         buffer[:count] = data
         self.position += count
+        self.clock.moved(count)
         return count
 
 
@@ -58,7 +62,10 @@ class AsyncioStreamSource(Source):
         if not buffer:
             return 0
         try:
-            data = await self._reader.read(len(buffer))
+            with self.clock.waiting(self.name, self.position):
+                data = await self._reader.read(len(buffer))
+        except TransportError:
+            raise
         except OSError as exc:
             raise TransportError(
                 f"receive failed: {exc!r}", url=self.name, position=self.position
@@ -66,4 +73,5 @@ class AsyncioStreamSource(Source):
         count = len(data)
         buffer[:count] = data
         self.position += count
+        self.clock.moved(count)
         return count

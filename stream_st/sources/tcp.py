@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import math
 import os
 import socket
 from typing import Any
@@ -17,7 +16,8 @@ from urllib.parse import urlsplit
 
 import anyio
 
-from ..errors import ReadTimeoutError, TransportError, UnsupportedSourceError, UsageError
+from .._limits import UNLIMITED, Clock
+from ..errors import TransportError, UnsupportedSourceError, UsageError
 from .base import Source
 
 __all__ = [
@@ -60,26 +60,29 @@ def close_socket(sock: socket.socket) -> None:
         sock.close()
 
 
-async def connect_socket(host: str, port: int, *, timeout: float | None = None) -> socket.socket:
-    """Open a non-blocking TCP socket to ``host:port`` (TCP_NODELAY set)."""
+async def connect_socket(host: str, port: int, clock: Clock = UNLIMITED) -> socket.socket:
+    """Open a non-blocking TCP socket to ``host:port`` (TCP_NODELAY set), within ``clock``'s
+    limits. A connect that fails, times out or is cancelled leaves no socket behind."""
     url = tcp_url(host, port)
     last_error: OSError | None = None
     try:
-        with anyio.fail_after(timeout if timeout is not None else math.inf):
+        with clock.waiting(url, stalled="no answer to connect"):
             addresses = await _addresses(host, port)
             for family, kind, proto, _, address in addresses:
                 sock = socket.socket(family, kind, proto)
-                sock.setblocking(False)
                 try:
+                    sock.setblocking(False)
                     await _connect(sock, address)
-                except OSError as exc:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except BaseException as exc:
                     sock.close()
+                    if not isinstance(exc, OSError):
+                        raise
                     last_error = exc
                     continue
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 return sock
-    except TimeoutError as exc:
-        raise ReadTimeoutError(f"connecting timed out after {timeout} s", url=url) from exc
+    except TransportError:
+        raise
     except OSError as exc:
         last_error = exc
     detail = last_error.strerror or str(last_error) if last_error else "no address"
@@ -142,7 +145,7 @@ class Turn:
 
 class SocketEnd:
     """What a socket source and a socket sink share: the socket, the name to report, the wait
-    for the socket bounded by ``timeout``, and who closes the socket.
+    for the socket bounded by ``clock``, and who closes the socket.
 
     Without a ``turn`` the end owns the socket and closing the end closes it. With one, the socket
     is lent by a :class:`~stream_st.Connection` for one message: the end holds the turn while it
@@ -157,13 +160,13 @@ class SocketEnd:
         sock: socket.socket,
         name: str,
         *,
-        timeout: float | None = None,
+        clock: Clock = UNLIMITED,
         turn: Turn | None = None,
     ) -> None:
         super().__init__()
         self._sock = sock
         self.name = name
-        self._timeout = math.inf if timeout is None else timeout
+        self.clock = clock
         self._turn = turn
 
     def _claim(self) -> None:
@@ -180,17 +183,13 @@ class SocketEnd:
         return TransportError(f"{doing} failed: {reason}", url=self.name, position=self.position)
 
     async def _wait(self, *, writable: bool) -> None:
+        stalled = "the peer took no data" if writable else "no data"
         try:
-            with anyio.fail_after(self._timeout):
+            with self.clock.waiting(self.name, self.position, stalled=stalled):
                 if writable:
                     await anyio.wait_writable(self._sock)
                 else:
                     await anyio.wait_readable(self._sock)
-        except TimeoutError as exc:
-            what = "the peer took no data" if writable else "no data"
-            raise ReadTimeoutError(
-                f"{what} for {self._timeout} s", url=self.name, position=self.position
-            ) from exc
         except anyio.ClosedResourceError as exc:
             raise self._failure("send" if writable else "receive") from exc
 
@@ -204,7 +203,7 @@ class SocketEnd:
 class SocketSource(SocketEnd, Source):
     """One TCP socket read with ``recv_into``; a connection, so only one message is consumed.
 
-    ``timeout`` bounds the wait for each next byte (a peer that stops sending raises
+    ``clock`` bounds each wait for the next bytes (a peer that stops sending raises
     :class:`~stream_st.ReadTimeoutError`). ``turn`` is given when a :class:`~stream_st.Connection`
     lends its socket to this one message (see :class:`SocketEnd`).
     """
@@ -226,6 +225,7 @@ class SocketSource(SocketEnd, Source):
             except OSError as exc:
                 raise self._failure("receive", exc) from exc
             self.position += count
+            self.clock.moved(count)
             return count
 
     def message_read(self) -> None:
@@ -247,5 +247,5 @@ class SocketSource(SocketEnd, Source):
                 raise self._failure("receive", exc) from exc
 
     async def wait_readable(self) -> None:
-        """Wait until the socket has data or was closed by the peer, up to the timeout."""
+        """Wait until the socket has data or was closed by the peer, within the clock's limits."""
         await self._wait(writable=False)
