@@ -15,7 +15,7 @@ from anyio.abc import ByteReceiveStream
 
 from ..errors import SafetensorsError, UnsupportedSourceError, UsageError
 from .base import Source
-from .file import FileSource
+from .file import open_file_source
 from .http import HttpSource
 from .memory import BytesSource, ChunkIteratorSource
 from .s3 import S3Source
@@ -52,7 +52,7 @@ def path_from_url(url: str, unsupported: type[SafetensorsError] = UnsupportedSou
 async def open_source(obj: SourceLike, *, timeout: float | None = None) -> Source:
     """Open the transport for ``obj``: a path or URL, bytes, a byte stream or chunk iterator.
 
-    ``timeout`` bounds connecting and each wait for data on network sources.
+    ``timeout`` bounds connecting and each wait for data on network sources, FIFOs and pipes.
     """
     if isinstance(obj, Source):
         return obj
@@ -65,9 +65,9 @@ async def open_source(obj: SourceLike, *, timeout: float | None = None) -> Sourc
     if isinstance(obj, str) and obj.lower().startswith("s3://"):
         return S3Source(obj, timeout=timeout)
     if isinstance(obj, str) and "://" in obj:
-        return FileSource(path_from_url(obj))
+        return open_file_source(path_from_url(obj), timeout=timeout)
     if isinstance(obj, str | os.PathLike):
-        return FileSource(obj)
+        return open_file_source(obj, timeout=timeout)
     if isinstance(obj, bytes | bytearray | memoryview):
         return BytesSource(obj)
     if isinstance(obj, asyncio.StreamReader):
