@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st import ReadTimeoutError
+from stream_st import ReadTimeoutError, TensorSpec, TransportError
 
 from ._util import sample_tensors
 from .test_cli import COMMAND
@@ -39,6 +40,18 @@ def same(got: Arrays, expected: Arrays) -> None:
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def device_node(directory: Path, name: str, number: tuple[int, int]) -> Path:
+    """A character device node made in ``directory`` (so no test can harm the real /dev);
+    skipped where this process may not make or open one."""
+    path = directory / name
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(*number))
+        os.close(os.open(path, os.O_WRONLY))
+    except PermissionError as exc:
+        pytest.skip(f"cannot make and open a device node here: {exc}")
+    return path
 
 
 def fifo(directory: Path, name: str = "pipe") -> Path:
@@ -73,7 +86,60 @@ def unblocking(path: Path, after: float = 5.0) -> Iterator[None]:
         thread.join()
 
 
+# ---------------------------------------------------------------- devices as destinations
+
+
+async def test_save_to_a_character_device_writes_through_it(tmp_path: Path) -> None:
+    null = device_node(tmp_path, "null", NULL)
+    before = open_fds()
+    await stream_st.save(null, BIG)
+    async with stream_st.open_writer(null, [TensorSpec("x", np.float32, (2,))]) as writer:
+        await writer.write("x", np.ones(2, np.float32))
+    assert stat.S_ISCHR(null.stat().st_mode) and os.listdir(tmp_path) == ["null"]
+    assert open_fds() == before
+
+
+def test_cp_to_a_character_device_keeps_it(tmp_path: Path) -> None:
+    source = tmp_path / "model.safetensors"
+    reference_numpy.save_file(TENSORS, str(source))
+    null = device_node(tmp_path, "null", NULL)
+    result = subprocess.run(
+        [COMMAND, "cp", "--quiet", str(source), str(null)], capture_output=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert stat.S_ISCHR(null.stat().st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "null"]
+
+
+async def test_a_full_device_is_a_transport_error(tmp_path: Path) -> None:
+    full = device_node(tmp_path, "full", FULL)
+    before = open_fds()
+    with pytest.raises(TransportError, match="No space left on device") as info:
+        await stream_st.save(full, TENSORS)
+    assert info.value.url == str(full) and info.value.position == 0
+    assert stat.S_ISCHR(full.stat().st_mode) and os.listdir(tmp_path) == ["full"]
+    assert open_fds() == before
+
+
 # ---------------------------------------------------------------- FIFOs and pipes
+
+
+async def test_fifo_round_trip_in_one_event_loop(tmp_path: Path) -> None:
+    """The writer waits for a reader and the reader for a writer, neither blocking the loop."""
+    path = fifo(tmp_path)
+    got: Arrays = {}
+
+    async def load() -> None:
+        got.update(await stream_st.load(path, timeout=30))
+
+    before = open_fds()
+    with unblocking(path):
+        async with anyio.create_task_group() as group:
+            group.start_soon(stream_st.save, path, BIG)
+            group.start_soon(load)
+    same(got, BIG)
+    assert stat.S_ISFIFO(path.stat().st_mode) and os.listdir(tmp_path) == ["pipe"]
+    assert open_fds() == before
 
 
 async def test_a_fifo_source_leaves_the_loop_free_while_it_waits(tmp_path: Path) -> None:
@@ -112,6 +178,38 @@ async def test_timeout_applies_to_a_fifo_without_writer(tmp_path: Path) -> None:
     assert open_fds() == before
 
 
+async def test_timeout_applies_to_a_fifo_without_reader(tmp_path: Path) -> None:
+    path = fifo(tmp_path)
+    before = open_fds()
+    with pytest.raises(ReadTimeoutError, match="no reader"):
+        async with stream_st.open_writer(path, [TensorSpec("x", "U8", (4,))], timeout=0.2) as w:
+            await w.write("x", np.zeros(4, np.uint8))
+    assert stat.S_ISFIFO(path.stat().st_mode) and os.listdir(tmp_path) == ["pipe"]
+    assert open_fds() == before
+
+
+async def test_a_fifo_reader_that_hangs_up_fails_the_write(tmp_path: Path) -> None:
+    path = fifo(tmp_path)
+
+    async def read_then_hang_up() -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            with anyio.fail_after(10):
+                await anyio.wait_readable(fd)
+            os.read(fd, 100)
+        finally:
+            os.close(fd)
+
+    before = open_fds()
+    async with anyio.create_task_group() as group:
+        group.start_soon(read_then_hang_up)
+        with pytest.raises(TransportError, match="Broken pipe") as info:
+            await stream_st.save(path, BIG)
+    assert info.value.url == str(path) and (info.value.position or 0) > 0
+    assert stat.S_ISFIFO(path.stat().st_mode)
+    assert open_fds() == before
+
+
 def test_cli_inspect_of_a_fifo_without_writer_times_out(tmp_path: Path) -> None:
     path = fifo(tmp_path)
     result = subprocess.run(
@@ -132,3 +230,78 @@ def test_cli_inspect_reads_a_pipe_on_stdin() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert b"weight" in result.stdout and b"scalar" in result.stdout
+
+
+# ---------------------------------------------------------------- regular files
+
+
+async def test_saving_through_a_symlink_keeps_the_link(tmp_path: Path) -> None:
+    target = tmp_path / "data" / "real.safetensors"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(target)
+    dangling = tmp_path / "dangling.safetensors"
+    dangling.symlink_to(tmp_path / "data" / "new.safetensors")
+    for path in (link, dangling):
+        await stream_st.save(path, TENSORS)
+        assert path.is_symlink()
+        same(await stream_st.load(path), TENSORS)
+    assert sorted(os.listdir(tmp_path / "data")) == ["new.safetensors", "real.safetensors"]
+
+
+async def test_replacing_a_file_keeps_its_permission_bits(tmp_path: Path) -> None:
+    path = tmp_path / "private.safetensors"
+    path.write_bytes(b"old")
+    path.chmod(0o640)
+    await stream_st.save(path, TENSORS)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    same(await stream_st.load(path), TENSORS)
+
+
+async def cancel_at_every_turn(
+    job: Callable[[int], Awaitable[None]], check: Callable[[int, bool], None]
+) -> None:
+    """Run ``job(turns)`` cancelled after 0, 1, 2... event loop turns, until one completes
+    before its cancellation; ``check(turns, returned)`` after each run. Some runs must have
+    been stopped by their cancellation and some not."""
+    outcomes: set[bool] = set()
+    for turns in range(10_000):
+        returned = False
+        with anyio.CancelScope() as scope:
+
+            async def cancel_later(turns: int = turns, scope: anyio.CancelScope = scope) -> None:
+                for _ in range(turns):
+                    await anyio.lowlevel.checkpoint()
+                scope.cancel()
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(cancel_later)
+                await job(turns)
+                returned = True
+                group.cancel_scope.cancel()
+        outcomes.add(returned)
+        check(turns, returned)
+        if returned and not scope.cancel_called:
+            break
+    assert outcomes == {False, True}
+
+
+async def test_a_cancelled_fsync_commit_is_all_or_nothing(tmp_path: Path) -> None:
+    """Cancelled anywhere, a save with ``fsync`` either returns with the file in place, or
+    raises with nothing at the destination."""
+    arrays = {"x": np.arange(1 << 18, dtype=np.float32)}
+    expected = reference_numpy.save(arrays)
+
+    async def save(turns: int) -> None:
+        await stream_st.save(tmp_path / f"{turns}.safetensors", arrays, fsync=True)
+
+    def check(turns: int, returned: bool) -> None:
+        path = tmp_path / f"{turns}.safetensors"
+        if returned:
+            assert path.read_bytes() == expected
+        else:
+            assert not path.exists(), f"cancelled after {turns} turns, yet the file is in place"
+        assert [name for name in os.listdir(tmp_path) if name.startswith(".")] == []
+
+    await cancel_at_every_turn(save, check)

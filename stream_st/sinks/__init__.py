@@ -14,7 +14,7 @@ from ..errors import UnsupportedSinkError
 from ..sources import path_from_url
 from ..sources.tcp import connect_socket, parse_tcp_url, tcp_url
 from .base import Sink
-from .file import FileSink
+from .file import open_file_sink
 from .http import HttpSink
 from .s3 import S3Sink
 from .streams import AnyioStreamSink, AsyncioStreamSink
@@ -31,7 +31,9 @@ async def open_sink(dst: SinkLike, *, fsync: bool = False, timeout: float | None
 
     URLs: ``file://``, ``tcp://host:port`` (connects), ``http(s)://`` (a PUT upload) and
     ``s3://bucket/key`` (a multipart upload). ``fsync`` applies to files: flush to stable storage
-    before the file is moved into place. ``timeout`` bounds network waits.
+    before the file is moved into place. ``timeout`` bounds network waits and the waits for a
+    FIFO's reader. A path that exists and is not a regular file (a FIFO, ``/dev/null``) is
+    written through in place, never replaced.
     """
     if isinstance(dst, Sink):
         return dst
@@ -46,9 +48,10 @@ async def open_sink(dst: SinkLike, *, fsync: bool = False, timeout: float | None
         if scheme == "s3":
             return S3Sink(dst, timeout=timeout)
     if isinstance(dst, str) and "://" in dst:
-        return FileSink(path_from_url(dst, UnsupportedSinkError), fsync=fsync)
+        path = path_from_url(dst, UnsupportedSinkError)
+        return await open_file_sink(path, fsync=fsync, timeout=timeout)
     if isinstance(dst, str | os.PathLike):
-        return FileSink(dst, fsync=fsync)
+        return await open_file_sink(dst, fsync=fsync, timeout=timeout)
     if isinstance(dst, asyncio.StreamWriter):
         return AsyncioStreamSink(dst)
     if isinstance(dst, ByteSendStream):
