@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import resource
 import stat
 import subprocess
 import threading
@@ -21,6 +23,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import ReadTimeoutError, TensorSpec, TransportError
+from stream_st.shard_writer import open_dataset_writer, open_sharded_writer
 
 from ._util import sample_tensors
 from .test_cli import COMMAND
@@ -305,3 +308,95 @@ async def test_a_cancelled_fsync_commit_is_all_or_nothing(tmp_path: Path) -> Non
         assert [name for name in os.listdir(tmp_path) if name.startswith(".")] == []
 
     await cancel_at_every_turn(save, check)
+
+
+async def test_a_cancelled_checkpoint_is_all_or_nothing(tmp_path: Path) -> None:
+    """Cancelled anywhere, a sharded checkpoint is complete with its index, or not there."""
+    arrays = {f"t{i}": np.full(100_000, i, np.float32) for i in range(4)}
+
+    async def write(turns: int) -> None:
+        async with open_sharded_writer(tmp_path / str(turns), max_shard_size=800_000) as writer:
+            for name, array in arrays.items():
+                await writer.write(name, array)
+
+    def check(turns: int, returned: bool) -> None:
+        directory = tmp_path / str(turns)
+        left = sorted(os.listdir(directory)) if directory.exists() else []
+        if returned:
+            assert len(left) == 3 and left[-1] == "model.safetensors.index.json"
+        else:
+            assert left == [], f"cancelled after {turns} turns, yet {left} are left"
+
+    await cancel_at_every_turn(write, check)
+
+
+# ---------------------------------------------------------------- full disks
+
+
+@pytest.fixture(params=["tmpfs", "file-size-limit"])
+def cramped(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """``(directory, size)``: a place where ``size`` bytes of tensor data fit in one file but
+    not twice over (a 1 MiB tmpfs: ENOSPC), or not with a header before them (a file size
+    limit: EFBIG)."""
+    directory = tmp_path / "small"
+    directory.mkdir()
+    if request.param == "tmpfs":
+        command = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(directory)]
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs needs root")
+        mounted = subprocess.run(command, capture_output=True, text=True)
+        if mounted.returncode:
+            pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.strip()}")
+        try:
+            yield directory, 600_000
+        finally:
+            subprocess.run(["umount", "-l", str(directory)], check=True)
+    else:
+        limit = 1 << 20
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # Python ignores SIGXFSZ
+        try:
+            yield directory, limit - 16
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+WRITERS: dict[str, Callable[[Path], Any]] = {
+    "checkpoint": lambda d: open_sharded_writer(d, max_shard_size=1 << 30),
+    "dataset": lambda d: open_dataset_writer(d, target_shard_size=1 << 30),
+}
+
+
+async def add(writer: Any, name: str, array: np.ndarray[Any, Any]) -> None:
+    if hasattr(writer, "write_batch"):
+        await writer.write_batch({name: array}, 1)
+    else:
+        await writer.write(name, array)
+
+
+@pytest.mark.parametrize("kind", sorted(WRITERS))
+@pytest.mark.parametrize("when", ["spooling", "sealing"])
+async def test_shard_writers_on_a_full_disk(
+    cramped: tuple[Path, int], kind: str, when: str
+) -> None:
+    """Spooling a tensor or sealing its shard runs out of room: a TransportError naming the
+    place, and nothing left behind."""
+    directory, size = cramped
+    array = np.ones(2 * size if when == "spooling" else size, np.uint8)
+    before = open_fds()
+    with pytest.raises(TransportError) as info:
+        async with WRITERS[kind](directory / "out") as writer:
+            await add(writer, "t", array)
+    assert str(directory / "out") in str(info.value)
+    assert re.search(r"(No space left on device|File too large), url=", str(info.value))
+    assert os.listdir(directory / "out") == []
+    assert open_fds() == before
+
+
+async def test_a_failed_final_rename_leaves_no_shard(tmp_path: Path) -> None:
+    (tmp_path / "model-00002-of-00002.safetensors").mkdir()  # in the way of the last shard
+    with pytest.raises(TransportError, match="model-00002-of-00002"):
+        async with open_sharded_writer(tmp_path, max_shard_size=100) as writer:
+            await writer.write("a", np.zeros(100, np.uint8))
+            await writer.write("b", np.zeros(100, np.uint8))
+    assert os.listdir(tmp_path) == ["model-00002-of-00002.safetensors"]
