@@ -238,6 +238,13 @@ def test_cli_inspect_reads_a_pipe_on_stdin() -> None:
 # ---------------------------------------------------------------- regular files
 
 
+async def test_a_directory_is_not_a_source(tmp_path: Path) -> None:
+    before = open_fds()
+    with pytest.raises(TransportError, match="cannot read a directory"):
+        await stream_st.load(tmp_path)
+    assert open_fds() == before
+
+
 async def test_saving_through_a_symlink_keeps_the_link(tmp_path: Path) -> None:
     target = tmp_path / "data" / "real.safetensors"
     target.parent.mkdir()
