@@ -14,18 +14,20 @@ full. So each shard's data is spooled to a temporary file beside the destination
 copied after it, into a temporary file renamed into place. A group of tensors (one ``write`` or
 ``write_batch`` call) never straddles two shards; a shard is sealed before a group that would
 take it past the target size. The index or manifest is written last, atomically, once every shard
-is in place: a reader never sees one that names a shard that is not complete. On any failure,
-nothing new is left in the directory.
+is in place: a reader never sees one that names a shard that is not complete. On any failure
+(a full disk included: every I/O error is a :class:`~stream_st.TransportError` naming the place),
+the writer is aborted and nothing new is left in the directory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
-import shutil
 import tempfile
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,29 +37,64 @@ import numpy as np
 
 from ._util import AsyncClosing
 from .dtypes import dtype_for, wire_bytes
-from .errors import UsageError, WriterError
+from .errors import SafetensorsError, TransportError, UsageError, WriterError
 from .header import TensorSpec, build_header
 from .sharded import MANIFEST_NAME
+from .sinks.file import FileSink
 
 __all__ = ["DatasetWriter", "ShardedWriter", "open_dataset_writer", "open_sharded_writer"]
 
 Array = np.ndarray[Any, Any]
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+COPY_CHUNK = 8 << 20
+"""Spooled data is copied into its shard in pieces of this many bytes."""
+
+
+@contextlib.contextmanager
+def _io(doing: str, path: Path, position: int | None = None) -> Iterator[None]:
+    """An ``OSError`` inside (a full disk...) becomes a TransportError saying what failed where."""
     try:
-        temporary.write_bytes(data)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+        yield
+    except SafetensorsError:
+        raise
+    except OSError as exc:
+        raise TransportError(
+            f"{doing} failed: {exc.strerror or exc}", url=str(path), position=position
+        ) from exc
+
+
+async def _write_file(
+    path: Path, head: bytes, rest: io.BufferedReader | None = None, size: int = 0
+) -> None:
+    """``head``, then what is left in ``rest``, as the file ``path`` (``size`` bytes in all, when
+    known): through a :class:`~stream_st.sinks.file.FileSink`, so a temporary file is renamed
+    into place once complete, and removed on any failure or cancellation."""
+    sink = FileSink(path)
+    try:
+        await sink.allocate(size)
+        await sink.send(memoryview(head))
+        if rest is not None:
+            chunk = bytearray(COPY_CHUNK)
+            while True:
+                with _io("reading spooled data", path, sink.position):
+                    got = await anyio.to_thread.run_sync(rest.readinto, chunk)
+                if not got:
+                    break
+                await sink.send(memoryview(chunk)[:got])
+    except BaseException:
+        await sink.abort()
+        raise
+    await sink.aclose()
 
 
 class _Shard:
     """One shard in the making: its plan, and its data spooled to a temporary file."""
 
     def __init__(self, directory: Path) -> None:
-        fd, name = tempfile.mkstemp(prefix=".shard-", suffix=".spool", dir=directory)
+        with _io("creating a spool file", directory):
+            fd, name = tempfile.mkstemp(prefix=".shard-", suffix=".spool", dir=directory)
+        self.directory = directory
         self.spool = Path(name)
         self.file = os.fdopen(fd, "wb")
         self.specs: list[TensorSpec] = []
@@ -67,29 +104,30 @@ class _Shard:
 
     def add(self, name: str, array: Array) -> None:
         view = wire_bytes(array)
-        self.file.write(view)
+        with _io(f"spooling tensor {name!r}", self.directory, self.data_bytes):
+            self.file.write(view)
         self.specs.append(TensorSpec(name, dtype_for(array.dtype).code, array.shape))
         self.names.add(name)
         self.data_bytes += len(view)
 
-    def seal(self, destination: Path, metadata: Mapping[str, str] | None) -> int:
-        """Write header + spooled data to ``destination``; returns the file's size."""
-        self.file.close()
-        prefix, header = build_header(self.specs, metadata)
-        temporary = destination.with_name(f".{destination.name}.tmp")
+    async def seal(self, destination: Path, metadata: Mapping[str, str] | None) -> int:
+        """Write header + spooled data to ``destination``; returns the file's size. The spool
+        is removed either way."""
         try:
-            with temporary.open("wb") as out, self.spool.open("rb") as data:
-                out.write(prefix)
-                shutil.copyfileobj(data, out, 8 << 20)
-            os.replace(temporary, destination)
+            with _io("spooling", self.directory, self.data_bytes):
+                self.file.close()  # the last buffered bytes go out: this may fail too
+            prefix, header = build_header(self.specs, metadata)
+            with _io("reading spooled data", destination), self.spool.open("rb") as data:
+                await _write_file(destination, prefix, data, header.file_size)
         finally:
-            temporary.unlink(missing_ok=True)
             self.spool.unlink(missing_ok=True)
         return header.file_size
 
     def discard(self) -> None:
-        self.file.close()
-        self.spool.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # buffered bytes that cannot go out: no matter
+            self.file.close()
+        with contextlib.suppress(OSError):
+            self.spool.unlink(missing_ok=True)
 
 
 class _RollingWriter(AsyncClosing):
@@ -116,16 +154,21 @@ class _RollingWriter(AsyncClosing):
         for array in arrays.values():
             dtype_for(array.dtype)  # refuses dtypes safetensors cannot carry, before any write
         size = sum(a.nbytes for a in arrays.values())
-        current = self._current
-        if current is not None and current.specs and current.data_bytes + size > self.target_size:
-            await self._seal()
-            current = None
-        if current is None:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            current = self._current = _Shard(self.directory)
-        for name, array in arrays.items():
-            await anyio.to_thread.run_sync(current.add, name, array)
-            self._written.add(name)
+        try:
+            current = self._current
+            if current and current.specs and current.data_bytes + size > self.target_size:
+                await self._seal()
+                current = None
+            if current is None:
+                with _io("creating the directory", self.directory):
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                current = self._current = _Shard(self.directory)
+            for name, array in arrays.items():
+                await anyio.to_thread.run_sync(current.add, name, array)
+                self._written.add(name)
+        except BaseException:
+            await self.abort()  # a shard missing bytes must never be sealed
+            raise
         current.samples += samples
 
     def _shard_name(self, index: int) -> str:
@@ -139,9 +182,7 @@ class _RollingWriter(AsyncClosing):
         if shard is None:
             return
         name = self._shard_name(len(self._sealed))
-        size = await anyio.to_thread.run_sync(
-            shard.seal, self.directory / name, self._shard_metadata()
-        )
+        size = await shard.seal(self.directory / name, self._shard_metadata())
         self._sealed.append((name, size, shard.samples, shard.specs))
 
     def _index(self) -> tuple[str, dict[str, Any]]:
@@ -159,7 +200,7 @@ class _RollingWriter(AsyncClosing):
             await anyio.to_thread.run_sync(self._rename_sealed)
             name, document = self._index()
             text = json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
-            await anyio.to_thread.run_sync(_atomic_write, self.directory / name, text)
+            await _write_file(self.directory / name, text)
         except BaseException:
             await self.abort()
             raise
@@ -172,7 +213,8 @@ class _RollingWriter(AsyncClosing):
             self._current.discard()
             self._current = None
         for name, *_ in self._sealed:
-            (self.directory / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # removing the rest matters more
+                (self.directory / name).unlink(missing_ok=True)
         self._sealed.clear()
 
     async def _abandon(self, cause: BaseException) -> None:
@@ -213,12 +255,11 @@ class ShardedWriter(_RollingWriter):
         return f"{self.prefix}-{index + 1:05d}-of-{count:05d}.safetensors"
 
     def _rename_sealed(self) -> None:
-        renamed = []
         for index, (name, size, samples, specs) in enumerate(self._sealed):
             final = self._final_name(index)
-            os.replace(self.directory / name, self.directory / final)
-            renamed.append((final, size, samples, specs))
-        self._sealed = renamed
+            with _io("moving a shard into place", self.directory / final):
+                os.replace(self.directory / name, self.directory / final)
+            self._sealed[index] = (final, size, samples, specs)  # abort() removes it from here
 
     def _index(self) -> tuple[str, dict[str, Any]]:
         weight_map = {spec.name: name for name, _, _, specs in self._sealed for spec in specs}

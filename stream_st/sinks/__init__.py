@@ -15,7 +15,7 @@ from ..errors import UnsupportedSinkError
 from ..sources import path_from_url
 from ..sources.tcp import connect_socket, parse_tcp_url, tcp_url
 from .base import Sink
-from .file import FileSink
+from .file import open_file_sink
 from .http import HttpSink
 from .s3 import S3Sink
 from .streams import AnyioStreamSink, AsyncioStreamSink
@@ -34,7 +34,8 @@ async def open_sink(dst: SinkLike, *, fsync: bool = False, clock: Clock = UNLIMI
     ``s3://bucket/key`` (a multipart upload). ``fsync`` applies to files: flush to stable storage
     before the file is moved into place. ``clock`` (the operation's limits, see
     ``stream_st._limits``) bounds connecting and every wait; a :class:`Sink` given as it is keeps
-    its own clock unless ``clock`` sets a limit.
+    its own clock unless ``clock`` sets a limit. A path that exists and is not a regular file (a
+    FIFO, ``/dev/null``) is written through in place, never replaced.
     """
     if isinstance(dst, Sink):
         if clock.limited:
@@ -57,9 +58,10 @@ async def _new_sink(dst: SinkLike, fsync: bool, clock: Clock) -> Sink:
         if scheme == "s3":
             return S3Sink(dst)
     if isinstance(dst, str) and "://" in dst:
-        return FileSink(path_from_url(dst, UnsupportedSinkError), fsync=fsync)
+        path = path_from_url(dst, UnsupportedSinkError)
+        return await open_file_sink(path, fsync=fsync, clock=clock)
     if isinstance(dst, str | os.PathLike):
-        return FileSink(dst, fsync=fsync)
+        return await open_file_sink(dst, fsync=fsync, clock=clock)
     if isinstance(dst, asyncio.StreamWriter):
         return AsyncioStreamSink(dst)
     if isinstance(dst, ByteSendStream):

@@ -6,6 +6,12 @@ which lets the writer accept tensors in any order. :meth:`Sink.aclose` commits t
 appears at its destination only then. :meth:`Sink.abort` throws the message away: a file sink
 removes its temporary file, a stream sink closes the stream so the peer sees an incomplete
 message, never a complete wrong one.
+
+:meth:`Sink.aclose` either commits and returns, or raises with nothing committed (a sink that
+cannot tell, its final answer lost, raises :class:`~stream_st.OutcomeUnknownError`). A
+cancellation keeps to this: it stops a commit only before its commit point (a file's rename),
+and the sink then discards the message; past that point, ``aclose`` completes and returns, and
+the caller meets the cancellation at its next checkpoint.
 """
 
 from __future__ import annotations
@@ -47,7 +53,10 @@ class Sink(ABC):
 
     @abstractmethod
     async def aclose(self) -> None:
-        """Commit: the message is complete. A file is moved into place; a stream is flushed."""
+        """Commit: the message is complete. A file is moved into place; a stream is flushed.
+
+        Returns only once committed; raises only with nothing committed (see the module).
+        """
 
     @abstractmethod
     async def abort(self) -> None:

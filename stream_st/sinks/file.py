@@ -1,4 +1,5 @@
-"""A local file, written beside its destination and moved into place only when complete.
+"""Local paths: a regular file, written beside its destination and moved into place only when
+complete; a FIFO or a device, written through in place.
 
 The message goes to a hidden temporary file in the destination's directory
 (``.<name>.<random>.tmp``), written with positioned writes (``os.pwritev``) straight from the
@@ -8,6 +9,13 @@ data is written, and the page-cache writes ran faster (``benchmarks/bench_write.
 stream_st,nofalloc``: 1.24x paired at load average ~2.3; 1.12x in an in-process A/B).
 :meth:`FileSink.aclose` renames it over the destination (``os.replace``, atomic on POSIX);
 :meth:`FileSink.abort` deletes it. Until the rename, the destination keeps its previous content.
+A symlink is written through: the file it points to is replaced, the link stays. A file replaced
+keeps its permission bits.
+
+A destination that exists and is not a regular file (a FIFO, ``/dev/null``, a terminal) is never
+replaced: :class:`PipeSink` opens it in place and writes front to back with non-blocking writes,
+waiting with ``anyio.wait_writable`` when the reader is behind. A FIFO with no reader yet is
+waited for without blocking the event loop.
 """
 
 from __future__ import annotations
@@ -17,17 +25,21 @@ import ctypes
 import errno
 import os
 import secrets
+import stat
 import sys
 from collections.abc import Callable
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
+from .._limits import UNLIMITED, Clock
 from .._util import task_group
-from ..errors import SourceNotFoundError, TransportError, UsageError
+from ..errors import ReadTimeoutError, SourceNotFoundError, TransportError, UsageError
+from ..sources.file import PipeEnd, open_path
 from .base import Sink
 
-__all__ = ["FileSink"]
+__all__ = ["FileSink", "PipeSink", "open_file_sink"]
 
 SPLIT_THRESHOLD: int | None = 8 << 20
 """Writes of at least this many bytes are split between two threads (``None``: never).
@@ -79,6 +91,30 @@ def _pwrite_fully(fd: int, buffer: memoryview, offset: int) -> None:
         offset += written
 
 
+def _existing(path: str) -> os.stat_result | None:
+    """What is at ``path`` now (through symlinks), or None if nothing."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except ValueError as exc:  # a NUL byte: no path the OS takes
+        raise UsageError(f"invalid path {path!r}: {exc}") from None
+    except OSError as exc:
+        raise TransportError(f"cannot look at the destination: {exc.strerror}", url=path) from exc
+
+
+async def open_file_sink(
+    path: str | os.PathLike[str], *, fsync: bool = False, clock: Clock = UNLIMITED
+) -> Sink:
+    """The sink for a local path: a :class:`PipeSink` when something other than a regular file
+    or a directory is there (a FIFO, a device), written in place; else a :class:`FileSink`."""
+    name = os.fspath(path)
+    existing = _existing(name)
+    if existing is None or stat.S_ISREG(existing.st_mode) or stat.S_ISDIR(existing.st_mode):
+        return FileSink(name, fsync=fsync)
+    return await PipeSink.open(name, clock)
+
+
 def _fsync_directory(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -88,9 +124,15 @@ def _fsync_directory(directory: str) -> None:
 
 
 class FileSink(Sink):
-    """A local file path. ``fsync=True`` flushes the data (and then the directory entry) to
-    stable storage before and after the rename, so a crash never leaves a partial file at the
-    destination even after a power loss."""
+    """A local regular file, new or replaced. ``fsync=True`` flushes the data (and then the
+    directory entry) to stable storage before and after the rename, so a crash never leaves a
+    partial file at the destination even after a power loss.
+
+    The rename is the commit point. Cancelled before it (while the data is flushed, say),
+    :meth:`aclose` removes the temporary file and raises; once it is done, :meth:`aclose` finishes
+    (the directory flush shielded) and returns: the cancellation reaches the caller at its next
+    checkpoint, with the file in place.
+    """
 
     random_access = True
 
@@ -98,8 +140,13 @@ class FileSink(Sink):
         super().__init__()
         self.name = os.fspath(path)
         self.fsync = fsync
-        directory, base = os.path.split(os.path.abspath(self.name))
-        if not base or os.path.isdir(self.name):
+        try:
+            self._target = os.path.realpath(self.name)  # a symlink is written through
+        except ValueError as exc:  # a NUL byte: no path the OS takes
+            raise UsageError(f"invalid path {self.name!r}: {exc}") from None
+        existing = _existing(self._target)
+        directory, base = os.path.split(self._target)
+        if not base or (existing is not None and stat.S_ISDIR(existing.st_mode)):
             raise TransportError("the destination is a directory", url=self.name)
         self._directory = directory
         self._fd = -1
@@ -118,8 +165,9 @@ class FileSink(Sink):
                 raise TransportError(
                     f"cannot create a file in {directory}: {exc.strerror}", url=self.name
                 ) from exc
-            except ValueError as exc:  # a NUL byte: no path the OS takes
-                raise UsageError(f"invalid path {self.name!r}: {exc}") from None
+        if existing is not None:  # the new file takes the old one's permission bits
+            with contextlib.suppress(OSError):  # a file system without them: keep the default
+                os.fchmod(self._fd, stat.S_IMODE(existing.st_mode))
 
     async def allocate(self, size: int) -> None:
         """Reserve ``size`` bytes on disk; a full disk raises before any data is written."""
@@ -159,7 +207,7 @@ class FileSink(Sink):
                 await self._write_halves(offset, buffer)
         except OSError as exc:
             raise TransportError(
-                f"write failed: {exc.strerror or exc!r}", url=self.name, position=offset
+                f"write failed: {exc.strerror or exc}", url=self.name, position=offset
             ) from exc
         finally:
             self._busy -= 1
@@ -186,19 +234,20 @@ class FileSink(Sink):
         try:
             if self.fsync:
                 await anyio.to_thread.run_sync(os.fsync, self._fd)
+                await anyio.lowlevel.checkpoint_if_cancelled()  # cancelled meanwhile: no commit
             self._done = True
             self._close_fd()
-            os.replace(self.temp_path, self.name)
+            os.replace(self.temp_path, self._target)  # the commit point: nothing raises after it
         except BaseException as exc:
             await self.abort()
             if isinstance(exc, OSError):
                 raise TransportError(
-                    f"cannot commit the file: {exc.strerror or exc!r}", url=self.name
+                    f"cannot commit the file: {exc.strerror or exc}", url=self.name
                 ) from exc
             raise
         if self.fsync:
             # The file is in place; making the rename durable is best effort.
-            with contextlib.suppress(OSError):
+            with anyio.CancelScope(shield=True), contextlib.suppress(OSError):
                 await anyio.to_thread.run_sync(_fsync_directory, self._directory)
 
     async def abort(self) -> None:
@@ -208,3 +257,68 @@ class FileSink(Sink):
             os.unlink(self.temp_path)
         if not self._busy:
             self._close_fd()
+
+
+_PIPE_FLAGS = os.O_WRONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+READER_POLL_MAX = 0.05
+"""Longest pause, in seconds, between two tries to open a FIFO that has no reader yet."""
+
+
+class PipeSink(PipeEnd, Sink):
+    """An existing FIFO, character device or other non-regular path: written in place, front to
+    back, never replaced or removed.
+
+    ``clock`` bounds the wait for a FIFO's reader to open it and each wait for the reader to
+    take more data (:class:`~stream_st.ReadTimeoutError`). There is no temporary file: a message
+    aborted or failed half way is simply cut short, so the reader sees an incomplete message,
+    never a complete wrong one. ``fsync`` has no meaning here.
+    """
+
+    @classmethod
+    async def open(cls, path: str | os.PathLike[str], clock: Clock = UNLIMITED) -> PipeSink:
+        """Open ``path`` for writing without blocking the event loop."""
+        name = os.fspath(path)
+        return cls(await _open_for_writing(name, clock), name, clock=clock)
+
+    async def send(self, buffer: memoryview) -> None:
+        while buffer:
+            try:
+                written = os.write(self._fd, buffer)
+            except BlockingIOError:
+                await self._wait(writable=True, what="the reader took no data")
+                continue
+            except OSError as exc:
+                raise self._failure("write", exc) from exc
+            buffer = buffer[written:]
+            self.position += written
+            self.clock.moved(written)
+
+    async def aclose(self) -> None:
+        """Close the file: the message is complete."""
+        self._close()
+
+    async def abort(self) -> None:
+        """Close the file, the message cut short; nothing to remove."""
+        self._close()
+
+
+async def _open_for_writing(name: str, clock: Clock) -> int:
+    """Open ``name`` for non-blocking writes. A FIFO refuses (ENXIO) until a reader has it
+    open: try again, pausing a little longer each time, within ``clock``'s limits."""
+    pause = 0.001
+    try:
+        with clock.waiting(name, stalled="no reader opened the FIFO"):
+            while True:
+                try:
+                    return os.open(name, _PIPE_FLAGS)
+                except OSError as exc:
+                    if exc.errno != errno.ENXIO or not stat.S_ISFIFO(os.stat(name).st_mode):
+                        break
+                await anyio.sleep(pause)
+                pause = min(2 * pause, READER_POLL_MAX)
+    except ReadTimeoutError:
+        raise
+    except OSError:  # not a FIFO waiting for its reader: the plain open below says why
+        pass
+    return open_path(name, _PIPE_FLAGS)

@@ -16,7 +16,7 @@ from anyio.abc import ByteReceiveStream
 from .._limits import UNLIMITED, Clock
 from ..errors import SafetensorsError, UnsupportedSourceError, UsageError
 from .base import Source
-from .file import FileSource
+from .file import open_file_source
 from .http import HttpSource
 from .memory import BytesSource, ChunkIteratorSource
 from .s3 import S3Source
@@ -55,7 +55,7 @@ async def open_source(obj: SourceLike, clock: Clock = UNLIMITED) -> Source:
 
     ``clock`` (the operation's limits, see ``stream_st._limits``) bounds connecting and every
     wait for data. A :class:`Source` given as it is keeps its own clock unless ``clock`` sets a
-    limit.
+    limit. FIFOs and pipes are waited on within the clock's limits too.
     """
     if isinstance(obj, Source):
         if clock.limited:
@@ -76,9 +76,9 @@ async def _new_source(obj: SourceLike, clock: Clock) -> Source:
     if isinstance(obj, str) and obj.lower().startswith("s3://"):
         return S3Source(obj)
     if isinstance(obj, str) and "://" in obj:
-        return FileSource(path_from_url(obj))
+        return open_file_source(path_from_url(obj), clock)
     if isinstance(obj, str | os.PathLike):
-        return FileSource(obj)
+        return open_file_source(obj, clock)
     if isinstance(obj, bytes | bytearray | memoryview):
         return BytesSource(obj)
     if isinstance(obj, asyncio.StreamReader):
