@@ -176,6 +176,7 @@ class Result:
     verdict: str
     detail: str = ""
     fired: bool = True
+    elapsed: float = 0.0  # seconds the operation itself ran
 
 
 class Violation(Exception):
@@ -452,11 +453,10 @@ class Suite:
         (self.workdir / "out").mkdir(exist_ok=True)
         for medium in MEDIA.values():
             case = Case(0, medium, "none", "down", 0.0, 1, 0, False)
-            began = time.perf_counter()
             result, carried = await self.run_once(case, Fault())
             if result.verdict != "correct":
                 raise RuntimeError(f"clean run of {medium.name} failed: {result.detail}")
-            self.calibration[medium.name] = (carried, time.perf_counter() - began)
+            self.calibration[medium.name] = (carried, result.elapsed)
 
     async def run(self, case: Case) -> Result:
         """Run ``case`` (measuring the clean runs first, once) and judge it."""
@@ -484,7 +484,9 @@ class Suite:
             proxy.start()
         operation = self.operation(case, proxy.port if proxy else 0)
         with watched() as reports:
+            began = time.perf_counter()
             outcome, value = await guarded(operation, cancel_after)
+            elapsed = time.perf_counter() - began
             if proxy is not None:
                 proxy.stop()
             if collector is not None:
@@ -507,7 +509,7 @@ class Suite:
                 )
         except Violation as exc:
             verdict, detail = "violation", str(exc)
-        return Result(case, verdict, detail, fired), carried
+        return Result(case, verdict, detail, fired, elapsed), carried
 
 
 async def guarded(
@@ -573,7 +575,7 @@ def judge(
     if medium.server == "s3" and kind in CUTS and case.direction == "up" and stored != expected:
         return "artifact", f"moto stored a request cut short ({len(stored)} bytes; {error})"
     if outcome == "cancelled" and stored == expected:
-        raise Violation("cancelled, yet the object was stored (the commit raced the cancel)")
+        raise Violation("cancelled, yet the object was stored (the cancellation came during the commit)")
     raise Violation(f"the write failed ({error}) but the destination holds {len(stored)} bytes")
 
 

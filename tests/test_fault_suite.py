@@ -115,3 +115,15 @@ async def test_a_lost_final_answer_is_an_unknown_outcome(suite: Suite, lost: Cas
 async def test_a_lost_create_answer_leaves_no_pending_upload(suite: Suite) -> None:
     result = await suite.run(case("s3-multipart", "truncate", "down", 0.01))
     assert result.verdict != "violation", result.detail
+
+
+@pytest.mark.parametrize("medium", ["s3-put", "http-upload"])
+@pytest.mark.xfail(
+    strict=True,
+    reason="a write cancelled while waiting for its final answer leaves the object stored and "
+    "says only that it was cancelled",
+)
+async def test_a_cancel_while_committing_leaves_nothing(suite: Suite, medium: str) -> None:
+    answer_held = Fault("stall", "down", offset=0)  # the server stores it; its answer never comes
+    result, _ = await suite.run_once(case(medium, "cancel", "down", 0.0), answer_held, 0.3)
+    assert result.verdict != "violation", result.detail
