@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
+import tracemalloc
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +15,13 @@ import anyio
 import pytest
 import safetensors
 
-from stream_st import HeaderError, SafetensorsError, parse_header, tools
+import stream_st
+from stream_st import HeaderError, SafetensorsError, TruncatedStreamError, parse_header, tools
+from stream_st import reader as reader_module
 from stream_st.cli import main
+from stream_st.sources.memory import BytesSource
 
-from ._util import raw_file
+from ._util import chunked, raw_file
 
 U64_MAX = 2**64 - 1
 
@@ -216,3 +222,98 @@ def test_duplicate_names_are_refused_where_the_reference_keeps_the_last(text: st
 def test_a_header_that_is_no_bytes_is_a_safetensors_error(raw: Any) -> None:
     with pytest.raises(SafetensorsError):
         parse_header(raw)
+
+
+# ---------------------------------------------------------------- the reader's header read
+
+
+def stalled_after(prefix: bytes, gate: anyio.Event) -> Callable[[], AsyncIterator[bytes]]:
+    async def chunks() -> AsyncIterator[bytes]:
+        yield prefix
+        await gate.wait()
+
+    return chunks
+
+
+def test_a_stalled_peer_declaring_a_huge_header_costs_little_memory() -> None:
+    declared = 90_000_000
+    prefix = struct.pack("<Q", declared) + b'{"a'
+
+    async def run() -> tuple[int, list[BaseException]]:
+        gate = anyio.Event()
+        errors: list[BaseException] = []
+
+        async def read() -> None:
+            try:
+                await stream_st.read_header(stalled_after(prefix, gate)())
+            except SafetensorsError as exc:
+                errors.append(exc)
+
+        tracemalloc.start()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                await anyio.sleep(0.05)
+                peak = tracemalloc.get_traced_memory()[1]
+                gate.set()
+        finally:
+            tracemalloc.stop()
+        return peak, errors
+
+    peak, errors = anyio.run(run)
+    assert peak < declared // 20
+    assert [type(e) for e in errors] == [TruncatedStreamError]
+
+
+def test_a_short_header_from_a_stream_grows_with_the_bytes_that_arrive() -> None:
+    text = json.dumps(
+        {f"t{i}": {"dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]} for i in range(5000)}
+    )
+    data = raw_file(text, bytes(5000))
+    assert len(text) > 2 * reader_module.HEADER_FIRST_READ
+
+    async def read(size: int) -> list[str]:
+        return (await stream_st.read_header(chunked(data, size))).names()
+
+    expected = [f"t{i}" for i in range(5000)]
+    for size in (1, 1000, 65_536, len(data)):
+        assert anyio.run(read, size) == expected
+    truncated = data[: 8 + len(text) - 1]
+    with pytest.raises(TruncatedStreamError, match="the header"):
+        anyio.run(stream_st.read_header, chunked(truncated, 4096))
+
+
+class CountingSource(BytesSource):
+    """Bytes in memory that record the size of every read asked of them."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.reads: list[int] = []
+
+    async def receive_into(self, buffer: memoryview) -> int:
+        self.reads.append(len(buffer))
+        return await super().receive_into(buffer)
+
+
+def test_a_source_of_known_size_reads_the_header_in_one_read() -> None:
+    text = json.dumps(
+        {f"t{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(10_000)}
+    )
+    source = CountingSource(raw_file(text))
+    assert len(anyio.run(stream_st.read_header, source)) == 10_000
+    assert source.reads == [8, len(text)]
+
+
+def test_big_headers_are_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[bool] = []
+
+    def parse(raw: Any) -> Any:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return parse_header(raw)
+
+    monkeypatch.setattr(reader_module, "parse_header", parse)
+    small = raw_file({"a": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}})
+    big = raw_file("{}", pad=reader_module.PARSE_IN_THREAD_ABOVE)
+    anyio.run(stream_st.read_header, small)
+    anyio.run(stream_st.read_header, big)
+    assert threads == [True, False]
