@@ -7,6 +7,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from typing import Any, Self, Unpack
 
+import anyio.to_thread
 import numpy as np
 
 from ._limits import Clock, LimitOptions, Limits
@@ -102,6 +103,32 @@ async def _read_tensor(source: Source, info: TensorInfo, base: int) -> np.ndarra
     return array
 
 
+HEADER_FIRST_READ = 64 << 10
+"""On a source of unknown length, the header buffer starts at this size and doubles as bytes
+arrive, so a peer that declares a huge header and sends little costs little."""
+
+PARSE_IN_THREAD_ABOVE = 64 << 10
+"""A header longer than this is parsed in a worker thread; a shorter one (a few ms of work at
+most) on the event loop, where the hop to a thread would cost more than it saves."""
+
+
+async def _receive_header(source: Source, n: int) -> tuple[bytearray, int]:
+    """A buffer of the ``n`` header bytes and how many arrived: fewer if the source ended.
+
+    One read into ``n`` bytes when the source's size is known (and checked to hold them);
+    otherwise into a buffer that grows geometrically, bounded by ``n``, only as bytes arrive.
+    """
+    size = n if source.size is not None else min(n, HEADER_FIRST_READ)
+    raw = bytearray(size)
+    got = await source.fill(memoryview(raw))
+    while got == len(raw) < n:
+        grown = bytearray(min(2 * len(raw), n))
+        grown[:got] = raw
+        raw = grown
+        got += await source.fill(memoryview(raw)[got:])
+    return raw, got
+
+
 class TensorStream(AsyncClosing):
     """One safetensors file read as a stream. Create it with :func:`open_stream`.
 
@@ -177,8 +204,7 @@ class TensorStream(AsyncClosing):
                 expected=LENGTH_PREFIX_SIZE + n,
                 source=source.name,
             )
-        raw = bytearray(n)
-        got = await source.fill(memoryview(raw))
+        raw, got = await _receive_header(source, n)
         if got < n:
             raise TruncatedStreamError(
                 "the header",
@@ -187,7 +213,10 @@ class TensorStream(AsyncClosing):
                 expected=LENGTH_PREFIX_SIZE + n,
                 source=source.name,
             )
-        header = parse_header(raw)
+        if n > PARSE_IN_THREAD_ABOVE:
+            header = await anyio.to_thread.run_sync(parse_header, raw)
+        else:
+            header = parse_header(raw)
         if source.size is not None:
             self._check_size(header, source.size, source.name)
         return header
