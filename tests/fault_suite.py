@@ -575,7 +575,9 @@ def judge(
     if medium.server == "s3" and kind in CUTS and case.direction == "up" and stored != expected:
         return "artifact", f"moto stored a request cut short ({len(stored)} bytes; {error})"
     if outcome == "cancelled" and stored == expected:
-        raise Violation("cancelled, yet the object was stored (the cancellation came during the commit)")
+        raise Violation(
+            "cancelled, yet the object was stored (the cancellation came during the commit)"
+        )
     raise Violation(f"the write failed ({error}) but the destination holds {len(stored)} bytes")
 
 
