@@ -121,7 +121,7 @@ class _Chunks:
         self.closed = True
 
 
-MAX_CHUNKS = 4096
+MAX_CHUNKS = 256
 """At most this many chunks (a large input is cut in larger chunks)."""
 
 
