@@ -744,17 +744,20 @@ async def fuzz(
     findings: Path | None = None,
     keep: int = 3,
     progress: Callable[[Report], None] | None = None,
+    slow: float = SLOW_SECONDS,
 ) -> Report:
     """Judge mutated inputs until ``inputs`` are done or ``seconds`` have passed.
 
-    The first ``keep`` inputs of each finding signature are written to ``findings``.
+    The first ``keep`` inputs of each finding signature are written to ``findings``. ``slow``
+    is the time an input may take before it can be a finding (``math.inf``: speed is not judged,
+    as in the test suite, which times nothing).
     """
     rng = random.Random(seed)
     corpus = [*seed_corpus(), *(path.read_bytes() for path in regression_cases())]
     fuzzer = Fuzzer(corpus, rng)
     report = Report()
     began = time.perf_counter()
-    with Judge() as judge:
+    with Judge(slow) as judge:
         while inputs is None or report.inputs < inputs:
             if report.inputs % 1000 == 0:
                 report.seconds = time.perf_counter() - began
