@@ -105,6 +105,17 @@ async def test_a_slow_consumer_is_not_blamed_for_the_speed(
     assert got == list(tensors)
 
 
+async def test_limits_given_to_an_http_source_itself_apply(
+    trickle: Callable[[str], Awaitable[str]],
+) -> None:
+    """A source object built with its own limits keeps them when read without any."""
+    url = await trickle("http")
+    with anyio.fail_after(HANG_GUARD), pytest.raises(ReadTimeoutError, match="deadline"):
+        await stream_st.load(stream_st.HttpSource(url, deadline=1))
+    with pytest.raises(UsageError):
+        stream_st.HttpSource(url, timeout=math.nan)
+
+
 async def test_deadline_ends_a_local_read_between_tensors(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
     path.write_bytes(sample_file())

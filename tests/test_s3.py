@@ -59,6 +59,13 @@ async def test_s3_header_and_include(aws_env: None) -> None:
     assert_same_arrays(got, {"w2": BIG["w2"]})
 
 
+async def test_s3_source_with_parallel_parts(aws_env: None) -> None:
+    source = stream_st.S3Source(
+        "s3://models/dir/big model.safetensors", concurrency=3, part_size=100_000, timeout=30
+    )
+    assert_same_arrays(await read_all(source), BIG)
+
+
 async def test_s3_config_in_code_and_profiles(s3: MotoS3Server, tmp_path: Path) -> None:
     config = S3Config.resolve(
         endpoint_url=s3.endpoint_url, access_key_id="a", secret_access_key="b", environ={}

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import Unpack
 
 import anyio
 import numpy as np
 
 from .._http import ClientClock, HTTPClient, HTTPProtocolError, Response, raise_for_status
+from .._limits import Clock, LimitOptions, Limits
 from .._util import task_group
 from ..errors import ReadTimeoutError, TransportError, UsageError
 from .base import Source
@@ -62,6 +64,7 @@ class HttpSource(ClientClock, Source):
         concurrency: int = 1,
         part_size: int = 8 << 20,
         name: str | None = None,
+        **limits: Unpack[LimitOptions],
     ) -> None:
         super().__init__()
         if concurrency < 1 or part_size < 1 or retries < 0:
@@ -76,7 +79,7 @@ class HttpSource(ClientClock, Source):
         self.url = url
         self.name = name or url
         self._owns_client = client is None
-        self._client = client or HTTPClient()
+        self._client = client or HTTPClient(clock=Clock(Limits.of(limits)))
         self._headers = dict(headers or {})
         self._retries = retries
         self._backoff = backoff

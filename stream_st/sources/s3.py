@@ -6,7 +6,10 @@ adds the address and the SigV4 signature of each request (configuration: ``strea
 
 from __future__ import annotations
 
+from typing import Unpack
+
 from .._http import HTTPClient
+from .._limits import LimitOptions
 from .._s3 import S3Config, parse_s3_url
 from .http import HttpSource
 
@@ -14,7 +17,8 @@ __all__ = ["S3Source"]
 
 
 class S3Source(HttpSource):
-    """An object in an S3-compatible store. ``config`` defaults to the AWS environment."""
+    """An object in an S3-compatible store. ``config`` defaults to the AWS environment; the other
+    options are :class:`~stream_st.HttpSource`'s (``concurrency``, ``part_size``, the limits)."""
 
     def __init__(
         self,
@@ -24,6 +28,9 @@ class S3Source(HttpSource):
         client: HTTPClient | None = None,
         retries: int = 3,
         backoff: float = 0.25,
+        concurrency: int = 1,
+        part_size: int = 8 << 20,
+        **limits: Unpack[LimitOptions],
     ) -> None:
         bucket, key = parse_s3_url(url)
         self.config = config or S3Config.resolve()
@@ -32,7 +39,10 @@ class S3Source(HttpSource):
             client=client,
             retries=retries,
             backoff=backoff,
+            concurrency=concurrency,
+            part_size=part_size,
             name=url,
+            **limits,
         )
 
     def prepare_headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
