@@ -51,7 +51,7 @@ import stream_st
 from stream_st.header import LENGTH_PREFIX_SIZE, Header, build_header
 
 from ._util import sample_tensors
-from .test_differential import STRICTER
+from .test_differential import stricter_reason
 
 __all__ = ["REGRESSIONS", "Fuzzer", "Judge", "Verdict", "chunkings", "fuzz", "seed_corpus"]
 
@@ -264,9 +264,9 @@ class Judge:
             return Verdict("accepted", header=whole.header)
         if expected is None:
             return Verdict("refused by both")
-        reason = str(whole.error)
-        known = next((r for r in STRICTER if r in reason), None)
+        known = stricter_reason(data, whole.error)
         if known is None:
+            reason = str(whole.error)
             return Verdict("?", f"refused by us alone: {type(whole.error).__name__}", reason)
         return Verdict(f"stricter: {known}")
 
