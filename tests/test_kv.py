@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import socket
 import struct
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ import pytest
 import trio
 
 import stream_st
+from stream_st import TransportError
 from stream_st.codecs import error_stats
 from stream_st.kv import IntegrityError, KVLayout, receive_kv, send_kv
 
@@ -369,3 +372,22 @@ async def test_slow_consumer_slows_the_sender() -> None:
             await send_kv(listener.url, layout, layers, queue=2)
     # without read-ahead bounds the sender would run ~all 30 layers ahead at once
     assert max(gaps) <= 12, gaps
+
+
+async def test_a_send_that_cannot_connect_leaves_no_open_channel() -> None:
+    """The layer channel is closed on every way out, a failed connect included."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]  # nothing listens there
+    layout = KVLayout(num_layers=2, shape=(1, 1, 4, 4), dtype="F32")
+
+    async def layers() -> AsyncIterator[tuple[int, np.ndarray[Any, Any], np.ndarray[Any, Any]]]:
+        for layer in range(2):
+            yield layer, np.zeros(layout.shape, np.float32), np.zeros(layout.shape, np.float32)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(TransportError):
+            await send_kv(f"tcp://127.0.0.1:{port}", layout, layers(), timeout=5)
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
