@@ -311,11 +311,12 @@ async def send_kv(
                     f"the producer stopped after {expected} of {layout.num_layers} layers"
                 )
 
-    async with writer:
-        report.header_sent_at = time.perf_counter()
-        async with task_group() as group:  # a failure leaves the writer's block: message aborted
-            group.start_soon(produce)
-            await consume(receive_layers)
+    with send_layers, receive_layers:  # closed on every way out, a failed open included
+        async with writer:
+            report.header_sent_at = time.perf_counter()
+            async with task_group() as group:  # a failure leaves the writer's block: aborted
+                group.start_soon(produce)
+                await consume(receive_layers)
     report.wire_bytes = writer.header.file_size
     return report
 
