@@ -3,7 +3,9 @@
 The writer announces the message's size before the first byte, so the body goes out with a
 ``Content-Length`` (chunked transfer encoding when the size is unknown) straight from each array's
 memory. The upload is committed when the server answers 2xx to the complete body; an aborted
-message drops the connection mid-body, so the server sees an incomplete request.
+message drops the connection mid-body, so the server sees an incomplete request. When the answer
+to the complete body is lost (the connection breaks, or no answer comes in time), the server may
+have stored the message or not: that raises :class:`~stream_st.OutcomeUnknownError`.
 """
 
 from __future__ import annotations
