@@ -18,7 +18,7 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st import OutcomeUnknownError, TensorSpec
+from stream_st import OutcomeUnknownError, TensorSpec, TransportError
 from stream_st._http import HTTPStatusError
 from stream_st._s3 import S3Config
 from stream_st.sinks.http import HttpSink
@@ -119,6 +119,152 @@ async def write_cancelled_at(
             group.start_soon(cancel_when_seen, scope)
             await write(sink, arrays)
     return scope
+
+
+# ---------------------------------------------------------------- CreateMultipartUpload
+
+
+async def test_create_answer_lost_leaves_no_upload_of_ours(
+    store: MotoS3Server, proxy: LossyProxy, key: str
+) -> None:
+    others = store.client().create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
+    proxy.lose(*CREATE, "reset")
+    with pytest.raises(TransportError):
+        await write(s3_sink(proxy, key), TWO_PARTS)
+    assert pending(store, key) == [others]  # ours was found and aborted; the other one kept
+    assert stored(store, key) is None
+    store.client().abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=others)
+
+
+async def test_create_answer_without_upload_id(
+    store: MotoS3Server, proxy: LossyProxy, key: str
+) -> None:
+    proxy.lose(*CREATE, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", forward=True)
+    with pytest.raises(TransportError, match="no UploadId"):
+        await write(s3_sink(proxy, key), TWO_PARTS)
+    assert pending(store, key) == []
+
+
+# ---------------------------------------------------------------- UploadPart
+
+
+@pytest.mark.parametrize(
+    ("at", "action", "error"),
+    [
+        (PART, "reset", "Connection reset"),
+        (PART, "refuse", "Connection reset"),
+        (PART, ANSWER_500, "HTTP 500"),
+        (PART, REDIRECT, r"HTTP 307.*elsewhere\.invalid"),
+        (COMPLETE, ANSWER_500, "HTTP 500"),
+        (COMPLETE, ERROR_IN_200, "InternalError"),
+        (COMPLETE, REDIRECT, "HTTP 307"),
+    ],
+    ids=["part-reset", "part-refuse", "part-500", "part-redirect", "500", "error", "redirect"],
+)
+async def test_failure_aborts_the_upload(
+    store: MotoS3Server,
+    proxy: LossyProxy,
+    key: str,
+    at: tuple[str, str],
+    action: str | bytes,
+    error: str,
+) -> None:
+    """A lost part, or a completion the store did not carry out: the upload is aborted and the
+    error says what happened."""
+    proxy.lose(*at, action)
+    with pytest.raises(TransportError, match=error) as info:
+        await write(s3_sink(proxy, key), TWO_PARTS)
+    assert not isinstance(info.value, OutcomeUnknownError)
+    assert pending(store, key) == []
+    assert stored(store, key) is None
+
+
+async def test_cancel_with_a_stalled_store_and_no_timeout_ends(
+    store: MotoS3Server, proxy: LossyProxy, key: str
+) -> None:
+    """timeout=None waits forever for each answer, but the shielded abort still gives up."""
+    proxy.lose(*PART, "stall", times=None)
+    proxy.lose(*ABORT, "stall", times=None)
+    scope = await write_cancelled_at(s3_sink(proxy, key, timeout=None), TWO_PARTS, proxy, PART)
+    assert scope.cancelled_caught
+    proxy.wait_for(*ABORT, given_up=True)  # the abort gave up by itself, before the proxy did
+    for upload_id in pending(store, key):
+        store.client().abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload_id)
+
+
+# ---------------------------------------------------------------- CompleteMultipartUpload
+
+
+@pytest.mark.parametrize(
+    "action", ["reset", "close", ANSWER_500, ERROR_IN_200], ids=["reset", "close", "500", "error"]
+)
+async def test_complete_done_but_answer_lost_is_a_success(
+    store: MotoS3Server, proxy: LossyProxy, key: str, action: str | bytes
+) -> None:
+    """The store completed the object: the writer finds that out and reports success."""
+    proxy.lose(*COMPLETE, action, forward=True)
+    await write(s3_sink(proxy, key), TWO_PARTS)
+    assert stored(store, key) == reference_numpy.save(TWO_PARTS)
+    assert pending(store, key) == []
+
+
+async def test_complete_and_abort_lost_is_an_unknown_outcome(
+    store: MotoS3Server, proxy: LossyProxy, key: str
+) -> None:
+    proxy.lose(*COMPLETE, "refuse")
+    proxy.lose(*ABORT, "refuse", times=None)
+    with pytest.raises(OutcomeUnknownError, match="may or may not") as info:
+        await write(s3_sink(proxy, key), TWO_PARTS)
+    assert info.value.url == f"s3://{BUCKET}/{key}"
+    for upload_id in pending(store, key):  # the store could not be told: clean up here
+        store.client().abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload_id)
+
+
+# ---------------------------------------------------------------- cancellation
+
+
+@pytest.mark.parametrize("at", [CREATE, PART, COMPLETE], ids=["create", "part", "complete"])
+async def test_cancelled_while_waiting_for_an_answer(
+    store: MotoS3Server, proxy: LossyProxy, key: str, at: tuple[str, str]
+) -> None:
+    """The request reached the store and its answer never comes: the cancellation stays one and
+    nothing is left pending (an object the store completed anyway stays)."""
+    proxy.lose(*at, "stall")
+    scope = await write_cancelled_at(s3_sink(proxy, key), TWO_PARTS, proxy, at)
+    assert scope.cancelled_caught
+    assert pending(store, key) == []
+    if at != COMPLETE:
+        assert stored(store, key) is None
+
+
+# ---------------------------------------------------------------- a single PUT
+
+
+async def test_put_answer_lost_after_storing_is_a_success(
+    store: MotoS3Server, proxy: LossyProxy, key: str
+) -> None:
+    proxy.lose(*PUT, "reset")
+    await write(s3_sink(proxy, key), SMALL)
+    assert stored(store, key) == reference_numpy.save(SMALL)
+
+
+async def test_put_answer_lost_is_an_unknown_outcome(
+    store: MotoS3Server, proxy: LossyProxy, key: str
+) -> None:
+    proxy.lose(*PUT, "refuse")
+    with pytest.raises(OutcomeUnknownError, match="may or may not"):
+        await write(s3_sink(proxy, key), SMALL)
+    assert stored(store, key) is None
+
+
+async def test_put_redirected_is_a_failure(
+    store: MotoS3Server, proxy: LossyProxy, key: str
+) -> None:
+    proxy.lose(*PUT, REDIRECT)
+    with pytest.raises(HTTPStatusError, match=r"HTTP 307.*elsewhere\.invalid") as info:
+        await write(s3_sink(proxy, key), SMALL)
+    assert info.value.status == 307
+    assert stored(store, key) is None
 
 
 # ---------------------------------------------------------------- HTTP upload
