@@ -23,6 +23,7 @@ import anyio.abc
 from ._limits import UNLIMITED, Clock
 from ._util import AsyncClosing
 from .errors import (
+    OutcomeUnknownError,
     ReadTimeoutError,
     SafetensorsError,
     SourceNotFoundError,
@@ -41,6 +42,7 @@ __all__ = [
     "Response",
     "Target",
     "Upload",
+    "outcome_unknown",
 ]
 
 _HEAD_LIMIT = 64 << 10
@@ -448,7 +450,10 @@ class Upload:
         self.sent += len(data)
 
     async def finish(self) -> Response:
-        """End the body and read the answer's head (its status is not checked here)."""
+        """End the body and read the answer's head (its status is not checked here).
+
+        Raises :class:`OutcomeUnknownError` when the whole request went out but no answer came.
+        """
         if self._chunked:
             await self._send_raw(b"0\r\n\r\n")
         connection, self._connection = self._connection, None
@@ -459,8 +464,11 @@ class Upload:
             return self._client._response(
                 self._method, self._target, connection, status, reason, headers
             )
-        except BaseException:
+        except BaseException as exc:
             await connection.wire.aclose()
+            if isinstance(exc, TransportError) and not isinstance(exc, HTTPProtocolError):
+                # The whole request went out: the server may have acted on it.
+                raise outcome_unknown(f"{self._method} upload", exc, self._target.url) from exc
             raise
 
     async def abort(self) -> None:
@@ -710,3 +718,16 @@ async def raise_for_status(response: Response, *, name: str | None = None) -> No
         await response.aclose()
     kind = HTTPNotFoundError if response.status == 404 else HTTPStatusError
     raise kind(response.status, response.reason, url=name or response.url, detail=detail[:300])
+
+
+def outcome_unknown(
+    request: str, failure: BaseException, url: str, more: str = ""
+) -> OutcomeUnknownError:
+    """The error for a final ``request`` whose answer was lost to ``failure`` (or unclear): the
+    object may or may not have been stored at ``url``. ``more`` is added to the message."""
+    reason = str(failure).split(", url=", 1)[0] or type(failure).__name__
+    return OutcomeUnknownError(
+        f"no clear answer to the {request} ({reason}): the object may or may not have been "
+        f"stored{more}",
+        url=url,
+    )

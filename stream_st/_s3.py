@@ -122,13 +122,14 @@ class S3Config:
         )
 
     def object_url(self, bucket: str, key: str, query: str = "") -> str:
-        """The HTTP address of ``key`` in ``bucket`` (``query`` already encoded, without ``?``)."""
-        path = "/" + quote(key, safe="/~")
+        """The HTTP address of ``key`` in ``bucket`` (``query`` already encoded, without ``?``);
+        of the bucket itself when ``key`` is empty."""
+        path = "/" + quote(key, safe="/~") if key else ""
         if self.path_style:
             url = f"{self.endpoint_url}/{bucket}{path}"
         else:
             parts = urlsplit(self.endpoint_url)
-            url = f"{parts.scheme}://{bucket}.{parts.netloc}{path}"
+            url = f"{parts.scheme}://{bucket}.{parts.netloc}{path or '/'}"
         return f"{url}?{query}" if query else url
 
     def sign(

@@ -56,6 +56,8 @@ class MotoS3Server:
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()
+            if self._process.stdout is not None:
+                self._process.stdout.close()
             self._process = None
 
     def client(self) -> Any:

@@ -1,5 +1,5 @@
 """The fault-injection suite in small: the proxy's faults, a handful of fixed cases on every
-medium, and the defects it found (strict xfail until they are fixed).
+medium, and a regression case for each defect it found.
 
 The full run is a script: ``python -m tests.fault_suite --cases 300``.
 """
@@ -97,33 +97,18 @@ def case(medium: str, kind: str, direction: str, position: float) -> Case:
         pytest.param(case("s3-multipart", "stall", "down", 0.99), id="s3-complete-answer-stalled"),
     ],
 )
-@pytest.mark.xfail(
-    strict=True,
-    reason="a write whose final answer is lost after the object was stored raises a plain "
-    "TransportError (S3 multipart: the abort's 404 NoSuchUpload, an HTTPNotFoundError), "
-    "not OutcomeUnknownError",
-)
 async def test_a_lost_final_answer_is_an_unknown_outcome(suite: Suite, lost: Case) -> None:
     result = await suite.run(lost)
     assert result.verdict != "violation", result.detail
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="when CreateMultipartUpload's answer is lost the upload it created is never aborted",
-)
 async def test_a_lost_create_answer_leaves_no_pending_upload(suite: Suite) -> None:
     result = await suite.run(case("s3-multipart", "truncate", "down", 0.01))
     assert result.verdict != "violation", result.detail
 
 
 @pytest.mark.parametrize("medium", ["s3-put", "http-upload"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="a write cancelled while waiting for its final answer leaves the object stored and "
-    "says only that it was cancelled",
-)
-async def test_a_cancel_while_committing_leaves_nothing(suite: Suite, medium: str) -> None:
+async def test_a_cancel_while_committing_leaves_all_or_nothing(suite: Suite, medium: str) -> None:
     answer_held = Fault("stall", "down", offset=0)  # the server stores it; its answer never comes
     result, _ = await suite.run_once(case(medium, "cancel", "down", 0.0), answer_held, 0.3)
     assert result.verdict != "violation", result.detail

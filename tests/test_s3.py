@@ -90,6 +90,10 @@ async def test_s3_config_in_code_and_profiles(s3: MotoS3Server, tmp_path: Path) 
     assert resolved.endpoint_url == s3.endpoint_url and resolved.path_style
     aws = S3Config.resolve(environ={"AWS_REGION": "eu-central-1", "HOME": str(tmp_path / "none")})
     assert aws.object_url("b", "k/x y") == "https://b.s3.eu-central-1.amazonaws.com/k/x%20y"
+    assert (
+        aws.object_url("b", "", "uploads=") == "https://b.s3.eu-central-1.amazonaws.com/?uploads="
+    )
+    assert config.object_url("b", "", "uploads=") == f"{s3.endpoint_url}/b?uploads="
     assert aws.access_key_id is None
 
 

@@ -3,14 +3,18 @@
 The writer announces the message's size before the first byte, so the body goes out with a
 ``Content-Length`` (chunked transfer encoding when the size is unknown) straight from each array's
 memory. The upload is committed when the server answers 2xx to the complete body; an aborted
-message drops the connection mid-body, so the server sees an incomplete request.
+message drops the connection mid-body, so the server sees an incomplete request. When the answer
+to the complete body is lost (the connection breaks, or no answer comes in time), the server may
+have stored the message or not: that raises :class:`~stream_st.OutcomeUnknownError`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Unpack
 
 from .._http import ClientClock, HTTPClient, Upload, raise_for_status
+from .._limits import Clock, LimitOptions, Limits
 from ..errors import TransportError
 from .base import Sink
 
@@ -18,7 +22,8 @@ __all__ = ["HttpSink"]
 
 
 class HttpSink(ClientClock, Sink):
-    """Upload one message to ``url`` with ``method`` (``PUT`` or ``POST``)."""
+    """Upload one message to ``url`` with ``method`` (``PUT`` or ``POST``). ``limits`` (``timeout``,
+    ``deadline``, ``speed_limit``, ``speed_time``) are used unless the writer is given its own."""
 
     def __init__(
         self,
@@ -28,6 +33,7 @@ class HttpSink(ClientClock, Sink):
         headers: Mapping[str, str] | None = None,
         client: HTTPClient | None = None,
         name: str | None = None,
+        **limits: Unpack[LimitOptions],
     ) -> None:
         super().__init__()
         self.url = url
@@ -35,7 +41,7 @@ class HttpSink(ClientClock, Sink):
         self._method = method
         self._headers = {"Content-Type": "application/octet-stream", **dict(headers or {})}
         self._owns_client = client is None
-        self._client = client or HTTPClient()
+        self._client = client or HTTPClient(clock=Clock(Limits.of(limits)))
         self._size: int | None = None
         self._upload: Upload | None = None
 

@@ -5,29 +5,82 @@ the last) and each full part is uploaded as it fills, so memory stays at one par
 appears only when the upload is completed, after the last tensor; on any failure, cancellation
 or abort the multipart upload is aborted: no object at the key, no pending upload left. A message
 that fits in one part is sent as a single PUT instead.
+
+The clean-up after a failure runs shielded from cancellation but gives up after
+:attr:`S3Sink.abort_timeout` seconds, whatever ``timeout`` is; a cancellation is re-raised as
+itself once it is done. When an answer is lost (the connection breaks or times out, or the call
+is cancelled, after the request went out), the sink asks the store what happened:
+
+* CreateMultipartUpload: the upload has no known id. Before creating it the sink lists the key's
+  pending uploads; afterwards it aborts those pending now that were not then. An upload of the
+  same key started by another writer in that moment cannot be told apart and is aborted too; a
+  store that refuses to list uploads leaves the unnamed upload pending, and the error says so.
+* CompleteMultipartUpload (also answered with a 5xx, or with a 200 carrying an ``<Error>``): the
+  upload is aborted. Had the store still had it pending, nothing was stored and the original error
+  is raised. Was it gone, the object at the key is compared with the one sent (its ETag with the
+  one computed from the parts' ETags): the same object means the write succeeded; anything else
+  raises :class:`~stream_st.OutcomeUnknownError`.
+* A single PUT: the object at the key is compared with the body sent (ETag with its MD5) in the
+  same way: success, or :class:`~stream_st.OutcomeUnknownError`.
+
+A cancellation while the completion is under way aborts the upload if it is still pending; if the
+store completed it anyway the object stays, since a cancellation cannot undo a write.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import html
 import re
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Unpack
 from urllib.parse import quote
 from xml.sax.saxutils import escape
 
 import anyio
 
-from .._http import ClientClock, HTTPClient, raise_for_status
+from .._http import (
+    ClientClock,
+    HTTPClient,
+    HTTPNotFoundError,
+    HTTPStatusError,
+    outcome_unknown,
+    raise_for_status,
+)
+from .._limits import Clock, LimitOptions, Limits
 from .._s3 import S3Config, parse_s3_url
-from ..errors import TransportError, UsageError
+from ..errors import SafetensorsError, TransportError, UsageError
 from .base import Sink
 
 __all__ = ["MIN_PART_SIZE", "S3Sink"]
 
 MIN_PART_SIZE = 5 << 20
-_UPLOAD_ID = re.compile(r"<UploadId>([^<]+)</UploadId>")
+
+
+def _field(xml: bytes, tag: str) -> str | None:
+    """The text of the first ``<tag>`` element in ``xml``, entities decoded."""
+    match = re.search(f"<{tag}>([^<]*)</{tag}>", xml.decode("utf-8", "replace"))
+    return None if match is None else html.unescape(match[1])
+
+
+def _refusal(exc: Exception) -> bool:
+    """Whether ``exc`` is the store's clear refusal of a request (a redirect or a 4xx): the request
+    was not carried out. A 5xx or a lost answer leaves that open."""
+    return isinstance(exc, HTTPStatusError) and exc.status < 500
+
+
+def _md5_etag(data: bytes) -> str:
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
 
 
 class S3Sink(ClientClock, Sink):
-    """An object in an S3-compatible store, written by multipart upload."""
+    """An object in an S3-compatible store, written by multipart upload. See the module docstring
+    for what a failure leaves behind. ``limits`` (``timeout``, ``deadline``, ``speed_limit``,
+    ``speed_time``) are used unless the writer is given its own."""
+
+    abort_timeout: float = 15.0
+    """Seconds the clean-up after a failure may take in all, whatever ``timeout`` is."""
 
     def __init__(
         self,
@@ -36,6 +89,7 @@ class S3Sink(ClientClock, Sink):
         config: S3Config | None = None,
         client: HTTPClient | None = None,
         part_size: int = 16 << 20,
+        **limits: Unpack[LimitOptions],
     ) -> None:
         super().__init__()
         if part_size < MIN_PART_SIZE:
@@ -44,29 +98,42 @@ class S3Sink(ClientClock, Sink):
         self.bucket, self.key = parse_s3_url(url)
         self.config = config or S3Config.resolve()
         self._owns_client = client is None
-        self._client = client or HTTPClient()
+        self._client = client or HTTPClient(clock=Clock(Limits.of(limits)))
         self._part_size = part_size
         self._part = bytearray()
         self._size: int | None = None
         self._upload_id: str | None = None
+        self._creating = False  # CreateMultipartUpload went out and its answer was not read
+        self._uploads_before: set[str] | None = None  # the key's pending uploads before ours
         self._etags: list[str] = []
 
-    def _url(self, query: str = "") -> str:
-        return self.config.object_url(self.bucket, self.key, query)
+    def _upload_query(self, upload_id: str) -> str:
+        return f"uploadId={quote(upload_id, safe='')}"
 
-    async def _call(self, method: str, query: str, body: bytes | None = None) -> bytes:
-        url = self._url(query)
+    async def _call(
+        self, method: str, query: str, body: bytes | None = None, *, key: str | None = None
+    ) -> tuple[dict[str, str], bytes]:
+        """Send one signed request about the object (``key=""``: about the bucket): the answer's
+        headers and body.
+
+        A redirect or an error status raises :class:`HTTPStatusError` (404:
+        :class:`HTTPNotFoundError`); a 200 carrying an S3 ``<Error>`` (S3 reports some failed
+        completions that way) raises :class:`TransportError`.
+        """
+        url = self.config.object_url(self.bucket, self.key if key is None else key, query)
         headers = self.config.sign(method, url, {})
         response = await self._client.request(method, url, headers, body, follow_redirects=False)
         await raise_for_status(response, name=self.name)
         async with response:
-            etag = response.headers.get("etag", "")
+            if response.status >= 300:
+                where = response.headers.get("location", "nowhere")
+                raise HTTPStatusError(
+                    response.status, response.reason, url=self.name, detail=f"redirected to {where}"
+                )
             answer = await response.read_all()
-        if method == "PUT":
-            return etag.encode()
-        if b"<Error>" in answer:  # S3 may report a failed completion inside a 200
+        if b"<Error>" in answer:
             raise TransportError(f"S3 refused the request: {answer[:300]!r}", url=self.name)
-        return answer
+        return response.headers, answer
 
     async def allocate(self, size: int) -> None:
         self._size = size
@@ -80,53 +147,214 @@ class S3Sink(ClientClock, Sink):
             if len(self._part) == self._part_size and (
                 self._size is None or self._size > self._part_size
             ):
-                await self._flush_part()
+                await self._cleaning_up_on_failure(self._flush_part())
         self.position += len(buffer)
+
+    async def _list_uploads(self) -> set[str]:
+        """The ids of the multipart uploads of exactly this key pending now."""
+        found: set[str] = set()
+        marker = ""
+        while True:
+            query = f"prefix={quote(self.key, safe='')}&uploads={marker}"
+            _, answer = await self._call("GET", query, key="")
+            for match in re.finditer(rb"<Upload>.*?</Upload>", answer, re.DOTALL):
+                upload_id = _field(match[0], "UploadId")
+                if _field(match[0], "Key") == self.key and upload_id is not None:
+                    found.add(upload_id)
+            next_key, next_id = (
+                _field(answer, "NextKeyMarker"),
+                _field(answer, "NextUploadIdMarker"),
+            )
+            if _field(answer, "IsTruncated") != "true" or not (next_key and next_id):
+                return found
+            marker = (
+                f"&key-marker={quote(next_key, safe='')}&upload-id-marker={quote(next_id, safe='')}"
+            )
+
+    async def _create(self) -> None:
+        try:
+            self._uploads_before = await self._list_uploads()
+        except HTTPStatusError:
+            self._uploads_before = None  # not allowed to list: an unnamed upload stays unfound
+        self._creating = True
+        _, answer = await self._call("POST", "uploads=")
+        upload_id = _field(answer, "UploadId")
+        if upload_id is None:
+            raise TransportError(
+                "no UploadId in the answer to CreateMultipartUpload", url=self.name
+            )
+        self._upload_id, self._creating = upload_id, False
 
     async def _flush_part(self) -> None:
         if self._upload_id is None:
-            answer = await self._call("POST", "uploads=")
-            match = _UPLOAD_ID.search(answer.decode("utf-8", "replace"))
-            if match is None:
-                raise TransportError(
-                    "no UploadId in the answer to CreateMultipartUpload", url=self.name
-                )
-            self._upload_id = match.group(1)
+            await self._create()
+        assert self._upload_id is not None
         number = len(self._etags) + 1
-        query = f"partNumber={number}&uploadId={quote(self._upload_id, safe='')}"
-        etag = await self._call("PUT", query, bytes(self._part))
-        self._etags.append(etag.decode())
+        query = f"partNumber={number}&{self._upload_query(self._upload_id)}"
+        headers, _ = await self._call("PUT", query, bytes(self._part))
+        etag = headers.get("etag")
+        if not etag:
+            raise TransportError(f"no ETag in the answer to UploadPart {number}", url=self.name)
+        self._etags.append(etag)
         self._part.clear()
 
     async def aclose(self) -> None:
         try:
-            if self._upload_id is None:  # the whole message fits in one part: one PUT
-                await self._call("PUT", "", bytes(self._part))
-                return
-            if self._part:
-                await self._flush_part()
-            parts = "".join(
-                f"<Part><PartNumber>{i}</PartNumber><ETag>{escape(tag)}</ETag></Part>"
-                for i, tag in enumerate(self._etags, start=1)
-            )
-            body = f"<CompleteMultipartUpload>{parts}</CompleteMultipartUpload>".encode()
-            await self._call("POST", f"uploadId={quote(self._upload_id, safe='')}", body)
-            self._upload_id = None
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self.abort()
-            raise
+            await self._cleaning_up_on_failure(self._commit())
         finally:
             self._part = bytearray()
             if self._owns_client:
                 await self._client.aclose()
 
-    async def abort(self) -> None:
-        upload_id, self._upload_id = self._upload_id, None
-        self._part = bytearray()
+    async def _commit(self) -> None:
+        if self._upload_id is None:  # the whole message fits in one part: one PUT
+            body = bytes(self._part)
+            await self._last("PutObject", self._call("PUT", "", body), lambda: _md5_etag(body))
+            return
+        if self._part:
+            await self._flush_part()
+        await self._last("CompleteMultipartUpload", self._complete(), self._multipart_etag)
+        self._upload_id = None
+
+    async def _complete(self) -> None:
+        assert self._upload_id is not None
+        parts = "".join(
+            f"<Part><PartNumber>{i}</PartNumber><ETag>{escape(tag)}</ETag></Part>"
+            for i, tag in enumerate(self._etags, start=1)
+        )
+        body = f"<CompleteMultipartUpload>{parts}</CompleteMultipartUpload>".encode()
+        _, answer = await self._call("POST", self._upload_query(self._upload_id), body)
+        if b"CompleteMultipartUploadResult" not in answer:
+            raise TransportError(
+                "no CompleteMultipartUploadResult in the answer to CompleteMultipartUpload",
+                url=self.name,
+            )
+
+    async def _last(
+        self, request: str, call: Awaitable[object], etag: Callable[[], str | None]
+    ) -> None:
+        """Await ``call``, the ``request`` that stores the object; if it fails without a clear
+        refusal, find out from the store (:meth:`_settle`) whether it stored the object, whose
+        ETag would be ``etag()``."""
         try:
+            await call
+        except Exception as exc:
+            if _refusal(exc):
+                raise
+            await self._settle(request, exc, etag())
+
+    def _multipart_etag(self) -> str | None:
+        """The ETag S3 gives the completed object: the MD5 of the parts' MD5s, ``-`` their count;
+        None if a part's ETag is not an MD5 (as with some encryption settings)."""
+        try:
+            digests = b"".join(bytes.fromhex(tag.strip('"')) for tag in self._etags)
+        except ValueError:
+            return None
+        return f"{_md5_etag(digests)}-{len(self._etags)}"
+
+    async def _settle(self, request: str, failure: Exception, etag: str | None) -> None:
+        """After ``request``, the last one, failed without a clear refusal: return if the object
+        at the key is the one sent (its ETag is ``etag``), raise ``failure`` when the store
+        certainly did not store it, :class:`OutcomeUnknownError` when that cannot be told.
+
+        A pending multipart upload is aborted first: if that works, nothing was stored.
+        """
+        upload_id, self._upload_id = self._upload_id, None
+        aborted: bool | None = None  # whether the store still had the upload pending
+        with self._bounded():
             if upload_id is not None:
-                await self._call("DELETE", f"uploadId={quote(upload_id, safe='')}")
+                with contextlib.suppress(TransportError):
+                    aborted = await self._delete(upload_id)
+                if aborted:
+                    raise failure
+            with contextlib.suppress(TransportError):
+                if etag is not None and await self._stored_etag() == etag:
+                    return
+        pending = upload_id is not None and aborted is None
+        more = "; the multipart upload may still be pending" if pending else ""
+        raise outcome_unknown(request, failure, self.name, more) from failure
+
+    @contextlib.contextmanager
+    def _bounded(self) -> Iterator[anyio.CancelScope]:
+        """The scope a clean-up runs in: shielded from cancellation, ending after
+        ``abort_timeout`` seconds whatever ``timeout`` is. The write's deadline and speed guard,
+        which may be what ended it, do not apply to its clean-up; its timeout still does."""
+        clock, self.clock = self.clock, Clock(Limits(timeout=self.clock.limits.timeout))
+        try:
+            with anyio.CancelScope(
+                deadline=anyio.current_time() + self.abort_timeout, shield=True
+            ) as scope:
+                yield scope
         finally:
-            if self._owns_client:
-                await self._client.aclose()
+            self.clock = clock
+
+    async def _stored_etag(self) -> str | None:
+        """The ETag of the object at the key (without quotes); None if there is none."""
+        try:
+            headers, _ = await self._call("HEAD", "")
+        except HTTPNotFoundError:
+            return None
+        return headers.get("etag", "").strip('"')
+
+    async def _delete(self, upload_id: str) -> bool:
+        """Abort the multipart upload ``upload_id``: True if it was pending, False if gone."""
+        try:
+            await self._call("DELETE", self._upload_query(upload_id))
+        except HTTPNotFoundError:
+            return False
+        return True
+
+    async def _cleaning_up_on_failure(self, step: Awaitable[None]) -> None:
+        """Await ``step``; on any failure or cancellation clean up at once and re-raise, with a
+        note on the error when the clean-up could not finish."""
+        try:
+            await step
+        except BaseException as exc:
+            problem = await self._clean_up()
+            if problem is not None and isinstance(exc, Exception):
+                exc.add_note(problem)
+            raise
+
+    async def _clean_up(self) -> str | None:
+        """Abort the upload, shielded and within ``abort_timeout``: None once nothing of this
+        write is pending, else what may be."""
+        upload_id, self._upload_id = self._upload_id, None
+        creating, self._creating = self._creating, False
+        self._part = bytearray()
+        what = f"multipart upload {upload_id}" if upload_id else "an unnamed multipart upload"
+        problem = None
+        with self._bounded() as scope:
+            try:
+                if upload_id is not None:
+                    await self._delete(upload_id)
+                elif creating:
+                    await self._abort_unnamed()
+            except SafetensorsError as exc:
+                problem = f"aborting {what} of {self.name} failed ({exc}): it may still be pending"
+            finally:
+                if self._owns_client:
+                    await self._client.aclose()
+        if scope.cancelled_caught:
+            problem = (
+                f"aborting {what} of {self.name} took over {self.abort_timeout} s: "
+                "it may still be pending"
+            )
+        return problem
+
+    async def _abort_unnamed(self) -> None:
+        """Abort the upload whose CreateMultipartUpload answer was lost: the key's uploads
+        pending now but not before it."""
+        if self._uploads_before is None:
+            raise TransportError(
+                "its id is unknown and the key's uploads could not be listed before it",
+                url=self.name,
+            )
+        for upload_id in await self._list_uploads() - self._uploads_before:
+            await self._delete(upload_id)
+
+    async def abort(self) -> None:
+        """Abort the multipart upload, if one was started; see the module docstring. Raises
+        :class:`TransportError` when it may be left pending."""
+        problem = await self._clean_up()
+        if problem is not None:
+            raise TransportError(problem)

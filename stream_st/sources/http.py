@@ -51,6 +51,8 @@ _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 class HttpSource(ClientClock, Source):
     """An object at an ``http(s)://`` URL; a whole object, random access when ranges work.
+    ``limits`` (``timeout``, ``deadline``, ``speed_limit``, ``speed_time``) are used unless the
+    reader is given its own.
     Every wait is its client's, so its ``clock`` is the client's."""
 
     def __init__(
