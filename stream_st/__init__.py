@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from ._limits import LimitOptions
+from ._s3 import S3Config
 from .connection import Connection, Listener, connect, listen
 from .convenience import load, save
 from .dtypes import DTYPES, DType, dtype_for
@@ -18,9 +20,13 @@ from .errors import (
     DtypeError,
     HeaderError,
     HeaderTooLargeError,
+    HTTPNotFoundError,
+    HTTPProtocolError,
+    HTTPStatusError,
     OutcomeUnknownError,
     ReadTimeoutError,
     SafetensorsError,
+    SourceChangedError,
     SourceNotFoundError,
     TensorNotFoundError,
     TrailingDataError,
@@ -36,9 +42,15 @@ from .kv import IntegrityError, KVLayout, KVReceiver, receive_kv, send_kv
 from .reader import TensorStream, open_stream, read_header
 from .shard_writer import DatasetWriter, ShardedWriter, open_dataset_writer, open_sharded_writer
 from .sharded import ShardedStream
+from .sinks.http import HttpSink
+from .sinks.s3 import S3Sink
 from .sources.http import HttpSource
 from .sources.s3 import S3Source
 from .writer import TensorParts, TensorWriter, open_writer
+
+# isort: split
+# The HTTP client after the transports: it uses the TCP connect of the sources package.
+from ._http import HTTPClient
 
 __version__ = "0.1.0"
 
@@ -49,20 +61,29 @@ __all__ = [
     "DType",
     "DatasetWriter",
     "DtypeError",
+    "HTTPClient",
+    "HTTPNotFoundError",
+    "HTTPProtocolError",
+    "HTTPStatusError",
     "Header",
     "HeaderError",
     "HeaderTooLargeError",
+    "HttpSink",
     "HttpSource",
     "IntegrityError",
     "KVLayout",
     "KVReceiver",
+    "LimitOptions",
     "Listener",
     "OutcomeUnknownError",
     "ReadTimeoutError",
+    "S3Config",
+    "S3Sink",
     "S3Source",
     "SafetensorsError",
     "ShardedStream",
     "ShardedWriter",
+    "SourceChangedError",
     "SourceNotFoundError",
     "TensorInfo",
     "TensorNotFoundError",

@@ -23,10 +23,12 @@ import anyio.abc
 from ._limits import UNLIMITED, Clock
 from ._util import AsyncClosing
 from .errors import (
+    HTTPNotFoundError,
+    HTTPProtocolError,
+    HTTPStatusError,
     OutcomeUnknownError,
     ReadTimeoutError,
     SafetensorsError,
-    SourceNotFoundError,
     TransportError,
     UnsupportedSourceError,
     UsageError,
@@ -52,26 +54,6 @@ _URL_SAFE = "!#$%&'()*+,/:;=?@[]~"  # kept as is in a request target; the rest i
 _STATUS_LINE = re.compile(r"HTTP/1\.[0-9] ([1-5][0-9]{2})(?: (.*))?", re.DOTALL)
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _STALLED = "the server took no data"
-
-
-class HTTPStatusError(TransportError):
-    """The server answered with an error status. ``status`` holds it, ``url`` the address."""
-
-    def __init__(self, status: int, reason: str, *, url: str, detail: str = "") -> None:
-        message = f"HTTP {status} {reason}".rstrip()
-        if detail:
-            message += f": {detail}"
-        super().__init__(message, url=url)
-        self.status = status
-
-
-class HTTPNotFoundError(HTTPStatusError, SourceNotFoundError):
-    """HTTP 404: there is nothing at the address."""
-
-
-class HTTPProtocolError(TransportError):
-    """The server's answer breaks HTTP/1.1 (status line, body framing) or what was asked
-    (e.g. a range other than the one requested). Retrying the same request will not help."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,10 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     │                                 fewer bytes than planned, a tensor unwritten at close
     └── TransportError                the underlying I/O failed; carries the URL and position
         ├── SourceNotFoundError       the file or object does not exist (also FileNotFoundError)
+        ├── HTTPStatusError           the server answered with an error status (``.status``)
+        │   └── HTTPNotFoundError     HTTP 404 (also a SourceNotFoundError)
+        ├── HTTPProtocolError         an answer that breaks HTTP or does not match the request
+        ├── SourceChangedError        the object changed on the server during one read
         ├── ReadTimeoutError          a peer or server sent nothing for too long, the deadline
         │                             passed or the transfer stayed below the speed limit
         │                             (also TimeoutError)
@@ -32,11 +36,15 @@ from __future__ import annotations
 __all__ = [
     "AllocationError",
     "DtypeError",
+    "HTTPNotFoundError",
+    "HTTPProtocolError",
+    "HTTPStatusError",
     "HeaderError",
     "HeaderTooLargeError",
     "OutcomeUnknownError",
     "ReadTimeoutError",
     "SafetensorsError",
+    "SourceChangedError",
     "SourceNotFoundError",
     "TensorNotFoundError",
     "TrailingDataError",
@@ -160,4 +168,31 @@ class OutcomeUnknownError(TransportError):
     The destination may or may not hold the complete object now: check it before relying on it
     or writing again. Raised instead of a plain :class:`TransportError` whenever the writer cannot
     tell whether the object was stored.
+    """
+
+
+class HTTPStatusError(TransportError):
+    """The server answered with an error status. ``status`` holds it, ``url`` the address."""
+
+    def __init__(self, status: int, reason: str, *, url: str, detail: str = "") -> None:
+        message = f"HTTP {status} {reason}".rstrip()
+        if detail:
+            message += f": {detail}"
+        super().__init__(message, url=url)
+        self.status = status
+
+
+class HTTPNotFoundError(HTTPStatusError, SourceNotFoundError):
+    """HTTP 404: there is nothing at the address."""
+
+
+class HTTPProtocolError(TransportError):
+    """The server's answer breaks HTTP/1.1 (status line, body framing) or what was asked
+    (e.g. a range other than the one requested). Retrying the same request will not help."""
+
+
+class SourceChangedError(TransportError):
+    """The object at a URL changed while it was being read: a later request of the same read
+    found another version (another ETag or Last-Modified than the first answer's). Nothing of
+    the new version is delivered mixed with the old; read again from the start.
     """
