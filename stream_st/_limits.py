@@ -203,13 +203,18 @@ class Clock:
         return bound, reason
 
     def _waited(self, seconds: float, name: str | None, position: int | None) -> None:
-        """Count a wait that ended in time against the speed windows."""
-        self._window_waited += seconds
-        while self._window_waited >= self._speed_time():
-            if self._window_bytes < self._needed():
-                raise self._error(self._too_slow(), name, position)
-            self._window_waited -= self._speed_time()
-            self._window_bytes = 0
+        """Count a wait that ended in time against the speed windows.
+
+        The bytes moved so far count for the first window the wait ends; any later one it spans
+        saw none. Constant time, however many windows that is (``speed_time`` may be tiny).
+        """
+        ended, self._window_waited = divmod(self._window_waited + seconds, self._speed_time())
+        if not ended:
+            return
+        needed = self._needed()  # 0 only when speed_limit * speed_time underflows
+        if self._window_bytes < needed or (ended > 1 and needed > 0):
+            raise self._error(self._too_slow(), name, position)
+        self._window_bytes = 0
 
     def _speed_time(self) -> float:
         assert self.limits.speed_time is not None
