@@ -28,6 +28,7 @@ from stream_st._limits import Limits
 from stream_st.demo import run_demo
 
 from ._util import sample_file, sample_tensors
+from .http_server import RangeHTTPServer
 
 HANG_GUARD = 10  # seconds: a limit that works stops each transfer long before this
 TRICKLED = sample_file()  # a byte every TRICKLE_INTERVAL: about 30 s for the whole file
@@ -363,3 +364,13 @@ def test_speed_windows_far_shorter_than_a_wait_are_counted_at_once() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(len(sample_tensors()))]
+
+
+async def test_the_deadline_ends_an_http_read_without_retrying_past_it() -> None:
+    """Every answer comes after 1 s: a deadline of 0.3 s ends the read when it passes, saying
+    so. A failed request is retried after a growing back-off (1.75 s in all) only while the
+    deadline has not passed; it used to retry past it, and to end on "cannot connect"."""
+    with RangeHTTPServer(objects={"/slow.safetensors": sample_file()}, latency=1.0) as server:
+        url = server.url("/slow.safetensors")
+        with pytest.raises(ReadTimeoutError, match=r"deadline of 0\.3 s passed"):
+            await stream_st.load(url, deadline=0.3)
