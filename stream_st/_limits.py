@@ -159,6 +159,14 @@ class Clock:
         if self._ends_at is not None and time.monotonic() >= self._ends_at:
             raise ReadTimeoutError(self._deadline_passed(), url=name, position=position)
 
+    async def pause(self, seconds: float, name: str, position: int | None = None) -> None:
+        """Sleep ``seconds`` before another attempt, never past the deadline: when it comes
+        first, raise :class:`~stream_st.ReadTimeoutError` then (at once if it has passed)."""
+        left = math.inf if self._ends_at is None else self._ends_at - time.monotonic()
+        await anyio.sleep(max(0.0, min(seconds, left)))
+        if left <= seconds:
+            raise ReadTimeoutError(self._deadline_passed(), url=name, position=position)
+
     @contextmanager
     def waiting(
         self, name: str | None = None, position: int | None = None, *, stalled: str = "no data"
@@ -203,13 +211,18 @@ class Clock:
         return bound, reason
 
     def _waited(self, seconds: float, name: str | None, position: int | None) -> None:
-        """Count a wait that ended in time against the speed windows."""
-        self._window_waited += seconds
-        while self._window_waited >= self._speed_time():
-            if self._window_bytes < self._needed():
-                raise self._error(self._too_slow(), name, position)
-            self._window_waited -= self._speed_time()
-            self._window_bytes = 0
+        """Count a wait that ended in time against the speed windows.
+
+        The bytes moved so far count for the first window the wait ends; any later one it spans
+        saw none. Constant time, however many windows that is (``speed_time`` may be tiny).
+        """
+        ended, self._window_waited = divmod(self._window_waited + seconds, self._speed_time())
+        if not ended:
+            return
+        needed = self._needed()  # 0 only when speed_limit * speed_time underflows
+        if self._window_bytes < needed or (ended > 1 and needed > 0):
+            raise self._error(self._too_slow(), name, position)
+        self._window_bytes = 0
 
     def _speed_time(self) -> float:
         assert self.limits.speed_time is not None

@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 
@@ -24,6 +26,10 @@ from . import tools
 from ._limits import LimitOptions
 from .demo import print_report, run_demo
 from .errors import SafetensorsError
+from .sources import path_from_url
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
@@ -38,7 +44,7 @@ def _progress(
     from rich.console import Console
 
     console = Console(stderr=True)
-    if quiet or not console.is_terminal:
+    if not _bar_shown(quiet, console):
         yield None
         return
     from rich.progress import (
@@ -117,18 +123,55 @@ async def _inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _totals(source: str, limits: LimitOptions) -> tuple[int | None, int | None]:
-    """Bytes and tensors to expect, for the progress bar; unknown for a tcp:// peer, which
-    sends its message once."""
+def _bar_shown(quiet: bool, console: Console | None = None) -> bool:
+    """Whether a progress bar is drawn: not when quiet or when stderr is not a terminal."""
+    if quiet:
+        return False
+    from rich.console import Console
+
+    return (console or Console(stderr=True)).is_terminal
+
+
+def _read_once(source: str) -> bool:
+    """Whether ``source`` gives its bytes only once: a tcp:// peer sends its message once, a
+    pipe, FIFO or device (``/dev/stdin``) hands each byte to one reader."""
     if source.lower().startswith("tcp://"):
-        return None, None
-    found = await tools.inspect(source, **limits)
-    return found.data_bytes, found.tensor_count
+        return True
+    if "://" in source and not source.lower().startswith("file://"):
+        return False
+    try:
+        path = path_from_url(source) if "://" in source else source
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError, SafetensorsError):
+        return False  # the command itself reports it
+
+
+async def _totals(
+    sources: Sequence[str], limits: LimitOptions, quiet: bool
+) -> tuple[int | None, int | None, LimitOptions]:
+    """Bytes and tensors to expect from ``sources``, for the progress bar, and the limits left
+    for the command itself: the look-up counts against its deadline.
+
+    Nothing is looked up when no bar is drawn, and the totals are unknown when a source gives
+    its bytes only once (the look-up would take the header the command then reads).
+    """
+    if not _bar_shown(quiet) or any(_read_once(source) for source in sources):
+        return None, None, limits
+    began = time.monotonic()
+    total = count = 0
+    for source in sources:
+        found = await tools.inspect(source, **limits)
+        total, count = total + found.data_bytes, count + found.tensor_count
+    deadline = limits.get("deadline")
+    if isinstance(deadline, float) and deadline > 0:  # a bad value is reported where it is used
+        limits = {**limits, "deadline": max(0.0, deadline - (time.monotonic() - began))}
+    return total, count, limits
 
 
 async def _hash(args: argparse.Namespace) -> int:
-    limits = _limits(args)
-    total, count = await _totals(args.source, limits) if args.content else (0, 0)
+    total, count, limits = await _totals(
+        [args.source] if args.content else [], _limits(args), args.quiet
+    )
     with _progress("hashing", total, count, args.quiet) as progress:
         result = await tools.hash(args.source, content=args.content, progress=progress, **limits)
     if args.json:
@@ -141,15 +184,8 @@ async def _hash(args: argparse.Namespace) -> int:
 
 
 async def _diff(args: argparse.Namespace) -> int:
-    limits = _limits(args)
-    total: int | None = 0
-    count: int | None = 0
-    if args.content:
-        (bytes_a, count_a), (bytes_b, count_b) = [
-            await _totals(source, limits) for source in (args.a, args.b)
-        ]
-        total = None if bytes_a is None or bytes_b is None else bytes_a + bytes_b
-        count = None if count_a is None or count_b is None else count_a + count_b
+    sources = [args.a, args.b] if args.content else []
+    total, count, limits = await _totals(sources, _limits(args), args.quiet)
     with _progress("comparing", total, count, args.quiet) as progress:
         result = await tools.diff(args.a, args.b, content=args.content, progress=progress, **limits)
     if args.json:
@@ -192,8 +228,7 @@ def _load_shapes(path: str | None) -> dict[str, list[int]] | None:
 
 
 async def _validate(args: argparse.Namespace) -> int:
-    limits = _limits(args)
-    total, count = await _totals(args.source, limits)
+    total, count, limits = await _totals([args.source], _limits(args), args.quiet)
     with _progress("validating", total, count, args.quiet) as progress:
         result = await tools.validate(
             args.source,
@@ -232,8 +267,7 @@ async def _validate(args: argparse.Namespace) -> int:
 
 
 async def _cp(args: argparse.Namespace) -> int:
-    limits = _limits(args)
-    total, count = await _totals(args.src, limits)
+    total, count, limits = await _totals([args.src], _limits(args), args.quiet)
     with _progress("copying", total, count, args.quiet) as progress:
         header = await tools.cp(
             args.src,

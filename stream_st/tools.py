@@ -195,14 +195,8 @@ async def content_digests(
     **limits: Unpack[LimitOptions],
 ) -> dict[str, str]:
     """sha256 (hex) of each tensor's bytes, streamed one tensor at a time."""
-    return await _content_digests(source, _clock(limits), include, progress)
-
-
-async def _content_digests(
-    source: SourceLike, clock: Clock, include: Iterable[str] | None, progress: Progress | None
-) -> dict[str, str]:
     selected = None if include is None else list(include)
-    async with _opened(source, clock, include=selected) as (stream, _):
+    async with _opened(source, _clock(limits), include=selected) as (stream, _):
         return await _digest_stream(stream, progress)
 
 
@@ -283,8 +277,39 @@ async def diff(
     """Compare tensors (names, dtypes, shapes, byte lengths) and metadata; with ``content``, also
     the bytes of tensors the two have in common, both streamed at once in constant memory."""
     clock = _clock(limits)
-    headers_a = await headers_of(a, clock)
-    headers_b = await headers_of(b, clock)
+    compared: set[str] = set()  # filled once both headers are known, before any data is read
+    async with (
+        _opened(a, clock, include=compared.__contains__) as (stream_a, headers_a),
+        _opened(b, clock, include=compared.__contains__) as (stream_b, headers_b),
+    ):
+        result, common = _compare(headers_a, headers_b)
+        if content:
+            compared.update(common)
+            digests: list[dict[str, str]] = [{}, {}]
+            totals = [0, 0]
+
+            def report(side: int) -> Progress:
+                def update(done_bytes: int, done: int) -> None:
+                    totals[side] = done_bytes
+                    if progress is not None:
+                        progress(totals[0] + totals[1], done)
+
+                return update
+
+            async def run(side: int, stream: TensorStream) -> None:
+                digests[side] = await _digest_stream(stream, report(side))
+
+            async with task_group() as group:
+                group.start_soon(run, 0, stream_a)
+                group.start_soon(run, 1, stream_b)
+            result.content_compared = True
+            result.content_differs = [n for n in common if digests[0][n] != digests[1][n]]
+    return result
+
+
+def _compare(headers_a: Sequence[Header], headers_b: Sequence[Header]) -> tuple[Diff, list[str]]:
+    """What differs between two files' headers, tensors (names, dtypes, shapes, byte lengths)
+    and metadata; and the names of the tensors both hold alike, whose bytes may be compared."""
     tensors_a = {t.name: t for t in _tensors(headers_a)}
     tensors_b = {t.name: t for t in _tensors(headers_b)}
     result = Diff(
@@ -312,28 +337,8 @@ async def diff(
         for k in sorted(meta_a.keys() & meta_b.keys())
         if meta_a[k] != meta_b[k]
     }
-    if content:
-        common = [n for n in sorted(tensors_a.keys() & tensors_b.keys()) if n not in result.changed]
-        digests: list[dict[str, str]] = [{}, {}]
-        totals = [0, 0]
-
-        def report(side: int) -> Progress:
-            def update(done_bytes: int, done: int) -> None:
-                totals[side] = done_bytes
-                if progress is not None:
-                    progress(totals[0] + totals[1], done)
-
-            return update
-
-        async def run(side: int, source: SourceLike) -> None:
-            digests[side] = await _content_digests(source, clock, common, report(side))
-
-        async with task_group() as group:
-            group.start_soon(run, 0, a)
-            group.start_soon(run, 1, b)
-        result.content_compared = True
-        result.content_differs = [n for n in common if digests[0][n] != digests[1][n]]
-    return result
+    same = [n for n in sorted(tensors_a.keys() & tensors_b.keys()) if n not in result.changed]
+    return result, same
 
 
 # ---------------------------------------------------------------- validate

@@ -367,7 +367,7 @@ class Suite:
 
         def source(**options: Any) -> HttpSource:
             url = f"http://127.0.0.1:{port}/model"
-            return HttpSource(url, timeout=TIMEOUT, backoff=0.01, **options)
+            return HttpSource(url, backoff=0.01, **options)  # limits: read_checked
 
         reads: dict[str, Callable[[], Awaitable[Arrays]]] = {
             "http": lambda: read_checked(source()),
@@ -377,7 +377,6 @@ class Suite:
                 S3Source(
                     f"s3://{BUCKET}/model",
                     config=self.s3_config(port),
-                    timeout=TIMEOUT,
                     backoff=0.01,
                 )
             ),
@@ -392,7 +391,6 @@ class Suite:
             dst = S3Sink(
                 f"s3://{BUCKET}/out-{seed}",
                 config=self.s3_config(port),
-                timeout=TIMEOUT,
                 part_size=MIN_PART_SIZE,
             )
         elif name == "tcp-write":
@@ -614,7 +612,7 @@ async def concurrent_streams(suite: Suite, count: int, seed: int) -> tuple[list[
 
     async def one(index: int) -> None:
         deadline = rng.uniform(0, 0.5) if rng.random() < 0.25 else None
-        src = HttpSource(suite.http.url("/model"), timeout=5.0)
+        src = HttpSource(suite.http.url("/model"))
         outcome, value = await guarded(lambda: drain(src), deadline)
         counts[outcome] += 1
         if outcome == "hang" or (outcome == "raised" and not isinstance(value, SafetensorsError)):
@@ -641,7 +639,7 @@ async def concurrent_streams(suite: Suite, count: int, seed: int) -> tuple[list[
 
 async def drain(src: HttpSource) -> None:
     """Read every tensor and drop it; the last must match the payload."""
-    async with stream_st.open_stream(src) as stream:
+    async with stream_st.open_stream(src, timeout=5.0) as stream:
         async for name, array in stream:
             if not np.array_equal(array, PAYLOAD[name]):
                 raise Violation(f"tensor {name!r} differs")

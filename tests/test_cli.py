@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -387,3 +388,68 @@ def test_cp_between_servers_and_interrupted_copy(model: Path, tmp_path: Path) ->
         failed = run("cp", server.url("/m.safetensors"), str(target))
     assert failed.returncode == 2
     assert not target.exists() and list(tmp_path.iterdir()) == [model]
+
+
+def _run_with_stdin(
+    args: list[str], data: bytes, *, terminal: bool
+) -> subprocess.CompletedProcess[bytes]:
+    """The command with ``data`` piped to its stdin; stderr a terminal (a progress bar is drawn)
+    or a pipe, its text in the result."""
+    reader, writer = os.openpty() if terminal else os.pipe()
+    try:
+        result = subprocess.run(
+            [COMMAND, *args], input=data, stdout=subprocess.PIPE, stderr=writer, timeout=120
+        )
+        os.close(writer)
+        writer = -1
+        chunks = []
+        with contextlib.suppress(OSError):  # a terminal's end reads EIO once drained
+            while chunk := os.read(reader, 1 << 16):
+                chunks.append(chunk)
+        result.stderr = b"".join(chunks)
+        return result
+    finally:
+        if writer >= 0:
+            os.close(writer)
+        os.close(reader)
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["no bar", "progress bar"])
+def test_commands_read_a_pipe_once(model: Path, tmp_path: Path, terminal: bool) -> None:
+    """The progress bar's totals are looked up by reading the header first; a pipe gives its
+    bytes once, so that look-up took the header the command itself then missed."""
+    data = model.read_bytes()
+    content_line = run("hash", "--content", str(model)).stdout.splitlines()[1]
+    out = tmp_path / "copy.safetensors"
+    for args, want in [
+        (["validate", "/dev/stdin"], b"valid: 3 tensors"),
+        (["hash", "--content", "/dev/stdin"], content_line.split()[1].encode()),
+        (["diff", "--content", "/dev/stdin", str(model)], b"equal (content compared)"),
+        (["cp", "/dev/stdin", str(out)], b""),
+    ]:
+        result = _run_with_stdin(args, data, terminal=terminal)
+        assert result.returncode == 0 and want in result.stdout, (args, result)
+    assert out.read_bytes() == data
+
+
+async def test_diff_content_reads_each_source_once(model: Path) -> None:
+    """tools.diff(content=True) compares the headers and then the bytes of the same open
+    streams: an async iterator of chunks is read once, never a second time from its middle."""
+    data = model.read_bytes()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(data), 100):
+            yield data[start : start + 100]
+
+    result = await tools.diff(chunks(), str(model), content=True)
+    assert result.equal and result.content_compared
+
+
+def test_the_progress_totals_count_against_the_deadline(model: Path) -> None:
+    """With a progress bar, the command first looks up its totals (one request here), then
+    reads (another): each answer takes 1 s, so a deadline of 1.5 s for the whole command
+    passes, however each part alone would fit in it."""
+    with RangeHTTPServer(objects={"/model.safetensors": model.read_bytes()}, latency=1.0) as server:
+        args = ["validate", "--deadline", "1.5", server.url("/model.safetensors")]
+        result = _run_with_stdin(args, b"", terminal=True)
+    assert result.returncode == 2 and b"deadline of" in result.stderr, result

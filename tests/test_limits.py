@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import os
 import socket
+import subprocess
+import sys
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -25,6 +28,7 @@ from stream_st._limits import Limits
 from stream_st.demo import run_demo
 
 from ._util import sample_file, sample_tensors
+from .http_server import RangeHTTPServer
 
 HANG_GUARD = 10  # seconds: a limit that works stops each transfer long before this
 TRICKLED = sample_file()  # a byte every TRICKLE_INTERVAL: about 30 s for the whole file
@@ -334,3 +338,50 @@ def test_good_values_and_their_defaults() -> None:
     two: Any = np.float32(2)  # any real number type
     assert Limits(timeout=two, deadline=0) == Limits(timeout=2.0, deadline=0.0)
     assert not Limits().limited and Limits(timeout=1).limited
+
+
+# ---------------------------------------------------------------- extreme but valid values
+
+_TINY_WINDOWS = """
+import anyio, stream_st
+from tests._util import sample_file
+
+async def chunks():
+    data = sample_file()
+    for start in range(0, len(data), 7):
+        yield data[start : start + 7]  # no await: each wait ends at once, past many windows
+
+async def main():
+    found = await stream_st.load(chunks(), speed_limit=1e-300, speed_time=1e-30)
+    print(len(found))
+
+anyio.run(main)
+"""
+
+
+def test_speed_windows_far_shorter_than_a_wait_are_counted_at_once() -> None:
+    """A wait spans about 10**24 windows of 1e-30 s, and the bytes a window needs (1e-330)
+    round to 0: every window is fast enough, and counting them must not take one step each
+    (a step that never ends, since subtracting 1e-30 from a microsecond changes nothing). In a
+    child process: the loop it guards against would never yield to a timeout."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", _TINY_WINDOWS],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD * 3,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(len(sample_tensors()))]
+
+
+async def test_the_deadline_ends_an_http_read_without_retrying_past_it() -> None:
+    """Every answer comes after 1 s: a deadline of 0.3 s ends the read when it passes, saying
+    so. A failed request is retried after a growing back-off (1.75 s in all) only while the
+    deadline has not passed; it used to retry past it, and to end on "cannot connect"."""
+    with RangeHTTPServer(objects={"/slow.safetensors": sample_file()}, latency=1.0) as server:
+        url = server.url("/slow.safetensors")
+        with pytest.raises(ReadTimeoutError, match=r"deadline of 0\.3 s passed"):
+            await stream_st.load(url, deadline=0.3)

@@ -31,7 +31,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Unpack
 
-import anyio
 import numpy as np
 
 from .._http import ClientClock, HTTPClient, HTTPProtocolError, Response, raise_for_status
@@ -164,8 +163,13 @@ class HttpSource(ClientClock, Source):
                     await raise_for_status(response, name=self.name)
                     return response
                 await response.aclose()
-            await anyio.sleep(self._backoff * 2**attempt)
+            await self._back_off(attempt + 1, start)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _back_off(self, failures: int, position: int) -> None:
+        """Wait before the next attempt after ``failures`` failed ones (exponential back-off);
+        a deadline that passes first ends the read instead."""
+        await self.clock.pause(self._backoff * 2 ** (failures - 1), self.name, position)
 
     def prepare_headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
         """The headers to send with a request; object stores sign them here."""
@@ -291,7 +295,7 @@ class HttpSource(ClientClock, Source):
                     if isinstance(exc, ReadTimeoutError):
                         raise
                     break
-                await anyio.sleep(self._backoff * 2 ** (failures - 1))
+                await self._back_off(failures, start + got)
         return got
 
     async def skip(self, count: int) -> int:
@@ -342,7 +346,7 @@ class HttpSource(ClientClock, Source):
                     if isinstance(exc, ReadTimeoutError):
                         raise
                     break  # the body ended early: the reader reports the truncation
-                await anyio.sleep(self._backoff * 2 ** (failures - 1))
+                await self._back_off(failures, at)
                 continue
             if got == 0:
                 await self._close_response()
