@@ -19,8 +19,9 @@ import operator
 import re
 import reprlib
 import struct
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from json.scanner import make_scanner
 from math import prod
@@ -627,22 +628,47 @@ _PAUSE_COLLECTOR_ABOVE = 1 << 20
 """Header bytes above which the parse pauses the cyclic garbage collector."""
 
 
-@contextmanager
-def _collector_paused(header_size: int) -> Iterator[None]:
-    """Pause the cyclic garbage collector while a big header is parsed.
+class _CollectorPause:
+    """The cyclic garbage collector paused while any big header is parsed, in any thread.
 
     A big header makes millions of objects, none in a reference cycle, and every collection
-    their allocation triggers walks all of them again: a third of the time of a header of a
-    million tensors. The collector is enabled again afterwards unless it was already off.
+    their allocation triggers walks all of them again: a quarter of the time of a header of a
+    million tensors. The collector is process-global, so the pause is counted: the first parse
+    to begin turns it off (unless it already was), the last to end turns it back on. A parse
+    that restored what it found would turn it on under another parse still running.
     """
-    if header_size <= _PAUSE_COLLECTOR_ABOVE or not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parses = 0  # parses inside the pause
+        self._turned_off = False  # the first of them found the collector on
+
+    @contextmanager
+    def during(self) -> Iterator[None]:
+        """Pause the collector for the ``with`` block."""
+        with self._lock:
+            if not self._parses:
+                self._turned_off = gc.isenabled()
+                gc.disable()
+            self._parses += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._parses -= 1
+                if not self._parses and self._turned_off:
+                    gc.enable()
+
+
+_COLLECTOR_PAUSE = _CollectorPause()
+
+
+def _collector_paused(header_size: int) -> AbstractContextManager[None]:
+    """The collector paused (see :class:`_CollectorPause`) for a header over
+    ``_PAUSE_COLLECTOR_ABOVE`` bytes; nothing for a smaller one."""
+    if header_size <= _PAUSE_COLLECTOR_ABOVE:
+        return nullcontext()
+    return _COLLECTOR_PAUSE.during()
 
 
 def _plan_list(specs: Iterable[TensorSpec]) -> list[TensorSpec]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import struct
+import threading
 from typing import Any
 
 import ml_dtypes
@@ -20,6 +22,7 @@ from stream_st import (
     build_header,
     parse_header,
 )
+from stream_st import header as header_module
 from stream_st.dtypes import array_shape, dtype_for, dtype_from_code
 from stream_st.errors import DtypeError, UsageError
 from stream_st.header import parse_header_length, plan_order
@@ -382,3 +385,36 @@ def test_plan_order_is_descending_alignment_then_name() -> None:
         TensorSpec("m", "F16", (1,)),
     ]
     assert [s.name for s in plan_order(specs)] == ["z", "m", "a", "b"]
+
+
+def test_two_big_parses_at_once_keep_the_collector_paused_until_the_last_ends() -> None:
+    """The garbage collector is process-global: a big parse that ends in one thread does not
+    turn it back on under another still running, and the last one to end restores it."""
+    big = 2 * header_module._PAUSE_COLLECTOR_ABOVE
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    during_second: list[bool] = []
+
+    def first() -> None:
+        with header_module._collector_paused(big):
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(10)
+        with header_module._collector_paused(big):
+            second_in.set()
+            first_out.wait(10)
+            during_second.append(gc.isenabled())
+
+    assert gc.isenabled()
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert during_second == [False]
+        assert gc.isenabled()
+    finally:
+        gc.enable()

@@ -282,17 +282,11 @@ class PipeSink(PipeEnd, Sink):
         return cls(await _open_for_writing(name, clock), name, clock=clock)
 
     async def send(self, buffer: memoryview) -> None:
-        while buffer:
-            try:
-                written = os.write(self._fd, buffer)
-            except BlockingIOError:
-                await self._wait(writable=True, what="the reader took no data")
-                continue
-            except OSError as exc:
-                raise self._failure("write", exc) from exc
-            buffer = buffer[written:]
-            self.position += written
-            self.clock.moved(written)
+        await self._send_all(self._write, buffer)
+
+    def _write(self, view: memoryview) -> int:
+        """One non-blocking ``write`` of ``view``."""
+        return os.write(self._handle, view)
 
     async def aclose(self) -> None:
         """Close the file: the message is complete."""

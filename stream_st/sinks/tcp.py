@@ -25,22 +25,11 @@ class SocketSink(SocketEnd, Sink):
         self._claim()  # the writer announces the message before its first byte
 
     async def send(self, buffer: memoryview) -> None:
-        view = buffer.cast("B") if buffer.format != "B" else buffer
-        while view:
-            try:
-                sent = self._sock.send(view)
-            except BlockingIOError:
-                await self._wait(writable=True)
-                continue
-            except OSError as exc:
-                raise self._failure("send", exc) from exc
-            view = view[sent:]
-            self.position += sent
-            self.clock.moved(sent)
+        await self._send_all(self._handle.send, buffer)
 
     async def abort(self) -> None:
         if self._turn is not None and not self._turn.held_by(self):
             return  # refused the connection's turn: sent nothing, and must not end another message
         with contextlib.suppress(OSError):  # already gone: nothing to tell the peer
-            self._sock.shutdown(socket.SHUT_RDWR)
-        close_socket(self._sock)  # a lent socket too: the connection refuses further messages
+            self._handle.shutdown(socket.SHUT_RDWR)
+        close_socket(self._handle)  # a lent socket too: the connection refuses further messages

@@ -24,6 +24,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from .._limits import UNLIMITED, Clock
+from .._nonblocking import NonBlockingEnd
 from .._util import task_group
 from ..errors import SourceNotFoundError, TransportError, UsageError
 from .base import Source
@@ -186,42 +187,19 @@ class FileSource(Source):
             self._fd = -1
 
 
-class PipeEnd:
-    """What a pipe source and a pipe sink share: the non-blocking descriptor, the name to report,
-    the wait for the descriptor bounded by ``clock``, and closing it."""
+class PipeEnd(NonBlockingEnd[int]):
+    """What a pipe source and a pipe sink share: the non-blocking descriptor ``fd``, the name to
+    report, the waits bounded by ``clock`` (see :class:`~stream_st._nonblocking.NonBlockingEnd`),
+    and closing it."""
 
-    name: str
-    position: int
-
-    def __init__(self, fd: int, name: str, *, clock: Clock = UNLIMITED) -> None:
-        super().__init__()
-        self._fd = fd
-        self.name = name
-        self.clock = clock
-
-    def _failure(self, doing: str, exc: OSError) -> TransportError:
-        reason = exc.strerror or str(exc)
-        return TransportError(f"{doing} failed: {reason}", url=self.name, position=self.position)
-
-    async def _wait(self, *, writable: bool, what: str) -> None:
-        """Wait until the descriptor can be written (or read), within the clock's limits;
-        ``what`` says, on a timeout, what did not happen."""
-        with self.clock.waiting(self.name, self.position, stalled=what):
-            try:
-                if writable:
-                    await anyio.wait_writable(self._fd)
-                else:
-                    await anyio.wait_readable(self._fd)
-            except anyio.ClosedResourceError as exc:
-                raise TransportError(
-                    "the file was closed on this side", url=self.name, position=self.position
-                ) from exc
-            except OSError as exc:  # EPERM: a device that cannot be waited on
-                raise self._failure("waiting", exc) from exc
+    receiving = "read"
+    sending = "write"
+    closed_here = "the file was closed on this side"
+    peer_stalled = "the reader took no data"
 
     def _close(self) -> None:
         """Close the descriptor, first waking any task waiting on it; closing twice is a no-op."""
-        fd, self._fd = self._fd, -1
+        fd, self._handle = self._handle, -1
         if fd >= 0:
             anyio.notify_closing(fd)
             os.close(fd)
@@ -245,19 +223,13 @@ class PipeSource(PipeEnd, Source):
         if not buffer:
             return 0
         if self._wait_first:
-            await self._wait(writable=False, what="no data")
+            await self._wait(writable=False)
             self._wait_first = False
-        while True:
-            try:
-                count = os.readv(self._fd, [buffer])
-            except BlockingIOError:
-                await self._wait(writable=False, what="no data")
-                continue
-            except OSError as exc:
-                raise self._failure("read", exc) from exc
-            self.position += count
-            self.clock.moved(count)
-            return count
+        return await self._receive(self._readv, buffer)
+
+    def _readv(self, buffer: memoryview) -> int:
+        """One non-blocking ``readv`` into ``buffer``."""
+        return os.readv(self._handle, [buffer])
 
     async def aclose(self) -> None:
         self._close()

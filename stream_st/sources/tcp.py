@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import anyio
 
 from .._limits import UNLIMITED, Clock
+from .._nonblocking import NonBlockingEnd
 from ..errors import TransportError, UnsupportedSourceError, UsageError
 from .base import Source
 
@@ -143,17 +144,15 @@ class Turn:
         return self._holder is end
 
 
-class SocketEnd:
-    """What a socket source and a socket sink share: the socket, the name to report, the wait
-    for the socket bounded by ``clock``, and who closes the socket.
+class SocketEnd(NonBlockingEnd[socket.socket]):
+    """What a socket source and a socket sink share: the socket, the name to report, the waits
+    bounded by ``clock`` (see :class:`~stream_st._nonblocking.NonBlockingEnd`), and who closes
+    the socket.
 
     Without a ``turn`` the end owns the socket and closing the end closes it. With one, the socket
     is lent by a :class:`~stream_st.Connection` for one message: the end holds the turn while it
     carries the message (see :meth:`_claim`) and closing it leaves the socket open.
     """
-
-    name: str
-    position: int
 
     def __init__(
         self,
@@ -163,10 +162,7 @@ class SocketEnd:
         clock: Clock = UNLIMITED,
         turn: Turn | None = None,
     ) -> None:
-        super().__init__()
-        self._sock = sock
-        self.name = name
-        self.clock = clock
+        super().__init__(sock, name, clock=clock)
         self._turn = turn
 
     def _claim(self) -> None:
@@ -174,28 +170,9 @@ class SocketEnd:
         if self._turn is not None:
             self._turn.claim(self)
 
-    def _failure(self, doing: str, exc: OSError | None = None) -> TransportError:
-        """The error for a failed receive or send, or (no ``exc``) a socket closed meanwhile."""
-        if exc is None or self._sock.fileno() < 0:
-            reason = "the connection was closed on this side"
-        else:
-            reason = exc.strerror or str(exc)
-        return TransportError(f"{doing} failed: {reason}", url=self.name, position=self.position)
-
-    async def _wait(self, *, writable: bool) -> None:
-        stalled = "the peer took no data" if writable else "no data"
-        try:
-            with self.clock.waiting(self.name, self.position, stalled=stalled):
-                if writable:
-                    await anyio.wait_writable(self._sock)
-                else:
-                    await anyio.wait_readable(self._sock)
-        except anyio.ClosedResourceError as exc:
-            raise self._failure("send" if writable else "receive") from exc
-
     async def aclose(self) -> None:
         if self._turn is None:
-            close_socket(self._sock)
+            close_socket(self._handle)
         else:
             self._turn.release(self)
 
@@ -216,17 +193,7 @@ class SocketSource(SocketEnd, Source):
     async def receive_into(self, buffer: memoryview) -> int:
         if not buffer:
             return 0
-        while True:
-            try:
-                count = self._sock.recv_into(buffer)
-            except BlockingIOError:
-                await self.wait_readable()
-                continue
-            except OSError as exc:
-                raise self._failure("receive", exc) from exc
-            self.position += count
-            self.clock.moved(count)
-            return count
+        return await self._receive(self._handle.recv_into, buffer)
 
     def message_read(self) -> None:
         if self._turn is not None:
@@ -240,7 +207,7 @@ class SocketSource(SocketEnd, Source):
         """
         while True:
             try:
-                return self._sock.recv(1, socket.MSG_PEEK) == b""
+                return self._handle.recv(1, socket.MSG_PEEK) == b""
             except BlockingIOError:
                 await self.wait_readable()
             except OSError as exc:
