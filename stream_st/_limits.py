@@ -168,6 +168,18 @@ class Clock:
             raise ReadTimeoutError(self._deadline_passed(), url=name, position=position)
 
     @contextmanager
+    def within_deadline(self, name: str, position: int | None = None) -> Iterator[None]:
+        """Bound work that is no wait for data (a big header's parse) by the deadline alone;
+        :class:`~stream_st.ReadTimeoutError` when it passes."""
+        if self._ends_at is None:
+            yield
+            return
+        with anyio.move_on_after(self._ends_at - time.monotonic()) as scope:
+            yield
+        if scope.cancelled_caught:
+            raise ReadTimeoutError(self._deadline_passed(), url=name, position=position)
+
+    @contextmanager
     def waiting(
         self, name: str | None = None, position: int | None = None, *, stalled: str = "no data"
     ) -> Iterator[None]:

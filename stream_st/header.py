@@ -579,7 +579,9 @@ def _data_order(tensors: list[TensorInfo]) -> list[TensorInfo]:
 _offsets = operator.attrgetter("start", "end")
 
 
-def parse_header(raw: bytes | bytearray | memoryview) -> Header:
+def parse_header(
+    raw: bytes | bytearray | memoryview, *, stop: Callable[[], bool] | None = None
+) -> Header:
     """Parse and fully validate the N header bytes (without the 8-byte prefix).
 
     Checks UTF-8, a leading ``{``, strict JSON (no duplicate keys at any level, no NaN, no lone
@@ -590,6 +592,8 @@ def parse_header(raw: bytes | bytearray | memoryview) -> Header:
     hold every shape (see :func:`_data_size`).
 
     Time and memory are linear in the header's size; it stops at the first tensor found bad.
+    ``stop``, asked every few thousand tensors, ends a parse nobody waits for any more (one in a
+    worker thread whose caller was cancelled) with :class:`UsageError`.
     """
     try:
         text = str(raw, "utf-8")
@@ -601,15 +605,21 @@ def parse_header(raw: bytes | bytearray | memoryview) -> Header:
         raise HeaderError(f"header must begin with '{{', begins with {text[:16]!r}")
     header_size = len(raw)
     with _collector_paused(header_size):
-        return _parse_object(text, header_size)
+        return _parse_object(text, header_size, stop)
 
 
-def _parse_object(text: str, header_size: int) -> Header:
+_STOP_EVERY = 4096
+"""Members of a header parsed between two looks at its ``stop`` callable."""
+
+
+def _parse_object(text: str, header_size: int, stop: Callable[[], bool] | None) -> Header:
     """The :class:`Header` of the JSON object ``text``, validated member by member."""
     metadata: dict[str, str] | None = None
     index: dict[str, TensorInfo] = {}
     known: dict[tuple[Any, ...], _Layout] = {}
-    for name, value, start, end in _members(text):
+    for count, (name, value, start, end) in enumerate(_members(text)):
+        if stop is not None and count % _STOP_EVERY == 0 and stop():
+            raise UsageError("the header's parse was stopped: nobody waits for it any more")
         if name in index or (name == METADATA_KEY and metadata is not None):
             raise HeaderError(f"duplicate key {name!r} in the JSON header")
         if not name.isascii():

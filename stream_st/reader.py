@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from typing import Any, Self, Unpack
 
@@ -129,6 +131,19 @@ async def _receive_header(source: Source, n: int) -> tuple[bytearray, int]:
     return raw, got
 
 
+async def _parse_off_loop(raw: bytearray, source: Source) -> Header:
+    """Parse a big header in a worker thread, within the read's deadline. A cancelled or late
+    caller does not wait for the thread: it stops at its next look at the flag."""
+    stopped = threading.Event()
+    try:
+        with source.clock.within_deadline(source.name, LENGTH_PREFIX_SIZE + len(raw)):
+            return await anyio.to_thread.run_sync(
+                functools.partial(parse_header, raw, stop=stopped.is_set), abandon_on_cancel=True
+            )
+    finally:
+        stopped.set()
+
+
 class TensorStream(AsyncClosing):
     """One safetensors file read as a stream. Create it with :func:`open_stream`.
 
@@ -213,10 +228,9 @@ class TensorStream(AsyncClosing):
                 expected=LENGTH_PREFIX_SIZE + n,
                 source=source.name,
             )
-        if n > PARSE_IN_THREAD_ABOVE:
-            header = await anyio.to_thread.run_sync(parse_header, raw)
-        else:
-            header = parse_header(raw)
+        header = (
+            await _parse_off_loop(raw, source) if n > PARSE_IN_THREAD_ABOVE else parse_header(raw)
+        )
         if source.size is not None:
             self._check_size(header, source.size, source.name)
         return header

@@ -307,9 +307,9 @@ def test_a_source_of_known_size_reads_the_header_in_one_read() -> None:
 def test_big_headers_are_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     threads: list[bool] = []
 
-    def parse(raw: Any) -> Any:
+    def parse(raw: Any, **options: Any) -> Any:
         threads.append(threading.current_thread() is threading.main_thread())
-        return parse_header(raw)
+        return parse_header(raw, **options)
 
     monkeypatch.setattr(reader_module, "parse_header", parse)
     small = raw_file({"a": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}})
@@ -317,3 +317,30 @@ def test_big_headers_are_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPat
     anyio.run(stream_st.read_header, small)
     anyio.run(stream_st.read_header, big)
     assert threads == [True, False]
+
+
+def many_tensors(count: int) -> bytes:
+    """A valid file of ``count`` empty tensors: a header of about 60 bytes a tensor."""
+    return raw_file(
+        {f"t{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(count)}
+    )
+
+
+def test_a_parse_nobody_waits_for_stops() -> None:
+    data = many_tensors(10_000)
+    looks: list[int] = []
+
+    def stop() -> bool:
+        looks.append(1)
+        return len(looks) > 1
+
+    with pytest.raises(stream_st.UsageError, match="stopped"):
+        parse_header(data[8:], stop=stop)
+    assert len(looks) == 2  # it looked again after a few thousand tensors, and stopped there
+
+
+def test_the_deadline_bounds_a_big_headers_parse() -> None:
+    """A header-only read of a big header ends at its deadline, not when the parse would end."""
+    data = many_tensors(200_000)
+    with pytest.raises(stream_st.ReadTimeoutError, match="deadline"):
+        anyio.run(lambda: stream_st.read_header(data, deadline=0.01))
