@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 
+from .daemon import running
+from .proxy_server import ForwardProxy
 from .s3_server import MotoS3Server
 
 StartSender = Callable[[bytes], Awaitable[int]]
@@ -41,3 +43,11 @@ def moto_s3() -> Iterator[MotoS3Server]:
     """One S3-compatible server (moto, in a child process) for the whole test run."""
     with MotoS3Server() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def forward_proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForwardProxy]:
+    """A forward proxy (tinyproxy, in a child process) for the whole test run; the test is
+    skipped where tinyproxy is not installed."""
+    with running(ForwardProxy(tmp_path_factory.mktemp("proxy"))) as proxy:
+        yield proxy
