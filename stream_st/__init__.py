@@ -17,6 +17,7 @@ from .convenience import load, save
 from .dtypes import DTYPES, DType, dtype_for
 from .errors import (
     AllocationError,
+    CredentialsError,
     DtypeError,
     HeaderError,
     HeaderTooLargeError,
@@ -58,6 +59,7 @@ __all__ = [
     "DTYPES",
     "AllocationError",
     "Connection",
+    "CredentialsError",
     "DType",
     "DatasetWriter",
     "DtypeError",

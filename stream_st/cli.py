@@ -17,13 +17,14 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 
 from . import tools
 from ._limits import LimitOptions
+from ._s3 import unsigned_requests
 from .demo import print_report, run_demo
 from .errors import SafetensorsError
 from .sources import path_from_url
@@ -405,6 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--json", action="store_true", help="machine-readable output")
     for sub in (hashing, differ, check, copy):
         sub.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    for sub in (inspect, hashing, differ, check, copy):
+        sub.add_argument(
+            "--no-sign-request",
+            action="store_true",
+            help="send s3:// requests unsigned (public buckets), as AWS_NO_SIGN_REQUEST=1",
+        )
     return parser
 
 
@@ -413,8 +420,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command is None:
         args = build_parser().parse_args(["demo"])
+    signing = unsigned_requests() if getattr(args, "no_sign_request", False) else nullcontext()
     try:
-        status: int = anyio.run(args.handler, args)
+        with signing:
+            status: int = anyio.run(args.handler, args)
         sys.stdout.flush()  # a closed pipe shows here, not in the flush at interpreter exit
     except SafetensorsError as exc:
         print(f"stream-st: error: {exc}", file=sys.stderr)

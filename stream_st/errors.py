@@ -12,6 +12,8 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     ├── UnsupportedSourceError        `open_stream` cannot tell how to read the given object
     ├── UnsupportedSinkError          `open_writer` cannot tell how to write to the given object
     ├── UsageError                    the API was used out of order (e.g. header before open)
+    │   └── CredentialsError          no credentials for a remote store, or its configuration
+    │                                 (profile, files, credential process) is broken
     ├── AllocationError               a tensor could not be allocated (also MemoryError)
     ├── WriterError                   a writer used against its plan: unknown or repeated name,
     │                                 wrong dtype or shape, out of order on a stream, more or
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 __all__ = [
     "AllocationError",
+    "CredentialsError",
     "DtypeError",
     "HTTPNotFoundError",
     "HTTPProtocolError",
@@ -119,6 +122,11 @@ class UnsupportedSourceError(SafetensorsError, TypeError):
 
 class UsageError(SafetensorsError, RuntimeError):
     """The API was used out of order, e.g. the header was asked for before the stream opened."""
+
+
+class CredentialsError(UsageError):
+    """No credentials were found for a remote store that needs them, or its configuration (a
+    profile, a credentials file, a credential process) is broken."""
 
 
 class AllocationError(SafetensorsError, MemoryError):

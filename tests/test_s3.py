@@ -97,14 +97,21 @@ async def test_s3_config_in_code_and_profiles(s3: MotoS3Server, tmp_path: Path) 
     assert aws.access_key_id is None
 
 
-def test_unreadable_config_files_are_ignored(tmp_path: Path) -> None:
+def test_unreadable_config_files_are_one_line_errors(tmp_path: Path) -> None:
     (tmp_path / ".aws").mkdir()
     (tmp_path / ".aws" / "config").write_bytes(b"\xff\xfe[default]\x00\x81region = x\n")
     (tmp_path / "credentials").write_bytes(b"[default]\naws_access_key_id = \xc3\n")
-    env = {"HOME": str(tmp_path), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials")}
-    for config_file in ({}, {"AWS_CONFIG_FILE": str(tmp_path / ".aws" / "config")}):
-        resolved = S3Config.resolve(environ={**env, **config_file})
-        assert resolved.region == "us-east-1" and resolved.access_key_id is None
+    (tmp_path / "no-sections").write_text("region = x\n")
+    env = {"HOME": str(tmp_path), "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    for name, value in (
+        ("AWS_CONFIG_FILE", str(tmp_path / ".aws" / "config")),
+        ("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials")),
+        ("AWS_CONFIG_FILE", str(tmp_path / "no-sections")),
+        ("AWS_CONFIG_FILE", str(tmp_path)),  # a directory
+    ):
+        with pytest.raises(stream_st.CredentialsError, match="cannot read the AWS file") as info:
+            S3Config.resolve(environ={**env, name: value})
+        assert "\n" not in str(info.value) and value in str(info.value)
 
 
 async def test_s3_missing_object_and_bucket(aws_env: None) -> None:

@@ -121,6 +121,7 @@ class S3Sink(ClientClock, Sink):
         completions that way) raises :class:`TransportError`.
         """
         url = self.config.object_url(self.bucket, self.key if key is None else key, query)
+        await self.config.ready(self.clock, self.name)
         headers = self.config.sign(method, url, {})
         response = await self._client.request(method, url, headers, body, follow_redirects=False)
         await raise_for_status(response, name=self.name)

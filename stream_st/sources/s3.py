@@ -1,14 +1,15 @@
 """``s3://bucket/key`` sources on any S3-compatible store: signed ranged GETs.
 
 Everything about ranges, retries, resumption and truncation is the HTTP source's; this module
-adds the address and the SigV4 signature of each request (configuration: ``stream_st._s3``).
+adds the address and the SigV4 signature of each request (configuration: ``stream_st._s3``),
+with credentials looked for (and refreshed) off the event loop before a request needs them.
 """
 
 from __future__ import annotations
 
 from typing import Unpack
 
-from .._http import HTTPClient
+from .._http import HTTPClient, Response
 from .._limits import LimitOptions
 from .._s3 import S3Config, parse_s3_url
 from .http import HttpSource
@@ -44,6 +45,10 @@ class S3Source(HttpSource):
             name=url,
             **limits,
         )
+
+    async def _get(self, start: int, end: int | None) -> Response | None:
+        await self.config.ready(self.clock, self.name)
+        return await super()._get(start, end)
 
     def prepare_headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
         return self.config.sign(method, url, headers)
