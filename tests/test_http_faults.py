@@ -29,7 +29,7 @@ from stream_st import (
     TruncatedStreamError,
     UsageError,
 )
-from stream_st._http import HTTPClient, HTTPProtocolError
+from stream_st._http import HTTPClient, HTTPProtocolError, HTTPStatusError
 from stream_st._http.wire import StreamWire
 from stream_st._limits import UNLIMITED
 from stream_st.sinks.http import HttpSink
@@ -351,6 +351,34 @@ async def test_https_works(raw_server: Serve, tls: tuple[ssl.SSLContext, ssl.SSL
     url = raw_server(answer(raw), tls=tls[0]) + "/f.safetensors"
     async with HTTPClient(ssl_context=tls[1]) as client:
         assert_same_arrays(await load(HttpSource(url, client=client)), sample_tensors())
+
+
+async def test_https_to_http_redirect_is_refused(
+    raw_server: Serve, tls: tuple[ssl.SSLContext, ssl.SSLContext]
+) -> None:
+    """The request (credentials and all) would go out, and the answer come back, in clear text."""
+    with RangeHTTPServer() as plain:
+        plain.objects["/f.safetensors"] = SMALL
+        raw = b"HTTP/1.1 302 Found\r\nLocation: %s\r\nContent-Length: 0\r\n\r\n" % (
+            plain.url("/f.safetensors").encode()
+        )
+        url = raw_server(answer(raw), tls=tls[0]) + "/f.safetensors"
+        source = HttpSource(url, client=HTTPClient(ssl_context=tls[1]), headers={"Cookie": "c"})
+        with pytest.raises(HTTPProtocolError, match="from https to plain http refused") as info:
+            await load(source)
+        assert info.value.url == url
+        assert plain.requests == []
+
+
+async def test_upload_answered_with_a_redirect_is_not_stored(raw_server: Serve) -> None:
+    """A 3xx to a PUT means the body was not stored where it was sent."""
+    raw = b"HTTP/1.1 307 Temporary Redirect\r\nLocation: /elsewhere\r\nContent-Length: 0\r\n\r\n"
+    url = raw_server(upload_then(send_and_wait(raw))) + "/up.safetensors"
+    with (
+        anyio.fail_after(10),
+        pytest.raises(HTTPStatusError, match=r"307.*redirected to /elsewhere"),
+    ):
+        await stream_st.save(url, {"a": np.arange(10, dtype=np.float32)})
 
 
 async def test_https_upload_reset_mid_body(

@@ -10,7 +10,8 @@ One concern per module:
 * ``target``: addresses (an ``http(s)://`` URL split for a request);
 * ``wire``: connections, plain or TLS, and the bytes on them;
 * ``framing``: request and response heads, bodies, uploads;
-* ``status``: what an answer's status means (errors, lost answers);
+* ``redirect``: which redirects are followed and which headers (credentials) follow them;
+* ``status``: what an answer means (one-line errors, lost answers, Retry-After, encodings);
 * ``client``: the pool of keep-alive connections and the requests made on them.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 from ..errors import HTTPNotFoundError, HTTPProtocolError, HTTPStatusError
 from .client import ClientClock, HTTPClient
 from .framing import Response, Upload
-from .status import outcome_unknown, raise_for_status
+from .status import outcome_unknown, raise_for_status, retry_after, summary, xml_field
 from .target import Target
 
 __all__ = [
@@ -33,4 +34,7 @@ __all__ = [
     "Upload",
     "outcome_unknown",
     "raise_for_status",
+    "retry_after",
+    "summary",
+    "xml_field",
 ]

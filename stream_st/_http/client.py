@@ -1,15 +1,16 @@
-"""The client: keep-alive connections to any number of hosts, requests, redirects, uploads."""
+"""The client: keep-alive connections to any number of hosts, and requests and uploads on them."""
 
 from __future__ import annotations
 
 import ssl
 from collections.abc import Mapping
-from urllib.parse import urljoin
 
 from .._limits import UNLIMITED, Clock
 from .._util import AsyncClosing
-from ..errors import ReadTimeoutError, SafetensorsError, TransportError
+from ..errors import HTTPProtocolError, ReadTimeoutError, SafetensorsError, TransportError
 from .framing import Response, Upload, receive_response, request_head
+from .redirect import REDIRECTS, redirected
+from .status import unreadable_coding
 from .target import Target
 from .wire import Connection, connect
 
@@ -60,31 +61,37 @@ class HTTPClient(AsyncClosing):
     ) -> Response:
         """Send a request and read the response head; the body is read from the Response.
 
-        A stale keep-alive connection is replaced transparently. Bodies to stream go through
-        :meth:`upload` instead.
+        A stale keep-alive connection is replaced transparently. GET and HEAD follow redirects
+        (unless ``follow_redirects`` is false) by the policy of ``stream_st._http.redirect``. A
+        successful answer whose body is encoded (``Content-Encoding: gzip``) raises
+        :class:`HTTPProtocolError`: it is never taken for the bytes asked for. Bodies to stream
+        go through :meth:`upload` instead.
         """
+        target = Target.parse(url)
+        sent = dict(headers or {})
+        follow = follow_redirects and method in ("GET", "HEAD")
         for _ in range(self._max_redirects + 1):
-            response = await self._request_once(method, url, headers, body)
+            response = await self._request_once(method, target, sent, body)
             location = response.headers.get("location")
-            if (
-                follow_redirects
-                and response.status in (301, 302, 303, 307, 308)
-                and location
-                and method in ("GET", "HEAD")
-            ):
-                await response.aclose()
-                url = urljoin(url, location)
-                continue
-            return response
-        raise TransportError(f"more than {self._max_redirects} redirects", url=url)
+            if not (follow and location and response.status in REDIRECTS):
+                coding = unreadable_coding(response.headers)
+                if coding is not None and 200 <= response.status < 300:
+                    await response.aclose()
+                    raise HTTPProtocolError(
+                        f"the body is encoded ({coding}) although it was asked for as it is "
+                        "(Accept-Encoding: identity); serve this file without compression",
+                        url=target.url,
+                    )
+                return response
+            await response.discard()
+            target, sent = redirected(target, location, sent)
+        raise HTTPProtocolError(f"more than {self._max_redirects} redirects", url=target.url)
 
     async def _request_once(
-        self, method: str, url: str, headers: Mapping[str, str] | None, body: bytes | None
+        self, method: str, target: Target, headers: Mapping[str, str], body: bytes | None
     ) -> Response:
-        target = Target.parse(url)
-        given = dict(headers or {})
         extra = [] if body is None else [f"Content-Length: {len(body)}"]
-        head = request_head(method, target, given, extra)
+        head = request_head(method, target, headers, extra)
         for attempt in range(2):
             connection, reused = await self._connect(target)
             try:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Mapping
 
@@ -27,6 +28,7 @@ _MAX_INTERIM = 32  # interim (1xx) answers accepted before the final one
 _USER_AGENT = "stream_st"
 _STATUS_LINE = re.compile(r"HTTP/1\.[0-9] ([1-5][0-9]{2})(?: (.*))?", re.DOTALL)
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_DISCARD_LIMIT = 64 << 10  # an unwanted body up to this size is read to keep its connection
 
 Release = Callable[[Connection], None]
 """Takes back a connection whose answer was read to the end (a client's idle pool)."""
@@ -35,11 +37,14 @@ Release = Callable[[Connection], None]
 def request_head(
     method: str, target: Target, headers: Mapping[str, str], extra: list[str]
 ) -> bytes:
-    """The request line and headers of a request to ``target``, encoded."""
+    """The request line and headers of a request to ``target``, encoded. Bodies are asked for
+    as they are (``Accept-Encoding: identity``, whatever ``headers`` say): the bytes of a
+    tensor are received straight into its array, so a compressed answer would be unusable."""
     lines = [f"{method} {target.path} HTTP/1.1", f"Host: {target.authority}"]
     if "user-agent" not in {k.lower() for k in headers}:
         lines.append(f"User-Agent: {_USER_AGENT}")
-    lines.extend(f"{k}: {v}" for k, v in headers.items())
+    lines.extend(f"{k}: {v}" for k, v in headers.items() if k.lower() != "accept-encoding")
+    lines.append("Accept-Encoding: identity")
     lines.extend(extra)
     try:
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
@@ -246,6 +251,14 @@ class Response(AsyncClosing):
                 break
             out += chunk[:count]
         return bytes(out[:limit])
+
+    async def discard(self) -> None:
+        """Close an answer whose body is not wanted; a short one is read to the end first, so
+        that its connection can serve the next request."""
+        if self.content_length is not None and self.content_length <= _DISCARD_LIMIT:
+            with contextlib.suppress(TransportError):
+                await self.read_all(_DISCARD_LIMIT)
+        await self.aclose()
 
     async def aclose(self) -> None:
         connection, self._connection = self._connection, None
