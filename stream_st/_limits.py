@@ -159,10 +159,14 @@ class Clock:
         if self._ends_at is not None and time.monotonic() >= self._ends_at:
             raise ReadTimeoutError(self._deadline_passed(), url=name, position=position)
 
+    def remaining(self) -> float:
+        """Seconds left before the deadline: ``inf`` without one (or before :meth:`start`)."""
+        return math.inf if self._ends_at is None else self._ends_at - time.monotonic()
+
     async def pause(self, seconds: float, name: str, position: int | None = None) -> None:
         """Sleep ``seconds`` before another attempt, never past the deadline: when it comes
         first, raise :class:`~stream_st.ReadTimeoutError` then (at once if it has passed)."""
-        left = math.inf if self._ends_at is None else self._ends_at - time.monotonic()
+        left = self.remaining()
         await anyio.sleep(max(0.0, min(seconds, left)))
         if left <= seconds:
             raise ReadTimeoutError(self._deadline_passed(), url=name, position=position)

@@ -180,14 +180,18 @@ class OutcomeUnknownError(TransportError):
 
 
 class HTTPStatusError(TransportError):
-    """The server answered with an error status. ``status`` holds it, ``url`` the address."""
+    """The server answered with an error status. ``status`` holds it, ``url`` the address,
+    ``body`` the start of the answer's body (``detail`` is the one line the message shows)."""
 
-    def __init__(self, status: int, reason: str, *, url: str, detail: str = "") -> None:
+    def __init__(
+        self, status: int, reason: str, *, url: str, detail: str = "", body: bytes = b""
+    ) -> None:
         message = f"HTTP {status} {reason}".rstrip()
         if detail:
             message += f": {detail}"
         super().__init__(message, url=url)
         self.status = status
+        self.body = body
 
 
 class HTTPNotFoundError(HTTPStatusError, SourceNotFoundError):

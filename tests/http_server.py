@@ -9,12 +9,24 @@ per connection, with keep-alive. What it honours:
   ``?reject`` answered 500 after reading it;
 
 and, per server, faults and shaping: ``no_range`` (ignore Range: always 200), ``chunked``
-(send 200 bodies chunked, without length), ``status_for[path] = code`` (answer that status),
-``fail_first`` (answer the first that many GETs with 503), ``close_after`` (close the
-connection after that many body bytes; only once with ``close_once``), ``stall_after`` (stop sending
-after that many body bytes, keep the connection open), ``latency`` (seconds before each
-response), ``rate`` (bytes per second per connection). Each request is logged in ``requests`` as
-``(method, path, range header, body bytes sent)``.
+(send 200 bodies chunked, without length), ``status_for[path] = code`` (answer that status, with
+the ``status_body`` ``(content type, bytes)`` if set), ``fail_first`` (answer the first that many
+GETs with ``fail_status``, 503 by default, and a ``Retry-After: retry_after`` if set),
+``close_after`` (close the connection after that many body bytes; only once with
+``close_once``), ``stall_after`` (stop sending after that many body bytes, keep the connection
+open), ``latency`` (seconds before each response), ``rate`` (bytes per second per connection).
+
+What real servers, CDNs and object stores do: ``redirects[path] = url`` (answer GETs with a
+``redirect_status``, 302 by default, to ``url``), validators (``etag`` "strong" or "weak",
+``last_modified``; each object has a version, counted from 0) honoured in ``If-Match``,
+``If-Unmodified-Since`` (412) and ``If-Range`` (a stale one gets the whole new object, 200)
+unless ``conditionals`` is False, ``replace_after[path] = (n, data)`` (the object is replaced by
+``data``, a new version, after n GETs of it), ``gzip`` ("asked": a request whose
+``Accept-Encoding`` names gzip gets the whole object gzip-compressed, like nginx's ``gzip on``;
+"always": every 200 or 206 body is sent compressed, labelled ``Content-Encoding: gzip``).
+
+Each request is logged in ``requests`` as ``(method, path, range header, body bytes sent)``,
+and its headers (lower-case names) in ``headers_seen`` as ``(method, path, headers)``.
 
 Run standalone (for benchmarks): ``python -m tests.http_server FILE [--latency S] [--rate B/S]``
 serves FILE at ``/FILE-NAME`` and prints the port.
@@ -24,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import email.utils
+import gzip as gzip_codec
 import mmap
 import re
 import socket
@@ -39,12 +53,18 @@ _REASONS = {
     200: "OK",
     201: "Created",
     206: "Partial Content",
+    301: "Moved Permanently",
+    302: "Found",
+    307: "Temporary Redirect",
     403: "Forbidden",
     404: "Not Found",
+    412: "Precondition Failed",
     416: "Range Not Satisfiable",
+    429: "Too Many Requests",
     500: "Internal Server Error",
     503: "Service Unavailable",
 }
+_EPOCH = 1_700_000_000  # Last-Modified of version 0 of every object; each version 10 s later
 
 
 class Link:
@@ -72,13 +92,24 @@ class RangeHTTPServer:
     no_range: bool = False
     chunked: bool = False
     status_for: dict[str, int] = field(default_factory=dict)
+    status_body: tuple[str, bytes] | None = None
     fail_first: int = 0
+    fail_status: int = 503
+    retry_after: str | None = None
+    redirects: dict[str, str] = field(default_factory=dict)
+    redirect_status: int = 302
+    etag: str = ""
+    last_modified: bool = False
+    conditionals: bool = True
+    replace_after: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    gzip: str = ""
     close_after: int | None = None
     close_once: bool = False
     stall_after: int | None = None
     latency: float = 0.0
     rate: float | None = None
     requests: list[tuple[str, str, str, int]] = field(default_factory=list)
+    headers_seen: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 0
 
@@ -89,6 +120,8 @@ class RangeHTTPServer:
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._busy = 0  # requests being answered right now
+        self._versions: dict[str, int] = {}
+        self._gets: dict[str, int] = {}
 
     def settle(self, timeout: float = 2.0) -> None:
         """Wait until no request is being answered, so ``requests`` is complete."""
@@ -204,6 +237,7 @@ class RangeHTTPServer:
         headers: dict[str, str],
     ) -> bool:
         path, _, query = target.partition("?")
+        self.headers_seen.append((method, path, headers))
         if self.latency:
             time.sleep(self.latency)
         if method in ("PUT", "POST"):
@@ -218,22 +252,44 @@ class RangeHTTPServer:
             self._send_head(connection, 201, {"Content-Length": "0"})
             return True
         status = self.status_for.get(path)
+        extra: dict[str, str] = {}
         if self.fail_first > 0:
             self.fail_first -= 1
-            status = 503
-        data = self.objects.get(path)
+            status = self.fail_status
+            if self.retry_after is not None:
+                extra["Retry-After"] = self.retry_after
+        if path in self.redirects and status is None:
+            status = self.redirect_status
+            extra["Location"] = self.redirects[path]
+        data = self._version_of(path)
         if status is None and data is None:
             status = 404
+        if status is None:
+            extra = self._validators(path)
+            if not self._preconditions_hold(headers, extra):
+                status = 412
         if status is not None:
-            message = f"status {status} for {path}".encode()
+            content_type, message = "text/plain", f"status {status} for {path}".encode()
+            if self.status_body is not None and path in self.status_for:
+                content_type, message = self.status_body
             self.requests.append((method, path, headers.get("range", ""), 0))
-            self._send_head(connection, status, {"Content-Length": str(len(message))})
+            extra.update({"Content-Type": content_type, "Content-Length": str(len(message))})
+            self._send_head(connection, status, extra)
             connection.sendall(message)
             return True
         assert data is not None
+        if self.gzip == "always" or (
+            self.gzip == "asked" and "gzip" in headers.get("accept-encoding", "")
+        ):
+            data = gzip_codec.compress(bytes(data))
+            extra["Content-Encoding"] = "gzip"
         size = len(data)
         start, end, code = 0, size, 200
         range_header = headers.get("range", "")
+        if self.gzip == "asked" and "Content-Encoding" in extra:
+            range_header = ""  # like nginx: a compressed answer is the whole object
+        if not self._if_range_holds(headers, extra):
+            range_header = ""
         match = _RANGE.fullmatch(range_header) if range_header and not self.no_range else None
         if match:
             first, last = match.groups()
@@ -249,7 +305,7 @@ class RangeHTTPServer:
                 )
                 return True
             code = 206
-        extra = {"Accept-Ranges": "none" if self.no_range else "bytes"}
+        extra["Accept-Ranges"] = "none" if self.no_range else "bytes"
         if code == 206:
             extra["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         chunked = self.chunked and code == 200
@@ -264,6 +320,54 @@ class RangeHTTPServer:
         sent = self._send_body(connection, memoryview(data)[start:end], chunked)
         self.requests.append((method, path, range_header, sent))
         return sent == end - start
+
+    def _version_of(self, path: str) -> Any:
+        """The object at ``path`` now (None if there is none), replacing it when it is due."""
+        with self._lock:
+            if self.objects.get(path) is not None:
+                self._gets[path] = count = self._gets.get(path, 0) + 1
+                due, data = self.replace_after.get(path, (0, None))
+                if data is not None and count > due:
+                    del self.replace_after[path]
+                    self.objects[path] = data
+                    self._versions[path] = self._versions.get(path, 0) + 1
+            return self.objects.get(path)
+
+    def _validators(self, path: str) -> dict[str, str]:
+        """The ETag and Last-Modified headers of the object at ``path``, as configured."""
+        version = self._versions.get(path, 0)
+        headers = {}
+        if self.etag:
+            headers["ETag"] = f'{"W/" if self.etag == "weak" else ""}"v{version}"'
+        if self.last_modified:
+            moment = _EPOCH + 10 * version
+            headers["Last-Modified"] = email.utils.formatdate(moment, usegmt=True)
+        return headers
+
+    def _preconditions_hold(self, headers: dict[str, str], validators: dict[str, str]) -> bool:
+        """False when ``If-Match`` or ``If-Unmodified-Since`` rules the request out (412)."""
+        if not self.conditionals:
+            return True
+        etag = validators.get("ETag", "")
+        wanted = headers.get("if-match")
+        if wanted not in (None, "*") and (
+            etag.startswith("W/") or etag not in {v.strip() for v in str(wanted).split(",")}
+        ):
+            return False
+        since = headers.get("if-unmodified-since")
+        modified = validators.get("Last-Modified")
+        if since is not None and modified is not None:
+            limit = email.utils.parsedate_to_datetime(since)
+            return email.utils.parsedate_to_datetime(modified) <= limit
+        return True
+
+    def _if_range_holds(self, headers: dict[str, str], validators: dict[str, str]) -> bool:
+        """False when an ``If-Range`` names another version: the whole object is sent."""
+        wanted = headers.get("if-range")
+        if wanted is None or not self.conditionals:
+            return True
+        etag = validators.get("ETag", "")
+        return wanted in (etag, validators.get("Last-Modified")) and not wanted.startswith("W/")
 
     def _send_head(self, connection: socket.socket, status: int, headers: dict[str, str]) -> None:
         lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}"]

@@ -29,7 +29,8 @@ from stream_st import (
     TruncatedStreamError,
     UsageError,
 )
-from stream_st._http import HTTPClient, HTTPProtocolError, _StreamWire
+from stream_st._http import HTTPClient, HTTPProtocolError, HTTPStatusError
+from stream_st._http.wire import StreamWire
 from stream_st._limits import UNLIMITED
 from stream_st.sinks.http import HttpSink
 from stream_st.sources.http import HttpSource
@@ -352,6 +353,34 @@ async def test_https_works(raw_server: Serve, tls: tuple[ssl.SSLContext, ssl.SSL
         assert_same_arrays(await load(HttpSource(url, client=client)), sample_tensors())
 
 
+async def test_https_to_http_redirect_is_refused(
+    raw_server: Serve, tls: tuple[ssl.SSLContext, ssl.SSLContext]
+) -> None:
+    """The request (credentials and all) would go out, and the answer come back, in clear text."""
+    with RangeHTTPServer() as plain:
+        plain.objects["/f.safetensors"] = SMALL
+        raw = b"HTTP/1.1 302 Found\r\nLocation: %s\r\nContent-Length: 0\r\n\r\n" % (
+            plain.url("/f.safetensors").encode()
+        )
+        url = raw_server(answer(raw), tls=tls[0]) + "/f.safetensors"
+        source = HttpSource(url, client=HTTPClient(ssl_context=tls[1]), headers={"Cookie": "c"})
+        with pytest.raises(HTTPProtocolError, match="from https to plain http refused") as info:
+            await load(source)
+        assert info.value.url == url
+        assert plain.requests == []
+
+
+async def test_upload_answered_with_a_redirect_is_not_stored(raw_server: Serve) -> None:
+    """A 3xx to a PUT means the body was not stored where it was sent."""
+    raw = b"HTTP/1.1 307 Temporary Redirect\r\nLocation: /elsewhere\r\nContent-Length: 0\r\n\r\n"
+    url = raw_server(upload_then(send_and_wait(raw))) + "/up.safetensors"
+    with (
+        anyio.fail_after(10),
+        pytest.raises(HTTPStatusError, match=r"307.*redirected to /elsewhere"),
+    ):
+        await stream_st.save(url, {"a": np.arange(10, dtype=np.float32)})
+
+
 async def test_https_upload_reset_mid_body(
     raw_server: Serve, tls: tuple[ssl.SSLContext, ssl.SSLContext]
 ) -> None:
@@ -388,7 +417,7 @@ async def test_closed_stream_wire_raises_os_errors(raw_server: Serve) -> None:
     """Like a closed socket: every caller translates OSError (anyio raises its own errors)."""
     port = int(raw_server(wait_for_close).rsplit(":", 1)[1])
     stream = await anyio.connect_tcp("127.0.0.1", port)
-    wire = _StreamWire(stream, UNLIMITED)
+    wire = StreamWire(stream, UNLIMITED)
     await wire.aclose()
     with pytest.raises(OSError):
         await wire.send(b"GET / HTTP/1.1\r\n\r\n")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import html
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Unpack
@@ -47,6 +46,8 @@ from .._http import (
     HTTPStatusError,
     outcome_unknown,
     raise_for_status,
+    summary,
+    xml_field,
 )
 from .._limits import Clock, LimitOptions, Limits
 from .._s3 import S3Config, parse_s3_url
@@ -56,12 +57,6 @@ from .base import Sink
 __all__ = ["MIN_PART_SIZE", "S3Sink"]
 
 MIN_PART_SIZE = 5 << 20
-
-
-def _field(xml: bytes, tag: str) -> str | None:
-    """The text of the first ``<tag>`` element in ``xml``, entities decoded."""
-    match = re.search(f"<{tag}>([^<]*)</{tag}>", xml.decode("utf-8", "replace"))
-    return None if match is None else html.unescape(match[1])
 
 
 def _refusal(exc: Exception) -> bool:
@@ -126,14 +121,9 @@ class S3Sink(ClientClock, Sink):
         response = await self._client.request(method, url, headers, body, follow_redirects=False)
         await raise_for_status(response, name=self.name)
         async with response:
-            if response.status >= 300:
-                where = response.headers.get("location", "nowhere")
-                raise HTTPStatusError(
-                    response.status, response.reason, url=self.name, detail=f"redirected to {where}"
-                )
             answer = await response.read_all()
         if b"<Error>" in answer:
-            raise TransportError(f"S3 refused the request: {answer[:300]!r}", url=self.name)
+            raise TransportError(f"S3 refused the request: {summary(answer)}", url=self.name)
         return response.headers, answer
 
     async def allocate(self, size: int) -> None:
@@ -159,14 +149,14 @@ class S3Sink(ClientClock, Sink):
             query = f"prefix={quote(self.key, safe='')}&uploads={marker}"
             _, answer = await self._call("GET", query, key="")
             for match in re.finditer(rb"<Upload>.*?</Upload>", answer, re.DOTALL):
-                upload_id = _field(match[0], "UploadId")
-                if _field(match[0], "Key") == self.key and upload_id is not None:
+                upload_id = xml_field(match[0], "UploadId")
+                if xml_field(match[0], "Key") == self.key and upload_id is not None:
                     found.add(upload_id)
             next_key, next_id = (
-                _field(answer, "NextKeyMarker"),
-                _field(answer, "NextUploadIdMarker"),
+                xml_field(answer, "NextKeyMarker"),
+                xml_field(answer, "NextUploadIdMarker"),
             )
-            if _field(answer, "IsTruncated") != "true" or not (next_key and next_id):
+            if xml_field(answer, "IsTruncated") != "true" or not (next_key and next_id):
                 return found
             marker = (
                 f"&key-marker={quote(next_key, safe='')}&upload-id-marker={quote(next_id, safe='')}"
@@ -179,7 +169,7 @@ class S3Sink(ClientClock, Sink):
             self._uploads_before = None  # not allowed to list: an unnamed upload stays unfound
         self._creating = True
         _, answer = await self._call("POST", "uploads=")
-        upload_id = _field(answer, "UploadId")
+        upload_id = xml_field(answer, "UploadId")
         if upload_id is None:
             raise TransportError(
                 "no UploadId in the answer to CreateMultipartUpload", url=self.name

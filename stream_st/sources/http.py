@@ -17,26 +17,45 @@ everything needed: the total size (``Content-Range``) and whether ranges work (2
   local link one stream is as quick.
 
 A ranged read that breaks (connection reset, closed mid-body, 5xx) is resumed from the byte it
-reached, up to ``retries`` times per read (one tensor, or the header) with exponential backoff. A
-body that still ends early is reported by the reader as a
-:class:`~stream_st.TruncatedStreamError` naming the URL and the offset; a server that stops
-sending raises :class:`~stream_st.ReadTimeoutError` after ``timeout`` seconds. An answer that
-breaks HTTP (garbled status line, length or chunks) raises a :class:`~stream_st.TransportError`
-at once, with no retry.
+reached, up to ``retries`` times per read (one tensor, or the header) with exponential backoff.
+A 429 or 503 with a ``Retry-After`` (seconds or a date) is retried after that delay instead,
+unless it would pass the ``deadline`` (:class:`~stream_st.ReadTimeoutError` at once) or, with no
+deadline, exceeds 5 minutes (the status error at once). A body that still ends early is reported
+by the reader as a :class:`~stream_st.TruncatedStreamError` naming the URL and the offset; a
+server that stops sending raises :class:`~stream_st.ReadTimeoutError` after ``timeout`` seconds.
+An answer that breaks HTTP (garbled status line, length or chunks, a body compressed although
+asked for as it is, a refused redirect) raises a :class:`~stream_st.TransportError` at once,
+with no retry; so does an error status other than those retried (one line: an S3 error's code
+and message, an excerpt of any other body).
+
+Every request of a read gets the version of the object the first answer had: its validator (a
+strong ``ETag``, else ``Last-Modified``) goes with each later request (``If-Match``, else
+``If-Unmodified-Since``: ranges, parallel parts and resumptions alike), and each answer's
+``ETag``, ``Last-Modified`` and size are compared with the first's. An object replaced on the
+server during the read raises :class:`~stream_st.SourceChangedError`: a tensor is never made of
+bytes from two versions.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Unpack
 
 import numpy as np
 
-from .._http import ClientClock, HTTPClient, HTTPProtocolError, Response, raise_for_status
+from .._http import (
+    ClientClock,
+    HTTPClient,
+    HTTPProtocolError,
+    Response,
+    raise_for_status,
+    retry_after,
+)
 from .._limits import Clock, LimitOptions, Limits
 from .._util import task_group
-from ..errors import ReadTimeoutError, TransportError, UsageError
+from ..errors import ReadTimeoutError, SourceChangedError, TransportError, UsageError
 from .base import Source
 
 __all__ = ["FIRST_RANGE", "HttpSource"]
@@ -46,6 +65,8 @@ FIRST_RANGE = 64 << 10
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+_ASKS_TO_WAIT = frozenset({429, 503})  # statuses whose Retry-After is honoured
+_MAX_RETRY_AFTER = 300.0  # seconds a Retry-After may ask for when no deadline bounds the read
 
 
 class HttpSource(ClientClock, Source):
@@ -88,6 +109,7 @@ class HttpSource(ClientClock, Source):
         self._response_at = 0  # absolute offset of the next byte the open response delivers
         self._response_end = 0  # absolute offset where the open response's body ends
         self._plan: list[tuple[int, int]] = []
+        self._version: tuple[str, str] | None = None  # the first answer's ETag, Last-Modified
 
     async def start(self, *, read_all: bool = False) -> None:
         """Send the first request and learn the size and whether ranges work.
@@ -129,10 +151,12 @@ class HttpSource(ClientClock, Source):
                     and (size is None or end <= size)
                     and response.content_length in (None, end - start)
                 ):
+                    await self._check_size(response, size, start)
                     return end, size
             problem = f"unusable Content-Range {content_range!r} for the range asked"
         elif response.status == 200 and start == 0:
             size = response.content_length
+            await self._check_size(response, size, start)
             return (1 << 62 if size is None else size), size
         elif response.status == 200:
             problem = "the server ignored the Range header (200 with the whole body from byte 0)"
@@ -141,11 +165,64 @@ class HttpSource(ClientClock, Source):
         await response.aclose()
         raise HTTPProtocolError(problem, url=self.name, position=start)
 
+    async def _check_size(self, response: Response, size: int | None, position: int) -> None:
+        """Raise :class:`SourceChangedError` (closing ``response``) if its object is ``size``
+        bytes long where an earlier answer of this read had another size."""
+        if size is not None and self.size is not None and size != self.size:
+            await response.aclose()
+            raise SourceChangedError(
+                f"the object changed on the server during the read: {self.size} bytes, then {size}",
+                url=self.name,
+                position=position,
+            )
+
+    def _preconditions(self) -> dict[str, str]:
+        """The headers that make a later request of this read answer for the version of the
+        first answer only: ``If-Match`` with its strong ETag, else ``If-Unmodified-Since`` with
+        its Last-Modified (a weak ETag does not vouch for bytes)."""
+        if self._version is None:
+            return {}
+        etag, modified = self._version
+        if etag and not etag.startswith("W/"):
+            return {"If-Match": etag}
+        return {"If-Unmodified-Since": modified} if modified else {}
+
+    async def _check_version(self, response: Response, position: int) -> None:
+        """Pin the object's version on the first successful answer; on a later one, raise
+        :class:`SourceChangedError` (closing ``response``) if it serves another version."""
+        seen = (response.headers.get("etag", ""), response.headers.get("last-modified", ""))
+        if self._version is None:
+            if response.status < 300:
+                self._version = seen
+            return
+        if response.status == 412:
+            asked = ", ".join(f"{name}: {value}" for name, value in self._preconditions().items())
+            change = f"412 Precondition Failed to {asked}"
+        else:
+            names = ("ETag", "Last-Modified")
+            changes = [
+                f"{name} {old!r}, then {new!r}"
+                for name, old, new in zip(names, self._version, seen, strict=True)
+                if old and new and old != new
+            ]
+            if not changes:
+                return
+            change = "; ".join(changes)
+        await response.aclose()
+        raise SourceChangedError(
+            f"the object changed on the server during the read: {change}",
+            url=self.name,
+            position=position,
+        )
+
     async def _get(self, start: int, end: int | None) -> Response | None:
-        """GET from ``start`` (to ``end``, exclusive, or the end), retrying retryable failures."""
+        """GET from ``start`` (to ``end``, exclusive, or the end), retrying retryable failures;
+        every answer after the first must be for the same version of the object."""
         headers = dict(self._headers)
         headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        headers.update(self._preconditions())
         for attempt in range(self._retries + 1):
+            wait = None
             try:
                 response = await self._client.request(
                     "GET", self.url, self.prepare_headers("GET", self.url, headers)
@@ -159,17 +236,44 @@ class HttpSource(ClientClock, Source):
                 if response.status == 416 and start == 0:  # an empty object
                     await response.aclose()
                     return None
-                if response.status not in _RETRYABLE_STATUS or attempt == self._retries:
+                retrying = response.status in _RETRYABLE_STATUS and attempt < self._retries
+                if retrying:
+                    wait = await self._retry_wait(response, start)
+                if not retrying or wait == math.inf:
+                    await self._check_version(response, start)
                     await raise_for_status(response, name=self.name)
                     return response
-                await response.aclose()
-            await self._back_off(attempt + 1, start)
+                await response.discard()
+            await self._back_off(attempt + 1, start, wait)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _back_off(self, failures: int, position: int) -> None:
-        """Wait before the next attempt after ``failures`` failed ones (exponential back-off);
-        a deadline that passes first ends the read instead."""
-        await self.clock.pause(self._backoff * 2 ** (failures - 1), self.name, position)
+    async def _retry_wait(self, response: Response, position: int) -> float | None:
+        """The seconds to wait before retrying the request ``response`` failed: what its server
+        asks (``Retry-After`` on a 429 or 503), else None (the usual back-off). ``inf`` when it
+        asks for more than 5 minutes and no deadline says the read may wait that long: no retry.
+        Past the deadline: :class:`ReadTimeoutError` at once (closing ``response``)."""
+        asked = retry_after(response.headers) if response.status in _ASKS_TO_WAIT else None
+        if asked is None:
+            return None
+        if asked > self.clock.remaining():
+            await response.aclose()
+            raise ReadTimeoutError(
+                f"the server asked to retry after {round(asked, 1):g} s (Retry-After), past the "
+                f"deadline of {self.clock.limits.deadline:g} s",
+                url=self.name,
+                position=position,
+            )
+        if asked > _MAX_RETRY_AFTER and self.clock.limits.deadline is None:
+            return math.inf
+        return asked
+
+    async def _back_off(self, failures: int, position: int, wait: float | None = None) -> None:
+        """Wait before the next attempt after ``failures`` failed ones: ``wait`` seconds when
+        the server said, else an exponential back-off; a deadline that passes first ends the
+        read instead."""
+        if wait is None:
+            wait = self._backoff * 2 ** (failures - 1)
+        await self.clock.pause(wait, self.name, position)
 
     def prepare_headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
         """The headers to send with a request; object stores sign them here."""
