@@ -131,10 +131,16 @@ def hub_token(environ: Mapping[str, str] | None = None) -> str | None:
     return token or None
 
 
-def _origin(url: str) -> tuple[str, str, int | None]:
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    return scheme, (parts.hostname or "").lower(), parts.port or (443 if scheme == "https" else 80)
+def _origin(url: str) -> tuple[str, str, int]:
+    """``url``'s scheme, host and port: where a request to it goes. A URL too broken to tell
+    gets an origin no URL has (its request fails later, with a clear error)."""
+    try:
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        port = parts.port or (443 if scheme == "https" else 80)
+    except ValueError:
+        return "", "", -1
+    return scheme, (parts.hostname or "").lower(), port
 
 
 class HubClient(HTTPClient):

@@ -16,8 +16,9 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import HeaderError, HTTPNotFoundError, HTTPStatusError, UnsupportedSourceError
+from stream_st._limits import Clock
 from stream_st._shards import shard_address
-from stream_st.hub import HubFile, HubSource, hub_endpoint, hub_token
+from stream_st.hub import HubClient, HubFile, HubSource, hub_endpoint, hub_token
 from stream_st.sources.http import FIRST_RANGE, HttpSource
 from stream_st.tools import inspect
 
@@ -129,6 +130,20 @@ def test_endpoint_and_token_from_the_environment(tmp_path: Path) -> None:
     (tmp_path / "huggingface").mkdir()
     (tmp_path / "huggingface" / "token").write_text("hf_xdg")
     assert hub_token({"XDG_CACHE_HOME": str(tmp_path)}) == "hf_xdg"
+
+
+def test_the_token_goes_to_the_hubs_origin_only() -> None:
+    client = HubClient("https://huggingface.co", "hf_x", clock=Clock())
+    assert client.on_hub("https://HuggingFace.co:443/org/repo/resolve/main/x")
+    for elsewhere in (
+        "http://huggingface.co/x",  # another scheme
+        "https://huggingface.co:8443/x",  # another port
+        "https://cdn-lfs.huggingface.co/x",  # another host
+        "https://huggingface.co.evil.example/x",
+        "https://[::1/x",  # not a URL at all
+        "https://huggingface.co:99999/x",
+    ):
+        assert not client.on_hub(elsewhere), elsewhere
 
 
 def test_shard_addresses_stay_in_the_repository() -> None:
