@@ -81,10 +81,10 @@ def shard_name(shard: object, index: str) -> str:
 def shard_address(index: str, shard: str) -> str:
     """The address of ``shard`` (a name from the index) in the directory of ``index``.
 
-    A plain path or ``s3://`` key is joined as written; in a ``file://`` or ``http(s)://`` URL
-    the name is percent-encoded, since those transports decode it again. ``shard`` goes through
-    :func:`shard_name` first, and the address must lie in the index's directory as its transport
-    will read it: same scheme, host and query, no part that climbs out.
+    A plain path, ``s3://`` key or ``hf://`` path is joined as written; in a ``file://`` or
+    ``http(s)://`` URL the name is percent-encoded, since those transports decode it again.
+    ``shard`` goes through :func:`shard_name` first, and the address must lie in the index's
+    directory as its transport will read it: same scheme, host and query, no part that climbs out.
     """
     shard = shard_name(shard, index)
     if "://" not in index:
@@ -100,8 +100,9 @@ def shard_address(index: str, shard: str) -> str:
 
 
 def _literal(scheme: str) -> bool:
-    """Whether a URL of ``scheme`` names its object by the path as written (an S3 key)."""
-    return scheme.lower() == "s3"
+    """Whether a URL of ``scheme`` names its object by the path as written (an S3 key, a path
+    in a Hub repository)."""
+    return scheme.lower() in ("s3", "hf")
 
 
 def _inside(index: str, address: str) -> bool:

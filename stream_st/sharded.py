@@ -122,7 +122,7 @@ async def shard_headers(index_address: str | os.PathLike[str], clock: Clock) -> 
     index = await ShardIndex.read(address, clock)
     headers = []
     for shard in index.shards:
-        where = shard_address(address, shard)
+        where = shard_address(index.home, shard)
         stream = TensorStream(where, clock=clock)
         header = await _open_shard(stream, where)
         await stream.aclose()
@@ -134,12 +134,14 @@ async def shard_headers(index_address: str | os.PathLike[str], clock: Clock) -> 
 class ShardIndex:
     """A validated index of shards: a Hugging Face ``*.index.json`` or a ``dataset_manifest.json``.
 
-    ``shards`` lists the shard files in reading order. For an index, ``weight_map`` maps each
-    tensor to its shard; for a manifest, ``shard_bytes`` gives each shard's size and
-    ``manifest`` the whole document (``total_samples``, ``schema``, ...).
+    ``shards`` lists the shard files in reading order, found next to ``home`` (the address it was
+    read at: for ``hf://``, pinned to the commit the index came from). For an index,
+    ``weight_map`` maps each tensor to its shard; for a manifest, ``shard_bytes`` gives each
+    shard's size and ``manifest`` the whole document (``total_samples``, ``schema``, ...).
     """
 
-    def __init__(self, raw: bytes, name: str) -> None:
+    def __init__(self, raw: bytes, name: str, home: str | None = None) -> None:
+        self.home = name if home is None else home
         obj = decode_json(raw, f"{name}: the index")
         if not isinstance(obj, dict):
             raise HeaderError(f"{name}: the index must be a JSON object")
@@ -155,7 +157,8 @@ class ShardIndex:
     @classmethod
     async def read(cls, address: str, clock: Clock) -> ShardIndex:
         """The index or manifest at ``address`` (a path or URL), read whole and validated."""
-        return cls(await read_object(address, clock, limit=MAX_INDEX_SIZE), address)
+        raw, home = await read_object(address, clock, limit=MAX_INDEX_SIZE)
+        return cls(raw, address, home)
 
     def _read_index(self, obj: dict[str, Any], name: str) -> None:
         weight_map = obj.get("weight_map")
@@ -276,7 +279,7 @@ class ShardedStream(TensorStream):
             expected = index.names_in(shard)
             if expected is not None and not any(selected(name) for name in expected):
                 continue  # nothing wanted there: the shard is never opened
-            address = shard_address(self._address, shard)
+            address = shard_address(index.home, shard)
             stream = TensorStream(
                 address,
                 include=selected,

@@ -15,6 +15,7 @@ from anyio.abc import ByteReceiveStream
 
 from .._limits import UNLIMITED, Clock
 from ..errors import SafetensorsError, UnsupportedSourceError, UsageError
+from ..hub import HubSource
 from .base import Source
 from .file import open_file_source
 from .http import HttpSource
@@ -75,6 +76,8 @@ async def _new_source(obj: SourceLike, clock: Clock) -> Source:
         return HttpSource(obj)
     if isinstance(obj, str) and obj.lower().startswith("s3://"):
         return S3Source(obj)
+    if isinstance(obj, str) and obj.lower().startswith("hf://"):
+        return HubSource(obj)
     if isinstance(obj, str) and "://" in obj:
         return open_file_source(path_from_url(obj), clock)
     if isinstance(obj, str | os.PathLike):
@@ -95,9 +98,13 @@ async def _new_source(obj: SourceLike, clock: Clock) -> Source:
 
 async def read_object(
     address: str | os.PathLike[str], clock: Clock = UNLIMITED, *, limit: int = 64 << 20
-) -> bytes:
+) -> tuple[bytes, str]:
     """The whole of a small object (an index, a manifest) at a path or URL; at most ``limit``.
-    ``clock`` bounds its waits (see :func:`open_source`)."""
+    ``clock`` bounds its waits (see :func:`open_source`).
+
+    Also returns the address of what was read, for finding the objects next to it: for ``hf://``
+    the address pinned to the commit the Hub served (:attr:`HubSource.pinned`), else ``address``.
+    """
     source = await open_source(address, clock)
     try:
         await source.start(read_all=True)
@@ -106,7 +113,8 @@ async def read_object(
         while len(out) <= limit:
             got = await source.receive_into(chunk)
             if got == 0:
-                return bytes(out)
+                home = source.pinned if isinstance(source, HubSource) else os.fspath(address)
+                return bytes(out), home
             out += chunk[:got]
     finally:
         await source.aclose()
