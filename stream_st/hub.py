@@ -247,6 +247,13 @@ class HubSource(HttpSource):
             if self.url == url:  # the signed URL expired: ask the Hub again
                 self.url = self._resolve_url
 
+    async def _accept(self, response: Response, position: int) -> Response:
+        """A redirect from the Hub is its resolution, for :meth:`_resolve` to follow; any other
+        answer is checked as :class:`~stream_st.HttpSource` checks it."""
+        if response.status in _REDIRECTS and self._client.on_hub(self.url):
+            return response
+        return await super()._accept(response, position)
+
     async def _resolve(self, start: int, end: int | None) -> Response | None:
         """Ask the Hub for the range; follow its redirects within the Hub. Returns the Hub's own
         answer, or None once ``url`` is the place elsewhere it redirected to."""

@@ -105,6 +105,12 @@ class _Server(RangeHTTPServer):
         finally:
             self._extra.headers = {}
 
+    def _validators(self, path: str) -> dict[str, str]:
+        """The object's own ETag (its sha256, among the ``extra`` headers) is the one conditional
+        requests are checked against."""
+        extra = getattr(self._extra, "headers", {})
+        return {**super()._validators(path), **{k: v for k, v in extra.items() if k == "ETag"}}
+
     def _reply(self, request: _Request, status: int, headers: dict[str, str], body: bytes) -> bool:
         """A small answer of its own: ``status`` with ``headers`` and ``body``."""
         connection = request.connection

@@ -240,12 +240,17 @@ class HttpSource(ClientClock, Source):
                 if retrying:
                     wait = await self._retry_wait(response, start)
                 if not retrying or wait == math.inf:
-                    await self._check_version(response, start)
-                    await raise_for_status(response, name=self.name)
-                    return response
+                    return await self._accept(response, start)
                 await response.discard()
             await self._back_off(attempt + 1, start, wait)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _accept(self, response: Response, position: int) -> Response:
+        """``response`` as the answer to a request of this read: of the same version of the
+        object as the first (:class:`SourceChangedError`), not an error status (raised)."""
+        await self._check_version(response, position)
+        await raise_for_status(response, name=self.name)
+        return response
 
     async def _retry_wait(self, response: Response, position: int) -> float | None:
         """The seconds to wait before retrying the request ``response`` failed: what its server
