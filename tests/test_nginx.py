@@ -304,7 +304,6 @@ async def test_stalled_server_times_out(nginx: NginxServer, location: str) -> No
         await read_all(HttpSource(url, retries=1, backoff=0.01), timeout=0.5)
 
 
-@pytest.mark.xfail(strict=True, reason="errors in a ranged answer count bytes from its start")
 async def test_stall_in_a_ranged_answer_reports_the_offset_in_the_file(
     nginx: NginxServer, root: Path
 ) -> None:

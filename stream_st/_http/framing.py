@@ -109,6 +109,15 @@ def _content_length(headers: Mapping[str, str], url: str) -> int | None:
     return int(value)
 
 
+_RANGE_START = re.compile(r"bytes (\d+)-")
+
+
+def _body_offset(status: int, headers: Mapping[str, str]) -> int:
+    """Where in the object a body starts: the first byte of a 206's ``Content-Range``, else 0."""
+    match = _RANGE_START.match(headers.get("content-range", "")) if status == 206 else None
+    return int(match[1]) if match else 0
+
+
 class Response(AsyncClosing):
     """Status, headers and a body read into caller buffers with :meth:`receive_into`.
 
@@ -134,6 +143,7 @@ class Response(AsyncClosing):
         self.reason = reason
         self.headers = headers
         self.received = 0
+        self.offset = _body_offset(status, headers)
         self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         self.content_length: int | None
         if not has_body:
@@ -144,6 +154,11 @@ class Response(AsyncClosing):
         self._chunk_left = 0
         self._done = self._remaining == 0
         self._reusable = headers.get("connection", "").lower() != "close"
+
+    @property
+    def position(self) -> int:
+        """Where in the object the next body byte is: what errors report."""
+        return self.offset + self.received
 
     @property
     def complete(self) -> bool:
@@ -166,7 +181,7 @@ class Response(AsyncClosing):
         except TransportError:
             raise
         except OSError as exc:
-            raise receive_error(exc, self.url, self.received) from exc
+            raise receive_error(exc, self.url, self.position) from exc
         if count == 0:
             if self._remaining is None:  # body delimited by the connection closing
                 self._done = True
@@ -175,7 +190,7 @@ class Response(AsyncClosing):
             raise TransportError(
                 f"connection closed with {self._remaining} body bytes still to come",
                 url=self.url,
-                position=self.received,
+                position=self.position,
             )
         self.received += count
         if self._remaining is not None:
@@ -189,7 +204,7 @@ class Response(AsyncClosing):
             digits = line.split(b";")[0].strip()
             if not _CHUNK_SIZE.fullmatch(digits):
                 raise HTTPProtocolError(
-                    f"malformed chunk size line {line[:40]!r}", url=self.url, position=self.received
+                    f"malformed chunk size line {line[:40]!r}", url=self.url, position=self.position
                 )
             size = int(digits, 16)
             if size == 0:
@@ -201,7 +216,7 @@ class Response(AsyncClosing):
         count = await self._raw_into(buffer[: self._chunk_left])
         if count == 0:
             raise TransportError(
-                "connection closed inside a chunk", url=self.url, position=self.received
+                "connection closed inside a chunk", url=self.url, position=self.position
             )
         self._chunk_left -= count
         self.received += count
@@ -209,7 +224,7 @@ class Response(AsyncClosing):
             raise HTTPProtocolError(
                 "malformed chunked body: no line end after a chunk",
                 url=self.url,
-                position=self.received,
+                position=self.position,
             )
         return count
 
@@ -234,7 +249,7 @@ class Response(AsyncClosing):
             count = await connection.wire.recv_into(memoryview(more))
             if count == 0:
                 raise TransportError(
-                    "connection closed inside a chunked body", url=self.url, position=self.received
+                    "connection closed inside a chunked body", url=self.url, position=self.position
                 )
             connection.leftover += more[:count]
         line, _, rest = bytes(connection.leftover).partition(b"\r\n")
