@@ -52,6 +52,7 @@ from .writer import TensorParts, TensorWriter, open_writer
 # isort: split
 # The HTTP client after the transports: it uses the TCP connect of the sources package.
 from ._http import HTTPClient
+from .hub import HubSource
 
 __version__ = "0.1.0"
 
@@ -72,6 +73,7 @@ __all__ = [
     "HeaderTooLargeError",
     "HttpSink",
     "HttpSource",
+    "HubSource",
     "IntegrityError",
     "KVLayout",
     "KVReceiver",

@@ -1,7 +1,7 @@
 """The ``stream-st`` command: demo, inspect, hash, diff, validate, cp.
 
-Every command takes any source the library reads (a path, ``http(s)://``, ``s3://``, ``tcp://``,
-a sharded ``*.index.json``) and works in constant memory. Exit status: 0 success (equal, valid);
+Every command takes any source the library reads (a path, ``http(s)://``, ``s3://``, ``hf://``,
+``tcp://``, a sharded ``*.index.json``) and works in constant memory. Exit status: 0 success (equal, valid);
 1 a difference (``diff``) or failed validation (``validate``); 2 an error (bad input, unreachable
 source, bad arguments); 3 an internal error (a bug: the traceback goes to stderr); 130
 interrupted; 141 the output pipe closed early (``| head``), as for a command killed by SIGPIPE.
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="stream-st",
         description="Read and write safetensors files as streams. "
-        "Sources: paths, http(s)://, s3://, tcp://, *.index.json.",
+        "Sources: paths, http(s)://, s3://, hf://, tcp://, *.index.json.",
         epilog="exit status: 0 success, 1 different/invalid, 2 error, 3 internal error (a bug),\n"
         "  130 interrupted, 141 output pipe closed early",
         formatter_class=argparse.RawDescriptionHelpFormatter,
