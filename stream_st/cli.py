@@ -1,10 +1,11 @@
 """The ``stream-st`` command: demo, inspect, hash, diff, validate, cp.
 
 Every command takes any source the library reads (a path, ``http(s)://``, ``s3://``, ``hf://``,
-``tcp://``, a sharded ``*.index.json``) and works in constant memory. Exit status: 0 success (equal, valid);
-1 a difference (``diff``) or failed validation (``validate``); 2 an error (bad input, unreachable
-source, bad arguments); 3 an internal error (a bug: the traceback goes to stderr); 130
-interrupted; 141 the output pipe closed early (``| head``), as for a command killed by SIGPIPE.
+``tcp://``, a sharded ``*.index.json``) and works in constant memory. Exit status: 0 success
+(equal, valid); 1 a difference (``diff``) or failed validation (``validate``); 2 an error (bad
+input, unreachable source, bad arguments); 3 an internal error (a bug: the traceback goes to
+stderr); 130 interrupted; 141 the output pipe closed early (``| head``), as for a command killed
+by SIGPIPE.
 """
 
 from __future__ import annotations
