@@ -29,7 +29,8 @@ from stream_st import (
     TruncatedStreamError,
     UsageError,
 )
-from stream_st._http import HTTPClient, HTTPProtocolError, _StreamWire
+from stream_st._http import HTTPClient, HTTPProtocolError
+from stream_st._http.wire import StreamWire
 from stream_st._limits import UNLIMITED
 from stream_st.sinks.http import HttpSink
 from stream_st.sources.http import HttpSource
@@ -388,7 +389,7 @@ async def test_closed_stream_wire_raises_os_errors(raw_server: Serve) -> None:
     """Like a closed socket: every caller translates OSError (anyio raises its own errors)."""
     port = int(raw_server(wait_for_close).rsplit(":", 1)[1])
     stream = await anyio.connect_tcp("127.0.0.1", port)
-    wire = _StreamWire(stream, UNLIMITED)
+    wire = StreamWire(stream, UNLIMITED)
     await wire.aclose()
     with pytest.raises(OSError):
         await wire.send(b"GET / HTTP/1.1\r\n\r\n")
