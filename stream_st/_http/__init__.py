@@ -17,13 +17,13 @@ One concern per module:
 from __future__ import annotations
 
 from ..errors import HTTPNotFoundError, HTTPProtocolError, HTTPStatusError
-from .client import ClientClock, HTTPClient
+from .client import ClientUser, HTTPClient
 from .framing import Response, Upload
 from .status import outcome_unknown, raise_for_status
 from .target import Target
 
 __all__ = [
-    "ClientClock",
+    "ClientUser",
     "HTTPClient",
     "HTTPNotFoundError",
     "HTTPProtocolError",

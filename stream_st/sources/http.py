@@ -28,13 +28,14 @@ at once, with no retry.
 from __future__ import annotations
 
 import re
+import ssl
 from collections.abc import Mapping, Sequence
 from typing import Unpack
 
 import numpy as np
 
-from .._http import ClientClock, HTTPClient, HTTPProtocolError, Response, raise_for_status
-from .._limits import Clock, LimitOptions, Limits
+from .._http import ClientUser, HTTPClient, HTTPProtocolError, Response, raise_for_status
+from .._limits import LimitOptions
 from .._util import task_group
 from ..errors import ReadTimeoutError, TransportError, UsageError
 from .base import Source
@@ -48,11 +49,12 @@ _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
-class HttpSource(ClientClock, Source):
+class HttpSource(ClientUser, Source):
     """An object at an ``http(s)://`` URL; a whole object, random access when ranges work.
-    ``limits`` (``timeout``, ``deadline``, ``speed_limit``, ``speed_time``) are used unless the
-    reader is given its own.
-    Every wait is its client's, so its ``clock`` is the client's."""
+    ``headers`` go with every request; ``ssl_context`` decides which certificates https trusts
+    (default: the system's). ``limits`` (``timeout``, ``deadline``, ``speed_limit``,
+    ``speed_time``) are used unless the reader is given its own, also with a ``client`` (which
+    may be shared: it keeps no limits of any one read)."""
 
     def __init__(
         self,
@@ -60,6 +62,7 @@ class HttpSource(ClientClock, Source):
         *,
         client: HTTPClient | None = None,
         headers: Mapping[str, str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         retries: int = 3,
         backoff: float = 0.25,
         concurrency: int = 1,
@@ -79,9 +82,7 @@ class HttpSource(ClientClock, Source):
         self._data_end: int | None = None  # where a short part showed the object to end
         self.url = url
         self.name = name or url
-        self._owns_client = client is None
-        self._client = client or HTTPClient(clock=Clock(Limits.of(limits)))
-        self._headers = dict(headers or {})
+        self._use_client(client, headers, ssl_context, limits)
         self._retries = retries
         self._backoff = backoff
         self._response: Response | None = None
@@ -147,7 +148,7 @@ class HttpSource(ClientClock, Source):
         headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         for attempt in range(self._retries + 1):
             try:
-                response = await self._client.request(
+                response = await self._request(
                     "GET", self.url, self.prepare_headers("GET", self.url, headers)
                 )
             except HTTPProtocolError:
@@ -365,5 +366,4 @@ class HttpSource(ClientClock, Source):
 
     async def aclose(self) -> None:
         await self._close_response()
-        if self._owns_client:
-            await self._client.aclose()
+        await self._close_client()
