@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from ._limits import LimitOptions
+from ._limits import LimitOptions, TransportOptions
 from ._s3 import S3Config
 from .connection import Connection, Listener, connect, listen
 from .convenience import load, save
@@ -97,6 +97,7 @@ __all__ = [
     "TensorWriter",
     "TrailingDataError",
     "TransportError",
+    "TransportOptions",
     "TruncatedStreamError",
     "UnsupportedSinkError",
     "UnsupportedSourceError",

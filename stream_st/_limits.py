@@ -22,11 +22,17 @@ A transport plugs in by waiting inside ``with self.clock.waiting(name, position)
 really waits: data already buffered needs none) and reporting what moved with
 ``self.clock.moved(count)``; the reader and writer give every source and sink the clock of their
 operation. Not public API.
+
+The other options of an operation, ``headers`` and ``ssl_context`` (:class:`Transport`), travel
+with its clock: every path that opens a transport (a source, a sink, an index, each shard)
+already receives the operation's clock, so none can miss them. They are validated with the
+limits, in :func:`clock_of`.
 """
 
 from __future__ import annotations
 
 import math
+import ssl
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -38,7 +44,18 @@ import anyio
 
 from .errors import ReadTimeoutError, UsageError
 
-__all__ = ["NO_LIMITS", "UNLIMITED", "Clock", "LimitOptions", "Limits", "checked_number"]
+__all__ = [
+    "NO_LIMITS",
+    "NO_TRANSPORT",
+    "UNLIMITED",
+    "Clock",
+    "LimitOptions",
+    "Limits",
+    "Transport",
+    "TransportOptions",
+    "checked_number",
+    "clock_of",
+]
 
 DEFAULT_SPEED_TIME = 30.0
 """Seconds of waiting over which the speed guard measures, when only ``speed_limit`` is given."""
@@ -54,6 +71,15 @@ class LimitOptions(TypedDict, total=False):
     deadline: float | None
     speed_limit: float | None
     speed_time: float | None
+
+
+class TransportOptions(LimitOptions, total=False):
+    """The keyword arguments every entry point that takes a URL takes: the limits, plus
+    ``headers`` (sent with every HTTP or S3 request; S3 signs them) and ``ssl_context`` (the
+    certificates https trusts; default: the system's)."""
+
+    headers: Mapping[str, str] | None
+    ssl_context: ssl.SSLContext | None
 
 
 def checked_number(
@@ -122,6 +148,52 @@ class Limits:
 NO_LIMITS = Limits()
 
 
+@dataclass(frozen=True, slots=True)
+class Transport:
+    """The validated ``headers`` and ``ssl_context`` of an operation (see the module)."""
+
+    headers: tuple[tuple[str, str], ...] = ()
+    ssl_context: ssl.SSLContext | None = None
+
+    @classmethod
+    def of(cls, headers: object = None, ssl_context: object = None) -> Transport:
+        """Check the options: UsageError unless ``headers`` is a mapping of str to str with no
+        line breaks in it, and ``ssl_context`` an :class:`ssl.SSLContext` (each may be None)."""
+        if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
+            raise UsageError(
+                f"ssl_context must be an ssl.SSLContext, got {type(ssl_context).__name__}"
+            )
+        if headers is None:
+            return cls((), ssl_context)
+        if not isinstance(headers, Mapping):
+            raise UsageError(
+                f"headers must be a mapping of str to str, got {type(headers).__name__}"
+            )
+        pairs = []
+        for name, value in headers.items():
+            if not (isinstance(name, str) and isinstance(value, str)):
+                raise UsageError(f"headers must map str to str, got {name!r}: {value!r}")
+            if not name or any(c in name for c in ":\r\n \t") or any(c in value for c in "\r\n\0"):
+                raise UsageError(
+                    f"header {name!r}: {value!r} has no valid name or holds a line break"
+                )
+            pairs.append((name, value))
+        return cls(tuple(pairs), ssl_context)
+
+    def over(self, headers: Mapping[str, str]) -> dict[str, str]:
+        """``headers`` with these on top (a name given in both, in any case, takes this value)."""
+        mine = {name.lower() for name, _ in self.headers}
+        out = {k: v for k, v in headers.items() if k.lower() not in mine}
+        out.update(self.headers)
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self.headers) or self.ssl_context is not None
+
+
+NO_TRANSPORT = Transport()
+
+
 class Clock:
     """One operation's limits, as time passes; every transport wait goes through it.
 
@@ -130,8 +202,9 @@ class Clock:
     counts against neither).
     """
 
-    def __init__(self, limits: Limits = NO_LIMITS) -> None:
+    def __init__(self, limits: Limits = NO_LIMITS, transport: Transport = NO_TRANSPORT) -> None:
         self.limits = limits
+        self.transport = transport
         self._ends_at: float | None = None  # monotonic time of the deadline, once started
         self._guarding = False  # the speed guard runs once started
         self._window_waited = 0.0  # seconds waited in the current speed window
@@ -262,6 +335,14 @@ class Clock:
         if name is None:
             return TimeoutError(reason)
         return ReadTimeoutError(reason, url=name, position=position)
+
+
+def clock_of(options: Mapping[str, object]) -> Clock:
+    """The clock of an operation called with ``options`` (:class:`TransportOptions`), every one
+    checked; UsageError for a bad value or an unknown option."""
+    limits = dict(options)
+    transport = Transport.of(limits.pop("headers", None), limits.pop("ssl_context", None))
+    return Clock(Limits.of(limits), transport)
 
 
 UNLIMITED = Clock()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import stat
 import sys
 import time
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import anyio
 
 from . import tools
-from ._limits import LimitOptions
+from ._limits import LimitOptions, TransportOptions
 from ._s3 import unsigned_requests
 from .demo import print_report, run_demo
 from .errors import SafetensorsError
@@ -89,6 +90,30 @@ def _limits(args: argparse.Namespace) -> LimitOptions:
     )
 
 
+def _options(args: argparse.Namespace) -> TransportOptions:
+    """The time limits, ``--header`` lines and ``--ca-bundle`` given on the command line."""
+    return TransportOptions(
+        **_limits(args), headers=dict(args.header or ()), ssl_context=args.ca_bundle
+    )
+
+
+def _header_line(text: str) -> tuple[str, str]:
+    """A ``--header 'Name: value'`` argument as (name, value); checked again where it is used."""
+    name, colon, value = text.partition(":")
+    if not colon or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected 'Name: value', got {text!r}")
+    return name.strip(), value.strip()
+
+
+def _ca_bundle(path: str) -> ssl.SSLContext:
+    """An SSL context trusting the certificates in the PEM file ``path`` (and no others)."""
+    try:
+        return ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError) as exc:
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise argparse.ArgumentTypeError(f"cannot use {path!r} as a CA bundle: {detail}") from None
+
+
 def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, ensure_ascii=False))
 
@@ -102,7 +127,7 @@ def _human(n: float) -> str:
 
 
 async def _inspect(args: argparse.Namespace) -> int:
-    result = await tools.inspect(args.source, **_limits(args))
+    result = await tools.inspect(args.source, **_options(args))
     if args.json:
         _print_json(result.to_json())
         return EXIT_OK
@@ -149,8 +174,8 @@ def _read_once(source: str) -> bool:
 
 
 async def _totals(
-    sources: Sequence[str], limits: LimitOptions, quiet: bool
-) -> tuple[int | None, int | None, LimitOptions]:
+    sources: Sequence[str], limits: TransportOptions, quiet: bool
+) -> tuple[int | None, int | None, TransportOptions]:
     """Bytes and tensors to expect from ``sources``, for the progress bar, and the limits left
     for the command itself: the look-up counts against its deadline.
 
@@ -172,7 +197,7 @@ async def _totals(
 
 async def _hash(args: argparse.Namespace) -> int:
     total, count, limits = await _totals(
-        [args.source] if args.content else [], _limits(args), args.quiet
+        [args.source] if args.content else [], _options(args), args.quiet
     )
     with _progress("hashing", total, count, args.quiet) as progress:
         result = await tools.hash(args.source, content=args.content, progress=progress, **limits)
@@ -187,7 +212,7 @@ async def _hash(args: argparse.Namespace) -> int:
 
 async def _diff(args: argparse.Namespace) -> int:
     sources = [args.a, args.b] if args.content else []
-    total, count, limits = await _totals(sources, _limits(args), args.quiet)
+    total, count, limits = await _totals(sources, _options(args), args.quiet)
     with _progress("comparing", total, count, args.quiet) as progress:
         result = await tools.diff(args.a, args.b, content=args.content, progress=progress, **limits)
     if args.json:
@@ -230,7 +255,7 @@ def _load_shapes(path: str | None) -> dict[str, list[int]] | None:
 
 
 async def _validate(args: argparse.Namespace) -> int:
-    total, count, limits = await _totals([args.source], _limits(args), args.quiet)
+    total, count, limits = await _totals([args.source], _options(args), args.quiet)
     with _progress("validating", total, count, args.quiet) as progress:
         result = await tools.validate(
             args.source,
@@ -269,7 +294,7 @@ async def _validate(args: argparse.Namespace) -> int:
 
 
 async def _cp(args: argparse.Namespace) -> int:
-    total, count, limits = await _totals([args.src], _limits(args), args.quiet)
+    total, count, limits = await _totals([args.src], _options(args), args.quiet)
     with _progress("copying", total, count, args.quiet) as progress:
         header = await tools.cp(
             args.src,
@@ -408,7 +433,22 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (hashing, differ, check, copy):
         sub.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     for sub in (inspect, hashing, differ, check, copy):
-        sub.add_argument(
+        remote = sub.add_argument_group("remote sources and destinations")
+        remote.add_argument(
+            "-H",
+            "--header",
+            action="append",
+            type=_header_line,
+            metavar="'NAME: VALUE'",
+            help="send this header with every HTTP or S3 request (repeatable)",
+        )
+        remote.add_argument(
+            "--ca-bundle",
+            type=_ca_bundle,
+            metavar="FILE",
+            help="trust the CA certificates in this PEM file for https (instead of the system's)",
+        )
+        remote.add_argument(
             "--no-sign-request",
             action="store_true",
             help="send s3:// requests unsigned (public buckets), as AWS_NO_SIGN_REQUEST=1",

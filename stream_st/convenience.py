@@ -7,7 +7,7 @@ from typing import Any, Unpack
 
 import numpy as np
 
-from ._limits import LimitOptions
+from ._limits import TransportOptions
 from .errors import UsageError
 from .header import DEFAULT_MAX_HEADER_SIZE, Header, TensorSpec
 from .reader import Include, open_stream
@@ -25,7 +25,7 @@ async def save(
     metadata: Mapping[str, str] | None = None,
     order: Order = "reference",
     fsync: bool = False,
-    **limits: Unpack[LimitOptions],
+    **options: Unpack[TransportOptions],
 ) -> Header:
     """Write ``{name: array}`` to ``dst`` and return the header written.
 
@@ -34,14 +34,14 @@ async def save(
     ``order="plan"`` keeps the dict's order. Each array's dtype and shape make its plan entry
     (packed F4/F6 tensors need :func:`~stream_st.open_writer` with an explicit plan). Arrays are
     written straight from their memory, one after another; nothing is committed unless all are.
-    Time limits as in :func:`~stream_st.open_writer`.
+    Time limits, ``headers`` and ``ssl_context`` as in :func:`~stream_st.open_writer`.
     """
     if not isinstance(tensors, Mapping):
         raise UsageError(f"save takes a mapping of names to arrays, got {type(tensors).__name__}")
     arrays = {name: as_array(array, name) for name, array in tensors.items()}
     plan = [TensorSpec(name, array.dtype, array.shape) for name, array in arrays.items()]
     async with open_writer(
-        dst, plan, metadata=metadata, order=order, fsync=fsync, **limits
+        dst, plan, metadata=metadata, order=order, fsync=fsync, **options
     ) as writer:
         for info in writer.header.tensors:
             await writer.write(info.name, arrays[info.name])
@@ -53,11 +53,11 @@ async def load(
     *,
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
-    **limits: Unpack[LimitOptions],
+    **options: Unpack[TransportOptions],
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Read a whole safetensors message into ``{name: array}`` in offset order.
 
     Takes every source :func:`~stream_st.open_stream` takes, and the same options.
     """
-    stream = open_stream(source, include=include, max_header_size=max_header_size, **limits)
+    stream = open_stream(source, include=include, max_header_size=max_header_size, **options)
     return {name: array async for name, array in stream}

@@ -30,6 +30,7 @@ How a file is read (:class:`HubSource`, an :class:`~stream_st.HttpSource`):
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ from urllib.parse import quote, unquote, urljoin, urlsplit
 import anyio
 
 from ._http import HTTPClient, Response
-from ._limits import Clock, LimitOptions, Limits
+from ._limits import Clock, LimitOptions
 from .errors import HTTPStatusError, TransportError, UnsupportedSourceError
 from .sources.http import HttpSource
 
@@ -151,8 +152,8 @@ class HubClient(HTTPClient):
     as they are.
     """
 
-    def __init__(self, endpoint: str, token: str | None, *, clock: Clock) -> None:
-        super().__init__(clock=clock)
+    def __init__(self, endpoint: str, token: str | None) -> None:
+        super().__init__()
         self._hub = _origin(endpoint)
         self._token = token
 
@@ -172,12 +173,22 @@ class HubClient(HTTPClient):
         body: bytes | None = None,
         *,
         follow_redirects: bool = True,
+        clock: Clock | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> Response:
         if self.on_hub(url):
             follow_redirects = False
             if self._token is not None:
                 headers = {**(headers or {}), "Authorization": f"Bearer {self._token}"}
-        return await super().request(method, url, headers, body, follow_redirects=follow_redirects)
+        return await super().request(
+            method,
+            url,
+            headers,
+            body,
+            follow_redirects=follow_redirects,
+            clock=clock,
+            ssl_context=ssl_context,
+        )
 
 
 class HubSource(HttpSource):
@@ -204,16 +215,17 @@ class HubSource(HttpSource):
         self.file = HubFile.parse(url)
         endpoint = hub_endpoint() if endpoint is None else endpoint.rstrip("/")
         token = hub_token() if token is None else token or None
-        self._client: HubClient = HubClient(endpoint, token, clock=Clock(Limits.of(limits)))
+        self._hub = HubClient(endpoint, token)
         self._resolve_url = self.file.resolve_url(endpoint)
         super().__init__(
             self._resolve_url,
-            client=self._client,
+            client=self._hub,
             retries=retries,
             backoff=backoff,
             concurrency=concurrency,
             part_size=part_size,
             name=url,
+            **limits,
         )
         self._owns_client = True
         self._resolving = anyio.Lock()
@@ -231,11 +243,11 @@ class HubSource(HttpSource):
         renewed = False
         while True:
             url = self.url
-            if self._client.on_hub(url):
+            if self._hub.on_hub(url):
                 async with self._resolving:  # one resolution at a time; the rest use its URL
                     if self.url == url:
                         response = await self._resolve(start, end)
-                        if self._client.on_hub(self.url):
+                        if self._hub.on_hub(self.url):
                             return response  # the Hub serves this file itself
                 continue
             try:
@@ -250,7 +262,7 @@ class HubSource(HttpSource):
     async def _accept(self, response: Response, position: int) -> Response:
         """A redirect from the Hub is its resolution, for :meth:`_resolve` to follow; any other
         answer is checked as :class:`~stream_st.HttpSource` checks it."""
-        if response.status in _REDIRECTS and self._client.on_hub(self.url):
+        if response.status in _REDIRECTS and self._hub.on_hub(self.url):
             return response
         return await super()._accept(response, position)
 
@@ -273,13 +285,13 @@ class HubSource(HttpSource):
             await response.read_all(1 << 16)  # a short note: read, so the connection is kept
             await response.aclose()
             self.url = urljoin(self.url, location)
-            if not self._client.on_hub(self.url):
+            if not self._hub.on_hub(self.url):
                 return None
         raise TransportError(f"more than {MAX_HUB_HOPS} redirects within the Hub", url=self.name)
 
     def _refused(self, status: int) -> HTTPStatusError:
         """The one-line error for a Hub that refused the file (401/403)."""
-        if self._client.has_token:
+        if self._hub.has_token:
             hint = (
                 "the token was refused or has no access to this repository (a gated one needs "
                 "its terms accepted on the Hub)"

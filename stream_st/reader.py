@@ -12,7 +12,7 @@ from typing import Any, Self, Unpack
 import anyio.to_thread
 import numpy as np
 
-from ._limits import Clock, LimitOptions, Limits
+from ._limits import Clock, TransportOptions, clock_of
 from ._util import AsyncClosing
 from .errors import (
     AllocationError,
@@ -325,7 +325,7 @@ def open_stream(
     *,
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
-    **limits: Unpack[LimitOptions],
+    **options: Unpack[TransportOptions],
 ) -> TensorStream:
     """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
 
@@ -341,6 +341,11 @@ def open_stream(
     stays slower than that while waiting on the transport. Each raises
     :class:`~stream_st.ReadTimeoutError`; a bad value is a :class:`~stream_st.UsageError`.
 
+    Remote sources (``http(s)://``, ``s3://``; an index's shards too): ``headers`` (a mapping of
+    str to str) go with every request, on top of a given source's own; ``ssl_context`` (an
+    :class:`ssl.SSLContext`) decides which certificates https trusts. Proxies come from the
+    environment (``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY``, ``NO_PROXY``).
+
     An address ending in ``.index.json`` (a sharded checkpoint's index) gives a
     :class:`~stream_st.sharded.ShardedStream` over every shard.
 
@@ -349,7 +354,7 @@ def open_stream(
     yielded (:class:`~stream_st.TruncatedStreamError`).
     """
     return stream_for(
-        source, include=include, max_header_size=max_header_size, clock=Clock(Limits.of(limits))
+        source, include=include, max_header_size=max_header_size, clock=clock_of(options)
     )
 
 
@@ -372,11 +377,11 @@ async def read_header(
     source: SourceLike,
     *,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
-    **limits: Unpack[LimitOptions],
+    **options: Unpack[TransportOptions],
 ) -> Header:
     """Read and validate only the header of ``source``, then close it; limits as in
     :func:`open_stream`."""
-    return await header_of(source, Clock(Limits.of(limits)), max_header_size=max_header_size)
+    return await header_of(source, clock_of(options), max_header_size=max_header_size)
 
 
 async def header_of(

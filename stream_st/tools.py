@@ -3,9 +3,9 @@
 Each takes any source :func:`~stream_st.open_stream` takes (a path, ``http(s)://``, ``s3://``,
 ``tcp://``, a sharded ``*.index.json``) and works in constant memory: one tensor at a time.
 ``progress``, where accepted, is called with ``(bytes_done, tensors_done)`` as data moves.
-Each takes the time limits of :func:`~stream_st.open_stream` (``timeout``, ``deadline``,
-``speed_limit``, ``speed_time``), which bound the whole command: every source and destination
-it opens.
+Each takes the options of :func:`~stream_st.open_stream` (``timeout``, ``deadline``,
+``speed_limit``, ``speed_time``, ``headers``, ``ssl_context``), which apply to the whole command:
+every source and destination it opens.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Unpack
 import anyio
 import numpy as np
 
-from ._limits import Clock, LimitOptions, Limits, checked_number
+from ._limits import Clock, TransportOptions, checked_number, clock_of
 from ._util import task_group
 from .codecs import get_codec, to_bfloat16
 from .dtypes import dtype_from_code, wire_bytes
@@ -56,9 +56,9 @@ _STATS_CHUNK = 1 << 22
 """Statistics are accumulated over this many values at a time (bounded scratch memory)."""
 
 
-def _clock(limits: LimitOptions) -> Clock:
+def _clock(options: TransportOptions) -> Clock:
     """The clock of one command, started now."""
-    clock = Clock(Limits.of(limits))
+    clock = clock_of(options)
     clock.start()
     return clock
 
@@ -101,9 +101,9 @@ class Inspection:
         return asdict(self)
 
 
-async def inspect(source: SourceLike, **limits: Unpack[LimitOptions]) -> Inspection:
+async def inspect(source: SourceLike, **options: Unpack[TransportOptions]) -> Inspection:
     """Read only the header (ranged requests on remote sources) and describe it."""
-    headers = await headers_of(source, _clock(limits))
+    headers = await headers_of(source, _clock(options))
     tensors = _tensors(headers)
     return Inspection(
         source=str(source),
@@ -192,11 +192,11 @@ async def content_digests(
     *,
     include: Iterable[str] | None = None,
     progress: Progress | None = None,
-    **limits: Unpack[LimitOptions],
+    **options: Unpack[TransportOptions],
 ) -> dict[str, str]:
     """sha256 (hex) of each tensor's bytes, streamed one tensor at a time."""
     selected = None if include is None else list(include)
-    async with _opened(source, _clock(limits), include=selected) as (stream, _):
+    async with _opened(source, _clock(options), include=selected) as (stream, _):
         return await _digest_stream(stream, progress)
 
 
@@ -210,14 +210,14 @@ async def hash(  # the command's name (shadows the builtin only inside this modu
     *,
     content: bool = False,
     progress: Progress | None = None,
-    **limits: Unpack[LimitOptions],
+    **options: Unpack[TransportOptions],
 ) -> dict[str, Any]:
     """The structural hash (header only); with ``content``, also a hash of the data.
 
     The content hash is sha256 over ``name NUL sha256(tensor bytes) LF`` for every tensor in name
     order, so it does not depend on the layout either.
     """
-    clock = _clock(limits)
+    clock = _clock(options)
     if not content:
         return _structure(source, await headers_of(source, clock))
     async with _opened(source, clock) as (stream, headers):
@@ -272,11 +272,11 @@ async def diff(
     *,
     content: bool = False,
     progress: Progress | None = None,
-    **limits: Unpack[LimitOptions],
+    **options: Unpack[TransportOptions],
 ) -> Diff:
     """Compare tensors (names, dtypes, shapes, byte lengths) and metadata; with ``content``, also
     the bytes of tensors the two have in common, both streamed at once in constant memory."""
-    clock = _clock(limits)
+    clock = _clock(options)
     compared: set[str] = set()  # filled once both headers are known, before any data is read
     async with (
         _opened(a, clock, include=compared.__contains__) as (stream_a, headers_a),
@@ -442,13 +442,13 @@ async def validate(
     expect_layers: Sequence[str] = (),
     warn_abs: float = 1e4,
     progress: Progress | None = None,
-    **limits: Unpack[LimitOptions],
+    **options: Unpack[TransportOptions],
 ) -> Validation:
     """Stream every tensor and check it: NaN and Inf are errors, as are shapes differing from
     ``expect_shapes`` (name -> shape; a missing tensor too) and layers lacking a part of
     ``expect_layers``. Warnings: all-zero or constant tensors, values beyond ``warn_abs``."""
     checked_number("warn_abs", warn_abs)
-    async with _opened(source, _clock(limits)) as (stream, headers):
+    async with _opened(source, _clock(options)) as (stream, headers):
         return await _validate_stream(
             str(source), stream, headers, expect_shapes, expect_layers, warn_abs, progress
         )
@@ -523,7 +523,7 @@ async def cp(
     dtype: str | None = None,
     quantize: str | None = None,
     progress: Progress | None = None,
-    **limits: Unpack[LimitOptions],
+    **options: Unpack[TransportOptions],
 ) -> Header:
     """Copy ``src`` to ``dst`` as a stream, tensor by tensor, never holding the whole file.
 
@@ -546,7 +546,7 @@ async def cp(
         if quantize.lower() != "int8":
             raise UsageError(f"quantize supports int8, not {quantize!r}")
         codec = get_codec("int8")
-    clock = _clock(limits)
+    clock = _clock(options)
     async with _opened(src, clock, include=include) as (stream, headers):
         wanted = [t for t in _tensors(headers) if _included(include, t.name)]
         plan: list[TensorSpec] = []

@@ -22,7 +22,7 @@ from typing import Any, Literal, Self, Unpack
 import anyio
 import numpy as np
 
-from ._limits import Clock, LimitOptions, Limits
+from ._limits import Clock, TransportOptions, clock_of
 from ._util import AsyncClosing
 from .dtypes import dtype_for, wire_bytes
 from .errors import UsageError, WriterError
@@ -427,7 +427,7 @@ def open_writer(
     metadata: Mapping[str, str] | None = None,
     order: Order = "plan",
     fsync: bool = False,
-    **limits: Unpack[LimitOptions],
+    **options: Unpack[TransportOptions],
 ) -> TensorWriter:
     """Write a safetensors message to ``dst`` following ``plan``, tensor by tensor.
 
@@ -436,7 +436,8 @@ def open_writer(
     ``ByteSendStream``, an asyncio ``StreamWriter`` or a :class:`~stream_st.sinks.Sink`. Time
     limits as in :func:`~stream_st.open_stream`: ``timeout`` bounds connecting and each wait for
     the destination to take bytes, ``deadline`` the whole write from opening to the last tensor,
-    ``speed_limit``/``speed_time`` a transfer that stays too slow. ``plan`` lists every tensor as a
+    ``speed_limit``/``speed_time`` a transfer that stays too slow; ``headers`` and ``ssl_context``
+    as there, for an HTTP or S3 destination. ``plan`` lists every tensor as a
     :class:`~stream_st.TensorSpec` (dtype as a safetensors code or a numpy / ml_dtypes dtype);
     ``order="reference"`` sorts it as the reference writer does. The header is built (and a bad
     plan refused) right away and written when the writer opens.
@@ -446,5 +447,5 @@ def open_writer(
     any order. On a stream they must come in header order, and the stream is left open after a
     complete message. Any error aborts the message: see :class:`TensorWriter`.
     """
-    clock = Clock(Limits.of(limits))
+    clock = clock_of(options)
     return TensorWriter(dst, plan, metadata=metadata, order=order, fsync=fsync, clock=clock)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
+import numpy as np
 import pytest
+from safetensors import numpy as reference_numpy
 
 from .daemon import running
+from .nginx_server import NginxServer
 from .proxy_server import ForwardProxy
 from .s3_server import MotoS3Server
 
@@ -51,3 +55,18 @@ def forward_proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForwardP
     skipped where tinyproxy is not installed."""
     with running(ForwardProxy(tmp_path_factory.mktemp("proxy"))) as proxy:
         yield proxy
+
+
+@pytest.fixture(scope="session")
+def small_nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NginxServer]:
+    """nginx (http and https, certificates from its own CA) serving ``m.safetensors``, two small
+    tensors by the reference writer (read them from ``root``), for the whole test run; the test
+    is skipped where nginx is not installed."""
+    root = tmp_path_factory.mktemp("served")
+    arrays: dict[str, np.ndarray[Any, Any]] = {
+        "a": np.arange(10, dtype=np.float32),
+        "b": np.ones((3, 4), dtype=np.int16),
+    }
+    reference_numpy.save_file(arrays, str(root / "m.safetensors"))
+    with running(NginxServer(root, tmp_path_factory.mktemp("nginx"))) as server:
+        yield server

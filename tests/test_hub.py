@@ -16,7 +16,6 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import HeaderError, HTTPNotFoundError, HTTPStatusError, UnsupportedSourceError
-from stream_st._limits import Clock
 from stream_st._shards import shard_address
 from stream_st.hub import HubClient, HubFile, HubSource, hub_endpoint, hub_token
 from stream_st.sources.http import FIRST_RANGE, HttpSource
@@ -133,7 +132,7 @@ def test_endpoint_and_token_from_the_environment(tmp_path: Path) -> None:
 
 
 def test_the_token_goes_to_the_hubs_origin_only() -> None:
-    client = HubClient("https://huggingface.co", "hf_x", clock=Clock())
+    client = HubClient("https://huggingface.co", "hf_x")
     assert client.on_hub("https://HuggingFace.co:443/org/repo/resolve/main/x")
     for elsewhere in (
         "http://huggingface.co/x",  # another scheme

@@ -261,14 +261,12 @@ async def test_certificate_failure_is_not_retried(nginx: NginxServer) -> None:
     assert nginx.status()[0] - accepted == 2  # one handshake, then this status query
 
 
-@pytest.mark.xfail(strict=True, reason="limits given to HttpSource with a client are dropped")
 async def test_limits_of_a_source_with_a_client(nginx: NginxServer, client: HTTPClient) -> None:
     url = nginx.url("small.safetensors", location="/stall/")
     with anyio.fail_after(2), pytest.raises(ReadTimeoutError, match="timeout"):
         await stream_st.read_header(HttpSource(url, client=client, retries=0, timeout=0.2))
 
 
-@pytest.mark.xfail(strict=True, reason="a shared client keeps the clock of its last limited read")
 async def test_a_shared_client_keeps_no_deadline(nginx: NginxServer, client: HTTPClient) -> None:
     url = nginx.url("small.safetensors")
     await stream_st.read_header(HttpSource(url, client=client), deadline=0.1)

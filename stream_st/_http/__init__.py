@@ -18,13 +18,13 @@ One concern per module:
 from __future__ import annotations
 
 from ..errors import HTTPNotFoundError, HTTPProtocolError, HTTPStatusError
-from .client import ClientClock, HTTPClient
+from .client import ClientUser, HTTPClient
 from .framing import Response, Upload
 from .status import outcome_unknown, raise_for_status, retry_after, summary, xml_field
 from .target import Target
 
 __all__ = [
-    "ClientClock",
+    "ClientUser",
     "HTTPClient",
     "HTTPNotFoundError",
     "HTTPProtocolError",

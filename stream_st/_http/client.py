@@ -1,20 +1,22 @@
-"""The client: keep-alive connections to any number of hosts, and requests and uploads on them."""
+"""The client: keep-alive connections to any number of hosts, requests, redirects, uploads."""
 
 from __future__ import annotations
 
 import ssl
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
+from dataclasses import replace
 
-from .._limits import UNLIMITED, Clock
+from .._limits import UNLIMITED, Clock, LimitOptions, Limits, Transport
 from .._util import AsyncClosing
 from ..errors import HTTPProtocolError, ReadTimeoutError, SafetensorsError, TransportError
 from .framing import Response, Upload, receive_response, request_head
+from .proxy import Proxy, proxy_for
 from .redirect import REDIRECTS, redirected
 from .status import unreadable_coding
 from .target import Target
 from .wire import Connection, connect
 
-__all__ = ["ClientClock", "HTTPClient"]
+__all__ = ["ClientUser", "HTTPClient"]
 
 
 class HTTPClient(AsyncClosing):
@@ -35,20 +37,29 @@ class HTTPClient(AsyncClosing):
         self.clock = clock
         self._ssl_context = ssl_context
         self._max_redirects = max_redirects
-        self._idle: dict[tuple[str, str, int], list[Connection]] = {}
+        self._idle: dict[Hashable, list[Connection]] = {}
         self._closed = False
 
-    async def _connect(self, target: Target) -> tuple[Connection, bool]:
-        """A connection to ``target``, and whether it was reused from the pool."""
-        idle = self._idle.get(target.origin)
+    async def _connect(
+        self, target: Target, proxy: Proxy | None, clock: Clock, context: ssl.SSLContext | None
+    ) -> tuple[Connection, bool]:
+        """A connection to ``target`` (through ``proxy``) whose waits obey ``clock``, and whether
+        it was reused from the pool: only one reached the same way, with the same TLS context."""
+        context = context or self._ssl_context
+        route = (target.origin, proxy, context)
+        idle = self._idle.get(route)
         if idle:
-            return idle.pop(), True
-        return await connect(target, self.clock, self._ssl_context), False
+            connection = idle.pop()
+            connection.wire.clock = clock
+            return connection, True
+        connection = await connect(target, clock, context, proxy)
+        connection.route = route
+        return connection, False
 
     def _release(self, connection: Connection) -> None:
         if self._closed:
             return
-        self._idle.setdefault(connection.origin, []).append(connection)
+        self._idle.setdefault(connection.route, []).append(connection)
 
     async def request(
         self,
@@ -58,6 +69,8 @@ class HTTPClient(AsyncClosing):
         body: bytes | None = None,
         *,
         follow_redirects: bool = True,
+        clock: Clock | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> Response:
         """Send a request and read the response head; the body is read from the Response.
 
@@ -65,13 +78,16 @@ class HTTPClient(AsyncClosing):
         (unless ``follow_redirects`` is false) by the policy of ``stream_st._http.redirect``. A
         successful answer whose body is encoded (``Content-Encoding: gzip``) raises
         :class:`HTTPProtocolError`: it is never taken for the bytes asked for. Bodies to stream
-        go through :meth:`upload` instead.
+        go through :meth:`upload` instead. ``clock`` and ``ssl_context``, when given, replace the
+        client's for this request; a proxy is chosen from the environment
+        (``stream_st._http.proxy``).
         """
+        via = (clock or self.clock, ssl_context)
         target = Target.parse(url)
         sent = dict(headers or {})
         follow = follow_redirects and method in ("GET", "HEAD")
         for _ in range(self._max_redirects + 1):
-            response = await self._request_once(method, target, sent, body)
+            response = await self._request_once(method, target, sent, body, *via)
             location = response.headers.get("location")
             if not (follow and location and response.status in REDIRECTS):
                 coding = unreadable_coding(response.headers)
@@ -88,17 +104,25 @@ class HTTPClient(AsyncClosing):
         raise HTTPProtocolError(f"more than {self._max_redirects} redirects", url=target.url)
 
     async def _request_once(
-        self, method: str, target: Target, headers: Mapping[str, str], body: bytes | None
+        self,
+        method: str,
+        target: Target,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        clock: Clock,
+        context: ssl.SSLContext | None,
     ) -> Response:
+        proxy = proxy_for(target)
         extra = [] if body is None else [f"Content-Length: {len(body)}"]
-        head = request_head(method, target, headers, extra)
+        head = _head(method, target, dict(headers), extra, proxy)
         for attempt in range(2):
-            connection, reused = await self._connect(target)
+            connection, reused = await self._connect(target, proxy, clock, context)
             try:
                 await connection.wire.send(head)
                 if body:
                     await connection.wire.send(body)
-                return await receive_response(self._release, method, target, connection)
+                response = await receive_response(self._release, method, target, connection)
+                break
             except (OSError, TransportError) as exc:
                 await connection.wire.aclose()
                 # A keep-alive connection the server closed meanwhile: retry once, fresh.
@@ -111,7 +135,12 @@ class HTTPClient(AsyncClosing):
             except BaseException:
                 await connection.wire.aclose()
                 raise
-        raise AssertionError("unreachable")  # pragma: no cover
+        else:  # pragma: no cover
+            raise AssertionError("unreachable")
+        if proxy is not None and response.status == 407:
+            await response.aclose()
+            raise proxy.refused(f"{method} {target.url}", 407, response.reason, target.url)
+        return response
 
     async def upload(
         self,
@@ -120,19 +149,23 @@ class HTTPClient(AsyncClosing):
         headers: Mapping[str, str] | None = None,
         *,
         content_length: int | None = None,
+        clock: Clock | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> Upload:
         """Start a request whose body is sent piece by piece with :meth:`Upload.send`.
 
         With ``content_length`` the body is sent as is, else with chunked transfer encoding.
+        ``clock``, ``ssl_context`` and proxies as in :meth:`request`.
         """
         target = Target.parse(url)
+        proxy = proxy_for(target)
         extra = (
             [f"Content-Length: {content_length}"]
             if content_length is not None
             else ["Transfer-Encoding: chunked"]
         )
-        head = request_head(method, target, dict(headers or {}), extra)
-        connection, _ = await self._connect(target)
+        head = _head(method, target, dict(headers or {}), extra, proxy)
+        connection, _ = await self._connect(target, proxy, clock or self.clock, ssl_context)
         upload = Upload(self._release, method, target, connection, chunked=content_length is None)
         await upload._send_raw(head)
         return upload
@@ -146,15 +179,77 @@ class HTTPClient(AsyncClosing):
                 await connection.wire.aclose()
 
 
-class ClientClock:
-    """For a transport whose every wait is its HTTP client's: its ``clock`` is the client's."""
+def _head(
+    method: str, target: Target, headers: dict[str, str], extra: list[str], proxy: Proxy | None
+) -> bytes:
+    """The head of a request to ``target``; a plain http request through ``proxy`` names the
+    whole URL (absolute form) and carries the proxy's credentials."""
+    if proxy is None or target.scheme != "http":
+        return request_head(method, target, headers, extra)
+    return request_head(method, replace(target, path=target.url), headers, extra + proxy.headers())
 
-    _client: HTTPClient
 
-    @property
-    def clock(self) -> Clock:
-        return self._client.clock
+class ClientUser:
+    """For a transport whose requests go through an :class:`HTTPClient`, its own or one given
+    (which may be shared). Its ``clock``, ``headers`` and ``ssl_context`` are its own and go with
+    each request: a shared client keeps nothing of any one operation."""
 
-    @clock.setter
-    def clock(self, clock: Clock) -> None:
-        self._client.clock = clock
+    clock: Clock
+
+    def _use_client(
+        self,
+        client: HTTPClient | None,
+        headers: Mapping[str, str] | None,
+        ssl_context: ssl.SSLContext | None,
+        limits: LimitOptions,
+    ) -> None:
+        """Set up, from the constructor's arguments; every one checked."""
+        transport = Transport.of(headers, ssl_context)
+        self.clock = Clock(Limits.of(limits))
+        self._owns_client = client is None
+        self._client = client or HTTPClient()
+        self._headers = dict(transport.headers)
+        self._ssl_context = transport.ssl_context
+
+    def add_transport(self, transport: Transport) -> None:
+        """Apply an operation's ``headers`` and ``ssl_context`` on top of this transport's."""
+        self._headers = transport.over(self._headers)
+        self._ssl_context = transport.ssl_context or self._ssl_context
+
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        body: bytes | None = None,
+        *,
+        follow_redirects: bool = True,
+    ) -> Response:
+        """:meth:`HTTPClient.request` under this transport's clock and TLS context."""
+        return await self._client.request(
+            method,
+            url,
+            headers,
+            body,
+            follow_redirects=follow_redirects,
+            clock=self.clock,
+            ssl_context=self._ssl_context,
+        )
+
+    async def _start_upload(
+        self, method: str, url: str, headers: Mapping[str, str], content_length: int | None
+    ) -> Upload:
+        """:meth:`HTTPClient.upload` under this transport's clock and TLS context."""
+        return await self._client.upload(
+            method,
+            url,
+            headers,
+            content_length=content_length,
+            clock=self.clock,
+            ssl_context=self._ssl_context,
+        )
+
+    async def _close_client(self) -> None:
+        """Close the client if it is this transport's own."""
+        if self._owns_client:
+            await self._client.aclose()

@@ -10,6 +10,7 @@ import os
 
 from anyio.abc import ByteSendStream
 
+from .._http import ClientUser
 from .._limits import UNLIMITED, Clock
 from ..errors import UnsupportedSinkError
 from ..sources import path_from_url
@@ -33,16 +34,21 @@ async def open_sink(dst: SinkLike, *, fsync: bool = False, clock: Clock = UNLIMI
     URLs: ``file://``, ``tcp://host:port`` (connects), ``http(s)://`` (a PUT upload) and
     ``s3://bucket/key`` (a multipart upload). ``fsync`` applies to files: flush to stable storage
     before the file is moved into place. ``clock`` (the operation's limits, see
-    ``stream_st._limits``) bounds connecting and every wait; a :class:`Sink` given as it is keeps
-    its own clock unless ``clock`` sets a limit. A path that exists and is not a regular file (a
-    FIFO, ``/dev/null``) is written through in place, never replaced.
+    ``stream_st._limits``) bounds connecting and every wait; its ``headers`` and ``ssl_context``
+    go to an HTTP or S3 sink. A :class:`Sink` given as it is keeps its own clock unless ``clock``
+    sets a limit, and its own headers and TLS context unless ``clock`` brings others (as for a
+    source, see :func:`~stream_st.sources.open_source`). A path that exists and is not a regular
+    file (a FIFO, ``/dev/null``) is written through in place, never replaced.
     """
     if isinstance(dst, Sink):
+        sink = dst
         if clock.limited:
-            dst.clock = clock
-        return dst
-    sink = await _new_sink(dst, fsync, clock)
-    sink.clock = clock
+            sink.clock = clock
+    else:
+        sink = await _new_sink(dst, fsync, clock)
+        sink.clock = clock
+    if isinstance(sink, ClientUser):
+        sink.add_transport(clock.transport)
     return sink
 
 

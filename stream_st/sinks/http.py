@@ -10,20 +10,23 @@ have stored the message or not: that raises :class:`~stream_st.OutcomeUnknownErr
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping
 from typing import Unpack
 
-from .._http import ClientClock, HTTPClient, Upload, raise_for_status
-from .._limits import Clock, LimitOptions, Limits
+from .._http import ClientUser, HTTPClient, Upload, raise_for_status
+from .._limits import LimitOptions
 from ..errors import TransportError
 from .base import Sink
 
 __all__ = ["HttpSink"]
 
 
-class HttpSink(ClientClock, Sink):
-    """Upload one message to ``url`` with ``method`` (``PUT`` or ``POST``). ``limits`` (``timeout``,
-    ``deadline``, ``speed_limit``, ``speed_time``) are used unless the writer is given its own."""
+class HttpSink(ClientUser, Sink):
+    """Upload one message to ``url`` with ``method`` (``PUT`` or ``POST``). ``headers``,
+    ``ssl_context`` and ``limits`` (``timeout``, ``deadline``, ``speed_limit``, ``speed_time``)
+    as in :class:`~stream_st.HttpSource`; the limits are used unless the writer is given its
+    own."""
 
     def __init__(
         self,
@@ -32,6 +35,7 @@ class HttpSink(ClientClock, Sink):
         method: str = "PUT",
         headers: Mapping[str, str] | None = None,
         client: HTTPClient | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         name: str | None = None,
         **limits: Unpack[LimitOptions],
     ) -> None:
@@ -39,9 +43,12 @@ class HttpSink(ClientClock, Sink):
         self.url = url
         self.name = name or url
         self._method = method
-        self._headers = {"Content-Type": "application/octet-stream", **dict(headers or {})}
-        self._owns_client = client is None
-        self._client = client or HTTPClient(clock=Clock(Limits.of(limits)))
+        self._use_client(
+            client,
+            {"Content-Type": "application/octet-stream", **dict(headers or {})},
+            ssl_context,
+            limits,
+        )
         self._size: int | None = None
         self._upload: Upload | None = None
 
@@ -55,9 +62,7 @@ class HttpSink(ClientClock, Sink):
     async def send(self, buffer: memoryview) -> None:
         if self._upload is None:
             headers = self.prepare_headers(self._method, self.url, dict(self._headers))
-            self._upload = await self._client.upload(
-                self._method, self.url, headers, content_length=self._size
-            )
+            self._upload = await self._start_upload(self._method, self.url, headers, self._size)
         await self._upload.send(buffer)
         self.position += len(buffer)
 
@@ -71,12 +76,10 @@ class HttpSink(ClientClock, Sink):
             async with response:
                 await response.read_all()
         finally:
-            if self._owns_client:
-                await self._client.aclose()
+            await self._close_client()
 
     async def abort(self) -> None:
         upload, self._upload = self._upload, None
         if upload is not None:
             await upload.abort()
-        if self._owns_client:
-            await self._client.aclose()
+        await self._close_client()

@@ -32,7 +32,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
-from collections.abc import Awaitable, Callable, Iterator
+import ssl
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Unpack
 from urllib.parse import quote
 from xml.sax.saxutils import escape
@@ -40,7 +41,7 @@ from xml.sax.saxutils import escape
 import anyio
 
 from .._http import (
-    ClientClock,
+    ClientUser,
     HTTPClient,
     HTTPNotFoundError,
     HTTPStatusError,
@@ -69,10 +70,11 @@ def _md5_etag(data: bytes) -> str:
     return hashlib.md5(data, usedforsecurity=False).hexdigest()
 
 
-class S3Sink(ClientClock, Sink):
+class S3Sink(ClientUser, Sink):
     """An object in an S3-compatible store, written by multipart upload. See the module docstring
-    for what a failure leaves behind. ``limits`` (``timeout``, ``deadline``, ``speed_limit``,
-    ``speed_time``) are used unless the writer is given its own."""
+    for what a failure leaves behind. ``headers`` go (signed) with every request; ``ssl_context``
+    and ``limits`` (``timeout``, ``deadline``, ``speed_limit``, ``speed_time``) as in
+    :class:`~stream_st.HttpSource`; the limits are used unless the writer is given its own."""
 
     abort_timeout: float = 15.0
     """Seconds the clean-up after a failure may take in all, whatever ``timeout`` is."""
@@ -83,6 +85,8 @@ class S3Sink(ClientClock, Sink):
         *,
         config: S3Config | None = None,
         client: HTTPClient | None = None,
+        headers: Mapping[str, str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         part_size: int = 16 << 20,
         **limits: Unpack[LimitOptions],
     ) -> None:
@@ -92,8 +96,7 @@ class S3Sink(ClientClock, Sink):
         self.name = url
         self.bucket, self.key = parse_s3_url(url)
         self.config = config or S3Config.resolve()
-        self._owns_client = client is None
-        self._client = client or HTTPClient(clock=Clock(Limits.of(limits)))
+        self._use_client(client, headers, ssl_context, limits)
         self._part_size = part_size
         self._part = bytearray()
         self._size: int | None = None
@@ -117,8 +120,8 @@ class S3Sink(ClientClock, Sink):
         """
         url = self.config.object_url(self.bucket, self.key if key is None else key, query)
         await self.config.ready(self.clock, self.name)
-        headers = self.config.sign(method, url, {})
-        response = await self._client.request(method, url, headers, body, follow_redirects=False)
+        headers = self.config.sign(method, url, self._headers)
+        response = await self._request(method, url, headers, body, follow_redirects=False)
         await raise_for_status(response, name=self.name)
         async with response:
             answer = await response.read_all()
@@ -194,8 +197,7 @@ class S3Sink(ClientClock, Sink):
             await self._cleaning_up_on_failure(self._commit())
         finally:
             self._part = bytearray()
-            if self._owns_client:
-                await self._client.aclose()
+            await self._close_client()
 
     async def _commit(self) -> None:
         if self._upload_id is None:  # the whole message fits in one part: one PUT
@@ -323,8 +325,7 @@ class S3Sink(ClientClock, Sink):
             except SafetensorsError as exc:
                 problem = f"aborting {what} of {self.name} failed ({exc}): it may still be pending"
             finally:
-                if self._owns_client:
-                    await self._client.aclose()
+                await self._close_client()
         if scope.cancelled_caught:
             problem = (
                 f"aborting {what} of {self.name} took over {self.abort_timeout} s: "

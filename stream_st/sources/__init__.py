@@ -13,6 +13,7 @@ from urllib.parse import unquote, urlsplit
 
 from anyio.abc import ByteReceiveStream
 
+from .._http import ClientUser
 from .._limits import UNLIMITED, Clock
 from ..errors import SafetensorsError, UnsupportedSourceError, UsageError
 from ..hub import HubSource
@@ -55,15 +56,20 @@ async def open_source(obj: SourceLike, clock: Clock = UNLIMITED) -> Source:
     """Open the transport for ``obj``: a path or URL, bytes, a byte stream or chunk iterator.
 
     ``clock`` (the operation's limits, see ``stream_st._limits``) bounds connecting and every
-    wait for data. A :class:`Source` given as it is keeps its own clock unless ``clock`` sets a
-    limit. FIFOs and pipes are waited on within the clock's limits too.
+    wait for data; its ``headers`` and ``ssl_context`` go to an HTTP or S3 source. A
+    :class:`Source` given as it is keeps its own clock unless ``clock`` sets a limit, and its own
+    headers and TLS context unless ``clock`` brings others (given headers go on top of its own).
+    FIFOs and pipes are waited on within the clock's limits too.
     """
     if isinstance(obj, Source):
+        source = obj
         if clock.limited:
-            obj.clock = clock
-        return obj
-    source = await _new_source(obj, clock)
-    source.clock = clock
+            source.clock = clock
+    else:
+        source = await _new_source(obj, clock)
+        source.clock = clock
+    if isinstance(source, ClientUser):
+        source.add_transport(clock.transport)
     return source
 
 
@@ -100,7 +106,7 @@ async def read_object(
     address: str | os.PathLike[str], clock: Clock = UNLIMITED, *, limit: int = 64 << 20
 ) -> tuple[bytes, str]:
     """The whole of a small object (an index, a manifest) at a path or URL; at most ``limit``.
-    ``clock`` bounds its waits (see :func:`open_source`).
+    ``clock`` bounds its waits and brings its headers (see :func:`open_source`).
 
     Also returns the address of what was read, for finding the objects next to it: for ``hf://``
     the address pinned to the commit the Hub served (:attr:`HubSource.pinned`), else ``address``.

@@ -40,20 +40,21 @@ from __future__ import annotations
 
 import math
 import re
+import ssl
 from collections.abc import Mapping, Sequence
 from typing import Unpack
 
 import numpy as np
 
 from .._http import (
-    ClientClock,
+    ClientUser,
     HTTPClient,
     HTTPProtocolError,
     Response,
     raise_for_status,
     retry_after,
 )
-from .._limits import Clock, LimitOptions, Limits
+from .._limits import LimitOptions
 from .._util import task_group
 from ..errors import ReadTimeoutError, SourceChangedError, TransportError, UsageError
 from .base import Source
@@ -69,11 +70,12 @@ _ASKS_TO_WAIT = frozenset({429, 503})  # statuses whose Retry-After is honoured
 _MAX_RETRY_AFTER = 300.0  # seconds a Retry-After may ask for when no deadline bounds the read
 
 
-class HttpSource(ClientClock, Source):
+class HttpSource(ClientUser, Source):
     """An object at an ``http(s)://`` URL; a whole object, random access when ranges work.
-    ``limits`` (``timeout``, ``deadline``, ``speed_limit``, ``speed_time``) are used unless the
-    reader is given its own.
-    Every wait is its client's, so its ``clock`` is the client's."""
+    ``headers`` go with every request; ``ssl_context`` decides which certificates https trusts
+    (default: the system's). ``limits`` (``timeout``, ``deadline``, ``speed_limit``,
+    ``speed_time``) are used unless the reader is given its own, also with a ``client`` (which
+    may be shared: it keeps no limits of any one read)."""
 
     def __init__(
         self,
@@ -81,6 +83,7 @@ class HttpSource(ClientClock, Source):
         *,
         client: HTTPClient | None = None,
         headers: Mapping[str, str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         retries: int = 3,
         backoff: float = 0.25,
         concurrency: int = 1,
@@ -100,9 +103,7 @@ class HttpSource(ClientClock, Source):
         self._data_end: int | None = None  # where a short part showed the object to end
         self.url = url
         self.name = name or url
-        self._owns_client = client is None
-        self._client = client or HTTPClient(clock=Clock(Limits.of(limits)))
-        self._headers = dict(headers or {})
+        self._use_client(client, headers, ssl_context, limits)
         self._retries = retries
         self._backoff = backoff
         self._response: Response | None = None
@@ -224,7 +225,7 @@ class HttpSource(ClientClock, Source):
         for attempt in range(self._retries + 1):
             wait = None
             try:
-                response = await self._client.request(
+                response = await self._request(
                     "GET", self.url, self.prepare_headers("GET", self.url, headers)
                 )
             except HTTPProtocolError:
@@ -474,5 +475,4 @@ class HttpSource(ClientClock, Source):
 
     async def aclose(self) -> None:
         await self._close_response()
-        if self._owns_client:
-            await self._client.aclose()
+        await self._close_client()

@@ -7,6 +7,8 @@ with credentials looked for (and refreshed) off the event loop before a request 
 
 from __future__ import annotations
 
+import ssl
+from collections.abc import Mapping
 from typing import Unpack
 
 from .._http import HTTPClient, Response
@@ -19,7 +21,8 @@ __all__ = ["S3Source"]
 
 class S3Source(HttpSource):
     """An object in an S3-compatible store. ``config`` defaults to the AWS environment; the other
-    options are :class:`~stream_st.HttpSource`'s (``concurrency``, ``part_size``, the limits)."""
+    options are :class:`~stream_st.HttpSource`'s (``headers``, signed with the rest,
+    ``ssl_context``, ``concurrency``, ``part_size``, the limits)."""
 
     def __init__(
         self,
@@ -27,6 +30,8 @@ class S3Source(HttpSource):
         *,
         config: S3Config | None = None,
         client: HTTPClient | None = None,
+        headers: Mapping[str, str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         retries: int = 3,
         backoff: float = 0.25,
         concurrency: int = 1,
@@ -38,6 +43,8 @@ class S3Source(HttpSource):
         super().__init__(
             self.config.object_url(bucket, key),
             client=client,
+            headers=headers,
+            ssl_context=ssl_context,
             retries=retries,
             backoff=backoff,
             concurrency=concurrency,
