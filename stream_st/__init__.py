@@ -17,6 +17,7 @@ from .convenience import load, save
 from .dtypes import DTYPES, DType, dtype_for
 from .errors import (
     AllocationError,
+    CertificateError,
     CredentialsError,
     DtypeError,
     HeaderError,
@@ -59,6 +60,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DTYPES",
     "AllocationError",
+    "CertificateError",
     "Connection",
     "CredentialsError",
     "DType",

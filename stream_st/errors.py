@@ -23,6 +23,7 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
         ├── HTTPStatusError           the server answered with an error status (``.status``)
         │   └── HTTPNotFoundError     HTTP 404 (also a SourceNotFoundError)
         ├── HTTPProtocolError         an answer that breaks HTTP or does not match the request
+        ├── CertificateError          the server's TLS certificate failed verification
         ├── SourceChangedError        the object changed on the server during one read
         ├── ReadTimeoutError          a peer or server sent nothing for too long, the deadline
         │                             passed or the transfer stayed below the speed limit
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 __all__ = [
     "AllocationError",
+    "CertificateError",
     "CredentialsError",
     "DtypeError",
     "HTTPNotFoundError",
@@ -208,3 +210,8 @@ class SourceChangedError(TransportError):
     found another version (another ETag or Last-Modified than the first answer's). Nothing of
     the new version is delivered mixed with the old; read again from the start.
     """
+
+
+class CertificateError(TransportError):
+    """The server's TLS certificate failed verification (untrusted, expired, another name).
+    Never retried: trust it with ``ssl_context=`` (``--ca-bundle``) if it is the right server."""

@@ -253,7 +253,6 @@ async def test_tls_refuses_a_server_it_does_not_trust(nginx: NginxServer) -> Non
         await stream_st.read_header(HttpSource(nginx.url("small.safetensors", tls=True), retries=0))
 
 
-@pytest.mark.xfail(strict=True, reason="a failed certificate check is retried like a reset")
 async def test_certificate_failure_is_not_retried(nginx: NginxServer) -> None:
     accepted = nginx.status()[0]
     with pytest.raises(TransportError, match="certificate"):

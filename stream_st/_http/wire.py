@@ -15,7 +15,7 @@ import anyio.abc
 from anyio.streams.tls import TLSStream
 
 from .._limits import Clock
-from ..errors import ReadTimeoutError, TransportError
+from ..errors import CertificateError, ReadTimeoutError, TransportError
 from ..sources.tcp import connect_socket
 from .proxy import Proxy, tunnel
 from .target import Target
@@ -140,6 +140,11 @@ async def connect(
                 stream = await _tls_stream(target, context, proxy)
         except TransportError:
             raise
+        except ssl.SSLCertVerificationError as exc:
+            raise CertificateError(
+                f"the server's certificate failed verification: {exc.verify_message}",
+                url=target.url,
+            ) from exc
         except (OSError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
             detail = str(exc) or "connection lost during the TLS handshake"
             where = "" if proxy is None else f" through the proxy {proxy.name}"

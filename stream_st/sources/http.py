@@ -56,7 +56,13 @@ from .._http import (
 )
 from .._limits import LimitOptions
 from .._util import task_group
-from ..errors import ReadTimeoutError, SourceChangedError, TransportError, UsageError
+from ..errors import (
+    CertificateError,
+    ReadTimeoutError,
+    SourceChangedError,
+    TransportError,
+    UsageError,
+)
 from .base import Source
 
 __all__ = ["FIRST_RANGE", "HttpSource"]
@@ -228,8 +234,8 @@ class HttpSource(ClientUser, Source):
                 response = await self._request(
                     "GET", self.url, self.prepare_headers("GET", self.url, headers)
                 )
-            except HTTPProtocolError:
-                raise  # the same request would get the same garbled answer
+            except (HTTPProtocolError, CertificateError):
+                raise  # the same request would get the same answer, or the same certificate
             except TransportError:
                 if attempt == self._retries:
                     raise
