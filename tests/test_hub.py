@@ -146,6 +146,14 @@ def test_the_token_goes_to_the_hubs_origin_only() -> None:
         assert not client.on_hub(elsewhere), elsewhere
 
 
+def test_the_hubs_origin_is_the_one_requests_connect_to() -> None:
+    # A host name the client IDNA-encodes to the Hub's is the Hub: whether the token goes and
+    # where the connection goes are decided by the same parse.
+    client = HubClient("https://huggingface.co", "hf_x", clock=Clock())
+    assert client.on_hub("https://\uff48uggingface.co/org/repo/resolve/main/x")
+    assert not HubClient("https://[::1", "hf_x", clock=Clock()).on_hub("https://[::1/x")
+
+
 def test_shard_addresses_stay_in_the_repository() -> None:
     index = "hf://org/repo@refs%2Fpr%2F1/sub/model.safetensors.index.json"
     assert (
