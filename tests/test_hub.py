@@ -15,7 +15,15 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st import HeaderError, HTTPNotFoundError, HTTPStatusError, UnsupportedSourceError
+from stream_st import (
+    HeaderError,
+    HTTPNotFoundError,
+    HTTPProtocolError,
+    HTTPStatusError,
+    ReadTimeoutError,
+    TransportError,
+    UnsupportedSourceError,
+)
 from stream_st._limits import Clock
 from stream_st._shards import shard_address
 from stream_st.hub import HubClient, HubFile, HubSource, hub_endpoint, hub_token
@@ -240,6 +248,29 @@ async def test_a_url_refused_again_after_resolving_is_an_error(hub: FakeHub) -> 
     assert "hf://org/model/model.safetensors" in str(caught.value)
     assert "sig=" not in str(caught.value)
     assert len(on(hub, HUB)) == len(on(hub, CDN_HOST)) == 2
+
+
+@pytest.mark.parametrize(
+    ("failure", "kind"),
+    [("gone", TransportError), ("stalled", ReadTimeoutError), ("gzip", HTTPProtocolError)],
+)
+async def test_cdn_failures_never_quote_the_signed_url(
+    hub: FakeHub, failure: str, kind: type[TransportError]
+) -> None:
+    # The signed CDN URL is a key to the file while it lasts: errors name the hf:// address.
+    source = HubSource("hf://org/model/model.safetensors", retries=0, timeout=0.5)
+    with pytest.raises(kind) as caught:
+        async with stream_st.open_stream(source) as stream:
+            if failure == "gone":
+                hub.cdn.stop()
+            elif failure == "stalled":
+                hub.cdn.stall_after = 0
+            else:
+                hub.cdn.gzip = "always"
+            async for _ in stream:
+                pass
+    assert caught.value.url == "hf://org/model/model.safetensors"
+    assert "sig=" not in str(caught.value) and "expires=" not in str(caught.value)
 
 
 async def test_files_the_hub_serves_itself(hub: FakeHub) -> None:

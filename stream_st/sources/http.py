@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Unpack
 
 import numpy as np
@@ -118,7 +119,9 @@ class HttpSource(ClientClock, Source):
         (``read_all``, one connection): then for all of it (``bytes=0-``), so the header and the
         data come in one response. A later jump closes it and sends a ranged request from there.
         """
-        response = await self._get(0, None if read_all and self._concurrency == 1 else FIRST_RANGE)
+        end = None if read_all and self._concurrency == 1 else FIRST_RANGE
+        with self._reported():
+            response = await self._get(0, end)
         if response is None:  # an empty object
             self.size = 0
             self.random_access = True
@@ -295,16 +298,29 @@ class HttpSource(ClientClock, Source):
                 return max(end, minimum)
         return minimum
 
+    @contextmanager
+    def _reported(self) -> Iterator[None]:
+        """Errors raised inside name this source as its caller did (``name``), never the URL a
+        request went to: one redirected to may be signed, and a message is no place for that."""
+        try:
+            yield
+        except TransportError as exc:
+            exc.report_as(self.name)
+            raise
+
     async def receive_into(self, buffer: memoryview) -> int:
-        return await self._read_at(self.position, buffer, partial=True)
+        with self._reported():
+            return await self._read_at(self.position, buffer, partial=True)
 
     async def fill(self, buffer: memoryview) -> int:
-        return await self._read_at(self.position, buffer, partial=False)
+        with self._reported():
+            return await self._read_at(self.position, buffer, partial=False)
 
     async def read_into_at(self, offset: int, buffer: memoryview) -> int:
-        if self._concurrency > 1 and self.random_access and self._plan:
-            return await self._read_parallel(offset, buffer)
-        return await self._read_at(offset, buffer, partial=False)
+        with self._reported():
+            if self._concurrency > 1 and self.random_access and self._plan:
+                return await self._read_parallel(offset, buffer)
+            return await self._read_at(offset, buffer, partial=False)
 
     def _next_parts(self, at: int, stop: int) -> list[tuple[int, int]]:
         """Up to ``concurrency`` planned parts from ``at``, split where the current read ends."""
