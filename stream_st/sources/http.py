@@ -39,7 +39,6 @@ bytes from two versions.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Unpack
@@ -51,6 +50,7 @@ from .._http import (
     HTTPClient,
     HTTPProtocolError,
     Response,
+    content_range,
     raise_for_status,
     retry_after,
 )
@@ -64,7 +64,6 @@ __all__ = ["FIRST_RANGE", "HttpSource"]
 FIRST_RANGE = 64 << 10
 """Bytes asked for by the first request: the prefix, the header (usually) and some data."""
 
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _ASKS_TO_WAIT = frozenset({429, 503})  # statuses whose Retry-After is honoured
 _MAX_RETRY_AFTER = 300.0  # seconds a Retry-After may ask for when no deadline bounds the read
@@ -143,20 +142,19 @@ class HttpSource(ClientClock, Source):
         its body ends and the object's size if the answer tells it; otherwise closes ``response``
         and raises :class:`HTTPProtocolError`."""
         if response.status == 206:
-            content_range = response.headers.get("content-range", "")
-            match = _CONTENT_RANGE.fullmatch(content_range)
-            if match is not None:
-                first, last, total = match.groups()
-                end = int(last) + 1
-                size = None if total == "*" else int(total)
+            parsed = content_range(response.headers)
+            if parsed is not None:
+                first, last, size = parsed
+                end = last + 1
                 if (
-                    int(first) == start < end
+                    first == start < end
                     and (size is None or end <= size)
                     and response.content_length in (None, end - start)
                 ):
                     await self._check_size(response, size, start)
                     return end, size
-            problem = f"unusable Content-Range {content_range!r} for the range asked"
+            shown = response.headers.get("content-range", "")
+            problem = f"unusable Content-Range {shown!r} for the range asked"
         elif response.status == 200 and start == 0:
             size = response.content_length
             await self._check_size(response, size, start)
