@@ -34,12 +34,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Unpack
-from urllib.parse import quote, unquote, urljoin
+from urllib.parse import quote, unquote
 
 import anyio
 
 from ._http import HTTPClient, Response, Target
-from ._http.redirect import REDIRECTS
+from ._http.redirect import REDIRECTS, redirected
 from ._limits import Clock, LimitOptions, Limits
 from .errors import HTTPStatusError, SafetensorsError, TransportError, UnsupportedSourceError
 from .sources.http import HttpSource
@@ -254,7 +254,9 @@ class HubSource(HttpSource):
 
     async def _resolve(self, start: int, end: int | None) -> Response | None:
         """Ask the Hub for the range; follow its redirects within the Hub. Returns the Hub's own
-        answer, or None once ``url`` is the place elsewhere it redirected to."""
+        answer, or None once ``url`` is the place elsewhere it redirected to. Its redirects are
+        held to the client's policy (``stream_st._http.redirect``): no downgrade to plain http,
+        no unusable ``Location``."""
         for _ in range(MAX_HUB_HOPS + 1):
             try:
                 response = await super()._get(start, end)
@@ -268,9 +270,8 @@ class HubSource(HttpSource):
             location = response.headers.get("location")
             if response.status not in REDIRECTS or not location:
                 return response
-            await response.read_all(1 << 16)  # a short note: read, so the connection is kept
-            await response.aclose()
-            self.url = urljoin(self.url, location)
+            await response.discard()
+            self.url = redirected(Target.parse(self.url), location, {})[0].url
             if not self._client.on_hub(self.url):
                 return None
         raise TransportError(f"more than {MAX_HUB_HOPS} redirects within the Hub", url=self.name)

@@ -345,6 +345,12 @@ async def test_a_renamed_repository_is_followed_with_the_token(hub: FakeHub) -> 
     assert len(on(hub, CDN_HOST)) == 1
 
 
+async def test_a_hub_redirect_to_an_unusable_address_is_a_protocol_error(hub: FakeHub) -> None:
+    hub.renamed[("model", "org/model")] = "/127.0.0.1:99999/x"  # Location: //127.0.0.1:99999/...
+    with pytest.raises(HTTPProtocolError, match="redirect to an unusable address"):
+        await read_all("hf://org/model/model.safetensors")
+
+
 async def test_no_token_no_authorization(hub: FakeHub) -> None:
     source = HubSource("hf://org/model/model.safetensors", token="")
     assert (await stream_st.read_header(source)).names()
