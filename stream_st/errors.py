@@ -139,14 +139,24 @@ class TransportError(SafetensorsError, OSError):
     """The underlying I/O failed. ``url`` names the source, ``position`` the byte offset reached."""
 
     def __init__(self, message: str, *, url: str = "", position: int | None = None) -> None:
-        parts = [message]
-        if url:
-            parts.append(f"url={url}")
-        if position is not None:
-            parts.append(f"at byte {position}")
-        super().__init__(", ".join(parts))
+        self._message = message
         self.url = url
         self.position = position
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        parts = [self._message]
+        if self.url:
+            parts.append(f"url={self.url}")
+        if self.position is not None:
+            parts.append(f"at byte {self.position}")
+        return ", ".join(parts)
+
+    def report_as(self, url: str) -> None:
+        """Name ``url`` instead as the address the error is about: the one its caller gave, where
+        the address actually requested (a redirect's, a signed one) is not to be shown."""
+        self.url = url
+        self.args = (self._text(),)
 
 
 class SourceNotFoundError(TransportError, FileNotFoundError):

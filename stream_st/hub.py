@@ -35,13 +35,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Unpack
-from urllib.parse import quote, unquote, urljoin, urlsplit
+from urllib.parse import quote, unquote
 
 import anyio
 
-from ._http import HTTPClient, Response
+from ._http import HTTPClient, Response, Target
+from ._http.redirect import REDIRECTS, redirected
 from ._limits import Clock, LimitOptions
-from .errors import HTTPStatusError, TransportError, UnsupportedSourceError
+from .errors import HTTPStatusError, SafetensorsError, TransportError, UnsupportedSourceError
 from .sources.http import HttpSource
 
 __all__ = [
@@ -58,7 +59,6 @@ DEFAULT_REVISION = "main"
 MAX_HUB_HOPS = 5
 """Redirects within the Hub (a renamed repository) followed before giving up."""
 
-_REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _EXPIRED = frozenset({403, 410})
 _REFUSED = frozenset({401, 403})
 
@@ -132,16 +132,13 @@ def hub_token(environ: Mapping[str, str] | None = None) -> str | None:
     return token or None
 
 
-def _origin(url: str) -> tuple[str, str, int]:
-    """``url``'s scheme, host and port: where a request to it goes. A URL too broken to tell
-    gets an origin no URL has (its request fails later, with a clear error)."""
+def _origin(url: str) -> tuple[str, str, int] | None:
+    """The origin (scheme, host, port) a request to ``url`` goes to, as the client connects to
+    it; None for a URL too broken to tell (its request fails later, with a clear error)."""
     try:
-        parts = urlsplit(url)
-        scheme = parts.scheme.lower()
-        port = parts.port or (443 if scheme == "https" else 80)
-    except ValueError:
-        return "", "", -1
-    return scheme, (parts.hostname or "").lower(), port
+        return Target.parse(url).origin
+    except SafetensorsError:
+        return None
 
 
 class HubClient(HTTPClient):
@@ -159,7 +156,8 @@ class HubClient(HTTPClient):
 
     def on_hub(self, url: str) -> bool:
         """Whether ``url`` is on the Hub's origin (scheme, host and port)."""
-        return _origin(url) == self._hub
+        origin = _origin(url)
+        return origin is not None and origin == self._hub
 
     @property
     def has_token(self) -> bool:
@@ -262,13 +260,15 @@ class HubSource(HttpSource):
     async def _accept(self, response: Response, position: int) -> Response:
         """A redirect from the Hub is its resolution, for :meth:`_resolve` to follow; any other
         answer is checked as :class:`~stream_st.HttpSource` checks it."""
-        if response.status in _REDIRECTS and self._hub.on_hub(self.url):
+        if response.status in REDIRECTS and self._hub.on_hub(self.url):
             return response
         return await super()._accept(response, position)
 
     async def _resolve(self, start: int, end: int | None) -> Response | None:
         """Ask the Hub for the range; follow its redirects within the Hub. Returns the Hub's own
-        answer, or None once ``url`` is the place elsewhere it redirected to."""
+        answer, or None once ``url`` is the place elsewhere it redirected to. Its redirects are
+        held to the client's policy (``stream_st._http.redirect``): no downgrade to plain http,
+        no unusable ``Location``."""
         for _ in range(MAX_HUB_HOPS + 1):
             try:
                 response = await super()._get(start, end)
@@ -280,11 +280,10 @@ class HubSource(HttpSource):
                 return None
             self.commit = response.headers.get("x-repo-commit", self.commit)
             location = response.headers.get("location")
-            if response.status not in _REDIRECTS or not location:
+            if response.status not in REDIRECTS or not location:
                 return response
-            await response.read_all(1 << 16)  # a short note: read, so the connection is kept
-            await response.aclose()
-            self.url = urljoin(self.url, location)
+            await response.discard()
+            self.url = redirected(Target.parse(self.url), location, {})[0].url
             if not self._hub.on_hub(self.url):
                 return None
         raise TransportError(f"more than {MAX_HUB_HOPS} redirects within the Hub", url=self.name)

@@ -32,6 +32,7 @@ from stream_st import (
 from stream_st._http import HTTPClient, HTTPProtocolError, HTTPStatusError
 from stream_st._http.wire import StreamWire
 from stream_st._limits import UNLIMITED
+from stream_st.hub import HubSource
 from stream_st.sinks.http import HttpSink
 from stream_st.sources.http import HttpSource
 
@@ -367,6 +368,24 @@ async def test_https_to_http_redirect_is_refused(
         with pytest.raises(HTTPProtocolError, match="from https to plain http refused") as info:
             await load(source)
         assert info.value.url == url
+        assert plain.requests == []
+
+
+async def test_a_hub_redirect_from_https_to_http_is_refused(
+    raw_server: Serve, tls: tuple[ssl.SSLContext, ssl.SSLContext]
+) -> None:
+    """An hf:// resolution is a redirect like any other: the signed URL would go out in clear."""
+    with RangeHTTPServer() as plain:
+        plain.objects["/f.safetensors"] = SMALL
+        cdn = plain.url("/f.safetensors") + "?sig=secret"
+        raw = b"HTTP/1.1 302 Found\r\nLocation: %s\r\nContent-Length: 0\r\n\r\n" % cdn.encode()
+        endpoint = raw_server(answer(raw), tls=tls[0])
+        source = HubSource("hf://org/repo/f.safetensors", endpoint=endpoint, token="hf_t")
+        source._client._ssl_context = tls[1]  # trust the test's certificate
+        with pytest.raises(HTTPProtocolError, match="from https to plain http refused") as info:
+            await load(source)
+        assert info.value.url == "hf://org/repo/f.safetensors"
+        assert "secret" not in str(info.value)
         assert plain.requests == []
 
 

@@ -15,7 +15,15 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st import HeaderError, HTTPNotFoundError, HTTPStatusError, UnsupportedSourceError
+from stream_st import (
+    HeaderError,
+    HTTPNotFoundError,
+    HTTPProtocolError,
+    HTTPStatusError,
+    ReadTimeoutError,
+    TransportError,
+    UnsupportedSourceError,
+)
 from stream_st._shards import shard_address
 from stream_st.hub import HubClient, HubFile, HubSource, hub_endpoint, hub_token
 from stream_st.sources.http import FIRST_RANGE, HttpSource
@@ -145,6 +153,14 @@ def test_the_token_goes_to_the_hubs_origin_only() -> None:
         assert not client.on_hub(elsewhere), elsewhere
 
 
+def test_the_hubs_origin_is_the_one_requests_connect_to() -> None:
+    # A host name the client IDNA-encodes to the Hub's is the Hub: whether the token goes and
+    # where the connection goes are decided by the same parse.
+    client = HubClient("https://huggingface.co", "hf_x")
+    assert client.on_hub("https://\uff48uggingface.co/org/repo/resolve/main/x")
+    assert not HubClient("https://[::1", "hf_x").on_hub("https://[::1/x")
+
+
 def test_shard_addresses_stay_in_the_repository() -> None:
     index = "hf://org/repo@refs%2Fpr%2F1/sub/model.safetensors.index.json"
     assert (
@@ -233,6 +249,29 @@ async def test_a_url_refused_again_after_resolving_is_an_error(hub: FakeHub) -> 
     assert len(on(hub, HUB)) == len(on(hub, CDN_HOST)) == 2
 
 
+@pytest.mark.parametrize(
+    ("failure", "kind"),
+    [("gone", TransportError), ("stalled", ReadTimeoutError), ("gzip", HTTPProtocolError)],
+)
+async def test_cdn_failures_never_quote_the_signed_url(
+    hub: FakeHub, failure: str, kind: type[TransportError]
+) -> None:
+    # The signed CDN URL is a key to the file while it lasts: errors name the hf:// address.
+    source = HubSource("hf://org/model/model.safetensors", retries=0, timeout=0.5)
+    with pytest.raises(kind) as caught:
+        async with stream_st.open_stream(source) as stream:
+            if failure == "gone":
+                hub.cdn.stop()
+            elif failure == "stalled":
+                hub.cdn.stall_after = 0
+            else:
+                hub.cdn.gzip = "always"
+            async for _ in stream:
+                pass
+    assert caught.value.url == "hf://org/model/model.safetensors"
+    assert "sig=" not in str(caught.value) and "expires=" not in str(caught.value)
+
+
 async def test_files_the_hub_serves_itself(hub: FakeHub) -> None:
     hub.is_lfs = lambda path: False  # type: ignore[method-assign]
     async with stream_st.open_stream("hf://org/model/model.safetensors") as stream:
@@ -303,6 +342,12 @@ async def test_a_renamed_repository_is_followed_with_the_token(hub: FakeHub) -> 
     ]
     assert all(r.headers.get("authorization") == f"Bearer {hub.token}" for r in hub_requests)
     assert len(on(hub, CDN_HOST)) == 1
+
+
+async def test_a_hub_redirect_to_an_unusable_address_is_a_protocol_error(hub: FakeHub) -> None:
+    hub.renamed[("model", "org/model")] = "/127.0.0.1:99999/x"  # Location: //127.0.0.1:99999/...
+    with pytest.raises(HTTPProtocolError, match="redirect to an unusable address"):
+        await read_all("hf://org/model/model.safetensors")
 
 
 async def test_no_token_no_authorization(hub: FakeHub) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ..errors import HTTPNotFoundError, HTTPProtocolError, HTTPStatusError
 from .client import ClientUser, HTTPClient
-from .framing import Response, Upload
+from .framing import Response, Upload, content_range
 from .status import outcome_unknown, raise_for_status, retry_after, summary, xml_field
 from .target import Target
 
@@ -32,6 +32,7 @@ __all__ = [
     "Response",
     "Target",
     "Upload",
+    "content_range",
     "outcome_unknown",
     "raise_for_status",
     "retry_after",

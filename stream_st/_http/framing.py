@@ -21,7 +21,7 @@ from .status import outcome_unknown, raise_for_status
 from .target import Target
 from .wire import Connection, receive_error
 
-__all__ = ["Response", "Upload", "receive_response", "request_head"]
+__all__ = ["Response", "Upload", "content_range", "receive_response", "request_head"]
 
 _HEAD_LIMIT = 64 << 10
 _MAX_INTERIM = 32  # interim (1xx) answers accepted before the final one
@@ -109,13 +109,23 @@ def _content_length(headers: Mapping[str, str], url: str) -> int | None:
     return int(value)
 
 
-_RANGE_START = re.compile(r"bytes (\d+)-")
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+def content_range(headers: Mapping[str, str]) -> tuple[int, int, int | None] | None:
+    """A ``Content-Range`` header's first and last byte and the object's size (None for ``*``);
+    None when there is none or it is malformed."""
+    match = _CONTENT_RANGE.fullmatch(headers.get("content-range", ""))
+    if match is None:
+        return None
+    first, last, total = match.groups()
+    return int(first), int(last), None if total == "*" else int(total)
 
 
 def _body_offset(status: int, headers: Mapping[str, str]) -> int:
     """Where in the object a body starts: the first byte of a 206's ``Content-Range``, else 0."""
-    match = _RANGE_START.match(headers.get("content-range", "")) if status == 206 else None
-    return int(match[1]) if match else 0
+    parsed = content_range(headers) if status == 206 else None
+    return 0 if parsed is None else parsed[0]
 
 
 class Response(AsyncClosing):

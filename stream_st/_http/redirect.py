@@ -50,7 +50,7 @@ def redirected(
         ) from exc
     if target.scheme == "https" and new.scheme == "http":
         raise HTTPProtocolError(
-            f"redirect from https to plain http refused ({new.url})", url=target.url
+            f"redirect from https to plain http refused (to http://{new.authority})", url=target.url
         )
     if new.origin == target.origin:
         return new, dict(headers)

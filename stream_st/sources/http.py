@@ -39,9 +39,9 @@ bytes from two versions.
 from __future__ import annotations
 
 import math
-import re
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Unpack
 
 import numpy as np
@@ -51,6 +51,7 @@ from .._http import (
     HTTPClient,
     HTTPProtocolError,
     Response,
+    content_range,
     raise_for_status,
     retry_after,
 )
@@ -70,7 +71,6 @@ __all__ = ["FIRST_RANGE", "HttpSource"]
 FIRST_RANGE = 64 << 10
 """Bytes asked for by the first request: the prefix, the header (usually) and some data."""
 
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _ASKS_TO_WAIT = frozenset({429, 503})  # statuses whose Retry-After is honoured
 _MAX_RETRY_AFTER = 300.0  # seconds a Retry-After may ask for when no deadline bounds the read
@@ -125,7 +125,9 @@ class HttpSource(ClientUser, Source):
         (``read_all``, one connection): then for all of it (``bytes=0-``), so the header and the
         data come in one response. A later jump closes it and sends a ranged request from there.
         """
-        response = await self._get(0, None if read_all and self._concurrency == 1 else FIRST_RANGE)
+        end = None if read_all and self._concurrency == 1 else FIRST_RANGE
+        with self._reported():
+            response = await self._get(0, end)
         if response is None:  # an empty object
             self.size = 0
             self.random_access = True
@@ -147,20 +149,19 @@ class HttpSource(ClientUser, Source):
         its body ends and the object's size if the answer tells it; otherwise closes ``response``
         and raises :class:`HTTPProtocolError`."""
         if response.status == 206:
-            content_range = response.headers.get("content-range", "")
-            match = _CONTENT_RANGE.fullmatch(content_range)
-            if match is not None:
-                first, last, total = match.groups()
-                end = int(last) + 1
-                size = None if total == "*" else int(total)
+            parsed = content_range(response.headers)
+            if parsed is not None:
+                first, last, size = parsed
+                end = last + 1
                 if (
-                    int(first) == start < end
+                    first == start < end
                     and (size is None or end <= size)
                     and response.content_length in (None, end - start)
                 ):
                     await self._check_size(response, size, start)
                     return end, size
-            problem = f"unusable Content-Range {content_range!r} for the range asked"
+            shown = response.headers.get("content-range", "")
+            problem = f"unusable Content-Range {shown!r} for the range asked"
         elif response.status == 200 and start == 0:
             size = response.content_length
             await self._check_size(response, size, start)
@@ -302,16 +303,29 @@ class HttpSource(ClientUser, Source):
                 return max(end, minimum)
         return minimum
 
+    @contextmanager
+    def _reported(self) -> Iterator[None]:
+        """Errors raised inside name this source as its caller did (``name``), never the URL a
+        request went to: one redirected to may be signed, and a message is no place for that."""
+        try:
+            yield
+        except TransportError as exc:
+            exc.report_as(self.name)
+            raise
+
     async def receive_into(self, buffer: memoryview) -> int:
-        return await self._read_at(self.position, buffer, partial=True)
+        with self._reported():
+            return await self._read_at(self.position, buffer, partial=True)
 
     async def fill(self, buffer: memoryview) -> int:
-        return await self._read_at(self.position, buffer, partial=False)
+        with self._reported():
+            return await self._read_at(self.position, buffer, partial=False)
 
     async def read_into_at(self, offset: int, buffer: memoryview) -> int:
-        if self._concurrency > 1 and self.random_access and self._plan:
-            return await self._read_parallel(offset, buffer)
-        return await self._read_at(offset, buffer, partial=False)
+        with self._reported():
+            if self._concurrency > 1 and self.random_access and self._plan:
+                return await self._read_parallel(offset, buffer)
+            return await self._read_at(offset, buffer, partial=False)
 
     def _next_parts(self, at: int, stop: int) -> list[tuple[int, int]]:
         """Up to ``concurrency`` planned parts from ``at``, split where the current read ends."""
