@@ -37,7 +37,6 @@ import resource
 import socket
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import tracemalloc
@@ -59,6 +58,7 @@ from stream_st.sinks.s3 import MIN_PART_SIZE, S3Sink
 from stream_st.sources.http import HttpSource
 from stream_st.sources.s3 import S3Source
 
+from ._loopback import LoopbackServer
 from .fault_proxy import CORRUPTIONS, CUTS, Direction, Fault, FaultKind, FaultProxy
 from .http_server import RangeHTTPServer
 from .s3_server import CREDENTIALS, MotoS3Server
@@ -186,41 +186,7 @@ class Violation(Exception):
 # ---------------------------------------------------------------------- servers and leaks
 
 
-class TcpServer:
-    """A TCP server on 127.0.0.1, one thread per connection running :meth:`handle`."""
-
-    def __init__(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0), backlog=64)
-        self.port: int = self._listener.getsockname()[1]
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self._listener.accept()
-            except OSError:
-                return
-            thread = threading.Thread(target=self._serve, args=(connection,), daemon=True)
-            thread.start()
-            self._threads.append(thread)
-
-    def _serve(self, connection: socket.socket) -> None:
-        with connection, contextlib.suppress(OSError):  # a reset ends the connection, no more
-            self.handle(connection)
-
-    def handle(self, connection: socket.socket) -> None:
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        """Stop accepting and wait for every connection's thread to end."""
-        self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        for thread in self._threads:
-            thread.join(timeout=5)
-
-
-class Collector(TcpServer):
+class Collector(LoopbackServer):
     """Keeps every byte each connection sent, until it closed or was reset."""
 
     def __init__(self) -> None:
@@ -236,7 +202,7 @@ class Collector(TcpServer):
             self.received.append(bytes(data))
 
 
-class Sender(TcpServer):
+class Sender(LoopbackServer):
     """Sends ``data`` to each client, then waits for the client to close."""
 
     def __init__(self, data: bytes) -> None:

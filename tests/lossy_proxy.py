@@ -23,7 +23,6 @@ matched (raw bytes are logged as their ``str``).
 
 from __future__ import annotations
 
-import contextlib
 import re
 import select
 import socket
@@ -31,6 +30,8 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+
+from ._loopback import LoopbackServer
 
 _LENGTH = re.compile(rb"\r\ncontent-length:\s*(\d+)", re.IGNORECASE)
 
@@ -70,7 +71,7 @@ def _reset(connection: socket.socket) -> None:
     connection.close()
 
 
-class LossyProxy:
+class LossyProxy(LoopbackServer):
     """See the module docstring. Use as a context manager."""
 
     def __init__(self, upstream_port: int, *, hold: float = 10.0) -> None:
@@ -82,9 +83,8 @@ class LossyProxy:
         self._lock = threading.Lock()
         self._logged = threading.Condition(self._lock)
         self._stopping = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        super().__init__()
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def lose(
         self,
@@ -127,58 +127,36 @@ class LossyProxy:
                 raise TimeoutError(f"no {method} request with {query!r} within {timeout} s")
 
     def __enter__(self) -> LossyProxy:
-        thread = threading.Thread(target=self._accept_loop, daemon=True)
-        thread.start()
-        self._threads.append(thread)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stopping.set()
-        with contextlib.suppress(OSError):  # wakes the thread blocked in accept()
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        for thread in self._threads:
-            thread.join(timeout=5)
+        self.stop()
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                connection, _ = self._listener.accept()
-            except OSError:
-                return
-            thread = threading.Thread(target=self._serve, args=(connection,), daemon=True)
-            thread.start()
-            self._threads.append(thread)
-
-    def _serve(self, connection: socket.socket) -> None:
-        try:
-            request = _read_message(connection, answer=False)
-            if not request:
-                return
-            method, target, _ = request.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
-            rule = self._match(method, target.partition("?")[2])
-            action = "pass" if rule is None else rule.action
-            silent = rule is not None and (
-                action == "refuse" or (isinstance(action, bytes) and not rule.forward)
-            )
-            answer = b"" if silent else self._forward(request)
+    def handle(self, connection: socket.socket) -> None:
+        request = _read_message(connection, answer=False)
+        if not request:
+            return
+        method, target, _ = request.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
+        rule = self._match(method, target.partition("?")[2])
+        action = "pass" if rule is None else rule.action
+        silent = rule is not None and (
+            action == "refuse" or (isinstance(action, bytes) and not rule.forward)
+        )
+        answer = b"" if silent else self._forward(request)
+        with self._logged:
+            self.requests.append((method, target, str(action)))
+            self._logged.notify_all()
+        if action == "pass":
+            connection.sendall(answer)
+        elif isinstance(action, bytes):
+            connection.sendall(action)
+        elif action in ("reset", "refuse"):
+            _reset(connection)
+        elif action == "stall" and self._hold(connection):
             with self._logged:
-                self.requests.append((method, target, str(action)))
+                self.given_up.append((method, target))
                 self._logged.notify_all()
-            if action == "pass":
-                connection.sendall(answer)
-            elif isinstance(action, bytes):
-                connection.sendall(action)
-            elif action in ("reset", "refuse"):
-                _reset(connection)
-            elif action == "stall" and self._hold(connection):
-                with self._logged:
-                    self.given_up.append((method, target))
-                    self._logged.notify_all()
-        except OSError:
-            pass
-        finally:
-            connection.close()
 
     def _forward(self, request: bytes) -> bytes:
         """Send ``request`` to the server (asking it to close afterwards); its whole answer."""

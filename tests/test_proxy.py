@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from stream_st._http import Target
 from stream_st._http.proxy import proxy_for
 from stream_st.errors import TransportError, UsageError
 
+from ._loopback import LoopbackServer
 from .nginx_server import NginxServer
 from .proxy_server import ForwardProxy
 
@@ -55,34 +55,24 @@ def closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class RefusingProxy:
+class RefusingProxy(LoopbackServer):
     """A proxy that answers every request (``CONNECT`` included) with 407, and records the
     ``Proxy-Authorization`` header of each."""
 
     def __init__(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
         self.credentials: list[str | None] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                connection, _ = self._listener.accept()
-            except OSError:
-                return
-            with connection, connection.makefile("rb") as reader:
-                lines = iter(lambda: reader.readline().decode("latin-1").strip(), "")
-                headers = dict(line.partition(":")[::2] for line in lines)
-                auth = headers.get("Proxy-Authorization")
-                self.credentials.append(auth.strip() if auth else None)
-                connection.sendall(
-                    b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n"
-                    b'Proxy-Authenticate: Basic realm="p"\r\nConnection: close\r\n\r\n'
-                )
-
-    def close(self) -> None:
-        self._listener.close()
+    def handle(self, connection: socket.socket) -> None:
+        with connection.makefile("rb") as reader:
+            lines = iter(lambda: reader.readline().decode("latin-1").strip(), "")
+            headers = dict(line.partition(":")[::2] for line in lines)
+            auth = headers.get("Proxy-Authorization")
+            self.credentials.append(auth.strip() if auth else None)
+            connection.sendall(
+                b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n"
+                b'Proxy-Authenticate: Basic realm="p"\r\nConnection: close\r\n\r\n'
+            )
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ from stream_st import cli
 from stream_st._s3 import S3Config
 from stream_st.sources.s3 import S3Source
 
+from ._loopback import LoopbackServer
 from ._util import sample_file
 from .s3_server import MotoS3Server
 
@@ -57,17 +58,16 @@ print(json.dumps({
 """
 
 
-class RecordingRelay:
+class RecordingRelay(LoopbackServer):
     """Forwards each connection on 127.0.0.1 to ``port`` there; ``sent`` keeps every byte the
-    clients sent. One thread per connection."""
+    clients sent."""
 
     def __init__(self, port: int) -> None:
         self.upstream = port
         self.sent = bytearray()
         self._lock = threading.Lock()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        threading.Thread(target=self._accept_loop, daemon=True).start()
+        super().__init__()
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def gets(self) -> list[dict[str, str]]:
         """The headers (names in lower case) of each GET sent so far."""
@@ -82,19 +82,8 @@ class RecordingRelay:
             for head in heads
         ]
 
-    def close(self) -> None:
-        self._listener.close()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._relay, args=(client,), daemon=True).start()
-
-    def _relay(self, client: socket.socket) -> None:
-        with client, socket.create_connection(("127.0.0.1", self.upstream)) as server:
+    def handle(self, client: socket.socket) -> None:
+        with socket.create_connection(("127.0.0.1", self.upstream)) as server:
             peer = {client: server, server: client}
             with contextlib.suppress(OSError):
                 while peer:
