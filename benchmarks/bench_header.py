@@ -4,7 +4,7 @@ Run it from the repository root (about two minutes on 2 cores; ~3 GiB of RAM, ~1
 
     python benchmarks/bench_header.py [--tensors 1000000] [--repeat 3] [--skip-big]
 
-Four parts:
+Five parts:
 
 * ``big``: a valid file of ``--tensors`` F32 tensors of shape [1] (a 10**6-tensor header is about
   65 MB of JSON), in a temporary directory. Timed interleaved (A B A B ...), medians:
@@ -14,8 +14,13 @@ Four parts:
     ticks is the event loop's longest stall while the header is read;
   - B: ``safetensors.safe_open(path, "np").keys()``, the reference.
 
-  Then each variant once more in a fresh subprocess, which reports its peak RSS (``VmHWM``, reset
-  after imports where the kernel allows it) above the RSS after imports.
+  Then how long one full ``gc.collect()`` takes while the parsed header lives (every full
+  collection of the process pays it for as long as the header is kept), and each variant once
+  more in a fresh subprocess, which reports its peak RSS (``VmHWM``, reset after imports where
+  the kernel allows it) above the RSS after imports.
+* ``small``: a 100-tensor header, the kind most reads open: ``parse_header`` plus one pass over
+  ``header.tensors`` (the reader makes one per read), and ``stream_st.read_header(path)`` plus
+  that pass, medians of many.
 * ``hostile``: headers a peer may send, each refused by both: ``stream_st.parse_header`` against
   ``safetensors.deserialize`` on the same bytes, best of ``--repeat``. The reference's time
   includes copying the bytes in; both are well under a millisecond for a small header.
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -140,6 +146,24 @@ def peak_rss_mib(variant: str, path: Path) -> str:
     return f"{result['peak_kib'] / 1024:.0f} MiB{note}"
 
 
+def _collect_ms() -> float:
+    """Milliseconds of one full ``gc.collect()``."""
+    start = time.perf_counter()
+    gc.collect()
+    return (time.perf_counter() - start) * 1000
+
+
+def full_collection_ms(path: Path) -> tuple[float, float]:
+    """Milliseconds of one full ``gc.collect()`` while the header of ``path`` is alive (after a
+    first one), and of one once it is gone."""
+    header = anyio.run(stream_st.read_header, path)
+    gc.collect()
+    alive = _collect_ms()
+    del header
+    gc.collect()
+    return alive, _collect_ms()
+
+
 def bench_big(tensors: int, repeat: int) -> None:
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / "big.safetensors"
@@ -164,6 +188,8 @@ def bench_big(tensors: int, repeat: int) -> None:
             f"  event loop longest stall during A: {max(stalls) * 1000:.1f} ms "
             f"(runs {[round(s * 1000, 1) for s in stalls]} ms; target < 50 ms)"
         )
+        alive, gone = full_collection_ms(path)
+        print(f"  one full gc.collect(): {alive:.1f} ms with the header alive, {gone:.1f} ms after")
         print(f"  peak RSS above imports: A {peak_rss_mib('ours', path)}, ", end="", flush=True)
         print(f"B {peak_rss_mib('ref', path)}")
 
@@ -266,6 +292,39 @@ def bench_prefix_only() -> None:
     )
 
 
+def _parse_and_walk(text: bytes) -> int:
+    return sum(1 for _ in parse_header(text).tensors)
+
+
+async def _read_and_walk(path: Path, runs: int) -> list[float]:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        header = await stream_st.read_header(path)
+        for _ in header.tensors:
+            pass
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def bench_small(tensors: int = 100, runs: int = 2000) -> None:
+    text = header_text(tensors)
+    parse_times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        _parse_and_walk(text)
+        parse_times.append(time.perf_counter() - start)
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "small.safetensors"
+        write_file(path, tensors)
+        read_times = anyio.run(_read_and_walk, path, runs)
+    print(
+        f"\n== small: {tensors} tensors ({len(text)} bytes), medians of {runs}: "
+        f"parse_header + walk {statistics.median(parse_times) * 1e6:.0f} us, "
+        f"read_header(path) + walk {statistics.median(read_times) * 1e6:.0f} us"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tensors", type=int, default=1_000_000)
@@ -283,6 +342,7 @@ def main() -> None:
     bench_hostile(args.repeat)
     bench_threshold(args.repeat)
     bench_prefix_only()
+    bench_small()
     if not args.skip_big:
         bench_big(args.tensors, args.repeat)
 

@@ -13,19 +13,18 @@ strings to strings.
 
 from __future__ import annotations
 
-import gc
 import json
 import operator
 import re
 import reprlib
 import struct
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from json.scanner import make_scanner
 from math import prod
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, cast, overload
 
 import numpy as np
 
@@ -39,6 +38,7 @@ __all__ = [
     "Header",
     "TensorInfo",
     "TensorSpec",
+    "TensorTable",
     "build_header",
     "decode_json",
     "parse_header",
@@ -62,7 +62,7 @@ _TENSOR_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 class TensorInfo(NamedTuple):
     """One tensor of a header. ``start`` and ``end`` are offsets into the data section.
 
-    A named tuple: a header of a million tensors makes a million of them.
+    A named tuple, made when read from its header's :class:`TensorTable`.
     """
 
     name: str
@@ -125,25 +125,94 @@ def _spec_shape(name: str, shape: Any) -> tuple[int, ...]:
     raise UsageError(f"tensor {name!r}: shape must be a sequence of integers, got {shape!r}")
 
 
+_Row = tuple[str, str, tuple[int, ...], int, int]
+"""A tensor's fields as a plain tuple: ``(name, dtype, shape, start, end)``."""
+
+_to_info = cast(Callable[[_Row], TensorInfo], partial(tuple.__new__, TensorInfo))
+"""The :class:`TensorInfo` of a row, made in C: iterating a table is a hot path."""
+
+
+class TensorTable(Sequence[TensorInfo]):
+    """A header's tensors in offset order: a read-only sequence of :class:`TensorInfo`, each
+    built when read from a plain tuple of its fields.
+
+    A header of a million tensors kept as a million :class:`TensorInfo` would be a million
+    objects the cyclic garbage collector walks at every full collection for as long as the
+    header lives: it never untracks a tuple subclass. It untracks a plain tuple of strings,
+    ints and such tuples at the first collection that sees it, so a table costs it nothing
+    after that. It equals another table, or a tuple, of the same tensors.
+    """
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, rows: tuple[_Row, ...]) -> None:
+        self._rows = rows
+
+    @classmethod
+    def of(cls, tensors: Iterable[TensorInfo]) -> TensorTable:
+        """The table of ``tensors``, in the order given."""
+        return cls(tuple(cast(Iterator[_Row], map(tuple, tensors))))
+
+    def names(self) -> list[str]:
+        """Tensor names in offset order."""
+        return [row[0] for row in self._rows]
+
+    @overload
+    def __getitem__(self, index: int) -> TensorInfo: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> TensorTable: ...
+
+    def __getitem__(self, index: int | slice) -> TensorInfo | TensorTable:
+        if isinstance(index, slice):
+            return TensorTable(self._rows[index])
+        return _to_info(self._rows[index])
+
+    def __iter__(self) -> Iterator[TensorInfo]:
+        return map(_to_info, self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TensorTable):
+            return self._rows == other._rows
+        if isinstance(other, tuple):
+            return self._rows == other  # a row equals the TensorInfo of the same fields
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to tuples, but not one itself
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
+def _positions(names: Sequence[str]) -> dict[str, int]:
+    """Each name's position in ``names`` (the last, for a name listed twice)."""
+    return dict(zip(names, range(len(names)), strict=True))
+
+
 @dataclass(frozen=True, slots=True)
 class Header:
     """A parsed, fully validated header.
 
-    ``tensors`` is in offset order; ``header_size`` is N, the JSON length (padding included);
-    ``data_size`` is the length of the data section, i.e. the end offset of the last tensor.
+    ``tensors`` is a :class:`TensorTable` in offset order; ``header_size`` is N, the JSON
+    length (padding included); ``data_size`` is the length of the data section, i.e. the end
+    offset of the last tensor.
     """
 
-    tensors: tuple[TensorInfo, ...]
+    tensors: TensorTable
     metadata: dict[str, str]
     header_size: int
-    _index: dict[str, TensorInfo] = field(repr=False, compare=False)
+    _index: dict[str, int] = field(repr=False, compare=False)
+    """Each tensor's position in ``tensors`` by name: strings and ints, so never GC-tracked."""
 
     @classmethod
     def from_tensors(
         cls, tensors: Iterable[TensorInfo], metadata: Mapping[str, str], header_size: int
     ) -> Header:
-        ordered = tuple(tensors)
-        return cls(ordered, dict(metadata), header_size, {t.name: t for t in ordered})
+        table = TensorTable.of(tensors)
+        return cls(table, dict(metadata), header_size, _positions(table.names()))
 
     @property
     def data_start(self) -> int:
@@ -161,11 +230,11 @@ class Header:
 
     def names(self) -> list[str]:
         """Tensor names in offset order."""
-        return [t.name for t in self.tensors]
+        return self.tensors.names()
 
     def __getitem__(self, name: str) -> TensorInfo:
         try:
-            return self._index[name]
+            return self.tensors[self._index[name]]
         except KeyError:
             raise TensorNotFoundError(f"no tensor named {name!r} in the header") from None
 
@@ -417,8 +486,9 @@ _KNOWN_LAYOUTS = 4096
 """How many distinct (dtype, shape) pairs one parse remembers as checked."""
 
 
-def _parse_tensor(name: str, entry: Any, known: dict[tuple[Any, ...], _Layout]) -> TensorInfo:
-    """Validate one tensor entry; ``known`` caches the layouts already checked by this parse."""
+def _parse_tensor(name: str, entry: Any, known: dict[tuple[Any, ...], _Layout]) -> _Row:
+    """Validate one tensor entry; ``known`` caches the layouts already checked by this parse
+    (tensors alike share one shape tuple)."""
     try:
         if len(entry) != 3:
             raise KeyError
@@ -444,7 +514,7 @@ def _parse_tensor(name: str, entry: Any, known: dict[tuple[Any, ...], _Layout]) 
             and end - start == nbytes
             and end <= _U64_MAX
         ):
-            return _new_info(TensorInfo, (name, code, dims, start, end))
+            return name, code, dims, start, end
     raise _offsets_error(name, offsets, code, dims, nbytes)
 
 
@@ -470,7 +540,6 @@ def _offsets_error(
 
 
 _INT_ONLY = frozenset({int})
-_new_info = tuple.__new__
 
 
 def _fields_error(name: str, entry: object) -> HeaderError:
@@ -550,33 +619,40 @@ def _data_size(name: str, dtype: DType, shape: tuple[int, ...]) -> int:
     return bits // 8
 
 
-def _data_order(tensors: list[TensorInfo]) -> list[TensorInfo]:
-    """``tensors`` in offset order; :class:`HeaderError` unless they tile the data section.
+def _data_order(rows: list[_Row], index: dict[str, int]) -> TensorTable:
+    """The table of ``rows`` in offset order; :class:`HeaderError` unless they tile the data
+    section. ``index`` (position by name) follows a reordering.
 
     Each tensor's own span is already checked. Tensors listed in offset order, as writers list
     them, are not sorted again.
     """
-    expected = 0
-    for info in tensors:
-        if info.start != expected:
-            break
-        expected = info.end
-    else:
-        return tensors
-    tensors.sort(key=_offsets)
-    expected = 0
-    for info in tensors:
-        if info.start != expected:
-            problem = "leave a hole" if info.start > expected else "overlap the previous tensor"
+    if _gap(rows) is not None:
+        rows.sort(key=_offsets)
+        gap = _gap(rows)
+        if gap is not None:
+            at, expected = gap
+            name, _, _, start, end = rows[at]
+            problem = "leave a hole" if start > expected else "overlap the previous tensor"
             raise HeaderError(
-                f"tensor {info.name!r}: data_offsets [{info.start}, {info.end}] {problem}; "
+                f"tensor {name!r}: data_offsets [{start}, {end}] {problem}; "
                 f"expected it to start at {expected}"
             )
-        expected = info.end
-    return tensors  # pragma: no cover - tensors out of order that tile are sorted above
+        index.update(_positions([row[0] for row in rows]))
+    return TensorTable(tuple(rows))
 
 
-_offsets = operator.attrgetter("start", "end")
+_offsets = operator.itemgetter(3, 4)
+
+
+def _gap(rows: list[_Row]) -> tuple[int, int] | None:
+    """The position of the first tensor that does not start where the one before it ends (the
+    first at 0), and where it should start; ``None`` if they tile the data section."""
+    expected = 0
+    for at, (_, _, _, start, end) in enumerate(rows):
+        if start != expected:
+            return at, expected
+        expected = end
+    return None
 
 
 def parse_header(
@@ -603,9 +679,7 @@ def parse_header(
         raise UsageError(f"a header is bytes, got {type(raw).__name__}") from None
     if not text.startswith("{"):
         raise HeaderError(f"header must begin with '{{', begins with {text[:16]!r}")
-    header_size = len(raw)
-    with _collector_paused(header_size):
-        return _parse_object(text, header_size, stop)
+    return _parse_object(text, len(raw), stop)
 
 
 _STOP_EVERY = 4096
@@ -615,7 +689,8 @@ _STOP_EVERY = 4096
 def _parse_object(text: str, header_size: int, stop: Callable[[], bool] | None) -> Header:
     """The :class:`Header` of the JSON object ``text``, validated member by member."""
     metadata: dict[str, str] | None = None
-    index: dict[str, TensorInfo] = {}
+    index: dict[str, int] = {}
+    rows: list[_Row] = []
     known: dict[tuple[Any, ...], _Layout] = {}
     for count, (name, value, start, end) in enumerate(_members(text)):
         if stop is not None and count % _STOP_EVERY == 0 and stop():
@@ -626,59 +701,13 @@ def _parse_object(text: str, header_size: int, stop: Callable[[], bool] | None) 
             _refuse_surrogates(name, "tensor name")
         if name == METADATA_KEY:
             metadata = _parse_metadata(value)
-        elif text.count('"', start, end) == 8 and text.find("-", start, end) < 0:
-            index[name] = _parse_tensor(name, value, known)
-        else:
-            index[name] = _parse_tensor(name, _strict_entry(text[start:end], name), known)
-    ordered = tuple(_data_order(list(index.values())))
-    return Header(ordered, metadata or {}, header_size, index)
-
-
-_PAUSE_COLLECTOR_ABOVE = 1 << 20
-"""Header bytes above which the parse pauses the cyclic garbage collector."""
-
-
-class _CollectorPause:
-    """The cyclic garbage collector paused while any big header is parsed, in any thread.
-
-    A big header makes millions of objects, none in a reference cycle, and every collection
-    their allocation triggers walks all of them again: a quarter of the time of a header of a
-    million tensors. The collector is process-global, so the pause is counted: the first parse
-    to begin turns it off (unless it already was), the last to end turns it back on. A parse
-    that restored what it found would turn it on under another parse still running.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._parses = 0  # parses inside the pause
-        self._turned_off = False  # the first of them found the collector on
-
-    @contextmanager
-    def during(self) -> Iterator[None]:
-        """Pause the collector for the ``with`` block."""
-        with self._lock:
-            if not self._parses:
-                self._turned_off = gc.isenabled()
-                gc.disable()
-            self._parses += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._parses -= 1
-                if not self._parses and self._turned_off:
-                    gc.enable()
-
-
-_COLLECTOR_PAUSE = _CollectorPause()
-
-
-def _collector_paused(header_size: int) -> AbstractContextManager[None]:
-    """The collector paused (see :class:`_CollectorPause`) for a header over
-    ``_PAUSE_COLLECTOR_ABOVE`` bytes; nothing for a smaller one."""
-    if header_size <= _PAUSE_COLLECTOR_ABOVE:
-        return nullcontext()
-    return _COLLECTOR_PAUSE.during()
+            continue
+        if text.count('"', start, end) != 8 or text.find("-", start, end) >= 0:
+            value = _strict_entry(text[start:end], name)
+        index[name] = len(rows)
+        rows.append(_parse_tensor(name, value, known))
+    table = _data_order(rows, index)
+    return Header(table, metadata or {}, header_size, index)
 
 
 def _plan_list(specs: Iterable[TensorSpec]) -> list[TensorSpec]:

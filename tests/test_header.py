@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import json
 import struct
-import threading
 from typing import Any
 
 import ml_dtypes
@@ -14,15 +13,16 @@ import pytest
 
 from stream_st import (
     DTYPES,
+    Header,
     HeaderError,
     HeaderTooLargeError,
     SafetensorsError,
+    TensorInfo,
     TensorNotFoundError,
     TensorSpec,
     build_header,
     parse_header,
 )
-from stream_st import header as header_module
 from stream_st.dtypes import array_shape, dtype_for, dtype_from_code
 from stream_st.errors import DtypeError, UsageError
 from stream_st.header import parse_header_length, plan_order
@@ -223,6 +223,7 @@ def test_key_order_differs_from_offset_order() -> None:
     )
     assert header.names() == ["first", "middle", "late"]
     assert [(t.start, t.end) for t in header] == [(0, 1), (1, 2), (2, 3)]
+    assert [header[name].start for name in ("late", "first", "middle")] == [2, 0, 1]
 
 
 def test_unicode_and_escaped_names_and_metadata() -> None:
@@ -246,6 +247,51 @@ def test_three_thousand_tensors() -> None:
     assert len(header) == 3000
     assert header.data_size == offset
     assert header["t2999"].end == offset
+
+
+def test_a_big_header_leaves_the_collector_almost_nothing_to_walk() -> None:
+    """A parsed header is a few objects for the cyclic garbage collector, not one per tensor:
+    every full collection in the process would walk them for as long as the header lives."""
+    tensors, offset, parts = 100_000, 0, []
+    for i in range(tensors):  # 5000 distinct shapes, more than one parse remembers
+        size = 1 + i % 5000
+        parts.append(
+            f'"t{i}":{{"dtype":"U8","shape":[{size}],"data_offsets":[{offset},{offset + size}]}}'
+        )
+        offset += size
+    text = ("{" + ",".join(parts) + "}").encode()
+    del parts
+    gc.collect()
+    before = len(gc.get_objects())
+    header = parse_header(text)
+    gc.collect()
+    gc.collect()  # a tuple is untracked once its items are: a row after its shape
+    kept = len(gc.get_objects()) - before
+    assert kept < 100, f"{kept} objects left for the collector by a header of {tensors} tensors"
+    assert len(header) == tensors
+    assert header["t99999"] == ("t99999", "U8", (5000,), offset - 5000, offset)
+
+
+def test_tensors_is_a_read_only_sequence_of_tensor_info() -> None:
+    header = parse(
+        {
+            "b": entry(offsets=[1, 2]),
+            "a": entry(offsets=[0, 1]),
+            "c": entry(shape=[2], offsets=[2, 4]),
+        }
+    )
+    tensors, a, b, c = header.tensors, header["a"], header["b"], header["c"]
+    assert type(tensors[0]) is TensorInfo and tensors[0] == TensorInfo("a", "U8", (1,), 0, 1)
+    assert tensors[-1] == c and c.nbytes == 2
+    with pytest.raises(IndexError):
+        tensors[3]
+    assert tensors == (a, b, c) == tuple(tensors) and tensors != (a, b)
+    assert tensors[1:] == (b, c) and len(tensors[:0]) == 0
+    assert b in tensors and tensors.index(c) == 2 and list(reversed(tensors)) == [c, b, a]
+    assert repr(tensors) == repr((a, b, c))
+    again = Header.from_tensors(tensors, {}, header.header_size)
+    assert again == header and again.tensors == tensors and again["c"] == c
+    assert Header.from_tensors(tensors[:2], {}, header.header_size) != header
 
 
 def test_header_padded_with_many_spaces() -> None:
@@ -385,36 +431,3 @@ def test_plan_order_is_descending_alignment_then_name() -> None:
         TensorSpec("m", "F16", (1,)),
     ]
     assert [s.name for s in plan_order(specs)] == ["z", "m", "a", "b"]
-
-
-def test_two_big_parses_at_once_keep_the_collector_paused_until_the_last_ends() -> None:
-    """The garbage collector is process-global: a big parse that ends in one thread does not
-    turn it back on under another still running, and the last one to end restores it."""
-    big = 2 * header_module._PAUSE_COLLECTOR_ABOVE
-    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
-    during_second: list[bool] = []
-
-    def first() -> None:
-        with header_module._collector_paused(big):
-            first_in.set()
-            second_in.wait(10)
-        first_out.set()
-
-    def second() -> None:
-        first_in.wait(10)
-        with header_module._collector_paused(big):
-            second_in.set()
-            first_out.wait(10)
-            during_second.append(gc.isenabled())
-
-    assert gc.isenabled()
-    threads = [threading.Thread(target=first), threading.Thread(target=second)]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert during_second == [False]
-        assert gc.isenabled()
-    finally:
-        gc.enable()
