@@ -117,7 +117,9 @@ class _Shard:
             with _io("spooling", self.directory, self.data_bytes):
                 self.file.close()  # the last buffered bytes go out: this may fail too
             prefix, header = build_header(self.specs, metadata)
-            with _io("reading spooled data", destination), self.spool.open("rb") as data:
+            with _io("opening the spool", self.spool):
+                data = self.spool.open("rb")
+            with data:
                 await _write_file(destination, prefix, data, header.file_size)
         finally:
             self.spool.unlink(missing_ok=True)
