@@ -6,12 +6,13 @@ import functools
 import os
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Collection, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 from typing import Any, Self, Unpack
 
 import anyio.to_thread
 import numpy as np
 
+from ._frameworks import Delivery, Framework
 from ._limits import Clock, TransportOptions, clock_of
 from ._util import AsyncClosing
 from .errors import (
@@ -81,10 +82,19 @@ def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-async def _read_tensor(source: Source, info: TensorInfo, base: int) -> np.ndarray[Any, Any]:
-    """Read one tensor straight into a fresh array; never return a partly filled one."""
+async def _read_tensor(
+    source: Source,
+    info: TensorInfo,
+    base: int,
+    target: tuple[np.ndarray[Any, Any], memoryview] | None = None,
+) -> np.ndarray[Any, Any]:
+    """Read one tensor straight into a fresh array, or into ``target`` (memory the caller owns:
+    an array and its byte view); never return a partly filled one."""
     start = base + info.start
-    if source.size is None and info.nbytes > PROVE_ABOVE:
+    if target is not None:
+        array, view = target
+        got = await source.read_into_at(start, view) if info.nbytes else 0
+    elif source.size is None and info.nbytes > PROVE_ABOVE:
         proof = bytearray(PROOF_SIZE)
         got = await source.read_into_at(start, memoryview(proof))
         if got == PROOF_SIZE:
@@ -151,7 +161,8 @@ class TensorStream(AsyncClosing):
     then ``async for name, array in stream``; or iterate it directly, which opens and closes it.
     Arrays are fresh, writable, native-endian and handed over to the caller: the stream keeps no
     reference to them. ``clock`` holds the time limits of the read (see :func:`open_stream`);
-    it starts when the stream opens.
+    it starts when the stream opens. ``delivery`` says where tensors land and what they are
+    handed out as (see ``framework=`` and ``into=`` of :func:`open_stream`).
     """
 
     def __init__(
@@ -161,9 +172,11 @@ class TensorStream(AsyncClosing):
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
         clock: Clock | None = None,
+        delivery: Delivery | None = None,
     ) -> None:
         self._source_like = source
         self._include = include
+        self._delivery = delivery or Delivery()
         self._max_header_size = max_header_size
         self._clock = clock or Clock()
         self._source: Source | None = None
@@ -275,6 +288,7 @@ class TensorStream(AsyncClosing):
         header = await self.open(read_all=owns and self._include is None)
         try:
             selected = _selector(self._include, header)
+            self._delivery.check(header.names())
             async for item in self._tensors(header, selected):
                 yield item
                 del item  # hold no array while the next one is read
@@ -284,17 +298,19 @@ class TensorStream(AsyncClosing):
 
     async def _tensors(
         self, header: Header, selected: Callable[[str], bool]
-    ) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
+    ) -> AsyncIterator[tuple[str, Any]]:
         source = self.source
+        delivery = self._delivery
         base = header.data_start
         wanted = [info for info in header.tensors if selected(info.name)]
         await source.plan_reads(merge_ranges((base + t.start, base + t.end) for t in wanted))
         for info in wanted:
             source.clock.check(source.name, source.position)
-            array = await _read_tensor(source, info, base)
+            target = delivery.target(info)
+            array = await _read_tensor(source, info, base, target)
             if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
                 array.byteswap(inplace=True)
-            yield info.name, array
+            yield info.name, delivery.deliver(info, array, target is not None)
             del array
         await self._finish(header)
 
@@ -325,6 +341,8 @@ def open_stream(
     *,
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    framework: Framework | None = None,
+    into: Mapping[str, Any] | None = None,
     **options: Unpack[TransportOptions],
 ) -> TensorStream:
     """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
@@ -349,12 +367,25 @@ def open_stream(
     An address ending in ``.index.json`` (a sharded checkpoint's index) gives a
     :class:`~stream_st.sharded.ShardedStream` over every shard.
 
+    ``framework="pt"`` hands tensors out as torch tensors over the memory they were received in
+    (every dtype torch has, BF16 and the F8 family included); ``"np"`` (the default) as numpy
+    arrays. ``into`` maps names to memory the caller already owns (a torch tensor or numpy array
+    of the tensor's dtype and shape, or a writable contiguous buffer of exactly its bytes): those
+    tensors are received straight into it and handed out as it (a buffer: as an array over it);
+    a name not in the header is a :class:`~stream_st.TensorNotFoundError`, memory of another
+    dtype, shape or size a :class:`~stream_st.UsageError`. If the read fails, that memory may
+    hold part of the tensor.
+
     The header is read and validated in full before the first tensor. Errors are
     :class:`~stream_st.SafetensorsError` subclasses: a tensor the source ends inside is never
     yielded (:class:`~stream_st.TruncatedStreamError`).
     """
     return stream_for(
-        source, include=include, max_header_size=max_header_size, clock=clock_of(options)
+        source,
+        include=include,
+        max_header_size=max_header_size,
+        clock=clock_of(options),
+        delivery=Delivery(framework, into),
     )
 
 
@@ -364,13 +395,18 @@ def stream_for(
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
     clock: Clock,
+    delivery: Delivery | None = None,
 ) -> TensorStream:
     """:func:`open_stream` under ``clock``: reads that share one operation's limits."""
     from .sharded import ShardedStream, is_index  # sharded streams are built on this module
 
     if isinstance(source, str | os.PathLike) and is_index(source):
-        return ShardedStream(source, include=include, max_header_size=max_header_size, clock=clock)
-    return TensorStream(source, include=include, max_header_size=max_header_size, clock=clock)
+        return ShardedStream(
+            source, include=include, max_header_size=max_header_size, clock=clock, delivery=delivery
+        )
+    return TensorStream(
+        source, include=include, max_header_size=max_header_size, clock=clock, delivery=delivery
+    )
 
 
 async def read_header(

@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from ._frameworks import Delivery
 from ._limits import Clock
 from ._shards import shard_address, shard_name
 from .errors import (
@@ -231,8 +232,15 @@ class ShardedStream(TensorStream):
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
         clock: Clock | None = None,
+        delivery: Delivery | None = None,
     ) -> None:
-        super().__init__(index, include=include, max_header_size=max_header_size, clock=clock)
+        super().__init__(
+            index,
+            include=include,
+            max_header_size=max_header_size,
+            clock=clock,
+            delivery=delivery,
+        )
         self._address = os.fspath(index)
         self._index: ShardIndex | None = None
         self._current: TensorStream | None = None
@@ -275,6 +283,8 @@ class ShardedStream(TensorStream):
         await self.open()
         index = self.index
         selected = self._selector(index)
+        if index.weight_map is not None:
+            self._delivery.check(list(index.weight_map))
         for shard in index.shards:
             expected = index.names_in(shard)
             if expected is not None and not any(selected(name) for name in expected):
@@ -289,6 +299,7 @@ class ShardedStream(TensorStream):
             self._current = stream
             try:
                 header = await _open_shard(stream, address, read_all=self._include is None)
+                stream._delivery = self._delivery.only(header.names())
                 async with stream:
                     index.check(shard, address, header)
                     self.headers[shard] = header
@@ -300,7 +311,10 @@ class ShardedStream(TensorStream):
         self._check_all_found(index)
 
     def _check_all_found(self, index: ShardIndex) -> None:
-        """A manifest does not list names up front: check ``include=`` names at the end."""
+        """A manifest does not list names up front: check ``include=`` and ``into=`` names at the
+        end."""
+        if index.weight_map is None:
+            self._delivery.check([name for h in self.headers.values() for name in h.names()])
         include = self._include
         if index.weight_map is not None or include is None or callable(include):
             return

@@ -22,6 +22,7 @@ from typing import Any, Literal, Self, Unpack
 import anyio
 import numpy as np
 
+from ._frameworks import is_torch_tensor, torch_to_array
 from ._limits import Clock, TransportOptions, clock_of
 from ._util import AsyncClosing
 from .dtypes import dtype_for, wire_bytes
@@ -40,7 +41,12 @@ _NEW, _OPEN, _COMMITTED, _ABORTED = "new", "open", "committed", "aborted"
 
 def as_array(value: Any, name: str) -> np.ndarray[Any, Any]:
     """``np.asarray(value)`` for tensor ``name``; :class:`~stream_st.UsageError` if numpy cannot
-    make an array of it (a ragged nested list, an object whose ``__array__`` fails)."""
+    make an array of it (a ragged nested list, an object whose ``__array__`` fails).
+
+    A torch tensor (any dtype safetensors has, BF16 and F8 included) is seen as an array over
+    its memory: detached, and made contiguous on the CPU once if it is not already."""
+    if is_torch_tensor(value):
+        return torch_to_array(value, name)
     try:
         return np.asarray(value)
     except (TypeError, ValueError) as exc:

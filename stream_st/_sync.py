@@ -1,0 +1,88 @@
+"""Run the async core from synchronous code: a private event loop in a worker thread.
+
+The synchronous facades (:mod:`stream_st.torch`, :mod:`stream_st.numpy`) call the async core
+through a :class:`Bridge`: an asyncio event loop of its own, running in a thread it starts and
+joins, to which the calling thread hands each coroutine and then waits for the result. So a sync
+call works the same from a plain script, from any thread, and from inside a running event loop (a
+notebook cell, an asyncio or trio program calling sync code): the caller's loop is never asked to
+run anything, so it can neither deadlock on it nor meet "this event loop is already running". The
+caller's thread is blocked for the call's duration, as by any synchronous I/O. Not public API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterable, Awaitable, Callable
+from typing import Any, TypeVar
+
+from anyio.abc import ByteReceiveStream, ByteSendStream
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from .errors import UsageError
+
+__all__ = ["Bridge", "check_sync_address", "run"]
+
+T = TypeVar("T")
+
+
+class Bridge:
+    """A private event loop in a worker thread, alive until :meth:`close`.
+
+    :meth:`call` runs a coroutine function there and blocks until it returns; calls from several
+    threads are taken one after another by the loop, which owns every connection they use.
+    """
+
+    def __init__(self) -> None:
+        self._context = start_blocking_portal("asyncio")
+        self._portal: BlockingPortal | None = self._context.__enter__()
+        self._lock = threading.Lock()
+
+    def call(self, function: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``await function(*args)`` on the bridge's loop; its result or its exception."""
+        portal = self._portal
+        if portal is None:
+            raise UsageError("the file is closed")
+        try:
+            return portal.call(function, *args)
+        except RuntimeError as exc:
+            if isinstance(exc, UsageError) or "event loop thread" not in str(exc):
+                raise
+            raise UsageError(
+                "a synchronous stream_st call was made from the loop that serves it (from inside "
+                "a coroutine it runs); use the async API there"
+            ) from None
+
+    def close(self) -> None:
+        """Stop the loop, cancelling anything still running on it, and join its thread."""
+        with self._lock:
+            if self._portal is None:
+                return
+            self._portal = None
+        self._context.__exit__(None, None, None)
+
+
+def run(function: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``await function(*args)`` on a private event loop started for this call, from sync code."""
+    bridge = Bridge()
+    try:
+        return bridge.call(function, *args)
+    finally:
+        bridge.close()
+
+
+def check_sync_address(obj: object, role: str) -> None:
+    """:class:`UsageError` for an ``obj`` that belongs to the caller's event loop (a stream, a
+    chunk iterator): a synchronous call runs on a loop of its own and cannot use it."""
+    bound = (
+        asyncio.StreamReader,
+        asyncio.StreamWriter,
+        ByteReceiveStream,
+        ByteSendStream,
+        AsyncIterable,
+    )
+    if isinstance(obj, bound):
+        raise UsageError(
+            f"the synchronous API takes a path, URL or bytes as its {role}, not a "
+            f"{type(obj).__name__} (it belongs to an event loop): use stream_st's async API"
+        )

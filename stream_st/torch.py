@@ -1,0 +1,280 @@
+"""A drop-in for ``safetensors.torch``: the same names, arguments and results, synchronous, over
+every source and destination stream_st reads and writes (paths, ``http(s)://``, ``s3://``,
+``hf://``, ``tcp://``, a sharded checkpoint's ``*.index.json``)::
+
+    import stream_st.torch as safetensors_torch  # was: import safetensors.torch
+
+    tensors = safetensors_torch.load_file("https://host/model.safetensors")
+    safetensors_torch.save_file(tensors, "s3://bucket/model.safetensors")
+    missing, unexpected = safetensors_torch.load_model(model, "hf://org/repo/model.safetensors")
+
+Every call runs the async core on a private event loop in a worker thread, so it works from a
+plain script, from any thread, and inside a running event loop (a notebook cell, async code
+calling sync code) alike. Beyond the reference's arguments, each call that takes an address also
+takes stream_st's transport options (``headers=``, ``ssl_context=``, ``timeout=``,
+``deadline=``, ``speed_limit=``, ``speed_time=``). Every dtype torch shares with safetensors is
+read and written, BF16, the F8 family, BOOL and U16/U32/U64 included; a tensor is read straight
+into its own memory and handed over without a further copy.
+
+Needs torch: ``pip install 'stream_st[torch]'``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Unpack
+
+from . import _facade
+from ._frameworks import Delivery, check_device, is_torch_tensor, load_torch
+from ._limits import Clock, TransportOptions, clock_of
+from ._sync import check_sync_address, run
+from .errors import UsageError
+from .reader import stream_for
+from .sinks import SinkLike
+from .sources import SourceLike
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "load",
+    "load_file",
+    "load_model",
+    "safe_open",
+    "save",
+    "save_file",
+    "save_model",
+]
+
+load_torch()  # a clear error at import when torch is missing
+
+
+def safe_open(
+    filename: SourceLike,
+    framework: str = "pt",
+    device: str | int = "cpu",
+    *,
+    backend: str = "mmap",
+    **options: Unpack[TransportOptions],
+) -> _facade.SafeOpen:
+    """Open ``filename`` (a file, URL or index) to read tensors by name, as the reference's
+    ``safe_open``: ``keys()``, ``offset_keys()``, ``metadata()``, ``get_tensor(name)``,
+    ``get_tensors()``, ``get_slice(name)[...]``; use it with ``with`` or call ``close()``.
+
+    A slice over the first dimension reads only those rows' bytes from the source. ``backend``
+    is accepted as the reference spells it ("mmap" or "pread"); reads always go straight into
+    fresh memory. ``device`` must be the CPU for now (see :func:`load_file`).
+    """
+    _facade.check_backend(backend)
+    return _facade.SafeOpen(filename, framework, device, **options)
+
+
+def load_file(
+    filename: SourceLike,
+    device: str | int = "cpu",
+    *,
+    backend: str = "mmap",
+    **options: Unpack[TransportOptions],
+) -> dict[str, torch.Tensor]:
+    """Every tensor of ``filename`` (a file, URL or index) as ``{name: tensor}`` on the CPU.
+
+    ``device`` other than the CPU raises :class:`~stream_st.UsageError` for now: loading onto
+    an accelerator will receive into pinned staging buffers and copy each to the device while the
+    next one arrives (the ``into=`` mechanism of :func:`~stream_st.open_stream`).
+    """
+    _facade.check_backend(backend)
+    check_device(device)
+    return _facade.load_file(filename, True, **options)
+
+
+def load(data: bytes) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file given as ``bytes``."""
+    return _facade.load_bytes(data, True)
+
+
+def save_file(
+    tensors: dict[str, torch.Tensor],
+    filename: SinkLike,
+    metadata: dict[str, str] | None = None,
+    **options: Unpack[TransportOptions],
+) -> None:
+    """Write ``tensors`` to ``filename`` (a path or URL), laid out as the reference does.
+
+    Tensors that need it are detached, and made contiguous on the CPU once; tensors that share
+    memory are refused (use :func:`save_model`), as are sparse ones, each with a
+    :class:`~stream_st.SafetensorsError`. A failed write leaves nothing at the destination.
+    """
+    _facade.save_file(_checked(tensors), filename, metadata, **options)
+
+
+def save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """``tensors`` as the bytes of a safetensors file (see :func:`save_file`)."""
+    return _facade.save_bytes(_checked(tensors), metadata)
+
+
+def _checked(tensors: object) -> Mapping[str, Any]:
+    """``tensors`` if it is a dict of torch tensors that share no memory; else a
+    :class:`~stream_st.UsageError` naming what is wrong."""
+    if not isinstance(tensors, Mapping):
+        raise UsageError(f"expected a dict of names to torch tensors, got {type(tensors).__name__}")
+    for name, tensor in tensors.items():
+        if not is_torch_tensor(tensor):
+            raise UsageError(
+                f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}"
+            )
+    shared = _shared_groups(tensors)
+    if shared:
+        raise UsageError(
+            f"some tensors share memory and would be written twice: {shared}; "
+            "save the model with save_model, or pass .clone()s"
+        )
+    return tensors
+
+
+def _extent(tensor: Any) -> tuple[int, int]:
+    """The addresses ``[first byte, past the last byte)`` a tensor's elements span."""
+    start = tensor.data_ptr()
+    if not tensor.nelement():
+        return start, start
+    last = start + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True)) * (
+        tensor.element_size()
+    )
+    return start, last + tensor.element_size()
+
+
+def _shared_groups(state: Mapping[str, Any]) -> list[list[str]]:
+    """Names whose tensors overlap in memory, in sorted groups of two or more."""
+    by_storage: dict[tuple[Any, int], list[tuple[int, int, str]]] = {}
+    for name, tensor in state.items():
+        if tensor.is_meta:
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() == 0 or storage.nbytes() == 0:
+            continue
+        by_storage.setdefault((tensor.device, storage.data_ptr()), []).append(
+            (*_extent(tensor), name)
+        )
+    groups = []
+    for areas in by_storage.values():
+        areas.sort()
+        group, end = [areas[0][2]], areas[0][1]
+        for start, stop, name in areas[1:]:
+            if start < end:
+                group.append(name)
+            else:
+                groups.append(group)
+                group = [name]
+            end = max(end, stop)
+        groups.append(group)
+    return sorted(sorted(g) for g in groups if len(g) > 1)
+
+
+def _complete(tensor: Any) -> bool:
+    """Whether ``tensor`` covers its whole storage (it can stand for every view of it)."""
+    storage = tensor.untyped_storage()
+    return bool(
+        tensor.data_ptr() == storage.data_ptr()
+        and tensor.nelement() * tensor.element_size() == storage.nbytes()
+    )
+
+
+def _duplicates(
+    state: Mapping[str, Any], preferred: set[str] | None = None
+) -> dict[str, list[str]]:
+    """For each group of names sharing memory: the one to keep (a complete tensor; among those a
+    ``preferred`` name first, then the first in sorted order) and the names it stands for."""
+    kept: dict[str, list[str]] = {}
+    for group in _shared_groups(state):
+        complete = sorted(name for name in group if _complete(state[name]))
+        if not complete:
+            raise UsageError(
+                f"tensors {group} share memory but none of them covers all of it: save .clone()s"
+            )
+        keep = next((name for name in complete if name in (preferred or ())), complete[0])
+        kept[keep] = [name for name in group if name != keep]
+    return kept
+
+
+def save_model(
+    model: torch.nn.Module,
+    filename: SinkLike,
+    metadata: dict[str, str] | None = None,
+    force_contiguous: bool = True,
+    **options: Unpack[TransportOptions],
+) -> None:
+    """Write ``model``'s state dict to ``filename``, each group of tensors that share memory
+    (tied weights) written once, as the reference does: the dropped names go into the metadata
+    as ``{dropped: kept}`` unless it already has them. ``force_contiguous`` is accepted as the
+    reference spells it: tensors are always written contiguous."""
+    del force_contiguous
+    state = dict(model.state_dict())
+    extra = dict(metadata or {})
+    for keep, dropped in _duplicates(state).items():
+        for name in dropped:
+            extra.setdefault(name, keep)
+            del state[name]
+    _facade.save_file(state, filename, extra or metadata, **options)
+
+
+def load_model(
+    model: torch.nn.Module,
+    filename: SourceLike,
+    strict: bool = True,
+    device: str | int = "cpu",
+    *,
+    backend: str = "mmap",
+    **options: Unpack[TransportOptions],
+) -> tuple[set[str], list[str]]:
+    """Load ``filename`` (a file, URL or index) into ``model``; ``(missing, unexpected)`` names.
+
+    Each tensor whose dtype and shape match the model's, on the CPU and contiguous, is received
+    straight into the model's own memory: no second copy of the model exists at any time. The
+    others are read fresh and go through ``model.load_state_dict`` as in the reference. Tensors
+    the model shares (tied weights) count as loaded when one of them is in the file. With
+    ``strict``, missing or unexpected names raise :class:`~stream_st.UsageError` (a
+    ``RuntimeError``, as the reference raises) after loading.
+    """
+    _facade.check_backend(backend)
+    check_device(device)
+    check_sync_address(filename, "source")
+    state = model.state_dict()
+    into = {
+        name: tensor
+        for name, tensor in state.items()
+        if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
+    }
+    placed, fresh = run(_receive, filename, into, clock_of(options))
+    missing_list, unexpected = model.load_state_dict(fresh, strict=False)
+    missing = set(missing_list).difference(placed)
+    for dropped in _duplicates(state, placed | fresh.keys()).values():
+        for name in dropped:  # stood for by the name kept: not missing; in the file, unexpected
+            if name in missing:
+                missing.remove(name)
+            else:
+                unexpected.append(name)
+    if strict and (missing or unexpected):
+        raise UsageError(
+            f"Error(s) in loading state_dict for {type(model).__name__}: "
+            f"missing key(s): {sorted(missing)}; unexpected key(s): {sorted(unexpected)}"
+        )
+    return missing, unexpected
+
+
+async def _receive(
+    src: SourceLike, into: dict[str, Any], clock: Clock
+) -> tuple[set[str], dict[str, Any]]:
+    """Read every tensor of ``src``: those ``into`` can take land there, the others come back."""
+    placed: set[str] = set()
+    fresh: dict[str, Any] = {}
+    stream = stream_for(
+        os.fspath(src) if isinstance(src, os.PathLike) else src,
+        clock=clock,
+        delivery=Delivery("pt", into, exact=False),
+    )
+    async for name, tensor in stream:
+        if tensor is into.get(name):
+            placed.add(name)
+        else:
+            fresh[name] = tensor
+    return placed, fresh
