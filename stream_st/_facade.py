@@ -304,7 +304,9 @@ class Slice:
         rows, first = self._rows(keys[0] if keys else ...)
         owner = self._owner
         array = owner._bridge.call(owner._checkpoint.read, self._info.name, rows)
-        picked = np.ascontiguousarray(array[(first, *keys[1:])])
+        picked = array[(first, *keys[1:])]
+        if not picked.flags.c_contiguous:
+            picked = picked.copy()
         return owner._out(picked, self._info.dtype)
 
     def _rows(self, key: Key) -> tuple[Rows, Key]:

@@ -47,7 +47,7 @@ __all__ = [
     "save_model",
 ]
 
-load_torch()  # a clear error at import when torch is missing
+_torch = load_torch()  # a clear error at import when torch is missing
 
 
 def safe_open(
@@ -147,8 +147,8 @@ def _shared_groups(state: Mapping[str, Any]) -> list[list[str]]:
     """Names whose tensors overlap in memory, in sorted groups of two or more."""
     by_storage: dict[tuple[Any, int], list[tuple[int, int, str]]] = {}
     for name, tensor in state.items():
-        if tensor.is_meta:
-            continue
+        if tensor.is_meta or tensor.layout != _torch.strided:
+            continue  # no memory of its own to share; the writer refuses a sparse one
         storage = tensor.untyped_storage()
         if storage.data_ptr() == 0 or storage.nbytes() == 0:
             continue

@@ -1,0 +1,476 @@
+"""stream_st.torch against the reference safetensors.torch: the same calls, the same results, on
+local files and over HTTP, S3 (moto) and tcp://; reading into memory the caller owns; the sync
+calls inside running event loops."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.torch as reference
+import torch
+import trio
+from safetensors import safe_open as reference_open
+
+import stream_st
+import stream_st.torch as st
+from stream_st.errors import (
+    DtypeError,
+    SafetensorsError,
+    TensorNotFoundError,
+    TruncatedStreamError,
+    UsageError,
+)
+
+from .fault_suite import Collector, Sender
+from .http_server import RangeHTTPServer
+from .s3_server import CREDENTIALS, MotoS3Server
+from .test_writer import assert_same_file
+
+Tensors = dict[str, torch.Tensor]
+
+
+def every_dtype() -> Tensors:
+    """One tensor of each dtype torch shares with safetensors (F4 aside: the reference cannot
+    read it), shapes that include a scalar and an empty tensor."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 5, generator=g)
+    tensors = {
+        "f64": base.double(),
+        "f32": base,
+        "f16": base.half(),
+        "bf16": base.bfloat16(),
+        "i64": (base * 100).long(),
+        "i32": (base * 100).int(),
+        "i16": (base * 100).short(),
+        "i8": (base * 10).to(torch.int8),
+        "u8": (base.abs() * 10).to(torch.uint8),
+        "u16": (base.abs() * 100).to(torch.uint16),
+        "u32": (base.abs() * 100).to(torch.uint32),
+        "u64": (base.abs() * 100).to(torch.uint64),
+        "bool": base > 0,
+        "f8_e4m3": base.to(torch.float8_e4m3fn),
+        "f8_e5m2": base.to(torch.float8_e5m2),
+        "f8_e4m3fnuz": base.to(torch.float8_e4m3fnuz),
+        "f8_e5m2fnuz": base.to(torch.float8_e5m2fnuz),
+        "c64": torch.complex(base, -base),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+    }
+    return tensors
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes (NaN-safe, and for dtypes without comparisons)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    as_bytes = [t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
+    return torch.equal(*as_bytes)
+
+
+def assert_same(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert list(got) == list(expected) or sorted(got) == sorted(expected)
+    for name in expected:
+        assert same(got[name], expected[name]), name
+
+
+@pytest.fixture
+def ref_file(tmp_path: Path) -> Path:
+    path = tmp_path / "ref.safetensors"
+    reference.save_file(every_dtype(), path, metadata={"format": "pt"})
+    return path
+
+
+# ---------------------------------------------------------------------- local, differential
+
+
+def test_save_is_byte_identical_to_the_reference(tmp_path: Path) -> None:
+    tensors = every_dtype()
+    st.save_file(tensors, tmp_path / "ours.safetensors", metadata={"a": "b"})
+    reference.save_file(tensors, tmp_path / "ref.safetensors", metadata={"a": "b"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == (
+        tmp_path / "ref.safetensors"
+    ).read_bytes()
+    assert st.save(tensors) == reference.save(tensors)
+
+
+def test_load_file_and_load_match_the_reference(ref_file: Path) -> None:
+    expected = reference.load_file(ref_file)
+    assert_same(st.load_file(ref_file), expected)
+    assert_same(st.load_file(str(ref_file), device="cpu"), expected)
+    assert_same(st.load(ref_file.read_bytes()), reference.load(ref_file.read_bytes()))
+    assert all(
+        t.is_contiguous() and t.device.type == "cpu" for t in st.load_file(ref_file).values()
+    )
+
+
+def test_safe_open_matches_the_reference(ref_file: Path) -> None:
+    with reference_open(ref_file, framework="pt") as ref, st.safe_open(ref_file, "pt") as ours:
+        assert ours.keys() == ref.keys()
+        assert ours.offset_keys() == ref.offset_keys()
+        assert ours.metadata() == ref.metadata()
+        names = ref.keys()
+        for name in names:
+            assert same(ours.get_tensor(name), ref.get_tensor(name)), name
+        assert_same(ours.get_tensors(), ref.get_tensors())
+        with pytest.raises(TensorNotFoundError):
+            ours.get_tensor("nope")
+
+
+SLICES: list[Any] = [
+    np.s_[2:5],
+    np.s_[1],
+    np.s_[-1],
+    np.s_[...],
+    np.s_[:, 1],
+    np.s_[1:4, ::2],
+    np.s_[::2],
+    np.s_[4:1],
+    np.s_[..., 2],
+    np.s_[1:100],
+    np.s_[-3:],
+]
+
+
+def test_get_slice_matches_the_reference(ref_file: Path) -> None:
+    with reference_open(ref_file, framework="pt") as ref, st.safe_open(ref_file, "pt") as ours:
+        for name in ("f32", "bf16", "i64", "bool", "f8_e4m3"):
+            assert ours.get_slice(name).get_shape() == ref.get_slice(name).get_shape()
+            assert ours.get_slice(name).get_dtype() == ref.get_slice(name).get_dtype()
+            for key in SLICES:
+                assert same(ours.get_slice(name)[key], ref.get_slice(name)[key]), (name, key)
+        with pytest.raises(IndexError):
+            ours.get_slice("f32")[6]
+        assert same(ours.get_slice("scalar")[...], ref.get_slice("scalar")[...])
+
+
+def test_write_accepts_grad_and_non_contiguous_tensors(tmp_path: Path) -> None:
+    weight = torch.randn(4, 6, requires_grad=True)
+    tensors = {
+        "grad": weight * 2,
+        "t": torch.randn(5, 3).T,
+        "bf16_t": torch.randn(3, 4).bfloat16().T,
+    }
+    st.save_file(tensors, tmp_path / "x.safetensors")
+    loaded = reference.load_file(tmp_path / "x.safetensors")
+    for name, tensor in tensors.items():
+        assert same(loaded[name], tensor.detach().contiguous()), name
+
+
+def test_bad_tensors_are_safetensors_errors(tmp_path: Path) -> None:
+    dst = tmp_path / "x.safetensors"
+    base = torch.randn(4, 4)
+    bad: list[Any] = [
+        {"sparse": base.to_sparse()},
+        {"c128": torch.zeros(2, dtype=torch.complex128)},
+        {"a": base, "b": base[1:]},  # shared memory
+        {"list": [1, 2]},
+        [base],
+    ]
+    for tensors in bad:
+        with pytest.raises(SafetensorsError):
+            st.save_file(tensors, dst)
+        assert not dst.exists()
+    with pytest.raises(DtypeError):  # also through the async writer
+        asyncio.run(stream_st.save(dst, {"c128": torch.zeros(2, dtype=torch.complex128)}))
+
+
+def test_truncated_file_never_gives_a_tensor(tmp_path: Path) -> None:
+    data = reference.save({"a": torch.randn(100), "b": torch.randn(100)})
+    (tmp_path / "cut.safetensors").write_bytes(data[:-10])
+    with pytest.raises(TruncatedStreamError):
+        st.load_file(tmp_path / "cut.safetensors")
+
+
+def test_device_other_than_cpu_is_refused_clearly(ref_file: Path) -> None:
+    for device in ("cuda", "cuda:0", 0, "mps"):
+        with pytest.raises(UsageError, match="not supported yet"):
+            st.load_file(ref_file, device=device)
+    with pytest.raises(UsageError):
+        st.safe_open(ref_file, framework="tf")
+    with pytest.raises(UsageError):
+        st.load_file(ref_file, backend="fast")
+
+
+# ---------------------------------------------------------------------- models
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.body(self.embed(ids)) * self.scale)
+        return out
+
+
+def test_save_model_and_load_model_match_the_reference(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Tied()
+    st.save_model(model, tmp_path / "ours.safetensors", metadata={"k": "v"})
+    reference.save_model(model, str(tmp_path / "ref.safetensors"), metadata={"k": "v"})
+    ours_bytes = (tmp_path / "ours.safetensors").read_bytes()
+    assert_same_file(ours_bytes, (tmp_path / "ref.safetensors").read_bytes())
+
+    ours, ref = Tied(), Tied()
+    expected: Any = reference.load_model(ref, tmp_path / "ref.safetensors")  # (set, list)
+    assert st.load_model(ours, tmp_path / "ref.safetensors") == expected
+    ids = torch.arange(10)
+    assert torch.equal(ours(ids), model(ids))
+    assert ours.head.weight is ours.embed.weight
+
+
+def test_load_model_receives_into_the_models_own_memory(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    source = Tied()
+    st.save_model(source, tmp_path / "m.safetensors")
+    target = Tied()
+    before = {name: t.data_ptr() for name, t in target.state_dict().items()}
+    assert st.load_model(target, tmp_path / "m.safetensors") == (set(), [])
+    after = target.state_dict()
+    assert {name: t.data_ptr() for name, t in after.items()} == before
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(after[name], tensor), name
+
+
+def test_load_model_missing_unexpected_and_mismatches_as_the_reference(tmp_path: Path) -> None:
+    torch.manual_seed(2)
+    state = dict(Tied().state_dict())
+    del state["head.weight"]
+    state["extra"] = torch.zeros(3)
+    state["body.bias"] = torch.zeros(8, dtype=torch.float64)  # another dtype: cast on load
+    del state["scale"]
+    reference.save_file(state, tmp_path / "m.safetensors")
+    ours, ref = Tied(), Tied()
+    got = st.load_model(ours, tmp_path / "m.safetensors", strict=False)
+    expected: Any = reference.load_model(ref, tmp_path / "m.safetensors", strict=False)
+    assert got == expected
+    assert torch.equal(ours.body.bias, ref.body.bias)
+    with pytest.raises(UsageError, match="scale") as raised:
+        st.load_model(Tied(), tmp_path / "m.safetensors")
+    assert isinstance(raised.value, RuntimeError)  # as the reference raises
+
+
+def test_transformers_sharded_bf16_checkpoint_loads_into_the_same_class(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    index = tmp_path / "model.safetensors.index.json"
+    assert len(set(json.loads(index.read_text())["weight_map"].values())) > 1
+
+    torch.manual_seed(4)
+    fresh = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    missing, unexpected = st.load_model(fresh, index, strict=False)
+    assert not unexpected
+    assert missing <= {"lm_head.weight"}  # tied or saved: either way it is loaded now
+    ids = torch.arange(12).reshape(1, 12)
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+    with st.safe_open(index, "pt") as f:
+        name = "model.layers.1.mlp.up_proj.weight"
+        assert same(f.get_tensor(name), model.state_dict()[name])
+        assert same(f.get_slice(name)[3:9], model.state_dict()[name][3:9])
+        assert sorted(f.keys()) == f.keys()
+
+
+# ---------------------------------------------------------------------- into= and framework=
+
+
+def test_open_stream_into_callers_memory(ref_file: Path) -> None:
+    expected = reference.load_file(ref_file)
+    f32 = torch.empty(6, 5)
+    bf16 = torch.empty(6, 5, dtype=torch.bfloat16)
+    raw = bytearray(6 * 5 * 8)
+    array = np.empty((6, 5), dtype=np.int32)
+
+    async def main() -> dict[str, Any]:
+        into = {"f32": f32, "bf16": bf16, "i64": raw, "i32": array}
+        stream = stream_st.open_stream(ref_file, framework="pt", into=into)
+        return {name: tensor async for name, tensor in stream}
+
+    got = asyncio.run(main())
+    assert got["f32"] is f32 and got["bf16"] is bf16
+    assert same(f32, expected["f32"]) and same(bf16, expected["bf16"])
+    assert torch.equal(torch.frombuffer(raw, dtype=torch.int64).reshape(6, 5), expected["i64"])
+    assert np.array_equal(array, expected["i32"].numpy())
+    assert_same(got, expected)
+
+
+@pytest.mark.parametrize(
+    "into",
+    [
+        {"f32": torch.empty(5, 6)},
+        {"f32": torch.empty(6, 5, dtype=torch.float64)},
+        {"f32": bytearray(10)},
+        {"f32": bytes(120)},
+        {"f32": torch.empty(5, 6).T},
+    ],
+)
+def test_into_that_does_not_fit_is_refused(ref_file: Path, into: dict[str, Any]) -> None:
+    async def main() -> None:
+        async for _ in stream_st.open_stream(ref_file, into=into):
+            pass
+
+    with pytest.raises(UsageError, match="into="):
+        asyncio.run(main())
+
+
+def test_into_a_name_the_file_lacks_is_refused(ref_file: Path) -> None:
+    async def main() -> None:
+        async for _ in stream_st.open_stream(ref_file, into={"nope": bytearray(4)}):
+            pass
+
+    with pytest.raises(TensorNotFoundError):
+        asyncio.run(main())
+
+
+# ---------------------------------------------------------------------- sync from anywhere
+
+
+def test_sync_api_inside_asyncio_run_and_trio(ref_file: Path) -> None:
+    expected = reference.load_file(ref_file)
+
+    async def notebook_cell() -> Tensors:
+        loaded = st.load_file(ref_file)
+        with st.safe_open(ref_file, "pt") as f:
+            assert same(f.get_tensor("bf16"), expected["bf16"])
+        st.save_file(loaded, ref_file.with_name("again.safetensors"), {"format": "pt"})
+        return loaded
+
+    assert_same(asyncio.run(notebook_cell()), expected)
+    assert_same(trio.run(notebook_cell), expected)
+    assert ref_file.with_name("again.safetensors").read_bytes() == ref_file.read_bytes()
+
+
+def test_sync_api_from_threads(ref_file: Path) -> None:
+    expected = reference.load_file(ref_file)
+    results: list[Tensors] = []
+    with st.safe_open(ref_file, "pt") as shared:
+
+        def work() -> None:
+            results.append(st.load_file(ref_file))
+            results.append({"bf16": shared.get_tensor("bf16")})
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(results) == 8
+    for result in results:
+        assert_same(result, {name: expected[name] for name in result})
+
+
+def test_a_sync_call_after_close_is_a_usage_error(ref_file: Path) -> None:
+    f = st.safe_open(ref_file, "pt")
+    f.close()
+    with pytest.raises(UsageError):
+        f.get_tensor("f32")
+
+
+# ---------------------------------------------------------------------- remote sources
+
+
+@pytest.fixture
+def http() -> Iterator[RangeHTTPServer]:
+    with RangeHTTPServer() as server:
+        yield server
+
+
+@pytest.fixture
+def aws(moto_s3: MotoS3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> MotoS3Server:
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint_url)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    moto_s3.client().create_bucket(Bucket="torch-api")
+    return moto_s3
+
+
+def check_remote(address: str, ref_file: Path) -> None:
+    """Every reading call on ``address`` gives what the reference gives on the local file."""
+    expected = reference.load_file(ref_file)
+    assert_same(st.load_file(address), expected)
+    with reference_open(ref_file, framework="pt") as ref, st.safe_open(address, "pt") as ours:
+        assert ours.keys() == ref.keys() and ours.metadata() == ref.metadata()
+        assert ours.offset_keys() == ref.offset_keys()
+        assert same(ours.get_tensor("bf16"), ref.get_tensor("bf16"))
+        for key in SLICES[:6]:
+            assert same(ours.get_slice("f32")[key], ref.get_slice("f32")[key]), key
+    model = Tied()
+    st.save_model(model, ref_file.with_name("model.safetensors"))
+    loaded = Tied()
+    destination = address.replace(ref_file.name, "model.safetensors")
+    st.save_model(model, destination)
+    assert st.load_model(loaded, destination) == (set(), [])
+    assert torch.equal(loaded.body.weight, model.body.weight)
+
+
+def test_http(http: RangeHTTPServer, ref_file: Path) -> None:
+    http.objects["/ref.safetensors"] = ref_file.read_bytes()
+    check_remote(http.url("/ref.safetensors"), ref_file)
+    st.save_file(every_dtype(), http.url("/up.safetensors"))
+    assert http.objects["/up.safetensors"] == reference.save(every_dtype())
+
+
+def test_s3(aws: MotoS3Server, ref_file: Path) -> None:
+    st.save_file(reference.load_file(ref_file), "s3://torch-api/ref.safetensors", {"format": "pt"})
+    check_remote("s3://torch-api/ref.safetensors", ref_file)
+
+
+def test_tcp(ref_file: Path) -> None:
+    sender = Sender(ref_file.read_bytes())
+    try:
+        expected = reference.load_file(ref_file)
+        address = f"tcp://127.0.0.1:{sender.port}"
+        assert_same(st.load_file(address), expected)
+        with st.safe_open(address, "pt") as f:  # read whole at open: a connection cannot jump
+            assert f.keys() == sorted(expected)
+            assert same(f.get_slice("bf16")[1:3], expected["bf16"][1:3])
+    finally:
+        sender.stop()
+    collector = Collector()
+    try:
+        st.save_file(expected, f"tcp://127.0.0.1:{collector.port}", {"format": "pt"})
+    finally:
+        collector.stop()
+    assert collector.received == [ref_file.read_bytes()]
+
+
+def test_get_slice_of_a_remote_tensor_reads_only_its_rows(http: RangeHTTPServer) -> None:
+    big = torch.randn(1024, 256)  # 1 MiB
+    data = reference.save({"big": big, "other": torch.randn(64, 64)})
+    http.objects["/big.safetensors"] = data
+    with st.safe_open(http.url("/big.safetensors"), "pt") as f:
+        http.settle()
+        opened = sum(sent for *_, sent in http.requests)
+        part = f.get_slice("big")[128:256]
+    http.settle()
+    assert torch.equal(part, big[128:256])
+    read = sum(sent for *_, sent in http.requests) - opened
+    assert read == big[128:256].nbytes
+    assert opened <= 64 << 10
