@@ -19,11 +19,16 @@ from safetensors import safe_open as reference_open
 import stream_st.numpy as sn
 from stream_st.errors import SafetensorsError, TensorNotFoundError, UsageError
 
+from . import test_s3 as s3_tests
+from . import test_torch_api
 from .fault_suite import Collector, Sender
 from .http_server import RangeHTTPServer
-from .s3_server import CREDENTIALS, MotoS3Server
 
 Arrays = dict[str, np.ndarray[Any, Any]]
+
+s3 = s3_tests.s3
+aws_env = s3_tests.aws_env
+aws = test_torch_api.aws
 
 
 def arrays() -> Arrays:
@@ -155,19 +160,11 @@ def test_http(http: RangeHTTPServer, ref_file: Path) -> None:
     assert http.objects["/up.safetensors"] == reference.save(arrays())
 
 
-def test_s3(
-    moto_s3: MotoS3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ref_file: Path
-) -> None:
-    for name, value in CREDENTIALS.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint_url)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("HOME", str(tmp_path))
-    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_REGION"):
-        monkeypatch.delenv(name, raising=False)
-    moto_s3.client().create_bucket(Bucket="numpy-api")
-    sn.save_file(arrays(), "s3://numpy-api/ref.safetensors", metadata={"format": "np"})
-    check_remote("s3://numpy-api/ref.safetensors", ref_file)
+@pytest.mark.usefixtures("aws")
+def test_s3(ref_file: Path) -> None:
+    address = "s3://models/numpy-api/ref.safetensors"
+    sn.save_file(arrays(), address, metadata={"format": "np"})
+    check_remote(address, ref_file)
 
 
 def test_tcp(ref_file: Path) -> None:

@@ -28,9 +28,9 @@ from stream_st.errors import (
     UsageError,
 )
 
+from . import test_s3 as s3_tests
 from .fault_suite import Collector, Sender
 from .http_server import RangeHTTPServer
-from .s3_server import CREDENTIALS, MotoS3Server
 from .test_writer import assert_same_file
 
 Tensors = dict[str, torch.Tensor]
@@ -398,17 +398,16 @@ def http() -> Iterator[RangeHTTPServer]:
         yield server
 
 
+s3 = s3_tests.s3
+aws_env = s3_tests.aws_env
+
+
 @pytest.fixture
-def aws(moto_s3: MotoS3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> MotoS3Server:
-    for name, value in CREDENTIALS.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint_url)
+def aws(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The moto server of ``tests/test_s3.py`` (its bucket ``models``), credentials from the
+    environment, no instance metadata."""
+    request.getfixturevalue("aws_env")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("HOME", str(tmp_path))
-    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_REGION"):
-        monkeypatch.delenv(name, raising=False)
-    moto_s3.client().create_bucket(Bucket="torch-api")
-    return moto_s3
 
 
 def check_remote(address: str, ref_file: Path) -> None:
@@ -437,9 +436,11 @@ def test_http(http: RangeHTTPServer, ref_file: Path) -> None:
     assert http.objects["/up.safetensors"] == reference.save(every_dtype())
 
 
-def test_s3(aws: MotoS3Server, ref_file: Path) -> None:
-    st.save_file(reference.load_file(ref_file), "s3://torch-api/ref.safetensors", {"format": "pt"})
-    check_remote("s3://torch-api/ref.safetensors", ref_file)
+@pytest.mark.usefixtures("aws")
+def test_s3(ref_file: Path) -> None:
+    address = "s3://models/torch-api/ref.safetensors"
+    st.save_file(reference.load_file(ref_file), address, {"format": "pt"})
+    check_remote(address, ref_file)
 
 
 def test_tcp(ref_file: Path) -> None:
