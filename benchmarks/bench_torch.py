@@ -122,8 +122,10 @@ def compare(label: str, src: str, layers: int, repeat: int, largest_mib: float) 
     checksums = {r["checksum"] for rs in runs.values() for r in rs}
     assert len(checksums) == 1, f"variants loaded different weights: {checksums}"
     ours = [r["seconds"] for r in runs["ours"]]
-    print(f"\n{label}  (median of {repeat}; target: ours >= 1.5x faster locally, peak <= "
-          f"{largest_mib + 64:.0f} MiB)")
+    print(
+        f"\n{label}  (median of {repeat}; target: ours >= 1.5x faster locally, peak <= "
+        f"{largest_mib + 64:.0f} MiB)"
+    )
     print(f"{'variant':<10} {'time s':>8} {'x ours':>7} {'peak MiB above model':>21}")
     for variant in VARIANTS:
         times = [r["seconds"] for r in runs[variant]]
@@ -148,8 +150,10 @@ def slice_transfer(path: Path) -> None:
             server.settle()
             sent = sum(sent for *_, sent in server.requests) - opened
     eighth = WIDTH * WIDTH * 4 // 8
-    print(f"\nget_slice of 1/8 of a remote {WIDTH}x{WIDTH} F32 tensor: opening sent {opened} B, "
-          f"the slice {sent} B (1/8 of the tensor = {eighth} B; target <= {eighth + 65536} B)")
+    print(
+        f"\nget_slice of 1/8 of a remote {WIDTH}x{WIDTH} F32 tensor: opening sent {opened} B, "
+        f"the slice {sent} B (1/8 of the tensor = {eighth} B; target <= {eighth + 65536} B)"
+    )
 
 
 def main() -> None:
@@ -167,8 +171,10 @@ def main() -> None:
 
     layers = max(1, args.size_mb // 16)
     largest = WIDTH * WIDTH * 4 / 2**20
-    print(f"model: {layers} x Linear({WIDTH}, {WIDTH}) F32, {layers * (largest + 0.008):.0f} MiB; "
-          f"load avg {os.getloadavg()[0]:.2f} (2 cores, shared with other work)")
+    print(
+        f"model: {layers} x Linear({WIDTH}, {WIDTH}) F32, {layers * (largest + 0.008):.0f} MiB; "
+        f"load avg {os.getloadavg()[0]:.2f} (2 cores, shared with other work)"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.safetensors"
         safetensors.torch.save_model(build(layers), str(path))
