@@ -29,6 +29,7 @@ from .header import (
     parse_header,
     parse_header_length,
 )
+from .integrity import Digests, read_hashing
 from .sources import Source, SourceLike, open_source
 
 __all__ = ["Include", "TensorStream", "open_stream", "read_header"]
@@ -81,19 +82,28 @@ def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-async def _read_tensor(source: Source, info: TensorInfo, base: int) -> np.ndarray[Any, Any]:
-    """Read one tensor straight into a fresh array; never return a partly filled one."""
+async def _read_tensor(
+    source: Source, info: TensorInfo, base: int, digests: Digests | None = None
+) -> np.ndarray[Any, Any]:
+    """Read one tensor straight into a fresh array; never return a partly filled one, nor one
+    that does not match its digest in ``digests``."""
     start = base + info.start
+    hasher = None if digests is None else digests.hasher()
+    read = (
+        source.read_into_at
+        if hasher is None
+        else functools.partial(read_hashing, source, hashers=(hasher,))
+    )
     if source.size is None and info.nbytes > PROVE_ABOVE:
         proof = bytearray(PROOF_SIZE)
-        got = await source.read_into_at(start, memoryview(proof))
+        got = await read(start, memoryview(proof))
         if got == PROOF_SIZE:
             array, view = _allocate(info)
             view[:PROOF_SIZE] = proof
-            got += await source.fill(view[PROOF_SIZE:])
+            got += await read(source.position, view[PROOF_SIZE:])
     else:
         array, view = _allocate(info)
-        got = await source.read_into_at(start, view) if info.nbytes else 0
+        got = await read(start, view) if info.nbytes else 0
     if got < info.nbytes:
         raise TruncatedStreamError(
             f"tensor {info.name!r}",
@@ -102,6 +112,8 @@ async def _read_tensor(source: Source, info: TensorInfo, base: int) -> np.ndarra
             expected=base + info.end,
             source=source.name,
         )
+    if digests is not None and hasher is not None:
+        digests.check(info.name, hasher, source.name)
     return array
 
 
@@ -151,7 +163,7 @@ class TensorStream(AsyncClosing):
     then ``async for name, array in stream``; or iterate it directly, which opens and closes it.
     Arrays are fresh, writable, native-endian and handed over to the caller: the stream keeps no
     reference to them. ``clock`` holds the time limits of the read (see :func:`open_stream`);
-    it starts when the stream opens.
+    it starts when the stream opens. ``verify`` checks the header's digests, if it has any.
     """
 
     def __init__(
@@ -160,11 +172,13 @@ class TensorStream(AsyncClosing):
         *,
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+        verify: bool = True,
         clock: Clock | None = None,
     ) -> None:
         self._source_like = source
         self._include = include
         self._max_header_size = max_header_size
+        self._verify = verify
         self._clock = clock or Clock()
         self._source: Source | None = None
         self._header: Header | None = None
@@ -288,10 +302,11 @@ class TensorStream(AsyncClosing):
         source = self.source
         base = header.data_start
         wanted = [info for info in header.tensors if selected(info.name)]
+        digests = Digests.from_header(header) if self._verify else None
         await source.plan_reads(merge_ranges((base + t.start, base + t.end) for t in wanted))
         for info in wanted:
             source.clock.check(source.name, source.position)
-            array = await _read_tensor(source, info, base)
+            array = await _read_tensor(source, info, base, digests)
             if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
                 array.byteswap(inplace=True)
             yield info.name, array
@@ -325,6 +340,7 @@ def open_stream(
     *,
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    verify: bool = True,
     **options: Unpack[TransportOptions],
 ) -> TensorStream:
     """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
@@ -349,12 +365,21 @@ def open_stream(
     An address ending in ``.index.json`` (a sharded checkpoint's index) gives a
     :class:`~stream_st.sharded.ShardedStream` over every shard.
 
+    ``verify`` (default True): a header that records digests (see :mod:`stream_st.integrity`)
+    has each tensor checked, while its bytes arrive, before it is yielded; a mismatch raises
+    :class:`~stream_st.IntegrityError` naming the tensor, and neither it nor any later tensor
+    is yielded. ``verify=False`` skips the check.
+
     The header is read and validated in full before the first tensor. Errors are
     :class:`~stream_st.SafetensorsError` subclasses: a tensor the source ends inside is never
     yielded (:class:`~stream_st.TruncatedStreamError`).
     """
     return stream_for(
-        source, include=include, max_header_size=max_header_size, clock=clock_of(options)
+        source,
+        include=include,
+        max_header_size=max_header_size,
+        verify=verify,
+        clock=clock_of(options),
     )
 
 
@@ -363,14 +388,19 @@ def stream_for(
     *,
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    verify: bool = True,
     clock: Clock,
 ) -> TensorStream:
     """:func:`open_stream` under ``clock``: reads that share one operation's limits."""
     from .sharded import ShardedStream, is_index  # sharded streams are built on this module
 
     if isinstance(source, str | os.PathLike) and is_index(source):
-        return ShardedStream(source, include=include, max_header_size=max_header_size, clock=clock)
-    return TensorStream(source, include=include, max_header_size=max_header_size, clock=clock)
+        return ShardedStream(
+            source, include=include, max_header_size=max_header_size, verify=verify, clock=clock
+        )
+    return TensorStream(
+        source, include=include, max_header_size=max_header_size, verify=verify, clock=clock
+    )
 
 
 async def read_header(

@@ -230,9 +230,12 @@ class ShardedStream(TensorStream):
         *,
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+        verify: bool = True,
         clock: Clock | None = None,
     ) -> None:
-        super().__init__(index, include=include, max_header_size=max_header_size, clock=clock)
+        super().__init__(
+            index, include=include, max_header_size=max_header_size, verify=verify, clock=clock
+        )
         self._address = os.fspath(index)
         self._index: ShardIndex | None = None
         self._current: TensorStream | None = None
@@ -284,6 +287,7 @@ class ShardedStream(TensorStream):
                 address,
                 include=selected,
                 max_header_size=self._max_header_size,
+                verify=self._verify,
                 clock=self._clock,
             )
             self._current = stream
