@@ -25,7 +25,7 @@ from stream_st.sinks.s3 import MIN_PART_SIZE, S3Sink
 from stream_st.sources.http import HttpSource
 from stream_st.sources.s3 import S3Source
 
-from .fault_proxy import Fault, FaultProxy
+from .fault_proxy import Fault, FaultKind, FaultProxy
 from .fault_suite import Sender
 from .http_server import RangeHTTPServer
 from .s3_server import CREDENTIALS, MotoS3Server
@@ -96,11 +96,14 @@ async def test_save_records_a_digest_per_tensor_the_reference_still_loads(
 async def test_each_algorithm_is_the_plain_digest_of_the_bytes(
     tmp_path: Path, algorithm: str
 ) -> None:
-    arrays = {"a": np.arange(1000, dtype="<u4"), "b": np.ones((3, 3), np.float64)}
+    arrays: Arrays = {"a": np.arange(1000, dtype="<u4"), "b": np.ones((3, 3), np.float64)}
     header = await stream_st.save(tmp_path / "m.safetensors", arrays, checksums=algorithm)
     assert header.metadata[ALGORITHM_KEY] == algorithm
     if algorithm == "sha256":
-        assert header.metadata[DIGEST_KEY_PREFIX + "a"] == hashlib.sha256(arrays["a"]).hexdigest()
+        assert (
+            header.metadata[DIGEST_KEY_PREFIX + "a"]
+            == hashlib.sha256(arrays["a"].tobytes()).hexdigest()
+        )
     assert same(await stream_st.load(tmp_path / "m.safetensors"), arrays)
 
 
@@ -163,7 +166,7 @@ def with_metadata(arrays: Arrays, metadata: dict[str, str]) -> bytes:
 
 
 async def test_a_damaged_digest_record_is_refused_before_any_tensor(tmp_path: Path) -> None:
-    arrays = {"a": np.zeros(4, np.float32), "b": np.ones(2, np.int8)}
+    arrays: Arrays = {"a": np.zeros(4, np.float32), "b": np.ones(2, np.int8)}
     good = Digests.compute(arrays).add_to(None, ["a", "b"])
     cases = {
         "has no digest": {k: v for k, v in good.items() if k != DIGEST_KEY_PREFIX + "b"},
@@ -203,8 +206,8 @@ async def test_sharded_index_verifies_each_shard(tmp_path: Path) -> None:
         await stream_st.save(
             tmp_path / f"m-{index}.safetensors", {name: arrays[name]}, checksums=True
         )
-    index = {"weight_map": {"embed": "m-0.safetensors", "w1": "m-1.safetensors"}}
-    (tmp_path / "m.safetensors.index.json").write_text(json.dumps(index))
+    weight_map = {"embed": "m-0.safetensors", "w1": "m-1.safetensors"}
+    (tmp_path / "m.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     got = await stream_st.load(tmp_path / "m.safetensors.index.json")
     assert same(got, {n: arrays[n] for n in ("embed", "w1")})
     shard = tmp_path / "m-1.safetensors"
@@ -231,7 +234,7 @@ async def test_parts_in_any_order_on_a_file_are_hashed_in_place_order(tmp_path: 
 
 
 async def test_a_front_to_back_sink_needs_digests_up_front() -> None:
-    arrays = {"a": np.arange(6, dtype=np.float32), "b": np.ones(3, np.uint8)}
+    arrays: Arrays = {"a": np.arange(6, dtype=np.float32), "b": np.ones(3, np.uint8)}
     plan = [TensorSpec(n, a.dtype, a.shape) for n, a in arrays.items()]
     with pytest.raises(stream_st.UsageError, match="give them up front"):
         async with stream_st.open_writer(_ByteSend(), plan, checksums=True):
@@ -308,7 +311,7 @@ def s3_config(port: int) -> S3Config:
 
 @pytest.mark.parametrize("size", [1000, 3 * MIN_PART_SIZE + 123], ids=["put", "multipart"])
 async def test_s3_holds_the_header_part_back_and_patches_it(s3: MotoS3Server, size: int) -> None:
-    arrays = {
+    arrays: Arrays = {
         "head": np.arange(10, dtype=np.float32),
         "blob": np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8),
     }
@@ -346,7 +349,7 @@ async def test_http_upload_with_checksums() -> None:
 
 # ---------------------------------------------------------------------- faults on the wire
 
-CORRUPTIONS = ("flip", "drop", "duplicate")
+CORRUPTIONS: tuple[FaultKind, ...] = ("flip", "drop", "duplicate")
 FAULT_CASES = 12  # per medium and kind
 
 
