@@ -137,6 +137,13 @@ async def hash_view(hasher: Hasher, view: memoryview) -> None:
         await anyio.to_thread.run_sync(_update_sliced, hasher, view)
 
 
+def digest_of(algorithm: str, view: memoryview) -> str:
+    """The hex digest of ``view`` by ``algorithm``, in one pass (slices of :data:`HASH_SLICE`)."""
+    hasher = algorithm_named(algorithm).new()
+    _update_sliced(hasher, view)
+    return hasher.digest().hex()
+
+
 def digest_key(name: str) -> str:
     """The ``__metadata__`` key of tensor ``name``'s digest."""
     return DIGEST_KEY_PREFIX + name
@@ -159,13 +166,11 @@ class Digests:
     def compute(cls, tensors: Mapping[str, Any], algorithm: str = DEFAULT_ALGORITHM) -> Digests:
         """The digests of ``{name: array}``, each over the array's bytes as a file holds them
         (little-endian). One pass over each array; run it in a worker thread for big ones."""
-        algo = algorithm_named(algorithm)
-        values = {}
-        for name, array in tensors.items():
-            hasher = algo.new()
-            _update_sliced(hasher, wire_bytes(_as_array(array, name)))
-            values[name] = hasher.digest().hex()
-        return cls(algo.name, values)
+        values = {
+            name: digest_of(algorithm, wire_bytes(_as_array(array, name)))
+            for name, array in tensors.items()
+        }
+        return cls(algorithm_named(algorithm).name, values)
 
     @classmethod
     def from_header(cls, header: Header) -> Digests | None:

@@ -402,3 +402,32 @@ async def test_corrupted_bytes_in_tensor_data_never_reach_the_caller(
                 assert outcome == "IntegrityError", f"{medium} {fault}"
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
     assert "IntegrityError" in outcomes
+
+
+async def test_sharded_and_dataset_writers_record_digests(tmp_path: Path) -> None:
+    arrays = tensors()
+    async with stream_st.open_sharded_writer(
+        tmp_path / "ckpt", max_shard_size=70_000, checksums=True
+    ) as writer:
+        for name, array in arrays.items():
+            await writer.write(name, array)
+    async with stream_st.open_dataset_writer(
+        tmp_path / "data", target_shard_size=70_000, checksums="sha256"
+    ) as dataset:
+        await dataset.write_batch({"x": arrays["embed"]}, samples=64)
+        await dataset.write_batch({"y": arrays["w1"]}, samples=128)
+    shards = sorted((tmp_path / "ckpt").glob("*.safetensors")) + sorted(
+        (tmp_path / "data").glob("*.safetensors")
+    )
+    assert len(shards) >= 4
+    for shard in shards:
+        header = await stream_st.read_header(shard)
+        digests = Digests.from_header(header)
+        assert digests is not None
+        assert digests.algorithm == ("sha256" if shard.parent.name == "data" else "xxh3-128")
+        assert digests == Digests.compute(reference_numpy.load_file(shard), digests.algorithm)
+    assert same(await stream_st.load(tmp_path / "ckpt" / "model.safetensors.index.json"), arrays)
+    victim = shards[0]
+    victim.write_bytes(flipped(victim.read_bytes(), victim.stat().st_size - 1))
+    with pytest.raises(IntegrityError):
+        await stream_st.load(tmp_path / "ckpt" / "model.safetensors.index.json")
