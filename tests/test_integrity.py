@@ -18,8 +18,9 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st import Digests, IntegrityError, SafetensorsError, TensorSpec
+from stream_st import Digests, IntegrityError, SafetensorsError, TensorSpec, tools
 from stream_st._s3 import S3Config
+from stream_st.cli import main
 from stream_st.integrity import ALGORITHM_KEY, DIGEST_KEY_PREFIX
 from stream_st.sinks.s3 import MIN_PART_SIZE, S3Sink
 from stream_st.sources.http import HttpSource
@@ -431,3 +432,52 @@ async def test_sharded_and_dataset_writers_record_digests(tmp_path: Path) -> Non
     victim.write_bytes(flipped(victim.read_bytes(), victim.stat().st_size - 1))
     with pytest.raises(IntegrityError):
         await stream_st.load(tmp_path / "ckpt" / "model.safetensors.index.json")
+
+
+# ---------------------------------------------------------------------- the command
+
+
+def test_cp_checksums_validate_and_hash_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    arrays = tensors()
+    plain, copy = tmp_path / "plain.safetensors", tmp_path / "copy.safetensors"
+    reference_numpy.save_file(arrays, str(plain))
+    assert main(["cp", "-q", "--checksums", str(plain), str(copy)]) == 0
+    header = anyio.run(stream_st.read_header, copy)
+    assert Digests.from_header(header) == Digests.compute(arrays)
+
+    capsys.readouterr()
+    assert main(["validate", "-q", str(copy)]) == 0
+    assert f"digests: xxh3-128: {len(arrays)} tensors verified" in capsys.readouterr().out
+    assert main(["validate", "-q", str(plain)]) == 0
+    assert "digests: none" in capsys.readouterr().out
+
+    assert main(["hash", "-q", "--file", str(copy)]) == 0
+    sha = hashlib.sha256(copy.read_bytes()).hexdigest()
+    assert f"file       {sha}  {copy}" in capsys.readouterr().out
+
+    data = copy.read_bytes()
+    copy.write_bytes(flipped(data, header.data_start + header["w1"].start))
+    assert main(["validate", "-q", str(copy)]) == 1
+    out = capsys.readouterr().out
+    assert "error: tensor 'w1'" in out and "digests: xxh3-128: FAILED" in out
+    # A copy of a file that fails its check leaves nothing at the destination.
+    assert main(["cp", "-q", str(copy), str(tmp_path / "again.safetensors")]) == 2
+    assert "does not match its xxh3-128 digest" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.safetensors", "plain.safetensors"]
+
+
+async def test_cp_keeps_the_source_digests_even_to_a_stream(tmp_path: Path) -> None:
+    arrays = tensors()
+    data = await saved(tmp_path, arrays)
+    sink = _ByteSend()
+    await tools.cp(data, sink, include=["w1", "big"])  # the digests go out with the header
+    got = await stream_st.read_header(sink.data)
+    assert Digests.from_header(got) == Digests.compute({n: arrays[n] for n in ("w1", "big")})
+    assert same(await stream_st.load(sink.data), {n: arrays[n] for n in ("w1", "big")})
+    with pytest.raises(stream_st.UsageError, match="give them up front"):
+        await tools.cp(data, _ByteSend(), dtype="f32")  # converted: they would need a patch
+    header = await tools.cp(data, tmp_path / "f32.safetensors", dtype="f32")
+    assert Digests.from_header(header) is not None
+    await stream_st.load(tmp_path / "f32.safetensors")
