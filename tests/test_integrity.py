@@ -19,7 +19,6 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import Digests, IntegrityError, SafetensorsError, TensorSpec, tools
-from stream_st._s3 import S3Config
 from stream_st.cli import main
 from stream_st.integrity import ALGORITHM_KEY, DIGEST_KEY_PREFIX
 from stream_st.sinks.s3 import MIN_PART_SIZE, S3Sink
@@ -27,24 +26,17 @@ from stream_st.sources.http import HttpSource
 from stream_st.sources.s3 import S3Source
 
 from .fault_proxy import Fault, FaultKind, FaultProxy
-from .fault_suite import Sender
+from .fault_suite import PAYLOAD, Sender, Suite
 from .http_server import RangeHTTPServer
-from .s3_server import CREDENTIALS, MotoS3Server
+from .s3_server import MotoS3Server
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 BUCKET = "integrity"
 
 
 def tensors() -> Arrays:
-    rng = np.random.default_rng(7)
-    return {
-        "embed": rng.standard_normal((64, 256)).astype(np.float32),
-        "w1": rng.standard_normal((128, 128)).astype(np.float16),
-        "b1": np.arange(100, dtype=np.int64),
-        "scalar": np.array(2.5),
-        "empty": np.zeros((0, 4), np.float16),
-        "big": rng.integers(0, 256, 150_000, dtype=np.uint8),
-    }
+    """The fault suite's payload: several dtypes, a scalar, an empty tensor, one of 150 kB."""
+    return dict(PAYLOAD)
 
 
 def same(got: Arrays, want: Arrays) -> bool:
@@ -300,14 +292,7 @@ def s3(moto_s3: MotoS3Server) -> MotoS3Server:
     return moto_s3
 
 
-def s3_config(port: int) -> S3Config:
-    return S3Config.resolve(
-        endpoint_url=f"http://127.0.0.1:{port}",
-        region=CREDENTIALS["AWS_DEFAULT_REGION"],
-        access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        environ={},
-    )
+s3_config = Suite.s3_config
 
 
 @pytest.mark.parametrize("size", [1000, 3 * MIN_PART_SIZE + 123], ids=["put", "multipart"])
