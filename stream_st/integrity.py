@@ -312,8 +312,12 @@ class OrderedHash:
         return feed
 
 
-READ_CHUNK = 16 << 20
-"""A verified tensor is read in chunks of this size, each hashed while the next one is read."""
+READ_CHUNK = 4 << 20
+"""A verified tensor is read in chunks of this size, each hashed while the next one is read.
+4 MiB measured best of 1, 2, 4 and 16 MiB and whole tensors (on a 2 GiB file of 32 MiB tensors,
+paired against an unverified read, on a loaded 2-core machine): such a read of a local file is
+tried on the event loop's thread from the page cache, and the chunk is still in the CPU's caches
+when it is hashed."""
 
 
 async def read_hashing(
