@@ -17,7 +17,13 @@ median of the repetitions for each file:
 * B: ``safetensors.numpy.load_file(path)`` (the reference, default mmap backend);
 * C: a hand-written synchronous loop: header by ``os.pread``, then per tensor a fresh ``np.empty``
   filled by ``os.preadv``: the raw-I/O bar;
-* D: ``open_stream`` fed by an async iterator yielding 1 MiB chunks of the file.
+* D: ``open_stream`` fed by an async iterator yielding 1 MiB chunks of the file;
+* E: ``open_stream`` of a copy of the file with per-tensor xxh3-128 digests (``checksums=True``),
+  every tensor verified while it is read;
+* F: the same with SHA-256 digests (``checksums="sha256"``).
+
+E and F read copies that differ from the file only in their header, written once beside it.
+Their cost is reported as the paired ratio (per round, E's time over A's, then the median).
 
 Every variant "touches" each array it gets the same way (sums byte 0 of every 4 KiB page), so each
 page the reference might leave unmapped is faulted in, and the per-page sums double as a check
@@ -259,6 +265,37 @@ async def variant_d(path: Path) -> Touches:
     return touches
 
 
+def checked_path(path: Path, algorithm: str) -> Path:
+    """Where the copy of ``path`` with ``algorithm`` digests lies."""
+    return path.with_name(f"{path.stem}.{algorithm}.safetensors")
+
+
+async def write_checked(path: Path, algorithm: str) -> None:
+    """Copy ``path`` with per-tensor digests, streamed (constant memory), unless already there."""
+    if checked_path(path, algorithm).exists():
+        return
+    header = await stream_st.read_header(path)
+    plan = [stream_st.TensorSpec(t.name, t.dtype, t.shape) for t in header.tensors]
+    async with stream_st.open_writer(
+        checked_path(path, algorithm), plan, checksums=algorithm
+    ) as writer:
+        async for name, array in stream_st.open_stream(path):
+            await writer.write(name, array)
+
+
+def verified(algorithm: str) -> Callable[[Path], Awaitable[Touches]]:
+    """E, F: open_stream over the copy with ``algorithm`` digests, each tensor verified."""
+
+    async def run(path: Path) -> Touches:
+        touches: Touches = {}
+        async for name, array in stream_st.open_stream(checked_path(path, algorithm)):
+            touches[name] = touch(array)
+            del array
+        return touches
+
+    return run
+
+
 @dataclass(frozen=True)
 class Variant:
     key: str
@@ -275,7 +312,10 @@ VARIANTS = (
     Variant("B", "safetensors.numpy.load_file", lambda p: _sync(variant_b, p)),
     Variant("C", "hand loop: np.empty + os.preadv", lambda p: _sync(variant_c, p)),
     Variant("D", "open_stream(async iter, 1 MiB chunks)", variant_d),
+    Variant("E", "open_stream(path), xxh3-128 verified", verified("xxh3-128")),
+    Variant("F", "open_stream(path), sha256 verified", verified("sha256")),
 )
+CHECKED = ("xxh3-128", "sha256")
 
 
 # --------------------------------------------------------------------------- measuring
@@ -329,6 +369,15 @@ def report(spec: BenchFile, path: Path, times: dict[str, list[float]]) -> None:
     print(_ratio_line(medians, "A", "B", 2.0))
     print(_ratio_line(medians, "A", "C", 0.9))
     print(_ratio_line(medians, "D", "C", 0.8))
+    print("  verifying, paired per round (time of the verified read / of A's, median):")
+    for key, target in (("E", 0.10), ("F", None)):
+        cost = statistics.median(t / a for t, a in zip(times[key], times["A"], strict=True)) - 1
+        verdict = (
+            ""
+            if target is None
+            else (f"   target <= {target:.0%}   {'PASS' if cost <= target else 'MISS'}")
+        )
+        print(f"  {key}: costs {cost:+6.1%} of A's time{verdict}")
 
 
 def describe_reference_arrays(path: Path) -> str:
@@ -460,6 +509,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         made = time.perf_counter()
         paths = {spec.label: ensure_file(directory, spec) for spec in (KV, BIG)}
+        for path in paths.values():
+            for algorithm in CHECKED:
+                anyio.run(write_checked, path, algorithm)
         print(f"files in {directory} ready in {time.perf_counter() - made:.1f} s")
         print(describe_reference_arrays(paths["kv"]))
         anyio.run(run_all, paths, args)

@@ -25,6 +25,7 @@ from .errors import (
     HTTPNotFoundError,
     HTTPProtocolError,
     HTTPStatusError,
+    IntegrityError,
     OutcomeUnknownError,
     ReadTimeoutError,
     SafetensorsError,
@@ -40,7 +41,8 @@ from .errors import (
     WriterError,
 )
 from .header import Header, TensorInfo, TensorSpec, build_header, parse_header, plan_order
-from .kv import IntegrityError, KVLayout, KVReceiver, receive_kv, send_kv
+from .integrity import Digests
+from .kv import KVLayout, KVReceiver, receive_kv, send_kv
 from .reader import TensorStream, open_stream, read_header
 from .shard_writer import DatasetWriter, ShardedWriter, open_dataset_writer, open_sharded_writer
 from .sharded import ShardedStream
@@ -65,6 +67,7 @@ __all__ = [
     "CredentialsError",
     "DType",
     "DatasetWriter",
+    "Digests",
     "DtypeError",
     "HTTPClient",
     "HTTPNotFoundError",

@@ -200,13 +200,17 @@ async def _hash(args: argparse.Namespace) -> int:
         [args.source] if args.content else [], _options(args), args.quiet
     )
     with _progress("hashing", total, count, args.quiet) as progress:
-        result = await tools.hash(args.source, content=args.content, progress=progress, **limits)
+        result = await tools.hash(
+            args.source, content=args.content, file=args.file, progress=progress, **limits
+        )
     if args.json:
         _print_json(result)
     else:
         print(f"structural {result['structural_hash']}  {args.source}")
         if "content_hash" in result:
             print(f"content    {result['content_hash']}  {args.source}")
+        if "file_sha256" in result:
+            print(f"file       {result['file_sha256']}  {args.source}")
     return EXIT_OK
 
 
@@ -286,6 +290,7 @@ async def _validate(args: argparse.Namespace) -> int:
             print(f"warning: {warning}")
         for error in result.errors:
             print(f"error: {error}")
+        print(f"digests: {result.digests}")
         print(
             f"{'valid' if result.ok else 'INVALID'}: {len(result.tensors)} tensors, "
             f"{len(result.errors)} errors, {len(result.warnings)} warnings"
@@ -302,6 +307,7 @@ async def _cp(args: argparse.Namespace) -> int:
             include=args.include or None,
             dtype=args.dtype,
             quantize=args.quantize,
+            checksums=True if args.checksums else None,
             progress=progress,
             **limits,
         )
@@ -399,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     hashing = command("hash", "structural hash of the header; --content hashes the data", _hash)
     hashing.add_argument("source")
     hashing.add_argument("--content", action="store_true", help="also hash the data, streamed")
+    hashing.add_argument(
+        "--file", action="store_true", help="also the sha256 of the file's bytes (as sha256sum)"
+    )
 
     differ = command("diff", "compare two files: tensors, metadata; --content the bytes", _diff)
     differ.add_argument("a")
@@ -426,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     copy.add_argument(
         "--quantize", choices=("int8",), help="per-tensor symmetric int8, scales as siblings"
+    )
+    copy.add_argument(
+        "--checksums", action="store_true", help="record each tensor's digest (xxh3-128)"
     )
 
     for sub in (hashing, differ, check):

@@ -7,13 +7,14 @@ from typing import Any, Unpack
 
 import numpy as np
 
-from ._limits import TransportOptions
+from ._limits import TransportOptions, clock_of
 from .errors import UsageError
 from .header import DEFAULT_MAX_HEADER_SIZE, Header, TensorSpec
+from .integrity import Digests
 from .reader import Include, open_stream
 from .sinks import SinkLike
 from .sources import SourceLike
-from .writer import Order, as_array, open_writer
+from .writer import Order, TensorWriter, as_array
 
 __all__ = ["load", "save"]
 
@@ -25,6 +26,7 @@ async def save(
     metadata: Mapping[str, str] | None = None,
     order: Order = "reference",
     fsync: bool = False,
+    checksums: bool | str | Digests = False,
     **options: Unpack[TransportOptions],
 ) -> Header:
     """Write ``{name: array}`` to ``dst`` and return the header written.
@@ -35,14 +37,27 @@ async def save(
     (packed F4/F6 tensors need :func:`~stream_st.open_writer` with an explicit plan). Arrays are
     written straight from their memory, one after another; nothing is committed unless all are.
     Time limits, ``headers`` and ``ssl_context`` as in :func:`~stream_st.open_writer`.
+
+    ``checksums=True`` (or an algorithm's name) records every tensor's digest in
+    ``__metadata__`` (see :func:`~stream_st.open_writer`); on a destination written front to
+    back (a socket, a pipe, an HTTP upload) they are computed from the arrays before the header
+    goes out.
     """
     if not isinstance(tensors, Mapping):
         raise UsageError(f"save takes a mapping of names to arrays, got {type(tensors).__name__}")
     arrays = {name: as_array(array, name) for name, array in tensors.items()}
     plan = [TensorSpec(name, array.dtype, array.shape) for name, array in arrays.items()]
-    async with open_writer(
-        dst, plan, metadata=metadata, order=order, fsync=fsync, **options
-    ) as writer:
+    writer = TensorWriter(
+        dst,
+        plan,
+        metadata=metadata,
+        order=order,
+        fsync=fsync,
+        checksums=checksums,
+        clock=clock_of(options),
+        digests_up_front=lambda algorithm: Digests.compute(arrays, algorithm),
+    )
+    async with writer:
         for info in writer.header.tensors:
             await writer.write(info.name, arrays[info.name])
     return writer.header
@@ -53,11 +68,16 @@ async def load(
     *,
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    verify: bool = True,
     **options: Unpack[TransportOptions],
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Read a whole safetensors message into ``{name: array}`` in offset order.
 
-    Takes every source :func:`~stream_st.open_stream` takes, and the same options.
+    Takes every source :func:`~stream_st.open_stream` takes, and the same options: digests
+    recorded in the header are checked (``verify=False`` skips that), and nothing is returned
+    unless every tensor passed.
     """
-    stream = open_stream(source, include=include, max_header_size=max_header_size, **options)
+    stream = open_stream(
+        source, include=include, max_header_size=max_header_size, verify=verify, **options
+    )
     return {name: array async for name, array in stream}

@@ -18,6 +18,8 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     ├── WriterError                   a writer used against its plan: unknown or repeated name,
     │                                 wrong dtype or shape, out of order on a stream, more or
     │                                 fewer bytes than planned, a tensor unwritten at close
+    ├── IntegrityError                bytes do not match their recorded digest (a tensor's, a
+    │                                 KV layer's, the whole object's): they are not delivered
     └── TransportError                the underlying I/O failed; carries the URL and position
         ├── SourceNotFoundError       the file or object does not exist (also FileNotFoundError)
         ├── HTTPStatusError           the server answered with an error status (``.status``)
@@ -46,6 +48,7 @@ __all__ = [
     "HTTPStatusError",
     "HeaderError",
     "HeaderTooLargeError",
+    "IntegrityError",
     "OutcomeUnknownError",
     "ReadTimeoutError",
     "SafetensorsError",
@@ -180,6 +183,23 @@ class WriterError(SafetensorsError, ValueError):
     def __init__(self, message: str, *, name: str | None = None) -> None:
         super().__init__(message)
         self.name = name
+
+
+class IntegrityError(SafetensorsError):
+    """Bytes do not match the digest recorded for them; they were not delivered, nor anything
+    after them.
+
+    ``name`` is the tensor concerned (``None`` for the whole object or the header's digest
+    record), ``source`` where it was read from, ``layer`` the layer of a KV transfer.
+    """
+
+    def __init__(
+        self, message: str, *, name: str | None = None, source: str = "", layer: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.name = name
+        self.source = source
+        self.layer = layer
 
 
 class OutcomeUnknownError(TransportError):

@@ -36,7 +36,7 @@ from ._util import task_group
 from .codecs import Codec, codec_from_metadata, get_codec
 from .connection import Connection
 from .dtypes import dtype_for, wire_bytes
-from .errors import HeaderError, SafetensorsError, UsageError
+from .errors import HeaderError, IntegrityError, UsageError
 from .header import Header, TensorSpec
 from .reader import TensorStream, open_stream
 from .sinks import SinkLike
@@ -55,14 +55,6 @@ __all__ = [
 
 Array = np.ndarray[Any, Any]
 DIGEST_SIZE = 32
-
-
-class IntegrityError(SafetensorsError):
-    """A layer's bytes do not match its digest: the layer was not delivered."""
-
-    def __init__(self, layer: int, source: str) -> None:
-        super().__init__(f"layer {layer} from {source} failed its SHA-256 check; not delivered")
-        self.layer = layer
 
 
 def key_name(layer: int) -> str:
@@ -418,7 +410,12 @@ class KVReceiver:
         if before is not None:
             await before.wait()  # in order: nothing is handed out past a layer that failed
         if self.layout.digest and await digest.digest() != bytes(parts[digest_name(layer)]):
-            raise IntegrityError(layer, self.source)
+            raise IntegrityError(
+                f"layer {layer} from {self.source} failed its SHA-256 check; not delivered",
+                name=digest_name(layer),
+                source=self.source,
+                layer=layer,
+            )
         dtype = self.layout.numpy_dtype
         key = self._codec.decode(key_name(layer), parts, dtype)
         value = self._codec.decode(value_name(layer), parts, dtype)

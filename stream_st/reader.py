@@ -30,6 +30,7 @@ from .header import (
     parse_header,
     parse_header_length,
 )
+from .integrity import Digests, read_hashing
 from .sources import Source, SourceLike, open_source
 
 __all__ = ["Include", "TensorStream", "open_stream", "read_header"]
@@ -87,23 +88,31 @@ async def _read_tensor(
     info: TensorInfo,
     base: int,
     target: tuple[np.ndarray[Any, Any], memoryview] | None = None,
+    digests: Digests | None = None,
 ) -> np.ndarray[Any, Any]:
     """Read one tensor straight into a fresh array, or into ``target`` (memory the caller owns:
-    an array and its byte view); never return a partly filled one."""
+    an array and its byte view); never return a partly filled one, nor one that does not match
+    its digest in ``digests``."""
     start = base + info.start
+    hasher = None if digests is None else digests.hasher()
+    read = (
+        source.read_into_at
+        if hasher is None
+        else functools.partial(read_hashing, source, hashers=(hasher,))
+    )
     if target is not None:
         array, view = target
-        got = await source.read_into_at(start, view) if info.nbytes else 0
+        got = await read(start, view) if info.nbytes else 0
     elif source.size is None and info.nbytes > PROVE_ABOVE:
         proof = bytearray(PROOF_SIZE)
-        got = await source.read_into_at(start, memoryview(proof))
+        got = await read(start, memoryview(proof))
         if got == PROOF_SIZE:
             array, view = _allocate(info)
             view[:PROOF_SIZE] = proof
-            got += await source.fill(view[PROOF_SIZE:])
+            got += await read(source.position, view[PROOF_SIZE:])
     else:
         array, view = _allocate(info)
-        got = await source.read_into_at(start, view) if info.nbytes else 0
+        got = await read(start, view) if info.nbytes else 0
     if got < info.nbytes:
         raise TruncatedStreamError(
             f"tensor {info.name!r}",
@@ -112,6 +121,8 @@ async def _read_tensor(
             expected=base + info.end,
             source=source.name,
         )
+    if digests is not None and hasher is not None:
+        digests.check(info.name, hasher, source.name)
     return array
 
 
@@ -163,6 +174,7 @@ class TensorStream(AsyncClosing):
     reference to them. ``clock`` holds the time limits of the read (see :func:`open_stream`);
     it starts when the stream opens. ``delivery`` says where tensors land and what they are
     handed out as (see ``framework=`` and ``into=`` of :func:`open_stream`).
+    ``verify`` checks the header's digests, if it has any.
     """
 
     def __init__(
@@ -171,6 +183,7 @@ class TensorStream(AsyncClosing):
         *,
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+        verify: bool = True,
         clock: Clock | None = None,
         delivery: Delivery | None = None,
     ) -> None:
@@ -178,6 +191,7 @@ class TensorStream(AsyncClosing):
         self._include = include
         self._delivery = delivery or Delivery()
         self._max_header_size = max_header_size
+        self._verify = verify
         self._clock = clock or Clock()
         self._source: Source | None = None
         self._header: Header | None = None
@@ -303,11 +317,12 @@ class TensorStream(AsyncClosing):
         delivery = self._delivery
         base = header.data_start
         wanted = [info for info in header.tensors if selected(info.name)]
+        digests = Digests.from_header(header) if self._verify else None
         await source.plan_reads(merge_ranges((base + t.start, base + t.end) for t in wanted))
         for info in wanted:
             source.clock.check(source.name, source.position)
             target = delivery.target(info)
-            array = await _read_tensor(source, info, base, target)
+            array = await _read_tensor(source, info, base, target, digests)
             if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
                 array.byteswap(inplace=True)
             yield info.name, delivery.deliver(info, array, target is not None)
@@ -343,6 +358,7 @@ def open_stream(
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
     framework: Framework | None = None,
     into: Mapping[str, Any] | None = None,
+    verify: bool = True,
     **options: Unpack[TransportOptions],
 ) -> TensorStream:
     """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
@@ -376,6 +392,11 @@ def open_stream(
     dtype, shape or size a :class:`~stream_st.UsageError`. If the read fails, that memory may
     hold part of the tensor.
 
+    ``verify`` (default True): a header that records digests (see :mod:`stream_st.integrity`)
+    has each tensor checked, while its bytes arrive, before it is yielded; a mismatch raises
+    :class:`~stream_st.IntegrityError` naming the tensor, and neither it nor any later tensor
+    is yielded. ``verify=False`` skips the check.
+
     The header is read and validated in full before the first tensor. Errors are
     :class:`~stream_st.SafetensorsError` subclasses: a tensor the source ends inside is never
     yielded (:class:`~stream_st.TruncatedStreamError`).
@@ -384,6 +405,7 @@ def open_stream(
         source,
         include=include,
         max_header_size=max_header_size,
+        verify=verify,
         clock=clock_of(options),
         delivery=Delivery(framework, into),
     )
@@ -394,6 +416,7 @@ def stream_for(
     *,
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    verify: bool = True,
     clock: Clock,
     delivery: Delivery | None = None,
 ) -> TensorStream:
@@ -402,10 +425,20 @@ def stream_for(
 
     if isinstance(source, str | os.PathLike) and is_index(source):
         return ShardedStream(
-            source, include=include, max_header_size=max_header_size, clock=clock, delivery=delivery
+            source,
+            include=include,
+            max_header_size=max_header_size,
+            verify=verify,
+            clock=clock,
+            delivery=delivery,
         )
     return TensorStream(
-        source, include=include, max_header_size=max_header_size, clock=clock, delivery=delivery
+        source,
+        include=include,
+        max_header_size=max_header_size,
+        verify=verify,
+        clock=clock,
+        delivery=delivery,
     )
 
 

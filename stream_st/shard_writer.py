@@ -39,6 +39,7 @@ from ._util import AsyncClosing
 from .dtypes import dtype_for, wire_bytes
 from .errors import SafetensorsError, TransportError, UsageError, WriterError
 from .header import TensorSpec, build_header
+from .integrity import Digests, digest_of, digests_for
 from .sharded import MANIFEST_NAME
 from .sinks.file import FileSink
 
@@ -91,7 +92,7 @@ async def _write_file(
 class _Shard:
     """One shard in the making: its plan, and its data spooled to a temporary file."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, algorithm: str | None) -> None:
         with _io("creating a spool file", directory):
             fd, name = tempfile.mkstemp(prefix=".shard-", suffix=".spool", dir=directory)
         self.directory = directory
@@ -101,11 +102,15 @@ class _Shard:
         self.names: set[str] = set()
         self.data_bytes = 0
         self.samples = 0
+        self.algorithm = algorithm
+        self.digests: dict[str, str] = {}
 
     def add(self, name: str, array: Array) -> None:
         view = wire_bytes(array)
         with _io(f"spooling tensor {name!r}", self.directory, self.data_bytes):
             self.file.write(view)
+        if self.algorithm is not None:  # hashed as it is spooled, while in the CPU's caches
+            self.digests[name] = digest_of(self.algorithm, view)
         self.specs.append(TensorSpec(name, dtype_for(array.dtype).code, array.shape))
         self.names.add(name)
         self.data_bytes += len(view)
@@ -116,6 +121,9 @@ class _Shard:
         try:
             with _io("spooling", self.directory, self.data_bytes):
                 self.file.close()  # the last buffered bytes go out: this may fail too
+            if self.algorithm is not None:
+                digests = Digests(self.algorithm, self.digests)
+                metadata = digests.add_to(metadata, [spec.name for spec in self.specs])
             prefix, header = build_header(self.specs, metadata)
             with _io("opening the spool", self.spool):
                 data = self.spool.open("rb")
@@ -136,9 +144,16 @@ class _RollingWriter(AsyncClosing):
     """Shards rolled over at ``target_size`` bytes of data; subclasses name them and write the
     index."""
 
-    def __init__(self, directory: str | os.PathLike[str], target_size: int) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        target_size: int,
+        checksums: bool | str = False,
+    ) -> None:
         if target_size < 1:
             raise UsageError("the target shard size must be positive")
+        digests = digests_for(checksums)
+        self._algorithm = None if digests is None else digests.algorithm
         self.directory = Path(directory)
         self.target_size = target_size
         self._current: _Shard | None = None
@@ -164,7 +179,7 @@ class _RollingWriter(AsyncClosing):
             if current is None:
                 with _io("creating the directory", self.directory):
                     self.directory.mkdir(parents=True, exist_ok=True)
-                current = self._current = _Shard(self.directory)
+                current = self._current = _Shard(self.directory, self._algorithm)
             for name, array in arrays.items():
                 await anyio.to_thread.run_sync(current.add, name, array)
                 self._written.add(name)
@@ -233,8 +248,9 @@ class ShardedWriter(_RollingWriter):
         max_shard_size: int,
         prefix: str = "model",
         metadata: Mapping[str, str] | None = None,
+        checksums: bool | str = False,
     ) -> None:
-        super().__init__(directory, max_shard_size)
+        super().__init__(directory, max_shard_size, checksums)
         self.prefix = prefix
         self.metadata = dict(metadata or {})
         self._tag = uuid.uuid4().hex[:8]
@@ -274,9 +290,14 @@ class DatasetWriter(_RollingWriter):
     """A safetensors-spark style dataset; see :func:`open_dataset_writer`."""
 
     def __init__(
-        self, directory: str | os.PathLike[str], *, target_shard_size: int, task_id: int = 0
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        target_shard_size: int,
+        task_id: int = 0,
+        checksums: bool | str = False,
     ) -> None:
-        super().__init__(directory, target_shard_size)
+        super().__init__(directory, target_shard_size, checksums)
         self.task_id = task_id
         self._uuid = str(uuid.uuid4())
         self._schema: dict[str, dict[str, Any]] = {}
@@ -320,17 +341,32 @@ def open_sharded_writer(
     max_shard_size: int = 5 << 30,
     prefix: str = "model",
     metadata: Mapping[str, str] | None = None,
+    checksums: bool | str = False,
 ) -> ShardedWriter:
     """Write a sharded checkpoint into ``directory``: ``write(name, array)`` per tensor, a new
     shard whenever the next tensor would take the current one past ``max_shard_size`` bytes of
     data, then ``{prefix}.safetensors.index.json``. A single shard is named
-    ``{prefix}.safetensors``."""
-    return ShardedWriter(directory, max_shard_size=max_shard_size, prefix=prefix, metadata=metadata)
+    ``{prefix}.safetensors``. ``checksums=True`` (or an algorithm's name) records each tensor's
+    digest in its shard's ``__metadata__``, as :func:`~stream_st.open_writer` does."""
+    return ShardedWriter(
+        directory,
+        max_shard_size=max_shard_size,
+        prefix=prefix,
+        metadata=metadata,
+        checksums=checksums,
+    )
 
 
 def open_dataset_writer(
-    directory: str | os.PathLike[str], *, target_shard_size: int = 256 << 20, task_id: int = 0
+    directory: str | os.PathLike[str],
+    *,
+    target_shard_size: int = 256 << 20,
+    task_id: int = 0,
+    checksums: bool | str = False,
 ) -> DatasetWriter:
     """Write a dataset into ``directory``: ``write_batch({name: array}, samples)`` per group, shards
-    rolled over at ``target_shard_size`` bytes of data, then ``dataset_manifest.json``."""
-    return DatasetWriter(directory, target_shard_size=target_shard_size, task_id=task_id)
+    rolled over at ``target_shard_size`` bytes of data, then ``dataset_manifest.json``.
+    ``checksums`` as for :func:`open_sharded_writer`."""
+    return DatasetWriter(
+        directory, target_shard_size=target_shard_size, task_id=task_id, checksums=checksums
+    )

@@ -231,6 +231,7 @@ class ShardedStream(TensorStream):
         *,
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+        verify: bool = True,
         clock: Clock | None = None,
         delivery: Delivery | None = None,
     ) -> None:
@@ -238,6 +239,7 @@ class ShardedStream(TensorStream):
             index,
             include=include,
             max_header_size=max_header_size,
+            verify=verify,
             clock=clock,
             delivery=delivery,
         )
@@ -294,6 +296,7 @@ class ShardedStream(TensorStream):
                 address,
                 include=selected,
                 max_header_size=self._max_header_size,
+                verify=self._verify,
                 clock=self._clock,
             )
             self._current = stream

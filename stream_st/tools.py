@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -26,12 +27,13 @@ from ._limits import Clock, TransportOptions, checked_number, clock_of
 from ._util import task_group
 from .codecs import get_codec, to_bfloat16
 from .dtypes import dtype_from_code, wire_bytes
-from .errors import TensorNotFoundError, UsageError
+from .errors import IntegrityError, TensorNotFoundError, UsageError
 from .header import Header, TensorInfo, TensorSpec
+from .integrity import ALGORITHM_KEY, DEFAULT_ALGORITHM, Digests, algorithm_named
 from .reader import Include, TensorStream, header_of, stream_for
 from .sharded import ShardedStream, is_index, shard_headers
 from .sinks import SinkLike
-from .sources import SourceLike
+from .sources import SourceLike, open_source
 from .writer import TensorWriter
 
 __all__ = [
@@ -209,21 +211,46 @@ async def hash(  # the command's name (shadows the builtin only inside this modu
     source: SourceLike,
     *,
     content: bool = False,
+    file: bool = False,
     progress: Progress | None = None,
     **options: Unpack[TransportOptions],
 ) -> dict[str, Any]:
-    """The structural hash (header only); with ``content``, also a hash of the data.
+    """The structural hash (header only); with ``content``, also a hash of the data; with
+    ``file``, the plain sha256 of the file's bytes (``file_sha256``: what ``sha256sum`` prints,
+    and a Hugging Face Hub LFS file's oid).
 
     The content hash is sha256 over ``name NUL sha256(tensor bytes) LF`` for every tensor in name
     order, so it does not depend on the layout either.
     """
     clock = _clock(options)
     if not content:
-        return _structure(source, await headers_of(source, clock))
-    async with _opened(source, clock) as (stream, headers):
-        result = _structure(source, headers)
-        result["content_hash"] = _combined_content(await _digest_stream(stream, progress))
+        result = _structure(source, await headers_of(source, clock))
+    else:
+        async with _opened(source, clock) as (stream, headers):
+            result = _structure(source, headers)
+            result["content_hash"] = _combined_content(await _digest_stream(stream, progress))
+    if file:
+        result["file_sha256"] = await _file_sha256(source, clock)
     return result
+
+
+async def _file_sha256(source: SourceLike, clock: Clock) -> str:
+    """sha256 of every byte of one file, read front to back."""
+    if isinstance(source, str | os.PathLike) and is_index(source):
+        raise UsageError("the sha256 of a file takes one file, not a sharded checkpoint's index")
+    opened = await open_source(source, clock)
+    try:
+        await opened.start(read_all=True)
+        sha = hashlib.sha256()
+        chunk = memoryview(bytearray(FILE_CHUNK))
+        while got := await opened.fill(chunk):
+            await anyio.to_thread.run_sync(sha.update, chunk[:got])
+        return sha.hexdigest()
+    finally:
+        await opened.aclose()
+
+
+FILE_CHUNK = 8 << 20
 
 
 def _structure(source: SourceLike, headers: Sequence[Header]) -> dict[str, Any]:
@@ -367,6 +394,7 @@ class Validation:
     tensors: list[TensorStats] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    digests: str = ""  # the header's digests: which algorithm, how many tensors verified
 
     @property
     def ok(self) -> bool:
@@ -473,31 +501,48 @@ async def _validate_stream(
         elif list(infos[name].shape) != list(shape):
             result.errors.append(f"{name}: shape {list(infos[name].shape)}, expected {list(shape)}")
     result.errors.extend(check_layers(infos, expect_layers))
+    algorithms = {h.metadata[ALGORITHM_KEY] for h in headers if ALGORITHM_KEY in h.metadata}
     done_bytes = 0
-    async for name, array in stream:
-        info = infos.get(name)
-        if info is None:
-            raise TensorNotFoundError(f"{name} streamed but not in the header")
-        stats = await anyio.to_thread.run_sync(tensor_stats, name, info.dtype, info.shape, array)
-        result.tensors.append(stats)
-        if stats.nan:
-            result.errors.append(f"{name}: {stats.nan} NaN values")
-        if stats.inf:
-            result.errors.append(f"{name}: {stats.inf} Inf values")
-        if stats.max is not None and stats.min is not None:
-            if max(abs(stats.max), abs(stats.min)) > warn_abs:
-                result.warnings.append(
-                    f"{name}: values up to {max(abs(stats.max), abs(stats.min)):.4g} "
-                    f"(beyond {warn_abs:g})"
-                )
-            if stats.min == stats.max and info.nelements > 1:
-                what = "all zeros" if stats.min == 0 else f"constant {stats.min:.4g}"
-                result.warnings.append(f"{name}: {what}")
-        done_bytes += array.nbytes
-        if progress is not None:
-            progress(done_bytes, len(result.tensors))
-        del array
+    try:
+        async for name, array in stream:
+            await _check_tensor(result, infos, name, array, warn_abs)
+            done_bytes += array.nbytes
+            if progress is not None:
+                progress(done_bytes, len(result.tensors))
+            del array
+    except IntegrityError as exc:
+        result.errors.append(str(exc))
+    verified = f"{len(result.tensors)} tensors verified" if not result.errors else "FAILED"
+    result.digests = f"{', '.join(sorted(algorithms))}: {verified}" if algorithms else "none"
     return result
+
+
+async def _check_tensor(
+    result: Validation,
+    infos: Mapping[str, TensorInfo],
+    name: str,
+    array: np.ndarray[Any, Any],
+    warn_abs: float,
+) -> None:
+    """Add ``array``'s statistics, errors and warnings to ``result``."""
+    info = infos.get(name)
+    if info is None:
+        raise TensorNotFoundError(f"{name} streamed but not in the header")
+    stats = await anyio.to_thread.run_sync(tensor_stats, name, info.dtype, info.shape, array)
+    result.tensors.append(stats)
+    if stats.nan:
+        result.errors.append(f"{name}: {stats.nan} NaN values")
+    if stats.inf:
+        result.errors.append(f"{name}: {stats.inf} Inf values")
+    if stats.max is not None and stats.min is not None:
+        if max(abs(stats.max), abs(stats.min)) > warn_abs:
+            result.warnings.append(
+                f"{name}: values up to {max(abs(stats.max), abs(stats.min)):.4g} "
+                f"(beyond {warn_abs:g})"
+            )
+        if stats.min == stats.max and info.nelements > 1:
+            what = "all zeros" if stats.min == 0 else f"constant {stats.min:.4g}"
+            result.warnings.append(f"{name}: {what}")
 
 
 # ---------------------------------------------------------------- cp
@@ -522,6 +567,7 @@ async def cp(
     include: Include = None,
     dtype: str | None = None,
     quantize: str | None = None,
+    checksums: bool | str | None = None,
     progress: Progress | None = None,
     **options: Unpack[TransportOptions],
 ) -> Header:
@@ -533,6 +579,12 @@ async def cp(
     ``scale = 127 / max|x|``, ``x ~= code / scale``), recorded in ``__metadata__``. Other tensors
     are copied as they are. A copy that fails or is interrupted leaves nothing at ``dst``.
     Returns the header written.
+
+    The source's digests, if it has some, are verified as it is read: a tensor that fails
+    leaves nothing at ``dst``. ``checksums`` (True or an algorithm's name) records digests in
+    the copy; ``None`` (the default) does so when the source has them, with its algorithm. Copied
+    digests of tensors copied as they are go out with the header, so any destination takes them;
+    digests to compute need a destination that can be patched at the end (a file, S3).
     """
     if dtype is not None and quantize is not None:
         raise UsageError("choose one of dtype= and quantize=")
@@ -560,7 +612,10 @@ async def cp(
                 converted += 1
             else:
                 plan.append(TensorSpec(info.name, info.dtype, info.shape))
-        metadata = _merged_metadata(headers)
+        metadata = {
+            k: v for k, v in _merged_metadata(headers).items() if not k.startswith(ALGORITHM_KEY)
+        }
+        digests = _copied_digests(checksums, headers, [t.name for t in wanted], converted > 0)
         if codec is not None:
             metadata.update(codec.metadata())
             metadata["quantized_tensors"] = str(converted)
@@ -569,7 +624,9 @@ async def cp(
             metadata["converted_to"] = f"{target} ({converted} floating-point tensors"
             metadata["converted_to"] += ", round to nearest even)" if target == "BF16" else ")"
         done_bytes = 0
-        async with TensorWriter(dst, plan, metadata=metadata, clock=clock) as writer:
+        async with TensorWriter(
+            dst, plan, metadata=metadata, checksums=digests, clock=clock
+        ) as writer:
             kinds = {t.name: t.dtype for t in wanted}
             done = 0
             async for name, array in stream:
@@ -587,6 +644,28 @@ async def cp(
                     progress(done_bytes, done)
                 del array, parts
         return writer.header
+
+
+def _copied_digests(
+    checksums: bool | str | None, headers: Sequence[Header], names: list[str], converting: bool
+) -> bool | str | Digests:
+    """What ``cp`` records (see there): the source's digests for ``names`` when no tensor
+    changes and the algorithm is the one asked for, else the algorithm to compute."""
+    found = {h.metadata.get(ALGORITHM_KEY) for h in headers}
+    source = found.pop() if len(found) == 1 else None  # one algorithm, in every header
+    if checksums is None:
+        checksums = source or False
+    if checksums is False:
+        return False
+    name = algorithm_named(DEFAULT_ALGORITHM if checksums is True else checksums).name
+    if converting or source != name:
+        return name
+    values: dict[str, str] = {}
+    for header in headers:
+        recorded = Digests.from_header(header)
+        assert recorded is not None
+        values.update(recorded.values)
+    return Digests(name, {n: values[n] for n in names})
 
 
 def _included(include: Include, name: str) -> bool:

@@ -24,10 +24,11 @@ import numpy as np
 
 from ._frameworks import is_torch_tensor, torch_to_array
 from ._limits import Clock, TransportOptions, clock_of
-from ._util import AsyncClosing
+from ._util import AsyncClosing, task_group
 from .dtypes import dtype_for, wire_bytes
 from .errors import UsageError, WriterError
-from .header import Header, TensorInfo, TensorSpec, build_header, plan_order
+from .header import Header, TensorInfo, TensorSpec, _plan_list, build_header, plan_order
+from .integrity import Digests, OrderedHash, digests_for
 from .sinks import Sink, SinkLike, open_sink
 
 __all__ = ["Order", "TensorParts", "TensorWriter", "as_array", "open_writer"]
@@ -76,12 +77,18 @@ class TensorWriter(AsyncClosing):
         metadata: Mapping[str, str] | None = None,
         order: Order = "plan",
         fsync: bool = False,
+        checksums: bool | str | Digests = False,
         clock: Clock | None = None,
+        digests_up_front: Callable[[str], Digests] | None = None,
     ) -> None:
         if order not in ("plan", "reference"):
             raise UsageError(f"order must be 'plan' or 'reference', got {order!r}")
-        specs = plan_order(plan) if order == "reference" else plan
-        self._prefix, self._header = build_header(specs, metadata)
+        specs = plan_order(plan) if order == "reference" else _plan_list(plan)
+        self._digests = digests_for(checksums)
+        self._specs, self._metadata = specs, metadata
+        self._hashes: dict[str, OrderedHash] = {}  # with checksums: per started tensor
+        self._digests_up_front = digests_up_front  # computes them for a front-to-back sink
+        self._prefix, self._header = build_header(specs, self._recorded(self._digests))
         self._dst = dst
         self._fsync = fsync
         self._clock = clock or Clock()
@@ -143,6 +150,9 @@ class TensorWriter(AsyncClosing):
         self._sink, self._state = sink, _OPEN
         prefix = memoryview(self._prefix)
         try:
+            digests = self._digests
+            if digests is not None and not digests.values and not await sink.hold_head(len(prefix)):
+                prefix = memoryview(await self._digests_first(sink, digests.algorithm))
             await sink.allocate(self._header.file_size)
             if sink.random_access:
                 await sink.write_at(0, prefix)
@@ -185,6 +195,8 @@ class TensorWriter(AsyncClosing):
             raise error
         sink = self._require_sink()
         try:
+            if self._digests is not None:
+                await self._seal_digests(sink)
             if self._held:
                 await sink.send(memoryview(self._held))
                 self._held = b""
@@ -193,6 +205,46 @@ class TensorWriter(AsyncClosing):
             await self._abort(exc)
             raise
         self._state = _COMMITTED
+
+    async def _digests_first(self, sink: Sink, algorithm: str) -> bytes:
+        """For a sink that cannot patch the header later: compute the digests now, if this
+        writer knows how, and lay the header out with them."""
+        if self._digests_up_front is None:
+            raise UsageError(
+                f"{sink.name} is written front to back: the header's digests cannot be "
+                "patched in at the end, so give them up front "
+                "(checksums=stream_st.Digests.compute(arrays), or save(), which does)"
+            )
+        self._digests = await anyio.to_thread.run_sync(self._digests_up_front, algorithm)
+        self._prefix, self._header = build_header(self._specs, self._recorded(self._digests))
+        return self._prefix
+
+    async def _seal_digests(self, sink: Sink) -> None:
+        """Check the digests given up front against the bytes written, or patch the computed
+        ones over the placeholders of the header written at the start."""
+        assert self._digests is not None
+        computed = {name: h.hasher.digest().hex() for name, h in self._hashes.items()}
+        given = self._digests.values
+        if given:
+            for info in self._header.tensors:
+                if computed[info.name] != given[info.name]:
+                    raise WriterError(
+                        f"tensor {info.name!r}: the bytes written do not match the "
+                        f"{self._digests.algorithm} digest given for them",
+                        name=info.name,
+                    )
+            return
+        sealed = Digests(self._digests.algorithm, computed)
+        prefix, header = build_header(self._specs, self._recorded(sealed))
+        assert len(prefix) == len(self._prefix), "a digest changed the header's length"
+        await sink.patch_head(memoryview(prefix))
+        self._prefix, self._header = prefix, header
+
+    def _recorded(self, digests: Digests | None) -> Mapping[str, str] | None:
+        """The metadata to write: the caller's, with ``digests`` recorded in it."""
+        if digests is None:
+            return self._metadata
+        return digests.add_to(self._metadata, [spec.name for spec in self._specs])
 
     async def abort(self) -> None:
         """Throw the message away: no file at the destination, or a closed stream."""
@@ -254,7 +306,13 @@ class TensorWriter(AsyncClosing):
             info = self._lookup(name)
             data = view(info, value)
             start = self._claim(info, len(data), kind)
-            await self._put(info, start, data)
+            if self._digests is None:
+                await self._put(info, start, data)
+            else:  # hashed while the sink takes the bytes
+                feed = self._hashes.setdefault(name, OrderedHash(self._digests.hasher())).turn()
+                async with task_group() as group:
+                    group.start_soon(feed, data)
+                    await self._put(info, start, data)
         except BaseException as exc:
             await self._abort(exc)
             raise
@@ -433,6 +491,7 @@ def open_writer(
     metadata: Mapping[str, str] | None = None,
     order: Order = "plan",
     fsync: bool = False,
+    checksums: bool | str | Digests = False,
     **options: Unpack[TransportOptions],
 ) -> TensorWriter:
     """Write a safetensors message to ``dst`` following ``plan``, tensor by tensor.
@@ -452,6 +511,16 @@ def open_writer(
     every tensor has been written (``fsync=True`` flushes it to disk first); tensors may come in
     any order. On a stream they must come in header order, and the stream is left open after a
     complete message. Any error aborts the message: see :class:`TensorWriter`.
+
+    ``checksums=True`` (or an algorithm's name, see :data:`stream_st.integrity.ALGORITHMS`)
+    records a digest of every tensor in ``__metadata__``, computed while the bytes go out; the
+    header is written with placeholders and the digests are patched in at the commit, which a
+    file and an S3 upload allow. A destination written front to back (a socket, a pipe, an HTTP
+    upload) needs them up front: pass a :class:`~stream_st.Digests` (``Digests.compute(arrays)``),
+    which is also checked against the bytes written before the commit. Without them such a
+    destination is a :class:`~stream_st.UsageError`.
     """
     clock = clock_of(options)
-    return TensorWriter(dst, plan, metadata=metadata, order=order, fsync=fsync, clock=clock)
+    return TensorWriter(
+        dst, plan, metadata=metadata, order=order, fsync=fsync, checksums=checksums, clock=clock
+    )

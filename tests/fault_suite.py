@@ -318,7 +318,8 @@ class Suite:
         stack.callback(self.sender.stop)
         self.calibration: dict[str, tuple[dict[str, int], float]] = {}
 
-    def s3_config(self, port: int) -> S3Config:
+    @staticmethod
+    def s3_config(port: int) -> S3Config:
         return S3Config.resolve(
             endpoint_url=f"http://127.0.0.1:{port}",
             region=CREDENTIALS["AWS_DEFAULT_REGION"],

@@ -51,6 +51,15 @@ class Sink(ABC):
         """Write all of ``buffer`` at absolute ``offset``; only when ``random_access`` is True."""
         raise NotImplementedError(f"{self.name} can only be written front to back")
 
+    async def hold_head(self, size: int) -> bool:
+        """Keep the message's first ``size`` bytes open to :meth:`patch_head` until the commit;
+        False when this sink cannot (it sends bytes on for good). A random-access sink can."""
+        return self.random_access
+
+    async def patch_head(self, buffer: memoryview) -> None:
+        """Rewrite the message's first ``len(buffer)`` bytes, held since :meth:`hold_head`."""
+        await self.write_at(0, buffer)
+
     @abstractmethod
     async def aclose(self) -> None:
         """Commit: the message is complete. A file is moved into place; a stream is flushed.

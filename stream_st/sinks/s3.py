@@ -6,6 +6,12 @@ appears only when the upload is completed, after the last tensor; on any failure
 or abort the multipart upload is aborted: no object at the key, no pending upload left. A message
 that fits in one part is sent as a single PUT instead.
 
+Every part (and a single PUT) carries its CRC32 (``x-amz-checksum-crc32``), which the store
+checks before it takes the part: a byte changed on the way is refused, never stored. A writer
+that patches the header at the commit (the digests of ``checksums=``) has the parts holding it
+held back (:meth:`S3Sink.hold_head`); they go last, parts being numbered by their place and not
+by when they arrive.
+
 The clean-up after a failure runs shielded from cancellation but gives up after
 :attr:`S3Sink.abort_timeout` seconds, whatever ``timeout`` is; a cancellation is re-raised as
 itself once it is done. When an answer is lost (the connection breaks or times out, or the call
@@ -29,10 +35,12 @@ store completed it anyway the object stays, since a cancellation cannot undo a w
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import re
 import ssl
+import zlib
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Unpack
 from urllib.parse import quote
@@ -70,6 +78,23 @@ def _md5_etag(data: bytes) -> str:
     return hashlib.md5(data, usedforsecurity=False).hexdigest()
 
 
+def _crc32(data: bytes) -> str:
+    """The ``x-amz-checksum-crc32`` value of ``data``: its CRC32, big-endian, in base64."""
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+
+
+def _checked(checksum: str) -> dict[str, str]:
+    """The headers that have the store check a body against its CRC32 ``checksum``."""
+    return {"x-amz-sdk-checksum-algorithm": "CRC32", "x-amz-checksum-crc32": checksum}
+
+
+def _splice(part: bytearray, start: int, head: memoryview) -> None:
+    """Copy over ``part`` (the message's bytes from ``start``) what ``head`` (its first bytes)
+    holds for that range."""
+    piece = head[start : start + len(part)]
+    part[: len(piece)] = piece
+
+
 class S3Sink(ClientUser, Sink):
     """An object in an S3-compatible store, written by multipart upload. See the module docstring
     for what a failure leaves behind. ``headers`` go (signed) with every request; ``ssl_context``
@@ -103,13 +128,23 @@ class S3Sink(ClientUser, Sink):
         self._upload_id: str | None = None
         self._creating = False  # CreateMultipartUpload went out and its answer was not read
         self._uploads_before: set[str] | None = None  # the key's pending uploads before ours
-        self._etags: list[str] = []
+        self._etags: dict[int, str] = {}  # by part number
+        self._checksums: dict[int, str] = {}  # by part number: what the store checked
+        self._cut = 0  # parts cut from the message so far
+        self._head = 0  # the message's first bytes, to be patched before the commit
+        self._held: dict[int, bytearray] = {}  # by part number: parts holding the head
 
     def _upload_query(self, upload_id: str) -> str:
         return f"uploadId={quote(upload_id, safe='')}"
 
     async def _call(
-        self, method: str, query: str, body: bytes | None = None, *, key: str | None = None
+        self,
+        method: str,
+        query: str,
+        body: bytes | None = None,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> tuple[dict[str, str], bytes]:
         """Send one signed request about the object (``key=""``: about the bucket): the answer's
         headers and body.
@@ -120,8 +155,8 @@ class S3Sink(ClientUser, Sink):
         """
         url = self.config.object_url(self.bucket, self.key if key is None else key, query)
         await self.config.ready(self.clock, self.name)
-        headers = self.config.sign(method, url, self._headers)
-        response = await self._request(method, url, headers, body, follow_redirects=False)
+        signed = self.config.sign(method, url, {**self._headers, **(headers or {})})
+        response = await self._request(method, url, signed, body, follow_redirects=False)
         await raise_for_status(response, name=self.name)
         async with response:
             answer = await response.read_all()
@@ -132,6 +167,17 @@ class S3Sink(ClientUser, Sink):
     async def allocate(self, size: int) -> None:
         self._size = size
 
+    async def hold_head(self, size: int) -> bool:
+        """Hold back the parts holding the first ``size`` bytes until the commit."""
+        self._head = size
+        return True
+
+    async def patch_head(self, buffer: memoryview) -> None:
+        """Rewrite the first bytes: in the parts held back, or in the part still filling."""
+        for number, part in self._held.items():
+            _splice(part, (number - 1) * self._part_size, buffer)
+        _splice(self._part, self._cut * self._part_size, buffer)
+
     async def send(self, buffer: memoryview) -> None:
         view = buffer.cast("B") if buffer.format != "B" else buffer
         while view:
@@ -141,7 +187,7 @@ class S3Sink(ClientUser, Sink):
             if len(self._part) == self._part_size and (
                 self._size is None or self._size > self._part_size
             ):
-                await self._cleaning_up_on_failure(self._flush_part())
+                await self._cleaning_up_on_failure(self._cut_part())
         self.position += len(buffer)
 
     async def _list_uploads(self) -> set[str]:
@@ -171,7 +217,9 @@ class S3Sink(ClientUser, Sink):
         except HTTPStatusError:
             self._uploads_before = None  # not allowed to list: an unnamed upload stays unfound
         self._creating = True
-        _, answer = await self._call("POST", "uploads=")
+        _, answer = await self._call(
+            "POST", "uploads=", headers={"x-amz-checksum-algorithm": "CRC32"}
+        )
         upload_id = xml_field(answer, "UploadId")
         if upload_id is None:
             raise TransportError(
@@ -179,18 +227,26 @@ class S3Sink(ClientUser, Sink):
             )
         self._upload_id, self._creating = upload_id, False
 
-    async def _flush_part(self) -> None:
+    async def _cut_part(self) -> None:
+        """The part filling is complete: upload it, or hold it back if it holds the head."""
+        self._cut += 1
+        part, self._part = self._part, bytearray()
+        if (self._cut - 1) * self._part_size < self._head:
+            self._held[self._cut] = part
+        else:
+            await self._upload_part(self._cut, bytes(part))
+
+    async def _upload_part(self, number: int, body: bytes) -> None:
         if self._upload_id is None:
             await self._create()
         assert self._upload_id is not None
-        number = len(self._etags) + 1
         query = f"partNumber={number}&{self._upload_query(self._upload_id)}"
-        headers, _ = await self._call("PUT", query, bytes(self._part))
+        checksum = _crc32(body)
+        headers, _ = await self._call("PUT", query, body, headers=_checked(checksum))
         etag = headers.get("etag")
         if not etag:
             raise TransportError(f"no ETag in the answer to UploadPart {number}", url=self.name)
-        self._etags.append(etag)
-        self._part.clear()
+        self._etags[number], self._checksums[number] = etag, checksum
 
     async def aclose(self) -> None:
         try:
@@ -200,20 +256,25 @@ class S3Sink(ClientUser, Sink):
             await self._close_client()
 
     async def _commit(self) -> None:
-        if self._upload_id is None:  # the whole message fits in one part: one PUT
+        if self._upload_id is None and not self._held:  # it all fits in one part: one PUT
             body = bytes(self._part)
-            await self._last("PutObject", self._call("PUT", "", body), lambda: _md5_etag(body))
+            put = self._call("PUT", "", body, headers=_checked(_crc32(body)))
+            await self._last("PutObject", put, lambda: _md5_etag(body))
             return
+        held, self._held = self._held, {}
+        for number, part in held.items():
+            await self._upload_part(number, bytes(part))
         if self._part:
-            await self._flush_part()
+            await self._cut_part()
         await self._last("CompleteMultipartUpload", self._complete(), self._multipart_etag)
         self._upload_id = None
 
     async def _complete(self) -> None:
         assert self._upload_id is not None
         parts = "".join(
-            f"<Part><PartNumber>{i}</PartNumber><ETag>{escape(tag)}</ETag></Part>"
-            for i, tag in enumerate(self._etags, start=1)
+            f"<Part><PartNumber>{i}</PartNumber><ETag>{escape(self._etags[i])}</ETag>"
+            f"<ChecksumCRC32>{self._checksums[i]}</ChecksumCRC32></Part>"
+            for i in sorted(self._etags)
         )
         body = f"<CompleteMultipartUpload>{parts}</CompleteMultipartUpload>".encode()
         _, answer = await self._call("POST", self._upload_query(self._upload_id), body)
@@ -240,7 +301,9 @@ class S3Sink(ClientUser, Sink):
         """The ETag S3 gives the completed object: the MD5 of the parts' MD5s, ``-`` their count;
         None if a part's ETag is not an MD5 (as with some encryption settings)."""
         try:
-            digests = b"".join(bytes.fromhex(tag.strip('"')) for tag in self._etags)
+            digests = b"".join(
+                bytes.fromhex(self._etags[i].strip('"')) for i in sorted(self._etags)
+            )
         except ValueError:
             return None
         return f"{_md5_etag(digests)}-{len(self._etags)}"
@@ -313,7 +376,7 @@ class S3Sink(ClientUser, Sink):
         write is pending, else what may be."""
         upload_id, self._upload_id = self._upload_id, None
         creating, self._creating = self._creating, False
-        self._part = bytearray()
+        self._part, self._held = bytearray(), {}
         what = f"multipart upload {upload_id}" if upload_id else "an unnamed multipart upload"
         problem = None
         with self._bounded() as scope:
