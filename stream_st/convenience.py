@@ -53,11 +53,16 @@ async def load(
     *,
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    copy: bool = True,
     **options: Unpack[TransportOptions],
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Read a whole safetensors message into ``{name: array}`` in offset order.
 
-    Takes every source :func:`~stream_st.open_stream` takes, and the same options.
+    Takes every source :func:`~stream_st.open_stream` takes, and the same options;
+    ``copy=False`` maps a local file and returns read-only views of it (see
+    :func:`~stream_st.open_stream` for when not to).
     """
-    stream = open_stream(source, include=include, max_header_size=max_header_size, **options)
+    stream = open_stream(
+        source, include=include, max_header_size=max_header_size, copy=copy, **options
+    )
     return {name: array async for name, array in stream}

@@ -30,6 +30,7 @@ from .header import (
     parse_header_length,
 )
 from .sources import Source, SourceLike, open_source
+from .sources.file import FileSource
 
 __all__ = ["Include", "TensorStream", "open_stream", "read_header"]
 
@@ -150,7 +151,8 @@ class TensorStream(AsyncClosing):
     Use it as ``async with open_stream(src) as stream`` to see ``stream.header`` before any data,
     then ``async for name, array in stream``; or iterate it directly, which opens and closes it.
     Arrays are fresh, writable, native-endian and handed over to the caller: the stream keeps no
-    reference to them. ``clock`` holds the time limits of the read (see :func:`open_stream`);
+    reference to them (with ``copy=False``, a local file's are read-only views of its mapping, see
+    :func:`open_stream`). ``clock`` holds the time limits of the read (see :func:`open_stream`);
     it starts when the stream opens.
     """
 
@@ -161,10 +163,12 @@ class TensorStream(AsyncClosing):
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
         clock: Clock | None = None,
+        copy: bool = True,
     ) -> None:
         self._source_like = source
         self._include = include
         self._max_header_size = max_header_size
+        self._copy = copy
         self._clock = clock or Clock()
         self._source: Source | None = None
         self._header: Header | None = None
@@ -288,10 +292,18 @@ class TensorStream(AsyncClosing):
         source = self.source
         base = header.data_start
         wanted = [info for info in header.tensors if selected(info.name)]
-        await source.plan_reads(merge_ranges((base + t.start, base + t.end) for t in wanted))
+        ranges = merge_ranges((base + t.start, base + t.end) for t in wanted)
+        mapped = None if self._copy or not isinstance(source, FileSource) else source.map()
+        if mapped is None:
+            await source.plan_reads(ranges)
+        else:
+            mapped.plan(ranges)
         for info in wanted:
             source.clock.check(source.name, source.position)
-            array = await _read_tensor(source, info, base)
+            if mapped is None:
+                array = await _read_tensor(source, info, base)
+            else:
+                array = await mapped.view(info, base)
             if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
                 array.byteswap(inplace=True)
             yield info.name, array
@@ -325,6 +337,7 @@ def open_stream(
     *,
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    copy: bool = True,
     **options: Unpack[TransportOptions],
 ) -> TensorStream:
     """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
@@ -334,6 +347,15 @@ def open_stream(
     ``include`` selects tensors by name (a collection, one name, or a predicate); skipped tensors
     are never allocated, and a random-access source never reads their bytes. ``max_header_size``
     bounds the JSON header, checked before anything is allocated.
+
+    ``copy=False`` lets arrays share memory with the source: a local regular file is mapped
+    (``mmap``) and each tensor is a read-only view of the mapping, as the reference's
+    ``load_file`` does, populated a window ahead of the consumer. Nothing is copied and the
+    arrays stay valid after the stream closes. Do not use it for files that may be changed or
+    truncated while the arrays live (they would see the change; a truncated file kills the
+    process with ``SIGBUS`` when a lost page is touched), nor, for the same reason, on network
+    file systems shared with writers. Other sources are read as with ``copy=True``: fresh,
+    writable arrays.
 
     Time limits (seconds; ``None``, the default, for none): ``timeout`` bounds connecting and
     each wait for data; ``deadline`` the whole read, from opening until the last tensor;
@@ -354,7 +376,11 @@ def open_stream(
     yielded (:class:`~stream_st.TruncatedStreamError`).
     """
     return stream_for(
-        source, include=include, max_header_size=max_header_size, clock=clock_of(options)
+        source,
+        include=include,
+        max_header_size=max_header_size,
+        clock=clock_of(options),
+        copy=copy,
     )
 
 
@@ -364,13 +390,18 @@ def stream_for(
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
     clock: Clock,
+    copy: bool = True,
 ) -> TensorStream:
     """:func:`open_stream` under ``clock``: reads that share one operation's limits."""
     from .sharded import ShardedStream, is_index  # sharded streams are built on this module
 
     if isinstance(source, str | os.PathLike) and is_index(source):
-        return ShardedStream(source, include=include, max_header_size=max_header_size, clock=clock)
-    return TensorStream(source, include=include, max_header_size=max_header_size, clock=clock)
+        return ShardedStream(
+            source, include=include, max_header_size=max_header_size, clock=clock, copy=copy
+        )
+    return TensorStream(
+        source, include=include, max_header_size=max_header_size, clock=clock, copy=copy
+    )
 
 
 async def read_header(

@@ -231,8 +231,11 @@ class ShardedStream(TensorStream):
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
         clock: Clock | None = None,
+        copy: bool = True,
     ) -> None:
-        super().__init__(index, include=include, max_header_size=max_header_size, clock=clock)
+        super().__init__(
+            index, include=include, max_header_size=max_header_size, clock=clock, copy=copy
+        )
         self._address = os.fspath(index)
         self._index: ShardIndex | None = None
         self._current: TensorStream | None = None
@@ -285,6 +288,7 @@ class ShardedStream(TensorStream):
                 include=selected,
                 max_header_size=self._max_header_size,
                 clock=self._clock,
+                copy=self._copy,
             )
             self._current = stream
             try:
