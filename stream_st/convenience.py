@@ -69,15 +69,22 @@ async def load(
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
     verify: bool = True,
+    copy: bool = True,
     **options: Unpack[TransportOptions],
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Read a whole safetensors message into ``{name: array}`` in offset order.
 
     Takes every source :func:`~stream_st.open_stream` takes, and the same options: digests
     recorded in the header are checked (``verify=False`` skips that), and nothing is returned
-    unless every tensor passed.
+    unless every tensor passed. ``copy=False`` maps a local file and returns read-only views of
+    it (see :func:`~stream_st.open_stream` for when not to).
     """
     stream = open_stream(
-        source, include=include, max_header_size=max_header_size, verify=verify, **options
+        source,
+        include=include,
+        max_header_size=max_header_size,
+        verify=verify,
+        copy=copy,
+        **options,
     )
     return {name: array async for name, array in stream}

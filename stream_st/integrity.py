@@ -246,6 +246,13 @@ class Digests:
         """A fresh hasher of this algorithm."""
         return ALGORITHMS[self.algorithm].new()
 
+    async def check_view(self, name: str, array: Any, source: str = "") -> None:
+        """:meth:`check` of a tensor already in memory (e.g. mapped from a file), hashed off the
+        event loop when large."""
+        hasher = self.hasher()
+        await hash_view(hasher, wire_bytes(array))
+        self.check(name, hasher, source)
+
     def check(self, name: str, hasher: Hasher, source: str = "") -> None:
         """Raise :class:`~stream_st.IntegrityError` unless ``hasher`` holds tensor ``name``'s
         recorded digest."""

@@ -32,6 +32,7 @@ from .header import (
 )
 from .integrity import Digests, read_hashing
 from .sources import Source, SourceLike, open_source
+from .sources.file import FileSource
 
 __all__ = ["Include", "TensorStream", "open_stream", "read_header"]
 
@@ -171,7 +172,8 @@ class TensorStream(AsyncClosing):
     Use it as ``async with open_stream(src) as stream`` to see ``stream.header`` before any data,
     then ``async for name, array in stream``; or iterate it directly, which opens and closes it.
     Arrays are fresh, writable, native-endian and handed over to the caller: the stream keeps no
-    reference to them. ``clock`` holds the time limits of the read (see :func:`open_stream`);
+    reference to them (with ``copy=False``, a local file's are read-only views of its mapping, see
+    :func:`open_stream`). ``clock`` holds the time limits of the read (see :func:`open_stream`);
     it starts when the stream opens. ``delivery`` says where tensors land and what they are
     handed out as (see ``framework=`` and ``into=`` of :func:`open_stream`).
     ``verify`` checks the header's digests, if it has any.
@@ -186,12 +188,14 @@ class TensorStream(AsyncClosing):
         verify: bool = True,
         clock: Clock | None = None,
         delivery: Delivery | None = None,
+        copy: bool = True,
     ) -> None:
         self._source_like = source
         self._include = include
         self._delivery = delivery or Delivery()
         self._max_header_size = max_header_size
         self._verify = verify
+        self._copy = copy
         self._clock = clock or Clock()
         self._source: Source | None = None
         self._header: Header | None = None
@@ -318,11 +322,21 @@ class TensorStream(AsyncClosing):
         base = header.data_start
         wanted = [info for info in header.tensors if selected(info.name)]
         digests = Digests.from_header(header) if self._verify else None
-        await source.plan_reads(merge_ranges((base + t.start, base + t.end) for t in wanted))
+        ranges = merge_ranges((base + t.start, base + t.end) for t in wanted)
+        mapped = None if self._copy or not isinstance(source, FileSource) else source.map()
+        if mapped is None:
+            await source.plan_reads(ranges)
+        else:
+            mapped.plan(ranges)
         for info in wanted:
             source.clock.check(source.name, source.position)
             target = delivery.target(info)
-            array = await _read_tensor(source, info, base, target, digests)
+            if mapped is None or target is not None:
+                array = await _read_tensor(source, info, base, target, digests)
+            else:
+                array = await mapped.view(info, base)
+                if digests is not None:
+                    await digests.check_view(info.name, array, source.name)
             if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
                 array.byteswap(inplace=True)
             yield info.name, delivery.deliver(info, array, target is not None)
@@ -359,6 +373,7 @@ def open_stream(
     framework: Framework | None = None,
     into: Mapping[str, Any] | None = None,
     verify: bool = True,
+    copy: bool = True,
     **options: Unpack[TransportOptions],
 ) -> TensorStream:
     """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
@@ -368,6 +383,15 @@ def open_stream(
     ``include`` selects tensors by name (a collection, one name, or a predicate); skipped tensors
     are never allocated, and a random-access source never reads their bytes. ``max_header_size``
     bounds the JSON header, checked before anything is allocated.
+
+    ``copy=False`` lets arrays share memory with the source: a local regular file is mapped
+    (``mmap``) and each tensor is a read-only view of the mapping, as the reference's
+    ``load_file`` does, populated a window ahead of the consumer. Nothing is copied and the
+    arrays stay valid after the stream closes. Do not use it for files that may be changed or
+    truncated while the arrays live (they would see the change; a truncated file kills the
+    process with ``SIGBUS`` when a lost page is touched), nor, for the same reason, on network
+    file systems shared with writers. Other sources are read as with ``copy=True``: fresh,
+    writable arrays.
 
     Time limits (seconds; ``None``, the default, for none): ``timeout`` bounds connecting and
     each wait for data; ``deadline`` the whole read, from opening until the last tensor;
@@ -408,6 +432,7 @@ def open_stream(
         verify=verify,
         clock=clock_of(options),
         delivery=Delivery(framework, into),
+        copy=copy,
     )
 
 
@@ -419,6 +444,7 @@ def stream_for(
     verify: bool = True,
     clock: Clock,
     delivery: Delivery | None = None,
+    copy: bool = True,
 ) -> TensorStream:
     """:func:`open_stream` under ``clock``: reads that share one operation's limits."""
     from .sharded import ShardedStream, is_index  # sharded streams are built on this module
@@ -431,6 +457,7 @@ def stream_for(
             verify=verify,
             clock=clock,
             delivery=delivery,
+            copy=copy,
         )
     return TensorStream(
         source,
@@ -439,6 +466,7 @@ def stream_for(
         verify=verify,
         clock=clock,
         delivery=delivery,
+        copy=copy,
     )
 
 

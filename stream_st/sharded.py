@@ -234,6 +234,7 @@ class ShardedStream(TensorStream):
         verify: bool = True,
         clock: Clock | None = None,
         delivery: Delivery | None = None,
+        copy: bool = True,
     ) -> None:
         super().__init__(
             index,
@@ -242,6 +243,7 @@ class ShardedStream(TensorStream):
             verify=verify,
             clock=clock,
             delivery=delivery,
+            copy=copy,
         )
         self._address = os.fspath(index)
         self._index: ShardIndex | None = None
@@ -298,6 +300,7 @@ class ShardedStream(TensorStream):
                 max_header_size=self._max_header_size,
                 verify=self._verify,
                 clock=self._clock,
+                copy=self._copy,
             )
             self._current = stream
             try:

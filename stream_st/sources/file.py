@@ -18,12 +18,14 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import sys
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
 from .._limits import UNLIMITED, Clock
+from .._mmap import FileMap
 from .._nonblocking import NonBlockingEnd
 from .._util import task_group
 from ..errors import SourceNotFoundError, TransportError, UsageError
@@ -180,6 +182,14 @@ class FileSource(Source):
             group.start_soon(read, 1, half, buffer[half:])
         # A short first half means the file ended inside it: the second half read nothing.
         return counts[0] if counts[0] < half else half + counts[1]
+
+    def map(self) -> FileMap | None:
+        """The file mapped read-only for zero-copy views, or None where a view could not be
+        handed out as it is (a big-endian host, where every tensor is byte-swapped)."""
+        if sys.byteorder != "little":  # pragma: no cover - little-endian hosts only here
+            return None
+        assert self.size is not None
+        return FileMap(self._fd, self.size, self.name)
 
     async def aclose(self) -> None:
         if self._fd >= 0:
