@@ -56,7 +56,6 @@ from ._http import HTTPClient
 from .hub import HubSource
 
 
-
 def _version() -> str:
     """The installed distribution's version (pyproject.toml is the one place it is written);
     ``0+unknown`` for a source tree on ``sys.path`` that was never installed."""

