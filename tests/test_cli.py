@@ -391,14 +391,19 @@ def test_cp_between_servers_and_interrupted_copy(model: Path, tmp_path: Path) ->
 
 
 def _run_with_stdin(
-    args: list[str], data: bytes, *, terminal: bool
+    args: list[str], data: bytes, *, terminal: bool, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[bytes]:
     """The command with ``data`` piped to its stdin; stderr a terminal (a progress bar is drawn)
-    or a pipe, its text in the result."""
+    or a pipe, its text in the result; ``env`` added to the environment."""
     reader, writer = os.openpty() if terminal else os.pipe()
     try:
         result = subprocess.run(
-            [COMMAND, *args], input=data, stdout=subprocess.PIPE, stderr=writer, timeout=120
+            [COMMAND, *args],
+            input=data,
+            stdout=subprocess.PIPE,
+            stderr=writer,
+            timeout=120,
+            env={**os.environ, **(env or {})},
         )
         os.close(writer)
         writer = -1

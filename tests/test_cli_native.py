@@ -9,7 +9,6 @@ import shutil
 import socket
 import stat
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 
-COMMAND = shutil.which("stream-st", path=str(Path(sys.executable).parent)) or "stream-st"
+from .test_cli import COMMAND, _run_with_stdin
 
 TENSORS: dict[str, np.ndarray[Any, Any]] = {
     "embed.weight": np.arange(12, dtype=np.float32).reshape(3, 4),
@@ -255,32 +254,6 @@ def _serve_once(data: bytes) -> tuple[str, threading.Thread]:
     return f"tcp://127.0.0.1:{port}", thread
 
 
-def _on_a_terminal(args: list[str], env: dict[str, str]) -> tuple[int, str]:
-    """The command with stderr on a terminal; its status and what the terminal showed."""
-    reader, writer = os.openpty()
-    try:
-        result = subprocess.run(
-            [COMMAND, *args],
-            stdout=subprocess.PIPE,
-            stderr=writer,
-            timeout=60,
-            env={**os.environ, **env},
-        )
-        os.close(writer)
-        writer = -1
-        chunks = []
-        try:
-            while chunk := os.read(reader, 1 << 16):
-                chunks.append(chunk)
-        except OSError:  # a terminal's end reads EIO once drained
-            pass
-        return result.returncode, b"".join(chunks).decode(errors="replace")
-    finally:
-        if writer >= 0:
-            os.close(writer)
-        os.close(reader)
-
-
 def test_plain_progress_lines_without_rich_with_totals_from_tcp(
     plain: Path, tmp_path: Path
 ) -> None:
@@ -291,11 +264,11 @@ def test_plain_progress_lines_without_rich_with_totals_from_tcp(
     (hide / "rich.py").write_text("raise ImportError('rich is not installed')\n")
     env = {"PYTHONPATH": os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])}
     url, sender = _serve_once(plain.read_bytes())
-    status, shown = _on_a_terminal(["validate", url], env)
+    result = _run_with_stdin(["validate", url], b"", terminal=True, env=env)
     sender.join(timeout=60)
     size = sum(a.nbytes for a in TENSORS.values()) / 1000  # decimal units, as inspect's
-    assert status == 0, shown
-    assert f"validating: {size:.1f} kB of {size:.1f} kB, 3/3 tensors" in shown
+    assert result.returncode == 0, result
+    assert f"validating: {size:.1f} kB of {size:.1f} kB, 3/3 tensors".encode() in result.stderr
 
 
 def test_shell_completion_scripts() -> None:
