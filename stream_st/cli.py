@@ -47,7 +47,7 @@ STDIO = "-"
 
 class _Bar:
     """A rich progress bar on stderr: bytes, rate, tensors and ETA, its totals set from the
-    headers as soon as the command has read them (:func:`stream_st.tools.model_sources`)."""
+    headers as soon as the command has read them (the ``totals`` of :mod:`stream_st.tools`)."""
 
     def __init__(self, label: str) -> None:
         from rich.console import Console

@@ -620,7 +620,8 @@ class _Plan:
                 self.changed.add(info.name)
             else:
                 self.specs.append(TensorSpec(info.name, info.dtype, info.shape))
-        self.specs = [s for s in self.specs if s.name not in self.parts or s.name in self.rebuilt]
+        rebuilt = self.rebuilt  # a wire tensor planned before its whole was known goes
+        self.specs = [s for s in self.specs if s.name not in self.parts or s.name in rebuilt]
         self.metadata = self._metadata(metadata, wanted)
 
     @property
