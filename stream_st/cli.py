@@ -1,7 +1,8 @@
-"""The ``stream-st`` command: demo, inspect, hash, diff, validate, cp.
+"""The ``stream-st`` command: inspect, ls, show, hash, diff, validate, cp, demo, completion.
 
 Every command takes any source the library reads (a path, ``http(s)://``, ``s3://``, ``hf://``,
-``tcp://``, a sharded ``*.index.json``) and works in constant memory. Exit status: 0 success
+``tcp://``, a sharded ``*.index.json``, a model directory, ``-`` for standard input) and works
+in constant memory; ``cp`` writes to ``-`` as standard output. Exit status: 0 success
 (equal, valid); 1 a difference (``diff``) or failed validation (``validate``); 2 an error (bad
 input, unreachable source, bad arguments); 3 an internal error (a bug: the traceback goes to
 stderr); 130 interrupted; 141 the output pipe closed early (``| head``), as for a command killed
@@ -12,72 +13,130 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import ssl
-import stat
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import anyio
+import numpy as np
 
-from . import tools
+from . import __version__, tools
 from ._limits import LimitOptions, TransportOptions
 from ._s3 import unsigned_requests
 from .demo import print_report, run_demo
-from .errors import SafetensorsError
-from .sources import path_from_url
-
-if TYPE_CHECKING:
-    from rich.console import Console
+from .errors import SafetensorsError, UsageError
+from .reader import open_stream
+from .sinks import SinkLike
+from .sinks.file import PipeSink
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
 
+SOURCES = "files, directories, URLs or - (stdin)"
+"""What a command taking several sources takes, for its help."""
+
+STDIO = "-"
+"""The argument that means standard input (a source) or standard output (a destination)."""
+
+
+class _Bar:
+    """A rich progress bar on stderr: bytes, rate, tensors and ETA, its totals set from the
+    headers as soon as the command has read them (the ``totals`` of :mod:`stream_st.tools`)."""
+
+    def __init__(self, label: str) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            DownloadColumn(),  # decimal units, as _human and TransferSpeedColumn
+            TransferSpeedColumn(),
+            TextColumn("{task.fields[tensors]}{task.fields[of]} tensors"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self._task = self._bar.add_task(label, total=None, tensors=0, of="")
+
+    def totals(self, total_bytes: int, total_tensors: int) -> None:
+        self._bar.update(self._task, total=total_bytes, of=f"/{total_tensors}")
+
+    def __call__(self, done_bytes: int, done: int) -> None:
+        self._bar.update(self._task, completed=done_bytes, tensors=done)
+
+    def __enter__(self) -> _Bar:
+        self._bar.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._bar.stop()
+
+
+class _Lines:
+    """Plain progress lines on stderr, at most one a second, for a terminal without rich."""
+
+    INTERVAL = 1.0
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+        self._of_bytes = self._of_tensors = ""
+        self._began = self._shown = time.monotonic()
+        self._done = (0, 0)
+
+    def totals(self, total_bytes: int, total_tensors: int) -> None:
+        self._of_bytes, self._of_tensors = f" of {_human(total_bytes)}", f"/{total_tensors}"
+
+    def __call__(self, done_bytes: int, done: int) -> None:
+        self._done = (done_bytes, done)
+        if time.monotonic() - self._shown >= self.INTERVAL:
+            self._show()
+
+    def _show(self) -> None:
+        self._shown = time.monotonic()
+        done_bytes, done = self._done
+        rate = done_bytes / max(self._shown - self._began, 1e-9)
+        print(
+            f"{self._label}: {_human(done_bytes)}{self._of_bytes}, {done}{self._of_tensors} "
+            f"tensors, {_human(rate)}/s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __enter__(self) -> _Lines:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if exc_info[0] is None:
+            self._show()
+
 
 @contextmanager
-def _progress(
-    label: str, total_bytes: int | None, total_tensors: int | None, quiet: bool
-) -> Iterator[tools.Progress | None]:
-    """A rich progress bar on stderr (bytes, rate, tensors, ETA), or nothing when quiet or when
-    stderr is not a terminal."""
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    if not _bar_shown(quiet, console):
+def _progress(label: str, quiet: bool) -> Iterator[tools.Progress | None]:
+    """Progress on stderr while a command moves data: a rich bar, or plain lines without rich;
+    nothing when quiet or when stderr is not a terminal."""
+    if quiet or not sys.stderr.isatty():
         yield None
         return
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TextColumn(
-            "{task.fields[tensors]}"
-            + ("" if total_tensors is None else f"/{total_tensors}")
-            + " tensors"
-        ),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task(label, total=total_bytes, tensors=0)
-
-        def update(done_bytes: int, done: int) -> None:
-            bar.update(task, completed=done_bytes, tensors=done)
-
-        yield update
+    try:
+        report: _Bar | _Lines = _Bar(label)
+    except ImportError:  # the cli extra is not installed
+        report = _Lines(label)
+    with report:
+        yield report
 
 
 def _limits(args: argparse.Namespace) -> LimitOptions:
@@ -115,110 +174,202 @@ def _ca_bundle(path: str) -> ssl.SSLContext:
 
 
 def _print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, ensure_ascii=False))
+    """One JSON record on one line (a stream of them reads with ``jq`` or line by line)."""
+    print(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    """A size in decimal units, as the progress bars show them."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover
+
+
+def _source(text: str) -> str:
+    """A source argument as the library takes it: ``-`` is standard input."""
+    return "/dev/stdin" if text == STDIO else text
+
+
+def _one_source(text: str) -> str:
+    """The one source an argument names (a model directory: its index or its only file)."""
+    found = tools.model_sources(_source(text))
+    if len(found) > 1:
+        raise UsageError(
+            f"{text} holds {len(found)} safetensors files and no index: name one of them"
+        )
+    return found[0]
+
+
+async def _destination(text: str) -> SinkLike:
+    """A destination argument as the library takes it: ``-`` is standard output, written
+    through in place (also when it is a regular file), never to a terminal."""
+    if text != STDIO:
+        return text
+    if sys.stdout.isatty():
+        raise UsageError("refusing to write safetensors to a terminal: redirect or pipe stdout")
+    sys.stdout.flush()
+    return await PipeSink.open("/dev/stdout")
+
+
+def _failed(source: str, exc: SafetensorsError) -> None:
+    """Report one source's error on one line, naming the source where the message does not."""
+    text = str(exc)
+    named = source in text or (source == "/dev/stdin" and "stdin" in text)
+    print(f"stream-st: error: {text if named else f'{source}: {text}'}", file=sys.stderr)
+
+
+async def _each(args: argparse.Namespace, run: Callable[[str], Awaitable[int]]) -> int:
+    """Run ``run`` on every source the arguments name (directories expanded), going on past a
+    source that fails; the status is the worst: an error, else a difference, else success."""
+    if len(args.sources) > 1 and args.sources.count(STDIO) + args.sources.count("/dev/stdin") > 1:
+        raise UsageError("standard input can be read once: name '-' once")
+    status = EXIT_OK
+    for text in args.sources:
+        try:
+            sources = tools.model_sources(_source(text))
+        except SafetensorsError as exc:
+            _failed(text, exc)
+            status = EXIT_ERROR
+            continue
+        for source in sources:
+            try:
+                found = await run(source)
+            except SafetensorsError as exc:
+                _failed(source, exc)
+                found = EXIT_ERROR
+            status = max(status, found)
+    return status
 
 
 async def _inspect(args: argparse.Namespace) -> int:
-    result = await tools.inspect(args.source, **_options(args))
-    if args.json:
-        _print_json(result.to_json())
+    async def one(source: str) -> int:
+        result = await tools.inspect(source, **_options(args))
+        if args.json:
+            _print_json(result.to_json())
+            return EXIT_OK
+        print(f"{result.source}")
+        shards = f" in {result.shards} shards" if result.shards > 1 else ""
+        print(
+            f"  {result.tensor_count} tensors{shards}, {result.parameter_count:,} parameters, "
+            f"{_human(result.data_bytes)} of data, header {_human(result.header_bytes)}"
+        )
+        if result.metadata:
+            print("  metadata:")
+            for key, value in result.metadata.items():
+                print(f"    {key}: {value}")
+        if result.tensors:
+            width = max(len("name"), *(len(t["name"]) for t in result.tensors))
+            print(f"  {'name':<{width}}  {'dtype':<11} {'shape':<22} {'bytes':>12}")
+            for t in result.tensors:
+                shape = str(t["shape"])
+                print(f"  {t['name']:<{width}}  {t['dtype']:<11} {shape:<22} {t['bytes']:>12,}")
         return EXIT_OK
-    print(f"{result.source}")
-    shards = f" in {result.shards} shards" if result.shards > 1 else ""
-    print(
-        f"  {result.tensor_count} tensors{shards}, {result.parameter_count:,} parameters, "
-        f"{_human(result.data_bytes)} of data, header {_human(result.header_bytes)}"
-    )
-    if result.metadata:
-        print("  metadata:")
-        for key, value in result.metadata.items():
-            print(f"    {key}: {value}")
-    if result.tensors:
-        width = max(len(t["name"]) for t in result.tensors)
-        print(f"  {'name':<{width}}  {'dtype':<11} {'shape':<22} {'bytes':>12}")
+
+    return await _each(args, one)
+
+
+async def _ls(args: argparse.Namespace) -> int:
+    async def one(source: str) -> int:
+        result = await tools.inspect(source, **_options(args))
         for t in result.tensors:
-            shape = str(t["shape"])
-            print(f"  {t['name']:<{width}}  {t['dtype']:<11} {shape:<22} {t['bytes']:>12,}")
+            print(t["name"])
+        return EXIT_OK
+
+    return await _each(args, one)
+
+
+def _index(text: str) -> tuple[int | slice, ...]:
+    """A ``--slice`` argument, numpy's basic indexing: ``0:4``, ``1``, ``:,0:2``, ``::2``."""
+    index: list[int | slice] = []
+    for part in text.split(","):
+        try:
+            if ":" not in part:
+                index.append(int(part))
+                continue
+            bounds = [int(b) if b.strip() else None for b in part.split(":")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected numpy-style indices, got {text!r}"
+            ) from None
+        if len(bounds) > 3:
+            raise argparse.ArgumentTypeError(f"expected start:stop[:step], got {part!r}")
+        index.append(slice(*bounds))
+    return tuple(index)
+
+
+def _json_values(values: Any) -> Any:
+    """Nested lists of plain numbers; NaN and infinities as the strings JSON lacks them as."""
+    if isinstance(values, list):
+        return [_json_values(v) for v in values]
+    if isinstance(values, float) and not math.isfinite(values):
+        return str(values)
+    return values
+
+
+def _plain(values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``values`` in a dtype whose ``tolist`` gives JSON numbers: ml_dtypes' floats (bfloat16,
+    float8) as float64, complex numbers as [real, imaginary] pairs."""
+    if values.dtype.kind == "c":
+        return np.stack([values.real, values.imag], axis=-1)
+    if values.dtype.kind == "V":
+        return values.astype(np.float64)
+    return values
+
+
+async def _show(args: argparse.Namespace) -> int:
+    source = _one_source(args.source)
+    async with open_stream(source, include=[args.name], **_options(args)) as stream:
+        async for _, array in stream:
+            try:
+                values = array[args.slice] if args.slice else array
+            except (IndexError, TypeError) as exc:
+                raise UsageError(f"--slice does not fit shape {list(array.shape)}: {exc}") from None
+            if args.json:
+                _print_json(
+                    {
+                        "name": args.name,
+                        "dtype": str(array.dtype),
+                        "shape": list(array.shape),
+                        "values": _json_values(np.asarray(_plain(values)).tolist()),
+                    }
+                )
+            else:
+                print(f"{args.name}: {array.dtype} {list(array.shape)}")
+                print(np.array2string(np.asarray(values), threshold=200, edgeitems=3))
     return EXIT_OK
-
-
-def _bar_shown(quiet: bool, console: Console | None = None) -> bool:
-    """Whether a progress bar is drawn: not when quiet or when stderr is not a terminal."""
-    if quiet:
-        return False
-    from rich.console import Console
-
-    return (console or Console(stderr=True)).is_terminal
-
-
-def _read_once(source: str) -> bool:
-    """Whether ``source`` gives its bytes only once: a tcp:// peer sends its message once, a
-    pipe, FIFO or device (``/dev/stdin``) hands each byte to one reader."""
-    if source.lower().startswith("tcp://"):
-        return True
-    if "://" in source and not source.lower().startswith("file://"):
-        return False
-    try:
-        path = path_from_url(source) if "://" in source else source
-        return not stat.S_ISREG(os.stat(path).st_mode)
-    except (OSError, ValueError, SafetensorsError):
-        return False  # the command itself reports it
-
-
-async def _totals(
-    sources: Sequence[str], limits: TransportOptions, quiet: bool
-) -> tuple[int | None, int | None, TransportOptions]:
-    """Bytes and tensors to expect from ``sources``, for the progress bar, and the limits left
-    for the command itself: the look-up counts against its deadline.
-
-    Nothing is looked up when no bar is drawn, and the totals are unknown when a source gives
-    its bytes only once (the look-up would take the header the command then reads).
-    """
-    if not _bar_shown(quiet) or any(_read_once(source) for source in sources):
-        return None, None, limits
-    began = time.monotonic()
-    total = count = 0
-    for source in sources:
-        found = await tools.inspect(source, **limits)
-        total, count = total + found.data_bytes, count + found.tensor_count
-    deadline = limits.get("deadline")
-    if isinstance(deadline, float) and deadline > 0:  # a bad value is reported where it is used
-        limits = {**limits, "deadline": max(0.0, deadline - (time.monotonic() - began))}
-    return total, count, limits
 
 
 async def _hash(args: argparse.Namespace) -> int:
-    total, count, limits = await _totals(
-        [args.source] if args.content else [], _options(args), args.quiet
-    )
-    with _progress("hashing", total, count, args.quiet) as progress:
-        result = await tools.hash(
-            args.source, content=args.content, file=args.file, progress=progress, **limits
-        )
-    if args.json:
-        _print_json(result)
-    else:
-        print(f"structural {result['structural_hash']}  {args.source}")
-        if "content_hash" in result:
-            print(f"content    {result['content_hash']}  {args.source}")
-        if "file_sha256" in result:
-            print(f"file       {result['file_sha256']}  {args.source}")
-    return EXIT_OK
+    async def one(source: str) -> int:
+        with _progress("hashing", args.quiet or not args.content) as progress:
+            result = await tools.hash(
+                source,
+                content=args.content,
+                file=args.file,
+                progress=progress,
+                **_options(args),
+            )
+        if args.json:
+            _print_json(result)
+        else:
+            print(f"structural {result['structural_hash']}  {source}")
+            if "content_hash" in result:
+                print(f"content    {result['content_hash']}  {source}")
+            if "file_sha256" in result:
+                print(f"file       {result['file_sha256']}  {source}")
+        return EXIT_OK
+
+    return await _each(args, one)
 
 
 async def _diff(args: argparse.Namespace) -> int:
-    sources = [args.a, args.b] if args.content else []
-    total, count, limits = await _totals(sources, _options(args), args.quiet)
-    with _progress("comparing", total, count, args.quiet) as progress:
-        result = await tools.diff(args.a, args.b, content=args.content, progress=progress, **limits)
+    a, b = _one_source(args.a), _one_source(args.b)
+    if a == b == "/dev/stdin":
+        raise UsageError("standard input can be read once: name '-' once")
+    with _progress("comparing", args.quiet or not args.content) as progress:
+        result = await tools.diff(a, b, content=args.content, progress=progress, **_options(args))
     if args.json:
         _print_json(result.to_json())
     else:
@@ -259,63 +410,79 @@ def _load_shapes(path: str | None) -> dict[str, list[int]] | None:
 
 
 async def _validate(args: argparse.Namespace) -> int:
-    total, count, limits = await _totals([args.source], _options(args), args.quiet)
-    with _progress("validating", total, count, args.quiet) as progress:
-        result = await tools.validate(
-            args.source,
-            expect_shapes=_load_shapes(args.expect_shapes),
-            expect_layers=[p for p in (args.expect_layers or "").split(",") if p],
-            warn_abs=args.warn_abs,
-            progress=progress,
-            **limits,
-        )
-    if args.json:
-        _print_json(result.to_json())
-    else:
-        width = max((len(t.name) for t in result.tensors), default=4)
-        print(
-            f"{'name':<{width}}  {'dtype':<8} {'min':>11} {'max':>11} {'mean':>11} "
-            f"{'std':>11} {'nan':>6} {'inf':>6}"
-        )
+    shapes = _load_shapes(args.expect_shapes)
 
-        def cell(value: float | None) -> str:
-            return f"{value:>11.4g}" if value is not None else f"{'-':>11}"
-
-        for t in result.tensors:
-            print(
-                f"{t.name:<{width}}  {t.dtype:<8} {cell(t.min)} {cell(t.max)} {cell(t.mean)} "
-                f"{cell(t.std)} {t.nan:>6} {t.inf:>6}"
+    async def one(source: str) -> int:
+        with _progress("validating", args.quiet) as progress:
+            result = await tools.validate(
+                source,
+                expect_shapes=shapes,
+                expect_layers=[p for p in (args.expect_layers or "").split(",") if p],
+                warn_abs=args.warn_abs,
+                progress=progress,
+                **_options(args),
             )
-        for warning in result.warnings:
-            print(f"warning: {warning}")
-        for error in result.errors:
-            print(f"error: {error}")
-        print(f"digests: {result.digests}")
+        if args.json:
+            _print_json(result.to_json())
+        else:
+            _print_validation(result)
+        return EXIT_OK if result.ok else EXIT_DIFFERENT
+
+    return await _each(args, one)
+
+
+def _print_validation(result: tools.Validation) -> None:
+    """The source, its statistics table and verdict."""
+    print(f"{result.source}:")
+    width = max((len(t.name) for t in result.tensors), default=4)
+    print(
+        f"{'name':<{width}}  {'dtype':<8} {'min':>11} {'max':>11} {'mean':>11} "
+        f"{'std':>11} {'nan':>6} {'inf':>6}"
+    )
+
+    def cell(value: float | None) -> str:
+        return f"{value:>11.4g}" if value is not None else f"{'-':>11}"
+
+    for t in result.tensors:
         print(
-            f"{'valid' if result.ok else 'INVALID'}: {len(result.tensors)} tensors, "
-            f"{len(result.errors)} errors, {len(result.warnings)} warnings"
+            f"{t.name:<{width}}  {t.dtype:<8} {cell(t.min)} {cell(t.max)} {cell(t.mean)} "
+            f"{cell(t.std)} {t.nan:>6} {t.inf:>6}"
         )
-    return EXIT_OK if result.ok else EXIT_DIFFERENT
+    for warning in result.warnings:
+        print(f"warning: {warning}")
+    for error in result.errors:
+        print(f"error: {error}")
+    print(f"digests: {result.digests}")
+    print(
+        f"{'valid' if result.ok else 'INVALID'}: {len(result.tensors)} tensors, "
+        f"{len(result.errors)} errors, {len(result.warnings)} warnings"
+    )
 
 
 async def _cp(args: argparse.Namespace) -> int:
-    total, count, limits = await _totals([args.src], _options(args), args.quiet)
-    with _progress("copying", total, count, args.quiet) as progress:
-        header = await tools.cp(
-            args.src,
-            args.dst,
+    src = _one_source(args.src)
+    dst = await _destination(args.dst)
+    with _progress("copying", args.quiet) as progress:
+        copied = await tools.cp(
+            src,
+            dst,
             include=args.include or None,
             dtype=args.dtype,
             quantize=args.quantize,
+            dequantize=args.dequantize,
             checksums=True if args.checksums else None,
             progress=progress,
-            **limits,
+            **_options(args),
         )
     if not args.quiet:
-        print(
-            f"copied {len(header)} tensors, {header.file_size:,} bytes to {args.dst}",
-            file=sys.stderr,
-        )
+        header = copied.header
+        done = f"copied {len(header)} tensors, {header.file_size:,} bytes to {args.dst}"
+        how = "quantized" if args.quantize else "dequantized" if args.dequantize else None
+        if how is None and args.dtype:
+            how = f"converted to {args.dtype.upper()}"
+        if how is not None:
+            done += f"; {copied.converted or 'nothing'} {how}"
+        print(done, file=sys.stderr)
     return EXIT_OK
 
 
@@ -326,20 +493,41 @@ async def _demo_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def _completion(args: argparse.Namespace) -> int:
+    try:
+        import shtab
+    except ImportError:
+        raise UsageError("shell completion needs shtab: pip install -e '.[cli]'") from None
+    print(shtab.complete(build_parser(), shell=args.shell))
+    return EXIT_OK
+
+
 EXAMPLES = {
     "inspect": "stream-st inspect model.safetensors\n"
-    "  stream-st inspect --json s3://bucket/model.safetensors\n"
-    "  stream-st inspect https://host/repo/model.safetensors.index.json",
-    "hash": "stream-st hash model.safetensors\n  stream-st hash --content http://host/m.safetensors",
+    "  stream-st inspect *.safetensors\n"
+    "  stream-st inspect --json s3://bucket/model.safetensors | jq .tensor_count\n"
+    "  stream-st inspect https://host/repo/model.safetensors.index.json\n"
+    "  cat model.safetensors | stream-st inspect -",
+    "ls": "stream-st ls model.safetensors\n  stream-st ls path/to/model-dir/ | grep q_proj",
+    "show": "stream-st show model.safetensors lm_head.weight\n"
+    "  stream-st show model.safetensors lm_head.weight --slice 0:2,0:8\n"
+    "  stream-st show --json model.safetensors embed.weight --slice 0 | jq .values",
+    "hash": "stream-st hash a.safetensors b.safetensors c.safetensors\n"
+    "  stream-st hash --content http://host/m.safetensors",
     "diff": "stream-st diff a.safetensors b.safetensors\n"
     "  stream-st diff --content --json a.safetensors s3://bucket/b.safetensors",
     "validate": "stream-st validate model.safetensors\n"
+    "  stream-st validate path/to/model-dir/\n"
     "  stream-st validate --expect-shapes shapes.json \\\n"
     "      --expect-layers q_proj,k_proj,v_proj,o_proj model.safetensors",
     "cp": "stream-st cp s3://bucket/model.safetensors model.safetensors\n"
+    "  stream-st cp model.safetensors - | ssh host stream-st cp - /dst/model.safetensors\n"
     "  stream-st cp --dtype bf16 model.safetensors http://host/upload/model-bf16.safetensors\n"
-    "  stream-st cp --quantize int8 --include lm_head.weight m.safetensors tcp://peer:9000",
+    "  stream-st cp --quantize int8 --include lm_head.weight m.safetensors tcp://peer:9000\n"
+    "  stream-st cp --dequantize q8.safetensors restored.safetensors",
     "demo": "stream-st demo\n  stream-st demo --layers 4 --seq 512 --codecs none,int4",
+    "completion": "stream-st completion bash > ~/.local/share/bash-completion/completions/"
+    "stream-st\n  stream-st completion zsh > ~/.zfunc/_stream-st",
 }
 
 
@@ -353,12 +541,13 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="stream-st",
-        description="Read and write safetensors files as streams. "
-        "Sources: paths, http(s)://, s3://, hf://, tcp://, *.index.json.",
+        description="Read and write safetensors files as streams. Sources: paths, "
+        "model directories, http(s)://, s3://, hf://, tcp://, *.index.json, - (stdin).",
         epilog="exit status: 0 success, 1 different/invalid, 2 error, 3 internal error (a bug),\n"
         "  130 interrupted, 141 output pipe closed early",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(
@@ -372,6 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         sub.set_defaults(handler=handler)
+        if name == "completion":
+            return sub
         limits = sub.add_argument_group("time limits (seconds; none by default)")
         limits.add_argument("--timeout", type=float, help="the longest any one wait may last")
         limits.add_argument("--deadline", type=float, help="the longest the whole command may take")
@@ -389,33 +580,38 @@ def build_parser() -> argparse.ArgumentParser:
         )
         return sub
 
-    demo = command(
-        "demo", "stream a KV cache over loopback TCP and check it (default)", _demo_command
-    )
-    demo.add_argument("--layers", type=int, default=22, help="number of layers (default 22)")
-    demo.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
-    demo.add_argument(
-        "--codecs", default="none,int8,int4", help="codecs to run, in order (none,int8,int4)"
-    )
-
     inspect = command("inspect", "show the header: tensors, sizes, parameters, metadata", _inspect)
-    inspect.add_argument("source")
-    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.add_argument("sources", nargs="+", metavar="SOURCE", help=SOURCES)
+    inspect.add_argument("--json", action="store_true", help="one JSON record per source")
+
+    listing = command("ls", "list tensor names, one per line", _ls)
+    listing.add_argument("sources", nargs="+", metavar="SOURCE", help=SOURCES)
+
+    show = command("show", "print a tensor's values (summarized when big)", _show)
+    show.add_argument("source", help="file, directory, URL or - (stdin)")
+    show.add_argument("name", help="the tensor's name")
+    show.add_argument(
+        "--slice", type=_index, metavar="INDEX", help="numpy-style indices, e.g. 0:4 or 1,0:8"
+    )
+    show.add_argument("--json", action="store_true", help="the values as one JSON record")
 
     hashing = command("hash", "structural hash of the header; --content hashes the data", _hash)
-    hashing.add_argument("source")
+    hashing.add_argument("sources", nargs="+", metavar="SOURCE", help=SOURCES)
     hashing.add_argument("--content", action="store_true", help="also hash the data, streamed")
     hashing.add_argument(
         "--file", action="store_true", help="also the sha256 of the file's bytes (as sha256sum)"
     )
+    hashing.add_argument("--json", action="store_true", help="one JSON record per source")
 
     differ = command("diff", "compare two files: tensors, metadata; --content the bytes", _diff)
     differ.add_argument("a")
     differ.add_argument("b")
     differ.add_argument("--content", action="store_true", help="also compare common tensors' bytes")
+    differ.add_argument("--json", action="store_true", help="machine-readable output")
 
     check = command("validate", "stream every tensor: statistics, NaN/Inf, expectations", _validate)
-    check.add_argument("source")
+    check.add_argument("sources", nargs="+", metavar="SOURCE", help=SOURCES)
+    check.add_argument("--json", action="store_true", help="one JSON record per source")
     check.add_argument("--expect-shapes", metavar="JSON", help="file mapping names to shapes")
     check.add_argument(
         "--expect-layers", metavar="PARTS", help="comma-separated parts every layer must have"
@@ -425,26 +621,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     copy = command("cp", "stream-copy between any source and destination", _cp)
-    copy.add_argument("src")
-    copy.add_argument("dst", help="path, file://, tcp://host:port, http(s):// (PUT), s3://")
+    copy.add_argument("src", help="file, directory, URL or - (stdin)")
+    copy.add_argument(
+        "dst", help="path, file://, tcp://host:port, http(s):// (PUT), s3://, - (stdout)"
+    )
     copy.add_argument(
         "--include", action="append", metavar="NAME", help="copy only this tensor (repeatable)"
     )
+    converting = copy.add_mutually_exclusive_group()
     copy.add_argument(
         "--dtype", choices=("bf16", "f16", "f32"), help="convert floating-point tensors"
     )
-    copy.add_argument(
+    converting.add_argument(
         "--quantize", choices=("int8",), help="per-tensor symmetric int8, scales as siblings"
     )
     copy.add_argument(
         "--checksums", action="store_true", help="record each tensor's digest (xxh3-128)"
     )
+    converting.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="restore floating-point tensors from int8/int4 codes (to --dtype if given)",
+    )
 
-    for sub in (hashing, differ, check):
-        sub.add_argument("--json", action="store_true", help="machine-readable output")
+    demo = command("demo", "stream a KV cache over loopback TCP and check it", _demo_command)
+    demo.add_argument("--layers", type=int, default=22, help="number of layers (default 22)")
+    demo.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    demo.add_argument(
+        "--codecs", default="none,int8,int4", help="codecs to run, in order (none,int8,int4)"
+    )
+
+    completion = command("completion", "print a shell completion script (needs shtab)", _completion)
+    completion.add_argument("shell", choices=("bash", "zsh", "tcsh"))
+
     for sub in (hashing, differ, check, copy):
         sub.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    for sub in (inspect, hashing, differ, check, copy):
+    for sub in (inspect, listing, show, hashing, differ, check, copy):
         remote = sub.add_argument_group("remote sources and destinations")
         remote.add_argument(
             "-H",
@@ -470,9 +682,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stream-st`` command; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    if args.command is None:
-        args = build_parser().parse_args(["demo"])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # a bare command shows what it can do
+        parser.print_help()
+        return EXIT_OK
     signing = unsigned_requests() if getattr(args, "no_sign_request", False) else nullcontext()
     try:
         with signing:

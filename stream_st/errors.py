@@ -73,14 +73,23 @@ class HeaderError(SafetensorsError, ValueError):
     """The length prefix or the JSON header does not follow the safetensors format."""
 
 
+IMPLAUSIBLE_HEADER_LENGTH = 1 << 32
+"""A declared header length from here up is no safetensors file's (the reference refuses more
+than 100 MB): the first 8 bytes of a text file, an archive or an executable read that way."""
+
+
 class HeaderTooLargeError(HeaderError):
     """The declared header length exceeds ``max_header_size``; nothing was allocated for it."""
 
     def __init__(self, declared: int, limit: int) -> None:
-        super().__init__(
-            f"header length {declared} bytes exceeds the limit of {limit} bytes "
-            "(raise max_header_size if the file is trusted)"
-        )
+        if declared >= IMPLAUSIBLE_HEADER_LENGTH:
+            message = "not a safetensors file (its first 8 bytes are not a header length)"
+        else:
+            message = (
+                f"header length {declared} bytes exceeds the limit of {limit} bytes "
+                "(raise max_header_size if the file is trusted)"
+            )
+        super().__init__(message)
         self.declared = declared
         self.limit = limit
 

@@ -2,7 +2,11 @@
 
 Each takes any source :func:`~stream_st.open_stream` takes (a path, ``http(s)://``, ``s3://``,
 ``tcp://``, a sharded ``*.index.json``) and works in constant memory: one tensor at a time.
-``progress``, where accepted, is called with ``(bytes_done, tensors_done)`` as data moves.
+``progress``, where accepted, is called with ``(bytes_done, tensors_done)`` as data moves; if it
+also has a ``totals`` method, that is called once with ``(bytes, tensors)`` to expect, as soon as
+the headers are read (so a progress bar needs no look-up of its own, and works on a pipe or a
+``tcp://`` peer, which give their bytes once). :func:`model_sources` turns a local model
+directory into the sources it holds.
 Each takes the options of :func:`~stream_st.open_stream` (``timeout``, ``deadline``,
 ``speed_limit``, ``speed_time``, ``headers``, ``ssl_context``), which apply to the whole command:
 every source and destination it opens.
@@ -25,19 +29,20 @@ import numpy as np
 
 from ._limits import Clock, TransportOptions, checked_number, clock_of
 from ._util import task_group
-from .codecs import get_codec, to_bfloat16
+from .codecs import Codec, codec_from_metadata, get_codec, to_bfloat16
 from .dtypes import dtype_from_code, wire_bytes
-from .errors import IntegrityError, TensorNotFoundError, UsageError
+from .errors import IntegrityError, SourceNotFoundError, TensorNotFoundError, UsageError
 from .header import Header, TensorInfo, TensorSpec
 from .integrity import ALGORITHM_KEY, DEFAULT_ALGORITHM, Digests, algorithm_named
 from .reader import Include, TensorStream, header_of, stream_for
-from .sharded import ShardedStream, is_index, shard_headers
+from .sharded import INDEX_SUFFIX, MANIFEST_NAME, ShardedStream, is_index, shard_headers
 from .sinks import SinkLike
 from .sources import SourceLike, open_source
 from .writer import TensorWriter
 
 __all__ = [
     "CONVERTIBLE",
+    "Copy",
     "Diff",
     "Inspection",
     "TensorStats",
@@ -47,12 +52,14 @@ __all__ = [
     "diff",
     "hash",
     "inspect",
+    "model_sources",
     "structural_hash",
     "validate",
 ]
 
 Progress = Callable[[int, int], None]
-"""Called with (bytes done, tensors done)."""
+"""Called with (bytes done, tensors done); an optional ``totals(bytes, tensors)`` method is told
+what to expect once the headers are known."""
 
 _STATS_CHUNK = 1 << 22
 """Statistics are accumulated over this many values at a time (bounded scratch memory)."""
@@ -74,6 +81,34 @@ async def headers_of(source: SourceLike, clock: Clock) -> list[Header]:
 
 def _tensors(headers: Iterable[Header]) -> list[TensorInfo]:
     return [info for header in headers for info in header]
+
+
+def _expect(progress: Progress | None, tensors: Sequence[TensorInfo]) -> None:
+    """Tell ``progress`` (if it has a ``totals`` method) the bytes and tensors to come."""
+    totals = getattr(progress, "totals", None)
+    if totals is not None:
+        totals(sum(t.nbytes for t in tensors), len(tensors))
+
+
+def model_sources(path: str) -> list[str]:
+    """The sources a command argument names: ``path`` itself, or for a local directory its index
+    (``*.safetensors.index.json`` or ``dataset_manifest.json``) when it holds exactly one, else
+    every ``*.safetensors`` file in it, in name order. A directory with neither raises
+    :class:`~stream_st.SourceNotFoundError`."""
+    if not os.path.isdir(path):
+        return [path]
+    names = sorted(os.listdir(path))
+    indexes = [n for n in names if n.endswith(".safetensors" + INDEX_SUFFIX) or n == MANIFEST_NAME]
+    if len(indexes) == 1:
+        return [os.path.join(path, indexes[0])]
+    files = [os.path.join(path, n) for n in names if n.endswith(".safetensors")]
+    if len(indexes) > 1 and files:
+        raise UsageError(f"{path} holds several indexes ({', '.join(indexes)}): name one")
+    if not files:
+        raise SourceNotFoundError(
+            "no safetensors files in this directory (no *.safetensors, no index)", url=path
+        )
+    return files
 
 
 def _merged_metadata(headers: Sequence[Header]) -> dict[str, str]:
@@ -198,7 +233,8 @@ async def content_digests(
 ) -> dict[str, str]:
     """sha256 (hex) of each tensor's bytes, streamed one tensor at a time."""
     selected = None if include is None else list(include)
-    async with _opened(source, _clock(options), include=selected) as (stream, _):
+    async with _opened(source, _clock(options), include=selected) as (stream, headers):
+        _expect(progress, [t for t in _tensors(headers) if _included(selected, t.name)])
         return await _digest_stream(stream, progress)
 
 
@@ -228,6 +264,7 @@ async def hash(  # the command's name (shadows the builtin only inside this modu
     else:
         async with _opened(source, clock) as (stream, headers):
             result = _structure(source, headers)
+            _expect(progress, _tensors(headers))
             result["content_hash"] = _combined_content(await _digest_stream(stream, progress))
     if file:
         result["file_sha256"] = await _file_sha256(source, clock)
@@ -312,14 +349,16 @@ async def diff(
         result, common = _compare(headers_a, headers_b)
         if content:
             compared.update(common)
+            _expect(progress, [t for t in _tensors([*headers_a, *headers_b]) if t.name in compared])
             digests: list[dict[str, str]] = [{}, {}]
             totals = [0, 0]
+            counts = [0, 0]
 
             def report(side: int) -> Progress:
                 def update(done_bytes: int, done: int) -> None:
-                    totals[side] = done_bytes
+                    totals[side], counts[side] = done_bytes, done
                     if progress is not None:
-                        progress(totals[0] + totals[1], done)
+                        progress(totals[0] + totals[1], counts[0] + counts[1])
 
                 return update
 
@@ -502,6 +541,7 @@ async def _validate_stream(
             result.errors.append(f"{name}: shape {list(infos[name].shape)}, expected {list(shape)}")
     result.errors.extend(check_layers(infos, expect_layers))
     algorithms = {h.metadata[ALGORITHM_KEY] for h in headers if ALGORITHM_KEY in h.metadata}
+    _expect(progress, list(infos.values()))
     done_bytes = 0
     try:
         async for name, array in stream:
@@ -552,12 +592,141 @@ CONVERTIBLE = ("F16", "BF16", "F32", "F64")
 
 _TARGETS = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
 
+_QUANTIZED_KEY = "quantized_tensors"
+"""``__metadata__`` key ``cp`` records the number of quantized tensors under."""
+
+
+@dataclass
+class Copy:
+    """What :func:`cp` wrote: the header, and how many tensors it converted, quantized or
+    dequantized (0 when every tensor was copied as it is)."""
+
+    header: Header
+    converted: int
+
 
 def _convert(array: np.ndarray[Any, Any], code: str) -> np.ndarray[Any, Any]:
     if code == "BF16":
         return to_bfloat16(array)  # round to nearest even, never truncation
     converted: np.ndarray[Any, Any] = array.astype(dtype_from_code(code).numpy)
     return converted
+
+
+def _target_dtype(dtype: str | None) -> str | None:
+    """The dtype code ``cp``'s ``dtype=`` names (``None`` for none)."""
+    if dtype is None:
+        return None
+    target = _TARGETS.get(dtype.lower())
+    if target is None:
+        raise UsageError(f"dtype must be one of {', '.join(_TARGETS)}, not {dtype!r}")
+    return target
+
+
+def _quantized_by(metadata: Mapping[str, str]) -> Codec | None:
+    """The codec a file's ``__metadata__`` says its tensors were quantized with, if any."""
+    codec = codec_from_metadata(metadata)
+    return None if codec.key == "none" else codec
+
+
+class _Plan:
+    """How ``cp`` turns each source tensor into the tensors it writes: as it is, converted to
+    ``target``, quantized with ``encoder`` or dequantized from ``decoder``'s wire tensors."""
+
+    def __init__(
+        self,
+        wanted: Sequence[TensorInfo],
+        metadata: dict[str, str],
+        target: str | None,
+        encoder: Codec | None,
+        decoder: Codec | None,
+    ) -> None:
+        self.target, self.encoder, self.decoder = target, encoder, decoder
+        self.specs: list[TensorSpec] = []
+        self.changed: set[str] = set()  # source tensors converted or quantized
+        self.parts: dict[str, str] = {}  # decoder: wire tensor -> the tensor it rebuilds
+        names = {t.name for t in wanted}
+        recorded = _ORIGINAL.get(metadata.get("original_dtype", ""), "F32")
+        self.out_dtype = target or recorded  # of the tensors rebuilt from wire tensors
+        for info in wanted:
+            if decoder is not None:
+                wire = decoder.part_names(info.name)
+                if all(part in names for part in wire):
+                    self.parts.update(dict.fromkeys(wire, info.name))
+                    shape = _decoded_shape(decoder, info)
+                    self.specs.append(TensorSpec(info.name, self.out_dtype, shape))
+                elif info.name not in self.parts:
+                    self.specs.append(TensorSpec(info.name, info.dtype, info.shape))
+            elif info.dtype in CONVERTIBLE and encoder is not None:
+                self.specs.extend(encoder.specs(info.name, info.shape, info.dtype))
+                self.changed.add(info.name)
+            elif info.dtype in CONVERTIBLE and target is not None and info.dtype != target:
+                self.specs.append(TensorSpec(info.name, target, info.shape))
+                self.changed.add(info.name)
+            else:
+                self.specs.append(TensorSpec(info.name, info.dtype, info.shape))
+        rebuilt = self.rebuilt  # a wire tensor planned before its whole was known goes
+        self.specs = [s for s in self.specs if s.name not in self.parts or s.name in rebuilt]
+        self.metadata = self._metadata(metadata, wanted)
+
+    @property
+    def rebuilt(self) -> set[str]:
+        """The tensors rebuilt from wire tensors."""
+        return set(self.parts.values())
+
+    @property
+    def converted(self) -> int:
+        return len(self.changed) + len(self.rebuilt)
+
+    def _metadata(self, metadata: dict[str, str], wanted: Sequence[TensorInfo]) -> dict[str, str]:
+        if self.decoder is not None:
+            for key in [*self.decoder.metadata("float32"), _QUANTIZED_KEY]:
+                metadata.pop(key, None)
+            return metadata
+        if self.encoder is not None:
+            metadata.update(self.encoder.metadata())
+            metadata[_QUANTIZED_KEY] = str(len(self.changed))
+            kinds = {t.dtype for t in wanted if t.name in self.changed}
+            if len(kinds) == 1:  # what --dequantize restores
+                metadata["original_dtype"] = dtype_from_code(kinds.pop()).numpy.name
+            else:
+                metadata.pop("original_dtype", None)
+        if self.target is not None and self.changed:
+            note = ", round to nearest even)" if self.target == "BF16" else ")"
+            metadata["converted_to"] = f"{self.target} ({len(self.changed)} tensors{note}"
+        return metadata
+
+    async def parts_of(
+        self, name: str, array: np.ndarray[Any, Any], pending: dict[str, dict[str, Any]]
+    ) -> list[tuple[str, np.ndarray[Any, Any]]]:
+        """The tensors to write for the source tensor ``name``; wire tensors are held in
+        ``pending`` until every part of theirs has come."""
+        if self.decoder is not None and name in self.parts:
+            whole = self.parts[name]
+            got = pending.setdefault(whole, {})
+            got[name] = array
+            if len(got) < len(self.decoder.part_names(whole)):
+                return []
+            del pending[whole]
+            decoded = await anyio.to_thread.run_sync(
+                self.decoder.decode, whole, got, dtype_from_code(self.out_dtype).numpy
+            )
+            return [(whole, decoded)]
+        if name in self.changed and self.encoder is not None:
+            return self.encoder.encode(name, array)
+        if name in self.changed and self.target is not None:
+            return [(name, await anyio.to_thread.run_sync(_convert, array, self.target))]
+        return [(name, array)]
+
+
+_ORIGINAL = {dtype_from_code(code).numpy.name: code for code in CONVERTIBLE}
+"""The dtype codes of the numpy names ``original_dtype`` is written with."""
+
+
+def _decoded_shape(codec: Codec, info: TensorInfo) -> tuple[int, ...]:
+    """The shape of the tensor whose first wire tensor is ``info``."""
+    if codec.key == "int4":  # two codes per byte along the last axis
+        return (*info.shape[:-1], info.shape[-1] * 2)
+    return tuple(info.shape)
 
 
 async def cp(
@@ -567,18 +736,23 @@ async def cp(
     include: Include = None,
     dtype: str | None = None,
     quantize: str | None = None,
+    dequantize: bool = False,
     checksums: bool | str | None = None,
     progress: Progress | None = None,
     **options: Unpack[TransportOptions],
-) -> Header:
+) -> Copy:
     """Copy ``src`` to ``dst`` as a stream, tensor by tensor, never holding the whole file.
 
     ``include`` selects tensors. ``dtype`` (``"bf16"``, ``"f16"``, ``"f32"``) converts every
-    floating-point tensor (BF16 rounds to nearest even). ``quantize="int8"`` stores every
-    floating-point tensor as I8 codes plus a sibling F32 ``<name>.scale`` (symmetric, per tensor:
-    ``scale = 127 / max|x|``, ``x ~= code / scale``), recorded in ``__metadata__``. Other tensors
-    are copied as they are. A copy that fails or is interrupted leaves nothing at ``dst``.
-    Returns the header written.
+    floating-point tensor not of that dtype yet (BF16 rounds to nearest even).
+    ``quantize="int8"`` stores every floating-point tensor as I8 codes plus a sibling F32
+    ``<name>.scale`` (symmetric, per tensor: ``scale = 127 / max|x|``, ``x ~= code / scale``),
+    recorded in ``__metadata__``; a source whose metadata says it is quantized already is
+    refused. ``dequantize`` rebuilds the floating-point tensors of a source quantized with the
+    int8 or int4 codec (its ``__metadata__`` names it) as their ``original_dtype`` (F32 when
+    unrecorded, or ``dtype``). Other tensors are copied as they are, and a copy that changes
+    nothing is byte-identical to a source written in offset order (the reference writer's).
+    A copy that fails or is interrupted leaves nothing at ``dst``.
 
     The source's digests, if it has some, are verified as it is read: a tensor that fails
     leaves nothing at ``dst``. ``checksums`` (True or an algorithm's name) records digests in
@@ -586,64 +760,45 @@ async def cp(
     digests of tensors copied as they are go out with the header, so any destination takes them;
     digests to compute need a destination that can be patched at the end (a file, S3).
     """
-    if dtype is not None and quantize is not None:
-        raise UsageError("choose one of dtype= and quantize=")
-    target = None
-    if dtype is not None:
-        target = _TARGETS.get(dtype.lower())
-        if target is None:
-            raise UsageError(f"dtype must be one of {', '.join(_TARGETS)}, not {dtype!r}")
-    codec = None
+    if quantize is not None and (dtype is not None or dequantize):
+        raise UsageError("choose one of dtype=, quantize= and dequantize=")
+    target = _target_dtype(dtype)
+    encoder = None
     if quantize is not None:
         if quantize.lower() != "int8":
             raise UsageError(f"quantize supports int8, not {quantize!r}")
-        codec = get_codec("int8")
+        encoder = get_codec("int8")
     clock = _clock(options)
     async with _opened(src, clock, include=include) as (stream, headers):
-        wanted = [t for t in _tensors(headers) if _included(include, t.name)]
-        plan: list[TensorSpec] = []
-        converted = 0
-        for info in wanted:
-            if info.dtype in CONVERTIBLE and codec is not None:
-                plan.extend(codec.specs(info.name, info.shape, info.dtype))
-                converted += 1
-            elif info.dtype in CONVERTIBLE and target is not None:
-                plan.append(TensorSpec(info.name, target, info.shape))
-                converted += 1
-            else:
-                plan.append(TensorSpec(info.name, info.dtype, info.shape))
         metadata = {
             k: v for k, v in _merged_metadata(headers).items() if not k.startswith(ALGORITHM_KEY)
         }
-        digests = _copied_digests(checksums, headers, [t.name for t in wanted], converted > 0)
-        if codec is not None:
-            metadata.update(codec.metadata())
-            metadata["quantized_tensors"] = str(converted)
-            metadata.pop("original_dtype", None)
-        if target is not None:
-            metadata["converted_to"] = f"{target} ({converted} floating-point tensors"
-            metadata["converted_to"] += ", round to nearest even)" if target == "BF16" else ")"
-        done_bytes = 0
+        decoder = _quantized_by(metadata) if encoder is not None or dequantize else None
+        if encoder is not None and decoder is not None:
+            raise UsageError(
+                f"the source is quantized already ({metadata['compression']} in __metadata__): "
+                "dequantize it first"
+            )
+        if dequantize and decoder is None:
+            raise UsageError("the source is not quantized (no compression in __metadata__)")
+        wanted = [t for t in _tensors(headers) if _included(include, t.name)]
+        plan = _Plan(wanted, metadata, target, encoder, decoder if dequantize else None)
+        digests = _copied_digests(checksums, headers, [t.name for t in wanted], plan.converted > 0)
+        _expect(progress, wanted)
+        done_bytes = done = 0
+        pending: dict[str, dict[str, Any]] = {}
         async with TensorWriter(
-            dst, plan, metadata=metadata, checksums=digests, clock=clock
+            dst, plan.specs, metadata=plan.metadata or None, checksums=digests, clock=clock
         ) as writer:
-            kinds = {t.name: t.dtype for t in wanted}
-            done = 0
             async for name, array in stream:
-                if kinds[name] in CONVERTIBLE and codec is not None:
-                    parts = codec.encode(name, array)
-                elif kinds[name] in CONVERTIBLE and target is not None:
-                    parts = [(name, await anyio.to_thread.run_sync(_convert, array, target))]
-                else:
-                    parts = [(name, array)]
-                for part_name, part in parts:
+                for part_name, part in await plan.parts_of(name, array, pending):
                     await writer.write(part_name, part)
                 done_bytes += array.nbytes
                 done += 1
                 if progress is not None:
                     progress(done_bytes, done)
-                del array, parts
-        return writer.header
+                del array
+        return Copy(writer.header, plan.converted)
 
 
 def _copied_digests(

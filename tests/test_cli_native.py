@@ -1,0 +1,278 @@
+"""The stream-st command behaves as users of coreutils, jq and sha256sum expect: subprocesses
+through the real entry point, with real files, pipes, FIFOs and a terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st
+
+from .test_cli import COMMAND, _run_with_stdin
+
+TENSORS: dict[str, np.ndarray[Any, Any]] = {
+    "embed.weight": np.arange(12, dtype=np.float32).reshape(3, 4),
+    "layers.0.q_proj.weight": np.linspace(-1, 1, 1024, dtype=np.float32).reshape(32, 32),
+    "positions": np.arange(5, dtype=np.int64),
+}
+
+
+def run(
+    *args: str, stdin: Any = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [COMMAND, *args],
+        stdin=stdin,
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture
+def plain(tmp_path: Path) -> Path:
+    """A file without metadata, as the reference writes it."""
+    path = tmp_path / "plain.safetensors"
+    reference_numpy.save_file(TENSORS, str(path))
+    return path
+
+
+def test_version_and_bare_command_prints_help() -> None:
+    version = run("--version")
+    assert version.returncode == 0
+    assert version.stdout.decode().strip() == f"stream-st {stream_st.__version__}"
+    assert stream_st.__version__ != "0+unknown"  # from the installed package's metadata
+    bare = run()
+    assert bare.returncode == 0 and b"usage: stream-st" in bare.stdout
+    assert b"inspect" in bare.stdout and b"KV cache" in bare.stdout  # the commands, not the demo
+    assert b"layer" not in bare.stderr
+
+
+def test_dash_is_stdin_and_stdout_through_a_pipe(plain: Path, tmp_path: Path) -> None:
+    """`stream-st cp model - | stream-st cp - dst`: both ends of a pipe."""
+    dst = tmp_path / "dst.safetensors"
+    sender = subprocess.Popen([COMMAND, "cp", "-q", str(plain), "-"], stdout=subprocess.PIPE)
+    assert sender.stdout is not None
+    receiver = run("cp", "-", str(dst), stdin=sender.stdout)
+    sender.stdout.close()
+    assert sender.wait(timeout=60) == 0 and receiver.returncode == 0, receiver.stderr
+    assert dst.read_bytes() == plain.read_bytes()
+    assert not (Path.cwd() / "-").exists()
+    with plain.open("rb") as stdin:  # a regular file as stdin, and a regular file as stdout
+        inspected = run("inspect", "--json", "-", stdin=stdin)
+    assert json.loads(inspected.stdout)["tensor_count"] == 3
+    redirected = tmp_path / "redirected.safetensors"
+    with redirected.open("wb") as stdout:
+        copied = subprocess.run([COMMAND, "cp", str(plain), "-"], stdout=stdout, timeout=60)
+    assert copied.returncode == 0 and redirected.read_bytes() == plain.read_bytes()
+
+
+def test_dev_stdin_and_a_fifo_are_sources(plain: Path, tmp_path: Path) -> None:
+    data = plain.read_bytes()
+    piped = subprocess.run(
+        [COMMAND, "inspect", "/dev/stdin"], input=data, capture_output=True, timeout=60
+    )
+    assert piped.returncode == 0 and b"3 tensors" in piped.stdout, piped.stderr
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def feed() -> None:
+        with fifo.open("wb") as f:
+            f.write(data)
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    listed = run("ls", str(fifo))
+    writer.join(timeout=60)
+    assert sorted(listed.stdout.decode().split()) == sorted(TENSORS)
+
+
+def test_several_sources_one_line_or_record_each(plain: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other.safetensors"
+    reference_numpy.save_file({"x": np.zeros(2, np.float16)}, str(other))
+    hashed = run("hash", str(plain), str(other))
+    lines = hashed.stdout.decode().splitlines()
+    assert hashed.returncode == 0 and len(lines) == 2
+    assert lines[0].endswith(f"  {plain}") and lines[1].endswith(f"  {other}")
+    records = run("inspect", "--json", str(plain), str(other)).stdout.decode().splitlines()
+    assert [json.loads(r)["tensor_count"] for r in records] == [3, 1]
+    validated = run("validate", "--json", "-q", str(plain), str(other))
+    assert [json.loads(r)["ok"] for r in validated.stdout.decode().splitlines()] == [True, True]
+    # One that fails is reported on one line; the others are still done; the status says so.
+    missing = tmp_path / "missing.safetensors"
+    mixed = run("hash", str(plain), str(missing), str(other))
+    assert mixed.returncode == 2 and len(mixed.stdout.decode().splitlines()) == 2
+    assert mixed.stderr.decode().count("\n") == 1 and "missing.safetensors" in str(mixed.stderr)
+
+
+def test_a_model_directory_is_accepted_where_a_file_is(plain: Path, tmp_path: Path) -> None:
+    single = tmp_path / "single"
+    single.mkdir()
+    shutil.copy(plain, single / "model.safetensors")
+    assert sorted(run("ls", str(single)).stdout.decode().split()) == sorted(TENSORS)
+    out = tmp_path / "from-dir.safetensors"
+    assert run("cp", "-q", str(single), str(out)).returncode == 0
+    assert out.read_bytes() == plain.read_bytes()
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    names = sorted(TENSORS)
+    weight_map = {}
+    for i, name in enumerate(names):
+        shard = f"model-{i + 1:05d}-of-{len(names):05d}.safetensors"
+        reference_numpy.save_file({name: TENSORS[name]}, str(sharded / shard))
+        weight_map[name] = shard
+    index = {"metadata": {}, "weight_map": weight_map}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    found = json.loads(run("inspect", "--json", str(sharded)).stdout)
+    assert found["shards"] == 3 and found["tensor_count"] == 3
+    assert run("validate", "-q", str(sharded)).returncode == 0
+    (sharded / "model.safetensors.index.json").unlink()  # no index: each file on its own
+    assert len(run("hash", str(sharded)).stdout.decode().splitlines()) == 3
+    several = run("cp", str(sharded), str(tmp_path / "x.safetensors"))
+    assert several.returncode == 2 and b"name one of them" in several.stderr
+
+
+def test_errors_say_what_is_wrong_in_one_line(tmp_path: Path) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("these are notes, not tensors\n" * 10)
+    archive = tmp_path / "pytorch_model.bin"
+    archive.write_bytes(b"PK\x03\x04\x14\x00\x00\x00" + bytes(200))
+    for path in (text, archive):
+        result = run("inspect", str(path))
+        err = result.stderr.decode()
+        assert result.returncode == 2 and err.count("\n") == 1
+        assert "not a safetensors file" in err and str(path) in err
+        assert "header length" not in err.replace("not a header length", "")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run("validate", str(empty))
+    assert result.returncode == 2 and b"no safetensors files" in result.stderr
+    assert result.stderr.count(b"\n") == 1
+
+
+def test_cp_without_metadata_is_byte_identical(plain: Path, tmp_path: Path) -> None:
+    out = tmp_path / "copy.safetensors"
+    assert run("cp", str(plain), str(out)).returncode == 0
+    assert out.read_bytes() == plain.read_bytes()  # no "__metadata__":{} added
+
+
+def test_overwriting_keeps_the_destinations_permission_bits(plain: Path, tmp_path: Path) -> None:
+    out = tmp_path / "shared.safetensors"
+    out.write_bytes(b"old")
+    out.chmod(0o640)
+    assert run("cp", str(plain), str(out)).returncode == 0
+    assert stat.S_IMODE(out.stat().st_mode) == 0o640 and out.read_bytes() == plain.read_bytes()
+
+
+def test_quantize_refuses_quantized_and_dequantize_restores(plain: Path, tmp_path: Path) -> None:
+    q8 = tmp_path / "q8.safetensors"
+    quantized = run("cp", "--quantize", "int8", str(plain), str(q8))
+    assert quantized.returncode == 0 and b"2 quantized" in quantized.stderr
+    again = tmp_path / "again.safetensors"
+    refused = run("cp", "--quantize", "int8", str(q8), str(again))
+    assert refused.returncode == 2 and b"quantized already" in refused.stderr
+    assert not again.exists()
+    restored = tmp_path / "restored.safetensors"
+    back = run("cp", "--dequantize", str(q8), str(restored))
+    assert back.returncode == 0 and b"2 dequantized" in back.stderr
+    found = reference_numpy.load_file(str(restored))
+    assert sorted(found) == sorted(TENSORS)
+    for name, array in TENSORS.items():
+        assert found[name].dtype == array.dtype and found[name].shape == array.shape
+        np.testing.assert_allclose(found[name], array, atol=np.abs(array).max() / 127)
+    assert run("inspect", "--json", str(restored)).stdout.count(b"compression") == 0
+    not_quantized = run("cp", "--dequantize", str(plain), str(tmp_path / "n.safetensors"))
+    assert not_quantized.returncode == 2 and b"not quantized" in not_quantized.stderr
+
+
+def test_dequantize_int4_kv_transfer(tmp_path: Path) -> None:
+    """A KV file written with the int4 codec (its steps in `<name>.scales`) comes back as F16."""
+    codec = stream_st.codecs.get_codec("int4")
+    key = np.linspace(-2, 2, 2 * 128, dtype=np.float16).reshape(2, 128)
+    parts = dict(codec.encode("layer_0_key", key))
+    q4 = tmp_path / "q4.safetensors"
+    reference_numpy.save_file(parts, str(q4), metadata=codec.metadata(np.float16))
+    out = tmp_path / "f16.safetensors"
+    assert run("cp", "-q", "--dequantize", str(q4), str(out)).returncode == 0
+    restored = reference_numpy.load_file(str(out))["layer_0_key"]
+    assert restored.dtype == np.float16 and restored.shape == key.shape
+    np.testing.assert_allclose(restored, key, atol=2 / 7)
+
+
+def test_dtype_on_a_file_already_of_that_dtype_converts_nothing(tmp_path: Path) -> None:
+    f16 = tmp_path / "f16.safetensors"
+    reference_numpy.save_file({"w": np.ones((2, 2), np.float16)}, str(f16))
+    out = tmp_path / "out.safetensors"
+    result = run("cp", "--dtype", "f16", str(f16), str(out))
+    assert result.returncode == 0 and b"nothing converted to F16" in result.stderr
+    assert out.read_bytes() == f16.read_bytes()
+    to_f32 = run("cp", "--dtype", "f32", str(f16), str(tmp_path / "f32.safetensors"))
+    assert b"1 converted to F32" in to_f32.stderr
+
+
+def test_show_prints_values_and_json(plain: Path) -> None:
+    shown = run("show", str(plain), "embed.weight", "--slice", "0:2")
+    text = shown.stdout.decode()
+    assert shown.returncode == 0 and "[[0. 1. 2. 3.]\n [4. 5. 6. 7.]]" in text
+    record = json.loads(run("show", "--json", str(plain), "embed.weight", "--slice", "1").stdout)
+    assert record["values"] == [4.0, 5.0, 6.0, 7.0] and record["shape"] == [3, 4]
+    big = run("show", str(plain), "layers.0.q_proj.weight").stdout.decode()
+    assert "..." in big  # summarized, numpy-style
+    missing = run("show", str(plain), "nope")
+    assert missing.returncode == 2 and b"nope" in missing.stderr
+
+
+def test_ls_lists_names_one_per_line(plain: Path) -> None:
+    listed = run("ls", str(plain))
+    assert listed.returncode == 0 and sorted(listed.stdout.decode().split("\n")[:-1]) == sorted(
+        TENSORS
+    )
+
+
+def _serve_once(data: bytes) -> tuple[str, threading.Thread]:
+    """A tcp:// peer that sends ``data`` to its first connection."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def send() -> None:
+        with server, server.accept()[0] as peer:
+            peer.sendall(data)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return f"tcp://127.0.0.1:{port}", thread
+
+
+def test_plain_progress_lines_without_rich_with_totals_from_tcp(
+    plain: Path, tmp_path: Path
+) -> None:
+    """Without rich the command still works and prints plain progress lines; their totals come
+    from the header the command reads, so a tcp:// peer (read once) shows them too."""
+    hide = tmp_path / "no-rich"
+    hide.mkdir()
+    (hide / "rich.py").write_text("raise ImportError('rich is not installed')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])}
+    url, sender = _serve_once(plain.read_bytes())
+    result = _run_with_stdin(["validate", url], b"", terminal=True, env=env)
+    sender.join(timeout=60)
+    size = sum(a.nbytes for a in TENSORS.values()) / 1000  # decimal units, as inspect's
+    assert result.returncode == 0, result
+    assert f"validating: {size:.1f} kB of {size:.1f} kB, 3/3 tensors".encode() in result.stderr
+
+
+def test_shell_completion_scripts() -> None:
+    for shell, marker in (("bash", b"complete"), ("zsh", b"#compdef")):
+        script = run("completion", shell)
+        assert script.returncode == 0 and marker in script.stdout
+        assert b"--dequantize" in script.stdout and b"validate" in script.stdout

@@ -1,0 +1,146 @@
+"""The package as users get it: the wheel and the sdist built from this tree, each installed into
+a fresh virtual environment (offline: no index, the dependencies lent from this environment)."""
+
+from __future__ import annotations
+
+import email
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import venv
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+SKIP = shutil.ignore_patterns(
+    ".git",
+    ".*venv*",
+    "build",
+    "dist",
+    "site",
+    "*.egg-info",
+    "__pycache__",
+    ".*_cache",
+    ".hypothesis",
+)
+SDIST_NEEDS = [
+    "LICENSE",
+    "README.md",
+    "CHANGELOG.md",
+    "pyproject.toml",
+    "mkdocs.yml",
+    "tests/conftest.py",
+    "tests/_util.py",
+    "tests/http_server.py",
+    "tests/s3_server.py",
+    "tests/nginx_server.py",
+    "tests/proxy_server.py",
+    "tests/daemon.py",
+    "docs/benchmarks.md",
+]
+
+
+def _clean_env() -> dict[str, str]:
+    """This environment without the path that makes Python import this tree's code."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+
+
+def _check(args: list[str | Path], cwd: Path | None = None) -> str:
+    result = subprocess.run(
+        [str(a) for a in args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_clean_env(),
+    )
+    assert result.returncode == 0, f"{args}\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    """(wheel, sdist) built from a copy of this tree with its own setuptools (no isolation)."""
+    work = tmp_path_factory.mktemp("build")
+    tree = work / "tree"
+    shutil.copytree(ROOT, tree, ignore=SKIP)
+    out = work / "dist"
+    for hook in ("build_wheel", "build_sdist"):  # one process each: the hooks keep state
+        script = f"import sys; from setuptools import build_meta; build_meta.{hook}(sys.argv[1])"
+        _check([sys.executable, "-c", script, out], cwd=tree)
+    yield next(out.glob("*.whl")), next(out.glob("*.tar.gz"))
+
+
+def _fresh_venv(where: Path) -> Path:
+    """A new virtual environment whose only packages of its own are what gets installed into
+    it; numpy, anyio and the test tools come from this one through a path entry (never its
+    installed stream_st: that is found in the new one's site-packages first)."""
+    venv.create(where)  # pip and setuptools come lent, as the rest
+    python = where / "bin" / "python"
+    site = _check([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"])
+    lent = Path(np.__file__).resolve().parent.parent
+    (Path(site.strip()) / "lent-dependencies.pth").write_text(f"{lent}\n")
+    return python
+
+
+def _pip_install(python: Path, what: Path) -> None:
+    pip = ["-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-build-isolation"]
+    _check([python, *pip, what])
+
+
+def test_wheel_installs_with_license_metadata_and_version(
+    built: tuple[Path, Path], tmp_path: Path
+) -> None:
+    wheel, _ = built
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        meta_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        metadata = email.message_from_bytes(archive.read(meta_name))
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert "stream_st/py.typed" in names
+    assert metadata["Name"] == "stream-st" and metadata["License-Expression"] == "Apache-2.0"
+    requires = metadata.get_all("Requires-Dist") or []
+    core = sorted(r.split(">")[0] for r in requires if "extra ==" not in r)
+    assert core == ["anyio", "ml_dtypes", "numpy"]  # rich is in the cli extra
+    for extra in ("cli", "s3", "models", "docs"):  # no extra but dev brings torch
+        assert not [r for r in requires if f'extra == "{extra}"' in r and "torch" in r]
+    assert not [r for r in requires if r.startswith("torch") and "==" not in r]
+    assert metadata.get_all("Project-URL") and metadata.get_all("Classifier")
+    python = _fresh_venv(tmp_path / "venv")
+    _pip_install(python, wheel)
+    command = python.parent / "stream-st"
+    version = metadata["Version"]
+    assert _check([command, "--version"]).strip() == f"stream-st {version}"
+    show = "import stream_st; print(stream_st.__version__, stream_st.__file__)"
+    found = _check([python, "-c", show], cwd=tmp_path)  # not beside this tree's code
+    assert found.split()[0] == version  # from the installed metadata
+    assert Path(found.split()[1]).is_relative_to(tmp_path / "venv")  # the wheel's code
+    assert "usage: stream-st" in _check([command])
+
+
+def test_sdist_carries_its_tests_and_they_run(built: tuple[Path, Path], tmp_path: Path) -> None:
+    _, sdist = built
+    with tarfile.open(sdist) as archive:
+        archive.extractall(tmp_path, filter="data")
+    unpacked = tmp_path / sdist.name.removesuffix(".tar.gz")
+    missing = [name for name in SDIST_NEEDS if not (unpacked / name).is_file()]
+    assert not missing
+    python = _fresh_venv(tmp_path / "venv")
+    _pip_install(python, unpacked)
+    chosen = [
+        "tests/test_header.py",
+        "tests/test_cli_native.py::test_cp_without_metadata_is_byte_identical",
+        "tests/test_cli_native.py::test_version_and_bare_command_prints_help",
+        "tests/test_cli.py::test_cp_between_servers_and_interrupted_copy",  # the HTTP server
+    ]
+    pytest_args = ["-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider", *chosen]
+    out = _check([python, "-m", "pytest", *pytest_args], cwd=unpacked)
+    assert "[100%]" in out  # and the status said all passed
