@@ -36,6 +36,7 @@ import anyio.to_thread
 import numpy as np
 
 from ._util import AsyncClosing
+from .dataset import ShardEntry, manifest_document, shard_file_name
 from .dtypes import dtype_for, wire_bytes
 from .errors import SafetensorsError, TransportError, UsageError, WriterError
 from .header import TensorSpec, build_header
@@ -296,22 +297,11 @@ class DatasetWriter(_RollingWriter):
         await self._add_group(tensors, samples)
 
     def _shard_name(self, index: int) -> str:
-        return f"part-{self.task_id:05d}-{index:04d}-{self._uuid}.safetensors"
+        return shard_file_name(self.task_id, index, self._uuid)
 
     def _index(self) -> tuple[str, dict[str, Any]]:
-        shards = [
-            {"shard_path": name, "samples_count": samples, "bytes": size}
-            for name, size, samples, _ in self._sealed
-        ]
-        document = {
-            "format_version": "1.0",
-            "safetensors_version": "1.0",
-            "total_samples": sum(samples for _, _, samples, _ in self._sealed),
-            "total_bytes": sum(size for _, size, _, _ in self._sealed),
-            "shards": shards,
-            "schema": self._schema,
-        }
-        return MANIFEST_NAME, document
+        shards = [ShardEntry(name, samples, size) for name, size, samples, _ in self._sealed]
+        return MANIFEST_NAME, manifest_document(shards, self._schema)
 
 
 def open_sharded_writer(
