@@ -161,7 +161,6 @@ class _TaskWriter:
         self.tag = str(uuid.uuid4())  # a retried or speculative attempt writes other names
         self.shards: list[StagedShard] = []
         self.schema: dict[str, dict[str, Any]] = {}
-        anyio.run(_store.make_directory, staging)
 
     def seal(self, tensors: Mapping[str, Array], samples: int) -> None:
         name = shard_file_name(self.task, len(self.shards), self.tag)
@@ -260,6 +259,9 @@ class SafetensorsWriter(DataSourceArrowWriter):
         self.options = options
         self.overwrite = overwrite
         self.staging = _store.join(options.path, f"_temporary/{uuid.uuid4()}")
+        # Made here, before any task runs, and never by a task: once abort() has removed it, a
+        # task still running cannot write there any more, and removes what it wrote.
+        anyio.run(_store.make_directory, self.staging)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> ShardsWritten:
         task = _TaskWriter(self.options, self.staging)
