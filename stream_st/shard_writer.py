@@ -137,6 +137,10 @@ class _RollingWriter(AsyncClosing):
     """Shards rolled over at ``target_size`` bytes of data; subclasses name them and write the
     index."""
 
+    unique_names = True
+    """Whether a name may be written once in all; if not, once per shard (a group repeating a
+    name of the current shard starts the next one)."""
+
     def __init__(self, directory: str | os.PathLike[str], target_size: int) -> None:
         if target_size < 1:
             raise UsageError("the target shard size must be positive")
@@ -151,15 +155,20 @@ class _RollingWriter(AsyncClosing):
         if self._closed:
             raise UsageError("the writer is closed")
         arrays = {name: np.asarray(array) for name, array in tensors.items()}
+        current = self._current
+        repeats = current is not None and not current.names.isdisjoint(arrays)
         for name in arrays:
-            if name in self._written:
+            if name in (self._written if self.unique_names else ()):
                 raise WriterError(f"tensor {name!r} was already written", name=name)
         for array in arrays.values():
             dtype_for(array.dtype)  # refuses dtypes safetensors cannot carry, before any write
         size = sum(a.nbytes for a in arrays.values())
         try:
-            current = self._current
-            if current and current.specs and current.data_bytes + size > self.target_size:
+            if (
+                current
+                and current.specs
+                and (repeats or current.data_bytes + size > self.target_size)
+            ):
                 await self._seal()
                 current = None
             if current is None:
@@ -274,6 +283,8 @@ class ShardedWriter(_RollingWriter):
 class DatasetWriter(_RollingWriter):
     """A safetensors-spark style dataset; see :func:`open_dataset_writer`."""
 
+    unique_names = False  # batch mode: every shard holds the same columns
+
     def __init__(
         self, directory: str | os.PathLike[str], *, target_shard_size: int, task_id: int = 0
     ) -> None:
@@ -322,5 +333,7 @@ def open_dataset_writer(
     directory: str | os.PathLike[str], *, target_shard_size: int = 256 << 20, task_id: int = 0
 ) -> DatasetWriter:
     """Write a dataset into ``directory``: ``write_batch({name: array}, samples)`` per group, shards
-    rolled over at ``target_shard_size`` bytes of data, then ``dataset_manifest.json``."""
+    rolled over at ``target_shard_size`` bytes of data, or when a group repeats a name of the
+    current shard (batch mode: one batch of every column per shard), then
+    ``dataset_manifest.json``."""
     return DatasetWriter(directory, target_shard_size=target_shard_size, task_id=task_id)
