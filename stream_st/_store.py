@@ -1,15 +1,16 @@
 """Whole-object operations on a directory or an ``s3://`` prefix: list, write, move, remove.
 
-What a job that commits many files at once needs besides streaming them: list the files under a
-prefix, write a small object atomically, move a staged file into place, remove what an aborted job
-left. A plain path (or ``file://`` URL) uses the file system (a move is a rename); ``s3://`` uses the
-store's ListObjectsV2, CopyObject and DeleteObject over stream_st's own client and signing (a move is
-a server-side copy, then a delete). Other schemes are refused with
+What a job that commits many files at once needs besides streaming them: list the files under
+a prefix, write a small object atomically, move a staged file into place, remove what an aborted
+job left. A plain path (or ``file://`` URL) uses the file system (a move is a rename); ``s3://``
+uses the store's ListObjectsV2, CopyObject and DeleteObject over stream_st's own client and
+signing (a move is a server-side copy, then a delete). Other schemes are refused with
 :class:`~stream_st.UnsupportedSinkError`. Not public API.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from urllib.parse import quote
@@ -71,10 +72,8 @@ class _Bucket(S3Sink):
             self._headers = headers
 
     async def delete(self, key: str) -> None:
-        try:
+        with contextlib.suppress(HTTPNotFoundError):  # already gone
             await self._call("DELETE", "", key=key)
-        except HTTPNotFoundError:
-            pass  # already gone
 
     async def __aenter__(self) -> _Bucket:
         return self

@@ -150,9 +150,10 @@ async def describe_dataset(
     tensors, each with one leading sample dimension, and the manifest's schema names them.
     """
     address = os.fspath(address)
+    given = bool(is_index(address))
     manifest: Mapping[str, Any] = {}
-    if is_index(address) or MANIFEST_NAME in await _store.list_names(address):
-        where = address if is_index(address) else _store.join(address, MANIFEST_NAME)
+    if given or MANIFEST_NAME in await _store.list_names(address):
+        where = address if given else _store.join(address, MANIFEST_NAME)
         index = await ShardIndex.read(where, Clock())
         manifest = index.manifest
         names = list(index.shards)

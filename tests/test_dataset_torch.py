@@ -87,7 +87,9 @@ def test_streams_from_http_reading_only_the_selected_columns(dataset_dir: Path) 
         samples = list(data)
         assert labels(samples) == list(range(27)) and samples[0].keys() == {"label"}
         sent = sum(request[3] for request in server.requests)
-        assert sent < 27 * 256 * 256 // 4  # labels and headers (a 64 KiB first read each), no images
+        assert (
+            sent < 27 * 256 * 256 // 4
+        )  # labels and headers (a 64 KiB first read each), no images
 
 
 def test_kv_dataset_and_bad_rank_are_refused(tmp_path: Path) -> None:

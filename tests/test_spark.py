@@ -76,7 +76,8 @@ def images(spark: Any, rows: int, partitions: int = 2) -> DataFrame:
         for i in range(rows)
     ]
     schema = f"image {TENSOR}, label long, pair array<double>"
-    return spark.createDataFrame(data, schema).repartition(partitions)
+    frame: DataFrame = spark.createDataFrame(data, schema).repartition(partitions)
+    return frame
 
 
 def manifest(path: Path) -> dict[str, Any]:
@@ -95,14 +96,12 @@ def labels_of(path: Path) -> list[int]:
 def check_layout(path: Path) -> None:
     """The manifest has seed 003's fields, and every shard is there and as large as it says."""
     document = manifest(path)
-    assert SEED_FIELDS <= document.keys() and "schema" in document
+    assert document.keys() >= SEED_FIELDS and "schema" in document
     assert document["format_version"] == "1.0" and document["safetensors_version"] == "1.0"
     names = sorted(p.name for p in path.iterdir())
     shards = [s["shard_path"] for s in document["shards"]]
     assert all(set(s) == SHARD_FIELDS for s in document["shards"])
-    assert all(
-        (path / s["shard_path"]).stat().st_size == s["bytes"] for s in document["shards"]
-    )
+    assert all((path / s["shard_path"]).stat().st_size == s["bytes"] for s in document["shards"])
     assert document["total_bytes"] == sum(s["bytes"] for s in document["shards"])
     assert document["total_samples"] == sum(s["samples_count"] for s in document["shards"])
     extra = {"dataset_manifest.json", "_tensor_index.parquet"}
@@ -177,7 +176,8 @@ def test_read_prunes_columns_and_splits_large_shards(spark: Any, tmp_path: Path)
 
 def kv_frame(spark: Any, names: list[str]) -> DataFrame:
     data = [(name, [float(i)] * 3, i) for i, name in enumerate(names)]
-    return spark.createDataFrame(data, "name string, emb array<float>, n int").repartition(1)
+    frame: DataFrame = spark.createDataFrame(data, "name string, emb array<float>, n int")
+    return frame.repartition(1)
 
 
 def test_kv_mode_round_trip_rolls_shards_and_writes_the_index(spark: Any, tmp_path: Path) -> None:
@@ -208,7 +208,9 @@ def test_kv_mode_round_trip_rolls_shards_and_writes_the_index(spark: Any, tmp_pa
 def test_kv_shards_roll_over_at_the_target_size(spark: Any, tmp_path: Path) -> None:
     data = [(f"k{i}", bytearray(400_000)) for i in range(6)]
     frame = spark.createDataFrame(data, "name string, blob binary").repartition(1)
-    rows = frame.selectExpr("name", "struct(blob as data, array(400000) as shape, 'U8' as dtype) as t")
+    rows = frame.selectExpr(
+        "name", "struct(blob as data, array(400000) as shape, 'U8' as dtype) as t"
+    )
     rows.write.format("safetensors").option("name_col", "name").option(
         "target_shard_size_mb", 1
     ).option("kv_separator", "/").mode("overwrite").save(str(tmp_path))
@@ -252,9 +254,9 @@ def test_failed_task_leaves_nothing(spark: Any, tmp_path: Path) -> None:
 
 def test_overwrite_replaces_and_append_extends(spark: Any, tmp_path: Path) -> None:
     def write(rows: int, mode: str) -> None:
-        images(spark, rows, partitions=1).write.format("safetensors").option(
-            "batch_size", 5
-        ).mode(mode).save(str(tmp_path))
+        images(spark, rows, partitions=1).write.format("safetensors").option("batch_size", 5).mode(
+            mode
+        ).save(str(tmp_path))
 
     write(10, "overwrite")
     write(5, "append")
@@ -297,7 +299,9 @@ def test_s3_destination_and_source(spark: Any, moto_s3: MotoS3Server) -> None:
         client.get_object(Bucket=BUCKET, Key="runs/images/dataset_manifest.json")["Body"].read()
     )
     shards = [f"runs/images/{s['shard_path']}" for s in document["shards"]]
-    assert keys == sorted([*shards, "runs/images/_tensor_index.parquet", "runs/images/dataset_manifest.json"])
+    assert keys == sorted(
+        [*shards, "runs/images/_tensor_index.parquet", "runs/images/dataset_manifest.json"]
+    )
     assert document["total_samples"] == 12
     back = spark.read.format("safetensors").option("columns", "label").load(url).collect()
     assert sorted(int(np.frombuffer(r.label.data, np.int64)[0]) for r in back) == list(range(12))
