@@ -39,7 +39,7 @@ SAMPLE = (3, 224, 224)
 
 def arrays(samples: int, batch: int) -> list[dict[str, np.ndarray[Any, Any]]]:
     rng = np.random.default_rng(0)
-    out = []
+    out: list[dict[str, np.ndarray[Any, Any]]] = []
     for start in range(0, samples, batch):
         rows = min(batch, samples - start)
         image = rng.integers(0, 255, (rows, *SAMPLE), dtype=np.uint8)
