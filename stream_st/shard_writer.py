@@ -36,6 +36,7 @@ import anyio.to_thread
 import numpy as np
 
 from ._util import AsyncClosing
+from .dataset import ShardEntry, manifest_document, shard_file_name
 from .dtypes import dtype_for, wire_bytes
 from .errors import SafetensorsError, TransportError, UsageError, WriterError
 from .header import TensorSpec, build_header
@@ -144,6 +145,10 @@ class _RollingWriter(AsyncClosing):
     """Shards rolled over at ``target_size`` bytes of data; subclasses name them and write the
     index."""
 
+    unique_names = True
+    """Whether a name may be written once in all; if not, once per shard (a group repeating a
+    name of the current shard starts the next one)."""
+
     def __init__(
         self,
         directory: str | os.PathLike[str],
@@ -165,15 +170,20 @@ class _RollingWriter(AsyncClosing):
         if self._closed:
             raise UsageError("the writer is closed")
         arrays = {name: np.asarray(array) for name, array in tensors.items()}
+        current = self._current
+        repeats = current is not None and not current.names.isdisjoint(arrays)
         for name in arrays:
-            if name in self._written:
+            if name in (self._written if self.unique_names else ()):
                 raise WriterError(f"tensor {name!r} was already written", name=name)
         for array in arrays.values():
             dtype_for(array.dtype)  # refuses dtypes safetensors cannot carry, before any write
         size = sum(a.nbytes for a in arrays.values())
         try:
-            current = self._current
-            if current and current.specs and current.data_bytes + size > self.target_size:
+            if (
+                current
+                and current.specs
+                and (repeats or current.data_bytes + size > self.target_size)
+            ):
                 await self._seal()
                 current = None
             if current is None:
@@ -289,6 +299,8 @@ class ShardedWriter(_RollingWriter):
 class DatasetWriter(_RollingWriter):
     """A safetensors-spark style dataset; see :func:`open_dataset_writer`."""
 
+    unique_names = False  # batch mode: every shard holds the same columns
+
     def __init__(
         self,
         directory: str | os.PathLike[str],
@@ -317,22 +329,11 @@ class DatasetWriter(_RollingWriter):
         await self._add_group(tensors, samples)
 
     def _shard_name(self, index: int) -> str:
-        return f"part-{self.task_id:05d}-{index:04d}-{self._uuid}.safetensors"
+        return shard_file_name(self.task_id, index, self._uuid)
 
     def _index(self) -> tuple[str, dict[str, Any]]:
-        shards = [
-            {"shard_path": name, "samples_count": samples, "bytes": size}
-            for name, size, samples, _ in self._sealed
-        ]
-        document = {
-            "format_version": "1.0",
-            "safetensors_version": "1.0",
-            "total_samples": sum(samples for _, _, samples, _ in self._sealed),
-            "total_bytes": sum(size for _, size, _, _ in self._sealed),
-            "shards": shards,
-            "schema": self._schema,
-        }
-        return MANIFEST_NAME, document
+        shards = [ShardEntry(name, samples, size) for name, size, samples, _ in self._sealed]
+        return MANIFEST_NAME, manifest_document(shards, self._schema)
 
 
 def open_sharded_writer(
@@ -365,8 +366,9 @@ def open_dataset_writer(
     checksums: bool | str = False,
 ) -> DatasetWriter:
     """Write a dataset into ``directory``: ``write_batch({name: array}, samples)`` per group, shards
-    rolled over at ``target_shard_size`` bytes of data, then ``dataset_manifest.json``.
-    ``checksums`` as for :func:`open_sharded_writer`."""
+    rolled over at ``target_shard_size`` bytes of data, or when a group repeats a name of the
+    current shard (batch mode: one batch of every column per shard), then
+    ``dataset_manifest.json``. ``checksums`` as for :func:`open_sharded_writer`."""
     return DatasetWriter(
         directory, target_shard_size=target_shard_size, task_id=task_id, checksums=checksums
     )

@@ -1,0 +1,267 @@
+"""The safetensors-spark dataset layout: its names and manifest, and reading it in pieces.
+
+The layout (a directory or ``s3://`` prefix)::
+
+    part-{task:05d}-{shard:04d}-{uuid}.safetensors   shards
+    dataset_manifest.json                            always, written last (the commit point)
+    _tensor_index.parquet                            optional: tensor_key, file_name, shape, dtype
+
+Every writer of the layout names its shards with :func:`shard_file_name` and builds its manifest
+with :func:`manifest_document`: one policy, here. A dataset is written in one of two modes:
+
+* batch mode: every shard holds one tensor per column, ``[samples, *sample_shape]``; a sample is
+  a row across the columns;
+* KV mode: every tensor is one value, keyed ``{name}{separator}{column}``.
+
+:func:`describe_dataset` reads a manifest (or lists a directory of shards), every shard's header,
+and tells the modes apart; :func:`plan_pieces` splits the shards into pieces of bounded size (row
+ranges in batch mode, groups of keys in KV mode) that a reader task reads on its own with
+:func:`read_piece`, fetching only the byte ranges of the tensors it selects. The Spark data source
+(``pyspark_safetensors``) and the torch dataset (:mod:`stream_st.torch_dataset`) both read
+through these.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _store
+from ._limits import Clock
+from .convenience import load
+from .errors import HeaderError, SourceNotFoundError, UsageError
+from .header import Header, TensorInfo
+from .reader import _read_tensor, open_stream, read_header
+from .sharded import MANIFEST_NAME, ShardIndex, is_index, shard_address
+
+__all__ = [
+    "FORMAT_VERSION",
+    "INDEX_NAME",
+    "MANIFEST_NAME",
+    "DatasetInfo",
+    "Piece",
+    "ShardEntry",
+    "describe_dataset",
+    "manifest_document",
+    "plan_pieces",
+    "read_piece",
+    "shard_file_name",
+]
+
+FORMAT_VERSION = "1.0"
+SAFETENSORS_VERSION = "1.0"
+INDEX_NAME = "_tensor_index.parquet"
+SHARD_NAME = re.compile(r"part-\d{5,}-\d{4,}-[^/]+\.safetensors")
+"""What :func:`shard_file_name` makes; in a directory without a manifest, the shards."""
+
+Array = np.ndarray[Any, Any]
+
+
+def shard_file_name(task: int, index: int, tag: str) -> str:
+    """``part-{task:05d}-{index:04d}-{tag}.safetensors``: the ``index``-th shard sealed by task
+    ``task``, whose writer drew the unique ``tag`` (a UUID)."""
+    return f"part-{task:05d}-{index:04d}-{tag}.safetensors"
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard as the manifest lists it."""
+
+    shard_path: str
+    samples_count: int
+    bytes: int
+
+
+def manifest_document(
+    shards: Sequence[ShardEntry], schema: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The ``dataset_manifest.json`` document for ``shards`` (in reading order) and ``schema``
+    (name -> ``{"dtype", "shape"}``)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "safetensors_version": SAFETENSORS_VERSION,
+        "total_samples": sum(shard.samples_count for shard in shards),
+        "total_bytes": sum(shard.bytes for shard in shards),
+        "shards": [
+            {"shard_path": s.shard_path, "samples_count": s.samples_count, "bytes": s.bytes}
+            for s in shards
+        ],
+        "schema": {name: dict(entry) for name, entry in schema.items()},
+    }
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """A dataset as read: its shards (addresses, in reading order) and their headers, its
+    manifest (empty for a directory without one) and its mode.
+
+    ``columns`` are the tensor names of a batch-mode dataset; in KV mode, ``keys`` maps every
+    key to the shard that holds it (the last one, if several do: the later write wins).
+    """
+
+    home: str
+    shards: tuple[str, ...]
+    headers: tuple[Header, ...]
+    manifest: Mapping[str, Any]
+    kv: bool
+
+    @property
+    def columns(self) -> list[str]:
+        """Batch mode: the tensors of every shard, in the manifest schema's order if it has one."""
+        if self.kv or not self.headers:
+            return []
+        names = self.headers[0].names()
+        schema = self.manifest.get("schema")
+        return list(schema) if isinstance(schema, dict) and set(schema) == set(names) else names
+
+    @property
+    def keys(self) -> dict[str, int]:
+        return {name: i for i, header in enumerate(self.headers) for name in header.names()}
+
+
+def _batch_mode(headers: Sequence[Header], schema: object) -> bool:
+    """Whether every shard holds the same tensors, each with one leading (sample) dimension per
+    shard, and the manifest's schema (if any) names exactly those."""
+    if not headers:
+        return isinstance(schema, dict)
+    names = set(headers[0].names())
+    if isinstance(schema, dict) and schema and set(schema) != names:
+        return False
+    for header in headers:
+        leading = {info.shape[0] if info.shape else None for info in header.tensors}
+        if set(header.names()) != names or len(leading) != 1 or None in leading:
+            return False
+    return True
+
+
+async def describe_dataset(
+    address: str | os.PathLike[str], *, kv: bool | None = None
+) -> DatasetInfo:
+    """Read the manifest at ``address`` (or, for a directory or ``s3://`` prefix, its
+    ``dataset_manifest.json``, else every ``part-*.safetensors`` in it) and every shard's header.
+
+    ``kv`` forces the mode; by default a dataset is in batch mode when its shards hold the same
+    tensors, each with one leading sample dimension, and the manifest's schema names them.
+    """
+    address = os.fspath(address)
+    given = bool(is_index(address))
+    manifest: Mapping[str, Any] = {}
+    if given or MANIFEST_NAME in await _store.list_names(address):
+        where = address if given else _store.join(address, MANIFEST_NAME)
+        index = await ShardIndex.read(where, Clock())
+        manifest = index.manifest
+        names = list(index.shards)
+        shards = tuple(shard_address(index.home, shard) for shard in names)
+        home = index.home.rsplit("/", 1)[0]
+    else:
+        names = [n for n in await _store.list_names(address) if SHARD_NAME.fullmatch(n)]
+        if not names:
+            raise SourceNotFoundError(f"{address}: no {MANIFEST_NAME} and no shards")
+        home = address.rstrip("/")
+        shards = tuple(_store.join(home, name) for name in names)
+        index = None
+    headers = []
+    for name, shard in zip(names, shards, strict=True):
+        header = await read_header(shard)
+        if index is not None:
+            index.check(name, shard, header)
+        headers.append(header)
+    batch = _batch_mode(headers, manifest.get("schema")) if kv is None else not kv
+    return DatasetInfo(home, shards, tuple(headers), manifest, not batch)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one reader task reads: rows ``start:stop`` of the ``names`` of the shard at
+    ``address`` (batch mode), or the tensors ``names`` of it (KV mode, ``start == stop == 0``)."""
+
+    address: str
+    names: tuple[str, ...]
+    start: int = 0
+    stop: int = 0
+
+    @property
+    def rows(self) -> bool:
+        return self.stop > self.start
+
+
+def plan_pieces(
+    dataset: DatasetInfo,
+    names: Iterable[str] | None = None,
+    *,
+    max_bytes: int = 64 << 20,
+    at_least: int = 1,
+) -> list[Piece]:
+    """Split the dataset's shards into pieces of at most ``max_bytes`` of selected data (a piece
+    holds at least one row or one tensor), in reading order; with ``at_least``, every batch-mode
+    shard is cut in at least ``ceil(at_least / shards)`` row ranges, so that many readers each get
+    one. ``names`` selects the columns (batch mode) or keys (KV mode) to read: None, all of them.
+    """
+    if max_bytes < 1 or at_least < 1:
+        raise UsageError("max_bytes and at_least must be positive")
+    wanted = None if names is None else set(names)
+    pieces: list[Piece] = []
+    if dataset.kv:
+        winners = dataset.keys
+        for i, (address, header) in enumerate(zip(dataset.shards, dataset.headers, strict=True)):
+            group: list[str] = []
+            size = 0
+            for info in header.tensors:
+                if winners[info.name] != i or (wanted is not None and info.name not in wanted):
+                    continue
+                if group and size + info.nbytes > max_bytes:
+                    pieces.append(Piece(address, tuple(group)))
+                    group, size = [], 0
+                group.append(info.name)
+                size += info.nbytes
+            if group:
+                pieces.append(Piece(address, tuple(group)))
+        return pieces
+    columns = dataset.columns if wanted is None else [c for c in dataset.columns if c in wanted]
+    missing = sorted((wanted or set()) - set(dataset.columns))
+    if missing:
+        raise UsageError(f"the dataset has no column {missing[0]!r} (it has {dataset.columns})")
+    cuts = max(1, math.ceil(at_least / max(1, len(dataset.shards))))
+    for address, header in zip(dataset.shards, dataset.headers, strict=True):
+        rows = header[columns[0]].shape[0] if columns else 0
+        row_bytes = sum(header[c].nbytes // rows for c in columns) if rows else 0
+        step = max(1, min(max_bytes // max(1, row_bytes), math.ceil(rows / cuts)))
+        pieces += [
+            Piece(address, tuple(columns), start, min(start + step, rows))
+            for start in range(0, rows, step)
+        ]
+    return pieces
+
+
+def _rows_of(info: TensorInfo, start: int, stop: int) -> TensorInfo:
+    """The part of ``info`` (a tensor of samples) that holds rows ``start:stop``."""
+    row_bytes = info.nbytes // info.shape[0]
+    return TensorInfo(
+        info.name,
+        info.dtype,
+        (stop - start, *info.shape[1:]),
+        info.start + start * row_bytes,
+        info.start + stop * row_bytes,
+    )
+
+
+async def read_piece(piece: Piece) -> dict[str, Array]:
+    """The arrays of ``piece``: only their bytes are read (ranged requests on HTTP and S3)."""
+    if not piece.rows:
+        return await load(piece.address, include=list(piece.names))
+    async with open_stream(piece.address, include=list(piece.names)) as stream:
+        header = stream.header
+        if any(header[name].shape[:1] != header[piece.names[0]].shape[:1] for name in piece.names):
+            raise HeaderError(f"{piece.address}: the columns hold different numbers of samples")
+        infos = sorted((header[name] for name in piece.names), key=lambda info: info.start)
+        out = {}
+        for info in infos:
+            part = _rows_of(info, piece.start, piece.stop)
+            out[info.name] = await _read_tensor(stream.source, part, header.data_start)
+        return {name: out[name] for name in piece.names}
