@@ -167,9 +167,21 @@ class NetnsStore:
         _run(*self._inside("tc", "-batch", "-"), stdin=_rate_classes(self._inner, self.rate))
         # The store's side carries the rate classes, so the whole round trip is added on this
         # side (requests and acknowledgements); a deep queue holds what 16 fast streams send.
+        delay = f"{2 * self.delay_ms:g}ms"
         netem = subprocess.run(
-            [*("tc", "qdisc", "add", "dev", self._outer, "root", "netem"), "delay"]
-            + [f"{2 * self.delay_ms:g}ms", "limit", "1000000"],
+            [
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                self._outer,
+                "root",
+                "netem",
+                "delay",
+                delay,
+                "limit",
+                "1000000",
+            ],
             capture_output=True,
             text=True,
             check=False,
@@ -214,9 +226,9 @@ http {{
     }}
 }}
 """)
+        config = str(folder / "nginx.conf")
         self._nginx = subprocess.Popen(
-            [*self._inside("nginx", "-p", str(folder), "-c", str(folder / "nginx.conf"))]
-            + ["-g", "daemon off;"]
+            self._inside("nginx", "-p", str(folder), "-c", config, "-g", "daemon off;")
         )
         give_up = time.monotonic() + 10
         while True:

@@ -1,0 +1,98 @@
+"""Parallel remote reads that do not wait on the header: the first parts are requested before the
+first answer's body (the safetensors header) has arrived."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st
+from stream_st.sources.http import HttpSource
+
+from ._util import assert_same_arrays
+from .http_server import RangeHTTPServer
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+KV: Arrays = {
+    f"layer.{i}.{kind}": np.random.default_rng(i).random(25_000 + i).astype(np.float32)
+    for i in range(8)
+    for kind in ("key", "value")
+}  # 16 tensors of ~100 KB: many small tensors, like a KV cache
+
+
+class GatedServer(RangeHTTPServer):
+    """Sends the head of the answer that starts at byte 0 at once, but its body only once
+    ``others`` more requests have arrived (or ``wait`` seconds have passed): a client that asks
+    for data only after reading the header from that body gets its header ``wait`` s late,
+    and ``gate_opened`` stays False."""
+
+    others = 0
+    wait = 5.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._local = threading.local()
+        self._arrived = threading.Semaphore(0)
+        self.gate_opened: bool | None = None
+
+    def _answer(self, connection: Any, reader: Any, method: str, target: str, headers: Any) -> bool:
+        self._local.first = headers.get("range", "").startswith("bytes=0-")
+        if not self._local.first:
+            self._arrived.release()
+        return super()._answer(connection, reader, method, target, headers)
+
+    def _send_body(self, connection: Any, body: memoryview, chunked: bool) -> int:
+        if self._local.first and self.gate_opened is None:
+            self.gate_opened = all(
+                self._arrived.acquire(timeout=self.wait) for _ in range(self.others)
+            )
+        return super()._send_body(connection, body, chunked)
+
+
+@pytest.fixture
+def gated() -> Iterator[GatedServer]:
+    with GatedServer() as running:
+        running.objects["/kv.safetensors"] = reference_numpy.save(KV)
+        yield running
+
+
+def gets(server: RangeHTTPServer) -> list[tuple[str, str, str, int]]:
+    server.settle()
+    return [r for r in server.requests if r[0] == "GET"]
+
+
+async def test_first_parts_are_requested_before_the_header_arrives(gated: GatedServer) -> None:
+    size = len(gated.objects["/kv.safetensors"])
+    part = -(-size // 4)
+    gated.others = 3  # the rest of the 1.6 MB file, spread over three more connections
+    source = HttpSource(gated.url("/kv.safetensors"), concurrency=4, part_size=part)
+    order = [name async for name, _ in stream_st.open_stream(source)]
+    assert gated.gate_opened is True
+    header = await stream_st.read_header(gated.url("/kv.safetensors"))
+    assert order == header.names()  # offset order
+    data = gets(gated)[:-1]  # the last: read_header's
+    assert f"bytes=0-{part - 1}" in [r[2] for r in data]
+    assert len(data) == 4 and sum(r[3] for r in data) == size  # every byte once
+
+
+async def test_speculative_parts_deliver_the_same_arrays(gated: GatedServer) -> None:
+    """Every split: parts smaller than a tensor, larger than the file, one part in all."""
+    gated.wait = 0.0
+    for concurrency, part in ((4, 70_000), (3, 10 << 20), (16, 64 << 10), (2, 1)):
+        source = HttpSource(gated.url("/kv.safetensors"), concurrency=concurrency, part_size=part)
+        got = {name: array async for name, array in stream_st.open_stream(source)}
+        assert_same_arrays(got, KV)
+
+
+async def test_header_longer_than_the_first_part(gated: GatedServer) -> None:
+    many = {f"tensor.with.a.long.name.{i:05d}": np.full(3, i, np.int32) for i in range(3000)}
+    gated.objects["/many.safetensors"] = reference_numpy.save(many)
+    gated.wait = 0.0
+    source = HttpSource(gated.url("/many.safetensors"), concurrency=4, part_size=1000)
+    got = {name: array async for name, array in stream_st.open_stream(source)}
+    assert_same_arrays(got, many)
