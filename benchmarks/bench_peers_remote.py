@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import hashlib
 import http.client
+import importlib
 import json
 import os
 import shutil
@@ -165,10 +166,10 @@ def prepare(variant: str, key: str, endpoint: str, k: int, part: int) -> Callabl
 
         return lambda: anyio.run(stream)
     if variant == "runai":
-        from runai_model_streamer import SafetensorsStreamer
+        runai_streamer = importlib.import_module("runai_model_streamer")  # no type hints
 
         def runai() -> list[tuple[str, int]]:
-            with SafetensorsStreamer() as streamer:
+            with runai_streamer.SafetensorsStreamer() as streamer:
                 streamer.stream_file(f"s3://{BUCKET}/{key}")
                 return sorted((name, touch(t.numpy())) for name, t in streamer.get_tensors())
 

@@ -46,6 +46,7 @@ from .shard_writer import DatasetWriter, ShardedWriter, open_dataset_writer, ope
 from .sharded import ShardedStream
 from .sinks.http import HttpSink
 from .sinks.s3 import S3Sink
+from .sources.base import AsyncReadInto
 from .sources.http import HttpSource
 from .sources.s3 import S3Source
 from .writer import TensorParts, TensorWriter, open_writer
@@ -60,6 +61,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DTYPES",
     "AllocationError",
+    "AsyncReadInto",
     "CertificateError",
     "Connection",
     "CredentialsError",

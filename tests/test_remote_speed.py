@@ -1,11 +1,11 @@
-"""Parallel remote reads that do not wait on the header: the first parts are requested before the
-first answer's body (the safetensors header) has arrived."""
+"""Reads that wait less: parallel remote reads whose first parts are requested before the first
+answer's body (the safetensors header) has arrived; producers that fill the reader's buffer."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -56,7 +56,8 @@ class GatedServer(RangeHTTPServer):
 
 @pytest.fixture
 def gated() -> Iterator[GatedServer]:
-    with GatedServer() as running:
+    with GatedServer() as started:
+        running = cast(GatedServer, started)
         running.objects["/kv.safetensors"] = reference_numpy.save(KV)
         yield running
 
@@ -81,7 +82,7 @@ async def test_first_parts_are_requested_before_the_header_arrives(gated: GatedS
 
 
 async def test_speculative_parts_deliver_the_same_arrays(gated: GatedServer) -> None:
-    """Every split: parts smaller than a tensor, larger than the file, more parts than connections."""
+    """Every split: parts smaller than a tensor, larger than the file, more than connections."""
     gated.wait = 0.0
     for concurrency, part in ((4, 70_000), (3, 10 << 20), (16, 64 << 10), (2, 100_000)):
         source = HttpSource(gated.url("/kv.safetensors"), concurrency=concurrency, part_size=part)
@@ -96,3 +97,51 @@ async def test_header_longer_than_the_first_part(gated: GatedServer) -> None:
     source = HttpSource(gated.url("/many.safetensors"), concurrency=4, part_size=1000)
     got = {name: array async for name, array in stream_st.open_stream(source)}
     assert_same_arrays(got, many)
+
+
+class Producer:
+    """Fills the reader's buffer itself, at most ``step`` bytes a call; records every buffer."""
+
+    def __init__(self, data: bytes, step: int = 1 << 20) -> None:
+        self.data = memoryview(data)
+        self.step = step
+        self.buffers: list[memoryview] = []
+
+    async def readinto(self, buffer: memoryview) -> int:
+        self.buffers.append(buffer)
+        piece = self.data[: min(len(buffer), self.step)]
+        buffer[: len(piece)] = piece
+        self.data = self.data[len(piece) :]
+        return len(piece)
+
+
+async def test_a_readinto_producer_fills_the_arrays_themselves() -> None:
+    producer = Producer(reference_numpy.save(KV), step=70_000)
+    got: Arrays = {}
+    async for name, array in stream_st.open_stream(producer):
+        got[name] = array
+        assert any(np.shares_memory(array, np.asarray(b)) for b in producer.buffers)
+    assert_same_arrays(got, KV)
+
+
+async def test_a_short_producer_is_a_truncated_stream() -> None:
+    data = reference_numpy.save(KV)
+    with pytest.raises(stream_st.TruncatedStreamError):
+        async for _ in stream_st.open_stream(Producer(data[:-1])):
+            pass
+
+
+async def test_a_producer_that_claims_too_much_is_a_usage_error() -> None:
+    class Liar(Producer):
+        async def readinto(self, buffer: memoryview) -> int:
+            return len(buffer) + 1
+
+    with pytest.raises(stream_st.UsageError, match="readinto returned"):
+        await stream_st.read_header(Liar(b""))
+
+
+async def test_a_blocking_file_is_no_producer(tmp_path: Any) -> None:
+    path = tmp_path / "kv.safetensors"
+    path.write_bytes(reference_numpy.save(KV))
+    with path.open("rb") as f, pytest.raises(stream_st.UnsupportedSourceError):
+        await stream_st.read_header(f)
