@@ -17,7 +17,9 @@ median of the repetitions for each file:
 * B: ``safetensors.numpy.load_file(path)`` (the reference, default mmap backend);
 * C: a hand-written synchronous loop: header by ``os.pread``, then per tensor a fresh ``np.empty``
   filled by ``os.preadv``: the raw-I/O bar;
-* D: ``open_stream`` fed by an async iterator yielding 1 MiB chunks of the file.
+* D: ``open_stream`` fed by an async iterator yielding 1 MiB chunks of the file;
+* E: ``open_stream`` fed by a producer with ``async def readinto(buffer)`` reading the file
+  (blocking, like D) straight into each array: the source protocol without D's second copy.
 
 Every variant "touches" each array it gets the same way (sums byte 0 of every 4 KiB page), so each
 page the reference might leave unmapped is faulted in, and the per-page sums double as a check
@@ -259,6 +261,33 @@ async def variant_d(path: Path) -> Touches:
     return touches
 
 
+class FileProducer:
+    """E's producer: ``async def readinto`` filling the reader's buffer from the file (blocking,
+    like D's iterator); the reader hands it each array's own memory."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - see close()
+
+    async def readinto(self, buffer: memoryview) -> int:
+        return self._file.readinto(buffer) or 0
+
+    def close(self) -> None:
+        self._file.close()
+
+
+async def variant_e(path: Path) -> Touches:
+    """E: open_stream over a readinto producer (stream_st.AsyncReadInto)."""
+    touches: Touches = {}
+    producer = FileProducer(path)
+    try:
+        async for name, array in stream_st.open_stream(producer):
+            touches[name] = touch(array)
+            del array
+    finally:
+        producer.close()
+    return touches
+
+
 @dataclass(frozen=True)
 class Variant:
     key: str
@@ -275,6 +304,7 @@ VARIANTS = (
     Variant("B", "safetensors.numpy.load_file", lambda p: _sync(variant_b, p)),
     Variant("C", "hand loop: np.empty + os.preadv", lambda p: _sync(variant_c, p)),
     Variant("D", "open_stream(async iter, 1 MiB chunks)", variant_d),
+    Variant("E", "open_stream(readinto producer)", variant_e),
 )
 
 
@@ -329,6 +359,7 @@ def report(spec: BenchFile, path: Path, times: dict[str, list[float]]) -> None:
     print(_ratio_line(medians, "A", "B", 2.0))
     print(_ratio_line(medians, "A", "C", 0.9))
     print(_ratio_line(medians, "D", "C", 0.8))
+    print(_ratio_line(medians, "E", "C", 0.8))
 
 
 def describe_reference_arrays(path: Path) -> str:
