@@ -3,6 +3,7 @@ answer's body (the safetensors header) has arrived; producers that fill the read
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any, cast
@@ -12,6 +13,7 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
+from stream_st.sharded import ShardedStream
 from stream_st.sources.http import HttpSource
 
 from ._util import assert_same_arrays
@@ -26,10 +28,10 @@ KV: Arrays = {
 
 
 class GatedServer(RangeHTTPServer):
-    """Sends the head of the answer that starts at byte 0 at once, but its body only once
-    ``others`` more requests have arrived (or ``wait`` seconds have passed): a client that asks
-    for data only after reading the header from that body gets its header ``wait`` s late,
-    and ``gate_opened`` stays False."""
+    """Sends the head of a ``gated`` answer (by default: the one that starts at byte 0) at once,
+    but its body only once ``others`` ``counted`` requests (by default: every other one) have
+    arrived, or ``wait`` seconds have passed: ``gate_opened`` says which. A client that sends
+    those requests only after reading that body gets it ``wait`` s late."""
 
     others = 0
     wait = 5.0
@@ -40,14 +42,21 @@ class GatedServer(RangeHTTPServer):
         self._arrived = threading.Semaphore(0)
         self.gate_opened: bool | None = None
 
+    def gated(self, path: str, headers: dict[str, str]) -> bool:
+        return headers.get("range", "").startswith("bytes=0-")
+
+    def counted(self, path: str, headers: dict[str, str]) -> bool:
+        return not self.gated(path, headers)
+
     def _answer(self, connection: Any, reader: Any, method: str, target: str, headers: Any) -> bool:
-        self._local.first = headers.get("range", "").startswith("bytes=0-")
-        if not self._local.first:
+        path = target.partition("?")[0]
+        self._local.gated = self.gated(path, headers)
+        if self.counted(path, headers):
             self._arrived.release()
         return super()._answer(connection, reader, method, target, headers)
 
     def _send_body(self, connection: Any, body: memoryview, chunked: bool) -> int:
-        if self._local.first and self.gate_opened is None:
+        if self._local.gated and self.gate_opened is None:
             self.gate_opened = all(
                 self._arrived.acquire(timeout=self.wait) for _ in range(self.others)
             )
@@ -145,3 +154,51 @@ async def test_a_blocking_file_is_no_producer(tmp_path: Any) -> None:
     path.write_bytes(reference_numpy.save(KV))
     with path.open("rb") as f, pytest.raises(stream_st.UnsupportedSourceError):
         await stream_st.read_header(f)
+
+
+SHARDS: dict[str, Arrays] = {
+    f"model-0000{i + 1}-of-00003.safetensors": {
+        name: KV[name] for name in list(KV)[i * 5 : i * 5 + 5 + (i == 2)]
+    }
+    for i in range(3)
+}
+
+
+class ShardGate(GatedServer):
+    """Holds the first shard's body until the second shard has been asked for."""
+
+    def gated(self, path: str, headers: dict[str, str]) -> bool:
+        return path.endswith("00001-of-00003.safetensors")
+
+    def counted(self, path: str, headers: dict[str, str]) -> bool:
+        return path.endswith("00002-of-00003.safetensors")
+
+
+@pytest.mark.parametrize("concurrency", [2, 3, 5])
+async def test_shards_are_read_at_once_and_yielded_in_order(concurrency: int) -> None:
+    weight_map = {name: shard for shard, arrays in SHARDS.items() for name in arrays}
+    with ShardGate() as started:
+        server = cast(ShardGate, started)
+        server.others = 1
+        for shard, arrays in SHARDS.items():
+            server.objects[f"/m/{shard}"] = reference_numpy.save(arrays)
+        server.objects["/m/model.safetensors.index.json"] = json.dumps(
+            {"metadata": {}, "weight_map": weight_map}
+        ).encode()
+        url = server.url("/m/model.safetensors.index.json")
+        stream = ShardedStream(url, concurrency=concurrency)
+        order = []
+        async for name, array in stream:
+            order.append(name)
+            assert stream.header.names() == list(next(s for s in SHARDS.values() if name in s))
+            np.testing.assert_array_equal(array, KV[name])
+        assert server.gate_opened is True
+    expected = [name for arrays in SHARDS.values() for name in arrays]
+    assert order == expected  # the index's shard order, offset order within each
+    assert list(stream.headers) == list(SHARDS)
+
+
+@pytest.mark.parametrize("concurrency", [0, -1, 1.5, True])
+def test_shard_concurrency_must_be_a_positive_integer(concurrency: Any) -> None:
+    with pytest.raises(stream_st.UsageError, match="concurrency"):
+        ShardedStream("model.safetensors.index.json", concurrency=concurrency)
