@@ -20,7 +20,9 @@ median of the repetitions for each file:
 * D: ``open_stream`` fed by an async iterator yielding 1 MiB chunks of the file;
 * E: ``open_stream`` of a copy of the file with per-tensor xxh3-128 digests (``checksums=True``),
   every tensor verified while it is read;
-* F: the same with SHA-256 digests (``checksums="sha256"``).
+* F: the same with SHA-256 digests (``checksums="sha256"``);
+* G: ``open_stream`` fed by a producer with ``async def readinto(buffer)`` reading the file
+  (blocking, like D) straight into each array: the source protocol without D's second copy.
 
 E and F read copies that differ from the file only in their header, written once beside it.
 Their cost is reported as the paired ratio (per round, E's time over A's, then the median).
@@ -296,6 +298,33 @@ def verified(algorithm: str) -> Callable[[Path], Awaitable[Touches]]:
     return run
 
 
+class FileProducer:
+    """G's producer: ``async def readinto`` filling the reader's buffer from the file (blocking,
+    like D's iterator); the reader hands it each array's own memory."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - see close()
+
+    async def readinto(self, buffer: memoryview) -> int:
+        return self._file.readinto(buffer) or 0
+
+    def close(self) -> None:
+        self._file.close()
+
+
+async def variant_g(path: Path) -> Touches:
+    """G: open_stream over a readinto producer (stream_st.AsyncReadInto)."""
+    touches: Touches = {}
+    producer = FileProducer(path)
+    try:
+        async for name, array in stream_st.open_stream(producer):
+            touches[name] = touch(array)
+            del array
+    finally:
+        producer.close()
+    return touches
+
+
 @dataclass(frozen=True)
 class Variant:
     key: str
@@ -314,6 +343,7 @@ VARIANTS = (
     Variant("D", "open_stream(async iter, 1 MiB chunks)", variant_d),
     Variant("E", "open_stream(path), xxh3-128 verified", verified("xxh3-128")),
     Variant("F", "open_stream(path), sha256 verified", verified("sha256")),
+    Variant("G", "open_stream(readinto producer)", variant_g),
 )
 CHECKED = ("xxh3-128", "sha256")
 
@@ -378,6 +408,7 @@ def report(spec: BenchFile, path: Path, times: dict[str, list[float]]) -> None:
             else (f"   target <= {target:.0%}   {'PASS' if cost <= target else 'MISS'}")
         )
         print(f"  {key}: costs {cost:+6.1%} of A's time{verdict}")
+    print(_ratio_line(medians, "G", "C", 0.8))
 
 
 def describe_reference_arrays(path: Path) -> str:

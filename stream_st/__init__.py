@@ -48,6 +48,7 @@ from .shard_writer import DatasetWriter, ShardedWriter, open_dataset_writer, ope
 from .sharded import ShardedStream
 from .sinks.http import HttpSink
 from .sinks.s3 import S3Sink
+from .sources.base import AsyncReadInto
 from .sources.http import HttpSource
 from .sources.s3 import S3Source
 from .writer import TensorParts, TensorWriter, open_writer
@@ -74,6 +75,7 @@ __version__ = _version()
 __all__ = [
     "DTYPES",
     "AllocationError",
+    "AsyncReadInto",
     "CertificateError",
     "Connection",
     "CredentialsError",

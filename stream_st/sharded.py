@@ -16,9 +16,13 @@ A manifest lists its shards with their sizes (and sample counts, and a schema)::
 :func:`~stream_st.open_stream` on either (a path, ``file://``, ``http(s)://`` or ``s3://``
 address) yields every tensor of every shard, shard after shard (index shards in name order,
 manifest shards in its order; tensors in offset order within each). ``include=`` applies across
-shards; with an index, a shard holding nothing selected is never opened. Each shard's header must
-hold exactly the tensors the index assigns to it, or describe exactly the bytes the manifest gives
-for it.
+shards; with an index, a shard holding nothing selected is never opened.
+``ShardedStream(index, concurrency=K)`` reads K shards at once (so a remote checkpoint is not
+read one shard, one round trip, one connection at a time) and still yields in that order: each
+window of K shards is read whole, then yielded; it holds up to K shards' tensors in memory
+(``concurrency=1``, the default and what ``open_stream`` does, holds one tensor). Each
+shard's header must hold exactly the tensors the index assigns to it, or describe exactly the
+bytes the manifest gives for it.
 
 An index may come from anywhere. Its shard names must be relative paths that stay next to it
 however they are decoded (``stream_st._shards``): every name is checked before any shard is
@@ -40,6 +44,7 @@ import numpy as np
 from ._frameworks import Delivery
 from ._limits import Clock
 from ._shards import shard_address, shard_name
+from ._util import task_group
 from .errors import (
     DtypeError,
     HeaderError,
@@ -222,7 +227,8 @@ class ShardedStream(TensorStream):
     """Every tensor of every shard of an index; used like any :class:`~stream_st.TensorStream`.
 
     ``index`` (the :class:`ShardIndex`) is available once open. ``header`` is the header of the
-    shard being read; ``headers`` maps each shard opened so far to its header.
+    shard being read; ``headers`` maps each shard opened so far to its header. ``concurrency``
+    shards are read at once (see the module), 1 by default.
     """
 
     def __init__(
@@ -235,6 +241,7 @@ class ShardedStream(TensorStream):
         clock: Clock | None = None,
         delivery: Delivery | None = None,
         copy: bool = True,
+        concurrency: int = 1,
     ) -> None:
         super().__init__(
             index,
@@ -245,6 +252,9 @@ class ShardedStream(TensorStream):
             delivery=delivery,
             copy=copy,
         )
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise UsageError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+        self._concurrency = concurrency
         self._address = os.fspath(index)
         self._index: ShardIndex | None = None
         self._current: TensorStream | None = None
@@ -289,32 +299,77 @@ class ShardedStream(TensorStream):
         selected = self._selector(index)
         if index.weight_map is not None:
             self._delivery.check(list(index.weight_map))
-        for shard in index.shards:
-            expected = index.names_in(shard)
-            if expected is not None and not any(selected(name) for name in expected):
-                continue  # nothing wanted there: the shard is never opened
-            address = shard_address(index.home, shard)
-            stream = TensorStream(
-                address,
-                include=selected,
-                max_header_size=self._max_header_size,
-                verify=self._verify,
-                clock=self._clock,
-                copy=self._copy,
-            )
-            self._current = stream
-            try:
-                header = await _open_shard(stream, address, read_all=self._include is None)
-                stream._delivery = self._delivery.only(header.names())
-                async with stream:
-                    index.check(shard, address, header)
-                    self.headers[shard] = header
-                    async for item in stream:
-                        yield item
-                        del item
-            finally:
-                self._current = None
+        shards = [
+            shard
+            for shard in index.shards  # a shard with nothing wanted is never opened
+            if (expected := index.names_in(shard)) is None or any(map(selected, expected))
+        ]
+        if self._concurrency == 1:
+            for shard in shards:
+                stream = self._current = await self._open_checked(index, shard, selected)
+                try:
+                    async with stream:
+                        async for item in stream:
+                            yield item
+                            del item
+                finally:
+                    self._current = None
+        else:
+            for at in range(0, len(shards), self._concurrency):
+                async for item in self._window(
+                    index, shards[at : at + self._concurrency], selected
+                ):
+                    yield item
+                    del item
         self._check_all_found(index)
+
+    async def _open_checked(
+        self, index: ShardIndex, shard: str, selected: Callable[[str], bool]
+    ) -> TensorStream:
+        """The open stream of ``shard``'s selected tensors, its header checked against the index
+        and recorded in :attr:`headers`."""
+        address = shard_address(index.home, shard)
+        stream = TensorStream(
+            address,
+            include=selected,
+            max_header_size=self._max_header_size,
+            verify=self._verify,
+            clock=self._clock,
+            copy=self._copy,
+        )
+        header = await _open_shard(stream, address, read_all=self._include is None)
+        stream._delivery = self._delivery.only(header.names())
+        try:
+            index.check(shard, address, header)
+        except BaseException:
+            await stream.aclose()
+            raise
+        self.headers[shard] = header
+        return stream
+
+    async def _window(
+        self, index: ShardIndex, shards: list[str], selected: Callable[[str], bool]
+    ) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
+        """The tensors of ``shards``, all read at once in full, then yielded in their order."""
+        read: list[list[tuple[str, np.ndarray[Any, Any]]]] = [[] for _ in shards]
+        streams: list[TensorStream | None] = [None] * len(shards)
+
+        async def fetch(position: int) -> None:
+            stream = await self._open_checked(index, shards[position], selected)
+            streams[position] = stream
+            async with stream:
+                read[position] = [item async for item in stream]
+
+        async with task_group() as group:
+            for position in range(len(shards)):
+                group.start_soon(fetch, position)
+        self.headers.update({shard: self.headers.pop(shard) for shard in shards})  # in order
+        for stream, items in zip(streams, read, strict=True):
+            self._current = stream  # closed, its header kept for .header
+            items.reverse()
+            while items:
+                yield items.pop()
+        self._current = None
 
     def _check_all_found(self, index: ShardIndex) -> None:
         """A manifest does not list names up front: check ``include=`` and ``into=`` names at the

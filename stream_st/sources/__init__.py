@@ -6,9 +6,10 @@ Each kind of source lives in its own module and meets the :class:`~.base.Source`
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 from collections.abc import AsyncIterable
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 from anyio.abc import ByteReceiveStream
@@ -17,15 +18,23 @@ from .._http import ClientUser
 from .._limits import UNLIMITED, Clock
 from ..errors import SafetensorsError, UnsupportedSourceError, UsageError
 from ..hub import HubSource
-from .base import Source
+from .base import AsyncReadInto, Source
 from .file import open_file_source
 from .http import HttpSource
 from .memory import BytesSource, ChunkIteratorSource
 from .s3 import S3Source
-from .streams import AnyioStreamSource, AsyncioStreamSource
+from .streams import AnyioStreamSource, AsyncioStreamSource, ReadIntoSource
 from .tcp import SocketSource, connect_socket, parse_tcp_url, tcp_url
 
-__all__ = ["Source", "SourceLike", "open_source", "path_from_url", "read_object"]
+__all__ = [
+    "AsyncReadInto",
+    "ReadIntoSource",
+    "Source",
+    "SourceLike",
+    "open_source",
+    "path_from_url",
+    "read_object",
+]
 
 SourceLike = (
     str
@@ -36,6 +45,7 @@ SourceLike = (
     | AsyncIterable[Any]
     | ByteReceiveStream
     | asyncio.StreamReader
+    | AsyncReadInto
     | Source
 )
 """Everything :func:`open_source` accepts."""
@@ -94,11 +104,14 @@ async def _new_source(obj: SourceLike, clock: Clock) -> Source:
         return AsyncioStreamSource(obj)
     if isinstance(obj, ByteReceiveStream):
         return AnyioStreamSource(obj)
-    if hasattr(obj, "__aiter__"):
+    if inspect.iscoroutinefunction(getattr(obj, "readinto", None)):  # not a blocking file's
+        return ReadIntoSource(cast(AsyncReadInto, obj))
+    if isinstance(obj, AsyncIterable):
         return ChunkIteratorSource(obj)
     raise UnsupportedSourceError(
         f"cannot read safetensors from {type(obj).__name__}: expected a path, URL, bytes, "
-        "an async iterable of bytes, an anyio ByteReceiveStream or an asyncio StreamReader"
+        "an async iterable of bytes, an object with 'async def readinto(buffer)', an anyio "
+        "ByteReceiveStream or an asyncio StreamReader"
     )
 
 

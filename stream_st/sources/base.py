@@ -4,13 +4,26 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 from .._limits import UNLIMITED, Clock
 
-__all__ = ["DISCARD_CHUNK", "Source"]
+__all__ = ["DISCARD_CHUNK", "AsyncReadInto", "Source"]
 
 DISCARD_CHUNK = 1 << 20
 """Skipped bytes of a stream are read and dropped in chunks of at most this size."""
+
+
+@runtime_checkable
+class AsyncReadInto(Protocol):
+    """A producer that fills the reader's buffer itself: ``await readinto(buffer)`` writes the
+    next bytes into ``buffer`` (a writable byte ``memoryview``, often a tensor's own memory) and
+    returns how many, 0 only at the end. :func:`~stream_st.open_stream` accepts any object with
+    this method (an ``aiofiles`` file, a hand-written decoder, a socket wrapper) and reads it as
+    one whole file, front to back; unlike chunks from an async iterator, the bytes are not
+    copied a second time."""
+
+    async def readinto(self, buffer: memoryview, /) -> int: ...
 
 
 class Source(ABC):

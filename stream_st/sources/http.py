@@ -121,18 +121,42 @@ class HttpSource(ClientUser, Source):
     async def start(self, *, read_all: bool = False) -> None:
         """Send the first request and learn the size and whether ranges work.
 
-        It asks for the first 64 KiB, unless the reader will read everything through one stream
-        (``read_all``, one connection): then for all of it (``bytes=0-``), so the header and the
-        data come in one response. A later jump closes it and sends a ranged request from there.
+        It asks for the first 64 KiB, unless the reader will read everything (``read_all``):
+        then through one stream for all of it (``bytes=0-``), so the header and the data come in
+        one response; with ``concurrency`` K > 1 for the first ``part_size`` bytes, and as soon
+        as that answer's head tells the size, before its body (the safetensors header) has been
+        read, for the next K - 1 parts too (:meth:`_speculate`). A later jump closes the open
+        response and sends a ranged request from there.
         """
-        end = None if read_all and self._concurrency == 1 else FIRST_RANGE
+        speculate = read_all and self._concurrency > 1
+        end = None if read_all and not speculate else FIRST_RANGE
+        if speculate:
+            end = max(FIRST_RANGE, self._part_size)
         with self._reported():
             response = await self._get(0, end)
-        if response is None:  # an empty object
-            self.size = 0
-            self.random_access = True
-        else:
+            if response is None:  # an empty object
+                self.size = 0
+                self.random_access = True
+                return
             await self._adopt(response, 0)
+            if speculate and self.random_access and self.size is not None:
+                await self._speculate()
+
+    async def _speculate(self) -> None:
+        """Fetch the first K parts at once: the open response's body (the first part) and, each
+        on its own connection, up to K - 1 more parts of at most ``part_size`` bytes spread over
+        the rest of the object, all into part buffers that the reads then take from. Tensors of
+        a small file thus all arrive one round trip after the first answer, not two."""
+        size = self.size or 0
+        first = self._response_end
+        rest = size - first
+        count = min(self._concurrency - 1, -(-rest // self._part_size)) if rest > 0 else 0
+        step = min(self._part_size, -(-rest // count)) if count else 1
+        spans = [(0, first)] + [
+            (at, min(size, at + step)) for at in range(first, min(size, first + count * step), step)
+        ]
+        await self._fetch_parts(spans)
+        self.position = 0  # the reads start at the prefix, now in the first part
 
     async def _adopt(self, response: Response, start: int) -> None:
         """Make ``response``, the answer to a GET from ``start``, the open one."""
@@ -361,43 +385,63 @@ class HttpSource(ClientUser, Source):
                 if got < want:
                     break
                 continue
-            self._parts = [p for p in self._parts if p[0] + len(p[1]) > at]
-            if self._parts and self._parts[0][0] <= at:
-                start, data = self._parts[0]
-                piece = data[at - start : at - start + len(buffer) - filled]
-                buffer[filled : filled + len(piece)] = piece
-                filled += len(piece)
+            taken = self._take_parts(at, buffer[filled:])
+            if taken:
+                filled += taken
                 continue
-            self._parts.clear()
-            parts = self._next_parts(at, stop)
-            # Parts within this read land in the destination itself; the rest wait in buffers.
-            views = [  # np.empty: a bytearray would zero-fill K parts before any request
-                buffer[s - offset : e - offset] if e <= stop else np.empty(e - s, np.uint8).data
-                for s, e in parts
-            ]
-            counts = await self._fetch_all(parts, views)
-            for (start, end), view, count in zip(parts, views, counts, strict=True):
-                if end <= stop:
-                    filled += count
-                else:
-                    self._parts.append((start, view[:count]))
-                if count < end - start:
-                    self._data_end = start + count
-                    break
+            filled += await self._fetch_parts(self._next_parts(at, stop), buffer, offset)
         self.position = offset + filled
         return filled
 
-    async def _fetch_all(self, parts: list[tuple[int, int]], views: list[memoryview]) -> list[int]:
-        """Fetch every part at once, each with its own request; the bytes each one received."""
-        counts = [0] * len(parts)
+    def _take_parts(self, at: int, view: memoryview) -> int:
+        """Copy into ``view`` what the parts fetched ahead hold from ``at``; return the count.
+        Parts wholly before ``at`` are dropped, and all of them once none holds ``at``."""
+        self._parts = [p for p in self._parts if p[0] + len(p[1]) > at]
+        if not self._parts or self._parts[0][0] > at:
+            self._parts.clear()
+            return 0
+        start, data = self._parts[0]
+        piece = data[at - start : at - start + len(view)]
+        view[: len(piece)] = piece
+        return len(piece)
+
+    async def _fetch_parts(
+        self, spans: list[tuple[int, int]], buffer: memoryview | None = None, offset: int = 0
+    ) -> int:
+        """Fetch every span at once, each on its own connection; a span at the open response's
+        position is read from it. Spans inside ``buffer`` (the read at ``offset``) land straight
+        in it; the others in part buffers the next reads take from (np.empty: a bytearray would
+        zero-fill K parts before any request). Returns the bytes that landed in ``buffer``."""
+        stop = offset + (0 if buffer is None else len(buffer))
+        views = [
+            buffer[s - offset : e - offset]
+            if buffer is not None and e <= stop
+            else np.empty(e - s, np.uint8).data
+            for s, e in spans
+        ]
+        counts = [0] * len(spans)
 
         async def fetch(index: int) -> None:
-            counts[index] = await self._fetch_into(parts[index][0], views[index])
+            start, view = spans[index][0], views[index]
+            if self._response is not None and self._response_at == start:
+                counts[index] = await self._read_at(start, view, partial=False)
+                await self._close_response()  # all of it read: its connection goes back
+            else:
+                counts[index] = await self._fetch_into(start, view)
 
         async with task_group() as group:
-            for index in range(len(parts)):
+            for index in range(len(spans)):
                 group.start_soon(fetch, index)
-        return counts
+        landed = 0
+        for (start, end), view, count in zip(spans, views, counts, strict=True):
+            if buffer is not None and end <= stop:
+                landed += count
+            else:
+                self._parts.append((start, view[:count]))
+            if count < end - start:
+                self._data_end = start + count
+                break
+        return landed
 
     async def _fetch_into(self, start: int, view: memoryview) -> int:
         """One ranged GET into ``view``, resumed after breaks; returns the bytes received."""
@@ -452,6 +496,12 @@ class HttpSource(ClientUser, Source):
             at = offset + filled
             if self.size is not None and at >= self.size:
                 break
+            taken = self._take_parts(at, buffer[filled:])
+            if taken:  # fetched ahead (the first parts of a parallel read: the header too)
+                filled += taken
+                if partial:
+                    break
+                continue
             response = self._response
             if response is None or self._response_at != at or at >= self._response_end:
                 if not self.random_access and response is not None:

@@ -1,4 +1,5 @@
-"""Sources over connections: anyio byte streams and asyncio ``StreamReader`` objects.
+"""Sources over streams: anyio byte streams and asyncio ``StreamReader`` objects (connections),
+and producers that fill the reader's buffer themselves (:class:`~.base.AsyncReadInto`).
 
 A connection may carry several safetensors messages back to back, so these sources never ask for
 more bytes than the reader needs: the bytes after a message stay in the connection.
@@ -11,10 +12,10 @@ import asyncio
 import anyio
 from anyio.abc import ByteReceiveStream
 
-from ..errors import TransportError
-from .base import Source
+from ..errors import TransportError, UsageError
+from .base import AsyncReadInto, Source
 
-__all__ = ["AnyioStreamSource", "AsyncioStreamSource"]
+__all__ = ["AnyioStreamSource", "AsyncioStreamSource", "ReadIntoSource"]
 
 
 class AnyioStreamSource(Source):
@@ -72,6 +73,30 @@ class AsyncioStreamSource(Source):
             ) from exc
         count = len(data)
         buffer[:count] = data
+        self.position += count
+        self.clock.moved(count)
+        return count
+
+
+class ReadIntoSource(Source):
+    """A producer with ``async def readinto(buffer) -> int`` (see :class:`~.base.AsyncReadInto`),
+    together making one whole file: it writes straight into each tensor's memory."""
+
+    def __init__(self, producer: AsyncReadInto, name: str = "<readinto producer>") -> None:
+        super().__init__()
+        self._producer = producer
+        self.name = name
+
+    async def receive_into(self, buffer: memoryview) -> int:
+        if not buffer:
+            return 0
+        with self.clock.waiting(self.name, self.position):
+            count = await self._producer.readinto(buffer)
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(buffer):
+            raise UsageError(
+                f"{self.name}: readinto returned {count!r} for a buffer of {len(buffer)} bytes "
+                "(expected the count of bytes written, 0 only at the end)"
+            )
         self.position += count
         self.clock.moved(count)
         return count

@@ -1,0 +1,433 @@
+"""Remote media side by side: stream_st against its peers on an object-store endpoint of real parts.
+
+Run it from the repository root, as root (the endpoint is a network namespace; about 5 minutes
+on 2 cores with the defaults; ~600 MiB of disk)::
+
+    sudo python benchmarks/bench_peers_remote.py [--repeat 5] [--size-mib 512]
+        [--concurrency 1,8,16] [--part-mib 8] [--files big,kv] [--variants st-s3,runai,...]
+        [--dir DIR]
+
+Without root (or without ``ip``/``tc``/``nginx``) it prints ``skipped: <reason>`` and exits 0.
+``main(argv)`` is what another benchmark calls to include these tables.
+
+The endpoint (``benchmarks/netns_store.py``): nginx serving a folder path-style as an S3
+endpoint inside a network namespace, 30 ms round trip, 200 MB/s per connection. Files, written
+once into ``DIR/bench/`` (a temporary folder unless ``--dir``): ``big``, ``--size-mib`` of
+32 MiB F32 tensors (512 MiB), and ``kv``, a TinyLlama KV cache (44 x 1 MiB F16, 44 MiB).
+
+Variants, each run in a fresh subprocess (``--child``) so every figure is a first run in a
+fresh process (imports and client set-up are not timed; the read is, from the first request
+to the last tensor touched). Each touches every 4 KiB page of every tensor (checked against
+the file, names in offset order for the streaming ones) and reports its peak RSS (VmHWM) above
+the RSS it had before the read:
+
+* ``st-s3-K``: ``open_stream(S3Source("s3://bench/FILE", concurrency=K, part_size=M))``;
+* ``st-http-K``: ``open_stream(HttpSource(URL, concurrency=K, part_size=M))``;
+* ``runai-K``: runai-model-streamer's ``SafetensorsStreamer`` on ``s3://bench/FILE`` with
+  ``AWS_ENDPOINT_URL`` set, ``RUNAI_STREAMER_CONCURRENCY=K``, path-style addressing;
+* ``boto3``: one ``get_object``, ``Body.readinto`` straight into each tensor's array;
+* ``boto3-K``: ``get_object`` ranged parts of M bytes on K threads into one buffer for the whole
+  file, tensors as views of it;
+* ``http``: plain HTTP, ``http.client`` with ``readinto`` into each array (one GET).
+
+Rounds are interleaved (every variant once per round, the order rotated each round); the tables
+give medians, GB/s of file bytes, peak RSS, and paired ratios (per round, the peer's time over
+stream_st's, then the median), with the targets: S3Source >= 1.2x runai at equal concurrency,
+and >= 3x a single stream (``st-s3-1``) on the KV file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import http.client
+import importlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+from bench_read import KV, NUMPY_DTYPES, BenchFile, big_file, ensure_file, touch
+from netns_store import NetnsStore, StoreUnavailable, check_available
+
+SCRIPT = str(Path(__file__).resolve())
+MiB = 1 << 20
+BUCKET = "bench"
+PEERS = ("st-s3", "st-http", "runai", "boto3", "boto3-K", "http")
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "bench",
+    "AWS_SECRET_ACCESS_KEY": "bench",
+    "AWS_REGION": "us-east-1",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+# --------------------------------------------------------------------------- in the child
+
+Layout = list[tuple[str, np.dtype[Any], tuple[int, ...], int, int]]
+
+
+def parse_layout(raw: bytes | bytearray | memoryview) -> Layout:
+    """The tensors of a JSON header in offset order: (name, dtype, shape, start, end)."""
+    header: dict[str, Any] = json.loads(bytes(raw))
+    header.pop("__metadata__", None)
+    items = [
+        (name, NUMPY_DTYPES[v["dtype"]], tuple(v["shape"]), *v["data_offsets"])
+        for name, v in header.items()
+    ]
+    return sorted(items, key=lambda item: item[3])
+
+
+def digest(touches: Sequence[tuple[str, int]]) -> str:
+    """What a variant delivered: names in the order received, and each one's page touches."""
+    return hashlib.sha256(json.dumps(list(touches)).encode()).hexdigest()[:16]
+
+
+def _fill(readinto: Callable[[memoryview], int], view: memoryview) -> None:
+    filled = 0
+    while filled < len(view):
+        got = readinto(view[filled:])
+        if not got:
+            raise RuntimeError("the body ended early")
+        filled += got
+
+
+def _read_body(readinto: Callable[[memoryview], int]) -> list[tuple[str, int]]:
+    """A safetensors body read front to back with ``readinto``, into a fresh array per tensor."""
+    prefix = bytearray(8)
+    _fill(readinto, memoryview(prefix))
+    raw = bytearray(int.from_bytes(prefix, "little"))
+    _fill(readinto, memoryview(raw))
+    touches = []
+    for name, dtype, shape, start, end in parse_layout(raw):
+        flat = np.empty(end - start, np.uint8)
+        _fill(readinto, flat.data)
+        touches.append((name, touch(flat.view(dtype).reshape(shape))))
+        del flat
+    return touches
+
+
+def _whole_buffer(data: np.ndarray[Any, Any]) -> list[tuple[str, int]]:
+    """Tensors as views of a buffer holding the whole file."""
+    n = int.from_bytes(data[:8].tobytes(), "little")
+    base = 8 + n
+    return [
+        (name, touch(data[base + start : base + end].view(dtype).reshape(shape)))
+        for name, dtype, shape, start, end in parse_layout(data[8:base].tobytes())
+    ]
+
+
+def _s3_client(endpoint: str) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        s3={"addressing_style": "path"},
+        max_pool_connections=64,
+        retries={"max_attempts": 1},
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    return boto3.client("s3", endpoint_url=endpoint, config=config)
+
+
+def prepare(variant: str, key: str, endpoint: str, k: int, part: int) -> Callable[[], Any]:
+    """Set up ``variant`` (imports, clients: untimed); the returned call does the timed read."""
+    url = f"{endpoint}/{BUCKET}/{key}"
+    if variant in ("st-s3", "st-http"):
+        import anyio
+
+        import stream_st
+        from stream_st._s3 import S3Config
+        from stream_st.sources.http import HttpSource
+        from stream_st.sources.s3 import S3Source
+
+        config = S3Config.resolve()  # credentials looked up untimed, as boto3's client is made
+        anyio.run(config.ready)
+
+        async def stream() -> list[tuple[str, int]]:
+            if variant == "st-s3":
+                address = f"s3://{BUCKET}/{key}"
+                source: HttpSource = S3Source(address, config=config, concurrency=k, part_size=part)
+            else:
+                source = HttpSource(url, concurrency=k, part_size=part)
+            return [(name, touch(array)) async for name, array in stream_st.open_stream(source)]
+
+        return lambda: anyio.run(stream)
+    if variant == "runai":
+        runai_streamer = importlib.import_module("runai_model_streamer")  # no type hints
+
+        def runai() -> list[tuple[str, int]]:
+            with runai_streamer.SafetensorsStreamer() as streamer:
+                streamer.stream_file(f"s3://{BUCKET}/{key}")
+                return sorted((name, touch(t.numpy())) for name, t in streamer.get_tensors())
+
+        return runai
+    if variant == "boto3":
+        client = _s3_client(endpoint)
+        return lambda: _read_body(client.get_object(Bucket=BUCKET, Key=key)["Body"].readinto)
+    if variant == "boto3-K":
+        client = _s3_client(endpoint)
+
+        def ranged() -> list[tuple[str, int]]:
+            size = client.head_object(Bucket=BUCKET, Key=key)["ContentLength"]
+            data = np.empty(size, np.uint8)
+
+            def get(start: int) -> None:
+                end = min(size, start + part)
+                answer = client.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={start}-{end - 1}")
+                _fill(answer["Body"].readinto, data[start:end].data)
+
+            with ThreadPoolExecutor(k) as pool:
+                list(pool.map(get, range(0, size, part)))
+            return sorted(_whole_buffer(data))
+
+        return ranged
+    if variant == "http":
+
+        def plain() -> list[tuple[str, int]]:
+            parts = urlsplit(url)
+            connection = http.client.HTTPConnection(parts.netloc)
+            connection.request("GET", parts.path)
+            answer = connection.getresponse()
+            try:
+                return _read_body(answer.readinto)
+            finally:
+                connection.close()
+
+        return plain
+    raise SystemExit(f"unknown variant {variant!r}")
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def child(args: argparse.Namespace) -> None:
+    """``--child``: one timed read in this fresh process; prints one JSON line."""
+    os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=args.endpoint)
+    os.environ.update(RUNAI_STREAMER_CONCURRENCY=str(args.k))
+    os.environ.update(RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0")
+    read = prepare(args.child, args.key, args.endpoint, args.k, args.part)
+    before = _status_kib("VmRSS")
+    started = time.perf_counter()
+    touches = read()
+    seconds = time.perf_counter() - started
+    peak = _status_kib("VmHWM") - before
+    print(json.dumps({"seconds": seconds, "digest": digest(touches), "peak_mib": peak / 1024}))
+
+
+# --------------------------------------------------------------------------- in the parent
+
+
+def expected_digests(path: Path) -> tuple[str, str]:
+    """The digest of ``path`` in offset order (streaming variants) and by name (the others)."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    touches = _whole_buffer(np.asarray(data))
+    return digest(touches), digest(sorted(touches))
+
+
+def run_child(variant: str, k: int, key: str, store: NetnsStore, part: int) -> dict[str, Any]:
+    done = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--child",
+            variant,
+            "--key",
+            key,
+            "--endpoint",
+            store.endpoint,
+            "--k",
+            str(k),
+            "--part",
+            str(part),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"error": f"exit {done.returncode}: {tail}"}
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def variant_names(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """(label, variant, K) for every variant asked for."""
+    names = []
+    for variant in args.variants:
+        if variant in ("boto3", "http"):
+            names.append((variant, variant, 1))
+            continue
+        for k in args.concurrency:
+            if variant == "boto3-K":
+                names.append((f"boto3-{k}", variant, k))
+            else:
+                names.append((f"{variant}-{k}", variant, k))
+    return names
+
+
+def measure(
+    args: argparse.Namespace, spec: BenchFile, path: Path, store: NetnsStore
+) -> dict[str, list[dict[str, Any]]]:
+    """Every variant once per round, in an order rotated each round; each result checked."""
+    in_order, by_name = expected_digests(path)
+    variants = variant_names(args)
+    results: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in variants}
+    for round_index in range(args.repeat):
+        shift = round_index % len(variants)
+        for label, variant, k in variants[shift:] + variants[:shift]:
+            result = run_child(variant, k, f"{spec.label}.safetensors", store, args.part)
+            wanted = by_name if variant in ("runai", "boto3-K") else in_order
+            if "error" not in result and result["digest"] != wanted:
+                result = {"error": "delivered other bytes or another order than the file"}
+            results[label].append(result)
+        print(f"  round {round_index + 1}/{args.repeat} done", flush=True)
+    return results
+
+
+def paired(results: dict[str, list[dict[str, Any]]], ours: str, peer: str) -> float | None:
+    """Median over rounds of the peer's time over ours (> 1: ours is faster)."""
+    pairs = [
+        b["seconds"] / a["seconds"]
+        for a, b in zip(results.get(ours, []), results.get(peer, []), strict=False)
+        if "seconds" in a and "seconds" in b
+    ]
+    return statistics.median(pairs) if pairs else None
+
+
+def report(
+    args: argparse.Namespace,
+    spec: BenchFile,
+    path: Path,
+    results: dict[str, list[dict[str, Any]]],
+) -> list[str]:
+    """Print the table of one file; return its target lines."""
+    size = path.stat().st_size
+    print(f"\n== {spec.label}: {spec.description} ({size / MiB:.0f} MiB), {args.repeat} rounds")
+    print(f"  {'variant':<14} {'median s':>9} {'GB/s':>6} {'peak MiB':>9}  failures")
+    for label, rounds in results.items():
+        ok = [r for r in rounds if "seconds" in r]
+        errors = {r["error"] for r in rounds if "error" in r}
+        if not ok:
+            print(f"  {label:<14} {'-':>9} {'-':>6} {'-':>9}  {'; '.join(sorted(errors))[:90]}")
+            continue
+        seconds = statistics.median(r["seconds"] for r in ok)
+        peak = statistics.median(r["peak_mib"] for r in ok)
+        note = f"{len(rounds) - len(ok)}: {'; '.join(sorted(errors))[:70]}" if errors else ""
+        print(f"  {label:<14} {seconds:9.3f} {size / seconds / 1e9:6.2f} {peak:9.0f}  {note}")
+    targets = []
+    print("  paired ratios (peer time / stream_st time; > 1: stream_st faster):")
+    for k in args.concurrency:
+        ours = f"st-s3-{k}"
+        for peer, target in ((f"runai-{k}", 1.2), (f"boto3-{k}", None), (f"st-http-{k}", None)):
+            ratio = paired(results, ours, peer)
+            if ratio is None:
+                continue
+            verdict = "" if target is None else (" PASS" if ratio >= target else " MISS")
+            line = f"{ours} vs {peer}: {ratio:.2f}" + (f" (>= {target}){verdict}" if target else "")
+            print(f"    {line}")
+            if target:
+                targets.append(f"{spec.label}: {line}")
+        ratio = paired(results, ours, "boto3")
+        if ratio is not None:
+            print(f"    {ours} vs boto3 (one get_object): {ratio:.2f}")
+        if k > 1 and spec.label == "kv":
+            ratio = paired(results, ours, "st-s3-1")
+            if ratio is not None:
+                verdict = "PASS" if ratio >= 3 else "MISS"
+                line = f"{ours} vs st-s3-1 (one stream): {ratio:.2f} (>= 3) {verdict}"
+                print(f"    {line}")
+                targets.append(f"{spec.label}: {line}")
+    return targets
+
+
+@contextlib.contextmanager
+def folder(given: Path | None) -> Iterator[Path]:
+    if given is not None:
+        given.mkdir(parents=True, exist_ok=True)
+        yield given
+        return
+    made = Path(tempfile.mkdtemp(prefix="bench-remote-"))
+    try:
+        yield made
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="stream_st against its peers on remote media")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--size-mib", type=int, default=512)
+    parser.add_argument("--concurrency", default="1,8,16")
+    parser.add_argument("--part-mib", type=float, default=8)
+    parser.add_argument("--files", default="big,kv")
+    parser.add_argument("--variants", default=",".join(PEERS))
+    parser.add_argument("--dir", type=Path, default=None, help="keep the files here")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--key", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--k", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--part", type=int, default=8 * MiB, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.concurrency = [int(k) for k in args.concurrency.split(",")]
+    args.variants = [v for v in args.variants.split(",") if v]
+    args.files = [f for f in args.files.split(",") if f]
+    if args.child is None:
+        args.part = int(args.part_mib * MiB)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[str]:
+    """Run the remote tables (or one child read); return the target lines (empty if skipped)."""
+    args = parse_args(argv)
+    if args.child is not None:
+        child(args)
+        return []
+    try:
+        check_available()
+    except StoreUnavailable as exc:
+        print(f"remote media skipped: {exc}")
+        return []
+    specs = {"big": big_file("big", args.size_mib), "kv": KV}
+    targets: list[str] = []
+    with folder(args.dir) as root:
+        (root / BUCKET).mkdir(exist_ok=True)
+        paths = {}
+        for name in args.files:
+            written = ensure_file(root / BUCKET, specs[name])
+            paths[name] = root / BUCKET / f"{name}.safetensors"
+            if written != paths[name]:
+                paths[name].unlink(missing_ok=True)
+                os.link(written, paths[name])
+        with NetnsStore(root) as store:
+            print(f"endpoint: {store.describe()}; part size {args.part / MiB:g} MiB")
+            print(f"load before: {os.getloadavg()[0]:.2f} (2 cores; other work may share them)")
+            for name in args.files:
+                results = measure(args, specs[name], paths[name], store)
+                targets += report(args, specs[name], paths[name], results)
+    print("\nTargets:")
+    for line in targets:
+        print(f"  {line}")
+    return targets
+
+
+if __name__ == "__main__":
+    main()
