@@ -252,6 +252,11 @@ async def _save(address: str, tensors: Mapping[str, Array]) -> Any:
     return await save(address, tensors)
 
 
+STAGING_REMOVALS = 50
+STAGING_RETRY_DELAY = 0.2
+"""How often, and how far apart, an abort tries to remove the staging directory (10 s in all)."""
+
+
 class SafetensorsWriter(DataSourceArrowWriter):
     """The data source's writer; see the module docstring."""
 
@@ -282,7 +287,13 @@ class SafetensorsWriter(DataSourceArrowWriter):
         anyio.run(self._clean_staging)
 
     async def _clean_staging(self) -> None:
-        await _store.remove_tree(self.staging)
+        # A task the job is still cancelling may create a file while the tree is being removed,
+        # which leaves the directory behind; it cannot create the directory again, so removing
+        # what is left a little later finishes the job.
+        for _ in range(STAGING_REMOVALS):
+            if await _store.remove_tree(self.staging):
+                break
+            await anyio.sleep(STAGING_RETRY_DELAY)
         parent = self.staging.rsplit("/", 1)[0]
         if not await _store.list_names(parent):
             await _store.remove_tree(parent)

@@ -160,12 +160,18 @@ async def remove(address: str) -> None:
         await bucket.delete(bucket.key)
 
 
-async def remove_tree(directory: str) -> None:
-    """Remove ``directory`` and everything under it, if it exists."""
+async def remove_tree(directory: str) -> bool:
+    """Remove ``directory`` and everything under it, if it exists; whether it is gone (a local
+    directory is not when a file appeared in it meanwhile)."""
     path = _local(directory)
     if path is not None:
-        await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
-        return
+
+        def remove() -> bool:
+            shutil.rmtree(path, ignore_errors=True)
+            return not os.path.lexists(path)
+
+        return await anyio.to_thread.run_sync(remove)
     async with _Bucket(join(directory, "_")) as bucket:
         for key in await bucket.keys(bucket.key[:-1]):
             await bucket.delete(key)
+    return True
