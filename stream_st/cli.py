@@ -28,7 +28,7 @@ from . import tools
 from ._limits import LimitOptions, TransportOptions
 from ._s3 import unsigned_requests
 from .demo import print_report, run_demo
-from .errors import SafetensorsError
+from .errors import SafetensorsError, UsageError
 from .sources import path_from_url
 
 if TYPE_CHECKING:
@@ -314,9 +314,45 @@ async def _cp(args: argparse.Namespace) -> int:
 
 
 async def _demo_command(args: argparse.Namespace) -> int:
-    codecs = tuple(c for c in args.codecs.split(",") if c)
-    results = await run_demo(args.layers, args.seq, codecs, **_limits(args))
-    print_report(results, args.layers, args.seq)
+    if not args.synthetic:
+        return await _model_demo_command(args)
+    codecs = tuple(c for c in (args.codecs or "none,int8,int4").split(",") if c)
+    layers, seq = args.layers or 22, args.seq or 2048
+    results = await run_demo(layers, seq, codecs, **_limits(args))
+    print_report(results, layers, seq)
+    return EXIT_OK
+
+
+async def _model_demo_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .demo import print_model_report, run_model_demo
+
+    if args.layers is not None or args.seq is not None:
+        raise UsageError("--layers and --seq size the synthetic cache: use them with --synthetic")
+    text = None
+    if args.text is not None:
+        try:
+            text = await anyio.Path(args.text).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"cannot read --text {args.text}: {exc}") from None
+    codecs = tuple(c for c in (args.codecs or "none,f16,int8,int4").split(",") if c)
+    console = Console(stderr=True)
+    with console.status("stream-st demo") if console.is_terminal else nullcontext() as status:
+
+        def progress(message: str) -> None:
+            if status is None:
+                print(f"stream-st demo: {message}", file=sys.stderr)
+            else:
+                status.update(message)
+
+        demo = await run_model_demo(
+            text, context=args.context, codecs=codecs, progress=progress, **_limits(args)
+        )
+    if args.json:
+        print(json.dumps(demo.to_json(), indent=2))
+    else:
+        print_model_report(demo)
     return EXIT_OK
 
 
@@ -333,7 +369,8 @@ EXAMPLES = {
     "cp": "stream-st cp s3://bucket/model.safetensors model.safetensors\n"
     "  stream-st cp --dtype bf16 model.safetensors http://host/upload/model-bf16.safetensors\n"
     "  stream-st cp --quantize int8 --include lm_head.weight m.safetensors tcp://peer:9000",
-    "demo": "stream-st demo\n  stream-st demo --layers 4 --seq 512 --codecs none,int4",
+    "demo": "stream-st demo\n  stream-st demo --text essay.txt --context 512 --json\n"
+    "  stream-st demo --synthetic --layers 4 --seq 512 --codecs none,int4",
 }
 
 
@@ -384,13 +421,29 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     demo = command(
-        "demo", "stream a KV cache over loopback TCP and check it (default)", _demo_command
+        "demo",
+        "a real model's KV cache streamed over loopback TCP layer by layer, checked by "
+        "perplexity (default)",
+        _demo_command,
     )
-    demo.add_argument("--layers", type=int, default=22, help="number of layers (default 22)")
-    demo.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     demo.add_argument(
-        "--codecs", default="none,int8,int4", help="codecs to run, in order (none,int8,int4)"
+        "--text", metavar="FILE", help="score this UTF-8 text (default: a built-in one)"
     )
+    demo.add_argument(
+        "--context", type=int, default=256, help="tokens prefilled on the sender (default 256)"
+    )
+    demo.add_argument(
+        "--codecs",
+        help="codecs to run, in order (default none,f16,int8,int4; --synthetic: none,int8,int4)",
+    )
+    demo.add_argument("--json", action="store_true", help="machine-readable output")
+    demo.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="a TinyLlama-shaped cache of random projections instead of the model",
+    )
+    demo.add_argument("--layers", type=int, help="--synthetic: number of layers (default 22)")
+    demo.add_argument("--seq", type=int, help="--synthetic: sequence length (default 2048)")
 
     inspect = command("inspect", "show the header: tensors, sizes, parameters, metadata", _inspect)
     inspect.add_argument("source")
