@@ -393,7 +393,7 @@ async def run_model_demo(
     :func:`run_demo`.
     """
     from .llm import load_tokenizer, perplexity, read_gguf
-    from .llm.transfer import continue_received, send_prefill
+    from .llm.transfer import continue_received, one_blas_thread, send_prefill
 
     names = [codec.lower() for codec in codecs]
     if not names or len(set(names)) != len(names) or not set(names) <= set(MODEL_CODECS):
@@ -403,44 +403,47 @@ async def run_model_demo(
     clock_of(limits)  # a bad limit says so before the model loads
     limits.setdefault("timeout", 30)
     say = progress or (lambda _: None)
-    say(f"loading {MODEL_NAME} (GGUF, dequantized to float32) and its tokenizer")
-    model = await anyio.to_thread.run_sync(read_gguf)
-    tokenizer = await anyio.to_thread.run_sync(load_tokenizer)
-    ids = np.array(tokenizer.encode(default_text() if text is None else text).ids)
-    if ids.size < context + 2:
-        raise UsageError(f"the text has {ids.size} tokens: {context + 2} or more needed")
-    prompt, continuation = ids[:context], ids[context:]
+    with one_blas_thread():  # sender and receiver: one core each
+        tokenizer = await anyio.to_thread.run_sync(load_tokenizer)
+        ids = np.array(tokenizer.encode(default_text() if text is None else text).ids)
+        if ids.size < context + 2:
+            raise UsageError(f"the text has {ids.size} tokens: {context + 2} or more needed")
+        say(f"loading {MODEL_NAME} (GGUF, dequantized to float32)")
+        model = await anyio.to_thread.run_sync(read_gguf)
+        prompt, continuation = ids[:context], ids[context:]
 
-    say(f"receiver recomputes the context ({context} tokens) and scores the continuation")
-    began = time.perf_counter()
-    cache = await anyio.to_thread.run_sync(model.cache, prompt)
-    reference = await anyio.to_thread.run_sync(model.score, continuation, cache)
-    recompute_time = time.perf_counter() - began
-    del cache
+        say(f"receiver recomputes the context ({context} tokens) and scores the continuation")
+        began = time.perf_counter()
+        cache = await anyio.to_thread.run_sync(model.cache, prompt)
+        reference = await anyio.to_thread.run_sync(model.score, continuation, cache)
+        recompute_time = time.perf_counter() - began
+        del cache
 
-    results = [ModelResult(MODEL_CODECS[n][0], dtype=MODEL_CODECS[n][1]) for n in names]
-    layouts = [model.config.kv_layout(context, r.dtype, r.codec) for r in results]
+        results = [ModelResult(MODEL_CODECS[n][0], dtype=MODEL_CODECS[n][1]) for n in names]
+        layouts = [model.config.kv_layout(context, r.dtype, r.codec) for r in results]
 
-    async def send(connection: Connection, index: int) -> None:
-        say(f"transfer {index + 1}/{len(results)}: {results[index].label}")
-        results[index].start = time.perf_counter()
-        report = await send_prefill(connection, model, prompt, layouts[index])
-        _sent(results[index], report)
+        async def send(connection: Connection, index: int) -> None:
+            say(f"transfer {index + 1}/{len(results)}: {results[index].label}")
+            results[index].start = time.perf_counter()
+            report = await send_prefill(connection, model, prompt, layouts[index])
+            _sent(results[index], report)
 
-    async def receive(connection: Connection, index: int) -> None:
-        result = results[index]
-        async with receive_kv(connection) as incoming:
-            logits = await continue_received(incoming, model, continuation, done_at=result.consumed)
-            _received(result, incoming)
-        result.finished = time.perf_counter() - result.start
-        result.payload_bytes = 2 * model.config.num_layers * int(np.prod(layouts[0].shape)) * 4
-        result.perplexity = perplexity(logits[:-1], continuation[1:])
-        result.max_logit_error = float(np.max(np.abs(logits - reference)))
-        result.identical = bool(np.array_equal(logits, reference))
+        async def receive(connection: Connection, index: int) -> None:
+            result = results[index]
+            async with receive_kv(connection) as incoming:
+                logits = await continue_received(
+                    incoming, model, continuation, done_at=result.consumed
+                )
+                _received(result, incoming)
+            result.finished = time.perf_counter() - result.start
+            result.payload_bytes = 2 * model.config.num_layers * int(np.prod(layouts[0].shape)) * 4
+            result.perplexity = perplexity(logits[:-1], continuation[1:])
+            result.max_logit_error = float(np.max(np.abs(logits - reference)))
+            result.identical = bool(np.array_equal(logits, reference))
 
-    await _session(len(results), send, receive, **limits)
-    for result in results:
-        _finish(result)
+        await _session(len(results), send, receive, **limits)
+        for result in results:
+            _finish(result)
     return ModelDemo(
         context_tokens=context,
         continuation_tokens=int(continuation.size),

@@ -227,13 +227,9 @@ class Llama:
         out: list[int] = []
         block = np.asarray(tokens, dtype=np.int64).reshape(-1)
         while len(out) < max_new_tokens:
+            past: list[tuple[Array, Array] | None] = [*cache] or [None] * self.config.num_layers
             run = self.forward(block, cache[0][0].shape[2] if cache else 0)
-            for layer in range(self.config.num_layers):
-                entry = run.step(cache[layer] if cache else None)
-                if layer < len(cache):
-                    cache[layer] = entry
-                else:
-                    cache.append(entry)
+            cache[:] = [run.step(entry) for entry in past]
             out.append(int(np.argmax(run.logits(last_only=True)[-1])))
             if out[-1] == self.config.eos_token_id:
                 break

@@ -3,13 +3,15 @@ pipelined: the sender sends each layer as the prefill produces it; the receiver 
 of the continuation as soon as layer ``l`` of the cache has arrived and passed its check.
 
 Both sides compute in worker threads (numpy releases the GIL), so the event loop keeps moving
-bytes meanwhile.
+bytes meanwhile. With both ends in one process, run them under :func:`one_blas_thread`: BLAS
+threads of one end would otherwise spin on the cores the other end computes on.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Unpack
 
 import anyio
@@ -21,7 +23,7 @@ from ..kv import KVLayout, KVReceiver, SendReport, send_kv
 from ..sinks import SinkLike
 from .model import Llama
 
-__all__ = ["continue_received", "send_prefill"]
+__all__ = ["continue_received", "one_blas_thread", "send_prefill"]
 
 Array = np.ndarray[Any, Any]
 
@@ -65,3 +67,18 @@ async def continue_received(
             done_at.append(time.perf_counter())
     logits: Array = await anyio.to_thread.run_sync(run.logits)
     return logits
+
+
+@contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """numpy's BLAS limited to one thread per call while the block runs (``threadpoolctl``, in
+    the ``llm`` extra; without it, nothing changes). A layer over a few hundred tokens gains
+    little from a second BLAS thread, and a sender and a receiver that share the cores each
+    keep one busy this way instead of four threads contending for two."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
