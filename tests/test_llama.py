@@ -157,6 +157,8 @@ def test_model_errors(model: Llama) -> None:
         model.score([1, 2], [(np.zeros((1, 3, 4, 64)), np.zeros((1, 3, 5, 64)))] * 30)
     with pytest.raises(ModelError, match="the model needs"):
         Llama(model.config, {"model.norm.weight": np.zeros(5)}, partial=True)
+    with pytest.raises(ModelError, match="not a weight of this Llama"):
+        Llama(model.config, {"model.layers.30.mlp.up_proj.weight": np.zeros((1536, 576))})
     with pytest.raises(ModelError, match="lack 272 tensors"):
         Llama(model.config, {})
     with pytest.raises(ModelError, match="not a Llama checkpoint"):

@@ -30,16 +30,6 @@ from ..bert import Stage
 from ..errors import SafetensorsError
 from ..kv import KVLayout
 
-__all__ = [
-    "Forward",
-    "KVCache",
-    "Llama",
-    "LlamaConfig",
-    "ModelError",
-    "StreamingPrefill",
-    "perplexity",
-]
-
 Array = np.ndarray[Any, Any]
 KVCache = list[tuple[Array, Array]]
 """Per layer, keys and values ``[1, num_kv_heads, seq, head_dim]``."""
@@ -121,7 +111,6 @@ class LlamaConfig:
         hidden, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         if name in (EMBEDDINGS, LM_HEAD):
             return (self.vocab_size, hidden)
-        part = name.rsplit(".", 1)[0].split(".", 3)[-1] if name.startswith("model.layers.") else ""
         shapes = {
             "input_layernorm": (hidden,),
             "post_attention_layernorm": (hidden,),
@@ -135,7 +124,10 @@ class LlamaConfig:
         }
         if name == FINAL_NORM:
             return (hidden,)
-        if part in shapes and name in self.layer_names(int(name.split(".")[2])):
+        prefix, _, part = name.removesuffix(".weight").partition(".layers.")
+        layer, _, part = part.partition(".")
+        in_range = prefix == "model" and layer.isdigit() and int(layer) < self.num_layers
+        if in_range and part in shapes and name in self.layer_names(int(layer)):  # not "01"
             return shapes[part]
         raise ModelError(f"{name!r} is not a weight of this Llama model")
 

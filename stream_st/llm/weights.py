@@ -128,7 +128,12 @@ def read_gguf(path: str | Path | None = None) -> Llama:
     weights: dict[str, Array] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
-        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        try:
+            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        except NotImplementedError:
+            raise ModelError(
+                f"{tensor.name}: {tensor.tensor_type.name} cannot be dequantized"
+            ) from None
         array = array.reshape(config.shape(name))
         if name.endswith("q_proj.weight"):
             array = _unpermute(array, config.num_heads)
