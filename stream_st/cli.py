@@ -317,7 +317,8 @@ async def _demo_command(args: argparse.Namespace) -> int:
     if not args.synthetic:
         return await _model_demo_command(args)
     codecs = tuple(c for c in (args.codecs or "none,int8,int4").split(",") if c)
-    layers, seq = args.layers or 22, args.seq or 2048
+    layers = 22 if args.layers is None else args.layers
+    seq = 2048 if args.seq is None else args.seq
     results = await run_demo(layers, seq, codecs, **_limits(args))
     print_report(results, layers, seq)
     return EXIT_OK

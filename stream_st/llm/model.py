@@ -264,7 +264,7 @@ class Llama:
         scores = (q @ k.transpose(0, 2, 1)) * np.float32(1.0 / math.sqrt(head_dim))
         scores = scores.reshape(kv_heads, group, seq, total)
         future = np.arange(total)[None, :] > (start + np.arange(seq))[:, None]
-        scores[:, :, future] = -np.inf
+        scores += np.where(future, np.float32(-np.inf), np.float32(0))  # a ufunc: no GIL held
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
