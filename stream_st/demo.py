@@ -1,6 +1,13 @@
 """``stream-st demo``: a pipelined KV-cache transfer over loopback TCP, measured.
 
-A sender computes a TinyLlama-shaped KV cache layer by layer (real numpy work: the key and value
+The main job (:func:`run_model_demo`) runs a real decoder, SmolLM2-135M-Instruct
+(:mod:`stream_st.llm`): a sender prefills a context and sends each layer's keys and values as
+soon as the layer exists; the receiver runs that layer of the continuation on them as they
+arrive, and the continuation's perplexity, per codec, is compared with the receiver recomputing
+the context itself. :func:`print_model_report` prints it, :meth:`ModelDemo.to_json` gives it.
+
+The synthetic demo (:func:`run_demo`, ``stream-st demo --synthetic``) needs no model: a sender
+computes a TinyLlama-shaped KV cache layer by layer (real numpy work: the key and value
 projections of a block of hidden states) and sends each layer as soon as it exists; a receiver
 verifies each layer and consumes it (grouped-query attention of new queries over the cached keys
 and values) while later layers are still being computed. The transfer runs once per codec on one
@@ -306,8 +313,12 @@ def print_report(results: list[DemoResult], layers: int, seq: int) -> None:
     )
 
 
-MODEL_CODECS = {"none": ("none", "F32"), "f16": ("none", "F16"), "int8": ("int8", "F32")}
-MODEL_CODECS["int4"] = ("int4", "F32")
+MODEL_CODECS = {
+    "none": ("none", "F32"),
+    "f16": ("none", "F16"),
+    "int8": ("int8", "F32"),
+    "int4": ("int4", "F32"),
+}
 """The model demo's codecs: the KV codec and the dtype of the keys and values it carries."""
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
