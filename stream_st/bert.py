@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import numpy as np
@@ -32,6 +32,7 @@ from .errors import SafetensorsError, UsageError
 __all__ = [
     "BertConfig",
     "Stage",
+    "StageRunner",
     "StreamingBert",
     "mean_pool",
     "minilm_dir",
@@ -162,6 +163,23 @@ class Stage:
     done_at: float
 
 
+class StageRunner(Protocol):
+    """A model run stage by stage as its weights are fed in (:class:`StreamingBert`, the Llama
+    prefill): what :func:`run_streaming` drives."""
+
+    def add(self, name: str, array: Array) -> None: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    def run_ready(self) -> list[Stage]: ...
+
+    def output(self) -> Array: ...
+
+
+Runner = TypeVar("Runner", bound=StageRunner)
+
+
 @dataclass
 class StreamingBert:
     """Runs a BERT encoder stage by stage as weights are fed in. See the module docstring.
@@ -286,11 +304,11 @@ class StreamingBert:
 
 
 async def run_streaming(
-    model: StreamingBert,
+    model: Runner,
     tensors: AsyncIterable[tuple[str, Array]],
     *,
     threaded: bool = True,
-) -> StreamingBert:
+) -> Runner:
     """Feed ``tensors`` (e.g. an ``open_stream``) into ``model`` as they arrive; returns it.
 
     With ``threaded`` (the default) each stage runs in a worker thread while the event loop goes
@@ -301,7 +319,8 @@ async def run_streaming(
     """
     if not threaded:
         async for name, array in tensors:
-            model.feed(name, array)
+            model.add(name, array)
+            model.run_ready()
         model.output()  # raises if a weight never came
         return model
 

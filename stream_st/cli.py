@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from typing import Any, NoReturn
 
 import anyio
@@ -487,9 +487,52 @@ async def _cp(args: argparse.Namespace) -> int:
 
 
 async def _demo_command(args: argparse.Namespace) -> int:
-    codecs = tuple(c for c in args.codecs.split(",") if c)
-    results = await run_demo(args.layers, args.seq, codecs, **_limits(args))
-    print_report(results, args.layers, args.seq)
+    if not args.synthetic:
+        return await _model_demo_command(args)
+    codecs = tuple(c for c in (args.codecs or "none,int8,int4").split(",") if c)
+    layers = 22 if args.layers is None else args.layers
+    seq = 2048 if args.seq is None else args.seq
+    results = await run_demo(layers, seq, codecs, **_limits(args))
+    print_report(results, layers, seq)
+    return EXIT_OK
+
+
+@contextmanager
+def _status(label: str) -> Iterator[Callable[[str], None]]:
+    """Report a long job's stage on stderr: a rich status line on a terminal where rich is
+    installed (the ``cli`` extra), else one plain line per stage."""
+    console = None
+    with suppress(ImportError):
+        from rich.console import Console
+
+        console = Console(stderr=True)
+    if console is None or not console.is_terminal:
+        yield lambda message: print(f"{label}: {message}", file=sys.stderr)
+        return
+    with console.status(label) as status:
+        yield status.update
+
+
+async def _model_demo_command(args: argparse.Namespace) -> int:
+    from .demo import print_model_report, run_model_demo
+
+    if args.layers is not None or args.seq is not None:
+        raise UsageError("--layers and --seq size the synthetic cache: use them with --synthetic")
+    text = None
+    if args.text is not None:
+        try:
+            text = await anyio.Path(args.text).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"cannot read --text {args.text}: {exc}") from None
+    codecs = tuple(c for c in (args.codecs or "none,f16,int8,int4").split(",") if c)
+    with _status("stream-st demo") as progress:
+        demo = await run_model_demo(
+            text, context=args.context, codecs=codecs, progress=progress, **_limits(args)
+        )
+    if args.json:
+        print(json.dumps(demo.to_json(), indent=2))
+    else:
+        print_model_report(demo)
     return EXIT_OK
 
 
@@ -525,7 +568,8 @@ EXAMPLES = {
     "  stream-st cp --dtype bf16 model.safetensors http://host/upload/model-bf16.safetensors\n"
     "  stream-st cp --quantize int8 --include lm_head.weight m.safetensors tcp://peer:9000\n"
     "  stream-st cp --dequantize q8.safetensors restored.safetensors",
-    "demo": "stream-st demo\n  stream-st demo --layers 4 --seq 512 --codecs none,int4",
+    "demo": "stream-st demo\n  stream-st demo --text essay.txt --context 512 --json\n"
+    "  stream-st demo --synthetic --layers 4 --seq 512 --codecs none,int4",
     "completion": "stream-st completion bash > ~/.local/share/bash-completion/completions/"
     "stream-st\n  stream-st completion zsh > ~/.zfunc/_stream-st",
 }
@@ -579,6 +623,30 @@ def build_parser() -> argparse.ArgumentParser:
             help="seconds of waiting over which --speed-limit applies (default 30)",
         )
         return sub
+
+    demo = command(
+        "demo",
+        "a real model's KV cache streamed over loopback TCP layer by layer, checked by perplexity",
+        _demo_command,
+    )
+    demo.add_argument(
+        "--text", metavar="FILE", help="score this UTF-8 text (default: a built-in one)"
+    )
+    demo.add_argument(
+        "--context", type=int, default=256, help="tokens prefilled on the sender (default 256)"
+    )
+    demo.add_argument(
+        "--codecs",
+        help="codecs to run, in order (default none,f16,int8,int4; --synthetic: none,int8,int4)",
+    )
+    demo.add_argument("--json", action="store_true", help="machine-readable output")
+    demo.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="a TinyLlama-shaped cache of random projections instead of the model",
+    )
+    demo.add_argument("--layers", type=int, help="--synthetic: number of layers (default 22)")
+    demo.add_argument("--seq", type=int, help="--synthetic: sequence length (default 2048)")
 
     inspect = command("inspect", "show the header: tensors, sizes, parameters, metadata", _inspect)
     inspect.add_argument("sources", nargs="+", metavar="SOURCE", help=SOURCES)
@@ -642,13 +710,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--dequantize",
         action="store_true",
         help="restore floating-point tensors from int8/int4 codes (to --dtype if given)",
-    )
-
-    demo = command("demo", "stream a KV cache over loopback TCP and check it", _demo_command)
-    demo.add_argument("--layers", type=int, default=22, help="number of layers (default 22)")
-    demo.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
-    demo.add_argument(
-        "--codecs", default="none,int8,int4", help="codecs to run, in order (none,int8,int4)"
     )
 
     completion = command("completion", "print a shell completion script (needs shtab)", _completion)
