@@ -223,7 +223,9 @@ class ShardGate(GatedServer):
 
 
 @pytest.mark.parametrize("concurrency", [2, 3, 5])
-async def test_shards_are_read_at_once_and_yielded_in_order(concurrency: int) -> None:
+@pytest.mark.parametrize("via", ["ShardedStream", "open_stream"])
+async def test_shards_are_read_at_once_and_yielded_in_order(concurrency: int, via: str) -> None:
+    """The next shard is opened while one streams, each through ``concurrency`` parts."""
     weight_map = {name: shard for shard, arrays in SHARDS.items() for name in arrays}
     with ShardGate() as started:
         server = cast(ShardGate, started)
@@ -234,7 +236,12 @@ async def test_shards_are_read_at_once_and_yielded_in_order(concurrency: int) ->
             {"metadata": {}, "weight_map": weight_map}
         ).encode()
         url = server.url("/m/model.safetensors.index.json")
-        stream = ShardedStream(url, concurrency=concurrency)
+        stream = (
+            ShardedStream(url, concurrency=concurrency)
+            if via == "ShardedStream"
+            else stream_st.open_stream(url, concurrency=concurrency)
+        )
+        assert isinstance(stream, ShardedStream)
         order = []
         async for name, array in stream:
             order.append(name)
@@ -244,6 +251,39 @@ async def test_shards_are_read_at_once_and_yielded_in_order(concurrency: int) ->
     expected = [name for arrays in SHARDS.values() for name in arrays]
     assert order == expected  # the index's shard order, offset order within each
     assert list(stream.headers) == list(SHARDS)
+    for shard in SHARDS:  # each shard: its header's request, then parts on other connections
+        asked = [r for r in gets(server) if r[1].endswith(shard)]
+        assert len(asked) >= min(concurrency, 2), asked
+
+
+async def test_a_broken_shard_ahead_fails_only_when_reached() -> None:
+    weight_map = {name: shard for shard, arrays in SHARDS.items() for name in arrays}
+    with RangeHTTPServer() as server:
+        first, second, _ = SHARDS
+        server.objects[f"/m/{first}"] = reference_numpy.save(SHARDS[first])
+        server.objects[f"/m/{second}"] = b"not a safetensors file"
+        server.objects["/m/model.safetensors.index.json"] = json.dumps(
+            {"metadata": {}, "weight_map": weight_map}
+        ).encode()
+        got = []
+        with pytest.raises(stream_st.HeaderError, match=second):
+            url = server.url("/m/model.safetensors.index.json")
+            async for name, _ in stream_st.open_stream(url, concurrency=2):
+                got.append(name)
+    assert got == list(SHARDS[first])
+
+
+@pytest.mark.parametrize("given", [False, True])
+async def test_concurrency_reaches_the_source(gated: GatedServer, given: bool) -> None:
+    """``open_stream(..., concurrency=K)``: K ranged requests at once, for a URL or a source
+    given as it is (its own concurrency replaced)."""
+    gated.wait = 0.0
+    url = gated.url("/kv.safetensors")
+    source: Any = HttpSource(url) if given else url
+    got = {name: array async for name, array in stream_st.open_stream(source, concurrency=4)}
+    assert_same_arrays(got, KV)
+    ranges = [r[2] for r in gets(gated)]
+    assert ranges[0] == f"bytes=0-{FIRST_RANGE - 1}" and len(ranges) == 4
 
 
 @pytest.mark.parametrize("concurrency", [0, -1, 1.5, True])

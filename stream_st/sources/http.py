@@ -59,7 +59,7 @@ from .._http import (
     raise_for_status,
     retry_after,
 )
-from .._limits import LimitOptions
+from .._limits import LimitOptions, Transport
 from .._util import task_group
 from ..errors import (
     CertificateError,
@@ -330,6 +330,12 @@ class HttpSource(ClientUser, Source):
     def prepare_headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
         """The headers to send with a request; object stores sign them here."""
         return headers
+
+    def add_transport(self, transport: Transport) -> None:
+        """Apply an operation's options; its ``concurrency``, when given, replaces this one's."""
+        super().add_transport(transport)
+        if transport.concurrency is not None:
+            self._concurrency = transport.concurrency
 
     async def plan_reads(self, ranges: Sequence[tuple[int, int]]) -> None:
         self._plan = list(ranges)
