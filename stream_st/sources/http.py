@@ -10,11 +10,15 @@ everything needed: the total size (``Content-Range``) and whether ranges work (2
 * No Range support (200): the answer is the whole body, streamed; skipped bytes are discarded.
   A server that honours the first range but answers a later one with anything but that range
   (a 200 with the whole body, another start) raises :class:`~stream_st.TransportError`.
-* ``concurrency=K`` (K > 1): the data is fetched in parts of ``part_size`` bytes, K ranged
-  requests at a time, each on its own connection; parts inside the tensor being read land
-  straight in its array, parts beyond it wait in at most K part buffers. Tensors still come out
-  in offset order. Worth it where each connection is slow or far (object stores); on a fast
-  local link one stream is as quick.
+* ``concurrency=K`` (K > 1): the data is fetched in parts of at most ``part_size`` bytes (the
+  planned bytes spread over K parts when that is less), each on its own connection, through a
+  window of the next K parts from the read position: as soon as the reads pass a part, the
+  next one is requested, while the others are still arriving, across tensors. A part inside
+  the tensor being read lands straight in its array, one beyond it in a part buffer (at most
+  K, reused). Tensors still come out in offset order. When everything is read, the window
+  opens as soon as the first answer's head tells the size, before the header has arrived.
+  Worth it where each connection is slow or far (object stores); on a fast local link one
+  stream is as quick. ``open_stream(url, concurrency=K)`` sets it for any remote source.
 
 A ranged read that breaks (connection reset, closed mid-body, 5xx) is resumed from the byte it
 reached, up to ``retries`` times per read (one tensor, or the header) with exponential backoff.
