@@ -36,7 +36,7 @@ import ssl
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from numbers import Real
 from typing import TypedDict
 
@@ -150,10 +150,21 @@ NO_LIMITS = Limits()
 
 @dataclass(frozen=True, slots=True)
 class Transport:
-    """The validated ``headers`` and ``ssl_context`` of an operation (see the module)."""
+    """The validated ``headers`` and ``ssl_context`` of an operation (see the module), and the
+    ``concurrency`` of a read (ranged requests at once per remote object; None: the source's)."""
 
     headers: tuple[tuple[str, str], ...] = ()
     ssl_context: ssl.SSLContext | None = None
+    concurrency: int | None = None
+
+    def reading(self, concurrency: object) -> Transport:
+        """These options for a read of ``concurrency`` requests at once (None: the sources'
+        own); UsageError unless it is an integer >= 1."""
+        if concurrency is None:
+            return self
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise UsageError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+        return replace(self, concurrency=concurrency)
 
     @classmethod
     def of(cls, headers: object = None, ssl_context: object = None) -> Transport:
@@ -188,7 +199,7 @@ class Transport:
         return out
 
     def __bool__(self) -> bool:
-        return bool(self.headers) or self.ssl_context is not None
+        return bool(self.headers) or self.ssl_context is not None or self.concurrency is not None
 
 
 NO_TRANSPORT = Transport()

@@ -374,6 +374,7 @@ def open_stream(
     into: Mapping[str, Any] | None = None,
     verify: bool = True,
     copy: bool = True,
+    concurrency: int | None = None,
     **options: Unpack[TransportOptions],
 ) -> TensorStream:
     """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
@@ -403,6 +404,9 @@ def open_stream(
     str to str) go with every request, on top of a given source's own; ``ssl_context`` (an
     :class:`ssl.SSLContext`) decides which certificates https trusts. Proxies come from the
     environment (``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY``, ``NO_PROXY``).
+    ``concurrency=K`` reads each remote object through K ranged requests at once (see
+    :class:`~stream_st.HttpSource`), replacing a given source's own; an index's shards too, the
+    next shard opened while the current one streams. Other sources ignore it.
 
     An address ending in ``.index.json`` (a sharded checkpoint's index) gives a
     :class:`~stream_st.sharded.ShardedStream` over every shard.
@@ -425,12 +429,14 @@ def open_stream(
     :class:`~stream_st.SafetensorsError` subclasses: a tensor the source ends inside is never
     yielded (:class:`~stream_st.TruncatedStreamError`).
     """
+    clock = clock_of(options)
+    clock.transport = clock.transport.reading(concurrency)
     return stream_for(
         source,
         include=include,
         max_header_size=max_header_size,
         verify=verify,
-        clock=clock_of(options),
+        clock=clock,
         delivery=Delivery(framework, into),
         copy=copy,
     )

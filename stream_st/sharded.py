@@ -17,10 +17,13 @@ A manifest lists its shards with their sizes (and sample counts, and a schema)::
 address) yields every tensor of every shard, shard after shard (index shards in name order,
 manifest shards in its order; tensors in offset order within each). ``include=`` applies across
 shards; with an index, a shard holding nothing selected is never opened.
-``ShardedStream(index, concurrency=K)`` reads K shards at once (so a remote checkpoint is not
-read one shard, one round trip, one connection at a time) and still yields in that order: each
-window of K shards is read whole, then yielded; it holds up to K shards' tensors in memory
-(``concurrency=1``, the default and what ``open_stream`` does, holds one tensor). Each
+``open_stream(index, concurrency=K)`` (or ``ShardedStream(index, concurrency=K)``) reads each
+remote shard through K ranged requests at once and opens the next shard (its header read, its
+first K parts requested) while the current one streams, so a remote checkpoint is read neither
+one connection nor one round trip per shard at a time; tensors still come in the index's order.
+Memory: the tensor being handed out, plus up to K part buffers for the shard being read and K
+for the next one. Without it, shards are opened one after the other, each as its source reads.
+Each
 shard's header must hold exactly the tensors the index assigns to it, or describe exactly the
 bytes the manifest gives for it.
 
@@ -227,8 +230,9 @@ class ShardedStream(TensorStream):
     """Every tensor of every shard of an index; used like any :class:`~stream_st.TensorStream`.
 
     ``index`` (the :class:`ShardIndex`) is available once open. ``header`` is the header of the
-    shard being read; ``headers`` maps each shard opened so far to its header. ``concurrency``
-    shards are read at once (see the module), 1 by default.
+    shard being read; ``headers`` maps each shard reached so far to its header.
+    ``concurrency``: ranged requests at once per remote shard, the next shard opened ahead (see
+    the module); None takes the operation's (``open_stream(index, concurrency=K)``).
     """
 
     def __init__(
@@ -241,7 +245,7 @@ class ShardedStream(TensorStream):
         clock: Clock | None = None,
         delivery: Delivery | None = None,
         copy: bool = True,
-        concurrency: int = 1,
+        concurrency: int | None = None,
     ) -> None:
         super().__init__(
             index,
@@ -252,9 +256,8 @@ class ShardedStream(TensorStream):
             delivery=delivery,
             copy=copy,
         )
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise UsageError(f"concurrency must be an integer >= 1, got {concurrency!r}")
-        self._concurrency = concurrency
+        self._clock.transport = self._clock.transport.reading(concurrency)
+        self._ahead: TensorStream | SafetensorsError | None = None  # opened while one streams
         self._address = os.fspath(index)
         self._index: ShardIndex | None = None
         self._current: TensorStream | None = None
@@ -304,30 +307,35 @@ class ShardedStream(TensorStream):
             for shard in index.shards  # a shard with nothing wanted is never opened
             if (expected := index.names_in(shard)) is None or any(map(selected, expected))
         ]
-        if self._concurrency == 1:
-            for shard in shards:
-                stream = self._current = await self._open_checked(index, shard, selected)
-                try:
-                    async with stream:
-                        async for item in stream:
-                            yield item
-                            del item
-                finally:
-                    self._current = None
-        else:
-            for at in range(0, len(shards), self._concurrency):
-                async for item in self._window(
-                    index, shards[at : at + self._concurrency], selected
-                ):
+        ahead = (self._clock.transport.concurrency or 1) > 1
+        for position, shard in enumerate(shards):
+            following = shards[position + 1] if ahead and position + 1 < len(shards) else None
+            stream = None
+            try:
+                async with task_group() as group:
+                    if following is not None:  # its header and first parts: while this starts
+                        group.start_soon(self._open_ahead, index, following, selected)
+                    stream = self._current = await self._next_stream(index, shard, selected)
+                    self.headers[shard] = stream.header
+                    items = aiter(stream)
+                    first = await anext(items, None)
+                if first is not None:
+                    yield first
+                    del first
+                async for item in items:
                     yield item
                     del item
+            finally:
+                self._current = None
+                if stream is not None:
+                    await stream.aclose()
         self._check_all_found(index)
 
     async def _open_checked(
         self, index: ShardIndex, shard: str, selected: Callable[[str], bool]
     ) -> TensorStream:
-        """The open stream of ``shard``'s selected tensors, its header checked against the index
-        and recorded in :attr:`headers`."""
+        """The open stream of ``shard``'s selected tensors, its header checked against the
+        index."""
         address = shard_address(index.home, shard)
         stream = TensorStream(
             address,
@@ -344,32 +352,25 @@ class ShardedStream(TensorStream):
         except BaseException:
             await stream.aclose()
             raise
-        self.headers[shard] = header
         return stream
 
-    async def _window(
-        self, index: ShardIndex, shards: list[str], selected: Callable[[str], bool]
-    ) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
-        """The tensors of ``shards``, all read at once in full, then yielded in their order."""
-        read: list[list[tuple[str, np.ndarray[Any, Any]]]] = [[] for _ in shards]
-        streams: list[TensorStream | None] = [None] * len(shards)
+    async def _next_stream(
+        self, index: ShardIndex, shard: str, selected: Callable[[str], bool]
+    ) -> TensorStream:
+        """``shard``'s open stream: the one opened ahead (or its failure, raised only now that
+        the shards before it have been read), else opened now."""
+        ahead, self._ahead = self._ahead, None
+        if isinstance(ahead, Exception):
+            raise ahead
+        return ahead or await self._open_checked(index, shard, selected)
 
-        async def fetch(position: int) -> None:
-            stream = await self._open_checked(index, shards[position], selected)
-            streams[position] = stream
-            async with stream:
-                read[position] = [item async for item in stream]
-
-        async with task_group() as group:
-            for position in range(len(shards)):
-                group.start_soon(fetch, position)
-        self.headers.update({shard: self.headers.pop(shard) for shard in shards})  # in order
-        for stream, items in zip(streams, read, strict=True):
-            self._current = stream  # closed, its header kept for .header
-            items.reverse()
-            while items:
-                yield items.pop()
-        self._current = None
+    async def _open_ahead(
+        self, index: ShardIndex, shard: str, selected: Callable[[str], bool]
+    ) -> None:
+        try:
+            self._ahead = await self._open_checked(index, shard, selected)
+        except SafetensorsError as exc:
+            self._ahead = exc
 
     def _check_all_found(self, index: ShardIndex) -> None:
         """A manifest does not list names up front: check ``include=`` and ``into=`` names at the
@@ -386,6 +387,7 @@ class ShardedStream(TensorStream):
             raise TensorNotFoundError(f"include= names tensors in no shard: {missing}")
 
     async def aclose(self) -> None:
-        current, self._current = self._current, None
-        if current is not None:
-            await current.aclose()
+        for stream in (self._current, self._ahead):
+            if isinstance(stream, TensorStream):
+                await stream.aclose()
+        self._current = self._ahead = None

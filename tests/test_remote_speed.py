@@ -3,6 +3,7 @@ answer's body (the safetensors header) has arrived; producers that fill the read
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st.sharded import ShardedStream
-from stream_st.sources.http import HttpSource
+from stream_st.sources.http import FIRST_RANGE, HttpSource
 
 from ._util import assert_same_arrays
 from .http_server import RangeHTTPServer
@@ -86,8 +87,8 @@ async def test_first_parts_are_requested_before_the_header_arrives(gated: GatedS
     header = await stream_st.read_header(gated.url("/kv.safetensors"))
     assert order == header.names()  # offset order
     data = gets(gated)[:-1]  # the last: read_header's
-    assert f"bytes=0-{part - 1}" in [r[2] for r in data]
-    assert len(data) == 4 and sum(r[3] for r in data) == size  # every byte once
+    assert f"bytes=0-{FIRST_RANGE - 1}" in [r[2] for r in data]  # the header's request
+    assert len(data) == 5 and sum(r[3] for r in data) == size  # every byte once
 
 
 async def test_speculative_parts_deliver_the_same_arrays(gated: GatedServer) -> None:
@@ -106,6 +107,53 @@ async def test_header_longer_than_the_first_part(gated: GatedServer) -> None:
     source = HttpSource(gated.url("/many.safetensors"), concurrency=4, part_size=1000)
     got = {name: array async for name, array in stream_st.open_stream(source)}
     assert_same_arrays(got, many)
+
+
+class WindowGate(GatedServer):
+    """Holds the body of the second GET (a part of the first window) until a GET beyond the
+    first ``window`` ones has arrived, and counts the answers being sent at once. A reader that
+    requests parts in batches, each waiting for its slowest part, sends no such GET."""
+
+    window = 3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._numbers = itertools.count(1)
+        self._lock = threading.Lock()
+        self.most_at_once = 0
+
+    def _answer(self, connection: Any, reader: Any, method: str, target: str, headers: Any) -> bool:
+        with self._lock:
+            self._local.number = next(self._numbers)
+            self.most_at_once = max(self.most_at_once, self._busy)
+        return super()._answer(connection, reader, method, target, headers)
+
+    def gated(self, path: str, headers: dict[str, str]) -> bool:
+        return bool(self._local.number == 2)
+
+    def counted(self, path: str, headers: dict[str, str]) -> bool:
+        return bool(self._local.number > self.window)
+
+
+@pytest.mark.parametrize("iterate", ["directly", "async with"])
+async def test_the_next_part_is_requested_while_an_earlier_one_still_arrives(iterate: str) -> None:
+    """A window of K parts: as the reads pass a part, the next one is requested, while the
+    parts after it are still arriving; never more than K requests at once."""
+    with WindowGate() as started:
+        server = cast(WindowGate, started)
+        server.others = 1
+        server.objects["/kv.safetensors"] = reference_numpy.save(KV)
+        source = HttpSource(server.url("/kv.safetensors"), concurrency=3, part_size=100_000)
+        if iterate == "directly":
+            got = {name: array async for name, array in stream_st.open_stream(source)}
+        else:
+            async with stream_st.open_stream(source) as stream:
+                got = {name: array async for name, array in stream}
+        assert server.gate_opened is True
+        assert_same_arrays(got, KV)
+        data = gets(server)
+        assert len(data) > 3 and sum(r[3] for r in data) == len(server.objects["/kv.safetensors"])
+        assert server.most_at_once <= 3
 
 
 class Producer:
@@ -175,7 +223,9 @@ class ShardGate(GatedServer):
 
 
 @pytest.mark.parametrize("concurrency", [2, 3, 5])
-async def test_shards_are_read_at_once_and_yielded_in_order(concurrency: int) -> None:
+@pytest.mark.parametrize("via", ["ShardedStream", "open_stream"])
+async def test_shards_are_read_at_once_and_yielded_in_order(concurrency: int, via: str) -> None:
+    """The next shard is opened while one streams, each through ``concurrency`` parts."""
     weight_map = {name: shard for shard, arrays in SHARDS.items() for name in arrays}
     with ShardGate() as started:
         server = cast(ShardGate, started)
@@ -186,7 +236,12 @@ async def test_shards_are_read_at_once_and_yielded_in_order(concurrency: int) ->
             {"metadata": {}, "weight_map": weight_map}
         ).encode()
         url = server.url("/m/model.safetensors.index.json")
-        stream = ShardedStream(url, concurrency=concurrency)
+        stream = (
+            ShardedStream(url, concurrency=concurrency)
+            if via == "ShardedStream"
+            else stream_st.open_stream(url, concurrency=concurrency)
+        )
+        assert isinstance(stream, ShardedStream)
         order = []
         async for name, array in stream:
             order.append(name)
@@ -196,6 +251,39 @@ async def test_shards_are_read_at_once_and_yielded_in_order(concurrency: int) ->
     expected = [name for arrays in SHARDS.values() for name in arrays]
     assert order == expected  # the index's shard order, offset order within each
     assert list(stream.headers) == list(SHARDS)
+    for shard in SHARDS:  # each shard: its header's request, then parts on other connections
+        asked = [r for r in gets(server) if r[1].endswith(shard)]
+        assert len(asked) >= min(concurrency, 2), asked
+
+
+async def test_a_broken_shard_ahead_fails_only_when_reached() -> None:
+    weight_map = {name: shard for shard, arrays in SHARDS.items() for name in arrays}
+    with RangeHTTPServer() as server:
+        first, second, _ = SHARDS
+        server.objects[f"/m/{first}"] = reference_numpy.save(SHARDS[first])
+        server.objects[f"/m/{second}"] = b"not a safetensors file"
+        server.objects["/m/model.safetensors.index.json"] = json.dumps(
+            {"metadata": {}, "weight_map": weight_map}
+        ).encode()
+        got = []
+        with pytest.raises(stream_st.HeaderError, match=second):
+            url = server.url("/m/model.safetensors.index.json")
+            async for name, _ in stream_st.open_stream(url, concurrency=2):
+                got.append(name)
+    assert got == list(SHARDS[first])
+
+
+@pytest.mark.parametrize("given", [False, True])
+async def test_concurrency_reaches_the_source(gated: GatedServer, given: bool) -> None:
+    """``open_stream(..., concurrency=K)``: K ranged requests at once, for a URL or a source
+    given as it is (its own concurrency replaced)."""
+    gated.wait = 0.0
+    url = gated.url("/kv.safetensors")
+    source: Any = HttpSource(url) if given else url
+    got = {name: array async for name, array in stream_st.open_stream(source, concurrency=4)}
+    assert_same_arrays(got, KV)
+    ranges = [r[2] for r in gets(gated)]
+    assert ranges[0] == f"bytes=0-{FIRST_RANGE - 1}" and len(ranges) == 4
 
 
 @pytest.mark.parametrize("concurrency", [0, -1, 1.5, True])

@@ -87,6 +87,33 @@ async def test_peer_that_stops_sending_times_out() -> None:
         await server.wait_closed()
 
 
+async def test_a_tensor_that_trickles_in_counts_for_the_speed_guard() -> None:
+    """A tensor filled by many small sends with pauses between: the bytes received before each
+    wait count for the speed guard and the position, though a tensor is filled in one loop; the
+    guard passes while they come and fails once they stop."""
+    data = reference_numpy.save({"t": np.arange(20_000, dtype=np.uint8)})
+    stalled = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for at in range(0, len(data) - 1000, 1000):
+            writer.write(data[at : at + 1000])
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        await stalled.wait()  # the last bytes never come
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(ReadTimeoutError, match="speed_limit") as info:  # at the stall only
+            await read_all(f"tcp://127.0.0.1:{port}", speed_limit=2000, speed_time=0.1)
+        assert info.value.position == len(range(0, len(data) - 1000, 1000)) * 1000
+    finally:
+        stalled.set()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_peer_that_closes_mid_tensor(tcp_sender: StartSender) -> None:
     data = sample_file()
     port = await tcp_sender(data[:-2])

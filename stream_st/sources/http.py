@@ -10,11 +10,15 @@ everything needed: the total size (``Content-Range``) and whether ranges work (2
 * No Range support (200): the answer is the whole body, streamed; skipped bytes are discarded.
   A server that honours the first range but answers a later one with anything but that range
   (a 200 with the whole body, another start) raises :class:`~stream_st.TransportError`.
-* ``concurrency=K`` (K > 1): the data is fetched in parts of ``part_size`` bytes, K ranged
-  requests at a time, each on its own connection; parts inside the tensor being read land
-  straight in its array, parts beyond it wait in at most K part buffers. Tensors still come out
-  in offset order. Worth it where each connection is slow or far (object stores); on a fast
-  local link one stream is as quick.
+* ``concurrency=K`` (K > 1): the data is fetched in parts of at most ``part_size`` bytes (the
+  planned bytes spread over K parts when that is less), each on its own connection, through a
+  window of the next K parts from the read position: as soon as the reads pass a part, the
+  next one is requested, while the others are still arriving, across tensors. A part inside
+  the tensor being read lands straight in its array, one beyond it in a part buffer (at most
+  K, reused). Tensors still come out in offset order. When everything is read, the window
+  opens as soon as the first answer's head tells the size, before the header has arrived.
+  Worth it where each connection is slow or far (object stores); on a fast local link one
+  stream is as quick. ``open_stream(url, concurrency=K)`` sets it for any remote source.
 
 A ranged read that breaks (connection reset, closed mid-body, 5xx) is resumed from the byte it
 reached, up to ``retries`` times per read (one tensor, or the header) with exponential backoff.
@@ -40,11 +44,15 @@ from __future__ import annotations
 
 import math
 import ssl
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Unpack
 
+import anyio
 import numpy as np
+from anyio.abc import TaskGroup
 
 from .._http import (
     ClientUser,
@@ -55,7 +63,7 @@ from .._http import (
     raise_for_status,
     retry_after,
 )
-from .._limits import LimitOptions
+from .._limits import LimitOptions, Transport
 from .._util import task_group
 from ..errors import (
     CertificateError,
@@ -74,6 +82,24 @@ FIRST_RANGE = 64 << 10
 _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _ASKS_TO_WAIT = frozenset({429, 503})  # statuses whose Retry-After is honoured
 _MAX_RETRY_AFTER = 300.0  # seconds a Retry-After may ask for when no deadline bounds the read
+
+
+@dataclass(eq=False)
+class _Part:
+    """Bytes ``start`` to ``end`` of the object, asked for by one ranged request of the window
+    (see :meth:`HttpSource._open_window`). ``got`` bytes have arrived: in ``data`` (a part
+    buffer, ``buffer`` the whole of it), or straight into the read's buffer (``direct``)."""
+
+    start: int
+    end: int
+    response: Response | None = None  # the answer being received
+    buffer: memoryview | None = None
+    data: memoryview | None = None
+    direct: bool = False
+    got: int = 0
+    done: bool = False
+    failures: int = 0  # breaks so far, each resumed by a new request
+    running: bool = False  # a task of the running read drives it
 
 
 class HttpSource(ClientUser, Source):
@@ -105,8 +131,18 @@ class HttpSource(ClientUser, Source):
             )
         self._concurrency = concurrency
         self._part_size = part_size
-        self._parts: list[tuple[int, memoryview]] = []  # fetched ahead: (offset, bytes)
         self._data_end: int | None = None  # where a short part showed the object to end
+        self._windowed = False  # reads go through the window of parts (see _open_window)
+        self._window: deque[_Part] = deque()  # the next parts, in order, at most K
+        self._next_at = 0  # where the next part starts
+        self._run = 0  # the planned run that holds it
+        self._step = part_size  # bytes per part
+        self._spare: list[memoryview] = []  # part buffers of parts read past, for new parts
+        self._group: TaskGroup | None = None  # the running read's tasks, inside a read only
+        self._target: tuple[int, memoryview] | None = None  # the running read: offset, buffer
+        self._requesting = 0  # parts waiting for the answer to their request
+        self._stopping = False  # the read is done: its tasks stop where nothing is lost
+        self._change: anyio.Event | None = None  # set when a part arrives or a request is answered
         self.url = url
         self.name = name or url
         self._use_client(client, headers, ssl_context, limits)
@@ -121,17 +157,15 @@ class HttpSource(ClientUser, Source):
     async def start(self, *, read_all: bool = False) -> None:
         """Send the first request and learn the size and whether ranges work.
 
-        It asks for the first 64 KiB, unless the reader will read everything (``read_all``):
-        then through one stream for all of it (``bytes=0-``), so the header and the data come in
-        one response; with ``concurrency`` K > 1 for the first ``part_size`` bytes, and as soon
+        It asks for the first 64 KiB, unless the reader will read everything (``read_all``) with
+        one stream: then for all of it (``bytes=0-``), so the header and the data come in one
+        response. With ``concurrency`` K > 1 and ``read_all``, the window of parts opens as soon
         as that answer's head tells the size, before its body (the safetensors header) has been
-        read, for the next K - 1 parts too (:meth:`_speculate`). A later jump closes the open
-        response and sends a ranged request from there.
+        read: the next K - 1 parts are requested by the first read (speculative first parts). A
+        later jump closes the open response and sends a ranged request from there.
         """
         speculate = read_all and self._concurrency > 1
         end = None if read_all and not speculate else FIRST_RANGE
-        if speculate:
-            end = max(FIRST_RANGE, self._part_size)
         with self._reported():
             response = await self._get(0, end)
             if response is None:  # an empty object
@@ -140,23 +174,8 @@ class HttpSource(ClientUser, Source):
                 return
             await self._adopt(response, 0)
             if speculate and self.random_access and self.size is not None:
-                await self._speculate()
-
-    async def _speculate(self) -> None:
-        """Fetch the first K parts at once: the open response's body (the first part) and, each
-        on its own connection, up to K - 1 more parts of at most ``part_size`` bytes spread over
-        the rest of the object, all into part buffers that the reads then take from. Tensors of
-        a small file thus all arrive one round trip after the first answer, not two."""
-        size = self.size or 0
-        first = self._response_end
-        rest = size - first
-        count = min(self._concurrency - 1, -(-rest // self._part_size)) if rest > 0 else 0
-        step = min(self._part_size, -(-rest // count)) if count else 1
-        spans = [(0, first)] + [
-            (at, min(size, at + step)) for at in range(first, min(size, first + count * step), step)
-        ]
-        await self._fetch_parts(spans)
-        self.position = 0  # the reads start at the prefix, now in the first part
+                self._plan = [(0, self.size)]  # until the reader's plan: everything
+                self._open_window()
 
     async def _adopt(self, response: Response, start: int) -> None:
         """Make ``response``, the answer to a GET from ``start``, the open one."""
@@ -316,8 +335,17 @@ class HttpSource(ClientUser, Source):
         """The headers to send with a request; object stores sign them here."""
         return headers
 
+    def add_transport(self, transport: Transport) -> None:
+        """Apply an operation's options; its ``concurrency``, when given, replaces this one's."""
+        super().add_transport(transport)
+        if transport.concurrency is not None:
+            self._concurrency = transport.concurrency
+
     async def plan_reads(self, ranges: Sequence[tuple[int, int]]) -> None:
         self._plan = list(ranges)
+        self._run = 0
+        if self._concurrency > 1 and self.random_access and not self._windowed:
+            self._open_window()
 
     def _planned_end(self, offset: int, minimum: int) -> int:
         """Where a request from ``offset`` should end: the end of the planned run it falls in,
@@ -339,138 +367,242 @@ class HttpSource(ClientUser, Source):
 
     async def receive_into(self, buffer: memoryview) -> int:
         with self._reported():
-            return await self._read_at(self.position, buffer, partial=True)
+            return await self._read(self.position, buffer, partial=True)
 
     async def fill(self, buffer: memoryview) -> int:
         with self._reported():
-            return await self._read_at(self.position, buffer, partial=False)
+            return await self._read(self.position, buffer, partial=False)
 
     async def read_into_at(self, offset: int, buffer: memoryview) -> int:
         with self._reported():
-            if self._concurrency > 1 and self.random_access and self._plan:
-                return await self._read_parallel(offset, buffer)
-            return await self._read_at(offset, buffer, partial=False)
+            return await self._read(offset, buffer, partial=False)
 
-    def _next_parts(self, at: int, stop: int) -> list[tuple[int, int]]:
-        """Up to ``concurrency`` planned parts from ``at``, split where the current read ends."""
-        parts: list[tuple[int, int]] = []
-        for run_start, run_end in self._plan:
-            if run_end <= at:
-                continue
-            if not parts and run_start > at:
-                break  # ``at`` is outside the plan
-            start = max(run_start, at)
-            while start < run_end and len(parts) < self._concurrency:
-                end = min(run_end, start + self._part_size)
-                if start < stop < end:
-                    end = stop
-                parts.append((start, end))
-                start = end
-            if len(parts) == self._concurrency:
-                break
-        return parts or [(at, stop)]
+    async def _read(self, offset: int, buffer: memoryview, *, partial: bool) -> int:
+        """Fill ``buffer`` from ``offset``: through the window of parts once it is open, else
+        through the one open response."""
+        if self._windowed and buffer:
+            return await self._read_windowed(offset, buffer, partial=partial)
+        return await self._read_at(offset, buffer, partial=partial)
 
-    async def _read_parallel(self, offset: int, buffer: memoryview) -> int:
+    # The window of parts (``concurrency`` K > 1): the next K parts of the plan from the read
+    # position are requested, each on its own connection, and received as they come, straight
+    # into the read that holds them or into part buffers; the next part is requested as soon as
+    # the reads have passed one. Tasks run only inside a read (no task outlives the call that
+    # started it): a read that is done stops them where nothing is lost, in a body (the bytes
+    # wait in the socket for the next read) or in a back-off, never within a request.
+
+    def _open_window(self) -> None:
+        """Start reading through parts: the open response, if any, becomes the first part; the
+        bytes left to plan are spread over the other K - 1, at most ``part_size`` each."""
+        response = self._response
+        if response is not None and self._response_at < self._response_end:
+            self._window.append(_Part(self._response_at, self._response_end, response))
+            self._next_at = self._response_end
+        elif response is not None:
+            self._next_at = self._response_at
+        self._response = None
+        rest = sum(max(0, end - max(start, self._next_at)) for start, end in self._plan)
+        others = self._concurrency - len(self._window)
+        self._step = max(1, min(self._part_size, -(-rest // others)))
+        self._windowed = True
+        self._extend_window()
+
+    def _next_span(self) -> tuple[int, int] | None:
+        """The bytes of the next part to request: up to ``_step`` of the plan from ``_next_at``."""
+        plan = self._plan
+        while self._run < len(plan) and plan[self._run][1] <= self._next_at:
+            self._run += 1
+        if self._run == len(plan):
+            return None
+        run_start, run_end = plan[self._run]
+        start = max(run_start, self._next_at)
+        self._next_at = min(run_end, start + self._step)
+        return start, self._next_at
+
+    def _extend_window(self) -> None:
+        """Add parts up to K; inside a read they are requested at once."""
+        while len(self._window) < self._concurrency:
+            span = self._next_span()
+            if span is None:
+                return
+            part = _Part(*span)
+            self._window.append(part)
+            if self._group is not None:
+                self._run_part(part)
+
+    async def _slide(self, at: int) -> None:
+        """Drop the parts wholly before ``at`` (their buffers kept for new parts, responses of
+        skipped ones closed), then extend the window from there."""
+        window = self._window
+        while window and window[0].end <= at:
+            part = window.popleft()
+            if part.buffer is not None:
+                self._spare.append(part.buffer)
+            if part.response is not None:
+                await part.response.aclose()
+        if not window:
+            self._next_at = max(self._next_at, at)
+        self._extend_window()
+
+    def _run_part(self, part: _Part) -> None:
+        assert self._group is not None
+        part.running = True
+        self._group.start_soon(self._drive, part)
+
+    def _changed(self) -> None:
+        """Wake the read waiting in :meth:`_wait`: a part arrived or a request was answered."""
+        if self._change is not None:
+            self._change.set()
+
+    async def _wait(self) -> None:
+        self._change = anyio.Event()
+        await self._change.wait()
+
+    async def _read_windowed(self, offset: int, buffer: memoryview, *, partial: bool) -> int:
+        """Fill ``buffer`` from ``offset`` with the window's parts, in order, running their
+        requests and bodies until it is full (or, ``partial``, has some bytes)."""
         stop = offset + len(buffer)
         filled = 0
-        while filled < len(buffer):
-            at = offset + filled
-            if self._data_end is not None and at >= self._data_end:
-                break  # a part came back short: the object ends there
-            if self._response is not None and self._response_at == at < self._response_end:
-                # The first answer (64 KiB) is still open here: use the bytes already coming.
-                want = min(len(buffer) - filled, self._response_end - at)
-                got = await self._read_at(at, buffer[filled : filled + want], partial=False)
-                filled += got
-                if got < want:
-                    break
-                continue
-            taken = self._take_parts(at, buffer[filled:])
-            if taken:
-                filled += taken
-                continue
-            filled += await self._fetch_parts(self._next_parts(at, stop), buffer, offset)
+        outside = False  # a byte no part holds: outside the plan
+        self._target = None if partial else (offset, buffer)  # a partial read may end early
+        try:
+            async with task_group() as group:
+                while filled < len(buffer):
+                    at = offset + filled
+                    await self._slide(at)
+                    part = self._window[0] if self._window else None
+                    if self._data_end is not None and at >= self._data_end:
+                        break  # a part came back short: the object ends there
+                    if part is None or part.start > at:
+                        outside = True
+                        break
+                    if not part.done:
+                        if self._group is None:
+                            self._group = group
+                            for waiting in self._window:
+                                if not (waiting.done or waiting.running):
+                                    self._run_part(waiting)
+                        await self._wait()
+                        continue
+                    count = min(part.start + part.got, stop) - at
+                    if count <= 0:
+                        break
+                    if part.data is not None:
+                        begin = at - part.start
+                        buffer[filled : filled + count] = part.data[begin : begin + count]
+                    filled += count
+                    if partial:
+                        break
+                if self._group is not None:
+                    self._stopping = True
+                    while self._requesting:  # a request is never cut: its answer may be used
+                        await self._wait()
+                    group.cancel_scope.cancel()
+        finally:
+            await self._stopped()
         self.position = offset + filled
+        if outside:
+            filled += await self._read_at(offset + filled, buffer[filled:], partial=partial)
         return filled
 
-    def _take_parts(self, at: int, view: memoryview) -> int:
-        """Copy into ``view`` what the parts fetched ahead hold from ``at``; return the count.
-        Parts wholly before ``at`` are dropped, and all of them once none holds ``at``."""
-        self._parts = [p for p in self._parts if p[0] + len(p[1]) > at]
-        if not self._parts or self._parts[0][0] > at:
-            self._parts.clear()
-            return 0
-        start, data = self._parts[0]
-        piece = data[at - start : at - start + len(view)]
-        view[: len(piece)] = piece
-        return len(piece)
+    async def _stopped(self) -> None:
+        """After a read: no task runs, no part is received into its buffer any more. A part
+        left unfinished there (the read failed) starts again."""
+        self._group = None
+        self._target = None
+        self._stopping = False
+        for part in self._window:
+            part.running = False
+            if part.direct and not part.done:
+                part.direct = False
+                part.got = 0
+                response, part.response = part.response, None
+                if response is not None:
+                    await response.aclose()
 
-    async def _fetch_parts(
-        self, spans: list[tuple[int, int]], buffer: memoryview | None = None, offset: int = 0
-    ) -> int:
-        """Fetch every span at once, each on its own connection; a span at the open response's
-        position is read from it. Spans inside ``buffer`` (the read at ``offset``) land straight
-        in it; the others in part buffers the next reads take from (np.empty: a bytearray would
-        zero-fill K parts before any request). Returns the bytes that landed in ``buffer``."""
-        stop = offset + (0 if buffer is None else len(buffer))
-        views = [
-            buffer[s - offset : e - offset]
-            if buffer is not None and e <= stop
-            else np.empty(e - s, np.uint8).data
-            for s, e in spans
-        ]
-        counts = [0] * len(spans)
+    async def _drive(self, part: _Part) -> None:
+        """Request ``part`` (again, from the byte it reached, after a break) and receive it."""
+        try:
+            while not part.done:
+                if part.response is None:
+                    if self._stopping:
+                        return
+                    self._requesting += 1
+                    try:
+                        part.response = await self._open_range(part.start + part.got, part.end)
+                    finally:
+                        self._requesting -= 1
+                        self._changed()
+                    if part.response is None:
+                        self._finish(part)
+                        return
+                    if self._stopping:
+                        return
+                await self._receive_part(part, part.response)
+        finally:
+            part.running = False
 
-        async def fetch(index: int) -> None:
-            start, view = spans[index][0], views[index]
-            if self._response is not None and self._response_at == start:
-                counts[index] = await self._read_at(start, view, partial=False)
-                await self._close_response()  # all of it read: its connection goes back
-            else:
-                counts[index] = await self._fetch_into(start, view)
+    async def _open_range(self, start: int, end: int) -> Response | None:
+        """A GET for bytes ``start`` to ``end`` whose answer is checked to be that range."""
+        response = await self._get(start, end)
+        if response is not None:
+            await self._body_range(response, start)
+        return response
 
-        async with task_group() as group:
-            for index in range(len(spans)):
-                group.start_soon(fetch, index)
-        landed = 0
-        for (start, end), view, count in zip(spans, views, counts, strict=True):
-            if buffer is not None and end <= stop:
-                landed += count
-            else:
-                self._parts.append((start, view[:count]))
-            if count < end - start:
-                self._data_end = start + count
-                break
-        return landed
-
-    async def _fetch_into(self, start: int, view: memoryview) -> int:
-        """One ranged GET into ``view``, resumed after breaks; returns the bytes received."""
-        got = 0
-        failures = 0
-        while got < len(view):
-            response = await self._get(start + got, start + len(view))
-            if response is None:
-                break
-            await self._body_range(response, start + got)
-            try:
-                async with response:
-                    while got < len(view):
-                        count = await response.receive_into(view[got:])
-                        if count == 0:
-                            break
-                        got += count
-                if got < len(view) and response.complete:
+    async def _receive_part(self, part: _Part, response: Response) -> None:
+        """Receive ``part``'s body from ``response``; a break is retried (``retries``, with
+        back-off) by the next request, an answer that ends early makes it short."""
+        view = self._part_view(part)
+        try:
+            while part.got < len(view):
+                count = await response.receive_into(view[part.got :])
+                if count == 0:
                     break  # the server sent less than asked: the object is shorter
-            except HTTPProtocolError:
-                raise
-            except TransportError as exc:
-                failures += 1
-                if failures > self._retries:
-                    if isinstance(exc, ReadTimeoutError):
-                        raise
-                    break
-                await self._back_off(failures, start + got)
-        return got
+                part.got += count
+        except HTTPProtocolError:
+            raise
+        except TransportError as exc:
+            part.response = None
+            await response.aclose()
+            part.failures += 1
+            if part.failures > self._retries:
+                if isinstance(exc, ReadTimeoutError):
+                    raise
+                self._finish(part)  # the read reports the truncation
+                return
+            await self._back_off(part.failures, part.start + part.got)
+            return
+        part.response = None
+        await response.aclose()
+        self._finish(part)
+
+    def _part_view(self, part: _Part) -> memoryview:
+        """Where ``part``'s bytes go: the read's buffer when the part lies inside it (the
+        tensor's own memory), else a part buffer (np.empty: a bytearray would zero-fill it)."""
+        if part.data is not None:
+            return part.data
+        target = self._target
+        if target is not None and (part.direct or part.got == 0):
+            offset, buffer = target
+            if offset <= part.start and part.end <= offset + len(buffer):
+                part.direct = True
+                return buffer[part.start - offset : part.end - offset]
+        size = part.end - part.start
+        spare = next((b for b in self._spare if len(b) >= size), None)
+        if spare is None:
+            spare = np.empty(max(size, self._step), np.uint8).data
+        else:
+            self._spare.remove(spare)
+        part.buffer = spare
+        part.data = spare[:size]
+        return part.data
+
+    def _finish(self, part: _Part) -> None:
+        part.done = True
+        if part.got < part.end - part.start:
+            end = part.start + part.got
+            self._data_end = end if self._data_end is None else min(self._data_end, end)
+        self._changed()
 
     async def skip(self, count: int) -> int:
         if self.random_access:
@@ -496,12 +628,6 @@ class HttpSource(ClientUser, Source):
             at = offset + filled
             if self.size is not None and at >= self.size:
                 break
-            taken = self._take_parts(at, buffer[filled:])
-            if taken:  # fetched ahead (the first parts of a parallel read: the header too)
-                filled += taken
-                if partial:
-                    break
-                continue
             response = self._response
             if response is None or self._response_at != at or at >= self._response_end:
                 if not self.random_access and response is not None:
@@ -544,5 +670,9 @@ class HttpSource(ClientUser, Source):
             await response.aclose()
 
     async def aclose(self) -> None:
+        window, self._window = self._window, deque()
+        for part in window:
+            if part.response is not None:
+                await part.response.aclose()
         await self._close_response()
         await self._close_client()

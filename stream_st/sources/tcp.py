@@ -195,6 +195,36 @@ class SocketSource(SocketEnd, Source):
             return 0
         return await self._receive(self._handle.recv_into, buffer)
 
+    async def fill(self, buffer: memoryview) -> int:
+        """Fill ``buffer`` (a tensor's memory) in one tight loop of ``recv_into`` calls, waiting
+        only when the socket is empty; the bytes are counted once per wait, not once per call."""
+        recv_into = self._handle.recv_into
+        total = len(buffer)
+        filled = counted = 0
+        try:
+            while filled < total:
+                try:
+                    count = recv_into(buffer[filled:])
+                except BlockingIOError:
+                    self._count(filled - counted)
+                    counted = filled
+                    await self.wait_readable()
+                    continue
+                except OSError as exc:
+                    self._count(filled - counted)
+                    counted = filled
+                    raise self._failure(self.receiving, exc) from exc
+                if count == 0:
+                    break
+                filled += count
+        finally:
+            self._count(filled - counted)
+        return filled
+
+    def _count(self, moved: int) -> None:
+        self.position += moved
+        self.clock.moved(moved)
+
     def message_read(self) -> None:
         if self._turn is not None:
             self._turn.release(self)  # e.g. a loop over messages() left with break
