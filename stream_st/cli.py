@@ -16,6 +16,7 @@ import json
 import math
 import os
 import ssl
+import stat
 import sys
 import time
 import traceback
@@ -40,6 +41,9 @@ EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
 
 SOURCES = "files, directories, URLs or - (stdin)"
 """What a command taking several sources takes, for its help."""
+
+PROG = "stream-st"
+"""The command's name, as users type it (and as the completion scripts register it)."""
 
 STDIO = "-"
 """The argument that means standard input (a source) or standard output (a destination)."""
@@ -204,13 +208,19 @@ def _one_source(text: str) -> str:
 
 async def _destination(text: str) -> SinkLike:
     """A destination argument as the library takes it: ``-`` is standard output, written
-    through in place (also when it is a regular file), never to a terminal."""
+    through in place, never to a terminal. A pipe is opened anew (a descriptor of its own, set
+    non-blocking without touching the one other processes share); anything else (a file
+    redirected with ``>`` or ``>>``, a socket) is written through the inherited descriptor, so
+    the bytes land at the shell's offset, appended under ``>>``."""
     if text != STDIO:
         return text
     if sys.stdout.isatty():
         raise UsageError("refusing to write safetensors to a terminal: redirect or pipe stdout")
     sys.stdout.flush()
-    return await PipeSink.open("/dev/stdout")
+    fd = sys.stdout.fileno()
+    if stat.S_ISFIFO(os.fstat(fd).st_mode):
+        return await PipeSink.open("/dev/stdout")
+    return PipeSink(os.dup(fd), "standard output")
 
 
 def _failed(source: str, exc: SafetensorsError) -> None:
@@ -536,13 +546,37 @@ async def _model_demo_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+SHELLS = ("bash", "zsh", "fish", "tcsh")
+"""The shells ``stream-st completion`` writes a script for (argcomplete's)."""
+
+
 async def _completion(args: argparse.Namespace) -> int:
-    try:
-        import shtab
-    except ImportError:
-        raise UsageError("shell completion needs shtab: pip install -e '.[cli]'") from None
-    print(shtab.complete(build_parser(), shell=args.shell))
+    argcomplete = _argcomplete()
+    if argcomplete is None:
+        raise UsageError("shell completion needs argcomplete: pip install -e '.[cli]'")
+    print(argcomplete.shellcode([PROG], shell=args.shell), end="")
     return EXIT_OK
+
+
+def _argcomplete() -> Any:
+    """The argcomplete module (the ``cli`` extra), or None when it is not installed."""
+    try:
+        import argcomplete
+    except ImportError:
+        return None
+    return argcomplete
+
+
+def _complete(parser: argparse.ArgumentParser) -> None:
+    """Answer the shell's completion request and exit, when this run is one: the scripts of
+    ``stream-st completion`` run the command with ``_ARGCOMPLETE`` set, the words typed so far
+    in ``COMP_LINE``, and read the candidates back (subcommands, options, choices, paths)."""
+    if "_ARGCOMPLETE" not in os.environ:
+        return
+    argcomplete = _argcomplete()
+    if argcomplete is not None:
+        argcomplete.autocomplete(parser)  # writes the candidates and exits
+    sys.exit(EXIT_ERROR)  # not installed: no candidates
 
 
 EXAMPLES = {
@@ -571,7 +605,9 @@ EXAMPLES = {
     "demo": "stream-st demo\n  stream-st demo --text essay.txt --context 512 --json\n"
     "  stream-st demo --synthetic --layers 4 --seq 512 --codecs none,int4",
     "completion": "stream-st completion bash > ~/.local/share/bash-completion/completions/"
-    "stream-st\n  stream-st completion zsh > ~/.zfunc/_stream-st",
+    "stream-st\n  stream-st completion zsh > ~/.zfunc/_stream-st   # fpath=(~/.zfunc $fpath)\n"
+    "  stream-st completion fish > ~/.config/fish/completions/stream-st.fish\n"
+    '  eval "$(stream-st completion bash)"   # this shell only',
 }
 
 
@@ -584,7 +620,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="stream-st",
+        prog=PROG,
         description="Read and write safetensors files as streams. Sources: paths, "
         "model directories, http(s)://, s3://, hf://, tcp://, *.index.json, - (stdin).",
         epilog="exit status: 0 success, 1 different/invalid, 2 error, 3 internal error (a bug),\n"
@@ -712,8 +748,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="restore floating-point tensors from int8/int4 codes (to --dtype if given)",
     )
 
-    completion = command("completion", "print a shell completion script (needs shtab)", _completion)
-    completion.add_argument("shell", choices=("bash", "zsh", "tcsh"))
+    completion = command(
+        "completion", "print a shell completion script (needs argcomplete)", _completion
+    )
+    completion.add_argument("shell", choices=SHELLS)
 
     for sub in (hashing, differ, check, copy):
         sub.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -744,6 +782,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stream-st`` command; returns the exit status."""
     parser = build_parser()
+    _complete(parser)
     args = parser.parse_args(argv)
     if args.command is None:  # a bare command shows what it can do
         parser.print_help()
