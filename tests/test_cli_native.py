@@ -184,6 +184,60 @@ def test_errors_say_what_is_wrong_in_one_line(tmp_path: Path) -> None:
     assert result.stderr.count(b"\n") == 1
 
 
+def test_a_mistyped_command_or_choice_names_the_nearest_one(plain: Path) -> None:
+    for args, near in (
+        (["inpsect", str(plain)], b"did you mean 'inspect'?"),
+        (["valdate", str(plain)], b"did you mean 'validate'?"),
+        (["cp", "--dtype", "bf61", str(plain), "x"], b"did you mean 'bf16'?"),
+        (["completion", "fsh"], b"did you mean 'fish'?"),
+    ):
+        result = run(*args)
+        assert result.returncode == 2 and result.stderr.count(b"\n") == 1, args
+        assert near in result.stderr, result.stderr
+    far = run("frobnicate")
+    assert b"did you mean" not in far.stderr and b"choose from demo, inspect" in far.stderr
+
+
+def test_new_commands_errors_are_one_line_a_user_can_act_on(plain: Path, tmp_path: Path) -> None:
+    shown = run("show", str(plain), "nope")
+    assert shown.returncode == 2 and shown.stderr.count(b"\n") == 1
+    assert f"{plain} has no tensor 'nope' (stream-st ls {plain}".encode() in shown.stderr
+    missing = tmp_path / "missing.safetensors"
+    listed = run("ls", str(missing))
+    assert listed.returncode == 2  # the path said once, not again as "url=..."
+    assert listed.stderr.decode() == f"stream-st: error: no such file: {missing}\n"
+    demo = run("demo", "--text", str(missing))
+    assert demo.returncode == 2
+    assert demo.stderr.decode().endswith(f"--text {missing}: No such file or directory\n")
+    pipe = run("cp", "--checksums", str(plain), "-", stdin=subprocess.DEVNULL)
+    assert pipe.returncode == 2 and pipe.stderr.count(b"\n") == 1
+
+
+def test_cp_into_a_directory_takes_the_source_name(plain: Path, tmp_path: Path) -> None:
+    """As coreutils' cp: `cp model.safetensors dir/` writes dir/model.safetensors."""
+    into = tmp_path / "into"
+    into.mkdir()
+    copied = run("cp", str(plain), str(into))
+    assert copied.returncode == 0, copied.stderr
+    assert (into / plain.name).read_bytes() == plain.read_bytes()
+    with plain.open("rb") as stdin:  # standard input has no name to take
+        unnamed = run("cp", "-", str(into), stdin=stdin)
+    assert unnamed.returncode == 2 and b"is a directory: name the file" in unnamed.stderr
+
+
+def test_demo_json_is_one_record_and_quiet_is_silent() -> None:
+    demo = run("demo", "-q", "--synthetic", "--layers", "2", "--seq", "8", "--json")
+    assert demo.returncode == 0 and demo.stderr == b"", demo.stderr
+    (line,) = demo.stdout.decode().splitlines()
+    record = json.loads(line)
+    assert record["layers"] == 2 and [t["codec"] for t in record["transfers"]] == [
+        "none",
+        "int8",
+        "int4",
+    ]
+    assert all(len(t["verified"]) == 2 for t in record["transfers"])
+
+
 def test_cp_without_metadata_is_byte_identical(plain: Path, tmp_path: Path) -> None:
     out = tmp_path / "copy.safetensors"
     assert run("cp", str(plain), str(out)).returncode == 0
