@@ -89,14 +89,16 @@ def test_stdout_redirected_with_append_or_after_other_output_is_appended_to(
     log.write_bytes(b"already here\n")
     for _ in range(2):
         with log.open("ab") as stdout:
-            copied = subprocess.run([COMMAND, "cp", "-q", str(plain), "-"], stdout=stdout)
+            copied = subprocess.run(
+                [COMMAND, "cp", "-q", str(plain), "-"], stdout=stdout, timeout=60
+            )
         assert copied.returncode == 0
     assert log.read_bytes() == b"already here\n" + data + data
     after = tmp_path / "after.bin"
     with after.open("wb") as stdout:
         stdout.write(b"prefix")
         stdout.flush()
-        copied = subprocess.run([COMMAND, "cp", "-q", str(plain), "-"], stdout=stdout)
+        copied = subprocess.run([COMMAND, "cp", "-q", str(plain), "-"], stdout=stdout, timeout=60)
         stdout.write(b"suffix")  # the shared offset moved past the copy
     assert copied.returncode == 0 and after.read_bytes() == b"prefix" + data + b"suffix"
 
