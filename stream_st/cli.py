@@ -12,15 +12,19 @@ by SIGPIPE.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import os
 import ssl
+import stat
 import sys
 import time
 import traceback
+import urllib.parse
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext, suppress
+from dataclasses import asdict
 from typing import Any, NoReturn
 
 import anyio
@@ -30,7 +34,7 @@ from . import __version__, tools
 from ._limits import LimitOptions, TransportOptions
 from ._s3 import unsigned_requests
 from .demo import print_report, run_demo
-from .errors import SafetensorsError, UsageError
+from .errors import SafetensorsError, TensorNotFoundError, UsageError
 from .reader import open_stream
 from .sinks import SinkLike
 from .sinks.file import PipeSink
@@ -40,6 +44,9 @@ EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
 
 SOURCES = "files, directories, URLs or - (stdin)"
 """What a command taking several sources takes, for its help."""
+
+PROG = "stream-st"
+"""The command's name, as users type it (and as the completion scripts register it)."""
 
 STDIO = "-"
 """The argument that means standard input (a source) or standard output (a destination)."""
@@ -204,13 +211,19 @@ def _one_source(text: str) -> str:
 
 async def _destination(text: str) -> SinkLike:
     """A destination argument as the library takes it: ``-`` is standard output, written
-    through in place (also when it is a regular file), never to a terminal."""
+    through in place, never to a terminal. A pipe is opened anew (a descriptor of its own, set
+    non-blocking without touching the one other processes share); anything else (a file
+    redirected with ``>`` or ``>>``, a socket) is written through the inherited descriptor, so
+    the bytes land at the shell's offset, appended under ``>>``."""
     if text != STDIO:
         return text
     if sys.stdout.isatty():
         raise UsageError("refusing to write safetensors to a terminal: redirect or pipe stdout")
     sys.stdout.flush()
-    return await PipeSink.open("/dev/stdout")
+    fd = sys.stdout.fileno()
+    if stat.S_ISFIFO(os.fstat(fd).st_mode):
+        return await PipeSink.open("/dev/stdout")
+    return PipeSink(os.dup(fd), "standard output")
 
 
 def _failed(source: str, exc: SafetensorsError) -> None:
@@ -320,25 +333,35 @@ def _plain(values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 async def _show(args: argparse.Namespace) -> int:
     source = _one_source(args.source)
-    async with open_stream(source, include=[args.name], **_options(args)) as stream:
-        async for _, array in stream:
-            try:
-                values = array[args.slice] if args.slice else array
-            except (IndexError, TypeError) as exc:
-                raise UsageError(f"--slice does not fit shape {list(array.shape)}: {exc}") from None
-            if args.json:
-                _print_json(
-                    {
-                        "name": args.name,
-                        "dtype": str(array.dtype),
-                        "shape": list(array.shape),
-                        "values": _json_values(np.asarray(_plain(values)).tolist()),
-                    }
-                )
-            else:
-                print(f"{args.name}: {array.dtype} {list(array.shape)}")
-                print(np.array2string(np.asarray(values), threshold=200, edgeitems=3))
+    try:
+        async with open_stream(source, include=[args.name], **_options(args)) as stream:
+            async for _, array in stream:
+                _show_values(args, array)
+    except TensorNotFoundError:
+        raise UsageError(
+            f"{args.source} has no tensor {args.name!r} (stream-st ls {args.source} lists them)"
+        ) from None
     return EXIT_OK
+
+
+def _show_values(args: argparse.Namespace, array: np.ndarray[Any, Any]) -> None:
+    """Print the tensor ``args.name`` (its ``--slice``), numpy-style or as one JSON record."""
+    try:
+        values = array[args.slice] if args.slice else array
+    except (IndexError, TypeError) as exc:
+        raise UsageError(f"--slice does not fit shape {list(array.shape)}: {exc}") from None
+    if args.json:
+        _print_json(
+            {
+                "name": args.name,
+                "dtype": str(array.dtype),
+                "shape": list(array.shape),
+                "values": _json_values(np.asarray(_plain(values)).tolist()),
+            }
+        )
+    else:
+        print(f"{args.name}: {array.dtype} {list(array.shape)}")
+        print(np.array2string(np.asarray(values), threshold=200, edgeitems=3))
 
 
 async def _hash(args: argparse.Namespace) -> int:
@@ -459,8 +482,20 @@ def _print_validation(result: tools.Validation) -> None:
     )
 
 
+def _into_directory(src: str, dst: str) -> str:
+    """``cp``'s destination: an existing local directory receives a file of the source's name,
+    as coreutils' ``cp`` does; any other destination is taken as it is."""
+    if dst == STDIO or "://" in dst or not os.path.isdir(dst):
+        return dst
+    name = os.path.basename(urllib.parse.urlsplit(src).path if "://" in src else src)
+    if not name.endswith(".safetensors") or src == "/dev/stdin":
+        raise UsageError(f"{dst} is a directory: name the file to write in it")
+    return os.path.join(dst, name)
+
+
 async def _cp(args: argparse.Namespace) -> int:
     src = _one_source(args.src)
+    args.dst = _into_directory(src, args.dst)
     dst = await _destination(args.dst)
     with _progress("copying", args.quiet) as progress:
         copied = await tools.cp(
@@ -493,14 +528,33 @@ async def _demo_command(args: argparse.Namespace) -> int:
     layers = 22 if args.layers is None else args.layers
     seq = 2048 if args.seq is None else args.seq
     results = await run_demo(layers, seq, codecs, **_limits(args))
-    print_report(results, layers, seq)
+    if args.json:
+        _print_json(
+            {
+                "layers": layers,
+                "seq": seq,
+                "transfers": [
+                    {
+                        **{k: v for k, v in asdict(r).items() if k != "start"},  # a clock's
+                        "transfer_time": r.transfer_time,
+                        "overlap_efficiency": r.overlap_efficiency,
+                    }
+                    for r in results
+                ],
+            }
+        )
+    else:
+        print_report(results, layers, seq)
     return EXIT_OK
 
 
 @contextmanager
-def _status(label: str) -> Iterator[Callable[[str], None]]:
+def _status(label: str, quiet: bool) -> Iterator[Callable[[str], None]]:
     """Report a long job's stage on stderr: a rich status line on a terminal where rich is
-    installed (the ``cli`` extra), else one plain line per stage."""
+    installed (the ``cli`` extra), else one plain line per stage; nothing when quiet."""
+    if quiet:
+        yield lambda message: None
+        return
     console = None
     with suppress(ImportError):
         from rich.console import Console
@@ -523,26 +577,51 @@ async def _model_demo_command(args: argparse.Namespace) -> int:
         try:
             text = await anyio.Path(args.text).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"cannot read --text {args.text}: {exc}") from None
+            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise UsageError(f"cannot read --text {args.text}: {detail}") from None
     codecs = tuple(c for c in (args.codecs or "none,f16,int8,int4").split(",") if c)
-    with _status("stream-st demo") as progress:
+    with _status("stream-st demo", args.quiet) as progress:
         demo = await run_model_demo(
             text, context=args.context, codecs=codecs, progress=progress, **_limits(args)
         )
     if args.json:
-        print(json.dumps(demo.to_json(), indent=2))
+        _print_json(demo.to_json())
     else:
         print_model_report(demo)
     return EXIT_OK
 
 
+SHELLS = ("bash", "zsh", "fish", "tcsh")
+"""The shells ``stream-st completion`` writes a script for (argcomplete's)."""
+
+
 async def _completion(args: argparse.Namespace) -> int:
-    try:
-        import shtab
-    except ImportError:
-        raise UsageError("shell completion needs shtab: pip install -e '.[cli]'") from None
-    print(shtab.complete(build_parser(), shell=args.shell))
+    argcomplete = _argcomplete()
+    if argcomplete is None:
+        raise UsageError("shell completion needs argcomplete: pip install -e '.[cli]'")
+    print(argcomplete.shellcode([PROG], shell=args.shell), end="")
     return EXIT_OK
+
+
+def _argcomplete() -> Any:
+    """The argcomplete module (the ``cli`` extra), or None when it is not installed."""
+    try:
+        import argcomplete
+    except ImportError:
+        return None
+    return argcomplete
+
+
+def _complete(parser: argparse.ArgumentParser) -> None:
+    """Answer the shell's completion request and exit, when this run is one: the scripts of
+    ``stream-st completion`` run the command with ``_ARGCOMPLETE`` set, the words typed so far
+    in ``COMP_LINE``, and read the candidates back (subcommands, options, choices, paths)."""
+    if "_ARGCOMPLETE" not in os.environ:
+        return
+    argcomplete = _argcomplete()
+    if argcomplete is not None:
+        argcomplete.autocomplete(parser)  # writes the candidates and exits
+    sys.exit(EXIT_ERROR)  # not installed: no candidates
 
 
 EXAMPLES = {
@@ -556,7 +635,9 @@ EXAMPLES = {
     "  stream-st show model.safetensors lm_head.weight --slice 0:2,0:8\n"
     "  stream-st show --json model.safetensors embed.weight --slice 0 | jq .values",
     "hash": "stream-st hash a.safetensors b.safetensors c.safetensors\n"
-    "  stream-st hash --content http://host/m.safetensors",
+    "  stream-st hash --content http://host/m.safetensors\n"
+    "  stream-st hash --file model.safetensors   # also the sha256sum of the file\n"
+    "  stream-st hash --json path/to/model-dir/ | jq -r .structural_hash",
     "diff": "stream-st diff a.safetensors b.safetensors\n"
     "  stream-st diff --content --json a.safetensors s3://bucket/b.safetensors",
     "validate": "stream-st validate model.safetensors\n"
@@ -567,16 +648,32 @@ EXAMPLES = {
     "  stream-st cp model.safetensors - | ssh host stream-st cp - /dst/model.safetensors\n"
     "  stream-st cp --dtype bf16 model.safetensors http://host/upload/model-bf16.safetensors\n"
     "  stream-st cp --quantize int8 --include lm_head.weight m.safetensors tcp://peer:9000\n"
-    "  stream-st cp --dequantize q8.safetensors restored.safetensors",
-    "demo": "stream-st demo\n  stream-st demo --text essay.txt --context 512 --json\n"
+    "  stream-st cp --dequantize q8.safetensors restored.safetensors\n"
+    "  stream-st cp --checksums model.safetensors s3://bucket/model.safetensors\n"
+    "  stream-st cp hf://org/repo/model.safetensors models/   # into a directory, as cp",
+    "demo": "stream-st demo\n"
+    "  stream-st demo -q --text essay.txt --context 512 --json | jq .transfers\n"
     "  stream-st demo --synthetic --layers 4 --seq 512 --codecs none,int4",
     "completion": "stream-st completion bash > ~/.local/share/bash-completion/completions/"
-    "stream-st\n  stream-st completion zsh > ~/.zfunc/_stream-st",
+    "stream-st\n  stream-st completion zsh > ~/.zfunc/_stream-st   # fpath=(~/.zfunc $fpath)\n"
+    "  stream-st completion fish > ~/.config/fish/completions/stream-st.fish\n"
+    '  eval "$(stream-st completion bash)"   # this shell only',
 }
 
 
 class _Parser(argparse.ArgumentParser):
-    """Reports a bad command line in one line, exit status 2, like every other error."""
+    """Reports a bad command line in one line, exit status 2, like every other error; a
+    mistyped subcommand or choice names the nearest one."""
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        choices = action.choices
+        if choices is not None and value not in choices:
+            names = [str(choice) for choice in choices]
+            near = difflib.get_close_matches(str(value), names, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise argparse.ArgumentError(
+                action, f"invalid choice: {value!r} ({hint}choose from {', '.join(names)})"
+            )
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -584,7 +681,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="stream-st",
+        prog=PROG,
         description="Read and write safetensors files as streams. Sources: paths, "
         "model directories, http(s)://, s3://, hf://, tcp://, *.index.json, - (stdin).",
         epilog="exit status: 0 success, 1 different/invalid, 2 error, 3 internal error (a bug),\n"
@@ -608,8 +705,15 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "completion":
             return sub
         limits = sub.add_argument_group("time limits (seconds; none by default)")
-        limits.add_argument("--timeout", type=float, help="the longest any one wait may last")
-        limits.add_argument("--deadline", type=float, help="the longest the whole command may take")
+        limits.add_argument(
+            "--timeout", type=float, metavar="SECONDS", help="the longest any one wait may last"
+        )
+        limits.add_argument(
+            "--deadline",
+            type=float,
+            metavar="SECONDS",
+            help="the longest the whole command may take",
+        )
         limits.add_argument(
             "--speed-limit",
             type=float,
@@ -633,20 +737,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--text", metavar="FILE", help="score this UTF-8 text (default: a built-in one)"
     )
     demo.add_argument(
-        "--context", type=int, default=256, help="tokens prefilled on the sender (default 256)"
+        "--context",
+        type=int,
+        default=256,
+        metavar="TOKENS",
+        help="tokens prefilled on the sender (default 256)",
     )
     demo.add_argument(
         "--codecs",
         help="codecs to run, in order (default none,f16,int8,int4; --synthetic: none,int8,int4)",
     )
-    demo.add_argument("--json", action="store_true", help="machine-readable output")
+    demo.add_argument("--json", action="store_true", help="the report as one JSON record")
     demo.add_argument(
         "--synthetic",
         action="store_true",
         help="a TinyLlama-shaped cache of random projections instead of the model",
     )
-    demo.add_argument("--layers", type=int, help="--synthetic: number of layers (default 22)")
-    demo.add_argument("--seq", type=int, help="--synthetic: sequence length (default 2048)")
+    demo.add_argument(
+        "--layers", type=int, metavar="N", help="--synthetic: number of layers (default 22)"
+    )
+    demo.add_argument(
+        "--seq", type=int, metavar="TOKENS", help="--synthetic: sequence length (default 2048)"
+    )
 
     inspect = command("inspect", "show the header: tensors, sizes, parameters, metadata", _inspect)
     inspect.add_argument("sources", nargs="+", metavar="SOURCE", help=SOURCES)
@@ -672,10 +784,10 @@ def build_parser() -> argparse.ArgumentParser:
     hashing.add_argument("--json", action="store_true", help="one JSON record per source")
 
     differ = command("diff", "compare two files: tensors, metadata; --content the bytes", _diff)
-    differ.add_argument("a")
-    differ.add_argument("b")
+    differ.add_argument("a", metavar="A", help="file, directory, URL or - (stdin)")
+    differ.add_argument("b", metavar="B", help="the same, compared with A")
     differ.add_argument("--content", action="store_true", help="also compare common tensors' bytes")
-    differ.add_argument("--json", action="store_true", help="machine-readable output")
+    differ.add_argument("--json", action="store_true", help="the differences as one JSON record")
 
     check = command("validate", "stream every tensor: statistics, NaN/Inf, expectations", _validate)
     check.add_argument("sources", nargs="+", metavar="SOURCE", help=SOURCES)
@@ -685,7 +797,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--expect-layers", metavar="PARTS", help="comma-separated parts every layer must have"
     )
     check.add_argument(
-        "--warn-abs", type=float, default=1e4, help="warn about values beyond this (1e4)"
+        "--warn-abs",
+        type=float,
+        default=1e4,
+        metavar="VALUE",
+        help="warn about values beyond this (default 1e4)",
     )
 
     copy = command("cp", "stream-copy between any source and destination", _cp)
@@ -712,11 +828,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="restore floating-point tensors from int8/int4 codes (to --dtype if given)",
     )
 
-    completion = command("completion", "print a shell completion script (needs shtab)", _completion)
-    completion.add_argument("shell", choices=("bash", "zsh", "tcsh"))
+    completion = command(
+        "completion", "print a shell completion script (needs argcomplete)", _completion
+    )
+    completion.add_argument("shell", choices=SHELLS)
 
-    for sub in (hashing, differ, check, copy):
-        sub.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    for sub in (hashing, differ, check, copy, demo):
+        sub.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     for sub in (inspect, listing, show, hashing, differ, check, copy):
         remote = sub.add_argument_group("remote sources and destinations")
         remote.add_argument(
@@ -744,6 +862,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stream-st`` command; returns the exit status."""
     parser = build_parser()
+    _complete(parser)
     args = parser.parse_args(argv)
     if args.command is None:  # a bare command shows what it can do
         parser.print_help()

@@ -158,7 +158,7 @@ class TransportError(SafetensorsError, OSError):
 
     def _text(self) -> str:
         parts = [self._message]
-        if self.url:
+        if self.url and self.url not in self._message:  # named once
             parts.append(f"url={self.url}")
         if self.position is not None:
             parts.append(f"at byte {self.position}")

@@ -6,6 +6,8 @@ import contextlib
 import hashlib
 import json
 import os
+import re
+import shlex
 import shutil
 import struct
 import subprocess
@@ -53,12 +55,28 @@ def model(tmp_path: Path) -> Path:
 
 
 def test_help_everywhere() -> None:
+    """Every command's --help has examples, and every example is a command line the parser
+    takes as it is (so the help keeps up with the options)."""
     top = run("--help")
     assert top.returncode == 0 and "exit status" in top.stdout
-    for command in ("demo", "inspect", "hash", "diff", "validate"):
+    listed = re.search(r"\{(.+?)\}", run("completion", "--help").stdout)  # the shells
+    assert listed is not None and listed.group(1) == "bash,zsh,fish,tcsh"
+    commands = re.findall(r"^    (\w+)", top.stdout, flags=re.MULTILINE)
+    assert set(commands) >= {"demo", "inspect", "ls", "show", "hash", "diff", "validate", "cp"}
+    parser = build_parser()
+    for command in commands:
         result = run(command, "--help")
         assert result.returncode == 0, command
-        assert "examples:" in result.stdout, command
+        examples = result.stdout.partition("examples:\n")[2]
+        lines = examples.replace("\\\n", " ").splitlines()
+        assert len(lines) >= 2, command
+        for line in lines:
+            if line.strip().startswith("eval "):
+                continue
+            ours = next(p for p in line.split("|") if p.strip().startswith("stream-st "))
+            words = shlex.split(ours.split(" > ")[0], comments=True)
+            assert words[:2] == ["stream-st", command], line
+            parser.parse_args(words[1:])  # exits (SystemExit) on an option that is not there
 
 
 def test_inspect_table_and_json(model: Path) -> None:

@@ -3,6 +3,7 @@ through the real entry point, with real files, pipes, FIFOs and a terminal."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -76,6 +77,30 @@ def test_dash_is_stdin_and_stdout_through_a_pipe(plain: Path, tmp_path: Path) ->
     with redirected.open("wb") as stdout:
         copied = subprocess.run([COMMAND, "cp", str(plain), "-"], stdout=stdout, timeout=60)
     assert copied.returncode == 0 and redirected.read_bytes() == plain.read_bytes()
+
+
+def test_stdout_redirected_with_append_or_after_other_output_is_appended_to(
+    plain: Path, tmp_path: Path
+) -> None:
+    """`cp x - >> file` appends, and `{ echo; cp x -; } > file` writes after what came before:
+    the bytes go where the shell's descriptor stands, not to offset 0 of the file reopened."""
+    data = plain.read_bytes()
+    log = tmp_path / "log.bin"
+    log.write_bytes(b"already here\n")
+    for _ in range(2):
+        with log.open("ab") as stdout:
+            copied = subprocess.run(
+                [COMMAND, "cp", "-q", str(plain), "-"], stdout=stdout, timeout=60
+            )
+        assert copied.returncode == 0
+    assert log.read_bytes() == b"already here\n" + data + data
+    after = tmp_path / "after.bin"
+    with after.open("wb") as stdout:
+        stdout.write(b"prefix")
+        stdout.flush()
+        copied = subprocess.run([COMMAND, "cp", "-q", str(plain), "-"], stdout=stdout, timeout=60)
+        stdout.write(b"suffix")  # the shared offset moved past the copy
+    assert copied.returncode == 0 and after.read_bytes() == b"prefix" + data + b"suffix"
 
 
 def test_dev_stdin_and_a_fifo_are_sources(plain: Path, tmp_path: Path) -> None:
@@ -159,6 +184,60 @@ def test_errors_say_what_is_wrong_in_one_line(tmp_path: Path) -> None:
     result = run("validate", str(empty))
     assert result.returncode == 2 and b"no safetensors files" in result.stderr
     assert result.stderr.count(b"\n") == 1
+
+
+def test_a_mistyped_command_or_choice_names_the_nearest_one(plain: Path) -> None:
+    for args, near in (
+        (["inpsect", str(plain)], b"did you mean 'inspect'?"),
+        (["valdate", str(plain)], b"did you mean 'validate'?"),
+        (["cp", "--dtype", "bf61", str(plain), "x"], b"did you mean 'bf16'?"),
+        (["completion", "fsh"], b"did you mean 'fish'?"),
+    ):
+        result = run(*args)
+        assert result.returncode == 2 and result.stderr.count(b"\n") == 1, args
+        assert near in result.stderr, result.stderr
+    far = run("frobnicate")
+    assert b"did you mean" not in far.stderr and b"choose from demo, inspect" in far.stderr
+
+
+def test_new_commands_errors_are_one_line_a_user_can_act_on(plain: Path, tmp_path: Path) -> None:
+    shown = run("show", str(plain), "nope")
+    assert shown.returncode == 2 and shown.stderr.count(b"\n") == 1
+    assert f"{plain} has no tensor 'nope' (stream-st ls {plain}".encode() in shown.stderr
+    missing = tmp_path / "missing.safetensors"
+    listed = run("ls", str(missing))
+    assert listed.returncode == 2  # the path said once, not again as "url=..."
+    assert listed.stderr.decode() == f"stream-st: error: no such file: {missing}\n"
+    demo = run("demo", "--text", str(missing))
+    assert demo.returncode == 2
+    assert demo.stderr.decode().endswith(f"--text {missing}: No such file or directory\n")
+    pipe = run("cp", "--checksums", str(plain), "-", stdin=subprocess.DEVNULL)
+    assert pipe.returncode == 2 and pipe.stderr.count(b"\n") == 1
+
+
+def test_cp_into_a_directory_takes_the_source_name(plain: Path, tmp_path: Path) -> None:
+    """As coreutils' cp: `cp model.safetensors dir/` writes dir/model.safetensors."""
+    into = tmp_path / "into"
+    into.mkdir()
+    copied = run("cp", str(plain), str(into))
+    assert copied.returncode == 0, copied.stderr
+    assert (into / plain.name).read_bytes() == plain.read_bytes()
+    with plain.open("rb") as stdin:  # standard input has no name to take
+        unnamed = run("cp", "-", str(into), stdin=stdin)
+    assert unnamed.returncode == 2 and b"is a directory: name the file" in unnamed.stderr
+
+
+def test_demo_json_is_one_record_and_quiet_is_silent() -> None:
+    demo = run("demo", "-q", "--synthetic", "--layers", "2", "--seq", "8", "--json")
+    assert demo.returncode == 0 and demo.stderr == b"", demo.stderr
+    (line,) = demo.stdout.decode().splitlines()
+    record = json.loads(line)
+    assert record["layers"] == 2 and [t["codec"] for t in record["transfers"]] == [
+        "none",
+        "int8",
+        "int4",
+    ]
+    assert all(len(t["verified"]) == 2 for t in record["transfers"])
 
 
 def test_cp_without_metadata_is_byte_identical(plain: Path, tmp_path: Path) -> None:
@@ -271,8 +350,95 @@ def test_plain_progress_lines_without_rich_with_totals_from_tcp(
     assert f"validating: {size:.1f} kB of {size:.1f} kB, 3/3 tensors".encode() in result.stderr
 
 
-def test_shell_completion_scripts() -> None:
-    for shell, marker in (("bash", b"complete"), ("zsh", b"#compdef")):
-        script = run("completion", shell)
-        assert script.returncode == 0 and marker in script.stdout
-        assert b"--dequantize" in script.stdout and b"validate" in script.stdout
+needs_argcomplete = pytest.mark.skipif(
+    importlib.util.find_spec("argcomplete") is None,
+    reason="shell completion needs argcomplete (the cli extra)",
+)
+
+COMPLETE_IN_BASH = r"""
+source "$1"
+complete -p stream-st
+shift
+for line in "$@"; do
+    read -ra COMP_WORDS <<< "$line"
+    if [[ $line == *" " ]]; then COMP_WORDS+=(""); fi
+    COMP_LINE=$line COMP_POINT=${#line} COMP_CWORD=$((${#COMP_WORDS[@]} - 1))
+    _python_argcomplete stream-st
+    echo "$line|${COMPREPLY[*]}"
+done
+"""
+"""Load a completion script into bash and complete each line given, as bash does on TAB."""
+
+
+def _on_path() -> dict[str, str]:
+    """The environment with the command's directory on PATH, as a shell finds it."""
+    return {"PATH": os.pathsep.join([str(Path(COMMAND).parent), os.environ.get("PATH", "")])}
+
+
+@needs_argcomplete
+def test_bash_completion_completes_commands_options_choices_and_paths(
+    plain: Path, tmp_path: Path
+) -> None:
+    script = run("completion", "bash")
+    assert script.returncode == 0 and script.stdout.startswith(b"#compdef stream-st")
+    path = tmp_path / "stream-st.bash"
+    path.write_bytes(script.stdout)
+    lines = ["stream-st va", "stream-st cp --deq", "stream-st cp --dtype "]
+    lines += ["stream-st completion f", f"stream-st inspect {plain.parent}/pla"]
+    result = subprocess.run(
+        ["bash", "-c", COMPLETE_IN_BASH, "bash", str(path), *lines],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **_on_path()},
+    )
+    assert result.returncode == 0, result.stderr
+    registered, *completed = result.stdout.splitlines()
+    assert registered.startswith("complete ") and registered.endswith(" stream-st")
+    assert [line.partition("|")[2].split() for line in completed] == [
+        ["validate"],
+        ["--dequantize"],
+        ["bf16", "f16", "f32"],
+        ["fish"],
+        [str(plain)],
+    ]
+
+
+@needs_argcomplete
+def test_fish_zsh_and_tcsh_scripts_register_the_command() -> None:
+    """Each script registers stream-st; fish's asks the command as its script does (the words in
+    COMP_LINE, the candidates on descriptor 8, each with its help after a tab)."""
+    scripts = {shell: run("completion", shell) for shell in ("fish", "zsh", "tcsh")}
+    assert all(s.returncode == 0 for s in scripts.values())
+    assert b"complete --command stream-st" in scripts["fish"].stdout
+    assert b"#compdef stream-st" in scripts["zsh"].stdout and b"compdef" in scripts["zsh"].stdout
+    assert scripts["tcsh"].stdout.startswith(b'complete "stream-st"')
+    line = "stream-st sh"
+    asked = subprocess.run(
+        ["bash", "-c", "stream-st 8>&1 9>&2 1>/dev/null 2>&1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **os.environ,
+            **_on_path(),
+            "_ARGCOMPLETE": "1",
+            "_ARGCOMPLETE_SHELL": "fish",
+            "_ARGCOMPLETE_DFS": "\t",
+            "_ARGCOMPLETE_IFS": "\n",
+            "_ARGCOMPLETE_SUPPRESS_SPACE": "1",
+            "COMP_LINE": line,
+            "COMP_POINT": str(len(line)),
+        },
+    )
+    assert asked.stdout.split("\n") == ["show\tprint a tensor's values (summarized when big)"]
+
+
+def test_completion_without_argcomplete_says_what_to_install(tmp_path: Path) -> None:
+    hide = tmp_path / "no-argcomplete"
+    hide.mkdir()
+    (hide / "argcomplete.py").write_text("raise ImportError('argcomplete is not installed')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])}
+    result = run("completion", "fish", env=env)
+    assert result.returncode == 2 and result.stderr.count(b"\n") == 1
+    assert b"needs argcomplete" in result.stderr and b".[cli]" in result.stderr
