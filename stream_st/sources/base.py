@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .._limits import UNLIMITED, Clock
+
+if TYPE_CHECKING:
+    from ..integrity import ObjectDigest
 
 __all__ = ["DISCARD_CHUNK", "AsyncReadInto", "Source"]
 
@@ -94,6 +97,12 @@ class Source(ABC):
         """Learn, once the header is parsed, the absolute byte ranges the reader will ask for:
         in order, adjacent ones merged. Ranged transports schedule their requests and read-ahead
         from it; the others have no use for it."""
+
+    async def object_digest(self) -> ObjectDigest | None:
+        """The digest of the whole object that the transport vouches for (an S3 checksum, the
+        Hub's SHA-256), or None. The reader asks, after :meth:`plan_reads`, only when it will
+        read every byte; a transport may spend a request to learn it."""
+        return None
 
     async def at_end(self) -> bool:
         """True when no byte follows the current position."""
