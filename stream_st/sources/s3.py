@@ -25,11 +25,10 @@ import ssl
 from collections.abc import Callable, Mapping
 from typing import NamedTuple, Unpack
 
-import anyio
-
-from .._http import HTTPClient, Response
+from .._http import HTTPClient, Response, raise_for_status
 from .._limits import LimitOptions
 from .._s3 import S3Config, parse_s3_url
+from .._util import task_group
 from ..errors import HTTPStatusError
 from ..integrity import Crc32, Hasher, ObjectDigest, PartedHash
 from .http import HttpSource
@@ -131,16 +130,20 @@ class S3Source(HttpSource):
     def prepare_headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
         return self.config.sign(method, url, {**headers, "x-amz-checksum-mode": "ENABLED"})
 
-    async def _head(self, query: str = "") -> Response:
-        """A signed HEAD of the object (``query``: e.g. ``partNumber=1``), for the version the
-        read has seen."""
+    async def _head(self, part: int | None = None) -> Response:
+        """A signed HEAD of the object, for the version the read has seen; of its ``part``
+        (a number from 1) if given: its size. (A part's answer is not compared with the
+        object's version: stores give it the part's ETag, or none.)"""
         await self.config.ready(self.clock, self.name)
-        url = f"{self.url}?{query}" if query else self.url
-        headers = {**self._headers, **self._preconditions()}
+        url = self.url if part is None else f"{self.url}?partNumber={part}"
+        headers = {**self._headers, **(self._preconditions() if part is None else {})}
         with self._reported():
             response = await self._request("HEAD", url, self.prepare_headers("HEAD", url, headers))
             async with response:
-                return await super()._accept(response, 0)
+                if part is None:
+                    return await super()._accept(response, 0)
+                await raise_for_status(response, name=self.name)
+                return response
 
     async def object_digest(self) -> ObjectDigest | None:
         """The object's checksum from the store (see the module docstring), or None when the
@@ -185,10 +188,10 @@ class S3Source(HttpSource):
         sizes = [0, 0]
 
         async def size_of(index: int, number: int) -> None:
-            response = await self._head(f"partNumber={number}")
+            response = await self._head(number)
             sizes[index] = int(response.headers.get("content-length", "0") or 0)
 
-        async with anyio.create_task_group() as group:
+        async with task_group() as group:
             group.start_soon(size_of, 0, 1)
             group.start_soon(size_of, 1, count)
         first, last = sizes
