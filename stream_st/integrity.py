@@ -402,9 +402,8 @@ class ObjectDigest:
 READ_CHUNK = 4 << 20
 """A verified tensor is read in chunks of this size, each hashed while the next one is read.
 4 MiB measured best of 1, 2, 4 and 16 MiB and whole tensors (on a 2 GiB file of 32 MiB tensors,
-paired against an unverified read, on a loaded 2-core machine): such a read of a local file is
-tried on the event loop's thread from the page cache, and the chunk is still in the CPU's caches
-when it is hashed."""
+paired against an unverified read, on a loaded 2-core machine): the chunk is still in the CPU's
+caches when it is hashed."""
 
 
 async def read_hashing(
@@ -412,9 +411,12 @@ async def read_hashing(
 ) -> int:
     """``source.read_into_at(offset, view)``, feeding every byte read to each of ``hashers``.
 
-    A big read goes in chunks of :data:`READ_CHUNK`: each chunk is hashed in a worker thread
-    while the next one is read, so the bytes are hashed while still in the CPU's caches and
-    the hashing costs little time. Returns the bytes read (fewer if the source ended).
+    A read of one chunk (:data:`READ_CHUNK`) or less is hashed once read (on the loop's thread
+    when small). A bigger one goes in chunks, each hashed while the next one is read: by the
+    source's own worker threads right after each read where it can (a local file:
+    :meth:`~stream_st.sources.Source.read_feeding`, no thread hop per chunk), else in a worker
+    thread fed chunk by chunk. Either way the bytes are hashed while still in the CPU's caches.
+    Returns the bytes read (fewer if the source ended).
     """
     hashers = list(hashers)
 
@@ -430,6 +432,9 @@ async def read_hashing(
         else:
             await anyio.to_thread.run_sync(update, view[:got])
         return got
+    fed = await source.read_feeding(offset, view, update)
+    if fed is not None:
+        return fed
     send, receive = anyio.create_memory_object_stream[memoryview](0)
 
     async def hash_chunks() -> None:

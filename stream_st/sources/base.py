@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .._limits import UNLIMITED, Clock
@@ -92,6 +92,14 @@ class Source(ABC):
             if self.position != offset:
                 return 0
         return await self.fill(buffer)
+
+    async def read_feeding(
+        self, offset: int, buffer: memoryview, feed: Callable[[memoryview], None]
+    ) -> int | None:
+        """:meth:`read_into_at` that also calls ``feed`` (a hash's update, thread-safe to call
+        from a worker thread) with every byte read, in order, from the thread that read it; or
+        None, reading nothing, where the source has no such path (the caller hashes itself)."""
+        return None
 
     async def plan_reads(self, ranges: Sequence[tuple[int, int]]) -> None:  # noqa: B027
         """Learn, once the header is parsed, the absolute byte ranges the reader will ask for:
