@@ -501,6 +501,42 @@ async def test_corrupted_bytes_in_tensor_data_never_reach_the_caller(
     assert "IntegrityError" in outcomes
 
 
+async def test_an_upload_damaged_on_the_wire_is_never_read_back_as_good(
+    s3: MotoS3Server,
+) -> None:
+    """The fault proxy between the writer and the store, damaging bytes of the uploaded tensor
+    data. moto stores a PUT whose x-amz-checksum-crc32 does not match its body (S3 refuses it
+    with BadDigest), with that checksum: the damaged object is committed there, but the tensor
+    digests recorded by checksums= (and the stored checksum) catch it on every read."""
+    arrays = tensors()
+    url = f"s3://{BUCKET}/uploaded"
+    with FaultProxy(("127.0.0.1", s3.port), Fault()) as proxy:  # a clean run: its traffic
+        await stream_st.save(S3Sink(url, config=s3_config(proxy.port)), arrays, checksums=True)
+        traffic = proxy.carried["up"]
+    rng = random.Random("upload")
+    outcomes: dict[str, int] = {}
+    for kind in CORRUPTIONS:
+        for _ in range(4):
+            fault = Fault(kind, "up", traffic - rng.randrange(1, 100_000), rng.choice((1, 7)))
+            with FaultProxy(("127.0.0.1", s3.port), fault) as proxy:
+                try:
+                    sink = S3Sink(url, config=s3_config(proxy.port), timeout=1)
+                    await stream_st.save(sink, arrays, checksums=True)
+                except SafetensorsError as exc:
+                    outcome = f"upload failed: {type(exc).__name__}"
+                else:
+                    try:
+                        got = await stream_st.load(S3Source(url, config=s3_config(s3.port)))
+                    except IntegrityError:
+                        outcome = "stored damaged, read raised IntegrityError"
+                    else:
+                        assert same(got, arrays), fault  # never wrong tensors, no error
+                        outcome = "stored intact"
+            assert proxy.fired
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert "stored damaged, read raised IntegrityError" in outcomes, outcomes
+
+
 async def test_sharded_and_dataset_writers_record_digests(tmp_path: Path) -> None:
     arrays = tensors()
     async with stream_st.open_sharded_writer(
