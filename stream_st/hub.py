@@ -25,10 +25,13 @@ How a file is read (:class:`HubSource`, an :class:`~stream_st.HttpSource`):
   private or gated and how to pass a token.
 * ``X-Repo-Commit`` pins what a file was read at: an index's shards are read at the commit the
   index came from (:attr:`HubSource.pinned`), however the branch moves meanwhile.
+* ``X-Linked-Etag`` on the redirect of an LFS file is its SHA-256 (the LFS oid): a read of every
+  byte of the file is checked against it (:meth:`HubSource.object_digest`), at the end.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import ssl
 from collections.abc import Mapping
@@ -43,6 +46,7 @@ from ._http import HTTPClient, Response, Target
 from ._http.redirect import REDIRECTS, redirected
 from ._limits import Clock, LimitOptions
 from .errors import HTTPStatusError, SafetensorsError, TransportError, UnsupportedSourceError
+from .integrity import ObjectDigest
 from .sources.http import HttpSource
 
 __all__ = [
@@ -228,6 +232,7 @@ class HubSource(HttpSource):
         self._owns_client = True
         self._resolving = anyio.Lock()
         self.commit: str | None = None
+        self.sha256: str | None = None  # the file's SHA-256, if the Hub said (X-Linked-Etag)
 
     @property
     def pinned(self) -> str:
@@ -279,6 +284,7 @@ class HubSource(HttpSource):
             if response is None:
                 return None
             self.commit = response.headers.get("x-repo-commit", self.commit)
+            self.sha256 = self.sha256 or _sha256_of(response.headers.get("x-linked-etag", ""))
             location = response.headers.get("location")
             if response.status not in REDIRECTS or not location:
                 return response
@@ -287,6 +293,15 @@ class HubSource(HttpSource):
             if not self._hub.on_hub(self.url):
                 return None
         raise TransportError(f"more than {MAX_HUB_HOPS} redirects within the Hub", url=self.name)
+
+    async def object_digest(self) -> ObjectDigest | None:
+        """The file's SHA-256 from the Hub (``X-Linked-Etag``, an LFS file's oid), if it gave
+        one."""
+        if self.sha256 is None:
+            return None
+        return ObjectDigest(
+            "the Hub's SHA-256 (X-Linked-Etag)", bytes.fromhex(self.sha256), hashlib.sha256
+        )
 
     def _refused(self, status: int) -> HTTPStatusError:
         """The one-line error for a Hub that refused the file (401/403)."""
@@ -302,3 +317,11 @@ class HubSource(HttpSource):
             )
         reason = "Unauthorized" if status == 401 else "Forbidden"
         return HTTPStatusError(status, reason, url=self.name, detail=hint)
+
+
+def _sha256_of(etag: str) -> str | None:
+    """The SHA-256 an ``X-Linked-Etag`` holds (64 hex digits, quoted), or None."""
+    value = etag.removeprefix("W/").strip('"').lower()
+    if len(value) == 64 and all(c in "0123456789abcdef" for c in value):
+        return value
+    return None

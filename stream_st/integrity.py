@@ -21,6 +21,7 @@ sink takes it (:class:`OrderedHash`).
 from __future__ import annotations
 
 import importlib
+import zlib
 from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -44,6 +45,7 @@ __all__ = [
     "Algorithm",
     "Digests",
     "Hasher",
+    "ObjectDigest",
     "OrderedHash",
     "algorithm_named",
     "read_hashing",
@@ -319,12 +321,89 @@ class OrderedHash:
         return feed
 
 
+class Crc32:
+    """CRC-32 (``zlib.crc32``, the polynomial of S3's ``x-amz-checksum-crc32``) as a
+    :class:`Hasher`; its digest is the 4 bytes big-endian, as S3 encodes it."""
+
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, data: Any, /) -> None:
+        self._value = zlib.crc32(data, self._value)
+
+    def digest(self) -> bytes:
+        return self._value.to_bytes(4, "big")
+
+
+class PartedHash:
+    """A "checksum of checksums" as a :class:`Hasher`: the bytes are cut into parts of
+    ``part_size`` (the last one shorter), each part hashed by a fresh ``new()``, and the digest
+    is ``new()`` over the parts' digests one after another (S3's composite checksum of a
+    multipart upload)."""
+
+    def __init__(self, new: Callable[[], Hasher], part_size: int) -> None:
+        self._new = new
+        self._part_size = part_size
+        self._digests: list[bytes] = []  # of the parts done
+        self._part = new()
+        self._filled = 0  # bytes in the current part
+
+    def update(self, data: Any, /) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), self._part_size - self._filled)
+            self._part.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self._part_size:
+                self._digests.append(self._part.digest())
+                self._part, self._filled = self._new(), 0
+
+    def digest(self) -> bytes:
+        last = [self._part.digest()] if self._filled else []
+        outer = self._new()
+        outer.update(b"".join(self._digests + last))
+        return outer.digest()
+
+
+@dataclass(frozen=True)
+class ObjectDigest:
+    """A digest of a whole object that its transport vouches for: an S3 object's checksum, the
+    Hub's SHA-256 of a file. ``label`` names it in messages (e.g. ``"the store's CRC32
+    (x-amz-checksum-crc32)"``); ``expected`` is the raw digest and ``new`` makes a hasher that
+    yields it over every byte of the object, in order. With ``new`` None the transport named a
+    digest that cannot be checked, and ``reason`` says why (an algorithm not installed, parts of
+    unknown sizes).
+
+    A reader that reads every byte (no ``include=``) feeds the hasher with the length prefix,
+    the header and each tensor, and checks it after the last tensor: that is the earliest a
+    whole-object digest can be known, so ``async for`` raises :class:`~stream_st.IntegrityError`
+    after delivering the last tensor, and :func:`~stream_st.load` and ``cp`` raise before
+    returning or committing.
+    """
+
+    label: str
+    expected: bytes = b""
+    new: Callable[[], Hasher] | None = None
+    reason: str = ""
+
+    def check(self, hasher: Hasher, source: str = "") -> None:
+        """Raise :class:`~stream_st.IntegrityError` unless ``hasher`` holds ``expected``."""
+        got = bytes(hasher.digest())
+        if got != self.expected:
+            where = f"{source}: " if source else ""
+            raise IntegrityError(
+                f"{where}the object does not match {self.label} (expected "
+                f"{self.expected.hex()}, got {got.hex()}): a byte was damaged on the way",
+                source=source,
+            )
+
+
 READ_CHUNK = 4 << 20
 """A verified tensor is read in chunks of this size, each hashed while the next one is read.
 4 MiB measured best of 1, 2, 4 and 16 MiB and whole tensors (on a 2 GiB file of 32 MiB tensors,
-paired against an unverified read, on a loaded 2-core machine): such a read of a local file is
-tried on the event loop's thread from the page cache, and the chunk is still in the CPU's caches
-when it is hashed."""
+paired against an unverified read, on a loaded 2-core machine): the chunk is still in the CPU's
+caches when it is hashed."""
 
 
 async def read_hashing(
@@ -332,9 +411,12 @@ async def read_hashing(
 ) -> int:
     """``source.read_into_at(offset, view)``, feeding every byte read to each of ``hashers``.
 
-    A big read goes in chunks of :data:`READ_CHUNK`: each chunk is hashed in a worker thread
-    while the next one is read, so the bytes are hashed while still in the CPU's caches and
-    the hashing costs little time. Returns the bytes read (fewer if the source ended).
+    A read of one chunk (:data:`READ_CHUNK`) or less is hashed once read (on the loop's thread
+    when small). A bigger one goes in chunks, each hashed while the next one is read: by the
+    source's own worker threads right after each read where it can (a local file:
+    :meth:`~stream_st.sources.Source.read_feeding`, no thread hop per chunk), else in a worker
+    thread fed chunk by chunk. Either way the bytes are hashed while still in the CPU's caches.
+    Returns the bytes read (fewer if the source ended).
     """
     hashers = list(hashers)
 
@@ -350,6 +432,9 @@ async def read_hashing(
         else:
             await anyio.to_thread.run_sync(update, view[:got])
         return got
+    fed = await source.read_feeding(offset, view, update)
+    if fed is not None:
+        return fed
     send, receive = anyio.create_memory_object_stream[memoryview](0)
 
     async def hash_chunks() -> None:

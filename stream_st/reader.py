@@ -15,6 +15,7 @@ import numpy as np
 from ._frameworks import Delivery, Framework
 from ._limits import Clock, TransportOptions, clock_of
 from ._util import AsyncClosing
+from .dtypes import wire_bytes
 from .errors import (
     AllocationError,
     TensorNotFoundError,
@@ -30,7 +31,7 @@ from .header import (
     parse_header,
     parse_header_length,
 )
-from .integrity import Digests, read_hashing
+from .integrity import Digests, Hasher, ObjectDigest, hash_view, read_hashing
 from .sources import Source, SourceLike, open_source
 from .sources.file import FileSource
 
@@ -90,16 +91,16 @@ async def _read_tensor(
     base: int,
     target: tuple[np.ndarray[Any, Any], memoryview] | None = None,
     digests: Digests | None = None,
+    whole: Hasher | None = None,
 ) -> np.ndarray[Any, Any]:
     """Read one tensor straight into a fresh array, or into ``target`` (memory the caller owns:
     an array and its byte view); never return a partly filled one, nor one that does not match
-    its digest in ``digests``."""
+    its digest in ``digests``. ``whole`` is also fed the tensor's bytes (the object's digest)."""
     start = base + info.start
     hasher = None if digests is None else digests.hasher()
+    hashers = [h for h in (hasher, whole) if h is not None]
     read = (
-        source.read_into_at
-        if hasher is None
-        else functools.partial(read_hashing, source, hashers=(hasher,))
+        functools.partial(read_hashing, source, hashers=hashers) if hashers else source.read_into_at
     )
     if target is not None:
         array, view = target
@@ -176,7 +177,9 @@ class TensorStream(AsyncClosing):
     :func:`open_stream`). ``clock`` holds the time limits of the read (see :func:`open_stream`);
     it starts when the stream opens. ``delivery`` says where tensors land and what they are
     handed out as (see ``framework=`` and ``into=`` of :func:`open_stream`).
-    ``verify`` checks the header's digests, if it has any.
+    ``verify`` checks the header's digests, if it has any, and the whole object's digest when
+    its transport gives one and every tensor is read (:meth:`Source.object_digest`); after the
+    read, ``object_check`` says how that went (None: the transport gave no digest).
     """
 
     def __init__(
@@ -201,6 +204,8 @@ class TensorStream(AsyncClosing):
         self._header: Header | None = None
         self._iterated = False
         self._closed = False
+        self._head: tuple[bytes, bytearray] | None = None  # the prefix and header, as read
+        self.object_check: str | None = None
 
     @property
     def header(self) -> Header:
@@ -262,6 +267,7 @@ class TensorStream(AsyncClosing):
         header = (
             await _parse_off_loop(raw, source) if n > PARSE_IN_THREAD_ABOVE else parse_header(raw)
         )
+        self._head = (bytes(prefix), raw)
         if source.size is not None:
             self._check_size(header, source.size, source.name)
         return header
@@ -328,20 +334,45 @@ class TensorStream(AsyncClosing):
             await source.plan_reads(ranges)
         else:
             mapped.plan(ranges)
+        whole = await self._object_hash(len(wanted) == len(header.tensors))
+        hasher = None if whole is None else whole[1]
         for info in wanted:
             source.clock.check(source.name, source.position)
             target = delivery.target(info)
             if mapped is None or target is not None:
-                array = await _read_tensor(source, info, base, target, digests)
+                array = await _read_tensor(source, info, base, target, digests, hasher)
             else:
                 array = await mapped.view(info, base)
                 if digests is not None:
                     await digests.check_view(info.name, array, source.name)
+                if hasher is not None:
+                    await hash_view(hasher, wire_bytes(array))
             if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
                 array.byteswap(inplace=True)
             yield info.name, delivery.deliver(info, array, target is not None)
             del array
         await self._finish(header)
+        if whole is not None:
+            digest, hasher = whole
+            digest.check(hasher, source.name)
+            self.object_check = f"{digest.label}: verified"
+
+    async def _object_hash(self, every_byte: bool) -> tuple[ObjectDigest, Hasher] | None:
+        """The whole object's digest, if its transport gives one and the read will take every
+        byte, with a hasher already fed the prefix and the header; None otherwise."""
+        head, self._head = self._head, None
+        if not (self._verify and every_byte) or head is None:
+            return None
+        digest = await self.source.object_digest()
+        if digest is None:
+            return None
+        if digest.new is None:
+            self.object_check = f"{digest.label}: not checked, {digest.reason}"
+            return None
+        hasher = digest.new()
+        hasher.update(head[0])
+        await hash_view(hasher, memoryview(head[1]))
+        return digest, hasher
 
     async def _finish(self, header: Header) -> None:
         """Consume the message's tail; a whole object must end right after it."""

@@ -5,6 +5,7 @@ Every test counts the requests each host received and checks that the token went
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +21,11 @@ from stream_st import (
     HTTPNotFoundError,
     HTTPProtocolError,
     HTTPStatusError,
+    IntegrityError,
     ReadTimeoutError,
     TransportError,
     UnsupportedSourceError,
+    tools,
 )
 from stream_st._shards import shard_address
 from stream_st.hub import HubClient, HubFile, HubSource, hub_endpoint, hub_token
@@ -445,3 +448,47 @@ async def anyio_to_thread(function: Any, *args: Any) -> Any:
     import anyio.to_thread
 
     return await anyio.to_thread.run_sync(function, *args)
+
+
+# ---------------------------------------------------------------- the Hub's SHA-256
+
+
+async def test_a_full_read_is_checked_against_the_hubs_sha256(hub: FakeHub) -> None:
+    url = "hf://org/model/model.safetensors"
+    async with stream_st.open_stream(url) as stream:
+        got = {name: array async for name, array in stream}
+    assert_same_arrays(got, BIG)
+    assert stream.object_check == "the Hub's SHA-256 (X-Linked-Etag): verified"
+    # Part of the file: nothing to check it against.
+    async with stream_st.open_stream(url, include="t1") as stream:
+        assert [name async for name, _ in stream] == ["t1"]
+    assert stream.object_check is None
+    # A file the Hub serves itself (not LFS) comes with no X-Linked-Etag.
+    hub.push("org/small", {"model.bin": reference_numpy.save(BIG)})
+    async with stream_st.open_stream(HubSource("hf://org/small/model.bin")) as stream:
+        assert_same_arrays({name: array async for name, array in stream}, BIG)
+    assert stream.object_check is None
+
+
+async def test_bytes_damaged_after_the_hub_never_pass_unnoticed(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    url = "hf://org/model/model.safetensors"
+    data = reference_numpy.save(BIG)
+    key = f"/{hashlib.sha256(data).hexdigest()}"
+    damaged = bytearray(data)
+    damaged[-1000] ^= 0x10  # inside the last tensor: a plain file has nothing else to check
+    hub.cdn.objects[key] = bytes(damaged)
+    delivered = []
+    with pytest.raises(IntegrityError, match=r"does not match the Hub's SHA-256") as info:
+        async for name, _ in stream_st.open_stream(url):
+            delivered.append(name)
+    assert delivered == list(BIG)  # every tensor, then the error: the end is where it is known
+    assert info.value.name is None and info.value.source == url
+    with pytest.raises(IntegrityError):
+        await stream_st.load(url)
+    with pytest.raises(IntegrityError):
+        await tools.cp(url, tmp_path / "copy.safetensors")
+    assert not list(tmp_path.iterdir())  # nothing committed
+    unchecked = await stream_st.load(url, verify=False)
+    assert_same_arrays(unchecked, reference_numpy.load(bytes(damaged)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import random
 import zlib
@@ -333,6 +334,116 @@ async def test_http_upload_with_checksums() -> None:
         assert same(await stream_st.load(server.objects["/up"]), arrays)
 
 
+# ---------------------------------------------------------------------- whole-object checks
+
+
+def _plain_file(size: int) -> tuple[Arrays, bytes]:
+    """A file with no digests of its own, ``size`` bytes of data."""
+    arrays: Arrays = {
+        "head": np.arange(10, dtype=np.float32),
+        "blob": np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8),
+    }
+    return arrays, reference_numpy.save(arrays)
+
+
+async def _read(src: Any, mode: str) -> tuple[Arrays, stream_st.TensorStream]:
+    """Every tensor of ``src``: iterated directly (one GET of everything), or opened first
+    (a first range, then the rest)."""
+    stream = stream_st.open_stream(src)
+    if mode == "direct":
+        return {name: array async for name, array in stream}, stream
+    async with stream:
+        return {name: array async for name, array in stream}, stream
+
+
+@pytest.mark.parametrize("mode", ["direct", "opened", "parallel"])
+@pytest.mark.parametrize("upload", ["crc32", "sha256", "multipart"])
+async def test_a_whole_s3_read_checks_the_stores_checksum(
+    s3: MotoS3Server, upload: str, mode: str
+) -> None:
+    size = MIN_PART_SIZE + 123 if upload == "multipart" else 5000
+    arrays, data = _plain_file(size)
+    key = f"whole-{upload}"
+    if upload == "multipart":  # our uploads send a CRC32 per part: a checksum of 2 checksums
+        await stream_st.save(
+            S3Sink(f"s3://{BUCKET}/{key}", config=s3_config(s3.port), part_size=MIN_PART_SIZE),
+            arrays,
+        )
+    else:
+        s3.client().put_object(Bucket=BUCKET, Key=key, Body=data, ChecksumAlgorithm=upload.upper())
+    concurrency = 4 if mode == "parallel" else 1
+    source = S3Source(f"s3://{BUCKET}/{key}", config=s3_config(s3.port), concurrency=concurrency)
+    got, stream = await _read(source, "direct" if mode == "parallel" else mode)
+    assert same(got, arrays)
+    algorithm = "CRC32" if upload == "multipart" else upload.upper()
+    assert stream.object_check is not None
+    assert stream.object_check.startswith(f"the store's {algorithm} checksum")
+    assert stream.object_check.endswith(": verified")
+    assert ("2 parts" in stream.object_check) == (upload == "multipart")
+
+
+async def test_s3_parts_of_unequal_sizes_are_not_checked_and_say_why(s3: MotoS3Server) -> None:
+    arrays, data = _plain_file(2 * MIN_PART_SIZE + 2000)
+    client = s3.client()
+    upload = client.create_multipart_upload(Bucket=BUCKET, Key="uneven", ChecksumAlgorithm="CRC32")
+    cuts = [0, MIN_PART_SIZE + 1000, len(data) - 10, len(data)]  # big, bigger, 10 bytes
+    parts = []
+    for number, (start, end) in enumerate(itertools.pairwise(cuts), 1):
+        answer = client.upload_part(
+            Bucket=BUCKET,
+            Key="uneven",
+            UploadId=upload["UploadId"],
+            PartNumber=number,
+            Body=data[start:end],
+            ChecksumAlgorithm="CRC32",
+        )
+        parts.append(
+            {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32": answer["ChecksumCRC32"]}
+        )
+    client.complete_multipart_upload(
+        Bucket=BUCKET, Key="uneven", UploadId=upload["UploadId"], MultipartUpload={"Parts": parts}
+    )
+    got, stream = await _read(S3Source(f"s3://{BUCKET}/uneven", config=s3_config(s3.port)), "x")
+    assert same(got, arrays)
+    assert stream.object_check == (
+        "the store's CRC32 checksum (x-amz-checksum-crc32, a checksum of 3 parts' checksums): "
+        "not checked, its parts are not all of one size but the last"
+    )
+
+
+async def test_a_plain_file_damaged_on_the_wire_raises_after_its_last_tensor(
+    s3: MotoS3Server, tmp_path: Path
+) -> None:
+    arrays, data = _plain_file(200_000)
+    s3.client().put_object(Bucket=BUCKET, Key="plain", Body=data, ChecksumAlgorithm="CRC32")
+    url = f"s3://{BUCKET}/plain"
+    rng = random.Random(14)
+    with FaultProxy(("127.0.0.1", s3.port), Fault()) as proxy:  # a clean run: its traffic
+        assert same(await stream_st.load(S3Source(url, config=s3_config(proxy.port))), arrays)
+        traffic = proxy.carried["down"]
+    for kind in CORRUPTIONS:
+        for _ in range(4):
+            fault = Fault(kind, "down", traffic - rng.randrange(1, 150_000), rng.choice((1, 7)))
+            with FaultProxy(("127.0.0.1", s3.port), fault) as proxy:
+                source = S3Source(url, config=s3_config(proxy.port), backoff=0.01)
+                delivered = []
+                with pytest.raises(SafetensorsError) as info:
+                    async for name, _ in stream_st.open_stream(source, timeout=1):
+                        delivered.append(name)
+            assert proxy.fired
+            if kind == "flip":  # the length still fits: every tensor arrives, then the check
+                assert isinstance(info.value, IntegrityError), fault
+                assert delivered == ["head", "blob"]
+                assert "does not match the store's CRC32 checksum" in str(info.value)
+    # load and cp check before they return or commit.
+    fault = Fault("flip", "down", traffic - 1000)
+    with FaultProxy(("127.0.0.1", s3.port), fault) as proxy, pytest.raises(IntegrityError):
+        await stream_st.load(S3Source(url, config=s3_config(proxy.port)))
+    with FaultProxy(("127.0.0.1", s3.port), fault) as proxy, pytest.raises(IntegrityError):
+        await tools.cp(S3Source(url, config=s3_config(proxy.port)), tmp_path / "c.safetensors")
+    assert not list(tmp_path.iterdir())
+
+
 # ---------------------------------------------------------------------- faults on the wire
 
 CORRUPTIONS: tuple[FaultKind, ...] = ("flip", "drop", "duplicate")
@@ -388,6 +499,42 @@ async def test_corrupted_bytes_in_tensor_data_never_reach_the_caller(
                 assert outcome == "IntegrityError", f"{medium} {fault}"
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
     assert "IntegrityError" in outcomes
+
+
+async def test_an_upload_damaged_on_the_wire_is_never_read_back_as_good(
+    s3: MotoS3Server,
+) -> None:
+    """The fault proxy between the writer and the store, damaging bytes of the uploaded tensor
+    data. moto stores a PUT whose x-amz-checksum-crc32 does not match its body (S3 refuses it
+    with BadDigest), with that checksum: the damaged object is committed there, but the tensor
+    digests recorded by checksums= (and the stored checksum) catch it on every read."""
+    arrays = tensors()
+    url = f"s3://{BUCKET}/uploaded"
+    with FaultProxy(("127.0.0.1", s3.port), Fault()) as proxy:  # a clean run: its traffic
+        await stream_st.save(S3Sink(url, config=s3_config(proxy.port)), arrays, checksums=True)
+        traffic = proxy.carried["up"]
+    rng = random.Random("upload")
+    outcomes: dict[str, int] = {}
+    for kind in CORRUPTIONS:
+        for _ in range(4):
+            fault = Fault(kind, "up", traffic - rng.randrange(1, 100_000), rng.choice((1, 7)))
+            with FaultProxy(("127.0.0.1", s3.port), fault) as proxy:
+                try:
+                    sink = S3Sink(url, config=s3_config(proxy.port), timeout=1)
+                    await stream_st.save(sink, arrays, checksums=True)
+                except SafetensorsError as exc:
+                    outcome = f"upload failed: {type(exc).__name__}"
+                else:
+                    try:
+                        got = await stream_st.load(S3Source(url, config=s3_config(s3.port)))
+                    except IntegrityError:
+                        outcome = "stored damaged, read raised IntegrityError"
+                    else:
+                        assert same(got, arrays), fault  # never wrong tensors, no error
+                        outcome = "stored intact"
+            assert proxy.fired
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert "stored damaged, read raised IntegrityError" in outcomes, outcomes
 
 
 async def test_sharded_and_dataset_writers_record_digests(tmp_path: Path) -> None:

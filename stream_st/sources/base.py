@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .._limits import UNLIMITED, Clock
+
+if TYPE_CHECKING:
+    from ..integrity import ObjectDigest
 
 __all__ = ["DISCARD_CHUNK", "AsyncReadInto", "Source"]
 
@@ -90,10 +93,24 @@ class Source(ABC):
                 return 0
         return await self.fill(buffer)
 
+    async def read_feeding(
+        self, offset: int, buffer: memoryview, feed: Callable[[memoryview], None]
+    ) -> int | None:
+        """:meth:`read_into_at` that also calls ``feed`` (a hash's update, thread-safe to call
+        from a worker thread) with every byte read, in order, from the thread that read it; or
+        None, reading nothing, where the source has no such path (the caller hashes itself)."""
+        return None
+
     async def plan_reads(self, ranges: Sequence[tuple[int, int]]) -> None:  # noqa: B027
         """Learn, once the header is parsed, the absolute byte ranges the reader will ask for:
         in order, adjacent ones merged. Ranged transports schedule their requests and read-ahead
         from it; the others have no use for it."""
+
+    async def object_digest(self) -> ObjectDigest | None:
+        """The digest of the whole object that the transport vouches for (an S3 checksum, the
+        Hub's SHA-256), or None. The reader asks, after :meth:`plan_reads`, only when it will
+        read every byte; a transport may spend a request to learn it."""
+        return None
 
     async def at_end(self) -> bool:
         """True when no byte follows the current position."""

@@ -16,9 +16,12 @@ loop keeps running, and a writer that never comes raises :class:`~stream_st.Read
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import stat
 import sys
+import threading
+from collections.abc import Callable
 
 import anyio
 import anyio.lowlevel
@@ -38,6 +41,11 @@ SPLIT_THRESHOLD = 8 << 20
 
 INLINE_MAX = 4 << 20
 """Reads of at most this many bytes are first tried on the loop thread (page cache only)."""
+
+FEED_CHUNK = 4 << 20
+"""A read that feeds a hash (:meth:`FileSource.read_feeding`) goes in chunks of this size, taken
+in turn by two worker threads: each hashes its chunk right after reading it, while the bytes are
+still in the CPU's caches, and while the other thread reads the next chunk."""
 
 CHECKPOINT_BYTES = 8 << 20
 """After this many bytes read on the loop thread, let other tasks run."""
@@ -82,6 +90,37 @@ def _pread_cached(fd: int, buffer: memoryview, offset: int) -> int:
             break
         filled += got
     return filled
+
+
+class _InTurn:
+    """Lets threads run a step each, in the order of the steps' numbers, whichever thread gets
+    there first; :meth:`stop` (a thread failed) releases every thread still waiting."""
+
+    def __init__(self) -> None:
+        self._turn = threading.Condition()
+        self._next = 0
+        self._stopped = False
+
+    def run(self, number: int, step: Callable[[memoryview], None], piece: memoryview) -> None:
+        with self._turn:
+            while self._next != number and not self._stopped:
+                self._turn.wait()
+            if self._stopped:
+                return
+        step(piece)  # alone: the next number waits for this one
+        with self._turn:
+            self._next += 1
+            self._turn.notify_all()
+
+    def stop(self) -> None:
+        with self._turn:
+            self._stopped = True
+            self._turn.notify_all()
+
+
+def _run_boxed(box: list[Callable[[], None]]) -> None:
+    """``box.pop()()``: the worker thread keeps no reference to the job (see _pread_boxed)."""
+    box.pop()()
 
 
 def open_path(name: str, flags: int) -> int:
@@ -165,6 +204,46 @@ class FileSource(Source):
             raise TransportError(
                 f"read failed: {exc.strerror or exc}", url=self.name, position=offset
             ) from exc
+        self.position = offset + got
+        return got
+
+    async def read_feeding(
+        self, offset: int, buffer: memoryview, feed: Callable[[memoryview], None]
+    ) -> int | None:
+        """:meth:`read_into_at` that calls ``feed`` with every byte read, in order, in chunks of
+        :data:`FEED_CHUNK` taken in turn by two worker threads, each chunk fed by the thread
+        that read it right after reading it; None for a read of one chunk or less (the caller
+        does better on the loop's thread)."""
+        if len(buffer) <= FEED_CHUNK:
+            return None
+        starts = range(0, len(buffer), FEED_CHUNK)
+        counts = [0] * len(starts)
+        turns = _InTurn()
+
+        def work(first: int) -> None:
+            try:
+                for index in range(first, len(starts), 2):
+                    view = buffer[starts[index] : starts[index] + FEED_CHUNK]
+                    counts[index] = _pread_fully(self._fd, view, offset + starts[index])
+                    turns.run(index, feed, view[: counts[index]])
+            except BaseException:
+                turns.stop()
+                raise
+
+        try:
+            async with task_group() as group:
+                for first in (0, 1):
+                    box: list[Callable[[], None]] = [functools.partial(work, first)]
+                    group.start_soon(anyio.to_thread.run_sync, _run_boxed, box)
+        except OSError as exc:
+            raise TransportError(
+                f"read failed: {exc.strerror or exc}", url=self.name, position=offset
+            ) from exc
+        got = 0
+        for index, count in enumerate(counts):
+            got += count
+            if count < min(FEED_CHUNK, len(buffer) - starts[index]):
+                break  # the file ended in this chunk
         self.position = offset + got
         return got
 
