@@ -323,7 +323,11 @@ class TensorStream(AsyncClosing):
         wanted = [info for info in header.tensors if selected(info.name)]
         digests = Digests.from_header(header) if self._verify else None
         ranges = merge_ranges((base + t.start, base + t.end) for t in wanted)
-        mapped = None if self._copy or not isinstance(source, FileSource) else source.map()
+        mapped = (
+            None
+            if self._copy or not isinstance(source, FileSource)
+            else source.map(private=delivery.writable)
+        )
         if mapped is None:
             await source.plan_reads(ranges)
         else:
