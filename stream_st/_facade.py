@@ -109,6 +109,7 @@ class _File:
         self._arrays = arrays
         self._map = mapped
         self._digests = digests
+        self._verified: set[str] = set()  # mapped tensors checked (and maybe written to) since
         self._lock = anyio.Lock()  # one read at a time on the source
 
     @classmethod
@@ -167,11 +168,14 @@ class _File:
             }
 
     async def _view(self, info: TensorInfo, digests: Digests | None) -> np.ndarray[Any, Any]:
-        """Tensor ``info`` as a view of the mapping, checked against ``digests`` if given."""
+        """Tensor ``info`` as a view of the mapping, checked against ``digests`` if given. Views
+        of the same bytes share them, as the reference's do: a tensor is checked the first time
+        only, as what the caller wrote to it since is no damage."""
         assert self._map is not None
         array = await self._map.view(info, self.header.data_start)
-        if digests is not None:
+        if digests is not None and info.name not in self._verified:
             await digests.check_view(info.name, array, self.stream.source.name)
+            self._verified.add(info.name)
         return array
 
     async def aclose(self) -> None:

@@ -395,7 +395,9 @@ def open_stream(
     truncated while the arrays live (they would see the change; a truncated file kills the
     process with ``SIGBUS`` when a lost page is touched), nor, for the same reason, on network
     file systems shared with writers. Other sources are read as with ``copy=True``: fresh,
-    writable arrays.
+    writable arrays. With ``framework="pt"`` the mapping is private and writable instead (torch
+    has no read-only tensors): a write to a tensor copies its page for this process, never
+    reaching the file.
 
     Time limits (seconds; ``None``, the default, for none): ``timeout`` bounds connecting and
     each wait for data; ``deadline`` the whole read, from opening until the last tensor;
