@@ -109,7 +109,7 @@ class _File:
         self._arrays = arrays
         self._map = mapped
         self._digests = digests
-        self._verified: set[str] = set()  # mapped tensors checked (and maybe written to) since
+        self._verified: set[str] = set()  # mapped tensors checked; the caller may write to them
         self._lock = anyio.Lock()  # one read at a time on the source
 
     @classmethod
@@ -120,19 +120,23 @@ class _File:
         else:
             await stream.open()
         source = stream.source
-        if source.random_access:
+        if not source.random_access:
+            try:  # checked against the digests by the stream
+                arrays = {name: array async for name, array in stream}
+            finally:
+                await stream.aclose()
+            return cls(stream, arrays, None, None)
+        try:
             digests = Digests.from_header(stream.header) if options.verify else None
             mapped = (
                 source.map(private=True)
                 if options.mapped and isinstance(source, FileSource)
                 else None
             )
-            return cls(stream, None, mapped, digests)
-        try:  # checked against the digests by the stream
-            arrays = {name: array async for name, array in stream}
-        finally:
+        except BaseException:
             await stream.aclose()
-        return cls(stream, arrays, None, None)
+            raise
+        return cls(stream, None, mapped, digests)
 
     async def read(self, info: TensorInfo, rows: Rows) -> np.ndarray[Any, Any]:
         """Tensor ``info`` (or its ``rows``), reading only those bytes from the source; a whole

@@ -319,6 +319,11 @@ def test_checksums_are_opt_in_and_verified_by_default(tmp_path: Path) -> None:
         st.load(path.read_bytes())
     assert not same(st.load_file(path, verify=False)["f32"], tensors["f32"])
     assert not same(st.load(path.read_bytes(), verify=False)["f32"], tensors["f32"])
+    damaged = tmp_path / "damaged.safetensors"  # a digest record without the digests
+    reference.save_file(tensors, damaged, metadata={"stream_st.digest": "xxh3-128"})
+    with pytest.raises(IntegrityError, match="no digest"):
+        st.safe_open(damaged, "pt")
+    st.safe_open(damaged, "pt", verify=False).close()
 
 
 def test_save_model_checksums_and_load_model_verifies(tmp_path: Path) -> None:
