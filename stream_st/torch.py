@@ -273,11 +273,11 @@ def load_model(
     ``strict``, missing or unexpected names raise :class:`~stream_st.UsageError` (a
     ``RuntimeError``, as the reference raises) after loading. ``backend`` is accepted as the
     reference spells it; reading straight into the model beats viewing a mapping either way.
-    Digests recorded in the header are checked (a tensor that fails may have partly
-    overwritten its parameter before :class:`~stream_st.IntegrityError` is raised) unless
-    ``verify=False``.
+    Digests recorded in the header are checked unless ``verify=False``; a tensor that fails
+    has already been received into its parameter when :class:`~stream_st.IntegrityError` is
+    raised, so the model is then partly loaded, as after any failed load.
     """
-    _facade.maps(backend)
+    _facade.maps(backend)  # checked only: the model's own memory is where tensors go
     check_device(device)
     check_sync_address(filename, "source")
     state = model.state_dict()
