@@ -1,5 +1,5 @@
 """Time to a fully loaded torch model, and its peak memory: ``stream_st.torch.load_model`` against
-the reference ``safetensors.torch``.
+the reference ``safetensors.torch``; and ``load_file`` against the reference's ``load_file``.
 
 Run it from the repository root (``--size-mb`` sets the model's size; a minute or so at 256)::
 
@@ -11,17 +11,28 @@ model first (its memory allocated and touched: that is not timed), then times on
 
 * ``ours``: ``stream_st.torch.load_model(model, src)``: every tensor received straight into the
   model's parameters;
+* ``ours_dict``: ``model.load_state_dict(stream_st.torch.load_file(src))`` (a local file mapped);
 * ``ref_model``: ``safetensors.torch.load_model(model, path)`` (mmap, then ``load_state_dict``);
 * ``ref_dict``: ``model.load_state_dict(safetensors.torch.load_file(path))``.
 
-Over HTTP (the test server, ``tests/http_server.py``, in this process) ``ours`` reads the URL and
-the reference variants first fetch the body with ``urllib`` and call ``safetensors.torch.load``
-on it (the reference cannot read a URL). Every variant leaves every parameter page written (a
-``load_state_dict`` copy or our receive), and each child returns a checksum of all parameters
-(taken after the timing), compared across variants. Peak RSS is the child's ``VmHWM`` above its
-RSS once the model is built (reset through ``/proc/self/clear_refs`` where the kernel allows);
-the target is the largest tensor + 64 MiB. Rounds are interleaved (A B C A B C ...); medians and
-each variant's median ratio to ``ours`` are printed.
+Over HTTP (the test server, ``tests/http_server.py``, in this process) ``ours`` and ``ours_dict``
+read the URL and the reference variants first fetch the body with ``urllib`` and call
+``safetensors.torch.load`` on it (the reference cannot read a URL). Every variant leaves every
+parameter page written (a ``load_state_dict`` copy or our receive), and each child returns a
+checksum of all parameters (taken after the timing), compared across variants. Peak RSS is the
+child's ``VmHWM`` above its RSS once the model is built (reset through ``/proc/self/clear_refs``
+where the kernel allows); the target is the largest tensor + 64 MiB. Rounds are interleaved
+(A B C A B C ...); medians and each variant's median ratio to ``ours`` are printed.
+
+Then ``load_file`` alone on the local file, every page of every tensor touched (one byte read
+per page) inside the timing, no model built:
+
+* ``file_ours``: ``stream_st.torch.load_file(path)``: writable views of a private
+  (copy-on-write) mapping, populated a window ahead;
+* ``file_pread``: ``stream_st.torch.load_file(path, backend="pread")``: read into fresh memory;
+* ``file_shared``: ``stream_st.load(path, copy=False)``: numpy read-only views of a shared
+  mapping (what ``open_stream(copy=False)`` gives; the private mapping's cost is its difference);
+* ``file_ref``: ``safetensors.torch.load_file(path)`` (mmap, each page faulted in when touched).
 
 Last, ``get_slice`` of 1/8 of one remote tensor: the bytes the server sent for it, against 1/8
 of the tensor + 64 KiB.
@@ -30,6 +41,8 @@ of the tensor + 64 KiB.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import importlib
 import json
 import os
 import statistics
@@ -44,7 +57,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 WIDTH = 2048  # a 16 MiB F32 weight per layer
-VARIANTS = ("ours", "ref_model", "ref_dict")
+MODEL_VARIANTS = ("ours", "ours_dict", "ref_model", "ref_dict")
+FILE_VARIANTS = ("file_ours", "file_pread", "file_shared", "file_ref")
+PAGE = 4096
 
 
 def build(layers: int) -> Any:
@@ -68,25 +83,27 @@ def rss_kib(field: str) -> int:
     return 0
 
 
-def child(variant: str, src: str, layers: int) -> None:
-    """Build, time one load, report ``{seconds, peak_mib, checksum}`` as JSON on stdout."""
+def reset_peak() -> int:
+    """Reset ``VmHWM`` to the current RSS where the kernel allows; the RSS in KiB."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
+    return rss_kib("VmRSS")
+
+
+def load_model(variant: str, src: str, model: Any) -> None:
+    """Load ``src`` into ``model`` the way ``variant`` does."""
     import safetensors.torch
-    import torch
 
     import stream_st.torch
 
-    model = build(layers)
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")  # reset VmHWM to the current RSS
-    except OSError:
-        pass
-    base = rss_kib("VmRSS")
-    remote = src.startswith("http")
-    start = time.perf_counter()
     if variant == "ours":
         stream_st.torch.load_model(model, src)
-    elif remote:
+    elif variant == "ours_dict":
+        model.load_state_dict(stream_st.torch.load_file(src))
+    elif src.startswith("http"):
         with urllib.request.urlopen(src) as answer:
             state = safetensors.torch.load(answer.read())
         model.load_state_dict(state)
@@ -95,10 +112,63 @@ def child(variant: str, src: str, layers: int) -> None:
         safetensors.torch.load_model(model, src)
     else:
         model.load_state_dict(safetensors.torch.load_file(src))
+
+
+def load_file(variant: str, path: str) -> dict[str, Any]:
+    """Every tensor of ``path`` loaded the way ``variant`` does."""
+    import safetensors.torch
+
+    import stream_st
+    import stream_st.torch
+
+    if variant == "file_ours":
+        return stream_st.torch.load_file(path)
+    if variant == "file_pread":
+        return stream_st.torch.load_file(path, backend="pread")
+    if variant == "file_shared":
+        return asyncio.run(stream_st.load(path, copy=False))
+    return safetensors.torch.load_file(path)
+
+
+def touch(tensors: dict[str, Any]) -> int:
+    """Read one byte of every page of every tensor (and its last byte); their sum."""
+    import numpy as np
+    import torch
+
+    total = 0
+    for tensor in tensors.values():
+        raw = (
+            tensor.reshape(-1).view(torch.uint8).numpy()
+            if isinstance(tensor, torch.Tensor)
+            else tensor.reshape(-1).view(np.uint8)
+        )
+        if raw.size:
+            total += int(raw[::PAGE].sum(dtype=np.uint64)) + int(raw[-1])
+    return total
+
+
+def child(variant: str, src: str, layers: int) -> None:
+    """Time one load, report ``{seconds, peak_mib, checksum}`` as JSON on stdout: into a model
+    built first (not timed), or (``file_*``) of the file alone with every page touched. Every
+    module a variant uses is imported before the timing, the checksum taken after the peak."""
+    import torch
+
+    for module in ("safetensors.torch", "stream_st", "stream_st.torch"):
+        importlib.import_module(module)
+    model = None if variant in FILE_VARIANTS else build(layers)
+    base = reset_peak()
+    start = time.perf_counter()
+    if model is None:
+        touched = touch(load_file(variant, src))
+    else:
+        load_model(variant, src, model)
     seconds = time.perf_counter() - start
     peak = rss_kib("VmHWM") - base
-    with torch.no_grad():
-        checksum = float(sum(p.double().sum() for p in model.parameters()))
+    if model is None:
+        checksum = float(touched)
+    else:
+        with torch.no_grad():
+            checksum = float(sum(p.double().sum() for p in model.parameters()))
     print(json.dumps({"seconds": seconds, "peak_mib": peak / 1024, "checksum": checksum}))
 
 
@@ -114,24 +184,22 @@ def run_child(variant: str, src: str, layers: int) -> dict[str, float]:
     return result
 
 
-def compare(label: str, src: str, layers: int, repeat: int, largest_mib: float) -> None:
-    runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+def compare(label: str, variants: tuple[str, ...], src: str, layers: int, repeat: int) -> None:
+    """Run ``variants`` in interleaved rounds; print medians and paired ratios to the first."""
+    runs: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for _ in range(repeat):
-        for variant in VARIANTS:
+        for variant in variants:
             runs[variant].append(run_child(variant, src, layers))
     checksums = {r["checksum"] for rs in runs.values() for r in rs}
-    assert len(checksums) == 1, f"variants loaded different weights: {checksums}"
-    ours = [r["seconds"] for r in runs["ours"]]
-    print(
-        f"\n{label}  (median of {repeat}; target: ours >= 1.5x faster locally, peak <= "
-        f"{largest_mib + 64:.0f} MiB)"
-    )
-    print(f"{'variant':<10} {'time s':>8} {'x ours':>7} {'peak MiB above model':>21}")
-    for variant in VARIANTS:
+    assert len(checksums) == 1, f"variants loaded different bytes: {checksums}"
+    first = [r["seconds"] for r in runs[variants[0]]]
+    print(f"\n{label}  (median of {repeat})")
+    print(f"{'variant':<12} {'time s':>8} {f'x {variants[0]}':>12} {'peak MiB':>9}")
+    for variant in variants:
         times = [r["seconds"] for r in runs[variant]]
-        ratio = statistics.median(t / o for t, o in zip(times, ours, strict=True))
+        ratio = statistics.median(t / o for t, o in zip(times, first, strict=True))
         peak = statistics.median(r["peak_mib"] for r in runs[variant])
-        print(f"{variant:<10} {statistics.median(times):>8.3f} {ratio:>7.2f} {peak:>21.0f}")
+        print(f"{variant:<12} {statistics.median(times):>8.3f} {ratio:>12.2f} {peak:>9.0f}")
 
 
 def slice_transfer(path: Path) -> None:
@@ -175,19 +243,41 @@ def main() -> None:
         f"model: {layers} x Linear({WIDTH}, {WIDTH}) F32, {layers * (largest + 0.008):.0f} MiB; "
         f"load avg {os.getloadavg()[0]:.2f} (2 cores, shared with other work)"
     )
+    targets = f"target: ours >= 1.5x locally; peak above the model <= {largest + 64:.0f} MiB"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.safetensors"
         safetensors.torch.save_model(build(layers), str(path))
         path.read_bytes()  # page cache warm
-        compare("local file, page cache warm", str(path), layers, args.repeat, largest)
+        local = str(path)
+        compare(
+            f"load_model, local file, page cache warm; {targets}",
+            MODEL_VARIANTS,
+            local,
+            layers,
+            args.repeat,
+        )
+        compare(
+            "load_file, local file, page cache warm, every page touched",
+            FILE_VARIANTS,
+            local,
+            layers,
+            args.repeat,
+        )
         if not args.skip_http:
             from tests.http_server import RangeHTTPServer
 
             with RangeHTTPServer() as server:
                 server.objects["/model.safetensors"] = path.read_bytes()
                 url = server.url("/model.safetensors")
-                compare("test HTTP server (loopback)", url, layers, args.repeat, largest)
+                compare(
+                    "load_model, test HTTP server (loopback)",
+                    MODEL_VARIANTS,
+                    url,
+                    layers,
+                    args.repeat,
+                )
         slice_transfer(path)
+        print(f"\nload avg at the end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ over the async core, synchronous, for any framework: what :mod:`stream_st.torch`
 Every call runs on a private event loop (``stream_st._sync``); a :class:`SafeOpen` keeps one for
 as long as it is open, with its source (a file, a connection to a server) open on it, so reading
 tensors one by one costs one ranged read each. A source that cannot jump (``tcp://``, a pipe) is
-read whole when opened. Not public API.
+read whole when opened. With ``backend="mmap"`` (the default, as in the reference) a local file is
+mapped privately instead: its tensors are writable copy-on-write views of the file
+(``stream_st._mmap``). Digests a header records are checked for every whole tensor read
+(``verify``). Not public API.
 """
 
 from __future__ import annotations
@@ -14,30 +17,34 @@ import operator
 import os
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import EllipsisType, TracebackType
 from typing import Any, Self
 
 import anyio
 import numpy as np
 
-from ._frameworks import check_device, framework_of, to_torch
+from ._frameworks import Delivery, check_device, framework_of, to_torch
 from ._limits import Clock, TransportOptions, clock_of
+from ._mmap import FileMap
 from ._shards import shard_address
 from ._sync import Bridge, check_sync_address, run
 from .convenience import save as save_async
 from .errors import TensorNotFoundError, UsageError
 from .header import Header, TensorInfo
-from .reader import TensorStream, _read_tensor, merge_ranges, open_stream
+from .integrity import Digests
+from .reader import TensorStream, _read_tensor, merge_ranges, stream_for
 from .sharded import ShardIndex, _open_shard, is_index
 from .sinks import Sink, SinkLike
 from .sources import SourceLike
+from .sources.file import FileSource
 
 __all__ = [
     "SafeOpen",
     "Slice",
-    "check_backend",
     "load_bytes",
     "load_file",
+    "maps",
     "save_bytes",
     "save_file",
 ]
@@ -45,11 +52,22 @@ __all__ = [
 BACKENDS = ("mmap", "pread")
 
 
-def check_backend(backend: object) -> None:
-    """:class:`UsageError` unless ``backend`` is one the reference knows. Both read the same way
-    here: straight from the source into each tensor's memory."""
+def maps(backend: object) -> bool:
+    """Whether ``backend`` maps local files (``"mmap"``) rather than reading each tensor into
+    fresh memory (``"pread"``); :class:`UsageError` if it is neither."""
     if backend not in BACKENDS:
         raise UsageError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend == "mmap"
+
+
+@dataclass(frozen=True)
+class _Options:
+    """How a :class:`SafeOpen` reads: under ``clock``, checking digests (``verify``), viewing
+    local files through a private mapping (``mapped``) rather than reading them."""
+
+    clock: Clock
+    verify: bool
+    mapped: bool
 
 
 Rows = tuple[int, int] | None
@@ -72,40 +90,69 @@ def _rows_of(info: TensorInfo, rows: Rows) -> TensorInfo:
 
 
 class _File:
-    """One safetensors file opened for reads by name (on the bridge's loop)."""
+    """One safetensors file opened for reads by name (on the bridge's loop).
 
-    def __init__(self, stream: TensorStream, arrays: dict[str, np.ndarray[Any, Any]] | None):
+    Tensors come from one of: the arrays read whole at open (a source that cannot jump), the
+    file's private mapping (``mapped``), or ranged reads of the source into fresh memory.
+    ``digests`` (those the header records, when verifying) are checked for each whole tensor.
+    """
+
+    def __init__(
+        self,
+        stream: TensorStream,
+        arrays: dict[str, np.ndarray[Any, Any]] | None,
+        mapped: FileMap | None,
+        digests: Digests | None,
+    ):
         self.stream = stream
         self.header = stream.header
-        self._arrays = arrays  # a source that cannot jump: every tensor, read at open
+        self._arrays = arrays
+        self._map = mapped
+        self._digests = digests
+        self._verified: set[str] = set()  # mapped tensors checked; the caller may write to them
         self._lock = anyio.Lock()  # one read at a time on the source
 
     @classmethod
-    async def open(cls, address: SourceLike, clock: Clock, shard: bool = False) -> _File:
-        stream = TensorStream(address, clock=clock)
+    async def open(cls, address: SourceLike, options: _Options, shard: bool = False) -> _File:
+        stream = TensorStream(address, clock=options.clock, verify=options.verify)
         if shard:
             await _open_shard(stream, str(address))
         else:
             await stream.open()
-        if stream.source.random_access:
-            return cls(stream, None)
+        source = stream.source
+        if not source.random_access:
+            try:  # checked against the digests by the stream
+                arrays = {name: array async for name, array in stream}
+            finally:
+                await stream.aclose()
+            return cls(stream, arrays, None, None)
         try:
-            arrays = {name: array async for name, array in stream}
-        finally:
+            digests = Digests.from_header(stream.header) if options.verify else None
+            mapped = (
+                source.map(private=True)
+                if options.mapped and isinstance(source, FileSource)
+                else None
+            )
+        except BaseException:
             await stream.aclose()
-        return cls(stream, arrays)
+            raise
+        return cls(stream, None, mapped, digests)
 
     async def read(self, info: TensorInfo, rows: Rows) -> np.ndarray[Any, Any]:
-        """Tensor ``info`` (or its ``rows``), reading only those bytes from the source."""
+        """Tensor ``info`` (or its ``rows``), reading only those bytes from the source; a whole
+        tensor is checked against its digest."""
         if self._arrays is not None:
             whole = self._arrays[info.name]
             return (whole if rows is None else whole[rows[0] : rows[1]]).copy()
         wanted = _rows_of(info, rows)
+        digests = self._digests if rows is None else None
         base = self.header.data_start
+        if self._map is not None:  # faulted in as touched, as the reference's views are
+            return await self._view(wanted, digests)
         async with self._lock:
             source = self.stream.source
             await source.plan_reads(merge_ranges([(base + wanted.start, base + wanted.end)]))
-            return await _read_tensor(source, wanted, base)
+            return await _read_tensor(source, wanted, base, digests=digests)
 
     async def read_all(self) -> dict[str, np.ndarray[Any, Any]]:
         """Every tensor, in offset order, with the whole read planned at once."""
@@ -113,10 +160,27 @@ class _File:
             return {name: array.copy() for name, array in self._arrays.items()}
         base = self.header.data_start
         tensors = list(self.header.tensors)
+        ranges = merge_ranges((base + t.start, base + t.end) for t in tensors)
+        if self._map is not None:
+            self._map.plan(ranges)  # populated a window ahead
+            return {t.name: await self._view(t, self._digests) for t in tensors}
         async with self._lock:
             source = self.stream.source
-            await source.plan_reads(merge_ranges((base + t.start, base + t.end) for t in tensors))
-            return {t.name: await _read_tensor(source, t, base) for t in tensors}
+            await source.plan_reads(ranges)
+            return {
+                t.name: await _read_tensor(source, t, base, digests=self._digests) for t in tensors
+            }
+
+    async def _view(self, info: TensorInfo, digests: Digests | None) -> np.ndarray[Any, Any]:
+        """Tensor ``info`` as a view of the mapping, checked against ``digests`` if given. Views
+        of the same bytes share them, as the reference's do: a tensor is checked the first time
+        only, as what the caller wrote to it since is no damage."""
+        assert self._map is not None
+        array = await self._map.view(info, self.header.data_start)
+        if digests is not None and info.name not in self._verified:
+            await digests.check_view(info.name, array, self.stream.source.name)
+            self._verified.add(info.name)
+        return array
 
     async def aclose(self) -> None:
         await self.stream.aclose()
@@ -125,15 +189,16 @@ class _File:
 class _Checkpoint:
     """A file, or every shard of an index, opened for reads by name (on the bridge's loop)."""
 
-    def __init__(self, clock: Clock) -> None:
-        self.clock = clock
+    def __init__(self, options: _Options) -> None:
+        self.options = options
         self.files: dict[str, _File] = {}  # by address
         self.where: dict[str, str] = {}  # tensor name -> address of its file
         self.index: ShardIndex | None = None
 
     @classmethod
-    async def open(cls, src: SourceLike, clock: Clock) -> _Checkpoint:
-        self = cls(clock)
+    async def open(cls, src: SourceLike, options: _Options) -> _Checkpoint:
+        self = cls(options)
+        clock = options.clock
         clock.start()
         if isinstance(src, str | os.PathLike) and is_index(src):
             self.index = await ShardIndex.read(os.fspath(src), clock)
@@ -145,7 +210,7 @@ class _Checkpoint:
                 for shard in self.index.shards:
                     await self._shard(shard_address(self.index.home, shard))
         else:
-            file = await _File.open(src, clock)
+            file = await _File.open(src, options)
             self.files[""] = file
             self.where = dict.fromkeys(file.header.names(), "")
         return self
@@ -153,7 +218,7 @@ class _Checkpoint:
     async def _shard(self, address: str) -> _File:
         file = self.files.get(address)
         if file is None:
-            file = await _File.open(address, self.clock, shard=True)
+            file = await _File.open(address, self.options, shard=True)
             self.files[address] = file
             index = self.index
             assert index is not None
@@ -200,22 +265,29 @@ def _shut(bridge: Bridge, checkpoint: _Checkpoint) -> None:
 
 class SafeOpen:
     """A safetensors file (or sharded checkpoint) opened for reading tensors by name; the
-    reference's ``safe_open``. Close it with ``with`` or :meth:`close`."""
+    reference's ``safe_open``. Close it with ``with`` or :meth:`close`.
+
+    ``backend="mmap"`` views a local file's tensors in a private mapping of it; ``"pread"``
+    reads each into fresh memory. ``verify`` checks each whole tensor read against the digest
+    the header records for it, if any."""
 
     def __init__(
         self,
         src: SourceLike,
         framework: str,
         device: object = "cpu",
+        *,
+        backend: str = "mmap",
+        verify: bool = True,
         **options: Any,
     ) -> None:
         self._torch = framework_of(framework)
         check_device(device)
         check_sync_address(src, "source")
-        clock = clock_of(options)
+        how = _Options(clock_of(options), verify, maps(backend))
         bridge = Bridge()
         try:
-            self._checkpoint = bridge.call(_Checkpoint.open, src, clock)
+            self._checkpoint = bridge.call(_Checkpoint.open, src, how)
         except BaseException:
             bridge.close()
             raise
@@ -242,12 +314,13 @@ class SafeOpen:
         return dict(self._checkpoint.files[""].header.metadata) or None
 
     def get_tensor(self, name: str) -> Any:
-        """The whole tensor ``name``, read from the source now."""
+        """The whole tensor ``name``, read from the source now (or viewed in the mapped file)
+        and checked against its digest, if the header records one."""
         info = self._bridge.call(self._checkpoint.info, name)
         return self._out(self._bridge.call(self._checkpoint.read, name, None), info.dtype)
 
     def get_tensors(self) -> dict[str, Any]:
-        """Every tensor, in offset order."""
+        """Every tensor, in offset order, each checked as by :meth:`get_tensor`."""
         arrays = self._bridge.call(self._checkpoint.read_all)
         headers = self._bridge.call(self._checkpoint.headers)
         codes = {t.name: t.dtype for header in headers for t in header.tensors}
@@ -279,7 +352,8 @@ Key = int | slice | EllipsisType
 class Slice:
     """Part of one tensor, read on indexing: ``f.get_slice(name)[2:5]``, ``[0]``, ``[..., :3]``,
     ``[1:3, ::2]``. Only the rows the first index selects are read from the source; the other
-    indexes apply to them in memory, as numpy's basic indexing does."""
+    indexes apply to them in memory, as numpy's basic indexing does. A digest covers a whole
+    tensor, so part of one cannot be checked against it: only ``[...]`` (the whole tensor) is."""
 
     def __init__(self, owner: SafeOpen, info: TensorInfo) -> None:
         self._owner = owner
@@ -367,42 +441,56 @@ def save_file(
     tensors: Mapping[str, Any],
     dst: SinkLike,
     metadata: Mapping[str, str] | None = None,
+    checksums: bool | str = False,
     **options: Any,
 ) -> None:
-    """Write ``tensors`` to ``dst`` as the reference writer lays them out."""
+    """Write ``tensors`` to ``dst`` as the reference writer lays them out (``checksums``: with
+    every tensor's digest recorded, see :func:`~stream_st.save`)."""
     check_sync_address(dst, "destination")
-    run(_save, _checked_tensors(tensors), dst, metadata, options)
+    run(_save, _checked_tensors(tensors), dst, metadata, checksums, options)
 
 
 async def _save(
     tensors: Mapping[str, Any],
     dst: SinkLike,
     metadata: Mapping[str, str] | None,
+    checksums: bool | str,
     options: TransportOptions,
 ) -> None:
-    await save_async(dst, tensors, metadata=metadata, **options)
+    await save_async(dst, tensors, metadata=metadata, checksums=checksums, **options)
 
 
-def save_bytes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:
+def save_bytes(
+    tensors: Mapping[str, Any],
+    metadata: Mapping[str, str] | None = None,
+    checksums: bool | str = False,
+) -> bytes:
     """``tensors`` as the bytes of a safetensors file."""
     sink = _BytesSink()
-    run(_save, _checked_tensors(tensors), sink, metadata, {})
+    run(_save, _checked_tensors(tensors), sink, metadata, checksums, {})
     return bytes(sink.data)
 
 
-def load_file(src: SourceLike, torch: bool, **options: Any) -> dict[str, Any]:
-    """Every tensor of ``src`` (a file, URL or index), as numpy arrays or torch tensors."""
+def load_file(
+    src: SourceLike, torch: bool, backend: str, verify: bool, **options: Any
+) -> dict[str, Any]:
+    """Every tensor of ``src`` (a file, URL or index), as numpy arrays or torch tensors: with
+    ``backend="mmap"``, a local file's as writable views of a private mapping of it."""
+    copy = not maps(backend)
     check_sync_address(src, "source")
-    return run(_load, src, torch, options)
+    return run(_load, src, torch, verify, copy, clock_of(options))
 
 
-def load_bytes(data: bytes, torch: bool) -> dict[str, Any]:
+def load_bytes(data: bytes, torch: bool, verify: bool) -> dict[str, Any]:
     """Every tensor of a safetensors file given as bytes."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise UsageError(f"load takes the bytes of a file, got {type(data).__name__}")
-    return run(_load, data, torch, {})
+    return run(_load, data, torch, verify, True, Clock())
 
 
-async def _load(src: SourceLike, torch: bool, options: TransportOptions) -> dict[str, Any]:
-    stream = open_stream(src, framework="pt" if torch else "np", **options)
+async def _load(
+    src: SourceLike, torch: bool, verify: bool, copy: bool, clock: Clock
+) -> dict[str, Any]:
+    delivery = Delivery("pt" if torch else "np", writable=True)
+    stream = stream_for(src, verify=verify, clock=clock, delivery=delivery, copy=copy)
     return {name: tensor async for name, tensor in stream}

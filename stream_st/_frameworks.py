@@ -19,7 +19,7 @@ import numpy as np
 
 from .dtypes import DTYPES
 from .errors import DtypeError, TensorNotFoundError, UsageError
-from .header import TensorInfo
+from .header import TensorInfo, TensorSpec
 
 __all__ = [
     "Delivery",
@@ -28,6 +28,7 @@ __all__ = [
     "framework_of",
     "is_torch_tensor",
     "load_torch",
+    "spec_of",
     "to_torch",
     "torch_code",
     "torch_dtypes",
@@ -136,6 +137,22 @@ def torch_to_array(tensor: Any, name: str) -> np.ndarray[Any, Any]:
     return _raw_bytes(dense).view(DTYPES[code].numpy).reshape(dense.shape)
 
 
+def spec_of(name: str, value: Any, array: np.ndarray[Any, Any]) -> TensorSpec:
+    """The plan entry of tensor ``name``, given as ``value`` and written as ``array`` (what
+    ``value`` became to be written): the array's dtype and shape, but for a torch
+    ``float4_e2m1fn_x2`` tensor, whose array holds its packed bytes, F4 with the last dimension
+    doubled, as the reference writes it. A 0-d one (two values, no shape to give them) is a
+    :class:`~stream_st.UsageError`."""
+    if not is_torch_tensor(value) or value.dtype != torch_dtypes().get("F4"):
+        return TensorSpec(name, array.dtype, array.shape)
+    if not value.dim():
+        raise UsageError(
+            f"tensor {name!r}: a 0-d float4_e2m1fn_x2 tensor holds two F4 values and has no "
+            "safetensors shape: give it a dimension (.reshape(1))"
+        )
+    return TensorSpec(name, "F4", (*value.shape[:-1], 2 * value.shape[-1]))
+
+
 def _raw_bytes(tensor: Any) -> np.ndarray[Any, Any]:
     """A contiguous CPU tensor's memory as a 1-D ``uint8`` array (no copy)."""
     raw: np.ndarray[Any, Any] = tensor.detach().reshape(-1).view(load_torch().uint8).numpy()
@@ -175,6 +192,10 @@ class Delivery:
     tensors (a given tensor itself), else as numpy arrays (a given array itself). Not ``exact``:
     memory that does not fit its tensor, and names the file lacks, are passed over (the tensor
     lands in a fresh array) rather than refused.
+
+    ``writable``: tensors viewed in a mapped file (``copy=False``) must be writable, so the
+    mapping is private (copy on write: writes never reach the file). Always so for torch, which
+    has no read-only tensors (a write to a read-only mapping would kill the process).
     """
 
     def __init__(
@@ -183,6 +204,7 @@ class Delivery:
         into: Mapping[str, Any] | None = None,
         *,
         exact: bool = True,
+        writable: bool = False,
     ) -> None:
         self.torch = framework_of(framework)
         if into is not None and not isinstance(into, Mapping):
@@ -191,12 +213,14 @@ class Delivery:
             )
         self.into: Mapping[str, Any] = into or {}
         self.exact = exact
+        self.writable = writable or self.torch
 
     def only(self, names: list[str]) -> Delivery:
         """This delivery for a part of the read (a shard) that holds ``names``."""
         kept = set(names)
         into = {k: v for k, v in self.into.items() if k in kept}
-        return Delivery("pt" if self.torch else "np", into, exact=self.exact)
+        framework = "pt" if self.torch else "np"
+        return Delivery(framework, into, exact=self.exact, writable=self.writable)
 
     def check(self, names: list[str]) -> None:
         """:class:`~stream_st.TensorNotFoundError` for ``into=`` names not among ``names``."""

@@ -7,6 +7,10 @@ of :data:`WINDOW` bytes per call, with ``madvise(MADV_POPULATE_READ)`` (Linux 5.
 thread: the kernel maps (and, for a file not in the page cache, reads) a whole window at once
 instead of taking one fault per page when the consumer first touches it, and an I/O error there
 is an exception rather than a ``SIGBUS``. Where the kernel lacks it the views fault in as usual.
+
+A ``private`` mapping (``MAP_PRIVATE``, ``PROT_READ | PROT_WRITE``) gives writable views, as the
+reference's torch tensors are: a page stays the file's own (in the page cache) until it is
+written, then the kernel copies it for this process alone, so writes never reach the file.
 """
 
 from __future__ import annotations
@@ -36,12 +40,17 @@ _UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 
 class FileMap:
     """The mapping of an open file of ``size`` bytes (``name`` for errors); the caller keeps the
-    descriptor, which may be closed at once."""
+    descriptor, which may be closed at once. ``private``: writable copy-on-write views."""
 
-    def __init__(self, fd: int, size: int, name: str) -> None:
+    def __init__(self, fd: int, size: int, name: str, *, private: bool = False) -> None:
         self.name = name
+        flags, prot = (
+            (mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            if private
+            else (mmap.MAP_SHARED, mmap.PROT_READ)
+        )
         try:
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            self._map = mmap.mmap(fd, size, flags=flags, prot=prot)
         except OSError as exc:
             raise TransportError(f"cannot map: {exc.strerror or exc}", url=name) from exc
         self._pending: deque[tuple[int, int]] = deque()
@@ -53,7 +62,8 @@ class FileMap:
         self._pending = deque(ranges)
 
     async def view(self, info: TensorInfo, base: int) -> np.ndarray[Any, Any]:
-        """The read-only array of ``info``, whose data start at byte ``base`` of the file."""
+        """The array of ``info`` (read-only unless the mapping is private), whose data start at
+        byte ``base`` of the file."""
         start = base + info.start
         end = start + info.nbytes
         if end > self._populated:

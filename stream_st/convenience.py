@@ -7,9 +7,10 @@ from typing import Any, Unpack
 
 import numpy as np
 
+from ._frameworks import spec_of
 from ._limits import TransportOptions, clock_of
 from .errors import UsageError
-from .header import DEFAULT_MAX_HEADER_SIZE, Header, TensorSpec
+from .header import DEFAULT_MAX_HEADER_SIZE, Header
 from .integrity import Digests
 from .reader import Include, open_stream
 from .sinks import SinkLike
@@ -34,7 +35,8 @@ async def save(
     By default tensors are ordered as the reference writer orders them, so a file is
     byte-identical to ``safetensors.numpy.save_file`` of the same dict and metadata;
     ``order="plan"`` keeps the dict's order. Each array's dtype and shape make its plan entry
-    (packed F4/F6 tensors need :func:`~stream_st.open_writer` with an explicit plan). Arrays are
+    (a torch ``float4_e2m1fn_x2`` tensor is F4; other packed F4/F6 tensors need
+    :func:`~stream_st.open_writer` with an explicit plan). Arrays are
     written straight from their memory, one after another; nothing is committed unless all are.
     Time limits, ``headers`` and ``ssl_context`` as in :func:`~stream_st.open_writer`.
 
@@ -46,7 +48,7 @@ async def save(
     if not isinstance(tensors, Mapping):
         raise UsageError(f"save takes a mapping of names to arrays, got {type(tensors).__name__}")
     arrays = {name: as_array(array, name) for name, array in tensors.items()}
-    plan = [TensorSpec(name, array.dtype, array.shape) for name, array in arrays.items()]
+    plan = [spec_of(name, tensors[name], array) for name, array in arrays.items()]
     writer = TensorWriter(
         dst,
         plan,

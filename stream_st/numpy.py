@@ -9,7 +9,8 @@ every source and destination stream_st reads and writes (paths, ``http(s)://``, 
 Calls work from plain scripts, threads and inside running event loops alike (see
 :mod:`stream_st.torch`), and take stream_st's transport options (``headers=``, ``timeout=``,
 ...) beyond the reference's arguments. Every safetensors dtype is read, BF16 and F8 as
-``ml_dtypes`` arrays (where the reference refuses them).
+``ml_dtypes`` arrays (where the reference refuses them). Local files are mapped, digests
+recorded and checked (``checksums=``, ``verify=``) as in :mod:`stream_st.torch`.
 """
 
 from __future__ import annotations
@@ -32,39 +33,52 @@ def safe_open(
     device: str | int = "cpu",
     *,
     backend: str = "mmap",
+    verify: bool = True,
     **options: Unpack[TransportOptions],
 ) -> _facade.SafeOpen:
     """Open ``filename`` to read tensors by name; see :func:`stream_st.torch.safe_open`."""
-    _facade.check_backend(backend)
-    return _facade.SafeOpen(filename, framework, device, **options)
+    return _facade.SafeOpen(filename, framework, device, backend=backend, verify=verify, **options)
 
 
 def load_file(
-    filename: SourceLike, *, backend: str = "mmap", **options: Unpack[TransportOptions]
+    filename: SourceLike,
+    *,
+    backend: str = "mmap",
+    verify: bool = True,
+    **options: Unpack[TransportOptions],
 ) -> dict[str, np.ndarray[Any, Any]]:
-    """Every tensor of ``filename`` (a file, URL or index) as ``{name: array}``."""
-    _facade.check_backend(backend)
-    return _facade.load_file(filename, False, **options)
+    """Every tensor of ``filename`` (a file, URL or index) as ``{name: array}``: a local file's
+    as writable copy-on-write views of a private mapping of it (``backend="pread"`` reads them
+    into fresh memory instead: use it on network file systems and for files that may change
+    while the arrays live); see :func:`stream_st.torch.load_file`."""
+    return _facade.load_file(filename, False, backend, verify, **options)
 
 
-def load(data: bytes) -> dict[str, np.ndarray[Any, Any]]:
-    """Every tensor of a safetensors file given as ``bytes``."""
-    return _facade.load_bytes(data, False)
+def load(data: bytes, *, verify: bool = True) -> dict[str, np.ndarray[Any, Any]]:
+    """Every tensor of a safetensors file given as ``bytes`` (digests checked unless
+    ``verify=False``)."""
+    return _facade.load_bytes(data, False, verify)
 
 
 def save_file(
     tensor_dict: dict[str, np.ndarray[Any, Any]],
     filename: SinkLike,
     metadata: dict[str, str] | None = None,
+    *,
+    checksums: bool | str = False,
     **options: Unpack[TransportOptions],
 ) -> None:
     """Write ``tensor_dict`` to ``filename`` (a path or URL), laid out as the reference does,
-    byte for byte. A failed write leaves nothing at the destination."""
-    _facade.save_file(tensor_dict, filename, metadata, **options)
+    byte for byte (unless ``checksums=True`` records digests, see
+    :func:`stream_st.torch.save_file`). A failed write leaves nothing at the destination."""
+    _facade.save_file(tensor_dict, filename, metadata, checksums, **options)
 
 
 def save(
-    tensor_dict: dict[str, np.ndarray[Any, Any]], metadata: dict[str, str] | None = None
+    tensor_dict: dict[str, np.ndarray[Any, Any]],
+    metadata: dict[str, str] | None = None,
+    *,
+    checksums: bool | str = False,
 ) -> bytes:
     """``tensor_dict`` as the bytes of a safetensors file, as the reference makes them."""
-    return _facade.save_bytes(tensor_dict, metadata)
+    return _facade.save_bytes(tensor_dict, metadata, checksums)

@@ -329,7 +329,11 @@ class TensorStream(AsyncClosing):
         wanted = [info for info in header.tensors if selected(info.name)]
         digests = Digests.from_header(header) if self._verify else None
         ranges = merge_ranges((base + t.start, base + t.end) for t in wanted)
-        mapped = None if self._copy or not isinstance(source, FileSource) else source.map()
+        mapped = (
+            None
+            if self._copy or not isinstance(source, FileSource)
+            else source.map(private=delivery.writable)
+        )
         if mapped is None:
             await source.plan_reads(ranges)
         else:
@@ -423,7 +427,9 @@ def open_stream(
     truncated while the arrays live (they would see the change; a truncated file kills the
     process with ``SIGBUS`` when a lost page is touched), nor, for the same reason, on network
     file systems shared with writers. Other sources are read as with ``copy=True``: fresh,
-    writable arrays.
+    writable arrays. With ``framework="pt"`` the mapping is private and writable instead (torch
+    has no read-only tensors): a write to a tensor copies its page for this process, never
+    reaching the file.
 
     Time limits (seconds; ``None``, the default, for none): ``timeout`` bounds connecting and
     each wait for data; ``deadline`` the whole read, from opening until the last tensor;

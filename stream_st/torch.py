@@ -13,8 +13,17 @@ plain script, from any thread, and inside a running event loop (a notebook cell,
 calling sync code) alike. Beyond the reference's arguments, each call that takes an address also
 takes stream_st's transport options (``headers=``, ``ssl_context=``, ``timeout=``,
 ``deadline=``, ``speed_limit=``, ``speed_time=``). Every dtype torch shares with safetensors is
-read and written, BF16, the F8 family, BOOL and U16/U32/U64 included; a tensor is read straight
-into its own memory and handed over without a further copy.
+read and written, BF16, the F8 family, F4, BOOL and U16/U32/U64 included.
+
+A local file is mapped, as the reference maps it: ``load_file`` and ``safe_open`` hand out its
+tensors as writable copy-on-write views of a private mapping (writes stay in this process, never
+reach the file). Other sources are read straight into each tensor's own memory, handed over
+without a further copy; so is a local file with ``backend="pread"``.
+
+Integrity, beyond the reference: ``save_file``, ``save`` and ``save_model`` take
+``checksums=True`` (or an algorithm's name) to record every tensor's digest in the metadata (off
+by default, so files stay byte-identical to the reference's); ``load_file``, ``load``,
+``safe_open`` and ``load_model`` check such digests unless given ``verify=False``.
 
 Needs torch: ``pip install 'stream_st[torch]'``.
 """
@@ -56,18 +65,21 @@ def safe_open(
     device: str | int = "cpu",
     *,
     backend: str = "mmap",
+    verify: bool = True,
     **options: Unpack[TransportOptions],
 ) -> _facade.SafeOpen:
     """Open ``filename`` (a file, URL or index) to read tensors by name, as the reference's
     ``safe_open``: ``keys()``, ``offset_keys()``, ``metadata()``, ``get_tensor(name)``,
     ``get_tensors()``, ``get_slice(name)[...]``; use it with ``with`` or call ``close()``.
 
-    A slice over the first dimension reads only those rows' bytes from the source. ``backend``
-    is accepted as the reference spells it ("mmap" or "pread"); reads always go straight into
-    fresh memory. ``device`` must be the CPU for now (see :func:`load_file`).
+    A local file is mapped as by :func:`load_file` (``backend="mmap"``, the default) or read
+    tensor by tensor into fresh memory (``"pread"``). From a remote source a slice over the
+    first dimension reads only those rows' bytes. ``get_tensor`` and ``get_tensors`` check each
+    tensor against the digest the header records for it, if any (``verify=False`` skips it); a
+    ``get_slice`` of part of a tensor cannot be checked (a digest covers the whole tensor).
+    ``device`` must be the CPU for now (see :func:`load_file`).
     """
-    _facade.check_backend(backend)
-    return _facade.SafeOpen(filename, framework, device, **options)
+    return _facade.SafeOpen(filename, framework, device, backend=backend, verify=verify, **options)
 
 
 def load_file(
@@ -75,28 +87,42 @@ def load_file(
     device: str | int = "cpu",
     *,
     backend: str = "mmap",
+    verify: bool = True,
     **options: Unpack[TransportOptions],
 ) -> dict[str, torch.Tensor]:
     """Every tensor of ``filename`` (a file, URL or index) as ``{name: tensor}`` on the CPU.
+
+    A local file is mapped (``backend="mmap"``, the default, as in the reference): each tensor
+    is a view of a private mapping of the file, populated a window ahead, nothing copied; the
+    tensors are writable, and a write copies the page for this process only (the file never
+    changes). Use ``backend="pread"`` (each tensor read into fresh memory) for a file on a
+    network file system, or one that may be rewritten or truncated while the tensors live: a
+    mapped tensor sees such a change, and touching a page lost to truncation kills the process
+    with ``SIGBUS``. Other sources are always read into fresh memory.
+
+    Digests recorded in the header (``checksums=`` of :func:`save_file`) are checked, each
+    before its tensor is handed over, unless ``verify=False``.
 
     ``device`` other than the CPU raises :class:`~stream_st.UsageError` for now: loading onto
     an accelerator will receive into pinned staging buffers and copy each to the device while the
     next one arrives (the ``into=`` mechanism of :func:`~stream_st.open_stream`).
     """
-    _facade.check_backend(backend)
     check_device(device)
-    return _facade.load_file(filename, True, **options)
+    return _facade.load_file(filename, True, backend, verify, **options)
 
 
-def load(data: bytes) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file given as ``bytes``."""
-    return _facade.load_bytes(data, True)
+def load(data: bytes, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file given as ``bytes``, checked against the digests the
+    header records, if any (unless ``verify=False``)."""
+    return _facade.load_bytes(data, True, verify)
 
 
 def save_file(
     tensors: dict[str, torch.Tensor],
     filename: SinkLike,
     metadata: dict[str, str] | None = None,
+    *,
+    checksums: bool | str = False,
     **options: Unpack[TransportOptions],
 ) -> None:
     """Write ``tensors`` to ``filename`` (a path or URL), laid out as the reference does.
@@ -104,13 +130,21 @@ def save_file(
     Tensors that need it are detached, and made contiguous on the CPU once; tensors that share
     memory are refused (use :func:`save_model`), as are sparse ones, each with a
     :class:`~stream_st.SafetensorsError`. A failed write leaves nothing at the destination.
+    ``checksums=True`` (or ``"sha256"``, ``"blake3"``) records each tensor's digest in the
+    metadata for readers to check (see :mod:`stream_st.integrity`); the file then differs
+    from the reference's by those metadata entries.
     """
-    _facade.save_file(_checked(tensors), filename, metadata, **options)
+    _facade.save_file(_checked(tensors), filename, metadata, checksums, **options)
 
 
-def save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+def save(
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str] | None = None,
+    *,
+    checksums: bool | str = False,
+) -> bytes:
     """``tensors`` as the bytes of a safetensors file (see :func:`save_file`)."""
-    return _facade.save_bytes(_checked(tensors), metadata)
+    return _facade.save_bytes(_checked(tensors), metadata, checksums)
 
 
 def _checked(tensors: object) -> Mapping[str, Any]:
@@ -201,12 +235,15 @@ def save_model(
     filename: SinkLike,
     metadata: dict[str, str] | None = None,
     force_contiguous: bool = True,
+    *,
+    checksums: bool | str = False,
     **options: Unpack[TransportOptions],
 ) -> None:
     """Write ``model``'s state dict to ``filename``, each group of tensors that share memory
     (tied weights) written once, as the reference does: the dropped names go into the metadata
     as ``{dropped: kept}`` unless it already has them. ``force_contiguous`` is accepted as the
-    reference spells it: tensors are always written contiguous."""
+    reference spells it: tensors are always written contiguous. ``checksums`` as in
+    :func:`save_file`."""
     del force_contiguous
     state = dict(model.state_dict())
     extra = dict(metadata or {})
@@ -214,7 +251,7 @@ def save_model(
         for name in dropped:
             extra.setdefault(name, keep)
             del state[name]
-    _facade.save_file(state, filename, extra or metadata, **options)
+    _facade.save_file(state, filename, extra or metadata, checksums, **options)
 
 
 def load_model(
@@ -224,6 +261,7 @@ def load_model(
     device: str | int = "cpu",
     *,
     backend: str = "mmap",
+    verify: bool = True,
     **options: Unpack[TransportOptions],
 ) -> tuple[set[str], list[str]]:
     """Load ``filename`` (a file, URL or index) into ``model``; ``(missing, unexpected)`` names.
@@ -233,9 +271,13 @@ def load_model(
     others are read fresh and go through ``model.load_state_dict`` as in the reference. Tensors
     the model shares (tied weights) count as loaded when one of them is in the file. With
     ``strict``, missing or unexpected names raise :class:`~stream_st.UsageError` (a
-    ``RuntimeError``, as the reference raises) after loading.
+    ``RuntimeError``, as the reference raises) after loading. ``backend`` is accepted as the
+    reference spells it; reading straight into the model beats viewing a mapping either way.
+    Digests recorded in the header are checked unless ``verify=False``; a tensor that fails
+    has already been received into its parameter when :class:`~stream_st.IntegrityError` is
+    raised, so the model is then partly loaded, as after any failed load.
     """
-    _facade.check_backend(backend)
+    _facade.maps(backend)  # checked only: the model's own memory is where tensors go
     check_device(device)
     check_sync_address(filename, "source")
     state = model.state_dict()
@@ -244,7 +286,7 @@ def load_model(
         for name, tensor in state.items()
         if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
     }
-    placed, fresh = run(_receive, filename, into, clock_of(options))
+    placed, fresh = run(_receive, filename, into, verify, clock_of(options))
     missing_list, unexpected = model.load_state_dict(fresh, strict=False)
     missing = set(missing_list).difference(placed)
     for dropped in _duplicates(state, placed | fresh.keys()).values():
@@ -262,13 +304,14 @@ def load_model(
 
 
 async def _receive(
-    src: SourceLike, into: dict[str, Any], clock: Clock
+    src: SourceLike, into: dict[str, Any], verify: bool, clock: Clock
 ) -> tuple[set[str], dict[str, Any]]:
     """Read every tensor of ``src``: those ``into`` can take land there, the others come back."""
     placed: set[str] = set()
     fresh: dict[str, Any] = {}
     stream = stream_for(
         os.fspath(src) if isinstance(src, os.PathLike) else src,
+        verify=verify,
         clock=clock,
         delivery=Delivery("pt", into, exact=False),
     )

@@ -17,12 +17,14 @@ import trio
 from safetensors import safe_open as reference_open
 
 import stream_st.numpy as sn
-from stream_st.errors import SafetensorsError, TensorNotFoundError, UsageError
+from stream_st.errors import IntegrityError, SafetensorsError, TensorNotFoundError, UsageError
 
 from . import test_s3 as s3_tests
 from . import test_torch_api
 from .fault_suite import Collector, Sender
 from .http_server import RangeHTTPServer
+from .test_torch_api import corrupt, in_mapping_of
+from .test_zero_copy import linux_only
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 
@@ -97,6 +99,38 @@ def test_bf16_and_f8_read_where_the_reference_cannot(tmp_path: Path) -> None:
     loaded = sn.load_file(tmp_path / "x.safetensors")
     assert loaded["bf16"].dtype == ml_dtypes.bfloat16 and np.array_equal(loaded["bf16"], bf16)
     assert np.array_equal(sn.safe_open(tmp_path / "x.safetensors").get_slice("bf16")[1], bf16[1])
+
+
+@linux_only
+def test_load_file_and_safe_open_map_a_local_file_writably(ref_file: Path) -> None:
+    original = ref_file.read_bytes()
+    expected = reference.load_file(str(ref_file))
+    with sn.safe_open(ref_file) as f:
+        names = f.keys()
+        opened = {name: f.get_tensor(name) for name in names}
+    for loaded in (sn.load_file(ref_file), opened):
+        assert_same(loaded, expected)
+        assert in_mapping_of(ref_file, loaded["f4"]) and loaded["f4"].flags.writeable
+        loaded["f4"][...] = 0
+    assert ref_file.read_bytes() == original
+    fresh = sn.load_file(ref_file, backend="pread")
+    assert_same(fresh, expected)
+    assert not in_mapping_of(ref_file, fresh["f4"])
+
+
+def test_checksums_are_opt_in_and_verified_by_default(tmp_path: Path) -> None:
+    path = tmp_path / "sum.safetensors"
+    sn.save_file(arrays(), path, checksums=True)
+    assert sn.save(arrays(), checksums=True) == path.read_bytes() != reference.save(arrays())
+    assert_same(sn.load_file(path), arrays())
+    corrupt(path, "i8")
+    with pytest.raises(IntegrityError, match="'i8'"):
+        sn.load_file(path)
+    with pytest.raises(IntegrityError, match="'i8'"):
+        sn.load(path.read_bytes())
+    with sn.safe_open(path, backend="pread") as f, pytest.raises(IntegrityError, match="'i8'"):
+        f.get_tensor("i8")
+    assert not np.array_equal(sn.load_file(path, verify=False)["i8"], arrays()["i8"])
 
 
 def test_bad_arguments_are_safetensors_errors(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import stream_st
 import stream_st.torch as st
 from stream_st.errors import (
     DtypeError,
+    IntegrityError,
     SafetensorsError,
     TensorNotFoundError,
     TruncatedStreamError,
@@ -32,6 +34,7 @@ from . import test_s3 as s3_tests
 from .fault_suite import Collector, Sender
 from .http_server import RangeHTTPServer
 from .test_writer import assert_same_file
+from .test_zero_copy import linux_only, modify_in_place
 
 Tensors = dict[str, torch.Tensor]
 
@@ -196,6 +199,174 @@ def test_device_other_than_cpu_is_refused_clearly(ref_file: Path) -> None:
         st.safe_open(ref_file, framework="tf")
     with pytest.raises(UsageError):
         st.load_file(ref_file, backend="fast")
+
+
+# ---------------------------------------------------------------------- local files mapped
+
+
+def in_mapping_of(path: Path, tensor: torch.Tensor | np.ndarray[Any, Any]) -> bool:
+    """Whether the memory of ``tensor`` (or array) lies in this process's mapping of ``path``."""
+    address = tensor.data_ptr() if isinstance(tensor, torch.Tensor) else tensor.ctypes.data
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, *rest = line.split(maxsplit=5)
+            low, high = (int(part, 16) for part in span.split("-"))
+            if low <= address < high and len(rest) == 5 and rest[4].strip() == str(path):
+                return True
+    return False
+
+
+@linux_only
+def test_load_file_and_safe_open_map_a_local_file_writably(ref_file: Path) -> None:
+    """As the reference does: tensors are views of a mapping of the file, writable, and a write
+    never reaches the file (copy on write)."""
+    original = ref_file.read_bytes()
+    expected = reference.load_file(ref_file)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns for a tensor over read-only memory
+        loaded = st.load_file(ref_file)
+        with st.safe_open(ref_file, "pt") as f:
+            names = f.keys()
+            opened = {name: f.get_tensor(name) for name in names}
+            part = f.get_slice("f64")[2:4]
+    assert in_mapping_of(ref_file, part) and same(part, expected["f64"][2:4])
+    for tensors in (loaded, opened):
+        assert_same(tensors, expected)
+        assert in_mapping_of(ref_file, tensors["f32"]) and in_mapping_of(ref_file, tensors["u8"])
+        tensors["f32"] += 1
+        tensors["bf16"].zero_()
+    assert ref_file.read_bytes() == original
+    assert same(reference.load_file(ref_file)["f32"], expected["f32"])
+
+
+def test_a_handles_tensors_share_its_mapping_as_the_references_do(tmp_path: Path) -> None:
+    path = tmp_path / "sum.safetensors"
+    st.save_file({"a": torch.zeros(8), "b": torch.ones(3)}, path, checksums=True)
+    with st.safe_open(path, "pt") as ours, reference_open(path, framework="pt") as ref:
+        for f in (ours, ref):
+            f.get_tensor("a")[2:5] = 3  # the digest is checked once: later reads see this
+        assert same(ours.get_tensor("a"), ref.get_tensor("a"))
+        assert same(ours.get_slice("a")[1:4], ref.get_slice("a")[1:4])
+        assert same(ours.get_tensors()["a"], ref.get_tensors()["a"])
+    assert same(st.load_file(path)["a"], torch.zeros(8))
+
+
+@linux_only
+def test_backend_pread_reads_fresh_memory(ref_file: Path) -> None:
+    for loaded in (
+        st.load_file(ref_file, backend="pread"),
+        st.safe_open(ref_file, "pt", backend="pread").get_tensors(),
+    ):
+        assert_same(loaded, reference.load_file(ref_file))
+        assert not any(in_mapping_of(ref_file, t) for t in loaded.values())
+
+
+@linux_only
+def test_open_stream_copy_false_gives_torch_writable_private_views(ref_file: Path) -> None:
+    """torch has no read-only tensors: copy=False maps privately for it, so a write (which on a
+    read-only mapping would kill the process) stays in this process."""
+    original = ref_file.read_bytes()
+
+    async def main() -> dict[str, Any]:
+        stream = stream_st.open_stream(ref_file, framework="pt", copy=False)
+        return {name: tensor async for name, tensor in stream}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = asyncio.run(main())
+    assert in_mapping_of(ref_file, got["f64"])
+    got["f64"].fill_(7)
+    assert ref_file.read_bytes() == original
+
+
+# ---------------------------------------------------------------------- integrity
+
+
+def corrupt(path: Path, name: str) -> None:
+    """Flip one byte in the middle of tensor ``name``'s data."""
+    header = asyncio.run(stream_st.read_header(path))
+    info = header[name]
+    modify_in_place(path, header.data_start + (info.start + info.end) // 2, b"\xa5")
+
+
+def test_checksums_are_opt_in_and_verified_by_default(tmp_path: Path) -> None:
+    tensors = every_dtype()
+    path = tmp_path / "sum.safetensors"
+    st.save_file(tensors, path, {"format": "pt"}, checksums=True)
+    metadata = reference_open(path, framework="pt").metadata()
+    assert metadata["stream_st.digest"] == "xxh3-128" and metadata["format"] == "pt"
+    assert st.save(tensors, checksums="sha256") != reference.save(tensors)
+    assert st.save(tensors) == reference.save(tensors)  # off by default: byte-identical
+    assert_same(st.load_file(path), tensors)
+    assert_same(st.load(path.read_bytes()), tensors)
+
+    corrupt(path, "f32")
+    for backend in ("mmap", "pread"):
+        with pytest.raises(IntegrityError, match="'f32'"):
+            st.load_file(path, backend=backend)
+        with st.safe_open(path, "pt", backend=backend) as f:
+            with pytest.raises(IntegrityError, match="'f32'"):
+                f.get_tensor("f32")
+            with pytest.raises(IntegrityError, match="'f32'"):
+                f.get_tensors()
+            with pytest.raises(IntegrityError, match="'f32'"):
+                f.get_slice("f32")[...]  # the whole tensor: checked
+            assert same(f.get_tensor("f64"), tensors["f64"])
+            f.get_slice("f32")[1:3]  # part of a tensor cannot be checked
+        with st.safe_open(path, "pt", backend=backend, verify=False) as f:
+            assert not same(f.get_tensor("f32"), tensors["f32"])
+    with pytest.raises(IntegrityError):
+        st.load(path.read_bytes())
+    assert not same(st.load_file(path, verify=False)["f32"], tensors["f32"])
+    assert not same(st.load(path.read_bytes(), verify=False)["f32"], tensors["f32"])
+    damaged = tmp_path / "damaged.safetensors"  # a digest record without the digests
+    reference.save_file(tensors, damaged, metadata={"stream_st.digest": "xxh3-128"})
+    with pytest.raises(IntegrityError, match="no digest"):
+        st.safe_open(damaged, "pt")
+    st.safe_open(damaged, "pt", verify=False).close()
+
+
+def test_save_model_checksums_and_load_model_verifies(tmp_path: Path) -> None:
+    torch.manual_seed(5)
+    model = Tied()
+    path = tmp_path / "m.safetensors"
+    st.save_model(model, path, checksums=True)
+    loaded = Tied()
+    assert st.load_model(loaded, path) == (set(), [])
+    assert torch.equal(loaded.body.weight, model.body.weight)
+    assert reference_open(path, framework="pt").metadata()["head.weight"] == "embed.weight"
+    corrupt(path, "body.weight")
+    with pytest.raises(IntegrityError, match=r"body\.weight"):
+        st.load_model(Tied(), path)
+    st.load_model(Tied(), path, verify=False)
+
+
+# ---------------------------------------------------------------------- float4
+
+
+def test_float4_round_trips_as_f4_as_the_reference_writes_it(tmp_path: Path) -> None:
+    packed = torch.arange(24, dtype=torch.uint8).reshape(4, 6)
+    tensors = {
+        "f4": packed.view(torch.float4_e2m1fn_x2),  # 4 x 12 F4 values
+        "f4_1d": packed[0].clone().view(torch.float4_e2m1fn_x2),
+        "f4_empty": torch.zeros(0, 3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+        "u8": packed.clone(),
+    }
+    path = tmp_path / "f4.safetensors"
+    st.save_file(tensors, path)
+    assert path.read_bytes() == reference.save(tensors)
+    with reference_open(path, framework="pt") as f:
+        assert f.get_slice("f4").get_dtype() == "F4"
+        assert f.get_slice("f4").get_shape() == [4, 12]
+    header = asyncio.run(stream_st.read_header(path))
+    assert (header["f4_1d"].dtype, header["f4_1d"].shape) == ("F4", (12,))
+    assert (header["u8"].dtype, header["u8"].shape) == ("U8", (4, 6))
+    for loaded in (st.load_file(path), st.load(path.read_bytes()), reference.load_file(path)):
+        assert_same(loaded, tensors)
+    with st.safe_open(path, "pt") as f:
+        assert same(f.get_tensor("f4"), tensors["f4"])
+    with pytest.raises(UsageError, match="0-d"):
+        st.save({"x": torch.zeros((), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)})
 
 
 # ---------------------------------------------------------------------- models

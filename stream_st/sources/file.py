@@ -262,13 +262,14 @@ class FileSource(Source):
         # A short first half means the file ended inside it: the second half read nothing.
         return counts[0] if counts[0] < half else half + counts[1]
 
-    def map(self) -> FileMap | None:
-        """The file mapped read-only for zero-copy views, or None where a view could not be
-        handed out as it is (a big-endian host, where every tensor is byte-swapped)."""
+    def map(self, *, private: bool = False) -> FileMap | None:
+        """The file mapped for zero-copy views (read-only; ``private``: writable, copy on
+        write), or None where a view could not be handed out as it is (a big-endian host,
+        where every tensor is byte-swapped)."""
         if sys.byteorder != "little":  # pragma: no cover - little-endian hosts only here
             return None
         assert self.size is not None
-        return FileMap(self._fd, self.size, self.name)
+        return FileMap(self._fd, self.size, self.name, private=private)
 
     async def aclose(self) -> None:
         if self._fd >= 0:
