@@ -69,7 +69,7 @@ def load_torch() -> Any:
     try:
         import torch
     except ImportError:
-        raise UsageError("torch tensors need torch: pip install 'stream_st[torch]'") from None
+        raise UsageError("torch tensors need torch: pip install torch==2.13.0") from None
     return torch
 
 

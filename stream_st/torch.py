@@ -25,7 +25,7 @@ Integrity, beyond the reference: ``save_file``, ``save`` and ``save_model`` take
 by default, so files stay byte-identical to the reference's); ``load_file``, ``load``,
 ``safe_open`` and ``load_model`` check such digests unless given ``verify=False``.
 
-Needs torch: ``pip install 'stream_st[torch]'``.
+Needs torch: ``pip install torch==2.13.0`` (or the ``torch`` extra from a checkout).
 """
 
 from __future__ import annotations
