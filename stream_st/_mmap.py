@@ -7,6 +7,8 @@ of :data:`WINDOW` bytes per call, with ``madvise(MADV_POPULATE_READ)`` (Linux 5.
 thread: the kernel maps (and, for a file not in the page cache, reads) a whole window at once
 instead of taking one fault per page when the consumer first touches it, and an I/O error there
 is an exception rather than a ``SIGBUS``. Where the kernel lacks it the views fault in as usual.
+
+:func:`fresh_bytes` is the other side: the memory a copied tensor is read into.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 from .errors import TransportError
 from .header import TensorInfo
 
-__all__ = ["WINDOW", "FileMap"]
+__all__ = ["OWN_MAPPING_FROM", "WINDOW", "FileMap", "fresh_bytes"]
 
 WINDOW = 64 << 20
 """Bytes populated per call (at least the tensor asked for)."""
@@ -32,6 +34,26 @@ MADV_POPULATE_READ: int = getattr(mmap, "MADV_POPULATE_READ", 22)
 """Linux's value; Python names it only from 3.13 on."""
 
 _UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+
+OWN_MAPPING_FROM = 4 << 20
+"""Fresh arrays of at least this many bytes get an anonymous mapping of their own."""
+
+
+def fresh_bytes(nbytes: int) -> np.ndarray[Any, Any]:
+    """A fresh, writable ``uint8`` array of ``nbytes``, for a tensor to be read into.
+
+    From :data:`OWN_MAPPING_FROM` up it is an anonymous private mapping of its own, under the
+    system's page-size policy, unmapped when the last view of it goes. ``np.empty`` asks for
+    transparent huge pages (``MADV_HUGEPAGE``) from that size on, and on a virtual machine
+    whose free memory goes back to the host, a huge page is carved from exactly those blocks:
+    its first touch waits for the host to back 2 MiB, and a fresh process filling huge pages
+    spent most of its time zeroing them (``clear_page``), several times what small pages from
+    memory the guest already uses cost. An ``OSError`` (no memory left to map) is raised as is.
+    """
+    if nbytes < OWN_MAPPING_FROM:
+        return np.empty(nbytes, dtype=np.uint8)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(mapping, dtype=np.uint8)
 
 
 class FileMap:
