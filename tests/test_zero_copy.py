@@ -72,12 +72,9 @@ def cached(path: Path, start: int, stop: int) -> bool:
 
 def evicted(path: Path) -> Path:
     """``path`` with its pages dropped from the page cache; skips where that cannot be done."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    with open(path, "rb") as file:
+        os.fsync(file.fileno())
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     if cached(path, 0, path.stat().st_size):
         pytest.skip("this file system keeps the file cached")
     return path
