@@ -9,7 +9,6 @@ import json
 import mmap
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,15 +77,6 @@ def evicted(path: Path) -> Path:
     if cached(path, 0, path.stat().st_size):
         pytest.skip("this file system keeps the file cached")
     return path
-
-
-def wait_cached(path: Path, start: int, stop: int, timeout: float = 10.0) -> None:
-    """Wait until the page cache holds ``path[start:stop]``: the kernel's read-ahead is not
-    waited for by the code that starts it."""
-    give_up = time.monotonic() + timeout
-    while not cached(path, start, stop):
-        assert time.monotonic() < give_up, f"bytes {start}:{stop} never came into the cache"
-        time.sleep(0.01)
 
 
 def thread_hops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -257,25 +247,16 @@ async def test_a_cached_file_is_populated_without_a_thread_hop(
 
 
 @linux_only
-async def test_an_evicted_file_is_read_a_window_ahead(
+async def test_an_evicted_file_is_populated_in_a_worker_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Not cached, a window is populated in a worker thread, which first asks the kernel for
-    the next window too: by the time the consumer wants it, it is in the page cache, though
-    not mapped yet and far beyond any read-ahead of the first."""
-    monkeypatch.setattr("stream_st._mmap.WINDOW", 1 << 20)
-    tensors = {f"w{i}": np.full(1 << 20, i, np.float32) for i in range(8)}  # 8 x 4 MiB
+    """Not cached, a window is populated in a worker thread: the event loop never waits for
+    the disk."""
+    tensors = {f"w{i}": np.full(1 << 18, i, np.float32) for i in range(4)}  # 4 x 1 MiB
     path = write(tmp_path / "m.safetensors", tensors)
-    header = await stream_st.read_header(path)
-    last = header.data_start + header["w7"].start
     hops = thread_hops(monkeypatch)
-    stream = stream_st.open_stream(evicted(path), include=["w0", "w7"], copy=False)
-    async with stream:
+    async with stream_st.open_stream(evicted(path), copy=False) as stream:
         async for name, array in stream:
             if name == "w0":
-                assert hops  # populated in a worker thread
-                wait_cached(path, last, last + (1 << 20))  # the next window
-                assert not cached(path, last - (4 << 20), last)  # w6: not read
-                resident = mapped_bytes(path)
-                assert resident is not None and resident < 8 << 20
+                assert "_advise" in hops
             np.testing.assert_array_equal(array, tensors[name])
