@@ -14,6 +14,7 @@ import numpy as np
 
 from ._frameworks import Delivery, Framework
 from ._limits import Clock, TransportOptions, clock_of
+from ._mmap import fresh_bytes
 from ._util import AsyncClosing
 from .dtypes import wire_bytes
 from .errors import (
@@ -63,8 +64,8 @@ PROOF_SIZE = 4 << 20
 def _allocate(info: TensorInfo) -> tuple[np.ndarray[Any, Any], memoryview]:
     """A fresh array for ``info`` and a writable byte view of its memory."""
     try:
-        raw = np.empty(info.nbytes, dtype=np.uint8)
-    except (MemoryError, ValueError) as exc:
+        raw = fresh_bytes(info.nbytes)
+    except (MemoryError, ValueError, OSError) as exc:
         raise AllocationError(
             f"cannot allocate tensor {info.name!r} of {info.nbytes} bytes: {exc}"
         ) from None

@@ -3,13 +3,17 @@ ahead of the consumer; every other source still reads fresh arrays."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
+import mmap
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
 import ml_dtypes
 import numpy as np
 import pytest
@@ -44,6 +48,48 @@ def mapped_bytes(path: Path) -> int | None:
             elif current and first == "Rss:":
                 resident = (resident or 0) + int(line.split()[1]) * 1024
     return resident
+
+
+def cached(path: Path, start: int, stop: int) -> bool:
+    """Whether the page cache holds every byte of ``path[start:stop]``: ``mincore`` over a
+    mapping of it, which (unlike a read) starts no read-ahead."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    first = start - start % mmap.PAGESIZE
+    pages = -(-(stop - first) // mmap.PAGESIZE)
+    with open(path, "rb") as file:
+        mapping = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        address = np.frombuffer(mapping, np.uint8).ctypes.data + first
+        vector = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(stop - first), vector):
+            raise OSError(ctypes.get_errno(), "mincore")
+        return all(byte & 1 for byte in vector)
+    finally:
+        gc.collect()  # the array over the mapping
+        mapping.close()
+
+
+def evicted(path: Path) -> Path:
+    """``path`` with its pages dropped from the page cache; skips where that cannot be done."""
+    with open(path, "rb") as file:
+        os.fsync(file.fileno())
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if cached(path, 0, path.stat().st_size):
+        pytest.skip("this file system keeps the file cached")
+    return path
+
+
+def thread_hops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the functions this test's code hands to worker threads from now on."""
+    hops: list[str] = []
+    run_sync = anyio.to_thread.run_sync
+
+    async def counted(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        hops.append(getattr(function, "__name__", repr(function)))
+        return await run_sync(function, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
+    return hops
 
 
 def modify_in_place(path: Path, offset: int, data: bytes) -> None:
@@ -181,3 +227,36 @@ async def test_sharded_checkpoints_map_every_shard(tmp_path: Path) -> None:
     assert sorted(got) == ["x", "y"]
     assert not any(array.flags.writeable for array in got.values())
     np.testing.assert_array_equal(got["y"], np.ones(2, np.int16))
+
+
+@linux_only
+async def test_a_cached_file_is_populated_without_a_thread_hop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file in the page cache (just written) is mapped and populated on the event loop's
+    thread: no worker thread, whose start alone costs more than a small file's load."""
+    tensors = {f"k{i}": np.full(1 << 17, i, np.float16) for i in range(12)}  # 12 x 256 KiB
+    path = write(tmp_path / "kv.safetensors", tensors)
+    hops = thread_hops(monkeypatch)
+    got = await stream_st.load(path, copy=False)
+    assert hops == []
+    resident = mapped_bytes(path)
+    assert resident is not None and resident >= 3 << 20
+    for name, array in tensors.items():
+        np.testing.assert_array_equal(got[name], array)
+
+
+@linux_only
+async def test_an_evicted_file_is_populated_in_a_worker_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not cached, a window is populated in a worker thread: the event loop never waits for
+    the disk."""
+    tensors = {f"w{i}": np.full(1 << 18, i, np.float32) for i in range(4)}  # 4 x 1 MiB
+    path = write(tmp_path / "m.safetensors", tensors)
+    hops = thread_hops(monkeypatch)
+    async with stream_st.open_stream(evicted(path), copy=False) as stream:
+        async for name, array in stream:
+            if name == "w0":
+                assert "_advise" in hops
+            np.testing.assert_array_equal(array, tensors[name])

@@ -269,7 +269,12 @@ class FileSource(Source):
         if sys.byteorder != "little":  # pragma: no cover - little-endian hosts only here
             return None
         assert self.size is not None
-        return FileMap(self._fd, self.size, self.name, private=private)
+        return FileMap(self._fd, self.size, self.name, private=private, cached=self._cached)
+
+    def _cached(self, offset: int) -> bool:
+        """Whether the page cache holds the byte at ``offset``: a one-byte read that never
+        blocks (False where the kernel cannot tell)."""
+        return _pread_cached(self._fd, memoryview(bytearray(1)), offset) == 1
 
     async def aclose(self) -> None:
         if self._fd >= 0:
