@@ -186,3 +186,20 @@ def test_torch_tensors_over_a_mapped_file_survive_a_write(tmp_path: Path) -> Non
     assert "not writable" not in done.stderr
     assert done.stdout.strip() == "1.0"
     assert path.read_bytes() == before
+
+
+@linux_only
+async def test_no_descriptor_outlives_a_zero_copy_load(tmp_path: Path) -> None:
+    # copy=False maps the file; Python's mmap keeps a dup of the descriptor for as long as the
+    # mapping lives, i.e. as long as any array handed out. The promise is that no descriptor
+    # outlives the call: with one held per mapped file, a sharded or dataset read of more files
+    # than RLIMIT_NOFILE allows fails with EMFILE while the arrays live.
+    paths = []
+    for i in range(3):
+        path = tmp_path / f"f{i}.safetensors"
+        await stream_st.save(path, {"a": np.full(16, i, np.float32)})
+        paths.append(path)
+    held = [await stream_st.load(path, copy=False) for path in paths]
+    assert [int(arrays["a"][0]) for arrays in held] == [0, 1, 2]
+    leaked = [p for p in _open_paths() if p.startswith(str(tmp_path))]
+    assert leaked == []
