@@ -308,27 +308,32 @@ class ShardedStream(TensorStream):
             if (expected := index.names_in(shard)) is None or any(map(selected, expected))
         ]
         ahead = (self._clock.transport.concurrency or 1) > 1
-        for position, shard in enumerate(shards):
-            following = shards[position + 1] if ahead and position + 1 < len(shards) else None
-            stream = None
-            try:
-                async with task_group() as group:
-                    if following is not None:  # its header and first parts: while this starts
-                        group.start_soon(self._open_ahead, index, following, selected)
-                    stream = self._current = await self._next_stream(index, shard, selected)
-                    self.headers[shard] = stream.header
-                    items = aiter(stream)
-                    first = await anext(items, None)
-                if first is not None:
-                    yield first
-                    del first
-                async for item in items:
-                    yield item
-                    del item
-            finally:
-                self._current = None
-                if stream is not None:
-                    await stream.aclose()
+        try:
+            for position, shard in enumerate(shards):
+                following = shards[position + 1] if ahead and position + 1 < len(shards) else None
+                stream = None
+                try:
+                    async with task_group() as group:
+                        if following is not None:  # its header and first parts: while this starts
+                            group.start_soon(self._open_ahead, index, following, selected)
+                        stream = self._current = await self._next_stream(index, shard, selected)
+                        self.headers[shard] = stream.header
+                        items = aiter(stream)
+                        first = await anext(items, None)
+                    if first is not None:
+                        yield first
+                        del first
+                    async for item in items:
+                        yield item
+                        del item
+                finally:
+                    self._current = None
+                    if stream is not None:
+                        await stream.aclose()
+        finally:  # a shard opened ahead that iteration never reached: close it now
+            unread, self._ahead = self._ahead, None
+            if isinstance(unread, TensorStream):
+                await unread.aclose()
         self._check_all_found(index)
 
     async def _open_checked(

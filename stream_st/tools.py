@@ -758,7 +758,8 @@ async def cp(
     leaves nothing at ``dst``. ``checksums`` (True or an algorithm's name) records digests in
     the copy; ``None`` (the default) does so when the source has them, with its algorithm. Copied
     digests of tensors copied as they are go out with the header, so any destination takes them;
-    digests to compute need a destination that can be patched at the end (a file, S3).
+    digests to compute need a destination that can be patched at the end (a file, S3): asked
+    for, they are a :class:`~stream_st.UsageError` elsewhere; inherited, they are left out.
     """
     if quantize is not None and (dtype is not None or dequantize):
         raise UsageError("choose one of dtype=, quantize= and dequantize=")
@@ -788,7 +789,14 @@ async def cp(
         done_bytes = done = 0
         pending: dict[str, dict[str, Any]] = {}
         async with TensorWriter(
-            dst, plan.specs, metadata=plan.metadata or None, checksums=digests, clock=clock
+            dst,
+            plan.specs,
+            metadata=plan.metadata or None,
+            checksums=digests,
+            clock=clock,
+            # Digests only inherited from the source, to compute: a destination that cannot
+            # take them at the end (a pipe, a socket, an HTTP upload) gets the copy without.
+            digests_up_front=(lambda algorithm: None) if checksums is None else None,
         ) as writer:
             async for name, array in stream:
                 for part_name, part in await plan.parts_of(name, array, pending):

@@ -79,7 +79,7 @@ class TensorWriter(AsyncClosing):
         fsync: bool = False,
         checksums: bool | str | Digests = False,
         clock: Clock | None = None,
-        digests_up_front: Callable[[str], Digests] | None = None,
+        digests_up_front: Callable[[str], Digests | None] | None = None,
     ) -> None:
         if order not in ("plan", "reference"):
             raise UsageError(f"order must be 'plan' or 'reference', got {order!r}")
@@ -87,7 +87,7 @@ class TensorWriter(AsyncClosing):
         self._digests = digests_for(checksums)
         self._specs, self._metadata = specs, metadata
         self._hashes: dict[str, OrderedHash] = {}  # with checksums: per started tensor
-        self._digests_up_front = digests_up_front  # computes them for a front-to-back sink
+        self._digests_up_front = digests_up_front  # for a front-to-back sink; None: no digests
         self._prefix, self._header = build_header(specs, self._recorded(self._digests))
         self._dst = dst
         self._fsync = fsync
@@ -216,6 +216,8 @@ class TensorWriter(AsyncClosing):
                 "(checksums=stream_st.Digests.compute(arrays), or save(), which does)"
             )
         self._digests = await anyio.to_thread.run_sync(self._digests_up_front, algorithm)
+        # None: the caller would rather write no digests than none of the message (cp passing
+        # a source's digests on, when it converts tensors and so would have to compute them).
         self._prefix, self._header = build_header(self._specs, self._recorded(self._digests))
         return self._prefix
 
