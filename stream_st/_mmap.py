@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import mmap
+import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,6 +51,10 @@ MADV_POPULATE_READ: int = getattr(mmap, "MADV_POPULATE_READ", 22)
 """Linux's value; Python names it only from 3.13 on."""
 
 _UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+
+_UNTRACKED: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+"""Python 3.13 and later map without keeping a duplicate of the file's descriptor; before,
+``mmap`` holds one for as long as the mapping (so any view of it) lives."""
 
 OWN_MAPPING_FROM = 4 << 20
 """Fresh arrays of at least this many bytes get an anonymous mapping of their own."""
@@ -94,7 +99,7 @@ class FileMap:
             else (mmap.MAP_SHARED, mmap.PROT_READ)
         )
         try:
-            self._map = mmap.mmap(fd, size, flags=flags, prot=prot)
+            self._map = mmap.mmap(fd, size, flags=flags, prot=prot, **_UNTRACKED)
         except OSError as exc:
             raise TransportError(f"cannot map: {exc.strerror or exc}", url=name) from exc
         self._cached = cached

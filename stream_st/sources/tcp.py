@@ -15,11 +15,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
+import anyio.lowlevel
 
 from .._limits import UNLIMITED, Clock
 from .._nonblocking import NonBlockingEnd
 from ..errors import TransportError, UnsupportedSourceError, UsageError
 from .base import Source
+
+YIELD_EVERY = 16 << 20
+"""A tensor filled from a peer that keeps the socket full yields to the event loop at least this
+often (bytes), so other tasks, deadlines and cancellation are not held up until it is whole."""
 
 __all__ = [
     "SocketEnd",
@@ -197,7 +202,9 @@ class SocketSource(SocketEnd, Source):
 
     async def fill(self, buffer: memoryview) -> int:
         """Fill ``buffer`` (a tensor's memory) in one tight loop of ``recv_into`` calls, waiting
-        only when the socket is empty; the bytes are counted once per wait, not once per call."""
+        only when the socket is empty; the bytes are counted once per wait, not once per call,
+        and at least every :data:`YIELD_EVERY` bytes, where the loop also lets other tasks (and
+        a cancellation) in."""
         recv_into = self._handle.recv_into
         total = len(buffer)
         filled = counted = 0
@@ -217,6 +224,10 @@ class SocketSource(SocketEnd, Source):
                 if count == 0:
                     break
                 filled += count
+                if filled - counted >= YIELD_EVERY:  # a fast peer never empties the socket
+                    self._count(filled - counted)
+                    counted = filled
+                    await anyio.lowlevel.checkpoint()
         finally:
             self._count(filled - counted)
         return filled
