@@ -4,9 +4,15 @@ Each task writes its shards (through stream_st: a file, or an S3 upload) under t
 prefix ``{path}/_temporary/{job}/`` and returns their descriptions. The driver's ``commit`` moves
 the shards named by the successful attempts into place, writes ``_tensor_index.parquet`` (when
 asked), then ``dataset_manifest.json`` last: the commit point. Then it removes the staging prefix
-(with whatever failed or speculative attempts left there) and, when overwriting, the previous
-dataset's shards. ``abort`` removes the staging prefix. A task that fails removes its own shards
-at once.
+(with whatever failed or speculative attempts left there) and the shards the new manifest no
+longer lists (when overwriting, the previous dataset's). ``abort`` removes the staging prefix. A
+task that fails removes its own shards at once.
+
+In KV mode a committed dataset holds every key once, as the layout's shards hold every key once:
+with ``duplicatesStrategy=lastWin`` a key written again (by a later task, or by a job appending to
+the dataset) supersedes the earlier copy, and the commit rewrites each shard holding superseded
+keys without them (a copy under a new name, staged like the tasks' shards; a shard left with no
+key is dropped), so the manifest, the index and a listing of the shards all agree.
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ from __future__ import annotations
 import io
 import json
 import uuid
-from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,11 +41,15 @@ from stream_st.dataset import (
     ShardEntry,
     manifest_document,
     shard_file_name,
+    shard_position,
 )
 from stream_st.dtypes import DTYPES, dtype_for
 from stream_st.errors import UsageError, WriterError
+from stream_st.header import Header
+from stream_st.integrity import algorithm_named
 from stream_st.reader import read_header
 from stream_st.sharded import ShardIndex
+from stream_st.tools import cp
 
 from ._arrow import stack_rows
 
@@ -79,6 +88,14 @@ def _choice(options: Mapping[str, str], name: str, choices: tuple[str, ...], def
     return value
 
 
+def _checksums(options: Mapping[str, str]) -> bool | str:
+    """``checksums``: ``false`` (the default), ``true`` (xxh3-128) or an algorithm's name."""
+    value = str(options.get("checksums", "false"))
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return algorithm_named(value).name
+
+
 def _dtypes(text: str | None) -> dict[str, str]:
     """``"F16"`` (every column) or ``"image:F16,label:I64"`` -> ``{column or "": code}``."""
     out: dict[str, str] = {}
@@ -102,6 +119,7 @@ class WriteOptions:
     target_shard_size: int
     duplicates: str
     generate_index: bool
+    checksums: bool | str = False
     dtypes: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -122,6 +140,7 @@ class WriteOptions:
             target_shard_size=(_positive(options, "target_shard_size_mb", 300) or 300) << 20,
             duplicates=_choice(options, "duplicatesStrategy", DUPLICATES_STRATEGIES, "fail"),
             generate_index=_flag(options, "generate_index"),
+            checksums=_checksums(options),
             dtypes=_dtypes(options.get("dtype")),
         )
 
@@ -129,9 +148,18 @@ class WriteOptions:
         return self.dtypes.get(column, self.dtypes.get(""))
 
 
+Specs = tuple[tuple[str, str, tuple[int, ...]], ...]
+"""A shard's tensors: key, dtype, shape."""
+
+
+def _specs(header: Header) -> Specs:
+    return tuple((info.name, info.dtype, info.shape) for info in header.tensors)
+
+
 @dataclass(frozen=True)
 class StagedShard:
-    """A shard a task wrote under the staging prefix, as its commit message describes it."""
+    """A shard as a commit handles it: one a task wrote under the staging prefix, as its commit
+    message describes it, or one of the dataset appended to (``staged`` is then its place)."""
 
     task: int
     index: int
@@ -139,7 +167,7 @@ class StagedShard:
     staged: str
     samples: int
     bytes: int
-    tensors: tuple[tuple[str, str, tuple[int, ...]], ...]  # key, dtype, shape
+    tensors: Specs
 
 
 @dataclass
@@ -165,10 +193,11 @@ class _TaskWriter:
     def seal(self, tensors: Mapping[str, Array], samples: int) -> None:
         name = shard_file_name(self.task, len(self.shards), self.tag)
         staged = _store.join(self.staging, name)
-        header = anyio.run(_save, staged, tensors)
-        specs = tuple((info.name, info.dtype, info.shape) for info in header.tensors)
+        header = anyio.run(lambda: save(staged, tensors, checksums=self.options.checksums))
         self.shards.append(
-            StagedShard(self.task, len(self.shards), name, staged, samples, header.file_size, specs)
+            StagedShard(
+                self.task, len(self.shards), name, staged, samples, header.file_size, _specs(header)
+            )
         )
 
     def describe(self, column: str, array: Array) -> None:
@@ -207,12 +236,14 @@ class _TaskWriter:
         self.seal(tensors, len(next(iter(tensors.values()))))
 
     def keys(self, batches: Iterator[pa.RecordBatch]) -> None:
-        """KV mode: one tensor per row and column, shards rolled over at the target size."""
+        """KV mode: one tensor per row and column, shards rolled over at the target size; a
+        shard's samples are the names it holds."""
         name_col, separator = self.options.name_col, self.options.kv_separator
         assert name_col is not None
         current: dict[str, Array] = {}
         written: set[str] = set()
-        size = samples = 0
+        samples: set[str] = set()
+        size = 0
         for batch in batches:
             if name_col not in batch.schema.names:
                 raise UsageError(f"name_col {name_col!r} is not a column of the DataFrame")
@@ -230,26 +261,22 @@ class _TaskWriter:
                     row_tensors[f"{name}{separator}{column}"] = array
                 adding = sum(a.nbytes for k, a in row_tensors.items() if k not in current)
                 if current and size + adding > self.options.target_shard_size:
-                    self.seal(current, samples)
-                    current, size, samples = {}, 0, 0
+                    self.seal(current, len(samples))
+                    current, size, samples = {}, 0, set()
                 for key, array in row_tensors.items():
                     if key in written and self.options.duplicates == "fail":
                         raise WriterError(f"tensor key {key!r} is written twice", name=key)
                     size += array.nbytes - (current[key].nbytes if key in current else 0)
                     current[key] = array  # lastWin: the later row replaces the earlier here
                     written.add(key)
-                samples += 1
+                samples.add(name)
         if current:
-            self.seal(current, samples)
+            self.seal(current, len(samples))
 
     def discard(self) -> None:
         """Remove every shard this attempt wrote."""
         for shard in self.shards:
             anyio.run(_store.remove, shard.staged)
-
-
-async def _save(address: str, tensors: Mapping[str, Array]) -> Any:
-    return await save(address, tensors)
 
 
 STAGING_REMOVALS = 50
@@ -300,32 +327,31 @@ class SafetensorsWriter(DataSourceArrowWriter):
 
     async def _commit(self, messages: list[ShardsWritten]) -> None:
         path = self.options.path
-        shards = sorted((s for m in messages for s in m.shards), key=lambda s: (s.task, s.index))
+        kv = self.options.name_col is not None
+        staged = sorted((s for m in messages for s in m.shards), key=lambda s: (s.task, s.index))
         schema: dict[str, dict[str, Any]] = {}
         for message in messages:
             for column, entry in message.schema.items():
                 schema.setdefault(column, entry)
-        present = [n for n in await _store.list_names(path) if SHARD_NAME.fullmatch(n)]
-        previous: list[ShardEntry] = []
-        if not self.overwrite and MANIFEST_NAME in await _store.list_names(path):
-            index = await ShardIndex.read(_store.join(path, MANIFEST_NAME), Clock())
-            previous = [
-                ShardEntry(entry["shard_path"], entry.get("samples_count", 0), entry["bytes"])
-                for entry in index.manifest["shards"]
-            ]
-            schema = {**index.manifest.get("schema", {}), **schema}
-        if self.options.name_col is not None and self.options.duplicates == "fail":
-            _refuse_duplicates(shards)
+        listed = await _store.list_names(path)
+        previous: list[StagedShard] = []
+        if not self.overwrite and MANIFEST_NAME in listed:
+            manifest = (await ShardIndex.read(_store.join(path, MANIFEST_NAME), Clock())).manifest
+            previous = await _previous_shards(path, manifest, kv or self.options.generate_index)
+            schema = {**manifest.get("schema", {}), **schema}
+        shards = previous + staged
+        if kv:
+            shards = await self._one_copy_per_key(shards, list(schema))
         moved: list[str] = []
         try:
             for shard in shards:
                 final = _store.join(path, shard.name)
-                await _store.move(shard.staged, final)
-                moved.append(final)
-            entries = previous + [ShardEntry(s.name, s.samples, s.bytes) for s in shards]
+                if shard.staged != final:
+                    await _store.move(shard.staged, final)
+                    moved.append(final)
             if self.options.generate_index:
-                table = await _index_table(path, previous, shards)
-                await _store.write_object(_store.join(path, INDEX_NAME), table)
+                await _store.write_object(_store.join(path, INDEX_NAME), _index_table(shards))
+            entries = [ShardEntry(s.name, s.samples, s.bytes) for s in shards]
             document = manifest_document(entries, schema)
             text = json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
             await _store.write_object(_store.join(path, MANIFEST_NAME), text)  # the commit point
@@ -334,31 +360,85 @@ class SafetensorsWriter(DataSourceArrowWriter):
                 await _store.remove(final)
             raise
         await self._clean_staging()
+        listed_now = {shard.name for shard in shards}
+        replaced = [s.name for s in previous]
         if self.overwrite:
-            keep = {entry.shard_path for entry in entries}
-            for name in present:
-                if name not in keep:
-                    await _store.remove(_store.join(path, name))
-            if not self.options.generate_index:
-                await _store.remove(_store.join(path, INDEX_NAME))
+            replaced = [name for name in listed if SHARD_NAME.fullmatch(name)]
+        for name in replaced:
+            if name not in listed_now:
+                await _store.remove(_store.join(path, name))
+        if not self.options.generate_index:  # an index of an earlier commit would be stale
+            await _store.remove(_store.join(path, INDEX_NAME))
+
+    async def _one_copy_per_key(
+        self, shards: list[StagedShard], columns: list[str]
+    ) -> list[StagedShard]:
+        """KV mode: refuse a key in two shards (``fail``), or keep only its last copy
+        (``lastWin``): a shard holding superseded keys is copied without them under a new name
+        in the staging prefix, a shard left with none is dropped."""
+        last = {key: i for i, shard in enumerate(shards) for key, _, _ in shard.tensors}
+        out: list[StagedShard] = []
+        for i, shard in enumerate(shards):
+            live = [key for key, _, _ in shard.tensors if last[key] == i]
+            if len(live) == len(shard.tensors):
+                out.append(shard)
+                continue
+            if self.options.duplicates == "fail":
+                twice = next(key for key, _, _ in shard.tensors if last[key] != i)
+                raise WriterError(
+                    f"tensor key {twice!r} is written twice (by two tasks, or again by an append)",
+                    name=twice,
+                )
+            if live:
+                out.append(await self._without_superseded(shard, live, columns))
+        return out
+
+    async def _without_superseded(
+        self, shard: StagedShard, live: list[str], columns: list[str]
+    ) -> StagedShard:
+        name = shard_file_name(shard.task, shard.index, str(uuid.uuid4()))
+        staged = _store.join(self.staging, name)
+        header = (await cp(shard.staged, staged, include=live)).header
+        samples = len({_sample_of(key, columns, self.options.kv_separator) for key in live})
+        return StagedShard(
+            shard.task, shard.index, name, staged, samples, header.file_size, _specs(header)
+        )
 
 
-def _refuse_duplicates(shards: list[StagedShard]) -> None:
-    counts = Counter(key for shard in shards for key, _, _ in shard.tensors)
-    twice = sorted(key for key, count in counts.items() if count > 1)
-    if twice:
-        raise WriterError(f"tensor key {twice[0]!r} is written by two tasks", name=twice[0])
+def _sample_of(key: str, columns: list[str], separator: str) -> str:
+    """The name (sample) a KV-mode ``key`` belongs to: the key without ``{separator}{column}``."""
+    for column in sorted(columns, key=len, reverse=True):
+        if key.endswith(separator + column):
+            return key[: -len(separator + column)]
+    return key
 
 
-async def _index_table(path: str, previous: list[ShardEntry], shards: list[StagedShard]) -> bytes:
-    """``_tensor_index.parquet``: a row per tensor of every shard (the previous ones' read from
-    their headers)."""
-    rows: list[tuple[str, str, list[int], str]] = []
-    for entry in previous:
-        header = await read_header(_store.join(path, entry.shard_path))
-        rows += [(i.name, entry.shard_path, list(i.shape), i.dtype) for i in header.tensors]
-    for shard in shards:
-        rows += [(key, shard.name, list(shape), dtype) for key, dtype, shape in shard.tensors]
+async def _previous_shards(
+    path: str, manifest: Mapping[str, Any], with_tensors: bool
+) -> list[StagedShard]:
+    """The shards of the dataset at ``path`` appended to, in place; their tensors read from their
+    headers if ``with_tensors``."""
+    shards = []
+    for entry in manifest["shards"]:
+        name = entry["shard_path"]
+        place = _store.join(path, name)
+        task, index = shard_position(name) or (0, 0)
+        specs = _specs(await read_header(place)) if with_tensors else ()
+        shards.append(
+            StagedShard(
+                task, index, name, place, entry.get("samples_count", 0), entry["bytes"], specs
+            )
+        )
+    return shards
+
+
+def _index_table(shards: list[StagedShard]) -> bytes:
+    """``_tensor_index.parquet``: a row per tensor of every shard."""
+    rows = [
+        (key, shard.name, list(shape), dtype)
+        for shard in shards
+        for key, dtype, shape in shard.tensors
+    ]
     keys, files, shapes, dtypes = zip(*rows, strict=True) if rows else ((), (), (), ())
     table = pa.table(
         {

@@ -25,7 +25,16 @@ from .sinks import open_sink
 from .sinks.s3 import S3Sink
 from .sources import path_from_url
 
-__all__ = ["join", "list_names", "make_directory", "move", "remove", "remove_tree", "write_object"]
+__all__ = [
+    "join",
+    "list_names",
+    "listable",
+    "make_directory",
+    "move",
+    "remove",
+    "remove_tree",
+    "write_object",
+]
 
 
 def _scheme(address: str) -> str:
@@ -40,6 +49,11 @@ def _local(address: str) -> str | None:
     if scheme in ("", "file"):
         return path_from_url(address, UnsupportedSinkError) if scheme else address
     raise UnsupportedSinkError(f"{address}: a dataset is written to a path or an s3:// URL")
+
+
+def listable(address: str) -> bool:
+    """Whether :func:`list_names` can list ``address`` (a path or ``s3://``; not ``http(s)://``)."""
+    return _scheme(address) in ("", "file", "s3")
 
 
 def join(directory: str, name: str) -> str:

@@ -57,7 +57,7 @@ __all__ = [
 FORMAT_VERSION = "1.0"
 SAFETENSORS_VERSION = "1.0"
 INDEX_NAME = "_tensor_index.parquet"
-SHARD_NAME = re.compile(r"part-\d{5,}-\d{4,}-[^/]+\.safetensors")
+SHARD_NAME = re.compile(r"part-(\d{5,})-(\d{4,})-[^/]+\.safetensors")
 """What :func:`shard_file_name` makes; in a directory without a manifest, the shards."""
 
 Array = np.ndarray[Any, Any]
@@ -67,6 +67,13 @@ def shard_file_name(task: int, index: int, tag: str) -> str:
     """``part-{task:05d}-{index:04d}-{tag}.safetensors``: the ``index``-th shard sealed by task
     ``task``, whose writer drew the unique ``tag`` (a UUID)."""
     return f"part-{task:05d}-{index:04d}-{tag}.safetensors"
+
+
+def shard_position(name: str) -> tuple[int, int] | None:
+    """The task and index a shard's ``name`` carries (see :func:`shard_file_name`); None for a
+    name of another form."""
+    match = SHARD_NAME.fullmatch(name)
+    return None if match is None else (int(match[1]), int(match[2]))
 
 
 @dataclass(frozen=True)
@@ -144,7 +151,8 @@ async def describe_dataset(
     address: str | os.PathLike[str], *, kv: bool | None = None
 ) -> DatasetInfo:
     """Read the manifest at ``address`` (or, for a directory or ``s3://`` prefix, its
-    ``dataset_manifest.json``, else every ``part-*.safetensors`` in it) and every shard's header.
+    ``dataset_manifest.json``, else every ``part-*.safetensors`` in it; for an ``http(s)://``
+    directory, which cannot be listed, its ``dataset_manifest.json``) and every shard's header.
 
     ``kv`` forces the mode; by default a dataset is in batch mode when its shards hold the same
     tensors, each with one leading sample dimension, and the manifest's schema names them.
@@ -152,7 +160,8 @@ async def describe_dataset(
     address = os.fspath(address)
     given = bool(is_index(address))
     manifest: Mapping[str, Any] = {}
-    if given or MANIFEST_NAME in await _store.list_names(address):
+    # an http(s) location cannot be listed: its manifest is required
+    if given or not _store.listable(address) or MANIFEST_NAME in await _store.list_names(address):
         where = address if given else _store.join(address, MANIFEST_NAME)
         index = await ShardIndex.read(where, Clock())
         manifest = index.manifest
@@ -252,16 +261,23 @@ def _rows_of(info: TensorInfo, start: int, stop: int) -> TensorInfo:
 
 
 async def read_piece(piece: Piece) -> dict[str, Array]:
-    """The arrays of ``piece``: only their bytes are read (ranged requests on HTTP and S3)."""
+    """The arrays of ``piece``: only their bytes are read (ranged requests on HTTP and S3).
+
+    Whole tensors (a KV piece, or every row of a shard) are checked against the digests their
+    shard records, as every read is; a range of rows cannot be (a digest covers a whole tensor).
+    """
     if not piece.rows:
         return await load(piece.address, include=list(piece.names))
     async with open_stream(piece.address, include=list(piece.names)) as stream:
         header = stream.header
-        if any(header[name].shape[:1] != header[piece.names[0]].shape[:1] for name in piece.names):
+        rows = header[piece.names[0]].shape[:1]
+        if any(header[name].shape[:1] != rows for name in piece.names):
             raise HeaderError(f"{piece.address}: the columns hold different numbers of samples")
-        infos = sorted((header[name] for name in piece.names), key=lambda info: info.start)
-        out = {}
-        for info in infos:
-            part = _rows_of(info, piece.start, piece.stop)
-            out[info.name] = await _read_tensor(stream.source, part, header.data_start)
+        if (piece.start, piece.stop) == (0, *rows):
+            out = {name: array async for name, array in stream}
+        else:
+            out = {}
+            for info in sorted((header[n] for n in piece.names), key=lambda info: info.start):
+                part = _rows_of(info, piece.start, piece.stop)
+                out[info.name] = await _read_tensor(stream.source, part, header.data_start)
         return {name: out[name] for name in piece.names}

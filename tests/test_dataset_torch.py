@@ -103,3 +103,19 @@ def test_kv_dataset_and_bad_rank_are_refused(tmp_path: Path) -> None:
     write_dataset(tmp_path / "batch")
     with pytest.raises(stream_st.UsageError, match="rank 2 is not in a world of 2"):
         SafetensorsDataset(tmp_path / "batch", rank=2, world_size=2)
+
+
+def test_a_damaged_checksummed_shard_is_refused(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with stream_st.open_dataset_writer(tmp_path, checksums=True) as writer:
+            await writer.write_batch({"label": np.arange(4, dtype=np.int64)}, 4)
+
+    anyio.run(main)
+    assert labels(list(SafetensorsDataset(tmp_path))) == [0, 1, 2, 3]
+    (shard,) = tmp_path.glob("part-*.safetensors")
+    header = anyio.run(stream_st.read_header, str(shard))
+    damaged = bytearray(shard.read_bytes())
+    damaged[header.data_start + header["label"].start] ^= 1
+    shard.write_bytes(bytes(damaged))
+    with pytest.raises(stream_st.IntegrityError, match="'label'"):
+        list(SafetensorsDataset(tmp_path))
