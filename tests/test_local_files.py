@@ -445,3 +445,50 @@ async def test_large_copied_tensors_ask_for_no_huge_pages(tmp_path: Path) -> Non
     assert flags is not None and "hg" not in flags
     del got
     assert mapping_of(address) is None
+
+
+def test_pieces_read_out_of_order_are_hashed_in_order() -> None:
+    """A verified read's chunks finish on two threads in any order; the hash gets them in order,
+    and neither thread waits for the other (the one that completes a run feeds it)."""
+    from stream_st.sources.file import _InOrder
+
+    fed: list[bytes] = []
+    order = _InOrder(lambda piece: fed.append(bytes(piece)))
+    pieces = [memoryview(bytes([n]) * 3) for n in range(6)]
+    for number in (1, 3, 0, 5, 2, 4):  # 0 feeds 0 and 1; 2 feeds 2 and 3; 4 feeds 4 and 5
+        order.done(number, pieces[number])
+    assert fed == [bytes(piece) for piece in pieces]
+
+    fed.clear()
+    crowd = _InOrder(lambda piece: fed.append(bytes(piece)))
+    many = [memoryview(n.to_bytes(2, "little")) for n in range(2000)]
+
+    def work(first: int) -> None:
+        for number in range(first, len(many), 2):
+            crowd.done(number, many[number])
+
+    threads = [threading.Thread(target=work, args=(first,)) for first in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert fed == [bytes(piece) for piece in many]
+
+
+def test_a_failed_hash_stops_feeding_later_pieces() -> None:
+    from stream_st.sources.file import _InOrder
+
+    fed: list[int] = []
+
+    def feed(piece: memoryview) -> None:
+        if piece[0] == 1:
+            raise ValueError("hash failed")
+        fed.append(piece[0])
+
+    order = _InOrder(feed)
+    order.done(2, memoryview(b"\x02"))
+    order.done(0, memoryview(b"\x00"))
+    with pytest.raises(ValueError, match="hash failed"):
+        order.done(1, memoryview(b"\x01"))  # 2 is left unfed
+    order.done(3, memoryview(b"\x03"))
+    assert fed == [0]

@@ -16,7 +16,6 @@ loop keeps running, and a writer that never comes raises :class:`~stream_st.Read
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import stat
 import sys
@@ -42,10 +41,12 @@ SPLIT_THRESHOLD = 8 << 20
 INLINE_MAX = 4 << 20
 """Reads of at most this many bytes are first tried on the loop thread (page cache only)."""
 
-FEED_CHUNK = 4 << 20
-"""A read that feeds a hash (:meth:`FileSource.read_feeding`) goes in chunks of this size, taken
-in turn by two worker threads: each hashes its chunk right after reading it, while the bytes are
-still in the CPU's caches, and while the other thread reads the next chunk."""
+FEED_CHUNK = 1 << 20
+"""A read that feeds a hash (:meth:`FileSource.read_feeding`) goes in chunks of this size, each
+taken by whichever of two worker threads is free. The thread that reads the next chunk in order
+hashes it right after reading it, while the bytes are still in the CPU's L2 cache, then any later
+chunk already read; a thread never waits for the other's turn to hash (see :class:`_InOrder`).
+1 MiB measured best of 256 KiB to 4 MiB (2 GiB file of 32 MiB tensors, xxh3-128, 2 cores)."""
 
 CHECKPOINT_BYTES = 8 << 20
 """After this many bytes read on the loop thread, let other tasks run."""
@@ -92,30 +93,56 @@ def _pread_cached(fd: int, buffer: memoryview, offset: int) -> int:
     return filled
 
 
-class _InTurn:
-    """Lets threads run a step each, in the order of the steps' numbers, whichever thread gets
-    there first; :meth:`stop` (a thread failed) releases every thread still waiting."""
+class _InOrder:
+    """Hands out ``count`` pieces to threads (:meth:`take`) and feeds the pieces they finish, in
+    any order, to ``feed`` in the order of their numbers, never making a thread wait for
+    another: the thread that finishes the next piece in order feeds it, then every later piece
+    already finished, while the other threads take and read the next pieces (so the thread that
+    feeds reads fewer). :meth:`stop` (a thread failed) ends the handing out and the feeding."""
 
-    def __init__(self) -> None:
-        self._turn = threading.Condition()
+    def __init__(self, feed: Callable[[memoryview], None], count: int = 0) -> None:
+        self._feed = feed
+        self._count = count
+        self._taken = 0
+        self._lock = threading.Lock()
+        self._ready: dict[int, memoryview] = {}
         self._next = 0
+        self._feeding = False  # a thread is feeding: pieces finished meanwhile are left to it
         self._stopped = False
 
-    def run(self, number: int, step: Callable[[memoryview], None], piece: memoryview) -> None:
-        with self._turn:
-            while self._next != number and not self._stopped:
-                self._turn.wait()
-            if self._stopped:
+    def take(self) -> int | None:
+        """The number of the next piece to read, None when all are taken or after a failure."""
+        with self._lock:
+            if self._stopped or self._taken == self._count:
+                return None
+            self._taken += 1
+            return self._taken - 1
+
+    def done(self, number: int, piece: memoryview) -> None:
+        """Piece ``number`` is read: feed it (and those after it) now, or leave it to the
+        thread feeding."""
+        with self._lock:
+            self._ready[number] = piece
+            if self._feeding:
                 return
-        step(piece)  # alone: the next number waits for this one
-        with self._turn:
-            self._next += 1
-            self._turn.notify_all()
+            self._feeding = True
+        while True:
+            with self._lock:
+                if self._stopped or self._next not in self._ready:
+                    self._feeding = False
+                    return
+                ready = self._ready.pop(self._next)
+                self._next += 1
+            try:
+                self._feed(ready)
+            except BaseException:
+                self.stop()
+                raise
 
     def stop(self) -> None:
-        with self._turn:
+        with self._lock:
             self._stopped = True
-            self._turn.notify_all()
+            self._ready.clear()
 
 
 def _run_boxed(box: list[Callable[[], None]]) -> None:
@@ -211,29 +238,30 @@ class FileSource(Source):
         self, offset: int, buffer: memoryview, feed: Callable[[memoryview], None]
     ) -> int | None:
         """:meth:`read_into_at` that calls ``feed`` with every byte read, in order, in chunks of
-        :data:`FEED_CHUNK` taken in turn by two worker threads, each chunk fed by the thread
-        that read it right after reading it; None for a read of one chunk or less (the caller
-        does better on the loop's thread)."""
+        :data:`FEED_CHUNK` taken by two worker threads as they get free, each chunk fed as soon
+        as the ones before it are (by whichever thread finished it last, see
+        :class:`_InOrder`); None for a read of one chunk or less (the caller does better on the
+        loop's thread)."""
         if len(buffer) <= FEED_CHUNK:
             return None
         starts = range(0, len(buffer), FEED_CHUNK)
         counts = [0] * len(starts)
-        turns = _InTurn()
+        fed = _InOrder(feed, len(starts))
 
-        def work(first: int) -> None:
+        def work() -> None:
             try:
-                for index in range(first, len(starts), 2):
+                while (index := fed.take()) is not None:
                     view = buffer[starts[index] : starts[index] + FEED_CHUNK]
                     counts[index] = _pread_fully(self._fd, view, offset + starts[index])
-                    turns.run(index, feed, view[: counts[index]])
+                    fed.done(index, view[: counts[index]])
             except BaseException:
-                turns.stop()
+                fed.stop()
                 raise
 
         try:
             async with task_group() as group:
-                for first in (0, 1):
-                    box: list[Callable[[], None]] = [functools.partial(work, first)]
+                for _ in range(2):
+                    box: list[Callable[[], None]] = [work]
                     group.start_soon(anyio.to_thread.run_sync, _run_boxed, box)
         except OSError as exc:
             raise TransportError(
