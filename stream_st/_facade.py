@@ -74,21 +74,6 @@ Rows = tuple[int, int] | None
 """A run of rows along the first dimension, ``(first, end)``; ``None`` for the whole tensor."""
 
 
-def _rows_of(info: TensorInfo, rows: Rows) -> TensorInfo:
-    """``info`` narrowed to ``rows``: the same tensor's bytes for those rows only."""
-    if rows is None:
-        return info
-    first, end = rows
-    row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
-    return TensorInfo(
-        info.name,
-        info.dtype,
-        (end - first, *info.shape[1:]),
-        info.start + first * row_bytes,
-        info.start + end * row_bytes,
-    )
-
-
 class _File:
     """One safetensors file opened for reads by name (on the bridge's loop).
 
@@ -144,7 +129,7 @@ class _File:
         if self._arrays is not None:
             whole = self._arrays[info.name]
             return (whole if rows is None else whole[rows[0] : rows[1]]).copy()
-        wanted = _rows_of(info, rows)
+        wanted = info if rows is None else info.rows(*rows)
         digests = self._digests if rows is None else None
         base = self.header.data_start
         if self._map is not None:  # faulted in as touched, as the reference's views are

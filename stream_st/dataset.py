@@ -36,7 +36,7 @@ from . import _store
 from ._limits import Clock
 from .convenience import load
 from .errors import HeaderError, SourceNotFoundError, UsageError
-from .header import Header, TensorInfo
+from .header import Header
 from .reader import _read_tensor, open_stream, read_header
 from .sharded import MANIFEST_NAME, ShardIndex, is_index, shard_address
 
@@ -248,18 +248,6 @@ def plan_pieces(
     return pieces
 
 
-def _rows_of(info: TensorInfo, start: int, stop: int) -> TensorInfo:
-    """The part of ``info`` (a tensor of samples) that holds rows ``start:stop``."""
-    row_bytes = info.nbytes // info.shape[0]
-    return TensorInfo(
-        info.name,
-        info.dtype,
-        (stop - start, *info.shape[1:]),
-        info.start + start * row_bytes,
-        info.start + stop * row_bytes,
-    )
-
-
 async def read_piece(piece: Piece) -> dict[str, Array]:
     """The arrays of ``piece``: only their bytes are read (ranged requests on HTTP and S3).
 
@@ -278,6 +266,6 @@ async def read_piece(piece: Piece) -> dict[str, Array]:
         else:
             out = {}
             for info in sorted((header[n] for n in piece.names), key=lambda info: info.start):
-                part = _rows_of(info, piece.start, piece.stop)
+                part = info.rows(piece.start, piece.stop)
                 out[info.name] = await _read_tensor(stream.source, part, header.data_start)
         return {name: out[name] for name in piece.names}

@@ -96,6 +96,18 @@ class TensorInfo(NamedTuple):
         """The shape of the array this tensor is delivered as (differs for packed F4/F6)."""
         return array_shape(self.dtype_info, self.shape)
 
+    def rows(self, start: int, stop: int) -> TensorInfo:
+        """This tensor narrowed to rows ``start:stop`` of its first dimension: the same bytes
+        for those rows only (a range read of them gives that part of the tensor)."""
+        row_bytes = self.nbytes // self.shape[0] if self.shape[0] else 0
+        return TensorInfo(
+            self.name,
+            self.dtype,
+            (stop - start, *self.shape[1:]),
+            self.start + start * row_bytes,
+            self.start + stop * row_bytes,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
