@@ -1,22 +1,27 @@
-"""Run the async core from synchronous code: a private event loop in a worker thread.
+"""Run the async core from synchronous code: on a private event loop.
 
-The synchronous facades (:mod:`stream_st.torch`, :mod:`stream_st.numpy`) call the async core
-through a :class:`Bridge`: an asyncio event loop of its own, running in a thread it starts and
-joins, to which the calling thread hands each coroutine and then waits for the result. So a sync
-call works the same from a plain script, from any thread, and from inside a running event loop (a
-notebook cell, an asyncio or trio program calling sync code): the caller's loop is never asked to
-run anything, so it can neither deadlock on it nor meet "this event loop is already running". The
-caller's thread is blocked for the call's duration, as by any synchronous I/O. Not public API.
+The synchronous facades (:mod:`stream_st.torch`, :mod:`stream_st.numpy`) call the async core on
+an asyncio event loop of their own. A one-shot call (:func:`run`) from a thread that runs no
+event loop (a plain script, a worker thread) runs that loop right there, in the calling thread: a
+fraction of a millisecond. From inside a running event loop (a notebook cell, an asyncio or trio
+program calling sync code) it goes through a :class:`Bridge`: a loop in a thread of its own, to
+which the calling thread hands the coroutine and then waits for the result (a few milliseconds to
+start). Either way the caller's loop is never asked to run anything, so it can neither deadlock on
+it nor meet "this event loop is already running". An open file (``safe_open``) keeps a
+:class:`Bridge` for its lifetime. The caller's thread is blocked for the call's duration, as by
+any synchronous I/O. Not public API.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import sys
 import threading
 from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Any, TypeVar
 
+import anyio
 from anyio.abc import ByteReceiveStream, ByteSendStream
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
@@ -68,8 +73,37 @@ class Bridge:
         self._context.__exit__(None, None, None)
 
 
+def _loop_running() -> bool:
+    """Whether this thread is running an event loop (asyncio's or trio's) right now."""
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return False
+    try:
+        trio.lowlevel.current_trio_token()
+        return True
+    except RuntimeError:
+        return False
+
+
+async def _boxed(box: list[T], function: Callable[..., Awaitable[T]], *args: Any) -> None:
+    box.append(await function(*args))
+
+
 def run(function: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """``await function(*args)`` on a private event loop started for this call, from sync code."""
+    """``await function(*args)`` on a private event loop started for this call, from sync code:
+    in the calling thread when it runs no loop, else in a :class:`Bridge`'s thread."""
+    if not _loop_running():
+        # The result goes back in a box, not as the task's result: in the main thread asyncio's
+        # runner formats its SIGINT handler, which names the task and so the task's result, on
+        # the way out (``signal.getsignal``): the repr of every tensor loaded, milliseconds.
+        box: list[T] = []
+        anyio.run(_boxed, box, function, *args)
+        return box[0]
     bridge = Bridge()
     try:
         return bridge.call(function, *args)

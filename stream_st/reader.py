@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterable, Mapping
 from typing import Any, Self, Unpack
 
 import anyio.to_thread
@@ -58,6 +60,14 @@ PROVE_ABOVE = 1 << 30
 ``PROOF_SIZE`` bytes have arrived, so a short stream claiming a huge tensor costs nothing."""
 
 PROOF_SIZE = 4 << 20
+
+READ_AHEAD_FROM = 8 << 20
+"""A local file's tensors are read ahead by worker threads (:meth:`TensorStream._read_ahead`)
+when those wanted hold at least this many bytes; smaller reads stay tensor by tensor, mostly
+on the loop's thread from the page cache, where starting threads would cost more."""
+
+READ_AHEAD_BYTES = 64 << 20
+"""Fresh arrays read ahead of the caller hold at most this many bytes (at least one tensor)."""
 
 
 def _allocate(info: TensorInfo) -> tuple[np.ndarray[Any, Any], memoryview]:
@@ -203,6 +213,7 @@ class TensorStream(AsyncClosing):
         self._source: Source | None = None
         self._header: Header | None = None
         self._iterated = False
+        self._generator: AsyncGenerator[tuple[str, np.ndarray[Any, Any]]] | None = None
         self._closed = False
         self._head: tuple[bytes, bytearray] | None = None  # the prefix and header, as read
         self.object_check: str | None = None
@@ -290,8 +301,11 @@ class TensorStream(AsyncClosing):
             )
 
     async def aclose(self) -> None:
-        """Close the source. Bytes not yet read stay unread."""
+        """Close the source. Bytes not yet read stay unread. An iteration left part way (a
+        ``break``) is closed first, so nothing still reads from the source (a local file's
+        read-ahead threads are stopped and waited for)."""
         self._closed = True
+        await self._close_iteration()
         source, self._source = self._source, None
         if source is not None:
             await source.aclose()
@@ -300,29 +314,39 @@ class TensorStream(AsyncClosing):
         await self.open()
         return self
 
+    async def _close_iteration(self) -> None:
+        """Close an iteration left part way, if any (its ``finally`` blocks run now). One running
+        in another task at this moment is left to meet the closed source."""
+        generator, self._generator = self._generator, None
+        if generator is not None and not getattr(generator, "ag_running", False):
+            await generator.aclose()
+
     def __aiter__(self) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
         if self._iterated:
             raise UsageError("a TensorStream can be iterated only once")
         self._iterated = True
-        return self._iterate()
+        self._generator = self._iterate()
+        return self._generator
 
-    async def _iterate(self) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
+    async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
         owns = self._header is None
         # Iterated without 'async with' and nothing to skip: every byte will be read.
         header = await self.open(read_all=owns and self._include is None)
         try:
             selected = _selector(self._include, header)
             self._delivery.check(header.names())
-            async for item in self._tensors(header, selected):
-                yield item
-                del item  # hold no array while the next one is read
+            async with contextlib.aclosing(self._tensors(header, selected)) as items:
+                async for item in items:
+                    yield item
+                    del item  # hold no array while the next one is read
         finally:
             if owns:
+                self._generator = None  # this one: ending, not to be closed again
                 await self.aclose()
 
     async def _tensors(
         self, header: Header, selected: Callable[[str], bool]
-    ) -> AsyncIterator[tuple[str, Any]]:
+    ) -> AsyncGenerator[tuple[str, Any]]:
         source = self.source
         delivery = self._delivery
         base = header.data_start
@@ -340,6 +364,17 @@ class TensorStream(AsyncClosing):
             mapped.plan(ranges)
         whole = await self._object_hash(len(wanted) == len(header.tensors))
         hasher = None if whole is None else whole[1]
+        if (
+            mapped is None
+            and digests is None
+            and hasher is None
+            and isinstance(source, FileSource)
+            and sum(info.nbytes for info in wanted) >= READ_AHEAD_FROM
+        ):
+            async with contextlib.aclosing(self._read_ahead(source, wanted, base)) as items:
+                async for item in items:
+                    yield item
+            return
         for info in wanted:
             source.clock.check(source.name, source.position)
             target = delivery.target(info)
@@ -358,6 +393,53 @@ class TensorStream(AsyncClosing):
             digest, hasher = whole
             digest.check(hasher, source.name)
             self.object_check = f"{digest.label}: verified"
+
+    async def _read_ahead(
+        self, source: FileSource, wanted: list[TensorInfo], base: int
+    ) -> AsyncGenerator[tuple[str, Any]]:
+        """The tensors of a local file read ahead of the caller by worker threads kept busy (see
+        :mod:`stream_st.sources._ahead`): every tensor going into memory the caller gave, and
+        fresh arrays while the ones not yet handed out hold at most :data:`READ_AHEAD_BYTES`."""
+        delivery = self._delivery
+        queued: deque[tuple[TensorInfo, int, bool, np.ndarray[Any, Any]]] = deque()
+        upcoming = iter(wanted)
+        following = next(upcoming, None)
+        fresh = 0  # bytes of fresh arrays read or being read, not yet handed out
+        async with source.reading() as ahead:
+            while True:
+                while following is not None:
+                    info = following
+                    target = delivery.target(info)
+                    if target is None:
+                        if queued and fresh + info.nbytes > READ_AHEAD_BYTES:
+                            break
+                        target_array, view = _allocate(info)
+                        fresh += info.nbytes
+                    else:
+                        target_array, view = target
+                    job = ahead.add(base + info.start, view) if info.nbytes else -1
+                    queued.append((info, job, target is not None, target_array))
+                    following = next(upcoming, None)
+                if not queued:
+                    break
+                info, job, given, array = queued.popleft()
+                source.clock.check(source.name, source.position)
+                got = await ahead.wait(job) if job >= 0 else 0
+                source.position = base + info.start + got
+                if got < info.nbytes:
+                    raise TruncatedStreamError(
+                        f"tensor {info.name!r}",
+                        name=info.name,
+                        offset=source.position,
+                        expected=base + info.end,
+                        source=source.name,
+                    )
+                if not given:
+                    fresh -= info.nbytes
+                if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
+                    array.byteswap(inplace=True)
+                yield info.name, delivery.deliver(info, array, given)
+                del array
 
     async def _object_hash(self, every_byte: bool) -> tuple[ObjectDigest, Hasher] | None:
         """The whole object's digest, if its transport gives one and the read will take every

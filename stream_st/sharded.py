@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 import posixpath
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeGuard
 from urllib.parse import urlsplit
 
@@ -296,7 +296,7 @@ class ShardedStream(TensorStream):
                 raise TensorNotFoundError(f"include= names tensors not in the index: {missing}")
         return names.__contains__
 
-    async def _iterate(self) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
+    async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
         await self.open()
         index = self.index
         selected = self._selector(index)
@@ -392,6 +392,7 @@ class ShardedStream(TensorStream):
             raise TensorNotFoundError(f"include= names tensors in no shard: {missing}")
 
     async def aclose(self) -> None:
+        await self._close_iteration()
         for stream in (self._current, self._ahead):
             if isinstance(stream, TensorStream):
                 await stream.aclose()

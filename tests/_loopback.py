@@ -26,9 +26,12 @@ class LoopbackServer:
                 connection, _ = self._listener.accept()
             except OSError:
                 return
-            thread = threading.Thread(target=self._serve, args=(connection,), daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            self._start(connection)
+
+    def _start(self, connection: socket.socket) -> None:
+        thread = threading.Thread(target=self._serve, args=(connection,), daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def _serve(self, connection: socket.socket) -> None:
         with connection, contextlib.suppress(OSError):
@@ -38,7 +41,13 @@ class LoopbackServer:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Stop accepting; connections being served go on until they end."""
+        """Stop accepting; connections being served go on until they end, and so do those the
+        kernel completed but the accepting thread has not taken yet (a quick client may have
+        connected, sent everything and closed before that thread ran)."""
+        with contextlib.suppress(OSError):
+            self._listener.setblocking(False)
+            while True:
+                self._start(self._listener.accept()[0])
         with contextlib.suppress(OSError):  # wakes the thread blocked in accept()
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()

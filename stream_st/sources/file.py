@@ -21,6 +21,7 @@ import stat
 import sys
 import threading
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 
 import anyio
 import anyio.lowlevel
@@ -31,6 +32,7 @@ from .._mmap import FileMap
 from .._nonblocking import NonBlockingEnd
 from .._util import task_group
 from ..errors import SourceNotFoundError, TransportError, UsageError
+from ._ahead import ReadAhead, read_ahead
 from .base import Source
 
 __all__ = ["FileSource", "PipeEnd", "PipeSource", "open_file_source", "open_path"]
@@ -289,6 +291,11 @@ class FileSource(Source):
             group.start_soon(read, 1, half, buffer[half:])
         # A short first half means the file ended inside it: the second half read nothing.
         return counts[0] if counts[0] < half else half + counts[1]
+
+    def reading(self) -> AbstractAsyncContextManager[ReadAhead]:
+        """Reads of many ranges at once into memory that exists already, by worker threads
+        kept busy across them (see :mod:`stream_st.sources._ahead`)."""
+        return read_ahead(self._fd, self.name)
 
     def map(self, *, private: bool = False) -> FileMap | None:
         """The file mapped for zero-copy views (read-only; ``private``: writable, copy on

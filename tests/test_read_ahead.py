@@ -1,0 +1,166 @@
+"""A local file's tensors read ahead by worker threads (stream_st/sources/_ahead.py): the same
+bytes as the reference, nothing short after a file shrinks, fresh arrays ahead bounded, and no
+thread left writing into the caller's memory after the stream is left."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import safetensors.numpy as reference
+
+import stream_st
+import stream_st.reader as reader_module
+from stream_st import TruncatedStreamError
+from stream_st.sources import _ahead
+from stream_st.sources._ahead import _preadv_fully, read_ahead
+
+pytestmark = pytest.mark.anyio
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+
+
+def mixed() -> Arrays:
+    """Big and tiny tensors, empty ones, odd sizes: 12 MiB in all, so the file is read ahead."""
+    rng = np.random.default_rng(7)
+    tensors: Arrays = {}
+    for i in range(40):
+        tensors[f"small.{i:02}"] = rng.integers(0, 255, size=1 + 977 * i, dtype=np.uint8)
+    tensors["empty"] = np.zeros((0, 3), np.float32)
+    tensors["big.a"] = rng.random(1_000_003).astype(np.float64)  # 8 MB, cut in pieces
+    tensors["big.b"] = rng.random((1024, 1023)).astype(np.float32)
+    return tensors
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    target = tmp_path / "mixed.safetensors"
+    reference.save_file(mixed(), target)
+    return target
+
+
+async def test_read_ahead_gives_the_reference_s_tensors(path: Path) -> None:
+    expected = reference.load_file(path)
+    header = await stream_st.read_header(path)
+    got = {name: array async for name, array in stream_st.open_stream(path)}
+    assert list(got) == [info.name for info in header.tensors]  # offset order
+    for name, array in expected.items():
+        assert got[name].dtype == array.dtype and got[name].shape == array.shape
+        assert got[name].tobytes() == array.tobytes(), name
+
+
+async def test_read_ahead_into_given_memory_and_fresh_arrays_together(path: Path) -> None:
+    expected = reference.load_file(path)
+    into = {"big.b": np.empty((1024, 1023), np.float32), "small.05": bytearray(1 + 977 * 5)}
+    got = {name: array async for name, array in stream_st.open_stream(path, into=into)}
+    assert got["big.b"] is into["big.b"]
+    assert bytes(into["small.05"]) == expected["small.05"].tobytes()
+    for name, array in expected.items():
+        assert np.asarray(got[name]).tobytes() == array.tobytes(), name
+
+
+async def test_fresh_arrays_read_ahead_stay_within_their_bound(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Arrays read but not yet handed out never hold more than READ_AHEAD_BYTES (or one
+    tensor); counted at every allocation while the caller holds each tensor for a while."""
+    monkeypatch.setattr(reader_module, "READ_AHEAD_BYTES", 1 << 20)
+    allocate = reader_module._allocate
+    live: dict[str, int] = {}
+    peaks: list[int] = []
+
+    def counting(info: Any) -> Any:
+        live[info.name] = info.nbytes
+        peaks.append(sum(live.values()))
+        return allocate(info)
+
+    monkeypatch.setattr(reader_module, "_allocate", counting)
+    async for name, _ in stream_st.open_stream(path):
+        live.pop(name)
+        await anyio.sleep(0.001)
+    largest = max(array.nbytes for array in mixed().values())
+    assert max(peaks) <= max(1 << 20, largest)  # read all at once: 12 MB
+    assert len(peaks) == len(mixed())
+
+
+async def test_a_file_that_shrinks_after_open_raises_and_never_yields_short(path: Path) -> None:
+    async with stream_st.open_stream(path) as stream:
+        names = stream.header.names()
+        big_a = stream.header["big.a"]
+        os.truncate(path, stream.header.data_start + big_a.start + 1000)
+        seen = []
+        with pytest.raises(TruncatedStreamError, match=r"big\.a"):
+            async for name, array in stream:
+                assert array.nbytes == stream.header[name].nbytes
+                seen.append(name)
+    assert seen == names[: names.index("big.a")]
+
+
+async def test_leaving_early_stops_the_threads_before_returning(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the loop is left, no worker can write into the caller's memory any more: every
+    worker has returned by the time the stream is closed, its remaining pieces dropped."""
+    monkeypatch.setattr(_ahead, "PIECE", 4096)  # many pieces: most are still queued at the break
+    readers: set[_ahead.ReadAhead] = set()
+    pieces_read = [0]
+    take = _ahead.ReadAhead._take
+
+    def counted_take(self: _ahead.ReadAhead) -> Any:
+        readers.add(self)
+        batch = take(self)
+        pieces_read[0] += len(batch)
+        return batch
+
+    monkeypatch.setattr(_ahead.ReadAhead, "_take", counted_take)
+    into = {"big.b": np.zeros((1024, 1023), np.float32)}
+    async with stream_st.open_stream(path, into=into) as stream:
+        async for _name, _ in stream:
+            assert [ahead._running for ahead in readers] == [_ahead.WORKERS]
+            break
+    assert [ahead._running for ahead in readers] == [0]
+    total = sum(-(-array.nbytes // 4096) for array in mixed().values())
+    assert pieces_read[0] < total  # stopped early, not read to the end
+
+
+async def test_a_failed_read_is_a_transport_error(tmp_path: Path) -> None:
+    """A read the kernel refuses (a directory's descriptor: EISDIR) fails every later wait."""
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        async with read_ahead(fd, "dir") as ahead:
+            job = ahead.add(0, memoryview(bytearray(10)))
+            with pytest.raises(stream_st.TransportError, match="read failed"):
+                await ahead.wait(job)
+            with pytest.raises(stream_st.TransportError):
+                await ahead.wait(ahead.add(10, memoryview(bytearray(10))))
+    finally:
+        os.close(fd)
+
+
+def test_adjacent_views_are_filled_in_order_up_to_the_end(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 40
+    file = tmp_path / "bytes"
+    file.write_bytes(data)
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        views = [memoryview(bytearray(n)) for n in (3, 0, 5000, 7000)]
+        assert _preadv_fully(fd, views, 100) == [3, 0, 5000, len(data) - 5103]
+        assert bytes(views[2]) == data[103:5103]
+        assert bytes(views[3][: len(data) - 5103]) == data[5103:]
+    finally:
+        os.close(fd)
+
+
+async def test_pieces_of_one_tensor_go_to_both_threads(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With small pieces every tensor is read in many calls; the result is unchanged."""
+    monkeypatch.setattr(_ahead, "PIECE", 4096)
+    expected = reference.load_file(path)
+    got = {name: array async for name, array in stream_st.open_stream(path)}
+    for name, array in expected.items():
+        assert got[name].tobytes() == array.tobytes(), name
