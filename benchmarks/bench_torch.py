@@ -11,6 +11,9 @@ model first (its memory allocated and touched: that is not timed), then times on
 
 * ``ours``: ``stream_st.torch.load_model(model, src)``: every tensor received straight into the
   model's parameters;
+* ``ours_assign``: ``stream_st.torch.load_model(model, src, assign=True)``: the model's tensors
+  replaced by the file's (a local file's: views of a private mapping, never copied), then every
+  page of every parameter read, inside the timing (the other variants write every page);
 * ``ours_dict``: ``model.load_state_dict(stream_st.torch.load_file(src))`` (a local file mapped);
 * ``ref_model``: ``safetensors.torch.load_model(model, path)`` (mmap, then ``load_state_dict``);
 * ``ref_dict``: ``model.load_state_dict(safetensors.torch.load_file(path))``.
@@ -57,7 +60,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 WIDTH = 2048  # a 16 MiB F32 weight per layer
-MODEL_VARIANTS = ("ours", "ours_dict", "ref_model", "ref_dict")
+MODEL_VARIANTS = ("ours", "ours_assign", "ours_dict", "ref_model", "ref_dict")
 FILE_VARIANTS = ("file_ours", "file_pread", "file_shared", "file_ref")
 PAGE = 4096
 
@@ -101,6 +104,9 @@ def load_model(variant: str, src: str, model: Any) -> None:
 
     if variant == "ours":
         stream_st.torch.load_model(model, src)
+    elif variant == "ours_assign":
+        stream_st.torch.load_model(model, src, assign=True)
+        touch(dict(model.named_parameters()))  # mapped, not written: read every page
     elif variant == "ours_dict":
         model.load_state_dict(stream_st.torch.load_file(src))
     elif src.startswith("http"):
@@ -138,7 +144,7 @@ def touch(tensors: dict[str, Any]) -> int:
     total = 0
     for tensor in tensors.values():
         raw = (
-            tensor.reshape(-1).view(torch.uint8).numpy()
+            tensor.detach().reshape(-1).view(torch.uint8).numpy()
             if isinstance(tensor, torch.Tensor)
             else tensor.reshape(-1).view(np.uint8)
         )

@@ -8,11 +8,12 @@ every source and destination stream_st reads and writes (paths, ``http(s)://``, 
     safetensors_torch.save_file(tensors, "s3://bucket/model.safetensors")
     missing, unexpected = safetensors_torch.load_model(model, "hf://org/repo/model.safetensors")
 
-Every call runs the async core on a private event loop in a worker thread, so it works from a
-plain script, from any thread, and inside a running event loop (a notebook cell, async code
-calling sync code) alike. Beyond the reference's arguments, each call that takes an address also
-takes stream_st's transport options (``headers=``, ``ssl_context=``, ``timeout=``,
-``deadline=``, ``speed_limit=``, ``speed_time=``). Every dtype torch shares with safetensors is
+Every call runs the async core on a private event loop (in the calling thread, or in a worker
+thread when the calling thread runs an event loop already), so it works from a plain script, from
+any thread, and inside a running event loop (a notebook cell, async code calling sync code)
+alike. Beyond the reference's arguments, each call that takes an address also takes stream_st's
+transport options (``headers=``, ``ssl_context=``, ``timeout=``, ``deadline=``, ``speed_limit=``,
+``speed_time=``). Every dtype torch shares with safetensors is
 read and written, BF16, the F8 family, F4, BOOL and U16/U32/U64 included.
 
 A local file is mapped, as the reference maps it: ``load_file`` and ``safe_open`` hand out its
@@ -31,7 +32,7 @@ Needs torch: ``pip install torch==2.13.0`` (or the ``torch`` extra from a checko
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Unpack
 
 from . import _facade
@@ -262,6 +263,7 @@ def load_model(
     *,
     backend: str = "mmap",
     verify: bool = True,
+    assign: bool = False,
     **options: Unpack[TransportOptions],
 ) -> tuple[set[str], list[str]]:
     """Load ``filename`` (a file, URL or index) into ``model``; ``(missing, unexpected)`` names.
@@ -271,30 +273,34 @@ def load_model(
     others are read fresh and go through ``model.load_state_dict`` as in the reference. Tensors
     the model shares (tied weights) count as loaded when one of them is in the file. With
     ``strict``, missing or unexpected names raise :class:`~stream_st.UsageError` (a
-    ``RuntimeError``, as the reference raises) after loading. ``backend`` is accepted as the
-    reference spells it; reading straight into the model beats viewing a mapping either way.
+    ``RuntimeError``, as the reference raises) after loading.
+
+    ``assign=True`` (as ``torch.nn.Module.load_state_dict(assign=True)``) puts the file's tensors
+    in the model instead of copying them into its memory: each parameter and buffer is replaced,
+    as soon as its tensor arrives, by the loaded tensor (a parameter by a new ``Parameter`` with
+    the old one's ``requires_grad``; tied names get the same one), with the file's dtype. A local
+    file is then not copied at all: its tensors are views of a private mapping, as ``load_file``
+    gives (``backend="pread"`` reads them into fresh memory instead); the model's old memory is
+    freed tensor by tensor. It is the way to load a model built on the ``meta`` device, and
+    the fastest from a local file. The old parameter objects are no longer the model's: build an
+    optimizer after loading. A shape that differs from the model's raises
+    :class:`~stream_st.UsageError`.
+
     Digests recorded in the header are checked unless ``verify=False``; a tensor that fails
     has already been received into its parameter when :class:`~stream_st.IntegrityError` is
     raised, so the model is then partly loaded, as after any failed load.
     """
-    _facade.maps(backend)  # checked only: the model's own memory is where tensors go
     check_device(device)
     check_sync_address(filename, "source")
-    state = model.state_dict()
-    into = {
-        name: tensor
-        for name, tensor in state.items()
-        if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
-    }
-    placed, fresh = run(_receive, filename, into, verify, clock_of(options))
-    missing_list, unexpected = model.load_state_dict(fresh, strict=False)
-    missing = set(missing_list).difference(placed)
-    for dropped in _duplicates(state, placed | fresh.keys()).values():
-        for name in dropped:  # stood for by the name kept: not missing; in the file, unexpected
-            if name in missing:
-                missing.remove(name)
-            else:
-                unexpected.append(name)
+    if assign:
+        slots = _Slots(model)
+        _, others = run(
+            _receive, filename, slots.place, verify, clock_of(options), not _facade.maps(backend)
+        )
+        missing, unexpected = slots.missing(), [name for name, _ in others]
+    else:
+        _facade.maps(backend)  # checked only: the model's own memory is where tensors go
+        missing, unexpected = _load_into(model, filename, verify, clock_of(options))
     if strict and (missing or unexpected):
         raise UsageError(
             f"Error(s) in loading state_dict for {type(model).__name__}: "
@@ -303,21 +309,98 @@ def load_model(
     return missing, unexpected
 
 
+def _load_into(
+    model: torch.nn.Module, filename: SourceLike, verify: bool, clock: Clock
+) -> tuple[set[str], list[str]]:
+    """``load_model`` without ``assign``: every tensor that fits received into the model's own
+    memory, the others through ``load_state_dict``; ``(missing, unexpected)``."""
+    state = model.state_dict()
+    into = {
+        name: tensor
+        for name, tensor in state.items()
+        if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
+    }
+    placed, fresh = run(
+        _receive, filename, lambda name, tensor: tensor is into.get(name), verify, clock, True, into
+    )
+    missing_list, unexpected = model.load_state_dict(dict(fresh), strict=False)
+    missing = set(missing_list).difference(placed)
+    for dropped in _duplicates(state, placed | {name for name, _ in fresh}).values():
+        for name in dropped:  # stood for by the name kept: not missing; in the file, unexpected
+            if name in missing:
+                missing.remove(name)
+            else:
+                unexpected.append(name)
+    return missing, unexpected
+
+
+class _Slots:
+    """Where a model keeps each tensor of its state dict, for ``load_model(assign=True)``:
+    names grouped by the tensor they share (tied weights), no tensor held (so a replaced one is
+    freed at once)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        by_tensor: dict[int, list[str]] = {}
+        for name, value in model.state_dict(keep_vars=True).items():
+            if isinstance(value, _torch.Tensor):
+                by_tensor.setdefault(id(value), []).append(name)
+        self._group = {name: names for names in by_tensor.values() for name in names}
+        self._loaded: set[str] = set()
+
+    def place(self, name: str, tensor: Any) -> bool:
+        """Put ``tensor`` where ``name`` (and every name tied to it) lives; False if the model
+        has no such name."""
+        names = self._group.get(name)
+        if names is None:
+            return False
+        old = self._attribute(names[0])
+        if old.shape != tensor.shape:
+            raise UsageError(
+                f"size mismatch for {name}: the file has shape {list(tensor.shape)}, "
+                f"the model {list(old.shape)}"
+            )
+        parameter = isinstance(old, _torch.nn.Parameter)
+        new = _torch.nn.Parameter(tensor, requires_grad=old.requires_grad) if parameter else tensor
+        del old
+        for each in names:
+            owner, _, attribute = each.rpartition(".")
+            module = self._model.get_submodule(owner)
+            (module._parameters if parameter else module._buffers)[attribute] = new
+        self._loaded.update(names)
+        return True
+
+    def missing(self) -> set[str]:
+        """The model's names no tensor was placed for."""
+        return set(self._group).difference(self._loaded)
+
+    def _attribute(self, name: str) -> Any:
+        owner, _, attribute = name.rpartition(".")
+        return getattr(self._model.get_submodule(owner), attribute)
+
+
 async def _receive(
-    src: SourceLike, into: dict[str, Any], verify: bool, clock: Clock
-) -> tuple[set[str], dict[str, Any]]:
-    """Read every tensor of ``src``: those ``into`` can take land there, the others come back."""
+    src: SourceLike,
+    place: Callable[[str, Any], bool],
+    verify: bool,
+    clock: Clock,
+    copy: bool,
+    into: dict[str, Any] | None = None,
+) -> tuple[set[str], list[tuple[str, Any]]]:
+    """Read every tensor of ``src`` (``into`` those it can take) and hand each to ``place``; the
+    names it took, and the tensors it did not."""
     placed: set[str] = set()
-    fresh: dict[str, Any] = {}
+    others: list[tuple[str, Any]] = []
     stream = stream_for(
         os.fspath(src) if isinstance(src, os.PathLike) else src,
         verify=verify,
         clock=clock,
-        delivery=Delivery("pt", into, exact=False),
+        delivery=Delivery("pt", into, exact=False, writable=True),
+        copy=copy,
     )
     async for name, tensor in stream:
-        if tensor is into.get(name):
+        if place(name, tensor):
             placed.add(name)
         else:
-            fresh[name] = tensor
-    return placed, fresh
+            others.append((name, tensor))
+    return placed, others

@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -431,6 +432,75 @@ def test_load_model_missing_unexpected_and_mismatches_as_the_reference(tmp_path:
     with pytest.raises(UsageError, match="scale") as raised:
         st.load_model(Tied(), tmp_path / "m.safetensors")
     assert isinstance(raised.value, RuntimeError)  # as the reference raises
+
+
+def meta_tied() -> Tied:
+    with torch.device("meta"):
+        return Tied()
+
+
+def test_load_model_assign_fills_a_meta_model_with_the_file_s_tensors(tmp_path: Path) -> None:
+    """assign=True: a model built on the meta device (no memory) gets the file's tensors as
+    its own, ties kept as one Parameter, requires_grad kept; a local file is mapped, never
+    changed by writes to the model, and the old parameters are let go."""
+    torch.manual_seed(5)
+    source = Tied()
+    path = tmp_path / "m.safetensors"
+    st.save_model(source, path)
+    data = path.read_bytes()
+    model = meta_tied()
+    model.body.weight.requires_grad_(False)  # the model's choice, kept
+    old = weakref.ref(model.body.bias)
+    assert st.load_model(model, path, assign=True) == (set(), [])
+    assert old() is None  # nothing holds the replaced parameter
+    assert model.head.weight is model.embed.weight  # one Parameter, as before loading
+    assert isinstance(model.body.bias, torch.nn.Parameter)
+    assert not model.body.weight.requires_grad and model.body.bias.requires_grad
+    assert all(t.device.type == "cpu" for t in model.state_dict().values())
+    ids = torch.arange(10)
+    assert torch.equal(model(ids), source(ids))
+    with torch.no_grad():
+        model.body.bias.add_(1)  # a copy-on-write page: this process only
+    assert path.read_bytes() == data
+    assert torch.equal(st.load_file(path)["body.bias"], source.body.bias)
+
+
+def test_load_model_assign_over_http_and_with_pread(tmp_path: Path, http: RangeHTTPServer) -> None:
+    torch.manual_seed(6)
+    source = Tied()
+    path = tmp_path / "m.safetensors"
+    st.save_model(source, path)
+    http.objects["/m.safetensors"] = path.read_bytes()
+    for address, options in ((http.url("/m.safetensors"), {}), (path, {"backend": "pread"})):
+        model = meta_tied()
+        assert st.load_model(model, address, assign=True, **options) == (set(), [])
+        for name, tensor in source.state_dict().items():
+            assert torch.equal(model.state_dict()[name], tensor), (address, name)
+        assert model.head.weight is model.embed.weight
+
+
+def test_load_model_assign_reports_and_refuses_as_without(tmp_path: Path) -> None:
+    """Missing and unexpected names are reported as without assign; a shape that differs is
+    a UsageError; a dtype that differs is the file's (as torch's assign=True does)."""
+    torch.manual_seed(7)
+    state = dict(Tied().state_dict())
+    del state["head.weight"]
+    state["extra"] = torch.zeros(3)
+    state["body.bias"] = torch.zeros(8, dtype=torch.float64)
+    del state["scale"]
+    reference.save_file(state, tmp_path / "m.safetensors")
+    expected: Any = st.load_model(Tied(), tmp_path / "m.safetensors", strict=False)
+    model = Tied()
+    got = st.load_model(model, tmp_path / "m.safetensors", strict=False, assign=True)
+    assert got == ({"scale"}, ["extra"]) == (expected[0], expected[1])
+    assert model.body.bias.dtype == torch.float64
+    with pytest.raises(UsageError, match="scale"):
+        st.load_model(Tied(), tmp_path / "m.safetensors", assign=True)
+    state = {name: t.clone() for name, t in Tied().state_dict().items() if name != "head.weight"}
+    state["body.weight"] = torch.zeros(8, 9)
+    reference.save_file(state, tmp_path / "bad.safetensors")
+    with pytest.raises(UsageError, match=r"size mismatch for body\.weight"):
+        st.load_model(Tied(), tmp_path / "bad.safetensors", assign=True)
 
 
 def test_transformers_sharded_bf16_checkpoint_loads_into_the_same_class(tmp_path: Path) -> None:
