@@ -95,6 +95,17 @@ def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
+def _cut_short(info: TensorInfo, source: Source, base: int) -> TruncatedStreamError:
+    """The error for ``info``'s bytes ending at ``source.position``, before the tensor did."""
+    return TruncatedStreamError(
+        f"tensor {info.name!r}",
+        name=info.name,
+        offset=source.position,
+        expected=base + info.end,
+        source=source.name,
+    )
+
+
 async def _read_tensor(
     source: Source,
     info: TensorInfo,
@@ -126,13 +137,7 @@ async def _read_tensor(
         array, view = _allocate(info)
         got = await read(start, view) if info.nbytes else 0
     if got < info.nbytes:
-        raise TruncatedStreamError(
-            f"tensor {info.name!r}",
-            name=info.name,
-            offset=source.position,
-            expected=base + info.end,
-            source=source.name,
-        )
+        raise _cut_short(info, source, base)
     if digests is not None and hasher is not None:
         digests.check(info.name, hasher, source.name)
     return array
@@ -427,13 +432,7 @@ class TensorStream(AsyncClosing):
                 got = await ahead.wait(job) if job >= 0 else 0
                 source.position = base + info.start + got
                 if got < info.nbytes:
-                    raise TruncatedStreamError(
-                        f"tensor {info.name!r}",
-                        name=info.name,
-                        offset=source.position,
-                        expected=base + info.end,
-                        source=source.name,
-                    )
+                    raise _cut_short(info, source, base)
                 if not given:
                     fresh -= info.nbytes
                 if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
