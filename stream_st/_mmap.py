@@ -39,7 +39,7 @@ import numpy as np
 from .errors import TransportError
 from .header import TensorInfo
 
-__all__ = ["INLINE_STEP", "OWN_MAPPING_FROM", "WINDOW", "FileMap", "fresh_bytes"]
+__all__ = ["INLINE_STEP", "OWN_MAPPING_FROM", "WINDOW", "FileMap", "fresh_bytes", "fresh_mapping"]
 
 WINDOW = 64 << 20
 """Bytes populated per call (at least the tensor asked for)."""
@@ -73,8 +73,13 @@ def fresh_bytes(nbytes: int) -> np.ndarray[Any, Any]:
     """
     if nbytes < OWN_MAPPING_FROM:
         return np.empty(nbytes, dtype=np.uint8)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(mapping, dtype=np.uint8)
+    return np.frombuffer(fresh_mapping(nbytes), dtype=np.uint8)
+
+
+def fresh_mapping(nbytes: int) -> mmap.mmap:
+    """An anonymous private mapping of ``nbytes``, under the system's page-size policy (see
+    :func:`fresh_bytes`)."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 class FileMap:

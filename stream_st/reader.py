@@ -17,6 +17,7 @@ import numpy as np
 from ._frameworks import Delivery, Framework
 from ._limits import Clock, TransportOptions, clock_of
 from ._mmap import fresh_bytes
+from ._recycle import Recycler
 from ._util import AsyncClosing
 from .errors import (
     AllocationError,
@@ -66,14 +67,30 @@ READ_AHEAD_FROM = 8 << 20
 when those wanted hold at least this many bytes; smaller reads stay tensor by tensor, mostly
 on the loop's thread from the page cache, where starting threads would cost more."""
 
-READ_AHEAD_BYTES = 64 << 20
-"""Fresh arrays read ahead of the caller hold at most this many bytes (at least one tensor)."""
+READ_AHEAD_BYTES = 16 << 20
+"""Fresh arrays read ahead of the caller hold at most this many bytes, or two tensors of at
+most :data:`READ_AHEAD_MOST` together, or one tensor: enough to keep both threads busy (a
+thread waiting for the next tensor to be queued costs a hand-over), and little enough that a
+streaming caller has dropped earlier tensors, whose memory is used again
+(:mod:`stream_st._recycle`), before later ones are allocated."""
+
+READ_AHEAD_MOST = 64 << 20
+"""See :data:`READ_AHEAD_BYTES`."""
 
 
-def _allocate(info: TensorInfo) -> tuple[np.ndarray[Any, Any], memoryview]:
-    """A fresh array for ``info`` and a writable byte view of its memory."""
+def _room_ahead(queued: int, fresh: int, nbytes: int) -> bool:
+    """Whether a fresh array of ``nbytes`` may be read ahead, ``queued`` tensors (holding
+    ``fresh`` bytes of fresh arrays) being read or waiting already."""
+    total = fresh + nbytes
+    return total <= READ_AHEAD_BYTES or (queued < 2 and total <= READ_AHEAD_MOST)
+
+
+def _allocate(
+    info: TensorInfo, take: Callable[[int], np.ndarray[Any, Any]] = fresh_bytes
+) -> tuple[np.ndarray[Any, Any], memoryview]:
+    """A fresh array for ``info`` (its memory from ``take``) and a writable byte view of it."""
     try:
-        raw = fresh_bytes(info.nbytes)
+        raw = take(info.nbytes)
     except (MemoryError, ValueError, OSError) as exc:
         raise AllocationError(
             f"cannot allocate tensor {info.name!r} of {info.nbytes} bytes: {exc}"
@@ -113,10 +130,12 @@ async def _read_tensor(
     target: tuple[np.ndarray[Any, Any], memoryview] | None = None,
     digests: Digests | None = None,
     whole: Hasher | None = None,
+    take: Callable[[int], np.ndarray[Any, Any]] = fresh_bytes,
 ) -> np.ndarray[Any, Any]:
     """Read one tensor straight into a fresh array, or into ``target`` (memory the caller owns:
     an array and its byte view); never return a partly filled one, nor one that does not match
-    its digest in ``digests``. ``whole`` is also fed the tensor's bytes (the object's digest)."""
+    its digest in ``digests``. ``whole`` is also fed the tensor's bytes (the object's digest).
+    ``take`` gives the fresh memory (a stream's :class:`~stream_st._recycle.Recycler`)."""
     start = base + info.start
     hasher = None if digests is None else digests.hasher()
     hashers = [h for h in (hasher, whole) if h is not None]
@@ -130,11 +149,11 @@ async def _read_tensor(
         proof = bytearray(PROOF_SIZE)
         got = await read(start, memoryview(proof))
         if got == PROOF_SIZE:
-            array, view = _allocate(info)
+            array, view = _allocate(info, take)
             view[:PROOF_SIZE] = proof
             got += await read(source.position, view[PROOF_SIZE:])
     else:
-        array, view = _allocate(info)
+        array, view = _allocate(info, take)
         got = await read(start, view) if info.nbytes else 0
     if got < info.nbytes:
         raise _cut_short(info, source, base)
@@ -219,6 +238,7 @@ class TensorStream(AsyncClosing):
         self._header: Header | None = None
         self._iterated = False
         self._generator: AsyncGenerator[tuple[str, np.ndarray[Any, Any]]] | None = None
+        self._recycler = Recycler()  # fresh memory the caller has let go of, for later tensors
         self._closed = False
         self._head: tuple[bytes, bytearray] | None = None  # the prefix and header, as read
         self.object_check: str | None = None
@@ -384,7 +404,9 @@ class TensorStream(AsyncClosing):
             source.clock.check(source.name, source.position)
             target = delivery.target(info)
             if mapped is None or target is not None:
-                array = await _read_tensor(source, info, base, target, digests, hasher)
+                array = await _read_tensor(
+                    source, info, base, target, digests, hasher, self._recycler.take
+                )
             else:
                 array = await mapped.view(info, base)
                 if digests is not None:  # a local file: no whole-object digest to feed
@@ -416,9 +438,9 @@ class TensorStream(AsyncClosing):
                     info = following
                     target = delivery.target(info)
                     if target is None:
-                        if queued and fresh + info.nbytes > READ_AHEAD_BYTES:
+                        if queued and not _room_ahead(len(queued), fresh, info.nbytes):
                             break
-                        target_array, view = _allocate(info)
+                        target_array, view = _allocate(info, self._recycler.take)
                         fresh += info.nbytes
                     else:
                         target_array, view = target

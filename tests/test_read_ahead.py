@@ -69,14 +69,15 @@ async def test_fresh_arrays_read_ahead_stay_within_their_bound(
     """Arrays read but not yet handed out never hold more than READ_AHEAD_BYTES (or one
     tensor); counted at every allocation while the caller holds each tensor for a while."""
     monkeypatch.setattr(reader_module, "READ_AHEAD_BYTES", 1 << 20)
+    monkeypatch.setattr(reader_module, "READ_AHEAD_MOST", 1 << 20)
     allocate = reader_module._allocate
     live: dict[str, int] = {}
     peaks: list[int] = []
 
-    def counting(info: Any) -> Any:
+    def counting(info: Any, *rest: Any) -> Any:
         live[info.name] = info.nbytes
         peaks.append(sum(live.values()))
-        return allocate(info)
+        return allocate(info, *rest)
 
     monkeypatch.setattr(reader_module, "_allocate", counting)
     async for name, _ in stream_st.open_stream(path):
@@ -106,6 +107,8 @@ async def test_leaving_early_stops_the_threads_before_returning(
     """After the loop is left, no worker can write into the caller's memory any more: every
     worker has returned by the time the stream is closed, its remaining pieces dropped."""
     monkeypatch.setattr(_ahead, "PIECE", 4096)  # many pieces: most are still queued at the break
+    monkeypatch.setattr(reader_module, "READ_AHEAD_BYTES", 0)  # no fresh array queued ahead
+    monkeypatch.setattr(reader_module, "READ_AHEAD_MOST", 0)
     readers: set[_ahead.ReadAhead] = set()
     pieces_read = [0]
     take = _ahead.ReadAhead._take

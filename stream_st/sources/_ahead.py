@@ -150,6 +150,7 @@ class ReadAhead:
                         self._left[job] -= 1
                         if self._left[job] == 0 and self._waiting and self._waiting[0] == job:
                             self._wake()
+                del batch  # hold no view while waiting for work: the caller may free its memory
         finally:
             with self._cond:
                 self._running -= 1

@@ -1,0 +1,90 @@
+"""A stream's fresh memory used again (stream_st/_recycle.py): only once no array over it is
+alive, never beyond its bound; and a caller that keeps some arrays finds them intact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy as reference
+import torch
+
+import stream_st
+from stream_st import _recycle
+from stream_st._recycle import IDLE_BYTES, RECYCLE_FROM, Recycler
+
+pytestmark = pytest.mark.anyio
+
+SIZE = 1 << 20
+
+
+def address(array: np.ndarray[Any, Any]) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+def test_memory_comes_back_once_every_array_over_it_is_gone() -> None:
+    recycler = Recycler()
+    first = recycler.take(SIZE)
+    where = address(first)
+    derived = [
+        first.view(np.float32).reshape(256, 1024),
+        first[4096:],
+        torch.from_numpy(first.view(np.int16)),
+        memoryview(first),
+    ]
+    del first
+    held = []  # kept, so that the only idle memory is the first array's once it is free
+    while derived:  # any one of them keeps the memory in use
+        held.append(recycler.take(SIZE))
+        assert address(held[-1]) != where
+        derived.pop()
+    again = recycler.take(SIZE)
+    assert address(again) == where  # nothing over it any more: used again
+    assert address(recycler.take(SIZE)) != where  # in use again now
+
+
+def test_small_arrays_are_not_kept_and_other_sizes_get_fresh_memory() -> None:
+    recycler = Recycler()
+    recycler.take(RECYCLE_FROM - 1)
+    assert not recycler._kept  # malloc's business
+    big = recycler.take(SIZE)
+    where = address(big)
+    del big
+    assert address(recycler.take(2 * SIZE)) != where  # another size: not this memory
+
+
+def test_idle_memory_kept_stays_within_its_bound() -> None:
+    recycler = Recycler()
+    sizes = [3 * SIZE, 5 * SIZE, 7 * SIZE, 11 * SIZE, 13 * SIZE]
+    for _ in range(3):
+        for size in sizes * 2:
+            recycler.take(size)  # dropped at once: idle
+            kept = sum(len(mapping) for mapping, _ in recycler._kept)
+            assert kept <= IDLE_BYTES
+
+
+async def test_arrays_a_streaming_caller_keeps_stay_intact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every third array kept across the whole stream, the others dropped (their memory used
+    again for later tensors): the kept ones still hold their own bytes at the end."""
+    monkeypatch.setattr(_recycle, "IDLE_BYTES", 4 * SIZE)
+    rng = np.random.default_rng(3)
+    tensors = {f"t{i:02}": rng.random(SIZE // 8 + 512 * (i % 3)) for i in range(30)}
+    reference.save_file(tensors, tmp_path / "m.safetensors")
+    kept = {}
+    async for index, (name, array) in _enumerate(stream_st.open_stream(tmp_path / "m.safetensors")):
+        assert np.array_equal(array, tensors[name])
+        if index % 3 == 0:
+            kept[name] = array.reshape(-1)[1:]  # a view, not the array handed out
+    for name, view in kept.items():
+        assert np.array_equal(view, tensors[name][1:]), name
+
+
+async def _enumerate(stream: Any) -> Any:
+    index = 0
+    async for item in stream:
+        yield index, item
+        index += 1
