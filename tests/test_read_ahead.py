@@ -55,7 +55,10 @@ async def test_read_ahead_gives_the_reference_s_tensors(path: Path) -> None:
 
 async def test_read_ahead_into_given_memory_and_fresh_arrays_together(path: Path) -> None:
     expected = reference.load_file(path)
-    into = {"big.b": np.empty((1024, 1023), np.float32), "small.05": bytearray(1 + 977 * 5)}
+    into: dict[str, Any] = {
+        "big.b": np.empty((1024, 1023), np.float32),
+        "small.05": bytearray(1 + 977 * 5),
+    }
     got = {name: array async for name, array in stream_st.open_stream(path, into=into)}
     assert got["big.b"] is into["big.b"]
     assert bytes(into["small.05"]) == expected["small.05"].tobytes()

@@ -32,7 +32,7 @@ def test_memory_comes_back_once_every_array_over_it_is_gone() -> None:
         first.view(np.float32).reshape(256, 1024),
         first[4096:],
         torch.from_numpy(first.view(np.int16)),
-        memoryview(first),
+        memoryview(first.data),
     ]
     del first
     held = []  # kept, so that the only idle memory is the first array's once it is free
