@@ -72,9 +72,11 @@ READ_AHEAD_BYTES = 16 << 20
 most :data:`READ_AHEAD_MOST` together, or one tensor: enough to keep both threads busy (a
 thread waiting for the next tensor to be queued costs a hand-over), and little enough that a
 streaming caller has dropped earlier tensors, whose memory is used again
-(:mod:`stream_st._recycle`), before later ones are allocated."""
+(:mod:`stream_st._recycle`), before later ones are allocated. With the memory kept for reuse
+(:data:`~stream_st._recycle.IDLE_BYTES`), a stream holds at most 64 MiB beyond the tensor it
+is reading and the arrays the caller holds."""
 
-READ_AHEAD_MOST = 64 << 20
+READ_AHEAD_MOST = 32 << 20
 """See :data:`READ_AHEAD_BYTES`."""
 
 
