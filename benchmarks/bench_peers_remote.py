@@ -4,7 +4,7 @@ Run it from the repository root, as root (the endpoint is a network namespace; a
 on 2 cores with the defaults; ~600 MiB of disk)::
 
     sudo python benchmarks/bench_peers_remote.py [--repeat 5] [--size-mib 512]
-        [--concurrency 1,8,16] [--part-mib 8] [--files big,kv] [--variants st-s3,runai,...]
+        [--concurrency 1,8,16] [--part-mib 8] [--files big,kv,shards] [--variants st-s3,...]
         [--dir DIR]
 
 Without root (or without ``ip``/``tc``/``nginx``) it prints ``skipped: <reason>`` and exits 0.
@@ -13,7 +13,8 @@ Without root (or without ``ip``/``tc``/``nginx``) it prints ``skipped: <reason>`
 The endpoint (``benchmarks/netns_store.py``): nginx serving a folder path-style as an S3
 endpoint inside a network namespace, 30 ms round trip, 200 MB/s per connection. Files, written
 once into ``DIR/bench/`` (a temporary folder unless ``--dir``): ``big``, ``--size-mib`` of
-32 MiB F32 tensors (512 MiB), and ``kv``, a TinyLlama KV cache (44 x 1 MiB F16, 44 MiB).
+32 MiB F32 tensors (512 MiB), ``kv``, a TinyLlama KV cache (44 x 1 MiB F16, 44 MiB), and
+``shards``, the big file's tensors in 4 shards with a ``model.safetensors.index.json``.
 
 Variants, each run in a fresh subprocess (``--child``) so every figure is a first run in a
 fresh process (imports and client set-up are not timed; the read is, from the first request
@@ -29,6 +30,12 @@ the RSS it had before the read:
 * ``boto3-K``: ``get_object`` ranged parts of M bytes on K threads into one buffer for the whole
   file, tensors as views of it;
 * ``http``: plain HTTP, ``http.client`` with ``readinto`` into each array (one GET).
+
+On ``shards`` the variants are stream_st's own: ``st-index-K``, ``open_stream`` of the index
+with ``concurrency=K`` (each shard through a window of K parts of 8 MiB, the default; the next
+shard opened while one streams), against ``st-seq-K``, the shards opened one after another, each
+through K parts (what a caller without index support does): the ratio says what reading shards
+ahead gains.
 
 Rounds are interleaved (every variant once per round, the order rotated each round); the tables
 give medians, GB/s of file bytes, peak RSS, and paired ratios (per round, the peer's time over
@@ -65,6 +72,9 @@ SCRIPT = str(Path(__file__).resolve())
 MiB = 1 << 20
 BUCKET = "bench"
 PEERS = ("st-s3", "st-http", "runai", "boto3", "boto3-K", "http")
+SHARDED = ("st-index", "st-seq")
+SHARDS = "shards"
+SHARD_COUNT = 4
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "bench",
     "AWS_SECRET_ACCESS_KEY": "bench",
@@ -128,6 +138,18 @@ def _whole_buffer(data: np.ndarray[Any, Any]) -> list[tuple[str, int]]:
     ]
 
 
+def _shard_names(endpoint: str, key: str) -> list[str]:
+    """The shard files an index on the endpoint names, in the order of their first tensor."""
+    parts = urlsplit(f"{endpoint}/{BUCKET}/{key}")
+    connection = http.client.HTTPConnection(parts.netloc)
+    try:
+        connection.request("GET", parts.path)
+        weight_map: dict[str, str] = json.loads(connection.getresponse().read())["weight_map"]
+    finally:
+        connection.close()
+    return list(dict.fromkeys(weight_map.values()))
+
+
 def _s3_client(endpoint: str) -> Any:
     import boto3
     from botocore.config import Config
@@ -165,6 +187,25 @@ def prepare(variant: str, key: str, endpoint: str, k: int, part: int) -> Callabl
             return [(name, touch(array)) async for name, array in stream_st.open_stream(source)]
 
         return lambda: anyio.run(stream)
+    if variant in ("st-index", "st-seq"):
+        import anyio
+
+        import stream_st
+
+        index = f"s3://{BUCKET}/{key}"
+        shards = [f"s3://{BUCKET}/{SHARDS}/{name}" for name in _shard_names(endpoint, key)]
+
+        async def sharded() -> list[tuple[str, int]]:
+            if variant == "st-index":  # the index: shards opened ahead, each through K parts
+                stream = stream_st.open_stream(index, concurrency=k)
+                return [(name, touch(array)) async for name, array in stream]
+            touches = []  # one shard after another, each through K parts
+            for shard in shards:
+                stream = stream_st.open_stream(shard, concurrency=k)
+                touches += [(name, touch(array)) async for name, array in stream]
+            return touches
+
+        return lambda: anyio.run(sharded)
     if variant == "runai":
         runai_streamer = importlib.import_module("runai_model_streamer")  # no type hints
 
@@ -234,11 +275,48 @@ def child(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- in the parent
 
 
-def expected_digests(path: Path) -> tuple[str, str]:
-    """The digest of ``path`` in offset order (streaming variants) and by name (the others)."""
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    touches = _whole_buffer(np.asarray(data))
+def expected_digests(*paths: Path) -> tuple[str, str]:
+    """The digest of ``paths`` one after another, each in offset order (streaming variants), and
+    by name (the others)."""
+    touches = []
+    for path in paths:
+        touches += _whole_buffer(np.asarray(np.memmap(path, dtype=np.uint8, mode="r")))
     return digest(touches), digest(sorted(touches))
+
+
+def write_shards(folder: Path, big: Path) -> Path:
+    """The big file's tensors in :data:`SHARD_COUNT` shards with a Hugging Face index, under
+    ``folder``/:data:`SHARDS` (written once); the index's path."""
+    import safetensors.numpy
+
+    target = folder / SHARDS
+    index = target / "model.safetensors.index.json"
+    if index.exists():
+        return index
+    target.mkdir(exist_ok=True)
+    data = np.asarray(np.memmap(big, dtype=np.uint8, mode="r"))
+    n = int.from_bytes(data[:8].tobytes(), "little")
+    layout = parse_layout(data[8 : 8 + n].tobytes())
+    per_shard = -(-len(layout) // SHARD_COUNT)
+    weight_map = {}
+    for number in range(SHARD_COUNT):
+        name = f"model-{number + 1:05d}-of-{SHARD_COUNT:05d}.safetensors"
+        chosen = layout[number * per_shard : (number + 1) * per_shard]
+        tensors = {
+            tensor: data[8 + n + start : 8 + n + end].view(dtype).reshape(shape)
+            for tensor, dtype, shape, start, end in chosen
+        }
+        safetensors.numpy.save_file(tensors, str(target / name))
+        weight_map.update(dict.fromkeys(tensors, name))
+    total = sum(end - start for *_, start, end in layout)
+    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return index
+
+
+def shard_paths(index: Path) -> list[Path]:
+    """The shards of ``index`` in the order a stream reads them."""
+    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    return [index.parent / name for name in dict.fromkeys(weight_map.values())]
 
 
 def run_child(variant: str, k: int, key: str, store: NetnsStore, part: int) -> dict[str, Any]:
@@ -269,8 +347,11 @@ def run_child(variant: str, k: int, key: str, store: NetnsStore, part: int) -> d
     return result
 
 
-def variant_names(args: argparse.Namespace) -> list[tuple[str, str, int]]:
-    """(label, variant, K) for every variant asked for."""
+def variant_names(args: argparse.Namespace, label: str) -> list[tuple[str, str, int]]:
+    """(label, variant, K) for every variant asked for, on the file ``label``: the sharded
+    checkpoint has variants of its own."""
+    if label == SHARDS:
+        return [(f"{variant}-{k}", variant, k) for variant in SHARDED for k in args.concurrency]
     names = []
     for variant in args.variants:
         if variant in ("boto3", "http"):
@@ -288,13 +369,15 @@ def measure(
     args: argparse.Namespace, spec: BenchFile, path: Path, store: NetnsStore
 ) -> dict[str, list[dict[str, Any]]]:
     """Every variant once per round, in an order rotated each round; each result checked."""
-    in_order, by_name = expected_digests(path)
-    variants = variant_names(args)
+    sharded = spec.label == SHARDS
+    in_order, by_name = expected_digests(*(shard_paths(path) if sharded else [path]))
+    key = f"{SHARDS}/{path.name}" if sharded else f"{spec.label}.safetensors"
+    variants = variant_names(args, spec.label)
     results: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in variants}
     for round_index in range(args.repeat):
         shift = round_index % len(variants)
         for label, variant, k in variants[shift:] + variants[:shift]:
-            result = run_child(variant, k, f"{spec.label}.safetensors", store, args.part)
+            result = run_child(variant, k, key, store, args.part)
             wanted = by_name if variant in ("runai", "boto3-K") else in_order
             if "error" not in result and result["digest"] != wanted:
                 result = {"error": "delivered other bytes or another order than the file"}
@@ -320,7 +403,8 @@ def report(
     results: dict[str, list[dict[str, Any]]],
 ) -> list[str]:
     """Print the table of one file; return its target lines."""
-    size = path.stat().st_size
+    files = shard_paths(path) if spec.label == SHARDS else [path]
+    size = sum(file.stat().st_size for file in files)
     print(f"\n== {spec.label}: {spec.description} ({size / MiB:.0f} MiB), {args.repeat} rounds")
     print(f"  {'variant':<14} {'median s':>9} {'GB/s':>6} {'peak MiB':>9}  failures")
     for label, rounds in results.items():
@@ -335,6 +419,15 @@ def report(
         print(f"  {label:<14} {seconds:9.3f} {size / seconds / 1e9:6.2f} {peak:9.0f}  {note}")
     targets = []
     print("  paired ratios (peer time / stream_st time; > 1: stream_st faster):")
+    if spec.label == SHARDS:
+        for k in args.concurrency:
+            for peer in (f"st-seq-{k}", "st-index-1"):
+                ratio = paired(results, f"st-index-{k}", peer)
+                if ratio is not None and peer != f"st-index-{k}":
+                    line = f"st-index-{k} vs {peer}: {ratio:.2f}"
+                    print(f"    {line}")
+                    targets.append(f"{spec.label}: {line}")
+        return targets
     for k in args.concurrency:
         ours = f"st-s3-{k}"
         for peer, target in ((f"runai-{k}", 1.2), (f"boto3-{k}", None), (f"st-http-{k}", None)):
@@ -378,7 +471,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--size-mib", type=int, default=512)
     parser.add_argument("--concurrency", default="1,8,16")
     parser.add_argument("--part-mib", type=float, default=8)
-    parser.add_argument("--files", default="big,kv")
+    parser.add_argument("--files", default="big,kv,shards")
     parser.add_argument("--variants", default=",".join(PEERS))
     parser.add_argument("--dir", type=Path, default=None, help="keep the files here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -406,17 +499,22 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     except StoreUnavailable as exc:
         print(f"remote media skipped: {exc}")
         return []
-    specs = {"big": big_file("big", args.size_mib), "kv": KV}
+    big = big_file("big", args.size_mib)
+    shards = BenchFile(SHARDS, f"the big file in {SHARD_COUNT} shards with an index", big.tensors)
+    specs = {"big": big, "kv": KV, SHARDS: shards}
     targets: list[str] = []
     with folder(args.dir) as root:
         (root / BUCKET).mkdir(exist_ok=True)
         paths = {}
         for name in args.files:
-            written = ensure_file(root / BUCKET, specs[name])
-            paths[name] = root / BUCKET / f"{name}.safetensors"
+            spec = big if name == SHARDS else specs[name]
+            written = ensure_file(root / BUCKET, spec)
+            paths[name] = root / BUCKET / f"{spec.label}.safetensors"
             if written != paths[name]:
                 paths[name].unlink(missing_ok=True)
                 os.link(written, paths[name])
+            if name == SHARDS:
+                paths[name] = write_shards(root / BUCKET, paths[name])
         with NetnsStore(root) as store:
             print(f"endpoint: {store.describe()}; part size {args.part / MiB:g} MiB")
             print(f"load before: {os.getloadavg()[0]:.2f} (2 cores; other work may share them)")
