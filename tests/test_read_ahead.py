@@ -1,10 +1,12 @@
 """A local file's tensors read ahead by worker threads (stream_st/sources/_ahead.py): the same
-bytes as the reference, nothing short after a file shrinks, fresh arrays ahead bounded, and no
-thread left writing into the caller's memory after the stream is left."""
+bytes as the reference, nothing short after a file shrinks, fresh arrays ahead bounded, no
+thread left writing into the caller's memory after the stream is left, and more threads for a
+file the page cache does not hold."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,8 @@ import stream_st.reader as reader_module
 from stream_st import TruncatedStreamError
 from stream_st.sources import _ahead
 from stream_st.sources._ahead import _preadv_fully, read_ahead
+
+from .test_zero_copy import evicted
 
 pytestmark = pytest.mark.anyio
 
@@ -55,7 +59,10 @@ async def test_read_ahead_gives_the_reference_s_tensors(path: Path) -> None:
 
 async def test_read_ahead_into_given_memory_and_fresh_arrays_together(path: Path) -> None:
     expected = reference.load_file(path)
-    into = {"big.b": np.empty((1024, 1023), np.float32), "small.05": bytearray(1 + 977 * 5)}
+    into: dict[str, Any] = {
+        "big.b": np.empty((1024, 1023), np.float32),
+        "small.05": bytearray(1 + 977 * 5),
+    }
     got = {name: array async for name, array in stream_st.open_stream(path, into=into)}
     assert got["big.b"] is into["big.b"]
     assert bytes(into["small.05"]) == expected["small.05"].tobytes()
@@ -112,6 +119,8 @@ async def test_leaving_early_stops_the_threads_before_returning(
 
     def counted_take(self: _ahead.ReadAhead) -> Any:
         readers.add(self)
+        if pieces_read[0]:
+            time.sleep(0.001)  # slow readers: on a quiet machine they would finish before the break
         batch = take(self)
         pieces_read[0] += len(batch)
         return batch
@@ -164,3 +173,76 @@ async def test_pieces_of_one_tensor_go_to_both_threads(
     got = {name: array async for name, array in stream_st.open_stream(path)}
     for name, array in expected.items():
         assert got[name].tobytes() == array.tobytes(), name
+
+
+def started_readers(monkeypatch: pytest.MonkeyPatch) -> list[_ahead.ReadAhead]:
+    """Every ReadAhead started from now on."""
+    readers: list[_ahead.ReadAhead] = []
+    start = _ahead.ReadAhead.start
+
+    def recorded(self: _ahead.ReadAhead) -> None:
+        readers.append(self)
+        start(self)
+
+    monkeypatch.setattr(_ahead.ReadAhead, "start", recorded)
+    return readers
+
+
+async def test_a_file_not_in_the_page_cache_reads_right_with_more_threads(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Evicted, the file is read by COLD_WORKERS threads, into the same bytes; cached again
+    (it now is), by WORKERS."""
+    readers = started_readers(monkeypatch)
+    expected = mixed()
+    evicted(path)
+    running = []
+    got: Arrays = {}
+    async for name, array in stream_st.open_stream(path):
+        running.append(readers[0]._running)
+        got[name] = array
+    assert set(running) == {_ahead.COLD_WORKERS}
+    for name, array in expected.items():
+        assert got[name].tobytes() == array.tobytes(), name
+    assert readers[0]._running == 0
+    async for _ in stream_st.open_stream(path):
+        assert readers[1]._running == _ahead.WORKERS
+
+
+async def test_leaving_a_cold_read_early_stops_every_thread(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_ahead, "PIECE", 1 << 16)  # many pieces: most still queued at the break
+    readers = started_readers(monkeypatch)
+    evicted(path)
+    async with stream_st.open_stream(path) as stream:
+        async for _ in stream:
+            assert readers[0]._running == _ahead.COLD_WORKERS
+            break
+    assert readers[0]._running == 0
+
+
+async def test_the_page_cache_is_looked_at_once_within_the_ranges_queued(tmp_path: Path) -> None:
+    """One probe, at the last byte queued once PIECE bytes are; nothing before, never again."""
+    file = tmp_path / "bytes"
+    file.write_bytes(bytes(range(256)) * (_ahead.PIECE // 128))  # two pieces
+    probes: list[int] = []
+
+    def cold(offset: int) -> bool:
+        probes.append(offset)
+        return False
+
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        async with read_ahead(fd, "bytes", cold) as ahead:
+            views = [memoryview(bytearray(n)) for n in (1000, _ahead.PIECE, 5000)]
+            jobs = [
+                ahead.add(offset, view)
+                for offset, view in zip((0, 4096, 1 << 23), views, strict=True)
+            ]
+            assert probes == [4096 + _ahead.PIECE - 1]
+            assert ahead._running == _ahead.COLD_WORKERS
+            assert [await ahead.wait(job) for job in jobs] == [1000, _ahead.PIECE, 5000]
+        assert bytes(views[2]) == file.read_bytes()[1 << 23 : (1 << 23) + 5000]
+    finally:
+        os.close(fd)
