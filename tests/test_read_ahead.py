@@ -1,7 +1,7 @@
 """A local file's tensors read ahead by worker threads (stream_st/sources/_ahead.py): the same
 bytes as the reference, nothing short after a file shrinks, fresh arrays ahead bounded, no
-thread left writing into the caller's memory after the stream is left, and more threads for a
-file the page cache does not hold."""
+thread left writing into the caller's memory after the stream is left, a file read from the
+disk (not the page cache) as from the cache."""
 
 from __future__ import annotations
 
@@ -175,74 +175,10 @@ async def test_pieces_of_one_tensor_go_to_both_threads(
         assert got[name].tobytes() == array.tobytes(), name
 
 
-def started_readers(monkeypatch: pytest.MonkeyPatch) -> list[_ahead.ReadAhead]:
-    """Every ReadAhead started from now on."""
-    readers: list[_ahead.ReadAhead] = []
-    start = _ahead.ReadAhead.start
-
-    def recorded(self: _ahead.ReadAhead) -> None:
-        readers.append(self)
-        start(self)
-
-    monkeypatch.setattr(_ahead.ReadAhead, "start", recorded)
-    return readers
-
-
-async def test_a_file_not_in_the_page_cache_reads_right_with_more_threads(
-    path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Evicted, the file is read by COLD_WORKERS threads, into the same bytes; cached again
-    (it now is), by WORKERS."""
-    readers = started_readers(monkeypatch)
+async def test_a_file_evicted_from_the_page_cache_reads_right(path: Path) -> None:
+    """The read-ahead threads wait for the disk here, and deliver the same bytes."""
     expected = mixed()
     evicted(path)
-    running = []
-    got: Arrays = {}
-    async for name, array in stream_st.open_stream(path):
-        running.append(readers[0]._running)
-        got[name] = array
-    assert set(running) == {_ahead.COLD_WORKERS}
+    got = {name: array async for name, array in stream_st.open_stream(path)}
     for name, array in expected.items():
         assert got[name].tobytes() == array.tobytes(), name
-    assert readers[0]._running == 0
-    async for _ in stream_st.open_stream(path):
-        assert readers[1]._running == _ahead.WORKERS
-
-
-async def test_leaving_a_cold_read_early_stops_every_thread(
-    path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_ahead, "PIECE", 1 << 16)  # many pieces: most still queued at the break
-    readers = started_readers(monkeypatch)
-    evicted(path)
-    async with stream_st.open_stream(path) as stream:
-        async for _ in stream:
-            assert readers[0]._running == _ahead.COLD_WORKERS
-            break
-    assert readers[0]._running == 0
-
-
-async def test_the_page_cache_is_looked_at_once_within_the_ranges_queued(tmp_path: Path) -> None:
-    """One probe, at the last byte queued once PIECE bytes are; nothing before, never again."""
-    file = tmp_path / "bytes"
-    file.write_bytes(bytes(range(256)) * (_ahead.PIECE // 128))  # two pieces
-    probes: list[int] = []
-
-    def cold(offset: int) -> bool:
-        probes.append(offset)
-        return False
-
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        async with read_ahead(fd, "bytes", cold) as ahead:
-            views = [memoryview(bytearray(n)) for n in (1000, _ahead.PIECE, 5000)]
-            jobs = [
-                ahead.add(offset, view)
-                for offset, view in zip((0, 4096, 1 << 23), views, strict=True)
-            ]
-            assert probes == [4096 + _ahead.PIECE - 1]
-            assert ahead._running == _ahead.COLD_WORKERS
-            assert [await ahead.wait(job) for job in jobs] == [1000, _ahead.PIECE, 5000]
-        assert bytes(views[2]) == file.read_bytes()[1 << 23 : (1 << 23) + 5000]
-    finally:
-        os.close(fd)

@@ -11,14 +11,6 @@ of at most :data:`PIECE` bytes; two threads take the pieces in file order, adjac
 one ``preadv`` call (so many small tensors cost one system call), and tell the loop only when the
 job it waits for (:meth:`ReadAhead.wait`) is complete. The loop meanwhile hands out finished
 tensors and queues more.
-
-A file not in the page cache gets :data:`COLD_WORKERS` threads instead: once the first
-:data:`PIECE` bytes are queued, a read that never blocks (the caller's ``cached``) looks at the
-last byte queued, and where the page cache does not hold it two more threads start. Each thread
-waits for the disk in turn while the others copy what has arrived (the kernel's read-ahead
-state is the file's, shared by every thread), which measured steadier than two threads cold:
-with two the same 1 GiB file read at 0.4 to 1.8 GB/s between runs, with four at 0.9 to 1.75,
-the disk's limit being 1.2 to 1.5 GB/s for any depth and request size (``bench_disk.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +27,7 @@ import anyio.lowlevel
 
 from ..errors import TransportError
 
-__all__ = ["COLD_WORKERS", "PIECE", "ReadAhead", "read_ahead"]
+__all__ = ["PIECE", "ReadAhead", "read_ahead"]
 
 PIECE = 8 << 20
 """The most one thread reads in one call: 8 MiB measured best of 1 to 16 MiB (a 256 MiB file of
@@ -43,9 +35,6 @@ PIECE = 8 << 20
 
 WORKERS = 2
 """Threads reading at once: two cores copy from the page cache twice as fast as one."""
-
-COLD_WORKERS = 4
-"""Threads reading at once where the page cache does not hold the file (see the module)."""
 
 _IOV_MAX = 512
 """The most adjacent pieces one ``preadv`` call takes (Linux allows 1024 buffers)."""
@@ -76,15 +65,11 @@ class ReadAhead:
     Jobs are numbered in the order they are added; :meth:`wait` returns a job's byte count once
     every piece of it is read (fewer than asked where the file ended). A failed read stops all
     work and is raised, as :class:`~stream_st.TransportError`, by every later :meth:`wait`.
-    ``cached(offset)`` says, without blocking, whether the page cache holds the byte at
-    ``offset`` (by default everything is taken as cached: :data:`WORKERS` threads).
     """
 
-    def __init__(self, fd: int, name: str, cached: Callable[[int], bool] = lambda _: True) -> None:
+    def __init__(self, fd: int, name: str) -> None:
         self._fd = fd
         self._name = name
-        self._cached = cached
-        self._unprobed = PIECE  # bytes to queue before the page cache is looked at; 0: done
         self._cond = threading.Condition(threading.Lock())
         self._pieces: deque[tuple[int, int, memoryview]] = deque()  # (job, file offset, view)
         self._left: list[int] = []  # pieces of each job not yet read
@@ -105,10 +90,6 @@ class ReadAhead:
             self._left.append(len(starts))
             self._pieces.extend((job, offset + at, view[at : at + PIECE]) for at in starts)
             self._cond.notify()
-        if self._unprobed:
-            self._unprobed = max(0, self._unprobed - len(view))
-            if not self._unprobed and not self._cached(offset + len(view) - 1):
-                self._spawn(COLD_WORKERS - WORKERS)
         return job
 
     async def wait(self, job: int) -> int:
@@ -137,15 +118,8 @@ class ReadAhead:
 
     def start(self) -> None:
         """Start the worker threads."""
-        self._spawn(WORKERS)
-
-    def _spawn(self, count: int) -> None:
-        """Start ``count`` more worker threads (none once stopped)."""
-        with self._cond:
-            if self._stopped:
-                return
-            self._running += count
-        for _ in range(count):
+        self._running = WORKERS
+        for _ in range(WORKERS):
             threading.Thread(target=self._work, name="stream_st read-ahead", daemon=True).start()
 
     async def finished(self) -> None:
@@ -213,14 +187,12 @@ class ReadAhead:
 
 
 @asynccontextmanager
-async def read_ahead(
-    fd: int, name: str, cached: Callable[[int], bool] = lambda _: True
-) -> AsyncIterator[ReadAhead]:
-    """A :class:`ReadAhead` on ``fd`` (``cached``: see there) with its worker threads running for
-    the block's duration; on the way out (even cancelled) they are stopped and waited for, so no
-    thread writes into a view afterwards. The threads are plain threads, not a task group's: the block may hold a
+async def read_ahead(fd: int, name: str) -> AsyncIterator[ReadAhead]:
+    """A :class:`ReadAhead` on ``fd`` with its worker threads running for the block's duration;
+    on the way out (even cancelled) they are stopped and waited for, so no thread writes into a
+    view afterwards. The threads are plain threads, not a task group's: the block may hold a
     generator's ``yield``, and that generator may be closed from another task."""
-    ahead = ReadAhead(fd, name, cached)
+    ahead = ReadAhead(fd, name)
     ahead.start()
     try:
         yield ahead

@@ -294,9 +294,8 @@ class FileSource(Source):
 
     def reading(self) -> AbstractAsyncContextManager[ReadAhead]:
         """Reads of many ranges at once into memory that exists already, by worker threads
-        kept busy across them, more of them where the file is not in the page cache (see
-        :mod:`stream_st.sources._ahead`)."""
-        return read_ahead(self._fd, self.name, self._cached)
+        kept busy across them (see :mod:`stream_st.sources._ahead`)."""
+        return read_ahead(self._fd, self.name)
 
     def map(self, *, private: bool = False) -> FileMap | None:
         """The file mapped for zero-copy views (read-only; ``private``: writable, copy on
