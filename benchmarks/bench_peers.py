@@ -16,7 +16,11 @@ and reuses them; ``--scale`` shrinks the first two, the machine being shared):
 Media: ``warm`` (page cache filled by a read before each round) and ``cold`` (the file evicted
 before each run: ``/proc/sys/vm/drop_caches`` when writable, which needs root and empties the
 whole machine's cache, else ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the file, which evicts its
-clean unmapped pages; the table says which). ``--medium remote`` hands over to
+clean unmapped pages; the table says which). The child process evicts, after its imports and
+right before it starts the clock, so every variant starts reading the same time after the
+eviction whatever its imports cost (on a virtual machine the memory the eviction frees goes back
+to the host a few seconds later, and reading into it then costs more: evicting before the
+child started favoured the variants with slow imports). ``--medium remote`` hands over to
 ``benchmarks/bench_peers_remote.py`` when it exists: it is imported lazily and its
 ``main(argv)`` called with the arguments this script did not take, so object-store and HTTP
 peers live in their own module and may reuse :func:`run_variant`, :func:`summarize` and
@@ -40,7 +44,11 @@ event loop, as anyio imports its backend then.
   reused buffer, so each is touched and dropped);
 * ``fastsafetensors``: ``fastsafe_open(..., device="cpu", nogds=True)``, every tensor kept;
 * ``stsw``: ``stsw.StreamReader`` (mmap) ``to_numpy`` of every tensor, kept;
-* ``raw``: the bar, no peer: a single-thread loop of ``np.empty`` + ``readinto`` per tensor.
+* ``raw``: the bar, no peer: a single-thread loop of ``np.empty`` + ``readinto`` per tensor;
+* ``disk``: the device's bar, no peer: the file read front to back with ``O_DIRECT`` (no page
+  cache), 8 MiB per ``preadv`` into one reused buffer, one thread (``benchmarks/bench_disk.py``
+  found no depth or request size that does clearly better); a file system without ``O_DIRECT``
+  makes it fail.
 
 Rounds are interleaved (every variant once per round, in a rotated order) and each figure is
 the median over rounds; ratios are paired (per round, the peer's time over stream_st's) and
@@ -54,6 +62,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -236,6 +245,27 @@ def _raw(path: str) -> tuple[int, Any]:
     return total, None
 
 
+def _disk(path: str) -> tuple[int, Any]:
+    header = anyio.run(lambda: stream_st.read_header(path))
+    marks = np.concatenate(  # the bytes `touch` sums, as file offsets
+        [header.data_start + t.start + np.arange(0, t.nbytes, PAGE) for t in header.tensors]
+    )
+    block = 8 * MiB
+    buffer = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    array = np.frombuffer(buffer, np.uint8)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    total = offset = first = 0
+    try:
+        while got := os.preadv(fd, [buffer], offset):
+            last = int(np.searchsorted(marks, offset + got))
+            total += int(array[marks[first:last] - offset].sum(dtype=np.uint64))
+            first = last
+            offset += got
+    finally:
+        os.close(fd)
+    return total, None
+
+
 VARIANTS: dict[str, tuple[str, Callable[[str], tuple[int, Any]]]] = {
     "st_stream": ("stream_st", _st_stream),
     "st_load": ("stream_st", _st_load(copy=True)),
@@ -247,6 +277,7 @@ VARIANTS: dict[str, tuple[str, Callable[[str], tuple[int, Any]]]] = {
     "fastsafetensors": ("copying", _fastsafetensors),
     "stsw": ("zero-copy", _stsw),
     "raw": ("bar", _raw),
+    "disk": ("bar", _disk),
 }
 PEERS_OF = {"st_map": "zero-copy", "st_stream": "copying", "st_load": "copying"}
 _IMPORTS = {
@@ -266,8 +297,9 @@ def _status_kib(field: str) -> int:
     return 0
 
 
-def child(variant: str, path: str, runs: int) -> None:
-    """Time ``variant`` on ``path`` ``runs`` times in this (fresh) process; print JSON."""
+def child(variant: str, path: str, runs: int, cold: bool = False) -> None:
+    """Time ``variant`` on ``path`` ``runs`` times in this (fresh) process, ``cold``: the file
+    evicted right before the first run; print JSON."""
     if variant in _IMPORTS:
         importlib.import_module(_IMPORTS[variant])
     else:  # stream_st's own "import": anyio loads its event loop backend on first use
@@ -275,6 +307,8 @@ def child(variant: str, path: str, runs: int) -> None:
     run = VARIANTS[variant][1]
     baseline = _status_kib("VmRSS")
     times, sums, peak = [], [], 0
+    if cold:
+        evict(Path(path))
     for index in range(runs):
         start = time.perf_counter()
         total, kept = run(path)
@@ -298,10 +332,12 @@ class Result:
     error: str = ""
 
 
-def run_variant(variant: str, path: Path, runs: int, timeout: float = 600) -> dict[str, Any]:
-    """One fresh process timing ``variant`` on ``path``: ``{"times", "sums", "peak_mib"}``, or
-    ``{"error": ...}`` when it fails."""
-    command = [sys.executable, __file__, "--child", variant, str(path), str(runs)]
+def run_variant(
+    variant: str, path: Path, runs: int, timeout: float = 600, cold: bool = False
+) -> dict[str, Any]:
+    """One fresh process timing ``variant`` on ``path`` (``cold``: evicted first, see
+    :func:`child`): ``{"times", "sums", "peak_mib"}``, or ``{"error": ...}`` when it fails."""
+    command = [sys.executable, __file__, "--child", variant, str(path), str(runs), str(int(cold))]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     if done.returncode:
         return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]}
@@ -320,9 +356,7 @@ def measure(medium: str, path: Path, variants: Sequence[str], rounds: int) -> di
         if medium == "warm":
             warm(path)
         for variant in rotated(variants, round_index):
-            if medium == "cold":
-                evict(path)
-            got = run_variant(variant, path, runs=2)
+            got = run_variant(variant, path, runs=2, cold=medium == "cold")
             result = results[variant]
             if "error" in got:
                 result.error = got["error"]
@@ -432,6 +466,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:6] == ["1"])
     else:
         main()
