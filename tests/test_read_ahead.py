@@ -6,7 +6,6 @@ disk (not the page cache) as from the cache."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +121,6 @@ async def test_leaving_early_stops_the_threads_before_returning(
 
     def counted_take(self: _ahead.ReadAhead) -> Any:
         readers.add(self)
-        if pieces_read[0]:
-            time.sleep(0.001)  # slow readers: on a quiet machine they would finish before the break
         batch = take(self)
         pieces_read[0] += len(batch)
         return batch
