@@ -41,12 +41,22 @@ class Recycler:
 
     def __init__(self) -> None:
         self._kept: list[tuple[mmap.mmap, weakref.ref[np.ndarray[Any, Any]]]] = []
+        self._dropped = False
+
+    @property
+    def dropped(self) -> bool:
+        """Whether the caller has let go of an array of its own mapping this recycler handed
+        out: a streaming caller, rather than one that keeps every array."""
+        if not self._dropped:
+            self._dropped = any(alive() is None for _, alive in self._kept)
+        return self._dropped
 
     def take(self, nbytes: int) -> np.ndarray[Any, Any]:
         """A writable ``uint8`` array of ``nbytes``; its former contents are undefined."""
         if nbytes < RECYCLE_FROM:
             return fresh_bytes(nbytes)
         idle = [index for index, (_, alive) in enumerate(self._kept) if alive() is None]
+        self._dropped = self._dropped or bool(idle)
         reuse = next((index for index in idle if len(self._kept[index][0]) == nbytes), None)
         if reuse is not None:
             mapping = self._kept[reuse][0]

@@ -182,3 +182,37 @@ async def test_a_file_evicted_from_the_page_cache_reads_right(path: Path) -> Non
     got = {name: array async for name, array in stream_st.open_stream(path)}
     for name, array in expected.items():
         assert got[name].tobytes() == array.tobytes(), name
+
+
+@pytest.mark.parametrize("keep", [True, False])
+async def test_a_caller_that_keeps_every_array_gets_more_read_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: bool
+) -> None:
+    """Fresh arrays read ahead and not yet handed out: up to READ_AHEAD_MOST for a caller that
+    has kept everything so far (a load), READ_AHEAD_BYTES for one that drops what it gets."""
+    monkeypatch.setattr(reader_module, "READ_AHEAD_BYTES", 4 << 20)
+    monkeypatch.setattr(reader_module, "READ_AHEAD_MOST", 16 << 20)
+    size = 1 << 20
+    tensors = {f"t{i:02}": np.full(size, i, np.uint8) for i in range(40)}
+    reference.save_file(tensors, tmp_path / "m.safetensors")
+    allocate = reader_module._allocate
+    ahead: set[str] = set()
+    peaks: list[int] = []
+
+    def counting(info: Any, *rest: Any) -> Any:
+        ahead.add(info.name)
+        peaks.append(len(ahead) * size)
+        return allocate(info, *rest)
+
+    monkeypatch.setattr(reader_module, "_allocate", counting)
+    kept = []
+    async for name, array in stream_st.open_stream(tmp_path / "m.safetensors"):
+        ahead.discard(name)
+        assert np.array_equal(array, tensors[name])
+        if keep:
+            kept.append(array)
+        del array
+    if keep:
+        assert max(peaks) == 16 << 20
+    else:
+        assert max(peaks) <= 4 << 20
