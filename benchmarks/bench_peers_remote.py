@@ -286,17 +286,18 @@ def expected_digests(*paths: Path) -> tuple[str, str]:
 
 def write_shards(folder: Path, big: Path) -> Path:
     """The big file's tensors in :data:`SHARD_COUNT` shards with a Hugging Face index, under
-    ``folder``/:data:`SHARDS` (written once); the index's path."""
+    ``folder``/:data:`SHARDS` (written once per size of the big file); the index's path."""
     import safetensors.numpy
 
     target = folder / SHARDS
     index = target / "model.safetensors.index.json"
-    if index.exists():
-        return index
-    target.mkdir(exist_ok=True)
     data = np.asarray(np.memmap(big, dtype=np.uint8, mode="r"))
     n = int.from_bytes(data[:8].tobytes(), "little")
     layout = parse_layout(data[8 : 8 + n].tobytes())
+    total = sum(end - start for *_, start, end in layout)
+    if index.exists() and json.loads(index.read_text())["metadata"]["total_size"] == total:
+        return index  # written before, from a big file of this size
+    target.mkdir(exist_ok=True)
     per_shard = -(-len(layout) // SHARD_COUNT)
     weight_map = {}
     for number in range(SHARD_COUNT):
@@ -308,7 +309,6 @@ def write_shards(folder: Path, big: Path) -> Path:
         }
         safetensors.numpy.save_file(tensors, str(target / name))
         weight_map.update(dict.fromkeys(tensors, name))
-    total = sum(end - start for *_, start, end in layout)
     index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     return index
 
