@@ -356,6 +356,7 @@ class TensorStream(AsyncClosing):
         read-ahead threads are stopped and waited for)."""
         self._closed = True
         await self._close_iteration()
+        self._recycler = Recycler()  # no later tensor: let memory kept for one go
         source, self._source = self._source, None
         if source is not None:
             await source.aclose()

@@ -27,13 +27,6 @@ pytestmark = pytest.mark.anyio
 Arrays = dict[str, np.ndarray[Any, Any]]
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Every test on both event loops: the threads wake each through its own token."""
-    backend: str = request.param
-    return backend
-
-
 def mixed() -> Arrays:
     """Big and tiny tensors, empty ones, odd sizes: 12 MiB in all, so the file is read ahead."""
     rng = np.random.default_rng(7)
