@@ -9,7 +9,7 @@ memory of tensor i can take tensor i + 2: it is mapped already. Arrays of at lea
 :func:`~stream_st._mmap.fresh_mapping`), which :class:`Recycler` keeps after the last array over
 it is gone, up to :data:`IDLE_BYTES` of such mappings per stream, and hands out again for a
 tensor of the same size. A caller that keeps
-every array (a load) never frees one, and costs the recycler nothing.
+every array (a load) never frees one, and costs the recycler little (:data:`KEPT_BYTES`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 
 from ._mmap import fresh_bytes, fresh_mapping
 
-__all__ = ["IDLE_BYTES", "RECYCLE_FROM", "Recycler"]
+__all__ = ["IDLE_BYTES", "KEPT_BYTES", "RECYCLE_FROM", "Recycler"]
 
 IDLE_BYTES = 32 << 20
 """The most memory a stream keeps for reuse that no array of the caller's uses."""
@@ -31,6 +31,14 @@ RECYCLE_FROM = 256 << 10
 """Arrays of at least this many bytes get a mapping of their own, kept for reuse; smaller ones
 come from ``malloc``. (``malloc`` gives the memory of a freed 1 MiB block back to the system
 as often as not: 44 MiB streamed as 1 MiB tensors ran no faster when they came from it.)"""
+
+
+KEPT_BYTES = 3 * IDLE_BYTES
+"""The most memory of arrays handed out a recycler keeps track of, in use or idle: a streaming
+caller's recent arrays (the one it holds and those read ahead of it: 64 MiB at most) and the
+idle ones. Older arrays the caller keeps are forgotten (their memory goes with them), so a
+caller that keeps every array costs a look at a few hundred entries per tensor at most, and one
+that drops a batch of arrays at once leaves at most this much idle until the next tensor."""
 
 
 class Recycler:
@@ -55,21 +63,31 @@ class Recycler:
         """A writable ``uint8`` array of ``nbytes``; its former contents are undefined."""
         if nbytes < RECYCLE_FROM:
             return fresh_bytes(nbytes)
-        idle = [index for index, (_, alive) in enumerate(self._kept) if alive() is None]
-        self._dropped = self._dropped or bool(idle)
-        reuse = next((index for index in idle if len(self._kept[index][0]) == nbytes), None)
-        if reuse is not None:
-            mapping = self._kept[reuse][0]
-            array = np.frombuffer(mapping, dtype=np.uint8)
-            self._kept[reuse] = (mapping, weakref.ref(array))
-            return array
+        for index, (mapping, alive) in enumerate(self._kept):
+            if alive() is None:
+                self._dropped = True
+                if len(mapping) == nbytes:
+                    array = np.frombuffer(mapping, dtype=np.uint8)
+                    self._kept[index] = (mapping, weakref.ref(array))
+                    return array
         mapping = fresh_mapping(nbytes)
         array = np.frombuffer(mapping, dtype=np.uint8)
-        spare = sum(len(self._kept[index][0]) for index in idle)
-        for index in reversed(idle):  # room for this one, once it is let go
-            if spare + nbytes <= IDLE_BYTES:
-                break
-            spare -= len(self._kept.pop(index)[0])
-        if spare + nbytes <= IDLE_BYTES:
+        if nbytes <= IDLE_BYTES:
+            self._make_room(nbytes)
             self._kept.append((mapping, weakref.ref(array)))
         return array
+
+    def _make_room(self, nbytes: int) -> None:
+        """Forget mappings, oldest first, for one of ``nbytes`` more: idle ones while the idle
+        ones and it would hold more than :data:`IDLE_BYTES` (room for it, once it is let go),
+        any while all and it would hold more than :data:`KEPT_BYTES`."""
+        entries = [(mapping, alive, alive() is None) for mapping, alive in self._kept]
+        idle = sum(len(mapping) for mapping, _, free in entries if free)
+        total = sum(len(mapping) for mapping, _, _ in entries)
+        self._kept = []
+        for mapping, alive, free in entries:
+            if (free and idle + nbytes > IDLE_BYTES) or total + nbytes > KEPT_BYTES:
+                idle -= len(mapping) if free else 0
+                total -= len(mapping)
+            else:
+                self._kept.append((mapping, alive))

@@ -90,6 +90,11 @@ def _loop_running() -> bool:
         return False
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """A fresh asyncio loop, which the thread does not take as its current one."""
+    return asyncio.new_event_loop()
+
+
 async def _boxed(box: list[T], function: Callable[..., Awaitable[T]], *args: Any) -> None:
     box.append(await function(*args))
 
@@ -101,8 +106,11 @@ def run(function: Callable[..., Awaitable[T]], *args: Any) -> T:
         # The result goes back in a box, not as the task's result: in the main thread asyncio's
         # runner formats its SIGINT handler, which names the task and so the task's result, on
         # the way out (``signal.getsignal``): the repr of every tensor loaded, milliseconds.
+        # A loop of our own making, not the thread's current one: asyncio's runner would
+        # otherwise make its loop current and, on the way out, leave the thread with none,
+        # taking the loop the caller had set (asyncio.set_event_loop) from under it.
         box: list[T] = []
-        anyio.run(_boxed, box, function, *args)
+        anyio.run(_boxed, box, function, *args, backend_options={"loop_factory": _new_loop})
         return box[0]
     bridge = Bridge()
     try:

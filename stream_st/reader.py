@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import os
 import sys
 import threading
+import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterable, Mapping
 from typing import Any, Self, Unpack
@@ -36,6 +38,7 @@ from .header import (
 )
 from .integrity import Digests, Hasher, ObjectDigest, hash_view, read_hashing
 from .sources import Source, SourceLike, open_source
+from .sources._ahead import ReadAhead
 from .sources.file import FileSource
 
 __all__ = ["Include", "TensorStream", "open_stream", "read_header"]
@@ -91,6 +94,22 @@ def _room_ahead(queued: int, fresh: int, nbytes: int, keeping: bool) -> bool:
     if total <= (READ_AHEAD_MOST if keeping else READ_AHEAD_BYTES):
         return True
     return queued < 2 and total <= READ_AHEAD_MOST
+
+
+Span = tuple[int, int]
+"""The addresses ``[start, end)`` of an array's bytes."""
+
+
+def _span(array: np.ndarray[Any, Any]) -> Span:
+    """Where the bytes of ``array`` (contiguous) lie in memory."""
+    start: int = array.__array_interface__["data"][0]
+    return start, start + array.nbytes
+
+
+def _overlaps(spans: list[Span], span: Span) -> bool:
+    """Whether ``span`` shares a byte with one of ``spans`` (sorted, none sharing a byte)."""
+    at = bisect.bisect_left(spans, span[1], key=lambda each: each[0])
+    return at > 0 and spans[at - 1][1] > span[0]
 
 
 def _allocate(
@@ -245,7 +264,11 @@ class TensorStream(AsyncClosing):
         self._source: Source | None = None
         self._header: Header | None = None
         self._iterated = False
-        self._generator: AsyncGenerator[tuple[str, np.ndarray[Any, Any]]] | None = None
+        # The iteration, held weakly: a strong reference would make a cycle (its frame holds
+        # the stream), so one left with 'break' outside 'async with' would be closed, its file
+        # and read-ahead threads released, only when the cycle collector runs.
+        self._generator: weakref.ref[AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]] | None = None
+        self._reading: ReadAhead | None = None  # the iteration's read-ahead, if it has one
         self._recycler = Recycler()  # fresh memory the caller has let go of, for later tensors
         self._closed = False
         self._head: tuple[bytes, bytearray] | None = None  # the prefix and header, as read
@@ -339,6 +362,7 @@ class TensorStream(AsyncClosing):
         read-ahead threads are stopped and waited for)."""
         self._closed = True
         await self._close_iteration()
+        self._recycler = Recycler()  # no later tensor: let memory kept for one go
         source, self._source = self._source, None
         if source is not None:
             await source.aclose()
@@ -348,18 +372,25 @@ class TensorStream(AsyncClosing):
         return self
 
     async def _close_iteration(self) -> None:
-        """Close an iteration left part way, if any (its ``finally`` blocks run now). One running
-        in another task at this moment is left to meet the closed source."""
-        generator, self._generator = self._generator, None
+        """Close an iteration left part way, if any (its ``finally`` blocks run now), and stop
+        its read-ahead threads and wait for them in any case: also where the iteration is
+        running in another task at this moment (which then meets the closed source), or was
+        dropped after a ``break`` and waits for the loop to close it."""
+        alive, self._generator = self._generator, None
+        generator = None if alive is None else alive()
         if generator is not None and not getattr(generator, "ag_running", False):
             await generator.aclose()
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            await reading.close()
 
     def __aiter__(self) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
         if self._iterated:
             raise UsageError("a TensorStream can be iterated only once")
         self._iterated = True
-        self._generator = self._iterate()
-        return self._generator
+        generator = self._iterate()
+        self._generator = weakref.ref(generator)
+        return generator
 
     async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
         owns = self._header is None
@@ -434,19 +465,25 @@ class TensorStream(AsyncClosing):
         self, source: FileSource, wanted: list[TensorInfo], base: int
     ) -> AsyncGenerator[tuple[str, Any]]:
         """The tensors of a local file read ahead of the caller by worker threads kept busy (see
-        :mod:`stream_st.sources._ahead`): every tensor going into memory the caller gave, and
-        fresh arrays while the ones not yet handed out hold at most :data:`READ_AHEAD_BYTES`."""
+        :mod:`stream_st.sources._ahead`): every tensor going into memory the caller gave (but
+        memory given for several tensors, such as one staging buffer, takes the next only once
+        the tensor before has been handed out and the caller has asked for the next, as without
+        read-ahead), and fresh arrays while the ones not yet handed out hold at most
+        :data:`READ_AHEAD_BYTES`."""
         delivery = self._delivery
-        queued: deque[tuple[TensorInfo, int, bool, np.ndarray[Any, Any]]] = deque()
+        queued: deque[tuple[TensorInfo, int, Span | None, np.ndarray[Any, Any]]] = deque()
+        spans: list[Span] = []  # the caller's memory queued tensors go into, sorted
         upcoming = iter(wanted)
         following = next(upcoming, None)
         fresh = 0  # bytes of fresh arrays read or being read, not yet handed out
         handed = 0  # bytes of fresh arrays handed out
         async with source.reading() as ahead:
+            self._reading = ahead
             while True:
                 while following is not None:
                     info = following
                     target = delivery.target(info)
+                    span = None
                     if target is None:
                         keeping = handed >= READ_AHEAD_BYTES and not self._recycler.dropped
                         if queued and not _room_ahead(len(queued), fresh, info.nbytes, keeping):
@@ -455,23 +492,30 @@ class TensorStream(AsyncClosing):
                         fresh += info.nbytes
                     else:
                         target_array, view = target
+                        span = _span(target_array)
+                        if info.nbytes:
+                            if _overlaps(spans, span):  # memory used again (a staging buffer)
+                                break  # filled once the tensor queued there is handed out
+                            bisect.insort(spans, span)
                     job = ahead.add(base + info.start, view) if info.nbytes else -1
-                    queued.append((info, job, target is not None, target_array))
+                    queued.append((info, job, span, target_array))
                     following = next(upcoming, None)
                 if not queued:
                     break
-                info, job, given, array = queued.popleft()
+                info, job, span, array = queued.popleft()
                 source.clock.check(source.name, source.position)
                 got = await ahead.wait(job) if job >= 0 else 0
                 source.position = base + info.start + got
                 if got < info.nbytes:
                     raise _cut_short(info, source, base)
-                if not given:
+                if span is None:
                     fresh -= info.nbytes
                     handed += info.nbytes
+                elif info.nbytes:
+                    spans.remove(span)
                 if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
                     array.byteswap(inplace=True)
-                yield info.name, delivery.deliver(info, array, given)
+                yield info.name, delivery.deliver(info, array, span is not None)
                 del array
 
     async def _object_hash(self, every_byte: bool) -> tuple[ObjectDigest, Hasher] | None:

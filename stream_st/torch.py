@@ -281,7 +281,8 @@ def load_model(
     the old one's ``requires_grad``; tied names get the same one), with the file's dtype. A local
     file is then not copied at all: its tensors are views of a private mapping, as ``load_file``
     gives (``backend="pread"`` reads them into fresh memory instead); the model's old memory is
-    freed tensor by tensor. It is the way to load a model built on the ``meta`` device, and
+    freed tensor by tensor. It is the way to load a model built on the ``meta`` device (buffers
+    the model does not save, ``persistent=False``, stay as built: set them after loading), and
     the fastest from a local file. The old parameter objects are no longer the model's: build an
     optimizer after loading. A shape that differs from the model's raises
     :class:`~stream_st.UsageError`.

@@ -5,7 +5,10 @@ disk (not the page cache) as from the cache."""
 
 from __future__ import annotations
 
+import gc
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -216,3 +219,121 @@ async def test_a_caller_that_keeps_every_array_gets_more_read_ahead(
         assert max(peaks) == 16 << 20
     else:
         assert max(peaks) <= 4 << 20
+
+
+def reading_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "stream_st read-ahead"]
+
+
+def open_descriptors() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+async def until(condition: Callable[[], object]) -> None:
+    """Return once ``condition()`` holds, looked at between short sleeps (bounded: what never
+    comes fails the test rather than hanging the run)."""
+    for _ in range(5000):
+        if condition():
+            return
+        await anyio.sleep(0.002)
+    raise AssertionError("never came")
+
+
+async def test_a_break_outside_async_with_frees_the_file_and_threads_without_the_collector(
+    path: Path,
+) -> None:
+    """An iteration left with ``break`` and no ``async with`` is closed by the event loop's
+    finalizer hook on its next turns (the stream must not hold it in a reference cycle, which
+    only the cycle collector would break): its file and read-ahead threads go then."""
+    before = open_descriptors()
+    gc.disable()
+    try:
+        async for _ in stream_st.open_stream(path):
+            break
+        await until(lambda: not reading_threads() and open_descriptors() == before)
+    finally:
+        gc.enable()
+
+
+async def test_memory_given_for_several_tensors_holds_each_when_handed_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One staging buffer given for every tensor (each copied elsewhere in the loop), and
+    slices of a pool that overlap the next tensor's: each holds the tensor handed out, as
+    without read-ahead. Checked once the threads have read everything queued, so a tensor read
+    ahead into that memory would certainly show."""
+    tensors = {f"t{i:02}": np.full(1 << 20, i, np.uint8) for i in range(12)}
+    reference.save_file(tensors, tmp_path / "m.safetensors")
+    readers: list[_ahead.ReadAhead] = []
+    start = _ahead.ReadAhead.start
+
+    def recorded_start(self: _ahead.ReadAhead) -> None:
+        readers.append(self)
+        start(self)
+
+    monkeypatch.setattr(_ahead.ReadAhead, "start", recorded_start)
+    staging = np.empty(1 << 20, np.uint8)
+    pool = np.empty(3 << 19, np.uint8)  # tensor i at (i % 2) * 512 KiB: neighbours overlap
+    for into in (
+        dict.fromkeys(tensors, staging),
+        {name: pool[(i % 2) << 19 :][: 1 << 20] for i, name in enumerate(tensors)},
+    ):
+        seen = []
+        async with stream_st.open_stream(tmp_path / "m.safetensors", into=into) as stream:
+            async for name, array in stream:
+                await until(lambda: not any(readers[-1]._left))  # all queued are read
+                assert array is into[name]
+                assert np.array_equal(array, tensors[name]), name
+                seen.append(name)
+        assert seen == list(tensors)
+
+
+async def test_a_stream_closed_from_another_task_stops_its_threads_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task waits for a tensor whose read a worker holds (a slow disk); another task closes
+    the stream. The close stops the threads and waits for them before the descriptor goes, so
+    no thread reads the file that next gets the descriptor's number (the waiting task gets a
+    TransportError, never another file's bytes)."""
+    tensors = {f"t{i}": np.full(1 << 20, i, np.uint8) for i in range(10)}
+    reference.save_file(tensors, tmp_path / "m.safetensors")
+    (tmp_path / "other").write_bytes(b"\xff" * (12 << 20))
+    gate = threading.Event()  # the slow disk: reads after the first tensor wait for it
+    readers: list[_ahead.ReadAhead] = []
+    take = _ahead.ReadAhead._take
+
+    def slow_take(self: _ahead.ReadAhead) -> Any:
+        batch = take(self)
+        if batch and batch[0][0] > 0:
+            readers.append(self)
+            while not (gate.wait(0.001) or self._stopped):
+                pass
+        return batch
+
+    monkeypatch.setattr(_ahead.ReadAhead, "_take", slow_take)
+    monkeypatch.setattr(_ahead, "PIECE", 1 << 20)  # a tensor a read
+    received: dict[str, np.ndarray[Any, Any]] = {}
+    stream = stream_st.open_stream(tmp_path / "m.safetensors")
+
+    async def consume() -> None:
+        with pytest.raises(stream_st.TransportError, match="closed"):
+            async with stream:
+                async for name, array in stream:
+                    received[name] = array
+
+    others: list[int] = []
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(consume)
+            await until(lambda: readers and (readers[0]._waiting or ())[:1] == (1,))  # t1, held
+            number = stream.source._fd  # type: ignore[attr-defined]
+            await stream.aclose()
+            while (fd := os.open(tmp_path / "other", os.O_RDONLY)) != number:
+                others.append(fd)  # the lowest free number comes, as the next open's
+            others.append(fd)
+            gate.set()
+    finally:
+        gate.set()
+        for fd in others:
+            os.close(fd)
+    assert list(received) == ["t0"]

@@ -13,7 +13,7 @@ import torch
 
 import stream_st
 from stream_st import _recycle
-from stream_st._recycle import IDLE_BYTES, RECYCLE_FROM, Recycler
+from stream_st._recycle import IDLE_BYTES, KEPT_BYTES, RECYCLE_FROM, Recycler
 
 pytestmark = pytest.mark.anyio
 
@@ -88,3 +88,27 @@ async def _enumerate(stream: Any) -> Any:
     async for item in stream:
         yield index, item
         index += 1
+
+
+def test_a_caller_that_keeps_every_array_then_drops_them_leaves_little_kept() -> None:
+    """A load keeps every array, then drops them all at once: the recycler tracked only the
+    recent ones (so each allocation looks at few entries), and keeps at most KEPT_BYTES idle
+    until its next allocation, which brings that back to IDLE_BYTES."""
+    recycler = Recycler()
+    arrays = [recycler.take(SIZE) for _ in range(200)]
+    assert sum(len(mapping) for mapping, _ in recycler._kept) <= KEPT_BYTES
+    del arrays
+    assert sum(len(mapping) for mapping, _ in recycler._kept) <= KEPT_BYTES
+    recycler.take(2 * SIZE)
+    assert sum(len(mapping) for mapping, alive in recycler._kept if alive() is None) <= IDLE_BYTES
+
+
+async def test_a_closed_stream_keeps_no_memory_for_reuse(tmp_path: Path) -> None:
+    """Once the stream is closed no tensor comes any more: the memory of the arrays the
+    caller dropped is not kept by the stream object (which the caller may keep)."""
+    tensors = {f"t{i:02}": np.full(SIZE, i, np.uint8) for i in range(12)}
+    reference.save_file(tensors, tmp_path / "m.safetensors")
+    async with stream_st.open_stream(tmp_path / "m.safetensors") as stream:
+        kept = {name: array async for name, array in stream}
+    del kept
+    assert not stream._recycler._kept

@@ -716,3 +716,26 @@ def test_get_slice_of_a_remote_tensor_reads_only_its_rows(http: RangeHTTPServer)
     read = sum(sent for *_, sent in http.requests) - opened
     assert read == big[128:256].nbytes
     assert opened <= 64 << 10
+
+
+def test_a_sync_call_leaves_the_thread_s_event_loop_as_it_was(ref_file: Path) -> None:
+    """Code that sets a loop for its thread (``asyncio.set_event_loop``) and runs it itself
+    still finds that loop after a sync call, which runs a loop of its own in that thread."""
+    found: list[object] = []
+
+    def work() -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            st.load_file(ref_file)
+            found.append(asyncio.get_event_loop() is loop)
+        except RuntimeError as exc:  # no current event loop
+            found.append(exc)
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert found == [True]

@@ -64,7 +64,8 @@ class ReadAhead:
 
     Jobs are numbered in the order they are added; :meth:`wait` returns a job's byte count once
     every piece of it is read (fewer than asked where the file ended). A failed read stops all
-    work and is raised, as :class:`~stream_st.TransportError`, by every later :meth:`wait`.
+    work and is raised, as :class:`~stream_st.TransportError`, by every later :meth:`wait`; so is
+    a job left unread by :meth:`stop` (the reader closed from another task while it waits).
     """
 
     def __init__(self, fd: int, name: str) -> None:
@@ -107,14 +108,25 @@ class ReadAhead:
                 raise TransportError(
                     f"read failed: {self._error.strerror or self._error}", url=self._name
                 ) from self._error
+            if self._left[job]:  # stopped under the wait
+                raise TransportError("read stopped: the file was closed", url=self._name)
             return self._got[job]
 
     def stop(self) -> None:
-        """End the work: threads finish the read they are in and take no more."""
+        """End the work: threads finish the read they are in and take no more; a waiting
+        :meth:`wait` is woken (and raises, its job unread)."""
         with self._cond:
             self._stopped = True
             self._pieces.clear()
             self._cond.notify_all()
+            self._wake()
+
+    async def close(self) -> None:
+        """:meth:`stop`, then return once every worker thread has ended, even if cancelled: no
+        thread writes into a view afterwards."""
+        self.stop()
+        with anyio.CancelScope(shield=True):
+            await self._finished()
 
     def start(self) -> None:
         """Start the worker threads."""
@@ -122,13 +134,14 @@ class ReadAhead:
         for _ in range(WORKERS):
             threading.Thread(target=self._work, name="stream_st read-ahead", daemon=True).start()
 
-    async def finished(self) -> None:
+    async def _finished(self) -> None:
         """Return once every worker thread has ended (after :meth:`stop`)."""
         with self._cond:
             if self._running == 0:
                 return
-            event = anyio.Event()
-            self._all_ended = event
+            if self._all_ended is None:  # one event for every task that waits
+                self._all_ended = anyio.Event()
+            event = self._all_ended
         await event.wait()
 
     def _work(self) -> None:
@@ -198,6 +211,4 @@ async def read_ahead(fd: int, name: str) -> AsyncIterator[ReadAhead]:
     try:
         yield ahead
     finally:
-        ahead.stop()
-        with anyio.CancelScope(shield=True):
-            await ahead.finished()
+        await ahead.close()
