@@ -355,7 +355,8 @@ class _Slots:
         names = self._group.get(name)
         if names is None:
             return False
-        old = self._attribute(names[0])
+        module, attribute = self._slot(names[0])
+        old = getattr(module, attribute)
         if old.shape != tensor.shape:
             raise UsageError(
                 f"size mismatch for {name}: the file has shape {list(tensor.shape)}, "
@@ -365,8 +366,7 @@ class _Slots:
         new = _torch.nn.Parameter(tensor, requires_grad=old.requires_grad) if parameter else tensor
         del old
         for each in names:
-            owner, _, attribute = each.rpartition(".")
-            module = self._model.get_submodule(owner)
+            module, attribute = self._slot(each)
             (module._parameters if parameter else module._buffers)[attribute] = new
         self._loaded.update(names)
         return True
@@ -375,9 +375,10 @@ class _Slots:
         """The model's names no tensor was placed for."""
         return set(self._group).difference(self._loaded)
 
-    def _attribute(self, name: str) -> Any:
+    def _slot(self, name: str) -> tuple[torch.nn.Module, str]:
+        """The module that holds ``name`` and the attribute it is there."""
         owner, _, attribute = name.rpartition(".")
-        return getattr(self._model.get_submodule(owner), attribute)
+        return self._model.get_submodule(owner), attribute
 
 
 async def _receive(
