@@ -90,11 +90,6 @@ def _loop_running() -> bool:
         return False
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
-    """A fresh asyncio loop, which the thread does not take as its current one."""
-    return asyncio.new_event_loop()
-
-
 async def _boxed(box: list[T], function: Callable[..., Awaitable[T]], *args: Any) -> None:
     box.append(await function(*args))
 
@@ -110,7 +105,9 @@ def run(function: Callable[..., Awaitable[T]], *args: Any) -> T:
         # otherwise make its loop current and, on the way out, leave the thread with none,
         # taking the loop the caller had set (asyncio.set_event_loop) from under it.
         box: list[T] = []
-        anyio.run(_boxed, box, function, *args, backend_options={"loop_factory": _new_loop})
+        anyio.run(
+            _boxed, box, function, *args, backend_options={"loop_factory": asyncio.new_event_loop}
+        )
         return box[0]
     bridge = Bridge()
     try:

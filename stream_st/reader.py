@@ -468,8 +468,8 @@ class TensorStream(AsyncClosing):
         :mod:`stream_st.sources._ahead`): every tensor going into memory the caller gave (but
         memory given for several tensors, such as one staging buffer, takes the next only once
         the tensor before has been handed out and the caller has asked for the next, as without
-        read-ahead), and fresh arrays while the ones not yet handed out hold at most
-        :data:`READ_AHEAD_BYTES`."""
+        read-ahead), and fresh arrays while those not yet handed out leave room
+        (:func:`_room_ahead`)."""
         delivery = self._delivery
         queued: deque[tuple[TensorInfo, int, Span | None, np.ndarray[Any, Any]]] = deque()
         spans: list[Span] = []  # the caller's memory queued tensors go into, sorted

@@ -152,10 +152,8 @@ class ReadAhead:
                     counts = _preadv_fully(self._fd, [view for _, _, view in batch], batch[0][1])
                 except OSError as exc:
                     with self._cond:
-                        self._error = exc
-                        self._stopped = True
-                        self._pieces.clear()
-                        self._wake()
+                        self._error = exc  # before the stop wakes the waiter: it raises this
+                    self.stop()
                     return
                 with self._cond:
                     for (job, _, _), count in zip(batch, counts, strict=True):
