@@ -39,6 +39,7 @@ from .header import (
 from .integrity import Digests, Hasher, ObjectDigest, hash_view, read_hashing
 from .sources import Source, SourceLike, open_source
 from .sources._ahead import ReadAhead
+from .sources._direct import ALIGN
 from .sources.file import FileSource
 
 __all__ = ["Include", "TensorStream", "open_stream", "read_header"]
@@ -116,14 +117,23 @@ def _allocate(
     info: TensorInfo, take: Callable[[int], np.ndarray[Any, Any]] = fresh_bytes
 ) -> tuple[np.ndarray[Any, Any], memoryview]:
     """A fresh array for ``info`` (its memory from ``take``) and a writable byte view of it."""
+    array, view, _ = _allocate_framed(info, lambda nbytes: (take(nbytes), None))
+    return array, view
+
+
+def _allocate_framed(
+    info: TensorInfo, take: Callable[[int], tuple[np.ndarray[Any, Any], memoryview | None]]
+) -> tuple[np.ndarray[Any, Any], memoryview, memoryview | None]:
+    """:func:`_allocate` with ``take`` giving a frame too (see
+    :meth:`~stream_st._recycle.Recycler.take_framed`), returned third."""
     try:
-        raw = take(info.nbytes)
+        raw, frame = take(info.nbytes)
     except (MemoryError, ValueError, OSError) as exc:
         raise AllocationError(
             f"cannot allocate tensor {info.name!r} of {info.nbytes} bytes: {exc}"
         ) from None
     array = raw.view(info.array_dtype).reshape(info.array_shape)
-    return array, raw.data
+    return array, raw.data, frame
 
 
 def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -483,12 +493,15 @@ class TensorStream(AsyncClosing):
                 while following is not None:
                     info = following
                     target = delivery.target(info)
-                    span = None
+                    span = frame = None
                     if target is None:
                         keeping = handed >= READ_AHEAD_BYTES and not self._recycler.dropped
                         if queued and not _room_ahead(len(queued), fresh, info.nbytes, keeping):
                             break
-                        target_array, view = _allocate(info, self._recycler.take)
+                        phase = (base + info.start) % ALIGN  # as the bytes lie in the blocks
+                        target_array, view, frame = _allocate_framed(
+                            info, functools.partial(self._recycler.take_framed, phase=phase)
+                        )
                         fresh += info.nbytes
                     else:
                         target_array, view = target
@@ -497,7 +510,7 @@ class TensorStream(AsyncClosing):
                             if _overlaps(spans, span):  # memory used again (a staging buffer)
                                 break  # filled once the tensor queued there is handed out
                             bisect.insort(spans, span)
-                    job = ahead.add(base + info.start, view) if info.nbytes else -1
+                    job = ahead.add(base + info.start, view, frame) if info.nbytes else -1
                     queued.append((info, job, span, target_array))
                     following = next(upcoming, None)
                 if not queued:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -79,7 +81,7 @@ async def test_fresh_arrays_read_ahead_stay_within_their_bound(
     tensor); counted at every allocation while the caller holds each tensor for a while."""
     monkeypatch.setattr(reader_module, "READ_AHEAD_BYTES", 1 << 20)
     monkeypatch.setattr(reader_module, "READ_AHEAD_MOST", 1 << 20)
-    allocate = reader_module._allocate
+    allocate = reader_module._allocate_framed
     live: dict[str, int] = {}
     peaks: list[int] = []
 
@@ -88,7 +90,7 @@ async def test_fresh_arrays_read_ahead_stay_within_their_bound(
         peaks.append(sum(live.values()))
         return allocate(info, *rest)
 
-    monkeypatch.setattr(reader_module, "_allocate", counting)
+    monkeypatch.setattr(reader_module, "_allocate_framed", counting)
     async for name, _ in stream_st.open_stream(path):
         live.pop(name)
         await anyio.sleep(0.001)
@@ -124,9 +126,9 @@ async def test_leaving_early_stops_the_threads_before_returning(
 
     def counted_take(self: _ahead.ReadAhead) -> Any:
         readers.add(self)
-        batch = take(self)
+        batch, direct = take(self)
         pieces_read[0] += len(batch)
-        return batch
+        return batch, direct
 
     monkeypatch.setattr(_ahead.ReadAhead, "_take", counted_take)
     into = {"big.b": np.zeros((1024, 1023), np.float32)}
@@ -198,7 +200,7 @@ async def test_a_caller_that_keeps_every_array_gets_more_read_ahead(
     size = 1 << 20
     tensors = {f"t{i:02}": np.full(size, i, np.uint8) for i in range(40)}
     reference.save_file(tensors, tmp_path / "m.safetensors")
-    allocate = reader_module._allocate
+    allocate = reader_module._allocate_framed
     ahead: set[str] = set()
     peaks: list[int] = []
 
@@ -207,7 +209,7 @@ async def test_a_caller_that_keeps_every_array_gets_more_read_ahead(
         peaks.append(len(ahead) * size)
         return allocate(info, *rest)
 
-    monkeypatch.setattr(reader_module, "_allocate", counting)
+    monkeypatch.setattr(reader_module, "_allocate_framed", counting)
     kept = []
     async for name, array in stream_st.open_stream(tmp_path / "m.safetensors"):
         ahead.discard(name)
@@ -303,12 +305,12 @@ async def test_a_stream_closed_from_another_task_stops_its_threads_first(
     take = _ahead.ReadAhead._take
 
     def slow_take(self: _ahead.ReadAhead) -> Any:
-        batch = take(self)
+        batch, direct = take(self)
         if batch and batch[0][0] > 0:
             readers.append(self)
             while not (gate.wait(0.001) or self._stopped):
                 pass
-        return batch
+        return batch, direct
 
     monkeypatch.setattr(_ahead.ReadAhead, "_take", slow_take)
     monkeypatch.setattr(_ahead, "PIECE", 1 << 20)  # a tensor a read
@@ -337,3 +339,35 @@ async def test_a_stream_closed_from_another_task_stops_its_threads_first(
         for fd in others:
             os.close(fd)
     assert list(received) == ["t0"]
+
+
+BREAK_AND_RETURN = """
+import sys, anyio, stream_st
+async def main():
+    async for name, array in stream_st.open_stream(sys.argv[1]):
+        break  # no 'async with': the loop closes the iteration left here
+anyio.run(main, backend=sys.argv[2])
+print("returned")
+"""
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("direct", ["0", "1"])
+def test_a_break_right_before_the_event_loop_ends_closes_cleanly(
+    path: Path, backend: str, direct: str
+) -> None:
+    """``asyncio.run`` closes the loop without waiting for the task that closes an iteration
+    left by a ``break``: the read-ahead threads' close must not suspend, or that task is
+    destroyed part way ("asynchronous generator is already running", "no running event
+    loop") and the threads are never waited for."""
+    done = subprocess.run(
+        [sys.executable, "-c", BREAK_AND_RETURN, str(path), backend],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "STREAM_ST_DIRECT_IO": direct},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "returned"
+    assert done.stderr == ""

@@ -61,7 +61,7 @@ def test_idle_memory_kept_stays_within_its_bound() -> None:
     for _ in range(3):
         for size in sizes * 2:
             recycler.take(size)  # dropped at once: idle
-            kept = sum(len(mapping) for mapping, _ in recycler._kept)
+            kept = sum(len(mapping) for mapping, _, _ in recycler._kept)
             assert kept <= IDLE_BYTES
 
 
@@ -96,11 +96,13 @@ def test_a_caller_that_keeps_every_array_then_drops_them_leaves_little_kept() ->
     until its next allocation, which brings that back to IDLE_BYTES."""
     recycler = Recycler()
     arrays = [recycler.take(SIZE) for _ in range(200)]
-    assert sum(len(mapping) for mapping, _ in recycler._kept) <= KEPT_BYTES
+    assert sum(len(mapping) for mapping, _, _ in recycler._kept) <= KEPT_BYTES
     del arrays
-    assert sum(len(mapping) for mapping, _ in recycler._kept) <= KEPT_BYTES
+    assert sum(len(mapping) for mapping, _, _ in recycler._kept) <= KEPT_BYTES
     recycler.take(2 * SIZE)
-    assert sum(len(mapping) for mapping, alive in recycler._kept if alive() is None) <= IDLE_BYTES
+    assert (
+        sum(len(mapping) for mapping, alive, _ in recycler._kept if alive() is None) <= IDLE_BYTES
+    )
 
 
 async def test_a_closed_stream_keeps_no_memory_for_reuse(tmp_path: Path) -> None:
