@@ -123,9 +123,10 @@ class ReadAhead:
         return job
 
     async def wait(self, job: int) -> int:
-        """The bytes job ``job`` received, once all of them are in."""
+        """The bytes job ``job`` received, once all of them are in; after :meth:`stop`, a
+        :class:`~stream_st.TransportError` whether or not they are (the reader was closed)."""
         with self._cond:
-            ready = self._left[job] == 0 or self._error is not None
+            ready = self._left[job] == 0 or self._error is not None or self._stopped
             if not ready:
                 event = anyio.Event()
                 self._waiting = (job, event)
@@ -137,7 +138,7 @@ class ReadAhead:
                 raise TransportError(
                     f"read failed: {self._error.strerror or self._error}", url=self._name
                 ) from self._error
-            if self._left[job]:  # stopped under the wait
+            if self._stopped:  # before the wait or under it
                 raise TransportError("read stopped: the file was closed", url=self._name)
             return self._got[job]
 
