@@ -206,3 +206,28 @@ def test_a_framed_array_lies_as_its_bytes_lie_in_the_file_s_blocks(phase: int) -
     _, frame = recycler.take_framed(nbytes, (phase + 3) % ALIGN)  # another phase: same memory
     assert frame is not None and np.frombuffer(frame, np.uint8).ctypes.data == where
     assert recycler.take_framed(RECYCLE_FROM - 1, 0)[1] is None  # small: malloc's, no frame
+
+
+async def test_the_uncached_rest_of_a_partly_cached_file_stays_out_of_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_reads: list[tuple[int, int]]
+) -> None:
+    """A buffered read that reaches past what the page cache holds (the piece where the cached
+    part ends) must not set off the kernel's own read-ahead: it would pull the following
+    megabytes into the cache, the pieces there would then look cached and be read through it,
+    setting off more, and the rest of the file would never be read directly."""
+    monkeypatch.setenv("STREAM_ST_DIRECT_IO", "1")
+    target = tmp_path / "m.safetensors"
+    tensors = {f"t{i:02}": np.full(1 << 20, i, np.uint8) for i in range(32)}
+    reference.save_file(tensors, target)
+    evicted(target)
+    size = os.path.getsize(target)
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead beyond
+        os.pread(fd, 7 << 20, 0)  # the first 7 MiB into the page cache
+    finally:
+        os.close(fd)
+    got = {name: array async for name, array in stream_st.open_stream(target)}
+    assert all(got[name].tobytes() == array.tobytes() for name, array in tensors.items())
+    assert direct_reads
+    assert not cached(target, size - (8 << 20), size)  # read from the disk, not the cache

@@ -113,7 +113,8 @@ class Direct:
 
     @classmethod
     def open(cls, fd: int) -> Direct | None:
-        """A :class:`Direct` for the file open as ``fd``, or None (see the module)."""
+        """A :class:`Direct` for the file open as ``fd``, or None (see the module). ``fd`` is
+        left with the kernel's read-ahead off (``POSIX_FADV_RANDOM``)."""
         try:
             size = os.fstat(fd).st_size
         except OSError:  # pragma: no cover - fstat on an open descriptor does not fail
@@ -137,6 +138,10 @@ class Direct:
         if not same or found._cached(0, 1) is None:
             found.close()
             return None
+        # What is still read through the page cache (tails, pieces it mostly holds) is read as
+        # asked and no further: the kernel's read-ahead would pull the parts after into the
+        # cache, where they would look cached and be read through it, setting off more.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         return found
 
     def close(self) -> None:
