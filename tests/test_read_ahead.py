@@ -100,6 +100,12 @@ async def test_fresh_arrays_read_ahead_stay_within_their_bound(
 
 
 async def test_a_file_that_shrinks_after_open_raises_and_never_yields_short(path: Path) -> None:
+    await shrinks_and_never_yields_short(path)
+
+
+async def shrinks_and_never_yields_short(path: Path) -> None:
+    """Truncate ``path`` (the mixed file) inside ``big.a`` once open: the tensors before it come
+    whole, then a TruncatedStreamError names it."""
     async with stream_st.open_stream(path) as stream:
         names = stream.header.names()
         big_a = stream.header["big.a"]
