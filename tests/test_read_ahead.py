@@ -161,6 +161,23 @@ async def test_a_failed_read_is_a_transport_error(tmp_path: Path) -> None:
         os.close(fd)
 
 
+async def test_every_wait_after_a_stop_raises_rather_than_hangs(path: Path) -> None:
+    """Once stopped (the stream closed from another task), no thread will read a job: waiting
+    for one queued or finished since must raise at once, not wait for a wake-up that never
+    comes (the caller would hang for good)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        async with read_ahead(fd, str(path)) as ahead:
+            done = ahead.add(0, memoryview(bytearray(10)))
+            assert await ahead.wait(done) == 10
+            ahead.stop()
+            for job in (done, ahead.add(10, memoryview(bytearray(10)))):
+                with anyio.fail_after(10), pytest.raises(stream_st.TransportError, match="closed"):
+                    await ahead.wait(job)
+    finally:
+        os.close(fd)
+
+
 def test_adjacent_views_are_filled_in_order_up_to_the_end(tmp_path: Path) -> None:
     data = bytes(range(256)) * 40
     file = tmp_path / "bytes"
@@ -330,16 +347,17 @@ async def test_a_stream_closed_from_another_task_stops_its_threads_first(
                     received[name] = array
 
     others: list[int] = []
-    try:
-        async with anyio.create_task_group() as group:
-            group.start_soon(consume)
-            await until(lambda: readers and (readers[0]._waiting or ())[:1] == (1,))  # t1, held
-            number = stream.source._fd  # type: ignore[attr-defined]
-            await stream.aclose()
-            while (fd := os.open(tmp_path / "other", os.O_RDONLY)) != number:
-                others.append(fd)  # the lowest free number comes, as the next open's
-            others.append(fd)
-            gate.set()
+    try:  # a wait never woken fails the test rather than hanging the run
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as group:
+                group.start_soon(consume)
+                await until(lambda: readers and (readers[0]._waiting or ())[:1] == (1,))  # t1
+                number = stream.source._fd  # type: ignore[attr-defined]
+                await stream.aclose()
+                while (fd := os.open(tmp_path / "other", os.O_RDONLY)) != number:
+                    others.append(fd)  # the lowest free number comes, as the next open's
+                others.append(fd)
+                gate.set()
     finally:
         gate.set()
         for fd in others:
