@@ -61,7 +61,8 @@ _ON = ("1", "true", "yes", "on")
 
 def enabled(size: int) -> bool:
     """Whether direct reads may be used for a file of ``size`` bytes: on Linux with
-    ``O_DIRECT``, as ``STREAM_ST_DIRECT_IO`` says (see the module)."""
+    ``O_DIRECT``, as ``STREAM_ST_DIRECT_IO`` says (see the module; a value other than the
+    documented ones counts as ``auto``)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "O_DIRECT"):
         return False
     setting = os.environ.get("STREAM_ST_DIRECT_IO", "auto").strip().lower()
