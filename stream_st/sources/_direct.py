@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import sys
 from collections.abc import Callable
 from typing import Final
 
 import numpy as np
+
+from ._pread import pread_fully
 
 __all__ = ["ALIGN", "BOUNCE", "WORKERS", "Direct", "NotDirect", "bounce_size", "enabled"]
 
@@ -72,6 +75,17 @@ def enabled(size: int) -> bool:
         return True
     available = _available_memory()
     return available is not None and size > available // 2
+
+
+@functools.cache
+def _syscall() -> Callable[..., int] | None:
+    """libc's ``syscall()``, looked up once, or None."""
+    try:
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):  # pragma: no cover - every Linux libc has syscall()
+        return None
+    syscall.restype = ctypes.c_long
+    return syscall
 
 
 def _available_memory() -> int | None:
@@ -122,11 +136,9 @@ class Direct:
             return None
         if not enabled(size):
             return None
-        try:
-            syscall = ctypes.CDLL(None, use_errno=True).syscall
-        except (OSError, AttributeError):  # pragma: no cover - every Linux libc has syscall()
+        syscall = _syscall()
+        if syscall is None:  # pragma: no cover - every Linux libc has syscall()
             return None
-        syscall.restype = ctypes.c_long
         try:  # the same file (not whatever its path names now), opened again
             direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
         except OSError:  # no /proc, or no O_DIRECT on this file system (tmpfs: EINVAL)
@@ -213,11 +225,7 @@ class Direct:
             if count == 0:
                 break
             got += count
-        while got < len(area):
-            count = os.preadv(buffered, [area[got:]], start + got)
-            if count == 0:
-                break
-            got += count
+        got += pread_fully(buffered, area[got:], start + got)
         return max(0, got - (offset - start))
 
 

@@ -33,6 +33,7 @@ from .._nonblocking import NonBlockingEnd
 from .._util import task_group
 from ..errors import SourceNotFoundError, TransportError, UsageError
 from ._ahead import ReadAhead, read_ahead
+from ._pread import pread_fully
 from .base import Source
 
 __all__ = ["FileSource", "PipeEnd", "PipeSource", "open_file_source", "open_path"]
@@ -58,22 +59,10 @@ _RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 _CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
 
 
-def _pread_fully(fd: int, buffer: memoryview, offset: int) -> int:
-    """Positioned read until ``buffer`` is full or the file ends; returns the bytes read."""
-    filled = 0
-    total = len(buffer)
-    while filled < total:
-        got = os.preadv(fd, [buffer[filled:]], offset + filled)
-        if got == 0:
-            break
-        filled += got
-    return filled
-
-
 def _pread_boxed(fd: int, box: list[memoryview], offset: int) -> int:
-    """:func:`_pread_fully` on ``box.pop()``. A worker thread keeps its last call's arguments
+    """:func:`pread_fully` on ``box.pop()``. A worker thread keeps its last call's arguments
     until it gets new work: passing the view in a box it empties frees the array in time."""
-    return _pread_fully(fd, box.pop(), offset)
+    return pread_fully(fd, box.pop(), offset)
 
 
 def _pread_cached(fd: int, buffer: memoryview, offset: int) -> int:
@@ -254,7 +243,7 @@ class FileSource(Source):
             try:
                 while (index := fed.take()) is not None:
                     view = buffer[starts[index] : starts[index] + FEED_CHUNK]
-                    counts[index] = _pread_fully(self._fd, view, offset + starts[index])
+                    counts[index] = pread_fully(self._fd, view, offset + starts[index])
                     fed.done(index, view[: counts[index]])
             except BaseException:
                 fed.stop()
