@@ -57,11 +57,11 @@ from bench_kv import print_targets
 from bench_network import Child, http_server
 
 import stream_st
-from stream_st.bert import run_streaming
+from stream_st.cli.demo import MODEL_CODECS, _session
 from stream_st.connection import Connection
-from stream_st.demo import MODEL_CODECS, _session
 from stream_st.kv import KVLayout, receive_kv, send_kv
-from stream_st.llm import (
+from stream_st.models.bert import run_streaming
+from stream_st.models.llm import (
     KVCache,
     Llama,
     StreamingPrefill,
@@ -70,7 +70,7 @@ from stream_st.llm import (
     read_gguf,
     write_checkpoint,
 )
-from stream_st.llm.transfer import continue_received, one_blas_thread, send_prefill
+from stream_st.models.llm.transfer import continue_received, one_blas_thread, send_prefill
 
 Array = np.ndarray[Any, Any]
 NETWORK = str(Path(__file__).resolve().parent / "bench_network.py")  # its paced TCP sender

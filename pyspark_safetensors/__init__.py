@@ -32,8 +32,14 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from stream_st.dataset import DatasetInfo, Piece, describe_dataset, plan_pieces, read_piece
 from stream_st.errors import UsageError
+from stream_st.integrations.dataset import (
+    DatasetInfo,
+    Piece,
+    describe_dataset,
+    plan_pieces,
+    read_piece,
+)
 
 from ._arrow import tensor_column
 from ._write import SafetensorsWriter, WriteOptions, _positive

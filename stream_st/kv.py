@@ -31,16 +31,16 @@ import anyio
 import numpy as np
 from anyio.abc import ObjectReceiveStream, TaskGroup
 
-from ._limits import LimitOptions
+from ._api import open_stream
 from ._util import task_group
-from .codecs import Codec, codec_from_metadata, get_codec
 from .connection import Connection
-from .dtypes import dtype_for, wire_bytes
+from .core.codecs import Codec, codec_from_metadata, get_codec
+from .core.dtypes import dtype_for, wire_bytes
+from .core.header import Header, TensorSpec
 from .errors import HeaderError, IntegrityError, UsageError
-from .header import Header, TensorSpec
-from .reader import TensorStream, open_stream
-from .sinks import SinkLike
-from .sources import SourceLike
+from .reader import TensorStream
+from .transports.options import LimitOptions
+from .transports.registry import SinkLike, SourceLike
 from .writer import TensorWriter, open_writer
 
 __all__ = [

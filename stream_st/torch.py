@@ -35,14 +35,14 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Unpack
 
-from . import _facade
-from ._frameworks import Delivery, check_device, is_torch_tensor, load_torch
-from ._limits import Clock, TransportOptions, clock_of
-from ._sync import check_sync_address, run
+from ._api import stream_for
+from .compat import _reference as _facade
+from .compat._sync import check_sync_address, run
+from .core.arrays import check_device, is_torch_tensor, load_torch
 from .errors import UsageError
-from .reader import stream_for
-from .sinks import SinkLike
-from .sources import SourceLike
+from .memory.delivery import Delivery
+from .transports.options import Clock, TransportOptions, clock_of
+from .transports.registry import SinkLike, SourceLike
 
 if TYPE_CHECKING:
     import torch

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 import stream_st
-from stream_st.header import parse_header, parse_header_length
+from stream_st.core.header import parse_header, parse_header_length
 
 if TYPE_CHECKING:
     from .fuzz_files import Report
