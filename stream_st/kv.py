@@ -15,6 +15,11 @@ layer out, so a corrupted layer is never delivered as good.
 ``__metadata__`` records the codec (``compression``, ``group_size``, ``original_dtype``, ...), and
 ``kv_layers``, ``kv_shape``, ``kv_dtype``, ``kv_digest`` so a receiver knows the layout from the
 header alone.
+
+The receiver also reads seed-style caches other programs write: ``layer_{i}_key`` /
+``layer_{i}_value`` (and codec siblings) with no ``kv_*`` metadata, in any order, the layout
+inferred from names and shapes and reported unverified (no layer digests). The byte-level
+specification, for implementations in other languages, is ``docs/kv-wire-format.md``.
 """
 
 from __future__ import annotations
