@@ -254,9 +254,12 @@ def _seed_layout(header: Header) -> KVLayout:
         layer, suffix = parsed
         layers.setdefault(layer, {})[suffix] = name
     num_layers = len(layers)
-    if sorted(layers) != list(range(num_layers)):
-        missing = sorted(set(range(max(layers) + 1)) - set(layers))
-        raise HeaderError(f"not a KV cache: layers {missing[:5]} are missing")
+    if max(layers) != num_layers - 1:  # then some layer below num_layers is missing
+        missing = [layer for layer in range(num_layers) if layer not in layers]
+        raise HeaderError(
+            f"not a KV cache: layer_{{i}} tensors for layers up to {max(layers)}, "
+            f"but layers {missing[:5]} are missing"
+        )
     first = tensors.get(key_name(0))
     if first is None:
         raise HeaderError("not a KV cache: layer_0_key is missing")

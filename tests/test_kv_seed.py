@@ -246,6 +246,34 @@ async def test_bad_seed_caches_are_header_errors(
             pass
 
 
+async def test_a_huge_layer_number_is_refused_at_once() -> None:
+    tensors = {"layer_99999999999999_key": f32(SHAPE), "layer_99999999999999_value": f32(SHAPE)}
+    with anyio.fail_after(5), pytest.raises(stream_st.HeaderError, match=r"layers \[0\] are"):
+        async with receive_kv(raw_file(tensors, {})):
+            pass
+
+
+async def test_a_scale_that_cannot_decode_fails_that_layer() -> None:
+    zero = ("F32", [1], np.float32(0.0).tobytes())
+    tensors = {
+        "layer_0_key": I8,
+        "layer_0_key.scale": SCALE,
+        "layer_0_value": I8,
+        "layer_0_value.scale": SCALE,
+        "layer_1_key": I8,
+        "layer_1_key.scale": zero,
+        "layer_1_value": I8,
+        "layer_1_value.scale": SCALE,
+    }
+    delivered = []
+    with anyio.fail_after(10), pytest.raises(stream_st.SafetensorsError, match="scale must be"):
+        async with receive_kv(raw_file(tensors, {"compression": "INT8"})) as kv_in:
+            async for layer, key, _ in kv_in:
+                assert key.dtype == np.float32 and not key.any()
+                delivered.append(layer)
+    assert delivered == [0]
+
+
 async def test_a_stream_st_transfer_still_needs_all_its_metadata(tmp_path: Path) -> None:
     """A header with any kv_* key is a stream_st transfer: no falling back to inference."""
     tensors = {"layer_0_key": f32(SHAPE), "layer_0_value": f32(SHAPE)}
