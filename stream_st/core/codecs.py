@@ -11,7 +11,8 @@ Wire layouts, for a tensor ``name`` of shape ``[..., n]`` and dtype F16, BF16, F
 
     "none"  name            <original dtype>  [..., n]        the tensor itself, untouched
 
-    "int8"  name            I8   [..., n]     code = clip(round(x * scale), -127, 127)
+    "int8"  name            I8   [..., n]     code = clip(round(x * scale), -127, 127), halves
+                                              rounded away from zero (2.5 -> 3)
             name + ".scale" F32  [1]          scale = 127 / max|x| over the whole tensor
             decode: x ~= code / scale         error per value <= 0.5 / scale
 
@@ -26,8 +27,10 @@ Wire layouts, for a tensor ``name`` of shape ``[..., n]`` and dtype F16, BF16, F
 Details and edge cases:
 
 * INT8 is symmetric and per tensor: ``scale`` multiplies on encode and divides on decode, as in
-  ``scale = 127 / max|x|``. An all-zero (or empty) tensor gets ``scale = 1.0`` and all-zero codes,
-  so nothing is ever divided by zero. If ``127 / max|x|`` overflows float32 (``max|x|`` below about
+  ``scale = 127 / max|x|``. ``round`` is C's ``round()``: halves go away from zero (2.5 -> 3,
+  -2.5 -> -3), not to even, so that every implementation of the exchange format agrees. An
+  all-zero (or empty) tensor gets ``scale = 1.0`` and all-zero codes, so nothing is ever divided
+  by zero. If ``127 / max|x|`` overflows float32 (``max|x|`` below about
   3.7e-37) the scale is clamped to the largest finite float32; the error bound still holds. A
   float64 tensor whose ``max|x|`` is so large that the scale would not be a normal float32 (above
   about 1e40) is refused.
@@ -251,11 +254,63 @@ class NoneCodec:
 
 # ---------------------------------------------------------------- int8
 
+_INT8_BLOCK = 1 << 14
+"""Values quantized per step: a block and its temporaries stay in the CPU's cache."""
+
+
+def _bits(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """The unsigned integer dtype as wide as float ``dtype``."""
+    return np.dtype(f"u{dtype.itemsize}")
+
+
+def _max_abs_bits(flat: Array) -> float:
+    """``max|x|`` of a contiguous 1-d float array (NaN beats Inf beats every finite value), from
+    its bit patterns without the sign bit: one integer pass, no float conversion."""
+    bits = _bits(flat.dtype)
+    words = flat.view(bits)
+    magnitude = bits.type(~(1 << (8 * bits.itemsize - 1)) & ((1 << (8 * bits.itemsize)) - 1))
+    best = bits.type(0)
+    for start in range(0, words.size, _INT8_BLOCK):
+        block = words[start : start + _INT8_BLOCK]
+        best = max(best, np.max(block & magnitude))
+    return float(np.array([best], dtype=bits).view(flat.dtype)[0])
+
+
+def _int8_codes(flat: Array, scale: np.floating[Any]) -> Array:
+    """``clip(round(x * scale), -127, 127)`` as int8 for a contiguous 1-d ``flat`` whose
+    ``max|x| * scale <= 127``, rounding halves away from zero (2.5 -> 3, -2.5 -> -3) as the C
+    ``round()`` the INT8 exchange format names does.
+
+    Each value becomes ``trunc(y + copysign(h, y))`` with ``y = x * scale`` and ``h`` the float
+    just below 0.5: exact for every ``|y| < 2**22`` (with 0.5 itself, ``0.49999997 + 0.5`` would
+    round to 1.0 and give 1). The cast to int8 truncates toward zero; ``|y| <= 127 * (1 + 2**-23)``
+    (the scale is rounded once) keeps ``y + h`` below 128, so no clipping is needed. Works block by
+    block in ``scale``'s float type (float32, or float64 for float64 input).
+    """
+    work = scale.dtype
+    bits = _bits(work)
+    sign = bits.type(1 << (8 * bits.itemsize - 1))
+    half = np.array([np.nextafter(work.type(0.5), work.type(0.0))], dtype=work).view(bits)[0]
+    codes = np.empty(flat.size, dtype=np.int8)
+    size = min(flat.size, _INT8_BLOCK)
+    scaled = np.empty(size, dtype=work)
+    offset = np.empty(size, dtype=bits)
+    for start in range(0, flat.size, _INT8_BLOCK):
+        block = flat[start : start + _INT8_BLOCK]
+        y, h = scaled[: block.size], offset[: block.size]
+        np.multiply(block, scale, out=y, casting="unsafe")  # F16 / BF16 -> float32 is exact
+        np.bitwise_and(y.view(bits), sign, out=h)
+        np.bitwise_or(h, half, out=h)  # copysign(half, y), without a float pass
+        np.add(y, h.view(work), out=y)
+        np.copyto(codes[start : start + block.size], y, casting="unsafe")  # truncates
+    return codes
+
 
 @dataclass(frozen=True, slots=True)
 class Int8Codec:
-    """Symmetric per-tensor INT8: codes ``round(x * scale)`` in [-127, 127], ``scale =
-    127 / max|x|`` as F32 in ``name + ".scale"`` (shape ``[1]``); decode ``code / scale``."""
+    """Symmetric per-tensor INT8: codes ``round(x * scale)`` in [-127, 127] (halves away from
+    zero), ``scale = 127 / max|x|`` as F32 in ``name + ".scale"`` (shape ``[1]``); decode
+    ``code / scale``."""
 
     suffix: ClassVar[str] = ".scale"
 
@@ -288,13 +343,14 @@ class Int8Codec:
         return np.float32(scale)
 
     def encode(self, name: str, array: Array) -> list[tuple[str, Array]]:
-        work = _prepare(name, array, "INT8")
-        max_abs = float(np.max(np.abs(work))) if work.size else 0.0
+        source = np.asarray(array)
+        work = _work_dtype(_float_dtype(source.dtype, name, "INT8"))
+        flat = np.ascontiguousarray(source).reshape(-1)
+        max_abs = _max_abs_bits(flat)
+        if not math.isfinite(max_abs):
+            _check_finite(name, source.astype(work), "INT8")  # raises, saying where
         scale = self.scale_for(name, max_abs)
-        scaled = np.asarray(work * work.dtype.type(scale))  # an array even for 0-d input
-        np.rint(scaled, out=scaled)
-        np.clip(scaled, -INT8_MAX, INT8_MAX, out=scaled)
-        codes = scaled.astype(np.int8)
+        codes = _int8_codes(flat, work.type(scale)).reshape(source.shape)
         return [(name, codes), (name + self.suffix, np.array([scale], dtype=np.float32))]
 
     def decode(self, name: str, parts: Mapping[str, Array], dtype: DTypeLike) -> Array:
@@ -322,7 +378,7 @@ class Int8Codec:
             original_dtype,
             {
                 "scale": "per-tensor symmetric (127 / max|x|); code = round(x * scale) in "
-                "[-127, 127]; x = code / scale",
+                "[-127, 127], halves away from zero; x = code / scale",
                 "scale_tensor": self.suffix,
             },
         )
