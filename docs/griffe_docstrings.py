@@ -113,7 +113,14 @@ class SiteIndex:
 
     def __init__(self, package: griffe.Module, modules: Iterable[str]) -> None:
         self.package = package
-        self.modules = {name: _get(package, name) for name in modules}
+        self.modules = {name: self.module(name) for name in modules}
+
+    def module(self, name: str) -> griffe.Object | griffe.Alias | None:
+        """The package's module of that dotted name (``stream_st.kv``), or None."""
+        if name == self.package.name:
+            return self.package
+        prefix = self.package.name + "."
+        return _get(self.package, name[len(prefix) :]) if name.startswith(prefix) else None
 
     def public_path(self, obj: griffe.Object | griffe.Alias) -> str | None:
         """The identifier under which ``obj`` is rendered, or None when it is not."""
