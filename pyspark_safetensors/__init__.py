@@ -12,7 +12,7 @@ it explicitly::
 
 Spark is the engine; stream_st does the bytes (local paths and ``s3://`` for writing, those and
 ``http(s)://`` for reading). See ``stream_st.dataset`` for the layout, ``_write`` for the write
-protocol, and the README's Spark section for the options.
+protocol, and docs/spark.md for the options.
 """
 
 from __future__ import annotations
