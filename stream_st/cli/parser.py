@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from .. import __version__
+from .._util import package_version
 from .commands import (
     argcomplete_module,
     parse_index,
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  130 interrupted, 141 output pipe closed early",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(
