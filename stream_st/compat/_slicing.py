@@ -1,0 +1,160 @@
+"""What ``safe_open(...).get_slice(name)[key]`` takes, checked as the reference checks it.
+
+A key is an int (anything with ``__index__``: a numpy integer, a 0-d integer tensor), a slice,
+``...``, a tuple of those, or an empty list (no rows). Indexes outside the tensor raise
+:class:`~stream_st.compat.SliceError` with the reference's messages; a slice reaching past the
+end of a dimension is refused, not clipped. Beyond the reference: negative slice bounds count
+from the end (as in Python), a slice whose start passes its stop selects nothing, and a
+dimension of size 0 can be sliced whole (``[:]``, ``[0:0]``).
+
+:func:`plan` turns a key into the rows of the first dimension to read and the numpy index to
+apply to those rows.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import EllipsisType
+
+from ._errors import SliceError, SliceTypeError
+
+__all__ = ["Plan", "plan"]
+
+Index = int | slice
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to read a slice: ``rows`` of the first dimension (``None``: the whole tensor, for a
+    0-d one or a key that does not narrow it) and ``index``, to apply to the array of those
+    rows."""
+
+    rows: tuple[int, int] | None
+    index: tuple[Index, ...]
+
+
+def _items(key: object) -> list[object]:
+    """The key's indexes, one per dimension it names."""
+    if isinstance(key, tuple):
+        return list(key)
+    if isinstance(key, list):
+        if key:
+            raise SliceTypeError("Non empty lists are not implemented")
+        return [slice(0, 0)]  # the reference's reading of [], as numpy's: no rows
+    return [key]
+
+
+def _parse(item: object, position: int) -> Index | EllipsisType:
+    """One index as an int, a slice with int (or None) bounds, or ``...``."""
+    if item is Ellipsis or isinstance(item, slice):
+        if isinstance(item, slice):
+            for bound in (item.start, item.stop, item.step):
+                if bound is not None and not _integral(bound):
+                    raise SliceTypeError(
+                        f"slice bounds must be integers or None, got {type(bound).__name__}"
+                    )
+            return slice(*(None if b is None else operator.index(b) for b in _bounds(item)))
+        return Ellipsis
+    if _integral(item):
+        return operator.index(item)  # type: ignore[call-overload]
+    raise SliceTypeError(
+        f"Unsupported slice index at position {position}: expected slice, int, or ellipsis"
+    )
+
+
+def _bounds(item: slice) -> tuple[object, object, object]:
+    return item.start, item.stop, item.step
+
+
+def _integral(value: object) -> bool:
+    try:
+        operator.index(value)  # type: ignore[call-overload]
+    except TypeError:
+        return False
+    return True
+
+
+def _show(index: Index | EllipsisType) -> str:
+    """One index as the reference's messages write it (``2``, ``2:``, ``:20``, ``:``)."""
+    if isinstance(index, slice):
+        start = "" if index.start is None else str(index.start)
+        stop = "" if index.stop is None else str(index.stop)
+        step = "" if index.step in (None, 1) else f":{index.step}"
+        return f"{start}:{stop}{step}"
+    return "..." if index is Ellipsis else str(index)
+
+
+def plan(key: object, shape: Sequence[int]) -> Plan:
+    """The rows to read and the index to apply for ``key`` over a tensor of ``shape``;
+    :class:`SliceError` or :class:`SliceTypeError` (both :class:`~stream_st.SafetensorsError`)
+    for a key the reference refuses."""
+    parsed = [_parse(item, at) for at, item in enumerate(_items(key))]
+    dims = list(shape)
+    ellipses = sum(1 for index in parsed if index is Ellipsis)
+    if ellipses > 1:
+        raise SliceError("an index can only have a single ellipsis ('...')")
+    named = len(parsed) - ellipses
+
+    def failed(reason: str) -> SliceError:
+        shown = ", ".join(_show(index) for index in parsed)
+        return SliceError(f"Error during slicing [{shown}] with shape {dims}: {reason}")
+
+    if named > len(dims):
+        raise failed("more slicing indexes than dimensions in tensor")
+    expanded: list[Index] = []
+    for index in parsed:
+        if index is Ellipsis:
+            expanded.extend(slice(None) for _ in range(len(dims) - named))
+        else:
+            expanded.append(index)
+    final = [_within(index, dim, size, failed) for dim, (index, size) in enumerate(zip(expanded, dims))]
+    if not final:
+        return Plan(None, ())
+    first = final[0]
+    if isinstance(first, int):
+        return Plan((first, first + 1), (0, *final[1:]))
+    picked = range(*first.indices(dims[0]))
+    if not picked:
+        return Plan((0, 0), (slice(0, 0), *final[1:]))
+    low, high = min(picked[0], picked[-1]), max(picked[0], picked[-1])
+    start, stop = picked[0] - low, picked[-1] - low
+    end: int | None = stop + 1 if picked.step > 0 else (stop - 1 if stop else None)
+    return Plan((low, high + 1), (slice(start, end, picked.step), *final[1:]))
+
+
+def _within(index: Index, dim: int, size: int, failed: Callable[[str], SliceError]) -> Index:
+    """``index`` over a dimension ``dim`` of ``size``, with negative positions resolved;
+    refused where it reaches outside the dimension."""
+    if isinstance(index, int):
+        resolved = index + size if index < 0 else index
+        if resolved < 0:
+            raise SliceError(f"Invalid index {index} for dimension {dim} of size {size}")
+        if resolved >= size:
+            raise failed(f"index {resolved} out of bounds for tensor dimension #{dim} of size {size}")
+        return resolved
+    if index.step is not None and index.step == 0:
+        raise SliceError("slice step cannot be zero")
+    if index.step is not None and index.step < 0:
+        return index  # Python's meaning, clipped as Python clips it
+    start = _resolved(index.start, size, dim, 0)
+    stop = _resolved(index.stop, size, dim, size)
+    if (start >= size and size > 0) or start > size:
+        raise failed(f"index {start} out of bounds for tensor dimension #{dim} of size {size}")
+    if stop > size:
+        raise failed(
+            f"index {stop - 1} out of bounds for tensor dimension #{dim} of size {size}"
+        )
+    return slice(start, max(start, stop), index.step)
+
+
+def _resolved(bound: int | None, size: int, dim: int, default: int) -> int:
+    """A slice bound as a position from the start of the dimension."""
+    if bound is None:
+        return default
+    if bound < 0:
+        if bound + size < 0:
+            raise SliceError(f"Invalid index {bound} for dimension {dim} of size {size}")
+        return bound + size
+    return bound
