@@ -384,7 +384,7 @@ class SafeOpen:
     def get_slice(self, name: str) -> Slice:
         """A :class:`Slice` of tensor ``name``: index it to read part of it."""
         info = self._info(name)
-        return Slice(info, self._reader(info), self._out)
+        return Slice(info, self._reader(info), self._out, strict=not self._torch)
 
     def _reader(self, info: TensorInfo) -> Callable[[Rows], np.ndarray[Any, Any]]:
         """Reads ``info``'s rows (all of them for None)."""
@@ -419,7 +419,8 @@ class SafeOpen:
 
 class Slice:
     """Part of one tensor, read on indexing: ``f.get_slice(name)[2:5]``, ``[0]``, ``[..., :3]``,
-    ``[1:3, ::2]`` (see :mod:`stream_st.compat._slicing` for what is taken). Only the rows the
+    ``[1:3, ::2]``: for torch tensors by torch's rules, for numpy arrays by the reference's
+    stricter ones (``strict``; see :mod:`stream_st.compat._slicing`). Only the rows the
     first index selects are read from the source; the other indexes apply to them in memory. A
     digest covers a whole tensor, so part of one cannot be checked against it: only ``[...]``
     (the whole tensor) is. A slice of a mapped local file still reads after the file is
@@ -430,7 +431,10 @@ class Slice:
         info: TensorInfo,
         read: Callable[[Rows], np.ndarray[Any, Any]],
         out: Callable[[np.ndarray[Any, Any], str], Any],
+        *,
+        strict: bool = True,
     ) -> None:
+        self._strict = strict
         self._info = info
         self._read = read
         self._out = out
@@ -445,7 +449,7 @@ class Slice:
 
     def __getitem__(self, key: object) -> Any:
         info = self._info
-        planned = plan(key, info.shape)
+        planned = plan(key, info.shape, strict=self._strict)
         rows, index = planned.rows, planned.index
         if info.dtype_info.packed and info.shape:
             last = len(info.shape) - 1

@@ -25,9 +25,9 @@ SafetensorError = SafetensorsError
 """The reference's exception class: here the root of every stream_st error."""
 
 
-class InvalidTensorsError(SafetensorsError, ValueError):
-    """What was given to save is not a dict of dense, contiguous tensors (the reference's
-    ``ValueError``)."""
+class InvalidTensorsError(UsageError, ValueError):
+    """What was given to save is not a dict of dense, contiguous tensors: the reference's
+    ``ValueError`` (and stream_st's :class:`~stream_st.UsageError`, as before)."""
 
 
 class WrongTypeError(SafetensorsError, TypeError):

@@ -1,11 +1,17 @@
 """What ``safe_open(...).get_slice(name)[key]`` takes, checked as the reference checks it.
 
 A key is an int (anything with ``__index__``: a numpy integer, a 0-d integer tensor), a slice,
-``...``, a tuple of those, or an empty list (no rows). Indexes outside the tensor raise
-:class:`~stream_st.compat.SliceError` with the reference's messages; a slice reaching past the
-end of a dimension is refused, not clipped. Beyond the reference: negative slice bounds count
-from the end (as in Python), a slice whose start passes its stop selects nothing, and a
-dimension of size 0 can be sliced whole (``[:]``, ``[0:0]``).
+``...``, or a tuple of those. The reference indexes torch tensors (``framework="pt"``) as torch
+does and numpy arrays by stricter rules of its own, and so does this (``strict``):
+
+- ``strict`` (numpy): a slice reaching past the end of a dimension is refused, not clipped;
+  lists other than ``[]`` (no rows) are refused. Beyond the reference: negative slice bounds
+  count from the end (as in Python), a slice whose start passes its stop selects nothing, and
+  a dimension of size 0 can be sliced whole (``[:]``, ``[0:0]``).
+- torch: slices are clipped to the dimension, and a list of ints picks those positions.
+
+Either way an index outside the tensor raises :class:`~stream_st.compat.SliceError` (a
+``SafetensorError`` and an ``IndexError``) with the reference's message.
 
 :func:`plan` turns a key into the rows of the first dimension to read and the numpy index to
 apply to those rows.
@@ -22,7 +28,7 @@ from ._errors import SliceError, SliceTypeError
 
 __all__ = ["Plan", "plan"]
 
-Index = int | slice
+Index = int | slice | list[int]
 
 
 @dataclass(frozen=True)
@@ -35,19 +41,23 @@ class Plan:
     index: tuple[Index, ...]
 
 
-def _items(key: object) -> list[object]:
+def _items(key: object, strict: bool) -> list[object]:
     """The key's indexes, one per dimension it names."""
     if isinstance(key, tuple):
         return list(key)
     if isinstance(key, list):
-        if key:
+        if not key:
+            return [slice(0, 0)]  # the reference's reading of [], as numpy's: no rows
+        if strict:
             raise SliceTypeError("Non empty lists are not implemented")
-        return [slice(0, 0)]  # the reference's reading of [], as numpy's: no rows
     return [key]
 
 
-def _parse(item: object, position: int) -> Index | EllipsisType:
-    """One index as an int, a slice with int (or None) bounds, or ``...``."""
+def _parse(item: object, position: int, strict: bool) -> Index | EllipsisType:
+    """One index as an int, a slice with int (or None) bounds, ``...``, or (not ``strict``) a
+    list of ints."""
+    if isinstance(item, list) and not strict and item and all(map(_integral, item)):
+        return [operator.index(i) for i in item]  # type: ignore[return-value]
     if item is Ellipsis or isinstance(item, slice):
         if isinstance(item, slice):
             for bound in (item.start, item.stop, item.step):
@@ -86,11 +96,11 @@ def _show(index: Index | EllipsisType) -> str:
     return "..." if index is Ellipsis else str(index)
 
 
-def plan(key: object, shape: Sequence[int]) -> Plan:
-    """The rows to read and the index to apply for ``key`` over a tensor of ``shape``;
-    :class:`SliceError` or :class:`SliceTypeError` (both :class:`~stream_st.SafetensorsError`)
-    for a key the reference refuses."""
-    parsed = [_parse(item, at) for at, item in enumerate(_items(key))]
+def plan(key: object, shape: Sequence[int], *, strict: bool = True) -> Plan:
+    """The rows to read and the index to apply for ``key`` over a tensor of ``shape``, by the
+    ``strict`` rules (numpy's) or torch's; :class:`SliceError` or :class:`SliceTypeError`
+    (both :class:`~stream_st.SafetensorsError`) for a key the reference refuses."""
+    parsed = [_parse(item, at, strict) for at, item in enumerate(_items(key, strict))]
     dims = list(shape)
     ellipses = sum(1 for index in parsed if index is Ellipsis)
     if ellipses > 1:
@@ -102,6 +112,8 @@ def plan(key: object, shape: Sequence[int]) -> Plan:
         return SliceError(f"Error during slicing [{shown}] with shape {dims}: {reason}")
 
     if named > len(dims):
+        if not strict:
+            raise SliceError(f"too many indices for tensor of dimension {len(dims)}")
         raise failed("more slicing indexes than dimensions in tensor")
     expanded: list[Index] = []
     for index in parsed:
@@ -109,10 +121,19 @@ def plan(key: object, shape: Sequence[int]) -> Plan:
             expanded.extend(slice(None) for _ in range(len(dims) - named))
         else:
             expanded.append(index)
-    final = [_within(index, dim, size, failed) for dim, (index, size) in enumerate(zip(expanded, dims))]
-    if not final:
+    final = [
+        _within(index, dim, size, failed if strict else None)
+        for dim, (index, size) in enumerate(zip(expanded, dims))
+    ]
+    whole = all(
+        isinstance(index, slice) and index.indices(size) == (0, size, 1)
+        for index, size in zip(final, dims)
+    )
+    if whole:  # the whole tensor: read (and checked) as get_tensor reads it
         return Plan(None, ())
     first = final[0]
+    if isinstance(first, list):
+        return Plan(None, tuple(final))
     if isinstance(first, int):
         return Plan((first, first + 1), (0, *final[1:]))
     picked = range(*first.indices(dims[0]))
@@ -124,19 +145,19 @@ def plan(key: object, shape: Sequence[int]) -> Plan:
     return Plan((low, high + 1), (slice(start, end, picked.step), *final[1:]))
 
 
-def _within(index: Index, dim: int, size: int, failed: Callable[[str], SliceError]) -> Index:
+def _within(
+    index: Index, dim: int, size: int, failed: Callable[[str], SliceError] | None
+) -> Index:
     """``index`` over a dimension ``dim`` of ``size``, with negative positions resolved;
-    refused where it reaches outside the dimension."""
+    refused where it reaches outside the dimension (by the strict rules where ``failed``, which
+    makes their error, is given; else torch's)."""
+    if isinstance(index, list):
+        return [_position(i, dim, size, failed) for i in index]
     if isinstance(index, int):
-        resolved = index + size if index < 0 else index
-        if resolved < 0:
-            raise SliceError(f"Invalid index {index} for dimension {dim} of size {size}")
-        if resolved >= size:
-            raise failed(f"index {resolved} out of bounds for tensor dimension #{dim} of size {size}")
-        return resolved
+        return _position(index, dim, size, failed)
     if index.step is not None and index.step == 0:
         raise SliceError("slice step cannot be zero")
-    if index.step is not None and index.step < 0:
+    if failed is None or (index.step is not None and index.step < 0):
         return index  # Python's meaning, clipped as Python clips it
     start = _resolved(index.start, size, dim, 0)
     stop = _resolved(index.stop, size, dim, size)
@@ -147,6 +168,20 @@ def _within(index: Index, dim: int, size: int, failed: Callable[[str], SliceErro
             f"index {stop - 1} out of bounds for tensor dimension #{dim} of size {size}"
         )
     return slice(start, max(start, stop), index.step)
+
+
+def _position(
+    index: int, dim: int, size: int, failed: Callable[[str], SliceError] | None
+) -> int:
+    """Position ``index`` (negative: from the end) of a dimension ``dim`` of ``size``."""
+    resolved = index + size if index < 0 else index
+    if failed is None and not 0 <= resolved < size:
+        raise SliceError(f"index {index} is out of bounds for dimension {dim} with size {size}")
+    if resolved < 0:
+        raise SliceError(f"Invalid index {index} for dimension {dim} of size {size}")
+    if failed is not None and resolved >= size:
+        raise failed(f"index {resolved} out of bounds for tensor dimension #{dim} of size {size}")
+    return resolved
 
 
 def _resolved(bound: int | None, size: int, dim: int, default: int) -> int:
