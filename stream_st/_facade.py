@@ -299,7 +299,7 @@ class SafeOpen:
         self._torch = framework_of(framework)
         check_device(device)
         check_sync_address(src, "source")
-        clock = clock_of(options)
+        clock = clock_of(options) if options else Clock()
         mapped = maps(backend)
         self._local: LocalFile | None = None
         self._bridge: Bridge | None = None

@@ -192,11 +192,25 @@ def _open(name: str) -> int:
         raise UsageError(f"invalid path {name!r}: {exc}") from None
 
 
+_FIRST_READ = 64 << 10
+"""Bytes read at open, hoping they hold the whole header (one read instead of two)."""
+
+
 def _read_header(fd: int, size: int, name: str) -> Header:
     """The header of the file ``fd`` of ``size`` bytes, checked against its size."""
-    prefix = _pread_exact(fd, LENGTH_PREFIX_SIZE, 0, name, "the header length")
-    length = parse_header_length(prefix, max_header_size=DEFAULT_MAX_HEADER_SIZE)
-    header = parse_header(_pread_exact(fd, length, LENGTH_PREFIX_SIZE, name, "the header"))
+    first = bytearray(min(size, _FIRST_READ))
+    got = pread_fully(fd, memoryview(first), 0)
+    if got < LENGTH_PREFIX_SIZE:
+        raise TruncatedStreamError(
+            "the header length", name=None, offset=got, expected=LENGTH_PREFIX_SIZE, source=name
+        )
+    length = parse_header_length(first[:LENGTH_PREFIX_SIZE], max_header_size=DEFAULT_MAX_HEADER_SIZE)
+    end = LENGTH_PREFIX_SIZE + length
+    if end <= got:
+        raw: bytes | bytearray | memoryview = memoryview(first)[LENGTH_PREFIX_SIZE:end]
+    else:
+        raw = _pread_exact(fd, length, LENGTH_PREFIX_SIZE, name, "the header")
+    header = parse_header(raw)
     if size < header.file_size:
         raise TruncatedStreamError(
             "the tensors' data", name=None, offset=size, expected=header.file_size, source=name
