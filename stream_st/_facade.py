@@ -39,7 +39,7 @@ from .sharded import ShardIndex, _open_shard, is_index
 from .sinks import Sink, SinkLike
 from .sources import SourceLike, path_from_url
 from .sources.file import FileSource
-from .compat._errors import FileClosedError, InvalidTensorsError, SliceError
+from .compat._errors import FileClosedError, InvalidTensorsError, NoSuchFileError, SliceError
 from .compat._local import LocalFile
 from .compat._serialize import TensorSpec, check_metadata, write_specs
 from .compat._slicing import plan
@@ -560,6 +560,9 @@ def load_file(
     ``backend="mmap"``, a local file's as writable views of a private mapping of it."""
     copy = not maps(backend)
     check_sync_address(src, "source")
+    path = local_path(src)
+    if path is not None and not os.path.lexists(path):
+        raise NoSuchFileError(path)
     return run(_load, src, torch, verify, copy, clock_of(options))
 
 

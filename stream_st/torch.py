@@ -189,8 +189,9 @@ def _checked(tensors: object) -> Mapping[str, Any]:
         if not tensor.is_contiguous():
             raise InvalidTensorsError(
                 f"You are trying to save a non contiguous tensor: `{name}` which is not allowed. "
-                "Call `.contiguous()` on it to pack it before saving (if it is a view of another "
-                "tensor, save the whole tensor instead and slice it again after loading)."
+                "It either means you are trying to save tensors which are reference of each other "
+                "in which case it's recommended to save only the full tensors, and reslice at load "
+                "time, or simply call `.contiguous()` on your tensor to pack it before saving."
             )
         if tensor.is_meta:
             raise UsageError(

@@ -56,7 +56,7 @@ def _items(key: object, strict: bool) -> list[object]:
 def _parse(item: object, position: int, strict: bool) -> Index | EllipsisType:
     """One index as an int, a slice with int (or None) bounds, ``...``, or (not ``strict``) a
     list of ints."""
-    if isinstance(item, list) and not strict and item and all(map(_integral, item)):
+    if isinstance(item, list) and not strict and all(map(_integral, item)):
         return [operator.index(i) for i in item]  # type: ignore[return-value]
     if item is Ellipsis or isinstance(item, slice):
         if isinstance(item, slice):
@@ -69,9 +69,8 @@ def _parse(item: object, position: int, strict: bool) -> Index | EllipsisType:
         return Ellipsis
     if _integral(item):
         return operator.index(item)  # type: ignore[call-overload]
-    raise SliceTypeError(
-        f"Unsupported slice index at position {position}: expected slice, int, or ellipsis"
-    )
+    error = SliceTypeError if strict else SliceError  # torch's is an IndexError
+    raise error(f"Unsupported slice index at position {position}: expected slice, int, or ellipsis")
 
 
 def _bounds(item: slice) -> tuple[object, object, object]:
