@@ -30,6 +30,10 @@ from ._limits import Clock, TransportOptions, clock_of
 from ._mmap import FileMap
 from ._shards import shard_address
 from ._sync import Bridge, check_sync_address, run
+from .compat._errors import FileClosedError, InvalidTensorsError, NoSuchFileError, SliceError
+from .compat._local import LocalFile
+from .compat._serialize import TensorSpec, check_metadata, write_specs
+from .compat._slicing import plan
 from .convenience import save as save_async
 from .errors import TensorNotFoundError, UsageError
 from .header import Header, TensorInfo
@@ -39,10 +43,6 @@ from .sharded import ShardIndex, _open_shard, is_index
 from .sinks import Sink, SinkLike
 from .sources import SourceLike, path_from_url
 from .sources.file import FileSource
-from .compat._errors import FileClosedError, InvalidTensorsError, NoSuchFileError, SliceError
-from .compat._local import LocalFile
-from .compat._serialize import TensorSpec, check_metadata, write_specs
-from .compat._slicing import plan
 
 __all__ = [
     "SafeOpen",
@@ -303,6 +303,7 @@ class SafeOpen:
         mapped = maps(backend)
         self._local: LocalFile | None = None
         self._bridge: Bridge | None = None
+        self._closer: Callable[[], Any] | None = None
         self._closed = False
         path = local_path(src)
         if path is not None:
@@ -402,7 +403,7 @@ class SafeOpen:
         if self._local is not None:
             self._local.close()
             self._local = None  # the mapping goes with the last tensor or slice using it
-        if self._bridge is not None:
+        if self._closer is not None:
             self._closer()
 
     def __enter__(self) -> Self:

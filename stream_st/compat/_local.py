@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .._mmap import fresh_bytes
+from ..dtypes import wire_bytes
 from ..errors import TrailingDataError, TransportError, TruncatedStreamError, UsageError
 from ..header import (
     DEFAULT_MAX_HEADER_SIZE,
@@ -35,7 +36,7 @@ from ..header import (
     parse_header,
     parse_header_length,
 )
-from ..integrity import Digests, wire_bytes
+from ..integrity import Digests
 from ..sources._pread import pread_fully
 from ._errors import NoSuchFileError
 
@@ -66,9 +67,7 @@ class _LibcMapping:
     def map_private(self, fd: int, size: int) -> Any:
         """``size`` bytes of ``fd`` mapped copy-on-write, as a ctypes array that unmaps them
         when it is collected."""
-        address = self.mmap(
-            None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0
-        )
+        address = self.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
         if address is None or address == ctypes.c_void_p(-1).value:
             error = ctypes.get_errno()
             raise OSError(error, os.strerror(error))
@@ -155,7 +154,7 @@ class LocalFile:
             if self._fd < 0:
                 raise UsageError(f"{self.name} is closed")
             raw = fresh_bytes(wanted.nbytes)
-            got = pread_fully(self._fd, memoryview(raw), start)
+            got = pread_fully(self._fd, raw.data, start)
             if got < wanted.nbytes:
                 raise TruncatedStreamError(
                     f"tensor {info.name!r}",
@@ -204,7 +203,9 @@ def _read_header(fd: int, size: int, name: str) -> Header:
         raise TruncatedStreamError(
             "the header length", name=None, offset=got, expected=LENGTH_PREFIX_SIZE, source=name
         )
-    length = parse_header_length(first[:LENGTH_PREFIX_SIZE], max_header_size=DEFAULT_MAX_HEADER_SIZE)
+    length = parse_header_length(
+        first[:LENGTH_PREFIX_SIZE], max_header_size=DEFAULT_MAX_HEADER_SIZE
+    )
     end = LENGTH_PREFIX_SIZE + length
     if end <= got:
         raw: bytes | bytearray | memoryview = memoryview(first)[LENGTH_PREFIX_SIZE:end]

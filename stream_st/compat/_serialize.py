@@ -72,9 +72,7 @@ class TensorSpec:
 
     __slots__ = ("_data_len", "_data_ptr", "_dtype", "_shape")
 
-    def __init__(
-        self, *, dtype: str, shape: Sequence[int], data_ptr: int, data_len: int
-    ) -> None:
+    def __init__(self, *, dtype: str, shape: Sequence[int], data_ptr: int, data_len: int) -> None:
         code = _CODES.get(dtype, dtype if dtype in DTYPES else None)
         if code is None:
             raise DtypeError(
@@ -124,7 +122,8 @@ class TensorSpec:
         if not self._data_ptr:
             raise UsageError("a TensorSpec with bytes needs a data_ptr")
         memory = (ctypes.c_ubyte * self._data_len).from_address(self._data_ptr)
-        return np.frombuffer(memory, dtype=np.uint8)
+        raw: np.ndarray[Any, Any] = np.frombuffer(memoryview(memory).cast("B"), dtype=np.uint8)
+        return raw
 
 
 def check_metadata(metadata: object) -> dict[str, str] | None:
@@ -134,13 +133,15 @@ def check_metadata(metadata: object) -> dict[str, str] | None:
         return None
     if not isinstance(metadata, Mapping):
         raise WrongTypeError(
-            f"argument 'metadata': '{type(metadata).__name__}' object cannot be converted to 'PyDict'"
+            f"argument 'metadata': '{type(metadata).__name__}' object cannot be converted "
+            "to 'PyDict'"
         )
     for key, value in metadata.items():
         for item in (key, value):
             if not isinstance(item, str):
                 raise WrongTypeError(
-                    f"argument 'metadata': '{type(item).__name__}' object is not an instance of 'str'"
+                    f"argument 'metadata': '{type(item).__name__}' object is not an instance "
+                    "of 'str'"
                 )
     return dict(metadata)
 

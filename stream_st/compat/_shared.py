@@ -46,7 +46,7 @@ def end_ptr(tensor: Any) -> int:
     start = int(tensor.data_ptr())
     if not tensor.nelement():
         return start
-    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    last = sum(int(n - 1) * int(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True))
     return start + (last + 1) * int(tensor.element_size())
 
 

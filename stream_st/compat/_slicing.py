@@ -23,6 +23,7 @@ import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import EllipsisType
+from typing import SupportsIndex, cast
 
 from ._errors import SliceError, SliceTypeError
 
@@ -56,33 +57,36 @@ def _items(key: object, strict: bool) -> list[object]:
 def _parse(item: object, position: int, strict: bool) -> Index | EllipsisType:
     """One index as an int, a slice with int (or None) bounds, ``...``, or (not ``strict``) a
     list of ints."""
-    if isinstance(item, list) and not strict and all(map(_integral, item)):
-        return [operator.index(i) for i in item]  # type: ignore[return-value]
-    if item is Ellipsis or isinstance(item, slice):
-        if isinstance(item, slice):
-            for bound in (item.start, item.stop, item.step):
-                if bound is not None and not _integral(bound):
-                    raise SliceTypeError(
-                        f"slice bounds must be integers or None, got {type(bound).__name__}"
-                    )
-            return slice(*(None if b is None else operator.index(b) for b in _bounds(item)))
+    if isinstance(item, list) and not strict:
+        positions = [_integer(i) for i in item]
+        if all(p is not None for p in positions):
+            return [p for p in positions if p is not None]
+    if item is Ellipsis:
         return Ellipsis
-    if _integral(item):
-        return operator.index(item)  # type: ignore[call-overload]
+    if isinstance(item, slice):
+        bounds: list[int | None] = []
+        for bound in (item.start, item.stop, item.step):
+            value = None if bound is None else _integer(bound)
+            if bound is not None and value is None:
+                raise SliceTypeError(
+                    f"slice bounds must be integers or None, got {type(bound).__name__}"
+                )
+            bounds.append(value)
+        return slice(*bounds)
+    value = _integer(item)
+    if value is not None:
+        return value
     error = SliceTypeError if strict else SliceError  # torch's is an IndexError
     raise error(f"Unsupported slice index at position {position}: expected slice, int, or ellipsis")
 
 
-def _bounds(item: slice) -> tuple[object, object, object]:
-    return item.start, item.stop, item.step
-
-
-def _integral(value: object) -> bool:
+def _integer(value: object) -> int | None:
+    """``value`` as an int if it is one (has ``__index__``: a numpy integer, a 0-d integer
+    tensor), else None."""
     try:
-        operator.index(value)  # type: ignore[call-overload]
+        return operator.index(cast(SupportsIndex, value))
     except TypeError:
-        return False
-    return True
+        return None
 
 
 def _show(index: Index | EllipsisType) -> str:
@@ -122,11 +126,11 @@ def plan(key: object, shape: Sequence[int], *, strict: bool = True) -> Plan:
             expanded.append(index)
     final = [
         _within(index, dim, size, failed if strict else None)
-        for dim, (index, size) in enumerate(zip(expanded, dims))
+        for dim, (index, size) in enumerate(zip(expanded, dims, strict=False))
     ]
     whole = all(
         isinstance(index, slice) and index.indices(size) == (0, size, 1)
-        for index, size in zip(final, dims)
+        for index, size in zip(final, dims, strict=False)
     )
     if whole:  # the whole tensor: read (and checked) as get_tensor reads it
         return Plan(None, ())
@@ -144,9 +148,7 @@ def plan(key: object, shape: Sequence[int], *, strict: bool = True) -> Plan:
     return Plan((low, high + 1), (slice(start, end, picked.step), *final[1:]))
 
 
-def _within(
-    index: Index, dim: int, size: int, failed: Callable[[str], SliceError] | None
-) -> Index:
+def _within(index: Index, dim: int, size: int, failed: Callable[[str], SliceError] | None) -> Index:
     """``index`` over a dimension ``dim`` of ``size``, with negative positions resolved;
     refused where it reaches outside the dimension (by the strict rules where ``failed``, which
     makes their error, is given; else torch's)."""
@@ -163,15 +165,11 @@ def _within(
     if (start >= size and size > 0) or start > size:
         raise failed(f"index {start} out of bounds for tensor dimension #{dim} of size {size}")
     if stop > size:
-        raise failed(
-            f"index {stop - 1} out of bounds for tensor dimension #{dim} of size {size}"
-        )
+        raise failed(f"index {stop - 1} out of bounds for tensor dimension #{dim} of size {size}")
     return slice(start, max(start, stop), index.step)
 
 
-def _position(
-    index: int, dim: int, size: int, failed: Callable[[str], SliceError] | None
-) -> int:
+def _position(index: int, dim: int, size: int, failed: Callable[[str], SliceError] | None) -> int:
     """Position ``index`` (negative: from the end) of a dimension ``dim`` of ``size``."""
     resolved = index + size if index < 0 else index
     if failed is None and not 0 <= resolved < size:
