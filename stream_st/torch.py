@@ -81,9 +81,12 @@ def safe_open(
     ``safe_open``: ``keys()``, ``offset_keys()``, ``metadata()``, ``get_tensor(name)``,
     ``get_tensors()``, ``get_slice(name)[...]``; use it with ``with`` or call ``close()``.
 
-    A local file is mapped as by :func:`load_file` (``backend="mmap"``, the default) or read
-    tensor by tensor into fresh memory (``"pread"``). From a remote source a slice over the
-    first dimension reads only those rows' bytes. ``get_tensor`` and ``get_tensors`` check each
+    A local file is mapped as by :func:`load_file` (``backend="mmap"``, the default), its
+    descriptor closed at once: an open handle holds no thread and no descriptor, as the
+    reference's. ``"pread"`` keeps the descriptor and reads tensor by tensor into fresh memory.
+    From a remote source a slice over the first dimension reads only those rows' bytes. Slices
+    index as the reference's do (torch's rules here; see :mod:`stream_st.compat._slicing`).
+    After ``close()`` every method raises ``File is closed``; slices taken before still read. ``get_tensor`` and ``get_tensors`` check each
     tensor against the digest the header records for it, if any (``verify=False`` skips it); a
     ``get_slice`` of part of a tensor cannot be checked (a digest covers the whole tensor).
     ``device`` must be the CPU for now (see :func:`load_file`).
