@@ -26,9 +26,9 @@ import safetensors.numpy as reference_numpy
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import stream_st
-from stream_st.hub import HubSource
-from stream_st.sources.http import HttpSource
 from stream_st.tools import inspect
+from stream_st.transports.http.source import HttpSource
+from stream_st.transports.hub import HubSource
 from tests.hub_server import CDN_HOST, FakeHub
 
 INDEX_NAME = "model.safetensors.index.json"

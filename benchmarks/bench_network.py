@@ -85,7 +85,7 @@ import numpy as np
 from bench_read import KV, NUMPY_DTYPES, BenchFile, Touches, big_file, ensure_file, touch
 
 import stream_st
-from stream_st.sources.http import HttpSource
+from stream_st.transports.http.source import HttpSource
 
 SCRIPT = str(Path(__file__).resolve())
 REPO = Path(SCRIPT).parent.parent
@@ -615,8 +615,8 @@ def s3_variants(
     stack: contextlib.AsyncExitStack,
 ) -> Callable[[], Awaitable[list[Variant]]]:
     """The S3 clients, each created once (as an application would) and reused every round."""
-    from stream_st._s3 import S3Config
-    from stream_st.sources.s3 import S3Source
+    from stream_st.transports.s3.config import S3Config
+    from stream_st.transports.s3.source import S3Source
 
     region = credentials["AWS_DEFAULT_REGION"]
     access = credentials["AWS_ACCESS_KEY_ID"]

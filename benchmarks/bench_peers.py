@@ -1,6 +1,6 @@
 """stream_st against the other safetensors loaders, side by side, each variant in a fresh process.
 
-Run it from the repository root with the ``bench`` extra installed (see the README)::
+Run it from the repository root with the ``bench`` extra installed (see docs/install.md)::
 
     python benchmarks/bench_peers.py [--medium warm,cold] [--scale 1.0] [--rounds 5]
                                      [--files f32,bf16,kv] [--variants ...] [--dir DIR] [--json OUT]

@@ -171,9 +171,9 @@ def prepare(variant: str, key: str, endpoint: str, k: int, part: int) -> Callabl
         import anyio
 
         import stream_st
-        from stream_st._s3 import S3Config
-        from stream_st.sources.http import HttpSource
-        from stream_st.sources.s3 import S3Source
+        from stream_st.transports.http.source import HttpSource
+        from stream_st.transports.s3.config import S3Config
+        from stream_st.transports.s3.source import S3Source
 
         config = S3Config.resolve()  # credentials looked up untimed, as boto3's client is made
         anyio.run(config.ready)

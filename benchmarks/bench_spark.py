@@ -5,7 +5,7 @@ by stream_st's single-process dataset writer, then, in interleaved rounds:
 
 * ``stream_st write``: the same arrays written again by ``open_dataset_writer`` (one batch of
   ``--batch`` samples per shard);
-* ``stream_st read``: every shard read back with ``stream_st.dataset.read_piece``;
+* ``stream_st read``: every shard read back with ``stream_st.integrations.dataset.read_piece``;
 * ``spark read``: ``spark.read.format("safetensors").load(...)`` into Spark's ``noop`` sink;
 * ``spark read+write``: the same, written by the data source (``batch_size`` = ``--batch``).
 
@@ -32,7 +32,7 @@ import anyio
 import numpy as np
 
 import stream_st
-from stream_st.dataset import describe_dataset, plan_pieces, read_piece
+from stream_st.integrations.dataset import describe_dataset, plan_pieces, read_piece
 
 SAMPLE = (3, 224, 224)
 

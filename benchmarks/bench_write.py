@@ -125,7 +125,7 @@ def _child(variant: str, path: str, check: bool) -> dict[str, Any]:
         import anyio
 
         import stream_st
-        import stream_st.sinks.file
+        import stream_st.transports.file.sink
     if variant == "save_file":
         import safetensors.numpy
     baseline = _status_kib("VmRSS")
@@ -138,9 +138,9 @@ def _child(variant: str, path: str, check: bool) -> dict[str, Any]:
 
     if variant in ("stream_st", "single", "nofalloc"):
         if variant == "single":
-            stream_st.sinks.file.SPLIT_THRESHOLD = None
+            stream_st.transports.file.sink.SPLIT_THRESHOLD = None
         if variant == "nofalloc":
-            stream_st.sinks.file._FALLOCATE = None
+            stream_st.transports.file.sink._FALLOCATE = None
         plan = [stream_st.TensorSpec(name, "F32", (ELEMENTS,)) for name in names]
 
         async def write() -> None:

@@ -18,8 +18,8 @@ import anyio
 import numpy as np
 
 import stream_st
-from stream_st.llm import load_tokenizer, read_gguf
-from stream_st.llm.transfer import one_blas_thread, send_prefill
+from stream_st.models.llm import load_tokenizer, read_gguf
+from stream_st.models.llm.transfer import one_blas_thread, send_prefill
 
 
 async def main(prompt: str, codec: str, new_tokens: int) -> None:

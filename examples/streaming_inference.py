@@ -20,7 +20,7 @@ import anyio
 import numpy as np
 
 import stream_st
-from stream_st.bert import (
+from stream_st.models.bert import (
     BertConfig,
     StreamingBert,
     mean_pool,

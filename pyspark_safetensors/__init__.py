@@ -12,7 +12,7 @@ it explicitly::
 
 Spark is the engine; stream_st does the bytes (local paths and ``s3://`` for writing, those and
 ``http(s)://`` for reading). See ``stream_st.dataset`` for the layout, ``_write`` for the write
-protocol, and the README's Spark section for the options.
+protocol, and docs/spark.md for the options.
 """
 
 from __future__ import annotations
@@ -32,8 +32,14 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from stream_st.dataset import DatasetInfo, Piece, describe_dataset, plan_pieces, read_piece
 from stream_st.errors import UsageError
+from stream_st.integrations.dataset import (
+    DatasetInfo,
+    Piece,
+    describe_dataset,
+    plan_pieces,
+    read_piece,
+)
 
 from ._arrow import tensor_column
 from ._write import SafetensorsWriter, WriteOptions, _positive

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from stream_st.dtypes import dtype_for, dtype_from_code
+from stream_st.core.dtypes import dtype_for, dtype_from_code
 from stream_st.errors import UsageError
 
 __all__ = ["TENSOR_TYPE", "is_tensor_type", "stack_rows", "tensor_column"]

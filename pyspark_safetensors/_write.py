@@ -31,25 +31,24 @@ import pyarrow.parquet as pq
 from pyspark import TaskContext
 from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
 
-from stream_st import _store
-from stream_st._limits import Clock
-from stream_st.convenience import save
-from stream_st.dataset import (
+from stream_st._api import read_header, save
+from stream_st.core.digests import algorithm_named
+from stream_st.core.dtypes import DTYPES, dtype_for
+from stream_st.core.header import Header
+from stream_st.core.shards import (
     INDEX_NAME,
-    MANIFEST_NAME,
     SHARD_NAME,
     ShardEntry,
     manifest_document,
     shard_file_name,
     shard_position,
 )
-from stream_st.dtypes import DTYPES, dtype_for
 from stream_st.errors import UsageError, WriterError
-from stream_st.header import Header
-from stream_st.integrity import algorithm_named
-from stream_st.reader import read_header
-from stream_st.sharded import ShardIndex
+from stream_st.integrations.dataset import MANIFEST_NAME
+from stream_st.sharded.reader import ShardIndex
 from stream_st.tools import cp
+from stream_st.transports import store as _store
+from stream_st.transports.options import Clock
 
 from ._arrow import stack_rows
 

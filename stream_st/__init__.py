@@ -10,11 +10,14 @@
 
 from __future__ import annotations
 
-from ._limits import LimitOptions, TransportOptions
-from ._s3 import S3Config
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._api import load, open_stream, read_header, save
 from .connection import Connection, Listener, connect, listen
-from .convenience import load, save
-from .dtypes import DTYPES, DType, dtype_for
+from .core.digests import Digests
+from .core.dtypes import DTYPES, DType, dtype_for
+from .core.header import Header, TensorInfo, TensorSpec, build_header, parse_header, plan_order
 from .errors import (
     AllocationError,
     CertificateError,
@@ -40,23 +43,50 @@ from .errors import (
     UsageError,
     WriterError,
 )
-from .header import Header, TensorInfo, TensorSpec, build_header, parse_header, plan_order
-from .integrity import Digests
 from .kv import KVLayout, KVReceiver, receive_kv, send_kv
-from .reader import TensorStream, open_stream, read_header
-from .shard_writer import DatasetWriter, ShardedWriter, open_dataset_writer, open_sharded_writer
-from .sharded import ShardedStream
-from .sinks.http import HttpSink
-from .sinks.s3 import S3Sink
-from .sources.base import AsyncReadInto
-from .sources.http import HttpSource
-from .sources.s3 import S3Source
+from .reader import TensorStream
+from .sharded.reader import ShardedStream
+from .sharded.writer import DatasetWriter, ShardedWriter, open_dataset_writer, open_sharded_writer
+from .transports.base import AsyncReadInto
+from .transports.options import LimitOptions, TransportOptions
 from .writer import TensorParts, TensorWriter, open_writer
 
-# isort: split
-# The HTTP client after the transports: it uses the TCP connect of the sources package.
-from ._http import HTTPClient
-from .hub import HubSource
+if TYPE_CHECKING:
+    from .transports.http import HTTPClient
+    from .transports.http.sink import HttpSink
+    from .transports.http.source import HttpSource
+    from .transports.hub import HubSource
+    from .transports.s3.config import S3Config
+    from .transports.s3.sink import S3Sink
+    from .transports.s3.source import S3Source
+
+_LAZY = {
+    "HttpSink": ".transports.http.sink",
+    "HttpSource": ".transports.http.source",
+    "S3Config": ".transports.s3.config",
+    "S3Sink": ".transports.s3.sink",
+    "S3Source": ".transports.s3.source",
+    "HTTPClient": ".transports.http",
+    "HubSource": ".transports.hub",
+}
+"""Public names whose transports are imported on first use, so ``import stream_st`` stays light."""
+
+_MOVED = frozenset(
+    {"bert", "codecs", "dataset", "hub", "integrity", "llm", "sinks", "sources", "torch_dataset"}
+)
+"""Old module paths, re-exported for the 0.1 series and imported on first use."""
+
+
+def __getattr__(name: str) -> Any:
+    """Import a transport's public class, or a moved module, when it is first asked for."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    elif name in _MOVED:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def _version() -> str:

@@ -26,13 +26,13 @@ from typing import Unpack
 
 import anyio
 
-from ._limits import NO_LIMITS, Clock, LimitOptions, Limits
 from ._util import AsyncClosing
+from .core.header import DEFAULT_MAX_HEADER_SIZE, TensorSpec
 from .errors import TransportError, UsageError
-from .header import DEFAULT_MAX_HEADER_SIZE, TensorSpec
 from .reader import Include, TensorStream
-from .sinks.tcp import SocketSink
-from .sources.tcp import (
+from .transports.options import NO_LIMITS, Clock, LimitOptions, Limits
+from .transports.tcp import (
+    SocketSink,
     SocketSource,
     Turn,
     close_socket,

@@ -15,6 +15,11 @@ layer out, so a corrupted layer is never delivered as good.
 ``__metadata__`` records the codec (``compression``, ``group_size``, ``original_dtype``, ...), and
 ``kv_layers``, ``kv_shape``, ``kv_dtype``, ``kv_digest`` so a receiver knows the layout from the
 header alone.
+
+The receiver also reads seed-style caches other programs write: ``layer_{i}_key`` /
+``layer_{i}_value`` (and codec siblings) with no ``kv_*`` metadata, in any order, the layout
+inferred from names and shapes and reported unverified (no layer digests). The byte-level
+specification, for implementations in other languages, is ``docs/kv-wire-format.md``.
 """
 
 from __future__ import annotations
@@ -31,16 +36,16 @@ import anyio
 import numpy as np
 from anyio.abc import ObjectReceiveStream, TaskGroup
 
-from ._limits import LimitOptions
+from ._api import open_stream
 from ._util import task_group
-from .codecs import Codec, codec_from_metadata, get_codec
 from .connection import Connection
-from .dtypes import dtype_for, wire_bytes
+from .core.codecs import Codec, codec_from_metadata, get_codec
+from .core.dtypes import dtype_for, wire_bytes
+from .core.header import Header, TensorSpec
 from .errors import HeaderError, IntegrityError, UsageError
-from .header import Header, TensorSpec
-from .reader import TensorStream, open_stream
-from .sinks import SinkLike
-from .sources import SourceLike
+from .reader import TensorStream
+from .transports.options import LimitOptions
+from .transports.registry import SinkLike, SourceLike
 from .writer import TensorWriter, open_writer
 
 __all__ = [
@@ -80,14 +85,27 @@ class KVLayout:
     codec: str = "none"
     group_size: int = 64
     digest: bool = True
+    wire_dtype: str | None = None
+    """With codec "none", the dtype the tensors travel in when it is not ``dtype`` (a cache
+    written in one float type whose ``original_dtype`` names another): decoding casts."""
+    style: str = "stream_st"
+    """"stream_st": laid out by :func:`send_kv`, its metadata announces it. "seed": inferred
+    from ``layer_{i}_key`` / ``layer_{i}_value`` names and shapes alone (the exchange format
+    other programs write; see ``docs/kv-wire-format.md``), any tensor order."""
+    notes: tuple[str, ...] = field(default=(), compare=False)
+    """What the receiver decided about the header where it was ambiguous (a seed-style cache
+    whose metadata contradicts its tensors)."""
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or len(self.shape) != 4:
             raise UsageError(
                 "a KV layout needs >= 1 layer and a [batch, heads, seq, head_dim] shape"
             )
-        if self.dtype not in ("F16", "BF16", "F32"):
-            raise UsageError(f"KV dtype must be F16, BF16 or F32, not {self.dtype!r}")
+        for dtype in (self.dtype, self.wire_dtype or self.dtype):
+            if dtype not in ("F16", "BF16", "F32"):
+                raise UsageError(f"KV dtype must be F16, BF16 or F32, not {dtype!r}")
+        if self.style not in ("stream_st", "seed"):
+            raise UsageError(f"KV layout style must be 'stream_st' or 'seed', not {self.style!r}")
         self.layer_specs(0)  # a codec that cannot carry this shape says so now, not mid-send
 
     @property
@@ -100,9 +118,10 @@ class KVLayout:
     def layer_specs(self, layer: int) -> list[TensorSpec]:
         """The wire tensors of one layer: key parts, value parts, then the digest."""
         codec = self.get_codec()
+        wire = self.wire_dtype or self.dtype
         specs = [
-            *codec.specs(key_name(layer), self.shape, self.dtype),
-            *codec.specs(value_name(layer), self.shape, self.dtype),
+            *codec.specs(key_name(layer), self.shape, wire),
+            *codec.specs(value_name(layer), self.shape, wire),
         ]
         if self.digest:
             specs.append(TensorSpec(digest_name(layer), "U8", (DIGEST_SIZE,)))
@@ -133,7 +152,12 @@ class KVLayout:
 
     @classmethod
     def from_header(cls, header: Header) -> KVLayout:
+        """The layout a header announces (``kv_*`` metadata, as :func:`send_kv` writes it) or,
+        without any ``kv_*`` key, the seed-style layout its tensor names and shapes imply.
+        :class:`~stream_st.HeaderError` if it is neither."""
         meta = header.metadata
+        if not any(key in meta for key in _KV_KEYS):
+            return _seed_layout(header)
         try:
             layout = cls(
                 num_layers=int(meta["kv_layers"]),
@@ -159,6 +183,179 @@ class KVLayout:
         if expected != actual:
             raise HeaderError("the tensors do not follow the KV layout their metadata announces")
         return layout
+
+
+_KV_KEYS = ("kv_layers", "kv_shape", "kv_dtype", "kv_digest")
+"""Metadata keys of a transfer laid out by :func:`send_kv`; a header with none of them is read
+as a seed-style cache."""
+
+_FLOAT_CODES = ("F16", "BF16", "F32")
+_SEED_PARTS = {  # name suffix after layer_{i}_ -> (role, codec part)
+    "key": ("key", ""),
+    "value": ("value", ""),
+    "key.scale": ("key", ".scale"),
+    "value.scale": ("value", ".scale"),
+    "key.scales": ("key", ".scales"),
+    "value.scales": ("value", ".scales"),
+}
+
+
+def _seed_name(name: str) -> tuple[int, str] | None:
+    """``(layer, suffix)`` of a seed-style tensor name, or None if it is not one."""
+    if not name.startswith("layer_"):
+        return None
+    number, _, suffix = name[len("layer_") :].partition("_")
+    if not number.isdecimal() or not number.isascii() or str(int(number)) != number:
+        return None  # "layer_01_key", "layer_1_key" spelled otherwise: not canonical
+    if suffix not in _SEED_PARTS:
+        return None
+    return int(number), suffix
+
+
+def _original_dtype(meta: dict[str, str]) -> str | None:
+    """The seed's ``original_dtype`` (``"float32"``, ``"torch.float16"``, ``"F16"``...) as a
+    safetensors code, or None when absent."""
+    raw = meta.get("original_dtype")
+    if raw is None:
+        return None
+    try:
+        code = dtype_for(raw.removeprefix("torch.")).code
+    except ValueError:  # DtypeError: not a dtype at all
+        code = ""
+    if code not in _FLOAT_CODES:
+        raise HeaderError(
+            f"not a KV cache: original_dtype {raw!r} is not float16, bfloat16 or float32"
+        )
+    return code
+
+
+def _seed_layout(header: Header) -> KVLayout:
+    """The layout of a cache written by another program: ``layer_{i}_key`` / ``layer_{i}_value``
+    of one 4-D shape, no ``kv_*`` metadata, no per-layer digests, any tensor order.
+
+    The tensors decide what the bytes are; the seed's metadata is honoured where it agrees:
+    ``compression`` must match the wire tensors when they are encoded (I8 + ``.scale``: INT8,
+    U8 + ``.scales``: INT4) and is recorded as a note when the tensors are plain floats (they are
+    read as they are: decoding them as INT4 would misread every byte); ``group_size`` must match
+    the INT4 scales' shape; ``original_dtype`` is the dtype the layers are handed out in.
+    """
+    meta = header.metadata
+    tensors = {info.name: info for info in header.tensors}
+    if not tensors:
+        raise HeaderError("not a KV cache: no KV metadata and no layer_{i}_key tensors")
+    layers: dict[int, dict[str, str]] = {}
+    for name in tensors:
+        parsed = _seed_name(name)
+        if parsed is None:
+            raise HeaderError(
+                f"not a KV cache: tensor {name!r} is not layer_{{i}}_key or layer_{{i}}_value "
+                "(or a codec's .scale / .scales of one), and there is no KV metadata"
+            )
+        layer, suffix = parsed
+        layers.setdefault(layer, {})[suffix] = name
+    num_layers = len(layers)
+    if max(layers) != num_layers - 1:  # then some layer below num_layers is missing
+        missing = [layer for layer in range(num_layers) if layer not in layers]
+        raise HeaderError(
+            f"not a KV cache: layer_{{i}} tensors for layers up to {max(layers)}, "
+            f"but layers {missing[:5]} are missing"
+        )
+    first = tensors.get(key_name(0))
+    if first is None:
+        raise HeaderError("not a KV cache: layer_0_key is missing")
+    codec = {
+        "I8": "int8",
+        "U8": "int4",
+    }.get(first.dtype, "none" if first.dtype in _FLOAT_CODES else "")
+    if not codec:
+        raise HeaderError(
+            f"not a KV cache: layer_0_key is {first.dtype}; a KV cache holds F16, BF16 or F32 "
+            "tensors, or INT8 (I8 + .scale) or INT4 (U8 + .scales) codes"
+        )
+    wanted = {"none": {"key", "value"}, "int8": {"key", "value", "key.scale", "value.scale"}}
+    wanted["int4"] = {"key", "value", "key.scales", "value.scales"}
+    for layer, parts in layers.items():
+        if set(parts) != wanted[codec]:
+            raise HeaderError(
+                f"not a KV cache: layer {layer} has {sorted(parts)}; a {codec} cache has "
+                f"{sorted(wanted[codec])} in every layer"
+            )
+    notes: list[str] = []
+    declared = meta.get("compression")
+    if declared is not None and declared.lower() not in ("none", "int8", "int4"):
+        raise HeaderError(f"not a KV cache: unknown compression {declared!r} in the metadata")
+    if declared is not None and declared.lower() != codec:
+        if codec != "none":
+            raise HeaderError(
+                f"the metadata says compression {declared!r}, the tensors are {codec.upper()} "
+                "codes: which one is meant cannot be told"
+            )
+        notes.append(
+            f"compression {declared!r} in the metadata, but the tensors are plain "
+            f"{first.dtype} values: read as they are (the metadata describes how they were "
+            "produced, not how they are stored)"
+        )
+    original = _original_dtype(meta)
+    group_size = 64
+    if codec == "none":
+        shape = first.shape
+        dtype, wire = original or first.dtype, first.dtype
+    else:
+        dtype, wire = original or "F32", None
+        if original is None:
+            notes.append("no original_dtype in the metadata: decoded to float32")
+        scales = tensors[layers[0]["key" + (".scale" if codec == "int8" else ".scales")]]
+        if codec == "int8":
+            shape = first.shape
+        else:
+            if len(first.shape) != 4 or len(scales.shape) != 4 or scales.shape[-1] < 1:
+                raise HeaderError(
+                    f"not a KV cache: INT4 codes {list(first.shape)} and scales "
+                    f"{list(scales.shape)} are not [batch, heads, seq, head_dim / 2] and "
+                    "[batch, heads, seq, head_dim / group_size]"
+                )
+            shape = (*first.shape[:-1], 2 * first.shape[-1])
+            group_size = shape[-1] // scales.shape[-1]
+            if group_size * scales.shape[-1] != shape[-1]:
+                raise HeaderError(
+                    f"not a KV cache: INT4 codes of {shape[-1]} values a row do not split into "
+                    f"{scales.shape[-1]} equal groups"
+                )
+    if "group_size" in meta and (codec == "int4" or (declared or "").lower() == "int4"):
+        raw = meta["group_size"]
+        if not (raw.isdecimal() and raw.isascii() and int(raw) > 0):
+            raise HeaderError(f"not a KV cache: group_size {raw!r} is not a positive integer")
+        if codec == "int4" and int(raw) != group_size:
+            raise HeaderError(
+                f"the metadata says group_size {raw}, the INT4 scales' shape says {group_size}"
+            )
+    if wire is not None and wire == dtype:
+        wire = None
+    try:
+        layout = KVLayout(
+            num_layers=num_layers,
+            shape=tuple(shape),
+            dtype=dtype,
+            codec=codec,
+            group_size=group_size,
+            digest=False,
+            wire_dtype=wire,
+            style="seed",
+            notes=tuple(notes),
+        )
+    except (UsageError, ValueError) as exc:  # ValueError: CodecError, a shape INT4 cannot carry
+        raise HeaderError(f"not a KV cache: {exc}") from None
+    by_name = {s.name: (dtype_for(s.dtype).code, s.shape) for s in layout.plan()}
+    for name, info in tensors.items():
+        if by_name.get(name) != (info.dtype, info.shape):
+            want = by_name.get(name)
+            raise HeaderError(
+                f"not a KV cache: {name!r} is {info.dtype} {list(info.shape)}, the cache's "
+                f"layer_0 makes it {want[0]} {list(want[1])}"
+                if want
+                else f"not a KV cache: unexpected tensor {name!r}"
+            )
+    return layout
 
 
 @dataclass
@@ -322,14 +519,25 @@ class KVReceiver:
     ``(layer, key, value)`` in order, or ``await wait_for_layer(i)`` for one layer (as attention
     does, layer by layer). ``received_at`` and ``verified_at`` time each layer
     (``time.perf_counter()`` values).
+
+    ``integrity`` says what was checked before a layer was handed out: ``"layer-sha256"`` (each
+    layer's ``layer_{i}_digest``), ``"tensor-digests"`` (the file's ``stream_st.digest`` keys,
+    checked by the reader tensor by tensor) or ``"unverified"`` (nothing: a seed-style cache, or
+    a transfer sent without digests); ``verified`` is False for the last. A seed-style cache's
+    layers may lie in any order in the file: each is handed out once all its parts arrived,
+    and reading goes on past ``max_ahead`` while the layer asked for has not (the file's order,
+    not the receiver, then decides how many layers wait in memory).
     """
 
-    def __init__(self, layout: KVLayout, source: str, *, max_ahead: int = 2) -> None:
+    def __init__(
+        self, layout: KVLayout, source: str, *, max_ahead: int = 2, integrity: str | None = None
+    ) -> None:
         if max_ahead < 0:
             raise UsageError("max_ahead must be >= 0")
         self.layout = layout
         self.source = source
         self.max_ahead = max_ahead
+        self.integrity = integrity or ("layer-sha256" if layout.digest else "unverified")
         self._asked = -1  # the highest layer asked for so far
         self._asked_changed = anyio.Event()
         self.received_at: list[float] = []
@@ -339,6 +547,11 @@ class KVReceiver:
         self._events = [anyio.Event() for _ in range(layout.num_layers)]
         self._error: BaseException | None = None
         self._next = 0
+
+    @property
+    def verified(self) -> bool:
+        """Whether every layer handed out was checked against a digest (see ``integrity``)."""
+        return self.integrity != "unverified"
 
     async def wait_for_layer(self, layer: int) -> tuple[Array, Array]:
         """Key and value of ``layer``, once it has arrived and passed its check."""
@@ -372,26 +585,36 @@ class KVReceiver:
                 event.set()
 
     async def _read(self, stream: TensorStream) -> None:
+        layer_of = {
+            spec.name: layer
+            for layer in range(self.layout.num_layers)
+            for spec in self.layout.layer_specs(layer)
+        }
+        wanted = len(self.layout.layer_specs(0))
         async with task_group() as group:
-            finished: anyio.Event | None = None  # set when the previous layer is settled
+            finished: anyio.Event | None = None  # set when the layer read before is settled
             try:
-                layer = 0
-                wanted = len(self.layout.layer_specs(0))
-                parts: dict[str, Array] = {}
-                digest = _LayerHash(group)
+                pending: dict[int, tuple[dict[str, Array], _LayerHash]] = {}
+                complete = [False] * self.layout.num_layers
+                lowest = 0  # the lowest layer not read in full
                 async for name, array in stream:
+                    layer = layer_of[name]  # the header was checked against the layout
+                    if layer not in pending:
+                        pending[layer] = ({}, _LayerHash(group))
+                    parts, digest = pending[layer]
                     parts[name] = array
                     if self.layout.digest and name != digest_name(layer):
                         digest.add(array)  # hashed while the next part arrives
                     if len(parts) < wanted:
                         continue
+                    del pending[layer]
                     self.received_at.append(time.perf_counter())
                     before, finished = finished, anyio.Event()
                     group.start_soon(self._settle, layer, parts, digest, before, finished)
-                    layer += 1
-                    parts = {}
-                    digest = _LayerHash(group)
-                    while layer < self.layout.num_layers and layer > self._asked + self.max_ahead:
+                    complete[layer] = True
+                    while lowest < self.layout.num_layers and complete[lowest]:
+                        lowest += 1
+                    while lowest < self.layout.num_layers and lowest > self._asked + self.max_ahead:
                         await self._asked_changed.wait()  # the consumer is behind: stop reading
             except Exception:
                 if finished is not None:
@@ -431,13 +654,22 @@ class KVReceiver:
 
 @asynccontextmanager
 async def receive_kv(
-    source: Connection | SourceLike, *, max_ahead: int = 2, **limits: Unpack[LimitOptions]
+    source: Connection | SourceLike,
+    *,
+    max_ahead: int = 2,
+    require_digests: bool = False,
+    **limits: Unpack[LimitOptions],
 ) -> AsyncIterator[KVReceiver]:
-    """Receive one KV-cache transfer from ``source`` (a Connection, ``tcp://`` URL, path...).
+    """Receive one KV cache from ``source`` (a Connection, ``tcp://`` URL, path...).
 
-    The header is read and checked against the KV layout on entry. Leaving the block stops
-    reading (on a Connection, an unfinished message leaves it unusable: close it). Time limits
-    as in :func:`~stream_st.open_stream` (on a Connection, the connection's unless given here).
+    The header is read and checked against the KV layout on entry: a transfer from
+    :func:`send_kv`, or a seed-style cache another program wrote (``layer_{i}_key`` /
+    ``layer_{i}_value``, no stream_st metadata; see :meth:`KVLayout.from_header`). Such a cache
+    carries no digests: the receiver's ``integrity`` is then ``"unverified"``, and
+    ``require_digests=True`` refuses it (and a transfer sent without digests) on entry with
+    :class:`~stream_st.IntegrityError`. Leaving the block stops reading (on a Connection, an
+    unfinished message leaves it unusable: close it). Time limits as in
+    :func:`~stream_st.open_stream` (on a Connection, the connection's unless given here).
     """
     stream = (
         source.open_stream(**limits)
@@ -445,9 +677,21 @@ async def receive_kv(
         else open_stream(source, **limits)
     )
     async with stream:
-        receiver = KVReceiver(
-            KVLayout.from_header(stream.header), stream.source.name, max_ahead=max_ahead
-        )
+        header = stream.header
+        layout = KVLayout.from_header(header)
+        if layout.digest:
+            integrity = "layer-sha256"
+        elif any(key.startswith("stream_st.digest:") for key in header.metadata):
+            integrity = "tensor-digests"  # the reader checks each tensor before it is yielded
+        else:
+            integrity = "unverified"
+        if require_digests and integrity == "unverified":
+            raise IntegrityError(
+                f"the KV cache from {stream.source.name} carries no digests (unverified) and "
+                "digests are required",
+                source=stream.source.name,
+            )
+        receiver = KVReceiver(layout, stream.source.name, max_ahead=max_ahead, integrity=integrity)
         async with task_group() as group:
             group.start_soon(receiver._run, stream)
             try:

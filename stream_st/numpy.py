@@ -19,10 +19,9 @@ from typing import Any, Unpack
 
 import numpy as np
 
-from . import _facade
-from ._limits import TransportOptions
-from .sinks import SinkLike
-from .sources import SourceLike
+from .compat import _reference as _facade
+from .transports.options import TransportOptions
+from .transports.registry import SinkLike, SourceLike
 
 __all__ = ["load", "load_file", "safe_open", "save", "save_file"]
 

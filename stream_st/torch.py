@@ -35,16 +35,16 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Unpack
 
-from . import _facade
-from ._frameworks import Delivery, check_device, is_torch_tensor, load_torch
-from ._limits import Clock, TransportOptions, clock_of
-from ._sync import check_sync_address, run
+from ._api import stream_for
+from .compat import _reference as _facade
 from .compat import _shared
 from .compat._errors import InvalidTensorsError
+from .compat._sync import check_sync_address, run
+from .core.arrays import check_device, is_torch_tensor, load_torch
 from .errors import UsageError
-from .reader import stream_for
-from .sinks import SinkLike
-from .sources import SourceLike
+from .memory.delivery import Delivery
+from .transports.options import Clock, TransportOptions, clock_of
+from .transports.registry import SinkLike, SourceLike
 
 if TYPE_CHECKING:
     import torch
@@ -86,9 +86,10 @@ def safe_open(
     reference's. ``"pread"`` keeps the descriptor and reads tensor by tensor into fresh memory.
     From a remote source a slice over the first dimension reads only those rows' bytes. Slices
     index as the reference's do (torch's rules here; see :mod:`stream_st.compat._slicing`).
-    After ``close()`` every method raises ``File is closed``; slices taken before still read. ``get_tensor`` and ``get_tensors`` check each
-    tensor against the digest the header records for it, if any (``verify=False`` skips it); a
-    ``get_slice`` of part of a tensor cannot be checked (a digest covers the whole tensor).
+    After ``close()`` every method raises ``File is closed``; slices taken before still read.
+    ``get_tensor`` and ``get_tensors`` check each tensor against the digest the header records
+    for it, if any (``verify=False`` skips it); a ``get_slice`` of part of a tensor cannot be
+    checked (a digest covers the whole tensor).
     ``device`` must be the CPU for now (see :func:`load_file`).
     """
     return _facade.SafeOpen(filename, framework, device, backend=backend, verify=verify, **options)

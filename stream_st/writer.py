@@ -22,38 +22,22 @@ from typing import Any, Literal, Self, Unpack
 import anyio
 import numpy as np
 
-from ._frameworks import is_torch_tensor, torch_to_array
-from ._limits import Clock, TransportOptions, clock_of
 from ._util import AsyncClosing, task_group
-from .dtypes import dtype_for, wire_bytes
+from .core.arrays import as_array
+from .core.digests import Digests, OrderedHash, digests_for
+from .core.dtypes import dtype_for, wire_bytes
+from .core.header import Header, TensorInfo, TensorSpec, _plan_list, build_header, plan_order
 from .errors import UsageError, WriterError
-from .header import Header, TensorInfo, TensorSpec, _plan_list, build_header, plan_order
-from .integrity import Digests, OrderedHash, digests_for
-from .sinks import Sink, SinkLike, open_sink
+from .transports.options import Clock, TransportOptions, clock_of
+from .transports.registry import Sink, SinkLike, open_sink
 
-__all__ = ["Order", "TensorParts", "TensorWriter", "as_array", "open_writer"]
+__all__ = ["Order", "TensorParts", "TensorWriter", "open_writer"]
 
 Order = Literal["plan", "reference"]
 """``"plan"``: tensors laid out in the order given. ``"reference"``: ordered as the reference
 writer does (descending dtype alignment, then name), giving byte-identical files."""
 
 _NEW, _OPEN, _COMMITTED, _ABORTED = "new", "open", "committed", "aborted"
-
-
-def as_array(value: Any, name: str) -> np.ndarray[Any, Any]:
-    """``np.asarray(value)`` for tensor ``name``; :class:`~stream_st.UsageError` if numpy cannot
-    make an array of it (a ragged nested list, an object whose ``__array__`` fails).
-
-    A torch tensor (any dtype safetensors has, BF16 and F8 included) is seen as an array over
-    its memory: detached, and made contiguous on the CPU once if it is not already."""
-    if is_torch_tensor(value):
-        return torch_to_array(value, name)
-    try:
-        return np.asarray(value)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(
-            f"tensor {name!r}: cannot make an array of the {type(value).__name__} given: {exc}"
-        ) from None
 
 
 def _describe(info: TensorInfo) -> str:

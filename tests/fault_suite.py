@@ -53,10 +53,10 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import OutcomeUnknownError, SafetensorsError, TensorSpec
-from stream_st._s3 import S3Config
-from stream_st.sinks.s3 import MIN_PART_SIZE, S3Sink
-from stream_st.sources.http import HttpSource
-from stream_st.sources.s3 import S3Source
+from stream_st.transports.http.source import HttpSource
+from stream_st.transports.s3.config import S3Config
+from stream_st.transports.s3.sink import MIN_PART_SIZE, S3Sink
+from stream_st.transports.s3.source import S3Source
 
 from ._loopback import LoopbackServer
 from .fault_proxy import CORRUPTIONS, CUTS, Direction, Fault, FaultKind, FaultProxy

@@ -48,7 +48,7 @@ import safetensors
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st.header import LENGTH_PREFIX_SIZE, Header, build_header
+from stream_st.core.header import LENGTH_PREFIX_SIZE, Header, build_header
 
 from ._util import sample_tensors
 from .test_differential import stricter_reason

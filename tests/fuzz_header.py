@@ -1,7 +1,7 @@
 """Fuzzing: the header core on any bytes, and whole files against the reference ``safetensors``.
 
-Short runs are part of the test suite (``tests/test_fuzz.py``). Long runs (documented in the
-README)::
+Short runs are part of the test suite (``tests/test_fuzz.py``). Long runs (documented in
+``docs/architecture.md``)::
 
     python -m tests.fuzz_header --seconds 480         # whole-file mutation fuzzer (fuzz_files.py)
     python -m tests.fuzz_header --inputs 1000000 --seed 7 --findings fuzz-findings
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 import stream_st
-from stream_st.header import parse_header, parse_header_length
+from stream_st.core.header import parse_header, parse_header_length
 
 if TYPE_CHECKING:
     from .fuzz_files import Report

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import stream_st
-from stream_st.bert import (
+from stream_st.models.bert import (
     BertConfig,
     StreamingBert,
     mean_pool,

@@ -22,7 +22,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import tools
-from stream_st.cli import build_parser, main
+from stream_st.cli.commands import build_parser, main
 from stream_st.tools import content_digests
 
 from .http_server import RangeHTTPServer

@@ -19,6 +19,7 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
+import stream_st.core.codecs
 
 from .test_cli import COMMAND, _run_with_stdin
 
@@ -277,7 +278,7 @@ def test_quantize_refuses_quantized_and_dequantize_restores(plain: Path, tmp_pat
 
 def test_dequantize_int4_kv_transfer(tmp_path: Path) -> None:
     """A KV file written with the int4 codec (its steps in `<name>.scales`) comes back as F16."""
-    codec = stream_st.codecs.get_codec("int4")
+    codec = stream_st.core.codecs.get_codec("int4")
     key = np.linspace(-2, 2, 2 * 128, dtype=np.float16).reshape(2, 128)
     parts = dict(codec.encode("layer_0_key", key))
     q4 = tmp_path / "q4.safetensors"

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.extra import numpy as hnp
 
 from stream_st import SafetensorsError, TensorSpec, build_header, parse_header
-from stream_st.codecs import (
+from stream_st.core.codecs import (
     CODECS,
     Codec,
     CodecError,
@@ -27,7 +27,7 @@ from stream_st.codecs import (
     get_codec,
     to_bfloat16,
 )
-from stream_st.dtypes import dtype_for
+from stream_st.core.dtypes import dtype_for
 
 Array = npt.NDArray[Any]
 

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import stream_st  # noqa: E402
-from stream_st.torch_dataset import SafetensorsDataset  # noqa: E402
+from stream_st.integrations.torch_dataset import SafetensorsDataset  # noqa: E402
 
 from .http_server import RangeHTTPServer  # noqa: E402
 

@@ -15,9 +15,10 @@ import pytest
 import safetensors.numpy as reference
 
 import stream_st
-from stream_st._recycle import RECYCLE_FROM, Recycler
-from stream_st.sources import _direct
-from stream_st.sources._direct import ALIGN, Direct, NotDirect
+from stream_st.memory.fresh import ALIGN
+from stream_st.memory.recycle import RECYCLE_FROM, Recycler
+from stream_st.transports.file import direct as _direct
+from stream_st.transports.file.direct import Direct, NotDirect
 
 from .test_read_ahead import mixed, shrinks_and_never_yields_short
 from .test_zero_copy import cached, evicted

@@ -23,9 +23,9 @@ from stream_st import (
     build_header,
     parse_header,
 )
-from stream_st.dtypes import array_shape, dtype_for, dtype_from_code
+from stream_st.core.dtypes import array_shape, dtype_for, dtype_from_code
+from stream_st.core.header import parse_header_length, plan_order
 from stream_st.errors import DtypeError, UsageError
-from stream_st.header import parse_header_length, plan_order
 
 
 def entry(dtype: str = "U8", shape: Any = (1,), offsets: Any = (0, 1)) -> dict[str, Any]:

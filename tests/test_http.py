@@ -12,8 +12,8 @@ import trio
 
 import stream_st
 from stream_st import ReadTimeoutError, TruncatedStreamError
-from stream_st._http import HTTPNotFoundError, HTTPStatusError
-from stream_st.sources.http import FIRST_RANGE, HttpSource
+from stream_st.transports.http import HTTPNotFoundError, HTTPStatusError
+from stream_st.transports.http.source import FIRST_RANGE, HttpSource
 
 from ._util import assert_same_arrays, sample_file, sample_tensors
 from .http_server import RangeHTTPServer

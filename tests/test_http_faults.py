@@ -23,18 +23,13 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st import (
-    ReadTimeoutError,
-    TransportError,
-    TruncatedStreamError,
-    UsageError,
-)
-from stream_st._http import HTTPClient, HTTPProtocolError, HTTPStatusError
-from stream_st._http.wire import StreamWire
-from stream_st._limits import UNLIMITED
-from stream_st.hub import HubSource
-from stream_st.sinks.http import HttpSink
-from stream_st.sources.http import HttpSource
+from stream_st import ReadTimeoutError, TransportError, TruncatedStreamError, UsageError
+from stream_st.transports.http import HTTPClient, HTTPProtocolError, HTTPStatusError
+from stream_st.transports.http.sink import HttpSink
+from stream_st.transports.http.source import HttpSource
+from stream_st.transports.http.wire import StreamWire
+from stream_st.transports.hub import HubSource
+from stream_st.transports.options import UNLIMITED
 
 from ._util import assert_same_arrays, sample_file, sample_tensors
 from .http_server import RangeHTTPServer

@@ -28,10 +28,10 @@ from stream_st import (
     ReadTimeoutError,
     SourceChangedError,
 )
-from stream_st._http import retry_after, summary
-from stream_st._s3 import S3Config
-from stream_st.sources.http import HttpSource
-from stream_st.sources.s3 import S3Source
+from stream_st.transports.http import retry_after, summary
+from stream_st.transports.http.source import HttpSource
+from stream_st.transports.s3.config import S3Config
+from stream_st.transports.s3.source import S3Source
 
 from ._util import assert_same_arrays
 from .http_server import RangeHTTPServer

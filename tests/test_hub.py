@@ -27,10 +27,10 @@ from stream_st import (
     UnsupportedSourceError,
     tools,
 )
-from stream_st._shards import shard_address
-from stream_st.hub import HubClient, HubFile, HubSource, hub_endpoint, hub_token
-from stream_st.sources.http import FIRST_RANGE, HttpSource
+from stream_st.core.shards import shard_address
 from stream_st.tools import inspect
+from stream_st.transports.http.source import FIRST_RANGE, HttpSource
+from stream_st.transports.hub import HubClient, HubFile, HubSource, hub_endpoint, hub_token
 
 from ._util import assert_same_arrays
 from .hub_server import CDN_HOST, FakeHub, Seen

@@ -18,8 +18,9 @@ import pytest
 import trio
 
 import stream_st
+import stream_st.transports.base
 from stream_st import TransportError
-from stream_st.codecs import error_stats
+from stream_st.core.codecs import error_stats
 from stream_st.kv import IntegrityError, KVLayout, receive_kv, send_kv
 
 Array = np.ndarray[Any, Any]
@@ -155,7 +156,7 @@ async def test_sender_dies_mid_layer() -> None:
     layout = KVLayout(num_layers=5, shape=SHAPE)
     message = bytearray()
 
-    class Collect(stream_st.sinks.Sink):
+    class Collect(stream_st.transports.base.Sink):
         async def send(self, buffer: memoryview) -> None:
             message.extend(buffer)
 
@@ -338,7 +339,7 @@ async def test_producer_yielding_the_wrong_thing_is_a_usage_error(
 
 
 async def test_demo_runs_and_measures() -> None:
-    from stream_st.demo import run_demo
+    from stream_st.cli.demo import run_demo
 
     results = await run_demo(layers=3, seq=128)
     assert [r.codec for r in results] == ["none", "int8", "int4"]

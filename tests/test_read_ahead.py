@@ -22,8 +22,8 @@ import safetensors.numpy as reference
 import stream_st
 import stream_st.reader as reader_module
 from stream_st import TruncatedStreamError
-from stream_st.sources import _ahead
-from stream_st.sources._ahead import _preadv_fully, read_ahead
+from stream_st.transports.file import readahead as _ahead
+from stream_st.transports.file.readahead import _preadv_fully, read_ahead
 
 from .test_zero_copy import evicted
 

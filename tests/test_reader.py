@@ -26,8 +26,8 @@ from stream_st import (
     UsageError,
 )
 from stream_st.reader import merge_ranges
-from stream_st.sources.file import FileSource
-from stream_st.sources.memory import BytesSource
+from stream_st.transports.file.source import FileSource
+from stream_st.transports.inmemory import BytesSource
 
 from ._util import assert_same_arrays, chunked, raw_file, sample_file, sample_tensors
 from .conftest import StartSender

@@ -12,8 +12,8 @@ import safetensors.numpy as reference
 import torch
 
 import stream_st
-from stream_st import _recycle
-from stream_st._recycle import IDLE_BYTES, KEPT_BYTES, RECYCLE_FROM, Recycler
+from stream_st.memory import recycle as _recycle
+from stream_st.memory.recycle import IDLE_BYTES, KEPT_BYTES, RECYCLE_FROM, Recycler
 
 pytestmark = pytest.mark.anyio
 

@@ -14,8 +14,8 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st.sharded import ShardedStream
-from stream_st.sources.http import FIRST_RANGE, HttpSource
+from stream_st.sharded.reader import ShardedStream
+from stream_st.transports.http.source import FIRST_RANGE, HttpSource
 
 from ._util import assert_same_arrays
 from .http_server import RangeHTTPServer

@@ -11,9 +11,9 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st._http import HTTPNotFoundError, HTTPStatusError
-from stream_st._s3 import S3Config, parse_s3_url
-from stream_st.sources.s3 import S3Source
+from stream_st.transports.http import HTTPNotFoundError, HTTPStatusError
+from stream_st.transports.s3.config import S3Config, parse_s3_url
+from stream_st.transports.s3.source import S3Source
 
 from ._util import assert_same_arrays, sample_file, sample_tensors
 from .s3_server import CREDENTIALS, MotoS3Server

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 import stream_st
-from stream_st import cli
-from stream_st._s3 import S3Config
-from stream_st.sources.s3 import S3Source
+import stream_st.cli.commands as cli
+from stream_st.transports.s3.config import S3Config
+from stream_st.transports.s3.source import S3Source
 
 from ._loopback import LoopbackServer
 from ._util import sample_file
@@ -349,7 +349,7 @@ def test_without_botocore_the_environment_and_files(home: Path, tmp_path: Path) 
 import json, sys
 sys.modules["botocore"] = None  # not installed
 import stream_st
-from stream_st._s3 import S3Config
+from stream_st.transports.s3.config import S3Config
 found = S3Config.resolve()
 out = {"key": found.access_key_id, "chain": found.chain is not None}
 try:

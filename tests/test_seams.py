@@ -191,7 +191,7 @@ def test_torch_tensors_over_a_mapped_file_survive_a_write(tmp_path: Path) -> Non
 @linux_only
 @pytest.mark.skipif(
     sys.version_info < (3, 13),
-    reason="before Python 3.13 mmap keeps a descriptor while mapped (documented in the README)",
+    reason="before Python 3.13 mmap keeps a descriptor while mapped (see docs/guarantees.md)",
 )
 async def test_no_descriptor_outlives_a_zero_copy_load(tmp_path: Path) -> None:
     # copy=False maps the file; Python's mmap keeps a dup of the descriptor for as long as the

@@ -12,7 +12,7 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st.shard_writer import open_dataset_writer, open_sharded_writer
+from stream_st.sharded.writer import open_dataset_writer, open_sharded_writer
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 MB = 1_000_000

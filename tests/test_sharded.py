@@ -13,8 +13,8 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import tools
-from stream_st._shards import _inside, shard_name
-from stream_st.sharded import ShardedStream, shard_address
+from stream_st.core.shards import _inside, shard_name
+from stream_st.sharded.reader import ShardedStream, shard_address
 
 from ._util import assert_same_arrays, raw_file
 from .http_server import RangeHTTPServer

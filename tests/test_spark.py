@@ -27,7 +27,7 @@ from pyspark.sql import DataFrame, SparkSession  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 import stream_st  # noqa: E402
-from stream_st.dataset import describe_dataset, plan_pieces, read_piece  # noqa: E402
+from stream_st.integrations.dataset import describe_dataset, plan_pieces, read_piece  # noqa: E402
 
 from .http_server import RangeHTTPServer  # noqa: E402
 from .s3_server import CREDENTIALS, MotoS3Server  # noqa: E402

@@ -19,10 +19,10 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import OutcomeUnknownError, TensorSpec, TransportError
-from stream_st._http import HTTPStatusError
-from stream_st._s3 import S3Config
-from stream_st.sinks.http import HttpSink
-from stream_st.sinks.s3 import MIN_PART_SIZE, S3Sink
+from stream_st.transports.http import HTTPStatusError
+from stream_st.transports.http.sink import HttpSink
+from stream_st.transports.s3.config import S3Config
+from stream_st.transports.s3.sink import MIN_PART_SIZE, S3Sink
 
 from .http_server import RangeHTTPServer
 from .lossy_proxy import LossyProxy

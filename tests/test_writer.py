@@ -40,8 +40,10 @@ from stream_st import (
     UsageError,
     WriterError,
 )
-from stream_st.sinks import open_sink
-from stream_st.sinks.file import FileSink
+from stream_st.core import dtypes as core_dtypes
+from stream_st.transports.file.sink import FileSink
+from stream_st.transports.registry import open_sink
+from stream_st.writer import Order
 
 from ._util import REFERENCE_DTYPES
 
@@ -82,7 +84,7 @@ DEFAULT_SHAPES: list[tuple[int, ...]] = [(), (3, 5), (0,), (2, 0, 3), (7,)]
 def random_array(code: str, shape: tuple[int, ...], rng: np.random.Generator) -> Any:
     """An array of the delivered dtype and shape for a tensor ``code`` x ``shape``."""
     info = DTYPES[code]
-    array_shape = stream_st.dtypes.array_shape(info, shape)
+    array_shape = core_dtypes.array_shape(info, shape)
     if code == "BOOL":
         return rng.integers(0, 2, size=array_shape).astype(np.bool_)
     count = math.prod(array_shape) * info.numpy.itemsize
@@ -320,7 +322,7 @@ async def test_plan_order_ranks_match_the_reference() -> None:
     for name, code in zip(names, codes * 2, strict=True):
         shape = (2, 2)
         info = DTYPES[code]
-        storage = stream_st.dtypes.array_shape(info, shape)
+        storage = core_dtypes.array_shape(info, shape)
         nbytes = info.nbytes(4)
         assert nbytes is not None
         plan.append(TensorSpec(name, code, shape))
@@ -340,7 +342,7 @@ async def test_plan_order_ranks_match_the_reference() -> None:
 
 @pytest.mark.parametrize("order", ["plan", "reference"])
 async def test_every_dtype_round_trips_through_a_file(
-    tmp_path: pathlib.Path, rng: np.random.Generator, order: stream_st.writer.Order
+    tmp_path: pathlib.Path, rng: np.random.Generator, order: Order
 ) -> None:
     plan, arrays = every_dtype_plan(rng)
     assert {spec.dtype for spec in plan} == set(DTYPES)  # all 22

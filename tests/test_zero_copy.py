@@ -169,7 +169,7 @@ async def test_windows_walk_the_wanted_ranges(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Populated one small window at a time: ranges split and joined across windows and gaps."""
-    monkeypatch.setattr("stream_st._mmap.WINDOW", 3 * 4096 + 5)
+    monkeypatch.setattr("stream_st.transports.file.mmap.WINDOW", 3 * 4096 + 5)
     rng = np.random.default_rng(0)
     tensors = {f"t{i:02}": rng.random(int(rng.integers(0, 3000))) for i in range(40)}
     path = write(tmp_path / "m.safetensors", tensors)

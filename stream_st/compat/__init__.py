@@ -66,7 +66,7 @@ def safe_open(
     """Open ``filename`` (a file, URL or sharded index) to read tensors by name, as the
     reference's ``safe_open``; ``framework`` is ``"pt"`` or ``"np"``. See
     :func:`stream_st.torch.safe_open`."""
-    from .._facade import SafeOpen
+    from ._reference import SafeOpen
 
     return SafeOpen(filename, framework, device, backend=backend, verify=verify, **options)
 

@@ -25,10 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from .._mmap import fresh_bytes
-from ..dtypes import wire_bytes
-from ..errors import TrailingDataError, TransportError, TruncatedStreamError, UsageError
-from ..header import (
+from ..core.digests import Digests
+from ..core.dtypes import wire_bytes
+from ..core.header import (
     DEFAULT_MAX_HEADER_SIZE,
     LENGTH_PREFIX_SIZE,
     Header,
@@ -36,8 +35,9 @@ from ..header import (
     parse_header,
     parse_header_length,
 )
-from ..integrity import Digests
-from ..sources._pread import pread_fully
+from ..errors import TrailingDataError, TransportError, TruncatedStreamError, UsageError
+from ..memory.fresh import fresh_bytes
+from ..transports.file.pread import pread_fully
 from ._errors import NoSuchFileError
 
 __all__ = ["LocalFile"]

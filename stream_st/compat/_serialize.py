@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import DTYPES
+from ..core.dtypes import DTYPES
+from ..core.header import LENGTH_PREFIX_SIZE, parse_header, parse_header_length
+from ..core.header import TensorSpec as PlanEntry
 from ..errors import (
     DtypeError,
     SafetensorsError,
@@ -23,9 +25,7 @@ from ..errors import (
     TruncatedStreamError,
     UsageError,
 )
-from ..header import LENGTH_PREFIX_SIZE, parse_header, parse_header_length
-from ..header import TensorSpec as PlanEntry
-from ..sinks import SinkLike
+from ..transports.registry import SinkLike
 from ..writer import open_writer
 from ._errors import WrongTypeError
 
@@ -182,7 +182,7 @@ def serialize(
     tensor_dict: Mapping[str, TensorSpec], metadata: Mapping[str, str] | None = None
 ) -> bytes:
     """The bytes of a safetensors file holding the tensors ``tensor_dict``'s specs point at."""
-    from .._facade import save_specs_bytes
+    from ._reference import save_specs_bytes
 
     return save_specs_bytes(_specs(tensor_dict), check_metadata(metadata))
 
@@ -195,7 +195,7 @@ def serialize_file(
     """Write the tensors ``tensor_dict``'s specs point at to ``filename`` (a path or any
     destination stream_st writes to); nothing is left there if it fails. The GIL is free while
     the bytes are written."""
-    from .._facade import save_specs_file
+    from ._reference import save_specs_file
 
     save_specs_file(_specs(tensor_dict), filename, check_metadata(metadata))
 

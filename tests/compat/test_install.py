@@ -60,7 +60,7 @@ def test_install_after_the_reference_was_imported_warns() -> None:
         assert safetensors is compat
         compat.uninstall()
         import safetensors.torch as again
-        assert again.__name__ == "safetensors.torch" and again.save_file.__module__ == "safetensors.torch"
+        assert again.__name__ == again.save_file.__module__ == "safetensors.torch"
         print("ok")
         """
     )

@@ -1,0 +1,583 @@
+"""The reference package's API (``safe_open``, ``load_file``, ``save_file``, ``load``, ``save``)
+over the async core, synchronous, for any framework: what :mod:`stream_st.torch` and
+:mod:`stream_st.numpy` are made of.
+
+Every call runs on a private event loop (``stream_st._sync``); a :class:`SafeOpen` keeps one for
+as long as it is open, with its source (a file, a connection to a server) open on it, so reading
+tensors one by one costs one ranged read each. A source that cannot jump (``tcp://``, a pipe) is
+read whole when opened. With ``backend="mmap"`` (the default, as in the reference) a local file is
+mapped privately instead: its tensors are writable copy-on-write views of the file
+(``stream_st._mmap``). Digests a header records are checked for every whole tensor read
+(``verify``). Not public API.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import stat
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+import numpy as np
+
+from .._api import save as save_async
+from .._api import stream_for
+from ..core.arrays import check_device, framework_of, to_torch
+from ..core.digests import Digests
+from ..core.header import Header, TensorInfo
+from ..core.shards import is_index, shard_address
+from ..errors import TensorNotFoundError, UsageError
+from ..memory.delivery import Delivery
+from ..reader import TensorStream, _read_tensor, merge_ranges
+from ..sharded.reader import ShardIndex, _open_shard
+from ..transports.file.mmap import FileMap
+from ..transports.file.source import FileSource, path_from_url
+from ..transports.options import Clock, TransportOptions, clock_of
+from ..transports.registry import Sink, SinkLike, SourceLike
+from ._errors import FileClosedError, InvalidTensorsError, NoSuchFileError, SliceError
+from ._local import LocalFile
+from ._serialize import TensorSpec, check_metadata, write_specs
+from ._slicing import plan
+from ._sync import Bridge, check_sync_address, run
+
+__all__ = [
+    "SafeOpen",
+    "Slice",
+    "load_bytes",
+    "load_file",
+    "maps",
+    "save_bytes",
+    "save_file",
+]
+
+BACKENDS = ("mmap", "pread")
+
+
+def maps(backend: object) -> bool:
+    """Whether ``backend`` maps local files (``"mmap"``) rather than reading each tensor into
+    fresh memory (``"pread"``); :class:`UsageError` if it is neither."""
+    if backend not in BACKENDS:
+        raise UsageError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend == "mmap"
+
+
+@dataclass(frozen=True)
+class _Options:
+    """How a :class:`SafeOpen` reads: under ``clock``, checking digests (``verify``), viewing
+    local files through a private mapping (``mapped``) rather than reading them."""
+
+    clock: Clock
+    verify: bool
+    mapped: bool
+
+
+Rows = tuple[int, int] | None
+"""A run of rows along the first dimension, ``(first, end)``; ``None`` for the whole tensor."""
+
+
+class _File:
+    """One safetensors file opened for reads by name (on the bridge's loop).
+
+    Tensors come from one of: the arrays read whole at open (a source that cannot jump), the
+    file's private mapping (``mapped``), or ranged reads of the source into fresh memory.
+    ``digests`` (those the header records, when verifying) are checked for each whole tensor.
+    """
+
+    def __init__(
+        self,
+        stream: TensorStream,
+        arrays: dict[str, np.ndarray[Any, Any]] | None,
+        mapped: FileMap | None,
+        digests: Digests | None,
+    ):
+        self.stream = stream
+        self.header = stream.header
+        self._arrays = arrays
+        self._map = mapped
+        self._digests = digests
+        self._verified: set[str] = set()  # mapped tensors checked; the caller may write to them
+        self._lock = anyio.Lock()  # one read at a time on the source
+
+    @classmethod
+    async def open(cls, address: SourceLike, options: _Options, shard: bool = False) -> _File:
+        stream = TensorStream(address, clock=options.clock, verify=options.verify)
+        if shard:
+            await _open_shard(stream, str(address))
+        else:
+            await stream.open()
+        source = stream.source
+        if not source.random_access:
+            try:  # checked against the digests by the stream
+                arrays = {name: array async for name, array in stream}
+            finally:
+                await stream.aclose()
+            return cls(stream, arrays, None, None)
+        try:
+            digests = Digests.from_header(stream.header) if options.verify else None
+            mapped = (
+                source.map(private=True)
+                if options.mapped and isinstance(source, FileSource)
+                else None
+            )
+        except BaseException:
+            await stream.aclose()
+            raise
+        return cls(stream, None, mapped, digests)
+
+    async def read(self, info: TensorInfo, rows: Rows) -> np.ndarray[Any, Any]:
+        """Tensor ``info`` (or its ``rows``), reading only those bytes from the source; a whole
+        tensor is checked against its digest."""
+        if self._arrays is not None:
+            whole = self._arrays[info.name]
+            return (whole if rows is None else whole[rows[0] : rows[1]]).copy()
+        wanted = info if rows is None else info.rows(*rows)
+        digests = self._digests if rows is None else None
+        base = self.header.data_start
+        if self._map is not None:  # faulted in as touched, as the reference's views are
+            return await self._view(wanted, digests)
+        async with self._lock:
+            source = self.stream.source
+            await source.plan_reads(merge_ranges([(base + wanted.start, base + wanted.end)]))
+            return await _read_tensor(source, wanted, base, digests=digests)
+
+    async def read_all(self) -> dict[str, np.ndarray[Any, Any]]:
+        """Every tensor, in offset order, with the whole read planned at once."""
+        if self._arrays is not None:
+            return {name: array.copy() for name, array in self._arrays.items()}
+        base = self.header.data_start
+        tensors = list(self.header.tensors)
+        ranges = merge_ranges((base + t.start, base + t.end) for t in tensors)
+        if self._map is not None:
+            self._map.plan(ranges)  # populated a window ahead
+            return {t.name: await self._view(t, self._digests) for t in tensors}
+        async with self._lock:
+            source = self.stream.source
+            await source.plan_reads(ranges)
+            return {
+                t.name: await _read_tensor(source, t, base, digests=self._digests) for t in tensors
+            }
+
+    async def _view(self, info: TensorInfo, digests: Digests | None) -> np.ndarray[Any, Any]:
+        """Tensor ``info`` as a view of the mapping, checked against ``digests`` if given. Views
+        of the same bytes share them, as the reference's do: a tensor is checked the first time
+        only, as what the caller wrote to it since is no damage."""
+        assert self._map is not None
+        array = await self._map.view(info, self.header.data_start)
+        if digests is not None and info.name not in self._verified:
+            await digests.check_view(info.name, array, self.stream.source.name)
+            self._verified.add(info.name)
+        return array
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class _Checkpoint:
+    """A file, or every shard of an index, opened for reads by name (on the bridge's loop)."""
+
+    def __init__(self, options: _Options) -> None:
+        self.options = options
+        self.files: dict[str, _File] = {}  # by address
+        self.where: dict[str, str] = {}  # tensor name -> address of its file
+        self.index: ShardIndex | None = None
+
+    @classmethod
+    async def open(cls, src: SourceLike, options: _Options) -> _Checkpoint:
+        self = cls(options)
+        clock = options.clock
+        clock.start()
+        if isinstance(src, str | os.PathLike) and is_index(src):
+            self.index = await ShardIndex.read(os.fspath(src), clock)
+            if self.index.weight_map is not None:
+                home = self.index.home
+                for name, shard in self.index.weight_map.items():
+                    self.where[name] = shard_address(home, shard)
+            else:  # a manifest names no tensors: open every shard now
+                for shard in self.index.shards:
+                    await self._shard(shard_address(self.index.home, shard))
+        else:
+            file = await _File.open(src, options)
+            self.files[""] = file
+            self.where = dict.fromkeys(file.header.names(), "")
+        return self
+
+    async def _shard(self, address: str) -> _File:
+        file = self.files.get(address)
+        if file is None:
+            file = await _File.open(address, self.options, shard=True)
+            self.files[address] = file
+            index = self.index
+            assert index is not None
+            shard = next(s for s in index.shards if shard_address(index.home, s) == address)
+            index.check(shard, address, file.header)
+            self.where.update(dict.fromkeys(file.header.names(), address))
+        return file
+
+    async def file_of(self, name: str) -> _File:
+        address = self.where.get(name)
+        if address is None:
+            raise TensorNotFoundError(f"File does not contain tensor {name}")
+        return self.files[address] if address == "" else await self._shard(address)
+
+    async def info(self, name: str) -> TensorInfo:
+        return (await self.file_of(name)).header[name]
+
+    async def read(self, name: str, rows: Rows) -> np.ndarray[Any, Any]:
+        file = await self.file_of(name)
+        return await file.read(file.header[name], rows)
+
+    async def headers(self) -> list[Header]:
+        """Every file's header, in reading order (opening every shard)."""
+        for address in dict.fromkeys(self.where.values()):
+            if address:
+                await self._shard(address)
+        return [file.header for file in self.files.values()]
+
+    async def read_all(self) -> dict[str, np.ndarray[Any, Any]]:
+        await self.headers()
+        return {k: v for file in self.files.values() for k, v in (await file.read_all()).items()}
+
+    async def aclose(self) -> None:
+        for file in self.files.values():
+            await file.aclose()
+
+
+def _shut(bridge: Bridge, checkpoint: _Checkpoint) -> None:
+    try:
+        bridge.call(checkpoint.aclose)
+    finally:
+        bridge.close()
+
+
+def local_path(src: object) -> str | None:
+    """The path of ``src`` if it names a local regular file (a path, a ``file://`` URL) that
+    is not a sharded checkpoint's index, or a file that does not exist; else None (a remote
+    address, a FIFO, bytes...)."""
+    if isinstance(src, os.PathLike):
+        src = os.fspath(src)
+    if not isinstance(src, str) or is_index(src):
+        return None
+    if "://" in src:
+        if not src.lower().startswith("file://"):
+            return None
+        src = path_from_url(src)
+    try:
+        mode = os.stat(src).st_mode
+    except FileNotFoundError:
+        return src  # the local reader says so, as the reference words it
+    except (OSError, ValueError):
+        return None  # the transports say what is wrong with it
+    return src if stat.S_ISREG(mode) else None
+
+
+class SafeOpen:
+    """A safetensors file (or sharded checkpoint) opened for reading tensors by name; the
+    reference's ``safe_open``. Close it with ``with`` or :meth:`close`; every method but those
+    of a :class:`Slice` already taken then raises ``File is closed``.
+
+    A local file is read synchronously: with ``backend="mmap"`` it is mapped privately and its
+    descriptor closed at once, so an open handle holds no descriptor and no thread (tensors are
+    copy-on-write views of the mapping); ``"pread"`` keeps the descriptor and reads each tensor
+    into fresh memory. Other sources (URLs, an index's shards) are read on a private event loop
+    the handle keeps, one ranged read per tensor. ``verify`` checks each whole tensor read
+    against the digest the header records for it, if any."""
+
+    def __init__(
+        self,
+        src: SourceLike,
+        framework: str,
+        device: object = "cpu",
+        *,
+        backend: str = "mmap",
+        verify: bool = True,
+        **options: Any,
+    ) -> None:
+        self._torch = framework_of(framework)
+        check_device(device)
+        check_sync_address(src, "source")
+        clock = clock_of(options) if options else Clock()
+        mapped = maps(backend)
+        self._local: LocalFile | None = None
+        self._bridge: Bridge | None = None
+        self._closer: Callable[[], Any] | None = None
+        self._closed = False
+        path = local_path(src)
+        if path is not None:
+            self._local = LocalFile(path, mapped=mapped, verify=verify)
+            if not mapped:
+                self._closer = weakref.finalize(self, self._local.close)
+            return
+        how = _Options(clock, verify, mapped)
+        bridge = Bridge()
+        try:
+            self._checkpoint = bridge.call(_Checkpoint.open, src, how)
+        except BaseException:
+            bridge.close()
+            raise
+        self._bridge = bridge
+        self._closer = weakref.finalize(self, _shut, bridge, self._checkpoint)
+
+    def _open(self) -> None:
+        if self._closed:
+            raise FileClosedError()
+
+    def _out(self, array: np.ndarray[Any, Any], code: str) -> Any:
+        return to_torch(array, code) if self._torch else array
+
+    def _info(self, name: str) -> TensorInfo:
+        self._open()
+        local = self._local
+        if local is not None:
+            if name not in local.header:
+                raise TensorNotFoundError(f"File does not contain tensor {name}")
+            return local.header[name]
+        assert self._bridge is not None
+        return self._bridge.call(self._checkpoint.info, name)
+
+    def keys(self) -> list[str]:
+        """The tensors' names, sorted."""
+        self._open()
+        if self._local is not None:
+            return sorted(self._local.header.names())
+        return sorted(self._checkpoint.where)
+
+    def offset_keys(self) -> list[str]:
+        """The tensors' names in the order of their bytes (file after file for an index)."""
+        self._open()
+        if self._local is not None:
+            return self._local.header.names()
+        assert self._bridge is not None
+        headers = self._bridge.call(self._checkpoint.headers)
+        return [name for header in headers for name in header.names()]
+
+    def metadata(self) -> dict[str, Any] | None:
+        """The header's ``__metadata__`` (``None`` if it has none); an index's ``metadata``."""
+        self._open()
+        if self._local is not None:
+            return dict(self._local.header.metadata) or None
+        index = self._checkpoint.index
+        if index is not None:
+            return dict(index.metadata) or None
+        return dict(self._checkpoint.files[""].header.metadata) or None
+
+    def get_tensor(self, name: str) -> Any:
+        """The whole tensor ``name``, viewed in the mapped file (or read from the source now)
+        and checked against its digest, if the header records one."""
+        info = self._info(name)
+        return self._out(self._reader(info)(None), info.dtype)
+
+    def get_tensors(self) -> dict[str, Any]:
+        """Every tensor, in offset order, each checked as by :meth:`get_tensor`."""
+        self._open()
+        if self._local is not None:
+            local = self._local
+            return {t.name: self._out(local.array(t), t.dtype) for t in local.header.tensors}
+        assert self._bridge is not None
+        arrays = self._bridge.call(self._checkpoint.read_all)
+        headers = self._bridge.call(self._checkpoint.headers)
+        codes = {t.name: t.dtype for header in headers for t in header.tensors}
+        return {name: self._out(array, codes[name]) for name, array in arrays.items()}
+
+    def get_slice(self, name: str) -> Slice:
+        """A :class:`Slice` of tensor ``name``: index it to read part of it."""
+        info = self._info(name)
+        return Slice(info, self._reader(info), self._out, strict=not self._torch)
+
+    def _reader(self, info: TensorInfo) -> Callable[[Rows], np.ndarray[Any, Any]]:
+        """Reads ``info``'s rows (all of them for None)."""
+        local = self._local
+        if local is not None:
+            return functools.partial(local.array, info)
+        bridge = self._bridge
+        assert bridge is not None
+        return functools.partial(bridge.call, self._checkpoint.read, info.name)
+
+    def close(self) -> None:
+        """Close the file (a mapped one's views stay valid); for a remote source, its
+        connections and the private event loop."""
+        self._closed = True
+        if self._local is not None:
+            self._local.close()
+            self._local = None  # the mapping goes with the last tensor or slice using it
+        if self._closer is not None:
+            self._closer()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Slice:
+    """Part of one tensor, read on indexing: ``f.get_slice(name)[2:5]``, ``[0]``, ``[..., :3]``,
+    ``[1:3, ::2]``: for torch tensors by torch's rules, for numpy arrays by the reference's
+    stricter ones (``strict``; see :mod:`stream_st.compat._slicing`). Only the rows the
+    first index selects are read from the source; the other indexes apply to them in memory. A
+    digest covers a whole tensor, so part of one cannot be checked against it: only ``[...]``
+    (the whole tensor) is. A slice of a mapped local file still reads after the file is
+    closed, as the reference's do."""
+
+    def __init__(
+        self,
+        info: TensorInfo,
+        read: Callable[[Rows], np.ndarray[Any, Any]],
+        out: Callable[[np.ndarray[Any, Any], str], Any],
+        *,
+        strict: bool = True,
+    ) -> None:
+        self._strict = strict
+        self._info = info
+        self._read = read
+        self._out = out
+
+    def get_shape(self) -> list[int]:
+        """The tensor's shape."""
+        return list(self._info.shape)
+
+    def get_dtype(self) -> str:
+        """The tensor's safetensors dtype code (``"F32"``, ``"BF16"``, ...)."""
+        return self._info.dtype
+
+    def __getitem__(self, key: object) -> Any:
+        info = self._info
+        planned = plan(key, info.shape, strict=self._strict)
+        rows, index = planned.rows, planned.index
+        if info.dtype_info.packed and info.shape:
+            last = len(info.shape) - 1
+            if len(index) > last and index[last] != slice(0, info.shape[last], None):
+                raise SliceError(
+                    f"tensor {info.name!r} is {info.dtype}, packed several values a byte: "
+                    "its last dimension can only be taken whole"
+                )
+            index = index[:last]
+            if not last:
+                rows = None
+        array = self._read(rows)
+        picked = array[index]
+        if not picked.flags.c_contiguous:
+            picked = picked.copy()
+        return self._out(picked, info.dtype)
+
+
+class _BytesSink(Sink):
+    """The message written into memory, for :func:`save_bytes`."""
+
+    random_access = True
+    name = "<bytes>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data = bytearray()
+
+    async def allocate(self, size: int) -> None:
+        self.data = bytearray(size)
+
+    async def send(self, buffer: memoryview) -> None:
+        await self.write_at(self.position, buffer)
+        self.position += len(buffer)
+
+    async def write_at(self, offset: int, buffer: memoryview) -> None:
+        self.data[offset : offset + len(buffer)] = buffer
+
+    async def aclose(self) -> None:
+        pass
+
+    async def abort(self) -> None:
+        self.data = bytearray()
+
+
+def _checked_tensors(tensors: object) -> Mapping[str, Any]:
+    if not isinstance(tensors, Mapping):
+        raise InvalidTensorsError(
+            f"Expected a dict of [str, np.ndarray] but received {type(tensors)}"
+        )
+    return tensors
+
+
+def save_file(
+    tensors: Mapping[str, Any],
+    dst: SinkLike,
+    metadata: Mapping[str, str] | None = None,
+    checksums: bool | str = False,
+    **options: Any,
+) -> None:
+    """Write ``tensors`` to ``dst`` as the reference writer lays them out (``checksums``: with
+    every tensor's digest recorded, see :func:`~stream_st.save`)."""
+    check_sync_address(dst, "destination")
+    checked = _checked_tensors(tensors)
+    run(_save, checked, dst, check_metadata(metadata), checksums, options)
+
+
+def save_specs_file(
+    specs: Mapping[str, TensorSpec], dst: SinkLike, metadata: Mapping[str, str] | None
+) -> None:
+    """Write the tensors ``specs`` point at to ``dst`` (for ``serialize_file``)."""
+    check_sync_address(dst, "destination")
+    run(write_specs, os.fspath(dst) if isinstance(dst, os.PathLike) else dst, specs, metadata)
+
+
+def save_specs_bytes(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str] | None) -> bytes:
+    """The bytes of a file holding the tensors ``specs`` point at (for ``serialize``)."""
+    sink = _BytesSink()
+    run(write_specs, sink, specs, metadata)
+    return bytes(sink.data)
+
+
+async def _save(
+    tensors: Mapping[str, Any],
+    dst: SinkLike,
+    metadata: Mapping[str, str] | None,
+    checksums: bool | str,
+    options: TransportOptions,
+) -> None:
+    await save_async(dst, tensors, metadata=metadata, checksums=checksums, **options)
+
+
+def save_bytes(
+    tensors: Mapping[str, Any],
+    metadata: Mapping[str, str] | None = None,
+    checksums: bool | str = False,
+) -> bytes:
+    """``tensors`` as the bytes of a safetensors file."""
+    sink = _BytesSink()
+    run(_save, _checked_tensors(tensors), sink, check_metadata(metadata), checksums, {})
+    return bytes(sink.data)
+
+
+def load_file(
+    src: SourceLike, torch: bool, backend: str, verify: bool, **options: Any
+) -> dict[str, Any]:
+    """Every tensor of ``src`` (a file, URL or index), as numpy arrays or torch tensors: with
+    ``backend="mmap"``, a local file's as writable views of a private mapping of it."""
+    copy = not maps(backend)
+    check_sync_address(src, "source")
+    path = local_path(src)
+    if path is not None and not os.path.lexists(path):
+        raise NoSuchFileError(path)
+    return run(_load, src, torch, verify, copy, clock_of(options))
+
+
+def load_bytes(data: bytes, torch: bool, verify: bool) -> dict[str, Any]:
+    """Every tensor of a safetensors file given as bytes."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise UsageError(f"load takes the bytes of a file, got {type(data).__name__}")
+    return run(_load, data, torch, verify, True, Clock())
+
+
+async def _load(
+    src: SourceLike, torch: bool, verify: bool, copy: bool, clock: Clock
+) -> dict[str, Any]:
+    delivery = Delivery("pt" if torch else "np", writable=True)
+    stream = stream_for(src, verify=verify, clock=clock, delivery=delivery, copy=copy)
+    return {name: tensor async for name, tensor in stream}

@@ -1,0 +1,133 @@
+"""Run the async core from synchronous code: on a private event loop.
+
+The synchronous facades (:mod:`stream_st.torch`, :mod:`stream_st.numpy`) call the async core on
+an asyncio event loop of their own. A one-shot call (:func:`run`) from a thread that runs no
+event loop (a plain script, a worker thread) runs that loop right there, in the calling thread: a
+fraction of a millisecond. From inside a running event loop (a notebook cell, an asyncio or trio
+program calling sync code) it goes through a :class:`Bridge`: a loop in a thread of its own, to
+which the calling thread hands the coroutine and then waits for the result (a few milliseconds to
+start). Either way the caller's loop is never asked to run anything, so it can neither deadlock on
+it nor meet "this event loop is already running". An open file (``safe_open``) keeps a
+:class:`Bridge` for its lifetime. The caller's thread is blocked for the call's duration, as by
+any synchronous I/O. Not public API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import sys
+import threading
+from collections.abc import AsyncIterable, Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+from anyio.abc import ByteReceiveStream, ByteSendStream
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from ..errors import UsageError
+
+__all__ = ["Bridge", "check_sync_address", "run"]
+
+# anyio imports its asyncio backend when a loop first starts: tens of milliseconds, which the
+# first synchronous call would pay. Importing it here moves that to the import of the facades
+# (which, as the reference does, load their code at import); ``import stream_st`` stays light.
+importlib.import_module("anyio._backends._asyncio")
+
+T = TypeVar("T")
+
+
+class Bridge:
+    """A private event loop in a worker thread, alive until :meth:`close`.
+
+    :meth:`call` runs a coroutine function there and blocks until it returns; calls from several
+    threads are taken one after another by the loop, which owns every connection they use.
+    """
+
+    def __init__(self) -> None:
+        self._context = start_blocking_portal("asyncio")
+        self._portal: BlockingPortal | None = self._context.__enter__()
+        self._lock = threading.Lock()
+
+    def call(self, function: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``await function(*args)`` on the bridge's loop; its result or its exception."""
+        portal = self._portal
+        if portal is None:
+            raise UsageError("the file is closed")
+        try:
+            return portal.call(function, *args)
+        except RuntimeError as exc:
+            if isinstance(exc, UsageError) or "event loop thread" not in str(exc):
+                raise
+            raise UsageError(
+                "a synchronous stream_st call was made from the loop that serves it (from inside "
+                "a coroutine it runs); use the async API there"
+            ) from None
+
+    def close(self) -> None:
+        """Stop the loop, cancelling anything still running on it, and join its thread."""
+        with self._lock:
+            if self._portal is None:
+                return
+            self._portal = None
+        self._context.__exit__(None, None, None)
+
+
+def _loop_running() -> bool:
+    """Whether this thread is running an event loop (asyncio's or trio's) right now."""
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return False
+    try:
+        trio.lowlevel.current_trio_token()
+        return True
+    except RuntimeError:
+        return False
+
+
+async def _boxed(box: list[T], function: Callable[..., Awaitable[T]], *args: Any) -> None:
+    box.append(await function(*args))
+
+
+def run(function: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``await function(*args)`` on a private event loop started for this call, from sync code:
+    in the calling thread when it runs no loop, else in a :class:`Bridge`'s thread."""
+    if not _loop_running():
+        # The result goes back in a box, not as the task's result: in the main thread asyncio's
+        # runner formats its SIGINT handler, which names the task and so the task's result, on
+        # the way out (``signal.getsignal``): the repr of every tensor loaded, milliseconds.
+        # A loop of our own making, not the thread's current one: asyncio's runner would
+        # otherwise make its loop current and, on the way out, leave the thread with none,
+        # taking the loop the caller had set (asyncio.set_event_loop) from under it.
+        box: list[T] = []
+        anyio.run(
+            _boxed, box, function, *args, backend_options={"loop_factory": asyncio.new_event_loop}
+        )
+        return box[0]
+    bridge = Bridge()
+    try:
+        return bridge.call(function, *args)
+    finally:
+        bridge.close()
+
+
+def check_sync_address(obj: object, role: str) -> None:
+    """:class:`UsageError` for an ``obj`` that belongs to the caller's event loop (a stream, a
+    chunk iterator): a synchronous call runs on a loop of its own and cannot use it."""
+    bound = (
+        asyncio.StreamReader,
+        asyncio.StreamWriter,
+        ByteReceiveStream,
+        ByteSendStream,
+        AsyncIterable,
+    )
+    if isinstance(obj, bound):
+        raise UsageError(
+            f"the synchronous API takes a path, URL or bytes as its {role}, not a "
+            f"{type(obj).__name__} (it belongs to an event loop): use stream_st's async API"
+        )

@@ -1,0 +1,198 @@
+"""Framework adapters: the torch dtype table, zero-copy numpy <-> torch views, and where a read
+tensor lands (``open_stream(framework=..., into=...)``).
+
+torch is imported only when asked for (``framework="pt"``, a torch tensor given to a writer), so
+``import stream_st`` stays light. A tensor read for torch is the numpy array the reader filled,
+seen as a torch tensor over the same memory: no copy beyond the one from the wire. A torch tensor
+written is seen as a numpy array over its memory: detached, moved to the CPU and made contiguous
+only when it is not already (one copy then). Not public API.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Literal
+
+import numpy as np
+
+from ..errors import DtypeError, UsageError
+from .dtypes import DTYPES
+from .header import TensorSpec
+
+__all__ = [
+    "Framework",
+    "as_array",
+    "check_device",
+    "framework_of",
+    "is_torch_tensor",
+    "load_torch",
+    "spec_of",
+    "to_torch",
+    "torch_code",
+    "torch_dtypes",
+    "torch_to_array",
+]
+
+Framework = Literal["np", "numpy", "pt", "torch"]
+"""What tensors are handed out as: numpy arrays (``"np"``, ``"numpy"``) or torch tensors
+(``"pt"``, ``"torch"``), as the reference's ``framework=`` names them."""
+
+_TORCH_NAMES = {
+    # Every safetensors dtype torch has; F6_E2M3 and F6_E3M2 have no torch dtype.
+    "BOOL": "bool",
+    "F4": "float4_e2m1fn_x2",
+    "U8": "uint8",
+    "I8": "int8",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "C64": "complex64",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
+}
+
+
+def load_torch() -> Any:
+    """The torch module; :class:`UsageError` saying how to install it if it is missing."""
+    try:
+        import torch
+    except ImportError:
+        raise UsageError("torch tensors need torch: pip install torch==2.13.0") from None
+    return torch
+
+
+@functools.cache
+def torch_dtypes() -> dict[str, Any]:
+    """Safetensors code -> torch dtype, for every code this torch has."""
+    torch = load_torch()
+    table = {code: getattr(torch, name, None) for code, name in _TORCH_NAMES.items()}
+    return {code: dtype for code, dtype in table.items() if dtype is not None}
+
+
+@functools.cache
+def _codes() -> dict[Any, str]:
+    return {dtype: code for code, dtype in torch_dtypes().items()}
+
+
+def torch_code(dtype: Any) -> str:
+    """The safetensors code of a torch dtype; :class:`DtypeError` if safetensors has none."""
+    code = _codes().get(dtype)
+    if code is None:
+        raise DtypeError(f"torch dtype {dtype} has no safetensors equivalent")
+    return code
+
+
+def torch_dtype(code: str) -> Any:
+    found = torch_dtypes().get(code)
+    if found is None:
+        raise DtypeError(
+            f"safetensors dtype {code} has no torch dtype: read it with framework='np'"
+        )
+    return found
+
+
+def is_torch_tensor(value: object) -> bool:
+    """True for a ``torch.Tensor``; never imports torch (a program without it has none)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def to_torch(array: np.ndarray[Any, Any], code: str) -> Any:
+    """``array`` (as the reader delivers a tensor of dtype ``code``) as a torch tensor over the
+    same memory. Packed F4 keeps the array's shape, which is torch's ``float4_e2m1fn_x2`` one."""
+    torch = load_torch()
+    dtype = torch_dtype(code)
+    flat = torch.from_numpy(array.reshape(-1).view(np.uint8))
+    return flat.view(dtype).reshape(array.shape)
+
+
+def torch_to_array(tensor: Any, name: str) -> np.ndarray[Any, Any]:
+    """A torch tensor as the numpy array of its safetensors dtype, over its memory when it can be.
+
+    Detached from autograd; copied once only when it must be (another device, not contiguous, a
+    lazy conjugate or negation). Sparse, meta and dtype-less tensors raise a
+    :class:`~stream_st.SafetensorsError`. F4 comes as its packed ``uint8`` bytes.
+    """
+    torch = load_torch()
+    if tensor.layout != torch.strided:
+        raise UsageError(
+            f"tensor {name!r} is {tensor.layout}, not dense: make it dense first (.to_dense())"
+        )
+    if tensor.is_meta:
+        raise UsageError(f"tensor {name!r} is on the meta device: it holds no data to write")
+    code = torch_code(tensor.dtype)
+    dense = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous()
+    return raw_bytes(dense).view(DTYPES[code].numpy).reshape(dense.shape)
+
+
+def spec_of(name: str, value: Any, array: np.ndarray[Any, Any]) -> TensorSpec:
+    """The plan entry of tensor ``name``, given as ``value`` and written as ``array`` (what
+    ``value`` became to be written): the array's dtype and shape, but for a torch
+    ``float4_e2m1fn_x2`` tensor, whose array holds its packed bytes, F4 with the last dimension
+    doubled, as the reference writes it. A 0-d one (two values, no shape to give them) is a
+    :class:`~stream_st.UsageError`."""
+    if not is_torch_tensor(value) or value.dtype != torch_dtypes().get("F4"):
+        return TensorSpec(name, array.dtype, array.shape)
+    if not value.dim():
+        raise UsageError(
+            f"tensor {name!r}: a 0-d float4_e2m1fn_x2 tensor holds two F4 values and has no "
+            "safetensors shape: give it a dimension (.reshape(1))"
+        )
+    return TensorSpec(name, "F4", (*value.shape[:-1], 2 * value.shape[-1]))
+
+
+def raw_bytes(tensor: Any) -> np.ndarray[Any, Any]:
+    """A contiguous CPU tensor's memory as a 1-D ``uint8`` array (no copy)."""
+    raw: np.ndarray[Any, Any] = tensor.detach().reshape(-1).view(load_torch().uint8).numpy()
+    return raw
+
+
+def framework_of(framework: str | None) -> bool:
+    """Whether ``framework`` asks for torch tensors; :class:`UsageError` if it is unknown."""
+    if framework in (None, "np", "numpy"):
+        return False
+    if framework in ("pt", "torch"):
+        return True
+    raise UsageError(f"framework must be 'pt' or 'np', got {framework!r}")
+
+
+def check_device(device: object) -> None:
+    """:class:`UsageError` unless ``device`` is the CPU.
+
+    Loading onto an accelerator goes through the same ``into=`` mechanism (pinned staging
+    buffers, each copied to the device while the next tensor arrives); until it can be tested it
+    is refused rather than done slowly.
+    """
+    if device in ("cpu", None) or str(device) == "cpu":
+        return
+    raise UsageError(
+        f"device={device!r} is not supported yet: tensors are loaded on the CPU "
+        "(move them with .to(device) afterwards)"
+    )
+
+
+def as_array(value: Any, name: str) -> np.ndarray[Any, Any]:
+    """``np.asarray(value)`` for tensor ``name``; :class:`~stream_st.UsageError` if numpy cannot
+    make an array of it (a ragged nested list, an object whose ``__array__`` fails).
+
+    A torch tensor (any dtype safetensors has, BF16 and F8 included) is seen as an array over
+    its memory: detached, and made contiguous on the CPU once if it is not already."""
+    if is_torch_tensor(value):
+        return torch_to_array(value, name)
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(
+            f"tensor {name!r}: cannot make an array of the {type(value).__name__} given: {exc}"
+        ) from None

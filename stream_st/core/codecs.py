@@ -1,0 +1,620 @@
+"""Tensor codecs carried inside a safetensors stream, and a correctly rounded bfloat16 cast.
+
+Pure numpy, no I/O. A codec turns one floating-point tensor into one or more *wire tensors* (plain
+safetensors tensors written by any writer and read by any reader) and back. The wire tensors of a
+tensor are planned from its name, shape and dtype alone (:meth:`Codec.specs`), before the data
+exists, so a writer can lay out offsets up front; :meth:`Codec.encode` then produces exactly those
+names, dtypes and shapes. Which codec was used goes into ``__metadata__`` (:meth:`Codec.metadata`)
+so the receiver can rebuild it with :func:`codec_from_metadata` and call :meth:`Codec.decode`.
+
+Wire layouts, for a tensor ``name`` of shape ``[..., n]`` and dtype F16, BF16, F32 (or F64)::
+
+    "none"  name            <original dtype>  [..., n]        the tensor itself, untouched
+
+    "int8"  name            I8   [..., n]     code = clip(round(x * scale), -127, 127), halves
+                                              rounded away from zero (2.5 -> 3)
+            name + ".scale" F32  [1]          scale = 127 / max|x| over the whole tensor
+            decode: x ~= code / scale         error per value <= 0.5 / scale
+
+    "int4"  name            U8   [..., n / 2] two codes per byte, low nibble first: byte j holds
+                                              code 2j in bits 0-3 and code 2j+1 in bits 4-7, each
+                                              as a 4-bit two's complement number
+            name + ".scales" F16 [..., n / g] one step per group of g = group_size consecutive
+                                              values along the last axis (default g = 64)
+            code = clip(round(x / step), -7, 7), step = max|x| over the group / 7
+            decode: x ~= code * step          error per value <= step / 2
+
+Details and edge cases:
+
+* INT8 is symmetric and per tensor: ``scale`` multiplies on encode and divides on decode, as in
+  ``scale = 127 / max|x|``. ``round`` is C's ``round()``: halves go away from zero (2.5 -> 3,
+  -2.5 -> -3), not to even, so that every implementation of the exchange format agrees. An
+  all-zero (or empty) tensor gets ``scale = 1.0`` and all-zero codes, so nothing is ever divided
+  by zero. If ``127 / max|x|`` overflows float32 (``max|x|`` below about
+  3.7e-37) the scale is clamped to the largest finite float32; the error bound still holds. A
+  float64 tensor whose ``max|x|`` is so large that the scale would not be a normal float32 (above
+  about 1e40) is refused.
+* INT4 is symmetric and group-wise along the last axis. The last dimension must be a multiple of
+  ``group_size`` (there is no padding, so the original shape is recoverable from the wire shapes);
+  ``group_size`` must be a positive even number. Codes use the symmetric range [-7, 7]; the
+  nibble ``0b1000`` (-8) is never written but decodes to -8 if present. The F16 step is rounded
+  *up* from ``max|x| / 7`` so that no code ever needs clipping; an all-zero group gets step 0
+  (decode multiplies, so this is exact and divides by nothing). The step must fit F16: a group
+  with ``max|x| > 7 * 65504`` is refused, and groups with ``max|x|`` below ``7 * 2**-14`` (about
+  4.3e-4) get a subnormal, hence coarser, step.
+* Inputs containing NaN or +-Inf are refused by INT8 and INT4 with :class:`CodecError` (a
+  :class:`~stream_st.errors.SafetensorsError` and a ``ValueError``); "none" passes anything.
+* Encoding computes in float32 (float64 for float64 inputs); F16 and BF16 values are exact in
+  float32. Decoding returns the requested original dtype: float16, bfloat16, float32 or float64.
+
+``__metadata__`` keys written by :meth:`Codec.metadata` (all values are strings):
+
+* ``compression``: ``"NONE"``, ``"INT8"`` or ``"INT4"`` (the KV-cache exchange format's key).
+* ``original_dtype``: numpy name of the dtype to decode to, e.g. ``"float16"``, ``"bfloat16"``;
+  present when passed to :meth:`Codec.metadata`. :meth:`Codec.decode` accepts it as is.
+* ``group_size``: INT4 only, values per F16 step, e.g. ``"64"``.
+* ``scale``: INT8 and INT4, a human-readable statement of the scale convention.
+* ``scale_tensor``: INT8 and INT4, the suffix of the sibling scale tensor (``".scale"`` or
+  ``".scales"``).
+* ``packing``: INT4 only, how codes are packed into U8 bytes.
+
+:func:`to_bfloat16` rounds to nearest, ties to even (never truncates) and keeps NaN as a quiet NaN
+and +-Inf as +-Inf. ml_dtypes' own ``astype(bfloat16)`` already does this for float32 and float16,
+so it is used for those; for float64 ml_dtypes first rounds to float32, which can round twice
+(``1 + 2**-8 + 2**-40`` would become 1.0 instead of ``1 + 2**-7``), so float64 is first rounded to
+float32 *to odd*, which makes the second rounding correct.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, TypedDict, runtime_checkable
+
+import ml_dtypes
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import SafetensorsError
+from .dtypes import dtype_for
+from .header import TensorSpec
+
+__all__ = [
+    "CODECS",
+    "Codec",
+    "CodecError",
+    "ErrorStats",
+    "Int4Codec",
+    "Int8Codec",
+    "NoneCodec",
+    "codec_from_metadata",
+    "error_stats",
+    "get_codec",
+    "to_bfloat16",
+]
+
+Array = npt.NDArray[Any]
+DTypeLike = str | np.dtype[Any] | type
+"""A safetensors code (``"F16"``), a numpy name (``"bfloat16"``) or a numpy / ml_dtypes dtype."""
+
+_F16 = np.dtype(np.float16)
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+_FLOATS = (_F16, _BF16, _F32, _F64)
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
+_F16_INF = np.float16(np.inf)
+
+INT8_MAX = 127
+"""INT8 codes lie in [-INT8_MAX, INT8_MAX]."""
+INT4_MAX = 7
+"""INT4 codes are written in [-INT4_MAX, INT4_MAX]."""
+DEFAULT_GROUP_SIZE = 64
+"""INT4 values per F16 step unless configured otherwise."""
+
+
+class CodecError(SafetensorsError, ValueError):
+    """A tensor a codec cannot carry (NaN/Inf, wrong dtype or shape) or wire parts it cannot
+    decode (missing, wrong dtype or shape, invalid scale)."""
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """How one tensor is carried as wire tensors. Implementations are stateless and reusable."""
+
+    @property
+    def key(self) -> str:
+        """The registry key: ``"none"``, ``"int8"`` or ``"int4"``."""
+        ...
+
+    @property
+    def compression(self) -> str:
+        """The ``"compression"`` metadata value: ``"NONE"``, ``"INT8"`` or ``"INT4"``."""
+        ...
+
+    def part_names(self, name: str) -> list[str]:
+        """Names of the wire tensors carrying tensor ``name``, the codes (or data) first."""
+        ...
+
+    def specs(self, name: str, shape: Sequence[int], dtype: DTypeLike) -> list[TensorSpec]:
+        """The wire tensors planned for a tensor of ``shape`` and ``dtype``, in
+        :meth:`part_names` order; equal in names, dtypes and shapes to what :meth:`encode`
+        produces for such a tensor."""
+        ...
+
+    def encode(self, name: str, array: Array) -> list[tuple[str, Array]]:
+        """The wire tensors ``(wire_name, array)`` carrying ``array``, in :meth:`part_names`
+        order."""
+        ...
+
+    def decode(self, name: str, parts: Mapping[str, Array], dtype: DTypeLike) -> Array:
+        """Rebuild tensor ``name`` from its wire tensors (``parts`` may hold others too), with its
+        original shape and the given ``dtype``."""
+        ...
+
+    def metadata(self, original_dtype: DTypeLike | None = None) -> dict[str, str]:
+        """``__metadata__`` entries describing this codec (and the original dtype, if given)."""
+        ...
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _resolve(dtype: DTypeLike) -> np.dtype[Any]:
+    """A dtype from a safetensors code, a numpy name or a dtype (DtypeError if unknown)."""
+    return dtype_for(dtype).numpy
+
+
+def _float_dtype(dtype: DTypeLike, name: str, codec: str) -> np.dtype[Any]:
+    resolved = _resolve(dtype)
+    if resolved not in _FLOATS:
+        raise CodecError(
+            f"tensor {name!r}: {codec} carries float16, bfloat16, float32 or float64 tensors, "
+            f"not {resolved.name}"
+        )
+    return resolved
+
+
+def _work_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """float64 for float64, else float32 (exact for F16 and BF16)."""
+    return _F64 if dtype == _F64 else _F32
+
+
+def _check_finite(name: str, work: Array, codec: str) -> None:
+    finite = np.isfinite(work)
+    if not finite.all():
+        nan = int(np.count_nonzero(np.isnan(work)))
+        inf = work.size - int(np.count_nonzero(finite)) - nan
+        first = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise CodecError(
+            f"tensor {name!r}: {codec} cannot encode non-finite values "
+            f"({nan} NaN, {inf} Inf; first at index {list(first)})"
+        )
+
+
+def _prepare(name: str, array: Array, codec: str) -> Array:
+    """``array`` as the work dtype, checked to be a supported float dtype and finite."""
+    source = np.asarray(array)
+    dtype = _float_dtype(source.dtype, name, codec)
+    work = source.astype(_work_dtype(dtype), copy=False)
+    _check_finite(name, work, codec)
+    return work
+
+
+def _part(name: str, parts: Mapping[str, Array], part: str) -> Array:
+    try:
+        return np.asarray(parts[part])
+    except KeyError:
+        raise CodecError(f"tensor {name!r}: wire tensor {part!r} is missing") from None
+
+
+def _metadata(
+    compression: str, original_dtype: DTypeLike | None, extra: Mapping[str, str]
+) -> dict[str, str]:
+    out = {"compression": compression}
+    if original_dtype is not None:
+        out["original_dtype"] = _resolve(original_dtype).name
+    out.update(extra)
+    return out
+
+
+# ---------------------------------------------------------------- none
+
+
+@dataclass(frozen=True, slots=True)
+class NoneCodec:
+    """Passthrough: the tensor travels as itself, in its own dtype."""
+
+    @property
+    def key(self) -> str:
+        return "none"
+
+    @property
+    def compression(self) -> str:
+        return "NONE"
+
+    def part_names(self, name: str) -> list[str]:
+        return [name]
+
+    def specs(self, name: str, shape: Sequence[int], dtype: DTypeLike) -> list[TensorSpec]:
+        return [TensorSpec(name, dtype, tuple(shape))]
+
+    def encode(self, name: str, array: Array) -> list[tuple[str, Array]]:
+        return [(name, np.asarray(array))]
+
+    def decode(self, name: str, parts: Mapping[str, Array], dtype: DTypeLike) -> Array:
+        return _part(name, parts, name).astype(_resolve(dtype), copy=False)
+
+    def metadata(self, original_dtype: DTypeLike | None = None) -> dict[str, str]:
+        return _metadata(self.compression, original_dtype, {})
+
+
+# ---------------------------------------------------------------- int8
+
+_INT8_BLOCK = 1 << 14
+"""Values quantized per step: a block and its temporaries stay in the CPU's cache."""
+
+
+def _bits(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """The unsigned integer dtype as wide as float ``dtype``."""
+    return np.dtype(f"u{dtype.itemsize}")
+
+
+def _max_abs_bits(flat: Array) -> float:
+    """``max|x|`` of a contiguous 1-d float array (NaN beats Inf beats every finite value), from
+    its bit patterns without the sign bit: one integer pass, no float conversion."""
+    bits = _bits(flat.dtype)
+    words = flat.view(bits)
+    magnitude = bits.type(~(1 << (8 * bits.itemsize - 1)) & ((1 << (8 * bits.itemsize)) - 1))
+    best = bits.type(0)
+    for start in range(0, words.size, _INT8_BLOCK):
+        block = words[start : start + _INT8_BLOCK]
+        best = max(best, np.max(block & magnitude))
+    return float(np.array([best], dtype=bits).view(flat.dtype)[0])
+
+
+def _int8_codes(flat: Array, scale: np.floating[Any]) -> Array:
+    """``clip(round(x * scale), -127, 127)`` as int8 for a contiguous 1-d ``flat`` whose
+    ``max|x| * scale <= 127``, rounding halves away from zero (2.5 -> 3, -2.5 -> -3) as the C
+    ``round()`` the INT8 exchange format names does.
+
+    Each value becomes ``trunc(y + copysign(h, y))`` with ``y = x * scale`` and ``h`` the float
+    just below 0.5: exact for every ``|y| < 2**22`` (with 0.5 itself, ``0.49999997 + 0.5`` would
+    round to 1.0 and give 1). The cast to int8 truncates toward zero; ``|y| <= 127 * (1 + 2**-23)``
+    (the scale is rounded once) keeps ``y + h`` below 128, so no clipping is needed. Works block by
+    block in ``scale``'s float type (float32, or float64 for float64 input).
+    """
+    work = scale.dtype
+    bits = _bits(work)
+    sign = bits.type(1 << (8 * bits.itemsize - 1))
+    half = np.array([np.nextafter(work.type(0.5), work.type(0.0))], dtype=work).view(bits)[0]
+    codes = np.empty(flat.size, dtype=np.int8)
+    size = min(flat.size, _INT8_BLOCK)
+    scaled = np.empty(size, dtype=work)
+    offset = np.empty(size, dtype=bits)
+    for start in range(0, flat.size, _INT8_BLOCK):
+        block = flat[start : start + _INT8_BLOCK]
+        y, h = scaled[: block.size], offset[: block.size]
+        np.multiply(block, scale, out=y, casting="unsafe")  # F16 / BF16 -> float32 is exact
+        np.bitwise_and(y.view(bits), sign, out=h)
+        np.bitwise_or(h, half, out=h)  # copysign(half, y), without a float pass
+        np.add(y, h.view(work), out=y)
+        np.copyto(codes[start : start + block.size], y, casting="unsafe")  # truncates
+    return codes
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Codec:
+    """Symmetric per-tensor INT8: codes ``round(x * scale)`` in [-127, 127] (halves away from
+    zero), ``scale = 127 / max|x|`` as F32 in ``name + ".scale"`` (shape ``[1]``); decode
+    ``code / scale``."""
+
+    suffix: ClassVar[str] = ".scale"
+
+    @property
+    def key(self) -> str:
+        return "int8"
+
+    @property
+    def compression(self) -> str:
+        return "INT8"
+
+    def part_names(self, name: str) -> list[str]:
+        return [name, name + self.suffix]
+
+    def specs(self, name: str, shape: Sequence[int], dtype: DTypeLike) -> list[TensorSpec]:
+        _float_dtype(dtype, name, "INT8")
+        return [TensorSpec(name, "I8", tuple(shape)), TensorSpec(name + self.suffix, "F32", (1,))]
+
+    @staticmethod
+    def scale_for(name: str, max_abs: float) -> np.float32:
+        """The F32 scale for a tensor whose largest magnitude is ``max_abs`` (see module doc)."""
+        if max_abs == 0.0:
+            return np.float32(1.0)
+        scale = min(INT8_MAX / max_abs, _F32_MAX)
+        if scale < _F32_TINY:
+            raise CodecError(
+                f"tensor {name!r}: max|x| = {max_abs:g} is too large for an INT8 F32 scale "
+                f"(127 / max|x| must be at least {_F32_TINY:g})"
+            )
+        return np.float32(scale)
+
+    def encode(self, name: str, array: Array) -> list[tuple[str, Array]]:
+        source = np.asarray(array)
+        work = _work_dtype(_float_dtype(source.dtype, name, "INT8"))
+        flat = np.ascontiguousarray(source).reshape(-1)
+        max_abs = _max_abs_bits(flat)
+        if not math.isfinite(max_abs):
+            _check_finite(name, source.astype(work), "INT8")  # raises, saying where
+        scale = self.scale_for(name, max_abs)
+        codes = _int8_codes(flat, work.type(scale)).reshape(source.shape)
+        return [(name, codes), (name + self.suffix, np.array([scale], dtype=np.float32))]
+
+    def decode(self, name: str, parts: Mapping[str, Array], dtype: DTypeLike) -> Array:
+        out_dtype = _float_dtype(dtype, name, "INT8")
+        codes = _part(name, parts, name)
+        scale_arr = _part(name, parts, name + self.suffix)
+        if codes.dtype != np.int8:
+            raise CodecError(f"tensor {name!r}: INT8 codes must be int8, got {codes.dtype}")
+        if scale_arr.size != 1 or scale_arr.dtype.kind != "f":
+            raise CodecError(
+                f"tensor {name!r}: INT8 scale must be one float, got {scale_arr.dtype} "
+                f"of shape {list(scale_arr.shape)}"
+            )
+        scale = float(scale_arr.reshape(-1)[0])
+        if not (math.isfinite(scale) and scale > 0.0):
+            raise CodecError(f"tensor {name!r}: INT8 scale must be finite and > 0, got {scale}")
+        work = _work_dtype(out_dtype)
+        values = codes.astype(work)
+        values /= work.type(scale)
+        return values.astype(out_dtype, copy=False)
+
+    def metadata(self, original_dtype: DTypeLike | None = None) -> dict[str, str]:
+        return _metadata(
+            self.compression,
+            original_dtype,
+            {
+                "scale": "per-tensor symmetric (127 / max|x|); code = round(x * scale) in "
+                "[-127, 127], halves away from zero; x = code / scale",
+                "scale_tensor": self.suffix,
+            },
+        )
+
+
+# ---------------------------------------------------------------- int4
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Codec:
+    """Symmetric group-wise INT4 along the last axis: codes in [-7, 7] packed two per U8 byte
+    (low nibble first, two's complement), one F16 step ``max|x| / 7`` per ``group_size`` values in
+    ``name + ".scales"`` of shape ``[..., n // group_size]``; decode ``code * step``."""
+
+    group_size: int = DEFAULT_GROUP_SIZE
+    suffix: ClassVar[str] = ".scales"
+
+    def __post_init__(self) -> None:
+        g = self.group_size
+        if isinstance(g, bool) or not isinstance(g, int) or g <= 0 or g % 2:
+            raise CodecError(f"INT4 group_size must be a positive even integer, got {g!r}")
+
+    @property
+    def key(self) -> str:
+        return "int4"
+
+    @property
+    def compression(self) -> str:
+        return "INT4"
+
+    def part_names(self, name: str) -> list[str]:
+        return [name, name + self.suffix]
+
+    def _check_shape(self, name: str, shape: Sequence[int]) -> tuple[int, ...]:
+        dims = tuple(int(d) for d in shape)
+        if not dims:
+            raise CodecError(f"tensor {name!r}: INT4 needs at least one dimension (got a scalar)")
+        if dims[-1] % self.group_size:
+            raise CodecError(
+                f"tensor {name!r}: INT4 needs the last dimension to be a multiple of the group "
+                f"size {self.group_size}; shape {list(dims)} has {dims[-1]}"
+            )
+        return dims
+
+    def specs(self, name: str, shape: Sequence[int], dtype: DTypeLike) -> list[TensorSpec]:
+        _float_dtype(dtype, name, "INT4")
+        dims = self._check_shape(name, shape)
+        *lead, n = dims
+        return [
+            TensorSpec(name, "U8", (*lead, n // 2)),
+            TensorSpec(name + self.suffix, "F16", (*lead, n // self.group_size)),
+        ]
+
+    def encode(self, name: str, array: Array) -> list[tuple[str, Array]]:
+        work = _prepare(name, array, "INT4")
+        dims = self._check_shape(name, work.shape)
+        *lead, n = dims
+        g = self.group_size
+        groups = work.reshape(*lead, n // g, g)
+        step = np.max(np.abs(groups), axis=-1) / work.dtype.type(INT4_MAX)
+        with np.errstate(over="ignore"):
+            steps = step.astype(np.float16)
+        # Round the step up so that |x| / step <= 7 and no code needs clipping.
+        low = steps.astype(work.dtype) < step
+        steps[low] = np.nextafter(steps[low], _F16_INF)
+        if not np.isfinite(steps).all():
+            worst = float(np.max(step)) * INT4_MAX
+            raise CodecError(
+                f"tensor {name!r}: a group's max|x| = {worst:g} exceeds what an INT4 F16 step "
+                f"can represent ({INT4_MAX} * 65504 = {INT4_MAX * 65504})"
+            )
+        divisor = steps.astype(work.dtype)[..., None]
+        q = np.divide(groups, divisor, out=np.zeros_like(groups), where=divisor != 0)
+        np.rint(q, out=q)
+        np.clip(q, -INT4_MAX, INT4_MAX, out=q)
+        nibbles = q.astype(np.int8).reshape(dims).view(np.uint8) & np.uint8(0x0F)
+        packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << np.uint8(4))
+        return [(name, packed), (name + self.suffix, steps)]
+
+    def decode(self, name: str, parts: Mapping[str, Array], dtype: DTypeLike) -> Array:
+        out_dtype = _float_dtype(dtype, name, "INT4")
+        packed = _part(name, parts, name)
+        steps = _part(name, parts, name + self.suffix)
+        if packed.dtype != np.uint8 or steps.dtype != _F16:
+            raise CodecError(
+                f"tensor {name!r}: INT4 needs uint8 codes and float16 scales, got "
+                f"{packed.dtype} and {steps.dtype}"
+            )
+        g = self.group_size
+        if (
+            packed.ndim == 0
+            or steps.shape[:-1] != packed.shape[:-1]
+            or packed.shape[-1] * 2 != steps.shape[-1] * g
+        ):
+            raise CodecError(
+                f"tensor {name!r}: INT4 codes of shape {list(packed.shape)} and scales of shape "
+                f"{list(steps.shape)} do not match group size {g} (expected codes [..., n/2] and "
+                "scales [..., n/group_size])"
+            )
+        if not np.isfinite(steps).all():
+            raise CodecError(f"tensor {name!r}: INT4 scales contain NaN or Inf")
+        *lead, half = packed.shape
+        n = half * 2
+        low = (packed & np.uint8(0x0F)).astype(np.int8)
+        high = (packed >> np.uint8(4)).astype(np.int8)
+        codes = np.stack([low, high], axis=-1)
+        codes ^= np.int8(8)  # sign-extend the 4-bit two's complement nibbles
+        codes -= np.int8(8)
+        work = _work_dtype(out_dtype)
+        values = codes.reshape(*lead, n // g, g).astype(work)
+        values *= steps.astype(work)[..., None]
+        return values.reshape(*lead, n).astype(out_dtype, copy=False)
+
+    def metadata(self, original_dtype: DTypeLike | None = None) -> dict[str, str]:
+        return _metadata(
+            self.compression,
+            original_dtype,
+            {
+                "group_size": str(self.group_size),
+                "scale": "per-group symmetric along the last axis, F16 step = max|x| / 7 "
+                "(rounded up); code = round(x / step) in [-7, 7]; x = code * step",
+                "scale_tensor": self.suffix,
+                "packing": "U8, two codes per byte, low nibble first, 4-bit two's complement",
+            },
+        )
+
+
+# ---------------------------------------------------------------- registry
+
+CODECS: dict[str, Codec] = {"none": NoneCodec(), "int8": Int8Codec(), "int4": Int4Codec()}
+"""The codecs by key, with default settings (INT4 group size 64)."""
+
+
+def get_codec(key: str, *, group_size: int | None = None) -> Codec:
+    """The codec for ``key`` (case-insensitive); ``group_size`` configures INT4 only."""
+    lowered = key.lower()
+    if lowered not in CODECS:
+        raise CodecError(f"unknown codec {key!r}; known: {', '.join(CODECS)}")
+    if group_size is not None:
+        if lowered != "int4":
+            raise CodecError(f"group_size applies to the int4 codec only, not {key!r}")
+        return Int4Codec(group_size=group_size)
+    return CODECS[lowered]
+
+
+def codec_from_metadata(metadata: Mapping[str, str]) -> Codec:
+    """The codec a stream's ``__metadata__`` declares; "none" when it has no ``compression``."""
+    compression = metadata.get("compression", "NONE")
+    key = compression.lower()
+    if key not in CODECS:
+        raise CodecError(f"unknown compression {compression!r} in metadata")
+    if key == "int4" and "group_size" in metadata:
+        raw = metadata["group_size"]
+        try:
+            size = int(raw)
+        except ValueError:
+            raise CodecError(f"metadata group_size must be an integer, got {raw!r}") from None
+        return get_codec(key, group_size=size)
+    return CODECS[key]
+
+
+# ---------------------------------------------------------------- bfloat16
+
+
+def _round_to_odd_f32(values: Array) -> Array:
+    """float64 -> float32 rounded to odd: truncate toward zero, then set the last bit if inexact.
+
+    Rounding to odd with at least two extra bits makes a following round-to-nearest-even correct
+    (float32 keeps 16 bits more than bfloat16, subnormals included).
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = values.astype(np.float32)
+    flat = out.reshape(-1)
+    source = values.reshape(-1)
+    inexact = np.isfinite(source) & (flat.astype(np.float64) != source)
+    if inexact.any():
+        got = flat[inexact]
+        away = np.abs(got.astype(np.float64)) > np.abs(source[inexact])
+        truncated = np.where(away, np.nextafter(got, np.float32(0)), got)
+        flat[inexact] = (truncated.view(np.uint32) | np.uint32(1)).view(np.float32)
+    return out
+
+
+def to_bfloat16(array: npt.ArrayLike) -> Array:
+    """``array`` (float16, float32, float64 or bfloat16) as bfloat16, rounded to nearest-even.
+
+    Not truncation: ``1 + 2**-8 + 2**-9`` becomes ``1 + 2**-7``. Values beyond the bfloat16 range
+    round to +-Inf, NaN stays a (quiet) NaN with its sign, and +-Inf stays +-Inf.
+    """
+    values = np.asarray(array)
+    if values.dtype == _BF16:
+        return values.copy()
+    if values.dtype == _F64:
+        values = _round_to_odd_f32(values)
+    elif values.dtype not in (_F16, _F32):
+        raise CodecError(
+            f"to_bfloat16 converts float16, float32 or float64 arrays, not {values.dtype}"
+        )
+    with np.errstate(over="ignore", invalid="ignore"):
+        return values.astype(_BF16)
+
+
+# ---------------------------------------------------------------- error statistics
+
+
+class ErrorStats(TypedDict):
+    """How far a decoded tensor is from the original (see :func:`error_stats`)."""
+
+    rmse: float
+    max_abs_error: float
+    snr_db: float
+
+
+def error_stats(original: npt.ArrayLike, decoded: npt.ArrayLike) -> ErrorStats:
+    """Root-mean-square error, largest absolute error and signal-to-noise ratio, in float64.
+
+    ``snr_db = 10 * log10(sum(x**2) / sum((x - y)**2))``: ``inf`` when the two are equal (also for
+    empty arrays), ``-inf`` when the original is all zeros and the decoded one is not.
+    """
+    x = np.asarray(original).astype(np.float64)
+    y = np.asarray(decoded).astype(np.float64)
+    if x.shape != y.shape:
+        raise CodecError(f"error_stats: shapes differ, {list(x.shape)} vs {list(y.shape)}")
+    if x.size == 0:
+        return {"rmse": 0.0, "max_abs_error": 0.0, "snr_db": math.inf}
+    diff = x - y
+    noise = float(np.sum(diff * diff))
+    signal = float(np.sum(x * x))
+    if noise == 0.0:
+        snr = math.inf
+    elif signal == 0.0:
+        snr = -math.inf
+    else:
+        snr = 10.0 * math.log10(signal / noise)
+    return {
+        "rmse": math.sqrt(noise / x.size),
+        "max_abs_error": float(np.max(np.abs(diff))),
+        "snr_db": snr,
+    }

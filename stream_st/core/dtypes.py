@@ -1,0 +1,150 @@
+"""The one dtype table: safetensors code, numpy / ml_dtypes dtype, and bit size.
+
+Nothing else in stream_st spells dtypes out. Sub-byte types are carried as packed ``uint8``:
+
+* ``F4`` (float4 e2m1, two values per byte, low nibble first as torch's ``float4_e2m1fn_x2``)
+  arrives as ``uint8`` with the last dimension halved: shape ``[..., n]`` becomes ``[..., n // 2]``.
+  Where that is impossible (an odd last dimension, or no dimensions at all) it arrives, like F6,
+  as the packed bytes in a 1-D ``uint8`` array.
+* ``F6_E2M3`` and ``F6_E3M2`` (four values per three bytes) arrive as the packed bytes in a 1-D
+  ``uint8`` array of ``nelements * 6 / 8`` bytes.
+
+A sub-byte tensor whose bit count is not a whole number of bytes is refused by the header check.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ..errors import DtypeError
+
+__all__ = ["DTYPES", "DType", "array_shape", "dtype_for", "dtype_from_code", "wire_bytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    """One safetensors dtype.
+
+    ``rank`` is the position in the reference implementation's dtype order (increasing
+    alignment); its writer sorts tensors by descending rank, then name.
+    """
+
+    code: str
+    bits: int
+    numpy: np.dtype[Any]
+    rank: int
+
+    @property
+    def packed(self) -> bool:
+        """True for sub-byte types, which are delivered as packed ``uint8`` bytes."""
+        return self.bits < 8
+
+    def nbytes(self, nelements: int) -> int | None:
+        """Bytes taken by ``nelements`` values, or ``None`` if not a whole number of bytes."""
+        bits = nelements * self.bits
+        return bits // 8 if bits % 8 == 0 else None
+
+
+def _table() -> dict[str, DType]:
+    u8 = np.dtype(np.uint8)
+    rows: list[tuple[str, int, Any]] = [
+        # In the reference's order of increasing alignment.
+        ("BOOL", 8, np.bool_),
+        ("F4", 4, u8),
+        ("F6_E2M3", 6, u8),
+        ("F6_E3M2", 6, u8),
+        ("U8", 8, np.uint8),
+        ("I8", 8, np.int8),
+        ("F8_E5M2", 8, ml_dtypes.float8_e5m2),
+        ("F8_E4M3", 8, ml_dtypes.float8_e4m3fn),
+        ("F8_E8M0", 8, ml_dtypes.float8_e8m0fnu),
+        ("F8_E4M3FNUZ", 8, ml_dtypes.float8_e4m3fnuz),
+        ("F8_E5M2FNUZ", 8, ml_dtypes.float8_e5m2fnuz),
+        ("I16", 16, np.int16),
+        ("U16", 16, np.uint16),
+        ("F16", 16, np.float16),
+        ("BF16", 16, ml_dtypes.bfloat16),
+        ("I32", 32, np.int32),
+        ("U32", 32, np.uint32),
+        ("F32", 32, np.float32),
+        ("C64", 64, np.complex64),
+        ("F64", 64, np.float64),
+        ("I64", 64, np.int64),
+        ("U64", 64, np.uint64),
+    ]
+    return {
+        code: DType(code, bits, np.dtype(dt), rank) for rank, (code, bits, dt) in enumerate(rows)
+    }
+
+
+DTYPES: dict[str, DType] = _table()
+"""Every safetensors dtype code, mapped to its :class:`DType`."""
+
+_BY_NUMPY: dict[np.dtype[Any], DType] = {d.numpy: d for d in DTYPES.values() if not d.packed}
+
+
+def dtype_from_code(code: object) -> DType:
+    """The :class:`DType` for a code such as ``"F16"``; :class:`DtypeError` if unknown."""
+    if isinstance(code, str):
+        found = DTYPES.get(code)
+        if found is not None:
+            return found
+    raise DtypeError(f"unknown safetensors dtype {code!r}; known: {', '.join(DTYPES)}")
+
+
+def dtype_for(value: str | np.dtype[Any] | type) -> DType:
+    """The :class:`DType` for a safetensors code or a numpy / ml_dtypes dtype.
+
+    Byte order is ignored (``>f4`` is F32): arrays are converted to little-endian on the wire.
+    Packed sub-byte codes (F4, F6_*) can only be named by their code.
+    """
+    if isinstance(value, str) and value in DTYPES:
+        return DTYPES[value]
+    try:
+        as_numpy = np.dtype(value)
+    except Exception as exc:  # TypeError, ValueError, even SyntaxError for "f4,("
+        raise DtypeError(f"not a dtype: {value!r}") from exc
+    found = _BY_NUMPY.get(as_numpy.newbyteorder("="))
+    if found is None:
+        raise DtypeError(f"numpy dtype {as_numpy} has no safetensors equivalent")
+    return found
+
+
+def array_shape(dtype: DType, shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of the numpy array that carries a tensor of ``dtype`` and ``shape``.
+
+    The tensor's shape itself for whole-byte types; see the module docstring for F4 and F6.
+    """
+    if not dtype.packed:
+        return tuple(shape)
+    nbytes = dtype.nbytes(prod(shape))
+    if nbytes is None:
+        raise DtypeError(
+            f"{dtype.code} tensor of shape {list(shape)} is not a whole number of bytes"
+        )
+    if dtype.code == "F4" and len(shape) > 0 and shape[-1] % 2 == 0:
+        return (*shape[:-1], shape[-1] // 2)
+    return (nbytes,)
+
+
+NATIVE_IS_LITTLE = sys.byteorder == "little"
+
+
+def wire_bytes(array: np.ndarray[Any, Any]) -> memoryview:
+    """A 1-D byte view of ``array`` as stored on the wire: C order, little-endian.
+
+    No copy for a C-contiguous little-endian array (what the reader hands out); one otherwise.
+    """
+    order = array.dtype.byteorder
+    if order == ">" or (order == "=" and not NATIVE_IS_LITTLE):
+        array = array.astype(array.dtype.newbyteorder("<"), order="C")
+    elif not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return array.reshape(-1).view(np.uint8).data

@@ -1,0 +1,219 @@
+"""What a shard name in an index or manifest may be, and the one address it gives.
+
+An index or manifest may come from anywhere, and its shard names are opened and requested on
+the reader's behalf, so they are held to one rule (:func:`shard_name`): a relative path of plain
+names that stays inside the index's directory however it is read. Each reading a file system, a
+URL parser or a server may apply is checked: the name as written, each percent-decoding of it
+(a server decodes once, a proxy or a second parser again; at most :data:`MAX_DECODINGS`) and
+the NFKC form of each. None may hold a control character, ``\\``, ``:``, ``?`` or ``#``, begin
+with ``/`` or ``~``, or have an empty, ``.`` or ``..`` part. The name itself is checked, never
+what it resolves to, so symlinks inside the directory (the Hugging Face cache layout) keep
+working.
+
+:func:`shard_address` then joins an accepted name to the index's directory so that it means the
+same file wherever the index is, and checks that the address it built stays there. Not public API.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import unicodedata
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+from ..errors import HeaderError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "INDEX_NAME",
+    "INDEX_SUFFIX",
+    "MANIFEST_NAME",
+    "SAFETENSORS_VERSION",
+    "SHARD_NAME",
+    "ShardEntry",
+    "is_index",
+    "manifest_document",
+    "shard_address",
+    "shard_file_name",
+    "shard_name",
+    "shard_position",
+]
+
+MAX_DECODINGS = 3
+"""Percent-decodings a name may take before it stops changing: no real name needs one, and each
+costs a pass over the name."""
+
+_REFUSED = frozenset("\\:?#")
+"""Characters that change what a path or URL points at: a Windows separator, a drive or URL
+scheme, a query, a fragment."""
+
+
+def _readings(name: str) -> Iterator[str | None]:
+    """``name`` as written, each percent-decoding of it in turn, and the NFKC form of each; None
+    last if it still decodes to something new after :data:`MAX_DECODINGS`."""
+    for _ in range(MAX_DECODINGS + 1):
+        yield name
+        yield unicodedata.normalize("NFKC", name)
+        decoded = unquote(name)
+        if decoded == name:
+            return
+        name = decoded
+    yield None
+
+
+def _problem(reading: str | None) -> str | None:
+    """Why ``reading`` of a shard name could point outside the index's directory, if it could."""
+    if reading is None:
+        return f"is still percent-encoded after {MAX_DECODINGS} decodings"
+    if not reading.isprintable():
+        return "holds a control or invisible character"
+    refused = sorted(_REFUSED.intersection(reading))
+    if refused:
+        return f"holds {refused[0]!r}"
+    if reading.startswith(("/", "~")):
+        return "is not a relative path"
+    if any(part in ("", ".", "..") for part in reading.split("/")):
+        return "has an empty, '.' or '..' part"
+    return None
+
+
+def shard_name(shard: object, index: str) -> str:
+    """``shard`` if it may name a shard next to ``index``, else :class:`HeaderError`."""
+    if not isinstance(shard, str) or not shard:
+        raise HeaderError(f"{index}: a shard name must be a non-empty string, got {shard!r}")
+    for reading in _readings(shard):
+        problem = _problem(reading)
+        if problem is not None:
+            read_as = "" if reading in (None, shard) else f" (read as {reading!r})"
+            raise HeaderError(
+                f"{index}: shard name {shard!r}{read_as} {problem}: it must be a relative path "
+                "that stays next to the index"
+            )
+    return shard
+
+
+def shard_address(index: str, shard: str) -> str:
+    """The address of ``shard`` (a name from the index) in the directory of ``index``.
+
+    A plain path, ``s3://`` key or ``hf://`` path is joined as written; in a ``file://`` or
+    ``http(s)://`` URL the name is percent-encoded, since those transports decode it again.
+    ``shard`` goes through :func:`shard_name` first, and the address must lie in the index's
+    directory as its transport will read it: same scheme, host and query, no part that climbs out.
+    """
+    shard = shard_name(shard, index)
+    if "://" not in index:
+        address = posixpath.join(posixpath.dirname(index), shard)
+    else:
+        parts = urlsplit(index)
+        name = shard if _literal(parts.scheme) else quote(shard)
+        path = posixpath.join(posixpath.dirname(parts.path), name)
+        address = urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+    if not _inside(index, address):
+        raise HeaderError(f"{index}: shard {shard!r} resolves to {address}, outside the index")
+    return address
+
+
+def _literal(scheme: str) -> bool:
+    """Whether a URL of ``scheme`` names its object by the path as written (an S3 key, a path
+    in a Hub repository)."""
+    return scheme.lower() in ("s3", "hf")
+
+
+def _inside(index: str, address: str) -> bool:
+    """Whether ``address``, read the way its transport reads it, is in ``index``'s directory."""
+    if "://" in index:
+        home, there = urlsplit(index), urlsplit(address)
+        if (there.scheme, there.netloc, there.query, there.fragment) != (
+            home.scheme,
+            home.netloc,
+            home.query,
+            "",
+        ):
+            return False
+        decode = str if _literal(home.scheme) else unquote
+        directory, target = decode(posixpath.dirname(home.path)), decode(there.path)
+    else:
+        directory, target = posixpath.dirname(index), address
+    prefix = directory.rstrip("/") + "/" if directory else ""
+    rest = target[len(prefix) :]
+    return (
+        target.startswith(prefix)
+        and rest not in ("", ".", "..")
+        and posixpath.normpath(rest) == rest
+        and not rest.startswith(("/", "../"))
+    )
+
+
+FORMAT_VERSION = "1.0"
+
+
+SAFETENSORS_VERSION = "1.0"
+
+
+INDEX_NAME = "_tensor_index.parquet"
+
+
+SHARD_NAME = re.compile(r"part-(\d{5,})-(\d{4,})-[^/]+\.safetensors")
+"""What :func:`shard_file_name` makes; in a directory without a manifest, the shards."""
+
+
+def shard_file_name(task: int, index: int, tag: str) -> str:
+    """``part-{task:05d}-{index:04d}-{tag}.safetensors``: the ``index``-th shard sealed by task
+    ``task``, whose writer drew the unique ``tag`` (a UUID)."""
+    return f"part-{task:05d}-{index:04d}-{tag}.safetensors"
+
+
+def shard_position(name: str) -> tuple[int, int] | None:
+    """The task and index a shard's ``name`` carries (see :func:`shard_file_name`); None for a
+    name of another form."""
+    match = SHARD_NAME.fullmatch(name)
+    return None if match is None else (int(match[1]), int(match[2]))
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard as the manifest lists it."""
+
+    shard_path: str
+    samples_count: int
+    bytes: int
+
+
+def manifest_document(
+    shards: Sequence[ShardEntry], schema: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The ``dataset_manifest.json`` document for ``shards`` (in reading order) and ``schema``
+    (name -> ``{"dtype", "shape"}``)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "safetensors_version": SAFETENSORS_VERSION,
+        "total_samples": sum(shard.samples_count for shard in shards),
+        "total_bytes": sum(shard.bytes for shard in shards),
+        "shards": [
+            {"shard_path": s.shard_path, "samples_count": s.samples_count, "bytes": s.bytes}
+            for s in shards
+        ],
+        "schema": {name: dict(entry) for name, entry in schema.items()},
+    }
+
+
+INDEX_SUFFIX = ".index.json"
+
+
+MANIFEST_NAME = "dataset_manifest.json"
+
+
+def is_index(source: object) -> TypeGuard[str | os.PathLike[str]]:
+    """True for a ``str`` or path naming a ``*.index.json`` or ``dataset_manifest.json``."""
+    text = source if isinstance(source, str) else getattr(source, "__fspath__", lambda: "")()
+    if not isinstance(text, str):
+        return False
+    try:
+        path = urlsplit(text).path
+    except ValueError:  # not a URL at all: the transports will say what is wrong with it
+        return False
+    return path.endswith(INDEX_SUFFIX) or posixpath.basename(path) == MANIFEST_NAME

@@ -1,0 +1,389 @@
+"""A Llama decoder in numpy: prefill layer by layer, scoring and greedy generation from a cache.
+
+The model is the one Hugging Face's ``LlamaForCausalLM`` computes (RMSNorm, rotary position
+embeddings in the ``rotate_half`` layout, grouped-query attention, SwiGLU), in float32, with
+weights named as Hugging Face saves them (``model.embed_tokens.weight``,
+``model.layers.N.self_attn.q_proj.weight``, ..., ``model.norm.weight``; ``lm_head.weight``
+optional, the embeddings otherwise, as tied models do).
+
+The unit of work is one layer over a block of tokens (:meth:`Llama.forward`): a :class:`Forward`
+takes the tokens' embeddings, then runs layer 0, 1, ... each on top of that layer's cached keys and
+values (or none, for a prefill) and returns the layer's keys and values, past and new, as soon as
+the layer is done. So a prefill hands out each layer's cache while later layers still compute,
+and a receiver can run layer ``l`` of a continuation as soon as layer ``l`` of the cache arrives.
+Keys and values are ``[1, num_kv_heads, seq, head_dim]`` float32, keys after the rotation: the
+layout of :class:`~stream_st.kv.KVLayout`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...errors import SafetensorsError
+from ...kv import KVLayout
+from ..bert import Stage
+
+Array = np.ndarray[Any, Any]
+KVCache = list[tuple[Array, Array]]
+"""Per layer, keys and values ``[1, num_kv_heads, seq, head_dim]``."""
+
+EMBEDDINGS = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+LAYER_PARTS = (
+    "input_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "post_attention_layernorm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+CONFIG_KEY = "llama_config"
+"""The ``__metadata__`` key of a checkpoint that holds the :class:`LlamaConfig` as JSON."""
+
+
+class ModelError(SafetensorsError, ValueError):
+    """Weights or a model file that do not make the model: a tensor missing or misshapen, a
+    configuration missing or unsupported, tokens outside the vocabulary."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The numbers of a Llama model the forward pass needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+
+    def __post_init__(self) -> None:
+        sizes = (self.vocab_size, self.hidden_size, self.intermediate_size, self.num_layers)
+        if min(*sizes, self.num_heads, self.num_kv_heads) < 1 or (
+            self.hidden_size % self.num_heads
+            or self.num_heads % self.num_kv_heads
+            or self.head_dim % 2
+        ):
+            raise ModelError(f"not a Llama configuration: {self}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, str]) -> LlamaConfig:
+        """The configuration a checkpoint's ``__metadata__`` carries under :data:`CONFIG_KEY`."""
+        try:
+            return cls(**json.loads(metadata[CONFIG_KEY]))
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ModelError(
+                f"not a Llama checkpoint: bad or missing {CONFIG_KEY!r} ({exc})"
+            ) from None
+
+    def layer_names(self, layer: int) -> list[str]:
+        return [f"model.layers.{layer}.{part}.weight" for part in LAYER_PARTS]
+
+    def names(self) -> list[str]:
+        """Every weight in the order the forward pass uses them (a checkpoint's plan order)."""
+        layers = [name for layer in range(self.num_layers) for name in self.layer_names(layer)]
+        return [EMBEDDINGS, *layers, FINAL_NORM]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of weight ``name``; :class:`ModelError` for a name the model has not."""
+        hidden, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        if name in (EMBEDDINGS, LM_HEAD):
+            return (self.vocab_size, hidden)
+        shapes = {
+            "input_layernorm": (hidden,),
+            "post_attention_layernorm": (hidden,),
+            "self_attn.q_proj": (hidden, hidden),
+            "self_attn.k_proj": (kv, hidden),
+            "self_attn.v_proj": (kv, hidden),
+            "self_attn.o_proj": (hidden, hidden),
+            "mlp.gate_proj": (self.intermediate_size, hidden),
+            "mlp.up_proj": (self.intermediate_size, hidden),
+            "mlp.down_proj": (hidden, self.intermediate_size),
+        }
+        if name == FINAL_NORM:
+            return (hidden,)
+        prefix, _, part = name.removesuffix(".weight").partition(".layers.")
+        layer, _, part = part.partition(".")
+        in_range = prefix == "model" and layer.isdigit() and int(layer) < self.num_layers
+        if in_range and part in shapes and name in self.layer_names(int(layer)):  # not "01"
+            return shapes[part]
+        raise ModelError(f"{name!r} is not a weight of this Llama model")
+
+    def kv_layout(
+        self, seq: int, dtype: str = "F32", codec: str = "none", group_size: int = 64
+    ) -> KVLayout:
+        """The :class:`~stream_st.kv.KVLayout` of this model's cache of ``seq`` tokens."""
+        shape = (1, self.num_kv_heads, seq, self.head_dim)
+        return KVLayout(self.num_layers, shape, dtype, codec, group_size)
+
+
+def _rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    variance = np.mean(x * x, axis=-1, keepdims=True)
+    normed: Array = weight * (x / np.sqrt(variance + np.float32(eps)))
+    return normed
+
+
+def _rotate(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotary embedding, ``rotate_half`` layout: x * cos + [-x2, x1] * sin."""
+    half = x.shape[-1] // 2
+    rotated = np.concatenate((-x[..., half:], x[..., :half]), axis=-1)
+    out: Array = x * cos + rotated * sin
+    return out
+
+
+class Llama:
+    """The decoder: ``config`` and float32 ``weights`` by Hugging Face name (see the module
+    docstring). ``partial=True`` accepts weights still missing (they are checked as added)."""
+
+    def __init__(
+        self, config: LlamaConfig, weights: Mapping[str, Array], *, partial: bool = False
+    ) -> None:
+        self.config = config
+        self.weights: dict[str, Array] = {}
+        for name, array in weights.items():
+            self.add(name, array)
+        if not partial and (missing := self.missing()):
+            raise ModelError(f"the weights lack {len(missing)} tensors: {missing[:3]}...")
+        half = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
+        self._inv_freq = 1.0 / config.rope_theta**half
+
+    def add(self, name: str, array: Array) -> None:
+        """Take one weight (as float32); :class:`ModelError` if the model has no such weight or
+        it has another shape."""
+        shape = self.config.shape(name)
+        if tuple(array.shape) != shape:
+            raise ModelError(f"{name} has shape {list(array.shape)}, the model needs {list(shape)}")
+        self.weights[name] = np.asarray(array, dtype=np.float32)
+
+    def missing(self, names: Sequence[str] | None = None) -> list[str]:
+        """The weights (of ``names``, default all) not there yet."""
+        return [n for n in (names or self.config.names()) if n not in self.weights]
+
+    def forward(self, tokens: Sequence[int] | Array, start: int = 0) -> Forward:
+        """The forward pass of ``tokens`` at positions ``start``, ``start + 1``, ...; run its
+        layers with :meth:`Forward.step`."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if ids.size == 0 or ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ModelError(f"tokens must be 1 or more ids in [0, {self.config.vocab_size})")
+        return Forward(self, ids, start)
+
+    def prefill(self, tokens: Sequence[int] | Array) -> Iterator[tuple[int, Array, Array]]:
+        """Yields ``(layer, key, value)`` as each layer of the prefill of ``tokens`` finishes."""
+        run = self.forward(tokens)
+        for layer in range(self.config.num_layers):
+            key, value = run.step()
+            yield layer, key, value
+
+    def cache(self, tokens: Sequence[int] | Array) -> KVCache:
+        """The whole cache of ``tokens``."""
+        return [(key, value) for _, key, value in self.prefill(tokens)]
+
+    def score(self, tokens: Sequence[int] | Array, cache: KVCache | None = None) -> Array:
+        """Logits ``[len(tokens), vocab]`` of ``tokens`` run on top of ``cache`` (from the
+        prefill of the tokens before them) or from position 0."""
+        start = 0 if not cache else cache[0][0].shape[2]
+        run = self.forward(tokens, start)
+        for layer in range(self.config.num_layers):
+            run.step(None if not cache else cache[layer])
+        return run.logits()
+
+    def generate(
+        self, tokens: Sequence[int] | Array, cache: KVCache | None, max_new_tokens: int
+    ) -> list[int]:
+        """Greedy generation: run ``tokens`` on top of ``cache`` (the prefill of the tokens
+        before them, or none), then pick the likeliest token ``max_new_tokens`` times, stopping
+        after the end-of-sequence token. ``cache`` is extended in place."""
+        cache = [] if cache is None else cache
+        out: list[int] = []
+        block = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        while len(out) < max_new_tokens:
+            past: list[tuple[Array, Array] | None] = [*cache] or [None] * self.config.num_layers
+            run = self.forward(block, cache[0][0].shape[2] if cache else 0)
+            cache[:] = [run.step(entry) for entry in past]
+            out.append(int(np.argmax(run.logits(last_only=True)[-1])))
+            if out[-1] == self.config.eos_token_id:
+                break
+            block = np.array(out[-1:])
+        return out
+
+    def _rope(self, start: int, seq: int) -> tuple[Array, Array]:
+        angles = np.arange(start, start + seq, dtype=np.float64)[:, None] * self._inv_freq
+        angles = np.concatenate((angles, angles), axis=-1)
+        return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+    def layer(
+        self, layer: int, hidden: Array, start: int, past: tuple[Array, Array] | None
+    ) -> tuple[Array, Array, Array]:
+        """Layer ``layer`` on ``hidden`` ``[seq, hidden_size]`` at positions from ``start``,
+        attending to ``past`` (keys and values of the positions before); returns the new hidden
+        states and the layer's keys and values, past and new."""
+        c = self.config
+        w = [self.weights[name] for name in c.layer_names(layer)]
+        attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down = w
+        seq, heads, kv_heads, head_dim = hidden.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        group = heads // kv_heads
+        x = _rms_norm(hidden, attn_norm, c.rms_norm_eps)
+        cos, sin = self._rope(start, seq)
+        q = _rotate((x @ wq.T).reshape(seq, heads, head_dim).transpose(1, 0, 2), cos, sin)
+        k = _rotate((x @ wk.T).reshape(seq, kv_heads, head_dim).transpose(1, 0, 2), cos, sin)
+        v = (x @ wv.T).reshape(seq, kv_heads, head_dim).transpose(1, 0, 2)
+        if past is not None:
+            past_key, past_value = (np.asarray(t, dtype=np.float32)[0] for t in past)
+            if past_key.shape != (kv_heads, start, head_dim) or past_value.shape != past_key.shape:
+                raise ModelError(
+                    f"layer {layer}: the cache holds keys {list(past_key.shape)} and values "
+                    f"{list(past_value.shape)}, [{kv_heads}, {start}, {head_dim}] expected"
+                )
+            k = np.concatenate((past_key, k), axis=1)
+            v = np.concatenate((past_value, v), axis=1)
+        total = k.shape[1]
+        # Query head h reads key/value head h // group: one matmul per key/value head.
+        q = q.reshape(kv_heads, group * seq, head_dim)
+        scores = (q @ k.transpose(0, 2, 1)) * np.float32(1.0 / math.sqrt(head_dim))
+        scores = scores.reshape(kv_heads, group, seq, total)
+        future = np.arange(total)[None, :] > (start + np.arange(seq))[:, None]
+        scores += np.where(future, np.float32(-np.inf), np.float32(0))  # a ufunc: no GIL held
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        context = probs.reshape(kv_heads, group * seq, total) @ v
+        context = context.reshape(heads, seq, head_dim).transpose(1, 0, 2).reshape(seq, -1)
+        hidden = hidden + context @ wo.T
+        x = _rms_norm(hidden, mlp_norm, c.rms_norm_eps)
+        gate = x @ w_gate.T
+        hidden = hidden + ((gate / (1 + np.exp(-gate))) * (x @ w_up.T)) @ w_down.T
+        return hidden, k[None], v[None]
+
+
+@dataclass
+class Forward:
+    """One forward pass of ``tokens`` at positions from ``start``, run a layer at a time."""
+
+    model: Llama
+    tokens: Array
+    start: int
+    hidden: Array | None = None
+    layers_done: int = 0
+
+    def step(self, past: tuple[Array, Array] | None = None) -> tuple[Array, Array]:
+        """Run the next layer on top of ``past``, that layer's keys and values of the positions
+        before ``start`` (``None`` for a prefill); returns the layer's keys and values."""
+        if self.layers_done == self.model.config.num_layers:
+            raise ModelError("the forward pass has run every layer already")
+        if self.hidden is None:
+            self.hidden = self.model.weights[EMBEDDINGS][self.tokens]
+        self.hidden, key, value = self.model.layer(self.layers_done, self.hidden, self.start, past)
+        self.layers_done += 1
+        return key, value
+
+    def logits(self, *, last_only: bool = False) -> Array:
+        """Logits ``[seq, vocab]`` (``[1, vocab]`` for the last token alone) after every layer."""
+        if self.hidden is None or self.layers_done != self.model.config.num_layers:
+            raise ModelError(
+                f"the forward pass ran {self.layers_done} of {self.model.config.num_layers} layers"
+            )
+        weights = self.model.weights
+        hidden = self.hidden[-1:] if last_only else self.hidden
+        normed = _rms_norm(hidden, weights[FINAL_NORM], self.model.config.rms_norm_eps)
+        out: Array = normed @ weights.get(LM_HEAD, weights[EMBEDDINGS]).T
+        return out
+
+
+def perplexity(logits: Array, targets: Sequence[int] | Array) -> float:
+    """exp(mean negative log-likelihood) of ``targets`` under ``logits`` ``[n, vocab]``, row ``i``
+    predicting ``targets[i]`` (computed in float64)."""
+    wide = np.asarray(logits, dtype=np.float64)
+    ids = np.asarray(targets, dtype=np.int64).reshape(-1)
+    if wide.ndim != 2 or wide.shape[0] != ids.size or ids.size == 0:
+        raise ModelError(f"{ids.size} targets for logits of shape {list(wide.shape)}")
+    top = wide.max(axis=-1)
+    log_norm = top + np.log(np.exp(wide - top[:, None]).sum(axis=-1))
+    return float(np.exp(np.mean(log_norm - wide[np.arange(ids.size), ids])))
+
+
+@dataclass
+class StreamingPrefill:
+    """Prefill of ``tokens`` run stage by stage as the weights arrive (in a checkpoint's plan
+    order: embeddings, layer 0, layer 1, ..., final norm): layer ``l`` runs as soon as its
+    weights are in, and each weight is let go once used, except the embeddings (the output head
+    of a tied model). Fed as :class:`~stream_st.bert.StreamingBert` is, e.g. by
+    :func:`~stream_st.bert.run_streaming`; :meth:`output` gives the last token's logits."""
+
+    config: LlamaConfig
+    tokens: Sequence[int] | Array
+    stages: list[Stage] = field(default_factory=list)
+    cache: KVCache = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.model = Llama(self.config, {}, partial=True)
+        self._run = self.model.forward(self.tokens)
+        self._logits: Array | None = None
+
+    def add(self, name: str, array: Array) -> None:
+        """Take one weight without running anything."""
+        self.model.add(name, array)
+
+    def _needed(self) -> list[str]:
+        done = self._run.layers_done
+        if done < self.config.num_layers:
+            return [EMBEDDINGS, *self.config.layer_names(done)]
+        return [EMBEDDINGS, FINAL_NORM]
+
+    @property
+    def finished(self) -> bool:
+        return self._logits is not None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the next stage has all its weights."""
+        return not self.finished and not self.model.missing(self._needed())
+
+    def run_ready(self) -> list[Stage]:
+        """Run every stage whose weights have all arrived, in order. Returns the stages run."""
+        ran: list[Stage] = []
+        while self.ready:
+            ready = time.perf_counter()
+            layer = self._run.layers_done
+            if layer < self.config.num_layers:
+                self.cache.append(self._run.step())
+                for name in self.config.layer_names(layer):
+                    del self.model.weights[name]
+                stage = f"layer {layer}"
+            else:
+                self._logits = self._run.logits(last_only=True)
+                stage = "logits"
+            ran.append(Stage(stage, ready, time.perf_counter()))
+        self.stages.extend(ran)
+        return ran
+
+    def output(self) -> Array:
+        """Logits ``[1, vocab]`` of the last token: its argmax is the first generated token."""
+        if self._logits is None:
+            missing = [n for n in self.model.missing() if n not in self._used()]
+            raise ModelError(f"the weights ended early: {len(missing)} missing, {missing[:3]}...")
+        return self._logits
+
+    def _used(self) -> set[str]:
+        return {n for layer in range(self._run.layers_done) for n in self.config.layer_names(layer)}

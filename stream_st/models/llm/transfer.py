@@ -1,0 +1,84 @@
+"""The decoder's KV cache over :func:`~stream_st.send_kv` / :func:`~stream_st.receive_kv`,
+pipelined: the sender sends each layer as the prefill produces it; the receiver runs layer ``l``
+of the continuation as soon as layer ``l`` of the cache has arrived and passed its check.
+
+Both sides compute in worker threads (numpy releases the GIL), so the event loop keeps moving
+bytes meanwhile. With both ends in one process, run them under :func:`one_blas_thread`: BLAS
+threads of one end would otherwise spin on the cores the other end computes on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Unpack
+
+import anyio
+import numpy as np
+
+from ...connection import Connection
+from ...kv import KVLayout, KVReceiver, SendReport, send_kv
+from ...transports.options import LimitOptions
+from ...transports.registry import SinkLike
+from .model import Llama
+
+__all__ = ["continue_received", "one_blas_thread", "send_prefill"]
+
+Array = np.ndarray[Any, Any]
+
+
+async def send_prefill(
+    dst: Connection | SinkLike,
+    model: Llama,
+    tokens: Sequence[int] | Array,
+    layout: KVLayout,
+    **limits: Unpack[LimitOptions],
+) -> SendReport:
+    """Prefill ``tokens`` and send each layer's keys and values through ``layout`` (its dtype
+    and codec) as soon as the layer is done; see :func:`~stream_st.send_kv`."""
+    run = model.forward(tokens)
+
+    async def layers() -> AsyncIterator[tuple[int, Array, Array]]:
+        for layer in range(model.config.num_layers):
+            key, value = await anyio.to_thread.run_sync(run.step)
+            dtype = layout.numpy_dtype
+            yield layer, key.astype(dtype, copy=False), value.astype(dtype, copy=False)
+
+    return await send_kv(dst, layout, layers(), **limits)
+
+
+async def continue_received(
+    incoming: KVReceiver,
+    model: Llama,
+    tokens: Sequence[int] | Array,
+    *,
+    done_at: list[float] | None = None,
+) -> Array:
+    """Run ``tokens`` on top of the cache ``incoming`` delivers, layer ``l`` as soon as layer
+    ``l`` is verified; returns their logits ``[len(tokens), vocab]``. ``done_at`` gets the
+    ``time.perf_counter()`` at which each layer finished."""
+    run = model.forward(tokens, incoming.layout.shape[2])
+    for layer in range(model.config.num_layers):
+        key, value = await incoming.wait_for_layer(layer)
+        await anyio.to_thread.run_sync(run.step, (key, value))
+        incoming.release(layer)
+        if done_at is not None:
+            done_at.append(time.perf_counter())
+    logits: Array = await anyio.to_thread.run_sync(run.logits)
+    return logits
+
+
+@contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """numpy's BLAS limited to one thread per call while the block runs (``threadpoolctl``, in
+    the ``llm`` extra; without it, nothing changes). A layer over a few hundred tokens gains
+    little from a second BLAS thread, and a sender and a receiver that share the cores each
+    keep one busy this way instead of four threads contending for two."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield

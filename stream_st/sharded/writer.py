@@ -1,0 +1,373 @@
+"""Writers that roll over to a new shard at a target size, then write the index or manifest.
+
+Two layouts:
+
+* :func:`open_sharded_writer`: a Hugging Face checkpoint, ``model-00001-of-0000N.safetensors`` and
+  ``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": ...}``).
+* :func:`open_dataset_writer`: the safetensors-spark dataset layout,
+  ``part-{task:05d}-{shard:04d}-{uuid}.safetensors`` and ``dataset_manifest.json`` (format_version,
+  total_samples, total_bytes, shards with shard_path / samples_count / bytes, schema).
+
+A safetensors header comes first, but which tensors a shard will hold is known only when it is
+full. So each shard's data is spooled to a temporary file beside the destination as it arrives
+(constant memory), and when the shard is sealed its header is written and the spooled bytes are
+copied after it, into a temporary file renamed into place. A group of tensors (one ``write`` or
+``write_batch`` call) never straddles two shards; a shard is sealed before a group that would
+take it past the target size. The index or manifest is written last, atomically, once every shard
+is in place: a reader never sees one that names a shard that is not complete. On any failure
+(a full disk included: every I/O error is a :class:`~stream_st.TransportError` naming the place),
+the writer is aborted and nothing new is left in the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from .._util import AsyncClosing
+from ..core.digests import Digests, digest_of, digests_for
+from ..core.dtypes import dtype_for, wire_bytes
+from ..core.header import TensorSpec, build_header
+from ..core.shards import MANIFEST_NAME, ShardEntry, manifest_document, shard_file_name
+from ..errors import SafetensorsError, TransportError, UsageError, WriterError
+from ..transports.file.sink import FileSink
+
+__all__ = ["DatasetWriter", "ShardedWriter", "open_dataset_writer", "open_sharded_writer"]
+
+Array = np.ndarray[Any, Any]
+
+
+COPY_CHUNK = 8 << 20
+"""Spooled data is copied into its shard in pieces of this many bytes."""
+
+
+@contextlib.contextmanager
+def _io(doing: str, path: Path, position: int | None = None) -> Iterator[None]:
+    """An ``OSError`` inside (a full disk...) becomes a TransportError saying what failed where."""
+    try:
+        yield
+    except SafetensorsError:
+        raise
+    except OSError as exc:
+        raise TransportError(
+            f"{doing} failed: {exc.strerror or exc}", url=str(path), position=position
+        ) from exc
+
+
+async def _write_file(
+    path: Path, head: bytes, rest: io.BufferedReader | None = None, size: int = 0
+) -> None:
+    """``head``, then what is left in ``rest``, as the file ``path`` (``size`` bytes in all, when
+    known): through a :class:`~stream_st.sinks.file.FileSink`, so a temporary file is renamed
+    into place once complete, and removed on any failure or cancellation."""
+    sink = FileSink(path)
+    try:
+        await sink.allocate(size)
+        await sink.send(memoryview(head))
+        if rest is not None:
+            chunk = bytearray(COPY_CHUNK)
+            while True:
+                with _io("reading spooled data", path, sink.position):
+                    got = await anyio.to_thread.run_sync(rest.readinto, chunk)
+                if not got:
+                    break
+                await sink.send(memoryview(chunk)[:got])
+    except BaseException:
+        await sink.abort()
+        raise
+    await sink.aclose()
+
+
+class _Shard:
+    """One shard in the making: its plan, and its data spooled to a temporary file."""
+
+    def __init__(self, directory: Path, algorithm: str | None) -> None:
+        with _io("creating a spool file", directory):
+            fd, name = tempfile.mkstemp(prefix=".shard-", suffix=".spool", dir=directory)
+        self.directory = directory
+        self.spool = Path(name)
+        self.file = os.fdopen(fd, "wb")
+        self.specs: list[TensorSpec] = []
+        self.names: set[str] = set()
+        self.data_bytes = 0
+        self.samples = 0
+        self.algorithm = algorithm
+        self.digests: dict[str, str] = {}
+
+    def add(self, name: str, array: Array) -> None:
+        view = wire_bytes(array)
+        with _io(f"spooling tensor {name!r}", self.directory, self.data_bytes):
+            self.file.write(view)
+        if self.algorithm is not None:  # hashed as it is spooled, while in the CPU's caches
+            self.digests[name] = digest_of(self.algorithm, view)
+        self.specs.append(TensorSpec(name, dtype_for(array.dtype).code, array.shape))
+        self.names.add(name)
+        self.data_bytes += len(view)
+
+    async def seal(self, destination: Path, metadata: Mapping[str, str] | None) -> int:
+        """Write header + spooled data to ``destination``; returns the file's size. The spool
+        is removed either way."""
+        try:
+            with _io("spooling", self.directory, self.data_bytes):
+                self.file.close()  # the last buffered bytes go out: this may fail too
+            if self.algorithm is not None:
+                digests = Digests(self.algorithm, self.digests)
+                metadata = digests.add_to(metadata, [spec.name for spec in self.specs])
+            prefix, header = build_header(self.specs, metadata)
+            with _io("opening the spool", self.spool):
+                data = self.spool.open("rb")
+            with data:
+                await _write_file(destination, prefix, data, header.file_size)
+        finally:
+            self.spool.unlink(missing_ok=True)
+        return header.file_size
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):  # buffered bytes that cannot go out: no matter
+            self.file.close()
+        with contextlib.suppress(OSError):
+            self.spool.unlink(missing_ok=True)
+
+
+class _RollingWriter(AsyncClosing):
+    """Shards rolled over at ``target_size`` bytes of data; subclasses name them and write the
+    index."""
+
+    unique_names = True
+    """Whether a name may be written once in all; if not, once per shard (a group repeating a
+    name of the current shard starts the next one)."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        target_size: int,
+        checksums: bool | str = False,
+    ) -> None:
+        if target_size < 1:
+            raise UsageError("the target shard size must be positive")
+        digests = digests_for(checksums)
+        self._algorithm = None if digests is None else digests.algorithm
+        self.directory = Path(directory)
+        self.target_size = target_size
+        self._current: _Shard | None = None
+        self._sealed: list[tuple[str, int, int, list[TensorSpec]]] = []  # name, bytes, samples
+        self._written: set[str] = set()
+        self._closed = False
+
+    async def _add_group(self, tensors: Mapping[str, Any], samples: int) -> None:
+        if self._closed:
+            raise UsageError("the writer is closed")
+        arrays = {name: np.asarray(array) for name, array in tensors.items()}
+        current = self._current
+        repeats = current is not None and not current.names.isdisjoint(arrays)
+        for name in arrays:
+            if name in (self._written if self.unique_names else ()):
+                raise WriterError(f"tensor {name!r} was already written", name=name)
+        for array in arrays.values():
+            dtype_for(array.dtype)  # refuses dtypes safetensors cannot carry, before any write
+        size = sum(a.nbytes for a in arrays.values())
+        try:
+            if (
+                current
+                and current.specs
+                and (repeats or current.data_bytes + size > self.target_size)
+            ):
+                await self._seal()
+                current = None
+            if current is None:
+                with _io("creating the directory", self.directory):
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                current = self._current = _Shard(self.directory, self._algorithm)
+            for name, array in arrays.items():
+                await anyio.to_thread.run_sync(current.add, name, array)
+                self._written.add(name)
+        except BaseException:
+            await self.abort()  # a shard missing bytes must never be sealed
+            raise
+        current.samples += samples
+
+    def _shard_name(self, index: int) -> str:
+        raise NotImplementedError
+
+    def _shard_metadata(self) -> Mapping[str, str] | None:
+        return None
+
+    async def _seal(self) -> None:
+        shard, self._current = self._current, None
+        if shard is None:
+            return
+        name = self._shard_name(len(self._sealed))
+        size = await shard.seal(self.directory / name, self._shard_metadata())
+        self._sealed.append((name, size, shard.samples, shard.specs))
+
+    def _index(self) -> tuple[str, dict[str, Any]]:
+        raise NotImplementedError
+
+    def _rename_sealed(self) -> None:
+        """A hook to give sealed shards their final names once their count is known."""
+
+    async def aclose(self) -> None:
+        """Seal the last shard, then write the index (or manifest) atomically."""
+        if self._closed:
+            return
+        try:
+            await self._seal()
+            await anyio.to_thread.run_sync(self._rename_sealed)
+            name, document = self._index()
+            text = json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
+            await _write_file(self.directory / name, text)
+        except BaseException:
+            await self.abort()
+            raise
+        self._closed = True
+
+    async def abort(self) -> None:
+        """Remove every shard written so far and the spool; nothing is left behind."""
+        self._closed = True
+        if self._current is not None:
+            self._current.discard()
+            self._current = None
+        for name, *_ in self._sealed:
+            with contextlib.suppress(OSError):  # removing the rest matters more
+                (self.directory / name).unlink(missing_ok=True)
+        self._sealed.clear()
+
+    async def _abandon(self, cause: BaseException) -> None:
+        await self.abort()
+
+
+class ShardedWriter(_RollingWriter):
+    """A Hugging Face sharded checkpoint; see :func:`open_sharded_writer`."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_shard_size: int,
+        prefix: str = "model",
+        metadata: Mapping[str, str] | None = None,
+        checksums: bool | str = False,
+    ) -> None:
+        super().__init__(directory, max_shard_size, checksums)
+        self.prefix = prefix
+        self.metadata = dict(metadata or {})
+        self._tag = uuid.uuid4().hex[:8]
+
+    async def write(self, name: str, array: Any) -> None:
+        """Add one tensor (to the current shard, or a new one if it would overflow)."""
+        await self._add_group({name: array}, 0)
+
+    def _shard_name(self, index: int) -> str:
+        # The total is unknown until the end: a provisional name, renamed when closing.
+        return f".{self.prefix}-{index + 1:05d}-{self._tag}.partial.safetensors"
+
+    def _shard_metadata(self) -> Mapping[str, str] | None:
+        return {"format": "pt", **self.metadata}
+
+    def _final_name(self, index: int) -> str:
+        count = len(self._sealed)
+        if count == 1:
+            return f"{self.prefix}.safetensors"
+        return f"{self.prefix}-{index + 1:05d}-of-{count:05d}.safetensors"
+
+    def _rename_sealed(self) -> None:
+        for index, (name, size, samples, specs) in enumerate(self._sealed):
+            final = self._final_name(index)
+            with _io("moving a shard into place", self.directory / final):
+                os.replace(self.directory / name, self.directory / final)
+            self._sealed[index] = (final, size, samples, specs)  # abort() removes it from here
+
+    def _index(self) -> tuple[str, dict[str, Any]]:
+        weight_map = {spec.name: name for name, _, _, specs in self._sealed for spec in specs}
+        total = sum(size for _, size, _, _ in self._sealed)
+        document = {"metadata": {"total_size": total, **self.metadata}, "weight_map": weight_map}
+        return f"{self.prefix}.safetensors.index.json", document
+
+
+class DatasetWriter(_RollingWriter):
+    """A safetensors-spark style dataset; see :func:`open_dataset_writer`."""
+
+    unique_names = False  # batch mode: every shard holds the same columns
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        target_shard_size: int,
+        task_id: int = 0,
+        checksums: bool | str = False,
+    ) -> None:
+        super().__init__(directory, target_shard_size, checksums)
+        self.task_id = task_id
+        self._uuid = str(uuid.uuid4())
+        self._schema: dict[str, dict[str, Any]] = {}
+
+    async def write_batch(self, tensors: Mapping[str, Any], samples: int) -> None:
+        """Add a group of tensors holding ``samples`` samples; the group stays in one shard.
+
+        The schema records each name's dtype and shape as first written.
+        """
+        if samples < 0:
+            raise UsageError("samples must be >= 0")
+        for name, array in tensors.items():
+            as_array = np.asarray(array)
+            self._schema.setdefault(
+                name, {"dtype": dtype_for(as_array.dtype).code, "shape": list(as_array.shape)}
+            )
+        await self._add_group(tensors, samples)
+
+    def _shard_name(self, index: int) -> str:
+        return shard_file_name(self.task_id, index, self._uuid)
+
+    def _index(self) -> tuple[str, dict[str, Any]]:
+        shards = [ShardEntry(name, samples, size) for name, size, samples, _ in self._sealed]
+        return MANIFEST_NAME, manifest_document(shards, self._schema)
+
+
+def open_sharded_writer(
+    directory: str | os.PathLike[str],
+    *,
+    max_shard_size: int = 5 << 30,
+    prefix: str = "model",
+    metadata: Mapping[str, str] | None = None,
+    checksums: bool | str = False,
+) -> ShardedWriter:
+    """Write a sharded checkpoint into ``directory``: ``write(name, array)`` per tensor, a new
+    shard whenever the next tensor would take the current one past ``max_shard_size`` bytes of
+    data, then ``{prefix}.safetensors.index.json``. A single shard is named
+    ``{prefix}.safetensors``. ``checksums=True`` (or an algorithm's name) records each tensor's
+    digest in its shard's ``__metadata__``, as :func:`~stream_st.open_writer` does."""
+    return ShardedWriter(
+        directory,
+        max_shard_size=max_shard_size,
+        prefix=prefix,
+        metadata=metadata,
+        checksums=checksums,
+    )
+
+
+def open_dataset_writer(
+    directory: str | os.PathLike[str],
+    *,
+    target_shard_size: int = 256 << 20,
+    task_id: int = 0,
+    checksums: bool | str = False,
+) -> DatasetWriter:
+    """Write a dataset into ``directory``: ``write_batch({name: array}, samples)`` per group, shards
+    rolled over at ``target_shard_size`` bytes of data, or when a group repeats a name of the
+    current shard (batch mode: one batch of every column per shard), then
+    ``dataset_manifest.json``. ``checksums`` as for :func:`open_sharded_writer`."""
+    return DatasetWriter(
+        directory, target_shard_size=target_shard_size, task_id=task_id, checksums=checksums
+    )

@@ -1,0 +1,207 @@
+"""The narrow interfaces every transport meets: :class:`Source` (bytes in) and :class:`Sink`
+(bytes out), and the shared loop helpers built on them.
+
+A sink takes the bytes of one safetensors message. Every sink can append (:meth:`Sink.send`); a
+sink with ``random_access`` (a local file) can also write at any offset (:meth:`Sink.write_at`),
+which lets the writer accept tensors in any order. :meth:`Sink.aclose` commits the message: a file
+appears at its destination only then. :meth:`Sink.abort` throws the message away: a file sink
+removes its temporary file, a stream sink closes the stream so the peer sees an incomplete
+message, never a complete wrong one.
+
+:meth:`Sink.aclose` either commits and returns, or raises with nothing committed (a sink that
+cannot tell, its final answer lost, raises :class:`~stream_st.OutcomeUnknownError`). A
+cancellation keeps to this: it stops a commit only before its commit point (a file's rename),
+and the sink then discards the message; past that point, ``aclose`` completes and returns, and
+the caller meets the cancellation at its next checkpoint.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from .options import UNLIMITED, Clock, Transport
+
+if TYPE_CHECKING:
+    from ..core.digests import ObjectDigest
+
+__all__ = ["DISCARD_CHUNK", "AsyncReadInto", "Sink", "Source"]
+
+DISCARD_CHUNK = 1 << 20
+"""Skipped bytes of a stream are read and dropped in chunks of at most this size."""
+
+
+@runtime_checkable
+class AsyncReadInto(Protocol):
+    """A producer that fills the reader's buffer itself: ``await readinto(buffer)`` writes the
+    next bytes into ``buffer`` (a writable byte ``memoryview``, often a tensor's own memory) and
+    returns how many, 0 only at the end. :func:`~stream_st.open_stream` accepts any object with
+    this method (an ``aiofiles`` file, a hand-written decoder, a socket wrapper) and reads it as
+    one whole file, front to back; unlike chunks from an async iterator, the bytes are not
+    copied a second time."""
+
+    async def readinto(self, buffer: memoryview, /) -> int: ...
+
+
+class Source(ABC):
+    """Bytes in, read front to back.
+
+    ``name`` describes the source in error messages (a path or URL). ``size`` is the total length
+    when known up front. ``whole_object`` is True for a source that is one complete file (path,
+    bytes, iterator of chunks, HTTP body): it must end exactly at the last tensor. A connection
+    (``whole_object`` False) is read up to the end of the message and the rest is left unread.
+    ``random_access`` is True when :meth:`read_into_at` may jump anywhere, so skipped tensors cost
+    nothing. ``clock`` bounds every wait for the transport (see ``stream_st._limits``); the
+    reader gives the source its operation's clock.
+    """
+
+    clock: Clock = UNLIMITED
+    name: str = "<source>"
+    size: int | None = None
+    whole_object: bool = True
+    random_access: bool = False
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    async def start(self, *, read_all: bool = False) -> None:  # noqa: B027 - most are ready
+        """Connect or send the first request; the reader calls it once, before anything else.
+
+        ``read_all`` tells that every byte will be read (no selection, no header-only look), which
+        lets a ranged transport ask for everything at once.
+        """
+
+    @abstractmethod
+    async def receive_into(self, buffer: memoryview) -> int:
+        """Fill some of ``buffer`` with the next bytes; return how many (0 only at the end)."""
+
+    async def fill(self, buffer: memoryview) -> int:
+        """Fill ``buffer`` completely unless the source ends first; return the bytes filled."""
+        filled = 0
+        total = len(buffer)
+        while filled < total:
+            got = await self.receive_into(buffer[filled:])
+            if got == 0:
+                break
+            filled += got
+        return filled
+
+    async def skip(self, count: int) -> int:
+        """Move ``count`` bytes ahead, discarding them in bounded chunks; return bytes skipped."""
+        scratch = memoryview(bytearray(min(count, DISCARD_CHUNK)))
+        skipped = 0
+        while skipped < count:
+            got = await self.receive_into(scratch[: min(len(scratch), count - skipped)])
+            if got == 0:
+                break
+            skipped += got
+        return skipped
+
+    async def read_into_at(self, offset: int, buffer: memoryview) -> int:
+        """Fill ``buffer`` from absolute ``offset``. Sequential sources only move forward."""
+        if offset < self.position:
+            raise ValueError(f"{self.name} cannot seek back from {self.position} to {offset}")
+        if offset > self.position:
+            await self.skip(offset - self.position)
+            if self.position != offset:
+                return 0
+        return await self.fill(buffer)
+
+    async def read_feeding(
+        self, offset: int, buffer: memoryview, feed: Callable[[memoryview], None]
+    ) -> int | None:
+        """:meth:`read_into_at` that also calls ``feed`` (a hash's update, thread-safe to call
+        from a worker thread) with every byte read, in order, from the thread that read it; or
+        None, reading nothing, where the source has no such path (the caller hashes itself)."""
+        return None
+
+    async def plan_reads(self, ranges: Sequence[tuple[int, int]]) -> None:  # noqa: B027
+        """Learn, once the header is parsed, the absolute byte ranges the reader will ask for:
+        in order, adjacent ones merged. Ranged transports schedule their requests and read-ahead
+        from it; the others have no use for it."""
+
+    async def object_digest(self) -> ObjectDigest | None:
+        """The digest of the whole object that the transport vouches for (an S3 checksum, the
+        Hub's SHA-256), or None. The reader asks, after :meth:`plan_reads`, only when it will
+        read every byte; a transport may spend a request to learn it."""
+        return None
+
+    async def at_end(self) -> bool:
+        """True when no byte follows the current position."""
+        if self.size is not None:
+            return self.position >= self.size
+        return await self.receive_into(memoryview(bytearray(1))) == 0
+
+    def message_read(self) -> None:  # noqa: B027 - only a lent connection has a use for it
+        """The reader consumed the whole message and will read no more: a connection lent for
+        one message may go to the next one before this source is closed."""
+
+    @property
+    def home(self) -> str | None:
+        """The address to find this object's neighbours (an index's shards) from, where it
+        differs from the address opened (a ``hf://`` revision pinned to a commit); else None."""
+        return None
+
+    def add_transport(self, transport: Transport) -> None:  # noqa: B027 - HTTP-based only
+        """Apply an operation's ``headers`` and ``ssl_context``; only transports that make HTTP
+        requests have a use for them."""
+
+    async def aclose(self) -> None:  # noqa: B027 - a source with nothing to release keeps this
+        """Release the underlying file, stream or connection."""
+
+
+class Sink(ABC):
+    """Bytes out.
+
+    ``name`` describes the destination in error messages (a path or URL). ``position`` counts the
+    bytes appended with :meth:`send`. A sink does not keep any reference to a buffer once the call
+    that was given it returns, so the caller may reuse or change the memory afterwards.
+    ``clock`` bounds every wait for the transport (see ``stream_st._limits``); the writer gives
+    the sink its operation's clock.
+    """
+
+    clock: Clock = UNLIMITED
+    name: str = "<sink>"
+    random_access: bool = False
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def add_transport(self, transport: Transport) -> None:  # noqa: B027 - HTTP-based only
+        """Apply an operation's ``headers`` and ``ssl_context``; only transports that make HTTP
+        requests have a use for them."""
+
+    @abstractmethod
+    async def send(self, buffer: memoryview) -> None:
+        """Append all of ``buffer`` (a 1-D byte view) to the message."""
+
+    async def allocate(self, size: int) -> None:  # noqa: B027 - optional for a sink
+        """A hint, given before any byte: the whole message will be ``size`` bytes."""
+
+    async def write_at(self, offset: int, buffer: memoryview) -> None:
+        """Write all of ``buffer`` at absolute ``offset``; only when ``random_access`` is True."""
+        raise NotImplementedError(f"{self.name} can only be written front to back")
+
+    async def hold_head(self, size: int) -> bool:
+        """Keep the message's first ``size`` bytes open to :meth:`patch_head` until the commit;
+        False when this sink cannot (it sends bytes on for good). A random-access sink can."""
+        return self.random_access
+
+    async def patch_head(self, buffer: memoryview) -> None:
+        """Rewrite the message's first ``len(buffer)`` bytes, held since :meth:`hold_head`."""
+        await self.write_at(0, buffer)
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Commit: the message is complete. A file is moved into place; a stream is flushed.
+
+        Returns only once committed; raises only with nothing committed (see the module).
+        """
+
+    @abstractmethod
+    async def abort(self) -> None:
+        """Discard the message; safe to call more than once and from a cancelled scope.
+
+        Implementations must not block on a peer: they run shielded from cancellation.
+        """

@@ -1,0 +1,57 @@
+"""Redirects: which answers are followed, where to, and what a request carries there.
+
+The one policy for every redirect the client follows:
+
+* only ``GET`` and ``HEAD`` requests follow 301, 302, 303, 307 and 308 answers with a
+  ``Location``, at most ``max_redirects`` in a row;
+* a ``Location`` that is not an ``http(s)://`` URL, and a redirect from https to http (a
+  downgrade would send the request, and what it answers, in clear text), are refused;
+* on a redirect to another origin (scheme, host or port), the credentials do not follow:
+  ``Authorization``, ``Cookie``, ``Proxy-Authorization`` and every ``x-amz-*`` header (an S3
+  signature, its session token, customer keys) are dropped, as requests and httpx do. A signed
+  request is not signed again for the other host: the signature was meant for the first one. A
+  same-origin redirect keeps them; once dropped, they stay dropped for the rest of the chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from urllib.parse import urljoin
+
+from ...errors import HTTPProtocolError, SafetensorsError
+from .target import Target
+
+__all__ = ["REDIRECTS", "redirected"]
+
+REDIRECTS = frozenset({301, 302, 303, 307, 308})
+"""The statuses a GET or HEAD follows (when the answer names a ``Location``)."""
+
+_CREDENTIALS = frozenset({"authorization", "cookie", "proxy-authorization"})
+_SIGNED_PREFIX = "x-amz-"
+
+
+def _credential(name: str) -> bool:
+    """Whether a request header named ``name`` proves who asks (never sent to another origin)."""
+    key = name.lower()
+    return key in _CREDENTIALS or key.startswith(_SIGNED_PREFIX)
+
+
+def redirected(
+    target: Target, location: str, headers: Mapping[str, str]
+) -> tuple[Target, dict[str, str]]:
+    """Where the request to ``target`` goes on an answer redirecting it to ``location``, and the
+    headers it carries there. Raises :class:`HTTPProtocolError` for a refused redirect."""
+    url = urljoin(target.url, location)
+    try:
+        new = Target.parse(url)
+    except SafetensorsError as exc:
+        raise HTTPProtocolError(
+            f"redirect to an unusable address {location[:200]!r}", url=target.url
+        ) from exc
+    if target.scheme == "https" and new.scheme == "http":
+        raise HTTPProtocolError(
+            f"redirect from https to plain http refused (to http://{new.authority})", url=target.url
+        )
+    if new.origin == target.origin:
+        return new, dict(headers)
+    return new, {name: value for name, value in headers.items() if not _credential(name)}

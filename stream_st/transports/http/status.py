@@ -1,0 +1,121 @@
+"""What an answer's status means to the caller: the errors for error statuses and lost answers,
+and how long a server asks to wait before the next attempt.
+
+Error messages are one line: an S3 ``<Error>`` is reduced to its ``<Code>`` and ``<Message>``,
+any other body (HTML pages included) to a short excerpt with its markup and line breaks gone.
+The body itself stays on the error (``.body``), unless it is encoded (compressed): bodies are
+asked for as they are, and an encoded one is never taken for what was asked.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import email.utils
+import html
+import math
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from ...errors import HTTPNotFoundError, HTTPStatusError, OutcomeUnknownError, TransportError
+
+if TYPE_CHECKING:
+    from .framing import Response
+
+__all__ = [
+    "outcome_unknown",
+    "raise_for_status",
+    "retry_after",
+    "summary",
+    "unreadable_coding",
+    "xml_field",
+]
+
+_BODY_LIMIT = 64 << 10  # of an error answer's body, kept on the error
+_EXCERPT = 200  # characters of a body shown in a message
+_MARKUP = re.compile(r"<[^>]*>")
+_NO_CODING = frozenset({"", "identity"})
+
+
+def unreadable_coding(headers: Mapping[str, str]) -> str | None:
+    """The header naming a coding of the body other than chunks (``Content-Encoding: gzip``),
+    which this client does not undo; None for a body sent as it is."""
+    content = headers.get("content-encoding", "").strip().lower()
+    if content not in _NO_CODING:
+        return f"Content-Encoding: {content[:40]}"
+    transfer = headers.get("transfer-encoding", "").lower()
+    if {coding.strip() for coding in transfer.split(",")} - _NO_CODING - {"chunked"}:
+        return f"Transfer-Encoding: {transfer[:40]}"
+    return None
+
+
+def xml_field(xml: bytes | str, tag: str) -> str | None:
+    """The text of the first ``<tag>`` element in ``xml``, entities decoded."""
+    text = xml.decode("utf-8", "replace") if isinstance(xml, bytes) else xml
+    match = re.search(f"<{tag}>([^<]*)</{tag}>", text)
+    return None if match is None else html.unescape(match[1])
+
+
+def summary(body: bytes) -> str:
+    """One line saying what an error answer's ``body`` says: ``Code: Message`` for an S3
+    ``<Error>``, else its text with markup and runs of white space collapsed, cut short."""
+    text = body.decode("utf-8", "replace")
+    code = xml_field(text, "Code")
+    if code is not None:
+        text = f"{code}: {xml_field(text, 'Message') or ''}"
+    elif text.lstrip().startswith("<"):
+        text = html.unescape(_MARKUP.sub(" ", text))
+    text = " ".join(text.split()).rstrip(":")
+    return text if len(text) <= _EXCERPT else text[: _EXCERPT - 3] + "..."
+
+
+async def raise_for_status(response: Response, *, name: str | None = None) -> None:
+    """Turn an answer other than 1xx or 2xx into :class:`HTTPStatusError` (404:
+    :class:`HTTPNotFoundError`): an error, or a redirect not followed (the request was not
+    carried out where it was sent).
+
+    ``name`` is the address to report (e.g. ``s3://bucket/key``), by default the HTTP URL.
+    """
+    if response.status < 300:
+        return
+    try:
+        body = b"" if unreadable_coding(response.headers) else await response.read_all(_BODY_LIMIT)
+    except TransportError:
+        body = b""
+    finally:
+        await response.aclose()
+    detail = summary(body)
+    if response.status < 400:
+        where = f"redirected to {response.headers.get('location', 'nowhere')[:200]}"
+        detail = f"{where}: {detail}" if detail else where
+    kind = HTTPNotFoundError if response.status == 404 else HTTPStatusError
+    raise kind(response.status, response.reason, url=name or response.url, detail=detail, body=body)
+
+
+def retry_after(headers: Mapping[str, str]) -> float | None:
+    """The seconds a ``Retry-After`` header asks to wait (a number of seconds or an HTTP date),
+    at least 0; None without a usable one."""
+    value = headers.get("retry-after", "").strip()
+    if value.isascii() and value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # "-0000": UTC, as HTTP dates are
+        when = when.replace(tzinfo=dt.UTC)
+    seconds = (when - dt.datetime.now(dt.UTC)).total_seconds()
+    return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
+def outcome_unknown(
+    request: str, failure: BaseException, url: str, more: str = ""
+) -> OutcomeUnknownError:
+    """The error for a final ``request`` whose answer was lost to ``failure`` (or unclear): the
+    object may or may not have been stored at ``url``. ``more`` is added to the message."""
+    reason = str(failure).split(", url=", 1)[0] or type(failure).__name__
+    return OutcomeUnknownError(
+        f"no clear answer to the {request} ({reason}): the object may or may not have been "
+        f"stored{more}",
+        url=url,
+    )

@@ -1,0 +1,337 @@
+"""``hf://`` addresses: files in Hugging Face Hub repositories, read over HTTP(S).
+
+Addresses::
+
+    hf://{org}/{repo}[@{revision}]/{path}             a model repository
+    hf://datasets/{org}/{repo}[@{revision}]/{path}    a dataset repository
+
+The revision (a branch, tag or commit; default ``main``) is percent-decoded, so one holding ``/``
+is written encoded: ``hf://org/repo@refs%2Fpr%2F1/model.safetensors``. The path is taken as
+written, like an S3 key. The Hub is ``HF_ENDPOINT`` (default ``https://huggingface.co``); the
+token is ``HF_TOKEN``, else the file ``$HF_HOME/token`` (``HF_HOME`` defaults to
+``$XDG_CACHE_HOME/huggingface``, that to ``~/.cache/huggingface``).
+
+How a file is read (:class:`HubSource`, an :class:`~stream_st.HttpSource`):
+
+* The first ranged GET goes to the Hub's resolve URL
+  (``{endpoint}/{org}/{repo}/resolve/{revision}/{path}``). The Hub serves small files itself
+  (an index) and answers large (LFS) ones with a redirect to a signed, expiring CDN URL. The
+  redirect is not followed blindly: every later range of the read goes straight to the CDN URL,
+  so resolution costs one request per read (header-only: Hub + CDN = 2 requests per file).
+* The token is sent to the Hub's origin (scheme, host, port) only: requests there never follow a
+  redirect by themselves, and nothing sent anywhere else carries it.
+* A CDN URL that expires during a read (403 or 410) is resolved again, once per failure.
+* A 401 or 403 from the Hub is an :class:`~stream_st.HTTPStatusError` saying the repository is
+  private or gated and how to pass a token.
+* ``X-Repo-Commit`` pins what a file was read at: an index's shards are read at the commit the
+  index came from (:attr:`HubSource.pinned`), however the branch moves meanwhile.
+* ``X-Linked-Etag`` on the redirect of an LFS file is its SHA-256 (the LFS oid): a read of every
+  byte of the file is checked against it (:meth:`HubSource.object_digest`), at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Unpack
+from urllib.parse import quote, unquote
+
+import anyio
+
+from ..core.digests import ObjectDigest
+from ..errors import HTTPStatusError, SafetensorsError, TransportError, UnsupportedSourceError
+from .base import Source
+from .http import HTTPClient, Response, Target
+from .http.redirect import REDIRECTS, redirected
+from .http.source import HttpSource
+from .options import Clock, LimitOptions
+
+__all__ = [
+    "DEFAULT_ENDPOINT",
+    "HubClient",
+    "HubFile",
+    "HubSource",
+    "hub_endpoint",
+    "hub_token",
+]
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+DEFAULT_REVISION = "main"
+MAX_HUB_HOPS = 5
+"""Redirects within the Hub (a renamed repository) followed before giving up."""
+
+_EXPIRED = frozenset({403, 410})
+_REFUSED = frozenset({401, 403})
+
+
+@dataclass(frozen=True)
+class HubFile:
+    """A file in a Hub repository: what an ``hf://`` address names."""
+
+    repo_type: str  # "model" or "dataset"
+    repo_id: str  # "org/repo"
+    revision: str
+    path: str
+
+    @classmethod
+    def parse(cls, url: str) -> HubFile:
+        """Split an ``hf://`` address (see the module docstring)."""
+        rest = url[len("hf://") :] if url[:5].lower() == "hf://" else None
+        if rest is None:
+            raise UnsupportedSourceError(f"expected an hf:// address, got {url!r}")
+        repo_type = "dataset" if rest.startswith("datasets/") else "model"
+        if repo_type == "dataset":
+            rest = rest[len("datasets/") :]
+        parts = rest.split("/", 2)
+        if len(parts) < 3 or not all(parts):
+            raise UnsupportedSourceError(
+                f"expected hf://[datasets/]org/repo[@revision]/path, got {url!r}"
+            )
+        org, repo, path = parts
+        repo, at, revision = repo.partition("@")
+        revision = unquote(revision) if at else DEFAULT_REVISION
+        if not repo or not revision:
+            raise UnsupportedSourceError(f"empty repository name or revision in {url!r}")
+        return cls(repo_type, f"{org}/{repo}", revision, path)
+
+    def address(self, revision: str | None = None) -> str:
+        """The ``hf://`` address of this file, at ``revision`` (default: its own)."""
+        revision = self.revision if revision is None else revision
+        prefix = "datasets/" if self.repo_type == "dataset" else ""
+        at = "" if revision == DEFAULT_REVISION else "@" + quote(revision, safe="")
+        return f"hf://{prefix}{self.repo_id}{at}/{self.path}"
+
+    def resolve_url(self, endpoint: str) -> str:
+        """The Hub's URL for this file: it serves the file or redirects to where it is."""
+        prefix = "/datasets" if self.repo_type == "dataset" else ""
+        return (
+            f"{endpoint.rstrip('/')}{prefix}/{quote(self.repo_id)}/resolve/"
+            f"{quote(self.revision, safe='')}/{quote(self.path)}"
+        )
+
+
+def hub_endpoint(environ: Mapping[str, str] | None = None) -> str:
+    """The Hub's base URL: ``HF_ENDPOINT``, else the public Hub."""
+    env = os.environ if environ is None else environ
+    return (env.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def hub_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """The token to send to the Hub: ``HF_TOKEN``, else the token file in ``HF_HOME``; None
+    when neither holds one."""
+    env = os.environ if environ is None else environ
+    token = env.get("HF_TOKEN", "").strip()
+    if token:
+        return token
+    home = env.get("HF_HOME") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "huggingface"
+    )
+    try:
+        token = Path(home, "token").read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return token or None
+
+
+def _origin(url: str) -> tuple[str, str, int] | None:
+    """The origin (scheme, host, port) a request to ``url`` goes to, as the client connects to
+    it; None for a URL too broken to tell (its request fails later, with a clear error)."""
+    try:
+        return Target.parse(url).origin
+    except SafetensorsError:
+        return None
+
+
+class HubClient(HTTPClient):
+    """An HTTP client that sends the Hub's token to the Hub's origin and nowhere else.
+
+    A request to the Hub carries ``Authorization: Bearer <token>`` and never follows a redirect
+    by itself (the caller decides where to go next, without the token); requests elsewhere go
+    as they are.
+    """
+
+    def __init__(self, endpoint: str, token: str | None) -> None:
+        super().__init__()
+        self._hub = _origin(endpoint)
+        self._token = token
+
+    def on_hub(self, url: str) -> bool:
+        """Whether ``url`` is on the Hub's origin (scheme, host and port)."""
+        origin = _origin(url)
+        return origin is not None and origin == self._hub
+
+    @property
+    def has_token(self) -> bool:
+        return self._token is not None
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str] | None = None,
+        body: bytes | None = None,
+        *,
+        follow_redirects: bool = True,
+        clock: Clock | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> Response:
+        if self.on_hub(url):
+            follow_redirects = False
+            if self._token is not None:
+                headers = {**(headers or {}), "Authorization": f"Bearer {self._token}"}
+        return await super().request(
+            method,
+            url,
+            headers,
+            body,
+            follow_redirects=follow_redirects,
+            clock=clock,
+            ssl_context=ssl_context,
+        )
+
+
+class HubSource(HttpSource):
+    """A file in a Hub repository, named by an ``hf://`` address (see the module docstring).
+
+    ``endpoint`` and ``token`` default to the environment's (:func:`hub_endpoint`,
+    :func:`hub_token`); ``token=""`` sends none. The other options are
+    :class:`~stream_st.HttpSource`'s. After the first request, ``commit`` holds the commit the
+    Hub served the file from (``X-Repo-Commit``), when it said.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint: str | None = None,
+        token: str | None = None,
+        retries: int = 3,
+        backoff: float = 0.25,
+        concurrency: int = 1,
+        part_size: int = 8 << 20,
+        **limits: Unpack[LimitOptions],
+    ) -> None:
+        self.file = HubFile.parse(url)
+        endpoint = hub_endpoint() if endpoint is None else endpoint.rstrip("/")
+        token = hub_token() if token is None else token or None
+        self._hub = HubClient(endpoint, token)
+        self._resolve_url = self.file.resolve_url(endpoint)
+        super().__init__(
+            self._resolve_url,
+            client=self._hub,
+            retries=retries,
+            backoff=backoff,
+            concurrency=concurrency,
+            part_size=part_size,
+            name=url,
+            **limits,
+        )
+        self._owns_client = True
+        self._resolving = anyio.Lock()
+        self.commit: str | None = None
+        self.sha256: str | None = None  # the file's SHA-256, if the Hub said (X-Linked-Etag)
+
+    @property
+    def home(self) -> str:
+        return self.pinned
+
+    @property
+    def pinned(self) -> str:
+        """This file's ``hf://`` address at the commit it was read from (once known), so that
+        files next to it are read from that same commit."""
+        return self.name if self.commit is None else self.file.address(self.commit)
+
+    async def _get(self, start: int, end: int | None) -> Response | None:
+        """GET the range from where the file is: the Hub's answer until it redirects elsewhere,
+        then the resolved URL, resolved again when it has expired."""
+        renewed = False
+        while True:
+            url = self.url
+            if self._hub.on_hub(url):
+                async with self._resolving:  # one resolution at a time; the rest use its URL
+                    if self.url == url:
+                        response = await self._resolve(start, end)
+                        if self._hub.on_hub(self.url):
+                            return response  # the Hub serves this file itself
+                continue
+            try:
+                return await super()._get(start, end)
+            except HTTPStatusError as exc:
+                if exc.status not in _EXPIRED or renewed:
+                    raise
+            renewed = True
+            if self.url == url:  # the signed URL expired: ask the Hub again
+                self.url = self._resolve_url
+
+    async def _accept(self, response: Response, position: int) -> Response:
+        """A redirect from the Hub is its resolution, for :meth:`_resolve` to follow; any other
+        answer is checked as :class:`~stream_st.HttpSource` checks it."""
+        if response.status in REDIRECTS and self._hub.on_hub(self.url):
+            return response
+        return await super()._accept(response, position)
+
+    async def _resolve(self, start: int, end: int | None) -> Response | None:
+        """Ask the Hub for the range; follow its redirects within the Hub. Returns the Hub's own
+        answer, or None once ``url`` is the place elsewhere it redirected to. Its redirects are
+        held to the client's policy (``stream_st._http.redirect``): no downgrade to plain http,
+        no unusable ``Location``."""
+        for _ in range(MAX_HUB_HOPS + 1):
+            try:
+                response = await super()._get(start, end)
+            except HTTPStatusError as exc:
+                if exc.status in _REFUSED:
+                    raise self._refused(exc.status) from None
+                raise
+            if response is None:
+                return None
+            self.commit = response.headers.get("x-repo-commit", self.commit)
+            self.sha256 = self.sha256 or _sha256_of(response.headers.get("x-linked-etag", ""))
+            location = response.headers.get("location")
+            if response.status not in REDIRECTS or not location:
+                return response
+            await response.discard()
+            self.url = redirected(Target.parse(self.url), location, {})[0].url
+            if not self._hub.on_hub(self.url):
+                return None
+        raise TransportError(f"more than {MAX_HUB_HOPS} redirects within the Hub", url=self.name)
+
+    async def object_digest(self) -> ObjectDigest | None:
+        """The file's SHA-256 from the Hub (``X-Linked-Etag``, an LFS file's oid), if it gave
+        one."""
+        if self.sha256 is None:
+            return None
+        return ObjectDigest(
+            "the Hub's SHA-256 (X-Linked-Etag)", bytes.fromhex(self.sha256), hashlib.sha256
+        )
+
+    def _refused(self, status: int) -> HTTPStatusError:
+        """The one-line error for a Hub that refused the file (401/403)."""
+        if self._hub.has_token:
+            hint = (
+                "the token was refused or has no access to this repository (a gated one needs "
+                "its terms accepted on the Hub)"
+            )
+        else:
+            hint = (
+                "the repository is private or gated, or does not exist: set HF_TOKEN or log in "
+                "with `hf auth login` to send a token"
+            )
+        reason = "Unauthorized" if status == 401 else "Forbidden"
+        return HTTPStatusError(status, reason, url=self.name, detail=hint)
+
+
+def _sha256_of(etag: str) -> str | None:
+    """The SHA-256 an ``X-Linked-Etag`` holds (64 hex digits, quoted), or None."""
+    value = etag.removeprefix("W/").strip('"').lower()
+    if len(value) == 64 and all(c in "0123456789abcdef" for c in value):
+        return value
+    return None
+
+
+async def source_for(url: str, clock: Clock) -> Source:
+    """The registry's factory: an ``hf://`` file on the Hugging Face Hub."""
+    return HubSource(url)

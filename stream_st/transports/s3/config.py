@@ -1,0 +1,371 @@
+"""S3-compatible object stores over our HTTP client: addresses, configuration, SigV4 signing.
+
+Configuration follows the standard AWS environment and files, each overridable in code:
+
+* endpoint: ``endpoint_url=`` > ``AWS_ENDPOINT_URL_S3`` > ``AWS_ENDPOINT_URL`` > the profile's
+  ``endpoint_url`` > ``https://s3.<region>.amazonaws.com``;
+* region: ``region=`` > ``AWS_REGION`` > ``AWS_DEFAULT_REGION`` > the profile's ``region`` >
+  ``us-east-1``;
+* profile: ``profile=`` > ``AWS_PROFILE`` > ``AWS_DEFAULT_PROFILE`` > ``default``; a profile
+  named but in neither file is an error;
+* unsigned requests (public buckets): ``anonymous=True`` > ``AWS_NO_SIGN_REQUEST=1`` (or the
+  command line's ``--no-sign-request``, :func:`unsigned_requests`); ``anonymous=False`` signs
+  whatever the environment says;
+* credentials: ``access_key_id=``/``secret_access_key=``/``session_token=`` > the AWS credential
+  chain. With botocore installed (the ``s3`` extra) that is botocore's, the AWS CLI's: the
+  environment, the shared files and profiles, SSO, ``credential_process``, web identity, container
+  and instance metadata. It is consulted on first use, once per configuration, in a worker thread
+  (:meth:`S3Config.ready`), and credentials that expire are refreshed before they do. Without
+  botocore, or with ``environ=`` given in code (botocore reads the process environment), the chain
+  is ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN`` > the shared
+  credentials file (``AWS_SHARED_CREDENTIALS_FILE``, default ``~/.aws/credentials``) > the config
+  file (``AWS_CONFIG_FILE``, default ``~/.aws/config``), in the profile.
+
+No credentials anywhere, when requests are to be signed, is a :class:`~stream_st.CredentialsError`
+before the first request goes out, never a silently unsigned request. A broken configuration is
+one too: an unknown profile or an unreadable file when the configuration is resolved, a failing
+credential process on first use.
+
+Only the keys come from the chain: the signing (SigV4, below) and the transport are ours.
+
+A custom endpoint is addressed path-style (``endpoint/bucket/key``), AWS itself virtual-hosted
+(``https://bucket.s3.region.amazonaws.com/key``). Not public API.
+"""
+
+from __future__ import annotations
+
+import configparser
+import datetime as _dt
+import hashlib
+import hmac
+import importlib.util
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+from urllib.parse import quote, urlsplit
+
+import anyio
+
+from ...errors import CredentialsError, UnsupportedSourceError, UsageError
+from ..options import UNLIMITED, Clock
+
+__all__ = ["CredentialChain", "S3Config", "parse_s3_url", "unsigned_requests"]
+
+UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/key`` -> ``(bucket, key)``."""
+    parts = urlsplit(url)
+    key = parts.path.lstrip("/")
+    if parts.scheme.lower() != "s3" or not parts.netloc or not key:
+        raise UnsupportedSourceError(f"expected s3://bucket/key, got {url!r}")
+    return parts.netloc, key
+
+
+_UNSIGNED: ContextVar[bool] = ContextVar("stream_st_unsigned_s3", default=False)
+
+_ASK_UNSIGNED = (
+    "for a public bucket, ask for unsigned requests (--no-sign-request, AWS_NO_SIGN_REQUEST=1 "
+    "or S3Config.resolve(anonymous=True))"
+)
+
+
+@contextmanager
+def unsigned_requests() -> Iterator[None]:
+    """Within the block, configurations resolved from the environment send unsigned requests, as
+    with ``AWS_NO_SIGN_REQUEST=1`` (the command line's ``--no-sign-request``)."""
+    token = _UNSIGNED.set(True)
+    try:
+        yield
+    finally:
+        _UNSIGNED.reset(token)
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line, without trailing punctuation."""
+    return " ".join(str(exc).split()).rstrip(" :") or type(exc).__name__
+
+
+def _env_flag(env: Mapping[str, str], name: str) -> bool:
+    """The boolean environment variable ``name``: 1/true/yes/on or 0/false/no/off (or unset)."""
+    value = env.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise UsageError(f"{name} must be 1/true/yes/on or 0/false/no/off, got {value!r}")
+
+
+def _ini(path: Path) -> configparser.ConfigParser:
+    """The INI file at ``path``, empty if there is none; CredentialsError if it cannot be read."""
+    parser = configparser.ConfigParser(interpolation=None, strict=False)
+    try:
+        with path.open(encoding="utf-8") as file:
+            parser.read_file(file)
+    except FileNotFoundError:
+        pass
+    except (OSError, UnicodeDecodeError, configparser.Error) as exc:
+        raise CredentialsError(f"cannot read the AWS file {path}: {_one_line(exc)}") from None
+    return parser
+
+
+def _profile(env: Mapping[str, str], profile: str) -> tuple[dict[str, str], dict[str, str]]:
+    """``profile``'s sections of the AWS config and shared credentials files named by ``env``;
+    CredentialsError when the profile is not ``default`` and neither file has it."""
+    home = Path(env.get("HOME", "~")).expanduser()
+    config_file = Path(env.get("AWS_CONFIG_FILE", home / ".aws" / "config")).expanduser()
+    credentials_file = Path(
+        env.get("AWS_SHARED_CREDENTIALS_FILE", home / ".aws" / "credentials")
+    ).expanduser()
+    config, stored = _ini(config_file), _ini(credentials_file)
+    section = "default" if profile == "default" else f"profile {profile}"
+    if profile != "default" and not (config.has_section(section) or stored.has_section(profile)):
+        raise CredentialsError(
+            f"the AWS profile {profile!r} is in neither {config_file} nor {credentials_file}"
+        )
+    return (
+        dict(config[section]) if config.has_section(section) else {},
+        dict(stored[profile]) if stored.has_section(profile) else {},
+    )
+
+
+def _stored_keys(*sources: Mapping[str, str]) -> tuple[str | None, str | None, str | None]:
+    """The first key, secret and token found together in ``sources`` (the environment, then
+    profile sections); Nones if none has both key and secret."""
+    for source in sources:
+        key = source.get("AWS_ACCESS_KEY_ID") or source.get("aws_access_key_id")
+        secret = source.get("AWS_SECRET_ACCESS_KEY") or source.get("aws_secret_access_key")
+        if key and secret:
+            return key, secret, source.get("AWS_SESSION_TOKEN") or source.get("aws_session_token")
+    return None, None, None
+
+
+class Keys(NamedTuple):
+    """The credentials one request is signed with."""
+
+    access_key_id: str
+    secret_access_key: str
+    session_token: str | None = None
+
+
+class CredentialChain:
+    """The credentials botocore's chain finds for ``profile`` (None: botocore's own choice, from
+    ``AWS_PROFILE``). Looked for on the first :meth:`keys`, once; credentials that expire (SSO,
+    web identity, a credential process, container and instance roles) are refreshed by botocore
+    as they near their expiry. Both may block (files, processes, the network): while :meth:`due`
+    says so, async code calls :meth:`keys` in a worker thread (:meth:`S3Config.ready`)."""
+
+    def __init__(self, profile: str | None = None) -> None:
+        self.profile = profile
+        self._lock = threading.Lock()  # one search, however many threads ask at once
+        self._searched = False
+        self._found: Any = None  # botocore's credentials, once searched; None if none found
+
+    @staticmethod
+    def available() -> bool:
+        """Whether botocore is installed."""
+        return importlib.util.find_spec("botocore") is not None
+
+    def due(self) -> bool:
+        """Whether :meth:`keys` may block: the chain was not searched yet, or the credentials
+        found are about to expire."""
+        if not self._searched:
+            return True
+        refresh_needed = getattr(self._found, "refresh_needed", None)
+        return refresh_needed is not None and bool(refresh_needed())
+
+    def keys(self) -> Keys:
+        """The current credentials; CredentialsError when there are none or the chain fails."""
+        from botocore.exceptions import BotoCoreError
+        from botocore.session import Session
+
+        try:
+            with self._lock:
+                if not self._searched:
+                    self._found = Session(profile=self.profile).get_credentials()
+                    self._searched = True
+            frozen = None if self._found is None else self._found.get_frozen_credentials()
+        except (BotoCoreError, OSError, ValueError) as exc:
+            detail = _one_line(exc)
+            if not isinstance(exc, BotoCoreError):
+                detail = f"{type(exc).__name__}: {detail}"
+            raise CredentialsError(f"cannot get AWS credentials{self._named()}: {detail}") from None
+        if frozen is None or not frozen.access_key or not frozen.secret_key:
+            raise CredentialsError(
+                f"no AWS credentials found{self._named()} (environment, AWS files and profiles, "
+                f"SSO, credential_process, web identity, container and instance metadata); "
+                f"{_ASK_UNSIGNED}"
+            )
+        return Keys(frozen.access_key, frozen.secret_key, frozen.token or None)
+
+    def _named(self) -> str:
+        return "" if self.profile is None else f" for the profile {self.profile!r}"
+
+
+@dataclass(frozen=True)
+class S3Config:
+    """Where and as whom to talk to an S3-compatible store. See the module docstring.
+
+    Requests are signed with the keys given, else with those ``chain`` finds; ``anonymous``
+    sends them unsigned. With neither keys nor a chain, signing is a CredentialsError."""
+
+    endpoint_url: str
+    region: str
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    session_token: str | None = None
+    path_style: bool = True
+    anonymous: bool = False
+    chain: CredentialChain | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        profile: str | None = None,
+        anonymous: bool | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> S3Config:
+        """The configuration the arguments, the environment (``environ``, by default
+        ``os.environ``) and the AWS files give; see the module docstring. Credentials from
+        botocore's chain are looked for later, on first use."""
+        env = os.environ if environ is None else environ
+        named = profile or env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE")
+        config, stored = _profile(env, named or "default")
+        region = (
+            region
+            or env.get("AWS_REGION")
+            or env.get("AWS_DEFAULT_REGION")
+            or config.get("region")
+            or "us-east-1"
+        )
+        custom = (
+            endpoint_url
+            or env.get("AWS_ENDPOINT_URL_S3")
+            or env.get("AWS_ENDPOINT_URL")
+            or config.get("endpoint_url")
+        )
+        if (access_key_id is None) != (secret_access_key is None):
+            raise CredentialsError("give both access_key_id and secret_access_key, or neither")
+        if anonymous is None:
+            anonymous = _UNSIGNED.get() or _env_flag(env, "AWS_NO_SIGN_REQUEST")
+        chain = None
+        if not anonymous and access_key_id is None:
+            if environ is None and CredentialChain.available():
+                chain = CredentialChain(profile)
+            else:
+                access_key_id, secret_access_key, token = _stored_keys(env, stored, config)
+                session_token = session_token or token
+        return cls(
+            endpoint_url=(custom or f"https://s3.{region}.amazonaws.com").rstrip("/"),
+            region=region,
+            access_key_id=access_key_id,
+            secret_access_key=secret_access_key,
+            session_token=session_token,
+            path_style=custom is not None,
+            anonymous=anonymous,
+            chain=chain,
+        )
+
+    def keys(self) -> Keys | None:
+        """The credentials to sign with now; None for unsigned requests. May block on first use
+        of a chain (see :meth:`ready`); CredentialsError when there are none."""
+        if self.anonymous:
+            return None
+        if self.access_key_id and self.secret_access_key:
+            return Keys(self.access_key_id, self.secret_access_key, self.session_token)
+        if self.chain is not None:
+            return self.chain.keys()
+        raise CredentialsError(
+            "no AWS credentials found (environment, ~/.aws/credentials, ~/.aws/config; SSO, "
+            "credential_process and instance roles need the s3 extra, botocore); "
+            f"{_ASK_UNSIGNED}"
+        )
+
+    async def ready(self, clock: Clock = UNLIMITED, name: str | None = None) -> None:
+        """Look for the credentials, or refresh them, in a worker thread when that may block
+        (botocore's chain, on first use and as they near their expiry), within ``clock``'s
+        limits (reported for ``name``): :meth:`sign` after it does not block. Call it before
+        signing from async code; at once when nothing is due."""
+        if self.anonymous or self.chain is None or not self.chain.due():
+            return
+        with clock.waiting(name, stalled="no AWS credentials"):
+            await anyio.to_thread.run_sync(self.chain.keys, abandon_on_cancel=True)
+
+    def object_url(self, bucket: str, key: str, query: str = "") -> str:
+        """The HTTP address of ``key`` in ``bucket`` (``query`` already encoded, without ``?``);
+        of the bucket itself when ``key`` is empty."""
+        path = "/" + quote(key, safe="/~") if key else ""
+        if self.path_style:
+            url = f"{self.endpoint_url}/{bucket}{path}"
+        else:
+            parts = urlsplit(self.endpoint_url)
+            url = f"{parts.scheme}://{bucket}.{parts.netloc}{path or '/'}"
+        return f"{url}?{query}" if query else url
+
+    def sign(
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        payload_hash: str = UNSIGNED_PAYLOAD,
+        *,
+        now: _dt.datetime | None = None,
+    ) -> dict[str, str]:
+        """``headers`` plus the AWS Signature Version 4 ones for this request (none when
+        ``anonymous``)."""
+        out = dict(headers)
+        keys = self.keys()
+        if keys is None:
+            return out
+        moment = now or _dt.datetime.now(_dt.UTC)
+        amz_date = moment.strftime("%Y%m%dT%H%M%SZ")
+        day = amz_date[:8]
+        parts = urlsplit(url)
+        out["x-amz-date"] = amz_date
+        out["x-amz-content-sha256"] = payload_hash
+        if keys.session_token:
+            out["x-amz-security-token"] = keys.session_token
+        # Every header given is signed (Range included), with the host.
+        signed = {"host": parts.netloc, **{k.lower(): " ".join(v.split()) for k, v in out.items()}}
+        names = sorted(signed)
+        canonical_headers = "".join(f"{k}:{signed[k]}\n" for k in names)
+        signed_headers = ";".join(names)
+        # The query is already percent-encoded by whoever built the URL.
+        query = "&".join(
+            sorted(item if "=" in item else item + "=" for item in parts.query.split("&") if item)
+        )
+        canonical = "\n".join(
+            [
+                method,
+                quote(parts.path or "/", safe="/-_.~%"),
+                query,
+                canonical_headers,
+                signed_headers,
+                payload_hash,
+            ]
+        )
+        scope = f"{day}/{self.region}/s3/aws4_request"
+        to_sign = "\n".join(
+            ["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()]
+        )
+        key = ("AWS4" + keys.secret_access_key).encode()
+        for part in (day, self.region, "s3", "aws4_request"):
+            key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+        signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+        out["Authorization"] = (
+            f"AWS4-HMAC-SHA256 Credential={keys.access_key_id}/{scope}, "
+            f"SignedHeaders={signed_headers}, Signature={signature}"
+        )
+        return out

@@ -1,0 +1,420 @@
+"""``s3://bucket/key`` sinks: a multipart upload fed by the streaming writer.
+
+Bytes are gathered into parts of ``part_size`` (at least 5 MiB, S3's minimum for every part but
+the last) and each full part is uploaded as it fills, so memory stays at one part. The object
+appears only when the upload is completed, after the last tensor; on any failure, cancellation
+or abort the multipart upload is aborted: no object at the key, no pending upload left. A message
+that fits in one part is sent as a single PUT instead.
+
+Every part (and a single PUT) carries its CRC32 (``x-amz-checksum-crc32``), which the store
+checks before it takes the part: a byte changed on the way is refused, never stored. A writer
+that patches the header at the commit (the digests of ``checksums=``) has the parts holding it
+held back (:meth:`S3Sink.hold_head`); they go last, parts being numbered by their place and not
+by when they arrive.
+
+The clean-up after a failure runs shielded from cancellation but gives up after
+:attr:`S3Sink.abort_timeout` seconds, whatever ``timeout`` is; a cancellation is re-raised as
+itself once it is done. When an answer is lost (the connection breaks or times out, or the call
+is cancelled, after the request went out), the sink asks the store what happened:
+
+* CreateMultipartUpload: the upload has no known id. Before creating it the sink lists the key's
+  pending uploads; afterwards it aborts those pending now that were not then. An upload of the
+  same key started by another writer in that moment cannot be told apart and is aborted too; a
+  store that refuses to list uploads leaves the unnamed upload pending, and the error says so.
+* CompleteMultipartUpload (also answered with a 5xx, or with a 200 carrying an ``<Error>``): the
+  upload is aborted. Had the store still had it pending, nothing was stored and the original error
+  is raised. Was it gone, the object at the key is compared with the one sent (its ETag with the
+  one computed from the parts' ETags): the same object means the write succeeded; anything else
+  raises :class:`~stream_st.OutcomeUnknownError`.
+* A single PUT: the object at the key is compared with the body sent (ETag with its MD5) in the
+  same way: success, or :class:`~stream_st.OutcomeUnknownError`.
+
+A cancellation while the completion is under way aborts the upload if it is still pending; if the
+store completed it anyway the object stays, since a cancellation cannot undo a write.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import re
+import ssl
+import zlib
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Unpack
+from urllib.parse import quote
+from xml.sax.saxutils import escape
+
+import anyio
+
+from ...errors import SafetensorsError, TransportError, UsageError
+from ..base import Sink
+from ..http import (
+    ClientUser,
+    HTTPClient,
+    HTTPNotFoundError,
+    HTTPStatusError,
+    outcome_unknown,
+    raise_for_status,
+    summary,
+    xml_field,
+)
+from ..options import Clock, LimitOptions, Limits
+from .config import S3Config, parse_s3_url
+
+__all__ = ["MIN_PART_SIZE", "S3Sink"]
+
+MIN_PART_SIZE = 5 << 20
+
+
+def _refusal(exc: Exception) -> bool:
+    """Whether ``exc`` is the store's clear refusal of a request (a redirect or a 4xx): the request
+    was not carried out. A 5xx or a lost answer leaves that open."""
+    return isinstance(exc, HTTPStatusError) and exc.status < 500
+
+
+def _md5_etag(data: bytes) -> str:
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+
+def _crc32(data: bytes) -> str:
+    """The ``x-amz-checksum-crc32`` value of ``data``: its CRC32, big-endian, in base64."""
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+
+
+def _checked(checksum: str) -> dict[str, str]:
+    """The headers that have the store check a body against its CRC32 ``checksum``."""
+    return {"x-amz-sdk-checksum-algorithm": "CRC32", "x-amz-checksum-crc32": checksum}
+
+
+def _splice(part: bytearray, start: int, head: memoryview) -> None:
+    """Copy over ``part`` (the message's bytes from ``start``) what ``head`` (its first bytes)
+    holds for that range."""
+    piece = head[start : start + len(part)]
+    part[: len(piece)] = piece
+
+
+class S3Sink(ClientUser, Sink):
+    """An object in an S3-compatible store, written by multipart upload. See the module docstring
+    for what a failure leaves behind. ``headers`` go (signed) with every request; ``ssl_context``
+    and ``limits`` (``timeout``, ``deadline``, ``speed_limit``, ``speed_time``) as in
+    :class:`~stream_st.HttpSource`; the limits are used unless the writer is given its own."""
+
+    abort_timeout: float = 15.0
+    """Seconds the clean-up after a failure may take in all, whatever ``timeout`` is."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        config: S3Config | None = None,
+        client: HTTPClient | None = None,
+        headers: Mapping[str, str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        part_size: int = 16 << 20,
+        **limits: Unpack[LimitOptions],
+    ) -> None:
+        super().__init__()
+        if part_size < MIN_PART_SIZE:
+            raise UsageError(f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum)")
+        self.name = url
+        self.bucket, self.key = parse_s3_url(url)
+        self.config = config or S3Config.resolve()
+        self._use_client(client, headers, ssl_context, limits)
+        self._part_size = part_size
+        self._part = bytearray()
+        self._size: int | None = None
+        self._upload_id: str | None = None
+        self._creating = False  # CreateMultipartUpload went out and its answer was not read
+        self._uploads_before: set[str] | None = None  # the key's pending uploads before ours
+        self._etags: dict[int, str] = {}  # by part number
+        self._checksums: dict[int, str] = {}  # by part number: what the store checked
+        self._cut = 0  # parts cut from the message so far
+        self._head = 0  # the message's first bytes, to be patched before the commit
+        self._held: dict[int, bytearray] = {}  # by part number: parts holding the head
+
+    def _upload_query(self, upload_id: str) -> str:
+        return f"uploadId={quote(upload_id, safe='')}"
+
+    async def _call(
+        self,
+        method: str,
+        query: str,
+        body: bytes | None = None,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[dict[str, str], bytes]:
+        """Send one signed request about the object (``key=""``: about the bucket): the answer's
+        headers and body.
+
+        A redirect or an error status raises :class:`HTTPStatusError` (404:
+        :class:`HTTPNotFoundError`); a 200 carrying an S3 ``<Error>`` (S3 reports some failed
+        completions that way) raises :class:`TransportError`.
+        """
+        url = self.config.object_url(self.bucket, self.key if key is None else key, query)
+        await self.config.ready(self.clock, self.name)
+        signed = self.config.sign(method, url, {**self._headers, **(headers or {})})
+        response = await self._request(method, url, signed, body, follow_redirects=False)
+        await raise_for_status(response, name=self.name)
+        async with response:
+            answer = await response.read_all()
+        if b"<Error>" in answer:
+            raise TransportError(f"S3 refused the request: {summary(answer)}", url=self.name)
+        return response.headers, answer
+
+    async def allocate(self, size: int) -> None:
+        self._size = size
+
+    async def hold_head(self, size: int) -> bool:
+        """Hold back the parts holding the first ``size`` bytes until the commit."""
+        self._head = size
+        return True
+
+    async def patch_head(self, buffer: memoryview) -> None:
+        """Rewrite the first bytes: in the parts held back, or in the part still filling."""
+        for number, part in self._held.items():
+            _splice(part, (number - 1) * self._part_size, buffer)
+        _splice(self._part, self._cut * self._part_size, buffer)
+
+    async def send(self, buffer: memoryview) -> None:
+        view = buffer.cast("B") if buffer.format != "B" else buffer
+        while view:
+            room = self._part_size - len(self._part)
+            self._part += view[:room]
+            view = view[room:]
+            if len(self._part) == self._part_size and (
+                self._size is None or self._size > self._part_size
+            ):
+                await self._cleaning_up_on_failure(self._cut_part())
+        self.position += len(buffer)
+
+    async def _list_uploads(self) -> set[str]:
+        """The ids of the multipart uploads of exactly this key pending now."""
+        found: set[str] = set()
+        marker = ""
+        while True:
+            query = f"prefix={quote(self.key, safe='')}&uploads={marker}"
+            _, answer = await self._call("GET", query, key="")
+            for match in re.finditer(rb"<Upload>.*?</Upload>", answer, re.DOTALL):
+                upload_id = xml_field(match[0], "UploadId")
+                if xml_field(match[0], "Key") == self.key and upload_id is not None:
+                    found.add(upload_id)
+            next_key, next_id = (
+                xml_field(answer, "NextKeyMarker"),
+                xml_field(answer, "NextUploadIdMarker"),
+            )
+            if xml_field(answer, "IsTruncated") != "true" or not (next_key and next_id):
+                return found
+            marker = (
+                f"&key-marker={quote(next_key, safe='')}&upload-id-marker={quote(next_id, safe='')}"
+            )
+
+    async def _create(self) -> None:
+        try:
+            self._uploads_before = await self._list_uploads()
+        except HTTPStatusError:
+            self._uploads_before = None  # not allowed to list: an unnamed upload stays unfound
+        self._creating = True
+        _, answer = await self._call(
+            "POST", "uploads=", headers={"x-amz-checksum-algorithm": "CRC32"}
+        )
+        upload_id = xml_field(answer, "UploadId")
+        if upload_id is None:
+            raise TransportError(
+                "no UploadId in the answer to CreateMultipartUpload", url=self.name
+            )
+        self._upload_id, self._creating = upload_id, False
+
+    async def _cut_part(self) -> None:
+        """The part filling is complete: upload it, or hold it back if it holds the head."""
+        self._cut += 1
+        part, self._part = self._part, bytearray()
+        if (self._cut - 1) * self._part_size < self._head:
+            self._held[self._cut] = part
+        else:
+            await self._upload_part(self._cut, bytes(part))
+
+    async def _upload_part(self, number: int, body: bytes) -> None:
+        if self._upload_id is None:
+            await self._create()
+        assert self._upload_id is not None
+        query = f"partNumber={number}&{self._upload_query(self._upload_id)}"
+        checksum = _crc32(body)
+        headers, _ = await self._call("PUT", query, body, headers=_checked(checksum))
+        etag = headers.get("etag")
+        if not etag:
+            raise TransportError(f"no ETag in the answer to UploadPart {number}", url=self.name)
+        self._etags[number], self._checksums[number] = etag, checksum
+
+    async def aclose(self) -> None:
+        try:
+            await self._cleaning_up_on_failure(self._commit())
+        finally:
+            self._part = bytearray()
+            await self._close_client()
+
+    async def _commit(self) -> None:
+        if self._upload_id is None and not self._held:  # it all fits in one part: one PUT
+            body = bytes(self._part)
+            put = self._call("PUT", "", body, headers=_checked(_crc32(body)))
+            await self._last("PutObject", put, lambda: _md5_etag(body))
+            return
+        held, self._held = self._held, {}
+        for number, part in held.items():
+            await self._upload_part(number, bytes(part))
+        if self._part:
+            await self._cut_part()
+        await self._last("CompleteMultipartUpload", self._complete(), self._multipart_etag)
+        self._upload_id = None
+
+    async def _complete(self) -> None:
+        assert self._upload_id is not None
+        parts = "".join(
+            f"<Part><PartNumber>{i}</PartNumber><ETag>{escape(self._etags[i])}</ETag>"
+            f"<ChecksumCRC32>{self._checksums[i]}</ChecksumCRC32></Part>"
+            for i in sorted(self._etags)
+        )
+        body = f"<CompleteMultipartUpload>{parts}</CompleteMultipartUpload>".encode()
+        _, answer = await self._call("POST", self._upload_query(self._upload_id), body)
+        if b"CompleteMultipartUploadResult" not in answer:
+            raise TransportError(
+                "no CompleteMultipartUploadResult in the answer to CompleteMultipartUpload",
+                url=self.name,
+            )
+
+    async def _last(
+        self, request: str, call: Awaitable[object], etag: Callable[[], str | None]
+    ) -> None:
+        """Await ``call``, the ``request`` that stores the object; if it fails without a clear
+        refusal, find out from the store (:meth:`_settle`) whether it stored the object, whose
+        ETag would be ``etag()``."""
+        try:
+            await call
+        except Exception as exc:
+            if _refusal(exc):
+                raise
+            await self._settle(request, exc, etag())
+
+    def _multipart_etag(self) -> str | None:
+        """The ETag S3 gives the completed object: the MD5 of the parts' MD5s, ``-`` their count;
+        None if a part's ETag is not an MD5 (as with some encryption settings)."""
+        try:
+            digests = b"".join(
+                bytes.fromhex(self._etags[i].strip('"')) for i in sorted(self._etags)
+            )
+        except ValueError:
+            return None
+        return f"{_md5_etag(digests)}-{len(self._etags)}"
+
+    async def _settle(self, request: str, failure: Exception, etag: str | None) -> None:
+        """After ``request``, the last one, failed without a clear refusal: return if the object
+        at the key is the one sent (its ETag is ``etag``), raise ``failure`` when the store
+        certainly did not store it, :class:`OutcomeUnknownError` when that cannot be told.
+
+        A pending multipart upload is aborted first: if that works, nothing was stored.
+        """
+        upload_id, self._upload_id = self._upload_id, None
+        aborted: bool | None = None  # whether the store still had the upload pending
+        with self._bounded():
+            if upload_id is not None:
+                with contextlib.suppress(TransportError):
+                    aborted = await self._delete(upload_id)
+                if aborted:
+                    raise failure
+            with contextlib.suppress(TransportError):
+                if etag is not None and await self._stored_etag() == etag:
+                    return
+        pending = upload_id is not None and aborted is None
+        more = "; the multipart upload may still be pending" if pending else ""
+        raise outcome_unknown(request, failure, self.name, more) from failure
+
+    @contextlib.contextmanager
+    def _bounded(self) -> Iterator[anyio.CancelScope]:
+        """The scope a clean-up runs in: shielded from cancellation, ending after
+        ``abort_timeout`` seconds whatever ``timeout`` is. The write's deadline and speed guard,
+        which may be what ended it, do not apply to its clean-up; its timeout still does."""
+        clock, self.clock = self.clock, Clock(Limits(timeout=self.clock.limits.timeout))
+        try:
+            with anyio.CancelScope(
+                deadline=anyio.current_time() + self.abort_timeout, shield=True
+            ) as scope:
+                yield scope
+        finally:
+            self.clock = clock
+
+    async def _stored_etag(self) -> str | None:
+        """The ETag of the object at the key (without quotes); None if there is none."""
+        try:
+            headers, _ = await self._call("HEAD", "")
+        except HTTPNotFoundError:
+            return None
+        return headers.get("etag", "").strip('"')
+
+    async def _delete(self, upload_id: str) -> bool:
+        """Abort the multipart upload ``upload_id``: True if it was pending, False if gone."""
+        try:
+            await self._call("DELETE", self._upload_query(upload_id))
+        except HTTPNotFoundError:
+            return False
+        return True
+
+    async def _cleaning_up_on_failure(self, step: Awaitable[None]) -> None:
+        """Await ``step``; on any failure or cancellation clean up at once and re-raise, with a
+        note on the error when the clean-up could not finish."""
+        try:
+            await step
+        except BaseException as exc:
+            problem = await self._clean_up()
+            if problem is not None and isinstance(exc, Exception):
+                exc.add_note(problem)
+            raise
+
+    async def _clean_up(self) -> str | None:
+        """Abort the upload, shielded and within ``abort_timeout``: None once nothing of this
+        write is pending, else what may be."""
+        upload_id, self._upload_id = self._upload_id, None
+        creating, self._creating = self._creating, False
+        self._part, self._held = bytearray(), {}
+        what = f"multipart upload {upload_id}" if upload_id else "an unnamed multipart upload"
+        problem = None
+        with self._bounded() as scope:
+            try:
+                if upload_id is not None:
+                    await self._delete(upload_id)
+                elif creating:
+                    await self._abort_unnamed()
+            except SafetensorsError as exc:
+                problem = f"aborting {what} of {self.name} failed ({exc}): it may still be pending"
+            finally:
+                await self._close_client()
+        if scope.cancelled_caught:
+            problem = (
+                f"aborting {what} of {self.name} took over {self.abort_timeout} s: "
+                "it may still be pending"
+            )
+        return problem
+
+    async def _abort_unnamed(self) -> None:
+        """Abort the upload whose CreateMultipartUpload answer was lost: the key's uploads
+        pending now but not before it."""
+        if self._uploads_before is None:
+            raise TransportError(
+                "its id is unknown and the key's uploads could not be listed before it",
+                url=self.name,
+            )
+        for upload_id in await self._list_uploads() - self._uploads_before:
+            await self._delete(upload_id)
+
+    async def abort(self) -> None:
+        """Abort the multipart upload, if one was started; see the module docstring. Raises
+        :class:`TransportError` when it may be left pending."""
+        problem = await self._clean_up()
+        if problem is not None:
+            raise TransportError(problem)
+
+
+async def sink_for(url: str, clock: Clock, fsync: bool) -> Sink:
+    """The registry's factory: a multipart upload to ``s3://bucket/key``."""
+    return S3Sink(url)

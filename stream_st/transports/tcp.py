@@ -1,0 +1,294 @@
+"""TCP peers: ``tcp://host:port`` sources and sinks, and connections that carry many messages.
+
+Bytes are received with non-blocking ``recv_into`` straight into each array's memory, waiting with
+``anyio.wait_readable`` only when the socket is empty: no per-chunk ``bytes`` objects, and it runs
+on asyncio and trio alike. ``send`` returns once the kernel has taken every byte, so no reference
+to the caller's memory outlives the call, with no copy. A failed message closes the socket, so the
+peer sees a message that ends early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import os
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+import anyio
+import anyio.lowlevel
+
+from ..errors import TransportError, UnsupportedSourceError, UsageError
+from .base import Sink, Source
+from .nonblocking import NonBlockingEnd
+from .options import UNLIMITED, Clock
+
+YIELD_EVERY = 16 << 20
+"""A tensor filled from a peer that keeps the socket full yields to the event loop at least this
+often (bytes), so other tasks, deadlines and cancellation are not held up until it is whole."""
+
+__all__ = [
+    "SocketEnd",
+    "SocketSink",
+    "SocketSource",
+    "Turn",
+    "close_socket",
+    "connect_socket",
+    "parse_tcp_url",
+    "tcp_url",
+]
+
+
+def parse_tcp_url(url: str) -> tuple[str, int]:
+    """``tcp://host:port`` -> ``(host, port)``; IPv6 hosts in brackets."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port out of range or not a number, an unclosed IPv6 bracket
+        raise UsageError(f"bad tcp:// URL {url!r}: {exc}") from exc
+    if parts.scheme != "tcp" or not parts.hostname or port is None:
+        raise UnsupportedSourceError(f"expected tcp://host:port, got {url!r}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise UnsupportedSourceError(f"a tcp:// URL takes no path or query: {url!r}")
+    return parts.hostname, port
+
+
+def tcp_url(host: str, port: int) -> str:
+    """``(host, port)`` -> ``tcp://host:port``, an IPv6 host in brackets."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Close ``sock``, first waking every task waiting on it (they get ClosedResourceError).
+
+    Closing a closed socket does nothing.
+    """
+    if sock.fileno() >= 0:
+        anyio.notify_closing(sock)
+        sock.close()
+
+
+async def connect_socket(host: str, port: int, clock: Clock = UNLIMITED) -> socket.socket:
+    """Open a non-blocking TCP socket to ``host:port`` (TCP_NODELAY set), within ``clock``'s
+    limits. A connect that fails, times out or is cancelled leaves no socket behind."""
+    url = tcp_url(host, port)
+    last_error: OSError | None = None
+    try:
+        with clock.waiting(url, stalled="no answer to connect"):
+            addresses = await _addresses(host, port)
+            for family, kind, proto, _, address in addresses:
+                sock = socket.socket(family, kind, proto)
+                try:
+                    sock.setblocking(False)
+                    await _connect(sock, address)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except BaseException as exc:
+                    sock.close()
+                    if not isinstance(exc, OSError):
+                        raise
+                    last_error = exc
+                    continue
+                return sock
+    except TransportError:
+        raise
+    except OSError as exc:
+        last_error = exc
+    detail = last_error.strerror or str(last_error) if last_error else "no address"
+    raise TransportError(f"cannot connect: {detail}", url=url) from last_error
+
+
+async def _addresses(host: str, port: int) -> list[tuple[Any, ...]]:
+    """``getaddrinfo`` results; an IP literal needs no lookup (a worker-thread hop each time)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        found = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return [tuple(entry) for entry in found]
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (host, port))]
+
+
+async def _connect(sock: socket.socket, address: tuple[Any, ...]) -> None:
+    """Non-blocking connect, waiting for writability; raises the socket's error."""
+    code = sock.connect_ex(address)
+    if code not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+        raise OSError(code, os.strerror(code))
+    if code:
+        await anyio.wait_writable(sock)
+        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if code:
+            raise OSError(code, os.strerror(code))
+
+
+class Turn:
+    """One message at a time in one direction of a connection.
+
+    The socket end carrying a message holds the turn from its first byte until it is closed; a
+    second end that starts meanwhile raises :class:`~stream_st.UsageError` rather than mixing its
+    bytes with the first message's. ``doing`` names what happens to messages: "read", "written".
+    """
+
+    def __init__(self, doing: str) -> None:
+        self.doing = doing
+        self._holder: SocketEnd | None = None
+
+    def claim(self, end: SocketEnd) -> None:
+        """Give the turn to ``end``; UsageError if another end still holds it."""
+        if self._holder is not None and self._holder is not end:
+            raise UsageError(
+                f"{end.name}: the previous message is still being {self.doing} (in another task, "
+                "or its stream or writer is not closed yet): one message at a time on a connection"
+            )
+        self._holder = end
+
+    def release(self, end: SocketEnd) -> None:
+        """Take the turn back from ``end``, if it holds it."""
+        if self._holder is end:
+            self._holder = None
+
+    def held_by(self, end: SocketEnd) -> bool:
+        """True while ``end`` carries the connection's current message."""
+        return self._holder is end
+
+
+class SocketEnd(NonBlockingEnd[socket.socket]):
+    """What a socket source and a socket sink share: the socket, the name to report, the waits
+    bounded by ``clock`` (see :class:`~stream_st._nonblocking.NonBlockingEnd`), and who closes
+    the socket.
+
+    Without a ``turn`` the end owns the socket and closing the end closes it. With one, the socket
+    is lent by a :class:`~stream_st.Connection` for one message: the end holds the turn while it
+    carries the message (see :meth:`_claim`) and closing it leaves the socket open.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        name: str,
+        *,
+        clock: Clock = UNLIMITED,
+        turn: Turn | None = None,
+    ) -> None:
+        super().__init__(sock, name, clock=clock)
+        self._turn = turn
+
+    def _claim(self) -> None:
+        """The message starts: take the connection's turn (nothing to do on an owned socket)."""
+        if self._turn is not None:
+            self._turn.claim(self)
+
+    async def aclose(self) -> None:
+        if self._turn is None:
+            close_socket(self._handle)
+        else:
+            self._turn.release(self)
+
+
+class SocketSource(SocketEnd, Source):
+    """One TCP socket read with ``recv_into``; a connection, so only one message is consumed.
+
+    ``clock`` bounds each wait for the next bytes (a peer that stops sending raises
+    :class:`~stream_st.ReadTimeoutError`). ``turn`` is given when a :class:`~stream_st.Connection`
+    lends its socket to this one message (see :class:`SocketEnd`).
+    """
+
+    whole_object = False
+
+    async def start(self, *, read_all: bool = False) -> None:
+        self._claim()
+
+    async def receive_into(self, buffer: memoryview) -> int:
+        if not buffer:
+            return 0
+        return await self._receive(self._handle.recv_into, buffer)
+
+    async def fill(self, buffer: memoryview) -> int:
+        """Fill ``buffer`` (a tensor's memory) in one tight loop of ``recv_into`` calls, waiting
+        only when the socket is empty; the bytes are counted once per wait, not once per call,
+        and at least every :data:`YIELD_EVERY` bytes, where the loop also lets other tasks (and
+        a cancellation) in."""
+        recv_into = self._handle.recv_into
+        total = len(buffer)
+        filled = counted = 0
+        try:
+            while filled < total:
+                try:
+                    count = recv_into(buffer[filled:])
+                except BlockingIOError:
+                    self._count(filled - counted)
+                    counted = filled
+                    await self.wait_readable()
+                    continue
+                except OSError as exc:
+                    self._count(filled - counted)
+                    counted = filled
+                    raise self._failure(self.receiving, exc) from exc
+                if count == 0:
+                    break
+                filled += count
+                if filled - counted >= YIELD_EVERY:  # a fast peer never empties the socket
+                    self._count(filled - counted)
+                    counted = filled
+                    await anyio.lowlevel.checkpoint()
+        finally:
+            self._count(filled - counted)
+        return filled
+
+    def _count(self, moved: int) -> None:
+        self.position += moved
+        self.clock.moved(moved)
+
+    def message_read(self) -> None:
+        if self._turn is not None:
+            self._turn.release(self)  # e.g. a loop over messages() left with break
+
+    async def at_end(self) -> bool:
+        """Wait for the next byte without taking it; True if the peer closed cleanly instead.
+
+        A reset (or any other failure) raises :class:`~stream_st.TransportError`: only a clean
+        close tells that nothing was lost.
+        """
+        while True:
+            try:
+                return self._handle.recv(1, socket.MSG_PEEK) == b""
+            except BlockingIOError:
+                await self.wait_readable()
+            except OSError as exc:
+                raise self._failure("receive", exc) from exc
+
+    async def wait_readable(self) -> None:
+        """Wait until the socket has data or was closed by the peer, within the clock's limits."""
+        await self._wait(writable=False)
+
+
+class SocketSink(SocketEnd, Sink):
+    """One TCP socket written front to back. ``clock`` bounds each wait for the peer to take
+    bytes (a stalled receiver); ``turn`` is given when a :class:`~stream_st.Connection` lends its
+    socket to this one message, which committing then leaves open (see :class:`SocketEnd`)."""
+
+    async def allocate(self, size: int) -> None:
+        self._claim()  # the writer announces the message before its first byte
+
+    async def send(self, buffer: memoryview) -> None:
+        await self._send_all(self._handle.send, buffer)
+
+    async def abort(self) -> None:
+        if self._turn is not None and not self._turn.held_by(self):
+            return  # refused the connection's turn: sent nothing, and must not end another message
+        with contextlib.suppress(OSError):  # already gone: nothing to tell the peer
+            self._handle.shutdown(socket.SHUT_RDWR)
+        close_socket(self._handle)  # a lent socket too: the connection refuses further messages
+
+
+async def source_for(url: str, clock: Clock) -> Source:
+    """The registry's factory: a ``tcp://host:port`` peer, connected within ``clock``."""
+    host, port = parse_tcp_url(url)
+    return SocketSource(await connect_socket(host, port, clock), tcp_url(host, port))
+
+
+async def sink_for(url: str, clock: Clock, fsync: bool) -> Sink:
+    """The registry's factory: a ``tcp://host:port`` peer, connected within ``clock``."""
+    host, port = parse_tcp_url(url)
+    return SocketSink(await connect_socket(host, port, clock), tcp_url(host, port))

