@@ -212,10 +212,11 @@ def _read_header(fd: int, size: int, name: str) -> Header:
     else:
         raw = _pread_exact(fd, length, LENGTH_PREFIX_SIZE, name, "the header")
     header = parse_header(raw)
-    if size < header.file_size:
+    expected = header.file_size
+    if size < expected:
         raise TruncatedStreamError(
-            "the tensors' data", name=None, offset=size, expected=header.file_size, source=name
+            "the tensors' data", name=None, offset=size, expected=expected, source=name
         )
-    if size > header.file_size:
-        raise TrailingDataError(f"{name}: bytes follow the last tensor at byte {header.file_size}")
+    if size > expected:
+        raise TrailingDataError(f"{name}: bytes follow the last tensor at byte {expected}")
     return header

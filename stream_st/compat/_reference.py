@@ -260,7 +260,7 @@ def local_path(src: object) -> str | None:
     address, a FIFO, bytes...)."""
     if isinstance(src, os.PathLike):
         src = os.fspath(src)
-    if not isinstance(src, str) or is_index(src):
+    if not isinstance(src, str) or (".json" in src and is_index(src)):
         return None
     if "://" in src:
         if not src.lower().startswith("file://"):

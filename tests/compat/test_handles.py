@@ -32,7 +32,8 @@ def test_idle_handles_hold_no_thread_and_no_descriptor(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
     ref_pt.save_file({"w": torch.randn(8, 8)}, path)
     before_fds, before_threads = descriptors(), threading.active_count()
-    handles = [st_pt.safe_open(path, "pt") for _ in range(50)]
+    handles = [st_pt.safe_open(path, "pt") for _ in range(48)]
+    handles += [st_pt.safe_open(f"file://{path}", "pt"), st_pt.safe_open(str(path), "pt")]
     tensors = [f.get_tensor("w") for f in handles]
     assert descriptors() == before_fds
     assert threading.active_count() == before_threads
