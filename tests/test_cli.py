@@ -22,7 +22,8 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import tools
-from stream_st.cli.commands import build_parser, main
+from stream_st.cli import main
+from stream_st.cli.parser import build_parser
 from stream_st.tools import content_digests
 
 from .http_server import RangeHTTPServer

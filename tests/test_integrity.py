@@ -20,7 +20,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import Digests, IntegrityError, SafetensorsError, TensorSpec, tools
-from stream_st.cli.commands import main
+from stream_st.cli import main
 from stream_st.core.digests import ALGORITHM_KEY, DIGEST_KEY_PREFIX
 from stream_st.transports.http.source import HttpSource
 from stream_st.transports.s3.sink import MIN_PART_SIZE, S3Sink

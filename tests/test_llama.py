@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import stream_st
-from stream_st.cli.commands import main
+from stream_st.cli import main
 from stream_st.models.bert import run_streaming
 
 from .conftest import StartSender

@@ -17,7 +17,7 @@ from safetensors import numpy as reference_numpy
 
 import stream_st
 from stream_st import HttpSink, HttpSource, tools
-from stream_st.cli.commands import main
+from stream_st.cli import main
 from stream_st.errors import HTTPStatusError, UsageError
 
 from .http_server import RangeHTTPServer
@@ -180,6 +180,6 @@ def test_cli_unusable_ca_bundle(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 def test_ssl_module_is_what_the_cli_builds(nginx: NginxServer) -> None:
-    from stream_st.cli.commands import _ca_bundle
+    from stream_st.cli.options import ca_bundle
 
-    assert isinstance(_ca_bundle(str(nginx.ca_file)), ssl.SSLContext)
+    assert isinstance(ca_bundle(str(nginx.ca_file)), ssl.SSLContext)

@@ -1,0 +1,201 @@
+"""``stream-st validate``: statistics of every tensor, checked for NaN, Inf and layers missing."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Unpack
+
+import anyio
+import numpy as np
+
+from ..core.digests import ALGORITHM_KEY
+from ..core.header import Header, TensorInfo
+from ..errors import IntegrityError, TensorNotFoundError
+from ..reader import TensorStream
+from ..transports.options import TransportOptions, checked_number
+from ..transports.registry import SourceLike
+from .common import Progress, command_clock, expect_totals, opened, tensors_of
+
+__all__ = ["TensorStats", "Validation", "check_layers", "tensor_stats", "validate"]
+
+
+_STATS_CHUNK = 1 << 22
+"""Statistics are accumulated over this many values at a time (bounded scratch memory)."""
+
+
+@dataclass
+class TensorStats:
+    """Statistics of one tensor (``nan`` and ``inf`` counted for floating types)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    min: float | None
+    max: float | None
+    mean: float | None
+    std: float | None
+    nan: int = 0
+    inf: int = 0
+
+
+@dataclass
+class Validation:
+    """Per-tensor statistics, errors (fail) and warnings (reported apart)."""
+
+    source: str
+    tensors: list[TensorStats] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    digests: str = ""  # the header's digests: which algorithm, how many tensors verified
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def tensor_stats(
+    name: str, dtype: str, shape: Sequence[int], array: np.ndarray[Any, Any]
+) -> TensorStats:
+    """min, max, mean, std (float64 accumulation), NaN and Inf counts, in bounded scratch memory.
+
+    Packed sub-byte types (F4, F6) have no values to summarise: ``None`` everywhere.
+    """
+    stats = TensorStats(name, dtype, list(shape), None, None, None, None)
+    if dtype in ("F4", "F6_E2M3", "F6_E3M2") or array.size == 0:
+        return stats
+    flat = array.reshape(-1)
+    is_float = not (np.issubdtype(flat.dtype, np.integer) or flat.dtype == np.bool_)
+    is_complex = np.issubdtype(flat.dtype, np.complexfloating)
+    low, high = math.inf, -math.inf
+    total = total_sq = 0.0
+    count = 0
+    for start in range(0, flat.size, _STATS_CHUNK):
+        chunk = flat[start : start + _STATS_CHUNK]
+        values = np.abs(chunk).astype(np.float64) if is_complex else chunk.astype(np.float64)
+        if is_float:
+            nan = np.isnan(values)
+            inf = np.isinf(values)
+            stats.nan += int(nan.sum())
+            stats.inf += int(inf.sum())
+            values = values[~(nan | inf)]
+        if values.size:
+            low = min(low, float(values.min()))
+            high = max(high, float(values.max()))
+            total += float(values.sum())
+            total_sq += float(np.square(values).sum())
+            count += values.size
+    if count:
+        mean = total / count
+        stats.min, stats.max, stats.mean = low, high, mean
+        stats.std = math.sqrt(max(0.0, total_sq / count - mean * mean))
+    return stats
+
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
+
+
+def check_layers(names: Iterable[str], required: Sequence[str]) -> list[str]:
+    """For every layer index found in ``names`` (``...layers.N....``), the ``required`` name
+    parts (e.g. ``q_proj``) that no tensor of that layer contains."""
+    layers: dict[int, list[str]] = {}
+    for name in names:
+        match = _LAYER.search(name)
+        if match:
+            layers.setdefault(int(match.group(1)), []).append(name)
+    problems = []
+    for layer in sorted(layers):
+        missing = [part for part in required if not any(part in n for n in layers[layer])]
+        if missing:
+            problems.append(f"layer {layer} has no tensor for {', '.join(missing)}")
+    if required and not layers:
+        problems.append("no layered tensors found (names like 'layers.N.')")
+    return problems
+
+
+async def validate(
+    source: SourceLike,
+    *,
+    expect_shapes: Mapping[str, Sequence[int]] | None = None,
+    expect_layers: Sequence[str] = (),
+    warn_abs: float = 1e4,
+    progress: Progress | None = None,
+    **options: Unpack[TransportOptions],
+) -> Validation:
+    """Stream every tensor and check it: NaN and Inf are errors, as are shapes differing from
+    ``expect_shapes`` (name -> shape; a missing tensor too) and layers lacking a part of
+    ``expect_layers``. Warnings: all-zero or constant tensors, values beyond ``warn_abs``."""
+    checked_number("warn_abs", warn_abs)
+    async with opened(source, command_clock(options)) as (stream, headers):
+        return await _validate_stream(
+            str(source), stream, headers, expect_shapes, expect_layers, warn_abs, progress
+        )
+
+
+async def _validate_stream(
+    source: str,
+    stream: TensorStream,
+    headers: Sequence[Header],
+    expect_shapes: Mapping[str, Sequence[int]] | None,
+    expect_layers: Sequence[str],
+    warn_abs: float,
+    progress: Progress | None,
+) -> Validation:
+    result = Validation(source)
+    infos = {t.name: t for t in tensors_of(headers)}
+    if not infos:
+        result.warnings.append("the file holds no tensors")
+    for name, shape in (expect_shapes or {}).items():
+        if name not in infos:
+            result.errors.append(f"{name}: expected shape {list(shape)}, tensor missing")
+        elif list(infos[name].shape) != list(shape):
+            result.errors.append(f"{name}: shape {list(infos[name].shape)}, expected {list(shape)}")
+    result.errors.extend(check_layers(infos, expect_layers))
+    algorithms = {h.metadata[ALGORITHM_KEY] for h in headers if ALGORITHM_KEY in h.metadata}
+    expect_totals(progress, list(infos.values()))
+    done_bytes = 0
+    try:
+        async for name, array in stream:
+            await _check_tensor(result, infos, name, array, warn_abs)
+            done_bytes += array.nbytes
+            if progress is not None:
+                progress(done_bytes, len(result.tensors))
+            del array
+    except IntegrityError as exc:
+        result.errors.append(str(exc))
+    verified = f"{len(result.tensors)} tensors verified" if not result.errors else "FAILED"
+    result.digests = f"{', '.join(sorted(algorithms))}: {verified}" if algorithms else "none"
+    return result
+
+
+async def _check_tensor(
+    result: Validation,
+    infos: Mapping[str, TensorInfo],
+    name: str,
+    array: np.ndarray[Any, Any],
+    warn_abs: float,
+) -> None:
+    """Add ``array``'s statistics, errors and warnings to ``result``."""
+    info = infos.get(name)
+    if info is None:
+        raise TensorNotFoundError(f"{name} streamed but not in the header")
+    stats = await anyio.to_thread.run_sync(tensor_stats, name, info.dtype, info.shape, array)
+    result.tensors.append(stats)
+    if stats.nan:
+        result.errors.append(f"{name}: {stats.nan} NaN values")
+    if stats.inf:
+        result.errors.append(f"{name}: {stats.inf} Inf values")
+    if stats.max is not None and stats.min is not None:
+        if max(abs(stats.max), abs(stats.min)) > warn_abs:
+            result.warnings.append(
+                f"{name}: values up to {max(abs(stats.max), abs(stats.min)):.4g} "
+                f"(beyond {warn_abs:g})"
+            )
+        if stats.min == stats.max and info.nelements > 1:
+            what = "all zeros" if stats.min == 0 else f"constant {stats.min:.4g}"
+            result.warnings.append(f"{name}: {what}")
