@@ -18,7 +18,7 @@ import torch
 
 import stream_st.torch as st_pt
 
-from ..http_server import RangeHTTPServer
+from ..servers.http_server import RangeHTTPServer
 
 transformers = pytest.importorskip("transformers")
 
