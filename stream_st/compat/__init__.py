@@ -30,7 +30,8 @@ from types import ModuleType
 from typing import IO, Any
 
 from ._errors import SafetensorError, WrongTypeError
-from ._serialize import TensorSpec, deserialize, serialize, serialize_file
+from ._reference import serialize, serialize_file
+from ._serialize import TensorSpec, deserialize
 
 __all__ = [
     "SafetensorError",

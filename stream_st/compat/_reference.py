@@ -41,7 +41,7 @@ from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import Sink, SinkLike, SourceLike
 from ._errors import FileClosedError, InvalidTensorsError, NoSuchFileError, SliceError
 from ._local import LocalFile
-from ._serialize import TensorSpec, check_metadata, write_specs
+from ._serialize import TensorSpec, check_metadata, specs_of, write_specs
 from ._slicing import plan
 from ._sync import Bridge, check_sync_address, run
 
@@ -53,6 +53,8 @@ __all__ = [
     "maps",
     "save_bytes",
     "save_file",
+    "serialize",
+    "serialize_file",
 ]
 
 BACKENDS = ("mmap", "pread")
@@ -581,3 +583,21 @@ async def _load(
     delivery = Delivery("pt" if torch else "np", writable=True)
     stream = stream_for(src, verify=verify, clock=clock, delivery=delivery, copy=copy)
     return {name: tensor async for name, tensor in stream}
+
+
+def serialize(
+    tensor_dict: Mapping[str, TensorSpec], metadata: Mapping[str, str] | None = None
+) -> bytes:
+    """The bytes of a safetensors file holding the tensors ``tensor_dict``'s specs point at."""
+    return save_specs_bytes(specs_of(tensor_dict), check_metadata(metadata))
+
+
+def serialize_file(
+    tensor_dict: Mapping[str, TensorSpec],
+    filename: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write the tensors ``tensor_dict``'s specs point at to ``filename`` (a path or any
+    destination stream_st writes to); nothing is left there if it fails. The GIL is free while
+    the bytes are written."""
+    save_specs_file(specs_of(tensor_dict), filename, check_metadata(metadata))

@@ -9,7 +9,6 @@ read while the call runs: the caller keeps it alive, as with the reference.
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,14 +28,7 @@ from ..transports.registry import SinkLike
 from ..writer import open_writer
 from ._errors import WrongTypeError
 
-__all__ = [
-    "TensorSpec",
-    "check_metadata",
-    "deserialize",
-    "serialize",
-    "serialize_file",
-    "write_specs",
-]
+__all__ = ["TensorSpec", "check_metadata", "deserialize", "write_specs"]
 
 _CODES = {
     "bool": "BOOL",
@@ -146,7 +138,7 @@ def check_metadata(metadata: object) -> dict[str, str] | None:
     return dict(metadata)
 
 
-def _specs(tensor_dict: object) -> dict[str, TensorSpec]:
+def specs_of(tensor_dict: object) -> dict[str, TensorSpec]:
     if not isinstance(tensor_dict, Mapping):
         raise WrongTypeError(
             f"argument 'tensor_dict': '{type(tensor_dict).__name__}' object cannot be converted "
@@ -176,28 +168,6 @@ async def write_specs(
                     f"data_len is {raw.nbytes}"
                 )
             await writer.write(info.name, raw.view(info.array_dtype).reshape(info.array_shape))
-
-
-def serialize(
-    tensor_dict: Mapping[str, TensorSpec], metadata: Mapping[str, str] | None = None
-) -> bytes:
-    """The bytes of a safetensors file holding the tensors ``tensor_dict``'s specs point at."""
-    from ._reference import save_specs_bytes
-
-    return save_specs_bytes(_specs(tensor_dict), check_metadata(metadata))
-
-
-def serialize_file(
-    tensor_dict: Mapping[str, TensorSpec],
-    filename: str | os.PathLike[str],
-    metadata: Mapping[str, str] | None = None,
-) -> None:
-    """Write the tensors ``tensor_dict``'s specs point at to ``filename`` (a path or any
-    destination stream_st writes to); nothing is left there if it fails. The GIL is free while
-    the bytes are written."""
-    from ._reference import save_specs_file
-
-    save_specs_file(_specs(tensor_dict), filename, check_metadata(metadata))
 
 
 def deserialize(data: bytes | bytearray | memoryview) -> list[tuple[str, dict[str, Any]]]:
