@@ -90,7 +90,7 @@ async def test_a_byte_stream_counts_too(tmp_path: Path) -> None:
 
 
 async def test_a_sharded_stream_counts_every_shard(tmp_path: Path) -> None:
-    shards = {
+    shards: dict[str, Arrays] = {
         "model-00001-of-00002.safetensors": {"x": np.zeros(100, np.float32)},
         "model-00002-of-00002.safetensors": {"y": np.zeros(50, np.float64), "z": np.ones(3)},
     }

@@ -53,6 +53,7 @@ __all__ = [
     "ModelConfig",
     "TensorStats",
     "Validation",
+    "check_layer_sequence",
     "check_layers",
     "tensor_stats",
     "validate",
