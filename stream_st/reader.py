@@ -35,6 +35,7 @@ from .errors import (
 from .memory.delivery import Delivery
 from .memory.fresh import ALIGN, fresh_bytes
 from .memory.recycle import Recycler
+from .stats import LoadStats
 from .transports.file.readahead import ReadAhead
 from .transports.file.source import FileSource
 from .transports.options import Clock
@@ -249,6 +250,7 @@ class TensorStream(AsyncClosing):
     ``verify`` checks the header's digests, if it has any, and the whole object's digest when
     its transport gives one and every tensor is read (:meth:`Source.object_digest`); after the
     read, ``object_check`` says how that went (None: the transport gave no digest).
+    ``stats`` (a :class:`~stream_st.LoadStats`) counts the bytes, tensors and time of the read.
     """
 
     def __init__(
@@ -281,6 +283,7 @@ class TensorStream(AsyncClosing):
         self._closed = False
         self._head: tuple[bytes, bytearray] | None = None  # the prefix and header, as read
         self.object_check: str | None = None
+        self.stats = LoadStats()
 
     @property
     def header(self) -> Header:
@@ -306,11 +309,13 @@ class TensorStream(AsyncClosing):
         if self._closed:
             raise UsageError("the stream is closed")
         self._clock.start()
+        self.stats.begin()
         self._source = await open_source(self._source_like, self._clock)
         try:
             self._source.clock.start()  # a lent connection brings the clock of its message
             await self._source.start(read_all=read_all)
             self._header = await self._read_header(self._source)
+            self.stats.received(self._header.data_start)
         except BaseException:
             await self.aclose()
             raise
@@ -401,6 +406,7 @@ class TensorStream(AsyncClosing):
         return generator
 
     async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
+        self.stats.asked(first=True)
         owns = self._header is None
         # Iterated without 'async with' and nothing to skip: every byte will be read.
         header = await self.open(read_all=owns and self._include is None)
@@ -409,8 +415,10 @@ class TensorStream(AsyncClosing):
             self._delivery.check(header.names())
             async with contextlib.aclosing(self._tensors(header, selected)) as items:
                 async for item in items:
+                    self.stats.handed(header[item[0]].nbytes)
                     yield item
                     del item  # hold no array while the next one is read
+                    self.stats.asked()
         finally:
             if owns:
                 self._generator = None  # this one: ending, not to be closed again

@@ -258,6 +258,7 @@ class ShardedStream(TensorStream):
         """Read and validate the index (shards are opened as iteration reaches them)."""
         if self._index is None:
             self._clock.start()  # one clock for the index and every shard
+            self.stats.begin()
             self._index = await ShardIndex.read(self._address, self._clock)
         return Header.from_tensors((), {}, 0)
 
@@ -275,6 +276,7 @@ class ShardedStream(TensorStream):
         return names.__contains__
 
     async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
+        self.stats.asked(first=True)
         await self.open()
         index = self.index
         selected = self._selector(index)
@@ -328,6 +330,7 @@ class ShardedStream(TensorStream):
             clock=self._clock,
             copy=self._copy,
         )
+        stream.stats = self.stats  # every shard counts into the sharded stream's one object
         header = await _open_shard(stream, address, read_all=self._include is None)
         stream._delivery = self._delivery.only(header.names())
         try:
