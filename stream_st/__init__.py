@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .core.digests import Digests
     from .core.dtypes import DTYPES, DType, dtype_for
     from .core.header import Header, TensorInfo, TensorSpec, build_header, parse_header, plan_order
+    from .core.stats import LoadStats
     from .errors import (
         AllocationError,
         CertificateError,
@@ -99,6 +100,7 @@ _PUBLIC = {
     "LimitOptions": ".transports.options",
     "listen": ".connection",
     "Listener": ".connection",
+    "LoadStats": ".core.stats",
     "load": "._api",
     "open_dataset_writer": ".sharded.writer",
     "open_sharded_writer": ".sharded.writer",
@@ -189,6 +191,7 @@ __all__ = [
     "KVReceiver",
     "LimitOptions",
     "Listener",
+    "LoadStats",
     "OutcomeUnknownError",
     "ReadTimeoutError",
     "S3Config",

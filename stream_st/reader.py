@@ -25,6 +25,7 @@ from .core.header import (
     parse_header,
     parse_header_length,
 )
+from .core.stats import LoadStats
 from .errors import (
     AllocationError,
     TensorNotFoundError,
@@ -35,7 +36,6 @@ from .errors import (
 from .memory.delivery import Delivery
 from .memory.fresh import ALIGN, fresh_bytes
 from .memory.recycle import Recycler
-from .stats import LoadStats
 from .transports.file.readahead import ReadAhead
 from .transports.file.source import FileSource
 from .transports.options import Clock

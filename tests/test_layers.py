@@ -26,8 +26,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("transports",),
     ("reader", "writer"),
     ("_api", "connection", "sharded", "kv", "compat", "torch", "numpy"),
-    ("tools",),
     ("integrations", "models"),
+    ("tools",),
     ("cli",),
 ]
 """Lowest first: a module may import its own layer and those below, never one above. The

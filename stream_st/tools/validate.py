@@ -38,10 +38,10 @@ from .._util import task_group
 from ..core.digests import ALGORITHM_KEY
 from ..core.header import Header, TensorInfo
 from ..core.moments import Moments, moments_of, summarisable
+from ..core.stats import LoadStats
 from ..errors import IntegrityError, TensorNotFoundError, UsageError
 from ..reader import TensorStream
 from ..sharded.reader import ShardedStream
-from ..stats import LoadStats
 from ..transports.options import Clock, TransportOptions, checked_number
 from ..transports.registry import SourceLike
 from .common import Progress, command_clock, expect_totals, headers_of, tensors_of

@@ -11,7 +11,7 @@ import numpy as np
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st.stats import LoadStats
+from stream_st import LoadStats
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 
