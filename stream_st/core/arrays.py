@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import DtypeError, UsageError
 from .dtypes import DTYPES
-from .header import TensorSpec
+from .layout import TensorSpec
 
 __all__ = [
     "Framework",
