@@ -55,6 +55,7 @@ from ...errors import (
     SourceChangedError,
     TransportError,
     UsageError,
+    redact,
 )
 from ..base import Source
 from ..options import Clock, LimitOptions, Transport
@@ -101,7 +102,7 @@ class HttpSource(ClientUser, Source):
         self._part_size = part_size
         self._parts: PartWindow | None = None  # reads go through it once open (concurrency > 1)
         self.url = url
-        self.name = name or url
+        self.name = redact(name or url)  # what errors show: no password, no signature
         self._use_client(client, headers, ssl_context, limits)
         self._retry = Retries(retries, backoff)
         self._response: Response | None = None
