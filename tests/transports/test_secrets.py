@@ -3,7 +3,7 @@
 A URL's ``user:password@`` is sent as HTTP Basic credentials, as curl and requests send it: to
 that URL's origin only, never after a redirect to another one. Nothing prints a secret: not an
 error's message or ``url``, not a transport's ``name``, not the ``repr`` of a configuration that
-holds keys or tokens. The servers are tests/http_server.py's (127.0.0.1, and 127.0.0.2 for
+holds keys or tokens. The servers are tests/servers/http_server.py's (127.0.0.1, and 127.0.0.2 for
 another host).
 """
 
@@ -29,11 +29,14 @@ from stream_st.transports.hub import HubClient, HubSource
 from stream_st.transports.options import Transport
 from stream_st.transports.s3.config import Keys, S3Config
 
-from ._util import assert_same_arrays
-from .http_server import RangeHTTPServer
+from .._util import assert_same_arrays
+from ..servers.http_server import RangeHTTPServer
 
 SECRET = "S3cr3tPw"
-ARRAYS = {"a": np.arange(50_000, dtype=np.float32), "b": np.full(300, 7, np.uint8)}
+ARRAYS: dict[str, np.ndarray[Any, Any]] = {
+    "a": np.arange(50_000, dtype=np.float32),
+    "b": np.full(300, 7, np.uint8),
+}
 FILE = reference_numpy.save(ARRAYS)
 
 
@@ -66,7 +69,8 @@ def with_credentials(url: str, userinfo: str = f"alice:{SECRET}") -> str:
 
 @pytest.fixture
 def protected() -> Iterator[BasicAuthServer]:
-    with BasicAuthServer() as running:
+    running = BasicAuthServer()
+    with running:
         running.objects["/m.safetensors"] = FILE
         yield running
 
