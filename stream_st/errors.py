@@ -34,7 +34,7 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
                                       have been stored at the destination
 
 Messages name the tensor, the offsets and what was expected. They never show a secret an address
-carries: every message and every address an error holds passes through :func:`redact` (a URL's
+carries: every message and every address an error holds passes through ``redact`` (a URL's
 password, a pre-signed URL's signature and credential), and so does every transport's ``name``.
 """
 
@@ -118,7 +118,7 @@ def redact(text: str) -> str:
 
 class SafetensorsError(Exception):
     """Root of every error stream_st raises for bad data, misuse or failed I/O. Its message
-    shows no secret an address carries (see :func:`redact`)."""
+    shows no secret an address carries (see ``redact``)."""
 
     def __init__(self, *args: object) -> None:
         super().__init__(*(redact(arg) if isinstance(arg, str) else arg for arg in args))
