@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from .connection import Connection, Listener, connect, listen
     from .core.digests import Digests
     from .core.dtypes import DTYPES, DType, dtype_for
-    from .core.header import Header, TensorInfo, TensorSpec, build_header, parse_header, plan_order
+    from .core.header import Header, TensorInfo, parse_header
+    from .core.layout import TensorSpec, build_header, plan_order
     from .core.stats import LoadStats
     from .errors import (
         AllocationError,
@@ -73,7 +74,7 @@ __version__: str
 _PUBLIC = {
     "AllocationError": ".errors",
     "AsyncReadInto": ".transports.base",
-    "build_header": ".core.header",
+    "build_header": ".core.layout",
     "CertificateError": ".errors",
     "connect": ".connection",
     "Connection": ".connection",
@@ -108,7 +109,7 @@ _PUBLIC = {
     "open_writer": ".writer",
     "OutcomeUnknownError": ".errors",
     "parse_header": ".core.header",
-    "plan_order": ".core.header",
+    "plan_order": ".core.layout",
     "read_header": "._api",
     "ReadTimeoutError": ".errors",
     "receive_kv": ".kv",
@@ -125,7 +126,7 @@ _PUBLIC = {
     "TensorInfo": ".core.header",
     "TensorNotFoundError": ".errors",
     "TensorParts": ".writer",
-    "TensorSpec": ".core.header",
+    "TensorSpec": ".core.layout",
     "TensorStream": ".reader",
     "TensorWriter": ".writer",
     "TrailingDataError": ".errors",

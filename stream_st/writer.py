@@ -26,7 +26,8 @@ from ._util import AsyncClosing, task_group
 from .core.arrays import as_array
 from .core.digests import Digests, OrderedHash, digests_for
 from .core.dtypes import dtype_for, wire_bytes
-from .core.header import Header, TensorInfo, TensorSpec, _plan_list, build_header, plan_order
+from .core.header import Header, TensorInfo
+from .core.layout import TensorSpec, _plan_list, build_header, plan_order
 from .errors import UsageError, WriterError
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import Sink, SinkLike, open_sink

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..core.dtypes import DTYPES
 from ..core.header import LENGTH_PREFIX_SIZE, parse_header, parse_header_length
-from ..core.header import TensorSpec as PlanEntry
+from ..core.layout import TensorSpec as PlanEntry
 from ..errors import (
     DtypeError,
     SafetensorsError,

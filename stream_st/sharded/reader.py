@@ -44,8 +44,9 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from .._util import task_group
-from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header, decode_json
+from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header
 from ..core.shards import MANIFEST_NAME, shard_address, shard_name
+from ..core.strict_json import decode_json
 from ..errors import (
     DtypeError,
     HeaderError,

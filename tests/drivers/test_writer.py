@@ -1057,12 +1057,3 @@ def test_runs_on_trio(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux-only")
-async def test_file_blocks_are_reserved_on_open(tmp_path: pathlib.Path) -> None:
-    plan = [TensorSpec("x", "U8", (1 << 20,))]
-    async with stream_st.open_writer(tmp_path / "r.st", plan) as writer:
-        (temp,) = leftovers(tmp_path)
-        assert temp.startswith(".r.st.") and temp.endswith(".tmp")
-        stat = (tmp_path / temp).stat()
-        assert stat.st_size == writer.header.file_size  # reserved before any tensor
-        await writer.write("x", np.ones(1 << 20, np.uint8))
-    assert leftovers(tmp_path, "r.st") == []

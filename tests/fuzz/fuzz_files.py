@@ -48,7 +48,8 @@ import safetensors
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st.core.header import LENGTH_PREFIX_SIZE, Header, build_header
+from stream_st.core.header import LENGTH_PREFIX_SIZE, Header
+from stream_st.core.layout import build_header
 
 from .._util import sample_tensors
 from ..core.test_differential import stricter_reason
