@@ -12,7 +12,6 @@ import contextlib
 import math
 import os
 import pathlib
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -1054,6 +1053,3 @@ def test_runs_on_trio(tmp_path: pathlib.Path) -> None:
 
     assert_same(trio.run(main), GOOD)
     assert os.listdir(tmp_path) == ["trio.st"]
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux-only")
