@@ -9,6 +9,7 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     ├── TrailingDataError             a whole object carries bytes after its last tensor
     ├── TensorNotFoundError           a requested tensor name is not in the header (also KeyError)
     ├── DtypeError                    a dtype code or numpy dtype that safetensors cannot carry
+    ├── CodecError                    a tensor a KV codec cannot carry, or parts it cannot decode
     ├── UnsupportedSourceError        `open_stream` cannot tell how to read the given object
     ├── UnsupportedSinkError          `open_writer` cannot tell how to write to the given object
     ├── UsageError                    the API was used out of order (e.g. header before open)
@@ -45,6 +46,7 @@ import re
 __all__ = [
     "AllocationError",
     "CertificateError",
+    "CodecError",
     "CredentialsError",
     "DtypeError",
     "HTTPNotFoundError",
@@ -309,3 +311,8 @@ class SourceChangedError(TransportError):
 class CertificateError(TransportError):
     """The server's TLS certificate failed verification (untrusted, expired, another name).
     Never retried: trust it with ``ssl_context=`` (``--ca-bundle``) if it is the right server."""
+
+
+class CodecError(SafetensorsError, ValueError):
+    """A tensor a codec cannot carry (NaN/Inf, wrong dtype or shape) or wire parts it cannot
+    decode (missing, wrong dtype or shape, invalid scale)."""
