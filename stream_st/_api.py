@@ -81,14 +81,19 @@ async def load(
     recorded in the header are checked (``verify=False`` skips that), and nothing is returned
     unless every tensor passed. ``copy=False`` maps a local file and returns read-only views of
     it (see :func:`~stream_st.open_stream` for when not to).
+
+    An index or manifest whose shards repeat a tensor name (a batch-mode dataset, whose shards
+    all hold the same columns) is refused with a :class:`~stream_st.UsageError` before any of
+    the repeating shard's tensors is read: a dict cannot hold every shard's rows. Stream it with
+    :func:`open_stream`, or read a dataset by rows (:mod:`stream_st.integrations.dataset`).
     """
-    stream = open_stream(
+    stream = stream_for(
         source,
         include=include,
         max_header_size=max_header_size,
         verify=verify,
+        clock=clock_of(options),
         copy=copy,
-        **options,
     )
     return {name: array async for name, array in stream}
 
@@ -169,6 +174,7 @@ def open_stream(
         clock=clock,
         delivery=Delivery(framework, into),
         copy=copy,
+        unique_names=False,
     )
 
 
@@ -181,8 +187,15 @@ def stream_for(
     clock: Clock,
     delivery: Delivery | None = None,
     copy: bool = True,
+    unique_names: bool = True,
 ) -> TensorStream:
-    """:func:`open_stream` under ``clock``: reads that share one operation's limits."""
+    """:func:`open_stream` under ``clock``: reads that share one operation's limits.
+
+    ``unique_names`` (the default: what callers collecting ``{name: array}`` need) refuses, with
+    a :class:`~stream_st.UsageError` naming the streaming way to read it, an index or manifest
+    whose shards repeat a tensor name (a batch-mode dataset's columns are in every shard), before
+    any tensor of the repeating shard is read; :func:`open_stream` streams them all instead.
+    """
     from .core.shards import is_index
     from .sharded.reader import ShardedStream
 
@@ -195,6 +208,7 @@ def stream_for(
             clock=clock,
             delivery=delivery,
             copy=copy,
+            unique_names=unique_names,
         )
     return TensorStream(
         source,

@@ -224,6 +224,7 @@ class ShardedStream(TensorStream):
         delivery: Delivery | None = None,
         copy: bool = True,
         concurrency: int | None = None,
+        unique_names: bool = False,
     ) -> None:
         super().__init__(
             index,
@@ -240,6 +241,8 @@ class ShardedStream(TensorStream):
         self._index: ShardIndex | None = None
         self._current: TensorStream | None = None
         self.headers: dict[str, Header] = {}
+        self._unique_names = unique_names
+        self._shard_of: dict[str, str] = {}  # with unique_names: each name read, its shard
 
     @property
     def index(self) -> ShardIndex:
@@ -296,6 +299,8 @@ class ShardedStream(TensorStream):
                             group.start_soon(self._open_ahead, index, following, selected)
                         stream = self._current = await self._next_stream(index, shard, selected)
                         self.headers[shard] = stream.header
+                        if self._unique_names:
+                            self._claim_names(shard, stream.header, selected)
                         items = aiter(stream)
                         first = await anext(items, None)
                     if first is not None:
@@ -313,6 +318,23 @@ class ShardedStream(TensorStream):
             if isinstance(unread, TensorStream):
                 await unread.aclose()
         self._check_all_found(index)
+
+    def _claim_names(self, shard: str, header: Header, selected: Callable[[str], bool]) -> None:
+        """With ``unique_names``: :class:`UsageError` if a tensor of ``shard`` to be read was
+        read from an earlier shard already (a batch-mode dataset repeats its columns in every
+        shard), before any of this shard's tensors is: one dict of names cannot hold them."""
+        for name in header.names():
+            if not selected(name):
+                continue
+            first = self._shard_of.setdefault(name, shard)
+            if first != shard:
+                raise UsageError(
+                    f"{self._address}: tensor {name!r} is in more than one shard ({first} and "
+                    f"{shard}), so one dict of names cannot hold them all: read it as a stream "
+                    "(async for name, array in stream_st.open_stream(...)), shard after shard, "
+                    "or, for a dataset, by rows (stream_st.integrations.dataset.plan_pieces and "
+                    "read_piece, or SafetensorsDataset)"
+                )
 
     async def _open_checked(
         self, index: ShardIndex, shard: str, selected: Callable[[str], bool]
