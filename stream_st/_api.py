@@ -8,6 +8,7 @@ from typing import Any, Unpack
 
 import numpy as np
 
+from ._caps import NO_CAPS, Caps
 from .core.arrays import Framework, as_array, spec_of
 from .core.digests import Digests
 from .core.header import DEFAULT_MAX_HEADER_SIZE, Header
@@ -73,6 +74,8 @@ async def load(
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
     verify: bool = True,
     copy: bool = True,
+    max_tensor_bytes: int | None = None,
+    max_total_bytes: int | None = None,
     **options: Unpack[TransportOptions],
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Read a whole safetensors message into ``{name: array}`` in offset order.
@@ -80,7 +83,8 @@ async def load(
     Takes every source :func:`~stream_st.open_stream` takes, and the same options: digests
     recorded in the header are checked (``verify=False`` skips that), and nothing is returned
     unless every tensor passed. ``copy=False`` maps a local file and returns read-only views of
-    it (see :func:`~stream_st.open_stream` for when not to).
+    it (see :func:`~stream_st.open_stream` for when not to). ``max_tensor_bytes`` and
+    ``max_total_bytes`` cap what the read may allocate, as for :func:`~stream_st.open_stream`.
 
     An index or manifest whose shards repeat a tensor name (a batch-mode dataset, whose shards
     all hold the same columns) is refused with a :class:`~stream_st.UsageError` before any of
@@ -94,6 +98,8 @@ async def load(
         verify=verify,
         clock=clock_of(options),
         copy=copy,
+        max_tensor_bytes=max_tensor_bytes,
+        max_total_bytes=max_total_bytes,
     )
     return {name: array async for name, array in stream}
 
@@ -108,6 +114,8 @@ def open_stream(
     verify: bool = True,
     copy: bool = True,
     concurrency: int | None = None,
+    max_tensor_bytes: int | None = None,
+    max_total_bytes: int | None = None,
     **options: Unpack[TransportOptions],
 ) -> TensorStream:
     """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
@@ -160,6 +168,13 @@ def open_stream(
     :class:`~stream_st.IntegrityError` naming the tensor, and neither it nor any later tensor
     is yielded. ``verify=False`` skips the check.
 
+    Caps on what a peer or file may make the reader allocate (bytes; ``None``, the default,
+    for none): ``max_tensor_bytes`` for any one tensor read, ``max_total_bytes`` for all of them
+    together (of every shard, for an index or manifest). The tensors to be read (those
+    ``include`` selects) are checked against them once their header is known, before any is
+    allocated, wherever they would land; one over a cap is refused with
+    :class:`~stream_st.AllocationError` naming it, the size it declares and the cap.
+
     The header is read and validated in full before the first tensor. Errors are
     :class:`~stream_st.SafetensorsError` subclasses: a tensor the source ends inside is never
     yielded (:class:`~stream_st.TruncatedStreamError`).
@@ -175,6 +190,8 @@ def open_stream(
         delivery=Delivery(framework, into),
         copy=copy,
         unique_names=False,
+        max_tensor_bytes=max_tensor_bytes,
+        max_total_bytes=max_total_bytes,
     )
 
 
@@ -188,6 +205,8 @@ def stream_for(
     delivery: Delivery | None = None,
     copy: bool = True,
     unique_names: bool = True,
+    max_tensor_bytes: int | None = None,
+    max_total_bytes: int | None = None,
 ) -> TensorStream:
     """:func:`open_stream` under ``clock``: reads that share one operation's limits.
 
@@ -209,6 +228,8 @@ def stream_for(
             delivery=delivery,
             copy=copy,
             unique_names=unique_names,
+            max_tensor_bytes=max_tensor_bytes,
+            max_total_bytes=max_total_bytes,
         )
     return TensorStream(
         source,
@@ -218,6 +239,8 @@ def stream_for(
         clock=clock,
         delivery=delivery,
         copy=copy,
+        max_tensor_bytes=max_tensor_bytes,
+        max_total_bytes=max_total_bytes,
     )
 
 
@@ -225,17 +248,31 @@ async def read_header(
     source: SourceLike,
     *,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    max_tensor_bytes: int | None = None,
+    max_total_bytes: int | None = None,
     **options: Unpack[TransportOptions],
 ) -> Header:
     """Read and validate only the header of ``source``, then close it; limits as in
-    :func:`open_stream`."""
-    return await header_of(source, clock_of(options), max_header_size=max_header_size)
+    :func:`open_stream`. With ``max_tensor_bytes`` or ``max_total_bytes``, the header's
+    tensors (all of them) are checked against those caps as :func:`open_stream` would check
+    them before reading: :class:`~stream_st.AllocationError` for one over a cap."""
+    return await header_of(
+        source,
+        clock_of(options),
+        max_header_size=max_header_size,
+        caps=Caps.of(max_tensor_bytes, max_total_bytes),
+    )
 
 
 async def header_of(
-    source: SourceLike, clock: Clock, *, max_header_size: int = DEFAULT_MAX_HEADER_SIZE
+    source: SourceLike,
+    clock: Clock,
+    *,
+    max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    caps: Caps = NO_CAPS,
 ) -> Header:
-    """:func:`read_header` under ``clock``."""
+    """:func:`read_header` under ``clock``, checked against ``caps``."""
     stream = stream_for(source, max_header_size=max_header_size, clock=clock)
     async with stream:
+        caps.check(stream.header.tensors, stream.source.name)
         return stream.header

@@ -15,6 +15,7 @@ from typing import Any, Self
 import anyio.to_thread
 import numpy as np
 
+from ._caps import Caps
 from ._util import AsyncClosing, task_group
 from .core.digests import HASH_INLINE, Digests, Hasher, ObjectDigest, hash_view, update_sliced
 from .core.header import (
@@ -246,9 +247,11 @@ class TensorStream(AsyncClosing):
     :func:`open_stream`). ``clock`` holds the time limits of the read (see :func:`open_stream`);
     it starts when the stream opens. ``delivery`` says where tensors land and what they are
     handed out as (see ``framework=`` and ``into=`` of :func:`open_stream`).
-    ``verify`` checks the header's digests, if it has any, and the whole object's digest when
-    its transport gives one and every tensor is read (:meth:`Source.object_digest`); after the
-    read, ``object_check`` says how that went (None: the transport gave no digest).
+    ``max_tensor_bytes`` and ``max_total_bytes`` cap what the read may allocate (see
+    :func:`open_stream`). ``verify`` checks the header's digests, if it has any, and the whole
+    object's digest when its transport gives one and every tensor is read
+    (:meth:`Source.object_digest`); after the read, ``object_check`` says how that went (None:
+    the transport gave no digest).
     """
 
     def __init__(
@@ -261,7 +264,10 @@ class TensorStream(AsyncClosing):
         clock: Clock | None = None,
         delivery: Delivery | None = None,
         copy: bool = True,
+        max_tensor_bytes: int | None = None,
+        max_total_bytes: int | None = None,
     ) -> None:
+        self._caps = Caps.of(max_tensor_bytes, max_total_bytes)
         self._source_like = source
         self._include = include
         self._delivery = delivery or Delivery()
@@ -423,6 +429,7 @@ class TensorStream(AsyncClosing):
         delivery = self._delivery
         base = header.data_start
         wanted = [info for info in header.tensors if selected(info.name)]
+        self._caps.check(wanted, source.name)  # before anything is allocated for them
         digests = Digests.from_header(header) if self._verify else None
         ranges = merge_ranges((base + t.start, base + t.end) for t in wanted)
         mapped = (

@@ -211,6 +211,10 @@ class ShardedStream(TensorStream):
     shard being read; ``headers`` maps each shard reached so far to its header.
     ``concurrency``: ranged requests at once per remote shard, the next shard opened ahead (see
     the module); None takes the operation's (``open_stream(index, concurrency=K)``).
+    ``unique_names`` refuses shards that repeat a tensor name (see
+    :func:`~stream_st._api.stream_for`). ``max_tensor_bytes`` caps each tensor read,
+    ``max_total_bytes`` the tensors of every shard together, each shard checked as it is
+    reached, before any of its tensors is allocated (:class:`~stream_st.AllocationError`).
     """
 
     def __init__(
@@ -225,6 +229,8 @@ class ShardedStream(TensorStream):
         copy: bool = True,
         concurrency: int | None = None,
         unique_names: bool = False,
+        max_tensor_bytes: int | None = None,
+        max_total_bytes: int | None = None,
     ) -> None:
         super().__init__(
             index,
@@ -234,7 +240,10 @@ class ShardedStream(TensorStream):
             clock=clock,
             delivery=delivery,
             copy=copy,
+            max_tensor_bytes=max_tensor_bytes,
+            max_total_bytes=max_total_bytes,
         )
+        self._counted = 0  # bytes the shards reached so far declare, for max_total_bytes
         self._clock.transport = self._clock.transport.reading(concurrency)
         self._ahead: TensorStream | SafetensorsError | None = None  # opened while one streams
         self._address = os.fspath(index)
@@ -301,6 +310,8 @@ class ShardedStream(TensorStream):
                         self.headers[shard] = stream.header
                         if self._unique_names:
                             self._claim_names(shard, stream.header, selected)
+                        wanted = (t for t in stream.header.tensors if selected(t.name))
+                        self._counted = self._caps.check(wanted, stream.source.name, self._counted)
                         items = aiter(stream)
                         first = await anext(items, None)
                     if first is not None:
@@ -349,6 +360,7 @@ class ShardedStream(TensorStream):
             verify=self._verify,
             clock=self._clock,
             copy=self._copy,
+            max_tensor_bytes=self._caps.tensor,
         )
         header = await _open_shard(stream, address, read_all=self._include is None)
         stream._delivery = self._delivery.only(header.names())
