@@ -16,6 +16,7 @@ import anyio.to_thread
 import numpy as np
 
 from ._caps import Caps
+from ._pace import give_turn
 from ._util import AsyncClosing, task_group
 from .core.digests import HASH_INLINE, Digests, Hasher, ObjectDigest, hash_view, update_sliced
 from .core.header import (
@@ -312,10 +313,12 @@ class TensorStream(AsyncClosing):
         if self._closed:
             raise UsageError("the stream is closed")
         self._clock.start()
+        await give_turn()  # many small local files never wait: the loop's turns come from here
         self._source = await open_source(self._source_like, self._clock)
         try:
             self._source.clock.start()  # a lent connection brings the clock of its message
             await self._source.start(read_all=read_all)
+            await give_turn()
             self._header = await self._read_header(self._source)
         except BaseException:
             await self.aclose()
@@ -457,6 +460,7 @@ class TensorStream(AsyncClosing):
             return
         for info in wanted:
             source.clock.check(source.name, source.position)
+            await give_turn()
             target = delivery.target(info)
             if mapped is None or target is not None:
                 array = await _read_tensor(
@@ -520,6 +524,7 @@ class TensorStream(AsyncClosing):
                     following = next(upcoming, None)
                 if not queued:
                     break
+                await give_turn()
                 info, job, span, array = queued.popleft()
                 source.clock.check(source.name, source.position)
                 got = await ahead.wait(job) if job >= 0 else 0
