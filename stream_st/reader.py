@@ -281,8 +281,12 @@ class TensorStream(AsyncClosing):
         self._iterated = False
         # The iteration, held weakly: a strong reference would make a cycle (its frame holds
         # the stream), so one left with 'break' outside 'async with' would be closed, its file
-        # and read-ahead threads released, only when the cycle collector runs.
+        # and read-ahead threads released, only when the cycle collector runs. Held strongly
+        # too (``_held``) when the stream was open before it began ('async with'): leaving the
+        # block closes it then, so what it holds (the array handed out last, tensors read
+        # ahead) goes at once, not when the loop gets a turn to finalise it after a 'break'.
         self._generator: weakref.ref[AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]] | None = None
+        self._held: AsyncGenerator[tuple[str, np.ndarray[Any, Any]]] | None = None
         self._reading: ReadAhead | None = None  # the iteration's read-ahead, if it has one
         self._recycler = Recycler()  # fresh memory the caller has let go of, for later tensors
         self._closed = False
@@ -394,7 +398,8 @@ class TensorStream(AsyncClosing):
         running in another task at this moment (which then meets the closed source), or was
         dropped after a ``break`` and waits for the loop to close it."""
         alive, self._generator = self._generator, None
-        generator = None if alive is None else alive()
+        held, self._held = self._held, None
+        generator = held if alive is None else alive()
         if generator is not None and not getattr(generator, "ag_running", False):
             await generator.aclose()
         reading, self._reading = self._reading, None
@@ -407,7 +412,13 @@ class TensorStream(AsyncClosing):
         self._iterated = True
         generator = self._iterate()
         self._generator = weakref.ref(generator)
+        if self._opened():  # closed with the stream, which 'async with' does (see __init__)
+            self._held = generator
         return generator
+
+    def _opened(self) -> bool:
+        """Whether the stream was opened (``async with``) before its iteration began."""
+        return self._header is not None
 
     async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
         owns = self._header is None
@@ -422,7 +433,7 @@ class TensorStream(AsyncClosing):
                     del item  # hold no array while the next one is read
         finally:
             if owns:
-                self._generator = None  # this one: ending, not to be closed again
+                self._generator = self._held = None  # this one: ending, not closed again
                 await self.aclose()
 
     async def _tensors(
@@ -496,7 +507,13 @@ class TensorStream(AsyncClosing):
         following = next(upcoming, None)
         fresh = 0  # bytes of fresh arrays read or being read, not yet handed out
         handed = 0  # bytes of fresh arrays handed out
-        async with source.reading() as ahead:
+        # Not 'async with': a trio run that ends with this generator left by a 'break' closes
+        # the async generators still open in any order, this context's own one maybe first;
+        # leaving it as a normal exit then finds it finished, where an exception thrown in
+        # would be a RuntimeError. Its exit stops and waits for the threads either way.
+        reading = source.reading()
+        ahead = await reading.__aenter__()
+        try:
             self._reading = ahead
             while True:
                 while following is not None:
@@ -540,6 +557,8 @@ class TensorStream(AsyncClosing):
                     array.byteswap(inplace=True)
                 yield info.name, delivery.deliver(info, array, span is not None)
                 del array
+        finally:
+            await reading.__aexit__(None, None, None)
 
     async def _object_hash(self, every_byte: bool) -> tuple[ObjectDigest, Hasher] | None:
         """The whole object's digest, if its transport gives one and the read will take every

@@ -266,6 +266,9 @@ class ShardedStream(TensorStream):
             raise UsageError("a sharded stream has one header per shard: see .headers, .index")
         return self._current._header
 
+    def _opened(self) -> bool:
+        return self._index is not None
+
     async def open(self, *, read_all: bool = False) -> Header:
         """Read and validate the index (shards are opened as iteration reaches them)."""
         if self._index is None:
