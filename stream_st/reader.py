@@ -238,6 +238,133 @@ async def _parse_off_loop(raw: bytearray, source: Source) -> Header:
         stopped.set()
 
 
+async def _read_header(
+    source: Source, max_header_size: int
+) -> tuple[Header, tuple[bytes, bytearray]]:
+    """The validated header of ``source`` (its length at most ``max_header_size``), and the
+    length prefix and header bytes as read (the start of the whole object's digest)."""
+    prefix = bytearray(LENGTH_PREFIX_SIZE)
+    got = await source.fill(memoryview(prefix))
+    if got < LENGTH_PREFIX_SIZE:
+        parse_header_length(bytes(prefix[:got]))  # raises: fewer than 8 bytes
+    n = parse_header_length(prefix, max_header_size=max_header_size)
+    if source.size is not None and LENGTH_PREFIX_SIZE + n > source.size:
+        raise TruncatedStreamError(
+            "the header",
+            name=None,
+            offset=source.size,
+            expected=LENGTH_PREFIX_SIZE + n,
+            source=source.name,
+        )
+    raw, got = await _receive_header(source, n)
+    if got < n:
+        raise TruncatedStreamError(
+            "the header",
+            name=None,
+            offset=LENGTH_PREFIX_SIZE + got,
+            expected=LENGTH_PREFIX_SIZE + n,
+            source=source.name,
+        )
+    header = await _parse_off_loop(raw, source) if n > PARSE_IN_THREAD_ABOVE else parse_header(raw)
+    if source.size is not None:
+        _check_size(header, source.size, source.name)
+    return header, (bytes(prefix), raw)
+
+
+def _check_size(header: Header, size: int, name: str) -> None:
+    """:class:`TrailingDataError` or :class:`TruncatedStreamError` unless a source of ``size``
+    bytes holds exactly what ``header`` describes."""
+    if size > header.file_size:
+        raise TrailingDataError(
+            f"{name}: {size - header.file_size} bytes follow the last tensor "
+            f"(the header describes {header.file_size} bytes, the source has {size})"
+        )
+    if size < header.file_size:
+        first_short = next(t for t in header.tensors if header.data_start + t.end > size)
+        raise TruncatedStreamError(
+            f"tensor {first_short.name!r}",
+            name=first_short.name,
+            offset=size,
+            expected=header.data_start + first_short.end,
+            source=name,
+        )
+
+
+async def _read_ahead(
+    source: FileSource,
+    wanted: list[TensorInfo],
+    base: int,
+    delivery: Delivery,
+    recycler: Recycler,
+    started: Callable[[ReadAhead], None],
+) -> AsyncGenerator[tuple[str, Any]]:
+    """The tensors of a local file read ahead of the caller by worker threads kept busy (see
+    :mod:`stream_st.sources._ahead`): every tensor going into memory the caller gave (but
+    memory given for several tensors, such as one staging buffer, takes the next only once
+    the tensor before has been handed out and the caller has asked for the next, as without
+    read-ahead), and fresh arrays while those not yet handed out leave room
+    (:func:`_room_ahead`). ``delivery`` says where tensors land, ``recycler`` gives fresh
+    memory; ``started`` is told the :class:`ReadAhead` (for a close from another task)."""
+    queued: deque[tuple[TensorInfo, int, Span | None, np.ndarray[Any, Any]]] = deque()
+    spans: list[Span] = []  # the caller's memory queued tensors go into, sorted
+    upcoming = iter(wanted)
+    following = next(upcoming, None)
+    fresh = 0  # bytes of fresh arrays read or being read, not yet handed out
+    handed = 0  # bytes of fresh arrays handed out
+    # Not 'async with': a trio run that ends with this generator left by a 'break' closes
+    # the async generators still open in any order, this context's own one maybe first;
+    # leaving it as a normal exit then finds it finished, where an exception thrown in
+    # would be a RuntimeError. Its exit stops and waits for the threads either way.
+    reading = source.reading()
+    ahead = await reading.__aenter__()
+    try:
+        started(ahead)
+        while True:
+            while following is not None:
+                info = following
+                target = delivery.target(info)
+                span = frame = None
+                if target is None:
+                    keeping = handed >= READ_AHEAD_BYTES and not recycler.dropped
+                    if queued and not _room_ahead(len(queued), fresh, info.nbytes, keeping):
+                        break
+                    phase = (base + info.start) % ALIGN  # as the bytes lie in the blocks
+                    target_array, view, frame = _allocate_framed(
+                        info, functools.partial(recycler.take_framed, phase=phase)
+                    )
+                    fresh += info.nbytes
+                else:
+                    target_array, view = target
+                    span = _span(target_array)
+                    if info.nbytes:
+                        if _overlaps(spans, span):  # memory used again (a staging buffer)
+                            break  # filled once the tensor queued there is handed out
+                        bisect.insort(spans, span)
+                job = ahead.add(base + info.start, view, frame) if info.nbytes else -1
+                queued.append((info, job, span, target_array))
+                following = next(upcoming, None)
+            if not queued:
+                break
+            await give_turn()
+            info, job, span, array = queued.popleft()
+            source.clock.check(source.name, source.position)
+            got = await ahead.wait(job) if job >= 0 else 0
+            source.position = base + info.start + got
+            if got < info.nbytes:
+                raise _cut_short(info, source, base)
+            if span is None:
+                fresh -= info.nbytes
+                handed += info.nbytes
+            elif info.nbytes:
+                spans.remove(span)
+            if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
+                array.byteswap(inplace=True)
+            yield info.name, delivery.deliver(info, array, span is not None)
+            del array
+    finally:
+        await reading.__aexit__(None, None, None)
+
+
 class TensorStream(AsyncClosing):
     """One safetensors file read as a stream. Create it with :func:`open_stream`.
 
@@ -323,59 +450,11 @@ class TensorStream(AsyncClosing):
             self._source.clock.start()  # a lent connection brings the clock of its message
             await self._source.start(read_all=read_all)
             await give_turn()
-            self._header = await self._read_header(self._source)
+            self._header, self._head = await _read_header(self._source, self._max_header_size)
         except BaseException:
             await self.aclose()
             raise
         return self._header
-
-    async def _read_header(self, source: Source) -> Header:
-        prefix = bytearray(LENGTH_PREFIX_SIZE)
-        got = await source.fill(memoryview(prefix))
-        if got < LENGTH_PREFIX_SIZE:
-            parse_header_length(bytes(prefix[:got]))  # raises: fewer than 8 bytes
-        n = parse_header_length(prefix, max_header_size=self._max_header_size)
-        if source.size is not None and LENGTH_PREFIX_SIZE + n > source.size:
-            raise TruncatedStreamError(
-                "the header",
-                name=None,
-                offset=source.size,
-                expected=LENGTH_PREFIX_SIZE + n,
-                source=source.name,
-            )
-        raw, got = await _receive_header(source, n)
-        if got < n:
-            raise TruncatedStreamError(
-                "the header",
-                name=None,
-                offset=LENGTH_PREFIX_SIZE + got,
-                expected=LENGTH_PREFIX_SIZE + n,
-                source=source.name,
-            )
-        header = (
-            await _parse_off_loop(raw, source) if n > PARSE_IN_THREAD_ABOVE else parse_header(raw)
-        )
-        self._head = (bytes(prefix), raw)
-        if source.size is not None:
-            self._check_size(header, source.size, source.name)
-        return header
-
-    @staticmethod
-    def _check_size(header: Header, size: int, name: str) -> None:
-        if size > header.file_size:
-            raise TrailingDataError(
-                f"{name}: {size - header.file_size} bytes follow the last tensor "
-                f"(the header describes {header.file_size} bytes, the source has {size})"
-            )
-        if size < header.file_size:
-            first_short = next(t for t in header.tensors if header.data_start + t.end > size)
-            raise TruncatedStreamError(
-                f"tensor {first_short.name!r}",
-                name=first_short.name,
-                offset=size,
-                expected=header.data_start + first_short.end,
-                source=name,
-            )
 
     async def aclose(self) -> None:
         """Close the source. Bytes not yet read stay unread. An iteration left part way (a
@@ -464,7 +543,10 @@ class TensorStream(AsyncClosing):
             and isinstance(source, FileSource)
             and sum(info.nbytes for info in wanted) >= READ_AHEAD_FROM
         ):
-            async with contextlib.aclosing(self._read_ahead(source, wanted, base)) as items:
+            ahead = _read_ahead(
+                source, wanted, base, delivery, self._recycler, self._started_reading
+            )
+            async with contextlib.aclosing(ahead) as items:
                 async for item in items:
                     yield item
                     del item
@@ -491,74 +573,8 @@ class TensorStream(AsyncClosing):
             digest.check(hasher, source.name)
             self.object_check = f"{digest.label}: verified"
 
-    async def _read_ahead(
-        self, source: FileSource, wanted: list[TensorInfo], base: int
-    ) -> AsyncGenerator[tuple[str, Any]]:
-        """The tensors of a local file read ahead of the caller by worker threads kept busy (see
-        :mod:`stream_st.sources._ahead`): every tensor going into memory the caller gave (but
-        memory given for several tensors, such as one staging buffer, takes the next only once
-        the tensor before has been handed out and the caller has asked for the next, as without
-        read-ahead), and fresh arrays while those not yet handed out leave room
-        (:func:`_room_ahead`)."""
-        delivery = self._delivery
-        queued: deque[tuple[TensorInfo, int, Span | None, np.ndarray[Any, Any]]] = deque()
-        spans: list[Span] = []  # the caller's memory queued tensors go into, sorted
-        upcoming = iter(wanted)
-        following = next(upcoming, None)
-        fresh = 0  # bytes of fresh arrays read or being read, not yet handed out
-        handed = 0  # bytes of fresh arrays handed out
-        # Not 'async with': a trio run that ends with this generator left by a 'break' closes
-        # the async generators still open in any order, this context's own one maybe first;
-        # leaving it as a normal exit then finds it finished, where an exception thrown in
-        # would be a RuntimeError. Its exit stops and waits for the threads either way.
-        reading = source.reading()
-        ahead = await reading.__aenter__()
-        try:
-            self._reading = ahead
-            while True:
-                while following is not None:
-                    info = following
-                    target = delivery.target(info)
-                    span = frame = None
-                    if target is None:
-                        keeping = handed >= READ_AHEAD_BYTES and not self._recycler.dropped
-                        if queued and not _room_ahead(len(queued), fresh, info.nbytes, keeping):
-                            break
-                        phase = (base + info.start) % ALIGN  # as the bytes lie in the blocks
-                        target_array, view, frame = _allocate_framed(
-                            info, functools.partial(self._recycler.take_framed, phase=phase)
-                        )
-                        fresh += info.nbytes
-                    else:
-                        target_array, view = target
-                        span = _span(target_array)
-                        if info.nbytes:
-                            if _overlaps(spans, span):  # memory used again (a staging buffer)
-                                break  # filled once the tensor queued there is handed out
-                            bisect.insort(spans, span)
-                    job = ahead.add(base + info.start, view, frame) if info.nbytes else -1
-                    queued.append((info, job, span, target_array))
-                    following = next(upcoming, None)
-                if not queued:
-                    break
-                await give_turn()
-                info, job, span, array = queued.popleft()
-                source.clock.check(source.name, source.position)
-                got = await ahead.wait(job) if job >= 0 else 0
-                source.position = base + info.start + got
-                if got < info.nbytes:
-                    raise _cut_short(info, source, base)
-                if span is None:
-                    fresh -= info.nbytes
-                    handed += info.nbytes
-                elif info.nbytes:
-                    spans.remove(span)
-                if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
-                    array.byteswap(inplace=True)
-                yield info.name, delivery.deliver(info, array, span is not None)
-                del array
-        finally:
-            await reading.__aexit__(None, None, None)
+    def _started_reading(self, ahead: ReadAhead) -> None:
+        self._reading = ahead  # stopped by a close, also one from another task
 
     async def _object_hash(self, every_byte: bool) -> tuple[ObjectDigest, Hasher] | None:
         """The whole object's digest, if its transport gives one and the read will take every

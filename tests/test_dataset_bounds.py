@@ -24,7 +24,10 @@ async def write_batches(directory: Path) -> list[dict[str, np.ndarray[Any, Any]]
     async with open_dataset_writer(directory, target_shard_size=1) as writer:
         for shard in range(SHARDS):
             rows = np.arange(shard * 4, shard * 4 + 4)
-            batch = {"x": rows.astype(np.float32)[:, None] * np.ones(3, np.float32), "y": rows}
+            batch: dict[str, np.ndarray[Any, Any]] = {
+                "x": rows.astype(np.float32)[:, None] * np.ones(3, np.float32),
+                "y": rows,
+            }
             await writer.write_batch(batch, samples=4)
             batches.append(batch)
     return batches
