@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import stream_st
+import stream_st.numpy
 from stream_st.kv import KVLayout, receive_kv, send_kv
 from stream_st.models.bert import BertConfig
 from stream_st.models.llm import LlamaConfig, ModelError, read_checkpoint
@@ -111,3 +112,17 @@ def test_deeply_nested_bert_config_is_a_safetensors_error(tmp_path: Path) -> Non
     path.write_text('{"hidden_size": "x", "num_attention_heads": 1, "num_hidden_layers": 1}')
     with pytest.raises(stream_st.SafetensorsError, match="not a BERT configuration"):
         BertConfig.from_json(path)
+
+
+async def test_an_index_naming_a_tensor_twice_is_refused(tmp_path: Path) -> None:
+    """``{"weight_map": {"a": "one", "a": "two"}}`` is no index: a parser that keeps the last
+    key would read ``a`` from the second shard without a word about the first."""
+    for shard, value in (("one", 1.0), ("two", 2.0)):
+        stream_st.numpy.save_file({"a": np.full(2, value, np.float32)}, tmp_path / f"{shard}.st")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {"a": "one.st", "a": "two.st"}}')
+    with pytest.raises(stream_st.HeaderError, match="duplicate key 'a'"):
+        await stream_st.load(index)
+    index.write_text('{"weight_map": {"a": "one.st"}, "metadata": ' + DEEP + "}")
+    with pytest.raises(stream_st.HeaderError, match="nested"):
+        await stream_st.load(index)

@@ -129,7 +129,7 @@ class ShardIndex:
 
     def __init__(self, raw: bytes, name: str, home: str | None = None) -> None:
         self.home = name if home is None else home
-        obj = decode_json(raw, f"{name}: the index")
+        obj = decode_json(raw, f"{name}: the index", strict=True)  # a key once, no NaN
         if not isinstance(obj, dict):
             raise HeaderError(f"{name}: the index must be a JSON object")
         self.weight_map: dict[str, str] | None = None
