@@ -8,13 +8,12 @@ from typing import Any, Unpack
 
 import numpy as np
 
-from ._caps import NO_CAPS, Caps
 from .core.arrays import Framework, as_array, spec_of
 from .core.digests import Digests
 from .core.header import DEFAULT_MAX_HEADER_SIZE, Header
 from .errors import UsageError
 from .memory.delivery import Delivery
-from .reader import Include, TensorStream
+from .reader import NO_CAPS, Caps, Include, TensorStream
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import SinkLike, SourceLike
 from .writer import Order, TensorWriter

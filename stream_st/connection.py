@@ -27,7 +27,8 @@ from typing import Unpack
 import anyio
 
 from ._util import AsyncClosing
-from .core.header import DEFAULT_MAX_HEADER_SIZE, TensorSpec
+from .core.header import DEFAULT_MAX_HEADER_SIZE
+from .core.layout import TensorSpec
 from .errors import TransportError, UsageError
 from .reader import Include, TensorStream
 from .transports.options import NO_LIMITS, Clock, LimitOptions, Limits

@@ -41,7 +41,9 @@ from ._util import task_group
 from .connection import Connection
 from .core.codecs import Codec, codec_from_metadata, get_codec
 from .core.dtypes import dtype_for, wire_bytes
-from .core.header import Header, TensorSpec, decode_json
+from .core.header import Header
+from .core.layout import TensorSpec
+from .core.strict_json import decode_json
 from .errors import HeaderError, IntegrityError, UsageError
 from .reader import TensorStream
 from .transports.options import LimitOptions

@@ -7,16 +7,17 @@ import contextlib
 import functools
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterable
+from dataclasses import dataclass
 from typing import Any, Self
 
+import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 
-from ._caps import Caps
-from ._pace import give_turn
 from ._util import AsyncClosing, task_group
 from .core.digests import HASH_INLINE, Digests, Hasher, ObjectDigest, hash_view, update_sliced
 from .core.header import (
@@ -27,6 +28,7 @@ from .core.header import (
     parse_header,
     parse_header_length,
 )
+from .core.stats import LoadStats
 from .errors import (
     AllocationError,
     TensorNotFoundError,
@@ -42,10 +44,98 @@ from .transports.file.source import FileSource
 from .transports.options import Clock
 from .transports.registry import Source, SourceLike, open_source
 
-__all__ = ["READ_CHUNK", "Include", "TensorStream", "read_hashing"]
+__all__ = ["READ_CHUNK", "Caps", "Include", "TensorStream", "read_hashing"]
 
 Include = Collection[str] | Callable[[str], bool] | str | None
 """Which tensors to deliver: ``None`` for all, names, or a predicate on the name."""
+
+
+# Caps on what a read may make the reader allocate: ``max_tensor_bytes`` and ``max_total_bytes``.
+# A header may declare any size, and the reader commits memory as a tensor's bytes arrive. A
+# reader given caps checks the tensors it is about to read against them as soon as their header
+# is known, before any of them is allocated, and refuses with AllocationError naming the tensor
+# (or the total), the size declared and the cap. Sizes are the tensors' declared bytes, wherever
+# they would land (fresh memory, ``into=`` memory, a mapping); a tensor not selected by
+# ``include=`` is not read, so it does not count.
+
+
+def _cap(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UsageError(f"{name} must be None or an integer >= 0 (bytes), got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Caps:
+    """``tensor``: the most bytes one tensor read may declare; ``total``: the most all the
+    tensors of one read may declare together (of every shard, for an index or manifest).
+    None: no cap."""
+
+    tensor: int | None = None
+    total: int | None = None
+
+    @classmethod
+    def of(cls, max_tensor_bytes: object = None, max_total_bytes: object = None) -> Caps:
+        """The caps the keywords give; :class:`~stream_st.UsageError` for a bad value."""
+        return cls(
+            _cap("max_tensor_bytes", max_tensor_bytes), _cap("max_total_bytes", max_total_bytes)
+        )
+
+    def check(self, tensors: Iterable[TensorInfo], source: str, before: int = 0) -> int:
+        """The bytes ``tensors`` (of ``source``, to be read) declare, plus ``before`` (bytes of
+        the same read already counted); :class:`~stream_st.AllocationError` if one tensor or
+        the whole is over its cap. Nothing is allocated for them before this passes."""
+        total = before
+        for info in tensors:
+            if self.tensor is not None and info.nbytes > self.tensor:
+                raise AllocationError(
+                    f"{source}: tensor {info.name!r} declares {info.nbytes} bytes, more than "
+                    f"max_tensor_bytes={self.tensor} allows: refused before allocating it"
+                )
+            total += info.nbytes
+        if self.total is not None and total > self.total:
+            raise AllocationError(
+                f"{source}: the tensors to read declare {total} bytes, more than "
+                f"max_total_bytes={self.total} allows: refused before allocating them"
+            )
+        return total
+
+
+NO_CAPS = Caps()
+"""A read with no cap."""
+
+
+# Turns for the event loop between pieces of a read that may not wait at all. A read of local
+# files in the page cache can run for a long time without awaiting anything that suspends: the
+# file opens, headers and small tensors are all read on the loop's thread. give_turn(), called
+# where a piece of work begins (a stream opening, its header, each tensor), lets the loop run
+# other tasks, and a cancellation arrive, once this thread's loop has gone TURN_EVERY without a
+# turn given here, counted across every stream of the thread: many small files are paced as one
+# big one.
+
+TURN_EVERY = 0.005
+"""Seconds of the reader's work between two turns it gives the loop at most (plus one piece of
+work: one inline read of at most 4 MiB, or one header parsed on the loop): well under the 50 ms
+the loop may be held, and a turn (``anyio.lowlevel.checkpoint``, a few microseconds) costs
+under 0.1 % of that."""
+
+
+class _Last(threading.local):
+    at = 0.0  # time.perf_counter() of this thread's last turn given
+
+
+_last = _Last()
+
+
+async def give_turn() -> None:
+    """Let the event loop run once, and a pending cancellation be raised, if this thread has
+    given none for :data:`TURN_EVERY`; otherwise return at once (one clock read)."""
+    now = time.perf_counter()
+    if now - _last.at >= TURN_EVERY:
+        await anyio.lowlevel.checkpoint()
+        _last.at = time.perf_counter()
 
 
 def _selector(include: Include, header: Header) -> Callable[[str], bool]:
@@ -380,6 +470,7 @@ class TensorStream(AsyncClosing):
     object's digest when its transport gives one and every tensor is read
     (:meth:`Source.object_digest`); after the read, ``object_check`` says how that went (None:
     the transport gave no digest).
+    ``stats`` (a :class:`~stream_st.LoadStats`) counts the bytes, tensors and time of the read.
     """
 
     def __init__(
@@ -419,6 +510,7 @@ class TensorStream(AsyncClosing):
         self._closed = False
         self._head: tuple[bytes, bytearray] | None = None  # the prefix and header, as read
         self.object_check: str | None = None
+        self.stats = LoadStats()
 
     @property
     def header(self) -> Header:
@@ -445,12 +537,14 @@ class TensorStream(AsyncClosing):
             raise UsageError("the stream is closed")
         self._clock.start()
         await give_turn()  # many small local files never wait: the loop's turns come from here
+        self.stats.begin()
         self._source = await open_source(self._source_like, self._clock)
         try:
             self._source.clock.start()  # a lent connection brings the clock of its message
             await self._source.start(read_all=read_all)
             await give_turn()
             self._header, self._head = await _read_header(self._source, self._max_header_size)
+            self.stats.received(self._header.data_start)
         except BaseException:
             await self.aclose()
             raise
@@ -500,6 +594,7 @@ class TensorStream(AsyncClosing):
         return self._header is not None
 
     async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
+        self.stats.asked(first=True)
         owns = self._header is None
         # Iterated without 'async with' and nothing to skip: every byte will be read.
         header = await self.open(read_all=owns and self._include is None)
@@ -508,8 +603,10 @@ class TensorStream(AsyncClosing):
             self._delivery.check(header.names())
             async with contextlib.aclosing(self._tensors(header, selected)) as items:
                 async for item in items:
+                    self.stats.handed(header[item[0]].nbytes)
                     yield item
                     del item  # hold no array while the next one is read
+                    self.stats.asked()
         finally:
             if owns:
                 self._generator = self._held = None  # this one: ending, not closed again

@@ -20,11 +20,14 @@ from types import TracebackType
 from typing import Any, Literal, Self, Unpack
 
 import anyio
+import numpy as np
 
 from ._util import AsyncClosing, task_group
-from ._write_progress import Mode, Progress, describe, piece_view, whole_view
+from .core.arrays import as_array
 from .core.digests import Digests, OrderedHash, digests_for
-from .core.header import Header, TensorInfo, TensorSpec, _plan_list, build_header, plan_order
+from .core.dtypes import dtype_for, wire_bytes
+from .core.header import Header, TensorInfo
+from .core.layout import TensorSpec, _plan_list, build_header, plan_order
 from .errors import UsageError, WriterError
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import Sink, SinkLike, open_sink
@@ -36,6 +39,134 @@ Order = Literal["plan", "reference"]
 writer does (descending dtype alignment, then name), giving byte-identical files."""
 
 _NEW, _OPEN, _COMMITTED, _ABORTED = "new", "open", "committed", "aborted"
+
+
+Mode = Literal["whole", "part", "begin"]
+"""How bytes are claimed: a whole tensor, its next part, or the start of a write in parts."""
+
+
+def _describe(info: TensorInfo) -> str:
+    """``info``'s dtype and shape, as messages show them."""
+    return f"{info.dtype} {list(info.shape)}"
+
+
+def _check_dtype(info: TensorInfo, array: np.ndarray[Any, Any]) -> None:
+    planned = info.dtype_info
+    if planned.packed:
+        ok = array.dtype == np.uint8
+    else:
+        try:
+            ok = dtype_for(array.dtype).code == planned.code
+        except Exception:
+            ok = False
+    if not ok:
+        raise WriterError(
+            f"tensor {info.name!r}: planned {_describe(info)} takes an array of dtype "
+            f"{info.array_dtype}, got {array.dtype}",
+            name=info.name,
+        )
+
+
+def _whole_view(info: TensorInfo, value: Any) -> memoryview:
+    """The bytes of ``value``, the whole tensor ``info``; :class:`~stream_st.WriterError` for
+    another dtype or shape."""
+    array = as_array(value, info.name)
+    _check_dtype(info, array)
+    if array.shape != info.array_shape:
+        raise WriterError(
+            f"tensor {info.name!r}: planned {_describe(info)} takes an array of shape "
+            f"{info.array_shape}, got {array.shape}",
+            name=info.name,
+        )
+    return wire_bytes(array)
+
+
+def _piece_view(info: TensorInfo, value: Any) -> memoryview:
+    """The bytes of ``value``, rows of tensor ``info`` (``(rows, *rest)`` or one row ``rest``);
+    :class:`~stream_st.WriterError` for another dtype or shape."""
+    piece = as_array(value, info.name)
+    _check_dtype(info, piece)
+    shape = info.array_shape
+    rest = shape[1:]
+    rows = piece.ndim == len(shape) and piece.shape[1:] == rest
+    if not (rows or piece.shape == rest):
+        raise WriterError(
+            f"tensor {info.name!r}: a part of {_describe(info)} must have shape "
+            f"(rows, *{rest}) or {rest}, got {piece.shape}",
+            name=info.name,
+        )
+    return wire_bytes(piece)
+
+
+class _Progress:
+    """How far each tensor of ``header`` is claimed and written. On a stream (not
+    ``random_access``) tensors are claimed in header order."""
+
+    def __init__(self, header: Header) -> None:
+        self.header = header
+        self._position = {info.name: index for index, info in enumerate(header.tensors)}
+        self._claimed: dict[str, int] = {}  # bytes handed out per started tensor
+        self._done: dict[str, int] = {}  # bytes written per started tensor
+        self._next = 0  # on a stream: index of the first tensor not fully claimed
+
+    def written(self, name: str) -> int:
+        """Bytes of tensor ``name`` written so far."""
+        return self._done.get(name, 0)
+
+    def complete(self, info: TensorInfo) -> bool:
+        return self._done.get(info.name) == info.nbytes
+
+    def wrote(self, name: str, count: int) -> None:
+        """``count`` more bytes of tensor ``name`` (claimed before) are written."""
+        self._done[name] += count
+
+    def claim(self, info: TensorInfo, count: int, mode: Mode, random_access: bool) -> int:
+        """Reserve the next ``count`` bytes of ``info``; returns their offset in the tensor."""
+        name = info.name
+        claimed = self._claimed.get(name)
+        if claimed is not None and mode != "part":
+            state = "written" if claimed == info.nbytes else "being written in parts"
+            raise WriterError(f"tensor {name!r} is already {state}", name=name)
+        start = claimed or 0
+        if start + count > info.nbytes:
+            raise WriterError(
+                f"tensor {name!r}: parts add up to {start + count} bytes, more than the "
+                f"{info.nbytes} bytes planned for {_describe(info)}",
+                name=name,
+            )
+        if not random_access:
+            index = self._position[name]
+            if index != self._next and not (claimed is not None and count == 0):
+                expected = self.header.tensors[self._next].name
+                raise WriterError(
+                    f"tensor {name!r} is out of order: a stream takes tensors in header order "
+                    f"and the next one is {expected!r}",
+                    name=name,
+                )
+        self._claimed[name] = start + count
+        self._done.setdefault(name, 0)
+        if not random_access:
+            tensors = self.header.tensors
+            while self._next < len(tensors) and self._claimed.get(tensors[self._next].name) == (
+                tensors[self._next].nbytes
+            ):
+                self._next += 1
+        return start
+
+    def incomplete(self) -> WriterError | None:
+        """The error for the tensors not completely written, if any."""
+        missing = [t for t in self.header.tensors if not self.complete(t)]
+        if not missing:
+            return None
+        details = ", ".join(
+            f"{t.name!r} ({self.written(t.name)} of {t.nbytes} bytes)" for t in missing[:8]
+        )
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        return WriterError(
+            f"{len(missing)} tensor(s) not completely written when the writer closed: "
+            f"{details}{more}",
+            name=missing[0].name,
+        )
 
 
 class TensorWriter(AsyncClosing):
@@ -73,7 +204,7 @@ class TensorWriter(AsyncClosing):
         self._sink: Sink | None = None
         self._state = _NEW
         self._failure: BaseException | None = None
-        self._progress = Progress(self._header)  # bytes claimed and written per tensor
+        self._progress = _Progress(self._header)  # bytes claimed and written per tensor
         self._last_send: anyio.Event | None = None  # on a stream: sends go out in claim order
         self._held = b""  # on a stream: the message's last byte, sent only on commit
 
@@ -246,7 +377,7 @@ class TensorWriter(AsyncClosing):
         delivered as (:attr:`~stream_st.TensorInfo.array_shape`: packed F4/F6 as ``uint8``).
         Its memory is read until this returns and may be reused afterwards.
         """
-        await self._write(name, array, whole_view, "whole")
+        await self._write(name, array, _whole_view, "whole")
 
     async def write_part(self, name: str, piece: Any) -> None:
         """Write the next rows of tensor ``name``: consecutive pieces along the first axis.
@@ -255,7 +386,7 @@ class TensorWriter(AsyncClosing):
         one row, where ``rest`` is the delivered shape without its first axis. The running byte
         count is checked against the plan; going past it raises :class:`~stream_st.WriterError`.
         """
-        await self._write(name, piece, piece_view, "part")
+        await self._write(name, piece, _piece_view, "part")
 
     async def _write(
         self,
@@ -371,7 +502,7 @@ class TensorParts:
             info = self.info
             error = WriterError(
                 f"tensor {self.name!r}: parts add up to {self.written} bytes, fewer than the "
-                f"{info.nbytes} bytes planned for {describe(info)}",
+                f"{info.nbytes} bytes planned for {_describe(info)}",
                 name=self.name,
             )
             await writer._abort(error)

@@ -43,13 +43,13 @@ SDIST_NEEDS = [
     "mkdocs.yml",
     "tests/conftest.py",
     "tests/_util.py",
-    "tests/http_server.py",
-    "tests/s3_server.py",
-    "tests/nginx_server.py",
-    "tests/proxy_server.py",
-    "tests/daemon.py",
+    "tests/servers/http_server.py",
+    "tests/servers/s3_server.py",
+    "tests/servers/nginx_server.py",
+    "tests/servers/proxy_server.py",
+    "tests/servers/daemon.py",
     "docs/benchmarks.md",
-    "stream_st/llm/demo_text.txt",
+    "stream_st/cli/demo_text.txt",
 ]
 CARRIED = ("tests/", "docs/", "benchmarks/", "examples/", "stream_st/", ".ci/")
 """Folders whose every tracked file the sdist carries (the tests' servers and regression
@@ -124,7 +124,7 @@ def test_wheel_installs_with_license_metadata_and_version(
     core = sorted(r.split(">")[0] for r in requires if "extra ==" not in r)
     # rich is in the cli extra; xxhash checks the digests every reader verifies by default
     assert core == ["anyio", "ml_dtypes", "numpy", "xxhash"]
-    assert "stream_st/llm/demo_text.txt" in names  # the demo's text, package data
+    assert "stream_st/cli/demo_text.txt" in names  # the demo's text, package data
     assert metadata.get_all("Project-URL") and metadata.get_all("Classifier")
     python = _fresh_venv(tmp_path / "venv")
     _pip_install(python, wheel)
@@ -223,10 +223,10 @@ def test_sdist_carries_its_tests_and_they_run(built: tuple[Path, Path], tmp_path
     python = _fresh_venv(tmp_path / "venv")
     _pip_install(python, unpacked)
     chosen = [
-        "tests/test_header.py",
-        "tests/test_cli_native.py::test_cp_without_metadata_is_byte_identical",
-        "tests/test_cli_native.py::test_version_and_bare_command_prints_help",
-        "tests/test_cli.py::test_cp_between_servers_and_interrupted_copy",  # the HTTP server
+        "tests/core/test_header.py",
+        "tests/uses/test_cli_native.py::test_cp_without_metadata_is_byte_identical",
+        "tests/uses/test_cli_native.py::test_version_and_bare_command_prints_help",
+        "tests/uses/test_cli.py::test_cp_between_servers_and_interrupted_copy",  # the HTTP server
     ]
     pytest_args = ["-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider", *chosen]
     out = _check([python, "-m", "pytest", *pytest_args], cwd=unpacked)

@@ -2,6 +2,6 @@
 
 import sys
 
-from .commands import main
+from .app import main
 
 sys.exit(main())

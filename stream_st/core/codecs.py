@@ -78,7 +78,7 @@ import numpy.typing as npt
 
 from ..errors import SafetensorsError
 from .dtypes import dtype_for
-from .header import TensorSpec
+from .layout import TensorSpec
 
 __all__ = [
     "CODECS",

@@ -26,7 +26,7 @@ import anyio
 import numpy as np
 
 from .._util import task_group
-from ..core.header import decode_json
+from ..core.strict_json import decode_json
 from ..errors import SafetensorsError, UsageError
 
 __all__ = [

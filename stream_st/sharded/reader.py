@@ -44,8 +44,9 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from .._util import task_group
-from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header, decode_json
+from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header
 from ..core.shards import MANIFEST_NAME, shard_address, shard_name
+from ..core.strict_json import decode_json
 from ..errors import (
     DtypeError,
     HeaderError,
@@ -273,6 +274,7 @@ class ShardedStream(TensorStream):
         """Read and validate the index (shards are opened as iteration reaches them)."""
         if self._index is None:
             self._clock.start()  # one clock for the index and every shard
+            self.stats.begin()
             self._index = await ShardIndex.read(self._address, self._clock)
         return Header.from_tensors((), {}, 0)
 
@@ -290,6 +292,7 @@ class ShardedStream(TensorStream):
         return names.__contains__
 
     async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
+        self.stats.asked(first=True)
         await self.open()
         index = self.index
         selected = self._selector(index)
@@ -365,6 +368,7 @@ class ShardedStream(TensorStream):
             copy=self._copy,
             max_tensor_bytes=self._caps.tensor,
         )
+        stream.stats = self.stats  # every shard counts into the sharded stream's one object
         header = await _open_shard(stream, address, read_all=self._include is None)
         stream._delivery = self._delivery.only(header.names())
         try:

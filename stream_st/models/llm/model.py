@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from ...core.header import Header, decode_json
+from ...core.header import Header
+from ...core.strict_json import decode_json
 from ...errors import HeaderError, SafetensorsError
 from ...kv import KVLayout
 from ..bert import Stage

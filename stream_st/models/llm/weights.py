@@ -21,7 +21,8 @@ from typing import Any, Unpack
 import numpy as np
 
 from ..._api import open_stream
-from ...core.header import Header, TensorSpec
+from ...core.header import Header
+from ...core.layout import TensorSpec
 from ...errors import UsageError
 from ...transports.options import TransportOptions
 from ...transports.registry import SinkLike, SourceLike

@@ -1,0 +1,256 @@
+"""What the command prints: progress bars and lines, JSON, sizes, errors, exit statuses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+import numpy as np
+
+from .. import tools
+from ..errors import SafetensorsError, UsageError
+from ..tools.common import Progress
+
+__all__ = [
+    "EXIT_BROKEN_PIPE",
+    "EXIT_DIFFERENT",
+    "EXIT_ERROR",
+    "EXIT_INTERNAL",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "PROG",
+    "STDIO",
+]
+
+
+EXIT_OK = 0
+
+
+EXIT_DIFFERENT = 1
+
+
+EXIT_ERROR = 2
+
+
+EXIT_INTERNAL = 3
+
+
+EXIT_INTERRUPTED = 130
+
+
+EXIT_BROKEN_PIPE = 141
+
+
+STDIO = "-"
+"""The argument that means standard input (a source) or standard output (a destination)."""
+
+
+class _Bar:
+    """A rich progress bar on stderr: bytes, rate, tensors and ETA, its totals set from the
+    headers as soon as the command has read them (the ``totals`` of :mod:`stream_st.tools`)."""
+
+    def __init__(self, label: str) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            DownloadColumn(),  # decimal units, as human and TransferSpeedColumn
+            TransferSpeedColumn(),
+            TextColumn("{task.fields[tensors]}{task.fields[of]} tensors"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self._task = self._bar.add_task(label, total=None, tensors=0, of="")
+
+    def totals(self, total_bytes: int, total_tensors: int) -> None:
+        self._bar.update(self._task, total=total_bytes, of=f"/{total_tensors}")
+
+    def __call__(self, done_bytes: int, done: int) -> None:
+        self._bar.update(self._task, completed=done_bytes, tensors=done)
+
+    def __enter__(self) -> _Bar:
+        self._bar.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._bar.stop()
+
+
+class _Lines:
+    """Plain progress lines on stderr, at most one a second, for a terminal without rich."""
+
+    INTERVAL = 1.0
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+        self._of_bytes = self._of_tensors = ""
+        self._began = self._shown = time.monotonic()
+        self._done = (0, 0)
+
+    def totals(self, total_bytes: int, total_tensors: int) -> None:
+        self._of_bytes, self._of_tensors = f" of {human(total_bytes)}", f"/{total_tensors}"
+
+    def __call__(self, done_bytes: int, done: int) -> None:
+        self._done = (done_bytes, done)
+        if time.monotonic() - self._shown >= self.INTERVAL:
+            self.run_show()
+
+    def run_show(self) -> None:
+        self._shown = time.monotonic()
+        done_bytes, done = self._done
+        rate = done_bytes / max(self._shown - self._began, 1e-9)
+        print(
+            f"{self._label}: {human(done_bytes)}{self._of_bytes}, {done}{self._of_tensors} "
+            f"tensors, {human(rate)}/s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __enter__(self) -> _Lines:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if exc_info[0] is None:
+            self.run_show()
+
+
+@contextmanager
+def progress_reporter(label: str, quiet: bool) -> Iterator[Progress | None]:
+    """Progress on stderr while a command moves data: a rich bar, or plain lines without rich;
+    nothing when quiet or when stderr is not a terminal."""
+    if quiet or not sys.stderr.isatty():
+        yield None
+        return
+    try:
+        report: _Bar | _Lines = _Bar(label)
+    except ImportError:  # the cli extra is not installed
+        report = _Lines(label)
+    with report:
+        yield report
+
+
+def print_json(value: Any) -> None:
+    """One JSON record on one line (a stream of them reads with ``jq`` or line by line)."""
+    print(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+
+
+def human(n: float) -> str:
+    """A size in decimal units, as the progress bars show them."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover
+
+
+def failed(source: str, exc: SafetensorsError) -> None:
+    """Report one source's error on one line, naming the source where the message does not."""
+    text = str(exc)
+    named = source in text or (source == "/dev/stdin" and "stdin" in text)
+    print(f"stream-st: error: {text if named else f'{source}: {text}'}", file=sys.stderr)
+
+
+def json_values(values: Any) -> Any:
+    """Nested lists of plain numbers; NaN and infinities as the strings JSON lacks them as."""
+    if isinstance(values, list):
+        return [json_values(v) for v in values]
+    if isinstance(values, float) and not math.isfinite(values):
+        return str(values)
+    return values
+
+
+def plain(values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``values`` in a dtype whose ``tolist`` gives JSON numbers: ml_dtypes' floats (bfloat16,
+    float8) as float64, complex numbers as [real, imaginary] pairs."""
+    if values.dtype.kind == "c":
+        return np.stack([values.real, values.imag], axis=-1)
+    if values.dtype.kind == "V":
+        return values.astype(np.float64)
+    return values
+
+
+def show_values(args: argparse.Namespace, array: np.ndarray[Any, Any]) -> None:
+    """Print the tensor ``args.name`` (its ``--slice``), numpy-style or as one JSON record."""
+    try:
+        values = array[args.slice] if args.slice else array
+    except (IndexError, TypeError) as exc:
+        raise UsageError(f"--slice does not fit shape {list(array.shape)}: {exc}") from None
+    if args.json:
+        print_json(
+            {
+                "name": args.name,
+                "dtype": str(array.dtype),
+                "shape": list(array.shape),
+                "values": json_values(np.asarray(plain(values)).tolist()),
+            }
+        )
+    else:
+        print(f"{args.name}: {array.dtype} {list(array.shape)}")
+        print(np.array2string(np.asarray(values), threshold=200, edgeitems=3))
+
+
+def print_validation(result: tools.Validation) -> None:
+    """The source, its statistics table and verdict."""
+    print(f"{result.source}:")
+    width = max((len(t.name) for t in result.tensors), default=4)
+    print(
+        f"{'name':<{width}}  {'dtype':<8} {'min':>11} {'max':>11} {'mean':>11} "
+        f"{'std':>11} {'nan':>6} {'inf':>6}"
+    )
+
+    def cell(value: float | None) -> str:
+        return f"{value:>11.4g}" if value is not None else f"{'-':>11}"
+
+    for t in result.tensors:
+        print(
+            f"{t.name:<{width}}  {t.dtype:<8} {cell(t.min)} {cell(t.max)} {cell(t.mean)} "
+            f"{cell(t.std)} {t.nan:>6} {t.inf:>6}"
+        )
+    for warning in result.warnings:
+        print(f"warning: {warning}")
+    for error in result.errors:
+        print(f"error: {error}")
+    print(f"digests: {result.digests}")
+    print(
+        f"{'valid' if result.ok else 'INVALID'}: {len(result.tensors)} tensors, "
+        f"{len(result.errors)} errors, {len(result.warnings)} warnings"
+    )
+
+
+@contextmanager
+def status_line(label: str, quiet: bool) -> Iterator[Callable[[str], None]]:
+    """Report a long job's stage on stderr: a rich status line on a terminal where rich is
+    installed (the ``cli`` extra), else one plain line per stage; nothing when quiet."""
+    if quiet:
+        yield lambda message: None
+        return
+    console = None
+    with suppress(ImportError):
+        from rich.console import Console
+
+        console = Console(stderr=True)
+    if console is None or not console.is_terminal:
+        yield lambda message: print(f"{label}: {message}", file=sys.stderr)
+        return
+    with console.status(label) as status:
+        yield status.update
+
+
+PROG = "stream-st"
+"""The command's name, as users type it (and as the completion scripts register it)."""

@@ -1,0 +1,101 @@
+"""What every command shares: the options' clock, the headers of any source (one file or a
+sharded index), progress reporting, a model directory's sources.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+
+from .._api import header_of, stream_for
+from ..core.header import Header, TensorInfo
+from ..core.shards import INDEX_SUFFIX, MANIFEST_NAME, is_index
+from ..errors import SourceNotFoundError, UsageError
+from ..reader import Include, TensorStream
+from ..sharded.reader import ShardedStream, shard_headers
+from ..transports.options import Clock, TransportOptions, clock_of
+from ..transports.registry import SourceLike
+
+__all__ = ["Progress", "headers_of", "model_sources"]
+
+
+Progress = Callable[[int, int], None]
+"""Called with (bytes done, tensors done); an optional ``totals(bytes, tensors)`` method is told
+what to expect once the headers are known."""
+
+
+def command_clock(options: TransportOptions) -> Clock:
+    """The clock of one command, started now."""
+    clock = clock_of(options)
+    clock.start()
+    return clock
+
+
+async def headers_of(source: SourceLike, clock: Clock) -> list[Header]:
+    """The header of ``source``, or of every shard of an index (in shard order)."""
+    if is_index(source):
+        return await shard_headers(source, clock)
+    return [await header_of(source, clock)]
+
+
+def tensors_of(headers: Iterable[Header]) -> list[TensorInfo]:
+    return [info for header in headers for info in header]
+
+
+def expect_totals(progress: Progress | None, tensors: Sequence[TensorInfo]) -> None:
+    """Tell ``progress`` (if it has a ``totals`` method) the bytes and tensors to come."""
+    totals = getattr(progress, "totals", None)
+    if totals is not None:
+        totals(sum(t.nbytes for t in tensors), len(tensors))
+
+
+def model_sources(path: str) -> list[str]:
+    """The sources a command argument names: ``path`` itself, or for a local directory its index
+    (``*.safetensors.index.json`` or ``dataset_manifest.json``) when it holds exactly one, else
+    every ``*.safetensors`` file in it, in name order. A directory with neither raises
+    :class:`~stream_st.SourceNotFoundError`."""
+    if not os.path.isdir(path):
+        return [path]
+    names = sorted(os.listdir(path))
+    indexes = [n for n in names if n.endswith(".safetensors" + INDEX_SUFFIX) or n == MANIFEST_NAME]
+    if len(indexes) == 1:
+        return [os.path.join(path, indexes[0])]
+    files = [os.path.join(path, n) for n in names if n.endswith(".safetensors")]
+    if len(indexes) > 1 and files:
+        raise UsageError(f"{path} holds several indexes ({', '.join(indexes)}): name one")
+    if not files:
+        raise SourceNotFoundError(
+            "no safetensors files in this directory (no *.safetensors, no index)", url=path
+        )
+    return files
+
+
+def merged_metadata(headers: Sequence[Header]) -> dict[str, str]:
+    merged: dict[str, str] = {}
+    for header in headers:
+        merged.update(header.metadata)
+    return merged
+
+
+@asynccontextmanager
+async def opened(
+    source: SourceLike, clock: Clock, *, include: Include = None
+) -> AsyncIterator[tuple[TensorStream, list[Header]]]:
+    """The source opened once, with its headers: a stream may not be readable twice."""
+    stream = stream_for(source, include=include, clock=clock)
+    async with stream:
+        if isinstance(stream, ShardedStream):  # every shard's header, up front
+            yield stream, await headers_of(source, clock)
+        else:
+            yield stream, [stream.header]
+
+
+def included(include: Include, name: str) -> bool:
+    if include is None:
+        return True
+    if callable(include):
+        return bool(include(name))
+    if isinstance(include, str):
+        return name == include
+    return name in include

@@ -1,0 +1,278 @@
+"""``stream-st cp``: copy between any source and destination, converting dtypes or dequantizing."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Unpack
+
+import anyio
+import numpy as np
+
+from ..core.codecs import Codec, codec_from_metadata, get_codec, to_bfloat16
+from ..core.digests import ALGORITHM_KEY, DEFAULT_ALGORITHM, Digests, algorithm_named
+from ..core.dtypes import dtype_from_code
+from ..core.header import Header, TensorInfo
+from ..core.layout import TensorSpec
+from ..errors import UsageError
+from ..reader import Include
+from ..transports.options import TransportOptions
+from ..transports.registry import SinkLike, SourceLike
+from ..writer import TensorWriter
+from .common import (
+    Progress,
+    command_clock,
+    expect_totals,
+    included,
+    merged_metadata,
+    opened,
+    tensors_of,
+)
+
+__all__ = ["CONVERTIBLE", "Copy", "cp"]
+
+
+CONVERTIBLE = ("F16", "BF16", "F32", "F64")
+"""Floating-point dtypes that ``cp`` converts (``dtype=``) or quantizes (``quantize=``)."""
+
+
+_TARGETS = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
+
+
+_QUANTIZED_KEY = "quantized_tensors"
+"""``__metadata__`` key ``cp`` records the number of quantized tensors under."""
+
+
+@dataclass
+class Copy:
+    """What :func:`cp` wrote: the header, and how many tensors it converted, quantized or
+    dequantized (0 when every tensor was copied as it is)."""
+
+    header: Header
+    converted: int
+
+
+def _convert(array: np.ndarray[Any, Any], code: str) -> np.ndarray[Any, Any]:
+    if code == "BF16":
+        return to_bfloat16(array)  # round to nearest even, never truncation
+    converted: np.ndarray[Any, Any] = array.astype(dtype_from_code(code).numpy)
+    return converted
+
+
+def _target_dtype(dtype: str | None) -> str | None:
+    """The dtype code ``cp``'s ``dtype=`` names (``None`` for none)."""
+    if dtype is None:
+        return None
+    target = _TARGETS.get(dtype.lower())
+    if target is None:
+        raise UsageError(f"dtype must be one of {', '.join(_TARGETS)}, not {dtype!r}")
+    return target
+
+
+def _quantized_by(metadata: Mapping[str, str]) -> Codec | None:
+    """The codec a file's ``__metadata__`` says its tensors were quantized with, if any."""
+    codec = codec_from_metadata(metadata)
+    return None if codec.key == "none" else codec
+
+
+class _Plan:
+    """How ``cp`` turns each source tensor into the tensors it writes: as it is, converted to
+    ``target``, quantized with ``encoder`` or dequantized from ``decoder``'s wire tensors."""
+
+    def __init__(
+        self,
+        wanted: Sequence[TensorInfo],
+        metadata: dict[str, str],
+        target: str | None,
+        encoder: Codec | None,
+        decoder: Codec | None,
+    ) -> None:
+        self.target, self.encoder, self.decoder = target, encoder, decoder
+        self.specs: list[TensorSpec] = []
+        self.changed: set[str] = set()  # source tensors converted or quantized
+        self.parts: dict[str, str] = {}  # decoder: wire tensor -> the tensor it rebuilds
+        names = {t.name for t in wanted}
+        recorded = _ORIGINAL.get(metadata.get("original_dtype", ""), "F32")
+        self.out_dtype = target or recorded  # of the tensors rebuilt from wire tensors
+        for info in wanted:
+            if decoder is not None:
+                wire = decoder.part_names(info.name)
+                if all(part in names for part in wire):
+                    self.parts.update(dict.fromkeys(wire, info.name))
+                    shape = _decoded_shape(decoder, info)
+                    self.specs.append(TensorSpec(info.name, self.out_dtype, shape))
+                elif info.name not in self.parts:
+                    self.specs.append(TensorSpec(info.name, info.dtype, info.shape))
+            elif info.dtype in CONVERTIBLE and encoder is not None:
+                self.specs.extend(encoder.specs(info.name, info.shape, info.dtype))
+                self.changed.add(info.name)
+            elif info.dtype in CONVERTIBLE and target is not None and info.dtype != target:
+                self.specs.append(TensorSpec(info.name, target, info.shape))
+                self.changed.add(info.name)
+            else:
+                self.specs.append(TensorSpec(info.name, info.dtype, info.shape))
+        rebuilt = self.rebuilt  # a wire tensor planned before its whole was known goes
+        self.specs = [s for s in self.specs if s.name not in self.parts or s.name in rebuilt]
+        self.metadata = self._metadata(metadata, wanted)
+
+    @property
+    def rebuilt(self) -> set[str]:
+        """The tensors rebuilt from wire tensors."""
+        return set(self.parts.values())
+
+    @property
+    def converted(self) -> int:
+        return len(self.changed) + len(self.rebuilt)
+
+    def _metadata(self, metadata: dict[str, str], wanted: Sequence[TensorInfo]) -> dict[str, str]:
+        if self.decoder is not None:
+            for key in [*self.decoder.metadata("float32"), _QUANTIZED_KEY]:
+                metadata.pop(key, None)
+            return metadata
+        if self.encoder is not None:
+            metadata.update(self.encoder.metadata())
+            metadata[_QUANTIZED_KEY] = str(len(self.changed))
+            kinds = {t.dtype for t in wanted if t.name in self.changed}
+            if len(kinds) == 1:  # what --dequantize restores
+                metadata["original_dtype"] = dtype_from_code(kinds.pop()).numpy.name
+            else:
+                metadata.pop("original_dtype", None)
+        if self.target is not None and self.changed:
+            note = ", round to nearest even)" if self.target == "BF16" else ")"
+            metadata["converted_to"] = f"{self.target} ({len(self.changed)} tensors{note}"
+        return metadata
+
+    async def parts_of(
+        self, name: str, array: np.ndarray[Any, Any], pending: dict[str, dict[str, Any]]
+    ) -> list[tuple[str, np.ndarray[Any, Any]]]:
+        """The tensors to write for the source tensor ``name``; wire tensors are held in
+        ``pending`` until every part of theirs has come."""
+        if self.decoder is not None and name in self.parts:
+            whole = self.parts[name]
+            got = pending.setdefault(whole, {})
+            got[name] = array
+            if len(got) < len(self.decoder.part_names(whole)):
+                return []
+            del pending[whole]
+            decoded = await anyio.to_thread.run_sync(
+                self.decoder.decode, whole, got, dtype_from_code(self.out_dtype).numpy
+            )
+            return [(whole, decoded)]
+        if name in self.changed and self.encoder is not None:
+            return self.encoder.encode(name, array)
+        if name in self.changed and self.target is not None:
+            return [(name, await anyio.to_thread.run_sync(_convert, array, self.target))]
+        return [(name, array)]
+
+
+_ORIGINAL = {dtype_from_code(code).numpy.name: code for code in CONVERTIBLE}
+"""The dtype codes of the numpy names ``original_dtype`` is written with."""
+
+
+def _decoded_shape(codec: Codec, info: TensorInfo) -> tuple[int, ...]:
+    """The shape of the tensor whose first wire tensor is ``info``."""
+    if codec.key == "int4":  # two codes per byte along the last axis
+        return (*info.shape[:-1], info.shape[-1] * 2)
+    return tuple(info.shape)
+
+
+async def cp(
+    src: SourceLike,
+    dst: SinkLike,
+    *,
+    include: Include = None,
+    dtype: str | None = None,
+    quantize: str | None = None,
+    dequantize: bool = False,
+    checksums: bool | str | None = None,
+    progress: Progress | None = None,
+    **options: Unpack[TransportOptions],
+) -> Copy:
+    """Copy ``src`` to ``dst`` as a stream, tensor by tensor, never holding the whole file.
+
+    ``include`` selects tensors. ``dtype`` (``"bf16"``, ``"f16"``, ``"f32"``) converts every
+    floating-point tensor not of that dtype yet (BF16 rounds to nearest even).
+    ``quantize="int8"`` stores every floating-point tensor as I8 codes plus a sibling F32
+    ``<name>.scale`` (symmetric, per tensor: ``scale = 127 / max|x|``, ``x ~= code / scale``),
+    recorded in ``__metadata__``; a source whose metadata says it is quantized already is
+    refused. ``dequantize`` rebuilds the floating-point tensors of a source quantized with the
+    int8 or int4 codec (its ``__metadata__`` names it) as their ``original_dtype`` (F32 when
+    unrecorded, or ``dtype``). Other tensors are copied as they are, and a copy that changes
+    nothing is byte-identical to a source written in offset order (the reference writer's).
+    A copy that fails or is interrupted leaves nothing at ``dst``.
+
+    The source's digests, if it has some, are verified as it is read: a tensor that fails
+    leaves nothing at ``dst``. ``checksums`` (True or an algorithm's name) records digests in
+    the copy; ``None`` (the default) does so when the source has them, with its algorithm. Copied
+    digests of tensors copied as they are go out with the header, so any destination takes them;
+    digests to compute need a destination that can be patched at the end (a file, S3): asked
+    for, they are a :class:`~stream_st.UsageError` elsewhere; inherited, they are left out.
+    """
+    if quantize is not None and (dtype is not None or dequantize):
+        raise UsageError("choose one of dtype=, quantize= and dequantize=")
+    target = _target_dtype(dtype)
+    encoder = None
+    if quantize is not None:
+        if quantize.lower() != "int8":
+            raise UsageError(f"quantize supports int8, not {quantize!r}")
+        encoder = get_codec("int8")
+    clock = command_clock(options)
+    async with opened(src, clock, include=include) as (stream, headers):
+        metadata = {
+            k: v for k, v in merged_metadata(headers).items() if not k.startswith(ALGORITHM_KEY)
+        }
+        decoder = _quantized_by(metadata) if encoder is not None or dequantize else None
+        if encoder is not None and decoder is not None:
+            raise UsageError(
+                f"the source is quantized already ({metadata['compression']} in __metadata__): "
+                "dequantize it first"
+            )
+        if dequantize and decoder is None:
+            raise UsageError("the source is not quantized (no compression in __metadata__)")
+        wanted = [t for t in tensors_of(headers) if included(include, t.name)]
+        plan = _Plan(wanted, metadata, target, encoder, decoder if dequantize else None)
+        digests = _copied_digests(checksums, headers, [t.name for t in wanted], plan.converted > 0)
+        expect_totals(progress, wanted)
+        done_bytes = done = 0
+        pending: dict[str, dict[str, Any]] = {}
+        async with TensorWriter(
+            dst,
+            plan.specs,
+            metadata=plan.metadata or None,
+            checksums=digests,
+            clock=clock,
+            # Digests only inherited from the source, to compute: a destination that cannot
+            # take them at the end (a pipe, a socket, an HTTP upload) gets the copy without.
+            digests_up_front=(lambda algorithm: None) if checksums is None else None,
+        ) as writer:
+            async for name, array in stream:
+                for part_name, part in await plan.parts_of(name, array, pending):
+                    await writer.write(part_name, part)
+                done_bytes += array.nbytes
+                done += 1
+                if progress is not None:
+                    progress(done_bytes, done)
+                del array
+        return Copy(writer.header, plan.converted)
+
+
+def _copied_digests(
+    checksums: bool | str | None, headers: Sequence[Header], names: list[str], converting: bool
+) -> bool | str | Digests:
+    """What ``cp`` records (see there): the source's digests for ``names`` when no tensor
+    changes and the algorithm is the one asked for, else the algorithm to compute."""
+    found = {h.metadata.get(ALGORITHM_KEY) for h in headers}
+    source = found.pop() if len(found) == 1 else None  # one algorithm, in every header
+    if checksums is None:
+        checksums = source or False
+    if checksums is False:
+        return False
+    name = algorithm_named(DEFAULT_ALGORITHM if checksums is True else checksums).name
+    if converting or source != name:
+        return name
+    values: dict[str, str] = {}
+    for header in headers:
+        recorded = Digests.from_header(header)
+        assert recorded is not None
+        values.update(recorded.values)
+    return Digests(name, {n: values[n] for n in names})

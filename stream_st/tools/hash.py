@@ -1,0 +1,159 @@
+"""``stream-st hash``: a structural hash (names, dtypes, shapes), content digests per tensor, and
+the SHA-256 of every byte of a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Unpack
+
+import anyio
+import numpy as np
+
+from .._util import task_group
+from ..core.dtypes import wire_bytes
+from ..core.header import Header, TensorInfo
+from ..core.shards import is_index
+from ..errors import UsageError
+from ..reader import TensorStream
+from ..transports.options import Clock, TransportOptions
+from ..transports.registry import SourceLike, open_source
+from .common import (
+    Progress,
+    command_clock,
+    expect_totals,
+    headers_of,
+    included,
+    opened,
+    tensors_of,
+)
+
+__all__ = ["FILE_CHUNK", "content_digests", "hash", "structural_hash", "structure_of"]
+
+
+def structural_hash(tensors: Iterable[TensorInfo]) -> str:
+    """sha256 (hex) of the structure, independent of layout and JSON key order.
+
+    The hashed text is the compact JSON (sorted keys, UTF-8) of
+    ``{"format": "safetensors", "tensors": [{"name", "dtype" (lower case), "shape",
+    "byte_length"}, ... sorted by name]}``.
+    """
+    document = {
+        "format": "safetensors",
+        "tensors": [
+            {
+                "name": t.name,
+                "dtype": t.dtype.lower(),
+                "shape": list(t.shape),
+                "byte_length": t.nbytes,
+            }
+            for t in sorted(tensors, key=lambda t: t.name)
+        ],
+    }
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+async def digest_stream(stream: TensorStream, progress: Progress | None) -> dict[str, str]:
+    """sha256 of each tensor's bytes; hashing runs in a thread while the next tensor is read."""
+    digests: dict[str, str] = {}
+    done_bytes = 0
+    done = 0
+
+    def sha256(array: np.ndarray[Any, Any]) -> str:
+        return hashlib.sha256(wire_bytes(array)).hexdigest()
+
+    async def digest(name: str, array: np.ndarray[Any, Any], finished: anyio.Event) -> None:
+        digests[name] = await anyio.to_thread.run_sync(sha256, array)
+        finished.set()
+
+    previous: anyio.Event | None = None
+    async with task_group() as group:
+        async for name, array in stream:
+            if previous is not None:
+                await previous.wait()  # one tensor hashing while the next is read, no more
+            previous = anyio.Event()
+            group.start_soon(digest, name, array, previous)
+            done_bytes += array.nbytes
+            done += 1
+            if progress is not None:
+                progress(done_bytes, done)
+            del array
+    return digests
+
+
+async def content_digests(
+    source: SourceLike,
+    *,
+    include: Iterable[str] | None = None,
+    progress: Progress | None = None,
+    **options: Unpack[TransportOptions],
+) -> dict[str, str]:
+    """sha256 (hex) of each tensor's bytes, streamed one tensor at a time."""
+    selected = None if include is None else list(include)
+    async with opened(source, command_clock(options), include=selected) as (stream, headers):
+        expect_totals(progress, [t for t in tensors_of(headers) if included(selected, t.name)])
+        return await digest_stream(stream, progress)
+
+
+def _combined_content(digests: Mapping[str, str]) -> str:
+    text = "".join(f"{name}\0{digests[name]}\n" for name in sorted(digests))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+async def hash(  # the command's name (shadows the builtin only inside this module)
+    source: SourceLike,
+    *,
+    content: bool = False,
+    file: bool = False,
+    progress: Progress | None = None,
+    **options: Unpack[TransportOptions],
+) -> dict[str, Any]:
+    """The structural hash (header only); with ``content``, also a hash of the data; with
+    ``file``, the plain sha256 of the file's bytes (``file_sha256``: what ``sha256sum`` prints,
+    and a Hugging Face Hub LFS file's oid).
+
+    The content hash is sha256 over ``name NUL sha256(tensor bytes) LF`` for every tensor in name
+    order, so it does not depend on the layout either.
+    """
+    clock = command_clock(options)
+    if not content:
+        result = structure_of(source, await headers_of(source, clock))
+    else:
+        async with opened(source, clock) as (stream, headers):
+            result = structure_of(source, headers)
+            expect_totals(progress, tensors_of(headers))
+            result["content_hash"] = _combined_content(await digest_stream(stream, progress))
+    if file:
+        result["file_sha256"] = await _file_sha256(source, clock)
+    return result
+
+
+async def _file_sha256(source: SourceLike, clock: Clock) -> str:
+    """sha256 of every byte of one file, read front to back."""
+    if isinstance(source, str | os.PathLike) and is_index(source):
+        raise UsageError("the sha256 of a file takes one file, not a sharded checkpoint's index")
+    opened = await open_source(source, clock)
+    try:
+        await opened.start(read_all=True)
+        sha = hashlib.sha256()
+        chunk = memoryview(bytearray(FILE_CHUNK))
+        while got := await opened.fill(chunk):
+            await anyio.to_thread.run_sync(sha.update, chunk[:got])
+        return sha.hexdigest()
+    finally:
+        await opened.aclose()
+
+
+FILE_CHUNK = 8 << 20
+
+
+def structure_of(source: SourceLike, headers: Sequence[Header]) -> dict[str, Any]:
+    return {
+        "source": str(source),
+        "structural_hash": structural_hash(tensors_of(headers)),
+        "tensor_count": sum(len(h) for h in headers),
+    }
