@@ -34,7 +34,7 @@ from ..core.shards import is_index, shard_address
 from ..errors import TensorNotFoundError, UsageError
 from ..memory.delivery import Delivery
 from ..reader import TensorStream, _read_tensor, merge_ranges
-from ..sharded.reader import ShardIndex, _open_shard
+from ..sharded.reader import ShardIndex, _open_shard, repeated_name
 from ..transports.file.mmap import FileMap
 from ..transports.file.source import FileSource, path_from_url
 from ..transports.options import Clock, TransportOptions, clock_of
@@ -217,7 +217,10 @@ class _Checkpoint:
             assert index is not None
             shard = next(s for s in index.shards if shard_address(index.home, s) == address)
             index.check(shard, address, file.header)
-            self.where.update(dict.fromkeys(file.header.names(), address))
+            for name in file.header.names():
+                first = self.where.setdefault(name, address)
+                if first != address:
+                    raise repeated_name(index.home, name, first, address)
         return file
 
     async def file_of(self, name: str) -> _File:
