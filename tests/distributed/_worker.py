@@ -96,11 +96,12 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
     src = params["srcs"][rank] if "srcs" in params else params["src"]
     include = params.get("include", [None] * world)[rank]
     slices = _slices(params.get("slices", [None] * world)[rank])
+    options = params.get("options", {})
     report: dict[str, Any] = {"rank": rank, "stream_st": stream_st.__file__}
     try:
         if params["mode"] == "load_file":
             got = stream_st.torch.load_file(
-                src, process_group=group, include=include, slices=slices
+                src, process_group=group, include=include, slices=slices, **options
             )
         elif params["mode"] == "load_model":
             from tests.distributed.test_load import Model
