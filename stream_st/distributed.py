@@ -318,6 +318,9 @@ class _Group:
             else self.torch.device("cpu")
         )
         self.out_device = None if device in (None, "cpu") else self.torch.device(device)
+        out = self.out_device
+        if out is not None and out.type == "cuda" and not self.torch.cuda.is_available():
+            raise UsageError(f"device={device!r}: this torch has no CUDA device")
         self.peers: list[tuple[str, int]] = []  # (host, pid) of each rank, for failures
 
     def global_rank(self, rank: int) -> int:
@@ -610,6 +613,9 @@ class _File:
                 for _, kind, which in steps:
                     if kind == 1:
                         index, wanted, read = alone[which]
+                        while not read.done.is_set() and pending:  # free read-ahead room
+                            async for item in self.complete(pending.popleft(), budget):
+                                yield item
                         await read.done.wait()
                         if read.failure is not None and self.failure is None:
                             self.failure = read.failure
@@ -618,6 +624,9 @@ class _File:
                         stripe = plan.stripes[which]
                         own = owned.get(which)
                         if own is not None:
+                            while not own.done.is_set() and pending:  # free read-ahead room
+                                async for item in self.complete(pending.popleft(), budget):
+                                    yield item
                             await own.done.wait()
                             if own.failure is not None and self.failure is None:
                                 self.failure = own.failure
