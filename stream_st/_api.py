@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any, Unpack
 
 import numpy as np
 
@@ -17,6 +17,9 @@ from .reader import NO_CAPS, Caps, Include, TensorStream
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import SinkLike, SourceLike
 from .writer import Order, TensorWriter
+
+if TYPE_CHECKING:
+    from .sharded.ranks import Slices
 
 __all__ = ["header_of", "load", "open_stream", "read_header", "save", "stream_for"]
 
@@ -115,6 +118,8 @@ def open_stream(
     concurrency: int | None = None,
     max_tensor_bytes: int | None = None,
     max_total_bytes: int | None = None,
+    process_group: Any = None,
+    slices: Slices | None = None,
     **options: Unpack[TransportOptions],
 ) -> TensorStream:
     """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
@@ -177,9 +182,27 @@ def open_stream(
     The header is read and validated in full before the first tensor. Errors are
     :class:`~stream_st.SafetensorsError` subclasses: a tensor the source ends inside is never
     yielded (:class:`~stream_st.TruncatedStreamError`).
+
+    ``process_group`` (a ``torch.distributed`` process group; every rank makes the same call):
+    each rank reads its share of the bytes and the group exchanges them; ``include=`` may differ
+    per rank, and ``slices=`` (name -> ``(dim, part, parts)``) gives a rank only its part of a
+    tensor (see :mod:`stream_st.sharded.ranks`).
     """
     clock = clock_of(options)
     clock.transport = clock.transport.reading(concurrency)
+    if process_group is not None or slices is not None:
+        from .sharded.ranks import DistributedStream
+
+        return DistributedStream(
+            source,
+            process_group=process_group,
+            include=include,
+            slices=slices,
+            max_header_size=max_header_size,
+            verify=verify,
+            clock=clock,
+            delivery=Delivery(framework, into),
+        )
     return stream_for(
         source,
         include=include,

@@ -49,6 +49,9 @@ from .transports.registry import SinkLike, SourceLike
 if TYPE_CHECKING:
     import torch
 
+    from .reader import Include
+    from .sharded.ranks import Slices
+
 __all__ = [
     "_end_ptr",
     "_find_shared_tensors",
@@ -101,6 +104,9 @@ def load_file(
     *,
     backend: str = "mmap",
     verify: bool = True,
+    process_group: Any = None,
+    include: Include = None,
+    slices: Slices | None = None,
     **options: Unpack[TransportOptions],
 ) -> dict[str, torch.Tensor]:
     """Every tensor of ``filename`` (a file, URL or index) as ``{name: tensor}`` on the CPU.
@@ -119,9 +125,45 @@ def load_file(
     ``device`` other than the CPU raises :class:`~stream_st.UsageError` for now: loading onto
     an accelerator will receive into pinned staging buffers and copy each to the device while the
     next one arrives (the ``into=`` mechanism of :func:`~stream_st.open_stream`).
+
+    ``process_group`` (a ``torch.distributed`` process group; every rank calls): each rank
+    reads its share of the bytes, the group exchanges them, and every rank gets the tensors it
+    wants; ``include=`` and ``slices=`` choose those per rank (see :mod:`stream_st.sharded.ranks`).
     """
+    if process_group is not None or include is not None or slices is not None:
+        return _distributed_load(filename, process_group, include, slices, verify, device, options)
     check_device(device)
     return _facade.load_file(filename, True, backend, verify, **options)
+
+
+def _distributed_load(
+    filename: SourceLike,
+    group: Any,
+    include: Include,
+    slices: Slices | None,
+    verify: bool,
+    device: str | int,
+    options: Mapping[str, Any],
+) -> dict[str, torch.Tensor]:
+    """``load_file`` with a process group (see :mod:`stream_st.sharded.ranks`)."""
+    import functools
+
+    from .sharded import ranks
+
+    check_sync_address(filename, "source")
+    clock = clock_of(options)
+    return run(
+        functools.partial(
+            ranks.load,
+            filename,
+            group,
+            include=include,
+            slices=slices,
+            verify=verify,
+            clock=clock,
+            device=device,
+        )
+    )
 
 
 def load(data: bytes, *, verify: bool = True) -> dict[str, torch.Tensor]:
@@ -254,6 +296,9 @@ def load_model(
     backend: str = "mmap",
     verify: bool = True,
     assign: bool = False,
+    process_group: Any = None,
+    include: Include = None,
+    slices: Slices | None = None,
     **options: Unpack[TransportOptions],
 ) -> tuple[set[str], list[str]]:
     """Load ``filename`` (a file, URL or index) into ``model``; ``(missing, unexpected)`` names.
@@ -280,7 +325,26 @@ def load_model(
     Digests recorded in the header are checked unless ``verify=False``; a tensor that fails
     has already been received into its parameter when :class:`~stream_st.IntegrityError` is
     raised, so the model is then partly loaded, as after any failed load.
+
+    ``process_group``, ``include``, ``slices``: loaded with the group, as by :func:`load_file`
+    (names ``include=`` leaves out are not missing; ``assign`` is not taken then).
     """
+    if process_group is not None or include is not None or slices is not None:
+        from .sharded import ranks
+
+        if assign:
+            raise UsageError("load_model(process_group=...) does not take assign=True")
+        return ranks.load_model(
+            model,
+            filename,
+            process_group,
+            strict=strict,
+            include=include,
+            slices=slices,
+            verify=verify,
+            clock=clock_of(options),
+            device=device,
+        )
     check_device(device)
     check_sync_address(filename, "source")
     if assign:
