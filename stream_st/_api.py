@@ -14,6 +14,7 @@ from .core.header import DEFAULT_MAX_HEADER_SIZE, Header
 from .errors import UsageError
 from .memory.delivery import Delivery
 from .reader import Include, TensorStream
+from .transports.cache import CacheLike
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import SinkLike, SourceLike
 from .writer import Order, TensorWriter
@@ -73,6 +74,7 @@ async def load(
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
     verify: bool = True,
     copy: bool = True,
+    cache: CacheLike = None,
     **options: Unpack[TransportOptions],
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Read a whole safetensors message into ``{name: array}`` in offset order.
@@ -80,7 +82,8 @@ async def load(
     Takes every source :func:`~stream_st.open_stream` takes, and the same options: digests
     recorded in the header are checked (``verify=False`` skips that), and nothing is returned
     unless every tensor passed. ``copy=False`` maps a local file and returns read-only views of
-    it (see :func:`~stream_st.open_stream` for when not to).
+    it (see :func:`~stream_st.open_stream` for when not to). ``cache`` as in
+    :func:`~stream_st.open_stream`.
     """
     stream = open_stream(
         source,
@@ -88,6 +91,7 @@ async def load(
         max_header_size=max_header_size,
         verify=verify,
         copy=copy,
+        cache=cache,
         **options,
     )
     return {name: array async for name, array in stream}
@@ -103,6 +107,7 @@ def open_stream(
     verify: bool = True,
     copy: bool = True,
     concurrency: int | None = None,
+    cache: CacheLike = None,
     **options: Unpack[TransportOptions],
 ) -> TensorStream:
     """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
@@ -158,6 +163,11 @@ def open_stream(
     The header is read and validated in full before the first tensor. Errors are
     :class:`~stream_st.SafetensorsError` subclasses: a tensor the source ends inside is never
     yielded (:class:`~stream_st.TruncatedStreamError`).
+
+    ``cache`` (``True``, a directory, ``"offline"`` or a :class:`~stream_st.Cache`) keeps a
+    verified local copy of an ``http(s)://``, ``s3://`` or ``hf://`` object while it is read, and
+    reads that copy next time after one conditional request (none offline); see
+    ``docs/cache.md``. Other sources are read as they are.
     """
     clock = clock_of(options)
     clock.transport = clock.transport.reading(concurrency)
@@ -169,6 +179,7 @@ def open_stream(
         clock=clock,
         delivery=Delivery(framework, into),
         copy=copy,
+        cache=cache,
     )
 
 
@@ -181,10 +192,28 @@ def stream_for(
     clock: Clock,
     delivery: Delivery | None = None,
     copy: bool = True,
+    cache: CacheLike = None,
 ) -> TensorStream:
     """:func:`open_stream` under ``clock``: reads that share one operation's limits."""
     from .core.shards import is_index
     from .sharded.reader import ShardedStream
+
+    # cache= (the cache's wiring; stream_st.cached)
+    if cache is not None and cache is not False and not is_index(str(source)):
+        from .cached import cached_stream
+
+        cached = cached_stream(
+            source,
+            cache,
+            include=include,
+            max_header_size=max_header_size,
+            verify=verify,
+            clock=clock,
+            delivery=delivery,
+            copy=copy,
+        )
+        if cached is not None:
+            return cached
 
     if isinstance(source, str | os.PathLike) and is_index(source):
         return ShardedStream(
@@ -211,17 +240,22 @@ async def read_header(
     source: SourceLike,
     *,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    cache: CacheLike = None,
     **options: Unpack[TransportOptions],
 ) -> Header:
-    """Read and validate only the header of ``source``, then close it; limits as in
-    :func:`open_stream`."""
-    return await header_of(source, clock_of(options), max_header_size=max_header_size)
+    """Read and validate only the header of ``source``, then close it; limits and ``cache`` as
+    in :func:`open_stream`."""
+    return await header_of(source, clock_of(options), max_header_size=max_header_size, cache=cache)
 
 
 async def header_of(
-    source: SourceLike, clock: Clock, *, max_header_size: int = DEFAULT_MAX_HEADER_SIZE
+    source: SourceLike,
+    clock: Clock,
+    *,
+    max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    cache: CacheLike = None,
 ) -> Header:
     """:func:`read_header` under ``clock``."""
-    stream = stream_for(source, max_header_size=max_header_size, clock=clock)
+    stream = stream_for(source, max_header_size=max_header_size, clock=clock, cache=cache)
     async with stream:
         return stream.header
