@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("memory",),
     ("transports",),
     ("reader", "writer"),
-    ("_api", "connection", "sharded", "kv", "compat", "torch", "numpy"),
+    ("_api", "cached", "connection", "sharded", "kv", "compat", "torch", "numpy"),
     ("tools",),
     ("integrations", "models"),
     ("cli",),
