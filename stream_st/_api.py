@@ -198,8 +198,8 @@ def stream_for(
     from .core.shards import is_index
     from .sharded.reader import ShardedStream
 
-    # cache= (the cache's wiring; stream_st.cached)
-    if cache is not None and cache is not False and not is_index(str(source)):
+    # cache= (the cache's wiring; stream_st.cached): given, or set by using_cache()
+    if cache is not False and not is_index(str(source)):
         from .cached import cached_stream
 
         cached = cached_stream(

@@ -8,13 +8,18 @@ ahead by worker threads), or the remote object, through a source that also write
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, TypeVar
 
 from .core.header import Header
 from .reader import TensorStream
 from .transports.cache import Cache
 
-__all__ = ["CachedStream"]
+__all__ = ["CachedStream", "cached_stream", "current_cache", "using_cache", "with_cache"]
+
+T = TypeVar("T")
 
 
 class CachedStream(TensorStream):
@@ -45,10 +50,39 @@ def cached_stream(source: object, cache: object, **options: Any) -> CachedStream
     """A :class:`CachedStream` over ``source`` when ``cache`` (any ``cache=`` value, see
     :meth:`~stream_st.Cache.of`) names a cache and ``source`` is an address it applies to;
     None otherwise (the source is read as it is)."""
+    settings = Cache.of(cache) if cache is not None else current_cache()
+    if settings is None:
+        return None
     from .transports.cache.resolve import is_cached_address
 
-    settings = Cache.of(cache)
-    if settings is None or not is_cached_address(source):
+    if not is_cached_address(source):
         return None
     assert isinstance(source, str)
     return CachedStream(source, cache=settings, **options)
+
+
+_AMBIENT: ContextVar[Cache | None] = ContextVar("stream_st_cache", default=None)
+
+
+def current_cache() -> Cache | None:
+    """The cache set by :func:`using_cache` for the reads in this context, if any."""
+    return _AMBIENT.get()
+
+
+@contextmanager
+def using_cache(cache: object) -> Iterator[Cache | None]:
+    """Every read in the ``with`` block (in this task and those it starts) that is given no
+    ``cache=`` of its own uses ``cache`` (any ``cache=`` value; None or False: none): how the
+    command's ``--cache`` reaches its subcommands, and the drop-in functions their reads."""
+    settings = Cache.of(cache)
+    token = _AMBIENT.set(settings)
+    try:
+        yield settings
+    finally:
+        _AMBIENT.reset(token)
+
+
+async def with_cache(cache: object, function: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``await function(*args)`` under :func:`using_cache` (for calls run on another loop)."""
+    with using_cache(cache):
+        return await function(*args)
