@@ -485,3 +485,38 @@ def test_remove_leaves_an_entry_being_written(tmp_path: Path) -> None:
     finally:
         held.release()
     assert remove(entry) and entries(Cache.at(tmp_path)) == []
+
+
+# ------------------------------------------------------------------ the command
+
+
+def test_the_command(server: RangeHTTPServer, tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "STREAM_ST_CACHE": str(tmp_path),
+        "HF_HUB_CACHE": str(tmp_path / "hub"),
+    }
+    env.pop("HF_HUB_OFFLINE", None)
+    url = server.url("/m.safetensors")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "stream_st.cli", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+
+    assert run("inspect", "--offline", url).returncode == 2
+    assert run("validate", "-q", "--cache", url).returncode == 0
+    assert run("cp", "-q", "--cache", url, str(tmp_path / "out.safetensors")).returncode == 0
+    assert (tmp_path / "out.safetensors").read_bytes() == DATA
+    assert body_bytes(server) == len(DATA)  # cp read the copy
+    listed = run("cache", "ls")
+    assert listed.returncode == 0 and url in listed.stdout and "complete" in listed.stdout
+    assert run("inspect", "--offline", url).returncode == 0
+    assert run("cache", "rm", "http://nowhere/*").returncode == 1
+    assert run("cache", "prune", "--max-size", "0").returncode == 0
+    assert url not in run("cache", "ls").stdout
