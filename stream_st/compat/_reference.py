@@ -27,6 +27,7 @@ import numpy as np
 
 from .._api import save as save_async
 from .._api import stream_for
+from ..cached import cached_stream
 from ..core.arrays import check_device, framework_of, to_torch
 from ..core.digests import Digests
 from ..core.header import Header, TensorInfo
@@ -76,6 +77,7 @@ class _Options:
     clock: Clock
     verify: bool
     mapped: bool
+    cache: object = None  # cache= (stream_st.cached)
 
 
 Rows = tuple[int, int] | None
@@ -107,7 +109,9 @@ class _File:
 
     @classmethod
     async def open(cls, address: SourceLike, options: _Options, shard: bool = False) -> _File:
-        stream = TensorStream(address, clock=options.clock, verify=options.verify)
+        stream = cached_stream(
+            address, options.cache, clock=options.clock, verify=options.verify
+        ) or TensorStream(address, clock=options.clock, verify=options.verify)
         if shard:
             await _open_shard(stream, str(address))
         else:
@@ -302,6 +306,7 @@ class SafeOpen:
         self._torch = framework_of(framework)
         check_device(device)
         check_sync_address(src, "source")
+        cache = options.pop("cache", None)  # cache= (stream_st.cached)
         clock = clock_of(options) if options else Clock()
         mapped = maps(backend)
         self._local: LocalFile | None = None
@@ -314,7 +319,7 @@ class SafeOpen:
             if not mapped:
                 self._closer = weakref.finalize(self, self._local.close)
             return
-        how = _Options(clock, verify, mapped)
+        how = _Options(clock, verify, mapped, cache)
         bridge = Bridge()
         try:
             self._checkpoint = bridge.call(_Checkpoint.open, src, how)
@@ -567,7 +572,8 @@ def load_file(
     path = local_path(src)
     if path is not None and not os.path.lexists(path):
         raise NoSuchFileError(path)
-    return run(_load, src, torch, verify, copy, clock_of(options))
+    cache = options.pop("cache", None)  # cache= (stream_st.cached)
+    return run(_load, src, torch, verify, copy, clock_of(options), cache)
 
 
 def load_bytes(data: bytes, torch: bool, verify: bool) -> dict[str, Any]:
@@ -578,10 +584,10 @@ def load_bytes(data: bytes, torch: bool, verify: bool) -> dict[str, Any]:
 
 
 async def _load(
-    src: SourceLike, torch: bool, verify: bool, copy: bool, clock: Clock
+    src: SourceLike, torch: bool, verify: bool, copy: bool, clock: Clock, cache: Any = None
 ) -> dict[str, Any]:
     delivery = Delivery("pt" if torch else "np", writable=True)
-    stream = stream_for(src, verify=verify, clock=clock, delivery=delivery, copy=copy)
+    stream = stream_for(src, verify=verify, clock=clock, delivery=delivery, copy=copy, cache=cache)
     return {name: tensor async for name, tensor in stream}
 
 
