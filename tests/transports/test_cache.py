@@ -520,3 +520,31 @@ def test_the_command(server: RangeHTTPServer, tmp_path: Path) -> None:
     assert run("cache", "rm", "http://nowhere/*").returncode == 1
     assert run("cache", "prune", "--max-size", "0").returncode == 0
     assert url not in run("cache", "ls").stdout
+
+
+# ------------------------------------------------------------------ the drop-in functions
+
+
+def test_drop_in_functions(server: RangeHTTPServer, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import stream_st.compat
+    import stream_st.torch
+
+    url = server.url("/m.safetensors")
+    with stream_st.compat.safe_open(url, "np", cache=tmp_path) as handle:
+        part = handle.get_slice("t2")[:100]
+    np.testing.assert_array_equal(part, ARRAYS["t2"][:100])
+    assert not list(tmp_path.rglob("*.safetensors"))  # a slice: a partial copy only
+    loaded = stream_st.torch.load_file(url, cache=tmp_path)
+    assert (tmp_path / "objects").exists() and list(tmp_path.rglob("*.safetensors"))
+    for name, array in ARRAYS.items():
+        np.testing.assert_array_equal(loaded[name].numpy(), array)
+    sent = body_bytes(server)
+    model = torch.nn.Module()
+    for name, array in ARRAYS.items():
+        model.register_buffer(name, torch.zeros(array.shape, dtype=torch.float64))
+    stream_st.torch.load_model(model, url, cache=tmp_path)
+    np.testing.assert_array_equal(model.t3.numpy(), ARRAYS["t3"])
+    with stream_st.torch.safe_open(url, cache=tmp_path) as handle:
+        np.testing.assert_array_equal(handle.get_tensor("t0").numpy(), ARRAYS["t0"])
+    assert body_bytes(server) == sent  # both read the copy
