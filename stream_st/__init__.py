@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .core.stats import LoadStats
     from .errors import (
         AllocationError,
+        CacheMissError,
         CertificateError,
         CredentialsError,
         DistributedError,
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
         open_sharded_writer,
     )
     from .transports.base import AsyncReadInto
+    from .transports.cache import Cache
     from .transports.http import HTTPClient
     from .transports.http.sink import HttpSink
     from .transports.http.source import HttpSource
@@ -79,6 +81,8 @@ _PUBLIC = {
     "AsyncReadInto": ".transports.base",
     "build_header": ".core.layout",
     "CertificateError": ".errors",
+    "CacheMissError": ".errors",
+    "Cache": ".transports.cache",
     "connect": ".connection",
     "Connection": ".connection",
     "CredentialsError": ".errors",
@@ -176,6 +180,8 @@ __all__ = [
     "DTYPES",
     "AllocationError",
     "AsyncReadInto",
+    "Cache",
+    "CacheMissError",
     "CertificateError",
     "Connection",
     "CredentialsError",

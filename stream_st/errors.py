@@ -26,6 +26,7 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     │                                 KV layer's, the whole object's): they are not delivered
     └── TransportError                the underlying I/O failed; carries the URL and position
         ├── SourceNotFoundError       the file or object does not exist (also FileNotFoundError)
+        │   └── CacheMissError        offline, and no verified local copy of the object
         ├── HTTPStatusError           the server answered with an error status (``.status``)
         │   └── HTTPNotFoundError     HTTP 404 (also a SourceNotFoundError)
         ├── HTTPProtocolError         an answer that breaks HTTP or does not match the request
@@ -48,6 +49,7 @@ import re
 
 __all__ = [
     "AllocationError",
+    "CacheMissError",
     "CertificateError",
     "CodecError",
     "CredentialsError",
@@ -340,3 +342,8 @@ class RankFailedError(DistributedError):
 
 class RankLostError(DistributedError):
     """A collective failed: a rank died, hung past the group's timeout, or the network broke."""
+
+
+class CacheMissError(SourceNotFoundError):
+    """The cache is offline (``cache="offline"``, ``HF_HUB_OFFLINE=1``) and holds no usable copy
+    of the object asked for."""

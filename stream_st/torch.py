@@ -43,6 +43,7 @@ from .compat._sync import check_sync_address, run
 from .core.arrays import check_device, is_torch_tensor, load_torch
 from .errors import UsageError
 from .memory.delivery import Delivery
+from .transports.cache import CacheLike
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import SinkLike, SourceLike
 
@@ -78,6 +79,7 @@ def safe_open(
     *,
     backend: str = "mmap",
     verify: bool = True,
+    cache: CacheLike = None,
     **options: Unpack[TransportOptions],
 ) -> _facade.SafeOpen:
     """Open ``filename`` (a file, URL or index) to read tensors by name, as the reference's
@@ -95,7 +97,9 @@ def safe_open(
     checked (a digest covers the whole tensor).
     ``device`` must be the CPU for now (see :func:`load_file`).
     """
-    return _facade.SafeOpen(filename, framework, device, backend=backend, verify=verify, **options)
+    return _facade.SafeOpen(
+        filename, framework, device, backend=backend, verify=verify, cache=cache, **options
+    )
 
 
 def load_file(
@@ -107,6 +111,7 @@ def load_file(
     process_group: Any = None,
     include: Include = None,
     slices: Slices | None = None,
+    cache: CacheLike = None,
     **options: Unpack[TransportOptions],
 ) -> dict[str, torch.Tensor]:
     """Every tensor of ``filename`` (a file, URL or index) as ``{name: tensor}`` on the CPU.
@@ -133,7 +138,7 @@ def load_file(
     if process_group is not None or include is not None or slices is not None:
         return _distributed_load(filename, process_group, include, slices, verify, device, options)
     check_device(device)
-    return _facade.load_file(filename, True, backend, verify, **options)
+    return _facade.load_file(filename, True, backend, verify, cache=cache, **options)
 
 
 def _distributed_load(
@@ -299,6 +304,7 @@ def load_model(
     process_group: Any = None,
     include: Include = None,
     slices: Slices | None = None,
+    cache: CacheLike = None,
     **options: Unpack[TransportOptions],
 ) -> tuple[set[str], list[str]]:
     """Load ``filename`` (a file, URL or index) into ``model``; ``(missing, unexpected)`` names.
@@ -349,13 +355,12 @@ def load_model(
     check_sync_address(filename, "source")
     if assign:
         slots = _Slots(model)
-        _, others = run(
-            _receive, filename, slots.place, verify, clock_of(options), not _facade.maps(backend)
-        )
+        clock, copy = clock_of(options), not _facade.maps(backend)
+        _, others = run(_receive, filename, slots.place, verify, clock, copy, None, cache)
         missing, unexpected = slots.missing(), [name for name, _ in others]
     else:
         _facade.maps(backend)  # checked only: the model's own memory is where tensors go
-        missing, unexpected = _load_into(model, filename, verify, clock_of(options))
+        missing, unexpected = _load_into(model, filename, verify, clock_of(options), cache)
     if strict and (missing or unexpected):
         raise UsageError(_load_errors(model, missing, unexpected))
     return missing, unexpected
@@ -375,7 +380,7 @@ def _load_errors(model: torch.nn.Module, missing: set[str], unexpected: list[str
 
 
 def _load_into(
-    model: torch.nn.Module, filename: SourceLike, verify: bool, clock: Clock
+    model: torch.nn.Module, filename: SourceLike, verify: bool, clock: Clock, cache: CacheLike
 ) -> tuple[set[str], list[str]]:
     """``load_model`` without ``assign``: every tensor that fits received into the model's own
     memory, the others through ``load_state_dict``; ``(missing, unexpected)``."""
@@ -386,7 +391,14 @@ def _load_into(
         if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
     }
     placed, fresh = run(
-        _receive, filename, lambda name, tensor: tensor is into.get(name), verify, clock, True, into
+        _receive,
+        filename,
+        lambda name, tensor: tensor is into.get(name),
+        verify,
+        clock,
+        True,
+        into,
+        cache,
     )
     missing_list, unexpected = model.load_state_dict(dict(fresh), strict=False)
     missing = set(missing_list).difference(placed)
@@ -453,6 +465,7 @@ async def _receive(
     clock: Clock,
     copy: bool,
     into: dict[str, Any] | None = None,
+    cache: CacheLike = None,
 ) -> tuple[set[str], list[tuple[str, Any]]]:
     """Read every tensor of ``src`` (``into`` those it can take) and hand each to ``place``; the
     names it took, and the tensors it did not."""
@@ -464,6 +477,7 @@ async def _receive(
         clock=clock,
         delivery=Delivery("pt", into, exact=False, writable=True),
         copy=copy,
+        cache=cache,
     )
     async for name, tensor in stream:
         if place(name, tensor):

@@ -25,8 +25,8 @@ from typing import Any, Self
 import anyio
 import numpy as np
 
+from .._api import cached_stream, stream_for
 from .._api import save as save_async
-from .._api import stream_for
 from ..core.arrays import check_device, framework_of, to_torch
 from ..core.digests import Digests
 from ..core.header import Header, TensorInfo
@@ -76,6 +76,7 @@ class _Options:
     clock: Clock
     verify: bool
     mapped: bool
+    cache: object = None  # cache= (stream_st._api)
 
 
 Rows = tuple[int, int] | None
@@ -107,7 +108,9 @@ class _File:
 
     @classmethod
     async def open(cls, address: SourceLike, options: _Options, shard: bool = False) -> _File:
-        stream = TensorStream(address, clock=options.clock, verify=options.verify)
+        stream = cached_stream(
+            address, options.cache, clock=options.clock, verify=options.verify
+        ) or TensorStream(address, clock=options.clock, verify=options.verify)
         if shard:
             await _open_shard(stream, str(address))
         else:
@@ -305,6 +308,7 @@ class SafeOpen:
         self._torch = framework_of(framework)
         check_device(device)
         check_sync_address(src, "source")
+        cache = options.pop("cache", None)  # cache= (stream_st._api)
         clock = clock_of(options) if options else Clock()
         mapped = maps(backend)
         self._local: LocalFile | None = None
@@ -317,7 +321,7 @@ class SafeOpen:
             if not mapped:
                 self._closer = weakref.finalize(self, self._local.close)
             return
-        how = _Options(clock, verify, mapped)
+        how = _Options(clock, verify, mapped, cache)
         bridge = Bridge()
         try:
             self._checkpoint = bridge.call(_Checkpoint.open, src, how)
@@ -570,7 +574,8 @@ def load_file(
     path = local_path(src)
     if path is not None and not os.path.lexists(path):
         raise NoSuchFileError(path)
-    return run(_load, src, torch, verify, copy, clock_of(options))
+    cache = options.pop("cache", None)  # cache= (stream_st._api)
+    return run(_load, src, torch, verify, copy, clock_of(options), cache)
 
 
 def load_bytes(data: bytes, torch: bool, verify: bool) -> dict[str, Any]:
@@ -581,10 +586,10 @@ def load_bytes(data: bytes, torch: bool, verify: bool) -> dict[str, Any]:
 
 
 async def _load(
-    src: SourceLike, torch: bool, verify: bool, copy: bool, clock: Clock
+    src: SourceLike, torch: bool, verify: bool, copy: bool, clock: Clock, cache: Any = None
 ) -> dict[str, Any]:
     delivery = Delivery("pt" if torch else "np", writable=True)
-    stream = stream_for(src, verify=verify, clock=clock, delivery=delivery, copy=copy)
+    stream = stream_for(src, verify=verify, clock=clock, delivery=delivery, copy=copy, cache=cache)
     return {name: tensor async for name, tensor in stream}
 
 
