@@ -40,7 +40,7 @@ from .compat import _reference as _facade
 from .compat import _shared
 from .compat._errors import InvalidTensorsError
 from .compat._sync import check_sync_address, run
-from .core.arrays import check_device, is_torch_tensor, load_torch
+from .core.arrays import is_torch_tensor, load_torch, torch_device
 from .errors import UsageError
 from .memory.delivery import Delivery
 from .transports.cache import CacheLike
@@ -75,7 +75,7 @@ _torch = load_torch()  # a clear error at import when torch is missing
 def safe_open(
     filename: SourceLike,
     framework: str = "pt",
-    device: str | int = "cpu",
+    device: str | int | torch.device = "cpu",
     *,
     backend: str = "mmap",
     verify: bool = True,
@@ -95,7 +95,7 @@ def safe_open(
     ``get_tensor`` and ``get_tensors`` check each tensor against the digest the header records
     for it, if any (``verify=False`` skips it); a ``get_slice`` of part of a tensor cannot be
     checked (a digest covers the whole tensor).
-    ``device`` must be the CPU for now (see :func:`load_file`).
+    ``device``: where tensors are handed out (see :func:`load_file`).
     """
     return _facade.SafeOpen(
         filename, framework, device, backend=backend, verify=verify, cache=cache, **options
@@ -104,7 +104,7 @@ def safe_open(
 
 def load_file(
     filename: SourceLike,
-    device: str | int = "cpu",
+    device: str | int | torch.device = "cpu",
     *,
     backend: str = "mmap",
     verify: bool = True,
@@ -127,9 +127,10 @@ def load_file(
     Digests recorded in the header (``checksums=`` of :func:`save_file`) are checked, each
     before its tensor is handed over, unless ``verify=False``.
 
-    ``device`` other than the CPU raises :class:`~stream_st.UsageError` for now: loading onto
-    an accelerator will receive into pinned staging buffers and copy each to the device while the
-    next one arrives (the ``into=`` mechanism of :func:`~stream_st.open_stream`).
+    ``device`` (``"cuda"``, ``"cuda:1"``, an index, a ``torch.device``): each tensor is received
+    on the CPU (a local file mapped, as above) and copied to that device, its CPU memory let go
+    as it is copied. A device this torch cannot use is a :class:`~stream_st.UsageError` before
+    anything is read.
 
     ``process_group`` (a ``torch.distributed`` process group; every rank calls): each rank
     reads its share of the bytes, the group exchanges them, and every rank gets the tensors it
@@ -137,8 +138,11 @@ def load_file(
     """
     if process_group is not None or include is not None or slices is not None:
         return _distributed_load(filename, process_group, include, slices, verify, device, options)
-    check_device(device)
-    return _facade.load_file(filename, True, backend, verify, cache=cache, **options)
+    target = torch_device(device)
+    tensors = _facade.load_file(filename, True, backend, verify, cache=cache, **options)
+    if target is None:
+        return tensors
+    return {name: tensors.pop(name).to(target) for name in list(tensors)}
 
 
 def _distributed_load(
@@ -147,7 +151,7 @@ def _distributed_load(
     include: Include,
     slices: Slices | None,
     verify: bool,
-    device: str | int,
+    device: str | int | torch.device,
     options: Mapping[str, Any],
 ) -> dict[str, torch.Tensor]:
     """``load_file`` with a process group (see :mod:`stream_st.sharded.ranks`)."""
@@ -296,7 +300,7 @@ def load_model(
     model: torch.nn.Module,
     filename: SourceLike,
     strict: bool = True,
-    device: str | int = "cpu",
+    device: str | int | torch.device = "cpu",
     *,
     backend: str = "mmap",
     verify: bool = True,
@@ -351,7 +355,7 @@ def load_model(
             clock=clock_of(options),
             device=device,
         )
-    check_device(device)
+    torch_device(device)  # checked; the model's own parameters decide where tensors land
     check_sync_address(filename, "source")
     if assign:
         slots = _Slots(model)

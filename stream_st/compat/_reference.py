@@ -27,7 +27,7 @@ import numpy as np
 
 from .._api import cached_stream, stream_for
 from .._api import save as save_async
-from ..core.arrays import check_device, framework_of, to_torch
+from ..core.arrays import framework_of, to_torch, torch_device
 from ..core.digests import Digests
 from ..core.header import Header, TensorInfo
 from ..core.shards import is_index, shard_address
@@ -306,7 +306,12 @@ class SafeOpen:
         **options: Any,
     ) -> None:
         self._torch = framework_of(framework)
-        check_device(device)
+        if self._torch:
+            self._device = torch_device(device)
+        elif device is not None and str(device) != "cpu":
+            raise UsageError(f"device={device!r}: numpy arrays live on the CPU")
+        else:
+            self._device = None
         check_sync_address(src, "source")
         cache = options.pop("cache", None)  # cache= (stream_st._api)
         clock = clock_of(options) if options else Clock()
@@ -336,7 +341,10 @@ class SafeOpen:
             raise FileClosedError()
 
     def _out(self, array: np.ndarray[Any, Any], code: str) -> Any:
-        return to_torch(array, code) if self._torch else array
+        if not self._torch:
+            return array
+        tensor = to_torch(array, code)
+        return tensor if self._device is None else tensor.to(self._device)
 
     def _info(self, name: str) -> TensorInfo:
         self._open()

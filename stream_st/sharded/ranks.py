@@ -283,7 +283,7 @@ def plan_exchange(
 class _Group:
     """One process group as a load uses it: ranks, the device bytes go through, waits."""
 
-    def __init__(self, group: Any, device: str | int | None) -> None:
+    def __init__(self, group: Any, device: Any) -> None:
         import torch.distributed as dist
 
         self.dist = dist
@@ -772,7 +772,7 @@ class DistributedStream(TensorStream):
         verify: bool = True,
         clock: Clock | None = None,
         delivery: Delivery | None = None,
-        device: str | int | None = None,
+        device: Any = None,
     ) -> None:
         super().__init__(
             source,
@@ -959,7 +959,7 @@ async def load(
     slices: Slices | None = None,
     verify: bool = True,
     clock: Clock | None = None,
-    device: str | int | None = None,
+    device: Any = None,
     into: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every tensor this rank wants of ``source`` as ``{name: torch tensor}`` (a sliced one: its
@@ -988,7 +988,7 @@ def load_model(
     slices: Slices | None = None,
     verify: bool = True,
     clock: Clock | None = None,
-    device: str | int | None = None,
+    device: Any = None,
 ) -> tuple[set[str], list[str]]:
     """Load ``source`` into ``model`` with the group; ``(missing, unexpected)`` names as
     :func:`stream_st.torch.load_model` gives them. Tensors that fit the model's CPU memory
