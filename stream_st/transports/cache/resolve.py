@@ -84,11 +84,10 @@ async def resolve(address: str, cache: Cache, clock: Clock, *, read_all: bool) -
 
 
 def _validators(source: Source) -> tuple[str, str]:
-    """The ETag and Last-Modified the source's first answer had (``HttpSource`` keeps them to
-    pin the version of every later request)."""
-    version = getattr(source, "_version", None)
-    if isinstance(version, tuple) and len(version) == 2:
-        return str(version[0]), str(version[1])
+    """The ETag and Last-Modified the source's first answer had (``HttpSource.validators``)."""
+    validators = getattr(source, "validators", None)  # an HttpSource's (S3 and Hub included)
+    if isinstance(validators, tuple) and len(validators) == 2:
+        return str(validators[0]), str(validators[1])
     return "", ""
 
 

@@ -111,6 +111,12 @@ class HttpSource(ClientUser, Source):
         self._plan: list[tuple[int, int]] = []
         self._pin = VersionPin()  # the first answer's ETag, Last-Modified
 
+    @property
+    def validators(self) -> tuple[str, str]:
+        """The ``ETag`` and ``Last-Modified`` of this read's first successful answer (empty
+        strings where the server gave none, or before it answered): the object's version."""
+        return self._pin.seen or ("", "")
+
     async def start(self, *, read_all: bool = False) -> None:
         """Send the first request and learn the size and whether ranges work.
 
