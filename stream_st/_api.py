@@ -91,6 +91,7 @@ async def load(
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
     verify: bool = True,
     copy: bool = True,
+    concurrency: int | None = None,
     max_tensor_bytes: int | None = None,
     max_total_bytes: int | None = None,
     cache: CacheLike = None,
@@ -108,14 +109,16 @@ async def load(
     all hold the same columns) is refused with a :class:`~stream_st.UsageError` before any of
     the repeating shard's tensors is read: a dict cannot hold every shard's rows. Stream it with
     :func:`open_stream`, or read a dataset by rows (:mod:`stream_st.integrations.dataset`).
-    ``cache`` as in :func:`~stream_st.open_stream`.
+    ``concurrency`` and ``cache`` as in :func:`~stream_st.open_stream`.
     """
+    clock = clock_of(options)
+    clock.transport = clock.transport.reading(concurrency)
     stream = stream_for(
         source,
         include=include,
         max_header_size=max_header_size,
         verify=verify,
-        clock=clock_of(options),
+        clock=clock,
         copy=copy,
         max_tensor_bytes=max_tensor_bytes,
         max_total_bytes=max_total_bytes,
