@@ -33,6 +33,7 @@ from .errors import (
     AllocationError,
     TensorNotFoundError,
     TrailingDataError,
+    TransportError,
     TruncatedStreamError,
     UsageError,
 )
@@ -538,7 +539,13 @@ class TensorStream(AsyncClosing):
         self._clock.start()
         await give_turn()  # many small local files never wait: the loop's turns come from here
         self.stats.begin()
-        self._source = await open_source(self._source_like, self._clock)
+        source = await open_source(self._source_like, self._clock)
+        if self._closed:  # closed from another task while the source was being opened
+            await source.aclose()
+            raise TransportError(
+                "open failed: the stream was closed on this side", url=source.name, position=0
+            )
+        self._source = source
         try:
             self._source.clock.start()  # a lent connection brings the clock of its message
             await self._source.start(read_all=read_all)
