@@ -222,6 +222,8 @@ def print_validation(result: tools.Validation) -> None:
             f"{t.name:<{width}}  {t.dtype:<8} {cell(t.min)} {cell(t.max)} {cell(t.mean)} "
             f"{cell(t.std)} {t.nan:>6} {t.inf:>6}"
         )
+    if any(t.nan or t.inf for t in result.tensors):
+        print("(min, max, mean and std are of the finite values: NaN and Inf are counted apart)")
     for warning in result.warnings:
         print(f"warning: {warning}")
     for error in result.errors:

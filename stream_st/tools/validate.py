@@ -196,6 +196,6 @@ async def _check_tensor(
                 f"{name}: values up to {max(abs(stats.max), abs(stats.min)):.4g} "
                 f"(beyond {warn_abs:g})"
             )
-        if stats.min == stats.max and info.nelements > 1:
+        if stats.min == stats.max and info.nelements > 1 and not (stats.nan or stats.inf):
             what = "all zeros" if stats.min == 0 else f"constant {stats.min:.4g}"
             result.warnings.append(f"{name}: {what}")
