@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read and write safetensors files as streams. Sources: paths, "
         "model directories, http(s)://, s3://, hf://, tcp://, *.index.json, - (stdin).",
         epilog="exit status: 0 success, 1 different/invalid, 2 error, 3 internal error (a bug),\n"
-        "  130 interrupted, 141 output pipe closed early",
+        "  130 interrupted, 143/129 stopped by SIGTERM/SIGHUP (cleaned up as for\n"
+        "  SIGINT), 141 output pipe closed early",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
