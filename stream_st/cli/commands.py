@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import stat
 import sys
 import urllib.parse
@@ -25,7 +26,7 @@ import anyio
 
 from .. import tools
 from .._api import open_stream
-from ..errors import SafetensorsError, TensorNotFoundError, UsageError
+from ..errors import SafetensorsError, SourceNotFoundError, TensorNotFoundError, UsageError
 from ..transports.file.sink import PipeSink
 from ..transports.registry import SinkLike
 from .demo import print_report, run_demo
@@ -171,6 +172,13 @@ async def run_show(args: argparse.Namespace) -> int:
 
 
 async def run_hash(args: argparse.Namespace) -> int:
+    if args.check:
+        return await run_hash_check(args)
+    if args.file and args.content and not args.json:
+        raise UsageError(
+            "--file prints sha256sum's lines, which have no room for --content: add --json"
+        )
+
     async def one(source: str) -> int:
         with progress_reporter("hashing", args.quiet or not args.content) as progress:
             result = await tools.hash(
@@ -182,15 +190,101 @@ async def run_hash(args: argparse.Namespace) -> int:
             )
         if args.json:
             print_json(result)
+        elif args.file:  # as sha256sum prints it: sha256sum -c and stream-st hash --check take it
+            name = STDIO if source == "/dev/stdin" and STDIO in args.sources else source
+            print(checksum_line(result["file_sha256"], name))
         else:
             print(f"structural {result['structural_hash']}  {source}")
             if "content_hash" in result:
                 print(f"content    {result['content_hash']}  {source}")
-            if "file_sha256" in result:
-                print(f"file       {result['file_sha256']}  {source}")
         return EXIT_OK
 
     return await _each(args, one)
+
+
+def checksum_line(sha256: str, name: str) -> str:
+    """``sha256sum``'s line for ``name``: a name holding a backslash, a newline or a carriage
+    return is escaped, the line then starting with a backslash (as coreutils does)."""
+    if not any(c in name for c in "\\\n\r"):
+        return f"{sha256}  {name}"
+    escaped = name.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+    return f"\\{sha256}  {escaped}"
+
+
+_CHECK_LINE = re.compile(r"(\\?)([0-9a-fA-F]{64}) [ *](.+)")
+_CHECK_BSD = re.compile(r"(\\?)SHA256 \((.+)\) = ([0-9a-fA-F]{64})")
+
+
+def parse_checksum_line(line: str) -> tuple[str, str] | None:
+    """(sha256, name) of one line of a checksum list (``sha256sum``'s or the BSD ``SHA256 (name)
+    = hex`` form), or None for a line of neither form."""
+    found = _CHECK_LINE.fullmatch(line)
+    if found is not None:
+        escaped, digest, name = found.groups()
+    else:
+        found = _CHECK_BSD.fullmatch(line)
+        if found is None:
+            return None
+        escaped, name, digest = found.groups()
+    if escaped:
+        name = re.sub(r"\\(.)", lambda m: {"n": "\n", "r": "\r"}.get(m[1], m[1]), name)
+    return digest.lower(), name
+
+
+async def _read_list(text: str) -> list[str]:
+    """The lines of the checksum list ``text`` (``-``: standard input)."""
+    try:
+        data = await anyio.Path(source_arg(text)).read_bytes()
+    except OSError as exc:
+        raise SourceNotFoundError(
+            f"cannot read checksum list: {exc.strerror or exc}", url=text
+        ) from None
+    return data.decode("utf-8", errors="surrogateescape").splitlines()
+
+
+async def run_hash_check(args: argparse.Namespace) -> int:
+    """``hash --check LIST...``: as ``sha256sum -c``, each listed source (local or remote) read
+    whole and its sha256 compared with the list's: ``NAME: OK`` or ``NAME: FAILED``; exit status
+    1 if one differs, 2 if one cannot be read or a list holds no checksum line."""
+    if args.content or args.file or args.json:
+        raise UsageError("--check takes checksum lists alone (no --content, --file or --json)")
+    status = EXIT_OK
+    mismatched = unreadable = 0
+    for listed in args.sources:
+        lines = await _read_list(listed)
+        entries = [parse_checksum_line(line) for line in lines if line.strip()]
+        malformed = entries.count(None)
+        if malformed == len(entries):
+            failed(listed, UsageError("no properly formatted SHA256 checksum lines found"))
+            status = EXIT_ERROR
+            continue
+        for entry in entries:
+            if entry is None:
+                continue
+            want, name = entry
+            try:
+                got = await tools.file_sha256(source_arg(name), **options_of(args))
+            except SafetensorsError as exc:
+                failed(name, exc)
+                print(f"{name}: FAILED open or read")
+                unreadable += 1
+                continue
+            print(f"{name}: {'OK' if got == want else 'FAILED'}")
+            mismatched += got != want
+        if malformed:
+            lines_word = "line is" if malformed == 1 else "lines are"
+            print(
+                f"{PROG}: WARNING: {malformed} {lines_word} improperly formatted", file=sys.stderr
+            )
+    if unreadable:
+        files = "file" if unreadable == 1 else "files"
+        print(f"{PROG}: WARNING: {unreadable} listed {files} could not be read", file=sys.stderr)
+        status = EXIT_ERROR
+    if mismatched:
+        sums = "checksum" if mismatched == 1 else "checksums"
+        print(f"{PROG}: WARNING: {mismatched} computed {sums} did NOT match", file=sys.stderr)
+        status = max(status, EXIT_DIFFERENT)
+    return status
 
 
 async def run_diff(args: argparse.Namespace) -> int:

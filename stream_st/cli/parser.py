@@ -61,7 +61,9 @@ EXAMPLES = {
     "  stream-st show --json model.safetensors embed.weight --slice 0 | jq .values",
     "hash": "stream-st hash a.safetensors b.safetensors c.safetensors\n"
     "  stream-st hash --content http://host/m.safetensors\n"
-    "  stream-st hash --file model.safetensors   # also the sha256sum of the file\n"
+    "  stream-st hash --file model.safetensors > model.sha256   # sha256sum's line\n"
+    "  stream-st hash --check model.sha256   # as sha256sum -c\n"
+    "  cat model.safetensors | stream-st hash --file -\n"
     "  stream-st hash --json path/to/model-dir/ | jq -r .structural_hash",
     "diff": "stream-st diff a.safetensors b.safetensors\n"
     "  stream-st diff --content --json a.safetensors s3://bucket/b.safetensors",
@@ -207,7 +209,16 @@ def build_parser() -> argparse.ArgumentParser:
     hashing.add_argument("sources", nargs="+", metavar="SOURCE", help=SOURCES)
     hashing.add_argument("--content", action="store_true", help="also hash the data, streamed")
     hashing.add_argument(
-        "--file", action="store_true", help="also the sha256 of the file's bytes (as sha256sum)"
+        "--file",
+        action="store_true",
+        help="the sha256 of every byte of the input, as sha256sum's line (with --json: added)",
+    )
+    hashing.add_argument(
+        "-c",
+        "--check",
+        action="store_true",
+        help="read sha256sum lists (SOURCE: the lists) and check every source they name, as "
+        "sha256sum -c (remote sources too)",
     )
     hashing.add_argument("--json", action="store_true", help="one JSON record per source")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from .common import model_sources
 from .cp import CONVERTIBLE, Copy, cp
 from .diff import Diff, diff
-from .hash import content_digests, hash, structural_hash
+from .hash import content_digests, file_sha256, hash, structural_hash
 from .inspect import Inspection, inspect
 from .validate import TensorStats, Validation, validate
 
@@ -31,6 +31,7 @@ __all__ = [
     "content_digests",
     "cp",
     "diff",
+    "file_sha256",
     "hash",
     "inspect",
     "model_sources",
