@@ -37,12 +37,14 @@ from .output import (
     EXIT_OK,
     PROG,
     STDIO,
+    brief,
     failed,
     human,
     print_json,
     print_validation,
     progress_reporter,
     show_values,
+    split_digests,
     status_line,
 )
 
@@ -114,9 +116,12 @@ async def run_inspect(args: argparse.Namespace) -> int:
             f"  {result.tensor_count} tensors{shards}, {result.parameter_count:,} parameters, "
             f"{human(result.data_bytes)} of data, header {human(result.header_bytes)}"
         )
-        if result.metadata:
+        metadata, digests = split_digests(result.metadata)
+        if digests is not None:
+            print(f"  checksummed: {digests}")
+        if metadata:
             print("  metadata:")
-            for key, value in result.metadata.items():
+            for key, value in metadata.items():
                 print(f"    {key}: {value}")
         if result.tensors:
             width = max(len("name"), *(len(t["name"]) for t in result.tensors))
@@ -304,11 +309,11 @@ async def run_diff(args: argparse.Namespace) -> int:
             detail = ", ".join(f"{key} {a} -> {b}" for key, (a, b) in changes.items())
             print(f"~ {name}: {detail}")
         for key in result.metadata_added:
-            print(f"+ metadata {key}")
+            print(f"+ metadata {key}: {brief(result.metadata_values[key])}")
         for key in result.metadata_removed:
-            print(f"- metadata {key}")
+            print(f"- metadata {key}: {brief(result.metadata_values[key])}")
         for key, (a, b) in result.metadata_changed.items():
-            print(f"~ metadata {key}: {a!r} -> {b!r}")
+            print(f"~ metadata {key}: {brief(a)} -> {brief(b)}")
         for name in result.content_differs:
             print(f"~ {name}: content differs")
         if result.equal:

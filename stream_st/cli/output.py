@@ -7,15 +7,16 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import Any
 
 import numpy as np
 
 from .. import tools
+from ..core.digests import ALGORITHM_KEY, DIGEST_KEY_PREFIX
 from ..errors import SafetensorsError, UsageError
-from ..tools.common import Progress
+from ..tools.common import Progress, plural
 
 __all__ = [
     "EXIT_BROKEN_PIPE",
@@ -159,6 +160,28 @@ def human(n: float) -> str:
     return f"{n:.1f} TB"  # pragma: no cover
 
 
+def brief(value: str, limit: int = 200) -> str:
+    """A metadata value as ``repr`` shows it, cut to about ``limit`` characters."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value):,} characters)"
+
+
+def split_digests(metadata: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
+    """The metadata without the keys of a checksummed file's digests, and what they say in one
+    line (the algorithm and how many tensors have one); None when there are none."""
+    rest = {
+        k: v
+        for k, v in metadata.items()
+        if k != ALGORITHM_KEY and not k.startswith(DIGEST_KEY_PREFIX)
+    }
+    if len(rest) == len(metadata):
+        return rest, None
+    count = sum(k.startswith(DIGEST_KEY_PREFIX) for k in metadata)
+    algorithm = metadata.get(ALGORITHM_KEY, "no algorithm named")
+    return rest, f"{algorithm} digest of each of {plural(count, 'tensor')} (checked as read)"
+
+
 def failed(source: str, exc: SafetensorsError) -> None:
     """Report one source's error on one line, naming the source where the message does not."""
     text = str(exc)
@@ -230,8 +253,8 @@ def print_validation(result: tools.Validation) -> None:
         print(f"error: {error}")
     print(f"digests: {result.digests}")
     print(
-        f"{'valid' if result.ok else 'INVALID'}: {len(result.tensors)} tensors, "
-        f"{len(result.errors)} errors, {len(result.warnings)} warnings"
+        f"{'valid' if result.ok else 'INVALID'}: {plural(len(result.tensors), 'tensor')}, "
+        f"{plural(len(result.errors), 'error')}, {plural(len(result.warnings), 'warning')}"
     )
 
 

@@ -11,13 +11,13 @@ from typing import Any, Unpack
 import anyio
 import numpy as np
 
-from ..core.digests import ALGORITHM_KEY
+from ..core.digests import ALGORITHM_KEY, Digests
 from ..core.header import Header, TensorInfo
 from ..errors import IntegrityError, TensorNotFoundError
 from ..reader import TensorStream
 from ..transports.options import TransportOptions, checked_number
 from ..transports.registry import SourceLike
-from .common import Progress, command_clock, expect_totals, opened, tensors_of
+from .common import Progress, command_clock, expect_totals, opened, plural, tensors_of
 
 __all__ = ["TensorStats", "Validation", "check_layers", "tensor_stats", "validate"]
 
@@ -131,7 +131,7 @@ async def validate(
     ``expect_shapes`` (name -> shape; a missing tensor too) and layers lacking a part of
     ``expect_layers``. Warnings: all-zero or constant tensors, values beyond ``warn_abs``."""
     checked_number("warn_abs", warn_abs)
-    async with opened(source, command_clock(options)) as (stream, headers):
+    async with opened(source, command_clock(options), verify=False) as (stream, headers):
         return await _validate_stream(
             str(source), stream, headers, expect_shapes, expect_layers, warn_abs, progress
         )
@@ -157,20 +157,48 @@ async def _validate_stream(
             result.errors.append(f"{name}: shape {list(infos[name].shape)}, expected {list(shape)}")
     result.errors.extend(check_layers(infos, expect_layers))
     algorithms = {h.metadata[ALGORITHM_KEY] for h in headers if ALGORITHM_KEY in h.metadata}
+    digests, failed = _recorded_digests(result, headers)
     expect_totals(progress, list(infos.values()))
-    done_bytes = 0
-    try:
-        async for name, array in stream:
-            await _check_tensor(result, infos, name, array, warn_abs)
-            done_bytes += array.nbytes
-            if progress is not None:
-                progress(done_bytes, len(result.tensors))
-            del array
-    except IntegrityError as exc:
-        result.errors.append(str(exc))
-    verified = f"{len(result.tensors)} tensors verified" if not result.errors else "FAILED"
+    done_bytes = checked = 0
+    async for name, array in stream:  # every tensor, whichever fails its digest
+        recorded = digests.get(name)
+        if recorded is not None:
+            try:
+                await recorded.check_view(name, array, source)
+                checked += 1
+            except IntegrityError as exc:
+                result.errors.append(str(exc))
+                failed += 1
+        await _check_tensor(result, infos, name, array, warn_abs)
+        done_bytes += array.nbytes
+        if progress is not None:
+            progress(done_bytes, len(result.tensors))
+        del array
+    if failed:
+        verified = f"FAILED ({plural(failed, 'tensor')} of {len(infos)})"
+    else:
+        verified = f"{plural(checked, 'tensor')} verified"
     result.digests = f"{', '.join(sorted(algorithms))}: {verified}" if algorithms else "none"
     return result
+
+
+def _recorded_digests(
+    result: Validation, headers: Sequence[Header]
+) -> tuple[dict[str, Digests], int]:
+    """Each tensor's recorded digests (the :class:`Digests` of its header), and how many headers
+    record digests that cannot be checked (each an error in ``result``)."""
+    found: dict[str, Digests] = {}
+    damaged = 0
+    for header in headers:
+        try:
+            digests = Digests.from_header(header)
+        except IntegrityError as exc:
+            result.errors.append(str(exc))
+            damaged += 1
+            continue
+        if digests is not None:
+            found.update(dict.fromkeys(digests.values, digests))
+    return found, damaged
 
 
 async def _check_tensor(
@@ -187,9 +215,9 @@ async def _check_tensor(
     stats = await anyio.to_thread.run_sync(tensor_stats, name, info.dtype, info.shape, array)
     result.tensors.append(stats)
     if stats.nan:
-        result.errors.append(f"{name}: {stats.nan} NaN values")
+        result.errors.append(f"{name}: {plural(stats.nan, 'NaN value')}")
     if stats.inf:
-        result.errors.append(f"{name}: {stats.inf} Inf values")
+        result.errors.append(f"{name}: {plural(stats.inf, 'Inf value')}")
     if stats.max is not None and stats.min is not None:
         if max(abs(stats.max), abs(stats.min)) > warn_abs:
             result.warnings.append(
