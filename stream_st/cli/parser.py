@@ -72,6 +72,7 @@ EXAMPLES = {
     "  stream-st validate --expect-shapes shapes.json \\\n"
     "      --expect-layers q_proj,k_proj,v_proj,o_proj model.safetensors",
     "cp": "stream-st cp s3://bucket/model.safetensors model.safetensors\n"
+    "  stream-st cp --endpoint-url http://localhost:9000 m.safetensors s3://bucket/m.safetensors\n"
     "  stream-st cp model.safetensors - | ssh host stream-st cp - /dst/model.safetensors\n"
     "  stream-st cp --dtype bf16 model.safetensors http://host/upload/model-bf16.safetensors\n"
     "  stream-st cp --quantize int8 --include lm_head.weight m.safetensors tcp://peer:9000\n"
@@ -296,5 +297,21 @@ def build_parser() -> argparse.ArgumentParser:
             "--no-sign-request",
             action="store_true",
             help="send s3:// requests unsigned (public buckets), as AWS_NO_SIGN_REQUEST=1",
+        )
+        remote.add_argument(
+            "--endpoint-url",
+            metavar="URL",
+            help="the S3-compatible store s3:// addresses go to (MinIO, R2...), as the AWS CLI's "
+            "(else AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile's endpoint_url)",
+        )
+        remote.add_argument(
+            "--region",
+            metavar="REGION",
+            help="the S3 region (else AWS_REGION, AWS_DEFAULT_REGION, the profile's, us-east-1)",
+        )
+        remote.add_argument(
+            "--profile",
+            metavar="NAME",
+            help="the AWS profile for s3:// credentials and settings (else AWS_PROFILE)",
         )
     return parser
