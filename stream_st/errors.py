@@ -50,10 +50,12 @@ __all__ = [
     "HeaderTooLargeError",
     "IntegrityError",
     "OutcomeUnknownError",
+    "RangeIgnoredWarning",
     "ReadTimeoutError",
     "SafetensorsError",
     "SourceChangedError",
     "SourceNotFoundError",
+    "StreamStWarning",
     "TensorNotFoundError",
     "TrailingDataError",
     "TransportError",
@@ -254,3 +256,13 @@ class SourceChangedError(TransportError):
 class CertificateError(TransportError):
     """The server's TLS certificate failed verification (untrusted, expired, another name).
     Never retried: trust it with ``ssl_context=`` (``--ca-bundle``) if it is the right server."""
+
+
+class StreamStWarning(UserWarning):
+    """Root of the warnings stream_st gives: a read or write that works, but worse than asked
+    (silence them all with ``warnings.simplefilter("ignore", StreamStWarning)``)."""
+
+
+class RangeIgnoredWarning(StreamStWarning):
+    """An HTTP server answered a Range request with the whole object (200, not 206): the read
+    goes on from the first byte, so a header or a slice costs the whole object's transfer."""

@@ -7,6 +7,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -15,7 +16,7 @@ import numpy as np
 
 from .. import tools
 from ..core.digests import ALGORITHM_KEY, DIGEST_KEY_PREFIX
-from ..errors import SafetensorsError, UsageError
+from ..errors import SafetensorsError, StreamStWarning, UsageError
 from ..tools.common import Progress, plural
 
 __all__ = [
@@ -77,10 +78,15 @@ class _Bar:
             console=Console(stderr=True),
             transient=True,
         )
+        self._label = label
         self._task = self._bar.add_task(label, total=None, tensors=0, of="")
 
     def totals(self, total_bytes: int, total_tensors: int) -> None:
         self._bar.update(self._task, total=total_bytes, of=f"/{total_tensors}")
+
+    def note(self, text: str) -> None:
+        """Show ``text`` (a short notice) after the label."""
+        self._bar.update(self._task, description=f"{self._label} ({text})")
 
     def __call__(self, done_bytes: int, done: int) -> None:
         self._bar.update(self._task, completed=done_bytes, tensors=done)
@@ -106,6 +112,10 @@ class _Lines:
 
     def totals(self, total_bytes: int, total_tensors: int) -> None:
         self._of_bytes, self._of_tensors = f" of {human(total_bytes)}", f"/{total_tensors}"
+
+    def note(self, text: str) -> None:
+        """Show ``text`` (a short notice) after the label."""
+        self._label = f"{self._label} ({text})"
 
     def __call__(self, done_bytes: int, done: int) -> None:
         self._done = (done_bytes, done)
@@ -142,8 +152,46 @@ def progress_reporter(label: str, quiet: bool) -> Iterator[Progress | None]:
         report: _Bar | _Lines = _Bar(label)
     except ImportError:  # the cli extra is not installed
         report = _Lines(label)
-    with report:
-        yield report
+    _NOTES.append(report.note)
+    try:
+        with report:
+            yield report
+    finally:
+        _NOTES.remove(report.note)
+
+
+_NOTES: list[Callable[[str], None]] = []
+"""The running progress displays' :meth:`note` methods: a warning shows in them too."""
+
+SHORT_NOTES = {"RangeIgnoredWarning": "server ignores ranges: reading it whole"}
+"""What a warning of each category says in a progress line."""
+
+
+@contextmanager
+def warnings_as_lines() -> Iterator[None]:
+    """Within the block, stream_st's warnings (:class:`~stream_st.StreamStWarning`) print as one
+    ``stream-st: warning: ...`` line on stderr, each once, and show in the progress line."""
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        if not issubclass(category, StreamStWarning):
+            original(message, category, filename, lineno, file, line)
+            return
+        for note in _NOTES:
+            note(SHORT_NOTES.get(category.__name__, "warning"))
+        print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        original = warnings.showwarning
+        warnings.showwarning = show
+        warnings.simplefilter("default", StreamStWarning)
+        yield
 
 
 def print_json(value: Any) -> None:

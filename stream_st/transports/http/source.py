@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import ssl
+import warnings
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -57,6 +58,7 @@ from anyio.abc import TaskGroup
 from ..._util import task_group
 from ...errors import (
     CertificateError,
+    RangeIgnoredWarning,
     ReadTimeoutError,
     SourceChangedError,
     TransportError,
@@ -78,6 +80,11 @@ __all__ = ["FIRST_RANGE", "HttpSource"]
 
 FIRST_RANGE = 64 << 10
 """Bytes asked for by the first request: the prefix, the header (usually) and some data."""
+
+_RANGE_IGNORED = (
+    "{}: the server ignores Range requests (200, not 206): every read goes through the object "
+    "from its first byte, so a slice or a selection costs all the bytes before it"
+)
 
 _RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _ASKS_TO_WAIT = frozenset({429, 503})  # statuses whose Retry-After is honoured
@@ -173,6 +180,8 @@ class HttpSource(ClientUser, Source):
                 self.random_access = True
                 return
             await self._adopt(response, 0)
+            if end is not None and response.status == 200:  # ranges asked for, none given
+                warnings.warn(RangeIgnoredWarning(_RANGE_IGNORED.format(self.name)), stacklevel=2)
             if speculate and self.random_access and self.size is not None:
                 self._plan = [(0, self.size)]  # until the reader's plan: everything
                 self._open_window()
