@@ -63,6 +63,7 @@ EXAMPLES = {
     "  stream-st hash --content http://host/m.safetensors\n"
     "  stream-st hash --file model.safetensors > model.sha256   # sha256sum's line\n"
     "  stream-st hash --check model.sha256   # as sha256sum -c\n"
+    "  stream-st hash --format weight-inspect model.safetensors\n"
     "  cat model.safetensors | stream-st hash --file -\n"
     "  stream-st hash --json path/to/model-dir/ | jq -r .structural_hash",
     "diff": "stream-st diff a.safetensors b.safetensors\n"
@@ -213,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--file",
         action="store_true",
         help="the sha256 of every byte of the input, as sha256sum's line (with --json: added)",
+    )
+    hashing.add_argument(
+        "--format",
+        choices=("stream-st", "weight-inspect"),
+        default="stream-st",
+        help="whose structural hash: ours (default), or the weight-inspect tool's ID "
+        "(wi:safetensors:0:...) as its 'id' command computes it",
     )
     hashing.add_argument(
         "-c",

@@ -20,6 +20,7 @@ from .diff import Diff, diff
 from .hash import content_digests, file_sha256, hash, structural_hash
 from .inspect import Inspection, inspect
 from .validate import TensorStats, Validation, validate
+from .weight_inspect import weight_inspect
 
 __all__ = [
     "CONVERTIBLE",
@@ -37,4 +38,5 @@ __all__ = [
     "model_sources",
     "structural_hash",
     "validate",
+    "weight_inspect",
 ]
