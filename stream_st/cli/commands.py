@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import posixpath
 import re
 import stat
 import sys
@@ -26,7 +27,9 @@ import anyio
 
 from .. import tools
 from .._api import open_stream
+from ..core.shards import INDEX_SUFFIX, is_index
 from ..errors import SafetensorsError, SourceNotFoundError, TensorNotFoundError, UsageError
+from ..tools.cp import address_in
 from ..transports.file.sink import PipeSink
 from ..transports.registry import SinkLike
 from .demo import print_report, run_demo
@@ -378,33 +381,80 @@ async def run_validate(args: argparse.Namespace) -> int:
     return await _each(args, one)
 
 
-def _into_directory(src: str, dst: str) -> str:
-    """``cp``'s destination: an existing local directory receives a file of the source's name,
-    as coreutils' ``cp`` does; any other destination is taken as it is."""
-    if dst == STDIO or "://" in dst or not os.path.isdir(dst):
-        return dst
-    name = os.path.basename(urllib.parse.urlsplit(src).path if "://" in src else src)
-    if not name.endswith(".safetensors") or src == "/dev/stdin":
-        raise UsageError(f"{dst} is a directory: name the file to write in it")
-    return os.path.join(dst, name)
+def _is_directory(dst: str) -> bool:
+    """Whether ``cp`` writes into ``dst`` rather than as it: a trailing slash (a local directory,
+    an S3 prefix, an HTTP folder), a bucket alone (``s3://bucket``), or an existing local
+    directory, as ``cp`` and ``aws s3 cp`` take them."""
+    if dst == STDIO:
+        return False
+    if dst.endswith("/"):
+        return True
+    if "://" in dst:
+        parts = urllib.parse.urlsplit(dst)
+        return parts.scheme.lower() == "s3" and parts.path in ("", "/")
+    return os.path.isdir(dst)
+
+
+def _source_name(src: str, dst: str) -> str:
+    """The name a copy of ``src`` takes in the directory or prefix ``dst``."""
+    path = urllib.parse.urlsplit(src).path if "://" in src else src
+    name = posixpath.basename(path.rstrip("/"))
+    if not name or src == "/dev/stdin" or src.lower().startswith("tcp://"):
+        shown = STDIO if src == "/dev/stdin" else src
+        raise UsageError(
+            f"{dst} is a directory: name the file to write in it ({shown} has no name to take)"
+        )
+    return name
+
+
+def _inside(dst: str, name: str) -> str:
+    """``name`` in the directory or prefix ``dst`` (a local one is made if missing)."""
+    if "://" not in dst:
+        os.makedirs(dst, exist_ok=True)
+    return address_in(dst, name)
+
+
+def _copy_options(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
+    return {
+        "include": args.include or None,
+        "dtype": args.dtype,
+        "quantize": args.quantize,
+        "dequantize": args.dequantize,
+        "checksums": True if args.checksums else None,
+        "progress": progress,
+        **options_of(args),
+    }
 
 
 async def run_cp(args: argparse.Namespace) -> int:
     src = one_source_arg(args.src)
-    args.dst = _into_directory(src, args.dst)
+    into = _is_directory(args.dst)
+    if is_index(src) and not args.merge:
+        if not into:
+            raise UsageError(
+                f"{args.src} is a sharded checkpoint: copy it into a directory or prefix (a "
+                "destination ending in /) to mirror its shards and index, or merge it into one "
+                "file with --merge"
+            )
+        with progress_reporter("copying", args.quiet) as progress:
+            written = await tools.mirror(src, args.dst, **_copy_options(args, progress))
+        if not args.quiet:
+            print(f"copied {len(written) - 1} shards and the index to {args.dst}", file=sys.stderr)
+        return EXIT_OK
+    if into:
+        name = _source_name(src, args.dst)
+        if is_index(src):  # --merge: one file, named as the index less its suffix
+            if not name.endswith(INDEX_SUFFIX):
+                raise UsageError(f"{args.src} is a manifest: name the file to merge it into")
+            name = name[: -len(INDEX_SUFFIX)]
+        args.dst = _inside(args.dst, name)
+    elif is_index(src) and args.dst.endswith(INDEX_SUFFIX):
+        raise UsageError(
+            f"--merge writes one safetensors file, not an index: name it other than {args.dst}"
+        )
     dst = await _destination(args.dst)
     with progress_reporter("copying", args.quiet) as progress:
-        copied = await tools.cp(
-            src,
-            dst,
-            include=args.include or None,
-            dtype=args.dtype,
-            quantize=args.quantize,
-            dequantize=args.dequantize,
-            checksums=True if args.checksums else None,
-            progress=progress,
-            **options_of(args),
-        )
+        copied = await tools.cp(src, dst, **_copy_options(args, progress))
     if not args.quiet:
         header = copied.header
         done = f"copied {len(header)} tensors, {header.file_size:,} bytes to {args.dst}"

@@ -79,7 +79,10 @@ EXAMPLES = {
     "  stream-st cp --quantize int8 --include lm_head.weight m.safetensors tcp://peer:9000\n"
     "  stream-st cp --dequantize q8.safetensors restored.safetensors\n"
     "  stream-st cp --checksums model.safetensors s3://bucket/model.safetensors\n"
-    "  stream-st cp hf://org/repo/model.safetensors models/   # into a directory, as cp",
+    "  stream-st cp hf://org/repo/model.safetensors models/   # into a directory, as cp\n"
+    "  stream-st cp m.safetensors s3://bucket/models/   # s3://bucket/models/m.safetensors\n"
+    "  stream-st cp path/to/sharded-model/ s3://bucket/model/   # every shard, the index last\n"
+    "  stream-st cp --merge model.safetensors.index.json merged.safetensors",
     "demo": "stream-st demo\n"
     "  stream-st demo -q --text essay.txt --context 512 --json | jq .transfers\n"
     "  stream-st demo --synthetic --layers 4 --seq 512 --codecs none,int4",
@@ -257,10 +260,18 @@ def build_parser() -> argparse.ArgumentParser:
     copy = command("cp", "stream-copy between any source and destination", run_cp)
     copy.add_argument("src", help="file, directory, URL or - (stdin)")
     copy.add_argument(
-        "dst", help="path, file://, tcp://host:port, http(s):// (PUT), s3://, - (stdout)"
+        "dst",
+        help="path, file://, tcp://host:port, http(s):// (PUT), s3://, - (stdout); a trailing / "
+        "or an existing directory: into it, under the source's name",
     )
     copy.add_argument(
         "--include", action="append", metavar="NAME", help="copy only this tensor (repeatable)"
+    )
+    copy.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge a sharded checkpoint into one file (else it is mirrored into DST/, every "
+        "shard and then the index)",
     )
     converting = copy.add_mutually_exclusive_group()
     copy.add_argument(

@@ -15,7 +15,7 @@ every source and destination it opens.
 from __future__ import annotations
 
 from .common import model_sources
-from .cp import CONVERTIBLE, Copy, cp
+from .cp import CONVERTIBLE, Copy, cp, mirror
 from .diff import Diff, diff
 from .hash import content_digests, file_sha256, hash, structural_hash
 from .inspect import Inspection, inspect
@@ -35,6 +35,7 @@ __all__ = [
     "file_sha256",
     "hash",
     "inspect",
+    "mirror",
     "model_sources",
     "structural_hash",
     "validate",
