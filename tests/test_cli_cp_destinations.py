@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import safetensors.numpy as reference_numpy
 from ._cli import run, write_model
 from .s3_server import CREDENTIALS, MotoS3Server
 
-SHARDS = {
+SHARDS: dict[str, dict[str, np.ndarray[Any, Any]]] = {
     "model-00001-of-00002.safetensors": {"a": np.arange(4, dtype=np.float32)},
     "model-00002-of-00002.safetensors": {"b": np.ones((2, 2), np.float32), "c": np.zeros(3)},
 }
