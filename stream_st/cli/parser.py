@@ -172,9 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--context",
         type=int,
-        default=256,
         metavar="TOKENS",
-        help="tokens prefilled on the sender (default 256)",
+        help="tokens prefilled on the sender (default 256, fewer for a short --text so that "
+        "at least 64 tokens are scored)",
     )
     demo.add_argument(
         "--codecs",
