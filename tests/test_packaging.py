@@ -49,7 +49,7 @@ SDIST_NEEDS = [
     "tests/proxy_server.py",
     "tests/daemon.py",
     "docs/benchmarks.md",
-    "stream_st/llm/demo_text.txt",
+    "stream_st/cli/demo_text.txt",
 ]
 CARRIED = ("tests/", "docs/", "benchmarks/", "examples/", "stream_st/", ".ci/")
 """Folders whose every tracked file the sdist carries (the tests' servers and regression
@@ -124,7 +124,7 @@ def test_wheel_installs_with_license_metadata_and_version(
     core = sorted(r.split(">")[0] for r in requires if "extra ==" not in r)
     # rich is in the cli extra; xxhash checks the digests every reader verifies by default
     assert core == ["anyio", "ml_dtypes", "numpy", "xxhash"]
-    assert "stream_st/llm/demo_text.txt" in names  # the demo's text, package data
+    assert "stream_st/cli/demo_text.txt" in names  # the demo's text, package data
     assert metadata.get_all("Project-URL") and metadata.get_all("Classifier")
     python = _fresh_venv(tmp_path / "venv")
     _pip_install(python, wheel)
