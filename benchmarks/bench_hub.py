@@ -1,6 +1,6 @@
 """Requests per read of a Hub checkpoint: ``hf://`` against ``huggingface_hub``, on a fake Hub.
 
-The fake Hub (tests/hub_server.py: the Hub on 127.0.0.1, its CDN on 127.0.0.2) holds a
+The fake Hub (tests/servers/hub_server.py: the Hub on 127.0.0.1, its CDN on 127.0.0.2) holds a
 single-file model and a sharded one (an index and ``--shards`` shards). Each row counts the
 requests the Hub and the CDN received for one operation, by ``hf://`` and by the other way named
 in the row (huggingface_hub, or the plain HTTP source on the resolve URL); ratio = ours / other.
@@ -29,7 +29,7 @@ import stream_st
 from stream_st.tools import inspect
 from stream_st.transports.http.source import HttpSource
 from stream_st.transports.hub import HubSource
-from tests.hub_server import CDN_HOST, FakeHub
+from tests.servers.hub_server import CDN_HOST, FakeHub
 
 INDEX_NAME = "model.safetensors.index.json"
 PARALLEL_URL = "hf://org/single/model.safetensors"

@@ -12,8 +12,8 @@ comes from three sources, each server in its own process (no shared GIL with the
 * ``tcp``: ``bench_network.py``'s TCP sender sends the file to each connection at ``--rate-mb``
   MB/s (a network link; 125 MB/s is 1 Gbit/s), paced in 64 KiB steps like a link: time lost
   while the receiver was not reading is not made up afterwards by a burst
-  (``tests.http_server.Link``);
-* ``http``: ``python -m tests.http_server FILE --rate ...``: the same rate per connection;
+  (``tests.servers.http_server.Link``);
+* ``http``: ``python -m tests.servers.http_server FILE --rate ...``: the same rate per connection;
 * ``file``: the local file (in the page cache after the warm-up round): transfer is almost free
   here, so this shows what streaming costs when there is nothing to hide.
 

@@ -32,8 +32,8 @@ recomputation, and the bytes on the wire.
 Part 2, streaming inference while loading: the weights are written once as a safetensors
 checkpoint (``write_checkpoint``, F32, embeddings first, then layer by layer) and served at
 ``--rate-mb`` MB/s (125 MB/s = 1 Gbit/s) by ``bench_network.py``'s paced TCP sender and by
-``tests.http_server --rate``, each in its own process. The pacing is in the sender: it sends in
-64 KiB steps and sleeps to hold the rate, like a link. W streams: ``StreamingPrefill`` of
+``tests.servers.http_server --rate``, each in its own process. The pacing is in the sender: it
+sends in 64 KiB steps and sleeps to hold the rate, like a link. W streams: ``StreamingPrefill`` of
 ``--prompt`` tokens runs layer ``l`` as soon as layer ``l``'s weights are in; L loads every
 weight, then prefills. Reported: time to the first generated token (its logits), medians of
 interleaved rounds; both must give the same logits bit for bit.

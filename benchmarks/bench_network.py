@@ -22,10 +22,10 @@ Every server runs in its own process, never in the measured one (no shared GIL):
 
 * TCP: a child of this script (``--tcp-sender FILE``) accepts one connection at a time and sends
   the file with ``socket.sendfile`` (zero-copy), then closes;
-* HTTP: ``python -m tests.http_server FILE`` (threaded, Range-capable);
-* S3: moto's server (``tests.s3_server.MotoS3Server``), both files uploaded once with boto3;
-* parallel ranges: ``python -m tests.http_server FILE --latency 0.03 --rate 200e6``: 30 ms before
-  the first byte of every response and 200 MB/s per connection, an object store's profile.
+* HTTP: ``python -m tests.servers.http_server FILE`` (threaded, Range-capable);
+* S3: moto's server (``tests.servers.s3_server.MotoS3Server``), both files uploaded once with boto3;
+* parallel ranges: ``python -m tests.servers.http_server FILE --latency 0.03 --rate 200e6``: 30 ms
+  before the first byte of every response and 200 MB/s per connection, an object store's profile.
 
 Variants run interleaved (A B C A B C ...) after one untimed warm-up round, all in one
 ``anyio.run`` (asyncio backend); synchronous variants run on the same thread. Each variant builds
@@ -90,7 +90,7 @@ from stream_st.transports.http.source import HttpSource
 SCRIPT = str(Path(__file__).resolve())
 REPO = Path(SCRIPT).parent.parent
 if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # for tests.s3_server
+    sys.path.insert(0, str(REPO))  # for tests.servers.s3_server
 
 MiB = 1 << 20
 CHUNK = 1 * MiB
@@ -302,13 +302,16 @@ class Child:
 
 
 def http_server(path: Path, *extra: str) -> Child:
-    return Child([sys.executable, "-m", "tests.http_server", str(path), *extra], "http server")
+    return Child(
+        [sys.executable, "-m", "tests.servers.http_server", str(path), *extra], "http server"
+    )
 
 
 def tcp_sender_main(path: Path, rate: float | None = None) -> None:
     """``--tcp-sender FILE [--tcp-rate B/S]``: send FILE to every connection, one at a time, then
-    close it. With a rate, paced in 64 KiB steps like a link (``tests.http_server.Link``)."""
-    from tests.http_server import Link
+    close it. With a rate, paced in 64 KiB steps like a link
+    (``tests.servers.http_server.Link``)."""
+    from tests.servers.http_server import Link
 
     listener = socket.create_server(("127.0.0.1", 0), backlog=8)
 
@@ -601,7 +604,7 @@ async def bench_http(files: Sequence[tuple[Prepared, int]], warmup: int) -> None
         ratios = [Ratio("st", "raw", 0.8)] + [
             Ratio(v.key, "raw", None) for v in variants if v.key not in ("st", "raw")
         ]
-        report("HTTP (tests.http_server)", prepared, variants, timings, ratios)
+        report("HTTP (tests.servers.http_server)", prepared, variants, timings, ratios)
 
 
 # --------------------------------------------------------------------------- S3
@@ -740,7 +743,7 @@ def s3_variants(
 
 
 async def bench_s3(files: Sequence[tuple[Prepared, int]], warmup: int) -> None:
-    from tests.s3_server import CREDENTIALS, MotoS3Server
+    from tests.servers.s3_server import CREDENTIALS, MotoS3Server
 
     with MotoS3Server() as s3:
         client = s3.client()

@@ -18,8 +18,8 @@ model first (its memory allocated and touched: that is not timed), then times on
 * ``ref_model``: ``safetensors.torch.load_model(model, path)`` (mmap, then ``load_state_dict``);
 * ``ref_dict``: ``model.load_state_dict(safetensors.torch.load_file(path))``.
 
-Over HTTP (the test server, ``tests/http_server.py``, in this process) ``ours`` and ``ours_dict``
-read the URL and the reference variants first fetch the body with ``urllib`` and call
+Over HTTP (the test server, ``tests/servers/http_server.py``, in this process) ``ours`` and
+``ours_dict`` read the URL and the reference variants first fetch the body with ``urllib`` and call
 ``safetensors.torch.load`` on it (the reference cannot read a URL). Every variant leaves every
 parameter page written (a ``load_state_dict`` copy or our receive), and each child returns a
 checksum of all parameters (taken after the timing), compared across variants. Peak RSS is the
@@ -211,7 +211,7 @@ def compare(label: str, variants: tuple[str, ...], src: str, layers: int, repeat
 def slice_transfer(path: Path) -> None:
     """Bytes sent by the server for ``get_slice`` of 1/8 of one remote tensor."""
     from stream_st.torch import safe_open
-    from tests.http_server import RangeHTTPServer
+    from tests.servers.http_server import RangeHTTPServer
 
     with RangeHTTPServer() as server:
         server.objects["/m.safetensors"] = path.read_bytes()
@@ -270,7 +270,7 @@ def main() -> None:
             args.repeat,
         )
         if not args.skip_http:
-            from tests.http_server import RangeHTTPServer
+            from tests.servers.http_server import RangeHTTPServer
 
             with RangeHTTPServer() as server:
                 server.objects["/model.safetensors"] = path.read_bytes()

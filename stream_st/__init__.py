@@ -13,65 +13,138 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._api import load, open_stream, read_header, save
-from .connection import Connection, Listener, connect, listen
-from .core.digests import Digests
-from .core.dtypes import DTYPES, DType, dtype_for
-from .core.header import Header, TensorInfo, TensorSpec, build_header, parse_header, plan_order
-from .errors import (
-    AllocationError,
-    CertificateError,
-    CredentialsError,
-    DtypeError,
-    HeaderError,
-    HeaderTooLargeError,
-    HTTPNotFoundError,
-    HTTPProtocolError,
-    HTTPStatusError,
-    IntegrityError,
-    OutcomeUnknownError,
-    RangeIgnoredWarning,
-    ReadTimeoutError,
-    SafetensorsError,
-    SourceChangedError,
-    SourceNotFoundError,
-    StreamStWarning,
-    TensorNotFoundError,
-    TrailingDataError,
-    TransportError,
-    TruncatedStreamError,
-    UnsupportedSinkError,
-    UnsupportedSourceError,
-    UsageError,
-    WriterError,
-)
-from .kv import KVLayout, KVReceiver, receive_kv, send_kv
-from .reader import TensorStream
-from .sharded.reader import ShardedStream
-from .sharded.writer import DatasetWriter, ShardedWriter, open_dataset_writer, open_sharded_writer
-from .transports.base import AsyncReadInto
-from .transports.options import LimitOptions, TransportOptions
-from .writer import TensorParts, TensorWriter, open_writer
+from ._util import package_version
 
 if TYPE_CHECKING:
+    from ._api import load, open_stream, read_header, save
+    from .connection import Connection, Listener, connect, listen
+    from .core.digests import Digests
+    from .core.dtypes import DTYPES, DType, dtype_for
+    from .core.header import Header, TensorInfo, parse_header
+    from .core.layout import TensorSpec, build_header, plan_order
+    from .core.stats import LoadStats
+    from .errors import (
+        AllocationError,
+        CertificateError,
+        CredentialsError,
+        DtypeError,
+        HeaderError,
+        HeaderTooLargeError,
+        HTTPNotFoundError,
+        HTTPProtocolError,
+        HTTPStatusError,
+        IntegrityError,
+        OutcomeUnknownError,
+        RangeIgnoredWarning,
+        ReadTimeoutError,
+        SafetensorsError,
+        SourceChangedError,
+        SourceNotFoundError,
+        StreamStWarning,
+        TensorNotFoundError,
+        TrailingDataError,
+        TransportError,
+        TruncatedStreamError,
+        UnsupportedSinkError,
+        UnsupportedSourceError,
+        UsageError,
+        WriterError,
+    )
+    from .kv import KVLayout, KVReceiver, receive_kv, send_kv
+    from .reader import TensorStream
+    from .sharded.reader import ShardedStream
+    from .sharded.writer import (
+        DatasetWriter,
+        ShardedWriter,
+        open_dataset_writer,
+        open_sharded_writer,
+    )
+    from .transports.base import AsyncReadInto
     from .transports.http import HTTPClient
     from .transports.http.sink import HttpSink
     from .transports.http.source import HttpSource
     from .transports.hub import HubSource
+    from .transports.options import LimitOptions, TransportOptions
     from .transports.s3.config import S3Config
     from .transports.s3.sink import S3Sink
     from .transports.s3.source import S3Source
+    from .writer import TensorParts, TensorWriter, open_writer
 
-_LAZY = {
+__version__: str
+"""The installed distribution's version (read on first use)."""
+
+_PUBLIC = {
+    "AllocationError": ".errors",
+    "AsyncReadInto": ".transports.base",
+    "build_header": ".core.layout",
+    "CertificateError": ".errors",
+    "connect": ".connection",
+    "Connection": ".connection",
+    "CredentialsError": ".errors",
+    "DatasetWriter": ".sharded.writer",
+    "Digests": ".core.digests",
+    "DType": ".core.dtypes",
+    "dtype_for": ".core.dtypes",
+    "DtypeError": ".errors",
+    "DTYPES": ".core.dtypes",
+    "Header": ".core.header",
+    "HeaderError": ".errors",
+    "HeaderTooLargeError": ".errors",
+    "HTTPClient": ".transports.http",
+    "HTTPNotFoundError": ".errors",
+    "HTTPProtocolError": ".errors",
     "HttpSink": ".transports.http.sink",
     "HttpSource": ".transports.http.source",
+    "HTTPStatusError": ".errors",
+    "HubSource": ".transports.hub",
+    "IntegrityError": ".errors",
+    "KVLayout": ".kv",
+    "KVReceiver": ".kv",
+    "LimitOptions": ".transports.options",
+    "listen": ".connection",
+    "Listener": ".connection",
+    "LoadStats": ".core.stats",
+    "load": "._api",
+    "open_dataset_writer": ".sharded.writer",
+    "open_sharded_writer": ".sharded.writer",
+    "open_stream": "._api",
+    "open_writer": ".writer",
+    "OutcomeUnknownError": ".errors",
+    "parse_header": ".core.header",
+    "plan_order": ".core.layout",
+    "RangeIgnoredWarning": ".errors",
+    "read_header": "._api",
+    "ReadTimeoutError": ".errors",
+    "receive_kv": ".kv",
     "S3Config": ".transports.s3.config",
     "S3Sink": ".transports.s3.sink",
     "S3Source": ".transports.s3.source",
-    "HTTPClient": ".transports.http",
-    "HubSource": ".transports.hub",
+    "SafetensorsError": ".errors",
+    "save": "._api",
+    "send_kv": ".kv",
+    "ShardedStream": ".sharded.reader",
+    "ShardedWriter": ".sharded.writer",
+    "SourceChangedError": ".errors",
+    "SourceNotFoundError": ".errors",
+    "StreamStWarning": ".errors",
+    "TensorInfo": ".core.header",
+    "TensorNotFoundError": ".errors",
+    "TensorParts": ".writer",
+    "TensorSpec": ".core.layout",
+    "TensorStream": ".reader",
+    "TensorWriter": ".writer",
+    "TrailingDataError": ".errors",
+    "TransportError": ".errors",
+    "TransportOptions": ".transports.options",
+    "TruncatedStreamError": ".errors",
+    "UnsupportedSinkError": ".errors",
+    "UnsupportedSourceError": ".errors",
+    "UsageError": ".errors",
+    "WriterError": ".errors",
 }
-"""Public names whose transports are imported on first use, so ``import stream_st`` stays light."""
+"""Each public name and the module that defines it, imported when the name is first used: ``import
+stream_st`` runs no module of the package but this one, so ``import stream_st.core`` loads no
+transport and a program that only writes files never loads HTTP, S3 or torch code."""
 
 _MOVED = frozenset(
     {"bert", "codecs", "dataset", "hub", "integrity", "llm", "sinks", "sources", "torch_dataset"}
@@ -80,9 +153,11 @@ _MOVED = frozenset(
 
 
 def __getattr__(name: str) -> Any:
-    """Import a transport's public class, or a moved module, when it is first asked for."""
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    """Import a public name's module, or a moved module, when it is first asked for."""
+    if name == "__version__":
+        value: Any = package_version()
+    elif name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
     elif name in _MOVED:
         value = importlib.import_module(f".{name}", __name__)
     else:
@@ -91,18 +166,9 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def _version() -> str:
-    """The installed distribution's version (pyproject.toml is the one place it is written);
-    ``0+unknown`` for a source tree on ``sys.path`` that was never installed."""
-    from importlib.metadata import PackageNotFoundError, version
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
-    try:
-        return version("stream-st")
-    except PackageNotFoundError:
-        return "0+unknown"
-
-
-__version__ = _version()
 
 __all__ = [
     "DTYPES",
@@ -130,6 +196,7 @@ __all__ = [
     "KVReceiver",
     "LimitOptions",
     "Listener",
+    "LoadStats",
     "OutcomeUnknownError",
     "RangeIgnoredWarning",
     "ReadTimeoutError",

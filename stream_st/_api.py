@@ -13,7 +13,7 @@ from .core.digests import Digests
 from .core.header import DEFAULT_MAX_HEADER_SIZE, Header
 from .errors import UsageError
 from .memory.delivery import Delivery
-from .reader import Include, TensorStream
+from .reader import NO_CAPS, Caps, Include, TensorStream
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import SinkLike, SourceLike
 from .writer import Order, TensorWriter
@@ -73,6 +73,8 @@ async def load(
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
     verify: bool = True,
     copy: bool = True,
+    max_tensor_bytes: int | None = None,
+    max_total_bytes: int | None = None,
     **options: Unpack[TransportOptions],
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Read a whole safetensors message into ``{name: array}`` in offset order.
@@ -80,15 +82,23 @@ async def load(
     Takes every source :func:`~stream_st.open_stream` takes, and the same options: digests
     recorded in the header are checked (``verify=False`` skips that), and nothing is returned
     unless every tensor passed. ``copy=False`` maps a local file and returns read-only views of
-    it (see :func:`~stream_st.open_stream` for when not to).
+    it (see :func:`~stream_st.open_stream` for when not to). ``max_tensor_bytes`` and
+    ``max_total_bytes`` cap what the read may allocate, as for :func:`~stream_st.open_stream`.
+
+    An index or manifest whose shards repeat a tensor name (a batch-mode dataset, whose shards
+    all hold the same columns) is refused with a :class:`~stream_st.UsageError` before any of
+    the repeating shard's tensors is read: a dict cannot hold every shard's rows. Stream it with
+    :func:`open_stream`, or read a dataset by rows (:mod:`stream_st.integrations.dataset`).
     """
-    stream = open_stream(
+    stream = stream_for(
         source,
         include=include,
         max_header_size=max_header_size,
         verify=verify,
+        clock=clock_of(options),
         copy=copy,
-        **options,
+        max_tensor_bytes=max_tensor_bytes,
+        max_total_bytes=max_total_bytes,
     )
     return {name: array async for name, array in stream}
 
@@ -103,6 +113,8 @@ def open_stream(
     verify: bool = True,
     copy: bool = True,
     concurrency: int | None = None,
+    max_tensor_bytes: int | None = None,
+    max_total_bytes: int | None = None,
     **options: Unpack[TransportOptions],
 ) -> TensorStream:
     """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
@@ -155,6 +167,13 @@ def open_stream(
     :class:`~stream_st.IntegrityError` naming the tensor, and neither it nor any later tensor
     is yielded. ``verify=False`` skips the check.
 
+    Caps on what a peer or file may make the reader allocate (bytes; ``None``, the default,
+    for none): ``max_tensor_bytes`` for any one tensor read, ``max_total_bytes`` for all of them
+    together (of every shard, for an index or manifest). The tensors to be read (those
+    ``include`` selects) are checked against them once their header is known, before any is
+    allocated, wherever they would land; one over a cap is refused with
+    :class:`~stream_st.AllocationError` naming it, the size it declares and the cap.
+
     The header is read and validated in full before the first tensor. Errors are
     :class:`~stream_st.SafetensorsError` subclasses: a tensor the source ends inside is never
     yielded (:class:`~stream_st.TruncatedStreamError`).
@@ -169,6 +188,9 @@ def open_stream(
         clock=clock,
         delivery=Delivery(framework, into),
         copy=copy,
+        unique_names=False,
+        max_tensor_bytes=max_tensor_bytes,
+        max_total_bytes=max_total_bytes,
     )
 
 
@@ -181,8 +203,17 @@ def stream_for(
     clock: Clock,
     delivery: Delivery | None = None,
     copy: bool = True,
+    unique_names: bool = True,
+    max_tensor_bytes: int | None = None,
+    max_total_bytes: int | None = None,
 ) -> TensorStream:
-    """:func:`open_stream` under ``clock``: reads that share one operation's limits."""
+    """:func:`open_stream` under ``clock``: reads that share one operation's limits.
+
+    ``unique_names`` (the default: what callers collecting ``{name: array}`` need) refuses, with
+    a :class:`~stream_st.UsageError` naming the streaming way to read it, an index or manifest
+    whose shards repeat a tensor name (a batch-mode dataset's columns are in every shard), before
+    any tensor of the repeating shard is read; :func:`open_stream` streams them all instead.
+    """
     from .core.shards import is_index
     from .sharded.reader import ShardedStream
 
@@ -195,6 +226,9 @@ def stream_for(
             clock=clock,
             delivery=delivery,
             copy=copy,
+            unique_names=unique_names,
+            max_tensor_bytes=max_tensor_bytes,
+            max_total_bytes=max_total_bytes,
         )
     return TensorStream(
         source,
@@ -204,6 +238,8 @@ def stream_for(
         clock=clock,
         delivery=delivery,
         copy=copy,
+        max_tensor_bytes=max_tensor_bytes,
+        max_total_bytes=max_total_bytes,
     )
 
 
@@ -211,17 +247,31 @@ async def read_header(
     source: SourceLike,
     *,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    max_tensor_bytes: int | None = None,
+    max_total_bytes: int | None = None,
     **options: Unpack[TransportOptions],
 ) -> Header:
     """Read and validate only the header of ``source``, then close it; limits as in
-    :func:`open_stream`."""
-    return await header_of(source, clock_of(options), max_header_size=max_header_size)
+    :func:`open_stream`. With ``max_tensor_bytes`` or ``max_total_bytes``, the header's
+    tensors (all of them) are checked against those caps as :func:`open_stream` would check
+    them before reading: :class:`~stream_st.AllocationError` for one over a cap."""
+    return await header_of(
+        source,
+        clock_of(options),
+        max_header_size=max_header_size,
+        caps=Caps.of(max_tensor_bytes, max_total_bytes),
+    )
 
 
 async def header_of(
-    source: SourceLike, clock: Clock, *, max_header_size: int = DEFAULT_MAX_HEADER_SIZE
+    source: SourceLike,
+    clock: Clock,
+    *,
+    max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    caps: Caps = NO_CAPS,
 ) -> Header:
-    """:func:`read_header` under ``clock``."""
+    """:func:`read_header` under ``clock``, checked against ``caps``."""
     stream = stream_for(source, max_header_size=max_header_size, clock=clock)
     async with stream:
+        caps.check(stream.header.tensors, stream.source.name)
         return stream.header

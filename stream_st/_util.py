@@ -10,7 +10,7 @@ from typing import Self
 import anyio
 from anyio.abc import TaskGroup
 
-__all__ = ["AsyncClosing", "task_group"]
+__all__ = ["AsyncClosing", "package_version", "task_group"]
 
 
 class AsyncClosing:
@@ -69,3 +69,14 @@ async def task_group() -> AsyncIterator[TaskGroup]:
             raise first  # the group adds nothing to the report ...
         finally:
             first.__context__, first.__suppress_context__ = context, suppress  # ... its own stays
+
+
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml is the one place it is written);
+    ``0+unknown`` for a source tree on ``sys.path`` that was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("stream-st")
+    except PackageNotFoundError:
+        return "0+unknown"

@@ -2,26 +2,5 @@
 
 from __future__ import annotations
 
-from .models.bert import (
-    BertConfig,
-    Stage,
-    StageRunner,
-    StreamingBert,
-    mean_pool,
-    minilm_dir,
-    run_loaded,
-    run_streaming,
-    tokenize,
-)
-
-__all__ = [
-    "BertConfig",
-    "Stage",
-    "StageRunner",
-    "StreamingBert",
-    "mean_pool",
-    "minilm_dir",
-    "run_loaded",
-    "run_streaming",
-    "tokenize",
-]
+from .models.bert import *  # noqa: F403
+from .models.bert import __all__ as __all__

@@ -2,30 +2,5 @@
 
 from __future__ import annotations
 
-from .core.codecs import (
-    CODECS,
-    Codec,
-    CodecError,
-    ErrorStats,
-    Int4Codec,
-    Int8Codec,
-    NoneCodec,
-    codec_from_metadata,
-    error_stats,
-    get_codec,
-    to_bfloat16,
-)
-
-__all__ = [
-    "CODECS",
-    "Codec",
-    "CodecError",
-    "ErrorStats",
-    "Int4Codec",
-    "Int8Codec",
-    "NoneCodec",
-    "codec_from_metadata",
-    "error_stats",
-    "get_codec",
-    "to_bfloat16",
-]
+from .core.codecs import *  # noqa: F403
+from .core.codecs import __all__ as __all__

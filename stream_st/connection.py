@@ -27,7 +27,8 @@ from typing import Unpack
 import anyio
 
 from ._util import AsyncClosing
-from .core.header import DEFAULT_MAX_HEADER_SIZE, TensorSpec
+from .core.header import DEFAULT_MAX_HEADER_SIZE
+from .core.layout import TensorSpec
 from .errors import TransportError, UsageError
 from .reader import Include, TensorStream
 from .transports.options import NO_LIMITS, Clock, LimitOptions, Limits
@@ -85,14 +86,24 @@ class Connection(AsyncClosing):
         *,
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+        max_tensor_bytes: int | None = None,
+        max_total_bytes: int | None = None,
         **limits: Unpack[LimitOptions],
     ) -> TensorStream:
         """The next message on this connection, as a :class:`~stream_st.TensorStream`.
 
         Closing that stream leaves the connection open for the next message.
+        ``max_tensor_bytes`` and ``max_total_bytes`` cap what the peer's message may make the
+        reader allocate (see :func:`~stream_st.open_stream`).
         """
         source = self._source(limits)
-        return TensorStream(source, include=include, max_header_size=max_header_size)
+        return TensorStream(
+            source,
+            include=include,
+            max_header_size=max_header_size,
+            max_tensor_bytes=max_tensor_bytes,
+            max_total_bytes=max_total_bytes,
+        )
 
     def open_writer(
         self,
@@ -116,9 +127,12 @@ class Connection(AsyncClosing):
         *,
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+        max_tensor_bytes: int | None = None,
+        max_total_bytes: int | None = None,
         **limits: Unpack[LimitOptions],
     ) -> AsyncIterator[TensorStream]:
-        """Every message until the peer closes the connection between two messages.
+        """Every message until the peer closes the connection between two messages; caps as
+        for :meth:`open_stream`, for each message.
 
         Each stream is opened (header read) before it is handed out; read it before asking for
         the next one. A peer that resets the connection instead of closing it raises
@@ -131,7 +145,11 @@ class Connection(AsyncClosing):
                 if await source.at_end():
                     return
                 async with TensorStream(
-                    source, include=include, max_header_size=max_header_size
+                    source,
+                    include=include,
+                    max_header_size=max_header_size,
+                    max_tensor_bytes=max_tensor_bytes,
+                    max_total_bytes=max_total_bytes,
                 ) as stream:
                     yield stream
             finally:

@@ -2,13 +2,5 @@
 
 from __future__ import annotations
 
-from .integrations.dataset import (
-    MANIFEST_NAME,
-    DatasetInfo,
-    Piece,
-    describe_dataset,
-    plan_pieces,
-    read_piece,
-)
-
-__all__ = ["MANIFEST_NAME", "DatasetInfo", "Piece", "describe_dataset", "plan_pieces", "read_piece"]
+from .integrations.dataset import *  # noqa: F403
+from .integrations.dataset import __all__ as __all__

@@ -9,6 +9,7 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     ├── TrailingDataError             a whole object carries bytes after its last tensor
     ├── TensorNotFoundError           a requested tensor name is not in the header (also KeyError)
     ├── DtypeError                    a dtype code or numpy dtype that safetensors cannot carry
+    ├── CodecError                    a tensor a KV codec cannot carry, or parts it cannot decode
     ├── UnsupportedSourceError        `open_stream` cannot tell how to read the given object
     ├── UnsupportedSinkError          `open_writer` cannot tell how to write to the given object
     ├── UsageError                    the API was used out of order (e.g. header before open)
@@ -33,14 +34,19 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
         └── OutcomeUnknownError       a write's final answer was lost: the object may or may not
                                       have been stored at the destination
 
-Messages name the tensor, the offsets and what was expected.
+Messages name the tensor, the offsets and what was expected. They never show a secret an address
+carries: every message and every address an error holds passes through ``redact`` (a URL's
+password, a pre-signed URL's signature and credential), and so does every transport's ``name``.
 """
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "AllocationError",
     "CertificateError",
+    "CodecError",
     "CredentialsError",
     "DtypeError",
     "HTTPNotFoundError",
@@ -64,11 +70,62 @@ __all__ = [
     "UnsupportedSourceError",
     "UsageError",
     "WriterError",
+    "redact",
 ]
+
+# ---------------------------------------------------------------- what a message may show
+
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s'\"<>]*)@")
+"""``scheme://userinfo@``: the userinfo runs to the last ``@`` before the path, as URL parsers
+read it (a password with an unescaped ``@`` in it included)."""
+
+_PARAMETER = re.compile(r"(?P<lead>[?&])(?P<name>[^=&#\s'\"<>]+)=(?P<value>[^&#\s'\"<>]*)")
+
+_SECRET_WORDS = ("signature", "credential", "token", "secret", "password", "passwd", "apikey")
+"""A query parameter whose name holds one of these (any case) carries a secret: ``X-Amz-Signature``,
+``X-Amz-Credential``, ``X-Amz-Security-Token``, ``X-Goog-Signature``, ``access_token``..."""
+
+MASK = "***"
+"""What stands for a secret in a message."""
+
+
+def _mask_userinfo(match: re.Match[str]) -> str:
+    user, colon, _ = match["userinfo"].partition(":")
+    return f"{match['scheme']}{user}:{MASK}@" if colon else match[0]
+
+
+def _secret_parameter(name: str) -> bool:
+    key = name.lower().replace("_", "").replace("-", "")
+    return key in ("sig", "key") or key.endswith("key") or any(w in key for w in _SECRET_WORDS)
+
+
+def _mask_parameter(match: re.Match[str]) -> str:
+    if not match["value"] or not _secret_parameter(match["name"]):
+        return match[0]
+    return f"{match['lead']}{match['name']}={MASK}"
+
+
+def redact(text: str) -> str:
+    """``text`` (an address, or a message quoting any number of them) with the secrets an address
+    can carry masked: the password of ``scheme://user:password@host`` (the user name stays, to
+    tell whose), and the value of a query parameter that signs or
+    authenticates a request (``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``,
+    ``Signature``, ``sig``, ``key`` and any name holding ``token``, ``secret``, ``password`` or
+    ``credential``). Masking again changes nothing. Every error's message passes through it; use
+    it wherever an address is shown."""
+    if "@" in text:
+        text = _USERINFO.sub(_mask_userinfo, text)
+    if "=" in text:
+        text = _PARAMETER.sub(_mask_parameter, text)
+    return text
 
 
 class SafetensorsError(Exception):
-    """Root of every error stream_st raises for bad data, misuse or failed I/O."""
+    """Root of every error stream_st raises for bad data, misuse or failed I/O. Its message
+    shows no secret an address carries (see ``redact``)."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact(arg) if isinstance(arg, str) else arg for arg in args))
 
 
 class HeaderError(SafetensorsError, ValueError):
@@ -114,7 +171,7 @@ class TruncatedStreamError(SafetensorsError, EOFError):
         self.name = name
         self.offset = offset
         self.expected = expected
-        self.source = source
+        self.source = redact(source)
 
 
 class TrailingDataError(SafetensorsError):
@@ -153,8 +210,8 @@ class TransportError(SafetensorsError, OSError):
     """The underlying I/O failed. ``url`` names the source, ``position`` the byte offset reached."""
 
     def __init__(self, message: str, *, url: str = "", position: int | None = None) -> None:
-        self._message = message
-        self.url = url
+        self._message = redact(message)
+        self.url = redact(url)
         self.position = position
         super().__init__(self._text())
 
@@ -169,8 +226,8 @@ class TransportError(SafetensorsError, OSError):
     def report_as(self, url: str) -> None:
         """Name ``url`` instead as the address the error is about: the one its caller gave, where
         the address actually requested (a redirect's, a signed one) is not to be shown."""
-        self.url = url
-        self.args = (self._text(),)
+        self.url = redact(url)
+        self.args = (redact(self._text()),)
 
 
 class SourceNotFoundError(TransportError, FileNotFoundError):
@@ -209,7 +266,7 @@ class IntegrityError(SafetensorsError):
     ) -> None:
         super().__init__(message)
         self.name = name
-        self.source = source
+        self.source = redact(source)
         self.layer = layer
 
 
@@ -256,6 +313,11 @@ class SourceChangedError(TransportError):
 class CertificateError(TransportError):
     """The server's TLS certificate failed verification (untrusted, expired, another name).
     Never retried: trust it with ``ssl_context=`` (``--ca-bundle``) if it is the right server."""
+
+
+class CodecError(SafetensorsError, ValueError):
+    """A tensor a codec cannot carry (NaN/Inf, wrong dtype or shape) or wire parts it cannot
+    decode (missing, wrong dtype or shape, invalid scale)."""
 
 
 class StreamStWarning(UserWarning):

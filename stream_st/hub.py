@@ -2,6 +2,5 @@
 
 from __future__ import annotations
 
-from .transports.hub import DEFAULT_ENDPOINT, HubClient, HubFile, HubSource, hub_endpoint, hub_token
-
-__all__ = ["DEFAULT_ENDPOINT", "HubClient", "HubFile", "HubSource", "hub_endpoint", "hub_token"]
+from .transports.hub import *  # noqa: F403
+from .transports.hub import __all__ as __all__

@@ -2,28 +2,5 @@
 
 from __future__ import annotations
 
-from .core.digests import (
-    ALGORITHM_KEY,
-    ALGORITHMS,
-    DEFAULT_ALGORITHM,
-    DIGEST_KEY_PREFIX,
-    Algorithm,
-    Digests,
-    Hasher,
-    ObjectDigest,
-    OrderedHash,
-    algorithm_named,
-)
-
-__all__ = [
-    "ALGORITHMS",
-    "ALGORITHM_KEY",
-    "DEFAULT_ALGORITHM",
-    "DIGEST_KEY_PREFIX",
-    "Algorithm",
-    "Digests",
-    "Hasher",
-    "ObjectDigest",
-    "OrderedHash",
-    "algorithm_named",
-]
+from .core.digests import *  # noqa: F403
+from .core.digests import __all__ as __all__

@@ -42,7 +42,9 @@ from ._util import task_group
 from .connection import Connection
 from .core.codecs import Codec, codec_from_metadata, get_codec
 from .core.dtypes import dtype_for, wire_bytes
-from .core.header import Header, TensorSpec
+from .core.header import Header
+from .core.layout import TensorSpec
+from .core.strict_json import decode_json
 from .errors import HeaderError, IntegrityError, UsageError
 from .reader import TensorStream
 from .transports.options import LimitOptions
@@ -162,7 +164,7 @@ class KVLayout:
         try:
             layout = cls(
                 num_layers=int(meta["kv_layers"]),
-                shape=tuple(int(d) for d in json.loads(meta["kv_shape"])),
+                shape=_kv_shape(meta["kv_shape"]),
                 dtype=meta["kv_dtype"],
                 codec=codec_from_metadata(meta).key,
                 group_size=int(meta.get("group_size", "64")),
@@ -199,6 +201,18 @@ _SEED_PARTS = {  # name suffix after layer_{i}_ -> (role, codec part)
     "key.scales": ("key", ".scales"),
     "value.scales": ("value", ".scales"),
 }
+
+
+def _kv_shape(text: str) -> tuple[int, ...]:
+    """The ``kv_shape`` metadata (a JSON list of integers, from a peer) parsed by the header's
+    strict, bounded parser: a ValueError (a :class:`~stream_st.HeaderError` where it is not
+    JSON, however deeply nested) for anything else."""
+    shape = decode_json(text, "'kv_shape'", strict=True)
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) for d in shape
+    ):
+        raise ValueError("'kv_shape' is not a JSON list of integers")
+    return tuple(shape)
 
 
 def _seed_name(name: str) -> tuple[int, str] | None:

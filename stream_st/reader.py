@@ -7,11 +7,14 @@ import contextlib
 import functools
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterable
+from dataclasses import dataclass
 from typing import Any, Self
 
+import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 
@@ -25,6 +28,7 @@ from .core.header import (
     parse_header,
     parse_header_length,
 )
+from .core.stats import LoadStats
 from .errors import (
     AllocationError,
     TensorNotFoundError,
@@ -40,10 +44,98 @@ from .transports.file.source import FileSource
 from .transports.options import Clock
 from .transports.registry import Source, SourceLike, open_source
 
-__all__ = ["READ_CHUNK", "Include", "TensorStream", "read_hashing"]
+__all__ = ["READ_CHUNK", "Caps", "Include", "TensorStream", "read_hashing"]
 
 Include = Collection[str] | Callable[[str], bool] | str | None
 """Which tensors to deliver: ``None`` for all, names, or a predicate on the name."""
+
+
+# Caps on what a read may make the reader allocate: ``max_tensor_bytes`` and ``max_total_bytes``.
+# A header may declare any size, and the reader commits memory as a tensor's bytes arrive. A
+# reader given caps checks the tensors it is about to read against them as soon as their header
+# is known, before any of them is allocated, and refuses with AllocationError naming the tensor
+# (or the total), the size declared and the cap. Sizes are the tensors' declared bytes, wherever
+# they would land (fresh memory, ``into=`` memory, a mapping); a tensor not selected by
+# ``include=`` is not read, so it does not count.
+
+
+def _cap(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UsageError(f"{name} must be None or an integer >= 0 (bytes), got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Caps:
+    """``tensor``: the most bytes one tensor read may declare; ``total``: the most all the
+    tensors of one read may declare together (of every shard, for an index or manifest).
+    None: no cap."""
+
+    tensor: int | None = None
+    total: int | None = None
+
+    @classmethod
+    def of(cls, max_tensor_bytes: object = None, max_total_bytes: object = None) -> Caps:
+        """The caps the keywords give; :class:`~stream_st.UsageError` for a bad value."""
+        return cls(
+            _cap("max_tensor_bytes", max_tensor_bytes), _cap("max_total_bytes", max_total_bytes)
+        )
+
+    def check(self, tensors: Iterable[TensorInfo], source: str, before: int = 0) -> int:
+        """The bytes ``tensors`` (of ``source``, to be read) declare, plus ``before`` (bytes of
+        the same read already counted); :class:`~stream_st.AllocationError` if one tensor or
+        the whole is over its cap. Nothing is allocated for them before this passes."""
+        total = before
+        for info in tensors:
+            if self.tensor is not None and info.nbytes > self.tensor:
+                raise AllocationError(
+                    f"{source}: tensor {info.name!r} declares {info.nbytes} bytes, more than "
+                    f"max_tensor_bytes={self.tensor} allows: refused before allocating it"
+                )
+            total += info.nbytes
+        if self.total is not None and total > self.total:
+            raise AllocationError(
+                f"{source}: the tensors to read declare {total} bytes, more than "
+                f"max_total_bytes={self.total} allows: refused before allocating them"
+            )
+        return total
+
+
+NO_CAPS = Caps()
+"""A read with no cap."""
+
+
+# Turns for the event loop between pieces of a read that may not wait at all. A read of local
+# files in the page cache can run for a long time without awaiting anything that suspends: the
+# file opens, headers and small tensors are all read on the loop's thread. give_turn(), called
+# where a piece of work begins (a stream opening, its header, each tensor), lets the loop run
+# other tasks, and a cancellation arrive, once this thread's loop has gone TURN_EVERY without a
+# turn given here, counted across every stream of the thread: many small files are paced as one
+# big one.
+
+TURN_EVERY = 0.005
+"""Seconds of the reader's work between two turns it gives the loop at most (plus one piece of
+work: one inline read of at most 4 MiB, or one header parsed on the loop): well under the 50 ms
+the loop may be held, and a turn (``anyio.lowlevel.checkpoint``, a few microseconds) costs
+under 0.1 % of that."""
+
+
+class _Last(threading.local):
+    at = 0.0  # time.perf_counter() of this thread's last turn given
+
+
+_last = _Last()
+
+
+async def give_turn() -> None:
+    """Let the event loop run once, and a pending cancellation be raised, if this thread has
+    given none for :data:`TURN_EVERY`; otherwise return at once (one clock read)."""
+    now = time.perf_counter()
+    if now - _last.at >= TURN_EVERY:
+        await anyio.lowlevel.checkpoint()
+        _last.at = time.perf_counter()
 
 
 def _selector(include: Include, header: Header) -> Callable[[str], bool]:
@@ -236,6 +328,133 @@ async def _parse_off_loop(raw: bytearray, source: Source) -> Header:
         stopped.set()
 
 
+async def _read_header(
+    source: Source, max_header_size: int
+) -> tuple[Header, tuple[bytes, bytearray]]:
+    """The validated header of ``source`` (its length at most ``max_header_size``), and the
+    length prefix and header bytes as read (the start of the whole object's digest)."""
+    prefix = bytearray(LENGTH_PREFIX_SIZE)
+    got = await source.fill(memoryview(prefix))
+    if got < LENGTH_PREFIX_SIZE:
+        parse_header_length(bytes(prefix[:got]))  # raises: fewer than 8 bytes
+    n = parse_header_length(prefix, max_header_size=max_header_size)
+    if source.size is not None and LENGTH_PREFIX_SIZE + n > source.size:
+        raise TruncatedStreamError(
+            "the header",
+            name=None,
+            offset=source.size,
+            expected=LENGTH_PREFIX_SIZE + n,
+            source=source.name,
+        )
+    raw, got = await _receive_header(source, n)
+    if got < n:
+        raise TruncatedStreamError(
+            "the header",
+            name=None,
+            offset=LENGTH_PREFIX_SIZE + got,
+            expected=LENGTH_PREFIX_SIZE + n,
+            source=source.name,
+        )
+    header = await _parse_off_loop(raw, source) if n > PARSE_IN_THREAD_ABOVE else parse_header(raw)
+    if source.size is not None:
+        _check_size(header, source.size, source.name)
+    return header, (bytes(prefix), raw)
+
+
+def _check_size(header: Header, size: int, name: str) -> None:
+    """:class:`TrailingDataError` or :class:`TruncatedStreamError` unless a source of ``size``
+    bytes holds exactly what ``header`` describes."""
+    if size > header.file_size:
+        raise TrailingDataError(
+            f"{name}: {size - header.file_size} bytes follow the last tensor "
+            f"(the header describes {header.file_size} bytes, the source has {size})"
+        )
+    if size < header.file_size:
+        first_short = next(t for t in header.tensors if header.data_start + t.end > size)
+        raise TruncatedStreamError(
+            f"tensor {first_short.name!r}",
+            name=first_short.name,
+            offset=size,
+            expected=header.data_start + first_short.end,
+            source=name,
+        )
+
+
+async def _read_ahead(
+    source: FileSource,
+    wanted: list[TensorInfo],
+    base: int,
+    delivery: Delivery,
+    recycler: Recycler,
+    started: Callable[[ReadAhead], None],
+) -> AsyncGenerator[tuple[str, Any]]:
+    """The tensors of a local file read ahead of the caller by worker threads kept busy (see
+    :mod:`stream_st.sources._ahead`): every tensor going into memory the caller gave (but
+    memory given for several tensors, such as one staging buffer, takes the next only once
+    the tensor before has been handed out and the caller has asked for the next, as without
+    read-ahead), and fresh arrays while those not yet handed out leave room
+    (:func:`_room_ahead`). ``delivery`` says where tensors land, ``recycler`` gives fresh
+    memory; ``started`` is told the :class:`ReadAhead` (for a close from another task)."""
+    queued: deque[tuple[TensorInfo, int, Span | None, np.ndarray[Any, Any]]] = deque()
+    spans: list[Span] = []  # the caller's memory queued tensors go into, sorted
+    upcoming = iter(wanted)
+    following = next(upcoming, None)
+    fresh = 0  # bytes of fresh arrays read or being read, not yet handed out
+    handed = 0  # bytes of fresh arrays handed out
+    # Not 'async with': a trio run that ends with this generator left by a 'break' closes
+    # the async generators still open in any order, this context's own one maybe first;
+    # leaving it as a normal exit then finds it finished, where an exception thrown in
+    # would be a RuntimeError. Its exit stops and waits for the threads either way.
+    reading = source.reading()
+    ahead = await reading.__aenter__()
+    try:
+        started(ahead)
+        while True:
+            while following is not None:
+                info = following
+                target = delivery.target(info)
+                span = frame = None
+                if target is None:
+                    keeping = handed >= READ_AHEAD_BYTES and not recycler.dropped
+                    if queued and not _room_ahead(len(queued), fresh, info.nbytes, keeping):
+                        break
+                    phase = (base + info.start) % ALIGN  # as the bytes lie in the blocks
+                    target_array, view, frame = _allocate_framed(
+                        info, functools.partial(recycler.take_framed, phase=phase)
+                    )
+                    fresh += info.nbytes
+                else:
+                    target_array, view = target
+                    span = _span(target_array)
+                    if info.nbytes:
+                        if _overlaps(spans, span):  # memory used again (a staging buffer)
+                            break  # filled once the tensor queued there is handed out
+                        bisect.insort(spans, span)
+                job = ahead.add(base + info.start, view, frame) if info.nbytes else -1
+                queued.append((info, job, span, target_array))
+                following = next(upcoming, None)
+            if not queued:
+                break
+            await give_turn()
+            info, job, span, array = queued.popleft()
+            source.clock.check(source.name, source.position)
+            got = await ahead.wait(job) if job >= 0 else 0
+            source.position = base + info.start + got
+            if got < info.nbytes:
+                raise _cut_short(info, source, base)
+            if span is None:
+                fresh -= info.nbytes
+                handed += info.nbytes
+            elif info.nbytes:
+                spans.remove(span)
+            if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
+                array.byteswap(inplace=True)
+            yield info.name, delivery.deliver(info, array, span is not None)
+            del array
+    finally:
+        await reading.__aexit__(None, None, None)
+
+
 class TensorStream(AsyncClosing):
     """One safetensors file read as a stream. Create it with :func:`open_stream`.
 
@@ -246,9 +465,12 @@ class TensorStream(AsyncClosing):
     :func:`open_stream`). ``clock`` holds the time limits of the read (see :func:`open_stream`);
     it starts when the stream opens. ``delivery`` says where tensors land and what they are
     handed out as (see ``framework=`` and ``into=`` of :func:`open_stream`).
-    ``verify`` checks the header's digests, if it has any, and the whole object's digest when
-    its transport gives one and every tensor is read (:meth:`Source.object_digest`); after the
-    read, ``object_check`` says how that went (None: the transport gave no digest).
+    ``max_tensor_bytes`` and ``max_total_bytes`` cap what the read may allocate (see
+    :func:`open_stream`). ``verify`` checks the header's digests, if it has any, and the whole
+    object's digest when its transport gives one and every tensor is read
+    (:meth:`Source.object_digest`); after the read, ``object_check`` says how that went (None:
+    the transport gave no digest).
+    ``stats`` (a :class:`~stream_st.LoadStats`) counts the bytes, tensors and time of the read.
     """
 
     def __init__(
@@ -261,7 +483,10 @@ class TensorStream(AsyncClosing):
         clock: Clock | None = None,
         delivery: Delivery | None = None,
         copy: bool = True,
+        max_tensor_bytes: int | None = None,
+        max_total_bytes: int | None = None,
     ) -> None:
+        self._caps = Caps.of(max_tensor_bytes, max_total_bytes)
         self._source_like = source
         self._include = include
         self._delivery = delivery or Delivery()
@@ -274,13 +499,18 @@ class TensorStream(AsyncClosing):
         self._iterated = False
         # The iteration, held weakly: a strong reference would make a cycle (its frame holds
         # the stream), so one left with 'break' outside 'async with' would be closed, its file
-        # and read-ahead threads released, only when the cycle collector runs.
+        # and read-ahead threads released, only when the cycle collector runs. Held strongly
+        # too (``_held``) when the stream was open before it began ('async with'): leaving the
+        # block closes it then, so what it holds (the array handed out last, tensors read
+        # ahead) goes at once, not when the loop gets a turn to finalise it after a 'break'.
         self._generator: weakref.ref[AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]] | None = None
+        self._held: AsyncGenerator[tuple[str, np.ndarray[Any, Any]]] | None = None
         self._reading: ReadAhead | None = None  # the iteration's read-ahead, if it has one
         self._recycler = Recycler()  # fresh memory the caller has let go of, for later tensors
         self._closed = False
         self._head: tuple[bytes, bytearray] | None = None  # the prefix and header, as read
         self.object_check: str | None = None
+        self.stats = LoadStats()
 
     @property
     def header(self) -> Header:
@@ -306,63 +536,19 @@ class TensorStream(AsyncClosing):
         if self._closed:
             raise UsageError("the stream is closed")
         self._clock.start()
+        await give_turn()  # many small local files never wait: the loop's turns come from here
+        self.stats.begin()
         self._source = await open_source(self._source_like, self._clock)
         try:
             self._source.clock.start()  # a lent connection brings the clock of its message
             await self._source.start(read_all=read_all)
-            self._header = await self._read_header(self._source)
+            await give_turn()
+            self._header, self._head = await _read_header(self._source, self._max_header_size)
+            self.stats.received(self._header.data_start)
         except BaseException:
             await self.aclose()
             raise
         return self._header
-
-    async def _read_header(self, source: Source) -> Header:
-        prefix = bytearray(LENGTH_PREFIX_SIZE)
-        got = await source.fill(memoryview(prefix))
-        if got < LENGTH_PREFIX_SIZE:
-            parse_header_length(bytes(prefix[:got]))  # raises: fewer than 8 bytes
-        n = parse_header_length(prefix, max_header_size=self._max_header_size)
-        if source.size is not None and LENGTH_PREFIX_SIZE + n > source.size:
-            raise TruncatedStreamError(
-                "the header",
-                name=None,
-                offset=source.size,
-                expected=LENGTH_PREFIX_SIZE + n,
-                source=source.name,
-            )
-        raw, got = await _receive_header(source, n)
-        if got < n:
-            raise TruncatedStreamError(
-                "the header",
-                name=None,
-                offset=LENGTH_PREFIX_SIZE + got,
-                expected=LENGTH_PREFIX_SIZE + n,
-                source=source.name,
-            )
-        header = (
-            await _parse_off_loop(raw, source) if n > PARSE_IN_THREAD_ABOVE else parse_header(raw)
-        )
-        self._head = (bytes(prefix), raw)
-        if source.size is not None:
-            self._check_size(header, source.size, source.name)
-        return header
-
-    @staticmethod
-    def _check_size(header: Header, size: int, name: str) -> None:
-        if size > header.file_size:
-            raise TrailingDataError(
-                f"{name}: {size - header.file_size} bytes follow the last tensor "
-                f"(the header describes {header.file_size} bytes, the source has {size})"
-            )
-        if size < header.file_size:
-            first_short = next(t for t in header.tensors if header.data_start + t.end > size)
-            raise TruncatedStreamError(
-                f"tensor {first_short.name!r}",
-                name=first_short.name,
-                offset=size,
-                expected=header.data_start + first_short.end,
-                source=name,
-            )
 
     async def aclose(self) -> None:
         """Close the source. Bytes not yet read stay unread. An iteration left part way (a
@@ -385,7 +571,8 @@ class TensorStream(AsyncClosing):
         running in another task at this moment (which then meets the closed source), or was
         dropped after a ``break`` and waits for the loop to close it."""
         alive, self._generator = self._generator, None
-        generator = None if alive is None else alive()
+        held, self._held = self._held, None
+        generator = held if alive is None else alive()
         if generator is not None and not getattr(generator, "ag_running", False):
             await generator.aclose()
         reading, self._reading = self._reading, None
@@ -398,9 +585,16 @@ class TensorStream(AsyncClosing):
         self._iterated = True
         generator = self._iterate()
         self._generator = weakref.ref(generator)
+        if self._opened():  # closed with the stream, which 'async with' does (see __init__)
+            self._held = generator
         return generator
 
+    def _opened(self) -> bool:
+        """Whether the stream was opened (``async with``) before its iteration began."""
+        return self._header is not None
+
     async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
+        self.stats.asked(first=True)
         owns = self._header is None
         # Iterated without 'async with' and nothing to skip: every byte will be read.
         header = await self.open(read_all=owns and self._include is None)
@@ -409,11 +603,13 @@ class TensorStream(AsyncClosing):
             self._delivery.check(header.names())
             async with contextlib.aclosing(self._tensors(header, selected)) as items:
                 async for item in items:
+                    self.stats.handed(header[item[0]].nbytes)
                     yield item
                     del item  # hold no array while the next one is read
+                    self.stats.asked()
         finally:
             if owns:
-                self._generator = None  # this one: ending, not to be closed again
+                self._generator = self._held = None  # this one: ending, not closed again
                 await self.aclose()
 
     async def _tensors(
@@ -423,6 +619,7 @@ class TensorStream(AsyncClosing):
         delivery = self._delivery
         base = header.data_start
         wanted = [info for info in header.tensors if selected(info.name)]
+        self._caps.check(wanted, source.name)  # before anything is allocated for them
         digests = Digests.from_header(header) if self._verify else None
         ranges = merge_ranges((base + t.start, base + t.end) for t in wanted)
         mapped = (
@@ -443,13 +640,17 @@ class TensorStream(AsyncClosing):
             and isinstance(source, FileSource)
             and sum(info.nbytes for info in wanted) >= READ_AHEAD_FROM
         ):
-            async with contextlib.aclosing(self._read_ahead(source, wanted, base)) as items:
+            ahead = _read_ahead(
+                source, wanted, base, delivery, self._recycler, self._started_reading
+            )
+            async with contextlib.aclosing(ahead) as items:
                 async for item in items:
                     yield item
                     del item
             return
         for info in wanted:
             source.clock.check(source.name, source.position)
+            await give_turn()
             target = delivery.target(info)
             if mapped is None or target is not None:
                 array = await _read_tensor(
@@ -469,65 +670,8 @@ class TensorStream(AsyncClosing):
             digest.check(hasher, source.name)
             self.object_check = f"{digest.label}: verified"
 
-    async def _read_ahead(
-        self, source: FileSource, wanted: list[TensorInfo], base: int
-    ) -> AsyncGenerator[tuple[str, Any]]:
-        """The tensors of a local file read ahead of the caller by worker threads kept busy (see
-        :mod:`stream_st.sources._ahead`): every tensor going into memory the caller gave (but
-        memory given for several tensors, such as one staging buffer, takes the next only once
-        the tensor before has been handed out and the caller has asked for the next, as without
-        read-ahead), and fresh arrays while those not yet handed out leave room
-        (:func:`_room_ahead`)."""
-        delivery = self._delivery
-        queued: deque[tuple[TensorInfo, int, Span | None, np.ndarray[Any, Any]]] = deque()
-        spans: list[Span] = []  # the caller's memory queued tensors go into, sorted
-        upcoming = iter(wanted)
-        following = next(upcoming, None)
-        fresh = 0  # bytes of fresh arrays read or being read, not yet handed out
-        handed = 0  # bytes of fresh arrays handed out
-        async with source.reading() as ahead:
-            self._reading = ahead
-            while True:
-                while following is not None:
-                    info = following
-                    target = delivery.target(info)
-                    span = frame = None
-                    if target is None:
-                        keeping = handed >= READ_AHEAD_BYTES and not self._recycler.dropped
-                        if queued and not _room_ahead(len(queued), fresh, info.nbytes, keeping):
-                            break
-                        phase = (base + info.start) % ALIGN  # as the bytes lie in the blocks
-                        target_array, view, frame = _allocate_framed(
-                            info, functools.partial(self._recycler.take_framed, phase=phase)
-                        )
-                        fresh += info.nbytes
-                    else:
-                        target_array, view = target
-                        span = _span(target_array)
-                        if info.nbytes:
-                            if _overlaps(spans, span):  # memory used again (a staging buffer)
-                                break  # filled once the tensor queued there is handed out
-                            bisect.insort(spans, span)
-                    job = ahead.add(base + info.start, view, frame) if info.nbytes else -1
-                    queued.append((info, job, span, target_array))
-                    following = next(upcoming, None)
-                if not queued:
-                    break
-                info, job, span, array = queued.popleft()
-                source.clock.check(source.name, source.position)
-                got = await ahead.wait(job) if job >= 0 else 0
-                source.position = base + info.start + got
-                if got < info.nbytes:
-                    raise _cut_short(info, source, base)
-                if span is None:
-                    fresh -= info.nbytes
-                    handed += info.nbytes
-                elif info.nbytes:
-                    spans.remove(span)
-                if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
-                    array.byteswap(inplace=True)
-                yield info.name, delivery.deliver(info, array, span is not None)
-                del array
+    def _started_reading(self, ahead: ReadAhead) -> None:
+        self._reading = ahead  # stopped by a close, also one from another task
 
     async def _object_hash(self, every_byte: bool) -> tuple[ObjectDigest, Hasher] | None:
         """The whole object's digest, if its transport gives one and the read will take every

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from ._api import stream_for
 from .compat import _reference as _facade
+from .compat import _shared
+from .compat._errors import InvalidTensorsError
 from .compat._sync import check_sync_address, run
 from .core.arrays import check_device, is_torch_tensor, load_torch
 from .errors import UsageError
@@ -48,6 +50,10 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "_end_ptr",
+    "_find_shared_tensors",
+    "_is_complete",
+    "_remove_duplicate_names",
     "load",
     "load_file",
     "load_model",
@@ -55,6 +61,8 @@ __all__ = [
     "save",
     "save_file",
     "save_model",
+    "storage_ptr",
+    "storage_size",
 ]
 
 _torch = load_torch()  # a clear error at import when torch is missing
@@ -73,11 +81,15 @@ def safe_open(
     ``safe_open``: ``keys()``, ``offset_keys()``, ``metadata()``, ``get_tensor(name)``,
     ``get_tensors()``, ``get_slice(name)[...]``; use it with ``with`` or call ``close()``.
 
-    A local file is mapped as by :func:`load_file` (``backend="mmap"``, the default) or read
-    tensor by tensor into fresh memory (``"pread"``). From a remote source a slice over the
-    first dimension reads only those rows' bytes. ``get_tensor`` and ``get_tensors`` check each
-    tensor against the digest the header records for it, if any (``verify=False`` skips it); a
-    ``get_slice`` of part of a tensor cannot be checked (a digest covers the whole tensor).
+    A local file is mapped as by :func:`load_file` (``backend="mmap"``, the default), its
+    descriptor closed at once: an open handle holds no thread and no descriptor, as the
+    reference's. ``"pread"`` keeps the descriptor and reads tensor by tensor into fresh memory.
+    From a remote source a slice over the first dimension reads only those rows' bytes. Slices
+    index as the reference's do (torch's rules here; see :mod:`stream_st.compat._slicing`).
+    After ``close()`` every method raises ``File is closed``; slices taken before still read.
+    ``get_tensor`` and ``get_tensors`` check each tensor against the digest the header records
+    for it, if any (``verify=False`` skips it); a ``get_slice`` of part of a tensor cannot be
+    checked (a digest covers the whole tensor).
     ``device`` must be the CPU for now (see :func:`load_file`).
     """
     return _facade.SafeOpen(filename, framework, device, backend=backend, verify=verify, **options)
@@ -128,12 +140,15 @@ def save_file(
 ) -> None:
     """Write ``tensors`` to ``filename`` (a path or URL), laid out as the reference does.
 
-    Tensors that need it are detached, and made contiguous on the CPU once; tensors that share
-    memory are refused (use :func:`save_model`), as are sparse ones, each with a
-    :class:`~stream_st.SafetensorsError`. A failed write leaves nothing at the destination.
+    Refused as the reference refuses them, with its messages: anything but a dict of torch
+    tensors, sparse tensors and non-contiguous ones (``ValueError``), tensors that share memory
+    (``RuntimeError``: use :func:`save_model`), tensors on the ``meta`` device, metadata that is
+    not ``str`` to ``str`` (``TypeError``); each error is also a
+    :class:`~stream_st.SafetensorsError`. Tensors on another device are copied to the CPU, and
+    tensors that require grad are detached. A failed write leaves nothing at the destination.
     ``checksums=True`` (or ``"sha256"``, ``"blake3"``) records each tensor's digest in the
-    metadata for readers to check (see :mod:`stream_st.integrity`); the file then differs
-    from the reference's by those metadata entries.
+    metadata for readers to check (see :mod:`stream_st.integrity`); the file then differs from
+    the reference's by those metadata entries.
     """
     _facade.save_file(_checked(tensors), filename, metadata, checksums, **options)
 
@@ -149,86 +164,53 @@ def save(
 
 
 def _checked(tensors: object) -> Mapping[str, Any]:
-    """``tensors`` if it is a dict of torch tensors that share no memory; else a
-    :class:`~stream_st.UsageError` naming what is wrong."""
+    """``tensors`` if it is a dict of dense, contiguous torch tensors with data that share no
+    memory; else the error the reference raises, as a :class:`~stream_st.SafetensorsError`."""
     if not isinstance(tensors, Mapping):
-        raise UsageError(f"expected a dict of names to torch tensors, got {type(tensors).__name__}")
+        raise InvalidTensorsError(
+            f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}"
+        )
     for name, tensor in tensors.items():
         if not is_torch_tensor(tensor):
-            raise UsageError(
-                f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}"
+            raise InvalidTensorsError(
+                f"Key `{name}` is invalid, expected torch.Tensor but received {type(tensor)}"
             )
-    shared = _shared_groups(tensors)
+    sparse = [name for name, tensor in tensors.items() if tensor.layout != _torch.strided]
+    if sparse:
+        raise InvalidTensorsError(
+            f"You are trying to save a sparse tensors: `{sparse}` which this library does not "
+            "support. You can make it a dense tensor before saving with `.to_dense()` but be "
+            "aware this might make a much larger file than needed."
+        )
+    shared = [sorted(group) for group in _find_shared_tensors(tensors) if len(group) > 1]
     if shared:
         raise UsageError(
-            f"some tensors share memory and would be written twice: {shared}; "
-            "save the model with save_model, or pass .clone()s"
+            f"Some tensors share memory, this will lead to duplicate memory on disk and potential "
+            f"differences when loading them again: {shared}. A potential way to correctly save "
+            "your model is to use `save_model`, or pass .clone()s."
         )
+    for name, tensor in tensors.items():
+        if not tensor.is_contiguous():
+            raise InvalidTensorsError(
+                f"You are trying to save a non contiguous tensor: `{name}` which is not allowed. "
+                "It either means you are trying to save tensors which are reference of each other "
+                "in which case it's recommended to save only the full tensors, and reslice at load "
+                "time, or simply call `.contiguous()` on your tensor to pack it before saving."
+            )
+        if tensor.is_meta:
+            raise UsageError(
+                f"Cannot copy out of meta tensor: {name!r} is on the meta device and holds no "
+                "data to write"
+            )
     return tensors
 
 
-def _extent(tensor: Any) -> tuple[int, int]:
-    """The addresses ``[first byte, past the last byte)`` a tensor's elements span."""
-    start = tensor.data_ptr()
-    if not tensor.nelement():
-        return start, start
-    last = start + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True)) * (
-        tensor.element_size()
-    )
-    return start, last + tensor.element_size()
-
-
-def _shared_groups(state: Mapping[str, Any]) -> list[list[str]]:
-    """Names whose tensors overlap in memory, in sorted groups of two or more."""
-    by_storage: dict[tuple[Any, int], list[tuple[int, int, str]]] = {}
-    for name, tensor in state.items():
-        if tensor.is_meta or tensor.layout != _torch.strided:
-            continue  # no memory of its own to share; the writer refuses a sparse one
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() == 0 or storage.nbytes() == 0:
-            continue
-        by_storage.setdefault((tensor.device, storage.data_ptr()), []).append(
-            (*_extent(tensor), name)
-        )
-    groups = []
-    for areas in by_storage.values():
-        areas.sort()
-        group, end = [areas[0][2]], areas[0][1]
-        for start, stop, name in areas[1:]:
-            if start < end:
-                group.append(name)
-            else:
-                groups.append(group)
-                group = [name]
-            end = max(end, stop)
-        groups.append(group)
-    return sorted(sorted(g) for g in groups if len(g) > 1)
-
-
-def _complete(tensor: Any) -> bool:
-    """Whether ``tensor`` covers its whole storage (it can stand for every view of it)."""
-    storage = tensor.untyped_storage()
-    return bool(
-        tensor.data_ptr() == storage.data_ptr()
-        and tensor.nelement() * tensor.element_size() == storage.nbytes()
-    )
-
-
-def _duplicates(
-    state: Mapping[str, Any], preferred: set[str] | None = None
-) -> dict[str, list[str]]:
-    """For each group of names sharing memory: the one to keep (a complete tensor; among those a
-    ``preferred`` name first, then the first in sorted order) and the names it stands for."""
-    kept: dict[str, list[str]] = {}
-    for group in _shared_groups(state):
-        complete = sorted(name for name in group if _complete(state[name]))
-        if not complete:
-            raise UsageError(
-                f"tensors {group} share memory but none of them covers all of it: save .clone()s"
-            )
-        keep = next((name for name in complete if name in (preferred or ())), complete[0])
-        kept[keep] = [name for name in group if name != keep]
-    return kept
+storage_ptr = _shared.storage_ptr
+storage_size = _shared.storage_size
+_end_ptr = _shared.end_ptr
+_is_complete = _shared.is_complete
+_find_shared_tensors = _shared.find_shared_tensors
+_remove_duplicate_names = _shared.remove_duplicate_names
 
 
 def save_model(
@@ -242,17 +224,25 @@ def save_model(
 ) -> None:
     """Write ``model``'s state dict to ``filename``, each group of tensors that share memory
     (tied weights) written once, as the reference does: the dropped names go into the metadata
-    as ``{dropped: kept}`` unless it already has them. ``force_contiguous`` is accepted as the
-    reference spells it: tensors are always written contiguous. ``checksums`` as in
-    :func:`save_file`."""
-    del force_contiguous
+    as ``{dropped: kept}`` unless it already has them. ``force_contiguous`` (the default) writes
+    non-contiguous tensors packed; without it they are refused with a ``ValueError``, as in the
+    reference. ``checksums`` as in :func:`save_file`."""
     state = dict(model.state_dict())
-    extra = dict(metadata or {})
-    for keep, dropped in _duplicates(state).items():
+    extra = dict(metadata) if metadata is not None else None
+    for keep, dropped in _remove_duplicate_names(state).items():
         for name in dropped:
+            extra = {} if extra is None else extra
             extra.setdefault(name, keep)
             del state[name]
-    _facade.save_file(state, filename, extra or metadata, checksums, **options)
+    if force_contiguous:
+        state = {name: tensor.contiguous() for name, tensor in state.items()}
+    try:
+        save_file(state, filename, extra, checksums=checksums, **options)
+    except InvalidTensorsError as exc:
+        raise InvalidTensorsError(
+            f"{exc} Or use save_model(..., force_contiguous=True), read the docs for potential "
+            "caveats."
+        ) from None
 
 
 def load_model(
@@ -303,11 +293,21 @@ def load_model(
         _facade.maps(backend)  # checked only: the model's own memory is where tensors go
         missing, unexpected = _load_into(model, filename, verify, clock_of(options))
     if strict and (missing or unexpected):
-        raise UsageError(
-            f"Error(s) in loading state_dict for {type(model).__name__}: "
-            f"missing key(s): {sorted(missing)}; unexpected key(s): {sorted(unexpected)}"
-        )
+        raise UsageError(_load_errors(model, missing, unexpected))
     return missing, unexpected
+
+
+def _load_errors(model: torch.nn.Module, missing: set[str], unexpected: list[str]) -> str:
+    """The message of a strict load that found ``missing`` or ``unexpected`` names, worded as
+    torch's ``load_state_dict`` words it."""
+    lines = [f"Error(s) in loading state_dict for {type(model).__name__}:"]
+    if missing:
+        names = ", ".join(f'"{name}"' for name in sorted(missing))
+        lines.append(f"    Missing key(s) in state_dict: {names}")
+    if unexpected:
+        names = ", ".join(f'"{name}"' for name in sorted(unexpected))
+        lines.append(f"    Unexpected key(s) in state_dict: {names}")
+    return "\n".join(lines)
 
 
 def _load_into(
@@ -326,7 +326,8 @@ def _load_into(
     )
     missing_list, unexpected = model.load_state_dict(dict(fresh), strict=False)
     missing = set(missing_list).difference(placed)
-    for dropped in _duplicates(state, placed | {name for name, _ in fresh}).values():
+    in_file = placed | {name for name, _ in fresh}
+    for dropped in _remove_duplicate_names(state, preferred_names=in_file).values():
         for name in dropped:  # stood for by the name kept: not missing; in the file, unexpected
             if name in missing:
                 missing.remove(name)

@@ -2,6 +2,5 @@
 
 from __future__ import annotations
 
-from .integrations.torch_dataset import SafetensorsDataset
-
-__all__ = ["SafetensorsDataset"]
+from .integrations.torch_dataset import *  # noqa: F403
+from .integrations.torch_dataset import __all__ as __all__

@@ -26,7 +26,8 @@ from ._util import AsyncClosing, task_group
 from .core.arrays import as_array
 from .core.digests import Digests, OrderedHash, digests_for
 from .core.dtypes import dtype_for, wire_bytes
-from .core.header import Header, TensorInfo, TensorSpec, _plan_list, build_header, plan_order
+from .core.header import Header, TensorInfo
+from .core.layout import TensorSpec, _plan_list, build_header, plan_order
 from .errors import UsageError, WriterError
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import Sink, SinkLike, open_sink
@@ -40,8 +41,132 @@ writer does (descending dtype alignment, then name), giving byte-identical files
 _NEW, _OPEN, _COMMITTED, _ABORTED = "new", "open", "committed", "aborted"
 
 
+Mode = Literal["whole", "part", "begin"]
+"""How bytes are claimed: a whole tensor, its next part, or the start of a write in parts."""
+
+
 def _describe(info: TensorInfo) -> str:
+    """``info``'s dtype and shape, as messages show them."""
     return f"{info.dtype} {list(info.shape)}"
+
+
+def _check_dtype(info: TensorInfo, array: np.ndarray[Any, Any]) -> None:
+    planned = info.dtype_info
+    if planned.packed:
+        ok = array.dtype == np.uint8
+    else:
+        try:
+            ok = dtype_for(array.dtype).code == planned.code
+        except Exception:
+            ok = False
+    if not ok:
+        raise WriterError(
+            f"tensor {info.name!r}: planned {_describe(info)} takes an array of dtype "
+            f"{info.array_dtype}, got {array.dtype}",
+            name=info.name,
+        )
+
+
+def _whole_view(info: TensorInfo, value: Any) -> memoryview:
+    """The bytes of ``value``, the whole tensor ``info``; :class:`~stream_st.WriterError` for
+    another dtype or shape."""
+    array = as_array(value, info.name)
+    _check_dtype(info, array)
+    if array.shape != info.array_shape:
+        raise WriterError(
+            f"tensor {info.name!r}: planned {_describe(info)} takes an array of shape "
+            f"{info.array_shape}, got {array.shape}",
+            name=info.name,
+        )
+    return wire_bytes(array)
+
+
+def _piece_view(info: TensorInfo, value: Any) -> memoryview:
+    """The bytes of ``value``, rows of tensor ``info`` (``(rows, *rest)`` or one row ``rest``);
+    :class:`~stream_st.WriterError` for another dtype or shape."""
+    piece = as_array(value, info.name)
+    _check_dtype(info, piece)
+    shape = info.array_shape
+    rest = shape[1:]
+    rows = piece.ndim == len(shape) and piece.shape[1:] == rest
+    if not (rows or piece.shape == rest):
+        raise WriterError(
+            f"tensor {info.name!r}: a part of {_describe(info)} must have shape "
+            f"(rows, *{rest}) or {rest}, got {piece.shape}",
+            name=info.name,
+        )
+    return wire_bytes(piece)
+
+
+class _Progress:
+    """How far each tensor of ``header`` is claimed and written. On a stream (not
+    ``random_access``) tensors are claimed in header order."""
+
+    def __init__(self, header: Header) -> None:
+        self.header = header
+        self._position = {info.name: index for index, info in enumerate(header.tensors)}
+        self._claimed: dict[str, int] = {}  # bytes handed out per started tensor
+        self._done: dict[str, int] = {}  # bytes written per started tensor
+        self._next = 0  # on a stream: index of the first tensor not fully claimed
+
+    def written(self, name: str) -> int:
+        """Bytes of tensor ``name`` written so far."""
+        return self._done.get(name, 0)
+
+    def complete(self, info: TensorInfo) -> bool:
+        return self._done.get(info.name) == info.nbytes
+
+    def wrote(self, name: str, count: int) -> None:
+        """``count`` more bytes of tensor ``name`` (claimed before) are written."""
+        self._done[name] += count
+
+    def claim(self, info: TensorInfo, count: int, mode: Mode, random_access: bool) -> int:
+        """Reserve the next ``count`` bytes of ``info``; returns their offset in the tensor."""
+        name = info.name
+        claimed = self._claimed.get(name)
+        if claimed is not None and mode != "part":
+            state = "written" if claimed == info.nbytes else "being written in parts"
+            raise WriterError(f"tensor {name!r} is already {state}", name=name)
+        start = claimed or 0
+        if start + count > info.nbytes:
+            raise WriterError(
+                f"tensor {name!r}: parts add up to {start + count} bytes, more than the "
+                f"{info.nbytes} bytes planned for {_describe(info)}",
+                name=name,
+            )
+        if not random_access:
+            index = self._position[name]
+            if index != self._next and not (claimed is not None and count == 0):
+                expected = self.header.tensors[self._next].name
+                raise WriterError(
+                    f"tensor {name!r} is out of order: a stream takes tensors in header order "
+                    f"and the next one is {expected!r}",
+                    name=name,
+                )
+        self._claimed[name] = start + count
+        self._done.setdefault(name, 0)
+        if not random_access:
+            tensors = self.header.tensors
+            while self._next < len(tensors) and self._claimed.get(tensors[self._next].name) == (
+                tensors[self._next].nbytes
+            ):
+                self._next += 1
+        return start
+
+    def incomplete(self) -> WriterError | None:
+        """The error for the tensors not completely written, if any."""
+        missing = [t for t in self.header.tensors if not self.complete(t)]
+        if not missing:
+            return None
+        details = ", ".join(
+            f"{t.name!r} ({self.written(t.name)} of {t.nbytes} bytes)" for t in missing[:8]
+        )
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        return WriterError(
+            f"{len(missing)} tensor(s) not completely written when the writer closed: "
+            f"{details}{more}",
+            name=missing[0].name,
+        )
 
 
 class TensorWriter(AsyncClosing):
@@ -79,10 +204,7 @@ class TensorWriter(AsyncClosing):
         self._sink: Sink | None = None
         self._state = _NEW
         self._failure: BaseException | None = None
-        self._position = {info.name: index for index, info in enumerate(self._header.tensors)}
-        self._claimed: dict[str, int] = {}  # bytes handed out per started tensor
-        self._done: dict[str, int] = {}  # bytes written per started tensor
-        self._next = 0  # on a stream: index of the first tensor not fully claimed
+        self._progress = _Progress(self._header)  # bytes claimed and written per tensor
         self._last_send: anyio.Event | None = None  # on a stream: sends go out in claim order
         self._held = b""  # on a stream: the message's last byte, sent only on commit
 
@@ -96,15 +218,12 @@ class TensorWriter(AsyncClosing):
     @property
     def remaining(self) -> list[str]:
         """Names of the tensors not yet completely written, in header order."""
-        return [t.name for t in self._header.tensors if not self._complete(t)]
+        return [t.name for t in self._header.tensors if not self._progress.complete(t)]
 
     @property
     def random_access(self) -> bool:
         """True when tensors may be written in any order (a file); False on a stream."""
         return self._require_sink().random_access
-
-    def _complete(self, info: TensorInfo) -> bool:
-        return self._done.get(info.name) == info.nbytes
 
     def _require_sink(self) -> Sink:
         if self._sink is None:
@@ -164,17 +283,8 @@ class TensorWriter(AsyncClosing):
             raise WriterError(
                 f"the write was aborted ({self._failure!r}); nothing was committed"
             ) from self._failure
-        missing = [t for t in self._header.tensors if not self._complete(t)]
-        if missing:
-            details = ", ".join(
-                f"{t.name!r} ({self._done.get(t.name, 0)} of {t.nbytes} bytes)" for t in missing[:8]
-            )
-            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-            error = WriterError(
-                f"{len(missing)} tensor(s) not completely written when the writer closed: "
-                f"{details}{more}",
-                name=missing[0].name,
-            )
+        error = self._progress.incomplete()
+        if error is not None:
             await self._abort(error)
             raise error
         sink = self._require_sink()
@@ -267,7 +377,7 @@ class TensorWriter(AsyncClosing):
         delivered as (:attr:`~stream_st.TensorInfo.array_shape`: packed F4/F6 as ``uint8``).
         Its memory is read until this returns and may be reused afterwards.
         """
-        await self._write(name, array, self._whole_view, "whole")
+        await self._write(name, array, _whole_view, "whole")
 
     async def write_part(self, name: str, piece: Any) -> None:
         """Write the next rows of tensor ``name``: consecutive pieces along the first axis.
@@ -276,7 +386,7 @@ class TensorWriter(AsyncClosing):
         one row, where ``rest`` is the delivered shape without its first axis. The running byte
         count is checked against the plan; going past it raises :class:`~stream_st.WriterError`.
         """
-        await self._write(name, piece, self._piece_view, "part")
+        await self._write(name, piece, _piece_view, "part")
 
     async def _write(
         self,
@@ -315,80 +425,9 @@ class TensorWriter(AsyncClosing):
             raise WriterError(f"no tensor named {name!r} in the plan", name=name)
         return self._header[name]
 
-    def _check_dtype(self, info: TensorInfo, array: np.ndarray[Any, Any]) -> None:
-        planned = info.dtype_info
-        if planned.packed:
-            ok = array.dtype == np.uint8
-        else:
-            try:
-                ok = dtype_for(array.dtype).code == planned.code
-            except Exception:
-                ok = False
-        if not ok:
-            raise WriterError(
-                f"tensor {info.name!r}: planned {_describe(info)} takes an array of dtype "
-                f"{info.array_dtype}, got {array.dtype}",
-                name=info.name,
-            )
-
-    def _whole_view(self, info: TensorInfo, value: Any) -> memoryview:
-        array = as_array(value, info.name)
-        self._check_dtype(info, array)
-        if array.shape != info.array_shape:
-            raise WriterError(
-                f"tensor {info.name!r}: planned {_describe(info)} takes an array of shape "
-                f"{info.array_shape}, got {array.shape}",
-                name=info.name,
-            )
-        return wire_bytes(array)
-
-    def _piece_view(self, info: TensorInfo, value: Any) -> memoryview:
-        piece = as_array(value, info.name)
-        self._check_dtype(info, piece)
-        shape = info.array_shape
-        rest = shape[1:]
-        rows = piece.ndim == len(shape) and piece.shape[1:] == rest
-        if not (rows or piece.shape == rest):
-            raise WriterError(
-                f"tensor {info.name!r}: a part of {_describe(info)} must have shape "
-                f"(rows, *{rest}) or {rest}, got {piece.shape}",
-                name=info.name,
-            )
-        return wire_bytes(piece)
-
-    def _claim(self, info: TensorInfo, count: int, mode: Literal["whole", "part", "begin"]) -> int:
+    def _claim(self, info: TensorInfo, count: int, mode: Mode) -> int:
         """Reserve the next ``count`` bytes of ``info``; returns their offset in the tensor."""
-        name = info.name
-        claimed = self._claimed.get(name)
-        if claimed is not None and mode != "part":
-            state = "written" if claimed == info.nbytes else "being written in parts"
-            raise WriterError(f"tensor {name!r} is already {state}", name=name)
-        start = claimed or 0
-        if start + count > info.nbytes:
-            raise WriterError(
-                f"tensor {name!r}: parts add up to {start + count} bytes, more than the "
-                f"{info.nbytes} bytes planned for {_describe(info)}",
-                name=name,
-            )
-        sink = self._require_sink()
-        if not sink.random_access:
-            index = self._position[name]
-            if index != self._next and not (claimed is not None and count == 0):
-                expected = self._header.tensors[self._next].name
-                raise WriterError(
-                    f"tensor {name!r} is out of order: a stream takes tensors in header order "
-                    f"and the next one is {expected!r}",
-                    name=name,
-                )
-        self._claimed[name] = start + count
-        self._done.setdefault(name, 0)
-        if not sink.random_access:
-            tensors = self._header.tensors
-            while self._next < len(tensors) and self._claimed.get(tensors[self._next].name) == (
-                tensors[self._next].nbytes
-            ):
-                self._next += 1
-        return start
+        return self._progress.claim(info, count, mode, self._require_sink().random_access)
 
     async def _put(self, info: TensorInfo, start: int, data: memoryview) -> None:
         sink = self._require_sink()
@@ -410,7 +449,7 @@ class TensorWriter(AsyncClosing):
                 await sink.send(data)
             finally:
                 mine.set()
-        self._done[info.name] += count
+        self._progress.wrote(info.name, count)
 
 
 class TensorParts:
@@ -428,7 +467,7 @@ class TensorParts:
     @property
     def written(self) -> int:
         """Bytes of this tensor written so far."""
-        return self._writer._done.get(self.name, 0)
+        return self._writer._progress.written(self.name)
 
     @property
     def remaining(self) -> int:

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from safetensors import numpy as reference_numpy
 
-from .daemon import running
-from .nginx_server import NginxServer
-from .proxy_server import ForwardProxy
-from .s3_server import MotoS3Server
+from .servers.daemon import running
+from .servers.nginx_server import NginxServer
+from .servers.proxy_server import ForwardProxy
+from .servers.s3_server import MotoS3Server
 
 StartSender = Callable[[bytes], Awaitable[int]]
 

@@ -43,11 +43,11 @@ SDIST_NEEDS = [
     "mkdocs.yml",
     "tests/conftest.py",
     "tests/_util.py",
-    "tests/http_server.py",
-    "tests/s3_server.py",
-    "tests/nginx_server.py",
-    "tests/proxy_server.py",
-    "tests/daemon.py",
+    "tests/servers/http_server.py",
+    "tests/servers/s3_server.py",
+    "tests/servers/nginx_server.py",
+    "tests/servers/proxy_server.py",
+    "tests/servers/daemon.py",
     "docs/benchmarks.md",
     "stream_st/cli/demo_text.txt",
 ]
@@ -223,10 +223,10 @@ def test_sdist_carries_its_tests_and_they_run(built: tuple[Path, Path], tmp_path
     python = _fresh_venv(tmp_path / "venv")
     _pip_install(python, unpacked)
     chosen = [
-        "tests/test_header.py",
-        "tests/test_cli_native.py::test_cp_without_metadata_is_byte_identical",
-        "tests/test_cli_native.py::test_version_and_bare_command_prints_help",
-        "tests/test_cli.py::test_cp_between_servers_and_interrupted_copy",  # the HTTP server
+        "tests/core/test_header.py",
+        "tests/uses/test_cli_native.py::test_cp_without_metadata_is_byte_identical",
+        "tests/uses/test_cli_native.py::test_version_and_bare_command_prints_help",
+        "tests/uses/test_cli.py::test_cp_between_servers_and_interrupted_copy",  # the HTTP server
     ]
     pytest_args = ["-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider", *chosen]
     out = _check([python, "-m", "pytest", *pytest_args], cwd=unpacked)

@@ -368,14 +368,17 @@ async def run_validate(args: argparse.Namespace) -> int:
                 source,
                 expect_shapes=shapes,
                 expect_layers=[p for p in (args.expect_layers or "").split(",") if p],
+                config=args.config,
                 warn_abs=args.warn_abs,
                 progress=progress,
                 **options_of(args),
             )
         if args.json:
-            print_json(result.to_json())
+            print_json(result.to_json(load=args.stats))
         else:
             print_validation(result)
+            if args.stats and result.load is not None:
+                print(f"load: {result.load.summary()}")
         return EXIT_OK if result.ok else EXIT_DIFFERENT
 
     return await _each(args, one)

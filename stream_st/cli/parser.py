@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from .. import __version__
+from .._util import package_version
 from .commands import (
     argcomplete_module,
     parse_index,
@@ -69,6 +69,7 @@ EXAMPLES = {
     "diff": "stream-st diff a.safetensors b.safetensors\n"
     "  stream-st diff --content --json a.safetensors s3://bucket/b.safetensors",
     "validate": "stream-st validate model.safetensors\n"
+    "  stream-st validate --config config.json --stats model.safetensors\n"
     "  stream-st validate path/to/model-dir/\n"
     "  stream-st validate --expect-shapes shapes.json \\\n"
     "      --expect-layers q_proj,k_proj,v_proj,o_proj model.safetensors",
@@ -121,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  SIGINT), 141 output pipe closed early",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(
@@ -248,6 +249,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--expect-shapes", metavar="JSON", help="file mapping names to shapes")
     check.add_argument(
         "--expect-layers", metavar="PARTS", help="comma-separated parts every layer must have"
+    )
+    check.add_argument(
+        "--config",
+        metavar="JSON",
+        help="a Llama-family model's config.json: check shapes, layers, parameter count against it",
+    )
+    check.add_argument(
+        "--stats",
+        action="store_true",
+        help="also print the read's statistics (bytes, seconds, throughput, time waited)",
     )
     check.add_argument(
         "--warn-abs",

@@ -1,3 +1,150 @@
-"""The reference ``safetensors`` API over the streaming core: ``safe_open``, ``load_file``,
-``save_file`` (:mod:`._reference`), run on a private event loop (:mod:`._sync`). The drop-ins
-:mod:`stream_st.torch` and :mod:`stream_st.numpy` are built on it."""
+"""The whole ``safetensors`` package, over stream_st: a stand-in for code written for the
+reference (``huggingface/safetensors``).
+
+It has what the reference's top level has: :func:`safe_open`, ``_safe_open_handle`` (a
+``safe_open`` over an open file object), :data:`SafetensorError`, :class:`TensorSpec`,
+:func:`serialize`, :func:`serialize_file`, :func:`deserialize` and ``__version__``; and its
+``torch`` and ``numpy`` submodules are :mod:`stream_st.torch` and :mod:`stream_st.numpy`.
+:func:`install` makes every later ``import safetensors``, ``import safetensors.torch`` and
+``from safetensors import safe_open`` give these instead::
+
+    import stream_st.compat
+    stream_st.compat.install()  # before transformers (or anything else) imports safetensors
+
+    import transformers  # now reads and writes through stream_st
+
+Errors: ``SafetensorError`` is :class:`stream_st.SafetensorsError`, the root of every error
+stream_st raises. Where the reference raises a built-in type (``ValueError``, ``TypeError``,
+``IndexError``, ``FileNotFoundError``, ``RuntimeError``), the error raised here derives from that
+type too. The reference API over the streaming core lives in :mod:`._reference`, run on a private
+event loop (:mod:`._sync`) for remote sources; local files are read synchronously
+(:mod:`._local`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from types import ModuleType
+from typing import IO, Any
+
+from ._errors import SafetensorError, WrongTypeError
+from ._reference import serialize, serialize_file
+from ._serialize import TensorSpec, deserialize
+
+__all__ = [
+    "SafetensorError",
+    "TensorSpec",
+    "__version__",
+    "_safe_open_handle",
+    "deserialize",
+    "install",
+    "installed",
+    "safe_open",
+    "serialize",
+    "serialize_file",
+    "uninstall",
+]
+
+__version__ = "0.8.0"
+"""The reference's version whose API this stands in for (code checks it before using a
+feature); stream_st's own is :data:`stream_st.__version__`."""
+
+_NAMES = ("safetensors", "safetensors.torch", "safetensors.numpy")
+_saved: dict[str, ModuleType | None] = {}
+
+
+def safe_open(
+    filename: Any,
+    framework: str,
+    device: str | int = "cpu",
+    *,
+    backend: str = "mmap",
+    verify: bool = True,
+    **options: Any,
+) -> Any:
+    """Open ``filename`` (a file, URL or sharded index) to read tensors by name, as the
+    reference's ``safe_open``; ``framework`` is ``"pt"`` or ``"np"``. See
+    :func:`stream_st.torch.safe_open`."""
+    from ._reference import SafeOpen
+
+    return SafeOpen(filename, framework, device, backend=backend, verify=verify, **options)
+
+
+def _safe_open_handle(
+    f: IO[Any], framework: str, device: str | int = "cpu", *, backend: str = "mmap"
+) -> Any:
+    """``safe_open`` over an open file object (a built-in file, an ``fsspec`` local file):
+    the file it names, opened again by name as the reference does; a file object with no
+    name on disk is read whole."""
+    name = getattr(f, "name", None)
+    if isinstance(name, str | os.PathLike) and os.path.isfile(name):
+        return safe_open(name, framework, device, backend=backend)
+    read = getattr(f, "read", None)
+    if read is None:
+        raise WrongTypeError(f"expected a file object, got {type(f).__name__}")
+    if hasattr(f, "seek"):
+        f.seek(0)
+    data = read()
+    if not isinstance(data, bytes | bytearray):
+        raise WrongTypeError("the file object must be opened in binary mode ('rb')")
+    return safe_open(bytes(data), framework, device, backend=backend)
+
+
+def __getattr__(name: str) -> Any:
+    """``torch`` and ``numpy``, the submodules, imported when first asked for."""
+    if name in ("torch", "numpy"):
+        import importlib
+
+        module = importlib.import_module(f"stream_st.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def install() -> None:
+    """Make ``import safetensors`` (and ``safetensors.torch``, ``safetensors.numpy``) give this
+    package and :mod:`stream_st.torch` / :mod:`stream_st.numpy` from now on, in the whole
+    process. Call it before anything imports safetensors: a module that already holds the
+    reference's functions keeps them (a warning says so). :func:`uninstall` undoes it."""
+    import importlib
+
+    already = [name for name in _NAMES if _real(name)]
+    if already:
+        warnings.warn(
+            f"{', '.join(already)} was imported before stream_st.compat.install(): modules that "
+            "imported names from it keep the reference's",
+            stacklevel=2,
+        )
+    for name in _NAMES:
+        if name not in _saved:
+            _saved[name] = sys.modules.get(name) if _real(name) else None
+    sys.modules["safetensors"] = sys.modules[__name__]
+    sys.modules["safetensors.numpy"] = importlib.import_module("stream_st.numpy")
+    try:
+        sys.modules["safetensors.torch"] = importlib.import_module("stream_st.torch")
+    except ImportError:  # no torch here: safetensors.torch fails to import, as the reference's
+        sys.modules.pop("safetensors.torch", None)
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return sys.modules.get("safetensors") is sys.modules[__name__]
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: ``import safetensors`` gives the reference again (if installed)."""
+    for name in _NAMES:
+        if name in _saved:
+            previous = _saved.pop(name)
+            if previous is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = previous
+
+
+def _real(name: str) -> bool:
+    """Whether ``name`` is imported as the reference's own module."""
+    module = sys.modules.get(name)
+    return module is not None and not (module.__name__ or "").startswith("stream_st")

@@ -13,12 +13,13 @@ mapped privately instead: its tensors are writable copy-on-write views of the fi
 
 from __future__ import annotations
 
-import operator
+import functools
 import os
+import stat
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import EllipsisType, TracebackType
+from types import TracebackType
 from typing import Any, Self
 
 import anyio
@@ -35,9 +36,13 @@ from ..memory.delivery import Delivery
 from ..reader import TensorStream, _read_tensor, merge_ranges
 from ..sharded.reader import ShardIndex, _open_shard
 from ..transports.file.mmap import FileMap
-from ..transports.file.source import FileSource
+from ..transports.file.source import FileSource, path_from_url
 from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import Sink, SinkLike, SourceLike
+from ._errors import FileClosedError, InvalidTensorsError, NoSuchFileError, SliceError
+from ._local import LocalFile
+from ._serialize import TensorSpec, check_metadata, specs_of, write_specs
+from ._slicing import plan
 from ._sync import Bridge, check_sync_address, run
 
 __all__ = [
@@ -48,6 +53,8 @@ __all__ = [
     "maps",
     "save_bytes",
     "save_file",
+    "serialize",
+    "serialize_file",
 ]
 
 BACKENDS = ("mmap", "pread")
@@ -249,13 +256,38 @@ def _shut(bridge: Bridge, checkpoint: _Checkpoint) -> None:
         bridge.close()
 
 
+def local_path(src: object) -> str | None:
+    """The path of ``src`` if it names a local regular file (a path, a ``file://`` URL) that
+    is not a sharded checkpoint's index, or a file that does not exist; else None (a remote
+    address, a FIFO, bytes...)."""
+    if isinstance(src, os.PathLike):
+        src = os.fspath(src)
+    if not isinstance(src, str) or (".json" in src and is_index(src)):
+        return None
+    if "://" in src:
+        if not src.lower().startswith("file://"):
+            return None
+        src = path_from_url(src)
+    try:
+        mode = os.stat(src).st_mode
+    except FileNotFoundError:
+        return src  # the local reader says so, as the reference words it
+    except (OSError, ValueError):
+        return None  # the transports say what is wrong with it
+    return src if stat.S_ISREG(mode) else None
+
+
 class SafeOpen:
     """A safetensors file (or sharded checkpoint) opened for reading tensors by name; the
-    reference's ``safe_open``. Close it with ``with`` or :meth:`close`.
+    reference's ``safe_open``. Close it with ``with`` or :meth:`close`; every method but those
+    of a :class:`Slice` already taken then raises ``File is closed``.
 
-    ``backend="mmap"`` views a local file's tensors in a private mapping of it; ``"pread"``
-    reads each into fresh memory. ``verify`` checks each whole tensor read against the digest
-    the header records for it, if any."""
+    A local file is read synchronously: with ``backend="mmap"`` it is mapped privately and its
+    descriptor closed at once, so an open handle holds no descriptor and no thread (tensors are
+    copy-on-write views of the mapping); ``"pread"`` keeps the descriptor and reads each tensor
+    into fresh memory. Other sources (URLs, an index's shards) are read on a private event loop
+    the handle keeps, one ranged read per tensor. ``verify`` checks each whole tensor read
+    against the digest the header records for it, if any."""
 
     def __init__(
         self,
@@ -270,7 +302,19 @@ class SafeOpen:
         self._torch = framework_of(framework)
         check_device(device)
         check_sync_address(src, "source")
-        how = _Options(clock_of(options), verify, maps(backend))
+        clock = clock_of(options) if options else Clock()
+        mapped = maps(backend)
+        self._local: LocalFile | None = None
+        self._bridge: Bridge | None = None
+        self._closer: Callable[[], Any] | None = None
+        self._closed = False
+        path = local_path(src)
+        if path is not None:
+            self._local = LocalFile(path, mapped=mapped, verify=verify)
+            if not mapped:
+                self._closer = weakref.finalize(self, self._local.close)
+            return
+        how = _Options(clock, verify, mapped)
         bridge = Bridge()
         try:
             self._checkpoint = bridge.call(_Checkpoint.open, src, how)
@@ -280,33 +324,62 @@ class SafeOpen:
         self._bridge = bridge
         self._closer = weakref.finalize(self, _shut, bridge, self._checkpoint)
 
+    def _open(self) -> None:
+        if self._closed:
+            raise FileClosedError()
+
     def _out(self, array: np.ndarray[Any, Any], code: str) -> Any:
         return to_torch(array, code) if self._torch else array
 
+    def _info(self, name: str) -> TensorInfo:
+        self._open()
+        local = self._local
+        if local is not None:
+            if name not in local.header:
+                raise TensorNotFoundError(f"File does not contain tensor {name}")
+            return local.header[name]
+        assert self._bridge is not None
+        return self._bridge.call(self._checkpoint.info, name)
+
     def keys(self) -> list[str]:
         """The tensors' names, sorted."""
+        self._open()
+        if self._local is not None:
+            return sorted(self._local.header.names())
         return sorted(self._checkpoint.where)
 
     def offset_keys(self) -> list[str]:
         """The tensors' names in the order of their bytes (file after file for an index)."""
+        self._open()
+        if self._local is not None:
+            return self._local.header.names()
+        assert self._bridge is not None
         headers = self._bridge.call(self._checkpoint.headers)
         return [name for header in headers for name in header.names()]
 
     def metadata(self) -> dict[str, Any] | None:
         """The header's ``__metadata__`` (``None`` if it has none); an index's ``metadata``."""
+        self._open()
+        if self._local is not None:
+            return dict(self._local.header.metadata) or None
         index = self._checkpoint.index
         if index is not None:
             return dict(index.metadata) or None
         return dict(self._checkpoint.files[""].header.metadata) or None
 
     def get_tensor(self, name: str) -> Any:
-        """The whole tensor ``name``, read from the source now (or viewed in the mapped file)
+        """The whole tensor ``name``, viewed in the mapped file (or read from the source now)
         and checked against its digest, if the header records one."""
-        info = self._bridge.call(self._checkpoint.info, name)
-        return self._out(self._bridge.call(self._checkpoint.read, name, None), info.dtype)
+        info = self._info(name)
+        return self._out(self._reader(info)(None), info.dtype)
 
     def get_tensors(self) -> dict[str, Any]:
         """Every tensor, in offset order, each checked as by :meth:`get_tensor`."""
+        self._open()
+        if self._local is not None:
+            local = self._local
+            return {t.name: self._out(local.array(t), t.dtype) for t in local.header.tensors}
+        assert self._bridge is not None
         arrays = self._bridge.call(self._checkpoint.read_all)
         headers = self._bridge.call(self._checkpoint.headers)
         codes = {t.name: t.dtype for header in headers for t in header.tensors}
@@ -314,11 +387,27 @@ class SafeOpen:
 
     def get_slice(self, name: str) -> Slice:
         """A :class:`Slice` of tensor ``name``: index it to read part of it."""
-        return Slice(self, self._bridge.call(self._checkpoint.info, name))
+        info = self._info(name)
+        return Slice(info, self._reader(info), self._out, strict=not self._torch)
+
+    def _reader(self, info: TensorInfo) -> Callable[[Rows], np.ndarray[Any, Any]]:
+        """Reads ``info``'s rows (all of them for None)."""
+        local = self._local
+        if local is not None:
+            return functools.partial(local.array, info)
+        bridge = self._bridge
+        assert bridge is not None
+        return functools.partial(bridge.call, self._checkpoint.read, info.name)
 
     def close(self) -> None:
-        """Close the source and stop the private event loop."""
-        self._closer()
+        """Close the file (a mapped one's views stay valid); for a remote source, its
+        connections and the private event loop."""
+        self._closed = True
+        if self._local is not None:
+            self._local.close()
+            self._local = None  # the mapping goes with the last tensor or slice using it
+        if self._closer is not None:
+            self._closer()
 
     def __enter__(self) -> Self:
         return self
@@ -332,18 +421,27 @@ class SafeOpen:
         self.close()
 
 
-Key = int | slice | EllipsisType
-
-
 class Slice:
     """Part of one tensor, read on indexing: ``f.get_slice(name)[2:5]``, ``[0]``, ``[..., :3]``,
-    ``[1:3, ::2]``. Only the rows the first index selects are read from the source; the other
-    indexes apply to them in memory, as numpy's basic indexing does. A digest covers a whole
-    tensor, so part of one cannot be checked against it: only ``[...]`` (the whole tensor) is."""
+    ``[1:3, ::2]``: for torch tensors by torch's rules, for numpy arrays by the reference's
+    stricter ones (``strict``; see :mod:`stream_st.compat._slicing`). Only the rows the
+    first index selects are read from the source; the other indexes apply to them in memory. A
+    digest covers a whole tensor, so part of one cannot be checked against it: only ``[...]``
+    (the whole tensor) is. A slice of a mapped local file still reads after the file is
+    closed, as the reference's do."""
 
-    def __init__(self, owner: SafeOpen, info: TensorInfo) -> None:
-        self._owner = owner
+    def __init__(
+        self,
+        info: TensorInfo,
+        read: Callable[[Rows], np.ndarray[Any, Any]],
+        out: Callable[[np.ndarray[Any, Any], str], Any],
+        *,
+        strict: bool = True,
+    ) -> None:
+        self._strict = strict
         self._info = info
+        self._read = read
+        self._out = out
 
     def get_shape(self) -> list[int]:
         """The tensor's shape."""
@@ -353,41 +451,25 @@ class Slice:
         """The tensor's safetensors dtype code (``"F32"``, ``"BF16"``, ...)."""
         return self._info.dtype
 
-    def __getitem__(self, key: Key | tuple[Key, ...]) -> Any:
-        keys = key if isinstance(key, tuple) else (key,)
-        for k in keys:
-            if not isinstance(k, int | slice | EllipsisType):
-                raise UsageError(
-                    f"get_slice({self._info.name!r}) takes ints, slices and '...', "
-                    f"got {type(k).__name__}"
+    def __getitem__(self, key: object) -> Any:
+        info = self._info
+        planned = plan(key, info.shape, strict=self._strict)
+        rows, index = planned.rows, planned.index
+        if info.dtype_info.packed and info.shape:
+            last = len(info.shape) - 1
+            if len(index) > last and index[last] != slice(0, info.shape[last], None):
+                raise SliceError(
+                    f"tensor {info.name!r} is {info.dtype}, packed several values a byte: "
+                    "its last dimension can only be taken whole"
                 )
-        rows, first = self._rows(keys[0] if keys else ...)
-        owner = self._owner
-        array = owner._bridge.call(owner._checkpoint.read, self._info.name, rows)
-        picked = array[(first, *keys[1:])]
+            index = index[:last]
+            if not last:
+                rows = None
+        array = self._read(rows)
+        picked = array[index]
         if not picked.flags.c_contiguous:
             picked = picked.copy()
-        return owner._out(picked, self._info.dtype)
-
-    def _rows(self, key: Key) -> tuple[Rows, Key]:
-        """The rows ``key`` (the first index) needs read, and the index to apply to them."""
-        info = self._info
-        if not info.shape or info.dtype_info.packed or key is Ellipsis:
-            return None, key
-        count = info.shape[0]
-        if isinstance(key, slice):
-            picked = range(*key.indices(count))
-            if not picked:
-                return (0, 0), slice(0, 0)
-            low = min(picked[0], picked[-1])
-            start, last = picked[0] - low, picked[-1] - low
-            stop = last + 1 if picked.step > 0 else (last - 1 if last else None)
-            return (low, max(picked[0], picked[-1]) + 1), slice(start, stop, picked.step)
-        index = operator.index(key)
-        if not -count <= index < count:
-            raise IndexError(f"index {index} is out of bounds for dimension 0 with size {count}")
-        index %= count
-        return (index, index + 1), 0
+        return self._out(picked, info.dtype)
 
 
 class _BytesSink(Sink):
@@ -419,7 +501,9 @@ class _BytesSink(Sink):
 
 def _checked_tensors(tensors: object) -> Mapping[str, Any]:
     if not isinstance(tensors, Mapping):
-        raise UsageError(f"expected a dict of names to tensors, got {type(tensors).__name__}")
+        raise InvalidTensorsError(
+            f"Expected a dict of [str, np.ndarray] but received {type(tensors)}"
+        )
     return tensors
 
 
@@ -433,7 +517,23 @@ def save_file(
     """Write ``tensors`` to ``dst`` as the reference writer lays them out (``checksums``: with
     every tensor's digest recorded, see :func:`~stream_st.save`)."""
     check_sync_address(dst, "destination")
-    run(_save, _checked_tensors(tensors), dst, metadata, checksums, options)
+    checked = _checked_tensors(tensors)
+    run(_save, checked, dst, check_metadata(metadata), checksums, options)
+
+
+def save_specs_file(
+    specs: Mapping[str, TensorSpec], dst: SinkLike, metadata: Mapping[str, str] | None
+) -> None:
+    """Write the tensors ``specs`` point at to ``dst`` (for ``serialize_file``)."""
+    check_sync_address(dst, "destination")
+    run(write_specs, os.fspath(dst) if isinstance(dst, os.PathLike) else dst, specs, metadata)
+
+
+def save_specs_bytes(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str] | None) -> bytes:
+    """The bytes of a file holding the tensors ``specs`` point at (for ``serialize``)."""
+    sink = _BytesSink()
+    run(write_specs, sink, specs, metadata)
+    return bytes(sink.data)
 
 
 async def _save(
@@ -453,7 +553,7 @@ def save_bytes(
 ) -> bytes:
     """``tensors`` as the bytes of a safetensors file."""
     sink = _BytesSink()
-    run(_save, _checked_tensors(tensors), sink, metadata, checksums, {})
+    run(_save, _checked_tensors(tensors), sink, check_metadata(metadata), checksums, {})
     return bytes(sink.data)
 
 
@@ -464,6 +564,9 @@ def load_file(
     ``backend="mmap"``, a local file's as writable views of a private mapping of it."""
     copy = not maps(backend)
     check_sync_address(src, "source")
+    path = local_path(src)
+    if path is not None and not os.path.lexists(path):
+        raise NoSuchFileError(path)
     return run(_load, src, torch, verify, copy, clock_of(options))
 
 
@@ -480,3 +583,21 @@ async def _load(
     delivery = Delivery("pt" if torch else "np", writable=True)
     stream = stream_for(src, verify=verify, clock=clock, delivery=delivery, copy=copy)
     return {name: tensor async for name, tensor in stream}
+
+
+def serialize(
+    tensor_dict: Mapping[str, TensorSpec], metadata: Mapping[str, str] | None = None
+) -> bytes:
+    """The bytes of a safetensors file holding the tensors ``tensor_dict``'s specs point at."""
+    return save_specs_bytes(specs_of(tensor_dict), check_metadata(metadata))
+
+
+def serialize_file(
+    tensor_dict: Mapping[str, TensorSpec],
+    filename: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write the tensors ``tensor_dict``'s specs point at to ``filename`` (a path or any
+    destination stream_st writes to); nothing is left there if it fails. The GIL is free while
+    the bytes are written."""
+    save_specs_file(specs_of(tensor_dict), filename, check_metadata(metadata))

@@ -1,5 +1,5 @@
-"""Framework adapters: the torch dtype table, zero-copy numpy <-> torch views, and where a read
-tensor lands (``open_stream(framework=..., into=...)``).
+"""Framework adapters: torch dtypes (named in the one table, :mod:`.dtypes`), zero-copy
+numpy <-> torch views, and where a read tensor lands (``open_stream(framework=..., into=...)``).
 
 torch is imported only when asked for (``framework="pt"``, a torch tensor given to a writer), so
 ``import stream_st`` stays light. A tensor read for torch is the numpy array the reader filled,
@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import DtypeError, UsageError
 from .dtypes import DTYPES
-from .header import TensorSpec
+from .layout import TensorSpec
 
 __all__ = [
     "Framework",
@@ -38,30 +38,6 @@ Framework = Literal["np", "numpy", "pt", "torch"]
 """What tensors are handed out as: numpy arrays (``"np"``, ``"numpy"``) or torch tensors
 (``"pt"``, ``"torch"``), as the reference's ``framework=`` names them."""
 
-_TORCH_NAMES = {
-    # Every safetensors dtype torch has; F6_E2M3 and F6_E3M2 have no torch dtype.
-    "BOOL": "bool",
-    "F4": "float4_e2m1fn_x2",
-    "U8": "uint8",
-    "I8": "int8",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E8M0": "float8_e8m0fnu",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "I16": "int16",
-    "U16": "uint16",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I32": "int32",
-    "U32": "uint32",
-    "F32": "float32",
-    "C64": "complex64",
-    "F64": "float64",
-    "I64": "int64",
-    "U64": "uint64",
-}
-
 
 def load_torch() -> Any:
     """The torch module; :class:`UsageError` saying how to install it if it is missing."""
@@ -76,7 +52,7 @@ def load_torch() -> Any:
 def torch_dtypes() -> dict[str, Any]:
     """Safetensors code -> torch dtype, for every code this torch has."""
     torch = load_torch()
-    table = {code: getattr(torch, name, None) for code, name in _TORCH_NAMES.items()}
+    table = {code: getattr(torch, row.torch, None) for code, row in DTYPES.items() if row.torch}
     return {code: dtype for code, dtype in table.items() if dtype is not None}
 
 

@@ -1,4 +1,4 @@
-"""The one dtype table: safetensors code, numpy / ml_dtypes dtype, and bit size.
+"""The one dtype table: safetensors code, numpy / ml_dtypes dtype, torch name and bit size.
 
 Nothing else in stream_st spells dtypes out. Sub-byte types are carried as packed ``uint8``:
 
@@ -33,13 +33,15 @@ class DType:
     """One safetensors dtype.
 
     ``rank`` is the position in the reference implementation's dtype order (increasing
-    alignment); its writer sorts tensors by descending rank, then name.
+    alignment); its writer sorts tensors by descending rank, then name. ``torch`` is the name of
+    the ``torch`` dtype (``"bfloat16"``), ``None`` where torch has none (F6_E2M3, F6_E3M2).
     """
 
     code: str
     bits: int
     numpy: np.dtype[Any]
     rank: int
+    torch: str | None
 
     @property
     def packed(self) -> bool:
@@ -54,33 +56,34 @@ class DType:
 
 def _table() -> dict[str, DType]:
     u8 = np.dtype(np.uint8)
-    rows: list[tuple[str, int, Any]] = [
+    rows: list[tuple[str, int, Any, str | None]] = [
         # In the reference's order of increasing alignment.
-        ("BOOL", 8, np.bool_),
-        ("F4", 4, u8),
-        ("F6_E2M3", 6, u8),
-        ("F6_E3M2", 6, u8),
-        ("U8", 8, np.uint8),
-        ("I8", 8, np.int8),
-        ("F8_E5M2", 8, ml_dtypes.float8_e5m2),
-        ("F8_E4M3", 8, ml_dtypes.float8_e4m3fn),
-        ("F8_E8M0", 8, ml_dtypes.float8_e8m0fnu),
-        ("F8_E4M3FNUZ", 8, ml_dtypes.float8_e4m3fnuz),
-        ("F8_E5M2FNUZ", 8, ml_dtypes.float8_e5m2fnuz),
-        ("I16", 16, np.int16),
-        ("U16", 16, np.uint16),
-        ("F16", 16, np.float16),
-        ("BF16", 16, ml_dtypes.bfloat16),
-        ("I32", 32, np.int32),
-        ("U32", 32, np.uint32),
-        ("F32", 32, np.float32),
-        ("C64", 64, np.complex64),
-        ("F64", 64, np.float64),
-        ("I64", 64, np.int64),
-        ("U64", 64, np.uint64),
+        ("BOOL", 8, np.bool_, "bool"),
+        ("F4", 4, u8, "float4_e2m1fn_x2"),
+        ("F6_E2M3", 6, u8, None),
+        ("F6_E3M2", 6, u8, None),
+        ("U8", 8, np.uint8, "uint8"),
+        ("I8", 8, np.int8, "int8"),
+        ("F8_E5M2", 8, ml_dtypes.float8_e5m2, "float8_e5m2"),
+        ("F8_E4M3", 8, ml_dtypes.float8_e4m3fn, "float8_e4m3fn"),
+        ("F8_E8M0", 8, ml_dtypes.float8_e8m0fnu, "float8_e8m0fnu"),
+        ("F8_E4M3FNUZ", 8, ml_dtypes.float8_e4m3fnuz, "float8_e4m3fnuz"),
+        ("F8_E5M2FNUZ", 8, ml_dtypes.float8_e5m2fnuz, "float8_e5m2fnuz"),
+        ("I16", 16, np.int16, "int16"),
+        ("U16", 16, np.uint16, "uint16"),
+        ("F16", 16, np.float16, "float16"),
+        ("BF16", 16, ml_dtypes.bfloat16, "bfloat16"),
+        ("I32", 32, np.int32, "int32"),
+        ("U32", 32, np.uint32, "uint32"),
+        ("F32", 32, np.float32, "float32"),
+        ("C64", 64, np.complex64, "complex64"),
+        ("F64", 64, np.float64, "float64"),
+        ("I64", 64, np.int64, "int64"),
+        ("U64", 64, np.uint64, "uint64"),
     ]
     return {
-        code: DType(code, bits, np.dtype(dt), rank) for rank, (code, bits, dt) in enumerate(rows)
+        code: DType(code, bits, np.dtype(dt), rank, torch)
+        for rank, (code, bits, dt, torch) in enumerate(rows)
     }
 
 

@@ -154,6 +154,10 @@ def plan_pieces(
     holds at least one row or one tensor), in reading order; with ``at_least``, every batch-mode
     shard is cut in at least ``ceil(at_least / shards)`` row ranges, so that many readers each get
     one. ``names`` selects the columns (batch mode) or keys (KV mode) to read: None, all of them.
+
+    The plan is bounded by the shards' bytes, whatever their headers declare: a shard makes at
+    most ``ceil(at_least / shards)`` pieces plus one per ``max_bytes`` of its selected data (rows
+    of no bytes, such as ``F32 [10**15, 0]``, are read as one piece).
     """
     if max_bytes < 1 or at_least < 1:
         raise UsageError("max_bytes and at_least must be positive")
@@ -183,7 +187,9 @@ def plan_pieces(
     for address, header in zip(dataset.shards, dataset.headers, strict=True):
         rows = header[columns[0]].shape[0] if columns else 0
         row_bytes = sum(header[c].nbytes // rows for c in columns) if rows else 0
-        step = max(1, min(max_bytes // max(1, row_bytes), math.ceil(rows / cuts)))
+        step = max(1, math.ceil(rows / cuts))
+        if row_bytes:  # pieces: at most ``cuts`` plus the shard's bytes over max_bytes
+            step = max(1, min(max_bytes // row_bytes, step))
         pieces += [
             Piece(address, tuple(columns), start, min(start + step, rows))
             for start in range(0, rows, step)

@@ -2,32 +2,5 @@
 
 from __future__ import annotations
 
-from ..models.llm import (
-    Forward,
-    KVCache,
-    Llama,
-    LlamaConfig,
-    ModelError,
-    StreamingPrefill,
-    load_tokenizer,
-    perplexity,
-    read_checkpoint,
-    read_gguf,
-    smollm2_path,
-    write_checkpoint,
-)
-
-__all__ = [
-    "Forward",
-    "KVCache",
-    "Llama",
-    "LlamaConfig",
-    "ModelError",
-    "StreamingPrefill",
-    "load_tokenizer",
-    "perplexity",
-    "read_checkpoint",
-    "read_gguf",
-    "smollm2_path",
-    "write_checkpoint",
-]
+from ..models.llm import *  # noqa: F403
+from ..models.llm import __all__ as __all__

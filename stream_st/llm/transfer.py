@@ -2,6 +2,5 @@
 
 from __future__ import annotations
 
-from ..models.llm.transfer import continue_received, one_blas_thread, send_prefill
-
-__all__ = ["continue_received", "one_blas_thread", "send_prefill"]
+from ..models.llm.transfer import *  # noqa: F403
+from ..models.llm.transfer import __all__ as __all__

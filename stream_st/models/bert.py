@@ -15,7 +15,6 @@ keys and values, ``[batch, heads, seq, head_dim]``: a real KV cache.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import AsyncIterable, Mapping, Sequence
@@ -27,6 +26,7 @@ import anyio
 import numpy as np
 
 from .._util import task_group
+from ..core.strict_json import decode_json
 from ..errors import SafetensorsError, UsageError
 
 __all__ = [
@@ -77,15 +77,23 @@ class BertConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> BertConfig:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        """The configuration in the Hugging Face ``config.json`` at ``path``, parsed by the
+        header's strict, bounded JSON parser; :class:`~stream_st.SafetensorsError` if it is not
+        one this model runs."""
+        raw = decode_json(Path(path).read_bytes(), f"{path}", strict=True)
+        if not isinstance(raw, dict):
+            raise SafetensorsError(f"{path}: not a model configuration (a JSON object)")
         if raw.get("hidden_act", "gelu") != "gelu":
             raise SafetensorsError(f"unsupported activation {raw.get('hidden_act')!r}")
-        return cls(
-            hidden_size=int(raw["hidden_size"]),
-            num_attention_heads=int(raw["num_attention_heads"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
-            layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
-        )
+        try:
+            return cls(
+                hidden_size=int(raw["hidden_size"]),
+                num_attention_heads=int(raw["num_attention_heads"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SafetensorsError(f"{path}: not a BERT configuration ({exc!r})") from None
 
     @property
     def head_dim(self) -> int:

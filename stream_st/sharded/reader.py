@@ -44,8 +44,9 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from .._util import task_group
-from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header, decode_json
+from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header
 from ..core.shards import MANIFEST_NAME, shard_address, shard_name
+from ..core.strict_json import decode_json
 from ..errors import (
     DtypeError,
     HeaderError,
@@ -129,7 +130,7 @@ class ShardIndex:
 
     def __init__(self, raw: bytes, name: str, home: str | None = None) -> None:
         self.home = name if home is None else home
-        obj = decode_json(raw, f"{name}: the index")
+        obj = decode_json(raw, f"{name}: the index", strict=True)  # a key once, no NaN
         if not isinstance(obj, dict):
             raise HeaderError(f"{name}: the index must be a JSON object")
         self.weight_map: dict[str, str] | None = None
@@ -211,6 +212,10 @@ class ShardedStream(TensorStream):
     shard being read; ``headers`` maps each shard reached so far to its header.
     ``concurrency``: ranged requests at once per remote shard, the next shard opened ahead (see
     the module); None takes the operation's (``open_stream(index, concurrency=K)``).
+    ``unique_names`` refuses shards that repeat a tensor name (see
+    :func:`~stream_st._api.stream_for`). ``max_tensor_bytes`` caps each tensor read,
+    ``max_total_bytes`` the tensors of every shard together, each shard checked as it is
+    reached, before any of its tensors is allocated (:class:`~stream_st.AllocationError`).
     """
 
     def __init__(
@@ -224,6 +229,9 @@ class ShardedStream(TensorStream):
         delivery: Delivery | None = None,
         copy: bool = True,
         concurrency: int | None = None,
+        unique_names: bool = False,
+        max_tensor_bytes: int | None = None,
+        max_total_bytes: int | None = None,
     ) -> None:
         super().__init__(
             index,
@@ -233,13 +241,18 @@ class ShardedStream(TensorStream):
             clock=clock,
             delivery=delivery,
             copy=copy,
+            max_tensor_bytes=max_tensor_bytes,
+            max_total_bytes=max_total_bytes,
         )
+        self._counted = 0  # bytes the shards reached so far declare, for max_total_bytes
         self._clock.transport = self._clock.transport.reading(concurrency)
         self._ahead: TensorStream | SafetensorsError | None = None  # opened while one streams
         self._address = os.fspath(index)
         self._index: ShardIndex | None = None
         self._current: TensorStream | None = None
         self.headers: dict[str, Header] = {}
+        self._unique_names = unique_names
+        self._shard_of: dict[str, str] = {}  # with unique_names: each name read, its shard
 
     @property
     def index(self) -> ShardIndex:
@@ -254,10 +267,14 @@ class ShardedStream(TensorStream):
             raise UsageError("a sharded stream has one header per shard: see .headers, .index")
         return self._current._header
 
+    def _opened(self) -> bool:
+        return self._index is not None
+
     async def open(self, *, read_all: bool = False) -> Header:
         """Read and validate the index (shards are opened as iteration reaches them)."""
         if self._index is None:
             self._clock.start()  # one clock for the index and every shard
+            self.stats.begin()
             self._index = await ShardIndex.read(self._address, self._clock)
         return Header.from_tensors((), {}, 0)
 
@@ -275,6 +292,7 @@ class ShardedStream(TensorStream):
         return names.__contains__
 
     async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
+        self.stats.asked(first=True)
         await self.open()
         index = self.index
         selected = self._selector(index)
@@ -296,6 +314,10 @@ class ShardedStream(TensorStream):
                             group.start_soon(self._open_ahead, index, following, selected)
                         stream = self._current = await self._next_stream(index, shard, selected)
                         self.headers[shard] = stream.header
+                        if self._unique_names:
+                            self._claim_names(shard, stream.header, selected)
+                        wanted = (t for t in stream.header.tensors if selected(t.name))
+                        self._counted = self._caps.check(wanted, stream.source.name, self._counted)
                         items = aiter(stream)
                         first = await anext(items, None)
                     if first is not None:
@@ -314,6 +336,23 @@ class ShardedStream(TensorStream):
                 await unread.aclose()
         self._check_all_found(index)
 
+    def _claim_names(self, shard: str, header: Header, selected: Callable[[str], bool]) -> None:
+        """With ``unique_names``: :class:`UsageError` if a tensor of ``shard`` to be read was
+        read from an earlier shard already (a batch-mode dataset repeats its columns in every
+        shard), before any of this shard's tensors is: one dict of names cannot hold them."""
+        for name in header.names():
+            if not selected(name):
+                continue
+            first = self._shard_of.setdefault(name, shard)
+            if first != shard:
+                raise UsageError(
+                    f"{self._address}: tensor {name!r} is in more than one shard ({first} and "
+                    f"{shard}), so one dict of names cannot hold them all: read it as a stream "
+                    "(async for name, array in stream_st.open_stream(...)), shard after shard, "
+                    "or, for a dataset, by rows (stream_st.integrations.dataset.plan_pieces and "
+                    "read_piece, or SafetensorsDataset)"
+                )
+
     async def _open_checked(
         self, index: ShardIndex, shard: str, selected: Callable[[str], bool]
     ) -> TensorStream:
@@ -327,7 +366,9 @@ class ShardedStream(TensorStream):
             verify=self._verify,
             clock=self._clock,
             copy=self._copy,
+            max_tensor_bytes=self._caps.tensor,
         )
+        stream.stats = self.stats  # every shard counts into the sharded stream's one object
         header = await _open_shard(stream, address, read_all=self._include is None)
         stream._delivery = self._delivery.only(header.names())
         try:

@@ -38,7 +38,7 @@ import numpy as np
 from .._util import AsyncClosing
 from ..core.digests import Digests, digest_of, digests_for
 from ..core.dtypes import dtype_for, wire_bytes
-from ..core.header import TensorSpec, build_header
+from ..core.layout import TensorSpec, build_header
 from ..core.shards import MANIFEST_NAME, ShardEntry, manifest_document, shard_file_name
 from ..errors import SafetensorsError, TransportError, UsageError, WriterError
 from ..transports.file.sink import FileSink

@@ -16,7 +16,8 @@ import numpy as np
 from ..core.codecs import Codec, codec_from_metadata, get_codec, to_bfloat16
 from ..core.digests import ALGORITHM_KEY, DEFAULT_ALGORITHM, Digests, algorithm_named
 from ..core.dtypes import dtype_from_code
-from ..core.header import Header, TensorInfo, TensorSpec
+from ..core.header import Header, TensorInfo
+from ..core.layout import TensorSpec
 from ..core.shards import shard_address
 from ..errors import UsageError
 from ..reader import Include

@@ -182,11 +182,14 @@ class Transport:
             )
         pairs = []
         for name, value in headers.items():
+            # A value is never shown: it may be a token (a trailing newline read from a file).
             if not (isinstance(name, str) and isinstance(value, str)):
-                raise UsageError(f"headers must map str to str, got {name!r}: {value!r}")
+                raise UsageError(
+                    f"headers must map str to str, got {name!r}: a {type(value).__name__}"
+                )
             if not name or any(c in name for c in ":\r\n \t") or any(c in value for c in "\r\n\0"):
                 raise UsageError(
-                    f"header {name!r}: {value!r} has no valid name or holds a line break"
+                    f"header {name!r} has no valid name, or its value holds a line break"
                 )
             pairs.append((name, value))
         return cls(tuple(pairs), ssl_context)
@@ -200,6 +203,13 @@ class Transport:
 
     def __bool__(self) -> bool:
         return bool(self.headers) or self.ssl_context is not None or self.concurrency is not None
+
+    def __repr__(self) -> str:  # header names only: a value may be a credential
+        names = [name for name, _ in self.headers]
+        return (
+            f"Transport(headers={names!r}, ssl_context={self.ssl_context!r}, "
+            f"concurrency={self.concurrency!r})"
+        )
 
 
 NO_TRANSPORT = Transport()

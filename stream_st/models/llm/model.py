@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import SafetensorsError
+from ...core.header import Header
+from ...core.strict_json import decode_json
+from ...errors import HeaderError, SafetensorsError
 from ...kv import KVLayout
 from ..bert import Stage
 
@@ -50,6 +52,37 @@ LAYER_PARTS = (
 )
 CONFIG_KEY = "llama_config"
 """The ``__metadata__`` key of a checkpoint that holds the :class:`LlamaConfig` as JSON."""
+
+
+_CONFIG_FIELDS = {
+    "vocab_size": int,
+    "hidden_size": int,
+    "intermediate_size": int,
+    "num_layers": int,
+    "num_heads": int,
+    "num_kv_heads": int,
+    "rope_theta": float,
+    "rms_norm_eps": float,
+    "bos_token_id": int,
+    "eos_token_id": int,
+}
+"""The fields of :class:`LlamaConfig` and what each holds."""
+
+
+def _config_number(key: str, value: object, kind: type) -> int | float:
+    """``value`` of configuration field ``key`` as ``kind``: an integer field takes a JSON
+    integer only; a float field any finite JSON number (the strict parser gives an integer, or
+    the text of any other number)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if kind is int else float(value)
+    if kind is float and isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if math.isfinite(number):
+            return number
+    raise ModelError(f"not a Llama checkpoint: {CONFIG_KEY!r} gives {key} = {value!r}")
 
 
 class ModelError(SafetensorsError, ValueError):
@@ -90,13 +123,47 @@ class LlamaConfig:
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, str]) -> LlamaConfig:
-        """The configuration a checkpoint's ``__metadata__`` carries under :data:`CONFIG_KEY`."""
+        """The configuration a checkpoint's ``__metadata__`` carries under :data:`CONFIG_KEY`,
+        parsed by the header's strict, bounded JSON parser; :class:`ModelError` unless it is an
+        object of the configuration's fields, integers where they are integers. Check it against
+        the checkpoint's tensors (:meth:`check_header`) before sizing anything by it."""
         try:
-            return cls(**json.loads(metadata[CONFIG_KEY]))
-        except (KeyError, ValueError, TypeError) as exc:
+            raw = decode_json(metadata[CONFIG_KEY], repr(CONFIG_KEY), strict=True)
+        except (KeyError, HeaderError) as exc:
             raise ModelError(
                 f"not a Llama checkpoint: bad or missing {CONFIG_KEY!r} ({exc})"
             ) from None
+        if not isinstance(raw, dict):
+            raise ModelError(f"not a Llama checkpoint: {CONFIG_KEY!r} is not a JSON object")
+        values: dict[str, int | float] = {}
+        for key, value in raw.items():
+            kind = _CONFIG_FIELDS.get(key)
+            if kind is None:
+                raise ModelError(f"not a Llama checkpoint: {CONFIG_KEY!r} has an unknown {key!r}")
+            values[key] = _config_number(key, value, kind)
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except TypeError as exc:  # a field missing
+            raise ModelError(f"not a Llama checkpoint: bad {CONFIG_KEY!r} ({exc})") from None
+
+    def check_header(self, header: Header) -> None:
+        """:class:`ModelError` unless ``header`` declares exactly this model's weights, each of
+        the shape it needs (``lm_head.weight`` optional). Costs what the header's tensors do,
+        however large the numbers of the configuration: nothing is sized by them before."""
+        if 9 * self.num_layers + 2 > len(header.tensors):
+            raise ModelError(
+                f"the configuration has {self.num_layers} layers, the checkpoint holds "
+                f"{len(header.tensors)} tensors"
+            )
+        for info in header.tensors:
+            if info.shape != self.shape(info.name):
+                raise ModelError(
+                    f"{info.name} has shape {list(info.shape)} in the checkpoint, the "
+                    f"configuration needs {list(self.shape(info.name))}"
+                )
+        missing = [name for name in self.names() if name not in header]
+        if missing:
+            raise ModelError(f"the checkpoint lacks {len(missing)} weights: {missing[:3]}...")
 
     def layer_names(self, layer: int) -> list[str]:
         return [f"model.layers.{layer}.{part}.weight" for part in LAYER_PARTS]
@@ -166,8 +233,7 @@ class Llama:
             self.add(name, array)
         if not partial and (missing := self.missing()):
             raise ModelError(f"the weights lack {len(missing)} tensors: {missing[:3]}...")
-        half = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
-        self._inv_freq = 1.0 / config.rope_theta**half
+        self._inv_freq: Array | None = None  # made at the first rotation: sized by head_dim
 
     def add(self, name: str, array: Array) -> None:
         """Take one weight (as float32); :class:`ModelError` if the model has no such weight or
@@ -229,6 +295,10 @@ class Llama:
         return out
 
     def _rope(self, start: int, seq: int) -> tuple[Array, Array]:
+        if self._inv_freq is None:
+            c = self.config
+            half = np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim
+            self._inv_freq = 1.0 / c.rope_theta**half
         angles = np.arange(start, start + seq, dtype=np.float64)[:, None] * self._inv_freq
         angles = np.concatenate((angles, angles), axis=-1)
         return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)

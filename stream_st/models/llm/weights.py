@@ -21,7 +21,8 @@ from typing import Any, Unpack
 import numpy as np
 
 from ..._api import open_stream
-from ...core.header import Header, TensorSpec
+from ...core.header import Header
+from ...core.layout import TensorSpec
 from ...errors import UsageError
 from ...transports.options import TransportOptions
 from ...transports.registry import SinkLike, SourceLike
@@ -163,9 +164,11 @@ async def write_checkpoint(
 
 async def read_checkpoint(source: SourceLike, **options: Unpack[TransportOptions]) -> Llama:
     """The model in a checkpoint :func:`write_checkpoint` wrote, from any source
-    :func:`~stream_st.open_stream` reads."""
+    :func:`~stream_st.open_stream` reads. Its configuration is checked against the tensors
+    the header declares before anything is allocated: :class:`ModelError` if they differ."""
     async with open_stream(source, **options) as stream:
         config = LlamaConfig.from_metadata(stream.header.metadata)
+        config.check_header(stream.header)  # before anything is sized by the configuration
         model = Llama(config, {}, partial=True)
         async for name, array in stream:
             model.add(name, array)

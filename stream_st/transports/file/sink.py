@@ -1,16 +1,20 @@
 """Local paths: a regular file, written beside its destination and moved into place only when
 complete; a FIFO or a device, written through in place.
 
-The message goes to a hidden temporary file in the destination's directory
-(``.<name>.<random>.tmp``), written with positioned writes (``os.pwritev``) straight from the
-caller's memory in worker threads, so tensors may arrive in any order and the event loop stays
-free. The file's blocks are reserved up front (Linux ``fallocate``): a full disk shows before any
-data is written, and the page-cache writes ran faster (``benchmarks/bench_write.py --variants
-stream_st,nofalloc``: 1.24x paired at load average ~2.3; 1.12x in an in-process A/B).
-:meth:`FileSink.aclose` renames it over the destination (``os.replace``, atomic on POSIX);
-:meth:`FileSink.abort` deletes it. Until the rename, the destination keeps its previous content.
-A symlink is written through: the file it points to is replaced, the link stays. A file replaced
-keeps its permission bits.
+The message goes to a temporary file in the destination's directory, written with positioned
+writes (``os.pwritev``) straight from the caller's memory in worker threads, so tensors may arrive
+in any order and the event loop stays free. Where the file system allows it (Linux ``O_TMPFILE``)
+that file has no name until the commit: a process killed at any point (even by SIGKILL) leaves
+nothing behind. Elsewhere it is a hidden file, ``.<name>.<random>.tmp``, or ``.<random>.tmp``
+where that would pass the longest name the directory takes: any valid destination name can be
+written. The file's blocks are reserved up front (Linux ``fallocate``): a full disk shows before
+any data is written, and the page-cache writes ran faster (``benchmarks/bench_write.py
+--variants stream_st,nofalloc``: 1.24x paired at load average ~2.3; 1.12x in an in-process A/B).
+:meth:`FileSink.aclose` commits it: a nameless file is linked in at the destination's name when
+nothing is there (``linkat``), else linked in under a short hidden name and renamed over the
+destination (``os.replace``, atomic on POSIX); :meth:`FileSink.abort` deletes it. Until the
+commit, the destination keeps its previous content. A symlink is written through: the file it
+points to is replaced, the link stays. A file replaced keeps its permission bits.
 
 A destination that exists and is not a regular file (a FIFO, ``/dev/null``, a terminal) is never
 replaced: :class:`PipeSink` opens it in place and writes front to back with non-blocking writes,
@@ -57,7 +61,16 @@ or for memory: one thread ran at 0.81x of the split (paired median 1.28x for the
 average ~2.3.
 """
 
-_OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC
+_TMPFILE_FLAGS = os.O_WRONLY | getattr(os, "O_TMPFILE", 0) | _CLOEXEC
+
+USE_TMPFILE = hasattr(os, "O_TMPFILE")
+"""Write through a nameless file (``O_TMPFILE``) where the file system allows it; ``False``
+always writes through a hidden named one (set by tests to exercise that path)."""
+
+_NAME_MAX = 255
+"""The longest file name, in bytes, where the directory does not say (Linux, macOS, Windows)."""
 
 ALLOCATE_INLINE = 64 << 20
 """Files smaller than this are preallocated on the event loop thread (one quick syscall)."""
@@ -121,6 +134,77 @@ async def open_file_sink(
     return await PipeSink.open(name, clock)
 
 
+def _name_max(directory: str) -> int:
+    """The longest file name ``directory`` takes, in bytes."""
+    try:
+        return os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return _NAME_MAX
+
+
+def _temp_name(directory: str, base: str) -> str:
+    """A new hidden name beside ``base`` that fits the directory: ``.<base>.<random>.tmp``, or
+    ``.<random>.tmp`` where a long ``base`` would make it too long."""
+    token = secrets.token_hex(6)
+    name = f".{base}.{token}.tmp"
+    if len(os.fsencode(name)) > _name_max(directory):
+        name = f".{token}.tmp"
+    return os.path.join(directory, name)
+
+
+def _open_nameless(directory: str) -> int | None:
+    """A nameless file in ``directory`` that can be linked in later (``O_TMPFILE``), or None
+    where the platform or the file system has none, or cannot link one in (the caller then makes
+    a named one, which also reports any error the directory gives)."""
+    if not USE_TMPFILE:
+        return None
+    try:
+        fd = os.open(directory, _TMPFILE_FLAGS, 0o666)
+    except OSError:  # EOPNOTSUPP, EISDIR on kernels without it; ENOENT, EACCES reported later
+        return None
+    try:
+        device = os.fstat(fd).st_dev
+        linkable = _LINKABLE.get(device)
+        if linkable is None:  # learnt once per file system, with a file of no use
+            linkable = _LINKABLE[device] = _links_in(directory)
+    except OSError:
+        linkable = False
+    if not linkable:
+        os.close(fd)
+        return None
+    return fd
+
+
+_LINKABLE: dict[int, bool] = {}
+"""Whether a nameless file can be linked in, by file system (``st_dev``)."""
+
+
+def _links_in(directory: str) -> bool:
+    """Whether a nameless file made in ``directory`` can be given a name there (``/proc`` may be
+    missing, or the file system may refuse): tried with one that is then removed."""
+    fd = os.open(directory, _TMPFILE_FLAGS, 0o600)
+    try:
+        name = _temp_name(directory, "link-probe")
+        try:
+            _link(fd, directory, os.path.basename(name))
+        except OSError:
+            return False
+        os.unlink(name)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _link(fd: int, directory: str, name: str) -> None:
+    """Give the nameless file open as ``fd`` the name ``name`` in ``directory``: ``linkat`` of
+    its ``/proc`` entry, followed (a link of the entry itself would cross file systems)."""
+    folder = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
+    try:
+        os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=folder, follow_symlinks=True)
+    finally:
+        os.close(folder)
+
+
 def _fsync_directory(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -158,11 +242,12 @@ class FileSink(Sink):
         self._fd = -1
         self._busy = 0  # positioned writes running in worker threads
         self._done = False
-        while True:
-            self.temp_path = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
+        self.temp_path: str | None = None  # the temporary's name; None while it has none
+        fd = _open_nameless(directory)
+        while fd is None:
+            self.temp_path = _temp_name(directory, base)
             try:
-                self._fd = os.open(self.temp_path, _OPEN_FLAGS, 0o666)
-                break
+                fd = os.open(self.temp_path, _OPEN_FLAGS, 0o666)
             except FileExistsError:  # pragma: no cover - 48 random bits collided
                 continue
             except FileNotFoundError as exc:
@@ -171,6 +256,7 @@ class FileSink(Sink):
                 raise TransportError(
                     f"cannot create a file in {directory}: {exc.strerror}", url=self.name
                 ) from exc
+        self._fd = fd
         if existing is not None:  # the new file takes the old one's permission bits
             with contextlib.suppress(OSError):  # a file system without them: keep the default
                 os.fchmod(self._fd, stat.S_IMODE(existing.st_mode))
@@ -232,7 +318,7 @@ class FileSink(Sink):
             os.close(fd)
 
     async def aclose(self) -> None:
-        """Flush (with ``fsync``), close and rename the temporary file over the destination."""
+        """Flush (with ``fsync``), close and move the temporary file to the destination."""
         if self._done:
             raise UsageError(f"{self.name}: the file sink is already closed")
         if self._busy:
@@ -242,8 +328,7 @@ class FileSink(Sink):
                 await anyio.to_thread.run_sync(os.fsync, self._fd)
                 await anyio.lowlevel.checkpoint_if_cancelled()  # cancelled meanwhile: no commit
             self._done = True
-            self._close_fd()
-            os.replace(self.temp_path, self._target)  # the commit point: nothing raises after it
+            self._commit()  # the commit point: nothing raises after it
         except BaseException as exc:
             await self.abort()
             if isinstance(exc, OSError):
@@ -256,11 +341,35 @@ class FileSink(Sink):
             with anyio.CancelScope(shield=True), contextlib.suppress(OSError):
                 await anyio.to_thread.run_sync(_fsync_directory, self._directory)
 
+    def _commit(self) -> None:
+        """Put the complete file at the destination and close it. A nameless file is linked in
+        at the destination's name when nothing is there (the commit, with no name left behind
+        at any moment), else under a new hidden name first; a named one is renamed over it."""
+        directory, base = os.path.split(self._target)
+        if self.temp_path is None:
+            try:
+                _link(self._fd, directory, base)
+            except FileExistsError:  # a file to replace: rename over it, atomically
+                pass
+            else:
+                with contextlib.suppress(OSError):  # in place: nothing raises after the commit
+                    self._close_fd()
+                return
+            while self.temp_path is None:
+                name = _temp_name(directory, base)
+                with contextlib.suppress(FileExistsError):  # 48 random bits collided
+                    _link(self._fd, directory, os.path.basename(name))
+                    self.temp_path = name
+        self._close_fd()
+        os.replace(self.temp_path, self._target)
+
     async def abort(self) -> None:
-        """Delete the temporary file; the descriptor closes once no write is running."""
+        """Delete the temporary file (a nameless one goes with its descriptor); the descriptor
+        closes once no write is running."""
         self._done = True
-        with contextlib.suppress(OSError):  # already gone, or nothing better to do
-            os.unlink(self.temp_path)
+        if self.temp_path is not None:
+            with contextlib.suppress(OSError):  # already gone, or nothing better to do
+                os.unlink(self.temp_path)
         if not self._busy:
             self._close_fd()
 

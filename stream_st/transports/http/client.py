@@ -11,7 +11,7 @@ from ...errors import HTTPProtocolError, ReadTimeoutError, SafetensorsError, Tra
 from ..options import UNLIMITED, Clock, LimitOptions, Limits, Transport
 from .framing import Response, Upload, receive_response, request_head
 from .proxy import Proxy, proxy_for
-from .redirect import REDIRECTS, redirected
+from .redirect import REDIRECTS, redirected, url_credentials
 from .status import unreadable_coding
 from .target import Target
 from .wire import Connection, connect
@@ -84,7 +84,7 @@ class HTTPClient(AsyncClosing):
         """
         via = (clock or self.clock, ssl_context)
         target = Target.parse(url)
-        sent = dict(headers or {})
+        sent = url_credentials(url, headers or {})
         follow = follow_redirects and method in ("GET", "HEAD")
         for _ in range(self._max_redirects + 1):
             response = await self._request_once(method, target, sent, body, *via)
@@ -158,13 +158,14 @@ class HTTPClient(AsyncClosing):
         ``clock``, ``ssl_context`` and proxies as in :meth:`request`.
         """
         target = Target.parse(url)
+        headers = url_credentials(url, headers or {})
         proxy = proxy_for(target)
         extra = (
             [f"Content-Length: {content_length}"]
             if content_length is not None
             else ["Transfer-Encoding: chunked"]
         )
-        head = _head(method, target, dict(headers or {}), extra, proxy)
+        head = _head(method, target, headers, extra, proxy)
         connection, _ = await self._connect(target, proxy, clock or self.clock, ssl_context)
         upload = Upload(self._release, method, target, connection, chunked=content_length is None)
         await upload._send_raw(head)

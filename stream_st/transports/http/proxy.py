@@ -25,17 +25,17 @@ naming the proxy, never its password.
 
 from __future__ import annotations
 
-import base64
 import ipaddress
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 import anyio
 import anyio.abc
 
 from ...errors import TransportError, UsageError
+from .redirect import basic_authorization
 from .target import Target
 
 __all__ = ["Proxy", "proxy_for", "tunnel"]
@@ -51,7 +51,7 @@ class Proxy:
 
     host: str
     port: int
-    authorization: str | None
+    authorization: str | None = field(repr=False)  # a secret: never shown
     name: str
 
     @classmethod
@@ -75,8 +75,8 @@ class Proxy:
         shown = f"[{host}]" if ":" in host else host
         authorization = None
         if parts.username is not None:
-            secret = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
-            authorization = "Basic " + base64.b64encode(secret.encode()).decode("ascii")
+            user, password = unquote(parts.username), unquote(parts.password or "")
+            authorization = basic_authorization(user, password)
             shown = f"{parts.username}@{shown}"
         return cls(host, port, authorization, f"http://{shown}:{port}")
 

@@ -1,4 +1,4 @@
-"""Redirects: which answers are followed, where to, and what a request carries there.
+"""Redirects and credentials: which answers are followed, where to, and what a request carries.
 
 The one policy for every redirect the client follows:
 
@@ -11,17 +11,23 @@ The one policy for every redirect the client follows:
   signature, its session token, customer keys) are dropped, as requests and httpx do. A signed
   request is not signed again for the other host: the signature was meant for the first one. A
   same-origin redirect keeps them; once dropped, they stay dropped for the rest of the chain.
+
+Credentials in a URL (``https://user:password@host/...``) are used as curl and requests use them:
+the first request carries them as ``Authorization: Basic`` (unless the caller gave its own
+``Authorization``), so they go to that URL's origin only and follow a redirect only within it. A
+``Location`` naming credentials of its own is followed without them.
 """
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping
-from urllib.parse import urljoin
+from urllib.parse import unquote, urljoin, urlsplit
 
 from ...errors import HTTPProtocolError, SafetensorsError
 from .target import Target
 
-__all__ = ["REDIRECTS", "redirected"]
+__all__ = ["REDIRECTS", "basic_authorization", "redirected", "url_credentials"]
 
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 """The statuses a GET or HEAD follows (when the answer names a ``Location``)."""
@@ -34,6 +40,27 @@ def _credential(name: str) -> bool:
     """Whether a request header named ``name`` proves who asks (never sent to another origin)."""
     key = name.lower()
     return key in _CREDENTIALS or key.startswith(_SIGNED_PREFIX)
+
+
+def basic_authorization(user: str, password: str) -> str:
+    """The value of an HTTP Basic ``Authorization`` (or ``Proxy-Authorization``) header for
+    ``user`` and ``password`` (UTF-8, as RFC 7617 allows)."""
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+
+
+def url_credentials(url: str, headers: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` for the first request to ``url``: with ``Authorization: Basic`` made of the
+    URL's ``user:password@`` (percent-decoded), unless there is none or ``headers`` already hold
+    an ``Authorization``. ``url`` is one :meth:`Target.parse` accepted."""
+    out = dict(headers)
+    parts = urlsplit(url)
+    if not (parts.username or parts.password):
+        return out
+    if any(name.lower() == "authorization" for name in out):
+        return out
+    user, password = unquote(parts.username or ""), unquote(parts.password or "")
+    out["Authorization"] = basic_authorization(user, password)
+    return out
 
 
 def redirected(

@@ -14,7 +14,7 @@ import ssl
 from collections.abc import Mapping
 from typing import Unpack
 
-from ...errors import TransportError
+from ...errors import TransportError, redact
 from ..base import Sink
 from ..options import Clock, LimitOptions
 from . import ClientUser, HTTPClient, Upload, raise_for_status
@@ -41,7 +41,7 @@ class HttpSink(ClientUser, Sink):
     ) -> None:
         super().__init__()
         self.url = url
-        self.name = name or url
+        self.name = redact(name or url)  # what errors show: no password, no signature
         self._method = method
         self._use_client(
             client,

@@ -15,12 +15,9 @@ import html
 import math
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ...errors import HTTPNotFoundError, HTTPStatusError, OutcomeUnknownError, TransportError
-
-if TYPE_CHECKING:
-    from .framing import Response
 
 __all__ = [
     "outcome_unknown",
@@ -30,6 +27,21 @@ __all__ = [
     "unreadable_coding",
     "xml_field",
 ]
+
+
+class Answer(Protocol):
+    """What :func:`raise_for_status` needs of an answer (a ``framing.Response`` has it): its
+    status, headers and URL, and a way to read its body and to close it."""
+
+    url: str
+    status: int
+    reason: str
+    headers: dict[str, str]
+
+    async def read_all(self, limit: int = ...) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
 
 _BODY_LIMIT = 64 << 10  # of an error answer's body, kept on the error
 _EXCERPT = 200  # characters of a body shown in a message
@@ -69,7 +81,7 @@ def summary(body: bytes) -> str:
     return text if len(text) <= _EXCERPT else text[: _EXCERPT - 3] + "..."
 
 
-async def raise_for_status(response: Response, *, name: str | None = None) -> None:
+async def raise_for_status(response: Answer, *, name: str | None = None) -> None:
     """Turn an answer other than 1xx or 2xx into :class:`HTTPStatusError` (404:
     :class:`HTTPNotFoundError`): an error, or a redirect not followed (the request was not
     carried out where it was sent).

@@ -51,7 +51,7 @@ from urllib.parse import quote, urlsplit
 
 import anyio
 
-from ...errors import CredentialsError, UnsupportedSourceError, UsageError
+from ...errors import MASK, CredentialsError, UnsupportedSourceError, UsageError, redact
 from ..options import UNLIMITED, Clock
 
 __all__ = ["CredentialChain", "S3Config", "parse_s3_url", "unsigned_requests"]
@@ -153,6 +153,13 @@ class Keys(NamedTuple):
     secret_access_key: str
     session_token: str | None = None
 
+    def __repr__(self) -> str:  # the key id names whose keys; the rest is secret
+        token = None if self.session_token is None else MASK
+        return (
+            f"Keys(access_key_id={self.access_key_id!r}, secret_access_key={MASK!r}, "
+            f"session_token={token!r})"
+        )
+
 
 class CredentialChain:
     """The credentials botocore's chain finds for ``profile`` (None: botocore's own choice, from
@@ -223,6 +230,16 @@ class S3Config:
     path_style: bool = True
     anonymous: bool = False
     chain: CredentialChain | None = field(default=None, repr=False, compare=False)
+
+    def __repr__(self) -> str:  # no secret: the keys masked, the endpoint's password too
+        secret = None if self.secret_access_key is None else MASK
+        token = None if self.session_token is None else MASK
+        return (
+            f"S3Config(endpoint_url={redact(self.endpoint_url)!r}, region={self.region!r}, "
+            f"access_key_id={self.access_key_id!r}, secret_access_key={secret!r}, "
+            f"session_token={token!r}, path_style={self.path_style!r}, "
+            f"anonymous={self.anonymous!r})"
+        )
 
     @classmethod
     def resolve(

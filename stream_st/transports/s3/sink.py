@@ -48,7 +48,7 @@ from xml.sax.saxutils import escape
 
 import anyio
 
-from ...errors import SafetensorsError, TransportError, UsageError
+from ...errors import SafetensorsError, TransportError, UsageError, redact
 from ..base import Sink
 from ..http import (
     ClientUser,
@@ -118,7 +118,7 @@ class S3Sink(ClientUser, Sink):
         super().__init__()
         if part_size < MIN_PART_SIZE:
             raise UsageError(f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum)")
-        self.name = url
+        self.name = redact(url)
         self.bucket, self.key = parse_s3_url(url)
         self.config = config or S3Config.resolve()
         self._use_client(client, headers, ssl_context, limits)

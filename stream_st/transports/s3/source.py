@@ -137,7 +137,7 @@ class S3Source(HttpSource):
         object's version: stores give it the part's ETag, or none.)"""
         await self.config.ready(self.clock, self.name)
         url = self.url if part is None else f"{self.url}?partNumber={part}"
-        headers = {**self._headers, **(self._preconditions() if part is None else {})}
+        headers = {**self._headers, **(self._pin.preconditions() if part is None else {})}
         with self._reported():
             response = await self._request("HEAD", url, self.prepare_headers("HEAD", url, headers))
             async with response:

@@ -1,0 +1,159 @@
+"""``stream_st.tools.validate`` against a plain streaming read of the same warm file.
+
+Run it from the repository root (about half a minute on 2 cores; needs ~0.6 GB of disk)::
+
+    python benchmarks/bench_validate.py [--rounds 5] [--dtype F32|BF16|F16]
+                                        [--dir DIR]
+
+It writes one safetensors file of SmolLM2-135M's shapes (random normal weights: 272 tensors, an
+embedding of 49152 x 576 tied to the head, 30 layers of hidden size 576; 538 MB in F32, 269 MB
+in BF16) and its ``config.json``, reads the file once so the page cache is warm, then runs two
+variants, each in a fresh process, interleaved round by round (the order alternating: read,
+validate; validate, read; ...):
+
+* ``read``: ``async for name, array in stream_st.open_stream(path)``, each array dropped at once;
+* ``validate``: ``stream_st.tools.validate(path, config=config_json)``: every statistic of every
+  tensor, every check, the config's included.
+
+Each child times itself from just before opening the file to the end (imports excluded) and
+prints the seconds. Per round the script prints both times, the paired ratio (read seconds over
+validate seconds: validate's speed as a fraction of the plain read's; 1.0 is as fast) and the
+1-minute load average, then the median ratio of the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+MiB = 1 << 20
+
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "num_hidden_layers": 30,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
+"""SmolLM2-135M's numbers (its config.json, abridged): a real Llama-family model's shapes."""
+
+
+def write_model(path: Path, dtype: str) -> int:
+    """Write random normal weights of :data:`CONFIG`'s shapes with the streaming writer, and the
+    config beside them (``config.json``); returns the file's size."""
+    import anyio
+
+    import stream_st
+    from stream_st.core.dtypes import dtype_from_code
+    from stream_st.tools.validate import ModelConfig
+
+    rng = np.random.default_rng(0)
+    shapes = ModelConfig.from_json(CONFIG).shapes()
+    np_dtype = dtype_from_code(dtype).numpy
+
+    async def write() -> None:
+        specs = [stream_st.TensorSpec(name, dtype, s) for name, s in shapes.items()]
+        async with stream_st.open_writer(str(path), specs, order="plan") as writer:
+            for name, shape in shapes.items():
+                values = rng.standard_normal(shape, dtype=np.float32) * 0.02
+                await writer.write(name, values.astype(np_dtype))
+
+    anyio.run(write)
+    (path.parent / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    return path.stat().st_size
+
+
+def child(variant: str, path: str) -> None:
+    """Run one variant once and print its seconds (imports and file warm-up excluded)."""
+    import anyio
+
+    import stream_st
+    from stream_st import tools
+
+    async def read() -> None:
+        async with stream_st.open_stream(path) as stream:
+            async for _name, array in stream:
+                del array
+
+    async def validate() -> None:
+        config = os.path.join(os.path.dirname(path), "config.json")
+        takes_config = "config" in inspect.signature(tools.validate).parameters  # not before 0.2
+        result = await (
+            tools.validate(path, config=config) if takes_config else tools.validate(path)
+        )
+        if not result.ok:
+            raise SystemExit(f"validation failed: {result.errors[:3]}")
+
+    run = {"read": read, "validate": validate}[variant]
+    start = time.perf_counter()
+    anyio.run(run)
+    print(f"{time.perf_counter() - start:.6f}")
+
+
+def timed(variant: str, path: Path) -> float:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", variant, str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", default="F32", choices=("F32", "BF16", "F16"))
+    parser.add_argument("--dir", help="keep the file here (reused when present)")
+    parser.add_argument("--child", nargs=2, metavar=("VARIANT", "PATH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(*args.child)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Path(args.dir or tmp)
+        home.mkdir(parents=True, exist_ok=True)
+        home = home / args.dtype.lower()
+        home.mkdir(exist_ok=True)
+        path = home / "model.safetensors"
+        size = path.stat().st_size if path.exists() else write_model(path, args.dtype)
+        with open(path, "rb") as f:  # warm the page cache
+            while f.read(64 * MiB):
+                pass
+        print(f"{path.name}: {size / MiB:.0f} MiB, {os.cpu_count()} CPUs")
+        print(
+            f"{'round':>5} {'read s':>8} {'valid. s':>8} {'ratio':>6} {'read GB/s':>9} {'load':>5}"
+        )
+        ratios = []
+        for round_ in range(args.rounds):
+            order = ("read", "validate") if round_ % 2 == 0 else ("validate", "read")
+            seconds = {variant: timed(variant, path) for variant in order}
+            ratio = seconds["read"] / seconds["validate"]
+            ratios.append(ratio)
+            print(
+                f"{round_:>5} {seconds['read']:>8.3f} {seconds['validate']:>8.3f} {ratio:>6.2f} "
+                f"{size / seconds['read'] / 1e9:>9.2f} {os.getloadavg()[0]:>5.2f}"
+            )
+        print(
+            f"median ratio (validate speed / read speed): {statistics.median(ratios):.2f} "
+            f"(min {min(ratios):.2f}, max {max(ratios):.2f})"
+        )
+
+
+if __name__ == "__main__":
+    main()

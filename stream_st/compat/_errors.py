@@ -1,0 +1,58 @@
+"""The exceptions the drop-in raises where the reference raises a built-in type.
+
+``SafetensorError`` (the reference's one exception class) is :class:`~stream_st.SafetensorsError`
+itself, so ``except SafetensorError`` catches every error stream_st raises. Where the reference
+raises ``ValueError``, ``TypeError``, ``IndexError`` or ``FileNotFoundError``, the drop-in raises
+a class deriving from both that type and :class:`~stream_st.SafetensorsError`: code written for
+either library catches it.
+"""
+
+from __future__ import annotations
+
+from ..errors import SafetensorsError, SourceNotFoundError, UsageError
+
+__all__ = [
+    "FileClosedError",
+    "InvalidTensorsError",
+    "NoSuchFileError",
+    "SafetensorError",
+    "SliceError",
+    "SliceTypeError",
+    "WrongTypeError",
+]
+
+SafetensorError = SafetensorsError
+"""The reference's exception class: here the root of every stream_st error."""
+
+
+class InvalidTensorsError(UsageError, ValueError):
+    """What was given to save is not a dict of dense, contiguous tensors: the reference's
+    ``ValueError`` (and stream_st's :class:`~stream_st.UsageError`, as before)."""
+
+
+class WrongTypeError(SafetensorsError, TypeError):
+    """An argument of the wrong type: metadata that is not ``str`` to ``str``, a ``serialize``
+    entry that is not a :class:`~stream_st.compat.TensorSpec` (the reference's ``TypeError``)."""
+
+
+class SliceError(SafetensorsError, IndexError):
+    """An index of ``get_slice(name)[...]`` outside the tensor, or more indexes than it has
+    dimensions."""
+
+
+class SliceTypeError(SafetensorsError, TypeError):
+    """An index ``get_slice(name)[...]`` does not take (a float, a non-empty list)."""
+
+
+class FileClosedError(UsageError):
+    """The ``safe_open`` handle was used after it was closed."""
+
+    def __init__(self) -> None:
+        super().__init__("File is closed")
+
+
+class NoSuchFileError(SourceNotFoundError):
+    """The local file to open does not exist; worded as the reference words it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"No such file or directory: {name}", url=name)

@@ -1,0 +1,202 @@
+"""The reference's low-level functions: :class:`TensorSpec`, :func:`serialize`,
+:func:`serialize_file` (tensors given as raw memory: an address and a length) and
+:func:`deserialize` (a file's bytes to ``(name, {"dtype", "shape", "data"})`` entries).
+
+Files are laid out as the reference lays them out, byte for byte. The memory a spec points at is
+read while the call runs: the caller keeps it alive, as with the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..core.dtypes import DTYPES
+from ..core.header import LENGTH_PREFIX_SIZE, parse_header, parse_header_length
+from ..core.layout import TensorSpec as PlanEntry
+from ..errors import (
+    DtypeError,
+    SafetensorsError,
+    TrailingDataError,
+    TruncatedStreamError,
+    UsageError,
+)
+from ..transports.registry import SinkLike
+from ..writer import open_writer
+from ._errors import WrongTypeError
+
+__all__ = ["TensorSpec", "check_metadata", "deserialize", "write_specs"]
+
+_CODES = {
+    "bool": "BOOL",
+    "int8": "I8",
+    "uint8": "U8",
+    "int16": "I16",
+    "uint16": "U16",
+    "int32": "I32",
+    "uint32": "U32",
+    "int64": "I64",
+    "uint64": "U64",
+    "float16": "F16",
+    "float32": "F32",
+    "float64": "F64",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "float8_e8m0fnu": "F8_E8M0",
+    "float4_e2m1fn_x2": "F4",
+    "complex64": "C64",
+}
+"""The reference's dtype names (numpy's and torch's) and the safetensors code of each."""
+
+
+class TensorSpec:
+    """One tensor for :func:`serialize`: its ``dtype`` (a numpy or torch name such as
+    ``"float32"``, or a safetensors code such as ``"F32"``), ``shape``, and the address and
+    length of its contiguous little-endian bytes. For ``float4_e2m1fn_x2`` (two values a byte)
+    the shape given is the storage's and the last dimension is doubled, as in the reference.
+    An unknown dtype raises :class:`~stream_st.DtypeError` (a ``SafetensorError``)."""
+
+    __slots__ = ("_data_len", "_data_ptr", "_dtype", "_shape")
+
+    def __init__(self, *, dtype: str, shape: Sequence[int], data_ptr: int, data_len: int) -> None:
+        code = _CODES.get(dtype, dtype if dtype in DTYPES else None)
+        if code is None:
+            raise DtypeError(
+                f"Unknown dtype {dtype!r}. Supported dtypes: {', '.join(_CODES)} "
+                "(or a safetensors code)"
+            )
+        dims = [int(n) for n in shape]
+        if code == "F4" and dims:
+            dims[-1] *= 2
+        if data_ptr < 0 or data_len < 0:
+            raise UsageError("data_ptr and data_len cannot be negative")
+        self._dtype = code
+        self._shape = dims
+        self._data_ptr = int(data_ptr)
+        self._data_len = int(data_len)
+
+    @property
+    def dtype(self) -> str:
+        """The safetensors code (``"F32"``, ``"BF16"``, ...)."""
+        return self._dtype
+
+    @property
+    def shape(self) -> list[int]:
+        """The shape the header records (the last dimension doubled for F4)."""
+        return list(self._shape)
+
+    @property
+    def data_ptr(self) -> int:
+        """The address of the tensor's bytes."""
+        return self._data_ptr
+
+    @property
+    def data_len(self) -> int:
+        """The length of the tensor's bytes."""
+        return self._data_len
+
+    def __repr__(self) -> str:
+        return (
+            f"TensorSpec(dtype='{self._dtype}', shape={self._shape}, "
+            f"data_ptr={self._data_ptr}, data_len={self._data_len})"
+        )
+
+    def raw(self) -> np.ndarray[Any, Any]:
+        """The bytes the spec points at, as a ``uint8`` array over that memory (no copy)."""
+        if not self._data_len:
+            return np.empty(0, dtype=np.uint8)
+        if not self._data_ptr:
+            raise UsageError("a TensorSpec with bytes needs a data_ptr")
+        memory = (ctypes.c_ubyte * self._data_len).from_address(self._data_ptr)
+        raw: np.ndarray[Any, Any] = np.frombuffer(memoryview(memory).cast("B"), dtype=np.uint8)
+        return raw
+
+
+def check_metadata(metadata: object) -> dict[str, str] | None:
+    """``metadata`` as a dict of ``str`` to ``str``; :class:`WrongTypeError` (a ``TypeError``,
+    as the reference raises) for anything else."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise WrongTypeError(
+            f"argument 'metadata': '{type(metadata).__name__}' object cannot be converted "
+            "to 'PyDict'"
+        )
+    for key, value in metadata.items():
+        for item in (key, value):
+            if not isinstance(item, str):
+                raise WrongTypeError(
+                    f"argument 'metadata': '{type(item).__name__}' object is not an instance "
+                    "of 'str'"
+                )
+    return dict(metadata)
+
+
+def specs_of(tensor_dict: object) -> dict[str, TensorSpec]:
+    if not isinstance(tensor_dict, Mapping):
+        raise WrongTypeError(
+            f"argument 'tensor_dict': '{type(tensor_dict).__name__}' object cannot be converted "
+            "to 'PyDict'"
+        )
+    for name, spec in tensor_dict.items():
+        if not isinstance(name, str) or not isinstance(spec, TensorSpec):
+            raise WrongTypeError(
+                f"argument 'tensor_dict': expected str -> TensorSpec, got {type(name).__name__} "
+                f"-> {type(spec).__name__}"
+            )
+    return dict(tensor_dict)
+
+
+async def write_specs(
+    dst: SinkLike, specs: Mapping[str, TensorSpec], metadata: Mapping[str, str] | None
+) -> None:
+    """Write the tensors ``specs`` point at to ``dst``, laid out as the reference does."""
+    plan = [PlanEntry(name, spec.dtype, tuple(spec.shape)) for name, spec in specs.items()]
+    async with open_writer(dst, plan, metadata=metadata, order="reference") as writer:
+        for info in writer.header.tensors:
+            raw = specs[info.name].raw()
+            if raw.nbytes != info.nbytes:
+                raise SafetensorsError(
+                    "Error while serializing: invalid shape, data type, or offset for tensor "
+                    f"{info.name!r}: {info.dtype} {list(info.shape)} takes {info.nbytes} bytes, "
+                    f"data_len is {raw.nbytes}"
+                )
+            await writer.write(info.name, raw.view(info.array_dtype).reshape(info.array_shape))
+
+
+def deserialize(data: bytes | bytearray | memoryview) -> list[tuple[str, dict[str, Any]]]:
+    """The tensors of the safetensors file ``data``, in offset order, as the reference gives
+    them: ``[(name, {"dtype": "F32", "shape": [2, 3], "data": bytearray(...)}), ...]``."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise WrongTypeError(f"deserialize takes bytes, got {type(data).__name__}")
+    view = memoryview(data).cast("B")
+    length = parse_header_length(view[:LENGTH_PREFIX_SIZE])
+    if len(view) < LENGTH_PREFIX_SIZE + length:
+        raise TruncatedStreamError(
+            "the header", name=None, offset=len(view), expected=LENGTH_PREFIX_SIZE + length
+        )
+    header = parse_header(view[LENGTH_PREFIX_SIZE : LENGTH_PREFIX_SIZE + length])
+    if len(view) != header.file_size:
+        if len(view) < header.file_size:
+            raise TruncatedStreamError(
+                "the tensors' data", name=None, offset=len(view), expected=header.file_size
+            )
+        raise TrailingDataError(f"bytes follow the last tensor at byte {header.file_size}")
+    base = header.data_start
+    return [
+        (
+            info.name,
+            {
+                "dtype": info.dtype,
+                "shape": list(info.shape),
+                "data": bytearray(view[base + info.start : base + info.end]),
+            },
+        )
+        for info in header.tensors
+    ]

@@ -1,0 +1,127 @@
+"""Which torch tensors of a state dict share memory: the helpers the reference's
+``safetensors.torch`` offers under these names (``storage_ptr``, ``storage_size``,
+``_find_shared_tensors``, ``_remove_duplicate_names``, ``_is_complete``, ``_end_ptr``), which
+transformers and other code import, with the same results.
+
+Tensors share memory when they live on the same device in the same storage (same address and
+size) and their bytes overlap; tensors on the ``meta`` device, or in an empty storage, share
+nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ..errors import UsageError
+
+__all__ = [
+    "end_ptr",
+    "find_shared_tensors",
+    "is_complete",
+    "remove_duplicate_names",
+    "storage_ptr",
+    "storage_size",
+]
+
+
+def storage_ptr(tensor: Any) -> int:
+    """The address of ``tensor``'s storage (0 for one that has none, e.g. on ``meta``)."""
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (NotImplementedError, RuntimeError):
+        return 0
+
+
+def storage_size(tensor: Any) -> int:
+    """The bytes of ``tensor``'s storage (for a tensor without one, its own bytes)."""
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (NotImplementedError, RuntimeError):
+        return int(tensor.nelement() * tensor.element_size())
+
+
+def end_ptr(tensor: Any) -> int:
+    """The address just past ``tensor``'s last element (its start for an empty one)."""
+    start = int(tensor.data_ptr())
+    if not tensor.nelement():
+        return start
+    last = sum(int(n - 1) * int(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return start + (last + 1) * int(tensor.element_size())
+
+
+def is_complete(tensor: Any) -> bool:
+    """Whether ``tensor`` covers its whole storage, start to end (so it can stand for every
+    tensor viewing that storage)."""
+    return bool(
+        tensor.data_ptr() == storage_ptr(tensor)
+        and tensor.nelement() * tensor.element_size() == storage_size(tensor)
+    )
+
+
+def _overlapping(names: list[str], state: Mapping[str, Any]) -> list[set[str]]:
+    """``names`` (tensors of one storage) in groups whose bytes overlap, by address."""
+    areas = sorted((int(state[n].data_ptr()), end_ptr(state[n]), n) for n in names)
+    groups: list[set[str]] = []
+    reach = -1
+    for start, stop, name in areas:
+        if groups and start < reach:
+            groups[-1].add(name)
+        else:
+            groups.append({name})
+        reach = max(reach, stop)
+    return groups
+
+
+def find_shared_tensors(state: Mapping[str, Any]) -> list[set[str]]:
+    """Every tensor of ``state`` with memory of its own, in groups of the names whose bytes
+    overlap (a group of one for a tensor that shares none), storage by storage in the order
+    their first tensor comes in ``state``."""
+    by_storage: dict[tuple[Any, int, int], list[str]] = {}
+    for name, tensor in state.items():
+        if tensor.device.type == "meta":
+            continue
+        pointer, size = storage_ptr(tensor), storage_size(tensor)
+        if pointer and size:
+            by_storage.setdefault((tensor.device, pointer, size), []).append(name)
+    groups: list[set[str]] = []
+    for names in by_storage.values():
+        groups.extend([set(names)] if len(names) == 1 else _overlapping(names, state))
+    return groups
+
+
+def remove_duplicate_names(
+    state: Mapping[str, Any],
+    *,
+    preferred_names: Iterable[str] | None = None,
+    discard_names: Iterable[str] | None = None,
+) -> dict[str, list[str]]:
+    """For each group of names sharing memory: the name to keep, and the others (sorted).
+
+    The kept name covers the whole storage (:func:`is_complete`); among those, the first in
+    sorted order of the ``preferred_names``, else of those not in ``discard_names``, else of
+    all. A group (even of one) none of whose tensors covers its storage raises
+    :class:`~stream_st.UsageError` (a ``RuntimeError``, as the reference raises).
+    """
+    preferred = set(preferred_names or ())
+    discard = set(discard_names or ())
+    kept: dict[str, list[str]] = {}
+    for group in find_shared_tensors(state):
+        complete = sorted(name for name in group if is_complete(state[name]))
+        if not complete:
+            raise UsageError(
+                "Error while trying to find names to remove to save state dict, but found no "
+                f"suitable name to keep for saving amongst: {group}. None is covering the entire "
+                "storage. Refusing to save/load the model since you could be storing much more "
+                "memory than needed: save .clone()s of the tensors."
+            )
+        keep = next(
+            iter(
+                [n for n in complete if n in preferred]
+                or [n for n in complete if n not in discard]
+                or complete
+            )
+        )
+        if len(group) > 1:
+            kept[keep] = sorted(name for name in group if name != keep)
+    return kept

@@ -1,0 +1,195 @@
+"""Statistics of an array's values in one pass over cache-sized chunks, exact to float64.
+
+:func:`moments_of` summarises a run of values as :class:`Moments`: the count of finite values,
+their min, max, mean and sum of squared deviations (``m2``), and the NaN and Inf counts.
+Summaries of parts merge exactly (:meth:`Moments.merge`, the pairwise update of Chan, Golub and
+LeVeque), so a big tensor is summarised in parts by several threads and merged in order.
+
+Each chunk of :data:`CHUNK` values (a few hundred KiB: it stays in the CPU's caches while every
+statistic is taken from it) is handled with numpy calls that release the GIL:
+
+* min and max in the array's own type (a NaN or an infinity shows in them: only then are the
+  chunk's non-finite values counted and dropped);
+* the values minus a shift ``K`` (the mean so far; for the first chunk the midpoint of its min
+  and max), converted to float64 in the same step, then their sum ``s1`` and sum of squares
+  ``s2``. The chunk's mean is ``K + s1/n`` and its ``m2`` is ``s2 - s1**2/n``: with ``K`` near
+  the mean there is little to cancel. Where ``s1**2/n`` is close to ``s2`` anyway (the chunk's
+  mean far from ``K`` in units of its spread) the chunk's deviations are taken again from its
+  own mean (two more passes over the chunk, still in cache), so every result keeps float64
+  accuracy: the std of values at 1000 +- 0.01 agrees with numpy's float64 ``std`` to ~1e-13,
+  where the mean of squares minus the squared mean loses six digits.
+
+16-bit floats are widened to float32 first (bfloat16 by a shift of its bits), 8-bit floats by
+ml_dtypes, complex values are summarised by their magnitudes, booleans as 0 and 1. Packed
+sub-byte types (F4, F6) have no values here: :func:`summarisable` says which dtypes do.
+No I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["CHUNK", "Moments", "moments_of", "summarisable"]
+
+Array = np.ndarray[Any, Any]
+
+CHUNK = 1 << 16
+"""Values taken per chunk: 256 KiB of F32 plus 512 KiB of float64 scratch, in a core's cache
+(measured best of 16 Ki to 256 Ki values: 2.6 GB of F32 per CPU-second, 2.0 at 16 Ki)."""
+
+_RECENTRE = 1e-3
+"""A chunk whose ``m2`` is below this fraction of its shifted sum of squares (three digits or
+more cancelled) is summed again about its own mean."""
+
+_PACKED = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def summarisable(dtype: str) -> bool:
+    """Whether tensors of safetensors dtype ``dtype`` have values to summarise."""
+    return dtype not in _PACKED
+
+
+@dataclass
+class Moments:
+    """The summary of some values: ``count`` finite values, their ``low`` and ``high``, ``mean``
+    and ``m2`` (sum of squared deviations from the mean), and the ``nan`` and ``inf`` values
+    left out of them. ``low`` and ``high`` are ``inf`` and ``-inf`` while ``count`` is 0."""
+
+    count: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    low: float = math.inf
+    high: float = -math.inf
+    nan: int = 0
+    inf: int = 0
+
+    @property
+    def variance(self) -> float | None:
+        """The population variance (``m2 / count``), None without finite values."""
+        return max(self.m2, 0.0) / self.count if self.count else None
+
+    @property
+    def std(self) -> float | None:
+        """The population standard deviation (numpy's ``std``), None without finite values."""
+        variance = self.variance
+        return None if variance is None else math.sqrt(variance)
+
+    def merge(self, other: Moments) -> None:
+        """Add ``other``'s values to these (exact: Chan, Golub and LeVeque's pairwise update)."""
+        self.nan += other.nan
+        self.inf += other.inf
+        if not other.count:
+            return
+        if not self.count:
+            self.count, self.mean, self.m2 = other.count, other.mean, other.m2
+        else:
+            count = self.count + other.count
+            delta = other.mean - self.mean
+            self.mean += delta * (other.count / count)
+            self.m2 += other.m2 + delta * delta * (self.count * (other.count / count))
+            self.count = count
+        self.low = min(self.low, other.low)
+        self.high = max(self.high, other.high)
+
+
+def _floating(dtype: np.dtype[Any]) -> bool:
+    """Whether values of ``dtype`` may be NaN or infinite (numpy and ml_dtypes floats, complex)."""
+    return dtype.kind in "fcV"
+
+
+def _narrow_float(dtype: np.dtype[Any]) -> bool:
+    """Whether ``dtype`` is a float narrower than float32 (F16, BF16, the F8 types)."""
+    return dtype.kind in "fV" and dtype.itemsize < 4
+
+
+def _widen(values: Array, scratch: Array | None) -> Array:
+    """``values`` as a type numpy's reductions handle natively: float32 for floats narrower
+    (into ``scratch``, uint32 of at least their size, when given), magnitudes for complex,
+    uint8 for bool; others as they are."""
+    dtype = values.dtype
+    if _narrow_float(dtype):
+        out = np.empty(values.size, np.uint32) if scratch is None else scratch[: values.size]
+        if dtype == _BF16:  # a bfloat16 is the top half of a float32
+            np.left_shift(values.view(np.uint16), 16, out=out, dtype=np.uint32)
+        else:
+            np.copyto(out.view(np.float32), values, casting="unsafe")
+        return out.view(np.float32)
+    if dtype == np.bool_:
+        return values.view(np.uint8)
+    if dtype.kind == "c":
+        return np.abs(values)
+    return values
+
+
+def moments_of(values: Array, start: int = 0, stop: int | None = None) -> Moments:
+    """The :class:`Moments` of ``values.reshape(-1)[start:stop]`` (any numeric dtype, F4 and F6
+    excepted), taken chunk by chunk in bounded scratch memory; numpy releases the GIL for the
+    work, so threads may summarise parts of one array at once."""
+    flat = values.reshape(-1)
+    stop = flat.size if stop is None else min(stop, flat.size)
+    result = Moments()
+    if stop <= start:
+        return result
+    floating = _floating(flat.dtype)
+    scratch = np.empty(min(CHUNK, stop - start), np.float64)
+    wide = np.empty(scratch.size, np.uint32) if _narrow_float(flat.dtype) else None
+    with np.errstate(all="ignore"):  # NaN and Inf are counted, overflow shows as Inf
+        for at in range(start, stop, CHUNK):
+            chunk = _widen(flat[at : min(at + CHUNK, stop)], wide)
+            low, high = chunk.min(), chunk.max()
+            if floating and not (math.isfinite(low) and math.isfinite(high)):
+                chunk = _finite(result, chunk)
+                if not chunk.size:
+                    continue
+                low, high = chunk.min(), chunk.max()
+            _add_finite(result, chunk, float(low), float(high), scratch[: chunk.size])
+    return result
+
+
+def _finite(result: Moments, chunk: Array) -> Array:
+    """The finite values of ``chunk``, its NaN and Inf values counted into ``result``."""
+    finite = np.isfinite(chunk)
+    nan = int(np.count_nonzero(np.isnan(chunk)))
+    kept = int(np.count_nonzero(finite))
+    result.nan += nan
+    result.inf += chunk.size - kept - nan
+    return chunk[finite]
+
+
+def _add_finite(result: Moments, chunk: Array, low: float, high: float, shifted: Array) -> None:
+    """Merge the moments of ``chunk`` (finite values, from ``low`` to ``high``) into ``result``;
+    ``shifted`` is float64 scratch of the chunk's size."""
+    n = chunk.size
+    shift = result.mean if result.count else low + (high - low) / 2
+    if abs(shift) <= high - low:  # values about 0: little to cancel, one pass saved
+        shift = 0.0
+    np.copyto(shifted, chunk, casting="unsafe")  # float64: exact for every type but (U)I64
+    if shift:
+        np.subtract(shifted, shift, out=shifted)
+    s1 = float(np.add.reduce(shifted))
+    s2 = float(np.einsum("i,i->", shifted, shifted))
+    m2 = s2 - s1 * (s1 / n)
+    mean = shift + s1 / n
+    if m2 < _RECENTRE * s2:  # cancelled: deviations again, from the chunk's own mean
+        np.subtract(shifted, s1 / n, out=shifted)
+        r1 = float(np.add.reduce(shifted))
+        m2 = float(np.einsum("i,i->", shifted, shifted)) - r1 * (r1 / n)
+        mean += r1 / n
+    count = result.count
+    if not count:
+        result.count, result.mean, result.m2 = n, mean, max(m2, 0.0)
+        result.low, result.high = low, high
+        return
+    total = count + n
+    delta = mean - result.mean
+    result.mean += delta * (n / total)
+    result.m2 += max(m2, 0.0) + delta * delta * (count * (n / total))
+    result.count = total
+    result.low = min(result.low, low)
+    result.high = max(result.high, high)

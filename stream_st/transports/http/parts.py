@@ -1,0 +1,301 @@
+"""The window of parallel ranged parts an :class:`~stream_st.HttpSource` reads through when its
+``concurrency`` K is above 1.
+
+The next K parts of the plan from the read position are requested, each on its own connection,
+and received as they come, straight into the read that holds them or into part buffers; the next
+part is requested as soon as the reads have passed one. Tasks run only inside a read (no task
+outlives the call that started it): a read that is done stops them where nothing is lost, in a
+body (the bytes wait in the socket for the next read) or in a back-off, never within a request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import anyio
+import numpy as np
+from anyio.abc import TaskGroup
+
+from ..._util import task_group
+from ...errors import HTTPProtocolError, ReadTimeoutError, TransportError
+from .framing import Response
+
+__all__ = ["PartWindow"]
+
+Fetch = Callable[[int, int], Awaitable[Response | None]]
+"""A GET for bytes ``start`` to ``end`` whose answer is checked to be that range (None: the
+object is empty)."""
+
+BackOff = Callable[[int, int], Awaitable[None]]
+"""The wait before the next attempt, after ``failures`` failed ones, at a ``position``."""
+
+
+@dataclass(eq=False)
+class _Part:
+    """Bytes ``start`` to ``end`` of the object, asked for by one ranged request of the window.
+    ``got`` bytes have arrived: in ``data`` (a part buffer, ``buffer`` the whole of it), or
+    straight into the read's buffer (``direct``)."""
+
+    start: int
+    end: int
+    response: Response | None = None  # the answer being received
+    buffer: memoryview | None = None
+    data: memoryview | None = None
+    direct: bool = False
+    got: int = 0
+    done: bool = False
+    failures: int = 0  # breaks so far, each resumed by a new request
+    running: bool = False  # a task of the running read drives it
+
+
+class PartWindow:
+    """The next K parts of a plan of ranges, each requested with ``fetch`` on its own
+    connection; a break is resumed from the byte it reached, ``retries`` times per part, after
+    ``back_off``. Reads (:meth:`read`) come out in offset order whatever order parts arrive in.
+    """
+
+    def __init__(
+        self,
+        fetch: Fetch,
+        back_off: BackOff,
+        *,
+        retries: int,
+        concurrency: int,
+        part_size: int,
+    ) -> None:
+        self._fetch = fetch
+        self._back_off = back_off
+        self._retries = retries
+        self._concurrency = concurrency
+        self._part_size = part_size
+        self._plan: list[tuple[int, int]] = []
+        self.data_end: int | None = None  # where a short part showed the object to end
+        self._window: deque[_Part] = deque()  # the next parts, in order, at most K
+        self._next_at = 0  # where the next part starts
+        self._run = 0  # the planned run that holds it
+        self._step = part_size  # bytes per part
+        self._spare: list[memoryview] = []  # part buffers of parts read past, for new parts
+        self._group: TaskGroup | None = None  # the running read's tasks, inside a read only
+        self._target: tuple[int, memoryview] | None = None  # the running read: offset, buffer
+        self._requesting = 0  # parts waiting for the answer to their request
+        self._stopping = False  # the read is done: its tasks stop where nothing is lost
+        self._change: anyio.Event | None = None  # set when a part arrives or a request is answered
+
+    def open(
+        self, plan: list[tuple[int, int]], response: Response | None, at: int, end: int
+    ) -> None:
+        """Start on ``plan``: ``response``, if any, an open answer delivering bytes ``at`` to
+        ``end``, becomes the first part; the bytes left to plan are spread over the other K - 1
+        parts, at most ``part_size`` each."""
+        self._plan = plan
+        if response is not None and at < end:
+            self._window.append(_Part(at, end, response))
+            self._next_at = end
+        elif response is not None:
+            self._next_at = at
+        rest = sum(max(0, stop - max(start, self._next_at)) for start, stop in plan)
+        others = self._concurrency - len(self._window)
+        self._step = max(1, min(self._part_size, -(-rest // others)))
+        self._extend()
+
+    def replan(self, plan: list[tuple[int, int]]) -> None:
+        """Follow the reader's ``plan`` from now on (parts already in the window stay)."""
+        self._plan = plan
+        self._run = 0
+
+    def _next_span(self) -> tuple[int, int] | None:
+        """The bytes of the next part to request: up to ``_step`` of the plan from ``_next_at``."""
+        plan = self._plan
+        while self._run < len(plan) and plan[self._run][1] <= self._next_at:
+            self._run += 1
+        if self._run == len(plan):
+            return None
+        run_start, run_end = plan[self._run]
+        start = max(run_start, self._next_at)
+        self._next_at = min(run_end, start + self._step)
+        return start, self._next_at
+
+    def _extend(self) -> None:
+        """Add parts up to K; inside a read they are requested at once."""
+        while len(self._window) < self._concurrency:
+            span = self._next_span()
+            if span is None:
+                return
+            part = _Part(*span)
+            self._window.append(part)
+            if self._group is not None:
+                self._run_part(part)
+
+    async def _slide(self, at: int) -> None:
+        """Drop the parts wholly before ``at`` (their buffers kept for new parts, responses of
+        skipped ones closed), then extend the window from there."""
+        window = self._window
+        while window and window[0].end <= at:
+            part = window.popleft()
+            if part.buffer is not None:
+                self._spare.append(part.buffer)
+            if part.response is not None:
+                await part.response.aclose()
+        if not window:
+            self._next_at = max(self._next_at, at)
+        self._extend()
+
+    def _run_part(self, part: _Part) -> None:
+        assert self._group is not None
+        part.running = True
+        self._group.start_soon(self._drive, part)
+
+    def _changed(self) -> None:
+        """Wake the read waiting in :meth:`_wait`: a part arrived or a request was answered."""
+        if self._change is not None:
+            self._change.set()
+
+    async def _wait(self) -> None:
+        self._change = anyio.Event()
+        await self._change.wait()
+
+    async def read(self, offset: int, buffer: memoryview, *, partial: bool) -> tuple[int, bool]:
+        """Fill ``buffer`` from ``offset`` with the window's parts, in order, running their
+        requests and bodies until it is full (or, ``partial``, has some bytes). Returns the bytes
+        filled and whether the read stopped at a byte no part holds (outside the plan)."""
+        stop = offset + len(buffer)
+        filled = 0
+        outside = False
+        self._target = None if partial else (offset, buffer)  # a partial read may end early
+        try:
+            async with task_group() as group:
+                while filled < len(buffer):
+                    at = offset + filled
+                    await self._slide(at)
+                    part = self._window[0] if self._window else None
+                    if self.data_end is not None and at >= self.data_end:
+                        break  # a part came back short: the object ends there
+                    if part is None or part.start > at:
+                        outside = True
+                        break
+                    if not part.done:
+                        if self._group is None:
+                            self._group = group
+                            for waiting in self._window:
+                                if not (waiting.done or waiting.running):
+                                    self._run_part(waiting)
+                        await self._wait()
+                        continue
+                    count = min(part.start + part.got, stop) - at
+                    if count <= 0:
+                        break
+                    if part.data is not None:
+                        begin = at - part.start
+                        buffer[filled : filled + count] = part.data[begin : begin + count]
+                    filled += count
+                    if partial:
+                        break
+                if self._group is not None:
+                    self._stopping = True
+                    while self._requesting:  # a request is never cut: its answer may be used
+                        await self._wait()
+                    group.cancel_scope.cancel()
+        finally:
+            await self._stopped()
+        return filled, outside
+
+    async def _stopped(self) -> None:
+        """After a read: no task runs, no part is received into its buffer any more. A part
+        left unfinished there (the read failed) starts again."""
+        self._group = None
+        self._target = None
+        self._stopping = False
+        for part in self._window:
+            part.running = False
+            if part.direct and not part.done:
+                part.direct = False
+                part.got = 0
+                response, part.response = part.response, None
+                if response is not None:
+                    await response.aclose()
+
+    async def _drive(self, part: _Part) -> None:
+        """Request ``part`` (again, from the byte it reached, after a break) and receive it."""
+        try:
+            while not part.done:
+                if part.response is None:
+                    if self._stopping:
+                        return
+                    self._requesting += 1
+                    try:
+                        part.response = await self._fetch(part.start + part.got, part.end)
+                    finally:
+                        self._requesting -= 1
+                        self._changed()
+                    if part.response is None:
+                        self._finish(part)
+                        return
+                    if self._stopping:
+                        return
+                await self._receive(part, part.response)
+        finally:
+            part.running = False
+
+    async def _receive(self, part: _Part, response: Response) -> None:
+        """Receive ``part``'s body from ``response``; a break is retried (``retries``, with
+        back-off) by the next request, an answer that ends early makes it short."""
+        view = self._view(part)
+        try:
+            while part.got < len(view):
+                count = await response.receive_into(view[part.got :])
+                if count == 0:
+                    break  # the server sent less than asked: the object is shorter
+                part.got += count
+        except HTTPProtocolError:
+            raise
+        except TransportError as exc:
+            part.response = None
+            await response.aclose()
+            part.failures += 1
+            if part.failures > self._retries:
+                if isinstance(exc, ReadTimeoutError):
+                    raise
+                self._finish(part)  # the read reports the truncation
+                return
+            await self._back_off(part.failures, part.start + part.got)
+            return
+        part.response = None
+        await response.aclose()
+        self._finish(part)
+
+    def _view(self, part: _Part) -> memoryview:
+        """Where ``part``'s bytes go: the read's buffer when the part lies inside it (the
+        tensor's own memory), else a part buffer (np.empty: a bytearray would zero-fill it)."""
+        if part.data is not None:
+            return part.data
+        target = self._target
+        if target is not None and (part.direct or part.got == 0):
+            offset, buffer = target
+            if offset <= part.start and part.end <= offset + len(buffer):
+                part.direct = True
+                return buffer[part.start - offset : part.end - offset]
+        size = part.end - part.start
+        spare = next((b for b in self._spare if len(b) >= size), None)
+        if spare is None:
+            spare = np.empty(max(size, self._step), np.uint8).data
+        else:
+            self._spare.remove(spare)
+        part.buffer = spare
+        part.data = spare[:size]
+        return part.data
+
+    def _finish(self, part: _Part) -> None:
+        part.done = True
+        if part.got < part.end - part.start:
+            end = part.start + part.got
+            self.data_end = end if self.data_end is None else min(self.data_end, end)
+        self._changed()
+
+    async def aclose(self) -> None:
+        """Close the answers of parts still open."""
+        window, self._window = self._window, deque()
+        for part in window:
+            if part.response is not None:
+                await part.response.aclose()

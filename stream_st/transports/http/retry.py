@@ -1,0 +1,119 @@
+"""How a read over HTTP retries, and how it holds every answer to one version of the object.
+
+:class:`Retries`: which statuses are retried, how long a ``Retry-After`` may make a read wait,
+and the exponential back-off between attempts. :class:`VersionPin`: the first answer's validator
+(a strong ``ETag``, else ``Last-Modified``) goes with every later request of the read
+(``If-Match``, else ``If-Unmodified-Since``), and each later answer is compared with the first,
+so a tensor is never made of bytes from two versions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ...errors import ReadTimeoutError, SourceChangedError
+from ..options import Clock
+from .framing import Response
+from .status import retry_after
+
+__all__ = ["Retries", "VersionPin"]
+
+_RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+_ASKS_TO_WAIT = frozenset({429, 503})  # statuses whose Retry-After is honoured
+_MAX_RETRY_AFTER = 300.0  # seconds a Retry-After may ask for when no deadline bounds the read
+
+
+@dataclass(frozen=True, slots=True)
+class Retries:
+    """``count`` more attempts after a failed one, ``backoff`` seconds before the first, doubled
+    before each next one, unless the server says how long to wait."""
+
+    count: int
+    backoff: float
+
+    @staticmethod
+    def retryable(status: int) -> bool:
+        """True for a status worth asking again for (a timeout, too many requests, a 5xx)."""
+        return status in _RETRYABLE_STATUS
+
+    async def server_wait(
+        self, response: Response, clock: Clock, name: str, position: int
+    ) -> float | None:
+        """The seconds to wait before retrying the request ``response`` failed: what its server
+        asks (``Retry-After`` on a 429 or 503), else None (the usual back-off). ``inf`` when it
+        asks for more than 5 minutes and no deadline says the read may wait that long: no retry.
+        Past the deadline: :class:`ReadTimeoutError` at once (closing ``response``)."""
+        asked = retry_after(response.headers) if response.status in _ASKS_TO_WAIT else None
+        if asked is None:
+            return None
+        if asked > clock.remaining():
+            await response.aclose()
+            raise ReadTimeoutError(
+                f"the server asked to retry after {round(asked, 1):g} s (Retry-After), past the "
+                f"deadline of {clock.limits.deadline:g} s",
+                url=name,
+                position=position,
+            )
+        if asked > _MAX_RETRY_AFTER and clock.limits.deadline is None:
+            return math.inf
+        return asked
+
+    async def back_off(
+        self, clock: Clock, failures: int, name: str, position: int, wait: float | None = None
+    ) -> None:
+        """Wait before the next attempt after ``failures`` failed ones: ``wait`` seconds when
+        the server said, else an exponential back-off; a deadline that passes first ends the
+        read instead."""
+        if wait is None:
+            wait = self.backoff * 2 ** (failures - 1)
+        await clock.pause(wait, name, position)
+
+
+class VersionPin:
+    """The version of an object a read has seen: its first successful answer's ``ETag`` and
+    ``Last-Modified``."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen: tuple[str, str] | None = None
+
+    def preconditions(self) -> dict[str, str]:
+        """The headers that make a later request of this read answer for the version of the
+        first answer only: ``If-Match`` with its strong ETag, else ``If-Unmodified-Since`` with
+        its Last-Modified (a weak ETag does not vouch for bytes)."""
+        if self.seen is None:
+            return {}
+        etag, modified = self.seen
+        if etag and not etag.startswith("W/"):
+            return {"If-Match": etag}
+        return {"If-Unmodified-Since": modified} if modified else {}
+
+    async def check(self, response: Response, name: str, position: int) -> None:
+        """Pin the object's version on the first successful answer; on a later one, raise
+        :class:`SourceChangedError` (closing ``response``) if it serves another version."""
+        seen = (response.headers.get("etag", ""), response.headers.get("last-modified", ""))
+        if self.seen is None:
+            if response.status < 300:
+                self.seen = seen
+            return
+        if response.status == 412:
+            asked = ", ".join(f"{key}: {value}" for key, value in self.preconditions().items())
+            change = f"412 Precondition Failed to {asked}"
+        else:
+            keys = ("ETag", "Last-Modified")
+            changes = [
+                f"{key} {old!r}, then {new!r}"
+                for key, old, new in zip(keys, self.seen, seen, strict=True)
+                if old and new and old != new
+            ]
+            if not changes:
+                return
+            change = "; ".join(changes)
+        await response.aclose()
+        raise SourceChangedError(
+            f"the object changed on the server during the read: {change}",
+            url=name,
+            position=position,
+        )

@@ -1,0 +1,84 @@
+"""An open ``safe_open`` of a local file costs what the reference's costs: no thread, no
+descriptor (a mapping only), so a thousand shards open at once fit under ``ulimit -n 1024``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import safetensors.torch as ref_pt
+import torch
+
+import stream_st.torch as st_pt
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def mappings_of(path: Path) -> int:
+    return Path("/proc/self/maps").read_text().count(str(path))
+
+
+@linux_only
+def test_idle_handles_hold_no_thread_and_no_descriptor(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    ref_pt.save_file({"w": torch.randn(8, 8)}, path)
+    before_fds, before_threads = descriptors(), threading.active_count()
+    handles = [st_pt.safe_open(path, "pt") for _ in range(48)]
+    handles += [st_pt.safe_open(f"file://{path}", "pt"), st_pt.safe_open(str(path), "pt")]
+    tensors = [f.get_tensor("w") for f in handles]
+    assert descriptors() == before_fds
+    assert threading.active_count() == before_threads
+    assert mappings_of(path) >= 1
+    for f in handles:
+        f.close()
+    assert all(torch.equal(t, tensors[0]) for t in tensors)  # views outlive the handle
+    del f, handles, tensors
+    assert mappings_of(path) == 0  # the mapping went with the last view
+
+
+@linux_only
+def test_pread_backend_holds_its_descriptor_until_closed(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    ref_pt.save_file({"w": torch.randn(8, 8)}, path)
+    before = descriptors()
+    with st_pt.safe_open(path, "pt", backend="pread") as f:
+        assert descriptors() == before + 1
+        tensor = f.get_tensor("w")
+    assert descriptors() == before
+    assert mappings_of(path) == 0
+    assert torch.equal(tensor, ref_pt.load_file(path)["w"])
+
+
+@pytest.mark.skipif(os.name != "posix", reason="ulimit")
+def test_a_thousand_shards_open_at_once_under_ulimit_1024(tmp_path: Path) -> None:
+    paths = []
+    for i in range(1000):
+        path = tmp_path / f"model-{i:05d}.safetensors"
+        ref_pt.save_file({f"layer.{i}": torch.full((2,), float(i))}, path)
+        paths.append(str(path))
+    (tmp_path / "paths.txt").write_text("\n".join(paths))
+    script = textwrap.dedent(
+        f"""
+        import resource
+        import stream_st.torch as st
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+        paths = open({str(tmp_path / "paths.txt")!r}).read().split("\\n")
+        handles = [st.safe_open(p, "pt") for p in paths]
+        total = sum(float(f.get_tensor(f.keys()[0])[0]) for f in handles)
+        print(len(handles), total)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1000", str(float(sum(range(1000))))]

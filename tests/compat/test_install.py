@@ -1,0 +1,67 @@
+"""``stream_st.compat.install()``: every later ``import safetensors...`` gives stream_st, in a
+fresh process each (an install lasts for the process)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+def run(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
+def test_install_makes_every_later_import_stream_st() -> None:
+    out = run(
+        """
+        import sys
+        import stream_st.compat as compat
+        compat.install()
+        import safetensors
+        import safetensors.torch
+        import safetensors.numpy as sn
+        from safetensors import safe_open, SafetensorError, serialize_file
+        from safetensors.torch import storage_ptr, _find_shared_tensors
+        import stream_st, stream_st.torch, stream_st.numpy
+        assert safetensors is compat and compat.installed()
+        assert safetensors.torch is stream_st.torch and sn is stream_st.numpy
+        assert safe_open is compat.safe_open and SafetensorError is stream_st.SafetensorsError
+        assert "safetensors._safetensors_rust" not in sys.modules
+        compat.uninstall()
+        assert not compat.installed()
+        import safetensors
+        assert safetensors.__name__ == "safetensors", safetensors
+        print("ok")
+        """
+    )
+    assert out == "ok"
+
+
+def test_install_after_the_reference_was_imported_warns() -> None:
+    out = run(
+        """
+        import warnings
+        import safetensors.torch
+        import stream_st.compat as compat
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compat.install()
+        assert any("before stream_st.compat.install()" in str(w.message) for w in caught)
+        import safetensors
+        assert safetensors is compat
+        compat.uninstall()
+        import safetensors.torch as again
+        assert again.__name__ == again.save_file.__module__ == "safetensors.torch"
+        print("ok")
+        """
+    )
+    assert out == "ok"

@@ -1,0 +1,215 @@
+"""stream_st.numpy against the reference safetensors.numpy: the same calls, the same results, on
+local files and over HTTP, S3 (moto) and tcp://, and from inside running event loops."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy as reference
+import trio
+from safetensors import safe_open as reference_open
+
+import stream_st.numpy as sn
+from stream_st.errors import IntegrityError, SafetensorsError, TensorNotFoundError, UsageError
+
+from ..fuzz.fault_suite import Collector, Sender
+from ..memory.test_zero_copy import linux_only
+from ..servers.http_server import RangeHTTPServer
+from ..transports import test_s3 as s3_tests
+from . import test_torch_api
+from .test_torch_api import corrupt, in_mapping_of
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+
+s3 = s3_tests.s3
+aws_env = s3_tests.aws_env
+aws = test_torch_api.aws
+
+
+def arrays() -> Arrays:
+    """One array of each dtype the reference's numpy API reads, a scalar and an empty one."""
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((6, 5))
+    found: Arrays = {
+        code: (base * 100).astype(code)
+        for code in ("f8", "f4", "f2", "i8", "i4", "i2", "i1", "u8", "u4", "u2", "u1", "c8")
+    }
+    found["bool"] = base > 0
+    found["big_endian"] = base.astype(">f4")
+    found["scalar"] = np.array(2.5, dtype=np.float32)
+    found["empty"] = np.zeros((0, 3), dtype=np.float32)
+    return found
+
+
+def assert_same(got: Arrays, expected: Arrays) -> None:
+    assert sorted(got) == sorted(expected)
+    for name, array in expected.items():
+        assert got[name].shape == array.shape, name
+        assert got[name].dtype.newbyteorder("=") == array.dtype.newbyteorder("="), name
+        assert np.array_equal(got[name], array), name
+
+
+@pytest.fixture
+def ref_file(tmp_path: Path) -> Path:
+    path = tmp_path / "ref.safetensors"
+    reference.save_file(arrays(), str(path), metadata={"format": "np"})
+    return path
+
+
+SLICES: list[Any] = [np.s_[2:5], np.s_[1], np.s_[-2], np.s_[...], np.s_[:, 1], np.s_[1:4, ::2]]
+
+
+def test_save_is_byte_identical_to_the_reference(tmp_path: Path) -> None:
+    sn.save_file(arrays(), tmp_path / "ours.safetensors", metadata={"a": "b"})
+    reference.save_file(arrays(), str(tmp_path / "ref.safetensors"), metadata={"a": "b"})
+    ours = (tmp_path / "ours.safetensors").read_bytes()
+    assert ours == (tmp_path / "ref.safetensors").read_bytes()
+    assert sn.save(arrays()) == reference.save(arrays())
+
+
+def test_load_and_safe_open_match_the_reference(ref_file: Path) -> None:
+    assert_same(sn.load_file(ref_file), reference.load_file(str(ref_file)))
+    assert_same(sn.load(ref_file.read_bytes()), reference.load(ref_file.read_bytes()))
+    with reference_open(ref_file, framework="np") as ref, sn.safe_open(ref_file) as ours:
+        assert (ours.keys(), ours.offset_keys()) == (ref.keys(), ref.offset_keys())
+        assert ours.metadata() == ref.metadata()
+        names = ours.keys()
+        for name in names:
+            assert np.array_equal(ours.get_tensor(name), ref.get_tensor(name)), name
+        for name in ("f4", "i8", "bool"):
+            for key in SLICES:
+                assert np.array_equal(ours.get_slice(name)[key], ref.get_slice(name)[key])
+        with pytest.raises(TensorNotFoundError):
+            ours.get_slice("nope")
+
+
+def test_bf16_and_f8_read_where_the_reference_cannot(tmp_path: Path) -> None:
+    bf16 = np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16)
+    f8 = np.arange(6, dtype=np.float32).astype(ml_dtypes.float8_e4m3fn)
+    sn.save_file({"bf16": bf16, "f8": f8}, tmp_path / "x.safetensors")
+    with pytest.raises((TypeError, AttributeError)):  # no such numpy dtype
+        reference.load_file(str(tmp_path / "x.safetensors"))
+    loaded = sn.load_file(tmp_path / "x.safetensors")
+    assert loaded["bf16"].dtype == ml_dtypes.bfloat16 and np.array_equal(loaded["bf16"], bf16)
+    assert np.array_equal(sn.safe_open(tmp_path / "x.safetensors").get_slice("bf16")[1], bf16[1])
+
+
+@linux_only
+def test_load_file_and_safe_open_map_a_local_file_writably(ref_file: Path) -> None:
+    original = ref_file.read_bytes()
+    expected = reference.load_file(str(ref_file))
+    with sn.safe_open(ref_file) as f:
+        names = f.keys()
+        opened = {name: f.get_tensor(name) for name in names}
+    for loaded in (sn.load_file(ref_file), opened):
+        assert_same(loaded, expected)
+        assert in_mapping_of(ref_file, loaded["f4"]) and loaded["f4"].flags.writeable
+        loaded["f4"][...] = 0
+    assert ref_file.read_bytes() == original
+    fresh = sn.load_file(ref_file, backend="pread")
+    assert_same(fresh, expected)
+    assert not in_mapping_of(ref_file, fresh["f4"])
+
+
+def test_checksums_are_opt_in_and_verified_by_default(tmp_path: Path) -> None:
+    path = tmp_path / "sum.safetensors"
+    sn.save_file(arrays(), path, checksums=True)
+    assert sn.save(arrays(), checksums=True) == path.read_bytes() != reference.save(arrays())
+    assert_same(sn.load_file(path), arrays())
+    corrupt(path, "i8")
+    with pytest.raises(IntegrityError, match="'i8'"):
+        sn.load_file(path)
+    with pytest.raises(IntegrityError, match="'i8'"):
+        sn.load(path.read_bytes())
+    with sn.safe_open(path, backend="pread") as f, pytest.raises(IntegrityError, match="'i8'"):
+        f.get_tensor("i8")
+    assert not np.array_equal(sn.load_file(path, verify=False)["i8"], arrays()["i8"])
+
+
+def test_bad_arguments_are_safetensors_errors(tmp_path: Path) -> None:
+    with pytest.raises(SafetensorsError):
+        sn.save_file({"o": np.array([object()])}, tmp_path / "x.safetensors")
+    with pytest.raises(UsageError):
+        sn.save_file([np.zeros(2)], tmp_path / "x.safetensors")  # type: ignore[arg-type]
+    with pytest.raises(UsageError):
+        sn.load("not bytes")  # type: ignore[arg-type]
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_inside_asyncio_and_trio(ref_file: Path) -> None:
+    expected = reference.load_file(str(ref_file))
+
+    async def cell() -> Arrays:
+        with sn.safe_open(ref_file) as f:
+            assert np.array_equal(f.get_slice("f4")[2:4], expected["f4"][2:4])
+        return sn.load_file(ref_file)
+
+    assert_same(asyncio.run(cell()), expected)
+    assert_same(trio.run(cell), expected)
+
+
+def test_sharded_index_with_safe_open_and_load_file(tmp_path: Path) -> None:
+    parts = {"a-1.safetensors": {"x": np.arange(4.0)}, "a-2.safetensors": {"y": np.ones(3)}}
+    for name, content in parts.items():
+        reference.save_file(content, str(tmp_path / name))
+    weight_map = {tensor: name for name, content in parts.items() for tensor in content}
+    index = tmp_path / "a.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": 56}, "weight_map": weight_map}))
+    assert_same(sn.load_file(index), {"x": np.arange(4.0), "y": np.ones(3)})
+    with sn.safe_open(index) as f:
+        assert f.keys() == ["x", "y"] and f.offset_keys() == ["x", "y"]
+        assert f.metadata() == {"total_size": 56}
+        assert np.array_equal(f.get_slice("y")[1:], np.ones(2))
+
+
+# ---------------------------------------------------------------------- remote
+
+
+@pytest.fixture
+def http() -> Iterator[RangeHTTPServer]:
+    with RangeHTTPServer() as server:
+        yield server
+
+
+def check_remote(address: str, ref_file: Path) -> None:
+    expected = reference.load_file(str(ref_file))
+    assert_same(sn.load_file(address), expected)
+    with reference_open(ref_file, framework="np") as ref, sn.safe_open(address) as ours:
+        assert ours.keys() == ref.keys() and ours.metadata() == ref.metadata()
+        for key in SLICES:
+            assert np.array_equal(ours.get_slice("i4")[key], ref.get_slice("i4")[key]), key
+
+
+def test_http(http: RangeHTTPServer, ref_file: Path) -> None:
+    http.objects["/ref.safetensors"] = ref_file.read_bytes()
+    check_remote(http.url("/ref.safetensors"), ref_file)
+    sn.save_file(arrays(), http.url("/up.safetensors"))
+    assert http.objects["/up.safetensors"] == reference.save(arrays())
+
+
+@pytest.mark.usefixtures("aws")
+def test_s3(ref_file: Path) -> None:
+    address = "s3://models/numpy-api/ref.safetensors"
+    sn.save_file(arrays(), address, metadata={"format": "np"})
+    check_remote(address, ref_file)
+
+
+def test_tcp(ref_file: Path) -> None:
+    sender = Sender(ref_file.read_bytes())
+    try:
+        check_remote(f"tcp://127.0.0.1:{sender.port}", ref_file)
+    finally:
+        sender.stop()
+    collector = Collector()
+    try:
+        sn.save_file(arrays(), f"tcp://127.0.0.1:{collector.port}", metadata={"format": "np"})
+    finally:
+        collector.stop()
+    assert collector.received == [ref_file.read_bytes()]

@@ -1,0 +1,424 @@
+"""The drop-in behaves as the reference (``safetensors``, installed next to it) does: the same
+names, results, error types and messages, each error also a :class:`stream_st.SafetensorsError`.
+Every test runs the reference and stream_st side by side."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy as ref_np
+import safetensors.torch as ref_pt
+import torch
+
+import stream_st.compat as compat
+import stream_st.numpy as st_np
+import stream_st.torch as st_pt
+from stream_st import SafetensorsError
+
+
+def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
+    """``("ok", result)`` or ``("error", (message, builtin types of the error))``."""
+    try:
+        return "ok", call()
+    except Exception as exc:  # the point: compare whatever is raised
+        builtin = {t for t in type(exc).__mro__ if t.__module__ == "builtins"} - {
+            Exception,
+            BaseException,
+            object,
+        }
+        return "error", (str(exc), builtin)
+
+
+def raises_as_reference(ours: Callable[[], Any], reference: Callable[[], Any]) -> BaseException:
+    """Both raise; ours with the reference's message and built-in type, and a
+    SafetensorsError. Returns our exception."""
+    kind, (message, types) = outcome(reference)
+    assert kind == "error"
+    with pytest.raises(Exception) as caught:
+        ours()
+    assert isinstance(caught.value, SafetensorsError)
+    assert str(caught.value) == message
+    assert all(isinstance(caught.value, t) for t in types), (type(caught.value).__mro__, types)
+    return caught.value
+
+
+# ------------------------------------------------------------------------------------ names
+
+
+def test_every_name_the_reference_exports_is_there() -> None:
+    exported = [name for name in dir(safetensors) if not name.startswith("__")]
+    exported = [name for name in exported if not isinstance(getattr(safetensors, name), type(io))]
+    for name in [*exported, "__version__"]:  # the names, not the submodules it imported
+        assert hasattr(compat, name), name
+    for name in (
+        "storage_ptr",
+        "storage_size",
+        "_find_shared_tensors",
+        "_remove_duplicate_names",
+        "_is_complete",
+        "_end_ptr",
+        "load",
+        "load_file",
+        "load_model",
+        "save",
+        "save_file",
+        "save_model",
+    ):
+        assert callable(getattr(st_pt, name)), name
+    assert compat.SafetensorError is SafetensorsError
+    assert compat.torch is st_pt and compat.numpy is st_np
+
+
+# -------------------------------------------------------------------------- saving refused
+
+
+def test_save_refuses_what_the_reference_refuses_with_its_messages(tmp_path: Path) -> None:
+    dst = tmp_path / "x.safetensors"
+    bad: list[Any] = [
+        "notadict",
+        {"test": {"some": "thing"}},
+        {"test": torch.zeros(2, 3).to_sparse()},
+        {"t": torch.arange(6.0).reshape(2, 3)[:, 1]},  # not contiguous
+    ]
+    for tensors in bad:
+        error = raises_as_reference(
+            partial(st_pt.save_file, tensors, dst), partial(ref_pt.save_file, tensors, dst)
+        )
+        assert isinstance(error, ValueError)
+        raises_as_reference(partial(st_pt.save, tensors), partial(ref_pt.save, tensors))
+    assert not dst.exists()
+
+
+def test_shared_and_meta_tensors_are_runtime_errors(tmp_path: Path) -> None:
+    dst = tmp_path / "x.safetensors"
+    base = torch.arange(6.0).reshape(2, 3)
+    for tensors in ({"A": base, "B": base[:1]}, {"A": base, "B": base[1:]}):
+        with pytest.raises(RuntimeError) as caught:
+            st_pt.save_file(tensors, dst)
+        assert isinstance(caught.value, SafetensorsError)
+        with pytest.raises(RuntimeError):
+            ref_pt.save_file(tensors, dst)
+    meta = {"test": torch.zeros((10, 10), device="meta")}
+    with pytest.raises(RuntimeError, match="Cannot copy out of meta tensor") as caught:
+        st_pt.save_file(meta, dst)
+    assert isinstance(caught.value, SafetensorsError)
+    assert not dst.exists()
+
+
+@pytest.mark.parametrize("metadata", [{"a": 1}, {1: "a"}, {"a": None}])
+def test_metadata_that_is_not_text_is_a_type_error(tmp_path: Path, metadata: Any) -> None:
+    dst = tmp_path / "x.safetensors"
+    pairs = [
+        (lambda: st_pt.save_file({"x": torch.zeros(2)}, dst, metadata), ref_pt.save),
+        (lambda: st_np.save_file({"x": np.zeros(2)}, dst, metadata), ref_np.save),
+        (lambda: st_np.save({"x": np.zeros(2)}, metadata), ref_np.save),
+    ]
+    for ours, _ in pairs:
+        with pytest.raises(TypeError, match="argument 'metadata'") as caught:
+            ours()
+        assert isinstance(caught.value, SafetensorsError)
+    with pytest.raises(TypeError):
+        ref_np.save({"x": np.zeros(2)}, metadata=metadata)
+    assert not dst.exists()
+
+
+class NonContiguous(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.a.weight = torch.nn.Parameter(torch.zeros((4, 4)).T)
+
+
+def test_save_model_force_contiguous(tmp_path: Path) -> None:
+    model = NonContiguous()
+    with pytest.raises(ValueError, match=r"use save_model\(\.\.\., force_contiguous=True\)") as e:
+        st_pt.save_model(model, tmp_path / "x.safetensors", force_contiguous=False)
+    assert isinstance(e.value, SafetensorsError)
+    assert not (tmp_path / "x.safetensors").exists()
+    st_pt.save_model(model, tmp_path / "ours.safetensors")
+    ref_pt.save_model(model, str(tmp_path / "ref.safetensors"))
+    assert (tmp_path / "ours.safetensors").read_bytes() == (
+        tmp_path / "ref.safetensors"
+    ).read_bytes()
+
+
+# ---------------------------------------------------------------------------- load_model
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.b = self.a
+
+
+class Untied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.b = torch.nn.Linear(6, 6)
+
+
+def test_load_model_strict_messages_are_the_references(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    for saved, loaded in ((Tied(), Untied()), (Untied(), Tied())):
+        path = tmp_path / f"{type(saved).__name__}.safetensors"
+        st_pt.save_model(saved, path)
+        error = raises_as_reference(
+            partial(st_pt.load_model, copy.deepcopy(loaded), path),
+            partial(ref_pt.load_model, copy.deepcopy(loaded), path),
+        )
+        assert isinstance(error, RuntimeError)
+        missing, unexpected = st_pt.load_model(copy.deepcopy(loaded), path, strict=False)
+        ref_missing, ref_unexpected = ref_pt.load_model(copy.deepcopy(loaded), path, strict=False)
+        assert (missing, unexpected) == (set(ref_missing), ref_unexpected)
+
+
+# ---------------------------------------------------------------------------- safe_open
+
+
+def small(tmp_path: Path) -> Path:
+    path = tmp_path / "small.safetensors"
+    ref_pt.save_file(
+        {"a": torch.arange(50.0).reshape(10, 5), "s": torch.tensor(3.0)},
+        path,
+        metadata={"k": "v"},
+    )
+    return path
+
+
+def test_missing_file_is_worded_as_the_reference(tmp_path: Path) -> None:
+    name = str(tmp_path / "notafile")
+    for framework in ("pt", "np"):
+        error = raises_as_reference(
+            partial(compat.safe_open, name, framework),
+            partial(safetensors.safe_open, name, framework),
+        )
+        assert isinstance(error, FileNotFoundError)
+    raises_as_reference(lambda: st_pt.load_file(name), lambda: ref_pt.load_file(name))
+
+
+def test_a_closed_handle_answers_nothing_but_its_slices_still_read(tmp_path: Path) -> None:
+    path = small(tmp_path)
+    for backend in ("mmap", "pread"):
+        with compat.safe_open(path, "pt", backend=backend) as f:
+            kept = f.get_slice("a")
+            tensor = f.get_tensor("a")
+        for call in (f.keys, f.metadata, f.offset_keys, f.get_tensors):
+            with pytest.raises(compat.SafetensorError, match="File is closed"):
+                call()
+        for name_call in (f.get_tensor, f.get_slice):
+            with pytest.raises(compat.SafetensorError, match="File is closed"):
+                name_call("a")
+        assert torch.equal(tensor, torch.arange(50.0).reshape(10, 5))
+        if backend == "mmap":
+            assert torch.equal(kept[2:4], torch.arange(10.0, 20.0).reshape(2, 5))
+    with safetensors.safe_open(path, "pt") as ref:
+        pass
+    with pytest.raises(safetensors.SafetensorError, match="File is closed"):
+        ref.keys()
+
+
+KEYS: list[Any] = [
+    ...,
+    (),
+    [],
+    slice(None),
+    slice(2, 5),
+    slice(0, 10, 3),
+    1,
+    -1,
+    np.int64(2),
+    np.int32(-2),
+    torch.tensor(3),
+    (slice(None), 1),
+    (..., 2),
+    (1, slice(0, 2)),
+    (slice(2, None), -5),
+    # refused by both
+    10,
+    -11,
+    (slice(None), 5),
+    (slice(2, None), -6),
+    (1, 2, 3),
+    1.5,
+    (slice(None), []),
+    # clipped by torch, refused by the reference's numpy rules
+    slice(None, 20),
+    slice(10, None),
+    (slice(None), slice(None, 20)),
+    slice(5, 2),
+    [1, 3],
+]
+
+
+@pytest.mark.parametrize("framework", ["pt", "np"])
+def test_get_slice_gives_or_refuses_as_the_reference(tmp_path: Path, framework: str) -> None:
+    path = small(tmp_path)
+    with compat.safe_open(path, framework) as ours, safetensors.safe_open(path, framework) as ref:
+        for name in ("a", "s"):
+            assert ours.get_slice(name).get_shape() == ref.get_slice(name).get_shape()
+            assert ours.get_slice(name).get_dtype() == ref.get_slice(name).get_dtype()
+        for key in KEYS:
+            want = outcome(partial(ref.get_slice("a").__getitem__, key))
+            if framework == "np" and isinstance(key, slice) and key == slice(5, 2):
+                continue  # the reference fails inside (SystemError); ours selects nothing
+            if want[0] == "ok":
+                got = ours.get_slice("a")[key]
+                assert type(got) is type(want[1]) and got.shape == want[1].shape, key
+                assert np.array_equal(np.asarray(got), np.asarray(want[1])), key
+                continue
+            with pytest.raises(SafetensorsError) as caught:
+                ours.get_slice("a")[key]
+            if framework == "np":  # the reference's own messages (torch words its own)
+                assert str(caught.value) == want[1][0], key
+            if IndexError in want[1][1]:
+                assert isinstance(caught.value, IndexError), key
+        assert ours.get_slice("s")[...].shape == ref.get_slice("s")[...].shape
+
+
+def test_get_slice_beyond_the_reference(tmp_path: Path) -> None:
+    """Where the reference fails on a key Python takes (negative bounds and steps for numpy),
+    the drop-in gives what numpy gives."""
+    path = small(tmp_path)
+    whole = np.arange(50.0).reshape(10, 5)
+    with compat.safe_open(path, "np") as f:
+        for key in (slice(-3, None), slice(None, -2), slice(None, None, -1), slice(8, 2, -2)):
+            assert np.array_equal(f.get_slice("a")[key], whole[key]), key
+
+
+def test_open_file_objects_as_the_reference(tmp_path: Path) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    path = small(tmp_path)
+    expected = ref_np.load_file(path)
+    with contextlib.ExitStack() as stack:
+        opened: list[Any] = [
+            stack.enter_context(open(path)),  # text mode too, as the reference takes it
+            stack.enter_context(open(path, "rb")),
+            stack.enter_context(fsspec.filesystem("file").open(str(path))),
+            io.BytesIO(path.read_bytes()),
+        ]
+        for handle in opened:
+            with compat._safe_open_handle(handle, framework="np") as g:
+                names = g.keys()
+                assert names == ["a", "s"] and g.metadata() == {"k": "v"}
+                for name in names:
+                    assert np.array_equal(g.get_tensor(name), expected[name])
+
+
+# ---------------------------------------------------------------- sharing helpers (torch)
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(10, 10)
+        self.b = self.a
+        self.c = torch.nn.Linear(10, 10)
+
+
+def states() -> list[dict[str, torch.Tensor]]:
+    a = torch.zeros(4)
+    big = torch.zeros((3, 3))
+    m = torch.randn(10)
+    n = torch.empty([], dtype=m.dtype)
+    n.set_(source=m.untyped_storage()[: 4 * m.element_size()])
+    meta = torch.zeros((2, 2), device="meta")
+    return [
+        {"A": big, "B": big[:1, :]},
+        {"B": a[:2], "C": a[2:]},
+        {"B": a[:2], "C": a[1:]},
+        {"B": a[:2], "C": a[2:], "D": a[:1]},
+        {"m": m, "n": n},
+        {"C": meta, "D": meta[:1]},
+        dict(Model().state_dict()),
+        {"A": big, "B": big[:1, :], "C": big},
+    ]
+
+
+def test_sharing_helpers_agree_with_the_reference() -> None:
+    for state in states():
+        assert st_pt._find_shared_tensors(state) == ref_pt._find_shared_tensors(state)
+        for tensor in state.values():
+            assert st_pt.storage_ptr(tensor) == ref_pt.storage_ptr(tensor)
+            assert st_pt.storage_size(tensor) == ref_pt.storage_size(tensor)
+            assert st_pt._is_complete(tensor) == ref_pt._is_complete(tensor)
+            if tensor.device.type != "meta":
+                assert st_pt._end_ptr(tensor) == ref_pt._end_ptr(tensor)
+        want = outcome(partial(ref_pt._remove_duplicate_names, state))
+        got = outcome(partial(st_pt._remove_duplicate_names, state))
+        assert got[0] == want[0]
+        if want[0] == "ok":
+            assert got[1] == want[1]
+    strided = torch.zeros(16)[::4]
+    assert st_pt._end_ptr(strided) - strided.data_ptr() == 16 * 3 + 4
+    state = dict(Model().state_dict())
+    for preferred in (["b.weight"], ["a.bias", "b.weight"]):
+        assert st_pt._remove_duplicate_names(state, preferred_names=preferred) == dict(
+            ref_pt._remove_duplicate_names(state, preferred_names=preferred)
+        )
+    assert st_pt._remove_duplicate_names(state, discard_names=["a.weight"]) == dict(
+        ref_pt._remove_duplicate_names(state, discard_names=["a.weight"])
+    )
+
+
+# ---------------------------------------------------------------- low-level functions
+
+
+def test_serialize_and_deserialize_as_the_reference(tmp_path: Path) -> None:
+    arrays: dict[str, np.ndarray[Any, Any]] = {
+        "f32": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "u8": np.arange(5, dtype=np.uint8),
+        "empty": np.zeros((0, 3), dtype=np.float16),
+    }
+
+    def specs(kind: Any) -> dict[str, Any]:
+        return {
+            name: kind(
+                dtype=array.dtype.name,
+                shape=array.shape,
+                data_ptr=array.ctypes.data,
+                data_len=array.nbytes,
+            )
+            for name, array in arrays.items()
+        }
+
+    metadata = {"format": "np"}
+    data = compat.serialize(specs(compat.TensorSpec), metadata)
+    assert data == safetensors.serialize(specs(safetensors.TensorSpec), metadata)
+    compat.serialize_file(specs(compat.TensorSpec), tmp_path / "ours.safetensors", metadata)
+    safetensors.serialize_file(
+        specs(safetensors.TensorSpec), tmp_path / "ref.safetensors", metadata
+    )
+    assert (tmp_path / "ours.safetensors").read_bytes() == data
+    assert (tmp_path / "ref.safetensors").read_bytes() == data
+    assert sorted(compat.deserialize(data)) == sorted(safetensors.deserialize(data))
+    spec = compat.TensorSpec(dtype="float4_e2m1fn_x2", shape=[3, 2], data_ptr=0, data_len=0)
+    ref_spec = safetensors.TensorSpec(
+        dtype="float4_e2m1fn_x2", shape=[3, 2], data_ptr=0, data_len=0
+    )
+    assert (spec.dtype, spec.shape, repr(spec)) == (ref_spec.dtype, ref_spec.shape, repr(ref_spec))
+
+
+def test_low_level_misuse_is_refused_as_by_the_reference() -> None:
+    with pytest.raises(compat.SafetensorError):
+        compat.TensorSpec(dtype="nonsense", shape=[1], data_ptr=0, data_len=0)
+    raw = {"test": {"dtype": "float32", "shape": [1], "data_ptr": 0, "data_len": 0}}
+    with pytest.raises(TypeError) as caught:
+        compat.serialize(raw)  # type: ignore[arg-type]
+    assert isinstance(caught.value, SafetensorsError)
+    short = np.zeros(2, dtype=np.float32)
+    spec = compat.TensorSpec(dtype="float32", shape=[3], data_ptr=short.ctypes.data, data_len=8)
+    with pytest.raises(compat.SafetensorError, match="Error while serializing"):
+        compat.serialize({"a": spec})
+    with pytest.raises(compat.SafetensorError):
+        compat.deserialize(b"garbage")

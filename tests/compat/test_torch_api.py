@@ -1,0 +1,740 @@
+"""stream_st.torch against the reference safetensors.torch: the same calls, the same results, on
+local files and over HTTP, S3 (moto) and tcp://; reading into memory the caller owns; the sync
+calls inside running event loops."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import warnings
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.torch as reference
+import torch
+import trio
+from safetensors import safe_open as reference_open
+
+import stream_st
+import stream_st.torch as st
+from stream_st.errors import (
+    DtypeError,
+    IntegrityError,
+    SafetensorsError,
+    TensorNotFoundError,
+    TruncatedStreamError,
+    UsageError,
+)
+
+from ..drivers.test_writer import assert_same_file
+from ..fuzz.fault_suite import Collector, Sender
+from ..memory.test_zero_copy import linux_only, modify_in_place
+from ..servers.http_server import RangeHTTPServer
+from ..transports import test_s3 as s3_tests
+
+Tensors = dict[str, torch.Tensor]
+
+
+def every_dtype() -> Tensors:
+    """One tensor of each dtype torch shares with safetensors (F4 aside: the reference cannot
+    read it), shapes that include a scalar and an empty tensor."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 5, generator=g)
+    tensors = {
+        "f64": base.double(),
+        "f32": base,
+        "f16": base.half(),
+        "bf16": base.bfloat16(),
+        "i64": (base * 100).long(),
+        "i32": (base * 100).int(),
+        "i16": (base * 100).short(),
+        "i8": (base * 10).to(torch.int8),
+        "u8": (base.abs() * 10).to(torch.uint8),
+        "u16": (base.abs() * 100).to(torch.uint16),
+        "u32": (base.abs() * 100).to(torch.uint32),
+        "u64": (base.abs() * 100).to(torch.uint64),
+        "bool": base > 0,
+        "f8_e4m3": base.to(torch.float8_e4m3fn),
+        "f8_e5m2": base.to(torch.float8_e5m2),
+        "f8_e4m3fnuz": base.to(torch.float8_e4m3fnuz),
+        "f8_e5m2fnuz": base.to(torch.float8_e5m2fnuz),
+        "c64": torch.complex(base, -base),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+    }
+    return tensors
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes (NaN-safe, and for dtypes without comparisons)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    as_bytes = [t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
+    return torch.equal(*as_bytes)
+
+
+def assert_same(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert list(got) == list(expected) or sorted(got) == sorted(expected)
+    for name in expected:
+        assert same(got[name], expected[name]), name
+
+
+@pytest.fixture
+def ref_file(tmp_path: Path) -> Path:
+    path = tmp_path / "ref.safetensors"
+    reference.save_file(every_dtype(), path, metadata={"format": "pt"})
+    return path
+
+
+# ---------------------------------------------------------------------- local, differential
+
+
+def test_save_is_byte_identical_to_the_reference(tmp_path: Path) -> None:
+    tensors = every_dtype()
+    st.save_file(tensors, tmp_path / "ours.safetensors", metadata={"a": "b"})
+    reference.save_file(tensors, tmp_path / "ref.safetensors", metadata={"a": "b"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == (
+        tmp_path / "ref.safetensors"
+    ).read_bytes()
+    assert st.save(tensors) == reference.save(tensors)
+
+
+def test_load_file_and_load_match_the_reference(ref_file: Path) -> None:
+    expected = reference.load_file(ref_file)
+    assert_same(st.load_file(ref_file), expected)
+    assert_same(st.load_file(str(ref_file), device="cpu"), expected)
+    assert_same(st.load(ref_file.read_bytes()), reference.load(ref_file.read_bytes()))
+    assert all(
+        t.is_contiguous() and t.device.type == "cpu" for t in st.load_file(ref_file).values()
+    )
+
+
+def test_safe_open_matches_the_reference(ref_file: Path) -> None:
+    with reference_open(ref_file, framework="pt") as ref, st.safe_open(ref_file, "pt") as ours:
+        assert ours.keys() == ref.keys()
+        assert ours.offset_keys() == ref.offset_keys()
+        assert ours.metadata() == ref.metadata()
+        names = ref.keys()
+        for name in names:
+            assert same(ours.get_tensor(name), ref.get_tensor(name)), name
+        assert_same(ours.get_tensors(), ref.get_tensors())
+        with pytest.raises(TensorNotFoundError):
+            ours.get_tensor("nope")
+
+
+SLICES: list[Any] = [
+    np.s_[2:5],
+    np.s_[1],
+    np.s_[-1],
+    np.s_[...],
+    np.s_[:, 1],
+    np.s_[1:4, ::2],
+    np.s_[::2],
+    np.s_[4:1],
+    np.s_[..., 2],
+    np.s_[1:100],
+    np.s_[-3:],
+]
+
+
+def test_get_slice_matches_the_reference(ref_file: Path) -> None:
+    with reference_open(ref_file, framework="pt") as ref, st.safe_open(ref_file, "pt") as ours:
+        for name in ("f32", "bf16", "i64", "bool", "f8_e4m3"):
+            assert ours.get_slice(name).get_shape() == ref.get_slice(name).get_shape()
+            assert ours.get_slice(name).get_dtype() == ref.get_slice(name).get_dtype()
+            for key in SLICES:
+                assert same(ours.get_slice(name)[key], ref.get_slice(name)[key]), (name, key)
+        with pytest.raises(IndexError):
+            ours.get_slice("f32")[6]
+        assert same(ours.get_slice("scalar")[...], ref.get_slice("scalar")[...])
+
+
+def test_write_accepts_grad_and_refuses_non_contiguous_tensors(tmp_path: Path) -> None:
+    weight = torch.randn(4, 6, requires_grad=True)
+    st.save_file({"grad": weight * 2}, tmp_path / "x.safetensors")
+    loaded = reference.load_file(tmp_path / "x.safetensors")
+    assert same(loaded["grad"], (weight * 2).detach())
+    for tensor in (torch.randn(5, 3).T, torch.randn(3, 4).bfloat16().T):
+        with pytest.raises(ValueError, match="non contiguous") as error:  # as the reference
+            st.save_file({"t": tensor}, tmp_path / "y.safetensors")
+        assert isinstance(error.value, SafetensorsError)
+        assert not (tmp_path / "y.safetensors").exists()
+
+
+def test_bad_tensors_are_safetensors_errors(tmp_path: Path) -> None:
+    dst = tmp_path / "x.safetensors"
+    base = torch.randn(4, 4)
+    bad: list[Any] = [
+        {"sparse": base.to_sparse()},
+        {"c128": torch.zeros(2, dtype=torch.complex128)},
+        {"a": base, "b": base[1:]},  # shared memory
+        {"list": [1, 2]},
+        [base],
+    ]
+    for tensors in bad:
+        with pytest.raises(SafetensorsError):
+            st.save_file(tensors, dst)
+        assert not dst.exists()
+    with pytest.raises(DtypeError):  # also through the async writer
+        asyncio.run(stream_st.save(dst, {"c128": torch.zeros(2, dtype=torch.complex128)}))
+
+
+def test_truncated_file_never_gives_a_tensor(tmp_path: Path) -> None:
+    data = reference.save({"a": torch.randn(100), "b": torch.randn(100)})
+    (tmp_path / "cut.safetensors").write_bytes(data[:-10])
+    with pytest.raises(TruncatedStreamError):
+        st.load_file(tmp_path / "cut.safetensors")
+
+
+def test_device_other_than_cpu_is_refused_clearly(ref_file: Path) -> None:
+    for device in ("cuda", "cuda:0", 0, "mps"):
+        with pytest.raises(UsageError, match="not supported yet"):
+            st.load_file(ref_file, device=device)
+    with pytest.raises(UsageError):
+        st.safe_open(ref_file, framework="tf")
+    with pytest.raises(UsageError):
+        st.load_file(ref_file, backend="fast")
+
+
+# ---------------------------------------------------------------------- local files mapped
+
+
+def in_mapping_of(path: Path, tensor: torch.Tensor | np.ndarray[Any, Any]) -> bool:
+    """Whether the memory of ``tensor`` (or array) lies in this process's mapping of ``path``."""
+    address = tensor.data_ptr() if isinstance(tensor, torch.Tensor) else tensor.ctypes.data
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, *rest = line.split(maxsplit=5)
+            low, high = (int(part, 16) for part in span.split("-"))
+            if low <= address < high and len(rest) == 5 and rest[4].strip() == str(path):
+                return True
+    return False
+
+
+@linux_only
+def test_load_file_and_safe_open_map_a_local_file_writably(ref_file: Path) -> None:
+    """As the reference does: tensors are views of a mapping of the file, writable, and a write
+    never reaches the file (copy on write)."""
+    original = ref_file.read_bytes()
+    expected = reference.load_file(ref_file)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns for a tensor over read-only memory
+        loaded = st.load_file(ref_file)
+        with st.safe_open(ref_file, "pt") as f:
+            names = f.keys()
+            opened = {name: f.get_tensor(name) for name in names}
+            part = f.get_slice("f64")[2:4]
+    assert in_mapping_of(ref_file, part) and same(part, expected["f64"][2:4])
+    for tensors in (loaded, opened):
+        assert_same(tensors, expected)
+        assert in_mapping_of(ref_file, tensors["f32"]) and in_mapping_of(ref_file, tensors["u8"])
+        tensors["f32"] += 1
+        tensors["bf16"].zero_()
+    assert ref_file.read_bytes() == original
+    assert same(reference.load_file(ref_file)["f32"], expected["f32"])
+
+
+def test_a_handles_tensors_share_its_mapping_as_the_references_do(tmp_path: Path) -> None:
+    path = tmp_path / "sum.safetensors"
+    st.save_file({"a": torch.zeros(8), "b": torch.ones(3)}, path, checksums=True)
+    with st.safe_open(path, "pt") as ours, reference_open(path, framework="pt") as ref:
+        for f in (ours, ref):
+            f.get_tensor("a")[2:5] = 3  # the digest is checked once: later reads see this
+        assert same(ours.get_tensor("a"), ref.get_tensor("a"))
+        assert same(ours.get_slice("a")[1:4], ref.get_slice("a")[1:4])
+        assert same(ours.get_tensors()["a"], ref.get_tensors()["a"])
+    assert same(st.load_file(path)["a"], torch.zeros(8))
+
+
+@linux_only
+def test_backend_pread_reads_fresh_memory(ref_file: Path) -> None:
+    for loaded in (
+        st.load_file(ref_file, backend="pread"),
+        st.safe_open(ref_file, "pt", backend="pread").get_tensors(),
+    ):
+        assert_same(loaded, reference.load_file(ref_file))
+        assert not any(in_mapping_of(ref_file, t) for t in loaded.values())
+
+
+@linux_only
+def test_open_stream_copy_false_gives_torch_writable_private_views(ref_file: Path) -> None:
+    """torch has no read-only tensors: copy=False maps privately for it, so a write (which on a
+    read-only mapping would kill the process) stays in this process."""
+    original = ref_file.read_bytes()
+
+    async def main() -> dict[str, Any]:
+        stream = stream_st.open_stream(ref_file, framework="pt", copy=False)
+        return {name: tensor async for name, tensor in stream}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = asyncio.run(main())
+    assert in_mapping_of(ref_file, got["f64"])
+    got["f64"].fill_(7)
+    assert ref_file.read_bytes() == original
+
+
+# ---------------------------------------------------------------------- integrity
+
+
+def corrupt(path: Path, name: str) -> None:
+    """Flip one byte in the middle of tensor ``name``'s data."""
+    header = asyncio.run(stream_st.read_header(path))
+    info = header[name]
+    modify_in_place(path, header.data_start + (info.start + info.end) // 2, b"\xa5")
+
+
+def test_checksums_are_opt_in_and_verified_by_default(tmp_path: Path) -> None:
+    tensors = every_dtype()
+    path = tmp_path / "sum.safetensors"
+    st.save_file(tensors, path, {"format": "pt"}, checksums=True)
+    metadata = reference_open(path, framework="pt").metadata()
+    assert metadata["stream_st.digest"] == "xxh3-128" and metadata["format"] == "pt"
+    assert st.save(tensors, checksums="sha256") != reference.save(tensors)
+    assert st.save(tensors) == reference.save(tensors)  # off by default: byte-identical
+    assert_same(st.load_file(path), tensors)
+    assert_same(st.load(path.read_bytes()), tensors)
+
+    corrupt(path, "f32")
+    for backend in ("mmap", "pread"):
+        with pytest.raises(IntegrityError, match="'f32'"):
+            st.load_file(path, backend=backend)
+        with st.safe_open(path, "pt", backend=backend) as f:
+            with pytest.raises(IntegrityError, match="'f32'"):
+                f.get_tensor("f32")
+            with pytest.raises(IntegrityError, match="'f32'"):
+                f.get_tensors()
+            with pytest.raises(IntegrityError, match="'f32'"):
+                f.get_slice("f32")[...]  # the whole tensor: checked
+            assert same(f.get_tensor("f64"), tensors["f64"])
+            f.get_slice("f32")[1:3]  # part of a tensor cannot be checked
+        with st.safe_open(path, "pt", backend=backend, verify=False) as f:
+            assert not same(f.get_tensor("f32"), tensors["f32"])
+    with pytest.raises(IntegrityError):
+        st.load(path.read_bytes())
+    assert not same(st.load_file(path, verify=False)["f32"], tensors["f32"])
+    assert not same(st.load(path.read_bytes(), verify=False)["f32"], tensors["f32"])
+    damaged = tmp_path / "damaged.safetensors"  # a digest record without the digests
+    reference.save_file(tensors, damaged, metadata={"stream_st.digest": "xxh3-128"})
+    with pytest.raises(IntegrityError, match="no digest"):
+        st.safe_open(damaged, "pt")
+    st.safe_open(damaged, "pt", verify=False).close()
+
+
+def test_save_model_checksums_and_load_model_verifies(tmp_path: Path) -> None:
+    torch.manual_seed(5)
+    model = Tied()
+    path = tmp_path / "m.safetensors"
+    st.save_model(model, path, checksums=True)
+    loaded = Tied()
+    assert st.load_model(loaded, path) == (set(), [])
+    assert torch.equal(loaded.body.weight, model.body.weight)
+    assert reference_open(path, framework="pt").metadata()["head.weight"] == "embed.weight"
+    corrupt(path, "body.weight")
+    with pytest.raises(IntegrityError, match=r"body\.weight"):
+        st.load_model(Tied(), path)
+    st.load_model(Tied(), path, verify=False)
+
+
+# ---------------------------------------------------------------------- float4
+
+
+def test_float4_round_trips_as_f4_as_the_reference_writes_it(tmp_path: Path) -> None:
+    packed = torch.arange(24, dtype=torch.uint8).reshape(4, 6)
+    tensors = {
+        "f4": packed.view(torch.float4_e2m1fn_x2),  # 4 x 12 F4 values
+        "f4_1d": packed[0].clone().view(torch.float4_e2m1fn_x2),
+        "f4_empty": torch.zeros(0, 3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+        "u8": packed.clone(),
+    }
+    path = tmp_path / "f4.safetensors"
+    st.save_file(tensors, path)
+    assert path.read_bytes() == reference.save(tensors)
+    with reference_open(path, framework="pt") as f:
+        assert f.get_slice("f4").get_dtype() == "F4"
+        assert f.get_slice("f4").get_shape() == [4, 12]
+    header = asyncio.run(stream_st.read_header(path))
+    assert (header["f4_1d"].dtype, header["f4_1d"].shape) == ("F4", (12,))
+    assert (header["u8"].dtype, header["u8"].shape) == ("U8", (4, 6))
+    for loaded in (st.load_file(path), st.load(path.read_bytes()), reference.load_file(path)):
+        assert_same(loaded, tensors)
+    with st.safe_open(path, "pt") as f:
+        assert same(f.get_tensor("f4"), tensors["f4"])
+    with pytest.raises(UsageError, match="0-d"):
+        st.save({"x": torch.zeros((), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)})
+
+
+# ---------------------------------------------------------------------- models
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.body(self.embed(ids)) * self.scale)
+        return out
+
+
+def test_save_model_and_load_model_match_the_reference(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Tied()
+    st.save_model(model, tmp_path / "ours.safetensors", metadata={"k": "v"})
+    reference.save_model(model, str(tmp_path / "ref.safetensors"), metadata={"k": "v"})
+    ours_bytes = (tmp_path / "ours.safetensors").read_bytes()
+    assert_same_file(ours_bytes, (tmp_path / "ref.safetensors").read_bytes())
+
+    ours, ref = Tied(), Tied()
+    expected: Any = reference.load_model(ref, tmp_path / "ref.safetensors")  # (set, list)
+    assert st.load_model(ours, tmp_path / "ref.safetensors") == expected
+    ids = torch.arange(10)
+    assert torch.equal(ours(ids), model(ids))
+    assert ours.head.weight is ours.embed.weight
+
+
+def test_load_model_receives_into_the_models_own_memory(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    source = Tied()
+    st.save_model(source, tmp_path / "m.safetensors")
+    target = Tied()
+    before = {name: t.data_ptr() for name, t in target.state_dict().items()}
+    assert st.load_model(target, tmp_path / "m.safetensors") == (set(), [])
+    after = target.state_dict()
+    assert {name: t.data_ptr() for name, t in after.items()} == before
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(after[name], tensor), name
+
+
+def test_load_model_missing_unexpected_and_mismatches_as_the_reference(tmp_path: Path) -> None:
+    torch.manual_seed(2)
+    state = dict(Tied().state_dict())
+    del state["head.weight"]
+    state["extra"] = torch.zeros(3)
+    state["body.bias"] = torch.zeros(8, dtype=torch.float64)  # another dtype: cast on load
+    del state["scale"]
+    reference.save_file(state, tmp_path / "m.safetensors")
+    ours, ref = Tied(), Tied()
+    got = st.load_model(ours, tmp_path / "m.safetensors", strict=False)
+    expected: Any = reference.load_model(ref, tmp_path / "m.safetensors", strict=False)
+    assert got == expected
+    assert torch.equal(ours.body.bias, ref.body.bias)
+    with pytest.raises(UsageError, match="scale") as raised:
+        st.load_model(Tied(), tmp_path / "m.safetensors")
+    assert isinstance(raised.value, RuntimeError)  # as the reference raises
+
+
+def meta_tied() -> Tied:
+    with torch.device("meta"):
+        return Tied()
+
+
+def test_load_model_assign_fills_a_meta_model_with_the_file_s_tensors(tmp_path: Path) -> None:
+    """assign=True: a model built on the meta device (no memory) gets the file's tensors as
+    its own, ties kept as one Parameter, requires_grad kept; a local file is mapped, never
+    changed by writes to the model, and the old parameters are let go."""
+    torch.manual_seed(5)
+    source = Tied()
+    path = tmp_path / "m.safetensors"
+    st.save_model(source, path)
+    data = path.read_bytes()
+    model = meta_tied()
+    model.body.weight.requires_grad_(False)  # the model's choice, kept
+    old = weakref.ref(model.body.bias)
+    assert st.load_model(model, path, assign=True) == (set(), [])
+    assert old() is None  # nothing holds the replaced parameter
+    assert model.head.weight is model.embed.weight  # one Parameter, as before loading
+    assert isinstance(model.body.bias, torch.nn.Parameter)
+    assert not model.body.weight.requires_grad and model.body.bias.requires_grad
+    assert all(t.device.type == "cpu" for t in model.state_dict().values())
+    ids = torch.arange(10)
+    assert torch.equal(model(ids), source(ids))
+    with torch.no_grad():
+        model.body.bias.add_(1)  # a copy-on-write page: this process only
+    assert path.read_bytes() == data
+    assert torch.equal(st.load_file(path)["body.bias"], source.body.bias)
+
+
+def test_load_model_assign_over_http_and_with_pread(tmp_path: Path, http: RangeHTTPServer) -> None:
+    torch.manual_seed(6)
+    source = Tied()
+    path = tmp_path / "m.safetensors"
+    st.save_model(source, path)
+    http.objects["/m.safetensors"] = path.read_bytes()
+    for address, backend in ((http.url("/m.safetensors"), "mmap"), (path, "pread")):
+        model = meta_tied()
+        assert st.load_model(model, address, assign=True, backend=backend) == (set(), [])
+        for name, tensor in source.state_dict().items():
+            assert torch.equal(model.state_dict()[name], tensor), (address, name)
+        assert model.head.weight is model.embed.weight
+
+
+def test_load_model_assign_reports_and_refuses_as_without(tmp_path: Path) -> None:
+    """Missing and unexpected names are reported as without assign; a shape that differs is
+    a UsageError; a dtype that differs is the file's (as torch's assign=True does)."""
+    torch.manual_seed(7)
+    state = dict(Tied().state_dict())
+    del state["head.weight"]
+    state["extra"] = torch.zeros(3)
+    state["body.bias"] = torch.zeros(8, dtype=torch.float64)
+    del state["scale"]
+    reference.save_file(state, tmp_path / "m.safetensors")
+    expected: Any = st.load_model(Tied(), tmp_path / "m.safetensors", strict=False)
+    model = Tied()
+    got = st.load_model(model, tmp_path / "m.safetensors", strict=False, assign=True)
+    assert got == ({"scale"}, ["extra"]) == (expected[0], expected[1])
+    assert model.body.bias.dtype == torch.float64
+    with pytest.raises(UsageError, match="scale"):
+        st.load_model(Tied(), tmp_path / "m.safetensors", assign=True)
+    state = {name: t.clone() for name, t in Tied().state_dict().items() if name != "head.weight"}
+    state["body.weight"] = torch.zeros(8, 9)
+    reference.save_file(state, tmp_path / "bad.safetensors")
+    with pytest.raises(UsageError, match=r"size mismatch for body\.weight"):
+        st.load_model(Tied(), tmp_path / "bad.safetensors", assign=True)
+
+
+def test_transformers_sharded_bf16_checkpoint_loads_into_the_same_class(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    index = tmp_path / "model.safetensors.index.json"
+    assert len(set(json.loads(index.read_text())["weight_map"].values())) > 1
+
+    torch.manual_seed(4)
+    fresh = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    missing, unexpected = st.load_model(fresh, index, strict=False)
+    assert not unexpected
+    assert missing <= {"lm_head.weight"}  # tied or saved: either way it is loaded now
+    ids = torch.arange(12).reshape(1, 12)
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+    with st.safe_open(index, "pt") as f:
+        name = "model.layers.1.mlp.up_proj.weight"
+        assert same(f.get_tensor(name), model.state_dict()[name])
+        assert same(f.get_slice(name)[3:9], model.state_dict()[name][3:9])
+        assert sorted(f.keys()) == f.keys()
+
+
+# ---------------------------------------------------------------------- into= and framework=
+
+
+def test_open_stream_into_callers_memory(ref_file: Path) -> None:
+    expected = reference.load_file(ref_file)
+    f32 = torch.empty(6, 5)
+    bf16 = torch.empty(6, 5, dtype=torch.bfloat16)
+    raw = bytearray(6 * 5 * 8)
+    array = np.empty((6, 5), dtype=np.int32)
+
+    async def main() -> dict[str, Any]:
+        into = {"f32": f32, "bf16": bf16, "i64": raw, "i32": array}
+        stream = stream_st.open_stream(ref_file, framework="pt", into=into)
+        return {name: tensor async for name, tensor in stream}
+
+    got = asyncio.run(main())
+    assert got["f32"] is f32 and got["bf16"] is bf16
+    assert same(f32, expected["f32"]) and same(bf16, expected["bf16"])
+    assert torch.equal(torch.frombuffer(raw, dtype=torch.int64).reshape(6, 5), expected["i64"])
+    assert np.array_equal(array, expected["i32"].numpy())
+    assert_same(got, expected)
+
+
+@pytest.mark.parametrize(
+    "into",
+    [
+        {"f32": torch.empty(5, 6)},
+        {"f32": torch.empty(6, 5, dtype=torch.float64)},
+        {"f32": bytearray(10)},
+        {"f32": bytes(120)},
+        {"f32": torch.empty(5, 6).T},
+    ],
+)
+def test_into_that_does_not_fit_is_refused(ref_file: Path, into: dict[str, Any]) -> None:
+    async def main() -> None:
+        async for _ in stream_st.open_stream(ref_file, into=into):
+            pass
+
+    with pytest.raises(UsageError, match="into="):
+        asyncio.run(main())
+
+
+def test_into_a_name_the_file_lacks_is_refused(ref_file: Path) -> None:
+    async def main() -> None:
+        async for _ in stream_st.open_stream(ref_file, into={"nope": bytearray(4)}):
+            pass
+
+    with pytest.raises(TensorNotFoundError):
+        asyncio.run(main())
+
+
+# ---------------------------------------------------------------------- sync from anywhere
+
+
+def test_sync_api_inside_asyncio_run_and_trio(ref_file: Path) -> None:
+    expected = reference.load_file(ref_file)
+
+    async def notebook_cell() -> Tensors:
+        loaded = st.load_file(ref_file)
+        with st.safe_open(ref_file, "pt") as f:
+            assert same(f.get_tensor("bf16"), expected["bf16"])
+        st.save_file(loaded, ref_file.with_name("again.safetensors"), {"format": "pt"})
+        return loaded
+
+    assert_same(asyncio.run(notebook_cell()), expected)
+    assert_same(trio.run(notebook_cell), expected)
+    assert ref_file.with_name("again.safetensors").read_bytes() == ref_file.read_bytes()
+
+
+def test_sync_api_from_threads(ref_file: Path) -> None:
+    expected = reference.load_file(ref_file)
+    results: list[Tensors] = []
+    with st.safe_open(ref_file, "pt") as shared:
+
+        def work() -> None:
+            results.append(st.load_file(ref_file))
+            results.append({"bf16": shared.get_tensor("bf16")})
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(results) == 8
+    for result in results:
+        assert_same(result, {name: expected[name] for name in result})
+
+
+def test_a_sync_call_after_close_is_a_usage_error(ref_file: Path) -> None:
+    f = st.safe_open(ref_file, "pt")
+    f.close()
+    with pytest.raises(UsageError):
+        f.get_tensor("f32")
+
+
+# ---------------------------------------------------------------------- remote sources
+
+
+@pytest.fixture
+def http() -> Iterator[RangeHTTPServer]:
+    with RangeHTTPServer() as server:
+        yield server
+
+
+s3 = s3_tests.s3
+aws_env = s3_tests.aws_env
+
+
+@pytest.fixture
+def aws(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The moto server of ``tests/transports/test_s3.py`` (its bucket ``models``), credentials
+    from the environment, no instance metadata."""
+    request.getfixturevalue("aws_env")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def check_remote(address: str, ref_file: Path) -> None:
+    """Every reading call on ``address`` gives what the reference gives on the local file."""
+    expected = reference.load_file(ref_file)
+    assert_same(st.load_file(address), expected)
+    with reference_open(ref_file, framework="pt") as ref, st.safe_open(address, "pt") as ours:
+        assert ours.keys() == ref.keys() and ours.metadata() == ref.metadata()
+        assert ours.offset_keys() == ref.offset_keys()
+        assert same(ours.get_tensor("bf16"), ref.get_tensor("bf16"))
+        for key in SLICES[:6]:
+            assert same(ours.get_slice("f32")[key], ref.get_slice("f32")[key]), key
+    model = Tied()
+    st.save_model(model, ref_file.with_name("model.safetensors"))
+    loaded = Tied()
+    destination = address.replace(ref_file.name, "model.safetensors")
+    st.save_model(model, destination)
+    assert st.load_model(loaded, destination) == (set(), [])
+    assert torch.equal(loaded.body.weight, model.body.weight)
+
+
+def test_http(http: RangeHTTPServer, ref_file: Path) -> None:
+    http.objects["/ref.safetensors"] = ref_file.read_bytes()
+    check_remote(http.url("/ref.safetensors"), ref_file)
+    st.save_file(every_dtype(), http.url("/up.safetensors"))
+    assert http.objects["/up.safetensors"] == reference.save(every_dtype())
+
+
+@pytest.mark.usefixtures("aws")
+def test_s3(ref_file: Path) -> None:
+    address = "s3://models/torch-api/ref.safetensors"
+    st.save_file(reference.load_file(ref_file), address, {"format": "pt"})
+    check_remote(address, ref_file)
+
+
+def test_tcp(ref_file: Path) -> None:
+    sender = Sender(ref_file.read_bytes())
+    try:
+        expected = reference.load_file(ref_file)
+        address = f"tcp://127.0.0.1:{sender.port}"
+        assert_same(st.load_file(address), expected)
+        with st.safe_open(address, "pt") as f:  # read whole at open: a connection cannot jump
+            assert f.keys() == sorted(expected)
+            assert same(f.get_slice("bf16")[1:3], expected["bf16"][1:3])
+    finally:
+        sender.stop()
+    collector = Collector()
+    try:
+        st.save_file(expected, f"tcp://127.0.0.1:{collector.port}", {"format": "pt"})
+    finally:
+        collector.stop()
+    assert collector.received == [ref_file.read_bytes()]
+
+
+def test_get_slice_of_a_remote_tensor_reads_only_its_rows(http: RangeHTTPServer) -> None:
+    big = torch.randn(1024, 256)  # 1 MiB
+    data = reference.save({"big": big, "other": torch.randn(64, 64)})
+    http.objects["/big.safetensors"] = data
+    with st.safe_open(http.url("/big.safetensors"), "pt") as f:
+        http.settle()
+        opened = sum(sent for *_, sent in http.requests)
+        part = f.get_slice("big")[128:256]
+    http.settle()
+    assert torch.equal(part, big[128:256])
+    read = sum(sent for *_, sent in http.requests) - opened
+    assert read == big[128:256].nbytes
+    assert opened <= 64 << 10
+
+
+def test_a_sync_call_leaves_the_thread_s_event_loop_as_it_was(ref_file: Path) -> None:
+    """Code that sets a loop for its thread (``asyncio.set_event_loop``) and runs it itself
+    still finds that loop after a sync call, which runs a loop of its own in that thread."""
+    found: list[object] = []
+
+    def work() -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            st.load_file(ref_file)
+            found.append(asyncio.get_event_loop() is loop)
+        except RuntimeError as exc:  # no current event loop
+            found.append(exc)
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert found == [True]

@@ -1,0 +1,414 @@
+"""The streaming reader over every local source kind: paths, bytes, iterators, byte streams."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import tracemalloc
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+import trio
+
+import stream_st
+from stream_st import (
+    HeaderError,
+    SourceNotFoundError,
+    TensorNotFoundError,
+    TrailingDataError,
+    TruncatedStreamError,
+    UnsupportedSourceError,
+    UsageError,
+)
+from stream_st.reader import merge_ranges
+from stream_st.transports.file.source import FileSource
+from stream_st.transports.inmemory import BytesSource
+
+from .._util import assert_same_arrays, chunked, raw_file, sample_file, sample_tensors
+from ..conftest import StartSender
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+
+
+async def read_all(source: Any, **kwargs: Any) -> Arrays:
+    return {name: array async for name, array in stream_st.open_stream(source, **kwargs)}
+
+
+@pytest.fixture
+def sample_path(tmp_path: pathlib.Path) -> pathlib.Path:
+    path = tmp_path / "sample.safetensors"
+    path.write_bytes(sample_file({"format": "np", "note": "ünïcode"}))
+    return path
+
+
+# ---------------------------------------------------------------- source kinds
+
+
+async def test_path_kinds(sample_path: pathlib.Path) -> None:
+    expected = sample_tensors()
+    for source in (sample_path, str(sample_path), sample_path.as_uri()):
+        assert_same_arrays(await read_all(source), expected)
+
+
+async def test_bytes_kinds() -> None:
+    data = sample_file()
+    for source in (data, bytearray(data), memoryview(data)):
+        assert_same_arrays(await read_all(source), sample_tensors())
+
+
+async def test_header_and_metadata_before_data(sample_path: pathlib.Path) -> None:
+    async with stream_st.open_stream(sample_path) as stream:
+        assert stream.header.metadata == {"format": "np", "note": "ünïcode"}
+        names = [t.name for t in stream.header.tensors]
+        starts = [t.start for t in stream.header.tensors]
+        assert starts == sorted(starts)
+        got = [name async for name, _ in stream]
+    assert got == names
+
+
+async def test_empty_metadata_is_an_empty_dict() -> None:
+    async with stream_st.open_stream(sample_file()) as stream:
+        assert stream.header.metadata == {}
+
+
+async def test_offset_order_and_fresh_writable_arrays() -> None:
+    seen = []
+    async for name, array in stream_st.open_stream(sample_file()):
+        assert array.flags.writeable and array.flags.c_contiguous and array.flags.owndata is False
+        array[...] = 0  # ours to change
+        seen.append(name)
+    header = await stream_st.read_header(sample_file())
+    assert seen == header.names()
+
+
+async def test_every_chunk_size_from_an_async_iterator() -> None:
+    data = sample_file({"k": "v"})
+    for size in range(1, 65):
+        assert_same_arrays(await read_all(chunked(data, size)), sample_tensors())
+
+
+async def test_chunks_of_mixed_types_and_empty_chunks() -> None:
+    data = sample_file()
+
+    async def mixed() -> Any:
+        yield b""
+        yield bytearray(data[:5])
+        yield memoryview(data)[5:100]
+        yield b""
+        yield np.frombuffer(data[100:], dtype=np.uint8)
+
+    assert_same_arrays(await read_all(mixed()), sample_tensors())
+
+
+async def test_chunk_that_is_not_bytes() -> None:
+    for chunk in ("text", np.zeros(2, "M8[s]")):  # datetime64 exports no buffer
+
+        async def bad(chunk: Any = chunk) -> Any:
+            yield chunk
+
+        with pytest.raises(UnsupportedSourceError, match="bytes-like"):
+            await read_all(bad())
+
+
+async def test_non_contiguous_buffers_are_read_in_c_order() -> None:
+    data = sample_file()
+    assert len(data) % 4 == 0
+    strided = np.zeros((len(data) // 4, 2), np.uint32)
+    strided[:, 0] = np.frombuffer(data, np.uint32)
+    column = strided[:, 0]
+    assert not column.flags.c_contiguous
+
+    async def chunks() -> Any:
+        yield column[:4]
+        yield column[4:].data
+
+    for source in (column.data, chunks()):
+        assert_same_arrays(await read_all(source), sample_tensors())
+
+
+async def test_anyio_socket_stream(tcp_sender: StartSender) -> None:
+    port = await tcp_sender(sample_file())
+    async with await anyio.connect_tcp("127.0.0.1", port) as connection:
+        assert_same_arrays(await read_all(connection), sample_tensors())
+
+
+async def test_asyncio_stream_reader(tcp_sender: StartSender) -> None:
+    port = await tcp_sender(sample_file())
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        assert_same_arrays(await read_all(reader), sample_tensors())
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+async def test_messages_back_to_back_on_one_connection(tcp_sender: StartSender) -> None:
+    first: Arrays = {"a": np.arange(10, dtype=np.int32)}
+    second: Arrays = {"b": np.ones((2, 2), dtype=np.float32), "c": np.zeros(0, dtype=np.uint8)}
+    payload = reference_numpy.save(first) + reference_numpy.save(second) + b"rest"
+    port = await tcp_sender(payload)
+    async with await anyio.connect_tcp("127.0.0.1", port) as connection:
+        assert_same_arrays(await read_all(connection), first)
+        assert_same_arrays(await read_all(connection, include=["c"]), {"c": second["c"]})
+        assert await connection.receive() == b"rest"  # left unread for the next user
+
+
+async def test_connection_that_ends_mid_tensor(tcp_sender: StartSender) -> None:
+    data = sample_file()
+    port = await tcp_sender(data[:-3])
+    async with await anyio.connect_tcp("127.0.0.1", port) as connection:
+        got: Arrays = {}
+        with pytest.raises(TruncatedStreamError) as info:
+            async for name, array in stream_st.open_stream(connection):
+                got[name] = array
+    header = await stream_st.read_header(data)
+    last = header.tensors[-1]
+    assert info.value.name == last.name
+    assert info.value.expected == header.data_start + last.end
+    assert info.value.offset == len(data) - 3
+    assert last.name not in got
+
+
+def test_runs_on_trio(sample_path: pathlib.Path) -> None:
+    async def main() -> Arrays:
+        return await read_all(sample_path) | await read_all(chunked(sample_file(), 7))
+
+    assert_same_arrays(trio.run(main), sample_tensors())
+
+
+# ---------------------------------------------------------------- include=
+
+
+async def test_include_names_predicate_and_single_name(sample_path: pathlib.Path) -> None:
+    expected = sample_tensors()
+    got = await read_all(sample_path, include=["bias", "empty"])
+    assert_same_arrays(got, {k: expected[k] for k in ("bias", "empty")})
+    got = await read_all(chunked(sample_file(), 3), include=lambda n: n.startswith("s"))
+    assert_same_arrays(got, {"scalar": expected["scalar"]})
+    assert list(await read_all(sample_path, include="weight")) == ["weight"]
+
+
+async def test_include_unknown_name(sample_path: pathlib.Path) -> None:
+    with pytest.raises(TensorNotFoundError, match="nope"):
+        await read_all(sample_path, include=["weight", "nope"])
+
+
+async def test_skipped_tensors_are_not_read_from_a_file(tmp_path: pathlib.Path) -> None:
+    tensors = {f"t{i}": np.full(1000, i, dtype=np.float64) for i in range(10)}
+    path = tmp_path / "f.safetensors"
+    reference_numpy.save_file(tensors, str(path))
+    reads: list[tuple[int, int]] = []
+
+    class CountingFile(FileSource):
+        async def read_into_at(self, offset: int, buffer: memoryview) -> int:
+            reads.append((offset, len(buffer)))
+            return await super().read_into_at(offset, buffer)
+
+    source = CountingFile(path)
+    got = await read_all(source, include=["t3", "t7"])
+    assert_same_arrays(got, {k: tensors[k] for k in ("t3", "t7")})
+    data_reads = [size for _, size in reads if size == 8000]
+    assert data_reads == [8000, 8000]
+    assert sum(size for _, size in reads) < 2 * 8000 + 1000
+
+
+async def test_skipped_tensors_are_discarded_from_a_stream() -> None:
+    tensors = {f"t{i}": np.full(300_000, i, dtype=np.float64) for i in range(4)}
+    data = reference_numpy.save(tensors)
+    got = await read_all(chunked(data, 1 << 16), include=["t2"])
+    assert_same_arrays(got, {"t2": tensors["t2"]})
+    with pytest.raises(TrailingDataError):  # the skipped tail is still checked
+        await read_all(chunked(data + b"x", 1 << 16), include=["t0"])
+
+
+# ---------------------------------------------------------------- truncation and trailing bytes
+
+
+async def test_every_truncation_point() -> None:
+    data = sample_file({"k": "v"})
+    header = await stream_st.read_header(data)
+    expected = sample_tensors()
+    for cut in range(len(data)):
+        for source in (data[:cut], chunked(data[:cut], 5)):
+            got: Arrays = {}
+            with pytest.raises((HeaderError, TruncatedStreamError)) as info:
+                async for name, array in stream_st.open_stream(source):
+                    got[name] = array
+            for name, array in got.items():  # whatever was yielded is whole and right
+                assert array.tobytes() == expected[name].tobytes()
+            error = info.value
+            if cut < 8:
+                assert isinstance(error, HeaderError)
+                continue
+            assert isinstance(error, TruncatedStreamError)
+            if cut < header.data_start:
+                assert error.name is None
+                assert error.expected == header.data_start
+            else:
+                short = next(t for t in header if header.data_start + t.end > cut)
+                assert error.name == short.name
+                assert error.expected == header.data_start + short.end
+                assert short.name not in got
+            assert error.offset == cut
+
+
+async def test_trailing_bytes_refused_on_whole_objects(sample_path: pathlib.Path) -> None:
+    data = sample_file() + b"\0"
+    with pytest.raises(TrailingDataError, match="1 bytes follow"):
+        await read_all(data)
+    with pytest.raises(TrailingDataError):
+        await read_all(chunked(data, 4))
+    await anyio.Path(sample_path).write_bytes(data)
+    with pytest.raises(TrailingDataError):
+        await read_all(sample_path)
+
+
+async def test_huge_claim_fails_without_allocating() -> None:
+    terabyte = 1 << 40
+    data = raw_file(
+        {"big": {"dtype": "U8", "shape": [terabyte], "data_offsets": [0, terabyte]}}, b"0123456789"
+    )
+    tracemalloc.start()
+    try:
+        with pytest.raises(TruncatedStreamError, match="'big'"):
+            await read_all(data)
+        with pytest.raises(stream_st.SafetensorsError):
+            await read_all(chunked(data, 4096))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20
+
+
+async def test_oversized_header_length_refused_before_reading() -> None:
+    data = raw_file("{}", pad=2000)
+    with pytest.raises(stream_st.HeaderTooLargeError):
+        await read_all(data, max_header_size=1000)
+    assert await read_all(data, max_header_size=4096) == {}
+
+
+async def test_header_past_the_end_of_a_file(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "short.safetensors"
+    path.write_bytes(raw_file('{"a": 1}')[:-2])
+    with pytest.raises(TruncatedStreamError, match="header"):
+        await read_all(path)
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [([1] * 65, "65 dimensions"), ([0, 2**64 - 1], "too large for a numpy array")],
+)
+async def test_shape_numpy_cannot_hold_is_refused_before_any_tensor(
+    shape: list[int], message: str
+) -> None:
+    size = 0 if 0 in shape else 1
+    data = raw_file(
+        {
+            "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+            "b": {"dtype": "U8", "shape": shape, "data_offsets": [1, 1 + size]},
+        },
+        bytes(1 + size),
+    )
+    got: list[str] = []
+    with pytest.raises(HeaderError, match=message):
+        async for name, _ in stream_st.open_stream(data):
+            got.append(name)
+    assert got == []
+
+
+async def test_bad_header_is_refused_before_any_tensor() -> None:
+    good = sample_file()
+    bad = good.replace(b'"F32"', b'"F33"')
+    got: list[str] = []
+    with pytest.raises(HeaderError, match="F33"):
+        async for name, _ in stream_st.open_stream(chunked(bad, 1)):
+            got.append(name)
+    assert got == []
+
+
+# ---------------------------------------------------------------- every dtype, packed types
+
+
+async def test_every_dtype_comes_out_with_its_numpy_dtype() -> None:
+    obj: dict[str, Any] = {}
+    data = bytearray()
+    for code, dtype in stream_st.DTYPES.items():
+        size = 12 * dtype.bits // 8
+        obj[code] = {"dtype": code, "shape": [3, 4], "data_offsets": [len(data), len(data) + size]}
+        data += bytes((len(data) + i) % 251 for i in range(size))
+    got = await read_all(raw_file(obj, bytes(data)))
+    for code, dtype in stream_st.DTYPES.items():
+        array = got[code]
+        assert array.dtype == dtype.numpy
+        start, end = obj[code]["data_offsets"]
+        assert array.tobytes() == bytes(data[start:end])
+        if dtype.packed:
+            assert array.shape == ((3, 2) if code == "F4" else (9,))
+        else:
+            assert array.shape == (3, 4)
+
+
+# ---------------------------------------------------------------- misuse
+
+
+async def test_header_before_open_and_double_iteration() -> None:
+    stream = stream_st.open_stream(sample_file())
+    with pytest.raises(UsageError):
+        _ = stream.header
+    async with stream:
+        async for _ in stream:
+            pass
+        with pytest.raises(UsageError):
+            stream.__aiter__()
+
+
+async def test_missing_file_and_unsupported_sources(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(SourceNotFoundError) as info:
+        await read_all(tmp_path / "nope.safetensors")
+    assert isinstance(info.value, FileNotFoundError)
+    assert str(tmp_path / "nope.safetensors") in str(info.value)
+    with pytest.raises(UnsupportedSourceError):
+        await read_all(12345)
+    with pytest.raises(UnsupportedSourceError, match="gopher"):
+        await read_all("gopher://example/x")
+    with pytest.raises(UnsupportedSourceError, match="remote host"):
+        await read_all("file://otherhost/x")
+
+
+async def test_path_with_a_nul_byte_is_a_usage_error(tmp_path: pathlib.Path) -> None:
+    for path in (tmp_path / "a\0b.safetensors", "file:///tmp/a%00b.safetensors"):
+        with pytest.raises(UsageError, match="invalid path"):
+            await read_all(path)
+
+
+async def test_breaking_out_closes_the_file(sample_path: pathlib.Path) -> None:
+    before = len(os.listdir("/proc/self/fd"))
+    async with stream_st.open_stream(sample_path) as stream:
+        async for _ in stream:
+            break
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_merge_ranges() -> None:
+    assert merge_ranges([(0, 4), (4, 8), (8, 8), (10, 12), (12, 13)]) == [(0, 8), (10, 13)]
+    assert merge_ranges([]) == []
+
+
+async def test_source_learns_the_merged_read_plan() -> None:
+    data = sample_file()
+    header = await stream_st.read_header(data)
+    plans: list[list[tuple[int, int]]] = []
+
+    class PlanningBytes(BytesSource):
+        async def plan_reads(self, ranges: Sequence[tuple[int, int]]) -> None:
+            plans.append(list(ranges))
+
+    await read_all(PlanningBytes(data), include=["weight", "bias", "empty"])
+    base = header.data_start
+    spans = sorted((base + header[n].start, base + header[n].end) for n in ("weight", "bias"))
+    assert plans == [merge_ranges(spans)]

@@ -1,0 +1,147 @@
+"""The local file sink's temporary file: any valid destination name can be written, and a write
+that dies leaves nothing behind.
+
+Where the file system allows it (Linux ``O_TMPFILE``) the temporary has no name until the commit,
+so even a process killed by SIGKILL leaves nothing; elsewhere it is a hidden file whose name
+fits the longest name the directory takes (``stream_st.transports.file.sink.USE_TMPFILE =
+False`` takes that path here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st
+from stream_st import TensorSpec, WriterError
+from stream_st.transports.file import sink as file_sink
+
+ARRAYS: dict[str, np.ndarray[Any, Any]] = {
+    "a": np.arange(1000, dtype=np.float32),
+    "b": np.full(10, 3, np.uint8),
+}
+EXPECTED = reference_numpy.save(ARRAYS)
+
+
+def nameless_works(directory: Path) -> bool:
+    """Whether the sink writes ``directory``'s files through nameless temporaries."""
+    fd = file_sink._open_nameless(os.fspath(directory))
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
+
+
+@pytest.fixture(params=["nameless", "named"])
+def temporaries(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """Each way the sink makes its temporary file: nameless (``O_TMPFILE``) and hidden."""
+    if request.param == "nameless" and not nameless_works(tmp_path):
+        pytest.skip("no O_TMPFILE here")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(file_sink, "USE_TMPFILE", request.param == "nameless")
+        yield request.param
+
+
+def long_name(size: int, letter: str = "m") -> str:
+    """A file name of ``size`` bytes (UTF-8) ending in ``.safetensors``."""
+    stem = letter * ((size - len(".safetensors")) // len(letter.encode()))
+    name = stem + ".safetensors"
+    assert len(name.encode()) == size, (len(name.encode()), size)
+    return name
+
+
+@pytest.mark.parametrize("size", [237, 238, 250, 255])
+async def test_a_long_destination_name_is_written(
+    tmp_path: Path, temporaries: str, size: int
+) -> None:
+    path = tmp_path / long_name(size)
+    await stream_st.save(path, ARRAYS)
+    assert path.read_bytes() == EXPECTED
+    await stream_st.save(path, {"a": ARRAYS["a"]})  # replaced: the rename path
+    assert path.read_bytes() == reference_numpy.save({"a": ARRAYS["a"]})
+    assert os.listdir(tmp_path) == [path.name]
+
+
+async def test_a_long_multibyte_name_is_written(tmp_path: Path, temporaries: str) -> None:
+    path = tmp_path / long_name(254, "é")
+    await stream_st.save(path, ARRAYS, fsync=True)
+    assert path.read_bytes() == EXPECTED
+    assert os.listdir(tmp_path) == [path.name]
+
+
+async def test_a_failed_write_leaves_the_old_file(tmp_path: Path, temporaries: str) -> None:
+    path = tmp_path / long_name(255)
+    path.write_bytes(b"old")
+    path.chmod(0o640)
+    with pytest.raises(WriterError):
+        async with stream_st.open_writer(path, [TensorSpec("a", "F32", (1000,))]) as writer:
+            await writer.write("a", ARRAYS["b"])  # the wrong dtype: aborted
+    assert path.read_bytes() == b"old" and os.listdir(tmp_path) == [path.name]
+    await stream_st.save(path, ARRAYS)
+    assert path.read_bytes() == EXPECTED
+    assert path.stat().st_mode & 0o777 == 0o640  # a file replaced keeps its permission bits
+
+
+def temporary_size(directory: Path) -> int | None:
+    """The size of the file a writer in this process has open in ``directory`` and not yet
+    committed (``/proc`` shows a nameless one as ``#inode (deleted)``), or None."""
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(f"{directory}/") and target.endswith((".tmp", " (deleted)")):
+                return os.fstat(int(fd)).st_size
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux-only")
+async def test_blocks_are_reserved_on_open(tmp_path: Path, temporaries: str) -> None:
+    plan = [TensorSpec("x", "U8", (1 << 20,))]
+    async with stream_st.open_writer(tmp_path / "r.st", plan) as writer:
+        hidden = os.listdir(tmp_path)
+        assert hidden == [] if temporaries == "nameless" else len(hidden) == 1
+        assert temporary_size(tmp_path) == writer.header.file_size  # before any tensor
+        await writer.write("x", np.ones(1 << 20, np.uint8))
+    assert os.listdir(tmp_path) == ["r.st"]
+
+
+KILLED_WRITER = """
+import asyncio, sys
+import numpy as np
+import stream_st
+
+async def main():
+    plan = [stream_st.TensorSpec("a", "F32", (1 << 16,)), stream_st.TensorSpec("b", "U8", (8,))]
+    async with stream_st.open_writer(sys.argv[1], plan) as writer:
+        await writer.write("a", np.ones(1 << 16, np.float32))
+        print("written", flush=True)
+        await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def test_a_killed_writer_leaves_nothing(tmp_path: Path) -> None:
+    if not nameless_works(tmp_path):
+        pytest.skip("no O_TMPFILE here: a killed writer leaves its hidden temporary")
+    target = tmp_path / "model.safetensors"
+    script = textwrap.dedent(KILLED_WRITER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with subprocess.Popen(
+        [sys.executable, "-c", script, os.fspath(target)], stdout=subprocess.PIPE, env=env
+    ) as child:
+        assert child.stdout is not None
+        assert child.stdout.readline() == b"written\n"
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+    assert os.listdir(tmp_path) == []

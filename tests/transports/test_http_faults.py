@@ -1,0 +1,470 @@
+"""The HTTP client and source against broken servers: garbage answers, resets, stalls, ignored
+ranges, dropped TLS connections, and bad URLs. Every failure must be a SafetensorsError.
+
+The misbehaving servers are raw sockets on 127.0.0.1 (one thread per connection) that answer
+exactly the bytes each test scripts; well-behaved ones are tests/servers/http_server.py's.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import re
+import socket
+import ssl
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st
+from stream_st import ReadTimeoutError, TransportError, TruncatedStreamError, UsageError
+from stream_st.transports.http import HTTPClient, HTTPProtocolError, HTTPStatusError
+from stream_st.transports.http.sink import HttpSink
+from stream_st.transports.http.source import HttpSource
+from stream_st.transports.http.wire import StreamWire
+from stream_st.transports.hub import HubSource
+from stream_st.transports.options import UNLIMITED
+
+from .._util import assert_same_arrays, sample_file, sample_tensors
+from ..servers.http_server import RangeHTTPServer
+
+Handler = Callable[[socket.socket], None]
+Serve = Callable[..., str]
+
+SMALL = sample_file()
+# ``b`` sits after 100 kB of zeros: beyond the first 64 KiB answer, so reading it alone needs a
+# ranged request from the middle of the object.
+SPLIT = {"a": np.zeros(100_000, np.uint8), "b": np.full(1000, 7, np.uint8)}
+SPLIT_FILE: bytes = reference_numpy.save(SPLIT)
+
+
+@pytest.fixture
+def raw_server() -> Iterator[Serve]:
+    """``serve(handler, tls=None) -> base URL``: a server on 127.0.0.1 running ``handler`` on
+    each connection (wrapped in TLS with the ``tls`` server context), then closing it."""
+    listeners: list[socket.socket] = []
+    threads: list[threading.Thread] = []
+
+    def run(connection: socket.socket, handler: Handler, tls: ssl.SSLContext | None) -> None:
+        connection.settimeout(5)
+        try:
+            if tls is not None:
+                connection = tls.wrap_socket(connection, server_side=True)
+            handler(connection)
+        except OSError:
+            pass  # the client gave up first: what the test is about
+        finally:
+            connection.close()
+
+    def accept(listener: socket.socket, handler: Handler, tls: ssl.SSLContext | None) -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            thread = threading.Thread(target=run, args=(connection, handler, tls), daemon=True)
+            thread.start()
+            threads.append(thread)
+
+    def serve(handler: Handler, tls: ssl.SSLContext | None = None) -> str:
+        listener = socket.create_server(("127.0.0.1", 0))
+        listeners.append(listener)
+        thread = threading.Thread(target=accept, args=(listener, handler, tls), daemon=True)
+        thread.start()
+        threads.append(thread)
+        scheme = "http" if tls is None else "https"
+        return f"{scheme}://127.0.0.1:{listener.getsockname()[1]}"
+
+    yield serve
+    for listener in listeners:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+    for thread in threads:
+        thread.join(timeout=5)
+
+
+def read_request(connection: socket.socket) -> tuple[dict[str, str], bytes]:
+    """One request's headers (lower-case names) and its body (by ``Content-Length``)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        more = connection.recv(65536)
+        if not more:
+            raise ConnectionError("the client closed before a whole request")
+        data += more
+    head, _, body = data.partition(b"\r\n\r\n")
+    headers = {}
+    for line in head.decode("latin-1").split("\r\n")[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
+    while len(body) < length:
+        body += connection.recv(65536)
+    return headers, body
+
+
+def wait_for_close(connection: socket.socket) -> None:
+    """Keep the connection open until the client closes it (or the 5 s socket timeout)."""
+    while connection.recv(65536):
+        pass
+
+
+def reset(connection: socket.socket) -> None:
+    """Close with a TCP reset instead of an orderly close."""
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    connection.close()
+
+
+def answer(raw: bytes, then: Handler = wait_for_close) -> Handler:
+    """A handler reading one request, sending ``raw`` and then doing ``then``."""
+
+    def handle(connection: socket.socket) -> None:
+        read_request(connection)
+        connection.sendall(raw)
+        then(connection)
+
+    return handle
+
+
+def ranges_from_zero_only(data: bytes, *, start_shown: int | None = None) -> Handler:
+    """Keep-alive GETs of ``data``: a range from byte 0 is honoured (206), any other range gets
+    the whole body (200); or, with ``start_shown``, a 206 claiming the range starts there."""
+
+    def handle(connection: socket.socket) -> None:
+        while True:
+            headers, _ = read_request(connection)
+            match = re.fullmatch(r"bytes=(\d+)-(\d*)", headers.get("range", ""))
+            assert match is not None
+            first = int(match[1])
+            end = int(match[2]) + 1 if match[2] else len(data)
+            if first == 0 or start_shown is not None:
+                shown = first if start_shown is None else start_shown
+                head = (
+                    f"HTTP/1.1 206 Partial Content\r\nContent-Length: {end - first}\r\n"
+                    f"Content-Range: bytes {shown}-{shown + end - first - 1}/{len(data)}\r\n\r\n"
+                )
+                connection.sendall(head.encode() + data[first:end])
+            else:
+                head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(data)}\r\n\r\n"
+                connection.sendall(head.encode() + data)
+
+    return handle
+
+
+async def load(source: Any, **kwargs: Any) -> dict[str, np.ndarray[Any, Any]]:
+    with anyio.fail_after(10):
+        return await stream_st.load(source, **kwargs)
+
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+GARBAGE = {
+    "length not a number": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\n" + SMALL,
+        "Content-Length 'abc'",
+    ),
+    "negative length": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n" + SMALL,
+        "Content-Length '-5'",
+    ),
+    "chunk size not hex": (CHUNKED_HEAD + b"zz\r\nabc\r\n", "chunk size line b'zz'"),
+    "chunk size with 0x": (CHUNKED_HEAD + b"0x8\r\n" + SMALL[:8], "chunk size line b'0x8'"),
+    "chunk without line end": (
+        CHUNKED_HEAD + b"8\r\n" + SMALL[:8] + b"XX\r\n",
+        "no line end after a chunk",
+    ),
+    "superscript status": (
+        "HTTP/1.1 \xb2 OK\r\nContent-Length: 0\r\n\r\n".encode("latin-1"),
+        "status line",
+    ),
+    "two-digit status": (b"HTTP/1.1 20 OK\r\nContent-Length: 0\r\n\r\n", "status line"),
+    "not HTTP": (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "status line"),
+    "endless 100 Continue": (b"HTTP/1.1 100 Continue\r\n\r\n" * 2000, "interim"),
+    "range end past the size": (
+        b"HTTP/1.1 206 Partial\r\nContent-Range: bytes 0-99999/%d\r\nContent-Length: %d\r\n\r\n"
+        % (len(SMALL), len(SMALL))
+        + SMALL,
+        "Content-Range",
+    ),
+    "204 to a GET": (b"HTTP/1.1 204 No Content\r\n\r\n", "unexpected answer HTTP 204"),
+}
+
+
+@pytest.mark.parametrize(("raw", "message"), GARBAGE.values(), ids=GARBAGE.keys())
+async def test_garbage_answers_are_protocol_errors(
+    raw_server: Serve, raw: bytes, message: str
+) -> None:
+    connections = 0
+
+    def handle(connection: socket.socket) -> None:
+        nonlocal connections
+        connections += 1
+        answer(raw)(connection)
+
+    url = raw_server(handle) + "/f.safetensors"
+    with pytest.raises(HTTPProtocolError, match=re.escape(message)) as info:
+        await load(url)
+    assert info.value.url == url
+    assert connections == 1  # not retried: the answer would be as garbled
+
+
+async def test_interim_answers_are_skipped(raw_server: Serve) -> None:
+    interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+    final = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(SMALL)
+    url = raw_server(answer(interim + final + SMALL)) + "/f.safetensors"
+    assert_same_arrays(await load(url), sample_tensors())
+
+
+async def test_chunked_body_reset_in_a_size_line(raw_server: Serve) -> None:
+    raw = CHUNKED_HEAD + b"8\r\n" + SMALL[:8] + b"\r\n4"
+    url = raw_server(answer(raw, then=reset)) + "/f.safetensors"
+    with pytest.raises(TruncatedStreamError, match=re.escape(url)):
+        await load(url)
+
+
+async def test_chunked_body_stalled_in_a_size_line(raw_server: Serve) -> None:
+    url = raw_server(answer(CHUNKED_HEAD + b"8\r\n" + SMALL[:8] + b"\r\n4")) + "/f.safetensors"
+    with pytest.raises(ReadTimeoutError) as info:
+        await load(url, timeout=0.2)
+    assert info.value.url == url
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+async def test_whole_body_for_a_range_from_the_middle(raw_server: Serve, concurrency: int) -> None:
+    """Taking that body as the range asked for would return the file's first bytes as ``b``."""
+    url = raw_server(ranges_from_zero_only(SPLIT_FILE)) + "/m.safetensors"
+    source = HttpSource(url, concurrency=concurrency, part_size=4096)
+    with pytest.raises(HTTPProtocolError, match="ignored the Range header") as info:
+        await load(source, include=["b"])
+    assert info.value.url == url
+    assert info.value.position is not None and info.value.position > 65536
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+async def test_range_starting_elsewhere(raw_server: Serve, concurrency: int) -> None:
+    url = raw_server(ranges_from_zero_only(SPLIT_FILE, start_shown=0)) + "/m.safetensors"
+    source = HttpSource(url, concurrency=concurrency, part_size=4096)
+    with pytest.raises(HTTPProtocolError, match="Content-Range 'bytes 0-"):
+        await load(source, include=["b"])
+
+
+async def test_whole_body_from_byte_zero_is_still_used(raw_server: Serve) -> None:
+    url = raw_server(ranges_from_zero_only(SPLIT_FILE)) + "/m.safetensors"
+    assert_same_arrays(await load(url), SPLIT)
+
+
+def upload_then(action: Handler) -> Handler:
+    """A handler taking a whole upload, then doing ``action`` instead of a proper answer."""
+
+    def handle(connection: socket.socket) -> None:
+        read_request(connection)
+        action(connection)
+
+    return handle
+
+
+def send_and_wait(raw: bytes) -> Handler:
+    def handle(connection: socket.socket) -> None:
+        connection.sendall(raw)
+        wait_for_close(connection)
+
+    return handle
+
+
+@pytest.mark.parametrize(
+    ("action", "error", "message"),
+    [
+        (reset, TransportError, "receive failed"),
+        (
+            send_and_wait(b"HTTP/1.1 201 Created\r\nContent-Length: x\r\n\r\n"),
+            HTTPProtocolError,
+            "Content-Length 'x'",
+        ),
+        (
+            send_and_wait(b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\nqq\r\n"),
+            HTTPProtocolError,
+            "chunk size line",
+        ),
+    ],
+)
+async def test_upload_answered_badly(
+    raw_server: Serve, action: Handler, error: type[Exception], message: str
+) -> None:
+    url = raw_server(upload_then(action)) + "/up.safetensors"
+    with anyio.fail_after(10), pytest.raises(error, match=message) as info:
+        await stream_st.save(url, {"a": np.arange(1000, dtype=np.float32)})
+    assert isinstance(info.value, TransportError) and info.value.url == url
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A self-signed certificate for 127.0.0.1: (server context, client context trusting it)."""
+    x509: Any = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "127.0.0.1")])
+    now = dt.datetime.now(dt.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    folder = tmp_path_factory.mktemp("tls")
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert_file, key_file)
+    return server, ssl.create_default_context(cafile=str(cert_file))
+
+
+async def test_https_works(raw_server: Serve, tls: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    raw = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(SMALL) + SMALL
+    url = raw_server(answer(raw), tls=tls[0]) + "/f.safetensors"
+    async with HTTPClient(ssl_context=tls[1]) as client:
+        assert_same_arrays(await load(HttpSource(url, client=client)), sample_tensors())
+
+
+async def test_https_to_http_redirect_is_refused(
+    raw_server: Serve, tls: tuple[ssl.SSLContext, ssl.SSLContext]
+) -> None:
+    """The request (credentials and all) would go out, and the answer come back, in clear text."""
+    with RangeHTTPServer() as plain:
+        plain.objects["/f.safetensors"] = SMALL
+        raw = b"HTTP/1.1 302 Found\r\nLocation: %s\r\nContent-Length: 0\r\n\r\n" % (
+            plain.url("/f.safetensors").encode()
+        )
+        url = raw_server(answer(raw), tls=tls[0]) + "/f.safetensors"
+        source = HttpSource(url, client=HTTPClient(ssl_context=tls[1]), headers={"Cookie": "c"})
+        with pytest.raises(HTTPProtocolError, match="from https to plain http refused") as info:
+            await load(source)
+        assert info.value.url == url
+        assert plain.requests == []
+
+
+async def test_a_hub_redirect_from_https_to_http_is_refused(
+    raw_server: Serve, tls: tuple[ssl.SSLContext, ssl.SSLContext]
+) -> None:
+    """An hf:// resolution is a redirect like any other: the signed URL would go out in clear."""
+    with RangeHTTPServer() as plain:
+        plain.objects["/f.safetensors"] = SMALL
+        cdn = plain.url("/f.safetensors") + "?sig=secret"
+        raw = b"HTTP/1.1 302 Found\r\nLocation: %s\r\nContent-Length: 0\r\n\r\n" % cdn.encode()
+        endpoint = raw_server(answer(raw), tls=tls[0])
+        source = HubSource("hf://org/repo/f.safetensors", endpoint=endpoint, token="hf_t")
+        source._client._ssl_context = tls[1]  # trust the test's certificate
+        with pytest.raises(HTTPProtocolError, match="from https to plain http refused") as info:
+            await load(source)
+        assert info.value.url == "hf://org/repo/f.safetensors"
+        assert "secret" not in str(info.value)
+        assert plain.requests == []
+
+
+async def test_upload_answered_with_a_redirect_is_not_stored(raw_server: Serve) -> None:
+    """A 3xx to a PUT means the body was not stored where it was sent."""
+    raw = b"HTTP/1.1 307 Temporary Redirect\r\nLocation: /elsewhere\r\nContent-Length: 0\r\n\r\n"
+    url = raw_server(upload_then(send_and_wait(raw))) + "/up.safetensors"
+    with (
+        anyio.fail_after(10),
+        pytest.raises(HTTPStatusError, match=r"307.*redirected to /elsewhere"),
+    ):
+        await stream_st.save(url, {"a": np.arange(10, dtype=np.float32)})
+
+
+async def test_https_upload_reset_mid_body(
+    raw_server: Serve, tls: tuple[ssl.SSLContext, ssl.SSLContext]
+) -> None:
+    """The body (32 MiB) is more than the socket buffers hold: a send meets the reset."""
+
+    def take_head_then_reset(connection: socket.socket) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += connection.recv(65536)
+        reset(connection)
+
+    url = raw_server(take_head_then_reset, tls=tls[0]) + "/up.safetensors"
+    sink = HttpSink(url, client=HTTPClient(ssl_context=tls[1]))
+    plan = [stream_st.TensorSpec("a", "U8", (32 << 20,))]
+    with anyio.fail_after(10), pytest.raises(TransportError) as info:
+        async with stream_st.open_writer(sink, plan) as writer:
+            await writer.write("a", np.zeros(32 << 20, np.uint8))
+    assert info.value.url == url
+
+
+@pytest.mark.parametrize("handshake", [True, False])
+async def test_https_reset_before_an_answer(
+    raw_server: Serve, tls: tuple[ssl.SSLContext, ssl.SSLContext], handshake: bool
+) -> None:
+    """Reset right after the TLS handshake, or instead of it."""
+    url = raw_server(reset, tls=tls[0] if handshake else None).replace("http:", "https:")
+    source = HttpSource(url + "/m.safetensors", client=HTTPClient(ssl_context=tls[1]), retries=0)
+    with pytest.raises(TransportError) as info:
+        await load(source)
+    assert info.value.url == url + "/m.safetensors"
+
+
+async def test_closed_stream_wire_raises_os_errors(raw_server: Serve) -> None:
+    """Like a closed socket: every caller translates OSError (anyio raises its own errors)."""
+    port = int(raw_server(wait_for_close).rsplit(":", 1)[1])
+    stream = await anyio.connect_tcp("127.0.0.1", port)
+    wire = StreamWire(stream, UNLIMITED)
+    await wire.aclose()
+    with pytest.raises(OSError):
+        await wire.send(b"GET / HTTP/1.1\r\n\r\n")
+    with pytest.raises(OSError):
+        await wire.recv_into(memoryview(bytearray(10)))
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://h:99999/x", "http://h:abc/x", "http://[::1/x", "http://h/\udcff"],
+)
+async def test_invalid_urls_are_usage_errors(url: str) -> None:
+    with pytest.raises(UsageError, match="invalid URL") as info:
+        await load(HttpSource(url))
+    assert repr(url) in str(info.value)
+
+
+async def test_url_is_percent_encoded() -> None:
+    """Spaces and non-ASCII characters cannot go on the request line as they are."""
+    with RangeHTTPServer() as server:
+        server.objects["/%E6%A8%A1%E5%9E%8B%20v1.safetensors"] = SMALL
+        url = server.url("/模型 v1.safetensors?rev=é")
+        assert_same_arrays(await load(url), sample_tensors())
+
+
+async def test_request_headers_must_be_latin_1(raw_server: Serve) -> None:
+    url = raw_server(wait_for_close) + "/f.safetensors"
+    with pytest.raises(UsageError, match="Latin-1") as info:
+        await load(HttpSource(url, headers={"Authorization": "Bearer €"}))
+    assert url in str(info.value)
+
+
+@pytest.mark.parametrize("options", [{"concurrency": 0}, {"part_size": 0}, {"retries": -1}])
+def test_source_options_are_checked(options: dict[str, Any]) -> None:
+    with pytest.raises(UsageError, match="HttpSource"):
+        HttpSource("http://127.0.0.1/x", **options)

@@ -1,0 +1,494 @@
+"""Local paths that are not plain files, and plain files under faults: devices, FIFOs, pipes,
+symlinks, full disks, cancelled commits. Everything is real: device nodes made with mknod, FIFOs
+made with mkfifo, a small tmpfs or a file size limit for a full disk."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import resource
+import stat
+import subprocess
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st
+from stream_st import ReadTimeoutError, TensorSpec, TransportError
+from stream_st.sharded.writer import open_dataset_writer, open_sharded_writer
+
+from .._util import sample_tensors
+from ..uses.test_cli import COMMAND
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+
+TENSORS: Arrays = sample_tensors()
+BIG: Arrays = {f"w{i}": np.random.default_rng(i).random(600_000) for i in range(3)}  # 3 x 4.8 MB
+NULL, FULL = (1, 3), (1, 7)  # the device numbers of /dev/null and /dev/full
+
+
+def same(got: Arrays, expected: Arrays) -> None:
+    assert sorted(got) == sorted(expected)
+    for name, array in expected.items():
+        assert got[name].dtype == array.dtype and got[name].tobytes() == array.tobytes()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def device_node(directory: Path, name: str, number: tuple[int, int]) -> Path:
+    """A character device node made in ``directory`` (so no test can harm the real /dev);
+    skipped where this process may not make or open one."""
+    path = directory / name
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(*number))
+        os.close(os.open(path, os.O_WRONLY))
+    except PermissionError as exc:
+        pytest.skip(f"cannot make and open a device node here: {exc}")
+    return path
+
+
+def fifo(directory: Path, name: str = "pipe") -> Path:
+    path = directory / name
+    os.mkfifo(path)
+    return path
+
+
+@contextlib.contextmanager
+def unblocking(path: Path, after: float = 5.0) -> Iterator[None]:
+    """A safety net, never needed when the code under test is right: should the event loop still
+    be stuck ``after`` seconds on, in a blocking open of the FIFO ``path``, open and close its
+    write end so that the test fails rather than hangs."""
+    stop = threading.Event()
+
+    def release() -> None:
+        if stop.wait(after):
+            return
+        while not stop.is_set():
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                return
+            except OSError:  # no reader yet
+                stop.wait(0.05)
+
+    thread = threading.Thread(target=release, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+# ---------------------------------------------------------------- devices as destinations
+
+
+async def test_save_to_a_character_device_writes_through_it(tmp_path: Path) -> None:
+    null = device_node(tmp_path, "null", NULL)
+    before = open_fds()
+    await stream_st.save(null, BIG)
+    async with stream_st.open_writer(null, [TensorSpec("x", np.float32, (2,))]) as writer:
+        await writer.write("x", np.ones(2, np.float32))
+    assert stat.S_ISCHR(null.stat().st_mode) and os.listdir(tmp_path) == ["null"]
+    assert open_fds() == before
+
+
+def test_cp_to_a_character_device_keeps_it(tmp_path: Path) -> None:
+    source = tmp_path / "model.safetensors"
+    reference_numpy.save_file(TENSORS, str(source))
+    null = device_node(tmp_path, "null", NULL)
+    result = subprocess.run(
+        [COMMAND, "cp", "--quiet", str(source), str(null)], capture_output=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert stat.S_ISCHR(null.stat().st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "null"]
+
+
+async def test_a_full_device_is_a_transport_error(tmp_path: Path) -> None:
+    full = device_node(tmp_path, "full", FULL)
+    before = open_fds()
+    with pytest.raises(TransportError, match="No space left on device") as info:
+        await stream_st.save(full, TENSORS)
+    assert info.value.url == str(full) and info.value.position == 0
+    assert stat.S_ISCHR(full.stat().st_mode) and os.listdir(tmp_path) == ["full"]
+    assert open_fds() == before
+
+
+# ---------------------------------------------------------------- FIFOs and pipes
+
+
+async def test_fifo_round_trip_in_one_event_loop(tmp_path: Path) -> None:
+    """The writer waits for a reader and the reader for a writer, neither blocking the loop."""
+    path = fifo(tmp_path)
+    got: Arrays = {}
+
+    async def load() -> None:
+        got.update(await stream_st.load(path, timeout=30))
+
+    before = open_fds()
+    with unblocking(path):
+        async with anyio.create_task_group() as group:
+            group.start_soon(stream_st.save, path, BIG)
+            group.start_soon(load)
+    same(got, BIG)
+    assert stat.S_ISFIFO(path.stat().st_mode) and os.listdir(tmp_path) == ["pipe"]
+    assert open_fds() == before
+
+
+async def test_a_fifo_source_leaves_the_loop_free_while_it_waits(tmp_path: Path) -> None:
+    path = fifo(tmp_path)
+    data = reference_numpy.save(TENSORS)
+    loop_ran = threading.Event()
+    seen: list[bool] = []
+
+    def writer() -> None:  # a writer that comes only once the event loop has run something
+        seen.append(loop_ran.wait(5))
+        with open(path, "wb") as out:
+            out.write(data)
+
+    async def tick() -> None:
+        await anyio.sleep(0.01)
+        loop_ran.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(tick)
+            got = await stream_st.load(path, timeout=30)
+    finally:
+        thread.join()
+    assert seen == [True]
+    same(got, TENSORS)
+
+
+async def test_timeout_applies_to_a_fifo_without_writer(tmp_path: Path) -> None:
+    path = fifo(tmp_path)
+    before = open_fds()
+    with unblocking(path), pytest.raises(ReadTimeoutError, match="no data") as info:
+        await stream_st.load(path, timeout=0.2)
+    assert info.value.url == str(path)
+    assert open_fds() == before
+
+
+async def test_timeout_applies_to_a_fifo_without_reader(tmp_path: Path) -> None:
+    path = fifo(tmp_path)
+    before = open_fds()
+    with pytest.raises(ReadTimeoutError, match="no reader"):
+        async with stream_st.open_writer(path, [TensorSpec("x", "U8", (4,))], timeout=0.2) as w:
+            await w.write("x", np.zeros(4, np.uint8))
+    assert stat.S_ISFIFO(path.stat().st_mode) and os.listdir(tmp_path) == ["pipe"]
+    assert open_fds() == before
+
+
+async def test_a_fifo_reader_that_hangs_up_fails_the_write(tmp_path: Path) -> None:
+    path = fifo(tmp_path)
+
+    async def read_then_hang_up() -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            with anyio.fail_after(10):
+                await anyio.wait_readable(fd)
+            os.read(fd, 100)
+        finally:
+            os.close(fd)
+
+    before = open_fds()
+    async with anyio.create_task_group() as group:
+        group.start_soon(read_then_hang_up)
+        with pytest.raises(TransportError, match="Broken pipe") as info:
+            await stream_st.save(path, BIG)
+    assert info.value.url == str(path) and (info.value.position or 0) > 0
+    assert stat.S_ISFIFO(path.stat().st_mode)
+    assert open_fds() == before
+
+
+def test_cli_inspect_of_a_fifo_without_writer_times_out(tmp_path: Path) -> None:
+    path = fifo(tmp_path)
+    result = subprocess.run(
+        [COMMAND, "inspect", "--timeout", "1", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "no data for 1 s" in result.stderr
+
+
+def test_cli_inspect_reads_a_pipe_on_stdin() -> None:
+    result = subprocess.run(
+        [COMMAND, "inspect", "/dev/stdin"],
+        input=reference_numpy.save(TENSORS),
+        capture_output=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert b"weight" in result.stdout and b"scalar" in result.stdout
+
+
+# ---------------------------------------------------------------- regular files
+
+
+async def test_a_directory_is_not_a_source(tmp_path: Path) -> None:
+    before = open_fds()
+    with pytest.raises(TransportError, match="cannot read a directory"):
+        await stream_st.load(tmp_path)
+    assert open_fds() == before
+
+
+async def test_saving_through_a_symlink_keeps_the_link(tmp_path: Path) -> None:
+    target = tmp_path / "data" / "real.safetensors"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(target)
+    dangling = tmp_path / "dangling.safetensors"
+    dangling.symlink_to(tmp_path / "data" / "new.safetensors")
+    for path in (link, dangling):
+        await stream_st.save(path, TENSORS)
+        assert path.is_symlink()
+        same(await stream_st.load(path), TENSORS)
+    assert sorted(os.listdir(tmp_path / "data")) == ["new.safetensors", "real.safetensors"]
+
+
+async def test_replacing_a_file_keeps_its_permission_bits(tmp_path: Path) -> None:
+    path = tmp_path / "private.safetensors"
+    path.write_bytes(b"old")
+    path.chmod(0o640)
+    await stream_st.save(path, TENSORS)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    same(await stream_st.load(path), TENSORS)
+
+
+async def cancel_at_every_turn(
+    job: Callable[[int], Awaitable[None]], check: Callable[[int, bool], None]
+) -> None:
+    """Run ``job(turns)`` cancelled after 0, 1, 2... event loop turns, until one completes
+    before its cancellation; ``check(turns, returned)`` after each run. Some runs must have
+    been stopped by their cancellation and some not."""
+    outcomes: set[bool] = set()
+    for turns in range(10_000):
+        returned = False
+        with anyio.CancelScope() as scope:
+
+            async def cancel_later(turns: int = turns, scope: anyio.CancelScope = scope) -> None:
+                for _ in range(turns):
+                    await anyio.lowlevel.checkpoint()
+                scope.cancel()
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(cancel_later)
+                await job(turns)
+                returned = True
+                group.cancel_scope.cancel()
+        outcomes.add(returned)
+        check(turns, returned)
+        if returned and not scope.cancel_called:
+            break
+    assert outcomes == {False, True}
+
+
+async def test_a_cancelled_fsync_commit_is_all_or_nothing(tmp_path: Path) -> None:
+    """Cancelled anywhere, a save with ``fsync`` either returns with the file in place, or
+    raises with nothing at the destination."""
+    arrays = {"x": np.arange(1 << 18, dtype=np.float32)}
+    expected = reference_numpy.save(arrays)
+
+    async def save(turns: int) -> None:
+        await stream_st.save(tmp_path / f"{turns}.safetensors", arrays, fsync=True)
+
+    def check(turns: int, returned: bool) -> None:
+        path = tmp_path / f"{turns}.safetensors"
+        if returned:
+            assert path.read_bytes() == expected
+        else:
+            assert not path.exists(), f"cancelled after {turns} turns, yet the file is in place"
+        assert [name for name in os.listdir(tmp_path) if name.startswith(".")] == []
+
+    await cancel_at_every_turn(save, check)
+
+
+async def test_a_cancelled_checkpoint_is_all_or_nothing(tmp_path: Path) -> None:
+    """Cancelled anywhere, a sharded checkpoint is complete with its index, or not there."""
+    arrays = {f"t{i}": np.full(100_000, i, np.float32) for i in range(4)}
+
+    async def write(turns: int) -> None:
+        async with open_sharded_writer(tmp_path / str(turns), max_shard_size=800_000) as writer:
+            for name, array in arrays.items():
+                await writer.write(name, array)
+
+    def check(turns: int, returned: bool) -> None:
+        directory = tmp_path / str(turns)
+        left = sorted(os.listdir(directory)) if directory.exists() else []
+        if returned:
+            assert len(left) == 3 and left[-1] == "model.safetensors.index.json"
+        else:
+            assert left == [], f"cancelled after {turns} turns, yet {left} are left"
+
+    await cancel_at_every_turn(write, check)
+
+
+# ---------------------------------------------------------------- full disks
+
+
+@pytest.fixture(params=["tmpfs", "file-size-limit"])
+def cramped(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """``(directory, size)``: a place where ``size`` bytes of tensor data fit in one file but
+    not twice over (a 1 MiB tmpfs: ENOSPC), or not with a header before them (a file size
+    limit: EFBIG)."""
+    directory = tmp_path / "small"
+    directory.mkdir()
+    if request.param == "tmpfs":
+        command = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(directory)]
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs needs root")
+        mounted = subprocess.run(command, capture_output=True, text=True)
+        if mounted.returncode:
+            pytest.skip(f"cannot mount a small tmpfs: {mounted.stderr.strip()}")
+        try:
+            yield directory, 600_000
+        finally:
+            subprocess.run(["umount", "-l", str(directory)], check=True)
+    else:
+        limit = 1 << 20
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # Python ignores SIGXFSZ
+        try:
+            yield directory, limit - 16
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+WRITERS: dict[str, Callable[[Path], Any]] = {
+    "checkpoint": lambda d: open_sharded_writer(d, max_shard_size=1 << 30),
+    "dataset": lambda d: open_dataset_writer(d, target_shard_size=1 << 30),
+}
+
+
+async def add(writer: Any, name: str, array: np.ndarray[Any, Any]) -> None:
+    if hasattr(writer, "write_batch"):
+        await writer.write_batch({name: array}, 1)
+    else:
+        await writer.write(name, array)
+
+
+@pytest.mark.parametrize("kind", sorted(WRITERS))
+@pytest.mark.parametrize("when", ["spooling", "sealing"])
+async def test_shard_writers_on_a_full_disk(
+    cramped: tuple[Path, int], kind: str, when: str
+) -> None:
+    """Spooling a tensor or sealing its shard runs out of room: a TransportError naming the
+    place, and nothing left behind."""
+    directory, size = cramped
+    array = np.ones(2 * size if when == "spooling" else size, np.uint8)
+    before = open_fds()
+    with pytest.raises(TransportError) as info:
+        async with WRITERS[kind](directory / "out") as writer:
+            await add(writer, "t", array)
+    assert str(directory / "out") in str(info.value)
+    assert re.search(r"(No space left on device|File too large), url=", str(info.value))
+    assert os.listdir(directory / "out") == []
+    assert open_fds() == before
+
+
+async def test_a_failed_final_rename_leaves_no_shard(tmp_path: Path) -> None:
+    (tmp_path / "model-00002-of-00002.safetensors").mkdir()  # in the way of the last shard
+    with pytest.raises(TransportError, match="model-00002-of-00002"):
+        async with open_sharded_writer(tmp_path, max_shard_size=100) as writer:
+            await writer.write("a", np.zeros(100, np.uint8))
+            await writer.write("b", np.zeros(100, np.uint8))
+    assert os.listdir(tmp_path) == ["model-00002-of-00002.safetensors"]
+
+
+# ---------------------------------------------------------------- memory of copied tensors
+
+
+def mapping_of(address: int) -> list[str] | None:
+    """The ``VmFlags`` of this process's mapping holding ``address`` (``/proc/self/smaps``), or
+    None when no mapping holds it."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):
+                low, high = (int(bound, 16) for bound in first.split("-"))
+                inside = low <= address < high
+            elif inside and first == "VmFlags:":
+                return line.split()[1:]
+    return None
+
+
+async def test_large_copied_tensors_ask_for_no_huge_pages(tmp_path: Path) -> None:
+    """A fresh tensor of 4 MiB and more lies in a mapping of its own, not advised for
+    transparent huge pages (``np.empty`` advises them, and on a virtual machine they are the
+    slow first touch), unmapped when the array goes; smaller ones come from ``np.empty``."""
+    tensors: Arrays = {
+        "big": np.arange(3 << 20, dtype=np.float32),
+        "small": np.arange(7, dtype=np.int8),
+    }
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(tensors, str(path))
+    got = await stream_st.load(path)
+    same(got, tensors)
+    assert got["big"].flags.writeable and got["small"].flags.writeable
+    address = got["big"].ctypes.data + got["big"].nbytes // 2  # np.empty advises from a page on
+    flags = mapping_of(address)
+    assert flags is not None and "hg" not in flags
+    del got
+    assert mapping_of(address) is None
+
+
+def test_pieces_read_out_of_order_are_hashed_in_order() -> None:
+    """A verified read's chunks finish on two threads in any order; the hash gets them in order,
+    and neither thread waits for the other (the one that completes a run feeds it)."""
+    from stream_st.transports.file.source import _InOrder
+
+    fed: list[bytes] = []
+    order = _InOrder(lambda piece: fed.append(bytes(piece)))
+    pieces = [memoryview(bytes([n]) * 3) for n in range(6)]
+    for number in (1, 3, 0, 5, 2, 4):  # 0 feeds 0 and 1; 2 feeds 2 and 3; 4 feeds 4 and 5
+        order.done(number, pieces[number])
+    assert fed == [bytes(piece) for piece in pieces]
+
+    fed.clear()
+    crowd = _InOrder(lambda piece: fed.append(bytes(piece)))
+    many = [memoryview(n.to_bytes(2, "little")) for n in range(2000)]
+
+    def work(first: int) -> None:
+        for number in range(first, len(many), 2):
+            crowd.done(number, many[number])
+
+    threads = [threading.Thread(target=work, args=(first,)) for first in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert fed == [bytes(piece) for piece in many]
+
+
+def test_a_failed_hash_stops_feeding_later_pieces() -> None:
+    from stream_st.transports.file.source import _InOrder
+
+    fed: list[int] = []
+
+    def feed(piece: memoryview) -> None:
+        if piece[0] == 1:
+            raise ValueError("hash failed")
+        fed.append(piece[0])
+
+    order = _InOrder(feed)
+    order.done(2, memoryview(b"\x02"))
+    order.done(0, memoryview(b"\x00"))
+    with pytest.raises(ValueError, match="hash failed"):
+        order.done(1, memoryview(b"\x01"))  # 2 is left unfed
+    order.done(3, memoryview(b"\x03"))
+    assert fed == [0]

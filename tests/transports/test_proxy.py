@@ -1,0 +1,213 @@
+"""Forward proxies from the environment: tinyproxy in front of nginx (plain requests in absolute
+form, ``CONNECT`` tunnels for https), ``NO_PROXY``, refusals (407) and unsupported proxies."""
+
+from __future__ import annotations
+
+import base64
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors import numpy as reference_numpy
+
+import stream_st
+from stream_st.errors import TransportError, UsageError
+from stream_st.transports.http import Target
+from stream_st.transports.http.proxy import proxy_for
+
+from ..servers._loopback import LoopbackServer
+from ..servers.nginx_server import NginxServer
+from ..servers.proxy_server import ForwardProxy
+
+pytestmark = pytest.mark.anyio
+
+PROXY_VARIABLES = [
+    f"{name}_proxy" for name in ("http", "https", "all", "no", "HTTP", "HTTPS", "ALL", "NO")
+]
+
+
+@pytest.fixture(autouse=True)
+def no_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test sets the variables it means: none come from the machine running the tests."""
+    for name in [*PROXY_VARIABLES, "REQUEST_METHOD"]:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def nginx(small_nginx: NginxServer) -> NginxServer:
+    return small_nginx
+
+
+def assert_equal(loaded: dict[str, np.ndarray[Any, Any]], file: Path) -> None:
+    expected = reference_numpy.load_file(str(file))
+    assert loaded.keys() == expected.keys()
+    for name, array in expected.items():
+        np.testing.assert_array_equal(loaded[name], array)
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RefusingProxy(LoopbackServer):
+    """A proxy that answers every request (``CONNECT`` included) with 407, and records the
+    ``Proxy-Authorization`` header of each."""
+
+    def __init__(self) -> None:
+        self.credentials: list[str | None] = []
+        super().__init__()
+
+    def handle(self, connection: socket.socket) -> None:
+        with connection.makefile("rb") as reader:
+            lines = iter(lambda: reader.readline().decode("latin-1").strip(), "")
+            headers = dict(line.partition(":")[::2] for line in lines)
+            auth = headers.get("Proxy-Authorization")
+            self.credentials.append(auth.strip() if auth else None)
+            connection.sendall(
+                b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n"
+                b'Proxy-Authenticate: Basic realm="p"\r\nConnection: close\r\n\r\n'
+            )
+
+
+@pytest.fixture
+def refusing_proxy() -> Iterator[RefusingProxy]:
+    proxy = RefusingProxy()
+    yield proxy
+    proxy.close()
+
+
+# ---------------------------------------------------------------- through a real proxy
+
+
+async def test_plain_http_goes_through_the_proxy(
+    forward_proxy: ForwardProxy, nginx: NginxServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("http_proxy", forward_proxy.url)
+    url = nginx.url("m.safetensors")
+    loaded = await stream_st.load(url)
+    assert_equal(loaded, nginx.root / "m.safetensors")
+    assert f"GET {url}" in forward_proxy.log()  # absolute form, as a proxy expects
+
+
+async def test_https_is_tunnelled_through_the_proxy(
+    forward_proxy: ForwardProxy, nginx: NginxServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", forward_proxy.url)
+    url = nginx.url("m.safetensors", tls=True)
+    loaded = await stream_st.load(url, ssl_context=nginx.client_context())
+    assert_equal(loaded, nginx.root / "m.safetensors")
+    assert f"CONNECT 127.0.0.1:{nginx.tls_port}" in forward_proxy.log()
+
+
+async def test_all_proxy_is_the_fallback(
+    forward_proxy: ForwardProxy, nginx: NginxServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ALL_PROXY", forward_proxy.url)
+    url = nginx.url("m.safetensors")
+    await stream_st.read_header(url)
+    assert f"GET {url}" in forward_proxy.log()
+
+
+async def test_no_proxy_goes_direct(nginx: NginxServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy that does not exist: only a direct connection succeeds."""
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("no_proxy", f"example.com, 127.0.0.1:{nginx.port},127.0.0.0/8")
+    await stream_st.read_header(nginx.url("m.safetensors"))
+    await stream_st.read_header(
+        nginx.url("m.safetensors", tls=True), ssl_context=nginx.client_context()
+    )
+
+
+async def test_an_unreachable_proxy_is_named(
+    nginx: NginxServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = closed_port()
+    monkeypatch.setenv("http_proxy", f"http://user:hunter2@127.0.0.1:{port}")
+    with pytest.raises(TransportError, match=f"proxy http://user@127.0.0.1:{port}") as info:
+        await stream_st.read_header(stream_st.HttpSource(nginx.url("m.safetensors"), retries=0))
+    assert "hunter2" not in str(info.value)
+
+
+# ---------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+async def test_a_407_names_the_proxy_and_sends_the_credentials(
+    refusing_proxy: RefusingProxy, monkeypatch: pytest.MonkeyPatch, scheme: str
+) -> None:
+    monkeypatch.setenv(f"{scheme}_proxy", f"http://me:s%40cret@127.0.0.1:{refusing_proxy.port}")
+    source = stream_st.HttpSource(f"{scheme}://198.51.100.7/m.safetensors", retries=0)
+    with pytest.raises(TransportError) as info:
+        await stream_st.read_header(source, timeout=5)
+    message = str(info.value)
+    assert f"the proxy http://me@127.0.0.1:{refusing_proxy.port} refused" in message
+    assert "407" in message and "\n" not in message and "s@cret" not in message
+    assert "CONNECT 198.51.100.7:443" in message if scheme == "https" else "GET http://" in message
+    assert refusing_proxy.credentials == ["Basic " + base64.b64encode(b"me:s@cret").decode()]
+
+
+@pytest.mark.parametrize("proxy", ["socks5://127.0.0.1:1080", "socks5h://h:1", "https://p:3128"])
+async def test_unsupported_proxies_are_refused(monkeypatch: pytest.MonkeyPatch, proxy: str) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", proxy)
+    with pytest.raises(UsageError, match=r"HTTPS_PROXY: \w+:// proxies are not supported"):
+        await stream_st.read_header("https://198.51.100.7/m.safetensors")
+
+
+# ---------------------------------------------------------------- choosing the proxy
+
+
+def chosen(url: str, **environ: str) -> str | None:
+    proxy = proxy_for(Target.parse(url), environ)
+    return None if proxy is None else proxy.name
+
+
+def test_the_variable_follows_the_scheme() -> None:
+    env = {"http_proxy": "p1:1", "https_proxy": "http://p2:2", "all_proxy": "p3:3"}
+    assert chosen("http://h/x", **env) == "http://p1:1"
+    assert chosen("https://h/x", **env) == "http://p2:2"
+    assert chosen("https://h/x", all_proxy="p3") == "http://p3:1080"
+    assert chosen("http://h/x") is None
+
+
+def test_lower_case_wins_and_cgi_ignores_upper_case_http_proxy() -> None:
+    assert chosen("http://h/", http_proxy="lower:1", HTTP_PROXY="upper:2") == "http://lower:1"
+    assert chosen("http://h/", http_proxy="", HTTP_PROXY="upper:2") is None
+    assert chosen("https://h/", HTTPS_PROXY="upper:2") == "http://upper:2"
+    assert chosen("http://h/", HTTP_PROXY="upper:2") == "http://upper:2"
+    assert chosen("http://h/", HTTP_PROXY="upper:2", REQUEST_METHOD="GET") is None
+    assert chosen("http://h/", http_proxy="lower:1", REQUEST_METHOD="GET") == "http://lower:1"
+
+
+@pytest.mark.parametrize(
+    ("url", "no_proxy", "direct"),
+    [
+        ("http://example.com/", "example.com", True),
+        ("http://a.b.example.com/", "example.com", True),
+        ("http://a.example.com/", ".example.com", True),
+        ("http://example.com/", ".example.com", True),
+        ("http://badexample.com/", "example.com", False),
+        ("http://EXAMPLE.com./", "example.COM", True),
+        ("http://anything/", "*", True),
+        ("http://anything/", "*.com", False),
+        ("http://h:8080/", "h:8080", True),
+        ("http://h:8081/", "h:8080", False),
+        ("https://h/", "h:443", True),
+        ("http://10.1.2.3/", "10.1.2.3", True),
+        ("http://10.1.2.3/", "10.0.0.0/8", True),
+        ("http://11.1.2.3/", "10.0.0.0/8", False),
+        ("http://[::1]:81/", "[::1]:81", True),
+        ("http://[::1]/", "::1", True),
+        ("http://[fd00::5]/", "fd00::/8", True),
+        ("http://h/", "a b,  ,h", True),
+        ("http://h/", "", False),
+    ],
+)
+def test_no_proxy_rules(url: str, no_proxy: str, direct: bool) -> None:
+    assert (chosen(url, all_proxy="p:1", NO_PROXY=no_proxy) is None) == direct

@@ -1,0 +1,267 @@
+"""Secrets never show, and credentials in a URL are used.
+
+A URL's ``user:password@`` is sent as HTTP Basic credentials, as curl and requests send it: to
+that URL's origin only, never after a redirect to another one. Nothing prints a secret: not an
+error's message or ``url``, not a transport's ``name``, not the ``repr`` of a configuration that
+holds keys or tokens. The servers are tests/servers/http_server.py's (127.0.0.1, and 127.0.0.2 for
+another host).
+"""
+
+from __future__ import annotations
+
+import base64
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st
+from stream_st import HTTPNotFoundError, HTTPProtocolError, SafetensorsError, UsageError
+from stream_st.errors import TransportError, redact
+from stream_st.transports.http.proxy import Proxy
+from stream_st.transports.http.source import HttpSource
+from stream_st.transports.hub import HubClient, HubSource
+from stream_st.transports.options import Transport
+from stream_st.transports.s3.config import Keys, S3Config
+
+from .._util import assert_same_arrays
+from ..servers.http_server import RangeHTTPServer
+
+SECRET = "S3cr3tPw"
+ARRAYS: dict[str, np.ndarray[Any, Any]] = {
+    "a": np.arange(50_000, dtype=np.float32),
+    "b": np.full(300, 7, np.uint8),
+}
+FILE = reference_numpy.save(ARRAYS)
+
+
+@dataclass
+class BasicAuthServer(RangeHTTPServer):
+    """A :class:`RangeHTTPServer` whose every answer needs HTTP Basic ``credentials``
+    (``user:password``): 401 without them, as a protected static server answers."""
+
+    credentials: str = f"alice:{SECRET}"
+
+    def _answer(
+        self, connection: socket.socket, reader: Any, method: str, target: str, headers: Any
+    ) -> bool:
+        expected = "Basic " + base64.b64encode(self.credentials.encode()).decode()
+        if headers.get("authorization") == expected:
+            return super()._answer(connection, reader, method, target, headers)
+        self.headers_seen.append((method, target, headers))
+        if method in ("PUT", "POST"):
+            self._read_body(reader, headers)
+        body = b"authentication required"
+        head = {"WWW-Authenticate": 'Basic realm="models"', "Content-Length": str(len(body))}
+        self._send_head(connection, 401, head)
+        connection.sendall(body)
+        return True
+
+
+def with_credentials(url: str, userinfo: str = f"alice:{SECRET}") -> str:
+    return url.replace("http://", f"http://{userinfo}@", 1)
+
+
+@pytest.fixture
+def protected() -> Iterator[BasicAuthServer]:
+    running = BasicAuthServer()
+    with running:
+        running.objects["/m.safetensors"] = FILE
+        yield running
+
+
+@pytest.fixture
+def server() -> Iterator[RangeHTTPServer]:
+    with RangeHTTPServer() as running:
+        running.objects["/m.safetensors"] = FILE
+        yield running
+
+
+@pytest.fixture
+def other_host() -> Iterator[RangeHTTPServer]:
+    with RangeHTTPServer(host="127.0.0.2") as running:
+        running.objects["/m.safetensors"] = FILE
+        yield running
+
+
+async def load(source: Any, **kwargs: Any) -> dict[str, Any]:
+    with anyio.fail_after(20):
+        return await stream_st.load(source, **kwargs)
+
+
+def seen(server: RangeHTTPServer, name: str) -> list[str | None]:
+    """The value of header ``name`` on each request the server got."""
+    server.settle()
+    return [headers.get(name) for _, _, headers in server.headers_seen]
+
+
+def assert_hidden(*texts: str, secrets: tuple[str, ...] = (SECRET,)) -> None:
+    for text in texts:
+        for secret in secrets:
+            assert secret not in text, text
+
+
+# --------------------------------------------------------------------------- URL credentials
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_url_credentials_are_sent_as_basic_auth(
+    protected: BasicAuthServer, concurrency: int
+) -> None:
+    url = with_credentials(protected.url("/m.safetensors"))
+    assert_same_arrays(await load(url, concurrency=concurrency), ARRAYS)
+    assert_same_arrays(await load(url, include=["b"]), {"b": ARRAYS["b"]})
+    assert None not in seen(protected, "authorization")
+
+
+async def test_url_credentials_are_percent_decoded(protected: BasicAuthServer) -> None:
+    protected.credentials = "al ice:p@ss:w/rd"
+    url = with_credentials(protected.url("/m.safetensors"), "al%20ice:p%40ss%3Aw%2Frd")
+    assert_same_arrays(await load(url), ARRAYS)
+
+
+async def test_url_credentials_are_sent_with_an_upload(protected: BasicAuthServer) -> None:
+    url = with_credentials(protected.url("/up.safetensors"))
+    with anyio.fail_after(20):
+        await stream_st.save(url, ARRAYS)
+    assert protected.objects["/up.safetensors"] == FILE
+
+
+async def test_given_authorization_wins_over_url_credentials(server: RangeHTTPServer) -> None:
+    url = with_credentials(server.url("/m.safetensors"))
+    source = HttpSource(url, headers={"Authorization": "Bearer mine"})
+    assert_same_arrays(await load(source), ARRAYS)
+    assert set(seen(server, "authorization")) == {"Bearer mine"}
+
+
+async def test_url_credentials_follow_a_redirect_within_the_origin_only(
+    server: RangeHTTPServer, other_host: RangeHTTPServer
+) -> None:
+    server.redirects["/same"] = server.url("/m.safetensors")
+    server.redirects["/away"] = other_host.url("/m.safetensors")
+    assert_same_arrays(await load(with_credentials(server.url("/same"))), ARRAYS)
+    basic = "Basic " + base64.b64encode(f"alice:{SECRET}".encode()).decode()
+    assert set(seen(server, "authorization")) == {basic}  # the redirect and where it led
+    assert_same_arrays(await load(with_credentials(server.url("/away"))), ARRAYS)
+    assert set(seen(other_host, "authorization")) == {None}
+
+
+async def test_a_location_with_credentials_is_followed_without_them(
+    server: RangeHTTPServer, other_host: RangeHTTPServer
+) -> None:
+    server.redirects["/away"] = with_credentials(other_host.url("/m.safetensors"), "bob:pw")
+    assert_same_arrays(await load(server.url("/away")), ARRAYS)
+    assert set(seen(other_host, "authorization")) == {None}
+
+
+# --------------------------------------------------------------------------- what errors show
+
+
+async def test_errors_and_names_hide_the_url_password(protected: BasicAuthServer) -> None:
+    url = with_credentials(protected.url("/missing.safetensors"))
+    source = HttpSource(url)
+    assert_hidden(source.name)
+    assert "alice" in source.name  # whose credentials, still said
+    with pytest.raises(HTTPNotFoundError) as info:
+        await load(source)
+    assert_hidden(str(info.value), repr(info.value), info.value.url)
+    assert "alice:***@" in str(info.value)
+
+
+async def test_a_refused_connection_hides_the_url_password() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(TransportError) as info:
+        await load(f"http://alice:{SECRET}@127.0.0.1:{port}/m.safetensors")
+    assert_hidden(str(info.value), info.value.url)
+
+
+async def test_misuse_errors_hide_the_url_password() -> None:
+    with pytest.raises(UsageError) as usage:
+        HttpSource(f"http://alice:{SECRET}@127.0.0.1:1/m", concurrency=0)
+    with pytest.raises(SafetensorsError) as scheme:
+        await load(f"gopher://alice:{SECRET}@127.0.0.1/m.safetensors")
+    assert_hidden(str(usage.value), str(scheme.value))
+
+
+PRESIGNED = (
+    "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIDEXAMPLE%2F20240101%2Fus-east-1"
+    "&X-Amz-Date=20240101T000000Z&X-Amz-Expires=60&X-Amz-Security-Token=SESSIONTOKEN"
+    "&X-Amz-Signature=5ec2e7de0fa1"
+)
+PRESIGNED_SECRETS = ("AKIDEXAMPLE", "SESSIONTOKEN", "5ec2e7de0fa1")
+
+
+async def test_errors_hide_a_presigned_urls_signature(server: RangeHTTPServer) -> None:
+    source = HttpSource(server.url(f"/missing.safetensors?{PRESIGNED}"))
+    with pytest.raises(HTTPNotFoundError) as info:
+        await load(source)
+    shown = (str(info.value), info.value.url, source.name)
+    assert_hidden(*shown, secrets=PRESIGNED_SECRETS)
+    assert "X-Amz-Signature=***" in str(info.value)
+    assert "X-Amz-Date=20240101T000000Z" in str(info.value)  # not a secret: kept
+
+
+async def test_a_refused_redirect_hides_where_it_pointed(server: RangeHTTPServer) -> None:
+    server.redirects["/m"] = f"ftp://alice:{SECRET}@127.0.0.2/m?{PRESIGNED}"
+    with pytest.raises(HTTPProtocolError) as info:
+        await load(server.url("/m"))
+    assert_hidden(str(info.value), secrets=(SECRET, *PRESIGNED_SECRETS))
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        (f"http://alice:{SECRET}@host/m", "http://alice:***@host/m"),
+        (f"see https://a:{SECRET}@b@host:8/x?y=1 and s3://b/k", "see https://a:***@host:8/x?y=1 and s3://b/k"),
+        ("https://b.example/k?sig=abc&se=2&sv=1", "https://b.example/k?sig=***&se=2&sv=1"),
+        ("https://h/x?Signature=abc&Key-Pair-Id=K1", "https://h/x?Signature=***&Key-Pair-Id=K1"),
+        ("https://h/x?access_token=abc&api_key=def", "https://h/x?access_token=***&api_key=***"),
+        ("https://h/x?X-Goog-Signature=abc&X-Goog-Credential=def", "https://h/x?X-Goog-Signature=***&X-Goog-Credential=***"),
+        ("http://alice@host/m", "http://alice@host/m"),  # a user name alone is no secret
+        ("user@example.com wrote /tmp/a:b@c", "user@example.com wrote /tmp/a:b@c"),
+        ("http://h/p@x?token=", "http://h/p@x?token="),
+    ],
+)  # fmt: skip
+def test_redact(text: str, shown: str) -> None:
+    assert redact(text) == shown
+    assert redact(shown) == shown  # masking again changes nothing
+
+
+# --------------------------------------------------------------------------- reprs
+
+
+def test_no_secret_in_a_repr_or_str() -> None:
+    config = S3Config(
+        endpoint_url=f"http://minio:{SECRET}@127.0.0.1:9000",
+        region="us-east-1",
+        access_key_id="AKIDEXAMPLE",
+        secret_access_key=SECRET,
+        session_token=f"token-{SECRET}",
+    )
+    holders: list[object] = [
+        config,
+        Keys("AKIDEXAMPLE", SECRET, f"token-{SECRET}"),
+        Transport.of({"Authorization": f"Bearer {SECRET}"}),
+        Proxy.parse(f"http://me:{SECRET}@127.0.0.1:3128", "http_proxy"),
+        HubClient("http://127.0.0.1:1", f"hf_{SECRET}"),
+        HubSource("hf://org/repo/m.safetensors", endpoint="http://127.0.0.1:1", token=SECRET),
+        HttpSource(f"http://alice:{SECRET}@127.0.0.1:1/m", headers={"Cookie": SECRET}),
+    ]
+    for holder in holders:
+        assert_hidden(repr(holder), str(holder))
+    assert "AKIDEXAMPLE" in repr(config)  # which keys: still said
+    assert "secret_access_key='***'" in repr(config)
+
+
+def test_a_bad_header_value_is_not_shown() -> None:
+    with pytest.raises(UsageError) as info:
+        Transport.of({"Authorization": f"Bearer {SECRET}\n"})  # a token file's newline
+    assert_hidden(str(info.value))
+    assert "Authorization" in str(info.value)

@@ -1,0 +1,317 @@
+"""Uploads whose answers get lost: S3 multipart and HTTP upload sinks against real servers (moto,
+tests/servers/http_server.py) behind a proxy that drops, resets, stalls or replaces chosen answers.
+
+After every failure: no pending multipart upload of the key, nothing (or the whole object) at the
+key, a cancellation that stays a cancellation, a clean-up that ends on its own whatever the
+timeout, and an error that says when the writer cannot know whether the object was stored.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st
+from stream_st import OutcomeUnknownError, TensorSpec, TransportError
+from stream_st.transports.http import HTTPStatusError
+from stream_st.transports.http.sink import HttpSink
+from stream_st.transports.s3.config import S3Config
+from stream_st.transports.s3.sink import MIN_PART_SIZE, S3Sink
+
+from ..servers.http_server import RangeHTTPServer
+from ..servers.lossy_proxy import LossyProxy
+from ..servers.s3_server import CREDENTIALS, MotoS3Server
+
+pytestmark = [
+    pytest.mark.filterwarnings("error::ResourceWarning"),
+    pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning"),
+]
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+BUCKET = "faults"
+# Two parts of MIN_PART_SIZE: the second one is sent with the completion.
+TWO_PARTS: Arrays = {f"w{i}": np.random.default_rng(i).random(400_000) for i in range(2)}
+SMALL: Arrays = {"a": np.arange(12, dtype=np.float32)}
+
+# The requests of a multipart upload: method and a pattern of the query string.
+CREATE = ("POST", "^uploads")
+PART = ("PUT", "partNumber=")
+COMPLETE = ("POST", "^uploadId=")
+ABORT = ("DELETE", "uploadId=")
+PUT = ("PUT", "^$")
+ERROR = b"<Error><Code>InternalError</Code><Message>We encountered an error.</Message></Error>"
+ERROR_IN_200 = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(ERROR), ERROR)
+ANSWER_500 = b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n"
+REDIRECT = (
+    b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://elsewhere.invalid/\r\n"
+    b"Content-Length: 0\r\n\r\n"
+)
+
+
+@pytest.fixture(scope="module")
+def store(moto_s3: MotoS3Server) -> MotoS3Server:
+    moto_s3.client().create_bucket(Bucket=BUCKET)
+    return moto_s3
+
+
+@pytest.fixture
+def key(request: pytest.FixtureRequest) -> str:
+    """An object key of the test's own."""
+    return re.sub(r"[^\w.-]+", "-", request.node.name) + ".safetensors"
+
+
+@pytest.fixture
+def proxy(store: MotoS3Server) -> Iterator[LossyProxy]:
+    with LossyProxy(store.port) as proxy:
+        yield proxy
+
+
+def s3_sink(proxy: LossyProxy, key: str, **kwargs: Any) -> S3Sink:
+    config = S3Config.resolve(
+        endpoint_url=proxy.url,
+        access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        environ={},
+    )
+    sink = S3Sink(f"s3://{BUCKET}/{key}", config=config, part_size=MIN_PART_SIZE, **kwargs)
+    sink.abort_timeout = 1.0
+    return sink
+
+
+def pending(store: MotoS3Server, key: str) -> list[str]:
+    """Upload ids of the multipart uploads of exactly ``key`` still pending."""
+    answer = store.client().list_multipart_uploads(Bucket=BUCKET, Prefix=key)
+    return [u["UploadId"] for u in answer.get("Uploads", []) if u["Key"] == key]
+
+
+def stored(store: MotoS3Server, key: str) -> bytes | None:
+    client = store.client()
+    try:
+        return bytes(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    except client.exceptions.NoSuchKey:
+        return None
+
+
+async def write(sink: Any, arrays: Arrays) -> None:
+    plan = [TensorSpec(n, a.dtype, a.shape) for n, a in arrays.items()]
+    async with stream_st.open_writer(sink, plan) as writer:
+        for name, array in arrays.items():
+            await writer.write(name, array)
+
+
+async def write_cancelled_at(
+    sink: Any, arrays: Arrays, proxy: LossyProxy, request: tuple[str, str]
+) -> anyio.CancelScope:
+    """Write, cancelling once the server has seen ``request`` (and the proxy lost its answer)."""
+
+    async def cancel_when_seen(scope: anyio.CancelScope) -> None:
+        await anyio.to_thread.run_sync(proxy.wait_for, *request)
+        scope.cancel()
+
+    with anyio.fail_after(60), anyio.CancelScope() as scope:  # fail_after: a hang guard
+        async with anyio.create_task_group() as group:
+            group.start_soon(cancel_when_seen, scope)
+            await write(sink, arrays)
+    return scope
+
+
+# ---------------------------------------------------------------- CreateMultipartUpload
+
+
+async def test_create_answer_lost_leaves_no_upload_of_ours(
+    store: MotoS3Server, proxy: LossyProxy, key: str
+) -> None:
+    others = store.client().create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
+    proxy.lose(*CREATE, "reset")
+    with pytest.raises(TransportError):
+        await write(s3_sink(proxy, key), TWO_PARTS)
+    assert pending(store, key) == [others]  # ours was found and aborted; the other one kept
+    assert stored(store, key) is None
+    store.client().abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=others)
+
+
+async def test_create_answer_without_upload_id(
+    store: MotoS3Server, proxy: LossyProxy, key: str
+) -> None:
+    proxy.lose(*CREATE, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", forward=True)
+    with pytest.raises(TransportError, match="no UploadId"):
+        await write(s3_sink(proxy, key), TWO_PARTS)
+    assert pending(store, key) == []
+
+
+# ---------------------------------------------------------------- UploadPart
+
+
+@pytest.mark.parametrize(
+    ("at", "action", "error"),
+    [
+        (PART, "reset", "Connection reset"),
+        (PART, "refuse", "Connection reset"),
+        (PART, ANSWER_500, "HTTP 500"),
+        (PART, REDIRECT, r"HTTP 307.*elsewhere\.invalid"),
+        (COMPLETE, ANSWER_500, "HTTP 500"),
+        (COMPLETE, ERROR_IN_200, "InternalError"),
+        (COMPLETE, REDIRECT, "HTTP 307"),
+    ],
+    ids=["part-reset", "part-refuse", "part-500", "part-redirect", "500", "error", "redirect"],
+)
+async def test_failure_aborts_the_upload(
+    store: MotoS3Server,
+    proxy: LossyProxy,
+    key: str,
+    at: tuple[str, str],
+    action: str | bytes,
+    error: str,
+) -> None:
+    """A lost part, or a completion the store did not carry out: the upload is aborted and the
+    error says what happened."""
+    proxy.lose(*at, action)
+    with pytest.raises(TransportError, match=error) as info:
+        await write(s3_sink(proxy, key), TWO_PARTS)
+    assert not isinstance(info.value, OutcomeUnknownError)
+    assert pending(store, key) == []
+    assert stored(store, key) is None
+
+
+async def test_cancel_with_a_stalled_store_and_no_timeout_ends(
+    store: MotoS3Server, proxy: LossyProxy, key: str
+) -> None:
+    """timeout=None waits forever for each answer, but the shielded abort still gives up."""
+    proxy.lose(*PART, "stall", times=None)
+    proxy.lose(*ABORT, "stall", times=None)
+    scope = await write_cancelled_at(s3_sink(proxy, key, timeout=None), TWO_PARTS, proxy, PART)
+    assert scope.cancelled_caught
+    proxy.wait_for(*ABORT, given_up=True)  # the abort gave up by itself, before the proxy did
+    for upload_id in pending(store, key):
+        store.client().abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload_id)
+
+
+# ---------------------------------------------------------------- CompleteMultipartUpload
+
+
+@pytest.mark.parametrize(
+    "action", ["reset", "close", ANSWER_500, ERROR_IN_200], ids=["reset", "close", "500", "error"]
+)
+async def test_complete_done_but_answer_lost_is_a_success(
+    store: MotoS3Server, proxy: LossyProxy, key: str, action: str | bytes
+) -> None:
+    """The store completed the object: the writer finds that out and reports success."""
+    proxy.lose(*COMPLETE, action, forward=True)
+    await write(s3_sink(proxy, key), TWO_PARTS)
+    assert stored(store, key) == reference_numpy.save(TWO_PARTS)
+    assert pending(store, key) == []
+
+
+async def test_complete_and_abort_lost_is_an_unknown_outcome(
+    store: MotoS3Server, proxy: LossyProxy, key: str
+) -> None:
+    proxy.lose(*COMPLETE, "refuse")
+    proxy.lose(*ABORT, "refuse", times=None)
+    with pytest.raises(OutcomeUnknownError, match="may or may not") as info:
+        await write(s3_sink(proxy, key), TWO_PARTS)
+    assert info.value.url == f"s3://{BUCKET}/{key}"
+    for upload_id in pending(store, key):  # the store could not be told: clean up here
+        store.client().abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload_id)
+
+
+# ---------------------------------------------------------------- cancellation
+
+
+@pytest.mark.parametrize("at", [CREATE, PART, COMPLETE], ids=["create", "part", "complete"])
+async def test_cancelled_while_waiting_for_an_answer(
+    store: MotoS3Server, proxy: LossyProxy, key: str, at: tuple[str, str]
+) -> None:
+    """The request reached the store and its answer never comes: the cancellation stays one and
+    nothing is left pending (an object the store completed anyway stays)."""
+    proxy.lose(*at, "stall")
+    scope = await write_cancelled_at(s3_sink(proxy, key), TWO_PARTS, proxy, at)
+    assert scope.cancelled_caught
+    assert pending(store, key) == []
+    if at != COMPLETE:
+        assert stored(store, key) is None
+
+
+# ---------------------------------------------------------------- a single PUT
+
+
+async def test_put_answer_lost_after_storing_is_a_success(
+    store: MotoS3Server, proxy: LossyProxy, key: str
+) -> None:
+    proxy.lose(*PUT, "reset")
+    await write(s3_sink(proxy, key), SMALL)
+    assert stored(store, key) == reference_numpy.save(SMALL)
+
+
+async def test_put_answer_lost_is_an_unknown_outcome(
+    store: MotoS3Server, proxy: LossyProxy, key: str
+) -> None:
+    proxy.lose(*PUT, "refuse")
+    with pytest.raises(OutcomeUnknownError, match="may or may not"):
+        await write(s3_sink(proxy, key), SMALL)
+    assert stored(store, key) is None
+
+
+async def test_put_redirected_is_a_failure(
+    store: MotoS3Server, proxy: LossyProxy, key: str
+) -> None:
+    proxy.lose(*PUT, REDIRECT)
+    with pytest.raises(HTTPStatusError, match=r"HTTP 307.*elsewhere\.invalid") as info:
+        await write(s3_sink(proxy, key), SMALL)
+    assert info.value.status == 307
+    assert stored(store, key) is None
+
+
+# ---------------------------------------------------------------- HTTP upload
+
+
+@pytest.fixture
+def http_proxy() -> Iterator[tuple[RangeHTTPServer, LossyProxy]]:
+    with RangeHTTPServer() as server, LossyProxy(server.port) as proxy:
+        yield server, proxy
+
+
+@pytest.mark.parametrize("action", ["reset", "close", "stall"])
+async def test_http_upload_answer_lost_is_an_unknown_outcome(
+    http_proxy: tuple[RangeHTTPServer, LossyProxy], action: str
+) -> None:
+    server, proxy = http_proxy
+    url = proxy.url + "/up/model.safetensors"
+    proxy.lose("PUT", "", action)
+    with pytest.raises(OutcomeUnknownError, match="may or may not") as info:
+        await write(HttpSink(url, timeout=1), SMALL)
+    assert info.value.url == url
+    assert server.objects["/up/model.safetensors"] == reference_numpy.save(SMALL)
+
+
+async def test_http_upload_refused_is_a_plain_failure(
+    http_proxy: tuple[RangeHTTPServer, LossyProxy],
+) -> None:
+    _, proxy = http_proxy
+    proxy.lose("PUT", "", b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n")
+    with pytest.raises(HTTPStatusError) as info:
+        await write(HttpSink(proxy.url + "/big.safetensors", timeout=5), TWO_PARTS)
+    assert info.value.status == 413
+
+
+async def test_a_write_ended_by_its_deadline_still_aborts_its_upload(
+    store: MotoS3Server, proxy: LossyProxy, key: str
+) -> None:
+    """The deadline that ends a write does not stop the clean-up from reaching the store."""
+    plan = [TensorSpec(n, a.dtype, a.shape) for n, a in TWO_PARTS.items()]
+    sink = s3_sink(proxy, key)
+    with anyio.fail_after(60), pytest.raises(stream_st.ReadTimeoutError, match="deadline"):
+        async with stream_st.open_writer(sink, plan, deadline=1) as writer:
+            await writer.write("w0", TWO_PARTS["w0"])
+            async with writer.tensor("w1") as part:
+                most = len(TWO_PARTS["w1"]) * 3 // 4
+                await part.write(TWO_PARTS["w1"][:most])  # past one part: the upload exists
+                await anyio.sleep(1.5)
+                await part.write(TWO_PARTS["w1"][most:])
+    proxy.wait_for(*ABORT, timeout=0)
+    assert pending(store, key) == [] and stored(store, key) is None

@@ -1,0 +1,483 @@
+"""The stream-st command end to end, through its real entry point in a subprocess."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import struct
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st
+from stream_st import tools
+from stream_st.cli import main
+from stream_st.cli.parser import build_parser
+from stream_st.tools import content_digests
+
+from ..servers.http_server import RangeHTTPServer
+from ..servers.s3_server import CREDENTIALS, MotoS3Server
+
+COMMAND = shutil.which("stream-st", path=str(Path(sys.executable).parent)) or "stream-st"
+
+TENSORS: dict[str, np.ndarray[Any, Any]] = {
+    "model.layers.0.self_attn.q_proj.weight": np.arange(16, dtype=np.float32).reshape(4, 4),
+    "model.layers.0.self_attn.k_proj.weight": np.ones((4, 4), dtype=np.float16),
+    "model.embed_tokens.weight": np.arange(8, dtype=np.int32).reshape(2, 4),
+}
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [COMMAND, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    path = tmp_path / "model.safetensors"
+    reference_numpy.save_file(TENSORS, str(path), metadata={"format": "np", "note": "ü"})
+    return path
+
+
+def test_help_everywhere() -> None:
+    """Every command's --help has examples, and every example is a command line the parser
+    takes as it is (so the help keeps up with the options)."""
+    top = run("--help")
+    assert top.returncode == 0 and "exit status" in top.stdout
+    listed = re.search(r"\{(.+?)\}", run("completion", "--help").stdout)  # the shells
+    assert listed is not None and listed.group(1) == "bash,zsh,fish,tcsh"
+    commands = re.findall(r"^    (\w+)", top.stdout, flags=re.MULTILINE)
+    assert set(commands) >= {"demo", "inspect", "ls", "show", "hash", "diff", "validate", "cp"}
+    parser = build_parser()
+    for command in commands:
+        result = run(command, "--help")
+        assert result.returncode == 0, command
+        examples = result.stdout.partition("examples:\n")[2]
+        lines = examples.replace("\\\n", " ").splitlines()
+        assert len(lines) >= 2, command
+        for line in lines:
+            if line.strip().startswith("eval "):
+                continue
+            ours = next(p for p in line.split("|") if p.strip().startswith("stream-st "))
+            words = shlex.split(ours.split(" > ")[0], comments=True)
+            assert words[:2] == ["stream-st", command], line
+            parser.parse_args(words[1:])  # exits (SystemExit) on an option that is not there
+
+
+def test_inspect_table_and_json(model: Path) -> None:
+    table = run("inspect", str(model))
+    assert table.returncode == 0, table.stderr
+    assert "3 tensors, 40 parameters" in table.stdout
+    assert "model.embed_tokens.weight" in table.stdout and "note: ü" in table.stdout
+    result = run("inspect", "--json", str(model))
+    found = json.loads(result.stdout)
+    assert found["tensor_count"] == 3
+    assert found["parameter_count"] == 40
+    assert found["metadata"] == {"format": "np", "note": "ü"}
+    assert {t["name"]: t["shape"] for t in found["tensors"]} == {
+        n: list(a.shape) for n, a in TENSORS.items()
+    }
+    assert found["data_bytes"] == sum(a.nbytes for a in TENSORS.values())
+
+
+def test_inspect_over_http_reads_only_the_header(model: Path) -> None:
+    with RangeHTTPServer(objects={"/m.safetensors": model.read_bytes()}) as server:
+        result = run("inspect", "--json", server.url("/m.safetensors"))
+        assert json.loads(result.stdout)["tensor_count"] == 3
+        server.settle()
+        assert len(server.requests) == 1
+
+
+def test_inspect_on_s3(model: Path, moto_s3: MotoS3Server) -> None:
+    client = moto_s3.client()
+    client.create_bucket(Bucket="cli")
+    client.put_object(Bucket="cli", Key="m.safetensors", Body=model.read_bytes())
+    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": moto_s3.endpoint_url}
+    result = run("inspect", "--json", "s3://cli/m.safetensors", env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["tensor_count"] == 3
+    hashed = run("hash", "--content", "--json", "s3://cli/m.safetensors", env=env)
+    local = run("hash", "--content", "--json", str(model))
+    assert json.loads(hashed.stdout)["content_hash"] == json.loads(local.stdout)["content_hash"]
+
+
+GOLDEN_STRUCTURAL = "8fe9ad84e0ba10cffced8586ed58e803ba03374d6dc7f53865ccaa8ac847fad2"
+
+
+def relaid(path: Path) -> bytes:
+    """The same tensors with another JSON key order and another data layout."""
+    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
+    header = json.loads(path.read_bytes()[8 : 8 + n])
+    data = path.read_bytes()[8 + n :]
+    names = sorted((k for k in header if k != "__metadata__"), reverse=True)
+    out: dict[str, Any] = {}
+    blob = b""
+    for name in names:
+        start, end = header[name]["data_offsets"]
+        out[name] = {
+            "shape": header[name]["shape"],
+            "data_offsets": [len(blob), len(blob) + end - start],
+            "dtype": header[name]["dtype"],
+        }
+        blob += data[start:end]
+    out["__metadata__"] = header["__metadata__"]
+    text = json.dumps(out).encode()
+    return struct.pack("<Q", len(text)) + text + blob
+
+
+def test_golden_structural_hash_follows_its_definition() -> None:
+    document = {
+        "format": "safetensors",
+        "tensors": [
+            {"name": n, "dtype": d, "shape": list(a.shape), "byte_length": a.nbytes}
+            for n, d, a in sorted(
+                (n, {"float32": "f32", "float16": "f16", "int32": "i32"}[str(a.dtype)], a)
+                for n, a in TENSORS.items()
+            )
+        ],
+    }
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"))
+    assert hashlib.sha256(text.encode()).hexdigest() == GOLDEN_STRUCTURAL
+
+
+def test_hash_is_golden_and_independent_of_layout(model: Path, tmp_path: Path) -> None:
+    first = json.loads(run("hash", "--content", "--json", str(model)).stdout)
+    again = json.loads(run("hash", "--content", "--json", str(model)).stdout)
+    assert first == again
+    assert first["structural_hash"] == GOLDEN_STRUCTURAL
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(relaid(model))
+    moved = json.loads(run("hash", "--content", "--json", str(other)).stdout)
+    assert moved["structural_hash"] == first["structural_hash"]
+    assert moved["content_hash"] == first["content_hash"]
+    plain = run("hash", str(model))
+    assert plain.stdout.split()[1] == GOLDEN_STRUCTURAL
+
+
+def test_diff_exit_status_and_json(model: Path, tmp_path: Path) -> None:
+    same = run("diff", "--content", str(model), str(model))
+    assert same.returncode == 0 and "equal" in same.stdout
+    changed = dict(TENSORS)
+    changed["model.embed_tokens.weight"] = np.zeros((2, 4), dtype=np.int32)  # content only
+    changed["model.layers.0.self_attn.k_proj.weight"] = np.ones((4, 2), dtype=np.float16)
+    del changed["model.layers.0.self_attn.q_proj.weight"]
+    changed["extra"] = np.zeros(1, dtype=np.uint8)
+    other = tmp_path / "other.safetensors"
+    reference_numpy.save_file(changed, str(other), metadata={"format": "pt"})
+    result = run("diff", "--content", "--json", str(model), str(other))
+    assert result.returncode == 1
+    found = json.loads(result.stdout)
+    assert found["added"] == ["extra"]
+    assert found["removed"] == ["model.layers.0.self_attn.q_proj.weight"]
+    assert found["changed"] == {
+        "model.layers.0.self_attn.k_proj.weight": {
+            "shape": [[4, 4], [4, 2]],
+            "byte_length": [32, 16],
+        }
+    }
+    assert found["metadata_removed"] == ["note"]
+    assert found["metadata_changed"] == {"format": ["np", "pt"]}
+    assert found["content_differs"] == ["model.embed_tokens.weight"]
+    text = run("diff", str(model), str(other))
+    assert text.returncode == 1 and "+ extra" in text.stdout
+
+
+def test_validate_finds_nan_inf_and_expectations(tmp_path: Path) -> None:
+    crafted: dict[str, np.ndarray[Any, Any]] = {
+        "model.layers.0.q_proj.weight": np.array([1.0, np.nan, 2.0, np.nan], dtype=np.float32),
+        "model.layers.0.k_proj.weight": np.array([np.inf, -np.inf, 0.5], dtype=np.float16),
+        "model.layers.1.q_proj.weight": np.zeros(4, dtype=np.float32),
+        "model.layers.1.k_proj.weight": np.array([1, 2], dtype=np.int8),
+    }
+    path = tmp_path / "crafted.safetensors"
+    reference_numpy.save_file(crafted, str(path))
+    result = run("validate", "--json", str(path))
+    assert result.returncode == 1
+    found = json.loads(result.stdout)
+    stats = {t["name"]: t for t in found["tensors"]}
+    assert stats["model.layers.0.q_proj.weight"]["nan"] == 2
+    assert stats["model.layers.0.q_proj.weight"]["min"] == 1.0
+    assert stats["model.layers.0.k_proj.weight"]["inf"] == 2
+    assert stats["model.layers.1.k_proj.weight"]["mean"] == 1.5
+    assert any("NaN" in e for e in found["errors"]) and any("Inf" in e for e in found["errors"])
+    assert any("all zeros" in w for w in found["warnings"])
+    clean = {
+        "a.layers.0.q_proj": np.ones(3, np.float32),
+        "a.layers.0.k_proj": np.ones(2, np.float32),
+    }
+    good = tmp_path / "good.safetensors"
+    reference_numpy.save_file(clean, str(good))
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps({"a.layers.0.q_proj": [3], "a.layers.0.k_proj": [2]}))
+    ok = run(
+        "validate", "--expect-shapes", str(shapes), "--expect-layers", "q_proj,k_proj", str(good)
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "valid: 2 tensors, 0 errors" in ok.stdout
+    shapes.write_text(json.dumps({"a.layers.0.q_proj": [4]}))
+    wrong = run("validate", "--expect-shapes", str(shapes), "--expect-layers", "v_proj", str(good))
+    assert wrong.returncode == 1
+    assert "expected [4]" in wrong.stdout and "no tensor for v_proj" in wrong.stdout
+
+
+def test_errors_are_one_line_with_exit_status_2(tmp_path: Path) -> None:
+    missing = run("inspect", str(tmp_path / "nope.safetensors"))
+    assert missing.returncode == 2
+    assert missing.stderr.count("\n") == 1 and "nope.safetensors" in missing.stderr
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00[]")
+    result = run("validate", str(bad))
+    assert result.returncode == 2 and "begin with '{'" in result.stderr
+    assert run("frobnicate").returncode == 2
+
+
+LIMIT_OPTIONS = [
+    ["--timeout", "nan"],
+    ["--timeout", "-1"],
+    ["--timeout", "soon"],
+    ["--deadline", "nan"],
+    ["--deadline", "-2"],
+    ["--speed-limit", "inf"],
+    ["--speed-limit", "-5"],
+    ["--speed-time", "0"],
+    ["--speed-time", "inf"],
+]
+COMMAND_LINES = {
+    "inspect": ["inspect", "{model}"],
+    "hash": ["hash", "--content", "{model}"],
+    "diff": ["diff", "--content", "{model}", "{model}"],
+    "validate": ["validate", "{model}"],
+    "cp": ["cp", "{model}", "{out}"],
+    "demo": ["demo", "--synthetic", "--layers", "1", "--seq", "8", "--codecs", "none"],
+}
+OTHER_BAD_VALUES = [
+    ["demo", "--synthetic", "--seq", "0"],
+    ["demo", "--synthetic", "--seq", "x"],
+    ["demo", "--synthetic", "--layers", "0"],
+    ["demo", "--synthetic", "--layers", "-3"],
+    ["demo", "--synthetic", "--codecs", ","],
+    ["demo", "--synthetic", "--codecs", "none,NONE"],
+    ["demo", "--synthetic", "--codecs", "int3"],
+    ["validate", "--warn-abs", "nan", "{model}"],
+    ["validate", "--warn-abs", "-1", "{model}"],
+    ["cp", "--dtype", "f64", "{model}", "{out}"],
+    ["inspect"],
+]
+
+
+def _status_and_stderr(
+    argv: list[str], capsys: pytest.CaptureFixture[str], **paths: Path
+) -> tuple[int, str]:
+    """Run the command in this process: its exit status and what it wrote to stderr."""
+    try:
+        status = main([arg.format(**paths) for arg in argv])
+    except SystemExit as exc:  # argparse leaves through exit()
+        status = int(exc.code or 0)
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", LIMIT_OPTIONS, ids=" ".join)
+@pytest.mark.parametrize("command", COMMAND_LINES)
+def test_bad_limit_values_exit_2_with_one_line(
+    command: str,
+    option: list[str],
+    model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "out.safetensors"
+    argv = [*COMMAND_LINES[command], *option]
+    status, stderr = _status_and_stderr(argv, capsys, model=model, out=out)
+    assert (status, stderr.count("\n")) == (2, 1), stderr
+    assert stderr.startswith("stream-st") and "error" in stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv", OTHER_BAD_VALUES, ids=" ".join)
+def test_bad_option_values_exit_2_with_one_line(
+    argv: list[str], model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out.safetensors"
+    status, stderr = _status_and_stderr(argv, capsys, model=model, out=out)
+    assert (status, stderr.count("\n")) == (2, 1), stderr
+    assert "Traceback" not in stderr
+
+
+def test_limits_reach_the_command(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["validate", "--deadline", "0", "{model}"]
+    status, stderr = _status_and_stderr(argv, capsys, model=model)
+    assert status == 2 and "deadline of 0 s passed" in stderr
+    argv = ["inspect", "--timeout", "5", "--deadline", "60", "--speed-limit", "1", "{model}"]
+    assert _status_and_stderr(argv, capsys, model=model) == (0, "")
+
+
+@pytest.mark.parametrize("tensors", [3, 3000], ids=["in the flush at exit", "mid-output"])
+def test_closed_output_pipe_exits_quietly(tmp_path: Path, tensors: int) -> None:
+    path = tmp_path / "many.safetensors"
+    reference_numpy.save_file({f"t{i:05d}": np.zeros(1, np.uint8) for i in range(tensors)}, path)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # as `| head -1` does once it has its line
+    try:
+        result = subprocess.run(
+            [COMMAND, "inspect", str(path)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (141, "")
+
+
+def test_unexpected_exception_is_an_internal_error_with_exit_status_3(
+    model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def broken(*args: Any, **kwargs: Any) -> None:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(tools, "inspect", broken)
+    assert main(["inspect", str(model)]) == 3
+    stderr = capsys.readouterr().err
+    assert "Traceback" in stderr and "ZeroDivisionError: a bug" in stderr
+    assert stderr.rstrip().endswith(
+        "stream-st: internal error (a bug, please report it with the traceback above)"
+    )
+    assert "3 internal error" in build_parser().format_help()
+
+
+async def test_content_hash_of_a_truncated_stream_raises_our_error(model: Path) -> None:
+    data = model.read_bytes()[:-10]
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for at in range(0, len(data), 4096):
+            yield data[at : at + 4096]
+
+    with pytest.raises(stream_st.TruncatedStreamError):
+        await content_digests(chunks())  # hashing runs beside the reading, in a task group
+
+
+def test_cp_round_trip_conversion_and_quantization(model: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy.safetensors"
+    result = run("cp", str(model), str(copy))
+    assert result.returncode == 0, result.stderr
+    assert copy.read_bytes() == model.read_bytes()  # byte-exact
+    bf16 = tmp_path / "bf16.safetensors"
+    assert run("cp", "--dtype", "bf16", str(model), str(bf16)).returncode == 0
+    found = json.loads(run("inspect", "--json", str(bf16)).stdout)
+    dtypes = {t["name"]: t["dtype"] for t in found["tensors"]}
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == "BF16"
+    assert dtypes["model.embed_tokens.weight"] == "I32"  # not floating point: unchanged
+    assert "converted_to" in found["metadata"]
+    q8 = tmp_path / "q8.safetensors"
+    only = "model.layers.0.self_attn.q_proj.weight"
+    assert run("cp", "--quantize", "int8", "--include", only, str(model), str(q8)).returncode == 0
+    quantized = reference_numpy.load_file(str(q8))
+    assert sorted(quantized) == [only, only + ".scale"]
+    scale = quantized[only + ".scale"][0]
+    assert scale == np.float32(127 / 15)
+    np.testing.assert_allclose(quantized[only] / scale, TENSORS[only], atol=0.5 / scale)
+
+
+def test_cp_between_servers_and_interrupted_copy(model: Path, tmp_path: Path) -> None:
+    with RangeHTTPServer(objects={"/m.safetensors": model.read_bytes()}) as server:
+        assert (
+            run("cp", server.url("/m.safetensors"), server.url("/up.safetensors")).returncode == 0
+        )
+        assert server.objects["/up.safetensors"] == model.read_bytes()
+        server.close_after = model.stat().st_size - 10  # the source breaks in the last tensor
+        server.no_range = True
+        target = tmp_path / "broken.safetensors"
+        failed = run("cp", server.url("/m.safetensors"), str(target))
+    assert failed.returncode == 2
+    assert not target.exists() and list(tmp_path.iterdir()) == [model]
+
+
+def _run_with_stdin(
+    args: list[str], data: bytes, *, terminal: bool, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    """The command with ``data`` piped to its stdin; stderr a terminal (a progress bar is drawn)
+    or a pipe, its text in the result; ``env`` added to the environment."""
+    reader, writer = os.openpty() if terminal else os.pipe()
+    try:
+        result = subprocess.run(
+            [COMMAND, *args],
+            input=data,
+            stdout=subprocess.PIPE,
+            stderr=writer,
+            timeout=120,
+            env={**os.environ, **(env or {})},
+        )
+        os.close(writer)
+        writer = -1
+        chunks = []
+        with contextlib.suppress(OSError):  # a terminal's end reads EIO once drained
+            while chunk := os.read(reader, 1 << 16):
+                chunks.append(chunk)
+        result.stderr = b"".join(chunks)
+        return result
+    finally:
+        if writer >= 0:
+            os.close(writer)
+        os.close(reader)
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["no bar", "progress bar"])
+def test_commands_read_a_pipe_once(model: Path, tmp_path: Path, terminal: bool) -> None:
+    """The progress bar's totals are looked up by reading the header first; a pipe gives its
+    bytes once, so that look-up took the header the command itself then missed."""
+    data = model.read_bytes()
+    content_line = run("hash", "--content", str(model)).stdout.splitlines()[1]
+    out = tmp_path / "copy.safetensors"
+    for args, want in [
+        (["validate", "/dev/stdin"], b"valid: 3 tensors"),
+        (["hash", "--content", "/dev/stdin"], content_line.split()[1].encode()),
+        (["diff", "--content", "/dev/stdin", str(model)], b"equal (content compared)"),
+        (["cp", "/dev/stdin", str(out)], b""),
+    ]:
+        result = _run_with_stdin(args, data, terminal=terminal)
+        assert result.returncode == 0 and want in result.stdout, (args, result)
+    assert out.read_bytes() == data
+
+
+async def test_diff_content_reads_each_source_once(model: Path) -> None:
+    """tools.diff(content=True) compares the headers and then the bytes of the same open
+    streams: an async iterator of chunks is read once, never a second time from its middle."""
+    data = model.read_bytes()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(data), 100):
+            yield data[start : start + 100]
+
+    result = await tools.diff(chunks(), str(model), content=True)
+    assert result.equal and result.content_compared
+
+
+def test_the_progress_bar_makes_no_request_of_its_own(model: Path) -> None:
+    """The bar takes its totals from the header the command reads: with a bar, validate makes
+    the same requests as without one (each answer takes 1 s: a look-up of its own would pass
+    the deadline of 1.5 s)."""
+    with RangeHTTPServer(objects={"/model.safetensors": model.read_bytes()}, latency=1.0) as server:
+        args = ["validate", "--deadline", "1.5", server.url("/model.safetensors")]
+        result = _run_with_stdin(args, b"", terminal=True)
+        with_bar = len(server.requests)
+        assert run(*args).returncode == 0
+        without_bar = len(server.requests) - with_bar
+    assert result.returncode == 0 and b"3/3 tensors" in result.stderr, result
+    assert with_bar == without_bar

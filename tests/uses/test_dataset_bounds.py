@@ -1,0 +1,103 @@
+"""A dataset read whole or planned in pieces: every row or a refusal, and bounded planning."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import stream_st
+import stream_st.numpy
+from stream_st.integrations.dataset import describe_dataset, plan_pieces, read_piece
+from stream_st.sharded.writer import open_dataset_writer
+
+SHARDS = 5
+
+
+async def write_batches(directory: Path) -> list[dict[str, np.ndarray[Any, Any]]]:
+    """Five shards, each holding the same columns ``x`` and ``y``, rows numbered across shards."""
+    batches = []
+    async with open_dataset_writer(directory, target_shard_size=1) as writer:
+        for shard in range(SHARDS):
+            rows = np.arange(shard * 4, shard * 4 + 4)
+            batch: dict[str, np.ndarray[Any, Any]] = {
+                "x": rows.astype(np.float32)[:, None] * np.ones(3, np.float32),
+                "y": rows,
+            }
+            await writer.write_batch(batch, samples=4)
+            batches.append(batch)
+    return batches
+
+
+async def test_load_refuses_a_manifest_whose_shards_repeat_names(tmp_path: Path) -> None:
+    await write_batches(tmp_path)
+    manifest = tmp_path / "dataset_manifest.json"
+    with pytest.raises(stream_st.UsageError, match=r"'x' is in more than one shard.*open_stream"):
+        await stream_st.load(manifest)
+
+
+def test_numpy_load_file_refuses_a_manifest_whose_shards_repeat_names(tmp_path: Path) -> None:
+    import anyio
+
+    anyio.run(write_batches, tmp_path)
+    with pytest.raises(stream_st.UsageError, match="more than one shard"):
+        stream_st.numpy.load_file(str(tmp_path / "dataset_manifest.json"))
+
+
+async def test_streaming_a_manifest_still_gives_every_row(tmp_path: Path) -> None:
+    batches = await write_batches(tmp_path)
+    got = [
+        (name, array)
+        async for name, array in stream_st.open_stream(tmp_path / "dataset_manifest.json")
+    ]
+    assert [name for name, _ in got] == ["x", "y"] * SHARDS
+    for shard, batch in enumerate(batches):
+        assert np.array_equal(got[2 * shard][1], batch["x"])
+        assert np.array_equal(got[2 * shard + 1][1], batch["y"])
+
+
+async def test_load_of_a_manifest_with_distinct_names_still_works(tmp_path: Path) -> None:
+    async with open_dataset_writer(tmp_path, target_shard_size=1) as writer:
+        await writer.write_batch({"a": np.arange(3)}, samples=3)
+        await writer.write_batch({"b": np.arange(4)}, samples=4)
+    got = await stream_st.load(tmp_path / "dataset_manifest.json")
+    assert sorted(got) == ["a", "b"] and got["b"].tolist() == [0, 1, 2, 3]
+
+
+def raw_file(header: dict[str, Any], data: bytes = b"") -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+async def test_planning_zero_byte_rows_is_bounded(tmp_path: Path) -> None:
+    """``F32 [10**15, 0]`` holds no byte (the reference accepts it): planning makes a bounded
+    number of pieces, not one per 64 MiB of rows counted as a byte each."""
+    shard = tmp_path / "part-00000-0000-00000000-0000-0000-0000-000000000000.safetensors"
+    shard.write_bytes(
+        raw_file(
+            {
+                "x": {"dtype": "F32", "shape": [10**15, 0], "data_offsets": [0, 0]},
+                "y": {"dtype": "U8", "shape": [10**15, 0], "data_offsets": [0, 0]},
+            }
+        )
+    )
+    dataset = await describe_dataset(tmp_path)
+    assert not dataset.kv
+    pieces = plan_pieces(dataset)
+    assert len(pieces) == 1 and (pieces[0].start, pieces[0].stop) == (0, 10**15)
+    assert len(plan_pieces(dataset, at_least=8)) == 8
+    got = await read_piece(pieces[0])
+    assert got["x"].shape == (10**15, 0)
+
+
+async def test_planning_still_splits_real_rows(tmp_path: Path) -> None:
+    await write_batches(tmp_path)
+    dataset = await describe_dataset(tmp_path / "dataset_manifest.json")
+    pieces = plan_pieces(dataset, max_bytes=2 * (12 + 8))  # two rows of x and y
+    assert len(pieces) == SHARDS * 2
+    rows = [await read_piece(piece) for piece in pieces]
+    assert np.concatenate([r["y"] for r in rows]).tolist() == list(range(SHARDS * 4))

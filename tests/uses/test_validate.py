@@ -1,0 +1,394 @@
+"""``tools.validate`` and its parts: exact statistics, the structural checks, a model's config."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st
+from stream_st import tools
+from stream_st.core.moments import Moments, moments_of
+from stream_st.tools.validate import (
+    ModelConfig,
+    check_layer_sequence,
+    tensor_stats,
+    validate_dtype_consistency,
+)
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+VALIDATE = sys.modules["stream_st.tools.validate"]  # the module (tools.validate is the function)
+COMMAND = shutil.which("stream-st", path=str(Path(sys.executable).parent)) or "stream-st"
+
+
+def reference(values: np.ndarray[Any, Any]) -> tuple[float, float, float, float]:
+    """min, max, mean, std of the finite values, by numpy in float64."""
+    wide = np.asarray(values).astype(np.float64)
+    finite = wide[np.isfinite(wide)]
+    return float(finite.min()), float(finite.max()), float(finite.mean()), float(finite.std())
+
+
+def assert_exact(found: Moments, values: np.ndarray[Any, Any], rtol: float = 1e-12) -> None:
+    low, high, mean, std = reference(values)
+    assert (found.low, found.high) == (low, high)
+    assert found.std is not None
+    assert math.isclose(found.std, std, rel_tol=rtol), (found.std, std)
+    assert math.isclose(found.mean, mean, rel_tol=rtol, abs_tol=rtol * std), (found.mean, mean)
+
+
+# -- statistics -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_std_of_values_far_from_zero_is_exact(dtype: type) -> None:
+    """1000 +- 0.01: the mean of squares minus the squared mean loses six digits here."""
+    rng = np.random.default_rng(7)
+    values: np.ndarray[Any, Any] = (1000 + 0.01 * rng.standard_normal(300_001)).astype(dtype)
+    wide = values.astype(np.float64)
+    naive = math.sqrt(np.mean(wide * wide) - np.mean(wide) ** 2)
+    assert abs(naive / wide.std() - 1) > 1e-7  # the data defeats the old formula
+    assert_exact(moments_of(values), values)
+    stats = tensor_stats("x", "F32", [values.size], values)
+    assert stats.std is not None and math.isclose(stats.std, wide.std(), rel_tol=1e-12)
+
+
+def test_an_outlier_first_and_drifting_chunks_stay_exact() -> None:
+    rng = np.random.default_rng(3)
+    values = np.concatenate(
+        [[1e6], 5 + 1e-3 * rng.standard_normal(200_000), -3 + rng.standard_normal(200_000)]
+    ).astype(np.float64)
+    assert_exact(moments_of(values), values)
+
+
+NARROW = [np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=lambda d: np.dtype(d).name)
+def test_narrow_floats_are_summarised_as_their_values(dtype: type) -> None:
+    rng = np.random.default_rng(1)
+    values: np.ndarray[Any, Any] = (rng.standard_normal(150_000) * 2).astype(dtype)
+    assert_exact(moments_of(values), values.astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int32, np.uint16, np.int64, np.bool_])
+def test_integers_and_booleans(dtype: type) -> None:
+    values: np.ndarray[Any, Any] = np.random.default_rng(2).integers(0, 100, 100_003).astype(dtype)
+    assert_exact(moments_of(values), values)
+
+
+def test_complex_values_are_summarised_by_magnitude() -> None:
+    values = np.array([3 + 4j, 1j, -2, np.nan], dtype=np.complex64)
+    found = moments_of(values)
+    assert (found.count, found.nan, found.low, found.high) == (3, 1, 1.0, 5.0)
+
+
+def test_nan_and_inf_are_counted_apart_and_left_out() -> None:
+    rng = np.random.default_rng(4)
+    values = rng.standard_normal(200_000).astype(np.float32)
+    values[[5, 70_000, 199_999]] = np.nan
+    values[[6, 100_000]] = np.inf
+    values[131_072] = -np.inf  # the first value of a chunk
+    found = moments_of(values)
+    assert (found.nan, found.inf, found.count) == (3, 3, 200_000 - 6)
+    assert_exact(found, values)
+    stats = tensor_stats("x", "F32", [values.size], values)
+    assert (stats.nan, stats.inf) == (3, 3)
+
+
+def test_no_finite_value_leaves_the_statistics_empty() -> None:
+    values = np.array([np.nan, np.inf, -np.inf], dtype=np.float16)
+    stats = tensor_stats("x", "F16", [3], values)
+    assert (stats.min, stats.max, stats.mean, stats.std) == (None, None, None, None)
+    assert (stats.nan, stats.inf) == (1, 2)
+    packed = tensor_stats("p", "F4", [4], np.zeros(2, np.uint8))
+    assert packed.min is None and packed.nan == 0
+
+
+def test_parts_merge_to_the_whole() -> None:
+    values = np.random.default_rng(5).standard_normal(500_000) * 3 + 7
+    total = Moments()
+    for start in range(0, values.size, 123_457):
+        total.merge(moments_of(values, start, start + 123_457))
+    assert total.count == values.size
+    assert_exact(total, values)
+    empty = moments_of(values, 10, 10)
+    assert empty.count == 0 and empty.std is None
+
+
+# -- validate over files --------------------------------------------------------------------------
+
+
+async def test_big_tensors_in_parts_and_small_ones_batched_match_numpy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With tiny parts and batches every path runs: parts merged, batches, the memory bound."""
+    monkeypatch.setattr(VALIDATE, "SEGMENT", 10_000)
+    monkeypatch.setattr(VALIDATE, "BATCH", 4_000)
+    monkeypatch.setattr(VALIDATE, "IN_FLIGHT", 50_000)
+    rng = np.random.default_rng(6)
+    tensors: Arrays = {
+        f"t{i:02}": (rng.standard_normal(int(rng.integers(1, 60_000))) * i + 1000).astype(
+            np.float32
+        )
+        for i in range(40)
+    }
+    tensors["t05"][17] = np.nan
+    tensors["empty"] = np.zeros((0, 3), np.float32)
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(tensors, str(path))
+    seen: list[tuple[int, int]] = []
+    result = await tools.validate(path, progress=lambda b, t: seen.append((b, t)))
+    by_name = {t.name: t for t in result.tensors}
+    assert set(by_name) == set(tensors)
+    for name, values in tensors.items():
+        stats = by_name[name]
+        if values.size == 0:
+            assert stats.min is None
+            continue
+        low, high, mean, std = reference(values)
+        assert (stats.min, stats.max) == (low, high)
+        assert stats.std is not None and math.isclose(stats.std, std, rel_tol=1e-12)
+        assert stats.mean is not None and math.isclose(stats.mean, mean, rel_tol=1e-12)
+    assert result.errors == ["t05: 1 NaN value"]
+    assert seen[-1] == (sum(a.nbytes for a in tensors.values()), len(tensors))
+    assert result.load is not None and result.load.tensors == len(tensors)
+
+
+async def test_results_come_in_file_order(tmp_path: Path) -> None:
+    tensors = {f"w{i}": np.full(1000 * (i % 5 + 1), i, np.float32) for i in range(12)}
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(tensors, str(path))
+    header = await stream_st.read_header(path)
+    result = await tools.validate(path)
+    assert [t.name for t in result.tensors] == header.names()
+
+
+def layered(layers: list[int], parts: tuple[str, ...] = ("q_proj", "k_proj")) -> Arrays:
+    return {
+        f"model.layers.{n}.self_attn.{part}.weight": np.ones((2, 2), np.float32) * (n + 1)
+        for n in layers
+        for part in parts
+    }
+
+
+async def test_a_whole_layer_missing_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(layered([0, 1, 3]), str(path))
+    result = await tools.validate(path)
+    assert not result.ok
+    assert result.errors == ["model.layers.N: layer 2 missing (layers 0-1, 3 present)"]
+    reference_numpy.save_file(layered([4, 5, 6]), str(path))  # a run of layers: a shard
+    assert (await tools.validate(path)).ok
+
+
+def test_layer_sequence_per_stack() -> None:
+    names = [f"encoder.layer.{n}.w" for n in (0, 1, 2)] + [
+        f"decoder.layers.{n}.w" for n in (0, 2, 3, 6)
+    ]
+    assert check_layer_sequence(names) == [
+        "decoder.layers.N: layers 1, 4-5 missing (layers 0, 2-3, 6 present)"
+    ]
+    assert check_layer_sequence(["embed.weight"]) == []
+
+
+def test_dtype_consistency() -> None:
+    assert validate_dtype_consistency({"a": "BF16", "b": "BF16", "codes": "I8"}) == []
+    mixed = {"a": "BF16", "b": "BF16", "c": "BF16", "norm": "F32"}
+    assert validate_dtype_consistency(mixed) == [
+        "floating-point tensors in 2 dtypes: BF16 (3 tensors), F32 (1: norm)"
+    ]
+    assert validate_dtype_consistency(mixed, "F32") == [
+        "floating-point tensors not in the expected F32: BF16 (3: a, b, c)"
+    ]
+
+
+async def test_validate_warns_about_mixed_dtypes(tmp_path: Path) -> None:
+    tensors: Arrays = {
+        "a": np.ones(3, ml_dtypes.bfloat16) * 2,
+        "b": np.arange(4, dtype=np.float32),
+        "c": np.arange(4, dtype=np.float32),
+    }
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(tensors, str(path))
+    result = await tools.validate(path)
+    assert result.ok
+    assert "floating-point tensors in 2 dtypes: F32 (2 tensors), BF16 (1: a)" in result.warnings
+
+
+# -- a model's config -----------------------------------------------------------------------------
+
+CONFIG: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 16,
+    "intermediate_size": 40,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 3,
+    "vocab_size": 50,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
+def model_tensors(config: dict[str, Any] = CONFIG) -> Arrays:
+    rng = np.random.default_rng(0)
+    shapes = ModelConfig.from_json(config).shapes()
+    return {name: rng.standard_normal(s).astype(np.float32) for name, s in shapes.items()}
+
+
+def test_config_shapes_come_from_the_llama_model() -> None:
+    config = ModelConfig.from_json(CONFIG)
+    shapes = config.shapes()
+    assert shapes["model.embed_tokens.weight"] == (50, 16)
+    assert shapes["lm_head.weight"] == (50, 16)
+    assert shapes["model.layers.2.self_attn.k_proj.weight"] == (8, 16)  # 2 heads of 4
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (16, 40)
+    assert len(shapes) == 2 + 3 * 9 + 1
+    assert config.parameter_count() == 2 * 50 * 16 + 16 + 3 * (
+        2 * 16 + 2 * 16 * 16 + 2 * 8 * 16 + 3 * 40 * 16
+    )
+    tied = ModelConfig.from_json({**CONFIG, "tie_word_embeddings": True})
+    assert "lm_head.weight" not in tied.shapes()
+    assert tied.parameter_count() == config.parameter_count() - 50 * 16
+    assert ModelConfig.from_json({**CONFIG, "num_key_value_heads": None}).num_key_value_heads == 4
+
+
+async def test_a_model_that_matches_its_config_is_valid(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(model_tensors(), str(path))
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(CONFIG))
+    for config in (CONFIG, config_path, str(config_path), ModelConfig.from_json(CONFIG)):
+        result = await tools.validate(path, config=config)
+        assert (result.errors, result.warnings) == ([], [])
+
+
+async def validate_with(tmp_path: Path, tensors: Arrays, **changes: Any) -> tools.Validation:
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(tensors, str(path))
+    return await tools.validate(path, config={**CONFIG, **changes})
+
+
+async def test_a_shape_the_config_contradicts_is_an_error(tmp_path: Path) -> None:
+    tensors = model_tensors()
+    tensors["model.layers.1.mlp.up_proj.weight"] = np.arange(41 * 16, dtype=np.float32).reshape(
+        41, 16
+    )
+    result = await validate_with(tmp_path, tensors)
+    assert result.errors == [
+        "model.layers.1.mlp.up_proj.weight: shape [41, 16], the config gives [40, 16]"
+    ]
+    assert result.warnings == ["parameter count 9,792 differs from the config's 9,776 (+0.2%)"]
+
+
+async def test_missing_parts_and_extra_layers_are_errors(tmp_path: Path) -> None:
+    tensors = model_tensors()
+    del tensors["model.layers.0.self_attn.v_proj.weight"]
+    tensors["model.layers.3.input_layernorm.weight"] = np.ones(16, np.float32)
+    result = await validate_with(tmp_path, tensors)
+    assert result.errors == [
+        "layers 3 beyond the config's 3 layers",
+        "layer 0 has no tensor for self_attn.v_proj",
+    ]
+
+
+async def test_layers_missing_around_those_present_are_warnings(tmp_path: Path) -> None:
+    """A shard holding layers 1-2 and the head: the config's other tensors are not there."""
+    tensors = {
+        name: array
+        for name, array in model_tensors().items()
+        if ".layers.0." not in name and "embed" not in name
+    }
+    result = await validate_with(tmp_path, tensors)
+    assert result.ok
+    assert result.warnings[:2] == [
+        "expected layers missing: 0 of the config's 3 (layers 1-2 present)",
+        "expected tensors missing: model.embed_tokens.weight",
+    ]
+    assert result.warnings[2].startswith("parameter count 6,256 differs")
+
+
+async def test_a_hole_is_an_error_with_a_config_too(tmp_path: Path) -> None:
+    tensors = {n: a for n, a in model_tensors().items() if ".layers.1." not in n}
+    result = await validate_with(tmp_path, tensors)
+    assert result.errors == ["model.layers.N: layer 1 missing (layers 0, 2 present)"]
+    assert not any("expected layers missing" in w for w in result.warnings)
+
+
+async def test_tied_heads_unknown_tensors_and_dtypes_are_warnings(tmp_path: Path) -> None:
+    tensors = model_tensors()
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.arange(2, dtype=np.float32)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.float16)
+    result = await validate_with(tmp_path, tensors, tie_word_embeddings=True)
+    assert result.ok
+    assert result.warnings == [
+        "lm_head.weight present, though the config ties it to the embeddings",
+        "1 tensors the config does not describe: model.layers.0.self_attn.rotary_emb.inv_freq",
+        "parameter count 9,778 differs from the config's 8,976 (+8.9%)",
+        "floating-point tensors not in the expected F32: F16 (1: model.norm.weight)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"hidden_size": "16"}, "hidden_size must be a positive integer"),
+        ({"vocab_size": 0}, "vocab_size must be a positive integer"),
+        ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer"),
+        ({"num_key_value_heads": 3}, "not a Llama configuration"),
+        ({"head_dim": 8}, "head_dim 8 is not hidden_size / num_attention_heads"),
+    ],
+)
+def test_a_config_no_llama_model_has_is_refused(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(stream_st.UsageError, match=message):
+        ModelConfig.from_json({**CONFIG, **changes})
+
+
+def test_an_unreadable_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(stream_st.SafetensorsError, match="cannot read the model config"):
+        ModelConfig.read(tmp_path / "nope.json")
+    bad = tmp_path / "config.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(stream_st.UsageError, match="must be a JSON object"):
+        ModelConfig.read(bad)
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [COMMAND, *args], capture_output=True, text=True, timeout=120, env=dict(os.environ)
+    )
+
+
+def test_the_command_checks_a_config_and_reports_the_read(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(model_tensors(), str(path))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(CONFIG))
+    good = run("validate", "-q", "--config", str(config), "--stats", str(path))
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "valid: 30 tensors, 0 errors, 0 warnings" in good.stdout
+    assert good.stdout.splitlines()[-1].startswith("load: 30 tensors, ")
+    record = json.loads(run("validate", "--json", "--stats", str(path)).stdout)
+    assert record["load"]["tensors"] == 30
+    assert record["load"]["bytes_read"] == path.stat().st_size
+    assert "load" not in json.loads(run("validate", "--json", str(path)).stdout)
+    config.write_text(json.dumps({**CONFIG, "intermediate_size": 48}))
+    bad = run("validate", "-q", "--config", str(config), str(path))
+    assert bad.returncode == 1
+    assert "the config gives [48, 16]" in bad.stdout
+    config.write_text("{")
+    broken = run("validate", "-q", "--config", str(config), str(path))
+    assert broken.returncode == 2 and "cannot read the model config" in broken.stderr
