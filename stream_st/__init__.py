@@ -25,8 +25,10 @@ if TYPE_CHECKING:
     from .core.stats import LoadStats
     from .errors import (
         AllocationError,
+        CacheMissError,
         CertificateError,
         CredentialsError,
+        DistributedError,
         DtypeError,
         HeaderError,
         HeaderTooLargeError,
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
         IntegrityError,
         OutcomeUnknownError,
         RangeIgnoredWarning,
+        RankFailedError,
+        RankLostError,
         ReadTimeoutError,
         SafetensorsError,
         SourceChangedError,
@@ -60,6 +64,7 @@ if TYPE_CHECKING:
         open_sharded_writer,
     )
     from .transports.base import AsyncReadInto
+    from .transports.cache import Cache
     from .transports.http import HTTPClient
     from .transports.http.sink import HttpSink
     from .transports.http.source import HttpSource
@@ -78,6 +83,8 @@ _PUBLIC = {
     "AsyncReadInto": ".transports.base",
     "build_header": ".core.layout",
     "CertificateError": ".errors",
+    "CacheMissError": ".errors",
+    "Cache": ".transports.cache",
     "connect": ".connection",
     "Connection": ".connection",
     "CredentialsError": ".errors",
@@ -86,6 +93,9 @@ _PUBLIC = {
     "DType": ".core.dtypes",
     "dtype_for": ".core.dtypes",
     "DtypeError": ".errors",
+    "RankLostError": ".errors",
+    "RankFailedError": ".errors",
+    "DistributedError": ".errors",
     "DTYPES": ".core.dtypes",
     "Header": ".core.header",
     "HeaderError": ".errors",
@@ -174,12 +184,15 @@ __all__ = [
     "DTYPES",
     "AllocationError",
     "AsyncReadInto",
+    "Cache",
+    "CacheMissError",
     "CertificateError",
     "Connection",
     "CredentialsError",
     "DType",
     "DatasetWriter",
     "Digests",
+    "DistributedError",
     "DtypeError",
     "HTTPClient",
     "HTTPNotFoundError",
@@ -199,6 +212,8 @@ __all__ = [
     "LoadStats",
     "OutcomeUnknownError",
     "RangeIgnoredWarning",
+    "RankFailedError",
+    "RankLostError",
     "ReadTimeoutError",
     "S3Config",
     "S3Sink",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any, Unpack
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 import numpy as np
 
@@ -14,11 +16,27 @@ from .core.header import DEFAULT_MAX_HEADER_SIZE, Header
 from .errors import UsageError
 from .memory.delivery import Delivery
 from .reader import NO_CAPS, Caps, Include, TensorStream
+from .transports.cache import Cache, CacheLike
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import SinkLike, SourceLike
 from .writer import Order, TensorWriter
 
-__all__ = ["header_of", "load", "open_stream", "read_header", "save", "stream_for"]
+if TYPE_CHECKING:
+    from .sharded.ranks import Slices
+
+__all__ = [
+    "CachedStream",
+    "cached_stream",
+    "current_cache",
+    "header_of",
+    "load",
+    "open_stream",
+    "read_header",
+    "save",
+    "stream_for",
+    "using_cache",
+    "with_cache",
+]
 
 
 async def save(
@@ -75,6 +93,7 @@ async def load(
     copy: bool = True,
     max_tensor_bytes: int | None = None,
     max_total_bytes: int | None = None,
+    cache: CacheLike = None,
     **options: Unpack[TransportOptions],
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Read a whole safetensors message into ``{name: array}`` in offset order.
@@ -89,6 +108,7 @@ async def load(
     all hold the same columns) is refused with a :class:`~stream_st.UsageError` before any of
     the repeating shard's tensors is read: a dict cannot hold every shard's rows. Stream it with
     :func:`open_stream`, or read a dataset by rows (:mod:`stream_st.integrations.dataset`).
+    ``cache`` as in :func:`~stream_st.open_stream`.
     """
     stream = stream_for(
         source,
@@ -99,6 +119,7 @@ async def load(
         copy=copy,
         max_tensor_bytes=max_tensor_bytes,
         max_total_bytes=max_total_bytes,
+        cache=cache,
     )
     return {name: array async for name, array in stream}
 
@@ -115,6 +136,9 @@ def open_stream(
     concurrency: int | None = None,
     max_tensor_bytes: int | None = None,
     max_total_bytes: int | None = None,
+    process_group: Any = None,
+    slices: Slices | None = None,
+    cache: CacheLike = None,
     **options: Unpack[TransportOptions],
 ) -> TensorStream:
     """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
@@ -177,9 +201,32 @@ def open_stream(
     The header is read and validated in full before the first tensor. Errors are
     :class:`~stream_st.SafetensorsError` subclasses: a tensor the source ends inside is never
     yielded (:class:`~stream_st.TruncatedStreamError`).
+
+    ``process_group`` (a ``torch.distributed`` process group; every rank makes the same call):
+    each rank reads its share of the bytes and the group exchanges them; ``include=`` may differ
+    per rank, and ``slices=`` (name -> ``(dim, part, parts)``) gives a rank only its part of a
+    tensor (see :mod:`stream_st.sharded.ranks`).
+
+    ``cache`` (``True``, a directory, ``"offline"`` or a :class:`~stream_st.Cache`) keeps a
+    verified local copy of an ``http(s)://``, ``s3://`` or ``hf://`` object while it is read, and
+    reads that copy next time after one conditional request (none offline); see
+    ``docs/cache.md``. Other sources are read as they are.
     """
     clock = clock_of(options)
     clock.transport = clock.transport.reading(concurrency)
+    if process_group is not None or slices is not None:
+        from .sharded.ranks import DistributedStream
+
+        return DistributedStream(
+            source,
+            process_group=process_group,
+            include=include,
+            slices=slices,
+            max_header_size=max_header_size,
+            verify=verify,
+            clock=clock,
+            delivery=Delivery(framework, into),
+        )
     return stream_for(
         source,
         include=include,
@@ -191,6 +238,7 @@ def open_stream(
         unique_names=False,
         max_tensor_bytes=max_tensor_bytes,
         max_total_bytes=max_total_bytes,
+        cache=cache,
     )
 
 
@@ -206,6 +254,7 @@ def stream_for(
     unique_names: bool = True,
     max_tensor_bytes: int | None = None,
     max_total_bytes: int | None = None,
+    cache: CacheLike = None,
 ) -> TensorStream:
     """:func:`open_stream` under ``clock``: reads that share one operation's limits.
 
@@ -216,6 +265,21 @@ def stream_for(
     """
     from .core.shards import is_index
     from .sharded.reader import ShardedStream
+
+    # cache= (the cache's wiring; stream_st._api): given, or set by using_cache()
+    if cache is not False and not is_index(str(source)):
+        cached = cached_stream(
+            source,
+            cache,
+            include=include,
+            max_header_size=max_header_size,
+            verify=verify,
+            clock=clock,
+            delivery=delivery,
+            copy=copy,
+        )
+        if cached is not None:
+            return cached
 
     if isinstance(source, str | os.PathLike) and is_index(source):
         return ShardedStream(
@@ -249,10 +313,11 @@ async def read_header(
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
     max_tensor_bytes: int | None = None,
     max_total_bytes: int | None = None,
+    cache: CacheLike = None,
     **options: Unpack[TransportOptions],
 ) -> Header:
-    """Read and validate only the header of ``source``, then close it; limits as in
-    :func:`open_stream`. With ``max_tensor_bytes`` or ``max_total_bytes``, the header's
+    """Read and validate only the header of ``source``, then close it; limits and ``cache`` as
+    in :func:`open_stream`. With ``max_tensor_bytes`` or ``max_total_bytes``, the header's
     tensors (all of them) are checked against those caps as :func:`open_stream` would check
     them before reading: :class:`~stream_st.AllocationError` for one over a cap."""
     return await header_of(
@@ -260,6 +325,7 @@ async def read_header(
         clock_of(options),
         max_header_size=max_header_size,
         caps=Caps.of(max_tensor_bytes, max_total_bytes),
+        cache=cache,
     )
 
 
@@ -269,9 +335,81 @@ async def header_of(
     *,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
     caps: Caps = NO_CAPS,
+    cache: CacheLike = None,
 ) -> Header:
     """:func:`read_header` under ``clock``, checked against ``caps``."""
-    stream = stream_for(source, max_header_size=max_header_size, clock=clock)
+    stream = stream_for(source, max_header_size=max_header_size, clock=clock, cache=cache)
     async with stream:
         caps.check(stream.header.tensors, stream.source.name)
         return stream.header
+
+
+# The cache's wiring (open_stream(url, cache=...)): a stream through the verified local copy.
+
+T = TypeVar("T")
+
+
+class CachedStream(TensorStream):
+    """:class:`~stream_st.TensorStream` over ``address`` (an ``http(s)://``, ``s3://`` or
+    ``hf://`` address) and ``cache``. After it opens, ``cache_state`` says how the cache served
+    it: ``"hit"`` (the local copy, checked fresh), ``"offline"`` (the copy, no request),
+    ``"stale"`` (the copy; the server could not be asked), ``"fetch"`` (the remote object,
+    kept while read) or ``"uncached"``."""
+
+    def __init__(self, address: str, *, cache: Cache, **options: Any) -> None:
+        super().__init__(address, **options)
+        self._address = address
+        self._cache = cache
+        self.cache_state: str | None = None
+
+    async def open(self, *, read_all: bool = False) -> Header:
+        if self.cache_state is None and self._header is None and not self._closed:
+            from .transports.cache.resolve import resolve
+
+            self._clock.start()
+            resolved = await resolve(self._address, self._cache, self._clock, read_all=read_all)
+            self._source_like = resolved.target
+            self.cache_state = resolved.state
+        return await super().open(read_all=read_all)
+
+
+def cached_stream(source: object, cache: object, **options: Any) -> CachedStream | None:
+    """A :class:`CachedStream` over ``source`` when ``cache`` (any ``cache=`` value, see
+    :meth:`~stream_st.Cache.of`) names a cache and ``source`` is an address it applies to;
+    None otherwise (the source is read as it is)."""
+    settings = Cache.of(cache) if cache is not None else current_cache()
+    if settings is None:
+        return None
+    from .transports.cache.resolve import is_cached_address
+
+    if not is_cached_address(source):
+        return None
+    assert isinstance(source, str)
+    return CachedStream(source, cache=settings, **options)
+
+
+_AMBIENT: ContextVar[Cache | None] = ContextVar("stream_st_cache", default=None)
+
+
+def current_cache() -> Cache | None:
+    """The cache set by :func:`using_cache` for the reads in this context, if any."""
+    return _AMBIENT.get()
+
+
+@contextmanager
+def using_cache(cache: object) -> Iterator[Cache | None]:
+    """Every read in the ``with`` block (in this task and those it starts) that is given no
+    ``cache=`` of its own uses ``cache`` (any ``cache=`` value; None or False: none): how the
+    command's ``--cache`` reaches its subcommands, and the drop-in functions their reads."""
+    settings = Cache.of(cache)
+    token = _AMBIENT.set(settings)
+    try:
+        yield settings
+    finally:
+        _AMBIENT.reset(token)
+
+
+async def with_cache(cache: object, function: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``await function(*args)`` under :func:`using_cache` (for calls run on another loop)."""
+    with using_cache(cache):
+        return await function(*args)

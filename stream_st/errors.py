@@ -10,6 +10,9 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     ├── TensorNotFoundError           a requested tensor name is not in the header (also KeyError)
     ├── DtypeError                    a dtype code or numpy dtype that safetensors cannot carry
     ├── CodecError                    a tensor a KV codec cannot carry, or parts it cannot decode
+    ├── DistributedError              a load over a torch.distributed group failed on some rank
+    │   ├── RankFailedError           that rank reported the failure (its source, selection, ...)
+    │   └── RankLostError             a collective failed: a rank died, hung or lost the network
     ├── UnsupportedSourceError        `open_stream` cannot tell how to read the given object
     ├── UnsupportedSinkError          `open_writer` cannot tell how to write to the given object
     ├── UsageError                    the API was used out of order (e.g. header before open)
@@ -23,6 +26,7 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     │                                 KV layer's, the whole object's): they are not delivered
     └── TransportError                the underlying I/O failed; carries the URL and position
         ├── SourceNotFoundError       the file or object does not exist (also FileNotFoundError)
+        │   └── CacheMissError        offline, and no verified local copy of the object
         ├── HTTPStatusError           the server answered with an error status (``.status``)
         │   └── HTTPNotFoundError     HTTP 404 (also a SourceNotFoundError)
         ├── HTTPProtocolError         an answer that breaks HTTP or does not match the request
@@ -45,9 +49,11 @@ import re
 
 __all__ = [
     "AllocationError",
+    "CacheMissError",
     "CertificateError",
     "CodecError",
     "CredentialsError",
+    "DistributedError",
     "DtypeError",
     "HTTPNotFoundError",
     "HTTPProtocolError",
@@ -57,6 +63,8 @@ __all__ = [
     "IntegrityError",
     "OutcomeUnknownError",
     "RangeIgnoredWarning",
+    "RankFailedError",
+    "RankLostError",
     "ReadTimeoutError",
     "SafetensorsError",
     "SourceChangedError",
@@ -318,6 +326,29 @@ class CertificateError(TransportError):
 class CodecError(SafetensorsError, ValueError):
     """A tensor a codec cannot carry (NaN/Inf, wrong dtype or shape) or wire parts it cannot
     decode (missing, wrong dtype or shape, invalid scale)."""
+
+
+class DistributedError(SafetensorsError):
+    """A load over a process group failed on some rank. ``rank`` is that rank in the group (None
+    when it could not be told), ``cause`` what went wrong there."""
+
+    def __init__(self, message: str, *, rank: int | None, cause: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.cause = cause
+
+
+class RankFailedError(DistributedError):
+    """A rank reported a failure (its source, its selection, a digest): every rank raises it."""
+
+
+class RankLostError(DistributedError):
+    """A collective failed: a rank died, hung past the group's timeout, or the network broke."""
+
+
+class CacheMissError(SourceNotFoundError):
+    """The cache is offline (``cache="offline"``, ``HF_HUB_OFFLINE=1``) and holds no usable copy
+    of the object asked for."""
 
 
 class StreamStWarning(UserWarning):

@@ -40,14 +40,18 @@ from .compat import _reference as _facade
 from .compat import _shared
 from .compat._errors import InvalidTensorsError
 from .compat._sync import check_sync_address, run
-from .core.arrays import check_device, is_torch_tensor, load_torch
+from .core.arrays import is_torch_tensor, load_torch, torch_device
 from .errors import UsageError
 from .memory.delivery import Delivery
+from .transports.cache import CacheLike
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import SinkLike, SourceLike
 
 if TYPE_CHECKING:
     import torch
+
+    from .reader import Include
+    from .sharded.ranks import Slices
 
 __all__ = [
     "_end_ptr",
@@ -71,10 +75,11 @@ _torch = load_torch()  # a clear error at import when torch is missing
 def safe_open(
     filename: SourceLike,
     framework: str = "pt",
-    device: str | int = "cpu",
+    device: str | int | torch.device = "cpu",
     *,
     backend: str = "mmap",
     verify: bool = True,
+    cache: CacheLike = None,
     **options: Unpack[TransportOptions],
 ) -> _facade.SafeOpen:
     """Open ``filename`` (a file, URL or index) to read tensors by name, as the reference's
@@ -90,17 +95,23 @@ def safe_open(
     ``get_tensor`` and ``get_tensors`` check each tensor against the digest the header records
     for it, if any (``verify=False`` skips it); a ``get_slice`` of part of a tensor cannot be
     checked (a digest covers the whole tensor).
-    ``device`` must be the CPU for now (see :func:`load_file`).
+    ``device``: where tensors are handed out (see :func:`load_file`).
     """
-    return _facade.SafeOpen(filename, framework, device, backend=backend, verify=verify, **options)
+    return _facade.SafeOpen(
+        filename, framework, device, backend=backend, verify=verify, cache=cache, **options
+    )
 
 
 def load_file(
     filename: SourceLike,
-    device: str | int = "cpu",
+    device: str | int | torch.device = "cpu",
     *,
     backend: str = "mmap",
     verify: bool = True,
+    process_group: Any = None,
+    include: Include = None,
+    slices: Slices | None = None,
+    cache: CacheLike = None,
     **options: Unpack[TransportOptions],
 ) -> dict[str, torch.Tensor]:
     """Every tensor of ``filename`` (a file, URL or index) as ``{name: tensor}`` on the CPU.
@@ -116,12 +127,52 @@ def load_file(
     Digests recorded in the header (``checksums=`` of :func:`save_file`) are checked, each
     before its tensor is handed over, unless ``verify=False``.
 
-    ``device`` other than the CPU raises :class:`~stream_st.UsageError` for now: loading onto
-    an accelerator will receive into pinned staging buffers and copy each to the device while the
-    next one arrives (the ``into=`` mechanism of :func:`~stream_st.open_stream`).
+    ``device`` (``"cuda"``, ``"cuda:1"``, an index, a ``torch.device``): each tensor is received
+    on the CPU (a local file mapped, as above) and copied to that device, its CPU memory let go
+    as it is copied. A device this torch cannot use is a :class:`~stream_st.UsageError` before
+    anything is read.
+
+    ``process_group`` (a ``torch.distributed`` process group; every rank calls): each rank
+    reads its share of the bytes, the group exchanges them, and every rank gets the tensors it
+    wants; ``include=`` and ``slices=`` choose those per rank (see :mod:`stream_st.sharded.ranks`).
     """
-    check_device(device)
-    return _facade.load_file(filename, True, backend, verify, **options)
+    if process_group is not None or include is not None or slices is not None:
+        return _distributed_load(filename, process_group, include, slices, verify, device, options)
+    target = torch_device(device)
+    tensors = _facade.load_file(filename, True, backend, verify, cache=cache, **options)
+    if target is None:
+        return tensors
+    return {name: tensors.pop(name).to(target) for name in list(tensors)}
+
+
+def _distributed_load(
+    filename: SourceLike,
+    group: Any,
+    include: Include,
+    slices: Slices | None,
+    verify: bool,
+    device: str | int | torch.device,
+    options: Mapping[str, Any],
+) -> dict[str, torch.Tensor]:
+    """``load_file`` with a process group (see :mod:`stream_st.sharded.ranks`)."""
+    import functools
+
+    from .sharded import ranks
+
+    check_sync_address(filename, "source")
+    clock = clock_of(options)
+    return run(
+        functools.partial(
+            ranks.load,
+            filename,
+            group,
+            include=include,
+            slices=slices,
+            verify=verify,
+            clock=clock,
+            device=device,
+        )
+    )
 
 
 def load(data: bytes, *, verify: bool = True) -> dict[str, torch.Tensor]:
@@ -249,11 +300,15 @@ def load_model(
     model: torch.nn.Module,
     filename: SourceLike,
     strict: bool = True,
-    device: str | int = "cpu",
+    device: str | int | torch.device = "cpu",
     *,
     backend: str = "mmap",
     verify: bool = True,
     assign: bool = False,
+    process_group: Any = None,
+    include: Include = None,
+    slices: Slices | None = None,
+    cache: CacheLike = None,
     **options: Unpack[TransportOptions],
 ) -> tuple[set[str], list[str]]:
     """Load ``filename`` (a file, URL or index) into ``model``; ``(missing, unexpected)`` names.
@@ -280,18 +335,36 @@ def load_model(
     Digests recorded in the header are checked unless ``verify=False``; a tensor that fails
     has already been received into its parameter when :class:`~stream_st.IntegrityError` is
     raised, so the model is then partly loaded, as after any failed load.
+
+    ``process_group``, ``include``, ``slices``: loaded with the group, as by :func:`load_file`
+    (names ``include=`` leaves out are not missing; ``assign`` is not taken then).
     """
-    check_device(device)
+    if process_group is not None or include is not None or slices is not None:
+        from .sharded import ranks
+
+        if assign:
+            raise UsageError("load_model(process_group=...) does not take assign=True")
+        return ranks.load_model(
+            model,
+            filename,
+            process_group,
+            strict=strict,
+            include=include,
+            slices=slices,
+            verify=verify,
+            clock=clock_of(options),
+            device=device,
+        )
+    torch_device(device)  # checked; the model's own parameters decide where tensors land
     check_sync_address(filename, "source")
     if assign:
         slots = _Slots(model)
-        _, others = run(
-            _receive, filename, slots.place, verify, clock_of(options), not _facade.maps(backend)
-        )
+        clock, copy = clock_of(options), not _facade.maps(backend)
+        _, others = run(_receive, filename, slots.place, verify, clock, copy, None, cache)
         missing, unexpected = slots.missing(), [name for name, _ in others]
     else:
         _facade.maps(backend)  # checked only: the model's own memory is where tensors go
-        missing, unexpected = _load_into(model, filename, verify, clock_of(options))
+        missing, unexpected = _load_into(model, filename, verify, clock_of(options), cache)
     if strict and (missing or unexpected):
         raise UsageError(_load_errors(model, missing, unexpected))
     return missing, unexpected
@@ -311,7 +384,7 @@ def _load_errors(model: torch.nn.Module, missing: set[str], unexpected: list[str
 
 
 def _load_into(
-    model: torch.nn.Module, filename: SourceLike, verify: bool, clock: Clock
+    model: torch.nn.Module, filename: SourceLike, verify: bool, clock: Clock, cache: CacheLike
 ) -> tuple[set[str], list[str]]:
     """``load_model`` without ``assign``: every tensor that fits received into the model's own
     memory, the others through ``load_state_dict``; ``(missing, unexpected)``."""
@@ -322,7 +395,14 @@ def _load_into(
         if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
     }
     placed, fresh = run(
-        _receive, filename, lambda name, tensor: tensor is into.get(name), verify, clock, True, into
+        _receive,
+        filename,
+        lambda name, tensor: tensor is into.get(name),
+        verify,
+        clock,
+        True,
+        into,
+        cache,
     )
     missing_list, unexpected = model.load_state_dict(dict(fresh), strict=False)
     missing = set(missing_list).difference(placed)
@@ -389,6 +469,7 @@ async def _receive(
     clock: Clock,
     copy: bool,
     into: dict[str, Any] | None = None,
+    cache: CacheLike = None,
 ) -> tuple[set[str], list[tuple[str, Any]]]:
     """Read every tensor of ``src`` (``into`` those it can take) and hand each to ``place``; the
     names it took, and the tensors it did not."""
@@ -400,6 +481,7 @@ async def _receive(
         clock=clock,
         delivery=Delivery("pt", into, exact=False, writable=True),
         copy=copy,
+        cache=cache,
     )
     async for name, tensor in stream:
         if place(name, tensor):

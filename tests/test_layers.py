@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("memory",),
     ("transports",),
     ("reader", "writer"),
-    ("_api", "connection", "sharded", "kv", "compat", "torch", "numpy"),
+    ("_api", "connection", "sharded", "kv", "compat", "torch", "numpy", "distributed"),
     ("integrations", "models"),
     ("tools",),
     ("cli",),

@@ -305,6 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     completion.add_argument("shell", choices=SHELLS)
 
+    # the cache: --cache and `stream-st cache` (stream_st/cli/cache.py)
+    from .cache import add_cache_command, add_cache_option
+
+    add_cache_command(commands)
+    for sub in (inspect, check, copy):
+        add_cache_option(sub)
+
     for sub in (hashing, differ, check, copy, demo):
         sub.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     for sub in (inspect, listing, show, hashing, differ, check, copy):

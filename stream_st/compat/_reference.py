@@ -25,16 +25,16 @@ from typing import Any, Self
 import anyio
 import numpy as np
 
+from .._api import cached_stream, stream_for
 from .._api import save as save_async
-from .._api import stream_for
-from ..core.arrays import check_device, framework_of, to_torch
+from ..core.arrays import framework_of, to_torch, torch_device
 from ..core.digests import Digests
 from ..core.header import Header, TensorInfo
 from ..core.shards import is_index, shard_address
 from ..errors import TensorNotFoundError, UsageError
 from ..memory.delivery import Delivery
 from ..reader import TensorStream, _read_tensor, merge_ranges
-from ..sharded.reader import ShardIndex, _open_shard
+from ..sharded.reader import ShardIndex, _open_shard, repeated_name
 from ..transports.file.mmap import FileMap
 from ..transports.file.source import FileSource, path_from_url
 from ..transports.options import Clock, TransportOptions, clock_of
@@ -76,6 +76,7 @@ class _Options:
     clock: Clock
     verify: bool
     mapped: bool
+    cache: object = None  # cache= (stream_st._api)
 
 
 Rows = tuple[int, int] | None
@@ -107,7 +108,9 @@ class _File:
 
     @classmethod
     async def open(cls, address: SourceLike, options: _Options, shard: bool = False) -> _File:
-        stream = TensorStream(address, clock=options.clock, verify=options.verify)
+        stream = cached_stream(
+            address, options.cache, clock=options.clock, verify=options.verify
+        ) or TensorStream(address, clock=options.clock, verify=options.verify)
         if shard:
             await _open_shard(stream, str(address))
         else:
@@ -217,7 +220,10 @@ class _Checkpoint:
             assert index is not None
             shard = next(s for s in index.shards if shard_address(index.home, s) == address)
             index.check(shard, address, file.header)
-            self.where.update(dict.fromkeys(file.header.names(), address))
+            for name in file.header.names():
+                first = self.where.setdefault(name, address)
+                if first != address:
+                    raise repeated_name(index.home, name, first, address)
         return file
 
     async def file_of(self, name: str) -> _File:
@@ -300,8 +306,14 @@ class SafeOpen:
         **options: Any,
     ) -> None:
         self._torch = framework_of(framework)
-        check_device(device)
+        if self._torch:
+            self._device = torch_device(device)
+        elif device is not None and str(device) != "cpu":
+            raise UsageError(f"device={device!r}: numpy arrays live on the CPU")
+        else:
+            self._device = None
         check_sync_address(src, "source")
+        cache = options.pop("cache", None)  # cache= (stream_st._api)
         clock = clock_of(options) if options else Clock()
         mapped = maps(backend)
         self._local: LocalFile | None = None
@@ -314,7 +326,7 @@ class SafeOpen:
             if not mapped:
                 self._closer = weakref.finalize(self, self._local.close)
             return
-        how = _Options(clock, verify, mapped)
+        how = _Options(clock, verify, mapped, cache)
         bridge = Bridge()
         try:
             self._checkpoint = bridge.call(_Checkpoint.open, src, how)
@@ -329,7 +341,10 @@ class SafeOpen:
             raise FileClosedError()
 
     def _out(self, array: np.ndarray[Any, Any], code: str) -> Any:
-        return to_torch(array, code) if self._torch else array
+        if not self._torch:
+            return array
+        tensor = to_torch(array, code)
+        return tensor if self._device is None else tensor.to(self._device)
 
     def _info(self, name: str) -> TensorInfo:
         self._open()
@@ -567,7 +582,8 @@ def load_file(
     path = local_path(src)
     if path is not None and not os.path.lexists(path):
         raise NoSuchFileError(path)
-    return run(_load, src, torch, verify, copy, clock_of(options))
+    cache = options.pop("cache", None)  # cache= (stream_st._api)
+    return run(_load, src, torch, verify, copy, clock_of(options), cache)
 
 
 def load_bytes(data: bytes, torch: bool, verify: bool) -> dict[str, Any]:
@@ -578,10 +594,10 @@ def load_bytes(data: bytes, torch: bool, verify: bool) -> dict[str, Any]:
 
 
 async def _load(
-    src: SourceLike, torch: bool, verify: bool, copy: bool, clock: Clock
+    src: SourceLike, torch: bool, verify: bool, copy: bool, clock: Clock, cache: Any = None
 ) -> dict[str, Any]:
     delivery = Delivery("pt" if torch else "np", writable=True)
-    stream = stream_for(src, verify=verify, clock=clock, delivery=delivery, copy=copy)
+    stream = stream_for(src, verify=verify, clock=clock, delivery=delivery, copy=copy, cache=cache)
     return {name: tensor async for name, tensor in stream}
 
 

@@ -23,13 +23,13 @@ from .layout import TensorSpec
 __all__ = [
     "Framework",
     "as_array",
-    "check_device",
     "framework_of",
     "is_torch_tensor",
     "load_torch",
     "spec_of",
     "to_torch",
     "torch_code",
+    "torch_device",
     "torch_dtypes",
     "torch_to_array",
 ]
@@ -143,19 +143,28 @@ def framework_of(framework: str | None) -> bool:
     raise UsageError(f"framework must be 'pt' or 'np', got {framework!r}")
 
 
-def check_device(device: object) -> None:
-    """:class:`UsageError` unless ``device`` is the CPU.
-
-    Loading onto an accelerator goes through the same ``into=`` mechanism (pinned staging
-    buffers, each copied to the device while the next tensor arrives); until it can be tested it
-    is refused rather than done slowly.
-    """
-    if device in ("cpu", None) or str(device) == "cpu":
-        return
-    raise UsageError(
-        f"device={device!r} is not supported yet: tensors are loaded on the CPU "
-        "(move them with .to(device) afterwards)"
-    )
+def torch_device(device: object) -> Any | None:
+    """The ``torch.device`` tensors are handed out on, or None for the CPU (where they are
+    received). ``device`` is what the reference takes: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, a
+    CUDA index (``0``), or a ``torch.device``. A name torch does not know, or a device this
+    torch cannot use (no CUDA build, no such GPU), is a :class:`UsageError` before anything is
+    read."""
+    if device is None or str(device) == "cpu":
+        return None
+    torch = load_torch()
+    try:
+        chosen = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise UsageError(f"device={device!r} is not a device torch knows: {exc}") from None
+    if chosen.type == "cpu":
+        return None
+    if chosen.type != "cuda":
+        raise UsageError(f"device={device!r}: only the CPU and CUDA devices are supported")
+    if not torch.cuda.is_available():
+        raise UsageError(f"device={device!r}: this torch has no usable CUDA device")
+    if chosen.index is not None and chosen.index >= torch.cuda.device_count():
+        raise UsageError(f"device={device!r}: there are {torch.cuda.device_count()} CUDA devices")
+    return chosen
 
 
 def as_array(value: Any, name: str) -> np.ndarray[Any, Any]:

@@ -63,7 +63,7 @@ from ..reader import Include, TensorStream
 from ..transports.options import Clock
 from ..transports.registry import read_object
 
-__all__ = ["ShardIndex", "ShardedStream", "shard_address", "shard_headers"]
+__all__ = ["ShardIndex", "ShardedStream", "repeated_name", "shard_address", "shard_headers"]
 
 MAX_INDEX_SIZE = 64 << 20
 
@@ -345,13 +345,7 @@ class ShardedStream(TensorStream):
                 continue
             first = self._shard_of.setdefault(name, shard)
             if first != shard:
-                raise UsageError(
-                    f"{self._address}: tensor {name!r} is in more than one shard ({first} and "
-                    f"{shard}), so one dict of names cannot hold them all: read it as a stream "
-                    "(async for name, array in stream_st.open_stream(...)), shard after shard, "
-                    "or, for a dataset, by rows (stream_st.integrations.dataset.plan_pieces and "
-                    "read_piece, or SafetensorsDataset)"
-                )
+                raise repeated_name(self._address, name, first, shard)
 
     async def _open_checked(
         self, index: ShardIndex, shard: str, selected: Callable[[str], bool]
@@ -416,3 +410,15 @@ class ShardedStream(TensorStream):
             if isinstance(stream, TensorStream):
                 await stream.aclose()
         self._current = self._ahead = None
+
+
+def repeated_name(index: str, name: str, first: str, shard: str) -> UsageError:
+    """The refusal of a call that returns one dict of names when ``index``'s shards ``first`` and
+    ``shard`` both hold tensor ``name`` (a batch-mode dataset repeats its columns in every shard):
+    it names the ways to read such a checkpoint."""
+    return UsageError(
+        f"{index}: tensor {name!r} is in more than one shard ({first} and {shard}), so one dict "
+        "of names cannot hold them all: read it as a stream (async for name, array in "
+        "stream_st.open_stream(...)), shard after shard, or, for a dataset, by rows "
+        "(stream_st.integrations.dataset.plan_pieces and read_piece, or SafetensorsDataset)"
+    )

@@ -21,6 +21,7 @@ import trio
 from safetensors import safe_open as reference_open
 
 import stream_st
+import stream_st.numpy
 import stream_st.torch as st
 from stream_st.errors import (
     DtypeError,
@@ -191,10 +192,45 @@ def test_truncated_file_never_gives_a_tensor(tmp_path: Path) -> None:
         st.load_file(tmp_path / "cut.safetensors")
 
 
-def test_device_other_than_cpu_is_refused_clearly(ref_file: Path) -> None:
-    for device in ("cuda", "cuda:0", 0, "mps"):
-        with pytest.raises(UsageError, match="not supported yet"):
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusals of a torch without CUDA")
+def test_a_device_this_torch_cannot_use_is_refused_clearly(ref_file: Path) -> None:
+    for device in ("cuda", "cuda:0", 0, torch.device("cuda", 0)):
+        with pytest.raises(UsageError, match="no usable CUDA device"):
             st.load_file(ref_file, device=device)
+        with pytest.raises(UsageError, match="no usable CUDA device"):
+            st.safe_open(ref_file, framework="pt", device=device)
+    with pytest.raises(UsageError, match="only the CPU and CUDA"):
+        st.load_file(ref_file, device="meta")
+    with pytest.raises(UsageError, match="not a device torch knows"):
+        st.load_file(ref_file, device="gpu7")
+    with pytest.raises(UsageError, match="numpy arrays live on the CPU"):
+        stream_st.numpy.safe_open(ref_file, framework="np", device="cuda")
+
+
+def test_the_cpu_named_any_way_is_the_cpu(ref_file: Path) -> None:
+    expected = reference.load_file(ref_file)
+    for device in ("cpu", torch.device("cpu")):
+        got = st.load_file(ref_file, device=device)
+        assert all(torch.equal(got[name], tensor) for name, tensor in expected.items())
+        assert {tensor.device.type for tensor in got.values()} == {"cpu"}
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", 0])
+def test_tensors_land_on_the_cuda_device(ref_file: Path, device: str | int) -> None:
+    expected = reference.load_file(ref_file, device=device)
+    got = st.load_file(ref_file, device=device)
+    assert list(got) == list(expected)
+    for name, tensor in expected.items():
+        assert got[name].device == tensor.device and torch.equal(got[name], tensor)
+    with st.safe_open(ref_file, framework="pt", device=device) as handle:
+        for name in expected:
+            assert torch.equal(handle.get_tensor(name), expected[name])
+            sliced = handle.get_slice(name)[:1]
+            assert sliced.device == expected[name].device
     with pytest.raises(UsageError):
         st.safe_open(ref_file, framework="tf")
     with pytest.raises(UsageError):

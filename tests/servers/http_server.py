@@ -19,11 +19,12 @@ open), ``latency`` (seconds before each response), ``rate`` (bytes per second pe
 What real servers, CDNs and object stores do: ``redirects[path] = url`` (answer GETs with a
 ``redirect_status``, 302 by default, to ``url``), validators (``etag`` "strong" or "weak",
 ``last_modified``; each object has a version, counted from 0) honoured in ``If-Match``,
-``If-Unmodified-Since`` (412) and ``If-Range`` (a stale one gets the whole new object, 200)
-unless ``conditionals`` is False, ``replace_after[path] = (n, data)`` (the object is replaced by
-``data``, a new version, after n GETs of it), ``gzip`` ("asked": a request whose
-``Accept-Encoding`` names gzip gets the whole object gzip-compressed, like nginx's ``gzip on``;
-"always": every 200 or 206 body is sent compressed, labelled ``Content-Encoding: gzip``).
+``If-Unmodified-Since`` (412), ``If-None-Match`` (304) and ``If-Range`` (a stale one gets the
+whole new object, 200) unless ``conditionals`` is False, ``replace_after[path] = (n, data)``
+(the object is replaced by ``data``, a new version, after n GETs of it), ``gzip`` ("asked":
+a request whose ``Accept-Encoding`` names gzip gets the whole object gzip-compressed, like
+nginx's ``gzip on``; "always": every 200 or 206 body is sent compressed, labelled
+``Content-Encoding: gzip``).
 
 Each request is logged in ``requests`` as ``(method, path, range header, body bytes sent)``,
 and its headers (lower-case names) in ``headers_seen`` as ``(method, path, headers)``.
@@ -54,6 +55,7 @@ _REASONS = {
     200: "OK",
     201: "Created",
     206: "Partial Content",
+    304: "Not Modified",
     301: "Moved Permanently",
     302: "Found",
     307: "Temporary Redirect",
@@ -269,6 +271,10 @@ class RangeHTTPServer:
             extra = self._validators(path)
             if not self._preconditions_hold(headers, extra):
                 status = 412
+            elif self._not_modified(headers, extra):
+                self.requests.append((method, path, headers.get("range", ""), 0))
+                self._send_head(connection, 304, extra)
+                return True
         if status is not None:
             content_type, message = "text/plain", f"status {status} for {path}".encode()
             if self.status_body is not None and path in self.status_for:
@@ -361,6 +367,15 @@ class RangeHTTPServer:
             limit = email.utils.parsedate_to_datetime(since)
             return email.utils.parsedate_to_datetime(modified) <= limit
         return True
+
+    def _not_modified(self, headers: dict[str, str], validators: dict[str, str]) -> bool:
+        """True when ``If-None-Match`` names the object's ETag (weak comparison): 304."""
+        wanted = headers.get("if-none-match")
+        etag = validators.get("ETag", "")
+        if wanted is None or not etag or not self.conditionals:
+            return False
+        tags = {v.strip().removeprefix("W/") for v in wanted.split(",")}
+        return "*" in tags or etag.removeprefix("W/") in tags
 
     def _if_range_holds(self, headers: dict[str, str], validators: dict[str, str]) -> bool:
         """False when an ``If-Range`` names another version: the whole object is sent."""

@@ -101,3 +101,19 @@ async def test_planning_still_splits_real_rows(tmp_path: Path) -> None:
     assert len(pieces) == SHARDS * 2
     rows = [await read_piece(piece) for piece in pieces]
     assert np.concatenate([r["y"] for r in rows]).tolist() == list(range(SHARDS * 4))
+
+
+@pytest.mark.parametrize("call", ["keys", "get_tensor"])
+def test_safe_open_refuses_a_manifest_whose_shards_repeat_names(tmp_path: Path, call: str) -> None:
+    """The drop-in's handle never answers with one shard's tensor for a name all shards hold."""
+    import anyio
+
+    anyio.run(write_batches, tmp_path)
+    with (
+        pytest.raises(stream_st.UsageError, match="more than one shard"),
+        stream_st.numpy.safe_open(str(tmp_path / "dataset_manifest.json"), "np") as handle,
+    ):
+        if call == "keys":
+            handle.keys()
+        else:
+            handle.get_tensor("x")

@@ -1,0 +1,136 @@
+"""``stream-st cache ls|rm|prune`` and the ``--cache`` option of ``inspect``, ``validate`` and
+``cp`` (see ``docs/cache.md``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .._api import using_cache
+from ..errors import UsageError
+from ..transports.cache import Cache, parse_size
+from .output import EXIT_DIFFERENT, EXIT_OK, human, print_json
+
+__all__ = ["add_cache_command", "add_cache_option"]
+
+Handler = Callable[[argparse.Namespace], Awaitable[int]]
+
+
+def _cache_of(args: argparse.Namespace) -> Cache:
+    directory = getattr(args, "dir", None)
+    return Cache.at(directory) if directory else Cache.default()
+
+
+def add_cache_option(sub: argparse.ArgumentParser) -> None:
+    """``--cache``, ``--cache-dir DIR`` and ``--offline`` on ``sub``, whose handler then reads
+    remote sources through the cache."""
+    group = sub.add_argument_group("local copies of remote sources (see stream-st cache)")
+    group.add_argument(
+        "--cache",
+        action="store_true",
+        help="keep a verified local copy of a remote source, and read it next time after one "
+        "conditional request (STREAM_ST_CACHE, HF_HUB_CACHE)",
+    )
+    group.add_argument("--cache-dir", metavar="DIR", help="as --cache, with the copies in DIR")
+    group.add_argument(
+        "--offline",
+        action="store_true",
+        help="as --cache, with no request at all: only the copies (as HF_HUB_OFFLINE=1)",
+    )
+    handler: Handler = sub.get_default("handler")
+
+    async def cached(args: argparse.Namespace) -> int:
+        chosen: Cache | None = None
+        if args.cache or args.cache_dir or args.offline:
+            chosen = Cache.at(args.cache_dir) if args.cache_dir else Cache.default()
+            if args.offline:
+                chosen = dataclasses.replace(chosen, offline=True)
+        with using_cache(chosen):
+            return await handler(args)
+
+    sub.set_defaults(handler=cached)
+
+
+def _age(seconds: float) -> str:
+    ago = max(0.0, time.time() - seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if ago >= size:
+            return f"{ago / size:.0f}{unit} ago"
+    return f"{ago:.0f}s ago"
+
+
+async def run_cache(args: argparse.Namespace) -> int:
+    from ..transports.cache.manage import entries, prune, remove
+
+    cache = _cache_of(args)
+    if args.action == "ls":
+        found = entries(cache)
+        if args.json:
+            for entry in found:
+                print_json(
+                    {
+                        "address": entry.shown,
+                        "size": entry.size,
+                        "last_used": entry.last_used,
+                        "complete": entry.complete,
+                    }
+                )
+            return EXIT_OK
+        width = max([len("address"), *(len(e.shown) for e in found)])
+        print(f"{'address':<{width}}  {'size':>9}  {'last used':>10}  state")
+        for entry in reversed(found):
+            state = "complete" if entry.complete else "partial"
+            used = _age(entry.last_used)
+            print(f"{entry.shown:<{width}}  {human(entry.size):>9}  {used:>10}  {state}")
+        total = sum(e.size for e in found)
+        print(f"{len(found)} copies, {human(total)} in {cache.directory} and {cache.hub_directory}")
+        return EXIT_OK
+    if args.action == "rm":
+        if not args.patterns and not args.all:
+            raise UsageError("name the addresses to remove (patterns, as * and ?) or give --all")
+        chosen = [
+            e
+            for e in entries(cache)
+            if args.all or any(fnmatch.fnmatchcase(e.shown, p) for p in args.patterns)
+        ]
+        busy = [e for e in chosen if not remove(e)]
+        for entry in chosen:
+            if entry not in busy:
+                print(f"removed {entry.shown} ({human(entry.size)})")
+        for entry in busy:
+            print(f"left {entry.shown}: another process is writing it")
+        return EXIT_DIFFERENT if busy or not chosen else EXIT_OK
+    cap = parse_size(args.max_size) if args.max_size else cache.max_size
+    if cap is None:
+        raise UsageError("give --max-size SIZE (or set STREAM_ST_CACHE_MAX)")
+    removed = prune(cache, cap)
+    for entry in removed:
+        print(f"removed {entry.shown} ({human(entry.size)})")
+    print(f"removed {len(removed)} copies, {human(sum(e.size for e in removed))}")
+    return EXIT_OK
+
+
+def add_cache_command(commands: Any) -> argparse.ArgumentParser:
+    """The ``cache`` subcommand, on ``commands`` (the parser's subparsers)."""
+    sub: argparse.ArgumentParser = commands.add_parser(
+        "cache",
+        help="list, remove and prune the local copies kept by --cache",
+        description="list, remove and prune the local copies kept by --cache (copies of "
+        "http(s):// and s3:// objects in STREAM_ST_CACHE, hf:// files stream_st kept in the "
+        "Hugging Face cache)",
+        epilog="examples:\n  stream-st cache ls\n  stream-st cache rm 'hf://org/model@*'\n"
+        "  stream-st cache prune --max-size 50G",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub.set_defaults(handler=run_cache)
+    sub.add_argument("action", choices=("ls", "rm", "prune"))
+    sub.add_argument("patterns", nargs="*", metavar="PATTERN", help="rm: addresses (* and ?)")
+    sub.add_argument("--all", action="store_true", help="rm: every copy")
+    sub.add_argument("--max-size", metavar="SIZE", help="prune: keep at most SIZE (50G)")
+    sub.add_argument("--dir", metavar="DIR", help="the cache given to --cache DIR")
+    sub.add_argument("--json", action="store_true", help="ls: one JSON record per copy")
+    return sub

@@ -1,0 +1,115 @@
+"""Where remote reads keep their local copies, and how: :class:`Cache`.
+
+``cache=`` of :func:`~stream_st.open_stream` (and of every entry point that reads a URL) takes:
+
+* ``True``: the default places (:meth:`Cache.default`);
+* a directory (``str`` or ``os.PathLike``): everything under it (:meth:`Cache.at`);
+* ``"offline"``: the default places, and no request at all (a copy is used as it is, a missing
+  one is a :class:`CacheMissError`);
+* a :class:`Cache`; ``None`` or ``False``: no cache.
+
+The environment: ``STREAM_ST_CACHE`` (the directory of copies of ``http(s)://`` and ``s3://``
+objects; default ``$XDG_CACHE_HOME/stream_st``, that defaulting to ``~/.cache``),
+``HF_HUB_CACHE`` (``hf://`` files, in the Hugging Face cache layout; default ``$HF_HOME/hub``,
+``HF_HOME`` defaulting to ``$XDG_CACHE_HOME/huggingface``), ``HF_HUB_OFFLINE=1`` (offline, as
+``"offline"``), ``STREAM_ST_CACHE_MAX`` (a size cap: bytes, or a number with a unit, ``50G``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ...errors import UsageError
+
+__all__ = ["Cache", "CacheLike", "parse_size"]
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``text``: a whole number of bytes, or a number with a unit. ``K``, ``M``,
+    ``G``, ``T``, ``P`` alone or with ``iB`` are powers of 1024 (``50G`` is 50 GiB, as ``du``
+    and ``ulimit`` count); with ``B`` alone (``50GB``) powers of 1000. A
+    :class:`~stream_st.UsageError` for anything else."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise UsageError(f"not a size: {text!r} (expected bytes or a number with a unit: 50G)")
+    number, unit, binary, byte = match.groups()
+    decimal = bool(byte) and not binary and bool(unit)
+    base = 1000 if decimal else 1024
+    return int(float(number) * base ** _POWERS[unit.lower()])
+
+
+def _cache_home(env: Mapping[str, str]) -> Path:
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
+@dataclass(frozen=True)
+class Cache:
+    """Where copies go and how they are used.
+
+    ``directory`` holds the copies of ``http(s)://`` and ``s3://`` objects (and the small
+    records stream_st keeps); ``hub_directory`` the ``hf://`` files, in the Hugging Face cache
+    layout (``huggingface_hub`` finds them there). ``offline``: no request is made; a copy is
+    used as it is. ``max_size``: the cap, in bytes, on what stream_st keeps (least recently
+    used copies go first once a new copy passes it); None for none.
+    """
+
+    directory: Path
+    hub_directory: Path
+    offline: bool = False
+    max_size: int | None = None
+
+    @classmethod
+    def default(cls, environ: Mapping[str, str] | None = None) -> Cache:
+        """The places and options the environment names (see the module)."""
+        env = os.environ if environ is None else environ
+        home = _cache_home(env)
+        directory = Path(env.get("STREAM_ST_CACHE") or home / "stream_st")
+        hub_home = Path(env.get("HF_HOME") or home / "huggingface")
+        hub = Path(env.get("HF_HUB_CACHE") or hub_home / "hub")
+        cap = env.get("STREAM_ST_CACHE_MAX", "").strip()
+        return cls(
+            directory=directory.expanduser(),
+            hub_directory=hub.expanduser(),
+            offline=env.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE,
+            max_size=parse_size(cap) if cap else None,
+        )
+
+    @classmethod
+    def at(
+        cls, directory: str | os.PathLike[str], environ: Mapping[str, str] | None = None
+    ) -> Cache:
+        """Everything under ``directory``: objects there, ``hf://`` files in its ``hub``
+        folder (the layout ``HF_HOME`` would give); offline and the cap from the environment."""
+        base = Path(directory).expanduser()
+        return replace(cls.default(environ), directory=base, hub_directory=base / "hub")
+
+    @classmethod
+    def of(cls, value: object) -> Cache | None:
+        """The cache a ``cache=`` argument names (see the module); None for none. A
+        :class:`~stream_st.UsageError` for anything else."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls.default()
+        if isinstance(value, Cache):
+            return value
+        if value == "offline":
+            return replace(cls.default(), offline=True)
+        if isinstance(value, str | os.PathLike) and os.fspath(value):
+            return cls.at(value)
+        raise UsageError(
+            f"cache must be True, a directory, 'offline' or a Cache, got {type(value).__name__} "
+            f"{value!r}"
+        )
+
+
+CacheLike = Cache | bool | str | os.PathLike[str] | None
+"""What ``cache=`` accepts (see :meth:`Cache.of`)."""

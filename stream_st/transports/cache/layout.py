@@ -1,0 +1,198 @@
+"""Where each entry lives on disk.
+
+``http(s)://`` and ``s3://`` objects, under the cache's ``directory``::
+
+    objects/<key>/lock                    the entry's lock
+    objects/<key>/<version>.safetensors   the copy (complete and verified)
+    objects/<key>/<version>.json          its record
+    objects/<key>/<version>.part          a partial copy (sparse), and
+    objects/<key>/<version>.part.json     the ranges it holds
+
+``<key>`` hashes the address (:func:`~.keys.object_key`), ``<version>`` its ETag, Last-Modified
+and size. ``hf://`` files, under ``hub_directory``, in the Hugging Face layout::
+
+    models--<org>--<name>/blobs/<etag>                     the file (LFS: etag = SHA-256)
+    models--<org>--<name>/snapshots/<commit>/<path>        a relative link to the blob
+    models--<org>--<name>/refs/<revision>                  the commit a branch or tag was at
+    models--<org>--<name>/.stream_st/<etag>.json           stream_st's record of the blob
+    models--<org>--<name>/.stream_st/<etag>.part(.json)    a partial copy
+    .locks/models--<org>--<name>/<etag>.lock               the lock huggingface_hub takes too
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import Cache
+from .store import Record, remove_quietly
+
+__all__ = ["COMMIT", "HubEntry", "ObjectEntry", "repo_folder"]
+
+COMMIT = re.compile(r"[0-9a-f]{40}")
+"""A full commit id: a revision that names one commit for good."""
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    """The files of one version of an object (see the module)."""
+
+    folder: Path
+    version: str
+
+    @classmethod
+    def of(cls, cache: Cache, key: str, version: str = "") -> ObjectEntry:
+        return cls(cache.directory / "objects" / key, version)
+
+    def at(self, version: str) -> ObjectEntry:
+        return ObjectEntry(self.folder, version)
+
+    @property
+    def lock(self) -> Path:
+        return self.folder / "lock"
+
+    @property
+    def data(self) -> Path:
+        return self.folder / f"{self.version}.safetensors"
+
+    @property
+    def record(self) -> Path:
+        return self.folder / f"{self.version}.json"
+
+    @property
+    def part(self) -> Path:
+        return self.folder / f"{self.version}.part"
+
+    @property
+    def part_record(self) -> Path:
+        return self.folder / f"{self.version}.part.json"
+
+    def versions(self) -> Iterator[str]:
+        """The versions with a complete copy here (by their records)."""
+        try:
+            names = os.listdir(self.folder)
+        except OSError:
+            return
+        for name in sorted(names):
+            if name.endswith(".json") and not name.endswith(".part.json"):
+                yield name[: -len(".json")]
+
+    def partials(self) -> Iterator[str]:
+        try:
+            names = os.listdir(self.folder)
+        except OSError:
+            return
+        for name in sorted(names):
+            if name.endswith(".part.json"):
+                yield name[: -len(".part.json")]
+
+    def clean(self, keep: str | None = None) -> None:
+        """Remove what no one will use (call it holding the lock): leftovers of writers that
+        died (temporary files, partial copies whose ranges were never recorded) and, with
+        ``keep``, every version but that one."""
+        try:
+            names = os.listdir(self.folder)
+        except OSError:
+            return
+        recorded = set(self.partials())
+        for name in names:
+            if name == "lock":
+                continue
+            version = name.split(".", 1)[0]
+            stale = (
+                name.startswith(".")
+                or name.endswith(".tmp")
+                or (name.endswith(".part") and version not in recorded)
+                or (keep is not None and version != keep)
+            )
+            if stale:
+                remove_quietly(self.folder / name)
+
+    def commit(self, part: Path, record: Record) -> None:
+        """Move the finished ``part`` into place and record it; other versions go."""
+        from .store import fingerprint
+
+        os.replace(part, self.data)
+        record.fingerprint = fingerprint(self.data)
+        record.save(self.record)
+        remove_quietly(self.part_record)
+        self.clean(keep=self.version)
+
+
+def repo_folder(repo_type: str, repo_id: str) -> str:
+    """The Hugging Face cache's folder name of a repository: ``models--org--name``."""
+    return f"{repo_type}s--" + repo_id.replace("/", "--")
+
+
+@dataclass(frozen=True)
+class HubEntry:
+    """A file of a Hub repository in the Hugging Face cache layout (see the module)."""
+
+    root: Path  # the hub cache directory
+    folder: str  # models--org--name
+    path: str  # the file's path in the repository
+
+    @property
+    def storage(self) -> Path:
+        return self.root / self.folder
+
+    def ref(self, revision: str) -> Path:
+        return self.storage / "refs" / revision
+
+    def commit_of(self, revision: str) -> str | None:
+        """The commit ``revision`` names: itself when a full commit id, else what its ref
+        file holds; None when unknown here."""
+        if COMMIT.fullmatch(revision):
+            return revision
+        try:
+            commit = self.ref(revision).read_text().strip()
+        except OSError:
+            return None
+        return commit if COMMIT.fullmatch(commit) else None
+
+    def pointer(self, commit: str) -> Path:
+        return self.storage / "snapshots" / commit / Path(*self.path.split("/"))
+
+    def blob(self, etag: str) -> Path:
+        return self.storage / "blobs" / etag
+
+    def record(self, etag: str) -> Path:
+        return self.storage / ".stream_st" / f"{etag}.json"
+
+    def part(self, etag: str) -> Path:
+        return self.storage / ".stream_st" / f"{etag}.part"
+
+    def part_record(self, etag: str) -> Path:
+        return self.storage / ".stream_st" / f"{etag}.part.json"
+
+    def lock(self, etag: str) -> Path:
+        return self.root / ".locks" / self.folder / f"{etag}.lock"
+
+    def blob_of(self, commit: str) -> str | None:
+        """The blob name the snapshot of ``commit`` links this file to; None when none."""
+        pointer = self.pointer(commit)
+        try:
+            target = os.readlink(pointer)
+        except OSError:
+            return None
+        return Path(target).name
+
+    def link(self, commit: str, etag: str, revision: str) -> None:
+        """Make the snapshot of ``commit`` point at the blob ``etag`` (a relative link, as
+        huggingface_hub makes), and ``revision``'s ref name ``commit``."""
+        pointer = self.pointer(commit)
+        pointer.parent.mkdir(parents=True, exist_ok=True)
+        target = os.path.relpath(self.blob(etag), pointer.parent)
+        temp = pointer.with_name(f".{pointer.name}.{os.getpid()}.tmp")
+        remove_quietly(temp)
+        os.symlink(target, temp)
+        os.replace(temp, pointer)
+        if revision != commit:
+            ref = self.ref(revision)
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            temp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
+            temp.write_text(commit)
+            os.replace(temp, ref)

@@ -1,0 +1,209 @@
+"""What is in the cache, and taking things out: :func:`entries`, :func:`remove`, :func:`prune`
+(``stream-st cache ls|rm|prune``).
+
+Listed are the copies stream_st keeps: every object entry, and the Hub blobs stream_st wrote or
+checked (those with its record); partial copies are listed as such. Removing an entry takes its
+lock first: an entry being written by another process is left alone (and said so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import Cache
+from .layout import HubEntry, ObjectEntry
+from .store import EntryLock, Record, read_json, remove_quietly
+
+__all__ = ["Entry", "entries", "prune", "remove", "total_size"]
+
+
+@dataclass
+class Entry:
+    """One copy in the cache. ``shown``: its address (an ``hf://`` one pinned to its commit);
+    ``size``: bytes on disk (a partial copy: bytes held); ``last_used``: seconds since the
+    epoch; ``complete``: False for a partial copy; ``files``: what removing it removes;
+    ``lock``: the entry's lock file."""
+
+    shown: str
+    size: int
+    last_used: float
+    complete: bool
+    files: list[Path] = field(default_factory=list)
+    lock: Path | None = None
+    links: list[Path] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        return "hub" if self.shown.startswith("hf://") else "object"
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _held(state: object) -> int:
+    if not isinstance(state, dict):
+        return 0
+    with contextlib.suppress(TypeError, ValueError):
+        return sum(int(end) - int(start) for start, end in state.get("ranges", []))
+    return 0
+
+
+def _object_entries(cache: Cache) -> list[Entry]:
+    root = cache.directory / "objects"
+    found: list[Entry] = []
+    try:
+        keys = sorted(os.listdir(root))
+    except OSError:
+        return found
+    for key in keys:
+        entry = ObjectEntry.of(cache, key)
+        for version in entry.versions():
+            at = entry.at(version)
+            record = Record.load(at.record)
+            if record is None:
+                continue
+            found.append(
+                Entry(
+                    record.shown,
+                    record.size,
+                    _mtime(at.record),
+                    True,
+                    [at.data, at.record],
+                    at.lock,
+                )
+            )
+        for version in entry.partials():
+            at = entry.at(version)
+            state = read_json(at.part_record)
+            shown = _shown_of(entry) or f"(partial copy {key})"
+            found.append(
+                Entry(
+                    shown,
+                    _held(state),
+                    _mtime(at.part_record),
+                    False,
+                    [at.part, at.part_record],
+                    at.lock,
+                )
+            )
+    return found
+
+
+def _shown_of(entry: ObjectEntry) -> str | None:
+    for version in entry.versions():
+        record = Record.load(entry.at(version).record)
+        if record is not None:
+            return record.shown
+    return None
+
+
+def _links_to(storage: Path, etag: str) -> list[Path]:
+    """The snapshot links of a Hub repository folder that point at blob ``etag``."""
+    links: list[Path] = []
+    for folder, _, names in os.walk(storage / "snapshots"):
+        for name in names:
+            path = Path(folder, name)
+            with contextlib.suppress(OSError):
+                if path.is_symlink() and Path(os.readlink(path)).name == etag:
+                    links.append(path)
+    return links
+
+
+def _hub_entries(cache: Cache) -> list[Entry]:
+    root = cache.hub_directory
+    found: list[Entry] = []
+    try:
+        folders = sorted(os.listdir(root))
+    except OSError:
+        return found
+    for folder in folders:
+        mine = root / folder / ".stream_st"
+        if "--" not in folder or not mine.is_dir():
+            continue
+        for name in sorted(os.listdir(mine)):
+            etag = name.split(".", 1)[0]
+            hub = HubEntry(root, folder, "")
+            if name == f"{etag}.json":
+                record = Record.load(mine / name)
+                if record is None or not hub.blob(etag).exists():
+                    continue
+                extra = record.extra
+                shown = record.shown
+                if extra.get("repo_id"):
+                    prefix = "datasets/" if extra.get("repo_type") == "dataset" else ""
+                    at = f"{extra['repo_id']}@{extra.get('commit', '')}"
+                    shown = f"hf://{prefix}{at}/{extra.get('path', '')}"
+                found.append(
+                    Entry(
+                        shown,
+                        record.size,
+                        _mtime(mine / name),
+                        True,
+                        [hub.blob(etag), mine / name],
+                        hub.lock(etag),
+                        _links_to(root / folder, etag),
+                    )
+                )
+            elif name == f"{etag}.part.json":
+                state = read_json(mine / name)
+                found.append(
+                    Entry(
+                        f"hf:// {folder} (partial copy of {etag[:12]})",
+                        _held(state),
+                        _mtime(mine / name),
+                        False,
+                        [hub.part(etag), mine / name],
+                        hub.lock(etag),
+                    )
+                )
+    return found
+
+
+def entries(cache: Cache) -> list[Entry]:
+    """Every copy in ``cache`` (see the module), least recently used first."""
+    found = _object_entries(cache) + _hub_entries(cache)
+    found.sort(key=lambda entry: entry.last_used)
+    return found
+
+
+def total_size(cache: Cache) -> int:
+    """Bytes the copies in ``cache`` hold."""
+    return sum(entry.size for entry in entries(cache))
+
+
+def remove(entry: Entry) -> bool:
+    """Remove ``entry``'s files (and a Hub blob's snapshot links); False, removing nothing,
+    when another process holds its lock (it is being written)."""
+    lock = EntryLock(entry.lock) if entry.lock is not None else None
+    if lock is not None and not lock.try_acquire():
+        return False
+    try:
+        remove_quietly(*entry.links, *entry.files)
+    finally:
+        if lock is not None:
+            lock.release()
+    return True
+
+
+def prune(cache: Cache, max_size: int, *, keep: tuple[Path, ...] = ()) -> list[Entry]:
+    """Remove the least recently used copies until those left hold at most ``max_size`` bytes;
+    copies whose files are in ``keep``, and those being written, stay. Returns those removed."""
+    found = entries(cache)
+    total = sum(entry.size for entry in found)
+    removed: list[Entry] = []
+    for entry in found:
+        if total <= max_size:
+            break
+        if any(path in keep for path in entry.files):
+            continue
+        if remove(entry):
+            total -= entry.size
+            removed.append(entry)
+    return removed

@@ -1,0 +1,411 @@
+"""From an address and a :class:`~.config.Cache` to what to read: the verified local copy, or
+the remote object through a :class:`~.tee.TeeSource` that writes the copy.
+
+``http(s)://`` and ``s3://``: under the entry's lock (:class:`~.store.EntryLock`; a second
+reader of the same object waits here while the first writes the copy, then reads the copy),
+the first request of the read is also the freshness check: it carries ``If-None-Match`` with the
+copy's ETag. A ``304 Not Modified`` (or an answer of the same version, from a server that does
+not do conditional requests) means the copy is used and the answer is dropped; any other answer
+is the first of the read of the new version, which goes into a new copy. A server that cannot
+be reached, or fails with a 5xx, leaves the copy in use.
+
+``hf://``: a revision that is a full commit id, with its file in the cache, makes no request at
+all. Otherwise one ``HEAD`` to the Hub's resolve URL (the token to the Hub only, as
+:class:`~stream_st.HubSource` sends it) tells the commit and the file's ETag (an LFS file's
+SHA-256): a blob of that ETag in the cache is used (the snapshot link and the ref made as
+``huggingface_hub`` makes them); else the file is read at that commit, from the location the
+Hub gave, into the blob, checked against its SHA-256 while it streams.
+
+Offline (``cache="offline"``, ``HF_HUB_OFFLINE=1``): the copy is used without any request, and
+a missing one is a :class:`~.config.CacheMissError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...errors import CacheMissError, HTTPStatusError, TransportError
+from ..base import Source
+from ..http.redirect import REDIRECTS, redirected
+from ..http.target import Target
+from ..options import Clock, Transport
+from ..registry import open_source, scheme_of
+from .config import Cache
+from .keys import object_key, version_key
+from .layout import COMMIT, HubEntry, ObjectEntry, repo_folder
+from .store import (
+    EntryLock,
+    RangeSet,
+    Record,
+    checked_copy,
+    fingerprint,
+    read_json,
+    remove_quietly,
+    touch,
+)
+from .tee import CopyWriter, Destination, TeeSource
+
+__all__ = ["CACHED_SCHEMES", "Resolved", "is_cached_address", "resolve"]
+
+CACHED_SCHEMES = frozenset({"http", "https", "s3", "hf"})
+"""The addresses a cache applies to; any other source is read as it is."""
+
+MAX_HUB_HOPS = 5
+
+
+@dataclass
+class Resolved:
+    """What to read: ``target`` (a local path, a source, or the address itself) and how the
+    cache served it, ``state``: ``"hit"`` (the copy, checked fresh), ``"offline"`` (the copy,
+    no request), ``"stale"`` (the copy; the server could not say), ``"fetch"`` (the object,
+    kept while read) or ``"uncached"`` (the object, as without a cache)."""
+
+    target: str | Source
+    state: str
+
+
+async def resolve(address: str, cache: Cache, clock: Clock, *, read_all: bool) -> Resolved:
+    """What to read for ``address`` under ``cache`` (see the module); ``read_all`` as for
+    :meth:`~stream_st.transports.base.Source.start`."""
+    scheme = scheme_of(address)
+    if scheme == "hf":
+        return await _hub(address, cache, clock, read_all)
+    if scheme in CACHED_SCHEMES:
+        return await _object(address, cache, clock, read_all)
+    return Resolved(address, "uncached")
+
+
+# -- http(s):// and s3://
+
+
+def _validators(source: Source) -> tuple[str, str]:
+    """The ETag and Last-Modified the source's first answer had (``HttpSource`` keeps them to
+    pin the version of every later request)."""
+    version = getattr(source, "_version", None)
+    if isinstance(version, tuple) and len(version) == 2:
+        return str(version[0]), str(version[1])
+    return "", ""
+
+
+async def _committed(entry: ObjectEntry) -> tuple[ObjectEntry, Record] | None:
+    """The entry's complete copy, checked (see :func:`~.store.checked_copy`); None if none."""
+    for version in list(entry.versions()):
+        found = entry.at(version)
+        record = Record.load(found.record)
+        if await checked_copy(found.data, record, found.record):
+            assert record is not None
+            return found, record
+    return None
+
+
+def _partial(entry: ObjectEntry, etag: str, modified: str, size: int | None) -> RangeSet:
+    """The ranges a partial copy of this version holds (empty when none is usable)."""
+    state = read_json(entry.part_record)
+    usable = (
+        isinstance(state, dict)
+        and size is not None
+        and state.get("size") == size
+        and state.get("etag") == etag
+        and state.get("last_modified") == modified
+        and entry.part.exists()
+        and entry.part.stat().st_size == size
+    )
+    if usable:
+        try:
+            return RangeSet(state["ranges"])
+        except (TypeError, ValueError):
+            pass
+    remove_quietly(entry.part, entry.part_record)
+    return RangeSet()
+
+
+def _fresh(record: Record, etag: str, modified: str, size: int | None) -> bool:
+    """Whether an answer of this version is the recorded copy's (a version with no validator
+    is never known to be the same)."""
+    if not (etag or modified) or record.size != size:
+        return False
+    return (record.etag, record.last_modified) == (etag, modified)
+
+
+async def _object(address: str, cache: Cache, clock: Clock, read_all: bool) -> Resolved:
+    inner = await open_source(address, clock)
+    url = getattr(inner, "url", address)
+    key = object_key(url if isinstance(url, str) else address)
+    shown = object_key(address).shown
+    entry = ObjectEntry.of(cache, key.key)
+    lock = EntryLock(entry.lock)
+    handed = False
+    try:
+        if cache.offline:
+            found = await _committed(entry)
+            if found is None:
+                raise CacheMissError(
+                    f"{shown} is not in the cache, and the cache is offline", url=shown
+                )
+            touch(found[0].record)
+            return Resolved(str(found[0].data), "offline")
+        await lock.acquire(clock, inner.name)
+        entry.clean()
+        found = await _committed(entry)
+        if found is not None and found[1].etag:
+            inner.add_transport(Transport((("If-None-Match", found[1].etag),)))
+        partial = entry.partials()
+        try:
+            await inner.start(read_all=read_all and next(partial, None) is None)
+        except HTTPStatusError as exc:
+            if found is None or not (exc.status == 304 or exc.status >= 500):
+                raise
+            touch(found[0].record)
+            return Resolved(str(found[0].data), "hit" if exc.status == 304 else "stale")
+        except TransportError:
+            if found is None:
+                raise
+            touch(found[0].record)
+            return Resolved(str(found[0].data), "stale")
+        etag, modified = _validators(inner)
+        if found is not None and _fresh(found[1], etag, modified, inner.size):
+            touch(found[0].record)
+            return Resolved(str(found[0].data), "hit")
+        version = entry.at(version_key(etag, modified, inner.size))
+        strong = bool(modified) or (bool(etag) and not etag.startswith("W/"))
+        resumable = inner.random_access and inner.size is not None and strong
+        held = _partial(version, etag, modified, inner.size) if resumable else RangeSet()
+        record = Record(shown, -1 if inner.size is None else inner.size, "xxh3-128", "")
+        record.etag, record.last_modified = etag, modified
+        destination = Destination(
+            part=version.part,
+            part_record=version.part_record if resumable else None,
+            record=record,
+            commit=version.commit,
+            on_committed=_pruner(cache, version.data),
+            held=held,
+        )
+        writer = CopyWriter(destination, lock, inner.name, None)
+        handed = True
+        return Resolved(TeeSource(inner, writer), "fetch")
+    finally:
+        if not handed:
+            lock.release()
+            await inner.aclose()
+
+
+def _pruner(cache: Cache, keep: Path) -> Callable[[], None] | None:
+    """What to run once a copy is committed: evict to the cap, ``keep`` aside."""
+    if cache.max_size is None:
+        return None
+    from .manage import prune
+
+    cap = cache.max_size
+
+    def evict() -> None:
+        prune(cache, cap, keep=(keep,))
+
+    return evict
+
+
+# -- hf://
+
+
+def _etag(value: str) -> str | None:
+    """An ETag as the Hugging Face cache names blobs: no ``W/``, no quotes; None when empty or
+    unusable as a file name."""
+    text = value.removeprefix("W/").strip().strip('"')
+    if not text or "/" in text or text.startswith("."):
+        return None
+    return text
+
+
+def _hub_algorithm(etag: str) -> tuple[str, str | None]:
+    """How a Hub blob named ``etag`` is checked: an LFS file's SHA-256, a git blob id (SHA-1),
+    or (any other name) only by the digest stream_st takes."""
+    lowered = etag.lower()
+    if len(lowered) == 64 and all(c in "0123456789abcdef" for c in lowered):
+        return "sha256", lowered
+    if COMMIT.fullmatch(lowered):
+        return "git-sha1", lowered
+    return "xxh3-128", None
+
+
+async def _hub_blob(entry: HubEntry, etag: str) -> bool:
+    """Whether the blob ``etag`` is in the cache and checks out; a blob that was put there by
+    another program is hashed once against its name, and recorded."""
+    blob = entry.blob(etag)
+    record_path = entry.record(etag)
+    record = Record.load(record_path)
+    if record is None:
+        algorithm, expected = _hub_algorithm(etag)
+        try:
+            size = blob.stat().st_size
+        except OSError:
+            return False
+        record = Record(entry.path, size, algorithm, expected or "", etag=etag)
+        if expected is None:  # nothing to check it against: taken as it is
+            return True
+        record.fingerprint = [-1]
+        with contextlib.suppress(OSError):
+            record_path.parent.mkdir(parents=True, exist_ok=True)
+    return await checked_copy(blob, record, record_path)
+
+
+async def _hub_local(entry: HubEntry, commit: str) -> Path | None:
+    """This file's snapshot at ``commit``, when its blob is in the cache and checks out."""
+    etag = entry.blob_of(commit)
+    if etag is None:
+        return None
+    if await _hub_blob(entry, etag):
+        touch(entry.record(etag))
+        return entry.pointer(commit)
+    remove_quietly(entry.pointer(commit))
+    return None
+
+
+@dataclass
+class _HubAnswer:
+    commit: str | None
+    etag: str | None
+    size: int | None
+    location: str | None
+
+
+async def _hub_head(url: str, clock: Clock) -> _HubAnswer | None:
+    """One ``HEAD`` of the Hub's resolve URL ``url`` (following redirects within the Hub: a
+    renamed repository); None when the Hub answers with an error (the read then reports it)."""
+    from ..hub import HubClient, hub_endpoint, hub_token
+
+    client = HubClient(hub_endpoint(), hub_token())
+    transport = clock.transport
+    try:
+        for _ in range(MAX_HUB_HOPS + 1):
+            response = await client.request(
+                "HEAD",
+                url,
+                dict(transport.headers),
+                clock=clock,
+                ssl_context=transport.ssl_context,
+            )
+            async with response:
+                status, headers = response.status, dict(response.headers)
+            location = headers.get("location")
+            if status in REDIRECTS and location:
+                location = redirected(Target.parse(url), location, {})[0].url
+                if client.on_hub(location):
+                    url = location
+                    continue
+            if status >= 400:
+                return None
+            etag = _etag(headers.get("x-linked-etag") or headers.get("etag") or "")
+            size_text = headers.get("x-linked-size") or (
+                headers.get("content-length") if status < 300 else None
+            )
+            size = int(size_text) if size_text and size_text.isdigit() else None
+            commit = headers.get("x-repo-commit")
+            commit = commit if commit and COMMIT.fullmatch(commit) else None
+            far = location if status in REDIRECTS and location else None
+            return _HubAnswer(commit, etag, size, far)
+        return None
+    finally:
+        await client.aclose()
+
+
+async def _hub(address: str, cache: Cache, clock: Clock, read_all: bool) -> Resolved:
+    from ..hub import HubFile, HubSource, hub_endpoint
+
+    file = HubFile.parse(address)
+    entry = HubEntry(cache.hub_directory, repo_folder(file.repo_type, file.repo_id), file.path)
+    known = entry.commit_of(file.revision)
+    local = None if known is None else await _hub_local(entry, known)
+    if local is not None and (cache.offline or COMMIT.fullmatch(file.revision)):
+        return Resolved(str(local), "offline" if cache.offline else "hit")
+    if cache.offline:
+        raise CacheMissError(
+            f"{address} is not in the cache (HF_HUB_OFFLINE or cache='offline')", url=address
+        )
+    try:
+        answer = await _hub_head(file.resolve_url(hub_endpoint()), clock)
+    except HTTPStatusError:
+        raise
+    except TransportError:
+        if local is None:
+            raise
+        return Resolved(str(local), "stale")
+    if answer is None or answer.commit is None or answer.etag is None:
+        return Resolved(address, "uncached")  # the read reports what the Hub said
+    commit, etag = answer.commit, answer.etag
+    lock = EntryLock(entry.lock(etag))
+    await lock.acquire(clock, address)
+    handed = False
+    inner: Source | None = None
+    try:
+        if await _hub_blob(entry, etag):
+            entry.link(commit, etag, file.revision)
+            touch(entry.record(etag))
+            return Resolved(str(entry.pointer(commit)), "hit")
+        inner = await open_source(file.address(commit), clock)
+        if isinstance(inner, HubSource):
+            inner.commit = commit
+            if answer.location is not None:  # the Hub's redirect: straight there
+                inner.url = answer.location
+        held = _hub_partial(entry, etag, answer.size)
+        await inner.start(read_all=read_all and not held.ranges)
+        algorithm, expected = _hub_algorithm(etag)
+        size = inner.size
+        shown = file.address(commit)
+        record = Record(shown, -1 if size is None else size, algorithm, "", etag=etag)
+        record.extra = {
+            "repo_type": file.repo_type,
+            "repo_id": file.repo_id,
+            "path": file.path,
+            "commit": commit,
+        }
+        resumable = inner.random_access and size is not None
+        destination = Destination(
+            part=entry.part(etag),
+            part_record=entry.part_record(etag) if resumable else None,
+            record=record,
+            commit=functools.partial(_commit_blob, entry, etag, commit, file.revision),
+            expected=expected,
+            on_committed=_pruner(cache, entry.blob(etag)),
+            held=held if resumable else RangeSet(),
+        )
+        writer = CopyWriter(destination, lock, address, None)
+        handed = True
+        return Resolved(TeeSource(inner, writer), "fetch")
+    finally:
+        if not handed:
+            lock.release()
+            if inner is not None:
+                await inner.aclose()
+
+
+def _hub_partial(entry: HubEntry, etag: str, size: int | None) -> RangeSet:
+    """The ranges a partial copy of blob ``etag`` holds (empty when none is usable)."""
+    state = read_json(entry.part_record(etag))
+    part = entry.part(etag)
+    if isinstance(state, dict) and size is not None and state.get("size") == size:
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            if part.stat().st_size == size:
+                return RangeSet(state["ranges"])
+    remove_quietly(part, entry.part_record(etag))
+    return RangeSet()
+
+
+def _commit_blob(
+    entry: HubEntry, etag: str, commit: str, revision: str, part: Path, record: Record
+) -> None:
+    """Move the finished blob into place, record it, link the snapshot and the ref."""
+    blob = entry.blob(etag)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(part, blob)
+    record.fingerprint = fingerprint(blob)
+    record.save(entry.record(etag))
+    entry.link(commit, etag, revision)
+
+
+def is_cached_address(source: object) -> bool:
+    """Whether ``source`` is an address a cache applies to."""
+    return isinstance(source, str) and scheme_of(source) in CACHED_SCHEMES

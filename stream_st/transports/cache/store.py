@@ -1,0 +1,289 @@
+"""The cache on disk: records, locks, digests of copies, and the ranges a partial copy holds.
+
+A copy is trusted only as its record describes it. The record (JSON, beside the copy) holds the
+object's version (ETag, Last-Modified, size), the digest of the copy's bytes and the copy's
+fingerprint on disk (size, modification and change times, inode) as it was when the digest was
+taken. A copy whose fingerprint still matches is used as it is; one whose size differs is
+thrown away; one otherwise changed (written to, touched, copied) is hashed again and thrown
+away unless its digest still matches. Records and copies are replaced by renames only, so a
+reader never sees half of one.
+
+A lock file beside each entry (``flock``, released by the kernel when its holder dies) makes one
+process the writer of an entry; the others wait for it. The lock holder removes what a dead
+writer left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from ...core.digests import Hasher, update_sliced
+from ...errors import UsageError
+from ..options import Clock
+
+__all__ = [
+    "LOCK_POLL",
+    "EntryLock",
+    "RangeSet",
+    "Record",
+    "checked_copy",
+    "fingerprint",
+    "hash_file",
+    "new_hasher",
+    "now",
+    "read_json",
+    "remove_quietly",
+    "touch",
+    "write_json",
+]
+
+LOCK_POLL = 0.05
+"""Seconds between two tries at a lock another process holds."""
+
+HASH_READ = 4 << 20
+"""A copy is hashed again in reads of this size."""
+
+
+def new_hasher(algorithm: str, size: int | None = None) -> Hasher:
+    """A hasher of ``algorithm``: ``xxh3-128`` (stream_st's own copies), ``sha256`` (the Hub's
+    LFS files) or ``git-sha1`` (the Hub's other files: git's blob id, which needs ``size``)."""
+    if algorithm == "xxh3-128":
+        import xxhash
+
+        hasher: Hasher = xxhash.xxh3_128()
+        return hasher
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    if algorithm == "git-sha1" and size is not None:
+        git = hashlib.sha1(usedforsecurity=False)
+        git.update(b"blob %d\0" % size)
+        return git
+    raise UsageError(f"the cache knows no digest {algorithm!r}")
+
+
+def fingerprint(path: Path) -> list[int]:
+    """What changes when a file is written to, replaced or touched: size, modification and
+    change times (ns) and inode."""
+    info = os.stat(path)
+    return [info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino]
+
+
+def hash_file(path: Path, hasher: Hasher, start: int = 0, end: int | None = None) -> Hasher:
+    """Feed ``hasher`` bytes ``start`` to ``end`` (default: the end) of the file at ``path``;
+    blocking (call it in a worker thread)."""
+    buffer = memoryview(bytearray(HASH_READ))
+    with open(path, "rb", buffering=0) as file:
+        file.seek(start)
+        left = None if end is None else end - start
+        while left is None or left > 0:
+            want = HASH_READ if left is None else min(HASH_READ, left)
+            got = file.readinto(buffer[:want])
+            if not got:
+                break
+            update_sliced(hasher, buffer[:got])
+            if left is not None:
+                left -= got
+    return hasher
+
+
+@dataclass
+class Record:
+    """What the cache knows of one copy (see the module). ``shown``: the address as shown
+    (no secret); ``etag`` and ``last_modified``: the version's validators ("" when the server
+    gave none); ``algorithm`` and ``digest`` (hex): of the copy's bytes; ``fingerprint``: of
+    the copy on disk when its digest was last taken; ``extra``: what the Hub layout adds
+    (repository, path, commit)."""
+
+    shown: str
+    size: int
+    algorithm: str
+    digest: str
+    etag: str = ""
+    last_modified: str = ""
+    fingerprint: list[int] = field(default_factory=list)
+    created: float = 0.0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> Record | None:
+        """The record at ``path``; None when there is none or it is unreadable."""
+        data = read_json(path)
+        if data is None:
+            return None
+        try:
+            return cls(**data)
+        except TypeError:
+            return None
+
+    def save(self, path: Path) -> None:
+        write_json(path, asdict(self))
+
+
+def read_json(path: Path) -> Any:
+    """The JSON document at ``path``; None when missing or unreadable."""
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write ``value`` to ``path`` as JSON, through a temporary file and a rename."""
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temp.write_text(json.dumps(value, sort_keys=True))
+        os.replace(temp, path)
+    except BaseException:
+        remove_quietly(temp)
+        raise
+
+
+def remove_quietly(*paths: Path) -> None:
+    """Remove each file of ``paths`` that exists."""
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _rehash(path: Path, record: Record) -> bool:
+    """Whether the bytes at ``path`` still have the record's digest; blocking."""
+    try:
+        hasher = hash_file(path, new_hasher(record.algorithm, record.size))
+    except OSError:
+        return False
+    return bytes(hasher.digest()).hex() == record.digest
+
+
+async def checked_copy(path: Path, record: Record | None, record_path: Path) -> bool:
+    """Whether the copy at ``path`` may be used as the object ``record`` describes (see the
+    module): the fingerprint matches, or the copy is hashed again and matches (its record then
+    takes the new fingerprint). A copy that does not is removed, with its record."""
+    if record is None:
+        return False
+    try:
+        seen = fingerprint(path)
+    except OSError:
+        return False
+    if seen[0] == record.size and seen == record.fingerprint:
+        return True
+    if seen[0] == record.size and await anyio.to_thread.run_sync(_rehash, path, record):
+        record.fingerprint = fingerprint(path)
+        with contextlib.suppress(OSError):
+            record.save(record_path)
+        return True
+    remove_quietly(path, record_path)
+    return False
+
+
+def touch(path: Path) -> None:
+    """Mark ``path`` (a record) used now: the least recently used copies go first."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+class EntryLock:
+    """An exclusive ``flock`` on the file at ``path``: one writer per entry, across processes
+    and within one. The file stays (removing a lock file races with its next user)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def try_acquire(self) -> bool:
+        """Take the lock if it is free; True when taken."""
+        if self._fd is not None:
+            return True
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                return False
+            raise
+        self._fd = fd
+        return True
+
+    async def acquire(self, clock: Clock, name: str) -> bool:
+        """Take the lock, waiting while another holds it (within ``clock``'s deadline). Returns
+        whether it had to wait."""
+        waited = False
+        while not await anyio.to_thread.run_sync(self.try_acquire):
+            waited = True
+            clock.check(name)
+            await anyio.sleep(LOCK_POLL)
+        return waited
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the flock
+
+
+class RangeSet:
+    """Sorted, disjoint ``[start, end)`` ranges of bytes a partial copy holds."""
+
+    def __init__(self, ranges: Iterable[Iterable[int]] = ()) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        for start, end in ranges:
+            self.add(int(start), int(end))
+
+    def add(self, start: int, end: int) -> None:
+        if end <= start:
+            return
+        kept: list[tuple[int, int]] = []
+        for low, high in self.ranges:
+            if high < start or low > end:
+                kept.append((low, high))
+            else:
+                start, end = min(start, low), max(end, high)
+        kept.append((start, end))
+        kept.sort()
+        self.ranges = kept
+
+    def total(self) -> int:
+        return sum(end - start for start, end in self.ranges)
+
+    def covers(self, start: int, end: int) -> bool:
+        return any(low <= start and end <= high for low, high in self.ranges)
+
+    def pieces(self, start: int, end: int) -> Iterator[tuple[int, int, bool]]:
+        """``[start, end)`` cut at the ranges' edges: ``(start, end, held)`` in order."""
+        at = start
+        for low, high in self.ranges:
+            if high <= at or low >= end:
+                continue
+            if low > at:
+                yield at, low, False
+            yield max(at, low), min(high, end), True
+            at = min(high, end)
+        if at < end:
+            yield at, end, False
+
+    def missing(self, ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The parts of ``ranges`` not held, in order."""
+        return [
+            (a, b) for start, end in ranges for a, b, held in self.pieces(start, end) if not held
+        ]
+
+
+def now() -> float:
+    return time.time()

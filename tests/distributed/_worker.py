@@ -1,0 +1,141 @@
+"""One rank of a test's process group: ``python -m tests.distributed._worker PARAMS RANK`` runs
+one scenario in a group of its own; ``python -m tests.distributed._worker --serve PORT RANK
+WORLD`` joins a group that stays up and runs each scenario whose ``PARAMS`` path comes on its
+standard input (answering ``done`` on its standard output): a scenario of fewer ranks runs on a
+group of the first ranks (made with ``new_group``), the others sit it out.
+
+``PARAMS`` is a JSON file: ``world``, ``port``, ``timeout`` (seconds, the group's), ``mode``
+(``load_file``, ``load_model``, ``stream``), ``src`` (or ``srcs``: one per rank), and per rank
+``include``, ``slices`` (``{name: [dim, part, parts]}``), ``env``; ``kill`` (a rank that kills
+itself with SIGKILL once it has its first tensor); ``out`` (a folder). The rank writes what it
+got to ``out/rank<R>.safetensors`` (and the order to ``out/rank<R>.json``), or its error to
+``out/rank<R>.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _slices(raw: dict[str, list[int]] | None) -> dict[str, tuple[int, int, int]] | None:
+    if raw is None:
+        return None
+    return {name: (dim, part, parts) for name, (dim, part, parts) in raw.items()}
+
+
+async def _stream(src: str, group: Any, include: Any, slices: Any, kill: bool) -> dict[str, Any]:
+    import stream_st
+
+    got: dict[str, Any] = {}
+    async with stream_st.open_stream(
+        src, framework="pt", process_group=group, include=include, slices=slices
+    ) as stream:
+        async for name, tensor in stream:
+            got[name] = tensor
+            if kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+    return got
+
+
+def init(port: int, rank: int, world: int, timeout: float) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+
+
+def main() -> None:
+    if sys.argv[1] == "--serve":
+        serve(*map(int, sys.argv[2:5]))
+        return
+    params = json.loads(Path(sys.argv[1]).read_text())
+    rank = int(sys.argv[2])
+    init(params["port"], rank, params["world"], params.get("timeout", 30))
+    import torch.distributed as dist
+
+    scenario(params, rank, dist.group.WORLD)
+    dist.destroy_process_group()
+
+
+def serve(port: int, rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    init(port, rank, world, 60)
+    groups = {size: dist.new_group(list(range(size))) for size in range(2, world)}
+    groups[world] = dist.group.WORLD
+    for line in sys.stdin:
+        params = json.loads(Path(line.strip()).read_text())
+        if rank < params["world"]:
+            scenario(params, rank, groups[params["world"]])
+        print("done", flush=True)
+
+
+def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
+    """Run one scenario as ``rank`` of ``group``; write the report."""
+    import torch.distributed as dist
+
+    import stream_st.torch
+    from stream_st import DistributedError
+
+    saved = dict(os.environ)
+    os.environ.update(params.get("env", {}))
+    out = Path(params["out"])
+    world = params["world"]
+    src = params["srcs"][rank] if "srcs" in params else params["src"]
+    include = params.get("include", [None] * world)[rank]
+    slices = _slices(params.get("slices", [None] * world)[rank])
+    options = params.get("options", {})
+    report: dict[str, Any] = {"rank": rank, "stream_st": stream_st.__file__}
+    try:
+        if params["mode"] == "load_file":
+            got = stream_st.torch.load_file(
+                src, process_group=group, include=include, slices=slices, **options
+            )
+        elif params["mode"] == "load_model":
+            from tests.distributed.test_load import Model
+
+            model = Model()
+            before = {name: t.data_ptr() for name, t in model.state_dict().items()}
+            missing, unexpected = stream_st.torch.load_model(
+                model, src, process_group=group, include=include, strict=False
+            )
+            got = {name: t.clone() for name, t in model.state_dict().items()}
+            report["in_place"] = sorted(
+                name for name, t in model.state_dict().items() if t.data_ptr() == before[name]
+            )
+            report["missing"] = sorted(missing)
+            report["unexpected"] = sorted(unexpected)
+        else:
+            got = asyncio.run(_stream(src, group, include, slices, rank == params.get("kill")))
+        report["names"] = list(got)
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in got.items()}, str(out / f"rank{rank}.safetensors"))
+    except Exception as exc:
+        report["error"] = type(exc).__name__
+        report["message"] = str(exc)
+        report["distributed"] = isinstance(exc, DistributedError)
+        report["safetensors_error"] = isinstance(exc, stream_st.SafetensorsError)
+        report["failed_rank"] = getattr(exc, "rank", None)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    if "error" not in report:
+        dist.barrier(group=group)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,550 @@
+"""``cache=``: local copies of remote objects, kept while read (stream_st.transports.cache).
+
+Real servers on 127.0.0.1 (the Python test server, nginx where installed, moto's S3, the fake
+Hub and its CDN) and real processes: two readers at once, a writer killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st
+from stream_st.transports.cache import Cache, CacheMissError, parse_size
+from stream_st.transports.cache.keys import object_key
+from stream_st.transports.cache.manage import entries, prune, remove
+
+from .._util import assert_same_arrays
+from ..servers.http_server import RangeHTTPServer
+from ..servers.hub_server import CDN_HOST, FakeHub
+from ..servers.s3_server import CREDENTIALS, MotoS3Server
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+ARRAYS: Arrays = {f"t{i}": np.random.default_rng(i).random(40_000 + i) for i in range(4)}
+DATA = reference_numpy.save(ARRAYS)
+OTHER: Arrays = {"t0": np.arange(1000, dtype=np.float32)}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def no_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HF_HUB_OFFLINE", "STREAM_ST_CACHE_MAX"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def server() -> Iterator[RangeHTTPServer]:
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as running:
+        yield running
+
+
+async def read(source: str, **options: Any) -> tuple[Arrays, str | None]:
+    stream = stream_st.open_stream(source, **options)
+    arrays = {name: array async for name, array in stream}
+    return arrays, getattr(stream, "cache_state", None)
+
+
+def body_bytes(server: RangeHTTPServer) -> int:
+    server.settle()
+    return sum(sent for _, _, _, sent in server.requests)
+
+
+def files_under(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() or p.is_symlink())
+
+
+# ------------------------------------------------------------------ http(s)://
+
+
+async def test_first_read_keeps_a_copy_and_the_next_is_served_from_it(
+    server: RangeHTTPServer, tmp_path: Path
+) -> None:
+    url = server.url("/m.safetensors")
+    arrays, state = await read(url, cache=tmp_path)
+    assert state == "fetch"
+    assert_same_arrays(arrays, ARRAYS)
+    assert body_bytes(server) == len(DATA)
+    copies = list((tmp_path / "objects").rglob("*.safetensors"))
+    assert len(copies) == 1 and copies[0].read_bytes() == DATA
+    assert not list(tmp_path.rglob("*.part")) and not list(tmp_path.rglob("*.tmp"))
+
+    arrays, state = await read(url, cache=tmp_path)
+    assert state == "hit"
+    assert_same_arrays(arrays, ARRAYS)
+    server.settle()
+    method, _, _, sent = server.requests[-1]
+    assert (method, sent) == ("GET", 0)  # one conditional request, answered 304
+    assert server.headers_seen[-1][2]["if-none-match"] == '"v0"'
+    assert body_bytes(server) == len(DATA)
+
+
+async def test_every_entry_point_takes_cache(server: RangeHTTPServer, tmp_path: Path) -> None:
+    url = server.url("/m.safetensors")
+    assert_same_arrays(await stream_st.load(url, cache=tmp_path), ARRAYS)
+    header = await stream_st.read_header(url, cache=tmp_path)
+    assert header.names() == list(ARRAYS)
+    assert body_bytes(server) == len(DATA)
+
+
+async def test_a_changed_object_is_fetched_again(tmp_path: Path) -> None:
+    new = reference_numpy.save(OTHER)
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as running:
+        url = running.url("/m.safetensors")
+        await read(url, cache=tmp_path)
+        running.replace_after["/m.safetensors"] = (0, new)  # a new version, a new ETag
+        arrays, state = await read(url, cache=tmp_path)
+        assert state == "fetch"
+        assert_same_arrays(arrays, OTHER)
+        arrays, state = await read(url, cache=tmp_path)
+        assert state == "hit"
+        assert_same_arrays(arrays, OTHER)
+    copies = list((tmp_path / "objects").rglob("*.safetensors"))
+    assert [c.read_bytes() for c in copies] == [new]  # the old version is gone
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+async def test_a_damaged_copy_is_never_handed_out(
+    server: RangeHTTPServer, tmp_path: Path, damage: str
+) -> None:
+    url = server.url("/m.safetensors")
+    await read(url, cache=tmp_path)
+    (copy,) = (tmp_path / "objects").rglob("*.safetensors")
+    raw = bytearray(copy.read_bytes())
+    if damage == "flip":
+        raw[len(raw) // 2] ^= 0xFF
+        copy.write_bytes(raw)
+    else:
+        copy.write_bytes(raw[: len(raw) // 2])
+    offline = Cache(tmp_path, tmp_path / "hub", offline=True)
+    with pytest.raises(CacheMissError):  # offline: the damaged copy is found out, not used
+        await read(url, cache=offline)
+    arrays, state = await read(url, cache=tmp_path)
+    assert state == "fetch"
+    assert_same_arrays(arrays, ARRAYS)
+    assert body_bytes(server) == 2 * len(DATA)
+    arrays, state = await read(url, cache=offline)
+    assert state == "offline"
+    assert_same_arrays(arrays, ARRAYS)
+
+
+async def test_an_unchanged_touched_copy_is_checked_and_used(
+    server: RangeHTTPServer, tmp_path: Path
+) -> None:
+    url = server.url("/m.safetensors")
+    await read(url, cache=tmp_path)
+    (copy,) = (tmp_path / "objects").rglob("*.safetensors")
+    copy.write_bytes(copy.read_bytes())  # same bytes, another fingerprint: hashed again
+    arrays, state = await read(url, cache=tmp_path)
+    assert state == "hit"
+    assert_same_arrays(arrays, ARRAYS)
+
+
+async def test_offline(
+    server: RangeHTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = server.url("/m.safetensors")
+    offline = Cache(tmp_path, tmp_path / "hub", offline=True)
+    with pytest.raises(CacheMissError) as missing:
+        await read(url, cache=offline)
+    assert isinstance(missing.value, stream_st.SafetensorsError)
+    server.settle()
+    assert server.requests == []
+    await read(url, cache=tmp_path)
+    server.settle()
+    count = len(server.requests)
+    arrays, state = await read(url, cache=offline)
+    assert state == "offline"
+    assert_same_arrays(arrays, ARRAYS)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    arrays, state = await read(url, cache=tmp_path)
+    assert state == "offline"
+    server.settle()
+    assert len(server.requests) == count  # no request at all
+
+
+async def test_an_unreachable_server_leaves_the_copy_in_use(tmp_path: Path) -> None:
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as running:
+        url = running.url("/m.safetensors")
+        await read(url, cache=tmp_path)
+    arrays, state = await read(url, cache=tmp_path)  # the server is gone
+    assert state == "stale"
+    assert_same_arrays(arrays, ARRAYS)
+
+
+async def test_a_read_stopped_part_way_leaves_no_copy_under_the_final_name(
+    tmp_path: Path,
+) -> None:
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong", no_range=True) as running:
+        url = running.url("/m.safetensors")
+        async with stream_st.open_stream(url, cache=tmp_path) as stream:
+            async for _ in stream:
+                break
+        assert not list(tmp_path.rglob("*.safetensors"))
+        assert not list(tmp_path.rglob("*.part"))  # no ranges: nothing to resume
+        arrays, state = await read(url, cache=tmp_path)
+        assert state == "fetch"
+        assert_same_arrays(arrays, ARRAYS)
+
+
+async def test_include_keeps_what_it_fetched_and_a_full_read_fetches_the_rest(
+    server: RangeHTTPServer, tmp_path: Path
+) -> None:
+    url = server.url("/m.safetensors")
+    header = await stream_st.read_header(url)
+    server.requests.clear()
+    arrays, _ = await read(url, cache=tmp_path, include=["t1"])
+    assert_same_arrays(arrays, {"t1": ARRAYS["t1"]})
+    assert not list(tmp_path.rglob("*.safetensors"))
+    assert len(list(tmp_path.rglob("*.part"))) == 1
+    first = body_bytes(server)
+    server.requests.clear()
+    arrays, state = await read(url, cache=tmp_path)
+    assert state == "fetch"
+    assert_same_arrays(arrays, ARRAYS)
+    t1 = header["t1"]
+    second = body_bytes(server)
+    first_range = 64 << 10  # each read's first request (the freshness check) asks for 64 KiB
+    assert second <= len(DATA) - t1.nbytes + first_range  # t1 came from the partial copy
+    assert first + second <= len(DATA) + 2 * first_range
+    (copy,) = (tmp_path / "objects").rglob("*.safetensors")
+    assert copy.read_bytes() == DATA
+    arrays, state = await read(url, cache=tmp_path)
+    assert state == "hit"
+
+
+async def test_no_secret_reaches_the_disk(tmp_path: Path) -> None:
+    path = "/m.safetensors"
+    with RangeHTTPServer(objects={path: DATA}, etag="strong") as running:
+        url = f"http://user:hunter2@127.0.0.1:{running.port}{path}?X-Amz-Signature=sekrit99&x=1"
+        await read(url, cache=tmp_path)
+        other = f"http://127.0.0.1:{running.port}{path}?X-Amz-Signature=another"
+        _, state = await read(other, cache=tmp_path)
+        assert state == "hit"  # the signature is not part of the object's name
+    for file in files_under(tmp_path):
+        for secret in ("hunter2", "sekrit99", "user:"):
+            assert secret not in str(file)
+            if file.suffix == ".json":
+                assert secret not in file.read_text()
+    assert object_key(url).shown == f"http://127.0.0.1:{running.port}{path}"
+
+
+def test_sizes() -> None:
+    assert parse_size("50G") == 50 << 30
+    assert parse_size("1.5M") == 3 << 19
+    assert parse_size("2GB") == 2_000_000_000
+    assert parse_size("123") == 123
+    with pytest.raises(stream_st.UsageError):
+        parse_size("lots")
+    with pytest.raises(stream_st.UsageError):
+        stream_st.open_stream("http://127.0.0.1:1/x.safetensors", cache=3)  # type: ignore[arg-type]
+
+
+async def test_the_cap_evicts_the_least_recently_used(tmp_path: Path) -> None:
+    objects = {f"/m{i}.safetensors": DATA for i in range(3)}
+    with RangeHTTPServer(objects=objects, etag="strong") as running:
+        cache = Cache(tmp_path, tmp_path / "hub", max_size=2 * len(DATA) + 10)
+        for i in range(3):
+            await read(running.url(f"/m{i}.safetensors"), cache=cache)
+            await asyncio.sleep(0.02)
+        kept = sorted(e.shown.rsplit("/", 1)[1] for e in entries(cache))
+        assert kept == ["m1.safetensors", "m2.safetensors"]
+        _, state = await read(running.url("/m1.safetensors"), cache=cache)  # m1 used last
+        assert state == "hit"
+        await read(running.url("/m0.safetensors"), cache=cache)
+        kept = sorted(e.shown.rsplit("/", 1)[1] for e in entries(cache))
+        assert kept == ["m0.safetensors", "m1.safetensors"]
+        assert prune(cache, 0) and entries(cache) == []
+
+
+# ------------------------------------------------------------------ processes
+
+READER = """
+import asyncio, sys
+import stream_st
+async def main():
+    arrays = await stream_st.load(sys.argv[1], cache=sys.argv[2])
+    print(sum(float(a.sum()) for a in arrays.values()), flush=True)
+asyncio.run(main())
+"""
+
+
+def reader(url: str, cache: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HF_HUB_OFFLINE", None)
+    return subprocess.Popen(
+        [sys.executable, "-c", READER, url, str(cache)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def test_two_processes_reading_at_once_fetch_the_object_once(tmp_path: Path) -> None:
+    expected = sum(float(a.sum()) for a in ARRAYS.values())
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong", rate=2e6) as running:
+        url = running.url("/m.safetensors")
+        first, second = reader(url, tmp_path), reader(url, tmp_path)
+        outs = [p.communicate(timeout=60) for p in (first, second)]
+        for process, (out, err) in zip((first, second), outs, strict=True):
+            assert process.returncode == 0, err
+            assert float(out) == pytest.approx(expected)
+        assert body_bytes(running) < len(DATA) + (128 << 10)  # fetched once
+
+
+def test_a_killed_writer_leaves_nothing_the_next_reader_trusts(tmp_path: Path) -> None:
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong", rate=1e6) as running:
+        url = running.url("/m.safetensors")
+        writer = reader(url, tmp_path)
+        give_up = time.monotonic() + 30
+        while not list(tmp_path.rglob("*.part")) and time.monotonic() < give_up:
+            time.sleep(0.01)
+        time.sleep(0.3)  # part way through the body
+        writer.send_signal(signal.SIGKILL)
+        writer.communicate()
+        assert list(tmp_path.rglob("*.part"))
+        assert not list(tmp_path.rglob("*.safetensors"))
+        running.rate = None
+        arrays, state = asyncio.run(read(url, cache=tmp_path))
+        assert state == "fetch"
+        assert_same_arrays(arrays, ARRAYS)
+    names = sorted(p.name.partition(".")[2] or p.name for p in files_under(tmp_path / "objects"))
+    assert names == ["json", "lock", "safetensors"]  # the dead writer's partial copy is gone
+
+
+# ------------------------------------------------------------------ nginx, S3
+
+
+async def test_nginx(small_nginx: Any, tmp_path: Path) -> None:
+    url = small_nginx.url("m.safetensors")
+    first, state = await read(url, cache=tmp_path)
+    assert state == "fetch"
+    small_nginx.clear_log()
+    again, state = await read(url, cache=tmp_path)
+    assert state == "hit"
+    assert_same_arrays(again, first)
+    (logged,) = small_nginx.requests()
+    assert (logged.status, logged.sent) == (304, 0)
+
+
+@pytest.fixture
+def aws_env(moto_s3: MotoS3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint_url)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    client = moto_s3.client()
+    client.create_bucket(Bucket="cached")
+    client.put_object(Bucket="cached", Key="m.safetensors", Body=DATA)
+
+
+async def test_s3(aws_env: None, moto_s3: MotoS3Server, tmp_path: Path) -> None:
+    url = "s3://cached/m.safetensors"
+    cache = tmp_path / "cache"
+    arrays, state = await read(url, cache=cache)
+    assert state == "fetch"
+    assert_same_arrays(arrays, ARRAYS)
+    arrays, state = await read(url, cache=cache)
+    assert state == "hit"
+    assert_same_arrays(arrays, ARRAYS)
+    moto_s3.client().put_object(
+        Bucket="cached", Key="m.safetensors", Body=reference_numpy.save(OTHER)
+    )
+    arrays, state = await read(url, cache=cache)
+    assert state == "fetch"
+    assert_same_arrays(arrays, OTHER)
+    (entry,) = entries(Cache.at(cache))
+    assert entry.shown == url
+
+
+# ------------------------------------------------------------------ hf://
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeHub]:
+    with FakeHub() as running:
+        monkeypatch.setenv("HF_ENDPOINT", running.endpoint)
+        monkeypatch.setenv("HF_TOKEN", running.token)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+        monkeypatch.setenv("STREAM_ST_CACHE", str(tmp_path / "st-cache"))
+        yield running
+
+
+async def test_hub_files_go_into_the_hugging_face_layout(hub: FakeHub, tmp_path: Path) -> None:
+    commit = hub.push("org/model", {"model.safetensors": DATA})
+    arrays, state = await read("hf://org/model/model.safetensors", cache=True)
+    assert state == "fetch"
+    assert_same_arrays(arrays, ARRAYS)
+    sha = hashlib.sha256(DATA).hexdigest()
+    storage = tmp_path / "hub-cache" / "models--org--model"
+    assert (storage / "blobs" / sha).read_bytes() == DATA
+    assert (storage / "refs" / "main").read_text() == commit
+    pointer = storage / "snapshots" / commit / "model.safetensors"
+    assert pointer.is_symlink() and pointer.resolve() == (storage / "blobs" / sha)
+
+    from huggingface_hub import hf_hub_download
+
+    found = hf_hub_download(
+        "org/model", "model.safetensors", cache_dir=tmp_path / "hub-cache", local_files_only=True
+    )
+    assert Path(found).read_bytes() == DATA
+
+    hub.log.clear()
+    arrays, state = await read("hf://org/model/model.safetensors", cache=True)
+    assert state == "hit"
+    assert_same_arrays(arrays, ARRAYS)
+    seen = hub.seen()
+    assert [(r.host, r.method) for r in seen] == [("127.0.0.1", "HEAD")]
+    hub.log.clear()
+    arrays, state = await read(f"hf://org/model@{commit}/model.safetensors", cache=True)
+    assert state == "hit"
+    assert hub.seen() == []  # a commit in the cache: no request at all
+    for request in hub.log:
+        assert request.host != CDN_HOST or "authorization" not in request.headers
+
+
+async def test_hub_reads_a_blob_huggingface_hub_downloaded(hub: FakeHub, tmp_path: Path) -> None:
+    hub.push("org/model", {"model.safetensors": DATA})
+    from huggingface_hub import hf_hub_download
+
+    hf_hub_download(
+        "org/model",
+        "model.safetensors",
+        cache_dir=tmp_path / "hub-cache",
+        endpoint=hub.endpoint,
+        token=hub.token,
+    )
+    hub.log.clear()
+    arrays, state = await read("hf://org/model/model.safetensors", cache=True)
+    assert state == "hit"
+    assert_same_arrays(arrays, ARRAYS)
+    assert [r.host for r in hub.seen()] == ["127.0.0.1"]
+
+
+async def test_hub_damaged_blob_and_offline(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub.push("org/model", {"model.safetensors": DATA})
+    address = "hf://org/model/model.safetensors"
+    await read(address, cache=True)
+    (blob,) = (tmp_path / "hub-cache").rglob("blobs/*")
+    raw = bytearray(blob.read_bytes())
+    raw[-1] ^= 0xFF
+    blob.write_bytes(raw)
+    arrays, state = await read(address, cache=True)
+    assert state == "fetch"
+    assert_same_arrays(arrays, ARRAYS)
+    assert blob.read_bytes() == DATA
+    hub.log.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    arrays, state = await read(address, cache=True)
+    assert state == "offline"
+    assert hub.seen() == []
+    with pytest.raises(CacheMissError):
+        await read("hf://org/model/other.safetensors", cache=True)
+
+
+async def test_hub_wrong_bytes_are_not_kept(hub: FakeHub, tmp_path: Path) -> None:
+    hub.push("org/model", {"model.safetensors": DATA})
+    sha = hashlib.sha256(DATA).hexdigest()
+    damaged = bytearray(DATA)
+    damaged[-3] ^= 1
+    hub.cdn.objects[f"/{sha}"] = bytes(damaged)  # the CDN serves other bytes than the Hub's sha
+    with pytest.raises(stream_st.IntegrityError):
+        await read("hf://org/model/model.safetensors", cache=True)
+    assert not list((tmp_path / "hub-cache").rglob("blobs/*"))
+
+
+def test_remove_leaves_an_entry_being_written(tmp_path: Path) -> None:
+    from stream_st.transports.cache.store import EntryLock
+
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as running:
+        asyncio.run(read(running.url("/m.safetensors"), cache=tmp_path))
+    (entry,) = entries(Cache.at(tmp_path))
+    assert entry.lock is not None
+    held = EntryLock(entry.lock)
+    assert held.try_acquire()
+    try:
+        assert not remove(entry)
+    finally:
+        held.release()
+    assert remove(entry) and entries(Cache.at(tmp_path)) == []
+
+
+# ------------------------------------------------------------------ the command
+
+
+def test_the_command(server: RangeHTTPServer, tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "STREAM_ST_CACHE": str(tmp_path),
+        "HF_HUB_CACHE": str(tmp_path / "hub"),
+    }
+    env.pop("HF_HUB_OFFLINE", None)
+    url = server.url("/m.safetensors")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "stream_st.cli", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+
+    assert run("inspect", "--offline", url).returncode == 2
+    assert run("validate", "-q", "--cache", url).returncode == 0
+    assert run("cp", "-q", "--cache", url, str(tmp_path / "out.safetensors")).returncode == 0
+    assert (tmp_path / "out.safetensors").read_bytes() == DATA
+    assert body_bytes(server) == len(DATA)  # cp read the copy
+    listed = run("cache", "ls")
+    assert listed.returncode == 0 and url in listed.stdout and "complete" in listed.stdout
+    assert run("inspect", "--offline", url).returncode == 0
+    assert run("cache", "rm", "http://nowhere/*").returncode == 1
+    assert run("cache", "prune", "--max-size", "0").returncode == 0
+    assert url not in run("cache", "ls").stdout
+
+
+# ------------------------------------------------------------------ the drop-in functions
+
+
+def test_drop_in_functions(server: RangeHTTPServer, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import stream_st.compat
+    import stream_st.torch
+
+    url = server.url("/m.safetensors")
+    with stream_st.compat.safe_open(url, "np", cache=tmp_path) as handle:
+        part = handle.get_slice("t2")[:100]
+    np.testing.assert_array_equal(part, ARRAYS["t2"][:100])
+    assert not list(tmp_path.rglob("*.safetensors"))  # a slice: a partial copy only
+    loaded = stream_st.torch.load_file(url, cache=tmp_path)
+    assert (tmp_path / "objects").exists() and list(tmp_path.rglob("*.safetensors"))
+    for name, array in ARRAYS.items():
+        np.testing.assert_array_equal(loaded[name].numpy(), array)
+    sent = body_bytes(server)
+    model = torch.nn.Module()
+    for name, array in ARRAYS.items():
+        model.register_buffer(name, torch.zeros(array.shape, dtype=torch.float64))
+    stream_st.torch.load_model(model, url, cache=tmp_path)
+    np.testing.assert_array_equal(model.t3.numpy(), ARRAYS["t3"])
+    with stream_st.torch.safe_open(url, cache=tmp_path) as handle:
+        np.testing.assert_array_equal(handle.get_tensor("t0").numpy(), ARRAYS["t0"])
+    assert body_bytes(server) == sent  # both read the copy
