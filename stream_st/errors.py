@@ -62,12 +62,14 @@ __all__ = [
     "HeaderTooLargeError",
     "IntegrityError",
     "OutcomeUnknownError",
+    "RangeIgnoredWarning",
     "RankFailedError",
     "RankLostError",
     "ReadTimeoutError",
     "SafetensorsError",
     "SourceChangedError",
     "SourceNotFoundError",
+    "StreamStWarning",
     "TensorNotFoundError",
     "TrailingDataError",
     "TransportError",
@@ -347,3 +349,13 @@ class RankLostError(DistributedError):
 class CacheMissError(SourceNotFoundError):
     """The cache is offline (``cache="offline"``, ``HF_HUB_OFFLINE=1``) and holds no usable copy
     of the object asked for."""
+
+
+class StreamStWarning(UserWarning):
+    """Root of the warnings stream_st gives: a read or write that works, but worse than asked
+    (silence them all with ``warnings.simplefilter("ignore", StreamStWarning)``)."""
+
+
+class RangeIgnoredWarning(StreamStWarning):
+    """An HTTP server answered a Range request with the whole object (200, not 206): the read
+    goes on from the first byte, so a header or a slice costs the whole object's transfer."""

@@ -4,8 +4,12 @@ statuses.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -14,10 +18,63 @@ import anyio
 
 from ..errors import SafetensorsError
 from ..transports.s3.config import unsigned_requests
-from .output import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK
+from .options import aws_settings
+from .output import (
+    EXIT_BROKEN_PIPE,
+    EXIT_ERROR,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    warnings_as_lines,
+)
 from .parser import build_parser, complete
 
-__all__ = ["main"]
+__all__ = ["STOPPING_SIGNALS", "main"]
+
+
+STOPPING_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+"""Signals the command treats as it treats SIGINT: cancel what runs (a write in progress is
+aborted, leaving nothing at its destination), then exit with 128 + the signal's number."""
+
+
+class _Stopped(BaseException):
+    """The command was stopped by ``signum`` (one of :data:`STOPPING_SIGNALS`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+async def _run(args: argparse.Namespace) -> int:
+    """Run the subcommand; a stopping signal cancels it as SIGINT does, so every writer aborts
+    (a temporary file removed, an upload abandoned), then raises :class:`_Stopped`. A second
+    stopping signal during that clean-up stops the process at once."""
+    received: list[int] = []
+    loop = asyncio.get_running_loop()
+    status = EXIT_OK
+    watched = STOPPING_SIGNALS if threading.current_thread() is threading.main_thread() else ()
+    previous = {signum: signal.getsignal(signum) for signum in watched}
+    with anyio.CancelScope() as scope:
+
+        def stop(signum: int) -> None:
+            received.append(signum)
+            for each in STOPPING_SIGNALS:
+                signal.signal(each, signal.SIG_DFL)
+            scope.cancel()
+
+        for signum in watched:
+            loop.add_signal_handler(signum, stop, signum)
+        try:
+            status = await args.handler(args)
+        finally:
+            for signum, handler in previous.items():
+                loop.remove_signal_handler(signum)
+                signal.signal(signum, handler)
+    if received:
+        raise _Stopped(received[0])
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,8 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     signing = unsigned_requests() if getattr(args, "no_sign_request", False) else nullcontext()
     try:
-        with signing:
-            status: int = anyio.run(args.handler, args)
+        with signing, aws_settings(args), warnings_as_lines():
+            status: int = anyio.run(_run, args)
         sys.stdout.flush()  # a closed pipe shows here, not in the flush at interpreter exit
     except SafetensorsError as exc:
         print(f"stream-st: error: {exc}", file=sys.stderr)
@@ -44,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stream-st: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except _Stopped as stopped:
+        print(f"stream-st: stopped by {_signal_name(stopped.signum)}", file=sys.stderr)
+        return 128 + stopped.signum
     except Exception:
         traceback.print_exc()
         print(
@@ -52,3 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return EXIT_INTERNAL
     return status
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:  # pragma: no cover - only the signals above are caught
+        return f"signal {signum}"

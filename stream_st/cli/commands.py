@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import posixpath
+import re
 import stat
 import sys
 import urllib.parse
@@ -25,7 +27,9 @@ import anyio
 
 from .. import tools
 from .._api import open_stream
-from ..errors import SafetensorsError, TensorNotFoundError, UsageError
+from ..core.shards import INDEX_SUFFIX, is_index
+from ..errors import SafetensorsError, SourceNotFoundError, TensorNotFoundError, UsageError
+from ..tools.cp import address_in
 from ..transports.file.sink import PipeSink
 from ..transports.registry import SinkLike
 from .demo import print_report, run_demo
@@ -36,12 +40,14 @@ from .output import (
     EXIT_OK,
     PROG,
     STDIO,
+    brief,
     failed,
     human,
     print_json,
     print_validation,
     progress_reporter,
     show_values,
+    split_digests,
     status_line,
 )
 
@@ -113,9 +119,12 @@ async def run_inspect(args: argparse.Namespace) -> int:
             f"  {result.tensor_count} tensors{shards}, {result.parameter_count:,} parameters, "
             f"{human(result.data_bytes)} of data, header {human(result.header_bytes)}"
         )
-        if result.metadata:
+        metadata, digests = split_digests(result.metadata)
+        if digests is not None:
+            print(f"  checksummed: {digests}")
+        if metadata:
             print("  metadata:")
-            for key, value in result.metadata.items():
+            for key, value in metadata.items():
                 print(f"    {key}: {value}")
         if result.tensors:
             width = max(len("name"), *(len(t["name"]) for t in result.tensors))
@@ -171,6 +180,15 @@ async def run_show(args: argparse.Namespace) -> int:
 
 
 async def run_hash(args: argparse.Namespace) -> int:
+    if args.check:
+        return await run_hash_check(args)
+    if args.format == "weight-inspect":
+        return await run_weight_inspect(args)
+    if args.file and args.content and not args.json:
+        raise UsageError(
+            "--file prints sha256sum's lines, which have no room for --content: add --json"
+        )
+
     async def one(source: str) -> int:
         with progress_reporter("hashing", args.quiet or not args.content) as progress:
             result = await tools.hash(
@@ -182,15 +200,118 @@ async def run_hash(args: argparse.Namespace) -> int:
             )
         if args.json:
             print_json(result)
+        elif args.file:  # as sha256sum prints it: sha256sum -c and stream-st hash --check take it
+            name = STDIO if source == "/dev/stdin" and STDIO in args.sources else source
+            print(checksum_line(result["file_sha256"], name))
         else:
             print(f"structural {result['structural_hash']}  {source}")
             if "content_hash" in result:
                 print(f"content    {result['content_hash']}  {source}")
-            if "file_sha256" in result:
-                print(f"file       {result['file_sha256']}  {source}")
         return EXIT_OK
 
     return await _each(args, one)
+
+
+async def run_weight_inspect(args: argparse.Namespace) -> int:
+    """``hash --format weight-inspect``: the weight-inspect tool's structural ID of each file,
+    ``wi:safetensors:0:<8 hex> <hash>  <source>`` (``--json``: its ``id --json`` record)."""
+    if args.content or args.file:
+        raise UsageError("--format weight-inspect hashes the header only: no --content or --file")
+
+    async def one(source: str) -> int:
+        found = await tools.weight_inspect(source, **options_of(args))
+        if args.json:
+            print_json(found)
+        else:
+            print(f"{found['id']} {found['structural_hash']}  {source}")
+        return EXIT_OK
+
+    return await _each(args, one)
+
+
+def checksum_line(sha256: str, name: str) -> str:
+    """``sha256sum``'s line for ``name``: a name holding a backslash, a newline or a carriage
+    return is escaped, the line then starting with a backslash (as coreutils does)."""
+    if not any(c in name for c in "\\\n\r"):
+        return f"{sha256}  {name}"
+    escaped = name.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+    return f"\\{sha256}  {escaped}"
+
+
+_CHECK_LINE = re.compile(r"(\\?)([0-9a-fA-F]{64}) [ *](.+)")
+_CHECK_BSD = re.compile(r"(\\?)SHA256 \((.+)\) = ([0-9a-fA-F]{64})")
+
+
+def parse_checksum_line(line: str) -> tuple[str, str] | None:
+    """(sha256, name) of one line of a checksum list (``sha256sum``'s or the BSD ``SHA256 (name)
+    = hex`` form), or None for a line of neither form."""
+    found = _CHECK_LINE.fullmatch(line)
+    if found is not None:
+        escaped, digest, name = found.groups()
+    else:
+        found = _CHECK_BSD.fullmatch(line)
+        if found is None:
+            return None
+        escaped, name, digest = found.groups()
+    if escaped:
+        name = re.sub(r"\\(.)", lambda m: {"n": "\n", "r": "\r"}.get(m[1], m[1]), name)
+    return digest.lower(), name
+
+
+async def _read_list(text: str) -> list[str]:
+    """The lines of the checksum list ``text`` (``-``: standard input)."""
+    try:
+        data = await anyio.Path(source_arg(text)).read_bytes()
+    except OSError as exc:
+        raise SourceNotFoundError(
+            f"cannot read checksum list: {exc.strerror or exc}", url=text
+        ) from None
+    return data.decode("utf-8", errors="surrogateescape").splitlines()
+
+
+async def run_hash_check(args: argparse.Namespace) -> int:
+    """``hash --check LIST...``: as ``sha256sum -c``, each listed source (local or remote) read
+    whole and its sha256 compared with the list's: ``NAME: OK`` or ``NAME: FAILED``; exit status
+    1 if one differs, 2 if one cannot be read or a list holds no checksum line."""
+    if args.content or args.file or args.json:
+        raise UsageError("--check takes checksum lists alone (no --content, --file or --json)")
+    status = EXIT_OK
+    mismatched = unreadable = 0
+    for listed in args.sources:
+        lines = await _read_list(listed)
+        entries = [parse_checksum_line(line) for line in lines if line.strip()]
+        malformed = entries.count(None)
+        if malformed == len(entries):
+            failed(listed, UsageError("no properly formatted SHA256 checksum lines found"))
+            status = EXIT_ERROR
+            continue
+        for entry in entries:
+            if entry is None:
+                continue
+            want, name = entry
+            try:
+                got = await tools.file_sha256(source_arg(name), **options_of(args))
+            except SafetensorsError as exc:
+                failed(name, exc)
+                print(f"{name}: FAILED open or read")
+                unreadable += 1
+                continue
+            print(f"{name}: {'OK' if got == want else 'FAILED'}")
+            mismatched += got != want
+        if malformed:
+            lines_word = "line is" if malformed == 1 else "lines are"
+            print(
+                f"{PROG}: WARNING: {malformed} {lines_word} improperly formatted", file=sys.stderr
+            )
+    if unreadable:
+        files = "file" if unreadable == 1 else "files"
+        print(f"{PROG}: WARNING: {unreadable} listed {files} could not be read", file=sys.stderr)
+        status = EXIT_ERROR
+    if mismatched:
+        sums = "checksum" if mismatched == 1 else "checksums"
+        print(f"{PROG}: WARNING: {mismatched} computed {sums} did NOT match", file=sys.stderr)
+        status = max(status, EXIT_DIFFERENT)
+    return status
 
 
 async def run_diff(args: argparse.Namespace) -> int:
@@ -210,11 +331,11 @@ async def run_diff(args: argparse.Namespace) -> int:
             detail = ", ".join(f"{key} {a} -> {b}" for key, (a, b) in changes.items())
             print(f"~ {name}: {detail}")
         for key in result.metadata_added:
-            print(f"+ metadata {key}")
+            print(f"+ metadata {key}: {brief(result.metadata_values[key])}")
         for key in result.metadata_removed:
-            print(f"- metadata {key}")
+            print(f"- metadata {key}: {brief(result.metadata_values[key])}")
         for key, (a, b) in result.metadata_changed.items():
-            print(f"~ metadata {key}: {a!r} -> {b!r}")
+            print(f"~ metadata {key}: {brief(a)} -> {brief(b)}")
         for name in result.content_differs:
             print(f"~ {name}: content differs")
         if result.equal:
@@ -263,33 +384,80 @@ async def run_validate(args: argparse.Namespace) -> int:
     return await _each(args, one)
 
 
-def _into_directory(src: str, dst: str) -> str:
-    """``cp``'s destination: an existing local directory receives a file of the source's name,
-    as coreutils' ``cp`` does; any other destination is taken as it is."""
-    if dst == STDIO or "://" in dst or not os.path.isdir(dst):
-        return dst
-    name = os.path.basename(urllib.parse.urlsplit(src).path if "://" in src else src)
-    if not name.endswith(".safetensors") or src == "/dev/stdin":
-        raise UsageError(f"{dst} is a directory: name the file to write in it")
-    return os.path.join(dst, name)
+def _is_directory(dst: str) -> bool:
+    """Whether ``cp`` writes into ``dst`` rather than as it: a trailing slash (a local directory,
+    an S3 prefix, an HTTP folder), a bucket alone (``s3://bucket``), or an existing local
+    directory, as ``cp`` and ``aws s3 cp`` take them."""
+    if dst == STDIO:
+        return False
+    if dst.endswith("/"):
+        return True
+    if "://" in dst:
+        parts = urllib.parse.urlsplit(dst)
+        return parts.scheme.lower() == "s3" and parts.path in ("", "/")
+    return os.path.isdir(dst)
+
+
+def _source_name(src: str, dst: str) -> str:
+    """The name a copy of ``src`` takes in the directory or prefix ``dst``."""
+    path = urllib.parse.urlsplit(src).path if "://" in src else src
+    name = posixpath.basename(path.rstrip("/"))
+    if not name or src == "/dev/stdin" or src.lower().startswith("tcp://"):
+        shown = STDIO if src == "/dev/stdin" else src
+        raise UsageError(
+            f"{dst} is a directory: name the file to write in it ({shown} has no name to take)"
+        )
+    return name
+
+
+def _inside(dst: str, name: str) -> str:
+    """``name`` in the directory or prefix ``dst`` (a local one is made if missing)."""
+    if "://" not in dst:
+        os.makedirs(dst, exist_ok=True)
+    return address_in(dst, name)
+
+
+def _copy_options(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
+    return {
+        "include": args.include or None,
+        "dtype": args.dtype,
+        "quantize": args.quantize,
+        "dequantize": args.dequantize,
+        "checksums": True if args.checksums else None,
+        "progress": progress,
+        **options_of(args),
+    }
 
 
 async def run_cp(args: argparse.Namespace) -> int:
     src = one_source_arg(args.src)
-    args.dst = _into_directory(src, args.dst)
+    into = _is_directory(args.dst)
+    if is_index(src) and not args.merge:
+        if not into:
+            raise UsageError(
+                f"{args.src} is a sharded checkpoint: copy it into a directory or prefix (a "
+                "destination ending in /) to mirror its shards and index, or merge it into one "
+                "file with --merge"
+            )
+        with progress_reporter("copying", args.quiet) as progress:
+            written = await tools.mirror(src, args.dst, **_copy_options(args, progress))
+        if not args.quiet:
+            print(f"copied {len(written) - 1} shards and the index to {args.dst}", file=sys.stderr)
+        return EXIT_OK
+    if into:
+        name = _source_name(src, args.dst)
+        if is_index(src):  # --merge: one file, named as the index less its suffix
+            if not name.endswith(INDEX_SUFFIX):
+                raise UsageError(f"{args.src} is a manifest: name the file to merge it into")
+            name = name[: -len(INDEX_SUFFIX)]
+        args.dst = _inside(args.dst, name)
+    elif is_index(src) and args.dst.endswith(INDEX_SUFFIX):
+        raise UsageError(
+            f"--merge writes one safetensors file, not an index: name it other than {args.dst}"
+        )
     dst = await _destination(args.dst)
     with progress_reporter("copying", args.quiet) as progress:
-        copied = await tools.cp(
-            src,
-            dst,
-            include=args.include or None,
-            dtype=args.dtype,
-            quantize=args.quantize,
-            dequantize=args.dequantize,
-            checksums=True if args.checksums else None,
-            progress=progress,
-            **options_of(args),
-        )
+        copied = await tools.cp(src, dst, **_copy_options(args, progress))
     if not args.quiet:
         header = copied.header
         done = f"copied {len(header)} tensors, {header.file_size:,} bytes to {args.dst}"

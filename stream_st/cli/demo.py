@@ -350,6 +350,7 @@ class ModelDemo:
     recompute_perplexity: float
     results: list[ModelResult]
     config: LlamaConfig
+    notice: str | None = None  # how the text was split, when that needs saying
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -359,6 +360,8 @@ class ModelDemo:
             "context_tokens": self.context_tokens,
             "continuation_tokens": self.continuation_tokens,
             "scored_tokens": self.continuation_tokens - 1,
+            "verdict": verdict(self),
+            "notice": self.notice,
             "recompute": {"seconds": self.recompute_time, "perplexity": self.recompute_perplexity},
             "transfers": [
                 {
@@ -379,6 +382,75 @@ class ModelDemo:
         }
 
 
+DEFAULT_CONTEXT = 256
+"""Tokens the sender prefills when ``--context`` is not given and the text is long enough."""
+
+MIN_SCORED = 64
+"""Fewest continuation tokens worth a perplexity: fewer, and the number is mostly noise."""
+
+
+def split_tokens(tokens: int, context: int | None) -> tuple[int, str | None]:
+    """Where to split a text of ``tokens`` tokens into the context and the continuation scored
+    after it, and a notice (None when there is nothing to say).
+
+    ``context`` None (not asked for): :data:`DEFAULT_CONTEXT`, shortened for a short text so
+    that at least :data:`MIN_SCORED` tokens, or half the text, are scored. An explicit
+    ``context`` is kept; leaving fewer than :data:`MIN_SCORED` tokens to score gives a notice.
+    A text with no two tokens past the context is a :class:`~stream_st.UsageError`."""
+    if context is None:
+        chosen = max(1, min(DEFAULT_CONTEXT, max(tokens - MIN_SCORED - 1, tokens // 2)))
+        if tokens < chosen + 2:
+            raise UsageError(f"the text has {tokens} tokens: 3 or more needed")
+        if chosen == DEFAULT_CONTEXT:
+            return chosen, None
+        return chosen, (
+            f"the text has {tokens} tokens: the context is shortened from {DEFAULT_CONTEXT} to "
+            f"{chosen} so that {tokens - chosen - 1} are scored"
+        )
+    if tokens < context + 2:
+        raise UsageError(f"the text has {tokens} tokens: {context + 2} or more needed")
+    scored = tokens - context - 1
+    if scored < MIN_SCORED:
+        return context, (
+            f"only {scored} tokens past the {context}-token context are scored: their "
+            f"perplexity is noisy (give a longer text, or a --context below {tokens - MIN_SCORED})"
+        )
+    return context, None
+
+
+def verdict(demo: ModelDemo) -> str:
+    """One line: what the demo showed and whether it went well."""
+    lossless = [r for r in demo.results if r.codec == "none" and r.dtype == "F32"]
+    changes = {r.label: r.perplexity / demo.recompute_perplexity - 1 for r in demo.results}
+    problems = [f"{r.label} logits differ" for r in lossless if not r.identical]
+    problems += [
+        f"{label} perplexity {change:+.1%}"
+        for label, change in changes.items()
+        if not abs(change) <= PERPLEXITY_TOLERANCE
+    ]
+    best = min(demo.results, key=lambda r: r.finished)
+    tail = best.finished - best.produced[-1]
+    shown = (
+        f"the receiver, which computed none of the {demo.context_tokens}-token context, had the "
+        f"continuation's logits {tail * 1e3:.0f} ms after the sender's last layer "
+        f"({best.label}, overlap {best.overlap_efficiency:.0%}); recomputing it took "
+        f"{demo.recompute_time * 1e3:.0f} ms of its own compute"
+    )
+    if demo.continuation_tokens - 1 < MIN_SCORED:
+        problems.append(f"only {demo.continuation_tokens - 1} tokens scored")
+    if problems:
+        return f"verdict: CHECK ({'; '.join(problems)}): {shown}"
+    exact = " (none/F32 bit for bit)" if lossless else ""
+    return (
+        f"verdict: OK: every codec within {PERPLEXITY_TOLERANCE:.0%} of the recomputation's "
+        f"perplexity{exact}; {shown}"
+    )
+
+
+PERPLEXITY_TOLERANCE = 0.05
+"""How far a codec's perplexity may move from the recomputation's and the demo still be OK."""
+
+
 def default_text() -> str:
     """The demo's text: a few paragraphs of plain English prose, written for it."""
     return (Path(__file__).parent / "demo_text.txt").read_text(encoding="utf-8")
@@ -387,14 +459,15 @@ def default_text() -> str:
 async def run_model_demo(
     text: str | None = None,
     *,
-    context: int = 256,
+    context: int | None = None,
     codecs: tuple[str, ...] = tuple(MODEL_CODECS),
     progress: Callable[[str], None] | None = None,
     **limits: Unpack[LimitOptions],
 ) -> ModelDemo:
     """The main job with a real model (SmolLM2-135M-Instruct, from the ``llm`` extra).
 
-    ``text`` (default :func:`default_text`) is tokenized and split after ``context`` tokens.
+    ``text`` (default :func:`default_text`) is tokenized and split after ``context`` tokens
+    (None: 256, fewer for a short text, see :func:`split_tokens`, which ``progress`` is told).
     The receiver first recomputes the context's cache itself and scores the continuation: the
     reference. Then, once per codec over one loopback TCP connection, a sender prefills the
     context and sends each layer's keys and values as soon as the layer exists; the receiver
@@ -409,7 +482,9 @@ async def run_model_demo(
     names = [codec.lower() for codec in codecs]
     if not names or len(set(names)) != len(names) or not set(names) <= set(MODEL_CODECS):
         raise UsageError(f"the demo needs different codecs of {list(MODEL_CODECS)}: {codecs}")
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+    if context is not None and (
+        isinstance(context, bool) or not isinstance(context, int) or context < 1
+    ):
         raise UsageError(f"context must be a positive integer, got {context!r}")
     clock_of(limits)  # a bad limit says so before the model loads
     limits.setdefault("timeout", 30)
@@ -417,8 +492,9 @@ async def run_model_demo(
     with one_blas_thread():  # sender and receiver: one core each
         tokenizer = await anyio.to_thread.run_sync(load_tokenizer)
         ids = np.array(tokenizer.encode(default_text() if text is None else text).ids)
-        if ids.size < context + 2:
-            raise UsageError(f"the text has {ids.size} tokens: {context + 2} or more needed")
+        context, notice = split_tokens(int(ids.size), context)
+        if notice is not None:
+            say(notice)
         say(f"loading {MODEL_NAME} (GGUF, dequantized to float32)")
         model = await anyio.to_thread.run_sync(read_gguf)
         prompt, continuation = ids[:context], ids[context:]
@@ -462,6 +538,7 @@ async def run_model_demo(
         recompute_perplexity=perplexity(reference[:-1], continuation[1:]),
         results=results,
         config=model.config,
+        notice=notice,
     )
 
 
@@ -474,6 +551,8 @@ def print_model_report(demo: ModelDemo) -> None:
         "TCP as soon as the layer exists; the receiver scores the continuation "
         f"({demo.continuation_tokens} tokens) layer by layer as the cache arrives."
     )
+    if demo.notice is not None:
+        print(f"note: {demo.notice}")
     print(
         f"\nreceiver recomputing the context itself: {demo.recompute_time * 1e3:.0f} ms, "
         f"perplexity {demo.recompute_perplexity:.3f}"
@@ -496,5 +575,8 @@ def print_model_report(demo: ModelDemo) -> None:
         "ready at the receiver.\noverlap = 1 - stall / transfer time. change: perplexity "
         "against the receiver's own recomputation; logits: against it, bit for bit.\n"
         "Perplexity counts the continuation from its second token. Every layer passed its "
-        "SHA-256 check before use."
+        "SHA-256 check before use.\nOn one machine a transfer's done time includes the "
+        "sender's prefill, so it cannot beat recomputing: what counts is how soon after the "
+        "sender's last layer the receiver is ready, and that the perplexity holds."
     )
+    print(f"\n{verdict(demo)}")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import ssl
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from ..transports.options import LimitOptions, TransportOptions
 
@@ -42,3 +45,34 @@ def ca_bundle(path: str) -> ssl.SSLContext:
     except (OSError, ssl.SSLError) as exc:
         detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise argparse.ArgumentTypeError(f"cannot use {path!r} as a CA bundle: {detail}") from None
+
+
+AWS_FLAGS = {
+    "endpoint_url": "AWS_ENDPOINT_URL_S3",
+    "region": "AWS_REGION",
+    "profile": "AWS_PROFILE",
+}
+"""The command's S3 flags (``--endpoint-url``, ``--region``, ``--profile``, spelled as the AWS
+CLI spells them) and the environment variable each stands for, above every other source."""
+
+
+@contextmanager
+def aws_settings(args: argparse.Namespace) -> Iterator[None]:
+    """Within the block, the S3 flags given on the command line override the environment and the
+    AWS files, as the AWS CLI's do: each is set as the variable that comes first (so botocore's
+    credential chain sees the profile too), and the environment is restored afterwards."""
+    given = {
+        variable: value
+        for flag, variable in AWS_FLAGS.items()
+        if (value := getattr(args, flag, None)) is not None
+    }
+    saved = {variable: os.environ.get(variable) for variable in given}
+    os.environ.update(given)
+    try:
+        yield
+    finally:
+        for variable, value in saved.items():
+            if value is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = value

@@ -7,15 +7,17 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import Any
 
 import numpy as np
 
 from .. import tools
-from ..errors import SafetensorsError, UsageError
-from ..tools.common import Progress
+from ..core.digests import ALGORITHM_KEY, DIGEST_KEY_PREFIX
+from ..errors import SafetensorsError, StreamStWarning, UsageError
+from ..tools.common import Progress, plural
 
 __all__ = [
     "EXIT_BROKEN_PIPE",
@@ -76,10 +78,15 @@ class _Bar:
             console=Console(stderr=True),
             transient=True,
         )
+        self._label = label
         self._task = self._bar.add_task(label, total=None, tensors=0, of="")
 
     def totals(self, total_bytes: int, total_tensors: int) -> None:
         self._bar.update(self._task, total=total_bytes, of=f"/{total_tensors}")
+
+    def note(self, text: str) -> None:
+        """Show ``text`` (a short notice) after the label."""
+        self._bar.update(self._task, description=f"{self._label} ({text})")
 
     def __call__(self, done_bytes: int, done: int) -> None:
         self._bar.update(self._task, completed=done_bytes, tensors=done)
@@ -105,6 +112,10 @@ class _Lines:
 
     def totals(self, total_bytes: int, total_tensors: int) -> None:
         self._of_bytes, self._of_tensors = f" of {human(total_bytes)}", f"/{total_tensors}"
+
+    def note(self, text: str) -> None:
+        """Show ``text`` (a short notice) after the label."""
+        self._label = f"{self._label} ({text})"
 
     def __call__(self, done_bytes: int, done: int) -> None:
         self._done = (done_bytes, done)
@@ -141,8 +152,46 @@ def progress_reporter(label: str, quiet: bool) -> Iterator[Progress | None]:
         report: _Bar | _Lines = _Bar(label)
     except ImportError:  # the cli extra is not installed
         report = _Lines(label)
-    with report:
-        yield report
+    _NOTES.append(report.note)
+    try:
+        with report:
+            yield report
+    finally:
+        _NOTES.remove(report.note)
+
+
+_NOTES: list[Callable[[str], None]] = []
+"""The running progress displays' :meth:`note` methods: a warning shows in them too."""
+
+SHORT_NOTES = {"RangeIgnoredWarning": "server ignores ranges: reading it whole"}
+"""What a warning of each category says in a progress line."""
+
+
+@contextmanager
+def warnings_as_lines() -> Iterator[None]:
+    """Within the block, stream_st's warnings (:class:`~stream_st.StreamStWarning`) print as one
+    ``stream-st: warning: ...`` line on stderr, each once, and show in the progress line."""
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        if not issubclass(category, StreamStWarning):
+            original(message, category, filename, lineno, file, line)
+            return
+        for note in _NOTES:
+            note(SHORT_NOTES.get(category.__name__, "warning"))
+        print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        original = warnings.showwarning
+        warnings.showwarning = show
+        warnings.simplefilter("default", StreamStWarning)
+        yield
 
 
 def print_json(value: Any) -> None:
@@ -157,6 +206,28 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"  # pragma: no cover
+
+
+def brief(value: str, limit: int = 200) -> str:
+    """A metadata value as ``repr`` shows it, cut to about ``limit`` characters."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value):,} characters)"
+
+
+def split_digests(metadata: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
+    """The metadata without the keys of a checksummed file's digests, and what they say in one
+    line (the algorithm and how many tensors have one); None when there are none."""
+    rest = {
+        k: v
+        for k, v in metadata.items()
+        if k != ALGORITHM_KEY and not k.startswith(DIGEST_KEY_PREFIX)
+    }
+    if len(rest) == len(metadata):
+        return rest, None
+    count = sum(k.startswith(DIGEST_KEY_PREFIX) for k in metadata)
+    algorithm = metadata.get(ALGORITHM_KEY, "no algorithm named")
+    return rest, f"{algorithm} digest of each of {plural(count, 'tensor')} (checked as read)"
 
 
 def failed(source: str, exc: SafetensorsError) -> None:
@@ -222,14 +293,16 @@ def print_validation(result: tools.Validation) -> None:
             f"{t.name:<{width}}  {t.dtype:<8} {cell(t.min)} {cell(t.max)} {cell(t.mean)} "
             f"{cell(t.std)} {t.nan:>6} {t.inf:>6}"
         )
+    if any(t.nan or t.inf for t in result.tensors):
+        print("(min, max, mean and std are of the finite values: NaN and Inf are counted apart)")
     for warning in result.warnings:
         print(f"warning: {warning}")
     for error in result.errors:
         print(f"error: {error}")
     print(f"digests: {result.digests}")
     print(
-        f"{'valid' if result.ok else 'INVALID'}: {len(result.tensors)} tensors, "
-        f"{len(result.errors)} errors, {len(result.warnings)} warnings"
+        f"{'valid' if result.ok else 'INVALID'}: {plural(len(result.tensors), 'tensor')}, "
+        f"{plural(len(result.errors), 'error')}, {plural(len(result.warnings), 'warning')}"
     )
 
 

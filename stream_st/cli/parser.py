@@ -61,7 +61,10 @@ EXAMPLES = {
     "  stream-st show --json model.safetensors embed.weight --slice 0 | jq .values",
     "hash": "stream-st hash a.safetensors b.safetensors c.safetensors\n"
     "  stream-st hash --content http://host/m.safetensors\n"
-    "  stream-st hash --file model.safetensors   # also the sha256sum of the file\n"
+    "  stream-st hash --file model.safetensors > model.sha256   # sha256sum's line\n"
+    "  stream-st hash --check model.sha256   # as sha256sum -c\n"
+    "  stream-st hash --format weight-inspect model.safetensors\n"
+    "  cat model.safetensors | stream-st hash --file -\n"
     "  stream-st hash --json path/to/model-dir/ | jq -r .structural_hash",
     "diff": "stream-st diff a.safetensors b.safetensors\n"
     "  stream-st diff --content --json a.safetensors s3://bucket/b.safetensors",
@@ -71,12 +74,16 @@ EXAMPLES = {
     "  stream-st validate --expect-shapes shapes.json \\\n"
     "      --expect-layers q_proj,k_proj,v_proj,o_proj model.safetensors",
     "cp": "stream-st cp s3://bucket/model.safetensors model.safetensors\n"
+    "  stream-st cp --endpoint-url http://localhost:9000 m.safetensors s3://bucket/m.safetensors\n"
     "  stream-st cp model.safetensors - | ssh host stream-st cp - /dst/model.safetensors\n"
     "  stream-st cp --dtype bf16 model.safetensors http://host/upload/model-bf16.safetensors\n"
     "  stream-st cp --quantize int8 --include lm_head.weight m.safetensors tcp://peer:9000\n"
     "  stream-st cp --dequantize q8.safetensors restored.safetensors\n"
     "  stream-st cp --checksums model.safetensors s3://bucket/model.safetensors\n"
-    "  stream-st cp hf://org/repo/model.safetensors models/   # into a directory, as cp",
+    "  stream-st cp hf://org/repo/model.safetensors models/   # into a directory, as cp\n"
+    "  stream-st cp m.safetensors s3://bucket/models/   # s3://bucket/models/m.safetensors\n"
+    "  stream-st cp path/to/sharded-model/ s3://bucket/model/   # every shard, the index last\n"
+    "  stream-st cp --merge model.safetensors.index.json merged.safetensors",
     "demo": "stream-st demo\n"
     "  stream-st demo -q --text essay.txt --context 512 --json | jq .transfers\n"
     "  stream-st demo --synthetic --layers 4 --seq 512 --codecs none,int4",
@@ -111,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read and write safetensors files as streams. Sources: paths, "
         "model directories, http(s)://, s3://, hf://, tcp://, *.index.json, - (stdin).",
         epilog="exit status: 0 success, 1 different/invalid, 2 error, 3 internal error (a bug),\n"
-        "  130 interrupted, 141 output pipe closed early",
+        "  130 interrupted, 143/129 stopped by SIGTERM/SIGHUP (cleaned up as for\n"
+        "  SIGINT), 141 output pipe closed early",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
@@ -165,9 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--context",
         type=int,
-        default=256,
         metavar="TOKENS",
-        help="tokens prefilled on the sender (default 256)",
+        help="tokens prefilled on the sender (default 256, fewer for a short --text so that "
+        "at least 64 tokens are scored)",
     )
     demo.add_argument(
         "--codecs",
@@ -207,7 +215,23 @@ def build_parser() -> argparse.ArgumentParser:
     hashing.add_argument("sources", nargs="+", metavar="SOURCE", help=SOURCES)
     hashing.add_argument("--content", action="store_true", help="also hash the data, streamed")
     hashing.add_argument(
-        "--file", action="store_true", help="also the sha256 of the file's bytes (as sha256sum)"
+        "--file",
+        action="store_true",
+        help="the sha256 of every byte of the input, as sha256sum's line (with --json: added)",
+    )
+    hashing.add_argument(
+        "--format",
+        choices=("stream-st", "weight-inspect"),
+        default="stream-st",
+        help="whose structural hash: ours (default), or the weight-inspect tool's ID "
+        "(wi:safetensors:0:...) as its 'id' command computes it",
+    )
+    hashing.add_argument(
+        "-c",
+        "--check",
+        action="store_true",
+        help="read sha256sum lists (SOURCE: the lists) and check every source they name, as "
+        "sha256sum -c (remote sources too)",
     )
     hashing.add_argument("--json", action="store_true", help="one JSON record per source")
 
@@ -247,10 +271,18 @@ def build_parser() -> argparse.ArgumentParser:
     copy = command("cp", "stream-copy between any source and destination", run_cp)
     copy.add_argument("src", help="file, directory, URL or - (stdin)")
     copy.add_argument(
-        "dst", help="path, file://, tcp://host:port, http(s):// (PUT), s3://, - (stdout)"
+        "dst",
+        help="path, file://, tcp://host:port, http(s):// (PUT), s3://, - (stdout); a trailing / "
+        "or an existing directory: into it, under the source's name",
     )
     copy.add_argument(
         "--include", action="append", metavar="NAME", help="copy only this tensor (repeatable)"
+    )
+    copy.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge a sharded checkpoint into one file (else it is mirrored into DST/, every "
+        "shard and then the index)",
     )
     converting = copy.add_mutually_exclusive_group()
     copy.add_argument(
@@ -302,5 +334,21 @@ def build_parser() -> argparse.ArgumentParser:
             "--no-sign-request",
             action="store_true",
             help="send s3:// requests unsigned (public buckets), as AWS_NO_SIGN_REQUEST=1",
+        )
+        remote.add_argument(
+            "--endpoint-url",
+            metavar="URL",
+            help="the S3-compatible store s3:// addresses go to (MinIO, R2...), as the AWS CLI's "
+            "(else AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile's endpoint_url)",
+        )
+        remote.add_argument(
+            "--region",
+            metavar="REGION",
+            help="the S3 region (else AWS_REGION, AWS_DEFAULT_REGION, the profile's, us-east-1)",
+        )
+        remote.add_argument(
+            "--profile",
+            metavar="NAME",
+            help="the AWS profile for s3:// credentials and settings (else AWS_PROFILE)",
         )
     return parser

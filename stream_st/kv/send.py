@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import Unpack
+from typing import Any, Unpack
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 from anyio.abc import ObjectReceiveStream, TaskGroup
 
@@ -110,15 +111,28 @@ def _checked(item: object) -> tuple[int, Array, Array]:
     return int(item[0]), item[1], item[2]
 
 
+async def _each_of(items: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]:
+    """The items of an async or a plain iterable, as an async iterator."""
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+            await anyio.lowlevel.checkpoint()
+
+
 async def send_kv(
     dst: Connection | SinkLike,
     layout: KVLayout,
-    layers: AsyncIterable[tuple[int, Array, Array]],
+    layers: AsyncIterable[tuple[int, Array, Array]] | Iterable[tuple[int, Array, Array]],
     *,
     queue: int = 2,
     **limits: Unpack[LimitOptions],
 ) -> SendReport:
     """Send a KV cache layer by layer as ``layers`` yields ``(layer, key, value)`` in order.
+    ``layers`` is an async iterable (an ``async def`` generator) or a plain one (a list, a
+    generator: each item is taken in the event loop, so a slow one holds it up).
 
     The header goes out before layer 0 exists. The producer runs ahead of the connection by at
     most ``queue`` layers: a slow receiver slows the producer (backpressure), never grows memory.
@@ -127,6 +141,11 @@ async def send_kv(
     Time limits as in :func:`~stream_st.open_writer` (on a Connection, the connection's unless
     given here).
     """
+    if not isinstance(layers, AsyncIterable | Iterable):
+        raise UsageError(
+            f"layers must be an iterable or async iterable of (layer, key, value), "
+            f"not {type(layers).__name__}"
+        )
     report = SendReport()
     codec = layout.get_codec()
     if isinstance(dst, Connection):
@@ -140,7 +159,7 @@ async def send_kv(
     async def produce() -> None:
         # The producer's own failure ends the transfer with its error: the channel is closed
         # only after the last layer, so the sending side never takes a failure for an early end.
-        async for item in layers:
+        async for item in _each_of(layers):
             report.produced_at.append(time.perf_counter())
             try:
                 await send_layers.send(item)

@@ -15,11 +15,12 @@ every source and destination it opens.
 from __future__ import annotations
 
 from .common import model_sources
-from .cp import CONVERTIBLE, Copy, cp
+from .cp import CONVERTIBLE, Copy, cp, mirror
 from .diff import Diff, diff
-from .hash import content_digests, hash, structural_hash
+from .hash import content_digests, file_sha256, hash, structural_hash
 from .inspect import Inspection, inspect
 from .validate import TensorStats, Validation, validate
+from .weight_inspect import weight_inspect
 
 __all__ = [
     "CONVERTIBLE",
@@ -31,9 +32,12 @@ __all__ = [
     "content_digests",
     "cp",
     "diff",
+    "file_sha256",
     "hash",
     "inspect",
+    "mirror",
     "model_sources",
     "structural_hash",
     "validate",
+    "weight_inspect",
 ]

@@ -17,12 +17,18 @@ from ..sharded.reader import ShardedStream, shard_headers
 from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import SourceLike
 
-__all__ = ["Progress", "headers_of", "model_sources"]
+__all__ = ["Progress", "headers_of", "model_sources", "plural"]
 
 
 Progress = Callable[[int, int], None]
 """Called with (bytes done, tensors done); an optional ``totals(bytes, tensors)`` method is told
 what to expect once the headers are known."""
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``1 tensor``, ``2 tensors``: ``count`` and ``noun`` in agreement (``nouns`` where the plural
+    is not the noun and an s)."""
+    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
 
 
 def command_clock(options: TransportOptions) -> Clock:
@@ -80,10 +86,11 @@ def merged_metadata(headers: Sequence[Header]) -> dict[str, str]:
 
 @asynccontextmanager
 async def opened(
-    source: SourceLike, clock: Clock, *, include: Include = None
+    source: SourceLike, clock: Clock, *, include: Include = None, verify: bool = True
 ) -> AsyncIterator[tuple[TensorStream, list[Header]]]:
-    """The source opened once, with its headers: a stream may not be readable twice."""
-    stream = stream_for(source, include=include, clock=clock)
+    """The source opened once, with its headers: a stream may not be readable twice.
+    ``verify=False`` leaves a checksummed file's digests unchecked (the caller checks them)."""
+    stream = stream_for(source, include=include, clock=clock, verify=verify)
     async with stream:
         if isinstance(stream, ShardedStream):  # every shard's header, up front
             yield stream, await headers_of(source, clock)

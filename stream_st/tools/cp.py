@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Unpack
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import anyio
 import numpy as np
@@ -14,10 +18,12 @@ from ..core.digests import ALGORITHM_KEY, DEFAULT_ALGORITHM, Digests, algorithm_
 from ..core.dtypes import dtype_from_code
 from ..core.header import Header, TensorInfo
 from ..core.layout import TensorSpec
+from ..core.shards import shard_address
 from ..errors import UsageError
 from ..reader import Include
-from ..transports.options import TransportOptions
-from ..transports.registry import SinkLike, SourceLike
+from ..sharded.reader import MAX_INDEX_SIZE, ShardIndex
+from ..transports.options import Clock, TransportOptions
+from ..transports.registry import SinkLike, SourceLike, open_sink, read_object
 from ..writer import TensorWriter
 from .common import (
     Progress,
@@ -29,7 +35,7 @@ from .common import (
     tensors_of,
 )
 
-__all__ = ["CONVERTIBLE", "Copy", "cp"]
+__all__ = ["CONVERTIBLE", "Copy", "address_in", "cp", "mirror"]
 
 
 CONVERTIBLE = ("F16", "BF16", "F32", "F64")
@@ -276,3 +282,93 @@ def _copied_digests(
         assert recorded is not None
         values.update(recorded.values)
     return Digests(name, {n: values[n] for n in names})
+
+
+def address_in(into: str, name: str) -> str:
+    """The address of ``name`` (a relative path) inside the directory or prefix ``into``."""
+    if "://" not in into:
+        return os.path.join(into, *name.split("/"))
+    parts = urlsplit(into)
+    quoted = name if parts.scheme.lower() in ("s3", "file") else quote(name)
+    path = parts.path if parts.path.endswith("/") else parts.path + "/"
+    return urlunsplit((parts.scheme, parts.netloc, path + quoted, parts.query, ""))
+
+
+async def _put(address: str, data: bytes, clock: Clock) -> None:
+    """Write the small object ``data`` (an index) at ``address``, atomically where the medium
+    allows (a file appears whole or not at all)."""
+    sink = await open_sink(address, clock=clock)
+    try:
+        await sink.allocate(len(data))
+        await sink.send(memoryview(data))
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await sink.abort()
+        raise
+    await sink.aclose()
+
+
+async def mirror(
+    index: str,
+    into: str,
+    *,
+    include: Include = None,
+    dtype: str | None = None,
+    quantize: str | None = None,
+    dequantize: bool = False,
+    checksums: bool | str | None = None,
+    progress: Progress | None = None,
+    **options: Unpack[TransportOptions],
+) -> list[str]:
+    """Copy the sharded checkpoint ``index`` (a ``*.index.json`` or ``dataset_manifest.json``)
+    into the directory or prefix ``into``: every shard under its name (each with :func:`cp` and
+    its options), then the index, last, so a reader never finds an index whose shards are not all
+    there. The index is copied as it is when no tensor changes; otherwise a Hugging Face index is
+    written anew (``weight_map`` and ``total_size`` of the shards written), and a manifest, whose
+    byte counts would change, is a :class:`~stream_st.UsageError`. A shard left with no tensor by
+    ``include`` is not written. Returns the addresses written, the index last."""
+    clock = command_clock(options)
+    raw, home = await read_object(index, clock, limit=MAX_INDEX_SIZE)
+    shards = ShardIndex(raw, index, home)
+    changing = include is not None or bool(dtype or quantize or dequantize or checksums)
+    if changing and shards.weight_map is None:
+        raise UsageError(
+            f"{index}: a dataset manifest is mirrored as it is (its byte counts would change): "
+            "drop the conversions, or merge it into one file"
+        )
+    index_name = posixpath.basename(urlsplit(index).path if "://" in index else index)
+    written: list[str] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    for shard in shards.shards:
+        names = shards.names_in(shard)
+        if (
+            names is not None
+            and include is not None
+            and not any(included(include, n) for n in names)
+        ):
+            continue
+        target = address_in(into, shard)
+        if "://" not in target:
+            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        copied = await cp(
+            shard_address(shards.home, shard),
+            target,
+            include=include,
+            dtype=dtype,
+            quantize=quantize,
+            dequantize=dequantize,
+            checksums=checksums,
+            progress=progress,
+            **options,
+        )
+        written.append(target)
+        weight_map.update(dict.fromkeys(copied.header.names(), shard))
+        total += copied.header.data_size
+    if changing:
+        document = {"metadata": {**shards.metadata, "total_size": total}, "weight_map": weight_map}
+        raw = (json.dumps(document, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    target = address_in(into, index_name)
+    await _put(target, raw, clock)
+    written.append(target)
+    return written

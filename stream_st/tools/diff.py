@@ -27,6 +27,8 @@ class Diff:
     metadata_added: list[str] = field(default_factory=list)
     metadata_removed: list[str] = field(default_factory=list)
     metadata_changed: dict[str, list[str]] = field(default_factory=dict)
+    metadata_values: dict[str, str] = field(default_factory=dict)
+    """The values of the keys added (B's) and removed (A's)."""
     content_differs: list[str] = field(default_factory=list)
     content_compared: bool = False
 
@@ -116,6 +118,10 @@ def _compare(headers_a: Sequence[Header], headers_b: Sequence[Header]) -> tuple[
     meta_a, meta_b = merged_metadata(headers_a), merged_metadata(headers_b)
     result.metadata_added = sorted(meta_b.keys() - meta_a.keys())
     result.metadata_removed = sorted(meta_a.keys() - meta_b.keys())
+    result.metadata_values = {
+        **{k: meta_a[k] for k in result.metadata_removed},
+        **{k: meta_b[k] for k in result.metadata_added},
+    }
     result.metadata_changed = {
         k: [meta_a[k], meta_b[k]]
         for k in sorted(meta_a.keys() & meta_b.keys())

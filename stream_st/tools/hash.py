@@ -13,12 +13,14 @@ from typing import Any, Unpack
 import anyio
 import numpy as np
 
+from .._api import stream_for
 from .._util import task_group
 from ..core.dtypes import wire_bytes
 from ..core.header import Header, TensorInfo
 from ..core.shards import is_index
 from ..errors import UsageError
 from ..reader import TensorStream
+from ..transports.base import Source
 from ..transports.options import Clock, TransportOptions
 from ..transports.registry import SourceLike, open_source
 from .common import (
@@ -31,7 +33,14 @@ from .common import (
     tensors_of,
 )
 
-__all__ = ["FILE_CHUNK", "content_digests", "hash", "structural_hash", "structure_of"]
+__all__ = [
+    "FILE_CHUNK",
+    "content_digests",
+    "file_sha256",
+    "hash",
+    "structural_hash",
+    "structure_of",
+]
 
 
 def structural_hash(tensors: Iterable[TensorInfo]) -> str:
@@ -117,35 +126,83 @@ async def hash(  # the command's name (shadows the builtin only inside this modu
     and a Hugging Face Hub LFS file's oid).
 
     The content hash is sha256 over ``name NUL sha256(tensor bytes) LF`` for every tensor in name
-    order, so it does not depend on the layout either.
+    order, so it does not depend on the layout either. With ``file`` the source is read once,
+    front to back, every byte through the file's hash on its way to the header parser and the
+    content hashes: so a pipe, a FIFO or standard input gives the same ``file_sha256`` as the
+    file itself.
     """
     clock = command_clock(options)
-    if not content:
-        result = structure_of(source, await headers_of(source, clock))
-    else:
-        async with opened(source, clock) as (stream, headers):
-            result = structure_of(source, headers)
-            expect_totals(progress, tensors_of(headers))
-            result["content_hash"] = _combined_content(await digest_stream(stream, progress))
-    if file:
-        result["file_sha256"] = await _file_sha256(source, clock)
+    if not file:
+        if not content:
+            return structure_of(source, await headers_of(source, clock))
+        return await _content_of(source, source, clock, progress)
+    if isinstance(source, str | os.PathLike) and is_index(source):
+        raise UsageError("the sha256 of a file takes one file, not a sharded checkpoint's index")
+    hashing = _Hashing(await open_source(source, clock))
+    try:
+        if content:
+            result = await _content_of(source, hashing, clock, progress)
+        else:
+            async with stream_for(hashing, clock=clock) as stream:
+                result = structure_of(source, [stream.header])
+        result["file_sha256"] = await hashing.finish()
+    finally:
+        await hashing.inner.aclose()
     return result
 
 
-async def _file_sha256(source: SourceLike, clock: Clock) -> str:
-    """sha256 of every byte of one file, read front to back."""
-    if isinstance(source, str | os.PathLike) and is_index(source):
-        raise UsageError("the sha256 of a file takes one file, not a sharded checkpoint's index")
-    opened = await open_source(source, clock)
-    try:
-        await opened.start(read_all=True)
-        sha = hashlib.sha256()
+async def _content_of(
+    source: SourceLike, reading: SourceLike, clock: Clock, progress: Progress | None
+) -> dict[str, Any]:
+    """The structure and content hash of ``source``, read from ``reading``."""
+    async with opened(reading, clock) as (stream, headers):
+        result = structure_of(source, headers)
+        expect_totals(progress, tensors_of(headers))
+        result["content_hash"] = _combined_content(await digest_stream(stream, progress))
+    return result
+
+
+class _Hashing(Source):
+    """``inner`` read front to back, every byte that passes through a sha256 (the whole file's,
+    whoever reads it); closing it leaves ``inner`` open, so :meth:`finish` can read the rest."""
+
+    def __init__(self, inner: Source) -> None:
+        super().__init__()
+        self.inner = inner
+        self.name = inner.name
+        self.size = inner.size
+        self._sha = hashlib.sha256()
+        self._started = False
+
+    async def start(self, *, read_all: bool = False) -> None:
+        if not self._started:
+            self._started = True
+            await self.inner.start(read_all=True)
+
+    async def receive_into(self, buffer: memoryview) -> int:
+        got = await self.inner.receive_into(buffer)
+        if got:
+            self._sha.update(buffer[:got])
+            self.position += got
+        return got
+
+    async def finish(self) -> str:
+        """Read what no one read yet through the hash; the sha256 (hex) of every byte."""
+        await self.start()
         chunk = memoryview(bytearray(FILE_CHUNK))
-        while got := await opened.fill(chunk):
-            await anyio.to_thread.run_sync(sha.update, chunk[:got])
-        return sha.hexdigest()
+        while got := await self.inner.fill(chunk):
+            await anyio.to_thread.run_sync(self._sha.update, chunk[:got])
+            self.position += got
+        return self._sha.hexdigest()
+
+
+async def file_sha256(source: SourceLike, **options: Unpack[TransportOptions]) -> str:
+    """sha256 (hex) of every byte of ``source``, whatever it holds (``sha256sum``'s)."""
+    hashing = _Hashing(await open_source(source, command_clock(options)))
+    try:
+        return await hashing.finish()
     finally:
-        await opened.aclose()
+        await hashing.inner.aclose()
 
 
 FILE_CHUNK = 8 << 20

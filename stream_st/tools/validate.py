@@ -35,7 +35,7 @@ import numpy as np
 
 from .._api import stream_for
 from .._util import task_group
-from ..core.digests import ALGORITHM_KEY
+from ..core.digests import ALGORITHM_KEY, Digests
 from ..core.header import Header, TensorInfo
 from ..core.moments import Moments, moments_of, summarisable
 from ..core.stats import LoadStats
@@ -44,7 +44,7 @@ from ..reader import TensorStream
 from ..sharded.reader import ShardedStream
 from ..transports.options import Clock, TransportOptions, checked_number
 from ..transports.registry import SourceLike
-from .common import Progress, command_clock, expect_totals, headers_of, tensors_of
+from .common import Progress, command_clock, expect_totals, headers_of, plural, tensors_of
 
 if TYPE_CHECKING:
     from ..models.llm.model import LlamaConfig
@@ -464,8 +464,10 @@ async def _opened_views(
 ) -> AsyncIterator[tuple[TensorStream, list[Header]]]:
     """The source opened once, with its headers (as :func:`~stream_st.tools.common.opened`),
     a local file's tensors handed out as read-only views of its mapping (``copy=False``): the
-    statistics read the page cache itself, no copy is made, no fresh page is touched."""
-    stream = stream_for(source, clock=clock, copy=False)
+    statistics read the page cache itself, no copy is made, no fresh page is touched. Digests are
+    not checked by the stream, which would stop at the first tensor failing: :class:`_Checker`
+    checks every tensor's."""
+    stream = stream_for(source, clock=clock, copy=False, verify=False)  # digests: checked here
     async with stream:
         if isinstance(stream, ShardedStream):  # every shard's header, up front
             yield stream, await headers_of(source, clock)
@@ -501,16 +503,41 @@ async def _validate_stream(
     if config is None or config.dtype is None:
         result.warnings.extend(validate_dtype_consistency(infos.values()))
     algorithms = {h.metadata[ALGORITHM_KEY] for h in headers if ALGORITHM_KEY in h.metadata}
+    digests, damaged = _recorded_digests(result, headers)
     expect_totals(progress, list(infos.values()))
-    checker = _Checker(infos, progress)
+    checker = _Checker(infos, progress, digests=digests, source=source)
     await checker.run(stream)
     for stats in checker.done:
         _findings(result, stats, infos[stats.name], warn_abs)
+    result.errors.extend(checker.mismatches)
     if checker.failure is not None:
         result.errors.append(checker.failure)
-    verified = f"{len(result.tensors)} tensors verified" if not result.errors else "FAILED"
+    failed = len(checker.mismatches) + damaged + (checker.failure is not None)
+    if failed:
+        verified = f"FAILED ({plural(len(checker.mismatches), 'tensor')} of {len(infos)})"
+    else:
+        verified = f"{plural(checker.checked, 'tensor')} verified"
     result.digests = f"{', '.join(sorted(algorithms))}: {verified}" if algorithms else "none"
     return result
+
+
+def _recorded_digests(
+    result: Validation, headers: Sequence[Header]
+) -> tuple[dict[str, Digests], int]:
+    """Each tensor's recorded digests (the :class:`Digests` of its header), and how many headers
+    record digests that cannot be checked (each an error in ``result``)."""
+    found: dict[str, Digests] = {}
+    damaged = 0
+    for header in headers:
+        try:
+            digests = Digests.from_header(header)
+        except IntegrityError as exc:
+            result.errors.append(str(exc))
+            damaged += 1
+            continue
+        if digests is not None:
+            found.update(dict.fromkeys(digests.values, digests))
+    return found, damaged
 
 
 @dataclass
@@ -536,11 +563,24 @@ class _Checker:
     """Summarises a stream's tensors in worker threads while later ones arrive: a big tensor in
     parts of :data:`SEGMENT` values, small ones (under :data:`BATCH` bytes) several to a job,
     at most one job per CPU at once, at most :data:`IN_FLIGHT` bytes of tensors held.
-    ``done``: the statistics, in stream order."""
+    ``done``: the statistics, in stream order. Each tensor with a recorded digest in ``digests``
+    is checked against it: ``checked`` counts those that match, ``mismatches`` describes each
+    that does not (every tensor is still summarised)."""
 
-    def __init__(self, infos: Mapping[str, TensorInfo], progress: Progress | None) -> None:
+    def __init__(
+        self,
+        infos: Mapping[str, TensorInfo],
+        progress: Progress | None,
+        *,
+        digests: Mapping[str, Digests] | None = None,
+        source: str = "",
+    ) -> None:
         self._infos = infos
         self._progress = progress
+        self._digests = digests or {}
+        self._source = source
+        self.checked = 0
+        self.mismatches: list[str] = []
         self._limiter = anyio.CapacityLimiter(_workers())
         self._slots: list[TensorStats | None] = []
         self._bytes_done = 0
@@ -562,6 +602,7 @@ class _Checker:
                     info = self._infos.get(name)
                     if info is None:
                         raise TensorNotFoundError(f"{name} streamed but not in the header")
+                    await self._check_digest(name, array)
                     self._slots.append(None)
                     starts = range(0, array.size, SEGMENT) if summarisable(info.dtype) else ()
                     tensor = _Pending(len(self._slots) - 1, info, [None] * len(starts), len(starts))
@@ -587,6 +628,16 @@ class _Checker:
                 self.failure = str(exc)
             if batch:
                 await self._launch(group, batch, batched)
+
+    async def _check_digest(self, name: str, array: Array) -> None:
+        recorded = self._digests.get(name)
+        if recorded is None:
+            return
+        try:
+            await recorded.check_view(name, array, self._source)
+            self.checked += 1
+        except IntegrityError as exc:
+            self.mismatches.append(str(exc))
 
     async def _launch(self, group: anyio.abc.TaskGroup, pieces: list[_Piece], nbytes: int) -> None:
         """Start a job summarising ``pieces`` (``nbytes`` of tensors), once the jobs before it
@@ -630,15 +681,15 @@ def _findings(result: Validation, stats: TensorStats, info: TensorInfo, warn_abs
     name = stats.name
     result.tensors.append(stats)
     if stats.nan:
-        result.errors.append(f"{name}: {stats.nan} NaN values")
+        result.errors.append(f"{name}: {plural(stats.nan, 'NaN value')}")
     if stats.inf:
-        result.errors.append(f"{name}: {stats.inf} Inf values")
+        result.errors.append(f"{name}: {plural(stats.inf, 'Inf value')}")
     if stats.max is not None and stats.min is not None:
         if max(abs(stats.max), abs(stats.min)) > warn_abs:
             result.warnings.append(
                 f"{name}: values up to {max(abs(stats.max), abs(stats.min)):.4g} "
                 f"(beyond {warn_abs:g})"
             )
-        if stats.min == stats.max and info.nelements > 1:
+        if stats.min == stats.max and info.nelements > 1 and not (stats.nan or stats.inf):
             what = "all zeros" if stats.min == 0 else f"constant {stats.min:.4g}"
             result.warnings.append(f"{name}: {what}")

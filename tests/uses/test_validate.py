@@ -159,7 +159,7 @@ async def test_big_tensors_in_parts_and_small_ones_batched_match_numpy(
         assert (stats.min, stats.max) == (low, high)
         assert stats.std is not None and math.isclose(stats.std, std, rel_tol=1e-12)
         assert stats.mean is not None and math.isclose(stats.mean, mean, rel_tol=1e-12)
-    assert result.errors == ["t05: 1 NaN values"]
+    assert result.errors == ["t05: 1 NaN value"]
     assert seen[-1] == (sum(a.nbytes for a in tensors.values()), len(tensors))
     assert result.load is not None and result.load.tensors == len(tensors)
 

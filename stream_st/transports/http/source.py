@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import ssl
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Unpack
@@ -51,6 +52,7 @@ from typing import Unpack
 from ...errors import (
     CertificateError,
     HTTPProtocolError,
+    RangeIgnoredWarning,
     ReadTimeoutError,
     SourceChangedError,
     TransportError,
@@ -69,6 +71,11 @@ __all__ = ["FIRST_RANGE", "HttpSource"]
 
 FIRST_RANGE = 64 << 10
 """Bytes asked for by the first request: the prefix, the header (usually) and some data."""
+
+_RANGE_IGNORED = (
+    "{}: the server ignores Range requests (200, not 206): every read goes through the object "
+    "from its first byte, so a slice or a selection costs all the bytes before it"
+)
 
 
 class HttpSource(ClientUser, Source):
@@ -136,6 +143,8 @@ class HttpSource(ClientUser, Source):
                 self.random_access = True
                 return
             await self._adopt(response, 0)
+            if end is not None and response.status == 200:  # ranges asked for, none given
+                warnings.warn(RangeIgnoredWarning(_RANGE_IGNORED.format(self.name)), stacklevel=2)
             if speculate and self.random_access and self.size is not None:
                 self._plan = [(0, self.size)]  # until the reader's plan: everything
                 self._open_window()

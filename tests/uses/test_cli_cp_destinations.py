@@ -1,0 +1,116 @@
+"""``stream-st cp`` destinations as ``cp`` and ``aws s3 cp`` take them, and sharded checkpoints
+mirrored (every shard, the index last) or merged on request."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+from ..servers.s3_server import CREDENTIALS, MotoS3Server
+from ._cli import run, write_model
+
+SHARDS: dict[str, dict[str, np.ndarray[Any, Any]]] = {
+    "model-00001-of-00002.safetensors": {"a": np.arange(4, dtype=np.float32)},
+    "model-00002-of-00002.safetensors": {"b": np.ones((2, 2), np.float32), "c": np.zeros(3)},
+}
+INDEX = "model.safetensors.index.json"
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    weight_map = {}
+    for shard, tensors in SHARDS.items():
+        reference_numpy.save_file(tensors, str(folder / shard))
+        weight_map.update(dict.fromkeys(tensors, shard))
+    (folder / INDEX).write_text(
+        json.dumps({"metadata": {"total_size": 60}, "weight_map": weight_map})
+    )
+    return folder
+
+
+def _s3_env(moto_s3: MotoS3Server) -> dict[str, str]:
+    return {**CREDENTIALS, "AWS_ENDPOINT_URL": moto_s3.endpoint_url}
+
+
+def test_into_a_directory_or_prefix_under_the_sources_name(
+    tmp_path: Path, moto_s3: MotoS3Server
+) -> None:
+    """A trailing slash meant nothing: an object named p/ and a file named newdir."""
+    model = write_model(tmp_path / "m.safetensors")
+    result = run("cp", "-q", str(model), str(tmp_path / "newdir") + "/")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "newdir" / "m.safetensors").read_bytes() == model.read_bytes()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    assert run("cp", "-q", str(model), str(existing)).returncode == 0
+    assert (existing / "m.safetensors").read_bytes() == model.read_bytes()
+    client = moto_s3.client()
+    client.create_bucket(Bucket="dest")
+    env = _s3_env(moto_s3)
+    result = run("cp", "-q", str(model), "s3://dest/p/", env=env)
+    assert result.returncode == 0, result.stderr
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="dest")["Contents"]]
+    assert keys == ["p/m.safetensors"]
+    assert run("cp", "-q", str(model), "s3://dest/exact.bin", env=env).returncode == 0
+    body = client.get_object(Bucket="dest", Key="exact.bin")["Body"].read()
+    assert body == model.read_bytes()
+    assert (
+        run("cp", "-q", "-", str(tmp_path / "newdir") + "/", stdin=model.open("rb")).returncode == 2
+    )
+
+
+def test_a_sharded_checkpoint_is_mirrored_index_last(checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    for source in (str(checkpoint), str(checkpoint / INDEX)):
+        result = run("cp", "-q", source, str(out) + "/")
+        assert result.returncode == 0, result.stderr
+        assert sorted(p.name for p in out.iterdir()) == sorted([*SHARDS, INDEX])
+        for name in [*SHARDS, INDEX]:
+            assert (out / name).read_bytes() == (checkpoint / name).read_bytes(), name
+        index_time = (out / INDEX).stat().st_mtime_ns
+        assert all((out / s).stat().st_mtime_ns <= index_time for s in SHARDS)
+    converted = tmp_path / "bf16"
+    result = run("cp", "-q", "--dtype", "bf16", "--include", "a", str(checkpoint), f"{converted}/")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in converted.iterdir()) == sorted([INDEX, next(iter(SHARDS))])
+    index = json.loads((converted / INDEX).read_text())
+    assert index["weight_map"] == {"a": next(iter(SHARDS))}
+    assert index["metadata"]["total_size"] == 8
+    listed = run("inspect", "--json", str(converted / INDEX))
+    assert [t["dtype"] for t in json.loads(listed.stdout)["tensors"]] == ["BF16"]
+
+
+def test_merging_is_asked_for(checkpoint: Path, tmp_path: Path) -> None:
+    """A sharded checkpoint was merged into one file, even under the index's name."""
+    target = tmp_path / INDEX
+    refused = run("cp", "-q", str(checkpoint), str(target))
+    assert refused.returncode == 2 and "--merge" in refused.stderr
+    assert not target.exists()
+    assert run("cp", "-q", "--merge", str(checkpoint), str(target)).returncode == 2
+    assert not target.exists()
+    merged = tmp_path / "merged.safetensors"
+    assert run("cp", "-q", "--merge", str(checkpoint), str(merged)).returncode == 0
+    assert sorted(reference_numpy.load_file(str(merged))) == ["a", "b", "c"]
+    into = tmp_path / "into"
+    assert run("cp", "-q", "--merge", str(checkpoint / INDEX), f"{into}/").returncode == 0
+    assert [p.name for p in into.iterdir()] == ["model.safetensors"]
+
+
+def test_mirror_to_s3(checkpoint: Path, moto_s3: MotoS3Server) -> None:
+    client = moto_s3.client()
+    client.create_bucket(Bucket="mirror")
+    result = run("cp", "-q", str(checkpoint), "s3://mirror/m/", env=_s3_env(moto_s3))
+    assert result.returncode == 0, result.stderr
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket="mirror")["Contents"])
+    assert keys == sorted(f"m/{n}" for n in [*SHARDS, INDEX])
+    back = run("ls", f"s3://mirror/m/{INDEX}", env=_s3_env(moto_s3))
+    assert sorted(back.stdout.split()) == ["a", "b", "c"], back.stderr
+    assert os.environ.get("AWS_ENDPOINT_URL") != moto_s3.endpoint_url

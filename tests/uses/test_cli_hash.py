@@ -1,0 +1,130 @@
+"""``stream-st hash``: the sha256 of every byte of any input, sha256sum's lines and ``--check``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from ..servers.http_server import RangeHTTPServer
+from ._cli import COMMAND, run, write_model
+
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    return write_model(tmp_path / "model.safetensors")
+
+
+def _file_sha256_of(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, result.stderr
+    found: str = json.loads(result.stdout)["file_sha256"]
+    return found
+
+
+@pytest.mark.parametrize("content", [False, True], ids=["structure", "content"])
+def test_file_sha256_of_a_pipe_a_fifo_and_a_redirect(
+    model: Path, tmp_path: Path, content: bool
+) -> None:
+    """The header read first used to be missing from the file's hash of a pipe (the data section
+    only), and with --content the whole input (the hash of nothing)."""
+    data = model.read_bytes()
+    want = hashlib.sha256(data).hexdigest()
+    flags = ["hash", "--json", "--file", *(["--content"] if content else [])]
+    assert _file_sha256_of(run(*flags, str(model))) == want
+    with model.open("rb") as redirected:  # < model.safetensors
+        assert _file_sha256_of(run(*flags, "-", stdin=redirected)) == want
+    piped = subprocess.Popen(["cat", str(model)], stdout=subprocess.PIPE)  # cat model | ...
+    assert piped.stdout is not None
+    try:
+        result = run(*flags, "-", stdin=piped.stdout)
+    finally:
+        piped.stdout.close()
+        piped.wait()
+    assert _file_sha256_of(result) == want
+    assert want != EMPTY_SHA256
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def feed() -> None:
+        with fifo.open("wb") as f:
+            f.write(data)
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    try:
+        assert _file_sha256_of(run(*flags, str(fifo))) == want
+    finally:
+        feeder.join(timeout=30)
+
+
+def test_file_sha256_counts_trailing_bytes_or_fails(model: Path, tmp_path: Path) -> None:
+    """Every byte of the input or an error: a file with bytes past its data is not hashed
+    without them."""
+    longer = tmp_path / "longer.safetensors"
+    longer.write_bytes(model.read_bytes() + b"extra")
+    result = subprocess.run(
+        [COMMAND, "hash", "--json", "--file", "-"],
+        stdin=longer.open("rb"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if result.returncode == 0:
+        assert _file_sha256_of(result) == hashlib.sha256(longer.read_bytes()).hexdigest()
+    else:
+        assert result.returncode == 2 and "error" in result.stderr
+
+
+def test_file_line_is_sha256sums_and_check_takes_it(model: Path, tmp_path: Path) -> None:
+    """--file printed two labelled lines; now sha256sum's line, which sha256sum -c and
+    hash --check both accept, and hash --check answers sha256sum -c's way."""
+    sums = tmp_path / "sums.sha256"
+    result = run("hash", "--file", model.name, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    want = hashlib.sha256(model.read_bytes()).hexdigest()
+    assert result.stdout == f"{want}  {model.name}\n"
+    sums.write_text(result.stdout)
+    assert run("hash", "--check", str(sums), cwd=tmp_path).stdout == f"{model.name}: OK\n"
+    if shutil.which("sha256sum"):
+        checked = subprocess.run(
+            ["sha256sum", "-c", str(sums)], cwd=tmp_path, capture_output=True, text=True
+        )
+        assert checked.returncode == 0 and checked.stdout == f"{model.name}: OK\n"
+    with model.open("rb") as stdin:
+        assert run("hash", "--file", "-", stdin=stdin).stdout == f"{want}  -\n"
+    (tmp_path / "other.safetensors").write_bytes(model.read_bytes()[:-1] + b"\x01")
+    sums.write_text(
+        f"{want}  {model.name}\n{want} *other.safetensors\nnot a line\n{want}  missing\n"
+    )
+    bad = run("hash", "-c", str(sums), cwd=tmp_path)
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stdout.splitlines() == [
+        f"{model.name}: OK",
+        "other.safetensors: FAILED",
+        "missing: FAILED open or read",
+    ]
+    assert "1 computed checksum did NOT match" in bad.stderr
+    assert "1 line is improperly formatted" in bad.stderr
+    sums.write_text(f"{want}  {model.name}\n{want}  other.safetensors\n")
+    assert run("hash", "-c", str(sums), cwd=tmp_path).returncode == 1
+
+
+def test_check_reads_remote_sources(model: Path, tmp_path: Path) -> None:
+    """--check compares what an http(s):// (or s3://, hf://) source serves with the list."""
+    want = hashlib.sha256(model.read_bytes()).hexdigest()
+    with RangeHTTPServer(objects={"/m.safetensors": model.read_bytes()}) as server:
+        url = server.url("/m.safetensors")
+        sums = tmp_path / "sums"
+        sums.write_text(f"{want}  {url}\n")
+        result = run("hash", "--check", str(sums))
+        assert result.returncode == 0 and result.stdout == f"{url}: OK\n", result.stderr
+        listed = run("hash", "--file", url)
+        assert listed.stdout == f"{want}  {url}\n"

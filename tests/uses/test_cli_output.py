@@ -1,0 +1,73 @@
+"""What the command prints: checksummed files in one line, every failing tensor, counts in
+agreement, metadata values in diffs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+import numpy as np
+import safetensors.numpy as reference_numpy
+
+import stream_st
+
+from ._cli import run, write_model
+
+
+def _checksummed(tmp_path: Path) -> Path:
+    tmp_path.mkdir(exist_ok=True)
+    tensors = {f"t{i}": np.full(64, i, np.float32) for i in range(4)}
+    plain = write_model(tmp_path / "plain.safetensors", tensors)
+    copy = tmp_path / "sums.safetensors"
+    assert run("cp", "-q", "--checksums", str(plain), str(copy)).returncode == 0
+    return copy
+
+
+def test_inspect_folds_the_digests_into_one_line(tmp_path: Path) -> None:
+    copy = _checksummed(tmp_path)
+    text = run("inspect", str(copy)).stdout
+    assert "stream_st.digest" not in text, text
+    assert text.count("checksummed: xxh3-128 digest of each of 4 tensors") == 1
+    found = json.loads(run("inspect", "--json", str(copy)).stdout)  # all of it for scripts
+    assert sum(k.startswith("stream_st.digest:") for k in found["metadata"]) == 4
+
+
+def test_validate_reports_every_tensor_failing_its_digest(tmp_path: Path) -> None:
+    copy = _checksummed(tmp_path)
+    header = anyio.run(stream_st.read_header, copy)
+    data = bytearray(copy.read_bytes())
+    for name in ("t1", "t3"):  # two tensors damaged: both named, every tensor reported
+        data[header.data_start + header[name].start] ^= 0x01
+    copy.write_bytes(bytes(data))
+    result = run("validate", "--json", str(copy))
+    assert result.returncode == 1
+    found = json.loads(result.stdout)
+    assert [t["name"] for t in found["tensors"]] == ["t0", "t1", "t2", "t3"]
+    assert sum("does not match" in e for e in found["errors"]) == 2, found["errors"]
+    assert "FAILED" in found["digests"]
+    assert "valid" in run("validate", str(_checksummed(tmp_path / "x"))).stdout
+
+
+def test_counts_agree_with_their_nouns(tmp_path: Path) -> None:
+    path = write_model(
+        tmp_path / "one.safetensors",
+        {"inf": np.array([np.inf, 1.0], np.float32), "same": np.full(2, 3.0, np.float32)},
+    )
+    text = run("validate", str(path)).stdout
+    assert "inf: 1 Inf value\n" in text and "1 Inf values" not in text
+    assert "INVALID: 2 tensors, 1 error, 1 warning\n" in text, text
+
+
+def test_diff_shows_metadata_values(tmp_path: Path) -> None:
+    tensors = {"w": np.zeros(2, np.float32)}
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    reference_numpy.save_file(tensors, str(a), metadata={"gone": "old value", "same": "x"})
+    reference_numpy.save_file(tensors, str(b), metadata={"new": "new value", "same": "y"})
+    text = run("diff", str(a), str(b))
+    assert text.returncode == 1
+    assert "+ metadata new: 'new value'" in text.stdout
+    assert "- metadata gone: 'old value'" in text.stdout
+    assert "~ metadata same: 'x' -> 'y'" in text.stdout
+    found = json.loads(run("diff", "--json", str(a), str(b)).stdout)
+    assert found["metadata_values"] == {"gone": "old value", "new": "new value"}

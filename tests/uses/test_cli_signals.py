@@ -1,0 +1,110 @@
+"""The command stopped by SIGTERM or SIGHUP cleans up as for SIGINT: nothing left at the
+destination (no temporary file, no pending multipart upload), exit status 128 + the signal."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ..servers.s3_server import CREDENTIALS, MotoS3Server
+from ._cli import COMMAND, write_model
+
+STOPS = [signal.SIGTERM, signal.SIGHUP, signal.SIGINT]
+
+
+@contextmanager
+def trickling(fifo: Path, data: bytes, first: int) -> Iterator[threading.Event]:
+    """``fifo`` giving the first ``first`` bytes of ``data``, then nothing until the block ends:
+    a source stalled in the middle of a copy. The event is set once the reader took them (all
+    but what the pipe holds)."""
+    os.mkfifo(fifo)
+    done = threading.Event()
+    fed = threading.Event()
+
+    def feed() -> None:
+        with contextlib.suppress(BrokenPipeError), fifo.open("wb") as f:  # the reader stopped
+            f.write(data[:first])
+            f.flush()
+            fed.set()
+            done.wait(120)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    try:
+        yield fed
+    finally:
+        done.set()
+        feeder.join(timeout=30)
+
+
+def _wait_for(what: str, found: Callable[[], bool], process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while not found():
+        assert process.poll() is None, (what, process.communicate())
+        assert time.monotonic() < deadline, f"no {what} within a minute"
+        time.sleep(0.05)
+
+
+def _stopped(process: subprocess.Popen[bytes], signum: int) -> tuple[int, str]:
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=60)
+    return process.returncode, stderr.decode()
+
+
+@pytest.mark.parametrize("signum", STOPS, ids=[s.name for s in STOPS])
+def test_stopped_copy_to_a_file_leaves_nothing(tmp_path: Path, signum: int) -> None:
+    model = write_model(tmp_path / "model.safetensors", {"w": np.ones(1 << 20, np.float32)})
+    out = tmp_path / "out"
+    out.mkdir()
+    fifo = tmp_path / "slow"
+    with trickling(fifo, model.read_bytes(), 1 << 20) as fed:
+        process = subprocess.Popen(
+            [COMMAND, "cp", "-q", str(fifo), str(out / "copy.safetensors")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        _wait_for("copy under way", fed.is_set, process)  # its temporary file may be nameless
+        time.sleep(0.2)
+        status, stderr = _stopped(process, signum)
+    assert status == 128 + signum, stderr
+    assert list(out.iterdir()) == [], "debris left next to the destination"
+    assert "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr
+
+
+@pytest.mark.parametrize("signum", STOPS[:2], ids=[s.name for s in STOPS[:2]])
+def test_stopped_copy_to_s3_leaves_no_pending_upload(
+    tmp_path: Path, moto_s3: MotoS3Server, signum: int
+) -> None:
+    tensors = {f"w{i:02}": np.full(1 << 18, i, np.float32) for i in range(24)}  # 1 MiB each
+    model = write_model(tmp_path / "model.safetensors", tensors)
+    client = moto_s3.client()
+    bucket = f"stop-{signum}"
+    client.create_bucket(Bucket=bucket)
+    fifo = tmp_path / "slow"
+
+    def pending() -> bool:
+        return bool(client.list_multipart_uploads(Bucket=bucket).get("Uploads"))
+
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": moto_s3.endpoint_url}
+    with trickling(fifo, model.read_bytes(), 20 << 20):  # past the first 16 MiB part
+        process = subprocess.Popen(
+            [COMMAND, "cp", "-q", str(fifo), f"s3://{bucket}/m.safetensors"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        _wait_for("multipart upload", pending, process)
+        status, stderr = _stopped(process, signum)
+    assert status == 128 + signum, stderr
+    assert not pending(), "a multipart upload left pending"
+    assert "Contents" not in client.list_objects_v2(Bucket=bucket)
