@@ -28,7 +28,7 @@ import anyio
 from .. import tools
 from .._api import open_stream
 from ..core.shards import INDEX_SUFFIX, is_index
-from ..errors import SafetensorsError, SourceNotFoundError, TensorNotFoundError, UsageError
+from ..errors import SafetensorsError, SourceNotFoundError, TensorNotFoundError, UsageError, redact
 from ..tools.cp import address_in
 from ..transports.file.sink import PipeSink
 from ..transports.registry import SinkLike
@@ -201,12 +201,12 @@ async def run_hash(args: argparse.Namespace) -> int:
         if args.json:
             print_json(result)
         elif args.file:  # as sha256sum prints it: sha256sum -c and stream-st hash --check take it
-            name = STDIO if source == "/dev/stdin" and STDIO in args.sources else source
+            name = STDIO if source == "/dev/stdin" and STDIO in args.sources else redact(source)
             print(checksum_line(result["file_sha256"], name))
         else:
-            print(f"structural {result['structural_hash']}  {source}")
+            print(f"structural {result['structural_hash']}  {redact(source)}")
             if "content_hash" in result:
-                print(f"content    {result['content_hash']}  {source}")
+                print(f"content    {result['content_hash']}  {redact(source)}")
         return EXIT_OK
 
     return await _each(args, one)
@@ -223,7 +223,7 @@ async def run_weight_inspect(args: argparse.Namespace) -> int:
         if args.json:
             print_json(found)
         else:
-            print(f"{found['id']} {found['structural_hash']}  {source}")
+            print(f"{found['id']} {found['structural_hash']}  {redact(source)}")
         return EXIT_OK
 
     return await _each(args, one)

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import tools
 from ..core.digests import ALGORITHM_KEY, DIGEST_KEY_PREFIX
-from ..errors import SafetensorsError, StreamStWarning, UsageError
+from ..errors import SafetensorsError, StreamStWarning, UsageError, redact
 from ..tools.common import Progress, plural
 
 __all__ = [
@@ -232,7 +232,7 @@ def split_digests(metadata: Mapping[str, str]) -> tuple[dict[str, str], str | No
 
 def failed(source: str, exc: SafetensorsError) -> None:
     """Report one source's error on one line, naming the source where the message does not."""
-    text = str(exc)
+    text, source = str(exc), redact(source)
     named = source in text or (source == "/dev/stdin" and "stdin" in text)
     print(f"stream-st: error: {text if named else f'{source}: {text}'}", file=sys.stderr)
 

@@ -18,7 +18,7 @@ from .._util import task_group
 from ..core.dtypes import wire_bytes
 from ..core.header import Header, TensorInfo
 from ..core.shards import is_index
-from ..errors import UsageError
+from ..errors import UsageError, redact
 from ..reader import TensorStream
 from ..transports.base import Source
 from ..transports.options import Clock, TransportOptions
@@ -210,7 +210,7 @@ FILE_CHUNK = 8 << 20
 
 def structure_of(source: SourceLike, headers: Sequence[Header]) -> dict[str, Any]:
     return {
-        "source": str(source),
+        "source": redact(str(source)),
         "structural_hash": structural_hash(tensors_of(headers)),
         "tensor_count": sum(len(h) for h in headers),
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Unpack
 
+from ..errors import redact
 from ..transports.options import TransportOptions
 from ..transports.registry import SourceLike
 from .common import command_clock, headers_of, merged_metadata, tensors_of
@@ -34,7 +35,7 @@ async def inspect(source: SourceLike, **options: Unpack[TransportOptions]) -> In
     headers = await headers_of(source, command_clock(options))
     tensors = tensors_of(headers)
     return Inspection(
-        source=str(source),
+        source=redact(str(source)),
         tensors=[
             {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes}
             for t in tensors

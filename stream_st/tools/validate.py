@@ -39,7 +39,7 @@ from ..core.digests import ALGORITHM_KEY, Digests
 from ..core.header import Header, TensorInfo
 from ..core.moments import Moments, moments_of, summarisable
 from ..core.stats import LoadStats
-from ..errors import IntegrityError, TensorNotFoundError, UsageError
+from ..errors import IntegrityError, TensorNotFoundError, UsageError, redact
 from ..reader import TensorStream
 from ..sharded.reader import ShardedStream
 from ..transports.options import Clock, TransportOptions, checked_number
@@ -454,7 +454,14 @@ async def validate(
     model = None if config is None else _config_of(config)
     async with _opened_views(source, command_clock(options)) as (stream, headers):
         return await _validate_stream(
-            str(source), stream, headers, expect_shapes, expect_layers, model, warn_abs, progress
+            redact(str(source)),
+            stream,
+            headers,
+            expect_shapes,
+            expect_layers,
+            model,
+            warn_abs,
+            progress,
         )
 
 

@@ -26,7 +26,7 @@ from typing import Any, Unpack
 
 from ..core.header import Header
 from ..core.shards import is_index
-from ..errors import UsageError
+from ..errors import UsageError, redact
 from ..transports.options import TransportOptions
 from ..transports.registry import SourceLike
 from .common import command_clock, headers_of
@@ -109,7 +109,7 @@ async def weight_inspect(source: SourceLike, **options: Unpack[TransportOptions]
         )
     (header,) = await headers_of(source, command_clock(options))
     return {
-        "source": str(source),
+        "source": redact(str(source)),
         "schema": 1,
         "format": "safetensors",
         **weight_inspect_id(header),

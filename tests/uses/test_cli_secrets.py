@@ -1,0 +1,48 @@
+"""The command never prints a URL's password or a signed query, whatever it prints an address
+in: a heading, a hash line, a JSON record, an error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stream_st.cli import main
+
+from ..transports.test_secrets import SECRET, BasicAuthServer, protected, with_credentials
+
+__all__ = ["protected"]  # the fixture, used by name below
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["inspect"],
+        ["inspect", "--json"],
+        ["hash"],
+        ["hash", "--json"],
+        ["hash", "--file"],
+        ["hash", "--format", "weight-inspect"],
+        ["validate", "-q"],
+        ["validate", "--json"],
+    ],
+)
+def test_no_password_in_what_the_command_prints(
+    protected: BasicAuthServer, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    url = with_credentials(protected.url("/m.safetensors"))
+    assert main([*command, url]) == 0
+    out, err = capsys.readouterr()
+    assert SECRET not in out + err
+    assert "alice:***@" in out
+    if "--json" in command:
+        json.loads(out)
+
+
+def test_no_password_in_an_error(
+    protected: BasicAuthServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = with_credentials(protected.url("/missing.safetensors"))
+    assert main(["inspect", url]) == 2
+    out, err = capsys.readouterr()
+    assert SECRET not in out + err and "alice:***@" in err
