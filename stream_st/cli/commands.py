@@ -12,7 +12,6 @@ by SIGPIPE.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import posixpath
 import re
@@ -28,6 +27,7 @@ import anyio
 from .. import tools
 from .._api import open_stream
 from ..core.shards import INDEX_SUFFIX, is_index
+from ..core.strict_json import decode_json
 from ..errors import SafetensorsError, SourceNotFoundError, TensorNotFoundError, UsageError, redact
 from ..tools.cp import address_in
 from ..transports.file.sink import PipeSink
@@ -348,9 +348,9 @@ def _load_shapes(path: str | None) -> dict[str, list[int]] | None:
     if path is None:
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            shapes = json.load(f)
-    except (OSError, ValueError) as exc:
+        with open(path, "rb") as f:
+            shapes = decode_json(f.read(), f"expected shapes {path}")
+    except (OSError, SafetensorsError) as exc:
         raise SafetensorsError(f"cannot read expected shapes from {path}: {exc}") from None
     if not isinstance(shapes, dict) or not all(
         isinstance(v, list) and all(isinstance(d, int) for d in v) for v in shapes.values()

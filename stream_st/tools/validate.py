@@ -18,7 +18,6 @@ computed by worker threads while later tensors arrive.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -39,7 +38,8 @@ from ..core.digests import ALGORITHM_KEY, Digests
 from ..core.header import Header, TensorInfo
 from ..core.moments import Moments, moments_of, summarisable
 from ..core.stats import LoadStats
-from ..errors import IntegrityError, TensorNotFoundError, UsageError, redact
+from ..core.strict_json import decode_json
+from ..errors import IntegrityError, SafetensorsError, TensorNotFoundError, UsageError, redact
 from ..reader import TensorStream
 from ..sharded.reader import ShardedStream
 from ..transports.options import Clock, TransportOptions, checked_number
@@ -320,9 +320,9 @@ class ModelConfig:
     def read(cls, path: str | os.PathLike[str]) -> ModelConfig:
         """The configuration in the ``config.json`` file at ``path``."""
         try:
-            with open(path, encoding="utf-8") as f:
-                parsed = json.load(f)
-        except (OSError, ValueError) as exc:
+            with open(path, "rb") as f:
+                parsed = decode_json(f.read(), f"model config {os.fspath(path)}")
+        except (OSError, SafetensorsError) as exc:
             raise UsageError(f"cannot read the model config {os.fspath(path)}: {exc}") from None
         return cls.from_json(parsed, source=os.fspath(path))
 

@@ -31,7 +31,8 @@ import anyio
 import anyio.to_thread
 
 from ...core.digests import Hasher, update_sliced
-from ...errors import UsageError
+from ...core.strict_json import decode_json
+from ...errors import SafetensorsError, UsageError
 from ..options import Clock
 
 __all__ = [
@@ -135,8 +136,8 @@ class Record:
 def read_json(path: Path) -> Any:
     """The JSON document at ``path``; None when missing or unreadable."""
     try:
-        return json.loads(path.read_bytes())
-    except (OSError, ValueError):
+        return decode_json(path.read_bytes(), os.fspath(path))
+    except (OSError, SafetensorsError):
         return None
 
 
