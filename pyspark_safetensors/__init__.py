@@ -23,14 +23,7 @@ import anyio
 import pyarrow as pa
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
-from pyspark.sql.types import (
-    ArrayType,
-    BinaryType,
-    IntegerType,
-    StringType,
-    StructField,
-    StructType,
-)
+from pyspark.sql.types import DataType, StringType, StructField, StructType
 
 from stream_st.errors import UsageError
 from stream_st.integrations.dataset import (
@@ -41,19 +34,14 @@ from stream_st.integrations.dataset import (
     read_piece,
 )
 
-from ._arrow import tensor_column
-from ._write import SafetensorsWriter, WriteOptions, _positive
+from ._arrow import tensor_column, typed_column
+from ._types import TENSOR_STRUCT, Column, column_of, inferred_type, parse_type
+from ._write import SafetensorsWriter, WriteOptions, _flag, _positive
 
 __all__ = ["TENSOR_STRUCT", "DefaultSource", "SafetensorsDataSource", "register"]
 
-TENSOR_STRUCT = StructType(
-    [
-        StructField("data", BinaryType()),
-        StructField("shape", ArrayType(IntegerType())),
-        StructField("dtype", StringType()),
-    ]
-)
-"""A tensor column's type: ``struct<data: binary, shape: array<int>, dtype: string>``."""
+BATCH_BYTES = 32 << 20
+"""A read hands Spark Arrow batches of about this many bytes (at least one row each)."""
 
 
 def _describe(options: Any) -> DatasetInfo:
@@ -64,6 +52,30 @@ def _describe(options: Any) -> DatasetInfo:
     return anyio.run(lambda: describe_dataset(str(path), kv=kv))
 
 
+def _column_types(dataset: DatasetInfo, raw: bool) -> dict[str, Column]:
+    """Batch mode: each column's type as the manifest records it (``spark_type``), else as told
+    from its dtype and shape; every one the tensor struct with ``raw``."""
+    schema = dataset.manifest.get("schema")
+    entries = schema if isinstance(schema, dict) else {}
+    out = {}
+    for name in dataset.columns:
+        entry = entries.get(name)
+        recorded = entry.get("spark_type") if isinstance(entry, dict) else None
+        kind: DataType
+        if raw:
+            kind = TENSOR_STRUCT
+        elif isinstance(recorded, str):
+            kind = parse_type(recorded)
+        else:
+            info = dataset.headers[0][name]
+            kind = inferred_type(info.dtype, len(info.shape) - 1)
+        column = column_of(kind)
+        if column is None:
+            raise UsageError(f"column {name!r}: the manifest's type {recorded!r} holds no tensor")
+        out[name] = column
+    return out
+
+
 class SafetensorsDataSource(DataSource):
     """Reads and writes the safetensors-spark dataset layout (see the module docstring)."""
 
@@ -72,24 +84,28 @@ class SafetensorsDataSource(DataSource):
         return "safetensors"
 
     def schema(self) -> StructType:
-        """Batch mode: a tensor column per tensor (``columns=`` picks some); KV mode:
-        ``tensor_key`` and ``tensor``."""
+        """Batch mode: a column per tensor (``columns=`` picks some) of the type it was written
+        with (``raw=true``: the tensor struct); KV mode: ``tensor_key`` and ``tensor``."""
         dataset = _describe(self.options)
         if dataset.kv:
             return StructType(
                 [StructField("tensor_key", StringType()), StructField("tensor", TENSOR_STRUCT)]
             )
+        types = _column_types(dataset, _flag(self.options, "raw"))
         wanted = self.options.get("columns")
-        columns = dataset.columns
+        columns = list(types)
         if wanted:
             columns = [c.strip() for c in str(wanted).split(",") if c.strip()]
-        return StructType([StructField(column, TENSOR_STRUCT) for column in columns])
+            missing = [c for c in columns if c not in types]
+            if missing:
+                raise UsageError(f"the dataset has no column {missing[0]!r} (it has {list(types)})")
+        return StructType([StructField(column, types[column].spark) for column in columns])
 
     def reader(self, schema: StructType) -> DataSourceReader:
         return SafetensorsReader(self.options, schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> SafetensorsWriter:
-        return SafetensorsWriter(WriteOptions.parse(self.options), overwrite)
+        return SafetensorsWriter(WriteOptions.parse(self.options, schema), overwrite)
 
 
 DefaultSource = SafetensorsDataSource
@@ -104,6 +120,15 @@ class SafetensorsReader(DataSourceReader):
         dataset = _describe(options)
         self.kv = dataset.kv
         names = None if dataset.kv else [f.name for f in schema.fields]
+        self.kinds: dict[str, Column] = {}
+        for f in schema.fields:
+            kind = column_of(f.dataType)
+            if kind is None and not dataset.kv:
+                raise UsageError(
+                    f"column {f.name!r} of {f.dataType.simpleString()} holds no tensor"
+                )
+            if kind is not None:
+                self.kinds[f.name] = kind
         limit = _positive(options, "max_partition_mb", 128) or 128
         if limit > 1024:
             raise UsageError("option max_partition_mb must be at most 1024")
@@ -124,12 +149,29 @@ class SafetensorsReader(DataSourceReader):
                 [pa.array(keys, pa.string()), pa.concat_arrays(tensors) if tensors else None],
                 names=["tensor_key", "tensor"],
             )
-        else:
-            yield pa.RecordBatch.from_arrays(
-                [tensor_column(arrays[name]) for name in piece.names], names=list(piece.names)
+            return
+        rows = piece.stop - piece.start
+        row_bytes = sum(a.nbytes for a in arrays.values()) // max(1, rows)
+        step = max(1, BATCH_BYTES // max(1, row_bytes))
+        for start in range(0, rows, step):
+            part = {name: array[start : start + step] for name, array in arrays.items()}
+            yield pa.RecordBatch.from_arrays(  # in the schema's order
+                [typed_column(part[name], kind, name) for name, kind in self.kinds.items()],
+                names=list(self.kinds),
             )
 
 
-def register(spark: SparkSession) -> None:
-    """Register the data source with ``spark`` as format ``"safetensors"``."""
-    spark.dataSource.register(SafetensorsDataSource)
+def register(spark: SparkSession | None = None) -> None:
+    """Register the data source with ``spark`` (by default the active session) as format
+    ``"safetensors"``.
+
+    Spark finds the source by itself only where its scan of top-level ``pyspark_*`` modules
+    sees this package: an installed wheel, or a checkout on the path. An editable install
+    (``pip install -e``) puts it behind an import hook that scan cannot see; registering
+    explicitly works with every install (and replaces another source named ``"safetensors"``,
+    such as the Scala connector's, in this session).
+    """
+    session = spark if spark is not None else SparkSession.getActiveSession()
+    if session is None:
+        raise UsageError("no active Spark session to register the safetensors source with")
+    session.dataSource.register(SafetensorsDataSource)
