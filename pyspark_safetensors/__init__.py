@@ -17,14 +17,17 @@ protocol, and docs/spark.md for the options.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
+import numpy as np
 import pyarrow as pa
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import DataType, StringType, StructField, StructType
 
+from stream_st._api import load
 from stream_st.errors import UsageError
 from stream_st.integrations.dataset import (
     DatasetInfo,
@@ -39,6 +42,8 @@ from ._types import TENSOR_STRUCT, Column, column_of, inferred_type, parse_type
 from ._write import SafetensorsWriter, WriteOptions, _flag, _positive
 
 __all__ = ["TENSOR_STRUCT", "DefaultSource", "SafetensorsDataSource", "register"]
+
+Array = np.ndarray[Any, Any]
 
 BATCH_BYTES = 32 << 20
 """A read hands Spark Arrow batches of about this many bytes (at least one row each)."""
@@ -113,8 +118,10 @@ DefaultSource = SafetensorsDataSource
 
 
 class SafetensorsReader(DataSourceReader):
-    """One partition per piece of a shard (at most ``max_partition_mb``, default 128): a row
-    range in batch mode, a group of tensors in KV mode; only the schema's columns are read."""
+    """Partitions of at most ``max_partition_mb`` (default 128) of selected data: a shard
+    larger than that is cut into pieces (row ranges in batch mode, groups of tensors in KV
+    mode), and consecutive small pieces share a partition (as Spark packs small parquet files);
+    only the schema's columns are read."""
 
     def __init__(self, options: Any, schema: StructType) -> None:
         dataset = _describe(options)
@@ -132,16 +139,41 @@ class SafetensorsReader(DataSourceReader):
         limit = _positive(options, "max_partition_mb", 128) or 128
         if limit > 1024:
             raise UsageError("option max_partition_mb must be at most 1024")
-        self.pieces = plan_pieces(dataset, names, max_bytes=limit << 20)
+        pieces = plan_pieces(dataset, names, max_bytes=limit << 20)
+        headers = dict(zip(dataset.shards, dataset.headers, strict=True))
+        self.rows = {
+            address: header[names[0]].shape[0] if names else 0
+            for address, header in headers.items()
+        }
+        self.groups: list[list[Piece]] = []
+        size = limit << 20
+        for piece in pieces:
+            header = headers[piece.address]
+            nbytes = sum(header[name].nbytes for name in piece.names)
+            if piece.rows:
+                nbytes = nbytes * (piece.stop - piece.start) // max(1, self.rows[piece.address])
+            if not self.groups or size + nbytes > limit << 20:
+                self.groups.append([])
+                size = 0
+            self.groups[-1].append(piece)
+            size += nbytes
 
     def partitions(self) -> list[InputPartition]:
-        return [InputPartition(piece) for piece in self.pieces] or [InputPartition(None)]
+        return [InputPartition(group) for group in self.groups] or [InputPartition([])]
+
+    async def _read(self, piece: Piece) -> dict[str, Array]:
+        """A local shard read whole is mapped (its digests checked); the rest is read with
+        ranged requests (:func:`~stream_st.integrations.dataset.read_piece`)."""
+        local = "://" not in piece.address or piece.address.startswith("file://")
+        if local and not self.kv and (piece.start, piece.stop) == (0, self.rows[piece.address]):
+            return await load(piece.address, include=list(piece.names), copy=False)
+        return await read_piece(piece)
 
     def read(self, partition: InputPartition) -> Any:
-        piece: Piece | None = partition.value
-        if piece is None:
-            return
-        arrays = anyio.run(read_piece, piece)
+        for piece in partition.value:
+            yield from self._batches(piece, anyio.run(self._read, piece))
+
+    def _batches(self, piece: Piece, arrays: dict[str, Array]) -> Iterator[pa.RecordBatch]:
         if self.kv:
             keys = list(arrays)
             tensors = [tensor_column(arrays[key][None]) for key in keys]
