@@ -193,17 +193,25 @@ class SafetensorsReader(DataSourceReader):
             )
 
 
-def register(spark: SparkSession | None = None) -> None:
+def register(spark: SparkSession | None = None, *, name: str = "safetensors") -> None:
     """Register the data source with ``spark`` (by default the active session) as format
-    ``"safetensors"``.
+    ``name``.
 
     Spark finds the source by itself only where its scan of top-level ``pyspark_*`` modules
     sees this package: an installed wheel, or a checkout on the path. An editable install
     (``pip install -e``) puts it behind an import hook that scan cannot see; registering
-    explicitly works with every install (and replaces another source named ``"safetensors"``,
-    such as the Scala connector's, in this session).
+    explicitly works with every install. Spark refuses a Python source under the name of a JVM
+    one: beside the Scala connector (format ``"safetensors"`` too), register this one under
+    another ``name``, such as ``"stream_st"``.
     """
     session = spark if spark is not None else SparkSession.getActiveSession()
     if session is None:
         raise UsageError("no active Spark session to register the safetensors source with")
-    session.dataSource.register(SafetensorsDataSource)
+    source: type[SafetensorsDataSource] = SafetensorsDataSource
+    if name != SafetensorsDataSource.name():
+        source = type(  # Spark names a Python source by its class's name()
+            "NamedSafetensorsDataSource",
+            (SafetensorsDataSource,),
+            {"name": classmethod(lambda cls: name), "__module__": __name__},
+        )
+    session.dataSource.register(source)

@@ -385,6 +385,10 @@ def test_explicit_registration_reads_what_stream_st_wrote(spark: Any, tmp_path: 
     assert back[0].asDict().keys() == {"x", "y"}
     assert sorted(r.x for r in back) == [0.0, 1.0, 2.0, 3.0]
     assert [r.y for r in back] == [[1, 1]] * 4
+    # under another name (beside a JVM source named "safetensors", such as the Scala connector)
+    pyspark_safetensors.register(name="stream_st")  # the active session
+    named = spark.read.format("stream_st").option("raw", "true").load(str(tmp_path)).collect()
+    assert {(r.y.dtype, tuple(r.y.shape)) for r in named} == {("I8", (2,))}
 
 
 def test_bad_options_are_refused(spark: Any, tmp_path: Path) -> None:
