@@ -1,18 +1,19 @@
-"""Spark's overhead on a safetensors dataset: rows/s and MB/s, Spark ``local[2]`` vs one process.
+"""The Spark data source against Spark's own parquet, on the same DataFrame, read and write.
 
-An image-like dataset (``image`` U8 [3, 224, 224], ``label`` I64; 1 GB at ``--scale 1``) is written
-by stream_st's single-process dataset writer, then, in interleaved rounds:
+A DataFrame ``label bigint, x array<float>`` (``--dim`` floats per row; ``--mb`` MB in all,
+200 by default, ``--mb 2000`` for 2 GB) is made from numpy, persisted, then in interleaved
+rounds on ``local[2]``:
 
-* ``stream_st write``: the same arrays written again by ``open_dataset_writer`` (one batch of
-  ``--batch`` samples per shard);
-* ``stream_st read``: every shard read back with ``stream_st.integrations.dataset.read_piece``;
-* ``spark read``: ``spark.read.format("safetensors").load(...)`` into Spark's ``noop`` sink;
-* ``spark read+write``: the same, written by the data source (``batch_size`` = ``--batch``).
+* ``write``: ``df.write.parquet(...)`` and ``df.write.format("safetensors")`` (``batch_size``
+  ``--batch``), each a fresh overwrite;
+* ``read``: ``spark.read.parquet(...)`` and ``spark.read.format("safetensors").load(...)`` of what
+  they wrote, into Spark's ``noop`` sink (every row and column materialised, typed).
 
-Medians over ``--rounds``; ratios against the single-process peer of the same round. The machine
-may be loaded by others: compare ratios, not absolute figures.
+Medians over ``--rounds``, and the paired ratio per round (safetensors time / parquet time;
+below 1 is faster). The load average is printed before and after: others may share the
+machine, so compare ratios, not absolute figures.
 
-    python benchmarks/bench_spark.py --scale 0.25 --rounds 3
+    python benchmarks/bench_spark.py --mb 200 --rounds 3
 """
 
 from __future__ import annotations
@@ -28,42 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import anyio
 import numpy as np
-
-import stream_st
-from stream_st.integrations.dataset import describe_dataset, plan_pieces, read_piece
-
-SAMPLE = (3, 224, 224)
-
-
-def arrays(samples: int, batch: int) -> list[dict[str, np.ndarray[Any, Any]]]:
-    rng = np.random.default_rng(0)
-    out: list[dict[str, np.ndarray[Any, Any]]] = []
-    for start in range(0, samples, batch):
-        rows = min(batch, samples - start)
-        image = rng.integers(0, 255, (rows, *SAMPLE), dtype=np.uint8)
-        label = np.arange(start, start + rows, dtype=np.int64)
-        out.append({"image": image, "label": label})
-    return out
-
-
-def write_single(directory: Path, batches: list[dict[str, np.ndarray[Any, Any]]]) -> None:
-    async def main() -> None:
-        async with stream_st.open_dataset_writer(directory) as writer:
-            for group in batches:
-                await writer.write_batch(group, len(group["label"]))
-
-    anyio.run(main)
-
-
-def read_single(directory: Path) -> None:
-    async def main() -> None:
-        dataset = await describe_dataset(directory)
-        for piece in plan_pieces(dataset):
-            await read_piece(piece)
-
-    anyio.run(main)
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 
 def session() -> Any:
@@ -76,7 +44,7 @@ def session() -> Any:
         .config("spark.ui.enabled", "false")
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.driver.memory", "2g")
+        .config("spark.driver.memory", "3g")
         .config("spark.ui.showConsoleProgress", "false")
         .getOrCreate()
     )
@@ -84,72 +52,91 @@ def session() -> Any:
     return spark
 
 
+def source(path: Path, rows: int, dim: int) -> None:
+    """The data, as parquet files Spark reads once (made with numpy and pyarrow)."""
+    path.mkdir()
+    rng = np.random.default_rng(0)
+    step = 1 << 16
+    for part, start in enumerate(range(0, rows, step)):
+        count = min(step, rows - start)
+        values = pa.array(rng.standard_normal(count * dim, dtype=np.float32))
+        offsets = pa.array(np.arange(count + 1, dtype=np.int32) * dim)
+        table = pa.table(
+            {
+                "label": pa.array(np.arange(start, start + count, dtype=np.int64)),
+                "x": pa.ListArray.from_arrays(offsets, values),
+            }
+        )
+        pq.write_table(table, path / f"part-{part:05d}.parquet")
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--scale", type=float, default=1.0, help="1.0 = 1 GB of images")
+    parser.add_argument("--mb", type=float, default=200.0, help="data size in MB (2000: 2 GB)")
+    parser.add_argument("--dim", type=int, default=256, help="floats per row")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=256, help="samples per shard")
+    parser.add_argument("--batch", type=int, default=4096, help="rows per safetensors shard")
     args = parser.parse_args()
-    sample_bytes = int(np.prod(SAMPLE)) + 8
-    samples = max(args.batch, int(args.scale * 1e9 / sample_bytes))
-    total = samples * sample_bytes
+    row_bytes = 4 * args.dim + 8
+    rows = int(args.mb * 1e6 / row_bytes)
     work = Path(tempfile.mkdtemp(prefix="bench-spark-"))
     try:
-        batches = arrays(samples, args.batch)
-        source = work / "source"
-        write_single(source, batches)
+        source(work / "source", rows, args.dim)
         spark = session()
-        spark.read.format("safetensors").load(str(source)).limit(1).collect()  # warm up
+        from pyspark import StorageLevel
 
-        def spark_read() -> None:
-            spark.read.format("safetensors").load(str(source)).write.format("noop").mode(
-                "overwrite"
-            ).save()
+        frame = spark.read.parquet(str(work / "source")).repartition(2)
+        frame.persist(StorageLevel.MEMORY_AND_DISK)
+        frame.count()
 
-        def spark_copy() -> None:
-            frame = spark.read.format("safetensors").load(str(source))
-            frame.write.format("safetensors").option("batch_size", args.batch).mode(
-                "overwrite"
-            ).save(str(work / "spark-out"))
+        def write_parquet() -> None:
+            frame.write.mode("overwrite").parquet(str(work / "parquet"))
 
-        def single_write() -> None:
-            shutil.rmtree(work / "single-out", ignore_errors=True)
-            write_single(work / "single-out", batches)
+        def write_safetensors() -> None:
+            writer = frame.write.format("safetensors").option("batch_size", args.batch)
+            writer.mode("overwrite").save(str(work / "safetensors"))
 
-        variants: dict[str, Callable[[], None]] = {
-            "stream_st write": single_write,
-            "stream_st read": lambda: read_single(source),
-            "spark read": spark_read,
-            "spark read+write": spark_copy,
+        def read_parquet() -> None:
+            spark.read.parquet(str(work / "parquet")).write.format("noop").mode("overwrite").save()
+
+        def read_safetensors() -> None:
+            spark.read.format("safetensors").load(str(work / "safetensors")).write.format(
+                "noop"
+            ).mode("overwrite").save()
+
+        pairs: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {
+            "write": (write_safetensors, write_parquet),
+            "read": (read_safetensors, read_parquet),
         }
-        times: dict[str, list[float]] = {name: [] for name in variants}
+        write_safetensors()  # warm up: the source cached, Python workers started
+        write_parquet()
+        times: dict[str, list[float]] = {}
+        before = load()
         for _ in range(args.rounds):
-            for name, run in variants.items():
-                began = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - began)
-        print(f"{samples} samples, {total / 1e6:.0f} MB, {args.rounds} rounds, medians")
-        print(f"{'variant':<18} {'seconds':>8} {'rows/s':>9} {'MB/s':>8}")
-        for name, seconds in times.items():
-            median = statistics.median(seconds)
-            print(f"{name:<18} {median:8.2f} {samples / median:9.0f} {total / median / 1e6:8.0f}")
-        ratio_read = [
-            s / r for s, r in zip(times["spark read"], times["stream_st read"], strict=True)
-        ]
-        ratio_rw = [
-            s / (r + w)
-            for s, r, w in zip(
-                times["spark read+write"],
-                times["stream_st read"],
-                times["stream_st write"],
-                strict=True,
-            )
-        ]
-        print(f"spark read / stream_st read: {statistics.median(ratio_read):.2f}x the time")
+            for name, (ours, theirs) in pairs.items():
+                for label, run in ((f"{name} safetensors", ours), (f"{name} parquet", theirs)):
+                    began = time.perf_counter()
+                    run()
+                    times.setdefault(label, []).append(time.perf_counter() - began)
+        total = rows * row_bytes
         print(
-            "spark read+write / (stream_st read + write): "
-            f"{statistics.median(ratio_rw):.2f}x the time"
+            f"{rows} rows x {args.dim} floats, {total / 1e6:.0f} MB, {args.rounds} rounds, "
+            f"local[2]; load average before {before}, after {load()}"
         )
+        print(f"{'variant':<20} {'seconds':>8} {'MB/s':>8}")
+        for label, seconds in times.items():
+            median = statistics.median(seconds)
+            print(f"{label:<20} {median:8.2f} {total / median / 1e6:8.0f}")
+        for name in pairs:
+            ratio = [
+                a / b
+                for a, b in zip(times[f"{name} safetensors"], times[f"{name} parquet"], strict=True)
+            ]
+            print(f"{name}: safetensors / parquet {statistics.median(ratio):.2f}x the time")
         spark.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)

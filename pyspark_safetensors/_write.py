@@ -21,7 +21,7 @@ import io
 import json
 import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -30,10 +30,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark import TaskContext
 from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
+from pyspark.sql.types import IntegerType, LongType, StringType, StructType
 
 from stream_st._api import read_header, save
 from stream_st.core.digests import algorithm_named
-from stream_st.core.dtypes import DTYPES, dtype_for
+from stream_st.core.dtypes import dtype_for, dtype_from_code
 from stream_st.core.header import Header
 from stream_st.core.shards import (
     INDEX_NAME,
@@ -51,6 +52,7 @@ from stream_st.transports import store as _store
 from stream_st.transports.options import Clock
 
 from ._arrow import stack_rows
+from ._types import SEED_DTYPES, Column, column_of, type_text
 
 __all__ = ["SafetensorsWriter", "WriteOptions"]
 
@@ -58,6 +60,9 @@ Array = np.ndarray[Any, Any]
 
 TAIL_STRATEGIES = ("drop", "pad", "write")
 DUPLICATES_STRATEGIES = ("fail", "lastWin")
+F16_ROUNDINGS = ("nearest", "truncate")
+SHARD_SIZE_MB = (50, 1000)
+"""``target_shard_size_mb``: the bounds the Scala connector enforces (300 by default)."""
 
 
 def _flag(options: Mapping[str, str], name: str) -> bool:
@@ -81,10 +86,27 @@ def _positive(options: Mapping[str, str], name: str, default: int | None) -> int
 
 
 def _choice(options: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
+    """The value of option ``name`` among ``choices``, matched case-insensitively (as the
+    connector does), in its canonical spelling."""
     value = str(options.get(name, default))
-    if value not in choices:
-        raise UsageError(f"option {name} must be one of {', '.join(choices)}, got {value!r}")
-    return value
+    for choice in choices:
+        if choice.lower() == value.lower():
+            return choice
+    raise UsageError(f"option {name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _shard_size(options: Mapping[str, str]) -> int:
+    value = options.get("target_shard_size_mb", "300")
+    low, high = SHARD_SIZE_MB
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if not low <= number <= high:
+        raise UsageError(
+            f"option target_shard_size_mb must be between {low} and {high}, got {value!r}"
+        )
+    return number << 20
 
 
 def _checksums(options: Mapping[str, str]) -> bool | str:
@@ -100,15 +122,46 @@ def _dtypes(text: str | None) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in (text or "").split(","))):
         column, _, code = item.rpartition(":")
-        if code not in DTYPES:
-            raise UsageError(f"option dtype: {code!r} is not a safetensors dtype")
+        if code not in SEED_DTYPES:
+            raise UsageError(
+                f"option dtype: {code!r} is not a dtype of the dataset layout "
+                f"({', '.join(SEED_DTYPES)})"
+            )
         out[column.strip()] = code
+    return out
+
+
+def _names(text: str | None) -> list[str] | None:
+    """``columns``: a comma-separated list of names, or None."""
+    if text is None:
+        return None
+    return [name.strip() for name in str(text).split(",") if name.strip()]
+
+
+def _shapes(text: str | None) -> dict[str, tuple[int, ...]]:
+    """``shapes``: a JSON object, column -> the shape of each of its samples."""
+    if not text:
+        return {}
+    try:
+        document = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"option shapes must be a JSON object, got {text!r}") from exc
+    if not isinstance(document, dict):
+        raise UsageError(f"option shapes must be a JSON object, got {text!r}")
+    out = {}
+    for column, shape in document.items():
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise UsageError(f"option shapes: {column!r} needs a list of dimensions, got {shape!r}")
+        out[column] = tuple(shape)
     return out
 
 
 @dataclass(frozen=True)
 class WriteOptions:
-    """The write options, checked on the driver before any task runs."""
+    """The write options and the columns to write, checked on the driver before any task
+    runs (against the DataFrame's schema, when given)."""
 
     path: str
     batch_size: int | None
@@ -120,9 +173,15 @@ class WriteOptions:
     generate_index: bool
     checksums: bool | str = False
     dtypes: dict[str, str] = field(default_factory=dict)
+    f16_rounding: str = "nearest"
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    columns: dict[str, Column] = field(default_factory=dict)
+    """The columns to write, in order, and how (empty until checked against a schema)."""
 
     @classmethod
-    def parse(cls, options: Mapping[str, str]) -> WriteOptions:
+    def parse(cls, options: Mapping[str, str], schema: StructType | None = None) -> WriteOptions:
+        """The options as given; with ``schema``, the columns to write are chosen and checked
+        too (a column of a type that cannot hold tensors, a missing ``name_col``...)."""
         path = options.get("path")
         if not path:
             raise UsageError("give the dataset's location: .save(path)")
@@ -130,21 +189,88 @@ class WriteOptions:
         name_col = options.get("name_col") or None
         if (batch_size is None) == (name_col is None):
             raise UsageError("give exactly one of batch_size (batch mode) or name_col (KV mode)")
-        return cls(
+        parsed = cls(
             path=str(path).rstrip("/"),
             batch_size=batch_size,
             name_col=name_col,
             tail_strategy=_choice(options, "tail_strategy", TAIL_STRATEGIES, "write"),
             kv_separator=str(options.get("kv_separator", "__")),
-            target_shard_size=(_positive(options, "target_shard_size_mb", 300) or 300) << 20,
+            target_shard_size=_shard_size(options),
             duplicates=_choice(options, "duplicatesStrategy", DUPLICATES_STRATEGIES, "fail"),
             generate_index=_flag(options, "generate_index"),
             checksums=_checksums(options),
             dtypes=_dtypes(options.get("dtype")),
+            f16_rounding=_choice(options, "f16_rounding", F16_ROUNDINGS, "nearest"),
+            shapes=_shapes(options.get("shapes")),
         )
+        if schema is None:
+            return parsed
+        return replace(parsed, columns=parsed._columns(schema, _names(options.get("columns"))))
+
+    def _columns(self, schema: StructType, wanted: list[str] | None) -> dict[str, Column]:
+        names = schema.names
+        if self.name_col is not None:
+            if self.name_col not in names:
+                raise UsageError(
+                    f"name_col {self.name_col!r} is not a column of the DataFrame ({names})"
+                )
+            key = schema[self.name_col].dataType
+            if not isinstance(key, StringType | IntegerType | LongType):
+                raise UsageError(
+                    f"name_col {self.name_col!r} is {key.simpleString()}: names are strings "
+                    "(or integers)"
+                )
+        if wanted is None:
+            wanted = [n for n in names if n != self.name_col]
+        missing = [n for n in wanted if n not in names]
+        if missing:
+            raise UsageError(f"option columns: {missing[0]!r} is not a column of {names}")
+        if self.name_col in wanted:
+            raise UsageError(f"option columns: name_col {self.name_col!r} names the tensors")
+        if not wanted:
+            raise UsageError("no column to write")
+        out = {}
+        for name in wanted:
+            kind = column_of(schema[name].dataType)
+            if kind is None:
+                raise UsageError(
+                    f"column {name!r} is {schema[name].dataType.simpleString()}: a tensor "
+                    "column is a tensor struct (struct<data: binary, shape: array<int>, dtype: "
+                    "string>), a number, a boolean or a (nested) array of numbers"
+                )
+            out[name] = kind
+        for name in {*self.shapes, *(c for c in self.dtypes if c)}:
+            if name not in out:
+                raise UsageError(f"options shapes / dtype name {name!r}, not a column written")
+        for name in self.shapes:
+            if out[name].tensor:
+                raise UsageError(f"option shapes: {name!r} is a tensor struct: it has a shape")
+        return out
 
     def code_for(self, column: str) -> str | None:
         return self.dtypes.get(column, self.dtypes.get(""))
+
+    def rows_of(self, column: pa.Array, name: str) -> Array:
+        """The rows of ``column`` (one to write) as one array ``[rows, *shape]``."""
+        kind = self.columns.get(name)
+        code = None if kind is not None and kind.tensor else self.code_for(name)
+        return stack_rows(
+            column,
+            name,
+            code,
+            kind=kind,
+            shape=self.shapes.get(name),
+            rounding=self.f16_rounding,
+        )
+
+    def empty(self, name: str) -> Array:
+        """No sample of column ``name``: ``[0, *shape]`` as far as the schema tells."""
+        kind = self.columns[name]
+        if kind.tensor:
+            return np.zeros((0, 0), np.uint8)
+        shape = self.shapes.get(name, (0,) * kind.depth)
+        code = self.code_for(name) or kind.dtype
+        return np.zeros((0, *shape), dtype_from_code(code).numpy)
 
 
 Specs = tuple[tuple[str, str, tuple[int, ...]], ...]
@@ -225,8 +351,8 @@ class _TaskWriter:
         size = self.options.batch_size
         assert size is not None
         tensors = {}
-        for column in table.column_names:
-            array = stack_rows(table.column(column), column, self.options.code_for(column))
+        for column in self.options.columns or table.column_names:
+            array = self.options.rows_of(table.column(column), column)
             if rows < size and self.options.tail_strategy == "pad":
                 padding = np.zeros((size - rows, *array.shape[1:]), array.dtype)
                 array = np.concatenate([array, padding])
@@ -247,7 +373,7 @@ class _TaskWriter:
             if name_col not in batch.schema.names:
                 raise UsageError(f"name_col {name_col!r} is not a column of the DataFrame")
             names = batch.column(name_col)
-            columns = [c for c in batch.schema.names if c != name_col]
+            columns = list(self.options.columns) or [c for c in batch.schema.names if c != name_col]
             for row in range(batch.num_rows):
                 name = names[row].as_py()
                 if name is None:
@@ -255,7 +381,7 @@ class _TaskWriter:
                 row_tensors = {}
                 for column in columns:
                     cell = batch.column(column).slice(row, 1)
-                    array = stack_rows(cell, column, self.options.code_for(column))[0]
+                    array = self.options.rows_of(cell, column)[0]
                     self.describe(column, array)
                     row_tensors[f"{name}{separator}{column}"] = array
                 adding = sum(a.nbytes for k, a in row_tensors.items() if k not in current)
@@ -333,11 +459,18 @@ class SafetensorsWriter(DataSourceArrowWriter):
             for column, entry in message.schema.items():
                 schema.setdefault(column, entry)
         listed = await _store.list_names(path)
+        if not staged and (self.overwrite or MANIFEST_NAME not in listed):
+            empty = await self._empty_shard()
+            staged = [empty]
+            schema = {k: {"dtype": d, "shape": list(shape)} for k, d, shape in empty.tensors}
         previous: list[StagedShard] = []
         if not self.overwrite and MANIFEST_NAME in listed:
             manifest = (await ShardIndex.read(_store.join(path, MANIFEST_NAME), Clock())).manifest
             previous = await _previous_shards(path, manifest, kv or self.options.generate_index)
             schema = {**manifest.get("schema", {}), **schema}
+        for column, kind in self.options.columns.items():  # a read gives these types back
+            if column in schema:
+                schema[column] = {**schema[column], "spark_type": type_text(kind.spark)}
         shards = previous + staged
         if kv:
             shards = await self._one_copy_per_key(shards, list(schema))
@@ -348,8 +481,16 @@ class SafetensorsWriter(DataSourceArrowWriter):
                 if shard.staged != final:
                     await _store.move(shard.staged, final)
                     moved.append(final)
+            index = _store.join(path, INDEX_NAME)
+            await _store.remove_tree(index)  # an earlier one: stale now, or replaced
+            await _store.remove(index)  # one this source wrote as a single file
             if self.options.generate_index:
-                await _store.write_object(_store.join(path, INDEX_NAME), _index_table(shards))
+                # A Spark parquet directory: Spark skips a file whose name begins with "_"
+                await _store.make_directory(index)
+                await _store.write_object(
+                    _store.join(index, f"part-00000-{uuid.uuid4()}-c000.parquet"),
+                    _index_table(shards),
+                )
             entries = [ShardEntry(s.name, s.samples, s.bytes) for s in shards]
             document = manifest_document(entries, schema)
             text = json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
@@ -358,7 +499,8 @@ class SafetensorsWriter(DataSourceArrowWriter):
             for final in moved:
                 await _store.remove(final)
             raise
-        await self._clean_staging()
+        # this job's staging, and whatever jobs whose driver died left there
+        await _store.remove_tree(self.staging.rsplit("/", 1)[0])
         listed_now = {shard.name for shard in shards}
         replaced = [s.name for s in previous]
         if self.overwrite:
@@ -366,8 +508,16 @@ class SafetensorsWriter(DataSourceArrowWriter):
         for name in replaced:
             if name not in listed_now:
                 await _store.remove(_store.join(path, name))
-        if not self.options.generate_index:  # an index of an earlier commit would be stale
-            await _store.remove(_store.join(path, INDEX_NAME))
+
+    async def _empty_shard(self) -> StagedShard:
+        """The one shard of a dataset of no sample (the manifest lists at least one): in batch
+        mode a tensor ``[0, *shape]`` per column, in KV mode no tensor."""
+        kv = self.options.name_col is not None
+        tensors = {} if kv else {name: self.options.empty(name) for name in self.options.columns}
+        name = shard_file_name(0, 0, str(uuid.uuid4()))
+        staged = _store.join(self.staging, name)
+        header = await save(staged, tensors, checksums=self.options.checksums)
+        return StagedShard(0, 0, name, staged, 0, header.file_size, _specs(header))
 
     async def _one_copy_per_key(
         self, shards: list[StagedShard], columns: list[str]

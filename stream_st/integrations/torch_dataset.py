@@ -1,28 +1,39 @@
 """A torch ``IterableDataset`` over a safetensors dataset (a manifest, or a directory of shards).
 
 Importing this module imports torch; ``import stream_st`` does not. The dataset is described
-once, where it is made (the manifest and every shard's header); each ``DataLoader`` worker of each
-distributed rank then takes every ``consumers``-th piece of the same plan (``consumers`` = ranks x
-workers), so each sample is read exactly once per epoch across the whole job. Pieces are row
-ranges of a shard, read with ranged requests from any source stream_st reads (paths, ``s3://``,
-``http(s)://``, ``hf://``).
+once, where it is made (the manifest and every shard's header). Each epoch every rank sees the
+same sequence of samples (the shards' pieces in order, or shuffled with the epoch's seed), made
+a multiple of the world size as torch's ``DistributedSampler`` makes it: padded by repeating its
+first samples, or (``drop_last=True``) cut. Each rank reads its own contiguous part of that
+sequence, split again between its ``DataLoader`` workers, so each sample is read once per epoch
+across the whole job (padding aside) and only its bytes are fetched: ranged requests from any
+source stream_st reads (paths, ``s3://``, ``http(s)://``, ``hf://``). With ``shuffle``, samples
+are also shuffled within a bounded buffer (``shuffle_buffer`` samples) in each worker.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 import os
 import random
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import anyio
+import numpy as np
 import torch
 import torch.distributed
+from anyio.from_thread import start_blocking_portal
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .._api import load
 from ..errors import UsageError
 from .dataset import DatasetInfo, Piece, describe_dataset, plan_pieces, read_piece
 
 __all__ = ["SafetensorsDataset"]
+
+Sample = dict[str, torch.Tensor]
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -35,13 +46,17 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-class SafetensorsDataset(IterableDataset[dict[str, torch.Tensor]]):
+class SafetensorsDataset(IterableDataset[Sample]):
     """Samples of a batch-mode dataset, each ``{column: tensor}`` (one row of every column).
 
-    ``columns`` selects the tensors to read (only their bytes are fetched). ``shuffle`` shuffles
-    the order of pieces each epoch (:meth:`set_epoch`, same ``seed`` on every rank);
-    ``piece_bytes`` bounds what one read holds in memory. ``rank`` and ``world_size`` default to
-    torch.distributed's (or ``RANK``/``WORLD_SIZE``).
+    ``columns`` selects the tensors to read (only their bytes are fetched). ``shuffle``
+    shuffles the order of pieces each epoch (:meth:`set_epoch`; the same ``seed`` on every
+    rank) and the samples within a buffer of ``shuffle_buffer`` samples in each worker: the
+    order is the same for the same seed, epoch, world size and number of workers.
+    ``drop_last`` as for torch's ``DistributedSampler``: every rank gets ``len(self)`` samples,
+    the sequence padded with its first samples (False) or cut (True). ``piece_bytes`` bounds what
+    one read holds in memory. ``rank`` and ``world_size`` default to torch.distributed's (or
+    ``RANK``/``WORLD_SIZE``).
     """
 
     def __init__(
@@ -51,6 +66,8 @@ class SafetensorsDataset(IterableDataset[dict[str, torch.Tensor]]):
         columns: Iterable[str] | None = None,
         shuffle: bool = False,
         seed: int = 0,
+        shuffle_buffer: int = 1024,
+        drop_last: bool = False,
         piece_bytes: int = 64 << 20,
         rank: int | None = None,
         world_size: int | None = None,
@@ -59,37 +76,104 @@ class SafetensorsDataset(IterableDataset[dict[str, torch.Tensor]]):
         self.dataset: DatasetInfo = anyio.run(lambda: describe_dataset(source))
         if self.dataset.kv:
             raise UsageError(f"{os.fspath(source)} is a KV-mode dataset: it holds no samples")
+        if shuffle_buffer < 1 or piece_bytes < 1:
+            raise UsageError("shuffle_buffer and piece_bytes must be positive")
         self.columns = None if columns is None else list(columns)
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.shuffle_buffer = shuffle_buffer
+        self.drop_last = drop_last
         self.piece_bytes = piece_bytes
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         if not 0 <= self.rank < self.world_size:
             raise UsageError(f"rank {self.rank} is not in a world of {self.world_size}")
+        self._plan = plan_pieces(self.dataset, self.columns, max_bytes=piece_bytes)
+        first = self.dataset.columns[0] if self.dataset.columns else None
+        self._rows = {
+            address: header[first].shape[0] if first else 0
+            for address, header in zip(self.dataset.shards, self.dataset.headers, strict=True)
+        }
 
     @property
     def num_samples(self) -> int:
         """Samples in the whole dataset (every rank and worker together)."""
-        first = self.dataset.columns[0]
-        return sum(header[first].shape[0] for header in self.dataset.headers)
+        return sum(piece.stop - piece.start for piece in self._plan)
+
+    def __len__(self) -> int:
+        """Samples this rank yields per epoch (all its workers together)."""
+        if self.drop_last:
+            return self.num_samples // self.world_size
+        return math.ceil(self.num_samples / self.world_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Shuffle differently in ``epoch`` (call it on every rank before each epoch)."""
         self.epoch = epoch
 
-    def pieces(self, worker: int = 0, workers: int = 1) -> list[Piece]:
-        """The pieces ``worker`` (of ``workers``) of this rank reads this epoch."""
-        consumers = self.world_size * workers
-        plan = plan_pieces(
-            self.dataset, self.columns, max_bytes=self.piece_bytes, at_least=consumers
-        )
+    def _sequence(self) -> list[Piece]:
+        plan = list(self._plan)
         if self.shuffle:
-            random.Random(self.seed + self.epoch).shuffle(plan)
-        return plan[self.rank * workers + worker :: consumers]
+            random.Random(f"{self.seed}/{self.epoch}").shuffle(plan)
+        return plan
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def pieces(self, worker: int = 0, workers: int = 1) -> list[Piece]:
+        """The row ranges ``worker`` (of ``workers``) of this rank reads this epoch, in order."""
+        sequence = self._sequence()
+        ends = [0]
+        for piece in sequence:
+            ends.append(ends[-1] + piece.stop - piece.start)
+        total = ends[-1]
+        share = len(self)
+        first = self.rank * share
+        begin = first + share * worker // workers
+        end = first + share * (worker + 1) // workers
+        out: list[Piece] = []
+        position = begin
+        while position < end and total:
+            wrapped = position % total  # padding repeats the sequence from its start
+            k = bisect.bisect_right(ends, wrapped) - 1
+            piece = sequence[k]
+            offset = piece.start + wrapped - ends[k]
+            take = min(end - position, ends[k + 1] - wrapped)
+            out.append(Piece(piece.address, piece.names, offset, offset + take))
+            position += take
+        return out
+
+    async def _read(self, piece: Piece) -> dict[str, np.ndarray[Any, Any]]:
+        """The rows of ``piece``, in memory of their own. A local shard is mapped and only the
+        rows' pages are copied out (its digests checked when the piece is the whole shard, as
+        :func:`~stream_st.integrations.dataset.read_piece` checks them); other sources are read
+        with ranged requests."""
+        if "://" in piece.address and not piece.address.startswith("file://"):
+            return await read_piece(piece)
+        whole = (piece.start, piece.stop) == (0, self._rows[piece.address])
+        views = await load(piece.address, include=list(piece.names), copy=False, verify=whole)
+        return {name: np.array(views[name][piece.start : piece.stop]) for name in piece.names}
+
+    def _samples(self, pieces: list[Piece]) -> Iterator[Sample]:
+        with start_blocking_portal() as portal:  # one event loop for the epoch's reads
+            for piece in pieces:
+                yield from self._rows_of(piece, portal.call(self._read, piece))
+
+    @staticmethod
+    def _rows_of(piece: Piece, arrays: dict[str, np.ndarray[Any, Any]]) -> Iterator[Sample]:
+        tensors = [(name, torch.from_numpy(array)) for name, array in arrays.items()]
+        for row in range(piece.stop - piece.start):
+            yield {name: tensor[row] for name, tensor in tensors}
+
+    def __iter__(self) -> Iterator[Sample]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        for piece in self.pieces(worker, workers):
-            arrays = {name: torch.from_numpy(a) for name, a in anyio.run(read_piece, piece).items()}
-            for row in range(piece.stop - piece.start):
-                yield {name: tensor[row] for name, tensor in arrays.items()}
+        samples = self._samples(self.pieces(worker, workers))
+        if not self.shuffle:
+            yield from samples
+            return
+        rng = random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{worker}/{workers}")
+        buffer: list[Sample] = []
+        for sample in samples:
+            if len(buffer) < self.shuffle_buffer:
+                buffer.append(sample)
+                continue
+            i = rng.randrange(len(buffer))
+            yield buffer[i]
+            buffer[i] = sample
+        rng.shuffle(buffer)
+        yield from buffer

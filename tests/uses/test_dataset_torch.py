@@ -4,7 +4,9 @@ DataLoader workers and distributed ranks, only the selected columns' bytes read,
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -53,28 +55,73 @@ def test_single_process_reads_every_sample_once(dataset_dir: Path) -> None:
     assert samples[13]["image"].eq(13).all()
 
 
-def test_dataloader_workers_and_ranks_split_the_samples(dataset_dir: Path) -> None:
-    seen: list[int] = []
-    for rank in range(2):
-        data = SafetensorsDataset(dataset_dir, rank=rank, world_size=2, shuffle=True, seed=3)
-        data.set_epoch(1)
-        loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=2)
-        seen += [int(label) for batch in loader for label in batch["label"]]
-    assert sorted(seen) == list(range(27))  # each sample exactly once across the job
+def epoch_of(
+    directory: Path, world: int, workers: int, *, epoch: int = 1, **options: Any
+) -> list[list[int]]:
+    """The labels each rank of ``world`` gets in ``epoch`` through a DataLoader."""
+    out = []
+    for rank in range(world):
+        data = SafetensorsDataset(directory, rank=rank, world_size=world, seed=3, **options)
+        data.set_epoch(epoch)
+        loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=workers)
+        out.append([int(label) for batch in loader for label in batch["label"]])
+        assert len(out[-1]) == len(data)
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_rank_gets_as_many_samples_each_once(
+    dataset_dir: Path, world: int, workers: int
+) -> None:
+    ranks = epoch_of(dataset_dir, world, workers, shuffle=True, shuffle_buffer=5)
+    per_rank = -(-27 // world)
+    assert [len(r) for r in ranks] == [per_rank] * world
+    seen = Counter(label for labels in ranks for label in labels)
+    assert sorted(seen) == list(range(27))  # every sample, once, but the padding
+    padding = [label for label, count in seen.items() for _ in range(count - 1)]
+    assert len(padding) == per_rank * world - 27
+    assert ranks == epoch_of(dataset_dir, world, workers, shuffle=True, shuffle_buffer=5)
+    dropped = epoch_of(dataset_dir, world, workers, shuffle=True, drop_last=True)
+    labels = [label for labels in dropped for label in labels]
+    assert [len(r) for r in dropped] == [27 // world] * world
+    assert len(set(labels)) == len(labels) == 27 // world * world
+
+
+def test_padding_repeats_the_first_samples_of_the_epoch(dataset_dir: Path) -> None:
+    ranks = epoch_of(dataset_dir, 2, 0)  # in order: 0-26, then 0 again
+    assert ranks == [list(range(14)), [*range(14, 27), 0]]
+    four = epoch_of(dataset_dir, 4, 0, drop_last=True)
+    assert four == [list(range(i, i + 6)) for i in range(0, 24, 6)]
+
+
+def test_shuffling_is_per_sample_seeded_and_changes_with_the_epoch(dataset_dir: Path) -> None:
+    (first,) = epoch_of(dataset_dir, 1, 0, shuffle=True, shuffle_buffer=8)
+    (again,) = epoch_of(dataset_dir, 1, 0, shuffle=True, shuffle_buffer=8)
+    (later,) = epoch_of(dataset_dir, 1, 0, epoch=2, shuffle=True, shuffle_buffer=8)
+    assert first == again and first != later
+    assert sorted(first) == sorted(later) == list(range(27))
+    # samples move between pieces' rows, not only pieces between each other
+    shards = [set(range(0, 10)), set(range(10, 20)), set(range(20, 27))]
+    runs = [next(i for i, s in enumerate(shards) if label in s) for label in first]
+    assert sum(a != b for a, b in itertools.pairwise(runs)) > len(shards) - 1
+    # a buffer of one sample: each piece's (shard's) rows in order, back to back
+    (unbuffered,) = epoch_of(dataset_dir, 1, 0, shuffle=True, shuffle_buffer=1)
+    runs = [next(i for i, s in enumerate(shards) if label in s) for label in unbuffered]
+    assert sum(a != b for a, b in itertools.pairwise(runs)) == len(shards) - 1
+    assert all([x for x in unbuffered if x in s] == sorted(s) for s in shards)
 
 
 def test_more_consumers_than_shards_cuts_shards_into_row_ranges(dataset_dir: Path) -> None:
     data = SafetensorsDataset(dataset_dir, world_size=4, rank=0, columns=["label"])
     parts = [data.pieces(worker, 2) for worker in range(2)]
     others = [
-        SafetensorsDataset(dataset_dir, world_size=4, rank=r).pieces(w, 2)
+        SafetensorsDataset(dataset_dir, world_size=4, rank=r, drop_last=True).pieces(w, 2)
         for r, w in itertools.product(range(1, 4), range(2))
     ]
     assert all(parts) and all(others)  # 8 consumers, 3 shards: everyone gets work
-    rows = sorted(
-        (p.address, r) for p in itertools.chain(*parts, *others) for r in range(p.start, p.stop)
-    )
-    assert len(rows) == len(set(rows)) == 27
+    rows = sorted((p.address, r) for p in itertools.chain(*others) for r in range(p.start, p.stop))
+    assert len(rows) == len(set(rows)) == 18
     assert all(p.names == ("label",) for p in parts[0])
 
 
