@@ -46,6 +46,8 @@ _TARGETS = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
 
 
 _QUANTIZED_KEY = "quantized_tensors"
+_DEQUANTIZED_KEY = "dequantized_from"
+"""What ``--dequantize`` records in place of the codec's keys it drops."""
 """``__metadata__`` key ``cp`` records the number of quantized tensors under."""
 
 
@@ -132,8 +134,13 @@ class _Plan:
 
     def _metadata(self, metadata: dict[str, str], wanted: Sequence[TensorInfo]) -> dict[str, str]:
         if self.decoder is not None:
+            # The codec's keys no longer describe the file: say what they were, in one key.
+            dropped = {}
             for key in [*self.decoder.metadata("float32"), _QUANTIZED_KEY]:
-                metadata.pop(key, None)
+                if key in metadata:
+                    dropped[key] = metadata.pop(key)
+            described = " ".join(f"{key}={value}" for key, value in dropped.items())
+            metadata[_DEQUANTIZED_KEY] = f"{len(self.rebuilt)} tensors ({described})"
             return metadata
         if self.encoder is not None:
             metadata.update(self.encoder.metadata())
@@ -234,7 +241,9 @@ async def cp(
                 "dequantize it first"
             )
         if dequantize and decoder is None:
-            raise UsageError("the source is not quantized (no compression in __metadata__)")
+            said = metadata.get("compression")
+            why = f"its __metadata__ says compression={said}" if said else "no compression key"
+            raise UsageError(f"--dequantize: the source is not quantized ({why})")
         wanted = [t for t in tensors_of(headers) if included(include, t.name)]
         plan = _Plan(wanted, metadata, target, encoder, decoder if dequantize else None)
         digests = _copied_digests(checksums, headers, [t.name for t in wanted], plan.converted > 0)

@@ -271,9 +271,16 @@ def test_quantize_refuses_quantized_and_dequantize_restores(plain: Path, tmp_pat
     for name, array in TENSORS.items():
         assert found[name].dtype == array.dtype and found[name].shape == array.shape
         np.testing.assert_allclose(found[name], array, atol=np.abs(array).max() / 127)
-    assert run("inspect", "--json", str(restored)).stdout.count(b"compression") == 0
+    metadata = json.loads(run("inspect", "--json", str(restored)).stdout)["metadata"]
+    assert "compression" not in metadata and "original_dtype" not in metadata
+    said = metadata["dequantized_from"]  # what the codec's keys said, kept in one key
+    assert said.startswith("2 tensors (") and "compression=INT8" in said
     not_quantized = run("cp", "--dequantize", str(plain), str(tmp_path / "n.safetensors"))
-    assert not_quantized.returncode == 2 and b"not quantized" in not_quantized.stderr
+    assert not_quantized.returncode == 2 and b"no compression key" in not_quantized.stderr
+    labelled = tmp_path / "none.safetensors"
+    reference_numpy.save_file(TENSORS, str(labelled), metadata={"compression": "NONE"})
+    none = run("cp", "--dequantize", str(labelled), str(tmp_path / "m.safetensors"))
+    assert none.returncode == 2 and b"says compression=NONE" in none.stderr
 
 
 def test_dequantize_int4_kv_transfer(tmp_path: Path) -> None:
