@@ -17,7 +17,6 @@ key is dropped), so the manifest, the index and a listing of the shards all agre
 
 from __future__ import annotations
 
-import io
 import json
 import uuid
 from collections.abc import Iterator, Mapping
@@ -27,7 +26,6 @@ from typing import Any
 import anyio
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 from pyspark import TaskContext
 from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
 from pyspark.sql.types import IntegerType, LongType, StringType, StructType
@@ -47,6 +45,7 @@ from stream_st.core.shards import (
 from stream_st.errors import UsageError, WriterError
 from stream_st.integrations.dataset import MANIFEST_NAME
 from stream_st.sharded.reader import ShardIndex
+from stream_st.sharded.writer import tensor_index_table
 from stream_st.tools import cp
 from stream_st.transports import store as _store
 from stream_st.transports.options import Clock
@@ -583,20 +582,8 @@ async def _previous_shards(
 
 def _index_table(shards: list[StagedShard]) -> bytes:
     """``_tensor_index.parquet``: a row per tensor of every shard."""
-    rows = [
+    return tensor_index_table(
         (key, shard.name, list(shape), dtype)
         for shard in shards
         for key, dtype, shape in shard.tensors
-    ]
-    keys, files, shapes, dtypes = zip(*rows, strict=True) if rows else ((), (), (), ())
-    table = pa.table(
-        {
-            "tensor_key": pa.array(keys, pa.string()),
-            "file_name": pa.array(files, pa.string()),
-            "shape": pa.array(shapes, pa.list_(pa.int32())),
-            "dtype": pa.array(dtypes, pa.string()),
-        }
     )
-    out = io.BytesIO()
-    pq.write_table(table, out)
-    return out.getvalue()

@@ -25,9 +25,10 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,23 @@ from .._util import AsyncClosing
 from ..core.digests import Digests, digest_of, digests_for
 from ..core.dtypes import dtype_for, wire_bytes
 from ..core.layout import TensorSpec, build_header
-from ..core.shards import MANIFEST_NAME, ShardEntry, manifest_document, shard_file_name
+from ..core.shards import (
+    INDEX_NAME,
+    MANIFEST_NAME,
+    ShardEntry,
+    manifest_document,
+    shard_file_name,
+)
 from ..errors import SafetensorsError, TransportError, UsageError, WriterError
 from ..transports.file.sink import FileSink
 
-__all__ = ["DatasetWriter", "ShardedWriter", "open_dataset_writer", "open_sharded_writer"]
+__all__ = [
+    "DatasetWriter",
+    "ShardedWriter",
+    "open_dataset_writer",
+    "open_sharded_writer",
+    "tensor_index_table",
+]
 
 Array = np.ndarray[Any, Any]
 
@@ -217,6 +230,9 @@ class _RollingWriter(AsyncClosing):
     def _rename_sealed(self) -> None:
         """A hook to give sealed shards their final names once their count is known."""
 
+    async def _before_index(self) -> None:
+        """A hook to write what goes beside the shards before the index commits them."""
+
     async def aclose(self) -> None:
         """Seal the last shard, then write the index (or manifest) atomically."""
         if self._closed:
@@ -224,6 +240,7 @@ class _RollingWriter(AsyncClosing):
         try:
             await self._seal()
             await anyio.to_thread.run_sync(self._rename_sealed)
+            await self._before_index()
             name, document = self._index()
             text = json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
             await _write_file(self.directory / name, text)
@@ -307,9 +324,11 @@ class DatasetWriter(_RollingWriter):
         target_shard_size: int,
         task_id: int = 0,
         checksums: bool | str = False,
+        generate_index: bool = False,
     ) -> None:
         super().__init__(directory, target_shard_size, checksums)
         self.task_id = task_id
+        self.generate_index = generate_index
         self._uuid = str(uuid.uuid4())
         self._schema: dict[str, dict[str, Any]] = {}
 
@@ -333,6 +352,60 @@ class DatasetWriter(_RollingWriter):
     def _index(self) -> tuple[str, dict[str, Any]]:
         shards = [ShardEntry(name, samples, size) for name, size, samples, _ in self._sealed]
         return MANIFEST_NAME, manifest_document(shards, self._schema)
+
+    async def _before_index(self) -> None:
+        """With ``generate_index``: ``_tensor_index.parquet``, a directory Spark reads (it skips
+        a leaf file whose name begins with ``_``), written before the manifest commits."""
+        index = self.directory / INDEX_NAME
+        await anyio.to_thread.run_sync(_remove_index, index)
+        if not self.generate_index:
+            return
+        rows = [
+            (spec.name, name, list(spec.shape), dtype_for(spec.dtype).code)
+            for name, _, _, specs in self._sealed
+            for spec in specs
+        ]
+        table = await anyio.to_thread.run_sync(tensor_index_table, rows)
+        index.mkdir()
+        await _write_file(index / f"part-00000-{self._uuid}-c000.parquet", table)
+
+    async def abort(self) -> None:
+        await super().abort()
+        if self.generate_index:
+            await anyio.to_thread.run_sync(_remove_index, self.directory / INDEX_NAME)
+
+
+def _remove_index(index: Path) -> None:
+    """Remove ``_tensor_index.parquet``, a directory or (as older writers made it) one file."""
+    if index.is_dir() and not index.is_symlink():
+        shutil.rmtree(index)
+    else:
+        index.unlink(missing_ok=True)
+
+
+def tensor_index_table(rows: Iterable[tuple[str, str, Sequence[int], str]]) -> bytes:
+    """The parquet bytes of ``_tensor_index.parquet``: a row ``(tensor_key, file_name, shape,
+    dtype)`` per tensor of every shard (seed 003's index). Needs pyarrow (the ``spark`` extra)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UsageError(
+            "writing _tensor_index.parquet needs pyarrow: pip install 'stream-st[spark]'"
+        ) from None
+    listed = list(rows)
+    keys, files, shapes, dtypes = zip(*listed, strict=True) if listed else ((), (), (), ())
+    table = pa.table(
+        {
+            "tensor_key": pa.array(keys, pa.string()),
+            "file_name": pa.array(files, pa.string()),
+            "shape": pa.array([list(shape) for shape in shapes], pa.list_(pa.int32())),
+            "dtype": pa.array(dtypes, pa.string()),
+        }
+    )
+    out = io.BytesIO()
+    pq.write_table(table, out)
+    return out.getvalue()
 
 
 def open_sharded_writer(
@@ -363,11 +436,18 @@ def open_dataset_writer(
     target_shard_size: int = 256 << 20,
     task_id: int = 0,
     checksums: bool | str = False,
+    generate_index: bool = False,
 ) -> DatasetWriter:
     """Write a dataset into ``directory``: ``write_batch({name: array}, samples)`` per group, shards
     rolled over at ``target_shard_size`` bytes of data, or when a group repeats a name of the
     current shard (batch mode: one batch of every column per shard), then
-    ``dataset_manifest.json``. ``checksums`` as for :func:`open_sharded_writer`."""
+    ``dataset_manifest.json``. ``checksums`` as for :func:`open_sharded_writer`.
+    ``generate_index=True`` also writes ``_tensor_index.parquet`` (a row per tensor: key, shard,
+    shape, dtype), as the Spark writer's option of that name does; it needs pyarrow."""
     return DatasetWriter(
-        directory, target_shard_size=target_shard_size, task_id=task_id, checksums=checksums
+        directory,
+        target_shard_size=target_shard_size,
+        task_id=task_id,
+        checksums=checksums,
+        generate_index=generate_index,
     )

@@ -117,3 +117,29 @@ def test_safe_open_refuses_a_manifest_whose_shards_repeat_names(tmp_path: Path, 
             handle.keys()
         else:
             handle.get_tensor("x")
+
+
+async def test_the_dataset_writer_writes_the_tensor_index_when_asked(tmp_path: Path) -> None:
+    """``generate_index=True`` writes ``_tensor_index.parquet`` as a directory Spark reads: a row
+    per tensor of every shard; without it, none is written (and an old one is removed)."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    async with open_dataset_writer(tmp_path, target_shard_size=1, generate_index=True) as writer:
+        for shard in range(3):
+            rows = np.arange(shard * 2, shard * 2 + 2)
+            await writer.write_batch({"x": rows.astype(np.float32), "y": rows}, samples=2)
+    index = tmp_path / "_tensor_index.parquet"
+    (part,) = list(index.iterdir())
+    assert part.name.startswith("part-") and part.suffix == ".parquet"
+    table = pq.read_table(index).to_pylist()
+    shards = json.loads((tmp_path / "dataset_manifest.json").read_text())["shards"]
+    assert len(table) == 6
+    assert {(row["tensor_key"], row["file_name"]) for row in table} == {
+        (key, shard["shard_path"]) for shard in shards for key in ("x", "y")
+    }
+    assert {(row["tensor_key"], tuple(row["shape"]), row["dtype"]) for row in table} == {
+        ("x", (2,), "F32"),
+        ("y", (2,), "I64"),
+    }
+    async with open_dataset_writer(tmp_path, target_shard_size=1) as writer:
+        await writer.write_batch({"x": np.zeros(2, np.float32)}, samples=2)
+    assert not index.exists()
