@@ -166,7 +166,7 @@ def test_the_rules_can_fail() -> None:
     assert _circle({"a": {"b"}, "b": set()}) is None
     assert layer_of("stream_st.core.header") == 1
     assert layer_of("stream_st.cli.app") == len(LAYERS) - 1
-    assert "stream_st.core.header" in GRAPH["stream_st.reader"]
+    assert "stream_st.core.header" in GRAPH["stream_st.reader.header"]
 
 
 def test_core_imports_no_transport() -> None:

@@ -73,8 +73,8 @@ hop to a worker thread for many norms and biases."""
 IN_FLIGHT = 16 << 20
 """Tensors received and not yet summarised hold at most this many bytes (or one tensor): the
 stream reads ahead while the workers summarise, in bounded memory. No more than the stream reads
-ahead of a caller that drops what it is given (``reader.READ_AHEAD_BYTES``), so that the stream
-sees its arrays let go of and uses their memory again (with 64 MiB here, every page of every
+ahead of a caller that drops what it is given (``reader.ahead.READ_AHEAD_BYTES``), so that the
+stream sees its arrays let go of and uses their memory again (with 64 MiB here, every page of every
 tensor was a fresh one: 132 000 page faults for a 538 MB model against 43 000, and the kernel's
 time doubled)."""
 

@@ -17,8 +17,8 @@ import safetensors
 
 import stream_st
 from stream_st import HeaderError, SafetensorsError, TruncatedStreamError, parse_header, tools
-from stream_st import reader as reader_module
 from stream_st.cli import main
+from stream_st.reader import header as reader_module
 from stream_st.transports.inmemory import BytesSource
 
 from .._util import chunked, raw_file

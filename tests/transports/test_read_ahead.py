@@ -20,7 +20,7 @@ import pytest
 import safetensors.numpy as reference
 
 import stream_st
-import stream_st.reader as reader_module
+import stream_st.reader.ahead as reader_module
 from stream_st import TruncatedStreamError
 from stream_st.transports.file import readahead as _ahead
 from stream_st.transports.file.readahead import _preadv_fully, read_ahead

@@ -1,0 +1,313 @@
+"""One safetensors file read as a stream: :class:`TensorStream`, which drives a source through
+the header core and yields numpy arrays."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection
+from typing import Any, Self
+
+import numpy as np
+
+from .._util import AsyncClosing
+from ..core.digests import Digests, Hasher, ObjectDigest, hash_view
+from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header
+from ..core.stats import LoadStats
+from ..errors import (
+    TensorNotFoundError,
+    TrailingDataError,
+    TransportError,
+    TruncatedStreamError,
+    UsageError,
+)
+from ..memory.delivery import Delivery
+from ..memory.recycle import Recycler
+from ..transports.file.readahead import ReadAhead
+from ..transports.file.source import FileSource
+from ..transports.options import Clock
+from ..transports.registry import Source, SourceLike, open_source
+from .ahead import READ_AHEAD_FROM, _read_ahead
+from .caps import Caps
+from .header import _read_header
+from .tensors import _read_tensor, merge_ranges
+from .turns import give_turn
+
+Include = Collection[str] | Callable[[str], bool] | str | None
+"""Which tensors to deliver: ``None`` for all, names, or a predicate on the name."""
+
+
+def _selector(include: Include, header: Header) -> Callable[[str], bool]:
+    if include is None:
+        return lambda name: True
+    if callable(include):
+        return include
+    names = {include} if isinstance(include, str) else set(include)
+    missing = sorted(n for n in names if n not in header)
+    if missing:
+        raise TensorNotFoundError(f"include= names tensors not in the header: {missing}")
+    return names.__contains__
+
+
+class TensorStream(AsyncClosing):
+    """One safetensors file read as a stream. Create it with :func:`open_stream`.
+
+    Use it as ``async with open_stream(src) as stream`` to see ``stream.header`` before any data,
+    then ``async for name, array in stream``; or iterate it directly, which opens and closes it.
+    Arrays are fresh, writable, native-endian and handed over to the caller: the stream keeps no
+    reference to them (with ``copy=False``, a local file's are read-only views of its mapping, see
+    :func:`open_stream`). ``clock`` holds the time limits of the read (see :func:`open_stream`);
+    it starts when the stream opens. ``delivery`` says where tensors land and what they are
+    handed out as (see ``framework=`` and ``into=`` of :func:`open_stream`).
+    ``max_tensor_bytes`` and ``max_total_bytes`` cap what the read may allocate (see
+    :func:`open_stream`). ``verify`` checks the header's digests, if it has any, and the whole
+    object's digest when its transport gives one and every tensor is read
+    (:meth:`Source.object_digest`); after the read, ``object_check`` says how that went (None:
+    the transport gave no digest).
+    ``stats`` (a :class:`~stream_st.LoadStats`) counts the bytes, tensors and time of the read.
+    """
+
+    def __init__(
+        self,
+        source: SourceLike,
+        *,
+        include: Include = None,
+        max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+        verify: bool = True,
+        clock: Clock | None = None,
+        delivery: Delivery | None = None,
+        copy: bool = True,
+        max_tensor_bytes: int | None = None,
+        max_total_bytes: int | None = None,
+    ) -> None:
+        self._caps = Caps.of(max_tensor_bytes, max_total_bytes)
+        self._source_like = source
+        self._include = include
+        self._delivery = delivery or Delivery()
+        self._max_header_size = max_header_size
+        self._verify = verify
+        self._copy = copy
+        self._clock = clock or Clock()
+        self._source: Source | None = None
+        self._header: Header | None = None
+        self._iterated = False
+        # The iteration, held weakly: a strong reference would make a cycle (its frame holds
+        # the stream), so one left with 'break' outside 'async with' would be closed, its file
+        # and read-ahead threads released, only when the cycle collector runs. Held strongly
+        # too (``_held``) when the stream was open before it began ('async with'): leaving the
+        # block closes it then, so what it holds (the array handed out last, tensors read
+        # ahead) goes at once, not when the loop gets a turn to finalise it after a 'break'.
+        self._generator: weakref.ref[AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]] | None = None
+        self._held: AsyncGenerator[tuple[str, np.ndarray[Any, Any]]] | None = None
+        self._reading: ReadAhead | None = None  # the iteration's read-ahead, if it has one
+        self._recycler = Recycler()  # fresh memory the caller has let go of, for later tensors
+        self._closed = False
+        self._head: tuple[bytes, bytearray] | None = None  # the prefix and header, as read
+        self.object_check: str | None = None
+        self.stats = LoadStats()
+
+    @property
+    def header(self) -> Header:
+        """The validated header; available once the stream is open."""
+        if self._header is None:
+            raise UsageError("the header is read when the stream opens: use 'async with' first")
+        return self._header
+
+    @property
+    def source(self) -> Source:
+        if self._source is None:
+            raise UsageError("the stream is not open")
+        return self._source
+
+    async def open(self, *, read_all: bool = False) -> Header:
+        """Open the source, read and validate the header. Idempotent.
+
+        ``read_all`` promises that every tensor will be read next, so a ranged transport may
+        fetch everything with its first request.
+        """
+        if self._header is not None:
+            return self._header
+        if self._closed:
+            raise UsageError("the stream is closed")
+        self._clock.start()
+        await give_turn()  # many small local files never wait: the loop's turns come from here
+        self.stats.begin()
+        source = await open_source(self._source_like, self._clock)
+        if self._closed:  # closed from another task while the source was being opened
+            await source.aclose()
+            raise TransportError(
+                "open failed: the stream was closed on this side", url=source.name, position=0
+            )
+        self._source = source
+        try:
+            self._source.clock.start()  # a lent connection brings the clock of its message
+            await self._source.start(read_all=read_all)
+            await give_turn()
+            self._header, self._head = await _read_header(self._source, self._max_header_size)
+            self.stats.received(self._header.data_start)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self._header
+
+    async def aclose(self) -> None:
+        """Close the source. Bytes not yet read stay unread. An iteration left part way (a
+        ``break``) is closed first, so nothing still reads from the source (a local file's
+        read-ahead threads are stopped and waited for)."""
+        self._closed = True
+        await self._close_iteration()
+        self._recycler = Recycler()  # no later tensor: let memory kept for one go
+        source, self._source = self._source, None
+        if source is not None:
+            await source.aclose()
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def _close_iteration(self) -> None:
+        """Close an iteration left part way, if any (its ``finally`` blocks run now), and stop
+        its read-ahead threads and wait for them in any case: also where the iteration is
+        running in another task at this moment (which then meets the closed source), or was
+        dropped after a ``break`` and waits for the loop to close it."""
+        alive, self._generator = self._generator, None
+        held, self._held = self._held, None
+        generator = held if alive is None else alive()
+        if generator is not None and not getattr(generator, "ag_running", False):
+            await generator.aclose()
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            await reading.close()
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
+        if self._iterated:
+            raise UsageError("a TensorStream can be iterated only once")
+        self._iterated = True
+        generator = self._iterate()
+        self._generator = weakref.ref(generator)
+        if self._opened():  # closed with the stream, which 'async with' does (see __init__)
+            self._held = generator
+        return generator
+
+    def _opened(self) -> bool:
+        """Whether the stream was opened (``async with``) before its iteration began."""
+        return self._header is not None
+
+    async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
+        self.stats.asked(first=True)
+        owns = self._header is None
+        # Iterated without 'async with' and nothing to skip: every byte will be read.
+        header = await self.open(read_all=owns and self._include is None)
+        try:
+            selected = _selector(self._include, header)
+            self._delivery.check(header.names())
+            async with contextlib.aclosing(self._tensors(header, selected)) as items:
+                async for item in items:
+                    self.stats.handed(header[item[0]].nbytes)
+                    yield item
+                    del item  # hold no array while the next one is read
+                    self.stats.asked()
+        finally:
+            if owns:
+                self._generator = self._held = None  # this one: ending, not closed again
+                await self.aclose()
+
+    async def _tensors(
+        self, header: Header, selected: Callable[[str], bool]
+    ) -> AsyncGenerator[tuple[str, Any]]:
+        source = self.source
+        delivery = self._delivery
+        base = header.data_start
+        wanted = [info for info in header.tensors if selected(info.name)]
+        self._caps.check(wanted, source.name)  # before anything is allocated for them
+        digests = Digests.from_header(header) if self._verify else None
+        ranges = merge_ranges((base + t.start, base + t.end) for t in wanted)
+        mapped = (
+            None
+            if self._copy or not isinstance(source, FileSource)
+            else source.map(private=delivery.writable)
+        )
+        if mapped is None:
+            await source.plan_reads(ranges)
+        else:
+            mapped.plan(ranges)
+        whole = await self._object_hash(len(wanted) == len(header.tensors))
+        hasher = None if whole is None else whole[1]
+        if (
+            mapped is None
+            and digests is None
+            and hasher is None
+            and isinstance(source, FileSource)
+            and sum(info.nbytes for info in wanted) >= READ_AHEAD_FROM
+        ):
+            ahead = _read_ahead(
+                source, wanted, base, delivery, self._recycler, self._started_reading
+            )
+            async with contextlib.aclosing(ahead) as items:
+                async for item in items:
+                    yield item
+                    del item
+            return
+        for info in wanted:
+            source.clock.check(source.name, source.position)
+            await give_turn()
+            target = delivery.target(info)
+            if mapped is None or target is not None:
+                array = await _read_tensor(
+                    source, info, base, target, digests, hasher, self._recycler.take
+                )
+            else:
+                array = await mapped.view(info, base)
+                if digests is not None:  # a local file: no whole-object digest to feed
+                    await digests.check_view(info.name, array, source.name)
+            if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
+                array.byteswap(inplace=True)
+            yield info.name, delivery.deliver(info, array, target is not None)
+            del array
+        await self._finish(header)
+        if whole is not None:
+            digest, hasher = whole
+            digest.check(hasher, source.name)
+            self.object_check = f"{digest.label}: verified"
+
+    def _started_reading(self, ahead: ReadAhead) -> None:
+        self._reading = ahead  # stopped by a close, also one from another task
+
+    async def _object_hash(self, every_byte: bool) -> tuple[ObjectDigest, Hasher] | None:
+        """The whole object's digest, if its transport gives one and the read will take every
+        byte, with a hasher already fed the prefix and the header; None otherwise."""
+        head, self._head = self._head, None
+        if not (self._verify and every_byte) or head is None:
+            return None
+        digest = await self.source.object_digest()
+        if digest is None:
+            return None
+        if digest.new is None:
+            self.object_check = f"{digest.label}: not checked, {digest.reason}"
+            return None
+        hasher = digest.new()
+        hasher.update(head[0])
+        await hash_view(hasher, memoryview(head[1]))
+        return digest, hasher
+
+    async def _finish(self, header: Header) -> None:
+        """Consume the message's tail; a whole object must end right after it."""
+        source = self.source
+        if source.random_access:
+            return  # size checked against the header at open
+        end = header.file_size
+        if source.position < end:
+            await source.skip(end - source.position)
+            if source.position < end:
+                last = header.tensors[-1]
+                raise TruncatedStreamError(
+                    f"tensor {last.name!r}",
+                    name=last.name,
+                    offset=source.position,
+                    expected=end,
+                    source=source.name,
+                )
+        if source.whole_object and not await source.at_end():
+            raise TrailingDataError(f"{source.name}: bytes follow the last tensor at byte {end}")
+        source.message_read()

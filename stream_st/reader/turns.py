@@ -1,0 +1,38 @@
+"""Turns the reader gives the event loop amid work that never waits: :func:`give_turn`."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio.lowlevel
+
+# Turns for the event loop between pieces of a read that may not wait at all. A read of local
+# files in the page cache can run for a long time without awaiting anything that suspends: the
+# file opens, headers and small tensors are all read on the loop's thread. give_turn(), called
+# where a piece of work begins (a stream opening, its header, each tensor), lets the loop run
+# other tasks, and a cancellation arrive, once this thread's loop has gone TURN_EVERY without a
+# turn given here, counted across every stream of the thread: many small files are paced as one
+# big one.
+
+TURN_EVERY = 0.005
+"""Seconds of the reader's work between two turns it gives the loop at most (plus one piece of
+work: one inline read of at most 4 MiB, or one header parsed on the loop): well under the 50 ms
+the loop may be held, and a turn (``anyio.lowlevel.checkpoint``, a few microseconds) costs
+under 0.1 % of that."""
+
+
+class _Last(threading.local):
+    at = 0.0  # time.perf_counter() of this thread's last turn given
+
+
+_last = _Last()
+
+
+async def give_turn() -> None:
+    """Let the event loop run once, and a pending cancellation be raised, if this thread has
+    given none for :data:`TURN_EVERY`; otherwise return at once (one clock read)."""
+    now = time.perf_counter()
+    if now - _last.at >= TURN_EVERY:
+        await anyio.lowlevel.checkpoint()
+        _last.at = time.perf_counter()
