@@ -8,7 +8,8 @@ tensors one by one costs one ranged read each. A source that cannot jump (``tcp:
 read whole when opened. With ``backend="mmap"`` (the default, as in the reference) a local file is
 mapped privately instead: its tensors are writable copy-on-write views of the file
 (``stream_st._mmap``). Digests a header records are checked for every whole tensor read
-(``verify``). Not public API.
+(``verify``); a source other than a local file is read through :mod:`._checkpoint`. Not public
+API.
 """
 
 from __future__ import annotations
@@ -18,27 +19,22 @@ import os
 import stat
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
-import anyio
 import numpy as np
 
-from .._api import cached_stream, stream_for
 from .._api import save as save_async
+from .._api import stream_for
 from ..core.arrays import framework_of, to_torch, torch_device
-from ..core.digests import Digests
-from ..core.header import Header, TensorInfo
-from ..core.shards import is_index, shard_address
+from ..core.header import TensorInfo
+from ..core.shards import is_index
 from ..errors import TensorNotFoundError, UsageError
 from ..memory.delivery import Delivery
-from ..reader import TensorStream, _read_tensor, merge_ranges
-from ..sharded.reader import ShardIndex, _open_shard, repeated_name
-from ..transports.file.mmap import FileMap
-from ..transports.file.source import FileSource, path_from_url
+from ..transports.file.source import path_from_url
 from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import Sink, SinkLike, SourceLike
+from ._checkpoint import Rows, _Checkpoint, _Options
 from ._errors import FileClosedError, InvalidTensorsError, NoSuchFileError, SliceError
 from ._local import LocalFile
 from ._serialize import TensorSpec, check_metadata, specs_of, write_specs
@@ -66,193 +62,6 @@ def maps(backend: object) -> bool:
     if backend not in BACKENDS:
         raise UsageError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return backend == "mmap"
-
-
-@dataclass(frozen=True)
-class _Options:
-    """How a :class:`SafeOpen` reads: under ``clock``, checking digests (``verify``), viewing
-    local files through a private mapping (``mapped``) rather than reading them."""
-
-    clock: Clock
-    verify: bool
-    mapped: bool
-    cache: object = None  # cache= (stream_st._api)
-
-
-Rows = tuple[int, int] | None
-"""A run of rows along the first dimension, ``(first, end)``; ``None`` for the whole tensor."""
-
-
-class _File:
-    """One safetensors file opened for reads by name (on the bridge's loop).
-
-    Tensors come from one of: the arrays read whole at open (a source that cannot jump), the
-    file's private mapping (``mapped``), or ranged reads of the source into fresh memory.
-    ``digests`` (those the header records, when verifying) are checked for each whole tensor.
-    """
-
-    def __init__(
-        self,
-        stream: TensorStream,
-        arrays: dict[str, np.ndarray[Any, Any]] | None,
-        mapped: FileMap | None,
-        digests: Digests | None,
-    ):
-        self.stream = stream
-        self.header = stream.header
-        self._arrays = arrays
-        self._map = mapped
-        self._digests = digests
-        self._verified: set[str] = set()  # mapped tensors checked; the caller may write to them
-        self._lock = anyio.Lock()  # one read at a time on the source
-
-    @classmethod
-    async def open(cls, address: SourceLike, options: _Options, shard: bool = False) -> _File:
-        stream = cached_stream(
-            address, options.cache, clock=options.clock, verify=options.verify
-        ) or TensorStream(address, clock=options.clock, verify=options.verify)
-        if shard:
-            await _open_shard(stream, str(address))
-        else:
-            await stream.open()
-        source = stream.source
-        if not source.random_access:
-            try:  # checked against the digests by the stream
-                arrays = {name: array async for name, array in stream}
-            finally:
-                await stream.aclose()
-            return cls(stream, arrays, None, None)
-        try:
-            digests = Digests.from_header(stream.header) if options.verify else None
-            mapped = (
-                source.map(private=True)
-                if options.mapped and isinstance(source, FileSource)
-                else None
-            )
-        except BaseException:
-            await stream.aclose()
-            raise
-        return cls(stream, None, mapped, digests)
-
-    async def read(self, info: TensorInfo, rows: Rows) -> np.ndarray[Any, Any]:
-        """Tensor ``info`` (or its ``rows``), reading only those bytes from the source; a whole
-        tensor is checked against its digest."""
-        if self._arrays is not None:
-            whole = self._arrays[info.name]
-            return (whole if rows is None else whole[rows[0] : rows[1]]).copy()
-        wanted = info if rows is None else info.rows(*rows)
-        digests = self._digests if rows is None else None
-        base = self.header.data_start
-        if self._map is not None:  # faulted in as touched, as the reference's views are
-            return await self._view(wanted, digests)
-        async with self._lock:
-            source = self.stream.source
-            await source.plan_reads(merge_ranges([(base + wanted.start, base + wanted.end)]))
-            return await _read_tensor(source, wanted, base, digests=digests)
-
-    async def read_all(self) -> dict[str, np.ndarray[Any, Any]]:
-        """Every tensor, in offset order, with the whole read planned at once."""
-        if self._arrays is not None:
-            return {name: array.copy() for name, array in self._arrays.items()}
-        base = self.header.data_start
-        tensors = list(self.header.tensors)
-        ranges = merge_ranges((base + t.start, base + t.end) for t in tensors)
-        if self._map is not None:
-            self._map.plan(ranges)  # populated a window ahead
-            return {t.name: await self._view(t, self._digests) for t in tensors}
-        async with self._lock:
-            source = self.stream.source
-            await source.plan_reads(ranges)
-            return {
-                t.name: await _read_tensor(source, t, base, digests=self._digests) for t in tensors
-            }
-
-    async def _view(self, info: TensorInfo, digests: Digests | None) -> np.ndarray[Any, Any]:
-        """Tensor ``info`` as a view of the mapping, checked against ``digests`` if given. Views
-        of the same bytes share them, as the reference's do: a tensor is checked the first time
-        only, as what the caller wrote to it since is no damage."""
-        assert self._map is not None
-        array = await self._map.view(info, self.header.data_start)
-        if digests is not None and info.name not in self._verified:
-            await digests.check_view(info.name, array, self.stream.source.name)
-            self._verified.add(info.name)
-        return array
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
-
-class _Checkpoint:
-    """A file, or every shard of an index, opened for reads by name (on the bridge's loop)."""
-
-    def __init__(self, options: _Options) -> None:
-        self.options = options
-        self.files: dict[str, _File] = {}  # by address
-        self.where: dict[str, str] = {}  # tensor name -> address of its file
-        self.index: ShardIndex | None = None
-
-    @classmethod
-    async def open(cls, src: SourceLike, options: _Options) -> _Checkpoint:
-        self = cls(options)
-        clock = options.clock
-        clock.start()
-        if isinstance(src, str | os.PathLike) and is_index(src):
-            self.index = await ShardIndex.read(os.fspath(src), clock)
-            if self.index.weight_map is not None:
-                home = self.index.home
-                for name, shard in self.index.weight_map.items():
-                    self.where[name] = shard_address(home, shard)
-            else:  # a manifest names no tensors: open every shard now
-                for shard in self.index.shards:
-                    await self._shard(shard_address(self.index.home, shard))
-        else:
-            file = await _File.open(src, options)
-            self.files[""] = file
-            self.where = dict.fromkeys(file.header.names(), "")
-        return self
-
-    async def _shard(self, address: str) -> _File:
-        file = self.files.get(address)
-        if file is None:
-            file = await _File.open(address, self.options, shard=True)
-            self.files[address] = file
-            index = self.index
-            assert index is not None
-            shard = next(s for s in index.shards if shard_address(index.home, s) == address)
-            index.check(shard, address, file.header)
-            for name in file.header.names():
-                first = self.where.setdefault(name, address)
-                if first != address:
-                    raise repeated_name(index.home, name, first, address)
-        return file
-
-    async def file_of(self, name: str) -> _File:
-        address = self.where.get(name)
-        if address is None:
-            raise TensorNotFoundError(f"File does not contain tensor {name}")
-        return self.files[address] if address == "" else await self._shard(address)
-
-    async def info(self, name: str) -> TensorInfo:
-        return (await self.file_of(name)).header[name]
-
-    async def read(self, name: str, rows: Rows) -> np.ndarray[Any, Any]:
-        file = await self.file_of(name)
-        return await file.read(file.header[name], rows)
-
-    async def headers(self) -> list[Header]:
-        """Every file's header, in reading order (opening every shard)."""
-        for address in dict.fromkeys(self.where.values()):
-            if address:
-                await self._shard(address)
-        return [file.header for file in self.files.values()]
-
-    async def read_all(self) -> dict[str, np.ndarray[Any, Any]]:
-        await self.headers()
-        return {k: v for file in self.files.values() for k, v in (await file.read_all()).items()}
-
-    async def aclose(self) -> None:
-        for file in self.files.values():
-            await file.aclose()
 
 
 def _shut(bridge: Bridge, checkpoint: _Checkpoint) -> None:
