@@ -16,6 +16,7 @@ from .core.header import DEFAULT_MAX_HEADER_SIZE, Header
 from .errors import UsageError
 from .memory.delivery import Delivery
 from .reader import NO_CAPS, Caps, Include, TensorStream
+from .reader.caps import current_caps
 from .transports.cache import Cache, CacheLike
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import SinkLike, SourceLike
@@ -265,9 +266,14 @@ def stream_for(
     a :class:`~stream_st.UsageError` naming the streaming way to read it, an index or manifest
     whose shards repeat a tensor name (a batch-mode dataset's columns are in every shard), before
     any tensor of the repeating shard is read; :func:`open_stream` streams them all instead.
+    A read given no caps takes those :func:`~stream_st.reader.caps.using_caps` set, if any.
     """
     from .core.shards import is_index
     from .sharded.reader import ShardedStream
+
+    if max_tensor_bytes is None and max_total_bytes is None:
+        ambient = current_caps()
+        max_tensor_bytes, max_total_bytes = ambient.tensor, ambient.total
 
     # cache= (the cache's wiring; stream_st._api): given, or set by using_cache()
     if cache is not False and not is_index(str(source)):

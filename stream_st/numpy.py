@@ -44,13 +44,25 @@ def load_file(
     *,
     backend: str = "mmap",
     verify: bool = True,
+    max_tensor_bytes: int | None = None,
+    max_total_bytes: int | None = None,
     **options: Unpack[TransportOptions],
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Every tensor of ``filename`` (a file, URL or index) as ``{name: array}``: a local file's
     as writable copy-on-write views of a private mapping of it (``backend="pread"`` reads them
     into fresh memory instead: use it on network file systems and for files that may change
-    while the arrays live); see :func:`stream_st.torch.load_file`."""
-    return _facade.load_file(filename, False, backend, verify, **options)
+    while the arrays live); see :func:`stream_st.torch.load_file`. ``max_tensor_bytes`` and
+    ``max_total_bytes`` cap what the file may make the read allocate, as for
+    :func:`stream_st.open_stream`."""
+    return _facade.load_file(
+        filename,
+        False,
+        backend,
+        verify,
+        max_tensor_bytes=max_tensor_bytes,
+        max_total_bytes=max_total_bytes,
+        **options,
+    )
 
 
 def load(data: bytes, *, verify: bool = True) -> dict[str, np.ndarray[Any, Any]]:

@@ -112,6 +112,8 @@ def load_file(
     include: Include = None,
     slices: Slices | None = None,
     cache: CacheLike = None,
+    max_tensor_bytes: int | None = None,
+    max_total_bytes: int | None = None,
     **options: Unpack[TransportOptions],
 ) -> dict[str, torch.Tensor]:
     """Every tensor of ``filename`` (a file, URL or index) as ``{name: tensor}`` on the CPU.
@@ -127,6 +129,10 @@ def load_file(
     Digests recorded in the header (``checksums=`` of :func:`save_file`) are checked, each
     before its tensor is handed over, unless ``verify=False``.
 
+    ``max_tensor_bytes`` and ``max_total_bytes`` cap what the file may make the read allocate
+    (:class:`~stream_st.AllocationError` before anything is), as for
+    :func:`stream_st.open_stream`.
+
     ``device`` (``"cuda"``, ``"cuda:1"``, an index, a ``torch.device``): each tensor is received
     on the CPU (a local file mapped, as above) and copied to that device, its CPU memory let go
     as it is copied. A device this torch cannot use is a :class:`~stream_st.UsageError` before
@@ -139,7 +145,16 @@ def load_file(
     if process_group is not None or include is not None or slices is not None:
         return _distributed_load(filename, process_group, include, slices, verify, device, options)
     target = torch_device(device)
-    tensors = _facade.load_file(filename, True, backend, verify, cache=cache, **options)
+    tensors = _facade.load_file(
+        filename,
+        True,
+        backend,
+        verify,
+        cache=cache,
+        max_tensor_bytes=max_tensor_bytes,
+        max_total_bytes=max_total_bytes,
+        **options,
+    )
     if target is None:
         return tensors
     return {name: tensors.pop(name).to(target) for name in list(tensors)}

@@ -18,7 +18,7 @@ import anyio
 
 from ..errors import SafetensorsError
 from ..transports.s3.config import unsigned_requests
-from .options import aws_settings
+from .options import aws_settings, caps_of
 from .output import (
     EXIT_BROKEN_PIPE,
     EXIT_ERROR,
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     signing = unsigned_requests() if getattr(args, "no_sign_request", False) else nullcontext()
     try:
-        with signing, aws_settings(args), warnings_as_lines():
+        with signing, aws_settings(args), caps_of(args), warnings_as_lines():
             status: int = anyio.run(_run, args)
         sys.stdout.flush()  # a closed pipe shows here, not in the flush at interpreter exit
     except SafetensorsError as exc:

@@ -8,6 +8,9 @@ import ssl
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ..errors import UsageError
+from ..reader.caps import Caps, using_caps
+from ..transports.cache.config import parse_size
 from ..transports.options import LimitOptions, TransportOptions
 
 __all__ = []
@@ -76,3 +79,20 @@ def aws_settings(args: argparse.Namespace) -> Iterator[None]:
                 os.environ.pop(variable, None)
             else:
                 os.environ[variable] = value
+
+
+def size_arg(text: str) -> int:
+    """A size argument: bytes, or a number with a unit (``4G``, ``500MB``; see
+    :func:`~stream_st.transports.cache.parse_size`)."""
+    try:
+        return parse_size(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+@contextmanager
+def caps_of(args: argparse.Namespace) -> Iterator[None]:
+    """Every read of the command capped by ``--max-tensor-bytes`` / ``--max-total-bytes``."""
+    caps = Caps.of(getattr(args, "max_tensor_bytes", None), getattr(args, "max_total_bytes", None))
+    with using_caps(caps):
+        yield

@@ -23,7 +23,7 @@ from .commands import (
     run_show,
     run_validate,
 )
-from .options import ca_bundle, header_line
+from .options import ca_bundle, header_line, size_arg
 from .output import EXIT_ERROR, PROG
 
 __all__ = ["EXAMPLES", "SHELLS", "SOURCES", "build_parser"]
@@ -159,6 +159,19 @@ def build_parser() -> argparse.ArgumentParser:
             type=float,
             metavar="SECONDS",
             help="seconds of waiting over which --speed-limit applies (default 30)",
+        )
+        caps = sub.add_argument_group("allocation caps (none by default)")
+        caps.add_argument(
+            "--max-tensor-bytes",
+            type=size_arg,
+            metavar="SIZE",
+            help="refuse a tensor declaring more than SIZE bytes (e.g. 4G), before allocating it",
+        )
+        caps.add_argument(
+            "--max-total-bytes",
+            type=size_arg,
+            metavar="SIZE",
+            help="refuse a read whose tensors declare more than SIZE bytes in all",
         )
         return sub
 

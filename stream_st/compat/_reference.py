@@ -31,6 +31,7 @@ from ..core.header import TensorInfo
 from ..core.shards import is_index
 from ..errors import TensorNotFoundError, UsageError
 from ..memory.delivery import Delivery
+from ..reader.caps import NO_CAPS, Caps
 from ..transports.file.source import path_from_url
 from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import Sink, SinkLike, SourceLike
@@ -392,7 +393,8 @@ def load_file(
     if path is not None and not os.path.lexists(path):
         raise NoSuchFileError(path)
     cache = options.pop("cache", None)  # cache= (stream_st._api)
-    return run(_load, src, torch, verify, copy, clock_of(options), cache)
+    caps = Caps.of(options.pop("max_tensor_bytes", None), options.pop("max_total_bytes", None))
+    return run(_load, src, torch, verify, copy, clock_of(options), cache, caps)
 
 
 def load_bytes(data: bytes, torch: bool, verify: bool) -> dict[str, Any]:
@@ -403,10 +405,25 @@ def load_bytes(data: bytes, torch: bool, verify: bool) -> dict[str, Any]:
 
 
 async def _load(
-    src: SourceLike, torch: bool, verify: bool, copy: bool, clock: Clock, cache: Any = None
+    src: SourceLike,
+    torch: bool,
+    verify: bool,
+    copy: bool,
+    clock: Clock,
+    cache: Any = None,
+    caps: Caps = NO_CAPS,
 ) -> dict[str, Any]:
     delivery = Delivery("pt" if torch else "np", writable=True)
-    stream = stream_for(src, verify=verify, clock=clock, delivery=delivery, copy=copy, cache=cache)
+    stream = stream_for(
+        src,
+        verify=verify,
+        clock=clock,
+        delivery=delivery,
+        copy=copy,
+        cache=cache,
+        max_tensor_bytes=caps.tensor,
+        max_total_bytes=caps.total,
+    )
     return {name: tensor async for name, tensor in stream}
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from ..core.header import TensorInfo
@@ -63,3 +65,23 @@ class Caps:
 
 NO_CAPS = Caps()
 """A read with no cap."""
+
+
+_AMBIENT: ContextVar[Caps] = ContextVar("stream_st_caps", default=NO_CAPS)
+
+
+def current_caps() -> Caps:
+    """The caps :func:`using_caps` set for the reads in this context (:data:`NO_CAPS` if none)."""
+    return _AMBIENT.get()
+
+
+@contextmanager
+def using_caps(caps: Caps) -> Iterator[Caps]:
+    """Every read in the ``with`` block (in this task and those it starts) given no caps of its
+    own is capped by ``caps``: how the command's ``--max-tensor-bytes`` and
+    ``--max-total-bytes`` reach every read a subcommand makes."""
+    token = _AMBIENT.set(caps)
+    try:
+        yield caps
+    finally:
+        _AMBIENT.reset(token)
