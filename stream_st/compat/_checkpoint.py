@@ -148,6 +148,7 @@ class _Checkpoint:
         self.files: dict[str, _File] = {}  # by address
         self.where: dict[str, str] = {}  # tensor name -> address of its file
         self.index: ShardIndex | None = None
+        self._opening: dict[str, anyio.Lock] = {}  # by address: one opening of each shard
 
     @classmethod
     async def open(cls, src: SourceLike, options: _Options) -> _Checkpoint:
@@ -170,8 +171,15 @@ class _Checkpoint:
         return self
 
     async def _shard(self, address: str) -> _File:
+        """The shard at ``address``, opened once however many threads ask for it at once (they
+        wait for the first one's opening, then share the file)."""
         file = self.files.get(address)
-        if file is None:
+        if file is not None:
+            return file
+        async with self._opening.setdefault(address, anyio.Lock()):
+            file = self.files.get(address)
+            if file is not None:
+                return file
             file = await _File.open(address, self.options, shard=True)
             self.files[address] = file
             index = self.index
