@@ -8,7 +8,9 @@ A B B A (the order alternates, so drift over the run falls on both), each in a f
 with that checkout first on ``sys.path``, it times, page cache warm:
 
 * ``read-big`` / ``read-kv``: ``open_stream(path)``, every array touched once and dropped;
-* ``write-big``: ``open_writer`` of 64 fresh 32 MiB F32 arrays to a new file (then removed);
+* ``write-big``: ``open_writer`` of 64 fresh 32 MiB F32 arrays to a new file (then removed): the
+  fresh arrays' first touch makes this one bimodal here (1.0 or 2.3 s either way), so take many
+  rounds; ``write-reused``: the same with one array written 64 times (the writer's own path);
 * ``import``: ``import stream_st`` and a first ``read_header`` of ``kv``.
 
 It prints, per figure, each side's median seconds and the median of the per-round ratios A/B
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-FIGURES = ("read-big", "read-kv", "write-big", "import")
+FIGURES = ("read-big", "read-kv", "write-big", "write-reused", "import")
 
 CHILD = r"""
 import sys, time
@@ -47,10 +49,14 @@ async def read():
 
 async def write():
     plan = [stream_st.TensorSpec(f"t{i:02}", "F32", (8 << 20,)) for i in range(64)]
+    reused = np.ones(8 << 20, dtype=np.float32)
     async with stream_st.open_writer(out, plan) as writer:
         for spec in plan:
-            array = np.empty(8 << 20, dtype=np.float32)
-            array[::1024] = 1.0
+            if figure == "write-reused":
+                array = reused
+            else:
+                array = np.empty(8 << 20, dtype=np.float32)
+                array[::1024] = 1.0
             await writer.write(spec.name, array)
 
 async def header():
@@ -61,7 +67,7 @@ if figure == "import":
     print(time.perf_counter() - t0)
 else:
     start = time.perf_counter()
-    anyio.run(write if figure == "write-big" else read)
+    anyio.run(write if figure.startswith("write") else read)
     print(time.perf_counter() - start)
 """
 
