@@ -61,7 +61,11 @@ class MotoS3Server:
             self._process = None
 
     def client(self) -> Any:
+        """A boto3 client of this server. It reads back what is stored as it is: moto keeps an
+        upload without checking its checksum, so an object damaged on the way in (the fault
+        suite's) must be read to be judged, not refused by the client's own check."""
         import boto3
+        from botocore.config import Config
 
         return boto3.client(
             "s3",
@@ -69,6 +73,7 @@ class MotoS3Server:
             region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
             aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
             aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            config=Config(response_checksum_validation="when_required"),
         )
 
     def __enter__(self) -> MotoS3Server:
