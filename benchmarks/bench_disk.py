@@ -9,7 +9,7 @@ Run it from the repository root (root to drop caches; else the buffered rows evi
 
 It reads the first ``--size`` MiB of ``--file`` (by default a file of random bytes written under a
 temporary directory and deleted at the end) from N threads at once, each taking the next block
-of B MiB in file order (the way :mod:`stream_st.sources._ahead` hands out pieces) with
+of B MiB in file order (the way :mod:`stream_st.transports.file.readahead` hands out pieces) with
 ``os.preadv`` into a buffer of its own that it reuses, so neither page faults nor allocation
 count, only the read. Modes:
 

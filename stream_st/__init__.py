@@ -156,10 +156,31 @@ _PUBLIC = {
 stream_st`` runs no module of the package but this one, so ``import stream_st.core`` loads no
 transport and a program that only writes files never loads HTTP, S3 or torch code."""
 
-_MOVED = frozenset(
-    {"bert", "codecs", "dataset", "hub", "integrity", "llm", "sinks", "sources", "torch_dataset"}
+_SUBMODULES = frozenset(
+    {
+        # moved paths, re-exported for the 0.1 series
+        "bert",
+        "codecs",
+        "dataset",
+        "dtypes",
+        "header",
+        "hub",
+        "integrity",
+        "llm",
+        "sinks",
+        "sources",
+        "torch_dataset",
+        # modules earlier releases imported with the package
+        "connection",
+        "errors",
+        "kv",
+        "reader",
+        "sharded",
+        "writer",
+    }
 )
-"""Old module paths, re-exported for the 0.1 series and imported on first use."""
+"""Submodules reachable as attributes of the package (``stream_st.kv``), imported on first use
+as earlier releases, which imported them with the package, allowed."""
 
 
 def __getattr__(name: str) -> Any:
@@ -168,7 +189,7 @@ def __getattr__(name: str) -> Any:
         value: Any = package_version()
     elif name in _PUBLIC:
         value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
-    elif name in _MOVED:
+    elif name in _SUBMODULES:
         value = importlib.import_module(f".{name}", __name__)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

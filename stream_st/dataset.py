@@ -2,5 +2,27 @@
 
 from __future__ import annotations
 
+from .core.shards import (
+    FORMAT_VERSION,
+    INDEX_NAME,
+    SAFETENSORS_VERSION,
+    SHARD_NAME,
+    ShardEntry,
+    manifest_document,
+    shard_file_name,
+    shard_position,
+)
 from .integrations.dataset import *  # noqa: F403
-from .integrations.dataset import __all__ as __all__
+from .integrations.dataset import __all__ as _dataset
+
+__all__ = [
+    *_dataset,
+    "FORMAT_VERSION",
+    "INDEX_NAME",
+    "SAFETENSORS_VERSION",
+    "SHARD_NAME",
+    "ShardEntry",
+    "manifest_document",
+    "shard_file_name",
+    "shard_position",
+]

@@ -3,4 +3,7 @@
 from __future__ import annotations
 
 from .core.digests import *  # noqa: F403
-from .core.digests import __all__ as __all__
+from .core.digests import __all__ as _digests
+from .reader import READ_CHUNK, read_hashing
+
+__all__ = [*_digests, "READ_CHUNK", "read_hashing"]

@@ -43,6 +43,8 @@ MOVED = {
     "llm",
     "dataset",
     "torch_dataset",
+    "header",
+    "dtypes",
 }
 """Re-export modules for the paths of releases before the layout: nothing imports them."""
 

@@ -2,12 +2,14 @@
 over the async core, synchronous, for any framework: what :mod:`stream_st.torch` and
 :mod:`stream_st.numpy` are made of.
 
-Every call runs on a private event loop (``stream_st._sync``); a :class:`SafeOpen` keeps one for
+Every call runs on a private event loop (``stream_st.compat._sync``); a :class:`SafeOpen` keeps one
+for
 as long as it is open, with its source (a file, a connection to a server) open on it, so reading
 tensors one by one costs one ranged read each. A source that cannot jump (``tcp://``, a pipe) is
 read whole when opened. With ``backend="mmap"`` (the default, as in the reference) a local file is
 mapped privately instead: its tensors are writable copy-on-write views of the file
-(``stream_st._mmap``). Digests a header records are checked for every whole tensor read
+(``stream_st.transports.file.mmap``). Digests a header records are checked for every whole tensor
+read
 (``verify``); a source other than a local file is read through :mod:`._checkpoint`. Not public
 API.
 """

@@ -77,7 +77,7 @@ class TensorInfo(NamedTuple):
 
     @property
     def dtype_info(self) -> DType:
-        """The :class:`~stream_st.dtypes.DType` row for this tensor's dtype code."""
+        """The :class:`~stream_st.core.dtypes.DType` row for this tensor's dtype code."""
         return dtype_from_code(self.dtype)
 
     @property

@@ -6,7 +6,8 @@ page and maps it, one fault at a time, which here runs at about 2 GB/s whatever 
 from the page cache (4-10 GB/s). A streaming caller drops each array before long, so the
 memory of tensor i can take tensor i + 2: it is mapped already. Arrays of at least
 :data:`RECYCLE_FROM` bytes each get a mapping of their own (see
-:func:`~stream_st._mmap.fresh_mapping`), which :class:`Recycler` keeps after the last array over
+:func:`~stream_st.memory.fresh.fresh_mapping`), which :class:`Recycler` keeps after the last array
+over
 it is gone, up to :data:`IDLE_BYTES` of such mappings per stream, and hands out again for a
 tensor of the same size. A caller that keeps
 every array (a load) never frees one, and costs the recycler little (:data:`KEPT_BYTES`).
@@ -14,7 +15,7 @@ every array (a load) never frees one, and costs the recycler little (:data:`KEPT
 :meth:`Recycler.take_framed` places an array in its mapping at a chosen distance from a block
 boundary, with a block to spare either side, so that a tensor can be read from the disk straight
 into it with ``O_DIRECT`` (whole blocks, at aligned addresses: see
-:mod:`stream_st.sources._direct`).
+:mod:`stream_st.transports.file.direct`).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class Recycler:
         self, nbytes: int, phase: int
     ) -> tuple[np.ndarray[Any, Any], memoryview | None]:
         """:meth:`take`, and for an array of a mapping of its own that mapping (its *frame*):
-        the array starts ``phase`` bytes (< :data:`~stream_st.sources._direct.ALIGN`) into it
+        the array starts ``phase`` bytes (< :data:`~stream_st.memory.fresh.ALIGN`) into it
         and the frame runs on to the next block boundary after the array's end or further."""
         if nbytes < RECYCLE_FROM:
             return fresh_bytes(nbytes), None

@@ -33,7 +33,7 @@ bytes, or two tensors of at most :data:`READ_AHEAD_MOST` together, or one tensor
 while the caller works on one tensor the threads read the next and the one after is queued:
 with one only, the reading waits for the caller at every tensor (measured: half the speed,
 streaming or loading 32 MiB tensors). At most 16 MiB beyond that, so that the caller has
-dropped earlier tensors, whose memory is used again (:mod:`stream_st._recycle`), before later
+dropped earlier tensors, whose memory is used again (:mod:`stream_st.memory.recycle`), before later
 ones are allocated: memory in use stays near the tensors in flight."""
 
 READ_AHEAD_MOST = 64 << 20
@@ -78,7 +78,7 @@ async def _read_ahead(
     started: Callable[[ReadAhead], None],
 ) -> AsyncGenerator[tuple[str, Any]]:
     """The tensors of a local file read ahead of the caller by worker threads kept busy (see
-    :mod:`stream_st.sources._ahead`): every tensor going into memory the caller gave (but
+    :mod:`stream_st.transports.file.readahead`): every tensor going into memory the caller gave (but
     memory given for several tensors, such as one staging buffer, takes the next only once
     the tensor before has been handed out and the caller has asked for the next, as without
     read-ahead), and fresh arrays while those not yet handed out leave room

@@ -36,7 +36,7 @@ def _allocate_framed(
     info: TensorInfo, take: Callable[[int], tuple[np.ndarray[Any, Any], memoryview | None]]
 ) -> tuple[np.ndarray[Any, Any], memoryview, memoryview | None]:
     """:func:`_allocate` with ``take`` giving a frame too (see
-    :meth:`~stream_st._recycle.Recycler.take_framed`), returned third."""
+    :meth:`~stream_st.memory.recycle.Recycler.take_framed`), returned third."""
     try:
         raw, frame = take(info.nbytes)
     except (MemoryError, ValueError, OSError) as exc:
@@ -83,7 +83,7 @@ async def _read_tensor(
     """Read one tensor straight into a fresh array, or into ``target`` (memory the caller owns:
     an array and its byte view); never return a partly filled one, nor one that does not match
     its digest in ``digests``. ``whole`` is also fed the tensor's bytes (the object's digest).
-    ``take`` gives the fresh memory (a stream's :class:`~stream_st._recycle.Recycler`)."""
+    ``take`` gives the fresh memory (a stream's :class:`~stream_st.memory.recycle.Recycler`)."""
     start = base + info.start
     hasher = None if digests is None else digests.hasher()
     hashers = [h for h in (hasher, whole) if h is not None]
@@ -125,7 +125,8 @@ async def read_hashing(
     A read of one chunk (:data:`READ_CHUNK`) or less is hashed once read (on the loop's thread
     when small). A bigger one goes in chunks, each hashed while the next one is read: by the
     source's own worker threads right after each read where it can (a local file:
-    :meth:`~stream_st.sources.Source.read_feeding`, no thread hop per chunk), else in a worker
+    :meth:`~stream_st.transports.base.Source.read_feeding`, no thread hop per chunk), else in a
+    worker
     thread fed chunk by chunk. Either way the bytes are hashed while still in the CPU's caches.
     Returns the bytes read (fewer if the source ended).
     """

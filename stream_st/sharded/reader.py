@@ -28,7 +28,7 @@ shard's header must hold exactly the tensors the index assigns to it, or describ
 bytes the manifest gives for it.
 
 An index may come from anywhere. Its shard names must be relative paths that stay next to it
-however they are decoded (``stream_st._shards``): every name is checked before any shard is
+however they are decoded (``stream_st.core.shards``): every name is checked before any shard is
 opened or requested. A shard that turns out not to be a safetensors file, or not the one the
 index describes, is reported by its address and the kind of problem only, never with values read
 from its bytes: the index may name a file the user never meant to show.

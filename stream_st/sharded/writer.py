@@ -82,7 +82,8 @@ async def _write_file(
     path: Path, head: bytes, rest: io.BufferedReader | None = None, size: int = 0
 ) -> None:
     """``head``, then what is left in ``rest``, as the file ``path`` (``size`` bytes in all, when
-    known): through a :class:`~stream_st.sinks.file.FileSink`, so a temporary file is renamed
+    known): through a :class:`~stream_st.transports.file.sink.FileSink`, so a temporary file is
+    renamed
     into place once complete, and removed on any failure or cancellation."""
     sink = FileSink(path)
     try:

@@ -52,7 +52,8 @@ class Source(ABC):
     bytes, iterator of chunks, HTTP body): it must end exactly at the last tensor. A connection
     (``whole_object`` False) is read up to the end of the message and the rest is left unread.
     ``random_access`` is True when :meth:`read_into_at` may jump anywhere, so skipped tensors cost
-    nothing. ``clock`` bounds every wait for the transport (see ``stream_st._limits``); the
+    nothing. ``clock`` bounds every wait for the transport (see ``stream_st.transports.options``);
+    the
     reader gives the source its operation's clock.
     """
 
@@ -157,7 +158,8 @@ class Sink(ABC):
     ``name`` describes the destination in error messages (a path or URL). ``position`` counts the
     bytes appended with :meth:`send`. A sink does not keep any reference to a buffer once the call
     that was given it returns, so the caller may reuse or change the memory afterwards.
-    ``clock`` bounds every wait for the transport (see ``stream_st._limits``); the writer gives
+    ``clock`` bounds every wait for the transport (see ``stream_st.transports.options``); the
+    writer gives
     the sink its operation's clock.
     """
 

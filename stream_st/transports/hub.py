@@ -277,7 +277,8 @@ class HubSource(HttpSource):
     async def _resolve(self, start: int, end: int | None) -> Response | None:
         """Ask the Hub for the range; follow its redirects within the Hub. Returns the Hub's own
         answer, or None once ``url`` is the place elsewhere it redirected to. Its redirects are
-        held to the client's policy (``stream_st._http.redirect``): no downgrade to plain http,
+        held to the client's policy (``stream_st.transports.http.redirect``): no downgrade to plain
+        http,
         no unusable ``Location``."""
         for _ in range(MAX_HUB_HOPS + 1):
             try:

@@ -155,7 +155,8 @@ class Turn:
 
 class SocketEnd(NonBlockingEnd[socket.socket]):
     """What a socket source and a socket sink share: the socket, the name to report, the waits
-    bounded by ``clock`` (see :class:`~stream_st._nonblocking.NonBlockingEnd`), and who closes
+    bounded by ``clock`` (see :class:`~stream_st.transports.nonblocking.NonBlockingEnd`), and who
+    closes
     the socket.
 
     Without a ``turn`` the end owns the socket and closing the end closes it. With one, the socket

@@ -1,5 +1,5 @@
 """Reading the parts of a local file that the page cache does not hold straight from the disk
-(``O_DIRECT``), as the read-ahead threads of :mod:`stream_st.sources._ahead` do.
+(``O_DIRECT``), as the read-ahead threads of :mod:`stream_st.transports.file.readahead` do.
 
 A buffered read of a file that is not cached makes the kernel find and map fresh page-cache
 pages, read the disk into them, then copy them into the caller's memory; on the two-core
@@ -7,7 +7,7 @@ virtual machine measured here that capped a cold 1 GiB file at 1.1-1.2 GB/s, whe
 with ``O_DIRECT`` (the disk writes into memory that is already mapped) reached 1.3-1.7 GB/s in
 the same runs. Such reads must start and end on a block boundary and land in aligned memory. A
 fresh array is therefore placed in its own mapping as its bytes lie in the file's blocks, with a
-block to spare either side (:meth:`~stream_st._recycle.Recycler.take_framed`), and read into
+block to spare either side (:meth:`~stream_st.memory.recycle.Recycler.take_framed`), and read into
 straight (:meth:`Direct.read_framed`); other memory (the caller's, small arrays) is read into a
 bounce buffer of the thread's and copied out (:meth:`Direct.read_bounced`).
 

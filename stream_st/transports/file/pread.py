@@ -1,6 +1,6 @@
 """Positioned reads of a local file that go on until the buffer is full or the file ends: one
-loop for the file source (:mod:`stream_st.sources.file`) and the direct reads' tail
-(:mod:`stream_st.sources._direct`)."""
+loop for the file source (:mod:`stream_st.transports.file.source`) and the direct reads' tail
+(:mod:`stream_st.transports.file.direct`)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ job it waits for (:meth:`ReadAhead.wait`) is complete. The loop meanwhile hands 
 tensors and queues more.
 
 Parts of the file the page cache does not hold are read straight from the disk, in smaller
-pieces by more threads (:mod:`stream_st.sources._direct`): the threads ask the kernel, piece by
+pieces by more threads (:mod:`stream_st.transports.file.direct`): the threads ask the kernel, piece
+by
 piece, which way to read.
 """
 
@@ -46,7 +47,7 @@ PIECE = 8 << 20
 WORKERS = 2
 """Threads reading at once: two cores copy from the page cache twice as fast as one (and 4
 threads 0.94x as fast as 2). Once a piece is read from the disk directly, more threads start
-(:data:`stream_st.sources._direct.WORKERS`)."""
+(:data:`stream_st.transports.file.direct.WORKERS`)."""
 
 JOIN_WAIT = 0.5
 """The most seconds :meth:`ReadAhead.close` blocks waiting for the threads to end."""
@@ -108,7 +109,7 @@ class ReadAhead:
         """Queue a read of ``len(view)`` bytes at ``offset`` into ``view``; the job's number.
         ``frame``: the memory around ``view`` from the start of the block ``offset`` is in to
         the block boundary after its end, aligned, where the view may be read into directly
-        (see :meth:`stream_st.sources._direct.Direct.read_framed`)."""
+        (see :meth:`stream_st.transports.file.direct.Direct.read_framed`)."""
         first = offset - offset % ALIGN  # pieces end on block boundaries: frames never overlap
         cuts = [offset, *range(first + PIECE, offset + len(view), PIECE), offset + len(view)]
         with self._cond:
@@ -244,7 +245,7 @@ class ReadAhead:
     def _take(self) -> tuple[list[_Piece], bool]:
         """The next piece and those adjacent to it in the file, up to :data:`PIECE` bytes, and
         whether the page cache holds too little of them to read through it. Read directly, a
-        piece with a frame goes alone, others up to :data:`stream_st.sources._direct.BOUNCE`
+        piece with a frame goes alone, others up to :data:`stream_st.transports.file.direct.BOUNCE`
         bytes together. Empty once stopped."""
         with self._cond:
             while not self._pieces and not self._stopped:

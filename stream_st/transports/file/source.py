@@ -290,7 +290,7 @@ class FileSource(Source):
 
     def reading(self) -> AbstractAsyncContextManager[ReadAhead]:
         """Reads of many ranges at once into memory that exists already, by worker threads
-        kept busy across them (see :mod:`stream_st.sources._ahead`)."""
+        kept busy across them (see :mod:`stream_st.transports.file.readahead`)."""
         return read_ahead(self._fd, self.name)
 
     def map(self, *, private: bool = False) -> FileMap | None:
@@ -315,7 +315,8 @@ class FileSource(Source):
 
 class PipeEnd(NonBlockingEnd[int]):
     """What a pipe source and a pipe sink share: the non-blocking descriptor ``fd``, the name to
-    report, the waits bounded by ``clock`` (see :class:`~stream_st._nonblocking.NonBlockingEnd`),
+    report, the waits bounded by ``clock`` (see
+    :class:`~stream_st.transports.nonblocking.NonBlockingEnd`),
     and closing it."""
 
     receiving = "read"

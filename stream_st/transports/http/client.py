@@ -22,7 +22,8 @@ __all__ = ["ClientUser", "HTTPClient"]
 class HTTPClient(AsyncClosing):
     """Keep-alive HTTP/1.1 connections to any number of hosts.
 
-    ``clock`` bounds connecting and every wait (see ``stream_st._limits``): a transport that owns
+    ``clock`` bounds connecting and every wait (see ``stream_st.transports.options``): a transport
+    that owns
     its client gives it its operation's clock. ``ssl_context`` is used for https (default: the
     system's trusted roots).
     """
@@ -75,12 +76,13 @@ class HTTPClient(AsyncClosing):
         """Send a request and read the response head; the body is read from the Response.
 
         A stale keep-alive connection is replaced transparently. GET and HEAD follow redirects
-        (unless ``follow_redirects`` is false) by the policy of ``stream_st._http.redirect``. A
+        (unless ``follow_redirects`` is false) by the policy of
+        ``stream_st.transports.http.redirect``. A
         successful answer whose body is encoded (``Content-Encoding: gzip``) raises
         :class:`HTTPProtocolError`: it is never taken for the bytes asked for. Bodies to stream
         go through :meth:`upload` instead. ``clock`` and ``ssl_context``, when given, replace the
         client's for this request; a proxy is chosen from the environment
-        (``stream_st._http.proxy``).
+        (``stream_st.transports.http.proxy``).
         """
         via = (clock or self.clock, ssl_context)
         target = Target.parse(url)

@@ -1,7 +1,8 @@
 """``s3://bucket/key`` sources on any S3-compatible store: signed ranged GETs.
 
 Everything about ranges, retries, resumption and truncation is the HTTP source's; this module
-adds the address and the SigV4 signature of each request (configuration: ``stream_st._s3``),
+adds the address and the SigV4 signature of each request (configuration:
+``stream_st.transports.s3.config``),
 with credentials looked for (and refreshed) off the event loop before a request needs them.
 
 It also asks for the object's checksum (``x-amz-checksum-mode: ENABLED``) and offers it to a
