@@ -12,7 +12,7 @@ import numpy as np
 
 from .core.arrays import Framework, as_array, spec_of
 from .core.digests import Digests
-from .core.header import DEFAULT_MAX_HEADER_SIZE, Header
+from .core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes
 from .errors import UsageError
 from .memory.delivery import Delivery
 from .reader import NO_CAPS, Caps, Include, TensorStream
@@ -259,8 +259,10 @@ def stream_for(
     max_tensor_bytes: int | None = None,
     max_total_bytes: int | None = None,
     cache: CacheLike = None,
+    unknown_dtypes: UnknownDtypes = "refuse",
 ) -> TensorStream:
     """:func:`open_stream` under ``clock``: reads that share one operation's limits.
+    ``unknown_dtypes`` (one file's header-only read) as in :class:`~stream_st.TensorStream`.
 
     ``unique_names`` (the default: what callers collecting ``{name: array}`` need) refuses, with
     a :class:`~stream_st.UsageError` naming the streaming way to read it, an index or manifest
@@ -286,6 +288,7 @@ def stream_for(
             clock=clock,
             delivery=delivery,
             copy=copy,
+            unknown_dtypes=unknown_dtypes,
         )
         if cached is not None:
             return cached
@@ -313,6 +316,7 @@ def stream_for(
         copy=copy,
         max_tensor_bytes=max_tensor_bytes,
         max_total_bytes=max_total_bytes,
+        unknown_dtypes=unknown_dtypes,
     )
 
 
@@ -323,18 +327,24 @@ async def read_header(
     max_tensor_bytes: int | None = None,
     max_total_bytes: int | None = None,
     cache: CacheLike = None,
+    unknown_dtypes: UnknownDtypes = "refuse",
     **options: Unpack[TransportOptions],
 ) -> Header:
     """Read and validate only the header of ``source``, then close it; limits and ``cache`` as
     in :func:`open_stream`. With ``max_tensor_bytes`` or ``max_total_bytes``, the header's
     tensors (all of them) are checked against those caps as :func:`open_stream` would check
-    them before reading: :class:`~stream_st.AllocationError` for one over a cap."""
+    them before reading: :class:`~stream_st.AllocationError` for one over a cap.
+    ``unknown_dtypes="keep"`` keeps the tensors of a dtype code stream_st does not know (a
+    packed ``I4`` or ``I2``), sized by their ``data_offsets`` and named in
+    :attr:`Header.unreadable <stream_st.Header.unreadable>`, instead of refusing the file with
+    :class:`~stream_st.UnknownDtypeError`; their data stays unreadable."""
     return await header_of(
         source,
         clock_of(options),
         max_header_size=max_header_size,
         caps=Caps.of(max_tensor_bytes, max_total_bytes),
         cache=cache,
+        unknown_dtypes=unknown_dtypes,
     )
 
 
@@ -345,9 +355,16 @@ async def header_of(
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
     caps: Caps = NO_CAPS,
     cache: CacheLike = None,
+    unknown_dtypes: UnknownDtypes = "refuse",
 ) -> Header:
     """:func:`read_header` under ``clock``, checked against ``caps``."""
-    stream = stream_for(source, max_header_size=max_header_size, clock=clock, cache=cache)
+    stream = stream_for(
+        source,
+        max_header_size=max_header_size,
+        clock=clock,
+        cache=cache,
+        unknown_dtypes=unknown_dtypes,
+    )
     async with stream:
         caps.check(stream.header.tensors, stream.source.name)
         return stream.header

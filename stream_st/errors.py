@@ -4,7 +4,8 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
 
     SafetensorsError                  root: catch this to catch everything below
     ├── HeaderError                   the 8-byte length or the JSON header breaks the format
-    │   └── HeaderTooLargeError       the declared header length exceeds the configured limit
+    │   ├── HeaderTooLargeError       the declared header length exceeds the configured limit
+    │   └── UnknownDtypeError         a dtype code stream_st cannot read (also a DtypeError)
     ├── TruncatedStreamError          the source ended before the bytes the header promised
     ├── TrailingDataError             a whole object carries bytes after its last tensor
     ├── TensorNotFoundError           a requested tensor name is not in the header (also KeyError)
@@ -74,6 +75,7 @@ __all__ = [
     "TrailingDataError",
     "TransportError",
     "TruncatedStreamError",
+    "UnknownDtypeError",
     "UnsupportedSinkError",
     "UnsupportedSourceError",
     "UsageError",
@@ -195,6 +197,13 @@ class TensorNotFoundError(SafetensorsError, KeyError):
 
 class DtypeError(SafetensorsError, ValueError):
     """A dtype that safetensors cannot carry, or a safetensors code numpy cannot hold."""
+
+
+class UnknownDtypeError(HeaderError, DtypeError):
+    """A header names a dtype code stream_st does not know (a packed ``I4`` or ``I2``, say):
+    both a :class:`HeaderError` (the file cannot be read) and a :class:`DtypeError`.
+    Header-only reads may keep such tensors (``unknown_dtypes="keep"``); reading their data
+    raises it, naming the tensor and its dtype."""
 
 
 class UnsupportedSourceError(SafetensorsError, TypeError):

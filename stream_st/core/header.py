@@ -15,17 +15,25 @@ reading is :mod:`.strict_json`'s.
 from __future__ import annotations
 
 import operator
+import re
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from math import prod
-from typing import Any, NamedTuple, cast, overload
+from typing import Any, Literal, NamedTuple, cast, overload
 
 import numpy as np
 
-from ..errors import DtypeError, HeaderError, HeaderTooLargeError, TensorNotFoundError, UsageError
-from .dtypes import DType, array_shape, dtype_from_code
+from ..errors import (
+    DtypeError,
+    HeaderError,
+    HeaderTooLargeError,
+    TensorNotFoundError,
+    UnknownDtypeError,
+    UsageError,
+)
+from .dtypes import DTYPES, DType, array_shape, dtype_from_code
 from .strict_json import brief, decode_json, json_type, members, refuse_surrogates
 
 __all__ = [
@@ -35,6 +43,7 @@ __all__ = [
     "Header",
     "TensorInfo",
     "TensorTable",
+    "UnknownDtypes",
     "parse_header",
     "parse_header_length",
 ]
@@ -51,6 +60,15 @@ U64_MAX = 2**64 - 1
 _NUMPY_MAX_NDIM = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
 _NUMPY_MAX_BYTES = int(np.iinfo(np.intp).max)
 _TENSOR_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+
+UnknownDtypes = Literal["refuse", "keep"]
+"""What a header parse does with a dtype code stream_st does not know: ``"refuse"`` it (the
+default, :class:`~stream_st.UnknownDtypeError`), or ``"keep"`` the tensor for header-only use
+(see :func:`parse_header`)."""
+
+_KEPT_CODE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")
+"""The dtype codes ``unknown_dtypes="keep"`` keeps: a letter, then up to 31 letters, digits or
+underscores (``I4``, ``I2``, ``U1``...). Anything else in a dtype is refused in any mode."""
 
 
 class TensorInfo(NamedTuple):
@@ -76,9 +94,20 @@ class TensorInfo(NamedTuple):
         return prod(self.shape)
 
     @property
+    def readable(self) -> bool:
+        """Whether stream_st knows this tensor's dtype, so can read its data (False only for a
+        tensor kept by a header-only parse, ``unknown_dtypes="keep"``)."""
+        return self.dtype in DTYPES
+
+    @property
     def dtype_info(self) -> DType:
-        """The :class:`~stream_st.core.dtypes.DType` row for this tensor's dtype code."""
-        return dtype_from_code(self.dtype)
+        """The :class:`~stream_st.core.dtypes.DType` row for this tensor's dtype code;
+        :class:`~stream_st.UnknownDtypeError` naming the tensor for a code stream_st does not
+        know (a tensor kept by a header-only parse)."""
+        found = DTYPES.get(self.dtype)
+        if found is None:
+            raise unreadable_error(self)
+        return found
 
     @property
     def array_dtype(self) -> np.dtype[Any]:
@@ -165,6 +194,22 @@ class TensorTable(Sequence[TensorInfo]):
         return repr(tuple(self))
 
 
+def unreadable_error(info: TensorInfo) -> UnknownDtypeError:
+    """The error for reading the data of ``info``, whose dtype stream_st does not know."""
+    return UnknownDtypeError(
+        f"tensor {info.name!r} has dtype {info.dtype!r}, a packed or unknown dtype stream_st "
+        "cannot read: only its header can be (inspect, ls, hash without --content)"
+    )
+
+
+def refuse_unreadable(tensors: Iterable[TensorInfo]) -> None:
+    """:class:`~stream_st.UnknownDtypeError` naming the first of ``tensors`` whose dtype stream_st
+    does not know, if any: before any of their data is read."""
+    for info in tensors:
+        if info.dtype not in DTYPES:
+            raise unreadable_error(info)
+
+
 def _positions(names: Sequence[str]) -> dict[str, int]:
     """Each name's position in ``names`` (the last, for a name listed twice)."""
     return dict(zip(names, range(len(names)), strict=True))
@@ -176,7 +221,8 @@ class Header:
 
     ``tensors`` is a :class:`TensorTable` in offset order; ``header_size`` is N, the JSON
     length (padding included); ``data_size`` is the length of the data section, i.e. the end
-    offset of the last tensor.
+    offset of the last tensor. ``unreadable`` names the tensors whose dtype stream_st does not
+    know, in offset order: empty but for a header parsed with ``unknown_dtypes="keep"``.
     """
 
     tensors: TensorTable
@@ -184,13 +230,15 @@ class Header:
     header_size: int
     _index: dict[str, int] = field(repr=False, compare=False)
     """Each tensor's position in ``tensors`` by name: strings and ints, so never GC-tracked."""
+    unreadable: tuple[str, ...] = field(default=(), compare=False)
 
     @classmethod
     def from_tensors(
         cls, tensors: Iterable[TensorInfo], metadata: Mapping[str, str], header_size: int
     ) -> Header:
         table = TensorTable.of(tensors)
-        return cls(table, dict(metadata), header_size, _positions(table.names()))
+        unreadable = tuple(t.name for t in table if t.dtype not in DTYPES)
+        return cls(table, dict(metadata), header_size, _positions(table.names()), unreadable)
 
     @property
     def data_start(self) -> int:
@@ -275,9 +323,12 @@ _KNOWN_LAYOUTS = 4096
 """How many distinct (dtype, shape) pairs one parse remembers as checked."""
 
 
-def _parse_tensor(name: str, entry: Any, known: dict[tuple[Any, ...], _Layout]) -> _Row:
+def _parse_tensor(
+    name: str, entry: Any, known: dict[tuple[Any, ...], _Layout], keep: bool = False
+) -> _Row:
     """Validate one tensor entry; ``known`` caches the layouts already checked by this parse
-    (tensors alike share one shape tuple)."""
+    (tensors alike share one shape tuple). ``keep`` keeps a tensor of an unknown dtype code
+    (:func:`_kept_tensor`)."""
     try:
         if len(entry) != 3:
             raise KeyError
@@ -288,6 +339,8 @@ def _parse_tensor(name: str, entry: Any, known: dict[tuple[Any, ...], _Layout]) 
         raise _shape_error(name, shape)
     layout = known.get((code, *shape)) if type(code) is str else None
     if layout is None:
+        if keep and type(code) is str and code not in DTYPES and _KEPT_CODE.fullmatch(code):
+            return _kept_tensor(name, code, shape, offsets)
         dtype = _header_dtype(name, code)
         dims = checked_dims(name, shape)
         layout = dtype.code, dims, data_size(name, dtype, dims)
@@ -305,6 +358,22 @@ def _parse_tensor(name: str, entry: Any, known: dict[tuple[Any, ...], _Layout]) 
         ):
             return name, code, dims, start, end
     raise _offsets_error(name, offsets, code, dims, nbytes)
+
+
+def _kept_tensor(name: str, code: str, shape: list[int], offsets: object) -> _Row:
+    """The row of a tensor whose dtype code stream_st does not know, sized by its
+    ``data_offsets`` alone: the shape is checked as any shape is, not against the bytes."""
+    dims = checked_dims(name, shape)
+    if type(offsets) is list and len(offsets) == 2:
+        start, end = offsets
+        if type(start) is int and type(end) is int and 0 <= start <= end <= U64_MAX:
+            return name, code, dims, start, end
+        if type(start) is int and type(end) is int and 0 <= end < start <= U64_MAX:
+            raise HeaderError(
+                f"tensor {name!r}: dtype {code} ({brief(list(dims))}): data_offsets "
+                f"[{start}, {end}] are reversed"
+            )
+    raise _offsets_error(name, offsets, code, dims, 0)  # not two integers in [0, 2**64)
 
 
 def _offsets_error(
@@ -353,7 +422,13 @@ def _header_dtype(name: str, code: object) -> DType:
     try:
         return dtype_from_code(code)
     except DtypeError as exc:
-        raise HeaderError(f"tensor {name!r}: {exc}") from None
+        hint = (
+            "; only header-only reads accept it (inspect, ls, hash; "
+            "read_header(..., unknown_dtypes='keep'))"
+            if type(code) is str and _KEPT_CODE.fullmatch(code)
+            else ""
+        )
+        raise UnknownDtypeError(f"tensor {name!r}: {exc}{hint}") from None
 
 
 def checked_dims(name: str, shape: Iterable[int]) -> tuple[int, ...]:
@@ -445,7 +520,10 @@ def _gap(rows: list[_Row]) -> tuple[int, int] | None:
 
 
 def parse_header(
-    raw: bytes | bytearray | memoryview, *, stop: Callable[[], bool] | None = None
+    raw: bytes | bytearray | memoryview,
+    *,
+    stop: Callable[[], bool] | None = None,
+    unknown_dtypes: UnknownDtypes = "refuse",
 ) -> Header:
     """Parse and fully validate the N header bytes (without the 8-byte prefix).
 
@@ -459,7 +537,16 @@ def parse_header(
     Time and memory are linear in the header's size; it stops at the first tensor found bad.
     ``stop``, asked every few thousand tensors, ends a parse nobody waits for any more (one in a
     worker thread whose caller was cancelled) with :class:`UsageError`.
+
+    A dtype code stream_st does not know is refused (:class:`~stream_st.UnknownDtypeError`)
+    unless ``unknown_dtypes="keep"``, for a read of the header alone: then a tensor of such a
+    code (a letter, then letters, digits or underscores: the packed ``I4``, ``I2`` other tools
+    write) is kept, its shape checked as any shape but its size taken from its
+    ``data_offsets`` alone, and named in :attr:`Header.unreadable`; reading its data raises
+    :class:`~stream_st.UnknownDtypeError`. Every other check stands.
     """
+    if unknown_dtypes not in ("refuse", "keep"):
+        raise UsageError(f"unknown_dtypes is 'refuse' or 'keep', got {unknown_dtypes!r}")
     try:
         text = str(raw, "utf-8")
     except UnicodeDecodeError as exc:
@@ -468,14 +555,16 @@ def parse_header(
         raise UsageError(f"a header is bytes, got {type(raw).__name__}") from None
     if not text.startswith("{"):
         raise HeaderError(f"header must begin with '{{', begins with {text[:16]!r}")
-    return _parse_object(text, len(raw), stop)
+    return _parse_object(text, len(raw), stop, unknown_dtypes == "keep")
 
 
 _STOP_EVERY = 4096
 """Members of a header parsed between two looks at its ``stop`` callable."""
 
 
-def _parse_object(text: str, header_size: int, stop: Callable[[], bool] | None) -> Header:
+def _parse_object(
+    text: str, header_size: int, stop: Callable[[], bool] | None, keep: bool = False
+) -> Header:
     """The :class:`Header` of the JSON object ``text``, validated member by member."""
     metadata: dict[str, str] | None = None
     index: dict[str, int] = {}
@@ -494,6 +583,7 @@ def _parse_object(text: str, header_size: int, stop: Callable[[], bool] | None) 
         if text.count('"', start, end) != 8 or text.find("-", start, end) >= 0:
             value = _strict_entry(text[start:end], name)
         index[name] = len(rows)
-        rows.append(_parse_tensor(name, value, known))
+        rows.append(_parse_tensor(name, value, known, keep))
     table = _data_order(rows, index)
-    return Header(table, metadata or {}, header_size, index)
+    unreadable = tuple(row[0] for row in table._rows if row[1] not in DTYPES) if keep else ()
+    return Header(table, metadata or {}, header_size, index, unreadable)

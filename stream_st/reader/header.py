@@ -7,7 +7,13 @@ import threading
 
 import anyio.to_thread
 
-from ..core.header import LENGTH_PREFIX_SIZE, Header, parse_header, parse_header_length
+from ..core.header import (
+    LENGTH_PREFIX_SIZE,
+    Header,
+    UnknownDtypes,
+    parse_header,
+    parse_header_length,
+)
 from ..errors import TrailingDataError, TruncatedStreamError
 from ..transports.registry import Source
 
@@ -37,24 +43,28 @@ async def _receive_header(source: Source, n: int) -> tuple[bytearray, int]:
     return raw, got
 
 
-async def _parse_off_loop(raw: bytearray, source: Source) -> Header:
+async def _parse_off_loop(raw: bytearray, source: Source, unknown_dtypes: UnknownDtypes) -> Header:
     """Parse a big header in a worker thread, within the read's deadline. A cancelled or late
     caller does not wait for the thread: it stops at its next look at the flag."""
     stopped = threading.Event()
     try:
         with source.clock.within_deadline(source.name, LENGTH_PREFIX_SIZE + len(raw)):
             return await anyio.to_thread.run_sync(
-                functools.partial(parse_header, raw, stop=stopped.is_set), abandon_on_cancel=True
+                functools.partial(
+                    parse_header, raw, stop=stopped.is_set, unknown_dtypes=unknown_dtypes
+                ),
+                abandon_on_cancel=True,
             )
     finally:
         stopped.set()
 
 
 async def _read_header(
-    source: Source, max_header_size: int
+    source: Source, max_header_size: int, unknown_dtypes: UnknownDtypes = "refuse"
 ) -> tuple[Header, tuple[bytes, bytearray]]:
     """The validated header of ``source`` (its length at most ``max_header_size``), and the
-    length prefix and header bytes as read (the start of the whole object's digest)."""
+    length prefix and header bytes as read (the start of the whole object's digest).
+    ``unknown_dtypes`` as in :func:`~stream_st.core.header.parse_header`."""
     prefix = bytearray(LENGTH_PREFIX_SIZE)
     got = await source.fill(memoryview(prefix))
     if got < LENGTH_PREFIX_SIZE:
@@ -77,7 +87,11 @@ async def _read_header(
             expected=LENGTH_PREFIX_SIZE + n,
             source=source.name,
         )
-    header = await _parse_off_loop(raw, source) if n > PARSE_IN_THREAD_ABOVE else parse_header(raw)
+    header = (
+        await _parse_off_loop(raw, source, unknown_dtypes)
+        if n > PARSE_IN_THREAD_ABOVE
+        else parse_header(raw, unknown_dtypes=unknown_dtypes)
+    )
     if source.size is not None:
         _check_size(header, source.size, source.name)
     return header, (bytes(prefix), raw)

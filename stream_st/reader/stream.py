@@ -13,7 +13,7 @@ import numpy as np
 
 from .._util import AsyncClosing
 from ..core.digests import Digests, Hasher, ObjectDigest, hash_view
-from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header
+from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes, refuse_unreadable
 from ..core.stats import LoadStats
 from ..errors import (
     TensorNotFoundError,
@@ -66,6 +66,9 @@ class TensorStream(AsyncClosing):
     (:meth:`Source.object_digest`); after the read, ``object_check`` says how that went (None:
     the transport gave no digest).
     ``stats`` (a :class:`~stream_st.LoadStats`) counts the bytes, tensors and time of the read.
+    ``unknown_dtypes="keep"`` (for a read of the header alone) keeps a tensor of a dtype code
+    stream_st does not know (see :func:`~stream_st.core.header.parse_header`); iterating over
+    such a tensor raises :class:`~stream_st.UnknownDtypeError`.
     """
 
     def __init__(
@@ -80,8 +83,10 @@ class TensorStream(AsyncClosing):
         copy: bool = True,
         max_tensor_bytes: int | None = None,
         max_total_bytes: int | None = None,
+        unknown_dtypes: UnknownDtypes = "refuse",
     ) -> None:
         self._caps = Caps.of(max_tensor_bytes, max_total_bytes)
+        self._unknown_dtypes: UnknownDtypes = unknown_dtypes
         self._source_like = source
         self._include = include
         self._delivery = delivery or Delivery()
@@ -144,7 +149,9 @@ class TensorStream(AsyncClosing):
             self._source.clock.start()  # a lent connection brings the clock of its message
             await self._source.start(read_all=read_all)
             await give_turn()
-            self._header, self._head = await _read_header(self._source, self._max_header_size)
+            self._header, self._head = await _read_header(
+                self._source, self._max_header_size, self._unknown_dtypes
+            )
             self.stats.received(self._header.data_start)
         except BaseException:
             await self.aclose()
@@ -220,6 +227,8 @@ class TensorStream(AsyncClosing):
         delivery = self._delivery
         base = header.data_start
         wanted = [info for info in header.tensors if selected(info.name)]
+        if header.unreadable:
+            refuse_unreadable(wanted)
         self._caps.check(wanted, source.name)  # before anything is allocated for them
         digests = Digests.from_header(header) if self._verify else None
         ranges = merge_ranges((base + t.start, base + t.end) for t in wanted)

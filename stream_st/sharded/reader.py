@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from .._util import task_group
-from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header
+from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes
 from ..core.shards import MANIFEST_NAME, shard_address, shard_name
 from ..core.strict_json import decode_json
 from ..errors import (
@@ -103,15 +103,21 @@ async def _open_shard(stream: TensorStream, address: str, *, read_all: bool = Fa
     raise failure  # outside the handler: the original is not chained for a traceback to show
 
 
-async def shard_headers(index_address: str | os.PathLike[str], clock: Clock) -> list[Header]:
+async def shard_headers(
+    index_address: str | os.PathLike[str],
+    clock: Clock,
+    *,
+    unknown_dtypes: UnknownDtypes = "refuse",
+) -> list[Header]:
     """The header of every shard of the index or manifest at ``index_address``, in reading
-    order, each checked against what the index says of it; ``clock`` bounds every wait."""
+    order, each checked against what the index says of it; ``clock`` bounds every wait.
+    ``unknown_dtypes`` as in :func:`~stream_st.read_header`."""
     address = os.fspath(index_address)
     index = await ShardIndex.read(address, clock)
     headers = []
     for shard in index.shards:
         where = shard_address(index.home, shard)
-        stream = TensorStream(where, clock=clock)
+        stream = TensorStream(where, clock=clock, unknown_dtypes=unknown_dtypes)
         header = await _open_shard(stream, where)
         await stream.aclose()
         index.check(shard, where, header)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 
 from .._api import header_of, stream_for
-from ..core.header import Header, TensorInfo
+from ..core.header import Header, TensorInfo, UnknownDtypes
 from ..core.shards import INDEX_SUFFIX, MANIFEST_NAME, is_index
 from ..errors import SourceNotFoundError, UsageError
 from ..reader import Include, TensorStream
@@ -38,11 +38,15 @@ def command_clock(options: TransportOptions) -> Clock:
     return clock
 
 
-async def headers_of(source: SourceLike, clock: Clock) -> list[Header]:
-    """The header of ``source``, or of every shard of an index (in shard order)."""
+async def headers_of(
+    source: SourceLike, clock: Clock, *, unknown_dtypes: UnknownDtypes = "refuse"
+) -> list[Header]:
+    """The header of ``source``, or of every shard of an index (in shard order).
+    ``unknown_dtypes="keep"`` for commands that read the headers alone (inspect, ls, the
+    structural hash): a tensor of a dtype stream_st does not know is kept, not refused."""
     if is_index(source):
-        return await shard_headers(source, clock)
-    return [await header_of(source, clock)]
+        return await shard_headers(source, clock, unknown_dtypes=unknown_dtypes)
+    return [await header_of(source, clock, unknown_dtypes=unknown_dtypes)]
 
 
 def tensors_of(headers: Iterable[Header]) -> list[TensorInfo]:

@@ -134,7 +134,7 @@ async def hash(  # the command's name (shadows the builtin only inside this modu
     clock = command_clock(options)
     if not file:
         if not content:
-            return structure_of(source, await headers_of(source, clock))
+            return structure_of(source, await headers_of(source, clock, unknown_dtypes="keep"))
         return await _content_of(source, source, clock, progress)
     if isinstance(source, str | os.PathLike) and is_index(source):
         raise UsageError("the sha256 of a file takes one file, not a sharded checkpoint's index")
@@ -143,7 +143,7 @@ async def hash(  # the command's name (shadows the builtin only inside this modu
         if content:
             result = await _content_of(source, hashing, clock, progress)
         else:
-            async with stream_for(hashing, clock=clock) as stream:
+            async with stream_for(hashing, clock=clock, unknown_dtypes="keep") as stream:
                 result = structure_of(source, [stream.header])
         result["file_sha256"] = await hashing.finish()
     finally:

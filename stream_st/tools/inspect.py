@@ -32,7 +32,7 @@ class Inspection:
 
 async def inspect(source: SourceLike, **options: Unpack[TransportOptions]) -> Inspection:
     """Read only the header (ranged requests on remote sources) and describe it."""
-    headers = await headers_of(source, command_clock(options))
+    headers = await headers_of(source, command_clock(options), unknown_dtypes="keep")
     tensors = tensors_of(headers)
     return Inspection(
         source=redact(str(source)),

@@ -107,7 +107,7 @@ async def weight_inspect(source: SourceLike, **options: Unpack[TransportOptions]
         raise UsageError(
             "weight-inspect identifies one file, not a sharded checkpoint: name a shard"
         )
-    (header,) = await headers_of(source, command_clock(options))
+    (header,) = await headers_of(source, command_clock(options), unknown_dtypes="keep")
     return {
         "source": redact(str(source)),
         "schema": 1,
