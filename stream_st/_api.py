@@ -277,47 +277,25 @@ def stream_for(
         ambient = current_caps()
         max_tensor_bytes, max_total_bytes = ambient.tensor, ambient.total
 
+    common: dict[str, Any] = {
+        "include": include,
+        "max_header_size": max_header_size,
+        "verify": verify,
+        "clock": clock,
+        "delivery": delivery,
+        "copy": copy,
+        "max_tensor_bytes": max_tensor_bytes,
+        "max_total_bytes": max_total_bytes,
+    }
     # cache= (the cache's wiring; stream_st._api): given, or set by using_cache()
     if cache is not False and not is_index(str(source)):
-        cached = cached_stream(
-            source,
-            cache,
-            include=include,
-            max_header_size=max_header_size,
-            verify=verify,
-            clock=clock,
-            delivery=delivery,
-            copy=copy,
-            unknown_dtypes=unknown_dtypes,
-        )
+        cached = cached_stream(source, cache, unknown_dtypes=unknown_dtypes, **common)
         if cached is not None:
             return cached
 
     if isinstance(source, str | os.PathLike) and is_index(source):
-        return ShardedStream(
-            source,
-            include=include,
-            max_header_size=max_header_size,
-            verify=verify,
-            clock=clock,
-            delivery=delivery,
-            copy=copy,
-            unique_names=unique_names,
-            max_tensor_bytes=max_tensor_bytes,
-            max_total_bytes=max_total_bytes,
-        )
-    return TensorStream(
-        source,
-        include=include,
-        max_header_size=max_header_size,
-        verify=verify,
-        clock=clock,
-        delivery=delivery,
-        copy=copy,
-        max_tensor_bytes=max_tensor_bytes,
-        max_total_bytes=max_total_bytes,
-        unknown_dtypes=unknown_dtypes,
-    )
+        return ShardedStream(source, unique_names=unique_names, **common)
+    return TensorStream(source, unknown_dtypes=unknown_dtypes, **common)
 
 
 async def read_header(

@@ -51,3 +51,16 @@ def test_the_command_takes_the_caps(
     assert copy.read_bytes() == path.read_bytes()
     with pytest.raises(SystemExit):
         main(["cp", "--max-tensor-bytes", "lots", str(path), str(copy)])
+
+
+async def test_a_cached_read_takes_the_caps(path: Path, tmp_path: Path) -> None:
+    """``cache=`` reads through another stream; the caps go with it."""
+    from ..servers.http_server import RangeHTTPServer
+
+    with RangeHTTPServer() as server:
+        server.objects["/m.safetensors"] = path.read_bytes()
+        url = server.url("/m.safetensors")
+        with pytest.raises(stream_st.AllocationError, match="max_tensor_bytes=3999"):
+            await stream_st.load(url, cache=tmp_path / "cache", max_tensor_bytes=3999)
+        got = await stream_st.load(url, cache=tmp_path / "cache", max_tensor_bytes=4000)
+        assert sorted(got) == ["a", "b"]
