@@ -17,6 +17,23 @@ from .servers.s3_server import MotoS3Server
 
 StartSender = Callable[[bytes], Awaitable[int]]
 
+# Settings the library reads from the environment that would change what a test sees: a machine
+# with HF_HUB_OFFLINE=1 (or a cache cap, or a Hub mirror) must run the same suite as one without.
+# Tests that exercise them set them with monkeypatch.
+AMBIENT = (
+    "HF_HUB_OFFLINE",
+    "HF_ENDPOINT",
+    "STREAM_ST_CACHE_MAX",
+    "STREAM_ST_DIRECT_IO",
+)
+
+
+@pytest.fixture(autouse=True)
+def hermetic_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts without the ambient settings of ``AMBIENT``."""
+    for name in AMBIENT:
+        monkeypatch.delenv(name, raising=False)
+
 
 @pytest.fixture
 async def tcp_sender() -> AsyncIterator[StartSender]:

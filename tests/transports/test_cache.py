@@ -38,12 +38,6 @@ OTHER: Arrays = {"t0": np.arange(1000, dtype=np.float32)}
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def no_offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("HF_HUB_OFFLINE", "STREAM_ST_CACHE_MAX"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.fixture
 def server() -> Iterator[RangeHTTPServer]:
     with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as running:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -151,12 +150,14 @@ async def test_missing_layer_is_an_error(
 
 
 def test_matches_transformers_bert(
-    inputs: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]], reference: np.ndarray[Any, Any]
+    inputs: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]],
+    reference: np.ndarray[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Checked once against an independent implementation: transformers' BertModel on CPU."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = transformers.BertModel.from_pretrained(str(MODEL_DIR), add_pooling_layer=False)
     with torch.no_grad():
         out = model.eval()(
