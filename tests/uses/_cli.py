@@ -40,6 +40,13 @@ def run(
     )
 
 
+def start(*args: str) -> subprocess.Popen[str]:
+    """The command with ``args`` started (not waited for), its output captured as text."""
+    return subprocess.Popen(
+        [COMMAND, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
 def write_model(path: Path, tensors: dict[str, np.ndarray[Any, Any]] | None = None) -> Path:
     """A safetensors file at ``path`` written by the reference (``TENSORS`` by default)."""
     reference_numpy.save_file(TENSORS if tensors is None else tensors, str(path))
