@@ -22,7 +22,9 @@ Two measurements, each in interleaved rounds (A B C A B C ...) after one untimed
 * one client: ``curl -o /dev/null`` fetching the whole file, wall time per fetch;
 * ``--replicas`` clients at once, each a fresh Python process streaming the whole object through
   ``stream_st.open_stream`` (every tensor checked against its header size, then dropped): the
-  wall time until the last one is done, GB/s = replicas x size / time.
+  wall time until the last one is done, GB/s = replicas x size / time; nginx and ``serve``
+  only. On 2 cores the clients' own work (Python starting, receiving 4 x the file) bounds this
+  one more than the server does.
 
 Printed: median seconds and GB/s per server, and the paired ratio to nginx (per round, nginx's
 time over the server's, then median and range), with the target ``serve >= 0.9x nginx``, and
@@ -40,6 +42,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from bench_read import big_file, ensure_file
@@ -140,15 +143,20 @@ def servers(path: Path, folder: Path, libraries: bool) -> dict[str, Daemon]:
     """The servers to measure, by label, not started."""
     (folder / "nginx").mkdir()
     found: dict[str, Daemon] = {"nginx": Nginx(path.parent, folder / "nginx")}
-    found["serve"] = PythonServer(
-        folder, lambda port: ["-m", "stream_st.cli", "serve", str(path), "--port", str(port)]
-    )
+
+    def command(port: int) -> list[str]:
+        return ["-m", "stream_st.cli", "serve", str(path), "--port", str(port)]
+
+    found["serve"] = PythonServer(folder, command)
     if libraries:
         for label, code in (("aiohttp", AIOHTTP_APP), ("uvicorn", UVICORN_APP)):
-            found[label] = PythonServer(
-                folder, lambda port, code=code: ["-c", code, str(path), str(port)]
-            )
+            found[label] = PythonServer(folder, partial(_app, code, path))
     return found
+
+
+def _app(code: str, path: Path, port: int) -> list[str]:
+    """The arguments that run the server program ``code`` on ``path`` and ``port``."""
+    return ["-c", code, str(path), str(port)]
 
 
 def curl_fetch(url: str, size: int) -> float:
@@ -184,9 +192,7 @@ def replicas_fetch(url: str, replicas: int, tensors: int) -> float:
     """Seconds until ``replicas`` fresh processes have each streamed every tensor of ``url``."""
     start = time.perf_counter()
     children = [
-        subprocess.Popen(
-            [sys.executable, "-c", REPLICA, url], stdout=subprocess.PIPE, text=True
-        )
+        subprocess.Popen([sys.executable, "-c", REPLICA, url], stdout=subprocess.PIPE, text=True)
         for _ in range(replicas)
     ]
     outputs = [child.communicate()[0] for child in children]
@@ -231,6 +237,10 @@ def main() -> None:
         if find_program(program) is None:
             print(f"skipped: {program} is not installed")
             return
+    # The servers and replicas run with this checkout's stream_st, whatever the working folder.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])
+    )
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     work = Path(tempfile.mkdtemp(prefix="bench_serve_"))
     try:
@@ -252,14 +262,14 @@ def main() -> None:
         try:
             urls = {label: f"http://127.0.0.1:{s.port}/{NAME}" for label, s in running.items()}
             one: dict[str, list[float]] = {label: [] for label in urls}
-            many: dict[str, list[float]] = {label: [] for label in urls}
+            many: dict[str, list[float]] = {label: [] for label in ("nginx", "serve")}
             for round_ in range(args.repeat + 1):
                 for label, url in urls.items():
                     seconds = curl_fetch(url, size)
                     if round_:
                         one[label].append(seconds)
-                for label, url in urls.items():
-                    seconds = replicas_fetch(url, args.replicas, len(spec.tensors))
+                for label in many:
+                    seconds = replicas_fetch(urls[label], args.replicas, len(spec.tensors))
                     if round_:
                         many[label].append(seconds)
             summary = report("one client (curl -o /dev/null)", one, size)
