@@ -477,7 +477,7 @@ async def run_serve(args: argparse.Namespace) -> int:
     from ..server.app import TOKEN_ENV
 
     token = args.token or os.environ.get(TOKEN_ENV) or None
-    checksums = False if args.no_checksums else args.checksums
+    checksums = False if args.no_checksums else args.checksums or None
     async with serving(
         args.path,
         host=args.host,

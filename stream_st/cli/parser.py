@@ -87,8 +87,8 @@ EXAMPLES = {
     "  stream-st cp --merge model.safetensors.index.json merged.safetensors",
     "serve": "stream-st serve model.safetensors   # http://127.0.0.1:8000/model.safetensors\n"
     "  stream-st serve --host 0.0.0.0 --port 9000 path/to/sharded-model/\n"
-    "  STREAM_ST_SERVE_TOKEN=secret stream-st serve model.safetensors\n"
-    "  stream-st cp -H 'Authorization: Bearer secret' http://host:8000/model.safetensors .",
+    "  stream-st serve --port 0 --checksums model.safetensors   # any free port, digests added\n"
+    "  stream-st serve model.safetensors   # with $STREAM_ST_SERVE_TOKEN set: a bearer token",
     "demo": "stream-st demo\n"
     "  stream-st demo -q --text essay.txt --context 512 --json | jq .transfers\n"
     "  stream-st demo --synthetic --layers 4 --seq 512 --codecs none,int4",
@@ -341,11 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     digesting = serving.add_mutually_exclusive_group()
     digesting.add_argument(
         "--checksums",
-        nargs="?",
-        const=True,
-        metavar="ALGORITHM",
-        help="every tensor carries a digest (computed at start where the file has none; "
-        "default xxh3-128); without it a file's own digests are served as they are",
+        action="store_true",
+        help="every tensor carries a digest (xxh3-128, computed at start where the file has "
+        "none); without it a file's own digests are served as they are",
     )
     digesting.add_argument(
         "--no-checksums", action="store_true", help="serve no digests, not even the file's"

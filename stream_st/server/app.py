@@ -69,7 +69,8 @@ class _Token:
 
 
 class Server:
-    """A running server (from :func:`serving`): ``url`` is the address a reader loads from."""
+    """A running server (from :func:`serving`): ``url`` is the address a reader loads from;
+    ``host`` and ``port`` where it listens."""
 
     def __init__(self, served: ServedObject, host: str, port: int, token: _Token | None) -> None:
         self._served = served
@@ -109,7 +110,7 @@ class Server:
 
     # ------------------------------------------------------------------ answering
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         """Answer one request (see the module)."""
         from aiohttp import web
 
@@ -270,7 +271,7 @@ async def serving(
     sock = _listening_socket(host, port)
     server = Server(served, host, sock.getsockname()[1], checked)
     app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", server.handle)
+    app.router.add_route("*", "/{tail:.*}", server._handle)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
     try:
         await runner.setup()
