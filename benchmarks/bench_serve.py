@@ -9,8 +9,8 @@ The file: ``--size-mib`` of 32 MiB F32 tensors (``bench_read.big_file``), read o
 first round so that every server sends it from the page cache. Every server runs in its own
 process on 127.0.0.1:
 
-* ``nginx``: the system's nginx, one worker, ``sendfile on`` (its zero-copy path, what a
-  deployment turns on), access log off;
+* ``nginx``: the system's nginx as the tests run it (one worker), with ``sendfile on`` (its
+  zero-copy path, what a deployment turns on);
 * ``serve``: ``stream-st serve FILE``;
 * with ``--libraries``, the two server libraries ``stream-st serve`` was chosen from, each
   serving the file in the smallest way it allows: ``aiohttp`` (``web.FileResponse``, which sends
@@ -21,9 +21,10 @@ Two measurements, each in interleaved rounds (A B C A B C ...) after one untimed
 
 * one client: ``curl -o /dev/null`` fetching the whole file, wall time per fetch;
 * ``--replicas`` clients at once, each a fresh Python process streaming the whole object through
-  ``stream_st.open_stream`` (every tensor checked against its header size, then dropped): the
-  wall time until the last one is done, GB/s = replicas x size / time; nginx and ``serve``
-  only. On 2 cores the clients' own work (Python starting, receiving 4 x the file) bounds this
+  ``stream_st.open_stream`` (every tensor checked against its header size, then dropped), all
+  started and ready (stream_st imported, the header read once) before the word go: the wall
+  time from go until the last one is done, GB/s = replicas x size / time; nginx and ``serve``
+  only. On 2 cores the clients' own work (receiving 4 x the file into fresh arrays) bounds this
   one more than the server does.
 
 Printed: median seconds and GB/s per server, and the paired ratio to nginx (per round, nginx's
@@ -48,6 +49,7 @@ from pathlib import Path
 from bench_read import big_file, ensure_file
 
 from tests.servers.daemon import Daemon, find_program
+from tests.servers.nginx_server import NginxServer
 
 TARGET = 0.9
 """``stream-st serve`` aims at this fraction of nginx's throughput (or more)."""
@@ -94,36 +96,14 @@ uvicorn.run(app, host="127.0.0.1", port=port, http="httptools", log_level="warni
 """
 
 
-class Nginx(Daemon):
-    """nginx serving one folder with ``sendfile on``."""
-
-    program = "nginx"
-
-    def __init__(self, root: Path, folder: Path) -> None:
-        super().__init__(folder)
-        self.root = root
+class Nginx(NginxServer):
+    """The tests' nginx (``tests.servers.nginx_server``) with ``sendfile on``."""
 
     def configure(self, ports: list[int]) -> list[str]:
-        folder = self.folder
-        temp = "\n".join(
-            f'{kind}_temp_path "{folder / kind}";'
-            for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-        )
-        (folder / "nginx.conf").write_text(f"""
-master_process off;
-pid "{folder / "nginx.pid"}";
-error_log "{folder / "error.log"}" warn;
-events {{ worker_connections 256; }}
-http {{
-    {temp}
-    default_type application/octet-stream;
-    access_log off;
-    sendfile on;
-    tcp_nopush on;
-    server {{ listen 127.0.0.1:{ports[0]}; root "{self.root}"; }}
-}}
-""")
-        return ["-p", str(folder), "-c", str(folder / "nginx.conf"), "-g", "daemon off;"]
+        arguments = super().configure(ports)
+        conf = self.folder / "nginx.conf"
+        conf.write_text(conf.read_text().replace("http {", "http {\n    sendfile on;", 1))
+        return arguments
 
 
 class PythonServer(Daemon):
@@ -183,18 +163,35 @@ async def main(url):
             if array.nbytes != stream.header[name].nbytes:
                 raise SystemExit(f"{name}: {array.nbytes} bytes")
             count += 1
-    print(count)
+    print(count, flush=True)
+anyio.run(stream_st.read_header, sys.argv[1])  # every module the read needs, imported now
+print("ready", flush=True)
+sys.stdin.readline()
 anyio.run(main, sys.argv[1])
 """
 
 
 def replicas_fetch(url: str, replicas: int, tensors: int) -> float:
-    """Seconds until ``replicas`` fresh processes have each streamed every tensor of ``url``."""
-    start = time.perf_counter()
+    """Seconds ``replicas`` fresh processes, started and ready (the header read once), take from
+    the word go until the last one has streamed every tensor of ``url``."""
     children = [
-        subprocess.Popen([sys.executable, "-c", REPLICA, url], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", REPLICA, url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(replicas)
     ]
+    for child in children:
+        assert child.stdout is not None
+        if child.stdout.readline() != "ready\n":
+            raise RuntimeError("a replica did not start")
+    start = time.perf_counter()
+    for child in children:
+        assert child.stdin is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
     outputs = [child.communicate()[0] for child in children]
     seconds = time.perf_counter() - start
     for child, output in zip(children, outputs, strict=True):
