@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     )
     from .kv import KVLayout, KVReceiver, receive_kv, send_kv
     from .reader import TensorStream
+    from .server import Server, serve, serving
     from .sharded.reader import ShardedStream
     from .sharded.writer import (
         DatasetWriter,
@@ -134,6 +135,9 @@ _PUBLIC = {
     "SafetensorsError": ".errors",
     "save": "._api",
     "send_kv": ".kv",
+    "serve": ".server",
+    "Server": ".server",
+    "serving": ".server",
     "ShardedStream": ".sharded.reader",
     "ShardedWriter": ".sharded.writer",
     "SourceChangedError": ".errors",
@@ -242,6 +246,7 @@ __all__ = [
     "S3Sink",
     "S3Source",
     "SafetensorsError",
+    "Server",
     "ShardedStream",
     "ShardedWriter",
     "SourceChangedError",
@@ -278,4 +283,6 @@ __all__ = [
     "receive_kv",
     "save",
     "send_kv",
+    "serve",
+    "serving",
 ]

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("reader", "writer"),
     ("_api", "connection", "sharded", "kv", "compat", "torch", "numpy", "distributed"),
     ("integrations", "models"),
-    ("tools",),
+    ("tools", "server"),
     ("cli",),
 ]
 """Lowest first: a module may import its own layer and those below, never one above. The

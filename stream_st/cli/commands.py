@@ -1,4 +1,5 @@
-"""The ``stream-st`` command: inspect, ls, show, hash, diff, validate, cp, demo, completion.
+"""The ``stream-st`` command: inspect, ls, show, hash, diff, validate, cp, serve, demo,
+completion.
 
 Every command takes any source the library reads (a path, ``http(s)://``, ``s3://``, ``hf://``,
 ``tcp://``, a sharded ``*.index.json``, a model directory, ``-`` for standard input) and works
@@ -468,6 +469,31 @@ async def run_cp(args: argparse.Namespace) -> int:
             done += f"; {copied.converted or 'nothing'} {how}"
         print(done, file=sys.stderr)
     return EXIT_OK
+
+
+async def run_serve(args: argparse.Namespace) -> int:
+    """Serve a checkpoint over HTTP until stopped (SIGINT, SIGTERM: see ``app``)."""
+    from ..server import serving
+    from ..server.app import TOKEN_ENV
+
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    checksums = False if args.no_checksums else args.checksums or None
+    async with serving(
+        args.path,
+        host=args.host,
+        port=args.port,
+        token=token,
+        name=args.name,
+        checksums=checksums,
+    ) as server:
+        needs = ", bearer token required" if token else ""
+        print(
+            f"serving {server.url} ({len(server.header)} tensors, {human(server.size)}{needs}); "
+            "Ctrl-C stops",
+            flush=True,
+        )
+        await anyio.sleep_forever()
+    return EXIT_OK  # pragma: no cover - only a signal ends it
 
 
 async def run_demo_command(args: argparse.Namespace) -> int:

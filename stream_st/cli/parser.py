@@ -20,6 +20,7 @@ from .commands import (
     run_hash,
     run_inspect,
     run_ls,
+    run_serve,
     run_show,
     run_validate,
 )
@@ -84,6 +85,10 @@ EXAMPLES = {
     "  stream-st cp m.safetensors s3://bucket/models/   # s3://bucket/models/m.safetensors\n"
     "  stream-st cp path/to/sharded-model/ s3://bucket/model/   # every shard, the index last\n"
     "  stream-st cp --merge model.safetensors.index.json merged.safetensors",
+    "serve": "stream-st serve model.safetensors   # http://127.0.0.1:8000/model.safetensors\n"
+    "  stream-st serve --host 0.0.0.0 --port 9000 path/to/sharded-model/\n"
+    "  stream-st serve --port 0 --checksums model.safetensors   # any free port, digests added\n"
+    "  stream-st serve model.safetensors   # with $STREAM_ST_SERVE_TOKEN set: a bearer token",
     "demo": "stream-st demo\n"
     "  stream-st demo -q --text essay.txt --context 512 --json | jq .transfers\n"
     "  stream-st demo --synthetic --layers 4 --seq 512 --codecs none,int4",
@@ -136,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         sub.set_defaults(handler=handler)
-        if name == "completion":
+        if name in ("completion", "serve"):
             return sub
         limits = sub.add_argument_group("time limits (seconds; none by default)")
         limits.add_argument(
@@ -311,6 +316,37 @@ def build_parser() -> argparse.ArgumentParser:
         "--dequantize",
         action="store_true",
         help="restore floating-point tensors from int8/int4 codes (to --dtype if given)",
+    )
+
+    serving = command(
+        "serve", "serve a checkpoint over HTTP as one safetensors file, with ranges", run_serve
+    )
+    serving.add_argument(
+        "path", help="a safetensors file, a sharded checkpoint's *.index.json or a model directory"
+    )
+    serving.add_argument(
+        "--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)"
+    )
+    serving.add_argument(
+        "--port", type=int, default=8000, help="the port to listen on (default 8000; 0: any)"
+    )
+    serving.add_argument(
+        "--token",
+        help="ask every request for 'Authorization: Bearer TOKEN' (else $STREAM_ST_SERVE_TOKEN, "
+        "which keeps it off the command line)",
+    )
+    serving.add_argument(
+        "--name", help="serve at /NAME.safetensors (default: the file's or the index's name)"
+    )
+    digesting = serving.add_mutually_exclusive_group()
+    digesting.add_argument(
+        "--checksums",
+        action="store_true",
+        help="every tensor carries a digest (xxh3-128, computed at start where the file has "
+        "none); without it a file's own digests are served as they are",
+    )
+    digesting.add_argument(
+        "--no-checksums", action="store_true", help="serve no digests, not even the file's"
     )
 
     completion = command(

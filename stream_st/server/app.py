@@ -1,0 +1,337 @@
+"""The HTTP server: aiohttp answering GET and HEAD of the served object (see ``served``).
+
+Each request is checked in this order: the bearer token (401), the path (404), the method
+(405), the files still the ones planned (409), then the conditions and the range
+(``conditions``: 304, 412, 416, 200 or 206). A body is sent piece by piece: a file's bytes with
+``sendfile`` (zero-copy), bytes in memory in slices of :data:`SLICE`. Its last byte is held back
+until the files are found unchanged once more: a file modified while it was being sent ends its
+answer one byte short (the connection is closed), never complete with a mix of two versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import io
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager, suppress
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ..errors import SourceChangedError, TransportError, UsageError
+from .conditions import answer
+from .served import ServedObject, SourceFile, Tensors, served_object
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from ..core.header import Header
+
+__all__ = ["DEFAULT_PORT", "SLICE", "TOKEN_ENV", "Server", "serve", "serving"]
+
+log = logging.getLogger("stream_st.serve")
+
+DEFAULT_PORT = 8000
+"""The port :func:`serve` and ``stream-st serve`` listen on unless told another."""
+
+TOKEN_ENV = "STREAM_ST_SERVE_TOKEN"
+"""The environment variable ``stream-st serve`` takes its bearer token from (``--token`` wins)."""
+
+SLICE = 4 << 20
+"""Bytes in memory go out in slices of this size, each taken by the socket before the next."""
+
+_ALLOW = "GET, HEAD"
+
+
+class _Token:
+    """A bearer token, compared in constant time and never shown."""
+
+    __slots__ = ("_digest",)
+
+    def __init__(self, token: str) -> None:
+        if not isinstance(token, str) or not token or token != token.strip():
+            raise UsageError("token must be a non-empty string without surrounding spaces")
+        self._digest = hashlib.sha256(token.encode()).digest()
+
+    def admits(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` header value carries this token."""
+        scheme, _, given = (authorization or "").partition(" ")
+        offered = hashlib.sha256(given.strip().encode("utf-8", "surrogateescape")).digest()
+        return hmac.compare_digest(offered, self._digest) and scheme.lower() == "bearer"
+
+    def __repr__(self) -> str:
+        return "<token>"
+
+
+class Server:
+    """A running server (from :func:`serving`): ``url`` is the address a reader loads from;
+    ``host`` and ``port`` where it listens."""
+
+    def __init__(self, served: ServedObject, host: str, port: int, token: _Token | None) -> None:
+        self._served = served
+        self._token = token
+        self.host = host
+        self.port = port
+
+    @property
+    def path(self) -> str:
+        """The path the object is served at: ``/<name>.safetensors``."""
+        return f"/{self._served.name}.safetensors"
+
+    @property
+    def url(self) -> str:
+        """``http://host:port/<name>.safetensors``."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}{self.path}"
+
+    @property
+    def size(self) -> int:
+        """The object's size in bytes."""
+        return self._served.size
+
+    @property
+    def etag(self) -> str:
+        """The object's strong ETag, with its quotes."""
+        return self._served.etag
+
+    @property
+    def header(self) -> Header:
+        """The object's :class:`~stream_st.Header`."""
+        return self._served.header
+
+    def __repr__(self) -> str:
+        token = ", token required" if self._token is not None else ""
+        return f"<Server {self.url} ({self.size} bytes{token})>"
+
+    # ------------------------------------------------------------------ answering
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        """Answer one request (see the module)."""
+        from aiohttp import web
+
+        if self._token is not None and not self._token.admits(request.headers.get("Authorization")):
+            return _plain(401, "a bearer token is required", {"WWW-Authenticate": "Bearer"})
+        if request.path != self.path:
+            return _plain(404, f"not found: this server serves {self.path}")
+        if request.method not in ("GET", "HEAD"):
+            return _plain(405, "only GET and HEAD", {"Allow": _ALLOW})
+        change = self._served.change()
+        if change is not None:
+            return self._changed(change)
+        served = self._served
+        headers = request.headers
+        decided = answer(
+            request.method,
+            served.size,
+            served.etag,
+            range_=headers.get("Range"),
+            if_match=headers.get("If-Match"),
+            if_none_match=headers.get("If-None-Match"),
+            if_range=headers.get("If-Range"),
+        )
+        common = {"ETag": served.etag, "Accept-Ranges": "bytes"}
+        if decided.status == 412:
+            return _plain(412, "the object does not match If-Match", common)
+        if decided.status == 416:
+            return _plain(
+                416, "no such bytes", {**common, "Content-Range": f"bytes */{served.size}"}
+            )
+        if decided.status == 304:
+            return web.Response(status=304, headers=common)
+        response = web.StreamResponse(status=decided.status, headers=common)
+        response.content_type = "application/octet-stream"
+        response.content_length = decided.end - decided.start
+        if decided.status == 206:
+            response.headers["Content-Range"] = (
+                f"bytes {decided.start}-{decided.end - 1}/{served.size}"
+            )
+        await response.prepare(request)
+        if request.method == "GET" and decided.end > decided.start:
+            await self._send(request, response, decided.start, decided.end)
+        await response.write_eof()
+        return response
+
+    def _changed(self, change: str) -> web.StreamResponse:
+        log.warning("refusing to serve: %s since serving began", change)
+        return _plain(409, "a file served changed on disk since serving began: serve it again")
+
+    async def _send(
+        self, request: web.Request, response: web.StreamResponse, start: int, end: int
+    ) -> None:
+        """Send bytes ``start`` to ``end`` of the object; the last one only once every file
+        sent from is found unchanged (else the connection is closed one byte short)."""
+        transport = request.transport
+        opened: dict[SourceFile, io.FileIO] = {}
+        try:
+            try:
+                for piece, low, high in self._served.pieces_in(start, end - 1):
+                    if piece.file is None:
+                        assert piece.data is not None
+                        view = piece.data[low - piece.start : high - piece.start]
+                        for at in range(0, len(view), SLICE):
+                            await response.write(view[at : at + SLICE])
+                        continue
+                    handle = _opened(piece.file, opened)
+                    if transport is None or transport.is_closing():
+                        return
+                    position = piece.offset + low - piece.start
+                    await asyncio.get_running_loop().sendfile(
+                        transport, handle, position, high - low
+                    )
+                last = self._last_byte(end - 1, opened)
+                problem = next(filter(None, (file.change() for file in opened)), None)
+            except SourceChangedError as exc:
+                problem = str(exc)
+            if problem is not None:
+                log.warning("closing an answer one byte short: %s", problem)
+                if transport is not None:
+                    transport.abort()
+                return
+            await response.write(last)
+        except ConnectionError:  # the client went away
+            return
+        finally:
+            for handle in opened.values():
+                handle.close()
+
+    def _last_byte(self, position: int, opened: dict[SourceFile, io.FileIO]) -> bytes:
+        """Byte ``position`` of the object."""
+        piece, _, _ = next(self._served.pieces_in(position, position + 1))
+        if piece.file is None:
+            assert piece.data is not None
+            return bytes(piece.data[position - piece.start : position - piece.start + 1])
+        handle = _opened(piece.file, opened)
+        return os.pread(handle.fileno(), 1, piece.offset + position - piece.start)
+
+
+def _opened(file: SourceFile, opened: dict[SourceFile, io.FileIO]) -> io.FileIO:
+    """``file`` opened (once per answer: kept in ``opened``), checked to be the one planned."""
+    handle = opened.get(file)
+    if handle is None:
+        handle = opened[file] = file.open()
+    return handle
+
+
+def _plain(status: int, text: str, headers: Mapping[str, str] | None = None) -> web.Response:
+    """A short text answer."""
+    from aiohttp import web
+
+    return web.Response(status=status, text=text + "\n", headers=headers)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port``; :class:`~stream_st.TransportError` if it cannot."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise UsageError(f"port must be an integer in 0-65535, got {port!r}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as exc:
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise TransportError(
+            f"cannot listen on {where}: {exc.strerror or exc}", url=f"http://{where}/"
+        ) from None
+
+
+@asynccontextmanager
+async def serving(
+    source: str | os.PathLike[str] | Tensors,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    name: str | None = None,
+    metadata: Mapping[str, str] | None = None,
+    checksums: bool | str | None = None,
+) -> AsyncIterator[Server]:
+    """Serve ``source`` over HTTP while the block runs: ``async with serving(src) as server``,
+    then load from ``server.url`` (see :func:`serve` for the arguments). ``port=0`` (the
+    default here) picks a free port. Needs asyncio (aiohttp's event loop), not trio.
+
+    Leaving the block stops the server: it stops listening, and answers still being sent get
+    two seconds to finish before their connections are closed.
+    """
+    try:
+        from aiohttp import web
+    except ImportError:
+        raise UsageError("serving needs aiohttp: pip install 'stream-st[serve]'") from None
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        raise UsageError("serving() runs on asyncio (aiohttp's event loop), not trio") from None
+    checked = None if token is None else _Token(token)
+    if name is not None and (not name or "/" in name or name != name.strip()):
+        raise UsageError(f"name must be a plain file name without '/', got {name!r}")
+    served = await served_object(source, name=name, metadata=metadata, checksums=checksums)
+    sock = _listening_socket(host, port)
+    server = Server(served, host, sock.getsockname()[1], checked)
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", server._handle)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
+    try:
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        yield server
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runner.cleanup()
+        with suppress(OSError):
+            sock.close()
+
+
+def serve(
+    source: str | os.PathLike[str] | Tensors,
+    *,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    token: str | None = None,
+    name: str | None = None,
+    metadata: Mapping[str, str] | None = None,
+    checksums: bool | str | None = None,
+) -> None:
+    """Serve ``source`` over HTTP as one safetensors object until interrupted (Ctrl-C).
+
+    ``source``: a safetensors file, a sharded checkpoint's ``*.index.json`` (or a model
+    directory holding one), or tensors in memory (``{name: array}``: numpy arrays, torch
+    tensors, a ``state_dict``; they must not change while served). The object is at
+    ``http://host:port/<name>.safetensors`` (``name``: the file's, else ``model``); any reader
+    loads it, ``stream_st.load(url)`` included. ``host`` is 127.0.0.1 unless told otherwise.
+    ``token`` asks every request for ``Authorization: Bearer <token>`` (a reader passes
+    ``headers={"Authorization": "Bearer <token>"}``); it is never logged or shown.
+
+    ``checksums``: None (default) keeps the digests a file records and computes xxh3-128
+    digests of tensors in memory; True or an algorithm's name makes every tensor carry one
+    (computed now where the source has none of that algorithm); False serves none. Readers
+    verify them. ``metadata`` goes in a tensors-in-memory object's ``__metadata__``.
+
+    A missing path is a :class:`~stream_st.SourceNotFoundError`, a file that is not
+    safetensors a :class:`~stream_st.HeaderError`, a port in use a
+    :class:`~stream_st.TransportError`. Inside an event loop use :func:`serving`.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise UsageError("serve() blocks: inside an event loop use 'async with serving(...)'")
+
+    async def forever() -> None:
+        async with serving(
+            source,
+            host=host,
+            port=port,
+            token=token,
+            name=name,
+            metadata=metadata,
+            checksums=checksums,
+        ) as server:
+            log.info("serving %s", server.url)
+            await anyio.sleep_forever()
+
+    with suppress(KeyboardInterrupt):
+        anyio.run(forever)

@@ -1,0 +1,384 @@
+"""``stream_st.serving`` / ``stream-st serve``: a file, a sharded checkpoint or tensors in memory
+served over HTTP on 127.0.0.1 as one safetensors object, read back through real sockets by a
+plain HTTP client (``http.client``) and by stream_st's readers."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st
+import stream_st.numpy
+from stream_st.server.conditions import UNSATISFIABLE, Answer, answer, byte_range, etags
+from stream_st.tools import cp
+
+from ._cli import COMMAND
+
+pytest.importorskip("aiohttp")
+
+TOKEN = "s3cr3t-t0ken-for-tests"
+
+
+def tensors() -> dict[str, np.ndarray[Any, Any]]:
+    """A few tensors of mixed dtypes and sizes (one empty)."""
+    rng = np.random.default_rng(7)
+    return {
+        "embed.weight": rng.standard_normal((64, 32)).astype(np.float32),
+        "layers.0.bias": np.arange(7, dtype=np.float16),
+        "layers.0.mask": rng.integers(0, 2, (5, 3)).astype(np.bool_),
+        "layers.1.index": np.arange(33, dtype=np.int64),
+        "scale": np.array(0.5, dtype=np.float64),
+        "empty": np.zeros((0, 4), dtype=np.int8),
+    }
+
+
+def fetch(
+    url: str, method: str = "GET", headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """One request on a fresh connection: status, headers (lower-case names), body."""
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=30)
+    try:
+        connection.request(method, parts.path or "/", headers=headers or {})
+        response = connection.getresponse()
+        body = response.read()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, body
+    finally:
+        connection.close()
+
+
+async def afetch(
+    url: str, method: str = "GET", headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    return await anyio.to_thread.run_sync(fetch, url, method, headers)
+
+
+async def check_ranges(url: str, expected: bytes, count: int = 40) -> None:
+    """Random ranges of every form, and the whole, equal to ``expected``'s bytes."""
+    status, headers, body = await afetch(url)
+    assert (status, body) == (200, expected)
+    assert headers["accept-ranges"] == "bytes"
+    assert headers["content-length"] == str(len(expected))
+    size = len(expected)
+    rng = random.Random(size)
+    for _ in range(count):
+        a, b = sorted(rng.randrange(size) for _ in range(2))
+        form = rng.choice(["a-b", "a-", "-n"])
+        value, lo, hi = {
+            "a-b": (f"bytes={a}-{b}", a, b + 1),
+            "a-": (f"bytes={a}-", a, size),
+            "-n": (f"bytes=-{b + 1}", size - b - 1, size),
+        }[form]
+        status, headers, body = await afetch(url, headers={"Range": value})
+        assert status == 206, value
+        assert headers["content-range"] == f"bytes {lo}-{hi - 1}/{size}"
+        assert body == expected[lo:hi], value
+
+
+def write_sharded(folder: Path, parts: list[dict[str, np.ndarray[Any, Any]]]) -> Path:
+    """Shards written by the reference and their index; the index's path."""
+    weight_map = {}
+    for number, part in enumerate(parts, 1):
+        shard = f"model-{number:05d}-of-{len(parts):05d}.safetensors"
+        reference_numpy.save_file(part, str(folder / shard), metadata={"format": "np"})
+        weight_map.update(dict.fromkeys(part, shard))
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+# ---------------------------------------------------------------- the object and its bytes
+
+
+async def test_a_file_is_served_as_it_is(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    reference_numpy.save_file(tensors(), str(path), metadata={"kind": "test"})
+    async with stream_st.serving(path) as server:
+        assert server.url.endswith("/model.safetensors")
+        await check_ranges(server.url, path.read_bytes())
+        loaded = await stream_st.load(server.url)
+    assert sorted(loaded) == sorted(tensors())
+    for name, array in tensors().items():
+        np.testing.assert_array_equal(loaded[name], array)
+
+
+async def test_tensors_in_memory_are_the_reference_writers_file(tmp_path: Path) -> None:
+    async with stream_st.serving(tensors(), checksums=False, name="kv") as server:
+        assert server.path == "/kv.safetensors"
+        await check_ranges(server.url, reference_numpy.save(tensors()))
+    async with stream_st.serving(tensors(), metadata={"step": "3"}) as server:
+        recorded = server.header.metadata
+        assert recorded["stream_st.digest"] == "xxh3-128"
+        assert recorded["step"] == "3"
+        saved = tmp_path / "saved.safetensors"  # as save() writes them, digests and all
+        await stream_st.save(saved, tensors(), metadata={"step": "3"}, checksums=True)
+        await check_ranges(server.url, saved.read_bytes())
+        async with stream_st.serving(tensors(), metadata={"step": "3"}) as again:
+            assert again.etag == server.etag  # the same tensors with digests: the same ETag
+
+
+async def test_a_sharded_checkpoint_is_served_as_its_merged_file(tmp_path: Path) -> None:
+    everything = tensors()
+    names = sorted(everything)
+    parts = [{n: everything[n] for n in names[:3]}, {n: everything[n] for n in names[3:]}]
+    index = write_sharded(tmp_path, parts)
+    merged = tmp_path / "merged.safetensors"
+    await cp(str(index), str(merged))
+    async with stream_st.serving(tmp_path) as server:  # the directory: its index
+        assert server.path == "/model.safetensors"
+        expected = merged.read_bytes()
+        await check_ranges(server.url, expected, count=60)
+        # one range over the header, both shards' data and the end
+        status, _, body = await afetch(server.url, headers={"Range": "bytes=10-"})
+        assert (status, body) == (206, expected[10:])
+        loaded = await stream_st.load(server.url)
+    assert sorted(loaded) == names
+    for name in names:
+        np.testing.assert_array_equal(loaded[name], everything[name])
+
+
+async def test_head_conditions_and_refusals(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(tensors(), str(path))
+    size = path.stat().st_size
+    async with stream_st.serving(path) as server:
+        url, etag = server.url, server.etag
+        assert etag.startswith('"') and not etag.startswith('W/"')
+        status, headers, body = await afetch(url, "HEAD")
+        assert (status, body, headers["content-length"], headers["etag"]) == (
+            200,
+            b"",
+            str(size),
+            etag,
+        )
+        for unsatisfiable in (f"bytes={size}-", f"bytes={size + 5}-{size + 9}", "bytes=-0"):
+            status, headers, _ = await afetch(url, headers={"Range": unsatisfiable})
+            assert status == 416, unsatisfiable
+            assert headers["content-range"] == f"bytes */{size}"
+        status, _, body = await afetch(url, headers={"If-None-Match": f'"x", {etag}'})
+        assert (status, body) == (304, b"")
+        status, _, body = await afetch(url, headers={"If-None-Match": '"other"'})
+        assert status == 200 and len(body) == size
+        status, _, _ = await afetch(url, headers={"If-Match": '"other"'})
+        assert status == 412
+        status, _, body = await afetch(url, headers={"Range": "bytes=0-9", "If-Range": etag})
+        assert (status, len(body)) == (206, 10)
+        status, _, body = await afetch(url, headers={"Range": "bytes=0-9", "If-Range": '"old"'})
+        assert (status, len(body)) == (200, size)
+        status, _, body = await afetch(url, headers={"Range": "bytes=0-1,5-6"})
+        assert (status, len(body)) == (200, size)
+        base = url.rsplit("/", 1)[0]
+        for other in ("/", "/other.safetensors", "/m.safetensors/x"):
+            assert (await afetch(base + other))[0] == 404
+        status, headers, _ = await afetch(url, "POST")
+        assert (status, headers["allow"]) == (405, "GET, HEAD")
+
+
+def test_conditions_edge_cases() -> None:
+    assert byte_range("bytes=0-0", 10) == (0, 1)
+    assert byte_range("bytes=5-100", 10) == (5, 10)
+    assert byte_range("bytes=-100", 10) == (0, 10)
+    assert byte_range("BYTES = 2 - 3", 10) == (2, 4)
+    assert byte_range("bytes=10-", 10) == UNSATISFIABLE
+    assert byte_range("bytes=-0", 10) == UNSATISFIABLE
+    for ignored in ("bytes=5-2", "bytes=-", "items=0-1", "bytes=0-1,2-3", "bytes=a-b", ""):
+        assert byte_range(ignored, 10) is None, ignored
+    assert etags('"a", W/"b"') == [(False, '"a"'), (True, '"b"')]
+    assert etags(" * ") == "*"
+    assert etags("a") is None
+    assert answer("GET", 10, '"e"', if_match='W/"e"') == Answer(412)
+    assert answer("GET", 10, '"e"', if_match="*") == Answer(200, 0, 10)
+    assert answer("HEAD", 10, '"e"', if_none_match='W/"e"') == Answer(304)
+    assert answer("HEAD", 10, '"e"', range_="bytes=0-1") == Answer(200, 0, 10)
+    assert answer("GET", 10, '"e"', range_="bytes=0-1", if_range='W/"e"') == Answer(200, 0, 10)
+
+
+# ---------------------------------------------------------------- readers, at once
+
+
+async def test_four_replicas_load_at_once_and_checksums_are_verified() -> None:
+    served = tensors()
+    async with stream_st.serving(served) as server:
+        loads = [stream_st.load(server.url) for _ in range(4)]
+        results: list[dict[str, Any]] = [{} for _ in loads]
+        async with anyio.create_task_group() as group:
+            for slot, load in enumerate(loads):
+
+                async def one(slot: int = slot, load: Any = load) -> None:
+                    results[slot] = await load
+
+                group.start_soon(one)
+        for loaded in results:
+            assert sorted(loaded) == sorted(served)
+            for name, array in served.items():
+                np.testing.assert_array_equal(loaded[name], array)
+        # Digests were computed when serving began: a tensor changed in memory since is
+        # caught by the reader, never delivered.
+        served["embed.weight"][0, 0] += 1
+        with pytest.raises(stream_st.IntegrityError, match=r"embed\.weight"):
+            await stream_st.load(server.url)
+
+
+async def test_a_files_own_digests_are_served_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / "sums.safetensors"
+    header = await stream_st.save(path, tensors(), checksums=True)
+    data = bytearray(path.read_bytes())
+    data[header.data_start + header["embed.weight"].start] ^= 0xFF
+    path.write_bytes(data)
+    async with stream_st.serving(path) as server:
+        status, _, body = await afetch(server.url)
+        assert (status, body) == (200, bytes(data))  # as it is
+        with pytest.raises(stream_st.IntegrityError, match=r"embed\.weight"):
+            await stream_st.load(server.url)
+        assert (await stream_st.load(server.url, verify=False)).keys() == tensors().keys()
+    plain = tmp_path / "plain.safetensors"
+    reference_numpy.save_file(tensors(), str(plain))
+    async with stream_st.serving(plain, checksums=True) as server:  # computed at start
+        assert server.header.metadata["stream_st.digest"] == "xxh3-128"
+        expected = await stream_st.load(str(plain))
+        loaded = await stream_st.load(server.url)
+        assert loaded.keys() == expected.keys()
+    async with stream_st.serving(path, checksums=False) as server:  # dropped
+        assert "stream_st.digest" not in server.header.metadata
+        assert (await stream_st.load(server.url)).keys() == tensors().keys()
+
+
+async def test_torch_readers_load_from_a_served_state_dict() -> None:
+    torch = pytest.importorskip("torch")
+    import stream_st.torch as st_torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    async with stream_st.serving(model.state_dict(), name="model") as server:
+        loaded = await anyio.to_thread.run_sync(st_torch.load_file, server.url)
+        replica = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        missing, unexpected = await anyio.to_thread.run_sync(
+            st_torch.load_model, replica, server.url
+        )
+    assert (missing, unexpected) == (set(), [])
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded[name], tensor)
+        assert torch.equal(replica.state_dict()[name], tensor)
+
+
+# ---------------------------------------------------------------- the token
+
+
+async def test_a_bearer_token_is_asked_for_and_never_shown(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(tensors(), str(path))
+    async with stream_st.serving(path, token=TOKEN) as server:
+        assert TOKEN not in repr(server) and TOKEN not in str(vars(server))
+        for given in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
+            status, headers, body = await afetch(server.url, headers=given)
+            assert status == 401, given
+            assert headers["www-authenticate"] == "Bearer"
+            assert TOKEN.encode() not in body and TOKEN not in str(headers)
+        status, headers, body = await afetch(
+            server.url, headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        assert (status, body) == (200, path.read_bytes())
+        assert TOKEN not in str(headers)
+        with pytest.raises(stream_st.HTTPStatusError) as refused:
+            await stream_st.load(server.url)
+        assert refused.value.status == 401 and TOKEN not in str(refused.value)
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        loaded = await stream_st.load(server.url, headers=bearer)
+        assert loaded.keys() == tensors().keys()
+    with pytest.raises(stream_st.UsageError):
+        async with stream_st.serving(path, token=""):
+            pass
+
+
+# ---------------------------------------------------------------- errors
+
+
+async def test_bad_sources_a_taken_port_and_a_changed_file(tmp_path: Path) -> None:
+    with pytest.raises(stream_st.SourceNotFoundError):
+        async with stream_st.serving(tmp_path / "missing.safetensors"):
+            pass
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(stream_st.HeaderError):
+        async with stream_st.serving(junk):
+            pass
+    with pytest.raises(stream_st.UsageError, match="URL"):
+        async with stream_st.serving("http://example.com/m.safetensors"):
+            pass
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(tensors(), str(path))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(stream_st.TransportError, match="cannot listen"):
+            async with stream_st.serving(path, port=port):
+                pass
+    async with stream_st.serving(path) as server:
+        assert (await afetch(server.url))[0] == 200
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # modified since
+        status, _, body = await afetch(server.url)
+        assert status == 409 and b"changed" in body
+        with pytest.raises(stream_st.HTTPStatusError) as refused:
+            await stream_st.load(server.url)
+        assert refused.value.status == 409
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_the_command_serves_until_sigterm(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    reference_numpy.save_file(tensors(), str(path))
+    process = subprocess.Popen(
+        [COMMAND, "serve", str(path), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "STREAM_ST_SERVE_TOKEN": TOKEN},
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("serving http://127.0.0.1:"), line
+        assert "token required" in line and TOKEN not in line
+        url = line.split()[1]
+        assert fetch(url)[0] == 401
+        loaded = stream_st.numpy.load_file(url, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert loaded.keys() == tensors().keys()
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM" in err
+    assert TOKEN not in out + err
+
+
+def test_import_stream_st_does_not_import_aiohttp() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, stream_st; stream_st.serving; print('aiohttp' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.strip() == "False", done.stderr
