@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tomllib
 import venv
 import warnings
 import zipfile
@@ -55,7 +56,10 @@ CARRIED = ("tests/", "docs/", "benchmarks/", "examples/", "stream_st/", ".ci/")
 """Folders whose every tracked file the sdist carries (the tests' servers and regression
 inputs, the docs site, the package data such as the demo's text)."""
 
-EXTRAS = ("cli", "s3", "models", "docs", "torch", "llm", "spark", "blake3", "bench")
+EXTRAS = tuple(
+    tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+)
+"""Every extra pyproject.toml declares."""
 TORCH_PIN = "==2.13.0"
 CUDA = ("nvidia-", "cuda-", "triton")
 """Names of the packages that bring CUDA (torch's GPU build pulls them)."""
