@@ -1,6 +1,7 @@
 """Write throughput and peak memory of every stream_st writer, from the arrays users hand over.
 
-Run it from the repository root (a few minutes on 2 cores; ~2.1 GiB of disk, ~6 GiB RAM)::
+Run it from the repository root (~2.1 GiB of disk, ~6 GiB RAM; with `--tensors 32` about ten
+minutes on a loaded 2-core machine)::
 
     python benchmarks/bench_write.py [--repeat 7] [--tensors 64] [--source numpy|torch]
                                      [--dir DIR] [--variants A,B,...]
