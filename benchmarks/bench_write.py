@@ -1,65 +1,86 @@
-"""Write throughput and peak memory of ``stream_st.open_writer`` against the reference and raw I/O.
+"""Write throughput and peak memory of every stream_st writer, from the arrays users hand over.
 
-Run it from the repository root (about a minute on 2 cores; needs ~2.1 GiB of disk, ~2.5 GiB RAM)::
+Run it from the repository root (~2.1 GiB of disk, ~6 GiB RAM; with `--tensors 32` about ten
+minutes on a loaded 2-core machine)::
 
-    python benchmarks/bench_write.py [--repeat 7] [--dir DIR] [--variants A,B,C,...]
+    python benchmarks/bench_write.py [--repeat 7] [--tensors 64] [--source numpy|torch]
+                                     [--dir DIR] [--variants A,B,...]
 
-The plan is 64 tensors of 32 MiB F32 (2 GiB of data), named ``t00`` ... ``t63``. Every variant
-writes the same bytes to a file in a temporary directory (deleted at the end): each tensor holds
-``arange(8 Mi)`` as float32, and the header is the reference's, so all files are byte-identical.
-Variants, interleaved (A B C A B C ...), each repetition in a fresh subprocess so its peak RSS
-(``VmHWM``) is its own:
+The plan is ``--tensors`` tensors of 32 MiB F32 (64: 2 GiB of data), named ``t00``, ``t01``...
+Each variant runs in a fresh process that first builds the tensors as a user's program does:
+distinct arrays, just allocated and filled (``--source numpy``: ``np.empty`` then filled, which
+numpy backs with huge pages from 4 MiB; ``--source torch``: ``torch.empty`` then filled), tensor
+``i`` holding ``arange(8 Mi) + i``. The torch variants take ``torch.from_numpy`` of the numpy
+arrays, the numpy ones ``.numpy()`` of the torch tensors (both share the memory). The file goes
+to a temporary directory in ``--dir`` (by default the system's, which the output names with its
+file system): the disk users write to, not ``/dev/shm``.
 
-* ``stream_st``: ``open_writer(path, plan)`` then ``await writer.write(name, array)`` 64 times.
-  The arrays are produced one at a time by reusing ONE preallocated array, filled before the
-  timer starts: the streaming use, where a producer hands over a tensor and reuses its buffer.
-* ``save_file``: ``safetensors.numpy.save_file(dict, path)``, the reference, with a dict of 64
-  distinct arrays built before the timer starts (the only way to call it).
-* ``plain``: a ``FileIO.write`` loop of the same bytes (header, then the reused array 64 times)
-  straight to the destination: the raw-I/O bar.
-* ``save`` (extra): ``stream_st.save(path, dict)`` with the same dict as ``save_file``.
-* ``single`` (optional, not run by default): ``stream_st`` with every 32 MiB write done by one
-  worker thread instead of split in two halves between two threads (``SPLIT_THRESHOLD``).
-* ``nofalloc`` (optional, not run by default): ``stream_st`` without reserving the file's blocks
-  up front (``fallocate``), to measure what that buys.
+Variants, interleaved (A B C ... A B C ...), the timer running from opening the destination to
+the file complete and closed (no fsync anywhere, as the reference does none):
 
-Timed: from opening the destination to the file complete and closed (for ``stream_st``: header,
-64 writes, commit by ``os.replace``). No fsync anywhere, as ``save_file`` does none. The first
-repetition of each variant also checks the whole file's CRC-32 against the expected bytes.
+* ``pwrite``: the bar. The file preallocated (``posix_fallocate``), the header written, then the
+  data by 2 threads issuing 8 MiB ``os.pwrite`` calls from the arrays' memory.
+* ``open_writer``: ``open_writer(path, plan)`` and ``await writer.write(name, array)`` per tensor.
+* ``save``: ``await stream_st.save(path, arrays)``.
+* ``np_save_file`` / ``torch_save_file``: the drop-ins ``stream_st.numpy.save_file`` and
+  ``stream_st.torch.save_file``.
+* ``torch_save_model``: ``stream_st.torch.save_model`` of a module whose parameters are the
+  tensors (its ``state_dict()``).
+* ``ref_np`` / ``ref_torch``: the reference, ``safetensors.numpy.save_file`` and
+  ``safetensors.torch.save_file`` of the same dict.
+* ``sharded``: ``open_sharded_writer`` with shards of half the data (two shards and an index).
+* ``dataset``: ``open_dataset_writer``, two batches of half the tensors (two shards, a manifest).
+* ``cp``: ``stream_st.tools.cp.cp`` of a file of the same bytes, written (and so in the page
+  cache) before the first round, to a new file.
 
-Peak RSS is reported absolute and above the child's baseline after imports, before any array is
-allocated; the target for the streaming variant is the largest tensor + 64 MiB above baseline.
+Every single-file variant writes the same bytes (the reference's layout); the first round checks
+each file's CRC-32. The sharded and dataset variants write the same data in two shards. After
+each run the files are deleted and the dirty pages flushed (``os.sync``), outside the timer.
+
+Reported: GB/s per round and per variant, each variant's ratio to ``pwrite`` of the same round
+(median, min and max: the requirement is every round), the same against the reference's
+``save_file``, and the peak RSS above the process's RSS once the tensors exist (``VmHWM``).
+The load average (other processes skew the figures) is printed at the start and end.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 import zlib
-from importlib.metadata import version
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 MiB = 1 << 20
 GiB = 1 << 30
-TENSORS = 64
 TENSOR_BYTES = 32 * MiB
 ELEMENTS = TENSOR_BYTES // 4
-RSS_SLACK = 64 * MiB
-DEFAULT_VARIANTS = ("stream_st", "save_file", "plain", "save")
-ALL_VARIANTS = (*DEFAULT_VARIANTS, "single", "nofalloc")
+PIECE = 8 * MiB
+DEFAULT_VARIANTS = (
+    "pwrite",
+    "open_writer",
+    "save",
+    "np_save_file",
+    "ref_np",
+    "torch_save_file",
+    "torch_save_model",
+    "ref_torch",
+    "sharded",
+    "dataset",
+    "cp",
+)
+MULTI_FILE = ("sharded", "dataset")
 
 
-def _status_kib(field: str) -> int:
+def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith(field + ":"):
@@ -68,130 +89,189 @@ def _status_kib(field: str) -> int:
 
 
 def _load() -> str:
-    """The 1, 5 and 15 minute load averages: other processes on the machine skew the figures."""
-    with open("/proc/loadavg") as loadavg:
-        return " ".join(loadavg.read().split()[:3])
+    """The 1, 5 and 15 minute load averages."""
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
-def _names() -> list[str]:
-    return [f"t{i:02d}" for i in range(TENSORS)]
+def _names(count: int) -> list[str]:
+    return [f"t{i:02d}" for i in range(count)]
 
 
-def _header_prefix() -> bytes:
-    """The reference's header for the plan (its JSON layout, padded to 8 bytes)."""
-    entries = {
-        name: {
-            "dtype": "F32",
-            "shape": [ELEMENTS],
-            "data_offsets": [i * TENSOR_BYTES, (i + 1) * TENSOR_BYTES],
-        }
-        for i, name in enumerate(_names())
-    }
-    text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
+def _file_system(path: str) -> str:
+    """The type of the file system ``path`` is on (from ``/proc/mounts``)."""
+    real = os.path.realpath(path)
+    best, kind = "", "unknown"
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            point = fields[1]
+            inside = real == point or real.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best):
+                best, kind = point, fields[2]
+    return kind
 
 
-def _crc_of_file(path: str) -> int:
+def _crc_of_files(paths: list[str]) -> int:
     crc = 0
-    buffer = bytearray(64 * MiB)
+    buffer = bytearray(16 * MiB)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as file:
-        while True:
-            got = file.readinto(buffer)
-            if not got:
-                return crc
-            crc = zlib.crc32(view[:got], crc)
+    for path in paths:
+        with open(path, "rb", buffering=0) as file:
+            while got := file.readinto(buffer):
+                crc = zlib.crc32(view[:got], crc)
+    return crc
 
 
-def _expected_crc() -> int:
+def _expected(count: int) -> tuple[bytes, int]:
+    """The reference's file for the plan: its header prefix, and the CRC-32 of the whole file."""
     import numpy as np
 
-    one = np.arange(ELEMENTS, dtype=np.float32).data
-    crc = zlib.crc32(_header_prefix())
-    for _ in range(TENSORS):
-        crc = zlib.crc32(one, crc)
-    return crc
+    from stream_st.core.layout import TensorSpec, build_header
+
+    prefix, _ = build_header([TensorSpec(name, "F32", (ELEMENTS,)) for name in _names(count)])
+    base = np.arange(ELEMENTS, dtype=np.float32)
+    crc = zlib.crc32(prefix)
+    for i in range(count):
+        crc = zlib.crc32((base + i).data, crc)
+    return prefix, crc
 
 
 # ---------------------------------------------------------------------------------- the children
 
 
-def _child(variant: str, path: str, check: bool) -> dict[str, Any]:
-    """Run one variant once in this (fresh) process; return its timing and memory."""
+def _arrays(count: int, source: str) -> dict[str, Any]:
+    """Fresh tensors, as a program makes them: ``{name: numpy array}`` and torch tensors over
+    the same memory, under ``"torch"``."""
     import numpy as np
 
-    if variant in ("stream_st", "save", "single", "nofalloc"):
-        import anyio
+    names = _names(count)
+    if source == "numpy":
+        base = np.arange(ELEMENTS, dtype=np.float32)
+        arrays = {}
+        for i, name in enumerate(names):
+            array = np.empty(ELEMENTS, dtype=np.float32)
+            np.add(base, i, out=array)
+            arrays[name] = array
+        return arrays
+    import torch
 
-        import stream_st
-        import stream_st.transports.file.sink
-    if variant == "save_file":
+    base_t = torch.arange(ELEMENTS, dtype=torch.float32)
+    arrays = {}
+    for i, name in enumerate(names):
+        tensor = torch.empty(ELEMENTS, dtype=torch.float32)
+        torch.add(base_t, i, out=tensor)
+        arrays[name] = tensor.numpy()
+    return arrays
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
+
+
+def _bar(path: str, prefix: bytes, arrays: dict[str, Any]) -> None:
+    """The raw-I/O bar: a preallocated file, 2 threads of 8 MiB ``pwrite``."""
+    size = len(prefix) + sum(a.nbytes for a in arrays.values())
+    pieces = []
+    offset = len(prefix)
+    for array in arrays.values():
+        view = memoryview(array).cast("B")
+        for start in range(0, len(view), PIECE):
+            pieces.append((view[start : start + PIECE], offset + start))
+        offset += len(view)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        _pwrite_all(fd, memoryview(prefix), 0)
+        with ThreadPoolExecutor(2) as pool:
+            for _ in pool.map(lambda piece: _pwrite_all(fd, *piece), pieces):
+                pass
+    finally:
+        os.close(fd)
+
+
+def _child(variant: str, workdir: str, count: int, source: str, src: str) -> dict[str, Any]:
+    """Run one variant once in this (fresh) process; return its timing and memory."""
+    import anyio
+
+    import stream_st
+    from stream_st.core.layout import build_header
+
+    names = _names(count)
+    path = os.path.join(workdir, "out.safetensors")
+    prefix, _ = build_header([stream_st.TensorSpec(name, "F32", (ELEMENTS,)) for name in names])
+    arrays = {} if variant == "cp" else _arrays(count, source)
+    if variant.startswith(("torch", "ref_torch")):
+        import safetensors.torch
+        import torch
+
+        import stream_st.torch
+
+        tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
+    elif variant in ("np_save_file", "ref_np"):
         import safetensors.numpy
-    baseline = _status_kib("VmRSS")
 
-    names = _names()
-    if variant in ("save_file", "save"):
-        arrays = {name: np.arange(ELEMENTS, dtype=np.float32) for name in names}
-    else:
-        array = np.arange(ELEMENTS, dtype=np.float32)  # the one reused buffer
+        import stream_st.numpy
+    elif variant == "cp":
+        from stream_st.tools.cp import cp
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # VmHWM restarts from the RSS now: the tensors exist, imports are done
+    baseline = _status_bytes("VmRSS")
 
-    if variant in ("stream_st", "single", "nofalloc"):
-        if variant == "single":
-            stream_st.transports.file.sink.SPLIT_THRESHOLD = None
-        if variant == "nofalloc":
-            stream_st.transports.file.sink._FALLOCATE = None
+    async def open_writer() -> None:
         plan = [stream_st.TensorSpec(name, "F32", (ELEMENTS,)) for name in names]
+        async with stream_st.open_writer(path, plan) as writer:
+            for name in names:
+                await writer.write(name, arrays[name])
 
-        async def write() -> None:
-            async with stream_st.open_writer(path, plan) as writer:
-                for name in names:
-                    # A producer would fill ``array`` with this tensor's values here.
-                    await writer.write(name, array)
+    async def sharded() -> None:
+        async with stream_st.open_sharded_writer(
+            workdir, max_shard_size=count // 2 * TENSOR_BYTES
+        ) as writer:
+            for name in names:
+                await writer.write(name, arrays[name])
 
-        start = time.perf_counter()
-        anyio.run(write)
-        seconds = time.perf_counter() - start
-    elif variant == "save":
+    async def dataset() -> None:
+        half = count // 2
+        async with stream_st.open_dataset_writer(workdir) as writer:
+            for rows in (range(half), range(half, count)):
+                await writer.write_batch(
+                    {f"c{j:02d}": arrays[names[i]] for j, i in enumerate(rows)}, 1
+                )
 
-        async def save() -> None:
-            await stream_st.save(path, arrays)
+    def save_model() -> None:
+        module = torch.nn.Module()
+        for name, tensor in tensors.items():
+            module.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+        stream_st.torch.save_model(module, path)
 
-        start = time.perf_counter()
-        anyio.run(save)
-        seconds = time.perf_counter() - start
-    elif variant == "save_file":
-        start = time.perf_counter()
-        safetensors.numpy.save_file(arrays, path)
-        seconds = time.perf_counter() - start
-    elif variant == "plain":
-        prefix = _header_prefix()
-        view = array.data
-        start = time.perf_counter()
-        with io.FileIO(path, "w") as file:
-            file.write(prefix)
-            for _ in names:
-                file.write(view)
-        seconds = time.perf_counter() - start
-    else:  # pragma: no cover
-        raise ValueError(variant)
-
-    result: dict[str, Any] = {
-        "seconds": seconds,
-        "bytes": os.path.getsize(path),
-        "baseline": baseline,
-        "peak": _status_kib("VmHWM"),
+    runs: dict[str, Any] = {
+        "pwrite": lambda: _bar(path, prefix, arrays),
+        "open_writer": lambda: anyio.run(open_writer),
+        "save": lambda: anyio.run(stream_st.save, path, arrays),
+        "np_save_file": lambda: stream_st.numpy.save_file(arrays, path),
+        "ref_np": lambda: safetensors.numpy.save_file(arrays, path),
+        "torch_save_file": lambda: stream_st.torch.save_file(tensors, path),
+        "torch_save_model": save_model,
+        "ref_torch": lambda: safetensors.torch.save_file(tensors, path),
+        "sharded": lambda: anyio.run(sharded),
+        "dataset": lambda: anyio.run(dataset),
+        "cp": lambda: anyio.run(cp, src, path),
     }
-    if check:
-        result["crc"] = _crc_of_file(path)
-    return result
+    start = time.perf_counter()
+    runs[variant]()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "baseline": baseline, "peak": _status_bytes("VmHWM")}
 
 
-def _run_child(variant: str, path: str, check: bool) -> dict[str, Any]:
-    command = [sys.executable, os.path.abspath(__file__), "--child", variant, "--path", path]
-    if check:
-        command.append("--check")
-    done = subprocess.run(command, check=True, capture_output=True, text=True)
+def _run_child(variant: str, workdir: str, count: int, source: str, src: str) -> dict[str, Any]:
+    command = [sys.executable, os.path.abspath(__file__), "--child", variant]
+    command += ["--workdir", workdir, "--tensors", str(count), "--source", source, "--src", src]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{variant} failed:\n{done.stderr}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
@@ -199,120 +279,123 @@ def _run_child(variant: str, path: str, check: bool) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- the parent
 
 
-def _main(repeat: int, directory: str | None, variants: list[str]) -> None:
+def _written(workdir: str, variant: str) -> list[str]:
+    """The safetensors files ``variant`` left in ``workdir``, in name order."""
+    names = sorted(n for n in os.listdir(workdir) if n.endswith(".safetensors"))
+    if variant not in MULTI_FILE and names != ["out.safetensors"]:
+        raise SystemExit(f"{variant}: expected out.safetensors, found {names}")
+    return [os.path.join(workdir, name) for name in names]
+
+
+def _ratios(rounds: list[float]) -> str:
+    return (
+        f"median {statistics.median(rounds):.2f}x, min {min(rounds):.2f}x, max {max(rounds):.2f}x"
+    )
+
+
+def _main(repeat: int, directory: str | None, variants: list[str], count: int, source: str) -> None:
     import numpy as np
     import safetensors
+    import torch
 
     import stream_st
 
+    data = count * TENSOR_BYTES
+    workdir = tempfile.mkdtemp(prefix="bench_write_", dir=directory)
     print(
-        f"python {platform.python_version()}, numpy {np.__version__}, "
-        f"safetensors {safetensors.__version__}, anyio {version('anyio')}, "
-        f"stream_st {stream_st.__version__}, {os.cpu_count()} CPUs"
+        f"python {platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}, "
+        f"safetensors {safetensors.__version__}, stream_st {stream_st.__version__}, "
+        f"{os.cpu_count()} CPUs"
     )
     print(
-        f"plan: {TENSORS} x {TENSOR_BYTES // MiB} MiB F32 = "
-        f"{TENSORS * TENSOR_BYTES / GiB:.0f} GiB; "
-        f"{repeat} repetitions, interleaved {' '.join(variants)}; each in a fresh subprocess"
+        f"plan: {count} x {TENSOR_BYTES // MiB} MiB F32 = {data / GiB:.2f} GiB from fresh "
+        f"{source} arrays, to a file on {_file_system(workdir)}; {repeat} rounds of "
+        f"{' '.join(variants)}, each in a fresh process"
     )
     print(f"load average at start: {_load()}")
-    expected_crc = _expected_crc()
-    expected_size = len(_header_prefix()) + TENSORS * TENSOR_BYTES
-    workdir = tempfile.mkdtemp(prefix="bench_write_", dir=directory)
-    results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    prefix, expected_crc = _expected(count)
+    src = os.path.join(workdir, "source.safetensors.in")
+    seconds: dict[str, list[float]] = {v: [] for v in variants}
+    above: dict[str, list[int]] = {v: [] for v in variants}
     try:
-        path = os.path.join(workdir, "out.safetensors")
+        if "cp" in variants:
+            arrays = _arrays(count, "numpy")
+            _bar(src, prefix, arrays)
+            del arrays
         for rep in range(repeat):
             for variant in variants:
-                result = _run_child(variant, path, check=rep == 0)
-                if result["bytes"] != expected_size:
-                    raise SystemExit(
-                        f"{variant}: wrote {result['bytes']} bytes, not {expected_size}"
-                    )
-                if rep == 0 and result["crc"] != expected_crc:
-                    raise SystemExit(f"{variant}: the file's bytes differ from the expected ones")
-                leftovers = sorted(set(os.listdir(workdir)) - {"out.safetensors"})
-                if leftovers:
-                    raise SystemExit(f"{variant}: left files behind: {leftovers}")
-                os.unlink(path)
+                result = _run_child(variant, workdir, count, source, src)
+                paths = _written(workdir, variant)
+                if variant not in MULTI_FILE:
+                    size = os.path.getsize(paths[0])
+                    if size != len(prefix) + data:
+                        raise SystemExit(f"{variant}: wrote {size} bytes")
+                    if rep == 0 and _crc_of_files(paths) != expected_crc:
+                        raise SystemExit(f"{variant}: the file's bytes differ from the expected")
+                elif len(paths) != 2 or sum(map(os.path.getsize, paths)) < data:
+                    raise SystemExit(f"{variant}: wrote {paths}")
+                for name in os.listdir(workdir):
+                    if name != os.path.basename(src):
+                        target = os.path.join(workdir, name)
+                        if os.path.isdir(target):
+                            shutil.rmtree(target)
+                        else:
+                            os.unlink(target)
                 os.sync()
-                results[variant].append(result)
+                seconds[variant].append(result["seconds"])
+                above[variant].append(result["peak"] - result["baseline"])
+            line = " ".join(f"{v}={data / seconds[v][-1] / 1e9:.2f}" for v in variants)
+            print(f"round {rep + 1} GB/s: {line}  (load {os.getloadavg()[0]:.2f})", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    print(f"load average at end: {_load()}")
+    print("every single-file variant's bytes matched the reference layout (CRC-32, round 1)\n")
 
-    print(f"load average at end:   {_load()}")
-    print("all files byte-identical (CRC-32 of the first repetition); no temporary file left\n")
-    medians = {v: statistics.median(r["seconds"] for r in rs) for v, rs in results.items()}
-    rate = {v: expected_size / s / 1e9 for v, s in medians.items()}
-    header = (
-        f"{'variant':<10} {'median s':>9} {'GB/s':>6} {'best':>5}  {'runs GB/s':<34} "
-        f"{'peak RSS':>9} {'above base':>11}"
-    )
+    header = f"{'variant':<17} {'median GB/s':>11} {'min':>6} {'max':>6} {'peak RSS above':>15}"
     print(header)
     print("-" * len(header))
-    for variant, rs in results.items():
-        runs = " ".join(f"{expected_size / r['seconds'] / 1e9:.2f}" for r in rs)
-        peak = max(r["peak"] for r in rs)
-        above = max(r["peak"] - r["baseline"] for r in rs)
-        best = expected_size / min(r["seconds"] for r in rs) / 1e9
+    for variant in variants:
+        rates = [data / s / 1e9 for s in seconds[variant]]
         print(
-            f"{variant:<10} {medians[variant]:>9.3f} {rate[variant]:>6.2f} {best:>5.2f}  "
-            f"{runs:<34} {peak / MiB:>6.0f} MiB {above / MiB:>7.0f} MiB"
+            f"{variant:<17} {statistics.median(rates):>11.2f} {min(rates):>6.2f} "
+            f"{max(rates):>6.2f} {max(above[variant]) / MiB:>11.0f} MiB"
         )
-    print()
-    if "stream_st" in rate:
-        for other, target in (("save_file", 1.0), ("plain", 0.9), ("save", None)):
-            if other in rate:
-                ratio = rate["stream_st"] / rate[other]
-                verdict = (
-                    ""
-                    if target is None
-                    else f"  (target >= {target:.1f}x: {'met' if ratio >= target else 'MISSED'})"
-                )
-                print(f"stream_st / {other:<9} = {ratio:.2f}x{verdict}")
-        if "save" in rate and "save_file" in rate:
-            print(f"save      / save_file = {rate['save'] / rate['save_file']:.2f}x")
-        for other in ("single", "nofalloc"):
-            if other in rate:
-                print(f"{other:<9} / stream_st = {rate[other] / rate['stream_st']:.2f}x")
-        print("paired (per round, then the median; robust to drifts between rounds):")
-        for other in results:
-            if other != "stream_st":
-                paired = statistics.median(
-                    b["seconds"] / a["seconds"]
-                    for a, b in zip(results["stream_st"], results[other], strict=True)
-                )
-                print(f"  stream_st / {other:<9} = {paired:.2f}x")
-        above = max(r["peak"] - r["baseline"] for r in results["stream_st"])
-        limit = TENSOR_BYTES + RSS_SLACK
-        print(
-            f"stream_st peak RSS above baseline: {above / MiB:.0f} MiB "
-            f"(target <= largest tensor + 64 MiB = {limit / MiB:.0f} MiB: "
-            f"{'met' if above <= limit else 'MISSED'})"
-        )
+    for bar, label in (("pwrite", "the 2-thread pwrite bar"), ("ref_np", "ref_np")):
+        if bar not in variants:
+            continue
+        print(f"\npaired ratio to {label} (its time / the variant's, per round):")
+        for variant in variants:
+            if variant != bar:
+                rounds = [b / a for a, b in zip(seconds[variant], seconds[bar], strict=True)]
+                print(f"  {variant:<17} {_ratios(rounds)}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeat", type=int, default=7, help="repetitions per variant (>= 5)")
+    parser.add_argument("--repeat", type=int, default=7, help="rounds (default 7)")
+    parser.add_argument("--tensors", type=int, default=64, help="32 MiB tensors (default 64)")
+    parser.add_argument("--source", choices=("numpy", "torch"), default="numpy")
     parser.add_argument("--dir", default=None, help="where to create the temporary directory")
     parser.add_argument(
         "--variants",
         default=",".join(DEFAULT_VARIANTS),
-        help=f"comma-separated, from {', '.join(ALL_VARIANTS)}",
+        help=f"comma-separated, from {', '.join(DEFAULT_VARIANTS)}",
     )
-    parser.add_argument("--child", choices=ALL_VARIANTS, help=argparse.SUPPRESS)
-    parser.add_argument("--path", help=argparse.SUPPRESS)
-    parser.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=DEFAULT_VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--src", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tensors < 2 or args.tensors % 2:
+        parser.error("--tensors must be even and at least 2")
     if args.child:
-        print(json.dumps(_child(args.child, args.path, args.check)))
+        result = _child(args.child, args.workdir, args.tensors, args.source, args.src)
+        print(json.dumps(result))
         return
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(ALL_VARIANTS))
+    unknown = sorted(set(variants) - set(DEFAULT_VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}")
-    _main(args.repeat, args.dir, variants)
+    _main(args.repeat, args.dir, variants, args.tensors, args.source)
 
 
 if __name__ == "__main__":

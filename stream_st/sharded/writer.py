@@ -9,14 +9,17 @@ Two layouts:
   total_samples, total_bytes, shards with shard_path / samples_count / bytes, schema).
 
 A safetensors header comes first, but which tensors a shard will hold is known only when it is
-full. So each shard's data is spooled to a temporary file beside the destination as it arrives
-(constant memory), and when the shard is sealed its header is written and the spooled bytes are
-copied after it, into a temporary file renamed into place. A group of tensors (one ``write`` or
-``write_batch`` call) never straddles two shards; a shard is sealed before a group that would
-take it past the target size. The index or manifest is written last, atomically, once every shard
-is in place: a reader never sees one that names a shard that is not complete. On any failure
-(a full disk included: every I/O error is a :class:`~stream_st.TransportError` naming the place),
-the writer is aborted and nothing new is left in the directory.
+full. So each shard's data goes, as it arrives (constant memory), straight into the shard's
+temporary file beside the destination (a :class:`~stream_st.transports.file.sink.FileSink`), after
+room left for the header (:func:`header_room`); when the shard is sealed its header is written
+into that room, padded with spaces as the format allows, and the file is moved into place. A
+header that outgrows its room is written to a new file, the data copied after it. A group of
+tensors (one ``write`` or ``write_batch`` call) never straddles two shards; a shard is sealed
+before a group that would take it past the target size. The index or manifest is written last,
+atomically, once every shard is in place: a reader never sees one that names a shard that is
+not complete. On any failure (a full disk included: every I/O error is a
+:class:`~stream_st.TransportError` naming the place), the writer is aborted and nothing new is
+left in the directory.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import io
 import json
 import os
 import shutil
-import tempfile
+import struct
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -62,7 +65,27 @@ Array = np.ndarray[Any, Any]
 
 
 COPY_CHUNK = 8 << 20
-"""Spooled data is copied into its shard in pieces of this many bytes."""
+"""Data is copied behind a header that outgrew its room in pieces of this many bytes."""
+
+ROOM_PER_DATA = 4096
+"""A shard leaves one byte of room for its header per this many bytes of its target size..."""
+
+ROOM_MAX = 1 << 20
+"""...up to this much: enough for ~9000 tensors of 5 GiB shards with short names. The room is
+also at least twice the header of the shard's first group, and a multiple of 4 KiB."""
+
+
+def header_room(target_size: int, first_header: int) -> int:
+    """Bytes to leave for the header of a shard of ``target_size`` bytes of data whose first
+    group alone has a header of ``first_header`` bytes (see :data:`ROOM_PER_DATA`)."""
+    room = max(min(target_size // ROOM_PER_DATA, ROOM_MAX), 2 * first_header)
+    return -(-room // 4096) * 4096
+
+
+def _padded(prefix: bytes, size: int) -> bytes:
+    """The header ``prefix`` (length and JSON) made ``size`` bytes long with trailing spaces."""
+    text = prefix[8:] + b" " * (size - len(prefix))
+    return struct.pack("<Q", len(text)) + text
 
 
 @contextlib.contextmanager
@@ -79,24 +102,21 @@ def _io(doing: str, path: Path, position: int | None = None) -> Iterator[None]:
 
 
 async def _write_file(
-    path: Path, head: bytes, rest: io.BufferedReader | None = None, size: int = 0
+    path: Path, head: bytes, rest: FileSink | None = None, start: int = 0, size: int = 0
 ) -> None:
-    """``head``, then what is left in ``rest``, as the file ``path`` (``size`` bytes in all, when
-    known): through a :class:`~stream_st.transports.file.sink.FileSink`, so a temporary file is
-    renamed
-    into place once complete, and removed on any failure or cancellation."""
+    """``head``, then what ``rest`` holds from ``start`` on, as the file ``path`` (``size`` bytes
+    in all, when known): through a :class:`~stream_st.transports.file.sink.FileSink`, so a
+    temporary file is renamed into place once complete, and removed on any failure or
+    cancellation."""
     sink = FileSink(path)
     try:
         await sink.allocate(size)
         await sink.send(memoryview(head))
         if rest is not None:
-            chunk = bytearray(COPY_CHUNK)
-            while True:
-                with _io("reading spooled data", path, sink.position):
-                    got = await anyio.to_thread.run_sync(rest.readinto, chunk)
-                if not got:
-                    break
-                await sink.send(memoryview(chunk)[:got])
+            chunk = memoryview(bytearray(COPY_CHUNK))
+            while got := await rest.read_at(start, chunk):
+                await sink.send(chunk[:got])
+                start += got
     except BaseException:
         await sink.abort()
         raise
@@ -104,14 +124,13 @@ async def _write_file(
 
 
 class _Shard:
-    """One shard in the making: its plan, and its data spooled to a temporary file."""
+    """One shard in the making: its plan, and its data written into its file after ``room``
+    bytes left for the header."""
 
-    def __init__(self, directory: Path, algorithm: str | None) -> None:
-        with _io("creating a spool file", directory):
-            fd, name = tempfile.mkstemp(prefix=".shard-", suffix=".spool", dir=directory)
-        self.directory = directory
-        self.spool = Path(name)
-        self.file = os.fdopen(fd, "wb")
+    def __init__(self, destination: Path, room: int, algorithm: str | None) -> None:
+        self.destination = destination
+        self.file = FileSink(destination)
+        self.room = room
         self.specs: list[TensorSpec] = []
         self.names: set[str] = set()
         self.data_bytes = 0
@@ -119,39 +138,36 @@ class _Shard:
         self.algorithm = algorithm
         self.digests: dict[str, str] = {}
 
-    def add(self, name: str, array: Array) -> None:
+    async def add(self, name: str, array: Array) -> None:
         view = wire_bytes(array)
-        with _io(f"spooling tensor {name!r}", self.directory, self.data_bytes):
-            self.file.write(view)
-        if self.algorithm is not None:  # hashed as it is spooled, while in the CPU's caches
-            self.digests[name] = digest_of(self.algorithm, view)
+        at = self.room + self.data_bytes
+        await self.file.allocate(at + len(view))
+        await self.file.write_at(at, view)
+        if self.algorithm is not None:
+            self.digests[name] = await anyio.to_thread.run_sync(digest_of, self.algorithm, view)
         self.specs.append(TensorSpec(name, dtype_for(array.dtype).code, array.shape))
         self.names.add(name)
         self.data_bytes += len(view)
 
-    async def seal(self, destination: Path, metadata: Mapping[str, str] | None) -> int:
-        """Write header + spooled data to ``destination``; returns the file's size. The spool
-        is removed either way."""
+    async def seal(self, metadata: Mapping[str, str] | None) -> int:
+        """Write the header and put the shard at its destination; returns the file's size. On
+        any failure nothing is left there."""
         try:
-            with _io("spooling", self.directory, self.data_bytes):
-                self.file.close()  # the last buffered bytes go out: this may fail too
             if self.algorithm is not None:
                 digests = Digests(self.algorithm, self.digests)
                 metadata = digests.add_to(metadata, [spec.name for spec in self.specs])
-            prefix, header = build_header(self.specs, metadata)
-            with _io("opening the spool", self.spool):
-                data = self.spool.open("rb")
-            with data:
-                await _write_file(destination, prefix, data, header.file_size)
-        finally:
-            self.spool.unlink(missing_ok=True)
-        return header.file_size
-
-    def discard(self) -> None:
-        with contextlib.suppress(OSError):  # buffered bytes that cannot go out: no matter
-            self.file.close()
-        with contextlib.suppress(OSError):
-            self.spool.unlink(missing_ok=True)
+            prefix, _ = build_header(self.specs, metadata)
+            if len(prefix) <= self.room:
+                await self.file.write_at(0, memoryview(_padded(prefix, self.room)))
+                await self.file.aclose()
+                return self.room + self.data_bytes
+            size = len(prefix) + self.data_bytes
+            await _write_file(self.destination, prefix, self.file, self.room, size)
+        except BaseException:
+            await self.file.abort()
+            raise
+        await self.file.abort()  # its data now follows the header in the new file
+        return size
 
 
 class _RollingWriter(AsyncClosing):
@@ -202,14 +218,27 @@ class _RollingWriter(AsyncClosing):
             if current is None:
                 with _io("creating the directory", self.directory):
                     self.directory.mkdir(parents=True, exist_ok=True)
-                current = self._current = _Shard(self.directory, self._algorithm)
+                current = self._current = self._new_shard(arrays)
             for name, array in arrays.items():
-                await anyio.to_thread.run_sync(current.add, name, array)
+                await current.add(name, array)
                 self._written.add(name)
         except BaseException:
             await self.abort()  # a shard missing bytes must never be sealed
             raise
         current.samples += samples
+
+    def _new_shard(self, first: Mapping[str, Array]) -> _Shard:
+        """The next shard, opened with room for a header that ``first`` starts."""
+        specs = [TensorSpec(name, dtype_for(a.dtype).code, a.shape) for name, a in first.items()]
+        metadata = self._shard_metadata()
+        if self._algorithm is not None:  # as long as the digests to come
+            placeholder = digest_of(self._algorithm, memoryview(b""))
+            metadata = Digests(self._algorithm, dict.fromkeys(first, placeholder)).add_to(
+                metadata, list(first)
+            )
+        room = header_room(self.target_size, len(build_header(specs, metadata)[0]))
+        name = self._shard_name(len(self._sealed))
+        return _Shard(self.directory / name, room, self._algorithm)
 
     def _shard_name(self, index: int) -> str:
         raise NotImplementedError
@@ -221,9 +250,8 @@ class _RollingWriter(AsyncClosing):
         shard, self._current = self._current, None
         if shard is None:
             return
-        name = self._shard_name(len(self._sealed))
-        size = await shard.seal(self.directory / name, self._shard_metadata())
-        self._sealed.append((name, size, shard.samples, shard.specs))
+        size = await shard.seal(self._shard_metadata())
+        self._sealed.append((shard.destination.name, size, shard.samples, shard.specs))
 
     def _index(self) -> tuple[str, dict[str, Any]]:
         raise NotImplementedError
@@ -251,10 +279,10 @@ class _RollingWriter(AsyncClosing):
         self._closed = True
 
     async def abort(self) -> None:
-        """Remove every shard written so far and the spool; nothing is left behind."""
+        """Remove every shard written so far and the one in the making; nothing is left behind."""
         self._closed = True
         if self._current is not None:
-            self._current.discard()
+            await self._current.file.abort()
             self._current = None
         for name, *_ in self._sealed:
             with contextlib.suppress(OSError):  # removing the rest matters more

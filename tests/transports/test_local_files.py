@@ -22,6 +22,7 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
+import stream_st.sharded.writer
 from stream_st import ReadTimeoutError, TensorSpec, TransportError
 from stream_st.sharded.writer import open_dataset_writer, open_sharded_writer
 
@@ -382,18 +383,24 @@ async def add(writer: Any, name: str, array: np.ndarray[Any, Any]) -> None:
 
 
 @pytest.mark.parametrize("kind", sorted(WRITERS))
-@pytest.mark.parametrize("when", ["spooling", "sealing"])
+@pytest.mark.parametrize("when", ["writing", "rewriting"])
 async def test_shard_writers_on_a_full_disk(
-    cramped: tuple[Path, int], kind: str, when: str
+    cramped: tuple[Path, int], kind: str, when: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Spooling a tensor or sealing its shard runs out of room: a TransportError naming the
+    """Writing a tensor, or writing its shard again behind a header that outgrew the room left
+    for it (which takes the data's room twice), runs out of room: a TransportError naming the
     place, and nothing left behind."""
     directory, size = cramped
-    array = np.ones(2 * size if when == "spooling" else size, np.uint8)
+    if when == "writing":
+        groups = {"t": np.ones(2 * size, np.uint8)}
+    else:  # 100 tensors: a header larger than the room of the first one's (ROOM_MAX 0)
+        monkeypatch.setattr(stream_st.sharded.writer, "ROOM_MAX", 0)
+        groups = {f"t{i:02d}": np.ones(size // 100, np.uint8) for i in range(100)}
     before = open_fds()
     with pytest.raises(TransportError) as info:
         async with WRITERS[kind](directory / "out") as writer:
-            await add(writer, "t", array)
+            for name, array in groups.items():
+                await add(writer, name, array)
     assert str(directory / "out") in str(info.value)
     assert re.search(r"(No space left on device|File too large), url=", str(info.value))
     assert os.listdir(directory / "out") == []

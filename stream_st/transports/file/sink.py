@@ -3,7 +3,8 @@ complete; a FIFO or a device, written through in place.
 
 The message goes to a temporary file in the destination's directory, written with positioned
 writes (``os.pwritev``) straight from the caller's memory in worker threads, so tensors may arrive
-in any order and the event loop stays free. Where the file system allows it (Linux ``O_TMPFILE``)
+in any order and the event loop stays free. Each call writes at most :data:`WRITE_CALL` bytes, cut
+at multiples of it in the file: see there why. Where the file system allows it (Linux ``O_TMPFILE``)
 that file has no name until the commit: a process killed at any point (even by SIGKILL) leaves
 nothing behind. Elsewhere it is a hidden file, ``.<name>.<random>.tmp``, or ``.<random>.tmp``
 where that would pass the longest name the directory takes: any valid destination name can be
@@ -27,11 +28,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import itertools
 import os
 import secrets
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import anyio
 import anyio.lowlevel
@@ -52,18 +54,31 @@ from .source import PipeEnd, open_path, path_from_url
 __all__ = ["FileSink", "PipeSink", "open_file_sink"]
 
 SPLIT_THRESHOLD: int | None = 8 << 20
-"""Writes of at least this many bytes are split between two threads (``None``: never).
+"""Writes of at least this many bytes are shared by :data:`WRITERS` threads (``None``: never),
+each taking the next :data:`WRITE_CALL` bytes in turn, so the file fills front to back.
 
 On ext4 buffered writes to one file serialize on the inode lock, so two threads do not copy at
-once; yet ``benchmarks/bench_write.py`` (``--variants stream_st,single``) measured the split as
-fast as one thread on a quiet machine and faster when other processes compete for the two cores
-or for memory: one thread ran at 0.81x of the split (paired median 1.28x for the split) at load
-average ~2.3.
+once; yet one thread measured as fast as two on a quiet machine and slower when other processes
+compete for the two cores or for memory (0.81x at load average ~2.3).
+"""
+
+WRITERS = 2
+"""Threads that share a write of at least :data:`SPLIT_THRESHOLD` bytes."""
+
+WRITE_CALL = 1 << 20
+"""The most bytes one ``pwritev`` call writes: a buffer is cut at multiples of it in the file.
+
+Linux sizes the page-cache folios of a buffered write by the length of the call, up to 2 MiB: a
+call of 2 MiB or more asks for 2 MiB folios, the size transparent huge pages take too. Where
+memory is fragmented and the caller's arrays sit on huge pages (numpy asks for them from 4 MiB),
+those allocations stall in compaction, and 32 MiB calls from fresh numpy arrays ran at 0.15x of
+the same bytes written in 8 MiB calls by 2 threads, while a writer issuing 1 MiB calls kept that
+pace in every round. Aligned 1 MiB calls ask for 1 MiB folios; 2 GiB take 2048 calls.
 """
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC
-_TMPFILE_FLAGS = os.O_WRONLY | getattr(os, "O_TMPFILE", 0) | _CLOEXEC
+_OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | _CLOEXEC  # read back: FileSink.read_at
+_TMPFILE_FLAGS = os.O_RDWR | getattr(os, "O_TMPFILE", 0) | _CLOEXEC
 
 USE_TMPFILE = hasattr(os, "O_TMPFILE")
 """Write through a nameless file (``O_TMPFILE``) where the file system allows it; ``False``
@@ -108,6 +123,32 @@ def _pwrite_fully(fd: int, buffer: memoryview, offset: int) -> None:
         written = os.pwritev(fd, [buffer], offset)
         buffer = buffer[written:]
         offset += written
+
+
+def _write_blocks(fd: int, buffer: memoryview, offset: int, blocks: Iterator[int]) -> None:
+    """Write ``buffer`` at ``offset`` one block of :data:`WRITE_CALL` bytes of the file at a time,
+    taking the block numbers from ``blocks`` (shared by the threads writing the same buffer, each
+    taking the next one) until the buffer's end. The block numbers start at ``offset``'s."""
+    end = offset + len(buffer)
+    for block in blocks:
+        start = max(block * WRITE_CALL, offset)
+        if start >= end:
+            return
+        stop = min((block + 1) * WRITE_CALL, end)
+        _pwrite_fully(fd, buffer[start - offset : stop - offset], start)
+
+
+async def _write(fd: int, buffer: memoryview, offset: int) -> None:
+    """Write all of ``buffer`` at ``offset`` of the file open as ``fd``, in worker threads:
+    :data:`WRITERS` of them share a buffer of at least :data:`SPLIT_THRESHOLD` bytes, taking its
+    blocks in turn."""
+    blocks = itertools.count(offset // WRITE_CALL)  # next() is atomic: each block goes once
+    if SPLIT_THRESHOLD is None or len(buffer) < SPLIT_THRESHOLD:
+        await anyio.to_thread.run_sync(_write_blocks, fd, buffer, offset, blocks)
+        return
+    async with task_group() as group:
+        for _ in range(WRITERS):
+            group.start_soon(anyio.to_thread.run_sync, _write_blocks, fd, buffer, offset, blocks)
 
 
 def _existing(path: str) -> os.stat_result | None:
@@ -293,10 +334,7 @@ class FileSink(Sink):
             return
         self._busy += 1
         try:
-            if SPLIT_THRESHOLD is None or len(buffer) < SPLIT_THRESHOLD:
-                await anyio.to_thread.run_sync(_pwrite_fully, self._fd, buffer, offset)
-            else:
-                await self._write_halves(offset, buffer)
+            await _write(self._fd, buffer, offset)
         except OSError as exc:
             raise TransportError(
                 f"write failed: {exc.strerror or exc}", url=self.name, position=offset
@@ -306,11 +344,22 @@ class FileSink(Sink):
             if self._done and not self._busy:
                 self._close_fd()
 
-    async def _write_halves(self, offset: int, buffer: memoryview) -> None:
-        half = (len(buffer) // 2) & ~4095
-        async with task_group() as group:
-            for part, at in ((buffer[:half], offset), (buffer[half:], offset + half)):
-                group.start_soon(anyio.to_thread.run_sync, _pwrite_fully, self._fd, part, at)
+    async def read_at(self, offset: int, buffer: memoryview) -> int:
+        """Read back what was written: up to ``len(buffer)`` bytes at ``offset`` into ``buffer``;
+        returns how many (fewer only at the end of the file)."""
+        if self._done:
+            raise UsageError(f"{self.name}: the file sink is closed")
+        self._busy += 1
+        try:
+            return await anyio.to_thread.run_sync(os.preadv, self._fd, [buffer], offset)
+        except OSError as exc:
+            raise TransportError(
+                f"reading back failed: {exc.strerror or exc}", url=self.name, position=offset
+            ) from exc
+        finally:
+            self._busy -= 1
+            if self._done and not self._busy:
+                self._close_fd()
 
     def _close_fd(self) -> None:
         fd, self._fd = self._fd, -1
