@@ -198,7 +198,10 @@ async def _object(address: str, cache: Cache, clock: Clock, read_all: bool) -> R
             on_committed=_pruner(cache, version.data),
             held=held,
         )
-        writer = CopyWriter(destination, lock, inner.name, None)
+        # the transport's digest of the whole object (an S3 checksum): the copy is checked
+        # against it once complete, whatever reads made it up
+        check = await inner.object_digest()
+        writer = CopyWriter(destination, lock, inner.name, check)
         handed = True
         return Resolved(TeeSource(inner, writer), "fetch")
     finally:
