@@ -19,7 +19,10 @@ from ..servers.s3_server import CREDENTIALS, MotoS3Server
 
 BUCKET = "cache-checked"
 Arrays = dict[str, np.ndarray[Any, Any]]
-ARRAYS: Arrays = {"a": np.random.default_rng(3).random(50_000), "b": np.arange(1000, dtype=np.int32)}
+ARRAYS: Arrays = {
+    "a": np.random.default_rng(3).random(50_000),
+    "b": np.arange(1000, dtype=np.int32),
+}
 DATA = reference_numpy.save(ARRAYS)  # no digests of stream_st's own: only the store's checksum
 
 
