@@ -271,7 +271,8 @@ class CopyWriter:
                 return
             await self._kept([(offset, offset + len(view))])
             return
-        self.hand(offset, view, fresh=fresh)
+        for start in range(0, len(view), PIECE):
+            self.hand(offset + start, view[start : start + PIECE], fresh=fresh)
         await self.written()
 
     def hand(self, offset: int, view: memoryview, *, fresh: bool = True) -> None:
@@ -437,6 +438,10 @@ class TeeSource(Source):
         self.random_access = inner.random_access
         self.clock = inner.clock
         self.position = inner.position
+        # K ranged requests at once land their parts straight in the memory of the read they
+        # fall in: a read is passed on whole, then kept (a piece-sized read would send every
+        # part through a part buffer and back)
+        self._whole_reads = (inner.clock.transport.concurrency or 1) > 1
 
     async def receive_into(self, buffer: memoryview) -> int:
         return await self.read_into_at(self.position, buffer[:DISCARD_CHUNK])
@@ -479,7 +484,7 @@ class TeeSource(Source):
         piece, each handed to the copy's thread as the next is received; returns once all are
         written (the caller may use ``view`` again)."""
         writer = self.writer
-        if len(view) <= PIECE or not writer.active:
+        if len(view) <= PIECE or not writer.active or self._whole_reads:
             got = await self.inner.read_into_at(offset, view)
             await writer.took(offset, view[:got])
             return got
