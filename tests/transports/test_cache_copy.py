@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import safetensors.numpy as reference_numpy
 import xxhash
 
@@ -32,10 +33,13 @@ BIG: dict[str, np.ndarray[Any, Any]] = {
 BIG_DATA = reference_numpy.save(BIG)
 
 
-async def test_a_tensor_of_many_pieces_is_copied_byte_for_byte(tmp_path: Path) -> None:
+@pytest.mark.parametrize("concurrency", [None, 3], ids=["pieces", "whole-reads"])
+async def test_a_tensor_of_many_pieces_is_copied_byte_for_byte(
+    tmp_path: Path, concurrency: int | None
+) -> None:
     with RangeHTTPServer(objects={"/m.safetensors": BIG_DATA}, etag="strong") as running:
         url = running.url("/m.safetensors")
-        stream = stream_st.open_stream(url, cache=tmp_path)
+        stream = stream_st.open_stream(url, cache=tmp_path, concurrency=concurrency)
         arrays = {name: array async for name, array in stream}
         assert getattr(stream, "cache_state", None) == "fetch"
         assert_same_arrays(arrays, BIG)
