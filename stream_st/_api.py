@@ -17,6 +17,7 @@ from .errors import UsageError
 from .memory.delivery import Delivery
 from .reader import NO_CAPS, Caps, Include, TensorStream
 from .reader.caps import current_caps
+from .sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from .transports.cache import Cache, CacheLike
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import SinkLike, SourceLike
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from .sharded.ranks import Slices
 
 __all__ = [
+    "CachedShardedStream",
     "CachedStream",
     "cached_stream",
     "current_cache",
@@ -271,7 +273,6 @@ def stream_for(
     A read given no caps takes those :func:`~stream_st.reader.caps.using_caps` set, if any.
     """
     from .core.shards import is_index
-    from .sharded.reader import ShardedStream
 
     if max_tensor_bytes is None and max_total_bytes is None:
         ambient = current_caps()
@@ -288,13 +289,15 @@ def stream_for(
         "max_total_bytes": max_total_bytes,
     }
     # cache= (the cache's wiring; stream_st._api): given, or set by using_cache()
-    if cache is not False and not is_index(str(source)):
-        cached = cached_stream(source, cache, unknown_dtypes=unknown_dtypes, **common)
-        if cached is not None:
-            return cached
-
+    settings = _cache_for(source, cache)
     if isinstance(source, str | os.PathLike) and is_index(source):
+        if settings is not None:
+            return CachedShardedStream(
+                os.fspath(source), cache=settings, unique_names=unique_names, **common
+            )
         return ShardedStream(source, unique_names=unique_names, **common)
+    if settings is not None:
+        return CachedStream(str(source), cache=settings, unknown_dtypes=unknown_dtypes, **common)
     return TensorStream(source, unknown_dtypes=unknown_dtypes, **common)
 
 
@@ -377,19 +380,44 @@ class CachedStream(TensorStream):
         return await super().open(read_all=read_all)
 
 
-def cached_stream(source: object, cache: object, **options: Any) -> CachedStream | None:
-    """A :class:`CachedStream` over ``source`` when ``cache`` (any ``cache=`` value, see
-    :meth:`~stream_st.Cache.of`) names a cache and ``source`` is an address it applies to;
-    None otherwise (the source is read as it is)."""
+def _cache_for(source: object, cache: object) -> Cache | None:
+    """The cache a read of ``source`` goes through: the one ``cache`` (any ``cache=`` value, see
+    :meth:`~stream_st.Cache.of`; None: the one :func:`using_cache` set) names, when ``source``
+    is an address a cache applies to; else None (the source is read as it is)."""
     settings = Cache.of(cache) if cache is not None else current_cache()
     if settings is None:
         return None
     from .transports.cache.resolve import is_cached_address
 
-    if not is_cached_address(source):
+    return settings if is_cached_address(source) else None
+
+
+def cached_stream(source: object, cache: object, **options: Any) -> CachedStream | None:
+    """A :class:`CachedStream` over ``source`` when ``cache`` applies to it (see
+    :func:`_cache_for`); None otherwise (the source is read as it is)."""
+    settings = _cache_for(source, cache)
+    if settings is None:
         return None
-    assert isinstance(source, str)
-    return CachedStream(source, cache=settings, **options)
+    return CachedStream(str(source), cache=settings, **options)
+
+
+class CachedShardedStream(ShardedStream):
+    """:class:`~stream_st.sharded.ShardedStream` over a remote index whose index and shards are
+    each read through ``cache`` as a single file is (:class:`CachedStream`): a second read of the
+    checkpoint, or an offline one, needs no byte from the network."""
+
+    def __init__(self, index: str, *, cache: Cache, **options: Any) -> None:
+        super().__init__(index, **options)
+        self._cache = cache
+
+    async def _load_index(self) -> ShardIndex:
+        from .transports.cache.resolve import read_cached
+
+        raw, home = await read_cached(self._address, self._cache, self._clock, limit=MAX_INDEX_SIZE)
+        return ShardIndex(raw, self._address, home)
+
+    def _shard_stream(self, address: str, **options: Any) -> TensorStream:
+        return cached_stream(address, self._cache, **options) or TensorStream(address, **options)
 
 
 _AMBIENT: ContextVar[Cache | None] = ContextVar("stream_st_cache", default=None)

@@ -281,8 +281,16 @@ class ShardedStream(TensorStream):
         if self._index is None:
             self._clock.start()  # one clock for the index and every shard
             self.stats.begin()
-            self._index = await ShardIndex.read(self._address, self._clock)
+            self._index = await self._load_index()
         return Header.from_tensors((), {}, 0)
+
+    async def _load_index(self) -> ShardIndex:
+        """The index, read whole (a cached read reads it through the cache)."""
+        return await ShardIndex.read(self._address, self._clock)
+
+    def _shard_stream(self, address: str, **options: Any) -> TensorStream:
+        """The stream of one shard (a cached read reads it through the cache)."""
+        return TensorStream(address, **options)
 
     def _selector(self, index: ShardIndex) -> Callable[[str], bool]:
         include = self._include
@@ -359,7 +367,7 @@ class ShardedStream(TensorStream):
         """The open stream of ``shard``'s selected tensors, its header checked against the
         index."""
         address = shard_address(index.home, shard)
-        stream = TensorStream(
+        stream = self._shard_stream(
             address,
             include=selected,
             max_header_size=self._max_header_size,

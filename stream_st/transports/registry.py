@@ -193,10 +193,11 @@ async def _new_sink(dst: SinkLike, fsync: bool, clock: Clock) -> Sink:
 
 
 async def read_object(
-    address: str | os.PathLike[str], clock: Clock = UNLIMITED, *, limit: int = 64 << 20
+    address: str | os.PathLike[str] | Source, clock: Clock = UNLIMITED, *, limit: int = 64 << 20
 ) -> tuple[bytes, str]:
-    """The whole of a small object (an index, a manifest) at a path or URL; at most ``limit``.
-    ``clock`` bounds its waits and brings its headers (see :func:`open_source`).
+    """The whole of a small object (an index, a manifest) at a path or URL, or of a source;
+    at most ``limit``. ``clock`` bounds its waits and brings its headers (see
+    :func:`open_source`).
 
     Also returns the address of what was read, for finding the objects next to it: the source's
     :attr:`~.base.Source.home` (for ``hf://`` the address pinned to the commit the Hub served),
@@ -210,7 +211,8 @@ async def read_object(
         while len(out) <= limit:
             got = await source.receive_into(chunk)
             if got == 0:
-                return bytes(out), source.home or os.fspath(address)
+                home = address.name if isinstance(address, Source) else os.fspath(address)
+                return bytes(out), source.home or home
             out += chunk[:got]
     finally:
         await source.aclose()

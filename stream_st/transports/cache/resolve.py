@@ -34,7 +34,7 @@ from ..base import Source
 from ..http.redirect import REDIRECTS, redirected
 from ..http.target import Target
 from ..options import Clock, Transport
-from ..registry import open_source, scheme_of
+from ..registry import open_source, read_object, scheme_of
 from .config import Cache
 from .keys import object_key, version_key
 from .layout import COMMIT, HubEntry, ObjectEntry, repo_folder
@@ -50,7 +50,7 @@ from .store import (
 )
 from .tee import CopyWriter, Destination, TeeSource
 
-__all__ = ["CACHED_SCHEMES", "Resolved", "is_cached_address", "resolve"]
+__all__ = ["CACHED_SCHEMES", "Resolved", "is_cached_address", "read_cached", "resolve"]
 
 CACHED_SCHEMES = frozenset({"http", "https", "s3", "hf"})
 """The addresses a cache applies to; any other source is read as it is."""
@@ -67,6 +67,7 @@ class Resolved:
 
     target: str | Source
     state: str
+    home: str | None = None  # where its neighbours are, when not at the address (hf://, pinned)
 
 
 async def resolve(address: str, cache: Cache, clock: Clock, *, read_all: bool) -> Resolved:
@@ -78,6 +79,19 @@ async def resolve(address: str, cache: Cache, clock: Clock, *, read_all: bool) -
     if scheme in CACHED_SCHEMES:
         return await _object(address, cache, clock, read_all)
     return Resolved(address, "uncached")
+
+
+async def read_cached(address: str, cache: Cache, clock: Clock, *, limit: int) -> tuple[bytes, str]:
+    """The whole of a small object (an index) through the cache, at most ``limit`` bytes, and
+    the address to find its neighbours (the shards) from: as
+    :func:`~stream_st.transports.registry.read_object`, never the copy's path."""
+    resolved = await resolve(address, cache, clock, read_all=True)
+    target = resolved.target
+    raw, home = await read_object(target, clock, limit=limit)
+    if target != address:  # the copy, or a source keeping one: the shards are by the address
+        pinned = target.home if isinstance(target, Source) else resolved.home
+        home = pinned or address
+    return raw, home
 
 
 # -- http(s):// and s3://
@@ -184,7 +198,10 @@ async def _object(address: str, cache: Cache, clock: Clock, read_all: bool) -> R
             on_committed=_pruner(cache, version.data),
             held=held,
         )
-        writer = CopyWriter(destination, lock, inner.name, None)
+        # the transport's digest of the whole object (an S3 checksum): the copy is checked
+        # against it once complete, whatever reads made it up
+        check = await inner.object_digest()
+        writer = CopyWriter(destination, lock, inner.name, check)
         handed = True
         return Resolved(TeeSource(inner, writer), "fetch")
     finally:
@@ -319,7 +336,9 @@ async def _hub(address: str, cache: Cache, clock: Clock, read_all: bool) -> Reso
     known = entry.commit_of(file.revision)
     local = None if known is None else await _hub_local(entry, known)
     if local is not None and (cache.offline or COMMIT.fullmatch(file.revision)):
-        return Resolved(str(local), "offline" if cache.offline else "hit")
+        assert known is not None
+        state = "offline" if cache.offline else "hit"
+        return Resolved(str(local), state, file.address(known))
     if cache.offline:
         raise CacheMissError(
             f"{address} is not in the cache (HF_HUB_OFFLINE or cache='offline')", url=address
@@ -331,7 +350,8 @@ async def _hub(address: str, cache: Cache, clock: Clock, read_all: bool) -> Reso
     except TransportError:
         if local is None:
             raise
-        return Resolved(str(local), "stale")
+        assert known is not None
+        return Resolved(str(local), "stale", file.address(known))
     if answer is None or answer.commit is None or answer.etag is None:
         return Resolved(address, "uncached")  # the read reports what the Hub said
     commit, etag = answer.commit, answer.etag
@@ -343,7 +363,7 @@ async def _hub(address: str, cache: Cache, clock: Clock, read_all: bool) -> Reso
         if await _hub_blob(entry, etag):
             entry.link(commit, etag, file.revision)
             touch(entry.record(etag))
-            return Resolved(str(entry.pointer(commit)), "hit")
+            return Resolved(str(entry.pointer(commit)), "hit", file.address(commit))
         inner = await open_source(file.address(commit), clock)
         if isinstance(inner, HubSource):
             inner.commit = commit

@@ -225,9 +225,10 @@ class EntryLock:
 
     async def acquire(self, clock: Clock, name: str) -> bool:
         """Take the lock, waiting while another holds it (within ``clock``'s deadline). Returns
-        whether it had to wait."""
+        whether it had to wait. A try never blocks (``LOCK_NB``): it is made on the event
+        loop's thread."""
         waited = False
-        while not await anyio.to_thread.run_sync(self.try_acquire):
+        while not self.try_acquire():
             waited = True
             clock.check(name)
             await anyio.sleep(LOCK_POLL)

@@ -11,9 +11,12 @@ and recorded: before the reader hands out the last tensor. A copy that does not 
 :class:`~stream_st.IntegrityError` and is thrown away.
 
 Writing the copy never costs a copy of the bytes in memory: each piece is written from the
-buffer it was received into (the tensor's own memory), by a worker thread, while the next piece
-is received. A copy that cannot be written (a full disk) is given up with a warning; the read
-goes on.
+buffer it was received into (the tensor's own memory). A large read is received in pieces that
+one thread of the copy's own writes and hashes (while the bytes are still in the CPU's caches)
+as the next one arrives; the event loop only hands pieces over and, once the read's last piece
+is in, waits for that one to be written: the caller's memory is never used again while the copy
+still reads it. A copy that cannot be written (a full disk) is given up with a warning; the
+read goes on.
 """
 
 from __future__ import annotations
@@ -21,15 +24,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import threading
 import warnings
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
-from ..._util import task_group
 from ...core.digests import Hasher, ObjectDigest, update_sliced
 from ...errors import IntegrityError
 from ..base import DISCARD_CHUNK, Source
@@ -37,14 +42,16 @@ from ..file.pread import pread_fully
 from ..options import Transport
 from .store import EntryLock, RangeSet, Record, hash_file, new_hasher, now, remove_quietly
 
-__all__ = ["CHUNK", "CopyWriter", "Destination", "TeeSource"]
+__all__ = ["PIECE", "CopyWriter", "Destination", "TeeSource"]
 
-CHUNK = 4 << 20
-"""A large read is received in pieces of this size, each written and hashed by a worker thread
-while the next one arrives."""
+PIECE = 1 << 20
+"""A large read is received in pieces of this size, each written and hashed by the copy's thread
+while the next one arrives: small enough to be hashed from the CPU's caches right after it is
+written, and for the wait on a read's last piece to be short."""
 
 INLINE = 256 << 10
-"""Pieces up to this size are written and hashed on the event loop's thread."""
+"""Reads up to this size are written and hashed on the event loop's thread (cheaper than
+waking the copy's thread and waiting for it)."""
 
 
 @dataclass
@@ -80,6 +87,107 @@ def _allocate(fd: int, size: int) -> None:
         os.ftruncate(fd, size)
 
 
+class _Keeper:
+    """The thread that writes and hashes one copy's pieces (``work``: offset, view, whether to
+    write it) in the order they are handed over; started with the first piece, ended by
+    :meth:`stop`. The event loop hands pieces over without waiting and waits only in
+    :meth:`drained`, woken once by the thread when the last piece is done."""
+
+    def __init__(self, work: Callable[[int, memoryview, bool], None]) -> None:
+        self._work = work
+        self._cond = threading.Condition(threading.Lock())
+        self._pieces: deque[tuple[int, memoryview, bool]] = deque()
+        self._busy = False  # the thread is working on a piece it took
+        self._done: list[tuple[int, int]] = []  # ranges written since the last drained()
+        self._error: OSError | None = None
+        self._stopped = False
+        self._waiting: anyio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._token: anyio.lowlevel.EventLoopToken | None = None
+
+    @property
+    def idle(self) -> bool:
+        """Nothing handed over is left to do."""
+        with self._cond:
+            return not self._pieces and not self._busy
+
+    def hand(self, offset: int, view: memoryview, fresh: bool) -> None:
+        with self._cond:
+            if self._stopped or self._error is not None:
+                return
+            self._pieces.append((offset, view, fresh))
+            if self._thread is None:
+                self._token = anyio.lowlevel.current_token()
+                self._thread = threading.Thread(
+                    target=self._run, name="stream_st cache copy", daemon=True
+                )
+                self._thread.start()
+            else:
+                self._cond.notify()
+
+    async def drained(self) -> tuple[list[tuple[int, int]], OSError | None]:
+        """Once nothing handed over is left to do: the ranges written since the last call, and
+        the error that stopped the writing, if any (the pieces after it are dropped)."""
+        event = self._wait()
+        if event is not None:
+            await event.wait()
+        with self._cond:
+            done, self._done = self._done, []
+            return done, self._error
+
+    async def stop(self) -> None:
+        """Drop the pieces not started and return once the thread does nothing more (it ends):
+        the copy's file may be closed then. Not cancellable: a piece takes milliseconds."""
+        with self._cond:
+            self._stopped = True
+            self._pieces.clear()
+            self._cond.notify()
+        event = self._wait()
+        if event is not None:
+            with anyio.CancelScope(shield=True):
+                await event.wait()
+
+    def _wait(self) -> anyio.Event | None:
+        """An event the thread sets once it is idle; None when it is idle already."""
+        with self._cond:
+            if not self._pieces and not self._busy:
+                return None
+            if self._waiting is None:
+                self._waiting = anyio.Event()
+            return self._waiting
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pieces and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                offset, view, fresh = self._pieces.popleft()
+                self._busy = True
+            end = offset + len(view)
+            error = None
+            try:
+                self._work(offset, view, fresh)
+            except OSError as exc:
+                error = exc
+            del view  # hold none of the caller's memory while waiting for work
+            with self._cond:
+                self._busy = False
+                if error is not None:
+                    self._error = error
+                    self._pieces.clear()
+                else:
+                    self._done.append((offset, end))
+                if not self._pieces and self._waiting is not None:
+                    assert self._token is not None
+                    with contextlib.suppress(anyio.RunFinishedError):  # the loop ended
+                        self._token.backend_class.run_sync_soon(
+                            self._waiting.set, (), self._token.native_token
+                        )
+                    self._waiting = None
+
+
 class CopyWriter:
     """The copy being written for one read (see the module). ``lock`` is held until the copy
     is committed or the read ends; ``check`` is the transport's digest of the object, checked
@@ -112,6 +220,7 @@ class CopyWriter:
         if self._check is not None and self._check.new is not None:
             self._hashers.append(self._check.new())
         self._hashed = 0  # bytes fed to the hashers, from the first
+        self._keeper = _Keeper(self._write)
         self.committed = False
 
     @property
@@ -138,7 +247,8 @@ class CopyWriter:
             self._hashed += len(piece)
 
     def _write(self, offset: int, view: memoryview, fresh: bool) -> None:
-        """Write (when ``fresh``) and hash ``view``; blocking."""
+        """Write (when ``fresh``) and hash ``view``; blocking. Never two at once: on the loop's
+        thread only while the copy's thread is idle."""
         fd = self._fd
         if fd is None:
             return
@@ -150,19 +260,40 @@ class CopyWriter:
 
     async def took(self, offset: int, view: memoryview, *, fresh: bool = True) -> None:
         """Bytes at ``offset`` passed to the reader: keep them (``fresh``: they came from the
-        network) and commit the copy when it is complete."""
+        network) and commit the copy when it is complete. Returns once they are written."""
         if not view or not self.active:
             return
-        try:
-            if len(view) <= INLINE:
+        if len(view) <= INLINE and self._keeper.idle:
+            try:
                 self._write(offset, view, fresh)
-            else:
-                await anyio.to_thread.run_sync(self._write, offset, view, fresh)
-        except OSError as exc:
-            await self.give_up(f"writing the copy failed: {exc}")
+            except OSError as exc:
+                await self.give_up(f"writing the copy failed: {exc}")
+                return
+            await self._kept([(offset, offset + len(view))])
             return
-        self.held.add(offset, offset + len(view))
-        if self.size is not None and self.held.covers(0, self.size):
+        for start in range(0, len(view), PIECE):
+            self.hand(offset + start, view[start : start + PIECE], fresh=fresh)
+        await self.written()
+
+    def hand(self, offset: int, view: memoryview, *, fresh: bool = True) -> None:
+        """Give ``view`` (bytes at ``offset``) to the copy's thread; :meth:`written` waits for
+        it and every piece handed before. ``view`` must not change until then."""
+        if view and self.active:
+            self._keeper.hand(offset, view, fresh)
+
+    async def written(self) -> None:
+        """Wait until every piece handed over is written, then account for them (and commit
+        the copy when it is complete)."""
+        done, error = await self._keeper.drained()
+        if error is not None:
+            await self.give_up(f"writing the copy failed: {error}")
+            return
+        await self._kept(done)
+
+    async def _kept(self, ranges: list[tuple[int, int]]) -> None:
+        for start, end in ranges:
+            self.held.add(start, end)
+        if ranges and self.size is not None and self.held.covers(0, self.size):
             await self.complete()
 
     async def read_copy(self, offset: int, view: memoryview) -> int:
@@ -214,6 +345,7 @@ class CopyWriter:
             raise IntegrityError(problem, source=self.name)
         record.digest = digest
         record.created = now()
+        await self._keeper.stop()
         self._fd = None
         os.close(fd)
         try:
@@ -246,6 +378,7 @@ class CopyWriter:
         await self._discard()
 
     async def _discard(self) -> None:
+        await self._keeper.stop()
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
@@ -256,6 +389,7 @@ class CopyWriter:
     async def close(self) -> None:
         """The read is over. An incomplete copy of known size is kept as a partial copy for a
         later read (its data flushed before the ranges are recorded), else thrown away."""
+        await self._keeper.stop()
         fd = self._fd
         if fd is None:
             self.lock.release()
@@ -304,6 +438,10 @@ class TeeSource(Source):
         self.random_access = inner.random_access
         self.clock = inner.clock
         self.position = inner.position
+        # K ranged requests at once land their parts straight in the memory of the read they
+        # fall in: a read is passed on whole, then kept (a piece-sized read would send every
+        # part through a part buffer and back)
+        self._whole_reads = (inner.clock.transport.concurrency or 1) > 1
 
     async def receive_into(self, buffer: memoryview) -> int:
         return await self.read_into_at(self.position, buffer[:DISCARD_CHUNK])
@@ -343,31 +481,24 @@ class TeeSource(Source):
 
     async def _fetch(self, offset: int, view: memoryview) -> int:
         """Fill ``view`` from the remote source at ``offset``, keeping the bytes: piece by
-        piece, each written while the next is received."""
+        piece, each handed to the copy's thread as the next is received; returns once all are
+        written (the caller may use ``view`` again)."""
         writer = self.writer
-        if len(view) <= CHUNK or not writer.active:
+        if len(view) <= PIECE or not writer.active or self._whole_reads:
             got = await self.inner.read_into_at(offset, view)
             await writer.took(offset, view[:got])
             return got
-        send, receive = anyio.create_memory_object_stream[tuple[int, memoryview]](1)
-
-        async def keep() -> None:
-            async with receive:
-                async for at, piece in receive:
-                    await writer.took(at, piece)
-
         got = 0
-        async with task_group() as group:
-            group.start_soon(keep)
-            async with send:
-                while got < len(view):
-                    piece = view[got : got + CHUNK]
-                    count = await self.inner.read_into_at(offset + got, piece)
-                    if count:
-                        await send.send((offset + got, piece[:count]))
-                    got += count
-                    if count < len(piece):
-                        break
+        try:
+            while got < len(view):
+                piece = view[got : got + PIECE]
+                count = await self.inner.read_into_at(offset + got, piece)
+                writer.hand(offset + got, piece[:count])
+                got += count
+                if count < len(piece):
+                    break
+        finally:
+            await writer.written()
         return got
 
     async def plan_reads(self, ranges: Sequence[tuple[int, int]]) -> None:

@@ -1,0 +1,93 @@
+"""``cache=``: how the copy is written while the read goes on (stream_st.transports.cache.tee).
+
+Tensors larger than a piece (:data:`~stream_st.transports.cache.tee.PIECE`) are received piece by
+piece, each written by the copy's own thread as the next arrives; a copy whose writes fail (a
+file size limit set in a child process) is given up with a warning while the read goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+import xxhash
+
+import stream_st
+from stream_st.transports.cache.tee import PIECE
+
+from .._util import assert_same_arrays
+from ..servers.http_server import RangeHTTPServer
+
+ROOT = Path(__file__).resolve().parents[2]
+BIG: dict[str, np.ndarray[Any, Any]] = {
+    "small": np.arange(10, dtype=np.int16),  # the next tensor starts off any block boundary
+    "big": np.random.default_rng(0).random((3 * PIECE + 1000) // 8),
+    "after": np.arange(5000, dtype=np.float32),
+}
+BIG_DATA = reference_numpy.save(BIG)
+
+
+@pytest.mark.parametrize("concurrency", [None, 3], ids=["pieces", "whole-reads"])
+async def test_a_tensor_of_many_pieces_is_copied_byte_for_byte(
+    tmp_path: Path, concurrency: int | None
+) -> None:
+    with RangeHTTPServer(objects={"/m.safetensors": BIG_DATA}, etag="strong") as running:
+        url = running.url("/m.safetensors")
+        stream = stream_st.open_stream(url, cache=tmp_path, concurrency=concurrency)
+        arrays = {name: array async for name, array in stream}
+        assert getattr(stream, "cache_state", None) == "fetch"
+        assert_same_arrays(arrays, BIG)
+        (copy,) = (tmp_path / "objects").rglob("*.safetensors")
+        assert copy.read_bytes() == BIG_DATA
+        record = json.loads(copy.with_suffix(".json").read_text())
+        assert record["digest"] == xxhash.xxh3_128(BIG_DATA).hexdigest()
+        assert not list(tmp_path.rglob("*.part"))
+        stream = stream_st.open_stream(url, cache=tmp_path)
+        arrays = {name: array async for name, array in stream}
+        assert getattr(stream, "cache_state", None) == "hit"
+        assert_same_arrays(arrays, BIG)
+
+
+CHILD = """
+import asyncio, json, resource, signal, sys, warnings
+import stream_st
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), resource.RLIM_INFINITY))
+
+async def main():
+    stream = stream_st.open_stream(sys.argv[1], cache=sys.argv[2])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sums = {name: float(array.sum()) async for name, array in stream}
+    print(json.dumps({"sums": sums, "warnings": [str(w.message) for w in caught]}))
+
+asyncio.run(main())
+"""
+
+
+def test_a_copy_that_cannot_be_written_is_given_up_and_the_read_goes_on(tmp_path: Path) -> None:
+    # no ranges, chunked: a body of unknown length, so nothing is reserved up front and the
+    # copy's thread meets the limit part way through the big tensor
+    served = RangeHTTPServer(objects={"/m.safetensors": BIG_DATA}, no_range=True, chunked=True)
+    with served as running:
+        url = running.url("/m.safetensors")
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, url, str(tmp_path / "cache"), str(PIECE + 4096)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONPATH": str(ROOT), "PATH": ""},
+            timeout=60,
+        )
+    result = json.loads(done.stdout)
+    assert result["sums"] == {name: float(array.sum()) for name, array in BIG.items()}
+    (warning,) = [w for w in result["warnings"] if "copy" in w]
+    assert "not keeping a copy: writing the copy failed" in warning
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.suffix in (".safetensors", ".part")]
