@@ -44,12 +44,20 @@ async def test_a_ticker_keeps_running_beside_many_small_reads(small: Path) -> No
     async with anyio.create_task_group() as group:
         group.start_soon(ticker)
         await anyio.sleep(0.01)  # the ticker is running
+        began = time.perf_counter()
         for _ in range(READS):
             await stream_st.load(small)
+        took = time.perf_counter() - began
         done.set()
-    # The promise is 50 ms; the margin is for a busy machine. Without turns given between files,
-    # the ticker waits for every read (hundreds of ms).
-    assert max(gaps) < 0.2, f"the loop was held {max(gaps) * 1000:.0f} ms"
+    # The promise is 50 ms (benchmarks/bench_header.py measures it). Without turns given between
+    # files the ticker waits for all the reads: one gap as long as they are. A busy machine may
+    # take the process off the CPU now and then, so what is checked is that such holds are
+    # exceptions: most of the time the loop turned every few ms.
+    held = sum(gap for gap in gaps if gap > 0.05)
+    assert held < 0.5 * took and max(gaps) < 1.0, (
+        f"the loop was held {held * 1000:.0f} ms of {took * 1000:.0f} ms, "
+        f"at most {max(gaps) * 1000:.0f} ms at once"
+    )
 
 
 async def test_a_cancellation_reaches_many_small_reads(small: Path) -> None:
