@@ -271,7 +271,6 @@ def stream_for(
     A read given no caps takes those :func:`~stream_st.reader.caps.using_caps` set, if any.
     """
     from .core.shards import is_index
-    from .sharded.reader import ShardedStream
 
     if max_tensor_bytes is None and max_total_bytes is None:
         ambient = current_caps()
@@ -294,6 +293,8 @@ def stream_for(
             return cached
 
     if isinstance(source, str | os.PathLike) and is_index(source):
+        from .sharded.reader import ShardedStream  # its package's import is a fixed cost
+
         return ShardedStream(source, unique_names=unique_names, **common)
     return TensorStream(source, unknown_dtypes=unknown_dtypes, **common)
 
@@ -344,7 +345,8 @@ async def header_of(
         unknown_dtypes=unknown_dtypes,
     )
     async with stream:
-        caps.check(stream.header.tensors, stream.source.name)
+        if caps != NO_CAPS:  # a walk over every tensor, on the loop
+            caps.check(stream.header.tensors, stream.source.name)
         return stream.header
 
 
