@@ -1,23 +1,32 @@
 """Header parsing: ``stream_st.read_header`` against the reference, on big and hostile headers.
 
-Run it from the repository root (about two minutes on 2 cores; ~3 GiB of RAM, ~100 MiB of disk)::
+Run it from the repository root (about four minutes on 2 cores; ~3 GiB of RAM, ~200 MiB of
+disk)::
 
-    python benchmarks/bench_header.py [--tensors 1000000] [--repeat 3] [--skip-big]
+    python benchmarks/bench_header.py [--sizes 10,100,...] [--rounds 3] [--tensors 1000000]
+                                      [--repeat 3] [--skip-big]
 
-Five parts:
+Six parts:
 
-* ``big``: a valid file of ``--tensors`` F32 tensors of shape [1] (a 10**6-tensor header is about
-  65 MB of JSON), in a temporary directory. Timed interleaved (A B A B ...), medians:
+* ``sizes``: valid files of 10 to 10**6 F32 tensors of shape [1] (``--sizes``), each variant the
+  first call in a fresh process (imports done before the clock starts: stream_st, anyio's
+  asyncio backend, numpy, safetensors), rounds interleaved (A R T B C, then R T B C A...):
 
-  - A: ``stream_st.read_header(path)`` inside ``anyio.run``; then once more, untimed, with a
-    ticker task on the same loop (``anyio.sleep(0.001)`` in a loop) whose longest gap between two
-    ticks is the event loop's longest stall while the header is read;
-  - B: ``safetensors.safe_open(path, "np").keys()``, the reference.
+  - A: ``await stream_st.read_header(path)`` on a running event loop;
+  - R: ``anyio.run(stream_st.read_header, path)``, the loop's start and end included;
+  - T: A again with a ticker task on the same loop (``anyio.sleep(0.001)`` in a loop): the
+    longest gap between two ticks is the event loop's longest stall while the header is read;
+  - B: ``safetensors.safe_open(path, "np")`` with ``.keys()`` and ``.metadata()``, the
+    reference;
+  - C: the header read by hand and given to ``json.loads``, another bar.
 
-  Then how long one full ``gc.collect()`` takes while the parsed header lives (every full
-  collection of the process pays it for as long as the header is kept), and each variant once
-  more in a fresh subprocess, which reports its peak RSS (``VmHWM``, reset after imports where
-  the kernel allows it) above the RSS after imports.
+  Printed: medians, and the paired ratios B / A, B / R and C / A of each round (median and
+  range; above 1.00 stream_st is faster), the load average before and after each size.
+* ``big``: a valid file of ``--tensors`` tensors (a 10**6-tensor header is about 77 MB of
+  JSON): how long one full ``gc.collect()`` takes while the parsed header lives (every full
+  collection of the process pays it for as long as the header is kept), and A and B each in a
+  fresh subprocess, which reports its peak RSS (``VmHWM``, reset after imports where the kernel
+  allows it) above the RSS after imports.
 * ``small``: a 100-tensor header, the kind most reads open: ``parse_header`` plus one pass over
   ``header.tensors`` (the reader makes one per read), and ``stream_st.read_header(path)`` plus
   that pass, medians of many.
@@ -52,7 +61,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
+import numpy  # noqa: F401  # imported before any clock starts: the reference's "np" needs it
 import safetensors
 from bench_read import _status_kib  # this script's folder is on sys.path
 
@@ -164,34 +175,111 @@ def full_collection_ms(path: Path) -> tuple[float, float]:
     return alive, _collect_ms()
 
 
-def bench_big(tensors: int, repeat: int) -> None:
+def bench_big(tensors: int) -> None:
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / "big.safetensors"
         n = write_file(path, tensors)
         print(f"\n== big: {tensors} tensors, header {n / MB:.1f} MB")
-        ours: list[float] = []
-        stalls: list[float] = []
-        ref: list[float] = []
-        for _ in range(repeat):
-            took, _, count = anyio.run(read_with_ticker, path, False)
-            assert count == tensors
-            ours.append(took)
-            stalls.append(anyio.run(read_with_ticker, path)[1])
-            took, count = reference_keys(path)
-            assert count == tensors
-            ref.append(took)
-        a, b = statistics.median(ours), statistics.median(ref)
-        print(f"  A read_header       median {a:7.2f} s  runs {[round(t, 2) for t in ours]}")
-        print(f"  B reference keys()  median {b:7.2f} s  runs {[round(t, 2) for t in ref]}")
-        print(f"  A / B = {a / b:.2f} (target <= 1.00)")
-        print(
-            f"  event loop longest stall during A: {max(stalls) * 1000:.1f} ms "
-            f"(runs {[round(s * 1000, 1) for s in stalls]} ms; target < 50 ms)"
-        )
         alive, gone = full_collection_ms(path)
         print(f"  one full gc.collect(): {alive:.1f} ms with the header alive, {gone:.1f} ms after")
         print(f"  peak RSS above imports: A {peak_rss_mib('ours', path)}, ", end="", flush=True)
         print(f"B {peak_rss_mib('ref', path)}")
+
+
+VARIANTS = ("A", "R", "T", "B", "C")
+"""The variants of ``sizes``, each the first call in a fresh process (see the module's doc)."""
+
+
+async def _first_read(path: Path, tick: bool) -> dict[str, float]:
+    await anyio.lowlevel.checkpoint()  # the loop runs
+    cpu = time.process_time()
+    took, stall, _ = await read_with_ticker(path, tick)
+    return {"seconds": took, "cpu": time.process_time() - cpu, "stall": stall}
+
+
+def json_header(path: Path) -> int:
+    """The header of ``path`` read by hand and parsed by ``json.loads``: its member count."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return len(json.loads(f.read(n)))
+
+
+def first_call_child(variant: str, path: Path) -> None:
+    """Time one variant of ``sizes`` in this fresh process and print the result as JSON."""
+    import anyio._backends._asyncio  # the backend a first anyio.run imports
+
+    from stream_st import read_header
+
+    result: dict[str, float]
+    if variant in ("A", "T"):
+        result = anyio.run(_first_read, path, variant == "T")
+    else:
+        cpu = time.process_time()
+        start = time.perf_counter()
+        if variant == "R":
+            anyio.run(read_header, path)
+        elif variant == "B":
+            with safetensors.safe_open(str(path), "np") as f:
+                f.keys()
+                f.metadata()
+        else:
+            json_header(path)
+        result = {"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu}
+    print(json.dumps(result))
+
+
+def first_call(variant: str, path: Path) -> dict[str, float]:
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--first-call", variant, str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _ratio(tops: list[float], bottoms: list[float]) -> str:
+    ratios = sorted(t / b for t, b in zip(tops, bottoms, strict=True))
+    return f"{statistics.median(ratios):5.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:9.2f}"
+
+
+def bench_sizes(sizes: list[int], rounds: int) -> None:
+    print(
+        f"\n== sizes: first call in a fresh process, {rounds} interleaved rounds; medians in ms "
+        "of wall and CPU (process) time; paired ratios B/A, B/R, C/A, median [range] "
+        "(above 1: stream_st faster)"
+    )
+    print(
+        f"  {'tensors':>8} {'clock':>5} {'A await':>9} {'R run':>9} {'B ref':>9} {'C json':>9}  "
+        f"{'B/A':>17} {'B/R':>17} {'C/A':>17}"
+    )
+    with tempfile.TemporaryDirectory() as directory:
+        for tensors in sizes:
+            path = Path(directory) / f"{tensors}.safetensors"
+            write_file(path, tensors)
+            load = os.getloadavg()[0]
+            runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+            for r in range(rounds):
+                for variant in VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]:
+                    runs[variant].append(first_call(variant, path))
+            path.unlink()
+            for clock in ("seconds", "cpu"):
+                a, r_, b, c = ([run[clock] for run in runs[v]] for v in "ARBC")
+                med = statistics.median
+                print(
+                    f"  {tensors:>8} {clock[:4]:>5} {_ms(med(a))} {_ms(med(r_))} {_ms(med(b))} "
+                    f"{_ms(med(c))}  {_ratio(b, a)} {_ratio(b, r_)} {_ratio(c, a)}"
+                )
+            stalls = sorted(run["stall"] * 1000 for run in runs["T"])
+            print(
+                f"  {'':>8} event loop's longest stall (T): {stalls[-1]:.1f} ms "
+                f"(runs {[round(x, 1) for x in stalls]}); load average {load:.1f} before, "
+                f"{os.getloadavg()[0]:.1f} after"
+            )
 
 
 def _dims_header(dims: list[int], dtype: str = "U8") -> bytes:
@@ -327,24 +415,36 @@ def bench_small(tensors: int = 100, runs: int = 2000) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10,100,1000,10000,100000,1000000")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tensors", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--skip-big", action="store_true")
+    parser.add_argument("--only-sizes", action="store_true", help="run the sizes part alone")
     parser.add_argument("--rss-child", nargs=2, metavar=("VARIANT", "PATH"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--first-call", nargs=2, metavar=("VARIANT", "PATH"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.rss_child:
         rss_child(args.rss_child[0], Path(args.rss_child[1]))
+        return
+    if args.first_call:
+        first_call_child(args.first_call[0], Path(args.first_call[1]))
         return
     print(
         f"python {sys.version.split()[0]}, stream_st from {Path(stream_st.__file__).parent}, "
         f"safetensors {version('safetensors')}, {os.cpu_count()} CPUs"
     )
+    bench_sizes([int(n) for n in args.sizes.split(",")], args.rounds)
+    if args.only_sizes:
+        return
     bench_hostile(args.repeat)
     bench_threshold(args.repeat)
     bench_prefix_only()
     bench_small()
     if not args.skip_big:
-        bench_big(args.tensors, args.repeat)
+        bench_big(args.tensors)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import operator
 import re
+import reprlib
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import chain
 from math import prod
 from typing import Any, Literal, NamedTuple, cast, overload
 
@@ -34,7 +36,17 @@ from ..errors import (
     UsageError,
 )
 from .dtypes import DTYPES, DType, array_shape, dtype_from_code
-from .strict_json import brief, decode_json, json_type, members, refuse_surrogates
+from .strict_json import (
+    brief,
+    decode_json,
+    json_type,
+    members,
+    object_pieces,
+    refuse_surrogates,
+    scan_piece,
+    scan_value,
+    string_count,
+)
 
 __all__ = [
     "DEFAULT_MAX_HEADER_SIZE",
@@ -191,7 +203,27 @@ class TensorTable(Sequence[TensorInfo]):
     __hash__ = None  # type: ignore[assignment]  # equal to tuples, but not one itself
 
     def __repr__(self) -> str:
-        return repr(tuple(self))
+        return f"TensorTable(n_tensors={len(self)}, first={_first_tensors(self)})"
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxlong = 40
+_SHORT.maxdict = _SHORT.maxtuple = _SHORT.maxlist = 4
+_SHOWN = 2
+"""How many tensors a :class:`TensorTable` or :class:`Header` shows in its ``repr``."""
+
+
+def _first_tensors(table: TensorTable) -> str:
+    """The first few tensors of ``table`` for a ``repr``: a few hundred characters at most,
+    whatever their names and shapes."""
+    shown = [
+        f"TensorInfo(name={_SHORT.repr(name)}, dtype={_SHORT.repr(dtype)}, "
+        f"shape={_SHORT.repr(shape)}, start={start}, end={end})"
+        for name, dtype, shape, start, end in table._rows[:_SHOWN]
+    ]
+    if len(table) > _SHOWN:
+        shown.append("...")
+    return f"[{', '.join(shown)}]"
 
 
 def unreadable_error(info: TensorInfo) -> UnknownDtypeError:
@@ -272,6 +304,16 @@ class Header:
 
     def __len__(self) -> int:
         return len(self.tensors)
+
+    def __repr__(self) -> str:
+        """A bounded summary (a header may list millions of tensors): counts, sizes, the
+        metadata shortened and the first tensors."""
+        unreadable = f", unreadable={_SHORT.repr(self.unreadable)}" if self.unreadable else ""
+        return (
+            f"Header(n_tensors={len(self)}, data_bytes={self.data_size}, "
+            f"header_size={self.header_size}, metadata={_SHORT.repr(self.metadata)}, "
+            f"first={_first_tensors(self.tensors)}{unreadable})"
+        )
 
 
 def parse_header_length(
@@ -535,8 +577,10 @@ def parse_header(
     hold every shape (see :func:`data_size`).
 
     Time and memory are linear in the header's size; it stops at the first tensor found bad.
-    ``stop``, asked every few thousand tensors, ends a parse nobody waits for any more (one in a
-    worker thread whose caller was cancelled) with :class:`UsageError`.
+    The work is done in steps of a few milliseconds each, so a parse in a worker thread leaves
+    the other threads (an event loop) their turns. ``stop``, asked between steps, ends a parse
+    nobody waits for any more (one in a worker thread whose caller was cancelled) with
+    :class:`UsageError`.
 
     A dtype code stream_st does not know is refused (:class:`~stream_st.UnknownDtypeError`)
     unless ``unknown_dtypes="keep"``, for a read of the header alone: then a tensor of such a
@@ -548,14 +592,231 @@ def parse_header(
     if unknown_dtypes not in ("refuse", "keep"):
         raise UsageError(f"unknown_dtypes is 'refuse' or 'keep', got {unknown_dtypes!r}")
     try:
+        view = memoryview(raw)
+    except TypeError:
+        raise UsageError(f"a header is bytes, got {type(raw).__name__}") from None
+    with view, view.cast("B") as octets:
+        header = _parse_fast(octets, stop)
+    if header is not None:
+        return header
+    try:
         text = str(raw, "utf-8")
     except UnicodeDecodeError as exc:
         raise HeaderError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except TypeError:
-        raise UsageError(f"a header is bytes, got {type(raw).__name__}") from None
     if not text.startswith("{"):
         raise HeaderError(f"header must begin with '{{', begins with {text[:16]!r}")
     return _parse_object(text, len(raw), stop, unknown_dtypes == "keep")
+
+
+def _stopped(stop: Callable[[], bool] | None) -> None:
+    """:class:`UsageError` if ``stop`` says nobody waits for the parse any more."""
+    if stop is not None and stop():
+        raise UsageError("the header's parse was stopped: nobody waits for it any more")
+
+
+_dtype_of = operator.itemgetter("dtype")
+_shape_of = operator.itemgetter("shape")
+_offsets_of = operator.itemgetter("data_offsets")
+_first = operator.itemgetter(0)
+_second = operator.itemgetter(1)
+_third = operator.itemgetter(2)
+_DICT_ONLY = frozenset({dict})
+_LIST_ONLY = frozenset({list})
+_STR_ONLY = frozenset({str})
+_THREE = frozenset({3})
+_TWO = frozenset({2})
+
+
+def _parse_fast(raw: memoryview, stop: Callable[[], bool] | None) -> Header | None:
+    """The :class:`Header` of ``raw``, if it is a header that plainly passes every check of
+    :func:`_parse_object`, found a piece of members at a time (:func:`object_pieces`) with
+    whole-list operations; ``None`` for any other (invalid, or unusual: a dtype the table
+    lacks, an escape that may hide a ``-0``...), which :func:`_parse_object` reads member by
+    member to tell what is wrong, or accept.
+
+    Each piece is read by :func:`_compact_piece` if it is written as the reference writes a
+    header, else by :func:`_json_piece`.
+    """
+    if raw[:1].tobytes() != b"{":
+        return None
+    rows: list[_Row] = []
+    index: dict[str, int] = {}
+    metadata: dict[str, str] | None = None
+    known: _Known = {}
+    ordered = True
+    try:
+        for at, piece in enumerate(object_pieces(raw)):
+            _stopped(stop)
+            part = _compact_piece(piece, known, first=at == 0)
+            if part is None:
+                part = _json_piece(piece, known)
+                if part is None:
+                    return None
+            found, new, in_order = part
+            if found is not None:
+                if metadata is not None:
+                    return None
+                metadata = found
+            if new:
+                ordered = ordered and in_order and new[0][3] == (rows[-1][4] if rows else 0)
+                base = len(rows)
+                index.update(zip(map(_first, new), range(base, base + len(new)), strict=True))
+                if len(index) != base + len(new):
+                    return None  # a name in two pieces
+                rows += new
+    except (UnicodeDecodeError, HeaderError, DtypeError, ValueError):
+        return None  # ValueError: an integer of more digits than int() takes
+    _stopped(stop)
+    table = TensorTable(tuple(rows)) if ordered else _data_order(rows, index)
+    return Header(table, metadata or {}, len(raw), index)
+
+
+_Piece = tuple[dict[str, str] | None, list[_Row], bool]
+"""What a piece of a header holds: its metadata (``None`` if not there), the rows of its
+tensors, and whether they follow each other in the data section."""
+
+_JSON_INT = r"(?:0|[1-9][0-9]*)"
+_PLAIN_STRING = r'[^"\\\x00-\x1f]*'
+_COMPACT_ENTRY = re.compile(
+    rf'"({_PLAIN_STRING})":\{{"dtype":"({_PLAIN_STRING})",'
+    rf'"shape":\[((?:{_JSON_INT}(?:,{_JSON_INT})*)?)\],'
+    rf'"data_offsets":\[({_JSON_INT}),({_JSON_INT})\]\}}'
+)
+"""A tensor's member as the reference writer writes it: a name without escapes, its fields in
+order, no whitespace. Its match at a place is the only one there (a string ends at its first
+quote, an integer at its first non-digit)."""
+
+_METADATA_START = '{"__metadata__":'
+_SPACE = " \t\n\r"
+_Known = dict[tuple[str, str | tuple[int, ...]], _Layout]
+"""The layouts one fast parse has checked, by dtype code and shape (as a tuple or as text)."""
+_FIELDS = 6
+"""Items per tensor in a split by :data:`_COMPACT_ENTRY`: the text before it and its 5 groups."""
+
+
+def _compact_piece(piece: str, known: _Known, first: bool) -> _Piece | None:
+    """The piece ``piece`` (a braced run of a header's members; ``first``: the header's start,
+    where the metadata may be), if every member is written as the reference writes it and
+    plainly passes :func:`_parse_tensor`; ``None`` if not.
+
+    Split around its tensors' members, such a piece leaves ``{``, a ``,`` between each two
+    members, then ``}`` and whitespace: nothing else of the text is left unread.
+    """
+    metadata = None
+    if first and piece.startswith(_METADATA_START):
+        value, at = scan_value(piece, len(_METADATA_START))
+        metadata = _parse_metadata(value)
+        piece = "{" + piece[at + 1 :] if piece.startswith(",", at) else piece[at:]
+    parts = _COMPACT_ENTRY.split(piece)
+    if len(parts) == 1:  # no tensor
+        rest = piece.rstrip(_SPACE)
+        empty = rest == "{}" or (metadata is not None and rest == "}")
+        return (metadata, [], True) if empty else None
+    between = parts[::_FIELDS]
+    if (
+        between[0] != "{"
+        or between[-1].rstrip(_SPACE) != "}"
+        or between[1:-1].count(",") != len(between) - 2
+    ):
+        return None
+    names = parts[1::_FIELDS]
+    if METADATA_KEY in names:  # the metadata, written as a tensor is: refused
+        return None
+    starts = list(map(int, parts[4::_FIELDS]))
+    ends = list(map(int, parts[5::_FIELDS]))
+    checked = _checked_rows(names, parts[2::_FIELDS], parts[3::_FIELDS], starts, ends, known)
+    return None if checked is None else (metadata, *checked)
+
+
+def _json_piece(piece: str, known: _Known) -> _Piece | None:
+    """The piece ``piece`` read as JSON (:func:`scan_piece`), if each tensor entry plainly passes
+    :func:`_parse_tensor`; ``None`` if not.
+
+    Duplicate keys, which the fast parse merges, are found by counting: a piece whose tensors
+    all hold exactly their three fields and a string dtype, and whose metadata holds strings,
+    holds 5 strings per tensor plus 1 + 2 per metadata entry, and one more per duplicate key.
+    """
+    found = scan_piece(piece)
+    if found is None:
+        return None
+    strings = 5 * len(found)
+    metadata = None
+    if METADATA_KEY in found:
+        metadata = _parse_metadata(found.pop(METADATA_KEY))
+        strings += 2 * len(metadata) - 4
+    if string_count(piece) != strings:
+        return None  # a duplicate key
+    if not all(map(str.isascii, found)):
+        for name in found:
+            refuse_surrogates(name, "tensor name")
+    entries = list(found.values())
+    if not entries:
+        return metadata, [], True
+    if {*map(type, entries)} != _DICT_ONLY or {*map(len, entries)} != _THREE:
+        return None
+    try:
+        codes = list(map(_dtype_of, entries))
+        shapes = list(map(_shape_of, entries))
+        offsets = list(map(_offsets_of, entries))
+    except KeyError:
+        return None
+    if (
+        {*map(type, codes)} != _STR_ONLY
+        or {*map(type, shapes)} != _LIST_ONLY
+        or {*map(type, offsets)} != _LIST_ONLY
+        or {*map(len, offsets)} != _TWO
+        or not {*map(type, chain.from_iterable(shapes))} <= _INT_ONLY
+    ):
+        return None
+    starts = list(map(_first, offsets))
+    ends = list(map(_second, offsets))
+    if {*map(type, starts)} != _INT_ONLY or {*map(type, ends)} != _INT_ONLY:
+        return None
+    shape_tuples = list(map(tuple, shapes))
+    checked = _checked_rows(list(found), codes, shape_tuples, starts, ends, known)
+    return None if checked is None else (metadata, *checked)
+
+
+def _checked_rows(
+    names: list[str],
+    codes: list[str],
+    shapes: list[str] | list[tuple[int, ...]],
+    starts: list[int],
+    ends: list[int],
+    known: _Known,
+) -> tuple[list[_Row], bool] | None:
+    """The rows of these tensors' fields (shapes as tuples, or as their JSON text inside the
+    brackets) and whether they follow each other in the data section, if each passes
+    :func:`_parse_tensor`; else ``None``, or :class:`HeaderError` or :class:`DtypeError` naming
+    no tensor (the member walk tells which). ``known`` caches the layouts checked by this
+    parse, as there. Each step is one call over the whole list: no Python code runs per
+    tensor, only per distinct layout."""
+    if min(starts) < 0 or max(ends) > U64_MAX:
+        return None
+    keys: list[tuple[str, str | tuple[int, ...]]] = list(zip(codes, shapes, strict=True))
+    layouts: _Known = {}
+    for key in {*keys}:
+        layout = known.get(key)
+        if layout is None:
+            code, shape = key
+            dtype = dtype_from_code(code)
+            dims = checked_dims("", _dims(shape))
+            layout = dtype.code, dims, data_size("", dtype, dims)
+            if len(known) < _KNOWN_LAYOUTS:
+                known[key] = layout
+        layouts[key] = layout
+    chosen = list(map(layouts.__getitem__, keys))
+    if list(map(operator.sub, ends, starts)) != list(map(_third, chosen)):
+        return None
+    rows = list(zip(names, map(_first, chosen), map(_second, chosen), starts, ends, strict=True))
+    return rows, starts[1:] == ends[:-1]
+
+
+def _dims(shape: str | tuple[int, ...]) -> tuple[int, ...]:
+    """A shape given as its JSON text inside the brackets (``"2,3"``), or as a tuple."""
+    if isinstance(shape, tuple):
+        return shape
+    return tuple(map(int, shape.split(","))) if shape else ()
 
 
 _STOP_EVERY = 4096

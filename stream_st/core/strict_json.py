@@ -26,7 +26,11 @@ __all__ = [
     "json_errors",
     "json_type",
     "members",
+    "object_pieces",
     "refuse_surrogates",
+    "scan_piece",
+    "scan_value",
+    "string_count",
 ]
 
 
@@ -216,3 +220,76 @@ def members(text: str, strict_name: str) -> Iterator[tuple[str, Any, int, int]]:
                     at = ws(text, at)
         if ws(text, at) != len(text):
             raise HeaderError(f"header is not valid JSON: extra data at char {at}")
+
+
+PIECE_BYTES = 256 << 10
+"""About how many bytes of a large JSON object :func:`object_pieces` puts in one piece: each
+piece is parsed in one call that holds the GIL (a few ms), so other threads get turns between."""
+
+_CUT = re.compile(rb'\},"')
+"""Where a compact object of objects may be cut: after a member's ``}``, before its ``,``."""
+
+
+def object_pieces(raw: memoryview) -> Iterator[str]:
+    """The JSON object ``raw`` (UTF-8, starting with ``{``) as JSON objects of about
+    :data:`PIECE_BYTES` each, in order: each one is a run of ``raw``'s members, braced.
+
+    ``raw`` is cut where its text reads ``},"``, a guess: one that falls inside a string leaves
+    a piece that is no JSON object (its parse state at the cut is the whole text's, which is
+    inside the string), so a caller that parses every piece and finds each a whole object knows
+    every cut fell between two members. :class:`UnicodeDecodeError` for a piece that is not
+    UTF-8 (cuts fall on ASCII bytes, never inside a character).
+    """
+    size = len(raw)
+    start = 0
+    while True:
+        match = _CUT.search(raw, start + PIECE_BYTES) if size - start > 2 * PIECE_BYTES else None
+        if match is None:
+            text = str(raw[start:], "utf-8")
+            yield "{" + text if start else text
+            return
+        cut = match.start() + 1
+        text = str(raw[start:cut], "utf-8")
+        yield ("{" + text if start else text) + "}"
+        start = cut + 1
+
+
+_MINUS_ZERO = re.compile(r"[\[,:][ \t\n\r]*-0")
+"""Where a ``-0`` number may begin (or a string holds such text: a false alarm, never a miss)."""
+
+
+def scan_piece(piece: str) -> dict[str, Any] | None:
+    """The JSON object ``piece``, parsed fast (duplicate keys pass, the last kept; numbers but
+    plain integers are :class:`Number`); ``None`` if it is no single JSON object or may hold a
+    ``-0`` (the fast parse reads it as 0): :func:`members` then tells what is wrong."""
+    if "-0" in piece and _MINUS_ZERO.search(piece):
+        return None
+    try:
+        value, end = _FAST_SCAN(piece, 0)
+    except (StopIteration, ValueError, RecursionError, HeaderError):
+        return None
+    if type(value) is not dict or _skip_whitespace(piece, end) != len(piece):
+        return None
+    return cast(dict[str, Any], value)
+
+
+_ESCAPE = re.compile(r"\\(.)", re.DOTALL)
+
+
+def string_count(text: str) -> int:
+    """How many strings the valid JSON ``text`` holds: a duplicate key adds one that the parsed
+    value lacks."""
+    quotes = text.count('"')
+    if "\\" in text:
+        quotes -= _ESCAPE.findall(text).count('"')  # escapes, in order: \\ then \" is not one
+    return quotes // 2
+
+
+def scan_value(text: str, at: int) -> tuple[Any, int]:
+    """The JSON value at ``text[at:]``, parsed strictly (as :func:`decode_json` with
+    ``strict``), and the index after it; :class:`HeaderError` if there is none."""
+    with json_errors("header"):
+        try:
+            return _STRICT_SCAN(text, at)
+        except StopIteration:
+            raise HeaderError(f"header is not valid JSON: expected a value at char {at}") from None

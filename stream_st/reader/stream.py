@@ -108,7 +108,7 @@ class TensorStream(AsyncClosing):
         self._reading: ReadAhead | None = None  # the iteration's read-ahead, if it has one
         self._recycler = Recycler()  # fresh memory the caller has let go of, for later tensors
         self._closed = False
-        self._head: tuple[bytes, bytearray] | None = None  # the prefix and header, as read
+        self._head: tuple[bytes, memoryview] | None = None  # the prefix and header, as read
         self.object_check: str | None = None
         self.stats = LoadStats()
 
@@ -297,7 +297,7 @@ class TensorStream(AsyncClosing):
             return None
         hasher = digest.new()
         hasher.update(head[0])
-        await hash_view(hasher, memoryview(head[1]))
+        await hash_view(hasher, head[1])
         return digest, hasher
 
     async def _finish(self, header: Header) -> None:

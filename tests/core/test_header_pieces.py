@@ -1,0 +1,178 @@
+"""The header's fast parse, a piece of members at a time, against the member walk.
+
+:func:`~stream_st.parse_header` reads a header in pieces of about ``PIECE_BYTES`` with
+whole-list operations and hands anything it does not plainly accept to the member walk
+(``_parse_object``), which tells what is wrong. Every header here spans several pieces, with the
+case placed in a later one; each parse must give what the walk alone gives: the same header and
+index, or the same error.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from stream_st import Header, HeaderError, parse_header
+from stream_st.core.header import _parse_fast, _parse_object
+from stream_st.core.strict_json import PIECE_BYTES
+from stream_st.errors import UsageError
+
+COUNT = 2 * PIECE_BYTES // 44 + 200
+"""Tensors of about 50 bytes each: two pieces."""
+LATE = COUNT - 100
+"""A tensor in the last piece."""
+
+
+def member(name: str, dtype: str = "U8", shape: str = "1", offsets: str = "0,1") -> str:
+    """A tensor's member as the reference writer writes it (``name`` as JSON string text)."""
+    return f'"{name}":{{"dtype":"{dtype}","shape":[{shape}],"data_offsets":[{offsets}]}}'
+
+
+def members(**late: str) -> list[str]:
+    """``COUNT`` one-byte tensors ``t0``, ``t1``... back to back; ``late`` replaces fields of
+    tensor ``LATE``."""
+    return [
+        member(**({"name": f"t{i}", "offsets": f"{i},{i + 1}"} | (late if i == LATE else {})))
+        for i in range(COUNT)
+    ]
+
+
+def header(parts: list[str], metadata: str | None = None) -> bytes:
+    if metadata is not None:
+        parts = [f'"__metadata__":{metadata}', *parts]
+    return ("{" + ",".join(parts) + "}").encode()
+
+
+def outcome(raw: bytes, **options: Any) -> Any:
+    """What parsing ``raw`` gives: the header, its index and metadata, or the error."""
+    try:
+        found = parse_header(raw, **options)
+    except HeaderError as exc:
+        return type(exc), str(exc)
+    return found, found._index, found.metadata, found.unreadable
+
+
+def walked(raw: bytes, keep: bool = False) -> Any:
+    """What the member walk alone gives."""
+    try:
+        found = _parse_object(str(raw, "utf-8"), len(raw), None, keep)
+    except HeaderError as exc:
+        return type(exc), str(exc)
+    return found, found._index, found.metadata, found.unreadable
+
+
+def agree(raw: bytes) -> Any:
+    """The header of ``raw`` or its error, checked to be the walk's."""
+    assert len(raw) > 2 * PIECE_BYTES
+    result = outcome(raw)
+    assert result == walked(raw)
+    return result[0] if isinstance(result[0], Header) else result
+
+
+def fast(raw: bytes) -> Header | None:
+    return _parse_fast(memoryview(raw), None)
+
+
+@pytest.mark.parametrize("metadata", [None, '{"format":"pt","a\\"b":"c\\\\"}'])
+def test_the_reference_writers_layout_is_read_fast(metadata: str | None) -> None:
+    raw = header(members(), metadata)
+    found = agree(raw)
+    assert isinstance(found, Header) and len(found) == COUNT and fast(raw) == found
+    assert found["t7"].start == 7 and found.names()[LATE] == f"t{LATE}"
+
+
+def test_other_layouts_are_read_fast_too() -> None:
+    obj = json.loads(header(members()))
+    spaced = json.dumps(obj).encode()  # ", " and ": ": one piece, json's scanner
+    found = agree(spaced)
+    assert isinstance(found, Header) and fast(spaced) == found
+    keys_reordered = json.dumps(
+        {name: dict(reversed(entry.items())) for name, entry in obj.items()}, separators=(",", ":")
+    ).encode()  # cut into pieces, none in the reference's layout
+    reordered = agree(keys_reordered)
+    assert reordered.tensors == found.tensors and fast(keys_reordered) == reordered
+
+
+@pytest.mark.parametrize(
+    "late",
+    [
+        {"name": "t3"},  # a name in an earlier piece
+        {"name": f"t{LATE + 1}"},  # a name in the same piece
+        {"name": "__metadata__"},  # the metadata, written as a tensor
+        {"offsets": f"{LATE},{LATE + 2}"},  # too many bytes for its shape
+        {"shape": "-0", "offsets": f"{LATE},{LATE}"},  # -0 reads as 0 in json
+        {"offsets": f"-0,{LATE + 1}"},
+        {"offsets": f"{LATE}.0,{LATE + 1}"},
+        {"offsets": f"{LATE},1{'0' * 5000}"},  # more digits than int() takes
+        {"shape": "1,18446744073709551616"},
+        {"dtype": "F32"},
+        {"dtype": "I4"},  # a packed dtype, refused without unknown_dtypes="keep"
+        {"name": "a\\ud800"},  # a lone surrogate
+        {"name": "a\x01"},  # a control character
+    ],
+)
+def test_a_bad_tensor_in_a_later_piece_is_left_to_the_walk(late: dict[str, str]) -> None:
+    raw = header(members(**late))
+    assert fast(raw) is None  # parse_header then gives what the walk gives
+    with pytest.raises(HeaderError):
+        parse_header(raw)
+
+
+def test_a_hole_in_a_later_piece_is_refused_as_the_walk_refuses_it() -> None:
+    refused = agree(header(members(offsets=f"{LATE + 1},{LATE + 2}")))
+    assert refused[0] is HeaderError and "leave a hole" in refused[1]
+
+
+def test_a_duplicate_field_in_a_later_piece_is_refused() -> None:
+    parts = members()
+    parts[LATE] = parts[LATE].replace('{"dtype":"U8",', '{"dtype":"U8","dtype":"U8",')
+    assert fast(header(parts)) is None
+    with pytest.raises(HeaderError, match="duplicate key 'dtype'"):
+        parse_header(header(parts))
+
+
+def test_metadata_in_a_later_piece() -> None:
+    parts = members()
+    parts.insert(LATE, '"__metadata__":{"k":"v"}')
+    assert agree(header(parts)).metadata == {"k": "v"}
+    twice = header(parts, metadata='{"k":"v"}')
+    assert "duplicate key '__metadata__'" in agree(twice)[1]
+    parts[LATE] = '"__metadata__":{"k":["v"]}'
+    assert "must be a string" in agree(header(parts))[1]
+
+
+@pytest.mark.parametrize("name", ['a\\"b', "c\\\\d", "\\u00e9", "\u00e9\u4e2d"])
+def test_names_with_escapes_or_beyond_ascii(name: str) -> None:
+    found = agree(header(members(name=name)))
+    assert found.names()[LATE] == json.loads(f'"{name}"')
+
+
+def test_names_that_look_like_a_place_to_cut() -> None:
+    """A name ending in ``},`` puts ``},"`` inside a member: a cut there leaves no object."""
+    parts = [
+        member(f"t{i}}},", offsets=f"{i},{i + 1}") if i % 50 == 0 else part
+        for i, part in enumerate(members())
+    ]
+    found = agree(header(parts))
+    assert isinstance(found, Header) and "t100}," in found
+
+
+def test_tensors_out_of_offset_order_across_pieces() -> None:
+    parts = members()
+    reordered = header(parts[LATE:] + parts[:LATE])
+    found = agree(reordered)
+    assert found.names() == [f"t{i}" for i in range(COUNT)] and found["t0"] == found.tensors[0]
+    assert found == fast(reordered)
+
+
+def test_unknown_dtypes_kept_in_a_later_piece() -> None:
+    raw = header(members(dtype="I4", shape="2"))
+    kept = outcome(raw, unknown_dtypes="keep")
+    assert kept == walked(raw, keep=True) and kept[0].unreadable == (f"t{LATE}",)
+
+
+def test_a_parse_nobody_waits_for_stops() -> None:
+    with pytest.raises(UsageError, match="stopped"):
+        parse_header(header(members()), stop=lambda: True)
