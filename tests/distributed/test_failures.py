@@ -1,6 +1,8 @@
 """Failures in a real gloo group: a rank killed with SIGKILL, a source that stalls on one rank,
-a rank given another file or a name the file lacks. Every surviving rank raises a
-:class:`~stream_st.SafetensorsError` naming the rank and the cause; nothing hangs."""
+a rank given another file or a name the file lacks, a rank whose own code raises or that leaves
+its stream early, caps a file is over. Every surviving rank raises a
+:class:`~stream_st.SafetensorsError` naming the rank and the cause, at once (well within the
+group's timeout: the pool's group waits 60 s); nothing hangs, and the group stays in step."""
 
 from __future__ import annotations
 
@@ -42,11 +44,52 @@ def failed(report: dict[str, Any], kind: str, rank: int) -> str:
     return message
 
 
+PROMPT = 30.0
+"""A failure told to the group is raised well before the pool group's 60 s timeout."""
+
+
 def test_a_killed_rank_is_named_by_the_others(tmp_path: Path, layers: Path) -> None:
-    reports = run_group(tmp_path, 3, mode="stream", src=str(layers), kill=1, timeout=20)
+    """In a group with a short timeout: raised within it at the latest."""
+    stop = {"1": "kill"}
+    reports = run_group(tmp_path, 3, mode="stream", src=str(layers), stop=stop, timeout=5)
     assert reports[1].get("died") == -9, reports[1]
     for survivor in (reports[0], reports[2]):
         assert "is gone" in failed(survivor, "RankLostError", 1)
+
+
+def test_a_rank_leaving_its_stream_fails_the_others_at_once(
+    tmp_path: Path, layers: Path, pool: Pool
+) -> None:
+    """Rank 1's loop raises after its first tensor: its own error is its own; the others learn
+    at their next gate, and the group goes on."""
+    reports = pool.run(tmp_path, 3, mode="stream", src=str(layers), stop={"1": "raise"})
+    assert reports[1]["error"] == "Stopped", reports[1]
+    for survivor in (reports[0], reports[2]):
+        assert "left its stream" in failed(survivor, "RankFailedError", 1)
+    for report in reports:
+        assert report["seconds"] < PROMPT, report
+    again = pool.run(tmp_path, 3, mode="load_file", src=str(layers))
+    for report in again:
+        assert_same(ok(report), reference_load(str(layers)))
+
+
+@pytest.mark.parametrize(
+    ("params", "told"),
+    [
+        ({"include": [None, "!raise"]}, "LookupError: no rule for"),
+        ({"options": [{}, {"device": "nowhere"}]}, "UsageError: device='nowhere'"),
+        ({"slices": [None, {"layer0": [5, 0, 2]}]}, "UsageError: slices= for 'layer0'"),
+    ],
+)
+def test_one_rank_failing_while_planning(
+    tmp_path: Path, layers: Path, pool: Pool, params: dict[str, Any], told: str
+) -> None:
+    """A rank whose own code (its ``include=`` predicate), or argument, fails before any byte
+    is exchanged: every rank raises naming it, at once."""
+    reports = pool.run(tmp_path, 2, mode="load_file", src=str(layers), **params)
+    for report in reports:
+        assert told in failed(report, "RankFailedError", 1)
+        assert report["seconds"] < PROMPT, report
 
 
 def test_a_source_failing_on_one_rank_fails_every_rank(
@@ -88,3 +131,36 @@ def test_a_missing_source_on_one_rank(tmp_path: Path, layers: Path, pool: Pool) 
     reports = pool.run(tmp_path, 2, mode="stream", srcs=srcs)
     for report in reports:
         assert "SourceNotFoundError" in failed(report, "RankFailedError", 1)
+
+
+def refused(report: dict[str, Any], *words: str) -> None:
+    assert report.get("error") == "AllocationError", report
+    assert report["safetensors_error"] and not report["distributed"], report
+    for word in words:
+        assert word in report["message"], report
+
+
+def test_caps_refuse_the_file_on_every_rank(tmp_path: Path, layers: Path, pool: Pool) -> None:
+    """A cap one rank has (an argument, or set with ``using_caps``) refuses the file on every
+    rank as a single load would, before anything is allocated; a file within the caps loads."""
+    layer = 256 * 256 * 4
+    reports = pool.run(
+        tmp_path,
+        3,
+        mode="load_file",
+        src=str(layers),
+        options=[{}, {}, {"max_tensor_bytes": layer - 1}],
+    )
+    for report in reports:
+        refused(report, "for rank 2", "'layer0'", f"max_tensor_bytes={layer - 1}")
+    include = [["layer0"], ["layer1", "layer2"]]
+    ambient = [[None, None], [None, 2 * layer - 1]]
+    reports = pool.run(
+        tmp_path, 2, mode="stream", src=str(layers), include=include, ambient=ambient
+    )
+    for report in reports:
+        refused(report, "for rank 1", f"max_total_bytes={2 * layer - 1}")
+    fits = [{"max_tensor_bytes": layer, "max_total_bytes": 8 * layer}] * 2
+    again = pool.run(tmp_path, 2, mode="load_file", src=str(layers), options=fits)
+    for report in again:
+        assert_same(ok(report), reference_load(str(layers)))
