@@ -20,22 +20,23 @@ calls); each reads the header itself, then:
   stripe's owner and sent point to point: the whole tensor to those who want it whole, each
   slice to the rank that wants it (a scatter of unequal parts), never the whole tensor to them.
 * **Pipelined, in offset order.** Each rank reads its own stripes ahead (at most
-  :data:`READ_AHEAD_BYTES`) while the group exchanges earlier ones; at most
+  :data:`READ_AHEAD_BYTES`) while it waits for the group to exchange earlier ones; at most
   :data:`WINDOW_STRIPES` stripes are in flight at once, and tensors are handed out in the
   file's offset order as their last bytes arrive. Memory per rank beyond what the caller keeps:
   those stripes and the read-ahead, not the model twice.
 * **Failure.** Before each stripe's bytes are exchanged, and at the end, the group agrees that
-  every rank is well (one small ``all_reduce`` carrying each rank's word). Whatever goes wrong on
-  one rank (its source, memory, its selection or another argument, its ``include=`` function, a
-  digest, its consumer leaving the stream before the end, a cancellation) is told to the others
-  at once: at the gather of headers and wants if it happens before any byte moves, else at their
-  next gate, where this rank meets them after waiting for the transfers it has begun. Every rank
-  then raises :class:`RankFailedError` naming that rank and the cause (on that rank, chained to
-  its own error; a consumer that left, or a cancellation, gets its own exception back). A rank
-  that dies makes the collectives fail on the others, which raise :class:`RankLostError` naming
-  it (ranks on the same host are looked up by process id), within the process group's timeout
-  at most. A load (:func:`load`, :func:`load_model`) returns only after a last such agreement,
-  so no rank returns a partial model.
+  every rank is well (one ``all_reduce`` of :data:`MESSAGE_BYTES` per rank, carrying each
+  rank's word). Whatever goes wrong on one rank (its source, memory, its selection or another
+  argument, its ``include=`` function, a digest, its consumer leaving the stream before the end,
+  a cancellation) is told to the others at once: at the gather of headers and wants if it
+  happens before any byte moves, else at their next gate, where this rank meets them after
+  waiting for the transfers it has begun. Every rank then raises :class:`RankFailedError`
+  naming that rank and the cause (on that rank, chained to its own error; a consumer that left,
+  or a cancellation, gets its own exception back). A rank that dies makes the collectives fail
+  on the others, which raise :class:`RankLostError` naming it (ranks on the same host are
+  looked up by process id), within the process group's timeout at most. A load (:func:`load`,
+  :func:`load_model`) returns only after a last such agreement, so no rank returns a partial
+  model.
 * **Caps.** ``max_tensor_bytes`` and ``max_total_bytes`` (or those
   :func:`~stream_st.reader.caps.using_caps` set) are gathered with the wants: each rank's wanted
   tensors (a sliced one counted whole, as it may be read whole to be cut) are checked against
@@ -60,7 +61,6 @@ import contextlib
 import functools
 import hashlib
 import os
-import secrets
 import socket
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -200,7 +200,6 @@ class DistributedStream(TensorStream):
         self._found: set[str] = set()
         self.headers: dict[str, Header] = {}
         self.plan: Plan | None = None
-        self.session = ""
 
     @staticmethod
     def _selected_names(include: Include) -> list[str]:
@@ -229,23 +228,19 @@ class DistributedStream(TensorStream):
             raise UsageError("the stream is closed")
         self._group_opened = True
         failure = self._problem
-        try:
-            if failure is not None:
-                pass
-            elif self._index_address is None:
-                await super().open()
-            else:
-                self._clock.start()
-                self._index = await ShardIndex.read(self._index_address, self._clock)
-                self._check_names(set(self._index.weight_map or ()) or None)
-        except BaseException as exc:  # told to the group first, raised after
-            failure = Failure.of(exc)
+        if failure is None:
+            try:
+                if self._index_address is None:
+                    await super().open()
+                else:
+                    self._clock.start()
+                    self._index = await ShardIndex.read(self._index_address, self._clock)
+                    self._check_names(set(self._index.weight_map or ()) or None)
+            except BaseException as exc:  # told to the group first, raised after
+                failure = Failure.of(exc)
         group = self._group
-        hello = (socket.gethostname(), os.getpid(), secrets.token_hex(8))
         try:
-            everyone = await group.gather(hello, failure)
-            group.peers = [(host, pid) for host, pid, _ in everyone]
-            self.session = everyone[0][2]
+            group.peers = await group.gather((socket.gethostname(), os.getpid()), failure)
         except BaseException:
             await self.aclose()
             raise

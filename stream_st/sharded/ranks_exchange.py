@@ -1,6 +1,11 @@
 """One safetensors file read by the group (see :mod:`.ranks`): this rank reads its own stripes
 and the tensors it reads alone, ahead within a budget, while the group exchanges earlier stripes;
-tensors are handed out in offset order as their last bytes arrive."""
+tensors are handed out in offset order as their last bytes arrive.
+
+No task outlives a wait of the exchange: reading ahead is done, a chunk at a time, by a task
+that runs only while the exchange waits for the group (a gate, a transfer), so the consumer's
+own cancel scopes around the iteration nest as they should, and nothing reads while the
+consumer holds the turn."""
 
 from __future__ import annotations
 
@@ -8,13 +13,13 @@ import contextlib
 import functools
 import math
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
-from anyio.abc import TaskGroup
 
 from .._util import task_group
 from ..core.digests import Digests
@@ -22,6 +27,7 @@ from ..errors import DistributedError, SafetensorsError
 from ..memory.delivery import Delivery
 from ..memory.fresh import fresh_bytes
 from ..reader import TensorStream, merge_ranges
+from ..transports.base import Source
 from .ranks_group import Failure, RankGroup
 from .ranks_plan import Piece, Plan, Slice, Stripe, contiguous_span, slice_bounds, slice_shape
 
@@ -34,42 +40,107 @@ WINDOW_STRIPES = 3
 """Stripes whose bytes are being exchanged at once; tensors are handed out as they complete."""
 
 
-class _Budget:
-    """Bytes read ahead and not yet let go: :meth:`take` waits while over ``limit`` (unless
-    nothing is held, so one item larger than the limit still goes)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-        self._freed = anyio.Event()
-
-    async def take(self, nbytes: int) -> None:
-        while self.held and self.held + nbytes > self.limit:
-            self._freed = anyio.Event()
-            await self._freed.wait()
-        self.held += nbytes
-
-    def give(self, nbytes: int) -> None:
-        self.held -= nbytes
-        self._freed.set()
+READ_CHUNK = 2 << 20
+"""Reads are made in runs of at most this many bytes: a read ahead stops at the end of one once
+the wait it filled is over."""
 
 
 @dataclass(slots=True)
 class _Read:
     """Something this rank reads from the source: a stripe it owns or a tensor it reads alone.
-    ``ranges``: ``(file offset, end, where the bytes land)``; ``error``: why it was not read."""
+    ``ranges``: ``(file offset, end, where the bytes land)``; ``next``: the range, and the bytes
+    into it, to read next; ``error``: why it was not read."""
 
     at: int
     ranges: list[tuple[int, int, memoryview]]
     nbytes: int
-    done: anyio.Event = field(default_factory=anyio.Event)
+    next: tuple[int, int] = (0, 0)
+    done: bool = False
     error: Exception | None = None
 
-    async def wait(self) -> None:
-        """Wait until it is read; its error if it could not be."""
-        await self.done.wait()
-        if self.error is not None:
-            raise self.error
+
+class _Reader:
+    """This rank's reads of one file, in offset order, a chunk at a time: by the exchange when
+    it needs one (:meth:`until`), and ahead of it, at most :data:`READ_AHEAD_BYTES` (or one
+    read), while it waits for the group (:meth:`during`). A failure is kept on the read and
+    every later one, raised where the exchange needs them."""
+
+    def __init__(self, source: Source, reads: list[_Read]) -> None:
+        self.source = source
+        self.reads = deque(reads)
+        self.held = 0  # bytes of reads begun and not yet let go (:meth:`give`)
+        self.planned = False
+
+    def give(self, nbytes: int) -> None:
+        """``nbytes`` of reads are handed on: room to read ahead again."""
+        self.held -= nbytes
+
+    async def until(self, read: _Read) -> None:
+        """Read up to ``read`` (the next needed), whatever is held; its error if it failed."""
+        while not read.done:
+            await self._chunk()
+        if read.error is not None:
+            raise read.error
+
+    async def during(self, waiting: Callable[[], Awaitable[None]]) -> None:
+        """``await waiting()``, reading ahead meanwhile (until the chunk being read when it
+        ends)."""
+        if not self._room():
+            await waiting()
+            return
+        over = anyio.Event()
+
+        async def ahead() -> None:
+            while not over.is_set() and self._room():
+                await self._chunk()
+
+        async with task_group() as tasks:
+            tasks.start_soon(ahead)
+            try:
+                await waiting()
+            finally:
+                over.set()
+
+    def _room(self) -> bool:
+        """Whether the next read may go on now."""
+        if not self.reads:
+            return False
+        read = self.reads[0]
+        begun = read.next != (0, 0)
+        return begun or not self.held or self.held + read.nbytes <= READ_AHEAD_BYTES
+
+    async def _chunk(self) -> None:
+        """Read the next chunk of the first read not done."""
+        read = self.reads[0]
+        source = self.source
+        try:
+            if not self.planned:
+                self.planned = True
+                await source.plan_reads(
+                    merge_ranges((a, b) for each in self.reads for a, b, _ in each.ranges)
+                )
+            if read.next == (0, 0):
+                self.held += read.nbytes
+            which, into = read.next
+            if which < len(read.ranges):
+                start, end, view = read.ranges[which]
+                count = min(READ_CHUNK, end - start - into)
+                if count > 0:
+                    got = await source.read_into_at(start + into, view[into : into + count])
+                    if got < count:
+                        raise SafetensorsError(
+                            f"{source.name} ended at byte {start + into + got}, "
+                            f"expected data up to byte {end}"
+                        )
+                into += count
+                read.next = (which + 1, 0) if into >= end - start else (which, into)
+            if read.next[0] >= len(read.ranges):
+                read.done = True
+                self.reads.popleft()
+        except Exception as exc:
+            for each in self.reads:
+                each.error, each.done = exc, True
+            self.reads.clear()
 
 
 @dataclass(slots=True)
@@ -180,34 +251,6 @@ class FileExchange:
             )
         return owned, alone
 
-    async def read_all(self, reads: list[_Read], budget: _Budget) -> None:
-        """Read each of ``reads`` in order, within ``budget``. A failure is kept on the read and
-        every later one (raised where the exchange waits for it), never raised here."""
-        source = self.stream.source
-        error: Exception | None = None
-        try:
-            await source.plan_reads(
-                merge_ranges((start, end) for read in reads for start, end, _ in read.ranges)
-            )
-        except Exception as exc:
-            error = exc
-        for read in reads:
-            if error is None:
-                await budget.take(read.nbytes)
-                try:
-                    for start, end, view in read.ranges:
-                        if end > start:
-                            got = await source.read_into_at(start, view[: end - start])
-                            if got < end - start:
-                                raise SafetensorsError(
-                                    f"{source.name} ended at byte {start + got}, "
-                                    f"expected data up to byte {end}"
-                                )
-                except Exception as exc:
-                    error = exc
-            read.error = error
-            read.done.set()
-
     async def run(self, plan: Plan) -> AsyncGenerator[tuple[str, Any]]:
         """Every tensor this rank wants, in offset order, read or exchanged as ``plan`` says;
         :class:`DistributedError` if any rank fails.
@@ -219,28 +262,23 @@ class FileExchange:
         rank raises (see :meth:`RankGroup.fail`). The consumer leaving ends the stream here
         quietly."""
         pending: deque[_Pending] = deque()
-        async with task_group() as tasks:
+        try:
+            async with contextlib.aclosing(self._steps(plan, pending)) as items:
+                async for item in items:
+                    yield item
+                    del item
+        except DistributedError:
+            raise
+        except BaseException as exc:
             try:
-                async with contextlib.aclosing(self._steps(plan, pending, tasks)) as items:
-                    async for item in items:
-                        yield item
-                        del item
-            except DistributedError:
-                raise
-            except BaseException as exc:
-                try:
-                    with anyio.CancelScope(shield=True):
-                        while pending:
-                            await self.settle(pending.popleft())
-                        await self.group.agree(Failure.of(exc))
-                except GeneratorExit:
-                    return
-            finally:
-                tasks.cancel_scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    while pending:
+                        await self.settle(pending.popleft())
+                    await self.group.agree(Failure.of(exc))
+            except GeneratorExit:
+                return
 
-    async def _steps(
-        self, plan: Plan, pending: deque[_Pending], tasks: TaskGroup
-    ) -> AsyncGenerator[tuple[str, Any]]:
+    async def _steps(self, plan: Plan, pending: deque[_Pending]) -> AsyncGenerator[tuple[str, Any]]:
         """:meth:`run` without its failure handling: ``pending``, the steps whose transfers
         have begun and are not yet waited for, is kept up to date for it."""
         group = self.group
@@ -254,36 +292,36 @@ class FileExchange:
         for which, (index, _, _) in enumerate(alone):
             steps.append((self.tensors[index].start, 1, which))
         steps.sort()
-        budget = _Budget(READ_AHEAD_BYTES)
-        tasks.start_soon(self.read_all, reads, budget)
+        reader = _Reader(self.stream.source, reads)
         for _, kind, which in steps:
             if kind == 1:
                 index, wanted, read = alone[which]
-                while not read.done.is_set() and pending:  # free read-ahead room
-                    for item in await self.complete(pending, budget):
+                while not read.done and pending:  # hand out what is there, reading meanwhile
+                    for item in await self.complete(pending, reader):
                         yield item
-                await read.wait()
+                await reader.until(read)
                 pending.append(_Pending([], [(index, wanted)], read.nbytes, None))
             else:
                 stripe = plan.stripes[which]
                 own = owned.get(which)
                 if own is not None:
-                    while not own.done.is_set() and pending:  # free read-ahead room
-                        for item in await self.complete(pending, budget):
+                    while not own.done and pending:  # hand out what is there, reading meanwhile
+                        for item in await self.complete(pending, reader):
                             yield item
-                    await own.wait()
+                    await reader.until(own)
                 transfers = self.prepare(stripe)
-                await group.agree()
-                await self.issue(transfers, stripe.owner)
+                await reader.during(group.agree)
+                await self.issue(transfers, stripe.owner)  # no await between: both or neither
+                await anyio.lowlevel.checkpoint_if_cancelled()  # a cancellation is handled here
                 nbytes = 0 if own is None else own.nbytes
                 pending.append(_Pending(transfers, plan.done[me][which], nbytes, stripe.owner))
             while pending and (
                 not pending[0].transfers or sum(1 for p in pending if p.transfers) > WINDOW_STRIPES
             ):
-                for item in await self.complete(pending, budget):
+                for item in await self.complete(pending, reader):
                     yield item
         while pending:
-            for item in await self.complete(pending, budget):
+            for item in await self.complete(pending, reader):
                 yield item
         await group.agree()
 
@@ -368,13 +406,14 @@ class FileExchange:
                 if transfer.back is not None:
                     transfer.back[1][:] = transfer.back[0].cpu().numpy()
 
-    async def complete(self, pending: deque[_Pending], budget: _Budget) -> list[tuple[str, Any]]:
-        """Wait for the first pending step's transfers, then the tensors it completed, to hand
-        out (each checked against its digest, if the header records one)."""
+    async def complete(self, pending: deque[_Pending], reader: _Reader) -> list[tuple[str, Any]]:
+        """Wait for the first pending step's transfers (``reader`` reading ahead meanwhile),
+        then the tensors it completed, to hand out (each checked against its digest, if the
+        header records one)."""
         step = pending[0]
-        await self.settle(step)
+        await reader.during(functools.partial(self.settle, step))
         pending.popleft()
-        budget.give(step.owned)
+        reader.give(step.owned)
         items = []
         for index, wanted in step.ready:
             info = self.tensors[index]

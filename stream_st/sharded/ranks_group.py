@@ -2,12 +2,13 @@
 event loop, the gate where ranks agree all is well, and failures told apart (a rank that failed,
 a rank that is gone).
 
-A collective begun is finished even if the task is cancelled meanwhile (its wait is shielded):
-a rank that left one half done would be out of step with the others, who would then wait for it
-until the group's timeout."""
+Cancelled while it waits for a transfer, a rank stops waiting (the transfer goes on); a gate or a
+gather, once begun, is finished first (shielded): a rank that left one half done would be out of
+step with the others, who would then wait for it until the group's timeout."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -83,24 +84,26 @@ class RankGroup:
         return int(self.dist.get_global_rank(self.group, rank)) if self.group else rank
 
     async def wait(self, work: Any, source: int | None = None) -> None:
-        """Wait for ``work`` in a worker thread, shielded; :class:`RankLostError` if it failed."""
+        """Wait for ``work`` in a worker thread (left to go on if this task is cancelled);
+        :class:`RankLostError` if it failed."""
         await self._blocking(work.wait, source)
 
     async def _blocking(self, call: Callable[[], object], source: int | None) -> None:
-        """``call()`` (a collective, or a wait for one) in a worker thread, finished even if
-        this task is cancelled meanwhile; :class:`RankLostError` if it failed."""
-        with anyio.CancelScope(shield=True):
-            try:
-                await anyio.to_thread.run_sync(call)
-            except RuntimeError as exc:
-                raise await anyio.to_thread.run_sync(self.lost, exc, source) from None
+        """``call()`` (a collective, or a wait for one) in a worker thread (left to go on if
+        this task is cancelled); :class:`RankLostError` if it failed."""
+        try:
+            await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+        except RuntimeError as exc:
+            raise await anyio.to_thread.run_sync(self.lost, exc, source) from None
 
     async def gather(self, value: Any, failure: Failure | None = None) -> list[Any]:
         """Every rank's ``value`` (small, picklable) and whether it failed, in rank order. If a
         rank gave a ``failure``, every rank raises (see :meth:`fail`)."""
         out: list[Any] = [None] * self.world
         told = (value, None if failure is None else failure.cause)
-        await self._blocking(lambda: self.dist.all_gather_object(out, told, group=self.group), None)
+        with anyio.CancelScope(shield=True):
+            gathering = functools.partial(self.dist.all_gather_object, out, told, group=self.group)
+            await self._blocking(gathering, None)
         failed = [rank for rank, (_, cause) in enumerate(out) if cause is not None]
         if failed:
             self.fail(failed, out[failed[0]][1], failure)
@@ -108,14 +111,15 @@ class RankGroup:
 
     async def agree(self, failure: Failure | None = None) -> None:
         """The gate before each stripe and at the end: every rank says whether it is well
-        (``failure`` None) or why not, in one collective (a rank that stops once it has begun
-        it still tells the others); if one is not, every rank raises (see :meth:`fail`)."""
+        (``failure`` None) or why not, in one collective, finished even if this task is
+        cancelled meanwhile; if one is not, every rank raises (see :meth:`fail`)."""
         torch = self.torch
         said = torch.zeros((self.world, MESSAGE_BYTES), dtype=torch.uint8, device=self.device)
         if failure is not None:
             raw = failure.cause.encode()[:MESSAGE_BYTES] or b"?"
             said[self.rank, : len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        await self.wait(self.dist.all_reduce(said, group=self.group, async_op=True))
+        with anyio.CancelScope(shield=True):
+            await self.wait(self.dist.all_reduce(said, group=self.group, async_op=True))
         rows = [bytes(row).rstrip(b"\0") for row in said.cpu().numpy()]
         failed = [rank for rank, row in enumerate(rows) if row]
         if failed:
@@ -189,5 +193,7 @@ def describe(exc: BaseException) -> str:
     """How a rank's failure is told to the others: the error's type and message."""
     if isinstance(exc, GeneratorExit):
         return "it left its stream before the end"
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        return "it was cancelled"
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

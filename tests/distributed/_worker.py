@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 
 def _slices(raw: dict[str, list[int]] | None) -> dict[str, tuple[int, int, int]] | None:
     if raw is None:
@@ -49,12 +51,17 @@ async def _stream(
     async with stream_st.open_stream(
         src, framework="pt", process_group=group, include=include, slices=slices, **options
     ) as stream:
-        async for name, tensor in stream:
-            got[name] = tensor
-            if stop == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if stop == "raise":
-                raise Stopped(f"stopped after {name}")
+        with anyio.CancelScope() as scope:
+            async for name, tensor in stream:
+                got[name] = tensor
+                if stop == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if stop == "raise":
+                    raise Stopped(f"stopped after {name}")
+                if stop == "cancel":
+                    scope.cancel()
+        if scope.cancelled_caught:
+            raise Stopped("cancelled")
     return got
 
 

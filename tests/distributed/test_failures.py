@@ -22,7 +22,7 @@ from safetensors.torch import save_file as reference_save  # noqa: E402
 from tests.servers.http_server import RangeHTTPServer  # noqa: E402
 
 from ._group import Pool, run_group  # noqa: E402
-from .test_load import assert_same, ok  # noqa: E402
+from .test_load import assert_same, ok, write_index  # noqa: E402
 
 
 @pytest.fixture
@@ -57,15 +57,16 @@ def test_a_killed_rank_is_named_by_the_others(tmp_path: Path, layers: Path) -> N
         assert "is gone" in failed(survivor, "RankLostError", 1)
 
 
+@pytest.mark.parametrize(("how", "told"), [("raise", "left its stream"), ("cancel", "cancelled")])
 def test_a_rank_leaving_its_stream_fails_the_others_at_once(
-    tmp_path: Path, layers: Path, pool: Pool
+    tmp_path: Path, layers: Path, pool: Pool, how: str, told: str
 ) -> None:
-    """Rank 1's loop raises after its first tensor: its own error is its own; the others learn
-    at their next gate, and the group goes on."""
-    reports = pool.run(tmp_path, 3, mode="stream", src=str(layers), stop={"1": "raise"})
+    """Rank 1's loop raises, or is cancelled, after its first tensor: it gets its own error (or
+    cancellation) back; the others learn at their next gate, and the group goes on."""
+    reports = pool.run(tmp_path, 3, mode="stream", src=str(layers), stop={"1": how})
     assert reports[1]["error"] == "Stopped", reports[1]
     for survivor in (reports[0], reports[2]):
-        assert "left its stream" in failed(survivor, "RankFailedError", 1)
+        assert told in failed(survivor, "RankFailedError", 1)
     for report in reports:
         assert report["seconds"] < PROMPT, report
     again = pool.run(tmp_path, 3, mode="load_file", src=str(layers))
@@ -160,6 +161,11 @@ def test_caps_refuse_the_file_on_every_rank(tmp_path: Path, layers: Path, pool: 
     )
     for report in reports:
         refused(report, "for rank 1", f"max_total_bytes={2 * layer - 1}")
+    index = write_index(tmp_path, {f"layer{i}": torch.zeros(256, 256) for i in range(4)}, 2)
+    over = [{}, {"max_total_bytes": 3 * layer}]  # the first shard fits, not the second
+    reports = pool.run(tmp_path, 2, mode="load_file", src=str(index), options=over)
+    for report in reports:
+        refused(report, "m-2.safetensors, for rank 1", f"declare {4 * layer} bytes")
     fits = [{"max_tensor_bytes": layer, "max_total_bytes": 8 * layer}] * 2
     again = pool.run(tmp_path, 2, mode="load_file", src=str(layers), options=fits)
     for report in again:
