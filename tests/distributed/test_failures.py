@@ -19,6 +19,8 @@ if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
 from safetensors.torch import load_file as reference_load  # noqa: E402
 from safetensors.torch import save_file as reference_save  # noqa: E402
 
+import stream_st.torch  # noqa: E402
+from stream_st.sharded.ranks import stripe_size  # noqa: E402
 from tests.servers.http_server import RangeHTTPServer  # noqa: E402
 
 from ._group import Pool, run_group  # noqa: E402
@@ -170,3 +172,31 @@ def test_caps_refuse_the_file_on_every_rank(tmp_path: Path, layers: Path, pool: 
     again = pool.run(tmp_path, 2, mode="load_file", src=str(layers), options=fits)
     for report in again:
         assert_same(ok(report), reference_load(str(layers)))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_bad_copy_on_one_rank(tmp_path: Path, pool: Pool, damage: str) -> None:
+    """Rank 1 reads its share from a copy that ends early, or has a byte changed in a file whose
+    header records digests: found once stripes have moved, every rank raises, none hands out
+    a model."""
+    gen = torch.Generator().manual_seed(5)
+    path = tmp_path / "sums.safetensors"
+    layers = {f"layer{i}": torch.randn(256, 256, generator=gen) for i in range(8)}
+    stream_st.torch.save_file(layers, str(path), checksums=True)
+    data = bytearray(path.read_bytes())
+    if damage == "truncated":
+        del data[len(data) * 3 // 4 :]
+    else:  # a byte in the second stripe, which rank 1 reads
+        start = 8 + int.from_bytes(data[:8], "little")
+        data[start + stripe_size(len(data) - start, 3) * 3 // 2] ^= 0xFF
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(data)
+    srcs = [str(path), str(copy), str(path)]
+    reports = pool.run(tmp_path, 3, mode="load_file", srcs=srcs)
+    for report in reports:
+        if damage == "truncated":  # rank 1 read a stripe its copy lacks
+            assert "TruncatedStreamError" in failed(report, "RankFailedError", 1)
+        else:  # rank 1 sent a stripe every rank found wrong
+            assert report.get("error") == "RankFailedError", report
+            assert "IntegrityError" in report["message"], report
+        assert "tensors" not in report
