@@ -232,6 +232,8 @@ def open_stream(
             verify=verify,
             clock=clock,
             delivery=Delivery(framework, into),
+            max_tensor_bytes=max_tensor_bytes,
+            max_total_bytes=max_total_bytes,
         )
     return stream_for(
         source,

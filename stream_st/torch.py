@@ -143,7 +143,10 @@ def load_file(
     wants; ``include=`` and ``slices=`` choose those per rank (see :mod:`stream_st.sharded.ranks`).
     """
     if process_group is not None or include is not None or slices is not None:
-        return _distributed_load(filename, process_group, include, slices, verify, device, options)
+        caps = (max_tensor_bytes, max_total_bytes)
+        return _distributed_load(
+            filename, process_group, include, slices, verify, device, caps, options
+        )
     target = torch_device(device)
     tensors = _facade.load_file(
         filename,
@@ -167,9 +170,11 @@ def _distributed_load(
     slices: Slices | None,
     verify: bool,
     device: str | int | torch.device,
+    caps: tuple[int | None, int | None],
     options: Mapping[str, Any],
 ) -> dict[str, torch.Tensor]:
-    """``load_file`` with a process group (see :mod:`stream_st.sharded.ranks`)."""
+    """``load_file`` with a process group (see :mod:`stream_st.sharded.ranks`); ``caps``: its
+    ``(max_tensor_bytes, max_total_bytes)``."""
     import functools
 
     from .sharded import ranks
@@ -186,6 +191,8 @@ def _distributed_load(
             verify=verify,
             clock=clock,
             device=device,
+            max_tensor_bytes=caps[0],
+            max_total_bytes=caps[1],
         )
     )
 

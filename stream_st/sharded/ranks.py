@@ -20,22 +20,35 @@ calls); each reads the header itself, then:
   stripe's owner and sent point to point: the whole tensor to those who want it whole, each
   slice to the rank that wants it (a scatter of unequal parts), never the whole tensor to them.
 * **Pipelined, in offset order.** Each rank reads its own stripes ahead (at most
-  :data:`READ_AHEAD_BYTES`) while the group exchanges earlier ones; at most
+  :data:`READ_AHEAD_BYTES`) while it waits for the group to exchange earlier ones; at most
   :data:`WINDOW_STRIPES` stripes are in flight at once, and tensors are handed out in the
   file's offset order as their last bytes arrive. Memory per rank beyond what the caller keeps:
   those stripes and the read-ahead, not the model twice.
-* **Failure.** Before each stripe's bytes are exchanged, the group agrees that every rank is
-  well (a small ``all_reduce``); a rank whose source failed, whose selection was wrong, or whose
-  check of a digest failed says so there, and every rank raises :class:`RankFailedError` naming
-  that rank and the cause. A rank that dies makes the collectives fail on the others, which raise
-  :class:`RankLostError` naming it (ranks on the same host are looked up by process id), within
-  the process group's timeout at most. A load (:func:`load`, :func:`load_model`) returns only
-  after a last such agreement, so no rank returns a partial model.
+* **Failure.** Before each stripe's bytes are exchanged, and at the end, the group agrees that
+  every rank is well (one ``all_reduce`` of :data:`MESSAGE_BYTES` per rank, carrying each
+  rank's word). Whatever goes wrong on one rank (its source, memory, its selection or another
+  argument, its ``include=`` function, a digest, its consumer leaving the stream before the end,
+  a cancellation) is told to the others at once: at the gather of headers and wants if it
+  happens before any byte moves, else at their next gate, where this rank meets them after
+  waiting for the transfers it has begun. Every rank then raises :class:`RankFailedError`
+  naming that rank and the cause (on that rank, chained to its own error; a consumer that left,
+  or a cancellation, gets its own exception back). A rank that dies makes the collectives fail
+  on the others, which raise :class:`RankLostError` naming it (ranks on the same host are
+  looked up by process id), within the process group's timeout at most. A load (:func:`load`,
+  :func:`load_model`) returns only after a last such agreement, so no rank returns a partial
+  model.
+* **Caps.** ``max_tensor_bytes`` and ``max_total_bytes`` (or those
+  :func:`~stream_st.reader.caps.using_caps` set) are gathered with the wants: each rank's wanted
+  tensors (a sliced one counted whole, as it may be read whole to be cut) are checked against
+  that rank's caps, on every rank alike, before anything is allocated; a file over one rank's
+  caps makes every rank raise the same :class:`~stream_st.AllocationError`, naming that rank.
 
 With NCCL (the group's backend), bytes are exchanged on the current CUDA device and tensors are
-handed out there; with gloo, on the CPU. A local file is read by every rank from its own file
-system (each reads only its share); a sharded checkpoint's index is read by every rank and its
-shards are taken one after another, each as above.
+handed out there; with gloo, on the CPU. Nothing is shared but the collectives: every rank opens
+the source itself (the same URL, or a path to its own copy of the file on its own host) and only
+headers, wants and bytes travel between ranks, so ranks may be on different hosts; the group
+checks that every rank's header is the same. A sharded checkpoint's index is read by every rank
+and its shards are taken one after another, each as above.
 
 The plan is :mod:`.ranks_plan` (pure, no torch), the group's collectives and failure checks
 :mod:`.ranks_group`, one file's read and exchange :mod:`.ranks_exchange`; their public names are
@@ -48,7 +61,6 @@ import contextlib
 import functools
 import hashlib
 import os
-import secrets
 import socket
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -63,6 +75,7 @@ from ..errors import (
 )
 from ..memory.delivery import Delivery
 from ..reader import Include, TensorStream
+from ..reader.caps import Caps, current_caps
 from ..transports.options import Clock
 from ..transports.registry import SourceLike
 from .ranks_exchange import READ_AHEAD_BYTES as READ_AHEAD_BYTES
@@ -72,7 +85,7 @@ from .ranks_exchange import FileExchange
 from .ranks_group import LOST_LOOKS as LOST_LOOKS
 from .ranks_group import LOST_PAUSE as LOST_PAUSE
 from .ranks_group import MESSAGE_BYTES as MESSAGE_BYTES
-from .ranks_group import RankGroup, describe, raise_first
+from .ranks_group import Failure, RankGroup
 from .ranks_plan import MIN_STRIPES_PER_RANK as MIN_STRIPES_PER_RANK
 from .ranks_plan import STRIPE_BYTES as STRIPE_BYTES
 from .ranks_plan import Piece as Piece
@@ -150,6 +163,8 @@ class DistributedStream(TensorStream):
         clock: Clock | None = None,
         delivery: Delivery | None = None,
         device: Any = None,
+        max_tensor_bytes: int | None = None,
+        max_total_bytes: int | None = None,
     ) -> None:
         super().__init__(
             source,
@@ -158,12 +173,25 @@ class DistributedStream(TensorStream):
             clock=clock,
             delivery=delivery,
         )
-        self._group = RankGroup(process_group, device)
+        self._group = RankGroup(process_group)
         self._selected = _selected(include)
         self._names = (
             None if include is None or callable(include) else set(self._selected_names(include))
         )
-        self._slice = _slice_of(slices)
+        # Misuse on one rank is told to the group when it opens: raised here, it would leave
+        # the others waiting for this rank until the group's timeout.
+        self._problem: Failure | None = None
+        self._slice: Callable[[str], object] = lambda name: None
+        try:
+            self._group.hand_out_on(device)
+            self._slice = _slice_of(slices)
+            if max_tensor_bytes is None and max_total_bytes is None:
+                self._caps = current_caps()
+            else:
+                self._caps = Caps.of(max_tensor_bytes, max_total_bytes)
+        except SafetensorsError as exc:
+            self._problem = Failure.of(exc)
+        self._counted: list[int] = []  # bytes each rank's caps counted, shard after shard
         self._slices = slices
         self._index_address = os.fspath(source) if is_index(source) else None
         self._index: ShardIndex | None = None
@@ -172,7 +200,6 @@ class DistributedStream(TensorStream):
         self._found: set[str] = set()
         self.headers: dict[str, Header] = {}
         self.plan: Plan | None = None
-        self.session = ""
 
     @staticmethod
     def _selected_names(include: Include) -> list[str]:
@@ -200,23 +227,20 @@ class DistributedStream(TensorStream):
         if self._closed:
             raise UsageError("the stream is closed")
         self._group_opened = True
-        failure: str | None = None
-        try:
-            if self._index_address is None:
-                await super().open()
-            else:
-                self._clock.start()
-                self._index = await ShardIndex.read(self._index_address, self._clock)
-                self._check_names(set(self._index.weight_map or ()) or None)
-        except SafetensorsError as exc:
-            failure = describe(exc)
+        failure = self._problem
+        if failure is None:
+            try:
+                if self._index_address is None:
+                    await super().open()
+                else:
+                    self._clock.start()
+                    self._index = await ShardIndex.read(self._index_address, self._clock)
+                    self._check_names(set(self._index.weight_map or ()) or None)
+            except BaseException as exc:  # told to the group first, raised after
+                failure = Failure.of(exc)
         group = self._group
-        hello = (socket.gethostname(), os.getpid(), secrets.token_hex(8), failure)
         try:
-            everyone = await group.gather(hello)
-            group.peers = [(host, pid) for host, pid, _, _ in everyone]
-            self.session = everyone[0][2]
-            raise_first(everyone, lambda each: each[3])
+            group.peers = await group.gather((socket.gethostname(), os.getpid()), failure)
         except BaseException:
             await self.aclose()
             raise
@@ -246,10 +270,10 @@ class DistributedStream(TensorStream):
         return wants
 
     async def _exchange(
-        self, stream: TensorStream | None, failure: str | None
+        self, stream: TensorStream | None, failure: Failure | None
     ) -> AsyncGenerator[tuple[str, Any]]:
-        """One file read by the group: agree on its header and who wants what, then run the
-        plan. ``failure``: opening it failed on this rank."""
+        """One file read by the group: agree on its header and who wants what, check every
+        rank's caps, then run the plan. ``failure``: opening it failed on this rank."""
         group = self._group
         wants: dict[int, Slice | None] = {}
         digest = None
@@ -260,15 +284,16 @@ class DistributedStream(TensorStream):
                     self._check_names(set(header.names()))
                 wants = self._wants(header)
                 digest = _header_digest(header)
-            except SafetensorsError as exc:
-                failure = describe(exc)
-        everyone = await group.gather((digest, wants, failure))
-        raise_first(everyone, lambda each: each[2])
+            except Exception as exc:  # include= and slices= may be the caller's functions
+                failure = Failure.of(exc)
+        caps = (self._caps.tensor, self._caps.total)
+        everyone = await group.gather((digest, wants, caps), failure)
         for rank, (other, _, _) in enumerate(everyone):
             if other != everyone[0][0]:
                 cause = "its header differs from rank 0's (not the same file)"
                 raise RankFailedError(f"rank {rank} failed: {cause}", rank=rank, cause=cause)
         assert stream is not None
+        self._check_caps(stream, [(each[1], Caps(*each[2])) for each in everyone])
         plan = self.plan = plan_exchange(stream.header.tensors, [each[1] for each in everyone])
         file = FileExchange(group, stream, wants, self._delivery, self._verify)
         async with contextlib.aclosing(file.run(plan)) as items:
@@ -276,6 +301,21 @@ class DistributedStream(TensorStream):
                 self._found.add(item[0])
                 yield item
                 del item
+
+    def _check_caps(
+        self, stream: TensorStream, every: list[tuple[dict[int, Slice | None], Caps]]
+    ) -> None:
+        """Each rank's wants (a sliced tensor counted whole: it may be read whole to be cut)
+        against that rank's caps, on every rank alike: if one is over, every rank raises the
+        same :class:`~stream_st.AllocationError`, before anything is allocated."""
+        tensors = stream.header.tensors
+        counted = self._counted or [0] * len(every)
+        for rank, (wants, caps) in enumerate(every):
+            wanted = (tensors[index] for index in sorted(wants))
+            counted[rank] = caps.check(
+                wanted, f"{stream.source.name}, for rank {rank}", counted[rank]
+            )
+        self._counted = counted
 
     async def _iterate(self) -> AsyncGenerator[tuple[str, Any]]:
         owns = not self._group_opened
@@ -298,8 +338,8 @@ class DistributedStream(TensorStream):
                 try:
                     self.headers[shard] = await stream.open()
                     index.check(shard, address, stream.header)
-                except SafetensorsError as exc:
-                    failure = describe(exc)
+                except BaseException as exc:  # told to the group first, raised after
+                    failure = Failure.of(exc)
                 try:
                     async with contextlib.aclosing(self._exchange(stream, failure)) as items:
                         async for item in items:
@@ -330,10 +370,13 @@ async def load(
     clock: Clock | None = None,
     device: Any = None,
     into: Mapping[str, Any] | None = None,
+    max_tensor_bytes: int | None = None,
+    max_total_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Every tensor this rank wants of ``source`` as ``{name: torch tensor}`` (a sliced one: its
     slice), read with the group (see the module); returned on every rank only once every rank
-    has all it wants."""
+    has all it wants. ``max_tensor_bytes``, ``max_total_bytes``: this rank's caps (see the
+    module)."""
     stream = DistributedStream(
         source,
         process_group=process_group,
@@ -343,6 +386,8 @@ async def load(
         clock=clock,
         delivery=Delivery("pt", into, exact=False, writable=True),
         device=device,
+        max_tensor_bytes=max_tensor_bytes,
+        max_total_bytes=max_total_bytes,
     )
     return {name: tensor async for name, tensor in stream}
 

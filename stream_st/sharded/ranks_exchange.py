@@ -1,25 +1,34 @@
 """One safetensors file read by the group (see :mod:`.ranks`): this rank reads its own stripes
 and the tensors it reads alone, ahead within a budget, while the group exchanges earlier stripes;
-tensors are handed out in offset order as their last bytes arrive."""
+tensors are handed out in offset order as their last bytes arrive.
+
+No task outlives a wait of the exchange: reading ahead is done, a chunk at a time, by a task
+that runs only while the exchange waits for the group (a gate, a transfer), so the consumer's
+own cancel scopes around the iteration nest as they should, and nothing reads while the
+consumer holds the turn."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from collections import deque
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 
 from .._util import task_group
 from ..core.digests import Digests
-from ..errors import SafetensorsError
+from ..errors import DistributedError, SafetensorsError
 from ..memory.delivery import Delivery
 from ..memory.fresh import fresh_bytes
 from ..reader import TensorStream, merge_ranges
-from .ranks_group import RankGroup, describe
+from ..transports.base import Source
+from .ranks_group import Failure, RankGroup
 from .ranks_plan import Piece, Plan, Slice, Stripe, contiguous_span, slice_bounds, slice_shape
 
 __all__ = ["READ_AHEAD_BYTES", "SCRATCH", "WINDOW_STRIPES", "FileExchange"]
@@ -31,46 +40,119 @@ WINDOW_STRIPES = 3
 """Stripes whose bytes are being exchanged at once; tensors are handed out as they complete."""
 
 
-class _Budget:
-    """Bytes read ahead and not yet let go: :meth:`take` waits while over ``limit`` (unless
-    nothing is held, so one item larger than the limit still goes)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-        self._freed = anyio.Event()
-
-    async def take(self, nbytes: int) -> None:
-        while self.held and self.held + nbytes > self.limit:
-            self._freed = anyio.Event()
-            await self._freed.wait()
-        self.held += nbytes
-
-    def give(self, nbytes: int) -> None:
-        self.held -= nbytes
-        self._freed.set()
+READ_CHUNK = 2 << 20
+"""Reads are made in runs of at most this many bytes: a read ahead stops at the end of one once
+the wait it filled is over."""
 
 
 @dataclass(slots=True)
 class _Read:
     """Something this rank reads from the source: a stripe it owns or a tensor it reads alone.
-    ``ranges``: ``(file offset, end, where the bytes land)``."""
+    ``ranges``: ``(file offset, end, where the bytes land)``; ``next``: the range, and the bytes
+    into it, to read next; ``error``: why it was not read."""
 
     at: int
     ranges: list[tuple[int, int, memoryview]]
     nbytes: int
-    done: anyio.Event = field(default_factory=anyio.Event)
-    failure: str | None = None
+    next: tuple[int, int] = (0, 0)
+    done: bool = False
+    error: Exception | None = None
+
+
+class _Reader:
+    """This rank's reads of one file, in offset order, a chunk at a time: by the exchange when
+    it needs one (:meth:`until`), and ahead of it, at most :data:`READ_AHEAD_BYTES` (or one
+    read), while it waits for the group (:meth:`during`). A failure is kept on the read and
+    every later one, raised where the exchange needs them."""
+
+    def __init__(self, source: Source, reads: list[_Read]) -> None:
+        self.source = source
+        self.reads = deque(reads)
+        self.held = 0  # bytes of reads begun and not yet let go (:meth:`give`)
+        self.planned = False
+
+    def give(self, nbytes: int) -> None:
+        """``nbytes`` of reads are handed on: room to read ahead again."""
+        self.held -= nbytes
+
+    async def until(self, read: _Read) -> None:
+        """Read up to ``read`` (the next needed), whatever is held; its error if it failed."""
+        while not read.done:
+            await self._chunk()
+        if read.error is not None:
+            raise read.error
+
+    async def during(self, waiting: Callable[[], Awaitable[None]]) -> None:
+        """``await waiting()``, reading ahead meanwhile (until the chunk being read when it
+        ends)."""
+        if not self._room():
+            await waiting()
+            return
+        over = anyio.Event()
+
+        async def ahead() -> None:
+            while not over.is_set() and self._room():
+                await self._chunk()
+
+        async with task_group() as tasks:
+            tasks.start_soon(ahead)
+            try:
+                await waiting()
+            finally:
+                over.set()
+
+    def _room(self) -> bool:
+        """Whether the next read may go on now."""
+        if not self.reads:
+            return False
+        read = self.reads[0]
+        begun = read.next != (0, 0)
+        return begun or not self.held or self.held + read.nbytes <= READ_AHEAD_BYTES
+
+    async def _chunk(self) -> None:
+        """Read the next chunk of the first read not done."""
+        read = self.reads[0]
+        source = self.source
+        try:
+            if not self.planned:
+                self.planned = True
+                await source.plan_reads(
+                    merge_ranges((a, b) for each in self.reads for a, b, _ in each.ranges)
+                )
+            if read.next == (0, 0):
+                self.held += read.nbytes
+            which, into = read.next
+            if which < len(read.ranges):
+                start, end, view = read.ranges[which]
+                count = min(READ_CHUNK, end - start - into)
+                if count > 0:
+                    got = await source.read_into_at(start + into, view[into : into + count])
+                    if got < count:
+                        raise SafetensorsError(
+                            f"{source.name} ended at byte {start + into + got}, "
+                            f"expected data up to byte {end}"
+                        )
+                into += count
+                read.next = (which + 1, 0) if into >= end - start else (which, into)
+            if read.next[0] >= len(read.ranges):
+                read.done = True
+                self.reads.popleft()
+        except Exception as exc:
+            for each in self.reads:
+                each.error, each.done = exc, True
+            self.reads.clear()
 
 
 @dataclass(slots=True)
 class _Transfer:
-    """One collective in flight; ``keep`` holds its memory alive, ``back`` (device tensor, host
-    bytes) is copied to the host once it arrived (NCCL)."""
+    """One collective of a stripe: made ready (its memory found) before the group's gate,
+    ``start`` once every rank passed it, giving ``work``. ``keep`` holds its memory alive,
+    ``back`` (device tensor, host bytes) is copied to the host once it arrived (NCCL)."""
 
-    work: Any
+    start: Callable[[], Any]
     keep: Any = None
     back: tuple[Any, np.ndarray[Any, Any]] | None = None
+    work: Any = None
 
 
 @dataclass(slots=True)
@@ -108,7 +190,6 @@ class FileExchange:
         self.digests = Digests.from_header(self.header) if verify else None
         self.buffers: dict[tuple[int, Slice | None], np.ndarray[Any, Any]] = {}
         self.placed: set[int] = set()
-        self.failure: str | None = None
 
     def buffer(self, index: int, wanted: Slice | None) -> np.ndarray[Any, Any]:
         """The bytes tensor ``index`` (``wanted``: its slice; :data:`SCRATCH`: bytes only sent
@@ -170,37 +251,36 @@ class FileExchange:
             )
         return owned, alone
 
-    async def read_all(self, reads: list[_Read], budget: _Budget) -> None:
-        """Read each of ``reads`` in order, within ``budget``. A failure is kept on the read and
-        every later one (told to the group at the next gate), never raised here."""
-        source = self.stream.source
-        failure: str | None = None
-        try:
-            await source.plan_reads(
-                merge_ranges((start, end) for read in reads for start, end, _ in read.ranges)
-            )
-        except SafetensorsError as exc:
-            failure = describe(exc)
-        for read in reads:
-            if failure is None:
-                await budget.take(read.nbytes)
-                try:
-                    for start, end, view in read.ranges:
-                        if end > start:
-                            got = await source.read_into_at(start, view[: end - start])
-                            if got < end - start:
-                                raise SafetensorsError(
-                                    f"{source.name} ended at byte {start + got}, "
-                                    f"expected data up to byte {end}"
-                                )
-                except SafetensorsError as exc:
-                    failure = describe(exc)
-            read.failure = failure
-            read.done.set()
-
     async def run(self, plan: Plan) -> AsyncGenerator[tuple[str, Any]]:
         """Every tensor this rank wants, in offset order, read or exchanged as ``plan`` says;
-        :class:`DistributedError` if any rank fails."""
+        :class:`DistributedError` if any rank fails.
+
+        Whatever goes wrong on this rank (a read, memory, a digest, a hand-out, the consumer
+        leaving the stream, a cancellation) is told to the group at once: this rank waits for
+        the transfers it has begun, then meets the others at their next gate (outside a gate and
+        the start of a stripe's transfers, every rank's next collective is a gate), where every
+        rank raises (see :meth:`RankGroup.fail`). The consumer leaving ends the stream here
+        quietly."""
+        pending: deque[_Pending] = deque()
+        try:
+            async with contextlib.aclosing(self._steps(plan, pending)) as items:
+                async for item in items:
+                    yield item
+                    del item
+        except DistributedError:
+            raise
+        except BaseException as exc:
+            try:
+                with anyio.CancelScope(shield=True):
+                    while pending:
+                        await self.settle(pending.popleft())
+                    await self.group.agree(Failure.of(exc))
+            except GeneratorExit:
+                return
+
+    async def _steps(self, plan: Plan, pending: deque[_Pending]) -> AsyncGenerator[tuple[str, Any]]:
+        """:meth:`run` without its failure handling: ``pending``, the steps whose transfers
+        have begun and are not yet waited for, is kept up to date for it."""
         group = self.group
         me = group.rank
         owned, alone = self.plan_reads(plan)
@@ -212,52 +292,42 @@ class FileExchange:
         for which, (index, _, _) in enumerate(alone):
             steps.append((self.tensors[index].start, 1, which))
         steps.sort()
-        budget = _Budget(READ_AHEAD_BYTES)
-        pending: deque[_Pending] = deque()
-        async with task_group() as tasks:
-            tasks.start_soon(self.read_all, reads, budget)
-            try:
-                for _, kind, which in steps:
-                    if kind == 1:
-                        index, wanted, read = alone[which]
-                        while not read.done.is_set() and pending:  # free read-ahead room
-                            async for item in self.complete(pending.popleft(), budget):
-                                yield item
-                        await read.done.wait()
-                        if read.failure is not None and self.failure is None:
-                            self.failure = read.failure
-                        pending.append(_Pending([], [(index, wanted)], read.nbytes, None))
-                    else:
-                        stripe = plan.stripes[which]
-                        own = owned.get(which)
-                        if own is not None:
-                            while not own.done.is_set() and pending:  # free read-ahead room
-                                async for item in self.complete(pending.popleft(), budget):
-                                    yield item
-                            await own.done.wait()
-                            if own.failure is not None and self.failure is None:
-                                self.failure = own.failure
-                        await group.agree(self.failure)
-                        transfers = self.issue(stripe)
-                        nbytes = 0 if own is None else own.nbytes
-                        pending.append(
-                            _Pending(transfers, plan.done[me][which], nbytes, stripe.owner)
-                        )
-                    while pending and (
-                        not pending[0].transfers
-                        or sum(1 for p in pending if p.transfers) > WINDOW_STRIPES
-                    ):
-                        async for item in self.complete(pending.popleft(), budget):
-                            yield item
-                while pending:
-                    async for item in self.complete(pending.popleft(), budget):
+        reader = _Reader(self.stream.source, reads)
+        for _, kind, which in steps:
+            if kind == 1:
+                index, wanted, read = alone[which]
+                while not read.done and pending:  # hand out what is there, reading meanwhile
+                    for item in await self.complete(pending, reader):
                         yield item
-                await group.agree(self.failure)
-            finally:
-                tasks.cancel_scope.cancel()
+                await reader.until(read)
+                pending.append(_Pending([], [(index, wanted)], read.nbytes, None))
+            else:
+                stripe = plan.stripes[which]
+                own = owned.get(which)
+                if own is not None:
+                    while not own.done and pending:  # hand out what is there, reading meanwhile
+                        for item in await self.complete(pending, reader):
+                            yield item
+                    await reader.until(own)
+                transfers = self.prepare(stripe)
+                await reader.during(group.agree)
+                await self.issue(transfers, stripe.owner)  # no await between: both or neither
+                await anyio.lowlevel.checkpoint_if_cancelled()  # a cancellation is handled here
+                nbytes = 0 if own is None else own.nbytes
+                pending.append(_Pending(transfers, plan.done[me][which], nbytes, stripe.owner))
+            while pending and (
+                not pending[0].transfers or sum(1 for p in pending if p.transfers) > WINDOW_STRIPES
+            ):
+                for item in await self.complete(pending, reader):
+                    yield item
+        while pending:
+            for item in await self.complete(pending, reader):
+                yield item
+        await group.agree()
 
-    def issue(self, stripe: Stripe) -> list[_Transfer]:
-        """Start the collectives that move ``stripe``'s bytes (the group has agreed all is well)."""
+    def prepare(self, stripe: Stripe) -> list[_Transfer]:
+        """The collectives that move ``stripe``'s bytes, their memory found (before the gate:
+        what fails here is told there), none begun."""
         group = self.group
         dist = group.dist
         me = group.rank
@@ -267,9 +337,11 @@ class FileExchange:
             if not piece.targets:  # every rank wants it whole: broadcast from the owner
                 raw = self.buffer(piece.index, None)[piece.lo : piece.hi]
                 view = self.comm(raw)
-                work = dist.broadcast(view, src=owner, group=group.group, async_op=True)
                 back = (view, raw) if group.cuda and stripe.owner != me else None
-                transfers.append(_Transfer(work, view, back))
+                start = functools.partial(
+                    dist.broadcast, view, src=owner, group=group.group, async_op=True
+                )
+                transfers.append(_Transfer(start, view, back))
             elif stripe.owner == me:  # sent point to point: whole or each rank's slice
                 transfers.extend(self.send(piece))
             else:
@@ -277,12 +349,26 @@ class FileExchange:
                     if rank == me:
                         raw = self.buffer(piece.index, wanted)
                         view = self.comm(raw)
-                        work = dist.irecv(view, src=owner, group=group.group, tag=piece.index)
-                        transfers.append(_Transfer(work, view, (view, raw) if group.cuda else None))
+                        start = functools.partial(
+                            dist.irecv, view, src=owner, group=group.group, tag=piece.index
+                        )
+                        transfers.append(
+                            _Transfer(start, view, (view, raw) if group.cuda else None)
+                        )
         return transfers
 
+    async def issue(self, transfers: list[_Transfer], owner: int) -> None:
+        """Begin ``transfers`` (every rank has passed the gate); :class:`RankLostError` if the
+        group cannot take them."""
+        try:
+            for transfer in transfers:
+                transfer.work = transfer.start()
+        except RuntimeError as exc:
+            raise await anyio.to_thread.run_sync(self.group.lost, exc, owner) from None
+
     def send(self, piece: Piece) -> list[_Transfer]:
-        """The owner's side of a tensor sent point to point (its own slice copied here)."""
+        """The owner's side of a tensor sent point to point (its own slice copied here), none
+        begun."""
         group = self.group
         info = self.tensors[piece.index]
         raw = self.own_bytes(piece.index)
@@ -292,29 +378,43 @@ class FileExchange:
                 part = raw
             else:
                 dim, number, parts = wanted
-                start, stop = slice_bounds(info.shape[dim], number, parts)
+                lo, hi = slice_bounds(info.shape[dim], number, parts)
                 array = raw.view(info.array_dtype).reshape(info.array_shape)
-                cut = np.ascontiguousarray(np.take(array, np.arange(start, stop), axis=dim))
+                cut = np.ascontiguousarray(np.take(array, np.arange(lo, hi), axis=dim))
                 part = cut.reshape(-1).view(np.uint8)
                 if rank == group.rank:
                     self.buffer(piece.index, wanted)[:] = part
             if rank != group.rank:
                 view = self.comm(part)
-                work = group.dist.isend(
-                    view, dst=group.global_rank(rank), group=group.group, tag=piece.index
+                send = functools.partial(
+                    group.dist.isend,
+                    view,
+                    dst=group.global_rank(rank),
+                    group=group.group,
+                    tag=piece.index,
                 )
-                transfers.append(_Transfer(work, (view, part)))
+                transfers.append(_Transfer(send, (view, part)))
         self.buffers.pop((piece.index, SCRATCH), None)  # alive in the transfers until sent
         return transfers
 
-    async def complete(self, step: _Pending, budget: _Budget) -> AsyncGenerator[tuple[str, Any]]:
-        """Wait for one step's transfers, then hand out the tensors it completed (each checked
-        against its digest, if the header records one)."""
+    async def settle(self, step: _Pending) -> None:
+        """Wait for ``step``'s transfers (those begun), bringing their bytes to the host."""
         for transfer in step.transfers:
-            await self.group.wait(transfer.work, step.source)
-            if transfer.back is not None:
-                transfer.back[1][:] = transfer.back[0].cpu().numpy()
-        budget.give(step.owned)
+            if transfer.work is not None:
+                await self.group.wait(transfer.work, step.source)
+                transfer.work = None
+                if transfer.back is not None:
+                    transfer.back[1][:] = transfer.back[0].cpu().numpy()
+
+    async def complete(self, pending: deque[_Pending], reader: _Reader) -> list[tuple[str, Any]]:
+        """Wait for the first pending step's transfers (``reader`` reading ahead meanwhile),
+        then the tensors it completed, to hand out (each checked against its digest, if the
+        header records one)."""
+        step = pending[0]
+        await reader.during(functools.partial(self.settle, step))
+        pending.popleft()
+        reader.give(step.owned)
+        items = []
         for index, wanted in step.ready:
             info = self.tensors[index]
             raw = self.buffers.pop((index, wanted), None)
@@ -323,13 +423,8 @@ class FileExchange:
                 del self.buffers[(index, wanted)]
             shape = info.array_shape if wanted is None else slice_shape(info, wanted)
             array = raw.view(info.array_dtype).reshape(shape)
-            if self.digests is not None and wanted is None and self.failure is None:
-                try:
-                    await self.digests.check_view(info.name, array, self.stream.source.name)
-                except SafetensorsError as exc:
-                    self.failure = describe(exc)
-            if self.failure is not None:
-                continue  # told to the group at the next gate; nothing more handed out
+            if self.digests is not None and wanted is None:
+                await self.digests.check_view(info.name, array, self.stream.source.name)
             if wanted is None:
                 value = self.delivery.deliver(info, array, index in self.placed)
             else:
@@ -337,4 +432,5 @@ class FileExchange:
             device = self.group.out_device
             if device is not None and self.group.torch.is_tensor(value):
                 value = value.to(device)
-            yield info.name, value
+            items.append((info.name, value))
+        return items

@@ -1,14 +1,20 @@
 """The process group as a group load uses it (see :mod:`.ranks`): collectives awaited off the
 event loop, the gate where ranks agree all is well, and failures told apart (a rank that failed,
-a rank that is gone)."""
+a rank that is gone).
+
+Cancelled while it waits for a transfer, a rank stops waiting (the transfer goes on); a gate or a
+gather, once begun, is finished first (shielded): a rank that left one half done would be out of
+step with the others, who would then wait for it until the group's timeout."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import anyio
 import anyio.to_thread
@@ -16,16 +22,31 @@ import anyio.to_thread
 from ..core.arrays import load_torch
 from ..errors import RankFailedError, RankLostError, UsageError
 
-__all__ = ["LOST_LOOKS", "LOST_PAUSE", "MESSAGE_BYTES", "RankGroup", "describe", "raise_first"]
+__all__ = ["LOST_LOOKS", "LOST_PAUSE", "MESSAGE_BYTES", "Failure", "RankGroup", "describe"]
 
-MESSAGE_BYTES = 2048
-"""A failing rank's message travels to the others in this many bytes (UTF-8, cut short)."""
+MESSAGE_BYTES = 1024
+"""A failing rank's message travels to the others in this many bytes (UTF-8, cut short): each
+gate moves this many bytes per rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What went wrong on this rank, to be told to the group at its next collective: ``cause``
+    (what the others are told) and ``error``, raised again here once the group knows (see
+    :meth:`RankGroup.fail`)."""
+
+    cause: str
+    error: BaseException
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        return cls(describe(exc), exc)
 
 
 class RankGroup:
     """One process group as a load uses it: ranks, the device bytes go through, waits."""
 
-    def __init__(self, group: Any, device: Any) -> None:
+    def __init__(self, group: Any) -> None:
         import torch.distributed as dist
 
         self.dist = dist
@@ -45,60 +66,78 @@ class RankGroup:
             if self.cuda
             else self.torch.device("cpu")
         )
-        self.out_device = None if device in (None, "cpu") else self.torch.device(device)
-        out = self.out_device
+        self.out_device: Any = None
+        self.peers: list[tuple[str, int]] = []  # (host, pid) of each rank, for failures
+
+    def hand_out_on(self, device: Any) -> None:
+        """Hand tensors out on ``device`` (None or ``"cpu"``: the CPU); :class:`UsageError` if
+        this torch cannot use it."""
+        try:
+            out = None if device in (None, "cpu") else self.torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise UsageError(f"device={device!r} is not a device: {exc}") from None
         if out is not None and out.type == "cuda" and not self.torch.cuda.is_available():
             raise UsageError(f"device={device!r}: this torch has no CUDA device")
-        self.peers: list[tuple[str, int]] = []  # (host, pid) of each rank, for failures
+        self.out_device = out
 
     def global_rank(self, rank: int) -> int:
         return int(self.dist.get_global_rank(self.group, rank)) if self.group else rank
 
     async def wait(self, work: Any, source: int | None = None) -> None:
-        """Wait for ``work`` in a worker thread; :class:`RankLostError` if it failed."""
+        """Wait for ``work`` in a worker thread (left to go on if this task is cancelled);
+        :class:`RankLostError` if it failed."""
+        await self._blocking(work.wait, source)
+
+    async def _blocking(self, call: Callable[[], object], source: int | None) -> None:
+        """``call()`` (a collective, or a wait for one) in a worker thread (left to go on if
+        this task is cancelled); :class:`RankLostError` if it failed."""
         try:
-            await anyio.to_thread.run_sync(work.wait, abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
         except RuntimeError as exc:
             raise await anyio.to_thread.run_sync(self.lost, exc, source) from None
 
-    async def gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value`` (small, picklable), in rank order."""
+    async def gather(self, value: Any, failure: Failure | None = None) -> list[Any]:
+        """Every rank's ``value`` (small, picklable) and whether it failed, in rank order. If a
+        rank gave a ``failure``, every rank raises (see :meth:`fail`)."""
         out: list[Any] = [None] * self.world
-        try:
-            await anyio.to_thread.run_sync(
-                lambda: self.dist.all_gather_object(out, value, group=self.group),
-                abandon_on_cancel=True,
-            )
-        except RuntimeError as exc:
-            raise await anyio.to_thread.run_sync(self.lost, exc, None) from None
-        return out
+        told = (value, None if failure is None else failure.cause)
+        with anyio.CancelScope(shield=True):
+            gathering = functools.partial(self.dist.all_gather_object, out, told, group=self.group)
+            await self._blocking(gathering, None)
+        failed = [rank for rank, (_, cause) in enumerate(out) if cause is not None]
+        if failed:
+            self.fail(failed, out[failed[0]][1], failure)
+        return [each for each, _ in out]
 
-    async def agree(self, failure: str | None) -> None:
-        """The gate before each stripe and at the end: every rank says whether it is well; if
-        one is not, every rank raises :class:`RankFailedError` with the first failing rank's
-        message."""
+    async def agree(self, failure: Failure | None = None) -> None:
+        """The gate before each stripe and at the end: every rank says whether it is well
+        (``failure`` None) or why not, in one collective, finished even if this task is
+        cancelled meanwhile; if one is not, every rank raises (see :meth:`fail`)."""
         torch = self.torch
-        flags = torch.zeros(self.world, dtype=torch.int32, device=self.device)
+        said = torch.zeros((self.world, MESSAGE_BYTES), dtype=torch.uint8, device=self.device)
         if failure is not None:
-            flags[self.rank] = 1
-        await self.wait(self.dist.all_reduce(flags, group=self.group, async_op=True))
-        failed = [rank for rank, flag in enumerate(flags.tolist()) if flag]
-        if not failed:
-            return
+            raw = failure.cause.encode()[:MESSAGE_BYTES] or b"?"
+            said[self.rank, : len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        with anyio.CancelScope(shield=True):
+            await self.wait(self.dist.all_reduce(said, group=self.group, async_op=True))
+        rows = [bytes(row).rstrip(b"\0") for row in said.cpu().numpy()]
+        failed = [rank for rank, row in enumerate(rows) if row]
+        if failed:
+            self.fail(failed, rows[failed[0]].decode(errors="replace"), failure)
+
+    def fail(self, failed: list[int], cause: str, own: Failure | None) -> NoReturn:
+        """Raise, once every rank knows that ranks ``failed`` did (the first of them for
+        ``cause``): :class:`RankFailedError` naming that rank, on every rank. This rank's own
+        ``failure``, if any, is that error's ``__cause__``; or, if it is no plain exception
+        (a cancellation, the consumer leaving the stream, an interrupt), raised as itself."""
         first = failed[0]
-        message = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
-        if first == self.rank and failure is not None:
-            raw = failure.encode()[:MESSAGE_BYTES]
-            message[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        await self.wait(
-            self.dist.broadcast(
-                message, src=self.global_rank(first), group=self.group, async_op=True
-            ),
-            first,
-        )
-        cause = bytes(message.cpu().numpy()).rstrip(b"\0").decode(errors="replace")
         others = f" (and ranks {failed[1:]})" if len(failed) > 1 else ""
-        raise RankFailedError(f"rank {first} failed{others}: {cause}", rank=first, cause=cause)
+        error = RankFailedError(f"rank {first} failed{others}: {cause}", rank=first, cause=cause)
+        if own is None:
+            raise error
+        if not isinstance(own.error, Exception):
+            raise own.error
+        raise error from own.error
 
     def lost(self, exc: BaseException, source: int | None) -> RankLostError:
         """The error for a failed collective: the rank found gone (a process on this host that
@@ -152,12 +191,9 @@ def _running(pid: int) -> bool:
 
 def describe(exc: BaseException) -> str:
     """How a rank's failure is told to the others: the error's type and message."""
-    return f"{type(exc).__name__}: {exc}"
-
-
-def raise_first(everyone: list[Any], failure_of: Callable[[Any], str | None]) -> None:
-    """:class:`RankFailedError` for the first rank whose gathered value holds a failure."""
-    for rank, each in enumerate(everyone):
-        cause = failure_of(each)
-        if cause is not None:
-            raise RankFailedError(f"rank {rank} failed: {cause}", rank=rank, cause=cause)
+    if isinstance(exc, GeneratorExit):
+        return "it left its stream before the end"
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        return "it was cancelled"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

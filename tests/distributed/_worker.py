@@ -4,24 +4,32 @@ WORLD`` joins a group that stays up and runs each scenario whose ``PARAMS`` path
 standard input (answering ``done`` on its standard output): a scenario of fewer ranks runs on a
 group of the first ranks (made with ``new_group``), the others sit it out.
 
-``PARAMS`` is a JSON file: ``world``, ``port``, ``timeout`` (seconds, the group's), ``mode``
-(``load_file``, ``load_model``, ``stream``), ``src`` (or ``srcs``: one per rank), and per rank
-``include``, ``slices`` (``{name: [dim, part, parts]}``), ``env``; ``kill`` (a rank that kills
-itself with SIGKILL once it has its first tensor); ``out`` (a folder). The rank writes what it
-got to ``out/rank<R>.safetensors`` (and the order to ``out/rank<R>.json``), or its error to
-``out/rank<R>.json``.
+``PARAMS`` is a JSON file: ``world``, ``port``, ``timeout`` (seconds, the group's; a pool's
+group has 60), ``mode`` (``load_file``, ``load_model``, ``stream``), ``src`` (or ``srcs``: one per
+rank), ``options`` (keywords of ``load_file`` or ``open_stream``: the same for all, or one mapping
+per rank), and per rank ``include`` (``"!raise"``: a predicate that raises), ``slices``
+(``{name: [dim, part, parts]}``), ``ambient`` (``[max_tensor_bytes, max_total_bytes]`` set with
+``using_caps``), ``env``; ``stop`` (``{rank: how}``, stream mode: once it has its first tensor
+the rank kills itself with SIGKILL, ``"kill"``, or raises :class:`Stopped` out of its loop,
+``"raise"``); ``out`` (a folder). The rank writes what it got to ``out/rank<R>.safetensors`` (and
+the order to ``out/rank<R>.json``), or its error to ``out/rank<R>.json``, with the seconds the
+scenario took it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+import anyio
 
 
 def _slices(raw: dict[str, list[int]] | None) -> dict[str, tuple[int, int, int]] | None:
@@ -30,18 +38,36 @@ def _slices(raw: dict[str, list[int]] | None) -> dict[str, tuple[int, int, int]]
     return {name: (dim, part, parts) for name, (dim, part, parts) in raw.items()}
 
 
-async def _stream(src: str, group: Any, include: Any, slices: Any, kill: bool) -> dict[str, Any]:
+class Stopped(Exception):
+    """What a rank told to ``stop`` raises once it has its first tensor."""
+
+
+async def _stream(
+    src: str, group: Any, include: Any, slices: Any, stop: str | None, options: dict[str, Any]
+) -> dict[str, Any]:
     import stream_st
 
     got: dict[str, Any] = {}
     async with stream_st.open_stream(
-        src, framework="pt", process_group=group, include=include, slices=slices
+        src, framework="pt", process_group=group, include=include, slices=slices, **options
     ) as stream:
-        async for name, tensor in stream:
-            got[name] = tensor
-            if kill:
-                os.kill(os.getpid(), signal.SIGKILL)
+        with anyio.CancelScope() as scope:
+            async for name, tensor in stream:
+                got[name] = tensor
+                if stop == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if stop == "raise":
+                    raise Stopped(f"stopped after {name}")
+                if stop == "cancel":
+                    scope.cancel()
+        if scope.cancelled_caught:
+            raise Stopped("cancelled")
     return got
+
+
+def _raising(name: str) -> bool:
+    """An ``include=`` predicate that fails (``include: "!raise"``)."""
+    raise LookupError(f"no rule for {name}")
 
 
 def init(port: int, rank: int, world: int, timeout: float) -> None:
@@ -62,10 +88,13 @@ def main() -> None:
         return
     params = json.loads(Path(sys.argv[1]).read_text())
     rank = int(sys.argv[2])
-    init(params["port"], rank, params["world"], params.get("timeout", 30))
+    # Ranks start seconds apart on a busy machine: the group they meet in waits long, the one
+    # the scenario runs in for its own timeout.
+    init(params["port"], rank, params["world"], 60)
     import torch.distributed as dist
 
-    scenario(params, rank, dist.group.WORLD)
+    timeout = datetime.timedelta(seconds=params.get("timeout", 30))
+    scenario(params, rank, dist.new_group(list(range(params["world"])), timeout=timeout))
     dist.destroy_process_group()
 
 
@@ -88,6 +117,7 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
 
     import stream_st.torch
     from stream_st import DistributedError
+    from stream_st.reader.caps import Caps, using_caps
 
     saved = dict(os.environ)
     os.environ.update(params.get("env", {}))
@@ -95,10 +125,18 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
     world = params["world"]
     src = params["srcs"][rank] if "srcs" in params else params["src"]
     include = params.get("include", [None] * world)[rank]
+    if include == "!raise":
+        include = _raising
     slices = _slices(params.get("slices", [None] * world)[rank])
     options = params.get("options", {})
+    if isinstance(options, list):
+        options = options[rank]
+    ambient = Caps(*params.get("ambient", [[None, None]] * world)[rank])
     report: dict[str, Any] = {"rank": rank, "stream_st": stream_st.__file__}
+    context = contextlib.ExitStack()
+    started = time.monotonic()
     try:
+        context.enter_context(using_caps(ambient))
         if params["mode"] == "load_file":
             got = stream_st.torch.load_file(
                 src, process_group=group, include=include, slices=slices, **options
@@ -118,7 +156,8 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
             report["missing"] = sorted(missing)
             report["unexpected"] = sorted(unexpected)
         else:
-            got = asyncio.run(_stream(src, group, include, slices, rank == params.get("kill")))
+            stop = params.get("stop", {}).get(str(rank))
+            got = asyncio.run(_stream(src, group, include, slices, stop, options))
         report["names"] = list(got)
         from safetensors.torch import save_file
 
@@ -130,6 +169,8 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
         report["safetensors_error"] = isinstance(exc, stream_st.SafetensorsError)
         report["failed_rank"] = getattr(exc, "rank", None)
     finally:
+        context.close()
+        report["seconds"] = time.monotonic() - started
         os.environ.clear()
         os.environ.update(saved)
     (out / f"rank{rank}.json").write_text(json.dumps(report))

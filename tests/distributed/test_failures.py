@@ -1,6 +1,8 @@
 """Failures in a real gloo group: a rank killed with SIGKILL, a source that stalls on one rank,
-a rank given another file or a name the file lacks. Every surviving rank raises a
-:class:`~stream_st.SafetensorsError` naming the rank and the cause; nothing hangs."""
+a rank given another file or a name the file lacks, a rank whose own code raises or that leaves
+its stream early, caps a file is over. Every surviving rank raises a
+:class:`~stream_st.SafetensorsError` naming the rank and the cause, at once (well within the
+group's timeout: the pool's group waits 60 s); nothing hangs, and the group stays in step."""
 
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
 from safetensors.torch import load_file as reference_load  # noqa: E402
 from safetensors.torch import save_file as reference_save  # noqa: E402
 
+import stream_st.torch  # noqa: E402
+from stream_st.sharded.ranks import stripe_size  # noqa: E402
 from tests.servers.http_server import RangeHTTPServer  # noqa: E402
 
 from ._group import Pool, run_group  # noqa: E402
-from .test_load import assert_same, ok  # noqa: E402
+from .test_load import assert_same, ok, write_index  # noqa: E402
 
 
 @pytest.fixture
@@ -42,11 +46,53 @@ def failed(report: dict[str, Any], kind: str, rank: int) -> str:
     return message
 
 
+PROMPT = 30.0
+"""A failure told to the group is raised well before the pool group's 60 s timeout."""
+
+
 def test_a_killed_rank_is_named_by_the_others(tmp_path: Path, layers: Path) -> None:
-    reports = run_group(tmp_path, 3, mode="stream", src=str(layers), kill=1, timeout=20)
+    """In a group with a short timeout: raised within it at the latest."""
+    stop = {"1": "kill"}
+    reports = run_group(tmp_path, 3, mode="stream", src=str(layers), stop=stop, timeout=5)
     assert reports[1].get("died") == -9, reports[1]
     for survivor in (reports[0], reports[2]):
         assert "is gone" in failed(survivor, "RankLostError", 1)
+
+
+@pytest.mark.parametrize(("how", "told"), [("raise", "left its stream"), ("cancel", "cancelled")])
+def test_a_rank_leaving_its_stream_fails_the_others_at_once(
+    tmp_path: Path, layers: Path, pool: Pool, how: str, told: str
+) -> None:
+    """Rank 1's loop raises, or is cancelled, after its first tensor: it gets its own error (or
+    cancellation) back; the others learn at their next gate, and the group goes on."""
+    reports = pool.run(tmp_path, 3, mode="stream", src=str(layers), stop={"1": how})
+    assert reports[1]["error"] == "Stopped", reports[1]
+    for survivor in (reports[0], reports[2]):
+        assert told in failed(survivor, "RankFailedError", 1)
+    for report in reports:
+        assert report["seconds"] < PROMPT, report
+    again = pool.run(tmp_path, 3, mode="load_file", src=str(layers))
+    for report in again:
+        assert_same(ok(report), reference_load(str(layers)))
+
+
+@pytest.mark.parametrize(
+    ("params", "told"),
+    [
+        ({"include": [None, "!raise"]}, "LookupError: no rule for"),
+        ({"options": [{}, {"device": "nowhere"}]}, "UsageError: device='nowhere'"),
+        ({"slices": [None, {"layer0": [5, 0, 2]}]}, "UsageError: slices= for 'layer0'"),
+    ],
+)
+def test_one_rank_failing_while_planning(
+    tmp_path: Path, layers: Path, pool: Pool, params: dict[str, Any], told: str
+) -> None:
+    """A rank whose own code (its ``include=`` predicate), or argument, fails before any byte
+    is exchanged: every rank raises naming it, at once."""
+    reports = pool.run(tmp_path, 2, mode="load_file", src=str(layers), **params)
+    for report in reports:
+        assert told in failed(report, "RankFailedError", 1)
+        assert report["seconds"] < PROMPT, report
 
 
 def test_a_source_failing_on_one_rank_fails_every_rank(
@@ -88,3 +134,69 @@ def test_a_missing_source_on_one_rank(tmp_path: Path, layers: Path, pool: Pool) 
     reports = pool.run(tmp_path, 2, mode="stream", srcs=srcs)
     for report in reports:
         assert "SourceNotFoundError" in failed(report, "RankFailedError", 1)
+
+
+def refused(report: dict[str, Any], *words: str) -> None:
+    assert report.get("error") == "AllocationError", report
+    assert report["safetensors_error"] and not report["distributed"], report
+    for word in words:
+        assert word in report["message"], report
+
+
+def test_caps_refuse_the_file_on_every_rank(tmp_path: Path, layers: Path, pool: Pool) -> None:
+    """A cap one rank has (an argument, or set with ``using_caps``) refuses the file on every
+    rank as a single load would, before anything is allocated; a file within the caps loads."""
+    layer = 256 * 256 * 4
+    reports = pool.run(
+        tmp_path,
+        3,
+        mode="load_file",
+        src=str(layers),
+        options=[{}, {}, {"max_tensor_bytes": layer - 1}],
+    )
+    for report in reports:
+        refused(report, "for rank 2", "'layer0'", f"max_tensor_bytes={layer - 1}")
+    include = [["layer0"], ["layer1", "layer2"]]
+    ambient = [[None, None], [None, 2 * layer - 1]]
+    reports = pool.run(
+        tmp_path, 2, mode="stream", src=str(layers), include=include, ambient=ambient
+    )
+    for report in reports:
+        refused(report, "for rank 1", f"max_total_bytes={2 * layer - 1}")
+    index = write_index(tmp_path, {f"layer{i}": torch.zeros(256, 256) for i in range(4)}, 2)
+    over = [{}, {"max_total_bytes": 3 * layer}]  # the first shard fits, not the second
+    reports = pool.run(tmp_path, 2, mode="load_file", src=str(index), options=over)
+    for report in reports:
+        refused(report, "m-2.safetensors, for rank 1", f"declare {4 * layer} bytes")
+    fits = [{"max_tensor_bytes": layer, "max_total_bytes": 8 * layer}] * 2
+    again = pool.run(tmp_path, 2, mode="load_file", src=str(layers), options=fits)
+    for report in again:
+        assert_same(ok(report), reference_load(str(layers)))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_bad_copy_on_one_rank(tmp_path: Path, pool: Pool, damage: str) -> None:
+    """Rank 1 reads its share from a copy that ends early, or has a byte changed in a file whose
+    header records digests: found once stripes have moved, every rank raises, none hands out
+    a model."""
+    gen = torch.Generator().manual_seed(5)
+    path = tmp_path / "sums.safetensors"
+    layers = {f"layer{i}": torch.randn(256, 256, generator=gen) for i in range(8)}
+    stream_st.torch.save_file(layers, str(path), checksums=True)
+    data = bytearray(path.read_bytes())
+    if damage == "truncated":
+        del data[len(data) * 3 // 4 :]
+    else:  # a byte in the second stripe, which rank 1 reads
+        start = 8 + int.from_bytes(data[:8], "little")
+        data[start + stripe_size(len(data) - start, 3) * 3 // 2] ^= 0xFF
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(data)
+    srcs = [str(path), str(copy), str(path)]
+    reports = pool.run(tmp_path, 3, mode="load_file", srcs=srcs)
+    for report in reports:
+        if damage == "truncated":  # rank 1 read a stripe its copy lacks
+            assert "TruncatedStreamError" in failed(report, "RankFailedError", 1)
+        else:  # rank 1 sent a stripe every rank found wrong
+            assert report.get("error") == "RankFailedError", report
+            assert "IntegrityError" in report["message"], report
+        assert "tensors" not in report

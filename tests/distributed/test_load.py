@@ -149,16 +149,23 @@ def test_load_model_in_place(tmp_path: Path, pool: Pool) -> None:
         assert report["in_place"] == sorted(model.state_dict())
 
 
-def test_sharded_index(tmp_path: Path, pool: Pool) -> None:
-    every = tensors()
+def write_index(folder: Path, every: dict[str, Any], cut: int) -> Path:
+    """``every`` as a sharded checkpoint in ``folder``: its first ``cut`` tensors, then the rest;
+    the index's path."""
     names = list(every)
-    shards = {"m-1.safetensors": names[:4], "m-2.safetensors": names[4:]}
+    shards = {"m-1.safetensors": names[:cut], "m-2.safetensors": names[cut:]}
     weight_map = {}
     for shard, part in shards.items():
-        reference_save({name: every[name] for name in part}, str(tmp_path / shard))
+        reference_save({name: every[name] for name in part}, str(folder / shard))
         weight_map.update(dict.fromkeys(part, shard))
-    index = tmp_path / "m.safetensors.index.json"
+    index = folder / "m.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+def test_sharded_index(tmp_path: Path, pool: Pool) -> None:
+    every = tensors()
+    index = write_index(tmp_path, every, 4)
     second = ["a", "w1", "scalar"]
     reports = pool.run(tmp_path, 2, mode="load_file", src=str(index), include=[None, second])
     assert_same(ok(reports[0]), every)
