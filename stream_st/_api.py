@@ -223,6 +223,8 @@ def open_stream(
     if process_group is not None or slices is not None:
         from .sharded.ranks import DistributedStream
 
+        no_cache_with_ranks(cache)
+
         return DistributedStream(
             source,
             process_group=process_group,
@@ -393,6 +395,18 @@ def _cache_for(source: object, cache: object) -> Cache | None:
     from .transports.cache.resolve import is_cached_address
 
     return settings if is_cached_address(source) else None
+
+
+def no_cache_with_ranks(cache: object) -> None:
+    """:class:`~stream_st.UsageError` for a ``cache=`` given to a read with a process group,
+    ``include=`` per rank or ``slices=``: each rank reads only its share, so no rank could
+    keep a whole copy (every rank makes the same call, so every rank refuses it)."""
+    if cache is not None and cache is not False:
+        raise UsageError(
+            "cache= does not go with process_group=, slices= or (in stream_st.torch) include=: "
+            "each rank reads only its share of the bytes, so none could keep a whole copy; "
+            "read once with cache= (or `stream-st cp`) first, then load the local copy"
+        )
 
 
 def cached_stream(source: object, cache: object, **options: Any) -> CachedStream | None:

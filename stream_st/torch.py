@@ -35,7 +35,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Unpack
 
-from ._api import stream_for
+from ._api import no_cache_with_ranks, stream_for
 from .compat import _reference as _facade
 from .compat import _shared
 from .compat._errors import InvalidTensorsError
@@ -142,7 +142,8 @@ def load_file(
     reads its share of the bytes, the group exchanges them, and every rank gets the tensors it
     wants; ``include=`` and ``slices=`` choose those per rank (see :mod:`stream_st.sharded.ranks`).
     """
-    if process_group is not None or include is not None or slices is not None:
+    if process_group is not None or slices is not None:
+        no_cache_with_ranks(cache)
         caps = (max_tensor_bytes, max_total_bytes)
         return _distributed_load(
             filename, process_group, include, slices, verify, device, caps, options
@@ -154,6 +155,7 @@ def load_file(
         backend,
         verify,
         cache=cache,
+        include=include,
         max_tensor_bytes=max_tensor_bytes,
         max_total_bytes=max_total_bytes,
         **options,
@@ -366,6 +368,7 @@ def load_model(
 
         if assign:
             raise UsageError("load_model(process_group=...) does not take assign=True")
+        no_cache_with_ranks(cache)
         return ranks.load_model(
             model,
             filename,

@@ -33,6 +33,7 @@ from ..core.header import TensorInfo
 from ..core.shards import is_index
 from ..errors import TensorNotFoundError, UsageError
 from ..memory.delivery import Delivery
+from ..reader import Include
 from ..reader.caps import NO_CAPS, Caps
 from ..transports.file.source import path_from_url
 from ..transports.options import Clock, TransportOptions, clock_of
@@ -395,8 +396,9 @@ def load_file(
     if path is not None and not os.path.lexists(path):
         raise NoSuchFileError(path)
     cache = options.pop("cache", None)  # cache= (stream_st._api)
+    include = options.pop("include", None)  # include= (stream_st.torch.load_file)
     caps = Caps.of(options.pop("max_tensor_bytes", None), options.pop("max_total_bytes", None))
-    return run(_load, src, torch, verify, copy, clock_of(options), cache, caps)
+    return run(_load, src, torch, verify, copy, clock_of(options), cache, caps, include)
 
 
 def load_bytes(data: bytes, torch: bool, verify: bool) -> dict[str, Any]:
@@ -414,10 +416,12 @@ async def _load(
     clock: Clock,
     cache: Any = None,
     caps: Caps = NO_CAPS,
+    include: Include = None,
 ) -> dict[str, Any]:
     delivery = Delivery("pt" if torch else "np", writable=True)
     stream = stream_for(
         src,
+        include=include,
         verify=verify,
         clock=clock,
         delivery=delivery,

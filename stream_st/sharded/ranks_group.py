@@ -52,7 +52,10 @@ class RankGroup:
         self.dist = dist
         self.torch = load_torch()
         if group is None:
-            raise UsageError("slices= needs process_group= (a torch.distributed process group)")
+            raise UsageError(
+                "slices= (and load_model's include=) need process_group= (a torch.distributed "
+                "process group)"
+            )
         if not dist.is_available() or not dist.is_initialized():
             raise UsageError("process_group= needs torch.distributed initialised in this process")
         self.group = group
