@@ -141,6 +141,9 @@ def load_file(
     ``process_group`` (a ``torch.distributed`` process group; every rank calls): each rank
     reads its share of the bytes, the group exchanges them, and every rank gets the tensors it
     wants; ``include=`` and ``slices=`` choose those per rank (see :mod:`stream_st.sharded.ranks`).
+    Without a group, ``include=`` (names, or a predicate) reads only those tensors. ``cache=``
+    (see :func:`stream_st.open_stream`) is refused with a group or ``slices=``: each rank reads
+    only its share.
     """
     if process_group is not None or slices is not None:
         no_cache_with_ranks(cache)
