@@ -602,3 +602,23 @@ def test_encode_decode_invariants(case: tuple[Codec, Array]) -> None:
         check_int4_bound(x, y, parts["p.scales"], codec.group_size)
     else:
         assert np.array_equal(as_f64(x), as_f64(y))
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_int8_of_a_big_16_bit_tensor_is_the_per_value_rounding(dtype: str) -> None:
+    """Big F16 and BF16 tensors are coded through a table of every bit pattern's code: the
+    codes are those the per-value path gives, for every finite pattern and on random data."""
+    from stream_st.core.codecs import _TABLE_MIN, _int8_codes, _max_abs_bits
+
+    numpy_dtype = dtype_for(dtype).numpy
+    patterns = np.arange(1 << 16, dtype=np.uint16).view(numpy_dtype)
+    finite = np.ascontiguousarray(patterns[np.isfinite(patterns.astype(np.float32))])
+    rng = np.random.default_rng(7)
+    noisy = (rng.standard_normal(_TABLE_MIN) * 3).astype(numpy_dtype)
+    noisy[:6] = np.array([2.5, -2.5, 0.5, -0.5, 0.0, -0.0]).astype(numpy_dtype)
+    for values in (np.tile(finite, _TABLE_MIN // finite.size + 1), noisy):
+        assert values.size >= _TABLE_MIN
+        codes, scale = Int8Codec().encode("x", values)
+        expected = _int8_codes(values, np.float32(scale[1][0]))
+        assert np.array_equal(codes[1], expected)
+        assert float(scale[1][0]) == float(Int8Codec.scale_for("x", _max_abs_bits(values)))
