@@ -17,8 +17,9 @@ order that alternates from round to round. Each process reads the file ``--reads
 reports the median; the first read of a process pays for starting threads and faulting in fresh
 memory just as the later ones do for the verified and the plain read alike.
 
-Printed: per round and setting the two medians, the ratio verified / plain and the load average
-(``os.getloadavg()``, 1 minute); then per setting the median and range of the ratios. The
+Printed: per round and setting the two medians (wall time, and the CPU time of all the process's
+threads), the ratios verified / plain and the load average (``os.getloadavg()``, 1 minute); then
+per setting the median and range of the ratios. The
 machine may be loaded by other work: the paired ratio is the figure to compare.
 """
 
@@ -61,29 +62,30 @@ def warm(path: Path) -> None:
             pass
 
 
-async def read_all(path: Path, verify: bool) -> float:
-    """Seconds to stream every tensor of ``path``, each array dropped at once."""
-    start = time.perf_counter()
+async def read_all(path: Path, verify: bool) -> tuple[float, float]:
+    """Seconds (wall, and CPU of the process's threads) to stream every tensor of ``path``,
+    each array dropped at once."""
+    start, cpu = time.perf_counter(), time.process_time()
     async with stream_st.open_stream(path, verify=verify) as stream:
         async for _name, array in stream:
             del array
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def child(path: Path, verify: bool, cores: int, reads: int) -> None:
     """A fresh process's part: pin to ``cores`` cores, time ``reads`` reads, print the median."""
     os.sched_setaffinity(0, set(range(cores)))
     times = [anyio.run(read_all, path, verify) for _ in range(reads)]
-    print(json.dumps({"seconds": statistics.median(times)}))
+    print(json.dumps([statistics.median(column) for column in zip(*times, strict=True)]))
 
 
-def run_child(path: Path, verify: bool, cores: int, reads: int) -> float:
-    """The median read time of a fresh process (see :func:`child`)."""
+def run_child(path: Path, verify: bool, cores: int, reads: int) -> tuple[float, float]:
+    """The median read time, wall and CPU, of a fresh process (see :func:`child`)."""
     command = [sys.executable, __file__, "--child", str(path), "--cores", str(cores)]
     command += ["--reads", str(reads)] + (["--verify"] if verify else [])
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-    seconds: float = json.loads(out.splitlines()[-1])["seconds"]
-    return seconds
+    wall, cpu = json.loads(out.splitlines()[-1])
+    return wall, cpu
 
 
 def main() -> None:
@@ -115,25 +117,30 @@ def main() -> None:
             f"load average at start {os.getloadavg()[0]:.2f}"
         )
         ratios: dict[int, list[float]] = {cores: [] for cores in settings}
+        cpu_ratios: dict[int, list[float]] = {cores: [] for cores in settings}
         loads: list[float] = []
         for round_ in range(args.rounds):
             for cores in settings:
                 order = (False, True) if round_ % 2 == 0 else (True, False)
                 times = {verify: run_child(path, verify, cores, args.reads) for verify in order}
-                ratio = times[True] / times[False]
-                ratios[cores].append(ratio)
+                (plain, plain_cpu), (verified, verified_cpu) = times[False], times[True]
+                ratios[cores].append(verified / plain)
+                cpu_ratios[cores].append(verified_cpu / plain_cpu)
                 load = os.getloadavg()[0]
                 loads.append(load)
                 print(
-                    f"round {round_ + 1} cores {cores}: plain {times[False]:.3f} s, "
-                    f"verified {times[True]:.3f} s, ratio {ratio:.3f} (load {load:.2f})"
+                    f"round {round_ + 1} cores {cores}: plain {plain:.3f} s "
+                    f"(CPU {plain_cpu:.3f} s), verified {verified:.3f} s (CPU {verified_cpu:.3f} "
+                    f"s), ratio {verified / plain:.3f}, CPU {verified_cpu / plain_cpu:.3f} "
+                    f"(load {load:.2f})"
                 )
         for cores in settings:
-            values = ratios[cores]
-            print(
-                f"cores {cores}: verified / plain median {statistics.median(values):.3f} "
-                f"(range {min(values):.3f}-{max(values):.3f}, {len(values)} rounds)"
-            )
+            for what, values in (("time", ratios[cores]), ("CPU", cpu_ratios[cores])):
+                print(
+                    f"cores {cores}: verified / plain {what} median "
+                    f"{statistics.median(values):.3f} (range {min(values):.3f}-"
+                    f"{max(values):.3f}, {len(values)} rounds)"
+                )
         print(f"load average during the rounds: {min(loads):.2f}-{max(loads):.2f}")
 
 
