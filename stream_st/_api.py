@@ -17,6 +17,7 @@ from .errors import UsageError
 from .memory.delivery import Delivery
 from .reader import NO_CAPS, Caps, Include, TensorStream
 from .reader.caps import current_caps
+from .reader.header import header_only
 from .sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from .transports.cache import Cache, CacheLike
 from .transports.options import Clock, TransportOptions, clock_of
@@ -342,18 +343,25 @@ async def header_of(
     cache: CacheLike = None,
     unknown_dtypes: UnknownDtypes = "refuse",
 ) -> Header:
-    """:func:`read_header` under ``clock``, checked against ``caps``."""
-    stream = stream_for(
-        source,
-        max_header_size=max_header_size,
-        clock=clock,
-        cache=cache,
-        unknown_dtypes=unknown_dtypes,
-    )
-    async with stream:
-        if caps != NO_CAPS:  # a walk over every tensor, on the loop
-            caps.check(stream.header.tensors, stream.source.name)
-        return stream.header
+    """:func:`read_header` under ``clock``, checked against ``caps``. A file read as it is (no
+    index, no cache) needs no stream around its source: :func:`header_only`."""
+    from .core.shards import is_index
+
+    if _cache_for(source, cache) is None and not is_index(source):
+        header, name = await header_only(source, clock, max_header_size, unknown_dtypes)
+    else:
+        stream = stream_for(
+            source,
+            max_header_size=max_header_size,
+            clock=clock,
+            cache=cache,
+            unknown_dtypes=unknown_dtypes,
+        )
+        async with stream:
+            header, name = stream.header, stream.source.name
+    if caps != NO_CAPS:  # a walk over every tensor, on the loop
+        caps.check(header.tensors, name)
+    return header
 
 
 # The cache's wiring (open_stream(url, cache=...)): a stream through the verified local copy.

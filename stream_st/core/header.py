@@ -153,28 +153,51 @@ _to_info = cast(Callable[[_Row], TensorInfo], partial(tuple.__new__, TensorInfo)
 
 class TensorTable(Sequence[TensorInfo]):
     """A header's tensors in offset order: a read-only sequence of :class:`TensorInfo`, each
-    built when read from a plain tuple of its fields.
+    built when read from the table's columns (names, dtype codes, shapes, starts, ends).
 
-    A header of a million tensors kept as a million :class:`TensorInfo` would be a million
-    objects the cyclic garbage collector walks at every full collection for as long as the
-    header lives: it never untracks a tuple subclass. It untracks a plain tuple of strings,
-    ints and such tuples at the first collection that sees it, so a table costs it nothing
-    after that. It equals another table, or a tuple, of the same tensors.
+    A header of a million tensors kept as a million :class:`TensorInfo`, or a million tuples,
+    would be a million objects allocated in a row, each one the cyclic garbage collector
+    counts, and full collections it triggers while the header is parsed. Five lists of
+    strings, ints and shape tuples (one per distinct shape) are five objects to it.
+    It equals another table, or a tuple, of the same tensors.
     """
 
-    __slots__ = ("_rows",)
+    __slots__ = ("_codes", "_ends", "_names", "_shapes", "_starts")
 
-    def __init__(self, rows: tuple[_Row, ...]) -> None:
-        self._rows = rows
+    def __init__(
+        self,
+        names: list[str],
+        codes: list[str],
+        shapes: list[tuple[int, ...]],
+        starts: list[int],
+        ends: list[int],
+    ) -> None:
+        self._names = names
+        self._codes = codes
+        self._shapes = shapes
+        self._starts = starts
+        self._ends = ends
 
     @classmethod
     def of(cls, tensors: Iterable[TensorInfo]) -> TensorTable:
         """The table of ``tensors``, in the order given."""
-        return cls(tuple(cast(Iterator[_Row], map(tuple, tensors))))
+        return cls.of_rows(cast(Iterable[_Row], tensors))
+
+    @classmethod
+    def of_rows(cls, rows: Iterable[_Row]) -> TensorTable:
+        """The table of these rows of fields, in the order given."""
+        columns = tuple(map(list, zip(*rows, strict=True)))
+        if not columns:
+            return cls([], [], [], [], [])
+        names, codes, shapes, starts, ends = columns
+        return cls(names, codes, shapes, starts, ends)
+
+    def _rows(self) -> Iterator[_Row]:
+        return zip(self._names, self._codes, self._shapes, self._starts, self._ends, strict=True)
 
     def names(self) -> list[str]:
         """Tensor names in offset order."""
-        return [row[0] for row in self._rows]
+        return self._names.copy()
 
     @overload
     def __getitem__(self, index: int) -> TensorInfo: ...
@@ -184,20 +207,40 @@ class TensorTable(Sequence[TensorInfo]):
 
     def __getitem__(self, index: int | slice) -> TensorInfo | TensorTable:
         if isinstance(index, slice):
-            return TensorTable(self._rows[index])
-        return _to_info(self._rows[index])
+            return TensorTable(
+                self._names[index],
+                self._codes[index],
+                self._shapes[index],
+                self._starts[index],
+                self._ends[index],
+            )
+        return _to_info(
+            (
+                self._names[index],
+                self._codes[index],
+                self._shapes[index],
+                self._starts[index],
+                self._ends[index],
+            )
+        )
 
     def __iter__(self) -> Iterator[TensorInfo]:
-        return map(_to_info, self._rows)
+        return map(_to_info, self._rows())
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._names)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, TensorTable):
-            return self._rows == other._rows
-        if isinstance(other, tuple):
-            return self._rows == other  # a row equals the TensorInfo of the same fields
+            return (self._names, self._codes, self._shapes, self._starts, self._ends) == (
+                other._names,
+                other._codes,
+                other._shapes,
+                other._starts,
+                other._ends,
+            )
+        if isinstance(other, tuple):  # a row equals the TensorInfo of the same fields
+            return len(other) == len(self) and all(map(operator.eq, self._rows(), other))
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]  # equal to tuples, but not one itself
@@ -219,7 +262,7 @@ def _first_tensors(table: TensorTable) -> str:
     shown = [
         f"TensorInfo(name={_SHORT.repr(name)}, dtype={_SHORT.repr(dtype)}, "
         f"shape={_SHORT.repr(shape)}, start={start}, end={end})"
-        for name, dtype, shape, start, end in table._rows[:_SHOWN]
+        for name, dtype, shape, start, end in table[:_SHOWN]._rows()
     ]
     if len(table) > _SHOWN:
         shown.append("...")
@@ -525,40 +568,45 @@ def data_size(name: str, dtype: DType, shape: tuple[int, ...]) -> int:
     return bits // 8
 
 
-def _data_order(rows: list[_Row], index: dict[str, int]) -> TensorTable:
-    """The table of ``rows`` in offset order; :class:`HeaderError` unless they tile the data
+def _data_order(table: TensorTable, index: dict[str, int]) -> TensorTable:
+    """``table`` in offset order; :class:`HeaderError` unless its tensors tile the data
     section. ``index`` (position by name) follows a reordering.
 
     Each tensor's own span is already checked. Tensors listed in offset order, as writers list
     them, are not sorted again.
     """
-    if _gap(rows) is not None:
-        rows.sort(key=_offsets)
-        gap = _gap(rows)
-        if gap is not None:
-            at, expected = gap
-            name, _, _, start, end = rows[at]
-            problem = "leave a hole" if start > expected else "overlap the previous tensor"
-            raise HeaderError(
-                f"tensor {name!r}: data_offsets [{start}, {end}] {problem}; "
-                f"expected it to start at {expected}"
-            )
-        index.update(_positions([row[0] for row in rows]))
-    return TensorTable(tuple(rows))
+    if _gap(table) is None:
+        return table
+    spans = list(zip(table._starts, table._ends, strict=True))
+    order = sorted(range(len(table)), key=spans.__getitem__)
+    names, codes, shapes, starts, ends = (list(map(c.__getitem__, order)) for c in _columns(table))
+    table = TensorTable(names, codes, shapes, starts, ends)
+    gap = _gap(table)
+    if gap is not None:
+        at, expected = gap
+        name, start, end = table._names[at], table._starts[at], table._ends[at]
+        problem = "leave a hole" if start > expected else "overlap the previous tensor"
+        raise HeaderError(
+            f"tensor {name!r}: data_offsets [{start}, {end}] {problem}; "
+            f"expected it to start at {expected}"
+        )
+    index.update(_positions(table._names))
+    return table
 
 
-_offsets = operator.itemgetter(3, 4)
+def _columns(table: TensorTable) -> tuple[list[Any], ...]:
+    return table._names, table._codes, table._shapes, table._starts, table._ends
 
 
-def _gap(rows: list[_Row]) -> tuple[int, int] | None:
+def _gap(table: TensorTable) -> tuple[int, int] | None:
     """The position of the first tensor that does not start where the one before it ends (the
     first at 0), and where it should start; ``None`` if they tile the data section."""
-    expected = 0
-    for at, (_, _, _, start, end) in enumerate(rows):
-        if start != expected:
-            return at, expected
-        expected = end
-    return None
+    starts, ends = table._starts, table._ends
+    if not starts or (starts[0] == 0 and starts[1:] == ends[:-1]):
+        return None
+    expected = [0, *ends[:-1]]
+    at = next(i for i, pair in enumerate(zip(starts, expected, strict=True)) if pair[0] != pair[1])
+    return at, expected[at]
 
 
 def parse_header(
@@ -639,7 +687,7 @@ def _parse_fast(raw: memoryview, stop: Callable[[], bool] | None) -> Header | No
     """
     if raw[:1].tobytes() != b"{":
         return None
-    rows: list[_Row] = []
+    table = TensorTable([], [], [], [], [])
     index: dict[str, int] = {}
     metadata: dict[str, str] | None = None
     known: _Known = {}
@@ -658,22 +706,25 @@ def _parse_fast(raw: memoryview, stop: Callable[[], bool] | None) -> Header | No
                     return None
                 metadata = found
             if new:
-                ordered = ordered and in_order and new[0][3] == (rows[-1][4] if rows else 0)
-                base = len(rows)
-                index.update(zip(map(_first, new), range(base, base + len(new)), strict=True))
+                ends = table._ends
+                ordered = ordered and in_order and new._starts[0] == (ends[-1] if ends else 0)
+                base = len(table)
+                index.update(zip(new._names, range(base, base + len(new)), strict=True))
                 if len(index) != base + len(new):
                     return None  # a name in two pieces
-                rows += new
+                for column, more in zip(_columns(table), _columns(new), strict=True):
+                    column += more
     except (UnicodeDecodeError, HeaderError, DtypeError, ValueError):
         return None  # ValueError: an integer of more digits than int() takes
     _stopped(stop)
-    table = TensorTable(tuple(rows)) if ordered else _data_order(rows, index)
+    if not ordered:
+        table = _data_order(table, index)
     return Header(table, metadata or {}, len(raw), index)
 
 
-_Piece = tuple[dict[str, str] | None, list[_Row], bool]
-"""What a piece of a header holds: its metadata (``None`` if not there), the rows of its
-tensors, and whether they follow each other in the data section."""
+_Piece = tuple[dict[str, str] | None, TensorTable | None, bool]
+"""What a piece of a header holds: its metadata (``None`` if not there), the table of its
+tensors (``None`` if none), and whether they follow each other in the data section."""
 
 _JSON_INT = r"(?:0|[1-9][0-9]*)"
 _PLAIN_STRING = r'[^"\\\x00-\x1f]*'
@@ -711,7 +762,7 @@ def _compact_piece(piece: str, known: _Known, first: bool) -> _Piece | None:
     if len(parts) == 1:  # no tensor
         rest = piece.rstrip(_SPACE)
         empty = rest == "{}" or (metadata is not None and rest == "}")
-        return (metadata, [], True) if empty else None
+        return (metadata, None, True) if empty else None
     between = parts[::_FIELDS]
     if (
         between[0] != "{"
@@ -751,7 +802,7 @@ def _json_piece(piece: str, known: _Known) -> _Piece | None:
             refuse_surrogates(name, "tensor name")
     entries = list(found.values())
     if not entries:
-        return metadata, [], True
+        return metadata, None, True
     if {*map(type, entries)} != _DICT_ONLY or {*map(len, entries)} != _THREE:
         return None
     try:
@@ -784,8 +835,8 @@ def _checked_rows(
     starts: list[int],
     ends: list[int],
     known: _Known,
-) -> tuple[list[_Row], bool] | None:
-    """The rows of these tensors' fields (shapes as tuples, or as their JSON text inside the
+) -> tuple[TensorTable, bool] | None:
+    """The table of these tensors' fields (shapes as tuples, or as their JSON text inside the
     brackets) and whether they follow each other in the data section, if each passes
     :func:`_parse_tensor`; else ``None``, or :class:`HeaderError` or :class:`DtypeError` naming
     no tensor (the member walk tells which). ``known`` caches the layouts checked by this
@@ -808,8 +859,8 @@ def _checked_rows(
     chosen = list(map(layouts.__getitem__, keys))
     if list(map(operator.sub, ends, starts)) != list(map(_third, chosen)):
         return None
-    rows = list(zip(names, map(_first, chosen), map(_second, chosen), starts, ends, strict=True))
-    return rows, starts[1:] == ends[:-1]
+    table = TensorTable(names, list(map(_first, chosen)), list(map(_second, chosen)), starts, ends)
+    return table, starts[1:] == ends[:-1]
 
 
 def _dims(shape: str | tuple[int, ...]) -> tuple[int, ...]:
@@ -845,6 +896,6 @@ def _parse_object(
             value = _strict_entry(text[start:end], name)
         index[name] = len(rows)
         rows.append(_parse_tensor(name, value, known, keep))
-    table = _data_order(rows, index)
-    unreadable = tuple(row[0] for row in table._rows if row[1] not in DTYPES) if keep else ()
+    table = _data_order(TensorTable.of_rows(rows), index)
+    unreadable = tuple(t.name for t in table if t.dtype not in DTYPES) if keep else ()
     return Header(table, metadata or {}, header_size, index, unreadable)

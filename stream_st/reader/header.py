@@ -16,7 +16,9 @@ from ..core.header import (
     parse_header_length,
 )
 from ..errors import TrailingDataError, TruncatedStreamError
-from ..transports.registry import Source
+from ..transports.options import Clock
+from ..transports.registry import Source, SourceLike, open_source
+from .turns import give_turn
 
 HEADER_FIRST_READ = 64 << 10
 """On a source of unknown length, the header buffer starts at this size and doubles as bytes
@@ -102,6 +104,29 @@ async def _read_header(
     if source.size is not None:
         _check_size(header, source.size, source.name)
     return header, (bytes(prefix), raw)
+
+
+async def header_only(
+    source_like: SourceLike,
+    clock: Clock,
+    max_header_size: int,
+    unknown_dtypes: UnknownDtypes = "refuse",
+) -> tuple[Header, str]:
+    """The validated header of ``source_like`` (a path, URL, bytes, stream...) read under
+    ``clock`` as :meth:`~stream_st.TensorStream.open` reads it, and the source's name; the
+    source is closed before it returns. What a header-only read needs, without a stream's
+    machinery (its statistics, delivery, recycled memory), which a small local file would
+    spend more time building than reading."""
+    clock.start()
+    await give_turn()
+    source = await open_source(source_like, clock)
+    try:
+        source.clock.start()  # a lent connection brings the clock of its message
+        await source.start()
+        header, _ = await _read_header(source, max_header_size, unknown_dtypes)
+        return header, source.name
+    finally:
+        await source.aclose()
 
 
 def _check_size(header: Header, size: int, name: str) -> None:
