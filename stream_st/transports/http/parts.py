@@ -1,15 +1,22 @@
 """The window of parallel ranged parts an :class:`~stream_st.HttpSource` reads through when its
-``concurrency`` K is above 1.
+``concurrency`` K is above 1, or adaptive.
 
 The next K parts of the plan from the read position are requested, each on its own connection,
 and received as they come, straight into the read that holds them or into part buffers; the next
 part is requested as soon as the reads have passed one. Tasks run only inside a read (no task
 outlives the call that started it): a read that is done stops them where nothing is lost, in a
 body (the bytes wait in the socket for the next read) or in a back-off, never within a request.
+
+Adaptive (``limit`` above K): each time K parts have arrived since the last change, the bytes
+received per second since then are compared with the rate before it; while they grew by a
+quarter or more, K doubles (up to ``limit``); the first time they do not, K stays where it is.
+A link that one connection fills, or a reader slower than the link, stops the growth at once;
+an object store's link, where each connection is held to its own rate, takes more.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,6 +34,10 @@ __all__ = ["PartWindow"]
 Fetch = Callable[[int, int], Awaitable[Response | None]]
 """A GET for bytes ``start`` to ``end`` whose answer is checked to be that range (None: the
 object is empty)."""
+
+GROWTH = 1.25
+"""How much faster (received bytes per second) K parts must have arrived than before the last
+change of K for an adaptive window to add connections again."""
 
 BackOff = Callable[[int, int], Awaitable[None]]
 """The wait before the next attempt, after ``failures`` failed ones, at a ``position``."""
@@ -54,6 +65,7 @@ class PartWindow:
     """The next K parts of a plan of ranges, each requested with ``fetch`` on its own
     connection; a break is resumed from the byte it reached, ``retries`` times per part, after
     ``back_off``. Reads (:meth:`read`) come out in offset order whatever order parts arrive in.
+    With ``limit`` above ``concurrency``, K grows while throughput does (see the module).
     """
 
     def __init__(
@@ -64,11 +76,17 @@ class PartWindow:
         retries: int,
         concurrency: int,
         part_size: int,
+        limit: int | None = None,
     ) -> None:
         self._fetch = fetch
         self._back_off = back_off
         self._retries = retries
         self._concurrency = concurrency
+        self._limit = max(concurrency, limit or concurrency)  # K grows up to it
+        self._received = 0  # bytes received by every part so far
+        self._since: tuple[float, int] | None = None  # time and bytes received at K's last change
+        self._arrived = 0  # parts finished since then
+        self._rate = 0.0  # bytes per second before K's last change
         self._part_size = part_size
         self._plan: list[tuple[int, int]] = []
         self.data_end: int | None = None  # where a short part showed the object to end
@@ -142,8 +160,15 @@ class PartWindow:
             self._next_at = max(self._next_at, at)
         self._extend()
 
+    @property
+    def concurrency(self) -> int:
+        """K: the parts in the window, at most, now."""
+        return self._concurrency
+
     def _run_part(self, part: _Part) -> None:
         assert self._group is not None
+        if self._since is None:
+            self._since = (time.monotonic(), self._received)
         part.running = True
         self._group.start_soon(self._drive, part)
 
@@ -248,6 +273,7 @@ class PartWindow:
                 if count == 0:
                     break  # the server sent less than asked: the object is shorter
                 part.got += count
+                self._received += count
         except HTTPProtocolError:
             raise
         except TransportError as exc:
@@ -291,7 +317,25 @@ class PartWindow:
         if part.got < part.end - part.start:
             end = part.start + part.got
             self.data_end = end if self.data_end is None else min(self.data_end, end)
+        self._arrived += 1
+        if self._concurrency < self._limit and self._arrived >= self._concurrency:
+            self._grow()
         self._changed()
+
+    def _grow(self) -> None:
+        """K parts arrived since K last changed: double K if they came faster than before by
+        :data:`GROWTH` (the next read's slide adds the parts), else keep K from now on."""
+        assert self._since is not None
+        began, received = self._since
+        now = time.monotonic()
+        rate = (self._received - received) / max(now - began, 1e-9)
+        if rate >= self._rate * GROWTH:
+            self._rate = rate
+            self._concurrency = min(self._limit, 2 * self._concurrency)
+        else:
+            self._limit = self._concurrency
+        self._since = (now, self._received)
+        self._arrived = 0
 
     async def aclose(self) -> None:
         """Close the answers of parts still open."""
