@@ -7,11 +7,12 @@ part is requested as soon as the reads have passed one. Tasks run only inside a 
 outlives the call that started it): a read that is done stops them where nothing is lost, in a
 body (the bytes wait in the socket for the next read) or in a back-off, never within a request.
 
-Adaptive (``limit`` above K): each time K parts have arrived since the last change, the bytes
-received per second since then are compared with the rate before it; while they grew by a
-quarter or more, K doubles (up to ``limit``); the first time they do not, K stays where it is.
-A link that one connection fills, or a reader slower than the link, stops the growth at once;
-an object store's link, where each connection is held to its own rate, takes more.
+Adaptive (``limit`` above K): the first K parts warm the connections up; the next K measure the
+bytes received per second, and K doubles. From then on, each time K parts have arrived since K
+last changed, their rate is compared with the one before: grown by a quarter or more, K doubles
+again (up to ``limit``); else K goes back to what it was and stays there. A link that fewer
+connections fill, or a reader slower than the link, stops the growth; an object store's link,
+where each connection is held to its own rate, takes more.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class PartWindow:
         self._received = 0  # bytes received by every part so far
         self._since: tuple[float, int] | None = None  # time and bytes received at K's last change
         self._arrived = 0  # parts finished since then
-        self._rate = 0.0  # bytes per second before K's last change
+        self._warm = False  # the first K parts (new connections) have arrived
+        self._rate: float | None = None  # bytes per second before K's last change
         self._part_size = part_size
         self._plan: list[tuple[int, int]] = []
         self.data_end: int | None = None  # where a short part showed the object to end
@@ -152,7 +154,7 @@ class PartWindow:
         window = self._window
         while window and window[0].end <= at:
             part = window.popleft()
-            if part.buffer is not None:
+            if part.buffer is not None and len(self._spare) < self._concurrency:
                 self._spare.append(part.buffer)
             if part.response is not None:
                 await part.response.aclose()
@@ -324,18 +326,22 @@ class PartWindow:
 
     def _grow(self) -> None:
         """K parts arrived since K last changed: double K if they came faster than before by
-        :data:`GROWTH` (the next read's slide adds the parts), else keep K from now on."""
+        :data:`GROWTH` (the next read's slide adds the parts), else halve it back and keep it
+        (see the module)."""
         assert self._since is not None
         began, received = self._since
         now = time.monotonic()
+        self._since = (now, self._received)
+        self._arrived = 0
+        if not self._warm:
+            self._warm = True
+            return
         rate = (self._received - received) / max(now - began, 1e-9)
-        if rate >= self._rate * GROWTH:
+        if self._rate is None or rate >= self._rate * GROWTH:
             self._rate = rate
             self._concurrency = min(self._limit, 2 * self._concurrency)
         else:
-            self._limit = self._concurrency
-        self._since = (now, self._received)
-        self._arrived = 0
+            self._concurrency = self._limit = self._concurrency // 2
 
     async def aclose(self) -> None:
         """Close the answers of parts still open."""
