@@ -211,7 +211,7 @@ class HubSource(HttpSource):
         token: str | None = None,
         retries: int = 3,
         backoff: float = 0.25,
-        concurrency: int = 1,
+        concurrency: int | None = None,
         part_size: int = 8 << 20,
         **limits: Unpack[LimitOptions],
     ) -> None:

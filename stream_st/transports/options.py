@@ -151,7 +151,8 @@ NO_LIMITS = Limits()
 @dataclass(frozen=True, slots=True)
 class Transport:
     """The validated ``headers`` and ``ssl_context`` of an operation (see the module), and the
-    ``concurrency`` of a read (ranged requests at once per remote object; None: the source's)."""
+    ``concurrency`` of a read (ranged requests at once per remote object; None: the source's
+    own, adaptive by default)."""
 
     headers: tuple[tuple[str, str], ...] = ()
     ssl_context: ssl.SSLContext | None = None

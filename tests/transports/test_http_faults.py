@@ -141,7 +141,7 @@ def ranges_from_zero_only(data: bytes, *, start_shown: int | None = None) -> Han
             match = re.fullmatch(r"bytes=(\d+)-(\d*)", headers.get("range", ""))
             assert match is not None
             first = int(match[1])
-            end = int(match[2]) + 1 if match[2] else len(data)
+            end = min(int(match[2]) + 1, len(data)) if match[2] else len(data)
             if first == 0 or start_shown is not None:
                 shown = first if start_shown is None else start_shown
                 head = (

@@ -1,15 +1,23 @@
 """The window of parallel ranged parts an :class:`~stream_st.HttpSource` reads through when its
-``concurrency`` K is above 1.
+``concurrency`` K is above 1, or adaptive.
 
 The next K parts of the plan from the read position are requested, each on its own connection,
 and received as they come, straight into the read that holds them or into part buffers; the next
 part is requested as soon as the reads have passed one. Tasks run only inside a read (no task
 outlives the call that started it): a read that is done stops them where nothing is lost, in a
 body (the bytes wait in the socket for the next read) or in a back-off, never within a request.
+
+Adaptive (``limit`` above K): the first K parts warm the connections up; the next K measure the
+bytes received per second, and K doubles. From then on, each time K parts have arrived since K
+last changed, their rate is compared with the one before: grown by a quarter or more, K doubles
+again (up to ``limit``); else K goes back to what it was and stays there. A link that fewer
+connections fill, or a reader slower than the link, stops the growth; an object store's link,
+where each connection is held to its own rate, takes more.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,6 +35,10 @@ __all__ = ["PartWindow"]
 Fetch = Callable[[int, int], Awaitable[Response | None]]
 """A GET for bytes ``start`` to ``end`` whose answer is checked to be that range (None: the
 object is empty)."""
+
+GROWTH = 1.25
+"""How much faster (received bytes per second) K parts must have arrived than before the last
+change of K for an adaptive window to add connections again."""
 
 BackOff = Callable[[int, int], Awaitable[None]]
 """The wait before the next attempt, after ``failures`` failed ones, at a ``position``."""
@@ -54,6 +66,7 @@ class PartWindow:
     """The next K parts of a plan of ranges, each requested with ``fetch`` on its own
     connection; a break is resumed from the byte it reached, ``retries`` times per part, after
     ``back_off``. Reads (:meth:`read`) come out in offset order whatever order parts arrive in.
+    With ``limit`` above ``concurrency``, K grows while throughput does (see the module).
     """
 
     def __init__(
@@ -64,11 +77,18 @@ class PartWindow:
         retries: int,
         concurrency: int,
         part_size: int,
+        limit: int | None = None,
     ) -> None:
         self._fetch = fetch
         self._back_off = back_off
         self._retries = retries
         self._concurrency = concurrency
+        self._limit = max(concurrency, limit or concurrency)  # K grows up to it
+        self._received = 0  # bytes received by every part so far
+        self._since: tuple[float, int] | None = None  # time and bytes received at K's last change
+        self._arrived = 0  # parts finished since then
+        self._warm = False  # the first K parts (new connections) have arrived
+        self._rate: float | None = None  # bytes per second before K's last change
         self._part_size = part_size
         self._plan: list[tuple[int, int]] = []
         self.data_end: int | None = None  # where a short part showed the object to end
@@ -134,7 +154,7 @@ class PartWindow:
         window = self._window
         while window and window[0].end <= at:
             part = window.popleft()
-            if part.buffer is not None:
+            if part.buffer is not None and len(self._spare) < self._concurrency:
                 self._spare.append(part.buffer)
             if part.response is not None:
                 await part.response.aclose()
@@ -142,8 +162,15 @@ class PartWindow:
             self._next_at = max(self._next_at, at)
         self._extend()
 
+    @property
+    def concurrency(self) -> int:
+        """K: the parts in the window, at most, now."""
+        return self._concurrency
+
     def _run_part(self, part: _Part) -> None:
         assert self._group is not None
+        if self._since is None:
+            self._since = (time.monotonic(), self._received)
         part.running = True
         self._group.start_soon(self._drive, part)
 
@@ -248,6 +275,7 @@ class PartWindow:
                 if count == 0:
                     break  # the server sent less than asked: the object is shorter
                 part.got += count
+                self._received += count
         except HTTPProtocolError:
             raise
         except TransportError as exc:
@@ -291,7 +319,29 @@ class PartWindow:
         if part.got < part.end - part.start:
             end = part.start + part.got
             self.data_end = end if self.data_end is None else min(self.data_end, end)
+        self._arrived += 1
+        if self._concurrency < self._limit and self._arrived >= self._concurrency:
+            self._grow()
         self._changed()
+
+    def _grow(self) -> None:
+        """K parts arrived since K last changed: double K if they came faster than before by
+        :data:`GROWTH` (the next read's slide adds the parts), else halve it back and keep it
+        (see the module)."""
+        assert self._since is not None
+        began, received = self._since
+        now = time.monotonic()
+        self._since = (now, self._received)
+        self._arrived = 0
+        if not self._warm:
+            self._warm = True
+            return
+        rate = (self._received - received) / max(now - began, 1e-9)
+        if self._rate is None or rate >= self._rate * GROWTH:
+            self._rate = rate
+            self._concurrency = min(self._limit, 2 * self._concurrency)
+        else:
+            self._concurrency = self._limit = self._concurrency // 2
 
     async def aclose(self) -> None:
         """Close the answers of parts still open."""

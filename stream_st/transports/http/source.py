@@ -17,8 +17,17 @@ everything needed: the total size (``Content-Range``) and whether ranges work (2
   the tensor being read lands straight in its array, one beyond it in a part buffer (at most
   K, reused). Tensors still come out in offset order. When everything is read, the window
   opens as soon as the first answer's head tells the size, before the header has arrived.
-  Worth it where each connection is slow or far (object stores); on a fast local link one
-  stream is as quick. ``open_stream(url, concurrency=K)`` sets it for any remote source.
+  ``open_stream(url, concurrency=K)`` sets it for any remote source; ``concurrency=1`` keeps
+  one connection.
+* The default (``concurrency=None``) is adaptive: a window of :data:`ADAPTIVE_START` parts
+  opens when it can pay, and doubles while the bytes arrive faster for it, up to
+  :data:`ADAPTIVE_LIMIT` (see :mod:`.parts`). It can pay when the server honours ranges, names
+  the version with a strong ``ETag`` (each part is pinned to it with ``If-Match``) and more than
+  ``part_size`` bytes are to be read. Everything else stays on one connection: a small object
+  (one request, as with K = 1, reading everything asks for its first ``part_size`` bytes, which
+  is all of a small one), a server that ignores ranges or gives no strong ``ETag``, a small
+  selection. On a fast local link the growth stops at once (one stream already fills it); on an
+  object store, where each connection has its own rate, it goes on.
 
 A ranged read that breaks (connection reset, closed mid-body, 5xx) is resumed from the byte it
 reached, up to ``retries`` times per read (one tensor, or the header) with exponential backoff.
@@ -67,10 +76,16 @@ from .parts import PartWindow
 from .retry import Retries, VersionPin
 from .status import raise_for_status
 
-__all__ = ["FIRST_RANGE", "HttpSource"]
+__all__ = ["ADAPTIVE_LIMIT", "ADAPTIVE_START", "FIRST_RANGE", "HttpSource"]
 
 FIRST_RANGE = 64 << 10
 """Bytes asked for by the first request: the prefix, the header (usually) and some data."""
+
+ADAPTIVE_START = 4
+"""Parts at once an adaptive window (``concurrency=None``) starts with."""
+
+ADAPTIVE_LIMIT = 16
+"""Parts at once an adaptive window grows to at most (part buffers: at most this many)."""
 
 _RANGE_IGNORED = (
     "{}: the server ignores Range requests (200, not 206): every read goes through the object "
@@ -94,20 +109,20 @@ class HttpSource(ClientUser, Source):
         ssl_context: ssl.SSLContext | None = None,
         retries: int = 3,
         backoff: float = 0.25,
-        concurrency: int = 1,
+        concurrency: int | None = None,
         part_size: int = 8 << 20,
         name: str | None = None,
         **limits: Unpack[LimitOptions],
     ) -> None:
         super().__init__()
-        if concurrency < 1 or part_size < 1 or retries < 0:
+        if (concurrency is not None and concurrency < 1) or part_size < 1 or retries < 0:
             raise UsageError(
                 f"HttpSource({url!r}): concurrency ({concurrency}) and part_size ({part_size}) "
                 f"must be positive, retries ({retries}) at least 0"
             )
         self._concurrency = concurrency
         self._part_size = part_size
-        self._parts: PartWindow | None = None  # reads go through it once open (concurrency > 1)
+        self._parts: PartWindow | None = None  # reads go through it once open (see the module)
         self.url = url
         self.name = redact(name or url)  # what errors show: no password, no signature
         self._use_client(client, headers, ssl_context, limits)
@@ -127,15 +142,18 @@ class HttpSource(ClientUser, Source):
     async def start(self, *, read_all: bool = False) -> None:
         """Send the first request and learn the size and whether ranges work.
 
-        It asks for the first 64 KiB, unless the reader will read everything (``read_all``) with
-        one stream: then for all of it (``bytes=0-``), so the header and the data come in one
-        response. With ``concurrency`` K > 1 and ``read_all``, the window of parts opens as soon
-        as that answer's head tells the size, before its body (the safetensors header) has been
-        read: the next K - 1 parts are requested by the first read (speculative first parts). A
-        later jump closes the open response and sends a ranged request from there.
+        It asks for the first 64 KiB, unless the reader will read everything (``read_all``):
+        then with one stream (``concurrency=1``) for all of it (``bytes=0-``), so the header and
+        the data come in one response, and adaptive (the default) for the first ``part_size``
+        bytes, all of a small object. With ``concurrency`` K > 1 (or adaptive, for a big
+        enough object) and ``read_all``, the window of parts opens as soon as that answer's head
+        tells the size, before its body (the safetensors header) has been read: the next parts
+        are requested by the first read (speculative first parts). A later jump closes the open
+        response and sends a ranged request from there.
         """
-        speculate = read_all and self._concurrency > 1
-        end = None if read_all and not speculate else FIRST_RANGE
+        adaptive = read_all and self._concurrency is None
+        speculate = read_all and (self._concurrency or 1) > 1
+        end = self._part_size if adaptive else None if read_all and not speculate else FIRST_RANGE
         with self._reported():
             response = await self._get(0, end)
             if response is None:  # an empty object
@@ -143,11 +161,30 @@ class HttpSource(ClientUser, Source):
                 self.random_access = True
                 return
             await self._adopt(response, 0)
-            if end is not None and response.status == 200:  # ranges asked for, none given
+            if end is not None and not adaptive and response.status == 200:  # no ranges given
                 warnings.warn(RangeIgnoredWarning(_RANGE_IGNORED.format(self.name)), stacklevel=2)
-            if speculate and self.random_access and self.size is not None:
+            if (speculate or adaptive) and self.random_access and self.size is not None:
                 self._plan = [(0, self.size)]  # until the reader's plan: everything
-                self._open_window()
+                if self._parallel():
+                    self._open_window()
+
+    @property
+    def concurrency(self) -> int:
+        """The ranged requests at once this read makes now: 1 until a window of parts opens,
+        then its K (which grows, when adaptive)."""
+        return 1 if self._parts is None else self._parts.concurrency
+
+    def _parallel(self) -> bool:
+        """Whether the planned bytes are to be read through a window of parts: ``concurrency``
+        K > 1; adaptive, where the server honours ranges and names the version with a strong
+        ETag and more than ``part_size`` bytes are planned (see the module)."""
+        if not self.random_access or self._concurrency == 1:
+            return False
+        if self._concurrency is not None:
+            return True
+        etag, _ = self.validators
+        planned = sum(end - start for start, end in self._plan)
+        return bool(etag) and not etag.startswith("W/") and planned > self._part_size
 
     async def _adopt(self, response: Response, start: int) -> None:
         """Make ``response``, the answer to a GET from ``start``, the open one."""
@@ -215,7 +252,7 @@ class HttpSource(ClientUser, Source):
         self._plan = list(ranges)
         if self._parts is not None:
             self._parts.replan(self._plan)
-        elif self._concurrency > 1 and self.random_access:
+        elif self._parallel():
             self._open_window()
 
     def _planned_end(self, offset: int, minimum: int) -> int:
@@ -262,12 +299,14 @@ class HttpSource(ClientUser, Source):
     def _open_window(self) -> None:
         """Start reading through a window of parts (see :mod:`.parts`): the open response, if
         any, becomes its first part."""
+        adaptive = self._concurrency is None
         self._parts = PartWindow(
             self._open_range,
             self._back_off,
             retries=self._retry.count,
-            concurrency=self._concurrency,
+            concurrency=ADAPTIVE_START if adaptive else self._concurrency or 1,
             part_size=self._part_size,
+            limit=ADAPTIVE_LIMIT if adaptive else None,
         )
         self._parts.open(self._plan, self._response, self._response_at, self._response_end)
         self._response = None

@@ -96,7 +96,7 @@ class S3Source(HttpSource):
         ssl_context: ssl.SSLContext | None = None,
         retries: int = 3,
         backoff: float = 0.25,
-        concurrency: int = 1,
+        concurrency: int | None = None,
         part_size: int = 8 << 20,
         **limits: Unpack[LimitOptions],
     ) -> None:

@@ -1,0 +1,174 @@
+"""The default concurrency of remote reads (``concurrency=None``): adaptive parallel ranged parts
+where they can pay, one connection everywhere else; against real servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st
+from stream_st import SourceChangedError
+from stream_st.transports.http.source import ADAPTIVE_LIMIT, ADAPTIVE_START, HttpSource
+from stream_st.transports.s3.source import S3Source
+
+from .._util import assert_same_arrays
+from ..servers.http_server import RangeHTTPServer
+from ..servers.s3_server import CREDENTIALS, MotoS3Server
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+
+PART = 64 << 10  # part_size of these reads: the objects are many parts long
+RATE = 2e6  # bytes per second per connection (paced in pieces of rate / 100): a store, scaled
+MODEL: Arrays = {f"t{i}": np.random.default_rng(i).random(32_768) for i in range(8)}  # 2 MiB
+SMALL: Arrays = {"w": np.arange(1000, dtype=np.float32)}
+
+
+@dataclass
+class CountingServer(RangeHTTPServer):
+    """A :class:`RangeHTTPServer` that counts the connections made to it and the most requests
+    it answered at once."""
+
+    connections: int = 0
+    peak: int = 0
+
+    def _serve(self, connection: socket.socket) -> None:
+        with self._lock:
+            self.connections += 1
+        super()._serve(connection)
+
+    def _answer(
+        self, connection: socket.socket, reader: Any, method: str, target: str, headers: Any
+    ) -> bool:
+        with self._lock:
+            self.peak = max(self.peak, self._busy)
+        return super()._answer(connection, reader, method, target, headers)
+
+
+@contextmanager
+def serve(**options: Any) -> Iterator[CountingServer]:
+    running = CountingServer(**options)
+    running.objects["/model.safetensors"] = reference_numpy.save(MODEL)
+    running.objects["/small.safetensors"] = reference_numpy.save(SMALL)
+    with running:
+        yield running
+
+
+@pytest.fixture
+def store() -> Iterator[CountingServer]:
+    """Ranges, a strong ETag, a rate per connection: what an object store serves."""
+    with serve(etag="strong", rate=RATE) as running:
+        yield running
+
+
+async def read(source: Any, **kwargs: Any) -> Arrays:
+    stream = stream_st.open_stream(source, **kwargs)
+    return {name: array async for name, array in stream}
+
+
+def ranges(server: RangeHTTPServer) -> list[str]:
+    """The Range of every GET the server received (an answer cut short by the client counts)."""
+    server.settle()
+    seen = server.headers_seen
+    return [headers.get("range", "") for method, _, headers in seen if method == "GET"]
+
+
+async def test_a_big_object_is_read_over_several_connections_that_grow(
+    store: CountingServer,
+) -> None:
+    source = HttpSource(store.url("/model.safetensors"), part_size=PART)
+    assert_same_arrays(await read(source), MODEL)
+    store.settle()
+    # more connections while they paid (each has its own rate), never more than the limit
+    assert ADAPTIVE_START < store.peak <= ADAPTIVE_LIMIT
+    assert store.connections <= ADAPTIVE_LIMIT
+    assert ADAPTIVE_START < source.concurrency <= ADAPTIVE_LIMIT
+    got = ranges(store)
+    assert got[0] == f"bytes=0-{PART - 1}" and len(got) > ADAPTIVE_START
+    size = len(store.objects["/model.safetensors"])
+    assert len(got) <= -(-size // PART) + 1  # parts of part_size: nothing asked twice
+
+
+async def test_explicit_one_keeps_one_connection() -> None:
+    with serve(etag="strong") as store:
+        source = HttpSource(store.url("/model.safetensors"), part_size=PART, concurrency=1)
+        assert_same_arrays(await read(source), MODEL)
+        assert ranges(store) == ["bytes=0-"]
+        assert store.connections == 1 and source.concurrency == 1
+        # the operation's option replaces the source's default
+        assert_same_arrays(await read(store.url("/model.safetensors"), concurrency=1), MODEL)
+        assert ranges(store) == ["bytes=0-"] * 2
+
+
+async def test_a_small_object_is_one_request(store: CountingServer) -> None:
+    assert_same_arrays(await read(HttpSource(store.url("/small.safetensors"))), SMALL)
+    assert ranges(store) == [f"bytes=0-{(8 << 20) - 1}"]  # the first part_size: all of it
+    assert store.connections == 1
+
+
+@pytest.mark.parametrize(
+    "options", [{"no_range": True}, {"etag": "weak"}, {"etag": ""}, {"last_modified": True}]
+)
+async def test_one_connection_without_ranges_or_a_strong_etag(options: dict[str, Any]) -> None:
+    """A server ignoring ranges streams the whole body; one without a strong ETag (nothing to
+    pin every part to the same version) is read as one stream: the first part, then the rest."""
+    with serve(**options) as server:
+        source = HttpSource(server.url("/model.safetensors"), part_size=PART)
+        assert_same_arrays(await read(source), MODEL)
+        assert server.connections == 1 and source.concurrency == 1
+        got = ranges(server)
+        assert got[0] == f"bytes=0-{PART - 1}" and len(got) == (1 if options.get("no_range") else 2)
+
+
+async def test_a_selection_opens_the_window_only_when_big(store: CountingServer) -> None:
+    url = store.url("/model.safetensors")
+    few = await read(HttpSource(url, part_size=PART), include=["t1"])  # 256 KiB
+    assert_same_arrays(few, {"t1": MODEL["t1"]})
+    assert store.peak > 1
+    store.headers_seen.clear()
+    source = HttpSource(url, part_size=1 << 20)
+    one = await read(source, include=["t1", "t2"])  # 512 KiB
+    assert_same_arrays(one, {k: MODEL[k] for k in ("t1", "t2")})
+    assert source.concurrency == 1
+    assert len(ranges(store)) == 2  # the header's, then the selection's
+
+
+async def test_a_broken_part_is_resumed(store: CountingServer) -> None:
+    store.close_after = 100_000
+    store.close_once = True
+    source = HttpSource(store.url("/model.safetensors"), part_size=PART)
+    assert_same_arrays(await read(source), MODEL)
+    assert source.concurrency > 1
+
+
+async def test_a_replaced_object_is_never_mixed(store: CountingServer) -> None:
+    changed = reference_numpy.save({k: v + 1 for k, v in MODEL.items()})
+    store.replace_after["/model.safetensors"] = (2, changed)
+    source = HttpSource(store.url("/model.safetensors"), part_size=PART)
+    with pytest.raises(SourceChangedError):
+        await read(source)
+    assert any("if-match" in headers for _, _, headers in store.headers_seen[1:])
+
+
+async def test_s3_objects_are_read_in_parallel_parts(
+    moto_s3: MotoS3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint_url)
+    client = moto_s3.client()
+    client.create_bucket(Bucket="adaptive")
+    client.put_object(Bucket="adaptive", Key="m.safetensors", Body=reference_numpy.save(MODEL))
+    client.put_object(Bucket="adaptive", Key="s.safetensors", Body=reference_numpy.save(SMALL))
+    big = S3Source("s3://adaptive/m.safetensors", part_size=PART)
+    assert_same_arrays(await read(big), MODEL)
+    assert big.concurrency >= ADAPTIVE_START
+    small = S3Source("s3://adaptive/s.safetensors", part_size=PART)
+    assert_same_arrays(await read(small), SMALL)
+    assert small.concurrency == 1
