@@ -19,7 +19,9 @@ __all__ = ["UNSATISFIABLE", "Answer", "answer", "byte_range", "etags"]
 
 UNSATISFIABLE: Literal["unsatisfiable"] = "unsatisfiable"
 
-_RANGE = re.compile(r"\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*", re.IGNORECASE | re.ASCII)
+_RANGE = re.compile(r"\s*bytes\s*=\s*(\d{0,30})\s*-\s*(\d{0,30})\s*", re.IGNORECASE | re.ASCII)
+"""One range; positions of more than 30 digits (far beyond any object) make the header one this
+server ignores, as one it cannot parse, not a number it cannot convert."""
 _ETAG = re.compile(r'\s*(W/)?("[\x21\x23-\x7e\x80-\xff]*")\s*(?:,|$)')
 
 

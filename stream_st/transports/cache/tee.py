@@ -125,12 +125,16 @@ class _Keeper:
             else:
                 self._cond.notify()
 
-    async def drained(self) -> tuple[list[tuple[int, int]], OSError | None]:
-        """Once nothing handed over is left to do: the ranges written since the last call, and
-        the error that stopped the writing, if any (the pieces after it are dropped)."""
+    async def settled(self) -> None:
+        """Return once nothing handed over is left to do (the thread reads no piece's memory)."""
         event = self._wait()
         if event is not None:
             await event.wait()
+
+    async def drained(self) -> tuple[list[tuple[int, int]], OSError | None]:
+        """Once nothing handed over is left to do: the ranges written since the last call, and
+        the error that stopped the writing, if any (the pieces after it are dropped)."""
+        await self.settled()
         with self._cond:
             done, self._done = self._done, []
             return done, self._error
@@ -280,6 +284,11 @@ class CopyWriter:
         it and every piece handed before. ``view`` must not change until then."""
         if view and self.active:
             self._keeper.hand(offset, view, fresh)
+
+    async def settled(self) -> None:
+        """Wait until every piece handed over is written (their memory is the caller's again);
+        the next :meth:`written` accounts for them."""
+        await self._keeper.settled()
 
     async def written(self) -> None:
         """Wait until every piece handed over is written, then account for them (and commit
@@ -497,8 +506,14 @@ class TeeSource(Source):
                 got += count
                 if count < len(piece):
                     break
-        finally:
-            await writer.written()
+        except BaseException:
+            # the copy's thread may still read pieces of ``view``: a read cancelled or failed
+            # waits for it (shielded: a piece takes milliseconds), so the caller never gets
+            # ``view`` back while it is being read; the next read accounts for those pieces
+            with anyio.CancelScope(shield=True):
+                await writer.settled()
+            raise
+        await writer.written()
         return got
 
     async def plan_reads(self, ranges: Sequence[tuple[int, int]]) -> None:
