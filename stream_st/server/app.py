@@ -20,6 +20,7 @@ import socket
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 import anyio
 
@@ -85,9 +86,10 @@ class Server:
 
     @property
     def url(self) -> str:
-        """``http://host:port/<name>.safetensors``."""
+        """``http://host:port/<name>.safetensors``, the name percent-encoded (a ``#``, ``?``
+        or ``%`` in it is part of the path)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}{self.path}"
+        return f"http://{host}:{self.port}{quote(self.path)}"
 
     @property
     def size(self) -> int:

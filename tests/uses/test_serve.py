@@ -133,6 +133,13 @@ async def test_tensors_in_memory_are_the_reference_writers_file(tmp_path: Path) 
             assert again.etag == server.etag  # the same tensors with digests: the same ETag
 
 
+async def test_a_name_with_url_characters_is_served_at_its_url() -> None:
+    for name in ("a b#c", "a?b", "a%41"):
+        async with stream_st.serving(tensors(), checksums=False, name=name) as server:
+            assert server.path == f"/{name}.safetensors"
+            assert set(await stream_st.load(server.url)) == set(tensors())
+
+
 async def test_a_sharded_checkpoint_is_served_as_its_merged_file(tmp_path: Path) -> None:
     everything = tensors()
     names = sorted(everything)
