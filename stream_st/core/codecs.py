@@ -364,6 +364,8 @@ class Int8Codec:
 
     def encode(self, name: str, array: Array) -> list[tuple[str, Array]]:
         source = np.asarray(array)
+        if not source.dtype.isnative:  # the bit patterns below are read in this machine's order
+            source = source.astype(source.dtype.newbyteorder("="))
         work = _work_dtype(_float_dtype(source.dtype, name, "INT8"))
         flat = np.ascontiguousarray(source).reshape(-1)
         max_abs = _max_abs_bits(flat)

@@ -622,3 +622,15 @@ def test_int8_of_a_big_16_bit_tensor_is_the_per_value_rounding(dtype: str) -> No
         expected = _int8_codes(values, np.float32(scale[1][0]))
         assert np.array_equal(codes[1], expected)
         assert float(scale[1][0]) == float(Int8Codec.scale_for("x", _max_abs_bits(values)))
+
+
+@pytest.mark.parametrize("dtype", [">f4", ">f2", ">f8"])
+def test_int8_of_a_big_endian_array_is_that_of_its_values(dtype: str) -> None:
+    """Was: codes and scale read from the bytes in the wrong order ([127, -125, -2], scale 127
+    for [1, -3, 2]; a negative max|x| for >f2)."""
+    values = np.array([1.0, -3.0, 2.0], dtype=dtype)
+    native = values.astype(values.dtype.newbyteorder("="))
+    (_, codes), (_, scale) = Int8Codec().encode("w", values)
+    (_, expected), (_, expected_scale) = Int8Codec().encode("w", native)
+    assert codes.tolist() == expected.tolist() == [42, -127, 85]
+    assert scale.tolist() == expected_scale.tolist()
