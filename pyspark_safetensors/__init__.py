@@ -28,6 +28,8 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import DataType, StringType, StructField, StructType
 
 from stream_st._api import load
+from stream_st.core.dtypes import dtype_from_code
+from stream_st.core.header import Header
 from stream_st.errors import UsageError
 from stream_st.integrations.dataset import (
     DatasetInfo,
@@ -37,8 +39,15 @@ from stream_st.integrations.dataset import (
     read_piece,
 )
 
-from ._arrow import tensor_column, typed_column
-from ._types import TENSOR_STRUCT, Column, column_of, inferred_type, parse_type
+from ._arrow import arrow_row_bytes, tensor_column, typed_column
+from ._types import (
+    TENSOR_COLUMN,
+    TENSOR_STRUCT,
+    Column,
+    column_of,
+    inferred_type,
+    parse_type,
+)
 from ._write import SafetensorsWriter, WriteOptions, _flag, _positive
 
 __all__ = ["TENSOR_STRUCT", "DefaultSource", "SafetensorsDataSource", "register"]
@@ -145,6 +154,9 @@ class SafetensorsReader(DataSourceReader):
             address: header[names[0]].shape[0] if names else 0
             for address, header in headers.items()
         }
+        self.steps = {
+            piece: self._rows_per_batch(piece, headers[piece.address]) for piece in pieces
+        }
         self.groups: list[list[Piece]] = []
         size = limit << 20
         for piece in pieces:
@@ -157,6 +169,20 @@ class SafetensorsReader(DataSourceReader):
                 size = 0
             self.groups[-1].append(piece)
             size += nbytes
+
+    def _rows_per_batch(self, piece: Piece, header: Header) -> int:
+        """The rows of ``piece`` one Arrow batch holds (about :data:`BATCH_BYTES`, at least
+        one); refuses, before any task runs, a piece Spark's Arrow batches cannot carry."""
+        cost = 0
+        for name in piece.names:
+            info = header[name]
+            itemsize = dtype_from_code(info.dtype).numpy.itemsize
+            if self.kv:
+                arrow_row_bytes(name, 1, info.shape, itemsize, TENSOR_COLUMN)
+            else:
+                rows, sample = piece.stop - piece.start, info.shape[1:]
+                cost += arrow_row_bytes(name, rows, sample, itemsize, self.kinds[name])
+        return max(1, BATCH_BYTES // max(1, cost))
 
     def partitions(self) -> list[InputPartition]:
         return [InputPartition(group) for group in self.groups] or [InputPartition([])]
@@ -176,16 +202,14 @@ class SafetensorsReader(DataSourceReader):
     def _batches(self, piece: Piece, arrays: dict[str, Array]) -> Iterator[pa.RecordBatch]:
         if self.kv:
             keys = list(arrays)
-            tensors = [tensor_column(arrays[key][None]) for key in keys]
+            tensors = [tensor_column(arrays[key][None], key) for key in keys]
             yield pa.RecordBatch.from_arrays(
                 [pa.array(keys, pa.string()), pa.concat_arrays(tensors) if tensors else None],
                 names=["tensor_key", "tensor"],
             )
             return
-        rows = piece.stop - piece.start
-        row_bytes = sum(a.nbytes for a in arrays.values()) // max(1, rows)
-        step = max(1, BATCH_BYTES // max(1, row_bytes))
-        for start in range(0, rows, step):
+        step = self.steps[piece]
+        for start in range(0, piece.stop - piece.start, step):
             part = {name: array[start : start + step] for name, array in arrays.items()}
             yield pa.RecordBatch.from_arrays(  # in the schema's order
                 [typed_column(part[name], kind, name) for name, kind in self.kinds.items()],

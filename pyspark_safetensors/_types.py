@@ -17,7 +17,7 @@ parsed from their ``simpleString`` by :func:`parse_type`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,7 @@ from stream_st.errors import UsageError
 
 __all__ = [
     "SEED_DTYPES",
+    "TENSOR_COLUMN",
     "TENSOR_STRUCT",
     "Column",
     "column_of",
@@ -99,6 +100,10 @@ class Column:
         return np.dtype(np.int64 if isinstance(shape.elementType, LongType) else np.int32)
 
 
+TENSOR_COLUMN = Column(TENSOR_STRUCT, True, np.dtype(np.uint8), 0, "U8")
+"""How a tensor struct column is written and read (``shape`` as int32 here)."""
+
+
 def _is_tensor_struct(kind: DataType) -> bool:
     if not isinstance(kind, StructType) or set(kind.names) != {"data", "shape", "dtype"}:
         return False
@@ -114,7 +119,7 @@ def _is_tensor_struct(kind: DataType) -> bool:
 def column_of(kind: DataType) -> Column | None:
     """How a column of ``kind`` is written and read; None if it cannot hold tensors."""
     if _is_tensor_struct(kind):
-        return Column(kind, True, np.dtype(np.uint8), 0, "U8")
+        return replace(TENSOR_COLUMN, spark=kind)
     depth, inner = 0, kind
     while isinstance(inner, ArrayType):
         depth, inner = depth + 1, inner.elementType

@@ -281,3 +281,12 @@ def test_a_tensor_struct_of_a_dtype_outside_the_layout_is_refused(
             str(tmp_path)
         )
     assert not list(tmp_path.iterdir())
+
+
+def test_a_read_spark_cannot_carry_is_refused(spark: Any, tmp_path: Path) -> None:
+    """``F32 [10**15, 0]``: no byte, but more rows than Spark's Arrow batches count."""
+    header = json.dumps({"x": {"dtype": "F32", "shape": [10**15, 0], "data_offsets": [0, 0]}})
+    shard = tmp_path / "part-00000-0000-00000000-0000-0000-0000-000000000000.safetensors"
+    shard.write_bytes(len(header).to_bytes(8, "little") + header.encode())
+    with pytest.raises(Exception, match=r"10{15} rows in one piece"):
+        spark.read.format("safetensors").load(str(tmp_path)).collect()
