@@ -270,13 +270,14 @@ def _batch_checked(array: Array, kind: Column, name: str) -> None:
 
 def tensor_column(array: Array, name: str, kind: Column = TENSOR_COLUMN) -> pa.StructArray:
     """``array`` ``[rows, *shape]`` as a tensor column ``name`` of ``rows`` rows (its memory is
-    shared), its fields in the order of ``kind`` (the tensor struct, ``shape`` as int32 unless
-    ``kind`` says int64)."""
+    shared), of the Arrow type of ``kind`` (the tensor struct, ``shape`` as int32 unless
+    ``kind`` says int64; its fields in ``kind``'s order)."""
     _batch_checked(array, kind, name)
     count = array.shape[0]
     row_bytes = array.nbytes // count if count else 0
     offsets = np.arange(count + 1, dtype=np.int32) * np.int32(row_bytes)
     raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    struct = kind.arrow
     fields = {
         "data": pa.Array.from_buffers(
             pa.binary(), count, [None, pa.py_buffer(offsets), pa.py_buffer(raw)]
@@ -284,17 +285,17 @@ def tensor_column(array: Array, name: str, kind: Column = TENSOR_COLUMN) -> pa.S
         "shape": pa.ListArray.from_arrays(
             pa.array(np.arange(count + 1, dtype=np.int32) * np.int32(array.ndim - 1)),
             pa.array(np.tile(np.asarray(array.shape[1:], kind.shape_type), count)),
+            type=struct.field("shape").type,
         ),
         "dtype": pa.repeat(pa.scalar(dtype_for(array.dtype).code, pa.string()), count),
     }
-    names = [field.name for field in kind.spark.fields]  # type: ignore[attr-defined]
-    return pa.StructArray.from_arrays([fields[n] for n in names], names=names)
+    return pa.StructArray.from_arrays([fields[f.name] for f in struct], fields=list(struct))
 
 
 def typed_column(array: Array, kind: Column, name: str) -> pa.Array:
-    """``array`` ``[rows, *shape]`` as an Arrow column of the Spark type ``kind`` describes:
-    numbers, or arrays nested ``kind.depth`` deep (a deeper tensor is flattened into a 1-deep
-    array; a one-value tensor becomes a number)."""
+    """``array`` ``[rows, *shape]`` as an Arrow column of the Spark type ``kind`` describes
+    (:attr:`Column.arrow`): numbers, or arrays nested ``kind.depth`` deep (a deeper tensor is
+    flattened into a 1-deep array; a one-value tensor becomes a number)."""
     if kind.tensor:
         return tensor_column(array, name, kind)
     _batch_checked(array, kind, name)
@@ -302,9 +303,12 @@ def typed_column(array: Array, kind: Column, name: str) -> pa.Array:
     values = array.reshape(-1)
     if values.dtype != kind.numpy:
         values = values.astype(kind.numpy)
-    column: pa.Array = pa.array(values)
+    types = [kind.arrow]  # the list type at each depth, then the numbers'
+    while len(types) <= len(sample):
+        types.append(types[-1].value_type)
+    column: pa.Array = pa.array(values, types[-1])
     for level in reversed(range(len(sample))):
         lists = rows * math.prod(sample[:level])  # the arrays at this depth
         offsets = pa.array(np.arange(lists + 1, dtype=np.int32) * np.int32(sample[level]))
-        column = pa.ListArray.from_arrays(offsets, column)
+        column = pa.ListArray.from_arrays(offsets, column, type=types[level])
     return column

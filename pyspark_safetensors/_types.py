@@ -18,9 +18,11 @@ parsed from their ``simpleString`` by :func:`parse_type`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
+from pyspark.sql.pandas.types import to_arrow_type
 from pyspark.sql.types import (
     ArrayType,
     BinaryType,
@@ -48,6 +50,7 @@ __all__ = [
     "inferred_type",
     "parse_type",
     "type_text",
+    "without_nulls",
 ]
 
 SEED_DTYPES = ("F16", "F32", "F64", "BF16", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
@@ -91,6 +94,12 @@ class Column:
     depth: int
     dtype: str
 
+    @cached_property
+    def arrow(self) -> Any:
+        """The Arrow type of the column, as Spark expects it (``pa.DataType``: the nullability
+        of array elements, list fields named as Spark names them)."""
+        return to_arrow_type(self.spark)
+
     @property
     def shape_type(self) -> np.dtype[Any]:
         """The tensor struct's shape numbers: int32 or int64."""
@@ -127,6 +136,15 @@ def column_of(kind: DataType) -> Column | None:
     if found is None:
         return None
     return Column(kind, False, found[1], depth, found[2])
+
+
+def without_nulls(kind: DataType) -> DataType:
+    """``kind`` with no nullable array element or struct field, at any depth."""
+    if isinstance(kind, ArrayType):
+        return ArrayType(without_nulls(kind.elementType), containsNull=False)
+    if isinstance(kind, StructType):
+        return StructType([StructField(f.name, without_nulls(f.dataType), False) for f in kind])
+    return kind
 
 
 def type_text(kind: DataType) -> str:
