@@ -88,12 +88,12 @@ def drop_cached(directory: Path) -> None:
                 os.close(fd)
 
 
-def cpu_seconds(root: int) -> float:
-    """CPU seconds (user and system) of process ``root`` and every process below it, from
-    ``/proc`` (0 where there is none)."""
+def cpu_seconds(root: int) -> dict[tuple[int, int], float]:
+    """CPU seconds (user and system) of process ``root`` and every process below it, by
+    process (its id and start time), from ``/proc`` (empty where there is none)."""
     tick = os.sysconf("SC_CLK_TCK")
     parents: dict[int, int] = {}
-    used: dict[int, float] = {}
+    used: dict[int, tuple[int, float]] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if not entry.isdigit():
             continue
@@ -102,13 +102,20 @@ def cpu_seconds(root: int) -> float:
         except OSError:
             continue  # gone meanwhile
         parents[int(entry)] = int(fields[1])
-        used[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-    total, stack = 0.0, [root]
+        used[int(entry)] = (int(fields[19]), (int(fields[11]) + int(fields[12])) / tick)
+    out, stack = {}, [root]
     while stack:
         pid = stack.pop()
-        total += used.get(pid, 0.0)
+        if pid in used:
+            out[pid, used[pid][0]] = used[pid][1]
         stack += [child for child, parent in parents.items() if parent == pid]
-    return total
+    return out
+
+
+def cpu_between(before: dict[tuple[int, int], float], after: dict[tuple[int, int], float]) -> float:
+    """CPU seconds spent between two :func:`cpu_seconds` (a process that ended meanwhile is
+    not counted: its last seconds are lost)."""
+    return sum(seconds - before.get(process, 0.0) for process, seconds in after.items())
 
 
 def load() -> str:
@@ -171,7 +178,7 @@ def main() -> None:
                     began = time.perf_counter()
                     run()
                     times.setdefault(label, []).append(time.perf_counter() - began)
-                    cpu.setdefault(label, []).append(cpu_seconds(jvm) - spent)
+                    cpu.setdefault(label, []).append(cpu_between(spent, cpu_seconds(jvm)))
         total = rows * row_bytes
         print(
             f"{rows} rows x {args.dim} floats, {total / 1e6:.0f} MB, {args.rounds} rounds, "
