@@ -187,7 +187,9 @@ class SafetensorsReader(DataSourceReader):
             info = header[name]
             itemsize = dtype_from_code(info.dtype).numpy.itemsize
             if self.kv:
-                arrow_row_bytes(name, 1, info.shape, itemsize, TENSOR_COLUMN)
+                arrow_row_bytes(
+                    name, 1, info.shape, itemsize, self.kinds.get("tensor", TENSOR_COLUMN)
+                )
             else:
                 rows, sample = piece.stop - piece.start, info.shape[1:]
                 cost += arrow_row_bytes(name, rows, sample, itemsize, self.kinds[name])

@@ -19,6 +19,8 @@ import pytest
 pytest.importorskip("pyspark")
 pa = pytest.importorskip("pyarrow")
 
+from pyspark.sql.types import StructType  # noqa: E402
+
 import pyspark_safetensors  # noqa: E402
 import stream_st  # noqa: E402
 from pyspark_safetensors._arrow import (  # noqa: E402
@@ -80,6 +82,14 @@ def test_a_dimension_beyond_the_shape_type_is_refused(tmp_path: Path) -> None:
     assert wide is not None
     column = tensor_column(np.zeros((1, 2**31, 0), np.float32), "x", wide)
     assert column.field("shape").to_pylist() == [[2**31, 0]]
+    # a schema with bigint shapes carries it
+    source = pyspark_safetensors.SafetensorsDataSource({"path": str(tmp_path), "name_col": "n"})
+    schema = parse_type("struct<tensor_key:string,tensor:" + wide.spark.simpleString() + ">")
+    assert isinstance(schema, StructType)
+    reader: Any = source.reader(schema)
+    (partition,) = reader.partitions()
+    (batch,) = reader.read(partition)
+    assert batch.column("tensor").field("shape").to_pylist() == [[10**15, 0]]
 
 
 def test_nested_arrays_beyond_the_limit_are_refused(tmp_path: Path) -> None:
