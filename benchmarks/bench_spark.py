@@ -1,19 +1,25 @@
 """The Spark data source against Spark's own parquet, on the same DataFrame, read and write.
 
 A DataFrame ``label bigint, x array<float>`` (``--dim`` floats per row; ``--mb`` MB in all,
-200 by default, ``--mb 2000`` for 2 GB) is made from numpy, persisted, then in interleaved
-rounds on ``local[2]``:
+200 by default, ``--mb 2000`` for 2 GB) is made from numpy, persisted on disk in ``--partitions``
+(one per 250 MB, at least 2), then in interleaved rounds on ``local[2]``:
 
 * ``write``: ``df.write.parquet(...)`` and ``df.write.format("safetensors")`` (``batch_size``
   ``--batch``), each a fresh overwrite;
 * ``read``: ``spark.read.parquet(...)`` and ``spark.read.format("safetensors").load(...)`` of what
   they wrote, into Spark's ``noop`` sink (every row and column materialised, typed).
 
+``--cold``: before each read, both datasets' files are dropped from the page cache (synced,
+then ``posix_fadvise(DONTNEED)``: only these files, nothing else on the machine).
+
 Medians over ``--rounds``, and the paired ratio per round (safetensors time / parquet time;
-below 1 is faster). The load average is printed before and after: others may share the
-machine, so compare ratios, not absolute figures.
+below 1 is faster; its median and range). The load average is printed before and after: others
+may share the machine, so compare ratios, not absolute figures. On Linux the CPU seconds the
+JVM and its Python workers spent on each variant are printed too (a figure other processes on
+the machine disturb less than wall time).
 
     python benchmarks/bench_spark.py --mb 200 --rounds 3
+    python benchmarks/bench_spark.py --mb 2000 --rounds 2 --cold
 """
 
 from __future__ import annotations
@@ -70,6 +76,48 @@ def source(path: Path, rows: int, dim: int) -> None:
         pq.write_table(table, path / f"part-{part:05d}.parquet")
 
 
+def drop_cached(directory: Path) -> None:
+    """Drop ``directory``'s files from the page cache (written back first)."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def cpu_seconds(root: int) -> dict[tuple[int, int], float]:
+    """CPU seconds (user and system) of process ``root`` and every process below it, by
+    process (its id and start time), from ``/proc`` (empty where there is none)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    used: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        parents[int(entry)] = int(fields[1])
+        used[int(entry)] = (int(fields[19]), (int(fields[11]) + int(fields[12])) / tick)
+    out, stack = {}, [root]
+    while stack:
+        pid = stack.pop()
+        if pid in used:
+            out[pid, used[pid][0]] = used[pid][1]
+        stack += [child for child, parent in parents.items() if parent == pid]
+    return out
+
+
+def cpu_between(before: dict[tuple[int, int], float], after: dict[tuple[int, int], float]) -> float:
+    """CPU seconds spent between two :func:`cpu_seconds` (a process that ended meanwhile is
+    not counted: its last seconds are lost)."""
+    return sum(seconds - before.get(process, 0.0) for process, seconds in after.items())
+
+
 def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -80,6 +128,10 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256, help="floats per row")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4096, help="rows per safetensors shard")
+    parser.add_argument("--cold", action="store_true", help="reads start from a cold page cache")
+    parser.add_argument(
+        "--partitions", type=int, default=0, help="the frame's partitions (default: 250 MB each)"
+    )
     args = parser.parse_args()
     row_bytes = 4 * args.dim + 8
     rows = int(args.mb * 1e6 / row_bytes)
@@ -89,8 +141,9 @@ def main() -> None:
         spark = session()
         from pyspark import StorageLevel
 
-        frame = spark.read.parquet(str(work / "source")).repartition(2)
-        frame.persist(StorageLevel.MEMORY_AND_DISK)
+        partitions = args.partitions or max(2, round(args.mb / 250))
+        frame = spark.read.parquet(str(work / "source")).repartition(partitions)
+        frame.persist(StorageLevel.DISK_ONLY)  # a heap of 3 GB holds no 2 GB frame
         frame.count()
 
         def write_parquet() -> None:
@@ -101,9 +154,13 @@ def main() -> None:
             writer.mode("overwrite").save(str(work / "safetensors"))
 
         def read_parquet() -> None:
+            if args.cold:
+                drop_cached(work / "parquet")
             spark.read.parquet(str(work / "parquet")).write.format("noop").mode("overwrite").save()
 
         def read_safetensors() -> None:
+            if args.cold:
+                drop_cached(work / "safetensors")
             spark.read.format("safetensors").load(str(work / "safetensors")).write.format(
                 "noop"
             ).mode("overwrite").save()
@@ -114,29 +171,39 @@ def main() -> None:
         }
         write_safetensors()  # warm up: the source cached, Python workers started
         write_parquet()
+        jvm = spark.sparkContext._gateway.proc.pid
         times: dict[str, list[float]] = {}
+        cpu: dict[str, list[float]] = {}
         before = load()
         for _ in range(args.rounds):
             for name, (ours, theirs) in pairs.items():
                 for label, run in ((f"{name} safetensors", ours), (f"{name} parquet", theirs)):
+                    spent = cpu_seconds(jvm)
                     began = time.perf_counter()
                     run()
                     times.setdefault(label, []).append(time.perf_counter() - began)
+                    cpu.setdefault(label, []).append(cpu_between(spent, cpu_seconds(jvm)))
         total = rows * row_bytes
         print(
             f"{rows} rows x {args.dim} floats, {total / 1e6:.0f} MB, {args.rounds} rounds, "
-            f"local[2]; load average before {before}, after {load()}"
+            f"{partitions} partitions, local[2], {'cold' if args.cold else 'warm'} page cache; "
+            "load average before "
+            f"{before}, after {load()}"
         )
-        print(f"{'variant':<20} {'seconds':>8} {'MB/s':>8}")
+        print(f"{'variant':<20} {'seconds':>8} {'MB/s':>8} {'CPU s':>8}")
         for label, seconds in times.items():
             median = statistics.median(seconds)
-            print(f"{label:<20} {median:8.2f} {total / median / 1e6:8.0f}")
+            used = statistics.median(cpu[label])
+            print(f"{label:<20} {median:8.2f} {total / median / 1e6:8.0f} {used:8.2f}")
         for name in pairs:
-            ratio = [
-                a / b
-                for a, b in zip(times[f"{name} safetensors"], times[f"{name} parquet"], strict=True)
-            ]
-            print(f"{name}: safetensors / parquet {statistics.median(ratio):.2f}x the time")
+            for what, figures in (("time", times), ("CPU time", cpu)):
+                ours_, theirs_ = figures[f"{name} safetensors"], figures[f"{name} parquet"]
+                ratio = [a / b for a, b in zip(ours_, theirs_, strict=True) if b]
+                if ratio:
+                    print(
+                        f"{name}: safetensors / parquet {statistics.median(ratio):.2f}x the "
+                        f"{what} (paired median; range {min(ratio):.2f}-{max(ratio):.2f})"
+                    )
         spark.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)

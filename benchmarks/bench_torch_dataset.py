@@ -10,7 +10,8 @@ samples) is written once; then, in interleaved rounds, one epoch of samples thro
   workers as the dataset splits them.
 
 Medians over ``--rounds`` and the paired ratio (stream_st time / reference time per round; below
-1 is faster). The load average is printed: compare ratios, not absolute figures.
+1 is faster), its median and range. The load average is printed: compare ratios, not absolute
+figures.
 
     python benchmarks/bench_torch_dataset.py --mb 200 --rounds 5
 """
@@ -106,7 +107,10 @@ def main() -> None:
             median = statistics.median(seconds)
             print(f"{name:<10} {median:7.2f} s {samples / median:9.0f} samples/s")
         ratios = [a / b for a, b in zip(times["stream_st"], times["reference"], strict=True)]
-        print(f"stream_st / reference: {statistics.median(ratios):.2f}x the time (paired median)")
+        print(
+            f"stream_st / reference: {statistics.median(ratios):.2f}x the time (paired median; "
+            f"range {min(ratios):.2f}-{max(ratios):.2f})"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -23,11 +23,15 @@ from typing import Any
 import anyio
 import numpy as np
 import pyarrow as pa
+from anyio.from_thread import start_blocking_portal
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import DataType, StringType, StructField, StructType
 
 from stream_st._api import load
+from stream_st.core.dtypes import dtype_from_code
+from stream_st.core.header import Header
 from stream_st.errors import UsageError
 from stream_st.integrations.dataset import (
     DatasetInfo,
@@ -37,8 +41,16 @@ from stream_st.integrations.dataset import (
     read_piece,
 )
 
-from ._arrow import tensor_column, typed_column
-from ._types import TENSOR_STRUCT, Column, column_of, inferred_type, parse_type
+from ._arrow import arrow_row_bytes, tensor_column, typed_column
+from ._types import (
+    TENSOR_COLUMN,
+    TENSOR_STRUCT,
+    Column,
+    column_of,
+    inferred_type,
+    parse_type,
+    without_nulls,
+)
 from ._write import SafetensorsWriter, WriteOptions, _flag, _positive
 
 __all__ = ["TENSOR_STRUCT", "DefaultSource", "SafetensorsDataSource", "register"]
@@ -90,21 +102,26 @@ class SafetensorsDataSource(DataSource):
 
     def schema(self) -> StructType:
         """Batch mode: a column per tensor (``columns=`` picks some) of the type it was written
-        with (``raw=true``: the tensor struct); KV mode: ``tensor_key`` and ``tensor``."""
+        with (``raw=true``: the tensor struct); KV mode: ``tensor_key`` and ``tensor``. No
+        column, array element or struct field is nullable: a tensor holds no null (and Spark
+        converts columns it knows hold none faster)."""
         dataset = _describe(self.options)
+        fields: list[tuple[str, DataType]]
         if dataset.kv:
-            return StructType(
-                [StructField("tensor_key", StringType()), StructField("tensor", TENSOR_STRUCT)]
-            )
-        types = _column_types(dataset, _flag(self.options, "raw"))
-        wanted = self.options.get("columns")
-        columns = list(types)
-        if wanted:
-            columns = [c.strip() for c in str(wanted).split(",") if c.strip()]
-            missing = [c for c in columns if c not in types]
-            if missing:
-                raise UsageError(f"the dataset has no column {missing[0]!r} (it has {list(types)})")
-        return StructType([StructField(column, types[column].spark) for column in columns])
+            fields = [("tensor_key", StringType()), ("tensor", TENSOR_STRUCT)]
+        else:
+            types = _column_types(dataset, _flag(self.options, "raw"))
+            wanted = self.options.get("columns")
+            columns = list(types)
+            if wanted:
+                columns = [c.strip() for c in str(wanted).split(",") if c.strip()]
+                missing = [c for c in columns if c not in types]
+                if missing:
+                    raise UsageError(
+                        f"the dataset has no column {missing[0]!r} (it has {list(types)})"
+                    )
+            fields = [(column, types[column].spark) for column in columns]
+        return StructType([StructField(name, without_nulls(kind), False) for name, kind in fields])
 
     def reader(self, schema: StructType) -> DataSourceReader:
         return SafetensorsReader(self.options, schema)
@@ -126,6 +143,7 @@ class SafetensorsReader(DataSourceReader):
     def __init__(self, options: Any, schema: StructType) -> None:
         dataset = _describe(options)
         self.kv = dataset.kv
+        self.arrow = to_arrow_schema(schema)  # what Spark checks each batch against
         names = None if dataset.kv else [f.name for f in schema.fields]
         self.kinds: dict[str, Column] = {}
         for f in schema.fields:
@@ -145,6 +163,9 @@ class SafetensorsReader(DataSourceReader):
             address: header[names[0]].shape[0] if names else 0
             for address, header in headers.items()
         }
+        self.steps = {
+            piece: self._rows_per_batch(piece, headers[piece.address]) for piece in pieces
+        }
         self.groups: list[list[Piece]] = []
         size = limit << 20
         for piece in pieces:
@@ -158,6 +179,22 @@ class SafetensorsReader(DataSourceReader):
             self.groups[-1].append(piece)
             size += nbytes
 
+    def _rows_per_batch(self, piece: Piece, header: Header) -> int:
+        """The rows of ``piece`` one Arrow batch holds (about :data:`BATCH_BYTES`, at least
+        one); refuses, before any task runs, a piece Spark's Arrow batches cannot carry."""
+        cost = 0
+        for name in piece.names:
+            info = header[name]
+            itemsize = dtype_from_code(info.dtype).numpy.itemsize
+            if self.kv:
+                arrow_row_bytes(
+                    name, 1, info.shape, itemsize, self.kinds.get("tensor", TENSOR_COLUMN)
+                )
+            else:
+                rows, sample = piece.stop - piece.start, info.shape[1:]
+                cost += arrow_row_bytes(name, rows, sample, itemsize, self.kinds[name])
+        return max(1, BATCH_BYTES // max(1, cost))
+
     def partitions(self) -> list[InputPartition]:
         return [InputPartition(group) for group in self.groups] or [InputPartition([])]
 
@@ -170,26 +207,25 @@ class SafetensorsReader(DataSourceReader):
         return await read_piece(piece)
 
     def read(self, partition: InputPartition) -> Any:
-        for piece in partition.value:
-            yield from self._batches(piece, anyio.run(self._read, piece))
+        with start_blocking_portal() as portal:  # one event loop for the partition's reads
+            for piece in partition.value:
+                yield from self._batches(piece, portal.call(self._read, piece))
 
     def _batches(self, piece: Piece, arrays: dict[str, Array]) -> Iterator[pa.RecordBatch]:
         if self.kv:
             keys = list(arrays)
-            tensors = [tensor_column(arrays[key][None]) for key in keys]
+            kind = self.kinds.get("tensor", TENSOR_COLUMN)
+            tensors = [tensor_column(arrays[key][None], key, kind) for key in keys]
             yield pa.RecordBatch.from_arrays(
-                [pa.array(keys, pa.string()), pa.concat_arrays(tensors) if tensors else None],
-                names=["tensor_key", "tensor"],
+                [pa.array(keys, pa.string()), pa.concat_arrays(tensors)], schema=self.arrow
             )
             return
-        rows = piece.stop - piece.start
-        row_bytes = sum(a.nbytes for a in arrays.values()) // max(1, rows)
-        step = max(1, BATCH_BYTES // max(1, row_bytes))
-        for start in range(0, rows, step):
+        step = self.steps[piece]
+        for start in range(0, piece.stop - piece.start, step):
             part = {name: array[start : start + step] for name, array in arrays.items()}
             yield pa.RecordBatch.from_arrays(  # in the schema's order
                 [typed_column(part[name], kind, name) for name, kind in self.kinds.items()],
-                names=list(self.kinds),
+                schema=self.arrow,
             )
 
 

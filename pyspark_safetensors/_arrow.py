@@ -8,6 +8,7 @@ work on whole columns: numpy views of Arrow buffers and back, no Python object p
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -16,10 +17,12 @@ import pyarrow as pa
 from stream_st.core.dtypes import dtype_for, dtype_from_code
 from stream_st.errors import UsageError
 
-from ._types import SEED_DTYPES, Column
+from ._types import SEED_DTYPES, TENSOR_COLUMN, Column
 
 __all__ = [
+    "ARROW_LIMIT",
     "TENSOR_TYPE",
+    "arrow_row_bytes",
     "cast",
     "is_tensor_type",
     "stack_rows",
@@ -36,6 +39,63 @@ TENSOR_TYPE = pa.struct(
 )
 """The Arrow type of a tensor column (Spark's ``struct<data: binary, shape: array<int>, dtype:
 string>``)."""
+
+
+ARROW_LIMIT = 2**31 - 1
+"""What one Arrow batch Spark takes may count: rows, entries of a list column, bytes of a binary
+column (32-bit offsets); Spark's arrays and binary values are bounded by it too."""
+
+
+def _nested(sample: tuple[int, ...], kind: Column, name: str) -> tuple[int, ...]:
+    """The shape a sample of ``sample`` has as ``kind``'s arrays nest it (``kind.depth`` deep):
+    a deeper tensor is flattened into one array, a one-value tensor becomes a number."""
+    if len(sample) == kind.depth:
+        return sample
+    size = math.prod(sample)
+    if kind.depth == 1:
+        return (size,)
+    if kind.depth == 0 and size == 1:
+        return ()
+    raise UsageError(
+        f"column {name!r}: a tensor of shape {list(sample)} cannot be read as "
+        f"{kind.spark.simpleString()} (read it with option raw=true)"
+    )
+
+
+def arrow_row_bytes(
+    name: str, rows: int, sample: tuple[int, ...], itemsize: int, kind: Column
+) -> int:
+    """About how many bytes one row of a column of ``rows`` samples of shape ``sample`` (values
+    of ``itemsize`` bytes) takes as Arrow column ``kind`` (values and offsets, at least 1);
+    refuses (:class:`~stream_st.UsageError`) what Spark's Arrow batches cannot carry: more than
+    :data:`ARROW_LIMIT` rows, or a row of more bytes, values or list entries than that, or a
+    dimension the tensor struct's shape numbers cannot hold."""
+    where = f"{name!r} (rows of shape {list(sample)})"
+    if rows > ARROW_LIMIT:
+        raise UsageError(
+            f"{where}: {rows} rows in one piece, more than Spark's Arrow batches count "
+            f"({ARROW_LIMIT}); read the shard with stream_st instead"
+        )
+    if kind.tensor:
+        bound = int(np.iinfo(kind.shape_type).max)
+        if any(d > bound for d in sample):
+            raise UsageError(
+                f"{where}: a dimension does not fit the tensor struct's shape "
+                f"({kind.spark.simpleString()})"
+            )
+        entries = [math.prod(sample) * itemsize]  # the binary value's bytes
+        offsets = 2 + len(sample)  # the data's, the shape's and its numbers
+    else:
+        nested = _nested(sample, kind, name)
+        entries = [math.prod(nested[: level + 1]) for level in range(len(nested))]
+        offsets = 1 + sum(entries[:-1])  # the arrays at every depth
+        entries.append(math.prod(nested) * kind.numpy.itemsize)
+    if max(entries) > ARROW_LIMIT:
+        raise UsageError(
+            f"{where}: a row of {max(entries)} bytes or values is more than Spark's Arrow "
+            f"batches hold ({ARROW_LIMIT})"
+        )
+    return max(1, entries[-1] + 4 * offsets)
 
 
 def is_tensor_type(kind: pa.DataType) -> bool:
@@ -56,6 +116,13 @@ def _uniform(values: Array, what: str, name: str) -> Any:
     if len(values) and (values != values[0]).any():
         raise UsageError(f"column {name!r}: rows of a batch differ in {what}")
     return values[0]
+
+
+def _allocatable(name: str, dims: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+    """Refuse ``dims`` numpy cannot make an array of, even of no value (its dimensions other
+    than 0, times the item size, must fit a signed 64-bit size)."""
+    if math.prod(d for d in dims if d) * dtype.itemsize > np.iinfo(np.intp).max:
+        raise UsageError(f"column {name!r}: no array can have the shape {list(dims)}")
 
 
 def _struct_rows(column: pa.StructArray, name: str) -> Array:
@@ -83,12 +150,13 @@ def _struct_rows(column: pa.StructArray, name: str) -> Array:
         offsets = np.frombuffer(data.buffers()[1], np.int64)[data.offset : data.offset + count + 1]
     else:
         offsets = np.frombuffer(data.buffers()[1], np.int32)[data.offset : data.offset + count + 1]
-    row_bytes = dtype.bits * int(np.prod(shape)) // 8
+    row_bytes = dtype.bits * math.prod(shape) // 8
     if (np.diff(offsets) != row_bytes).any():
         raise UsageError(
             f"column {name!r}: a row's data does not hold {row_bytes} bytes ({code} {list(shape)})"
         )
     if not count or not row_bytes:
+        _allocatable(name, (count, *shape), dtype.numpy)
         return np.zeros((count, *shape), dtype.numpy)
     raw = np.frombuffer(data.buffers()[2], np.uint8)[offsets[0] : offsets[-1]]
     return raw.view(dtype.numpy).reshape(count, *shape)
@@ -172,12 +240,13 @@ def stack_rows(
         return _struct_rows(column, name)
     array = _array_rows(column, name)
     if shape is not None:
-        size = int(np.prod(shape))
+        size = math.prod(shape)
         if array.size != len(array) * size:
             raise UsageError(
                 f"column {name!r}: a row of {array[0].size if len(array) else 0} values cannot "
                 f"take the shape {list(shape)} (option shapes)"
             )
+        _allocatable(name, (len(array), *shape), array.dtype)
         array = array.reshape(len(array), *shape)
     code = code if code is not None else (kind.dtype if kind is not None else None)
     if code is not None:
@@ -186,54 +255,60 @@ def stack_rows(
     return array
 
 
-def tensor_column(array: Array, shape_type: pa.DataType | None = None) -> pa.StructArray:
-    """``array`` ``[rows, *shape]`` as a tensor column of ``rows`` rows (its memory is shared);
-    ``shape_type`` the numbers of ``shape`` (int32 unless given)."""
+def _batch_checked(array: Array, kind: Column, name: str) -> None:
+    """Refuse ``array`` ``[rows, *shape]`` as one Arrow batch of column ``kind`` where a row, or
+    the batch, counts more than Spark's Arrow batches hold (:func:`arrow_row_bytes`)."""
+    rows, sample = array.shape[0], tuple(array.shape[1:])
+    arrow_row_bytes(name, rows, sample, array.itemsize, kind)
+    per_row = math.prod(sample) * (array.itemsize if kind.tensor else 1)
+    if rows * per_row > ARROW_LIMIT:
+        raise UsageError(
+            f"column {name!r}: {rows} rows of {per_row} bytes or values are more than one "
+            f"Arrow batch holds ({ARROW_LIMIT}); read them in smaller batches"
+        )
+
+
+def tensor_column(array: Array, name: str, kind: Column = TENSOR_COLUMN) -> pa.StructArray:
+    """``array`` ``[rows, *shape]`` as a tensor column ``name`` of ``rows`` rows (its memory is
+    shared), of the Arrow type of ``kind`` (the tensor struct, ``shape`` as int32 unless
+    ``kind`` says int64; its fields in ``kind``'s order)."""
+    _batch_checked(array, kind, name)
     count = array.shape[0]
     row_bytes = array.nbytes // count if count else 0
-    offsets = np.arange(count + 1, dtype=np.int32) * row_bytes
+    offsets = np.arange(count + 1, dtype=np.int32) * np.int32(row_bytes)
     raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    data = pa.Array.from_buffers(
-        pa.binary(), count, [None, pa.py_buffer(offsets), pa.py_buffer(raw)]
-    )
-    dims = pa.array(np.tile(np.asarray(array.shape[1:], np.int64), count), shape_type or pa.int32())
-    rank = len(array.shape) - 1
-    shape = pa.ListArray.from_arrays(pa.array(np.arange(count + 1, dtype=np.int32) * rank), dims)
-    code = pa.repeat(pa.scalar(dtype_for(array.dtype).code, pa.string()), count)
-    fields = [
-        pa.field("data", pa.binary()),
-        pa.field("shape", shape.type),
-        pa.field("dtype", pa.string()),
-    ]
-    return pa.StructArray.from_arrays([data, shape, code], fields=fields)
+    struct = kind.arrow
+    fields = {
+        "data": pa.Array.from_buffers(
+            pa.binary(), count, [None, pa.py_buffer(offsets), pa.py_buffer(raw)]
+        ),
+        "shape": pa.ListArray.from_arrays(
+            pa.array(np.arange(count + 1, dtype=np.int32) * np.int32(array.ndim - 1)),
+            pa.array(np.tile(np.asarray(array.shape[1:], kind.shape_type), count)),
+            type=struct.field("shape").type,
+        ),
+        "dtype": pa.repeat(pa.scalar(dtype_for(array.dtype).code, pa.string()), count),
+    }
+    return pa.StructArray.from_arrays([fields[f.name] for f in struct], fields=list(struct))
 
 
 def typed_column(array: Array, kind: Column, name: str) -> pa.Array:
-    """``array`` ``[rows, *shape]`` as an Arrow column of the Spark type ``kind`` describes:
-    numbers, or arrays nested ``kind.depth`` deep (a deeper tensor is flattened into a 1-deep
-    array; a one-value tensor becomes a number)."""
+    """``array`` ``[rows, *shape]`` as an Arrow column of the Spark type ``kind`` describes
+    (:attr:`Column.arrow`): numbers, or arrays nested ``kind.depth`` deep (a deeper tensor is
+    flattened into a 1-deep array; a one-value tensor becomes a number)."""
     if kind.tensor:
-        struct = tensor_column(array, pa.from_numpy_dtype(kind.shape_type))
-        names = [field.name for field in kind.spark.fields]  # type: ignore[attr-defined]
-        return pa.StructArray.from_arrays([struct.field(n) for n in names], names=names)
-    rows, sample = array.shape[0], array.shape[1:]
-    if len(sample) != kind.depth:
-        size = int(np.prod(sample))
-        if kind.depth == 1:
-            sample = (size,)
-        elif kind.depth == 0 and size == 1:
-            sample = ()
-        else:
-            raise UsageError(
-                f"column {name!r}: a tensor of shape {list(sample)} cannot be read as "
-                f"{kind.spark.simpleString()} (read it with option raw=true)"
-            )
+        return tensor_column(array, name, kind)
+    _batch_checked(array, kind, name)
+    rows, sample = array.shape[0], _nested(tuple(array.shape[1:]), kind, name)
     values = array.reshape(-1)
     if values.dtype != kind.numpy:
         values = values.astype(kind.numpy)
-    column: pa.Array = pa.array(values)
+    types = [kind.arrow]  # the list type at each depth, then the numbers'
+    while len(types) <= len(sample):
+        types.append(types[-1].value_type)
+    column: pa.Array = pa.array(values, types[-1])
     for level in reversed(range(len(sample))):
-        lists = rows * int(np.prod(sample[:level]))  # the arrays at this depth
-        offsets = pa.array(np.arange(lists + 1, dtype=np.int32) * sample[level])
-        column = pa.ListArray.from_arrays(offsets, column)
+        lists = rows * math.prod(sample[:level])  # the arrays at this depth
+        offsets = pa.array(np.arange(lists + 1, dtype=np.int32) * np.int32(sample[level]))
+        column = pa.ListArray.from_arrays(offsets, column, type=types[level])
     return column

@@ -17,10 +17,12 @@ parsed from their ``simpleString`` by :func:`parse_type`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
+from pyspark.sql.pandas.types import to_arrow_type
 from pyspark.sql.types import (
     ArrayType,
     BinaryType,
@@ -41,12 +43,14 @@ from stream_st.errors import UsageError
 
 __all__ = [
     "SEED_DTYPES",
+    "TENSOR_COLUMN",
     "TENSOR_STRUCT",
     "Column",
     "column_of",
     "inferred_type",
     "parse_type",
     "type_text",
+    "without_nulls",
 ]
 
 SEED_DTYPES = ("F16", "F32", "F64", "BF16", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
@@ -90,6 +94,12 @@ class Column:
     depth: int
     dtype: str
 
+    @cached_property
+    def arrow(self) -> Any:
+        """The Arrow type of the column, as Spark expects it (``pa.DataType``: the nullability
+        of array elements, list fields named as Spark names them)."""
+        return to_arrow_type(self.spark)
+
     @property
     def shape_type(self) -> np.dtype[Any]:
         """The tensor struct's shape numbers: int32 or int64."""
@@ -97,6 +107,10 @@ class Column:
         shape = self.spark["shape"].dataType
         assert isinstance(shape, ArrayType)
         return np.dtype(np.int64 if isinstance(shape.elementType, LongType) else np.int32)
+
+
+TENSOR_COLUMN = Column(TENSOR_STRUCT, True, np.dtype(np.uint8), 0, "U8")
+"""How a tensor struct column is written and read (``shape`` as int32 here)."""
 
 
 def _is_tensor_struct(kind: DataType) -> bool:
@@ -114,7 +128,7 @@ def _is_tensor_struct(kind: DataType) -> bool:
 def column_of(kind: DataType) -> Column | None:
     """How a column of ``kind`` is written and read; None if it cannot hold tensors."""
     if _is_tensor_struct(kind):
-        return Column(kind, True, np.dtype(np.uint8), 0, "U8")
+        return replace(TENSOR_COLUMN, spark=kind)
     depth, inner = 0, kind
     while isinstance(inner, ArrayType):
         depth, inner = depth + 1, inner.elementType
@@ -122,6 +136,15 @@ def column_of(kind: DataType) -> Column | None:
     if found is None:
         return None
     return Column(kind, False, found[1], depth, found[2])
+
+
+def without_nulls(kind: DataType) -> DataType:
+    """``kind`` with no nullable array element or struct field, at any depth."""
+    if isinstance(kind, ArrayType):
+        return ArrayType(without_nulls(kind.elementType), containsNull=False)
+    if isinstance(kind, StructType):
+        return StructType([StructField(f.name, without_nulls(f.dataType), False) for f in kind])
+    return kind
 
 
 def type_text(kind: DataType) -> str:

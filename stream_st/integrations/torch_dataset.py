@@ -18,7 +18,7 @@ import math
 import os
 import random
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import cast
 
 import anyio
 import numpy as np
@@ -27,13 +27,16 @@ import torch.distributed
 from anyio.from_thread import start_blocking_portal
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .._api import load
+from .._api import open_stream
 from ..errors import UsageError
 from .dataset import DatasetInfo, Piece, describe_dataset, plan_pieces, read_piece
 
 __all__ = ["SafetensorsDataset"]
 
 Sample = dict[str, torch.Tensor]
+
+SHUFFLE_DRAWS = 4096
+"""Random slots of the shuffle buffer drawn at once (one numpy call, not one per sample)."""
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -55,7 +58,10 @@ class SafetensorsDataset(IterableDataset[Sample]):
     order is the same for the same seed, epoch, world size and number of workers.
     ``drop_last`` as for torch's ``DistributedSampler``: every rank gets ``len(self)`` samples,
     the sequence padded with its first samples (False) or cut (True). ``piece_bytes`` bounds what
-    one read holds in memory. ``rank`` and ``world_size`` default to torch.distributed's (or
+    one read holds in memory. A local shard's samples are writable views of a private mapping
+    of it, as the reference's ``safe_open`` gives them (a write never reaches the file; a
+    sample kept beyond its batch keeps its shard mapped: ``clone()`` it to keep it alone).
+    ``rank`` and ``world_size`` default to torch.distributed's (or
     ``RANK``/``WORLD_SIZE``).
     """
 
@@ -137,27 +143,31 @@ class SafetensorsDataset(IterableDataset[Sample]):
             position += take
         return out
 
-    async def _read(self, piece: Piece) -> dict[str, np.ndarray[Any, Any]]:
-        """The rows of ``piece``, in memory of their own. A local shard is mapped and only the
-        rows' pages are copied out (its digests checked when the piece is the whole shard, as
+    async def _read(self, piece: Piece) -> dict[str, torch.Tensor]:
+        """The rows of ``piece``. A local shard is mapped privately, as the reference's
+        ``safe_open`` maps it: its rows are writable views whose writes never reach the file
+        (its digests checked when the piece is the whole shard, as
         :func:`~stream_st.integrations.dataset.read_piece` checks them); other sources are read
         with ranged requests."""
         if "://" in piece.address and not piece.address.startswith("file://"):
-            return await read_piece(piece)
+            return {name: torch.from_numpy(a) for name, a in (await read_piece(piece)).items()}
         whole = (piece.start, piece.stop) == (0, self._rows[piece.address])
-        views = await load(piece.address, include=list(piece.names), copy=False, verify=whole)
-        return {name: np.array(views[name][piece.start : piece.stop]) for name in piece.names}
+        names = list(piece.names)
+        async with open_stream(
+            piece.address, include=names, framework="pt", copy=False, verify=whole
+        ) as stream:
+            views: dict[str, torch.Tensor] = {
+                name: cast(torch.Tensor, tensor) async for name, tensor in stream
+            }  # framework="pt": torch tensors
+        return {name: views[name][piece.start : piece.stop] for name in names}
 
     def _samples(self, pieces: list[Piece]) -> Iterator[Sample]:
         with start_blocking_portal() as portal:  # one event loop for the epoch's reads
             for piece in pieces:
-                yield from self._rows_of(piece, portal.call(self._read, piece))
-
-    @staticmethod
-    def _rows_of(piece: Piece, arrays: dict[str, np.ndarray[Any, Any]]) -> Iterator[Sample]:
-        tensors = [(name, torch.from_numpy(array)) for name, array in arrays.items()]
-        for row in range(piece.stop - piece.start):
-            yield {name: tensor[row] for name, tensor in tensors}
+                tensors = portal.call(self._read, piece)
+                names = list(tensors)
+                for row in zip(*(tensors[name].unbind(0) for name in names), strict=True):
+                    yield dict(zip(names, row, strict=True))
 
     def __iter__(self) -> Iterator[Sample]:
         info = get_worker_info()
@@ -166,14 +176,20 @@ class SafetensorsDataset(IterableDataset[Sample]):
         if not self.shuffle:
             yield from samples
             return
-        rng = random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{worker}/{workers}")
+        seed = random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{worker}/{workers}")
+        rng = np.random.default_rng(seed.getrandbits(128))
+        size = self.shuffle_buffer
         buffer: list[Sample] = []
+        draws: Iterator[int] = iter(())
         for sample in samples:
-            if len(buffer) < self.shuffle_buffer:
+            if len(buffer) < size:
                 buffer.append(sample)
                 continue
-            i = rng.randrange(len(buffer))
+            i = next(draws, None)
+            if i is None:  # the buffer's slots drawn SHUFFLE_DRAWS at a time
+                draws = iter(rng.integers(0, size, SHUFFLE_DRAWS).tolist())
+                i = next(draws)
             yield buffer[i]
             buffer[i] = sample
-        rng.shuffle(buffer)
-        yield from buffer
+        for i in rng.permutation(len(buffer)).tolist():
+            yield buffer[i]

@@ -55,6 +55,16 @@ def test_single_process_reads_every_sample_once(dataset_dir: Path) -> None:
     assert samples[13]["image"].eq(13).all()
 
 
+def test_samples_are_writable_and_writes_never_reach_the_file(dataset_dir: Path) -> None:
+    before = {p.name: p.read_bytes() for p in dataset_dir.glob("part-*.safetensors")}
+    sample = next(iter(SafetensorsDataset(dataset_dir)))
+    sample["image"].fill_(255)
+    sample["label"] += 100
+    assert sample["image"].eq(255).all() and int(sample["label"]) == 100
+    assert {p.name: p.read_bytes() for p in dataset_dir.glob("part-*.safetensors")} == before
+    assert labels(SafetensorsDataset(dataset_dir))[:2] == [0, 1]
+
+
 def epoch_of(
     directory: Path, world: int, workers: int, *, epoch: int = 1, **options: Any
 ) -> list[list[int]]:
