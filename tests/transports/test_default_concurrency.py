@@ -95,6 +95,21 @@ async def test_a_big_object_is_read_over_several_connections_that_grow(
     assert len(got) <= -(-size // PART) + 1  # parts of part_size: nothing asked twice
 
 
+async def test_a_fast_link_goes_back_to_one_stream() -> None:
+    """Where one connection is as fast (loopback, no rate), the first answer is fast enough, or
+    the parts tried once are no faster than it was: the rest is one ranged request to the end."""
+    with serve(etag="strong") as server:
+        source = HttpSource(server.url("/model.safetensors"), part_size=PART)
+        assert_same_arrays(await read(source), MODEL)
+        assert source.concurrency == 1
+        got = ranges(server)
+        size = len(server.objects["/model.safetensors"])
+        assert got[0] == f"bytes=0-{PART - 1}"
+        assert len(got) <= 1 + 2 * ADAPTIVE_START + 1  # at most the parts tried once
+        start, end = (int(n) for n in got[-1].removeprefix("bytes=").split("-"))
+        assert end == size - 1 and end + 1 - start >= size // 2  # the rest: one stream
+
+
 async def test_explicit_one_keeps_one_connection() -> None:
     with serve(etag="strong") as store:
         source = HttpSource(store.url("/model.safetensors"), part_size=PART, concurrency=1)
@@ -168,7 +183,8 @@ async def test_s3_objects_are_read_in_parallel_parts(
     client.put_object(Bucket="adaptive", Key="s.safetensors", Body=reference_numpy.save(SMALL))
     big = S3Source("s3://adaptive/m.safetensors", part_size=PART)
     assert_same_arrays(await read(big), MODEL)
-    assert big.concurrency >= ADAPTIVE_START
+    # the window opened: it grew, or (moto on loopback is fast) went back to one stream
+    assert big.concurrency >= ADAPTIVE_START or big._single
     small = S3Source("s3://adaptive/s.safetensors", part_size=PART)
     assert_same_arrays(await read(small), SMALL)
     assert small.concurrency == 1

@@ -7,12 +7,16 @@ part is requested as soon as the reads have passed one. Tasks run only inside a 
 outlives the call that started it): a read that is done stops them where nothing is lost, in a
 body (the bytes wait in the socket for the next read) or in a back-off, never within a request.
 
-Adaptive (``limit`` above K): the first K parts warm the connections up; the next K measure the
-bytes received per second, and K doubles. From then on, each time K parts have arrived since K
-last changed, their rate is compared with the one before: grown by a quarter or more, K doubles
-again (up to ``limit``); else K goes back to what it was and stays there. A link that fewer
-connections fill, or a reader slower than the link, stops the growth; an object store's link,
-where each connection is held to its own rate, takes more.
+Adaptive (``limit`` above ``concurrency``): the window starts with one part, the first answer,
+streamed as one connection would; its bytes per second are the rate to beat (at
+:data:`FAST_STREAM` or more, nothing is tried: one stream it stays). Then K is
+``concurrency``, and each time K parts have arrived since K last changed, their rate is compared
+with the one before: at least as fast as the one stream, then grown by a quarter or more
+(:data:`GROWTH`), K doubles (up to ``limit``); else K goes back to what it was and stays there.
+Back at one part, the window adds no more (:attr:`PartWindow.single`) and the reads go on as one
+stream from where its parts end. A link that one connection fills, or a reader slower than the
+link, stops the growth at once; an object store's link, where each connection is held to its
+own rate (and pays a round trip per request), takes more.
 """
 
 from __future__ import annotations
@@ -38,7 +42,12 @@ object is empty)."""
 
 GROWTH = 1.25
 """How much faster (received bytes per second) K parts must have arrived than before the last
-change of K for an adaptive window to add connections again."""
+change of K for an adaptive window to add connections again. The first K parts, tried after one
+stream, need only be as fast as it was: its rate leaves the reader's own time out, theirs not."""
+
+FAST_STREAM = 500e6
+"""Bytes per second of the first answer, one stream, at which an adaptive window tries no more
+parts: a local link, which one connection fills (an object store's connection is slower)."""
 
 BackOff = Callable[[int, int], Awaitable[None]]
 """The wait before the next attempt, after ``failures`` failed ones, at a ``position``."""
@@ -82,13 +91,15 @@ class PartWindow:
         self._fetch = fetch
         self._back_off = back_off
         self._retries = retries
-        self._concurrency = concurrency
         self._limit = max(concurrency, limit or concurrency)  # K grows up to it
+        self._first = concurrency  # K after the first part, when adaptive
+        self._concurrency = 1 if self._limit > concurrency else concurrency
+        self._before = 1  # K before its last change
         self._received = 0  # bytes received by every part so far
         self._since: tuple[float, int] | None = None  # time and bytes received at K's last change
         self._arrived = 0  # parts finished since then
-        self._warm = False  # the first K parts (new connections) have arrived
-        self._rate: float | None = None  # bytes per second before K's last change
+        self._rate = 0.0  # bytes per second before K's last change
+        self.single = False  # adaptive, settled on one part: no more parts (see the module)
         self._part_size = part_size
         self._plan: list[tuple[int, int]] = []
         self.data_end: int | None = None  # where a short part showed the object to end
@@ -116,7 +127,7 @@ class PartWindow:
         elif response is not None:
             self._next_at = at
         rest = sum(max(0, stop - max(start, self._next_at)) for start, stop in plan)
-        others = self._concurrency - len(self._window)
+        others = max(1, self._first - len(self._window))
         self._step = max(1, min(self._part_size, -(-rest // others)))
         self._extend()
 
@@ -139,7 +150,7 @@ class PartWindow:
 
     def _extend(self) -> None:
         """Add parts up to K; inside a read they are requested at once."""
-        while len(self._window) < self._concurrency:
+        while len(self._window) < self._concurrency and not self.single:
             span = self._next_span()
             if span is None:
                 return
@@ -325,23 +336,30 @@ class PartWindow:
         self._changed()
 
     def _grow(self) -> None:
-        """K parts arrived since K last changed: double K if they came faster than before by
-        :data:`GROWTH` (the next read's slide adds the parts), else halve it back and keep it
-        (see the module)."""
+        """K parts arrived since K last changed: after the first part (one stream), K becomes
+        ``concurrency``; later, K doubles if they came faster than before by :data:`GROWTH`
+        (the next read's slide adds the parts), else it goes back and stays (see the module)."""
         assert self._since is not None
         began, received = self._since
         now = time.monotonic()
         self._since = (now, self._received)
         self._arrived = 0
-        if not self._warm:
-            self._warm = True
-            return
         rate = (self._received - received) / max(now - began, 1e-9)
-        if self._rate is None or rate >= self._rate * GROWTH:
+        first = self._concurrency == 1  # the one stream, whose rate the parts must beat
+        if rate >= self._rate * (1 if first else GROWTH) and not (first and rate >= FAST_STREAM):
             self._rate = rate
-            self._concurrency = min(self._limit, 2 * self._concurrency)
+            self._before = self._concurrency
+            grown = self._first if self._concurrency == 1 else 2 * self._concurrency
+            self._concurrency = min(self._limit, grown)
         else:
-            self._concurrency = self._limit = self._concurrency // 2
+            self._concurrency = self._limit = self._before
+            self.single = self._concurrency == 1
+
+    @property
+    def drained(self) -> bool:
+        """Settled on one part (:attr:`single`) and every part read past: the reads go on as one
+        stream."""
+        return self.single and not self._window
 
     async def aclose(self) -> None:
         """Close the answers of parts still open."""
