@@ -100,6 +100,8 @@ class PartWindow:
         self._arrived = 0  # parts finished since then
         self._rate = 0.0  # bytes per second before K's last change
         self.single = False  # adaptive, settled on one part: no more parts (see the module)
+        self._opened: Response | None = None  # the answer the window opened with
+        self.rest: tuple[Response, int] | None = None  # it, open past its part, and where
         self._part_size = part_size
         self._plan: list[tuple[int, int]] = []
         self.data_end: int | None = None  # where a short part showed the object to end
@@ -118,12 +120,14 @@ class PartWindow:
         self, plan: list[tuple[int, int]], response: Response | None, at: int, end: int
     ) -> None:
         """Start on ``plan``: ``response``, if any, an open answer delivering bytes ``at`` to
-        ``end``, becomes the first part; the bytes left to plan are spread over the other K - 1
-        parts, at most ``part_size`` each."""
+        ``end``, becomes the first part (at most ``part_size`` of it: when the window settles on
+        one stream there, the rest of the answer goes on as :attr:`rest`); the bytes left to plan
+        are spread over the other K - 1 parts, at most ``part_size`` each."""
         self._plan = plan
+        self._opened = response
         if response is not None and at < end:
-            self._window.append(_Part(at, end, response))
-            self._next_at = end
+            self._next_at = min(end, at + self._part_size)
+            self._window.append(_Part(at, self._next_at, response))
         elif response is not None:
             self._next_at = at
         rest = sum(max(0, stop - max(start, self._next_at)) for start, stop in plan)
@@ -301,8 +305,11 @@ class PartWindow:
             await self._back_off(part.failures, part.start + part.got)
             return
         part.response = None
-        await response.aclose()
         self._finish(part)
+        if self.single and response is self._opened:  # the one stream goes on from there
+            self.rest = (response, part.end)
+        else:
+            await response.aclose()
 
     def _view(self, part: _Part) -> memoryview:
         """Where ``part``'s bytes go: the read's buffer when the part lies inside it (the
@@ -362,8 +369,11 @@ class PartWindow:
         return self.single and not self._window
 
     async def aclose(self) -> None:
-        """Close the answers of parts still open."""
+        """Close the answers of parts still open, and :attr:`rest`."""
         window, self._window = self._window, deque()
+        rest, self.rest = self.rest, None
+        if rest is not None:
+            await rest[0].aclose()
         for part in window:
             if part.response is not None:
                 await part.response.aclose()

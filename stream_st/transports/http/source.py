@@ -149,17 +149,18 @@ class HttpSource(ClientUser, Source):
         """Send the first request and learn the size and whether ranges work.
 
         It asks for the first 64 KiB, unless the reader will read everything (``read_all``):
-        then with one stream (``concurrency=1``) for all of it (``bytes=0-``), so the header and
-        the data come in one response, and adaptive (the default) for the first ``part_size``
-        bytes, all of a small object. With ``concurrency`` K > 1 (or adaptive, for a big
-        enough object) and ``read_all``, the window of parts opens as soon as that answer's head
-        tells the size, before its body (the safetensors header) has been read: the next parts
-        are requested by the first read (speculative first parts). A later jump closes the open
+        then, with one stream (``concurrency=1``) or adaptive (the default), for all of it
+        (``bytes=0-``), so the header and the data come in one response. With ``concurrency``
+        K > 1 (or adaptive, for a big enough object) and ``read_all``, the window of parts
+        opens as soon as that answer's head tells the size, before its body (the safetensors
+        header) has been read: the next parts are requested by the first read (speculative first
+        parts; adaptive: its first part is this answer's first ``part_size`` bytes, and the
+        answer goes on as the one stream if no more parts pay). A later jump closes the open
         response and sends a ranged request from there.
         """
         adaptive = read_all and self._concurrency is None
         speculate = read_all and (self._concurrency or 1) > 1
-        end = self._part_size if adaptive else None if read_all and not speculate else FIRST_RANGE
+        end = None if read_all and not speculate else FIRST_RANGE
         with self._reported():
             response = await self._get(0, end)
             if response is None:  # an empty object
@@ -167,7 +168,7 @@ class HttpSource(ClientUser, Source):
                 self.random_access = True
                 return
             await self._adopt(response, 0)
-            if end is not None and not adaptive and response.status == 200:  # no ranges given
+            if end is not None and response.status == 200:  # no ranges given
                 warnings.warn(RangeIgnoredWarning(_RANGE_IGNORED.format(self.name)), stacklevel=2)
             if (speculate or adaptive) and self.random_access and self.size is not None:
                 self._plan = [(0, self.size)]  # until the reader's plan: everything
@@ -299,6 +300,8 @@ class HttpSource(ClientUser, Source):
         filled, outside = await self._parts.read(offset, buffer, partial=partial)
         self.position = offset + filled
         if self._parts.drained:  # one stream is as fast: the rest is read as one
+            if self._parts.rest is not None:  # the first answer goes on
+                self._response, self._response_at = self._parts.rest
             self._parts, self._single = None, True
         if outside:
             filled += await self._read_at(offset + filled, buffer[filled:], partial=partial)
