@@ -100,8 +100,8 @@ class PartWindow:
         self._arrived = 0  # parts finished since then
         self._rate = 0.0  # bytes per second before K's last change
         self.single = False  # adaptive, settled on one part: no more parts (see the module)
-        self._opened: Response | None = None  # the answer the window opened with
-        self.rest: tuple[Response, int] | None = None  # it, open past its part, and where
+        self._opened: tuple[Response, int] | None = None  # the answer it opened with, its end
+        self.rest: tuple[Response, int, int] | None = None  # it, open past its part: from, to
         self._part_size = part_size
         self._plan: list[tuple[int, int]] = []
         self.data_end: int | None = None  # where a short part showed the object to end
@@ -124,7 +124,7 @@ class PartWindow:
         one stream there, the rest of the answer goes on as :attr:`rest`); the bytes left to plan
         are spread over the other K - 1 parts, at most ``part_size`` each."""
         self._plan = plan
-        self._opened = response
+        self._opened = None if response is None else (response, end)
         if response is not None and at < end:
             self._next_at = min(end, at + self._part_size)
             self._window.append(_Part(at, self._next_at, response))
@@ -306,8 +306,8 @@ class PartWindow:
             return
         part.response = None
         self._finish(part)
-        if self.single and response is self._opened:  # the one stream goes on from there
-            self.rest = (response, part.end)
+        if self.single and self._opened is not None and response is self._opened[0]:
+            self.rest = (response, part.end, self._opened[1])  # the one stream goes on
         else:
             await response.aclose()
 

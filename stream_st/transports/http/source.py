@@ -300,9 +300,11 @@ class HttpSource(ClientUser, Source):
         filled, outside = await self._parts.read(offset, buffer, partial=partial)
         self.position = offset + filled
         if self._parts.drained:  # one stream is as fast: the rest is read as one
-            if self._parts.rest is not None:  # the first answer goes on
-                self._response, self._response_at = self._parts.rest
+            rest = self._parts.rest
             self._parts, self._single = None, True
+            if rest is not None:  # the answer the window opened with goes on
+                await self._close_response()
+                self._response, self._response_at, self._response_end = rest
         if outside:
             filled += await self._read_at(offset + filled, buffer[filled:], partial=partial)
         return filled
