@@ -5,7 +5,7 @@ Run it from the repository root (the object-store link needs root; without it th
 ``skipped: <reason>``; about 3 minutes on 2 cores with the defaults)::
 
     sudo python benchmarks/bench_concurrency.py [--repeat 3] [--size-mib 256] [--rate 200e6]
-        [--delay-ms 15] [--media store,loopback] [--variants default,1,8,runai]
+        [--delay-ms 15] [--media store,loopback,nginx] [--variants default,1,8,runai]
 
 Media:
 
@@ -14,7 +14,9 @@ Media:
   ``s3://bench/FILE`` with :class:`~stream_st.S3Source`;
 * ``loopback``: ``tests/servers/http_server.py`` on 127.0.0.1 (threads of this process, strong
   ETags), read with :class:`~stream_st.HttpSource`: no link to fill, so more connections must
-  not make it slower than one.
+  not make it slower than one;
+* ``nginx``: nginx on 127.0.0.1 (``tests/servers/nginx_server.py``, its own process): the same,
+  from a server that is not the bottleneck.
 
 Variants, each read in a fresh subprocess (imports and set-up untimed; the read is timed from the
 first request to the last tensor touched; every 4 KiB page of every tensor is touched and checked
@@ -166,12 +168,19 @@ def report(medium: str, size: int, results: dict[str, list[dict[str, Any]]]) -> 
 
 
 @contextlib.contextmanager
-def loopback(root: Path) -> Iterator[str]:
-    """The folder's objects on 127.0.0.1 (strong ETags); the endpoint."""
+def loopback(root: Path, medium: str) -> Iterator[str]:
+    """The folder's objects on 127.0.0.1 (strong ETags), served by this process's threads or by
+    nginx (``medium``); the endpoint."""
     sys.path.insert(0, str(ROOT))
     from tests.servers.http_server import RangeHTTPServer
+    from tests.servers.nginx_server import NginxServer
 
     with contextlib.ExitStack() as stack:
+        if medium == "nginx":
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-nginx-")))
+            nginx = stack.enter_context(NginxServer(root, work))
+            yield f"http://127.0.0.1:{nginx.port}"
+            return
         objects = {}
         for path in (root / BUCKET).iterdir():
             data = np.memmap(path, dtype=np.uint8, mode="r")
@@ -186,7 +195,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--rate", type=float, default=200e6, help="store: bytes/s a connection")
     parser.add_argument("--delay-ms", type=float, default=15.0, help="store: added each way")
-    parser.add_argument("--media", default="store,loopback")
+    parser.add_argument("--media", default="store,loopback,nginx")
     parser.add_argument("--variants", default="default,1,8,runai")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--medium", default="", help=argparse.SUPPRESS)
@@ -225,8 +234,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 except StoreUnavailable as exc:
                     print(f"\n== store skipped: {exc}")
             else:
-                with loopback(root) as endpoint:
-                    print(f"\n== loopback: {endpoint} (this process's threads serve)")
+                with loopback(root, medium) as endpoint:
+                    server = "nginx" if medium == "nginx" else "this process's threads"
+                    print(f"\n== {medium}: {endpoint} ({server} serve)")
                     report(medium, size, measure(args, medium, endpoint, path))
         print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     finally:

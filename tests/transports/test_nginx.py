@@ -144,7 +144,7 @@ async def test_whole_file_in_one_request(
     source = HttpSource(nginx.url(name, tls=tls), client=client)
     assert_same_arrays(await read_all(source), reference(root, name))
     assert [(r.scheme, r.range, r.status) for r in gets(nginx)] == [
-        ("https" if tls else "http", "bytes=0-8388607", 206)
+        ("https" if tls else "http", "bytes=0-", 206)
     ]
 
 

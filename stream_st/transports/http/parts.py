@@ -7,12 +7,16 @@ part is requested as soon as the reads have passed one. Tasks run only inside a 
 outlives the call that started it): a read that is done stops them where nothing is lost, in a
 body (the bytes wait in the socket for the next read) or in a back-off, never within a request.
 
-Adaptive (``limit`` above K): the first K parts warm the connections up; the next K measure the
-bytes received per second, and K doubles. From then on, each time K parts have arrived since K
-last changed, their rate is compared with the one before: grown by a quarter or more, K doubles
-again (up to ``limit``); else K goes back to what it was and stays there. A link that fewer
-connections fill, or a reader slower than the link, stops the growth; an object store's link,
-where each connection is held to its own rate, takes more.
+Adaptive (``limit`` above ``concurrency``): the window starts with one part, the first answer,
+streamed as one connection would; its bytes per second are the rate to beat (at
+:data:`FAST_STREAM` or more, nothing is tried: one stream it stays). Then K is
+``concurrency``, and each time K parts have arrived since K last changed, their rate is compared
+with the one before: at least as fast as the one stream, then grown by a quarter or more
+(:data:`GROWTH`), K doubles (up to ``limit``); else K goes back to what it was and stays there.
+Back at one part, the window adds no more (:attr:`PartWindow.single`) and the reads go on as one
+stream from where its parts end. A link that one connection fills, or a reader slower than the
+link, stops the growth at once; an object store's link, where each connection is held to its
+own rate (and pays a round trip per request), takes more.
 """
 
 from __future__ import annotations
@@ -38,7 +42,12 @@ object is empty)."""
 
 GROWTH = 1.25
 """How much faster (received bytes per second) K parts must have arrived than before the last
-change of K for an adaptive window to add connections again."""
+change of K for an adaptive window to add connections again. The first K parts, tried after one
+stream, need only be as fast as it was: its rate leaves the reader's own time out, theirs not."""
+
+FAST_STREAM = 500e6
+"""Bytes per second of the first answer, one stream, at which an adaptive window tries no more
+parts: a local link, which one connection fills (an object store's connection is slower)."""
 
 BackOff = Callable[[int, int], Awaitable[None]]
 """The wait before the next attempt, after ``failures`` failed ones, at a ``position``."""
@@ -82,13 +91,17 @@ class PartWindow:
         self._fetch = fetch
         self._back_off = back_off
         self._retries = retries
-        self._concurrency = concurrency
         self._limit = max(concurrency, limit or concurrency)  # K grows up to it
+        self._first = concurrency  # K after the first part, when adaptive
+        self._concurrency = 1 if self._limit > concurrency else concurrency
+        self._before = 1  # K before its last change
         self._received = 0  # bytes received by every part so far
         self._since: tuple[float, int] | None = None  # time and bytes received at K's last change
         self._arrived = 0  # parts finished since then
-        self._warm = False  # the first K parts (new connections) have arrived
-        self._rate: float | None = None  # bytes per second before K's last change
+        self._rate = 0.0  # bytes per second before K's last change
+        self.single = False  # adaptive, settled on one part: no more parts (see the module)
+        self._opened: tuple[Response, int] | None = None  # the answer it opened with, its end
+        self.rest: tuple[Response, int, int] | None = None  # it, open past its part: from, to
         self._part_size = part_size
         self._plan: list[tuple[int, int]] = []
         self.data_end: int | None = None  # where a short part showed the object to end
@@ -107,16 +120,18 @@ class PartWindow:
         self, plan: list[tuple[int, int]], response: Response | None, at: int, end: int
     ) -> None:
         """Start on ``plan``: ``response``, if any, an open answer delivering bytes ``at`` to
-        ``end``, becomes the first part; the bytes left to plan are spread over the other K - 1
-        parts, at most ``part_size`` each."""
+        ``end``, becomes the first part (at most ``part_size`` of it: when the window settles on
+        one stream there, the rest of the answer goes on as :attr:`rest`); the bytes left to plan
+        are spread over the other K - 1 parts, at most ``part_size`` each."""
         self._plan = plan
+        self._opened = None if response is None else (response, end)
         if response is not None and at < end:
-            self._window.append(_Part(at, end, response))
-            self._next_at = end
+            self._next_at = min(end, at + self._part_size)
+            self._window.append(_Part(at, self._next_at, response))
         elif response is not None:
             self._next_at = at
         rest = sum(max(0, stop - max(start, self._next_at)) for start, stop in plan)
-        others = self._concurrency - len(self._window)
+        others = max(1, self._first - len(self._window))
         self._step = max(1, min(self._part_size, -(-rest // others)))
         self._extend()
 
@@ -139,7 +154,7 @@ class PartWindow:
 
     def _extend(self) -> None:
         """Add parts up to K; inside a read they are requested at once."""
-        while len(self._window) < self._concurrency:
+        while len(self._window) < self._concurrency and not self.single:
             span = self._next_span()
             if span is None:
                 return
@@ -290,8 +305,11 @@ class PartWindow:
             await self._back_off(part.failures, part.start + part.got)
             return
         part.response = None
-        await response.aclose()
         self._finish(part)
+        if self.single and self._opened is not None and response is self._opened[0]:
+            self.rest = (response, part.end, self._opened[1])  # the one stream goes on
+        else:
+            await response.aclose()
 
     def _view(self, part: _Part) -> memoryview:
         """Where ``part``'s bytes go: the read's buffer when the part lies inside it (the
@@ -325,27 +343,37 @@ class PartWindow:
         self._changed()
 
     def _grow(self) -> None:
-        """K parts arrived since K last changed: double K if they came faster than before by
-        :data:`GROWTH` (the next read's slide adds the parts), else halve it back and keep it
-        (see the module)."""
+        """K parts arrived since K last changed: after the first part (one stream), K becomes
+        ``concurrency``; later, K doubles if they came faster than before by :data:`GROWTH`
+        (the next read's slide adds the parts), else it goes back and stays (see the module)."""
         assert self._since is not None
         began, received = self._since
         now = time.monotonic()
         self._since = (now, self._received)
         self._arrived = 0
-        if not self._warm:
-            self._warm = True
-            return
         rate = (self._received - received) / max(now - began, 1e-9)
-        if self._rate is None or rate >= self._rate * GROWTH:
+        first = self._concurrency == 1  # the one stream, whose rate the parts must beat
+        if rate >= self._rate * (1 if first else GROWTH) and not (first and rate >= FAST_STREAM):
             self._rate = rate
-            self._concurrency = min(self._limit, 2 * self._concurrency)
+            self._before = self._concurrency
+            grown = self._first if self._concurrency == 1 else 2 * self._concurrency
+            self._concurrency = min(self._limit, grown)
         else:
-            self._concurrency = self._limit = self._concurrency // 2
+            self._concurrency = self._limit = self._before
+            self.single = self._concurrency == 1
+
+    @property
+    def drained(self) -> bool:
+        """Settled on one part (:attr:`single`) and every part read past: the reads go on as one
+        stream."""
+        return self.single and not self._window
 
     async def aclose(self) -> None:
-        """Close the answers of parts still open."""
+        """Close the answers of parts still open, and :attr:`rest`."""
         window, self._window = self._window, deque()
+        rest, self.rest = self.rest, None
+        if rest is not None:
+            await rest[0].aclose()
         for part in window:
             if part.response is not None:
                 await part.response.aclose()

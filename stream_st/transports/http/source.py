@@ -19,15 +19,18 @@ everything needed: the total size (``Content-Range``) and whether ranges work (2
   opens as soon as the first answer's head tells the size, before the header has arrived.
   ``open_stream(url, concurrency=K)`` sets it for any remote source; ``concurrency=1`` keeps
   one connection.
-* The default (``concurrency=None``) is adaptive: a window of :data:`ADAPTIVE_START` parts
-  opens when it can pay, and doubles while the bytes arrive faster for it, up to
-  :data:`ADAPTIVE_LIMIT` (see :mod:`.parts`). It can pay when the server honours ranges, names
-  the version with a strong ``ETag`` (each part is pinned to it with ``If-Match``) and more than
-  ``part_size`` bytes are to be read. Everything else stays on one connection: a small object
+* The default (``concurrency=None``) is adaptive: a window opens where more connections could
+  pay: the server honours ranges, names the version with a strong ``ETag`` (each part is pinned
+  to it with ``If-Match``) and more than ``part_size`` bytes are to be read. Its first part is
+  the first answer, one stream; then :data:`ADAPTIVE_START` parts at once are tried, and K
+  doubles while the bytes arrive faster for it, up to :data:`ADAPTIVE_LIMIT` (see
+  :mod:`.parts`). Where :data:`ADAPTIVE_START` parts are no faster than the one stream was (a
+  fast local link, which one stream fills), the window closes and the rest is read as one stream
+  (one ranged request to the planned end), as with K = 1; on an object store, where each
+  connection has its own rate, K grows. Everything else stays on one connection: a small object
   (one request, as with K = 1, reading everything asks for its first ``part_size`` bytes, which
   is all of a small one), a server that ignores ranges or gives no strong ``ETag``, a small
-  selection. On a fast local link the growth stops at once (one stream already fills it); on an
-  object store, where each connection has its own rate, it goes on.
+  selection.
 
 A ranged read that breaks (connection reset, closed mid-body, 5xx) is resumed from the byte it
 reached, up to ``retries`` times per read (one tensor, or the header) with exponential backoff.
@@ -82,10 +85,12 @@ FIRST_RANGE = 64 << 10
 """Bytes asked for by the first request: the prefix, the header (usually) and some data."""
 
 ADAPTIVE_START = 4
-"""Parts at once an adaptive window (``concurrency=None``) starts with."""
+"""Parts at once an adaptive window (``concurrency=None``) tries after its first part, one
+stream, whose rate they must beat."""
 
-ADAPTIVE_LIMIT = 16
-"""Parts at once an adaptive window grows to at most (part buffers: at most this many)."""
+ADAPTIVE_LIMIT = 8
+"""Parts at once an adaptive window grows to at most (part buffers: at most this many, 64 MiB of
+the default ``part_size``)."""
 
 _RANGE_IGNORED = (
     "{}: the server ignores Range requests (200, not 206): every read goes through the object "
@@ -123,6 +128,7 @@ class HttpSource(ClientUser, Source):
         self._concurrency = concurrency
         self._part_size = part_size
         self._parts: PartWindow | None = None  # reads go through it once open (see the module)
+        self._single = False  # adaptive and settled on one stream: no window any more
         self.url = url
         self.name = redact(name or url)  # what errors show: no password, no signature
         self._use_client(client, headers, ssl_context, limits)
@@ -143,17 +149,18 @@ class HttpSource(ClientUser, Source):
         """Send the first request and learn the size and whether ranges work.
 
         It asks for the first 64 KiB, unless the reader will read everything (``read_all``):
-        then with one stream (``concurrency=1``) for all of it (``bytes=0-``), so the header and
-        the data come in one response, and adaptive (the default) for the first ``part_size``
-        bytes, all of a small object. With ``concurrency`` K > 1 (or adaptive, for a big
-        enough object) and ``read_all``, the window of parts opens as soon as that answer's head
-        tells the size, before its body (the safetensors header) has been read: the next parts
-        are requested by the first read (speculative first parts). A later jump closes the open
+        then, with one stream (``concurrency=1``) or adaptive (the default), for all of it
+        (``bytes=0-``), so the header and the data come in one response. With ``concurrency``
+        K > 1 (or adaptive, for a big enough object) and ``read_all``, the window of parts
+        opens as soon as that answer's head tells the size, before its body (the safetensors
+        header) has been read: the next parts are requested by the first read (speculative first
+        parts; adaptive: its first part is this answer's first ``part_size`` bytes, and the
+        answer goes on as the one stream if no more parts pay). A later jump closes the open
         response and sends a ranged request from there.
         """
         adaptive = read_all and self._concurrency is None
         speculate = read_all and (self._concurrency or 1) > 1
-        end = self._part_size if adaptive else None if read_all and not speculate else FIRST_RANGE
+        end = None if read_all and not speculate else FIRST_RANGE
         with self._reported():
             response = await self._get(0, end)
             if response is None:  # an empty object
@@ -161,7 +168,7 @@ class HttpSource(ClientUser, Source):
                 self.random_access = True
                 return
             await self._adopt(response, 0)
-            if end is not None and not adaptive and response.status == 200:  # no ranges given
+            if end is not None and response.status == 200:  # no ranges given
                 warnings.warn(RangeIgnoredWarning(_RANGE_IGNORED.format(self.name)), stacklevel=2)
             if (speculate or adaptive) and self.random_access and self.size is not None:
                 self._plan = [(0, self.size)]  # until the reader's plan: everything
@@ -178,7 +185,7 @@ class HttpSource(ClientUser, Source):
         """Whether the planned bytes are to be read through a window of parts: ``concurrency``
         K > 1; adaptive, where the server honours ranges and names the version with a strong
         ETag and more than ``part_size`` bytes are planned (see the module)."""
-        if not self.random_access or self._concurrency == 1:
+        if not self.random_access or self._concurrency == 1 or self._single:
             return False
         if self._concurrency is not None:
             return True
@@ -292,6 +299,12 @@ class HttpSource(ClientUser, Source):
             return await self._read_at(offset, buffer, partial=partial)
         filled, outside = await self._parts.read(offset, buffer, partial=partial)
         self.position = offset + filled
+        if self._parts.drained:  # one stream is as fast: the rest is read as one
+            rest = self._parts.rest
+            self._parts, self._single = None, True
+            if rest is not None:  # the answer the window opened with goes on
+                await self._close_response()
+                self._response, self._response_at, self._response_end = rest
         if outside:
             filled += await self._read_at(offset + filled, buffer[filled:], partial=partial)
         return filled
