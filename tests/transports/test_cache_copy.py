@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 import safetensors.numpy as reference_numpy
@@ -91,3 +92,24 @@ def test_a_copy_that_cannot_be_written_is_given_up_and_the_read_goes_on(tmp_path
     (warning,) = [w for w in result["warnings"] if "copy" in w]
     assert "not keeping a copy: writing the copy failed" in warning
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.suffix in (".safetensors", ".part")]
+
+
+async def test_a_read_cancelled_mid_tensor_leaves_a_copy_that_completes_right(
+    tmp_path: Path,
+) -> None:
+    """A read cancelled while the copy's thread still has pieces of a tensor to write returns
+    only once the thread is done with that memory (the arrays are recycled at once); the next
+    read completes the copy, which holds exactly the object's bytes."""
+    objects = {"/m.safetensors": BIG_DATA}
+    with RangeHTTPServer(objects=objects, etag="strong", rate=8e6) as running:
+        url = running.url("/m.safetensors")
+        for delay in (0.05, 0.15, 0.3):
+            with anyio.move_on_after(delay):
+                async for _, array in stream_st.open_stream(url, cache=tmp_path):
+                    array.fill(0xFF)  # the caller's memory, reused at once
+        assert not list((tmp_path / "objects").rglob("*.safetensors"))  # none complete yet
+        running.rate = None
+        stream = stream_st.open_stream(url, cache=tmp_path)
+        assert_same_arrays({name: array async for name, array in stream}, BIG)
+    (copy,) = (tmp_path / "objects").rglob("*.safetensors")
+    assert copy.read_bytes() == BIG_DATA
