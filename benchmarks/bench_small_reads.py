@@ -97,7 +97,7 @@ def _loader(variant: str) -> Callable[[str], Sequence[Any]]:
             try:
                 buffer = np.empty(os.fstat(fd).st_size, dtype=np.uint8)
                 with os.fdopen(fd, "rb", buffering=0, closefd=False) as file:
-                    file.readinto(memoryview(buffer))
+                    file.readinto(buffer.data)
             finally:
                 os.close(fd)
             return [buffer[8:]]
@@ -108,7 +108,9 @@ def _loader(variant: str) -> Callable[[str], Sequence[Any]]:
 
         import stream_st
 
-        return lambda path: list(asyncio.run(stream_st.load(path)).values())
+        load = stream_st.load  # ``import stream_st`` is lazy: this imports the reader
+
+        return lambda path: list(asyncio.run(load(path)).values())
     if variant in ("st_np", "st_pt"):
         import stream_st.numpy
         import stream_st.torch
