@@ -119,10 +119,10 @@ def load_file(
     """Every tensor of ``filename`` (a file, URL or index) as ``{name: tensor}`` on the CPU.
 
     A local file is mapped (``backend="mmap"``, the default, as in the reference): each tensor
-    is a view of a private mapping of the file, populated a window ahead, nothing copied; the
-    tensors are writable, and a write copies the page for this process only (the file never
-    changes). Use ``backend="pread"`` (each tensor read into fresh memory) for a file on a
-    network file system, or one that may be rewritten or truncated while the tensors live: a
+    is a view of a private mapping of the file, nothing copied; the tensors are writable, and a
+    write copies the page for this process only (the file never changes). Use
+    ``backend="pread"`` (each tensor read into fresh memory) for a file on a network file
+    system, or one that may be rewritten or truncated while the tensors live: a
     mapped tensor sees such a change, and touching a page lost to truncation kills the process
     with ``SIGBUS``. Other sources are always read into fresh memory.
 

@@ -398,6 +398,12 @@ def load_file(
     cache = options.pop("cache", None)  # cache= (stream_st._api)
     include = options.pop("include", None)  # include= (stream_st.torch.load_file)
     caps = Caps.of(options.pop("max_tensor_bytes", None), options.pop("max_total_bytes", None))
+    plain = not options and cache is None and include is None and caps == NO_CAPS
+    if path is not None and not copy and plain:
+        # A local file mapped, nothing to cap, filter or cache: read synchronously, as an open
+        # handle reads it, with no event loop to start (a fixed cost a small file feels).
+        with SafeOpen(path, "pt" if torch else "np", verify=verify) as file:
+            return file.get_tensors()
     return run(_load, src, torch, verify, copy, clock_of(options), cache, caps, include)
 
 

@@ -15,7 +15,6 @@ any synchronous I/O. Not public API.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import sys
 import threading
 from collections.abc import AsyncIterable, Awaitable, Callable
@@ -28,11 +27,6 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from ..errors import UsageError
 
 __all__ = ["Bridge", "check_sync_address", "run"]
-
-# anyio imports its asyncio backend when a loop first starts: tens of milliseconds, which the
-# first synchronous call would pay. Importing it here moves that to the import of the facades
-# (which, as the reference does, load their code at import); ``import stream_st`` stays light.
-importlib.import_module("anyio._backends._asyncio")
 
 T = TypeVar("T")
 

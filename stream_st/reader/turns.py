@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 
 import anyio.lowlevel
+
+# anyio imports its asyncio backend when a loop first calls it: 10-20 ms (more from a cold disk)
+# that the first read (``stream_st.load``, a synchronous facade's first call) would pay. Imported
+# with the reader instead, as the reference loads its code at import; ``import stream_st`` stays
+# light (it imports no reader).
+importlib.import_module("anyio._backends._asyncio")
 
 # Turns for the event loop between pieces of a read that may not wait at all. A read of local
 # files in the page cache can run for a long time without awaiting anything that suspends: the

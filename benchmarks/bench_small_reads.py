@@ -1,0 +1,217 @@
+"""The fixed costs of reading small files: the first load of a warm file, in a fresh process.
+
+Run it from the repository root (about two minutes on 2 cores; ~90 MiB of disk)::
+
+    python benchmarks/bench_small_reads.py [--rounds 5] [--sizes 1,4,16,64] [--dir DIR]
+                                           [--variants raw,st_load,...]
+
+It writes one F32 file per size (1, 4, 16 and 64 MiB of data, 16, 32, 64 and 64 tensors of
+mixed sizes: one large tensor, the rest split between matrices and small vectors, as a model's
+layers are), reads each once so the page cache is warm, then in interleaved rounds (every
+variant of every size once per round, the order rotated each round) starts a fresh process per
+(variant, file) which imports what the variant needs, untimed, then times the FIRST call, as a
+user meets it, with every page of every array touched (byte 0 of each 4 KiB page summed, which
+doubles as a check that all variants but ``raw`` delivered the same bytes):
+
+* ``raw``: ``os.open`` and one ``readinto`` of the whole file into a numpy buffer: the bar;
+* ``st_load``: ``asyncio.run(stream_st.load(path))``;
+* ``st_np``: ``stream_st.numpy.load_file(path)``;
+* ``st_pt``: ``stream_st.torch.load_file(path)``;
+* ``sft_np``: ``safetensors.numpy.load_file(path)`` (the reference);
+* ``sft_pt``: ``safetensors.torch.load_file(path)`` (the reference).
+
+A child also times a second call in the same process (``run 2``), the fixed cost the first call
+pays being their difference. The report prints, per size, each variant's median time of the first
+call, its GB/s, the paired ratios (per round, over ``raw`` and ours over the reference: median and
+range) and the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+PAGE = 4096
+VARIANTS = ("raw", "st_load", "st_np", "st_pt", "sft_np", "sft_pt")
+# Tensor count per size (MiB): 16-64 tensors, as a small model's file holds.
+COUNTS = {1: 16, 4: 32, 16: 64, 64: 64}
+PAIRS = (("st_np", "sft_np"), ("st_pt", "sft_pt"), ("st_load", "sft_np"))
+
+
+def shapes(mib: int) -> list[tuple[int, ...]]:
+    """F32 shapes totalling ``mib`` MiB: a quarter in one tensor, half in matrices, a quarter in
+    vectors (the file's many small tensors)."""
+    count = COUNTS.get(mib, 64)
+    floats = mib * MiB // 4
+    matrices = count // 2
+    vectors = count - 1 - matrices
+    out: list[tuple[int, ...]] = [(floats // 4 // 256, 256)]
+    out += [(floats // 2 // matrices // 128, 128)] * matrices
+    out += [(floats // 4 // vectors,)] * vectors
+    return out
+
+
+def ensure_file(directory: Path, mib: int) -> Path:
+    """The ``mib`` MiB file in ``directory``, written with the reference unless already there."""
+    import safetensors.numpy
+
+    path = directory / f"small_{mib}mib.safetensors"
+    if not path.exists():
+        rng = np.random.default_rng(mib)
+        tensors = {
+            f"layer.{i}.weight": rng.standard_normal(shape, dtype=np.float32)
+            for i, shape in enumerate(shapes(mib))
+        }
+        safetensors.numpy.save_file(tensors, str(path))
+    path.read_bytes()  # warm the page cache
+    return path
+
+
+def touch(arrays: Sequence[Any]) -> int:
+    """The sum of byte 0 of every 4 KiB page of every array (numpy or torch)."""
+    total = 0
+    for array in arrays:
+        flat = np.asarray(array).reshape(-1).view(np.uint8)
+        total += int(flat[::PAGE].sum(dtype=np.int64))
+    return total
+
+
+def _loader(variant: str) -> Callable[[str], Sequence[Any]]:
+    """Import what ``variant`` needs (untimed) and return the call to time."""
+    if variant == "raw":
+
+        def raw(path: str) -> Sequence[Any]:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                buffer = np.empty(os.fstat(fd).st_size, dtype=np.uint8)
+                with os.fdopen(fd, "rb", buffering=0, closefd=False) as file:
+                    file.readinto(buffer.data)
+            finally:
+                os.close(fd)
+            return [buffer[8:]]
+
+        return raw
+    if variant == "st_load":
+        import asyncio
+
+        import stream_st
+
+        load = stream_st.load  # ``import stream_st`` is lazy: this imports the reader
+
+        return lambda path: list(asyncio.run(load(path)).values())
+    if variant in ("st_np", "st_pt"):
+        import stream_st.numpy
+        import stream_st.torch
+
+        module = stream_st.numpy if variant == "st_np" else stream_st.torch
+        return lambda path: list(module.load_file(path).values())
+    if variant in ("sft_np", "sft_pt"):
+        import safetensors.numpy
+        import safetensors.torch
+
+        reference = safetensors.numpy if variant == "sft_np" else safetensors.torch
+        return lambda path: list(reference.load_file(path).values())
+    raise SystemExit(f"unknown variant {variant!r}")
+
+
+def child(variant: str, path: str) -> None:
+    """Time the first and a second call of ``variant`` on ``path``; print them as JSON."""
+    import torch  # every child pays the same imports, none of them timed
+
+    del torch
+    load = _loader(variant)
+    times = []
+    sums = []
+    for _ in range(2):
+        start = time.perf_counter()
+        arrays = load(path)
+        sums.append(touch(arrays))
+        times.append(time.perf_counter() - start)
+        del arrays
+    print(json.dumps({"first": times[0], "second": times[1], "sum": sums[0]}))
+
+
+def run_child(variant: str, path: Path) -> dict[str, Any]:
+    """One fresh process timing ``variant`` on ``path``."""
+    command = [sys.executable, __file__, "--child", variant, str(path)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def report(mib: int, size: int, rounds: list[dict[str, dict[str, Any]]]) -> None:
+    """Print one size's medians, GB/s and paired ratios."""
+    variants = list(rounds[0])
+    print(f"\n{mib} MiB file ({len(shapes(mib))} tensors), {len(rounds)} rounds, first call:")
+    print(f"  {'variant':8} {'run 1 ms':>9} {'GB/s':>6} {'run 2 ms':>9} {'x raw (paired)':>20}")
+    for variant in variants:
+        first = [r[variant]["first"] for r in rounds]
+        second = [r[variant]["second"] for r in rounds]
+        over_raw = (
+            [r["raw"]["first"] / r[variant]["first"] for r in rounds] if "raw" in variants else []
+        )
+        median = statistics.median(first)
+        ratio = _spread(over_raw) if over_raw else "-"
+        print(
+            f"  {variant:8} {median * 1e3:9.2f} {size / median / 1e9:6.2f} "
+            f"{statistics.median(second) * 1e3:9.2f} {ratio:>20}"
+        )
+    for ours, theirs in PAIRS:
+        if ours in variants and theirs in variants:
+            ratios = [r[theirs]["first"] / r[ours]["first"] for r in rounds]
+            print(f"  {ours} speed over {theirs} (paired): {_spread(ratios)}")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--sizes", default="1,4,16,64", help="file sizes in MiB")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--dir", type=Path, help="keep the files there and reuse them")
+    parser.add_argument("--child", nargs=2, metavar=("VARIANT", "PATH"), help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        child(*args.child)
+        return
+    sizes = [int(s) for s in args.sizes.split(",")]
+    variants = args.variants.split(",")
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = args.dir or Path(scratch)
+        directory.mkdir(parents=True, exist_ok=True)
+        paths = {mib: ensure_file(directory, mib) for mib in sizes}
+        print(f"load average before: {os.getloadavg()}")
+        results: dict[int, list[dict[str, dict[str, Any]]]] = {mib: [] for mib in sizes}
+        for index in range(args.rounds):
+            for mib in sizes:
+                order = variants[index % len(variants) :] + variants[: index % len(variants)]
+                got = {variant: run_child(variant, paths[mib]) for variant in order}
+                if len({r["sum"] for v, r in got.items() if v != "raw"}) > 1:
+                    raise SystemExit(f"variants disagree on the bytes of the {mib} MiB file")
+                results[mib].append({variant: got[variant] for variant in variants})
+        for mib in sizes:
+            report(mib, paths[mib].stat().st_size, results[mib])
+        print(f"\nload average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
