@@ -101,7 +101,10 @@ async def test_a_read_cancelled_mid_tensor_leaves_a_copy_that_completes_right(
     only once the thread is done with that memory (the arrays are recycled at once); the next
     read completes the copy, which holds exactly the object's bytes."""
     objects = {"/m.safetensors": BIG_DATA}
-    with RangeHTTPServer(objects=objects, etag="strong", rate=8e6) as running:
+    with (
+        anyio.fail_after(120),
+        RangeHTTPServer(objects=objects, etag="strong", rate=8e6) as running,
+    ):
         url = running.url("/m.safetensors")
         for delay in (0.05, 0.15, 0.3):
             with anyio.move_on_after(delay):
