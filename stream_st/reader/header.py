@@ -24,9 +24,11 @@ HEADER_FIRST_READ = 64 << 10
 """On a source of unknown length, the header buffer starts at this size and doubles as bytes
 arrive, so a peer that declares a huge header and sends little costs little."""
 
-PARSE_IN_THREAD_ABOVE = 64 << 10
-"""A header longer than this is parsed in a worker thread; a shorter one (a few ms of work at
-most) on the event loop, where the hop to a thread would cost more than it saves."""
+PARSE_IN_THREAD_ABOVE = 256 << 10
+"""A header longer than this is parsed in a worker thread; a shorter one (about 3,000 tensors,
+5 ms of work at most on a quiet machine) on the event loop, where the hop to a thread would
+cost more than it saves (a first call of 1,000 tensors: 2.2 ms on the loop, 4.3 ms through a
+thread; ``benchmarks/bench_header.py --only-sizes``)."""
 
 
 def _buffer(size: int) -> memoryview:
