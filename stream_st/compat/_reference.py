@@ -34,7 +34,7 @@ from ..core.shards import is_index
 from ..errors import TensorNotFoundError, UsageError
 from ..memory.delivery import Delivery
 from ..reader import Include
-from ..reader.caps import NO_CAPS, Caps
+from ..reader.caps import NO_CAPS, Caps, current_caps
 from ..transports.file.source import path_from_url
 from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import Sink, SinkLike, SourceLike
@@ -398,7 +398,8 @@ def load_file(
     cache = options.pop("cache", None)  # cache= (stream_st._api)
     include = options.pop("include", None)  # include= (stream_st.torch.load_file)
     caps = Caps.of(options.pop("max_tensor_bytes", None), options.pop("max_total_bytes", None))
-    plain = not options and cache is None and include is None and caps == NO_CAPS
+    capped = caps != NO_CAPS or current_caps() != NO_CAPS  # given, or set by using_caps()
+    plain = not options and cache is None and include is None and not capped
     if path is not None and not copy and plain:
         # A local file mapped, nothing to cap, filter or cache: read synchronously, as an open
         # handle reads it, with no event loop to start (a fixed cost a small file feels).

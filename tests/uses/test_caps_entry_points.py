@@ -15,6 +15,7 @@ import stream_st
 import stream_st.numpy
 import stream_st.torch
 from stream_st.cli import main
+from stream_st.reader.caps import Caps, using_caps
 
 ARRAYS: dict[str, np.ndarray[Any, Any]] = {
     "a": np.zeros(1000, np.float32),
@@ -37,6 +38,9 @@ def test_the_drop_ins_load_file_takes_the_caps(path: Path, module: object) -> No
     with pytest.raises(stream_st.AllocationError, match="4080 bytes"):
         load_file(str(path), max_total_bytes=4079)
     assert sorted(load_file(str(path), max_tensor_bytes=4000, max_total_bytes=4080)) == ["a", "b"]
+    refused = pytest.raises(stream_st.AllocationError, match="'a' declares 4000 bytes")
+    with using_caps(Caps.of(3999, None)), refused:  # set for the context, not given: taken too
+        load_file(str(path))
 
 
 def test_the_command_takes_the_caps(
