@@ -369,17 +369,6 @@ async def test_s3(aws_env: None, moto_s3: MotoS3Server, tmp_path: Path) -> None:
 # ------------------------------------------------------------------ hf://
 
 
-@pytest.fixture
-def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeHub]:
-    with FakeHub() as running:
-        monkeypatch.setenv("HF_ENDPOINT", running.endpoint)
-        monkeypatch.setenv("HF_TOKEN", running.token)
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-        monkeypatch.setenv("STREAM_ST_CACHE", str(tmp_path / "st-cache"))
-        yield running
-
-
 async def test_hub_files_go_into_the_hugging_face_layout(hub: FakeHub, tmp_path: Path) -> None:
     commit = hub.push("org/model", {"model.safetensors": DATA})
     arrays, state = await read("hf://org/model/model.safetensors", cache=True)

@@ -4,12 +4,10 @@ shard are kept as single files are, and a second read, or an offline one, fetche
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
@@ -61,17 +59,6 @@ async def test_an_index_and_its_shards_are_kept_and_read_again_from_the_copies(
     # the server is gone: offline, everything comes from the copies
     offline = Cache(tmp_path, tmp_path / "hub", offline=True)
     assert_same_arrays(await read(url, cache=offline, include=["c"]), {"c": EVERY["c"]})
-
-
-@pytest.fixture
-def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeHub]:
-    with FakeHub() as running:
-        monkeypatch.setenv("HF_ENDPOINT", running.endpoint)
-        monkeypatch.setenv("HF_TOKEN", running.token)
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-        monkeypatch.setenv("STREAM_ST_CACHE", str(tmp_path / "st-cache"))
-        yield running
 
 
 async def test_a_hub_checkpoint_goes_into_the_hugging_face_layout_at_one_commit(
