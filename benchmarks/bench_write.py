@@ -16,7 +16,13 @@ to a temporary directory in ``--dir`` (by default the system's, which the output
 file system): the disk users write to, not ``/dev/shm``.
 
 Variants, interleaved (A B C ... A B C ...), the timer running from opening the destination to
-the file complete and closed (no fsync anywhere, as the reference does none):
+the file complete and closed (no fsync anywhere, as the reference does none). Before the timer
+each process pays, for every variant alike, what a program pays once and not per write: it
+imports the modules the variant calls (stream_st imports its parts on first use) and, where the
+variant runs an event loop, anyio's asyncio backend (imported on anyio's first run); a model's
+module is built from the tensors. That cost is reported apart, as "first call" (on a quiet
+machine 0.1-0.3 s for stream_st's writers: timed with the write, it cost 1 GiB of them about a
+third of their speed against the bar).
 
 * ``pwrite``: the bar. The file preallocated (``posix_fallocate``), the header written, then the
   data by 2 threads issuing 8 MiB ``os.pwrite`` calls from the arrays' memory.
@@ -39,7 +45,8 @@ each run the files are deleted and the dirty pages flushed (``os.sync``), outsid
 
 Reported: GB/s per round and per variant, each variant's ratio to ``pwrite`` of the same round
 (median, min and max: the requirement is every round), the same against the reference's
-``save_file``, and the peak RSS above the process's RSS once the tensors exist (``VmHWM``).
+``save_file``, the peak RSS above the process's RSS once the tensors exist (``VmHWM``), and the
+first-call cost.
 The load average (other processes skew the figures) is printed at the start and end.
 """
 
@@ -192,78 +199,104 @@ def _bar(path: str, prefix: bytes, arrays: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def _child(variant: str, workdir: str, count: int, source: str, src: str) -> dict[str, Any]:
-    """Run one variant once in this (fresh) process; return its timing and memory."""
+def _prepare(
+    variant: str,
+    workdir: str,
+    count: int,
+    arrays: dict[str, Any],
+    tensors: dict[str, Any],
+    src: str,
+) -> Any:
+    """Import what ``variant`` calls and build what it is handed (a model's module); returns the
+    call to time. Everything here is a once-per-process cost, kept out of the timer for every
+    variant alike: the modules (stream_st's are imported lazily, on first use), and for the
+    variants that run an event loop anyio's asyncio backend, which anyio imports on its first
+    run."""
     import anyio
-
-    import stream_st
-    from stream_st.core.layout import build_header
 
     names = _names(count)
     path = os.path.join(workdir, "out.safetensors")
-    prefix, _ = build_header([stream_st.TensorSpec(name, "F32", (ELEMENTS,)) for name in names])
-    arrays = {} if variant == "cp" else _arrays(count, source)
-    if variant.startswith(("torch", "ref_torch")):
+    if variant == "pwrite":
+        from stream_st.core.layout import TensorSpec, build_header
+
+        prefix, _ = build_header([TensorSpec(name, "F32", (ELEMENTS,)) for name in names])
+        return lambda: _bar(path, prefix, arrays)
+    if variant == "ref_np":
+        import safetensors.numpy
+
+        return lambda: safetensors.numpy.save_file(arrays, path)
+    if variant == "ref_torch":
         import safetensors.torch
+
+        return lambda: safetensors.torch.save_file(tensors, path)
+    anyio.run(anyio.lowlevel.checkpoint)  # imports anyio's asyncio backend
+    if variant == "np_save_file":
+        import stream_st.numpy
+
+        return lambda: stream_st.numpy.save_file(arrays, path)
+    if variant in ("torch_save_file", "torch_save_model"):
         import torch
 
         import stream_st.torch
 
-        tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
-    elif variant in ("np_save_file", "ref_np"):
-        import safetensors.numpy
-
-        import stream_st.numpy
-    elif variant == "cp":
+        if variant == "torch_save_file":
+            return lambda: stream_st.torch.save_file(tensors, path)
+        module = torch.nn.Module()
+        for name, tensor in tensors.items():
+            module.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+        return lambda: stream_st.torch.save_model(module, path)
+    if variant == "cp":
         from stream_st.tools.cp import cp
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # VmHWM restarts from the RSS now: the tensors exist, imports are done
-    baseline = _status_bytes("VmRSS")
 
-    async def open_writer() -> None:
-        plan = [stream_st.TensorSpec(name, "F32", (ELEMENTS,)) for name in names]
-        async with stream_st.open_writer(path, plan) as writer:
+        return lambda: anyio.run(cp, src, path)
+    from stream_st import TensorSpec, open_dataset_writer, open_sharded_writer, open_writer, save
+
+    async def by_tensor() -> None:
+        plan = [TensorSpec(name, "F32", (ELEMENTS,)) for name in names]
+        async with open_writer(path, plan) as writer:
             for name in names:
                 await writer.write(name, arrays[name])
 
     async def sharded() -> None:
-        async with stream_st.open_sharded_writer(
-            workdir, max_shard_size=count // 2 * TENSOR_BYTES
-        ) as writer:
+        half = count // 2 * TENSOR_BYTES
+        async with open_sharded_writer(workdir, max_shard_size=half) as writer:
             for name in names:
                 await writer.write(name, arrays[name])
 
     async def dataset() -> None:
         half = count // 2
-        async with stream_st.open_dataset_writer(workdir) as writer:
+        async with open_dataset_writer(workdir) as writer:
             for rows in (range(half), range(half, count)):
                 await writer.write_batch(
                     {f"c{j:02d}": arrays[names[i]] for j, i in enumerate(rows)}, 1
                 )
 
-    def save_model() -> None:
-        module = torch.nn.Module()
-        for name, tensor in tensors.items():
-            module.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
-        stream_st.torch.save_model(module, path)
+    if variant == "save":
+        return lambda: anyio.run(save, path, arrays)
+    runs = {"open_writer": by_tensor, "sharded": sharded, "dataset": dataset}
+    return lambda: anyio.run(runs[variant])
 
-    runs: dict[str, Any] = {
-        "pwrite": lambda: _bar(path, prefix, arrays),
-        "open_writer": lambda: anyio.run(open_writer),
-        "save": lambda: anyio.run(stream_st.save, path, arrays),
-        "np_save_file": lambda: stream_st.numpy.save_file(arrays, path),
-        "ref_np": lambda: safetensors.numpy.save_file(arrays, path),
-        "torch_save_file": lambda: stream_st.torch.save_file(tensors, path),
-        "torch_save_model": save_model,
-        "ref_torch": lambda: safetensors.torch.save_file(tensors, path),
-        "sharded": lambda: anyio.run(sharded),
-        "dataset": lambda: anyio.run(dataset),
-        "cp": lambda: anyio.run(cp, src, path),
-    }
+
+def _child(variant: str, workdir: str, count: int, source: str, src: str) -> dict[str, Any]:
+    """Run one variant once in this (fresh) process; return its timing, its once-per-process
+    cost (imports, outside the timer) and its memory."""
+    arrays = {} if variant == "cp" else _arrays(count, source)
+    tensors = {}
+    if "torch" in variant:  # the program that made the tensors has torch
+        import torch
+
+        tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
     start = time.perf_counter()
-    runs[variant]()
+    run = _prepare(variant, workdir, count, arrays, tensors, src)
+    setup = time.perf_counter() - start
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # VmHWM restarts from the RSS now: the tensors exist, imports are done
+    baseline = _status_bytes("VmRSS")
+    start = time.perf_counter()
+    run()
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "baseline": baseline, "peak": _status_bytes("VmHWM")}
+    peak = _status_bytes("VmHWM")
+    return {"seconds": seconds, "setup": setup, "baseline": baseline, "peak": peak}
 
 
 def _run_child(variant: str, workdir: str, count: int, source: str, src: str) -> dict[str, Any]:
@@ -317,6 +350,7 @@ def _main(repeat: int, directory: str | None, variants: list[str], count: int, s
     src = os.path.join(workdir, "source.safetensors.in")
     seconds: dict[str, list[float]] = {v: [] for v in variants}
     above: dict[str, list[int]] = {v: [] for v in variants}
+    setup: dict[str, list[float]] = {v: [] for v in variants}
     try:
         if "cp" in variants:
             arrays = _arrays(count, "numpy")
@@ -344,6 +378,7 @@ def _main(repeat: int, directory: str | None, variants: list[str], count: int, s
                 os.sync()
                 seconds[variant].append(result["seconds"])
                 above[variant].append(result["peak"] - result["baseline"])
+                setup[variant].append(result["setup"])
             line = " ".join(f"{v}={data / seconds[v][-1] / 1e9:.2f}" for v in variants)
             print(f"round {rep + 1} GB/s: {line}  (load {os.getloadavg()[0]:.2f})", flush=True)
     finally:
@@ -351,15 +386,23 @@ def _main(repeat: int, directory: str | None, variants: list[str], count: int, s
     print(f"load average at end: {_load()}")
     print("every single-file variant's bytes matched the reference layout (CRC-32, round 1)\n")
 
-    header = f"{'variant':<17} {'median GB/s':>11} {'min':>6} {'max':>6} {'peak RSS above':>15}"
+    header = (
+        f"{'variant':<17} {'median GB/s':>11} {'min':>6} {'max':>6} {'peak RSS above':>15} "
+        f"{'first call':>11}"
+    )
     print(header)
     print("-" * len(header))
     for variant in variants:
         rates = [data / s / 1e9 for s in seconds[variant]]
         print(
             f"{variant:<17} {statistics.median(rates):>11.2f} {min(rates):>6.2f} "
-            f"{max(rates):>6.2f} {max(above[variant]) / MiB:>11.0f} MiB"
+            f"{max(rates):>6.2f} {max(above[variant]) / MiB:>11.0f} MiB "
+            f"{statistics.median(setup[variant]) * 1e3:>8.0f} ms"
         )
+    print(
+        "first call: the median once-per-process cost outside the timer (imports, and anyio's "
+        "event-loop backend where an event loop runs)"
+    )
     for bar, label in (("pwrite", "the 2-thread pwrite bar"), ("ref_np", "ref_np")):
         if bar not in variants:
             continue
