@@ -1,6 +1,7 @@
 """Every writer of a local file issues ``pwritev`` calls of at most ``WRITE_CALL`` bytes, cut at
-multiples of it in the file, shared by two threads for a large tensor: the bytes are right
-wherever the data starts and whatever the sizes, and the calls never pass a block's end."""
+multiples of it in the file, shared by two threads for a large tensor and made on the event
+loop's thread for a small one: the bytes are right wherever the data starts and whatever the
+sizes, and the calls never pass a block's end."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ BLOCK = 4096
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int, int]]]:
     """The ``(offset, length, thread)`` of every ``os.pwritev`` call, each still made (after 2 ms,
-    so that both threads of a shared write take blocks); blocks of 4 KiB and a split from 16 KiB
-    so that small tensors exercise both paths."""
+    so that both threads of a shared write take blocks); blocks of 4 KiB, worker threads from
+    8 KiB and a split from 16 KiB so that small tensors exercise every path."""
     seen: list[tuple[int, int, int]] = []
     real = os.pwritev
 
@@ -42,6 +43,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int, int]
     monkeypatch.setattr(os, "pwritev", pwritev)
     monkeypatch.setattr(sink, "WRITE_CALL", BLOCK)
     monkeypatch.setattr(sink, "SPLIT_THRESHOLD", 4 * BLOCK)
+    monkeypatch.setattr(sink, "WRITE_INLINE", 2 * BLOCK)
     yield seen
 
 
@@ -75,13 +77,16 @@ async def test_open_writer_cuts_calls_at_blocks(
     assert header.data_start % BLOCK  # the data does not start on a block: cut there too
     assert path.read_bytes() == reference_numpy.save(tensors)
     check_calls(calls, header.file_size)
-    big = header["big"]
-    shared = {
-        thread
-        for offset, _, thread in calls
-        if header.data_start + big.start <= offset < header.data_start + big.end
-    }
-    assert len(shared) == 2, "a large tensor is written by two threads"
+
+    def threads(name: str) -> set[int]:
+        info = header[name]
+        start, end = header.data_start + info.start, header.data_start + info.end
+        return {thread for offset, _, thread in calls if start <= offset < end}
+
+    loop = threading.get_ident()
+    assert len(threads("big") - {loop}) == 2, "a large tensor is written by two threads"
+    assert threads("row") and loop not in threads("row"), "a mid-sized one in worker threads"
+    assert threads("odd") == {loop}, "a small tensor is written on the event loop's thread"
 
 
 async def test_parts_at_any_offset(tmp_path: Path, calls: list[tuple[int, int, int]]) -> None:
