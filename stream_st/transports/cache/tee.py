@@ -447,10 +447,6 @@ class TeeSource(Source):
         self.random_access = inner.random_access
         self.clock = inner.clock
         self.position = inner.position
-        # K ranged requests at once land their parts straight in the memory of the read they
-        # fall in: a read is passed on whole, then kept (a piece-sized read would send every
-        # part through a part buffer and back)
-        self._whole_reads = (inner.clock.transport.concurrency or 1) > 1
 
     async def receive_into(self, buffer: memoryview) -> int:
         return await self.read_into_at(self.position, buffer[:DISCARD_CHUNK])
@@ -489,23 +485,35 @@ class TeeSource(Source):
         return filled
 
     async def _fetch(self, offset: int, view: memoryview) -> int:
-        """Fill ``view`` from the remote source at ``offset``, keeping the bytes: piece by
-        piece, each handed to the copy's thread as the next is received; returns once all are
-        written (the caller may use ``view`` again)."""
+        """Fill ``view`` from the remote source at ``offset``, keeping the bytes: the read is
+        passed on whole (its parts, when several connections are at work, land straight in
+        ``view``), and the bytes are handed to the copy's thread in pieces as the source tells
+        they have landed (:meth:`~stream_st.transports.base.Source.read_landing`), written and
+        hashed while the rest arrives; returns once all are written (the caller may use ``view``
+        again)."""
         writer = self.writer
-        if len(view) <= PIECE or not writer.active or self._whole_reads:
+        if len(view) <= PIECE or not writer.active:
             got = await self.inner.read_into_at(offset, view)
             await writer.took(offset, view[:got])
             return got
-        got = 0
+        handed = 0  # bytes of ``view`` handed to the copy's thread
+
+        def hand(end: int) -> None:
+            nonlocal handed
+            for start in range(handed, end, PIECE):
+                writer.hand(offset + start, view[start : min(end, start + PIECE)])
+            handed = end
+
+        def landed(start: int, end: int) -> None:
+            end -= offset
+            if end - handed >= PIECE:
+                hand(end - (end - handed) % PIECE)
+
         try:
-            while got < len(view):
-                piece = view[got : got + PIECE]
-                count = await self.inner.read_into_at(offset + got, piece)
-                writer.hand(offset + got, piece[:count])
-                got += count
-                if count < len(piece):
-                    break
+            got = await self.inner.read_landing(offset, view, landed)
+            if got is None:  # the source cannot tell: the bytes are kept once all are in
+                got = await self.inner.read_into_at(offset, view)
+            hand(got)
         except BaseException:
             # the copy's thread may still read pieces of ``view``: a read cancelled or failed
             # waits for it (shielded: a piece takes milliseconds), so the caller never gets
