@@ -40,6 +40,7 @@ from ...errors import IntegrityError
 from ..base import DISCARD_CHUNK, Source
 from ..file.pread import pread_fully
 from ..options import Transport
+from .follow import Growing
 from .store import EntryLock, RangeSet, Record, hash_file, new_hasher, now, remove_quietly
 
 __all__ = ["PIECE", "CopyWriter", "Destination", "TeeSource"]
@@ -62,7 +63,9 @@ class Destination:
     are kept between reads (None: it is thrown away when the read stops short); ``commit``:
     moves the finished file into place and writes its records (blocking; given the part file
     and the record). ``expected``: the digest (hex, of ``algorithm``) the copy must have, when
-    known ahead (a Hub file's SHA-256).
+    known ahead (a Hub file's SHA-256). ``growing``: where the bytes written so far are
+    published for other processes reading the same object (see :mod:`.follow`), with
+    ``version``, the copy's version name.
     """
 
     part: Path
@@ -72,6 +75,8 @@ class Destination:
     expected: str | None = None
     on_committed: Callable[[], None] | None = None
     held: RangeSet = field(default_factory=RangeSet)
+    growing: Path | None = None
+    version: str = ""
 
 
 def _allocate(fd: int, size: int) -> None:
@@ -226,6 +231,10 @@ class CopyWriter:
         self._hashed = 0  # bytes fed to the hashers, from the first
         self._keeper = _Keeper(self._write)
         self.committed = False
+        self._growing: Growing | None = None
+        if destination.growing is not None and self.size is not None and self.active:
+            self._growing = Growing.start(destination.growing, destination.version, record)
+            self._publish()
 
     @property
     def active(self) -> bool:
@@ -304,6 +313,21 @@ class CopyWriter:
             self.held.add(start, end)
         if ranges and self.size is not None and self.held.covers(0, self.size):
             await self.complete()
+        elif ranges:
+            self._publish()
+
+    def _publish(self) -> None:
+        """Tell other readers how many bytes from the first are written (see :mod:`.follow`)."""
+        if self._growing is not None:
+            ranges = self.held.ranges
+            self._growing.publish(ranges[0][1] if ranges and ranges[0][0] == 0 else 0)
+
+    def _unpublish(self) -> None:
+        """No more bytes will be written: followers see the copy committed, or read on
+        themselves."""
+        growing, self._growing = self._growing, None
+        if growing is not None:
+            growing.end()
 
     async def read_copy(self, offset: int, view: memoryview) -> int:
         """Fill ``view`` from the partial copy (bytes it holds) at ``offset``."""
@@ -362,12 +386,14 @@ class CopyWriter:
         except OSError as exc:
             remove_quietly(part)
             self._forget_part()
+            self._unpublish()
             self.lock.release()
             self.given_up = f"keeping the copy failed: {exc}"
             warnings.warn(f"{self.name}: {self.given_up}", RuntimeWarning, stacklevel=2)
             return
         self._forget_part()
         self.committed = True
+        self._unpublish()
         self.lock.release()
         if destination.on_committed is not None:
             with contextlib.suppress(OSError):
@@ -388,6 +414,7 @@ class CopyWriter:
 
     async def _discard(self) -> None:
         await self._keeper.stop()
+        self._unpublish()
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
@@ -399,6 +426,7 @@ class CopyWriter:
         """The read is over. An incomplete copy of known size is kept as a partial copy for a
         later read (its data flushed before the ranges are recorded), else thrown away."""
         await self._keeper.stop()
+        self._unpublish()
         fd = self._fd
         if fd is None:
             self.lock.release()
@@ -510,9 +538,9 @@ class TeeSource(Source):
                 hand(end - (end - handed) % PIECE)
 
         try:
-            got = await self.inner.read_landing(offset, view, landed)
-            if got is None:  # the source cannot tell: the bytes are kept once all are in
-                got = await self.inner.read_into_at(offset, view)
+            landing = await self.inner.read_landing(offset, view, landed)
+            # None: the source cannot tell, the bytes are kept once all are in
+            got = await self.inner.read_into_at(offset, view) if landing is None else landing
             hand(got)
         except BaseException:
             # the copy's thread may still read pieces of ``view``: a read cancelled or failed
