@@ -11,12 +11,14 @@ and recorded: before the reader hands out the last tensor. A copy that does not 
 :class:`~stream_st.IntegrityError` and is thrown away.
 
 Writing the copy never costs a copy of the bytes in memory: each piece is written from the
-buffer it was received into (the tensor's own memory). A large read is received in pieces that
-one thread of the copy's own writes and hashes (while the bytes are still in the CPU's caches)
-as the next one arrives; the event loop only hands pieces over and, once the read's last piece
-is in, waits for that one to be written: the caller's memory is never used again while the copy
-still reads it. A copy that cannot be written (a full disk) is given up with a warning; the
-read goes on.
+buffer it was received into (the tensor's own memory). A large read is passed to the remote
+source whole, which tells as its bytes land (:meth:`~stream_st.transports.base.Source.
+read_landing`); one thread of the copy's own writes and hashes them in pieces (while the bytes
+are still in the CPU's caches) as the rest arrives; the event loop only hands pieces over and,
+once the read's last piece is in, waits for that one to be written: the caller's memory is
+never used again while the copy still reads it. Other processes reading the same object read
+the copy as it grows (see :mod:`.follow`). A copy that cannot be written (a full disk) is given
+up with a warning; the read goes on.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ from .store import EntryLock, RangeSet, Record, hash_file, new_hasher, now, remo
 __all__ = ["PIECE", "CopyWriter", "Destination", "TeeSource"]
 
 PIECE = 1 << 20
-"""A large read is received in pieces of this size, each written and hashed by the copy's thread
-while the next one arrives: small enough to be hashed from the CPU's caches right after it is
-written, and for the wait on a read's last piece to be short."""
+"""The bytes of a large read are handed to the copy's thread in pieces of this size as they land,
+each written and hashed while the rest arrives: small enough to be hashed from the CPU's caches
+right after it is written, and for the wait on a read's last piece to be short."""
 
 INLINE = 256 << 10
 """Reads up to this size are written and hashed on the event loop's thread (cheaper than
