@@ -374,7 +374,8 @@ class CachedStream(TensorStream):
     ``hf://`` address) and ``cache``. After it opens, ``cache_state`` says how the cache served
     it: ``"hit"`` (the local copy, checked fresh), ``"offline"`` (the copy, no request),
     ``"stale"`` (the copy; the server could not be asked), ``"fetch"`` (the remote object,
-    kept while read) or ``"uncached"``."""
+    kept while read), ``"shared"`` (the copy another process is writing, read as it grows) or
+    ``"uncached"``."""
 
     def __init__(self, address: str, *, cache: Cache, **options: Any) -> None:
         super().__init__(address, **options)

@@ -117,6 +117,15 @@ class Source(ABC):
         None, reading nothing, where the source has no such path (the caller hashes itself)."""
         return None
 
+    async def read_landing(
+        self, offset: int, buffer: memoryview, landed: Callable[[int, int], None]
+    ) -> int | None:
+        """:meth:`read_into_at` that also calls ``landed(start, end)`` (absolute offsets, on the
+        event loop's thread, in order) each time the bytes ``start`` to ``end`` are in ``buffer``
+        for good; or None, reading nothing, where the source has no such path. A copy of the
+        bytes can then be written as they arrive."""
+        return None
+
     async def plan_reads(self, ranges: Sequence[tuple[int, int]]) -> None:  # noqa: B027
         """Learn, once the header is parsed, the absolute byte ranges the reader will ask for:
         in order, adjacent ones merged. Ranged transports schedule their requests and read-ahead

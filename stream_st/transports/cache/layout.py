@@ -7,6 +7,7 @@
     objects/<key>/<version>.json          its record
     objects/<key>/<version>.part          a partial copy (sparse), and
     objects/<key>/<version>.part.json     the ranges it holds
+    objects/<key>/.growing                what the copy's writer has written so far
 
 ``<key>`` hashes the address (:func:`~.keys.object_key`), ``<version>`` its ETag, Last-Modified
 and size. ``hf://`` files, under ``hub_directory``, in the Hugging Face layout::
@@ -53,6 +54,11 @@ class ObjectEntry:
     @property
     def lock(self) -> Path:
         return self.folder / "lock"
+
+    @property
+    def growing(self) -> Path:
+        """Where the writer of a copy publishes its progress (see :mod:`.follow`)."""
+        return self.folder / ".growing"
 
     @property
     def data(self) -> Path:

@@ -2,8 +2,9 @@
 the remote object through a :class:`~.tee.TeeSource` that writes the copy.
 
 ``http(s)://`` and ``s3://``: under the entry's lock (:class:`~.store.EntryLock`; a second
-reader of the same object waits here while the first writes the copy, then reads the copy),
-the first request of the read is also the freshness check: it carries ``If-None-Match`` with the
+reader of the same object reads the copy the first is writing as it grows, see :mod:`.follow`,
+or waits while the lock's holder checks its copy), the first request of the read is also the
+freshness check: it carries ``If-None-Match`` with the
 copy's ETag. A ``304 Not Modified`` (or an answer of the same version, from a server that does
 not do conditional requests) means the copy is used and the answer is dropped; any other answer
 is the first of the read of the new version, which goes into a new copy. A server that cannot
@@ -29,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
+
 from ...errors import CacheMissError, HTTPStatusError, TransportError
 from ..base import Source
 from ..http.redirect import REDIRECTS, redirected
@@ -36,9 +39,11 @@ from ..http.target import Target
 from ..options import Clock, Transport
 from ..registry import open_source, read_object, scheme_of
 from .config import Cache
+from .follow import follow
 from .keys import object_key, version_key
 from .layout import COMMIT, HubEntry, ObjectEntry, repo_folder
 from .store import (
+    LOCK_POLL,
     EntryLock,
     RangeSet,
     Record,
@@ -63,7 +68,8 @@ class Resolved:
     """What to read: ``target`` (a local path, a source, or the address itself) and how the
     cache served it, ``state``: ``"hit"`` (the copy, checked fresh), ``"offline"`` (the copy,
     no request), ``"stale"`` (the copy; the server could not say), ``"fetch"`` (the object,
-    kept while read) or ``"uncached"`` (the object, as without a cache)."""
+    kept while read), ``"shared"`` (the copy another process is writing, read as it grows) or
+    ``"uncached"`` (the object, as without a cache)."""
 
     target: str | Source
     state: str
@@ -162,7 +168,13 @@ async def _object(address: str, cache: Cache, clock: Clock, read_all: bool) -> R
                 )
             touch(found[0].record)
             return Resolved(str(found[0].data), "offline")
-        await lock.acquire(clock, inner.name)
+        while not lock.try_acquire():  # another process holds the entry
+            follower = await follow(entry, inner, lock, shown)
+            if follower is not None:
+                handed = True
+                return Resolved(follower, "shared")
+            clock.check(inner.name)
+            await anyio.sleep(LOCK_POLL)
         entry.clean()
         found = await _committed(entry)
         if found is not None and found[1].etag:
@@ -197,6 +209,8 @@ async def _object(address: str, cache: Cache, clock: Clock, read_all: bool) -> R
             commit=version.commit,
             on_committed=_pruner(cache, version.data),
             held=held,
+            growing=entry.growing,
+            version=version.version,
         )
         # the transport's digest of the whole object (an S3 checksum): the copy is checked
         # against it once complete, whatever reads made it up

@@ -11,12 +11,14 @@ and recorded: before the reader hands out the last tensor. A copy that does not 
 :class:`~stream_st.IntegrityError` and is thrown away.
 
 Writing the copy never costs a copy of the bytes in memory: each piece is written from the
-buffer it was received into (the tensor's own memory). A large read is received in pieces that
-one thread of the copy's own writes and hashes (while the bytes are still in the CPU's caches)
-as the next one arrives; the event loop only hands pieces over and, once the read's last piece
-is in, waits for that one to be written: the caller's memory is never used again while the copy
-still reads it. A copy that cannot be written (a full disk) is given up with a warning; the
-read goes on.
+buffer it was received into (the tensor's own memory). A large read is passed to the remote
+source whole, which tells as its bytes land (:meth:`~stream_st.transports.base.Source.
+read_landing`); one thread of the copy's own writes and hashes them in pieces (while the bytes
+are still in the CPU's caches) as the rest arrives; the event loop only hands pieces over and,
+once the read's last piece is in, waits for that one to be written: the caller's memory is
+never used again while the copy still reads it. Other processes reading the same object read
+the copy as it grows (see :mod:`.follow`). A copy that cannot be written (a full disk) is given
+up with a warning; the read goes on.
 """
 
 from __future__ import annotations
@@ -40,14 +42,15 @@ from ...errors import IntegrityError
 from ..base import DISCARD_CHUNK, Source
 from ..file.pread import pread_fully
 from ..options import Transport
+from .follow import Growing
 from .store import EntryLock, RangeSet, Record, hash_file, new_hasher, now, remove_quietly
 
 __all__ = ["PIECE", "CopyWriter", "Destination", "TeeSource"]
 
 PIECE = 1 << 20
-"""A large read is received in pieces of this size, each written and hashed by the copy's thread
-while the next one arrives: small enough to be hashed from the CPU's caches right after it is
-written, and for the wait on a read's last piece to be short."""
+"""The bytes of a large read are handed to the copy's thread in pieces of this size as they land,
+each written and hashed while the rest arrives: small enough to be hashed from the CPU's caches
+right after it is written, and for the wait on a read's last piece to be short."""
 
 INLINE = 256 << 10
 """Reads up to this size are written and hashed on the event loop's thread (cheaper than
@@ -62,7 +65,9 @@ class Destination:
     are kept between reads (None: it is thrown away when the read stops short); ``commit``:
     moves the finished file into place and writes its records (blocking; given the part file
     and the record). ``expected``: the digest (hex, of ``algorithm``) the copy must have, when
-    known ahead (a Hub file's SHA-256).
+    known ahead (a Hub file's SHA-256). ``growing``: where the bytes written so far are
+    published for other processes reading the same object (see :mod:`.follow`), with
+    ``version``, the copy's version name.
     """
 
     part: Path
@@ -72,6 +77,8 @@ class Destination:
     expected: str | None = None
     on_committed: Callable[[], None] | None = None
     held: RangeSet = field(default_factory=RangeSet)
+    growing: Path | None = None
+    version: str = ""
 
 
 def _allocate(fd: int, size: int) -> None:
@@ -226,6 +233,10 @@ class CopyWriter:
         self._hashed = 0  # bytes fed to the hashers, from the first
         self._keeper = _Keeper(self._write)
         self.committed = False
+        self._growing: Growing | None = None
+        if destination.growing is not None and self.size is not None and self.active:
+            self._growing = Growing.start(destination.growing, destination.version, record)
+            self._publish()
 
     @property
     def active(self) -> bool:
@@ -304,6 +315,21 @@ class CopyWriter:
             self.held.add(start, end)
         if ranges and self.size is not None and self.held.covers(0, self.size):
             await self.complete()
+        elif ranges:
+            self._publish()
+
+    def _publish(self) -> None:
+        """Tell other readers how many bytes from the first are written (see :mod:`.follow`)."""
+        if self._growing is not None:
+            ranges = self.held.ranges
+            self._growing.publish(ranges[0][1] if ranges and ranges[0][0] == 0 else 0)
+
+    def _unpublish(self) -> None:
+        """No more bytes will be written: followers see the copy committed, or read on
+        themselves."""
+        growing, self._growing = self._growing, None
+        if growing is not None:
+            growing.end()
 
     async def read_copy(self, offset: int, view: memoryview) -> int:
         """Fill ``view`` from the partial copy (bytes it holds) at ``offset``."""
@@ -362,12 +388,14 @@ class CopyWriter:
         except OSError as exc:
             remove_quietly(part)
             self._forget_part()
+            self._unpublish()
             self.lock.release()
             self.given_up = f"keeping the copy failed: {exc}"
             warnings.warn(f"{self.name}: {self.given_up}", RuntimeWarning, stacklevel=2)
             return
         self._forget_part()
         self.committed = True
+        self._unpublish()
         self.lock.release()
         if destination.on_committed is not None:
             with contextlib.suppress(OSError):
@@ -388,6 +416,7 @@ class CopyWriter:
 
     async def _discard(self) -> None:
         await self._keeper.stop()
+        self._unpublish()
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
@@ -399,6 +428,7 @@ class CopyWriter:
         """The read is over. An incomplete copy of known size is kept as a partial copy for a
         later read (its data flushed before the ranges are recorded), else thrown away."""
         await self._keeper.stop()
+        self._unpublish()
         fd = self._fd
         if fd is None:
             self.lock.release()
@@ -447,10 +477,6 @@ class TeeSource(Source):
         self.random_access = inner.random_access
         self.clock = inner.clock
         self.position = inner.position
-        # K ranged requests at once land their parts straight in the memory of the read they
-        # fall in: a read is passed on whole, then kept (a piece-sized read would send every
-        # part through a part buffer and back)
-        self._whole_reads = (inner.clock.transport.concurrency or 1) > 1
 
     async def receive_into(self, buffer: memoryview) -> int:
         return await self.read_into_at(self.position, buffer[:DISCARD_CHUNK])
@@ -489,23 +515,35 @@ class TeeSource(Source):
         return filled
 
     async def _fetch(self, offset: int, view: memoryview) -> int:
-        """Fill ``view`` from the remote source at ``offset``, keeping the bytes: piece by
-        piece, each handed to the copy's thread as the next is received; returns once all are
-        written (the caller may use ``view`` again)."""
+        """Fill ``view`` from the remote source at ``offset``, keeping the bytes: the read is
+        passed on whole (its parts, when several connections are at work, land straight in
+        ``view``), and the bytes are handed to the copy's thread in pieces as the source tells
+        they have landed (:meth:`~stream_st.transports.base.Source.read_landing`), written and
+        hashed while the rest arrives; returns once all are written (the caller may use ``view``
+        again)."""
         writer = self.writer
-        if len(view) <= PIECE or not writer.active or self._whole_reads:
+        if len(view) <= PIECE or not writer.active:
             got = await self.inner.read_into_at(offset, view)
             await writer.took(offset, view[:got])
             return got
-        got = 0
+        handed = 0  # bytes of ``view`` handed to the copy's thread
+
+        def hand(end: int) -> None:
+            nonlocal handed
+            for start in range(handed, end, PIECE):
+                writer.hand(offset + start, view[start : min(end, start + PIECE)])
+            handed = end
+
+        def landed(start: int, end: int) -> None:
+            end -= offset
+            if end - handed >= PIECE:
+                hand(end - (end - handed) % PIECE)
+
         try:
-            while got < len(view):
-                piece = view[got : got + PIECE]
-                count = await self.inner.read_into_at(offset + got, piece)
-                writer.hand(offset + got, piece[:count])
-                got += count
-                if count < len(piece):
-                    break
+            landing = await self.inner.read_landing(offset, view, landed)
+            # None: the source cannot tell, the bytes are kept once all are in
+            got = await self.inner.read_into_at(offset, view) if landing is None else landing
+            hand(got)
         except BaseException:
             # the copy's thread may still read pieces of ``view``: a read cancelled or failed
             # waits for it (shielded: a piece takes milliseconds), so the caller never gets

@@ -198,10 +198,18 @@ class PartWindow:
         self._change = anyio.Event()
         await self._change.wait()
 
-    async def read(self, offset: int, buffer: memoryview, *, partial: bool) -> tuple[int, bool]:
+    async def read(
+        self,
+        offset: int,
+        buffer: memoryview,
+        *,
+        partial: bool,
+        landed: Callable[[int, int], None] | None = None,
+    ) -> tuple[int, bool]:
         """Fill ``buffer`` from ``offset`` with the window's parts, in order, running their
-        requests and bodies until it is full (or, ``partial``, has some bytes). Returns the bytes
-        filled and whether the read stopped at a byte no part holds (outside the plan)."""
+        requests and bodies until it is full (or, ``partial``, has some bytes); ``landed(start,
+        end)`` is told of each run of bytes filled, in order. Returns the bytes filled and
+        whether the read stopped at a byte no part holds (outside the plan)."""
         stop = offset + len(buffer)
         filled = 0
         outside = False
@@ -232,6 +240,8 @@ class PartWindow:
                         begin = at - part.start
                         buffer[filled : filled + count] = part.data[begin : begin + count]
                     filled += count
+                    if landed is not None:
+                        landed(at, at + count)
                     if partial:
                         break
                 if self._group is not None:

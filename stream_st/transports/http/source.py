@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 import ssl
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Unpack
 
@@ -292,12 +292,25 @@ class HttpSource(ClientUser, Source):
         with self._reported():
             return await self._read(offset, buffer, partial=False)
 
-    async def _read(self, offset: int, buffer: memoryview, *, partial: bool) -> int:
+    async def read_landing(
+        self, offset: int, buffer: memoryview, landed: Callable[[int, int], None]
+    ) -> int:
+        with self._reported():
+            return await self._read(offset, buffer, partial=False, landed=landed)
+
+    async def _read(
+        self,
+        offset: int,
+        buffer: memoryview,
+        *,
+        partial: bool,
+        landed: Callable[[int, int], None] | None = None,
+    ) -> int:
         """Fill ``buffer`` from ``offset``: through the window of parts once it is open, else
-        through the one open response."""
+        through the one open response (``landed``: see :meth:`read_landing`)."""
         if self._parts is None or not buffer:
-            return await self._read_at(offset, buffer, partial=partial)
-        filled, outside = await self._parts.read(offset, buffer, partial=partial)
+            return await self._read_at(offset, buffer, partial=partial, landed=landed)
+        filled, outside = await self._parts.read(offset, buffer, partial=partial, landed=landed)
         self.position = offset + filled
         if self._parts.drained:  # one stream is as fast: the rest is read as one
             rest = self._parts.rest
@@ -306,7 +319,9 @@ class HttpSource(ClientUser, Source):
                 await self._close_response()
                 self._response, self._response_at, self._response_end = rest
         if outside:
-            filled += await self._read_at(offset + filled, buffer[filled:], partial=partial)
+            filled += await self._read_at(
+                offset + filled, buffer[filled:], partial=partial, landed=landed
+            )
         return filled
 
     def _open_window(self) -> None:
@@ -341,7 +356,14 @@ class HttpSource(ClientUser, Source):
             return skipped
         return await super().skip(count)
 
-    async def _read_at(self, offset: int, buffer: memoryview, *, partial: bool) -> int:
+    async def _read_at(
+        self,
+        offset: int,
+        buffer: memoryview,
+        *,
+        partial: bool,
+        landed: Callable[[int, int], None] | None = None,
+    ) -> int:
         if offset != self.position:
             if not self.random_access and offset > self.position:
                 await super().skip(offset - self.position)
@@ -386,6 +408,8 @@ class HttpSource(ClientUser, Source):
                 break
             filled += got
             self._response_at += got
+            if landed is not None:
+                landed(at, at + got)
             if partial:
                 break
         self.position = offset + filled

@@ -1,0 +1,279 @@
+"""Two processes reading the same object at once fetch it once: the second reads the copy the
+first is writing, as it grows.
+
+The writer (the entry's lock holder, :class:`~.tee.CopyWriter`) publishes in the entry's
+``.growing`` file (:class:`Growing`; JSON, replaced by a rename) the copy's version, its size and
+how many bytes from the first are written, every :data:`PUBLISH_STEP` bytes; it removes the
+file once it stops writing (after the copy is committed, or given up). A reader that finds the
+lock held and a ``.growing`` file of a live writer reads the partial copy through a
+:class:`FollowSource`: each read waits until the bytes it asks for are written (polling the
+file every :data:`POLL` seconds, within the read's deadline) and reads them from the partial
+copy. The last byte is read only once the writer has committed the copy (it is then checked),
+so a follower, like the writer, never ends a read of bytes that did not check out.
+
+A writer that stops without committing (killed: its lock is released by the kernel; or its read
+ended early, or its copy was given up) leaves the follower to read the rest from the server
+itself, as a read without a cache would, for the same version of the object
+(:class:`~stream_st.SourceChangedError` otherwise); one killed leaves leftovers that the
+follower, taking the lock, removes. So does a writer that has written nothing for
+:data:`STALL` seconds (its link stalled): the follower goes on by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from ...errors import SourceChangedError
+from ..base import Source
+from ..file.pread import pread_fully
+from .layout import ObjectEntry
+from .store import EntryLock, Record, read_json, remove_quietly, write_json
+
+__all__ = ["POLL", "PUBLISH_STEP", "STALL", "FollowSource", "Growing", "follow"]
+
+PUBLISH_STEP = 1 << 20
+"""The writer publishes its progress each time this many more bytes are written (and at the
+end): a rename per step, and followers at most this far behind."""
+
+POLL = 0.01
+"""Seconds between two looks of a follower at the writer's progress."""
+
+STALL = 30.0
+"""Seconds without a byte written after which a follower stops waiting for the writer and reads
+the rest from the server itself."""
+
+INLINE = 256 << 10
+"""Reads of the copy up to this size are made on the event loop's thread."""
+
+
+class Growing:
+    """The writer's side: the ``.growing`` file at ``path`` (see the module)."""
+
+    def __init__(self, path: Path, state: dict[str, Any]) -> None:
+        self.path = path
+        self._state = state
+        self._published = -1
+
+    @classmethod
+    def start(cls, path: Path, version: str, record: Record) -> Growing:
+        state = {
+            "id": uuid.uuid4().hex,
+            "pid": os.getpid(),
+            "version": version,
+            "size": record.size,
+            "etag": record.etag,
+            "last_modified": record.last_modified,
+            "written": 0,
+        }
+        return cls(path, state)
+
+    def publish(self, written: int) -> None:
+        """``written`` bytes from the first are in the copy (published every
+        :data:`PUBLISH_STEP`, and when all are)."""
+        due = written >= self._published + PUBLISH_STEP or written == self._state["size"]
+        if written == self._published or not (due or self._published < 0):
+            return
+        self._state["written"] = written
+        with contextlib.suppress(OSError):  # followers then wait, or read by themselves
+            write_json(self.path, self._state)
+        self._published = written
+
+    def end(self) -> None:
+        remove_quietly(self.path)
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def follow(
+    entry: ObjectEntry, inner: Source, lock: EntryLock, shown: str
+) -> FollowSource | None:
+    """A source reading the copy another process is writing into ``entry``, when it is (the
+    lock is held by a live writer that published its progress); None otherwise. ``inner`` is
+    the object's remote source, not started: the follower's own, should the writer stop."""
+    state = read_json(entry.growing)
+    if not isinstance(state, dict) or not _alive(state.get("pid")):
+        return None
+    try:
+        version = entry.at(str(state["version"]))
+        size = int(state["size"])
+        fd = os.open(version.part, os.O_RDONLY | os.O_CLOEXEC)
+    except (KeyError, TypeError, ValueError, OSError):
+        return None
+    return FollowSource(inner, entry, version, lock, state, size, fd, shown)
+
+
+class FollowSource(Source):
+    """The copy another process is writing, read as it grows (see the module); the rest from
+    ``inner`` should the writer stop first. ``fd``: the partial copy, opened (a commit renames
+    it; the descriptor still reads it)."""
+
+    def __init__(
+        self,
+        inner: Source,
+        entry: ObjectEntry,
+        version: ObjectEntry,
+        lock: EntryLock,
+        state: dict[str, Any],
+        size: int,
+        fd: int,
+        shown: str,
+    ) -> None:
+        super().__init__()
+        self.inner = inner
+        self.clock = inner.clock
+        self.name = inner.name
+        self.size = self._size = size
+        self.random_access = True
+        self.whole_object = True
+        self._entry = entry
+        self._version = version
+        self._lock = lock
+        self._id = state["id"]
+        self._validators = (str(state.get("etag", "")), str(state.get("last_modified", "")))
+        self._shown = shown
+        self._fd: int | None = fd
+        self._written = int(state.get("written", 0))
+        self._committed = False
+        self._remote: Source | None = None  # the server, once the writer stopped first
+        self._plan: list[tuple[int, int]] = []
+
+    # -- the writer's progress
+
+    def _commit_seen(self) -> bool:
+        """Whether the writer committed the copy this source reads (checked, in place)."""
+        record = Record.load(self._version.record)
+        if record is None or record.size != self._size or self._fd is None:
+            return False
+        if (record.etag, record.last_modified) != self._validators:
+            return False
+        try:
+            return os.stat(self._version.data).st_ino == os.fstat(self._fd).st_ino
+        except OSError:
+            return False
+
+    def _available(self) -> int:
+        """Bytes from the first that may be read from the copy now: all once committed, else
+        those written but the last byte."""
+        if self._committed:
+            return self._size
+        return min(self._written, self._size - 1)
+
+    async def _wait(self, end: int) -> None:
+        """Wait until the copy holds the bytes up to ``end`` (:meth:`_available`), or the
+        writer stopped (then :attr:`_remote` reads the rest)."""
+        stalled = time.monotonic()
+        while self._available() < end and self._remote is None:
+            state = read_json(self._entry.growing)
+            if isinstance(state, dict) and state.get("id") == self._id:
+                written = int(state.get("written", 0))
+                if written > self._written:
+                    self._written, stalled = written, time.monotonic()
+                    continue
+            elif self._commit_seen():
+                self._committed = True
+                continue
+            else:  # the writer stopped without a copy
+                await self._read_by_itself()
+                return
+            if self._lock.try_acquire():  # the writer is gone, its lock released
+                try:
+                    if self._commit_seen():
+                        self._committed = True
+                        continue
+                    self._entry.clean()  # what a writer killed part way left
+                finally:
+                    self._lock.release()
+                await self._read_by_itself()
+                return
+            if time.monotonic() - stalled > STALL:
+                await self._read_by_itself()
+                return
+            self.clock.check(self.name, self.position)
+            await anyio.sleep(POLL)
+
+    async def _read_by_itself(self) -> None:
+        """The writer stopped first: read the rest from the server, the same version."""
+        inner = self.inner
+        await inner.start(read_all=False)
+        seen = getattr(inner, "validators", None)
+        if inner.size != self._size or (isinstance(seen, tuple) and seen != self._validators):
+            raise SourceChangedError(
+                f"{self._shown} changed on the server while it was read "
+                f"(from the copy another process was writing, which stopped at byte "
+                f"{self._written})",
+                url=self._shown,
+                position=self.position,
+            )
+        await inner.plan_reads([(max(a, self.position), b) for a, b in self._plan if b > a])
+        self._remote = inner
+        self._close_copy()
+
+    # -- reads
+
+    async def read_into_at(self, offset: int, buffer: memoryview) -> int:
+        end = min(offset + len(buffer), self._size)
+        filled = 0
+        while offset + filled < end:
+            at = offset + filled
+            if self._remote is not None:
+                filled += await self._remote.read_into_at(at, buffer[filled : end - offset])
+                break
+            if self._available() <= at:
+                await self._wait(at + 1)
+                continue
+            view = buffer[filled : min(end, self._available()) - offset]
+            fd = self._fd
+            assert fd is not None
+            if len(view) <= INLINE:
+                got = pread_fully(fd, view, at)
+            else:
+                got = await anyio.to_thread.run_sync(pread_fully, fd, view, at)
+            if got < len(view):  # the copy is shorter than the writer said
+                await self._read_by_itself()
+            filled += got
+        self.position = offset + filled
+        return filled
+
+    async def receive_into(self, buffer: memoryview) -> int:
+        return await self.read_into_at(self.position, buffer)
+
+    async def fill(self, buffer: memoryview) -> int:
+        return await self.read_into_at(self.position, buffer)
+
+    async def skip(self, count: int) -> int:
+        target = min(self.position + count, self._size)
+        skipped, self.position = target - self.position, target
+        return skipped
+
+    async def plan_reads(self, ranges: Sequence[tuple[int, int]]) -> None:
+        self._plan = list(ranges)
+        if self._remote is not None:
+            await self._remote.plan_reads(ranges)
+
+    def _close_copy(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    async def aclose(self) -> None:
+        self._close_copy()
+        await self.inner.aclose()
