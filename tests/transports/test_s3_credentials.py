@@ -367,3 +367,15 @@ print(json.dumps(out))
     assert out["key"] == "FILE" and not out["chain"]
     assert "no AWS credentials found" in out["error"] and "s3 extra" in out["error"]
     assert not (tmp_path / "proc.runs").exists()
+
+
+def test_keys_in_the_environment_are_taken_without_the_chain(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "ENVKEY")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    found = S3Config.resolve()
+    assert found.chain is None and found.keys() == ("ENVKEY", "s", None)
+    # A profile named in code is botocore's to resolve (its chain then skips the environment).
+    credential_process(home, "p", "7200")
+    assert S3Config.resolve(profile="p").chain is not None
