@@ -22,7 +22,12 @@ with a one-line reason otherwise, which a benchmark prints as its reason to skip
   whole seconds and lets the first second's worth of every answer (200 MB) through unthrottled;
 * nginx inside the namespace (``ip netns exec``), serving ``root`` path-style: ``GET``/``HEAD
   /BUCKET/KEY`` with ``Range``, ``ETag``, ``If-Match``. It ignores the SigV4 ``Authorization``
-  header, so any credentials are accepted; there is no ListObjects.
+  header, so any credentials are accepted; there is no ListObjects. With ``access_log=True`` it
+  logs each answer's client and body bytes (:meth:`NetnsStore.served`).
+
+Other benchmarks build on it: :func:`run_tool` runs ``ip``/``tc``, :meth:`NetnsStore.inside`
+runs a command in the store's namespace (to add links of its own to it), :func:`rate_limit`
+shapes a whole link.
 
 Everything is removed on exit (nginx stopped, the namespace and the veth pair deleted), also
 after an error. Run by hand to try it (``curl`` the endpoint it prints; Ctrl-D stops it)::
@@ -55,7 +60,8 @@ class StoreUnavailable(RuntimeError):
     """The endpoint cannot be built here (not root, a tool missing): the reason, one line."""
 
 
-def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def run_tool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``ip``, ``tc`` or the like; :class:`StoreUnavailable` with its error if it fails."""
     done = subprocess.run(args, input=stdin, capture_output=True, text=True, check=False)
     if done.returncode:
         raise StoreUnavailable(f"{' '.join(args)}: {done.stderr.strip() or done.returncode}")
@@ -100,13 +106,30 @@ def _rate_classes(device: str, rate: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rate_limit(device: str, rate: int) -> str:
+    """``tc -batch`` lines: ``device``'s egress limited to ``rate`` bytes/s in all (one HTB
+    class: a link's rate, whatever the connections on it)."""
+    return (
+        f"qdisc add dev {device} root handle 1: htb default 1 r2q 1000\n"
+        f"class add dev {device} parent 1: classid 1:1 htb rate {rate * 8}bit "
+        "burst 512k cburst 512k quantum 200000\n"
+    )
+
+
 class NetnsStore:
     """nginx serving ``root`` path-style in a namespace behind a shaped link (see the module)."""
 
     def __init__(
-        self, root: Path, *, delay_ms: float = DELAY_MS, rate: int = RATE, port: int = PORT
+        self,
+        root: Path,
+        *,
+        delay_ms: float = DELAY_MS,
+        rate: int = RATE,
+        port: int = PORT,
+        access_log: bool = False,
     ) -> None:
         self.root = Path(root).resolve()
+        self.access_log = access_log
         self.delay_ms = delay_ms
         self.rate = rate
         self.port = port
@@ -151,20 +174,21 @@ class NetnsStore:
     ) -> None:
         self.close()
 
-    def _inside(self, *args: str) -> tuple[str, ...]:
+    def inside(self, *args: str) -> tuple[str, ...]:
+        """``args`` as a command run inside the store's namespace."""
         return ("ip", "netns", "exec", self.namespace, *args)
 
     def _link(self) -> None:
         """The namespace, the veth pair between it and here, addresses, delay and rate."""
-        _run("ip", "netns", "add", self.namespace)
-        _run("ip", "link", "add", self._outer, "type", "veth", "peer", "name", self._inner)
-        _run("ip", "link", "set", self._inner, "netns", self.namespace)
-        _run("ip", "addr", "add", f"{self.host_address}/30", "dev", self._outer)
-        _run("ip", "link", "set", self._outer, "up")
-        _run(*self._inside("ip", "addr", "add", f"{self.store_address}/30", "dev", self._inner))
-        _run(*self._inside("ip", "link", "set", self._inner, "up"))
-        _run(*self._inside("ip", "link", "set", "lo", "up"))
-        _run(*self._inside("tc", "-batch", "-"), stdin=_rate_classes(self._inner, self.rate))
+        run_tool("ip", "netns", "add", self.namespace)
+        run_tool("ip", "link", "add", self._outer, "type", "veth", "peer", "name", self._inner)
+        run_tool("ip", "link", "set", self._inner, "netns", self.namespace)
+        run_tool("ip", "addr", "add", f"{self.host_address}/30", "dev", self._outer)
+        run_tool("ip", "link", "set", self._outer, "up")
+        run_tool(*self.inside("ip", "addr", "add", f"{self.store_address}/30", "dev", self._inner))
+        run_tool(*self.inside("ip", "link", "set", self._inner, "up"))
+        run_tool(*self.inside("ip", "link", "set", "lo", "up"))
+        run_tool(*self.inside("tc", "-batch", "-"), stdin=_rate_classes(self._inner, self.rate))
         # The store's side carries the rate classes, so the whole round trip is added on this
         # side (requests and acknowledgements); a deep queue holds what 16 fast streams send.
         delay = f"{2 * self.delay_ms:g}ms"
@@ -206,6 +230,10 @@ class NetnsStore:
             module = f'load_module "{ECHO_MODULE}";'
             serve = f"location / {{ echo_sleep {2 * self.delay_ms / 1000:g}; echo_exec @object; }}"
             serve += "\n        location @object { }"
+        logging = "access_log off;"
+        if self.access_log:
+            logging = "log_format served '$remote_addr $body_bytes_sent';\n"
+            logging += f'    access_log "{folder / "access.log"}" served;'
         (folder / "nginx.conf").write_text(f"""
 {module}
 user root;
@@ -215,7 +243,7 @@ error_log "{folder / "error.log"}" warn;
 events {{ worker_connections 1024; }}
 http {{
     {temp}
-    access_log off;
+    {logging}
     sendfile on;
     keepalive_requests 100000;
     default_type application/octet-stream;
@@ -228,7 +256,7 @@ http {{
 """)
         config = str(folder / "nginx.conf")
         self._nginx = subprocess.Popen(
-            self._inside("nginx", "-p", str(folder), "-c", config, "-g", "daemon off;")
+            self.inside("nginx", "-p", str(folder), "-c", config, "-g", "daemon off;")
         )
         give_up = time.monotonic() + 10
         while True:
@@ -244,6 +272,15 @@ http {{
                     said = log.read_text().strip() if log.exists() else ""
                     raise StoreUnavailable(f"nginx did not start in the namespace: {said}") from exc
                 time.sleep(0.05)
+
+    def served(self) -> list[tuple[str, int]]:
+        """Each answer so far, in order: the client's address and the body bytes sent (with
+        ``access_log=True``; nginx writes a line as each answer ends)."""
+        if not self.access_log or self._folder is None:
+            raise StoreUnavailable("the store keeps no access log: give access_log=True")
+        path = self._folder / "access.log"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [(client, int(sent)) for client, sent in (line.split() for line in lines)]
 
     def close(self) -> None:
         """Stop nginx, delete the namespace and the veth pair."""

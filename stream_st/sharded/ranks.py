@@ -32,11 +32,12 @@ calls); each reads the header itself, then:
   happens before any byte moves, else at their next gate, where this rank meets them after
   waiting for the transfers it has begun. Every rank then raises :class:`RankFailedError`
   naming that rank and the cause (on that rank, chained to its own error; a consumer that left,
-  or a cancellation, gets its own exception back). A rank that dies makes the collectives fail
-  on the others, which raise :class:`RankLostError` naming it (ranks on the same host are
-  looked up by process id), within the process group's timeout at most. A load (:func:`load`,
-  :func:`load_model`) returns only after a last such agreement, so no rank returns a partial
-  model.
+  or a cancellation, gets its own exception back); bytes found bad against their digest name
+  the rank that read them (see :meth:`.FileExchange.check`). A rank that dies makes the
+  collectives fail on the others, which raise :class:`RankLostError` naming it (ranks on the
+  same host are looked up by process id), within the process group's timeout at most. A load
+  (:func:`load`, :func:`load_model`) returns only after a last such agreement, so no rank
+  returns a partial model.
 * **Caps.** ``max_tensor_bytes`` and ``max_total_bytes`` (or those
   :func:`~stream_st.reader.caps.using_caps` set) are gathered with the wants: each rank's wanted
   tensors (a sliced one counted whole, as it may be read whole to be cut) are checked against

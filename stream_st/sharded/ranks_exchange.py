@@ -22,8 +22,8 @@ import anyio.lowlevel
 import numpy as np
 
 from .._util import task_group
-from ..core.digests import Digests
-from ..errors import DistributedError, SafetensorsError
+from ..core.digests import Digests, hash_view
+from ..errors import DistributedError, IntegrityError, SafetensorsError
 from ..memory.delivery import Delivery
 from ..memory.fresh import fresh_bytes
 from ..reader import TensorStream, merge_ranges
@@ -190,6 +190,8 @@ class FileExchange:
         self.digests = Digests.from_header(self.header) if verify else None
         self.buffers: dict[tuple[int, Slice | None], np.ndarray[Any, Any]] = {}
         self.placed: set[int] = set()
+        self.pieces: dict[int, list[tuple[int, int, int]]] = {}  # tensor -> (lo, hi, reader)
+        self.bad: tuple[IntegrityError, int | None] | None = None  # found here, the rank named
 
     def buffer(self, index: int, wanted: Slice | None) -> np.ndarray[Any, Any]:
         """The bytes tensor ``index`` (``wanted``: its slice; :data:`SCRATCH`: bytes only sent
@@ -262,6 +264,9 @@ class FileExchange:
         rank raises (see :meth:`RankGroup.fail`). The consumer leaving ends the stream here
         quietly."""
         pending: deque[_Pending] = deque()
+        for stripe in plan.stripes:
+            for piece in stripe.pieces:
+                self.pieces.setdefault(piece.index, []).append((piece.lo, piece.hi, stripe.owner))
         try:
             async with contextlib.aclosing(self._steps(plan, pending)) as items:
                 async for item in items:
@@ -270,11 +275,12 @@ class FileExchange:
         except DistributedError:
             raise
         except BaseException as exc:
+            named = self.bad[1] if self.bad is not None and self.bad[0] is exc else None
             try:
                 with anyio.CancelScope(shield=True):
                     while pending:
                         await self.settle(pending.popleft())
-                    await self.group.agree(Failure.of(exc))
+                    await self.group.agree(Failure.of(exc, named))
             except GeneratorExit:
                 return
 
@@ -406,6 +412,58 @@ class FileExchange:
                 if transfer.back is not None:
                     transfer.back[1][:] = transfer.back[0].cpu().numpy()
 
+    async def check(self, index: int, raw: np.ndarray[Any, Any]) -> None:
+        """Check tensor ``index`` (its bytes ``raw``) against its digest. On a mismatch,
+        :class:`IntegrityError` naming the source at fault, and the rank whose read it was kept
+        in :attr:`bad` for the group to name: this rank's source if it read every byte, the
+        owner's if one other rank did; if several did, this rank reads the tensor again from
+        its own source and, if that matches the digest, names the first rank whose bytes differ
+        from it (else its own source, damaged too)."""
+        assert self.digests is not None
+        name = self.tensors[index].name
+        me = self.group.rank
+        readers = sorted({owner for _, _, owner in self.pieces.get(index, [(0, 0, me)])})
+        try:
+            await self.digests.check_view(name, raw, self.stream.source.name)
+            return
+        except IntegrityError as exc:
+            if readers == [me]:
+                self.bad = (exc, None)
+                raise
+        named = readers[0] if len(readers) == 1 else await self.differing(index, raw)
+        where = self.stream.source.name if named in (None, me) else f"rank {named}'s source"
+        try:
+            await self.digests.check_view(name, raw, where)
+        except IntegrityError as exc:
+            self.bad = (exc, None if named == me else named)
+            raise
+
+    async def differing(self, index: int, raw: np.ndarray[Any, Any]) -> int | None:
+        """The first rank whose share of tensor ``index``'s bytes differs from this rank's own
+        read of them, if that read matches the tensor's digest; else None."""
+        assert self.digests is not None
+        info = self.tensors[index]
+        source = self.stream.source
+        start = self.header.data_start + info.start
+        hasher = self.digests.hasher()
+        chunk = fresh_bytes(min(READ_CHUNK, info.nbytes))
+        differ: list[int] = []
+        for lo, hi, owner in self.pieces[index]:
+            for at in range(lo, hi, len(chunk)):
+                count = min(len(chunk), hi - at)
+                if await source.read_into_at(start + at, chunk.data[:count]) < count:
+                    return None
+                await hash_view(hasher, chunk.data[:count])
+                if differ[-1:] != [owner] and not np.array_equal(
+                    chunk[:count], raw[at : at + count]
+                ):
+                    differ.append(owner)
+        try:
+            self.digests.check(info.name, hasher)
+        except IntegrityError:
+            return None
+        return differ[0] if differ else None
+
     async def complete(self, pending: deque[_Pending], reader: _Reader) -> list[tuple[str, Any]]:
         """Wait for the first pending step's transfers (``reader`` reading ahead meanwhile),
         then the tensors it completed, to hand out (each checked against its digest, if the
@@ -424,7 +482,7 @@ class FileExchange:
             shape = info.array_shape if wanted is None else slice_shape(info, wanted)
             array = raw.view(info.array_dtype).reshape(shape)
             if self.digests is not None and wanted is None:
-                await self.digests.check_view(info.name, array, self.stream.source.name)
+                await self.check(index, raw)
             if wanted is None:
                 value = self.delivery.deliver(info, array, index in self.placed)
             else:

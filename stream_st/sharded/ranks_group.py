@@ -25,22 +25,29 @@ from ..errors import RankFailedError, RankLostError, UsageError
 __all__ = ["LOST_LOOKS", "LOST_PAUSE", "MESSAGE_BYTES", "Failure", "RankGroup", "describe"]
 
 MESSAGE_BYTES = 1024
-"""A failing rank's message travels to the others in this many bytes (UTF-8, cut short): each
-gate moves this many bytes per rank."""
+"""A failing rank's message travels to the others in this many bytes (the rank it names, then
+the cause in UTF-8, cut short): each gate moves this many bytes per rank."""
 
 
 @dataclass(frozen=True, slots=True)
 class Failure:
     """What went wrong on this rank, to be told to the group at its next collective: ``cause``
     (what the others are told) and ``error``, raised again here once the group knows (see
-    :meth:`RankGroup.fail`)."""
+    :meth:`RankGroup.fail`). ``named``: the rank the group names for it, when that is not this
+    one: the rank that read bytes this rank found bad."""
 
     cause: str
     error: BaseException
+    named: int | None = None
 
     @classmethod
-    def of(cls, exc: BaseException) -> Failure:
-        return cls(describe(exc), exc)
+    def of(cls, exc: BaseException, named: int | None = None) -> Failure:
+        return cls(describe(exc), exc, named)
+
+
+_NAMED = 4
+"""Bytes before the cause in a gate's row: the rank it names plus one (little-endian), 0 for its
+own (see :meth:`RankGroup.agree`)."""
 
 
 class RankGroup:
@@ -103,13 +110,13 @@ class RankGroup:
         """Every rank's ``value`` (small, picklable) and whether it failed, in rank order. If a
         rank gave a ``failure``, every rank raises (see :meth:`fail`)."""
         out: list[Any] = [None] * self.world
-        told = (value, None if failure is None else failure.cause)
+        told = (value, None if failure is None else (failure.cause, failure.named))
         with anyio.CancelScope(shield=True):
             gathering = functools.partial(self.dist.all_gather_object, out, told, group=self.group)
             await self._blocking(gathering, None)
-        failed = [rank for rank, (_, cause) in enumerate(out) if cause is not None]
+        failed = [(rank, *said) for rank, (_, said) in enumerate(out) if said is not None]
         if failed:
-            self.fail(failed, out[failed[0]][1], failure)
+            self.fail(failed, failure)
         return [each for each, _ in out]
 
     async def agree(self, failure: Failure | None = None) -> None:
@@ -119,23 +126,34 @@ class RankGroup:
         torch = self.torch
         said = torch.zeros((self.world, MESSAGE_BYTES), dtype=torch.uint8, device=self.device)
         if failure is not None:
-            raw = failure.cause.encode()[:MESSAGE_BYTES] or b"?"
+            named = 0 if failure.named is None else failure.named + 1
+            raw = named.to_bytes(_NAMED, "little") + (failure.cause.encode() or b"?")
+            raw = raw[:MESSAGE_BYTES]
             said[self.rank, : len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         with anyio.CancelScope(shield=True):
             await self.wait(self.dist.all_reduce(said, group=self.group, async_op=True))
-        rows = [bytes(row).rstrip(b"\0") for row in said.cpu().numpy()]
-        failed = [rank for rank, row in enumerate(rows) if row]
+        failed = []
+        for rank, row in enumerate(said.cpu().numpy()):
+            named, cause = int.from_bytes(row[:_NAMED], "little"), bytes(row[_NAMED:]).rstrip(b"\0")
+            if cause:
+                failed.append((rank, cause.decode(errors="replace"), named - 1 if named else None))
         if failed:
-            self.fail(failed, rows[failed[0]].decode(errors="replace"), failure)
+            self.fail(failed, failure)
 
-    def fail(self, failed: list[int], cause: str, own: Failure | None) -> NoReturn:
-        """Raise, once every rank knows that ranks ``failed`` did (the first of them for
-        ``cause``): :class:`RankFailedError` naming that rank, on every rank. This rank's own
-        ``failure``, if any, is that error's ``__cause__``; or, if it is no plain exception
-        (a cancellation, the consumer leaving the stream, an interrupt), raised as itself."""
-        first = failed[0]
-        others = f" (and ranks {failed[1:]})" if len(failed) > 1 else ""
-        error = RankFailedError(f"rank {first} failed{others}: {cause}", rank=first, cause=cause)
+    def fail(self, failed: list[tuple[int, str, int | None]], own: Failure | None) -> NoReturn:
+        """Raise, once every rank knows that some failed: ``failed`` holds each one's rank, its
+        cause and the rank it names (None: itself). :class:`RankFailedError` on every rank,
+        naming the rank the first of them names, for its cause. This rank's own ``failure``, if
+        any, is that error's ``__cause__``; or, if it is no plain exception (a cancellation, the
+        consumer leaving the stream, an interrupt), raised as itself."""
+        names = [rank if named is None else named for rank, _, named in failed]
+        finder, cause, _ = failed[0]
+        first = names[0]
+        more = sorted(set(names) - {first})
+        others = f" (and ranks {more})" if more else ""
+        found = f" (found by rank {finder})" if first != finder else ""
+        message = f"rank {first} failed{found}{others}: {cause}"
+        error = RankFailedError(message, rank=first, cause=cause)
         if own is None:
             raise error
         if not isinstance(own.error, Exception):

@@ -4,16 +4,18 @@ WORLD`` joins a group that stays up and runs each scenario whose ``PARAMS`` path
 standard input (answering ``done`` on its standard output): a scenario of fewer ranks runs on a
 group of the first ranks (made with ``new_group``), the others sit it out.
 
-``PARAMS`` is a JSON file: ``world``, ``port``, ``timeout`` (seconds, the group's; a pool's
-group has 60), ``mode`` (``load_file``, ``load_model``, ``stream``), ``src`` (or ``srcs``: one per
+``PARAMS`` is a JSON file: ``world``, ``port``, ``timeout`` (seconds, the group's; a pool's group
+has 60), ``backend`` (``gloo``, or ``nccl``: rank R on CUDA device R modulo the count; a group of
+its own only), ``mode`` (``load_file``, ``load_model``, ``stream``), ``src`` (or ``srcs``: one per
 rank), ``options`` (keywords of ``load_file`` or ``open_stream``: the same for all, or one mapping
-per rank), and per rank ``include`` (``"!raise"``: a predicate that raises), ``slices``
-(``{name: [dim, part, parts]}``), ``ambient`` (``[max_tensor_bytes, max_total_bytes]`` set with
-``using_caps``), ``env``; ``stop`` (``{rank: how}``, stream mode: once it has its first tensor
-the rank kills itself with SIGKILL, ``"kill"``, or raises :class:`Stopped` out of its loop,
-``"raise"``); ``out`` (a folder). The rank writes what it got to ``out/rank<R>.safetensors`` (and
-the order to ``out/rank<R>.json``), or its error to ``out/rank<R>.json``, with the seconds the
-scenario took it.
+per rank), and per rank ``include`` (``"!raise"``: a predicate that raises), ``slices`` (``{name:
+[dim, part, parts]}``), ``ambient`` (``[max_tensor_bytes, max_total_bytes]`` set with
+``using_caps``), ``env``; ``reference`` (a safetensors file: each tensor got is compared bit for
+bit, on its own device, with that file's, sliced as asked, the names that differ reported); ``stop``
+(``{rank: how}``, stream mode: once it has its first tensor the rank kills itself with SIGKILL,
+``"kill"``, or raises :class:`Stopped` out of its loop, ``"raise"``); ``out`` (a folder). The rank
+writes what it got to ``out/rank<R>.safetensors`` (and the order to ``out/rank<R>.json``), or its
+error to ``out/rank<R>.json``, with the seconds the scenario took it.
 """
 
 from __future__ import annotations
@@ -70,11 +72,39 @@ def _raising(name: str) -> bool:
     raise LookupError(f"no rule for {name}")
 
 
-def init(port: int, rank: int, world: int, timeout: float) -> None:
+def _unequal(got: dict[str, Any], reference: str, slices: Any) -> list[str]:
+    """The names of ``got`` whose bytes differ from ``reference``'s tensor (its slice, where
+    ``slices`` asks for one), compared on the tensor's own device."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.distributed.test_load import raw
+
+    every = {device: load_file(reference, device=device) for device in _devices(got)}
+    unequal = []
+    for name, tensor in got.items():
+        expected = every[str(tensor.device)][name]
+        if slices and name in slices:
+            dim, part, parts = slices[name]
+            expected = torch.tensor_split(expected, parts, dim=dim)[part]
+        if expected.dtype != tensor.dtype or not torch.equal(raw(expected), raw(tensor)):
+            unequal.append(name)
+    return unequal
+
+
+def _devices(got: dict[str, Any]) -> list[str]:
+    return sorted({str(tensor.device) for tensor in got.values()})
+
+
+def init(port: int, rank: int, world: int, timeout: float, backend: str = "gloo") -> None:
     import torch.distributed as dist
 
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
@@ -90,7 +120,7 @@ def main() -> None:
     rank = int(sys.argv[2])
     # Ranks start seconds apart on a busy machine: the group they meet in waits long, the one
     # the scenario runs in for its own timeout.
-    init(params["port"], rank, params["world"], 60)
+    init(params["port"], rank, params["world"], 60, params.get("backend", "gloo"))
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=params.get("timeout", 30))
@@ -159,6 +189,9 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
             stop = params.get("stop", {}).get(str(rank))
             got = asyncio.run(_stream(src, group, include, slices, stop, options))
         report["names"] = list(got)
+        report["devices"] = _devices(got)
+        if "reference" in params:
+            report["unequal"] = _unequal(got, params["reference"], slices)
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in got.items()}, str(out / f"rank{rank}.safetensors"))

@@ -174,11 +174,11 @@ def test_caps_refuse_the_file_on_every_rank(tmp_path: Path, layers: Path, pool: 
         assert_same(ok(report), reference_load(str(layers)))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "flipped"])
-def test_a_bad_copy_on_one_rank(tmp_path: Path, pool: Pool, damage: str) -> None:
-    """Rank 1 reads its share from a copy that ends early, or has a byte changed in a file whose
-    header records digests: found once stripes have moved, every rank raises, none hands out
-    a model."""
+@pytest.mark.parametrize(("damage", "bad"), [("truncated", 1), ("flipped", 1), ("flipped", 2)])
+def test_a_bad_copy_on_one_rank(tmp_path: Path, pool: Pool, damage: str, bad: int) -> None:
+    """Rank ``bad`` reads its share from a copy that ends early, or has a byte changed in a file
+    whose header records digests: found once stripes have moved, every rank raises naming the
+    rank that read the bad bytes (not the first rank to find them), none hands out a model."""
     gen = torch.Generator().manual_seed(5)
     path = tmp_path / "sums.safetensors"
     layers = {f"layer{i}": torch.randn(256, 256, generator=gen) for i in range(8)}
@@ -186,17 +186,18 @@ def test_a_bad_copy_on_one_rank(tmp_path: Path, pool: Pool, damage: str) -> None
     data = bytearray(path.read_bytes())
     if damage == "truncated":
         del data[len(data) * 3 // 4 :]
-    else:  # a byte in the second stripe, which rank 1 reads
+    else:  # a byte in the middle of a stripe rank ``bad`` reads, in a tensor whose bytes
+        # ranks 1 and 2 read (stripe k is rank k's of 3)
         start = 8 + int.from_bytes(data[:8], "little")
-        data[start + stripe_size(len(data) - start, 3) * 3 // 2] ^= 0xFF
+        data[start + stripe_size(len(data) - start, 3) * (2 * bad + 1) // 2] ^= 0xFF
     copy = tmp_path / "copy.safetensors"
     copy.write_bytes(data)
-    srcs = [str(path), str(copy), str(path)]
+    srcs = [str(copy) if rank == bad else str(path) for rank in range(3)]
     reports = pool.run(tmp_path, 3, mode="load_file", srcs=srcs)
     for report in reports:
         if damage == "truncated":  # rank 1 read a stripe its copy lacks
-            assert "TruncatedStreamError" in failed(report, "RankFailedError", 1)
-        else:  # rank 1 sent a stripe every rank found wrong
-            assert report.get("error") == "RankFailedError", report
-            assert "IntegrityError" in report["message"], report
+            assert "TruncatedStreamError" in failed(report, "RankFailedError", bad)
+        else:  # rank ``bad`` sent bytes every rank found wrong
+            message = failed(report, "RankFailedError", bad)
+            assert f"IntegrityError: tensor 'layer1' from rank {bad}'s source" in message, report
         assert "tensors" not in report
