@@ -40,10 +40,26 @@ from ..sharded.reader import ShardIndex, shard_address
 from ..transports import store as _store
 from ..transports.options import Clock
 
-__all__ = ["MANIFEST_NAME", "DatasetInfo", "Piece", "describe_dataset", "plan_pieces", "read_piece"]
+__all__ = [
+    "KV_RECORD",
+    "MANIFEST_NAME",
+    "DatasetInfo",
+    "KvSample",
+    "Piece",
+    "describe_dataset",
+    "kv_samples",
+    "plan_pieces",
+    "read_piece",
+    "split_key",
+]
 
 
 Array = np.ndarray[Any, Any]
+
+KV_RECORD = "kv"
+"""The manifest field where a KV-mode write records how its rows were named: ``{"name_col":
+the name column, "spark_type": its Spark type, "separator": the key separator}`` (a field the
+layout's manifest schema leaves open); a read gives the rows back with it."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,45 @@ async def describe_dataset(
         headers.append(header)
     batch = _batch_mode(headers, manifest.get("schema")) if kv is None else not kv
     return DatasetInfo(home, shards, tuple(headers), manifest, not batch)
+
+
+def split_key(key: str, columns: Iterable[str], separator: str) -> tuple[str, str] | None:
+    """A KV-mode ``key`` as its name and column (``{name}{separator}{column}``; the longest
+    column that fits), or None if it ends with no ``{separator}{column}``."""
+    for column in sorted(columns, key=len, reverse=True):
+        if key.endswith(separator + column):
+            return key[: -len(separator + column)], column
+    return None
+
+
+@dataclass(frozen=True)
+class KvSample:
+    """A KV-mode sample: its ``name`` and, for each of its columns, the shard (its position in
+    :attr:`DatasetInfo.shards`) and key of the tensor that holds its value."""
+
+    name: str
+    tensors: dict[str, tuple[int, str]]
+
+
+def kv_samples(dataset: DatasetInfo, columns: Sequence[str], separator: str) -> list[KvSample]:
+    """The samples of a KV-mode dataset written with ``columns`` and ``separator``: one per
+    name, in the order of their first tensor (the shards in order, each in its tensors' order),
+    each with the columns it holds (a key held by several shards: the last one's). Refuses a
+    key that belongs to none of ``columns``."""
+    winners = dataset.keys
+    samples: dict[str, KvSample] = {}
+    for i, header in enumerate(dataset.headers):
+        for key in header.names():
+            split = split_key(key, columns, separator)
+            if split is None:
+                raise UsageError(
+                    f"tensor {key!r} of {dataset.shards[i]} is no column of {list(columns)} "
+                    f"(key {{name}}{separator}{{column}})"
+                )
+            if winners[key] == i:
+                name, column = split
+                samples.setdefault(name, KvSample(name, {})).tensors[column] = (i, key)
+    return list(samples.values())
 
 
 @dataclass(frozen=True)
