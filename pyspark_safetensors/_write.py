@@ -21,7 +21,7 @@ import json
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import numpy as np
@@ -31,6 +31,7 @@ from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
 from pyspark.sql.types import IntegerType, LongType, StringType, StructType
 
 from stream_st._api import read_header, save
+from stream_st.compat._reference import _BytesSink
 from stream_st.core.digests import algorithm_named
 from stream_st.core.dtypes import dtype_for, dtype_from_code
 from stream_st.core.header import Header
@@ -49,7 +50,6 @@ from stream_st.sharded.writer import tensor_index_table
 from stream_st.tools import cp
 from stream_st.transports import store as _store
 from stream_st.transports.options import Clock
-from stream_st.writer import Order
 
 from ._arrow import stack_rows
 from ._types import SEED_DTYPES, Column, column_of, type_text
@@ -211,12 +211,6 @@ class WriteOptions:
         name_type = None if name_col is None else type_text(schema[name_col].dataType)
         return replace(parsed, columns=columns, name_type=name_type)
 
-    @property
-    def order(self) -> Order:
-        """The order of a shard's tensors: the reference writer's in batch mode; in KV mode
-        the rows' (a read gives the rows back in it)."""
-        return "reference" if self.name_col is None else "plan"
-
     def kv_record(self) -> dict[str, str] | None:
         """KV mode: what the manifest records (as ``"kv"``) for a read to give the rows back:
         the name column, its Spark type and the separator."""
@@ -339,16 +333,24 @@ class _TaskWriter:
     def seal(self, tensors: Mapping[str, Array], samples: int) -> None:
         name = shard_file_name(self.task, len(self.shards), self.tag)
         staged = _store.join(self.staging, name)
-        header = anyio.run(
-            lambda: save(
-                staged, tensors, order=self.options.order, checksums=self.options.checksums
-            )
-        )
+        header = anyio.run(lambda: self._save(staged, tensors))
         self.shards.append(
             StagedShard(
                 self.task, len(self.shards), name, staged, samples, header.file_size, _specs(header)
             )
         )
+
+    async def _save(self, staged: str, tensors: Mapping[str, Array]) -> Header:
+        """Batch mode: the shard saved straight from the arrays. KV mode: its tensors in their
+        rows' order, made in memory and written at once (a shard of many small tensors written
+        one by one would pay a write each)."""
+        checksums = self.options.checksums
+        if self.options.name_col is None:
+            return await save(staged, tensors, checksums=checksums)
+        sink = _BytesSink()
+        header = await save(sink, tensors, order="plan", checksums=checksums)
+        await _store.write_object(staged, cast(bytes, sink.data))  # a bytearray, not copied
+        return header
 
     def describe(self, column: str, array: Array) -> None:
         self.schema.setdefault(

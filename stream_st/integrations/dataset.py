@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,10 +147,28 @@ async def describe_dataset(
 def split_key(key: str, columns: Iterable[str], separator: str) -> tuple[str, str] | None:
     """A KV-mode ``key`` as its name and column (``{name}{separator}{column}``; the longest
     column that fits), or None if it ends with no ``{separator}{column}``."""
-    for column in sorted(columns, key=len, reverse=True):
-        if key.endswith(separator + column):
-            return key[: -len(separator + column)], column
-    return None
+    return _key_splitter(columns, separator)(key)
+
+
+def _key_splitter(
+    columns: Iterable[str], separator: str
+) -> Callable[[str], tuple[str, str] | None]:
+    """:func:`split_key` for many keys: one dictionary look-up a key where no column holds the
+    separator."""
+    ordered = sorted(columns, key=len, reverse=True)
+    known = set(ordered)
+
+    def by_suffix(key: str) -> tuple[str, str] | None:
+        for column in ordered:
+            if key.endswith(separator + column):
+                return key[: -len(separator + column)], column
+        return None
+
+    def at_separator(key: str) -> tuple[str, str] | None:
+        name, found, column = key.rpartition(separator)
+        return (name, column) if found and column in known else None
+
+    return by_suffix if any(separator in column for column in ordered) else at_separator
 
 
 @dataclass(frozen=True)
@@ -168,10 +186,11 @@ def kv_samples(dataset: DatasetInfo, columns: Sequence[str], separator: str) -> 
     each with the columns it holds (a key held by several shards: the last one's). Refuses a
     key that belongs to none of ``columns``."""
     winners = dataset.keys
+    split_key = _key_splitter(columns, separator)
     samples: dict[str, KvSample] = {}
     for i, header in enumerate(dataset.headers):
         for key in header.names():
-            split = split_key(key, columns, separator)
+            split = split_key(key)
             if split is None:
                 raise UsageError(
                     f"tensor {key!r} of {dataset.shards[i]} is no column of {list(columns)} "
@@ -179,7 +198,10 @@ def kv_samples(dataset: DatasetInfo, columns: Sequence[str], separator: str) -> 
                 )
             if winners[key] == i:
                 name, column = split
-                samples.setdefault(name, KvSample(name, {})).tensors[column] = (i, key)
+                sample = samples.get(name)
+                if sample is None:
+                    sample = samples[name] = KvSample(name, {})
+                sample.tensors[column] = (i, key)
     return list(samples.values())
 
 
