@@ -34,9 +34,12 @@ from stream_st.core.dtypes import dtype_from_code
 from stream_st.core.header import Header
 from stream_st.errors import UsageError
 from stream_st.integrations.dataset import (
+    KV_RECORD,
     DatasetInfo,
+    KvSample,
     Piece,
     describe_dataset,
+    kv_samples,
     plan_pieces,
     read_piece,
 )
@@ -69,13 +72,14 @@ def _describe(options: Any) -> DatasetInfo:
     return anyio.run(lambda: describe_dataset(str(path), kv=kv))
 
 
-def _column_types(dataset: DatasetInfo, raw: bool) -> dict[str, Column]:
-    """Batch mode: each column's type as the manifest records it (``spark_type``), else as told
-    from its dtype and shape; every one the tensor struct with ``raw``."""
+def _column_types(dataset: DatasetInfo, names: list[str], raw: bool) -> dict[str, Column]:
+    """The types of columns ``names``: as the manifest records them (``spark_type``), else as
+    told from the dtype and shape of the first shard's tensor of that name (batch mode); every
+    one the tensor struct with ``raw``."""
     schema = dataset.manifest.get("schema")
     entries = schema if isinstance(schema, dict) else {}
     out = {}
-    for name in dataset.columns:
+    for name in names:
         entry = entries.get(name)
         recorded = entry.get("spark_type") if isinstance(entry, dict) else None
         kind: DataType
@@ -93,6 +97,58 @@ def _column_types(dataset: DatasetInfo, raw: bool) -> dict[str, Column]:
     return out
 
 
+def _kv_record(dataset: DatasetInfo, options: Any) -> dict[str, str] | None:
+    """KV mode: how the rows were named, where the write recorded it and every column's type
+    (the dataset is then read as rows, a name and a column per written column), unless
+    ``raw=true``; None: read as one row per tensor."""
+    record = dataset.manifest.get(KV_RECORD)
+    schema = dataset.manifest.get("schema")
+    if not dataset.kv or _flag(options, "raw") or not isinstance(record, dict):
+        return None
+    if not isinstance(schema, dict) or not all(
+        isinstance(entry, dict) and "spark_type" in entry for entry in schema.values()
+    ):
+        return None
+    if not all(isinstance(record.get(k), str) for k in ("name_col", "spark_type", "separator")):
+        raise UsageError(f"the manifest's {KV_RECORD!r} record is not one this source wrote")
+    return record
+
+
+def _selected(available: list[str], options: Any) -> list[str]:
+    """The columns option ``columns`` names, in its order (default: all of ``available``)."""
+    wanted = options.get("columns")
+    if not wanted:
+        return available
+    columns = [c.strip() for c in str(wanted).split(",") if c.strip()]
+    missing = [c for c in columns if c not in available]
+    if missing:
+        raise UsageError(f"the dataset has no column {missing[0]!r} (it has {available})")
+    return columns
+
+
+def _fields(dataset: DatasetInfo, options: Any) -> list[StructField]:
+    """The fields a read gives (see :meth:`SafetensorsDataSource.schema`)."""
+    record = _kv_record(dataset, options)
+    if dataset.kv and record is None:
+        kinds: list[tuple[str, DataType]] = [
+            ("tensor_key", StringType()),
+            ("tensor", TENSOR_STRUCT),
+        ]
+        return [StructField(name, kind, False) for name, kind in kinds]
+    if record is None:
+        types = _column_types(dataset, dataset.columns, _flag(options, "raw"))
+        columns = _selected(list(types), options)
+        return [StructField(c, without_nulls(types[c].spark), False) for c in columns]
+    columns = _selected(list(dataset.manifest["schema"]), options)
+    types = _column_types(dataset, columns, raw=False)
+    samples = kv_samples(dataset, list(dataset.manifest["schema"]), record["separator"])
+    fields = [StructField(record["name_col"], parse_type(record["spark_type"]), False)]
+    for column in columns:  # a column some name was written without is nullable
+        every = all(column in sample.tensors for sample in samples)
+        fields.append(StructField(column, without_nulls(types[column].spark), not every))
+    return fields
+
+
 class SafetensorsDataSource(DataSource):
     """Reads and writes the safetensors-spark dataset layout (see the module docstring)."""
 
@@ -102,26 +158,13 @@ class SafetensorsDataSource(DataSource):
 
     def schema(self) -> StructType:
         """Batch mode: a column per tensor (``columns=`` picks some) of the type it was written
-        with (``raw=true``: the tensor struct); KV mode: ``tensor_key`` and ``tensor``. No
-        column, array element or struct field is nullable: a tensor holds no null (and Spark
-        converts columns it knows hold none faster)."""
-        dataset = _describe(self.options)
-        fields: list[tuple[str, DataType]]
-        if dataset.kv:
-            fields = [("tensor_key", StringType()), ("tensor", TENSOR_STRUCT)]
-        else:
-            types = _column_types(dataset, _flag(self.options, "raw"))
-            wanted = self.options.get("columns")
-            columns = list(types)
-            if wanted:
-                columns = [c.strip() for c in str(wanted).split(",") if c.strip()]
-                missing = [c for c in columns if c not in types]
-                if missing:
-                    raise UsageError(
-                        f"the dataset has no column {missing[0]!r} (it has {list(types)})"
-                    )
-            fields = [(column, types[column].spark) for column in columns]
-        return StructType([StructField(name, without_nulls(kind), False) for name, kind in fields])
+        with (``raw=true``: the tensor struct). KV mode, as written by this source: the name
+        column and a column per written column (``columns=`` picks some), a row per name; else
+        (another writer's, or ``raw=true``) ``tensor_key`` and ``tensor``, a row per tensor.
+        No array element or struct field is nullable, nor is a column but a KV-mode one some
+        name was written without: a tensor holds no null (and Spark converts columns it knows
+        hold none faster)."""
+        return StructType(_fields(_describe(self.options), self.options))
 
     def reader(self, schema: StructType) -> DataSourceReader:
         return SafetensorsReader(self.options, schema)
@@ -143,12 +186,14 @@ class SafetensorsReader(DataSourceReader):
     def __init__(self, options: Any, schema: StructType) -> None:
         dataset = _describe(options)
         self.kv = dataset.kv
+        self.record = _kv_record(dataset, options)
         self.arrow = to_arrow_schema(schema)  # what Spark checks each batch against
-        names = None if dataset.kv else [f.name for f in schema.fields]
         self.kinds: dict[str, Column] = {}
         for f in schema.fields:
             kind = column_of(f.dataType)
-            if kind is None and not dataset.kv:
+            if self.record is not None and f.name == self.record["name_col"]:
+                continue
+            if kind is None and (not dataset.kv or self.record is not None):
                 raise UsageError(
                     f"column {f.name!r} of {f.dataType.simpleString()} holds no tensor"
                 )
@@ -157,6 +202,12 @@ class SafetensorsReader(DataSourceReader):
         limit = _positive(options, "max_partition_mb", 128) or 128
         if limit > 1024:
             raise UsageError("option max_partition_mb must be at most 1024")
+        self.shards = dataset.shards
+        self.groups: list[list[Any]] = []
+        if self.record is not None:
+            self._plan_samples(dataset, self.record, limit << 20)
+            return
+        names = None if dataset.kv else [f.name for f in schema.fields]
         pieces = plan_pieces(dataset, names, max_bytes=limit << 20)
         headers = dict(zip(dataset.shards, dataset.headers, strict=True))
         self.rows = {
@@ -166,7 +217,6 @@ class SafetensorsReader(DataSourceReader):
         self.steps = {
             piece: self._rows_per_batch(piece, headers[piece.address]) for piece in pieces
         }
-        self.groups: list[list[Piece]] = []
         size = limit << 20
         for piece in pieces:
             header = headers[piece.address]
@@ -178,6 +228,33 @@ class SafetensorsReader(DataSourceReader):
                 size = 0
             self.groups[-1].append(piece)
             size += nbytes
+
+    def _plan_samples(self, dataset: DatasetInfo, record: dict[str, str], limit: int) -> None:
+        """KV mode, read as rows: partitions of consecutive names of at most ``limit`` bytes of
+        the selected columns (at least one name), and the names one Arrow batch holds; refuses,
+        before any task runs, a value Spark's Arrow batches cannot carry."""
+        samples = kv_samples(dataset, list(dataset.manifest["schema"]), record["separator"])
+        costs: dict[tuple[str, str, tuple[int, ...]], int] = {}
+        widest = 1
+        size = limit
+        for sample in samples:
+            selected = {c: t for c, t in sample.tensors.items() if c in self.kinds}
+            nbytes = 0
+            for column, (shard, key) in selected.items():
+                info = dataset.headers[shard][key]
+                nbytes += info.nbytes
+                spec = (column, info.dtype, info.shape)
+                if spec not in costs:
+                    itemsize = dtype_from_code(info.dtype).numpy.itemsize
+                    kind = self.kinds[column]
+                    costs[spec] = arrow_row_bytes(column, 1, info.shape, itemsize, kind)
+                widest = max(widest, costs[spec])
+            if not self.groups or size + nbytes > limit:
+                self.groups.append([])
+                size = 0
+            self.groups[-1].append(KvSample(sample.name, selected))
+            size += nbytes
+        self.step = max(1, BATCH_BYTES // (widest * max(1, len(self.kinds))))
 
     def _rows_per_batch(self, piece: Piece, header: Header) -> int:
         """The rows of ``piece`` one Arrow batch holds (about :data:`BATCH_BYTES`, at least
@@ -208,6 +285,9 @@ class SafetensorsReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Any:
         with start_blocking_portal() as portal:  # one event loop for the partition's reads
+            if self.record is not None:
+                yield from self._sample_batches(partition.value, portal)
+                return
             for piece in partition.value:
                 yield from self._batches(piece, portal.call(self._read, piece))
 
@@ -227,6 +307,48 @@ class SafetensorsReader(DataSourceReader):
                 [typed_column(part[name], kind, name) for name, kind in self.kinds.items()],
                 schema=self.arrow,
             )
+
+    def _sample_batches(self, samples: list[KvSample], portal: Any) -> Iterator[pa.RecordBatch]:
+        """KV mode, read as rows: the tensors of ``samples`` (each shard's with one read), then
+        a row per name, in the schema's order of columns."""
+        assert self.record is not None
+        keys: dict[int, list[str]] = {}
+        for sample in samples:
+            for shard, key in sample.tensors.values():
+                keys.setdefault(shard, []).append(key)
+        arrays: dict[str, Array] = {}
+        for shard, held in keys.items():
+            arrays.update(portal.call(read_piece, Piece(self.shards[shard], tuple(held))))
+        name_col = self.record["name_col"]
+        name_type = self.arrow.field(name_col).type
+        for start in range(0, len(samples), self.step):
+            part = samples[start : start + self.step]
+            names: list[str | int] = [
+                s.name if pa.types.is_string(name_type) else int(s.name) for s in part
+            ]
+            columns = {name_col: pa.array(names, name_type)}
+            for column, kind in self.kinds.items():
+                values = [
+                    arrays[s.tensors[column][1]] if column in s.tensors else None for s in part
+                ]
+                columns[column] = _values_column(values, kind, column)
+            yield pa.RecordBatch.from_arrays(
+                [columns[f.name] for f in self.arrow], schema=self.arrow
+            )
+
+
+def _values_column(values: list[Array | None], kind: Column, name: str) -> pa.Array:
+    """One value per row (None: a null) as an Arrow column of ``kind``: built at once where
+    the values share a shape and dtype, else value by value."""
+    present = [v for v in values if v is not None]
+    if len(present) == len(values) and len({(v.shape, v.dtype) for v in present}) == 1:
+        return typed_column(np.stack(present), kind, name)
+    return pa.concat_arrays(
+        [
+            pa.nulls(1, kind.arrow) if v is None else typed_column(v[None], kind, name)
+            for v in values
+        ]
+    )
 
 
 def register(spark: SparkSession | None = None, *, name: str = "safetensors") -> None:

@@ -21,7 +21,7 @@ import json
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import numpy as np
@@ -31,6 +31,7 @@ from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
 from pyspark.sql.types import IntegerType, LongType, StringType, StructType
 
 from stream_st._api import read_header, save
+from stream_st.compat._reference import _BytesSink
 from stream_st.core.digests import algorithm_named
 from stream_st.core.dtypes import dtype_for, dtype_from_code
 from stream_st.core.header import Header
@@ -43,7 +44,7 @@ from stream_st.core.shards import (
     shard_position,
 )
 from stream_st.errors import UsageError, WriterError
-from stream_st.integrations.dataset import MANIFEST_NAME
+from stream_st.integrations.dataset import KV_RECORD, MANIFEST_NAME, split_key
 from stream_st.sharded.reader import ShardIndex
 from stream_st.sharded.writer import tensor_index_table
 from stream_st.tools import cp
@@ -176,6 +177,8 @@ class WriteOptions:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     columns: dict[str, Column] = field(default_factory=dict)
     """The columns to write, in order, and how (empty until checked against a schema)."""
+    name_type: str | None = None
+    """KV mode: the Spark type of ``name_col`` (None until checked against a schema)."""
 
     @classmethod
     def parse(cls, options: Mapping[str, str], schema: StructType | None = None) -> WriteOptions:
@@ -204,7 +207,20 @@ class WriteOptions:
         )
         if schema is None:
             return parsed
-        return replace(parsed, columns=parsed._columns(schema, _names(options.get("columns"))))
+        columns = parsed._columns(schema, _names(options.get("columns")))
+        name_type = None if name_col is None else type_text(schema[name_col].dataType)
+        return replace(parsed, columns=columns, name_type=name_type)
+
+    def kv_record(self) -> dict[str, str] | None:
+        """KV mode: what the manifest records (as ``"kv"``) for a read to give the rows back:
+        the name column, its Spark type and the separator."""
+        if self.name_col is None:
+            return None
+        return {
+            "name_col": self.name_col,
+            "spark_type": self.name_type or "string",
+            "separator": self.kv_separator,
+        }
 
     def _columns(self, schema: StructType, wanted: list[str] | None) -> dict[str, Column]:
         names = schema.names
@@ -317,12 +333,24 @@ class _TaskWriter:
     def seal(self, tensors: Mapping[str, Array], samples: int) -> None:
         name = shard_file_name(self.task, len(self.shards), self.tag)
         staged = _store.join(self.staging, name)
-        header = anyio.run(lambda: save(staged, tensors, checksums=self.options.checksums))
+        header = anyio.run(lambda: self._save(staged, tensors))
         self.shards.append(
             StagedShard(
                 self.task, len(self.shards), name, staged, samples, header.file_size, _specs(header)
             )
         )
+
+    async def _save(self, staged: str, tensors: Mapping[str, Array]) -> Header:
+        """Batch mode: the shard saved straight from the arrays. KV mode: its tensors in their
+        rows' order, made in memory and written at once (a shard of many small tensors written
+        one by one would pay a write each)."""
+        checksums = self.options.checksums
+        if self.options.name_col is None:
+            return await save(staged, tensors, checksums=checksums)
+        sink = _BytesSink()
+        header = await save(sink, tensors, order="plan", checksums=checksums)
+        await _store.write_object(staged, cast(bytes, sink.data))  # a bytearray, not copied
+        return header
 
     def describe(self, column: str, array: Array) -> None:
         self.schema.setdefault(
@@ -359,9 +387,20 @@ class _TaskWriter:
             self.describe(column, array)
         self.seal(tensors, len(next(iter(tensors.values()))))
 
+    def cells(self, column: pa.Array, name: str) -> Array | list[Array]:
+        """KV mode: the value of every row of ``column`` (one to write), each its own array.
+        The rows are converted together (views of one array) when they share a shape and
+        dtype, else one by one (KV-mode rows may differ)."""
+        try:
+            return self.options.rows_of(column, name)
+        except UsageError:  # rows that differ; row by row, a real error is raised again
+            return [
+                self.options.rows_of(column.slice(row, 1), name)[0] for row in range(len(column))
+            ]
+
     def keys(self, batches: Iterator[pa.RecordBatch]) -> None:
         """KV mode: one tensor per row and column, shards rolled over at the target size; a
-        shard's samples are the names it holds."""
+        shard's samples are the names it holds, its tensors in the order of their rows."""
         name_col, separator = self.options.name_col, self.options.kv_separator
         assert name_col is not None
         current: dict[str, Array] = {}
@@ -371,18 +410,16 @@ class _TaskWriter:
         for batch in batches:
             if name_col not in batch.schema.names:
                 raise UsageError(f"name_col {name_col!r} is not a column of the DataFrame")
-            names = batch.column(name_col)
+            names = batch.column(name_col).to_pylist()
+            if None in names:
+                raise UsageError(f"column {name_col!r} holds a null: every row needs a name")
             columns = list(self.options.columns) or [c for c in batch.schema.names if c != name_col]
-            for row in range(batch.num_rows):
-                name = names[row].as_py()
-                if name is None:
-                    raise UsageError(f"column {name_col!r} holds a null: every row needs a name")
-                row_tensors = {}
-                for column in columns:
-                    cell = batch.column(column).slice(row, 1)
-                    array = self.options.rows_of(cell, column)[0]
-                    self.describe(column, array)
-                    row_tensors[f"{name}{separator}{column}"] = array
+            cells = {column: self.cells(batch.column(column), column) for column in columns}
+            for column, values in cells.items():
+                if len(values):
+                    self.describe(column, values[0])
+            for row, name in enumerate(names):
+                row_tensors = {f"{name}{separator}{c}": cells[c][row] for c in columns}
                 adding = sum(a.nbytes for k, a in row_tensors.items() if k not in current)
                 if current and size + adding > self.options.target_shard_size:
                     self.seal(current, len(samples))
@@ -390,10 +427,11 @@ class _TaskWriter:
                 for key, array in row_tensors.items():
                     if key in written and self.options.duplicates == "fail":
                         raise WriterError(f"tensor key {key!r} is written twice", name=key)
-                    size += array.nbytes - (current[key].nbytes if key in current else 0)
-                    current[key] = array  # lastWin: the later row replaces the earlier here
+                    earlier = current.pop(key, None)  # lastWin: the later row, in its place
+                    size += array.nbytes - (0 if earlier is None else earlier.nbytes)
+                    current[key] = array
                     written.add(key)
-                samples.add(name)
+                samples.add(str(name))
         if current:
             self.seal(current, len(samples))
 
@@ -463,10 +501,12 @@ class SafetensorsWriter(DataSourceArrowWriter):
             staged = [empty]
             schema = {k: {"dtype": d, "shape": list(shape)} for k, d, shape in empty.tensors}
         previous: list[StagedShard] = []
+        record = self.options.kv_record()
         if not self.overwrite and MANIFEST_NAME in listed:
             manifest = (await ShardIndex.read(_store.join(path, MANIFEST_NAME), Clock())).manifest
             previous = await _previous_shards(path, manifest, kv or self.options.generate_index)
             schema = {**manifest.get("schema", {}), **schema}
+            record = _appended_record(record, manifest)
         for column, kind in self.options.columns.items():  # a read gives these types back
             if column in schema:
                 schema[column] = {**schema[column], "spark_type": type_text(kind.spark)}
@@ -492,6 +532,8 @@ class SafetensorsWriter(DataSourceArrowWriter):
                 )
             entries = [ShardEntry(s.name, s.samples, s.bytes) for s in shards]
             document = manifest_document(entries, schema)
+            if record is not None:
+                document[KV_RECORD] = record
             text = json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
             await _store.write_object(_store.join(path, MANIFEST_NAME), text)  # the commit point
         except BaseException:
@@ -547,18 +589,28 @@ class SafetensorsWriter(DataSourceArrowWriter):
         name = shard_file_name(shard.task, shard.index, str(uuid.uuid4()))
         staged = _store.join(self.staging, name)
         header = (await cp(shard.staged, staged, include=live)).header
-        samples = len({_sample_of(key, columns, self.options.kv_separator) for key in live})
+        separator = self.options.kv_separator
+        samples = len({(split_key(key, columns, separator) or (key,))[0] for key in live})
         return StagedShard(
             shard.task, shard.index, name, staged, samples, header.file_size, _specs(header)
         )
 
 
-def _sample_of(key: str, columns: list[str], separator: str) -> str:
-    """The name (sample) a KV-mode ``key`` belongs to: the key without ``{separator}{column}``."""
-    for column in sorted(columns, key=len, reverse=True):
-        if key.endswith(separator + column):
-            return key[: -len(separator + column)]
-    return key
+def _appended_record(
+    record: dict[str, str] | None, manifest: Mapping[str, Any]
+) -> dict[str, str] | None:
+    """The KV record of a dataset ``manifest`` is appended to with ``record``: none where it has
+    none (written otherwise, its rows are read as tensors), and refused where they differ (the
+    rows of the two could not be read as one)."""
+    earlier = manifest.get(KV_RECORD)
+    if record is None or earlier is None:
+        return None
+    if earlier != record:
+        raise UsageError(
+            f"the dataset was written with name_col, its type and kv_separator {earlier}; "
+            f"this append gives {record}"
+        )
+    return record
 
 
 async def _previous_shards(

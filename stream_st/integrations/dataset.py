@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,10 +40,26 @@ from ..sharded.reader import ShardIndex, shard_address
 from ..transports import store as _store
 from ..transports.options import Clock
 
-__all__ = ["MANIFEST_NAME", "DatasetInfo", "Piece", "describe_dataset", "plan_pieces", "read_piece"]
+__all__ = [
+    "KV_RECORD",
+    "MANIFEST_NAME",
+    "DatasetInfo",
+    "KvSample",
+    "Piece",
+    "describe_dataset",
+    "kv_samples",
+    "plan_pieces",
+    "read_piece",
+    "split_key",
+]
 
 
 Array = np.ndarray[Any, Any]
+
+KV_RECORD = "kv"
+"""The manifest field where a KV-mode write records how its rows were named: ``{"name_col":
+the name column, "spark_type": its Spark type, "separator": the key separator}`` (a field the
+layout's manifest schema leaves open); a read gives the rows back with it."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,67 @@ async def describe_dataset(
         headers.append(header)
     batch = _batch_mode(headers, manifest.get("schema")) if kv is None else not kv
     return DatasetInfo(home, shards, tuple(headers), manifest, not batch)
+
+
+def split_key(key: str, columns: Iterable[str], separator: str) -> tuple[str, str] | None:
+    """A KV-mode ``key`` as its name and column (``{name}{separator}{column}``; the longest
+    column that fits), or None if it ends with no ``{separator}{column}``."""
+    return _key_splitter(columns, separator)(key)
+
+
+def _key_splitter(
+    columns: Iterable[str], separator: str
+) -> Callable[[str], tuple[str, str] | None]:
+    """:func:`split_key` for many keys: one dictionary look-up a key where no column holds the
+    separator."""
+    ordered = sorted(columns, key=len, reverse=True)
+    known = set(ordered)
+
+    def by_suffix(key: str) -> tuple[str, str] | None:
+        for column in ordered:
+            if key.endswith(separator + column):
+                return key[: -len(separator + column)], column
+        return None
+
+    def at_separator(key: str) -> tuple[str, str] | None:
+        name, found, column = key.rpartition(separator)
+        return (name, column) if found and column in known else None
+
+    return by_suffix if any(separator in column for column in ordered) else at_separator
+
+
+@dataclass(frozen=True)
+class KvSample:
+    """A KV-mode sample: its ``name`` and, for each of its columns, the shard (its position in
+    :attr:`DatasetInfo.shards`) and key of the tensor that holds its value."""
+
+    name: str
+    tensors: dict[str, tuple[int, str]]
+
+
+def kv_samples(dataset: DatasetInfo, columns: Sequence[str], separator: str) -> list[KvSample]:
+    """The samples of a KV-mode dataset written with ``columns`` and ``separator``: one per
+    name, in the order of their first tensor (the shards in order, each in its tensors' order),
+    each with the columns it holds (a key held by several shards: the last one's). Refuses a
+    key that belongs to none of ``columns``."""
+    winners = dataset.keys
+    split_key = _key_splitter(columns, separator)
+    samples: dict[str, KvSample] = {}
+    for i, header in enumerate(dataset.headers):
+        for key in header.names():
+            split = split_key(key)
+            if split is None:
+                raise UsageError(
+                    f"tensor {key!r} of {dataset.shards[i]} is no column of {list(columns)} "
+                    f"(key {{name}}{separator}{{column}})"
+                )
+            if winners[key] == i:
+                name, column = split
+                sample = samples.get(name)
+                if sample is None:
+                    sample = samples[name] = KvSample(name, {})
+                sample.tensors[column] = (i, key)
+    return list(samples.values())
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 install, each in a fresh virtual environment, the driver run from another directory.
 
 Spark registers the top-level ``pyspark_*`` modules its scan (``pkgutil.iter_modules``) lists.
-A wheel puts ``pyspark_safetensors`` in site-packages, where the scan sees it; setuptools'
-default editable install serves it through an import hook the scan cannot see, so there the
-documented ``pyspark_safetensors.register(spark)`` is what works (and ``editable_mode=compat``,
-which puts the checkout on the path, makes the scan see it again).
+A wheel puts ``pyspark_safetensors`` in site-packages, where the scan sees it; an editable
+install (the default mode, and ``editable_mode=compat``) puts the checkout on the path (the
+project's ``package-dir``), where it sees it too: not behind setuptools' import hook, which the
+scan cannot see.
 
 The wheel is checked end to end by a Spark session; the editable installs by the very function
 Spark's lookup worker runs (``pyspark.sql.worker.lookup_data_sources``), in their environment,
@@ -162,19 +162,12 @@ def _spark_lookup(python: Path, where: Path) -> dict[str, Any]:
     return out
 
 
-def test_an_editable_install_works_through_register(tree: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [[], ["--config-settings", "editable_mode=compat"]])
+def test_an_editable_install_is_found_by_spark_itself(
+    tree: Path, tmp_path: Path, mode: list[str]
+) -> None:
     python = _fresh_venv(tmp_path / "venv")
-    _install(python, "-e", tree)
-    out = _spark_lookup(python, tmp_path / "run")
-    assert Path(out["module"]).is_relative_to(tree)
-    # setuptools' import hook hides the module from Spark's scan: register() is the way (if
-    # the packaging ever puts the checkout on the path, this says so, and docs/spark.md changes)
-    assert out["found_by_spark"] == []
-
-
-def test_an_editable_compat_install_is_found_by_spark_itself(tree: Path, tmp_path: Path) -> None:
-    python = _fresh_venv(tmp_path / "venv")
-    _install(python, "--config-settings", "editable_mode=compat", "-e", tree)
+    _install(python, *mode, "-e", tree)
     out = _spark_lookup(python, tmp_path / "run")
     assert out["found_by_spark"] == ["safetensors"]
     assert Path(out["module"]).is_relative_to(tree)

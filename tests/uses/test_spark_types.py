@@ -96,6 +96,48 @@ def test_every_accepted_type_comes_back_as_written(spark: Any, tmp_path: Path) -
     assert given.load(str(tmp_path)).collect() == written.select("ad", "t").collect()
 
 
+def test_kv_mode_gives_every_type_back_a_row_per_name(spark: Any, tmp_path: Path) -> None:
+    rows = [(f"k{i}", *row) for i, row in enumerate(every_type_rows(7))]
+    written = frame(spark, rows, "name string, " + EVERY_TYPE)
+    written.write.format("safetensors").option("name_col", "name").option(
+        "target_shard_size_mb", 50
+    ).mode("overwrite").save(str(tmp_path))
+    assert manifest(tmp_path)["kv"] == {
+        "name_col": "name",
+        "spark_type": "string",
+        "separator": "__",
+    }
+    back = spark.read.format("safetensors").load(str(tmp_path))
+    assertSchemaEqual(back.schema, written.schema)
+    assert back.collect() == written.collect()  # each shard's names in the order written
+    picked = spark.read.format("safetensors").option("columns", "t,l").load(str(tmp_path))
+    assert picked.collect() == written.select("name", "t", "l").collect()
+    raw = spark.read.format("safetensors").option("raw", "true").load(str(tmp_path))
+    assert raw.columns == ["tensor_key", "tensor"] and raw.count() == 7 * 14
+    # integer names, rows of different shapes; an append of other names, without some
+    # columns: those read as null
+    numbered = frame(
+        spark, [(i, [-i] * (i + 1), i / 2) for i in range(4)], "id bigint, v array<int>, w double"
+    )
+    numbered.write.format("safetensors").option("name_col", "id").mode("overwrite").save(
+        str(tmp_path / "ids")
+    )
+    extra = frame(spark, [(9, [9, 9])], "id bigint, v array<int>", 1)
+    extra.write.format("safetensors").option("name_col", "id").mode("append").save(
+        str(tmp_path / "ids")
+    )
+    both = spark.read.format("safetensors").load(str(tmp_path / "ids"))
+    assert [(f.name, f.nullable) for f in both.schema] == [("id", False), ("v", False), ("w", True)]
+    assert [tuple(r) for r in both.collect()] == [
+        *((i, [-i] * (i + 1), i / 2) for i in range(4)),
+        (9, [9, 9], None),
+    ]
+    with pytest.raises(Exception, match="kv_separator"):
+        extra.write.format("safetensors").option("name_col", "id").option("kv_separator", "/").mode(
+            "append"
+        ).save(str(tmp_path / "ids"))
+
+
 def test_casts_and_shapes_come_back_in_the_written_types(spark: Any, tmp_path: Path) -> None:
     data = [([i / 3 + j for j in range(6)], i) for i in range(5)]
     written = frame(spark, data, "x array<double>, n bigint", 1)
