@@ -25,7 +25,7 @@ from stream_st import TruncatedStreamError
 from stream_st.transports.file import readahead as _ahead
 from stream_st.transports.file.readahead import _preadv_fully, read_ahead
 
-from ..memory.test_zero_copy import cached, evicted
+from ..memory.test_zero_copy import evicted
 
 pytestmark = pytest.mark.anyio
 
@@ -124,7 +124,6 @@ async def test_leaving_early_stops_the_threads_before_returning(
     """After the loop is left, no worker can write into the caller's memory any more: every
     worker has returned by the time the stream is closed, its remaining pieces dropped."""
     monkeypatch.setattr(_ahead, "PIECE", 4096)  # many pieces: most are still queued at the break
-    monkeypatch.setattr(_ahead, "INLINE_MOST", 0)  # threads from the first read, file cached
     monkeypatch.setattr(reader_module, "READ_AHEAD_BYTES", 0)  # no fresh array queued ahead
     monkeypatch.setattr(reader_module, "READ_AHEAD_MOST", 0)
     readers: set[_ahead.ReadAhead] = set()
@@ -351,7 +350,6 @@ async def test_a_stream_closed_from_another_task_stops_its_threads_first(
 
     monkeypatch.setattr(_ahead.ReadAhead, "_take", slow_take)
     monkeypatch.setattr(_ahead, "PIECE", 1 << 20)  # a tensor a read
-    monkeypatch.setattr(_ahead, "INLINE_MOST", 0)  # threads from the first read, file cached
     received: dict[str, np.ndarray[Any, Any]] = {}
     stream = stream_st.open_stream(tmp_path / "m.safetensors")
 
@@ -410,68 +408,3 @@ def test_a_break_right_before_the_event_loop_ends_closes_cleanly(
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "returned"
     assert done.stderr == ""
-
-
-def recorded(monkeypatch: pytest.MonkeyPatch) -> list[_ahead.ReadAhead]:
-    """The read-ahead objects this test's reads start from now on."""
-    readers: list[_ahead.ReadAhead] = []
-    start = _ahead.ReadAhead.start
-
-    def recording(self: _ahead.ReadAhead) -> None:
-        readers.append(self)
-        start(self)
-
-    monkeypatch.setattr(_ahead.ReadAhead, "start", recording)
-    return readers
-
-
-async def test_a_cached_file_is_read_on_the_loop_thread_without_threads(
-    path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A small file the page cache holds is copied by the event loop's thread: no worker
-    thread starts (a fixed cost per file), and the bytes are the reference's."""
-    readers = recorded(monkeypatch)
-    path.read_bytes()  # in the page cache
-    got = {name: array async for name, array in stream_st.open_stream(path)}
-    assert len(readers) == 1
-    assert readers[0]._threads == []
-    for name, array in reference.load_file(path).items():
-        assert got[name].tobytes() == array.tobytes(), name
-
-
-async def test_a_file_larger_than_the_inline_bound_is_read_by_threads(
-    path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Past INLINE_MOST bytes queued, the worker threads copy, cached or not."""
-    monkeypatch.setattr(_ahead, "INLINE_MOST", 1 << 20)
-    readers = recorded(monkeypatch)
-    path.read_bytes()
-    got = {name: array async for name, array in stream_st.open_stream(path)}
-    assert len(readers[0]._threads) == _ahead.WORKERS
-    for name, array in mixed().items():
-        assert got[name].tobytes() == array.tobytes(), name
-
-
-async def test_a_file_half_evicted_is_read_inline_then_by_threads(
-    path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The loop's thread copies what is cached up to the first byte the cache lacks, in the
-    middle of a piece; the threads read the rest of that piece and on: the same bytes."""
-    monkeypatch.setattr(_ahead, "PIECE", 16 << 20)  # one piece holds the cached and evicted part
-    readers = recorded(monkeypatch)
-    size = path.stat().st_size
-    evicted(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:  # the first half cached again, and no byte beyond it (no kernel read-ahead)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        os.pread(fd, size // 2, 0)
-    finally:
-        os.close(fd)
-    if cached(path, size // 2 + (1 << 20), size):
-        pytest.skip("the kernel read ahead anyway")
-    got = {name: array async for name, array in stream_st.open_stream(path)}
-    assert len(readers[0]._threads) == _ahead.WORKERS
-    for name, array in mixed().items():
-        assert got[name].tobytes() == array.tobytes(), name
-    header = await stream_st.read_header(path)
-    assert sorted(readers[0]._got) == sorted(t.nbytes for t in header.tensors if t.nbytes)

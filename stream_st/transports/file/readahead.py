@@ -12,13 +12,6 @@ one ``preadv`` call (so many small tensors cost one system call), and tell the l
 job it waits for (:meth:`ReadAhead.wait`) is complete. The loop meanwhile hands out finished
 tensors and queues more.
 
-A read-ahead starts no thread while what it reads is in the page cache and amounts to at most
-:data:`INLINE_MOST` bytes: :meth:`ReadAhead.wait` copies the pieces on the event loop's own thread,
-with reads that never wait for the disk (``RWF_NOWAIT``), the loop free between pieces. Starting
-two threads and waking the loop for each tensor they finish is a fixed cost per file, 1-4 ms on
-this 2-core machine and more when its cores are busy, which a warm file of a few MiB cannot
-repay. Once a read misses the cache, or more is asked for, the threads start and take over.
-
 Parts of the file the page cache does not hold are read straight from the disk, in smaller
 pieces by more threads (:mod:`stream_st.transports.file.direct`): the threads ask the kernel,
 piece by piece, which way to read. Where reads go through the page cache (by default, for files
@@ -48,9 +41,8 @@ from ...errors import TransportError
 from ...memory.fresh import ALIGN
 from . import direct as _direct
 from .direct import Direct, NotDirect
-from .pread import pread_cached
 
-__all__ = ["INLINE_MOST", "PIECE", "ReadAhead", "read_ahead"]
+__all__ = ["PIECE", "ReadAhead", "read_ahead"]
 
 PIECE = 8 << 20
 """The most one thread reads in one call: 8 MiB measured best of 1 to 16 MiB (a 256 MiB file of
@@ -60,13 +52,6 @@ WORKERS = 2
 """Threads reading at once: two cores copy from the page cache twice as fast as one (and 4
 threads 0.94x as fast as 2). Once a piece is read from the disk directly, more threads start
 (:data:`stream_st.transports.file.direct.WORKERS`)."""
-
-INLINE_MOST = 64 << 20
-"""The most bytes a read-ahead copies from the page cache on the event loop's thread before it
-starts its worker threads (see the module): past it, two cores copying pay for starting them."""
-
-CHECKPOINT_BYTES = 8 << 20
-"""Bytes copied on the event loop's thread between two chances for other tasks."""
 
 JOIN_WAIT = 0.5
 """The most seconds :meth:`ReadAhead.close` blocks waiting for the threads to end."""
@@ -121,7 +106,6 @@ class ReadAhead:
         self._waiting: tuple[int, anyio.Event] | None = None
         self._running = 0  # worker threads not yet ended
         self._threads: list[threading.Thread] = []  # worker threads started
-        self._added = 0  # bytes queued by add()
         self._all_ended: anyio.Event | None = None
         self._token = anyio.lowlevel.current_token()
 
@@ -141,19 +125,12 @@ class ReadAhead:
                 piece = view[at : at + end - start]
                 around = None if frame is None else frame[start - start % ALIGN - first :]
                 self._pieces.append((job, start, piece, around))
-            self._added += len(view)
-            if self._added > INLINE_MOST:
-                self._add_workers(WORKERS)
             self._cond.notify()
         return job
 
     async def wait(self, job: int) -> int:
         """The bytes job ``job`` received, once all of them are in; after :meth:`stop`, a
-        :class:`~stream_st.TransportError` whether or not they are (the reader was closed).
-        Before any thread has started, the pieces up to the job's last are first copied here
-        from the page cache (see the module)."""
-        if not self._threads:
-            await self._read_inline(job)
+        :class:`~stream_st.TransportError` whether or not they are (the reader was closed)."""
         with self._cond:
             ready = self._left[job] == 0 or self._error is not None or self._stopped
             if not ready:
@@ -180,37 +157,6 @@ class ReadAhead:
             self._cond.notify_all()
             self._wake()
 
-    async def _read_inline(self, job: int) -> None:
-        """Read the queued pieces, in order, until job ``job`` is complete, on this thread and
-        only from the page cache; at the first byte it lacks, the rest of that piece goes back
-        first in line and the worker threads start. The loop may run other tasks between
-        pieces (every :data:`CHECKPOINT_BYTES`)."""
-        since = 0
-        while True:
-            with self._cond:
-                if self._threads or self._stopped or self._error or self._left[job] == 0:
-                    return
-                number, offset, view, _ = self._pieces.popleft()
-            try:
-                got = pread_cached(self._fd, view, offset)
-            except OSError as exc:
-                with self._cond:
-                    self._error = exc  # wait() raises it
-                self.stop()
-                return
-            with self._cond:
-                self._got[number] += got
-                if got < len(view):  # not cached (or the file's end: a thread finds out)
-                    self._pieces.appendleft((number, offset + got, view[got:], None))
-                    self._add_workers(WORKERS)
-                    self._cond.notify_all()
-                    return
-                self._left[number] -= 1
-            since += got
-            if since >= CHECKPOINT_BYTES:
-                since = 0
-                await anyio.lowlevel.checkpoint()
-
     async def close(self) -> None:
         """:meth:`stop`, then return once every worker thread has ended, even if cancelled: no
         thread writes into a view afterwards.
@@ -229,12 +175,9 @@ class ReadAhead:
             await self._finished()
 
     def start(self) -> None:
-        """Start the worker threads where reads may go straight to the disk; otherwise they
-        start when the page cache falls short or more than :data:`INLINE_MOST` bytes are
-        queued (see the module)."""
-        if self._direct is not None:
-            with self._cond:
-                self._add_workers(WORKERS)
+        """Start the worker threads."""
+        with self._cond:
+            self._add_workers(WORKERS)
 
     def _add_workers(self, count: int) -> None:
         """Start worker threads until ``count`` have been started (called holding the lock)."""

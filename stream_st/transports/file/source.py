@@ -15,6 +15,7 @@ loop keeps running, and a writer that never comes raises :class:`~stream_st.Read
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import sys
@@ -39,7 +40,7 @@ from ..base import Source
 from ..nonblocking import NonBlockingEnd
 from ..options import UNLIMITED, Clock
 from .mmap import FileMap
-from .pread import RWF_NOWAIT, pread_cached, pread_fully
+from .pread import pread_fully
 from .readahead import ReadAhead, read_ahead
 
 __all__ = ["FileSource", "PipeEnd", "PipeSource", "open_file_source", "open_path"]
@@ -60,6 +61,8 @@ chunk already read; a thread never waits for the other's turn to hash (see :clas
 CHECKPOINT_BYTES = 8 << 20
 """After this many bytes read on the loop thread, let other tasks run."""
 
+_RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
+
 _CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
 
 
@@ -67,6 +70,25 @@ def _pread_boxed(fd: int, box: list[memoryview], offset: int) -> int:
     """:func:`pread_fully` on ``box.pop()``. A worker thread keeps its last call's arguments
     until it gets new work: passing the view in a box it empties frees the array in time."""
     return pread_fully(fd, box.pop(), offset)
+
+
+def _pread_cached(fd: int, buffer: memoryview, offset: int) -> int:
+    """Read what the page cache already holds, without ever blocking; returns the bytes read."""
+    filled = 0
+    total = len(buffer)
+    while filled < total:
+        try:
+            got = os.preadv(fd, [buffer[filled:]], offset + filled, _RWF_NOWAIT)
+        except BlockingIOError:  # EAGAIN: the next byte is not cached
+            break
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                break  # no RWF_NOWAIT on this file system: the thread does it all
+            raise
+        if got == 0:
+            break
+        filled += got
+    return filled
 
 
 class _InOrder:
@@ -189,8 +211,8 @@ class FileSource(Source):
 
     async def read_into_at(self, offset: int, buffer: memoryview) -> int:
         try:
-            if RWF_NOWAIT and len(buffer) <= INLINE_MAX:
-                got = pread_cached(self._fd, buffer, offset)
+            if _RWF_NOWAIT and len(buffer) <= INLINE_MAX:
+                got = _pread_cached(self._fd, buffer, offset)
                 self._inline_bytes += got
                 if self._inline_bytes >= CHECKPOINT_BYTES:
                     self._inline_bytes = 0
@@ -283,7 +305,7 @@ class FileSource(Source):
     def _cached(self, offset: int) -> bool:
         """Whether the page cache holds the byte at ``offset``: a one-byte read that never
         blocks (False where the kernel cannot tell)."""
-        return pread_cached(self._fd, memoryview(bytearray(1)), offset) == 1
+        return _pread_cached(self._fd, memoryview(bytearray(1)), offset) == 1
 
     async def aclose(self) -> None:
         if self._fd >= 0:
