@@ -152,6 +152,10 @@ def ensure_file(directory: Path, spec: BenchFile, scale: float) -> Path:
 
 
 def eviction_method() -> str:
+    """``drop_caches`` where it is writable, unless ``BENCH_EVICT=fadvise`` asks for the file's
+    own eviction (kinder to a shared machine: only this file's pages leave the cache)."""
+    if os.environ.get("BENCH_EVICT") == "fadvise":
+        return "fadvise"
     return "drop_caches" if os.access(DROP_CACHES, os.W_OK) else "fadvise"
 
 
@@ -337,8 +341,12 @@ def child(variant: str, path: str, runs: int, cold: bool = False) -> None:
     evicted right before the first run; print JSON."""
     if variant in _IMPORTS:
         importlib.import_module(_IMPORTS[variant])
-    else:  # stream_st's own "import": anyio loads its event loop backend on first use
+    else:  # stream_st's own "import": anyio loads its event loop backend on first use, and
+        # ``import stream_st`` is lazy: naming the reader's entry points imports the reader
+        # (as safetensors' import is untimed for its variants)
         anyio.run(anyio.lowlevel.checkpoint)
+        entry_points = (stream_st.load, stream_st.open_stream)
+        del entry_points
     run = VARIANTS[variant][1]
     baseline = _status_kib("VmRSS")
     times, sums, peak = [], [], 0

@@ -178,6 +178,19 @@ async def test_every_wait_after_a_stop_raises_rather_than_hangs(path: Path) -> N
         os.close(fd)
 
 
+def test_read_ahead_advice_refused_is_no_failure() -> None:
+    """The kernel refusing the sequential advice (here a pipe: ESPIPE) leaves reads as they
+    were: no exception escapes to the reader."""
+    read_end, write_end = os.pipe()
+    try:
+        with pytest.raises(OSError):  # what the helper must swallow
+            os.posix_fadvise(read_end, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        _ahead._advise_sequential(read_end)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
 def test_adjacent_views_are_filled_in_order_up_to_the_end(tmp_path: Path) -> None:
     data = bytes(range(256)) * 40
     file = tmp_path / "bytes"

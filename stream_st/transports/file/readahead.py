@@ -13,9 +13,13 @@ job it waits for (:meth:`ReadAhead.wait`) is complete. The loop meanwhile hands 
 tensors and queues more.
 
 Parts of the file the page cache does not hold are read straight from the disk, in smaller
-pieces by more threads (:mod:`stream_st.transports.file.direct`): the threads ask the kernel, piece
-by
-piece, which way to read.
+pieces by more threads (:mod:`stream_st.transports.file.direct`): the threads ask the kernel,
+piece by piece, which way to read. Where reads go through the page cache (by default, for files
+up to half the memory available), the file is advised ``POSIX_FADV_SEQUENTIAL``: the kernel then
+reads ahead of the threads twice as far as by default, so the disk has more to do while a thread
+copies or waits to be scheduled (a cold 1 GiB file of 32 MiB tensors, each read in a fresh
+process, paired per round: streamed 1.23x as fast, twice, loaded and kept 1.14x, on 2 loaded
+cores).
 """
 
 from __future__ import annotations
@@ -287,6 +291,15 @@ class ReadAhead:
             self._token.backend_class.run_sync_soon(function, (), self._token.native_token)
 
 
+def _advise_sequential(fd: int) -> None:
+    """Ask the kernel to read ``fd`` ahead further (see the module); where it cannot be asked
+    (no ``posix_fadvise``, a file system that refuses), reads go on as they would."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is not None:
+        with contextlib.suppress(OSError):
+            advise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+
 @asynccontextmanager
 async def read_ahead(fd: int, name: str) -> AsyncIterator[ReadAhead]:
     """A :class:`ReadAhead` on ``fd`` with its worker threads running for the block's duration;
@@ -294,6 +307,8 @@ async def read_ahead(fd: int, name: str) -> AsyncIterator[ReadAhead]:
     view afterwards. The threads are plain threads, not a task group's: the block may hold a
     generator's ``yield``, and that generator may be closed from another task."""
     direct = Direct.open(fd)
+    if direct is None:
+        _advise_sequential(fd)
     ahead = ReadAhead(fd, name, direct)
     try:
         ahead.start()
