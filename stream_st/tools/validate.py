@@ -64,9 +64,12 @@ __all__ = [
 
 Array = np.ndarray[Any, Any]
 
-SEGMENT = 1 << 22
-"""A tensor of more values than this is summarised in parts of this many values (16 MiB of F32),
-by several worker threads at once, the parts merged in order."""
+SEGMENT = 1 << 20
+"""A tensor of more values than this is summarised in parts of this many values (4 MiB of F32,
+about a millisecond's work), by several worker threads at once, the parts merged in order. Small
+enough that :data:`IN_FLIGHT` holds more parts than there are workers: a worker done with one
+finds the next waiting (with 16 MiB parts only one per worker fitted, and each waited idle for
+the event loop to hand it the next), and the last parts of a file end close together."""
 
 BATCH = 1 << 20
 """Tensors of fewer bytes are summarised several to a job, jobs of this many bytes or more: one
