@@ -21,14 +21,14 @@ here too.
 from __future__ import annotations
 
 import os
-from collections import deque
+import queue
+import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Unpack
 
 import anyio
-import anyio.abc
 import anyio.to_thread
 import numpy as np
 
@@ -64,21 +64,19 @@ __all__ = [
 
 Array = np.ndarray[Any, Any]
 
-SEGMENT = 1 << 22
-"""A tensor of more values than this is summarised in parts of this many values (16 MiB of F32),
-by several worker threads at once, the parts merged in order."""
-
-BATCH = 1 << 20
-"""Tensors of fewer bytes are summarised several to a job, jobs of this many bytes or more: one
-hop to a worker thread for many norms and biases."""
+SEGMENT = 1 << 20
+"""A tensor of more values than this is summarised in parts of this many values (4 MiB of F32,
+about a millisecond's work), by several worker threads at once, the parts merged in order: small
+enough that the last parts of a file end close together."""
 
 IN_FLIGHT = 16 << 20
-"""Tensors received and not yet summarised hold at most this many bytes (or one tensor): the
+"""Tensors received and not yet summarised hold at most this many bytes (or one part): the
 stream reads ahead while the workers summarise, in bounded memory. No more than the stream reads
 ahead of a caller that drops what it is given (``reader.ahead.READ_AHEAD_BYTES``), so that the
 stream sees its arrays let go of and uses their memory again (with 64 MiB here, every page of every
 tensor was a fresh one: 132 000 page faults for a 538 MB model against 43 000, and the kernel's
-time doubled)."""
+time doubled). Once it is reached, no part is queued until the queue is down to half of it: the
+event loop waits for room once per several parts."""
 
 
 def _workers() -> int:
@@ -294,22 +292,26 @@ class _Pending:
     left: int
 
 
-_Piece = tuple[_Pending, int, Array, int, int]
-"""Part ``index`` of a tensor: its array, the values ``start:stop`` of it."""
+@dataclass
+class _Piece:
+    """Part ``index`` of a tensor: the values ``start:stop`` of ``array``, ``nbytes`` of them."""
 
-
-def _summarise_pieces(pieces: Sequence[_Piece]) -> list[Moments]:
-    """The moments of each piece (in a worker thread: numpy releases the GIL)."""
-    return [moments_of(array, start, stop) for _, _, array, start, stop in pieces]
+    tensor: _Pending
+    index: int
+    array: Array
+    start: int
+    stop: int
+    nbytes: int
 
 
 class _Checker:
-    """Summarises a stream's tensors in worker threads while later ones arrive: a big tensor in
-    parts of :data:`SEGMENT` values, small ones (under :data:`BATCH` bytes) several to a job,
-    at most one job per CPU at once, at most :data:`IN_FLIGHT` bytes of tensors held.
-    ``done``: the statistics, in stream order. Each tensor with a recorded digest in ``digests``
-    is checked against it: ``checked`` counts those that match, ``mismatches`` describes each
-    that does not (every tensor is still summarised)."""
+    """Summarises a stream's tensors in worker threads while later ones arrive: one long-lived
+    worker per CPU takes parts off a queue (a tensor of more than :data:`SEGMENT` values in
+    parts, others whole), so that a worker done with one part goes on with the next without
+    waiting for the event loop; at most :data:`IN_FLIGHT` bytes of tensors are queued or being
+    summarised. ``done``: the statistics, in stream order. Each tensor with a recorded digest in
+    ``digests`` is checked against it: ``checked`` counts those that match, ``mismatches``
+    describes each that does not (every tensor is still summarised)."""
 
     def __init__(
         self,
@@ -325,12 +327,14 @@ class _Checker:
         self._source = source
         self.checked = 0
         self.mismatches: list[str] = []
-        self._limiter = anyio.CapacityLimiter(_workers())
         self._slots: list[TensorStats | None] = []
         self._bytes_done = 0
         self._tensors_done = 0
-        self._jobs: deque[tuple[anyio.Event, int]] = deque()  # launched, oldest first
-        self._held = 0  # bytes of the tensors in launched jobs not known to be done
+        self._queue: queue.SimpleQueue[_Piece | None] = queue.SimpleQueue()
+        self._room = threading.Condition()  # guards the three below
+        self._held = 0  # bytes of the parts queued or being summarised
+        self._summarised: list[tuple[_Pending, int, Moments]] = []  # parts not yet recorded
+        self._stopped = False  # a worker has ended: nobody waits for room
         self.failure: str | None = None
 
     @property
@@ -338,40 +342,40 @@ class _Checker:
         return [stats for stats in self._slots if stats is not None]
 
     async def run(self, stream: TensorStream) -> None:
+        workers = _workers()
+        limiter = anyio.CapacityLimiter(workers)  # not the default one, which waits for room
         async with task_group() as group:
-            batch: list[_Piece] = []
-            batched = 0
+            for _ in range(workers):
+                group.start_soon(self._worker, limiter)
             try:
-                async for name, array in stream:
-                    info = self._infos.get(name)
-                    if info is None:
-                        raise TensorNotFoundError(f"{name} streamed but not in the header")
-                    await self._check_digest(name, array)
-                    self._slots.append(None)
-                    starts = range(0, array.size, SEGMENT) if summarisable(info.dtype) else ()
-                    tensor = _Pending(len(self._slots) - 1, info, [None] * len(starts), len(starts))
-                    if not starts:
-                        self._record(tensor, tensor_stats(name, info.dtype, info.shape, array))
-                        continue
-                    pieces = [(tensor, i, array, at, at + SEGMENT) for i, at in enumerate(starts)]
-                    del array
-                    if info.nbytes >= BATCH:
-                        for piece in pieces:
-                            await self._launch(
-                                group,
-                                [piece],
-                                min(info.nbytes, SEGMENT * info.array_dtype.itemsize),
-                            )
-                        continue
-                    batch += pieces
-                    batched += info.nbytes
-                    if batched >= BATCH:
-                        await self._launch(group, batch, batched)
-                        batch, batched = [], 0
-            except IntegrityError as exc:  # the tensors before it are still summarised
-                self.failure = str(exc)
-            if batch:
-                await self._launch(group, batch, batched)
+                await self._feed(stream)
+            finally:  # even cancelled: the workers end once the queue is done
+                for _ in range(workers):
+                    self._queue.put(None)
+        self._record_summarised()
+
+    async def _feed(self, stream: TensorStream) -> None:
+        """Queue every tensor of ``stream``, in parts, recording what is summarised meanwhile."""
+        try:
+            async for name, array in stream:
+                info = self._infos.get(name)
+                if info is None:
+                    raise TensorNotFoundError(f"{name} streamed but not in the header")
+                await self._check_digest(name, array)
+                self._slots.append(None)
+                starts = range(0, array.size, SEGMENT) if summarisable(info.dtype) else ()
+                tensor = _Pending(len(self._slots) - 1, info, [None] * len(starts), len(starts))
+                if not starts:
+                    self._record(tensor, tensor_stats(name, info.dtype, info.shape, array))
+                    continue
+                for index, start in enumerate(starts):
+                    stop = min(start + SEGMENT, array.size)
+                    nbytes = (stop - start) * array.itemsize
+                    await self._put(_Piece(tensor, index, array, start, stop, nbytes))
+                del array
+                self._record_summarised()
+        except IntegrityError as exc:  # the tensors before it are still summarised
+            self.failure = str(exc)
 
     async def _check_digest(self, name: str, array: Array) -> None:
         recorded = self._digests.get(name)
@@ -383,34 +387,56 @@ class _Checker:
         except IntegrityError as exc:
             self.mismatches.append(str(exc))
 
-    async def _launch(self, group: anyio.abc.TaskGroup, pieces: list[_Piece], nbytes: int) -> None:
-        """Start a job summarising ``pieces`` (``nbytes`` of tensors), once the jobs before it
-        leave room (:data:`IN_FLIGHT`)."""
-        jobs = self._jobs
-        while jobs and (jobs[0][0].is_set() or self._held + nbytes > IN_FLIGHT):
-            finished, held = jobs.popleft()
-            await finished.wait()
-            self._held -= held
-        finished = anyio.Event()
-        jobs.append((finished, nbytes))
-        self._held += nbytes
-        group.start_soon(self._job, pieces, finished)
+    async def _put(self, piece: _Piece) -> None:
+        """Queue ``piece``, once the parts before it leave room (:data:`IN_FLIGHT`)."""
+        with self._room:
+            full = self._held + piece.nbytes > IN_FLIGHT and self._held and not self._stopped
+        if full:  # a cancellation need not wait: the thread ends once the workers make room
+            await anyio.to_thread.run_sync(self._wait_for_room, abandon_on_cancel=True)
+        with self._room:
+            self._held += piece.nbytes
+        self._queue.put(piece)
 
-    async def _job(self, pieces: list[_Piece], finished: anyio.Event) -> None:
+    def _wait_for_room(self) -> None:
+        """Block until the parts queued or being summarised are down to half of
+        :data:`IN_FLIGHT` (in a worker thread)."""
+        with self._room:
+            self._room.wait_for(lambda: self._held <= IN_FLIGHT // 2 or self._stopped)
+
+    async def _worker(self, limiter: anyio.CapacityLimiter) -> None:
+        await anyio.to_thread.run_sync(self._work, limiter=limiter)
+
+    def _work(self) -> None:
+        """Summarise queued parts until the queue says to stop (in a worker thread: numpy
+        releases the GIL). A part's array is let go of as soon as it is summarised."""
         try:
-            found = await anyio.to_thread.run_sync(_summarise_pieces, pieces, limiter=self._limiter)
-            for (tensor, index, *_), moments in zip(pieces, found, strict=True):
-                tensor.parts[index] = moments
-                tensor.left -= 1
-                if not tensor.left:
-                    total = Moments()
-                    for part in tensor.parts:
-                        if part is not None:
-                            total.merge(part)
-                    info = tensor.info
-                    self._record(tensor, TensorStats.of(info.name, info.dtype, info.shape, total))
+            while (piece := self._queue.get()) is not None:
+                tensor, index, nbytes = piece.tensor, piece.index, piece.nbytes
+                moments = moments_of(piece.array, piece.start, piece.stop)
+                del piece
+                with self._room:
+                    self._summarised.append((tensor, index, moments))
+                    self._held -= nbytes
+                    self._room.notify_all()
         finally:
-            finished.set()
+            with self._room:
+                self._stopped = True
+                self._room.notify_all()
+
+    def _record_summarised(self) -> None:
+        """Record the tensors whose parts are all summarised (on the event loop's thread)."""
+        with self._room:
+            summarised, self._summarised = self._summarised, []
+        for tensor, index, moments in summarised:
+            tensor.parts[index] = moments
+            tensor.left -= 1
+            if not tensor.left:
+                total = Moments()
+                for part in tensor.parts:
+                    if part is not None:
+                        total.merge(part)
+                info = tensor.info
+                self._record(tensor, TensorStats.of(info.name, info.dtype, info.shape, total))
 
     def _record(self, tensor: _Pending, stats: TensorStats) -> None:
         self._slots[tensor.slot] = stats

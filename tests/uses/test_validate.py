@@ -8,9 +8,11 @@ import os
 import shutil
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
+import anyio
 import ml_dtypes
 import numpy as np
 import pytest
@@ -128,13 +130,13 @@ def test_parts_merge_to_the_whole() -> None:
 # -- validate over files --------------------------------------------------------------------------
 
 
-async def test_big_tensors_in_parts_and_small_ones_batched_match_numpy(
+async def test_big_tensors_in_parts_and_small_ones_whole_match_numpy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With tiny parts and batches every path runs: parts merged, batches, the memory bound."""
+    """With tiny parts and a tiny memory bound every path runs: parts merged, the event loop
+    waiting for room in the queue, parts bigger than the bound."""
     monkeypatch.setattr(VALIDATE, "SEGMENT", 10_000)
-    monkeypatch.setattr(VALIDATE, "BATCH", 4_000)
-    monkeypatch.setattr(VALIDATE, "IN_FLIGHT", 50_000)
+    monkeypatch.setattr(VALIDATE, "IN_FLIGHT", 30_000)
     rng = np.random.default_rng(6)
     tensors: Arrays = {
         f"t{i:02}": (rng.standard_normal(int(rng.integers(1, 60_000))) * i + 1000).astype(
@@ -162,6 +164,77 @@ async def test_big_tensors_in_parts_and_small_ones_batched_match_numpy(
     assert result.errors == ["t05: 1 NaN value"]
     assert seen[-1] == (sum(a.nbytes for a in tensors.values()), len(tensors))
     assert result.load is not None and result.load.tensors == len(tensors)
+
+
+def parts_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A file of 20 tensors of 3 parts each, the queue holding about one part."""
+    monkeypatch.setattr(VALIDATE, "SEGMENT", 10_000)
+    monkeypatch.setattr(VALIDATE, "IN_FLIGHT", 50_000)
+    rng = np.random.default_rng(8)
+    tensors = {f"t{i:02}": rng.standard_normal(30_000).astype(np.float32) for i in range(20)}
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(tensors, str(path))
+    return path
+
+
+async def assert_no_thread_waits_for_room() -> None:
+    """No thread left blocked waiting for room in the queue (one abandoned by a cancellation
+    ends once the workers have made room or ended)."""
+
+    def waiting() -> bool:
+        for frame in sys._current_frames().values():
+            stack = traceback.extract_stack(frame)
+            if any(entry.name == "_wait_for_room" for entry in stack):
+                return True
+        return False
+
+    for _ in range(100):
+        if not waiting():
+            return
+        await anyio.sleep(0.05)
+    raise AssertionError("a thread still waits for room")
+
+
+async def test_cancelled_validation_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled while parts are queued and the event loop waits for room: the workers finish
+    what is queued and end, and the cancellation comes through."""
+    path = parts_file(tmp_path, monkeypatch)
+    seen: list[int] = []
+    with anyio.fail_after(30), anyio.CancelScope() as scope:
+
+        def progress(done: int, tensors: int) -> None:
+            seen.append(tensors)
+            if tensors == 3:
+                scope.cancel()
+
+        await tools.validate(path, progress=progress)
+    assert scope.cancelled_caught
+    assert 3 <= seen[-1] < 20
+    await assert_no_thread_waits_for_room()
+
+
+async def test_a_failing_worker_fails_the_validation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception in a worker ends the validation with it (no hang with the event loop
+    waiting for room that the failed worker, the only one, would have made)."""
+    path = parts_file(tmp_path, monkeypatch)
+    monkeypatch.setattr(VALIDATE, "_workers", lambda: 1)
+    calls = 0
+
+    def failing(values: np.ndarray[Any, Any], start: int = 0, stop: int | None = None) -> Moments:
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            raise MemoryError("no room for the scratch")
+        return moments_of(values, start, stop)
+
+    monkeypatch.setattr(VALIDATE, "moments_of", failing)
+    with anyio.fail_after(30), pytest.raises(MemoryError, match="no room"):
+        await tools.validate(path)
+    await assert_no_thread_waits_for_room()
 
 
 async def test_results_come_in_file_order(tmp_path: Path) -> None:
