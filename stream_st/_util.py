@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import TaskGroup
 
-__all__ = ["AsyncClosing", "package_version", "task_group"]
+__all__ = ["AsyncClosing", "call_soon_from_thread", "package_version", "task_group"]
 
 
 class AsyncClosing:
@@ -80,3 +83,18 @@ def package_version() -> str:
         return version("stream-st")
     except PackageNotFoundError:
         return "0+unknown"
+
+
+def call_soon_from_thread(
+    token: anyio.lowlevel.EventLoopToken, function: Callable[[], object]
+) -> None:
+    """Have the event loop of ``token`` call ``function`` soon, from another thread, without
+    waiting for it; nothing if that loop has ended. Through the loop's own public call (asyncio's
+    ``call_soon_threadsafe``, trio's ``TrioToken.run_sync_soon``), not anyio's backend classes."""
+    native: Any = token.native_token
+    # A closed asyncio loop, or trio's RunFinishedError: both RuntimeErrors.
+    with contextlib.suppress(RuntimeError):
+        if isinstance(native, asyncio.AbstractEventLoop):
+            native.call_soon_threadsafe(function)
+        else:
+            native.run_sync_soon(function)

@@ -408,3 +408,27 @@ def test_a_break_right_before_the_event_loop_ends_closes_cleanly(
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "returned"
     assert done.stderr == ""
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_threads_wake_the_loop_through_its_own_public_call(
+    path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read-ahead threads wake the event loop with asyncio's or trio's own thread-safe call,
+    not anyio's backend classes: a read still ends where those lack ``run_sync_soon`` (a
+    release of anyio without it made every such read wait forever)."""
+    import importlib
+
+    backend_class = importlib.import_module(f"anyio._backends._{backend}").backend_class
+    monkeypatch.delattr(backend_class, "run_sync_soon", raising=False)
+    expected = reference.load_file(path)
+
+    async def read() -> Arrays:
+        with anyio.fail_after(60):
+            return {name: array async for name, array in stream_st.open_stream(path)}
+
+    for direct in ("0", "1"):
+        monkeypatch.setenv("STREAM_ST_DIRECT_IO", direct)
+        evicted(path)
+        got = anyio.run(read, backend=backend)
+        assert all(np.array_equal(got[name], array) for name, array in expected.items())

@@ -37,6 +37,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
+from ..._util import call_soon_from_thread
 from ...core.digests import Hasher, ObjectDigest, update_sliced
 from ...errors import IntegrityError
 from ..base import DISCARD_CHUNK, Source
@@ -192,10 +193,7 @@ class _Keeper:
                     self._done.append((offset, end))
                 if not self._pieces and self._waiting is not None:
                     assert self._token is not None
-                    with contextlib.suppress(anyio.RunFinishedError):  # the loop ended
-                        self._token.backend_class.run_sync_soon(
-                            self._waiting.set, (), self._token.native_token
-                        )
+                    call_soon_from_thread(self._token, self._waiting.set)
                     self._waiting = None
 
 

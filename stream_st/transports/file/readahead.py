@@ -37,6 +37,7 @@ from contextlib import asynccontextmanager
 import anyio
 import anyio.lowlevel
 
+from ..._util import call_soon_from_thread
 from ...errors import TransportError
 from ...memory.fresh import ALIGN
 from . import direct as _direct
@@ -287,8 +288,7 @@ class ReadAhead:
 
     def _call_soon(self, function: Callable[[], object]) -> None:
         """Have the event loop call ``function`` soon, from a worker thread, without waiting."""
-        with contextlib.suppress(anyio.RunFinishedError):  # the loop ended under us
-            self._token.backend_class.run_sync_soon(function, (), self._token.native_token)
+        call_soon_from_thread(self._token, function)
 
 
 def _advise_sequential(fd: int) -> None:
