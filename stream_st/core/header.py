@@ -726,57 +726,70 @@ _Piece = tuple[dict[str, str] | None, TensorTable | None, bool]
 """What a piece of a header holds: its metadata (``None`` if not there), the table of its
 tensors (``None`` if none), and whether they follow each other in the data section."""
 
-_JSON_INT = r"(?:0|[1-9][0-9]*)"
-_PLAIN_STRING = r'[^"\\\x00-\x1f]*'
-_COMPACT_ENTRY = re.compile(
-    rf'"({_PLAIN_STRING})":\{{"dtype":"({_PLAIN_STRING})",'
-    rf'"shape":\[((?:{_JSON_INT}(?:,{_JSON_INT})*)?)\],'
-    rf'"data_offsets":\[({_JSON_INT}),({_JSON_INT})\]\}}'
-)
-"""A tensor's member as the reference writer writes it: a name without escapes, its fields in
-order, no whitespace. Its match at a place is the only one there (a string ends at its first
-quote, an integer at its first non-digit)."""
-
 _METADATA_START = '{"__metadata__":'
 _SPACE = " \t\n\r"
 _Known = dict[tuple[str, str | tuple[int, ...]], _Layout]
 """The layouts one fast parse has checked, by dtype code and shape (as a tuple or as text)."""
-_FIELDS = 6
-"""Items per tensor in a split by :data:`_COMPACT_ENTRY`: the text before it and its 5 groups."""
+
+_TENSOR_TEXTS = (
+    (2, ":{"),
+    (3, "dtype"),
+    (4, ":"),
+    (6, ","),
+    (7, "shape"),
+    (9, "data_offsets"),
+)
+"""Where the text between two quotes of a tensor's member as the reference writer writes it,
+``"name":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},``, is always the same: its
+position among the member's 10 such texts (1: the name, 5: the dtype, 8: the shape and 10:
+the offsets vary), and the text."""
+_SHAPE_TEXT = re.compile(r":\[((?:0|[1-9][0-9]*)(?:,(?:0|[1-9][0-9]*))*)?\],")
+"""A shape as :data:`_TENSOR_TEXTS` finds it: ``:[2,3],``."""
+_OFFSETS_TEXT = re.compile(
+    r':\[(?:0|[1-9][0-9]*),(?:0|[1-9][0-9]*)\]\},(?:":\[(?:0|[1-9][0-9]*),(?:0|[1-9][0-9]*)\]\},)*'
+)
+"""The offsets of tensors as :data:`_TENSOR_TEXTS` finds them (``:[0,24]},``), joined by
+quotes."""
 
 
 def _compact_piece(piece: str, known: _Known, first: bool) -> _Piece | None:
     """The piece ``piece`` (a braced run of a header's members; ``first``: the header's start,
-    where the metadata may be), if every member is written as the reference writes it and
+    where the metadata may be), if every member is written as the reference writes it (a name
+    and dtype without escapes or control characters, the fields in order, no whitespace) and
     plainly passes :func:`_parse_tensor`; ``None`` if not.
 
-    Split around its tensors' members, such a piece leaves ``{``, a ``,`` between each two
-    members, then ``}`` and whitespace: nothing else of the text is left unread.
+    The piece is cut at its quotes: each text between two of them is then either a name, a
+    dtype, a shape or offsets, or one of the member's fixed texts (:data:`_TENSOR_TEXTS`),
+    checked a column at a time. A handful of calls over the whole piece; no Python code runs
+    per tensor, only per distinct layout.
     """
     metadata = None
     if first and piece.startswith(_METADATA_START):
         value, at = scan_value(piece, len(_METADATA_START))
         metadata = _parse_metadata(value)
         piece = "{" + piece[at + 1 :] if piece.startswith(",", at) else piece[at:]
-    parts = _COMPACT_ENTRY.split(piece)
-    if len(parts) == 1:  # no tensor
-        rest = piece.rstrip(_SPACE)
-        empty = rest == "{}" or (metadata is not None and rest == "}")
+    texts = piece.rstrip(_SPACE).split('"')
+    n, extra = divmod(len(texts) - 1, 10)
+    if extra or texts[0] != "{" or not texts[-1].endswith("]}}"):
+        empty = texts == ["{}"] or (metadata is not None and texts == ["}"])
         return (metadata, None, True) if empty else None
-    between = parts[::_FIELDS]
-    if (
-        between[0] != "{"
-        or between[-1].rstrip(_SPACE) != "}"
-        or between[1:-1].count(",") != len(between) - 2
-    ):
+    texts[-1] = texts[-1][:-1] + ","  # the last member's offsets, as the others'
+    if any(texts[at::10].count(text) != n for at, text in _TENSOR_TEXTS):
         return None
-    names = parts[1::_FIELDS]
-    if METADATA_KEY in names:  # the metadata, written as a tensor is: refused
+    names, codes, shapes = texts[1::10], texts[5::10], texts[8::10]
+    joined = "".join(names)
+    if "\\" in joined or not joined.isprintable() or METADATA_KEY in names:
+        return None  # an escape or a control character in a name; the metadata as a tensor
+    offsets = '"'.join(texts[10::10])
+    if _OFFSETS_TEXT.fullmatch(offsets) is None:
         return None
-    starts = list(map(int, parts[4::_FIELDS]))
-    ends = list(map(int, parts[5::_FIELDS]))
-    checked = _checked_rows(names, parts[2::_FIELDS], parts[3::_FIELDS], starts, ends, known)
-    return None if checked is None else (metadata, *checked)
+    numbers = offsets[2:-3].replace(']},":[', ",").split(",")
+    starts_text, ends_text = numbers[::2], numbers[1::2]
+    ends = list(map(int, ends_text))
+    in_order = starts_text[1:] == ends_text[:-1]
+    starts = [int(starts_text[0]), *ends[:-1]] if in_order else list(map(int, starts_text))
+    checked = _checked_rows(names, codes, shapes, starts, ends, known)
+    return None if checked is None else (metadata, checked, in_order)
 
 
 def _json_piece(piece: str, known: _Known) -> _Piece | None:
@@ -825,49 +838,63 @@ def _json_piece(piece: str, known: _Known) -> _Piece | None:
         return None
     shape_tuples = list(map(tuple, shapes))
     checked = _checked_rows(list(found), codes, shape_tuples, starts, ends, known)
-    return None if checked is None else (metadata, *checked)
+    return None if checked is None else (metadata, checked, starts[1:] == ends[:-1])
 
 
 def _checked_rows(
     names: list[str],
     codes: list[str],
-    shapes: list[str] | list[tuple[int, ...]],
+    shapes: Sequence[str | tuple[int, ...]],
     starts: list[int],
     ends: list[int],
     known: _Known,
-) -> tuple[TensorTable, bool] | None:
-    """The table of these tensors' fields (shapes as tuples, or as their JSON text inside the
-    brackets) and whether they follow each other in the data section, if each passes
-    :func:`_parse_tensor`; else ``None``, or :class:`HeaderError` or :class:`DtypeError` naming
-    no tensor (the member walk tells which). ``known`` caches the layouts checked by this
-    parse, as there. Each step is one call over the whole list: no Python code runs per
-    tensor, only per distinct layout."""
+) -> TensorTable | None:
+    """The table of these tensors' fields (shapes as tuples, or as their text in compact
+    members, see :func:`_dims`), if each passes :func:`_parse_tensor`; else ``None``, or
+    :class:`HeaderError`, :class:`DtypeError` or :class:`ValueError` naming no tensor (the
+    member walk tells which).
+    ``known`` caches the layouts checked by this parse, as there. Each step is one call over
+    the whole list: no Python code runs per tensor, only per distinct layout."""
     if min(starts) < 0 or max(ends) > U64_MAX:
         return None
-    keys: list[tuple[str, str | tuple[int, ...]]] = list(zip(codes, shapes, strict=True))
-    layouts: _Known = {}
-    for key in {*keys}:
-        layout = known.get(key)
-        if layout is None:
-            code, shape = key
-            dtype = dtype_from_code(code)
-            dims = checked_dims("", _dims(shape))
-            layout = dtype.code, dims, data_size("", dtype, dims)
-            if len(known) < _KNOWN_LAYOUTS:
-                known[key] = layout
-        layouts[key] = layout
+    keys: Sequence[object]
+    layouts: dict[Any, _Layout]
+    if codes.count(codes[0]) == len(codes):  # one dtype, as in most files
+        code = codes[0]
+        keys = shapes
+        layouts = {shape: _layout(code, shape, known) for shape in {*shapes}}
+    else:
+        keys = pairs = list(zip(codes, shapes, strict=True))
+        layouts = {pair: _layout(*pair, known) for pair in {*pairs}}
     chosen = list(map(layouts.__getitem__, keys))
     if list(map(operator.sub, ends, starts)) != list(map(_third, chosen)):
         return None
-    table = TensorTable(names, list(map(_first, chosen)), list(map(_second, chosen)), starts, ends)
-    return table, starts[1:] == ends[:-1]
+    return TensorTable(names, list(map(_first, chosen)), list(map(_second, chosen)), starts, ends)
+
+
+def _layout(code: str, shape: str | tuple[int, ...], known: _Known) -> _Layout:
+    """The checked layout of tensors of dtype ``code`` and ``shape`` (as in
+    :func:`_checked_rows`), from ``known`` or checked now and kept there."""
+    layout = known.get((code, shape))
+    if layout is None:
+        dtype = dtype_from_code(code)
+        dims = checked_dims("", _dims(shape))
+        layout = dtype.code, dims, data_size("", dtype, dims)
+        if len(known) < _KNOWN_LAYOUTS:
+            known[(code, shape)] = layout
+    return layout
 
 
 def _dims(shape: str | tuple[int, ...]) -> tuple[int, ...]:
-    """A shape given as its JSON text inside the brackets (``"2,3"``), or as a tuple."""
+    """A shape given as a tuple, or as its text in a compact member (``:[2,3],``, see
+    :data:`_SHAPE_TEXT`); :class:`ValueError` for text that is no list of plain JSON
+    integers."""
     if isinstance(shape, tuple):
         return shape
-    return tuple(map(int, shape.split(","))) if shape else ()
+    found = _SHAPE_TEXT.fullmatch(shape)
+    if found is None:
+        raise ValueError(f"a shape's text, got {shape!r}")
+    return tuple(map(int, found[1].split(","))) if found[1] else ()
 
 
 _STOP_EVERY = 4096

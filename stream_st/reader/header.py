@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import stat
 import threading
 
 import anyio.to_thread
@@ -16,8 +18,9 @@ from ..core.header import (
     parse_header_length,
 )
 from ..errors import TrailingDataError, TruncatedStreamError
+from ..transports.file.source import _RWF_NOWAIT, _pread_cached, open_path
 from ..transports.options import Clock
-from ..transports.registry import Source, SourceLike, open_source
+from ..transports.registry import Source, SourceLike, open_source, scheme_of
 from .turns import give_turn
 
 HEADER_FIRST_READ = 64 << 10
@@ -70,25 +73,30 @@ async def _parse_off_loop(raw: memoryview, source: Source, unknown_dtypes: Unkno
         stopped.set()
 
 
+def _header_length(
+    prefix: memoryview, got: int, size: int | None, max_header_size: int, name: str
+) -> int:
+    """The header length the ``got`` bytes of ``prefix`` declare, checked against
+    ``max_header_size`` and against ``size`` (the source's, if known)."""
+    if got < LENGTH_PREFIX_SIZE:
+        parse_header_length(prefix[:got].tobytes())  # raises: fewer than 8 bytes
+    n = parse_header_length(prefix, max_header_size=max_header_size)
+    if size is not None and LENGTH_PREFIX_SIZE + n > size:
+        raise TruncatedStreamError(
+            "the header", name=None, offset=size, expected=LENGTH_PREFIX_SIZE + n, source=name
+        )
+    return n
+
+
 async def _read_header(
     source: Source, max_header_size: int, unknown_dtypes: UnknownDtypes = "refuse"
 ) -> tuple[Header, tuple[bytes, memoryview]]:
     """The validated header of ``source`` (its length at most ``max_header_size``), and the
     length prefix and header bytes as read (the start of the whole object's digest).
     ``unknown_dtypes`` as in :func:`~stream_st.core.header.parse_header`."""
-    prefix = bytearray(LENGTH_PREFIX_SIZE)
-    got = await source.fill(memoryview(prefix))
-    if got < LENGTH_PREFIX_SIZE:
-        parse_header_length(bytes(prefix[:got]))  # raises: fewer than 8 bytes
-    n = parse_header_length(prefix, max_header_size=max_header_size)
-    if source.size is not None and LENGTH_PREFIX_SIZE + n > source.size:
-        raise TruncatedStreamError(
-            "the header",
-            name=None,
-            offset=source.size,
-            expected=LENGTH_PREFIX_SIZE + n,
-            source=source.name,
-        )
+    prefix = memoryview(bytearray(LENGTH_PREFIX_SIZE))
+    got = await source.fill(prefix)
+    n = _header_length(prefix, got, source.size, max_header_size, source.name)
     raw, got = await _receive_header(source, n)
     if got < n:
         raise TruncatedStreamError(
@@ -105,7 +113,31 @@ async def _read_header(
     )
     if source.size is not None:
         _check_size(header, source.size, source.name)
-    return header, (bytes(prefix), raw)
+    return header, (prefix.tobytes(), raw)
+
+
+async def open_under(source_like: SourceLike, clock: Clock) -> Source:
+    """The first step of every read: start ``clock``, give the loop its turn (many small local
+    files never wait: their turns come from here), open the source of ``source_like``."""
+    clock.start()
+    await give_turn()
+    return await open_source(source_like, clock)
+
+
+async def start_and_read_header(
+    source: Source,
+    max_header_size: int,
+    unknown_dtypes: UnknownDtypes = "refuse",
+    *,
+    read_all: bool = False,
+) -> tuple[Header, tuple[bytes, memoryview]]:
+    """The second step: start the source :func:`open_under` opened, then read its header
+    (:func:`_read_header`). ``read_all`` promises that every tensor will be read next (see
+    :meth:`~stream_st.TensorStream.open`)."""
+    source.clock.start()  # a lent connection brings the clock of its message
+    await source.start(read_all=read_all)
+    await give_turn()
+    return await _read_header(source, max_header_size, unknown_dtypes)
 
 
 async def header_only(
@@ -118,17 +150,60 @@ async def header_only(
     ``clock`` as :meth:`~stream_st.TensorStream.open` reads it, and the source's name; the
     source is closed before it returns. What a header-only read needs, without a stream's
     machinery (its statistics, delivery, recycled memory), which a small local file would
-    spend more time building than reading."""
-    clock.start()
-    await give_turn()
-    source = await open_source(source_like, clock)
+    spend more time building than reading; a local file with no time limit, with a header in
+    the page cache that is parsed on the loop, needs no source either (:func:`_cached_header`)."""
+    if not clock.limited and isinstance(source_like, str | os.PathLike):
+        name = os.fspath(source_like)
+        if isinstance(name, str) and scheme_of(name) is None:
+            await give_turn()
+            header = _cached_header(name, max_header_size, unknown_dtypes)
+            if header is not None:
+                return header, name
+    source = await open_under(source_like, clock)
     try:
-        source.clock.start()  # a lent connection brings the clock of its message
-        await source.start()
-        header, _ = await _read_header(source, max_header_size, unknown_dtypes)
+        header, _ = await start_and_read_header(source, max_header_size, unknown_dtypes)
         return header, source.name
     finally:
         await source.aclose()
+
+
+CACHED_FIRST_READ = 64 << 10
+"""Bytes :func:`_cached_header` reads first, hoping they hold the whole header."""
+
+
+def _cached_header(name: str, max_header_size: int, unknown_dtypes: UnknownDtypes) -> Header | None:
+    """The validated header of the regular file at ``name``, read and parsed at once on this
+    thread, as :func:`_read_header` would give it; ``None`` (the caller reads it through a
+    source) for anything else at ``name``, or a header not all in the page cache or longer
+    than :data:`PARSE_IN_THREAD_ABOVE`: reads that would wait, or hold the loop too long.
+    Where ``name`` cannot be read at all, the source the caller opens then says why."""
+    if not _RWF_NOWAIT:
+        return None  # no read that never waits on this system
+    try:
+        if not stat.S_ISREG(os.stat(name).st_mode):
+            return None  # a FIFO, a device, a directory: their sources handle them
+    except (OSError, ValueError):
+        return None
+    fd = open_path(name, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        first = _buffer(min(size, CACHED_FIRST_READ))
+        got = _pread_cached(fd, first, 0)
+        if got < len(first):
+            return None  # not in the page cache
+        n = _header_length(first, got, size, max_header_size, name)
+        if n > PARSE_IN_THREAD_ABOVE:
+            return None
+        raw = first[LENGTH_PREFIX_SIZE : LENGTH_PREFIX_SIZE + n]
+        if len(raw) < n:
+            raw = _buffer(n)
+            if _pread_cached(fd, raw, LENGTH_PREFIX_SIZE) < n:
+                return None
+    finally:
+        os.close(fd)
+    header = parse_header(raw, unknown_dtypes=unknown_dtypes)
+    _check_size(header, size, name)
+    return header
 
 
 def _check_size(header: Header, size: int, name: str) -> None:
