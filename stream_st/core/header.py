@@ -14,16 +14,17 @@ reading is :mod:`.strict_json`'s.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import re
 import reprlib
 import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain
 from math import prod
-from typing import Any, Literal, NamedTuple, cast, overload
+from typing import Any, Literal, NamedTuple, TypeVar, cast, overload
 
 import numpy as np
 
@@ -58,6 +59,8 @@ __all__ = [
     "UnknownDtypes",
     "parse_header",
     "parse_header_length",
+    "parse_steps",
+    "run_steps",
 ]
 
 LENGTH_PREFIX_SIZE = 8
@@ -625,10 +628,8 @@ def parse_header(
     hold every shape (see :func:`data_size`).
 
     Time and memory are linear in the header's size; it stops at the first tensor found bad.
-    The work is done in steps of a few milliseconds each, so a parse in a worker thread leaves
-    the other threads (an event loop) their turns. ``stop``, asked between steps, ends a parse
-    nobody waits for any more (one in a worker thread whose caller was cancelled) with
-    :class:`UsageError`.
+    The work is done in steps of a few milliseconds each (:func:`parse_steps`). ``stop``, asked
+    between steps, ends a parse nobody waits for any more with :class:`UsageError`.
 
     A dtype code stream_st does not know is refused (:class:`~stream_st.UnknownDtypeError`)
     unless ``unknown_dtypes="keep"``, for a read of the header alone: then a tensor of such a
@@ -637,6 +638,37 @@ def parse_header(
     ``data_offsets`` alone, and named in :attr:`Header.unreadable`; reading its data raises
     :class:`~stream_st.UnknownDtypeError`. Every other check stands.
     """
+    return run_steps(parse_steps(raw, unknown_dtypes=unknown_dtypes), stop)
+
+
+_T = TypeVar("_T")
+
+Steps = Generator[None, None, Header]
+"""A header's parse, one step of a few milliseconds at a time: it yields between two steps
+and returns the :class:`Header`."""
+
+
+def run_steps(steps: Generator[None, None, _T], stop: Callable[[], bool] | None = None) -> _T:
+    """What the generator ``steps`` returns, its steps run one after another; ``stop``, asked
+    between two steps, ends them with :class:`UsageError` when it says nobody waits any more."""
+    with contextlib.closing(steps):
+        try:
+            while True:
+                next(steps)
+                if stop is not None and stop():
+                    raise UsageError("the header's parse was stopped: nobody waits for it any more")
+        except StopIteration as done:
+            return cast(_T, done.value)
+
+
+def parse_steps(
+    raw: bytes | bytearray | memoryview, *, unknown_dtypes: UnknownDtypes = "refuse"
+) -> Steps:
+    """:func:`parse_header` of ``raw`` as a generator that yields between steps of a few
+    milliseconds each (a piece of about :data:`~stream_st.core.strict_json.PIECE_BYTES` of the
+    header) and returns the :class:`Header`: a caller on an event loop lets the loop run
+    between two steps. A header of one piece (up to twice that size) is parsed without a
+    yield."""
     if unknown_dtypes not in ("refuse", "keep"):
         raise UsageError(f"unknown_dtypes is 'refuse' or 'keep', got {unknown_dtypes!r}")
     try:
@@ -644,7 +676,7 @@ def parse_header(
     except TypeError:
         raise UsageError(f"a header is bytes, got {type(raw).__name__}") from None
     with view, view.cast("B") as octets:
-        header = _parse_fast(octets, stop)
+        header = yield from _parse_fast(octets)
     if header is not None:
         return header
     try:
@@ -653,13 +685,7 @@ def parse_header(
         raise HeaderError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     if not text.startswith("{"):
         raise HeaderError(f"header must begin with '{{', begins with {text[:16]!r}")
-    return _parse_object(text, len(raw), stop, unknown_dtypes == "keep")
-
-
-def _stopped(stop: Callable[[], bool] | None) -> None:
-    """:class:`UsageError` if ``stop`` says nobody waits for the parse any more."""
-    if stop is not None and stop():
-        raise UsageError("the header's parse was stopped: nobody waits for it any more")
+    return (yield from _parse_object(text, len(raw), unknown_dtypes == "keep"))
 
 
 _dtype_of = operator.itemgetter("dtype")
@@ -675,7 +701,7 @@ _THREE = frozenset({3})
 _TWO = frozenset({2})
 
 
-def _parse_fast(raw: memoryview, stop: Callable[[], bool] | None) -> Header | None:
+def _parse_fast(raw: memoryview) -> Generator[None, None, Header | None]:
     """The :class:`Header` of ``raw``, if it is a header that plainly passes every check of
     :func:`_parse_object`, found a piece of members at a time (:func:`object_pieces`) with
     whole-list operations; ``None`` for any other (invalid, or unusual: a dtype the table
@@ -694,7 +720,8 @@ def _parse_fast(raw: memoryview, stop: Callable[[], bool] | None) -> Header | No
     ordered = True
     try:
         for at, piece in enumerate(object_pieces(raw)):
-            _stopped(stop)
+            if at:
+                yield  # between two pieces
             part = _compact_piece(piece, known, first=at == 0)
             if part is None:
                 part = _json_piece(piece, known)
@@ -716,7 +743,6 @@ def _parse_fast(raw: memoryview, stop: Callable[[], bool] | None) -> Header | No
                     column += more
     except (UnicodeDecodeError, HeaderError, DtypeError, ValueError):
         return None  # ValueError: an integer of more digits than int() takes
-    _stopped(stop)
     if not ordered:
         table = _data_order(table, index)
     return Header(table, metadata or {}, len(raw), index)
@@ -897,21 +923,19 @@ def _dims(shape: str | tuple[int, ...]) -> tuple[int, ...]:
     return tuple(map(int, found[1].split(","))) if found[1] else ()
 
 
-_STOP_EVERY = 4096
-"""Members of a header parsed between two looks at its ``stop`` callable."""
+_STEP_MEMBERS = 4096
+"""Members of a header the member walk reads in one step."""
 
 
-def _parse_object(
-    text: str, header_size: int, stop: Callable[[], bool] | None, keep: bool = False
-) -> Header:
+def _parse_object(text: str, header_size: int, keep: bool = False) -> Steps:
     """The :class:`Header` of the JSON object ``text``, validated member by member."""
     metadata: dict[str, str] | None = None
     index: dict[str, int] = {}
     rows: list[_Row] = []
     known: dict[tuple[Any, ...], _Layout] = {}
     for count, (name, value, start, end) in enumerate(members(text, METADATA_KEY)):
-        if stop is not None and count % _STOP_EVERY == 0 and stop():
-            raise UsageError("the header's parse was stopped: nobody waits for it any more")
+        if count and count % _STEP_MEMBERS == 0:
+            yield
         if name in index or (name == METADATA_KEY and metadata is not None):
             raise HeaderError(f"duplicate key {name!r} in the JSON header")
         if not name.isascii():

@@ -1,13 +1,12 @@
-"""Receiving a stream's header and parsing it, off the event loop when it is big."""
+"""Receiving a stream's header and parsing it, a step at a time when it is big."""
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
 import stat
-import threading
+from typing import cast
 
-import anyio.to_thread
 import numpy as np
 
 from ..core.header import (
@@ -16,7 +15,9 @@ from ..core.header import (
     UnknownDtypes,
     parse_header,
     parse_header_length,
+    parse_steps,
 )
+from ..core.strict_json import ONE_PIECE
 from ..errors import TrailingDataError, TruncatedStreamError
 from ..transports.file.source import _RWF_NOWAIT, _pread_cached, open_path
 from ..transports.options import Clock
@@ -26,12 +27,6 @@ from .turns import give_turn
 HEADER_FIRST_READ = 64 << 10
 """On a source of unknown length, the header buffer starts at this size and doubles as bytes
 arrive, so a peer that declares a huge header and sends little costs little."""
-
-PARSE_IN_THREAD_ABOVE = 256 << 10
-"""A header longer than this is parsed in a worker thread; a shorter one (about 3,000 tensors,
-5 ms of work at most on a quiet machine) on the event loop, where the hop to a thread would
-cost more than it saves (a first call of 1,000 tensors: 2.2 ms on the loop, 4.3 ms through a
-thread; ``benchmarks/bench_header.py --only-sizes``)."""
 
 
 def _buffer(size: int) -> memoryview:
@@ -57,20 +52,21 @@ async def _receive_header(source: Source, n: int) -> tuple[memoryview, int]:
     return raw, got
 
 
-async def _parse_off_loop(raw: memoryview, source: Source, unknown_dtypes: UnknownDtypes) -> Header:
-    """Parse a big header in a worker thread, within the read's deadline. A cancelled or late
-    caller does not wait for the thread: it stops at its next look at the flag."""
-    stopped = threading.Event()
-    try:
-        with source.clock.within_deadline(source.name, LENGTH_PREFIX_SIZE + len(raw)):
-            return await anyio.to_thread.run_sync(
-                functools.partial(
-                    parse_header, raw, stop=stopped.is_set, unknown_dtypes=unknown_dtypes
-                ),
-                abandon_on_cancel=True,
-            )
-    finally:
-        stopped.set()
+async def _parse(raw: memoryview, source: Source, unknown_dtypes: UnknownDtypes) -> Header:
+    """Parse a header on the event loop a step at a time (:func:`parse_steps`), giving the loop
+    its turns between steps (:func:`give_turn`), within the read's deadline: a big header holds
+    the loop for one step at most, a few milliseconds. A header of one piece is one step."""
+    steps = parse_steps(raw, unknown_dtypes=unknown_dtypes)
+    with (
+        contextlib.closing(steps),
+        source.clock.within_deadline(source.name, LENGTH_PREFIX_SIZE + len(raw)),
+    ):
+        try:
+            while True:
+                next(steps)
+                await give_turn()
+        except StopIteration as done:
+            return cast(Header, done.value)
 
 
 def _header_length(
@@ -106,11 +102,7 @@ async def _read_header(
             expected=LENGTH_PREFIX_SIZE + n,
             source=source.name,
         )
-    header = (
-        await _parse_off_loop(raw, source, unknown_dtypes)
-        if n > PARSE_IN_THREAD_ABOVE
-        else parse_header(raw, unknown_dtypes=unknown_dtypes)
-    )
+    header = await _parse(raw, source, unknown_dtypes)
     if source.size is not None:
         _check_size(header, source.size, source.name)
     return header, (prefix.tobytes(), raw)
@@ -150,8 +142,8 @@ async def header_only(
     ``clock`` as :meth:`~stream_st.TensorStream.open` reads it, and the source's name; the
     source is closed before it returns. What a header-only read needs, without a stream's
     machinery (its statistics, delivery, recycled memory), which a small local file would
-    spend more time building than reading; a local file with no time limit, with a header in
-    the page cache that is parsed on the loop, needs no source either (:func:`_cached_header`)."""
+    spend more time building than reading; a local file with no time limit, its header in the
+    page cache and parsed in one step, needs no source either (:func:`_cached_header`)."""
     if not clock.limited and isinstance(source_like, str | os.PathLike):
         name = os.fspath(source_like)
         if isinstance(name, str) and scheme_of(name) is None:
@@ -174,8 +166,9 @@ CACHED_FIRST_READ = 64 << 10
 def _cached_header(name: str, max_header_size: int, unknown_dtypes: UnknownDtypes) -> Header | None:
     """The validated header of the regular file at ``name``, read and parsed at once on this
     thread, as :func:`_read_header` would give it; ``None`` (the caller reads it through a
-    source) for anything else at ``name``, or a header not all in the page cache or longer
-    than :data:`PARSE_IN_THREAD_ABOVE`: reads that would wait, or hold the loop too long.
+    source) for anything else at ``name``, or a header not all in the page cache or of more
+    than one piece (:data:`~stream_st.core.strict_json.ONE_PIECE`): reads that would wait, or
+    hold the loop too long.
     Where ``name`` cannot be read at all, the source the caller opens then says why."""
     if not _RWF_NOWAIT:
         return None  # no read that never waits on this system
@@ -192,7 +185,7 @@ def _cached_header(name: str, max_header_size: int, unknown_dtypes: UnknownDtype
         if got < len(first):
             return None  # not in the page cache
         n = _header_length(first, got, size, max_header_size, name)
-        if n > PARSE_IN_THREAD_ABOVE:
+        if n > ONE_PIECE:
             return None
         raw = first[LENGTH_PREFIX_SIZE : LENGTH_PREFIX_SIZE + n]
         if len(raw) < n:

@@ -15,8 +15,14 @@ from typing import Any
 import pytest
 
 from stream_st import Header, HeaderError, parse_header
-from stream_st.core.header import _compact_piece, _parse_fast, _parse_object
-from stream_st.core.strict_json import PIECE_BYTES
+from stream_st.core.header import (
+    _compact_piece,
+    _parse_fast,
+    _parse_object,
+    parse_steps,
+    run_steps,
+)
+from stream_st.core.strict_json import PIECE_BYTES, object_pieces
 from stream_st.errors import DtypeError, UsageError
 
 COUNT = 2 * PIECE_BYTES // 44 + 200
@@ -57,7 +63,7 @@ def outcome(raw: bytes, **options: Any) -> Any:
 def walked(raw: bytes, keep: bool = False) -> Any:
     """What the member walk alone gives."""
     try:
-        found = _parse_object(str(raw, "utf-8"), len(raw), None, keep)
+        found = run_steps(_parse_object(str(raw, "utf-8"), len(raw), keep))
     except HeaderError as exc:
         return type(exc), str(exc)
     return found, found._index, found.metadata, found.unreadable
@@ -72,7 +78,7 @@ def agree(raw: bytes) -> Any:
 
 
 def fast(raw: bytes) -> Header | None:
-    return _parse_fast(memoryview(raw), None)
+    return run_steps(_parse_fast(memoryview(raw)))
 
 
 @pytest.mark.parametrize("metadata", [None, '{"format":"pt","a\\"b":"c\\\\"}'])
@@ -227,3 +233,16 @@ def test_the_compact_reader_declines_what_it_cannot_plainly_read(part: str) -> N
     text = "{" + ",".join([part, member("b", offsets="1,2")]) + "}"
     assert compact(text) is None
     assert outcome(text.encode()) == walked(text.encode())
+
+
+def test_a_parse_yields_between_pieces_only() -> None:
+    raw = header(members())
+    steps = parse_steps(raw)
+    yields = 0
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(steps)
+            yields += 1
+    assert yields == len(list(object_pieces(memoryview(raw)))) - 1 > 0
+    assert done.value.value == parse_header(raw)
+    assert list(parse_steps(header(members()[:100]))) == []  # one piece, one step
