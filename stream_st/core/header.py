@@ -923,8 +923,9 @@ def _dims(shape: str | tuple[int, ...]) -> tuple[int, ...]:
     return tuple(map(int, found[1].split(","))) if found[1] else ()
 
 
-_STEP_MEMBERS = 4096
-"""Members of a header the member walk reads in one step."""
+_STEP_MEMBERS = 512
+"""Members of a header the member walk reads in one step (a fast parse's piece holds about
+as many)."""
 
 
 def _parse_object(text: str, header_size: int, keep: bool = False) -> Steps:

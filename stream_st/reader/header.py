@@ -17,7 +17,6 @@ from ..core.header import (
     parse_header_length,
     parse_steps,
 )
-from ..core.strict_json import ONE_PIECE
 from ..errors import TrailingDataError, TruncatedStreamError
 from ..transports.file.source import _RWF_NOWAIT, _pread_cached, open_path
 from ..transports.options import Clock
@@ -162,13 +161,17 @@ async def header_only(
 CACHED_FIRST_READ = 64 << 10
 """Bytes :func:`_cached_header` reads first, hoping they hold the whole header."""
 
+PARSE_AT_ONCE_UP_TO = 256 << 10
+"""A cached local header up to this size (about 3,000 tensors, a few milliseconds of work on a
+quiet machine) is read and parsed without a turn for the loop: the source's machinery around
+its steps would cost more than it saves."""
+
 
 def _cached_header(name: str, max_header_size: int, unknown_dtypes: UnknownDtypes) -> Header | None:
     """The validated header of the regular file at ``name``, read and parsed at once on this
     thread, as :func:`_read_header` would give it; ``None`` (the caller reads it through a
-    source) for anything else at ``name``, or a header not all in the page cache or of more
-    than one piece (:data:`~stream_st.core.strict_json.ONE_PIECE`): reads that would wait, or
-    hold the loop too long.
+    source) for anything else at ``name``, or a header not all in the page cache or longer than
+    :data:`PARSE_AT_ONCE_UP_TO`: reads that would wait, or hold the loop too long.
     Where ``name`` cannot be read at all, the source the caller opens then says why."""
     if not _RWF_NOWAIT:
         return None  # no read that never waits on this system
@@ -185,7 +188,7 @@ def _cached_header(name: str, max_header_size: int, unknown_dtypes: UnknownDtype
         if got < len(first):
             return None  # not in the page cache
         n = _header_length(first, got, size, max_header_size, name)
-        if n > ONE_PIECE:
+        if n > PARSE_AT_ONCE_UP_TO:
             return None
         raw = first[LENGTH_PREFIX_SIZE : LENGTH_PREFIX_SIZE + n]
         if len(raw) < n:

@@ -14,8 +14,7 @@ import pytest
 
 import stream_st
 import stream_st.numpy
-from stream_st.core.strict_json import ONE_PIECE
-from stream_st.reader.header import CACHED_FIRST_READ, _cached_header
+from stream_st.reader.header import CACHED_FIRST_READ, PARSE_AT_ONCE_UP_TO, _cached_header
 
 
 def write(path: Path, tensors: int, *, tail: bytes = b"", cut: int = 0) -> Path:
@@ -44,9 +43,9 @@ async def test_a_cached_header_is_the_sources(tmp_path: Path, tensors: int) -> N
 
 
 async def test_a_header_of_several_pieces_is_read_through_a_source(tmp_path: Path) -> None:
-    path = write(tmp_path / "f.safetensors", ONE_PIECE // 40)
+    path = write(tmp_path / "f.safetensors", PARSE_AT_ONCE_UP_TO // 40)
     assert _cached_header(str(path), 10**8, "refuse") is None
-    assert len(await stream_st.read_header(path)) == ONE_PIECE // 40
+    assert len(await stream_st.read_header(path)) == PARSE_AT_ONCE_UP_TO // 40
 
 
 async def test_a_fifo_is_left_to_its_source(tmp_path: Path) -> None:
