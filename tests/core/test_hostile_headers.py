@@ -20,6 +20,7 @@ import stream_st
 from stream_st import HeaderError, SafetensorsError, TruncatedStreamError, parse_header, tools
 from stream_st.cli import main
 from stream_st.reader import header as reader_module
+from stream_st.reader.turns import TURN_CHECKPOINTS
 from stream_st.transports.inmemory import BytesSource
 
 from .._util import chunked, raw_file
@@ -329,9 +330,10 @@ def test_a_big_header_is_parsed_in_steps_that_let_the_loop_run() -> None:
         assert threading.current_thread() is threading.main_thread()
         return during if count_of else -1
 
-    small, big = many_tensors(10), many_tensors(64_000)  # 4 MB: 30 pieces, 30-300 ms
-    assert anyio.run(read, small) <= 1  # one piece: no turn of its own
-    assert anyio.run(read, big) >= 2  # a turn between pieces, every few milliseconds
+    small, big = many_tensors(10), many_tensors(64_000)  # 4 MB: 120 pieces, 30-300 ms
+    opening = anyio.run(read, small)  # one piece: the turns of the open alone
+    assert opening <= 2 * TURN_CHECKPOINTS
+    assert anyio.run(read, big) >= opening + 2 * TURN_CHECKPOINTS  # turns between pieces
 
 
 def many_tensors(count: int) -> bytes:
