@@ -24,8 +24,7 @@ from stream_st import (
     parse_header,
 )
 from stream_st.core.dtypes import array_shape, dtype_for, dtype_from_code
-from stream_st.core.header import NameIndex
-from stream_st.core.header import parse_header_length
+from stream_st.core.header import NameIndex, parse_header_length
 from stream_st.core.layout import plan_order
 from stream_st.errors import DtypeError, UsageError
 
