@@ -442,7 +442,8 @@ def test_a_name_index_in_several_dicts_is_one_mapping() -> None:
     index.add(names[600:], 600)
     assert index == {name: i for i, name in enumerate(names)} and len(index) == 1000
     assert index["layer.999"] == 999 and "layer.5" in index and "x" not in index
-    assert [] not in index  # unhashable: in no dict, as no dict holds it
+    unhashable: object = []
+    assert unhashable not in index  # in no dict, as no dict holds it
     index.add(["layer.3"], 1000)  # a name again: its last position, one entry
     assert len(index) == 1000 and index["layer.3"] == 1000
     with pytest.raises(KeyError):
