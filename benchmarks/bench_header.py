@@ -6,7 +6,7 @@ disk)::
     python benchmarks/bench_header.py [--sizes 10,100,...] [--rounds 3] [--tensors 1000000]
                                       [--repeat 3] [--skip-big]
 
-Six parts:
+Five parts:
 
 * ``sizes``: valid files of 10 to 10**6 F32 tensors of shape [1] (``--sizes``), each variant the
   first call in a fresh process (imports done before the clock starts: stream_st, anyio's
@@ -21,7 +21,8 @@ Six parts:
   - C: the header read by hand and given to ``json.loads``, another bar.
 
   Printed: medians, and the paired ratios B / A, B / R and C / A of each round (median and
-  range; above 1.00 stream_st is faster), the load average before and after each size.
+  range, and B / A of every round; above 1.00 stream_st is faster), the load average before
+  and after each size.
 * ``big``: a valid file of ``--tensors`` tensors (a 10**6-tensor header is about 77 MB of
   JSON): how long one full ``gc.collect()`` takes while the parsed header lives (every full
   collection of the process pays it for as long as the header is kept), and A and B each in a
@@ -33,9 +34,6 @@ Six parts:
 * ``hostile``: headers a peer may send, each refused by both: ``stream_st.parse_header`` against
   ``safetensors.deserialize`` on the same bytes, best of ``--repeat``. The reference's time
   includes copying the bytes in; both are well under a millisecond for a small header.
-* ``threshold``: what a worker thread costs (``anyio.to_thread.run_sync`` of a no-op, median of
-  200) against ``parse_header`` of valid headers of growing size, to place
-  ``PARSE_IN_THREAD_ABOVE`` (the reader parses longer headers off the loop).
 * ``prefix only``: 32 peers each send an 8-byte prefix declaring a 90 MB header, then stall; the
   receiver's traced allocation peak (``tracemalloc``) while their 32 reads wait.
 """
@@ -62,14 +60,12 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 import numpy  # noqa: F401  # imported before any clock starts: the reference's "np" needs it
 import safetensors
 from bench_read import _status_kib  # this script's folder is on sys.path
 
 import stream_st
 from stream_st import SafetensorsError, parse_header
-from stream_st.reader import PARSE_IN_THREAD_ABOVE
 
 MB = 1_000_000
 U64_MAX = 2**64 - 1
@@ -274,6 +270,11 @@ def bench_sizes(sizes: list[int], rounds: int) -> None:
                     f"  {tensors:>8} {clock[:4]:>5} {_ms(med(a))} {_ms(med(r_))} {_ms(med(b))} "
                     f"{_ms(med(c))}  {_ratio(b, a)} {_ratio(b, r_)} {_ratio(c, a)}"
                 )
+            per_round = [
+                round(b["seconds"] / a["seconds"], 2)
+                for a, b in zip(runs["A"], runs["B"], strict=True)
+            ]
+            print(f"  {'':>8} B/A wall, round by round: {per_round}")
             stalls = sorted(run["stall"] * 1000 for run in runs["T"])
             print(
                 f"  {'':>8} event loop's longest stall (T): {stalls[-1]:.1f} ms "
@@ -322,28 +323,6 @@ def bench_hostile(repeat: int) -> None:
         print(
             f"  {label:38} ours {ours * 1000:8.2f} ms ({ours_outcome})   "
             f"reference {ref * 1000:8.2f} ms ({ref_outcome})"
-        )
-
-
-async def _thread_hop() -> float:
-    times = []
-    for _ in range(200):
-        start = time.perf_counter()
-        await anyio.to_thread.run_sync(lambda: None)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def bench_threshold(repeat: int) -> None:
-    hop = anyio.run(_thread_hop)
-    print(f"\n== threshold: a worker-thread hop costs {hop * 1e6:.0f} us (median)")
-    for tensors in (250, 1000, 4000, 16000):
-        text = header_text(tensors)
-        took, _ = _best(partial(parse_header, text), repeat)
-        marker = "  <- PARSE_IN_THREAD_ABOVE" if len(text) > PARSE_IN_THREAD_ABOVE else ""
-        print(
-            f"  {len(text) / 1024:7.0f} KiB ({tensors:5} tensors): parse {took * 1000:6.2f} ms,"
-            f" hop / parse = {hop / took:.1%}{marker}"
         )
 
 
@@ -440,7 +419,6 @@ def main() -> None:
     if args.only_sizes:
         return
     bench_hostile(args.repeat)
-    bench_threshold(args.repeat)
     bench_prefix_only()
     bench_small()
     if not args.skip_big:

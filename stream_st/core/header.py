@@ -14,16 +14,17 @@ reading is :mod:`.strict_json`'s.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import re
 import reprlib
 import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain
 from math import prod
-from typing import Any, Literal, NamedTuple, cast, overload
+from typing import Any, Literal, NamedTuple, TypeVar, cast, overload
 
 import numpy as np
 
@@ -58,6 +59,8 @@ __all__ = [
     "UnknownDtypes",
     "parse_header",
     "parse_header_length",
+    "parse_steps",
+    "run_steps",
 ]
 
 LENGTH_PREFIX_SIZE = 8
@@ -290,6 +293,53 @@ def _positions(names: Sequence[str]) -> dict[str, int]:
     return dict(zip(names, range(len(names)), strict=True))
 
 
+_SHARD_NAMES = 1 << 16
+"""About how many names one dict of a :class:`NameIndex` is made to hold at most."""
+
+
+class NameIndex(Mapping[str, int]):
+    """Each tensor's position by name, built a piece of the header at a time, in several dicts
+    (the name's hash picks one) when more than :data:`_SHARD_NAMES` names are ``expected``.
+
+    A dict that grows doubles its table, copying every entry in one call that nothing can cut
+    into steps: at 700,000 names, 58 ms of CPU on a loaded machine, the longest step of a
+    10**6-tensor header's parse. A dict here doubles past ``expected / count`` names at most.
+    """
+
+    __slots__ = ("_dicts", "_mask")
+
+    def __init__(self, expected: int = 0) -> None:
+        count = 1
+        while count * _SHARD_NAMES < expected:
+            count *= 2
+        self._dicts: list[dict[str, int]] = [{} for _ in range(count)]
+        self._mask = count - 1
+
+    def add(self, names: Sequence[str], base: int) -> None:
+        """Record ``names`` at positions ``base``, ``base + 1``... (a name again: its last)."""
+        if not self._mask:
+            self._dicts[0].update(zip(names, range(base, base + len(names)), strict=True))
+            return
+        dicts, mask = self._dicts, self._mask
+        for position, name in enumerate(names, base):
+            dicts[hash(name) & mask][name] = position
+
+    def __getitem__(self, name: str) -> int:
+        return self._dicts[hash(name) & self._mask][name]
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            return name in self._dicts[hash(name) & self._mask]
+        except TypeError:  # unhashable: in no dict
+            return False
+
+    def __iter__(self) -> Iterator[str]:
+        return chain.from_iterable(self._dicts)
+
+    def __len__(self) -> int:
+        return sum(map(len, self._dicts))
+
+
 @dataclass(frozen=True, slots=True)
 class Header:
     """A parsed, fully validated header.
@@ -303,8 +353,9 @@ class Header:
     tensors: TensorTable
     metadata: dict[str, str]
     header_size: int
-    _index: dict[str, int] = field(repr=False, compare=False)
-    """Each tensor's position in ``tensors`` by name: strings and ints, so never GC-tracked."""
+    _index: Mapping[str, int] = field(repr=False, compare=False)
+    """Each tensor's position in ``tensors`` by name (a dict, or a :class:`NameIndex`): strings
+    and ints, so never GC-tracked."""
     unreadable: tuple[str, ...] = field(default=(), compare=False)
 
     @classmethod
@@ -568,9 +619,9 @@ def data_size(name: str, dtype: DType, shape: tuple[int, ...]) -> int:
     return bits // 8
 
 
-def _data_order(table: TensorTable, index: dict[str, int]) -> TensorTable:
-    """``table`` in offset order; :class:`HeaderError` unless its tensors tile the data
-    section. ``index`` (position by name) follows a reordering.
+def _data_order(table: TensorTable) -> TensorTable:
+    """``table`` in offset order (``table`` itself if it is); :class:`HeaderError` unless its
+    tensors tile the data section.
 
     Each tensor's own span is already checked. Tensors listed in offset order, as writers list
     them, are not sorted again.
@@ -590,7 +641,6 @@ def _data_order(table: TensorTable, index: dict[str, int]) -> TensorTable:
             f"tensor {name!r}: data_offsets [{start}, {end}] {problem}; "
             f"expected it to start at {expected}"
         )
-    index.update(_positions(table._names))
     return table
 
 
@@ -625,10 +675,8 @@ def parse_header(
     hold every shape (see :func:`data_size`).
 
     Time and memory are linear in the header's size; it stops at the first tensor found bad.
-    The work is done in steps of a few milliseconds each, so a parse in a worker thread leaves
-    the other threads (an event loop) their turns. ``stop``, asked between steps, ends a parse
-    nobody waits for any more (one in a worker thread whose caller was cancelled) with
-    :class:`UsageError`.
+    The work is done in steps of a few milliseconds each (:func:`parse_steps`). ``stop``, asked
+    between steps, ends a parse nobody waits for any more with :class:`UsageError`.
 
     A dtype code stream_st does not know is refused (:class:`~stream_st.UnknownDtypeError`)
     unless ``unknown_dtypes="keep"``, for a read of the header alone: then a tensor of such a
@@ -637,6 +685,37 @@ def parse_header(
     ``data_offsets`` alone, and named in :attr:`Header.unreadable`; reading its data raises
     :class:`~stream_st.UnknownDtypeError`. Every other check stands.
     """
+    return run_steps(parse_steps(raw, unknown_dtypes=unknown_dtypes), stop)
+
+
+_T = TypeVar("_T")
+
+Steps = Generator[None, None, Header]
+"""A header's parse, one step of a few milliseconds at a time: it yields between two steps
+and returns the :class:`Header`."""
+
+
+def run_steps(steps: Generator[None, None, _T], stop: Callable[[], bool] | None = None) -> _T:
+    """What the generator ``steps`` returns, its steps run one after another; ``stop``, asked
+    between two steps, ends them with :class:`UsageError` when it says nobody waits any more."""
+    with contextlib.closing(steps):
+        try:
+            while True:
+                next(steps)
+                if stop is not None and stop():
+                    raise UsageError("the header's parse was stopped: nobody waits for it any more")
+        except StopIteration as done:
+            return cast(_T, done.value)
+
+
+def parse_steps(
+    raw: bytes | bytearray | memoryview, *, unknown_dtypes: UnknownDtypes = "refuse"
+) -> Steps:
+    """:func:`parse_header` of ``raw`` as a generator that yields between steps of a few
+    milliseconds each (a piece of about :data:`~stream_st.core.strict_json.PIECE_BYTES` of the
+    header) and returns the :class:`Header`: a caller on an event loop lets the loop run
+    between two steps. A header of one piece (up to twice that size) is parsed without a
+    yield."""
     if unknown_dtypes not in ("refuse", "keep"):
         raise UsageError(f"unknown_dtypes is 'refuse' or 'keep', got {unknown_dtypes!r}")
     try:
@@ -644,7 +723,7 @@ def parse_header(
     except TypeError:
         raise UsageError(f"a header is bytes, got {type(raw).__name__}") from None
     with view, view.cast("B") as octets:
-        header = _parse_fast(octets, stop)
+        header = yield from _parse_fast(octets)
     if header is not None:
         return header
     try:
@@ -653,13 +732,7 @@ def parse_header(
         raise HeaderError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     if not text.startswith("{"):
         raise HeaderError(f"header must begin with '{{', begins with {text[:16]!r}")
-    return _parse_object(text, len(raw), stop, unknown_dtypes == "keep")
-
-
-def _stopped(stop: Callable[[], bool] | None) -> None:
-    """:class:`UsageError` if ``stop`` says nobody waits for the parse any more."""
-    if stop is not None and stop():
-        raise UsageError("the header's parse was stopped: nobody waits for it any more")
+    return (yield from _parse_object(text, len(raw), unknown_dtypes == "keep"))
 
 
 _dtype_of = operator.itemgetter("dtype")
@@ -675,7 +748,7 @@ _THREE = frozenset({3})
 _TWO = frozenset({2})
 
 
-def _parse_fast(raw: memoryview, stop: Callable[[], bool] | None) -> Header | None:
+def _parse_fast(raw: memoryview) -> Generator[None, None, Header | None]:
     """The :class:`Header` of ``raw``, if it is a header that plainly passes every check of
     :func:`_parse_object`, found a piece of members at a time (:func:`object_pieces`) with
     whole-list operations; ``None`` for any other (invalid, or unusual: a dtype the table
@@ -688,13 +761,14 @@ def _parse_fast(raw: memoryview, stop: Callable[[], bool] | None) -> Header | No
     if raw[:1].tobytes() != b"{":
         return None
     table = TensorTable([], [], [], [], [])
-    index: dict[str, int] = {}
+    index = NameIndex(len(raw) // _LEAST_MEMBER)
     metadata: dict[str, str] | None = None
     known: _Known = {}
     ordered = True
     try:
         for at, piece in enumerate(object_pieces(raw)):
-            _stopped(stop)
+            if at:
+                yield  # between two pieces
             part = _compact_piece(piece, known, first=at == 0)
             if part is None:
                 part = _json_piece(piece, known)
@@ -709,16 +783,16 @@ def _parse_fast(raw: memoryview, stop: Callable[[], bool] | None) -> Header | No
                 ends = table._ends
                 ordered = ordered and in_order and new._starts[0] == (ends[-1] if ends else 0)
                 base = len(table)
-                index.update(zip(new._names, range(base, base + len(new)), strict=True))
+                index.add(new._names, base)
                 if len(index) != base + len(new):
                     return None  # a name in two pieces
                 for column, more in zip(_columns(table), _columns(new), strict=True):
                     column += more
     except (UnicodeDecodeError, HeaderError, DtypeError, ValueError):
         return None  # ValueError: an integer of more digits than int() takes
-    _stopped(stop)
     if not ordered:
-        table = _data_order(table, index)
+        table = _data_order(table)
+        index.add(table._names, 0)
     return Header(table, metadata or {}, len(raw), index)
 
 
@@ -726,57 +800,74 @@ _Piece = tuple[dict[str, str] | None, TensorTable | None, bool]
 """What a piece of a header holds: its metadata (``None`` if not there), the table of its
 tensors (``None`` if none), and whether they follow each other in the data section."""
 
-_JSON_INT = r"(?:0|[1-9][0-9]*)"
-_PLAIN_STRING = r'[^"\\\x00-\x1f]*'
-_COMPACT_ENTRY = re.compile(
-    rf'"({_PLAIN_STRING})":\{{"dtype":"({_PLAIN_STRING})",'
-    rf'"shape":\[((?:{_JSON_INT}(?:,{_JSON_INT})*)?)\],'
-    rf'"data_offsets":\[({_JSON_INT}),({_JSON_INT})\]\}}'
-)
-"""A tensor's member as the reference writer writes it: a name without escapes, its fields in
-order, no whitespace. Its match at a place is the only one there (a string ends at its first
-quote, an integer at its first non-digit)."""
+_LEAST_MEMBER = 48
+"""Bytes a tensor's member takes at least (``"":{"dtype":"U8","shape":[],"data_offsets":[0,0]}``
+and a comma: 50): a header of N bytes lists fewer than N / 48 tensors."""
 
 _METADATA_START = '{"__metadata__":'
 _SPACE = " \t\n\r"
 _Known = dict[tuple[str, str | tuple[int, ...]], _Layout]
 """The layouts one fast parse has checked, by dtype code and shape (as a tuple or as text)."""
-_FIELDS = 6
-"""Items per tensor in a split by :data:`_COMPACT_ENTRY`: the text before it and its 5 groups."""
+
+_TENSOR_TEXTS = (
+    (2, ":{"),
+    (3, "dtype"),
+    (4, ":"),
+    (6, ","),
+    (7, "shape"),
+    (9, "data_offsets"),
+)
+"""Where the text between two quotes of a tensor's member as the reference writer writes it,
+``"name":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},``, is always the same: its
+position among the member's 10 such texts (1: the name, 5: the dtype, 8: the shape and 10:
+the offsets vary), and the text."""
+_SHAPE_TEXT = re.compile(r":\[((?:0|[1-9][0-9]*)(?:,(?:0|[1-9][0-9]*))*)?\],")
+"""A shape as :data:`_TENSOR_TEXTS` finds it: ``:[2,3],``."""
+_OFFSETS_TEXT = re.compile(
+    r':\[(?:0|[1-9][0-9]*),(?:0|[1-9][0-9]*)\]\},(?:":\[(?:0|[1-9][0-9]*),(?:0|[1-9][0-9]*)\]\},)*'
+)
+"""The offsets of tensors as :data:`_TENSOR_TEXTS` finds them (``:[0,24]},``), joined by
+quotes."""
 
 
 def _compact_piece(piece: str, known: _Known, first: bool) -> _Piece | None:
     """The piece ``piece`` (a braced run of a header's members; ``first``: the header's start,
-    where the metadata may be), if every member is written as the reference writes it and
+    where the metadata may be), if every member is written as the reference writes it (a name
+    and dtype without escapes or control characters, the fields in order, no whitespace) and
     plainly passes :func:`_parse_tensor`; ``None`` if not.
 
-    Split around its tensors' members, such a piece leaves ``{``, a ``,`` between each two
-    members, then ``}`` and whitespace: nothing else of the text is left unread.
+    The piece is cut at its quotes: each text between two of them is then either a name, a
+    dtype, a shape or offsets, or one of the member's fixed texts (:data:`_TENSOR_TEXTS`),
+    checked a column at a time. A handful of calls over the whole piece; no Python code runs
+    per tensor, only per distinct layout.
     """
     metadata = None
     if first and piece.startswith(_METADATA_START):
         value, at = scan_value(piece, len(_METADATA_START))
         metadata = _parse_metadata(value)
         piece = "{" + piece[at + 1 :] if piece.startswith(",", at) else piece[at:]
-    parts = _COMPACT_ENTRY.split(piece)
-    if len(parts) == 1:  # no tensor
-        rest = piece.rstrip(_SPACE)
-        empty = rest == "{}" or (metadata is not None and rest == "}")
+    texts = piece.rstrip(_SPACE).split('"')
+    n, extra = divmod(len(texts) - 1, 10)
+    if extra or texts[0] != "{" or not texts[-1].endswith("]}}"):
+        empty = texts == ["{}"] or (metadata is not None and texts == ["}"])
         return (metadata, None, True) if empty else None
-    between = parts[::_FIELDS]
-    if (
-        between[0] != "{"
-        or between[-1].rstrip(_SPACE) != "}"
-        or between[1:-1].count(",") != len(between) - 2
-    ):
+    texts[-1] = texts[-1][:-1] + ","  # the last member's offsets, as the others'
+    if any(texts[at::10].count(text) != n for at, text in _TENSOR_TEXTS):
         return None
-    names = parts[1::_FIELDS]
-    if METADATA_KEY in names:  # the metadata, written as a tensor is: refused
+    names, codes, shapes = texts[1::10], texts[5::10], texts[8::10]
+    joined = "".join(names)
+    if "\\" in joined or not joined.isprintable() or METADATA_KEY in names:
+        return None  # an escape or a control character in a name; the metadata as a tensor
+    offsets = '"'.join(texts[10::10])
+    if _OFFSETS_TEXT.fullmatch(offsets) is None:
         return None
-    starts = list(map(int, parts[4::_FIELDS]))
-    ends = list(map(int, parts[5::_FIELDS]))
-    checked = _checked_rows(names, parts[2::_FIELDS], parts[3::_FIELDS], starts, ends, known)
-    return None if checked is None else (metadata, *checked)
+    numbers = offsets[2:-3].replace(']},":[', ",").split(",")
+    starts_text, ends_text = numbers[::2], numbers[1::2]
+    ends = list(map(int, ends_text))
+    in_order = starts_text[1:] == ends_text[:-1]
+    starts = [int(starts_text[0]), *ends[:-1]] if in_order else list(map(int, starts_text))
+    checked = _checked_rows(names, codes, shapes, starts, ends, known)
+    return None if checked is None else (metadata, checked, in_order)
 
 
 def _json_piece(piece: str, known: _Known) -> _Piece | None:
@@ -825,66 +916,79 @@ def _json_piece(piece: str, known: _Known) -> _Piece | None:
         return None
     shape_tuples = list(map(tuple, shapes))
     checked = _checked_rows(list(found), codes, shape_tuples, starts, ends, known)
-    return None if checked is None else (metadata, *checked)
+    return None if checked is None else (metadata, checked, starts[1:] == ends[:-1])
 
 
 def _checked_rows(
     names: list[str],
     codes: list[str],
-    shapes: list[str] | list[tuple[int, ...]],
+    shapes: Sequence[str | tuple[int, ...]],
     starts: list[int],
     ends: list[int],
     known: _Known,
-) -> tuple[TensorTable, bool] | None:
-    """The table of these tensors' fields (shapes as tuples, or as their JSON text inside the
-    brackets) and whether they follow each other in the data section, if each passes
-    :func:`_parse_tensor`; else ``None``, or :class:`HeaderError` or :class:`DtypeError` naming
-    no tensor (the member walk tells which). ``known`` caches the layouts checked by this
-    parse, as there. Each step is one call over the whole list: no Python code runs per
-    tensor, only per distinct layout."""
+) -> TensorTable | None:
+    """The table of these tensors' fields (shapes as tuples, or as their text in compact
+    members, see :func:`_dims`), if each passes :func:`_parse_tensor`; else ``None``, or
+    :class:`HeaderError`, :class:`DtypeError` or :class:`ValueError` naming no tensor (the
+    member walk tells which).
+    ``known`` caches the layouts checked by this parse, as there. Each step is one call over
+    the whole list: no Python code runs per tensor, only per distinct layout."""
     if min(starts) < 0 or max(ends) > U64_MAX:
         return None
-    keys: list[tuple[str, str | tuple[int, ...]]] = list(zip(codes, shapes, strict=True))
-    layouts: _Known = {}
-    for key in {*keys}:
-        layout = known.get(key)
-        if layout is None:
-            code, shape = key
-            dtype = dtype_from_code(code)
-            dims = checked_dims("", _dims(shape))
-            layout = dtype.code, dims, data_size("", dtype, dims)
-            if len(known) < _KNOWN_LAYOUTS:
-                known[key] = layout
-        layouts[key] = layout
+    keys: Sequence[object]
+    layouts: dict[Any, _Layout]
+    if codes.count(codes[0]) == len(codes):  # one dtype, as in most files
+        code = codes[0]
+        keys = shapes
+        layouts = {shape: _layout(code, shape, known) for shape in {*shapes}}
+    else:
+        keys = pairs = list(zip(codes, shapes, strict=True))
+        layouts = {pair: _layout(*pair, known) for pair in {*pairs}}
     chosen = list(map(layouts.__getitem__, keys))
     if list(map(operator.sub, ends, starts)) != list(map(_third, chosen)):
         return None
-    table = TensorTable(names, list(map(_first, chosen)), list(map(_second, chosen)), starts, ends)
-    return table, starts[1:] == ends[:-1]
+    return TensorTable(names, list(map(_first, chosen)), list(map(_second, chosen)), starts, ends)
+
+
+def _layout(code: str, shape: str | tuple[int, ...], known: _Known) -> _Layout:
+    """The checked layout of tensors of dtype ``code`` and ``shape`` (as in
+    :func:`_checked_rows`), from ``known`` or checked now and kept there."""
+    layout = known.get((code, shape))
+    if layout is None:
+        dtype = dtype_from_code(code)
+        dims = checked_dims("", _dims(shape))
+        layout = dtype.code, dims, data_size("", dtype, dims)
+        if len(known) < _KNOWN_LAYOUTS:
+            known[(code, shape)] = layout
+    return layout
 
 
 def _dims(shape: str | tuple[int, ...]) -> tuple[int, ...]:
-    """A shape given as its JSON text inside the brackets (``"2,3"``), or as a tuple."""
+    """A shape given as a tuple, or as its text in a compact member (``:[2,3],``, see
+    :data:`_SHAPE_TEXT`); :class:`ValueError` for text that is no list of plain JSON
+    integers."""
     if isinstance(shape, tuple):
         return shape
-    return tuple(map(int, shape.split(","))) if shape else ()
+    found = _SHAPE_TEXT.fullmatch(shape)
+    if found is None:
+        raise ValueError(f"a shape's text, got {shape!r}")
+    return tuple(map(int, found[1].split(","))) if found[1] else ()
 
 
-_STOP_EVERY = 4096
-"""Members of a header parsed between two looks at its ``stop`` callable."""
+_STEP_MEMBERS = 512
+"""Members of a header the member walk reads in one step (a fast parse's piece holds about
+as many)."""
 
 
-def _parse_object(
-    text: str, header_size: int, stop: Callable[[], bool] | None, keep: bool = False
-) -> Header:
+def _parse_object(text: str, header_size: int, keep: bool = False) -> Steps:
     """The :class:`Header` of the JSON object ``text``, validated member by member."""
     metadata: dict[str, str] | None = None
     index: dict[str, int] = {}
     rows: list[_Row] = []
     known: dict[tuple[Any, ...], _Layout] = {}
     for count, (name, value, start, end) in enumerate(members(text, METADATA_KEY)):
-        if stop is not None and count % _STOP_EVERY == 0 and stop():
-            raise UsageError("the header's parse was stopped: nobody waits for it any more")
+        if count and count % _STEP_MEMBERS == 0:
+            yield
         if name in index or (name == METADATA_KEY and metadata is not None):
             raise HeaderError(f"duplicate key {name!r} in the JSON header")
         if not name.isascii():
@@ -896,6 +1000,9 @@ def _parse_object(
             value = _strict_entry(text[start:end], name)
         index[name] = len(rows)
         rows.append(_parse_tensor(name, value, known, keep))
-    table = _data_order(TensorTable.of_rows(rows), index)
+    rows_table = TensorTable.of_rows(rows)
+    table = _data_order(rows_table)
+    if table is not rows_table:
+        index = _positions(table._names)
     unreadable = tuple(t.name for t in table if t.dtype not in DTYPES) if keep else ()
     return Header(table, metadata or {}, header_size, index, unreadable)

@@ -20,6 +20,7 @@ from typing import Any, cast
 from ..errors import HeaderError
 
 __all__ = [
+    "PIECE_BYTES",
     "Number",
     "brief",
     "decode_json",
@@ -222,23 +223,27 @@ def members(text: str, strict_name: str) -> Iterator[tuple[str, Any, int, int]]:
             raise HeaderError(f"header is not valid JSON: extra data at char {at}")
 
 
-PIECE_BYTES = 256 << 10
+PIECE_BYTES = 32 << 10
 """About how many bytes of a large JSON object :func:`object_pieces` puts in one piece: each
-piece is parsed in one call that holds the GIL (a few ms), so other threads get turns between."""
+piece is parsed in one step (about 400 tensors, under a millisecond on a quiet machine, a few
+at load 10 on 2 cores), and an event loop gets its turns between; the steps' own cost is lost
+in the noise (``benchmarks/bench_header.py``)."""
 
-_CUT = re.compile(rb'\},"')
-"""Where a compact object of objects may be cut: after a member's ``}``, before its ``,``."""
+_CUT = re.compile(rb'\}[ \t\n\r]*(,)[ \t\n\r]*"')
+"""Where an object of objects may be cut: after a member's ``}``, at the ``,`` before the next
+member's name (``},"`` as the reference writes it, ``}, "`` as :func:`json.dumps` does)."""
 
 
 def object_pieces(raw: memoryview) -> Iterator[str]:
     """The JSON object ``raw`` (UTF-8, starting with ``{``) as JSON objects of about
     :data:`PIECE_BYTES` each, in order: each one is a run of ``raw``'s members, braced.
 
-    ``raw`` is cut where its text reads ``},"``, a guess: one that falls inside a string leaves
-    a piece that is no JSON object (its parse state at the cut is the whole text's, which is
-    inside the string), so a caller that parses every piece and finds each a whole object knows
-    every cut fell between two members. :class:`UnicodeDecodeError` for a piece that is not
-    UTF-8 (cuts fall on ASCII bytes, never inside a character).
+    ``raw`` is cut where its text reads ``},"`` (whitespace around the comma allowed), a guess:
+    one that falls inside a string leaves a piece that is no JSON object (its parse state at the
+    cut is the whole text's, which is inside the string), so a caller that parses every piece
+    and finds each a whole object knows every cut fell between two members.
+    :class:`UnicodeDecodeError` for a piece that is not UTF-8 (cuts fall on ASCII bytes, never
+    inside a character).
     """
     size = len(raw)
     start = 0
@@ -248,10 +253,9 @@ def object_pieces(raw: memoryview) -> Iterator[str]:
             text = str(raw[start:], "utf-8")
             yield "{" + text if start else text
             return
-        cut = match.start() + 1
-        text = str(raw[start:cut], "utf-8")
+        text = str(raw[start : match.start() + 1], "utf-8")
         yield ("{" + text if start else text) + "}"
-        start = cut + 1
+        start = match.end(1)
 
 
 _MINUS_ZERO = re.compile(r"[\[,:][ \t\n\r]*-0")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from .caps import NO_CAPS as NO_CAPS
 from .caps import Caps
-from .header import PARSE_IN_THREAD_ABOVE as PARSE_IN_THREAD_ABOVE
 from .stream import Include, TensorStream
 from .tensors import READ_CHUNK, read_hashing
 from .tensors import _read_tensor as _read_tensor

@@ -1,11 +1,12 @@
-"""Receiving a stream's header and parsing it, off the event loop when it is big."""
+"""Receiving a stream's header and parsing it, a step at a time when it is big."""
 
 from __future__ import annotations
 
-import functools
-import threading
+import contextlib
+import os
+import stat
+from typing import cast
 
-import anyio.to_thread
 import numpy as np
 
 from ..core.header import (
@@ -14,21 +15,17 @@ from ..core.header import (
     UnknownDtypes,
     parse_header,
     parse_header_length,
+    parse_steps,
 )
 from ..errors import TrailingDataError, TruncatedStreamError
+from ..transports.file.source import _RWF_NOWAIT, _pread_cached, open_path
 from ..transports.options import Clock
-from ..transports.registry import Source, SourceLike, open_source
+from ..transports.registry import Source, SourceLike, open_source, scheme_of
 from .turns import give_turn
 
 HEADER_FIRST_READ = 64 << 10
 """On a source of unknown length, the header buffer starts at this size and doubles as bytes
 arrive, so a peer that declares a huge header and sends little costs little."""
-
-PARSE_IN_THREAD_ABOVE = 256 << 10
-"""A header longer than this is parsed in a worker thread; a shorter one (about 3,000 tensors,
-5 ms of work at most on a quiet machine) on the event loop, where the hop to a thread would
-cost more than it saves (a first call of 1,000 tensors: 2.2 ms on the loop, 4.3 ms through a
-thread; ``benchmarks/bench_header.py --only-sizes``)."""
 
 
 def _buffer(size: int) -> memoryview:
@@ -54,20 +51,36 @@ async def _receive_header(source: Source, n: int) -> tuple[memoryview, int]:
     return raw, got
 
 
-async def _parse_off_loop(raw: memoryview, source: Source, unknown_dtypes: UnknownDtypes) -> Header:
-    """Parse a big header in a worker thread, within the read's deadline. A cancelled or late
-    caller does not wait for the thread: it stops at its next look at the flag."""
-    stopped = threading.Event()
-    try:
-        with source.clock.within_deadline(source.name, LENGTH_PREFIX_SIZE + len(raw)):
-            return await anyio.to_thread.run_sync(
-                functools.partial(
-                    parse_header, raw, stop=stopped.is_set, unknown_dtypes=unknown_dtypes
-                ),
-                abandon_on_cancel=True,
-            )
-    finally:
-        stopped.set()
+async def _parse(raw: memoryview, source: Source, unknown_dtypes: UnknownDtypes) -> Header:
+    """Parse a header on the event loop a step at a time (:func:`parse_steps`), giving the loop
+    its turns between steps (:func:`give_turn`), within the read's deadline: a big header holds
+    the loop for one step at most, a few milliseconds. A header of one piece is one step."""
+    steps = parse_steps(raw, unknown_dtypes=unknown_dtypes)
+    with (
+        contextlib.closing(steps),
+        source.clock.within_deadline(source.name, LENGTH_PREFIX_SIZE + len(raw)),
+    ):
+        try:
+            while True:
+                next(steps)
+                await give_turn()
+        except StopIteration as done:
+            return cast(Header, done.value)
+
+
+def _header_length(
+    prefix: memoryview, got: int, size: int | None, max_header_size: int, name: str
+) -> int:
+    """The header length the ``got`` bytes of ``prefix`` declare, checked against
+    ``max_header_size`` and against ``size`` (the source's, if known)."""
+    if got < LENGTH_PREFIX_SIZE:
+        parse_header_length(prefix[:got].tobytes())  # raises: fewer than 8 bytes
+    n = parse_header_length(prefix, max_header_size=max_header_size)
+    if size is not None and LENGTH_PREFIX_SIZE + n > size:
+        raise TruncatedStreamError(
+            "the header", name=None, offset=size, expected=LENGTH_PREFIX_SIZE + n, source=name
+        )
+    return n
 
 
 async def _read_header(
@@ -76,19 +89,9 @@ async def _read_header(
     """The validated header of ``source`` (its length at most ``max_header_size``), and the
     length prefix and header bytes as read (the start of the whole object's digest).
     ``unknown_dtypes`` as in :func:`~stream_st.core.header.parse_header`."""
-    prefix = bytearray(LENGTH_PREFIX_SIZE)
-    got = await source.fill(memoryview(prefix))
-    if got < LENGTH_PREFIX_SIZE:
-        parse_header_length(bytes(prefix[:got]))  # raises: fewer than 8 bytes
-    n = parse_header_length(prefix, max_header_size=max_header_size)
-    if source.size is not None and LENGTH_PREFIX_SIZE + n > source.size:
-        raise TruncatedStreamError(
-            "the header",
-            name=None,
-            offset=source.size,
-            expected=LENGTH_PREFIX_SIZE + n,
-            source=source.name,
-        )
+    prefix = memoryview(bytearray(LENGTH_PREFIX_SIZE))
+    got = await source.fill(prefix)
+    n = _header_length(prefix, got, source.size, max_header_size, source.name)
     raw, got = await _receive_header(source, n)
     if got < n:
         raise TruncatedStreamError(
@@ -98,14 +101,34 @@ async def _read_header(
             expected=LENGTH_PREFIX_SIZE + n,
             source=source.name,
         )
-    header = (
-        await _parse_off_loop(raw, source, unknown_dtypes)
-        if n > PARSE_IN_THREAD_ABOVE
-        else parse_header(raw, unknown_dtypes=unknown_dtypes)
-    )
+    header = await _parse(raw, source, unknown_dtypes)
     if source.size is not None:
         _check_size(header, source.size, source.name)
-    return header, (bytes(prefix), raw)
+    return header, (prefix.tobytes(), raw)
+
+
+async def open_under(source_like: SourceLike, clock: Clock) -> Source:
+    """The first step of every read: start ``clock``, give the loop its turn (many small local
+    files never wait: their turns come from here), open the source of ``source_like``."""
+    clock.start()
+    await give_turn()
+    return await open_source(source_like, clock)
+
+
+async def start_and_read_header(
+    source: Source,
+    max_header_size: int,
+    unknown_dtypes: UnknownDtypes = "refuse",
+    *,
+    read_all: bool = False,
+) -> tuple[Header, tuple[bytes, memoryview]]:
+    """The second step: start the source :func:`open_under` opened, then read its header
+    (:func:`_read_header`). ``read_all`` promises that every tensor will be read next (see
+    :meth:`~stream_st.TensorStream.open`)."""
+    source.clock.start()  # a lent connection brings the clock of its message
+    await source.start(read_all=read_all)
+    await give_turn()
+    return await _read_header(source, max_header_size, unknown_dtypes)
 
 
 async def header_only(
@@ -118,17 +141,65 @@ async def header_only(
     ``clock`` as :meth:`~stream_st.TensorStream.open` reads it, and the source's name; the
     source is closed before it returns. What a header-only read needs, without a stream's
     machinery (its statistics, delivery, recycled memory), which a small local file would
-    spend more time building than reading."""
-    clock.start()
-    await give_turn()
-    source = await open_source(source_like, clock)
+    spend more time building than reading; a local file with no time limit, its header in the
+    page cache and parsed in one step, needs no source either (:func:`_cached_header`)."""
+    if not clock.limited and isinstance(source_like, str | os.PathLike):
+        name = os.fspath(source_like)
+        if isinstance(name, str) and scheme_of(name) is None:
+            await give_turn()
+            header = _cached_header(name, max_header_size, unknown_dtypes)
+            if header is not None:
+                return header, name
+    source = await open_under(source_like, clock)
     try:
-        source.clock.start()  # a lent connection brings the clock of its message
-        await source.start()
-        header, _ = await _read_header(source, max_header_size, unknown_dtypes)
+        header, _ = await start_and_read_header(source, max_header_size, unknown_dtypes)
         return header, source.name
     finally:
         await source.aclose()
+
+
+CACHED_FIRST_READ = 64 << 10
+"""Bytes :func:`_cached_header` reads first, hoping they hold the whole header."""
+
+PARSE_AT_ONCE_UP_TO = 256 << 10
+"""A cached local header up to this size (about 3,000 tensors, a few milliseconds of work on a
+quiet machine) is read and parsed without a turn for the loop: the source's machinery around
+its steps would cost more than it saves."""
+
+
+def _cached_header(name: str, max_header_size: int, unknown_dtypes: UnknownDtypes) -> Header | None:
+    """The validated header of the regular file at ``name``, read and parsed at once on this
+    thread, as :func:`_read_header` would give it; ``None`` (the caller reads it through a
+    source) for anything else at ``name``, or a header not all in the page cache or longer than
+    :data:`PARSE_AT_ONCE_UP_TO`: reads that would wait, or hold the loop too long.
+    Where ``name`` cannot be read at all, the source the caller opens then says why."""
+    if not _RWF_NOWAIT:
+        return None  # no read that never waits on this system
+    try:
+        if not stat.S_ISREG(os.stat(name).st_mode):
+            return None  # a FIFO, a device, a directory: their sources handle them
+    except (OSError, ValueError):
+        return None
+    fd = open_path(name, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        first = _buffer(min(size, CACHED_FIRST_READ))
+        got = _pread_cached(fd, first, 0)
+        if got < len(first):
+            return None  # not in the page cache
+        n = _header_length(first, got, size, max_header_size, name)
+        if n > PARSE_AT_ONCE_UP_TO:
+            return None
+        raw = first[LENGTH_PREFIX_SIZE : LENGTH_PREFIX_SIZE + n]
+        if len(raw) < n:
+            raw = _buffer(n)
+            if _pread_cached(fd, raw, LENGTH_PREFIX_SIZE) < n:
+                return None
+    finally:
+        os.close(fd)
+    header = parse_header(raw, unknown_dtypes=unknown_dtypes)
+    _check_size(header, size, name)
+    return header
 
 
 def _check_size(header: Header, size: int, name: str) -> None:

@@ -27,10 +27,10 @@ from ..memory.recycle import Recycler
 from ..transports.file.readahead import ReadAhead
 from ..transports.file.source import FileSource
 from ..transports.options import Clock
-from ..transports.registry import Source, SourceLike, open_source
+from ..transports.registry import Source, SourceLike
 from .ahead import READ_AHEAD_FROM, _read_ahead
 from .caps import Caps
-from .header import _read_header
+from .header import open_under, start_and_read_header
 from .tensors import _read_tensor, merge_ranges
 from .turns import give_turn
 
@@ -135,10 +135,8 @@ class TensorStream(AsyncClosing):
             return self._header
         if self._closed:
             raise UsageError("the stream is closed")
-        self._clock.start()
-        await give_turn()  # many small local files never wait: the loop's turns come from here
         self.stats.begin()
-        source = await open_source(self._source_like, self._clock)
+        source = await open_under(self._source_like, self._clock)
         if self._closed:  # closed from another task while the source was being opened
             await source.aclose()
             raise TransportError(
@@ -146,11 +144,8 @@ class TensorStream(AsyncClosing):
             )
         self._source = source
         try:
-            self._source.clock.start()  # a lent connection brings the clock of its message
-            await self._source.start(read_all=read_all)
-            await give_turn()
-            self._header, self._head = await _read_header(
-                self._source, self._max_header_size, self._unknown_dtypes
+            self._header, self._head = await start_and_read_header(
+                source, self._max_header_size, self._unknown_dtypes, read_all=read_all
             )
             self.stats.received(self._header.data_start)
         except BaseException:

@@ -24,7 +24,7 @@ from stream_st import (
     parse_header,
 )
 from stream_st.core.dtypes import array_shape, dtype_for, dtype_from_code
-from stream_st.core.header import parse_header_length
+from stream_st.core.header import NameIndex, parse_header_length
 from stream_st.core.layout import plan_order
 from stream_st.errors import DtypeError, UsageError
 
@@ -432,3 +432,19 @@ def test_plan_order_is_descending_alignment_then_name() -> None:
         TensorSpec("m", "F16", (1,)),
     ]
     assert [s.name for s in plan_order(specs)] == ["z", "m", "a", "b"]
+
+
+def test_a_name_index_in_several_dicts_is_one_mapping() -> None:
+    index = NameIndex(expected=300_000)  # several dicts, chosen by hash
+    assert len(index._dicts) > 1
+    names = [f"layer.{i}" for i in range(1000)]
+    index.add(names[:600], 0)
+    index.add(names[600:], 600)
+    assert index == {name: i for i, name in enumerate(names)} and len(index) == 1000
+    assert index["layer.999"] == 999 and "layer.5" in index and "x" not in index
+    unhashable: object = []
+    assert unhashable not in index  # in no dict, as no dict holds it
+    index.add(["layer.3"], 1000)  # a name again: its last position, one entry
+    assert len(index) == 1000 and index["layer.3"] == 1000
+    with pytest.raises(KeyError):
+        index["missing"]

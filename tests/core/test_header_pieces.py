@@ -15,9 +15,15 @@ from typing import Any
 import pytest
 
 from stream_st import Header, HeaderError, parse_header
-from stream_st.core.header import _parse_fast, _parse_object
-from stream_st.core.strict_json import PIECE_BYTES
-from stream_st.errors import UsageError
+from stream_st.core.header import (
+    _compact_piece,
+    _parse_fast,
+    _parse_object,
+    parse_steps,
+    run_steps,
+)
+from stream_st.core.strict_json import PIECE_BYTES, object_pieces
+from stream_st.errors import DtypeError, UsageError
 
 COUNT = 2 * PIECE_BYTES // 44 + 200
 """Tensors of about 50 bytes each: two pieces."""
@@ -57,7 +63,7 @@ def outcome(raw: bytes, **options: Any) -> Any:
 def walked(raw: bytes, keep: bool = False) -> Any:
     """What the member walk alone gives."""
     try:
-        found = _parse_object(str(raw, "utf-8"), len(raw), None, keep)
+        found = run_steps(_parse_object(str(raw, "utf-8"), len(raw), keep))
     except HeaderError as exc:
         return type(exc), str(exc)
     return found, found._index, found.metadata, found.unreadable
@@ -72,7 +78,7 @@ def agree(raw: bytes) -> Any:
 
 
 def fast(raw: bytes) -> Header | None:
-    return _parse_fast(memoryview(raw), None)
+    return run_steps(_parse_fast(memoryview(raw)))
 
 
 @pytest.mark.parametrize("metadata", [None, '{"format":"pt","a\\"b":"c\\\\"}'])
@@ -176,3 +182,67 @@ def test_unknown_dtypes_kept_in_a_later_piece() -> None:
 def test_a_parse_nobody_waits_for_stops() -> None:
     with pytest.raises(UsageError, match="stopped"):
         parse_header(header(members()), stop=lambda: True)
+
+
+def compact(text: str) -> Any:
+    """What the reader of the reference writer's layout makes of one piece (None: declined,
+    or an error naming no tensor, as :func:`_parse_fast` takes it)."""
+    try:
+        return _compact_piece(text, {}, first=True)
+    except (ValueError, HeaderError, DtypeError):
+        return None
+
+
+def test_the_compact_reader_takes_names_full_of_json_punctuation() -> None:
+    names = ['a":{', "],[", "},", ":", "{}", "\u00e9\u4e2d", ""]
+    parts = [member(n, offsets=f"{i},{i + 1}") for i, n in enumerate(names)]
+    text = "{" + ",".join(parts) + "}  "
+    metadata, table, in_order = compact(text.replace('a":{', "a:{"))
+    assert table.names() == ["a:{", *names[1:]] and in_order and metadata is None
+    assert parse_header(text.replace('a":{', "a:{").encode()).names() == table.names()
+
+
+def test_the_compact_reader_takes_mixed_dtypes_and_tensors_out_of_order() -> None:
+    parts = [member("b", "F16", "2,3", "12,24"), member("a", "U8", "", "0,1")]
+    text = "{" + ",".join(parts) + "}"
+    _, table, in_order = compact(text)
+    assert [tuple(t) for t in table] == [("b", "F16", (2, 3), 12, 24), ("a", "U8", (), 0, 1)]
+    assert not in_order
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        member("a", offsets="00,1"),  # a leading zero
+        member("a", offsets="+0,1"),  # int() takes a sign, JSON does not
+        member("a", offsets=" 0,1"),
+        member("a", offsets="0,1_0"),  # nor underscores
+        member("a", shape="01"),
+        member("a", shape="1,"),
+        member("a", shape="\u0661"),  # a digit int() takes, beyond ASCII
+        member("a", offsets="0,1,2"),
+        member("a", offsets="0"),
+        member("a\\u0041"),  # an escape: the JSON scanner reads it
+        member("a\x7f"),  # a control character
+        member("a").replace('"dtype":"U8","shape":[1]', '"shape":[1],"dtype":"U8"'),
+        member("a").replace(",", ", "),
+        member("a").replace('"dtype"', '"dtypes"'),
+    ],
+)
+def test_the_compact_reader_declines_what_it_cannot_plainly_read(part: str) -> None:
+    text = "{" + ",".join([part, member("b", offsets="1,2")]) + "}"
+    assert compact(text) is None
+    assert outcome(text.encode()) == walked(text.encode())
+
+
+def test_a_parse_yields_between_pieces_only() -> None:
+    raw = header(members())
+    steps = parse_steps(raw)
+    yields = 0
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(steps)
+            yields += 1
+    assert yields == len(list(object_pieces(memoryview(raw)))) - 1 > 0
+    assert done.value.value == parse_header(raw)
+    assert list(parse_steps(header(members()[:100]))) == []  # one piece, one step

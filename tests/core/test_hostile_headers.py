@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import safetensors
 
@@ -19,6 +20,7 @@ import stream_st
 from stream_st import HeaderError, SafetensorsError, TruncatedStreamError, parse_header, tools
 from stream_st.cli import main
 from stream_st.reader import header as reader_module
+from stream_st.reader.turns import TURN_CHECKPOINTS
 from stream_st.transports.inmemory import BytesSource
 
 from .._util import chunked, raw_file
@@ -304,19 +306,34 @@ def test_a_source_of_known_size_reads_the_header_in_one_read() -> None:
     assert source.reads == [8, len(text)]
 
 
-def test_big_headers_are_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    threads: list[bool] = []
+def test_a_big_header_is_parsed_in_steps_that_let_the_loop_run() -> None:
+    turns = 0
 
-    def parse(raw: Any, **options: Any) -> Any:
-        threads.append(threading.current_thread() is threading.main_thread())
-        return parse_header(raw, **options)
+    async def read(data: bytes) -> int:
+        nonlocal turns
+        turns = 0
+        done = anyio.Event()
 
-    monkeypatch.setattr(reader_module, "parse_header", parse)
-    small = raw_file({"a": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}})
-    big = raw_file("{}", pad=reader_module.PARSE_IN_THREAD_ABOVE)
-    anyio.run(stream_st.read_header, small)
-    anyio.run(stream_st.read_header, big)
-    assert threads == [True, False]
+        async def count() -> None:
+            nonlocal turns
+            while not done.is_set():
+                await anyio.lowlevel.checkpoint()
+                turns += 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(count)
+            await anyio.lowlevel.checkpoint()
+            before = turns
+            count_of = len(await stream_st.read_header(data))
+            during = turns - before
+            done.set()
+        assert threading.current_thread() is threading.main_thread()
+        return during if count_of else -1
+
+    small, big = many_tensors(10), many_tensors(64_000)  # 4 MB: 120 pieces, 30-300 ms
+    opening = anyio.run(read, small)  # one piece: the turns of the open alone
+    assert opening <= 2 * TURN_CHECKPOINTS
+    assert anyio.run(read, big) >= opening + 2 * TURN_CHECKPOINTS  # turns between pieces
 
 
 def many_tensors(count: int) -> bytes:

@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
 import stream_st
 import stream_st.numpy
+from stream_st.reader.turns import TURN_EVERY, give_turn
 from stream_st.sharded.writer import open_sharded_writer
 
 READS = 1500
@@ -108,3 +110,21 @@ async def test_leaving_async_with_releases_the_abandoned_iteration(
             assert refs[-1]() is None, "the stream still holds the first array"
     finally:
         gc.enable()
+
+
+async def test_a_task_woken_during_the_work_runs_in_the_turn_that_follows() -> None:
+    """A task whose ``sleep`` ended during a stretch of work runs in the turn the work gives
+    next, before the work goes on: not after its next stretch."""
+    order: list[str] = []
+
+    async def sleeper() -> None:
+        await anyio.sleep(0.001)
+        order.append("woken")
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(sleeper)
+        await anyio.lowlevel.checkpoint()  # the sleeper waits on its timer
+        time.sleep(TURN_EVERY + 0.002)  # noqa: ASYNC251  # work that holds the loop: the timer expires
+        await give_turn()
+        order.append("work goes on")
+    assert order == ["woken", "work goes on"]
