@@ -1,0 +1,134 @@
+"""``stream-st cp INDEX DIR/`` is all or nothing: a copy that fails or is stopped half way leaves
+the destination as it was (an older version of the same shard names included), never a mix."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+from ..servers.s3_server import CREDENTIALS, MotoS3Server
+from ._cli import COMMAND, run
+from .test_cli_signals import trickling
+
+INDEX = "model.safetensors.index.json"
+SHARDS = {"m-1.safetensors": ("a", (4,)), "sub/m-2.safetensors": ("b", (256, 256))}
+"""Shard -> its one tensor's name and shape; the second is 256 KiB, in a subdirectory."""
+
+
+def _version(folder: Path, value: float) -> dict[str, bytes]:
+    """A checkpoint in ``folder``, every element ``value``; returns each file's bytes."""
+    files = {}
+    for shard, (name, shape) in SHARDS.items():
+        (folder / shard).parent.mkdir(parents=True, exist_ok=True)
+        tensors: dict[str, np.ndarray[Any, Any]] = {name: np.full(shape, value, np.float32)}
+        reference_numpy.save_file(tensors, str(folder / shard))
+        files[shard] = (folder / shard).read_bytes()
+    weight_map = {name: shard for shard, (name, _) in SHARDS.items()}
+    (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    files[INDEX] = (folder / INDEX).read_bytes()
+    return files
+
+
+def _contents(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (hidden ones included) by relative path."""
+    return {
+        str(path.relative_to(folder)): path.read_bytes()
+        for path in folder.rglob("*")
+        if not path.is_dir()
+    }
+
+
+@pytest.fixture
+def versions(tmp_path: Path) -> tuple[Path, dict[str, bytes], Path, dict[str, bytes]]:
+    """``v1`` (values 1.0) and ``v2`` (2.0): the same shard names, other contents."""
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v2").mkdir()
+    return (
+        tmp_path / "v1",
+        _version(tmp_path / "v1", 1.0),
+        tmp_path / "v2",
+        _version(tmp_path / "v2", 2.0),
+    )
+
+
+def test_a_missing_shard_leaves_the_destination_as_it_was(
+    tmp_path: Path, versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]]
+) -> None:
+    """The first shard of the new version was committed over the old one before the second
+    was found missing: a checkpoint half new, half old, that loaded without an error."""
+    v1, old, v2, _ = versions
+    dst = tmp_path / "dst"
+    assert run("cp", "-q", str(v1 / INDEX), f"{dst}/").returncode == 0
+    assert _contents(dst) == old
+    (v2 / "sub" / "m-2.safetensors").unlink()
+    failed = run("cp", "-q", str(v2 / INDEX), f"{dst}/")
+    assert failed.returncode == 2, failed.stderr
+    assert "m-2.safetensors" in failed.stderr
+    assert _contents(dst) == old, "the destination changed"
+    fresh = tmp_path / "fresh" / "deeper"
+    assert run("cp", "-q", str(v2 / INDEX), f"{fresh}/").returncode == 2
+    assert not (tmp_path / "fresh").exists(), "directories made for the copy were left"
+
+
+def test_stopped_while_a_shard_streams_in_leaves_the_destination_as_it_was(
+    tmp_path: Path, versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]]
+) -> None:
+    """SIGINT while the second shard came from a FIFO: the first, already copied, stayed."""
+    v1, old, v2, new = versions
+    dst = tmp_path / "dst"
+    assert run("cp", "-q", str(v1 / INDEX), f"{dst}/").returncode == 0
+    slow = v2 / "sub" / "m-2.safetensors"
+    slow.unlink()
+    with trickling(slow, new["sub/m-2.safetensors"], 64 << 10) as fed:
+        process = subprocess.Popen(
+            [COMMAND, "cp", "-q", str(v2 / INDEX), f"{dst}/"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 60
+        while not fed.is_set():  # the first shard is copied: the second is being read
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the copy did not start within a minute"
+            time.sleep(0.05)
+        time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert _contents(dst) == old, "the destination changed"
+    assert b"Traceback" not in stderr
+
+
+def test_a_failed_mirror_to_s3_completes_no_upload(
+    versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]], moto_s3: MotoS3Server
+) -> None:
+    """Each shard's upload was completed as soon as it was sent: the new first shard replaced
+    the old one before the second was found missing."""
+    v1, old, v2, _ = versions
+    client = moto_s3.client()
+    client.create_bucket(Bucket="atomic")
+    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": moto_s3.endpoint_url}
+    assert run("cp", "-q", str(v1 / INDEX), "s3://atomic/m/", env=env).returncode == 0
+    (v2 / "sub" / "m-2.safetensors").unlink()
+    failed = run("cp", "-q", str(v2 / INDEX), "s3://atomic/m/", env=env)
+    assert failed.returncode == 2, failed.stderr
+    stored = {
+        o["Key"]: client.get_object(Bucket="atomic", Key=o["Key"])["Body"].read()
+        for o in client.list_objects_v2(Bucket="atomic")["Contents"]
+    }
+    assert stored == {f"m/{name}": data for name, data in old.items()}
+    assert not client.list_multipart_uploads(Bucket="atomic").get("Uploads")
+    # Held uploads with digests patched into their first part, then completed together.
+    held = run("cp", "-q", "--checksums", str(v1 / INDEX), "s3://atomic/c/", env=env)
+    assert held.returncode == 0, held.stderr
+    checked = run("validate", f"s3://atomic/c/{INDEX}", env=env)
+    assert checked.returncode == 0 and "xxh3" in checked.stdout, checked.stdout + checked.stderr
+    assert os.environ.get("AWS_ENDPOINT_URL") != moto_s3.endpoint_url
