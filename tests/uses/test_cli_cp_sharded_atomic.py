@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -105,6 +106,29 @@ def test_stopped_while_a_shard_streams_in_leaves_the_destination_as_it_was(
     assert process.returncode == 130, stderr
     assert _contents(dst) == old, "the destination changed"
     assert b"Traceback" not in stderr
+
+
+def test_more_shards_than_the_soft_limit_on_open_files(tmp_path: Path) -> None:
+    """Every shard is held open until all are written: the soft limit is raised to make room."""
+    source, dst = tmp_path / "many", tmp_path / "dst"
+    source.mkdir()
+    weight_map = {}
+    for i in range(80):
+        reference_numpy.save_file({f"t{i}": np.full(2, i, np.float32)}, str(source / f"{i}.st"))
+        weight_map[f"t{i}"] = f"{i}.st"
+    (source / INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 512:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    result = subprocess.run(
+        [COMMAND, "cp", "-q", str(source / INDEX), f"{dst}/"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (48, hard)),
+    )
+    assert result.returncode == 0, result.stderr
+    assert _contents(dst) == _contents(source)
 
 
 def test_a_failed_mirror_to_s3_completes_no_upload(
