@@ -16,10 +16,15 @@ into that room, padded with spaces as the format allows, and the file is moved i
 header that outgrows its room is written to a new file, the data copied after it. A group of
 tensors (one ``write`` or ``write_batch`` call) never straddles two shards; a shard is sealed
 before a group that would take it past the target size. The index or manifest is written last,
-atomically, once every shard is in place: a reader never sees one that names a shard that is
-not complete. On any failure (a full disk included: every I/O error is a
-:class:`~stream_st.TransportError` naming the place), the writer is aborted and nothing new is
-left in the directory.
+whole, beside its place; only then are the shards of a Hugging Face checkpoint moved from their
+provisional names to their final ones, and the index into place, shielded from cancellation: a
+reader never sees an index that names a shard that is not complete. On any failure (a full disk
+included: every I/O error is a :class:`~stream_st.TransportError` naming the place) or
+cancellation before that step, the writer is aborted and nothing new is left in the directory;
+a previous checkpoint of the same names stays whole. Only during that step, a few renames, can
+a reader of the previous index find new shards beside old ones (its check that each shard holds
+the tensors the index assigns it catches a different layout, not the same one with other
+values); a rename failing there leaves the previous checkpoint's shards it replaced gone.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import os
 import shutil
 import struct
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,12 +107,18 @@ def _io(doing: str, path: Path, position: int | None = None) -> Iterator[None]:
 
 
 async def _write_file(
-    path: Path, head: bytes, rest: FileSink | None = None, start: int = 0, size: int = 0
+    path: Path,
+    head: bytes,
+    rest: FileSink | None = None,
+    start: int = 0,
+    size: int = 0,
+    before_commit: Callable[[], None] | None = None,
 ) -> None:
     """``head``, then what ``rest`` holds from ``start`` on, as the file ``path`` (``size`` bytes
     in all, when known): through a :class:`~stream_st.transports.file.sink.FileSink`, so a
     temporary file is renamed into place once complete, and removed on any failure or
-    cancellation."""
+    cancellation. ``before_commit`` runs (in a worker thread) once the file is complete, just
+    before its commit, both shielded from cancellation."""
     sink = FileSink(path)
     try:
         await sink.allocate(size)
@@ -117,10 +128,13 @@ async def _write_file(
             while got := await rest.read_at(start, chunk):
                 await sink.send(chunk[:got])
                 start += got
+        with anyio.CancelScope(shield=True):
+            if before_commit is not None:
+                await anyio.to_thread.run_sync(before_commit)
+            await sink.aclose()
     except BaseException:
         await sink.abort()
         raise
-    await sink.aclose()
 
 
 class _Shard:
@@ -257,22 +271,23 @@ class _RollingWriter(AsyncClosing):
         raise NotImplementedError
 
     def _rename_sealed(self) -> None:
-        """A hook to give sealed shards their final names once their count is known."""
+        """A hook to give sealed shards their final names (see :meth:`_index`), just before the
+        index commits them."""
 
     async def _before_index(self) -> None:
         """A hook to write what goes beside the shards before the index commits them."""
 
     async def aclose(self) -> None:
-        """Seal the last shard, then write the index (or manifest) atomically."""
+        """Seal the last shard, write the index (or manifest) whole, then commit: the shards
+        moved to their final names and the index into place, shielded from cancellation."""
         if self._closed:
             return
         try:
             await self._seal()
-            await anyio.to_thread.run_sync(self._rename_sealed)
             await self._before_index()
             name, document = self._index()
             text = json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
-            await _write_file(self.directory / name, text)
+            await _write_file(self.directory / name, text, before_commit=self._rename_sealed)
         except BaseException:
             await self.abort()
             raise
@@ -335,7 +350,11 @@ class ShardedWriter(_RollingWriter):
             self._sealed[index] = (final, size, samples, specs)  # abort() removes it from here
 
     def _index(self) -> tuple[str, dict[str, Any]]:
-        weight_map = {spec.name: name for name, _, _, specs in self._sealed for spec in specs}
+        weight_map = {
+            spec.name: self._final_name(index)
+            for index, (_, _, _, specs) in enumerate(self._sealed)
+            for spec in specs
+        }
         total = sum(size for _, size, _, _ in self._sealed)
         document = {"metadata": {"total_size": total, **self.metadata}, "weight_map": weight_map}
         return f"{self.prefix}.safetensors.index.json", document

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -19,11 +20,11 @@ from ..core.dtypes import dtype_from_code
 from ..core.header import Header, TensorInfo
 from ..core.layout import TensorSpec
 from ..core.shards import shard_address
-from ..errors import UsageError
+from ..errors import SafetensorsError, TransportError, UsageError
 from ..reader import Include
 from ..sharded.reader import MAX_INDEX_SIZE, ShardIndex
-from ..transports.options import Clock, TransportOptions
-from ..transports.registry import SinkLike, SourceLike, open_sink, read_object
+from ..transports.options import Clock, Transport, TransportOptions
+from ..transports.registry import Sink, SinkLike, SourceLike, open_sink, read_object
 from ..writer import TensorWriter
 from .common import (
     Progress,
@@ -303,18 +304,117 @@ def address_in(into: str, name: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path + quoted, parts.query, ""))
 
 
-async def _put(address: str, data: bytes, clock: Clock) -> None:
-    """Write the small object ``data`` (an index) at ``address``, atomically where the medium
-    allows (a file appears whole or not at all)."""
-    sink = await open_sink(address, clock=clock)
+class _Held(Sink):
+    """``sink`` with its commit held back: the writer's ``aclose`` only gets the message ready
+    (:meth:`~stream_st.transports.base.Sink.prepare`), :meth:`commit` commits it. A sink that
+    cannot hold a complete message unseen (an HTTP upload) commits it at once."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        super().__init__()
+        self.name = sink.name
+        self.random_access = sink.random_access
+        self._holding = False
+
+    @property
+    def clock(self) -> Clock:
+        return self.sink.clock
+
+    @clock.setter
+    def clock(self, clock: Clock) -> None:
+        self.sink.clock = clock
+
+    @property
+    def position(self) -> int:
+        return self.sink.position
+
+    @position.setter
+    def position(self, position: int) -> None:
+        self.sink.position = position
+
+    def add_transport(self, transport: Transport) -> None:
+        self.sink.add_transport(transport)
+
+    async def send(self, buffer: memoryview) -> None:
+        await self.sink.send(buffer)
+
+    async def allocate(self, size: int) -> None:
+        await self.sink.allocate(size)
+
+    async def write_at(self, offset: int, buffer: memoryview) -> None:
+        await self.sink.write_at(offset, buffer)
+
+    async def hold_head(self, size: int) -> bool:
+        return await self.sink.hold_head(size)
+
+    async def patch_head(self, buffer: memoryview) -> None:
+        await self.sink.patch_head(buffer)
+
+    async def aclose(self) -> None:
+        """The message is complete: get it ready to commit, or commit it if it cannot wait."""
+        self._holding = await self.sink.prepare()
+        if not self._holding:
+            await self.sink.aclose()
+
+    async def commit(self) -> None:
+        """Commit the message held since :meth:`aclose`."""
+        if self._holding:
+            self._holding = False
+            await self.sink.aclose()
+
+    async def abort(self) -> None:
+        await self.sink.abort()
+
+
+def _make_directory(path: str, made: list[str]) -> None:
+    """Make the local directory ``path`` and its missing parents, adding those made to ``made``
+    (parents first)."""
+    parent = os.path.dirname(path)
+    if not path or os.path.isdir(path):
+        return
+    if parent != path:
+        _make_directory(parent, made)
     try:
-        await sink.allocate(len(data))
-        await sink.send(memoryview(data))
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            await sink.abort()
-        raise
-    await sink.aclose()
+        os.mkdir(path)
+    except FileExistsError:
+        if os.path.isdir(path):  # made meanwhile by someone else
+            return
+        raise TransportError("cannot make the directory: a file is in the way", url=path) from None
+    except OSError as exc:
+        raise TransportError(f"cannot make the directory: {exc.strerror}", url=path) from exc
+    made.append(path)
+
+
+def _allow_open_files(count: int) -> None:
+    """Raise this process's soft limit on open files, within the hard one, to leave room for
+    ``count`` more (as Go programs do at start): :func:`mirror` holds every shard open (a file,
+    a connection) until all are written."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not a Unix
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2 * count + 256  # what the process holds besides, and the source being read
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    if hard != resource.RLIM_INFINITY:
+        wanted = min(wanted, hard)
+    with contextlib.suppress(ValueError, OSError):  # not allowed: a copy too many fails cleanly
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+async def _discard(held: Sequence[_Held], made: Sequence[str], failure: BaseException) -> None:
+    """Abort every message in ``held`` and remove the directories ``made`` if they are empty;
+    what may be left (an upload that could not be aborted) is noted on ``failure``."""
+    with anyio.CancelScope(shield=True):
+        for sink in held:
+            try:
+                await sink.abort()
+            except SafetensorsError as problem:
+                failure.add_note(str(problem))
+    for directory in reversed(made):
+        with contextlib.suppress(OSError):  # not empty, or gone: leave it
+            os.rmdir(directory)
 
 
 async def mirror(
@@ -331,11 +431,21 @@ async def mirror(
 ) -> list[str]:
     """Copy the sharded checkpoint ``index`` (a ``*.index.json`` or ``dataset_manifest.json``)
     into the directory or prefix ``into``: every shard under its name (each with :func:`cp` and
-    its options), then the index, last, so a reader never finds an index whose shards are not all
-    there. The index is copied as it is when no tensor changes; otherwise a Hugging Face index is
-    written anew (``weight_map`` and ``total_size`` of the shards written), and a manifest, whose
-    byte counts would change, is a :class:`~stream_st.UsageError`. A shard left with no tensor by
-    ``include`` is not written. Returns the addresses written, the index last."""
+    its options), then the index. The index is copied as it is when no tensor changes; otherwise
+    a Hugging Face index is written anew (``weight_map`` and ``total_size`` of the shards
+    written), and a manifest, whose byte counts would change, is a
+    :class:`~stream_st.UsageError`. A shard left with no tensor by ``include`` is not written.
+    Returns the addresses written, the index last.
+
+    All or nothing: every shard and the index are written whole and checked (a local file
+    nameless or under a hidden name, an S3 multipart upload with every part sent but not
+    completed) before any is committed; any failure, cancellation or stopping signal until then
+    discards them all (and the directories made), leaving the destination as it was. Then they
+    are committed in order, the index last, shielded from cancellation: renames on a local
+    disk, CompleteMultipartUpload calls on S3. Only in that short step can a reader of an old
+    index of the same shard names find new shards beside old ones, and a failure there keeps
+    the shards committed before it. An HTTP upload cannot be held: each shard is committed as
+    its upload completes, and a failure leaves those uploaded (the index is not written)."""
     clock = command_clock(options)
     raw, home = await read_object(index, clock, limit=MAX_INDEX_SIZE)
     shards = ShardIndex(raw, index, home)
@@ -346,38 +456,58 @@ async def mirror(
             "drop the conversions, or merge it into one file"
         )
     index_name = posixpath.basename(urlsplit(index).path if "://" in index else index)
+    _allow_open_files(len(shards.shards) + 1)
     written: list[str] = []
+    held: list[_Held] = []
+    made: list[str] = []  # local directories made for the copy
+
+    async def opened_at(target: str) -> _Held:
+        if "://" not in target:
+            _make_directory(os.path.dirname(target), made)
+        sink = _Held(await open_sink(target, clock=clock))
+        held.append(sink)
+        written.append(target)
+        return sink
+
     weight_map: dict[str, str] = {}
     total = 0
-    for shard in shards.shards:
-        names = shards.names_in(shard)
-        if (
-            names is not None
-            and include is not None
-            and not any(included(include, n) for n in names)
-        ):
-            continue
-        target = address_in(into, shard)
-        if "://" not in target:
-            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-        copied = await cp(
-            shard_address(shards.home, shard),
-            target,
-            include=include,
-            dtype=dtype,
-            quantize=quantize,
-            dequantize=dequantize,
-            checksums=checksums,
-            progress=progress,
-            **options,
-        )
-        written.append(target)
-        weight_map.update(dict.fromkeys(copied.header.names(), shard))
-        total += copied.header.data_size
-    if changing:
-        document = {"metadata": {**shards.metadata, "total_size": total}, "weight_map": weight_map}
-        raw = (json.dumps(document, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-    target = address_in(into, index_name)
-    await _put(target, raw, clock)
-    written.append(target)
+    try:
+        for shard in shards.shards:
+            names = shards.names_in(shard)
+            if (
+                names is not None
+                and include is not None
+                and not any(included(include, n) for n in names)
+            ):
+                continue
+            copied = await cp(
+                shard_address(shards.home, shard),
+                await opened_at(address_in(into, shard)),
+                include=include,
+                dtype=dtype,
+                quantize=quantize,
+                dequantize=dequantize,
+                checksums=checksums,
+                progress=progress,
+                **options,
+            )
+            weight_map.update(dict.fromkeys(copied.header.names(), shard))
+            total += copied.header.data_size
+        if changing:
+            document = {
+                "metadata": {**shards.metadata, "total_size": total},
+                "weight_map": weight_map,
+            }
+            raw = (json.dumps(document, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+        sink = await opened_at(address_in(into, index_name))
+        await sink.allocate(len(raw))
+        await sink.send(memoryview(raw))
+        await sink.aclose()
+        with anyio.CancelScope(shield=True):  # the commit: a signal waits for it
+            while held:
+                await held[0].commit()
+                del held[0]
+    except BaseException as exc:
+        await _discard(held, made, exc)
+        raise
     return written

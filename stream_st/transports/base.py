@@ -203,6 +203,15 @@ class Sink(ABC):
         """Rewrite the message's first ``len(buffer)`` bytes, held since :meth:`hold_head`."""
         await self.write_at(0, buffer)
 
+    async def prepare(self) -> bool:
+        """Make the complete message ready to commit, leaving :meth:`aclose` only its commit
+        point, so that several messages can be committed together: True when this sink then
+        holds the message unseen until :meth:`aclose` (or discards it on :meth:`abort`), False
+        when it cannot (a stream, an HTTP upload: :meth:`aclose` sends it on and commits). Called
+        at most once, after the last byte and any :meth:`patch_head`. A random-access sink (a
+        local file) holds its message as it is."""
+        return self.random_access
+
     @abstractmethod
     async def aclose(self) -> None:
         """Commit: the message is complete. A file is moved into place; a stream is flushed.

@@ -4,7 +4,9 @@ Bytes are gathered into parts of ``part_size`` (at least 5 MiB, S3's minimum for
 the last) and each full part is uploaded as it fills, so memory stays at one part. The object
 appears only when the upload is completed, after the last tensor; on any failure, cancellation
 or abort the multipart upload is aborted: no object at the key, no pending upload left. A message
-that fits in one part is sent as a single PUT instead.
+that fits in one part is sent as a single PUT instead, unless :meth:`S3Sink.prepare` asks for every
+byte to be sent before the commit (copying a sharded checkpoint: every shard's upload is completed
+only once all are uploaded).
 
 Every part (and a single PUT) carries its CRC32 (``x-amz-checksum-crc32``), which the store
 checks before it takes the part: a byte changed on the way is refused, never stored. A writer
@@ -248,6 +250,20 @@ class S3Sink(ClientUser, Sink):
             raise TransportError(f"no ETag in the answer to UploadPart {number}", url=self.name)
         self._etags[number], self._checksums[number] = etag, checksum
 
+    async def prepare(self) -> bool:
+        """Upload every part, even of a message that fits in one (a multipart upload of one part
+        then): :meth:`aclose` only completes the upload, and until then nothing is at the key."""
+        await self._cleaning_up_on_failure(self._upload_rest())
+        return True
+
+    async def _upload_rest(self) -> None:
+        """Upload the part filling (if any, or if nothing else is) and the parts held back."""
+        if self._part or not (self._upload_id or self._held):
+            await self._cut_part()
+        held, self._held = self._held, {}
+        for number, part in held.items():
+            await self._upload_part(number, bytes(part))
+
     async def aclose(self) -> None:
         try:
             await self._cleaning_up_on_failure(self._commit())
@@ -261,11 +277,7 @@ class S3Sink(ClientUser, Sink):
             put = self._call("PUT", "", body, headers=_checked(_crc32(body)))
             await self._last("PutObject", put, lambda: _md5_etag(body))
             return
-        held, self._held = self._held, {}
-        for number, part in held.items():
-            await self._upload_part(number, bytes(part))
-        if self._part:
-            await self._cut_part()
+        await self._upload_rest()
         await self._last("CompleteMultipartUpload", self._complete(), self._multipart_etag)
         self._upload_id = None
 

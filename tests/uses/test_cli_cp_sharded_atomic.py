@@ -1,0 +1,180 @@
+"""``stream-st cp INDEX DIR/`` is all or nothing: a copy that fails or is stopped half way leaves
+the destination as it was (an older version of the same shard names included), never a mix."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st.numpy
+
+from ..servers.http_server import RangeHTTPServer
+from ..servers.s3_server import CREDENTIALS, MotoS3Server
+from ._cli import COMMAND, run
+from .test_cli_signals import trickling
+
+INDEX = "model.safetensors.index.json"
+SHARDS = {"m-1.safetensors": ("a", (4,)), "sub/m-2.safetensors": ("b", (256, 256))}
+"""Shard -> its one tensor's name and shape; the second is 256 KiB, in a subdirectory."""
+
+
+def _version(folder: Path, value: float) -> dict[str, bytes]:
+    """A checkpoint in ``folder``, every element ``value``; returns each file's bytes."""
+    files = {}
+    for shard, (name, shape) in SHARDS.items():
+        (folder / shard).parent.mkdir(parents=True, exist_ok=True)
+        tensors: dict[str, np.ndarray[Any, Any]] = {name: np.full(shape, value, np.float32)}
+        reference_numpy.save_file(tensors, str(folder / shard))
+        files[shard] = (folder / shard).read_bytes()
+    weight_map = {name: shard for shard, (name, _) in SHARDS.items()}
+    (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    files[INDEX] = (folder / INDEX).read_bytes()
+    return files
+
+
+def _contents(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (hidden ones included) by relative path."""
+    return {
+        str(path.relative_to(folder)): path.read_bytes()
+        for path in folder.rglob("*")
+        if not path.is_dir()
+    }
+
+
+@pytest.fixture
+def versions(tmp_path: Path) -> tuple[Path, dict[str, bytes], Path, dict[str, bytes]]:
+    """``v1`` (values 1.0) and ``v2`` (2.0): the same shard names, other contents."""
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v2").mkdir()
+    return (
+        tmp_path / "v1",
+        _version(tmp_path / "v1", 1.0),
+        tmp_path / "v2",
+        _version(tmp_path / "v2", 2.0),
+    )
+
+
+def test_a_missing_shard_leaves_the_destination_as_it_was(
+    tmp_path: Path, versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]]
+) -> None:
+    """The first shard of the new version was committed over the old one before the second
+    was found missing: a checkpoint half new, half old, that loaded without an error."""
+    v1, old, v2, _ = versions
+    dst = shutil.copytree(v1, tmp_path / "dst")
+    (v2 / "sub" / "m-2.safetensors").unlink()
+    failed = run("cp", "-q", str(v2 / INDEX), f"{dst}/")
+    assert failed.returncode == 2, failed.stderr
+    assert "m-2.safetensors" in failed.stderr
+    assert _contents(dst) == old, "the destination changed"
+    fresh = tmp_path / "fresh" / "deeper"
+    assert run("cp", "-q", str(v2 / INDEX), f"{fresh}/").returncode == 2
+    assert not (tmp_path / "fresh").exists(), "directories made for the copy were left"
+
+
+def test_stopped_while_a_shard_streams_in_leaves_the_destination_as_it_was(
+    tmp_path: Path, versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]]
+) -> None:
+    """SIGINT while the second shard came from a FIFO: the first, already copied, stayed."""
+    v1, old, v2, new = versions
+    dst = shutil.copytree(v1, tmp_path / "dst")
+    slow = v2 / "sub" / "m-2.safetensors"
+    slow.unlink()
+    with trickling(slow, new["sub/m-2.safetensors"], 64 << 10) as fed:
+        process = subprocess.Popen(
+            [COMMAND, "cp", "-q", str(v2 / INDEX), f"{dst}/"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 60
+        while not fed.is_set():  # the first shard is copied: the second is being read
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the copy did not start within a minute"
+            time.sleep(0.05)
+        time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert _contents(dst) == old, "the destination changed"
+    assert b"Traceback" not in stderr
+
+
+def test_more_shards_than_the_soft_limit_on_open_files(tmp_path: Path) -> None:
+    """Every shard is held open until all are written: the soft limit is raised to make room."""
+    source, dst = tmp_path / "many", tmp_path / "dst"
+    source.mkdir()
+    weight_map = {}
+    for i in range(80):
+        reference_numpy.save_file({f"t{i}": np.full(2, i, np.float32)}, str(source / f"{i}.st"))
+        weight_map[f"t{i}"] = f"{i}.st"
+    (source / INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 512:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    result = subprocess.run(
+        [COMMAND, "cp", "-q", str(source / INDEX), f"{dst}/"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (48, hard)),
+    )
+    assert result.returncode == 0, result.stderr
+    assert _contents(dst) == _contents(source)
+
+
+def test_a_failed_mirror_to_s3_completes_no_upload(
+    versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]], moto_s3: MotoS3Server
+) -> None:
+    """Each shard's upload was completed as soon as it was sent: the new first shard replaced
+    the old one before the second was found missing."""
+    v1, old, v2, _ = versions
+    client = moto_s3.client()
+    client.create_bucket(Bucket="atomic")
+    for name, data in old.items():
+        client.put_object(Bucket="atomic", Key=f"m/{name}", Body=data)
+
+    def stored(prefix: str) -> dict[str, bytes]:
+        listed = client.list_objects_v2(Bucket="atomic", Prefix=prefix)["Contents"]
+        return {
+            o["Key"][len(prefix) :]: client.get_object(Bucket="atomic", Key=o["Key"])["Body"].read()
+            for o in listed
+        }
+
+    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": moto_s3.endpoint_url}
+    # Held uploads with digests patched into their first part, then completed together.
+    held = run("cp", "-q", "--checksums", str(v1 / INDEX), "s3://atomic/c/", env=env)
+    assert held.returncode == 0, held.stderr
+    for name, data in stored("c/").items():
+        if name != INDEX:
+            assert stream_st.numpy.load(data, verify=True), name  # digests checked
+            assert b"xxh3" in data[:200], name
+    (v2 / "sub" / "m-2.safetensors").unlink()
+    failed = run("cp", "-q", str(v2 / INDEX), "s3://atomic/m/", env=env)
+    assert failed.returncode == 2, failed.stderr
+    assert stored("m/") == old
+    assert not client.list_multipart_uploads(Bucket="atomic").get("Uploads")
+    assert os.environ.get("AWS_ENDPOINT_URL") != moto_s3.endpoint_url
+
+
+def test_an_http_destination_takes_each_shard_as_its_upload_ends(
+    versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]],
+) -> None:
+    """A PUT cannot be held uncommitted: shards uploaded before a failure stay, the index never
+    comes (as documented)."""
+    _, old, v2, new = versions
+    with RangeHTTPServer() as server:
+        server.objects.update({f"/m/{name}": data for name, data in old.items()})
+        (v2 / "sub" / "m-2.safetensors").unlink()
+        assert run("cp", "-q", str(v2 / INDEX), server.url("/m/")).returncode == 2
+        assert server.objects["/m/m-1.safetensors"] == new["m-1.safetensors"]
+        assert server.objects[f"/m/{INDEX}"] == old[INDEX]
