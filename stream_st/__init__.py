@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .core.dtypes import DTYPES, DType, dtype_for
     from .core.header import Header, TensorInfo, parse_header
     from .core.layout import TensorSpec, build_header, plan_order
-    from .core.stats import LoadStats
+    from .core.stats import LoadStats, last_stats
     from .errors import (
         AllocationError,
         CacheMissError,
@@ -117,6 +117,7 @@ _PUBLIC = {
     "listen": ".connection",
     "Listener": ".connection",
     "LoadStats": ".core.stats",
+    "last_stats": ".core.stats",
     "load": "._api",
     "open_dataset_writer": ".sharded.writer",
     "open_sharded_writer": ".sharded.writer",
@@ -271,6 +272,7 @@ __all__ = [
     "build_header",
     "connect",
     "dtype_for",
+    "last_stats",
     "listen",
     "load",
     "open_dataset_writer",

@@ -28,6 +28,7 @@ import anyio
 from .. import tools
 from .._api import open_stream
 from ..core.shards import INDEX_SUFFIX, is_index
+from ..core.stats import LoadStats, last_stats
 from ..core.strict_json import decode_json
 from ..errors import SafetensorsError, SourceNotFoundError, TensorNotFoundError, UsageError, redact
 from ..tools.cp import address_in
@@ -433,6 +434,8 @@ def _copy_options(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
 async def run_cp(args: argparse.Namespace) -> int:
     src = one_source_arg(args.src)
     into = _is_directory(args.dst)
+    if args.json and args.dst == STDIO:
+        raise UsageError("--json prints to standard output, where the copy goes: drop one")
     if is_index(src) and not args.merge:
         if not into:
             raise UsageError(
@@ -442,8 +445,8 @@ async def run_cp(args: argparse.Namespace) -> int:
             )
         with progress_reporter("copying", args.quiet) as progress:
             written = await tools.mirror(src, args.dst, **_copy_options(args, progress))
-        if not args.quiet:
-            print(f"copied {len(written) - 1} shards and the index to {args.dst}", file=sys.stderr)
+        done = f"copied {len(written) - 1} shards and the index to {args.dst}"
+        _report_copy(args, done, {"written": written}, last_stats())
         return EXIT_OK
     if into:
         name = _source_name(src, args.dst)
@@ -459,16 +462,33 @@ async def run_cp(args: argparse.Namespace) -> int:
     dst = await _destination(args.dst)
     with progress_reporter("copying", args.quiet) as progress:
         copied = await tools.cp(src, dst, **_copy_options(args, progress))
-    if not args.quiet:
-        header = copied.header
-        done = f"copied {len(header)} tensors, {header.file_size:,} bytes to {args.dst}"
-        how = "quantized" if args.quantize else "dequantized" if args.dequantize else None
-        if how is None and args.dtype:
-            how = f"converted to {args.dtype.upper()}"
-        if how is not None:
-            done += f"; {copied.converted or 'nothing'} {how}"
-        print(done, file=sys.stderr)
+    header = copied.header
+    done = f"copied {len(header)} tensors, {header.file_size:,} bytes to {args.dst}"
+    how = "quantized" if args.quantize else "dequantized" if args.dequantize else None
+    if how is None and args.dtype:
+        how = f"converted to {args.dtype.upper()}"
+    if how is not None:
+        done += f"; {copied.converted or 'nothing'} {how}"
+    record = {"tensors": len(header), "bytes": header.file_size, "converted": copied.converted}
+    _report_copy(args, done, record, copied.load)
     return EXIT_OK
+
+
+def _report_copy(
+    args: argparse.Namespace, done: str, record: dict[str, Any], load: LoadStats | None
+) -> None:
+    """What ``cp`` says once done: ``done`` on standard error (unless ``-q``), the read's
+    statistics with ``--stats``; with ``--json``, one record on standard output instead."""
+    if args.json:
+        record = {"source": redact(args.src), "destination": redact(args.dst), **record}
+        if args.stats and load is not None:
+            record["load"] = load.to_json()
+        print_json(record)
+        return
+    if not args.quiet:
+        print(done, file=sys.stderr)
+    if args.stats and load is not None:
+        print(f"load: {load.summary()}", file=sys.stderr)
 
 
 async def run_serve(args: argparse.Namespace) -> int:

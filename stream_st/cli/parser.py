@@ -317,6 +317,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="restore floating-point tensors from int8/int4 codes (to --dtype if given)",
     )
+    copy.add_argument(
+        "--stats",
+        action="store_true",
+        help="also print the read's statistics (bytes, seconds, throughput, time waited)",
+    )
+    copy.add_argument(
+        "--json",
+        action="store_true",
+        help="print what was copied as one JSON record (with --stats: the read's statistics)",
+    )
 
     serving = command(
         "serve", "serve a checkpoint over HTTP as one safetensors file, with ranges", run_serve

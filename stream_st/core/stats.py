@@ -9,15 +9,23 @@ the header arrives and as each tensor is handed out; read it during the read or 
     print(stream.stats.summary())   # 291 tensors, 13.5 GB in 4.10 s (3.29 GB/s), ...
 
 A sharded stream's shards all report to the sharded stream's one object.
+
+Calls that read without handing you a stream (:func:`stream_st.load`, the drop-ins'
+``load_file``, ``load`` and ``safe_open``, :func:`stream_st.tools.cp`) leave theirs for
+:func:`last_stats`, as the seed's ``get_last_stats()`` does::
+
+    state = stream_st.torch.load_file("s3://bucket/model.safetensors")
+    print(stream_st.last_stats().summary())
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LoadStats"]
+__all__ = ["LoadStats", "last_stats"]
 
 
 @dataclass
@@ -41,6 +49,25 @@ class LoadStats:
     wait_seconds: float = 0.0
     _started: float | None = field(default=None, repr=False, compare=False)
     _asked: float | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def total(cls, reads: list[LoadStats]) -> LoadStats:
+        """Reads made one after another (a checkpoint's shards) as one: their counts and times
+        summed; the first tensor came after the reads before the first that handed one out."""
+        first: float | None = None
+        before = 0.0
+        for read in reads:
+            if read.first_tensor_seconds is not None:
+                first = before + read.first_tensor_seconds
+                break
+            before += read.seconds
+        return cls(
+            bytes_read=sum(read.bytes_read for read in reads),
+            tensors=sum(read.tensors for read in reads),
+            seconds=sum(read.seconds for read in reads),
+            first_tensor_seconds=first,
+            wait_seconds=sum(read.wait_seconds for read in reads),
+        )
 
     @property
     def throughput(self) -> float:
@@ -105,6 +132,24 @@ class LoadStats:
             f"{self.tensors} tensors, {_si(self.bytes_read)}B in {self.seconds:.3f} s "
             f"({_si(self.throughput)}B/s), {first}, waited {self.wait_seconds:.3f} s"
         )
+
+
+_last: LoadStats | None = None
+_last_lock = threading.Lock()
+
+
+def last_stats() -> LoadStats | None:
+    """The :class:`LoadStats` of the last read closed in this process (by any thread: with reads
+    in several threads at once, prefer each stream's own ``stream.stats``); None before any."""
+    with _last_lock:
+        return _last
+
+
+def record_last(stats: LoadStats) -> None:
+    """``stats`` is the last read's (what :func:`last_stats` gives from now on)."""
+    global _last
+    with _last_lock:
+        _last = stats
 
 
 def _si(value: float) -> str:

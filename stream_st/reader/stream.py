@@ -14,7 +14,7 @@ import numpy as np
 from .._util import AsyncClosing
 from ..core.digests import Digests, Hasher, ObjectDigest, hash_view
 from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes, refuse_unreadable
-from ..core.stats import LoadStats
+from ..core.stats import LoadStats, record_last
 from ..errors import (
     TensorNotFoundError,
     TrailingDataError,
@@ -162,6 +162,7 @@ class TensorStream(AsyncClosing):
         self._recycler = Recycler()  # no later tensor: let memory kept for one go
         source, self._source = self._source, None
         if source is not None:
+            record_last(self.stats)
             await source.aclose()
 
     async def __aenter__(self) -> Self:

@@ -20,6 +20,7 @@ from ..core.dtypes import dtype_from_code
 from ..core.header import Header, TensorInfo
 from ..core.layout import TensorSpec
 from ..core.shards import shard_address
+from ..core.stats import LoadStats, record_last
 from ..errors import SafetensorsError, TransportError, UsageError
 from ..reader import Include
 from ..sharded.reader import MAX_INDEX_SIZE, ShardIndex
@@ -54,11 +55,12 @@ _DEQUANTIZED_KEY = "dequantized_from"
 
 @dataclass
 class Copy:
-    """What :func:`cp` wrote: the header, and how many tensors it converted, quantized or
-    dequantized (0 when every tensor was copied as it is)."""
+    """What :func:`cp` wrote: the header, how many tensors it converted, quantized or
+    dequantized (0 when every tensor was copied as it is), and the read's statistics."""
 
     header: Header
     converted: int
+    load: LoadStats
 
 
 def _convert(array: np.ndarray[Any, Any], code: str) -> np.ndarray[Any, Any]:
@@ -269,7 +271,7 @@ async def cp(
                 if progress is not None:
                     progress(done_bytes, done)
                 del array
-        return Copy(writer.header, plan.converted)
+        return Copy(writer.header, plan.converted, stream.stats)
 
 
 def _copied_digests(
@@ -435,7 +437,8 @@ async def mirror(
     a Hugging Face index is written anew (``weight_map`` and ``total_size`` of the shards
     written), and a manifest, whose byte counts would change, is a
     :class:`~stream_st.UsageError`. A shard left with no tensor by ``include`` is not written.
-    Returns the addresses written, the index last.
+    Returns the addresses written, the index last; the shards' reads together are
+    :func:`~stream_st.last_stats`.
 
     All or nothing: every shard and the index are written whole and checked (a local file
     nameless or under a hidden name, an S3 multipart upload with every part sent but not
@@ -471,6 +474,7 @@ async def mirror(
 
     weight_map: dict[str, str] = {}
     total = 0
+    reads: list[LoadStats] = []
     try:
         for shard in shards.shards:
             names = shards.names_in(shard)
@@ -493,6 +497,7 @@ async def mirror(
             )
             weight_map.update(dict.fromkeys(copied.header.names(), shard))
             total += copied.header.data_size
+            reads.append(copied.load)
         if changing:
             document = {
                 "metadata": {**shards.metadata, "total_size": total},
@@ -510,4 +515,5 @@ async def mirror(
     except BaseException as exc:
         await _discard(held, made, exc)
         raise
+    record_last(LoadStats.total(reads))
     return written

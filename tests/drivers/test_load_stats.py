@@ -118,3 +118,35 @@ def test_fresh_stats_are_zero_and_summarise() -> None:
     assert stats.tensors == 1 and stats.bytes_read == 2_000_008
     assert stats.first_tensor_seconds == stats.seconds
     assert "2 MB" in stats.summary()
+
+
+async def test_calls_without_a_stream_leave_their_stats_for_last_stats(tmp_path: Path) -> None:
+    path = write(tmp_path / "m.safetensors")
+    await stream_st.load(path)
+    stats = stream_st.last_stats()
+    assert stats is not None and stats.tensors == 3
+    assert stats.bytes_read == path.stat().st_size
+    copied = await stream_st.tools.cp(path, str(tmp_path / "copy.safetensors"), include=["a"])
+    assert copied.load.tensors == 1 and copied.load is stream_st.last_stats()
+
+
+async def test_a_mirrored_checkpoint_reports_its_shards_together(tmp_path: Path) -> None:
+    shards = {"m-1.safetensors": {"x": np.zeros(100, np.float32)}, "m-2.safetensors": TENSORS}
+    for shard, arrays in shards.items():
+        write(tmp_path / shard, arrays)
+    weight_map = {name: shard for shard, arrays in shards.items() for name in arrays}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    await stream_st.tools.mirror(str(index), str(tmp_path / "out") + "/")
+    stats = stream_st.last_stats()
+    assert stats is not None and stats.tensors == 4
+    assert stats.bytes_read == sum((tmp_path / shard).stat().st_size for shard in shards)
+    assert stats.first_tensor_seconds is not None
+    assert stats.first_tensor_seconds <= stats.seconds
+
+
+def test_total_of_no_tensor_then_some() -> None:
+    empty, full = LoadStats(seconds=1.0), LoadStats(seconds=2.0, first_tensor_seconds=0.5)
+    total = LoadStats.total([empty, full])
+    assert (total.seconds, total.first_tensor_seconds) == (3.0, 1.5)
+    assert LoadStats.total([empty]).first_tensor_seconds is None

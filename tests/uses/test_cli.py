@@ -395,6 +395,22 @@ def test_cp_round_trip_conversion_and_quantization(model: Path, tmp_path: Path) 
     np.testing.assert_allclose(quantized[only] / scale, TENSORS[only], atol=0.5 / scale)
 
 
+def test_cp_reports_its_read_with_stats_and_json(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    copy = tmp_path / "copy.safetensors"
+    assert main(["cp", "-q", "--stats", str(model), str(copy)]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and re.fullmatch(r"load: 3 tensors, .* waited [0-9.]+ s\n", err)
+    assert main(["cp", "--json", "--stats", str(model), str(copy)]) == 0
+    out, err = capsys.readouterr()
+    record = json.loads(out)
+    assert record["tensors"] == 3 and record["bytes"] == model.stat().st_size
+    assert record["load"]["bytes_read"] == model.stat().st_size and "load" not in err
+    assert main(["cp", "--json", str(model), "-"]) == 2
+    assert "--json prints to standard output" in capsys.readouterr().err
+
+
 def test_cp_between_servers_and_interrupted_copy(model: Path, tmp_path: Path) -> None:
     with RangeHTTPServer(objects={"/m.safetensors": model.read_bytes()}) as server:
         assert (
