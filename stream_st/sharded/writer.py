@@ -277,6 +277,9 @@ class _RollingWriter(AsyncClosing):
     async def _before_index(self) -> None:
         """A hook to write what goes beside the shards before the index commits them."""
 
+    async def _nothing_written(self) -> None:
+        """A hook for a writer closed with no tensor written (an empty index by default)."""
+
     async def aclose(self) -> None:
         """Seal the last shard, write the index (or manifest) whole, then commit: the shards
         moved to their final names and the index into place, shielded from cancellation."""
@@ -284,6 +287,10 @@ class _RollingWriter(AsyncClosing):
             return
         try:
             await self._seal()
+            if not self._sealed:  # nothing written: the directory may not exist yet
+                with _io("creating the directory", self.directory):
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                await self._nothing_written()
             await self._before_index()
             name, document = self._index()
             text = json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
@@ -396,6 +403,12 @@ class DatasetWriter(_RollingWriter):
 
     def _shard_name(self, index: int) -> str:
         return shard_file_name(self.task_id, index, self._uuid)
+
+    async def _nothing_written(self) -> None:
+        """The layout's manifest lists at least one shard: an empty dataset is one shard of no
+        tensor and no sample (as the Spark writer writes it)."""
+        self._current = self._new_shard({})
+        await self._seal()
 
     def _index(self) -> tuple[str, dict[str, Any]]:
         shards = [ShardEntry(name, samples, size) for name, size, samples, _ in self._sealed]

@@ -131,3 +131,20 @@ async def test_misuse(tmp_path: Path) -> None:
             await w.write("s", np.array(["text"]))
     with pytest.raises(stream_st.UsageError):
         await w.write("b", np.zeros(2))
+
+
+async def test_writers_closed_with_nothing_written(tmp_path: Path) -> None:
+    """Into a directory that does not exist yet, as when tensors are written: a checkpoint of
+    no tensor, a dataset of one empty shard (the layout's manifest lists at least one)."""
+    async with open_sharded_writer(tmp_path / "ckpt", max_shard_size=1000):
+        pass
+    index = tmp_path / "ckpt" / "model.safetensors.index.json"
+    assert json.loads(index.read_text())["weight_map"] == {}
+    assert [item async for item in stream_st.open_stream(index)] == []
+    async with open_dataset_writer(tmp_path / "a" / "data", generate_index=True):
+        pass
+    manifest = json.loads((tmp_path / "a" / "data" / "dataset_manifest.json").read_text())
+    assert manifest["total_samples"] == 0 and len(manifest["shards"]) == 1
+    shard = tmp_path / "a" / "data" / manifest["shards"][0]["shard_path"]
+    assert reference_numpy.load_file(str(shard)) == {}
+    assert (tmp_path / "a" / "data" / "_tensor_index.parquet").is_dir()
