@@ -414,11 +414,17 @@ class DatasetWriter(_RollingWriter):
         shards = [ShardEntry(name, samples, size) for name, size, samples, _ in self._sealed]
         return MANIFEST_NAME, manifest_document(shards, self._schema)
 
+    @property
+    def _staged_index(self) -> Path:
+        """Where the new ``_tensor_index.parquet`` is written before it takes the old one's
+        place (a hidden name: readers and listings of the dataset skip it)."""
+        return self.directory / f".{INDEX_NAME}-{self._uuid}"
+
     async def _before_index(self) -> None:
         """With ``generate_index``: ``_tensor_index.parquet``, a directory Spark reads (it skips
-        a leaf file whose name begins with ``_``), written before the manifest commits."""
-        index = self.directory / INDEX_NAME
-        await anyio.to_thread.run_sync(_remove_index, index)
+        a leaf file whose name begins with ``_``), written under a hidden name; it replaces the
+        old one just before the manifest commits (:meth:`_rename_sealed`), so a failed write
+        keeps the dataset's index as it was."""
         if not self.generate_index:
             return
         rows = [
@@ -427,13 +433,23 @@ class DatasetWriter(_RollingWriter):
             for spec in specs
         ]
         table = await anyio.to_thread.run_sync(tensor_index_table, rows)
-        index.mkdir()
-        await _write_file(index / f"part-00000-{self._uuid}-c000.parquet", table)
+        staged = self._staged_index
+        await anyio.to_thread.run_sync(_remove_index, staged)
+        staged.mkdir()
+        await _write_file(staged / f"part-00000-{self._uuid}-c000.parquet", table)
+
+    def _rename_sealed(self) -> None:
+        """The new index in the old one's place (without ``generate_index``, an earlier index
+        removed: it would name shards the new manifest does not)."""
+        index = self.directory / INDEX_NAME
+        _remove_index(index)
+        if self.generate_index:
+            self._staged_index.rename(index)
 
     async def abort(self) -> None:
         await super().abort()
         if self.generate_index:
-            await anyio.to_thread.run_sync(_remove_index, self.directory / INDEX_NAME)
+            await anyio.to_thread.run_sync(_remove_index, self._staged_index)
 
 
 def _remove_index(index: Path) -> None:

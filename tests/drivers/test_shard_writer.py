@@ -148,3 +148,20 @@ async def test_writers_closed_with_nothing_written(tmp_path: Path) -> None:
     shard = tmp_path / "a" / "data" / manifest["shards"][0]["shard_path"]
     assert reference_numpy.load_file(str(shard)) == {}
     assert (tmp_path / "a" / "data" / "_tensor_index.parquet").is_dir()
+
+
+async def test_a_failed_dataset_write_keeps_the_old_index(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    async with open_dataset_writer(data, generate_index=True) as old:
+        await old.write_batch({"x": np.zeros((2, 3), np.float32)}, samples=2)
+    index = data / "_tensor_index.parquet"
+    before = {p.name: p.read_bytes() for p in index.iterdir()}
+    with pytest.raises(ZeroDivisionError):
+        async with open_dataset_writer(data, generate_index=True) as new:
+            await new.write_batch({"x": np.ones((4, 3), np.float32)}, samples=4)
+            1 / 0  # noqa: B018
+    assert {p.name: p.read_bytes() for p in index.iterdir()} == before
+    async with open_dataset_writer(data, generate_index=True) as new:
+        await new.write_batch({"x": np.ones((4, 3), np.float32)}, samples=4)
+    assert {p.name for p in index.iterdir()} != set(before)
+    assert sorted(p.name for p in data.iterdir() if p.name.startswith(".")) == []
