@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .core.stats import LoadStats
     from .errors import (
         AllocationError,
+        ArgumentTypeError,
         CacheMissError,
         CertificateError,
         CredentialsError,
@@ -82,6 +83,7 @@ __version__: str
 
 _PUBLIC = {
     "AllocationError": ".errors",
+    "ArgumentTypeError": ".errors",
     "AsyncReadInto": ".transports.base",
     "build_header": ".core.layout",
     "CertificateError": ".errors",
@@ -210,6 +212,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "DTYPES",
     "AllocationError",
+    "ArgumentTypeError",
     "AsyncReadInto",
     "Cache",
     "CacheMissError",

@@ -31,7 +31,7 @@ from .._api import stream_for
 from ..core.arrays import framework_of, to_torch, torch_device
 from ..core.header import TensorInfo
 from ..core.shards import is_index
-from ..errors import TensorNotFoundError, UsageError
+from ..errors import ArgumentTypeError, TensorNotFoundError, UsageError
 from ..memory.delivery import Delivery
 from ..reader import Include
 from ..reader.caps import NO_CAPS, Caps, current_caps
@@ -411,7 +411,7 @@ def load_file(
 def load_bytes(data: bytes, torch: bool, verify: bool) -> dict[str, Any]:
     """Every tensor of a safetensors file given as bytes."""
     if not isinstance(data, bytes | bytearray | memoryview):
-        raise UsageError(f"load takes the bytes of a file, got {type(data).__name__}")
+        raise ArgumentTypeError(f"load takes the bytes of a file, got {type(data).__name__}")
     return run(_load, data, torch, verify, True, Clock())
 
 

@@ -4,6 +4,7 @@ the header core and yields numpy arrays."""
 from __future__ import annotations
 
 import contextlib
+import reprlib
 import sys
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection
@@ -16,6 +17,7 @@ from ..core.digests import Digests, Hasher, ObjectDigest, hash_view
 from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes, refuse_unreadable
 from ..core.stats import LoadStats
 from ..errors import (
+    ArgumentTypeError,
     TensorNotFoundError,
     TrailingDataError,
     TransportError,
@@ -43,7 +45,13 @@ def _selector(include: Include, header: Header) -> Callable[[str], bool]:
         return lambda name: True
     if callable(include):
         return include
-    names = {include} if isinstance(include, str) else set(include)
+    try:
+        names = {include} if isinstance(include, str) else set(include)
+    except TypeError:  # not iterable, or names that cannot be names (a list in the list)
+        raise ArgumentTypeError(
+            "include= takes a tensor name, a collection of names or a predicate on the name, "
+            f"got {reprlib.repr(include)}"
+        ) from None
     missing = sorted(n for n in names if n not in header)
     if missing:
         raise TensorNotFoundError(f"include= names tensors not in the header: {missing}")

@@ -131,6 +131,32 @@ def test_metadata_that_is_not_text_is_a_type_error(tmp_path: Path, metadata: Any
     assert not dst.exists()
 
 
+def raises_the_reference_s_type(ours: Callable[[], Any], reference: Callable[[], Any]) -> None:
+    """Both raise; ours a SafetensorsError deriving from every built-in type the reference's
+    error does (the messages may differ)."""
+    kind, (_, types) = outcome(reference)
+    assert kind == "error" and types
+    with pytest.raises(SafetensorsError) as caught:
+        ours()
+    assert all(isinstance(caught.value, t) for t in types), (type(caught.value).__mro__, types)
+
+
+def test_arguments_of_the_wrong_type_are_type_errors(tmp_path: Path) -> None:
+    dst = tmp_path / "x.safetensors"
+    for ours, reference, tensor in ((st_pt, ref_pt, torch.zeros(2)), (st_np, ref_np, np.zeros(2))):
+        named_by_int = {1: tensor}
+        raises_the_reference_s_type(
+            partial(ours.save, named_by_int), partial(reference.save, named_by_int)
+        )
+        raises_the_reference_s_type(
+            partial(ours.save_file, named_by_int, dst),
+            partial(reference.save_file, named_by_int, dst),
+        )
+        for data in ("x.safetensors", None, np.zeros(3), [1, 2], 5):
+            raises_the_reference_s_type(partial(ours.load, data), partial(reference.load, data))
+    assert not dst.exists()
+
+
 class NonContiguous(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -407,6 +433,25 @@ def test_serialize_and_deserialize_as_the_reference(tmp_path: Path) -> None:
         dtype="float4_e2m1fn_x2", shape=[3, 2], data_ptr=0, data_len=0
     )
     assert (spec.dtype, spec.shape, repr(spec)) == (ref_spec.dtype, ref_spec.shape, repr(ref_spec))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[1.9], ["1"], [np.float64(2.0)], [2.0], 5, None, "12", [np.int64(2)], (2, 3), [True], []],
+)
+def test_a_tensor_spec_s_shape_is_taken_as_the_reference_takes_it(shape: Any) -> None:
+    """Integers (Python's, numpy's: anything with ``__index__``) and nothing else: a float is
+    refused, not truncated."""
+
+    def spec(kind: Any) -> Any:
+        return kind(dtype="float32", shape=shape, data_ptr=0, data_len=0)
+
+    reference = partial(spec, safetensors.TensorSpec)
+    want = outcome(reference)
+    if want[0] == "ok":
+        assert spec(compat.TensorSpec).shape == want[1].shape
+    else:
+        raises_the_reference_s_type(partial(spec, compat.TensorSpec), reference)
 
 
 def test_low_level_misuse_is_refused_as_by_the_reference() -> None:
