@@ -296,17 +296,17 @@ class Slice:
         return picked if picked.flags.c_contiguous else picked.copy()
 
     def _torch_item(self, key: object, place: Callable[[Any], Any]) -> Any:
-        """``key`` taken by torch from the rows it names, on the handle's device."""
+        """``key`` taken by torch from the rows it names (on the CPU: only what it takes goes
+        to the handle's device)."""
         info = self._info
         packed = info.dtype_info.packed and bool(info.shape)
         if packed:  # torch indexes the bytes, two values each, over the leading dimensions
             key = leading(key, info.shape, packed_tensor(info.name, info.dtype))
         rows, key = torch_rows(key, info.shape[:-1] if packed else info.shape)
-        tensor = place(to_torch(self._read(rows), "U8" if packed else info.dtype))
-        picked = pick(tensor, key)
+        picked = pick(to_torch(self._read(rows), "U8" if packed else info.dtype), key)
         if packed:
             picked = picked.view(torch_dtype(info.dtype))
-        return picked.contiguous()
+        return place(picked.contiguous())
 
 
 class _BytesSink(Sink):
