@@ -306,7 +306,7 @@ class Slice:
         picked = pick(to_torch(self._read(rows), "U8" if packed else info.dtype), key)
         if packed:
             picked = picked.view(torch_dtype(info.dtype))
-        return place(picked.contiguous())
+        return place(picked)  # a view where torch gives one, as the reference's
 
 
 class _BytesSink(Sink):

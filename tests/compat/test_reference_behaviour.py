@@ -366,7 +366,6 @@ def test_torch_keys_mean_what_they_mean_to_torch(tmp_path: Path, backend: str) -
             if want[0] == "ok":
                 got = f.get_slice("t")[key]
                 assert got.shape == want[1].shape and torch.equal(got, want[1]), key
-                assert got.is_contiguous(), key
                 continue
             with pytest.raises(SafetensorsError) as caught:
                 f.get_slice("t")[key]
