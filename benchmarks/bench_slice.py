@@ -109,8 +109,8 @@ def main() -> None:
     for key in KEYS:
         line = f"{key:<6}"
         for variant in variants:
-            times = [r[key] for r in runs[variant]]
-            shown = "refused" if None in times else f"{statistics.median(times):.1f}"
+            times = [t for r in runs[variant] if (t := r[key]) is not None]
+            shown = f"{statistics.median(times):.1f}" if times else "refused"
             line += f" {shown:>8}"
         for other in ("B", "ref"):
             pairs = [(a[key], b[key]) for a, b in zip(runs["A"], runs[other], strict=True)]
