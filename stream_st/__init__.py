@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .core.stats import LoadStats, last_stats
     from .errors import (
         AllocationError,
+        ArgumentTypeError,
         CacheMissError,
         CertificateError,
         CredentialsError,
@@ -82,6 +83,7 @@ __version__: str
 
 _PUBLIC = {
     "AllocationError": ".errors",
+    "ArgumentTypeError": ".errors",
     "AsyncReadInto": ".transports.base",
     "build_header": ".core.layout",
     "CertificateError": ".errors",
@@ -211,6 +213,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "DTYPES",
     "AllocationError",
+    "ArgumentTypeError",
     "AsyncReadInto",
     "Cache",
     "CacheMissError",

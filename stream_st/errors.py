@@ -17,6 +17,8 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     ├── UnsupportedSourceError        `open_stream` cannot tell how to read the given object
     ├── UnsupportedSinkError          `open_writer` cannot tell how to write to the given object
     ├── UsageError                    the API was used out of order (e.g. header before open)
+    │   ├── ArgumentTypeError         an argument of the wrong type: a tensor name that is not a
+    │   │                             string, a shape not of integers (also TypeError)
     │   └── CredentialsError          no credentials for a remote store, or its configuration
     │                                 (profile, files, credential process) is broken
     ├── AllocationError               a tensor could not be allocated (also MemoryError)
@@ -50,6 +52,7 @@ import re
 
 __all__ = [
     "AllocationError",
+    "ArgumentTypeError",
     "CacheMissError",
     "CertificateError",
     "CodecError",
@@ -212,6 +215,12 @@ class UnsupportedSourceError(SafetensorsError, TypeError):
 
 class UsageError(SafetensorsError, RuntimeError):
     """The API was used out of order, e.g. the header was asked for before the stream opened."""
+
+
+class ArgumentTypeError(UsageError, TypeError):
+    """An argument of the wrong type: a tensor name that is not a string, a shape that is not a
+    sequence of integers, an ``include=`` that is neither names nor a predicate. A
+    :class:`UsageError` and a ``TypeError``, as the reference (and Python) raise for it."""
 
 
 class CredentialsError(UsageError):

@@ -30,7 +30,14 @@ from .._api import open_stream
 from ..core.shards import INDEX_SUFFIX, is_index
 from ..core.stats import LoadStats, last_stats
 from ..core.strict_json import decode_json
-from ..errors import SafetensorsError, SourceNotFoundError, TensorNotFoundError, UsageError, redact
+from ..errors import (
+    SafetensorsError,
+    SourceNotFoundError,
+    TensorNotFoundError,
+    TransportError,
+    UsageError,
+    redact,
+)
 from ..tools.cp import address_in
 from ..transports.file.sink import PipeSink
 from ..transports.registry import SinkLike
@@ -461,7 +468,12 @@ async def run_cp(args: argparse.Namespace) -> int:
         )
     dst = await _destination(args.dst)
     with progress_reporter("copying", args.quiet) as progress:
-        copied = await tools.cp(src, dst, **_copy_options(args, progress))
+        try:
+            copied = await tools.cp(src, dst, **_copy_options(args, progress))
+        except TransportError as exc:
+            if args.dst == STDIO and isinstance(exc.__cause__, BrokenPipeError):
+                raise exc.__cause__ from None  # the reader went away (``| head``): exit 141
+            raise
     header = copied.header
     done = f"copied {len(header)} tensors, {header.file_size:,} bytes to {args.dst}"
     how = "quantized" if args.quantize else "dequantized" if args.dequantize else None

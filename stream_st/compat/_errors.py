@@ -18,6 +18,7 @@ __all__ = [
     "SafetensorError",
     "SliceError",
     "SliceTypeError",
+    "SliceValueError",
     "WrongTypeError",
 ]
 
@@ -42,6 +43,10 @@ class SliceError(SafetensorsError, IndexError):
 
 class SliceTypeError(SafetensorsError, TypeError):
     """An index ``get_slice(name)[...]`` does not take (a float, a non-empty list)."""
+
+
+class SliceValueError(SafetensorsError, ValueError):
+    """A slice torch refuses in ``get_slice(name)[...]``: a step of zero, or negative."""
 
 
 class FileClosedError(UsageError):

@@ -28,10 +28,10 @@ import numpy as np
 
 from .._api import save as save_async
 from .._api import stream_for
-from ..core.arrays import framework_of, to_torch, torch_device
+from ..core.arrays import framework_of, to_torch, torch_device, torch_dtype
 from ..core.header import TensorInfo
 from ..core.shards import is_index
-from ..errors import TensorNotFoundError, UsageError
+from ..errors import ArgumentTypeError, TensorNotFoundError, UsageError
 from ..memory.delivery import Delivery
 from ..reader import Include
 from ..reader.caps import NO_CAPS, Caps, current_caps
@@ -42,7 +42,7 @@ from ._checkpoint import Rows, _Checkpoint, _Options
 from ._errors import FileClosedError, InvalidTensorsError, NoSuchFileError, SliceError
 from ._local import LocalFile
 from ._serialize import TensorSpec, check_metadata, specs_of, write_specs
-from ._slicing import plan
+from ._slicing import LAST_WHOLE, leading, packed_tensor, pick, plan, torch_rows
 from ._sync import Bridge, check_sync_address, run
 
 __all__ = [
@@ -154,9 +154,10 @@ class SafeOpen:
             raise FileClosedError()
 
     def _out(self, array: np.ndarray[Any, Any], code: str) -> Any:
-        if not self._torch:
-            return array
-        tensor = to_torch(array, code)
+        return self._place(to_torch(array, code)) if self._torch else array
+
+    def _place(self, tensor: Any) -> Any:
+        """``tensor`` on the handle's device."""
         return tensor if self._device is None else tensor.to(self._device)
 
     def _info(self, name: str) -> TensorInfo:
@@ -216,7 +217,7 @@ class SafeOpen:
     def get_slice(self, name: str) -> Slice:
         """A :class:`Slice` of tensor ``name``: index it to read part of it."""
         info = self._info(name)
-        return Slice(info, self._reader(info), self._out, strict=not self._torch)
+        return Slice(info, self._reader(info), place=self._place if self._torch else None)
 
     def _reader(self, info: TensorInfo) -> Callable[[Rows], np.ndarray[Any, Any]]:
         """Reads ``info``'s rows (all of them for None)."""
@@ -251,25 +252,24 @@ class SafeOpen:
 
 class Slice:
     """Part of one tensor, read on indexing: ``f.get_slice(name)[2:5]``, ``[0]``, ``[..., :3]``,
-    ``[1:3, ::2]``: for torch tensors by torch's rules, for numpy arrays by the reference's
-    stricter ones (``strict``; see :mod:`stream_st.compat._slicing`). Only the rows the
-    first index selects are read from the source; the other indexes apply to them in memory. A
-    digest covers a whole tensor, so part of one cannot be checked against it: only ``[...]``
-    (the whole tensor) is. A slice of a mapped local file still reads after the file is
-    closed, as the reference's do."""
+    ``[1:3, ::2]``: numpy arrays by the reference's strict rules, torch tensors as torch indexes
+    them (``place`` given: it puts a tensor on the handle's device; see
+    :mod:`stream_st.compat._slicing`). Only the rows the first index selects are read from the
+    source; the other indexes apply to them in memory. A digest covers a whole tensor, so part
+    of one cannot be checked against it: only a key taking every row (``[...]``, ``[:]``, a
+    mask) is. A slice of a mapped local file still reads after the file is closed, as the
+    reference's do."""
 
     def __init__(
         self,
         info: TensorInfo,
         read: Callable[[Rows], np.ndarray[Any, Any]],
-        out: Callable[[np.ndarray[Any, Any], str], Any],
         *,
-        strict: bool = True,
+        place: Callable[[Any], Any] | None = None,
     ) -> None:
-        self._strict = strict
         self._info = info
         self._read = read
-        self._out = out
+        self._place = place
 
     def get_shape(self) -> list[int]:
         """The tensor's shape."""
@@ -280,24 +280,33 @@ class Slice:
         return self._info.dtype
 
     def __getitem__(self, key: object) -> Any:
+        if self._place is not None:
+            return self._torch_item(key, self._place)
         info = self._info
-        planned = plan(key, info.shape, strict=self._strict)
+        planned = plan(key, info.shape)
         rows, index = planned.rows, planned.index
         if info.dtype_info.packed and info.shape:
             last = len(info.shape) - 1
             if len(index) > last and index[last] != slice(0, info.shape[last], None):
-                raise SliceError(
-                    f"tensor {info.name!r} is {info.dtype}, packed several values a byte: "
-                    "its last dimension can only be taken whole"
-                )
+                raise SliceError(f"{packed_tensor(info.name, info.dtype)}: {LAST_WHOLE}")
             index = index[:last]
             if not last:
                 rows = None
-        array = self._read(rows)
-        picked = array[index]
-        if not picked.flags.c_contiguous:
-            picked = picked.copy()
-        return self._out(picked, info.dtype)
+        picked = self._read(rows)[(*index, ...)]  # an array even where ints name one value
+        return picked if picked.flags.c_contiguous else picked.copy()
+
+    def _torch_item(self, key: object, place: Callable[[Any], Any]) -> Any:
+        """``key`` taken by torch from the rows it names (on the CPU: only what it takes goes
+        to the handle's device)."""
+        info = self._info
+        packed = info.dtype_info.packed and bool(info.shape)
+        if packed:  # torch indexes the bytes, two values each, over the leading dimensions
+            key = leading(key, info.shape, packed_tensor(info.name, info.dtype))
+        rows, key = torch_rows(key, info.shape[:-1] if packed else info.shape)
+        picked = pick(to_torch(self._read(rows), "U8" if packed else info.dtype), key)
+        if packed:
+            picked = picked.view(torch_dtype(info.dtype))
+        return place(picked)  # a view where torch gives one, as the reference's
 
 
 class _BytesSink(Sink):
@@ -411,7 +420,7 @@ def load_file(
 def load_bytes(data: bytes, torch: bool, verify: bool) -> dict[str, Any]:
     """Every tensor of a safetensors file given as bytes."""
     if not isinstance(data, bytes | bytearray | memoryview):
-        raise UsageError(f"load takes the bytes of a file, got {type(data).__name__}")
+        raise ArgumentTypeError(f"load takes the bytes of a file, got {type(data).__name__}")
     return run(_load, data, torch, verify, True, Clock())
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from ..core.dtypes import DTYPES
 from ..core.header import LENGTH_PREFIX_SIZE, parse_header, parse_header_length
 from ..core.layout import TensorSpec as PlanEntry
+from ..core.layout import integer_shape
 from ..errors import (
     DtypeError,
     SafetensorsError,
@@ -71,7 +72,7 @@ class TensorSpec:
                 f"Unknown dtype {dtype!r}. Supported dtypes: {', '.join(_CODES)} "
                 "(or a safetensors code)"
             )
-        dims = [int(n) for n in shape]
+        dims = list(integer_shape(shape))
         if code == "F4" and dims:
             dims[-1] *= 2
         if data_ptr < 0 or data_len < 0:

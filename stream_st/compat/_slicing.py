@@ -1,66 +1,66 @@
 """What ``safe_open(...).get_slice(name)[key]`` takes, checked as the reference checks it.
 
-A key is an int (anything with ``__index__``: a numpy integer, a 0-d integer tensor), a slice,
-``...``, or a tuple of those. The reference indexes torch tensors (``framework="pt"``) as torch
-does and numpy arrays by stricter rules of its own, and so does this (``strict``):
+The reference indexes torch tensors (``framework="pt"``) as torch does and numpy arrays by
+stricter rules of its own, and so does this.
 
-- ``strict`` (numpy): a slice reaching past the end of a dimension is refused, not clipped;
-  lists other than ``[]`` (no rows) are refused. Beyond the reference: negative slice bounds
-  count from the end (as in Python), a slice whose start passes its stop selects nothing, and
-  a dimension of size 0 can be sliced whole (``[:]``, ``[0:0]``).
-- torch: slices are clipped to the dimension, and a list of ints picks those positions.
+numpy (:func:`plan`): a key is an int (anything with ``__index__``: a numpy integer, a 0-d
+integer tensor, ``True`` and ``False`` as 1 and 0), a slice, ``...``, or a tuple of those. A
+slice reaching past the end of a dimension is refused, not clipped; lists other than ``[]`` (no
+rows) are refused. Beyond the reference: negative slice bounds count from the end (as in
+Python), a slice whose start passes its stop selects nothing, and a dimension of size 0 can be
+sliced whole (``[:]``, ``[0:0]``). An index outside the tensor raises
+:class:`~stream_st.compat.SliceError` (a ``SafetensorError`` and an ``IndexError``) with the
+reference's message.
 
-Either way an index outside the tensor raises :class:`~stream_st.compat.SliceError` (a
-``SafetensorError`` and an ``IndexError``) with the reference's message.
-
-:func:`plan` turns a key into the rows of the first dimension to read and the numpy index to
-apply to those rows.
+torch (:func:`torch_rows`, :func:`pick`): the key is whatever torch takes, and torch itself
+applies it to the rows read, so it means what it means to a tensor: ``True`` and ``False`` add a
+dimension (of 1 and 0), a bool list, array or tensor is a mask, a list or integer tensor picks
+positions, ``None`` adds a dimension, slices are clipped. Torch's refusals come out as
+:class:`~stream_st.SafetensorsError` s of the same built-in type.
 """
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import EllipsisType
-from typing import SupportsIndex, cast
+from typing import Any, SupportsIndex, cast
 
-from ._errors import SliceError, SliceTypeError
+from ..errors import UsageError
+from ._errors import SliceError, SliceTypeError, SliceValueError
 
-__all__ = ["Plan", "plan"]
+__all__ = ["LAST_WHOLE", "Plan", "leading", "packed_tensor", "pick", "plan", "torch_rows"]
 
-Index = int | slice | list[int]
+Index = int | slice
+Rows = tuple[int, int] | None
+"""Rows of the first dimension to read, ``(start, stop)``; ``None`` for the whole tensor."""
 
 
 @dataclass(frozen=True)
 class Plan:
-    """How to read a slice: ``rows`` of the first dimension (``None``: the whole tensor, for a
-    0-d one or a key that does not narrow it) and ``index``, to apply to the array of those
-    rows."""
+    """How to read a slice by the numpy rules: ``rows`` of the first dimension (``None``: the
+    whole tensor, for a 0-d one or a key that does not narrow it) and ``index``, to apply to
+    the array of those rows."""
 
-    rows: tuple[int, int] | None
+    rows: Rows
     index: tuple[Index, ...]
 
 
-def _items(key: object, strict: bool) -> list[object]:
+def _items(key: object) -> list[object]:
     """The key's indexes, one per dimension it names."""
     if isinstance(key, tuple):
         return list(key)
     if isinstance(key, list):
         if not key:
             return [slice(0, 0)]  # the reference's reading of [], as numpy's: no rows
-        if strict:
-            raise SliceTypeError("Non empty lists are not implemented")
+        raise SliceTypeError("Non empty lists are not implemented")
     return [key]
 
 
-def _parse(item: object, position: int, strict: bool) -> Index | EllipsisType:
-    """One index as an int, a slice with int (or None) bounds, ``...``, or (not ``strict``) a
-    list of ints."""
-    if isinstance(item, list) and not strict:
-        positions = [_integer(i) for i in item]
-        if all(p is not None for p in positions):
-            return [p for p in positions if p is not None]
+def _parse(item: object, position: int) -> Index | EllipsisType:
+    """One index as an int, a slice with int (or None) bounds, or ``...``."""
     if item is Ellipsis:
         return Ellipsis
     if isinstance(item, slice):
@@ -76,8 +76,9 @@ def _parse(item: object, position: int, strict: bool) -> Index | EllipsisType:
     value = _integer(item)
     if value is not None:
         return value
-    error = SliceTypeError if strict else SliceError  # torch's is an IndexError
-    raise error(f"Unsupported slice index at position {position}: expected slice, int, or ellipsis")
+    raise SliceTypeError(
+        f"Unsupported slice index at position {position}: expected slice, int, or ellipsis"
+    )
 
 
 def _integer(value: object) -> int | None:
@@ -99,11 +100,11 @@ def _show(index: Index | EllipsisType) -> str:
     return "..." if index is Ellipsis else str(index)
 
 
-def plan(key: object, shape: Sequence[int], *, strict: bool = True) -> Plan:
+def plan(key: object, shape: Sequence[int]) -> Plan:
     """The rows to read and the index to apply for ``key`` over a tensor of ``shape``, by the
-    ``strict`` rules (numpy's) or torch's; :class:`SliceError` or :class:`SliceTypeError`
-    (both :class:`~stream_st.SafetensorsError`) for a key the reference refuses."""
-    parsed = [_parse(item, at, strict) for at, item in enumerate(_items(key, strict))]
+    reference's numpy rules; :class:`SliceError` or :class:`SliceTypeError` (both
+    :class:`~stream_st.SafetensorsError`) for a key the reference refuses."""
+    parsed = [_parse(item, at) for at, item in enumerate(_items(key))]
     dims = list(shape)
     ellipses = sum(1 for index in parsed if index is Ellipsis)
     if ellipses > 1:
@@ -115,8 +116,6 @@ def plan(key: object, shape: Sequence[int], *, strict: bool = True) -> Plan:
         return SliceError(f"Error during slicing [{shown}] with shape {dims}: {reason}")
 
     if named > len(dims):
-        if not strict:
-            raise SliceError(f"too many indices for tensor of dimension {len(dims)}")
         raise failed("more slicing indexes than dimensions in tensor")
     expanded: list[Index] = []
     for index in parsed:
@@ -125,7 +124,7 @@ def plan(key: object, shape: Sequence[int], *, strict: bool = True) -> Plan:
         else:
             expanded.append(index)
     final = [
-        _within(index, dim, size, failed if strict else None)
+        _within(index, dim, size, failed)
         for dim, (index, size) in enumerate(zip(expanded, dims, strict=False))
     ]
     whole = all(
@@ -135,8 +134,6 @@ def plan(key: object, shape: Sequence[int], *, strict: bool = True) -> Plan:
     if whole:  # the whole tensor: read (and checked) as get_tensor reads it
         return Plan(None, ())
     first = final[0]
-    if isinstance(first, list):
-        return Plan(None, tuple(final))
     if isinstance(first, int):
         return Plan((first, first + 1), (0, *final[1:]))
     picked = range(*first.indices(dims[0]))
@@ -148,17 +145,14 @@ def plan(key: object, shape: Sequence[int], *, strict: bool = True) -> Plan:
     return Plan((low, high + 1), (slice(start, end, picked.step), *final[1:]))
 
 
-def _within(index: Index, dim: int, size: int, failed: Callable[[str], SliceError] | None) -> Index:
+def _within(index: Index, dim: int, size: int, failed: Callable[[str], SliceError]) -> Index:
     """``index`` over a dimension ``dim`` of ``size``, with negative positions resolved;
-    refused where it reaches outside the dimension (by the strict rules where ``failed``, which
-    makes their error, is given; else torch's)."""
-    if isinstance(index, list):
-        return [_position(i, dim, size, failed) for i in index]
+    refused (the error made by ``failed``) where it reaches outside the dimension."""
     if isinstance(index, int):
         return _position(index, dim, size, failed)
     if index.step is not None and index.step == 0:
-        raise SliceError("slice step cannot be zero")
-    if failed is None or (index.step is not None and index.step < 0):
+        raise SliceError("Slice step must be a positive integer, got 0")
+    if index.step is not None and index.step < 0:
         return index  # Python's meaning, clipped as Python clips it
     start = _resolved(index.start, size, dim, 0)
     stop = _resolved(index.stop, size, dim, size)
@@ -170,7 +164,8 @@ def _within(index: Index, dim: int, size: int, failed: Callable[[str], SliceErro
 
 
 def _position(index: int, dim: int, size: int, failed: Callable[[str], SliceError] | None) -> int:
-    """Position ``index`` (negative: from the end) of a dimension ``dim`` of ``size``."""
+    """Position ``index`` (negative: from the end) of a dimension ``dim`` of ``size``, refused
+    by the numpy rules where ``failed`` (which makes their error) is given, else by torch's."""
     resolved = index + size if index < 0 else index
     if failed is None and not 0 <= resolved < size:
         raise SliceError(f"index {index} is out of bounds for dimension {dim} with size {size}")
@@ -190,3 +185,110 @@ def _resolved(bound: int | None, size: int, dim: int, default: int) -> int:
             raise SliceError(f"Invalid index {bound} for dimension {dim} of size {size}")
         return bound + size
     return bound
+
+
+# ------------------------------------------------------------------------------------ torch
+
+
+def _plain_int(item: object) -> bool:
+    """Whether torch takes ``item`` as one position (a Python or numpy integer), which drops
+    its dimension: not a bool, which adds one."""
+    return isinstance(item, numbers.Integral) and not isinstance(item, bool)
+
+
+def torch_rows(key: object, shape: Sequence[int]) -> tuple[Rows, object]:
+    """The rows of the first dimension to read for torch's ``key`` over a tensor of ``shape``
+    and the key to apply to them (:func:`pick`). Only a key that starts with an integer or a
+    slice narrows the rows; any other (a mask, ``None``, a bool, a list...) is applied to the
+    whole tensor, as it is. An integer outside the first dimension, or a first slice whose step
+    is not positive, is refused before anything is read."""
+    items = key if isinstance(key, tuple) else (key,)
+    if not shape or not items:
+        return None, key
+    first, size = items[0], shape[0]
+    if _plain_int(first):
+        row = _position(operator.index(cast(SupportsIndex, first)), 0, size, None)
+        return (row, row + 1), (0, *items[1:])
+    if not isinstance(first, slice):
+        return None, key
+    step = 1 if first.step is None else _integer(first.step)
+    if step is not None and step <= 0:  # torch's refusals, before reading the whole tensor
+        raise SliceValueError(
+            "slice step cannot be zero" if step == 0 else "step must be greater than zero"
+        )
+    try:
+        picked = range(*first.indices(size))
+    except TypeError:  # bounds torch may take (or refuse): its own reading of the whole tensor
+        return None, key
+    rows = (picked.start, picked[-1] + 1) if picked else (0, 0)
+    return (None if rows == (0, size) else rows), (slice(None, None, step), *items[1:])
+
+
+LAST_WHOLE = "its last dimension can only be taken whole"
+
+
+def packed_tensor(name: str, code: str) -> str:
+    """How a refusal names a tensor of a packed dtype ``code``."""
+    return f"tensor {name!r} is {code}, packed several values a byte"
+
+
+_OURS: tuple[tuple[type[Exception], Callable[[str], Exception]], ...] = (
+    (IndexError, SliceError),
+    (TypeError, SliceTypeError),
+    (ValueError, SliceValueError),
+    (RuntimeError, UsageError),
+)
+"""The error raised for each built-in type torch raises on indexing: ours, of the same type."""
+
+
+def pick(tensor: Any, key: object) -> Any:
+    """``tensor[key]`` as torch indexes it; torch's refusal of the key as a
+    :class:`~stream_st.SafetensorsError` of the same built-in type, with torch's message."""
+    try:
+        return tensor[key]
+    except (IndexError, TypeError, ValueError, RuntimeError) as exc:
+        ours = next(make for kind, make in _OURS if isinstance(exc, kind))
+        raise ours(str(exc)) from exc
+
+
+def leading(key: object, shape: Sequence[int], packed: str) -> object:
+    """``key`` less its index of the last dimension of ``shape``, which it must take whole: a
+    packed tensor's (two F4 values a byte), whose leading dimensions alone torch can index.
+    Only integers, slices, lists of integers and ``...`` (one dimension each) are taken:
+    :class:`SliceError` (its message starting with ``packed``, which names the tensor) for any
+    other index, or one cutting the last dimension."""
+    items = list(key) if isinstance(key, tuple) else [key]
+    last = len(shape) - 1
+
+    def refused(why: str) -> SliceError:
+        return SliceError(f"{packed}: {why}")
+
+    for item in items:
+        if not (
+            item is Ellipsis
+            or isinstance(item, slice)
+            or _plain_int(item)
+            or (isinstance(item, list) and all(_plain_int(i) for i in item))
+        ):
+            raise refused(f"it takes integers, slices, lists of integers and ..., not {item!r}")
+    if items.count(Ellipsis) > 1:
+        raise SliceError("an index can only have a single ellipsis ('...')")
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items[at : at + 1] = [slice(None)] * max(0, len(shape) - len(items) + 1)
+    if len(items) <= last:
+        return tuple(items)
+    if len(items) > len(shape):
+        raise SliceError(f"too many indices for tensor of dimension {len(shape)}")
+    end = items[last]
+    if not isinstance(end, slice) or _indices(end, shape[last]) != (0, shape[last], 1):
+        raise refused(LAST_WHOLE)
+    return tuple(items[:last])
+
+
+def _indices(index: slice, size: int) -> tuple[int, int, int] | None:
+    """``index.indices(size)``; None for bounds that are not integers."""
+    try:
+        return index.indices(size)
+    except (TypeError, ValueError):
+        return None

@@ -12,23 +12,24 @@ import operator
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, SupportsIndex, cast
 
 import numpy as np
 
-from ..errors import HeaderError, UsageError
+from ..errors import ArgumentTypeError, HeaderError, UsageError
 from .dtypes import dtype_for
 from .header import METADATA_KEY, U64_MAX, Header, TensorInfo, checked_dims, data_size
 
-__all__ = ["TensorSpec", "build_header", "plan_order"]
+__all__ = ["TensorSpec", "build_header", "integer_shape", "plan_order"]
 
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     """One planned tensor: ``dtype`` is a safetensors code or a numpy / ml_dtypes dtype.
 
-    ``shape`` is a sequence of integers (Python or numpy); anything else raises
-    :class:`~stream_st.UsageError`.
+    ``name`` is a string and ``shape`` a sequence of integers (Python or numpy); anything else
+    raises :class:`~stream_st.ArgumentTypeError` (a :class:`~stream_st.UsageError` and a
+    ``TypeError``).
     """
 
     name: str
@@ -37,18 +38,26 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
-            raise UsageError(f"a tensor name must be a string, got {self.name!r}")
-        object.__setattr__(self, "shape", _spec_shape(self.name, self.shape))
+            raise ArgumentTypeError(f"a tensor name must be a string, got {self.name!r}")
+        try:
+            shape = integer_shape(self.shape)
+        except ArgumentTypeError as exc:
+            raise ArgumentTypeError(f"tensor {self.name!r}: {exc}") from None
+        object.__setattr__(self, "shape", shape)
 
 
-def _spec_shape(name: str, shape: Any) -> tuple[int, ...]:
-    """``shape`` as a tuple of ints; :class:`UsageError` unless a sequence of integers."""
+def integer_shape(shape: object) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints, each taken by ``__index__`` as Python takes an index (a
+    numpy integer is one, a float or a string is not); :class:`~stream_st.ArgumentTypeError`
+    unless it is a sequence of integers."""
     if not isinstance(shape, str | bytes):
         try:
-            return tuple(operator.index(d) for d in shape)
-        except TypeError:
-            pass
-    raise UsageError(f"tensor {name!r}: shape must be a sequence of integers, got {shape!r}")
+            return tuple(operator.index(d) for d in cast(Iterable[SupportsIndex], shape))
+        except TypeError as exc:
+            reason = f" ({exc})"
+    else:
+        reason = ""
+    raise ArgumentTypeError(f"shape must be a sequence of integers, got {shape!r}{reason}")
 
 
 def _plan_list(specs: Iterable[TensorSpec]) -> list[TensorSpec]:

@@ -4,6 +4,7 @@ the header core and yields numpy arrays."""
 from __future__ import annotations
 
 import contextlib
+import reprlib
 import sys
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection
@@ -16,6 +17,7 @@ from ..core.digests import Digests, Hasher, ObjectDigest, hash_view
 from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes, refuse_unreadable
 from ..core.stats import LoadStats, record_last
 from ..errors import (
+    ArgumentTypeError,
     TensorNotFoundError,
     TrailingDataError,
     TransportError,
@@ -38,12 +40,25 @@ Include = Collection[str] | Callable[[str], bool] | str | None
 """Which tensors to deliver: ``None`` for all, names, or a predicate on the name."""
 
 
+def include_names(include: Collection[str] | str) -> set[str]:
+    """The names an ``include=`` other than a predicate (or None) lists: one name, or a
+    collection of them; :class:`~stream_st.ArgumentTypeError` for anything else (a number, a
+    list of lists)."""
+    try:
+        return {include} if isinstance(include, str) else set(include)
+    except TypeError:  # not iterable, or names that cannot be names (a list in the list)
+        raise ArgumentTypeError(
+            "include= takes a tensor name, a collection of names or a predicate on the name, "
+            f"got {reprlib.repr(include)}"
+        ) from None
+
+
 def _selector(include: Include, header: Header) -> Callable[[str], bool]:
     if include is None:
         return lambda name: True
     if callable(include):
         return include
-    names = {include} if isinstance(include, str) else set(include)
+    names = include_names(include)
     missing = sorted(n for n in names if n not in header)
     if missing:
         raise TensorNotFoundError(f"include= names tensors not in the header: {missing}")

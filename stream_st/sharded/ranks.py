@@ -77,6 +77,7 @@ from ..errors import (
 from ..memory.delivery import Delivery
 from ..reader import Include, TensorStream
 from ..reader.caps import Caps, current_caps
+from ..reader.stream import include_names
 from ..transports.options import Clock
 from ..transports.registry import SourceLike
 from .ranks_exchange import READ_AHEAD_BYTES as READ_AHEAD_BYTES
@@ -131,7 +132,7 @@ def _selected(include: Include) -> Callable[[str], bool]:
         return lambda name: True
     if callable(include):
         return include
-    names = {include} if isinstance(include, str) else set(include)
+    names = include_names(include)
     return names.__contains__
 
 

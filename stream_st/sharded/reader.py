@@ -60,6 +60,7 @@ from ..errors import (
 )
 from ..memory.delivery import Delivery
 from ..reader import Include, TensorStream
+from ..reader.stream import include_names
 from ..transports.options import Clock
 from ..transports.registry import read_object
 
@@ -298,7 +299,7 @@ class ShardedStream(TensorStream):
             return lambda name: True
         if callable(include):
             return include
-        names = {include} if isinstance(include, str) else set(include)
+        names = include_names(include)
         if index.weight_map is not None:
             missing = sorted(names - index.weight_map.keys())
             if missing:
@@ -412,7 +413,7 @@ class ShardedStream(TensorStream):
         include = self._include
         if index.weight_map is not None or include is None or callable(include):
             return
-        names = {include} if isinstance(include, str) else set(include)
+        names = include_names(include)
         found = {name for header in self.headers.values() for name in header.names()}
         missing = sorted(names - found)
         if missing:

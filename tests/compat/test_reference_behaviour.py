@@ -131,6 +131,32 @@ def test_metadata_that_is_not_text_is_a_type_error(tmp_path: Path, metadata: Any
     assert not dst.exists()
 
 
+def raises_the_reference_s_type(ours: Callable[[], Any], reference: Callable[[], Any]) -> None:
+    """Both raise; ours a SafetensorsError deriving from every built-in type the reference's
+    error does (the messages may differ)."""
+    kind, (_, types) = outcome(reference)
+    assert kind == "error" and types
+    with pytest.raises(SafetensorsError) as caught:
+        ours()
+    assert all(isinstance(caught.value, t) for t in types), (type(caught.value).__mro__, types)
+
+
+def test_arguments_of_the_wrong_type_are_type_errors(tmp_path: Path) -> None:
+    dst = tmp_path / "x.safetensors"
+    for ours, reference, tensor in ((st_pt, ref_pt, torch.zeros(2)), (st_np, ref_np, np.zeros(2))):
+        named_by_int = {1: tensor}
+        raises_the_reference_s_type(
+            partial(ours.save, named_by_int), partial(reference.save, named_by_int)
+        )
+        raises_the_reference_s_type(
+            partial(ours.save_file, named_by_int, dst),
+            partial(reference.save_file, named_by_int, dst),
+        )
+        for data in ("x.safetensors", None, np.zeros(3), [1, 2], 5):
+            raises_the_reference_s_type(partial(ours.load, data), partial(reference.load, data))
+    assert not dst.exists()
+
+
 class NonContiguous(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -258,13 +284,38 @@ KEYS: list[Any] = [
     (slice(None), slice(None, 20)),
     slice(5, 2),
     [1, 3],
+    # bools: torch's new dimension (of 1 or 0) and masks; the reference's numpy rules take a
+    # bool as the int it is and refuse a mask
+    True,
+    False,
+    (0, True),
+    (True, 0),
+    (slice(None), False),
+    (..., True),
+    np.bool_(True),
+    torch.tensor(True),
+    [True, False] * 5,
+    (slice(None), [True, False, True, True, False]),
+    np.array([False, True] * 5),
+    torch.tensor([True] * 3 + [False] * 7),
+    torch.tensor([[True] * 5] * 10),
+    [True],
+    ([True] * 10, [0, 2]),
+    # refused by torch as ValueError and TypeError
+    slice(1, 2, 0),
+    "a",
 ]
 
 
+@pytest.mark.filterwarnings("ignore:Using a non-tuple sequence")  # torch's, on "a"
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
 @pytest.mark.parametrize("framework", ["pt", "np"])
-def test_get_slice_gives_or_refuses_as_the_reference(tmp_path: Path, framework: str) -> None:
+def test_get_slice_gives_or_refuses_as_the_reference(
+    tmp_path: Path, framework: str, backend: str
+) -> None:
     path = small(tmp_path)
-    with compat.safe_open(path, framework) as ours, safetensors.safe_open(path, framework) as ref:
+    opened = compat.safe_open(path, framework, backend=backend)
+    with opened as ours, safetensors.safe_open(path, framework) as ref:
         for name in ("a", "s"):
             assert ours.get_slice(name).get_shape() == ref.get_slice(name).get_shape()
             assert ours.get_slice(name).get_dtype() == ref.get_slice(name).get_dtype()
@@ -279,11 +330,47 @@ def test_get_slice_gives_or_refuses_as_the_reference(tmp_path: Path, framework: 
                 continue
             with pytest.raises(SafetensorsError) as caught:
                 ours.get_slice("a")[key]
-            if framework == "np":  # the reference's own messages (torch words its own)
-                assert str(caught.value) == want[1][0], key
-            if IndexError in want[1][1]:
-                assert isinstance(caught.value, IndexError), key
+            assert str(caught.value) == want[1][0], key
+            assert all(isinstance(caught.value, t) for t in want[1][1]), (key, want[1][1])
         assert ours.get_slice("s")[...].shape == ref.get_slice("s")[...].shape
+
+
+TORCH_KEYS: list[Any] = [
+    (slice(None), [0, 1], slice(None), 0),  # torch drops the int's dimension first
+    (1, slice(None), [2, 0]),
+    ([0, 2], slice(None), [1, 3]),
+    (None, 1),
+    (slice(1, None, 2), None, ..., True),
+    (torch.tensor([2, 0]), [[1], [3]]),
+    (np.array([1, 1]),),
+    (slice(-2, None), torch.ones(4, 5, dtype=torch.bool)),
+    (2, [True, False, True, False], ..., 1),
+    (slice(None), torch.tensor(1), 0),
+    (slice(None, None, -1),),  # refused by torch (ValueError)
+    (0, slice(None, None, -1)),
+    (0, 0, 0, 0, 0),  # too many (IndexError)
+]
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_torch_keys_mean_what_they_mean_to_torch(tmp_path: Path, backend: str) -> None:
+    """Keys beyond what the reference's own tests use (advanced indexes with ints between,
+    ``None``, masks over several dimensions): the slice is what torch gives, or torch's
+    refusal, whatever the rows read."""
+    whole = torch.arange(360.0).reshape(3, 4, 5, 6)
+    path = tmp_path / "four.safetensors"
+    ref_pt.save_file({"t": whole}, path)
+    with compat.safe_open(path, "pt", backend=backend) as f:
+        for key in TORCH_KEYS:
+            want = outcome(partial(whole.__getitem__, key))
+            if want[0] == "ok":
+                got = f.get_slice("t")[key]
+                assert got.shape == want[1].shape and torch.equal(got, want[1]), key
+                continue
+            with pytest.raises(SafetensorsError) as caught:
+                f.get_slice("t")[key]
+            assert str(caught.value) == want[1][0], key
+            assert all(isinstance(caught.value, t) for t in want[1][1]), (key, want[1][1])
 
 
 def test_get_slice_beyond_the_reference(tmp_path: Path) -> None:
@@ -407,6 +494,25 @@ def test_serialize_and_deserialize_as_the_reference(tmp_path: Path) -> None:
         dtype="float4_e2m1fn_x2", shape=[3, 2], data_ptr=0, data_len=0
     )
     assert (spec.dtype, spec.shape, repr(spec)) == (ref_spec.dtype, ref_spec.shape, repr(ref_spec))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[1.9], ["1"], [np.float64(2.0)], [2.0], 5, None, "12", [np.int64(2)], (2, 3), [True], []],
+)
+def test_a_tensor_spec_s_shape_is_taken_as_the_reference_takes_it(shape: Any) -> None:
+    """Integers (Python's, numpy's: anything with ``__index__``) and nothing else: a float is
+    refused, not truncated."""
+
+    def spec(kind: Any) -> Any:
+        return kind(dtype="float32", shape=shape, data_ptr=0, data_len=0)
+
+    reference = partial(spec, safetensors.TensorSpec)
+    want = outcome(reference)
+    if want[0] == "ok":
+        assert spec(compat.TensorSpec).shape == want[1].shape
+    else:
+        raises_the_reference_s_type(partial(spec, compat.TensorSpec), reference)
 
 
 def test_low_level_misuse_is_refused_as_by_the_reference() -> None:

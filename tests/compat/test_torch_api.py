@@ -405,6 +405,34 @@ def test_float4_round_trips_as_f4_as_the_reference_writes_it(tmp_path: Path) -> 
         st.save({"x": torch.zeros((), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)})
 
 
+def test_float4_slices_take_the_leading_dimensions_as_torch_does(tmp_path: Path) -> None:
+    """Two F4 values a byte: torch indexes the leading dimensions (its rules), the last is
+    taken whole; a key that would cut it, or add or mask dimensions, is refused."""
+    packed = torch.arange(24, dtype=torch.uint8).reshape(4, 6)
+    path = tmp_path / "f4.safetensors"
+    f4 = torch.float4_e2m1fn_x2
+    st.save_file({"f4": packed.view(f4), "f4_1d": packed[0].clone().view(f4)}, path)
+    taken: list[tuple[Any, Any]] = [
+        (1, 1),
+        (slice(1, 3), slice(1, 3)),
+        (slice(-3, None, 2), slice(-3, None, 2)),
+        ([3, 0], [3, 0]),
+        ((0, ...), 0),
+        ((..., slice(None)), ...),
+        ((slice(None), slice(0, 100)), ...),
+    ]
+    with st.safe_open(path, "pt") as f:
+        for key, rows in taken:
+            assert same(f.get_slice("f4")[key], packed[rows].view(f4)), key
+        assert same(f.get_slice("f4_1d")[:], packed[0].view(f4))
+        refused = [True, None, [True, False, True, False], (slice(None), 1), (0, slice(0, 2))]
+        for key in refused:
+            with pytest.raises(IndexError, match="'f4' is F4, packed several values a byte"):
+                f.get_slice("f4")[key]
+        with pytest.raises(IndexError, match="last dimension can only be taken whole"):
+            f.get_slice("f4_1d")[0]
+
+
 # ---------------------------------------------------------------------- models
 
 

@@ -198,6 +198,17 @@ async def test_include_unknown_name(sample_path: pathlib.Path) -> None:
         await read_all(sample_path, include=["weight", "nope"])
 
 
+@pytest.mark.parametrize("include", [5, 1.5, [["weight"]]], ids=["int", "float", "nested"])
+async def test_include_neither_names_nor_a_predicate(
+    sample_path: pathlib.Path, include: Any
+) -> None:
+    with pytest.raises(UsageError, match=r"^include= takes .* got ") as caught:
+        await read_all(sample_path, include=include)
+    assert isinstance(caught.value, TypeError)
+    with pytest.raises(UsageError, match="include="):
+        await stream_st.load(sample_path, include=include)
+
+
 async def test_skipped_tensors_are_not_read_from_a_file(tmp_path: pathlib.Path) -> None:
     tensors = {f"t{i}": np.full(1000, i, dtype=np.float64) for i in range(10)}
     path = tmp_path / "f.safetensors"

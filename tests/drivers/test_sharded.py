@@ -71,6 +71,8 @@ async def test_include_across_shards_opens_only_needed_shards(tmp_path: Path) ->
     assert_same_arrays(got, {"lm_head.weight": ALL["lm_head.weight"]})
     with pytest.raises(stream_st.TensorNotFoundError, match="nope"):
         await read_all(index, include=["nope"])
+    with pytest.raises(stream_st.ArgumentTypeError, match=r"^include= takes .* got 5$"):
+        await read_all(index, include=5)
 
 
 async def test_index_over_http() -> None:

@@ -346,6 +346,24 @@ def test_closed_output_pipe_exits_quietly(tmp_path: Path, tensors: int) -> None:
     assert (result.returncode, result.stderr) == (141, "")
 
 
+@pytest.mark.parametrize("taken", [0, 100], ids=["before the first byte", "mid-copy"])
+def test_cp_to_a_closed_output_pipe_exits_quietly(tmp_path: Path, taken: int) -> None:
+    """``stream-st cp f.st - | head -c 100``: 141 and nothing on stderr, as the other commands."""
+    path = tmp_path / "big.safetensors"
+    reference_numpy.save_file({"t": np.zeros(1 << 18, np.float32)}, path)  # 1 MiB: the pipe fills
+    process = subprocess.Popen(
+        [COMMAND, "cp", "-q", str(path), "-"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout is not None and process.stderr is not None
+    assert len(process.stdout.read(taken)) == taken
+    process.stdout.close()  # as `head` does once it has its bytes
+    try:
+        assert (process.wait(timeout=120), process.stderr.read()) == (141, b"")
+    finally:
+        process.kill()
+        process.stderr.close()
+
+
 def test_unexpected_exception_is_an_internal_error_with_exit_status_3(
     model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
