@@ -110,6 +110,10 @@ def dtype_for(value: str | np.dtype[Any] | type) -> DType:
     """
     if isinstance(value, str) and value in DTYPES:
         return DTYPES[value]
+    if isinstance(value, np.dtype):  # an array's dtype, in native byte order: one lookup
+        found = _BY_NUMPY.get(value)
+        if found is not None:
+            return found
     try:
         as_numpy = np.dtype(value)
     except Exception as exc:  # TypeError, ValueError, even SyntaxError for "f4,("
