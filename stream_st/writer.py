@@ -15,7 +15,7 @@ fails after every tensor went out leaves its peer one byte short, never with a c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Literal, Self, Unpack
 
@@ -23,7 +23,7 @@ import anyio
 import numpy as np
 
 from ._util import AsyncClosing, task_group
-from .core.arrays import as_array
+from .core.arrays import as_array, spec_of
 from .core.digests import Digests, OrderedHash, digests_for
 from .core.dtypes import dtype_for, wire_bytes
 from .core.header import Header, TensorInfo
@@ -32,7 +32,7 @@ from .errors import UsageError, WriterError
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import Sink, SinkLike, open_sink
 
-__all__ = ["Order", "TensorParts", "TensorWriter", "open_writer"]
+__all__ = ["Order", "TensorParts", "TensorWriter", "lay_out", "open_writer"]
 
 Order = Literal["plan", "reference"]
 """``"plan"``: tensors laid out in the order given. ``"reference"``: ordered as the reference
@@ -549,3 +549,26 @@ def open_writer(
     return TensorWriter(
         dst, plan, metadata=metadata, order=order, fsync=fsync, checksums=checksums, clock=clock
     )
+
+
+def lay_out(
+    tensors: Mapping[str, Any],
+    metadata: Mapping[str, str] | None = None,
+    checksums: bool | str = False,
+) -> tuple[bytes, Header, Iterator[memoryview]]:
+    """A message of ``{name: array}`` laid out as the reference writer lays it out, for a write
+    at once with every array in memory: the bytes before the data, the header, and each
+    tensor's bytes in header order, made as they are taken (views of the arrays' memory where
+    they are contiguous and little-endian, else a copy, one tensor at a time).
+
+    ``checksums`` as for :func:`open_writer`: the digests are computed from the arrays, one
+    pass over each, and recorded in the header. The same plan, header and errors as
+    :func:`~stream_st.save` of the same dict."""
+    arrays = {name: as_array(value, name) for name, value in tensors.items()}
+    specs = plan_order(spec_of(name, tensors[name], array) for name, array in arrays.items())
+    digests = digests_for(checksums)
+    if digests is not None:
+        digests = Digests.compute(arrays, digests.algorithm)
+        metadata = digests.add_to(metadata, [spec.name for spec in specs])
+    prefix, header = build_header(specs, metadata)
+    return prefix, header, (wire_bytes(arrays[name]) for name in header.names())
