@@ -1,7 +1,7 @@
 """Every writer of a local file issues ``pwritev`` calls of at most ``WRITE_CALL`` bytes, cut at
 multiples of it in the file, shared by two threads for a large tensor and made on the event
 loop's thread for a small one: the bytes are right wherever the data starts and whatever the
-sizes, and the calls never pass a block's end."""
+sizes, and the calls never pass a block's end. Small tensors are gathered: many make few calls."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 import stream_st
 import stream_st.numpy
 import stream_st.torch
+from stream_st import writer
 from stream_st.tools.cp import cp
 from stream_st.transports.file import sink
 
@@ -31,7 +32,8 @@ BLOCK = 4096
 def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int, int]]]:
     """The ``(offset, length, thread)`` of every ``os.pwritev`` call, each still made (after 2 ms,
     so that both threads of a shared write take blocks); blocks of 4 KiB, worker threads from
-    8 KiB and a split from 16 KiB so that small tensors exercise every path."""
+    8 KiB and a split from 16 KiB so that small tensors exercise every path; tensors under 8 KiB
+    gathered by ``write_many``, 16 KiB at most in one write."""
     seen: list[tuple[int, int, int]] = []
     real = os.pwritev
 
@@ -44,6 +46,8 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int, int]
     monkeypatch.setattr(sink, "WRITE_CALL", BLOCK)
     monkeypatch.setattr(sink, "SPLIT_THRESHOLD", 4 * BLOCK)
     monkeypatch.setattr(sink, "WRITE_INLINE", 2 * BLOCK)
+    monkeypatch.setattr(writer, "GATHER_BELOW", 2 * BLOCK)
+    monkeypatch.setattr(writer, "GATHER_MAX", 4 * BLOCK)
     yield seen
 
 

@@ -375,7 +375,9 @@ class FileSink(Sink):
     follows the one before in the file, and written together (on the event loop's thread) when
     the next would not fit or not follow, before any read back, and at the commit: a message of
     many small tensors costs one ``pwritev`` call per :data:`WRITE_INLINE` bytes, not one a
-    tensor. :meth:`write_whole` writes a whole message at once, with no event loop.
+    tensor. Such a write is no full checkpoint (the loop runs other tasks when the batch is
+    written), only a cancellation point. :meth:`write_whole` writes a whole message at once,
+    with no event loop.
     """
 
     random_access = True
@@ -455,18 +457,20 @@ class FileSink(Sink):
             return
         if count < WRITE_INLINE:  # staged: written with the small writes that follow it
             staged = self._staged
-            full = bool(staged) and (
+            if staged and (
                 offset != self._staged_at + len(staged) or len(staged) + count > WRITE_INLINE
-            )
-            if full:
+            ):
                 self._flush()
+                await anyio.lowlevel.checkpoint()
+                # Nothing is staged at a checkpoint: another task's write may have come since.
+                if self._staged:
+                    await self.write_at(offset, buffer)
+                    return
+            else:  # a cancellation still comes here; no turn of the loop for each copy
+                await anyio.lowlevel.checkpoint_if_cancelled()
             if not self._staged:
                 self._staged_at = offset
             self._staged += buffer
-            if full:
-                await anyio.lowlevel.checkpoint()
-            else:  # a cancellation still comes here; no turn of the loop for each copy
-                await anyio.lowlevel.checkpoint_if_cancelled()
             return
         self._busy += 1
         try:
