@@ -154,4 +154,4 @@ def wire_bytes(array: np.ndarray[Any, Any]) -> memoryview:
         array = array.astype(array.dtype.newbyteorder("<"), order="C")
     elif not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
-    return array.reshape(-1).view(np.uint8).data
+    return array.ravel().view(np.uint8).data  # C-contiguous here: a view

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import operator
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import Any
@@ -24,7 +24,7 @@ from .header import METADATA_KEY, U64_MAX, Header, TensorInfo, checked_dims, dat
 __all__ = ["TensorSpec", "build_header", "plan_order"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class TensorSpec:
     """One planned tensor: ``dtype`` is a safetensors code or a numpy / ml_dtypes dtype.
 
@@ -36,15 +36,20 @@ class TensorSpec:
     dtype: str | np.dtype[Any] | type
     shape: tuple[int, ...]
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str):
-            raise UsageError(f"a tensor name must be a string, got {self.name!r}")
-        object.__setattr__(self, "shape", _spec_shape(self.name, self.shape))
+    def __init__(self, name: str, dtype: str | np.dtype[Any] | type, shape: Sequence[int]) -> None:
+        # Written out, not generated: a plan of many small tensors makes a spec for each, and
+        # the frozen dataclass's own __init__ and __post_init__ took twice as long.
+        if not isinstance(name, str):
+            raise UsageError(f"a tensor name must be a string, got {name!r}")
+        _set = object.__setattr__
+        _set(self, "name", name)
+        _set(self, "dtype", dtype)
+        _set(self, "shape", _spec_shape(name, shape))
 
 
 def _spec_shape(name: str, shape: Any) -> tuple[int, ...]:
     """``shape`` as a tuple of ints; :class:`UsageError` unless a sequence of integers."""
-    if not isinstance(shape, str | bytes):
+    if type(shape) is tuple or not isinstance(shape, str | bytes):
         try:
             return tuple(map(operator.index, shape))
         except TypeError:
