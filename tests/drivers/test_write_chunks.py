@@ -163,3 +163,26 @@ async def test_a_header_outgrowing_its_room_is_rewritten(tmp_path: Path) -> None
     assert got.keys() == tensors.keys()
     for name, array in tensors.items():
         assert np.array_equal(got[name], array)
+
+
+@pytest.mark.parametrize("how", ["save_file", "save", "open_writer"])
+async def test_many_small_tensors_make_few_calls(
+    tmp_path: Path, calls: list[tuple[int, int, int]], how: str
+) -> None:
+    """300 tensors of 20 bytes (6 KiB): the drop-in's direct path, save() and write() one by
+    one each write them in a handful of calls, cut at blocks, the bytes the reference's."""
+    tensors = {f"s{i:03d}": np.full(5, i, np.float32) for i in range(300)}
+    path = tmp_path / "small.safetensors"
+    if how == "save_file":
+        stream_st.numpy.save_file(tensors, str(path))
+    elif how == "save":
+        await stream_st.save(path, tensors)
+    else:
+        plan = [stream_st.TensorSpec(name, "F32", (5,)) for name in tensors]
+        async with stream_st.open_writer(path, plan) as writer:
+            for name, array in tensors.items():
+                await writer.write(name, array)
+    assert path.read_bytes() == reference_numpy.save(tensors)
+    size = path.stat().st_size
+    check_calls(calls, size)
+    assert len(calls) <= size // BLOCK + 3
