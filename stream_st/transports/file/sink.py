@@ -70,7 +70,7 @@ compete for the two cores or for memory (0.81x at load average ~2.3).
 WRITERS = 2
 """Threads that share a write of at least :data:`SPLIT_THRESHOLD` bytes."""
 
-WRITE_CALL = 1 << 20
+WRITE_CALL = 256 << 10
 """The most bytes one ``pwritev`` call writes: a buffer is cut at multiples of it in the file.
 
 Linux sizes the page-cache folios of a buffered write by the length of the call, up to 2 MiB: a
@@ -78,7 +78,11 @@ call of 2 MiB or more asks for 2 MiB folios, the size transparent huge pages tak
 memory is fragmented and the caller's arrays sit on huge pages (numpy asks for them from 4 MiB),
 those allocations stall in compaction, and 32 MiB calls from fresh numpy arrays ran at 0.15x of
 the same bytes written in 8 MiB calls by 2 threads, while a writer issuing 1 MiB calls kept that
-pace in every round. Aligned 1 MiB calls ask for 1 MiB folios; 2 GiB take 2048 calls.
+pace in every round. The first write of a fresh process still paid for 1 MiB folios: writing
+640 MiB of 64 KiB tensors took 1.5-2.1 s in 1 MiB calls, 0.47-0.78 s in 256 KiB ones (the
+reference's ``save_file`` 0.52-0.87 s), and 512 MiB of 32 MiB tensors 0.45-1.43 s against
+0.30-0.51 s (3 interleaved rounds each, a fresh process per run, load average ~6). Aligned
+256 KiB calls ask for folios of that size; 2 GiB take 8,192 calls.
 """
 
 WRITE_INLINE = 256 << 10
