@@ -5,6 +5,7 @@ minutes on a loaded 2-core machine)::
 
     python benchmarks/bench_write.py [--repeat 7] [--tensors 64] [--source numpy|torch]
                                      [--dir DIR] [--variants A,B,...]
+    python benchmarks/bench_write.py --small [--repeat 5] [--plans 100x4,...] [--variants ...]
 
 The plan is ``--tensors`` tensors of 32 MiB F32 (64: 2 GiB of data), named ``t00``, ``t01``...
 Each variant runs in a fresh process that first builds the tensors as a user's program does:
@@ -48,6 +49,20 @@ Reported: GB/s per round and per variant, each variant's ratio to ``pwrite`` of 
 ``save_file``, the peak RSS above the process's RSS once the tensors exist (``VmHWM``), and the
 first-call cost.
 The load average (other processes skew the figures) is printed at the start and end.
+
+``--small``: many small tensors, where the writers' work per tensor counts rather than the
+copy (about two minutes, ~1 GiB of RAM and disk). ``--plans`` lists ``COUNTxKIB`` plans (by
+default 100, 1,000 and 10,000 tensors of 4 KiB and of 64 KiB, F32, each filled with its index).
+Each variant (by default the reference's two ``save_file``, the drop-ins' ``save_file``,
+``save_model``, ``save`` and ``open_writer``) runs in a fresh process per round, interleaved,
+and writes every plan there in turn: 9 calls for a plan under 16 MiB, 3 under 256 MiB, else 1,
+the file removed after each call outside the timer, the imports made before (``save`` and
+``open_writer`` awaited in one running event loop, as an async program calls them; the others
+called from plain code, outside any loop). Reported per plan:
+each variant's median time per call, and its paired ratio to ``ref_np`` and ``ref_torch`` of
+the same round (their median call / the variant's; median, min and max over the rounds), and
+the same for the first call of the process alone. The first call's file is checked against
+the reference's bytes.
 """
 
 from __future__ import annotations
@@ -85,6 +100,16 @@ DEFAULT_VARIANTS = (
     "cp",
 )
 MULTI_FILE = ("sharded", "dataset")
+SMALL_VARIANTS = (
+    "ref_np",
+    "np_save_file",
+    "ref_torch",
+    "torch_save_file",
+    "torch_save_model",
+    "save",
+    "open_writer",
+)
+SMALL_PLANS = "100x4,1000x4,10000x4,100x64,1000x64,10000x64"
 
 
 def _status_bytes(field: str) -> int:
@@ -200,12 +225,7 @@ def _bar(path: str, prefix: bytes, arrays: dict[str, Any]) -> None:
 
 
 def _prepare(
-    variant: str,
-    workdir: str,
-    count: int,
-    arrays: dict[str, Any],
-    tensors: dict[str, Any],
-    src: str,
+    variant: str, workdir: str, arrays: dict[str, Any], tensors: dict[str, Any], src: str
 ) -> Any:
     """Import what ``variant`` calls and build what it is handed (a model's module); returns the
     call to time. Everything here is a once-per-process cost, kept out of the timer for every
@@ -214,12 +234,11 @@ def _prepare(
     run."""
     import anyio
 
-    names = _names(count)
     path = os.path.join(workdir, "out.safetensors")
     if variant == "pwrite":
         from stream_st.core.layout import TensorSpec, build_header
 
-        prefix, _ = build_header([TensorSpec(name, "F32", (ELEMENTS,)) for name in names])
+        prefix, _ = build_header([TensorSpec(name, "F32", a.shape) for name, a in arrays.items()])
         return lambda: _bar(path, prefix, arrays)
     if variant == "ref_np":
         import safetensors.numpy
@@ -249,32 +268,46 @@ def _prepare(
         from stream_st.tools.cp import cp
 
         return lambda: anyio.run(cp, src, path)
+    run = _coroutine(variant, workdir, arrays)
+    return lambda: anyio.run(run)
+
+
+ASYNC_VARIANTS = ("open_writer", "save", "sharded", "dataset")
+
+
+def _coroutine(variant: str, workdir: str, arrays: dict[str, Any]) -> Any:
+    """The coroutine function of an async variant (one of :data:`ASYNC_VARIANTS`)."""
     from stream_st import TensorSpec, open_dataset_writer, open_sharded_writer, open_writer, save
 
+    names = list(arrays)
+    path = os.path.join(workdir, "out.safetensors")
+
     async def by_tensor() -> None:
-        plan = [TensorSpec(name, "F32", (ELEMENTS,)) for name in names]
+        plan = [TensorSpec(name, "F32", array.shape) for name, array in arrays.items()]
         async with open_writer(path, plan) as writer:
             for name in names:
                 await writer.write(name, arrays[name])
 
     async def sharded() -> None:
-        half = count // 2 * TENSOR_BYTES
+        half = sum(array.nbytes for array in arrays.values()) // 2
         async with open_sharded_writer(workdir, max_shard_size=half) as writer:
             for name in names:
                 await writer.write(name, arrays[name])
 
     async def dataset() -> None:
-        half = count // 2
+        half = len(names) // 2
         async with open_dataset_writer(workdir) as writer:
-            for rows in (range(half), range(half, count)):
+            for rows in (range(half), range(half, len(names))):
                 await writer.write_batch(
                     {f"c{j:02d}": arrays[names[i]] for j, i in enumerate(rows)}, 1
                 )
 
-    if variant == "save":
-        return lambda: anyio.run(save, path, arrays)
-    runs = {"open_writer": by_tensor, "sharded": sharded, "dataset": dataset}
-    return lambda: anyio.run(runs[variant])
+    async def saved() -> None:
+        await save(path, arrays)
+
+    return {"open_writer": by_tensor, "save": saved, "sharded": sharded, "dataset": dataset}[
+        variant
+    ]
 
 
 def _child(variant: str, workdir: str, count: int, source: str, src: str) -> dict[str, Any]:
@@ -287,7 +320,7 @@ def _child(variant: str, workdir: str, count: int, source: str, src: str) -> dic
 
         tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
     start = time.perf_counter()
-    run = _prepare(variant, workdir, count, arrays, tensors, src)
+    run = _prepare(variant, workdir, arrays, tensors, src)
     setup = time.perf_counter() - start
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # VmHWM restarts from the RSS now: the tensors exist, imports are done
@@ -307,6 +340,139 @@ def _run_child(variant: str, workdir: str, count: int, source: str, src: str) ->
         raise SystemExit(f"{variant} failed:\n{done.stderr}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+def _calls(count: int, kib: int) -> int:
+    """Calls of a variant per plan and process: more for the quicker plans."""
+    size = count * kib << 10
+    return 9 if size < 16 * MiB else 3 if size < 256 * MiB else 1
+
+
+def _small_child(variant: str, workdir: str, plans: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Write every plan with ``variant`` in this (fresh) process: each call's time, and the
+    CRC-32 of the first call's file. An async variant's calls are timed in one running event
+    loop, as a program using the async API makes them."""
+    import anyio
+    import numpy as np
+
+    path = os.path.join(workdir, "out.safetensors")
+
+    def done(record: dict[str, Any], call: int, start: float) -> None:
+        record["times"].append(time.perf_counter() - start)
+        if not call:
+            record["crc"] = _crc_of_files([path])
+        os.unlink(path)
+
+    async def awaited(run: Any, calls: int) -> dict[str, Any]:
+        record: dict[str, Any] = {"times": [], "crc": 0}
+        for call in range(calls):
+            start = time.perf_counter()
+            await run()
+            done(record, call, start)
+        return record
+
+    results = []
+    for count, kib in plans:
+        arrays = {f"t{i:05d}": np.full(kib << 8, i, dtype=np.float32) for i in range(count)}
+        tensors = {}
+        if "torch" in variant:
+            import torch
+
+            tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
+        calls = _calls(count, kib)
+        if variant in ASYNC_VARIANTS:
+            results.append(anyio.run(awaited, _coroutine(variant, workdir, arrays), calls))
+            continue
+        run = _prepare(variant, workdir, arrays, tensors, "")
+        record: dict[str, Any] = {"times": [], "crc": 0}
+        for call in range(calls):
+            start = time.perf_counter()
+            run()
+            done(record, call, start)
+        results.append(record)
+    return results
+
+
+def _small_expected(plans: list[tuple[int, int]]) -> list[int]:
+    """The CRC-32 of the reference's file of each plan."""
+    import numpy as np
+    import safetensors.numpy
+
+    return [
+        zlib.crc32(
+            safetensors.numpy.save(
+                {f"t{i:05d}": np.full(kib << 8, i, dtype=np.float32) for i in range(count)}
+            )
+        )
+        for count, kib in plans
+    ]
+
+
+def _small_main(
+    repeat: int, directory: str | None, variants: list[str], plans: list[tuple[int, int]]
+) -> None:
+    workdir = tempfile.mkdtemp(prefix="bench_write_small_", dir=directory)
+    print(
+        f"plans (count x KiB of F32): {' '.join(f'{c}x{k}' for c, k in plans)}, to a file on "
+        f"{_file_system(workdir)}; {repeat} rounds of {' '.join(variants)}, each in a fresh "
+        "process writing every plan"
+    )
+    print(f"load average at start: {_load()}")
+    expected = _small_expected(plans)
+    runs: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}
+    try:
+        for rep in range(repeat):
+            for variant in variants:
+                command = [sys.executable, os.path.abspath(__file__), "--child", variant]
+                command += ["--workdir", workdir, "--small", "--plans", _plan_text(plans)]
+                done = subprocess.run(command, capture_output=True, text=True)
+                if done.returncode:
+                    raise SystemExit(f"{variant} failed:\n{done.stderr}")
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                for (count, kib), got, crc in zip(plans, result, expected, strict=True):
+                    if got["crc"] != crc:
+                        raise SystemExit(f"{variant}: {count}x{kib}: the file's bytes differ")
+                runs[variant].append(result)
+                os.sync()
+            print(f"round {rep + 1} done (load {os.getloadavg()[0]:.2f})", flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"load average at end: {_load()}")
+    print("every variant's file matched the reference's bytes (CRC-32, first call of each)\n")
+    print(
+        "per plan: the median call in ms; the paired ratio to the reference's save_file of the "
+        "same input (numpy arrays: ref_np, torch tensors: ref_torch), its median call / the "
+        "variant's, median [min-max] over the rounds; the same for the first call alone"
+    )
+    for index, (count, kib) in enumerate(plans):
+        median = {v: [statistics.median(r[index]["times"]) for r in runs[v]] for v in variants}
+        first = {v: [r[index]["times"][0] for r in runs[v]] for v in variants}
+        print(f"{count} x {kib} KiB ({_calls(count, kib)} calls a process):")
+        for variant in variants:
+            line = f"  {variant:<17} {statistics.median(median[variant]) * 1e3:>9.2f} ms"
+            bar = "ref_torch" if "torch" in variant else "ref_np"
+            if bar != variant and bar in variants:
+                line += f"  vs {bar} {_span(median[variant], median[bar])}"
+                line += f"  first call {_span(first[variant], first[bar])}"
+            print(line)
+
+
+def _span(times: list[float], bars: list[float]) -> str:
+    """The paired ratios ``bar / time``, as median [min-max]."""
+    ratios = [bar / time for time, bar in zip(times, bars, strict=True)]
+    return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
+
+
+def _plan_text(plans: list[tuple[int, int]]) -> str:
+    return ",".join(f"{count}x{kib}" for count, kib in plans)
+
+
+def _parse_plans(text: str) -> list[tuple[int, int]]:
+    plans = []
+    for item in text.split(","):
+        count, _, kib = item.strip().partition("x")
+        plans.append((int(count), int(kib)))
+    return plans
 
 
 # ---------------------------------------------------------------------------------- the parent
@@ -415,30 +581,45 @@ def _main(repeat: int, directory: str | None, variants: list[str], count: int, s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeat", type=int, default=7, help="rounds (default 7)")
+    parser.add_argument("--repeat", type=int, default=None, help="rounds (default 7, 5 --small)")
     parser.add_argument("--tensors", type=int, default=64, help="32 MiB tensors (default 64)")
     parser.add_argument("--source", choices=("numpy", "torch"), default="numpy")
     parser.add_argument("--dir", default=None, help="where to create the temporary directory")
     parser.add_argument(
         "--variants",
-        default=",".join(DEFAULT_VARIANTS),
+        default=None,
         help=f"comma-separated, from {', '.join(DEFAULT_VARIANTS)}",
     )
+    parser.add_argument("--small", action="store_true", help="many small tensors (see above)")
+    parser.add_argument("--plans", default=SMALL_PLANS, help=f"--small: default {SMALL_PLANS}")
     parser.add_argument("--child", choices=DEFAULT_VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--src", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tensors < 2 or args.tensors % 2:
         parser.error("--tensors must be even and at least 2")
+    try:
+        plans = _parse_plans(args.plans)
+    except ValueError:
+        parser.error(f"--plans takes COUNTxKIB items, got {args.plans!r}")
     if args.child:
+        if args.small:
+            print(json.dumps(_small_child(args.child, args.workdir, plans)))
+            return
         result = _child(args.child, args.workdir, args.tensors, args.source, args.src)
         print(json.dumps(result))
         return
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    default = SMALL_VARIANTS if args.small else DEFAULT_VARIANTS
+    chosen = args.variants or ",".join(default)
+    variants = [v.strip() for v in chosen.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(DEFAULT_VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}")
-    _main(args.repeat, args.dir, variants, args.tensors, args.source)
+    if args.small:
+        repeat = 5 if args.repeat is None else args.repeat
+        _small_main(repeat, args.dir, variants, plans)
+        return
+    _main(7 if args.repeat is None else args.repeat, args.dir, variants, args.tensors, args.source)
 
 
 if __name__ == "__main__":

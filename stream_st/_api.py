@@ -83,8 +83,7 @@ async def save(
         digests_up_front=lambda algorithm: Digests.compute(arrays, algorithm),
     )
     async with writer:
-        for info in writer.header.tensors:
-            await writer.write(info.name, arrays[info.name])
+        await writer.write_many((info.name, arrays[info.name]) for info in writer.header.tensors)
     return writer.header
 
 

@@ -41,7 +41,15 @@ from ..transports.registry import Sink, SinkLike, SourceLike
 from ._checkpoint import Rows, _Checkpoint, _Options
 from ._errors import FileClosedError, InvalidTensorsError, NoSuchFileError, SliceError
 from ._local import LocalFile
-from ._serialize import TensorSpec, check_metadata, specs_of, write_specs
+from ._serialize import (
+    TensorSpec,
+    check_metadata,
+    local_destination,
+    save_bytes_now,
+    save_now,
+    specs_of,
+    write_specs,
+)
 from ._slicing import LAST_WHOLE, leading, packed_tensor, pick, plan, torch_rows
 from ._sync import Bridge, check_sync_address, run
 
@@ -355,6 +363,10 @@ def save_file(
     every tensor's digest recorded, see :func:`~stream_st.save`)."""
     check_sync_address(dst, "destination")
     checked = _checked_tensors(tensors)
+    path = None if options else local_destination(dst)
+    if path is not None:  # no event loop: see _serialize
+        save_now(checked, path, check_metadata(metadata), checksums)
+        return
     run(_save, checked, dst, check_metadata(metadata), checksums, options)
 
 
@@ -389,9 +401,7 @@ def save_bytes(
     checksums: bool | str = False,
 ) -> bytes:
     """``tensors`` as the bytes of a safetensors file."""
-    sink = _BytesSink()
-    run(_save, _checked_tensors(tensors), sink, check_metadata(metadata), checksums, {})
-    return bytes(sink.data)
+    return save_bytes_now(_checked_tensors(tensors), check_metadata(metadata), checksums)
 
 
 def load_file(

@@ -1,14 +1,25 @@
 """The reference's low-level functions: :class:`TensorSpec`, :func:`serialize`,
 :func:`serialize_file` (tensors given as raw memory: an address and a length) and
-:func:`deserialize` (a file's bytes to ``(name, {"dtype", "shape", "data"})`` entries).
+:func:`deserialize` (a file's bytes to ``(name, {"dtype", "shape", "data"})`` entries); and the
+direct paths of ``save_file`` and ``save`` (:func:`save_now`, :func:`save_bytes_now`).
 
 Files are laid out as the reference lays them out, byte for byte. The memory a spec points at is
 read while the call runs: the caller keeps it alive, as with the reference.
+
+A dict of tensors in memory written to a local file, or made into bytes, takes a direct path,
+with no event loop: the same plan and header as :func:`~stream_st.save` (``lay_out``), then the
+whole file in one pass of ``pwritev`` calls, consecutive small tensors gathered into one call
+(``FileSink.write_whole``: a temporary file moved into place, nothing left on failure). The
+event loop and the per-tensor work of the streaming writer cost more than the reference's whole
+``save_file`` for small tensors (1,000 of 4 KiB: 0.19x of its speed through the streaming
+writer).
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,13 +34,24 @@ from ..errors import (
     SafetensorsError,
     TrailingDataError,
     TruncatedStreamError,
+    UnsupportedSinkError,
     UsageError,
 )
-from ..transports.registry import SinkLike
-from ..writer import open_writer
+from ..transports.file.sink import FileSink, replaced
+from ..transports.file.source import path_from_url
+from ..transports.registry import SinkLike, scheme_of
+from ..writer import lay_out, open_writer
 from ._errors import WrongTypeError
 
-__all__ = ["TensorSpec", "check_metadata", "deserialize", "write_specs"]
+__all__ = [
+    "TensorSpec",
+    "check_metadata",
+    "deserialize",
+    "local_destination",
+    "save_bytes_now",
+    "save_now",
+    "write_specs",
+]
 
 _CODES = {
     "bool": "BOOL",
@@ -169,6 +191,44 @@ async def write_specs(
                     f"data_len is {raw.nbytes}"
                 )
             await writer.write(info.name, raw.view(info.array_dtype).reshape(info.array_shape))
+
+
+def local_destination(dst: object) -> str | None:
+    """The path of ``dst`` if it names a local file that a write replaces (a path or a
+    ``file://`` URL, where nothing or a regular file is), else None (a URL, a stream, a FIFO or
+    a device, written through in place; or a path the streamed write refuses, in its turn)."""
+    if isinstance(dst, os.PathLike):
+        dst = os.fspath(dst)
+    if not isinstance(dst, str):
+        return None
+    scheme = scheme_of(dst)
+    if scheme is not None and scheme != "file":
+        return None
+    try:
+        path = dst if scheme is None else path_from_url(dst, UnsupportedSinkError)
+        return path if replaced(path) else None
+    except SafetensorsError:
+        return None
+
+
+def save_now(
+    tensors: Mapping[str, Any],
+    path: str,
+    metadata: Mapping[str, str] | None,
+    checksums: bool | str,
+) -> None:
+    """Write ``tensors`` to the local file ``path`` (see :func:`local_destination`) at once, with
+    no event loop: the file :func:`~stream_st.save` writes, with the same errors."""
+    prefix, header, data = lay_out(tensors, metadata, checksums)
+    FileSink(path).write_whole(itertools.chain([memoryview(prefix)], data), header.file_size)
+
+
+def save_bytes_now(
+    tensors: Mapping[str, Any], metadata: Mapping[str, str] | None, checksums: bool | str
+) -> bytes:
+    """``tensors`` as the bytes of a safetensors file, made at once, with no event loop."""
+    prefix, _, data = lay_out(tensors, metadata, checksums)
+    return b"".join(itertools.chain([prefix], data))
 
 
 def deserialize(data: bytes | bytearray | memoryview) -> list[tuple[str, dict[str, Any]]]:

@@ -110,6 +110,10 @@ def dtype_for(value: str | np.dtype[Any] | type) -> DType:
     """
     if isinstance(value, str) and value in DTYPES:
         return DTYPES[value]
+    if isinstance(value, np.dtype):  # an array's dtype, in native byte order: one lookup
+        found = _BY_NUMPY.get(value)
+        if found is not None:
+            return found
     try:
         as_numpy = np.dtype(value)
     except Exception as exc:  # TypeError, ValueError, even SyntaxError for "f4,("
@@ -150,4 +154,4 @@ def wire_bytes(array: np.ndarray[Any, Any]) -> memoryview:
         array = array.astype(array.dtype.newbyteorder("<"), order="C")
     elif not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
-    return array.reshape(-1).view(np.uint8).data
+    return array.ravel().view(np.uint8).data  # C-contiguous here: a view

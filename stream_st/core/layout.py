@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import operator
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring
 from typing import Any, SupportsIndex, cast
 
 import numpy as np
@@ -23,7 +24,7 @@ from .header import METADATA_KEY, U64_MAX, Header, TensorInfo, checked_dims, dat
 __all__ = ["TensorSpec", "build_header", "integer_shape", "plan_order"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class TensorSpec:
     """One planned tensor: ``dtype`` is a safetensors code or a numpy / ml_dtypes dtype.
 
@@ -36,14 +37,18 @@ class TensorSpec:
     dtype: str | np.dtype[Any] | type
     shape: tuple[int, ...]
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str):
-            raise ArgumentTypeError(f"a tensor name must be a string, got {self.name!r}")
+    def __init__(self, name: str, dtype: str | np.dtype[Any] | type, shape: Sequence[int]) -> None:
+        # Written out, not generated: a plan of many small tensors makes a spec for each, and
+        # the frozen dataclass's own __init__ and __post_init__ took twice as long.
+        if not isinstance(name, str):
+            raise ArgumentTypeError(f"a tensor name must be a string, got {name!r}")
+        _set = object.__setattr__
+        _set(self, "name", name)
+        _set(self, "dtype", dtype)
         try:
-            shape = integer_shape(self.shape)
+            _set(self, "shape", integer_shape(shape))
         except ArgumentTypeError as exc:
-            raise ArgumentTypeError(f"tensor {self.name!r}: {exc}") from None
-        object.__setattr__(self, "shape", shape)
+            raise ArgumentTypeError(f"tensor {name!r}: {exc}") from None
 
 
 def integer_shape(shape: object) -> tuple[int, ...]:
@@ -52,7 +57,7 @@ def integer_shape(shape: object) -> tuple[int, ...]:
     unless it is a sequence of integers."""
     if not isinstance(shape, str | bytes):
         try:
-            return tuple(operator.index(d) for d in cast(Iterable[SupportsIndex], shape))
+            return tuple(map(operator.index, cast(Iterable[SupportsIndex], shape)))
         except TypeError as exc:
             reason = f" ({exc})"
     else:
@@ -64,6 +69,8 @@ def _plan_list(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
     """``specs`` as a list; :class:`UsageError` unless an iterable of :class:`TensorSpec`."""
     try:
         plan = list(specs)
+    except ArgumentTypeError:
+        raise  # a spec made while listing them was refused: that says more
     except TypeError:
         raise UsageError(f"a plan is a list of TensorSpec, got {type(specs).__name__}") from None
     for spec in plan:
@@ -77,17 +84,24 @@ def plan_order(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
     return sorted(_plan_list(specs), key=lambda s: (-dtype_for(s.dtype).rank, s.name))
 
 
+def _compact(value: object) -> str:
+    """``value`` as compact JSON, non-ASCII text kept (as the reference writes it)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
 def build_header(
     specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = None
 ) -> tuple[bytes, Header]:
     """Lay out a plan: the bytes to write before the data (prefix and padded JSON) and its Header.
 
     Tensors are placed back to back in the order given. The JSON is compact, with
-    ``__metadata__`` first, padded with spaces to a multiple of 8 as the reference writer does.
+    ``__metadata__`` first, padded with spaces to a multiple of 8 as the reference writer does:
+    the text ``json.dumps`` writes, made member by member (each distinct dtype and shape
+    checked and written once).
     A plan that is not a list of :class:`TensorSpec`, or metadata that is not a mapping, raises
     :class:`UsageError`; a plan no valid header can describe raises :class:`HeaderError`.
     """
-    entries: dict[str, Any] = {}
+    members: list[str] = []  # the JSON object's members, as json.dumps writes them
     if metadata is not None:  # even empty: the reference writes "__metadata__":{} too
         if not isinstance(metadata, Mapping):
             raise UsageError(
@@ -98,28 +112,33 @@ def build_header(
                 raise HeaderError(
                     f"metadata must map strings to strings; got {key!r}: {type(value).__name__}"
                 )
-        entries[METADATA_KEY] = dict(metadata)
+        members.append(f'"{METADATA_KEY}":{_compact(dict(metadata))}')
+    names: set[str] = set()
     infos: list[TensorInfo] = []
     offset = 0
+    layouts: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}  # each checked once
     for spec in _plan_list(specs):
-        if spec.name == METADATA_KEY:
+        name, shape = spec.name, spec.shape
+        if name == METADATA_KEY:
             raise HeaderError(f"{METADATA_KEY!r} is reserved and cannot name a tensor")
-        if spec.name in entries:
-            raise HeaderError(f"tensor {spec.name!r} appears twice in the plan")
+        if name in names:
+            raise HeaderError(f"tensor {name!r} appears twice in the plan")
+        names.add(name)
         dtype = dtype_for(spec.dtype)
-        nbytes = data_size(spec.name, dtype, checked_dims(spec.name, spec.shape))
-        if offset + nbytes > U64_MAX:
-            raise HeaderError(f"tensor {spec.name!r}: the data section passes 2**64 - 1 bytes")
-        info = TensorInfo(spec.name, dtype.code, spec.shape, offset, offset + nbytes)
-        entries[spec.name] = {
-            "dtype": dtype.code,
-            "shape": list(spec.shape),
-            "data_offsets": [info.start, info.end],
-        }
-        infos.append(info)
-        offset = info.end
+        layout = layouts.get((dtype.code, shape))
+        if layout is None:  # its size, and its member's text up to the offsets
+            nbytes = data_size(name, dtype, checked_dims(name, shape))
+            fields = f'{{"dtype":"{dtype.code}","shape":{_compact(list(shape))},"data_offsets":['
+            layout = layouts[dtype.code, shape] = nbytes, fields
+        nbytes, fields = layout
+        end = offset + nbytes
+        if end > U64_MAX:
+            raise HeaderError(f"tensor {name!r}: the data section passes 2**64 - 1 bytes")
+        members.append(f"{encode_basestring(name)}:{fields}{offset},{end}]}}")
+        infos.append(TensorInfo(name, dtype.code, shape, offset, end))
+        offset = end
     try:
-        text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        text = ("{" + ",".join(members) + "}").encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate in a name or in metadata
         raise HeaderError(f"names and metadata must be valid Unicode text: {exc}") from None
     text += b" " * (-len(text) % 8)

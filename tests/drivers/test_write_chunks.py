@@ -1,7 +1,7 @@
 """Every writer of a local file issues ``pwritev`` calls of at most ``WRITE_CALL`` bytes, cut at
 multiples of it in the file, shared by two threads for a large tensor and made on the event
 loop's thread for a small one: the bytes are right wherever the data starts and whatever the
-sizes, and the calls never pass a block's end."""
+sizes, and the calls never pass a block's end. Small tensors are gathered: many make few calls."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 import stream_st
 import stream_st.numpy
 import stream_st.torch
+from stream_st import writer
 from stream_st.tools.cp import cp
 from stream_st.transports.file import sink
 
@@ -31,7 +32,8 @@ BLOCK = 4096
 def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int, int]]]:
     """The ``(offset, length, thread)`` of every ``os.pwritev`` call, each still made (after 2 ms,
     so that both threads of a shared write take blocks); blocks of 4 KiB, worker threads from
-    8 KiB and a split from 16 KiB so that small tensors exercise every path."""
+    8 KiB and a split from 16 KiB so that small tensors exercise every path; tensors under 8 KiB
+    gathered by ``write_many``, 16 KiB at most in one write."""
     seen: list[tuple[int, int, int]] = []
     real = os.pwritev
 
@@ -44,6 +46,8 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int, int]
     monkeypatch.setattr(sink, "WRITE_CALL", BLOCK)
     monkeypatch.setattr(sink, "SPLIT_THRESHOLD", 4 * BLOCK)
     monkeypatch.setattr(sink, "WRITE_INLINE", 2 * BLOCK)
+    monkeypatch.setattr(writer, "GATHER_BELOW", 2 * BLOCK)
+    monkeypatch.setattr(writer, "GATHER_MAX", 4 * BLOCK)
     yield seen
 
 
@@ -159,3 +163,26 @@ async def test_a_header_outgrowing_its_room_is_rewritten(tmp_path: Path) -> None
     assert got.keys() == tensors.keys()
     for name, array in tensors.items():
         assert np.array_equal(got[name], array)
+
+
+@pytest.mark.parametrize("how", ["save_file", "save", "open_writer"])
+async def test_many_small_tensors_make_few_calls(
+    tmp_path: Path, calls: list[tuple[int, int, int]], how: str
+) -> None:
+    """300 tensors of 20 bytes (6 KiB): the drop-in's direct path, save() and write() one by
+    one each write them in a handful of calls, cut at blocks, the bytes the reference's."""
+    tensors = {f"s{i:03d}": np.full(5, i, np.float32) for i in range(300)}
+    path = tmp_path / "small.safetensors"
+    if how == "save_file":
+        stream_st.numpy.save_file(tensors, str(path))
+    elif how == "save":
+        await stream_st.save(path, tensors)
+    else:
+        plan = [stream_st.TensorSpec(name, "F32", (5,)) for name in tensors]
+        async with stream_st.open_writer(path, plan) as writer:
+            for name, array in tensors.items():
+                await writer.write(name, array)
+    assert path.read_bytes() == reference_numpy.save(tensors)
+    size = path.stat().st_size
+    check_calls(calls, size)
+    assert len(calls) <= size // BLOCK + 3

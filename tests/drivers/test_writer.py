@@ -40,6 +40,7 @@ from stream_st import (
     WriterError,
 )
 from stream_st.core import dtypes as core_dtypes
+from stream_st.transports.base import Sink
 from stream_st.transports.file.sink import FileSink
 from stream_st.transports.registry import open_sink
 from stream_st.writer import Order
@@ -1053,3 +1054,148 @@ def test_runs_on_trio(tmp_path: pathlib.Path) -> None:
 
     assert_same(trio.run(main), GOOD)
     assert os.listdir(tmp_path) == ["trio.st"]
+
+
+# ---------------------------------------------------------------- many small tensors at once
+
+
+def small_tensors(count: int = 600) -> Arrays:
+    """Tiny tensors of several dtypes, scalars and empties among them, one big one."""
+    rng = np.random.default_rng(7)
+    codes = ["F32", "BF16", "U8", "I64", "BOOL", "F8_E4M3"]
+    arrays: Arrays = {}
+    for i in range(count):
+        shape = [(), (0,), (3,), (2, 5)][i % 4]
+        arrays[f"t{i:04d}"] = random_array(codes[i % len(codes)], shape, rng)
+    arrays["big"] = rng.standard_normal(300_000).astype(np.float32)  # past GATHER_BELOW
+    return arrays
+
+
+class CountingSink(Sink):
+    """A random-access sink into memory that counts the writes it is given."""
+
+    random_access = True
+    name = "<counting>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data = bytearray()
+        self.writes = 0
+
+    async def allocate(self, size: int) -> None:
+        self.data = bytearray(size)
+
+    async def send(self, buffer: memoryview) -> None:
+        raise AssertionError("a random-access sink is written with write_at")
+
+    async def write_at(self, offset: int, buffer: memoryview) -> None:
+        self.writes += 1
+        self.data[offset : offset + len(buffer)] = buffer
+
+    async def aclose(self) -> None:
+        pass
+
+    async def abort(self) -> None:
+        self.data = bytearray()
+
+
+async def test_write_many_gathers_small_tensors_into_few_writes() -> None:
+    arrays = small_tensors()
+    plan = stream_st.plan_order(TensorSpec(n, a.dtype, a.shape) for n, a in arrays.items())
+    sink = CountingSink()
+    async with stream_st.open_writer(sink, plan) as writer:
+        await writer.write_many((info.name, arrays[info.name]) for info in writer.header.tensors)
+    assert sink.writes <= 4  # the header, the small ones gathered (a few KiB), the big one
+    assert bytes(sink.data) == await to_bytes(plan, arrays)
+
+
+async def test_write_many_copies_each_tensor_before_the_next(tmp_path: pathlib.Path) -> None:
+    """A caller may refill the same array for each tensor: the gathered bytes are copies."""
+    plan = [TensorSpec(f"r{i}", "I32", (4,)) for i in range(50)]
+    buffer = np.zeros(4, np.int32)
+
+    def refilled() -> Any:
+        for i in range(50):
+            buffer[:] = i
+            yield f"r{i}", buffer
+
+    path = tmp_path / "r.safetensors"
+    async with stream_st.open_writer(path, plan) as writer:
+        await writer.write_many(refilled())
+    got = reference_numpy.load_file(str(path))
+    assert all((got[f"r{i}"] == i).all() for i in range(50))
+
+
+@pytest.mark.parametrize("checksums", [False, True])
+async def test_write_many_on_a_file_and_a_stream(tmp_path: pathlib.Path, checksums: bool) -> None:
+    arrays = small_tensors(200)
+    plan = stream_st.plan_order(TensorSpec(n, a.dtype, a.shape) for n, a in arrays.items())
+    path = tmp_path / "m.safetensors"
+    async with stream_st.open_writer(path, plan, checksums=checksums) as writer:
+        await writer.write_many(arrays)  # a mapping, here in another order than the file's
+    in_order = {info.name: arrays[info.name] for info in writer.header.tensors}
+    digests = stream_st.Digests.compute(arrays) if checksums else False
+    async with memory_pipe() as (sink, receive):
+        async with stream_st.open_writer(sink, plan, checksums=digests) as streamed:
+            await streamed.write_many(in_order)
+        assert await drain(receive) == path.read_bytes()
+    assert_same(await read_back(path), arrays)  # digests checked, if any
+
+
+async def test_write_many_holds_a_streams_last_byte_until_the_commit() -> None:
+    arrays = small_tensors(40)
+    plan = stream_st.plan_order(TensorSpec(n, a.dtype, a.shape) for n, a in arrays.items())
+    in_order = [(spec.name, arrays[spec.name]) for spec in plan]
+    async with memory_pipe() as (sink, receive):
+        with pytest.raises(RuntimeError):
+            async with stream_st.open_writer(sink, plan) as writer:
+                await writer.write_many(in_order)
+                raise RuntimeError("the caller fails after the last tensor")
+        sent = await drain(receive)
+    assert len(sent) == writer.header.file_size - 1
+
+
+@pytest.mark.parametrize("fault", ["unknown", "twice", "shape", "out of order"])
+async def test_write_many_misuse_aborts(tmp_path: pathlib.Path, fault: str) -> None:
+    arrays = small_tensors(30)
+    plan = stream_st.plan_order(TensorSpec(n, a.dtype, a.shape) for n, a in arrays.items())
+    pairs = [(spec.name, arrays[spec.name]) for spec in plan]
+    if fault == "unknown":
+        pairs[5] = ("nope", pairs[5][1])
+    elif fault == "twice":
+        pairs[5] = pairs[4]
+    elif fault == "shape":
+        pairs[5] = (pairs[5][0], np.zeros(99, np.int8))
+    else:
+        pairs[4], pairs[5] = pairs[5], pairs[4]
+    if fault == "out of order":  # only a stream takes tensors in header order
+        async with memory_pipe() as (sink, _):
+            with pytest.raises(WriterError):
+                async with stream_st.open_writer(sink, plan) as writer:
+                    await writer.write_many(pairs)
+        return
+    path = tmp_path / "bad.safetensors"
+    with pytest.raises(WriterError):
+        async with stream_st.open_writer(path, plan) as writer:
+            await writer.write_many(pairs)
+    assert leftovers(tmp_path) == []
+
+
+async def test_small_writes_are_staged_then_written_together(tmp_path: pathlib.Path) -> None:
+    """write() of many small tensors to a file: the sink writes them a batch at a time, every
+    byte in place, and a read back sees what was staged."""
+    arrays = small_tensors(300)
+    plan = stream_st.plan_order(TensorSpec(n, a.dtype, a.shape) for n, a in arrays.items())
+    path = tmp_path / "s.safetensors"
+    async with stream_st.open_writer(path, plan) as writer:
+        for info in writer.header.tensors:
+            await writer.write(info.name, arrays[info.name])
+    assert path.read_bytes() == await to_bytes(plan, arrays)
+    sink = FileSink(tmp_path / "back.safetensors")
+    await sink.write_at(0, memoryview(b"abc"))
+    await sink.write_at(3, memoryview(b"def"))
+    back = bytearray(6)
+    assert await sink.read_at(0, memoryview(back)) == 6
+    assert back == b"abcdef"
+    await sink.abort()
+    assert leftovers(tmp_path, "s.safetensors") == []

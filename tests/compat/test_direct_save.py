@@ -1,0 +1,170 @@
+"""The drop-ins' ``save_file`` and ``save`` of a dict in memory, to a local file or to bytes,
+take a direct path with no event loop: the same bytes as the reference (and as the streamed
+writer, digests included), the same refusals, and the same all-or-nothing commit. Other
+destinations (a FIFO, a URL) still go through the streamed writer."""
+
+from __future__ import annotations
+
+import os
+import resource
+import stat
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+import safetensors.torch as reference_torch
+import torch
+
+import stream_st
+import stream_st.numpy
+import stream_st.torch
+from stream_st import SafetensorsError, TransportError
+from stream_st.transports.file import sink as file_sink
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+
+
+def numpy_tensors(count: int = 400) -> Arrays:
+    """Small tensors the reference's numpy writer takes: mixed dtypes, scalars, empties, a
+    big-endian one, names that JSON escapes."""
+    rng = np.random.default_rng(3)
+    dtypes = [np.float32, np.float16, np.int64, np.uint8, np.bool_, np.complex64]
+    arrays: Arrays = {}
+    for i in range(count):
+        shape = [(), (0,), (5,), (3, 4)][i % 4]
+        values = np.asarray(rng.standard_normal(shape) * 50)
+        arrays[f"t{i:04d}"] = values.astype(dtypes[i % len(dtypes)])
+    arrays['quote"back\\slash·ü'] = np.arange(6, dtype=">i4")
+    return arrays
+
+
+def test_numpy_save_file_and_save_match_the_reference(tmp_path: Path) -> None:
+    arrays = numpy_tensors()
+    metadata = {"note": "ü"}  # one key: the reference orders several as its hash map does
+    expected = reference_numpy.save(arrays, metadata=metadata)
+    path = tmp_path / "n.safetensors"
+    stream_st.numpy.save_file(arrays, path, metadata=metadata)
+    assert path.read_bytes() == expected
+    assert stream_st.numpy.save(arrays, metadata=metadata) == expected
+    stream_st.numpy.save_file(arrays, f"file://{path}")  # replaced, through a file:// URL
+    assert path.read_bytes() == reference_numpy.save(arrays)
+    assert os.listdir(tmp_path) == ["n.safetensors"]
+
+
+def test_torch_save_file_and_save_match_the_reference(tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(5)
+    dtypes = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int16, torch.bool]
+    tensors = {
+        f"w{i:03d}": (torch.randn((i % 3) + 1, 4, generator=generator) * 10).to(dtypes[i % 5])
+        for i in range(300)
+    }
+    path = tmp_path / "t.safetensors"
+    stream_st.torch.save_file(tensors, str(path), metadata={"m": "1"})
+    expected = reference_torch.save(tensors, metadata={"m": "1"})
+    assert path.read_bytes() == expected
+    assert stream_st.torch.save(tensors, metadata={"m": "1"}) == expected
+
+
+def test_what_the_reference_refuses_is_written_as_save_writes_it(tmp_path: Path) -> None:
+    """Where the reference's numpy writer refuses a dtype (or writes a strided array's memory
+    as it lies), the bytes are those of save()."""
+    arrays = {
+        "a": np.ones((2, 3), ml_dtypes.bfloat16),
+        "b": np.zeros(4, ml_dtypes.float8_e5m2),
+        "strided": np.arange(40, dtype=np.float64).reshape(5, 8)[:, ::2],
+    }
+    stream_st.numpy.save_file(arrays, tmp_path / "d.safetensors")
+    anyio.run(stream_st.save, tmp_path / "s.safetensors", arrays)
+    assert (tmp_path / "d.safetensors").read_bytes() == (tmp_path / "s.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("algorithm", [True, "sha256"])
+def test_checksums_match_the_streamed_writer(tmp_path: Path, algorithm: bool | str) -> None:
+    arrays = numpy_tensors(60)
+    direct, streamed = tmp_path / "d.safetensors", tmp_path / "s.safetensors"
+    stream_st.numpy.save_file(arrays, direct, checksums=algorithm)
+    anyio.run(lambda: stream_st.save(streamed, arrays, checksums=algorithm))
+    assert direct.read_bytes() == streamed.read_bytes()
+    assert stream_st.numpy.save(arrays, checksums=algorithm) == direct.read_bytes()
+    loaded = stream_st.numpy.load_file(direct)  # every digest checked
+    assert all(np.array_equal(loaded[n], a) for n, a in arrays.items())
+
+
+async def test_called_inside_a_running_event_loop(tmp_path: Path) -> None:
+    arrays = numpy_tensors(20)
+    stream_st.numpy.save_file(arrays, tmp_path / "x.safetensors")
+    assert (tmp_path / "x.safetensors").read_bytes() == reference_numpy.save(arrays)
+
+
+def test_a_replaced_file_keeps_its_mode_and_a_symlink_stays(tmp_path: Path) -> None:
+    target = tmp_path / "real.safetensors"
+    target.write_bytes(b"old")
+    target.chmod(0o640)
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(target)
+    arrays = numpy_tensors(10)
+    stream_st.numpy.save_file(arrays, link)
+    assert link.is_symlink()
+    assert target.read_bytes() == reference_numpy.save(arrays)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert sorted(os.listdir(tmp_path)) == ["link.safetensors", "real.safetensors"]
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["nameless", "named"])
+@pytest.mark.parametrize("reserved", [True, False], ids=["reserving", "writing"])
+def test_a_failed_write_leaves_the_previous_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reserved: bool, named: bool
+) -> None:
+    """Past a file size limit (EFBIG; Python ignores SIGXFSZ) when the blocks are reserved, or
+    while the data is written (no reservation): a TransportError, the old file untouched and
+    no temporary file left, named or nameless."""
+    if not reserved:
+        monkeypatch.setattr(file_sink, "_FALLOCATE", None)
+    monkeypatch.setattr(file_sink, "USE_TMPFILE", not named)
+    path = tmp_path / "keep.safetensors"
+    path.write_bytes(b"previous")
+    arrays = {f"x{i}": np.full(64 << 8, i, np.float32) for i in range(40)}  # 40 x 64 KiB
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+    try:
+        with pytest.raises(TransportError) as info:
+            stream_st.numpy.save_file(arrays, path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(path) in str(info.value)
+    assert path.read_bytes() == b"previous"
+    assert os.listdir(tmp_path) == ["keep.safetensors"]
+
+
+def test_refusals_create_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "r.safetensors"
+    with pytest.raises(TypeError) as bad_metadata:  # the reference's type
+        stream_st.numpy.save_file({"a": np.zeros(2)}, path, metadata={"k": 1})  # type: ignore[dict-item]
+    assert isinstance(bad_metadata.value, SafetensorsError)
+    with pytest.raises(SafetensorsError):
+        stream_st.numpy.save_file({"a": np.array([object()])}, path)
+    with pytest.raises(SafetensorsError):
+        stream_st.numpy.save_file({"a": np.zeros(2)}, tmp_path / "missing" / "r.safetensors")
+    with pytest.raises(SafetensorsError):
+        stream_st.numpy.save_file({"a": np.zeros(2)}, tmp_path)  # a directory
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_fifo_is_written_through_by_the_streamed_writer(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    arrays = numpy_tensors(50)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    try:
+        stream_st.numpy.save_file(arrays, fifo)
+    finally:
+        reader.join(10)
+    assert got == [reference_numpy.save(arrays)]
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
