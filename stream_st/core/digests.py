@@ -14,7 +14,9 @@ S3 upload); a sink that cannot go back (a socket, a pipe, an HTTP upload) needs 
 (:meth:`Digests.compute`).
 
 Hashing runs while the bytes move: a reader hashes a tensor in chunks, each chunk in a worker
-thread while the next one is read (:func:`read_hashing`); a writer hashes what it writes while the
+thread while the next one is read (:func:`~stream_st.reader.read_hashing`; a local file's worker
+threads hash each piece right after reading it, see
+:class:`~stream_st.transports.file.readahead.InOrder`); a writer hashes what it writes while the
 sink takes it (:class:`OrderedHash`).
 """
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.digests import Digests, Hasher
 from ..core.header import TensorInfo
 from ..memory.delivery import Delivery
 from ..memory.fresh import ALIGN
@@ -76,6 +77,7 @@ async def _read_ahead(
     delivery: Delivery,
     recycler: Recycler,
     started: Callable[[ReadAhead], None],
+    digests: Digests | None = None,
 ) -> AsyncGenerator[tuple[str, Any]]:
     """The tensors of a local file read ahead of the caller by worker threads kept busy (see
     :mod:`stream_st.transports.file.readahead`): every tensor going into memory the caller gave (but
@@ -83,8 +85,12 @@ async def _read_ahead(
     the tensor before has been handed out and the caller has asked for the next, as without
     read-ahead), and fresh arrays while those not yet handed out leave room
     (:func:`_room_ahead`). ``delivery`` says where tensors land, ``recycler`` gives fresh
-    memory; ``started`` is told the :class:`ReadAhead` (for a close from another task)."""
-    queued: deque[tuple[TensorInfo, int, Span | None, np.ndarray[Any, Any]]] = deque()
+    memory; ``started`` is told the :class:`ReadAhead` (for a close from another task).
+    With ``digests``, each tensor is hashed by the threads piece by piece as it lands (see
+    :class:`~stream_st.transports.file.readahead.InOrder`) and one that does not match its
+    digest is never handed out (:class:`~stream_st.IntegrityError`)."""
+    queued: deque[tuple[TensorInfo, int, Span | None, np.ndarray[Any, Any], Hasher | None]]
+    queued = deque()
     spans: list[Span] = []  # the caller's memory queued tensors go into, sorted
     upcoming = iter(wanted)
     following = next(upcoming, None)
@@ -119,18 +125,22 @@ async def _read_ahead(
                         if _overlaps(spans, span):  # memory used again (a staging buffer)
                             break  # filled once the tensor queued there is handed out
                         bisect.insort(spans, span)
-                job = ahead.add(base + info.start, view, frame) if info.nbytes else -1
-                queued.append((info, job, span, target_array))
+                hasher = None if digests is None else digests.hasher()
+                feed = None if hasher is None else hasher.update
+                job = ahead.add(base + info.start, view, frame, feed) if info.nbytes else -1
+                queued.append((info, job, span, target_array, hasher))
                 following = next(upcoming, None)
             if not queued:
                 break
             await give_turn()
-            info, job, span, array = queued.popleft()
+            info, job, span, array, hasher = queued.popleft()
             source.clock.check(source.name, source.position)
             got = await ahead.wait(job) if job >= 0 else 0
             source.position = base + info.start + got
             if got < info.nbytes:
                 raise _cut_short(info, source, base)
+            if digests is not None and hasher is not None:
+                digests.check(info.name, hasher, source.name)
             if span is None:
                 fresh -= info.nbytes
                 handed += info.nbytes

@@ -256,13 +256,12 @@ class TensorStream(AsyncClosing):
         hasher = None if whole is None else whole[1]
         if (
             mapped is None
-            and digests is None
             and hasher is None
             and isinstance(source, FileSource)
             and sum(info.nbytes for info in wanted) >= READ_AHEAD_FROM
         ):
             ahead = _read_ahead(
-                source, wanted, base, delivery, self._recycler, self._started_reading
+                source, wanted, base, delivery, self._recycler, self._started_reading, digests
             )
             async with contextlib.aclosing(ahead) as items:
                 async for item in items:

@@ -1,6 +1,6 @@
 """Every digest of a checksummed local file is checked whichever way it is read: a file of at
 least ``READ_AHEAD_FROM`` bytes, a smaller one, or mapped (``copy=False``); tensors over one
-hashed chunk (:data:`FEED_CHUNK`) are hashed chunk by chunk by worker threads. A flipped byte in
+hashed piece (:data:`FEED_PIECE`) are hashed piece by piece by worker threads. A flipped byte in
 any chunk of any tensor, or a damaged digest of any tensor (a zero-size one included), raises
 :class:`~stream_st.IntegrityError` before that tensor is handed out."""
 
@@ -18,13 +18,13 @@ import stream_st
 from stream_st import IntegrityError
 from stream_st.core.digests import DIGEST_KEY_PREFIX
 from stream_st.reader.ahead import READ_AHEAD_FROM
-from stream_st.transports.file.source import FEED_CHUNK
+from stream_st.transports.file.readahead import FEED_PIECE
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 
 
 def arrays(big: bool) -> Arrays:
-    """Tensors of several sizes: chunks of :data:`FEED_CHUNK` cut each big one, at points in
+    """Tensors of several sizes: chunks of :data:`FEED_PIECE` cut each big one, at points in
     the file that are not chunk boundaries too; a tensor smaller than a chunk; zero-size ones
     first, between and last. ``big``: at least ``READ_AHEAD_FROM`` bytes in all."""
     rng = np.random.default_rng(7)
@@ -35,11 +35,11 @@ def arrays(big: bool) -> Arrays:
 
     return {
         "empty_first": some(0),
-        "odd": some(scale * FEED_CHUNK + 12_345),
+        "odd": some(scale * FEED_PIECE + 12_345),
         "small": some(1000),
         "empty_middle": some(0).reshape(0, 4),
-        "round": some(scale * FEED_CHUNK),
-        "last": some(FEED_CHUNK // 2 + 3),
+        "round": some(scale * FEED_PIECE),
+        "last": some(FEED_PIECE // 2 + 3),
         "empty_last": some(0),
     }
 
@@ -93,9 +93,9 @@ def saved(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, bytes, 
 
 def where(tensor_size: int) -> list[int]:
     """Bytes of a tensor to damage: its first, its last, and the last and first bytes around
-    each cut into chunks of :data:`FEED_CHUNK`."""
+    each cut into chunks of :data:`FEED_PIECE`."""
     spots = {0, tensor_size - 1}
-    for cut in range(FEED_CHUNK, tensor_size, FEED_CHUNK):
+    for cut in range(FEED_PIECE, tensor_size, FEED_PIECE):
         spots |= {cut - 1, cut}
     return sorted(spots)
 
@@ -142,5 +142,5 @@ def test_verify_false_hands_out_the_damaged_bytes(tmp_path: Path) -> None:
     anyio.run(lambda: stream_st.save(path, arrays(True), checksums=True))
     data = path.read_bytes()
     start, spans = offsets(data)
-    path.write_bytes(flipped(data, start + spans["round"][0] + FEED_CHUNK))
+    path.write_bytes(flipped(data, start + spans["round"][0] + FEED_PIECE))
     assert anyio.run(lambda: read(path, verify=False)) == list(spans)

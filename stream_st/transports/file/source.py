@@ -19,7 +19,6 @@ import errno
 import os
 import stat
 import sys
-import threading
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from urllib.parse import unquote, urlsplit
@@ -41,7 +40,7 @@ from ..nonblocking import NonBlockingEnd
 from ..options import UNLIMITED, Clock
 from .mmap import FileMap
 from .pread import pread_fully
-from .readahead import ReadAhead, read_ahead
+from .readahead import FEED_PIECE, ReadAhead, read_ahead
 
 __all__ = ["FileSource", "PipeEnd", "PipeSource", "open_file_source", "open_path"]
 
@@ -50,13 +49,6 @@ SPLIT_THRESHOLD = 8 << 20
 
 INLINE_MAX = 4 << 20
 """Reads of at most this many bytes are first tried on the loop thread (page cache only)."""
-
-FEED_CHUNK = 1 << 20
-"""A read that feeds a hash (:meth:`FileSource.read_feeding`) goes in chunks of this size, each
-taken by whichever of two worker threads is free. The thread that reads the next chunk in order
-hashes it right after reading it, while the bytes are still in the CPU's L2 cache, then any later
-chunk already read; a thread never waits for the other's turn to hash (see :class:`_InOrder`).
-1 MiB measured best of 256 KiB to 4 MiB (2 GiB file of 32 MiB tensors, xxh3-128, 2 cores)."""
 
 CHECKPOINT_BYTES = 8 << 20
 """After this many bytes read on the loop thread, let other tasks run."""
@@ -89,63 +81,6 @@ def _pread_cached(fd: int, buffer: memoryview, offset: int) -> int:
             break
         filled += got
     return filled
-
-
-class _InOrder:
-    """Hands out ``count`` pieces to threads (:meth:`take`) and feeds the pieces they finish, in
-    any order, to ``feed`` in the order of their numbers, never making a thread wait for
-    another: the thread that finishes the next piece in order feeds it, then every later piece
-    already finished, while the other threads take and read the next pieces (so the thread that
-    feeds reads fewer). :meth:`stop` (a thread failed) ends the handing out and the feeding."""
-
-    def __init__(self, feed: Callable[[memoryview], None], count: int = 0) -> None:
-        self._feed = feed
-        self._count = count
-        self._taken = 0
-        self._lock = threading.Lock()
-        self._ready: dict[int, memoryview] = {}
-        self._next = 0
-        self._feeding = False  # a thread is feeding: pieces finished meanwhile are left to it
-        self._stopped = False
-
-    def take(self) -> int | None:
-        """The number of the next piece to read, None when all are taken or after a failure."""
-        with self._lock:
-            if self._stopped or self._taken == self._count:
-                return None
-            self._taken += 1
-            return self._taken - 1
-
-    def done(self, number: int, piece: memoryview) -> None:
-        """Piece ``number`` is read: feed it (and those after it) now, or leave it to the
-        thread feeding."""
-        with self._lock:
-            self._ready[number] = piece
-            if self._feeding:
-                return
-            self._feeding = True
-        while True:
-            with self._lock:
-                if self._stopped or self._next not in self._ready:
-                    self._feeding = False
-                    return
-                ready = self._ready.pop(self._next)
-                self._next += 1
-            try:
-                self._feed(ready)
-            except BaseException:
-                self.stop()
-                raise
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-            self._ready.clear()
-
-
-def _run_boxed(box: list[Callable[[], None]]) -> None:
-    """``box.pop()()``: the worker thread keeps no reference to the job (see _pread_boxed)."""
-    box.pop()()
 
 
 def open_path(name: str, flags: int) -> int:
@@ -235,41 +170,15 @@ class FileSource(Source):
     async def read_feeding(
         self, offset: int, buffer: memoryview, feed: Callable[[memoryview], None]
     ) -> int | None:
-        """:meth:`read_into_at` that calls ``feed`` with every byte read, in order, in chunks of
-        :data:`FEED_CHUNK` taken by two worker threads as they get free, each chunk fed as soon
-        as the ones before it are (by whichever thread finished it last, see
-        :class:`_InOrder`); None for a read of one chunk or less (the caller does better on the
-        loop's thread)."""
-        if len(buffer) <= FEED_CHUNK:
+        """:meth:`read_into_at` that calls ``feed`` with every byte read, in order, piece by
+        piece as worker threads read them (a job of :meth:`reading`'s, see
+        :class:`~stream_st.transports.file.readahead.InOrder`); None for a read of one piece
+        (:data:`~stream_st.transports.file.readahead.FEED_PIECE`) or less (the caller does
+        better on the loop's thread)."""
+        if len(buffer) <= FEED_PIECE:
             return None
-        starts = range(0, len(buffer), FEED_CHUNK)
-        counts = [0] * len(starts)
-        fed = _InOrder(feed, len(starts))
-
-        def work() -> None:
-            try:
-                while (index := fed.take()) is not None:
-                    view = buffer[starts[index] : starts[index] + FEED_CHUNK]
-                    counts[index] = pread_fully(self._fd, view, offset + starts[index])
-                    fed.done(index, view[: counts[index]])
-            except BaseException:
-                fed.stop()
-                raise
-
-        try:
-            async with task_group() as group:
-                for _ in range(2):
-                    box: list[Callable[[], None]] = [work]
-                    group.start_soon(anyio.to_thread.run_sync, _run_boxed, box)
-        except OSError as exc:
-            raise TransportError(
-                f"read failed: {exc.strerror or exc}", url=self.name, position=offset
-            ) from exc
-        got = 0
-        for index, count in enumerate(counts):
-            got += count
-            if count < min(FEED_CHUNK, len(buffer) - starts[index]):
-                break  # the file ended in this chunk
+        async with self.reading() as ahead:
+            got = await ahead.wait(ahead.add(offset, buffer, feed=feed))
         self.position = offset + got
         return got
 

@@ -1,0 +1,130 @@
+"""Jobs of a :class:`~stream_st.transports.file.readahead.ReadAhead` fed as they land
+(``feed=``): every byte fed once, in file order, whatever order the threads read the pieces in;
+a job complete only once fed; a file that ends inside a job, or a feed that fails, never leaves a
+wait hanging."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import anyio
+import pytest
+
+from stream_st import TransportError
+from stream_st.transports.file.readahead import FEED_PIECE, InOrder
+from stream_st.transports.file.source import FileSource
+
+
+def test_pieces_finished_out_of_order_are_fed_in_order() -> None:
+    """The thread that finishes the next piece in order feeds it and the run after it; nobody
+    waits. Each piece is counted (``fed``) once fed."""
+    fed: list[bytes] = []
+    counted: list[int] = []
+    order = InOrder(lambda piece: fed.append(bytes(piece)), 100, counted.append)
+    pieces = {100 + 3 * n: memoryview(bytes([n]) * 3) for n in range(6)}
+    for n in (1, 3, 0, 5, 2, 4):  # 0 feeds 0 and 1; 2 feeds 2 and 3; 4 feeds 4 and 5
+        order.done(100 + 3 * n, pieces[100 + 3 * n], 3)
+    assert fed == [bytes(piece) for piece in pieces.values()]
+    assert counted == [3] * 6
+
+    fed.clear()
+    crowd = InOrder(lambda piece: fed.append(bytes(piece)), 0, counted.append)
+    many = [memoryview(n.to_bytes(2, "little")) for n in range(2000)]
+
+    def work(first: int) -> None:
+        for n in range(first, len(many), 2):
+            crowd.done(2 * n, many[n], 2)
+
+    threads = [threading.Thread(target=work, args=(first,)) for first in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert fed == [bytes(piece) for piece in many]
+
+
+def test_a_short_piece_ends_the_feeding_but_not_the_counting() -> None:
+    fed: list[bytes] = []
+    counted: list[int] = []
+    order = InOrder(lambda piece: fed.append(bytes(piece)), 0, counted.append)
+    order.done(4, memoryview(b"zzzz"), 0)  # after the end: counted, never fed
+    order.done(0, memoryview(b"abcd"), 2)  # the file ended inside this piece
+    assert fed == [b"ab"] and counted == [2, 0]
+
+
+def test_a_failed_feed_stops_feeding_later_pieces() -> None:
+    fed: list[int] = []
+
+    def feed(piece: memoryview) -> None:
+        if piece[0] == 1:
+            raise ValueError("hash failed")
+        fed.append(piece[0])
+
+    order = InOrder(feed, 0, lambda count: None)
+    order.done(2, memoryview(b"\x02"), 1)
+    order.done(0, memoryview(b"\x00"), 1)
+    with pytest.raises(ValueError, match="hash failed"):
+        order.done(1, memoryview(b"\x01"), 1)  # 2 is left unfed
+    order.done(3, memoryview(b"\x03"), 1)
+    assert fed == [0]
+
+
+def file_of(tmp_path: Path, size: int) -> tuple[Path, bytes]:
+    data = bytes((n * 7 + n // 251) % 256 for n in range(size))
+    path = tmp_path / "data.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+async def test_fed_and_plain_jobs_mixed_get_every_byte_in_order(tmp_path: Path) -> None:
+    """Fed jobs of several sizes (a piece's size, one byte more, many pieces from an odd
+    offset) between plain ones: each fed exactly its bytes, in order, and all read."""
+    path, data = file_of(tmp_path, 9 * FEED_PIECE)
+    spans = [(0, FEED_PIECE), (FEED_PIECE, 4096), (FEED_PIECE + 4096, FEED_PIECE + 1)]
+    spans += [(2 * FEED_PIECE + 4097, 5 * FEED_PIECE + 12_345), (8 * FEED_PIECE + 12_345, 10)]
+    source = FileSource(path)
+    try:
+        async with source.reading() as ahead:
+            results = []
+            for number, (offset, size) in enumerate(spans):
+                buffer = bytearray(size)
+                fed = bytearray()
+                feed = fed.extend if number != 1 else None
+                job = ahead.add(offset, memoryview(buffer), feed=feed)
+                results.append((job, offset, size, buffer, fed, feed))
+            for job, offset, size, buffer, fed, feed in results:
+                assert await ahead.wait(job) == size
+                assert buffer == data[offset : offset + size]
+                assert fed == (b"" if feed is None else buffer)
+    finally:
+        await source.aclose()
+
+
+async def test_a_fed_job_past_the_end_of_the_file_completes_short(tmp_path: Path) -> None:
+    path, data = file_of(tmp_path, 3 * FEED_PIECE + 100)
+    source = FileSource(path)
+    buffer, fed = bytearray(6 * FEED_PIECE), bytearray()
+    try:
+        with anyio.fail_after(10):
+            got = await source.read_feeding(FEED_PIECE // 2, memoryview(buffer), fed.extend)
+    finally:
+        await source.aclose()
+    assert got == len(data) - FEED_PIECE // 2
+    assert fed == data[FEED_PIECE // 2 :]
+
+
+async def test_a_feed_that_fails_fails_the_wait(tmp_path: Path) -> None:
+    path, _ = file_of(tmp_path, 4 * FEED_PIECE)
+    source = FileSource(path)
+
+    def feed(piece: memoryview) -> None:
+        raise ValueError("no room for the hash")
+
+    try:
+        async with source.reading() as ahead:
+            job = ahead.add(0, memoryview(bytearray(4 * FEED_PIECE)), feed=feed)
+            with anyio.fail_after(10), pytest.raises(TransportError, match="no room"):
+                await ahead.wait(job)
+    finally:
+        await source.aclose()
