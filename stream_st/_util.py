@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import TracebackType
@@ -13,7 +14,13 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
 
-__all__ = ["AsyncClosing", "call_soon_from_thread", "package_version", "task_group"]
+__all__ = [
+    "AsyncClosing",
+    "call_soon_from_thread",
+    "package_version",
+    "process_running",
+    "task_group",
+]
 
 
 class AsyncClosing:
@@ -98,3 +105,21 @@ def call_soon_from_thread(
             native.call_soon_threadsafe(function)
         else:
             native.run_sync_soon(function)
+
+
+def process_running(pid: object) -> bool:
+    """Whether ``pid`` is a process of this host that still runs (a zombie does not; one this
+    user may not signal does)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True

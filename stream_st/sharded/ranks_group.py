@@ -9,7 +9,6 @@ step with the others, who would then wait for it until the group's timeout."""
 from __future__ import annotations
 
 import functools
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import Any, NoReturn
 import anyio
 import anyio.to_thread
 
+from .._util import process_running
 from ..core.arrays import load_torch
 from ..errors import RankFailedError, RankLostError, UsageError
 
@@ -170,7 +170,7 @@ class RankGroup:
         # look again for a short while before naming no one.
         for attempt in range(LOST_LOOKS):
             for rank, pid in local:
-                if rank != self.rank and not _running(pid):
+                if rank != self.rank and not process_running(pid):
                     return RankLostError(
                         f"rank {rank} (process {pid}) is gone; rank {self.rank} saw: {cause}",
                         rank=rank,
@@ -193,21 +193,6 @@ LOST_LOOKS = 20
 LOST_PAUSE = 0.05
 """After a failed collective, the ranks of this host are looked at up to :data:`LOST_LOOKS` times,
 :data:`LOST_PAUSE` seconds apart, for one that has stopped (1 s at most)."""
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` of this host still runs (a zombie does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 def describe(exc: BaseException) -> str:

@@ -274,11 +274,12 @@ asyncio.run(main())
 """
 
 
-def reader(url: str, cache: Path) -> subprocess.Popen[str]:
+def reader(url: str, cache: Path, script: str = READER) -> subprocess.Popen[str]:
+    """A process running ``script`` (by default a cached ``load``) on ``url`` and ``cache``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("HF_HUB_OFFLINE", None)
     return subprocess.Popen(
-        [sys.executable, "-c", READER, url, str(cache)],
+        [sys.executable, "-c", script, url, str(cache)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from stream_st.transports.cache.follow import PUBLISH_STEP
 
 from .._util import assert_same_arrays
 from ..servers.http_server import RangeHTTPServer
+from .test_cache import reader
 
 ROOT = Path(__file__).resolve().parents[2]
 ARRAYS: dict[str, np.ndarray[Any, Any]] = {
@@ -44,15 +43,7 @@ asyncio.run(main())
 
 
 def start_reader(url: str, cache: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("HF_HUB_OFFLINE", None)
-    return subprocess.Popen(
-        [sys.executable, "-c", READER, url, str(cache)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    return reader(url, cache, READER)
 
 
 def written(cache: Path) -> int:

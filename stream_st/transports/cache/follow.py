@@ -32,6 +32,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from ..._util import process_running
 from ...errors import SourceChangedError
 from ..base import Source
 from ..file.pread import pread_fully
@@ -91,18 +92,6 @@ class Growing:
         remove_quietly(self.path)
 
 
-def _alive(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 async def follow(
     entry: ObjectEntry, inner: Source, lock: EntryLock, shown: str
 ) -> FollowSource | None:
@@ -110,7 +99,7 @@ async def follow(
     lock is held by a live writer that published its progress); None otherwise. ``inner`` is
     the object's remote source, not started: the follower's own, should the writer stop."""
     state = read_json(entry.growing)
-    if not isinstance(state, dict) or not _alive(state.get("pid")):
+    if not isinstance(state, dict) or not process_running(state.get("pid")):
         return None
     try:
         version = entry.at(str(state["version"]))
