@@ -1,6 +1,7 @@
 """The fixed costs of reading small files: the first load of a warm file, in a fresh process.
 
-Run it from the repository root (about four minutes on 2 cores; ~90 MiB of disk)::
+Run it from the repository root (about six minutes with ``--rounds 4`` on 2 cores; 90 MiB of
+disk)::
 
     python benchmarks/bench_small_reads.py [--rounds 5] [--sizes 1,4,16,64] [--dir DIR]
                                            [--variants raw,st_load,...] [--measures import,call]
