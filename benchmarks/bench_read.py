@@ -3,13 +3,15 @@
 Run it from the repository root (about a minute on 2 cores; needs ~2.1 GiB of disk and ~5 GiB RAM)::
 
     python benchmarks/bench_read.py [--repeat 7] [--kv-repeat 35] [--rotate] [--dir DIR]
-                                    [--variants AEF] [--files big]
+                                    [--variants AEF] [--files big] [--files kv,64,128,256]
 
 It writes two safetensors files (in a temporary directory, deleted at the end; with ``--dir`` the
 files are kept there and reused by later runs):
 
 * ``big``: 64 tensors of 32 MiB F32 (2 GiB of data);
-* ``kv``:  a TinyLlama KV cache, 22 layers x (key, value) of shape [1, 4, 2048, 64] F16 (44 MiB).
+* ``kv``:  a TinyLlama KV cache, 22 layers x (key, value) of shape [1, 4, 2048, 64] F16 (44 MiB);
+* a number N in ``--files``: N MiB of 32 MiB F32 tensors, like ``big`` (``64,128,256``: the
+  sizes where fixed costs still show), timed ``--kv-repeat`` rounds as the KV file.
 
 Then, page cache warm, it times these variants, interleaved (A B C D A B C D ...), and prints the
 median of the repetitions for each file:
@@ -523,7 +525,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--variants", default="ABCDEFG", help="the variants to run, e.g. AEF (default: all)"
     )
     parser.add_argument(
-        "--files", default="kv,big", help="the files to read: kv, big or both (default)"
+        "--files",
+        default="kv,big",
+        help="the files to read: kv, big, sizes in MiB (default kv,big)",
     )
     parser.add_argument("--no-rss", action="store_true", help="skip the peak RSS child")
     parser.add_argument("--rss-child", type=Path, default=None, help=argparse.SUPPRESS)
@@ -535,14 +539,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def bench_files(names: Sequence[str]) -> list[BenchFile]:
+    """The files ``--files`` names: ``kv``, ``big`` or a size in MiB."""
+    known = {KV.label: KV, BIG.label: BIG}
+    return [known[n] if n in known else big_file(f"{int(n)}mib", int(n)) for n in names]
+
+
 async def run_all(paths: dict[str, Path], args: argparse.Namespace) -> None:
     variants = [v for v in VARIANTS if v.key in args.variants.upper()]
-    for spec, repeat in ((KV, args.kv_repeat), (BIG, args.repeat)):
-        if spec.label in paths:
-            times = await measure(
-                paths[spec.label], spec, repeat, args.warmup, args.rotate, variants
-            )
-            report(spec, paths[spec.label], times)
+    for spec in bench_files(args.files.split(",")):
+        repeat = args.repeat if spec is BIG else args.kv_repeat
+        times = await measure(paths[spec.label], spec, repeat, args.warmup, args.rotate, variants)
+        report(spec, paths[spec.label], times)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -562,9 +570,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     try:
         made = time.perf_counter()
-        files = args.files.split(",")
         paths = {
-            spec.label: ensure_file(directory, spec) for spec in (KV, BIG) if spec.label in files
+            spec.label: ensure_file(directory, spec) for spec in bench_files(args.files.split(","))
         }
         for path in paths.values():
             for algorithm in CHECKED:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._util import package_version
-
 if TYPE_CHECKING:
     from ._api import load, open_stream, read_header, save
     from .connection import Connection, Listener, connect, listen
@@ -195,6 +193,8 @@ as earlier releases, which imported them with the package, allowed."""
 def __getattr__(name: str) -> Any:
     """Import a public name's module, or a moved module, when it is first asked for."""
     if name == "__version__":
+        from ._util import package_version  # imports anyio: not for every import stream_st
+
         value: Any = package_version()
     elif name in _PUBLIC:
         value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)

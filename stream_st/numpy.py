@@ -15,13 +15,18 @@ recorded and checked (``checksums=``, ``verify=``) as in :mod:`stream_st.torch`.
 
 from __future__ import annotations
 
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any, Unpack
 
 import numpy as np
 
-from .compat import _reference as _facade
-from .transports.options import TransportOptions
-from .transports.registry import SinkLike, SourceLike
+from .compat import _local
+
+if TYPE_CHECKING:
+    from .compat import _reference as _facade
+    from .transports.options import TransportOptions
+    from .transports.registry import SinkLike, SourceLike
+else:  # the streaming core, imported when a call needs it (see stream_st.compat._lazy)
+    from .compat._lazy import reference as _facade
 
 __all__ = ["load", "load_file", "safe_open", "save", "save_file"]
 
@@ -54,6 +59,10 @@ def load_file(
     while the arrays live); see :func:`stream_st.torch.load_file`. ``max_tensor_bytes`` and
     ``max_total_bytes`` cap what the file may make the read allocate, as for
     :func:`stream_st.open_stream`."""
+    caps = {"max_tensor_bytes": max_tensor_bytes, "max_total_bytes": max_total_bytes}
+    arrays = _local.load_mapped(filename, False, verify, backend, {**options, **caps})
+    if arrays is not None:
+        return arrays
     return _facade.load_file(
         filename,
         False,

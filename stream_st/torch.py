@@ -35,23 +35,22 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Unpack
 
-from ._api import no_cache_with_ranks, stream_for
-from .compat import _reference as _facade
-from .compat import _shared
+from .compat import _local, _shared
 from .compat._errors import InvalidTensorsError
-from .compat._sync import check_sync_address, run
 from .core.arrays import is_torch_tensor, load_torch, torch_device
 from .errors import UsageError
-from .memory.delivery import Delivery
-from .transports.cache import CacheLike
-from .transports.options import Clock, TransportOptions, clock_of
-from .transports.registry import SinkLike, SourceLike
 
 if TYPE_CHECKING:
     import torch
 
+    from .compat import _reference as _facade
     from .reader import Include
     from .sharded.ranks import Slices
+    from .transports.cache import CacheLike
+    from .transports.options import Clock, TransportOptions
+    from .transports.registry import SinkLike, SourceLike
+else:  # the streaming core, imported when a call needs it (see stream_st.compat._lazy)
+    from .compat._lazy import reference as _facade
 
 __all__ = [
     "_end_ptr",
@@ -146,23 +145,34 @@ def load_file(
     only its share.
     """
     if process_group is not None or slices is not None:
+        from ._api import no_cache_with_ranks
+
         no_cache_with_ranks(cache)
         caps = (max_tensor_bytes, max_total_bytes)
         return _distributed_load(
             filename, process_group, include, slices, verify, device, caps, options
         )
     target = torch_device(device)
-    tensors = _facade.load_file(
-        filename,
-        True,
-        backend,
-        verify,
-        cache=cache,
-        include=include,
-        max_tensor_bytes=max_tensor_bytes,
-        max_total_bytes=max_total_bytes,
+    given = {
         **options,
-    )
+        "cache": cache,
+        "include": include,
+        "max_tensor_bytes": max_tensor_bytes,
+        "max_total_bytes": max_total_bytes,
+    }
+    tensors = _local.load_mapped(filename, True, verify, backend, given)
+    if tensors is None:
+        tensors = _facade.load_file(
+            filename,
+            True,
+            backend,
+            verify,
+            cache=cache,
+            include=include,
+            max_tensor_bytes=max_tensor_bytes,
+            max_total_bytes=max_total_bytes,
+            **options,
+        )
     if target is None:
         return tensors
     return {name: tensors.pop(name).to(target) for name in list(tensors)}
@@ -182,7 +192,9 @@ def _distributed_load(
     ``(max_tensor_bytes, max_total_bytes)``."""
     import functools
 
+    from .compat._sync import check_sync_address, run
     from .sharded import ranks
+    from .transports.options import clock_of
 
     check_sync_address(filename, "source")
     clock = clock_of(options)
@@ -366,6 +378,10 @@ def load_model(
     ``process_group``, ``include``, ``slices``: loaded with the group, as by :func:`load_file`
     (names ``include=`` leaves out are not missing; ``assign`` is not taken then).
     """
+    from ._api import no_cache_with_ranks
+    from .compat._sync import check_sync_address, run
+    from .transports.options import clock_of
+
     if process_group is not None or include is not None or slices is not None:
         from .sharded import ranks
 
@@ -416,6 +432,8 @@ def _load_into(
 ) -> tuple[set[str], list[str]]:
     """``load_model`` without ``assign``: every tensor that fits received into the model's own
     memory, the others through ``load_state_dict``; ``(missing, unexpected)``."""
+    from .compat._sync import run
+
     state = model.state_dict()
     into = {
         name: tensor
@@ -501,6 +519,9 @@ async def _receive(
 ) -> tuple[set[str], list[tuple[str, Any]]]:
     """Read every tensor of ``src`` (``into`` those it can take) and hand each to ``place``; the
     names it took, and the tensors it did not."""
+    from ._api import stream_for
+    from .memory.delivery import Delivery
+
     placed: set[str] = set()
     others: list[tuple[str, Any]] = []
     stream = stream_for(

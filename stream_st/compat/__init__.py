@@ -27,11 +27,13 @@ import os
 import sys
 import warnings
 from types import ModuleType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ._errors import SafetensorError, WrongTypeError
-from ._reference import serialize, serialize_file
-from ._serialize import TensorSpec, deserialize
+
+if TYPE_CHECKING:
+    from ._reference import serialize, serialize_file
+    from ._serialize import TensorSpec, deserialize
 
 __all__ = [
     "SafetensorError",
@@ -92,15 +94,29 @@ def _safe_open_handle(
     return safe_open(bytes(data), framework, device, backend=backend)
 
 
-def __getattr__(name: str) -> Any:
-    """``torch`` and ``numpy``, the submodules, imported when first asked for."""
-    if name in ("torch", "numpy"):
-        import importlib
+_LAZY = {
+    "serialize": "._reference",
+    "serialize_file": "._reference",
+    "TensorSpec": "._serialize",
+    "deserialize": "._serialize",
+}
+"""Names imported when first used: the modules that define them import the streaming core,
+which ``stream_st.torch`` and ``stream_st.numpy`` (light, under this package) do not need."""
 
-        module = importlib.import_module(f"stream_st.{name}")
-        globals()[name] = module
-        return module
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __getattr__(name: str) -> Any:
+    """``torch`` and ``numpy``, the submodules, and the names of :data:`_LAZY`, imported when
+    first asked for."""
+    import importlib
+
+    if name in ("torch", "numpy"):
+        value: Any = importlib.import_module(f"stream_st.{name}")
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def install() -> None:

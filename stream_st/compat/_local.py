@@ -11,6 +11,12 @@ Python before 3.13 keeps a duplicate of the descriptor for as long as an ``mmap.
 there the mapping is made with the C library's ``mmap`` directly (POSIX), so a thousand open
 shards take no descriptor each. Without ``mapped`` (``backend="pread"``) the descriptor stays
 open and each tensor is read into fresh memory.
+
+:func:`load_mapped` is ``load_file`` of such a file (:mod:`stream_st.torch`,
+:mod:`stream_st.numpy`): no event loop, and nothing of the streaming core imported, so a script
+that loads one small file pays little more than the reference does. This module imports only
+the format's core; what it needs for other sources (an index, a ``file://`` URL, digests to
+check) it imports when it meets them.
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ import os
 import stat
 import sys
 import weakref
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..core.digests import Digests
+from ..core.arrays import load_torch, to_torch, torch_dtype
 from ..core.dtypes import wire_bytes
 from ..core.header import (
     DEFAULT_MAX_HEADER_SIZE,
@@ -40,7 +47,10 @@ from ..memory.fresh import fresh_bytes
 from ..transports.file.pread import pread_fully
 from ._errors import NoSuchFileError
 
-__all__ = ["LocalFile"]
+if TYPE_CHECKING:
+    from ..core.digests import Digests
+
+__all__ = ["LocalFile", "load_mapped", "local_path"]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -124,7 +134,7 @@ class LocalFile:
             if not stat.S_ISREG(info.st_mode):
                 raise UsageError(f"{name} is not a regular file")
             self.header = _read_header(fd, info.st_size, name)
-            self._digests = Digests.from_header(self.header) if verify else None
+            self._digests = _digests(self.header) if verify else None
             self._region: Any = _map_private(fd, info.st_size) if mapped else None
         except OSError as exc:
             os.close(fd)
@@ -148,8 +158,10 @@ class LocalFile:
         fresh memory read now. A whole tensor is checked against its digest."""
         wanted = info if rows is None else info.rows(*rows)
         start = self.header.data_start + wanted.start
+        dtype = wanted.array_dtype
         if self._region is not None:
-            raw = np.frombuffer(self._region, dtype=np.uint8, count=wanted.nbytes, offset=start)
+            count = wanted.nbytes // dtype.itemsize
+            raw = np.frombuffer(self._region, dtype=dtype, count=count, offset=start)
         else:
             if self._fd < 0:
                 raise UsageError(f"{self.name} is closed")
@@ -163,7 +175,7 @@ class LocalFile:
                     expected=start + wanted.nbytes,
                     source=self.name,
                 )
-        array = raw.view(wanted.array_dtype).reshape(wanted.array_shape)
+        array = raw.view(dtype).reshape(wanted.array_shape)
         if rows is None and self._digests is not None and info.name not in self._checked:
             hasher = self._digests.hasher()
             hasher.update(wire_bytes(array))
@@ -172,12 +184,93 @@ class LocalFile:
                 self._checked.add(info.name)
         return array
 
+    def tensor(self, info: TensorInfo, torch: bool) -> Any:
+        """Tensor ``info`` whole, as :meth:`array` gives it, or as a torch tensor (``torch``):
+        from a mapping with no digest to check, viewed in it straight away (``torch.frombuffer``,
+        no numpy array made on the way)."""
+        if not torch:
+            return self.array(info)
+        if self._region is None or self._digests is not None or not info.nbytes:
+            return to_torch(self.array(info), info.dtype)
+        dtype = torch_dtype(info.dtype)
+        start = self.header.data_start + info.start
+        count = info.nbytes // dtype.itemsize
+        flat = load_torch().frombuffer(self._region, dtype=dtype, count=count, offset=start)
+        return flat.reshape(info.array_shape)
+
     def close(self) -> None:
         """Close the descriptor (``pread``). A mapping stays while this object or a view of it
         lives (slices taken before the close still read, as the reference's do)."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _digests(header: Header) -> Digests | None:
+    """The digests ``header`` records, if any (:mod:`stream_st.core.digests` imported only for
+    a header with metadata, where they are kept)."""
+    if not header.metadata:
+        return None
+    from ..core.digests import Digests
+
+    return Digests.from_header(header)
+
+
+def local_path(src: object) -> str | None:
+    """The path of ``src`` if it names a local regular file (a path, a ``file://`` URL) that
+    is not a sharded checkpoint's index, or a file that does not exist; else None (a remote
+    address, a FIFO, bytes...)."""
+    if isinstance(src, os.PathLike):
+        src = os.fspath(src)
+    if not isinstance(src, str):
+        return None
+    if ".json" in src:
+        from ..core.shards import is_index
+
+        if is_index(src):
+            return None
+    if "://" in src:
+        if not src.lower().startswith("file://"):
+            return None
+        from ..transports.file.source import path_from_url
+
+        src = path_from_url(src)
+    try:
+        mode = os.stat(src).st_mode
+    except FileNotFoundError:
+        return src  # the local reader says so, as the reference words it
+    except (OSError, ValueError):
+        return None  # the transports say what is wrong with it
+    return src if stat.S_ISREG(mode) else None
+
+
+def load_mapped(
+    src: object, torch: bool, verify: bool, backend: str, given: Mapping[str, object]
+) -> dict[str, Any] | None:
+    """``load_file`` of a local file mapped, as the reference maps it: every tensor as a
+    writable copy-on-write view of a private mapping of ``src`` (torch tensors with ``torch``,
+    else numpy arrays), checked against the header's digests unless not ``verify``; read here,
+    with no event loop to start (a fixed cost a small file feels). None where that is not the
+    way: ``src`` names no local regular file (see :func:`local_path`), ``backend`` is not
+    ``"mmap"``, or the call was ``given`` anything else (transport options, ``cache=``,
+    ``include=``, caps: not None) or runs under caps ``using_caps()`` set; the caller then
+    reads through the streaming core. A file that does not exist is
+    :class:`~stream_st.compat.SafetensorError` (a ``FileNotFoundError``) here."""
+    if backend != "mmap" or any(value is not None for value in given.values()) or _capped():
+        return None
+    path = local_path(src)
+    if path is None:
+        return None
+    file = LocalFile(path, verify=verify)
+    return {info.name: file.tensor(info, torch) for info in file.header.tensors}
+
+
+def _capped() -> bool:
+    """Whether ``using_caps()`` (:mod:`stream_st.reader.caps`) caps the reads in this context. Never
+    before :mod:`stream_st.reader.caps` is imported (nothing can have set caps then), so asking
+    imports no reader."""
+    caps = sys.modules.get("stream_st.reader.caps")
+    return caps is not None and bool(caps.current_caps() != caps.NO_CAPS)
 
 
 def _open(name: str) -> int:

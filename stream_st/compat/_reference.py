@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import os
-import stat
 import weakref
 from collections.abc import Callable, Mapping
 from types import TracebackType
@@ -30,17 +29,15 @@ from .._api import save as save_async
 from .._api import stream_for
 from ..core.arrays import framework_of, to_torch, torch_device, torch_dtype
 from ..core.header import TensorInfo
-from ..core.shards import is_index
 from ..errors import ArgumentTypeError, TensorNotFoundError, UsageError
 from ..memory.delivery import Delivery
 from ..reader import Include
-from ..reader.caps import NO_CAPS, Caps, current_caps
-from ..transports.file.source import path_from_url
+from ..reader.caps import NO_CAPS, Caps
 from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import Sink, SinkLike, SourceLike
 from ._checkpoint import Rows, _Checkpoint, _Options
 from ._errors import FileClosedError, InvalidTensorsError, NoSuchFileError, SliceError
-from ._local import LocalFile
+from ._local import LocalFile, local_path
 from ._serialize import (
     TensorSpec,
     check_metadata,
@@ -81,27 +78,6 @@ def _shut(bridge: Bridge, checkpoint: _Checkpoint) -> None:
         bridge.call(checkpoint.aclose)
     finally:
         bridge.close()
-
-
-def local_path(src: object) -> str | None:
-    """The path of ``src`` if it names a local regular file (a path, a ``file://`` URL) that
-    is not a sharded checkpoint's index, or a file that does not exist; else None (a remote
-    address, a FIFO, bytes...)."""
-    if isinstance(src, os.PathLike):
-        src = os.fspath(src)
-    if not isinstance(src, str) or (".json" in src and is_index(src)):
-        return None
-    if "://" in src:
-        if not src.lower().startswith("file://"):
-            return None
-        src = path_from_url(src)
-    try:
-        mode = os.stat(src).st_mode
-    except FileNotFoundError:
-        return src  # the local reader says so, as the reference words it
-    except (OSError, ValueError):
-        return None  # the transports say what is wrong with it
-    return src if stat.S_ISREG(mode) else None
 
 
 class SafeOpen:
@@ -407,8 +383,9 @@ def save_bytes(
 def load_file(
     src: SourceLike, torch: bool, backend: str, verify: bool, **options: Any
 ) -> dict[str, Any]:
-    """Every tensor of ``src`` (a file, URL or index), as numpy arrays or torch tensors: with
-    ``backend="mmap"``, a local file's as writable views of a private mapping of it."""
+    """Every tensor of ``src`` (a file, URL or index), as numpy arrays or torch tensors, read
+    on an event loop (the facades map a local file themselves, ``_local.load_mapped``,
+    when nothing else is asked for)."""
     copy = not maps(backend)
     check_sync_address(src, "source")
     path = local_path(src)
@@ -417,13 +394,6 @@ def load_file(
     cache = options.pop("cache", None)  # cache= (stream_st._api)
     include = options.pop("include", None)  # include= (stream_st.torch.load_file)
     caps = Caps.of(options.pop("max_tensor_bytes", None), options.pop("max_total_bytes", None))
-    capped = caps != NO_CAPS or current_caps() != NO_CAPS  # given, or set by using_caps()
-    plain = not options and cache is None and include is None and not capped
-    if path is not None and not copy and plain:
-        # A local file mapped, nothing to cap, filter or cache: read synchronously, as an open
-        # handle reads it, with no event loop to start (a fixed cost a small file feels).
-        with SafeOpen(path, "pt" if torch else "np", verify=verify) as file:
-            return file.get_tensors()
     return run(_load, src, torch, verify, copy, clock_of(options), cache, caps, include)
 
 

@@ -1,0 +1,115 @@
+"""``load_file`` of a local file mapped without the streaming core (``compat._local.load_mapped``):
+what importing the facades costs, tensors viewed straight from the mapping at any offset, their
+lifetime, and the calls that still go through the streaming core."""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.torch as reference
+import torch
+
+import stream_st.numpy
+import stream_st.torch
+from stream_st.errors import AllocationError, SafetensorsError
+
+CORE = ("anyio", "stream_st._api", "stream_st.reader", "stream_st.compat._reference")
+"""What a mapped ``load_file`` needs none of (the event loop, the reader, the transports)."""
+
+
+def test_importing_the_facades_and_a_mapped_load_import_no_streaming_core(tmp_path: Path) -> None:
+    path = tmp_path / "small.safetensors"
+    reference.save_file({"w": torch.arange(6.0).reshape(2, 3)}, path)
+    script = f"""
+import json, sys
+import stream_st.numpy, stream_st.torch
+first = [m for m in {CORE!r} if m in sys.modules]
+tensors = stream_st.torch.load_file({str(path)!r})
+arrays = stream_st.numpy.load_file({str(path)!r})
+loaded = [m for m in {CORE!r} if m in sys.modules]
+print(json.dumps([first, loaded, tensors["w"].tolist(), arrays["w"].tolist()]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    first, loaded, tensor, array = json.loads(done.stdout)
+    assert first == [] and loaded == []
+    assert tensor == array == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+def odd_file(path: Path) -> dict[str, np.ndarray]:
+    """A file whose data start at an odd offset (the header not padded), so no tensor is
+    aligned: F32, an empty F32, F16, BF16 and BOOL; its arrays."""
+    arrays = {
+        "a": np.arange(3, dtype="<f4"),
+        "empty": np.zeros((0, 4), dtype="<f4"),
+        "b": np.arange(4, dtype="<f2").reshape(2, 2),
+        "c": np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16),
+        "d": np.array([True, False, True]),
+    }
+    codes = {"a": "F32", "empty": "F32", "b": "F16", "c": "BF16", "d": "BOOL"}
+    header: dict[str, object] = {}
+    offset = 0
+    for name, array in arrays.items():
+        size = array.nbytes
+        header[name] = {
+            "dtype": codes[name],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * ((1 - len(raw)) % 2)  # 8 + len(raw) odd
+    path.write_bytes(
+        len(raw).to_bytes(8, "little") + raw + b"".join(a.tobytes() for a in arrays.values())
+    )
+    return arrays
+
+
+def test_unaligned_and_empty_tensors_read_as_written(tmp_path: Path) -> None:
+    path = tmp_path / "odd.safetensors"
+    arrays = odd_file(path)
+    tensors = stream_st.torch.load_file(path)
+    got = stream_st.numpy.load_file(path)
+    assert list(tensors) == list(got) == list(arrays)
+    for name, array in arrays.items():
+        assert got[name].dtype == array.dtype and got[name].shape == array.shape
+        assert got[name].tobytes() == array.tobytes()
+        tensor = tensors[name]
+        assert tuple(tensor.shape) == array.shape
+        assert tensor.view(torch.uint8).numpy().tobytes() == array.tobytes()
+    assert tensors["c"].dtype == torch.bfloat16 and tensors["d"].dtype == torch.bool
+    assert reference.load_file(path)["c"].tolist() == tensors["c"].tolist()
+
+
+def test_mapped_tensors_outlive_every_other_reference_and_stay_private(tmp_path: Path) -> None:
+    path = tmp_path / "small.safetensors"
+    reference.save_file({"x": torch.arange(4096.0), "y": torch.ones(3, dtype=torch.int64)}, path)
+    before = path.read_bytes()
+    x = stream_st.torch.load_file(path)["x"]
+    y = stream_st.numpy.load_file(f"file://{path}")["y"]  # a file:// URL is mapped the same
+    gc.collect()  # the loader and its mapping's owner are gone; the views keep the mapping
+    assert x.sum().item() == sum(range(4096)) and y.tolist() == [1, 1, 1]
+    x += 1
+    y[0] = 7
+    assert x[0].item() == 1.0 and y[0] == 7
+    assert path.read_bytes() == before
+
+
+def test_options_caps_and_a_missing_file_keep_their_behaviour(tmp_path: Path) -> None:
+    path = tmp_path / "small.safetensors"
+    reference.save_file({"x": torch.arange(1024.0)}, path)
+    assert stream_st.torch.load_file(path, timeout=30)["x"][5].item() == 5.0
+    with pytest.raises(AllocationError):
+        stream_st.numpy.load_file(path, max_tensor_bytes=0)
+    with pytest.raises(SafetensorsError) as missing:
+        stream_st.torch.load_file(tmp_path / "absent.safetensors")
+    assert isinstance(missing.value, FileNotFoundError)
+    with pytest.raises(SafetensorsError):
+        stream_st.numpy.load_file(path, backend="mapped")
