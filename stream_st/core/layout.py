@@ -18,9 +18,17 @@ import numpy as np
 
 from ..errors import HeaderError, UsageError
 from .dtypes import dtype_for
-from .header import METADATA_KEY, U64_MAX, Header, TensorInfo, checked_dims, data_size
+from .header import (
+    LENGTH_PREFIX_SIZE,
+    METADATA_KEY,
+    U64_MAX,
+    Header,
+    TensorInfo,
+    checked_dims,
+    data_size,
+)
 
-__all__ = ["TensorSpec", "build_header", "plan_order"]
+__all__ = ["TensorSpec", "build_header", "framed_header", "plan_order"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +121,13 @@ def build_header(
         text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate in a name or in metadata
         raise HeaderError(f"names and metadata must be valid Unicode text: {exc}") from None
+    prefix = framed_header(text)
+    header = Header.from_tensors(infos, metadata or {}, len(prefix) - LENGTH_PREFIX_SIZE)
+    return prefix, header
+
+
+def framed_header(text: bytes) -> bytes:
+    """The bytes that precede the data for the JSON header ``text``: its length (a little-endian
+    u64) and the text, padded with spaces to a multiple of 8 as the reference writer pads it."""
     text += b" " * (-len(text) % 8)
-    header = Header.from_tensors(infos, metadata or {}, len(text))
-    return struct.pack("<Q", len(text)) + text, header
+    return struct.pack("<Q", len(text)) + text
