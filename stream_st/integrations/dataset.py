@@ -232,10 +232,12 @@ class KvRows:
         )
 
 
-def _split_keys(keys: list[str], columns: Sequence[str], separator: str, shard: str) -> Array:
-    """The names and columns of a shard's ``keys`` (``{name}{separator}{column}``), an array
-    ``[2, keys]`` of strings: split by Arrow where no column holds the separator (a key's last
-    one splits it), else key by key. Refuses a key that ends with no column."""
+def _split_keys(
+    keys: list[str], columns: Sequence[str], separator: str, shard: str
+) -> tuple[Any, Array]:
+    """The names (an Arrow string array) and columns (positions in ``columns``) of a shard's
+    ``keys``, ``{name}{separator}{column}``: split by Arrow where no column holds the separator
+    (a key's last one splits it), else key by key. Refuses a key that ends with no column."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -247,14 +249,16 @@ def _split_keys(keys: list[str], columns: Sequence[str], separator: str, shard: 
             found = pc.index_in(pc.list_element(parts, 1), value_set=value_set)
             good = found.is_valid().to_numpy(zero_copy_only=False)
             if good.all():
-                names = pc.list_element(parts, 0).to_numpy(zero_copy_only=False)
-                return np.stack([names, np.asarray(columns, object)[found.to_numpy()]])
+                return pc.list_element(parts, 0), found.to_numpy()
         bad = keys[int(np.argmin(good))]
     else:
         split = _key_splitter(columns, separator)
         pairs = [split(key) for key in keys]
-        if None not in pairs:
-            return np.array(pairs, object).reshape(len(keys), 2).T
+        found_pairs = [pair for pair in pairs if pair is not None]
+        if len(found_pairs) == len(pairs):
+            position = {column: i for i, column in enumerate(columns)}
+            names = pa.array([name for name, _ in found_pairs], pa.string())
+            return names, np.array([position[column] for _, column in found_pairs], np.int32)
         bad = keys[pairs.index(None)]
     raise UsageError(
         f"tensor {bad!r} of {shard} is no column of {list(columns)} "
@@ -268,61 +272,61 @@ def kv_rows(dataset: DatasetInfo, columns: Sequence[str], separator: str) -> KvR
     belongs to none of ``columns``, and a shard whose digests cannot be checked."""
     import pyarrow as pa
 
-    fields: list[list[Array]] = [[] for _ in range(7)]  # key, name, column, shard, start, end, spec
-    recorded: list[Array] = []
+    keys: list[str] = []
+    names: list[Any] = []
+    fields: list[list[Array]] = [[] for _ in range(6)]  # column, shard, start, end, spec, digest
     specs: dict[tuple[str, tuple[int, ...]], int] = {}
     algorithms: list[str | None] = []
     for i, header in enumerate(dataset.headers):
-        keys, codes, shapes, starts, ends = header.tensors.columns()
-        names, owners = _split_keys(keys, columns, separator, dataset.shards[i])
+        held, codes, shapes, starts, ends = header.tensors.columns()
+        named, owners = _split_keys(held, columns, separator, dataset.shards[i])
         for pair in dict.fromkeys(zip(codes, shapes, strict=True)):
             specs.setdefault(pair, len(specs))
-        kinds = list(map(specs.__getitem__, zip(codes, shapes, strict=True)))
+        digests = Digests.from_header(header)
+        algorithms.append(None if digests is None else digests.algorithm)
         for field, values in zip(
             fields,
             (
-                np.array(keys, object),
-                names,
                 owners,
-                np.full(len(keys), i, np.int32),
+                np.full(len(held), i, np.int32),
                 np.array(starts, np.int64),
                 np.array(ends, np.int64),
-                np.array(kinds, np.int64),
+                np.array(list(map(specs.__getitem__, zip(codes, shapes, strict=True))), np.int64),
+                np.full(len(held), None, object)
+                if digests is None
+                else np.array(list(map(digests.values.__getitem__, held)), object),
             ),
             strict=True,
         ):
             field.append(values)
-        digests = Digests.from_header(header)
-        algorithms.append(None if digests is None else digests.algorithm)
-        recorded.append(
-            np.full(len(keys), None, object)
-            if digests is None
-            else np.array([digests.values[k] for k in keys], object)
-        )
-    key, name, owner, shard, start, end, spec, digest = (
-        np.concatenate(field) if field else np.empty(0, object) for field in (*fields, recorded)
+        keys += held
+        names.append(named)
+    owner, shard, start, end, spec, digest = (
+        np.concatenate(field) if field else np.empty(0, np.int64) for field in fields
     )
-    if len(set(key)) < len(key):  # a key in several shards: the last shard's copy
-        last = {k: i for i, k in enumerate(key)}
-        kept = np.array([last[k] == i for i, k in enumerate(key)], bool)
-        name, owner, shard, start, end, spec, digest = (
-            a[kept] for a in (name, owner, shard, start, end, spec, digest)
+    name = pa.concat_arrays(names) if names else pa.array([], pa.string())
+    if len(set(keys)) < len(keys):  # a key in several shards: the last shard's copy
+        last = {key: i for i, key in enumerate(keys)}
+        kept = np.array([last[key] == i for i, key in enumerate(keys)], bool)
+        owner, shard, start, end, spec, digest = (
+            a[kept] for a in (owner, shard, start, end, spec, digest)
         )
-    encoded = pa.array(name, pa.string()).dictionary_encode()
+        name = name.filter(pa.array(kept))
+    encoded = name.dictionary_encode()
     row = encoded.indices.to_numpy()
     count = len(encoded.dictionary)
     where: dict[str, KvColumn] = {}
-    for column in columns:
-        mine = owner == column
-        held = row[mine]
+    for position, column in enumerate(columns):
+        mine = owner == position
+        held_by = row[mine]
         at = np.full(count, -1, np.int32)
-        at[held] = shard[mine]
+        at[held_by] = shard[mine]
         begins, stops, sorts = (np.zeros(count, np.int64) for _ in range(3))
-        begins[held], stops[held], sorts[held] = start[mine], end[mine], spec[mine]
+        begins[held_by], stops[held_by], sorts[held_by] = start[mine], end[mine], spec[mine]
         checks = None
         if any(algorithms):
             checks = np.full(count, None, object)
-            checks[held] = digest[mine]
+            checks[held_by] = digest[mine]
         where[column] = KvColumn(at, begins, stops, sorts, tuple(specs), checks)
     return KvRows(
         dataset.shards,
