@@ -6,9 +6,9 @@ a write each) costs far more than their bytes; here a batch's rows are taken tog
 Each column of a :class:`Block` (rows whose columns each hold one dtype and shape) is a
 :class:`Run`: its values back to back in the rows' order, one buffer. A shard is its runs in
 order, its JSON header written in one pass over them (the offsets a running sum, one entry of
-text per tensor) and framed as every stream_st header is (:func:`~stream_st.core.layout
-.framed_header`): an ordinary safetensors file, its tensors in the order of their columns within
-each block of rows.
+text per tensor) and framed as every stream_st header is
+(:func:`~stream_st.core.layout.framed_header`): the very file stream_st's general writer makes
+of the same tensors in the same order, its tensors a column after another within each block.
 """
 
 from __future__ import annotations

@@ -16,9 +16,11 @@ with :func:`manifest_document`: one policy, here. A dataset is written in one of
 :func:`describe_dataset` reads a manifest (or lists a directory of shards), every shard's header,
 and tells the modes apart; :func:`plan_pieces` splits the shards into pieces of bounded size (row
 ranges in batch mode, groups of keys in KV mode) that a reader task reads on its own with
-:func:`read_piece`, fetching only the byte ranges of the tensors it selects. The Spark data source
-(``pyspark_safetensors``) and the torch dataset (:mod:`stream_st.torch_dataset`) both read
-through these.
+:func:`read_piece`, fetching only the byte ranges of the tensors it selects. A KV-mode dataset
+is read as rows with :func:`kv_rows` (where each name's tensors lie, told from the headers a
+column at a time) and :func:`read_kv_rows` (a part of the rows: each shard's bytes under them read
+at once, cut with numpy). The Spark data source (``pyspark_safetensors``) and the torch dataset
+(:mod:`stream_st.torch_dataset`) both read through these.
 """
 
 from __future__ import annotations
