@@ -35,6 +35,8 @@ import pyspark_safetensors  # noqa: E402
 import stream_st  # noqa: E402
 from pyspark_safetensors._write import SafetensorsWriter, WriteOptions  # noqa: E402
 
+from ..servers.http_server import RangeHTTPServer  # noqa: E402
+
 SCHEMA = StructType(
     [
         StructField("name", StringType()),
@@ -72,7 +74,7 @@ def shards(path: Path) -> list[Path]:
     return [path / entry["shard_path"] for entry in manifest["shards"]]
 
 
-def read(path: Path, **options: str) -> list[dict[str, Any]]:
+def read(path: Path | str, **options: str) -> list[dict[str, Any]]:
     """Every row a read gives, through the planning and each partition's read."""
     source = pyspark_safetensors.SafetensorsDataSource({"path": str(path), **options})
     reader: Any = source.reader(source.schema())
@@ -177,3 +179,16 @@ def test_a_damaged_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
     shard.write_bytes(bytes(damaged))
     with pytest.raises(stream_st.IntegrityError, match=r"'b__x' .* does not match its xxh3-128"):
         read(tmp_path)
+
+
+def test_rows_read_over_http_with_ranged_requests(tmp_path: Path) -> None:
+    write(tmp_path, [[batch(["a", "b"])], [batch(["c"])]], checksums="true")
+    with RangeHTTPServer() as server:
+        for path in tmp_path.iterdir():
+            server.objects[f"/ds/{path.name}"] = path.read_bytes()
+        rows = read(server.url("/ds/dataset_manifest.json"))
+    assert [(row["name"], row["n"], row["x"][1]) for row in rows] == [
+        ("a", 0, 0.25),
+        ("b", 1, 1.25),
+        ("c", 0, 0.25),
+    ]
