@@ -17,11 +17,12 @@ floats and two int64 columns, 2.09 GB, page cache cleared) and ``--kv --dim 256 
 ``--cold``: before each read, both datasets' files are dropped from the page cache (synced,
 then ``posix_fadvise(DONTNEED)``: only these files, nothing else on the machine).
 
-Medians over ``--rounds``, and the paired ratio of every round (safetensors time / parquet time;
-below 1 is faster; the bar is 1.00x), with their median and range. The load average is printed
-before and after: others may share the machine, so compare ratios, not absolute figures. On
-Linux the CPU seconds the JVM and its Python workers spent on each variant are printed too (a
-figure other processes on the machine disturb less than wall time).
+Every variant runs once before the rounds (not counted: the source cached, Python workers
+started). Medians over ``--rounds``, and the paired ratio of every round (safetensors time /
+parquet time; below 1 is faster; the bar is 1.00x), with their median and range. The load
+average is printed before and after: others may share the machine, so compare ratios, not
+absolute figures. On Linux the CPU seconds the JVM and its Python workers spent on each variant
+are printed too (a figure other processes on the machine disturb less than wall time).
 
     python benchmarks/bench_spark.py --mb 200 --rounds 3
     python benchmarks/bench_spark.py --mb 2092 --dim 3072 --partitions 8 --rounds 2 --cold
@@ -184,8 +185,8 @@ def main() -> None:
             "write": (write_safetensors, write_parquet),
             "read": (read_safetensors, read_parquet),
         }
-        write_safetensors()  # warm up: the source cached, Python workers started
-        write_parquet()
+        for warm_up in (write_safetensors, write_parquet, read_safetensors, read_parquet):
+            warm_up()  # the source cached, Python workers started, both readers run once
         jvm = spark.sparkContext._gateway.proc.pid
         times: dict[str, list[float]] = {}
         cpu: dict[str, list[float]] = {}

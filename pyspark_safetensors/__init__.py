@@ -18,6 +18,8 @@ protocol, and docs/spark.md for the options.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
+from functools import cached_property
 from typing import Any
 
 import anyio
@@ -36,11 +38,12 @@ from stream_st.errors import UsageError
 from stream_st.integrations.dataset import (
     KV_RECORD,
     DatasetInfo,
-    KvSample,
+    KvRows,
     Piece,
     describe_dataset,
-    kv_samples,
+    kv_rows,
     plan_pieces,
+    read_kv_rows,
     read_piece,
 )
 
@@ -60,16 +63,27 @@ __all__ = ["TENSOR_STRUCT", "DefaultSource", "SafetensorsDataSource", "register"
 
 Array = np.ndarray[Any, Any]
 
+Described = tuple[DatasetInfo, KvRows | None]
+"""A dataset as a read describes it: the dataset, and in KV mode read as rows its rows."""
+
 BATCH_BYTES = 32 << 20
 """A read hands Spark Arrow batches of about this many bytes (at least one row each)."""
 
 
-def _describe(options: Any) -> DatasetInfo:
+def _describe(options: Any) -> Described:
+    """The dataset at option ``path``; in KV mode read as rows, its rows too (its headers are not
+    needed any more then, and are left out: a read's data source is sent from the process
+    planning it to the one making its reader)."""
     path = options.get("path")
     if not path:
         raise UsageError("give the dataset's location: .load(path)")
     kv = None if options.get("name_col") is None else True
-    return anyio.run(lambda: describe_dataset(str(path), kv=kv))
+    dataset = anyio.run(lambda: describe_dataset(str(path), kv=kv))
+    record = _kv_record(dataset, options)
+    if record is None:
+        return dataset, None
+    rows = kv_rows(dataset, list(dataset.manifest["schema"]), record["separator"])
+    return replace(dataset, headers=()), rows
 
 
 def _column_types(dataset: DatasetInfo, names: list[str], raw: bool) -> dict[str, Column]:
@@ -126,8 +140,9 @@ def _selected(available: list[str], options: Any) -> list[str]:
     return columns
 
 
-def _fields(dataset: DatasetInfo, options: Any) -> list[StructField]:
+def _fields(described: Described, options: Any) -> list[StructField]:
     """The fields a read gives (see :meth:`SafetensorsDataSource.schema`)."""
+    dataset, rows = described
     record = _kv_record(dataset, options)
     if dataset.kv and record is None:
         kinds: list[tuple[str, DataType]] = [
@@ -135,16 +150,15 @@ def _fields(dataset: DatasetInfo, options: Any) -> list[StructField]:
             ("tensor", TENSOR_STRUCT),
         ]
         return [StructField(name, kind, False) for name, kind in kinds]
-    if record is None:
+    if record is None or rows is None:
         types = _column_types(dataset, dataset.columns, _flag(options, "raw"))
         columns = _selected(list(types), options)
         return [StructField(c, without_nulls(types[c].spark), False) for c in columns]
     columns = _selected(list(dataset.manifest["schema"]), options)
     types = _column_types(dataset, columns, raw=False)
-    samples = kv_samples(dataset, list(dataset.manifest["schema"]), record["separator"])
     fields = [StructField(record["name_col"], parse_type(record["spark_type"]), False)]
     for column in columns:  # a column some name was written without is nullable
-        every = all(column in sample.tensors for sample in samples)
+        every = bool((rows.columns[column].shard >= 0).all())
         fields.append(StructField(column, without_nulls(types[column].spark), not every))
     return fields
 
@@ -164,10 +178,15 @@ class SafetensorsDataSource(DataSource):
         No array element or struct field is nullable, nor is a column but a KV-mode one some
         name was written without: a tensor holds no null (and Spark converts columns it knows
         hold none faster)."""
-        return StructType(_fields(_describe(self.options), self.options))
+        return StructType(_fields(self._described, self.options))
+
+    @cached_property
+    def _described(self) -> Described:
+        """The dataset, described once for the schema and the reader."""
+        return _describe(self.options)
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return SafetensorsReader(self.options, schema)
+        return SafetensorsReader(self.options, schema, self._described)
 
     def writer(self, schema: StructType, overwrite: bool) -> SafetensorsWriter:
         return SafetensorsWriter(WriteOptions.parse(self.options, schema), overwrite)
@@ -183,8 +202,8 @@ class SafetensorsReader(DataSourceReader):
     mode), and consecutive small pieces share a partition (as Spark packs small parquet files);
     only the schema's columns are read."""
 
-    def __init__(self, options: Any, schema: StructType) -> None:
-        dataset = _describe(options)
+    def __init__(self, options: Any, schema: StructType, described: Described) -> None:
+        dataset, rows = described
         self.kv = dataset.kv
         self.record = _kv_record(dataset, options)
         self.arrow = to_arrow_schema(schema)  # what Spark checks each batch against
@@ -204,8 +223,8 @@ class SafetensorsReader(DataSourceReader):
             raise UsageError("option max_partition_mb must be at most 1024")
         self.shards = dataset.shards
         self.groups: list[list[Any]] = []
-        if self.record is not None:
-            self._plan_samples(dataset, self.record, limit << 20)
+        if rows is not None:
+            self._plan_rows(rows, limit << 20)
             return
         names = None if dataset.kv else [f.name for f in schema.fields]
         pieces = plan_pieces(dataset, names, max_bytes=limit << 20)
@@ -229,31 +248,26 @@ class SafetensorsReader(DataSourceReader):
             self.groups[-1].append(piece)
             size += nbytes
 
-    def _plan_samples(self, dataset: DatasetInfo, record: dict[str, str], limit: int) -> None:
-        """KV mode, read as rows: partitions of consecutive names of at most ``limit`` bytes of
-        the selected columns (at least one name), and the names one Arrow batch holds; refuses,
+    def _plan_rows(self, rows: KvRows, limit: int) -> None:
+        """KV mode, read as rows: partitions of consecutive rows of at most ``limit`` bytes of
+        the selected columns (at least one row), and the rows one Arrow batch holds; refuses,
         before any task runs, a value Spark's Arrow batches cannot carry."""
-        samples = kv_samples(dataset, list(dataset.manifest["schema"]), record["separator"])
-        costs: dict[tuple[str, str, tuple[int, ...]], int] = {}
+        sizes = np.zeros(len(rows.names), np.int64)
         widest = 1
-        size = limit
-        for sample in samples:
-            selected = {c: t for c, t in sample.tensors.items() if c in self.kinds}
-            nbytes = 0
-            for column, (shard, key) in selected.items():
-                info = dataset.headers[shard][key]
-                nbytes += info.nbytes
-                spec = (column, info.dtype, info.shape)
-                if spec not in costs:
-                    itemsize = dtype_from_code(info.dtype).numpy.itemsize
-                    kind = self.kinds[column]
-                    costs[spec] = arrow_row_bytes(column, 1, info.shape, itemsize, kind)
-                widest = max(widest, costs[spec])
-            if not self.groups or size + nbytes > limit:
-                self.groups.append([])
-                size = 0
-            self.groups[-1].append(KvSample(sample.name, selected))
-            size += nbytes
+        for column, kind in self.kinds.items():
+            where = rows.columns[column]
+            sizes += where.nbytes()
+            for spec in np.unique(where.spec[where.shard >= 0]).tolist():
+                code, shape = where.specs[spec]
+                itemsize = dtype_from_code(code).numpy.itemsize
+                widest = max(widest, arrow_row_bytes(column, 1, shape, itemsize, kind))
+        ends = np.cumsum(sizes)
+        start = 0
+        while start < len(sizes):
+            before = int(ends[start - 1]) if start else 0
+            stop = max(start + 1, int(np.searchsorted(ends, before + limit, side="right")))
+            self.groups.append([rows.part(start, stop, self.kinds)])
+            start = stop
         self.step = max(1, BATCH_BYTES // (widest * max(1, len(self.kinds))))
 
     def _rows_per_batch(self, piece: Piece, header: Header) -> int:
@@ -272,6 +286,10 @@ class SafetensorsReader(DataSourceReader):
                 cost += arrow_row_bytes(name, rows, sample, itemsize, self.kinds[name])
         return max(1, BATCH_BYTES // max(1, cost))
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What is sent to every task: not the partitions (each gets its own)."""
+        return {name: value for name, value in self.__dict__.items() if name != "groups"}
+
     def partitions(self) -> list[InputPartition]:
         return [InputPartition(group) for group in self.groups] or [InputPartition([])]
 
@@ -286,7 +304,8 @@ class SafetensorsReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Any:
         with start_blocking_portal() as portal:  # one event loop for the partition's reads
             if self.record is not None:
-                yield from self._sample_batches(partition.value, portal)
+                for rows in partition.value:
+                    yield from self._row_batches(rows, portal)
                 return
             for piece in partition.value:
                 yield from self._batches(piece, portal.call(self._read, piece))
@@ -308,30 +327,23 @@ class SafetensorsReader(DataSourceReader):
                 schema=self.arrow,
             )
 
-    def _sample_batches(self, samples: list[KvSample], portal: Any) -> Iterator[pa.RecordBatch]:
-        """KV mode, read as rows: the tensors of ``samples`` (each shard's with one read), then
-        a row per name, in the schema's order of columns."""
+    def _row_batches(self, rows: KvRows, portal: Any) -> Iterator[pa.RecordBatch]:
+        """KV mode, read as rows: the tensors of ``rows`` (each shard's bytes read at once),
+        then Arrow batches of :attr:`step` rows, in the schema's order of columns."""
         assert self.record is not None
-        keys: dict[int, list[str]] = {}
-        for sample in samples:
-            for shard, key in sample.tensors.values():
-                keys.setdefault(shard, []).append(key)
-        arrays: dict[str, Array] = {}
-        for shard, held in keys.items():
-            arrays.update(portal.call(read_piece, Piece(self.shards[shard], tuple(held))))
+        values = portal.call(read_kv_rows, rows)
         name_col = self.record["name_col"]
         name_type = self.arrow.field(name_col).type
-        for start in range(0, len(samples), self.step):
-            part = samples[start : start + self.step]
-            names: list[str | int] = [
-                s.name if pa.types.is_string(name_type) else int(s.name) for s in part
-            ]
-            columns = {name_col: pa.array(names, name_type)}
+        for start in range(0, len(rows.names), self.step):
+            stop = start + self.step
+            columns = {name_col: pa.array(rows.names[start:stop], pa.string()).cast(name_type)}
             for column, kind in self.kinds.items():
-                values = [
-                    arrays[s.tensors[column][1]] if column in s.tensors else None for s in part
-                ]
-                columns[column] = _values_column(values, kind, column)
+                part = values[column][start:stop]
+                columns[column] = (
+                    typed_column(part, kind, column)
+                    if isinstance(part, np.ndarray)
+                    else _values_column(part, kind, column)
+                )
             yield pa.RecordBatch.from_arrays(
                 [columns[f.name] for f in self.arrow], schema=self.arrow
             )

@@ -31,7 +31,6 @@ from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
 from pyspark.sql.types import IntegerType, LongType, StringType, StructType
 
 from stream_st._api import read_header, save
-from stream_st.compat._reference import _BytesSink
 from stream_st.core.digests import algorithm_named
 from stream_st.core.dtypes import dtype_for, dtype_from_code
 from stream_st.core.header import Header
@@ -52,6 +51,7 @@ from stream_st.transports import store as _store
 from stream_st.transports.options import Clock
 
 from ._arrow import stack_rows
+from ._kv import Block, KvShard, Specs, shard_file
 from ._types import SEED_DTYPES, Column, column_of, type_text
 
 __all__ = ["SafetensorsWriter", "WriteOptions"]
@@ -288,10 +288,6 @@ class WriteOptions:
         return np.zeros((0, *shape), dtype_from_code(code).numpy)
 
 
-Specs = tuple[tuple[str, str, tuple[int, ...]], ...]
-"""A shard's tensors: key, dtype, shape."""
-
-
 def _specs(header: Header) -> Specs:
     return tuple((info.name, info.dtype, info.shape) for info in header.tensors)
 
@@ -329,28 +325,23 @@ class _TaskWriter:
         self.tag = str(uuid.uuid4())  # a retried or speculative attempt writes other names
         self.shards: list[StagedShard] = []
         self.schema: dict[str, dict[str, Any]] = {}
+        self.kv = KvShard()
 
     def seal(self, tensors: Mapping[str, Array], samples: int) -> None:
-        name = shard_file_name(self.task, len(self.shards), self.tag)
-        staged = _store.join(self.staging, name)
-        header = anyio.run(lambda: self._save(staged, tensors))
-        self.shards.append(
-            StagedShard(
-                self.task, len(self.shards), name, staged, samples, header.file_size, _specs(header)
-            )
-        )
+        """Batch mode: the shard saved straight from the arrays."""
+        name, staged = self._next_shard()
+        header = anyio.run(lambda: save(staged, tensors, checksums=self.options.checksums))
+        self._staged(name, staged, samples, header.file_size, _specs(header))
 
-    async def _save(self, staged: str, tensors: Mapping[str, Array]) -> Header:
-        """Batch mode: the shard saved straight from the arrays. KV mode: its tensors in their
-        rows' order, made in memory and written at once (a shard of many small tensors written
-        one by one would pay a write each)."""
-        checksums = self.options.checksums
-        if self.options.name_col is None:
-            return await save(staged, tensors, checksums=checksums)
-        sink = _BytesSink()
-        header = await save(sink, tensors, order="plan", checksums=checksums)
-        await _store.write_object(staged, cast(bytes, sink.data))  # a bytearray, not copied
-        return header
+    def _next_shard(self) -> tuple[str, str]:
+        """The name of this attempt's next shard, and its place under the staging prefix."""
+        name = shard_file_name(self.task, len(self.shards), self.tag)
+        return name, _store.join(self.staging, name)
+
+    def _staged(self, name: str, staged: str, samples: int, size: int, specs: Specs) -> None:
+        self.shards.append(
+            StagedShard(self.task, len(self.shards), name, staged, samples, size, specs)
+        )
 
     def describe(self, column: str, array: Array) -> None:
         self.schema.setdefault(
@@ -388,9 +379,9 @@ class _TaskWriter:
         self.seal(tensors, len(next(iter(tensors.values()))))
 
     def cells(self, column: pa.Array, name: str) -> Array | list[Array]:
-        """KV mode: the value of every row of ``column`` (one to write), each its own array.
-        The rows are converted together (views of one array) when they share a shape and
-        dtype, else one by one (KV-mode rows may differ)."""
+        """KV mode: the value of every row of ``column`` (one to write): one array ``[rows,
+        *shape]`` when the rows share a shape and dtype, else an array per row (KV-mode rows
+        may differ)."""
         try:
             return self.options.rows_of(column, name)
         except UsageError:  # rows that differ; row by row, a real error is raised again
@@ -398,42 +389,103 @@ class _TaskWriter:
                 self.options.rows_of(column.slice(row, 1), name)[0] for row in range(len(column))
             ]
 
+    def _blocks(self, batch: pa.RecordBatch) -> Iterator[Block]:
+        """KV mode: the rows of ``batch`` as one block, or a block per row where some column's
+        rows differ in shape or dtype."""
+        name_col = self.options.name_col
+        assert name_col is not None
+        if name_col not in batch.schema.names:
+            raise UsageError(f"name_col {name_col!r} is not a column of the DataFrame")
+        named = batch.column(name_col)
+        if named.null_count:
+            raise UsageError(f"column {name_col!r} holds a null: every row needs a name")
+        names = named.to_pylist()
+        if not pa.types.is_string(named.type):
+            names = [str(name) for name in names]
+        columns = list(self.options.columns) or [c for c in batch.schema.names if c != name_col]
+        separator = self.options.kv_separator
+        cells = {column: self.cells(batch.column(column), column) for column in columns}
+        for column, values in cells.items():
+            if len(values):
+                self.describe(column, values[0])
+        if all(isinstance(values, np.ndarray) for values in cells.values()):
+            yield Block(names, cast(dict[str, Array], cells), separator)
+            return
+        for row, name in enumerate(names):
+            yield Block(
+                [name],
+                {
+                    column: values[row][None] if isinstance(values, list) else values[row : row + 1]
+                    for column, values in cells.items()
+                },
+                separator,
+            )
+
     def keys(self, batches: Iterator[pa.RecordBatch]) -> None:
         """KV mode: one tensor per row and column, shards rolled over at the target size; a
-        shard's samples are the names it holds, its tensors in the order of their rows."""
-        name_col, separator = self.options.name_col, self.options.kv_separator
-        assert name_col is not None
-        current: dict[str, Array] = {}
+        shard's samples are the names it holds. A batch's rows are added together, each column
+        one run of tensors, unless one of their keys is written again (then row by row: the
+        strategy decides)."""
         written: set[str] = set()
-        samples: set[str] = set()
-        size = 0
         for batch in batches:
-            if name_col not in batch.schema.names:
-                raise UsageError(f"name_col {name_col!r} is not a column of the DataFrame")
-            names = batch.column(name_col).to_pylist()
-            if None in names:
-                raise UsageError(f"column {name_col!r} holds a null: every row needs a name")
-            columns = list(self.options.columns) or [c for c in batch.schema.names if c != name_col]
-            cells = {column: self.cells(batch.column(column), column) for column in columns}
-            for column, values in cells.items():
-                if len(values):
-                    self.describe(column, values[0])
-            for row, name in enumerate(names):
-                row_tensors = {f"{name}{separator}{c}": cells[c][row] for c in columns}
-                adding = sum(a.nbytes for k, a in row_tensors.items() if k not in current)
-                if current and size + adding > self.options.target_shard_size:
-                    self.seal(current, len(samples))
-                    current, size, samples = {}, 0, set()
-                for key, array in row_tensors.items():
-                    if key in written and self.options.duplicates == "fail":
-                        raise WriterError(f"tensor key {key!r} is written twice", name=key)
-                    earlier = current.pop(key, None)  # lastWin: the later row, in its place
-                    size += array.nbytes - (0 if earlier is None else earlier.nbytes)
-                    current[key] = array
-                    written.add(key)
-                samples.add(str(name))
-        if current:
-            self.seal(current, len(samples))
+            for block in self._blocks(batch):
+                keys = [key for run in block.runs for key in run.keys]
+                fresh = set(keys)
+                if len(fresh) == len(keys) and fresh.isdisjoint(written):
+                    written |= fresh
+                    self._add_rows(block)
+                else:
+                    for row in range(block.rows):
+                        self._add_row(block.part(row, row + 1), written)
+        if self.kv.runs:
+            self._seal_kv()
+
+    def _add_rows(self, block: Block) -> None:
+        """Add rows none of whose keys is written yet, sealing a shard before a row would take
+        it past the target size (a shard takes at least one row)."""
+        target = self.options.target_shard_size
+        while block.rows:
+            room = max(0, target - self.kv.size)
+            fit = room // block.row_bytes if block.row_bytes else block.rows
+            if not self.kv.runs:
+                fit = max(1, fit)
+            if not fit:
+                self._seal_kv()
+                continue
+            fit = min(fit, block.rows)
+            self.kv.add(block.part(0, fit) if fit < block.rows else block)
+            block = block.part(fit, block.rows)
+
+    def _add_row(self, row: Block, written: set[str]) -> None:
+        """Add one row some of whose keys may be written already: refused (``fail``), or the
+        later copy replaces an earlier one of the same shard in its place (``lastWin``; one in
+        an earlier shard goes at the commit)."""
+        runs = row.runs
+        held = self.kv.holding()
+        adding = sum(run.nbytes for run in runs if run.keys[0] not in held)
+        if held and self.kv.size + adding > self.options.target_shard_size:
+            self._seal_kv()
+        shard = self.kv
+        held = shard.holding()
+        for run in runs:
+            key = run.keys[0]
+            if key in written and self.options.duplicates == "fail":
+                raise WriterError(f"tensor key {key!r} is written twice", name=key)
+            earlier = held.pop(key, None)
+            shard.superseded |= earlier is not None
+            shard.size += run.nbytes - (earlier or 0)
+            held[key] = run.nbytes
+            written.add(key)
+        shard.runs += runs
+        shard.samples.update(row.names)
+
+    def _seal_kv(self) -> None:
+        """Write the KV shard being filled (made in memory, written at once) and start another."""
+        shard, self.kv = self.kv, KvShard()
+        data, specs = shard_file(shard, self.options.checksums)
+        name, staged = self._next_shard()
+        anyio.run(_store.write_object, staged, data)
+        self._staged(name, staged, len(shard.samples), len(data), specs)
 
     def discard(self) -> None:
         """Remove every shard this attempt wrote."""

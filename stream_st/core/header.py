@@ -202,6 +202,19 @@ class TensorTable(Sequence[TensorInfo]):
         """Tensor names in offset order."""
         return self._names.copy()
 
+    def columns(
+        self,
+    ) -> tuple[list[str], list[str], list[tuple[int, ...]], list[int], list[int]]:
+        """The tensors' fields a column each (copies), in offset order: names, dtype codes,
+        shapes, starts, ends; no object made per tensor."""
+        return (
+            self._names.copy(),
+            self._codes.copy(),
+            self._shapes.copy(),
+            self._starts.copy(),
+            self._ends.copy(),
+        )
+
     @overload
     def __getitem__(self, index: int) -> TensorInfo: ...
 

@@ -19,9 +19,17 @@ import numpy as np
 
 from ..errors import ArgumentTypeError, HeaderError, UsageError
 from .dtypes import dtype_for
-from .header import METADATA_KEY, U64_MAX, Header, TensorInfo, checked_dims, data_size
+from .header import (
+    LENGTH_PREFIX_SIZE,
+    METADATA_KEY,
+    U64_MAX,
+    Header,
+    TensorInfo,
+    checked_dims,
+    data_size,
+)
 
-__all__ = ["TensorSpec", "build_header", "integer_shape", "plan_order"]
+__all__ = ["TensorSpec", "build_header", "framed_header", "integer_shape", "plan_order"]
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -141,6 +149,13 @@ def build_header(
         text = ("{" + ",".join(members) + "}").encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate in a name or in metadata
         raise HeaderError(f"names and metadata must be valid Unicode text: {exc}") from None
+    prefix = framed_header(text)
+    header = Header.from_tensors(infos, metadata or {}, len(prefix) - LENGTH_PREFIX_SIZE)
+    return prefix, header
+
+
+def framed_header(text: bytes) -> bytes:
+    """The bytes that precede the data for the JSON header ``text``: its length (a little-endian
+    u64) and the text, padded with spaces to a multiple of 8 as the reference writer pads it."""
     text += b" " * (-len(text) % 8)
-    header = Header.from_tensors(infos, metadata or {}, len(text))
-    return struct.pack("<Q", len(text)) + text, header
+    return struct.pack("<Q", len(text)) + text

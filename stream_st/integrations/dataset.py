@@ -16,39 +16,47 @@ with :func:`manifest_document`: one policy, here. A dataset is written in one of
 :func:`describe_dataset` reads a manifest (or lists a directory of shards), every shard's header,
 and tells the modes apart; :func:`plan_pieces` splits the shards into pieces of bounded size (row
 ranges in batch mode, groups of keys in KV mode) that a reader task reads on its own with
-:func:`read_piece`, fetching only the byte ranges of the tensors it selects. The Spark data source
-(``pyspark_safetensors``) and the torch dataset (:mod:`stream_st.torch_dataset`) both read
-through these.
+:func:`read_piece`, fetching only the byte ranges of the tensors it selects. A KV-mode dataset
+is read as rows with :func:`kv_rows` (where each name's tensors lie, told from the headers a
+column at a time) and :func:`read_kv_rows` (a part of the rows: each shard's bytes under them read
+at once, cut with numpy). The Spark data source (``pyspark_safetensors``) and the torch dataset
+(:mod:`stream_st.torch_dataset`) both read through these.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from .._api import load, open_stream, read_header
-from ..core.header import Header
+from ..core.digests import Digests, algorithm_named
+from ..core.dtypes import array_shape, dtype_from_code
+from ..core.header import Header, TensorInfo
 from ..core.shards import MANIFEST_NAME, SHARD_NAME, is_index
 from ..errors import HeaderError, SourceNotFoundError, UsageError
 from ..reader import _read_tensor
 from ..sharded.reader import ShardIndex, shard_address
 from ..transports import store as _store
 from ..transports.options import Clock
+from ..transports.registry import open_source
 
 __all__ = [
     "KV_RECORD",
     "MANIFEST_NAME",
     "DatasetInfo",
-    "KvSample",
+    "KvColumn",
+    "KvRows",
     "Piece",
     "describe_dataset",
-    "kv_samples",
+    "kv_rows",
     "plan_pieces",
+    "read_kv_rows",
     "read_piece",
     "split_key",
 ]
@@ -172,37 +180,269 @@ def _key_splitter(
 
 
 @dataclass(frozen=True)
-class KvSample:
-    """A KV-mode sample: its ``name`` and, for each of its columns, the shard (its position in
-    :attr:`DatasetInfo.shards`) and key of the tensor that holds its value."""
+class KvColumn:
+    """Where one column's tensors of a KV-mode dataset's rows lie, a row after another: the
+    shard holding it (its position in :attr:`KvRows.shards`; -1 where the row has none), its
+    data offsets in that shard, its dtype and shape (an index into ``specs``) and the digest
+    its shard records (``digests`` None where no shard records any)."""
 
-    name: str
-    tensors: dict[str, tuple[int, str]]
+    shard: Array
+    start: Array
+    end: Array
+    spec: Array
+    specs: tuple[tuple[str, tuple[int, ...]], ...]
+    digests: Array | None
+
+    def part(self, start: int, stop: int) -> KvColumn:
+        """Rows ``start:stop``."""
+        digests = None if self.digests is None else self.digests[start:stop]
+        return KvColumn(
+            self.shard[start:stop],
+            self.start[start:stop],
+            self.end[start:stop],
+            self.spec[start:stop],
+            self.specs,
+            digests,
+        )
+
+    def nbytes(self) -> Array:
+        """Each row's bytes (0 where it has no tensor)."""
+        return np.where(self.shard >= 0, self.end - self.start, 0)
 
 
-def kv_samples(dataset: DatasetInfo, columns: Sequence[str], separator: str) -> list[KvSample]:
-    """The samples of a KV-mode dataset written with ``columns`` and ``separator``: one per
-    name, in the order of their first tensor (the shards in order, each in its tensors' order),
-    each with the columns it holds (a key held by several shards: the last one's). Refuses a
-    key that belongs to none of ``columns``."""
-    winners = dataset.keys
-    split_key = _key_splitter(columns, separator)
-    samples: dict[str, KvSample] = {}
+@dataclass(frozen=True)
+class KvRows:
+    """A KV-mode dataset (or some of its rows) as rows: one per name (``names``), in the order
+    of its first tensor (the shards in order, each in its tensors' order), and for each column
+    where its rows' tensors lie (a key held by several shards: the last one's). ``shards``
+    are the shards' addresses, ``bases`` where their data start, ``algorithms`` the digest
+    algorithm each records (None: none)."""
+
+    shards: tuple[str, ...]
+    bases: tuple[int, ...]
+    algorithms: tuple[str | None, ...]
+    separator: str
+    names: list[str]
+    columns: dict[str, KvColumn]
+
+    def part(self, start: int, stop: int, columns: Iterable[str]) -> KvRows:
+        """Rows ``start:stop``, with ``columns`` only."""
+        return replace(
+            self,
+            names=self.names[start:stop],
+            columns={column: self.columns[column].part(start, stop) for column in columns},
+        )
+
+
+def _split_keys(
+    keys: list[str], columns: Sequence[str], separator: str, shard: str
+) -> tuple[Any, Array]:
+    """The names (an Arrow string array) and columns (positions in ``columns``) of a shard's
+    ``keys``, ``{name}{separator}{column}``: split by Arrow where no column holds the separator
+    (a key's last one splits it), else key by key. Refuses a key that ends with no column."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if separator and not any(separator in column for column in columns):
+        parts = pc.split_pattern(pa.array(keys, pa.string()), separator, max_splits=1, reverse=True)
+        good = pc.equal(pc.list_value_length(parts), 2).to_numpy(zero_copy_only=False)
+        if good.all():
+            value_set = pa.array(columns, pa.string())
+            found = pc.index_in(pc.list_element(parts, 1), value_set=value_set)
+            good = found.is_valid().to_numpy(zero_copy_only=False)
+            if good.all():
+                return pc.list_element(parts, 0), found.to_numpy()
+        bad = keys[int(np.argmin(good))]
+    else:
+        split = _key_splitter(columns, separator)
+        pairs = [split(key) for key in keys]
+        found_pairs = [pair for pair in pairs if pair is not None]
+        if len(found_pairs) == len(pairs):
+            position = {column: i for i, column in enumerate(columns)}
+            names = pa.array([name for name, _ in found_pairs], pa.string())
+            return names, np.array([position[column] for _, column in found_pairs], np.int32)
+        bad = keys[pairs.index(None)]
+    raise UsageError(
+        f"tensor {bad!r} of {shard} is no column of {list(columns)} "
+        f"(key {{name}}{separator}{{column}})"
+    )
+
+
+def kv_rows(dataset: DatasetInfo, columns: Sequence[str], separator: str) -> KvRows:
+    """The rows of a KV-mode dataset written with ``columns`` and ``separator`` (see
+    :class:`KvRows`), told from its headers a column of fields at a time. Refuses a key that
+    belongs to none of ``columns``, and a shard whose digests cannot be checked."""
+    import pyarrow as pa
+
+    keys: list[str] = []
+    names: list[Any] = []
+    fields: list[list[Array]] = [[] for _ in range(6)]  # column, shard, start, end, spec, digest
+    specs: dict[tuple[str, tuple[int, ...]], int] = {}
+    algorithms: list[str | None] = []
     for i, header in enumerate(dataset.headers):
-        for key in header.names():
-            split = split_key(key)
-            if split is None:
-                raise UsageError(
-                    f"tensor {key!r} of {dataset.shards[i]} is no column of {list(columns)} "
-                    f"(key {{name}}{separator}{{column}})"
-                )
-            if winners[key] == i:
-                name, column = split
-                sample = samples.get(name)
-                if sample is None:
-                    sample = samples[name] = KvSample(name, {})
-                sample.tensors[column] = (i, key)
-    return list(samples.values())
+        held, codes, shapes, starts, ends = header.tensors.columns()
+        named, owners = _split_keys(held, columns, separator, dataset.shards[i])
+        for pair in dict.fromkeys(zip(codes, shapes, strict=True)):
+            specs.setdefault(pair, len(specs))
+        digests = Digests.from_header(header)
+        algorithms.append(None if digests is None else digests.algorithm)
+        for field, values in zip(
+            fields,
+            (
+                owners,
+                np.full(len(held), i, np.int32),
+                np.array(starts, np.int64),
+                np.array(ends, np.int64),
+                np.array(list(map(specs.__getitem__, zip(codes, shapes, strict=True))), np.int64),
+                np.full(len(held), None, object)
+                if digests is None
+                else np.array(list(map(digests.values.__getitem__, held)), object),
+            ),
+            strict=True,
+        ):
+            field.append(values)
+        keys += held
+        names.append(named)
+    owner, shard, start, end, spec, digest = (
+        np.concatenate(field) if field else np.empty(0, np.int64) for field in fields
+    )
+    name = pa.concat_arrays(names) if names else pa.array([], pa.string())
+    if len(set(keys)) < len(keys):  # a key in several shards: the last shard's copy
+        last = {key: i for i, key in enumerate(keys)}
+        kept = np.array([last[key] == i for i, key in enumerate(keys)], bool)
+        owner, shard, start, end, spec, digest = (
+            a[kept] for a in (owner, shard, start, end, spec, digest)
+        )
+        name = name.filter(pa.array(kept))
+    encoded = name.dictionary_encode()
+    row = encoded.indices.to_numpy()
+    count = len(encoded.dictionary)
+    where: dict[str, KvColumn] = {}
+    for position, column in enumerate(columns):
+        mine = owner == position
+        held_by = row[mine]
+        at = np.full(count, -1, np.int32)
+        at[held_by] = shard[mine]
+        begins, stops, sorts = (np.zeros(count, np.int64) for _ in range(3))
+        begins[held_by], stops[held_by], sorts[held_by] = start[mine], end[mine], spec[mine]
+        checks = None
+        if any(algorithms):
+            checks = np.full(count, None, object)
+            checks[held_by] = digest[mine]
+        where[column] = KvColumn(at, begins, stops, sorts, tuple(specs), checks)
+    return KvRows(
+        dataset.shards,
+        tuple(header.data_start for header in dataset.headers),
+        tuple(algorithms),
+        separator,
+        encoded.dictionary.to_pylist(),
+        where,
+    )
+
+
+async def read_span(address: str, start: int, end: int) -> Array:
+    """Bytes ``start:end`` of the object at ``address`` (one read: a ranged request on HTTP and
+    S3), as an array of bytes."""
+    clock = Clock()
+    clock.start()
+    source = await open_source(address, clock)
+    try:
+        source.clock.start()
+        await source.start()
+        span = TensorInfo(f"bytes {start}-{end}", "U8", (end - start,), start, end)
+        return await _read_tensor(source, span, 0)
+    finally:
+        await source.aclose()
+
+
+def _checked(rows: KvRows, column: str, row: int, data: Array) -> None:
+    """Refuse the bytes ``data`` of ``column``'s tensor of row ``row`` unless they match the
+    digest its shard records (if it records one)."""
+    where = rows.columns[column]
+    recorded = None if where.digests is None else where.digests[row]
+    if recorded is None:
+        return
+    shard = int(where.shard[row])
+    algorithm = rows.algorithms[shard]
+    assert algorithm is not None
+    hasher = algorithm_named(algorithm).new()
+    hasher.update(data)
+    if hasher.digest().hex() != recorded:
+        key = f"{rows.names[row]}{rows.separator}{column}"
+        Digests(algorithm, {key: recorded}).check(key, hasher, rows.shards[shard])
+
+
+def _runs(out: Array, places: Array, starts: Array, nbytes: int, span: Array) -> None:
+    """Copy into rows ``places`` (ascending) of ``out`` the tensors of ``nbytes`` bytes at
+    ``starts`` of ``span``: a copy per run of tensors that lie back to back, for rows that
+    follow one another."""
+    if not nbytes or not len(places):
+        return
+    breaks = np.flatnonzero((np.diff(places) != 1) | (np.diff(starts) != nbytes)) + 1
+    edges = [0, *breaks.tolist(), len(places)]
+    for first, stop in itertools.pairwise(edges):
+        at = int(starts[first])
+        count = stop - first
+        row = int(places[first])
+        out[row : row + count] = span[at : at + count * nbytes].reshape(count, nbytes)
+
+
+def _column_values(
+    rows: KvRows, column: str, spans: Mapping[int, tuple[int, Array]]
+) -> Array | list[Array | None]:
+    """One column of ``rows``: an array ``[rows, *shape]`` where every row holds a tensor of one
+    dtype and shape (a view of the read bytes where they lie back to back in one shard, else
+    gathered run by run), else an array per row (None where it has none)."""
+    where = rows.columns[column]
+    count = len(rows.names)
+    kinds = np.unique(where.spec[where.shard >= 0])
+    if (where.shard < 0).any() or len(kinds) != 1:
+        values: list[Array | None] = []
+        for row in range(count):
+            if where.shard[row] < 0:
+                values.append(None)
+                continue
+            first, span = spans[int(where.shard[row])]
+            data = span[where.start[row] - first : where.end[row] - first]
+            _checked(rows, column, row, data)
+            code, shape = where.specs[where.spec[row]]
+            dtype = dtype_from_code(code)
+            values.append(data.view(dtype.numpy).reshape(array_shape(dtype, shape)))
+        return values
+    code, shape = where.specs[int(kinds[0])]
+    nbytes = int(where.end[0] - where.start[0])
+    shards = np.unique(where.shard)
+    first, span = spans[int(shards[0])]
+    starts = where.start - first
+    if len(shards) == 1 and (np.diff(starts) == nbytes).all():
+        data = span[starts[0] : starts[0] + count * nbytes].reshape(count, nbytes)
+    else:
+        data = np.empty((count, nbytes), np.uint8)
+        for shard in shards:
+            places = np.flatnonzero(where.shard == shard)
+            first, span = spans[int(shard)]
+            _runs(data, places, where.start[places] - first, nbytes, span)
+    if where.digests is not None:
+        for row in range(count):
+            _checked(rows, column, row, data[row])
+    dtype = dtype_from_code(code)
+    return data.view(dtype.numpy).reshape(count, *array_shape(dtype, shape))
+
+
+async def read_kv_rows(rows: KvRows) -> dict[str, Array | list[Array | None]]:
+    """The values of every column of ``rows`` (see :func:`_column_values`): each shard's bytes
+    under them read at once, from the first of their tensors to the end of the last, and every
+    tensor checked against the digest its shard records."""
+    spans: dict[int, tuple[int, Array]] = {}
+    held = [where for where in rows.columns.values() if len(where.shard)]
+    for shard in np.unique(np.concatenate([w.shard for w in held])) if held else ():
+        if shard < 0:
+            continue
+        first = min(int(w.start[w.shard == shard].min(initial=2**63 - 1)) for w in held)
+        last = max(int(w.end[w.shard == shard].max(initial=0)) for w in held)
+        base = rows.bases[shard]
+        spans[int(shard)] = (first, await read_span(rows.shards[shard], base + first, base + last))
+    return {column: _column_values(rows, column, spans) for column in rows.columns}
 
 
 @dataclass(frozen=True)

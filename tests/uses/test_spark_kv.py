@@ -1,0 +1,194 @@
+"""KV mode's shards and rows without a Spark session: the data source's writer and reader are
+plain Python (a task's writer, the driver's commit, the planning and each partition's read).
+
+A KV shard is made a batch of rows at a time (a buffer per column, the header text in one
+pass): it must be the very file stream_st's general writer makes of the same tensors in the
+same order, and read back row for row, whatever the layout of the shards read (tensors of a
+column back to back, or a row's tensors together as another writer lays them out), with its
+digests checked.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+pytest.importorskip("pyspark")
+pa = pytest.importorskip("pyarrow")
+
+from pyspark.sql.types import (  # noqa: E402
+    ArrayType,
+    FloatType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
+from safetensors.numpy import load_file  # noqa: E402
+
+import pyspark_safetensors  # noqa: E402
+import stream_st  # noqa: E402
+from pyspark_safetensors._write import SafetensorsWriter, WriteOptions  # noqa: E402
+
+from ..servers.http_server import RangeHTTPServer  # noqa: E402
+
+SCHEMA = StructType(
+    [
+        StructField("name", StringType()),
+        StructField("n", LongType()),
+        StructField("x", ArrayType(FloatType())),
+    ]
+)
+
+
+def batch(names: list[str], widths: list[int] | None = None) -> Any:
+    """Rows ``names``: ``n`` its position, ``x`` that many floats (``widths``: each row's
+    count; default 3)."""
+    widths = widths or [3] * len(names)
+    return pa.record_batch(
+        {
+            "name": pa.array(names, pa.string()),
+            "n": pa.array(range(len(names)), pa.int64()),
+            "x": pa.array(
+                [[float(i) + j / 4 for j in range(w)] for i, w in enumerate(widths)],
+                pa.list_(pa.float32()),
+            ),
+        }
+    )
+
+
+def write(path: Path, tasks: list[list[Any]], **options: str) -> None:
+    """The tasks' batches written as a KV dataset at ``path``, committed as Spark would."""
+    parsed = WriteOptions.parse({"path": str(path), "name_col": "name", **options}, SCHEMA)
+    writer = SafetensorsWriter(parsed, overwrite=True)
+    writer.commit([writer.write(iter(batches)) for batches in tasks])
+
+
+def shards(path: Path) -> list[Path]:
+    manifest = json.loads((path / "dataset_manifest.json").read_text())
+    return [path / entry["shard_path"] for entry in manifest["shards"]]
+
+
+def read(path: Path | str, **options: str) -> list[dict[str, Any]]:
+    """Every row a read gives, through the planning and each partition's read."""
+    source = pyspark_safetensors.SafetensorsDataSource({"path": str(path), **options})
+    reader: Any = source.reader(source.schema())
+    out: list[dict[str, Any]] = []
+    for partition in reader.partitions():
+        for part in reader.read(partition):
+            out += part.to_pylist()
+    return out
+
+
+@pytest.mark.parametrize("checksums", ["false", "true"])
+def test_a_kv_shard_is_the_file_the_general_writer_makes(tmp_path: Path, checksums: str) -> None:
+    # a batch of rows alike, then one of rows of different widths (taken row by row)
+    write(tmp_path, [[batch(["a", "b"]), batch(["c", "d"], [1, 2])]], checksums=checksums)
+    (shard,) = shards(tmp_path)
+    arrays = load_file(str(shard))  # the reference reads it
+    header = anyio.run(stream_st.read_header, str(shard))
+    # each block of rows a column after another, each column's rows in order
+    order = ["a__n", "b__n", "a__x", "b__x", "c__n", "c__x", "d__n", "d__x"]
+    assert header.names() == order
+    assert arrays["d__x"].tolist() == [1.0, 1.25] and arrays["b__n"].tolist() == 1
+    general = {key: arrays[key] for key in order}
+    other = tmp_path / "general.safetensors"
+    anyio.run(
+        lambda: stream_st.save(str(other), general, order="plan", checksums=checksums == "true")
+    )
+    assert shard.read_bytes() == other.read_bytes()
+
+
+def test_last_win_keeps_the_later_row_in_its_place(tmp_path: Path) -> None:
+    write(tmp_path, [[batch(["a", "b", "a"]), batch(["b", "c"])]], duplicatesStrategy="lastWin")
+    (shard,) = shards(tmp_path)
+    header = anyio.run(stream_st.read_header, str(shard))
+    assert header.names() == ["a__n", "a__x", "b__n", "b__x", "c__n", "c__x"]
+    arrays = load_file(str(shard))
+    assert {key: value.tolist() for key, value in arrays.items() if key.endswith("__n")} == {
+        "a__n": 2,
+        "b__n": 0,
+        "c__n": 1,
+    }
+    rows = read(tmp_path)
+    assert [(row["name"], row["n"]) for row in rows] == [("a", 2), ("b", 0), ("c", 1)]
+    with pytest.raises(stream_st.WriterError, match="'a__n' is written twice"):
+        write(tmp_path / "fail", [[batch(["a", "b", "a"])]])
+
+
+def test_rows_come_back_in_order_across_partitions(tmp_path: Path) -> None:
+    names = [f"k{i}" for i in range(300)]
+    # two tasks; a batch of rows alike (20 kB each: partitions of 1 MB cut it), one of rows of
+    # two widths
+    write(
+        tmp_path,
+        [
+            [batch(names[:100], [5000] * 100), batch(names[100:150], [4, 2] * 25)],
+            [batch(names[150:])],
+        ],
+    )
+    options = {"path": str(tmp_path), "max_partition_mb": "1"}
+    source = pyspark_safetensors.SafetensorsDataSource(options)
+    assert len(source.reader(source.schema()).partitions()) == 2  # 52 rows of 20 kB, the rest
+    rows = read(tmp_path, max_partition_mb="1")
+    assert [row["name"] for row in rows] == names
+    assert rows[99]["x"][:2] == [99.0, 99.25] and len(rows[99]["x"]) == 5000
+    assert rows[120]["x"] == [20.0, 20.25, 20.5, 20.75] and rows[121]["x"] == [21.0, 21.25]
+    assert rows[299] == {"name": "k299", "n": 149, "x": [149.0, 149.25, 149.5]}
+    assert read(tmp_path, columns="n")[5] == {"name": "k5", "n": 5}
+
+
+def test_rows_of_shards_laid_out_otherwise_and_names_without_a_column(tmp_path: Path) -> None:
+    """A shard whose rows each hold their tensors together (another writer's order) is read run
+    by run; an append of other names without column ``x`` reads null there."""
+    write(tmp_path, [[batch(["a", "b", "c"])]])
+    (shard,) = shards(tmp_path)
+    arrays = load_file(str(shard))
+    interleaved = {f"{n}__{c}": arrays[f"{n}__{c}"] for n in "abc" for c in ("n", "x")}
+    anyio.run(lambda: stream_st.save(str(shard), interleaved, order="plan"))
+    manifest = tmp_path / "dataset_manifest.json"
+    document = json.loads(manifest.read_text())
+    document["shards"][0]["bytes"] = shard.stat().st_size
+    manifest.write_text(json.dumps(document))
+    only_n = StructType([StructField("name", StringType()), StructField("n", IntegerType())])
+    parsed = WriteOptions.parse({"path": str(tmp_path), "name_col": "name"}, only_n)
+    writer = SafetensorsWriter(parsed, overwrite=False)
+    extra = pa.record_batch({"name": ["d"], "n": pa.array([7], pa.int32())})
+    writer.commit([writer.write(iter([extra]))])
+    rows = read(tmp_path)
+    assert rows == [
+        {"name": "a", "n": 0, "x": [0.0, 0.25, 0.5]},
+        {"name": "b", "n": 1, "x": [1.0, 1.25, 1.5]},
+        {"name": "c", "n": 2, "x": [2.0, 2.25, 2.5]},
+        {"name": "d", "n": 7, "x": None},
+    ]
+
+
+def test_a_damaged_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
+    write(tmp_path, [[batch(["a", "b", "c"])]], checksums="true")
+    (shard,) = shards(tmp_path)
+    header = anyio.run(stream_st.read_header, str(shard))
+    assert read(tmp_path)[1]["x"] == [1.0, 1.25, 1.5]
+    damaged = bytearray(shard.read_bytes())
+    damaged[header.data_start + header["b__x"].start] ^= 1
+    shard.write_bytes(bytes(damaged))
+    with pytest.raises(stream_st.IntegrityError, match=r"'b__x' .* does not match its xxh3-128"):
+        read(tmp_path)
+
+
+def test_rows_read_over_http_with_ranged_requests(tmp_path: Path) -> None:
+    write(tmp_path, [[batch(["a", "b"])], [batch(["c"])]], checksums="true")
+    with RangeHTTPServer() as server:
+        for path in tmp_path.iterdir():
+            server.objects[f"/ds/{path.name}"] = path.read_bytes()
+        rows = read(server.url("/ds/dataset_manifest.json"))
+    assert [(row["name"], row["n"], row["x"][1]) for row in rows] == [
+        ("a", 0, 0.25),
+        ("b", 1, 1.25),
+        ("c", 0, 0.25),
+    ]
