@@ -145,3 +145,34 @@ def test_a_killed_writer_leaves_nothing(tmp_path: Path) -> None:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=10)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("where", ["link", "open"])
+def test_an_interrupt_as_the_temporary_gets_its_name_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A signal's exception (Ctrl-C) raised just as the system call that names the temporary
+    returns: the name is removed with the rest, the old file stays."""
+    import stream_st.numpy as st_np
+
+    st_np.save_file({"a": np.ones(4, np.float32)}, tmp_path / "warm.safetensors")  # probes done
+    dst = tmp_path / "x.safetensors"
+    dst.write_bytes(b"OLD")
+    if where == "open":
+        monkeypatch.setattr(file_sink, "_open_nameless", lambda directory: None)
+    real = getattr(os, where)
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        done = real(*args, **kwargs)
+        if str(args[1 if where == "link" else 0]).endswith(".tmp"):
+            if where == "open":
+                os.close(done)
+            raise KeyboardInterrupt
+        return done
+
+    monkeypatch.setattr(os, where, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        st_np.save_file({"a": np.ones(1 << 16, np.float32)}, dst)
+    monkeypatch.undo()
+    assert dst.read_bytes() == b"OLD"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["warm.safetensors", "x.safetensors"]

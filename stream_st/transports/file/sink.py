@@ -388,6 +388,10 @@ class FileSink(Sink):
                 raise TransportError(
                     f"cannot create a file in {directory}: {exc.strerror}", url=self.name
                 ) from exc
+            except BaseException:  # an interrupt as the file was made: no sink owns it yet
+                with contextlib.suppress(OSError):
+                    os.unlink(self.temp_path)
+                raise
         self._fd = fd
         if existing is not None:  # the new file takes the old one's permission bits
             with contextlib.suppress(OSError):  # a file system without them: keep the default
@@ -552,10 +556,13 @@ class FileSink(Sink):
                     self._close_fd()
                 return
             while self.temp_path is None:
-                name = _temp_name(directory, base)
-                with contextlib.suppress(FileExistsError):  # 48 random bits collided
-                    _link(self._fd, directory, os.path.basename(name))
-                    self.temp_path = name
+                # Named before the link: an interrupt (a signal's exception) raised as the link
+                # returns still finds the name to remove.
+                self.temp_path = _temp_name(directory, base)
+                try:
+                    _link(self._fd, directory, os.path.basename(self.temp_path))
+                except FileExistsError:  # 48 random bits collided: that name is not ours
+                    self.temp_path = None
         self._close_fd()
         os.replace(self.temp_path, self._target)
 
