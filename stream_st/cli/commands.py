@@ -493,12 +493,14 @@ def _report_copy(
     statistics with ``--stats``; with ``--json``, one record on standard output instead."""
     if args.json:
         record = {"source": redact(args.src), "destination": redact(args.dst), **record}
+        if "written" in record:
+            record["written"] = [redact(address) for address in record["written"]]
         if args.stats and load is not None:
             record["load"] = load.to_json()
         print_json(record)
         return
     if not args.quiet:
-        print(done, file=sys.stderr)
+        print(redact(done), file=sys.stderr)
     if args.stats and load is not None:
         print(f"load: {load.summary()}", file=sys.stderr)
 

@@ -4,8 +4,10 @@ in: a heading, a hash line, a JSON record, an error."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from safetensors.numpy import load_file
 
 from stream_st.cli import main
 
@@ -46,3 +48,23 @@ def test_no_password_in_an_error(
     assert main(["inspect", url]) == 2
     out, err = capsys.readouterr()
     assert SECRET not in out + err and "alice:***@" in err
+
+
+@pytest.mark.parametrize("flags", [[], ["--json"]])
+def test_no_password_in_what_cp_prints(
+    protected: BasicAuthServer,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    flags: list[str],
+) -> None:
+    """A copy's line and record (a mirror's shards too) name the destination without it."""
+    one = tmp_path / "one.safetensors"
+    one.write_bytes(protected.objects["/m.safetensors"])
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": dict.fromkeys(load_file(one), one.name)}))
+    for src, dst in ((one, "/copy.safetensors"), (index, "/mirror/")):
+        assert main(["cp", *flags, str(src), with_credentials(protected.url(dst))]) == 0
+        out, err = capsys.readouterr()
+        assert SECRET not in out + err and "alice:***@" in out + err
+        if flags:
+            json.loads(out)
