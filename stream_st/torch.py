@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Unpack
 
 from .compat import _local, _shared
-from .compat._errors import InvalidTensorsError
+from .compat._errors import InvalidTensorsError, MetaTensorError
 from .core.arrays import is_torch_tensor, load_torch, torch_device
 from .errors import UsageError
 
@@ -288,7 +288,7 @@ def _checked(tensors: object) -> Mapping[str, Any]:
                 "time, or simply call `.contiguous()` on your tensor to pack it before saving."
             )
         if tensor.is_meta:
-            raise UsageError(
+            raise MetaTensorError(
                 f"Cannot copy out of meta tensor: {name!r} is on the meta device and holds no "
                 "data to write"
             )

@@ -14,6 +14,7 @@ from ..errors import SafetensorsError, SourceNotFoundError, UsageError
 __all__ = [
     "FileClosedError",
     "InvalidTensorsError",
+    "MetaTensorError",
     "NoSuchFileError",
     "SafetensorError",
     "SliceError",
@@ -47,6 +48,11 @@ class SliceTypeError(SafetensorsError, TypeError):
 
 class SliceValueError(SafetensorsError, ValueError):
     """A slice torch refuses in ``get_slice(name)[...]``: a step of zero, or negative."""
+
+
+class MetaTensorError(UsageError, NotImplementedError):
+    """A tensor on the ``meta`` device given to save: it holds no data (a ``NotImplementedError``,
+    as the reference raises)."""
 
 
 class FileClosedError(UsageError):

@@ -157,6 +157,16 @@ def test_arguments_of_the_wrong_type_are_type_errors(tmp_path: Path) -> None:
     assert not dst.exists()
 
 
+def test_a_meta_tensor_is_not_implemented_as_in_the_reference(tmp_path: Path) -> None:
+    dst = tmp_path / "x.safetensors"
+    meta = {"a": torch.empty(3, device="meta")}
+    raises_the_reference_s_type(partial(st_pt.save, meta), partial(ref_pt.save, meta))
+    raises_the_reference_s_type(
+        partial(st_pt.save_file, meta, dst), partial(ref_pt.save_file, meta, dst)
+    )
+    assert not dst.exists()
+
+
 class NonContiguous(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
