@@ -42,6 +42,7 @@ from ..core.header import (
     parse_header,
     parse_header_length,
 )
+from ..core.stats import LoadStats, record_last
 from ..errors import TrailingDataError, TransportError, TruncatedStreamError, UsageError
 from ..memory.fresh import fresh_bytes
 from ..transports.file.pread import pread_fully
@@ -261,8 +262,16 @@ def load_mapped(
     path = local_path(src)
     if path is None:
         return None
+    stats = LoadStats()
+    stats.begin()
     file = LocalFile(path, verify=verify)
-    return {info.name: file.tensor(info, torch) for info in file.header.tensors}
+    stats.received(file.header.data_start)
+    tensors = {}
+    for info in file.header.tensors:
+        tensors[info.name] = file.tensor(info, torch)
+        stats.handed(info.nbytes)
+    record_last(stats)  # what last_stats() gives, as a streamed load_file leaves it
+    return tensors
 
 
 def _capped() -> bool:

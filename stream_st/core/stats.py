@@ -11,7 +11,7 @@ the header arrives and as each tensor is handed out; read it during the read or 
 A sharded stream's shards all report to the sharded stream's one object.
 
 Calls that read without handing you a stream (:func:`stream_st.load`, the drop-ins'
-``load_file``, ``load`` and ``safe_open``, :func:`stream_st.tools.cp`) leave theirs for
+``load_file`` and ``load``, :func:`stream_st.tools.cp`) leave theirs for
 :func:`last_stats`, as the seed's ``get_last_stats()`` does::
 
     state = stream_st.torch.load_file("s3://bucket/model.safetensors")

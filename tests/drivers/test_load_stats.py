@@ -11,7 +11,7 @@ import numpy as np
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st import LoadStats
+from stream_st import LoadStats, tools
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 
@@ -126,7 +126,7 @@ async def test_calls_without_a_stream_leave_their_stats_for_last_stats(tmp_path:
     stats = stream_st.last_stats()
     assert stats is not None and stats.tensors == 3
     assert stats.bytes_read == path.stat().st_size
-    copied = await stream_st.tools.cp(path, str(tmp_path / "copy.safetensors"), include=["a"])
+    copied = await tools.cp(path, str(tmp_path / "copy.safetensors"), include=["a"])
     assert copied.load.tensors == 1 and copied.load is stream_st.last_stats()
 
 
@@ -137,7 +137,7 @@ async def test_a_mirrored_checkpoint_reports_its_shards_together(tmp_path: Path)
     weight_map = {name: shard for shard, arrays in shards.items() for name in arrays}
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    await stream_st.tools.mirror(str(index), str(tmp_path / "out") + "/")
+    await tools.mirror(str(index), str(tmp_path / "out") + "/")
     stats = stream_st.last_stats()
     assert stats is not None and stats.tensors == 4
     assert stats.bytes_read == sum((tmp_path / shard).stat().st_size for shard in shards)
@@ -150,3 +150,16 @@ def test_total_of_no_tensor_then_some() -> None:
     total = LoadStats.total([empty, full])
     assert (total.seconds, total.first_tensor_seconds) == (3.0, 1.5)
     assert LoadStats.total([empty]).first_tensor_seconds is None
+
+
+def test_the_drop_in_s_load_file_leaves_its_stats(tmp_path: Path) -> None:
+    import stream_st.numpy
+    import stream_st.torch
+
+    path = write(tmp_path / "m.safetensors")
+    for load_file in (stream_st.numpy.load_file, stream_st.torch.load_file):
+        before = stream_st.last_stats()
+        load_file(path)
+        stats = stream_st.last_stats()
+        assert stats is not None and stats is not before
+        assert (stats.tensors, stats.bytes_read) == (3, path.stat().st_size)
