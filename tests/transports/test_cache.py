@@ -211,7 +211,9 @@ async def test_include_keeps_what_it_fetched_and_a_full_read_fetches_the_rest(
     second = body_bytes(server)
     first_range = 64 << 10  # each read's first request (the freshness check) asks for 64 KiB
     assert second <= len(DATA) - t1.nbytes + first_range  # t1 came from the partial copy
-    assert first + second <= len(DATA) + 2 * first_range
+    # Each byte fetched about once: the server may have sent a piece more of a range into the
+    # socket than the reader took before it let the connection go (seen once in a loaded run).
+    assert first + second <= len(DATA) + 3 * first_range
     (copy,) = (tmp_path / "objects").rglob("*.safetensors")
     assert copy.read_bytes() == DATA
     arrays, state = await read(url, cache=tmp_path)
