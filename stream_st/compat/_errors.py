@@ -15,6 +15,7 @@ __all__ = [
     "FileClosedError",
     "InvalidTensorsError",
     "MetaTensorError",
+    "NegativeSizeError",
     "NoSuchFileError",
     "SafetensorError",
     "SliceError",
@@ -30,6 +31,11 @@ SafetensorError = SafetensorsError
 class InvalidTensorsError(UsageError, ValueError):
     """What was given to save is not a dict of dense, contiguous tensors: the reference's
     ``ValueError`` (and stream_st's :class:`~stream_st.UsageError`, as before)."""
+
+
+class NegativeSizeError(SafetensorsError, OverflowError):
+    """A negative dimension or length given to :class:`~stream_st.compat.TensorSpec` (the
+    reference's ``OverflowError``: it takes them as unsigned)."""
 
 
 class WrongTypeError(SafetensorsError, TypeError):

@@ -41,7 +41,7 @@ from ..transports.file.sink import FileSink, replaced
 from ..transports.file.source import path_from_url
 from ..transports.registry import SinkLike, scheme_of
 from ..writer import lay_out, open_writer
-from ._errors import WrongTypeError
+from ._errors import NegativeSizeError, WrongTypeError
 
 __all__ = [
     "TensorSpec",
@@ -95,6 +95,8 @@ class TensorSpec:
                 "(or a safetensors code)"
             )
         dims = list(integer_shape(shape))
+        if any(dim < 0 for dim in dims):
+            raise NegativeSizeError(f"can't convert negative int to unsigned: shape {dims}")
         if code == "F4" and dims:
             dims[-1] *= 2
         if data_ptr < 0 or data_len < 0:

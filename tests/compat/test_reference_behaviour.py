@@ -508,7 +508,21 @@ def test_serialize_and_deserialize_as_the_reference(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "shape",
-    [[1.9], ["1"], [np.float64(2.0)], [2.0], 5, None, "12", [np.int64(2)], (2, 3), [True], []],
+    [
+        [1.9],
+        ["1"],
+        [np.float64(2.0)],
+        [2.0],
+        5,
+        None,
+        "12",
+        [np.int64(2)],
+        (2, 3),
+        [True],
+        [],
+        [-1],
+        [3, -2],
+    ],
 )
 def test_a_tensor_spec_s_shape_is_taken_as_the_reference_takes_it(shape: Any) -> None:
     """Integers (Python's, numpy's: anything with ``__index__``) and nothing else: a float is
