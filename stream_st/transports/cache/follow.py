@@ -35,7 +35,7 @@ import anyio.to_thread
 from ..._util import process_running
 from ...errors import SourceChangedError
 from ..base import Source
-from ..file.pread import pread_fully
+from ..file.pread import pread_soon
 from .layout import ObjectEntry
 from .store import EntryLock, Record, read_json, remove_quietly, write_json
 
@@ -51,9 +51,6 @@ POLL = 0.01
 STALL = 30.0
 """Seconds without a byte written after which a follower stops waiting for the writer and reads
 the rest from the server itself."""
-
-INLINE = 256 << 10
-"""Reads of the copy up to this size are made on the event loop's thread."""
 
 
 class Growing:
@@ -232,10 +229,7 @@ class FollowSource(Source):
             view = buffer[filled : min(end, self._available()) - offset]
             fd = self._fd
             assert fd is not None
-            if len(view) <= INLINE:
-                got = pread_fully(fd, view, at)
-            else:
-                got = await anyio.to_thread.run_sync(pread_fully, fd, view, at)
+            got = await pread_soon(fd, view, at)
             if got < len(view):  # the copy is shorter than the writer said
                 await self._read_by_itself()
             filled += got

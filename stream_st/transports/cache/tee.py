@@ -41,7 +41,7 @@ from ..._util import call_soon_from_thread
 from ...core.digests import Hasher, ObjectDigest, update_sliced
 from ...errors import IntegrityError
 from ..base import DISCARD_CHUNK, Source
-from ..file.pread import pread_fully
+from ..file.pread import pread_soon
 from ..options import Transport
 from .follow import Growing
 from .store import EntryLock, RangeSet, Record, hash_file, new_hasher, now, remove_quietly
@@ -333,10 +333,7 @@ class CopyWriter:
         """Fill ``view`` from the partial copy (bytes it holds) at ``offset``."""
         fd = self._fd
         assert fd is not None
-        if len(view) <= INLINE:
-            got = pread_fully(fd, view, offset)
-        else:
-            got = await anyio.to_thread.run_sync(pread_fully, fd, view, offset)
+        got = await pread_soon(fd, view, offset)
         await self.took(offset, view[:got], fresh=False)
         return got
 
