@@ -34,11 +34,9 @@ from typing import Any
 import anyio.to_thread
 
 from .._api import load
-from ..core.arrays import as_array, spec_of
 from ..core.digests import ALGORITHM_KEY, Digests, digests_for
-from ..core.dtypes import wire_bytes
 from ..core.header import Header
-from ..core.layout import TensorSpec, build_header, plan_order
+from ..core.layout import TensorSpec, build_header
 from ..core.shards import INDEX_SUFFIX, is_index, shard_address
 from ..errors import (
     SourceChangedError,
@@ -48,6 +46,7 @@ from ..errors import (
 from ..sharded.reader import ShardIndex
 from ..tools.common import command_clock, headers_of, merged_metadata, model_sources, tensors_of
 from ..tools.cp import _copied_digests
+from ..writer import lay_out
 
 __all__ = ["Piece", "ServedObject", "SourceFile", "Tensors", "served_object"]
 
@@ -289,19 +288,12 @@ def _recorded(header: Header) -> bool:
 async def _from_tensors(
     tensors: Tensors, name: str, metadata: Mapping[str, str] | None, checksums: bool | str | None
 ) -> ServedObject:
-    arrays = {key: as_array(value, key) for key, value in tensors.items()}
-    specs = plan_order(spec_of(key, tensors[key], array) for key, array in arrays.items())
-    names = [spec.name for spec in specs]
-    digests = digests_for(True if checksums is None else checksums)
-    recorded: Mapping[str, str] | None = metadata
-    if digests is not None:
-        computed = await anyio.to_thread.run_sync(Digests.compute, arrays, digests.algorithm)
-        recorded = computed.add_to(metadata, names)
-    head, header = build_header(specs, recorded)
+    checksums = True if checksums is None else checksums
+    # The file save() writes of the same dict; digests, one pass over every array, off the loop.
+    head, header, data = await anyio.to_thread.run_sync(lay_out, tensors, metadata, checksums)
     pieces = [Piece(0, len(head), data=memoryview(head))]
-    for info in header.tensors:
-        view = wire_bytes(arrays[info.name])
+    for info, view in zip(header.tensors, data, strict=True):
         start = header.data_start + info.start
         pieces.append(Piece(start, start + len(view), data=view))
-    etag = _etag(head, [], unique=digests is None)
+    etag = _etag(head, [], unique=digests_for(checksums) is None)
     return ServedObject(name, header, pieces, etag)
