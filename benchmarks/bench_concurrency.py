@@ -47,7 +47,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_peers_remote import BUCKET, CREDENTIALS, _status_kib, digest, expected_digests
+from bench_peers_remote import (
+    BUCKET,
+    CREDENTIALS,
+    _status_kib,
+    child_result,
+    digest,
+    expected_digests,
+)
 from bench_read import big_file, ensure_file, touch
 from netns_store import NetnsStore, StoreUnavailable
 
@@ -110,12 +117,7 @@ def run_child(variant: str, medium: str, endpoint: str) -> dict[str, Any]:
         check=False,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    lines = done.stdout.strip().splitlines()
-    if done.returncode or not lines:
-        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return {"error": f"exit {done.returncode}: {tail}"}
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    return child_result(done)
 
 
 def measure(

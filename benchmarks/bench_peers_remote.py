@@ -339,6 +339,12 @@ def run_child(variant: str, k: int, key: str, store: NetnsStore, part: int) -> d
         text=True,
         check=False,
     )
+    return child_result(done)
+
+
+def child_result(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """A child run's JSON record (its last line of output), or ``{"error": ...}`` saying how it
+    failed."""
     lines = done.stdout.strip().splitlines()
     if done.returncode or not lines:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
