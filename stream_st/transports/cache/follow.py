@@ -35,9 +35,8 @@ import anyio.to_thread
 from ..._util import process_running
 from ...errors import SourceChangedError
 from ..base import Source
-from ..file.pread import pread_soon
 from .layout import ObjectEntry
-from .store import EntryLock, Record, read_json, remove_quietly, write_json
+from .store import EntryLock, Record, pread_soon, read_json, remove_quietly, write_json
 
 __all__ = ["POLL", "PUBLISH_STEP", "STALL", "FollowSource", "Growing", "follow"]
 

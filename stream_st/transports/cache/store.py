@@ -33,6 +33,7 @@ import anyio.to_thread
 from ...core.digests import Hasher, update_sliced
 from ...core.strict_json import decode_json
 from ...errors import SafetensorsError, UsageError
+from ..file.pread import pread_fully
 from ..options import Clock
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "hash_file",
     "new_hasher",
     "now",
+    "pread_soon",
     "read_json",
     "remove_quietly",
     "touch",
@@ -289,3 +291,16 @@ class RangeSet:
 
 def now() -> float:
     return time.time()
+
+
+PREAD_INLINE = 256 << 10
+""":func:`pread_soon` reads up to this many bytes of a copy on the event loop's thread."""
+
+
+async def pread_soon(fd: int, buffer: memoryview, offset: int) -> int:
+    """:func:`~stream_st.transports.file.pread.pread_fully` of a copy from async code: on the
+    event loop's thread for a read of at most :data:`PREAD_INLINE` bytes (cheaper than a thread
+    hop), else in a worker thread."""
+    if len(buffer) <= PREAD_INLINE:
+        return pread_fully(fd, buffer, offset)
+    return await anyio.to_thread.run_sync(pread_fully, fd, buffer, offset)

@@ -41,10 +41,18 @@ from ..._util import call_soon_from_thread
 from ...core.digests import Hasher, ObjectDigest, update_sliced
 from ...errors import IntegrityError
 from ..base import DISCARD_CHUNK, Source
-from ..file.pread import pread_soon
 from ..options import Transport
 from .follow import Growing
-from .store import EntryLock, RangeSet, Record, hash_file, new_hasher, now, remove_quietly
+from .store import (
+    EntryLock,
+    RangeSet,
+    Record,
+    hash_file,
+    new_hasher,
+    now,
+    pread_soon,
+    remove_quietly,
+)
 
 __all__ = ["PIECE", "CopyWriter", "Destination", "TeeSource"]
 
