@@ -22,7 +22,7 @@ from .sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from .transports.cache import Cache, CacheLike
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import SinkLike, SourceLike
-from .writer import Order, TensorWriter
+from .writer import Order, TensorWriter, local_destination, save_in_thread
 
 if TYPE_CHECKING:
     from .sharded.ranks import Slices
@@ -70,6 +70,12 @@ async def save(
     """
     if not isinstance(tensors, Mapping):
         raise UsageError(f"save takes a mapping of names to arrays, got {type(tensors).__name__}")
+    if not options and not isinstance(checksums, Digests):
+        path = local_destination(dst)
+        if path is not None:  # every array in memory: written at once, off the loop
+            return await save_in_thread(
+                tensors, path, metadata, checksums, order=order, fsync=fsync
+            )
     arrays = {name: as_array(array, name) for name, array in tensors.items()}
     plan = [spec_of(name, tensors[name], array) for name, array in arrays.items()]
     writer = TensorWriter(

@@ -15,6 +15,9 @@ fails after every tensor went out leaves its peer one byte short, never with a c
 
 from __future__ import annotations
 
+import itertools
+import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Literal, Self, Unpack
@@ -28,11 +31,22 @@ from .core.digests import Digests, OrderedHash, digests_for
 from .core.dtypes import dtype_for, wire_bytes
 from .core.header import Header, TensorInfo
 from .core.layout import TensorSpec, _plan_list, build_header, plan_order
-from .errors import UsageError, WriterError
+from .errors import SafetensorsError, UnsupportedSinkError, UsageError, WriterError
+from .transports.file.sink import FileSink, replaced
+from .transports.file.source import path_from_url
 from .transports.options import Clock, TransportOptions, clock_of
-from .transports.registry import Sink, SinkLike, open_sink
+from .transports.registry import Sink, SinkLike, open_sink, scheme_of
 
-__all__ = ["Order", "TensorParts", "TensorWriter", "lay_out", "open_writer"]
+__all__ = [
+    "Order",
+    "TensorParts",
+    "TensorWriter",
+    "lay_out",
+    "local_destination",
+    "open_writer",
+    "save_at_once",
+    "save_in_thread",
+]
 
 Order = Literal["plan", "reference"]
 """``"plan"``: tensors laid out in the order given. ``"reference"``: ordered as the reference
@@ -641,20 +655,129 @@ def lay_out(
     tensors: Mapping[str, Any],
     metadata: Mapping[str, str] | None = None,
     checksums: bool | str = False,
+    order: Order = "reference",
 ) -> tuple[bytes, Header, Iterator[memoryview]]:
-    """A message of ``{name: array}`` laid out as the reference writer lays it out, for a write
-    at once with every array in memory: the bytes before the data, the header, and each
+    """A message of ``{name: array}`` laid out as :func:`~stream_st.save` lays it out, for a
+    write at once with every array in memory: the bytes before the data, the header, and each
     tensor's bytes in header order, made as they are taken (views of the arrays' memory where
     they are contiguous and little-endian, else a copy, one tensor at a time).
 
-    ``checksums`` as for :func:`open_writer`: the digests are computed from the arrays, one
-    pass over each, and recorded in the header. The same plan, header and errors as
+    ``order`` and ``checksums`` as for :func:`open_writer`: the digests are computed from the
+    arrays, one pass over each, and recorded in the header. The same plan, header and errors as
     :func:`~stream_st.save` of the same dict."""
+    if order not in ("plan", "reference"):
+        raise UsageError(f"order must be 'plan' or 'reference', got {order!r}")
     arrays = {name: as_array(value, name) for name, value in tensors.items()}
-    specs = plan_order(spec_of(name, tensors[name], array) for name, array in arrays.items())
+    entries = (spec_of(name, tensors[name], array) for name, array in arrays.items())
+    specs = plan_order(entries) if order == "reference" else _plan_list(entries)
     digests = digests_for(checksums)
     if digests is not None:
         digests = Digests.compute(arrays, digests.algorithm)
         metadata = digests.add_to(metadata, [spec.name for spec in specs])
     prefix, header = build_header(specs, metadata)
     return prefix, header, (wire_bytes(arrays[name]) for name in header.names())
+
+
+def local_destination(dst: object) -> str | None:
+    """The path of ``dst`` if it names a local file that a write replaces (a path or a
+    ``file://`` URL, where nothing or a regular file is), else None (a URL, a stream, a FIFO or
+    a device, written through in place; or a path the streamed write refuses, in its turn)."""
+    if isinstance(dst, os.PathLike):
+        dst = os.fspath(dst)
+    if not isinstance(dst, str):
+        return None
+    scheme = scheme_of(dst)
+    if scheme is not None and scheme != "file":
+        return None
+    try:
+        path = dst if scheme is None else path_from_url(dst, UnsupportedSinkError)
+        return path if replaced(path) else None
+    except SafetensorsError:
+        return None
+
+
+class _Abandoned(Exception):
+    """Raised in a write at once whose caller was cancelled: the write stops, nothing commits."""
+
+
+def save_at_once(
+    tensors: Mapping[str, Any],
+    path: str,
+    metadata: Mapping[str, str] | None = None,
+    checksums: bool | str = False,
+    *,
+    order: Order = "reference",
+    fsync: bool = False,
+    stop: Callable[[], bool] | None = None,
+) -> Header:
+    """Write ``tensors`` to the local file ``path`` (see :func:`local_destination`) at once, on
+    the calling thread, with no event loop: the file :func:`~stream_st.save` writes, with the
+    same errors, through the same temporary file and commit (:meth:`FileSink.write_whole
+    <stream_st.transports.file.sink.FileSink.write_whole>`). ``stop``, asked before each piece
+    is taken and once more after the last, ends the write with nothing committed when it says
+    so. Returns the header written."""
+    prefix, header, data = lay_out(tensors, metadata, checksums, order)
+    pieces: Iterable[memoryview] = itertools.chain([memoryview(prefix)], data)
+    if stop is not None:
+        pieces = _until(stop, pieces)
+    FileSink(path, fsync=fsync).write_whole(pieces, header.file_size)
+    return header
+
+
+def _until(stop: Callable[[], bool], pieces: Iterable[memoryview]) -> Iterator[memoryview]:
+    """``pieces``, but :class:`_Abandoned` raised from the iteration once ``stop()`` is true."""
+    for piece in pieces:
+        if stop():
+            raise _Abandoned
+        yield piece
+    if stop():
+        raise _Abandoned
+
+
+async def save_in_thread(
+    tensors: Mapping[str, Any],
+    path: str,
+    metadata: Mapping[str, str] | None = None,
+    checksums: bool | str = False,
+    *,
+    order: Order = "reference",
+    fsync: bool = False,
+) -> Header:
+    """:func:`save_at_once` in a worker thread, the event loop free meanwhile. Cancelled, it
+    asks the thread to stop, waits for it to have removed its temporary file, and lets the
+    cancellation through: nothing is committed unless the commit came first."""
+    cancelled = threading.Event()
+    outcome: list[Header | BaseException] = []
+
+    async def run() -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                outcome.append(
+                    await anyio.to_thread.run_sync(
+                        lambda: save_at_once(
+                            tensors,
+                            path,
+                            metadata,
+                            checksums,
+                            order=order,
+                            fsync=fsync,
+                            stop=cancelled.is_set,
+                        )
+                    )
+                )
+            except BaseException as exc:  # handed to the caller below
+                outcome.append(exc)
+            finished.set()
+
+    finished = anyio.Event()
+    async with task_group() as group:
+        group.start_soon(run)
+        try:
+            await finished.wait()
+        except anyio.get_cancelled_exc_class():
+            cancelled.set()  # the thread stops at its next piece; the group waits for it
+            raise
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result

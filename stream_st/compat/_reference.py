@@ -35,15 +35,14 @@ from ..reader import Include
 from ..reader.caps import NO_CAPS, Caps
 from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import Sink, SinkLike, SourceLike
+from ..writer import local_destination, save_at_once
 from ._checkpoint import Rows, _Checkpoint, _Options
 from ._errors import FileClosedError, InvalidTensorsError, NoSuchFileError, SliceError
 from ._local import LocalFile, local_path
 from ._serialize import (
     TensorSpec,
     check_metadata,
-    local_destination,
     save_bytes_now,
-    save_now,
     specs_of,
     write_specs,
 )
@@ -341,7 +340,7 @@ def save_file(
     checked = _checked_tensors(tensors)
     path = None if options else local_destination(dst)
     if path is not None:  # no event loop: see _serialize
-        save_now(checked, path, check_metadata(metadata), checksums)
+        save_at_once(checked, path, check_metadata(metadata), checksums)
         return
     run(_save, checked, dst, check_metadata(metadata), checksums, options)
 

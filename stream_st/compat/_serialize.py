@@ -1,7 +1,8 @@
 """The reference's low-level functions: :class:`TensorSpec`, :func:`serialize`,
 :func:`serialize_file` (tensors given as raw memory: an address and a length) and
 :func:`deserialize` (a file's bytes to ``(name, {"dtype", "shape", "data"})`` entries); and the
-direct paths of ``save_file`` and ``save`` (:func:`save_now`, :func:`save_bytes_now`).
+direct path of ``save`` (:func:`save_bytes_now`; ``save_file``'s is
+:func:`stream_st.writer.save_at_once`).
 
 Files are laid out as the reference lays them out, byte for byte. The memory a spec points at is
 read while the call runs: the caller keeps it alive, as with the reference.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,12 +34,9 @@ from ..errors import (
     SafetensorsError,
     TrailingDataError,
     TruncatedStreamError,
-    UnsupportedSinkError,
     UsageError,
 )
-from ..transports.file.sink import FileSink, replaced
-from ..transports.file.source import path_from_url
-from ..transports.registry import SinkLike, scheme_of
+from ..transports.registry import SinkLike
 from ..writer import lay_out, open_writer
 from ._errors import NegativeSizeError, WrongTypeError
 
@@ -47,9 +44,7 @@ __all__ = [
     "TensorSpec",
     "check_metadata",
     "deserialize",
-    "local_destination",
     "save_bytes_now",
-    "save_now",
     "write_specs",
 ]
 
@@ -193,36 +188,6 @@ async def write_specs(
                     f"data_len is {raw.nbytes}"
                 )
             await writer.write(info.name, raw.view(info.array_dtype).reshape(info.array_shape))
-
-
-def local_destination(dst: object) -> str | None:
-    """The path of ``dst`` if it names a local file that a write replaces (a path or a
-    ``file://`` URL, where nothing or a regular file is), else None (a URL, a stream, a FIFO or
-    a device, written through in place; or a path the streamed write refuses, in its turn)."""
-    if isinstance(dst, os.PathLike):
-        dst = os.fspath(dst)
-    if not isinstance(dst, str):
-        return None
-    scheme = scheme_of(dst)
-    if scheme is not None and scheme != "file":
-        return None
-    try:
-        path = dst if scheme is None else path_from_url(dst, UnsupportedSinkError)
-        return path if replaced(path) else None
-    except SafetensorsError:
-        return None
-
-
-def save_now(
-    tensors: Mapping[str, Any],
-    path: str,
-    metadata: Mapping[str, str] | None,
-    checksums: bool | str,
-) -> None:
-    """Write ``tensors`` to the local file ``path`` (see :func:`local_destination`) at once, with
-    no event loop: the file :func:`~stream_st.save` writes, with the same errors."""
-    prefix, header, data = lay_out(tensors, metadata, checksums)
-    FileSink(path).write_whole(itertools.chain([memoryview(prefix)], data), header.file_size)
 
 
 def save_bytes_now(

@@ -1,0 +1,111 @@
+"""``save`` to a local file: written at once in a worker thread, and what a cancellation leaves."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import stream_st
+from stream_st.writer import _Abandoned, save_at_once
+
+pytestmark = pytest.mark.anyio
+
+OLD = b"the previous content"
+
+
+def _tensors(count: int = 8) -> dict[str, Any]:
+    return {f"t{i}": np.full((64, 16), i, dtype=np.float32) for i in range(count)}
+
+
+def _left(directory: Path) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+class _Held:
+    """An array-like whose conversion waits until the test lets it go, so that a save can be
+    cancelled while its worker thread is busy with it."""
+
+    def __init__(self) -> None:
+        self.taken = threading.Event()
+        self.release = threading.Event()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
+        self.taken.set()
+        self.release.wait(10)
+        return np.arange(8, dtype=np.float32)
+
+
+async def test_save_matches_the_reference_and_keeps_its_options(tmp_path: Path) -> None:
+    tensors = _tensors()
+    target = tmp_path / "model.safetensors"
+    header = await stream_st.save(target, tensors, metadata={"k": "v"})
+    expected = safetensors.numpy.save(tensors, metadata={"k": "v"})
+    assert target.read_bytes() == expected
+    assert header.names() == list(sorted(tensors))
+    planned = await stream_st.save(target, tensors, order="plan", fsync=True, checksums=True)
+    assert planned.names() == list(tensors)
+    assert (await stream_st.read_header(target)).names() == list(tensors)
+    assert _left(tmp_path) == ["model.safetensors"]
+
+
+async def test_a_cancelled_save_leaves_the_previous_file(tmp_path: Path) -> None:
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(OLD)
+    held = _Held()
+    tensors = {**_tensors(), "zz": held}
+    scope = anyio.CancelScope()
+    finished = False
+
+    async def save() -> None:
+        nonlocal finished
+        with scope:
+            await stream_st.save(target, tensors)
+            finished = True
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(save)
+        await anyio.to_thread.run_sync(held.taken.wait, 10)
+        scope.cancel()
+        await anyio.sleep(0.05)  # the save waits for its thread, which holds the array-like
+        held.release.set()
+    assert not finished
+    assert target.read_bytes() == OLD
+    assert _left(tmp_path) == ["model.safetensors"]
+
+
+def test_a_stopped_write_commits_nothing(tmp_path: Path) -> None:
+    """``stop`` asked between pieces: the temporary file goes, the old file stays."""
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(OLD)
+    for after in range(4):  # stopped before the header, between tensors, after the last
+        asked = 0
+
+        def stop(after: int = after) -> bool:
+            nonlocal asked
+            asked += 1
+            return asked > after
+
+        with pytest.raises(_Abandoned):
+            save_at_once(_tensors(2), str(target), stop=stop)
+        assert target.read_bytes() == OLD
+        assert _left(tmp_path) == ["model.safetensors"]
+    save_at_once(_tensors(2), str(target), stop=lambda: False)
+    assert target.read_bytes() == safetensors.numpy.save(_tensors(2))
+
+
+async def test_errors_of_a_save_at_once_are_the_streamed_ones(tmp_path: Path) -> None:
+    target = tmp_path / "model.safetensors"
+    with pytest.raises(stream_st.UsageError):
+        await stream_st.save(target, {"a": np.zeros(2)}, order="sideways")  # type: ignore[arg-type]
+    with pytest.raises(stream_st.UsageError):
+        await stream_st.save(target, {"a": [[1, 2], [3]]})
+    with pytest.raises(stream_st.SafetensorsError):
+        await stream_st.save(tmp_path, {"a": np.zeros(2)})  # a directory
+    assert _left(tmp_path) == []
