@@ -143,13 +143,26 @@ def array_shape(dtype: DType, shape: Sequence[int]) -> tuple[int, ...]:
 
 NATIVE_IS_LITTLE = sys.byteorder == "little"
 
+_BUFFER_CHARS = frozenset("?" + np.typecodes["AllInteger"] + np.typecodes["Float"])
+"""numpy's own bool, integer and float types: their arrays export a buffer that
+:meth:`memoryview.cast` takes (not complex, whose format has two letters, nor ml_dtypes' types,
+which export none)."""
+
 
 def wire_bytes(array: np.ndarray[Any, Any]) -> memoryview:
     """A 1-D byte view of ``array`` as stored on the wire: C order, little-endian.
 
     No copy for a C-contiguous little-endian array (what the reader hands out); one otherwise.
     """
-    order = array.dtype.byteorder
+    dtype = array.dtype
+    order = dtype.byteorder
+    if (
+        dtype.char in _BUFFER_CHARS
+        and (order != ">" and NATIVE_IS_LITTLE)
+        and array.size
+        and array.flags.c_contiguous
+    ):
+        return array.data.cast("B")  # the buffer's own view: a third of the time of the below
     if order == ">" or (order == "=" and not NATIVE_IS_LITTLE):
         array = array.astype(array.dtype.newbyteorder("<"), order="C")
     elif not array.flags.c_contiguous:
