@@ -744,39 +744,39 @@ async def save_in_thread(
     fsync: bool = False,
 ) -> Header:
     """:func:`save_at_once` in a worker thread, the event loop free meanwhile. Cancelled, it
-    asks the thread to stop, waits for it to have removed its temporary file, and lets the
-    cancellation through: nothing is committed unless the commit came first."""
-    cancelled = threading.Event()
+    asks the thread to stop and waits for it: stopped before its commit, the thread has removed
+    its temporary file and the cancellation goes on; committed first, the write reports success
+    (as :class:`TensorWriter` does: the commit point decides), and the caller's cancel scope
+    cancels its next checkpoint."""
+    cancelled, ended = threading.Event(), threading.Event()
     outcome: list[Header | BaseException] = []
 
-    async def run() -> None:
-        with anyio.CancelScope(shield=True):
-            try:
-                outcome.append(
-                    await anyio.to_thread.run_sync(
-                        lambda: save_at_once(
-                            tensors,
-                            path,
-                            metadata,
-                            checksums,
-                            order=order,
-                            fsync=fsync,
-                            stop=cancelled.is_set,
-                        )
-                    )
-                )
-            except BaseException as exc:  # handed to the caller below
-                outcome.append(exc)
-            finished.set()
-
-    finished = anyio.Event()
-    async with task_group() as group:
-        group.start_soon(run)
+    def work() -> None:
         try:
-            await finished.wait()
-        except anyio.get_cancelled_exc_class():
-            cancelled.set()  # the thread stops at its next piece; the group waits for it
-            raise
+            outcome.append(
+                save_at_once(
+                    tensors,
+                    path,
+                    metadata,
+                    checksums,
+                    order=order,
+                    fsync=fsync,
+                    stop=cancelled.is_set,
+                )
+            )
+        except BaseException as exc:  # handed to the caller below
+            outcome.append(exc)
+        finally:
+            ended.set()
+
+    try:
+        await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
+    except anyio.get_cancelled_exc_class():
+        cancelled.set()  # the thread stops at its next piece
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(ended.wait)
+        if not isinstance(outcome[0], Header):
+            raise  # nothing committed: the call stays cancelled
     result = outcome[0]
     if isinstance(result, BaseException):
         raise result
