@@ -6,6 +6,7 @@ import os
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 import numpy as np
@@ -22,7 +23,7 @@ from .sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from .transports.cache import Cache, CacheLike
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import SinkLike, SourceLike
-from .writer import Order, TensorWriter, local_destination, save_in_thread
+from .writer import Order, TensorWriter, local_destination, run_stoppable, save_at_once
 
 if TYPE_CHECKING:
     from .sharded.ranks import Slices
@@ -73,8 +74,8 @@ async def save(
     if not options and not isinstance(checksums, Digests):
         path = local_destination(dst)
         if path is not None:  # every array in memory: written at once, off the loop
-            return await save_in_thread(
-                tensors, path, metadata, checksums, order=order, fsync=fsync
+            return await run_stoppable(
+                partial(save_at_once, tensors, path, metadata, checksums, order=order, fsync=fsync)
             )
     arrays = {name: as_array(array, name) for name, array in tensors.items()}
     plan = [spec_of(name, tensors[name], array) for name, array in arrays.items()]

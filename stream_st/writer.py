@@ -20,7 +20,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, Literal, Self, Unpack
+from typing import Any, Literal, Self, TypeVar, Unpack
 
 import anyio
 import numpy as np
@@ -44,8 +44,8 @@ __all__ = [
     "lay_out",
     "local_destination",
     "open_writer",
+    "run_stoppable",
     "save_at_once",
-    "save_in_thread",
 ]
 
 Order = Literal["plan", "reference"]
@@ -53,6 +53,8 @@ Order = Literal["plan", "reference"]
 writer does (descending dtype alignment, then name), giving byte-identical files."""
 
 _NEW, _OPEN, _COMMITTED, _ABORTED = "new", "open", "committed", "aborted"
+
+T = TypeVar("T")
 
 
 Mode = Literal["whole", "part", "begin"]
@@ -734,50 +736,32 @@ def _until(stop: Callable[[], bool], pieces: Iterable[memoryview]) -> Iterator[m
         raise _Abandoned
 
 
-async def save_in_thread(
-    tensors: Mapping[str, Any],
-    path: str,
-    metadata: Mapping[str, str] | None = None,
-    checksums: bool | str = False,
-    *,
-    order: Order = "reference",
-    fsync: bool = False,
-) -> Header:
-    """:func:`save_at_once` in a worker thread, the event loop free meanwhile. Cancelled, it
-    asks the thread to stop and waits for it: stopped before its commit, the thread has removed
-    its temporary file and the cancellation goes on; committed first, the write reports success
-    (as :class:`TensorWriter` does: the commit point decides), and the caller's cancel scope
-    cancels its next checkpoint."""
+async def run_stoppable(work: Callable[..., T]) -> T:
+    """``work(stop=...)`` in a worker thread, the event loop free meanwhile; ``work`` asks
+    ``stop()`` as it goes (as :func:`save_at_once` does). Cancelled, it sets ``stop`` and waits
+    for the thread: ended by ``stop`` or failed, the cancellation goes on; done first (a write
+    that committed), its result is returned (as :class:`TensorWriter`'s commit point decides)
+    and the caller's cancel scope cancels its next checkpoint."""
     cancelled, ended = threading.Event(), threading.Event()
-    outcome: list[Header | BaseException] = []
+    outcome: list[tuple[T] | BaseException] = []
 
-    def work() -> None:
+    def run() -> None:
         try:
-            outcome.append(
-                save_at_once(
-                    tensors,
-                    path,
-                    metadata,
-                    checksums,
-                    order=order,
-                    fsync=fsync,
-                    stop=cancelled.is_set,
-                )
-            )
+            outcome.append((work(stop=cancelled.is_set),))
         except BaseException as exc:  # handed to the caller below
             outcome.append(exc)
         finally:
             ended.set()
 
     try:
-        await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
+        await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
     except anyio.get_cancelled_exc_class():
-        cancelled.set()  # the thread stops at its next piece
+        cancelled.set()  # the thread stops at its next question
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(ended.wait)
-        if not isinstance(outcome[0], Header):
-            raise  # nothing committed: the call stays cancelled
+        if isinstance(outcome[0], BaseException):
+            raise  # stopped or failed: the call stays cancelled
     result = outcome[0]
     if isinstance(result, BaseException):
         raise result
-    return result
+    return result[0]
