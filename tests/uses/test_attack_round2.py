@@ -209,3 +209,13 @@ def test_saving_a_nested_tensor_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SafetensorsError, match="nested"):
         anyio.run(stream_st.save, str(tmp_path / "n2.safetensors"), {"n": nested})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_kv_layout_of_a_list_shape_sends(tmp_path: Path) -> None:
+    """A shape given as a list (as JSON gives it) was kept as a list, and every layer was then
+    refused: "layer 0 key has shape [1, 1, 2, 64], the layout says [1, 1, 2, 64]"."""
+    layout = KVLayout(1, [1, 1, 2, 64])  # type: ignore[arg-type]
+    assert layout == KVLayout(1, (1, 1, 2, 64))
+    layer = np.zeros((1, 1, 2, 64), np.float16)
+    anyio.run(stream_st.send_kv, str(tmp_path / "kv.safetensors"), layout, [(0, layer, layer)])
+    assert len(anyio.run(stream_st.load, str(tmp_path / "kv.safetensors"))) == 3
