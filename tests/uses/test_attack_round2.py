@@ -90,17 +90,27 @@ def test_a_stopping_signal_is_reported_even_when_the_command_then_fails() -> Non
     the hangup) stopped the command with exit status 2 and "stream ended": the signal's own
     status, 143 (129), is what a stopped command reports."""
 
-    async def fails_after_the_signal(args: argparse.Namespace) -> int:
-        os.kill(os.getpid(), signal.SIGTERM)
-        with anyio.CancelScope(shield=True):  # work in flight when the signal came
-            await anyio.sleep(0.2)
+    async def fails_as_the_signal_comes(args: argparse.Namespace) -> int:
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered, not yet handled by the event loop
         raise stream_st.TruncatedStreamError(
             "the header", name=None, offset=100, expected=288, source="/dev/stdin"
         )
 
-    with pytest.raises(_Stopped) as stopped:
-        anyio.run(_run, argparse.Namespace(handler=fails_after_the_signal))
-    assert stopped.value.signum == signal.SIGTERM
+    async def fails_after_the_signal(args: argparse.Namespace) -> int:
+        os.kill(os.getpid(), signal.SIGHUP)
+        with anyio.CancelScope(shield=True):  # work in flight when the signal came
+            await anyio.sleep(0.1)
+        raise stream_st.TruncatedStreamError(
+            "the header", name=None, offset=100, expected=288, source="/dev/stdin"
+        )
+
+    for handler, signum in (
+        (fails_as_the_signal_comes, signal.SIGTERM),
+        (fails_after_the_signal, signal.SIGHUP),
+    ):
+        with pytest.raises(_Stopped) as stopped:
+            anyio.run(_run, argparse.Namespace(handler=handler))
+        assert stopped.value.signum == signum
 
 
 # ------------------------------------------------------------------------------ validate
