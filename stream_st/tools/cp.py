@@ -475,19 +475,17 @@ async def mirror(
     weight_map: dict[str, str] = {}
     total = 0
     reads: list[LoadStats] = []
+    selected = shards.selector(include)  # every name include= lists is in the index
     try:
         for shard in shards.shards:
-            names = shards.names_in(shard)
-            if (
-                names is not None
-                and include is not None
-                and not any(included(include, n) for n in names)
-            ):
+            names = shards.names_in(shard)  # None for a manifest: include= is None then
+            wanted = None if include is None or names is None else sorted(filter(selected, names))
+            if wanted == []:
                 continue
             copied = await cp(
                 shard_address(shards.home, shard),
                 await opened_at(address_in(into, shard)),
-                include=include,
+                include=wanted,
                 dtype=dtype,
                 quantize=quantize,
                 dequantize=dequantize,
