@@ -38,6 +38,7 @@ from ..errors import (
     UsageError,
     redact,
 )
+from ..tools.common import naming
 from ..tools.cp import address_in
 from ..transports.file.sink import PipeSink
 from ..transports.registry import SinkLike
@@ -178,13 +179,15 @@ def parse_index(text: str) -> tuple[int | slice, ...]:
 async def run_show(args: argparse.Namespace) -> int:
     source = one_source_arg(args.source)
     try:
-        async with open_stream(source, include=[args.name], **options_of(args)) as stream:
-            async for _, array in stream:
-                show_values(args, array)
+        with naming(source):  # its own errors only, not the --slice's
+            async with open_stream(source, include=[args.name], **options_of(args)) as stream:
+                arrays = [array async for _, array in stream]  # the one tensor
     except TensorNotFoundError:
         raise UsageError(
             f"{args.source} has no tensor {args.name!r} (stream-st ls {args.source} lists them)"
         ) from None
+    for array in arrays:
+        show_values(args, array)
     return EXIT_OK
 
 
