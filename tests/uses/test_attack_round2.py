@@ -4,10 +4,12 @@ command's messages and exit statuses, sharded copies, the KV layout, saving torc
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -148,11 +150,11 @@ def test_cache_rm_takes_its_patterns_after_the_options(
 def sharded(tmp_path: Path) -> Path:
     home = tmp_path / "sharded"
     home.mkdir()
-    shards = {
+    shards: dict[str, dict[str, np.ndarray[Any, Any]]] = {
         "model-00001-of-00002.safetensors": {"a": np.arange(4, dtype=np.float32)},
         "model-00002-of-00002.safetensors": {"c": np.ones((2, 3), np.float16)},
     }
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for shard, tensors in shards.items():
         reference_numpy.save_file(tensors, str(home / shard))
         weight_map.update(dict.fromkeys(tensors, shard))
@@ -176,7 +178,9 @@ def test_mirroring_refuses_a_name_not_in_the_index(tmp_path: Path, sharded: Path
     out = tmp_path / "out"
     for include in (["nope"], ["a", "nope"]):
         with pytest.raises(TensorNotFoundError, match="nope"):
-            anyio.run(lambda: stream_st.tools.mirror(str(sharded), f"{out}/", include=include))
+            anyio.run(
+                functools.partial(stream_st.tools.mirror, include=include), str(sharded), f"{out}/"
+            )
         assert not out.exists()
 
 
