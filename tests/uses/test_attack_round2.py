@@ -21,6 +21,7 @@ from stream_st import KVLayout, SafetensorsError, TensorNotFoundError, UsageErro
 from stream_st.cli import main
 from stream_st.cli.app import _run, _Stopped
 
+from ..servers.http_server import RangeHTTPServer
 from ._cli import write_model
 
 
@@ -233,3 +234,19 @@ def test_kv_layout_of_a_list_shape_sends(tmp_path: Path) -> None:
     layer = np.zeros((1, 1, 2, 64), np.float16)
     anyio.run(stream_st.send_kv, str(tmp_path / "kv.safetensors"), layout, [(0, layer, layer)])
     assert len(anyio.run(stream_st.load, str(tmp_path / "kv.safetensors"))) == 3
+
+
+# --------------------------------------------------------- a destination folder with a query
+
+
+def test_cp_into_a_url_folder_with_a_query(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``cp m.safetensors 'http://host/up/?token=T'`` uploaded the file as the folder itself
+    (PUT /up/): a destination whose path ends in ``/`` is a folder, a query or not."""
+    model = write_model(tmp_path / "m.safetensors")
+    with RangeHTTPServer() as server:
+        assert main(["cp", "-q", str(model), server.url("/up/?token=T")]) == 0
+        assert server.objects.get("/up/m.safetensors") == model.read_bytes()
+        assert "/up/" not in server.objects
+    capsys.readouterr()
