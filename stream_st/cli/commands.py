@@ -398,16 +398,14 @@ async def run_validate(args: argparse.Namespace) -> int:
 
 def _is_directory(dst: str) -> bool:
     """Whether ``cp`` writes into ``dst`` rather than as it: a trailing slash (a local directory,
-    an S3 prefix, an HTTP folder), a bucket alone (``s3://bucket``), or an existing local
-    directory, as ``cp`` and ``aws s3 cp`` take them."""
+    an S3 prefix, an HTTP folder; of a URL's path, a query after it or not), a bucket alone
+    (``s3://bucket``), or an existing local directory, as ``cp`` and ``aws s3 cp`` take them."""
     if dst == STDIO:
         return False
-    if dst.endswith("/"):
-        return True
-    if "://" in dst:
+    if "://" in dst:  # the path says, before any query (an upload's token)
         parts = urllib.parse.urlsplit(dst)
-        return parts.scheme.lower() == "s3" and parts.path in ("", "/")
-    return os.path.isdir(dst)
+        return parts.path.endswith("/") or (parts.scheme.lower() == "s3" and not parts.path)
+    return dst.endswith("/") or os.path.isdir(dst)
 
 
 def _source_name(src: str, dst: str) -> str:
