@@ -250,3 +250,17 @@ def test_cp_into_a_url_folder_with_a_query(
         assert server.objects.get("/up/m.safetensors") == model.read_bytes()
         assert "/up/" not in server.objects
     capsys.readouterr()
+
+
+def test_cp_checksums_to_an_upload_says_what_the_command_can_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``cp --checksums`` to an HTTP upload was refused with advice for the library
+    ("checksums=stream_st.Digests.compute(arrays), or save()"), which cp cannot take."""
+    model = write_model(tmp_path / "m.safetensors")
+    with RangeHTTPServer() as server:
+        assert main(["cp", "-q", "--checksums", str(model), server.url("/m.safetensors")]) == 2
+        assert server.objects == {}
+    err = capsys.readouterr().err
+    assert "Digests.compute" not in err and "save()" not in err
+    assert "--checksums" in err
