@@ -261,7 +261,7 @@ async def cp(
             clock=clock,
             # Digests only inherited from the source, to compute: a destination that cannot
             # take them at the end (a pipe, a socket, an HTTP upload) gets the copy without.
-            digests_up_front=(lambda algorithm: None) if checksums is None else None,
+            digests_up_front=(lambda algorithm: None) if checksums is None else _not_up_front,
         ) as writer:
             async for name, array in stream:
                 for part_name, part in await plan.parts_of(name, array, pending):
@@ -272,6 +272,17 @@ async def cp(
                     progress(done_bytes, done)
                 del array
         return Copy(writer.header, plan.converted, stream.stats)
+
+
+def _not_up_front(algorithm: str) -> Digests | None:
+    """What ``cp`` does when digests asked for must go out with the header (a destination
+    written front to back): it computes them as it copies, so it says so."""
+    raise UsageError(
+        f"cp computes the {algorithm} digests asked for (checksums=, --checksums) as it copies, "
+        "and records them at the end: the destination, written front to back (a pipe, a "
+        "socket, an HTTP upload), cannot take them there; copy to a file or to S3, or without "
+        "checksums"
+    )
 
 
 def _copied_digests(
