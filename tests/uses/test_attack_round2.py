@@ -264,3 +264,24 @@ def test_cp_checksums_to_an_upload_says_what_the_command_can_do(
     err = capsys.readouterr().err
     assert "Digests.compute" not in err and "save()" not in err
     assert "--checksums" in err
+
+
+# ------------------------------------------------------------- cp --dtype beyond the range
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
+def test_cp_says_when_a_conversion_makes_values_infinite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], dtype: str
+) -> None:
+    """``cp --dtype f16`` of values beyond F16's range turned them into infinities silently,
+    but for numpy's own "RuntimeWarning: overflow encountered in cast" line, which named a
+    source file of the package; it says how many, of which tensor, as the command's warning."""
+    model = write_model(
+        tmp_path / "m.safetensors", {"x": np.array([1e300, -1e300, 1.0, np.inf], np.float64)}
+    )
+    out = tmp_path / "out.safetensors"
+    assert main(["cp", "-q", "--dtype", dtype, str(model), str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "RuntimeWarning" not in err
+    assert "stream-st: warning: tensor 'x': 2 finite values" in err
+    assert np.isinf(anyio.run(stream_st.load, str(out))["x"].astype(np.float64)).sum() == 3
