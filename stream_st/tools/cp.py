@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import posixpath
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Unpack
@@ -21,7 +22,7 @@ from ..core.header import Header, TensorInfo
 from ..core.layout import TensorSpec
 from ..core.shards import shard_address
 from ..core.stats import LoadStats, record_last
-from ..errors import SafetensorsError, TransportError, UsageError
+from ..errors import SafetensorsError, StreamStWarning, TransportError, UsageError
 from ..reader import Include
 from ..sharded.reader import MAX_INDEX_SIZE, ShardIndex
 from ..transports.options import Clock, Transport, TransportOptions
@@ -63,10 +64,25 @@ class Copy:
     load: LoadStats
 
 
-def _convert(array: np.ndarray[Any, Any], code: str) -> np.ndarray[Any, Any]:
+def _convert(array: np.ndarray[Any, Any], code: str, name: str) -> np.ndarray[Any, Any]:
+    """``array`` (tensor ``name``) as dtype ``code``; finite values beyond its range become
+    infinite, and a :class:`~stream_st.StreamStWarning` says how many."""
+    converted: np.ndarray[Any, Any]
     if code == "BF16":
-        return to_bfloat16(array)  # round to nearest even, never truncation
-    converted: np.ndarray[Any, Any] = array.astype(dtype_from_code(code).numpy)
+        converted = to_bfloat16(array)  # round to nearest even, never truncation
+    else:
+        with np.errstate(over="ignore"):
+            converted = array.astype(dtype_from_code(code).numpy)
+    infinite = ~np.isfinite(converted)
+    if infinite.any():
+        lost = int(np.count_nonzero(np.isfinite(array[infinite])))
+        if lost:
+            warnings.warn(
+                StreamStWarning(
+                    f"tensor {name!r}: {lost} finite values beyond {code}'s range became infinite"
+                ),
+                stacklevel=2,
+            )
     return converted
 
 
@@ -177,7 +193,7 @@ class _Plan:
         if name in self.changed and self.encoder is not None:
             return self.encoder.encode(name, array)
         if name in self.changed and self.target is not None:
-            return [(name, await anyio.to_thread.run_sync(_convert, array, self.target))]
+            return [(name, await anyio.to_thread.run_sync(_convert, array, self.target, name))]
         return [(name, array)]
 
 
@@ -207,7 +223,9 @@ async def cp(
     """Copy ``src`` to ``dst`` as a stream, tensor by tensor, never holding the whole file.
 
     ``include`` selects tensors. ``dtype`` (``"bf16"``, ``"f16"``, ``"f32"``) converts every
-    floating-point tensor not of that dtype yet (BF16 rounds to nearest even).
+    floating-point tensor not of that dtype yet (BF16 rounds to nearest even; a finite value
+    beyond the dtype's range becomes infinite, and a :class:`~stream_st.StreamStWarning` says
+    how many).
     ``quantize="int8"`` stores every floating-point tensor as I8 codes plus a sibling F32
     ``<name>.scale`` (symmetric, per tensor: ``scale = 127 / max|x|``, ``x ~= code / scale``),
     recorded in ``__metadata__``; a source whose metadata says it is quantized already is
