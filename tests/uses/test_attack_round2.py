@@ -285,3 +285,23 @@ def test_cp_says_when_a_conversion_makes_values_infinite(
     assert "RuntimeWarning" not in err
     assert "stream-st: warning: tensor 'x': 2 finite values" in err
     assert np.isinf(anyio.run(stream_st.load, str(out))["x"].astype(np.float64)).sum() == 3
+
+
+# --------------------------------------------------------------- safe_open, a name of no str
+
+
+@pytest.mark.parametrize("name", [1, None, b"w", ["w"]], ids=["int", "None", "bytes", "list"])
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_safe_open_takes_a_name_of_no_str_as_the_reference_does(
+    tmp_path: Path, name: object, backend: str
+) -> None:
+    """``get_tensor(1)`` / ``get_slice(1)`` raised ``TensorNotFoundError`` (a ``KeyError``:
+    "File does not contain tensor 1") where the reference raises a ``TypeError``."""
+    import stream_st.numpy as sn
+
+    model = write_model(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
+    with sn.safe_open(model, "np", backend=backend) as f:
+        for call in (f.get_tensor, f.get_slice):
+            with pytest.raises(TypeError, match="not an instance of 'str'") as refused:
+                call(name)
+            assert isinstance(refused.value, SafetensorsError)
