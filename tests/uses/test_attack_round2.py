@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import signal
@@ -305,3 +306,24 @@ def test_safe_open_takes_a_name_of_no_str_as_the_reference_does(
             with pytest.raises(TypeError, match="not an instance of 'str'") as refused:
                 call(name)
             assert isinstance(refused.value, SafetensorsError)
+
+
+# ---------------------------------------------------------- hash --check, secrets in the list
+
+
+def test_hash_check_masks_the_secrets_of_the_addresses_it_lists(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``hash --check`` printed each listed address as it stood, password and token too
+    ("http://u:PASSWORD@host/m?token=SECRET: OK"); every other line of the command masks them."""
+    model = write_model(tmp_path / "m.safetensors")
+    digest = hashlib.sha256(model.read_bytes()).hexdigest()
+    with RangeHTTPServer(objects={"/m": model.read_bytes()}) as server:
+        address = server.url("/m").replace("http://", "http://u:PASSWORD@") + "?token=SECRET"
+        gone = server.url("/gone").replace("http://", "http://u:PASSWORD@") + "?token=SECRET"
+        listed = tmp_path / "sums"
+        listed.write_text(f"{digest}  {address}\n{'0' * 64}  {address}\n{digest}  {gone}\n")
+        assert main(["hash", "--check", str(listed)]) == 2
+    out, err = capsys.readouterr()
+    assert out.count(": OK") == 1 and out.count(": FAILED") == 2
+    assert "PASSWORD" not in out + err and "SECRET" not in out + err
