@@ -178,9 +178,10 @@ def parse_index(text: str) -> tuple[int | slice, ...]:
 
 async def run_show(args: argparse.Namespace) -> int:
     source = one_source_arg(args.source)
+    stream = open_stream(source, include=[args.name], **options_of(args))  # options checked
     try:
-        with naming(source):  # its own errors only, not the --slice's
-            async with open_stream(source, include=[args.name], **options_of(args)) as stream:
+        with naming(source):  # the source's own errors only, not the options' nor --slice's
+            async with stream:
                 arrays = [array async for _, array in stream]  # the one tensor
     except TensorNotFoundError:
         raise UsageError(
