@@ -39,6 +39,11 @@ STOPPING_SIGNALS = tuple(
 aborted, leaving nothing at its destination), then exit with 128 + the signal's number."""
 
 
+_SIGNAL_GRACE = 0.01
+"""Seconds a failed command waits before it reports its error, for a stopping signal delivered
+with the failure to be handled first (the event loop reads signals in its next turns)."""
+
+
 class _Stopped(BaseException):
     """The command was stopped by ``signum`` (one of :data:`STOPPING_SIGNALS`)."""
 
@@ -49,8 +54,9 @@ class _Stopped(BaseException):
 
 async def _run(args: argparse.Namespace) -> int:
     """Run the subcommand; a stopping signal cancels it as SIGINT does, so every writer aborts
-    (a temporary file removed, an upload abandoned), then raises :class:`_Stopped`. A second
-    stopping signal during that clean-up stops the process at once."""
+    (a temporary file removed, an upload abandoned), then raises :class:`_Stopped`, even where
+    the subcommand then failed. A second stopping signal during that clean-up stops the process
+    at once."""
     received: list[int] = []
     loop = asyncio.get_running_loop()
     status = EXIT_OK
@@ -68,6 +74,14 @@ async def _run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(signum, stop, signum)
         try:
             status = await args.handler(args)
+        except SafetensorsError:
+            # A failure that came with a stopping signal (the source ended by the same hangup,
+            # a write cut short) is the signal's doing: the signal, delivered but maybe not
+            # yet handled by the loop, is let in, and reported as for a clean stop.
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(_SIGNAL_GRACE)
+            if not received:
+                raise
         finally:
             for signum, handler in previous.items():
                 loop.remove_signal_handler(signum)

@@ -115,7 +115,9 @@ async def run_cache(args: argparse.Namespace) -> int:
 
 
 def add_cache_command(commands: Any) -> argparse.ArgumentParser:
-    """The ``cache`` subcommand, on ``commands`` (the parser's subparsers)."""
+    """The ``cache`` subcommand, on ``commands`` (the parser's subparsers): ``ls``, ``rm`` and
+    ``prune``, each a command of its own, so that its options go before or after its
+    arguments (``cache rm --dir DIR PATTERN``)."""
     sub: argparse.ArgumentParser = commands.add_parser(
         "cache",
         help="list, remove and prune the local copies kept by --cache",
@@ -127,10 +129,16 @@ def add_cache_command(commands: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub.set_defaults(handler=run_cache)
-    sub.add_argument("action", choices=("ls", "rm", "prune"))
-    sub.add_argument("patterns", nargs="*", metavar="PATTERN", help="rm: addresses (* and ?)")
-    sub.add_argument("--all", action="store_true", help="rm: every copy")
-    sub.add_argument("--max-size", metavar="SIZE", help="prune: keep at most SIZE (50G)")
-    sub.add_argument("--dir", metavar="DIR", help="the cache given to --cache DIR")
-    sub.add_argument("--json", action="store_true", help="ls: one JSON record per copy")
+    where = "the cache given to --cache DIR"
+    sub.add_argument("--dir", metavar="DIR", help=where)
+    actions = sub.add_subparsers(dest="action", metavar="{ls,rm,prune}", required=True)
+    listing = actions.add_parser("ls", help="list the copies")
+    listing.add_argument("--json", action="store_true", help="one JSON record per copy")
+    removing = actions.add_parser("rm", help="remove copies by address")
+    removing.add_argument("patterns", nargs="*", metavar="PATTERN", help="addresses (* and ?)")
+    removing.add_argument("--all", action="store_true", help="every copy")
+    pruning = actions.add_parser("prune", help="remove the least recently used copies")
+    pruning.add_argument("--max-size", metavar="SIZE", help="keep at most SIZE (50G)")
+    for action in (listing, removing, pruning):  # after the action too; else the cache's
+        action.add_argument("--dir", metavar="DIR", default=argparse.SUPPRESS, help=where)
     return sub

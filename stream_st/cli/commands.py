@@ -38,6 +38,7 @@ from ..errors import (
     UsageError,
     redact,
 )
+from ..tools.common import naming
 from ..tools.cp import address_in
 from ..transports.file.sink import PipeSink
 from ..transports.registry import SinkLike
@@ -177,14 +178,17 @@ def parse_index(text: str) -> tuple[int | slice, ...]:
 
 async def run_show(args: argparse.Namespace) -> int:
     source = one_source_arg(args.source)
+    stream = open_stream(source, include=[args.name], **options_of(args))  # options checked
     try:
-        async with open_stream(source, include=[args.name], **options_of(args)) as stream:
-            async for _, array in stream:
-                show_values(args, array)
+        with naming(source):  # the source's own errors only, not the options' nor --slice's
+            async with stream:
+                arrays = [array async for _, array in stream]  # the one tensor
     except TensorNotFoundError:
         raise UsageError(
             f"{args.source} has no tensor {args.name!r} (stream-st ls {args.source} lists them)"
         ) from None
+    for array in arrays:
+        show_values(args, array)
     return EXIT_OK
 
 
@@ -298,14 +302,15 @@ async def run_hash_check(args: argparse.Namespace) -> int:
             if entry is None:
                 continue
             want, name = entry
+            shown = redact(name)  # an address's password and signature, as everywhere
             try:
                 got = await tools.file_sha256(source_arg(name), **options_of(args))
             except SafetensorsError as exc:
                 failed(name, exc)
-                print(f"{name}: FAILED open or read")
+                print(f"{shown}: FAILED open or read")
                 unreadable += 1
                 continue
-            print(f"{name}: {'OK' if got == want else 'FAILED'}")
+            print(f"{shown}: {'OK' if got == want else 'FAILED'}")
             mismatched += got != want
         if malformed:
             lines_word = "line is" if malformed == 1 else "lines are"
@@ -395,16 +400,14 @@ async def run_validate(args: argparse.Namespace) -> int:
 
 def _is_directory(dst: str) -> bool:
     """Whether ``cp`` writes into ``dst`` rather than as it: a trailing slash (a local directory,
-    an S3 prefix, an HTTP folder), a bucket alone (``s3://bucket``), or an existing local
-    directory, as ``cp`` and ``aws s3 cp`` take them."""
+    an S3 prefix, an HTTP folder; of a URL's path, a query after it or not), a bucket alone
+    (``s3://bucket``), or an existing local directory, as ``cp`` and ``aws s3 cp`` take them."""
     if dst == STDIO:
         return False
-    if dst.endswith("/"):
-        return True
-    if "://" in dst:
+    if "://" in dst:  # the path says, before any query (an upload's token)
         parts = urllib.parse.urlsplit(dst)
-        return parts.scheme.lower() == "s3" and parts.path in ("", "/")
-    return os.path.isdir(dst)
+        return parts.path.endswith("/") or (parts.scheme.lower() == "s3" and not parts.path)
+    return dst.endswith("/") or os.path.isdir(dst)
 
 
 def _source_name(src: str, dst: str) -> str:

@@ -37,7 +37,13 @@ from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import Sink, SinkLike, SourceLike
 from ..writer import local_destination, save_at_once
 from ._checkpoint import Rows, _Checkpoint, _Options
-from ._errors import FileClosedError, InvalidTensorsError, NoSuchFileError, SliceError
+from ._errors import (
+    FileClosedError,
+    InvalidTensorsError,
+    NoSuchFileError,
+    SliceError,
+    WrongTypeError,
+)
 from ._local import LocalFile, local_path
 from ._serialize import (
     TensorSpec,
@@ -145,6 +151,10 @@ class SafeOpen:
 
     def _info(self, name: str) -> TensorInfo:
         self._open()
+        if not isinstance(name, str):  # as the reference's argument check words it
+            raise WrongTypeError(
+                f"argument 'name': '{type(name).__name__}' object is not an instance of 'str'"
+            )
         local = self._local
         if local is not None:
             if name not in local.header:

@@ -97,7 +97,7 @@ def torch_to_array(tensor: Any, name: str) -> np.ndarray[Any, Any]:
     """A torch tensor as the numpy array of its safetensors dtype, over its memory when it can be.
 
     Detached from autograd; copied once only when it must be (another device, not contiguous, a
-    lazy conjugate or negation). Sparse, meta and dtype-less tensors raise a
+    lazy conjugate or negation). Sparse, nested, meta and dtype-less tensors raise a
     :class:`~stream_st.SafetensorsError`. F4 comes as its packed ``uint8`` bytes.
     """
     torch = load_torch()
@@ -107,6 +107,11 @@ def torch_to_array(tensor: Any, name: str) -> np.ndarray[Any, Any]:
         )
     if tensor.is_meta:
         raise UsageError(f"tensor {name!r} is on the meta device: it holds no data to write")
+    if tensor.is_nested:  # strided, yet of no one shape
+        raise UsageError(
+            f"tensor {name!r} is a nested tensor, of no one shape: save each of its tensors "
+            "(.unbind()) or a padded one (.to_padded_tensor(0))"
+        )
     code = torch_code(tensor.dtype)
     dense = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous()
     return raw_bytes(dense).view(DTYPES[code].numpy).reshape(dense.shape)

@@ -13,9 +13,9 @@ import numpy as np
 from ..core.codecs import Codec, codec_from_metadata, get_codec
 from ..core.dtypes import dtype_for
 from ..core.header import Header
-from ..core.layout import TensorSpec
+from ..core.layout import TensorSpec, integer_shape
 from ..core.strict_json import decode_json
-from ..errors import HeaderError, IntegrityError, UsageError
+from ..errors import ArgumentTypeError, HeaderError, IntegrityError, UsageError
 
 __all__ = ["DIGEST_SIZE", "IntegrityError", "KVLayout"]
 
@@ -58,9 +58,16 @@ class KVLayout:
     whose metadata contradicts its tensors)."""
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1 or len(self.shape) != 4:
+        if not isinstance(self.num_layers, int | np.integer) or isinstance(self.num_layers, bool):
+            raise ArgumentTypeError(
+                f"a KV layout's num_layers is an integer, not {type(self.num_layers).__name__}"
+            )
+        object.__setattr__(self, "num_layers", int(self.num_layers))
+        object.__setattr__(self, "shape", integer_shape(self.shape))  # a list, numpy integers
+        if self.num_layers < 1 or len(self.shape) != 4 or min(self.shape) < 0:
             raise UsageError(
-                "a KV layout needs >= 1 layer and a [batch, heads, seq, head_dim] shape"
+                "a KV layout needs >= 1 layer and a [batch, heads, seq, head_dim] shape of "
+                f"sizes >= 0, got {self.num_layers} layers of {list(self.shape)}"
             )
         for dtype in (self.dtype, self.wire_dtype or self.dtype):
             if dtype not in ("F16", "BF16", "F32"):

@@ -186,6 +186,20 @@ class ShardIndex:
         self.metadata = {k: v for k, v in obj.items() if k not in ("shards", "schema")}
         self.manifest = obj
 
+    def selector(self, include: Include) -> Callable[[str], bool]:
+        """Whether ``include=`` (names, a name, a predicate or None) selects a tensor, by name;
+        :class:`~stream_st.TensorNotFoundError` for a name the index does not list."""
+        if include is None:
+            return lambda name: True
+        if callable(include):
+            return include
+        names = include_names(include)
+        if self.weight_map is not None:
+            missing = sorted(names - self.weight_map.keys())
+            if missing:
+                raise TensorNotFoundError(f"include= names tensors not in the index: {missing}")
+        return names.__contains__
+
     def names_in(self, shard: str) -> set[str] | None:
         """The tensors an index assigns to ``shard`` (the index's own set: do not modify it);
         None for a manifest (it does not say)."""
@@ -293,24 +307,11 @@ class ShardedStream(TensorStream):
         """The stream of one shard (a cached read reads it through the cache)."""
         return TensorStream(address, **options)
 
-    def _selector(self, index: ShardIndex) -> Callable[[str], bool]:
-        include = self._include
-        if include is None:
-            return lambda name: True
-        if callable(include):
-            return include
-        names = include_names(include)
-        if index.weight_map is not None:
-            missing = sorted(names - index.weight_map.keys())
-            if missing:
-                raise TensorNotFoundError(f"include= names tensors not in the index: {missing}")
-        return names.__contains__
-
     async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
         self.stats.asked(first=True)
         await self.open()
         index = self.index
-        selected = self._selector(index)
+        selected = index.selector(self._include)
         if index.weight_map is not None:
             self._delivery.check(list(index.weight_map))
         shards = [

@@ -5,19 +5,19 @@ sharded index), progress reporting, a model directory's sources.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 
 from .._api import header_of, stream_for
 from ..core.header import Header, TensorInfo, UnknownDtypes
 from ..core.shards import INDEX_SUFFIX, MANIFEST_NAME, is_index
-from ..errors import SourceNotFoundError, UsageError
+from ..errors import SafetensorsError, SourceNotFoundError, UsageError, redact
 from ..reader import Include, TensorStream
 from ..sharded.reader import ShardedStream, shard_headers
 from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import SourceLike
 
-__all__ = ["Progress", "headers_of", "model_sources", "plural"]
+__all__ = ["Progress", "headers_of", "model_sources", "naming", "plural"]
 
 
 Progress = Callable[[int, int], None]
@@ -88,18 +88,38 @@ def merged_metadata(headers: Sequence[Header]) -> dict[str, str]:
     return merged
 
 
+@contextmanager
+def naming(source: SourceLike) -> Iterator[None]:
+    """A :class:`~stream_st.SafetensorsError` raised inside whose message does not name
+    ``source`` (a path or an address) is made to begin with it: where a command reads two
+    sources, or reads one and writes another, a header that is not safetensors (whose error
+    cannot know where the bytes came from) is said to be that source's."""
+    try:
+        yield
+    except SafetensorsError as exc:
+        if isinstance(source, str | os.PathLike):
+            name, text = redact(os.fspath(source)), str(exc)
+            if name not in text:
+                exc.args = (f"{name}: {text}", *exc.args[1:])
+        raise
+
+
 @asynccontextmanager
 async def opened(
     source: SourceLike, clock: Clock, *, include: Include = None, verify: bool = True
 ) -> AsyncIterator[tuple[TensorStream, list[Header]]]:
     """The source opened once, with its headers: a stream may not be readable twice.
-    ``verify=False`` leaves a checksummed file's digests unchecked (the caller checks them)."""
+    ``verify=False`` leaves a checksummed file's digests unchecked (the caller checks them).
+    An error reading the headers names the source (see :func:`naming`)."""
     stream = stream_for(source, include=include, clock=clock, verify=verify)
-    async with stream:
-        if isinstance(stream, ShardedStream):  # every shard's header, up front
-            yield stream, await headers_of(source, clock)
-        else:
-            yield stream, [stream.header]
+    async with AsyncExitStack() as stack:
+        with naming(source):
+            await stack.enter_async_context(stream)
+            if isinstance(stream, ShardedStream):  # every shard's header, up front
+                headers = await headers_of(source, clock)
+            else:
+                headers = [stream.header]
+        yield stream, headers
 
 
 def included(include: Include, name: str) -> bool:

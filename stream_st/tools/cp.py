@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import posixpath
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Unpack
@@ -21,7 +22,7 @@ from ..core.header import Header, TensorInfo
 from ..core.layout import TensorSpec
 from ..core.shards import shard_address
 from ..core.stats import LoadStats, record_last
-from ..errors import SafetensorsError, TransportError, UsageError
+from ..errors import SafetensorsError, StreamStWarning, TransportError, UsageError
 from ..reader import Include
 from ..sharded.reader import MAX_INDEX_SIZE, ShardIndex
 from ..transports.options import Clock, Transport, TransportOptions
@@ -63,10 +64,25 @@ class Copy:
     load: LoadStats
 
 
-def _convert(array: np.ndarray[Any, Any], code: str) -> np.ndarray[Any, Any]:
+def _convert(array: np.ndarray[Any, Any], code: str, name: str) -> np.ndarray[Any, Any]:
+    """``array`` (tensor ``name``) as dtype ``code``; finite values beyond its range become
+    infinite, and a :class:`~stream_st.StreamStWarning` says how many."""
+    converted: np.ndarray[Any, Any]
     if code == "BF16":
-        return to_bfloat16(array)  # round to nearest even, never truncation
-    converted: np.ndarray[Any, Any] = array.astype(dtype_from_code(code).numpy)
+        converted = to_bfloat16(array)  # round to nearest even, never truncation
+    else:
+        with np.errstate(over="ignore"):
+            converted = array.astype(dtype_from_code(code).numpy)
+    infinite = ~np.isfinite(converted)
+    if infinite.any():
+        lost = int(np.count_nonzero(np.isfinite(array[infinite])))
+        if lost:
+            warnings.warn(
+                StreamStWarning(
+                    f"tensor {name!r}: {lost} finite values beyond {code}'s range became infinite"
+                ),
+                stacklevel=2,
+            )
     return converted
 
 
@@ -177,7 +193,7 @@ class _Plan:
         if name in self.changed and self.encoder is not None:
             return self.encoder.encode(name, array)
         if name in self.changed and self.target is not None:
-            return [(name, await anyio.to_thread.run_sync(_convert, array, self.target))]
+            return [(name, await anyio.to_thread.run_sync(_convert, array, self.target, name))]
         return [(name, array)]
 
 
@@ -207,7 +223,9 @@ async def cp(
     """Copy ``src`` to ``dst`` as a stream, tensor by tensor, never holding the whole file.
 
     ``include`` selects tensors. ``dtype`` (``"bf16"``, ``"f16"``, ``"f32"``) converts every
-    floating-point tensor not of that dtype yet (BF16 rounds to nearest even).
+    floating-point tensor not of that dtype yet (BF16 rounds to nearest even; a finite value
+    beyond the dtype's range becomes infinite, and a :class:`~stream_st.StreamStWarning` says
+    how many).
     ``quantize="int8"`` stores every floating-point tensor as I8 codes plus a sibling F32
     ``<name>.scale`` (symmetric, per tensor: ``scale = 127 / max|x|``, ``x ~= code / scale``),
     recorded in ``__metadata__``; a source whose metadata says it is quantized already is
@@ -261,7 +279,7 @@ async def cp(
             clock=clock,
             # Digests only inherited from the source, to compute: a destination that cannot
             # take them at the end (a pipe, a socket, an HTTP upload) gets the copy without.
-            digests_up_front=(lambda algorithm: None) if checksums is None else None,
+            digests_up_front=(lambda algorithm: None) if checksums is None else _not_up_front,
         ) as writer:
             async for name, array in stream:
                 for part_name, part in await plan.parts_of(name, array, pending):
@@ -272,6 +290,17 @@ async def cp(
                     progress(done_bytes, done)
                 del array
         return Copy(writer.header, plan.converted, stream.stats)
+
+
+def _not_up_front(algorithm: str) -> Digests | None:
+    """What ``cp`` does when digests asked for must go out with the header (a destination
+    written front to back): it computes them as it copies, so it says so."""
+    raise UsageError(
+        f"cp computes the {algorithm} digests asked for (checksums=, --checksums) as it copies, "
+        "and records them at the end: the destination, written front to back (a pipe, a "
+        "socket, an HTTP upload), cannot take them there; copy to a file or to S3, or without "
+        "checksums"
+    )
 
 
 def _copied_digests(
@@ -475,19 +504,17 @@ async def mirror(
     weight_map: dict[str, str] = {}
     total = 0
     reads: list[LoadStats] = []
+    selected = shards.selector(include)  # every name include= lists is in the index
     try:
         for shard in shards.shards:
-            names = shards.names_in(shard)
-            if (
-                names is not None
-                and include is not None
-                and not any(included(include, n) for n in names)
-            ):
+            names = shards.names_in(shard)  # None for a manifest: include= is None then
+            wanted = None if include is None or names is None else sorted(filter(selected, names))
+            if wanted == []:
                 continue
             copied = await cp(
                 shard_address(shards.home, shard),
                 await opened_at(address_in(into, shard)),
-                include=include,
+                include=wanted,
                 dtype=dtype,
                 quantize=quantize,
                 dequantize=dequantize,

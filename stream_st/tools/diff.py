@@ -11,7 +11,15 @@ from ..core.header import Header
 from ..reader import TensorStream
 from ..transports.options import TransportOptions
 from ..transports.registry import SourceLike
-from .common import Progress, command_clock, expect_totals, merged_metadata, opened, tensors_of
+from .common import (
+    Progress,
+    command_clock,
+    expect_totals,
+    merged_metadata,
+    naming,
+    opened,
+    tensors_of,
+)
 from .hash import digest_stream
 
 __all__ = ["Diff", "diff"]
@@ -83,7 +91,8 @@ async def diff(
                 return update
 
             async def run(side: int, stream: TensorStream) -> None:
-                digests[side] = await digest_stream(stream, report(side))
+                with naming((a, b)[side]):
+                    digests[side] = await digest_stream(stream, report(side))
 
             async with task_group() as group:
                 group.start_soon(run, 0, stream_a)
