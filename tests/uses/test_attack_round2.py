@@ -307,7 +307,7 @@ def test_safe_open_takes_a_name_of_no_str_as_the_reference_does(
     with sn.safe_open(model, "np", backend=backend) as f:
         for call in (f.get_tensor, f.get_slice):
             with pytest.raises(TypeError, match="not an instance of 'str'") as refused:
-                call(name)
+                call(name)  # type: ignore[arg-type]
             assert isinstance(refused.value, SafetensorsError)
 
 
