@@ -5,6 +5,7 @@ metadata or a seed-style cache inferred from names and shapes).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,9 +14,9 @@ import numpy as np
 from ..core.codecs import Codec, codec_from_metadata, get_codec
 from ..core.dtypes import dtype_for
 from ..core.header import Header
-from ..core.layout import TensorSpec
+from ..core.layout import TensorSpec, integer_shape
 from ..core.strict_json import decode_json
-from ..errors import HeaderError, IntegrityError, UsageError
+from ..errors import ArgumentTypeError, HeaderError, IntegrityError, UsageError
 
 __all__ = ["DIGEST_SIZE", "IntegrityError", "KVLayout"]
 
@@ -58,9 +59,17 @@ class KVLayout:
     whose metadata contradicts its tensors)."""
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1 or len(self.shape) != 4:
+        # A shape given as a list (or of numpy integers) is the same layout as its tuple of
+        # ints: arrays' shapes are compared with it, and a frozen layout is hashed.
+        shape = integer_shape(self.shape)
+        object.__setattr__(self, "shape", shape)
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int | np.integer):
+            raise ArgumentTypeError(f"num_layers must be an integer, got {self.num_layers!r}")
+        object.__setattr__(self, "num_layers", int(self.num_layers))
+        if self.num_layers < 1 or len(shape) != 4 or min(shape) < 0:
             raise UsageError(
-                "a KV layout needs >= 1 layer and a [batch, heads, seq, head_dim] shape"
+                "a KV layout needs >= 1 layer and a [batch, heads, seq, head_dim] shape of "
+                f"non-negative sizes, got {self.num_layers} layers of {list(shape)}"
             )
         for dtype in (self.dtype, self.wire_dtype or self.dtype):
             if dtype not in ("F16", "BF16", "F32"):
@@ -105,11 +114,9 @@ class KVLayout:
     @property
     def layer_bytes(self) -> int:
         """Wire bytes of one layer (key, value, codec siblings and digest)."""
-        total = 0
-        for spec in self.layer_specs(0):
-            bits = dtype_for(spec.dtype).bits
-            total += int(np.prod(spec.shape, dtype=np.int64)) * bits // 8
-        return total
+        return sum(
+            math.prod(spec.shape) * dtype_for(spec.dtype).bits // 8 for spec in self.layer_specs(0)
+        )
 
     @classmethod
     def from_header(cls, header: Header) -> KVLayout:

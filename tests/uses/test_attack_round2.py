@@ -1,0 +1,53 @@
+"""Defects a demanding user met calling the public API and the command from the outside: each
+test failed before its fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import stream_st
+from stream_st.kv import KVLayout, receive_kv, send_kv
+
+Array = np.ndarray[Any, Any]
+
+
+async def test_kv_layout_shape_given_as_a_list_is_the_same_layout(tmp_path: Path) -> None:
+    """A shape given as a list used to be kept as a list: every layer was then refused ("has
+    shape [1, 2, 3, 4], the layout says [1, 2, 3, 4]") and the frozen layout was unhashable."""
+    layout = KVLayout(num_layers=1, shape=[1, 2, 3, np.int64(4)])  # type: ignore[arg-type]
+    assert layout == KVLayout(num_layers=1, shape=(1, 2, 3, 4))
+    assert hash(layout) == hash(KVLayout(num_layers=1, shape=(1, 2, 3, 4)))
+    key = np.arange(24, dtype=np.float16).reshape(1, 2, 3, 4)
+    path = tmp_path / "kv.safetensors"
+    await send_kv(path, layout, [(0, key, -key)])
+    async with receive_kv(path) as received:
+        got_key, got_value = await received.wait_for_layer(0)
+    np.testing.assert_array_equal(got_key, key)
+    np.testing.assert_array_equal(got_value, -key)
+
+
+@pytest.mark.parametrize(
+    ("num_layers", "shape", "error"),
+    [
+        (1, (1, 2, -3, 4), stream_st.UsageError),  # was accepted, layer_bytes -64
+        (1.5, (1, 2, 3, 4), stream_st.ArgumentTypeError),  # was a bare TypeError at send
+        (True, (1, 2, 3, 4), stream_st.ArgumentTypeError),
+        (1, (1, 2, 3.0, 4), stream_st.ArgumentTypeError),
+    ],
+)
+def test_kv_layout_refuses_what_is_not_a_layout(
+    num_layers: Any, shape: Any, error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        KVLayout(num_layers=num_layers, shape=shape)
+
+
+def test_kv_layout_layer_bytes_of_a_huge_shape_does_not_wrap() -> None:
+    """``layer_bytes`` multiplied in int64 and wrapped to 32 (the digest alone) for 2**80
+    values a tensor."""
+    layout = KVLayout(num_layers=1, shape=(2**40, 2**40, 1, 1))
+    assert layout.layer_bytes == 2 * 2**80 * 2 + 32
