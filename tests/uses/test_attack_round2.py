@@ -3,16 +3,23 @@ test failed before its fix."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st.kv import KVLayout, receive_kv, send_kv
 
+from ..servers.http_server import RangeHTTPServer
+
 Array = np.ndarray[Any, Any]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_kv_layout_shape_given_as_a_list_is_the_same_layout(tmp_path: Path) -> None:
@@ -51,3 +58,35 @@ def test_kv_layout_layer_bytes_of_a_huge_shape_does_not_wrap() -> None:
     values a tensor."""
     layout = KVLayout(num_layers=1, shape=(2**40, 2**40, 1, 1))
     assert layout.layer_bytes == 2 * 2**80 * 2 + 32
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m stream_st.cli`` with ``args``, from this checkout."""
+    return subprocess.run(
+        [sys.executable, "-m", "stream_st.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+async def test_cache_prune_or_ls_with_a_pattern_is_refused_not_applied_to_every_copy(
+    tmp_path: Path,
+) -> None:
+    """``cache prune 'http://other/*' --max-size 0`` pruned every copy: the pattern was ignored
+    (patterns are rm's); ``cache rm`` of a pattern matching nothing exited 1 without a word."""
+    data = reference_numpy.save({"t": np.arange(100, dtype=np.float32)})
+    with RangeHTTPServer(objects={"/m.safetensors": data}, etag="strong") as server:
+        url = server.url("/m.safetensors")
+        await stream_st.load(url, cache=tmp_path)
+    listed = cli("cache", "ls", "--dir", str(tmp_path))
+    assert url in listed.stdout
+    pruned = cli("cache", "prune", "http://other/*", "--max-size", "0", "--dir", str(tmp_path))
+    assert pruned.returncode == 2, pruned
+    assert "takes no PATTERN" in pruned.stderr
+    assert url in cli("cache", "ls", "--dir", str(tmp_path)).stdout  # still there
+    assert cli("cache", "ls", "http://other/*", "--dir", str(tmp_path)).returncode == 2
+    removed = cli("cache", "rm", "http://nowhere/*", "--dir", str(tmp_path))
+    assert removed.returncode == 1
+    assert "no copy matches 'http://nowhere/*'" in removed.stderr
