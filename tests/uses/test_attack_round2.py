@@ -14,6 +14,7 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
+import stream_st.numpy
 from stream_st.kv import KVLayout, receive_kv, send_kv
 
 from ..servers.http_server import RangeHTTPServer
@@ -90,3 +91,15 @@ async def test_cache_prune_or_ls_with_a_pattern_is_refused_not_applied_to_every_
     removed = cli("cache", "rm", "http://nowhere/*", "--dir", str(tmp_path))
     assert removed.returncode == 1
     assert "no copy matches 'http://nowhere/*'" in removed.stderr
+
+
+@pytest.mark.parametrize("order", ["reference", "plan"])
+async def test_an_array_safetensors_cannot_carry_is_named(tmp_path: Path, order: str) -> None:
+    """Saving a dict of many arrays, one of them strings, said "numpy dtype <U1 has no
+    safetensors equivalent" without saying which one."""
+    tensors = {"a": np.zeros(2), "labels": np.array(["x"])}
+    with pytest.raises(stream_st.DtypeError, match="tensor 'labels': numpy dtype <U1"):
+        await stream_st.save(tmp_path / "m.safetensors", tensors, order=order)  # type: ignore[arg-type]
+    with pytest.raises(stream_st.DtypeError, match="tensor 'labels'"):
+        stream_st.numpy.save(tensors)
+    assert not list(tmp_path.iterdir())
