@@ -103,3 +103,24 @@ async def test_an_array_safetensors_cannot_carry_is_named(tmp_path: Path, order:
     with pytest.raises(stream_st.DtypeError, match="tensor 'labels'"):
         stream_st.numpy.save(tensors)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="transports/file/sink.py FileSink.__init__: os.path.realpath('') is the working "
+    "directory, refused as 'the destination is a directory' (a TransportError, not a UsageError)",
+)
+def test_an_empty_destination_path_is_not_called_a_directory(tmp_path: Path) -> None:
+    """``save_file(tensors, "")`` (an unset variable, say) says "the destination is a
+    directory"."""
+    with pytest.raises(stream_st.UsageError, match="empty path"):
+        stream_st.numpy.save_file({"a": np.zeros(2)}, "")
+    copied = cli("cp", str(write_file(tmp_path)), "")
+    assert copied.returncode == 2 and "empty path" in copied.stderr, copied
+
+
+def write_file(directory: Path) -> Path:
+    """A small safetensors file in ``directory``, written by the reference."""
+    path = directory / "m.safetensors"
+    reference_numpy.save_file({"a": np.arange(4, dtype=np.float32)}, str(path))
+    return path
