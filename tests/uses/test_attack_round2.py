@@ -124,3 +124,11 @@ def write_file(directory: Path) -> Path:
     path = directory / "m.safetensors"
     reference_numpy.save_file({"a": np.arange(4, dtype=np.float32)}, str(path))
     return path
+
+
+async def test_listen_given_a_url_says_it_takes_a_host() -> None:
+    """``listen("tcp://127.0.0.1:0")`` (``connect`` takes a URL) failed as "cannot listen: Name
+    or service not known", url=tcp://[tcp://127.0.0.1:0]:0 (the URL taken for an IPv6 host)."""
+    with pytest.raises(stream_st.UsageError, match="takes a host and a port"):
+        async with stream_st.listen("tcp://127.0.0.1:0"):
+            pass
