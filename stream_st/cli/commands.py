@@ -298,14 +298,15 @@ async def run_hash_check(args: argparse.Namespace) -> int:
             if entry is None:
                 continue
             want, name = entry
+            shown = redact(name)  # a listed URL's password or signature stays off the output
             try:
                 got = await tools.file_sha256(source_arg(name), **options_of(args))
             except SafetensorsError as exc:
                 failed(name, exc)
-                print(f"{name}: FAILED open or read")
+                print(f"{shown}: FAILED open or read")
                 unreadable += 1
                 continue
-            print(f"{name}: {'OK' if got == want else 'FAILED'}")
+            print(f"{shown}: {'OK' if got == want else 'FAILED'}")
             mismatched += got != want
         if malformed:
             lines_word = "line is" if malformed == 1 else "lines are"

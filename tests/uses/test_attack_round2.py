@@ -3,6 +3,7 @@ test failed before its fix."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -132,3 +133,21 @@ async def test_listen_given_a_url_says_it_takes_a_host() -> None:
     with pytest.raises(stream_st.UsageError, match="takes a host and a port"):
         async with stream_st.listen("tcp://127.0.0.1:0"):
             pass
+
+
+def test_hash_check_shows_no_password_a_listed_url_carries(tmp_path: Path) -> None:
+    """``hash --check`` printed each listed name as it was: ``http://user:hunter2@host/m:
+    OK`` put the password on standard output (every other command shows addresses redacted)."""
+    data = reference_numpy.save({"t": np.arange(10, dtype=np.float32)})
+    with RangeHTTPServer(objects={"/m.safetensors": data}) as server:
+        url = server.url("/m.safetensors").replace("http://", "http://user:hunter2@")
+        listing = tmp_path / "sums.txt"
+        listing.write_text(
+            f"{hashlib.sha256(data).hexdigest()}  {url}\n"
+            f"{hashlib.sha256(b'').hexdigest()}  {url.replace('/m.', '/gone.')}\n"
+        )
+        checked = cli("hash", "--check", str(listing))
+    assert checked.returncode == 2, checked
+    assert "hunter2" not in checked.stdout + checked.stderr
+    assert "/m.safetensors: OK" in checked.stdout
+    assert "/gone.safetensors: FAILED open or read" in checked.stdout
