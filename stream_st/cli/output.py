@@ -279,7 +279,7 @@ def show_values(args: argparse.Namespace, array: np.ndarray[Any, Any]) -> None:
 def print_validation(result: tools.Validation) -> None:
     """The source, its statistics table and verdict."""
     print(f"{result.source}:")
-    width = max((len(t.name) for t in result.tensors), default=4)
+    width = max([len("name"), *(len(t.name) for t in result.tensors)])
     print(
         f"{'name':<{width}}  {'dtype':<8} {'min':>11} {'max':>11} {'mean':>11} "
         f"{'std':>11} {'nan':>6} {'inf':>6}"

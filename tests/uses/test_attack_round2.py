@@ -151,3 +151,15 @@ def test_hash_check_shows_no_password_a_listed_url_carries(tmp_path: Path) -> No
     assert "hunter2" not in checked.stdout + checked.stderr
     assert "/m.safetensors: OK" in checked.stdout
     assert "/gone.safetensors: FAILED open or read" in checked.stdout
+
+
+def test_validate_table_columns_line_up_under_short_names(tmp_path: Path) -> None:
+    """Names shorter than the "name" heading (``a``, ``b``) made the rows two columns narrower
+    than the heading: every statistic sat under the wrong title."""
+    shown = cli("validate", "-q", str(write_file(tmp_path)))
+    lines = shown.stdout.splitlines()
+    heading = next(line for line in lines if line.startswith("name"))
+    row = next(line for line in lines if line.startswith("a "))
+    assert heading.index("dtype") == row.index("F32")
+    end = heading.index("max") + len("max")  # right-aligned: the maximum, 3, ends there
+    assert row[:end].split()[-1] == "3"
