@@ -163,3 +163,18 @@ def test_validate_table_columns_line_up_under_short_names(tmp_path: Path) -> Non
     assert heading.index("dtype") == row.index("F32")
     end = heading.index("max") + len("max")  # right-aligned: the maximum, 3, ends there
     assert row[:end].split()[-1] == "3"
+
+
+def test_one_of_a_thing_is_not_counted_as_many(tmp_path: Path) -> None:
+    """ "copied 1 tensors", "1 tensors, 4 parameters", "F16 (1 tensors)"."""
+    path = write_file(tmp_path)
+    assert "copied 1 tensor," in cli("cp", str(path), str(tmp_path / "b.safetensors")).stderr
+    assert "  1 tensor, 4 parameters" in cli("inspect", str(path)).stdout
+    from stream_st.tools.model_checks import validate_dtype_consistency
+
+    assert validate_dtype_consistency({"a": "F16", "b": "F32", "c": "F32"}) == [
+        "floating-point tensors in 2 dtypes: F32 (2 tensors), F16 (1: a)"
+    ]
+    assert validate_dtype_consistency({"a": "F16", "b": "F32"}) == [
+        "floating-point tensors in 2 dtypes: F16 (1 tensor), F32 (1: b)"
+    ]
