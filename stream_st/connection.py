@@ -231,6 +231,10 @@ async def listen(
     unknown host).
     """
     checked = Limits.of(limits)
+    if not isinstance(host, str) or "://" in host:  # connect() takes a URL; listen() does not
+        raise UsageError(
+            f"listen takes a host and a port (listen('127.0.0.1', 9000)), got {host!r}"
+        )
     if not 0 <= port <= 65535:
         raise UsageError(f"port {port} is out of range 0-65535")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fnmatch
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 from .._api import using_cache
 from ..errors import UsageError
 from ..transports.cache import Cache, parse_size
-from .output import EXIT_DIFFERENT, EXIT_OK, human, print_json
+from .output import EXIT_DIFFERENT, EXIT_OK, PROG, human, print_json
 
 __all__ = ["add_cache_command", "add_cache_option"]
 
@@ -97,13 +98,24 @@ async def run_cache(args: argparse.Namespace) -> int:
             for e in entries(cache)
             if args.all or any(fnmatch.fnmatchcase(e.shown, p) for p in args.patterns)
         ]
+        if not chosen:
+            what = (
+                "the cache holds no copy"
+                if args.all
+                else "no copy matches " + " or ".join(repr(p) for p in args.patterns)
+            )
+            print(
+                f"{PROG}: {what} (in {cache.directory}; {PROG} cache ls lists them)",
+                file=sys.stderr,
+            )
+            return EXIT_DIFFERENT
         busy = [e for e in chosen if not remove(e)]
         for entry in chosen:
             if entry not in busy:
                 print(f"removed {entry.shown} ({human(entry.size)})")
         for entry in busy:
             print(f"left {entry.shown}: another process is writing it")
-        return EXIT_DIFFERENT if busy or not chosen else EXIT_OK
+        return EXIT_DIFFERENT if busy else EXIT_OK
     cap = parse_size(args.max_size) if args.max_size else cache.max_size
     if cap is None:
         raise UsageError("give --max-size SIZE (or set STREAM_ST_CACHE_MAX)")

@@ -38,7 +38,7 @@ from ..errors import (
     UsageError,
     redact,
 )
-from ..tools.common import naming
+from ..tools.common import naming, plural
 from ..tools.cp import address_in
 from ..transports.file.sink import PipeSink
 from ..transports.registry import SinkLike
@@ -126,8 +126,9 @@ async def run_inspect(args: argparse.Namespace) -> int:
         print(f"{result.source}")
         shards = f" in {result.shards} shards" if result.shards > 1 else ""
         print(
-            f"  {result.tensor_count} tensors{shards}, {result.parameter_count:,} parameters, "
-            f"{human(result.data_bytes)} of data, header {human(result.header_bytes)}"
+            f"  {plural(result.tensor_count, 'tensor')}{shards}, "
+            f"{result.parameter_count:,} parameters, {human(result.data_bytes)} of data, "
+            f"header {human(result.header_bytes)}"
         )
         metadata, digests = split_digests(result.metadata)
         if digests is not None:
@@ -455,7 +456,7 @@ async def run_cp(args: argparse.Namespace) -> int:
             )
         with progress_reporter("copying", args.quiet) as progress:
             written = await tools.mirror(src, args.dst, **_copy_options(args, progress))
-        done = f"copied {len(written) - 1} shards and the index to {args.dst}"
+        done = f"copied {plural(len(written) - 1, 'shard')} and the index to {args.dst}"
         _report_copy(args, done, {"written": written}, last_stats())
         return EXIT_OK
     if into:
@@ -478,7 +479,7 @@ async def run_cp(args: argparse.Namespace) -> int:
                 raise exc.__cause__ from None  # the reader went away (``| head``): exit 141
             raise
     header = copied.header
-    done = f"copied {len(header)} tensors, {header.file_size:,} bytes to {args.dst}"
+    done = f"copied {plural(len(header), 'tensor')}, {header.file_size:,} bytes to {args.dst}"
     how = "quantized" if args.quantize else "dequantized" if args.dequantize else None
     if how is None and args.dtype:
         how = f"converted to {args.dtype.upper()}"
@@ -525,8 +526,8 @@ async def run_serve(args: argparse.Namespace) -> int:
     ) as server:
         needs = ", bearer token required" if token else ""
         print(
-            f"serving {server.url} ({len(server.header)} tensors, {human(server.size)}{needs}); "
-            "Ctrl-C stops",
+            f"serving {server.url} ({plural(len(server.header), 'tensor')}, "
+            f"{human(server.size)}{needs}); Ctrl-C stops",
             flush=True,
         )
         await anyio.sleep_forever()

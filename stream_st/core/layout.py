@@ -17,8 +17,8 @@ from typing import Any, SupportsIndex, cast
 
 import numpy as np
 
-from ..errors import ArgumentTypeError, HeaderError, UsageError
-from .dtypes import dtype_for
+from ..errors import ArgumentTypeError, DtypeError, HeaderError, UsageError
+from .dtypes import DType, dtype_for
 from .header import (
     LENGTH_PREFIX_SIZE,
     METADATA_KEY,
@@ -87,9 +87,18 @@ def _plan_list(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
     return plan
 
 
+def _dtype_of(spec: TensorSpec) -> DType:
+    """The dtype of a planned tensor; a :class:`~stream_st.DtypeError` naming the tensor (one
+    of a dict of many arrays) if safetensors cannot carry it."""
+    try:
+        return dtype_for(spec.dtype)
+    except DtypeError as exc:
+        raise DtypeError(f"tensor {spec.name!r}: {exc}") from None
+
+
 def plan_order(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
     """Order a plan as the reference writer does: descending dtype alignment, then name."""
-    return sorted(_plan_list(specs), key=lambda s: (-dtype_for(s.dtype).rank, s.name))
+    return sorted(_plan_list(specs), key=lambda s: (-_dtype_of(s).rank, s.name))
 
 
 def _compact(value: object) -> str:
@@ -132,7 +141,7 @@ def build_header(
         if name in names:
             raise HeaderError(f"tensor {name!r} appears twice in the plan")
         names.add(name)
-        dtype = dtype_for(spec.dtype)
+        dtype = _dtype_of(spec)
         layout = layouts.get((dtype.code, shape))
         if layout is None:  # its size, and its member's text up to the offsets
             nbytes = data_size(name, dtype, checked_dims(name, shape))

@@ -5,6 +5,7 @@ metadata or a seed-style cache inferred from names and shapes).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,11 +113,9 @@ class KVLayout:
     @property
     def layer_bytes(self) -> int:
         """Wire bytes of one layer (key, value, codec siblings and digest)."""
-        total = 0
-        for spec in self.layer_specs(0):
-            bits = dtype_for(spec.dtype).bits
-            total += int(np.prod(spec.shape, dtype=np.int64)) * bits // 8
-        return total
+        return sum(
+            math.prod(spec.shape) * dtype_for(spec.dtype).bits // 8 for spec in self.layer_specs(0)
+        )
 
     @classmethod
     def from_header(cls, header: Header) -> KVLayout:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.header import TensorInfo
 from ..core.strict_json import decode_json
 from ..errors import SafetensorsError, UsageError
+from .common import plural
 
 if TYPE_CHECKING:
     from ..models.llm.model import LlamaConfig
@@ -121,7 +122,7 @@ def _listing(by_dtype: Mapping[str, list[str]], shown: int = 3) -> str:
     parts = []
     for rank, (dtype, names) in enumerate(ordered):
         if rank == 0 and len(ordered) > 1:
-            parts.append(f"{dtype} ({len(names)} tensors)")
+            parts.append(f"{dtype} ({plural(len(names), 'tensor')})")
         else:
             more = f", ... {len(names) - shown} more" if len(names) > shown else ""
             parts.append(f"{dtype} ({len(names)}: {', '.join(names[:shown])}{more})")
@@ -270,7 +271,7 @@ class ModelConfig:
         if unknown:
             more = f", ... {len(unknown) - 3} more" if len(unknown) > 3 else ""
             warnings.append(
-                f"{len(unknown)} tensors the config does not describe: "
+                f"{plural(len(unknown), 'tensor')} the config does not describe: "
                 f"{', '.join(unknown[:3])}{more}"
             )
         count = sum(info.nelements for info in infos.values())

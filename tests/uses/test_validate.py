@@ -406,7 +406,7 @@ async def test_tied_heads_unknown_tensors_and_dtypes_are_warnings(tmp_path: Path
     assert result.ok
     assert result.warnings == [
         "lm_head.weight present, though the config ties it to the embeddings",
-        "1 tensors the config does not describe: model.layers.0.self_attn.rotary_emb.inv_freq",
+        "1 tensor the config does not describe: model.layers.0.self_attn.rotary_emb.inv_freq",
         "parameter count 9,778 differs from the config's 8,976 (+8.9%)",
         "floating-point tensors not in the expected F32: F16 (1: model.norm.weight)",
     ]

@@ -360,6 +360,8 @@ class FileSink(Sink):
         super().__init__()
         self.name = os.fspath(path)
         self.fsync = fsync
+        if not self.name:  # realpath would make it the working directory
+            raise UsageError("the destination is an empty path: name a file")
         try:
             self._target = os.path.realpath(self.name)  # a symlink is written through
         except ValueError as exc:  # a NUL byte: no path the OS takes
