@@ -194,9 +194,11 @@ def _cached_header(name: str, max_header_size: int, unknown_dtypes: UnknownDtype
         if n > PARSE_AT_ONCE_UP_TO:
             return None
         raw = first[LENGTH_PREFIX_SIZE : LENGTH_PREFIX_SIZE + n]
-        if len(raw) < n:
+        if len(raw) < n:  # the rest of the header after the bytes already read
+            start = len(raw)
             raw = _buffer(n)
-            if _pread_cached(fd, raw, LENGTH_PREFIX_SIZE) < n:
+            raw[:start] = first[LENGTH_PREFIX_SIZE:]
+            if _pread_cached(fd, raw[start:], LENGTH_PREFIX_SIZE + start) < n - start:
                 return None
     finally:
         os.close(fd)
