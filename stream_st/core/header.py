@@ -810,7 +810,7 @@ at fault (ValueError: an integer of more digits than int() takes)."""
 def _parse_one_piece(raw: memoryview) -> Header | None:
     """:func:`_parse_fast` of a header of one piece (see :data:`ONE_PIECE_BYTES`), in one
     plain call."""
-    if raw[:1] != b"{":
+    if raw[:1].tobytes() != b"{":
         return None
     try:
         part = _read_piece(str(raw, "utf-8"), {}, first=True)
@@ -845,7 +845,7 @@ def _parse_fast(raw: memoryview) -> Generator[None, None, Header | None]:
     lacks, an escape that may hide a ``-0``...), which :func:`_parse_object` reads member by
     member to tell what is wrong, or accept. Each piece is read by :func:`_read_piece`.
     """
-    if raw[:1] != b"{":
+    if raw[:1].tobytes() != b"{":
         return None
     table = TensorTable([], [], [], [], [])
     index = NameIndex(len(raw) // _LEAST_MEMBER)
