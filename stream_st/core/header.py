@@ -18,7 +18,6 @@ import contextlib
 import operator
 import re
 import reprlib
-import struct
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -38,6 +37,7 @@ from ..errors import (
 )
 from .dtypes import DTYPES, DType, array_shape, dtype_from_code
 from .strict_json import (
+    PIECE_BYTES,
     brief,
     decode_json,
     json_type,
@@ -435,12 +435,12 @@ def parse_header_length(
         raise HeaderError(
             f"a safetensors file starts with an 8-byte header length; got only {len(prefix)} bytes"
         )
-    (n,) = struct.unpack("<Q", bytes(prefix[:LENGTH_PREFIX_SIZE]))
+    n = int.from_bytes(prefix[:LENGTH_PREFIX_SIZE], "little")
     if n > max_header_size:
         raise HeaderTooLargeError(n, max_header_size)
     if n < 2:
         raise HeaderError(f"header length {n} is too small to hold a JSON object")
-    return int(n)
+    return n
 
 
 def _strict_entry(text: str, name: str) -> Any:
@@ -698,7 +698,16 @@ def parse_header(
     ``data_offsets`` alone, and named in :attr:`Header.unreadable`; reading its data raises
     :class:`~stream_st.UnknownDtypeError`. Every other check stands.
     """
-    return run_steps(parse_steps(raw, unknown_dtypes=unknown_dtypes), stop)
+    keep = _keep(unknown_dtypes)
+    with _octets(raw) as octets:
+        if len(octets) <= ONE_PIECE_BYTES:  # no steps: a plain call, no generator
+            header = _parse_one_piece(octets)
+            if header is not None:
+                return header
+            steps = _parse_walk(raw, keep)
+        else:
+            steps = _parse_steps(raw, octets, keep)
+        return run_steps(steps, stop)
 
 
 _T = TypeVar("_T")
@@ -721,31 +730,65 @@ def run_steps(steps: Generator[None, None, _T], stop: Callable[[], bool] | None 
             return cast(_T, done.value)
 
 
+ONE_PIECE_BYTES = 2 * PIECE_BYTES
+"""A header up to this size is one piece (:func:`~stream_st.core.strict_json.object_pieces`):
+parsed in one call, with no steps between."""
+
+
 def parse_steps(
     raw: bytes | bytearray | memoryview, *, unknown_dtypes: UnknownDtypes = "refuse"
 ) -> Steps:
     """:func:`parse_header` of ``raw`` as a generator that yields between steps of a few
     milliseconds each (a piece of about :data:`~stream_st.core.strict_json.PIECE_BYTES` of the
     header) and returns the :class:`Header`: a caller on an event loop lets the loop run
-    between two steps. A header of one piece (up to twice that size) is parsed without a
-    yield."""
+    between two steps. A header of one piece (up to :data:`ONE_PIECE_BYTES`) is parsed without
+    a yield."""
+    keep = _keep(unknown_dtypes)
+    with _octets(raw) as octets:
+        return (yield from _parse_steps(raw, octets, keep))
+
+
+def _keep(unknown_dtypes: object) -> bool:
+    """Whether ``unknown_dtypes`` keeps tensors of unknown dtypes; :class:`UsageError` for a
+    value that is neither ``"refuse"`` nor ``"keep"``."""
     if unknown_dtypes not in ("refuse", "keep"):
         raise UsageError(f"unknown_dtypes is 'refuse' or 'keep', got {unknown_dtypes!r}")
+    return unknown_dtypes == "keep"
+
+
+def _octets(raw: object) -> memoryview:
+    """``raw`` as a flat view of bytes (to release once parsed); :class:`UsageError` for
+    anything that holds no bytes."""
     try:
-        view = memoryview(raw)
+        view = memoryview(raw)  # type: ignore[arg-type]  # checked here
     except TypeError:
         raise UsageError(f"a header is bytes, got {type(raw).__name__}") from None
-    with view, view.cast("B") as octets:
+    with view:
+        return view.cast("B")
+
+
+def _parse_steps(raw: bytes | bytearray | memoryview, octets: memoryview, keep: bool) -> Steps:
+    """:func:`parse_steps` of ``raw``, whose bytes ``octets`` are: the fast parse, else the
+    member walk."""
+    if len(octets) <= ONE_PIECE_BYTES:
+        header = _parse_one_piece(octets)
+    else:
         header = yield from _parse_fast(octets)
     if header is not None:
         return header
+    return (yield from _parse_walk(raw, keep))
+
+
+def _parse_walk(raw: bytes | bytearray | memoryview, keep: bool) -> Steps:
+    """The member walk of ``raw`` (:func:`_parse_object`), which tells what is wrong with a
+    header the fast parse declined, or accepts an unusual one."""
     try:
         text = str(raw, "utf-8")
     except UnicodeDecodeError as exc:
         raise HeaderError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     if not text.startswith("{"):
         raise HeaderError(f"header must begin with '{{', begins with {text[:16]!r}")
-    return (yield from _parse_object(text, len(raw), unknown_dtypes == "keep"))
+    return (yield from _parse_object(text, len(raw), keep))
 
 
 _dtype_of = operator.itemgetter("dtype")
@@ -759,6 +802,40 @@ _LIST_ONLY = frozenset({list})
 _STR_ONLY = frozenset({str})
 _THREE = frozenset({3})
 _TWO = frozenset({2})
+_DECLINED = (UnicodeDecodeError, HeaderError, DtypeError, ValueError)
+"""What the fast parse takes as a header to leave to the member walk, which names the tensor
+at fault (ValueError: an integer of more digits than int() takes)."""
+
+
+def _parse_one_piece(raw: memoryview) -> Header | None:
+    """:func:`_parse_fast` of a header of one piece (see :data:`ONE_PIECE_BYTES`), in one
+    plain call."""
+    if raw[:1].tobytes() != b"{":
+        return None
+    try:
+        part = _read_piece(str(raw, "utf-8"), {}, first=True)
+        if part is None:
+            return None
+        metadata, table, _ = part
+        if table is None:
+            table = TensorTable([], [], [], [], [])
+        index = _positions(table._names)
+        if len(index) != len(table):
+            return None  # a name twice
+    except _DECLINED:
+        return None
+    ordered = _data_order(table)
+    if ordered is not table:
+        index = _positions(ordered._names)
+    return Header(ordered, metadata or {}, len(raw), index)
+
+
+def _read_piece(piece: str, known: _Known, first: bool) -> _Piece | None:
+    """A piece of a header (see :func:`_parse_fast`) read by :func:`_compact_piece` if it is
+    written as the reference writes a header, else by :func:`_json_piece`; ``None`` for one
+    that does not plainly pass every check."""
+    part = _compact_piece(piece, known, first)
+    return part if part is not None else _json_piece(piece, known)
 
 
 def _parse_fast(raw: memoryview) -> Generator[None, None, Header | None]:
@@ -766,10 +843,7 @@ def _parse_fast(raw: memoryview) -> Generator[None, None, Header | None]:
     :func:`_parse_object`, found a piece of members at a time (:func:`object_pieces`) with
     whole-list operations; ``None`` for any other (invalid, or unusual: a dtype the table
     lacks, an escape that may hide a ``-0``...), which :func:`_parse_object` reads member by
-    member to tell what is wrong, or accept.
-
-    Each piece is read by :func:`_compact_piece` if it is written as the reference writes a
-    header, else by :func:`_json_piece`.
+    member to tell what is wrong, or accept. Each piece is read by :func:`_read_piece`.
     """
     if raw[:1].tobytes() != b"{":
         return None
@@ -782,11 +856,9 @@ def _parse_fast(raw: memoryview) -> Generator[None, None, Header | None]:
         for at, piece in enumerate(object_pieces(raw)):
             if at:
                 yield  # between two pieces
-            part = _compact_piece(piece, known, first=at == 0)
+            part = _read_piece(piece, known, first=at == 0)
             if part is None:
-                part = _json_piece(piece, known)
-                if part is None:
-                    return None
+                return None
             found, new, in_order = part
             if found is not None:
                 if metadata is not None:
@@ -801,8 +873,8 @@ def _parse_fast(raw: memoryview) -> Generator[None, None, Header | None]:
                     return None  # a name in two pieces
                 for column, more in zip(_columns(table), _columns(new), strict=True):
                     column += more
-    except (UnicodeDecodeError, HeaderError, DtypeError, ValueError):
-        return None  # ValueError: an integer of more digits than int() takes
+    except _DECLINED:
+        return None
     if not ordered:
         table = _data_order(table)
         index.add(table._names, 0)

@@ -210,7 +210,7 @@ MANIFEST_NAME = "dataset_manifest.json"
 def is_index(source: object) -> TypeGuard[str | os.PathLike[str]]:
     """True for a ``str`` or path naming a ``*.index.json`` or ``dataset_manifest.json``."""
     text = source if isinstance(source, str) else getattr(source, "__fspath__", lambda: "")()
-    if not isinstance(text, str):
+    if not isinstance(text, str) or "json" not in text:  # most sources: no URL to split
         return False
     try:
         path = urlsplit(text).path

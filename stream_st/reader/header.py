@@ -11,6 +11,7 @@ import numpy as np
 
 from ..core.header import (
     LENGTH_PREFIX_SIZE,
+    ONE_PIECE_BYTES,
     Header,
     UnknownDtypes,
     parse_header,
@@ -54,7 +55,9 @@ async def _receive_header(source: Source, n: int) -> tuple[memoryview, int]:
 async def _parse(raw: memoryview, source: Source, unknown_dtypes: UnknownDtypes) -> Header:
     """Parse a header on the event loop a step at a time (:func:`parse_steps`), giving the loop
     its turns between steps (:func:`give_turn`), within the read's deadline: a big header holds
-    the loop for one step at most, a few milliseconds. A header of one piece is one step."""
+    the loop for one step at most, a few milliseconds. A header of one piece is one call."""
+    if len(raw) <= ONE_PIECE_BYTES:
+        return parse_header(raw, unknown_dtypes=unknown_dtypes)
     steps = parse_steps(raw, unknown_dtypes=unknown_dtypes)
     with (
         contextlib.closing(steps),
@@ -183,7 +186,7 @@ def _cached_header(name: str, max_header_size: int, unknown_dtypes: UnknownDtype
     fd = open_path(name, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        first = _buffer(min(size, CACHED_FIRST_READ))
+        first = memoryview(bytearray(min(size, CACHED_FIRST_READ)))  # zeroed in microseconds
         got = _pread_cached(fd, first, 0)
         if got < len(first):
             return None  # not in the page cache
@@ -191,9 +194,11 @@ def _cached_header(name: str, max_header_size: int, unknown_dtypes: UnknownDtype
         if n > PARSE_AT_ONCE_UP_TO:
             return None
         raw = first[LENGTH_PREFIX_SIZE : LENGTH_PREFIX_SIZE + n]
-        if len(raw) < n:
+        if len(raw) < n:  # the rest of the header after the bytes already read
+            start = len(raw)
             raw = _buffer(n)
-            if _pread_cached(fd, raw, LENGTH_PREFIX_SIZE) < n:
+            raw[:start] = first[LENGTH_PREFIX_SIZE:]
+            if _pread_cached(fd, raw[start:], LENGTH_PREFIX_SIZE + start) < n - start:
                 return None
     finally:
         os.close(fd)
