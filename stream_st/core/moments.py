@@ -10,7 +10,7 @@ statistic is taken from it) is handled with numpy calls that release the GIL:
 
 * min and max in the array's own type (a NaN or an infinity shows in them: only then are the
   chunk's non-finite values counted and dropped); for F16 and BF16, from the values' bit patterns
-  (three integer reductions per span of :data:`SPAN` values, cheaper than on the values);
+  (two integer reductions per span of :data:`SPAN` values, cheaper than on the values);
 * the values as float64 in scratch memory, minus a shift ``K`` (the mean so far; for the first
   chunk the midpoint of its min and max; none for values about 0), then their sum ``s1`` and
   sum of squares ``s2``, by BLAS dot products of :data:`BLOCK` values (one numpy call each for
@@ -196,7 +196,7 @@ def _add_chunks(result: Moments, flat: Array, start: int, stop: int) -> None:
 
 def _add_halves(result: Moments, flat: Array, start: int, stop: int) -> None:
     """:func:`_add_chunks` for F16 and BF16 (``start < stop``): the min and max of each span of
-    :data:`SPAN` values from their bit patterns (three integer reductions over the 16-bit
+    :data:`SPAN` values from their bit patterns (two integer reductions over the 16-bit
     values), then its chunks of :data:`HALF_CHUNK` values as float64 (BF16 by ml_dtypes' cast,
     F16 by :func:`_f16_scaled`) straight into :func:`_add_finite`. A span holding a NaN or an
     Inf goes the general way."""
@@ -210,11 +210,14 @@ def _add_halves(result: Moments, flat: Array, start: int, stop: int) -> None:
         end = min(at + SPAN, stop)
         bits = flat[at:end].view(np.uint16)
         top = int(_MAX(bits.view(np.int16)))  # the greatest value's, if one has no sign bit
-        big, small = int(_MAX(bits)), int(_MIN(bits))  # the least value's, if one has it
+        big = int(_MAX(bits))  # the least value's, if one has the sign bit
         if top >= infinity or big >= _SIGN | infinity:
             _add_chunks(result, flat, at, end)
             continue
-        patterns = np.array([big if big >= _SIGN else small, top if top >= 0 else small])
+        if top < 0 or big < _SIGN:  # all of one sign: the pattern nearest 0 is the other end
+            small = int(_MIN(bits))
+            top, big = (small, big) if top < 0 else (top, small)
+        patterns = np.array([big, top])
         low, high = (patterns.astype(np.uint16).view(flat.dtype).astype(np.float64) / unit).tolist()
         span = Moments()
         for chunk_at in range(at, end, HALF_CHUNK):
