@@ -23,7 +23,7 @@ statistic is taken from it) is handled with numpy calls that release the GIL:
   the squared mean loses six digits.
 
 BF16 and the 8-bit floats are widened to float64 by ml_dtypes' casts, F16 by a move of its bits into
-float32's (:func:`_f16_scaled`: numpy's float16 cast is several times slower), complex values are
+float32's (:func:`f16_over_unit`: numpy's float16 cast is several times slower), complex values are
 summarised by their magnitudes, booleans as 0 and 1. Packed sub-byte types (F4, F6) have no values
 here: :func:`summarisable` says which dtypes do.
 No I/O.
@@ -38,7 +38,15 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["CHUNK", "Moments", "moments_of", "summarisable"]
+__all__ = [
+    "CHUNK",
+    "F16_UNIT",
+    "Moments",
+    "f16_over_unit",
+    "moments_of",
+    "sign_extremes",
+    "summarisable",
+]
 
 Array = np.ndarray[Any, Any]
 
@@ -70,8 +78,8 @@ _INFINITY_BITS = {np.dtype(ml_dtypes.bfloat16): 0x7F80, _F16: 0x7C00}
 and the negative NaNs the same with the sign bit, :data:`_SIGN`, set)."""
 _HALVES = frozenset(_INFINITY_BITS)
 _SIGN = 0x8000
-_F16_UNIT = 2.0**112
-"""F16 values are summarised divided by this (:func:`_f16_scaled`), the moments multiplied back."""
+F16_UNIT = 2.0**112
+"""F16 values are widened divided by this (:func:`f16_over_unit`); their moments multiplied back."""
 
 
 def summarisable(dtype: str) -> bool:
@@ -198,19 +206,18 @@ def _add_halves(result: Moments, flat: Array, start: int, stop: int) -> None:
     """:func:`_add_chunks` for F16 and BF16 (``start < stop``): the min and max of each span of
     :data:`SPAN` values from their bit patterns (two integer reductions over the 16-bit
     values), then its chunks of :data:`HALF_CHUNK` values as float64 (BF16 by ml_dtypes' cast,
-    F16 by :func:`_f16_scaled`) straight into :func:`_add_finite`. A span holding a NaN or an
+    F16 by :func:`f16_over_unit`) straight into :func:`_add_finite`. A span holding a NaN or an
     Inf goes the general way."""
     f16 = flat.dtype == _F16
     infinity = _INFINITY_BITS[flat.dtype]
     size = min(HALF_CHUNK, stop - start)
     scratch = np.empty(size + -size % BLOCK, np.float64)
     wide = np.empty(size if f16 else 0, np.uint32)
-    unit = _F16_UNIT if f16 else 1.0
+    unit = F16_UNIT if f16 else 1.0
     for at in range(start, stop, SPAN):
         end = min(at + SPAN, stop)
         bits = flat[at:end].view(np.uint16)
-        top = int(_MAX(bits.view(np.int16)))  # the greatest value's, if one has no sign bit
-        big = int(_MAX(bits))  # the least value's, if one has the sign bit
+        top, big = sign_extremes(bits)
         if top >= infinity or big >= _SIGN | infinity:
             _add_chunks(result, flat, at, end)
             continue
@@ -224,24 +231,35 @@ def _add_halves(result: Moments, flat: Array, start: int, stop: int) -> None:
             chunk = flat[chunk_at : min(chunk_at + HALF_CHUNK, end)]
             shifted = scratch[: chunk.size]
             if f16:
-                _f16_scaled(chunk, wide, shifted)
+                np.copyto(shifted, f16_over_unit(chunk, wide))
             else:
                 np.copyto(shifted, chunk, casting="unsafe")
             _add_finite(span, shifted, low, high, scratch)
         result.merge(span.times(unit))
 
 
-def _f16_scaled(values: Array, wide: Array, out: Array) -> None:
-    """F16 ``values`` divided by :data:`_F16_UNIT` (``2**112``), exactly, as float64 into ``out``:
-    their bit patterns made float32's in ``wide`` (uint32 of at least their size), the sign
-    extended to 32 bits, shifted up by 13 and the three bits between the sign and the exponent
-    cleared (numpy's own float16 cast is several times slower). NaN and Inf would come out
-    finite: the values must have neither."""
+def f16_over_unit(values: Array, wide: Array) -> Array:
+    """F16 ``values`` divided by :data:`F16_UNIT` (``2**112``), exactly, as float32: their bit
+    patterns made float32's in ``wide`` (uint32 of at least their size, returned as float32), the
+    sign extended to 32 bits, shifted up by 13 and the three bits between the sign and the
+    exponent cleared (numpy's own float16 cast is several times slower; F16 subnormals become
+    float32 subnormals). NaN and Inf would come out finite: the values must have neither."""
     bits = wide[: values.size]
     np.copyto(bits.view(np.int32), values.view(np.int16))
     np.left_shift(bits, 13, out=bits)
     np.bitwise_and(bits, 0x8FFF_FFFF, out=bits)
-    np.copyto(out, bits.view(np.float32))
+    return bits.view(np.float32)
+
+
+def sign_extremes(flat: Array) -> tuple[int, int]:
+    """The greatest bit pattern of float array ``flat`` (not empty) read as a signed integer,
+    and the greatest read as unsigned (two integer reductions, no float conversion): the first,
+    if not negative, is that of the greatest value with the sign bit clear, the second, if it has
+    the sign bit, that of the least value with it (the negative of greatest magnitude). NaN
+    patterns lie beyond Inf's, Inf's beyond every finite value's."""
+    width = flat.dtype.itemsize
+    unsigned = flat.view(f"u{width}")
+    return int(_MAX(unsigned.view(f"i{width}"))), int(_MAX(unsigned))
 
 
 def _finite(result: Moments, chunk: Array) -> Array:
