@@ -19,7 +19,9 @@ ranges in batch mode, groups of keys in KV mode) that a reader task reads on its
 :func:`read_piece`, fetching only the byte ranges of the tensors it selects. A KV-mode dataset
 is read as rows with :func:`kv_rows` (where each name's tensors lie, told from the headers a
 column at a time) and :func:`read_kv_rows` (a part of the rows: each shard's bytes under them read
-at once, cut with numpy). The Spark data source (``pyspark_safetensors``) and the torch dataset
+at once, cut with numpy); where its manifest says its rows are whole (:func:`whole_rows`), each
+shard's rows are its own, told from its header alone by :func:`read_shard_rows`, so that no one
+process reads every header. The Spark data source (``pyspark_safetensors``) and the torch dataset
 (:mod:`stream_st.torch_dataset`) both read through these.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -37,9 +40,18 @@ import numpy as np
 from .._api import load, open_stream, read_header
 from ..core.digests import Digests, algorithm_named
 from ..core.dtypes import array_shape, dtype_from_code
-from ..core.header import Header, TensorInfo
+from ..core.header import (
+    LENGTH_PREFIX_SIZE,
+    METADATA_KEY,
+    Header,
+    TensorInfo,
+    checked_dims,
+    data_size,
+    parse_header,
+    parse_header_length,
+)
 from ..core.shards import MANIFEST_NAME, SHARD_NAME, is_index
-from ..errors import HeaderError, SourceNotFoundError, UsageError
+from ..errors import DtypeError, HeaderError, SourceNotFoundError, UsageError
 from ..reader import _read_tensor
 from ..sharded.reader import ShardIndex, shard_address
 from ..transports import store as _store
@@ -49,6 +61,7 @@ from ..transports.registry import open_source
 __all__ = [
     "KV_RECORD",
     "MANIFEST_NAME",
+    "WHOLE_ROWS",
     "DatasetInfo",
     "KvColumn",
     "KvRows",
@@ -56,9 +69,12 @@ __all__ = [
     "describe_dataset",
     "kv_rows",
     "plan_pieces",
+    "read_kv_batches",
     "read_kv_rows",
     "read_piece",
+    "read_shard_rows",
     "split_key",
+    "whole_rows",
 ]
 
 
@@ -68,6 +84,28 @@ KV_RECORD = "kv"
 """The manifest field where a KV-mode write records how its rows were named: ``{"name_col":
 the name column, "spark_type": its Spark type, "separator": the key separator}`` (a field the
 layout's manifest schema leaves open); a read gives the rows back with it."""
+
+WHOLE_ROWS = "whole_rows"
+"""The field of the :data:`KV_RECORD` a write sets (``true``) where every name's tensors lie in
+one shard, one for each column of the manifest's schema: each shard's rows are then its own
+(``samples_count`` of them, none null), known from its own header."""
+
+
+def whole_rows(manifest: Mapping[str, Any]) -> bool:
+    """Whether ``manifest``'s KV record says its rows are whole (:data:`WHOLE_ROWS`), and each
+    of its shards how many (``samples_count``: a whole number)."""
+    record = manifest.get(KV_RECORD)
+    shards = manifest.get("shards")
+    return (
+        isinstance(record, dict)
+        and record.get(WHOLE_ROWS) is True
+        and isinstance(shards, list)
+        and all(isinstance(e, dict) and _count(e.get("samples_count")) for e in shards)
+    )
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclass(frozen=True)
@@ -115,7 +153,7 @@ def _batch_mode(headers: Sequence[Header], schema: object) -> bool:
 
 
 async def describe_dataset(
-    address: str | os.PathLike[str], *, kv: bool | None = None
+    address: str | os.PathLike[str], *, kv: bool | None = None, from_manifest: bool = False
 ) -> DatasetInfo:
     """Read the manifest at ``address`` (or, for a directory or ``s3://`` prefix, its
     ``dataset_manifest.json``, else every ``part-*.safetensors`` in it; for an ``http(s)://``
@@ -123,6 +161,9 @@ async def describe_dataset(
 
     ``kv`` forces the mode; by default a dataset is in batch mode when its shards hold the same
     tensors, each with one leading sample dimension, and the manifest's schema names them.
+    With ``from_manifest``, a KV-mode dataset whose manifest says its rows are whole
+    (:func:`whole_rows`) is described from the manifest alone: no header is read, ``headers``
+    is empty (a reader reads each shard's own, :func:`read_shard_rows`).
     """
     address = os.fspath(address)
     given = bool(is_index(address))
@@ -135,6 +176,8 @@ async def describe_dataset(
         names = list(index.shards)
         shards = tuple(shard_address(index.home, shard) for shard in names)
         home = index.home.rsplit("/", 1)[0]
+        if from_manifest and kv is not False and whole_rows(manifest):
+            return DatasetInfo(home, shards, (), manifest, True)
     else:
         names = [n for n in await _store.list_names(address) if SHARD_NAME.fullmatch(n)]
         if not names:
@@ -234,17 +277,16 @@ class KvRows:
         )
 
 
-def _split_keys(
-    keys: list[str], columns: Sequence[str], separator: str, shard: str
-) -> tuple[Any, Array]:
+def _split_keys(keys: Any, columns: Sequence[str], separator: str, shard: str) -> tuple[Any, Array]:
     """The names (an Arrow string array) and columns (positions in ``columns``) of a shard's
-    ``keys``, ``{name}{separator}{column}``: split by Arrow where no column holds the separator
-    (a key's last one splits it), else key by key. Refuses a key that ends with no column."""
+    ``keys`` (an Arrow string array), ``{name}{separator}{column}``: split by Arrow where no
+    column holds the separator (a key's last one splits it), else key by key. Refuses a key
+    that ends with no column."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     if separator and not any(separator in column for column in columns):
-        parts = pc.split_pattern(pa.array(keys, pa.string()), separator, max_splits=1, reverse=True)
+        parts = pc.split_pattern(keys, separator, max_splits=1, reverse=True)
         good = pc.equal(pc.list_value_length(parts), 2).to_numpy(zero_copy_only=False)
         if good.all():
             value_set = pa.array(columns, pa.string())
@@ -252,72 +294,207 @@ def _split_keys(
             good = found.is_valid().to_numpy(zero_copy_only=False)
             if good.all():
                 return pc.list_element(parts, 0), found.to_numpy()
-        bad = keys[int(np.argmin(good))]
+        bad = keys[int(np.argmin(good))].as_py()
     else:
         split = _key_splitter(columns, separator)
-        pairs = [split(key) for key in keys]
+        pairs = [split(key) for key in keys.to_pylist()]
         found_pairs = [pair for pair in pairs if pair is not None]
         if len(found_pairs) == len(pairs):
             position = {column: i for i, column in enumerate(columns)}
             names = pa.array([name for name, _ in found_pairs], pa.string())
             return names, np.array([position[column] for _, column in found_pairs], np.int32)
-        bad = keys[pairs.index(None)]
+        bad = keys[pairs.index(None)].as_py()
     raise UsageError(
         f"tensor {bad!r} of {shard} is no column of {list(columns)} "
         f"(key {{name}}{separator}{{column}})"
     )
 
 
-def kv_rows(dataset: DatasetInfo, columns: Sequence[str], separator: str) -> KvRows:
-    """The rows of a KV-mode dataset written with ``columns`` and ``separator`` (see
-    :class:`KvRows`), told from its headers a column of fields at a time. Refuses a key that
-    belongs to none of ``columns``, and a shard whose digests cannot be checked."""
+Spec = tuple[str, tuple[int, ...]]
+"""A tensor's dtype code and shape."""
+
+
+@dataclass(frozen=True)
+class _Tensors:
+    """One shard's tensors a field at a time, in offset order: their keys (an Arrow string
+    array), dtype and shape (``spec``, positions in ``specs``) and data offsets, and the digest
+    algorithm and digests the shard records (None: none)."""
+
+    keys: Any
+    spec: Array
+    specs: tuple[Spec, ...]
+    start: Array
+    end: Array
+    algorithm: str | None = None
+    digests: Array | None = None
+
+
+def _header_tensors(header: Header) -> _Tensors:
+    """The tensors of a parsed ``header``."""
     import pyarrow as pa
 
-    keys: list[str] = []
+    held, codes, shapes, starts, ends = header.tensors.columns()
+    specs: dict[Spec, int] = {}
+    spec = np.fromiter(
+        (specs.setdefault(pair, len(specs)) for pair in zip(codes, shapes, strict=True)),
+        np.int64,
+        len(held),
+    )
+    digests = Digests.from_header(header)
+    return _Tensors(
+        pa.array(held, pa.string()),
+        spec,
+        tuple(specs),
+        np.array(starts, np.int64),
+        np.array(ends, np.int64),
+        None if digests is None else digests.algorithm,
+        None if digests is None else np.array(list(map(digests.values.__getitem__, held)), object),
+    )
+
+
+_MEMBER_TEXTS = ((2, ":{"), (3, "dtype"), (4, ":"), (6, ","), (7, "shape"), (9, "data_offsets"))
+"""The texts between two quotes of a compact tensor member
+(``"name":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},``) that are always the same: their
+position among its 10 such texts, and the text."""
+_NUMBER = "(?:0|[1-9][0-9]*)"
+_OFFSETS_TEXT = rf"^:\[(?P<start>{_NUMBER}),(?P<end>{_NUMBER})\]\}},$"
+_SHAPE_TEXT = re.compile(rf":\[(?:{_NUMBER}(?:,{_NUMBER})*)?\],")
+
+
+def _compact_tensors(raw: bytes) -> _Tensors | None:
+    """The tensors of the header ``raw`` (its N bytes) if it is written compactly, as a KV
+    shard's is (no metadata, whitespace or escape; each member's fields in order; the tensors
+    in offset order, tiling the data): read by Arrow a field at a time, with no Python code run
+    per tensor. None for any other header, which :func:`~stream_st.core.header.parse_header`
+    then reads (and tells what is wrong with, if anything).
+
+    A key listed twice is not looked for here: the rows of the shard find it
+    (:func:`_rows_of`)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    text = raw.rstrip(b" \t\n\r")
+    if (
+        not text.startswith(b'{"')
+        or not text.endswith(b"}")
+        or text.startswith(b'{"' + METADATA_KEY.encode())
+        or b"\\" in text
+        or np.frombuffer(text, np.uint8).min() < 0x20
+    ):
+        return None  # metadata, an escape, whitespace or a control character
+    text = text[:-1] + b","  # each member then ends as the others: ``]},``
+    whole = pa.Array.from_buffers(
+        pa.string(), 1, [None, pa.py_buffer(np.array([0, len(text)], np.int32)), pa.py_buffer(text)]
+    )
+    try:
+        whole.validate(full=True)  # UTF-8
+    except pa.ArrowInvalid:
+        return None
+    texts = pc.split_pattern(whole, '"').flatten()
+    count, extra = divmod(len(texts) - 1, 10)
+    if extra or not count or texts[0].as_py() != "{":
+        return None
+    first = pa.array(np.arange(count, dtype=np.int64) * 10)
+
+    def field(at: int) -> Any:
+        return texts.take(pc.add(first, at))
+
+    for at, fixed in _MEMBER_TEXTS:
+        if not pc.all(pc.equal(field(at), fixed)).as_py():
+            return None
+    keys = field(1)
+    if pc.any(pc.equal(keys, METADATA_KEY)).as_py():
+        return None
+    found = pc.extract_regex(field(10), _OFFSETS_TEXT)
+    if found.null_count:
+        return None
+    try:
+        start = pc.cast(found.field("start"), pa.int64()).to_numpy()
+        end = pc.cast(found.field("end"), pa.int64()).to_numpy()
+    except pa.ArrowInvalid:  # beyond int64
+        return None
+    codes = field(5).dictionary_encode()
+    shapes = field(8).dictionary_encode()
+    pairs = codes.indices.to_numpy().astype(np.int64) * len(shapes.dictionary)
+    pairs += shapes.indices.to_numpy()
+    kinds = np.flatnonzero(np.bincount(pairs))
+    numbered = np.zeros(int(kinds[-1]) + 1, np.int64)
+    numbered[kinds] = np.arange(len(kinds))
+    spec = numbered[pairs]
+    specs: list[Spec] = []
+    sizes = []
+    try:
+        for kind in kinds.tolist():
+            code = codes.dictionary[kind // len(shapes.dictionary)].as_py()
+            shape = shapes.dictionary[kind % len(shapes.dictionary)].as_py()
+            if _SHAPE_TEXT.fullmatch(shape) is None:
+                return None
+            dims = checked_dims("", tuple(map(int, filter(None, shape[2:-2].split(",")))))
+            sizes.append(data_size("", dtype_from_code(code), dims))
+            specs.append((code, dims))
+    except (HeaderError, DtypeError, ValueError):
+        return None
+    if start[0] or (start[1:] != end[:-1]).any() or (end - start != np.array(sizes)[spec]).any():
+        return None
+    return _Tensors(keys, spec, tuple(specs), start, end)
+
+
+def _shard_tensors(raw: bytes) -> _Tensors:
+    """The tensors of the header ``raw`` (its N bytes): compact as a KV shard's, or any other
+    (:func:`~stream_st.core.header.parse_header`, which refuses a bad one)."""
+    return _compact_tensors(raw) or _header_tensors(parse_header(raw))
+
+
+def _rows_of(
+    tables: Sequence[_Tensors],
+    shards: tuple[str, ...],
+    bases: tuple[int, ...],
+    columns: Sequence[str],
+    separator: str,
+) -> KvRows:
+    """The rows of the KV-mode shards at ``shards`` (their data at ``bases``), whose tensors are
+    ``tables``, written with ``columns`` and ``separator`` (see :class:`KvRows`). Refuses a key
+    that belongs to none of ``columns``, and a key listed twice in one shard."""
+    import pyarrow as pa
+
+    specs: dict[Spec, int] = {}
     names: list[Any] = []
     fields: list[list[Array]] = [[] for _ in range(6)]  # column, shard, start, end, spec, digest
-    specs: dict[tuple[str, tuple[int, ...]], int] = {}
-    algorithms: list[str | None] = []
-    for i, header in enumerate(dataset.headers):
-        held, codes, shapes, starts, ends = header.tensors.columns()
-        named, owners = _split_keys(held, columns, separator, dataset.shards[i])
-        for pair in dict.fromkeys(zip(codes, shapes, strict=True)):
-            specs.setdefault(pair, len(specs))
-        digests = Digests.from_header(header)
-        algorithms.append(None if digests is None else digests.algorithm)
-        for field, values in zip(
+    for i, table in enumerate(tables):
+        named, owners = _split_keys(table.keys, columns, separator, shards[i])
+        numbered = np.array([specs.setdefault(spec, len(specs)) for spec in table.specs], np.int64)
+        digests = table.digests
+        for values, more in zip(
             fields,
             (
                 owners,
-                np.full(len(held), i, np.int32),
-                np.array(starts, np.int64),
-                np.array(ends, np.int64),
-                np.array(list(map(specs.__getitem__, zip(codes, shapes, strict=True))), np.int64),
-                np.full(len(held), None, object)
-                if digests is None
-                else np.array(list(map(digests.values.__getitem__, held)), object),
+                np.full(len(owners), i, np.int32),
+                table.start,
+                table.end,
+                numbered[table.spec] if len(numbered) else table.spec,
+                np.full(len(owners), None, object) if digests is None else digests,
             ),
             strict=True,
         ):
-            field.append(values)
-        keys += held
+            values.append(more)
         names.append(named)
     owner, shard, start, end, spec, digest = (
-        np.concatenate(field) if field else np.empty(0, np.int64) for field in fields
+        np.concatenate(values) if values else np.empty(0, np.int64) for values in fields
     )
     name = pa.concat_arrays(names) if names else pa.array([], pa.string())
-    if len(set(keys)) < len(keys):  # a key in several shards: the last shard's copy
-        last = {key: i for i, key in enumerate(keys)}
-        kept = np.array([last[key] == i for i, key in enumerate(keys)], bool)
-        owner, shard, start, end, spec, digest = (
-            a[kept] for a in (owner, shard, start, end, spec, digest)
-        )
-        name = name.filter(pa.array(kept))
     encoded = name.dictionary_encode()
-    row = encoded.indices.to_numpy()
+    row = encoded.indices.to_numpy().astype(np.int64)
+    cell = row * max(1, len(columns)) + owner
+    if len(cell) and np.bincount(cell).max() > 1:  # a key in several shards: the last's copy
+        kept = _last_copies(cell, shard, pa.concat_arrays([t.keys for t in tables]), shards)
+        owner, shard, start, end, spec, digest, row = (
+            a[kept] for a in (owner, shard, start, end, spec, digest, row)
+        )
+        encoded = name.filter(pa.array(kept)).dictionary_encode()
+        row = encoded.indices.to_numpy().astype(np.int64)
     count = len(encoded.dictionary)
     where: dict[str, KvColumn] = {}
+    algorithms = tuple(table.algorithm for table in tables)
     for position, column in enumerate(columns):
         mine = owner == position
         held_by = row[mine]
@@ -330,14 +507,52 @@ def kv_rows(dataset: DatasetInfo, columns: Sequence[str], separator: str) -> KvR
             checks = np.full(count, None, object)
             checks[held_by] = digest[mine]
         where[column] = KvColumn(at, begins, stops, sorts, tuple(specs), checks)
-    return KvRows(
-        dataset.shards,
-        tuple(header.data_start for header in dataset.headers),
-        tuple(algorithms),
-        separator,
-        encoded.dictionary.to_pylist(),
-        where,
-    )
+    return KvRows(shards, bases, algorithms, separator, encoded.dictionary.to_pylist(), where)
+
+
+def _last_copies(cell: Array, shard: Array, keys: Any, shards: tuple[str, ...]) -> Array:
+    """Which tensors to keep, each a ``cell`` (a name's column): the last copy of each, from
+    the last shard holding it; refuses a cell twice in one shard (a key listed twice)."""
+    last = np.zeros(int(cell.max()) + 1, np.int64)
+    positions = np.arange(len(cell))
+    np.maximum.at(last, cell, positions)
+    kept: Array = last[cell] == positions
+    later = positions[~kept]
+    same = shard[later] == shard[last[cell[later]]]
+    if same.any():
+        twice = int(later[np.argmax(same)])
+        raise HeaderError(
+            f"{shards[int(shard[twice])]}: tensor {keys[twice].as_py()!r} is listed twice"
+        )
+    return kept
+
+
+def kv_rows(dataset: DatasetInfo, columns: Sequence[str], separator: str) -> KvRows:
+    """The rows of a KV-mode dataset written with ``columns`` and ``separator`` (see
+    :class:`KvRows`), told from its headers a column of fields at a time. Refuses a key that
+    belongs to none of ``columns``, and a shard whose digests cannot be checked."""
+    tables = [_header_tensors(header) for header in dataset.headers]
+    bases = tuple(header.data_start for header in dataset.headers)
+    return _rows_of(tables, dataset.shards, bases, columns, separator)
+
+
+async def read_shard_rows(
+    address: str, columns: Sequence[str], separator: str, *, size: int | None = None
+) -> KvRows:
+    """The rows of the KV-mode shard at ``address`` alone (see :class:`KvRows`): its header read
+    with two ranged reads (its length, then the header), and read a field at a time where it
+    is written compactly, as a KV shard's is. ``size``: the bytes the manifest gives the shard,
+    which its header must describe. Refuses what :func:`kv_rows` refuses."""
+    n = parse_header_length((await read_span(address, 0, LENGTH_PREFIX_SIZE)).tobytes())
+    raw = (await read_span(address, LENGTH_PREFIX_SIZE, LENGTH_PREFIX_SIZE + n)).tobytes()
+    table = _shard_tensors(raw)
+    data = int(table.end[-1]) if len(table.end) else 0
+    if size is not None and size != LENGTH_PREFIX_SIZE + n + data:
+        raise HeaderError(
+            f"{address}: the manifest says {size} bytes, the shard's header describes a "
+            "different size"
+        )
+    return _rows_of([table], (address,), (LENGTH_PREFIX_SIZE + n,), columns, separator)
 
 
 async def read_span(address: str, start: int, end: int) -> Array:
@@ -395,8 +610,7 @@ def _column_values(
     gathered run by run), else an array per row (None where it has none)."""
     where = rows.columns[column]
     count = len(rows.names)
-    kinds = np.unique(where.spec[where.shard >= 0])
-    if (where.shard < 0).any() or len(kinds) != 1:
+    if not count or (where.shard < 0).any() or where.spec.min() != where.spec.max():
         values: list[Array | None] = []
         for row in range(count):
             if where.shard[row] < 0:
@@ -409,7 +623,7 @@ def _column_values(
             dtype = dtype_from_code(code)
             values.append(data.view(dtype.numpy).reshape(array_shape(dtype, shape)))
         return values
-    code, shape = where.specs[int(kinds[0])]
+    code, shape = where.specs[int(where.spec[0])]
     nbytes = int(where.end[0] - where.start[0])
     shards = np.unique(where.shard)
     first, span = spans[int(shards[0])]
@@ -429,10 +643,9 @@ def _column_values(
     return data.view(dtype.numpy).reshape(count, *array_shape(dtype, shape))
 
 
-async def read_kv_rows(rows: KvRows) -> dict[str, Array | list[Array | None]]:
-    """The values of every column of ``rows`` (see :func:`_column_values`): each shard's bytes
-    under them read at once, from the first of their tensors to the end of the last, and every
-    tensor checked against the digest its shard records."""
+async def _read_spans(rows: KvRows) -> dict[int, tuple[int, Array]]:
+    """Each shard's bytes under ``rows``, read at once, from the first of their tensors to the
+    end of the last: by the shard's position, where they start in its data and the bytes."""
     spans: dict[int, tuple[int, Array]] = {}
     held = [where for where in rows.columns.values() if len(where.shard)]
     for shard in np.unique(np.concatenate([w.shard for w in held])) if held else ():
@@ -442,7 +655,38 @@ async def read_kv_rows(rows: KvRows) -> dict[str, Array | list[Array | None]]:
         last = max(int(w.end[w.shard == shard].max(initial=0)) for w in held)
         base = rows.bases[shard]
         spans[int(shard)] = (first, await read_span(rows.shards[shard], base + first, base + last))
+    return spans
+
+
+async def read_kv_rows(rows: KvRows) -> dict[str, Array | list[Array | None]]:
+    """The values of every column of ``rows`` (see :func:`_column_values`): each shard's bytes
+    under them read at once, from the first of their tensors to the end of the last, and every
+    tensor checked against the digest its shard records."""
+    spans = await _read_spans(rows)
     return {column: _column_values(rows, column, spans) for column in rows.columns}
+
+
+KvBatch = tuple[int, int, dict[str, Array | list[Array | None]]]
+"""Rows ``start:stop`` of a :class:`KvRows` and their values, a column each."""
+
+
+async def read_kv_batches(rows: KvRows, step: int) -> list[KvBatch]:
+    """The values of ``rows`` as :func:`read_kv_rows` reads them, in batches of at most ``step``
+    consecutive rows, cut also where a column's tensors stop lying back to back in one shard:
+    each batch's column of one dtype and shape is then a view of the bytes read, never a
+    copy."""
+    spans = await _read_spans(rows)
+    cuts = np.zeros(len(rows.names), bool)
+    for where in rows.columns.values():
+        cuts[1:] |= (where.shard[1:] != where.shard[:-1]) | (where.start[1:] != where.end[:-1])
+    bounds: list[int] = []
+    for start, stop in itertools.pairwise([0, *np.flatnonzero(cuts).tolist(), len(cuts)]):
+        bounds += range(start, stop, step)
+    out = []
+    for start, stop in itertools.pairwise([*bounds, len(cuts)]):
+        part = rows.part(start, stop, rows.columns)
+        out.append((start, stop, {c: _column_values(part, c, spans) for c in part.columns}))
+    return out
 
 
 @dataclass(frozen=True)

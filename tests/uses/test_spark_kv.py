@@ -123,8 +123,8 @@ def test_last_win_keeps_the_later_row_in_its_place(tmp_path: Path) -> None:
 
 def test_rows_come_back_in_order_across_partitions(tmp_path: Path) -> None:
     names = [f"k{i}" for i in range(300)]
-    # two tasks; a batch of rows alike (20 kB each: partitions of 1 MB cut it), one of rows of
-    # two widths
+    # two tasks; a batch of rows alike (20 kB each: partitions of 1 MB cut the shard), one of
+    # rows of two widths
     write(
         tmp_path,
         [
@@ -134,7 +134,13 @@ def test_rows_come_back_in_order_across_partitions(tmp_path: Path) -> None:
     )
     options = {"path": str(tmp_path), "max_partition_mb": "1"}
     source = pyspark_safetensors.SafetensorsDataSource(options)
-    assert len(source.reader(source.schema()).partitions()) == 2  # 52 rows of 20 kB, the rest
+    # the first shard (2 MB, under 2 MiB, 150 rows) cut in two ranges of rows, the small second
+    # one with the last
+    parts = [p.value for p in source.reader(source.schema()).partitions()]
+    assert [[(p.start, p.stop) for p in part] for part in parts] == [
+        [(0, 75)],
+        [(75, 150), (0, 150)],
+    ]
     rows = read(tmp_path, max_partition_mb="1")
     assert [row["name"] for row in rows] == names
     assert rows[99]["x"][:2] == [99.0, 99.25] and len(rows[99]["x"]) == 5000
