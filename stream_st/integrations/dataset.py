@@ -55,6 +55,7 @@ from ..errors import DtypeError, HeaderError, SourceNotFoundError, UsageError
 from ..reader import _read_tensor
 from ..sharded.reader import ShardIndex, shard_address
 from ..transports import store as _store
+from ..transports.file.source import FileSource
 from ..transports.options import Clock
 from ..transports.registry import open_source
 
@@ -276,6 +277,13 @@ class KvRows:
             columns={column: self.columns[column].part(start, stop) for column in columns},
         )
 
+    def __repr__(self) -> str:
+        """A bounded summary (there may be millions of rows; asyncio shows a task's result)."""
+        return (
+            f"KvRows(rows={len(self.names)}, columns={list(self.columns)}, "
+            f"shards={len(self.shards)})"
+        )
+
 
 def _split_keys(keys: Any, columns: Sequence[str], separator: str, shard: str) -> tuple[Any, Array]:
     """The names (an Arrow string array) and columns (positions in ``columns``) of a shard's
@@ -356,12 +364,12 @@ _MEMBER_TEXTS = ((2, ":{"), (3, "dtype"), (4, ":"), (6, ","), (7, "shape"), (9, 
 """The texts between two quotes of a compact tensor member
 (``"name":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},``) that are always the same: their
 position among its 10 such texts, and the text."""
-_NUMBER = "(?:0|[1-9][0-9]*)"
-_OFFSETS_TEXT = rf"^:\[(?P<start>{_NUMBER}),(?P<end>{_NUMBER})\]\}},$"
-_SHAPE_TEXT = re.compile(rf":\[(?:{_NUMBER}(?:,{_NUMBER})*)?\],")
+_SHAPE_TEXT = re.compile(r":\[(?:(?:0|[1-9][0-9]*)(?:,(?:0|[1-9][0-9]*))*)?\],")
+_SPACE = b" \t\n\r"
+_POWERS = 10 ** np.arange(1, 19, dtype=np.int64)
 
 
-def _compact_tensors(raw: bytes) -> _Tensors | None:
+def _compact_tensors(raw: Array) -> _Tensors | None:
     """The tensors of the header ``raw`` (its N bytes) if it is written compactly, as a KV
     shard's is (no metadata, whitespace or escape; each member's fields in order; the tensors
     in offset order, tiling the data): read by Arrow a field at a time, with no Python code run
@@ -373,23 +381,26 @@ def _compact_tensors(raw: bytes) -> _Tensors | None:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    text = raw.rstrip(b" \t\n\r")
-    if (
-        not text.startswith(b'{"')
-        or not text.endswith(b"}")
-        or text.startswith(b'{"' + METADATA_KEY.encode())
-        or b"\\" in text
-        or np.frombuffer(text, np.uint8).min() < 0x20
-    ):
-        return None  # metadata, an escape, whitespace or a control character
-    text = text[:-1] + b","  # each member then ends as the others: ``]},``
-    whole = pa.Array.from_buffers(
-        pa.string(), 1, [None, pa.py_buffer(np.array([0, len(text)], np.int32)), pa.py_buffer(text)]
-    )
-    try:
-        whole.validate(full=True)  # UTF-8
-    except pa.ArrowInvalid:
+    tail = raw[-4096:].tobytes().rstrip(_SPACE)  # without the padding
+    size = len(raw) - min(len(raw), 4096) + len(tail)
+    opening = raw[: len(METADATA_KEY) + 2].tobytes()
+    if len(tail) < 2 or opening[:2] != b'{"' or opening[2:] == METADATA_KEY.encode():
         return None
+    if tail[-1:] != b"}":
+        return None
+    text = np.empty(size, np.uint8)  # its last member then ends as the others: ``]},``
+    text[:-1] = raw[: size - 1]
+    text[-1] = ord(",")
+    if (text == ord("\\")).any() or text.min() < 0x20:
+        return None  # an escape, whitespace or a control character
+    whole = pa.Array.from_buffers(
+        pa.string(), 1, [None, pa.py_buffer(np.array([0, size], np.int32)), pa.py_buffer(text)]
+    )
+    if text.max() >= 0x80:
+        try:
+            whole.validate(full=True)  # UTF-8
+        except pa.ArrowInvalid:
+            return None
     texts = pc.split_pattern(whole, '"').flatten()
     count, extra = divmod(len(texts) - 1, 10)
     if extra or not count or texts[0].as_py() != "{":
@@ -403,16 +414,10 @@ def _compact_tensors(raw: bytes) -> _Tensors | None:
         if not pc.all(pc.equal(field(at), fixed)).as_py():
             return None
     keys = field(1)
-    if pc.any(pc.equal(keys, METADATA_KEY)).as_py():
+    offsets = _offsets(field(10))
+    if offsets is None or pc.any(pc.equal(keys, METADATA_KEY)).as_py():
         return None
-    found = pc.extract_regex(field(10), _OFFSETS_TEXT)
-    if found.null_count:
-        return None
-    try:
-        start = pc.cast(found.field("start"), pa.int64()).to_numpy()
-        end = pc.cast(found.field("end"), pa.int64()).to_numpy()
-    except pa.ArrowInvalid:  # beyond int64
-        return None
+    start, end = offsets
     codes = field(5).dictionary_encode()
     shapes = field(8).dictionary_encode()
     pairs = codes.indices.to_numpy().astype(np.int64) * len(shapes.dictionary)
@@ -439,10 +444,34 @@ def _compact_tensors(raw: bytes) -> _Tensors | None:
     return _Tensors(keys, spec, tuple(specs), start, end)
 
 
-def _shard_tensors(raw: bytes) -> _Tensors:
+def _offsets(texts: Any) -> tuple[Array, Array] | None:
+    """The data offsets compact members' texts ``:[start,end]},`` give, each a plain JSON
+    integer (no sign, no leading zero) below 2**63; None if one is not."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    numbers = pc.split_pattern(pc.utf8_slice_codeunits(texts, 2, -3), ",")
+    if not (
+        pc.all(pc.starts_with(texts, ":[")).as_py()
+        and pc.all(pc.ends_with(texts, "]},")).as_py()
+        and pc.all(pc.equal(pc.list_value_length(numbers), 2)).as_py()
+    ):
+        return None
+    try:
+        both = pc.cast(numbers.flatten(), pa.int64()).to_numpy()
+    except pa.ArrowInvalid:  # not digits, or too many
+        return None
+    digits = 1 + (both[:, None] >= _POWERS).sum(axis=1)
+    lengths = pc.binary_length(texts).to_numpy()
+    if both.min() < 0 or (lengths != 6 + digits[0::2] + digits[1::2]).any():
+        return None  # a sign or a leading zero: ``:[`` ``,`` ``]},`` and the digits alone
+    return both[0::2], both[1::2]
+
+
+def _shard_tensors(raw: Array) -> _Tensors:
     """The tensors of the header ``raw`` (its N bytes): compact as a KV shard's, or any other
     (:func:`~stream_st.core.header.parse_header`, which refuses a bad one)."""
-    return _compact_tensors(raw) or _header_tensors(parse_header(raw))
+    return _compact_tensors(raw) or _header_tensors(parse_header(raw.data))
 
 
 def _rows_of(
@@ -544,8 +573,7 @@ async def read_shard_rows(
     is written compactly, as a KV shard's is. ``size``: the bytes the manifest gives the shard,
     which its header must describe. Refuses what :func:`kv_rows` refuses."""
     n = parse_header_length((await read_span(address, 0, LENGTH_PREFIX_SIZE)).tobytes())
-    raw = (await read_span(address, LENGTH_PREFIX_SIZE, LENGTH_PREFIX_SIZE + n)).tobytes()
-    table = _shard_tensors(raw)
+    table = _shard_tensors(await read_span(address, LENGTH_PREFIX_SIZE, LENGTH_PREFIX_SIZE + n))
     data = int(table.end[-1]) if len(table.end) else 0
     if size is not None and size != LENGTH_PREFIX_SIZE + n + data:
         raise HeaderError(
@@ -557,7 +585,8 @@ async def read_shard_rows(
 
 async def read_span(address: str, start: int, end: int) -> Array:
     """Bytes ``start:end`` of the object at ``address`` (one read: a ranged request on HTTP and
-    S3), as an array of bytes."""
+    S3), as an array of bytes: of a local file, a read-only view of its mapping (populated at
+    once), no copy."""
     clock = Clock()
     clock.start()
     source = await open_source(address, clock)
@@ -565,7 +594,12 @@ async def read_span(address: str, start: int, end: int) -> Array:
         source.clock.start()
         await source.start()
         span = TensorInfo(f"bytes {start}-{end}", "U8", (end - start,), start, end)
-        return await _read_tensor(source, span, 0)
+        inside = start < end <= (source.size or 0)
+        mapped = source.map() if inside and isinstance(source, FileSource) else None
+        if mapped is None:
+            return await _read_tensor(source, span, 0)
+        mapped.plan([(start, end)])
+        return await mapped.view(span, 0)
     finally:
         await source.aclose()
 
