@@ -198,3 +198,48 @@ def test_rows_read_over_http_with_ranged_requests(tmp_path: Path) -> None:
         ("b", 1, 1.25),
         ("c", 0, 0.25),
     ]
+
+
+def append(path: Path, batches: list[Any], schema: StructType = SCHEMA, **options: str) -> None:
+    """``batches`` appended to the KV dataset at ``path`` by one task, committed."""
+    parsed = WriteOptions.parse({"path": str(path), "name_col": "name", **options}, schema)
+    writer = SafetensorsWriter(parsed, overwrite=False)
+    writer.commit([writer.write(iter(batches))])
+
+
+def whole(path: Path) -> Any:
+    return json.loads((path / "dataset_manifest.json").read_text())["kv"]["whole_rows"]
+
+
+def test_rows_stay_whole_through_an_append_of_the_same_columns_only(tmp_path: Path) -> None:
+    write(tmp_path, [[batch(["a", "b"])], [batch(["c"])]])
+    assert whole(tmp_path) is True
+    append(tmp_path, [batch(["b", "d"])], duplicatesStrategy="lastWin")  # b's row moves on
+    assert whole(tmp_path) is True
+    rows = read(tmp_path)
+    assert [(row["name"], row["n"]) for row in rows] == [("a", 0), ("c", 0), ("b", 0), ("d", 1)]
+    only_n = StructType([StructField("name", StringType()), StructField("n", LongType())])
+    nine = pa.record_batch({"name": ["a"], "n": pa.array([9])})
+    append(tmp_path, [nine], only_n, duplicatesStrategy="lastWin")
+    assert whole(tmp_path) is False  # a now lies in two shards
+    assert read(tmp_path)[0] == {"name": "a", "n": 9, "x": [0.0, 0.25, 0.5]}
+
+
+def test_whole_rows_are_planned_without_a_header_and_checked_by_the_tasks(
+    tmp_path: Path,
+) -> None:
+    write(tmp_path, [[batch(["a", "b"])], [batch(["c"])]])
+    second = shards(tmp_path)[1]
+    second.write_bytes(b"\xff" * 8 + second.read_bytes()[8:])  # no header a driver could read
+    source = pyspark_safetensors.SafetensorsDataSource({"path": str(tmp_path)})
+    reader: Any = source.reader(source.schema())
+    (partition,) = reader.partitions()
+    with pytest.raises(stream_st.HeaderError, match="header length"):
+        list(reader.read(partition))
+    manifest = tmp_path / "dataset_manifest.json"
+    document = json.loads(manifest.read_text())
+    document["shards"] = document["shards"][:1]
+    document["shards"][0]["samples_count"] = 3
+    manifest.write_text(json.dumps(document))
+    with pytest.raises(stream_st.HeaderError, match="says its 3 rows are whole; the shard holds 2"):
+        read(tmp_path)
