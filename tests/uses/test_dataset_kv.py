@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import stream_st
 from stream_st import HeaderError
 from stream_st.core.layout import framed_header
 from stream_st.integrations import dataset
@@ -83,7 +84,7 @@ async def test_rows_are_the_same_whichever_way_the_header_is_read(
     path = shard(tmp_path / "s.safetensors", text)
     assert (dataset._compact_tensors(raw_header(path)) is not None) == compact
     rows = await read_shard_rows(path, COLUMNS, "__", size=Path(path).stat().st_size)
-    parsed = await dataset.read_header(path)
+    parsed = await stream_st.read_header(path)
     general = kv_rows(DatasetInfo(str(tmp_path), (path,), (parsed,), {}, True), COLUMNS, "__")
     assert rows.names == general.names == [first, "b"]
     assert rows.bases == general.bases
