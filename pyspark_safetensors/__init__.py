@@ -34,7 +34,7 @@ from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import DataType, StringType, StructField, StructType
 
 from stream_st._api import load
-from stream_st.core.dtypes import dtype_from_code
+from stream_st.core.dtypes import DTYPES, dtype_from_code
 from stream_st.core.header import Header
 from stream_st.errors import HeaderError, UsageError
 from stream_st.integrations.dataset import (
@@ -317,9 +317,8 @@ class SafetensorsReader(DataSourceReader):
         cannot carry."""
         schema = dataset.manifest["schema"]
         for column, kind in self.kinds.items():
-            entry = schema[column]
-            code, shape = entry.get("dtype"), entry.get("shape")
-            if isinstance(code, str) and isinstance(shape, list):
+            code, shape = schema[column].get("dtype"), schema[column].get("shape")
+            if code in DTYPES and isinstance(shape, list) and all(type(d) is int for d in shape):
                 itemsize = dtype_from_code(code).numpy.itemsize
                 arrow_row_bytes(column, 1, tuple(shape), itemsize, kind)
         entries = dataset.manifest["shards"]

@@ -83,8 +83,9 @@ Array = np.ndarray[Any, Any]
 
 KV_RECORD = "kv"
 """The manifest field where a KV-mode write records how its rows were named: ``{"name_col":
-the name column, "spark_type": its Spark type, "separator": the key separator}`` (a field the
-layout's manifest schema leaves open); a read gives the rows back with it."""
+the name column, "spark_type": its Spark type, "separator": the key separator, "whole_rows":
+see :data:`WHOLE_ROWS`}`` (a field the layout's manifest schema leaves open); a read gives the
+rows back with it."""
 
 WHOLE_ROWS = "whole_rows"
 """The field of the :data:`KV_RECORD` a write sets (``true``) where every name's tensors lie in
@@ -461,7 +462,7 @@ def _offsets(texts: Any) -> tuple[Array, Array] | None:
         both = pc.cast(numbers.flatten(), pa.int64()).to_numpy()
     except pa.ArrowInvalid:  # not digits, or too many
         return None
-    digits = 1 + (both[:, None] >= _POWERS).sum(axis=1)
+    digits = 1 + np.searchsorted(_POWERS, both, side="right")
     lengths = pc.binary_length(texts).to_numpy()
     if both.min() < 0 or (lengths != 6 + digits[0::2] + digits[1::2]).any():
         return None  # a sign or a leading zero: ``:[`` ``,`` ``]},`` and the digits alone
