@@ -301,7 +301,7 @@ class SafetensorsReader(DataSourceReader):
         widest = 1
         for column, kind in self.kinds.items():
             where = rows.columns[column]
-            for spec in np.unique(where.spec[where.shard >= 0]).tolist():
+            for spec in np.flatnonzero(np.bincount(where.spec[where.shard >= 0])).tolist():
                 code, shape = where.specs[spec]
                 itemsize = dtype_from_code(code).numpy.itemsize
                 widest = max(widest, arrow_row_bytes(column, 1, shape, itemsize, kind))
