@@ -41,6 +41,7 @@ from .._api import load, open_stream, read_header
 from ..core.digests import Digests, algorithm_named
 from ..core.dtypes import array_shape, dtype_from_code
 from ..core.header import (
+    DEFAULT_MAX_HEADER_SIZE,
     LENGTH_PREFIX_SIZE,
     METADATA_KEY,
     Header,
@@ -48,11 +49,17 @@ from ..core.header import (
     checked_dims,
     data_size,
     parse_header,
-    parse_header_length,
 )
 from ..core.shards import MANIFEST_NAME, SHARD_NAME, is_index
-from ..errors import DtypeError, HeaderError, SourceNotFoundError, UsageError
+from ..errors import (
+    DtypeError,
+    HeaderError,
+    SourceNotFoundError,
+    TruncatedStreamError,
+    UsageError,
+)
 from ..reader import _read_tensor
+from ..reader.header import _header_length, _receive_header
 from ..sharded.reader import ShardIndex, shard_address
 from ..transports import store as _store
 from ..transports.file.source import FileSource
@@ -570,11 +577,11 @@ async def read_shard_rows(
     address: str, columns: Sequence[str], separator: str, *, size: int | None = None
 ) -> KvRows:
     """The rows of the KV-mode shard at ``address`` alone (see :class:`KvRows`): its header read
-    with two ranged reads (its length, then the header), and read a field at a time where it
-    is written compactly, as a KV shard's is. ``size``: the bytes the manifest gives the shard,
-    which its header must describe. Refuses what :func:`kv_rows` refuses."""
-    n = parse_header_length((await read_span(address, 0, LENGTH_PREFIX_SIZE)).tobytes())
-    table = _shard_tensors(await read_span(address, LENGTH_PREFIX_SIZE, LENGTH_PREFIX_SIZE + n))
+    as :func:`~stream_st.read_header` reads it (one request remotely), and read a field at a
+    time where it is written compactly, as a KV shard's is. ``size``: the bytes the manifest
+    gives the shard, which its header must describe. Refuses what :func:`kv_rows` refuses."""
+    n, raw = await _header_bytes(address)
+    table = _shard_tensors(raw)
     data = int(table.end[-1]) if len(table.end) else 0
     if size is not None and size != LENGTH_PREFIX_SIZE + n + data:
         raise HeaderError(
@@ -582,6 +589,32 @@ async def read_shard_rows(
             "different size"
         )
     return _rows_of([table], (address,), (LENGTH_PREFIX_SIZE + n,), columns, separator)
+
+
+async def _header_bytes(address: str) -> tuple[int, Array]:
+    """The length N of the header of the object at ``address`` and its N bytes, read from its
+    start as :func:`~stream_st.read_header` reads them (one request remotely), not parsed."""
+    clock = Clock()
+    clock.start()
+    source = await open_source(address, clock)
+    try:
+        source.clock.start()
+        await source.start()
+        prefix = memoryview(bytearray(LENGTH_PREFIX_SIZE))
+        got = await source.fill(prefix)
+        n = _header_length(prefix, got, source.size, DEFAULT_MAX_HEADER_SIZE, source.name)
+        raw, got = await _receive_header(source, n)
+        if got < n:
+            raise TruncatedStreamError(
+                "the header",
+                name=None,
+                offset=LENGTH_PREFIX_SIZE + got,
+                expected=LENGTH_PREFIX_SIZE + n,
+                source=source.name,
+            )
+        return n, np.frombuffer(raw, np.uint8)
+    finally:
+        await source.aclose()
 
 
 async def read_span(address: str, start: int, end: int) -> Array:
