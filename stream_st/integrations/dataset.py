@@ -368,10 +368,17 @@ def _header_tensors(header: Header) -> _Tensors:
     )
 
 
-_MEMBER_TEXTS = ((2, ":{"), (3, "dtype"), (4, ":"), (6, ","), (7, "shape"), (9, "data_offsets"))
-"""The texts between two quotes of a compact tensor member
-(``"name":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},``) that are always the same: their
-position among its 10 such texts, and the text."""
+_MEMBER_TEXTS = (
+    (2, ':{"'),
+    (3, 'dtype"'),
+    (4, ':"'),
+    (6, ',"'),
+    (7, 'shape"'),
+    (9, 'data_offsets"'),
+)
+"""The texts of a compact tensor member
+(``"name":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},``) that are always the same, each
+up to a quote and with it: their position among its 10 such texts, and the text."""
 _SHAPE_TEXT = re.compile(r":\[(?:(?:0|[1-9][0-9]*)(?:,(?:0|[1-9][0-9]*))*)?\],")
 _SPACE = b" \t\n\r"
 _POWERS = 10 ** np.arange(1, 19, dtype=np.int64)
@@ -396,23 +403,31 @@ def _compact_tensors(raw: Array) -> _Tensors | None:
         return None
     if tail[-1:] != b"}":
         return None
-    text = np.empty(size, np.uint8)  # its last member then ends as the others: ``]},``
-    text[:-1] = raw[: size - 1]
-    text[-1] = ord(",")
+    if size >= 2**31 - 1:
+        return None
+    text = np.empty(size + 1, np.uint8)  # its last member then ends as the others: ``]},"``
+    text[:-2] = raw[: size - 1]
+    text[-2:] = (ord(","), ord('"'))
     if (text == ord("\\")).any() or text.min() < 0x20:
         return None  # an escape, whitespace or a control character
-    whole = pa.Array.from_buffers(
-        pa.string(), 1, [None, pa.py_buffer(np.array([0, size], np.int32)), pa.py_buffer(text)]
-    )
     if text.max() >= 0x80:
+        whole = pa.Array.from_buffers(
+            pa.string(), 1, [None, pa.py_buffer(np.array([0, size], np.int32)), pa.py_buffer(text)]
+        )
         try:
             whole.validate(full=True)  # UTF-8
         except pa.ArrowInvalid:
             return None
-    texts = pc.split_pattern(whole, '"').flatten()
-    count, extra = divmod(len(texts) - 1, 10)
-    if extra or not count or texts[0].as_py() != "{":
+    # every text up to a quote and that quote: ``{"``, then 10 per member, ``name"`` first
+    quotes = np.flatnonzero(text == ord('"'))
+    count, extra = divmod(len(quotes) - 1, 10)
+    if extra or not count or quotes[0] != 1:
         return None
+    bounds = np.zeros(len(quotes) + 1, np.int32)
+    bounds[1:] = quotes + 1
+    texts = pa.Array.from_buffers(
+        pa.string(), len(quotes), [None, pa.py_buffer(bounds), pa.py_buffer(text)]
+    )
     first = pa.array(np.arange(count, dtype=np.int64) * 10)
 
     def field(at: int) -> Any:
@@ -421,7 +436,7 @@ def _compact_tensors(raw: Array) -> _Tensors | None:
     for at, fixed in _MEMBER_TEXTS:
         if not pc.all(pc.equal(field(at), fixed)).as_py():
             return None
-    keys = field(1)
+    keys = pc.utf8_slice_codeunits(field(1), 0, -1)
     offsets = _offsets(field(10))
     if offsets is None or pc.any(pc.equal(keys, METADATA_KEY)).as_py():
         return None
@@ -438,8 +453,8 @@ def _compact_tensors(raw: Array) -> _Tensors | None:
     sizes = []
     try:
         for kind in kinds.tolist():
-            code = codes.dictionary[kind // len(shapes.dictionary)].as_py()
-            shape = shapes.dictionary[kind % len(shapes.dictionary)].as_py()
+            code = codes.dictionary[kind // len(shapes.dictionary)].as_py()[:-1]
+            shape = shapes.dictionary[kind % len(shapes.dictionary)].as_py()[:-1]
             if _SHAPE_TEXT.fullmatch(shape) is None:
                 return None
             dims = checked_dims("", tuple(map(int, filter(None, shape[2:-2].split(",")))))
@@ -453,15 +468,16 @@ def _compact_tensors(raw: Array) -> _Tensors | None:
 
 
 def _offsets(texts: Any) -> tuple[Array, Array] | None:
-    """The data offsets compact members' texts ``:[start,end]},`` give, each a plain JSON
-    integer (no sign, no leading zero) below 2**63; None if one is not."""
+    """The data offsets compact members' texts ``:[start,end]},"`` give (up to the next
+    member's quote), each a plain JSON integer (no sign, no leading zero) below 2**63; None if
+    one is not."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    numbers = pc.split_pattern(pc.utf8_slice_codeunits(texts, 2, -3), ",")
+    numbers = pc.split_pattern(pc.utf8_slice_codeunits(texts, 2, -4), ",")
     if not (
         pc.all(pc.starts_with(texts, ":[")).as_py()
-        and pc.all(pc.ends_with(texts, "]},")).as_py()
+        and pc.all(pc.ends_with(texts, ']},"')).as_py()
         and pc.all(pc.equal(pc.list_value_length(numbers), 2)).as_py()
     ):
         return None
@@ -471,8 +487,8 @@ def _offsets(texts: Any) -> tuple[Array, Array] | None:
         return None
     digits = 1 + np.searchsorted(_POWERS, both, side="right")
     lengths = pc.binary_length(texts).to_numpy()
-    if both.min() < 0 or (lengths != 6 + digits[0::2] + digits[1::2]).any():
-        return None  # a sign or a leading zero: ``:[`` ``,`` ``]},`` and the digits alone
+    if both.min() < 0 or (lengths != 7 + digits[0::2] + digits[1::2]).any():
+        return None  # a sign or a leading zero: ``:[`` ``,`` ``]},"`` and the digits alone
     return both[0::2], both[1::2]
 
 
