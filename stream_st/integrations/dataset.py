@@ -512,11 +512,10 @@ def _rows_of(
 
     specs: dict[Spec, int] = {}
     names: list[Any] = []
-    fields: list[list[Array]] = [[] for _ in range(6)]  # column, shard, start, end, spec, digest
+    fields: list[list[Array]] = [[] for _ in range(5)]  # column, shard, start, end, spec
     for i, table in enumerate(tables):
         named, owners = _split_keys(table.keys, columns, separator, shards[i])
         numbered = np.array([specs.setdefault(spec, len(specs)) for spec in table.specs], np.int64)
-        digests = table.digests
         for values, more in zip(
             fields,
             (
@@ -525,41 +524,55 @@ def _rows_of(
                 table.start,
                 table.end,
                 numbered[table.spec] if len(numbered) else table.spec,
-                np.full(len(owners), None, object) if digests is None else digests,
             ),
             strict=True,
         ):
             values.append(more)
         names.append(named)
-    owner, shard, start, end, spec, digest = (
-        np.concatenate(values) if values else np.empty(0, np.int64) for values in fields
+    owner, shard, start, end, spec = (
+        values[0] if len(values) == 1 else np.concatenate(values) for values in fields
     )
+    algorithms = tuple(table.algorithm for table in tables)
+    digest = None
+    if any(algorithms):
+        digest = np.concatenate(
+            [np.full(len(t.keys), None, object) if t.digests is None else t.digests for t in tables]
+        )
     name = pa.concat_arrays(names) if names else pa.array([], pa.string())
     encoded = name.dictionary_encode()
     row = encoded.indices.to_numpy().astype(np.int64)
     cell = row * max(1, len(columns)) + owner
     if len(cell) and np.bincount(cell).max() > 1:  # a key in several shards: the last's copy
         kept = _last_copies(cell, shard, pa.concat_arrays([t.keys for t in tables]), shards)
-        owner, shard, start, end, spec, digest, row = (
-            a[kept] for a in (owner, shard, start, end, spec, digest, row)
+        owner, shard, start, end, spec, row = (
+            a[kept] for a in (owner, shard, start, end, spec, row)
         )
+        digest = None if digest is None else digest[kept]
         encoded = name.filter(pa.array(kept)).dictionary_encode()
         row = encoded.indices.to_numpy().astype(np.int64)
     count = len(encoded.dictionary)
-    where: dict[str, KvColumn] = {}
-    algorithms = tuple(table.algorithm for table in tables)
-    for position, column in enumerate(columns):
-        mine = owner == position
-        held_by = row[mine]
-        at = np.full(count, -1, np.int32)
-        at[held_by] = shard[mine]
-        begins, stops, sorts = (np.zeros(count, np.int64) for _ in range(3))
-        begins[held_by], stops[held_by], sorts[held_by] = start[mine], end[mine], spec[mine]
-        checks = None
-        if any(algorithms):
-            checks = np.full(count, None, object)
-            checks[held_by] = digest[mine]
-        where[column] = KvColumn(at, begins, stops, sorts, tuple(specs), checks)
+    # every field a column at a time: a row of ``count`` per column, each tensor at its cell
+    cell = owner * count + row
+    grid = (len(columns), count)
+    at = np.full(grid, -1, np.int32)
+    begins, stops, sorts = (np.zeros(grid, np.int64) for _ in range(3))
+    for out, values in ((at, shard), (begins, start), (stops, end), (sorts, spec)):
+        out.reshape(-1)[cell] = values
+    checks = None
+    if digest is not None:
+        checks = np.full(grid, None, object)
+        checks.reshape(-1)[cell] = digest
+    where = {
+        column: KvColumn(
+            at[i],
+            begins[i],
+            stops[i],
+            sorts[i],
+            tuple(specs),
+            None if checks is None else checks[i],
+        )
+        for i, column in enumerate(columns)
+    }
     return KvRows(shards, bases, algorithms, separator, encoded.dictionary.to_pylist(), where)
 
 
