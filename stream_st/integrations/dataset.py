@@ -556,8 +556,8 @@ def _rows_of(
     grid = (len(columns), count)
     at = np.full(grid, -1, np.int32)
     begins, stops, sorts = (np.zeros(grid, np.int64) for _ in range(3))
-    for out, values in ((at, shard), (begins, start), (stops, end), (sorts, spec)):
-        out.reshape(-1)[cell] = values
+    for out, given in ((at, shard), (begins, start), (stops, end), (sorts, spec)):
+        out.reshape(-1)[cell] = given
     checks = None
     if digest is not None:
         checks = np.full(grid, None, object)
