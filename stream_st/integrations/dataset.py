@@ -368,18 +368,13 @@ def _header_tensors(header: Header) -> _Tensors:
     )
 
 
-_MEMBER_TEXTS = (
-    (2, ':{"'),
-    (3, 'dtype"'),
-    (4, ':"'),
-    (6, ',"'),
-    (7, 'shape"'),
-    (9, 'data_offsets"'),
+_MIDDLE = re.compile(
+    r':\{"dtype":"([A-Za-z0-9_]+)","shape":\[((?:0|[1-9][0-9]*)(?:,(?:0|[1-9][0-9]*))*)?\],'
+    r'"data_offsets"'
 )
-"""The texts of a compact tensor member
-(``"name":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},``) that are always the same, each
-up to a quote and with it: their position among its 10 such texts, and the text."""
-_SHAPE_TEXT = re.compile(r":\[(?:(?:0|[1-9][0-9]*)(?:,(?:0|[1-9][0-9]*))*)?\],")
+"""What a compact tensor member (``"name":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},``)
+holds between its name's closing quote and its offsets: the same text for every tensor of one
+dtype and shape."""
 _SPACE = b" \t\n\r"
 _POWERS = 10 ** np.arange(1, 19, dtype=np.int64)
 
@@ -391,8 +386,10 @@ def _compact_tensors(raw: Array) -> _Tensors | None:
     per tensor. None for any other header, which :func:`~stream_st.core.header.parse_header`
     then reads (and tells what is wrong with, if anything).
 
-    A key listed twice is not looked for here: the rows of the shard find it
-    (:func:`_rows_of`)."""
+    Each member is cut at its quotes into three texts, viewed in place: its name and the quote
+    closing it, what follows up to its offsets (one text per dtype and shape, checked once
+    each), and its offsets with the next member's opening quote. A key listed twice is not
+    looked for here: the rows of the shard find it (:func:`_rows_of`)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -401,9 +398,7 @@ def _compact_tensors(raw: Array) -> _Tensors | None:
     opening = raw[: len(METADATA_KEY) + 2].tobytes()
     if len(tail) < 2 or opening[:2] != b'{"' or opening[2:] == METADATA_KEY.encode():
         return None
-    if tail[-1:] != b"}":
-        return None
-    if size >= 2**31 - 1:
+    if tail[-1:] != b"}" or size >= 2**31 - 1:
         return None
     text = np.empty(size + 1, np.uint8)  # its last member then ends as the others: ``]},"``
     text[:-2] = raw[: size - 1]
@@ -418,53 +413,40 @@ def _compact_tensors(raw: Array) -> _Tensors | None:
             whole.validate(full=True)  # UTF-8
         except pa.ArrowInvalid:
             return None
-    # every text up to a quote and that quote: ``{"``, then 10 per member, ``name"`` first
-    quotes = np.flatnonzero(text == ord('"'))
+    quotes = np.flatnonzero(text == ord('"'))  # ``{"``, then 10 a member
     count, extra = divmod(len(quotes) - 1, 10)
     if extra or not count or quotes[0] != 1:
         return None
-    bounds = np.zeros(len(quotes) + 1, np.int32)
-    bounds[1:] = quotes + 1
-    texts = pa.Array.from_buffers(
-        pa.string(), len(quotes), [None, pa.py_buffer(bounds), pa.py_buffer(text)]
+    cuts = np.empty(3 * count + 1, np.int32)
+    for at, quote in enumerate((0, 1, 9)):  # after a name's quotes, and its offsets' first
+        cuts[at:-1:3] = quotes[quote:-1:10] + 1
+    cuts[-1] = len(text)
+    parts = pa.Array.from_buffers(
+        pa.string(), 3 * count, [None, pa.py_buffer(cuts), pa.py_buffer(text)]
     )
-    first = pa.array(np.arange(count, dtype=np.int64) * 10)
-
-    def field(at: int) -> Any:
-        return texts.take(pc.add(first, at))
-
-    for at, fixed in _MEMBER_TEXTS:
-        if not pc.all(pc.equal(field(at), fixed)).as_py():
-            return None
-    keys = pc.utf8_slice_codeunits(field(1), 0, -1)
-    offsets = _offsets(field(10))
+    every = np.arange(0, 3 * count, 3)
+    keys = pc.utf8_slice_codeunits(parts.take(every), 0, -1)
+    offsets = _offsets(parts.take(every + 2))
     if offsets is None or pc.any(pc.equal(keys, METADATA_KEY)).as_py():
         return None
     start, end = offsets
-    codes = field(5).dictionary_encode()
-    shapes = field(8).dictionary_encode()
-    pairs = codes.indices.to_numpy().astype(np.int64) * len(shapes.dictionary)
-    pairs += shapes.indices.to_numpy()
-    kinds = np.flatnonzero(np.bincount(pairs))
-    numbered = np.zeros(int(kinds[-1]) + 1, np.int64)
-    numbered[kinds] = np.arange(len(kinds))
-    spec = numbered[pairs]
+    middles = parts.take(every + 1).dictionary_encode()
+    spec = middles.indices.to_numpy()
     specs: list[Spec] = []
     sizes = []
     try:
-        for kind in kinds.tolist():
-            code = codes.dictionary[kind // len(shapes.dictionary)].as_py()[:-1]
-            shape = shapes.dictionary[kind % len(shapes.dictionary)].as_py()[:-1]
-            if _SHAPE_TEXT.fullmatch(shape) is None:
+        for middle in middles.dictionary.to_pylist():
+            found = _MIDDLE.fullmatch(middle)
+            if found is None:
                 return None
-            dims = checked_dims("", tuple(map(int, filter(None, shape[2:-2].split(",")))))
-            sizes.append(data_size("", dtype_from_code(code), dims))
-            specs.append((code, dims))
+            dims = checked_dims("", tuple(map(int, filter(None, (found[2] or "").split(",")))))
+            sizes.append(data_size("", dtype_from_code(found[1]), dims))
+            specs.append((found[1], dims))
     except (HeaderError, DtypeError, ValueError):
         return None
     if start[0] or (start[1:] != end[:-1]).any() or (end - start != np.array(sizes)[spec]).any():
         return None
-    return _Tensors(keys, spec, tuple(specs), start, end)
+    return _Tensors(keys, spec.astype(np.int64), tuple(specs), start, end)
 
 
 def _offsets(texts: Any) -> tuple[Array, Array] | None:
