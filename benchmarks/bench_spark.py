@@ -21,8 +21,10 @@ then ``posix_fadvise(DONTNEED)``: only these files, nothing else on the machine)
 minutes (every variant still runs once before the rounds: a read needs what a write made).
 
 Every variant runs once before the rounds (not counted: the source cached, Python workers
-started). Medians over ``--rounds``, and the paired ratio of every round (safetensors time /
-parquet time; below 1 is faster; the bar is 1.00x), with their median and range. The load
+started); within a pair, each goes first every other round (the one that follows the other
+finds the JVM in another state: its garbage, its caches). Medians over ``--rounds``, and the
+paired ratio of every round (safetensors time / parquet time; below 1 is faster; the bar is
+1.00x), with their median and range. The load
 average is printed before and after: others may share the machine, so compare ratios, not
 absolute figures. On Linux the CPU seconds the JVM and its Python workers spent on each variant
 are printed too (a figure other processes on the machine disturb less than wall time).
@@ -200,9 +202,10 @@ def main() -> None:
         times: dict[str, list[float]] = {}
         cpu: dict[str, list[float]] = {}
         before = load()
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             for name, (ours, theirs) in pairs.items():
-                for label, run in ((f"{name} safetensors", ours), (f"{name} parquet", theirs)):
+                order = [(f"{name} safetensors", ours), (f"{name} parquet", theirs)]
+                for label, run in order[:: 1 if round_ % 2 else -1]:  # each first in turn
                     spent = cpu_seconds(jvm)
                     began = time.perf_counter()
                     run()
