@@ -17,9 +17,14 @@ floats and two int64 columns, 2.09 GB, page cache cleared) and ``--kv --dim 256 
 ``--cold``: before each read, both datasets' files are dropped from the page cache (synced,
 then ``posix_fadvise(DONTNEED)``: only these files, nothing else on the machine).
 
+``--only read`` (or ``write``) times one pair alone, so that more rounds of it fit in a few
+minutes (every variant still runs once before the rounds: a read needs what a write made).
+
 Every variant runs once before the rounds (not counted: the source cached, Python workers
-started). Medians over ``--rounds``, and the paired ratio of every round (safetensors time /
-parquet time; below 1 is faster; the bar is 1.00x), with their median and range. The load
+started); within a pair, each goes first every other round (the one that follows the other
+finds the JVM in another state: its garbage, its caches). Medians over ``--rounds``, and the
+paired ratio of every round (safetensors time / parquet time; below 1 is faster; the bar is
+1.00x), with their median and range. The load
 average is printed before and after: others may share the machine, so compare ratios, not
 absolute figures. On Linux the CPU seconds the JVM and its Python workers spent on each variant
 are printed too (a figure other processes on the machine disturb less than wall time).
@@ -27,6 +32,7 @@ are printed too (a figure other processes on the machine disturb less than wall 
     python benchmarks/bench_spark.py --mb 200 --rounds 3
     python benchmarks/bench_spark.py --mb 2092 --dim 3072 --partitions 8 --rounds 2 --cold
     python benchmarks/bench_spark.py --kv --rows 100000 --rounds 3
+    python benchmarks/bench_spark.py --kv --rows 100000 --rounds 9 --only read
 """
 
 from __future__ import annotations
@@ -142,6 +148,9 @@ def main() -> None:
     parser.add_argument(
         "--partitions", type=int, default=0, help="the frame's partitions (default: 250 MB each)"
     )
+    parser.add_argument(
+        "--only", choices=("read", "write"), help="time only reads or writes (both run once)"
+    )
     args = parser.parse_args()
     row_bytes = 4 * args.dim + 16
     rows = args.rows or int(args.mb * 1e6 / row_bytes)
@@ -185,15 +194,18 @@ def main() -> None:
             "write": (write_safetensors, write_parquet),
             "read": (read_safetensors, read_parquet),
         }
+        if args.only:
+            pairs = {args.only: pairs[args.only]}
         for warm_up in (write_safetensors, write_parquet, read_safetensors, read_parquet):
             warm_up()  # the source cached, Python workers started, both readers run once
         jvm = spark.sparkContext._gateway.proc.pid
         times: dict[str, list[float]] = {}
         cpu: dict[str, list[float]] = {}
         before = load()
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             for name, (ours, theirs) in pairs.items():
-                for label, run in ((f"{name} safetensors", ours), (f"{name} parquet", theirs)):
+                order = [(f"{name} safetensors", ours), (f"{name} parquet", theirs)]
+                for label, run in order[:: 1 if round_ % 2 else -1]:  # each first in turn
                     spent = cpu_seconds(jvm)
                     began = time.perf_counter()
                     run()

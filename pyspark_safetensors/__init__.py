@@ -17,8 +17,10 @@ protocol, and docs/spark.md for the options.
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -32,9 +34,9 @@ from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import DataType, StringType, StructField, StructType
 
 from stream_st._api import load
-from stream_st.core.dtypes import dtype_from_code
+from stream_st.core.dtypes import DTYPES, dtype_from_code
 from stream_st.core.header import Header
-from stream_st.errors import UsageError
+from stream_st.errors import HeaderError, UsageError
 from stream_st.integrations.dataset import (
     KV_RECORD,
     DatasetInfo,
@@ -43,8 +45,9 @@ from stream_st.integrations.dataset import (
     describe_dataset,
     kv_rows,
     plan_pieces,
-    read_kv_rows,
+    read_kv_batches,
     read_piece,
+    read_shard_rows,
 )
 
 from ._arrow import arrow_row_bytes, tensor_column, typed_column
@@ -69,17 +72,40 @@ Described = tuple[DatasetInfo, KvRows | None]
 BATCH_BYTES = 32 << 20
 """A read hands Spark Arrow batches of about this many bytes (at least one row each)."""
 
+SMALLEST_SHARE = 4 << 20
+"""KV mode: shards share a partition up to at least this many bytes (Spark's
+``openCostInBytes``)."""
+
+
+@dataclass(frozen=True)
+class ShardRows:
+    """What a task reads of a KV-mode dataset whose rows are whole: rows ``start:stop`` of the
+    shard at ``address``, of ``size`` bytes and ``samples`` rows as the manifest says."""
+
+    address: str
+    size: int
+    samples: int
+    start: int
+    stop: int
+
 
 def _describe(options: Any) -> Described:
-    """The dataset at option ``path``; in KV mode read as rows, its rows too (its headers are not
-    needed any more then, and are left out: a read's data source is sent from the process
-    planning it to the one making its reader)."""
+    """The dataset at option ``path``. In KV mode read as rows: where its rows are whole
+    (:func:`~stream_st.integrations.dataset.whole_rows`), its manifest alone (each task reads
+    its shards' headers); else its rows too, told from every header (the headers are not needed
+    any more then, and are left out: a read's data source is sent from the process planning it
+    to the one making its reader)."""
     path = options.get("path")
     if not path:
         raise UsageError("give the dataset's location: .load(path)")
     kv = None if options.get("name_col") is None else True
-    dataset = anyio.run(lambda: describe_dataset(str(path), kv=kv))
+    raw = _flag(options, "raw")
+    dataset = anyio.run(lambda: describe_dataset(str(path), kv=kv, from_manifest=not raw))
     record = _kv_record(dataset, options)
+    if len(dataset.headers) < len(dataset.shards):  # described from the manifest
+        if record is not None:
+            return dataset, None
+        dataset = anyio.run(lambda: describe_dataset(str(path), kv=kv))  # read as tensors
     if record is None:
         return dataset, None
     rows = kv_rows(dataset, list(dataset.manifest["schema"]), record["separator"])
@@ -111,7 +137,7 @@ def _column_types(dataset: DatasetInfo, names: list[str], raw: bool) -> dict[str
     return out
 
 
-def _kv_record(dataset: DatasetInfo, options: Any) -> dict[str, str] | None:
+def _kv_record(dataset: DatasetInfo, options: Any) -> dict[str, Any] | None:
     """KV mode: how the rows were named, where the write recorded it and every column's type
     (the dataset is then read as rows, a name and a column per written column), unless
     ``raw=true``; None: read as one row per tensor."""
@@ -150,7 +176,7 @@ def _fields(described: Described, options: Any) -> list[StructField]:
             ("tensor", TENSOR_STRUCT),
         ]
         return [StructField(name, kind, False) for name, kind in kinds]
-    if record is None or rows is None:
+    if record is None:
         types = _column_types(dataset, dataset.columns, _flag(options, "raw"))
         columns = _selected(list(types), options)
         return [StructField(c, without_nulls(types[c].spark), False) for c in columns]
@@ -158,7 +184,7 @@ def _fields(described: Described, options: Any) -> list[StructField]:
     types = _column_types(dataset, columns, raw=False)
     fields = [StructField(record["name_col"], parse_type(record["spark_type"]), False)]
     for column in columns:  # a column some name was written without is nullable
-        every = bool((rows.columns[column].shard >= 0).all())
+        every = rows is None or bool((rows.columns[column].shard >= 0).all())
         fields.append(StructField(column, without_nulls(types[column].spark), not every))
     return fields
 
@@ -226,6 +252,10 @@ class SafetensorsReader(DataSourceReader):
         if rows is not None:
             self._plan_rows(rows, limit << 20)
             return
+        if self.record is not None:
+            self.columns = list(dataset.manifest["schema"])
+            self._plan_shards(dataset, limit << 20)
+            return
         names = None if dataset.kv else [f.name for f in schema.fields]
         pieces = plan_pieces(dataset, names, max_bytes=limit << 20)
         headers = dict(zip(dataset.shards, dataset.headers, strict=True))
@@ -253,14 +283,8 @@ class SafetensorsReader(DataSourceReader):
         the selected columns (at least one row), and the rows one Arrow batch holds; refuses,
         before any task runs, a value Spark's Arrow batches cannot carry."""
         sizes = np.zeros(len(rows.names), np.int64)
-        widest = 1
-        for column, kind in self.kinds.items():
-            where = rows.columns[column]
-            sizes += where.nbytes()
-            for spec in np.unique(where.spec[where.shard >= 0]).tolist():
-                code, shape = where.specs[spec]
-                itemsize = dtype_from_code(code).numpy.itemsize
-                widest = max(widest, arrow_row_bytes(column, 1, shape, itemsize, kind))
+        for column in self.kinds:
+            sizes += rows.columns[column].nbytes()
         ends = np.cumsum(sizes)
         start = 0
         while start < len(sizes):
@@ -268,7 +292,50 @@ class SafetensorsReader(DataSourceReader):
             stop = max(start + 1, int(np.searchsorted(ends, before + limit, side="right")))
             self.groups.append([rows.part(start, stop, self.kinds)])
             start = stop
-        self.step = max(1, BATCH_BYTES // (widest * max(1, len(self.kinds))))
+        self.step = self._rows_per_arrow_batch(rows)
+
+    def _rows_per_arrow_batch(self, rows: KvRows) -> int:
+        """KV mode, read as rows: the rows of ``rows`` one Arrow batch holds (about
+        :data:`BATCH_BYTES`, at least one); refuses a value Spark's Arrow batches cannot
+        carry."""
+        widest = 1
+        for column, kind in self.kinds.items():
+            where = rows.columns[column]
+            for spec in np.flatnonzero(np.bincount(where.spec[where.shard >= 0])).tolist():
+                code, shape = where.specs[spec]
+                itemsize = dtype_from_code(code).numpy.itemsize
+                widest = max(widest, arrow_row_bytes(column, 1, shape, itemsize, kind))
+        return max(1, BATCH_BYTES // (widest * max(1, len(self.kinds))))
+
+    def _plan_shards(self, dataset: DatasetInfo, limit: int) -> None:
+        """KV mode, read as rows whole (each shard's rows its own): partitions planned from the
+        manifest alone, a task reading its shards' headers. A shard of more than ``limit``
+        bytes is cut into ranges of rows (by count); consecutive smaller ones share a
+        partition up to ``limit`` and their share of the dataset's bytes per core of this
+        machine (at least :data:`SMALLEST_SHARE`), as Spark spreads files over its cores.
+        Refuses, before any task runs, a column whose recorded shape Spark's Arrow batches
+        cannot carry."""
+        schema = dataset.manifest["schema"]
+        for column, kind in self.kinds.items():
+            code, shape = schema[column].get("dtype"), schema[column].get("shape")
+            if code in DTYPES and isinstance(shape, list) and all(type(d) is int for d in shape):
+                itemsize = dtype_from_code(code).numpy.itemsize
+                arrow_row_bytes(column, 1, tuple(shape), itemsize, kind)
+        entries = dataset.manifest["shards"]
+        total = sum(entry["bytes"] for entry in entries)
+        share = min(limit, max(SMALLEST_SHARE, total // (os.cpu_count() or 1)))
+        size = 0
+        for address, entry in zip(dataset.shards, entries, strict=True):
+            nbytes, samples = entry["bytes"], entry["samples_count"]
+            cuts = min(max(1, samples), -(-nbytes // limit))
+            bounds = [samples * cut // cuts for cut in range(cuts + 1)]
+            for start, stop in itertools.pairwise(bounds):
+                share_of = nbytes * (stop - start) // max(1, samples)
+                if cuts > 1 or not self.groups or size + share_of > share:
+                    self.groups.append([])
+                    size = 0
+                self.groups[-1].append(ShardRows(address, nbytes, samples, start, stop))
+                size += share_of
 
     def _rows_per_batch(self, piece: Piece, header: Header) -> int:
         """The rows of ``piece`` one Arrow batch holds (about :data:`BATCH_BYTES`, at least
@@ -305,7 +372,10 @@ class SafetensorsReader(DataSourceReader):
         with start_blocking_portal() as portal:  # one event loop for the partition's reads
             if self.record is not None:
                 for rows in partition.value:
-                    yield from self._row_batches(rows, portal)
+                    if isinstance(rows, ShardRows):
+                        yield from self._shard_batches(rows, portal)
+                    else:
+                        yield from self._row_batches(rows, self.step, portal)
                 return
             for piece in partition.value:
                 yield from self._batches(piece, portal.call(self._read, piece))
@@ -327,18 +397,34 @@ class SafetensorsReader(DataSourceReader):
                 schema=self.arrow,
             )
 
-    def _row_batches(self, rows: KvRows, portal: Any) -> Iterator[pa.RecordBatch]:
-        """KV mode, read as rows: the tensors of ``rows`` (each shard's bytes read at once),
-        then Arrow batches of :attr:`step` rows, in the schema's order of columns."""
+    def _shard_batches(self, part: ShardRows, portal: Any) -> Iterator[pa.RecordBatch]:
+        """KV mode, read as rows whole: rows ``part.start:part.stop`` of a shard, told from its
+        header, which must hold as many names as the manifest says, each with every column."""
         assert self.record is not None
-        values = portal.call(read_kv_rows, rows)
+        separator = self.record["separator"]
+        rows = portal.call(
+            lambda: read_shard_rows(part.address, self.columns, separator, size=part.size)
+        )
+        if len(rows.names) != part.samples or any(
+            (where.shard < 0).any() for where in rows.columns.values()
+        ):
+            raise HeaderError(
+                f"{part.address}: the manifest says its {part.samples} rows are whole; the "
+                f"shard holds {len(rows.names)} names, not each with every column"
+            )
+        step = self._rows_per_arrow_batch(rows)
+        yield from self._row_batches(rows.part(part.start, part.stop, self.kinds), step, portal)
+
+    def _row_batches(self, rows: KvRows, step: int, portal: Any) -> Iterator[pa.RecordBatch]:
+        """KV mode, read as rows: the tensors of ``rows`` (each shard's bytes read at once),
+        then Arrow batches of ``step`` rows, in the schema's order of columns."""
+        assert self.record is not None
         name_col = self.record["name_col"]
         name_type = self.arrow.field(name_col).type
-        for start in range(0, len(rows.names), self.step):
-            stop = start + self.step
+        for start, stop, values in portal.call(read_kv_batches, rows, step):
             columns = {name_col: pa.array(rows.names[start:stop], pa.string()).cast(name_type)}
             for column, kind in self.kinds.items():
-                part = values[column][start:stop]
+                part = values[column]
                 columns[column] = (
                     typed_column(part, kind, column)
                     if isinstance(part, np.ndarray)

@@ -43,7 +43,13 @@ from stream_st.core.shards import (
     shard_position,
 )
 from stream_st.errors import UsageError, WriterError
-from stream_st.integrations.dataset import KV_RECORD, MANIFEST_NAME, split_key
+from stream_st.integrations.dataset import (
+    KV_RECORD,
+    MANIFEST_NAME,
+    WHOLE_ROWS,
+    split_key,
+    whole_rows,
+)
 from stream_st.sharded.reader import ShardIndex
 from stream_st.sharded.writer import tensor_index_table
 from stream_st.tools import cp
@@ -211,15 +217,17 @@ class WriteOptions:
         name_type = None if name_col is None else type_text(schema[name_col].dataType)
         return replace(parsed, columns=columns, name_type=name_type)
 
-    def kv_record(self) -> dict[str, str] | None:
+    def kv_record(self) -> dict[str, Any] | None:
         """KV mode: what the manifest records (as ``"kv"``) for a read to give the rows back:
-        the name column, its Spark type and the separator."""
+        the name column, its Spark type and the separator; and that the rows are whole (every
+        row of a write holds every column, and the commit leaves each key in one shard)."""
         if self.name_col is None:
             return None
         return {
             "name_col": self.name_col,
             "spark_type": self.name_type or "string",
             "separator": self.kv_separator,
+            WHOLE_ROWS: True,
         }
 
     def _columns(self, schema: StructType, wanted: list[str] | None) -> dict[str, Column]:
@@ -557,8 +565,13 @@ class SafetensorsWriter(DataSourceArrowWriter):
         if not self.overwrite and MANIFEST_NAME in listed:
             manifest = (await ShardIndex.read(_store.join(path, MANIFEST_NAME), Clock())).manifest
             previous = await _previous_shards(path, manifest, kv or self.options.generate_index)
+            every = (
+                not staged
+                or not manifest.get("total_samples")
+                or set(self.options.columns) == set(manifest.get("schema", {}))
+            )
             schema = {**manifest.get("schema", {}), **schema}
-            record = _appended_record(record, manifest)
+            record = _appended_record(record, manifest, every)
         for column, kind in self.options.columns.items():  # a read gives these types back
             if column in schema:
                 schema[column] = {**schema[column], "spark_type": type_text(kind.spark)}
@@ -649,20 +662,28 @@ class SafetensorsWriter(DataSourceArrowWriter):
 
 
 def _appended_record(
-    record: dict[str, str] | None, manifest: Mapping[str, Any]
-) -> dict[str, str] | None:
+    record: dict[str, Any] | None, manifest: Mapping[str, Any], every: bool
+) -> dict[str, Any] | None:
     """The KV record of a dataset ``manifest`` is appended to with ``record``: none where it has
-    none (written otherwise, its rows are read as tensors), and refused where they differ (the
-    rows of the two could not be read as one)."""
+    none (written otherwise, its rows are read as tensors), and refused where their naming
+    differs (the rows of the two could not be read as one). Its rows stay whole where they were
+    and ``every`` holds: the append writes every column of the dataset and no other (a name
+    appended again then leaves all its earlier tensors behind: ``lastWin`` drops them, ``fail``
+    refuses it), or one of the two holds no row; otherwise a name may now lie in two shards, or
+    lack a column."""
     earlier = manifest.get(KV_RECORD)
     if record is None or earlier is None:
         return None
-    if earlier != record:
+    naming = {key: value for key, value in record.items() if key != WHOLE_ROWS}
+    if (
+        not isinstance(earlier, dict)
+        or {key: value for key, value in earlier.items() if key != WHOLE_ROWS} != naming
+    ):
         raise UsageError(
             f"the dataset was written with name_col, its type and kv_separator {earlier}; "
-            f"this append gives {record}"
+            f"this append gives {naming}"
         )
-    return record
+    return {**naming, WHOLE_ROWS: every and whole_rows(manifest)}
 
 
 async def _previous_shards(

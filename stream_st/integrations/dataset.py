@@ -19,7 +19,9 @@ ranges in batch mode, groups of keys in KV mode) that a reader task reads on its
 :func:`read_piece`, fetching only the byte ranges of the tensors it selects. A KV-mode dataset
 is read as rows with :func:`kv_rows` (where each name's tensors lie, told from the headers a
 column at a time) and :func:`read_kv_rows` (a part of the rows: each shard's bytes under them read
-at once, cut with numpy). The Spark data source (``pyspark_safetensors``) and the torch dataset
+at once, cut with numpy); where its manifest says its rows are whole (:func:`whole_rows`), each
+shard's rows are its own, told from its header alone by :func:`read_shard_rows`, so that no one
+process reads every header. The Spark data source (``pyspark_safetensors``) and the torch dataset
 (:mod:`stream_st.torch_dataset`) both read through these.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -37,18 +40,36 @@ import numpy as np
 from .._api import load, open_stream, read_header
 from ..core.digests import Digests, algorithm_named
 from ..core.dtypes import array_shape, dtype_from_code
-from ..core.header import Header, TensorInfo
+from ..core.header import (
+    DEFAULT_MAX_HEADER_SIZE,
+    LENGTH_PREFIX_SIZE,
+    METADATA_KEY,
+    Header,
+    TensorInfo,
+    checked_dims,
+    data_size,
+    parse_header,
+)
 from ..core.shards import MANIFEST_NAME, SHARD_NAME, is_index
-from ..errors import HeaderError, SourceNotFoundError, UsageError
+from ..errors import (
+    DtypeError,
+    HeaderError,
+    SourceNotFoundError,
+    TruncatedStreamError,
+    UsageError,
+)
 from ..reader import _read_tensor
+from ..reader.header import _header_length, _receive_header
 from ..sharded.reader import ShardIndex, shard_address
 from ..transports import store as _store
+from ..transports.file.source import FileSource
 from ..transports.options import Clock
 from ..transports.registry import open_source
 
 __all__ = [
     "KV_RECORD",
     "MANIFEST_NAME",
+    "WHOLE_ROWS",
     "DatasetInfo",
     "KvColumn",
     "KvRows",
@@ -56,9 +77,12 @@ __all__ = [
     "describe_dataset",
     "kv_rows",
     "plan_pieces",
+    "read_kv_batches",
     "read_kv_rows",
     "read_piece",
+    "read_shard_rows",
     "split_key",
+    "whole_rows",
 ]
 
 
@@ -66,8 +90,31 @@ Array = np.ndarray[Any, Any]
 
 KV_RECORD = "kv"
 """The manifest field where a KV-mode write records how its rows were named: ``{"name_col":
-the name column, "spark_type": its Spark type, "separator": the key separator}`` (a field the
-layout's manifest schema leaves open); a read gives the rows back with it."""
+the name column, "spark_type": its Spark type, "separator": the key separator, "whole_rows":
+see :data:`WHOLE_ROWS`}`` (a field the layout's manifest schema leaves open); a read gives the
+rows back with it."""
+
+WHOLE_ROWS = "whole_rows"
+"""The field of the :data:`KV_RECORD` a write sets (``true``) where every name's tensors lie in
+one shard, one for each column of the manifest's schema: each shard's rows are then its own
+(``samples_count`` of them, none null), known from its own header."""
+
+
+def whole_rows(manifest: Mapping[str, Any]) -> bool:
+    """Whether ``manifest``'s KV record says its rows are whole (:data:`WHOLE_ROWS`), and each
+    of its shards how many (``samples_count``: a whole number)."""
+    record = manifest.get(KV_RECORD)
+    shards = manifest.get("shards")
+    return (
+        isinstance(record, dict)
+        and record.get(WHOLE_ROWS) is True
+        and isinstance(shards, list)
+        and all(isinstance(e, dict) and _count(e.get("samples_count")) for e in shards)
+    )
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclass(frozen=True)
@@ -115,7 +162,7 @@ def _batch_mode(headers: Sequence[Header], schema: object) -> bool:
 
 
 async def describe_dataset(
-    address: str | os.PathLike[str], *, kv: bool | None = None
+    address: str | os.PathLike[str], *, kv: bool | None = None, from_manifest: bool = False
 ) -> DatasetInfo:
     """Read the manifest at ``address`` (or, for a directory or ``s3://`` prefix, its
     ``dataset_manifest.json``, else every ``part-*.safetensors`` in it; for an ``http(s)://``
@@ -123,6 +170,9 @@ async def describe_dataset(
 
     ``kv`` forces the mode; by default a dataset is in batch mode when its shards hold the same
     tensors, each with one leading sample dimension, and the manifest's schema names them.
+    With ``from_manifest``, a KV-mode dataset whose manifest says its rows are whole
+    (:func:`whole_rows`) is described from the manifest alone: no header is read, ``headers``
+    is empty (a reader reads each shard's own, :func:`read_shard_rows`).
     """
     address = os.fspath(address)
     given = bool(is_index(address))
@@ -135,6 +185,8 @@ async def describe_dataset(
         names = list(index.shards)
         shards = tuple(shard_address(index.home, shard) for shard in names)
         home = index.home.rsplit("/", 1)[0]
+        if from_manifest and kv is not False and whole_rows(manifest):
+            return DatasetInfo(home, shards, (), manifest, True)
     else:
         names = [n for n in await _store.list_names(address) if SHARD_NAME.fullmatch(n)]
         if not names:
@@ -233,18 +285,24 @@ class KvRows:
             columns={column: self.columns[column].part(start, stop) for column in columns},
         )
 
+    def __repr__(self) -> str:
+        """A bounded summary (there may be millions of rows; asyncio shows a task's result)."""
+        return (
+            f"KvRows(rows={len(self.names)}, columns={list(self.columns)}, "
+            f"shards={len(self.shards)})"
+        )
 
-def _split_keys(
-    keys: list[str], columns: Sequence[str], separator: str, shard: str
-) -> tuple[Any, Array]:
+
+def _split_keys(keys: Any, columns: Sequence[str], separator: str, shard: str) -> tuple[Any, Array]:
     """The names (an Arrow string array) and columns (positions in ``columns``) of a shard's
-    ``keys``, ``{name}{separator}{column}``: split by Arrow where no column holds the separator
-    (a key's last one splits it), else key by key. Refuses a key that ends with no column."""
+    ``keys`` (an Arrow string array), ``{name}{separator}{column}``: split by Arrow where no
+    column holds the separator (a key's last one splits it), else key by key. Refuses a key
+    that ends with no column."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     if separator and not any(separator in column for column in columns):
-        parts = pc.split_pattern(pa.array(keys, pa.string()), separator, max_splits=1, reverse=True)
+        parts = pc.split_pattern(keys, separator, max_splits=1, reverse=True)
         good = pc.equal(pc.list_value_length(parts), 2).to_numpy(zero_copy_only=False)
         if good.all():
             value_set = pa.array(columns, pa.string())
@@ -252,97 +310,328 @@ def _split_keys(
             good = found.is_valid().to_numpy(zero_copy_only=False)
             if good.all():
                 return pc.list_element(parts, 0), found.to_numpy()
-        bad = keys[int(np.argmin(good))]
+        bad = keys[int(np.argmin(good))].as_py()
     else:
         split = _key_splitter(columns, separator)
-        pairs = [split(key) for key in keys]
+        pairs = [split(key) for key in keys.to_pylist()]
         found_pairs = [pair for pair in pairs if pair is not None]
         if len(found_pairs) == len(pairs):
             position = {column: i for i, column in enumerate(columns)}
             names = pa.array([name for name, _ in found_pairs], pa.string())
             return names, np.array([position[column] for _, column in found_pairs], np.int32)
-        bad = keys[pairs.index(None)]
+        bad = keys[pairs.index(None)].as_py()
     raise UsageError(
         f"tensor {bad!r} of {shard} is no column of {list(columns)} "
         f"(key {{name}}{separator}{{column}})"
     )
 
 
+Spec = tuple[str, tuple[int, ...]]
+"""A tensor's dtype code and shape."""
+
+
+@dataclass(frozen=True)
+class _Tensors:
+    """One shard's tensors a field at a time, in offset order: their keys (an Arrow string
+    array), dtype and shape (``spec``, positions in ``specs``) and data offsets, and the digest
+    algorithm and digests the shard records (None: none)."""
+
+    keys: Any
+    spec: Array
+    specs: tuple[Spec, ...]
+    start: Array
+    end: Array
+    algorithm: str | None = None
+    digests: Array | None = None
+
+
+def _header_tensors(header: Header) -> _Tensors:
+    """The tensors of a parsed ``header``."""
+    import pyarrow as pa
+
+    held, codes, shapes, starts, ends = header.tensors.columns()
+    specs: dict[Spec, int] = {}
+    spec = np.fromiter(
+        (specs.setdefault(pair, len(specs)) for pair in zip(codes, shapes, strict=True)),
+        np.int64,
+        len(held),
+    )
+    digests = Digests.from_header(header)
+    return _Tensors(
+        pa.array(held, pa.string()),
+        spec,
+        tuple(specs),
+        np.array(starts, np.int64),
+        np.array(ends, np.int64),
+        None if digests is None else digests.algorithm,
+        None if digests is None else np.array(list(map(digests.values.__getitem__, held)), object),
+    )
+
+
+_MIDDLE = re.compile(
+    r':\{"dtype":"([A-Za-z0-9_]+)","shape":\[((?:0|[1-9][0-9]*)(?:,(?:0|[1-9][0-9]*))*)?\],'
+    r'"data_offsets"'
+)
+"""What a compact tensor member (``"name":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},``)
+holds between its name's closing quote and its offsets: the same text for every tensor of one
+dtype and shape."""
+_SPACE = b" \t\n\r"
+_POWERS = 10 ** np.arange(1, 19, dtype=np.int64)
+
+
+def _compact_tensors(raw: Array) -> _Tensors | None:
+    """The tensors of the header ``raw`` (its N bytes) if it is written compactly, as a KV
+    shard's is (no metadata, whitespace or escape; each member's fields in order; the tensors
+    in offset order, tiling the data): read by Arrow a field at a time, with no Python code run
+    per tensor. None for any other header, which :func:`~stream_st.core.header.parse_header`
+    then reads (and tells what is wrong with, if anything).
+
+    Each member is cut at its quotes into three texts, viewed in place: its name and the quote
+    closing it, what follows up to its offsets (one text per dtype and shape, checked once
+    each), and its offsets with the next member's opening quote. A key listed twice is not
+    looked for here: the rows of the shard find it (:func:`_rows_of`)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    tail = raw[-4096:].tobytes().rstrip(_SPACE)  # without the padding
+    size = len(raw) - min(len(raw), 4096) + len(tail)
+    opening = raw[: len(METADATA_KEY) + 2].tobytes()
+    if len(tail) < 2 or opening[:2] != b'{"' or opening[2:] == METADATA_KEY.encode():
+        return None
+    if tail[-1:] != b"}" or size >= 2**31 - 1:
+        return None
+    text = np.empty(size + 1, np.uint8)  # its last member then ends as the others: ``]},"``
+    text[:-2] = raw[: size - 1]
+    text[-2:] = (ord(","), ord('"'))
+    if (text == ord("\\")).any() or text.min() < 0x20:
+        return None  # an escape, whitespace or a control character
+    if text.max() >= 0x80:
+        whole = pa.Array.from_buffers(
+            pa.string(), 1, [None, pa.py_buffer(np.array([0, size], np.int32)), pa.py_buffer(text)]
+        )
+        try:
+            whole.validate(full=True)  # UTF-8
+        except pa.ArrowInvalid:
+            return None
+    quotes = np.flatnonzero(text == ord('"'))  # ``{"``, then 10 a member
+    count, extra = divmod(len(quotes) - 1, 10)
+    if extra or not count or quotes[0] != 1:
+        return None
+    cuts = np.empty(3 * count + 1, np.int32)
+    for at, quote in enumerate((0, 1, 9)):  # after a name's quotes, and its offsets' first
+        cuts[at:-1:3] = quotes[quote:-1:10] + 1
+    cuts[-1] = len(text)
+    parts = pa.Array.from_buffers(
+        pa.string(), 3 * count, [None, pa.py_buffer(cuts), pa.py_buffer(text)]
+    )
+    every = np.arange(0, 3 * count, 3)
+    keys = pc.utf8_slice_codeunits(parts.take(every), 0, -1)
+    offsets = _offsets(parts.take(every + 2))
+    if offsets is None or pc.any(pc.equal(keys, METADATA_KEY)).as_py():
+        return None
+    start, end = offsets
+    middles = parts.take(every + 1).dictionary_encode()
+    spec = middles.indices.to_numpy()
+    specs: list[Spec] = []
+    sizes = []
+    try:
+        for middle in middles.dictionary.to_pylist():
+            found = _MIDDLE.fullmatch(middle)
+            if found is None:
+                return None
+            dims = checked_dims("", tuple(map(int, filter(None, (found[2] or "").split(",")))))
+            sizes.append(data_size("", dtype_from_code(found[1]), dims))
+            specs.append((found[1], dims))
+    except (HeaderError, DtypeError, ValueError):
+        return None
+    if start[0] or (start[1:] != end[:-1]).any() or (end - start != np.array(sizes)[spec]).any():
+        return None
+    return _Tensors(keys, spec.astype(np.int64), tuple(specs), start, end)
+
+
+def _offsets(texts: Any) -> tuple[Array, Array] | None:
+    """The data offsets compact members' texts ``:[start,end]},"`` give (up to the next
+    member's quote), each a plain JSON integer (no sign, no leading zero) below 2**63; None if
+    one is not."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    numbers = pc.split_pattern(pc.utf8_slice_codeunits(texts, 2, -4), ",")
+    if not (
+        pc.all(pc.starts_with(texts, ":[")).as_py()
+        and pc.all(pc.ends_with(texts, ']},"')).as_py()
+        and pc.all(pc.equal(pc.list_value_length(numbers), 2)).as_py()
+    ):
+        return None
+    try:
+        both = pc.cast(numbers.flatten(), pa.int64()).to_numpy()
+    except pa.ArrowInvalid:  # not digits, or too many
+        return None
+    digits = 1 + np.searchsorted(_POWERS, both, side="right")
+    lengths = pc.binary_length(texts).to_numpy()
+    if both.min() < 0 or (lengths != 7 + digits[0::2] + digits[1::2]).any():
+        return None  # a sign or a leading zero: ``:[`` ``,`` ``]},"`` and the digits alone
+    return both[0::2], both[1::2]
+
+
+def _shard_tensors(raw: Array) -> _Tensors:
+    """The tensors of the header ``raw`` (its N bytes): compact as a KV shard's, or any other
+    (:func:`~stream_st.core.header.parse_header`, which refuses a bad one)."""
+    return _compact_tensors(raw) or _header_tensors(parse_header(raw.data))
+
+
+def _rows_of(
+    tables: Sequence[_Tensors],
+    shards: tuple[str, ...],
+    bases: tuple[int, ...],
+    columns: Sequence[str],
+    separator: str,
+) -> KvRows:
+    """The rows of the KV-mode shards at ``shards`` (their data at ``bases``), whose tensors are
+    ``tables``, written with ``columns`` and ``separator`` (see :class:`KvRows`). Refuses a key
+    that belongs to none of ``columns``, and a key listed twice in one shard."""
+    import pyarrow as pa
+
+    specs: dict[Spec, int] = {}
+    names: list[Any] = []
+    fields: list[list[Array]] = [[] for _ in range(5)]  # column, shard, start, end, spec
+    for i, table in enumerate(tables):
+        named, owners = _split_keys(table.keys, columns, separator, shards[i])
+        numbered = np.array([specs.setdefault(spec, len(specs)) for spec in table.specs], np.int64)
+        for values, more in zip(
+            fields,
+            (
+                owners,
+                np.full(len(owners), i, np.int32),
+                table.start,
+                table.end,
+                numbered[table.spec] if len(numbered) else table.spec,
+            ),
+            strict=True,
+        ):
+            values.append(more)
+        names.append(named)
+    owner, shard, start, end, spec = (
+        values[0] if len(values) == 1 else np.concatenate(values) for values in fields
+    )
+    algorithms = tuple(table.algorithm for table in tables)
+    digest = None
+    if any(algorithms):
+        digest = np.concatenate(
+            [np.full(len(t.keys), None, object) if t.digests is None else t.digests for t in tables]
+        )
+    name = pa.concat_arrays(names) if names else pa.array([], pa.string())
+    encoded = name.dictionary_encode()
+    row = encoded.indices.to_numpy().astype(np.int64)
+    cell = row * max(1, len(columns)) + owner
+    if len(cell) and np.bincount(cell).max() > 1:  # a key in several shards: the last's copy
+        kept = _last_copies(cell, shard, pa.concat_arrays([t.keys for t in tables]), shards)
+        owner, shard, start, end, spec, row = (
+            a[kept] for a in (owner, shard, start, end, spec, row)
+        )
+        digest = None if digest is None else digest[kept]
+        encoded = name.filter(pa.array(kept)).dictionary_encode()
+        row = encoded.indices.to_numpy().astype(np.int64)
+    count = len(encoded.dictionary)
+    # every field a column at a time: a row of ``count`` per column, each tensor at its cell
+    cell = owner * count + row
+    grid = (len(columns), count)
+    at = np.full(grid, -1, np.int32)
+    begins, stops, sorts = (np.zeros(grid, np.int64) for _ in range(3))
+    for out, given in ((at, shard), (begins, start), (stops, end), (sorts, spec)):
+        out.reshape(-1)[cell] = given
+    checks = None
+    if digest is not None:
+        checks = np.full(grid, None, object)
+        checks.reshape(-1)[cell] = digest
+    where = {
+        column: KvColumn(
+            at[i],
+            begins[i],
+            stops[i],
+            sorts[i],
+            tuple(specs),
+            None if checks is None else checks[i],
+        )
+        for i, column in enumerate(columns)
+    }
+    return KvRows(shards, bases, algorithms, separator, encoded.dictionary.to_pylist(), where)
+
+
+def _last_copies(cell: Array, shard: Array, keys: Any, shards: tuple[str, ...]) -> Array:
+    """Which tensors to keep, each a ``cell`` (a name's column): the last copy of each, from
+    the last shard holding it; refuses a cell twice in one shard (a key listed twice)."""
+    last = np.zeros(int(cell.max()) + 1, np.int64)
+    positions = np.arange(len(cell))
+    np.maximum.at(last, cell, positions)
+    kept: Array = last[cell] == positions
+    later = positions[~kept]
+    same = shard[later] == shard[last[cell[later]]]
+    if same.any():
+        twice = int(later[np.argmax(same)])
+        raise HeaderError(
+            f"{shards[int(shard[twice])]}: tensor {keys[twice].as_py()!r} is listed twice"
+        )
+    return kept
+
+
 def kv_rows(dataset: DatasetInfo, columns: Sequence[str], separator: str) -> KvRows:
     """The rows of a KV-mode dataset written with ``columns`` and ``separator`` (see
     :class:`KvRows`), told from its headers a column of fields at a time. Refuses a key that
     belongs to none of ``columns``, and a shard whose digests cannot be checked."""
-    import pyarrow as pa
+    tables = [_header_tensors(header) for header in dataset.headers]
+    bases = tuple(header.data_start for header in dataset.headers)
+    return _rows_of(tables, dataset.shards, bases, columns, separator)
 
-    keys: list[str] = []
-    names: list[Any] = []
-    fields: list[list[Array]] = [[] for _ in range(6)]  # column, shard, start, end, spec, digest
-    specs: dict[tuple[str, tuple[int, ...]], int] = {}
-    algorithms: list[str | None] = []
-    for i, header in enumerate(dataset.headers):
-        held, codes, shapes, starts, ends = header.tensors.columns()
-        named, owners = _split_keys(held, columns, separator, dataset.shards[i])
-        for pair in dict.fromkeys(zip(codes, shapes, strict=True)):
-            specs.setdefault(pair, len(specs))
-        digests = Digests.from_header(header)
-        algorithms.append(None if digests is None else digests.algorithm)
-        for field, values in zip(
-            fields,
-            (
-                owners,
-                np.full(len(held), i, np.int32),
-                np.array(starts, np.int64),
-                np.array(ends, np.int64),
-                np.array(list(map(specs.__getitem__, zip(codes, shapes, strict=True))), np.int64),
-                np.full(len(held), None, object)
-                if digests is None
-                else np.array(list(map(digests.values.__getitem__, held)), object),
-            ),
-            strict=True,
-        ):
-            field.append(values)
-        keys += held
-        names.append(named)
-    owner, shard, start, end, spec, digest = (
-        np.concatenate(field) if field else np.empty(0, np.int64) for field in fields
-    )
-    name = pa.concat_arrays(names) if names else pa.array([], pa.string())
-    if len(set(keys)) < len(keys):  # a key in several shards: the last shard's copy
-        last = {key: i for i, key in enumerate(keys)}
-        kept = np.array([last[key] == i for i, key in enumerate(keys)], bool)
-        owner, shard, start, end, spec, digest = (
-            a[kept] for a in (owner, shard, start, end, spec, digest)
+
+async def read_shard_rows(
+    address: str, columns: Sequence[str], separator: str, *, size: int | None = None
+) -> KvRows:
+    """The rows of the KV-mode shard at ``address`` alone (see :class:`KvRows`): its header read
+    as :func:`~stream_st.read_header` reads it (one request remotely), and read a field at a
+    time where it is written compactly, as a KV shard's is. ``size``: the bytes the manifest
+    gives the shard, which its header must describe. Refuses what :func:`kv_rows` refuses."""
+    n, raw = await _header_bytes(address)
+    table = _shard_tensors(raw)
+    data = int(table.end[-1]) if len(table.end) else 0
+    if size is not None and size != LENGTH_PREFIX_SIZE + n + data:
+        raise HeaderError(
+            f"{address}: the manifest says {size} bytes, the shard's header describes a "
+            "different size"
         )
-        name = name.filter(pa.array(kept))
-    encoded = name.dictionary_encode()
-    row = encoded.indices.to_numpy()
-    count = len(encoded.dictionary)
-    where: dict[str, KvColumn] = {}
-    for position, column in enumerate(columns):
-        mine = owner == position
-        held_by = row[mine]
-        at = np.full(count, -1, np.int32)
-        at[held_by] = shard[mine]
-        begins, stops, sorts = (np.zeros(count, np.int64) for _ in range(3))
-        begins[held_by], stops[held_by], sorts[held_by] = start[mine], end[mine], spec[mine]
-        checks = None
-        if any(algorithms):
-            checks = np.full(count, None, object)
-            checks[held_by] = digest[mine]
-        where[column] = KvColumn(at, begins, stops, sorts, tuple(specs), checks)
-    return KvRows(
-        dataset.shards,
-        tuple(header.data_start for header in dataset.headers),
-        tuple(algorithms),
-        separator,
-        encoded.dictionary.to_pylist(),
-        where,
-    )
+    return _rows_of([table], (address,), (LENGTH_PREFIX_SIZE + n,), columns, separator)
+
+
+async def _header_bytes(address: str) -> tuple[int, Array]:
+    """The length N of the header of the object at ``address`` and its N bytes, read from its
+    start as :func:`~stream_st.read_header` reads them (one request remotely), not parsed."""
+    clock = Clock()
+    clock.start()
+    source = await open_source(address, clock)
+    try:
+        source.clock.start()
+        await source.start()
+        prefix = memoryview(bytearray(LENGTH_PREFIX_SIZE))
+        got = await source.fill(prefix)
+        n = _header_length(prefix, got, source.size, DEFAULT_MAX_HEADER_SIZE, source.name)
+        raw, got = await _receive_header(source, n)
+        if got < n:
+            raise TruncatedStreamError(
+                "the header",
+                name=None,
+                offset=LENGTH_PREFIX_SIZE + got,
+                expected=LENGTH_PREFIX_SIZE + n,
+                source=source.name,
+            )
+        return n, np.frombuffer(raw, np.uint8)
+    finally:
+        await source.aclose()
 
 
 async def read_span(address: str, start: int, end: int) -> Array:
     """Bytes ``start:end`` of the object at ``address`` (one read: a ranged request on HTTP and
-    S3), as an array of bytes."""
+    S3), as an array of bytes: of a local file, a read-only view of its mapping (populated at
+    once), no copy."""
     clock = Clock()
     clock.start()
     source = await open_source(address, clock)
@@ -350,7 +639,12 @@ async def read_span(address: str, start: int, end: int) -> Array:
         source.clock.start()
         await source.start()
         span = TensorInfo(f"bytes {start}-{end}", "U8", (end - start,), start, end)
-        return await _read_tensor(source, span, 0)
+        inside = start < end <= (source.size or 0)
+        mapped = source.map() if inside and isinstance(source, FileSource) else None
+        if mapped is None:
+            return await _read_tensor(source, span, 0)
+        mapped.plan([(start, end)])
+        return await mapped.view(span, 0)
     finally:
         await source.aclose()
 
@@ -395,8 +689,7 @@ def _column_values(
     gathered run by run), else an array per row (None where it has none)."""
     where = rows.columns[column]
     count = len(rows.names)
-    kinds = np.unique(where.spec[where.shard >= 0])
-    if (where.shard < 0).any() or len(kinds) != 1:
+    if not count or (where.shard < 0).any() or where.spec.min() != where.spec.max():
         values: list[Array | None] = []
         for row in range(count):
             if where.shard[row] < 0:
@@ -409,7 +702,7 @@ def _column_values(
             dtype = dtype_from_code(code)
             values.append(data.view(dtype.numpy).reshape(array_shape(dtype, shape)))
         return values
-    code, shape = where.specs[int(kinds[0])]
+    code, shape = where.specs[int(where.spec[0])]
     nbytes = int(where.end[0] - where.start[0])
     shards = np.unique(where.shard)
     first, span = spans[int(shards[0])]
@@ -429,10 +722,9 @@ def _column_values(
     return data.view(dtype.numpy).reshape(count, *array_shape(dtype, shape))
 
 
-async def read_kv_rows(rows: KvRows) -> dict[str, Array | list[Array | None]]:
-    """The values of every column of ``rows`` (see :func:`_column_values`): each shard's bytes
-    under them read at once, from the first of their tensors to the end of the last, and every
-    tensor checked against the digest its shard records."""
+async def _read_spans(rows: KvRows) -> dict[int, tuple[int, Array]]:
+    """Each shard's bytes under ``rows``, read at once, from the first of their tensors to the
+    end of the last: by the shard's position, where they start in its data and the bytes."""
     spans: dict[int, tuple[int, Array]] = {}
     held = [where for where in rows.columns.values() if len(where.shard)]
     for shard in np.unique(np.concatenate([w.shard for w in held])) if held else ():
@@ -442,7 +734,38 @@ async def read_kv_rows(rows: KvRows) -> dict[str, Array | list[Array | None]]:
         last = max(int(w.end[w.shard == shard].max(initial=0)) for w in held)
         base = rows.bases[shard]
         spans[int(shard)] = (first, await read_span(rows.shards[shard], base + first, base + last))
+    return spans
+
+
+async def read_kv_rows(rows: KvRows) -> dict[str, Array | list[Array | None]]:
+    """The values of every column of ``rows`` (see :func:`_column_values`): each shard's bytes
+    under them read at once, from the first of their tensors to the end of the last, and every
+    tensor checked against the digest its shard records."""
+    spans = await _read_spans(rows)
     return {column: _column_values(rows, column, spans) for column in rows.columns}
+
+
+KvBatch = tuple[int, int, dict[str, Array | list[Array | None]]]
+"""Rows ``start:stop`` of a :class:`KvRows` and their values, a column each."""
+
+
+async def read_kv_batches(rows: KvRows, step: int) -> list[KvBatch]:
+    """The values of ``rows`` as :func:`read_kv_rows` reads them, in batches of at most ``step``
+    consecutive rows, cut also where a column's tensors stop lying back to back in one shard:
+    each batch's column of one dtype and shape is then a view of the bytes read, never a
+    copy."""
+    spans = await _read_spans(rows)
+    cuts = np.zeros(len(rows.names), bool)
+    for where in rows.columns.values():
+        cuts[1:] |= (where.shard[1:] != where.shard[:-1]) | (where.start[1:] != where.end[:-1])
+    bounds: list[int] = []
+    for start, stop in itertools.pairwise([0, *np.flatnonzero(cuts).tolist(), len(cuts)]):
+        bounds += range(start, stop, step)
+    out = []
+    for start, stop in itertools.pairwise([*bounds, len(cuts)]):
+        part = rows.part(start, stop, rows.columns)
+        out.append((start, stop, {c: _column_values(part, c, spans) for c in part.columns}))
+    return out
 
 
 @dataclass(frozen=True)

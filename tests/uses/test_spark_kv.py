@@ -123,8 +123,8 @@ def test_last_win_keeps_the_later_row_in_its_place(tmp_path: Path) -> None:
 
 def test_rows_come_back_in_order_across_partitions(tmp_path: Path) -> None:
     names = [f"k{i}" for i in range(300)]
-    # two tasks; a batch of rows alike (20 kB each: partitions of 1 MB cut it), one of rows of
-    # two widths
+    # two tasks; a batch of rows alike (20 kB each: partitions of 1 MB cut the shard), one of
+    # rows of two widths
     write(
         tmp_path,
         [
@@ -134,7 +134,13 @@ def test_rows_come_back_in_order_across_partitions(tmp_path: Path) -> None:
     )
     options = {"path": str(tmp_path), "max_partition_mb": "1"}
     source = pyspark_safetensors.SafetensorsDataSource(options)
-    assert len(source.reader(source.schema()).partitions()) == 2  # 52 rows of 20 kB, the rest
+    # the first shard (2 MB, under 2 MiB, 150 rows) cut in two ranges of rows, the small second
+    # one with the last
+    parts = [p.value for p in source.reader(source.schema()).partitions()]
+    assert [[(p.start, p.stop) for p in part] for part in parts] == [
+        [(0, 75)],
+        [(75, 150), (0, 150)],
+    ]
     rows = read(tmp_path, max_partition_mb="1")
     assert [row["name"] for row in rows] == names
     assert rows[99]["x"][:2] == [99.0, 99.25] and len(rows[99]["x"]) == 5000
@@ -192,3 +198,48 @@ def test_rows_read_over_http_with_ranged_requests(tmp_path: Path) -> None:
         ("b", 1, 1.25),
         ("c", 0, 0.25),
     ]
+
+
+def append(path: Path, batches: list[Any], schema: StructType = SCHEMA, **options: str) -> None:
+    """``batches`` appended to the KV dataset at ``path`` by one task, committed."""
+    parsed = WriteOptions.parse({"path": str(path), "name_col": "name", **options}, schema)
+    writer = SafetensorsWriter(parsed, overwrite=False)
+    writer.commit([writer.write(iter(batches))])
+
+
+def whole(path: Path) -> Any:
+    return json.loads((path / "dataset_manifest.json").read_text())["kv"]["whole_rows"]
+
+
+def test_rows_stay_whole_through_an_append_of_the_same_columns_only(tmp_path: Path) -> None:
+    write(tmp_path, [[batch(["a", "b"])], [batch(["c"])]])
+    assert whole(tmp_path) is True
+    append(tmp_path, [batch(["b", "d"])], duplicatesStrategy="lastWin")  # b's row moves on
+    assert whole(tmp_path) is True
+    rows = read(tmp_path)
+    assert [(row["name"], row["n"]) for row in rows] == [("a", 0), ("c", 0), ("b", 0), ("d", 1)]
+    only_n = StructType([StructField("name", StringType()), StructField("n", LongType())])
+    nine = pa.record_batch({"name": ["a"], "n": pa.array([9])})
+    append(tmp_path, [nine], only_n, duplicatesStrategy="lastWin")
+    assert whole(tmp_path) is False  # a now lies in two shards
+    assert read(tmp_path)[0] == {"name": "a", "n": 9, "x": [0.0, 0.25, 0.5]}
+
+
+def test_whole_rows_are_planned_without_a_header_and_checked_by_the_tasks(
+    tmp_path: Path,
+) -> None:
+    write(tmp_path, [[batch(["a", "b"])], [batch(["c"])]])
+    second = shards(tmp_path)[1]
+    second.write_bytes(b"\xff" * 8 + second.read_bytes()[8:])  # no header a driver could read
+    source = pyspark_safetensors.SafetensorsDataSource({"path": str(tmp_path)})
+    reader: Any = source.reader(source.schema())
+    (partition,) = reader.partitions()
+    with pytest.raises(stream_st.HeaderError, match="header length"):
+        list(reader.read(partition))
+    manifest = tmp_path / "dataset_manifest.json"
+    document = json.loads(manifest.read_text())
+    document["shards"] = document["shards"][:1]
+    document["shards"][0]["samples_count"] = 3
+    manifest.write_text(json.dumps(document))
+    with pytest.raises(stream_st.HeaderError, match="says its 3 rows are whole; the shard holds 2"):
+        read(tmp_path)

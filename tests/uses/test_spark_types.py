@@ -106,6 +106,7 @@ def test_kv_mode_gives_every_type_back_a_row_per_name(spark: Any, tmp_path: Path
         "name_col": "name",
         "spark_type": "string",
         "separator": "__",
+        "whole_rows": True,
     }
     back = spark.read.format("safetensors").load(str(tmp_path))
     assertSchemaEqual(back.schema, written.schema)
