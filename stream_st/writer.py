@@ -743,9 +743,16 @@ async def run_stoppable(work: Callable[..., T]) -> T:
     that committed), its result is returned (as :class:`TensorWriter`'s commit point decides)
     and the caller's cancel scope cancels its next checkpoint."""
     cancelled, ended = threading.Event(), threading.Event()
+    started = False  # under ``claim``: whether the thread took the work before a cancellation
+    claim = threading.Lock()
     outcome: list[tuple[T] | BaseException] = []
 
     def run() -> None:
+        nonlocal started
+        with claim:
+            if cancelled.is_set():
+                return  # cancelled before it began: nothing done, nobody waits
+            started = True
         try:
             outcome.append((work(stop=cancelled.is_set),))
         except BaseException as exc:  # handed to the caller below
@@ -756,7 +763,11 @@ async def run_stoppable(work: Callable[..., T]) -> T:
     try:
         await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
     except anyio.get_cancelled_exc_class():
-        cancelled.set()  # the thread stops at its next question
+        with claim:
+            cancelled.set()  # the thread stops at its next question, or never begins
+            began = started
+        if not began:
+            raise
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(ended.wait)
         if isinstance(outcome[0], BaseException):

@@ -271,11 +271,14 @@ async def test_replacing_a_file_keeps_its_permission_bits(tmp_path: Path) -> Non
 
 
 async def cancel_at_every_turn(
-    job: Callable[[int], Awaitable[None]], check: Callable[[int, bool], None]
+    job: Callable[[int], Awaitable[None]],
+    check: Callable[[int, bool], None],
+    pause: float = 0.0,
 ) -> None:
-    """Run ``job(turns)`` cancelled after 0, 1, 2... event loop turns, until one completes
-    before its cancellation; ``check(turns, returned)`` after each run. Some runs must have
-    been stopped by their cancellation and some not."""
+    """Run ``job(turns)`` cancelled after 0, 1, 2... event loop turns (and, with ``pause``,
+    ``turns * pause`` seconds more: for a job whose work runs in a thread, which loop turns do
+    not measure), until one completes before its cancellation; ``check(turns, returned)`` after
+    each run. Some runs must have been stopped by their cancellation and some not."""
     outcomes: set[bool] = set()
     for turns in range(10_000):
         returned = False
@@ -284,6 +287,8 @@ async def cancel_at_every_turn(
             async def cancel_later(turns: int = turns, scope: anyio.CancelScope = scope) -> None:
                 for _ in range(turns):
                     await anyio.lowlevel.checkpoint()
+                if pause:
+                    await anyio.sleep(turns * pause)
                 scope.cancel()
 
             async with anyio.create_task_group() as group:
@@ -304,7 +309,7 @@ async def test_a_cancelled_fsync_commit_is_all_or_nothing(tmp_path: Path) -> Non
     arrays = {"x": np.arange(1 << 18, dtype=np.float32)}
     expected = reference_numpy.save(arrays)
 
-    async def save(turns: int) -> None:
+    async def save(turns: int) -> None:  # written in a thread: cancelled after turns and time
         await stream_st.save(tmp_path / f"{turns}.safetensors", arrays, fsync=True)
 
     def check(turns: int, returned: bool) -> None:
@@ -315,7 +320,7 @@ async def test_a_cancelled_fsync_commit_is_all_or_nothing(tmp_path: Path) -> Non
             assert not path.exists(), f"cancelled after {turns} turns, yet the file is in place"
         assert [name for name in os.listdir(tmp_path) if name.startswith(".")] == []
 
-    await cancel_at_every_turn(save, check)
+    await cancel_at_every_turn(save, check, pause=0.0002)
 
 
 async def test_a_cancelled_checkpoint_is_all_or_nothing(tmp_path: Path) -> None:
