@@ -15,14 +15,15 @@ fails after every tensor went out leaves its peer one byte short, never with a c
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar, Unpack
 
 import anyio
+import anyio.from_thread
 import numpy as np
 
 from ._util import AsyncClosing, task_group
@@ -698,10 +699,6 @@ def local_destination(dst: object) -> str | None:
         return None
 
 
-class _Abandoned(Exception):
-    """Raised in a write at once whose caller was cancelled: the write stops, nothing commits."""
-
-
 def save_at_once(
     tensors: Mapping[str, Any],
     path: str,
@@ -715,53 +712,34 @@ def save_at_once(
     """Write ``tensors`` to the local file ``path`` (see :func:`local_destination`) at once, on
     the calling thread, with no event loop: the file :func:`~stream_st.save` writes, with the
     same errors, through the same temporary file and commit (:meth:`FileSink.write_whole
-    <stream_st.transports.file.sink.FileSink.write_whole>`). ``stop``, asked before each piece
-    is taken and once more after the last, ends the write with nothing committed when it says
-    so. Returns the header written."""
+    <stream_st.transports.file.sink.FileSink.write_whole>`). ``stop``, asked before each block
+    of writes and once more before the commit, ends the write with nothing committed
+    (:class:`~stream_st.transports.file.sink.Abandoned`) when it says so. Returns the header
+    written."""
     prefix, header, data = lay_out(tensors, metadata, checksums, order)
-    pieces: Iterable[memoryview] = itertools.chain([memoryview(prefix)], data)
-    if stop is not None:
-        pieces = _until(stop, pieces)
-    FileSink(path, fsync=fsync).write_whole(pieces, header.file_size)
+    sink = FileSink(path, fsync=fsync)
+    sink.write_whole(itertools.chain([memoryview(prefix)], data), header.file_size, stop)
     return header
-
-
-def _until(stop: Callable[[], bool], pieces: Iterable[memoryview]) -> Iterator[memoryview]:
-    """``pieces``, but :class:`_Abandoned` raised from the iteration once ``stop()`` is true."""
-    for piece in pieces:
-        if stop():
-            raise _Abandoned
-        yield piece
-    if stop():
-        raise _Abandoned
 
 
 async def run_stoppable(work: Callable[..., T]) -> T:
     """``work(stop=...)`` in a worker thread, the event loop free meanwhile; ``work`` asks
-    ``stop()`` as it goes (as :func:`save_at_once` does). Cancelled, it sets ``stop`` and waits
-    for the thread: ended by ``stop`` or failed, the cancellation goes on; done first (a write
-    that committed), its result is returned (as :class:`TensorWriter`'s commit point decides)
-    and the caller's cancel scope cancels its next checkpoint."""
-    cancelled, ended = threading.Event(), threading.Event()
-    outcome: list[tuple[T] | BaseException] = []
+    ``stop()`` as it goes (as :func:`save_at_once` does).
 
-    def run() -> None:
-        try:
-            outcome.append((work(stop=cancelled.is_set),))
-        except BaseException as exc:  # handed to the caller below
-            outcome.append(exc)
-        finally:
-            ended.set()
+    Cancelled by its cancel scope, the call waits for the thread: ``stop()`` raises the
+    cancellation there, and the work ends as it does on any error (a write at once removes its
+    temporary file), the cancellation going on; done first (a write that committed), its result
+    is returned (as :class:`TensorWriter`'s commit point decides) and the caller's cancel scope
+    cancels its next checkpoint. A cancellation anyio does not see (asyncio's own
+    ``Task.cancel``) does not wait, but ``stop()`` says true from then on."""
+    called_off = False
+
+    def stop() -> bool:
+        anyio.from_thread.check_cancelled()
+        return called_off
 
     try:
-        await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
-    except anyio.get_cancelled_exc_class():
-        cancelled.set()  # the thread stops at its next question
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(ended.wait)
-        if isinstance(outcome[0], BaseException):
-            raise  # stopped or failed: the call stays cancelled
-    result = outcome[0]
-    if isinstance(result, BaseException):
-        raise result
-    return result[0]
+        return await anyio.to_thread.run_sync(functools.partial(work, stop=stop))
+    except BaseException:
+        called_off = True
+        raise

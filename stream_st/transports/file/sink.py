@@ -9,9 +9,12 @@ bytes, cut at multiples of it in the file: see there why. Where the file system 
 ``O_TMPFILE``) that file has no name until the commit: a process killed at any point (even by
 SIGKILL) leaves nothing behind. Elsewhere it is a hidden file, ``.<name>.<random>.tmp``, or
 ``.<random>.tmp`` where that would pass the longest name the directory takes: any valid destination
-name can be written. The file's blocks are reserved up front (Linux ``fallocate``): a full disk
-shows before any data is written, and the page-cache writes ran faster (``benchmarks/bench_write.py
---variants stream_st,nofalloc``: 1.24x paired at load average ~2.3; 1.12x in an in-process A/B).
+name can be written. The blocks of a file of :data:`ALLOCATE_FROM` bytes or more are reserved up
+front (Linux ``fallocate``): a full disk shows before any data is written, and the page-cache
+writes ran faster (``benchmarks/bench_write.py --variants stream_st,nofalloc``: 1.24x paired at
+load average ~2.3; 1.12x in an in-process A/B). A smaller file is not: there the reservation cost
+more than it saved, and a full disk fails its first write instead, leaving nothing behind all the
+same.
 :meth:`FileSink.aclose` commits it: a nameless file is linked in at the destination's name when
 nothing is there (``linkat``), else linked in under a short hidden name and renamed over the
 destination (``os.replace``, atomic on POSIX); :meth:`FileSink.abort` deletes it. Until the commit,
@@ -51,12 +54,13 @@ from ...errors import (
     TransportError,
     UnsupportedSinkError,
     UsageError,
+    WriterError,
 )
 from ..base import Sink
 from ..options import UNLIMITED, Clock
 from .source import PipeEnd, open_path, path_from_url
 
-__all__ = ["FileSink", "PipeSink", "open_file_sink"]
+__all__ = ["Abandoned", "FileSink", "PipeSink", "open_file_sink"]
 
 SPLIT_THRESHOLD: int | None = 8 << 20
 """Writes of at least this many bytes are shared by :data:`WRITERS` threads (``None``: never),
@@ -106,6 +110,12 @@ _NAME_MAX = 255
 ALLOCATE_INLINE = 64 << 20
 """Files smaller than this are preallocated on the event loop thread (one quick syscall)."""
 
+ALLOCATE_FROM = 4 << 20
+"""Files smaller than this are not preallocated. Reserving the blocks of a small file cost more
+than it saved: a file of 4 KiB took 185 us to write and commit with them reserved, 35 us
+without; 400 KiB 258 against 79 us, 1 MiB 303 against 194 us; from 4 MiB on it paid (4 MiB
+even, 8 MiB 2.0 against 6.1 ms; medians on an ext4 file system at load average ~7)."""
+
 
 def _load_fallocate() -> Callable[[int, int], int] | None:
     """Linux ``fallocate(fd, 0, 0, size)`` without glibc's ``posix_fallocate`` fallback.
@@ -141,15 +151,19 @@ than 16, which no platform stream_st runs on comes near)."""
 def _pwritev_fully(fd: int, views: list[memoryview], offset: int) -> None:
     """Positioned write of all of ``views``, back to back from ``offset`` (the kernel may take
     them in several calls)."""
-    while views:
+    size = sum(map(len, views))
+    while True:
         written = os.pwritev(fd, views, offset)
+        if written == size:  # all of it, as a regular file takes it
+            return
         offset += written
+        size -= written
         done = 0
-        while done < len(views) and written >= len(views[done]):
+        while written >= len(views[done]):
             written -= len(views[done])
             done += 1
         views = views[done:]
-        if views and written:
+        if written:
             views[0] = views[0][written:]
 
 
@@ -159,16 +173,25 @@ def _cut(pieces: Iterable[memoryview], offset: int) -> Iterator[tuple[int, list[
     block's end is cut there; a block takes at most :data:`_IOV_MAX` views)."""
     views: list[memoryview] = []
     at = end = offset
+    room = WRITE_CALL - offset % WRITE_CALL  # bytes left before the block's end
     for piece in pieces:
-        size, start = len(piece), 0
+        size = len(piece)
+        if 0 < size < room and len(views) < _IOV_MAX - 1:  # most small pieces: no block ends
+            views.append(piece)
+            end += size
+            room -= size
+            continue
+        start = 0
         while start < size:
-            count = min(WRITE_CALL - end % WRITE_CALL, size - start)
+            count = min(room, size - start)
             views.append(piece if count == size else piece[start : start + count])
             start += count
             end += count
-            if not end % WRITE_CALL or len(views) == _IOV_MAX:
+            room -= count
+            if not room or len(views) == _IOV_MAX:
                 yield at, views
                 views, at = [], end
+                room = room or WRITE_CALL
     if views:
         yield at, views
 
@@ -186,10 +209,23 @@ class _Blocks:
             return next(self._blocks, None)
 
 
-def _write_blocks(fd: int, blocks: _Blocks, name: str) -> None:
+class Abandoned(WriterError):
+    """A write at once (:meth:`FileSink.write_whole`) called off by its ``stop``: nothing was
+    committed and the temporary file is gone."""
+
+    def __init__(self) -> None:
+        super().__init__("the write was called off before its commit: nothing was written")
+
+
+def _write_blocks(
+    fd: int, blocks: _Blocks, name: str, stop: Callable[[], bool] | None = None
+) -> None:
     """Write blocks taken from ``blocks`` (shared by the threads writing them) until none is
-    left; a failure is a :class:`~stream_st.TransportError` naming ``name`` and the block."""
+    left; a failure is a :class:`~stream_st.TransportError` naming ``name`` and the block.
+    ``stop``, asked before each block, ends the writing with :class:`Abandoned` when true."""
     while (block := blocks.take()) is not None:
+        if stop is not None and stop():
+            raise Abandoned()
         offset, views = block
         try:
             _pwritev_fully(fd, views, offset)
@@ -215,15 +251,6 @@ async def _write(fd: int, buffer: memoryview, offset: int, name: str) -> None:
     async with task_group() as group:
         for _ in range(WRITERS):
             group.start_soon(anyio.to_thread.run_sync, _write_blocks, fd, blocks, name)
-
-
-def _write_now(fd: int, pieces: Iterable[memoryview], name: str) -> None:
-    """Write ``pieces`` back to back from the start of the file open as ``fd``, in the calling
-    thread: the blocks :func:`_write` would write, consecutive small pieces gathered into one
-    call. One thread, whatever the size: a second one sharing the blocks (as :func:`_write`
-    shares a large buffer's) made the writes of 640 MiB of 64 KiB pieces, and of 512 MiB of
-    32 MiB ones, take 2-3 times as long on a loaded 2-core machine."""
-    _write_blocks(fd, _Blocks(pieces, 0), name)
 
 
 def _existing(path: str) -> os.stat_result | None:
@@ -401,7 +428,7 @@ class FileSink(Sink):
 
     async def allocate(self, size: int) -> None:
         """Reserve ``size`` bytes on disk; a full disk raises before any data is written."""
-        if _FALLOCATE is None or size <= 0 or self._done:
+        if _FALLOCATE is None or size < ALLOCATE_FROM or self._done:
             return
         if size < ALLOCATE_INLINE:
             error = _FALLOCATE(self._fd, size)
@@ -519,20 +546,29 @@ class FileSink(Sink):
                 f"cannot commit the file: {exc.strerror or exc}", url=self.name
             ) from exc
 
-    def write_whole(self, pieces: Iterable[memoryview], size: int) -> None:
+    def write_whole(
+        self, pieces: Iterable[memoryview], size: int, stop: Callable[[], bool] | None = None
+    ) -> None:
         """Write the whole message at once and commit it, with no event loop: ``pieces`` back to
-        back, ``size`` bytes in all (reserved first), in the blocks :meth:`write_at` writes,
-        consecutive small pieces gathered into one call, in the calling thread; then flushed
-        (with ``fsync``) and moved into place as :meth:`aclose` does. Any failure, an interrupt
-        included, removes the temporary file and raises."""
+        back, ``size`` bytes in all (reserved first from :data:`ALLOCATE_FROM`), in the blocks
+        :meth:`write_at` writes, consecutive small pieces gathered into one call, in the calling
+        thread (one thread, whatever the size: a second one sharing the blocks, as
+        :meth:`write_at` shares a large buffer's, made the writes of 640 MiB of 64 KiB pieces,
+        and of 512 MiB of 32 MiB ones, take 2-3 times as long on a loaded 2-core machine); then
+        flushed (with ``fsync``) and moved into place as :meth:`aclose` does. Any failure, an
+        interrupt included, removes the temporary file and raises. ``stop``, asked before each
+        block and once more before the commit, calls the write off (:class:`Abandoned`) when
+        true: the way another thread stops it."""
         if self._done:
             raise UsageError(f"{self.name}: the file sink is closed")
         try:
-            if _FALLOCATE is not None and size > 0:
+            if _FALLOCATE is not None and size >= ALLOCATE_FROM:
                 self._reserved(size, _FALLOCATE(self._fd, size))
-            _write_now(self._fd, pieces, self.name)
+            _write_blocks(self._fd, _Blocks(pieces, 0), self.name, stop)
             if self.fsync:
                 os.fsync(self._fd)
+            if stop is not None and stop():
+                raise Abandoned()
             self._done = True
             self._commit()  # the commit point: nothing raises after it
         except BaseException as exc:
