@@ -102,7 +102,7 @@ def test_a_stopped_write_commits_nothing(tmp_path: Path) -> None:
     for after in range(asked):
         answers = iter([False] * after + [True])
         with pytest.raises(Abandoned):
-            save_at_once(tensors, str(target), stop=lambda answers=answers: next(answers))
+            save_at_once(tensors, str(target), stop=answers.__next__)
         assert target.read_bytes() == OLD
         assert _left(tmp_path) == ["model.safetensors"]
     save_at_once(tensors, str(target), stop=lambda: False)

@@ -246,11 +246,11 @@ async def _write(fd: int, buffer: memoryview, offset: int, name: str) -> None:
         await anyio.lowlevel.checkpoint()
         return
     if SPLIT_THRESHOLD is None or len(buffer) < SPLIT_THRESHOLD:
-        await anyio.to_thread.run_sync(_write_blocks, fd, blocks, name)
+        await anyio.to_thread.run_sync(_write_blocks, fd, blocks, name, None)
         return
     async with task_group() as group:
         for _ in range(WRITERS):
-            group.start_soon(anyio.to_thread.run_sync, _write_blocks, fd, blocks, name)
+            group.start_soon(anyio.to_thread.run_sync, _write_blocks, fd, blocks, name, None)
 
 
 def _existing(path: str) -> os.stat_result | None:
