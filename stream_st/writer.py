@@ -24,15 +24,22 @@ from typing import Any, Literal, Self, TypeVar, Unpack
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import numpy as np
 
 from ._util import AsyncClosing, task_group
 from .core.arrays import as_array, spec_of
 from .core.digests import Digests, OrderedHash, digests_for
-from .core.dtypes import dtype_for, wire_bytes
+from .core.dtypes import DType, dtype_for, wire_bytes
 from .core.header import Header, TensorInfo
-from .core.layout import TensorSpec, _plan_list, build_header, plan_order
-from .errors import SafetensorsError, UnsupportedSinkError, UsageError, WriterError
+from .core.layout import TensorSpec, _dtype_of, _plan_list, build_header, plan_order
+from .errors import (
+    SafetensorsError,
+    TensorNotFoundError,
+    UnsupportedSinkError,
+    UsageError,
+    WriterError,
+)
 from .transports.file.sink import FileSink, replaced
 from .transports.file.source import path_from_url
 from .transports.options import Clock, TransportOptions, clock_of
@@ -71,18 +78,30 @@ GATHER_MAX = 1 << 20
 """The most bytes :meth:`TensorWriter.write_many` gathers into one write."""
 
 
+def _ordered(plan: Iterable[TensorSpec], order: Order) -> list[TensorSpec]:
+    """``plan`` as a list, in ``order``; :class:`~stream_st.UsageError` for another order."""
+    if order == "reference":
+        return plan_order(plan)
+    if order == "plan":
+        return _plan_list(plan)
+    raise UsageError(f"order must be 'plan' or 'reference', got {order!r}")
+
+
 def _describe(info: TensorInfo) -> str:
     """``info``'s dtype and shape, as messages show them."""
     return f"{info.dtype} {list(info.shape)}"
 
 
-def _check_dtype(info: TensorInfo, array: np.ndarray[Any, Any]) -> None:
+def _check_dtype(info: TensorInfo, array: np.ndarray[Any, Any]) -> DType:
+    """The dtype planned for ``info``; :class:`~stream_st.WriterError` unless ``array`` has it."""
     planned = info.dtype_info
+    if array.dtype == planned.numpy:  # most arrays: the planned dtype itself (packed: uint8)
+        return planned
     if planned.packed:
-        ok = array.dtype == np.uint8
+        ok = False
     else:
         try:
-            ok = dtype_for(array.dtype).code == planned.code
+            ok = dtype_for(array.dtype).code == planned.code  # another byte order
         except Exception:
             ok = False
     if not ok:
@@ -91,14 +110,15 @@ def _check_dtype(info: TensorInfo, array: np.ndarray[Any, Any]) -> None:
             f"{info.array_dtype}, got {array.dtype}",
             name=info.name,
         )
+    return planned
 
 
 def _whole_view(info: TensorInfo, value: Any) -> memoryview:
     """The bytes of ``value``, the whole tensor ``info``; :class:`~stream_st.WriterError` for
     another dtype or shape."""
-    array = as_array(value, info.name)
-    _check_dtype(info, array)
-    if array.shape != info.array_shape:
+    array = value if type(value) is np.ndarray else as_array(value, info.name)
+    packed = _check_dtype(info, array).packed
+    if array.shape != (info.array_shape if packed else info.shape):
         raise WriterError(
             f"tensor {info.name!r}: planned {_describe(info)} takes an array of shape "
             f"{info.array_shape}, got {array.shape}",
@@ -110,7 +130,7 @@ def _whole_view(info: TensorInfo, value: Any) -> memoryview:
 def _piece_view(info: TensorInfo, value: Any) -> memoryview:
     """The bytes of ``value``, rows of tensor ``info`` (``(rows, *rest)`` or one row ``rest``);
     :class:`~stream_st.WriterError` for another dtype or shape."""
-    piece = as_array(value, info.name)
+    piece = value if type(value) is np.ndarray else as_array(value, info.name)
     _check_dtype(info, piece)
     shape = info.array_shape
     rest = shape[1:]
@@ -130,7 +150,7 @@ class _Progress:
 
     def __init__(self, header: Header) -> None:
         self.header = header
-        self._position = {info.name: index for index, info in enumerate(header.tensors)}
+        self._position: dict[str, int] | None = None  # on a stream: each name's index
         self._claimed: dict[str, int] = {}  # bytes handed out per started tensor
         self._done: dict[str, int] = {}  # bytes written per started tensor
         self._next = 0  # on a stream: index of the first tensor not fully claimed
@@ -161,6 +181,8 @@ class _Progress:
                 name=name,
             )
         if not random_access:
+            if self._position is None:
+                self._position = {name: i for i, name in enumerate(self.header.names())}
             index = self._position[name]
             if index != self._next and not (claimed is not None and count == 0):
                 expected = self.header.tensors[self._next].name
@@ -181,9 +203,10 @@ class _Progress:
 
     def incomplete(self) -> WriterError | None:
         """The error for the tensors not completely written, if any."""
+        done = self._done
+        if len(done) == len(self.header) and sum(done.values()) == self.header.data_size:
+            return None  # every tensor started, none past its size: every one complete
         missing = [t for t in self.header.tensors if not self.complete(t)]
-        if not missing:
-            return None
         details = ", ".join(
             f"{t.name!r} ({self.written(t.name)} of {t.nbytes} bytes)" for t in missing[:8]
         )
@@ -216,9 +239,7 @@ class TensorWriter(AsyncClosing):
         clock: Clock | None = None,
         digests_up_front: Callable[[str], Digests | None] | None = None,
     ) -> None:
-        if order not in ("plan", "reference"):
-            raise UsageError(f"order must be 'plan' or 'reference', got {order!r}")
-        specs = plan_order(plan) if order == "reference" else _plan_list(plan)
+        specs = _ordered(plan, order)
         self._digests = digests_for(checksums)
         self._specs, self._metadata = specs, metadata
         self._hashes: dict[str, OrderedHash] = {}  # with checksums: per started tensor
@@ -257,6 +278,8 @@ class TensorWriter(AsyncClosing):
         return self._sink
 
     def _check_usable(self) -> Sink:
+        if self._state == _OPEN and self._sink is not None:
+            return self._sink
         if self._state == _ABORTED:
             raise UsageError(
                 f"the write was aborted ({self._failure!r}); nothing was committed"
@@ -309,6 +332,11 @@ class TensorWriter(AsyncClosing):
             raise WriterError(
                 f"the write was aborted ({self._failure!r}); nothing was committed"
             ) from self._failure
+        try:  # a small write to a file is no cancellation point: a cancellation shows here
+            await anyio.lowlevel.checkpoint_if_cancelled()
+        except BaseException as exc:
+            await self._abort(exc)
+            raise
         error = self._progress.incomplete()
         if error is not None:
             await self._abort(error)
@@ -461,7 +489,12 @@ class TensorWriter(AsyncClosing):
             sink.clock.check(sink.name, sink.position)
             info = self._lookup(name)
             data = view(info, value)
-            start = self._claim(info, len(data), kind)
+            start = self._progress.claim(info, len(data), kind, sink.random_access)
+            if self._digests is None and sink.random_access:  # most writes: straight to a file
+                if data:
+                    await sink.write_at(self._header.data_start + info.start + start, data)
+                self._progress.wrote(name, len(data))
+                return
             await self._send(info, start, data)
         except BaseException as exc:
             await self._abort(exc)
@@ -486,9 +519,10 @@ class TensorWriter(AsyncClosing):
         return TensorParts(self, name)
 
     def _lookup(self, name: str) -> TensorInfo:
-        if name not in self._header:
-            raise WriterError(f"no tensor named {name!r} in the plan", name=name)
-        return self._header[name]
+        try:
+            return self._header[name]
+        except (TensorNotFoundError, TypeError):  # TypeError: not a name a dict can hold
+            raise WriterError(f"no tensor named {name!r} in the plan", name=name) from None
 
     def _claim(self, info: TensorInfo, count: int, mode: Mode) -> int:
         """Reserve the next ``count`` bytes of ``info``; returns their offset in the tensor."""
@@ -668,11 +702,20 @@ def lay_out(
     ``order`` and ``checksums`` as for :func:`open_writer`: the digests are computed from the
     arrays, one pass over each, and recorded in the header. The same plan, header and errors as
     :func:`~stream_st.save` of the same dict."""
-    if order not in ("plan", "reference"):
-        raise UsageError(f"order must be 'plan' or 'reference', got {order!r}")
-    arrays = {name: as_array(value, name) for name, value in tensors.items()}
-    entries = (spec_of(name, tensors[name], array) for name, array in arrays.items())
-    specs = plan_order(entries) if order == "reference" else _plan_list(entries)
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    plan: list[TensorSpec] = []
+    codes: dict[np.dtype[Any], str] = {}  # each array dtype's safetensors code, found once
+    for name, value in tensors.items():
+        if type(value) is np.ndarray:  # most tensors: no torch tensor, nothing to convert
+            arrays[name] = value
+            code = codes.get(value.dtype)
+            if code is None:
+                code = codes[value.dtype] = _dtype_of(TensorSpec(name, value.dtype, ())).code
+            plan.append(TensorSpec(name, code, value.shape))  # a code: the quickest to look up
+        else:
+            array = arrays[name] = as_array(value, name)
+            plan.append(spec_of(name, value, array))
+    specs = _ordered(plan, order)
     digests = digests_for(checksums)
     if digests is not None:
         digests = Digests.compute(arrays, digests.algorithm)

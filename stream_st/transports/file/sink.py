@@ -376,9 +376,11 @@ class FileSink(Sink):
     follows the one before in the file, and written together (on the event loop's thread) when
     the next would not fit or not follow, before any read back, and at the commit: a message of
     many small tensors costs one ``pwritev`` call per :data:`WRITE_INLINE` bytes, not one a
-    tensor. Such a write is no full checkpoint (the loop runs other tasks when the batch is
-    written), only a cancellation point. :meth:`write_whole` writes a whole message at once,
-    with no event loop.
+    tensor. Such a write is no checkpoint: the loop runs other tasks, and a cancellation is
+    seen, when the batch is written, and at the commit (a cancelled write of a few small tensors
+    still commits nothing). Checking for a cancellation at each cost 10-15 % of ``open_writer``'s
+    time for 10,000 tensors of 4 KiB. :meth:`write_whole` writes a whole message at once, with
+    no event loop.
     """
 
     random_access = True
@@ -401,7 +403,8 @@ class FileSink(Sink):
         self._fd = -1
         self._busy = 0  # positioned writes running in worker threads
         self._done = False
-        self._staged = bytearray()  # small writes that follow each other, not written yet
+        self._stage = bytearray()  # small writes that follow each other, not written yet, in
+        self._staged = 0  # its first bytes: a buffer made once and kept (fresh memory faults)
         self._staged_at = 0  # where in the file they go
         self.temp_path: str | None = None  # the temporary's name; None while it has none
         fd = _open_nameless(directory)
@@ -464,20 +467,18 @@ class FileSink(Sink):
             return
         if count < WRITE_INLINE:  # staged: written with the small writes that follow it
             staged = self._staged
-            if staged and (
-                offset != self._staged_at + len(staged) or len(staged) + count > WRITE_INLINE
-            ):
+            if staged and (offset != self._staged_at + staged or staged + count > WRITE_INLINE):
                 self._flush()
                 await anyio.lowlevel.checkpoint()
                 # Nothing is staged at a checkpoint: another task's write may have come since.
                 if self._staged:
                     await self.write_at(offset, buffer)
                     return
-            else:  # a cancellation still comes here; no turn of the loop for each copy
-                await anyio.lowlevel.checkpoint_if_cancelled()
             if not self._staged:
                 self._staged_at = offset
-            self._staged += buffer
+            end = self._staged + count
+            self._stage[self._staged : end] = buffer
+            self._staged = end
             return
         self._busy += 1
         try:
@@ -490,8 +491,9 @@ class FileSink(Sink):
     def _flush(self) -> None:
         """Write the staged small writes, on this thread."""
         if self._staged:
-            staged, self._staged = self._staged, bytearray()
-            _write_blocks(self._fd, _Blocks([memoryview(staged)], self._staged_at), self.name)
+            staged, self._staged = self._staged, 0
+            blocks = _Blocks([memoryview(self._stage)[:staged]], self._staged_at)
+            _write_blocks(self._fd, blocks, self.name)
 
     async def read_at(self, offset: int, buffer: memoryview) -> int:
         """Read back what was written: up to ``len(buffer)`` bytes at ``offset`` into ``buffer``;
@@ -523,6 +525,7 @@ class FileSink(Sink):
         if self._busy:
             raise UsageError(f"{self.name}: cannot commit while writes are running")
         try:
+            await anyio.lowlevel.checkpoint_if_cancelled()  # a staged write is none
             self._flush()
             if self.fsync:
                 await anyio.to_thread.run_sync(os.fsync, self._fd)
@@ -611,7 +614,7 @@ class FileSink(Sink):
 
     def _discard(self) -> None:
         self._done = True
-        self._staged = bytearray()
+        self._stage, self._staged = bytearray(), 0
         if self.temp_path is not None:
             with contextlib.suppress(OSError):  # already gone, or nothing better to do
                 os.unlink(self.temp_path)
