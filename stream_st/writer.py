@@ -765,7 +765,7 @@ def save_at_once(
     return header
 
 
-async def run_stoppable(work: Callable[..., T]) -> T:
+async def run_stoppable(work: Callable[..., T], inline: bool = False) -> T:
     """``work(stop=...)`` in a worker thread, the event loop free meanwhile; ``work`` asks
     ``stop()`` as it goes (as :func:`save_at_once` does).
 
@@ -774,7 +774,15 @@ async def run_stoppable(work: Callable[..., T]) -> T:
     temporary file), the cancellation going on; done first (a write that committed), its result
     is returned (as :class:`TensorWriter`'s commit point decides) and the caller's cancel scope
     cancels its next checkpoint. A cancellation anyio does not see (asyncio's own
-    ``Task.cancel``) does not wait, but ``stop()`` says true from then on."""
+    ``Task.cancel``) does not wait, but ``stop()`` says true from then on.
+
+    ``inline``: quick work (a small file) runs on the event loop's thread instead, after a
+    turn of the loop (where a cancellation shows): handing it to a worker and back cost more
+    than the work (``save`` of 100 tensors of 4 KiB: 0.59x the reference's ``save_file``
+    through a thread, 0.92x here, quiet machine)."""
+    if inline:
+        await anyio.lowlevel.checkpoint()
+        return work(stop=lambda: False)
     called_off = False
 
     def stop() -> bool:

@@ -162,7 +162,27 @@ async def test_a_save_cancelled_before_its_thread_starts(tmp_path: Path) -> None
     target.write_bytes(OLD)
     with anyio.CancelScope() as scope:
         scope.cancel()
-        await stream_st.save(target, _tensors())
+        await stream_st.save(target, {"big": np.zeros(1 << 18, np.float32)})  # in a thread
     assert scope.cancelled_caught
     assert target.read_bytes() == OLD
     assert _left(tmp_path) == ["model.safetensors"]
+
+
+async def test_a_small_dict_is_saved_on_the_loops_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``SAVE_INLINE`` bytes and ``SAVE_INLINE_TENSORS`` arrays, no worker thread."""
+    threads: list[int] = []
+    real = os.pwritev
+
+    def pwritev(fd: int, buffers: list[Any], offset: int) -> int:
+        threads.append(threading.get_ident())
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    small, large = _tensors(), {"big": np.zeros(1 << 18, np.float32)}
+    for tensors, inline in ((small, True), (large, False)):
+        threads.clear()
+        await stream_st.save(tmp_path / "m.safetensors", tensors)
+        assert (tmp_path / "m.safetensors").read_bytes() == safetensors.numpy.save(tensors)
+        assert threads and (set(threads) == {threading.get_ident()}) == inline
