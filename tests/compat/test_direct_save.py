@@ -128,7 +128,7 @@ def test_a_failed_write_leaves_the_previous_file(
     monkeypatch.setattr(file_sink, "USE_TMPFILE", not named)
     path = tmp_path / "keep.safetensors"
     path.write_bytes(b"previous")
-    arrays = {f"x{i}": np.full(64 << 8, i, np.float32) for i in range(40)}  # 40 x 64 KiB
+    arrays = {f"x{i}": np.full(64 << 8, i, np.float32) for i in range(80)}  # 5 MiB: reserved
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
     try:

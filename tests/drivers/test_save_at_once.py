@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -13,7 +14,9 @@ import pytest
 import safetensors.numpy
 
 import stream_st
-from stream_st.writer import _Abandoned, save_at_once
+from stream_st.transports.file import sink as file_sink
+from stream_st.transports.file.sink import Abandoned
+from stream_st.writer import save_at_once
 
 pytestmark = pytest.mark.anyio
 
@@ -81,23 +84,29 @@ async def test_a_cancelled_save_leaves_the_previous_file(tmp_path: Path) -> None
 
 
 def test_a_stopped_write_commits_nothing(tmp_path: Path) -> None:
-    """``stop`` asked between pieces: the temporary file goes, the old file stays."""
+    """``stop`` asked before each block of writes and before the commit: the temporary file
+    goes, the old file stays."""
     target = tmp_path / "model.safetensors"
     target.write_bytes(OLD)
-    for after in range(4):  # stopped before the header, between tensors, after the last
-        asked = 0
+    tensors = {f"t{i}": np.full(1 << 16, i, dtype=np.float32) for i in range(2)}  # 3 blocks
+    asked = 0
 
-        def stop(after: int = after) -> bool:
-            nonlocal asked
-            asked += 1
-            return asked > after
+    def count() -> bool:
+        nonlocal asked
+        asked += 1
+        return False
 
-        with pytest.raises(_Abandoned):
-            save_at_once(_tensors(2), str(target), stop=stop)
+    save_at_once(tensors, str(tmp_path / "counted.safetensors"), stop=count)
+    os.unlink(tmp_path / "counted.safetensors")
+    assert asked == 4  # before each of the 3 blocks, and before the commit
+    for after in range(asked):
+        answers = iter([False] * after + [True])
+        with pytest.raises(Abandoned):
+            save_at_once(tensors, str(target), stop=answers.__next__)
         assert target.read_bytes() == OLD
         assert _left(tmp_path) == ["model.safetensors"]
-    save_at_once(_tensors(2), str(target), stop=lambda: False)
-    assert target.read_bytes() == safetensors.numpy.save(_tensors(2))
+    save_at_once(tensors, str(target), stop=lambda: False)
+    assert target.read_bytes() == safetensors.numpy.save(tensors)
 
 
 async def test_errors_of_a_save_at_once_are_the_streamed_ones(tmp_path: Path) -> None:
@@ -109,3 +118,71 @@ async def test_errors_of_a_save_at_once_are_the_streamed_ones(tmp_path: Path) ->
     with pytest.raises(stream_st.SafetensorsError):
         await stream_st.save(tmp_path, {"a": np.zeros(2)})  # a directory
     assert _left(tmp_path) == []
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["nameless", "named"])
+async def test_a_save_cancelled_while_writing_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, named: bool
+) -> None:
+    """Cancelled once its temporary file exists (256 MiB to write, from one 1 MiB array): the
+    thread stops at its next block and removes it before the cancellation reaches the caller;
+    the previous file stays."""
+    monkeypatch.setattr(file_sink, "USE_TMPFILE", not named)
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(OLD)
+    row = np.ones(1 << 18, dtype=np.float32)
+    tensors = {f"t{i:03d}": row for i in range(256)}
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+            group.start_soon(stream_st.save, target, tensors)
+            for _ in range(10_000):  # the file system is polled: nothing signals the file
+                if temporary(tmp_path) is not None:
+                    break
+                await anyio.sleep(0.001)
+            scope.cancel()
+    assert scope.cancelled_caught
+    assert temporary(tmp_path) is None
+    assert target.read_bytes() == OLD
+    assert _left(tmp_path) == ["model.safetensors"]
+
+
+def temporary(directory: Path) -> str | None:
+    """The temporary file a writer of this process has open in ``directory``: its name, or
+    ``#inode (deleted)`` for a nameless one; None if none."""
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(f"{directory}/") and target.endswith((".tmp", " (deleted)")):
+                return target
+    return None
+
+
+async def test_a_save_cancelled_before_its_thread_starts(tmp_path: Path) -> None:
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(OLD)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await stream_st.save(target, {"big": np.zeros(1 << 18, np.float32)})  # in a thread
+    assert scope.cancelled_caught
+    assert target.read_bytes() == OLD
+    assert _left(tmp_path) == ["model.safetensors"]
+
+
+async def test_a_small_dict_is_saved_on_the_loops_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``SAVE_INLINE`` bytes and ``SAVE_INLINE_TENSORS`` arrays, no worker thread."""
+    threads: list[int] = []
+    real = os.pwritev
+
+    def pwritev(fd: int, buffers: list[Any], offset: int) -> int:
+        threads.append(threading.get_ident())
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    small, large = _tensors(), {"big": np.zeros(1 << 18, np.float32)}
+    for tensors, inline in ((small, True), (large, False)):
+        threads.clear()
+        await stream_st.save(tmp_path / "m.safetensors", tensors)
+        assert (tmp_path / "m.safetensors").read_bytes() == safetensors.numpy.save(tensors)
+        assert threads and (set(threads) == {threading.get_ident()}) == inline

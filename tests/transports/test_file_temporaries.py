@@ -106,13 +106,17 @@ def temporary_size(directory: Path) -> int | None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux-only")
 async def test_blocks_are_reserved_on_open(tmp_path: Path, temporaries: str) -> None:
-    plan = [TensorSpec("x", "U8", (1 << 20,))]
-    async with stream_st.open_writer(tmp_path / "r.st", plan) as writer:
-        hidden = os.listdir(tmp_path)
-        assert hidden == [] if temporaries == "nameless" else len(hidden) == 1
-        assert temporary_size(tmp_path) == writer.header.file_size  # before any tensor
-        await writer.write("x", np.ones(1 << 20, np.uint8))
-    assert os.listdir(tmp_path) == ["r.st"]
+    """From ``ALLOCATE_FROM`` bytes on; a smaller file's blocks are not reserved."""
+    size = file_sink.ALLOCATE_FROM
+    for name, count, reserved in (("r.st", size, True), ("s.st", size // 2, False)):
+        plan = [TensorSpec("x", "U8", (count,))]
+        async with stream_st.open_writer(tmp_path / name, plan) as writer:
+            hidden = [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+            assert hidden == [] if temporaries == "nameless" else len(hidden) == 1
+            expected = writer.header.file_size if reserved else 0
+            assert temporary_size(tmp_path) == expected  # before any tensor
+            await writer.write("x", np.ones(count, np.uint8))
+    assert sorted(os.listdir(tmp_path)) == ["r.st", "s.st"]
 
 
 KILLED_WRITER = """
