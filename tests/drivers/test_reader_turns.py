@@ -5,6 +5,7 @@ releases what the stream held, at once."""
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -124,7 +125,31 @@ async def test_a_task_woken_during_the_work_runs_in_the_turn_that_follows() -> N
     async with anyio.create_task_group() as group:
         group.start_soon(sleeper)
         await anyio.lowlevel.checkpoint()  # the sleeper waits on its timer
+        await give_turn()  # a piece of work begins (a thread's first call owes no turn)
         time.sleep(TURN_EVERY + 0.002)  # noqa: ASYNC251  # work that holds the loop: the timer expires
         await give_turn()
         order.append("work goes on")
     assert order == ["woken", "work goes on"]
+
+
+def test_a_threads_first_turn_only_starts_the_count() -> None:
+    """No work of the reader held a fresh thread's loop before its first ``give_turn``: that call
+    owes no turn and returns at once; the count starts there."""
+    order: list[str] = []
+
+    async def reads() -> None:
+        async def other() -> None:
+            order.append("other task")
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(other)
+            await give_turn()  # the thread's first: no turn
+            order.append("first call")
+            time.sleep(TURN_EVERY + 0.002)  # noqa: ASYNC251  # work that holds the loop
+            await give_turn()  # a turn is owed now
+            order.append("second call")
+
+    thread = threading.Thread(target=anyio.run, args=(reads,))
+    thread.start()
+    thread.join()
+    assert order == ["first call", "other task", "second call"]
