@@ -4,7 +4,7 @@ Run it from the repository root (about four minutes on 2 cores; ~3 GiB of RAM, ~
 disk)::
 
     python benchmarks/bench_header.py [--sizes 10,100,...] [--rounds 3] [--tensors 1000000]
-                                      [--repeat 3] [--skip-big]
+                                      [--repeat 3] [--skip-big] [--base DIR] [--idle MS]
 
 Five parts:
 
@@ -20,9 +20,17 @@ Five parts:
     reference;
   - C: the header read by hand and given to ``json.loads``, another bar.
 
+  - A0 (with ``--base DIR``): A with the ``stream_st`` of another checkout's root ``DIR`` (its
+    ``PYTHONPATH``), the "before" of a change, in the same interleaved rounds.
+
+  Each clock starts right after the imports and the loop's start, as a program's first read
+  would: with ``--idle MS``, each variant first waits ``MS`` ms idle (``anyio.sleep`` on the
+  loop, ``time.sleep`` for B and C), which lets the CPU cool its caches (at 10 tensors 10 ms
+  made A about 120 us slower, B about 45 us). T's ticker starts 10 ms before its clock.
+
   Printed: medians, and the paired ratios B / A, B / R and C / A of each round (median and
-  range, and B / A of every round; above 1.00 stream_st is faster), the load average before
-  and after each size.
+  range, and B / A of every round; above 1.00 stream_st is faster), with ``--base`` A0 / A
+  (above 1.00: the change is faster) and B / A0, the load average before and after each size.
 * ``big``: a valid file of ``--tensors`` tensors (a 10**6-tensor header is about 77 MB of
   JSON): how long one full ``gc.collect()`` takes while the parsed header lives (every full
   collection of the process pays it for as long as the header is kept), and A and B each in a
@@ -90,11 +98,14 @@ def write_file(path: Path, tensors: int) -> int:
     return len(text)
 
 
-async def read_with_ticker(path: Path, tick: bool = True) -> tuple[float, float, int]:
+async def read_with_ticker(
+    path: Path, tick: bool = True, idle: float = 0.0
+) -> tuple[float, float, int]:
     """``read_header(path)``: seconds taken, the loop's longest stall meanwhile, tensor count.
 
     Without ``tick`` no ticker runs (its wakeups take the GIL from the parsing thread 1000 times
-    a second) and the stall reads 0.
+    a second) and the stall reads 0; the clock starts after ``idle`` seconds of sleep, else at
+    once. With ``tick``, after 10 ms at least: the ticker is running.
     """
     longest = 0.0
     done = not tick
@@ -110,7 +121,8 @@ async def read_with_ticker(path: Path, tick: bool = True) -> tuple[float, float,
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(ticker)
-        await anyio.sleep(0.01)
+        if tick or idle:
+            await anyio.sleep(max(idle, 0.01 if tick else 0.0))
         start = time.perf_counter()
         header = await stream_st.read_header(path)
         took = time.perf_counter() - start
@@ -183,13 +195,14 @@ def bench_big(tensors: int) -> None:
 
 
 VARIANTS = ("A", "R", "T", "B", "C")
-"""The variants of ``sizes``, each the first call in a fresh process (see the module's doc)."""
+"""The variants of ``sizes``, each the first call in a fresh process (see the module's doc);
+A0 joins them with ``--base``."""
 
 
-async def _first_read(path: Path, tick: bool) -> dict[str, float]:
+async def _first_read(path: Path, tick: bool, idle: float) -> dict[str, float]:
     await anyio.lowlevel.checkpoint()  # the loop runs
     cpu = time.process_time()
-    took, stall, _ = await read_with_ticker(path, tick)
+    took, stall, _ = await read_with_ticker(path, tick, idle)
     return {"seconds": took, "cpu": time.process_time() - cpu, "stall": stall}
 
 
@@ -200,16 +213,17 @@ def json_header(path: Path) -> int:
         return len(json.loads(f.read(n)))
 
 
-def first_call_child(variant: str, path: Path) -> None:
+def first_call_child(variant: str, path: Path, idle: float) -> None:
     """Time one variant of ``sizes`` in this fresh process and print the result as JSON."""
     import anyio._backends._asyncio  # the backend a first anyio.run imports
 
     from stream_st import read_header
 
     result: dict[str, float]
-    if variant in ("A", "T"):
-        result = anyio.run(_first_read, path, variant == "T")
+    if variant in ("A", "A0", "T"):
+        result = anyio.run(_first_read, path, variant == "T", idle)
     else:
+        time.sleep(idle)
         cpu = time.process_time()
         start = time.perf_counter()
         if variant == "R":
@@ -224,12 +238,17 @@ def first_call_child(variant: str, path: Path) -> None:
     print(json.dumps(result))
 
 
-def first_call(variant: str, path: Path) -> dict[str, float]:
+def first_call(variant: str, path: Path, idle: float, base: str | None) -> dict[str, float]:
+    """One variant's first call in a fresh process; A0 with the ``stream_st`` of ``base``."""
+    env = dict(os.environ)
+    if variant == "A0":
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [base, env.get("PYTHONPATH")]))
     out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--first-call", variant, str(path)],
+        [sys.executable, os.path.abspath(__file__), "--first-call", variant, str(path), str(idle)],
         check=True,
         capture_output=True,
         text=True,
+        env=env,
     )
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
@@ -243,38 +262,47 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:9.2f}"
 
 
-def bench_sizes(sizes: list[int], rounds: int) -> None:
+def bench_sizes(sizes: list[int], rounds: int, idle: float, base: str | None) -> None:
+    variants = (*VARIANTS, "A0") if base else VARIANTS
     print(
-        f"\n== sizes: first call in a fresh process, {rounds} interleaved rounds; medians in ms "
-        "of wall and CPU (process) time; paired ratios B/A, B/R, C/A, median [range] "
-        "(above 1: stream_st faster)"
+        f"\n== sizes: first call in a fresh process, {rounds} interleaved rounds, "
+        f"{idle * 1000:g} ms idle before each clock; medians in ms of wall and CPU (process) "
+        "time; paired ratios B/A, B/R, C/A, median [range] (above 1: stream_st faster)"
     )
+    if base:
+        print(f"  A0: stream_st from {base}; A0/A above 1: this checkout faster")
     print(
         f"  {'tensors':>8} {'clock':>5} {'A await':>9} {'R run':>9} {'B ref':>9} {'C json':>9}  "
-        f"{'B/A':>17} {'B/R':>17} {'C/A':>17}"
+        f"{'B/A':>17} {'B/R':>17} {'C/A':>17}" + (f" {'A0 base':>9} {'A0/A':>17}" if base else "")
     )
     with tempfile.TemporaryDirectory() as directory:
         for tensors in sizes:
             path = Path(directory) / f"{tensors}.safetensors"
             write_file(path, tensors)
             load = os.getloadavg()[0]
-            runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+            runs: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
             for r in range(rounds):
-                for variant in VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]:
-                    runs[variant].append(first_call(variant, path))
+                for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
+                    runs[variant].append(first_call(variant, path, idle, base))
             path.unlink()
+            med = statistics.median
             for clock in ("seconds", "cpu"):
                 a, r_, b, c = ([run[clock] for run in runs[v]] for v in "ARBC")
-                med = statistics.median
-                print(
+                line = (
                     f"  {tensors:>8} {clock[:4]:>5} {_ms(med(a))} {_ms(med(r_))} {_ms(med(b))} "
                     f"{_ms(med(c))}  {_ratio(b, a)} {_ratio(b, r_)} {_ratio(c, a)}"
                 )
-            per_round = [
-                round(b["seconds"] / a["seconds"], 2)
-                for a, b in zip(runs["A"], runs["B"], strict=True)
-            ]
-            print(f"  {'':>8} B/A wall, round by round: {per_round}")
+                if base:
+                    a0 = [run[clock] for run in runs["A0"]]
+                    line += f" {_ms(med(a0))} {_ratio(a0, a)}"
+                print(line)
+            for top, bottom in (("B", "A"), ("B", "A0"), ("A0", "A")):
+                if bottom in runs and top in runs:
+                    per_round = [
+                        round(t["seconds"] / b["seconds"], 2)
+                        for t, b in zip(runs[top], runs[bottom], strict=True)
+                    ]
+                    print(f"  {'':>8} {top}/{bottom} wall, round by round: {per_round}")
             stalls = sorted(run["stall"] * 1000 for run in runs["T"])
             print(
                 f"  {'':>8} event loop's longest stall (T): {stalls[-1]:.1f} ms "
@@ -399,23 +427,30 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--skip-big", action="store_true")
+    parser.add_argument(
+        "--base", metavar="DIR", help="also time A with the stream_st of this checkout's root (A0)"
+    )
+    parser.add_argument(
+        "--idle", type=float, default=0.0, metavar="MS", help="ms idle before each first call"
+    )
     parser.add_argument("--only-sizes", action="store_true", help="run the sizes part alone")
     parser.add_argument("--rss-child", nargs=2, metavar=("VARIANT", "PATH"), help=argparse.SUPPRESS)
     parser.add_argument(
-        "--first-call", nargs=2, metavar=("VARIANT", "PATH"), help=argparse.SUPPRESS
+        "--first-call", nargs=3, metavar=("VARIANT", "PATH", "IDLE"), help=argparse.SUPPRESS
     )
     args = parser.parse_args()
     if args.rss_child:
         rss_child(args.rss_child[0], Path(args.rss_child[1]))
         return
     if args.first_call:
-        first_call_child(args.first_call[0], Path(args.first_call[1]))
+        first_call_child(args.first_call[0], Path(args.first_call[1]), float(args.first_call[2]))
         return
     print(
         f"python {sys.version.split()[0]}, stream_st from {Path(stream_st.__file__).parent}, "
         f"safetensors {version('safetensors')}, {os.cpu_count()} CPUs"
     )
-    bench_sizes([int(n) for n in args.sizes.split(",")], args.rounds)
+    base = os.path.abspath(args.base) if args.base else None
+    bench_sizes([int(n) for n in args.sizes.split(",")], args.rounds, args.idle / 1000, base)
     if args.only_sizes:
         return
     bench_hostile(args.repeat)
