@@ -386,7 +386,8 @@ class Header:
 
     @property
     def data_size(self) -> int:
-        return self.tensors[-1].end if self.tensors else 0
+        ends = self.tensors._ends
+        return ends[-1] if ends else 0
 
     @property
     def file_size(self) -> int:
@@ -796,7 +797,6 @@ _shape_of = operator.itemgetter("shape")
 _offsets_of = operator.itemgetter("data_offsets")
 _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
-_third = operator.itemgetter(2)
 _DICT_ONLY = frozenset({dict})
 _LIST_ONLY = frozenset({list})
 _STR_ONLY = frozenset({str})
@@ -810,24 +810,22 @@ at fault (ValueError: an integer of more digits than int() takes)."""
 def _parse_one_piece(raw: memoryview) -> Header | None:
     """:func:`_parse_fast` of a header of one piece (see :data:`ONE_PIECE_BYTES`), in one
     plain call."""
-    if raw[:1].tobytes() != b"{":
-        return None
     try:
-        part = _read_piece(str(raw, "utf-8"), {}, first=True)
-        if part is None:
-            return None
-        metadata, table, _ = part
-        if table is None:
-            table = TensorTable([], [], [], [], [])
-        index = _positions(table._names)
-        if len(index) != len(table):
-            return None  # a name twice
+        part = _read_piece(str(raw, "utf-8"), {}, first=True)  # each reader wants a leading {
     except _DECLINED:
         return None
-    ordered = _data_order(table)
-    if ordered is not table:
-        index = _positions(ordered._names)
-    return Header(ordered, metadata or {}, len(raw), index)
+    if part is None:
+        return None
+    metadata, table, in_order = part
+    if table is None:
+        return Header(TensorTable([], [], [], [], []), metadata or {}, len(raw), {})
+    index = _positions(table._names)
+    if len(index) != len(table):
+        return None  # a name twice
+    if not in_order or table._starts[0]:  # else in offset order from 0 already
+        table = _data_order(table)
+        index = _positions(table._names)
+    return Header(table, metadata or {}, len(raw), index)
 
 
 def _read_piece(piece: str, known: _Known, first: bool) -> _Piece | None:
@@ -894,35 +892,29 @@ _SPACE = " \t\n\r"
 _Known = dict[tuple[str, str | tuple[int, ...]], _Layout]
 """The layouts one fast parse has checked, by dtype code and shape (as a tuple or as text)."""
 
-_TENSOR_TEXTS = (
-    (2, ":{"),
-    (3, "dtype"),
-    (4, ":"),
-    (6, ","),
-    (7, "shape"),
-    (9, "data_offsets"),
+_NUMBER = "(?:0|[1-9][0-9]*)"
+"""A plain JSON integer's text: digits, no leading zero, no sign."""
+_COMPACT_MEMBER = re.compile(
+    rf'"([^"\\]*)":\{{"dtype":"([^"\\]*)","shape":\[((?:{_NUMBER}(?:,{_NUMBER})*)?)\],'
+    rf'"data_offsets":\[({_NUMBER}),({_NUMBER})\]\}}'
 )
-"""Where the text between two quotes of a tensor's member as the reference writer writes it,
-``"name":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},``, is always the same: its
-position among the member's 10 such texts (1: the name, 5: the dtype, 8: the shape and 10:
-the offsets vary), and the text."""
-_SHAPE_TEXT = re.compile(r":\[((?:0|[1-9][0-9]*)(?:,(?:0|[1-9][0-9]*))*)?\],")
-"""A shape as :data:`_TENSOR_TEXTS` finds it: ``:[2,3],``."""
-_OFFSETS_TEXT = re.compile(
-    r':\[(?:0|[1-9][0-9]*),(?:0|[1-9][0-9]*)\]\},(?:":\[(?:0|[1-9][0-9]*),(?:0|[1-9][0-9]*)\]\},)*'
-)
-"""The offsets of tensors as :data:`_TENSOR_TEXTS` finds them (``:[0,24]},``), joined by
-quotes."""
+"""A tensor's member as the reference writer writes it,
+``"name":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]}``: a name and a dtype without a
+quote or a backslash, its fields in that order, no whitespace; its groups are the name, the
+dtype, the shape's text (``2,3``), the start and the end."""
+_GROUPS = 6
+"""Items :meth:`re.Pattern.split` gives per member of :data:`_COMPACT_MEMBER`: the text before
+it, then its five groups."""
 
 
 def _compact_piece(piece: str, known: _Known, first: bool) -> _Piece | None:
     """The piece ``piece`` (a braced run of a header's members; ``first``: the header's start,
-    where the metadata may be), if every member is written as the reference writes it (a name
-    and dtype without escapes or control characters, the fields in order, no whitespace) and
-    plainly passes :func:`_parse_tensor`; ``None`` if not.
+    where the metadata may be), if every member is written as the reference writes it
+    (:data:`_COMPACT_MEMBER`, names printable) and plainly passes :func:`_parse_tensor`;
+    ``None`` if not.
 
-    The piece is cut at its quotes: each text between two of them is then either a name, a
-    dtype, a shape or offsets, or one of the member's fixed texts (:data:`_TENSOR_TEXTS`),
+    The piece is split at its members in one call: the texts between them must then be the
+    opening brace, commas and the closing brace (whitespace after it), and the fields are
     checked a column at a time. A handful of calls over the whole piece; no Python code runs
     per tensor, only per distinct layout.
     """
@@ -931,27 +923,25 @@ def _compact_piece(piece: str, known: _Known, first: bool) -> _Piece | None:
         value, at = scan_value(piece, len(_METADATA_START))
         metadata = _parse_metadata(value)
         piece = "{" + piece[at + 1 :] if piece.startswith(",", at) else piece[at:]
-    texts = piece.rstrip(_SPACE).split('"')
-    n, extra = divmod(len(texts) - 1, 10)
-    if extra or texts[0] != "{" or not texts[-1].endswith("]}}"):
-        empty = texts == ["{}"] or (metadata is not None and texts == ["}"])
-        return (metadata, None, True) if empty else None
-    texts[-1] = texts[-1][:-1] + ","  # the last member's offsets, as the others'
-    if any(texts[at::10].count(text) != n for at, text in _TENSOR_TEXTS):
-        return None
-    names, codes, shapes = texts[1::10], texts[5::10], texts[8::10]
-    joined = "".join(names)
-    if "\\" in joined or not joined.isprintable() or METADATA_KEY in names:
-        return None  # an escape or a control character in a name; the metadata as a tensor
-    offsets = '"'.join(texts[10::10])
-    if _OFFSETS_TEXT.fullmatch(offsets) is None:
-        return None
-    numbers = offsets[2:-3].replace(']},":[', ",").split(",")
-    starts_text, ends_text = numbers[::2], numbers[1::2]
+    parts = _COMPACT_MEMBER.split(piece)
+    n = len(parts) // _GROUPS
+    between = parts[::_GROUPS]
+    if (
+        not n
+        or between[0] != "{"
+        or between[-1].rstrip(_SPACE) != "}"
+        or between.count(",") != n - 1
+    ):
+        empty = piece.rstrip(_SPACE) == ("}" if metadata is not None else "{}")
+        return (metadata, None, True) if empty and not n else None
+    names = parts[1::_GROUPS]
+    if not "".join(names).isprintable() or METADATA_KEY in names:
+        return None  # a control character in a name; the metadata as a tensor
+    starts_text, ends_text = parts[4::_GROUPS], parts[5::_GROUPS]
     ends = list(map(int, ends_text))
     in_order = starts_text[1:] == ends_text[:-1]
     starts = [int(starts_text[0]), *ends[:-1]] if in_order else list(map(int, starts_text))
-    checked = _checked_rows(names, codes, shapes, starts, ends, known)
+    checked = _checked_rows(names, parts[2::_GROUPS], parts[3::_GROUPS], starts, ends, known)
     return None if checked is None else (metadata, checked, in_order)
 
 
@@ -1017,22 +1007,30 @@ def _checked_rows(
     :class:`HeaderError`, :class:`DtypeError` or :class:`ValueError` naming no tensor (the
     member walk tells which).
     ``known`` caches the layouts checked by this parse, as there. Each step is one call over
-    the whole list: no Python code runs per tensor, only per distinct layout."""
+    the whole list: no Python code runs per tensor, only per distinct layout (one map of it
+    per column: sizes, shapes, codes)."""
     if min(starts) < 0 or max(ends) > U64_MAX:
         return None
     keys: Sequence[object]
-    layouts: dict[Any, _Layout]
-    if codes.count(codes[0]) == len(codes):  # one dtype, as in most files
-        code = codes[0]
+    code = codes[0]
+    one_dtype = codes.count(code) == len(codes)  # as in most files
+    if one_dtype:
         keys = shapes
         layouts = {shape: _layout(code, shape, known) for shape in {*shapes}}
     else:
-        keys = pairs = list(zip(codes, shapes, strict=True))
-        layouts = {pair: _layout(*pair, known) for pair in {*pairs}}
-    chosen = list(map(layouts.__getitem__, keys))
-    if list(map(operator.sub, ends, starts)) != list(map(_third, chosen)):
+        keys = list(zip(codes, shapes, strict=True))
+        layouts = {key: _layout(*key, known) for key in {*keys}}
+    sizes = {key: layout[2] for key, layout in layouts.items()}
+    if list(map(operator.sub, ends, starts)) != list(map(sizes.__getitem__, keys)):
         return None
-    return TensorTable(names, list(map(_first, chosen)), list(map(_second, chosen)), starts, ends)
+    dims = {key: layout[1] for key, layout in layouts.items()}
+    if one_dtype:  # the table's own string for the code, once per tensor
+        table_codes = [layouts[keys[0]][0]] * len(keys)
+    else:
+        table_codes = list(
+            map({key: layout[0] for key, layout in layouts.items()}.__getitem__, keys)
+        )
+    return TensorTable(names, table_codes, list(map(dims.__getitem__, keys)), starts, ends)
 
 
 def _layout(code: str, shape: str | tuple[int, ...], known: _Known) -> _Layout:
@@ -1049,15 +1047,11 @@ def _layout(code: str, shape: str | tuple[int, ...], known: _Known) -> _Layout:
 
 
 def _dims(shape: str | tuple[int, ...]) -> tuple[int, ...]:
-    """A shape given as a tuple, or as its text in a compact member (``:[2,3],``, see
-    :data:`_SHAPE_TEXT`); :class:`ValueError` for text that is no list of plain JSON
-    integers."""
+    """A shape given as a tuple, or as its text in a compact member (``2,3``: plain JSON
+    integers joined by commas, see :data:`_COMPACT_MEMBER`)."""
     if isinstance(shape, tuple):
         return shape
-    found = _SHAPE_TEXT.fullmatch(shape)
-    if found is None:
-        raise ValueError(f"a shape's text, got {shape!r}")
-    return tuple(map(int, found[1].split(","))) if found[1] else ()
+    return tuple(map(int, shape.split(","))) if shape else ()
 
 
 _STEP_MEMBERS = 512
