@@ -358,7 +358,9 @@ async def read_header(
         source,
         clock_of(options),
         max_header_size=max_header_size,
-        caps=Caps.of(max_tensor_bytes, max_total_bytes),
+        caps=NO_CAPS
+        if max_tensor_bytes is None and max_total_bytes is None
+        else Caps.of(max_tensor_bytes, max_total_bytes),
         cache=cache,
         unknown_dtypes=unknown_dtypes,
     )
@@ -389,7 +391,7 @@ async def header_of(
         )
         async with stream:
             header, name = stream.header, stream.source.name
-    if caps != NO_CAPS:  # a walk over every tensor, on the loop
+    if caps is not NO_CAPS:  # a walk over every tensor, on the loop
         caps.check(header.tensors, name)
     return header
 

@@ -146,13 +146,13 @@ async def header_only(
     machinery (its statistics, delivery, recycled memory), which a small local file would
     spend more time building than reading; a local file with no time limit, its header in the
     page cache and parsed in one step, needs no source either (:func:`_cached_header`)."""
-    if not clock.limited and isinstance(source_like, str | os.PathLike):
-        name = os.fspath(source_like)
-        if isinstance(name, str) and scheme_of(name) is None:
-            await give_turn()
-            header = _cached_header(name, max_header_size, unknown_dtypes)
-            if header is not None:
-                return header, name
+    fspath = getattr(type(source_like), "__fspath__", None)  # os.PathLike's test, without the ABC's
+    name = fspath(source_like) if fspath is not None else source_like
+    if isinstance(name, str) and scheme_of(name) is None and not clock.limited:
+        await give_turn()
+        header = _cached_header(name, max_header_size, unknown_dtypes)
+        if header is not None:
+            return header, name
     source = await open_under(source_like, clock)
     try:
         header, _ = await start_and_read_header(source, max_header_size, unknown_dtypes)
