@@ -70,6 +70,17 @@ BAD_HEADERS: list[tuple[str, Any, str]] = [
     ("array", "[1, 2]", "begin with"),
     ("not json", "{nope", "not valid JSON"),
     ("trailing garbage", "{} x", "not valid JSON"),
+    ("comma after the metadata", '{"__metadata__":{},}', "not valid JSON"),
+    (
+        "comma after the last tensor",
+        '{"a":' + json.dumps(entry(), separators=(",", ":")) + ",}",
+        "not valid JSON",
+    ),
+    (
+        "no comma between tensors",
+        '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}"b":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}',
+        "not valid JSON",
+    ),
     (
         "duplicate tensor",
         '{"a": ' + json.dumps(entry()) + ', "a": ' + json.dumps(entry()) + "}",
