@@ -14,6 +14,7 @@ import numpy as np
 from .core.arrays import Framework, as_array, spec_of
 from .core.digests import Digests
 from .core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes
+from .core.shards import is_index
 from .errors import UsageError
 from .memory.delivery import Delivery
 from .reader import NO_CAPS, Caps, Include, TensorStream
@@ -307,8 +308,6 @@ def stream_for(
     any tensor of the repeating shard is read; :func:`open_stream` streams them all instead.
     A read given no caps takes those :func:`~stream_st.reader.caps.using_caps` set, if any.
     """
-    from .core.shards import is_index
-
     if max_tensor_bytes is None and max_total_bytes is None:
         ambient = current_caps()
         max_tensor_bytes, max_total_bytes = ambient.tensor, ambient.total
@@ -377,8 +376,6 @@ async def header_of(
 ) -> Header:
     """:func:`read_header` under ``clock``, checked against ``caps``. A file read as it is (no
     index, no cache) needs no stream around its source: :func:`header_only`."""
-    from .core.shards import is_index
-
     if _cache_for(source, cache) is None and not is_index(source):
         header, name = await header_only(source, clock, max_header_size, unknown_dtypes)
     else:

@@ -10,6 +10,7 @@ from typing import cast
 import numpy as np
 
 from ..core.header import (
+    AT_ONCE_BYTES,
     LENGTH_PREFIX_SIZE,
     ONE_PIECE_BYTES,
     Header,
@@ -20,7 +21,7 @@ from ..core.header import (
 )
 from ..errors import TrailingDataError, TruncatedStreamError
 from ..transports.file.source import _RWF_NOWAIT, _pread_cached, open_path
-from ..transports.options import Clock
+from ..transports.options import NO_LIMITS, Clock
 from ..transports.registry import Source, SourceLike, open_source, scheme_of
 from .turns import give_turn
 
@@ -148,7 +149,8 @@ async def header_only(
     page cache and parsed in one step, needs no source either (:func:`_cached_header`)."""
     fspath = getattr(type(source_like), "__fspath__", None)  # os.PathLike's test, without the ABC's
     name = fspath(source_like) if fspath is not None else source_like
-    if isinstance(name, str) and scheme_of(name) is None and not clock.limited:
+    unlimited = clock.limits is NO_LIMITS or not clock.limited  # most reads: known by identity
+    if unlimited and isinstance(name, str) and scheme_of(name) is None:
         await give_turn()
         header = _cached_header(name, max_header_size, unknown_dtypes)
         if header is not None:
@@ -164,10 +166,10 @@ async def header_only(
 CACHED_FIRST_READ = 64 << 10
 """Bytes :func:`_cached_header` reads first, hoping they hold the whole header."""
 
-PARSE_AT_ONCE_UP_TO = 256 << 10
-"""A cached local header up to this size (about 3,000 tensors, a few milliseconds of work on a
-quiet machine) is read and parsed without a turn for the loop: the source's machinery around
-its steps would cost more than it saves."""
+PARSE_AT_ONCE_UP_TO = AT_ONCE_BYTES
+"""A cached local header up to this size (about 3,500 tensors, a few milliseconds of work on a
+quiet machine) is read and parsed without a turn for the loop, in one piece: the source's
+machinery around its steps would cost more than it saves."""
 
 
 def _cached_header(name: str, max_header_size: int, unknown_dtypes: UnknownDtypes) -> Header | None:
@@ -196,7 +198,7 @@ def _cached_header(name: str, max_header_size: int, unknown_dtypes: UnknownDtype
         raw = first[LENGTH_PREFIX_SIZE : LENGTH_PREFIX_SIZE + n]
         if len(raw) < n:  # the rest of the header after the bytes already read
             start = len(raw)
-            raw = _buffer(n)
+            raw = memoryview(bytearray(n))  # 256 KiB at most: zeroed faster than numpy starts
             raw[:start] = first[LENGTH_PREFIX_SIZE:]
             if _pread_cached(fd, raw[start:], LENGTH_PREFIX_SIZE + start) < n - start:
                 return None
@@ -210,12 +212,13 @@ def _cached_header(name: str, max_header_size: int, unknown_dtypes: UnknownDtype
 def _check_size(header: Header, size: int, name: str) -> None:
     """:class:`TrailingDataError` or :class:`TruncatedStreamError` unless a source of ``size``
     bytes holds exactly what ``header`` describes."""
-    if size > header.file_size:
+    file_size = header.file_size
+    if size > file_size:
         raise TrailingDataError(
-            f"{name}: {size - header.file_size} bytes follow the last tensor "
-            f"(the header describes {header.file_size} bytes, the source has {size})"
+            f"{name}: {size - file_size} bytes follow the last tensor "
+            f"(the header describes {file_size} bytes, the source has {size})"
         )
-    if size < header.file_size:
+    if size < file_size:
         first_short = next(t for t in header.tensors if header.data_start + t.end > size)
         raise TruncatedStreamError(
             f"tensor {first_short.name!r}",
