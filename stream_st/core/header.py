@@ -75,6 +75,8 @@ METADATA_KEY = "__metadata__"
 U64_MAX = 2**64 - 1
 _NUMPY_MAX_NDIM = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
 _NUMPY_MAX_BYTES = int(np.iinfo(np.intp).max)
+_PLAIN_BITS = min(U64_MAX, 8 * _NUMPY_MAX_BYTES)
+"""The most bits a tensor of a whole-byte type may take (the format's limit, and numpy's)."""
 _TENSOR_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
 UnknownDtypes = Literal["refuse", "keep"]
@@ -598,8 +600,16 @@ def data_size(name: str, dtype: DType, shape: tuple[int, ...]) -> int:
     that does not fill whole bytes, or an array numpy cannot make (more than 64 dimensions, 32
     before numpy 2; nonzero dimensions x item size past the largest ``intp``, even for an empty
     tensor). Linear in the number of dimensions: it stops at the first step out of range, so no
-    number it forms exceeds 2**128.
+    number it forms exceeds 2**128, but for a product of at most 64 dimensions (2**4096).
+
+    A whole-byte type's tensor of no zero dimension and at most :data:`_PLAIN_BITS` bits passes
+    every check: its item size is its bits / 8, its array its shape; it is told in one product.
     """
+    bits_each = dtype.bits
+    if bits_each % 8 == 0 and len(shape) <= _NUMPY_MAX_NDIM:
+        bits = prod(shape) * bits_each
+        if 0 < bits <= _PLAIN_BITS:
+            return bits // 8
     count = 1
     for dim in shape:
         count *= dim
@@ -924,26 +934,24 @@ def _compact_piece(piece: str, known: _Known, first: bool) -> _Piece | None:
     ``None`` if not.
 
     The piece is split at its members in one call: the texts between them must then be the
-    opening brace, commas and the closing brace (whitespace after it), and the fields are
-    checked a column at a time. A handful of calls over the whole piece; no Python code runs
-    per tensor, only per distinct layout.
+    opening brace (after the metadata, if any), commas and the closing brace (whitespace after
+    it), and the fields are checked a column at a time. A handful of calls over the whole
+    piece; no Python code runs per tensor, only per distinct layout.
     """
-    metadata = None
-    if first and piece.startswith(_METADATA_START):
-        value, at = scan_value(piece, len(_METADATA_START))
-        metadata = _parse_metadata(value)
-        piece = "{" + piece[at + 1 :] if piece.startswith(",", at) else piece[at:]
     parts = _COMPACT_MEMBER.split(piece)
     n = len(parts) // _GROUPS
-    between = parts[::_GROUPS]
-    if (
-        not n
-        or between[0] != "{"
-        or between[-1].rstrip(_SPACE) != "}"
-        or between.count(",") != n - 1
-    ):
-        empty = piece.rstrip(_SPACE) == ("}" if metadata is not None else "{}")
-        return (metadata, None, True) if empty and not n else None
+    between = parts[::_GROUPS]  # before the first member, between two, after the last
+    head = between[0]
+    metadata = None
+    if head != "{" and first and head.startswith(_METADATA_START):
+        value, at = scan_value(head, len(_METADATA_START))
+        metadata = _parse_metadata(value)
+        head = "{" + head[at + 1 :] if head.startswith(",", at) else head[at:]
+    if not n:
+        empty = head.rstrip(_SPACE) == ("}" if metadata is not None else "{}")
+        return (metadata, None, True) if empty else None
+    if head != "{" or between[-1].rstrip(_SPACE) != "}" or between.count(",") != n - 1:
+        return None
     names = parts[1::_GROUPS]
     if not "".join(names).isprintable() or METADATA_KEY in names:
         return None  # a control character in a name; the metadata as a tensor

@@ -24,7 +24,7 @@ from stream_st import (
     parse_header,
 )
 from stream_st.core.dtypes import array_shape, dtype_for, dtype_from_code
-from stream_st.core.header import NameIndex, parse_header_length
+from stream_st.core.header import NameIndex, data_size, parse_header_length
 from stream_st.core.layout import plan_order
 from stream_st.errors import DtypeError, UsageError
 
@@ -181,6 +181,30 @@ def test_deeply_nested_json_is_a_header_error() -> None:
 def test_integer_too_long_to_convert_is_a_header_error() -> None:
     with pytest.raises(HeaderError, match="not valid JSON"):
         parse('{"a": {"dtype": "U8", "shape": [1' + "0" * 5000 + '], "data_offsets": [0, 1]}}')
+
+
+@pytest.mark.parametrize(
+    ("code", "shape", "nbytes"),
+    [
+        ("U8", (2**61 - 1,), 2**61 - 1),  # 2**64 - 8 bits: the most a U8 tensor takes
+        ("U8", (2**61,), None),  # 2**64 bits
+        ("F32", (2**29, 2**29), 2**60),
+        ("F64", (2**32, 2**29), None),  # 2**61 values of 64 bits
+        ("F32", (2**32, 2**32), None),  # 2**64 values
+        ("U8", (1,) * 64, 1),
+        ("U8", (1,) * 65, None),  # more dimensions than a numpy array has
+        ("F32", (0, 2**61 - 1), 0),  # empty, nonzero dimensions x 4 bytes within intp
+        ("F32", (0, 2**61), None),
+        ("F4", (3,), None),  # half a byte
+        ("F4", (2, 2), 2),
+    ],
+)
+def test_data_size_at_the_limits(code: str, shape: tuple[int, ...], nbytes: int | None) -> None:
+    if nbytes is None:
+        with pytest.raises(HeaderError):
+            data_size("t", DTYPES[code], shape)
+    else:
+        assert data_size("t", DTYPES[code], shape) == nbytes
 
 
 def test_shapes_at_numpy_limits_are_accepted() -> None:
