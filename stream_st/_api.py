@@ -22,7 +22,7 @@ from .reader.caps import current_caps
 from .reader.header import header_only
 from .sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from .transports.cache import Cache, CacheLike
-from .transports.options import Clock, TransportOptions, clock_of
+from .transports.options import UNLIMITED, Clock, TransportOptions, clock_of
 from .transports.registry import SinkLike, SourceLike
 from .writer import Order, TensorWriter, local_destination, run_stoppable, save_at_once
 
@@ -355,7 +355,7 @@ async def read_header(
     :class:`~stream_st.UnknownDtypeError`; their data stays unreadable."""
     return await header_of(
         source,
-        clock_of(options),
+        clock_of(options) if options else UNLIMITED,  # a clock no limit ever changes
         max_header_size=max_header_size,
         caps=NO_CAPS
         if max_tensor_bytes is None and max_total_bytes is None

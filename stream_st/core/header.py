@@ -839,7 +839,7 @@ def _parse_one_piece(raw: memoryview) -> Header | None:
     if table is None:
         return Header(TensorTable([], [], [], [], []), metadata or {}, len(raw), {})
     index = _positions(table._names)
-    if len(index) != len(table):
+    if len(index) != len(table._names):
         return None  # a name twice
     if not in_order or table._starts[0]:  # else in offset order from 0 already
         table = _data_order(table)
@@ -1029,25 +1029,22 @@ def _checked_rows(
     per column: sizes, shapes, codes)."""
     if max(ends) > U64_MAX:  # starts are not negative (see the callers)
         return None
-    keys: Sequence[object]
     code = codes[0]
     one_dtype = codes.count(code) == len(codes)  # as in most files
-    if one_dtype:
-        keys = shapes
-        layouts = {shape: _layout(code, shape, known) for shape in {*shapes}}
-    else:
-        keys = list(zip(codes, shapes, strict=True))
-        layouts = {key: _layout(*key, known) for key in {*keys}}
-    sizes = {key: layout[2] for key, layout in layouts.items()}
+    keys: Sequence[Any] = shapes if one_dtype else list(zip(codes, shapes, strict=True))
+    codes_of: dict[Any, str] = {}
+    dims: dict[Any, tuple[int, ...]] = {}
+    sizes: dict[Any, int] = {}
+    for key in {*keys}:
+        codes_of[key], dims[key], sizes[key] = (
+            _layout(code, key, known) if one_dtype else _layout(*key, known)
+        )
     if list(map(operator.sub, ends, starts)) != list(map(sizes.__getitem__, keys)):
         return None
-    dims = {key: layout[1] for key, layout in layouts.items()}
     if one_dtype:  # the table's own string for the code, once per tensor
-        table_codes = [layouts[keys[0]][0]] * len(keys)
+        table_codes = [codes_of[keys[0]]] * len(keys)
     else:
-        table_codes = list(
-            map({key: layout[0] for key, layout in layouts.items()}.__getitem__, keys)
-        )
+        table_codes = list(map(codes_of.__getitem__, keys))
     return TensorTable(names, table_codes, list(map(dims.__getitem__, keys)), starts, ends)
 
 
@@ -1056,7 +1053,7 @@ def _layout(code: str, shape: str | tuple[int, ...], known: _Known) -> _Layout:
     :func:`_checked_rows`), from ``known`` or checked now and kept there."""
     layout = known.get((code, shape))
     if layout is None:
-        dtype = dtype_from_code(code)
+        dtype = DTYPES.get(code) or dtype_from_code(code)  # the second raises
         dims = checked_dims("", _dims(shape))
         layout = dtype.code, dims, data_size("", dtype, dims)
         if len(known) < _KNOWN_LAYOUTS:
