@@ -51,10 +51,12 @@ def header(parts: list[str], metadata: str | None = None) -> bytes:
     return ("{" + ",".join(parts) + "}").encode()
 
 
-def outcome(raw: bytes, **options: Any) -> Any:
-    """What parsing ``raw`` gives: the header, its index and metadata, or the error."""
+def outcome(raw: bytes, *, stepwise: bool = False, **options: Any) -> Any:
+    """What parsing ``raw`` gives: the header, its index and metadata, or the error. A header
+    of a few pieces is parsed as one piece by ``parse_header`` (no ``stop``); ``stepwise``, by
+    ``parse_steps``, a piece at a time."""
     try:
-        found = parse_header(raw, **options)
+        found = run_steps(parse_steps(raw, **options)) if stepwise else parse_header(raw, **options)
     except HeaderError as exc:
         return type(exc), str(exc)
     return found, found._index, found.metadata, found.unreadable
@@ -73,7 +75,7 @@ def agree(raw: bytes) -> Any:
     """The header of ``raw`` or its error, checked to be the walk's."""
     assert len(raw) > 2 * PIECE_BYTES
     result = outcome(raw)
-    assert result == walked(raw)
+    assert result == walked(raw) == outcome(raw, stepwise=True)
     return result[0] if isinstance(result[0], Header) else result
 
 
@@ -176,7 +178,8 @@ def test_tensors_out_of_offset_order_across_pieces() -> None:
 def test_unknown_dtypes_kept_in_a_later_piece() -> None:
     raw = header(members(dtype="I4", shape="2"))
     kept = outcome(raw, unknown_dtypes="keep")
-    assert kept == walked(raw, keep=True) and kept[0].unreadable == (f"t{LATE}",)
+    assert kept == walked(raw, keep=True) == outcome(raw, stepwise=True, unknown_dtypes="keep")
+    assert kept[0].unreadable == (f"t{LATE}",)
 
 
 def test_a_parse_nobody_waits_for_stops() -> None:
