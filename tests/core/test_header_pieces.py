@@ -197,7 +197,7 @@ def compact(text: str) -> Any:
 
 
 def test_the_compact_reader_takes_names_full_of_json_punctuation() -> None:
-    names = ['a":{', "],[", "},", ":", "{}", "\u00e9\u4e2d", ""]
+    names = ['a":{', "],[", "},", ":", "{}", "\u00e9\u4e2d", "\x7f\u2028", ""]  # JSON takes all
     parts = [member(n, offsets=f"{i},{i + 1}") for i, n in enumerate(names)]
     text = "{" + ",".join(parts) + "}  "
     metadata, table, in_order = compact(text.replace('a":{', "a:{"))
@@ -226,7 +226,7 @@ def test_the_compact_reader_takes_mixed_dtypes_and_tensors_out_of_order() -> Non
         member("a", offsets="0,1,2"),
         member("a", offsets="0"),
         member("a\\u0041"),  # an escape: the JSON scanner reads it
-        member("a\x7f"),  # a control character
+        member("a\x1f"),  # a control character, which JSON wants escaped
         member("a").replace('"dtype":"U8","shape":[1]', '"shape":[1],"dtype":"U8"'),
         member("a").replace(",", ", "),
         member("a").replace('"dtype"', '"dtypes"'),
