@@ -1038,7 +1038,7 @@ def _checked_rows(
     sizes: dict[Any, int] = {}
     for key in {*keys}:
         codes_of[key], dims[key], sizes[key] = (
-            _layout(code, key, known) if one_dtype else _layout(*key, known)
+            _layout(code, key, known) if one_dtype else _layout(key[0], key[1], known)
         )
     if list(map(operator.sub, ends, starts)) != list(map(sizes.__getitem__, keys)):
         return None
