@@ -16,7 +16,7 @@ statistic is taken from it) is handled with a few numpy calls, most of which rel
   chunk the midpoint of its min and max; none for values about 0), then their sum ``s1``, by
   ``einsum`` over blocks of :data:`BLOCK` values, and their sum of squares ``s2``, by BLAS dot
   products of the same blocks (one numpy call each for all the blocks of a chunk; the squares'
-  ``matmul`` holds the GIL, but is twice as fast as any call that does not). The chunk's
+  ``matmul`` holds the GIL, but is 1.5 to 2 times as fast as any call that does not). The chunk's
   mean is ``K + s1/n`` and its ``m2`` is ``s2 - s1**2/n``: with ``K`` near the mean there is
   little to cancel. Where ``s1**2/n`` is close to ``s2`` anyway (the chunk's mean far from ``K``
   in units of its spread) the chunk's deviations are taken again from its own mean (more passes
