@@ -82,11 +82,22 @@ _SIGN = 0x8000
 F16_UNIT = 2.0**112
 """F16 values are widened divided by this (:func:`f16_over_unit`); their moments multiplied back."""
 _UNPACK_F32, _UNPACK_F16 = struct.Struct("<f").unpack, struct.Struct("<e").unpack
-_VALUE_OF = {
-    np.dtype(ml_dtypes.bfloat16): lambda bits: _UNPACK_F32((bits << 16).to_bytes(4, "little"))[0],
-    _F16: lambda bits: _UNPACK_F16(bits.to_bytes(2, "little"))[0],
-}
-"""The value of each 16-bit float type's bit pattern (a Python int), as a float."""
+
+
+def _bf16_value(bits: int) -> float:
+    """The value of BF16 bit pattern ``bits``."""
+    value: float = _UNPACK_F32((bits << 16).to_bytes(4, "little"))[0]
+    return value
+
+
+def _f16_value(bits: int) -> float:
+    """The value of F16 bit pattern ``bits``."""
+    value: float = _UNPACK_F16(bits.to_bytes(2, "little"))[0]
+    return value
+
+
+_VALUE_OF = {np.dtype(ml_dtypes.bfloat16): _bf16_value, _F16: _f16_value}
+"""The value of each 16-bit float type's bit pattern (a Python int)."""
 
 
 def summarisable(dtype: str) -> bool:
