@@ -44,6 +44,14 @@ def cases(dtype: type) -> list[Array]:
         np.array([-0.0], dtype),
         np.full(70_000, -3, dtype),
         np.zeros(5, dtype),
+        # chunk by chunk: all positive, all negative, both signs, the chunks far apart
+        np.concatenate(
+            [
+                np.abs(rng.standard_normal(HALF_CHUNK)) + 5,
+                -np.abs(rng.standard_normal(HALF_CHUNK)) - 30,
+                rng.standard_normal(HALF_CHUNK // 2),
+            ]
+        ).astype(dtype),
     ]
 
 
