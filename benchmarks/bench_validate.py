@@ -7,9 +7,9 @@ Run it from the repository root (about half a minute on 2 cores; needs ~0.6 GB o
 
 It writes one safetensors file of SmolLM2-135M's shapes (random normal weights: 272 tensors, an
 embedding of 49152 x 576 tied to the head, 30 layers of hidden size 576; 538 MB in F32, 269 MB
-in BF16) and its ``config.json``, reads the file once so the page cache is warm, then runs two
-variants, each in a fresh process, interleaved round by round (the order alternating: read,
-validate; validate, read; ...):
+in BF16) and its ``config.json``, reads the file once so the page cache is warm, then runs the
+variants, each in a fresh process, interleaved round by round (the order rotating: read,
+validate, before; validate, before, read; ...):
 
 * ``read``: ``async for name, array in stream_st.open_stream(path)``, each array dropped at once;
 * ``validate``: ``stream_st.tools.validate(path, config=config_json)``: every statistic of every
@@ -26,7 +26,7 @@ seconds over validate seconds: validate's speed as a fraction of the plain read'
 fast) and the 1-minute load average; then the median ratio and its range over the rounds against
 the bar (and, given ``--code``, the before side's, and the paired speed-up of validate over it),
 and the load average (1, 5, 15 minutes) at the start and the end. On busy cores the ratio falls
-toward the ratio of the CPU times (validate uses every CPU, the read about one).
+toward the ratio of the CPU times; where a second CPU is free, the read copies on both.
 """
 
 from __future__ import annotations
