@@ -3,17 +3,20 @@
 Run it from the repository root (about half a minute on 2 cores; needs ~0.6 GB of disk)::
 
     python benchmarks/bench_validate.py [--rounds 5] [--dtype F32|BF16|F16]
-                                        [--dir DIR]
+                                        [--dir DIR] [--code DIR]
 
 It writes one safetensors file of SmolLM2-135M's shapes (random normal weights: 272 tensors, an
 embedding of 49152 x 576 tied to the head, 30 layers of hidden size 576; 538 MB in F32, 269 MB
-in BF16) and its ``config.json``, reads the file once so the page cache is warm, then runs two
-variants, each in a fresh process, interleaved round by round (the order alternating: read,
-validate; validate, read; ...):
+in BF16) and its ``config.json``, reads the file once so the page cache is warm, then runs the
+variants, each in a fresh process, interleaved round by round (the order rotating: read,
+validate, before; validate, before, read; ...):
 
 * ``read``: ``async for name, array in stream_st.open_stream(path)``, each array dropped at once;
 * ``validate``: ``stream_st.tools.validate(path, config=config_json)``: every statistic of every
-  tensor, every check, the config's included.
+  tensor, every check, the config's included;
+* with ``--code DIR`` (a checkout of another version, e.g. a ``git worktree`` of an older commit),
+  also ``before``: the same validate with the ``stream_st`` package found in ``DIR``, so that both
+  versions are measured in the same rounds against the same read.
 
 The peer is ``read``; the bar: validate at :data:`BAR` (0.5) of the read's speed or more. Each
 child times itself from just before opening the file to the end (imports excluded: what a
@@ -21,8 +24,9 @@ variant imports on its first call, :data:`FIRST_USE`, is imported before the clo
 prints its wall and CPU seconds. Per round the script prints both, the paired ratio (read
 seconds over validate seconds: validate's speed as a fraction of the plain read's; 1.0 is as
 fast) and the 1-minute load average; then the median ratio and its range over the rounds against
-the bar, and the load average (1, 5, 15 minutes) at the start and the end. On busy cores the
-ratio falls toward the ratio of the CPU times (validate uses every CPU, the read about one).
+the bar (and, given ``--code``, the before side's, and the paired speed-up of validate over it),
+and the load average (1, 5, 15 minutes) at the start and the end. On busy cores the ratio falls
+toward the ratio of the CPU times; where a second CPU is free, the read copies on both.
 """
 
 from __future__ import annotations
@@ -86,15 +90,22 @@ def write_model(path: Path, dtype: str) -> int:
     return path.stat().st_size
 
 
-FIRST_USE = {"read": (), "validate": ("stream_st.models.llm.model",)}
+FIRST_USE = {
+    "read": (),
+    "validate": ("stream_st.models.llm.model",),
+    "before": ("stream_st.models.llm.model",),
+}
 """Modules each variant imports on its first call (validate: the model code behind ``config``, with
 the packages above it: 45 ms of CPU where Python writes no bytecode cache)."""
 
 
-def child(variant: str, path: str) -> None:
-    """Run one variant once and print its seconds (imports and file warm-up excluded)."""
+def child(variant: str, path: str, code: str | None) -> None:
+    """Run one variant once and print its seconds (imports and file warm-up excluded); ``code``:
+    where ``before`` finds its ``stream_st``."""
     import anyio
 
+    if variant == "before":
+        sys.path.insert(0, str(code))
     for module in FIRST_USE[variant]:
         importlib.import_module(module)
 
@@ -115,16 +126,16 @@ def child(variant: str, path: str) -> None:
         if not result.ok:
             raise SystemExit(f"validation failed: {result.errors[:3]}")
 
-    run = {"read": read, "validate": validate}[variant]
+    run = {"read": read, "validate": validate, "before": validate}[variant]
     start, cpu = time.perf_counter(), time.process_time()
     anyio.run(run)
     print(f"{time.perf_counter() - start:.6f} {time.process_time() - cpu:.6f}")
 
 
-def timed(variant: str, path: Path) -> tuple[float, float]:
+def timed(variant: str, path: Path, code: str | None) -> tuple[float, float]:
     """Wall and CPU seconds of ``variant`` run once in a fresh process."""
     out = subprocess.run(
-        [sys.executable, __file__, "--child", variant, str(path)],
+        [sys.executable, __file__, "--child", variant, str(path), *([code] if code else [])],
         check=True,
         capture_output=True,
         text=True,
@@ -143,11 +154,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="F32", choices=("F32", "BF16", "F16"))
     parser.add_argument("--dir", help="keep the file here (reused when present)")
-    parser.add_argument("--child", nargs=2, metavar=("VARIANT", "PATH"), help=argparse.SUPPRESS)
+    parser.add_argument("--code", help="also time validate with the stream_st package in CODE")
+    parser.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(*args.child)
+        variant, path, *code = args.child
+        child(variant, path, code[0] if code else None)
         return
+    code = os.path.abspath(args.code) if args.code else None
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(args.dir or tmp)
         home.mkdir(parents=True, exist_ok=True)
@@ -163,26 +177,44 @@ def main() -> None:
             f"load average at start: {load()}"
         )
         print(f"peer: read (open_stream, each array dropped); bar: validate at >= {BAR}x its speed")
+        if code:
+            print(f"before: validate with the stream_st of {code}")
+        sides = ["validate", *(["before"] if code else [])]
+        variants = ["read", *sides]
         print(
-            f"{'round':>5} {'read s':>7} {'cpu s':>6} {'valid. s':>8} {'cpu s':>6} "
-            f"{'ratio':>6} {'read GB/s':>9} {'load':>5}"
+            f"{'round':>5} {'read s':>7} {'cpu s':>6} "
+            + " ".join(f"{side[:6] + ' s':>8} {'cpu s':>6} {'ratio':>6}" for side in sides)
+            + f" {'read GB/s':>9} {'load':>5}"
         )
-        ratios = []
+        ratios: dict[str, list[float]] = {side: [] for side in sides}
+        speedups = []
         for round_ in range(args.rounds):
-            order = ("read", "validate") if round_ % 2 == 0 else ("validate", "read")
-            seconds = {variant: timed(variant, path) for variant in order}
-            (read, read_cpu), (check, check_cpu) = seconds["read"], seconds["validate"]
-            ratios.append(read / check)
+            order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
+            seconds = {variant: timed(variant, path, code) for variant in order}
+            read, read_cpu = seconds["read"]
+            cells = []
+            for side in sides:
+                wall, cpu = seconds[side]
+                ratios[side].append(read / wall)
+                cells.append(f"{wall:>8.3f} {cpu:>6.3f} {ratios[side][-1]:>6.2f}")
+            if code:
+                speedups.append(seconds["before"][0] / seconds["validate"][0])
             print(
-                f"{round_:>5} {read:>7.3f} {read_cpu:>6.3f} {check:>8.3f} {check_cpu:>6.3f} "
-                f"{ratios[-1]:>6.2f} {size / read / 1e9:>9.2f} {os.getloadavg()[0]:>5.2f}"
+                f"{round_:>5} {read:>7.3f} {read_cpu:>6.3f} {' '.join(cells)} "
+                f"{size / read / 1e9:>9.2f} {os.getloadavg()[0]:>5.2f}"
             )
-        median = statistics.median(ratios)
-        print(
-            f"paired ratio (validate's speed / the read's): median {median:.2f}, "
-            f"range {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} rounds; "
-            f"bar {BAR}: {'met' if median >= BAR else 'NOT met'}"
-        )
+        for side in sides:
+            median = statistics.median(ratios[side])
+            print(
+                f"{side}: paired ratio (its speed / the read's): median {median:.2f}, "
+                f"range {min(ratios[side]):.2f}-{max(ratios[side]):.2f} over {args.rounds} "
+                f"rounds; bar {BAR}: {'met' if median >= BAR else 'NOT met'}"
+            )
+        if speedups:
+            print(
+                f"validate's speed-up over before, paired: median {statistics.median(speedups):.2f}"
+                f", range {min(speedups):.2f}-{max(speedups):.2f}"
+            )
         print(f"load average at end: {load()}")
 
 

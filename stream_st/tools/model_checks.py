@@ -227,7 +227,7 @@ class ModelConfig:
 
     def parameter_count(self) -> int:
         """Values in all the model's weights (the tied head counted once)."""
-        return sum(math.prod(shape) for shape in self.shapes().values())
+        return _values_in(self.shapes())
 
     def check(self, infos: Mapping[str, TensorInfo]) -> tuple[list[str], list[str]]:
         """Errors and warnings for a file's tensors (``{name: info}``) against this config."""
@@ -235,6 +235,7 @@ class ModelConfig:
 
         errors: list[str] = []
         warnings: list[str] = []
+        llama = self.llama()
         expected = self.shapes()
         for name, shape in expected.items():
             info = infos.get(name)
@@ -248,7 +249,7 @@ class ModelConfig:
         if beyond:
             errors.append(f"layers {_spans(beyond)} beyond the config's {total} layers")
         for layer in sorted(n for n in layers if n < total):
-            names = self.llama().layer_names(layer)
+            names = llama.layer_names(layer)
             lacking = [
                 part for part, name in zip(LAYER_PARTS, names, strict=True) if name not in infos
             ]
@@ -275,7 +276,7 @@ class ModelConfig:
                 f"{', '.join(unknown[:3])}{more}"
             )
         count = sum(info.nelements for info in infos.values())
-        want = self.parameter_count()
+        want = _values_in(expected)
         if count != want:
             warnings.append(
                 f"parameter count {count:,} differs from the config's {want:,} "
@@ -284,6 +285,11 @@ class ModelConfig:
         if self.dtype is not None:
             warnings.extend(validate_dtype_consistency(infos.values(), self.dtype))
         return errors, warnings
+
+
+def _values_in(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """How many values tensors of ``shapes`` hold."""
+    return sum(math.prod(shape) for shape in shapes.values())
 
 
 def _beyond(name: str, total: int) -> bool:

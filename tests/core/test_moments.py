@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from stream_st.core.moments import SPAN, Moments, moments_of
+from stream_st.core.moments import HALF_CHUNK, Moments, moments_of
 
 Array = np.ndarray[Any, Any]
 HALVES = [np.float16, ml_dtypes.bfloat16]
@@ -36,7 +36,7 @@ def cases(dtype: type) -> list[Array]:
     limits = ml_dtypes.finfo(dtype)
     tiny, big = float(limits.smallest_subnormal), float(limits.max)
     return [
-        (rng.standard_normal(SPAN + 12_345) * 0.02).astype(dtype),  # two spans
+        (rng.standard_normal(HALF_CHUNK + 12_345) * 0.02).astype(dtype),  # two chunks
         (100 + rng.standard_normal(300_000)).astype(dtype),  # far from 0: shifted
         -(100 + rng.standard_normal(300_000)).astype(dtype),  # every value negative
         (rng.standard_normal(100_000) * 1e3 * tiny).astype(dtype),  # subnormals
@@ -44,6 +44,14 @@ def cases(dtype: type) -> list[Array]:
         np.array([-0.0], dtype),
         np.full(70_000, -3, dtype),
         np.zeros(5, dtype),
+        # chunk by chunk: all positive, all negative, both signs, the chunks far apart
+        np.concatenate(
+            [
+                np.abs(rng.standard_normal(HALF_CHUNK)) + 5,
+                -np.abs(rng.standard_normal(HALF_CHUNK)) - 30,
+                rng.standard_normal(HALF_CHUNK // 2),
+            ]
+        ).astype(dtype),
     ]
 
 
@@ -54,13 +62,13 @@ def test_finite_values_match_numpy(dtype: type) -> None:
 
 
 @pytest.mark.parametrize("dtype", HALVES, ids=lambda d: np.dtype(d).name)
-def test_nan_and_inf_of_either_sign_in_one_span_of_several(dtype: type) -> None:
+def test_nan_and_inf_of_either_sign_in_one_chunk_of_several(dtype: type) -> None:
     rng = np.random.default_rng(12)
-    values: Array = rng.standard_normal(2 * SPAN + 5).astype(dtype)
-    values[[SPAN + 1, SPAN + 7]] = np.nan
-    values[SPAN + 2] = -np.nan
-    values[SPAN + 3] = np.inf
-    values[2 * SPAN - 1] = -np.inf
+    values: Array = rng.standard_normal(2 * HALF_CHUNK + 5).astype(dtype)
+    values[[HALF_CHUNK + 1, HALF_CHUNK + 7]] = np.nan
+    values[HALF_CHUNK + 2] = -np.nan
+    values[HALF_CHUNK + 3] = np.inf
+    values[2 * HALF_CHUNK - 1] = -np.inf
     found = moments_of(values)
     assert (found.nan, found.inf) == (3, 2)
     assert_matches_numpy(found, values)
