@@ -71,7 +71,7 @@ Mode = Literal["whole", "part", "begin"]
 
 GATHER_BELOW = 256 << 10
 """Whole tensors shorter than this, given to :meth:`TensorWriter.write_many` one after another
-in the file, are gathered: copied into one buffer of up to :data:`GATHER_MAX` bytes, handed to
+in the message (to a destination other than a local file, which stages them), are gathered: copied into one buffer of up to :data:`GATHER_MAX` bytes, handed to
 the destination in one write. What a small tensor costs is the work of each write (the sink's,
 the event loop's), not its copy: 10,000 of 4 KiB make 40 writes instead of 10,000."""
 
@@ -518,13 +518,23 @@ class TensorWriter(AsyncClosing):
         """Write several whole tensors, given as a mapping or as ``(name, array)`` pairs, each as
         :meth:`write` writes it.
 
-        Tensors shorter than :data:`GATHER_BELOW` that follow each other in the file (given in
-        header order) are copied into one buffer and written together, up to
-        :data:`GATHER_MAX` bytes at a time: many small tensors cost a few writes of the
-        destination, not one each. The arrays' memory is read until this returns.
+        On a local file each goes as :meth:`write` takes it (small tensors staged by the file,
+        written a block at a time). On any other destination, tensors shorter than
+        :data:`GATHER_BELOW` that follow each other in the message (given in header order) are
+        copied into one buffer and written together, up to :data:`GATHER_MAX` bytes at a time:
+        many small tensors cost a few writes of the destination, not one each. The arrays'
+        memory is read until this returns.
         """
         sink = self._check_usable()
         pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
+        if self._staged is not None:
+            try:
+                for name, value in pairs:
+                    await self.write(name, value)
+            except BaseException as exc:
+                await self._abort(exc)
+                raise
+            return
         gathered = _Gathered()
         try:
             for name, value in pairs:
