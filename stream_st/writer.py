@@ -71,9 +71,10 @@ Mode = Literal["whole", "part", "begin"]
 
 GATHER_BELOW = 256 << 10
 """Whole tensors shorter than this, given to :meth:`TensorWriter.write_many` one after another
-in the message (to a destination other than a local file, which stages them), are gathered: copied into one buffer of up to :data:`GATHER_MAX` bytes, handed to
-the destination in one write. What a small tensor costs is the work of each write (the sink's,
-the event loop's), not its copy: 10,000 of 4 KiB make 40 writes instead of 10,000."""
+in the message (to a destination other than a local file, which stages them), are gathered:
+copied into one buffer of up to :data:`GATHER_MAX` bytes, handed to the destination in one
+write. What a small tensor costs is the work of each write (the sink's, the event loop's), not
+its copy: 10,000 of 4 KiB make 40 writes instead of 10,000."""
 
 GATHER_MAX = 1 << 20
 """The most bytes :meth:`TensorWriter.write_many` gathers into one write."""
@@ -363,8 +364,12 @@ class TensorWriter(AsyncClosing):
             await sink.allocate(self._header.file_size)
             if sink.random_access:
                 await sink.write_at(0, prefix)
-                if isinstance(sink, FileSink) and digests is None and math.isinf(
-                    sink.clock.remaining()  # no deadline to check at each write
+                if (
+                    isinstance(sink, FileSink)
+                    and digests is None
+                    and math.isinf(
+                        sink.clock.remaining()  # no deadline to check at each write
+                    )
                 ):
                     self._staged = _Staged(self._header, self._progress, sink)
             else:

@@ -169,7 +169,8 @@ def build_header(
         raise HeaderError(f"names and metadata must be valid Unicode text: {exc}") from None
     prefix = framed_header(text)
     table = TensorTable(names, codes, shapes, starts, ends)  # every dtype a known one
-    header = Header(table, dict(metadata or {}), len(prefix) - LENGTH_PREFIX_SIZE, _positions(names))
+    size = len(prefix) - LENGTH_PREFIX_SIZE
+    header = Header(table, dict(metadata or {}), size, _positions(names))
     return prefix, header
 
 
