@@ -375,15 +375,15 @@ class FileSink(Sink):
     (the directory flush shielded) and returns: the cancellation reaches the caller at its next
     checkpoint, with the file in place.
 
-    Writes shorter than :data:`WRITE_INLINE` are copied into a buffer of that size while each
-    follows the one before in the file, and written together (on the event loop's thread) when
-    the next would not fit or not follow, before any read back, and at the commit: a message of
-    many small tensors costs one ``pwritev`` call per :data:`WRITE_INLINE` bytes, not one a
-    tensor. Such a write is no checkpoint: the loop runs other tasks, and a cancellation is
-    seen, when the batch is written, and at the commit (a cancelled write of a few small tensors
-    still commits nothing). Checking for a cancellation at each cost 10-15 % of ``open_writer``'s
-    time for 10,000 tensors of 4 KiB. :meth:`write_whole` writes a whole message at once, with
-    no event loop.
+    Writes shorter than :data:`WRITE_INLINE` are copied into a kept buffer while each follows
+    the one before in the file (:meth:`stage`), and written (on the event loop's thread) a
+    :data:`WRITE_CALL` block of the file at a time as they fill it, when the next would not
+    follow, before any read back, and at the commit: a message of many small tensors costs one
+    ``pwritev`` call per block, not one a tensor. Such a write is no checkpoint: the loop runs
+    other tasks, and a cancellation is seen, when a block is written, and at the commit (a
+    cancelled write of a few small tensors still commits nothing). Checking for a cancellation
+    at each cost 10-15 % of ``open_writer``'s time for 10,000 tensors of 4 KiB.
+    :meth:`write_whole` writes a whole message at once, with no event loop.
     """
 
     random_access = True
