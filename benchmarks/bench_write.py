@@ -6,6 +6,7 @@ minutes on a loaded 2-core machine)::
     python benchmarks/bench_write.py [--repeat 7] [--tensors 64] [--source numpy|torch]
                                      [--dir DIR] [--variants A,B,...]
     python benchmarks/bench_write.py --small [--repeat 5] [--plans 100x4,...] [--variants ...]
+                                     [--base DIR]
 
 The plan is ``--tensors`` tensors of 32 MiB F32 (64: 2 GiB of data), named ``t00``, ``t01``...
 Each variant runs in a fresh process that first builds the tensors as a user's program does:
@@ -28,6 +29,8 @@ third of their speed against the bar).
 * ``pwrite``: the bar. The file preallocated (``posix_fallocate``), the header written, then the
   data by 2 threads issuing 8 MiB ``os.pwrite`` calls from the arrays' memory.
 * ``open_writer``: ``open_writer(path, plan)`` and ``await writer.write(name, array)`` per tensor.
+* ``write_many`` (``--small`` only): ``open_writer(path, plan)`` and one
+  ``await writer.write_many(arrays)``.
 * ``save``: ``await stream_st.save(path, arrays)``.
 * ``np_save_file`` / ``torch_save_file``: the drop-ins ``stream_st.numpy.save_file`` and
   ``stream_st.torch.save_file``.
@@ -54,15 +57,17 @@ The load average (other processes skew the figures) is printed at the start and 
 copy (about two minutes, ~1 GiB of RAM and disk). ``--plans`` lists ``COUNTxKIB`` plans (by
 default 100, 1,000 and 10,000 tensors of 4 KiB and of 64 KiB, F32, each filled with its index).
 Each variant (by default the reference's two ``save_file``, the drop-ins' ``save_file``,
-``save_model``, ``save`` and ``open_writer``) runs in a fresh process per round, interleaved,
-and writes every plan there in turn: 9 calls for a plan under 16 MiB, 3 under 256 MiB, else 1,
-the file removed after each call outside the timer, the imports made before (``save`` and
-``open_writer`` awaited in one running event loop, as an async program calls them; the others
-called from plain code, outside any loop). Reported per plan:
+``save_model``, ``save``, ``open_writer`` and ``write_many``) runs in a fresh process per round,
+interleaved, and writes every plan there in turn: 9 calls for a plan under 16 MiB, 3 under
+256 MiB, else 1, the file removed after each call outside the timer, the imports made before
+(``save``, ``open_writer`` and ``write_many`` awaited in one running event loop, as an async
+program calls them; the others called from plain code, outside any loop). Reported per plan:
 each variant's median time per call, and its paired ratio to ``ref_np`` and ``ref_torch`` of
 the same round (their median call / the variant's; median, min and max over the rounds), and
 the same for the first call of the process alone. The first call's file is checked against
-the reference's bytes.
+the reference's bytes. ``--base DIR`` also runs each stream_st variant with the stream_st of the
+checkout ``DIR`` (the code before a change), as ``VARIANT@base`` in the same rounds, and prints
+each variant's paired ratio to it (the base's median call / the variant's).
 """
 
 from __future__ import annotations
@@ -108,7 +113,12 @@ SMALL_VARIANTS = (
     "torch_save_model",
     "save",
     "open_writer",
+    "write_many",
 )
+VARIANTS = (*DEFAULT_VARIANTS, "write_many")
+"""Every variant's name: the default ones and those of ``--small`` alone."""
+BASE = "@base"
+"""The suffix of a variant run with the stream_st of ``--base``."""
 SMALL_PLANS = "100x4,1000x4,10000x4,100x64,1000x64,10000x64"
 
 
@@ -272,7 +282,7 @@ def _prepare(
     return lambda: anyio.run(run)
 
 
-ASYNC_VARIANTS = ("open_writer", "save", "sharded", "dataset")
+ASYNC_VARIANTS = ("open_writer", "write_many", "save", "sharded", "dataset")
 
 
 def _coroutine(variant: str, workdir: str, arrays: dict[str, Any]) -> Any:
@@ -302,12 +312,16 @@ def _coroutine(variant: str, workdir: str, arrays: dict[str, Any]) -> Any:
                     {f"c{j:02d}": arrays[names[i]] for j, i in enumerate(rows)}, 1
                 )
 
+    async def many() -> None:
+        plan = [TensorSpec(name, "F32", array.shape) for name, array in arrays.items()]
+        async with open_writer(path, plan) as writer:
+            await writer.write_many(arrays)
+
     async def saved() -> None:
         await save(path, arrays)
 
-    return {"open_writer": by_tensor, "save": saved, "sharded": sharded, "dataset": dataset}[
-        variant
-    ]
+    coroutines = {"open_writer": by_tensor, "write_many": many, "save": saved}
+    return {**coroutines, "sharded": sharded, "dataset": dataset}[variant]
 
 
 def _child(variant: str, workdir: str, count: int, source: str, src: str) -> dict[str, Any]:
@@ -409,8 +423,16 @@ def _small_expected(plans: list[tuple[int, int]]) -> list[int]:
 
 
 def _small_main(
-    repeat: int, directory: str | None, variants: list[str], plans: list[tuple[int, int]]
+    repeat: int,
+    directory: str | None,
+    variants: list[str],
+    plans: list[tuple[int, int]],
+    base: str | None,
 ) -> None:
+    if base is not None:  # each stream_st variant also run with the code of ``base``
+        variants = [
+            name for v in variants for name in ((v,) if v.startswith("ref_") else (v, v + BASE))
+        ]
     workdir = tempfile.mkdtemp(prefix="bench_write_small_", dir=directory)
     print(
         f"plans (count x KiB of F32): {' '.join(f'{c}x{k}' for c, k in plans)}, to a file on "
@@ -423,9 +445,11 @@ def _small_main(
     try:
         for rep in range(repeat):
             for variant in variants:
-                command = [sys.executable, os.path.abspath(__file__), "--child", variant]
+                name, _, on_base = variant.partition(BASE)
+                command = [sys.executable, os.path.abspath(__file__), "--child", name]
                 command += ["--workdir", workdir, "--small", "--plans", _plan_text(plans)]
-                done = subprocess.run(command, capture_output=True, text=True)
+                env = {**os.environ, "PYTHONPATH": base} if on_base and base else None
+                done = subprocess.run(command, capture_output=True, text=True, env=env)
                 if done.returncode:
                     raise SystemExit(f"{variant} failed:\n{done.stderr}")
                 result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -454,6 +478,8 @@ def _small_main(
             if bar != variant and bar in variants:
                 line += f"  vs {bar} {_span(median[variant], median[bar])}"
                 line += f"  first call {_span(first[variant], first[bar])}"
+            if variant + BASE in variants:
+                line += f"  vs base {_span(median[variant], median[variant + BASE])}"
             print(line)
 
 
@@ -592,7 +618,10 @@ def main() -> None:
     )
     parser.add_argument("--small", action="store_true", help="many small tensors (see above)")
     parser.add_argument("--plans", default=SMALL_PLANS, help=f"--small: default {SMALL_PLANS}")
-    parser.add_argument("--child", choices=DEFAULT_VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--base", default=None, help="--small: also run stream_st's variants from checkout BASE"
+    )
+    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--src", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -612,12 +641,13 @@ def main() -> None:
     default = SMALL_VARIANTS if args.small else DEFAULT_VARIANTS
     chosen = args.variants or ",".join(default)
     variants = [v.strip() for v in chosen.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(DEFAULT_VARIANTS))
+    unknown = sorted(set(variants) - set(VARIANTS if args.small else DEFAULT_VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}")
     if args.small:
         repeat = 5 if args.repeat is None else args.repeat
-        _small_main(repeat, args.dir, variants, plans)
+        base = None if args.base is None else os.path.abspath(args.base)
+        _small_main(repeat, args.dir, variants, plans, base)
         return
     _main(7 if args.repeat is None else args.repeat, args.dir, variants, args.tensors, args.source)
 

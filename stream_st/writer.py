@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
@@ -30,7 +31,7 @@ import numpy as np
 from ._util import AsyncClosing, task_group
 from .core.arrays import as_array, spec_of
 from .core.digests import Digests, OrderedHash, digests_for
-from .core.dtypes import DType, dtype_for, wire_bytes
+from .core.dtypes import _BUFFER_CHARS, DTYPES, NATIVE_IS_LITTLE, DType, dtype_for, wire_bytes
 from .core.header import Header, TensorInfo
 from .core.layout import TensorSpec, _dtype_of, _plan_list, build_header, plan_order
 from .errors import (
@@ -40,7 +41,7 @@ from .errors import (
     UsageError,
     WriterError,
 )
-from .transports.file.sink import FileSink, replaced
+from .transports.file.sink import NOT_STAGED, STAGED_WROTE, FileSink, replaced
 from .transports.file.source import path_from_url
 from .transports.options import Clock, TransportOptions, clock_of
 from .transports.registry import Sink, SinkLike, open_sink, scheme_of
@@ -70,9 +71,10 @@ Mode = Literal["whole", "part", "begin"]
 
 GATHER_BELOW = 256 << 10
 """Whole tensors shorter than this, given to :meth:`TensorWriter.write_many` one after another
-in the file, are gathered: copied into one buffer of up to :data:`GATHER_MAX` bytes, handed to
-the destination in one write. What a small tensor costs is the work of each write (the sink's,
-the event loop's), not its copy: 10,000 of 4 KiB make 40 writes instead of 10,000."""
+in the message (to a destination other than a local file, which stages them), are gathered:
+copied into one buffer of up to :data:`GATHER_MAX` bytes, handed to the destination in one
+write. What a small tensor costs is the work of each write (the sink's, the event loop's), not
+its copy: 10,000 of 4 KiB make 40 writes instead of 10,000."""
 
 GATHER_MAX = 1 << 20
 """The most bytes :meth:`TensorWriter.write_many` gathers into one write."""
@@ -218,6 +220,59 @@ class _Progress:
         )
 
 
+_STAGED_DTYPES: dict[str, np.dtype[Any]] = {
+    code: d.numpy
+    for code, d in DTYPES.items()
+    if NATIVE_IS_LITTLE and not d.packed and d.numpy.char in _BUFFER_CHARS
+}
+"""The dtypes whose arrays :class:`_Staged` takes: numpy's own (their buffer is their bytes on
+the wire, in native byte order, little-endian), by code."""
+
+
+class _Staged:
+    """The quick way of a whole small tensor to a local file, the writer open and recording no
+    digests: checked against its plan and copied into the sink's staging buffer
+    (:meth:`~.transports.file.sink.FileSink.stage`) with no await and no object made.
+
+    :meth:`put` does what it can at once, else nothing: the writer's general path then checks the
+    array again (and raises what is wrong) or, for a write that does not join the staged ones,
+    writes them and lets the event loop run other tasks. ``async def write`` of a tensor that
+    awaits nothing costs the coroutine alone (a cancellation is seen at the next write of the
+    staged bytes, or at the commit, as :class:`FileSink` says).
+    """
+
+    __slots__ = ("_claimed", "_codes", "_done", "_index", "_shapes", "_sink", "_starts")
+
+    def __init__(self, header: Header, progress: _Progress, sink: FileSink) -> None:
+        names, self._codes, self._shapes, starts, _ends = header.tensors.columns()
+        data_start = header.data_start
+        self._starts = [data_start + start for start in starts]  # in the file
+        self._index = dict(zip(names, range(len(names)), strict=True))
+        self._claimed, self._done = progress._claimed, progress._done
+        self._sink = sink
+
+    def put(self, name: str, array: Any) -> int:
+        """Write the whole tensor ``name`` from ``array`` if it can be done at once, as
+        :meth:`~.transports.file.sink.FileSink.stage` says (a write of the file meanwhile owes
+        the event loop a turn); else do nothing (``NOT_STAGED``)."""
+        index = self._index.get(name) if type(name) is str else None
+        if index is None or type(array) is not np.ndarray or name in self._claimed:
+            return NOT_STAGED
+        planned = _STAGED_DTYPES.get(self._codes[index])
+        if (
+            planned is None
+            or array.dtype != planned
+            or array.shape != self._shapes[index]
+            or not array.flags.c_contiguous
+        ):
+            return NOT_STAGED
+        count = array.nbytes  # the planned size: the planned dtype and shape
+        staged = self._sink.stage(self._starts[index], array.data, count)
+        if staged != NOT_STAGED:
+            self._claimed[name] = self._done[name] = count
+        return staged
+
+
 class TensorWriter(AsyncClosing):
     """One safetensors message being written. Create it with :func:`open_writer`.
 
@@ -254,6 +309,7 @@ class TensorWriter(AsyncClosing):
         self._progress = _Progress(self._header)  # bytes claimed and written per tensor
         self._last_send: anyio.Event | None = None  # on a stream: sends go out in claim order
         self._held = b""  # on a stream: the message's last byte, sent only on commit
+        self._staged: _Staged | None = None  # open on a local file, no digests: the quick way
 
     # ------------------------------------------------------------------ state
 
@@ -308,6 +364,14 @@ class TensorWriter(AsyncClosing):
             await sink.allocate(self._header.file_size)
             if sink.random_access:
                 await sink.write_at(0, prefix)
+                if (
+                    isinstance(sink, FileSink)
+                    and digests is None
+                    and math.isinf(
+                        sink.clock.remaining()  # no deadline to check at each write
+                    )
+                ):
+                    self._staged = _Staged(self._header, self._progress, sink)
             else:
                 if not self._header.data_size:  # nothing follows: hold back the header's end
                     prefix, self._held = prefix[:-1], bytes(prefix[-1:])
@@ -332,6 +396,7 @@ class TensorWriter(AsyncClosing):
             raise WriterError(
                 f"the write was aborted ({self._failure!r}); nothing was committed"
             ) from self._failure
+        self._staged = None  # committing: any write goes the general way, and is refused
         try:  # a small write to a file is no cancellation point: a cancellation shows here
             await anyio.lowlevel.checkpoint_if_cancelled()
         except BaseException as exc:
@@ -404,6 +469,7 @@ class TensorWriter(AsyncClosing):
         if self._state in (_ABORTED, _COMMITTED):
             return
         self._state, self._failure = _ABORTED, cause
+        self._staged = None
         sink = self._sink
         if sink is None:
             return
@@ -431,6 +497,17 @@ class TensorWriter(AsyncClosing):
         delivered as (:attr:`~stream_st.TensorInfo.array_shape`: packed F4/F6 as ``uint8``).
         Its memory is read until this returns and may be reused afterwards.
         """
+        staged = self._staged
+        if staged is not None:
+            try:
+                done = staged.put(name, array)
+                if done == STAGED_WROTE:
+                    await anyio.lowlevel.checkpoint()
+            except BaseException as exc:
+                await self._abort(exc)
+                raise
+            if done != NOT_STAGED:
+                return
         await self._write(name, array, _whole_view, "whole")
 
     async def write_part(self, name: str, piece: Any) -> None:
@@ -446,13 +523,23 @@ class TensorWriter(AsyncClosing):
         """Write several whole tensors, given as a mapping or as ``(name, array)`` pairs, each as
         :meth:`write` writes it.
 
-        Tensors shorter than :data:`GATHER_BELOW` that follow each other in the file (given in
-        header order) are copied into one buffer and written together, up to
-        :data:`GATHER_MAX` bytes at a time: many small tensors cost a few writes of the
-        destination, not one each. The arrays' memory is read until this returns.
+        On a local file each goes as :meth:`write` takes it (small tensors staged by the file,
+        written a block at a time). On any other destination, tensors shorter than
+        :data:`GATHER_BELOW` that follow each other in the message (given in header order) are
+        copied into one buffer and written together, up to :data:`GATHER_MAX` bytes at a time:
+        many small tensors cost a few writes of the destination, not one each. The arrays'
+        memory is read until this returns.
         """
         sink = self._check_usable()
         pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
+        if self._staged is not None:
+            try:
+                for name, value in pairs:
+                    await self.write(name, value)
+            except BaseException as exc:
+                await self._abort(exc)
+                raise
+            return
         gathered = _Gathered()
         try:
             for name, value in pairs:

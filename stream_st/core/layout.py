@@ -24,7 +24,8 @@ from .header import (
     METADATA_KEY,
     U64_MAX,
     Header,
-    TensorInfo,
+    TensorTable,
+    _positions,
     checked_dims,
     data_size,
 )
@@ -130,17 +131,21 @@ def build_header(
                     f"metadata must map strings to strings; got {key!r}: {type(value).__name__}"
                 )
         members.append(f'"{METADATA_KEY}":{_compact(dict(metadata))}')
-    names: set[str] = set()
-    infos: list[TensorInfo] = []
+    names: list[str] = []  # the header's columns, as a TensorTable holds them
+    codes: list[str] = []
+    shapes: list[tuple[int, ...]] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    seen: set[str] = set()
     offset = 0
     layouts: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}  # each checked once
     for spec in _plan_list(specs):
         name, shape = spec.name, spec.shape
         if name == METADATA_KEY:
             raise HeaderError(f"{METADATA_KEY!r} is reserved and cannot name a tensor")
-        if name in names:
+        if name in seen:
             raise HeaderError(f"tensor {name!r} appears twice in the plan")
-        names.add(name)
+        seen.add(name)
         dtype = _dtype_of(spec)
         layout = layouts.get((dtype.code, shape))
         if layout is None:  # its size, and its member's text up to the offsets
@@ -152,14 +157,20 @@ def build_header(
         if end > U64_MAX:
             raise HeaderError(f"tensor {name!r}: the data section passes 2**64 - 1 bytes")
         members.append(f"{encode_basestring(name)}:{fields}{offset},{end}]}}")
-        infos.append(TensorInfo(name, dtype.code, shape, offset, end))
+        names.append(name)
+        codes.append(dtype.code)
+        shapes.append(shape)
+        starts.append(offset)
+        ends.append(end)
         offset = end
     try:
         text = ("{" + ",".join(members) + "}").encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate in a name or in metadata
         raise HeaderError(f"names and metadata must be valid Unicode text: {exc}") from None
     prefix = framed_header(text)
-    header = Header.from_tensors(infos, metadata or {}, len(prefix) - LENGTH_PREFIX_SIZE)
+    table = TensorTable(names, codes, shapes, starts, ends)  # every dtype a known one
+    size = len(prefix) - LENGTH_PREFIX_SIZE
+    header = Header(table, dict(metadata or {}), size, _positions(names))
     return prefix, header
 
 

@@ -12,7 +12,7 @@ import contextlib
 import math
 import os
 import pathlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -41,6 +41,7 @@ from stream_st import (
 )
 from stream_st.core import dtypes as core_dtypes
 from stream_st.transports.base import Sink
+from stream_st.transports.file import sink as sink_module
 from stream_st.transports.file.sink import FileSink
 from stream_st.transports.registry import open_sink
 from stream_st.writer import Order
@@ -1199,3 +1200,65 @@ async def test_small_writes_are_staged_then_written_together(tmp_path: pathlib.P
     assert back == b"abcdef"
     await sink.abort()
     assert leftovers(tmp_path, "s.safetensors") == []
+
+
+def four_kib_tensors(count: int) -> Arrays:
+    """``count`` tensors of 4 KiB (F32), each filled with its index."""
+    return {f"t{i:05d}": np.full(1024, i, dtype=np.float32) for i in range(count)}
+
+
+async def test_small_writes_give_the_loop_a_turn_a_block(tmp_path: pathlib.Path) -> None:
+    """write() of 4 KiB tensors to a file stages them with no await, but the event loop runs
+    other tasks each time a block of the file is written: 8 MiB make 32 blocks."""
+    arrays = four_kib_tensors(2048)
+    plan = [TensorSpec(name, "F32", (1024,)) for name in arrays]
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            await anyio.lowlevel.checkpoint()
+            turns += 1
+
+    path = tmp_path / "turns.safetensors"
+    async with anyio.create_task_group() as group:
+        group.start_soon(count_turns)
+        await anyio.lowlevel.checkpoint()
+        before = turns
+        async with stream_st.open_writer(path, plan) as writer:
+            for name, array in arrays.items():
+                await writer.write(name, array)
+        during = turns - before
+        group.cancel_scope.cancel()
+    assert during >= (8 << 20) // sink_module.WRITE_CALL - 1
+    assert path.read_bytes() == reference_numpy.save(arrays)
+
+
+@pytest.mark.parametrize("cancel_after", [1000, 2048], ids=["mid-way", "after-the-last"])
+@pytest.mark.parametrize("many", [False, True], ids=["write", "write_many"])
+async def test_small_writes_cancelled_leave_nothing(
+    tmp_path: pathlib.Path, cancel_after: int, many: bool
+) -> None:
+    """A cancellation while small tensors are staged, or once all are, commits nothing."""
+    arrays = four_kib_tensors(2048)
+    plan = [TensorSpec(name, "F32", (1024,)) for name in arrays]
+    path = tmp_path / "cancelled.safetensors"
+    written = 0
+
+    def pairs() -> Iterator[tuple[str, np.ndarray[Any, Any]]]:
+        nonlocal written
+        for name, array in arrays.items():
+            yield name, array
+            written += 1
+            if written == cancel_after:
+                scope.cancel()
+
+    with anyio.CancelScope() as scope:
+        async with stream_st.open_writer(path, plan) as writer:
+            if many:
+                await writer.write_many(pairs())
+            else:
+                for name, array in pairs():
+                    await writer.write(name, array)
+    assert scope.cancelled_caught and written < cancel_after + sink_module.WRITE_CALL // 4096
+    assert leftovers(tmp_path) == []

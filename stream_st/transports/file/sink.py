@@ -96,6 +96,9 @@ and back, which cost 190 us a tensor on a busy 2-core machine. ``stream_st.numpy
 1,000 tensors of 4 KiB took 0.46 s with every write in a worker thread, 0.11 s with them here
 (the reference 0.02-0.04 s: what is left is the writer's own work per tensor)."""
 
+NOT_STAGED, STAGED, STAGED_WROTE = 0, 1, 2
+"""What :meth:`FileSink.stage` did: nothing; staged a write; staged it and wrote a block."""
+
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | _CLOEXEC  # read back: FileSink.read_at
 _TMPFILE_FLAGS = os.O_RDWR | getattr(os, "O_TMPFILE", 0) | _CLOEXEC
@@ -372,15 +375,15 @@ class FileSink(Sink):
     (the directory flush shielded) and returns: the cancellation reaches the caller at its next
     checkpoint, with the file in place.
 
-    Writes shorter than :data:`WRITE_INLINE` are copied into a buffer of that size while each
-    follows the one before in the file, and written together (on the event loop's thread) when
-    the next would not fit or not follow, before any read back, and at the commit: a message of
-    many small tensors costs one ``pwritev`` call per :data:`WRITE_INLINE` bytes, not one a
-    tensor. Such a write is no checkpoint: the loop runs other tasks, and a cancellation is
-    seen, when the batch is written, and at the commit (a cancelled write of a few small tensors
-    still commits nothing). Checking for a cancellation at each cost 10-15 % of ``open_writer``'s
-    time for 10,000 tensors of 4 KiB. :meth:`write_whole` writes a whole message at once, with
-    no event loop.
+    Writes shorter than :data:`WRITE_INLINE` are copied into a kept buffer while each follows
+    the one before in the file (:meth:`stage`), and written (on the event loop's thread) a
+    :data:`WRITE_CALL` block of the file at a time as they fill it, when the next would not
+    follow, before any read back, and at the commit: a message of many small tensors costs one
+    ``pwritev`` call per block, not one a tensor. Such a write is no checkpoint: the loop runs
+    other tasks, and a cancellation is seen, when a block is written, and at the commit (a
+    cancelled write of a few small tensors still commits nothing). Checking for a cancellation
+    at each cost 10-15 % of ``open_writer``'s time for 10,000 tensors of 4 KiB.
+    :meth:`write_whole` writes a whole message at once, with no event loop.
     """
 
     random_access = True
@@ -406,6 +409,7 @@ class FileSink(Sink):
         self._stage = bytearray()  # small writes that follow each other, not written yet, in
         self._staged = 0  # its first bytes: a buffer made once and kept (fresh memory faults)
         self._staged_at = 0  # where in the file they go
+        self._room = 0  # bytes from there to the end of its WRITE_CALL block
         self.temp_path: str | None = None  # the temporary's name; None while it has none
         fd = _open_nameless(directory)
         while fd is None:
@@ -466,19 +470,14 @@ class FileSink(Sink):
         if not count:
             return
         if count < WRITE_INLINE:  # staged: written with the small writes that follow it
-            staged = self._staged
-            if staged and (offset != self._staged_at + staged or staged + count > WRITE_INLINE):
+            staged = self.stage(offset, buffer, count)
+            if staged == STAGED_WROTE:
+                await anyio.lowlevel.checkpoint()
+            elif staged == NOT_STAGED:
                 self._flush()
                 await anyio.lowlevel.checkpoint()
                 # Nothing is staged at a checkpoint: another task's write may have come since.
-                if self._staged:
-                    await self.write_at(offset, buffer)
-                    return
-            if not self._staged:
-                self._staged_at = offset
-            end = self._staged + count
-            self._stage[self._staged : end] = buffer
-            self._staged = end
+                await self.write_at(offset, buffer)
             return
         self._busy += 1
         try:
@@ -487,6 +486,46 @@ class FileSink(Sink):
             self._busy -= 1
             if self._done and not self._busy:
                 self._close_fd()
+
+    def stage(self, offset: int, buffer: memoryview, count: int) -> int:
+        """Stage a write of the open sink at once, with no await: ``buffer``, C-contiguous and
+        ``count`` bytes long, for ``offset``. Returns :data:`STAGED` when it is shorter than
+        :data:`WRITE_INLINE` and the first staged or following the staged writes;
+        :data:`STAGED_WROTE` when it also filled the :data:`WRITE_CALL` block of the file they
+        are in, which was written (on this thread: the caller then owes the event loop a turn);
+        :data:`NOT_STAGED`, nothing done, when it is not that short or does not follow (then
+        :meth:`write_at` writes the staged writes first, and lets the loop run other tasks).
+
+        Staged writes are written a block at a time, each call filling one block of the file
+        (the first from where the writes begin): a call that ends inside a block costs Linux
+        smaller page-cache folios.
+        """
+        staged = self._staged
+        if not staged:
+            if count >= WRITE_INLINE:
+                return NOT_STAGED
+            self._staged_at = offset
+            self._room = WRITE_CALL - offset % WRITE_CALL  # bytes to the block's end
+        elif offset != self._staged_at + staged or count >= WRITE_INLINE:
+            return NOT_STAGED
+        end = staged + count
+        room = self._room
+        if end < room:
+            self._stage[staged:end] = buffer
+            self._staged = end
+            return STAGED
+        data, taken = buffer.cast("B"), 0
+        while end >= room:  # each block it fills is written now, the rest staged
+            head = taken + room - staged
+            self._stage[staged:room] = data[taken:head]
+            self._staged = room
+            self._flush()
+            self._staged_at += room
+            staged, taken, room = 0, head, WRITE_CALL
+            end = count - taken
+        self._stage[:end] = data[taken:]
+        self._staged, self._room = end, room
+        return STAGED_WROTE
 
     def _flush(self) -> None:
         """Write the staged small writes, on this thread."""
