@@ -4,12 +4,17 @@ round: each test failed before its fix."""
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import safetensors.numpy as reference_numpy
 
+import stream_st
+import stream_st.numpy
 from stream_st import tools
 from stream_st.cli import main
 from stream_st.cli.output import EXIT_DIFFERENT, EXIT_ERROR
@@ -217,3 +222,62 @@ async def test_a_config_a_file_partly_matches_keeps_its_warnings(tmp_path: Path)
     )
     result = await tools.validate(path, config=CONFIG)
     assert result.ok and result.warnings
+
+
+# ------------------------------------------------------------------- the reading API's arguments
+
+
+@pytest.fixture
+def small() -> bytes:
+    data: bytes = reference_numpy.save(
+        {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(4, dtype=np.int64)}
+    )
+    return data
+
+
+@pytest.mark.parametrize(
+    ("include", "said"),
+    [
+        (b"a", "got bytes b'a': names are str"),
+        (bytearray(b"a"), "got bytes bytearray(b'a'): names are str"),
+        ([1], "names are str, got int 1"),
+        (["a", None], "names are str, got NoneType None"),
+    ],
+)
+async def test_include_of_other_than_names_is_a_type_error(
+    small: bytes, include: object, said: str
+) -> None:
+    """``include=b"a"`` was iterated into 97 and refused as a name the header lacks
+    (``TensorNotFoundError: include= names tensors not in the header: [97]``); ``[1]`` too."""
+    with pytest.raises(stream_st.ArgumentTypeError, match=re.escape(said)):
+        await stream_st.load(small, include=include)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["100", None, 1.5, True, 0, -1])
+async def test_a_bad_max_header_size_is_a_usage_error(small: bytes, value: object) -> None:
+    """A string or None escaped as a TypeError from comparing it with the header's length; a
+    bool, a float or a number below 1 was taken as the cap ("exceeds the limit of True bytes")."""
+    with pytest.raises(stream_st.UsageError, match="max_header_size must be an integer >= 1"):
+        await stream_st.load(small, max_header_size=value)  # type: ignore[arg-type]
+
+
+async def test_max_header_size_takes_numpy_integers(small: bytes) -> None:
+    cap: Any = np.int64(1000)
+    assert sorted(await stream_st.load(small, max_header_size=cap)) == ["a", "b"]
+
+
+def test_a_path_given_as_bytes_to_the_drop_ins_is_a_type_error(
+    tmp_path: Path, small: bytes
+) -> None:
+    """``load_file(os.fsencode(path))`` read the path's characters as a file and said "not a
+    safetensors file (its first 8 bytes are not a header length)"; the reference refuses bytes
+    with a TypeError, as this does now, saying why."""
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(small)
+    said = "bytes are read as a safetensors file's content"
+    for call in (stream_st.numpy.load_file, lambda name: stream_st.numpy.safe_open(name, "np")):
+        with pytest.raises(stream_st.ArgumentTypeError, match=said) as raised:
+            call(os.fsencode(path))
+        assert isinstance(raised.value, TypeError) and str(path) in str(raised.value)
+    with stream_st.numpy.safe_open(small, "np") as f:  # a file's bytes are still read
+        assert sorted(f.keys()) == ["a", "b"]
