@@ -112,7 +112,9 @@ def run(function: Callable[..., Awaitable[T]], *args: Any) -> T:
 
 def check_sync_address(obj: object, role: str) -> None:
     """:class:`UsageError` for an ``obj`` that belongs to the caller's event loop (a stream, a
-    chunk iterator): a synchronous call runs on a loop of its own and cannot use it."""
+    chunk iterator): a synchronous call runs on a loop of its own and cannot use it.
+    :class:`ArgumentTypeError` for a source given as bytes that cannot be a file's (a path as
+    bytes, which the reference refuses with a TypeError too)."""
     bound = (
         asyncio.StreamReader,
         asyncio.StreamWriter,
@@ -125,7 +127,7 @@ def check_sync_address(obj: object, role: str) -> None:
             f"the synchronous API takes a path, URL or bytes as its {role}, not a "
             f"{type(obj).__name__} (it belongs to an event loop): use stream_st's async API"
         )
-    if isinstance(obj, bytes | bytearray) and 0 not in obj[:8]:
+    if role == "source" and isinstance(obj, bytes | bytearray) and 0 not in obj[:8]:
         # A safetensors file's first 8 bytes, a little-endian header length, end in zeros:
         # these are no file's content, but most likely a path given as bytes (os.fsencode).
         raise ArgumentTypeError(
