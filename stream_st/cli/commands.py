@@ -19,7 +19,8 @@ import re
 import stat
 import sys
 import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any
 
@@ -40,6 +41,7 @@ from ..errors import (
 )
 from ..tools.common import naming, plural
 from ..tools.cp import address_in
+from ..tools.model_checks import ModelConfig
 from ..transports.file.sink import PipeSink
 from ..transports.registry import SinkLike
 from .demo import print_report, run_demo
@@ -189,7 +191,7 @@ async def run_show(args: argparse.Namespace) -> int:
             f"{args.source} has no tensor {args.name!r} (stream-st ls {args.source} lists them)"
         ) from None
     for array in arrays:
-        show_values(args, array)
+        show_values(args, stream.header[args.name], array)
     return EXIT_OK
 
 
@@ -366,16 +368,30 @@ def _load_shapes(path: str | None) -> dict[str, list[int]] | None:
         with open(path, "rb") as f:
             shapes = decode_json(f.read(), f"expected shapes {path}")
     except (OSError, SafetensorsError) as exc:
-        raise SafetensorsError(f"cannot read expected shapes from {path}: {exc}") from None
+        raise UsageError(f"--expect-shapes: cannot read {path}: {exc}") from None
     if not isinstance(shapes, dict) or not all(
         isinstance(v, list) and all(isinstance(d, int) for d in v) for v in shapes.values()
     ):
-        raise SafetensorsError(f"{path} must map tensor names to shapes (lists of integers)")
+        raise UsageError(
+            f"--expect-shapes: {path} must map tensor names to shapes (lists of integers)"
+        )
     return shapes
+
+
+def _load_config(path: str | None) -> ModelConfig | None:
+    """The ``--config`` file, read once for every source: an unreadable or unusable one is the
+    option's error, before any source is read, not each source's."""
+    if path is None:
+        return None
+    try:
+        return ModelConfig.read(path)
+    except SafetensorsError as exc:
+        raise UsageError(f"--config: {exc}") from None
 
 
 async def run_validate(args: argparse.Namespace) -> int:
     shapes = _load_shapes(args.expect_shapes)
+    config = _load_config(args.config)
 
     async def one(source: str) -> int:
         with progress_reporter("validating", args.quiet) as progress:
@@ -383,7 +399,7 @@ async def run_validate(args: argparse.Namespace) -> int:
                 source,
                 expect_shapes=shapes,
                 expect_layers=[p for p in (args.expect_layers or "").split(",") if p],
-                config=args.config,
+                config=config,
                 warn_abs=args.warn_abs,
                 progress=progress,
                 **options_of(args),
@@ -442,6 +458,18 @@ def _copy_options(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
     }
 
 
+@contextmanager
+def _include_named(args: argparse.Namespace) -> Iterator[None]:
+    """A name ``--include`` gives that the source does not hold is the option's error."""
+    try:
+        yield
+    except TensorNotFoundError as exc:
+        if not args.include:
+            raise
+        said = str(exc).removeprefix("include= ")
+        raise UsageError(f"--include {said} (stream-st ls {args.src} lists them)") from None
+
+
 async def run_cp(args: argparse.Namespace) -> int:
     src = one_source_arg(args.src)
     into = _is_directory(args.dst)
@@ -454,7 +482,7 @@ async def run_cp(args: argparse.Namespace) -> int:
                 "destination ending in /) to mirror its shards and index, or merge it into one "
                 "file with --merge"
             )
-        with progress_reporter("copying", args.quiet) as progress:
+        with progress_reporter("copying", args.quiet) as progress, _include_named(args):
             written = await tools.mirror(src, args.dst, **_copy_options(args, progress))
         done = f"copied {plural(len(written) - 1, 'shard')} and the index to {args.dst}"
         _report_copy(args, done, {"written": written}, last_stats())
@@ -471,7 +499,7 @@ async def run_cp(args: argparse.Namespace) -> int:
             f"--merge writes one safetensors file, not an index: name it other than {args.dst}"
         )
     dst = await _destination(args.dst)
-    with progress_reporter("copying", args.quiet) as progress:
+    with progress_reporter("copying", args.quiet) as progress, _include_named(args):
         try:
             copied = await tools.cp(src, dst, **_copy_options(args, progress))
         except TransportError as exc:

@@ -5,19 +5,19 @@ from __future__ import annotations
 import argparse
 import os
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from ..errors import UsageError
 from ..reader.caps import Caps, using_caps
 from ..transports.cache.config import parse_size
-from ..transports.options import LimitOptions, TransportOptions
+from ..transports.options import LimitOptions, Limits, Transport, TransportOptions
 
 __all__ = []
 
 
 def limits_of(args: argparse.Namespace) -> LimitOptions:
-    """The time limits given on the command line (each checked where it is used)."""
+    """The time limits given on the command line (each checked as it was parsed)."""
     return LimitOptions(
         timeout=args.timeout,
         deadline=args.deadline,
@@ -33,11 +33,42 @@ def options_of(args: argparse.Namespace) -> TransportOptions:
     )
 
 
+def number_arg(name: str, check: Callable[[float], object]) -> Callable[[str], float]:
+    """The argparse type of an option that takes a number, as the library's keyword ``name``
+    takes it: ``check`` raises :class:`~stream_st.UsageError` for a value it refuses. A bad value
+    is refused as the command line is parsed, naming the option, before any source is read (a
+    command reading several sources would otherwise report it as each source's error)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        try:
+            check(value)
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{name} ")) from None
+        return value
+
+    return parse
+
+
+def limit_arg(name: str) -> Callable[[str], float]:
+    """The argparse type of the time limit ``name`` (``timeout``, ``deadline``, ...)."""
+    return number_arg(name, lambda value: Limits.of({name: value}))
+
+
 def header_line(text: str) -> tuple[str, str]:
-    """A ``--header 'Name: value'`` argument as (name, value); checked again where it is used."""
+    """A ``--header 'Name: value'`` argument as (name, value), checked as every request's
+    headers are (no line break, a valid name); the value is never shown (it may be a token)."""
     name, colon, value = text.partition(":")
-    if not colon or not name.strip():
-        raise argparse.ArgumentTypeError(f"expected 'Name: value', got {text!r}")
+    if not colon or not name.strip():  # not shown: the whole may be a token
+        missing = "a name before the colon" if colon else "the colon"
+        raise argparse.ArgumentTypeError(f"expected 'Name: value', without {missing}")
+    try:
+        Transport.of({name.strip(): value.strip()})
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return name.strip(), value.strip()
 
 

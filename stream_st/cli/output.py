@@ -8,14 +8,16 @@ import math
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from .. import tools
 from ..core.digests import ALGORITHM_KEY, DIGEST_KEY_PREFIX
+from ..core.header import TensorInfo
 from ..errors import SafetensorsError, StreamStWarning, UsageError, redact
 from ..tools.common import Progress, plural
 
@@ -256,8 +258,32 @@ def plain(values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return values
 
 
-def show_values(args: argparse.Namespace, array: np.ndarray[Any, Any]) -> None:
-    """Print the tensor ``args.name`` (its ``--slice``), numpy-style or as one JSON record."""
+_F4_VALUES = np.dtype(ml_dtypes.float4_e2m1fn)
+"""What an F4 tensor's values are shown as: one ``float4_e2m1fn`` per value."""
+
+
+def _f4_values(packed: np.ndarray[Any, Any], shape: Sequence[int]) -> np.ndarray[Any, Any]:
+    """The values of an F4 tensor of ``shape`` from its packed bytes (as the reader delivers
+    them, two values a byte, low nibble first as torch's ``float4_e2m1fn_x2``), one
+    ``float4_e2m1fn`` each, in ``shape``."""
+    codes = np.stack([packed & 0x0F, packed >> 4], axis=-1)
+    return codes.reshape(shape).view(_F4_VALUES)
+
+
+def show_values(args: argparse.Namespace, info: TensorInfo, array: np.ndarray[Any, Any]) -> None:
+    """Print the tensor ``info`` (its ``--slice``), delivered as ``array``, numpy-style or as one
+    JSON record. An F4 tensor's values are decoded from its packed bytes; an F6 tensor's are not
+    (safetensors sets no order for the bits of its four values in three bytes): its bytes are
+    shown, said to be packed, and ``--slice`` is refused."""
+    code, shape = info.dtype, list(info.shape)
+    packed = code != "F4" and info.dtype_info.packed
+    if code == "F4":
+        array = _f4_values(array, info.shape)
+    elif packed and args.slice:
+        raise UsageError(
+            f"--slice indexes values, and {args.name!r} is {code}, whose values stream_st does "
+            "not decode (safetensors sets no bit order for them): show it whole"
+        )
     try:
         values = array[args.slice] if args.slice else array
     except (IndexError, TypeError) as exc:
@@ -266,14 +292,28 @@ def show_values(args: argparse.Namespace, array: np.ndarray[Any, Any]) -> None:
         print_json(
             {
                 "name": args.name,
+                "safetensors_dtype": code,
+                "tensor_shape": shape,
+                "packed": packed,
                 "dtype": str(array.dtype),
                 "shape": list(array.shape),
                 "values": json_values(np.asarray(plain(values)).tolist()),
             }
         )
+    elif packed:
+        print(
+            f"{args.name}: {code} {shape}, packed: {array.size} raw bytes, not values (four "
+            "6-bit values in three bytes, in an order safetensors leaves open)"
+        )
+        print(np.array2string(array, threshold=200, edgeitems=3, formatter={"int": _hex}))
     else:
-        print(f"{args.name}: {array.dtype} {list(array.shape)}")
+        decoded = f"F4 {shape} (float4_e2m1fn values, two a byte)" if code == "F4" else None
+        print(f"{args.name}: {decoded or f'{array.dtype} {shape}'}")
         print(np.array2string(np.asarray(values), threshold=200, edgeitems=3))
+
+
+def _hex(byte: np.integer[Any]) -> str:
+    return f"0x{byte:02x}"
 
 
 def print_validation(result: tools.Validation) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .._util import package_version
+from ..transports.options import checked_number
 from .commands import (
     argcomplete_module,
     parse_index,
@@ -24,7 +25,7 @@ from .commands import (
     run_show,
     run_validate,
 )
-from .options import ca_bundle, header_line, size_arg
+from .options import ca_bundle, header_line, limit_arg, number_arg, size_arg
 from .output import EXIT_ERROR, PROG
 
 __all__ = ["EXAMPLES", "SHELLS", "SOURCES", "build_parser"]
@@ -145,23 +146,26 @@ def build_parser() -> argparse.ArgumentParser:
             return sub
         limits = sub.add_argument_group("time limits (seconds; none by default)")
         limits.add_argument(
-            "--timeout", type=float, metavar="SECONDS", help="the longest any one wait may last"
+            "--timeout",
+            type=limit_arg("timeout"),
+            metavar="SECONDS",
+            help="the longest any one wait may last",
         )
         limits.add_argument(
             "--deadline",
-            type=float,
+            type=limit_arg("deadline"),
             metavar="SECONDS",
             help="the longest the whole command may take",
         )
         limits.add_argument(
             "--speed-limit",
-            type=float,
+            type=limit_arg("speed_limit"),
             metavar="BYTES",
             help="fail a transfer slower than BYTES/s for --speed-time seconds (as curl)",
         )
         limits.add_argument(
             "--speed-time",
-            type=float,
+            type=limit_arg("speed_time"),
             metavar="SECONDS",
             help="seconds of waiting over which --speed-limit applies (default 30)",
         )
@@ -280,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument(
         "--warn-abs",
-        type=float,
+        type=number_arg("warn_abs", lambda value: checked_number("warn_abs", value)),
         default=1e4,
         metavar="VALUE",
         help="warn about values beyond this (default 1e4)",

@@ -24,7 +24,7 @@ import anyio
 from anyio.abc import ByteReceiveStream, ByteSendStream
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from ..errors import UsageError
+from ..errors import ArgumentTypeError, UsageError
 
 __all__ = ["Bridge", "check_sync_address", "run"]
 
@@ -112,7 +112,9 @@ def run(function: Callable[..., Awaitable[T]], *args: Any) -> T:
 
 def check_sync_address(obj: object, role: str) -> None:
     """:class:`UsageError` for an ``obj`` that belongs to the caller's event loop (a stream, a
-    chunk iterator): a synchronous call runs on a loop of its own and cannot use it."""
+    chunk iterator): a synchronous call runs on a loop of its own and cannot use it.
+    :class:`ArgumentTypeError` for a source given as bytes that cannot be a file's (a path as
+    bytes, which the reference refuses with a TypeError too)."""
     bound = (
         asyncio.StreamReader,
         asyncio.StreamWriter,
@@ -125,3 +127,16 @@ def check_sync_address(obj: object, role: str) -> None:
             f"the synchronous API takes a path, URL or bytes as its {role}, not a "
             f"{type(obj).__name__} (it belongs to an event loop): use stream_st's async API"
         )
+    if role == "source" and isinstance(obj, bytes | bytearray) and 0 not in obj[:8]:
+        # A safetensors file's first 8 bytes, a little-endian header length, end in zeros:
+        # these are no file's content, but most likely a path given as bytes (os.fsencode).
+        raise ArgumentTypeError(
+            f"bytes are read as a safetensors file's content, and {_shown(obj)} is none (no "
+            "8-byte header length): give a path as a str or os.PathLike"
+        )
+
+
+def _shown(data: bytes | bytearray, limit: int = 300) -> str:
+    """``data`` as ``repr`` shows bytes, cut after ``limit`` bytes (a path is shown whole)."""
+    more = f"... ({len(data):,} bytes)" if len(data) > limit else ""
+    return f"{bytes(data[:limit])!r}{more}"

@@ -4,6 +4,7 @@ the header core and yields numpy arrays."""
 from __future__ import annotations
 
 import contextlib
+import operator
 import reprlib
 import sys
 import weakref
@@ -43,14 +44,22 @@ Include = Collection[str] | Callable[[str], bool] | str | None
 def include_names(include: Collection[str] | str) -> set[str]:
     """The names an ``include=`` other than a predicate (or None) lists: one name, or a
     collection of them; :class:`~stream_st.ArgumentTypeError` for anything else (a number, a
-    list of lists)."""
+    list of lists, bytes, a collection holding other than strings)."""
+    if isinstance(include, str):
+        return {include}
+    wrong = "include= takes a tensor name, a collection of names or a predicate on the name"
+    if isinstance(include, bytes | bytearray | memoryview):  # iterated, its bytes' numbers
+        raise ArgumentTypeError(f"{wrong}, got bytes {reprlib.repr(include)}: names are str")
     try:
-        return {include} if isinstance(include, str) else set(include)
+        names = set(include)
     except TypeError:  # not iterable, or names that cannot be names (a list in the list)
+        raise ArgumentTypeError(f"{wrong}, got {reprlib.repr(include)}") from None
+    others = [name for name in names if not isinstance(name, str)]
+    if others:
         raise ArgumentTypeError(
-            "include= takes a tensor name, a collection of names or a predicate on the name, "
-            f"got {reprlib.repr(include)}"
-        ) from None
+            f"{wrong}: names are str, got {type(others[0]).__name__} {reprlib.repr(others[0])}"
+        )
+    return names
 
 
 def _selector(include: Include, header: Header) -> Callable[[str], bool]:
@@ -65,11 +74,25 @@ def _selector(include: Include, header: Header) -> Callable[[str], bool]:
     return names.__contains__
 
 
+def _header_cap(value: object) -> int:
+    """``max_header_size`` checked: an integer >= 1 (bytes); :class:`~stream_st.UsageError`
+    otherwise (a string or None compared with the header's length was a TypeError, a bool or a
+    float a cap that named itself "True bytes")."""
+    if not isinstance(value, bool):
+        with contextlib.suppress(TypeError):
+            cap = operator.index(value)  # type: ignore[arg-type]  # numpy's integers too
+            if cap >= 1:
+                return cap
+    raise UsageError(f"max_header_size must be an integer >= 1 (bytes), got {value!r}")
+
+
 class TensorStream(AsyncClosing):
     """One safetensors file read as a stream. Create it with :func:`open_stream`.
 
     Use it as ``async with open_stream(src) as stream`` to see ``stream.header`` before any data,
-    then ``async for name, array in stream``; or iterate it directly, which opens and closes it.
+    then ``async for name, array in stream``; or iterate it directly, which opens and closes it
+    (after a ``break``, once the event loop finalises the iteration: trio then warns with a
+    ``ResourceWarning``, so under trio leave early only from inside ``async with``).
     Arrays are fresh, writable, native-endian and handed over to the caller: the stream keeps no
     reference to them (with ``copy=False``, a local file's are read-only views of its mapping, see
     :func:`open_stream`). ``clock`` holds the time limits of the read (see :func:`open_stream`);
@@ -105,7 +128,7 @@ class TensorStream(AsyncClosing):
         self._source_like = source
         self._include = include
         self._delivery = delivery or Delivery()
-        self._max_header_size = max_header_size
+        self._max_header_size = _header_cap(max_header_size)
         self._verify = verify
         self._copy = copy
         self._clock = clock or Clock()

@@ -241,6 +241,8 @@ class ModelConfig:
             info = infos.get(name)
             if info is not None and tuple(info.shape) != shape:
                 errors.append(f"{name}: shape {list(info.shape)}, the config gives {list(shape)}")
+        if not any(name in infos for name in expected):  # not this model: nothing else to say
+            return [_nothing_matches(expected, infos)], []
         layers = _layer_stacks(n for n in infos if n.startswith("model.layers.")).get(
             "model.layers.", set()
         )
@@ -296,3 +298,18 @@ def _beyond(name: str, total: int) -> bool:
     """Whether ``name`` is in a layer at or past ``total`` (reported as an error already)."""
     match = _LAYER.search(name)
     return match is not None and name.startswith("model.layers.") and int(match[1]) >= total
+
+
+def _nothing_matches(expected: Mapping[str, object], infos: Mapping[str, TensorInfo]) -> str:
+    """The error for a file none of whose tensors the config names (a config for another model,
+    or another naming of the same one): some names of each side."""
+
+    def some(names: Sequence[str]) -> str:
+        more = f", ... ({len(names)} in all)" if len(names) > 3 else ""
+        return ", ".join(names[:3]) + more
+
+    held = some(list(infos)) if infos else "no tensor"
+    return (
+        "no tensor of the file is one the config names (a config for another model?): the "
+        f"config expects {some(list(expected))}; the file holds {held}"
+    )
