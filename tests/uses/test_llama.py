@@ -297,7 +297,6 @@ def test_demo_command_runs_the_model(text_file: Path, capsys: pytest.CaptureFixt
         (["demo", "--layers", "4"], "--synthetic"),
         (["demo", "--codecs", "int3"], "codecs"),
         (["demo", "--context", "0"], "context"),
-        (["demo", "--timeout", "nan"], "timeout"),
         (["demo", "--text", "/nonexistent/text.txt"], "cannot read"),
         (["demo", "--context", "100000"], "tokens"),
     ],
@@ -308,3 +307,13 @@ def test_demo_command_errors_in_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("stream-st: error") and message in err[-1], err
+
+
+def test_demo_command_refuses_a_bad_timeout_as_its_line_is_read(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--timeout", "nan"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "argument --timeout" in err[-1], err
