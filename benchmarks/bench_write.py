@@ -6,7 +6,7 @@ minutes on a loaded 2-core machine)::
     python benchmarks/bench_write.py [--repeat 7] [--tensors 64] [--source numpy|torch]
                                      [--dir DIR] [--variants A,B,...]
     python benchmarks/bench_write.py --small [--repeat 5] [--plans 100x4,...] [--variants ...]
-                                     [--base DIR]
+                                     [--base DIR] [--cpu]
 
 The plan is ``--tensors`` tensors of 32 MiB F32 (64: 2 GiB of data), named ``t00``, ``t01``...
 Each variant runs in a fresh process that first builds the tensors as a user's program does:
@@ -67,7 +67,10 @@ the same round (their median call / the variant's; median, min and max over the 
 the same for the first call of the process alone. The first call's file is checked against
 the reference's bytes. ``--base DIR`` also runs each stream_st variant with the stream_st of the
 checkout ``DIR`` (the code before a change), as ``VARIANT@base`` in the same rounds, and prints
-each variant's paired ratio to it (the base's median call / the variant's).
+each variant's paired ratio to it (the base's median call / the variant's). ``--cpu`` times each
+call by the CPU time of its process (``time.process_time``: every thread, user and system)
+instead of the wall clock: on a machine other processes load, a call's wall-clock time counts
+the time they take the cores from it, and varies 2-3 fold from one call to the next.
 """
 
 from __future__ import annotations
@@ -362,17 +365,20 @@ def _calls(count: int, kib: int) -> int:
     return 9 if size < 16 * MiB else 3 if size < 256 * MiB else 1
 
 
-def _small_child(variant: str, workdir: str, plans: list[tuple[int, int]]) -> list[dict[str, Any]]:
-    """Write every plan with ``variant`` in this (fresh) process: each call's time, and the
-    CRC-32 of the first call's file. An async variant's calls are timed in one running event
-    loop, as a program using the async API makes them."""
+def _small_child(
+    variant: str, workdir: str, plans: list[tuple[int, int]], cpu: bool
+) -> list[dict[str, Any]]:
+    """Write every plan with ``variant`` in this (fresh) process: each call's time (``cpu``: the
+    process's CPU time), and the CRC-32 of the first call's file. An async variant's calls are
+    timed in one running event loop, as a program using the async API makes them."""
     import anyio
     import numpy as np
 
     path = os.path.join(workdir, "out.safetensors")
+    clock = time.process_time if cpu else time.perf_counter
 
     def done(record: dict[str, Any], call: int, start: float) -> None:
-        record["times"].append(time.perf_counter() - start)
+        record["times"].append(clock() - start)
         if not call:
             record["crc"] = _crc_of_files([path])
         os.unlink(path)
@@ -380,7 +386,7 @@ def _small_child(variant: str, workdir: str, plans: list[tuple[int, int]]) -> li
     async def awaited(run: Any, calls: int) -> dict[str, Any]:
         record: dict[str, Any] = {"times": [], "crc": 0}
         for call in range(calls):
-            start = time.perf_counter()
+            start = clock()
             await run()
             done(record, call, start)
         return record
@@ -400,7 +406,7 @@ def _small_child(variant: str, workdir: str, plans: list[tuple[int, int]]) -> li
         run = _prepare(variant, workdir, arrays, tensors, "")
         record: dict[str, Any] = {"times": [], "crc": 0}
         for call in range(calls):
-            start = time.perf_counter()
+            start = clock()
             run()
             done(record, call, start)
         results.append(record)
@@ -428,6 +434,7 @@ def _small_main(
     variants: list[str],
     plans: list[tuple[int, int]],
     base: str | None,
+    cpu: bool,
 ) -> None:
     if base is not None:  # each stream_st variant also run with the code of ``base``
         variants = [
@@ -437,7 +444,7 @@ def _small_main(
     print(
         f"plans (count x KiB of F32): {' '.join(f'{c}x{k}' for c, k in plans)}, to a file on "
         f"{_file_system(workdir)}; {repeat} rounds of {' '.join(variants)}, each in a fresh "
-        "process writing every plan"
+        f"process writing every plan; timed by {'CPU time' if cpu else 'the wall clock'}"
     )
     print(f"load average at start: {_load()}")
     expected = _small_expected(plans)
@@ -448,6 +455,7 @@ def _small_main(
                 name, _, on_base = variant.partition(BASE)
                 command = [sys.executable, os.path.abspath(__file__), "--child", name]
                 command += ["--workdir", workdir, "--small", "--plans", _plan_text(plans)]
+                command += ["--cpu"] if cpu else []
                 env = {**os.environ, "PYTHONPATH": base} if on_base and base else None
                 done = subprocess.run(command, capture_output=True, text=True, env=env)
                 if done.returncode:
@@ -621,6 +629,9 @@ def main() -> None:
     parser.add_argument(
         "--base", default=None, help="--small: also run stream_st's variants from checkout BASE"
     )
+    parser.add_argument(
+        "--cpu", action="store_true", help="--small: time calls by CPU time, not the wall clock"
+    )
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--src", help=argparse.SUPPRESS)
@@ -633,7 +644,7 @@ def main() -> None:
         parser.error(f"--plans takes COUNTxKIB items, got {args.plans!r}")
     if args.child:
         if args.small:
-            print(json.dumps(_small_child(args.child, args.workdir, plans)))
+            print(json.dumps(_small_child(args.child, args.workdir, plans, args.cpu)))
             return
         result = _child(args.child, args.workdir, args.tensors, args.source, args.src)
         print(json.dumps(result))
@@ -647,7 +658,7 @@ def main() -> None:
     if args.small:
         repeat = 5 if args.repeat is None else args.repeat
         base = None if args.base is None else os.path.abspath(args.base)
-        _small_main(repeat, args.dir, variants, plans, base)
+        _small_main(repeat, args.dir, variants, plans, base, args.cpu)
         return
     _main(7 if args.repeat is None else args.repeat, args.dir, variants, args.tensors, args.source)
 
