@@ -122,6 +122,9 @@ VARIANTS = (*DEFAULT_VARIANTS, "write_many")
 """Every variant's name: the default ones and those of ``--small`` alone."""
 BASE = "@base"
 """The suffix of a variant run with the stream_st of ``--base``."""
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The checkout this script is in, whose stream_st the variants run (not the one the
+interpreter may have installed elsewhere)."""
 SMALL_PLANS = "100x4,1000x4,10000x4,100x64,1000x64,10000x64"
 
 
@@ -352,11 +355,16 @@ def _child(variant: str, workdir: str, count: int, source: str, src: str) -> dic
 def _run_child(variant: str, workdir: str, count: int, source: str, src: str) -> dict[str, Any]:
     command = [sys.executable, os.path.abspath(__file__), "--child", variant]
     command += ["--workdir", workdir, "--tensors", str(count), "--source", source, "--src", src]
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=_code(CHECKOUT))
     if done.returncode:
         raise SystemExit(f"{variant} failed:\n{done.stderr}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+def _code(checkout: str) -> dict[str, str]:
+    """The environment of a child that runs the stream_st of ``checkout``."""
+    return {**os.environ, "PYTHONPATH": checkout}
 
 
 def _calls(count: int, kib: int) -> int:
@@ -456,8 +464,8 @@ def _small_main(
                 command = [sys.executable, os.path.abspath(__file__), "--child", name]
                 command += ["--workdir", workdir, "--small", "--plans", _plan_text(plans)]
                 command += ["--cpu"] if cpu else []
-                env = {**os.environ, "PYTHONPATH": base} if on_base and base else None
-                done = subprocess.run(command, capture_output=True, text=True, env=env)
+                code = _code(base if on_base and base else CHECKOUT)
+                done = subprocess.run(command, capture_output=True, text=True, env=code)
                 if done.returncode:
                     raise SystemExit(f"{variant} failed:\n{done.stderr}")
                 result = json.loads(done.stdout.strip().splitlines()[-1])
