@@ -295,22 +295,33 @@ class KvRows:
 
 def _split_keys(keys: Any, columns: Sequence[str], separator: str, shard: str) -> tuple[Any, Array]:
     """The names (an Arrow string array) and columns (positions in ``columns``) of a shard's
-    ``keys`` (an Arrow string array), ``{name}{separator}{column}``: split by Arrow where no
-    column holds the separator (a key's last one splits it), else key by key. Refuses a key
-    that ends with no column."""
+    ``keys`` (an Arrow string array), ``{name}{separator}{column}``: each key's ending bytes
+    compared by numpy with every ``{separator}{column}`` where none holds the separator but at
+    its start (a key's last separator then splits it, and at most one column fits), else key
+    by key. Refuses a key that ends with no column."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
-    if separator and not any(separator in column for column in columns):
-        parts = pc.split_pattern(keys, separator, max_splits=1, reverse=True)
-        good = pc.equal(pc.list_value_length(parts), 2).to_numpy(zero_copy_only=False)
-        if good.all():
-            value_set = pa.array(columns, pa.string())
-            found = pc.index_in(pc.list_element(parts, 1), value_set=value_set)
-            good = found.is_valid().to_numpy(zero_copy_only=False)
-            if good.all():
-                return pc.list_element(parts, 0), found.to_numpy()
-        bad = keys[int(np.argmin(good))].as_py()
+    suffixes = [separator + column for column in columns]
+    if separator and len(keys) and all(separator not in suffix[1:] for suffix in suffixes):
+        bounds = np.frombuffer(keys.buffers()[1], np.int32)[
+            keys.offset : keys.offset + len(keys) + 1
+        ]
+        data = np.frombuffer(keys.buffers()[2] or b"", np.uint8)
+        owners = np.full(len(keys), -1, np.int32)
+        cuts = np.repeat(bounds, 2)[1:-1]  # each name's start and end: the key's, so far
+        for i, suffix in enumerate(suffixes):
+            tail = suffix.encode()
+            at = np.flatnonzero(np.diff(bounds) >= len(tail))
+            for back, byte in enumerate(reversed(tail), 1):  # the candidates, narrowed
+                at = at[data[bounds[at + 1] - back] == byte]
+            owners[at] = i
+            cuts[2 * at + 1] -= len(tail)
+        if (owners >= 0).all():
+            spans = pa.Array.from_buffers(
+                pa.string(), len(cuts) - 1, [None, pa.py_buffer(cuts), keys.buffers()[2]]
+            )
+            return spans.take(np.arange(0, len(cuts), 2)), owners
+        bad = keys[int(np.argmin(owners))].as_py()
     else:
         split = _key_splitter(columns, separator)
         pairs = [split(key) for key in keys.to_pylist()]

@@ -132,3 +132,30 @@ def test_whole_rows_needs_the_record_and_every_shards_count() -> None:
     assert not whole_rows({"kv": {**record, "whole_rows": "yes"}, "shards": shards})
     lacking = [{"shard_path": "a.safetensors", "bytes": 10}]
     assert not whole_rows({"kv": {**record, "whole_rows": True}, "shards": lacking})
+
+
+SPLITS = {  # columns, separator, keys
+    "plain": (["n", "x"], "__", ["a__n", "a__x", "é__x", "b__n"]),
+    "a name holding the separator": (["n", "x"], "__", ["a__b__n", "a__b__x", "__n", "___x"]),
+    "a column ending another": (["x", "ax"], "_", ["n_x", "n_ax", "n_a_x", "a_ax"]),
+    "a column holding part of the separator": (["_x", "x"], "__", ["a___x", "a__x"]),
+    "a column holding the separator": (["a__b", "b"], "__", ["n__a__b", "n__b"]),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLITS))
+def test_keys_are_split_as_split_key_splits_each(case: str) -> None:
+    import pyarrow as pa
+
+    columns, separator, keys = SPLITS[case]
+    names, owners = dataset._split_keys(pa.array(keys)[1:], columns, separator, "s")
+    expected = [dataset.split_key(key, columns, separator) for key in keys[1:]]
+    assert list(zip(names.to_pylist(), [columns[i] for i in owners], strict=True)) == expected
+
+
+@pytest.mark.parametrize("keys", [["a__n", "a__y"], ["a__n", "n"], ["a__n", "a_n"]])
+def test_a_key_of_no_column_is_refused(keys: list[str]) -> None:
+    import pyarrow as pa
+
+    with pytest.raises(stream_st.UsageError, match=f"tensor '{keys[1]}' of s is no column"):
+        dataset._split_keys(pa.array(keys), COLUMNS, "__", "s")
