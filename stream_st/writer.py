@@ -576,12 +576,7 @@ class TensorWriter(AsyncClosing):
             sink.clock.check(sink.name, sink.position)
             info = self._lookup(name)
             data = view(info, value)
-            start = self._progress.claim(info, len(data), kind, sink.random_access)
-            if self._digests is None and sink.random_access:  # most writes: straight to a file
-                if data:
-                    await sink.write_at(self._header.data_start + info.start + start, data)
-                self._progress.wrote(name, len(data))
-                return
+            start = self._claim(info, len(data), kind)
             await self._send(info, start, data)
         except BaseException as exc:
             await self._abort(exc)
