@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import stat
 from typing import cast
@@ -19,7 +20,7 @@ from ..core.header import (
     parse_header_length,
     parse_steps,
 )
-from ..errors import TrailingDataError, TruncatedStreamError
+from ..errors import TrailingDataError, TruncatedStreamError, UsageError
 from ..transports.file.source import _RWF_NOWAIT, _pread_cached, open_path
 from ..transports.options import NO_LIMITS, Clock
 from ..transports.registry import Source, SourceLike, open_source, scheme_of
@@ -135,6 +136,18 @@ async def start_and_read_header(
     return await _read_header(source, max_header_size, unknown_dtypes)
 
 
+def header_cap(value: object) -> int:
+    """``max_header_size`` checked: an integer >= 1 (bytes); :class:`~stream_st.UsageError`
+    otherwise (a string or None compared with the header's length was a TypeError, a bool or a
+    float a cap that named itself "True bytes")."""
+    if not isinstance(value, bool):
+        with contextlib.suppress(TypeError):
+            cap = operator.index(value)  # type: ignore[arg-type]  # numpy's integers too
+            if cap >= 1:
+                return cap
+    raise UsageError(f"max_header_size must be an integer >= 1 (bytes), got {value!r}")
+
+
 async def header_only(
     source_like: SourceLike,
     clock: Clock,
@@ -147,6 +160,7 @@ async def header_only(
     machinery (its statistics, delivery, recycled memory), which a small local file would
     spend more time building than reading; a local file with no time limit, its header in the
     page cache and parsed in one step, needs no source either (:func:`_cached_header`)."""
+    max_header_size = header_cap(max_header_size)
     fspath = getattr(type(source_like), "__fspath__", None)  # os.PathLike's test, without the ABC's
     name = fspath(source_like) if fspath is not None else source_like
     unlimited = clock.limits is NO_LIMITS or not clock.limited  # most reads: known by identity

@@ -4,7 +4,6 @@ the header core and yields numpy arrays."""
 from __future__ import annotations
 
 import contextlib
-import operator
 import reprlib
 import sys
 import weakref
@@ -33,7 +32,7 @@ from ..transports.options import Clock
 from ..transports.registry import Source, SourceLike
 from .ahead import READ_AHEAD_FROM, _read_ahead
 from .caps import Caps
-from .header import open_under, start_and_read_header
+from .header import header_cap, open_under, start_and_read_header
 from .tensors import _read_tensor, merge_ranges
 from .turns import give_turn
 
@@ -72,18 +71,6 @@ def _selector(include: Include, header: Header) -> Callable[[str], bool]:
     if missing:
         raise TensorNotFoundError(f"include= names tensors not in the header: {missing}")
     return names.__contains__
-
-
-def _header_cap(value: object) -> int:
-    """``max_header_size`` checked: an integer >= 1 (bytes); :class:`~stream_st.UsageError`
-    otherwise (a string or None compared with the header's length was a TypeError, a bool or a
-    float a cap that named itself "True bytes")."""
-    if not isinstance(value, bool):
-        with contextlib.suppress(TypeError):
-            cap = operator.index(value)  # type: ignore[arg-type]  # numpy's integers too
-            if cap >= 1:
-                return cap
-    raise UsageError(f"max_header_size must be an integer >= 1 (bytes), got {value!r}")
 
 
 class TensorStream(AsyncClosing):
@@ -128,7 +115,7 @@ class TensorStream(AsyncClosing):
         self._source_like = source
         self._include = include
         self._delivery = delivery or Delivery()
-        self._max_header_size = _header_cap(max_header_size)
+        self._max_header_size = header_cap(max_header_size)
         self._verify = verify
         self._copy = copy
         self._clock = clock or Clock()

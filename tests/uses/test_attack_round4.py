@@ -259,6 +259,20 @@ async def test_a_bad_max_header_size_is_a_usage_error(small: bytes, value: objec
     bool, a float or a number below 1 was taken as the cap ("exceeds the limit of True bytes")."""
     with pytest.raises(stream_st.UsageError, match="max_header_size must be an integer >= 1"):
         await stream_st.load(small, max_header_size=value)  # type: ignore[arg-type]
+    with pytest.raises(stream_st.UsageError, match="max_header_size must be an integer >= 1"):
+        await stream_st.read_header(small, max_header_size=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["100", None, True, 0])
+async def test_a_bad_max_header_size_is_a_usage_error_for_a_path_too(
+    tmp_path: Path, small: bytes, value: object
+) -> None:
+    """``read_header`` of a local file reads its header without a stream: a string or None
+    escaped there as a TypeError, ``True`` and 0 as "exceeds the limit of True bytes"."""
+    path = tmp_path / "small.safetensors"
+    path.write_bytes(small)
+    with pytest.raises(stream_st.UsageError, match="max_header_size must be an integer >= 1"):
+        await stream_st.read_header(path, max_header_size=value)  # type: ignore[arg-type]
 
 
 async def test_max_header_size_takes_numpy_integers(small: bytes) -> None:
