@@ -5,10 +5,34 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
-from ..errors import UnsupportedSourceError
+from ..errors import UnsupportedSourceError, UsageError
 from .base import Source
 
-__all__ = ["BytesSource", "ChunkIteratorSource"]
+__all__ = ["BytesSource", "ChunkIteratorSource", "refuse_path_bytes"]
+
+_PATH_BYTES = 4096
+"""Bytes given as a source and no longer than this are checked for being a path or address."""
+
+
+def refuse_path_bytes(data: bytes | bytearray | memoryview) -> None:
+    """Refuse ``data`` given as a file's contents where it is a path or address instead
+    (``b"/models/m.safetensors"``, ``b"s3://bucket/key"``): text of one line that no safetensors
+    file can be, its first 8 bytes read as a header length promising more than follows."""
+    if len(data) > _PATH_BYTES or len(data) < 8:
+        return
+    raw = bytes(data)
+    if int.from_bytes(raw[:8], "little") <= len(raw) - 8:
+        return  # a length prefix that fits: read as a file
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        return
+    if not text.isprintable() or not ("/" in text or "\\" in text or text.endswith(".safetensors")):
+        return
+    raise UsageError(
+        f"{text!r} was given as bytes, which are read as a file's contents: "
+        "give a path or address as str"
+    )
 
 
 def _as_bytes_view(chunk: Any) -> memoryview:

@@ -24,7 +24,7 @@ from ..errors import UnsupportedSinkError, UnsupportedSourceError, UsageError
 from .base import AsyncReadInto, Sink, Source
 from .file.sink import open_file_sink
 from .file.source import open_file_source, path_from_url
-from .inmemory import BytesSource, ChunkIteratorSource
+from .inmemory import BytesSource, ChunkIteratorSource, refuse_path_bytes
 from .options import UNLIMITED, Clock
 from .streams import (
     AnyioStreamSink,
@@ -133,6 +133,7 @@ async def _new_source(obj: SourceLike, clock: Clock) -> Source:
     if isinstance(obj, str | os.PathLike):
         return open_file_source(obj, clock)
     if isinstance(obj, bytes | bytearray | memoryview):
+        refuse_path_bytes(obj)
         return BytesSource(obj)
     if isinstance(obj, asyncio.StreamReader):
         return AsyncioStreamSource(obj)

@@ -61,6 +61,19 @@ async def test_bytes_kinds() -> None:
         assert_same_arrays(await read_all(source), sample_tensors())
 
 
+@pytest.mark.parametrize(
+    "given", [b"/models/m.safetensors", b"https://user:pw@host/m?token=T", b"m.safetensors"]
+)
+async def test_a_path_given_as_bytes_is_refused_as_such(given: bytes) -> None:
+    """Bytes are a file's contents: a path or address given as bytes is named as the mistake
+    (not "not a safetensors file"), its secrets masked."""
+    with pytest.raises(stream_st.UsageError, match="given as bytes") as caught:
+        await stream_st.read_header(given)
+    assert "pw" not in str(caught.value) and "T'" not in str(caught.value)
+    with pytest.raises(stream_st.HeaderError, match="not a safetensors file"):
+        await stream_st.read_header(b"not a path, and no file")
+
+
 async def test_header_and_metadata_before_data(sample_path: pathlib.Path) -> None:
     async with stream_st.open_stream(sample_path) as stream:
         assert stream.header.metadata == {"format": "np", "note": "ünïcode"}
