@@ -124,9 +124,14 @@ def _listing(by_dtype: Mapping[str, list[str]], shown: int = 3) -> str:
         if rank == 0 and len(ordered) > 1:
             parts.append(f"{dtype} ({plural(len(names), 'tensor')})")
         else:
-            more = f", ... {len(names) - shown} more" if len(names) > shown else ""
-            parts.append(f"{dtype} ({len(names)}: {', '.join(names[:shown])}{more})")
+            parts.append(f"{dtype} ({len(names)}: {_some(names, shown)})")
     return ", ".join(parts)
+
+
+def _some(names: Sequence[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``names`` and how many more: ``a, b, c, ... 18 more``."""
+    more = f", ... {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 _TORCH_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
@@ -272,10 +277,8 @@ class ModelConfig:
         described = set(expected) | {LM_HEAD}
         unknown = [n for n in infos if n not in described and not _beyond(n, total)]
         if unknown:
-            more = f", ... {len(unknown) - 3} more" if len(unknown) > 3 else ""
             warnings.append(
-                f"{plural(len(unknown), 'tensor')} the config does not describe: "
-                f"{', '.join(unknown[:3])}{more}"
+                f"{plural(len(unknown), 'tensor')} the config does not describe: {_some(unknown)}"
             )
         count = sum(info.nelements for info in infos.values())
         want = _values_in(expected)
@@ -303,13 +306,9 @@ def _beyond(name: str, total: int) -> bool:
 def _nothing_matches(expected: Mapping[str, object], infos: Mapping[str, TensorInfo]) -> str:
     """The error for a file none of whose tensors the config names (a config for another model,
     or another naming of the same one): some names of each side."""
-
-    def some(names: Sequence[str]) -> str:
-        more = f", ... ({len(names)} in all)" if len(names) > 3 else ""
-        return ", ".join(names[:3]) + more
-
-    held = some(list(infos)) if infos else "no tensor"
+    held = f"{plural(len(infos), 'tensor')}: {_some(list(infos))}" if infos else "no tensor"
     return (
         "no tensor of the file is one the config names (a config for another model?): the "
-        f"config expects {some(list(expected))}; the file holds {held}"
+        f"config expects {plural(len(expected), 'tensor')}: {_some(list(expected))}; "
+        f"the file holds {held}"
     )

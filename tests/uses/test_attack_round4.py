@@ -200,8 +200,14 @@ async def test_a_config_no_tensor_matches_is_an_error(tmp_path: Path) -> None:
     assert not result.ok and result.warnings == []
     [error] = result.errors
     assert error.startswith("no tensor of the file is one the config names")
-    assert "model.embed_tokens.weight" in error and "(21 in all)" in error
-    assert "encoder.layer.0.attention.weight" in error and "(5 in all)" in error
+    assert (
+        "model.embed_tokens.weight" in error and "21 tensors: " in error and "... 18 more" in error
+    )
+    assert (
+        "encoder.layer.0.attention.weight" in error
+        and "5 tensors: " in error
+        and "... 2 more" in error
+    )
 
 
 def test_the_command_fails_a_file_no_tensor_of_which_the_config_names(
