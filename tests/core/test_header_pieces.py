@@ -246,6 +246,25 @@ def test_a_parse_yields_between_pieces_only() -> None:
         while True:
             next(steps)
             yields += 1
-    assert yields == len(list(object_pieces(memoryview(raw)))) - 1 > 0
+    columns = 5  # allotted once the first piece tells the tensors' size, one a step
+    assert yields == len(list(object_pieces(memoryview(raw)))) - 1 + columns > columns
     assert done.value.value == parse_header(raw)
     assert list(parse_steps(header(members()[:100]))) == []  # one piece, one step
+
+
+@pytest.mark.parametrize("first", ["short", "long"], ids=["guess-low", "guess-high"])
+def test_columns_allotted_from_a_wrong_guess_hold_every_tensor(first: str) -> None:
+    """The columns are allotted from the first piece's tensors per byte: a first piece of
+    long members (metadata, long names) guesses too few tensors, so the columns grow past
+    their places; one of short members, too many, and the places left over are dropped."""
+    long_name = "x" * 300
+    parts = [
+        member(
+            f"{long_name}{i}" if (first == "long") == (i < COUNT // 4) else f"t{i}",
+            offsets=f"{i},{i + 1}",
+        )
+        for i in range(COUNT)
+    ]
+    found = agree(header(parts))
+    assert len(found.tensors) == COUNT and len(found.tensors._names) == COUNT
+    assert [t.start for t in found.tensors] == list(range(COUNT))
