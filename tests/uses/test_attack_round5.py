@@ -4,6 +4,8 @@ to a module changed elsewhere)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -11,7 +13,11 @@ import numpy as np
 import pytest
 
 import stream_st
+from stream_st.cli import main
+from stream_st.cli.output import EXIT_ERROR
 from stream_st.kv import KVLayout, KVReceiver, receive_kv, send_kv
+
+from ._cli import write_model
 
 Array = np.ndarray[Any, Any]
 
@@ -85,3 +91,26 @@ async def test_a_kv_layer_not_given_as_an_integer_is_a_type_error(layer: Any) ->
         return "checked"
 
     assert await receive_over_tcp(use) == "checked"
+
+
+# ------------------------------------------------------------------------- the command
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    """A small file the reference wrote."""
+    return write_model(tmp_path / "model.safetensors")
+
+
+def test_show_refuses_a_slice_step_of_zero(
+    model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--slice ::0`` was numpy's ValueError from deep inside: an internal error (exit 3) with
+    a traceback."""
+    name = "model.embed_tokens.weight"
+    with pytest.raises(SystemExit) as exit_:
+        main(["show", str(model), name, "--slice", "1,::0"])
+    assert exit_.value.code == EXIT_ERROR
+    assert "a slice's step cannot be zero, got '::0'" in capsys.readouterr().err
+    assert main(["show", "--json", str(model), name, "--slice", "1,::-2"]) == 0
+    assert json.loads(capsys.readouterr().out)["values"] == [7, 5]
