@@ -114,3 +114,29 @@ def test_show_refuses_a_slice_step_of_zero(
     assert "a slice's step cannot be zero, got '::0'" in capsys.readouterr().err
     assert main(["show", "--json", str(model), name, "--slice", "1,::-2"]) == 0
     assert json.loads(capsys.readouterr().out)["values"] == [7, 5]
+
+
+# ------------------------------------------------------------------ datasets and shards
+
+
+def test_a_torch_dataset_takes_one_column_given_as_a_string(tmp_path: Path) -> None:
+    """``columns="xy"`` was read as the columns ``x`` and ``y``: refused ("the dataset has no
+    column 'x'"), or, where those existed, the wrong columns read. It is one name, as
+    ``include=`` takes it; bytes are refused as not names."""
+    pytest.importorskip("torch")
+    from stream_st.integrations.torch_dataset import SafetensorsDataset
+
+    async def write() -> None:
+        async with stream_st.open_dataset_writer(tmp_path) as writer:
+            await writer.write_batch(
+                {"x": np.zeros(2, np.int8), "xy": np.arange(2), "y": np.ones(2, np.int8)}, 2
+            )
+
+    anyio.run(write)
+    samples = list(SafetensorsDataset(tmp_path, columns="xy"))
+    assert [{name: int(value) for name, value in s.items()} for s in samples] == [
+        {"xy": 0},
+        {"xy": 1},
+    ]
+    with pytest.raises(stream_st.ArgumentTypeError, match="names are str"):
+        SafetensorsDataset(tmp_path, columns=b"xy")  # type: ignore[arg-type]
