@@ -140,3 +140,25 @@ def test_a_torch_dataset_takes_one_column_given_as_a_string(tmp_path: Path) -> N
     ]
     with pytest.raises(stream_st.ArgumentTypeError, match="names are str"):
         SafetensorsDataset(tmp_path, columns=b"xy")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("task_id", "samples", "error"),
+    [
+        (-1, 1, stream_st.UsageError),  # shards named part--0001-...: not found without manifest
+        ("0", 1, stream_st.ArgumentTypeError),
+        (0, "3", stream_st.ArgumentTypeError),  # was a bare TypeError comparing str and int
+        (0, True, stream_st.ArgumentTypeError),  # was counted as 1 sample
+        (0, 1.5, stream_st.ArgumentTypeError),
+    ],
+)
+async def test_a_dataset_writer_refuses_a_task_or_a_count_that_is_not_one(
+    tmp_path: Path, task_id: Any, samples: Any, error: type[Exception]
+) -> None:
+    with pytest.raises(error, match="must be an integer >= 0"):
+        async with stream_st.open_dataset_writer(tmp_path / "data", task_id=task_id) as writer:
+            await writer.write_batch({"x": np.zeros(2, np.int8)}, samples)
+    assert not (tmp_path / "data").exists()
+    async with stream_st.open_dataset_writer(tmp_path, task_id=np.int64(3)) as writer:
+        await writer.write_batch({"x": np.zeros(2, np.int8)}, np.int64(2))
+    assert [p.name[:15] for p in tmp_path.glob("part-*")] == ["part-00003-0000"]
