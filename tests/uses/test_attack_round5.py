@@ -17,7 +17,7 @@ from stream_st.cli import main
 from stream_st.cli.output import EXIT_ERROR
 from stream_st.kv import KVLayout, KVReceiver, receive_kv, send_kv
 
-from ._cli import write_model
+from ._cli import TENSORS, write_model
 
 Array = np.ndarray[Any, Any]
 
@@ -162,3 +162,18 @@ async def test_a_dataset_writer_refuses_a_task_or_a_count_that_is_not_one(
     async with stream_st.open_dataset_writer(tmp_path, task_id=np.int64(3)) as writer:
         await writer.write_batch({"x": np.zeros(2, np.int8)}, np.int64(2))
     assert [p.name[:15] for p in tmp_path.glob("part-*")] == ["part-00003-0000"]
+
+
+# ------------------------------------------------------------------------------ serving
+
+
+async def test_a_name_given_with_its_suffix_is_served_under_it(model: Path) -> None:
+    """``name="model.safetensors"`` (``--name model.safetensors``) was served at
+    ``/model.safetensors.safetensors``: a request for ``/model.safetensors`` was a 404."""
+    pytest.importorskip("aiohttp")
+    async with stream_st.serving(model, name="weights.safetensors") as server:
+        assert server.url.endswith("/weights.safetensors") and server.path == "/weights.safetensors"
+        assert sorted(await stream_st.load(server.url)) == sorted(TENSORS)
+    with pytest.raises(stream_st.UsageError, match="a plain file name"):
+        async with stream_st.serving(model, name=".safetensors"):
+            pass
