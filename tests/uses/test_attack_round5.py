@@ -11,12 +11,14 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st.cli import main
 from stream_st.cli.output import EXIT_ERROR
 from stream_st.kv import KVLayout, KVReceiver, receive_kv, send_kv
 
+from ..servers.http_server import RangeHTTPServer
 from ._cli import TENSORS, write_model
 
 Array = np.ndarray[Any, Any]
@@ -201,3 +203,23 @@ async def test_a_writer_aborted_by_its_user_says_so_not_none(tmp_path: Path) -> 
         await writer.aclose()
     assert "None" not in str(closing.value) and "abort()" in str(closing.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_cache_commands_take_the_cache_dir_option_the_readers_take(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``stream-st validate --cache-dir D URL`` kept a copy in D, then ``stream-st cache ls
+    --cache-dir D`` was refused ("unrecognized arguments"): the cache commands took ``--dir``
+    only, said to be "the cache given to --cache DIR", an option no command has."""
+    data = reference_numpy.save({"t": np.arange(4, dtype=np.float32)})
+    cache = str(tmp_path / "cache")
+    with RangeHTTPServer(objects={"/m.safetensors": data}, etag="strong") as server:
+        url = server.url("/m.safetensors")
+        assert main(["validate", "-q", "--cache-dir", cache, url]) == 0
+    capsys.readouterr()
+    assert main(["cache", "ls", "--cache-dir", cache]) == 0
+    assert url in capsys.readouterr().out
+    assert main(["cache", "--cache-dir", cache, "rm", url]) == 0
+    assert f"removed {url}" in capsys.readouterr().out
+    assert main(["cache", "ls", "--json", "--dir", cache]) == 0
+    assert url not in capsys.readouterr().out
