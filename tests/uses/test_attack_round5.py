@@ -14,6 +14,7 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
+import stream_st.tools
 from stream_st.cli import main
 from stream_st.cli.output import EXIT_ERROR
 from stream_st.kv import KVLayout, KVReceiver, receive_kv, send_kv
@@ -223,3 +224,17 @@ def test_the_cache_commands_take_the_cache_dir_option_the_readers_take(
     assert f"removed {url}" in capsys.readouterr().out
     assert main(["cache", "ls", "--json", "--dir", cache]) == 0
     assert url not in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------- read_header
+
+
+async def test_read_header_of_an_index_says_what_to_read_instead(tmp_path: Path) -> None:
+    """``read_header("model.safetensors.index.json")`` said "a sharded stream has one header
+    per shard: see .headers, .index", attributes of a stream the caller never had."""
+    reference_numpy.save_file({"a": np.ones(2, np.float32)}, str(tmp_path / "s1.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors"}}))
+    with pytest.raises(stream_st.UsageError, match=r"index of sharded files.*tools\.inspect"):
+        await stream_st.read_header(index)
+    assert (await stream_st.tools.inspect(index)).tensor_count == 1
