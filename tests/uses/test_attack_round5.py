@@ -4,6 +4,7 @@ to a module changed elsewhere)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -38,20 +39,20 @@ def kv_layers() -> list[tuple[int, Array, Array]]:
 async def receive_over_tcp(use: Any) -> Any:
     """``await use(receiver)`` on a transfer of :func:`kv_layers` over a real socket; what it
     returns (the sender may fail once the receiver is gone: that is not what is tested)."""
-    async with stream_st.listen("127.0.0.1", 0, timeout=10) as listener:
-        async with anyio.create_task_group() as group:
-            group.start_soon(send_quietly, listener.url)
-            async with await listener.accept() as connection, receive_kv(connection) as kv:
-                result = await use(kv)
-            group.cancel_scope.cancel()
+    async with (
+        stream_st.listen("127.0.0.1", 0, timeout=10) as listener,
+        anyio.create_task_group() as group,
+    ):
+        group.start_soon(send_quietly, listener.url)
+        async with await listener.accept() as connection, receive_kv(connection) as kv:
+            result = await use(kv)
+        group.cancel_scope.cancel()
     return result
 
 
 async def send_quietly(url: str) -> None:
-    try:
+    with contextlib.suppress(stream_st.TransportError):  # the receiver went away
         await send_kv(url, KV_LAYOUT, kv_layers())
-    except stream_st.TransportError:
-        pass  # the receiver went away
 
 
 async def test_a_released_kv_layer_asked_for_again_is_a_usage_error() -> None:
@@ -90,7 +91,7 @@ async def test_a_kv_layer_not_given_as_an_integer_is_a_type_error(layer: Any) ->
     async def use(kv: KVReceiver) -> str:
         with pytest.raises(stream_st.ArgumentTypeError, match="a layer is an integer"):
             await kv.wait_for_layer(layer)
-        assert (await kv.wait_for_layer(np.int64(1)))[0][0, 0, 0, 0] == 1
+        assert (await kv.wait_for_layer(np.int64(1)))[0][0, 0, 0, 0] == 1  # type: ignore[arg-type]
         return "checked"
 
     assert await receive_over_tcp(use) == "checked"
@@ -105,9 +106,7 @@ def model(tmp_path: Path) -> Path:
     return write_model(tmp_path / "model.safetensors")
 
 
-def test_show_refuses_a_slice_step_of_zero(
-    model: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_show_refuses_a_slice_step_of_zero(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--slice ::0`` was numpy's ValueError from deep inside: an internal error (exit 3) with
     a traceback."""
     name = "model.embed_tokens.weight"
@@ -162,8 +161,9 @@ async def test_a_dataset_writer_refuses_a_task_or_a_count_that_is_not_one(
         async with stream_st.open_dataset_writer(tmp_path / "data", task_id=task_id) as writer:
             await writer.write_batch({"x": np.zeros(2, np.int8)}, samples)
     assert not (tmp_path / "data").exists()
-    async with stream_st.open_dataset_writer(tmp_path, task_id=np.int64(3)) as writer:
-        await writer.write_batch({"x": np.zeros(2, np.int8)}, np.int64(2))
+    three, two = np.int64(3), np.int64(2)
+    async with stream_st.open_dataset_writer(tmp_path, task_id=three) as writer:  # type: ignore[arg-type]
+        await writer.write_batch({"x": np.zeros(2, np.int8)}, two)  # type: ignore[arg-type]
     assert [p.name[:15] for p in tmp_path.glob("part-*")] == ["part-00003-0000"]
 
 
