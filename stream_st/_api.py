@@ -352,7 +352,8 @@ async def read_header(
     ``unknown_dtypes="keep"`` keeps the tensors of a dtype code stream_st does not know (a
     packed ``I4`` or ``I2``), sized by their ``data_offsets`` and named in
     :attr:`Header.unreadable <stream_st.Header.unreadable>`, instead of refusing the file with
-    :class:`~stream_st.UnknownDtypeError`; their data stays unreadable."""
+    :class:`~stream_st.UnknownDtypeError`; their data stays unreadable. A sharded checkpoint's
+    index (or a dataset's manifest) has no one header: :class:`~stream_st.UsageError`."""
     return await header_of(
         source,
         clock_of(options) if options else UNLIMITED,  # a clock no limit ever changes
@@ -375,8 +376,14 @@ async def header_of(
     unknown_dtypes: UnknownDtypes = "refuse",
 ) -> Header:
     """:func:`read_header` under ``clock``, checked against ``caps``. A file read as it is (no
-    index, no cache) needs no stream around its source: :func:`header_only`."""
-    if _cache_for(source, cache) is None and not is_index(source):
+    cache) needs no stream around its source: :func:`header_only`. An index or a manifest has
+    no one header: :class:`~stream_st.UsageError`."""
+    if is_index(source):
+        raise UsageError(
+            f"{os.fspath(source)} is the index of sharded files, which have a header "
+            "each: read a shard's, or all of them with stream_st.tools.inspect(index)"
+        )
+    if _cache_for(source, cache) is None:
         header, name = await header_only(source, clock, max_header_size, unknown_dtypes)
     else:
         stream = stream_for(

@@ -141,8 +141,8 @@ def add_cache_command(commands: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub.set_defaults(handler=run_cache)
-    where = "the cache given to --cache DIR"
-    sub.add_argument("--dir", metavar="DIR", help=where)
+    where = "the cache given to --cache-dir DIR"
+    sub.add_argument("--dir", "--cache-dir", metavar="DIR", help=where)
     actions = sub.add_subparsers(dest="action", metavar="{ls,rm,prune}", required=True)
     listing = actions.add_parser("ls", help="list the copies")
     listing.add_argument("--json", action="store_true", help="one JSON record per copy")
@@ -152,5 +152,7 @@ def add_cache_command(commands: Any) -> argparse.ArgumentParser:
     pruning = actions.add_parser("prune", help="remove the least recently used copies")
     pruning.add_argument("--max-size", metavar="SIZE", help="keep at most SIZE (50G)")
     for action in (listing, removing, pruning):  # after the action too; else the cache's
-        action.add_argument("--dir", metavar="DIR", default=argparse.SUPPRESS, help=where)
+        action.add_argument(
+            "--dir", "--cache-dir", metavar="DIR", default=argparse.SUPPRESS, help=where
+        )
     return sub

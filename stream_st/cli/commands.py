@@ -175,6 +175,8 @@ def parse_index(text: str) -> tuple[int | slice, ...]:
             ) from None
         if len(bounds) > 3:
             raise argparse.ArgumentTypeError(f"expected start:stop[:step], got {part!r}")
+        if len(bounds) == 3 and bounds[2] == 0:
+            raise argparse.ArgumentTypeError(f"a slice's step cannot be zero, got {part!r}")
         index.append(slice(*bounds))
     return tuple(index)
 

@@ -29,6 +29,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .._api import open_stream
 from ..errors import UsageError
+from ..reader.stream import include_names
 from .dataset import DatasetInfo, Piece, describe_dataset, plan_pieces, read_piece
 
 __all__ = ["SafetensorsDataset"]
@@ -52,10 +53,11 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
 class SafetensorsDataset(IterableDataset[Sample]):
     """Samples of a batch-mode dataset, each ``{column: tensor}`` (one row of every column).
 
-    ``columns`` selects the tensors to read (only their bytes are fetched). ``shuffle``
-    shuffles the order of pieces each epoch (:meth:`set_epoch`; the same ``seed`` on every
-    rank) and the samples within a buffer of ``shuffle_buffer`` samples in each worker: the
-    order is the same for the same seed, epoch, world size and number of workers.
+    ``columns`` selects the tensors to read (only their bytes are fetched): one name or several,
+    as ``include=`` takes them. ``shuffle`` shuffles the order of pieces each epoch
+    (:meth:`set_epoch`; the same ``seed`` on every rank) and the samples within a buffer of
+    ``shuffle_buffer`` samples in each worker: the order is the same for the same seed, epoch,
+    world size and number of workers.
     ``drop_last`` as for torch's ``DistributedSampler``: every rank gets ``len(self)`` samples,
     the sequence padded with its first samples (False) or cut (True). ``piece_bytes`` bounds what
     one read holds in memory. A local shard's samples are writable views of a private mapping
@@ -69,7 +71,7 @@ class SafetensorsDataset(IterableDataset[Sample]):
         self,
         source: str | os.PathLike[str],
         *,
-        columns: Iterable[str] | None = None,
+        columns: Iterable[str] | str | None = None,
         shuffle: bool = False,
         seed: int = 0,
         shuffle_buffer: int = 1024,
@@ -84,7 +86,7 @@ class SafetensorsDataset(IterableDataset[Sample]):
             raise UsageError(f"{os.fspath(source)} is a KV-mode dataset: it holds no samples")
         if shuffle_buffer < 1 or piece_bytes < 1:
             raise UsageError("shuffle_buffer and piece_bytes must be positive")
-        self.columns = None if columns is None else list(columns)
+        self.columns = None if columns is None else sorted(include_names(columns))
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.shuffle_buffer = shuffle_buffer
         self.drop_last = drop_last

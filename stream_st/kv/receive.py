@@ -10,11 +10,12 @@ from contextlib import asynccontextmanager
 from typing import Unpack
 
 import anyio
+import numpy as np
 
 from .._api import open_stream
 from .._util import task_group
 from ..connection import Connection
-from ..errors import IntegrityError, UsageError
+from ..errors import ArgumentTypeError, IntegrityError, UsageError
 from ..reader import TensorStream
 from ..transports.options import LimitOptions
 from ..transports.registry import SourceLike
@@ -60,6 +61,7 @@ class KVReceiver:
         self._layers: dict[int, tuple[Array, Array]] = {}
         self._events = [anyio.Event() for _ in range(layout.num_layers)]
         self._error: BaseException | None = None
+        self._released: set[int] = set()
         self._next = 0
 
     @property
@@ -68,9 +70,16 @@ class KVReceiver:
         return self.integrity != "unverified"
 
     async def wait_for_layer(self, layer: int) -> tuple[Array, Array]:
-        """Key and value of ``layer``, once it has arrived and passed its check."""
+        """Key and value of ``layer``, once it has arrived and passed its check.
+
+        Raises the transfer's error if it failed before that layer was handed out, and
+        :class:`~stream_st.UsageError` for a layer :meth:`release` forgot, or one that had not
+        arrived when the ``receive_kv`` block was left (reading stopped there)."""
+        if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
+            raise ArgumentTypeError(f"a layer is an integer, not {type(layer).__name__}")
         if not 0 <= layer < self.layout.num_layers:
             raise UsageError(f"no layer {layer}: the transfer has {self.layout.num_layers}")
+        layer = int(layer)
         if layer > self._asked:
             self._asked = layer
             self._asked_changed.set()  # the reader may go on
@@ -78,7 +87,13 @@ class KVReceiver:
         await self._events[layer].wait()
         if layer in self._layers:
             return self._layers[layer]
-        assert self._error is not None
+        if layer in self._released:
+            raise UsageError(f"layer {layer} was released: it is handed out once only")
+        if self._error is None:
+            raise UsageError(
+                f"layer {layer} had not arrived when the receive_kv block was left: "
+                "reading stopped there"
+            )
         raise self._error
 
     def __aiter__(self) -> AsyncIterator[tuple[int, Array, Array]]:
@@ -162,8 +177,10 @@ class KVReceiver:
         finished.set()
 
     def release(self, layer: int) -> None:
-        """Forget a layer handed out already (to bound memory when consuming once)."""
-        self._layers.pop(layer, None)
+        """Forget a layer handed out already (to bound memory when consuming once); asking for
+        it again raises :class:`~stream_st.UsageError`."""
+        if self._layers.pop(layer, None) is not None:
+            self._released.add(layer)
 
 
 @asynccontextmanager

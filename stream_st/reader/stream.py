@@ -7,7 +7,7 @@ import contextlib
 import reprlib
 import sys
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterable
 from typing import Any, Self
 
 import numpy as np
@@ -40,7 +40,7 @@ Include = Collection[str] | Callable[[str], bool] | str | None
 """Which tensors to deliver: ``None`` for all, names, or a predicate on the name."""
 
 
-def include_names(include: Collection[str] | str) -> set[str]:
+def include_names(include: Iterable[str] | str) -> set[str]:
     """The names an ``include=`` other than a predicate (or None) lists: one name, or a
     collection of them; :class:`~stream_st.ArgumentTypeError` for anything else (a number, a
     list of lists, bytes, a collection holding other than strings)."""

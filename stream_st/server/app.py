@@ -26,7 +26,7 @@ import anyio
 
 from ..errors import SourceChangedError, TransportError, UsageError
 from .conditions import answer
-from .served import ServedObject, SourceFile, Tensors, served_object
+from .served import SUFFIX, ServedObject, SourceFile, Tensors, served_object
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -267,6 +267,8 @@ async def serving(
     except RuntimeError:
         raise UsageError("serving() runs on asyncio (aiohttp's event loop), not trio") from None
     checked = None if token is None else _Token(token)
+    if isinstance(name, str):  # "model.safetensors" is served at /model.safetensors
+        name = name.removesuffix(SUFFIX)
     if name is not None and (not name or "/" in name or name != name.strip()):
         raise UsageError(f"name must be a plain file name without '/', got {name!r}")
     served = await served_object(source, name=name, metadata=metadata, checksums=checksums)
@@ -301,7 +303,8 @@ def serve(
     ``source``: a safetensors file, a sharded checkpoint's ``*.index.json`` (or a model
     directory holding one), or tensors in memory (``{name: array}``: numpy arrays, torch
     tensors, a ``state_dict``; they must not change while served). The object is at
-    ``http://host:port/<name>.safetensors`` (``name``: the file's, else ``model``); any reader
+    ``http://host:port/<name>.safetensors`` (``name``: the file's, else ``model``; given with
+    its ``.safetensors``, it is not added twice); any reader
     loads it, ``stream_st.load(url)`` included. ``host`` is 127.0.0.1 unless told otherwise.
     ``token`` asks every request for ``Authorization: Bearer <token>`` (a reader passes
     ``headers={"Authorization": "Bearer <token>"}``); it is never logged or shown.

@@ -55,7 +55,13 @@ from ..core.shards import (
     manifest_document,
     shard_file_name,
 )
-from ..errors import SafetensorsError, TransportError, UsageError, WriterError
+from ..errors import (
+    ArgumentTypeError,
+    SafetensorsError,
+    TransportError,
+    UsageError,
+    WriterError,
+)
 from ..transports.file.sink import FileSink
 
 __all__ = [
@@ -85,6 +91,16 @@ def header_room(target_size: int, first_header: int) -> int:
     group alone has a header of ``first_header`` bytes (see :data:`ROOM_PER_DATA`)."""
     room = max(min(target_size // ROOM_PER_DATA, ROOM_MAX), 2 * first_header)
     return -(-room // 4096) * 4096
+
+
+def _count(what: str, value: object) -> int:
+    """``value`` as an integer >= 0, or the error saying what ``what`` takes."""
+    message = f"{what} must be an integer >= 0, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ArgumentTypeError(message)
+    if value < 0:
+        raise UsageError(message)
+    return int(value)
 
 
 def _padded(prefix: bytes, size: int) -> bytes:
@@ -382,7 +398,7 @@ class DatasetWriter(_RollingWriter):
         generate_index: bool = False,
     ) -> None:
         super().__init__(directory, target_shard_size, checksums)
-        self.task_id = task_id
+        self.task_id = _count("task_id", task_id)  # in every shard's name, as readers parse it
         self.generate_index = generate_index
         self._uuid = str(uuid.uuid4())
         self._schema: dict[str, dict[str, Any]] = {}
@@ -392,8 +408,7 @@ class DatasetWriter(_RollingWriter):
 
         The schema records each name's dtype and shape as first written.
         """
-        if samples < 0:
-            raise UsageError("samples must be >= 0")
+        samples = _count("samples", samples)
         for name, array in tensors.items():
             as_array = np.asarray(array)
             self._schema.setdefault(
