@@ -48,6 +48,7 @@ password, a pre-signed URL's signature and credential), and so does every transp
 
 from __future__ import annotations
 
+import operator
 import re
 
 __all__ = [
@@ -221,6 +222,23 @@ class ArgumentTypeError(UsageError, TypeError):
     """An argument of the wrong type: a tensor name that is not a string, a shape that is not a
     sequence of integers, an ``include=`` that is neither names nor a predicate. A
     :class:`UsageError` and a ``TypeError``, as the reference (and Python) raise for it."""
+
+
+def integer_at_least(what: str, value: object, least: int, unit: str = "") -> int:
+    """``value`` as an ``int`` if it is an integer (numpy's too) of at least ``least``;
+    :class:`ArgumentTypeError` for any other type (a bool, a float, a string: compared with a
+    number they were a bare ``TypeError``, or taken as 1), :class:`UsageError` if it is less.
+    ``unit`` follows the bound in the message (`` (bytes)``)."""
+    message = f"{what} must be an integer >= {least}{unit}, got {value!r}"
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)  # type: ignore[arg-type]  # numpy's integers too
+    except TypeError:
+        raise ArgumentTypeError(message) from None
+    if number < least:
+        raise UsageError(message)
+    return number
 
 
 class CredentialsError(UsageError):

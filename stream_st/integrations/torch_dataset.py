@@ -28,7 +28,7 @@ from anyio.from_thread import start_blocking_portal
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .._api import open_stream
-from ..errors import UsageError
+from ..errors import UsageError, integer_at_least
 from ..reader.stream import include_names
 from .dataset import DatasetInfo, Piece, describe_dataset, plan_pieces, read_piece
 
@@ -43,11 +43,17 @@ SHUFFLE_DRAWS = 4096
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """The distributed rank and world size: as given, else torch.distributed's, else the
     ``RANK`` / ``WORLD_SIZE`` environment (torchrun's), else a single process."""
+    if rank is not None:
+        rank = integer_at_least("rank", rank, 0)
+    if world_size is not None:
+        world_size = integer_at_least("world_size", world_size, 1)
     if rank is not None and world_size is not None:
         return rank, world_size
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        found = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        found = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return (found[0] if rank is None else rank), (found[1] if world_size is None else world_size)
 
 
 class SafetensorsDataset(IterableDataset[Sample]):
@@ -84,8 +90,8 @@ class SafetensorsDataset(IterableDataset[Sample]):
         self.dataset: DatasetInfo = anyio.run(lambda: describe_dataset(source))
         if self.dataset.kv:
             raise UsageError(f"{os.fspath(source)} is a KV-mode dataset: it holds no samples")
-        if shuffle_buffer < 1 or piece_bytes < 1:
-            raise UsageError("shuffle_buffer and piece_bytes must be positive")
+        shuffle_buffer = integer_at_least("shuffle_buffer", shuffle_buffer, 1)
+        piece_bytes = integer_at_least("piece_bytes", piece_bytes, 1)
         self.columns = None if columns is None else sorted(include_names(columns))
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.shuffle_buffer = shuffle_buffer

@@ -73,6 +73,9 @@ class KVLayout:
         for dtype in (self.dtype, self.wire_dtype or self.dtype):
             if dtype not in ("F16", "BF16", "F32"):
                 raise UsageError(f"KV dtype must be F16, BF16 or F32, not {dtype!r}")
+        if not isinstance(self.digest, bool | np.bool_):  # "no" would be true
+            raise ArgumentTypeError(f"a KV layout's digest is True or False, not {self.digest!r}")
+        object.__setattr__(self, "digest", bool(self.digest))
         if self.style not in ("stream_st", "seed"):
             raise UsageError(f"KV layout style must be 'stream_st' or 'seed', not {self.style!r}")
         self.layer_specs(0)  # a codec that cannot carry this shape says so now, not mid-send

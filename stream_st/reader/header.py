@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import operator
 import os
 import stat
 from typing import cast
@@ -20,7 +19,7 @@ from ..core.header import (
     parse_header_length,
     parse_steps,
 )
-from ..errors import TrailingDataError, TruncatedStreamError, UsageError
+from ..errors import TrailingDataError, TruncatedStreamError, integer_at_least
 from ..transports.file.source import _RWF_NOWAIT, _pread_cached, open_path
 from ..transports.options import NO_LIMITS, Clock
 from ..transports.registry import Source, SourceLike, open_source, scheme_of
@@ -140,12 +139,7 @@ def header_cap(value: object) -> int:
     """``max_header_size`` checked: an integer >= 1 (bytes); :class:`~stream_st.UsageError`
     otherwise (a string or None compared with the header's length was a TypeError, a bool or a
     float a cap that named itself "True bytes")."""
-    if not isinstance(value, bool):
-        with contextlib.suppress(TypeError):
-            cap = operator.index(value)  # type: ignore[arg-type]  # numpy's integers too
-            if cap >= 1:
-                return cap
-    raise UsageError(f"max_header_size must be an integer >= 1 (bytes), got {value!r}")
+    return integer_at_least("max_header_size", value, 1, " (bytes)")
 
 
 async def header_only(

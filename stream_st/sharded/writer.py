@@ -56,11 +56,11 @@ from ..core.shards import (
     shard_file_name,
 )
 from ..errors import (
-    ArgumentTypeError,
     SafetensorsError,
     TransportError,
     UsageError,
     WriterError,
+    integer_at_least,
 )
 from ..transports.file.sink import FileSink
 
@@ -91,16 +91,6 @@ def header_room(target_size: int, first_header: int) -> int:
     group alone has a header of ``first_header`` bytes (see :data:`ROOM_PER_DATA`)."""
     room = max(min(target_size // ROOM_PER_DATA, ROOM_MAX), 2 * first_header)
     return -(-room // 4096) * 4096
-
-
-def _count(what: str, value: object) -> int:
-    """``value`` as an integer >= 0, or the error saying what ``what`` takes."""
-    message = f"{what} must be an integer >= 0, got {value!r}"
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ArgumentTypeError(message)
-    if value < 0:
-        raise UsageError(message)
-    return int(value)
 
 
 def _padded(prefix: bytes, size: int) -> bytes:
@@ -213,9 +203,9 @@ class _RollingWriter(AsyncClosing):
         directory: str | os.PathLike[str],
         target_size: int,
         checksums: bool | str = False,
+        size_option: str = "max_shard_size",
     ) -> None:
-        if target_size < 1:
-            raise UsageError("the target shard size must be positive")
+        integer_at_least(size_option, target_size, 1)
         digests = digests_for(checksums)
         self._algorithm = None if digests is None else digests.algorithm
         self.directory = Path(directory)
@@ -397,8 +387,9 @@ class DatasetWriter(_RollingWriter):
         checksums: bool | str = False,
         generate_index: bool = False,
     ) -> None:
-        super().__init__(directory, target_shard_size, checksums)
-        self.task_id = _count("task_id", task_id)  # in every shard's name, as readers parse it
+        super().__init__(directory, target_shard_size, checksums, "target_shard_size")
+        # in every shard's name, as readers parse it
+        self.task_id = integer_at_least("task_id", task_id, 0)
         self.generate_index = generate_index
         self._uuid = str(uuid.uuid4())
         self._schema: dict[str, dict[str, Any]] = {}
@@ -408,7 +399,7 @@ class DatasetWriter(_RollingWriter):
 
         The schema records each name's dtype and shape as first written.
         """
-        samples = _count("samples", samples)
+        samples = integer_at_least("samples", samples, 0)
         for name, array in tensors.items():
             as_array = np.asarray(array)
             self._schema.setdefault(

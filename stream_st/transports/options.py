@@ -42,7 +42,7 @@ from typing import TypedDict
 
 import anyio
 
-from ..errors import ReadTimeoutError, UsageError
+from ..errors import ReadTimeoutError, UsageError, integer_at_least
 
 __all__ = [
     "NO_LIMITS",
@@ -163,9 +163,7 @@ class Transport:
         own); UsageError unless it is an integer >= 1."""
         if concurrency is None:
             return self
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise UsageError(f"concurrency must be an integer >= 1, got {concurrency!r}")
-        return replace(self, concurrency=concurrency)
+        return replace(self, concurrency=integer_at_least("concurrency", concurrency, 1))
 
     @classmethod
     def of(cls, headers: object = None, ssl_context: object = None) -> Transport:

@@ -167,6 +167,57 @@ async def test_a_dataset_writer_refuses_a_task_or_a_count_that_is_not_one(
     assert [p.name[:15] for p in tmp_path.glob("part-*")] == ["part-00003-0000"]
 
 
+@pytest.mark.parametrize(
+    ("size", "error"),
+    [
+        ("1GB", stream_st.ArgumentTypeError),
+        (True, stream_st.ArgumentTypeError),
+        (0, stream_st.UsageError),
+    ],
+)
+async def test_a_sharded_writer_refuses_a_shard_size_that_is_not_a_count(
+    tmp_path: Path, size: Any, error: type[Exception]
+) -> None:
+    """``max_shard_size="1GB"`` was a bare ``TypeError`` from comparing it with a number."""
+    with pytest.raises(error, match="max_shard_size must be an integer >= 1"):
+        async with stream_st.open_sharded_writer(tmp_path / "out", max_shard_size=size):
+            pass
+    with pytest.raises(stream_st.ArgumentTypeError, match="target_shard_size must be an integer"):
+        stream_st.open_dataset_writer(tmp_path / "data", target_shard_size="1GB")  # type: ignore[arg-type]
+
+
+def test_a_torch_datasets_rank_is_taken_even_without_a_world_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``rank`` given without ``world_size`` was dropped (both taken from the environment:
+    rank 1 read rank 0's samples); a rank, world size or buffer given as a string was a bare
+    ``TypeError`` or taken (``rank="0"``), a world size of 0 taken."""
+    pytest.importorskip("torch")
+    from stream_st.integrations.torch_dataset import SafetensorsDataset
+
+    async def write() -> None:
+        async with stream_st.open_dataset_writer(tmp_path) as writer:
+            await writer.write_batch({"x": np.arange(4)}, 4)
+
+    anyio.run(write)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert [int(s["x"]) for s in SafetensorsDataset(tmp_path, rank=1)] == [2, 3]
+    assert [int(s["x"]) for s in SafetensorsDataset(tmp_path, world_size=4)] == [0]
+    for bad in ({"rank": "0"}, {"world_size": "2"}, {"shuffle_buffer": "8"}, {"rank": True}):
+        with pytest.raises(stream_st.ArgumentTypeError, match="must be an integer"):
+            SafetensorsDataset(tmp_path, **bad)
+    with pytest.raises(stream_st.UsageError, match="world_size must be an integer >= 1"):
+        SafetensorsDataset(tmp_path, rank=0, world_size=0)
+
+
+def test_a_kv_layouts_digest_is_true_or_false() -> None:
+    """``digest="no"`` was taken, as true: the layer digests were sent."""
+    with pytest.raises(stream_st.ArgumentTypeError, match="digest is True or False"):
+        KVLayout(1, (1, 1, 2, 4), digest="no")  # type: ignore[arg-type]
+    assert KVLayout(1, (1, 1, 2, 4), digest=np.bool_(False)).digest is False  # type: ignore[arg-type]
+
+
 # ------------------------------------------------------------------------------ serving
 
 
