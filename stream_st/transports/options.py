@@ -184,7 +184,7 @@ class Transport:
             # A value is never shown: it may be a token (a trailing newline read from a file).
             if not (isinstance(name, str) and isinstance(value, str)):
                 raise UsageError(
-                    f"headers must map str to str, got {name!r}: a {type(value).__name__}"
+                    f"headers must map str to str, got {name!r} mapped to {type(value).__name__}"
                 )
             if not name or any(c in name for c in ":\r\n \t") or any(c in value for c in "\r\n\0"):
                 raise UsageError(

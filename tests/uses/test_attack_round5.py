@@ -118,6 +118,21 @@ def test_show_refuses_a_slice_step_of_zero(model: Path, capsys: pytest.CaptureFi
     assert json.loads(capsys.readouterr().out)["values"] == [7, 5]
 
 
+def test_an_empty_source_path_is_shown_as_empty(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``stream-st cp "" out`` said "no such file: " with nothing after it."""
+    assert main(["cp", "", str(tmp_path / "out.safetensors")]) != 0
+    assert "no such file: ''" in capsys.readouterr().err
+
+
+async def test_a_header_of_no_str_value_is_named_with_its_type() -> None:
+    """The message read "got 'A': a int"; the value itself is never shown (it may be a token)."""
+    with pytest.raises(stream_st.UsageError, match="got 'A' mapped to int") as caught:
+        await stream_st.read_header("x.safetensors", headers={"A": 12345})  # type: ignore[dict-item]
+    assert "12345" not in str(caught.value)
+
+
 # ------------------------------------------------------------------ datasets and shards
 
 

@@ -88,7 +88,7 @@ def open_path(name: str, flags: int) -> int:
     try:
         return os.open(name, flags | _CLOEXEC)
     except FileNotFoundError as exc:
-        raise SourceNotFoundError(f"no such file: {name}", url=name) from exc
+        raise SourceNotFoundError(f"no such file: {name or repr(name)}", url=name) from exc
     except OSError as exc:
         raise TransportError(f"cannot open: {exc.strerror}", url=name) from exc
     except ValueError as exc:  # a NUL byte: no path the OS takes
