@@ -24,7 +24,7 @@ import stream_st
 import stream_st.numpy
 import stream_st.torch
 from stream_st import SafetensorsError, TransportError
-from stream_st.transports.file import sink as file_sink
+from stream_st.transports.file import atomic
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 
@@ -124,8 +124,8 @@ def test_a_failed_write_leaves_the_previous_file(
     while the data is written (no reservation): a TransportError, the old file untouched and
     no temporary file left, named or nameless."""
     if not reserved:
-        monkeypatch.setattr(file_sink, "_FALLOCATE", None)
-    monkeypatch.setattr(file_sink, "USE_TMPFILE", not named)
+        monkeypatch.setattr(atomic, "_FALLOCATE", None)
+    monkeypatch.setattr(atomic, "USE_TMPFILE", not named)
     path = tmp_path / "keep.safetensors"
     path.write_bytes(b"previous")
     arrays = {f"x{i}": np.full(64 << 8, i, np.float32) for i in range(80)}  # 5 MiB: reserved

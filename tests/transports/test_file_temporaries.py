@@ -3,7 +3,7 @@ that dies leaves nothing behind.
 
 Where the file system allows it (Linux ``O_TMPFILE``) the temporary has no name until the commit,
 so even a process killed by SIGKILL leaves nothing; elsewhere it is a hidden file whose name
-fits the longest name the directory takes (``stream_st.transports.file.sink.USE_TMPFILE =
+fits the longest name the directory takes (``stream_st.transports.file.atomic.USE_TMPFILE =
 False`` takes that path here).
 """
 
@@ -25,7 +25,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import TensorSpec, WriterError
-from stream_st.transports.file import sink as file_sink
+from stream_st.transports.file import atomic
 
 ARRAYS: dict[str, np.ndarray[Any, Any]] = {
     "a": np.arange(1000, dtype=np.float32),
@@ -36,7 +36,7 @@ EXPECTED = reference_numpy.save(ARRAYS)
 
 def nameless_works(directory: Path) -> bool:
     """Whether the sink writes ``directory``'s files through nameless temporaries."""
-    fd = file_sink._open_nameless(os.fspath(directory))
+    fd = atomic._open_nameless(os.fspath(directory))
     if fd is None:
         return False
     os.close(fd)
@@ -49,7 +49,7 @@ def temporaries(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]
     if request.param == "nameless" and not nameless_works(tmp_path):
         pytest.skip("no O_TMPFILE here")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(file_sink, "USE_TMPFILE", request.param == "nameless")
+        patch.setattr(atomic, "USE_TMPFILE", request.param == "nameless")
         yield request.param
 
 
@@ -107,7 +107,7 @@ def temporary_size(directory: Path) -> int | None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux-only")
 async def test_blocks_are_reserved_on_open(tmp_path: Path, temporaries: str) -> None:
     """From ``ALLOCATE_FROM`` bytes on; a smaller file's blocks are not reserved."""
-    size = file_sink.ALLOCATE_FROM
+    size = atomic.ALLOCATE_FROM
     for name, count, reserved in (("r.st", size, True), ("s.st", size // 2, False)):
         plan = [TensorSpec("x", "U8", (count,))]
         async with stream_st.open_writer(tmp_path / name, plan) as writer:
@@ -163,7 +163,7 @@ def test_an_interrupt_as_the_temporary_gets_its_name_leaves_nothing(
     dst = tmp_path / "x.safetensors"
     dst.write_bytes(b"OLD")
     if where == "open":
-        monkeypatch.setattr(file_sink, "_open_nameless", lambda directory: None)
+        monkeypatch.setattr(atomic, "_open_nameless", lambda directory: None)
     real = getattr(os, where)
 
     def interrupted(*args: Any, **kwargs: Any) -> Any:
