@@ -460,7 +460,7 @@ def _small_main(
     try:
         for rep in range(repeat):
             for variant in variants:
-                name, _, on_base = variant.partition(BASE)
+                name, on_base, _ = variant.partition(BASE)
                 command = [sys.executable, os.path.abspath(__file__), "--child", name]
                 command += ["--workdir", workdir, "--small", "--plans", _plan_text(plans)]
                 command += ["--cpu"] if cpu else []
