@@ -10,8 +10,10 @@ False`` takes that path here).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -159,7 +161,7 @@ def test_an_interrupt_as_the_temporary_gets_its_name_leaves_nothing(
     returns: the name is removed with the rest, the old file stays."""
     import stream_st.numpy as st_np
 
-    st_np.save_file({"a": np.ones(4, np.float32)}, tmp_path / "warm.safetensors")  # probes done
+    st_np.save_file({"a": np.ones(4, np.float32)}, tmp_path / "warm.safetensors")  # imports done
     dst = tmp_path / "x.safetensors"
     dst.write_bytes(b"OLD")
     if where == "open":
@@ -180,3 +182,36 @@ def test_an_interrupt_as_the_temporary_gets_its_name_leaves_nothing(
     monkeypatch.undo()
     assert dst.read_bytes() == b"OLD"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["warm.safetensors", "x.safetensors"]
+
+
+def test_a_nameless_file_the_system_gives_no_name_is_copied_into_a_hidden_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``/proc`` (the link of a nameless file fails with ENOENT): the commit copies the file
+    into a hidden one renamed over the old file (its mode kept), nothing left behind; the next
+    file there is a hidden one from the start, with no link tried."""
+    import stream_st.numpy as st_np
+
+    if not nameless_works(tmp_path):
+        pytest.skip("no O_TMPFILE here")
+    monkeypatch.setattr(atomic, "_UNLINKABLE", set())
+    real = os.link
+    tried: list[str] = []
+
+    def no_proc(src: str, dst: str, **kwargs: Any) -> None:
+        if src.startswith("/proc/"):
+            tried.append(dst)
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), src)
+        real(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "link", no_proc)
+    old = tmp_path / "old.safetensors"
+    old.write_bytes(b"OLD")
+    old.chmod(0o600)
+    st_np.save_file(ARRAYS, old)
+    st_np.save_file(ARRAYS, tmp_path / "new.safetensors")
+    assert old.read_bytes() == (tmp_path / "new.safetensors").read_bytes() == EXPECTED
+    assert stat.S_IMODE(old.stat().st_mode) == 0o600
+    assert sorted(os.listdir(tmp_path)) == ["new.safetensors", "old.safetensors"]
+    assert len(tried) == 1
+    assert {os.stat(tmp_path).st_dev} == atomic._UNLINKABLE

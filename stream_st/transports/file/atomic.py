@@ -6,8 +6,10 @@ The message goes to a temporary file in the destination's directory, written wit
 writes (``os.pwritev``) of at most :data:`WRITE_CALL` bytes each, cut at multiples of it in the
 file: see there why. Where the file system allows it (Linux ``O_TMPFILE``) that file has no name
 until the commit: a process killed at any point (even by SIGKILL) leaves nothing behind.
-Elsewhere it is a hidden file, ``.<name>.<random>.tmp``, or ``.<random>.tmp`` where that would
-pass the longest name the directory takes: any valid destination name can be written. The blocks
+Where the file system gives such a file no name (no ``/proc``...), the commit copies it into a
+hidden one first, and later files there are hidden ones from the start. Elsewhere it is a hidden
+file, ``.<name>.<random>.tmp``, or ``.<random>.tmp`` where that would pass the longest name the
+directory takes: any valid destination name can be written. The blocks
 of a file of :data:`ALLOCATE_FROM` bytes or more are reserved up front (Linux ``fallocate``): a
 full disk shows before any data is written, and the page-cache writes ran faster
 (``benchmarks/bench_write.py --variants stream_st,nofalloc``: 1.24x paired at load average ~2.3;
@@ -280,9 +282,9 @@ def _temp_name(directory: str, base: str) -> str:
 
 
 def _open_nameless(directory: str) -> int | None:
-    """A nameless file in ``directory`` that can be linked in later (``O_TMPFILE``), or None
-    where the platform or the file system has none, or cannot link one in (the caller then makes
-    a named one, which also reports any error the directory gives)."""
+    """A nameless file in ``directory`` (``O_TMPFILE``), or None where the platform or the file
+    system has none, or is known not to link one in (the caller then makes a named one, which
+    also reports any error the directory gives)."""
     if not USE_TMPFILE:
         return None
     try:
@@ -290,36 +292,23 @@ def _open_nameless(directory: str) -> int | None:
     except OSError:  # EOPNOTSUPP, EISDIR on kernels without it; ENOENT, EACCES reported later
         return None
     try:
-        device = os.fstat(fd).st_dev
-        linkable = _LINKABLE.get(device)
-        if linkable is None:  # learnt once per file system, with a file of no use
-            linkable = _LINKABLE[device] = _links_in(directory)
+        unlinkable = os.fstat(fd).st_dev in _UNLINKABLE
     except OSError:
-        linkable = False
-    if not linkable:
+        unlinkable = True
+    if unlinkable:
         os.close(fd)
         return None
     return fd
 
 
-_LINKABLE: dict[int, bool] = {}
-"""Whether a nameless file can be linked in, by file system (``st_dev``)."""
+_UNLINKABLE: set[int] = set()
+"""The file systems (``st_dev``) where a nameless file could not be linked in."""
 
-
-def _links_in(directory: str) -> bool:
-    """Whether a nameless file made in ``directory`` can be given a name there (``/proc`` may be
-    missing, or the file system may refuse): tried with one that is then removed."""
-    fd = os.open(directory, _TMPFILE_FLAGS, 0o600)
-    try:
-        name = _temp_name(directory, "link-probe")
-        try:
-            _link(fd, directory, os.path.basename(name))
-        except OSError:
-            return False
-        os.unlink(name)
-        return True
-    finally:
-        os.close(fd)
+_NOT_LINKED = frozenset(
+    {errno.ENOENT, errno.EXDEV, errno.EPERM, errno.EACCES, errno.EOPNOTSUPP, errno.EINVAL}
+)
+"""The errors of a link of a nameless file that say it cannot be done there (``ENOENT``: no
+``/proc``), not that the directory is full or failing."""
 
 
 def _link(fd: int, directory: str, name: str) -> None:
@@ -363,11 +352,25 @@ class AtomicFile:
         self._busy = 0  # positioned writes running in worker threads (a FileSink's)
         self._done = False
         self.temp_path: str | None = None  # the temporary's name; None while it has none
+        # the new file takes the old one's permission bits
+        self._mode = None if existing is None else stat.S_IMODE(existing.st_mode)
         fd = _open_nameless(directory)
-        while fd is None:
+        self._fd = self._create_named(directory, base) if fd is None else self._own(fd)
+
+    def _own(self, fd: int) -> int:
+        """``fd``, a new file given the permission bits of the file it replaces, if any."""
+        if self._mode is not None:
+            with contextlib.suppress(OSError):  # a file system without them: keep the default
+                os.fchmod(fd, self._mode)
+        return fd
+
+    def _create_named(self, directory: str, base: str) -> int:
+        """A new hidden file beside the destination, open (see :meth:`_own`); its name in
+        :attr:`temp_path`."""
+        while True:
             self.temp_path = _temp_name(directory, base)
             try:
-                fd = os.open(self.temp_path, _OPEN_FLAGS, 0o666)
+                return self._own(os.open(self.temp_path, _OPEN_FLAGS, 0o666))
             except FileExistsError:  # pragma: no cover - 48 random bits collided
                 continue
             except FileNotFoundError as exc:
@@ -382,10 +385,6 @@ class AtomicFile:
                 with contextlib.suppress(OSError):
                     os.unlink(self.temp_path)
                 raise
-        self._fd = fd
-        if existing is not None:  # the new file takes the old one's permission bits
-            with contextlib.suppress(OSError):  # a file system without them: keep the default
-                os.fchmod(self._fd, stat.S_IMODE(existing.st_mode))
 
     def reserve(self, size: int) -> None:
         """Reserve ``size`` bytes on disk from :data:`ALLOCATE_FROM` (where the platform can):
@@ -449,25 +448,58 @@ class AtomicFile:
         at the destination's name when nothing is there (the commit, with no name left behind
         at any moment), else under a new hidden name first; a named one is renamed over it."""
         directory, base = os.path.split(self._target)
-        if self.temp_path is None and not self._replacing:
+        if self.temp_path is None:
             try:
-                _link(self._fd, directory, base)
-            except FileExistsError:  # a file came meanwhile: rename over it, atomically
-                pass
-            else:
-                with contextlib.suppress(OSError):  # in place: nothing raises after the commit
-                    self._close_fd()
-                return
-        while self.temp_path is None:  # to be renamed over the file there
-            # Named before the link: an interrupt (a signal's exception) raised as the link
-            # returns still finds the name to remove.
-            self.temp_path = _temp_name(directory, base)
-            try:
-                _link(self._fd, directory, os.path.basename(self.temp_path))
-            except FileExistsError:  # 48 random bits collided: that name is not ours
-                self.temp_path = None
+                if not self._replacing and self._linked_in(directory, base):
+                    return
+                while self.temp_path is None:  # to be renamed over the file there
+                    # Named before the link: an interrupt (a signal's exception) raised as the
+                    # link returns still finds the name to remove.
+                    self.temp_path = _temp_name(directory, base)
+                    try:
+                        _link(self._fd, directory, os.path.basename(self.temp_path))
+                    except FileExistsError:  # 48 random bits collided: that name is not ours
+                        self.temp_path = None
+            except OSError as exc:
+                if exc.errno not in _NOT_LINKED:
+                    raise
+                self._name_a_copy(directory, base)
         self._close_fd()
         os.replace(self.temp_path, self._target)
+
+    def _linked_in(self, directory: str, base: str) -> bool:
+        """Link the nameless file in at the destination's name and close it (the commit, with
+        no name left behind at any moment); False if a file came there meanwhile."""
+        try:
+            _link(self._fd, directory, base)
+        except FileExistsError:
+            return False
+        with contextlib.suppress(OSError):  # in place: nothing raises after the commit
+            self._close_fd()
+        return True
+
+    def _name_a_copy(self, directory: str, base: str) -> None:
+        """Where the file system gives a nameless file no name (no ``/proc``, ...): copy its
+        bytes into a new hidden file (flushed too with ``fsync``), which takes its place. The
+        file system is remembered: later files there are named from the start."""
+        nameless = self._fd
+        with contextlib.suppress(OSError):
+            _UNLINKABLE.add(os.fstat(nameless).st_dev)
+        named = self._create_named(directory, base)
+        try:
+            size, offset = os.fstat(nameless).st_size, 0
+            while offset < size:
+                sent = os.sendfile(named, nameless, offset, size - offset)
+                if not sent:
+                    raise OSError(errno.EIO, "the copy of the temporary file ended early")
+                offset += sent
+            if self.fsync:
+                os.fsync(named)
+        except BaseException:
+            os.close(named)  # the named one is removed, the nameless one closed, by the caller
+            raise
+        self._fd = named
+        os.close(nameless)
 
     def _discard(self) -> None:
         """Delete the temporary file (a nameless one goes with its descriptor); the descriptor
