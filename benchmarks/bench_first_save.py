@@ -8,8 +8,10 @@ machine with the defaults)::
                                           [--variants A,B,...] [--base DIR]
 
 Each variant runs in a fresh process per round, the rounds interleaved and each variant first
-in turn (A B C D, B C D A, ...). The process imports what a user's program has imported before
-(numpy, and torch for the torch variants), outside the timer, then times:
+in turn (A B C D, B C D A, ...), stream_st's modules compiled before the first (as an installed
+package has them: where bytecode is not written, each process would compile what changed). The
+process imports what a user's program has imported before (numpy, and torch for the torch
+variants), outside the timer, then times:
 
 * the import of the writer's module (``safetensors.numpy`` / ``stream_st.numpy``,
   ``safetensors.torch`` / ``stream_st.torch``);
@@ -107,6 +109,7 @@ def _expected(tensors: int) -> int:
 def _main(
     repeat: int, directory: str | None, variants: list[str], tensors: int, calls: int, base: str
 ) -> None:
+    import compileall
     import json
     import shutil
     import statistics
@@ -119,6 +122,8 @@ def _main(
         variants = [
             name for v in variants for name in ((v,) if v.startswith("ref_") else (v, v + BASE))
         ]
+    for checkout in {CHECKOUT, base} - {""}:  # compiled, as an installed package is
+        compileall.compile_dir(os.path.join(checkout, "stream_st"), quiet=1)
     workdir = tempfile.mkdtemp(prefix="bench_first_save_", dir=directory)
     print(
         f"{tensors} F32 tensor(s) of 10 x 10; {repeat} rounds of {' '.join(variants)}, each in a "
