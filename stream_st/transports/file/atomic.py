@@ -292,7 +292,7 @@ def _open_nameless(directory: str) -> int | None:
     except OSError:  # EOPNOTSUPP, EISDIR on kernels without it; ENOENT, EACCES reported later
         return None
     try:
-        unlinkable = os.fstat(fd).st_dev in _UNLINKABLE
+        unlinkable = bool(_UNLINKABLE) and os.fstat(fd).st_dev in _UNLINKABLE
     except OSError:
         unlinkable = True
     if unlinkable:
@@ -311,14 +311,12 @@ _NOT_LINKED = frozenset(
 ``/proc``), not that the directory is full or failing."""
 
 
-def _link(fd: int, directory: str, name: str) -> None:
-    """Give the nameless file open as ``fd`` the name ``name`` in ``directory``: ``linkat`` of
-    its ``/proc`` entry, followed (a link of the entry itself would cross file systems)."""
-    folder = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
-    try:
-        os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=folder, follow_symlinks=True)
-    finally:
-        os.close(folder)
+def _link(fd: int, path: str) -> None:
+    """Give the nameless file open as ``fd`` the name ``path`` (absolute): ``linkat`` of its
+    ``/proc`` entry, followed (a link of the entry itself would cross file systems). Python
+    calls ``linkat`` rather than ``link`` when given a ``src_dir_fd``: any descriptor does, an
+    absolute path ignores it (no directory to open)."""
+    os.link(f"/proc/self/fd/{fd}", path, src_dir_fd=fd, follow_symlinks=True)
 
 
 def fsync_directory(directory: str) -> None:
@@ -450,14 +448,14 @@ class AtomicFile:
         directory, base = os.path.split(self._target)
         if self.temp_path is None:
             try:
-                if not self._replacing and self._linked_in(directory, base):
+                if not self._replacing and self._linked_in():
                     return
                 while self.temp_path is None:  # to be renamed over the file there
                     # Named before the link: an interrupt (a signal's exception) raised as the
                     # link returns still finds the name to remove.
                     self.temp_path = _temp_name(directory, base)
                     try:
-                        _link(self._fd, directory, os.path.basename(self.temp_path))
+                        _link(self._fd, self.temp_path)
                     except FileExistsError:  # 48 random bits collided: that name is not ours
                         self.temp_path = None
             except OSError as exc:
@@ -467,11 +465,11 @@ class AtomicFile:
         self._close_fd()
         os.replace(self.temp_path, self._target)
 
-    def _linked_in(self, directory: str, base: str) -> bool:
+    def _linked_in(self) -> bool:
         """Link the nameless file in at the destination's name and close it (the commit, with
         no name left behind at any moment); False if a file came there meanwhile."""
         try:
-            _link(self._fd, directory, base)
+            _link(self._fd, self._target)
         except FileExistsError:
             return False
         with contextlib.suppress(OSError):  # in place: nothing raises after the commit
