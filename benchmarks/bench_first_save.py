@@ -59,6 +59,7 @@ def _child(variant: str, workdir: str, tensors: int, calls: int) -> dict[str, An
         values = {f"t{i}": np.zeros((10, 10), np.float32) for i in range(tensors)}
     path = os.path.join(workdir, f"{variant}.safetensors")
     start = time.perf_counter()
+    save_file: Any
     if variant == "ref_np":
         from safetensors.numpy import save_file
     elif variant == "ref_torch":
@@ -75,7 +76,8 @@ def _child(variant: str, workdir: str, tensors: int, calls: int) -> dict[str, An
 
     with open(path, "rb") as f:
         crc = zlib.crc32(f.read())
-    new, replace = [], []
+    new: list[float] = []
+    replace: list[float] = []
     for times in (new, replace):
         for _ in range(calls):
             if times is new:
@@ -110,13 +112,10 @@ def _main(
     repeat: int, directory: str | None, variants: list[str], tensors: int, calls: int, base: str
 ) -> None:
     import compileall
-    import json
-    import shutil
     import statistics
-    import subprocess
     import tempfile
 
-    from bench_write import BASE, CHECKOUT, _code, _load, _span  # this script's folder: sys.path
+    from bench_write import BASE, CHECKOUT, _child_output, _load, _span  # its folder: sys.path
 
     if base:
         variants = [
@@ -124,7 +123,6 @@ def _main(
         ]
     for checkout in {CHECKOUT, base} - {""}:  # compiled, as an installed package is
         compileall.compile_dir(os.path.join(checkout, "stream_st"), quiet=1)
-    workdir = tempfile.mkdtemp(prefix="bench_first_save_", dir=directory)
     print(
         f"{tensors} F32 tensor(s) of 10 x 10; {repeat} rounds of {' '.join(variants)}, each in a "
         f"fresh process, each first in turn; {calls} later calls of each kind"
@@ -132,24 +130,18 @@ def _main(
     print(f"load average at start: {_load()}")
     expected = _expected(tensors)
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench_first_save_", dir=directory) as workdir:
         for rep in range(repeat):
             shift = rep % len(variants)
             for variant in variants[shift:] + variants[:shift]:
                 name, on_base, _ = variant.partition(BASE)
                 command = [sys.executable, os.path.abspath(__file__), "--child", name, workdir]
                 command += [str(tensors), str(calls)]
-                code = _code(base if on_base else CHECKOUT)
-                done = subprocess.run(command, capture_output=True, text=True, env=code)
-                if done.returncode:
-                    raise SystemExit(f"{variant} failed:\n{done.stderr}")
-                result = json.loads(done.stdout.strip().splitlines()[-1])
+                result = _child_output(variant, command, base if on_base else CHECKOUT)
                 if result["crc"] != expected:
                     raise SystemExit(f"{variant}: the file's bytes differ from the reference's")
                 runs[variant].append(result)
             print(f"round {rep + 1} done (load {os.getloadavg()[0]:.2f})", flush=True)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     print(f"load average at end: {_load()}")
     print("every file matched the reference's bytes\n")
     print(

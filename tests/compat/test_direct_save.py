@@ -110,7 +110,10 @@ print(json.dumps([after_numpy, after_torch]))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [[], []]
-    arrays = {"b": np.arange(12, dtype=np.float32).reshape(3, 4), "a": np.arange(3, dtype=np.int64)}
+    arrays: Arrays = {
+        "b": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "a": np.arange(3, dtype=np.int64),
+    }
     assert (tmp_path / "n.safetensors").read_bytes() == reference_numpy.save(arrays, {"k": "v"})
     assert (tmp_path / "u.safetensors").read_bytes() == reference_numpy.save(arrays)
     digested = (tmp_path / "c.safetensors").read_bytes()

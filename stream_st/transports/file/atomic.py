@@ -462,8 +462,10 @@ class AtomicFile:
                 if exc.errno not in _NOT_LINKED:
                     raise
                 self._name_a_copy(directory, base)
+        temp = self.temp_path
+        assert temp is not None  # linked in under it, or made so by _name_a_copy
         self._close_fd()
-        os.replace(self.temp_path, self._target)
+        os.replace(temp, self._target)
 
     def _linked_in(self) -> bool:
         """Link the nameless file in at the destination's name and close it (the commit, with
