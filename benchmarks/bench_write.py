@@ -355,11 +355,17 @@ def _child(variant: str, workdir: str, count: int, source: str, src: str) -> dic
 def _run_child(variant: str, workdir: str, count: int, source: str, src: str) -> dict[str, Any]:
     command = [sys.executable, os.path.abspath(__file__), "--child", variant]
     command += ["--workdir", workdir, "--tensors", str(count), "--source", source, "--src", src]
-    done = subprocess.run(command, capture_output=True, text=True, env=_code(CHECKOUT))
+    result: dict[str, Any] = _child_output(variant, command, CHECKOUT)
+    return result
+
+
+def _child_output(variant: str, command: list[str], checkout: str) -> Any:
+    """The JSON a child process running ``command`` (with the stream_st of ``checkout``) prints
+    last; its error output if it fails."""
+    done = subprocess.run(command, capture_output=True, text=True, env=_code(checkout))
     if done.returncode:
         raise SystemExit(f"{variant} failed:\n{done.stderr}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _code(checkout: str) -> dict[str, str]:
@@ -460,15 +466,11 @@ def _small_main(
     try:
         for rep in range(repeat):
             for variant in variants:
-                name, _, on_base = variant.partition(BASE)
+                name, on_base, _ = variant.partition(BASE)
                 command = [sys.executable, os.path.abspath(__file__), "--child", name]
                 command += ["--workdir", workdir, "--small", "--plans", _plan_text(plans)]
                 command += ["--cpu"] if cpu else []
-                code = _code(base if on_base and base else CHECKOUT)
-                done = subprocess.run(command, capture_output=True, text=True, env=code)
-                if done.returncode:
-                    raise SystemExit(f"{variant} failed:\n{done.stderr}")
-                result = json.loads(done.stdout.strip().splitlines()[-1])
+                result = _child_output(variant, command, base if on_base and base else CHECKOUT)
                 for (count, kib), got, crc in zip(plans, result, expected, strict=True):
                     if got["crc"] != crc:
                         raise SystemExit(f"{variant}: {count}x{kib}: the file's bytes differ")

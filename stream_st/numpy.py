@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import numpy as np
 
-from .compat import _local
+from .compat import _local, _save
 
 if TYPE_CHECKING:
     from .compat import _reference as _facade
@@ -91,7 +91,8 @@ def save_file(
     """Write ``tensor_dict`` to ``filename`` (a path or URL), laid out as the reference does,
     byte for byte (unless ``checksums=True`` records digests, see
     :func:`stream_st.torch.save_file`). A failed write leaves nothing at the destination."""
-    _facade.save_file(tensor_dict, filename, metadata, checksums, **options)
+    if not _save.save_local(tensor_dict, filename, metadata, checksums, options):
+        _facade.save_file(tensor_dict, filename, metadata, checksums, **options)
 
 
 def save(
@@ -101,4 +102,4 @@ def save(
     checksums: bool | str = False,
 ) -> bytes:
     """``tensor_dict`` as the bytes of a safetensors file, as the reference makes them."""
-    return _facade.save_bytes(tensor_dict, metadata, checksums)
+    return _save.save_bytes(tensor_dict, metadata, checksums)

@@ -35,7 +35,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Unpack
 
-from .compat import _local, _shared
+from .compat import _local, _save, _shared
 from .compat._errors import InvalidTensorsError, MetaTensorError
 from .core.arrays import is_torch_tensor, load_torch, torch_device
 from .errors import UsageError
@@ -240,7 +240,9 @@ def save_file(
     metadata for readers to check (see :mod:`stream_st.integrity`); the file then differs from
     the reference's by those metadata entries.
     """
-    _facade.save_file(_checked(tensors), filename, metadata, checksums, **options)
+    checked = _checked(tensors)
+    if not _save.save_local(checked, filename, metadata, checksums, options):
+        _facade.save_file(checked, filename, metadata, checksums, **options)
 
 
 def save(
@@ -250,7 +252,7 @@ def save(
     checksums: bool | str = False,
 ) -> bytes:
     """``tensors`` as the bytes of a safetensors file (see :func:`save_file`)."""
-    return _facade.save_bytes(_checked(tensors), metadata, checksums)
+    return _save.save_bytes(_checked(tensors), metadata, checksums)
 
 
 def _checked(tensors: object) -> Mapping[str, Any]:

@@ -16,10 +16,8 @@ fails after every tensor went out leaves its peer one byte short, never with a c
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar, Unpack
 
@@ -29,22 +27,17 @@ import anyio.lowlevel
 import numpy as np
 
 from ._util import AsyncClosing, task_group
-from .core.arrays import as_array, spec_of
+from .core.arrays import as_array
 from .core.digests import Digests, OrderedHash, digests_for
 from .core.dtypes import _BUFFER_CHARS, DTYPES, NATIVE_IS_LITTLE, DType, dtype_for, wire_bytes
 from .core.header import Header, TensorInfo
-from .core.layout import TensorSpec, _dtype_of, _plan_list, build_header, plan_order
-from .errors import (
-    SafetensorsError,
-    TensorNotFoundError,
-    UnsupportedSinkError,
-    UsageError,
-    WriterError,
-)
-from .transports.file.sink import NOT_STAGED, STAGED_WROTE, FileSink, replaced
-from .transports.file.source import path_from_url
+from .core.layout import TensorSpec, build_header
+from .core.message import Order, lay_out, ordered
+from .errors import TensorNotFoundError, UsageError, WriterError
+from .transports.file.atomic import local_destination, save_at_once
+from .transports.file.sink import NOT_STAGED, STAGED_WROTE, FileSink
 from .transports.options import Clock, TransportOptions, clock_of
-from .transports.registry import Sink, SinkLike, open_sink, scheme_of
+from .transports.registry import Sink, SinkLike, open_sink
 
 __all__ = [
     "Order",
@@ -56,10 +49,6 @@ __all__ = [
     "run_stoppable",
     "save_at_once",
 ]
-
-Order = Literal["plan", "reference"]
-"""``"plan"``: tensors laid out in the order given. ``"reference"``: ordered as the reference
-writer does (descending dtype alignment, then name), giving byte-identical files."""
 
 _NEW, _OPEN, _COMMITTED, _ABORTED = "new", "open", "committed", "aborted"
 
@@ -78,15 +67,6 @@ its copy: 10,000 of 4 KiB make 40 writes instead of 10,000."""
 
 GATHER_MAX = 1 << 20
 """The most bytes :meth:`TensorWriter.write_many` gathers into one write."""
-
-
-def _ordered(plan: Iterable[TensorSpec], order: Order) -> list[TensorSpec]:
-    """``plan`` as a list, in ``order``; :class:`~stream_st.UsageError` for another order."""
-    if order == "reference":
-        return plan_order(plan)
-    if order == "plan":
-        return _plan_list(plan)
-    raise UsageError(f"order must be 'plan' or 'reference', got {order!r}")
 
 
 def _describe(info: TensorInfo) -> str:
@@ -294,7 +274,7 @@ class TensorWriter(AsyncClosing):
         clock: Clock | None = None,
         digests_up_front: Callable[[str], Digests | None] | None = None,
     ) -> None:
-        specs = _ordered(plan, order)
+        specs = ordered(plan, order)
         self._digests = digests_for(checksums)
         self._specs, self._metadata = specs, metadata
         self._hashes: dict[str, OrderedHash] = {}  # with checksums: per started tensor
@@ -768,83 +748,6 @@ def open_writer(
     return TensorWriter(
         dst, plan, metadata=metadata, order=order, fsync=fsync, checksums=checksums, clock=clock
     )
-
-
-def lay_out(
-    tensors: Mapping[str, Any],
-    metadata: Mapping[str, str] | None = None,
-    checksums: bool | str = False,
-    order: Order = "reference",
-) -> tuple[bytes, Header, Iterator[memoryview]]:
-    """A message of ``{name: array}`` laid out as :func:`~stream_st.save` lays it out, for a
-    write at once with every array in memory: the bytes before the data, the header, and each
-    tensor's bytes in header order, made as they are taken (views of the arrays' memory where
-    they are contiguous and little-endian, else a copy, one tensor at a time).
-
-    ``order`` and ``checksums`` as for :func:`open_writer`: the digests are computed from the
-    arrays, one pass over each, and recorded in the header. The same plan, header and errors as
-    :func:`~stream_st.save` of the same dict."""
-    arrays: dict[str, np.ndarray[Any, Any]] = {}
-    plan: list[TensorSpec] = []
-    codes: dict[np.dtype[Any], str] = {}  # each array dtype's safetensors code, found once
-    for name, value in tensors.items():
-        if type(value) is np.ndarray:  # most tensors: no torch tensor, nothing to convert
-            arrays[name] = value
-            code = codes.get(value.dtype)
-            if code is None:
-                code = codes[value.dtype] = _dtype_of(TensorSpec(name, value.dtype, ())).code
-            plan.append(TensorSpec(name, code, value.shape))  # a code: the quickest to look up
-        else:
-            array = arrays[name] = as_array(value, name)
-            plan.append(spec_of(name, value, array))
-    specs = _ordered(plan, order)
-    digests = digests_for(checksums)
-    if digests is not None:
-        digests = Digests.compute(arrays, digests.algorithm)
-        metadata = digests.add_to(metadata, [spec.name for spec in specs])
-    prefix, header = build_header(specs, metadata)
-    return prefix, header, (wire_bytes(arrays[name]) for name in header.names())
-
-
-def local_destination(dst: object) -> str | None:
-    """The path of ``dst`` if it names a local file that a write replaces (a path or a
-    ``file://`` URL, where nothing or a regular file is), else None (a URL, a stream, a FIFO or
-    a device, written through in place; or a path the streamed write refuses, in its turn)."""
-    if isinstance(dst, os.PathLike):
-        dst = os.fspath(dst)
-    if not isinstance(dst, str):
-        return None
-    scheme = scheme_of(dst)
-    if scheme is not None and scheme != "file":
-        return None
-    try:
-        path = dst if scheme is None else path_from_url(dst, UnsupportedSinkError)
-        return path if replaced(path) else None
-    except SafetensorsError:
-        return None
-
-
-def save_at_once(
-    tensors: Mapping[str, Any],
-    path: str,
-    metadata: Mapping[str, str] | None = None,
-    checksums: bool | str = False,
-    *,
-    order: Order = "reference",
-    fsync: bool = False,
-    stop: Callable[[], bool] | None = None,
-) -> Header:
-    """Write ``tensors`` to the local file ``path`` (see :func:`local_destination`) at once, on
-    the calling thread, with no event loop: the file :func:`~stream_st.save` writes, with the
-    same errors, through the same temporary file and commit (:meth:`FileSink.write_whole
-    <stream_st.transports.file.sink.FileSink.write_whole>`). ``stop``, asked before each block
-    of writes and once more before the commit, ends the write with nothing committed
-    (:class:`~stream_st.transports.file.sink.Abandoned`) when it says so. Returns the header
-    written."""
-    prefix, header, data = lay_out(tensors, metadata, checksums, order)
-    sink = FileSink(path, fsync=fsync)
-    sink.write_whole(itertools.chain([memoryview(prefix)], data), header.file_size, stop)
-    return header
 
 
 async def run_stoppable(work: Callable[..., T], inline: bool = False) -> T:

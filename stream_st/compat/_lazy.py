@@ -1,9 +1,10 @@
 """The reference's API over the streaming core (:mod:`._reference`), imported when first used.
 
 :mod:`stream_st.torch` and :mod:`stream_st.numpy` call it for everything but ``load_file`` of a
-local file they map (:func:`._local.load_mapped`), so importing them imports no reader,
-transport or event loop: hundreds of milliseconds that a script loading one small file would
-otherwise pay before its first tensor. Not public API.
+local file they map (:func:`._local.load_mapped`), ``save_file`` to a local file and ``save``
+(:mod:`._save`), so importing them imports no reader, transport or event loop: hundreds of
+milliseconds that a script loading or saving one small file would otherwise pay before its first
+tensor. Not public API.
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ def local_path(src: object) -> str | None:
     if "://" in src:
         if not src.lower().startswith("file://"):
             return None
-        from ..transports.file.source import path_from_url
+        from ..transports.file.atomic import path_from_url
 
         src = path_from_url(src)
     try:

@@ -1,6 +1,7 @@
-"""The reference package's API (``safe_open``, ``load_file``, ``save_file``, ``load``, ``save``)
-over the async core, synchronous, for any framework: what :mod:`stream_st.torch` and
-:mod:`stream_st.numpy` are made of.
+"""The reference package's API (``safe_open``, ``load_file``, ``save_file``, ``load``) over the
+async core, synchronous, for any framework: what :mod:`stream_st.torch` and :mod:`stream_st.numpy`
+are made of, beside :mod:`._local` (a local file read) and :mod:`._save` (``save`` and a local
+file written), which need no event loop.
 
 Every call runs on a private event loop (``stream_st.compat._sync``); a :class:`SafeOpen` keeps one
 for
@@ -35,23 +36,16 @@ from ..reader import Include
 from ..reader.caps import NO_CAPS, Caps
 from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import Sink, SinkLike, SourceLike
-from ..writer import local_destination, save_at_once
 from ._checkpoint import Rows, _Checkpoint, _Options
 from ._errors import (
     FileClosedError,
-    InvalidTensorsError,
     NoSuchFileError,
     SliceError,
     WrongTypeError,
 )
 from ._local import LocalFile, local_path
-from ._serialize import (
-    TensorSpec,
-    check_metadata,
-    save_bytes_now,
-    specs_of,
-    write_specs,
-)
+from ._save import check_metadata, checked_tensors
+from ._serialize import TensorSpec, specs_of, write_specs
 from ._slicing import LAST_WHOLE, leading, packed_tensor, pick, plan, torch_rows
 from ._sync import Bridge, check_sync_address, run
 
@@ -61,7 +55,6 @@ __all__ = [
     "load_bytes",
     "load_file",
     "maps",
-    "save_bytes",
     "save_file",
     "serialize",
     "serialize_file",
@@ -329,14 +322,6 @@ class _BytesSink(Sink):
         self.data = bytearray()
 
 
-def _checked_tensors(tensors: object) -> Mapping[str, Any]:
-    if not isinstance(tensors, Mapping):
-        raise InvalidTensorsError(
-            f"Expected a dict of [str, np.ndarray] but received {type(tensors)}"
-        )
-    return tensors
-
-
 def save_file(
     tensors: Mapping[str, Any],
     dst: SinkLike,
@@ -345,13 +330,11 @@ def save_file(
     **options: Any,
 ) -> None:
     """Write ``tensors`` to ``dst`` as the reference writer lays them out (``checksums``: with
-    every tensor's digest recorded, see :func:`~stream_st.save`)."""
+    every tensor's digest recorded, see :func:`~stream_st.save`), streamed on an event loop (the
+    facades write a local file at once themselves, ``_save.save_local``, when nothing else is
+    asked for)."""
     check_sync_address(dst, "destination")
-    checked = _checked_tensors(tensors)
-    path = None if options else local_destination(dst)
-    if path is not None:  # no event loop: see _serialize
-        save_at_once(checked, path, check_metadata(metadata), checksums)
-        return
+    checked = checked_tensors(tensors)
     run(_save, checked, dst, check_metadata(metadata), checksums, options)
 
 
@@ -378,15 +361,6 @@ async def _save(
     options: TransportOptions,
 ) -> None:
     await save_async(dst, tensors, metadata=metadata, checksums=checksums, **options)
-
-
-def save_bytes(
-    tensors: Mapping[str, Any],
-    metadata: Mapping[str, str] | None = None,
-    checksums: bool | str = False,
-) -> bytes:
-    """``tensors`` as the bytes of a safetensors file."""
-    return save_bytes_now(_checked_tensors(tensors), check_metadata(metadata), checksums)
 
 
 def load_file(

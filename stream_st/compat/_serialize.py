@@ -1,25 +1,15 @@
 """The reference's low-level functions: :class:`TensorSpec`, :func:`serialize`,
 :func:`serialize_file` (tensors given as raw memory: an address and a length) and
-:func:`deserialize` (a file's bytes to ``(name, {"dtype", "shape", "data"})`` entries); and the
-direct path of ``save`` (:func:`save_bytes_now`; ``save_file``'s is
-:func:`stream_st.writer.save_at_once`).
+:func:`deserialize` (a file's bytes to ``(name, {"dtype", "shape", "data"})`` entries). A dict
+of tensors in memory is written by :mod:`._save`.
 
 Files are laid out as the reference lays them out, byte for byte. The memory a spec points at is
 read while the call runs: the caller keeps it alive, as with the reference.
-
-A dict of tensors in memory written to a local file, or made into bytes, takes a direct path,
-with no event loop: the same plan and header as :func:`~stream_st.save` (``lay_out``), then the
-whole file in one pass of ``pwritev`` calls, consecutive small tensors gathered into one call
-(``FileSink.write_whole``: a temporary file moved into place, nothing left on failure). The
-event loop and the per-tensor work of the streaming writer cost more than the reference's whole
-``save_file`` for small tensors (1,000 of 4 KiB: 0.19x of its speed through the streaming
-writer).
 """
 
 from __future__ import annotations
 
 import ctypes
-import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,14 +27,12 @@ from ..errors import (
     UsageError,
 )
 from ..transports.registry import SinkLike
-from ..writer import lay_out, open_writer
+from ..writer import open_writer
 from ._errors import NegativeSizeError, WrongTypeError
 
 __all__ = [
     "TensorSpec",
-    "check_metadata",
     "deserialize",
-    "save_bytes_now",
     "write_specs",
 ]
 
@@ -138,26 +126,6 @@ class TensorSpec:
         return raw
 
 
-def check_metadata(metadata: object) -> dict[str, str] | None:
-    """``metadata`` as a dict of ``str`` to ``str``; :class:`WrongTypeError` (a ``TypeError``,
-    as the reference raises) for anything else."""
-    if metadata is None:
-        return None
-    if not isinstance(metadata, Mapping):
-        raise WrongTypeError(
-            f"argument 'metadata': '{type(metadata).__name__}' object cannot be converted "
-            "to 'PyDict'"
-        )
-    for key, value in metadata.items():
-        for item in (key, value):
-            if not isinstance(item, str):
-                raise WrongTypeError(
-                    f"argument 'metadata': '{type(item).__name__}' object is not an instance "
-                    "of 'str'"
-                )
-    return dict(metadata)
-
-
 def specs_of(tensor_dict: object) -> dict[str, TensorSpec]:
     if not isinstance(tensor_dict, Mapping):
         raise WrongTypeError(
@@ -188,14 +156,6 @@ async def write_specs(
                     f"data_len is {raw.nbytes}"
                 )
             await writer.write(info.name, raw.view(info.array_dtype).reshape(info.array_shape))
-
-
-def save_bytes_now(
-    tensors: Mapping[str, Any], metadata: Mapping[str, str] | None, checksums: bool | str
-) -> bytes:
-    """``tensors`` as the bytes of a safetensors file, made at once, with no event loop."""
-    prefix, _, data = lay_out(tensors, metadata, checksums)
-    return b"".join(itertools.chain([prefix], data))
 
 
 def deserialize(data: bytes | bytearray | memoryview) -> list[tuple[str, dict[str, Any]]]:

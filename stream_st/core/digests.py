@@ -28,13 +28,12 @@ from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import anyio
-import anyio.to_thread
-
 from ..errors import IntegrityError, UsageError
 from .dtypes import wire_bytes
 
 if TYPE_CHECKING:
+    import anyio
+
     from .header import Header
 
 __all__ = [
@@ -135,6 +134,8 @@ async def hash_view(hasher: Hasher, view: memoryview) -> None:
     if len(view) <= HASH_INLINE:
         hasher.update(view)
     else:
+        import anyio.to_thread  # here: a write at once hashes with no event loop
+
         await anyio.to_thread.run_sync(update_sliced, hasher, view)
 
 
@@ -306,6 +307,8 @@ class OrderedHash:
         self._last: anyio.Event | None = None
 
     def turn(self) -> Callable[[memoryview], Coroutine[Any, Any, None]]:
+        import anyio
+
         before, mine = self._last, anyio.Event()
         self._last = mine
 

@@ -5,9 +5,12 @@ destinations (a FIFO, a URL) still go through the streamed writer."""
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ import stream_st
 import stream_st.numpy
 import stream_st.torch
 from stream_st import SafetensorsError, TransportError
-from stream_st.transports.file import sink as file_sink
+from stream_st.transports.file import atomic
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 
@@ -68,6 +71,61 @@ def test_torch_save_file_and_save_match_the_reference(tmp_path: Path) -> None:
     expected = reference_torch.save(tensors, metadata={"m": "1"})
     assert path.read_bytes() == expected
     assert stream_st.torch.save(tensors, metadata={"m": "1"}) == expected
+
+
+STREAMING = (
+    "anyio",
+    "stream_st._api",
+    "stream_st.reader",
+    "stream_st.writer",
+    "stream_st.transports.registry",
+    "stream_st.compat._reference",
+)
+"""What a write at once needs none of (the event loop's library, the streaming core)."""
+
+
+def test_saving_to_a_local_file_imports_no_event_loop_nor_streaming_core(tmp_path: Path) -> None:
+    """In a fresh process: numpy's ``save_file`` (a path, a ``file://`` URL, digests) and
+    ``save``, then torch's (torch itself imports asyncio and ssl), load nothing of the
+    streaming core, and write the reference's bytes."""
+    script = f"""
+import json, sys
+import numpy as np
+import stream_st.numpy
+arrays = {{"b": np.arange(12, dtype=np.float32).reshape(3, 4), "a": np.arange(3, dtype=np.int64)}}
+stream_st.numpy.save_file(arrays, {str(tmp_path / "n.safetensors")!r}, metadata={{"k": "v"}})
+stream_st.numpy.save_file(arrays, {(tmp_path / "u.safetensors").as_uri()!r})
+stream_st.numpy.save_file(arrays, {str(tmp_path / "c.safetensors")!r}, checksums=True)
+stream_st.numpy.save(arrays)
+after_numpy = [m for m in {(*STREAMING, "asyncio", "ssl")!r} if m in sys.modules]
+import torch
+import stream_st.torch
+tensors = {{"w": torch.arange(6.0).reshape(2, 3), "h": torch.ones(2, dtype=torch.bfloat16)}}
+stream_st.torch.save_file(tensors, {str(tmp_path / "t.safetensors")!r})
+stream_st.torch.save_file(tensors, {str(tmp_path / "t.safetensors")!r})  # replaced
+stream_st.torch.save(tensors)
+after_torch = [m for m in {STREAMING!r} if m in sys.modules]
+print(json.dumps([after_numpy, after_torch]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [[], []]
+    arrays: Arrays = {
+        "b": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "a": np.arange(3, dtype=np.int64),
+    }
+    assert (tmp_path / "n.safetensors").read_bytes() == reference_numpy.save(arrays, {"k": "v"})
+    assert (tmp_path / "u.safetensors").read_bytes() == reference_numpy.save(arrays)
+    digested = (tmp_path / "c.safetensors").read_bytes()
+    assert digested == stream_st.numpy.save(arrays, checksums=True) != reference_numpy.save(arrays)
+    tensors = {"w": torch.arange(6.0).reshape(2, 3), "h": torch.ones(2, dtype=torch.bfloat16)}
+    assert (tmp_path / "t.safetensors").read_bytes() == reference_torch.save(tensors)
+    assert sorted(os.listdir(tmp_path)) == [
+        "c.safetensors",
+        "n.safetensors",
+        "t.safetensors",
+        "u.safetensors",
+    ]
 
 
 def test_what_the_reference_refuses_is_written_as_save_writes_it(tmp_path: Path) -> None:
@@ -115,6 +173,32 @@ def test_a_replaced_file_keeps_its_mode_and_a_symlink_stays(tmp_path: Path) -> N
     assert sorted(os.listdir(tmp_path)) == ["link.safetensors", "real.safetensors"]
 
 
+def test_relative_paths_and_symlinked_directories_are_written_where_they_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Relative names, ``..`` after a symlinked directory (the kernel's parent, as realpath
+    finds it), a file replaced through such a directory; a missing directory is named resolved
+    in the error."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub" / "deep").mkdir(parents=True)
+    (tmp_path / "linked").symlink_to(tmp_path / "sub" / "deep")
+    arrays = numpy_tensors(5)
+    expected = reference_numpy.save(arrays)
+    stream_st.numpy.save_file(arrays, "here.safetensors")
+    stream_st.numpy.save_file(arrays, "linked/../up.safetensors")  # sub/up, not up
+    (tmp_path / "sub" / "deep" / "in.safetensors").write_bytes(b"old")
+    stream_st.numpy.save_file(arrays, "linked/in.safetensors")
+    for name in ("here.safetensors", "sub/up.safetensors", "sub/deep/in.safetensors"):
+        assert (tmp_path / name).read_bytes() == expected
+    assert (tmp_path / "linked").is_symlink()
+    with pytest.raises(SafetensorsError) as missing:
+        stream_st.numpy.save_file(arrays, "gone/x.safetensors")
+    assert f"no such directory: {os.path.realpath(tmp_path / 'gone')}" in str(missing.value)
+    assert sorted(os.listdir(tmp_path)) == ["here.safetensors", "linked", "sub"]
+    assert sorted(os.listdir(tmp_path / "sub")) == ["deep", "up.safetensors"]
+    assert os.listdir(tmp_path / "sub" / "deep") == ["in.safetensors"]
+
+
 @pytest.mark.parametrize("named", [False, True], ids=["nameless", "named"])
 @pytest.mark.parametrize("reserved", [True, False], ids=["reserving", "writing"])
 def test_a_failed_write_leaves_the_previous_file(
@@ -124,8 +208,8 @@ def test_a_failed_write_leaves_the_previous_file(
     while the data is written (no reservation): a TransportError, the old file untouched and
     no temporary file left, named or nameless."""
     if not reserved:
-        monkeypatch.setattr(file_sink, "_FALLOCATE", None)
-    monkeypatch.setattr(file_sink, "USE_TMPFILE", not named)
+        monkeypatch.setattr(atomic, "_FALLOCATE", None)
+    monkeypatch.setattr(atomic, "USE_TMPFILE", not named)
     path = tmp_path / "keep.safetensors"
     path.write_bytes(b"previous")
     arrays = {f"x{i}": np.full(64 << 8, i, np.float32) for i in range(80)}  # 5 MiB: reserved

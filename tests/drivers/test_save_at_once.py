@@ -14,8 +14,8 @@ import pytest
 import safetensors.numpy
 
 import stream_st
-from stream_st.transports.file import sink as file_sink
-from stream_st.transports.file.sink import Abandoned
+from stream_st.transports.file import atomic
+from stream_st.transports.file.atomic import Abandoned
 from stream_st.writer import save_at_once
 
 pytestmark = pytest.mark.anyio
@@ -127,7 +127,7 @@ async def test_a_save_cancelled_while_writing_leaves_nothing(
     """Cancelled once its temporary file exists (256 MiB to write, from one 1 MiB array): the
     thread stops at its next block and removes it before the cancellation reaches the caller;
     the previous file stays."""
-    monkeypatch.setattr(file_sink, "USE_TMPFILE", not named)
+    monkeypatch.setattr(atomic, "USE_TMPFILE", not named)
     target = tmp_path / "model.safetensors"
     target.write_bytes(OLD)
     row = np.ones(1 << 18, dtype=np.float32)

@@ -23,7 +23,7 @@ import stream_st.numpy
 import stream_st.torch
 from stream_st import writer
 from stream_st.tools.cp import cp
-from stream_st.transports.file import sink
+from stream_st.transports.file import atomic, sink
 
 BLOCK = 4096
 
@@ -43,7 +43,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int, int]
         return real(fd, buffers, offset, *flags)
 
     monkeypatch.setattr(os, "pwritev", pwritev)
-    monkeypatch.setattr(sink, "WRITE_CALL", BLOCK)
+    monkeypatch.setattr(atomic, "WRITE_CALL", BLOCK)
     monkeypatch.setattr(sink, "SPLIT_THRESHOLD", 4 * BLOCK)
     monkeypatch.setattr(sink, "WRITE_INLINE", 2 * BLOCK)
     monkeypatch.setattr(writer, "GATHER_BELOW", 2 * BLOCK)

@@ -41,7 +41,7 @@ from stream_st import (
 )
 from stream_st.core import dtypes as core_dtypes
 from stream_st.transports.base import Sink
-from stream_st.transports.file import sink as sink_module
+from stream_st.transports.file import atomic
 from stream_st.transports.file.sink import FileSink
 from stream_st.transports.registry import open_sink
 from stream_st.writer import Order
@@ -1230,7 +1230,7 @@ async def test_small_writes_give_the_loop_a_turn_a_block(tmp_path: pathlib.Path)
                 await writer.write(name, array)
         during = turns - before
         group.cancel_scope.cancel()
-    assert during >= (8 << 20) // sink_module.WRITE_CALL - 1
+    assert during >= (8 << 20) // atomic.WRITE_CALL - 1
     assert path.read_bytes() == reference_numpy.save(arrays)
 
 
@@ -1260,5 +1260,5 @@ async def test_small_writes_cancelled_leave_nothing(
             else:
                 for name, array in pairs():
                     await writer.write(name, array)
-    assert scope.cancelled_caught and written < cancel_after + sink_module.WRITE_CALL // 4096
+    assert scope.cancelled_caught and written < cancel_after + atomic.WRITE_CALL // 4096
     assert leftovers(tmp_path) == []

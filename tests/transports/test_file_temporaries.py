@@ -3,15 +3,17 @@ that dies leaves nothing behind.
 
 Where the file system allows it (Linux ``O_TMPFILE``) the temporary has no name until the commit,
 so even a process killed by SIGKILL leaves nothing; elsewhere it is a hidden file whose name
-fits the longest name the directory takes (``stream_st.transports.file.sink.USE_TMPFILE =
+fits the longest name the directory takes (``stream_st.transports.file.atomic.USE_TMPFILE =
 False`` takes that path here).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -25,7 +27,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import TensorSpec, WriterError
-from stream_st.transports.file import sink as file_sink
+from stream_st.transports.file import atomic
 
 ARRAYS: dict[str, np.ndarray[Any, Any]] = {
     "a": np.arange(1000, dtype=np.float32),
@@ -36,7 +38,7 @@ EXPECTED = reference_numpy.save(ARRAYS)
 
 def nameless_works(directory: Path) -> bool:
     """Whether the sink writes ``directory``'s files through nameless temporaries."""
-    fd = file_sink._open_nameless(os.fspath(directory))
+    fd = atomic._open_nameless(os.fspath(directory))
     if fd is None:
         return False
     os.close(fd)
@@ -49,7 +51,7 @@ def temporaries(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]
     if request.param == "nameless" and not nameless_works(tmp_path):
         pytest.skip("no O_TMPFILE here")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(file_sink, "USE_TMPFILE", request.param == "nameless")
+        patch.setattr(atomic, "USE_TMPFILE", request.param == "nameless")
         yield request.param
 
 
@@ -107,7 +109,7 @@ def temporary_size(directory: Path) -> int | None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux-only")
 async def test_blocks_are_reserved_on_open(tmp_path: Path, temporaries: str) -> None:
     """From ``ALLOCATE_FROM`` bytes on; a smaller file's blocks are not reserved."""
-    size = file_sink.ALLOCATE_FROM
+    size = atomic.ALLOCATE_FROM
     for name, count, reserved in (("r.st", size, True), ("s.st", size // 2, False)):
         plan = [TensorSpec("x", "U8", (count,))]
         async with stream_st.open_writer(tmp_path / name, plan) as writer:
@@ -159,11 +161,11 @@ def test_an_interrupt_as_the_temporary_gets_its_name_leaves_nothing(
     returns: the name is removed with the rest, the old file stays."""
     import stream_st.numpy as st_np
 
-    st_np.save_file({"a": np.ones(4, np.float32)}, tmp_path / "warm.safetensors")  # probes done
+    st_np.save_file({"a": np.ones(4, np.float32)}, tmp_path / "warm.safetensors")  # imports done
     dst = tmp_path / "x.safetensors"
     dst.write_bytes(b"OLD")
     if where == "open":
-        monkeypatch.setattr(file_sink, "_open_nameless", lambda directory: None)
+        monkeypatch.setattr(atomic, "_open_nameless", lambda directory: None)
     real = getattr(os, where)
 
     def interrupted(*args: Any, **kwargs: Any) -> Any:
@@ -180,3 +182,36 @@ def test_an_interrupt_as_the_temporary_gets_its_name_leaves_nothing(
     monkeypatch.undo()
     assert dst.read_bytes() == b"OLD"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["warm.safetensors", "x.safetensors"]
+
+
+def test_a_nameless_file_the_system_gives_no_name_is_copied_into_a_hidden_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``/proc`` (the link of a nameless file fails with ENOENT): the commit copies the file
+    into a hidden one renamed over the old file (its mode kept), nothing left behind; the next
+    file there is a hidden one from the start, with no link tried."""
+    import stream_st.numpy as st_np
+
+    if not nameless_works(tmp_path):
+        pytest.skip("no O_TMPFILE here")
+    monkeypatch.setattr(atomic, "_UNLINKABLE", set())
+    real = os.link
+    tried: list[str] = []
+
+    def no_proc(src: str, dst: str, **kwargs: Any) -> None:
+        if src.startswith("/proc/"):
+            tried.append(dst)
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), src)
+        real(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "link", no_proc)
+    old = tmp_path / "old.safetensors"
+    old.write_bytes(b"OLD")
+    old.chmod(0o600)
+    st_np.save_file(ARRAYS, old)
+    st_np.save_file(ARRAYS, tmp_path / "new.safetensors")
+    assert old.read_bytes() == (tmp_path / "new.safetensors").read_bytes() == EXPECTED
+    assert stat.S_IMODE(old.stat().st_mode) == 0o600
+    assert sorted(os.listdir(tmp_path)) == ["new.safetensors", "old.safetensors"]
+    assert len(tried) == 1
+    assert {os.stat(tmp_path).st_dev} == atomic._UNLINKABLE

@@ -21,7 +21,6 @@ import stat
 import sys
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from urllib.parse import unquote, urlsplit
 
 import anyio
 import anyio.lowlevel
@@ -29,15 +28,14 @@ import anyio.to_thread
 
 from ..._util import task_group
 from ...errors import (
-    SafetensorsError,
     SourceNotFoundError,
     TransportError,
-    UnsupportedSourceError,
     UsageError,
 )
 from ..base import Source
 from ..nonblocking import NonBlockingEnd
 from ..options import UNLIMITED, Clock
+from .atomic import path_from_url as path_from_url  # re-exported: it was defined here
 from .mmap import FileMap
 from .pread import pread_fully
 from .readahead import FEED_PIECE, ReadAhead, read_ahead
@@ -269,17 +267,6 @@ class PipeSource(PipeEnd, Source):
 
     async def aclose(self) -> None:
         self._close()
-
-
-def path_from_url(url: str, unsupported: type[SafetensorsError] = UnsupportedSourceError) -> str:
-    """The local path of a ``file://`` URL; ``unsupported`` is raised for any other URL."""
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme == "file":
-        if parts.netloc not in ("", "localhost"):
-            raise unsupported(f"file URL with a remote host is not supported: {url}")
-        return unquote(parts.path)
-    raise unsupported(f"unknown URL scheme {scheme!r} in {url!r}")
 
 
 async def source_for(url: str, clock: Clock) -> Source:

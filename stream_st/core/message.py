@@ -1,0 +1,71 @@
+"""A whole message laid out from arrays in memory: the plan of ``{name: array}``, its header, and
+each tensor's bytes, for a write at once (:func:`stream_st.save` to a local file, the drop-ins'
+``save_file`` and ``save``, a server's reply). No I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal
+
+import numpy as np
+
+from ..errors import UsageError
+from .arrays import as_array, spec_of
+from .dtypes import wire_bytes
+from .header import Header
+from .layout import TensorSpec, _dtype_of, _plan_list, build_header, plan_order
+
+__all__ = ["Order", "lay_out", "ordered"]
+
+Order = Literal["plan", "reference"]
+"""``"plan"``: tensors laid out in the order given. ``"reference"``: ordered as the reference
+writer does (descending dtype alignment, then name), giving byte-identical files."""
+
+
+def ordered(plan: Iterable[TensorSpec], order: Order) -> list[TensorSpec]:
+    """``plan`` as a list, in ``order``; :class:`~stream_st.UsageError` for another order."""
+    if order == "reference":
+        return plan_order(plan)
+    if order == "plan":
+        return _plan_list(plan)
+    raise UsageError(f"order must be 'plan' or 'reference', got {order!r}")
+
+
+def lay_out(
+    tensors: Mapping[str, Any],
+    metadata: Mapping[str, str] | None = None,
+    checksums: bool | str = False,
+    order: Order = "reference",
+) -> tuple[bytes, Header, Iterator[memoryview]]:
+    """A message of ``{name: array}`` laid out as :func:`~stream_st.save` lays it out, for a
+    write at once with every array in memory: the bytes before the data, the header, and each
+    tensor's bytes in header order, made as they are taken (views of the arrays' memory where
+    they are contiguous and little-endian, else a copy, one tensor at a time).
+
+    ``order`` and ``checksums`` as for :func:`~stream_st.open_writer`: the digests are computed
+    from the arrays, one pass over each, and recorded in the header. The same plan, header and
+    errors as :func:`~stream_st.save` of the same dict."""
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    plan: list[TensorSpec] = []
+    codes: dict[np.dtype[Any], str] = {}  # each array dtype's safetensors code, found once
+    for name, value in tensors.items():
+        if type(value) is np.ndarray:  # most tensors: no torch tensor, nothing to convert
+            arrays[name] = value
+            code = codes.get(value.dtype)
+            if code is None:
+                code = codes[value.dtype] = _dtype_of(TensorSpec(name, value.dtype, ())).code
+            plan.append(TensorSpec(name, code, value.shape))  # a code: the quickest to look up
+        else:
+            array = arrays[name] = as_array(value, name)
+            plan.append(spec_of(name, value, array))
+    specs = ordered(plan, order)
+    if checksums is not False:  # imported here: hashing is not needed to write a plain file
+        from .digests import Digests, digests_for
+
+        digests = digests_for(checksums)
+        if digests is not None:
+            digests = Digests.compute(arrays, digests.algorithm)
+            metadata = digests.add_to(metadata, [spec.name for spec in specs])
+    prefix, header = build_header(specs, metadata)
+    return prefix, header, (wire_bytes(arrays[name]) for name in header.names())
