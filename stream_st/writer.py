@@ -33,7 +33,7 @@ from .core.dtypes import _BUFFER_CHARS, DTYPES, NATIVE_IS_LITTLE, DType, dtype_f
 from .core.header import Header, TensorInfo
 from .core.layout import TensorSpec, build_header
 from .core.message import Order, lay_out, ordered
-from .errors import TensorNotFoundError, UsageError, WriterError
+from .errors import ArgumentTypeError, TensorNotFoundError, UsageError, WriterError
 from .transports.file.atomic import local_destination, save_at_once
 from .transports.file.sink import NOT_STAGED, STAGED_WROTE, FileSink
 from .transports.options import Clock, TransportOptions, clock_of
@@ -317,9 +317,7 @@ class TensorWriter(AsyncClosing):
         if self._state == _OPEN and self._sink is not None:
             return self._sink
         if self._state == _ABORTED:
-            raise UsageError(
-                f"the write was aborted ({self._failure!r}); nothing was committed"
-            ) from self._failure
+            raise UsageError(self._aborted()) from self._failure
         if self._state == _COMMITTED:
             raise UsageError("the writer is closed: every tensor was already written")
         return self._require_sink()
@@ -373,9 +371,7 @@ class TensorWriter(AsyncClosing):
             self._state = _ABORTED
             return
         if self._state == _ABORTED:
-            raise WriterError(
-                f"the write was aborted ({self._failure!r}); nothing was committed"
-            ) from self._failure
+            raise WriterError(self._aborted()) from self._failure
         self._staged = None  # committing: any write goes the general way, and is refused
         try:  # a small write to a file is no cancellation point: a cancellation shows here
             await anyio.lowlevel.checkpoint_if_cancelled()
@@ -444,6 +440,11 @@ class TensorWriter(AsyncClosing):
     async def abort(self) -> None:
         """Throw the message away: no file at the destination, or a closed stream."""
         await self._abort(None)
+
+    def _aborted(self) -> str:
+        """What an aborted writer says when used: why it was aborted."""
+        why = "by abort()" if self._failure is None else f"({self._failure!r})"
+        return f"the write was aborted {why}; nothing was committed"
 
     async def _abort(self, cause: BaseException | None) -> None:
         if self._state in (_ABORTED, _COMMITTED):
@@ -581,9 +582,11 @@ class TensorWriter(AsyncClosing):
         return TensorParts(self, name)
 
     def _lookup(self, name: str) -> TensorInfo:
+        if not isinstance(name, str):
+            raise ArgumentTypeError(f"tensor names are str, got {type(name).__name__} {name!r}")
         try:
             return self._header[name]
-        except (TensorNotFoundError, TypeError):  # TypeError: not a name a dict can hold
+        except TensorNotFoundError:
             raise WriterError(f"no tensor named {name!r} in the plan", name=name) from None
 
     def _claim(self, info: TensorInfo, count: int, mode: Mode) -> int:

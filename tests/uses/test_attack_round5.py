@@ -251,11 +251,6 @@ async def test_a_name_given_with_its_suffix_is_served_under_it(model: Path) -> N
 # --------------------------------------------------------------------------- the writer
 
 
-@pytest.mark.xfail(
-    reason="writer.py, changed elsewhere: _check_usable and aclose format the failure as "
-    "({self._failure!r}), None after an explicit abort()",
-    strict=True,
-)
 async def test_a_writer_aborted_by_its_user_says_so_not_none(tmp_path: Path) -> None:
     """After ``abort()``, closing (leaving the block) and writing said "the write was aborted
     (None); nothing was committed"."""
@@ -269,6 +264,16 @@ async def test_a_writer_aborted_by_its_user_says_so_not_none(tmp_path: Path) -> 
     with pytest.raises(stream_st.WriterError) as closing:
         await writer.aclose()
     assert "None" not in str(closing.value) and "abort()" in str(closing.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", [1, b"a", ["a"]])
+async def test_a_tensor_name_that_is_not_a_str_is_a_type_error(tmp_path: Path, name: Any) -> None:
+    """``write(1, array)`` said "no tensor named 1 in the plan", as if the plan lacked it."""
+    plan = [stream_st.TensorSpec("a", "F32", (2,))]
+    with pytest.raises(stream_st.ArgumentTypeError, match="tensor names are str"):
+        async with stream_st.open_writer(tmp_path / "out.safetensors", plan) as writer:
+            await writer.write(name, np.zeros(2, np.float32))
     assert list(tmp_path.iterdir()) == []
 
 
