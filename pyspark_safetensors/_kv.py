@@ -37,7 +37,13 @@ from stream_st.core.digests import (
     update_sliced,
 )
 from stream_st.core.dtypes import DTYPES, array_shape, dtype_for, dtype_from_code, wire_bytes
-from stream_st.core.header import LENGTH_PREFIX_SIZE, METADATA_KEY, checked_dims, data_size
+from stream_st.core.header import (
+    DEFAULT_MAX_HEADER_SIZE,
+    LENGTH_PREFIX_SIZE,
+    METADATA_KEY,
+    checked_dims,
+    data_size,
+)
 from stream_st.core.layout import framed_header
 from stream_st.errors import DtypeError, HeaderError, TruncatedStreamError
 from stream_st.integrations.dataset import read_span
@@ -329,8 +335,8 @@ class RowLayout:
     ) -> RowLayout | None:
         """The layout a manifest entry records (``document``) of a shard of ``samples`` rows
         and ``size`` bytes holding every one of ``columns``; None for one that does not
-        describe such a shard, or is no layout at all (then the shard is read from its parsed
-        header)."""
+        describe such a shard (or a header longer than a read takes), or is no layout at all
+        (then the shard is read from its parsed header)."""
         if not isinstance(document, dict):
             return None
         header, names, specs, blocks = (
@@ -339,6 +345,7 @@ class RowLayout:
         if not (
             isinstance(header, dict)
             and _whole(header.get("bytes"), 2)
+            and header["bytes"] <= DEFAULT_MAX_HEADER_SIZE
             and isinstance(header.get(HEADER_DIGEST), str)
             and isinstance(names, list)
             and all(isinstance(name, str) for name in names)
@@ -351,10 +358,15 @@ class RowLayout:
             return None
         nbytes = []
         for spec in specs:
-            if not (isinstance(spec, list) and len(spec) == 2 and spec[0] in DTYPES):
+            if not (isinstance(spec, list) and len(spec) == 2):
                 return None
             code, shape = spec
-            if not (isinstance(shape, list) and all(_whole(d) for d in shape)):
+            if not (
+                isinstance(code, str)
+                and code in DTYPES
+                and isinstance(shape, list)
+                and all(_whole(d) for d in shape)
+            ):
                 return None
             try:
                 nbytes.append(data_size("", dtype_from_code(code), checked_dims("", shape)))

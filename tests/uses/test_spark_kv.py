@@ -357,3 +357,37 @@ def test_a_layout_changed_in_the_manifest_is_not_trusted(tmp_path: Path, field: 
         layout["columns"].reverse()  # still the dataset's columns: the digest tells
     rewrite_manifest(tmp_path, document)
     assert read(tmp_path) == expected
+
+
+def test_a_layout_that_describes_no_such_shard_is_not_used(tmp_path: Path) -> None:
+    """Whatever a manifest holds where a layout goes, it is parsed into one that matches the
+    shard's entry, or none (the shard then read from its parsed header), never an error."""
+    from pyspark_safetensors._kv import RowLayout
+
+    write(tmp_path, [[batch(["a", "b"])]])
+    entry = manifest_of(tmp_path)["shards"][0]
+    good, samples, size = entry["kv_rows"], entry["samples_count"], entry["bytes"]
+    assert RowLayout.parse(good, ["x", "n"], samples, size) is not None
+    changes: list[tuple[str, Any]] = [
+        ("header", None),
+        ("header", {"bytes": True, "xxh3-128": "00"}),
+        ("header", {"bytes": 10**9, "xxh3-128": "00"}),
+        ("columns", ["n"]),
+        ("columns", ["n", "n"]),
+        ("columns", [["n"], "x"]),
+        ("specs", [[["I64"], []], ["F32", [3]]]),
+        ("specs", [["F4", [3]], ["F32", [3]]]),
+        ("specs", [["I64", [-1]], ["F32", [3]]]),
+        ("specs", [["I64", [2**70]], ["F32", [3]]]),
+        ("blocks", [[2, 1, 10, 0, 2]]),
+        ("blocks", [[2, 10, 1, 0, 1]]),
+        ("blocks", [[0, 1, 10, 0, 1]]),
+        ("blocks", [[2, 1, 10, 0, 1.5]]),
+        ("blocks", [[1, 1, 10, 0, 1]]),
+        ("blocks", []),
+    ]
+    for field, value in changes:
+        assert RowLayout.parse({**good, field: value}, ["n", "x"], samples, size) is None
+    assert RowLayout.parse(good, ["n", "x"], samples, size + 1) is None
+    assert RowLayout.parse(good, ["n", "x"], samples + 1, size) is None
+    assert RowLayout.parse("layout", ["n", "x"], samples, size) is None
