@@ -5,7 +5,9 @@ A KV shard is made a batch of rows at a time (a buffer per column, the header te
 pass): it must be the very file stream_st's general writer makes of the same tensors in the
 same order, and read back row for row, whatever the layout of the shards read (tensors of a
 column back to back, or a row's tensors together as another writer lays them out), with its
-digests checked.
+digests checked. Where the write recorded where a shard's rows lie (``kv_rows``), a read takes
+them from there only while the shard's header and that record are the ones written: any change
+sends it back to the parsed header, never to wrong rows.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from safetensors.numpy import load_file  # noqa: E402
 
 import pyspark_safetensors  # noqa: E402
 import stream_st  # noqa: E402
+from pyspark_safetensors._kv import RowLayout  # noqa: E402
 from pyspark_safetensors._write import SafetensorsWriter, WriteOptions  # noqa: E402
 
 from ..servers.http_server import RangeHTTPServer  # noqa: E402
@@ -362,8 +365,6 @@ def test_a_layout_changed_in_the_manifest_is_not_trusted(tmp_path: Path, field: 
 def test_a_layout_that_describes_no_such_shard_is_not_used(tmp_path: Path) -> None:
     """Whatever a manifest holds where a layout goes, it is parsed into one that matches the
     shard's entry, or none (the shard then read from its parsed header), never an error."""
-    from pyspark_safetensors._kv import RowLayout
-
     write(tmp_path, [[batch(["a", "b"])]])
     entry = manifest_of(tmp_path)["shards"][0]
     good, samples, size = entry["kv_rows"], entry["samples_count"], entry["bytes"]
