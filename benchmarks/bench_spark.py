@@ -9,7 +9,9 @@ at least 2), then in interleaved rounds on ``local[2]``:
   writing the same frame), each a fresh overwrite;
 * ``read``: ``spark.read.parquet(...)`` and ``spark.read.format("safetensors").load(...)`` of what
   they wrote, into Spark's ``noop`` sink (every row and column materialised, typed; in KV mode,
-  a row per name as written).
+  a row per name as written). In KV mode a third variant, ``read parsed``, reads the same shards
+  as a dataset written before shards recorded where their rows lie (hard links to them beside a
+  manifest without ``kv_rows``): each task parses its shard's header.
 
 The issue's figures: ``--dim 3072 --mb 2092 --partitions 8 --cold`` (170,000 rows of 3 x 32 x 32
 floats and two int64 columns, 2.09 GB, page cache cleared) and ``--kv --dim 256 --rows 100000``.
@@ -21,10 +23,11 @@ then ``posix_fadvise(DONTNEED)``: only these files, nothing else on the machine)
 minutes (every variant still runs once before the rounds: a read needs what a write made).
 
 Every variant runs once before the rounds (not counted: the source cached, Python workers
-started); within a pair, each goes first every other round (the one that follows the other
-finds the JVM in another state: its garbage, its caches). Medians over ``--rounds``, and the
-paired ratio of every round (safetensors time / parquet time; below 1 is faster; the bar is
-1.00x), with their median and range. The load
+started); within a pair (or the three reads of KV mode), each goes first in turn, round after
+round (the one that follows another finds the JVM in another state: its garbage, its caches).
+Medians over ``--rounds``, and the paired ratio of every round (safetensors time / parquet time;
+below 1 is faster; the bar is 1.00x; in KV mode also parsed / parquet and safetensors /
+parsed), with their median and range. The load
 average is printed before and after: others may share the machine, so compare ratios, not
 absolute figures. On Linux the CPU seconds the JVM and its Python workers spent on each variant
 are printed too (a figure other processes on the machine disturb less than wall time).
@@ -38,6 +41,7 @@ are printed too (a figure other processes on the machine disturb less than wall 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -51,6 +55,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+COMPARED = [("safetensors", "parquet"), ("parsed", "parquet"), ("safetensors", "parsed")]
+"""The ratios printed, where a run has both variants."""
 
 
 def session() -> Any:
@@ -100,6 +107,17 @@ def drop_cached(directory: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def without_layouts(dataset: Path, copy: Path) -> None:
+    """``dataset`` as written before shards recorded where their rows lie: at ``copy``, hard
+    links to its shards beside its manifest without the shards' ``kv_rows``."""
+    copy.mkdir()
+    document = json.loads((dataset / "dataset_manifest.json").read_text())
+    for entry in document["shards"]:
+        entry.pop("kv_rows", None)
+        os.link(dataset / entry["shard_path"], copy / entry["shard_path"])
+    (copy / "dataset_manifest.json").write_text(json.dumps(document))
 
 
 def cpu_seconds(root: int) -> dict[tuple[int, int], float]:
@@ -183,29 +201,37 @@ def main() -> None:
                 drop_cached(work / "parquet")
             spark.read.parquet(str(work / "parquet")).write.format("noop").mode("overwrite").save()
 
-        def read_safetensors() -> None:
-            if args.cold:
-                drop_cached(work / "safetensors")
-            spark.read.format("safetensors").load(str(work / "safetensors")).write.format(
-                "noop"
-            ).mode("overwrite").save()
+        def read_from(name: str) -> Callable[[], None]:
+            def read_safetensors() -> None:
+                if args.cold:
+                    drop_cached(work / name)
+                spark.read.format("safetensors").load(str(work / name)).write.format("noop").mode(
+                    "overwrite"
+                ).save()
 
-        pairs: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {
-            "write": (write_safetensors, write_parquet),
-            "read": (read_safetensors, read_parquet),
+            return read_safetensors
+
+        variants: dict[str, dict[str, Callable[[], None]]] = {
+            "write": {"safetensors": write_safetensors, "parquet": write_parquet},
+            "read": {"safetensors": read_from("safetensors"), "parquet": read_parquet},
         }
         if args.only:
-            pairs = {args.only: pairs[args.only]}
-        for warm_up in (write_safetensors, write_parquet, read_safetensors, read_parquet):
+            variants = {args.only: variants[args.only]}
+        for warm_up in (write_safetensors, write_parquet, read_from("safetensors"), read_parquet):
             warm_up()  # the source cached, Python workers started, both readers run once
+        if args.kv and "read" in variants:
+            without_layouts(work / "safetensors", work / "parsed")
+            variants["read"]["parsed"] = read_from("parsed")
+            read_from("parsed")()
         jvm = spark.sparkContext._gateway.proc.pid
         times: dict[str, list[float]] = {}
         cpu: dict[str, list[float]] = {}
         before = load()
         for round_ in range(args.rounds):
-            for name, (ours, theirs) in pairs.items():
-                order = [(f"{name} safetensors", ours), (f"{name} parquet", theirs)]
-                for label, run in order[:: 1 if round_ % 2 else -1]:  # each first in turn
+            for name, runs in variants.items():
+                order = [(f"{name} {variant}", run) for variant, run in runs.items()]
+                turn = round_ % len(order)
+                for label, run in order[turn:] + order[:turn]:  # each first in turn
                     spent = cpu_seconds(jvm)
                     began = time.perf_counter()
                     run()
@@ -224,17 +250,18 @@ def main() -> None:
             median = statistics.median(seconds)
             used = statistics.median(cpu[label])
             print(f"{label:<20} {median:8.2f} {total / median / 1e6:8.0f} {used:8.2f}")
-        for name in pairs:
-            for what, figures in (("time", times), ("CPU time", cpu)):
-                ours_, theirs_ = figures[f"{name} safetensors"], figures[f"{name} parquet"]
-                ratio = [a / b for a, b in zip(ours_, theirs_, strict=True) if b]
-                if ratio:
-                    rounds = " ".join(f"{r:.2f}" for r in ratio)
-                    print(
-                        f"{name}: safetensors / parquet {statistics.median(ratio):.2f}x the "
-                        f"{what} (bar 1.00x; paired median, range {min(ratio):.2f}-"
-                        f"{max(ratio):.2f}; rounds {rounds})"
-                    )
+        for name, runs in variants.items():
+            for ours_, theirs_ in [pair for pair in COMPARED if set(pair) <= set(runs)]:
+                for what, figures in (("time", times), ("CPU time", cpu)):
+                    mine, other = figures[f"{name} {ours_}"], figures[f"{name} {theirs_}"]
+                    ratio = [a / b for a, b in zip(mine, other, strict=True) if b]
+                    if ratio:
+                        rounds = " ".join(f"{r:.2f}" for r in ratio)
+                        print(
+                            f"{name}: {ours_} / {theirs_} {statistics.median(ratio):.2f}x the "
+                            f"{what} (paired median, range {min(ratio):.2f}-{max(ratio):.2f}; "
+                            f"rounds {rounds})"
+                        )
         spark.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)

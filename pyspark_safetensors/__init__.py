@@ -51,6 +51,7 @@ from stream_st.integrations.dataset import (
 )
 
 from ._arrow import arrow_row_bytes, tensor_column, typed_column
+from ._kv import LAYOUT_KEY, RowLayout, checked_header, read_laid_out
 from ._types import (
     TENSOR_COLUMN,
     TENSOR_STRUCT,
@@ -80,13 +81,15 @@ SMALLEST_SHARE = 4 << 20
 @dataclass(frozen=True)
 class ShardRows:
     """What a task reads of a KV-mode dataset whose rows are whole: rows ``start:stop`` of the
-    shard at ``address``, of ``size`` bytes and ``samples`` rows as the manifest says."""
+    shard at ``address``, of ``size`` bytes and ``samples`` rows as the manifest says, and
+    where they lie as its writer recorded it, if it did."""
 
     address: str
     size: int
     samples: int
     start: int
     stop: int
+    layout: RowLayout | None = None
 
 
 def _describe(options: Any) -> Described:
@@ -295,14 +298,22 @@ class SafetensorsReader(DataSourceReader):
         self.step = self._rows_per_arrow_batch(rows)
 
     def _rows_per_arrow_batch(self, rows: KvRows) -> int:
-        """KV mode, read as rows: the rows of ``rows`` one Arrow batch holds (about
-        :data:`BATCH_BYTES`, at least one); refuses a value Spark's Arrow batches cannot
-        carry."""
+        """KV mode, read as rows: the rows of ``rows`` one Arrow batch holds (see
+        :meth:`_rows_per_batch_of`)."""
+        specs = {}
+        for column in self.kinds:
+            where = rows.columns[column]
+            used = np.flatnonzero(np.bincount(where.spec[where.shard >= 0])).tolist()
+            specs[column] = [where.specs[spec] for spec in used]
+        return self._rows_per_batch_of(specs)
+
+    def _rows_per_batch_of(self, specs: dict[str, list[tuple[str, tuple[int, ...]]]]) -> int:
+        """KV mode, read as rows: the rows one Arrow batch holds (about :data:`BATCH_BYTES`, at
+        least one) where each column holds tensors of the dtypes and shapes ``specs`` gives it;
+        refuses a value Spark's Arrow batches cannot carry."""
         widest = 1
         for column, kind in self.kinds.items():
-            where = rows.columns[column]
-            for spec in np.flatnonzero(np.bincount(where.spec[where.shard >= 0])).tolist():
-                code, shape = where.specs[spec]
+            for code, shape in specs[column]:
                 itemsize = dtype_from_code(code).numpy.itemsize
                 widest = max(widest, arrow_row_bytes(column, 1, shape, itemsize, kind))
         return max(1, BATCH_BYTES // (widest * max(1, len(self.kinds))))
@@ -327,6 +338,7 @@ class SafetensorsReader(DataSourceReader):
         size = 0
         for address, entry in zip(dataset.shards, entries, strict=True):
             nbytes, samples = entry["bytes"], entry["samples_count"]
+            layout = RowLayout.parse(entry.get(LAYOUT_KEY), self.columns, samples, nbytes)
             cuts = min(max(1, samples), -(-nbytes // limit))
             bounds = [samples * cut // cuts for cut in range(cuts + 1)]
             for start, stop in itertools.pairwise(bounds):
@@ -334,7 +346,7 @@ class SafetensorsReader(DataSourceReader):
                 if cuts > 1 or not self.groups or size + share_of > share:
                     self.groups.append([])
                     size = 0
-                self.groups[-1].append(ShardRows(address, nbytes, samples, start, stop))
+                self.groups[-1].append(ShardRows(address, nbytes, samples, start, stop, layout))
                 size += share_of
 
     def _rows_per_batch(self, piece: Piece, header: Header) -> int:
@@ -398,10 +410,31 @@ class SafetensorsReader(DataSourceReader):
             )
 
     def _shard_batches(self, part: ShardRows, portal: Any) -> Iterator[pa.RecordBatch]:
-        """KV mode, read as rows whole: rows ``part.start:part.stop`` of a shard, told from its
-        header, which must hold as many names as the manifest says, each with every column."""
+        """KV mode, read as rows whole: rows ``part.start:part.stop`` of a shard, found where
+        its writer recorded them if its header is still the one recorded
+        (:func:`~._kv.read_laid_out`), else told from its parsed header, which must hold as
+        many names as the manifest says, each with every column."""
         assert self.record is not None
         separator = self.record["separator"]
+        layout = part.layout
+        text = None if layout is None else portal.call(checked_header, part.address, layout)
+        if layout is not None and text is not None:  # only now is the layout trusted
+            step = self._rows_per_batch_of({c: layout.column_specs(c) for c in self.kinds})
+            wanted = range(part.start, part.stop)
+            laid = portal.call(
+                read_laid_out,
+                part.address,
+                layout,
+                text,
+                separator,
+                wanted,
+                list(self.kinds),
+                step,
+            )
+            if laid is not None:
+                for names, values in laid:
+                    yield self._record_batch(names, values)
+                return
         rows = portal.call(
             lambda: read_shard_rows(part.address, self.columns, separator, size=part.size)
         )
@@ -417,22 +450,26 @@ class SafetensorsReader(DataSourceReader):
 
     def _row_batches(self, rows: KvRows, step: int, portal: Any) -> Iterator[pa.RecordBatch]:
         """KV mode, read as rows: the tensors of ``rows`` (each shard's bytes read at once),
-        then Arrow batches of ``step`` rows, in the schema's order of columns."""
+        then Arrow batches of ``step`` rows."""
+        for start, stop, values in portal.call(read_kv_batches, rows, step):
+            yield self._record_batch(pa.array(rows.names[start:stop], pa.string()), values)
+
+    def _record_batch(
+        self, names: pa.Array, values: dict[str, Array | list[Array | None]]
+    ) -> pa.RecordBatch:
+        """KV mode, read as rows: the Arrow batch of rows ``names`` (text) and their
+        ``values``, in the schema's order of columns."""
         assert self.record is not None
         name_col = self.record["name_col"]
-        name_type = self.arrow.field(name_col).type
-        for start, stop, values in portal.call(read_kv_batches, rows, step):
-            columns = {name_col: pa.array(rows.names[start:stop], pa.string()).cast(name_type)}
-            for column, kind in self.kinds.items():
-                part = values[column]
-                columns[column] = (
-                    typed_column(part, kind, column)
-                    if isinstance(part, np.ndarray)
-                    else _values_column(part, kind, column)
-                )
-            yield pa.RecordBatch.from_arrays(
-                [columns[f.name] for f in self.arrow], schema=self.arrow
+        columns = {name_col: names.cast(self.arrow.field(name_col).type)}
+        for column, kind in self.kinds.items():
+            part = values[column]
+            columns[column] = (
+                typed_column(part, kind, column)
+                if isinstance(part, np.ndarray)
+                else _values_column(part, kind, column)
             )
+        return pa.RecordBatch.from_arrays([columns[f.name] for f in self.arrow], schema=self.arrow)
 
 
 def _values_column(values: list[Array | None], kind: Column, name: str) -> pa.Array:

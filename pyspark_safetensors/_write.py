@@ -57,7 +57,7 @@ from stream_st.transports import store as _store
 from stream_st.transports.options import Clock
 
 from ._arrow import stack_rows
-from ._kv import Block, KvShard, Specs, shard_file
+from ._kv import LAYOUT_KEY, Block, KvShard, Specs, shard_file
 from ._types import SEED_DTYPES, Column, column_of, type_text
 
 __all__ = ["SafetensorsWriter", "WriteOptions"]
@@ -312,6 +312,8 @@ class StagedShard:
     samples: int
     bytes: int
     tensors: Specs
+    layout: dict[str, Any] | None = None
+    """Where its rows lie, as the manifest records it (:data:`~._kv.LAYOUT_KEY`), if known."""
 
 
 @dataclass
@@ -346,9 +348,17 @@ class _TaskWriter:
         name = shard_file_name(self.task, len(self.shards), self.tag)
         return name, _store.join(self.staging, name)
 
-    def _staged(self, name: str, staged: str, samples: int, size: int, specs: Specs) -> None:
+    def _staged(
+        self,
+        name: str,
+        staged: str,
+        samples: int,
+        size: int,
+        specs: Specs,
+        layout: dict[str, Any] | None = None,
+    ) -> None:
         self.shards.append(
-            StagedShard(self.task, len(self.shards), name, staged, samples, size, specs)
+            StagedShard(self.task, len(self.shards), name, staged, samples, size, specs, layout)
         )
 
     def describe(self, column: str, array: Array) -> None:
@@ -485,15 +495,16 @@ class _TaskWriter:
             held[key] = run.nbytes
             written.add(key)
         shard.runs += runs
+        shard.blocks.append((1, tuple(row.columns)))
         shard.samples.update(row.names)
 
     def _seal_kv(self) -> None:
         """Write the KV shard being filled (made in memory, written at once) and start another."""
         shard, self.kv = self.kv, KvShard()
-        data, specs = shard_file(shard, self.options.checksums)
+        data, specs, layout = shard_file(shard, self.options.checksums)
         name, staged = self._next_shard()
         anyio.run(_store.write_object, staged, data)
-        self._staged(name, staged, len(shard.samples), len(data), specs)
+        self._staged(name, staged, len(shard.samples), len(data), specs, layout)
 
     def discard(self) -> None:
         """Remove every shard this attempt wrote."""
@@ -597,6 +608,9 @@ class SafetensorsWriter(DataSourceArrowWriter):
                 )
             entries = [ShardEntry(s.name, s.samples, s.bytes) for s in shards]
             document = manifest_document(entries, schema)
+            for entry, shard in zip(document["shards"], shards, strict=True):
+                if shard.layout is not None:
+                    entry[LAYOUT_KEY] = shard.layout
             if record is not None:
                 document[KV_RECORD] = record
             text = json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
@@ -697,11 +711,9 @@ async def _previous_shards(
         place = _store.join(path, name)
         task, index = shard_position(name) or (0, 0)
         specs = _specs(await read_header(place)) if with_tensors else ()
-        shards.append(
-            StagedShard(
-                task, index, name, place, entry.get("samples_count", 0), entry["bytes"], specs
-            )
-        )
+        samples = entry.get("samples_count", 0)
+        layout = entry.get(LAYOUT_KEY)
+        shards.append(StagedShard(task, index, name, place, samples, entry["bytes"], specs, layout))
     return shards
 
 

@@ -34,6 +34,7 @@ from .conftest import BUCKET  # noqa: E402
 TENSOR = "struct<data: binary, shape: array<int>, dtype: string>"
 SEED_FIELDS = {"format_version", "safetensors_version", "total_samples", "total_bytes", "shards"}
 SHARD_FIELDS = {"shard_path", "samples_count", "bytes"}
+KV_SHARD_FIELDS = SHARD_FIELDS | {"kv_rows"}  # where a KV shard's rows lie, an extra field
 
 
 def frame(spark: Any, data: list[Any], schema: str, partitions: int) -> DataFrame:
@@ -70,13 +71,14 @@ def labels_of(path: Path) -> list[int]:
 
 
 def check_layout(path: Path) -> None:
-    """The manifest has seed 003's fields, and every shard is there and as large as it says."""
+    """The manifest has seed 003's fields (a KV shard's entry may add where its rows lie), and
+    every shard is there and as large as it says."""
     document = manifest(path)
     assert document.keys() >= SEED_FIELDS and "schema" in document
     assert document["format_version"] == "1.0" and document["safetensors_version"] == "1.0"
     names = sorted(p.name for p in path.iterdir())
     shards = [s["shard_path"] for s in document["shards"]]
-    assert all(set(s) == SHARD_FIELDS for s in document["shards"])
+    assert all(SHARD_FIELDS <= set(s) <= KV_SHARD_FIELDS for s in document["shards"])
     assert all((path / s["shard_path"]).stat().st_size == s["bytes"] for s in document["shards"])
     assert document["total_bytes"] == sum(s["bytes"] for s in document["shards"])
     assert document["total_samples"] == sum(s["samples_count"] for s in document["shards"])

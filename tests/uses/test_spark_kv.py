@@ -5,7 +5,9 @@ A KV shard is made a batch of rows at a time (a buffer per column, the header te
 pass): it must be the very file stream_st's general writer makes of the same tensors in the
 same order, and read back row for row, whatever the layout of the shards read (tensors of a
 column back to back, or a row's tensors together as another writer lays them out), with its
-digests checked.
+digests checked. Where the write recorded where a shard's rows lie (``kv_rows``), a read takes
+them from there only while the shard's header and that record are the ones written: any change
+sends it back to the parsed header, never to wrong rows.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from safetensors.numpy import load_file  # noqa: E402
 
 import pyspark_safetensors  # noqa: E402
 import stream_st  # noqa: E402
+from pyspark_safetensors._kv import RowLayout  # noqa: E402
 from pyspark_safetensors._write import SafetensorsWriter, WriteOptions  # noqa: E402
 
 from ..servers.http_server import RangeHTTPServer  # noqa: E402
@@ -187,8 +190,9 @@ def test_a_damaged_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
         read(tmp_path)
 
 
-def test_rows_read_over_http_with_ranged_requests(tmp_path: Path) -> None:
-    write(tmp_path, [[batch(["a", "b"])], [batch(["c"])]], checksums="true")
+@pytest.mark.parametrize("checksums", ["true", "false"])  # "false": laid out, see below
+def test_rows_read_over_http_with_ranged_requests(tmp_path: Path, checksums: str) -> None:
+    write(tmp_path, [[batch(["a", "b"])], [batch(["c"])]], checksums=checksums)
     with RangeHTTPServer() as server:
         for path in tmp_path.iterdir():
             server.objects[f"/ds/{path.name}"] = path.read_bytes()
@@ -243,3 +247,148 @@ def test_whole_rows_are_planned_without_a_header_and_checked_by_the_tasks(
     manifest.write_text(json.dumps(document))
     with pytest.raises(stream_st.HeaderError, match="says its 3 rows are whole; the shard holds 2"):
         read(tmp_path)
+
+
+def manifest_of(path: Path) -> Any:
+    return json.loads((path / "dataset_manifest.json").read_text())
+
+
+def rewrite_manifest(path: Path, document: Any) -> None:
+    (path / "dataset_manifest.json").write_text(json.dumps(document))
+
+
+def layouts(path: Path) -> list[Any]:
+    return [entry.get("kv_rows") for entry in manifest_of(path)["shards"]]
+
+
+def without_layouts(path: Path) -> None:
+    """The dataset as written before shards recorded where their rows lie."""
+    document = manifest_of(path)
+    for entry in document["shards"]:
+        entry.pop("kv_rows", None)
+    rewrite_manifest(path, document)
+
+
+def test_shards_record_where_their_rows_lie_and_read_the_same_without(tmp_path: Path) -> None:
+    names = [f"k{i}" for i in range(300)] + ["é", "日本"]
+    # blocks of rows alike, a block of rows of two widths (a block per row), two tasks
+    tasks = [
+        [batch(names[:100], [500] * 100), batch(names[100:150], [4, 2] * 25)],
+        [batch(names[150:])],
+    ]
+    write(tmp_path, tasks)
+    first, second = layouts(tmp_path)
+    assert [block[0] for block in first["blocks"]] == [100] + [1] * 50
+    assert first["columns"] == ["n", "x"] and second["specs"] == [["I64", []], ["F32", [3]]]
+    laid_out = read(tmp_path, max_partition_mb="1")  # the first shard cut in ranges of rows
+    assert [row["name"] for row in laid_out] == names
+    assert laid_out[120]["x"] == [20.0, 20.25, 20.5, 20.75] and laid_out[-1]["n"] == 151
+    assert read(tmp_path, columns="x")[5] == {"name": "k5", "x": laid_out[5]["x"]}
+    without_layouts(tmp_path)
+    assert read(tmp_path, max_partition_mb="1") == laid_out
+
+
+NO_LAYOUT = {  # the write's batches and options, the names read back
+    "checksums": ([batch(["a", "b"])], {"checksums": "true"}, ["a", "b"]),
+    "a key written twice in a shard": (
+        [batch(["a", "b", "a"])],
+        {"duplicatesStrategy": "lastWin"},
+        ["b", "a"],
+    ),
+    "names JSON escapes": ([batch(['a"b', "c\\d"])], {}, ['a"b', "c\\d"]),
+}
+
+
+@pytest.mark.parametrize("case", list(NO_LAYOUT))
+def test_shards_whose_rows_no_layout_describes_record_none(tmp_path: Path, case: str) -> None:
+    batches, options, names = NO_LAYOUT[case]
+    write(tmp_path, [batches], **options)
+    assert layouts(tmp_path) == [None]
+    assert [row["name"] for row in read(tmp_path)] == names
+
+
+def test_an_append_keeps_the_layouts_of_the_shards_it_keeps(tmp_path: Path) -> None:
+    write(tmp_path, [[batch(["a", "b"])], [batch(["c"])]])
+    before = layouts(tmp_path)
+    append(tmp_path, [batch(["b", "d"])], duplicatesStrategy="lastWin")  # the first rewritten
+    after = layouts(tmp_path)
+    assert after[0] is None and after[1] == before[1] and after[2] is not None
+    assert [(row["name"], row["n"]) for row in read(tmp_path)] == [
+        ("a", 0),
+        ("c", 0),
+        ("b", 0),
+        ("d", 1),
+    ]
+
+
+def swap(blob: bytes, one: bytes, other: bytes) -> bytes:
+    """``blob`` with texts ``one`` and ``other`` (one each, as long) swapped."""
+    assert blob.count(one) == blob.count(other) == 1 and len(one) == len(other)
+    out = bytearray(blob)
+    at, to = blob.index(one), blob.index(other)
+    out[at : at + len(one)], out[to : to + len(one)] = other, one
+    return bytes(out)
+
+
+def test_a_shard_whose_header_changed_is_read_from_its_header(tmp_path: Path) -> None:
+    """Tensors ``a__x`` and ``b__x`` swap places in the header (the same length): the layout
+    recorded no longer holds, the header's digest says so, and the rows are the header's."""
+    write(tmp_path, [[batch(["a", "b"])]])
+    (shard,) = shards(tmp_path)
+    shard.write_bytes(swap(shard.read_bytes(), b"[16,28]", b"[28,40]"))
+    assert [(row["name"], row["x"][0]) for row in read(tmp_path)] == [("a", 1.0), ("b", 0.0)]
+    # a header of another length, that the manifest's size no longer matches: refused
+    arrays = load_file(str(shard))
+    anyio.run(lambda: stream_st.save(str(shard), {"a__n": arrays["a__n"]}))
+    with pytest.raises(stream_st.HeaderError, match=r"the manifest says \d+ bytes"):
+        read(tmp_path)
+
+
+@pytest.mark.parametrize("field", ["header", "blocks", "specs", "columns"])
+def test_a_layout_changed_in_the_manifest_is_not_trusted(tmp_path: Path, field: str) -> None:
+    write(tmp_path, [[batch(["a", "bb", "c"])]])
+    expected = read(tmp_path)
+    document = manifest_of(tmp_path)
+    layout = document["shards"][0]["kv_rows"]
+    if field == "header":
+        layout["header"]["xxh3-128"] = "0" * 32
+    elif field == "blocks":
+        layout["blocks"][0][1] += 1  # the names a byte later: the digest tells
+    elif field == "specs":
+        layout["specs"] = "I64"
+    else:
+        layout["columns"].reverse()  # still the dataset's columns: the digest tells
+    rewrite_manifest(tmp_path, document)
+    assert read(tmp_path) == expected
+
+
+def test_a_layout_that_describes_no_such_shard_is_not_used(tmp_path: Path) -> None:
+    """Whatever a manifest holds where a layout goes, it is parsed into one that matches the
+    shard's entry, or none (the shard then read from its parsed header), never an error."""
+    write(tmp_path, [[batch(["a", "b"])]])
+    entry = manifest_of(tmp_path)["shards"][0]
+    good, samples, size = entry["kv_rows"], entry["samples_count"], entry["bytes"]
+    assert RowLayout.parse(good, ["x", "n"], samples, size) is not None
+    changes: list[tuple[str, Any]] = [
+        ("header", None),
+        ("header", {"bytes": True, "xxh3-128": "00"}),
+        ("header", {"bytes": 10**9, "xxh3-128": "00"}),
+        ("columns", ["n"]),
+        ("columns", ["n", "n"]),
+        ("columns", [["n"], "x"]),
+        ("specs", [[["I64"], []], ["F32", [3]]]),
+        ("specs", [["F4", [3]], ["F32", [3]]]),
+        ("specs", [["I64", [-1]], ["F32", [3]]]),
+        ("specs", [["I64", [2**70]], ["F32", [3]]]),
+        ("blocks", [[2, 1, 10, 0, 2]]),
+        ("blocks", [[2, 10, 1, 0, 1]]),
+        ("blocks", [[0, 1, 10, 0, 1]]),
+        ("blocks", [[2, 1, 10, 0, 1.5]]),
+        ("blocks", [[1, 1, 10, 0, 1]]),
+        ("blocks", []),
+    ]
+    for field, value in changes:
+        assert RowLayout.parse({**good, field: value}, ["n", "x"], samples, size) is None
+    assert RowLayout.parse(good, ["n", "x"], samples, size + 1) is None
+    assert RowLayout.parse(good, ["n", "x"], samples + 1, size) is None
+    assert RowLayout.parse("layout", ["n", "x"], samples, size) is None
