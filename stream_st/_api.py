@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+)
 from contextlib import aclosing, contextmanager
 from contextvars import ContextVar
 from functools import partial
@@ -19,8 +27,10 @@ from .core.shards import is_index
 from .errors import UsageError
 from .memory.delivery import Delivery
 from .reader import NO_CAPS, Caps, Include, TensorStream
+from .reader.ahead import _room_ahead
 from .reader.caps import current_caps
 from .reader.header import header_only
+from .reader.stream import include_names
 from .sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from .transports.base import Source
 from .transports.cache import Cache, CacheLike
@@ -460,12 +470,12 @@ class CachedStream(TensorStream):
             return
         stream = ahead.stream
         self.stats = stream.stats
-        self._header, self._source = stream.header, stream.source
+        self._header, self._source = stream.header, ahead.source
         try:
-            first = ahead.take_first()
-            if first is not None:
-                yield first
-                del first
+            for item in ahead.take_held():
+                yield item
+                del item
+            if not ahead.ended:
                 async for item in ahead.items:
                     yield item
                     del item
@@ -483,7 +493,9 @@ class CachedStream(TensorStream):
         """Resolve the address, the copy read meanwhile (:class:`_CopyAhead`): that read when
         the answer is that copy and it went well, else None (it is dropped; what the cache said
         to read is then read as it would be without it)."""
-        ahead = self._ahead = _CopyAhead(self._copy_stream)
+        include = self._include
+        assert not callable(include)  # see _may_read_ahead
+        ahead = self._ahead = _CopyAhead(self._copy_stream, include)
         failure: Exception | None = None
         try:
             async with anyio.create_task_group() as group:
@@ -495,6 +507,7 @@ class CachedStream(TensorStream):
                     resolved = await self._resolve(read_all=self._include is None, on_copy=on_copy)
                 except Exception as exc:  # raised outside the group: no ExceptionGroup
                     failure = exc
+                ahead.answered.set()
                 if failure is not None or not ahead.named(resolved):
                     group.cancel_scope.cancel()  # not the copy: stop reading it now
             if failure is not None:
@@ -520,19 +533,28 @@ class CachedStream(TensorStream):
 
 class _CopyAhead:
     """The local copy read while the request that checks it is in flight: opened, its header
-    read, its first tensor read and the read-ahead behind it running, as a read of the copy
-    does (the same bounds on memory); nothing of it handed out. Used once the answer says the
-    copy is the object; else :meth:`drop` closes it (its file, its read-ahead's threads) and
-    lets go of what it read. A failure while reading ahead is not kept: the copy is then read
-    again as it would be without this, and fails as it would."""
+    read, its first tensors read and held, the read-ahead running behind them as in a read of
+    the copy; nothing of it handed out. Held while the answer is awaited: the first tensor, and
+    more as long as those held stay within what the read-ahead itself queues ahead of a caller
+    (:func:`~stream_st.reader.ahead._room_ahead`: 16 MiB, or two tensors of at most 64 MiB
+    together), so at most twice the read-ahead's memory while the request is in flight. Used
+    once the answer says the copy is the object; else :meth:`drop` closes it (its file, its
+    read-ahead's threads) and lets go of what it read. A failure while reading ahead is not
+    kept: the copy is then read again as it would be without this, and fails as it would."""
 
-    def __init__(self, new_stream: Callable[[Source], TensorStream]) -> None:
+    def __init__(
+        self, new_stream: Callable[[Source], TensorStream], include: Collection[str] | str | None
+    ) -> None:
         self._new_stream = new_stream
+        self._include = include
         self._path: str | None = None
         self._identity: tuple[int, int] | None = None  # the file read: device, inode
+        self._source: FileSource | None = None
         self._stream: TensorStream | None = None
         self._items: AsyncIterator[tuple[str, Any]] | None = None
-        self._first: tuple[str, Any] | None = None
+        self._held: list[tuple[str, Any]] = []
+        self.answered = anyio.Event()
+        self.ended = False  # every tensor is held
         self._read = False  # read as far as it goes ahead, without an error
         self._dropped = False
 
@@ -540,6 +562,11 @@ class _CopyAhead:
     def stream(self) -> TensorStream:
         assert self._stream is not None
         return self._stream
+
+    @property
+    def source(self) -> FileSource:
+        assert self._source is not None
+        return self._source
 
     @property
     def items(self) -> AsyncIterator[tuple[str, Any]]:
@@ -560,11 +587,21 @@ class _CopyAhead:
                 os.close(fd)
                 raise
             self._identity = (info.st_dev, info.st_ino)
+            self._source = source
             self._stream = self._new_stream(source)
             self._items = self._stream.__aiter__()
-            self._first = await anext(self._items)
-        except StopAsyncIteration:  # no tensor to read
-            pass
+            self._held.append(await anext(self._items))
+            names = None if self._include is None else include_names(self._include)
+            header = self._stream.header
+            sizes = [t.nbytes for t in header.tensors if names is None or t.name in names]
+            held = sizes[0]
+            for size in sizes[1:]:  # more while the answer is awaited, as a read-ahead queue
+                if self.answered.is_set() or not _room_ahead(len(self._held), held, size, False):
+                    break
+                self._held.append(await anext(self._items))
+                held += size
+        except StopAsyncIteration:  # every tensor read
+            self.ended = True
         except Exception:
             return
         self._read = True
@@ -584,19 +621,20 @@ class _CopyAhead:
             return False
         return (info.st_dev, info.st_ino) == self._identity
 
-    def take_first(self) -> tuple[str, Any] | None:
-        """The first tensor read (None when the file has none), let go of here."""
-        first, self._first = self._first, None
-        return first
+    def take_held(self) -> Iterator[tuple[str, Any]]:
+        """The tensors read, in order, each let go of here as it is given."""
+        while self._held:
+            yield self._held.pop(0)
 
     async def drop(self) -> None:
         """Close what was read ahead (also when still being read: it stops)."""
         self._dropped = True
-        self._first = None
-        stream, self._stream, self._items = self._stream, None, None
+        self._held.clear()
+        stream, self._stream = self._stream, None
         if stream is not None:
             with anyio.CancelScope(shield=True):
-                await stream.aclose()
+                await stream.aclose()  # its iteration too: held here until closed
+        self._items = None
 
 
 def _cache_for(source: object, cache: object) -> Cache | None:
