@@ -23,6 +23,7 @@ import stream_st
 
 from .._util import assert_same_arrays
 from ..servers.http_server import RangeHTTPServer
+from ..servers.hub_server import FakeHub
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 # Over the read-ahead threshold (8 MiB): the copy is read by worker threads
@@ -181,3 +182,45 @@ async def test_a_hit_on_a_file_of_no_tensor(tmp_path: Path) -> None:
             assert [item async for item in stream] == []
             assert stream.cache_state == expected
             assert stream.header.names() == []
+
+
+async def test_hub_a_new_commit_is_read_new_though_its_old_blob_was_read_ahead(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    hub.push("org/model", {"model.safetensors": reference_numpy.save(OLD)})
+    address = "hf://org/model/model.safetensors"
+    for expected in ("fetch", "hit"):
+        stream = stream_st.open_stream(address, cache=True)
+        arrays = {name: array async for name, array in stream}
+        assert stream.cache_state == expected
+        assert_same_arrays(arrays, OLD)
+    (old,) = (tmp_path / "hub-cache").rglob("blobs/*")
+    hub.push("org/model", {"model.safetensors": reference_numpy.save(NEW)})
+    stream = stream_st.open_stream(address, cache=True)
+    arrays = {name: array async for name, array in stream}
+    assert stream.cache_state == "fetch"
+    assert_same_arrays(arrays, NEW)
+    assert opened(str(old)) == [] and reading_threads() == []
+
+
+def test_trio_a_hit_and_a_changed_object(server: RangeHTTPServer, tmp_path: Path) -> None:
+    import trio
+
+    url = server.url("/m.safetensors")
+
+    async def read_once() -> tuple[str | None, Arrays]:
+        stream = stream_st.open_stream(url, cache=tmp_path)
+        arrays = {name: array async for name, array in stream}
+        return stream.cache_state, arrays
+
+    async def main() -> list[tuple[str | None, Arrays]]:
+        seen = [await read_once(), await read_once()]
+        server.latency = HELD / 4
+        server.replace_after["/m.safetensors"] = (0, reference_numpy.save(NEW))
+        return [*seen, await read_once()]
+
+    (first, _), (second, old), (third, new) = trio.run(main)
+    assert (first, second, third) == ("fetch", "hit", "fetch")
+    assert_same_arrays(old, OLD)
+    assert_same_arrays(new, NEW)
+    assert opened(copy_path(tmp_path)) == [] and reading_threads() == []
