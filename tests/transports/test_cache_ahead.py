@@ -24,6 +24,7 @@ import stream_st
 from .._util import assert_same_arrays
 from ..servers.http_server import RangeHTTPServer
 from ..servers.hub_server import FakeHub
+from .test_cache import read
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 # Over the read-ahead threshold (8 MiB): the copy is read by worker threads
@@ -95,7 +96,7 @@ async def read_watched(url: str, cache: Path, watch: Watch) -> tuple[Arrays, str
             arrays[name] = array
     finally:
         looking.cancel()
-    return arrays, stream.cache_state, after_answer
+    return arrays, getattr(stream, "cache_state", None), after_answer
 
 
 async def test_a_hit_reads_the_copy_while_the_check_is_in_flight(
@@ -178,10 +179,7 @@ async def test_a_hit_on_a_file_of_no_tensor(tmp_path: Path) -> None:
     with RangeHTTPServer(objects={"/e.safetensors": data}, etag="strong") as running:
         url = running.url("/e.safetensors")
         for expected in ("fetch", "hit"):
-            stream = stream_st.open_stream(url, cache=tmp_path)
-            assert [item async for item in stream] == []
-            assert stream.cache_state == expected
-            assert stream.header.names() == []
+            assert await read(url, cache=tmp_path) == ({}, expected)
 
 
 async def test_hub_a_new_commit_is_read_new_though_its_old_blob_was_read_ahead(
@@ -190,15 +188,13 @@ async def test_hub_a_new_commit_is_read_new_though_its_old_blob_was_read_ahead(
     hub.push("org/model", {"model.safetensors": reference_numpy.save(OLD)})
     address = "hf://org/model/model.safetensors"
     for expected in ("fetch", "hit"):
-        stream = stream_st.open_stream(address, cache=True)
-        arrays = {name: array async for name, array in stream}
-        assert stream.cache_state == expected
+        arrays, state = await read(address, cache=True)
+        assert state == expected
         assert_same_arrays(arrays, OLD)
     (old,) = (tmp_path / "hub-cache").rglob("blobs/*")
     hub.push("org/model", {"model.safetensors": reference_numpy.save(NEW)})
-    stream = stream_st.open_stream(address, cache=True)
-    arrays = {name: array async for name, array in stream}
-    assert stream.cache_state == "fetch"
+    arrays, state = await read(address, cache=True)
+    assert state == "fetch"
     assert_same_arrays(arrays, NEW)
     assert opened(str(old)) == [] and reading_threads() == []
 
@@ -208,18 +204,13 @@ def test_trio_a_hit_and_a_changed_object(server: RangeHTTPServer, tmp_path: Path
 
     url = server.url("/m.safetensors")
 
-    async def read_once() -> tuple[str | None, Arrays]:
-        stream = stream_st.open_stream(url, cache=tmp_path)
-        arrays = {name: array async for name, array in stream}
-        return stream.cache_state, arrays
-
-    async def main() -> list[tuple[str | None, Arrays]]:
-        seen = [await read_once(), await read_once()]
+    async def main() -> list[tuple[Arrays, str | None]]:
+        seen = [await read(url, cache=tmp_path), await read(url, cache=tmp_path)]
         server.latency = HELD / 4
         server.replace_after["/m.safetensors"] = (0, reference_numpy.save(NEW))
-        return [*seen, await read_once()]
+        return [*seen, await read(url, cache=tmp_path)]
 
-    (first, _), (second, old), (third, new) = trio.run(main)
+    (_, first), (old, second), (new, third) = trio.run(main)
     assert (first, second, third) == ("fetch", "hit", "fetch")
     assert_same_arrays(old, OLD)
     assert_same_arrays(new, NEW)
