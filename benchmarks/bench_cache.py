@@ -141,6 +141,7 @@ def run_child(
         text=True,
         check=True,
         env=environment,
+        cwd=root,  # '-c' puts the working directory first on the path, before PYTHONPATH
     )
     result: dict[str, Any] = json.loads(out.stdout)
     return result
