@@ -5,7 +5,7 @@ Run it from the repository root (about a minute per link on 2 cores; ~3x ``--siz
 disk; the object-store link needs root, and is skipped with the reason otherwise)::
 
     python benchmarks/bench_cache.py [--size-mib 256] [--repeat 5] [--links loopback,store]
-        [--concurrency 8] [--dir DIR]
+        [--concurrency 8] [--dir DIR] [--baseline OTHER-CHECKOUT]
 
 The file: ``--size-mib`` of 32 MiB F32 tensors. The links:
 
@@ -25,6 +25,10 @@ round; each streams every tensor with ``open_stream``, touches it and drops it:
   bar for the second read);
 * ``cache hit``: ``open_stream(url, cache=DIR)`` with the copy in place: one conditional
   request (304), then the copy read as a local file.
+
+With ``--baseline``, the two cache variants run a second time in each round with the stream_st of
+another checkout (the commit before a change, say) first on the path: ``remote+cache (base)``
+and ``cache hit (base)``, their ratios printed beside this checkout's, on the same machine state.
 
 Printed per link: median seconds, GB/s, CPU seconds of the reading process and its peak RSS
 above what it held before the read (``VmHWM``, reset after the imports), per variant; the
@@ -125,8 +129,11 @@ def write_file(path: Path, size_mib: int) -> None:
     stream_st.numpy.save_file(tensors, str(path))
 
 
-def run_child(source: str, cache: str, concurrency: int, env: dict[str, str]) -> dict[str, Any]:
-    environment = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+def run_child(
+    source: str, cache: str, concurrency: int, env: dict[str, str], root: Path = ROOT
+) -> dict[str, Any]:
+    """One read in a fresh process, with the stream_st of the checkout at ``root``."""
+    environment = {**os.environ, **env, "PYTHONPATH": str(root)}
     environment.pop("HF_HUB_OFFLINE", None)
     out = subprocess.run(
         [sys.executable, "-c", CHILD, source, cache, str(concurrency)],
@@ -134,6 +141,7 @@ def run_child(source: str, cache: str, concurrency: int, env: dict[str, str]) ->
         text=True,
         check=True,
         env=environment,
+        cwd=root,  # '-c' puts the working directory first on the path, before PYTHONPATH
     )
     result: dict[str, Any] = json.loads(out.stdout)
     return result
@@ -187,37 +195,43 @@ def measure(
     scratch: Path,
     size: int,
     repeat: int,
+    baseline: Path | None,
 ) -> None:
     cold, warm = scratch / f"{link}-cold", scratch / f"{link}-warm"
     run_child(url, str(warm), concurrency, env)  # the copy the hits read
     copy = run_child(url, str(warm), concurrency, env)["name"]  # its path, as a hit reads it
     assert Path(copy).is_file(), copy
     variants = {
-        "remote": (url, ""),
-        "remote+cache": (url, str(cold)),
-        "local copy": (str(copy), ""),
-        "cache hit": (url, str(warm)),
+        "remote": (url, "", ROOT),
+        "remote+cache": (url, str(cold), ROOT),
+        "local copy": (str(copy), "", ROOT),
+        "cache hit": (url, str(warm), ROOT),
     }
+    if baseline is not None:
+        variants["remote+cache (base)"] = (url, str(cold), baseline.resolve())
+        variants["cache hit (base)"] = (url, str(warm), baseline.resolve())
     print(f"\n{link}: {url}; file {size / 1e6:.0f} MB, {repeat} rounds, a fresh process per run")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     results: dict[str, dict[str, list[float]]] = {
         name: {metric: [] for metric in METRICS} for name in variants
     }
     for round_ in range(repeat + 1):
-        for name, (source, cache) in variants.items():
-            if name == "remote+cache":
+        for name, (source, cache, root) in variants.items():
+            if cache == str(cold):
                 shutil.rmtree(cold, ignore_errors=True)
-            result = run_child(source, cache, concurrency, env)
-            expected = {"remote+cache": "fetch", "cache hit": "hit"}.get(name)
+            result = run_child(source, cache, concurrency, env, root)
+            expected = {"remote+cache": "fetch", "cache hit": "hit"}.get(
+                name.removesuffix(" (base)")
+            )
             assert result["state"] == expected, (name, result["state"])
             if round_ == 0:
                 continue  # warm-up
             for metric in METRICS:
                 results[name][metric].append(float(result[metric]))
-    print(f"{'variant':14} {'median s':>9} {'GB/s':>6} {'CPU s':>6} {'peak RSS MB':>12}")
+    print(f"{'variant':19} {'median s':>9} {'GB/s':>6} {'CPU s':>6} {'peak RSS MB':>12}")
     for name in variants:
         seconds, cpu, peak = (statistics.median(results[name][m]) for m in METRICS)
-        print(f"{name:14} {seconds:9.3f} {size / seconds / 1e9:6.2f} {cpu:6.3f} {peak / 1e6:12.0f}")
+        print(f"{name:19} {seconds:9.3f} {size / seconds / 1e9:6.2f} {cpu:6.3f} {peak / 1e6:12.0f}")
 
     def paired(bar: str, variant: str, target: float, what: str) -> None:
         ratios = [
@@ -231,6 +245,9 @@ def measure(
 
     paired("remote", "remote+cache", 0.9, "first read, cache= over none")
     paired("local copy", "cache hit", 0.95, "second read, cache hit over a local read of the copy")
+    if baseline is not None:
+        paired("remote", "remote+cache (base)", 0.9, "the same, base: first read")
+        paired("local copy", "cache hit (base)", 0.95, "the same, base: second read")
     memory = statistics.median(results["remote+cache"]["peak"]) / statistics.median(
         results["remote"]["peak"]
     )
@@ -245,6 +262,9 @@ def main() -> None:
     parser.add_argument("--links", default="loopback,store")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="another checkout, for its cache variants"
+    )
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(dir=args.dir))
     try:
@@ -255,7 +275,7 @@ def main() -> None:
             endpoint = loopback(path) if link == "loopback" else store(path, args.concurrency)
             try:
                 with endpoint as (url, concurrency, env):
-                    measure(link, url, concurrency, env, scratch, size, args.repeat)
+                    measure(link, url, concurrency, env, scratch, size, args.repeat, args.baseline)
             except StoreUnavailable as exc:
                 print(f"\n{link}: skipped: {exc}")
     finally:

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+)
+from contextlib import aclosing, contextmanager
 from contextvars import ContextVar
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
+import anyio
 import numpy as np
 
 from .core.arrays import Framework, as_array, spec_of
@@ -18,16 +27,21 @@ from .core.shards import is_index
 from .errors import UsageError
 from .memory.delivery import Delivery
 from .reader import NO_CAPS, Caps, Include, TensorStream
+from .reader.ahead import _room_ahead
 from .reader.caps import current_caps
 from .reader.header import header_only
+from .reader.stream import include_names
 from .sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
+from .transports.base import Source
 from .transports.cache import Cache, CacheLike
+from .transports.file.source import FileSource, open_path
 from .transports.options import UNLIMITED, Clock, TransportOptions, clock_of
 from .transports.registry import SinkLike, SourceLike
 from .writer import Order, TensorWriter, local_destination, run_stoppable, save_at_once
 
 if TYPE_CHECKING:
     from .sharded.ranks import Slices
+    from .transports.cache.resolve import OnCopy, Resolved
 
 __all__ = [
     "CachedShardedStream",
@@ -411,23 +425,223 @@ class CachedStream(TensorStream):
     it: ``"hit"`` (the local copy, checked fresh), ``"offline"`` (the copy, no request),
     ``"stale"`` (the copy; the server could not be asked), ``"fetch"`` (the remote object,
     kept while read), ``"shared"`` (the copy another process is writing, read as it grows) or
-    ``"uncached"``."""
+    ``"uncached"``.
+
+    Iterated without being opened first (``async for`` over it, :func:`load`), it reads the
+    copy ahead while the request that checks it is in flight (:class:`_CopyAhead`), and hands
+    out nothing of it before the answer says the copy is the object."""
 
     def __init__(self, address: str, *, cache: Cache, **options: Any) -> None:
         super().__init__(address, **options)
         self._address = address
         self._cache = cache
+        self._options = options
+        self._ahead: _CopyAhead | None = None
         self.cache_state: str | None = None
 
     async def open(self, *, read_all: bool = False) -> Header:
         if self.cache_state is None and self._header is None and not self._closed:
-            from .transports.cache.resolve import resolve
-
-            self._clock.start()
-            resolved = await resolve(self._address, self._cache, self._clock, read_all=read_all)
-            self._source_like = resolved.target
-            self.cache_state = resolved.state
+            await self._resolve(read_all=read_all)
         return await super().open(read_all=read_all)
+
+    async def aclose(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            await ahead.drop()
+        await super().aclose()
+
+    async def _resolve(self, *, read_all: bool, on_copy: OnCopy | None = None) -> Resolved:
+        """What to read, through the cache (:func:`~.transports.cache.resolve.resolve`)."""
+        from .transports.cache.resolve import resolve
+
+        self._clock.start()
+        resolved = await resolve(
+            self._address, self._cache, self._clock, read_all=read_all, on_copy=on_copy
+        )
+        if self._closed and isinstance(resolved.target, Source):  # closed meanwhile: let go
+            await resolved.target.aclose()
+        self._source_like = resolved.target
+        self.cache_state = resolved.state
+        return resolved
+
+    async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
+        self.stats.asked(first=True)
+        ahead = None
+        if self.cache_state is None and self._header is None and self._may_read_ahead():
+            ahead = await self._resolve_reading_ahead()
+        if ahead is None:  # as any stream, from what the cache said to read
+            async with aclosing(super()._iterate()) as items:
+                async for item in items:
+                    yield item
+                    del item
+            return
+        stream = ahead.stream
+        self.stats = stream.stats
+        self._header, self._source = stream.header, ahead.source
+        try:
+            for item in ahead.take_held():
+                yield item
+                del item
+            if not ahead.ended:
+                async for item in ahead.items:
+                    yield item
+                    del item
+            self.object_check = stream.object_check
+        finally:
+            self._generator = self._held = None  # this one: ending, not closed again
+            await self.aclose()
+
+    def _may_read_ahead(self) -> bool:
+        """Whether the copy may be read before the check: not into the caller's memory
+        (``into=``), nor with the caller's code run on its names (an ``include=`` predicate)."""
+        return not self._delivery.into and not callable(self._include)
+
+    async def _resolve_reading_ahead(self) -> _CopyAhead | None:
+        """Resolve the address, the copy read meanwhile (:class:`_CopyAhead`): that read when
+        the answer is that copy and it went well, else None (it is dropped; what the cache said
+        to read is then read as it would be without it)."""
+        include = self._include
+        assert not callable(include)  # see _may_read_ahead
+        ahead = self._ahead = _CopyAhead(self._copy_stream, include)
+        failure: Exception | None = None
+        try:
+            async with anyio.create_task_group() as group:
+
+                def on_copy(path: str) -> None:
+                    group.start_soon(ahead.run, path)
+
+                try:
+                    resolved = await self._resolve(read_all=self._include is None, on_copy=on_copy)
+                except Exception as exc:  # raised outside the group: no ExceptionGroup
+                    failure = exc
+                ahead.answered.set()
+                if failure is not None or not ahead.named(resolved):
+                    group.cancel_scope.cancel()  # not the copy: stop reading it now
+            if failure is not None:
+                raise failure
+            if not self._closed and ahead.is_answer(resolved):
+                return ahead
+        except BaseException:
+            await self._drop_ahead()
+            raise
+        await self._drop_ahead()
+        return None
+
+    async def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            await ahead.drop()
+
+    def _copy_stream(self, source: Source) -> TensorStream:
+        """A plain stream over the copy's ``source``, read as this one would read it."""
+        options = {**self._options, "clock": self._clock, "delivery": self._delivery}
+        return TensorStream(source, **options)
+
+
+class _CopyAhead:
+    """The local copy read while the request that checks it is in flight: opened, its header
+    read, its first tensors read and held, the read-ahead running behind them as in a read of
+    the copy; nothing of it handed out. Held while the answer is awaited: the first tensor, and
+    more as long as those held stay within what the read-ahead itself queues ahead of a caller
+    (:func:`~stream_st.reader.ahead._room_ahead`: 16 MiB, or two tensors of at most 64 MiB
+    together), so at most twice the read-ahead's memory while the request is in flight. Used
+    once the answer says the copy is the object; else :meth:`drop` closes it (its file, its
+    read-ahead's threads) and lets go of what it read. A failure while reading ahead is not
+    kept: the copy is then read again as it would be without this, and fails as it would."""
+
+    def __init__(
+        self, new_stream: Callable[[Source], TensorStream], include: Collection[str] | str | None
+    ) -> None:
+        self._new_stream = new_stream
+        self._include = include
+        self._path: str | None = None
+        self._identity: tuple[int, int] | None = None  # the file read: device, inode
+        self._source: FileSource | None = None
+        self._stream: TensorStream | None = None
+        self._items: AsyncIterator[tuple[str, Any]] | None = None
+        self._held: list[tuple[str, Any]] = []
+        self.answered = anyio.Event()
+        self.ended = False  # every tensor is held
+        self._read = False  # read as far as it goes ahead, without an error
+        self._dropped = False
+
+    @property
+    def stream(self) -> TensorStream:
+        assert self._stream is not None
+        return self._stream
+
+    @property
+    def source(self) -> FileSource:
+        assert self._source is not None
+        return self._source
+
+    @property
+    def items(self) -> AsyncIterator[tuple[str, Any]]:
+        assert self._items is not None
+        return self._items
+
+    async def run(self, path: str) -> None:
+        """Read the copy at ``path`` ahead (see the class)."""
+        if self._dropped:
+            return
+        self._path = path
+        try:
+            fd = open_path(path, os.O_RDONLY)
+            try:
+                info = os.fstat(fd)
+                source = FileSource(path, fd=fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._identity = (info.st_dev, info.st_ino)
+            self._source = source
+            self._stream = self._new_stream(source)
+            self._items = self._stream.__aiter__()
+            self._held.append(await anext(self._items))
+            names = None if self._include is None else include_names(self._include)
+            header = self._stream.header
+            sizes = [t.nbytes for t in header.tensors if names is None or t.name in names]
+            held = sizes[0]
+            for size in sizes[1:]:  # more while the answer is awaited, as a read-ahead queue
+                if self.answered.is_set() or not _room_ahead(len(self._held), held, size, False):
+                    break
+                self._held.append(await anext(self._items))
+                held += size
+        except StopAsyncIteration:  # every tensor read
+            self.ended = True
+        except Exception:
+            return
+        self._read = True
+
+    def named(self, resolved: Resolved) -> bool:
+        """Whether the cache's answer names the copy this reads (maybe not read yet)."""
+        return resolved.state in ("hit", "stale") and resolved.target == self._path
+
+    def is_answer(self, resolved: Resolved) -> bool:
+        """Whether what this read is what the cache's answer says to read: that copy, read
+        without an error, and the very file (not one that replaced it since)."""
+        if not (self._read and self.named(resolved)):
+            return False
+        try:
+            info = os.stat(self._path or "")
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) == self._identity
+
+    def take_held(self) -> Iterator[tuple[str, Any]]:
+        """The tensors read, in order, each let go of here as it is given."""
+        while self._held:
+            yield self._held.pop(0)
+
+    async def drop(self) -> None:
+        """Close what was read ahead (also when still being read: it stops)."""
+        self._dropped = True
+        self._held.clear()
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()  # its iteration too: held here until closed
+        self._items = None
 
 
 def _cache_for(source: object, cache: object) -> Cache | None:

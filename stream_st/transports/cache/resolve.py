@@ -19,6 +19,9 @@ Hub gave, into the blob, checked against its SHA-256 while it streams.
 
 Offline (``cache="offline"``, ``HF_HUB_OFFLINE=1``): the copy is used without any request, and
 a missing one is a :class:`~.config.CacheMissError`.
+
+While the request that checks a copy is in flight, the copy may be read already (``on_copy`` of
+:func:`resolve`): what was read of it is used only if the answer is that copy.
 """
 
 from __future__ import annotations
@@ -76,14 +79,23 @@ class Resolved:
     home: str | None = None  # where its neighbours are, when not at the address (hf://, pinned)
 
 
-async def resolve(address: str, cache: Cache, clock: Clock, *, read_all: bool) -> Resolved:
+OnCopy = Callable[[str], None]
+"""Told the path of a local copy that a request is about to check (see :func:`resolve`)."""
+
+
+async def resolve(
+    address: str, cache: Cache, clock: Clock, *, read_all: bool, on_copy: OnCopy | None = None
+) -> Resolved:
     """What to read for ``address`` under ``cache`` (see the module); ``read_all`` as for
-    :meth:`~stream_st.transports.base.Source.start`."""
+    :meth:`~stream_st.transports.base.Source.start`. ``on_copy``, when given, is called with
+    the path of the local copy just before the request that checks it goes out (at most once;
+    never when no request is made): the caller may start reading the copy, and must use what it
+    read only if the answer is that copy (``target`` is that path), and drop it otherwise."""
     scheme = scheme_of(address)
     if scheme == "hf":
-        return await _hub(address, cache, clock, read_all)
+        return await _hub(address, cache, clock, read_all, on_copy)
     if scheme in CACHED_SCHEMES:
-        return await _object(address, cache, clock, read_all)
+        return await _object(address, cache, clock, read_all, on_copy)
     return Resolved(address, "uncached")
 
 
@@ -151,7 +163,9 @@ def _fresh(record: Record, etag: str, modified: str, size: int | None) -> bool:
     return (record.etag, record.last_modified) == (etag, modified)
 
 
-async def _object(address: str, cache: Cache, clock: Clock, read_all: bool) -> Resolved:
+async def _object(
+    address: str, cache: Cache, clock: Clock, read_all: bool, on_copy: OnCopy | None
+) -> Resolved:
     inner = await open_source(address, clock)
     url = getattr(inner, "url", address)
     key = object_key(url if isinstance(url, str) else address)
@@ -180,6 +194,8 @@ async def _object(address: str, cache: Cache, clock: Clock, read_all: bool) -> R
         if found is not None and found[1].etag:
             inner.add_transport(Transport((("If-None-Match", found[1].etag),)))
         partial = entry.partials()
+        if found is not None and on_copy is not None:
+            on_copy(str(found[0].data))
         try:
             await inner.start(read_all=read_all and next(partial, None) is None)
         except HTTPStatusError as exc:
@@ -342,7 +358,9 @@ async def _hub_head(url: str, clock: Clock) -> _HubAnswer | None:
         await client.aclose()
 
 
-async def _hub(address: str, cache: Cache, clock: Clock, read_all: bool) -> Resolved:
+async def _hub(
+    address: str, cache: Cache, clock: Clock, read_all: bool, on_copy: OnCopy | None
+) -> Resolved:
     from ..hub import HubFile, HubSource, hub_endpoint
 
     file = HubFile.parse(address)
@@ -357,6 +375,8 @@ async def _hub(address: str, cache: Cache, clock: Clock, read_all: bool) -> Reso
         raise CacheMissError(
             f"{address} is not in the cache (HF_HUB_OFFLINE or cache='offline')", url=address
         )
+    if local is not None and on_copy is not None:
+        on_copy(str(local))
     try:
         answer = await _hub_head(file.resolve_url(hub_endpoint()), clock)
     except HTTPStatusError:
