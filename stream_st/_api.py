@@ -427,9 +427,10 @@ class CachedStream(TensorStream):
     kept while read), ``"shared"`` (the copy another process is writing, read as it grows) or
     ``"uncached"``.
 
-    Iterated without being opened first (``async for`` over it, :func:`load`), it reads the
-    copy ahead while the request that checks it is in flight (:class:`_CopyAhead`), and hands
-    out nothing of it before the answer says the copy is the object."""
+    While the request that checks the local copy is in flight, it reads the copy ahead (its
+    header and first tensors, :class:`_CopyAhead`), and hands out nothing of it, header
+    included, before the answer says the copy is the object; not into the caller's memory
+    (``into=``), nor with an ``include=`` predicate run on the copy's names."""
 
     def __init__(self, address: str, *, cache: Cache, **options: Any) -> None:
         super().__init__(address, **options)
@@ -441,8 +442,18 @@ class CachedStream(TensorStream):
 
     async def open(self, *, read_all: bool = False) -> Header:
         if self.cache_state is None and self._header is None and not self._closed:
-            await self._resolve(read_all=read_all)
+            if not self._may_read_ahead():
+                await self._resolve(read_all=read_all)
+            elif (ahead := await self._resolve_reading_ahead()) is not None:
+                return self._adopt(ahead)
         return await super().open(read_all=read_all)
+
+    def _adopt(self, ahead: _CopyAhead) -> Header:
+        """Read on from the copy read ahead: its header, source and statistics this stream's."""
+        stream = ahead.stream
+        self.stats = stream.stats
+        self._header, self._source = stream.header, ahead.source
+        return stream.header
 
     async def aclose(self) -> None:
         ahead, self._ahead = self._ahead, None
@@ -465,10 +476,11 @@ class CachedStream(TensorStream):
         return resolved
 
     async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
-        self.stats.asked(first=True)
-        ahead = None
-        if self.cache_state is None and self._header is None and self._may_read_ahead():
-            ahead = await self._resolve_reading_ahead()
+        ahead = self._ahead  # read ahead by open(), or None
+        if ahead is None:
+            self.stats.asked(first=True)
+            if self.cache_state is None and self._header is None and self._may_read_ahead():
+                ahead = await self._resolve_reading_ahead()
         if ahead is None:  # as any stream, from what the cache said to read
             async with aclosing(super()._iterate()) as items:
                 async for item in items:
@@ -476,8 +488,7 @@ class CachedStream(TensorStream):
                     del item
             return
         stream = ahead.stream
-        self.stats = stream.stats
-        self._header, self._source = stream.header, ahead.source
+        self._adopt(ahead)
         try:
             for item in ahead.take_held():
                 yield item

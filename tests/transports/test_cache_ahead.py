@@ -136,6 +136,42 @@ async def test_a_changed_object_read_ahead_from_its_copy_is_read_new(
     assert_same_arrays(arrays, NEW)
 
 
+async def read_opened_first(url: str, cache: Path, watch: Watch) -> tuple[Arrays, str, bool]:
+    """:func:`read_watched` through ``async with`` (as the drop-ins open): also whether the
+    header came only after the server answered."""
+    looking = asyncio.create_task(watch.run())
+    try:
+        async with stream_st.open_stream(url, cache=cache) as stream:
+            header_after_answer = watch.answered()
+            assert list(stream.header.names()) == list(OLD)
+            arrays = {name: array async for name, array in stream}
+    finally:
+        looking.cancel()
+    return arrays, stream.cache_state, header_after_answer  # type: ignore[attr-defined]
+
+
+async def test_a_stream_opened_first_reads_the_copy_while_the_check_is_in_flight(
+    server: RangeHTTPServer, tmp_path: Path
+) -> None:
+    """``async with`` (and the drop-ins, which open first) read the copy ahead too; the header
+    is handed out only once the answer came. A changed object is read new."""
+    url = server.url("/m.safetensors")
+    await read_watched(url, tmp_path, Watch(server, ""))
+    path = copy_path(tmp_path)
+    server.latency = HELD
+    watch = Watch(server, path)
+    arrays, state, header_after_answer = await read_opened_first(url, tmp_path, watch)
+    assert (state, watch.open_before_answer, header_after_answer) == ("hit", True, True)
+    assert_same_arrays(arrays, OLD)
+    assert opened(path) == [] and reading_threads() == []
+    server.replace_after["/m.safetensors"] = (0, reference_numpy.save(NEW))
+    watch = Watch(server, path)
+    arrays, state, _ = await read_opened_first(url, tmp_path, watch)
+    assert (state, watch.open_before_answer) == ("fetch", True)
+    assert_same_arrays(arrays, NEW)
+    assert opened(path) == [] and reading_threads() == []
+
+
 async def test_a_read_cancelled_while_reading_ahead_leaves_nothing_open(
     server: RangeHTTPServer, tmp_path: Path
 ) -> None:
