@@ -21,6 +21,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from pyspark.sql import functions as F  # noqa: E402
 from pyspark.sql.datasource import (  # noqa: E402
+    EqualNullSafe,
     EqualTo,
     Filter,
     GreaterThan,
@@ -66,6 +67,7 @@ def planned(path: Path, filters: list[Filter], **options: str) -> tuple[list[Any
     ("filters", "names", "shards"),
     [
         ([EqualTo(("name",), "c")], {"c"}, {1}),
+        ([EqualNullSafe(("name",), "c")], {"c"}, {1}),
         ([In(("name",), ("a", "e", None))], {"a", "e"}, {0, 2}),
         ([StringStartsWith(("name",), "c")], {"c", "ca"}, {1, 2}),
         ([StringStartsWith(("name",), "c"), EqualTo(("name",), "ca")], {"ca"}, {2}),
