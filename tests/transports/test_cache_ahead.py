@@ -58,6 +58,13 @@ def opened(path: str) -> list[str]:
     return found
 
 
+async def cached(server: RangeHTTPServer, cache: Path) -> tuple[str, str]:
+    """The object's address, read once through ``cache``, and its copy's path there."""
+    url = server.url("/m.safetensors")
+    await read_watched(url, cache, Watch(server, ""))
+    return url, copy_path(cache)
+
+
 def reading_threads() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name == "stream_st read-ahead"]
 
@@ -99,15 +106,38 @@ async def read_watched(url: str, cache: Path, watch: Watch) -> tuple[Arrays, str
     return arrays, getattr(stream, "cache_state", None), after_answer
 
 
+async def read_opened_first(url: str, cache: Path, watch: Watch) -> tuple[Arrays, str, bool]:
+    """:func:`read_watched` through ``async with`` (as the drop-ins open), the header (as the
+    first tensor there) asked to have come only after the server answered."""
+    looking = asyncio.create_task(watch.run())
+    try:
+        async with stream_st.open_stream(url, cache=cache) as stream:
+            header_after_answer = watch.answered()
+            assert list(stream.header.names()) == list(OLD)  # NEW has the same names
+            arrays = {name: array async for name, array in stream}
+    finally:
+        looking.cancel()
+    return arrays, stream.cache_state, header_after_answer  # type: ignore[attr-defined]
+
+
+Reader = Any  # read_watched or read_opened_first
+
+
+@pytest.fixture(params=["iterated", "opened first"])
+def reader(request: pytest.FixtureRequest) -> Reader:
+    """A stream iterated at once, or opened with ``async with`` first (as the drop-ins open)."""
+    return read_watched if request.param == "iterated" else read_opened_first
+
+
 async def test_a_hit_reads_the_copy_while_the_check_is_in_flight(
-    server: RangeHTTPServer, tmp_path: Path
+    server: RangeHTTPServer, tmp_path: Path, reader: Reader
 ) -> None:
     url = server.url("/m.safetensors")
     assert (await read_watched(url, tmp_path, Watch(server, "")))[1] == "fetch"
     path = copy_path(tmp_path)
     server.latency = HELD
     watch = Watch(server, path)
-    arrays, state, after_answer = await read_watched(url, tmp_path, watch)
+    arrays, state, after_answer = await reader(url, tmp_path, watch)
     assert state == "hit"
     assert_same_arrays(arrays, OLD)
     assert watch.open_before_answer  # read ahead while the request was in flight
@@ -116,15 +146,13 @@ async def test_a_hit_reads_the_copy_while_the_check_is_in_flight(
 
 
 async def test_a_changed_object_read_ahead_from_its_copy_is_read_new(
-    server: RangeHTTPServer, tmp_path: Path
+    server: RangeHTTPServer, tmp_path: Path, reader: Reader
 ) -> None:
-    url = server.url("/m.safetensors")
-    await read_watched(url, tmp_path, Watch(server, ""))
-    path = copy_path(tmp_path)
+    url, path = await cached(server, tmp_path)
     server.replace_after["/m.safetensors"] = (0, reference_numpy.save(NEW))
     server.latency = HELD
     watch = Watch(server, path)
-    arrays, state, _ = await read_watched(url, tmp_path, watch)
+    arrays, state, _ = await reader(url, tmp_path, watch)
     assert watch.open_before_answer  # the old copy was read ahead...
     assert state == "fetch"
     assert_same_arrays(arrays, NEW)  # ...and none of it handed out
@@ -136,48 +164,10 @@ async def test_a_changed_object_read_ahead_from_its_copy_is_read_new(
     assert_same_arrays(arrays, NEW)
 
 
-async def read_opened_first(url: str, cache: Path, watch: Watch) -> tuple[Arrays, str, bool]:
-    """:func:`read_watched` through ``async with`` (as the drop-ins open): also whether the
-    header came only after the server answered."""
-    looking = asyncio.create_task(watch.run())
-    try:
-        async with stream_st.open_stream(url, cache=cache) as stream:
-            header_after_answer = watch.answered()
-            assert list(stream.header.names()) == list(OLD)
-            arrays = {name: array async for name, array in stream}
-    finally:
-        looking.cancel()
-    return arrays, stream.cache_state, header_after_answer  # type: ignore[attr-defined]
-
-
-async def test_a_stream_opened_first_reads_the_copy_while_the_check_is_in_flight(
-    server: RangeHTTPServer, tmp_path: Path
-) -> None:
-    """``async with`` (and the drop-ins, which open first) read the copy ahead too; the header
-    is handed out only once the answer came. A changed object is read new."""
-    url = server.url("/m.safetensors")
-    await read_watched(url, tmp_path, Watch(server, ""))
-    path = copy_path(tmp_path)
-    server.latency = HELD
-    watch = Watch(server, path)
-    arrays, state, header_after_answer = await read_opened_first(url, tmp_path, watch)
-    assert (state, watch.open_before_answer, header_after_answer) == ("hit", True, True)
-    assert_same_arrays(arrays, OLD)
-    assert opened(path) == [] and reading_threads() == []
-    server.replace_after["/m.safetensors"] = (0, reference_numpy.save(NEW))
-    watch = Watch(server, path)
-    arrays, state, _ = await read_opened_first(url, tmp_path, watch)
-    assert (state, watch.open_before_answer) == ("fetch", True)
-    assert_same_arrays(arrays, NEW)
-    assert opened(path) == [] and reading_threads() == []
-
-
 async def test_a_read_cancelled_while_reading_ahead_leaves_nothing_open(
     server: RangeHTTPServer, tmp_path: Path
 ) -> None:
-    url = server.url("/m.safetensors")
-    await read_watched(url, tmp_path, Watch(server, ""))
-    path = copy_path(tmp_path)
+    url, path = await cached(server, tmp_path)
     server.latency = HELD
     tasks = asyncio.all_tasks()
     watch = Watch(server, path)
@@ -197,9 +187,7 @@ async def test_a_read_cancelled_while_reading_ahead_leaves_nothing_open(
 async def test_a_copy_that_fails_while_read_ahead_fails_as_read_without_it(
     server: RangeHTTPServer, tmp_path: Path
 ) -> None:
-    url = server.url("/m.safetensors")
-    await read_watched(url, tmp_path, Watch(server, ""))
-    path = copy_path(tmp_path)
+    url, path = await cached(server, tmp_path)
     server.latency = HELD / 4
     cap = OLD["t0"].nbytes - 1
     with pytest.raises(stream_st.SafetensorsError) as raised:
