@@ -9,10 +9,13 @@ from typing import Any
 
 import anyio
 import numpy as np
+import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
 
+from ..conftest import StartSender
+from ..servers.http_server import RangeHTTPServer
 from ..transports.test_http_faults import Serve, raw_server, read_request
 
 __all__ = ["raw_server"]  # the fixture, used here by name
@@ -54,3 +57,33 @@ async def test_a_chunked_range_longer_than_its_content_range_is_not_taken(
     got = await load(url, include=["a", "b"])
     np.testing.assert_array_equal(got["b"], TENSORS["b"])
     np.testing.assert_array_equal(got["a"], TENSORS["a"])
+
+
+NOT_SAFETENSORS = {
+    "empty": b"",
+    "3 bytes": b"\x10\x00\x00",
+    "an HTML page": b"<!doctype html><html><body>Sign in</body></html>",
+    "bad JSON": b"\x07\x00\x00\x00\x00\x00\x00\x00{'a':1}",
+}
+
+
+@pytest.mark.parametrize("body", NOT_SAFETENSORS.values(), ids=NOT_SAFETENSORS.keys())
+async def test_a_url_that_is_not_safetensors_is_named(body: bytes) -> None:
+    """A header error said what was wrong but not where: of a list of URLs, or an index's
+    shards read one by one, the user could not tell which one was not a safetensors file."""
+    with RangeHTTPServer() as server:
+        server.objects["/m.safetensors"] = body
+        url = server.url("/m.safetensors") + "?token=hf_secret"
+        for read in (load, stream_st.read_header):
+            with anyio.fail_after(10), pytest.raises(stream_st.HeaderError) as info:
+                await read(url)
+            assert server.url("/m.safetensors?token=***") in str(info.value)
+            assert "hf_secret" not in str(info.value)
+
+
+async def test_a_tcp_peer_sending_garbage_is_named(tcp_sender: StartSender) -> None:
+    """A peer that is not a stream_st sender (here an HTTP client) or that closes at once."""
+    for payload in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b""):
+        url = f"tcp://127.0.0.1:{await tcp_sender(payload)}"
+        with pytest.raises(stream_st.HeaderError, match=re.escape(url)):
+            await load(url)
