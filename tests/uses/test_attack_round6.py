@@ -13,10 +13,12 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
+from stream_st.errors import redact
+from stream_st.transports.http.redirect import basic_authorization
 
 from ..conftest import StartSender
 from ..servers.http_server import RangeHTTPServer
-from ..transports.test_http_faults import Serve, raw_server, read_request
+from ..transports.test_http_faults import Serve, raw_server, read_request, wait_for_close
 
 __all__ = ["raw_server"]  # the fixture, used here by name
 
@@ -87,3 +89,48 @@ async def test_a_tcp_peer_sending_garbage_is_named(tcp_sender: StartSender) -> N
         url = f"tcp://127.0.0.1:{await tcp_sender(payload)}"
         with pytest.raises(stream_st.HeaderError, match=re.escape(url)):
             await load(url)
+
+
+def echo_request_in_an_error(connection: socket.socket) -> None:
+    """Answer 401 with a body quoting the request's headers, as debugging pages, some proxies
+    and echo services do."""
+    headers, _ = read_request(connection)
+    body = "; ".join(f"{name}: {value}" for name, value in headers.items()).encode()
+    head = b"HTTP/1.1 401 Unauthorized\r\nContent-Length: %d\r\n\r\n" % len(body)
+    connection.sendall(head + body)
+    wait_for_close(connection)
+
+
+@pytest.mark.parametrize(
+    ("user", "headers"),
+    [("", {"Authorization": "Bearer hf_TokenOfTheUser"}), ("alice:pass1word@", {})],
+)
+async def test_credentials_echoed_by_an_error_page_are_masked(
+    raw_server: Serve, user: str, headers: dict[str, str]
+) -> None:
+    """The error's one-line excerpt of the body showed the token, or the URL's password as the
+    Basic credential the request carried."""
+    url = raw_server(echo_request_in_an_error).replace("//", f"//{user}") + "/m.safetensors"
+    with pytest.raises(stream_st.HTTPStatusError, match=r"authorization: (Bearer|Basic) ") as info:
+        await load(url, headers=headers)
+    assert "TokenOfTheUser" not in str(info.value)
+    assert basic_authorization("alice", "pass1word").split()[1] not in str(info.value)
+
+
+AWS = "AWS4-HMAC-SHA256 Credential=AKID/x, SignedHeaders=host, Signature=0a9f"
+CHALLENGE = 'WWW-Authenticate: Bearer realm="x", error="invalid_token"'
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("authorization: Bearer hf_abcDEF123", "authorization: Bearer ***"),
+        ("Basic YWxpY2U6cGFzc3dvcmQ=;", "Basic ***;"),  # alice:password
+        (AWS, "AWS4-HMAC-SHA256 ***"),
+        ("Basic authentication failed", "Basic authentication failed"),
+        (CHALLENGE, CHALLENGE),
+    ],
+)
+def test_redact_masks_authorization_values(text: str, shown: str) -> None:
+    assert redact(text) == shown
+    assert redact(shown) == shown
