@@ -48,6 +48,7 @@ password, a pre-signed URL's signature and credential), and so does every transp
 
 from __future__ import annotations
 
+import base64
 import operator
 import re
 
@@ -102,6 +103,15 @@ _SECRET_WORDS = ("signature", "credential", "token", "secret", "password", "pass
 MASK = "***"
 """What stands for a secret in a message."""
 
+_AUTHORIZATION = re.compile(
+    r"\b(?P<scheme>Bearer|Basic)(?P<gap>[ \t]+)(?P<value>[A-Za-z0-9._~+/-]{8,}=*)(?![\w=~+/.-])"
+    r"|\b(?P<aws>AWS4-HMAC-SHA256)[ \t]+[^\r\n'\"<>]*?Signature=[0-9A-Fa-f]+"
+)
+"""The credentials of an ``Authorization`` header quoted in a text (an error page echoing the
+request): a ``Bearer`` token of 8 characters or more (not ``Bearer realm=``), a ``Basic`` user
+and password (a value with a digit in it, of 20 characters or more, or Base64 of
+``user:password``: not ``Basic authentication``), or an AWS signature with its key id."""
+
 
 def _mask_userinfo(match: re.Match[str]) -> str:
     user, colon, _ = match["userinfo"].partition(":")
@@ -111,6 +121,25 @@ def _mask_userinfo(match: re.Match[str]) -> str:
 def _secret_parameter(name: str) -> bool:
     key = name.lower().replace("_", "").replace("-", "")
     return key in ("sig", "key") or key.endswith("key") or any(w in key for w in _SECRET_WORDS)
+
+
+def _mask_authorization(match: re.Match[str]) -> str:
+    if match["aws"]:
+        return f"{match['aws']} {MASK}"
+    value = match["value"]
+    if match["scheme"] == "Basic" and not (
+        len(value) >= 20 or any(c.isdigit() for c in value) or _basic_pair(value)
+    ):
+        return match[0]  # a word ("Basic authentication"), not a credential
+    return f"{match['scheme']}{match['gap']}{MASK}"
+
+
+def _basic_pair(value: str) -> bool:
+    """Whether ``value`` is Base64 of ``user:password``, as a ``Basic`` credential is."""
+    try:
+        return b":" in base64.b64decode(value, validate=True)
+    except ValueError:
+        return False
 
 
 def _mask_parameter(match: re.Match[str]) -> str:
@@ -125,12 +154,16 @@ def redact(text: str) -> str:
     tell whose), and the value of a query parameter that signs or
     authenticates a request (``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``,
     ``Signature``, ``sig``, ``key`` and any name holding ``token``, ``secret``, ``password`` or
-    ``credential``). Masking again changes nothing. Every error's message passes through it; use
+    ``credential``), and the credentials of an ``Authorization`` value quoted in it (``Bearer``,
+    ``Basic``, an AWS signature: an error page may echo the request). Masking again changes
+    nothing. Every error's message passes through it; use
     it wherever an address is shown."""
     if "@" in text:
         text = _USERINFO.sub(_mask_userinfo, text)
     if "=" in text:
         text = _PARAMETER.sub(_mask_parameter, text)
+    if "Bearer" in text or "Basic" in text or "AWS4-" in text:
+        text = _AUTHORIZATION.sub(_mask_authorization, text)
     return text
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+from collections.abc import Iterator
 from typing import cast
 
 import numpy as np
@@ -19,7 +20,13 @@ from ..core.header import (
     parse_header_length,
     parse_steps,
 )
-from ..errors import TrailingDataError, TruncatedStreamError, integer_at_least
+from ..errors import (
+    HeaderError,
+    TrailingDataError,
+    TruncatedStreamError,
+    integer_at_least,
+    redact,
+)
 from ..transports.file.source import _RWF_NOWAIT, _pread_cached, open_path
 from ..transports.options import NO_LIMITS, Clock
 from ..transports.registry import Source, SourceLike, open_source, scheme_of
@@ -87,6 +94,22 @@ def _header_length(
     return n
 
 
+@contextlib.contextmanager
+def _named(name: str) -> Iterator[None]:
+    """A :class:`HeaderError` raised inside names the source it was read from (``name``), as
+    every other error of a read does: of many files or URLs, the message says which one is not
+    a safetensors file. The class and attributes are kept."""
+    try:
+        yield
+    except HeaderError as exc:
+        if name in str(exc):
+            raise
+        named = type(exc).__new__(type(exc))
+        named.args = (redact(f"{name}: {exc}"),)
+        named.__dict__.update(exc.__dict__)
+        raise named.with_traceback(exc.__traceback__) from None
+
+
 async def _read_header(
     source: Source, max_header_size: int, unknown_dtypes: UnknownDtypes = "refuse"
 ) -> tuple[Header, tuple[bytes, memoryview]]:
@@ -95,7 +118,8 @@ async def _read_header(
     ``unknown_dtypes`` as in :func:`~stream_st.core.header.parse_header`."""
     prefix = memoryview(bytearray(LENGTH_PREFIX_SIZE))
     got = await source.fill(prefix)
-    n = _header_length(prefix, got, source.size, max_header_size, source.name)
+    with _named(source.name):
+        n = _header_length(prefix, got, source.size, max_header_size, source.name)
     raw, got = await _receive_header(source, n)
     if got < n:
         raise TruncatedStreamError(
@@ -105,7 +129,8 @@ async def _read_header(
             expected=LENGTH_PREFIX_SIZE + n,
             source=source.name,
         )
-    header = await _parse(raw, source, unknown_dtypes)
+    with _named(source.name):
+        header = await _parse(raw, source, unknown_dtypes)
     if source.size is not None:
         _check_size(header, source.size, source.name)
     return header, (prefix.tobytes(), raw)
@@ -160,7 +185,8 @@ async def header_only(
     unlimited = clock.limits is NO_LIMITS or not clock.limited  # most reads: known by identity
     if unlimited and isinstance(name, str) and scheme_of(name) is None:
         await give_turn()
-        header = _cached_header(name, max_header_size, unknown_dtypes)
+        with _named(name):
+            header = _cached_header(name, max_header_size, unknown_dtypes)
         if header is not None:
             return header, name
     source = await open_under(source_like, clock)

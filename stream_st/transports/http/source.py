@@ -390,8 +390,8 @@ class HttpSource(ClientUser, Source):
                     break
                 await self._adopt(fresh, at)
                 response = fresh
-            try:
-                got = await response.receive_into(buffer[filled:])
+            try:  # never past the range the answer is for: a longer body is not the object's
+                got = await response.receive_into(buffer[filled : filled + self._response_end - at])
             except HTTPProtocolError:
                 raise
             except TransportError as exc:
