@@ -66,9 +66,11 @@ class SafetensorsDataset(IterableDataset[Sample]):
     world size and number of workers.
     ``drop_last`` as for torch's ``DistributedSampler``: every rank gets ``len(self)`` samples,
     the sequence padded with its first samples (False) or cut (True). ``piece_bytes`` bounds what
-    one read holds in memory. A local shard's samples are writable views of a private mapping
-    of it, as the reference's ``safe_open`` gives them (a write never reaches the file; a
-    sample kept beyond its batch keeps its shard mapped: ``clone()`` it to keep it alone).
+    one read holds in memory (two reads are held at most: the next piece is read while the
+    rows of the one before are handed out). A local shard's samples are writable views of a
+    private mapping of it, as the reference's ``safe_open`` gives them (a write never reaches
+    the file; a sample kept beyond its batch keeps its shard mapped: ``clone()`` it to keep it
+    alone).
     ``rank`` and ``world_size`` default to torch.distributed's (or
     ``RANK``/``WORLD_SIZE``).
     """
@@ -170,9 +172,16 @@ class SafetensorsDataset(IterableDataset[Sample]):
         return {name: views[name][piece.start : piece.stop] for name in names}
 
     def _samples(self, pieces: list[Piece]) -> Iterator[Sample]:
+        """The samples of ``pieces``, in order: each piece read on the epoch's event loop while
+        the rows of the one before are handed out (two reads held at most)."""
+        if not pieces:
+            return
         with start_blocking_portal() as portal:  # one event loop for the epoch's reads
-            for piece in pieces:
-                tensors = portal.call(self._read, piece)
+            coming = portal.start_task_soon(self._read, pieces[0])
+            for following in [*pieces[1:], None]:
+                tensors = coming.result()
+                if following is not None:
+                    coming = portal.start_task_soon(self._read, following)
                 names = list(tensors)
                 for row in zip(*(tensors[name].unbind(0) for name in names), strict=True):
                     yield dict(zip(names, row, strict=True))
