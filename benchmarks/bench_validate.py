@@ -144,6 +144,16 @@ def timed(variant: str, path: Path, code: str | None) -> tuple[float, float]:
     return float(wall), float(cpu)
 
 
+def half_sums() -> str:
+    """How this checkout's validate sums F16 and BF16 values: the compiled module's path on this
+    CPU, or numpy where the module was not built."""
+    try:
+        from stream_st.core import _half
+    except ImportError:
+        return "numpy (stream_st.core._half not built)"
+    return f"compiled, {_half.path()} path"
+
+
 def load() -> str:
     """The load average over 1, 5 and 15 minutes."""
     return " ".join(f"{value:.2f}" for value in os.getloadavg())
@@ -177,6 +187,7 @@ def main() -> None:
             f"load average at start: {load()}"
         )
         print(f"peer: read (open_stream, each array dropped); bar: validate at >= {BAR}x its speed")
+        print(f"F16 and BF16 sums: {half_sums()}")
         if code:
             print(f"before: validate with the stream_st of {code}")
         sides = ["validate", *(["before"] if code else [])]

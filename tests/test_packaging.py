@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tomllib
 import venv
@@ -30,6 +31,7 @@ SKIP = shutil.ignore_patterns(
     ".*venv*",
     "build",
     "dist",
+    "*.so",
     "site",
     "*.egg-info",
     "__pycache__",
@@ -96,6 +98,12 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path
     yield next(out.glob("*.whl")), next(out.glob("*.tar.gz"))
 
 
+def _compiler() -> bool:
+    """Whether the C compiler Python was built with is at hand (the compiled module is built)."""
+    command = (sysconfig.get_config_var("CC") or "cc").split()
+    return bool(command) and shutil.which(command[0]) is not None
+
+
 def _fresh_venv(where: Path) -> Path:
     """A new virtual environment whose only packages of its own are what gets installed into
     it; numpy, anyio and the test tools come from this one through a path entry (never its
@@ -129,6 +137,10 @@ def test_wheel_installs_with_license_metadata_and_version(
     # rich is in the cli extra; xxhash checks the digests every reader verifies by default
     assert core == ["anyio", "ml_dtypes", "numpy", "xxhash"]
     assert "stream_st/cli/demo_text.txt" in names  # the demo's text, package data
+    assert "stream_st/core/_half.pyi" in names  # the compiled module's types
+    compiled = [n for n in names if n.startswith("stream_st/core/_half.") and n.endswith(".so")]
+    if _compiler():  # built for every Python from 3.11 on (the stable ABI)
+        assert compiled == ["stream_st/core/_half.abi3.so"] and "-cp311-abi3-" in wheel.name
     assert metadata.get_all("Project-URL") and metadata.get_all("Classifier")
     python = _fresh_venv(tmp_path / "venv")
     _pip_install(python, wheel)
@@ -140,6 +152,8 @@ def test_wheel_installs_with_license_metadata_and_version(
     assert found.split()[0] == version  # from the installed metadata
     assert Path(found.split()[1]).is_relative_to(tmp_path / "venv")  # the wheel's code
     assert "usage: stream-st" in _check([command])
+    used = "from stream_st.core import moments; print(moments._HALF_SUMS is not None)"
+    assert _check([python, "-c", used], cwd=tmp_path).strip() == str(bool(compiled))
 
 
 def _requirements(requires: list[str], extra: str) -> list[Requirement]:

@@ -24,10 +24,13 @@ statistic is taken from it) is handled with a few numpy calls, most of which rel
   1000 +- 0.01 agrees with numpy's float64 ``std`` to ~1e-13, where the mean of squares minus
   the squared mean loses six digits.
 
-BF16 and the 8-bit floats are widened to float64 by ml_dtypes' casts, F16 by a move of its bits into
-float32's (:func:`f16_over_unit`: numpy's float16 cast is several times slower), complex values are
-summarised by their magnitudes, booleans as 0 and 1. Packed sub-byte types (F4, F6) have no values
-here: :func:`summarisable` says which dtypes do.
+F16 and BF16 chunks are summed by the compiled :mod:`stream_st.core._half` where it was built (each
+value widened exactly and both sums taken in one pass, the GIL released: 0.3 ns a value on AVX2
+against ~1.5 with numpy, and worker threads on every core at once). Without it, and for the other
+types: BF16 and the 8-bit floats are widened to float64 by ml_dtypes' casts, F16 by a move of its
+bits into float32's (:func:`f16_over_unit`: numpy's float16 cast is several times slower), complex
+values are summarised by their magnitudes, booleans as 0 and 1. Packed sub-byte types (F4, F6)
+have no values here: :func:`summarisable` says which dtypes do.
 No I/O.
 """
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +86,23 @@ _SIGN = 0x8000
 F16_UNIT = 2.0**112
 """F16 values are widened divided by this (:func:`f16_over_unit`); their moments multiplied back."""
 _UNPACK_F32, _UNPACK_F16 = struct.Struct("<f").unpack, struct.Struct("<e").unpack
+
+HalfSums = Callable[[Array, bool, float], tuple[float, float]]
+"""``sums(bits, bf16, shift) -> (s1, s2)``: the sums of ``x - shift`` and of its square over the
+finite F16 (BF16 if ``bf16``) values whose bit patterns are ``bits`` (C-contiguous uint16)."""
+
+
+def _compiled_sums() -> HalfSums | None:
+    """:func:`stream_st.core._half.sums`, None where the package was installed without it (no C
+    compiler at hand): numpy then does the same work."""
+    try:
+        from ._half import sums
+    except ImportError:
+        return None
+    return sums
+
+
+_HALF_SUMS = _compiled_sums()
 
 
 def _bf16_value(bits: int) -> float:
@@ -225,14 +246,16 @@ def _add_halves(result: Moments, flat: Array, start: int, stop: int) -> None:
     :data:`HALF_CHUNK` values: the chunk's min and max from its bit patterns (two integer
     reductions over the 16-bit values, which bring the chunk into the core's cache for the rest),
     then the values as float64 (BF16 by ml_dtypes' cast, F16 by :func:`f16_over_unit`) straight
-    into :func:`_add_finite`. A chunk holding a NaN or an Inf goes the general way."""
+    into :func:`_add_finite`, or both sums by the compiled :data:`_HALF_SUMS` where it is there.
+    A chunk holding a NaN or an Inf goes the general way."""
     f16 = flat.dtype == _F16
     infinity = _INFINITY_BITS[flat.dtype]
     value_of = _VALUE_OF[flat.dtype]
-    size = min(HALF_CHUNK, stop - start)
+    compiled = _HALF_SUMS
+    size = min(HALF_CHUNK, stop - start) if compiled is None else 0
     scratch = np.empty(size + -size % BLOCK, np.float64)
     wide = np.empty(size if f16 else 0, np.uint32)
-    unit = F16_UNIT if f16 else 1.0
+    unit = F16_UNIT if f16 and compiled is None else 1.0
     scaled = Moments()  # the finite chunks' values divided by ``unit``
     for at in range(start, stop, HALF_CHUNK):
         chunk = flat[at : min(at + HALF_CHUNK, stop)]
@@ -244,13 +267,30 @@ def _add_halves(result: Moments, flat: Array, start: int, stop: int) -> None:
         if top < 0 or big < _SIGN:  # all of one sign: the pattern nearest 0 is the other end
             small = int(_MIN(bits))
             top, big = (small, big) if top < 0 else (top, small)
+        low, high = value_of(big) / unit, value_of(top) / unit
+        if compiled is not None:
+            _add_sums(scaled, chunk.size, low, high, _compiled_shifts(compiled, bits, not f16))
+            continue
         shifted = scratch[: chunk.size]
         if f16:
             np.copyto(shifted, f16_over_unit(chunk, wide))
         else:
             np.copyto(shifted, chunk, casting="unsafe")
-        _add_finite(scaled, shifted, value_of(big) / unit, value_of(top) / unit, scratch)
+        _add_finite(scaled, shifted, low, high, scratch)
     result.merge(scaled.times(unit))
+
+
+def _compiled_shifts(compiled: HalfSums, bits: Array, bf16: bool) -> Shifts:
+    """The :data:`Shifts` of 16-bit values ``bits`` by ``compiled`` (each call one pass over
+    them, from the values themselves: the shifts add up)."""
+    total = 0.0
+
+    def sums(shift: float) -> Sums:
+        nonlocal total
+        total += shift
+        return compiled(bits, bf16, total)
+
+    return sums
 
 
 def f16_over_unit(values: Array, wide: Array) -> Array:
@@ -302,25 +342,44 @@ def _sums(scratch: Array, n: int) -> tuple[float, float]:
     return s1, s2
 
 
+Sums = tuple[float, float]
+"""The sum of some values and the sum of their squares."""
+
+Shifts = Callable[[float], Sums]
+"""``sums(shift)``: the values less ``shift`` (taken from them as the calls before left them: the
+shifts add up), and their :data:`Sums`."""
+
+
 def _add_finite(result: Moments, chunk: Array, low: float, high: float, scratch: Array) -> None:
     """Merge the moments of ``chunk`` (finite values, from ``low`` to ``high``) into ``result``.
     ``scratch``: float64 of at least the chunk's size rounded up to a multiple of
     :data:`BLOCK`, where ``chunk`` may be already (the values are taken there, shifted)."""
     n = chunk.size
-    shift = result.mean if result.count else low + (high - low) / 2
-    if abs(shift) <= high - low:  # values about 0: little to cancel, one pass saved
-        shift = 0.0
     shifted = scratch[:n]
     if not np.may_share_memory(chunk, shifted):
         np.copyto(shifted, chunk, casting="unsafe")  # float64: exact for every type but (U)I64
-    if shift:
-        np.subtract(shifted, shift, out=shifted)
-    s1, s2 = _sums(scratch, n)
+
+    def sums(shift: float) -> Sums:
+        if shift:
+            np.subtract(shifted, shift, out=shifted)
+        return _sums(scratch, n)
+
+    _add_sums(result, n, low, high, sums)
+
+
+def _add_sums(result: Moments, n: int, low: float, high: float, sums: Shifts) -> None:
+    """Merge into ``result`` the moments of ``n`` finite values from ``low`` to ``high``, whose
+    sums ``sums`` gives about a shift: first about the mean so far (for the first values the
+    midpoint of ``low`` and ``high``; none for values about 0), then, where that cancelled most
+    digits, about their own mean."""
+    shift = result.mean if result.count else low + (high - low) / 2
+    if abs(shift) <= high - low:  # values about 0: little to cancel, one pass saved
+        shift = 0.0
+    s1, s2 = sums(shift)
     m2 = s2 - s1 * (s1 / n)
     mean = shift + s1 / n
     if m2 < _RECENTRE * s2:  # cancelled: deviations again, from the chunk's own mean
-        np.subtract(shifted, s1 / n, out=shifted)
-        r1, r2 = _sums(scratch, n)
+        r1, r2 = sums(s1 / n)
         m2 = r2 - r1 * (r1 / n)
         mean += r1 / n
     count = result.count

@@ -1,4 +1,5 @@
-"""``core.moments`` on 16-bit floats: min and max from bit patterns, F16 widened by its bits."""
+"""``core.moments`` on 16-bit floats: min and max from bit patterns, F16 widened by its bits, both
+sums by the compiled ``core._half`` on each of its paths and by numpy without it."""
 
 from __future__ import annotations
 
@@ -9,10 +10,35 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from stream_st.core.moments import HALF_CHUNK, Moments, moments_of
+from stream_st.core import moments
+from stream_st.core.moments import HALF_CHUNK, HalfSums, Moments, moments_of
+
+try:
+    from stream_st.core import _half
+except ImportError:  # installed without a C compiler
+    _half = None  # type: ignore[assignment]
 
 Array = np.ndarray[Any, Any]
 HALVES = [np.float16, ml_dtypes.bfloat16]
+PATHS = ["avx2", "portable", "numpy"]
+
+
+def compiled(path: str) -> HalfSums:
+    """The compiled sums taking ``path`` ("avx2" or "portable"), or a skip where there are none."""
+    if _half is None:
+        pytest.skip("stream_st.core._half was not built (no C compiler at install)")
+    if path == "avx2" and _half.path() != "avx2":
+        pytest.skip("this CPU lacks AVX2, FMA or F16C")
+    portable = path == "portable"
+    return lambda bits, bf16, shift: _half.sums(bits, bf16, shift, portable)
+
+
+@pytest.fixture(autouse=True, params=PATHS)
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with each way the sums of 16-bit values are taken."""
+    chosen: str = request.param
+    monkeypatch.setattr(moments, "_HALF_SUMS", None if chosen == "numpy" else compiled(chosen))
+    return chosen
 
 
 def assert_matches_numpy(found: Moments, values: Array) -> None:
@@ -90,3 +116,35 @@ def test_scaling_moments_is_exact_for_powers_of_two() -> None:
     values = np.random.default_rng(14).standard_normal(1000)
     scaled = moments_of(values).times(2.0**-40)
     assert_matches_numpy(scaled, values * 2.0**-40)
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=lambda d: np.dtype(d).name)
+def test_every_finite_pattern_is_widened_exactly(dtype: type, path: str) -> None:
+    """Each finite value 16 times over (a whole vector step of the compiled sums, whose sums
+    of equal values are exact): both sums are exactly 16 times the value and its square."""
+    if path == "numpy":
+        pytest.skip("the compiled sums' own check")
+    sums = compiled(path)
+    patterns = np.arange(1 << 16, dtype=np.uint16)
+    with np.errstate(invalid="ignore"):  # NaN patterns
+        values = patterns.view(dtype).astype(np.float64)
+    finite = np.isfinite(values)
+    groups = np.repeat(patterns[finite], 16).reshape(-1, 16)
+    for bits, value in zip(groups, values[finite], strict=True):
+        assert sums(bits, dtype is ml_dtypes.bfloat16, 0.0) == (16 * value, 16 * value * value)
+
+
+def test_compiled_sums_take_unaligned_buffers_and_refuse_odd_lengths(path: str) -> None:
+    if path == "numpy":
+        pytest.skip("the compiled sums' own check")
+    sums = compiled(path)
+    values = np.random.default_rng(15).standard_normal(5000).astype(np.float16)
+    raw = bytearray(1) + values.tobytes()
+    unaligned = np.frombuffer(raw, np.uint16, offset=1)
+    assert unaligned.ctypes.data % 2
+    wide = values.astype(np.float64)
+    s1, s2 = sums(unaligned, False, 0.5)
+    assert math.isclose(s1, float(np.sum(wide - 0.5)), rel_tol=1e-12)
+    assert math.isclose(s2, float(np.sum((wide - 0.5) ** 2)), rel_tol=1e-12)
+    with pytest.raises(ValueError, match="odd number of bytes"):
+        sums(np.frombuffer(raw[:3], np.uint8), False, 0.0)
