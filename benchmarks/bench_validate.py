@@ -144,14 +144,14 @@ def timed(variant: str, path: Path, code: str | None) -> tuple[float, float]:
     return float(wall), float(cpu)
 
 
-def half_sums() -> str:
-    """How this checkout's validate sums F16 and BF16 values: the compiled module's path on this
-    CPU, or numpy where the module was not built."""
+def compiled_sums() -> str:
+    """How this checkout's validate sums F16, BF16 and F32 values: the compiled module's path on
+    this CPU, or numpy where the module was not built."""
     try:
-        from stream_st.core import _half
+        from stream_st.core import _sums
     except ImportError:
-        return "numpy (stream_st.core._half not built)"
-    return f"compiled, {_half.path()} path"
+        return "numpy (stream_st.core._sums not built)"
+    return f"compiled, {_sums.path()} path"
 
 
 def load() -> str:
@@ -187,7 +187,7 @@ def main() -> None:
             f"load average at start: {load()}"
         )
         print(f"peer: read (open_stream, each array dropped); bar: validate at >= {BAR}x its speed")
-        print(f"F16 and BF16 sums: {half_sums()}")
+        print(f"sums of F16, BF16 and F32 values: {compiled_sums()}")
         if code:
             print(f"before: validate with the stream_st of {code}")
         sides = ["validate", *(["before"] if code else [])]

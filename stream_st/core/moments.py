@@ -24,13 +24,13 @@ statistic is taken from it) is handled with a few numpy calls, most of which rel
   1000 +- 0.01 agrees with numpy's float64 ``std`` to ~1e-13, where the mean of squares minus
   the squared mean loses six digits.
 
-F16 and BF16 chunks are summed by the compiled :mod:`stream_st.core._half` where it was built (each
-value widened exactly and both sums taken in one pass, the GIL released: 0.3 ns a value on AVX2
-against ~1.5 with numpy, and worker threads on every core at once). Without it, and for the other
-types: BF16 and the 8-bit floats are widened to float64 by ml_dtypes' casts, F16 by a move of its
-bits into float32's (:func:`f16_over_unit`: numpy's float16 cast is several times slower), complex
-values are summarised by their magnitudes, booleans as 0 and 1. Packed sub-byte types (F4, F6)
-have no values here: :func:`summarisable` says which dtypes do.
+F16, BF16 and F32 chunks are summed by the compiled :mod:`stream_st.core._sums` where it was built
+(each value widened exactly and both sums taken in one pass, the GIL released: 0.3 ns a value on
+AVX2 against 0.7 to 1.5 with numpy, and worker threads on every core at once). Without it, and for
+the other types: BF16 and the 8-bit floats are widened to float64 by ml_dtypes' casts, F16 by a
+move of its bits into float32's (:func:`f16_over_unit`: numpy's float16 cast is several times
+slower), complex values are summarised by their magnitudes, booleans as 0 and 1. Packed sub-byte
+types (F4, F6) have no values here: :func:`summarisable` says which dtypes do.
 No I/O.
 """
 
@@ -87,22 +87,23 @@ F16_UNIT = 2.0**112
 """F16 values are widened divided by this (:func:`f16_over_unit`); their moments multiplied back."""
 _UNPACK_F32, _UNPACK_F16 = struct.Struct("<f").unpack, struct.Struct("<e").unpack
 
-HalfSums = Callable[[Array, bool, float], tuple[float, float]]
-"""``sums(bits, bf16, shift) -> (s1, s2)``: the sums of ``x - shift`` and of its square over the
-finite F16 (BF16 if ``bf16``) values whose bit patterns are ``bits`` (C-contiguous uint16)."""
+CompiledSums = Callable[[Array, str, float], tuple[float, float]]
+"""``sums(values, kind, shift) -> (s1, s2)``: the sums of ``x - shift`` and of its square over
+the finite ``values`` (C-contiguous) of safetensors dtype ``kind``: F16, BF16 or F32."""
 
 
-def _compiled_sums() -> HalfSums | None:
-    """:func:`stream_st.core._half.sums`, None where the package was installed without it (no C
+def _compiled_sums() -> CompiledSums | None:
+    """:func:`stream_st.core._sums.sums`, None where the package was installed without it (no C
     compiler at hand): numpy then does the same work."""
     try:
-        from ._half import sums
+        from ._sums import sums
     except ImportError:
         return None
     return sums
 
 
-_HALF_SUMS = _compiled_sums()
+_SUMS = _compiled_sums()
+_F32 = np.dtype(np.float32)
 
 
 def _bf16_value(bits: int) -> float:
@@ -228,7 +229,8 @@ def _add_chunks(result: Moments, flat: Array, start: int, stop: int) -> None:
     """Merge the moments of ``flat[start:stop]`` (``start < stop``) into ``result``, chunk by
     chunk, each chunk's min and max taken first."""
     floating = _floating(flat.dtype)
-    size = min(CHUNK, stop - start)
+    compiled = _SUMS if flat.dtype == _F32 else None
+    size = min(CHUNK, stop - start) if compiled is None else 0
     scratch = np.empty(size + -size % BLOCK, np.float64)
     for at in range(start, stop, CHUNK):
         chunk = _widen(flat[at : min(at + CHUNK, stop)], scratch)
@@ -238,7 +240,11 @@ def _add_chunks(result: Moments, flat: Array, start: int, stop: int) -> None:
             if not chunk.size:
                 continue
             low, high = _MIN(chunk), _MAX(chunk)
-        _add_finite(result, chunk, float(low), float(high), scratch)
+        low, high = float(low), float(high)
+        if compiled is not None:
+            _add_sums(result, chunk.size, low, high, _compiled(compiled, chunk, "F32"))
+        else:
+            _add_finite(result, chunk, low, high, scratch)
 
 
 def _add_halves(result: Moments, flat: Array, start: int, stop: int) -> None:
@@ -246,12 +252,12 @@ def _add_halves(result: Moments, flat: Array, start: int, stop: int) -> None:
     :data:`HALF_CHUNK` values: the chunk's min and max from its bit patterns (two integer
     reductions over the 16-bit values, which bring the chunk into the core's cache for the rest),
     then the values as float64 (BF16 by ml_dtypes' cast, F16 by :func:`f16_over_unit`) straight
-    into :func:`_add_finite`, or both sums by the compiled :data:`_HALF_SUMS` where it is there.
+    into :func:`_add_finite`, or both sums by the compiled :data:`_SUMS` where it is there.
     A chunk holding a NaN or an Inf goes the general way."""
     f16 = flat.dtype == _F16
     infinity = _INFINITY_BITS[flat.dtype]
     value_of = _VALUE_OF[flat.dtype]
-    compiled = _HALF_SUMS
+    compiled = _SUMS
     size = min(HALF_CHUNK, stop - start) if compiled is None else 0
     scratch = np.empty(size + -size % BLOCK, np.float64)
     wide = np.empty(size if f16 else 0, np.uint32)
@@ -269,7 +275,8 @@ def _add_halves(result: Moments, flat: Array, start: int, stop: int) -> None:
             top, big = (small, big) if top < 0 else (top, small)
         low, high = value_of(big) / unit, value_of(top) / unit
         if compiled is not None:
-            _add_sums(scaled, chunk.size, low, high, _compiled_shifts(compiled, bits, not f16))
+            kind = "F16" if f16 else "BF16"
+            _add_sums(scaled, chunk.size, low, high, _compiled(compiled, chunk, kind))
             continue
         shifted = scratch[: chunk.size]
         if f16:
@@ -280,15 +287,15 @@ def _add_halves(result: Moments, flat: Array, start: int, stop: int) -> None:
     result.merge(scaled.times(unit))
 
 
-def _compiled_shifts(compiled: HalfSums, bits: Array, bf16: bool) -> Shifts:
-    """The :data:`Shifts` of 16-bit values ``bits`` by ``compiled`` (each call one pass over
-    them, from the values themselves: the shifts add up)."""
+def _compiled(compiled: CompiledSums, values: Array, kind: str) -> Shifts:
+    """The :data:`Shifts` of ``values`` (contiguous, of dtype ``kind``) by ``compiled``: each
+    call one pass over them, from the values themselves (the shifts add up)."""
     total = 0.0
 
     def sums(shift: float) -> Sums:
         nonlocal total
         total += shift
-        return compiled(bits, bf16, total)
+        return compiled(values, kind, total)
 
     return sums
 

@@ -1,5 +1,5 @@
-"""``core.moments`` on 16-bit floats: min and max from bit patterns, F16 widened by its bits, both
-sums by the compiled ``core._half`` on each of its paths and by numpy without it."""
+"""``core.moments`` on 16-bit floats and F32: min and max from bit patterns, F16 widened by its
+bits, both sums by the compiled ``core._sums`` on each of its paths and by numpy without it."""
 
 from __future__ import annotations
 
@@ -11,33 +11,33 @@ import numpy as np
 import pytest
 
 from stream_st.core import moments
-from stream_st.core.moments import HALF_CHUNK, HalfSums, Moments, moments_of
+from stream_st.core.moments import CHUNK, HALF_CHUNK, CompiledSums, Moments, moments_of
 
 try:
-    from stream_st.core import _half
+    from stream_st.core import _sums
 except ImportError:  # installed without a C compiler
-    _half = None  # type: ignore[assignment]
+    _sums = None  # type: ignore[assignment]
 
 Array = np.ndarray[Any, Any]
 HALVES = [np.float16, ml_dtypes.bfloat16]
 PATHS = ["avx2", "portable", "numpy"]
 
 
-def compiled(path: str) -> HalfSums:
+def compiled(path: str) -> CompiledSums:
     """The compiled sums taking ``path`` ("avx2" or "portable"), or a skip where there are none."""
-    if _half is None:
-        pytest.skip("stream_st.core._half was not built (no C compiler at install)")
-    if path == "avx2" and _half.path() != "avx2":
+    if _sums is None:
+        pytest.skip("stream_st.core._sums was not built (no C compiler at install)")
+    if path == "avx2" and _sums.path() != "avx2":
         pytest.skip("this CPU lacks AVX2, FMA or F16C")
     portable = path == "portable"
-    return lambda bits, bf16, shift: _half.sums(bits, bf16, shift, portable)
+    return lambda values, kind, shift: _sums.sums(values, kind, shift, portable)
 
 
 @pytest.fixture(autouse=True, params=PATHS)
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test runs with each way the sums of 16-bit values are taken."""
     chosen: str = request.param
-    monkeypatch.setattr(moments, "_HALF_SUMS", None if chosen == "numpy" else compiled(chosen))
+    monkeypatch.setattr(moments, "_SUMS", None if chosen == "numpy" else compiled(chosen))
     return chosen
 
 
@@ -131,20 +131,42 @@ def test_every_finite_pattern_is_widened_exactly(dtype: type, path: str) -> None
     finite = np.isfinite(values)
     groups = np.repeat(patterns[finite], 16).reshape(-1, 16)
     for bits, value in zip(groups, values[finite], strict=True):
-        assert sums(bits, dtype is ml_dtypes.bfloat16, 0.0) == (16 * value, 16 * value * value)
+        kind = "BF16" if dtype is ml_dtypes.bfloat16 else "F16"
+        assert sums(bits, kind, 0.0) == (16 * value, 16 * value * value)
 
 
-def test_compiled_sums_take_unaligned_buffers_and_refuse_odd_lengths(path: str) -> None:
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32], ids=str)
+def test_compiled_sums_take_unaligned_buffers_and_refuse_partial_values(
+    dtype: type, path: str
+) -> None:
     if path == "numpy":
         pytest.skip("the compiled sums' own check")
     sums = compiled(path)
-    values = np.random.default_rng(15).standard_normal(5000).astype(np.float16)
+    kind = {np.float16: "F16", ml_dtypes.bfloat16: "BF16", np.float32: "F32"}[dtype]
+    values: Array = np.random.default_rng(15).standard_normal(5003).astype(dtype)
     raw = bytearray(1) + values.tobytes()
-    unaligned = np.frombuffer(raw, np.uint16, offset=1)
+    unaligned = np.frombuffer(raw, np.uint8, offset=1)
     assert unaligned.ctypes.data % 2
     wide = values.astype(np.float64)
-    s1, s2 = sums(unaligned, False, 0.5)
+    s1, s2 = sums(unaligned, kind, 0.5)
     assert math.isclose(s1, float(np.sum(wide - 0.5)), rel_tol=1e-12)
     assert math.isclose(s2, float(np.sum((wide - 0.5) ** 2)), rel_tol=1e-12)
-    with pytest.raises(ValueError, match="odd number of bytes"):
-        sums(np.frombuffer(raw[:3], np.uint8), False, 0.0)
+    with pytest.raises(ValueError, match="not a whole number of"):
+        sums(unaligned[:-1], kind, 0.0)
+    with pytest.raises(ValueError, match="is not F16, BF16 or F32"):
+        sums(unaligned, "F64", 0.0)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.random.default_rng(16).standard_normal(CHUNK * 2 + 77) * 1e-3 + 1000,  # far from 0
+        np.random.default_rng(17).standard_normal(CHUNK + 5) * 1e30,
+        np.array([np.inf, 1.0, np.nan, -2.5, -np.inf, 3e-42]),  # Inf, NaN, a subnormal
+        np.full(CHUNK + 1, 7.0),
+    ],
+    ids=["far", "huge", "non-finite", "constant"],
+)
+def test_f32_matches_numpy(values: Array) -> None:
+    as_f32 = values.astype(np.float32)
+    assert_matches_numpy(moments_of(as_f32), as_f32)

@@ -1,11 +1,11 @@
-/* stream_st.core._half: the sums of F16 and BF16 values, widened exactly, in one pass.
+/* stream_st.core._sums: the sums of F16, BF16 and F32 values, widened exactly, in one pass.
  *
- * sums(bits, bf16, shift, portable=False) -> (s1, s2): for a C-contiguous buffer of 16-bit
- * float bit patterns (F16, or BF16 when bf16 is true), all finite, the sum of (x - shift) and
- * the sum of (x - shift)**2 over its values x, in double. Each value is widened exactly (every
- * F16 and BF16 value is a float32) and the subtraction is the only rounding before the sums; the
- * sums run in 16 double accumulators over blocks of BLOCK values, the blocks' totals added in
- * order, so the rounding error stays that of a sum of a few hundred terms.
+ * sums(values, kind, shift, portable=False) -> (s1, s2): for a C-contiguous buffer of float
+ * values of safetensors dtype kind ("F16", "BF16" or "F32"), all finite, the sum of (x - shift)
+ * and the sum of (x - shift)**2 over its values x, in double. Each value is taken as a float32
+ * (exact: every F16 and BF16 value is one) and widened to double; the subtraction is the only
+ * rounding before the sums, which run in 16 double accumulators over blocks of BLOCK values, the
+ * blocks' totals added in order: the rounding error stays that of a sum of a few hundred terms.
  *
  * The work runs with the GIL released: the validator's worker threads summarise parts of a file
  * on every core at once. On x86-64 CPUs with AVX2, FMA and F16C (checked at run time) F16 is
@@ -67,20 +67,25 @@ static void widen_f16(const unsigned char *bits, ptrdiff_t n, float *out) {
     }
 }
 
+/* F32 as it is (the copy into the block's scratch also takes it from any alignment). */
+static void widen_f32(const unsigned char *bits, ptrdiff_t n, float *out) {
+    memcpy(out, bits, (size_t)n * sizeof *out);
+}
+
 /* BF16 is the upper half of a float32. */
 static void widen_bf16(const unsigned char *bits, ptrdiff_t n, float *out) {
     for (ptrdiff_t i = 0; i < n; i++) out[i] = as_float(load16(bits + 2 * i) << 16);
 }
 
-INLINE void sums(widen_fn *widen, const unsigned char *bits, ptrdiff_t n, double shift, double *s1,
-                 double *s2) {
+INLINE void sums(widen_fn *widen, size_t width, const unsigned char *bits, ptrdiff_t n,
+                 double shift, double *s1, double *s2) {
     float scratch[BLOCK] __attribute__((aligned(32)));
     v4d k = {shift, shift, shift, shift};
     double t1 = 0.0, t2 = 0.0;
     for (ptrdiff_t at = 0; at < n; at += BLOCK) {
         ptrdiff_t count = n - at < BLOCK ? n - at : BLOCK;
         ptrdiff_t whole = count & ~(ptrdiff_t)15;
-        widen(bits + 2 * at, count, scratch);
+        widen(bits + width * (size_t)at, count, scratch);
         v4d a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, q0 = {0}, q1 = {0}, q2 = {0}, q3 = {0};
         for (ptrdiff_t i = 0; i < whole; i += 16) {
             v4f f0, f1, f2, f3;
@@ -106,9 +111,14 @@ INLINE void sums(widen_fn *widen, const unsigned char *bits, ptrdiff_t n, double
     *s1 = t1, *s2 = t2;
 }
 
-static void sums_portable(int bf16, const unsigned char *bits, ptrdiff_t n, double shift, double *s1,
-                          double *s2) {
-    sums(bf16 ? widen_bf16 : widen_f16, bits, n, shift, s1, s2);
+enum kind { F16, BF16, F32 };
+
+static const size_t widths[] = {2, 2, 4};
+
+static void sums_portable(enum kind kind, const unsigned char *bits, ptrdiff_t n, double shift,
+                          double *s1, double *s2) {
+    widen_fn *widen[] = {widen_f16, widen_bf16, widen_f32};
+    sums(widen[kind], widths[kind], bits, n, shift, s1, s2);
 }
 
 #ifdef HAVE_F16C_PATH
@@ -126,12 +136,18 @@ V3 static void widen_bf16_avx2(const unsigned char *bits, ptrdiff_t n, float *ou
     for (ptrdiff_t i = 0; i < n; i++) out[i] = as_float(load16(bits + 2 * i) << 16);
 }
 
-V3 static void sums_avx2(int bf16, const unsigned char *bits, ptrdiff_t n, double shift, double *s1,
-                         double *s2) {
-    if (bf16)
-        sums(widen_bf16_avx2, bits, n, shift, s1, s2);
+V3 static void widen_f32_avx2(const unsigned char *bits, ptrdiff_t n, float *out) {
+    memcpy(out, bits, (size_t)n * sizeof *out);
+}
+
+V3 static void sums_avx2(enum kind kind, const unsigned char *bits, ptrdiff_t n, double shift,
+                         double *s1, double *s2) {
+    if (kind == F16)
+        sums(widen_f16_f16c, 2, bits, n, shift, s1, s2);
+    else if (kind == BF16)
+        sums(widen_bf16_avx2, 2, bits, n, shift, s1, s2);
     else
-        sums(widen_f16_f16c, bits, n, shift, s1, s2);
+        sums(widen_f32_avx2, 4, bits, n, shift, s1, s2);
 }
 
 static int has_avx2(void) {
@@ -145,49 +161,63 @@ static int has_avx2(void) { return 0; }
 
 static int fast; /* whether the AVX2 path runs here: set once, at import */
 
-static PyObject *half_sums(PyObject *module, PyObject *args) {
+static PyObject *py_sums(PyObject *module, PyObject *args) {
     Py_buffer view;
-    int bf16, portable = 0;
+    const char *name;
+    int portable = 0;
     double shift, s1, s2;
+    enum kind kind;
     (void)module;
-    if (!PyArg_ParseTuple(args, "y*pd|p:sums", &view, &bf16, &shift, &portable)) return NULL;
-    if (view.len % 2) {
+    if (!PyArg_ParseTuple(args, "y*sd|p:sums", &view, &name, &shift, &portable)) return NULL;
+    if (!strcmp(name, "F16"))
+        kind = F16;
+    else if (!strcmp(name, "BF16"))
+        kind = BF16;
+    else if (!strcmp(name, "F32"))
+        kind = F32;
+    else {
         PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "sums: the buffer holds an odd number of bytes");
+        PyErr_Format(PyExc_ValueError, "sums: kind '%s' is not F16, BF16 or F32", name);
+        return NULL;
+    }
+    if ((size_t)view.len % widths[kind]) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "sums: %zd bytes are not a whole number of %s values",
+                     view.len, name);
         return NULL;
     }
     const unsigned char *bits = view.buf;
-    ptrdiff_t n = view.len / 2;
+    ptrdiff_t n = (ptrdiff_t)((size_t)view.len / widths[kind]);
     Py_BEGIN_ALLOW_THREADS
 #ifdef HAVE_F16C_PATH
     if (fast && !portable)
-        sums_avx2(bf16, bits, n, shift, &s1, &s2);
+        sums_avx2(kind, bits, n, shift, &s1, &s2);
     else
 #endif
-        sums_portable(bf16, bits, n, shift, &s1, &s2);
+        sums_portable(kind, bits, n, shift, &s1, &s2);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     return Py_BuildValue("(dd)", s1, s2);
 }
 
-static PyObject *half_path(PyObject *module, PyObject *unused) {
+static PyObject *py_path(PyObject *module, PyObject *unused) {
     (void)module, (void)unused;
     return PyUnicode_FromString(fast ? "avx2" : "portable");
 }
 
 static PyMethodDef methods[] = {
-    {"sums", half_sums, METH_VARARGS,
-     "sums(bits, bf16, shift, portable=False) -> (s1, s2): the sums of (x - shift) and its "
-     "square over the finite F16 (or BF16) values whose bit patterns fill the buffer."},
-    {"path", half_path, METH_NOARGS,
+    {"sums", py_sums, METH_VARARGS,
+     "sums(values, kind, shift, portable=False) -> (s1, s2): the sums of (x - shift) and its "
+     "square over the finite values of dtype kind (F16, BF16 or F32) that fill the buffer."},
+    {"path", py_path, METH_NOARGS,
      "path() -> 'avx2' or 'portable': how sums widens and adds on this CPU."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    "stream_st.core._half",
-    "The sums of F16 and BF16 values in one pass, GIL released (see stream_st.core.moments).",
+    "stream_st.core._sums",
+    "The sums of F16, BF16 and F32 values in one pass, GIL released (see stream_st.core.moments).",
     -1,
     methods,
     NULL,
@@ -196,7 +226,7 @@ static struct PyModuleDef module = {
     NULL,
 };
 
-PyMODINIT_FUNC PyInit__half(void) {
+PyMODINIT_FUNC PyInit__sums(void) {
     fast = has_avx2();
     return PyModule_Create(&module);
 }
