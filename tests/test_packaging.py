@@ -137,10 +137,10 @@ def test_wheel_installs_with_license_metadata_and_version(
     # rich is in the cli extra; xxhash checks the digests every reader verifies by default
     assert core == ["anyio", "ml_dtypes", "numpy", "xxhash"]
     assert "stream_st/cli/demo_text.txt" in names  # the demo's text, package data
-    assert "stream_st/core/_half.pyi" in names  # the compiled module's types
-    compiled = [n for n in names if n.startswith("stream_st/core/_half.") and n.endswith(".so")]
+    assert "stream_st/core/_sums.pyi" in names  # the compiled module's types
+    compiled = [n for n in names if n.startswith("stream_st/core/_sums.") and n.endswith(".so")]
     if _compiler():  # built for every Python from 3.11 on (the stable ABI)
-        assert compiled == ["stream_st/core/_half.abi3.so"] and "-cp311-abi3-" in wheel.name
+        assert compiled == ["stream_st/core/_sums.abi3.so"] and "-cp311-abi3-" in wheel.name
     assert metadata.get_all("Project-URL") and metadata.get_all("Classifier")
     python = _fresh_venv(tmp_path / "venv")
     _pip_install(python, wheel)
@@ -152,7 +152,7 @@ def test_wheel_installs_with_license_metadata_and_version(
     assert found.split()[0] == version  # from the installed metadata
     assert Path(found.split()[1]).is_relative_to(tmp_path / "venv")  # the wheel's code
     assert "usage: stream-st" in _check([command])
-    used = "from stream_st.core import moments; print(moments._HALF_SUMS is not None)"
+    used = "from stream_st.core import moments; print(moments._SUMS is not None)"
     assert _check([python, "-c", used], cwd=tmp_path).strip() == str(bool(compiled))
 
 
