@@ -288,8 +288,10 @@ def _add_halves(result: Moments, flat: Array, start: int, stop: int) -> None:
 
 
 def _compiled(compiled: CompiledSums, values: Array, kind: str) -> Shifts:
-    """The :data:`Shifts` of ``values`` (contiguous, of dtype ``kind``) by ``compiled``: each
-    call one pass over them, from the values themselves (the shifts add up)."""
+    """The :data:`Shifts` of ``values`` (a chunk, of dtype ``kind``) by ``compiled``: each call
+    one pass over them, from the values themselves (the shifts add up). A strided chunk (of a
+    view) is copied first: the compiled sums read contiguous values."""
+    values = np.ascontiguousarray(values)
     total = 0.0
 
     def sums(shift: float) -> Sums:

@@ -170,3 +170,12 @@ def test_compiled_sums_take_unaligned_buffers_and_refuse_partial_values(
 def test_f32_matches_numpy(values: Array) -> None:
     as_f32 = values.astype(np.float32)
     assert_matches_numpy(moments_of(as_f32), as_f32)
+
+
+@pytest.mark.parametrize("dtype", [*HALVES, np.float32, ">f4", ">f2"], ids=str)
+def test_strided_and_byte_swapped_values(dtype: Any) -> None:
+    """Views of every stride (a column, every other value, a transpose) and big-endian values
+    give numpy's figures: nothing reads them as if they were contiguous native values."""
+    values: Array = (np.random.default_rng(18).standard_normal((600, 300)) * 4 + 2).astype(dtype)
+    for view in (values[:, 7], values.reshape(-1)[::3], values.T, values[::2, ::5]):
+        assert_matches_numpy(moments_of(view), view)
