@@ -33,7 +33,13 @@ from .core.dtypes import _BUFFER_CHARS, DTYPES, NATIVE_IS_LITTLE, DType, dtype_f
 from .core.header import Header, TensorInfo
 from .core.layout import TensorSpec, build_header
 from .core.message import Order, lay_out, ordered
-from .errors import ArgumentTypeError, TensorNotFoundError, UsageError, WriterError
+from .errors import (
+    ArgumentTypeError,
+    TensorNotFoundError,
+    TruncatedStreamError,
+    UsageError,
+    WriterError,
+)
 from .transports.file.atomic import local_destination, save_at_once
 from .transports.file.sink import NOT_STAGED, STAGED_WROTE, FileSink
 from .transports.options import Clock, TransportOptions, clock_of
@@ -573,6 +579,36 @@ class TensorWriter(AsyncClosing):
         async with task_group() as group:
             group.start_soon(feed, data)
             await self._put(info, start, data)
+
+    async def copy_from_file(self, name: str, source: int, at: int, origin: str = "") -> bool:
+        """Write the whole tensor ``name`` from its bytes at offset ``at`` of the local file open
+        as ``source`` (``origin``: its name, for errors), copied by the kernel, page cache to
+        page cache: none of them passes through this process. Returns False, nothing done, where
+        the destination is not a local file, or where the writer computes digests (which need the
+        bytes): write the tensor's array instead. A source that ends first raises
+        :class:`~stream_st.TruncatedStreamError`, and aborts the message as any failed write."""
+        sink = self._check_usable()
+        if self._digests is not None or not isinstance(sink, FileSink):
+            return False
+        try:
+            sink.clock.check(sink.name, sink.position)
+            info = self._lookup(name)
+            self._claim(info, info.nbytes, "whole")
+            offset = self._header.data_start + info.start
+            copied = await sink.copy_in(source, at, offset, info.nbytes)
+            if copied < info.nbytes:
+                raise TruncatedStreamError(
+                    f"tensor {name!r}",
+                    name=name,
+                    offset=at + copied,
+                    expected=at + info.nbytes,
+                    source=origin,
+                )
+            self._progress.wrote(name, info.nbytes)
+        except BaseException as exc:
+            await self._abort(exc)
+            raise
+        return True
 
     def tensor(self, name: str) -> TensorParts:
         """``async with writer.tensor(name) as t: await t.write(rows)``: write one tensor in parts.

@@ -23,8 +23,9 @@ from ..core.layout import TensorSpec
 from ..core.shards import shard_address
 from ..core.stats import LoadStats, record_last
 from ..errors import SafetensorsError, StreamStWarning, TransportError, UsageError
-from ..reader import Include
-from ..sharded.reader import MAX_INDEX_SIZE, ShardIndex
+from ..reader import Include, TensorStream
+from ..sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
+from ..transports.file.source import FileSource
 from ..transports.options import Clock, Transport, TransportOptions
 from ..transports.registry import Sink, SinkLike, SourceLike, open_sink, read_object
 from ..writer import TensorWriter
@@ -281,6 +282,8 @@ async def cp(
             # take them at the end (a pipe, a socket, an HTTP upload) gets the copy without.
             digests_up_front=(lambda algorithm: None) if checksums is None else _not_up_front,
         ) as writer:
+            if await _copied_by_kernel(stream, headers, plan, writer, wanted, progress):
+                return Copy(writer.header, 0, stream.stats)
             async for name, array in stream:
                 for part_name, part in await plan.parts_of(name, array, pending):
                     await writer.write(part_name, part)
@@ -290,6 +293,37 @@ async def cp(
                     progress(done_bytes, done)
                 del array
         return Copy(writer.header, plan.converted, stream.stats)
+
+
+async def _copied_by_kernel(
+    stream: TensorStream | ShardedStream,
+    headers: Sequence[Header],
+    plan: _Plan,
+    writer: TensorWriter,
+    wanted: Sequence[TensorInfo],
+    progress: Progress | None,
+) -> bool:
+    """Copy every tensor of a local file that ``cp`` copies as it is to a local file by the
+    kernel (:meth:`~stream_st.TensorWriter.copy_from_file`: none of the bytes passes through this
+    process, 1.3-1.4x the speed of reading and writing them). Returns False, nothing copied,
+    where that does not apply: another source or destination, a tensor converted, digests to
+    verify (the source's, checked as they are read) or to compute. The read's figures
+    (``stream.stats``) count the tensors copied as handed out."""
+    if not isinstance(stream, TensorStream) or plan.converted or len(headers) != 1:
+        return False
+    source = stream.source
+    if not isinstance(source, FileSource) or ALGORITHM_KEY in headers[0].metadata:
+        return False
+    fd, start, done_bytes = source.fileno(), stream.header.data_start, 0
+    for done, info in enumerate(sorted(wanted, key=lambda t: t.start), 1):
+        stream.stats.asked()
+        if not await writer.copy_from_file(info.name, fd, start + info.start, source.name):
+            return False  # the first tensor: nothing copied yet
+        stream.stats.handed(info.nbytes)
+        done_bytes += info.nbytes
+        if progress is not None:
+            progress(done_bytes, done)
+    return True
 
 
 def _not_up_front(algorithm: str) -> Digests | None:

@@ -121,10 +121,12 @@ def test_drop_ins_cut_calls_at_blocks(tmp_path: Path, calls: list[tuple[int, int
 
 
 async def test_cp_cuts_calls_at_blocks(tmp_path: Path, calls: list[tuple[int, int, int]]) -> None:
+    """From a source the kernel cannot copy from (bytes in memory; a local file's are copied by
+    the kernel, see tests/uses/test_cp_kernel.py), cp writes as every writer does."""
     source = tmp_path / "in.safetensors"
     reference_numpy.save_file(arrays(2), str(source))
     calls.clear()
-    await cp(source, tmp_path / "out.safetensors")
+    await cp(source.read_bytes(), tmp_path / "out.safetensors")
     assert (tmp_path / "out.safetensors").read_bytes() == source.read_bytes()
     check_calls(calls, source.stat().st_size)
 

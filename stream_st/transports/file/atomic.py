@@ -127,7 +127,7 @@ _IOV_MAX = 1024
 than 16, which no platform stream_st runs on comes near)."""
 
 
-def _pwritev_fully(fd: int, views: list[memoryview], offset: int) -> None:
+def pwrite_fully(fd: int, views: list[memoryview], offset: int) -> None:
     """Positioned write of all of ``views``, back to back from ``offset`` (the kernel may take
     them in several calls)."""
     size = sum(map(len, views))
@@ -207,7 +207,7 @@ def write_blocks(
             raise Abandoned()
         offset, views = block
         try:
-            _pwritev_fully(fd, views, offset)
+            pwrite_fully(fd, views, offset)
         except OSError as exc:
             raise TransportError(
                 f"write failed: {exc.strerror or exc}", url=name, position=offset

@@ -77,6 +77,47 @@ ALLOCATE_INLINE = 64 << 20
 """Files smaller than this are preallocated on the event loop thread (one quick syscall)."""
 
 
+COPY_CALL = 8 << 20
+"""Bytes per ``copy_file_range`` call (and per read and write where the kernel cannot copy): a
+call is not interrupted, so a cancellation waits for one at most."""
+
+COPY_TURN = 64 << 20
+"""Bytes a worker thread copies per hand-over (about 20 ms here)."""
+
+_NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
+"""``copy_file_range`` errors that mean "not between these two files" (another file system on a
+kernel before 5.3, a file system without it): the bytes are then read and written."""
+
+
+def copy_range(source: int, target: int, at: int, to: int, count: int) -> int:
+    """Copy ``count`` bytes from offset ``at`` of the file open as ``source`` to offset ``to`` of
+    the file open as ``target``, by the kernel (``copy_file_range``: page cache to page cache, no
+    byte through this process) or, where it cannot, by reads and writes of :data:`COPY_CALL`
+    bytes. Returns how many were copied: fewer only where ``source`` ends first. Blocking."""
+    done = 0
+    kernel = hasattr(os, "copy_file_range")
+    buffer: bytearray | None = None
+    while done < count:
+        size = min(COPY_CALL, count - done)
+        if kernel:
+            try:
+                got = os.copy_file_range(source, target, size, at + done, to + done)
+            except OSError as exc:
+                if exc.errno not in _NO_KERNEL_COPY:
+                    raise
+                kernel = False
+                continue
+        else:
+            buffer = buffer or bytearray(min(COPY_CALL, count))
+            view = memoryview(buffer)[:size]
+            got = os.preadv(source, [view], at + done)
+            atomic.pwrite_fully(target, [view[:got]], to + done)
+        if not got:
+            break
+        done += got
+    return done
+
+
 async def _write(fd: int, buffer: memoryview, offset: int, name: str) -> None:
     """Write all of ``buffer`` at ``offset`` of the file open as ``fd``: on the event loop's
     thread when it is shorter than :data:`WRITE_INLINE`, else in worker threads, :data:`WRITERS`
@@ -175,6 +216,34 @@ class FileSink(AtomicFile, Sink):
         self._busy += 1
         try:
             await _write(self._fd, buffer, offset, self.name)
+        finally:
+            self._busy -= 1
+            if self._done and not self._busy:
+                self._close_fd()
+
+    async def copy_in(self, source: int, at: int, offset: int, count: int) -> int:
+        """Write ``count`` bytes at ``offset`` from offset ``at`` of the local file open as
+        ``source``, copied by the kernel (:func:`copy_range`, in a worker thread, at most
+        :data:`COPY_TURN` bytes a turn: a cancellation waits for one turn at most). Returns how
+        many were copied: fewer only where ``source`` ends first."""
+        if self._done:
+            raise UsageError(f"{self.name}: the file sink is closed")
+        self._busy += 1
+        done = 0
+        try:
+            while done < count:
+                size = min(COPY_TURN, count - done)
+                got = await anyio.to_thread.run_sync(
+                    copy_range, source, self._fd, at + done, offset + done, size
+                )
+                done += got
+                if got < size:
+                    break
+            return done
+        except OSError as exc:
+            raise TransportError(
+                f"copying failed: {exc.strerror or exc}", url=self.name, position=offset
+            ) from exc
         finally:
             self._busy -= 1
             if self._done and not self._busy:

@@ -130,6 +130,10 @@ class FileSource(Source):
             os.close(self._fd)
             raise TransportError(f"cannot stat: {exc.strerror}", url=self.name) from exc
 
+    def fileno(self) -> int:
+        """The open file's descriptor (the source keeps it, and closes it with itself)."""
+        return self._fd
+
     async def receive_into(self, buffer: memoryview) -> int:
         return await self.read_into_at(self.position, buffer)
 

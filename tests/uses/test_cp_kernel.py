@@ -1,0 +1,146 @@
+"""``cp`` of a local file to a local file, tensors as they are: the kernel copies the data
+(``copy_file_range``), none of it through the process; the bytes, the read's figures, the
+progress and the failures are those of the copy that reads and writes them."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st
+from stream_st import TruncatedStreamError
+from stream_st.core.layout import TensorSpec
+from stream_st.tools.cp import cp
+from stream_st.transports.file import sink
+
+Array = np.ndarray[Any, Any]
+
+
+def tensors() -> dict[str, Array]:
+    rng = np.random.default_rng(5)
+    return {
+        "a": rng.standard_normal((300, 70)).astype(np.float32),
+        "b": np.arange(10_001, dtype=np.int16),
+        "c": rng.standard_normal(5).astype(np.float16),
+        "empty": np.zeros((0, 3), np.float32),
+    }
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    path = tmp_path / "in.safetensors"
+    reference_numpy.save_file(tensors(), str(path), metadata={"k": "v"})
+    return path
+
+
+@pytest.fixture
+def kernel_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The byte count of every ``copy_file_range`` call (each still made)."""
+    seen: list[int] = []
+    real = os.copy_file_range
+
+    def copy_file_range(src: int, dst: int, count: int, *args: Any) -> int:
+        seen.append(count)
+        return real(src, dst, count, *args)
+
+    monkeypatch.setattr(os, "copy_file_range", copy_file_range)
+    return seen
+
+
+async def test_a_local_copy_goes_through_the_kernel(
+    source: Path, tmp_path: Path, kernel_copies: list[int]
+) -> None:
+    target = tmp_path / "out.safetensors"
+    progress: list[tuple[int, int]] = []
+    copy = await cp(source, target, progress=lambda done, count: progress.append((done, count)))
+    assert target.read_bytes() == source.read_bytes()
+    header = await stream_st.read_header(source)
+    assert sum(kernel_copies) == header.data_size  # every data byte, by the kernel
+    assert copy.converted == 0 and copy.load.tensors == 4
+    assert copy.load.bytes_read == source.stat().st_size  # the header and every tensor
+    assert progress[-1] == (header.data_size, 4) and len(progress) == 4
+
+
+async def test_include_copies_only_the_tensors_chosen(
+    source: Path, tmp_path: Path, kernel_copies: list[int]
+) -> None:
+    by_kernel, by_reading = tmp_path / "k.safetensors", tmp_path / "r.safetensors"
+    await cp(source, by_kernel, include=["c", "a"])
+    assert kernel_copies
+    await cp(source.read_bytes(), by_reading, include=["c", "a"])  # read and written
+    assert by_kernel.read_bytes() == by_reading.read_bytes()
+    assert sorted(reference_numpy.load_file(str(by_kernel))) == ["a", "c"]
+
+
+@pytest.mark.parametrize("failure", ["exdev", "missing"])
+async def test_without_the_kernel_copy_the_bytes_are_read_and_written(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """Another file system on an old kernel (EXDEV), or a platform without the call."""
+    if failure == "missing":
+        monkeypatch.delattr(os, "copy_file_range")
+    else:
+
+        def refuse(*args: Any) -> int:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    monkeypatch.setattr(sink, "COPY_CALL", 4096)  # several reads and writes a tensor
+    target = tmp_path / "out.safetensors"
+    await cp(source, target)
+    assert target.read_bytes() == source.read_bytes()
+
+
+async def test_converted_and_checksummed_copies_read_the_bytes(
+    source: Path, tmp_path: Path, kernel_copies: list[int]
+) -> None:
+    """A tensor converted, digests asked for, or a source's digests to verify: the bytes are
+    needed in the process, so nothing goes by the kernel."""
+    await cp(source, tmp_path / "half.safetensors", dtype="f16")
+    await cp(source, tmp_path / "summed.safetensors", checksums=True)
+    await cp(tmp_path / "summed.safetensors", tmp_path / "verified.safetensors")
+    assert kernel_copies == []
+    got = reference_numpy.load_file(str(tmp_path / "verified.safetensors"))
+    for name, array in tensors().items():
+        assert np.array_equal(got[name], array)
+
+
+async def test_a_source_shorter_than_its_header_says_leaves_nothing(
+    source: Path, tmp_path: Path
+) -> None:
+    target = tmp_path / "out.safetensors"
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        spec = TensorSpec("x", "F32", (1000,))
+        writer = stream_st.open_writer(target, [spec])
+        with pytest.raises(TruncatedStreamError, match="while reading tensor 'x'"):
+            async with writer:
+                at = source.stat().st_size - 100  # 100 of the 4,000 bytes there
+                await writer.copy_from_file("x", fd, at, str(source))
+    finally:
+        os.close(fd)
+    assert not target.exists() and os.listdir(tmp_path) == ["in.safetensors"]
+
+
+async def test_a_destination_not_a_local_file_is_written_from_the_stream(
+    source: Path, tmp_path: Path, kernel_copies: list[int]
+) -> None:
+    """A FIFO: ``copy_from_file`` declines (nothing done) and cp reads and writes the bytes."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    try:
+        copy = await cp(source, str(fifo))
+    finally:
+        reader.join(timeout=30)
+    assert got == [source.read_bytes()] and kernel_copies == []
+    assert copy.load.tensors == 4
