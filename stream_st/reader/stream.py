@@ -14,7 +14,13 @@ import numpy as np
 
 from .._util import AsyncClosing
 from ..core.digests import Digests, Hasher, ObjectDigest, hash_view
-from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes, refuse_unreadable
+from ..core.header import (
+    DEFAULT_MAX_HEADER_SIZE,
+    Header,
+    TensorInfo,
+    UnknownDtypes,
+    refuse_unreadable,
+)
 from ..core.stats import LoadStats, record_last
 from ..errors import (
     ArgumentTypeError,
@@ -143,6 +149,14 @@ class TensorStream(AsyncClosing):
         if self._header is None:
             raise UsageError("the header is read when the stream opens: use 'async with' first")
         return self._header
+
+    def selected(self) -> list[TensorInfo]:
+        """The tensors an iteration hands out (those ``include=`` selects), in the order it hands
+        them out; the stream must be open. Raises as the iteration does where ``include=`` names
+        a tensor the header lacks."""
+        header = self.header
+        chosen = _selector(self._include, header)
+        return sorted((t for t in header.tensors if chosen(t.name)), key=lambda t: t.start)
 
     @property
     def source(self) -> Source:

@@ -282,7 +282,7 @@ async def cp(
             # take them at the end (a pipe, a socket, an HTTP upload) gets the copy without.
             digests_up_front=(lambda algorithm: None) if checksums is None else _not_up_front,
         ) as writer:
-            if await _copied_by_kernel(stream, headers, plan, writer, wanted, progress):
+            if await _copied_by_kernel(stream, headers, plan, writer, progress):
                 return Copy(writer.header, 0, stream.stats)
             async for name, array in stream:
                 for part_name, part in await plan.parts_of(name, array, pending):
@@ -300,7 +300,6 @@ async def _copied_by_kernel(
     headers: Sequence[Header],
     plan: _Plan,
     writer: TensorWriter,
-    wanted: Sequence[TensorInfo],
     progress: Progress | None,
 ) -> bool:
     """Copy every tensor of a local file that ``cp`` copies as it is to a local file by the
@@ -315,7 +314,7 @@ async def _copied_by_kernel(
     if not isinstance(source, FileSource) or ALGORITHM_KEY in headers[0].metadata:
         return False
     fd, start, done_bytes = source.fileno(), stream.header.data_start, 0
-    for done, info in enumerate(sorted(wanted, key=lambda t: t.start), 1):
+    for done, info in enumerate(stream.selected(), 1):
         stream.stats.asked()
         if not await writer.copy_from_file(info.name, fd, start + info.start, source.name):
             return False  # the first tensor: nothing copied yet

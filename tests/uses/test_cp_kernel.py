@@ -144,3 +144,12 @@ async def test_a_destination_not_a_local_file_is_written_from_the_stream(
         reader.join(timeout=30)
     assert got == [source.read_bytes()] and kernel_copies == []
     assert copy.load.tensors == 4
+
+
+async def test_include_of_a_tensor_the_source_lacks_is_refused_before_any_copy(
+    source: Path, tmp_path: Path, kernel_copies: list[int]
+) -> None:
+    target = tmp_path / "out.safetensors"
+    with pytest.raises(stream_st.TensorNotFoundError, match=r"include= names tensors not in"):
+        await cp(source, target, include=["a", "nope"])
+    assert kernel_copies == [] and not target.exists()
