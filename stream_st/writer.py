@@ -39,6 +39,7 @@ from .errors import (
     TruncatedStreamError,
     UsageError,
     WriterError,
+    integer_at_least,
 )
 from .transports.file.atomic import local_destination, save_at_once
 from .transports.file.sink import NOT_STAGED, STAGED_WROTE, FileSink
@@ -588,6 +589,12 @@ class TensorWriter(AsyncClosing):
         bytes): write the tensor's array instead. A source that ends first raises
         :class:`~stream_st.TruncatedStreamError`, and aborts the message as any failed write."""
         sink = self._check_usable()
+        try:
+            source = integer_at_least("copy_from_file: the source's descriptor", source, 0)
+            at = integer_at_least("copy_from_file: the offset", at, 0, " (bytes)")
+        except UsageError as exc:
+            await self._abort(exc)
+            raise
         if self._digests is not None or not isinstance(sink, FileSink):
             return False
         try:

@@ -152,11 +152,20 @@ class TensorStream(AsyncClosing):
 
     def selected(self) -> list[TensorInfo]:
         """The tensors an iteration hands out (those ``include=`` selects), in the order it hands
-        them out; the stream must be open. Raises as the iteration does where ``include=`` names
-        a tensor the header lacks."""
+        them out; the stream must be open. Raises as the iteration does before it reads any:
+        ``include=`` naming a tensor the header lacks, a tensor over the caps
+        (``max_tensor_bytes``, ``max_total_bytes``), one of a dtype with no reader."""
         header = self.header
-        chosen = _selector(self._include, header)
-        return sorted((t for t in header.tensors if chosen(t.name)), key=lambda t: t.start)
+        return self._checked(header, _selector(self._include, header))
+
+    def _checked(self, header: Header, selected: Callable[[str], bool]) -> list[TensorInfo]:
+        """The tensors of ``header`` that ``selected`` takes, refused as a whole where one of
+        them cannot be read or is over the caps (before anything is allocated for them)."""
+        wanted = [info for info in header.tensors if selected(info.name)]
+        if header.unreadable:
+            refuse_unreadable(wanted)
+        self._caps.check(wanted, self.source.name)
+        return wanted
 
     @property
     def source(self) -> Source:
@@ -261,10 +270,7 @@ class TensorStream(AsyncClosing):
         source = self.source
         delivery = self._delivery
         base = header.data_start
-        wanted = [info for info in header.tensors if selected(info.name)]
-        if header.unreadable:
-            refuse_unreadable(wanted)
-        self._caps.check(wanted, source.name)  # before anything is allocated for them
+        wanted = self._checked(header, selected)
         digests = Digests.from_header(header) if self._verify else None
         ranges = merge_ranges((base + t.start, base + t.end) for t in wanted)
         mapped = (

@@ -17,6 +17,7 @@ import safetensors.numpy as reference_numpy
 import stream_st
 from stream_st import TruncatedStreamError
 from stream_st.core.layout import TensorSpec
+from stream_st.reader.caps import Caps, using_caps
 from stream_st.tools.cp import cp
 from stream_st.transports.file import sink
 
@@ -153,3 +154,52 @@ async def test_include_of_a_tensor_the_source_lacks_is_refused_before_any_copy(
     with pytest.raises(stream_st.TensorNotFoundError, match=r"include= names tensors not in"):
         await cp(source, target, include=["a", "nope"])
     assert kernel_copies == [] and not target.exists()
+
+
+async def test_caps_refuse_as_the_reading_way_does(source: Path, tmp_path: Path) -> None:
+    target = tmp_path / "out.safetensors"
+    with (
+        using_caps(Caps.of(1024, None)),  # as the command's --max-tensor-bytes
+        pytest.raises(stream_st.SafetensorsError, match="max_tensor_bytes"),
+    ):
+        await cp(source, target)
+    assert not target.exists()
+
+
+async def test_a_damaged_digest_record_is_an_error_not_copied_away(tmp_path: Path) -> None:
+    """Tensor digests without the algorithm's key: the reading way says so."""
+    source, target = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    reference_numpy.save_file(tensors(), str(source), metadata={"stream_st.digest:a": "00" * 16})
+    with pytest.raises(stream_st.IntegrityError, match=r"no 'stream_st\.digest' key"):
+        await cp(source, target)
+    assert not target.exists()
+
+
+@pytest.mark.parametrize(
+    ("fd", "at", "error"),
+    [
+        ("5", 0, stream_st.ArgumentTypeError),
+        (None, 0, stream_st.ArgumentTypeError),
+        (0, "80", stream_st.ArgumentTypeError),
+        (0, 80.0, stream_st.ArgumentTypeError),
+        (0, -4, stream_st.UsageError),
+    ],
+)
+async def test_copy_from_file_refuses_bad_arguments(
+    tmp_path: Path, fd: Any, at: Any, error: type[Exception]
+) -> None:
+    target = tmp_path / "out.safetensors"
+    writer = stream_st.open_writer(target, [TensorSpec("x", "F32", (4,))])
+    with pytest.raises(error):
+        async with writer:
+            await writer.copy_from_file("x", fd, at)
+    assert os.listdir(tmp_path) == []
+
+
+async def test_a_file_system_whose_kernel_copy_says_0_is_read_instead(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(os, "copy_file_range", lambda *args: 0)
+    target = tmp_path / "out.safetensors"
+    await cp(source, target)
+    assert target.read_bytes() == source.read_bytes()

@@ -113,6 +113,9 @@ def copy_range(source: int, target: int, at: int, to: int, count: int) -> int:
             got = os.preadv(source, [view], at + done)
             atomic.pwrite_fully(target, [view[:got]], to + done)
         if not got:
+            if kernel:  # some file systems say 0 instead of refusing: ask by reading
+                kernel = False
+                continue
             break
         done += got
     return done
