@@ -118,12 +118,15 @@ def test_scaling_moments_is_exact_for_powers_of_two() -> None:
     assert_matches_numpy(scaled, values * 2.0**-40)
 
 
+COMPILED = pytest.mark.parametrize("path", ["avx2", "portable"], indirect=True)
+"""The compiled sums' own checks: on their two paths only."""
+
+
+@COMPILED
 @pytest.mark.parametrize("dtype", HALVES, ids=lambda d: np.dtype(d).name)
 def test_every_finite_pattern_is_widened_exactly(dtype: type, path: str) -> None:
     """Each finite value 16 times over (a whole vector step of the compiled sums, whose sums
     of equal values are exact): both sums are exactly 16 times the value and its square."""
-    if path == "numpy":
-        pytest.skip("the compiled sums' own check")
     sums = compiled(path)
     patterns = np.arange(1 << 16, dtype=np.uint16)
     with np.errstate(invalid="ignore"):  # NaN patterns
@@ -135,12 +138,11 @@ def test_every_finite_pattern_is_widened_exactly(dtype: type, path: str) -> None
         assert sums(bits, kind, 0.0) == (16 * value, 16 * value * value)
 
 
+@COMPILED
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32], ids=str)
 def test_compiled_sums_take_unaligned_buffers_and_refuse_partial_values(
     dtype: type, path: str
 ) -> None:
-    if path == "numpy":
-        pytest.skip("the compiled sums' own check")
     sums = compiled(path)
     kind = {np.float16: "F16", ml_dtypes.bfloat16: "BF16", np.float32: "F32"}[dtype]
     values: Array = np.random.default_rng(15).standard_normal(5003).astype(dtype)
