@@ -23,6 +23,7 @@ import contextlib
 import errno
 import os
 import stat
+from collections.abc import Iterator
 
 import anyio
 import anyio.lowlevel
@@ -180,6 +181,18 @@ class FileSink(AtomicFile, Sink):
         self._staged_at = 0  # where in the file they go
         self._room = 0  # bytes from there to the end of its WRITE_CALL block
 
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[int]:
+        """The file's descriptor, for work in a worker thread that may outlast an abort made
+        meanwhile: the descriptor is closed when the last such work ends, not under it."""
+        self._busy += 1
+        try:
+            yield self._fd
+        finally:
+            self._busy -= 1
+            if self._done and not self._busy:
+                self._close_fd()
+
     async def allocate(self, size: int) -> None:
         """Reserve ``size`` bytes on disk; a full disk raises before any data is written."""
         if size < ALLOCATE_FROM or self._done:
@@ -187,13 +200,8 @@ class FileSink(AtomicFile, Sink):
         if size < ALLOCATE_INLINE:
             self.reserve(size)
             return
-        self._busy += 1
-        try:
+        with self._in_use():
             await anyio.to_thread.run_sync(self.reserve, size)
-        finally:
-            self._busy -= 1
-            if self._done and not self._busy:
-                self._close_fd()
 
     async def send(self, buffer: memoryview) -> None:
         offset = self.position
@@ -216,13 +224,8 @@ class FileSink(AtomicFile, Sink):
                 # Nothing is staged at a checkpoint: another task's write may have come since.
                 await self.write_at(offset, buffer)
             return
-        self._busy += 1
-        try:
-            await _write(self._fd, buffer, offset, self.name)
-        finally:
-            self._busy -= 1
-            if self._done and not self._busy:
-                self._close_fd()
+        with self._in_use() as fd:
+            await _write(fd, buffer, offset, self.name)
 
     async def copy_in(self, source: int, at: int, offset: int, count: int) -> int:
         """Write ``count`` bytes at ``offset`` from offset ``at`` of the local file open as
@@ -231,26 +234,22 @@ class FileSink(AtomicFile, Sink):
         many were copied: fewer only where ``source`` ends first."""
         if self._done:
             raise UsageError(f"{self.name}: the file sink is closed")
-        self._busy += 1
         done = 0
-        try:
+        with self._in_use() as fd:
             while done < count:
                 size = min(COPY_TURN, count - done)
-                got = await anyio.to_thread.run_sync(
-                    copy_range, source, self._fd, at + done, offset + done, size
-                )
+                try:
+                    got = await anyio.to_thread.run_sync(
+                        copy_range, source, fd, at + done, offset + done, size
+                    )
+                except OSError as exc:
+                    raise TransportError(
+                        f"copying failed: {exc.strerror or exc}", url=self.name, position=offset
+                    ) from exc
                 done += got
                 if got < size:
                     break
-            return done
-        except OSError as exc:
-            raise TransportError(
-                f"copying failed: {exc.strerror or exc}", url=self.name, position=offset
-            ) from exc
-        finally:
-            self._busy -= 1
-            if self._done and not self._busy:
-                self._close_fd()
+        return done
 
     def stage(self, offset: int, buffer: memoryview, count: int) -> int:
         """Stage a write of the open sink at once, with no await: ``buffer``, C-contiguous and
@@ -306,17 +305,13 @@ class FileSink(AtomicFile, Sink):
         if self._done:
             raise UsageError(f"{self.name}: the file sink is closed")
         self._flush()
-        self._busy += 1
-        try:
-            return await anyio.to_thread.run_sync(os.preadv, self._fd, [buffer], offset)
-        except OSError as exc:
-            raise TransportError(
-                f"reading back failed: {exc.strerror or exc}", url=self.name, position=offset
-            ) from exc
-        finally:
-            self._busy -= 1
-            if self._done and not self._busy:
-                self._close_fd()
+        with self._in_use() as fd:
+            try:
+                return await anyio.to_thread.run_sync(os.preadv, fd, [buffer], offset)
+            except OSError as exc:
+                raise TransportError(
+                    f"reading back failed: {exc.strerror or exc}", url=self.name, position=offset
+                ) from exc
 
     async def aclose(self) -> None:
         """Flush (with ``fsync``), close and move the temporary file to the destination."""
