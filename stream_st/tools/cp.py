@@ -380,6 +380,7 @@ class _Held(Sink):
         super().__init__()
         self.name = sink.name
         self.random_access = sink.random_access
+        self.kernel_copies = sink.kernel_copies
         self._holding = False
 
     @property
@@ -409,6 +410,9 @@ class _Held(Sink):
 
     async def write_at(self, offset: int, buffer: memoryview) -> None:
         await self.sink.write_at(offset, buffer)
+
+    async def copy_in(self, source: int, at: int, offset: int, count: int) -> int:
+        return await self.sink.copy_in(source, at, offset, count)
 
     async def hold_head(self, size: int) -> bool:
         return await self.sink.hold_head(size)

@@ -175,6 +175,8 @@ class Sink(ABC):
     clock: Clock = UNLIMITED
     name: str = "<sink>"
     random_access: bool = False
+    kernel_copies: bool = False
+    """Whether :meth:`copy_in` can write bytes of a local file here (a local file can)."""
 
     def __init__(self) -> None:
         self.position = 0
@@ -193,6 +195,12 @@ class Sink(ABC):
     async def write_at(self, offset: int, buffer: memoryview) -> None:
         """Write all of ``buffer`` at absolute ``offset``; only when ``random_access`` is True."""
         raise NotImplementedError(f"{self.name} can only be written front to back")
+
+    async def copy_in(self, source: int, at: int, offset: int, count: int) -> int:
+        """Write ``count`` bytes at ``offset`` from offset ``at`` of the local file open as
+        ``source``, copied by the kernel; returns how many were (fewer only where ``source``
+        ends first). Only when ``kernel_copies`` is True (a local file)."""
+        raise NotImplementedError(f"{self.name} takes no bytes from a file by the kernel")
 
     async def hold_head(self, size: int) -> bool:
         """Keep the message's first ``size`` bytes open to :meth:`patch_head` until the commit;

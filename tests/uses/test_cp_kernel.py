@@ -18,7 +18,7 @@ import stream_st
 from stream_st import TruncatedStreamError
 from stream_st.core.layout import TensorSpec
 from stream_st.reader.caps import Caps, using_caps
-from stream_st.tools.cp import cp
+from stream_st.tools.cp import cp, mirror
 from stream_st.transports.file import sink
 
 Array = np.ndarray[Any, Any]
@@ -203,3 +203,25 @@ async def test_a_file_system_whose_kernel_copy_says_0_is_read_instead(
     target = tmp_path / "out.safetensors"
     await cp(source, target)
     assert target.read_bytes() == source.read_bytes()
+
+
+async def test_a_sharded_checkpoint_mirrored_locally_goes_through_the_kernel(
+    tmp_path: Path, kernel_copies: list[int]
+) -> None:
+    """Every shard held until all are written (the mirror's all-or-nothing), each copied by the
+    kernel all the same."""
+    source, into = tmp_path / "src", tmp_path / "dst"
+    async with stream_st.open_sharded_writer(source, max_shard_size=50_000) as writer:
+        for name, array in tensors().items():
+            await writer.write(name, array)
+    index = source / "model.safetensors.index.json"
+    shards = sorted(source.glob("*.safetensors"))
+    assert len(shards) >= 2
+    written = await mirror(str(index), str(into))
+    assert len(written) == len(shards) + 1
+    for shard in shards:  # the same tensors (the shard writer pads its headers, cp does not)
+        got, expected = (reference_numpy.load_file(str(p)) for p in (into / shard.name, shard))
+        assert got.keys() == expected.keys()
+        assert all(np.array_equal(got[name], expected[name]) for name in got)
+    data = [(await stream_st.read_header(shard)).data_size for shard in shards]
+    assert sum(kernel_copies) == sum(data)

@@ -172,6 +172,7 @@ class FileSink(AtomicFile, Sink):
     """
 
     random_access = True
+    kernel_copies = True
 
     def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
         Sink.__init__(self)
