@@ -304,7 +304,7 @@ async def _copied_by_kernel(
 ) -> bool:
     """Copy every tensor of a local file that ``cp`` copies as it is to a local file by the
     kernel (:meth:`~stream_st.TensorWriter.copy_from_file`: none of the bytes passes through this
-    process, 1.3-1.4x the speed of reading and writing them). Returns False, nothing copied,
+    process, about 1.2x the speed of reading and writing them). Returns False, nothing copied,
     where that does not apply: another source or destination, a tensor converted, digests to
     verify (the source's, checked as they are read) or to compute. The read's figures
     (``stream.stats``) count the tensors copied as handed out."""
