@@ -592,6 +592,10 @@ class TensorWriter(AsyncClosing):
         try:
             source = integer_at_least("copy_from_file: the source's descriptor", source, 0)
             at = integer_at_least("copy_from_file: the offset", at, 0, " (bytes)")
+            if source >= 2**31 or at >= 2**63:
+                raise UsageError(
+                    f"copy_from_file: no file has descriptor {source} or offset {at} (bytes)"
+                )
         except UsageError as exc:
             await self._abort(exc)
             raise

@@ -197,8 +197,21 @@ def warnings_as_lines() -> Iterator[None]:
 
 
 def print_json(value: Any) -> None:
-    """One JSON record on one line (a stream of them reads with ``jq`` or line by line)."""
-    print(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+    """One JSON record on one line (a stream of them reads with ``jq`` or line by line), strict
+    JSON: a float that is not finite (a standard deviation beyond float64's range) is ``null``,
+    where Python's ``json`` would write ``Infinity`` or ``NaN``, which JSON has not."""
+    print(json.dumps(_strict(value), ensure_ascii=False, separators=(",", ":"), allow_nan=False))
+
+
+def _strict(value: Any) -> Any:
+    """``value`` with every float that is not finite made None, in lists and dicts too."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _strict(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict(item) for item in value]
+    return value
 
 
 def human(n: float) -> str:

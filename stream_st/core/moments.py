@@ -70,6 +70,12 @@ BLOCK = 1 << 13
 one measured up to 25 times slower than 8 of these; its threads wait for work spinning, a CPU's
 worth), and the statistics' worker threads already use every CPU."""
 
+_FAR = 2.0**500
+"""Chunks with a value this far from 0 (F64 only) are summed scaled by a power of 2 into
+[1, 2), then scaled back: their sums and squares would overflow float64 (a mean of NaN where
+two values near the largest float64 were added). A variance beyond float64 is then ``inf``,
+as numpy's."""
+
 _RECENTRE = 1e-3
 """A chunk whose ``m2`` is below this fraction of its shifted sum of squares (three digits or
 more cancelled) is summed again about its own mean."""
@@ -243,6 +249,12 @@ def _add_chunks(result: Moments, flat: Array, start: int, stop: int) -> None:
         low, high = float(low), float(high)
         if compiled is not None:
             _add_sums(result, chunk.size, low, high, _compiled(compiled, chunk, "F32"))
+        elif max(-low, high) >= _FAR:  # F64 whose sums would overflow: summed scaled down
+            factor = 2.0 ** (1 - math.frexp(max(-low, high))[1])  # its inverse is finite
+            part = Moments()
+            np.multiply(chunk, factor, out=scratch[: chunk.size])
+            _add_finite(part, scratch[: chunk.size], low * factor, high * factor, scratch)
+            result.merge(part.times(1 / factor))
         else:
             _add_finite(result, chunk, low, high, scratch)
 

@@ -181,3 +181,19 @@ def test_strided_and_byte_swapped_values(dtype: Any) -> None:
     values: Array = (np.random.default_rng(18).standard_normal((600, 300)) * 4 + 2).astype(dtype)
     for view in (values[:, 7], values.reshape(-1)[::3], values.T, values[::2, ::5]):
         assert_matches_numpy(moments_of(view), view)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[0.0, 1e160], [1.7e308, 0.99 * 1.7e308] * 300, [-1.7e308, 1.7e308], [1e300, 2e300, 3e300]],
+    ids=["spread", "near-max", "both-ends", "huge"],
+)
+def test_f64_sums_that_overflow_are_taken_scaled(values: list[float]) -> None:
+    """The mean of F64 values whose sums overflow float64 is right (it was NaN); their variance
+    overflows, and the std is infinite, as numpy's."""
+    array = np.array(values, dtype=np.float64)
+    scale = 2.0**1000
+    found = moments_of(array)
+    assert math.isclose(found.mean, float((array / scale).mean()) * scale, rel_tol=1e-12)
+    assert (found.low, found.high) == (array.min(), array.max())
+    assert found.std == math.inf

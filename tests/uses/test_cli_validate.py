@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -26,3 +27,21 @@ def test_nan_and_inf_are_reported_never_as_constant(tmp_path: Path) -> None:
     assert "finite values" in text  # the statistics say what they cover
     constant = write_model(tmp_path / "c.safetensors", {"c": np.full(3, 2.0, np.float32)})
     assert "c: constant 2" in run("validate", str(constant)).stdout
+
+
+def test_values_near_float64s_limit_give_a_mean_and_strict_json(tmp_path: Path) -> None:
+    """F64 values whose sums overflow float64: the mean was NaN and ``--json`` printed ``NaN``,
+    which JSON has not. The mean is now right; a standard deviation beyond float64's range is
+    infinite (as numpy's), written as null."""
+    big = np.finfo(np.float64).max
+    values = np.array([big, 0.99 * big] * 300, dtype=np.float64)
+    path = write_model(tmp_path / "big.safetensors", {"big": values})
+    result = run("validate", "--json", str(path))
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"not JSON: {token}")
+
+    found = json.loads(result.stdout, parse_constant=refuse)
+    (stats,) = found["tensors"]
+    assert math.isclose(stats["mean"], (values / 2.0**1000).mean() * 2.0**1000, rel_tol=1e-12)
+    assert stats["std"] is None and stats["max"] == big

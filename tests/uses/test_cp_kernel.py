@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +226,35 @@ async def test_a_sharded_checkpoint_mirrored_locally_goes_through_the_kernel(
         assert all(np.array_equal(got[name], expected[name]) for name in got)
     data = [(await stream_st.read_header(shard)).data_size for shard in shards]
     assert sum(kernel_copies) == sum(data)
+
+
+async def test_a_deadline_passing_during_a_kernel_copy_stops_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline is checked between the copy's turns, not only before each tensor: a file of
+    one tensor whose copy outlasts it fails, and leaves nothing."""
+    source = tmp_path / "in.safetensors"
+    reference_numpy.save_file({"a": tensors()["a"]}, str(source))
+    real = os.copy_file_range
+
+    def slow(*args: Any) -> int:
+        time.sleep(0.01)
+        return real(*args)
+
+    monkeypatch.setattr(os, "copy_file_range", slow)
+    monkeypatch.setattr(sink, "COPY_TURN", 4096)  # tensor "a", 84,000 bytes: 21 turns
+    monkeypatch.setattr(sink, "COPY_CALL", 4096)
+    target = tmp_path / "out.safetensors"
+    with pytest.raises(stream_st.ReadTimeoutError, match="deadline"):
+        await cp(source, target, deadline=0.1)  # 21 turns of 10 ms or more
+    assert os.listdir(tmp_path) == ["in.safetensors"]
+
+
+async def test_copy_from_file_refuses_offsets_no_file_has(tmp_path: Path) -> None:
+    target = tmp_path / "out.safetensors"
+    for fd, at in ((0, 2**63), (0, 2**64), (2**40, 0)):
+        writer = stream_st.open_writer(target, [TensorSpec("x", "F32", (4,))])
+        with pytest.raises(stream_st.UsageError, match="no file has descriptor"):
+            async with writer:
+                await writer.copy_from_file("x", fd, at)
+    assert os.listdir(tmp_path) == []

@@ -238,6 +238,7 @@ class FileSink(AtomicFile, Sink):
         done = 0
         with self._in_use() as fd:
             while done < count:
+                self.clock.check(self.name, offset + done)  # a deadline passed between turns
                 size = min(COPY_TURN, count - done)
                 try:
                     got = await anyio.to_thread.run_sync(
