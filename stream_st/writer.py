@@ -596,12 +596,8 @@ class TensorWriter(AsyncClosing):
                 raise UsageError(
                     f"copy_from_file: no file has descriptor {source} or offset {at} (bytes)"
                 )
-        except UsageError as exc:
-            await self._abort(exc)
-            raise
-        if self._digests is not None or not sink.kernel_copies:
-            return False
-        try:
+            if self._digests is not None or not sink.kernel_copies:
+                return False
             sink.clock.check(sink.name, sink.position)
             info = self._lookup(name)
             self._claim(info, info.nbytes, "whole")

@@ -93,7 +93,10 @@ F16_UNIT = 2.0**112
 """F16 values are widened divided by this (:func:`f16_over_unit`); their moments multiplied back."""
 _UNPACK_F32, _UNPACK_F16 = struct.Struct("<f").unpack, struct.Struct("<e").unpack
 
-CompiledSums = Callable[[Array, str, float], tuple[float, float]]
+Sums = tuple[float, float]
+"""The sum of some values and the sum of their squares."""
+
+CompiledSums = Callable[[Array, str, float], Sums]
 """``sums(values, kind, shift) -> (s1, s2)``: the sums of ``x - shift`` and of its square over
 the finite ``values`` (C-contiguous) of safetensors dtype ``kind``: F16, BF16 or F32."""
 
@@ -348,7 +351,7 @@ def _finite(result: Moments, chunk: Array) -> Array:
     return chunk[finite]
 
 
-def _sums(scratch: Array, n: int) -> tuple[float, float]:
+def _sums(scratch: Array, n: int) -> Sums:
     """The sum and the sum of squares of ``scratch[:n]``, in blocks of :data:`BLOCK` values (the
     last padded with zeros, ``scratch`` being long enough: a multiple of BLOCK values), added up:
     the sums by one ``einsum`` (which releases the GIL, and reads the values once: 1.6 times as
@@ -362,9 +365,6 @@ def _sums(scratch: Array, n: int) -> tuple[float, float]:
     s2 = float(np.add.reduce(np.matmul(rows[:, None, :], rows[:, :, None]), axis=None))
     return s1, s2
 
-
-Sums = tuple[float, float]
-"""The sum of some values and the sum of their squares."""
 
 Shifts = Callable[[float], Sums]
 """``sums(shift)``: the values less ``shift`` (taken from them as the calls before left them: the

@@ -282,8 +282,8 @@ async def cp(
             # take them at the end (a pipe, a socket, an HTTP upload) gets the copy without.
             digests_up_front=(lambda algorithm: None) if checksums is None else _not_up_front,
         ) as writer:
-            if await _copied_by_kernel(stream, headers, plan, writer, progress):
-                return Copy(writer.header, 0, stream.stats)
+            if await _copied_by_kernel(stream, plan, writer, progress):
+                return Copy(writer.header, plan.converted, stream.stats)
             async for name, array in stream:
                 for part_name, part in await plan.parts_of(name, array, pending):
                     await writer.write(part_name, part)
@@ -297,7 +297,6 @@ async def cp(
 
 async def _copied_by_kernel(
     stream: TensorStream | ShardedStream,
-    headers: Sequence[Header],
     plan: _Plan,
     writer: TensorWriter,
     progress: Progress | None,
@@ -308,11 +307,11 @@ async def _copied_by_kernel(
     where that does not apply: another source or destination, a tensor converted, digests to
     verify (the source's, checked as they are read) or to compute. The read's figures
     (``stream.stats``) count the tensors copied as handed out."""
-    if not isinstance(stream, TensorStream) or plan.converted or len(headers) != 1:
+    if not isinstance(stream, TensorStream) or plan.converted:  # a sharded stream: its shards
         return False
     source = stream.source
     if not isinstance(source, FileSource) or any(
-        key.startswith(ALGORITHM_KEY) for key in headers[0].metadata
+        key.startswith(ALGORITHM_KEY) for key in stream.header.metadata
     ):  # digests, even damaged ones: the reading way checks them, or says what is wrong
         return False
     fd, start, done_bytes = source.fileno(), stream.header.data_start, 0
