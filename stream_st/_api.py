@@ -8,7 +8,6 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
-    Collection,
     Iterator,
     Mapping,
 )
@@ -30,7 +29,6 @@ from .reader import NO_CAPS, Caps, Include, TensorStream
 from .reader.ahead import _room_ahead
 from .reader.caps import current_caps
 from .reader.header import header_only
-from .reader.stream import include_names
 from .sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from .transports.base import Source
 from .transports.cache import Cache, CacheLike
@@ -456,9 +454,7 @@ class CachedStream(TensorStream):
         return stream.header
 
     async def aclose(self) -> None:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            await ahead.drop()
+        await self._drop_ahead()
         await super().aclose()
 
     async def _resolve(self, *, read_all: bool, on_copy: OnCopy | None = None) -> Resolved:
@@ -511,9 +507,7 @@ class CachedStream(TensorStream):
         """Resolve the address, the copy read meanwhile (:class:`_CopyAhead`): that read when
         the answer is that copy and it went well, else None (it is dropped; what the cache said
         to read is then read as it would be without it)."""
-        include = self._include
-        assert not callable(include)  # see _may_read_ahead
-        ahead = self._ahead = _CopyAhead(self._copy_stream, include)
+        ahead = self._ahead = _CopyAhead(self._copy_stream)
         failure: Exception | None = None
         try:
             async with anyio.create_task_group() as group:
@@ -560,11 +554,8 @@ class _CopyAhead:
     read-ahead's threads) and lets go of what it read. A failure while reading ahead is not
     kept: the copy is then read again as it would be without this, and fails as it would."""
 
-    def __init__(
-        self, new_stream: Callable[[Source], TensorStream], include: Collection[str] | str | None
-    ) -> None:
+    def __init__(self, new_stream: Callable[[Source], TensorStream]) -> None:
         self._new_stream = new_stream
-        self._include = include
         self._path: str | None = None
         self._identity: tuple[int, int] | None = None  # the file read: device, inode
         self._source: FileSource | None = None
@@ -609,9 +600,7 @@ class _CopyAhead:
             self._stream = self._new_stream(source)
             self._items = self._stream.__aiter__()
             self._held.append(await anext(self._items))
-            names = None if self._include is None else include_names(self._include)
-            header = self._stream.header
-            sizes = [t.nbytes for t in header.tensors if names is None or t.name in names]
+            sizes = [t.nbytes for t in self._stream.selected()]
             held = sizes[0]
             for size in sizes[1:]:  # more while the answer is awaited, as a read-ahead queue
                 if self.answered.is_set() or not _room_ahead(len(self._held), held, size, False):
