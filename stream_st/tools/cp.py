@@ -296,7 +296,7 @@ async def cp(
 
 
 async def _copied_by_kernel(
-    stream: TensorStream | ShardedStream,
+    stream: TensorStream,
     plan: _Plan,
     writer: TensorWriter,
     progress: Progress | None,
@@ -307,7 +307,7 @@ async def _copied_by_kernel(
     where that does not apply: another source or destination, a tensor converted, digests to
     verify (the source's, checked as they are read) or to compute. The read's figures
     (``stream.stats``) count the tensors copied as handed out."""
-    if not isinstance(stream, TensorStream) or plan.converted:  # a sharded stream: its shards
+    if isinstance(stream, ShardedStream) or plan.converted:  # shards: no one file to copy from
         return False
     source = stream.source
     if not isinstance(source, FileSource) or any(

@@ -258,3 +258,20 @@ async def test_copy_from_file_refuses_offsets_no_file_has(tmp_path: Path) -> Non
             async with writer:
                 await writer.copy_from_file("x", fd, at)
     assert os.listdir(tmp_path) == []
+
+
+async def test_a_sharded_source_merged_into_one_file_is_read(
+    tmp_path: Path, kernel_copies: list[int]
+) -> None:
+    """An index of one shard or several, merged: a sharded stream has no one file to copy
+    from (it said "the stream is not open")."""
+    for limit in (50_000, 10**9):  # several shards, one shard
+        source = tmp_path / f"src{limit}"
+        async with stream_st.open_sharded_writer(source, max_shard_size=limit) as writer:
+            for name, array in tensors().items():
+                await writer.write(name, array)
+        target = tmp_path / f"merged{limit}.safetensors"
+        await cp(str(source / "model.safetensors.index.json"), target)
+        got = reference_numpy.load_file(str(target))
+        assert all(np.array_equal(got[name], array) for name, array in tensors().items())
+    assert kernel_copies == []
