@@ -161,6 +161,27 @@ async def test_a_failed_read_is_a_transport_error(tmp_path: Path) -> None:
         os.close(fd)
 
 
+async def test_a_worker_failing_outside_its_read_fails_the_wait_rather_than_hangs(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Choosing the next pieces can fail too (more threads for direct reads that the system
+    will not start, the kernel asked what it caches): every worker failing so must fail the
+    waits, never leave the caller waiting for threads that are gone."""
+
+    def refused(self: _ahead.ReadAhead) -> Any:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(_ahead.ReadAhead, "_take", refused)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        async with read_ahead(fd, str(path)) as ahead:
+            job = ahead.add(0, memoryview(bytearray(10)))
+            with anyio.fail_after(10), pytest.raises(stream_st.TransportError, match="new thread"):
+                await ahead.wait(job)
+    finally:
+        os.close(fd)
+
+
 async def test_every_wait_after_a_stop_raises_rather_than_hangs(path: Path) -> None:
     """Once stopped (the stream closed from another task), no thread will read a job: waiting
     for one queued or finished since must raise at once, not wait for a wake-up that never

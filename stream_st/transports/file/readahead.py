@@ -287,27 +287,26 @@ class ReadAhead:
                 batch, direct = self._take()
                 if not batch:
                     break
-                try:
-                    if direct and bounce is None and batch[0][3] is None:
-                        bounce = memoryview(mmap.mmap(-1, _direct.bounce_size()))
-                    counts = self._read(batch, direct, bounce)
-                    fed = []
-                    with self._cond:
-                        for (job, offset, view, _), count in zip(batch, counts, strict=True):
-                            feed = self._feeds.get(job)
-                            if feed is None:
-                                self._settle(job, count)
-                            else:
-                                fed.append((feed, offset, view, count))
-                    for feed, offset, view, count in fed:
-                        feed.done(offset, view, count)
-                except Exception as exc:  # a read failed (OSError), or a feed
-                    with self._cond:
-                        self._error = exc  # before the stop wakes the waiter: it raises this
-                    self.stop()
-                    return
+                if direct and bounce is None and batch[0][3] is None:
+                    bounce = memoryview(mmap.mmap(-1, _direct.bounce_size()))
+                counts = self._read(batch, direct, bounce)
+                fed = []
+                with self._cond:
+                    for (job, offset, view, _), count in zip(batch, counts, strict=True):
+                        feed = self._feeds.get(job)
+                        if feed is None:
+                            self._settle(job, count)
+                        else:
+                            fed.append((feed, offset, view, count))
+                for feed, offset, view, count in fed:
+                    feed.done(offset, view, count)
                 # hold no view while waiting for work: the caller may free its memory
                 del batch, fed
+        except Exception as exc:  # a read failed (OSError), a feed, or the choice of the next
+            # pieces (asking the kernel what it caches): the waiter is woken and raises it
+            with self._cond:
+                self._error = exc
+            self.stop()
         finally:
             with self._cond:
                 self._running -= 1
