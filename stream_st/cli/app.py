@@ -18,12 +18,12 @@ import anyio
 
 from ..errors import SafetensorsError
 from ..transports.s3.config import unsigned_requests
+from . import interrupted
 from .options import aws_settings, caps_of
 from .output import (
     EXIT_BROKEN_PIPE,
     EXIT_ERROR,
     EXIT_INTERNAL,
-    EXIT_INTERRUPTED,
     EXIT_OK,
     warnings_as_lines,
 )
@@ -93,9 +93,12 @@ async def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stream-st`` command; returns the exit status."""
-    parser = build_parser()
-    complete(parser)
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser()
+        complete(parser)
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        return interrupted()
     if args.command is None:  # a bare command shows what it can do
         parser.print_help()
         return EXIT_OK
@@ -113,8 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
-        print("stream-st: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted()
     except _Stopped as stopped:
         print(f"stream-st: stopped by {_signal_name(stopped.signum)}", file=sys.stderr)
         return 128 + stopped.signum

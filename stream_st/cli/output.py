@@ -20,6 +20,7 @@ from ..core.digests import ALGORITHM_KEY, DIGEST_KEY_PREFIX
 from ..core.header import TensorInfo
 from ..errors import SafetensorsError, StreamStWarning, UsageError, redact
 from ..tools.common import Progress, plural
+from . import EXIT_INTERRUPTED
 
 __all__ = [
     "EXIT_BROKEN_PIPE",
@@ -43,9 +44,6 @@ EXIT_ERROR = 2
 
 
 EXIT_INTERNAL = 3
-
-
-EXIT_INTERRUPTED = 130
 
 
 EXIT_BROKEN_PIPE = 141

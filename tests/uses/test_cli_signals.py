@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -108,3 +109,37 @@ def test_stopped_copy_to_s3_leaves_no_pending_upload(
     assert status == 128 + signum, stderr
     assert not pending(), "a multipart upload left pending"
     assert "Contents" not in client.list_objects_v2(Bucket=bucket)
+
+
+INTERRUPT_WHILE_LOADING = """
+import os, signal, sys
+
+class Interrupt:
+    "Sends this process SIGINT as the module named in argv[1] starts loading."
+    def find_spec(self, name, path=None, target=None):
+        if name == sys.argv[1]:
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, Interrupt())
+from stream_st.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("module", ["stream_st.cli.app", "stream_st.cli.parser", "anyio"])
+def test_interrupted_while_the_command_loads_says_so_in_one_line(
+    tmp_path: Path, module: str
+) -> None:
+    """Ctrl-C while the command's modules load (a third of a second, more on a cold disk) ends
+    it as one during its work does: exit status 130, one line, no traceback."""
+    model = write_model(tmp_path / "model.safetensors")
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_WHILE_LOADING, module, "inspect", str(model)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "stream-st: interrupted\n"
+    assert done.stdout == ""
