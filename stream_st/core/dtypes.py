@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from ..errors import DtypeError
@@ -35,13 +34,27 @@ class DType:
     ``rank`` is the position in the reference implementation's dtype order (increasing
     alignment); its writer sorts tensors by descending rank, then name. ``torch`` is the name of
     the ``torch`` dtype (``"bfloat16"``), ``None`` where torch has none (F6_E2M3, F6_E3M2).
+    ``kind``: the numpy dtype, or the name of ``ml_dtypes``' type (``"bfloat16"``), which
+    :attr:`numpy` imports ``ml_dtypes`` for on first use (a third of the drop-ins' import time
+    otherwise, for files that hold no such type).
     """
 
     code: str
     bits: int
-    numpy: np.dtype[Any]
+    kind: np.dtype[Any] | str = field(compare=False, repr=False)
     rank: int
     torch: str | None
+
+    @property
+    def numpy(self) -> np.dtype[Any]:
+        """The numpy dtype of the type's values (``uint8`` for the packed sub-byte types)."""
+        kind = self.kind
+        if isinstance(kind, str):
+            import ml_dtypes
+
+            kind = np.dtype(getattr(ml_dtypes, kind))
+            object.__setattr__(self, "kind", kind)  # the same object from any thread
+        return kind
 
     @property
     def packed(self) -> bool:
@@ -64,15 +77,15 @@ def _table() -> dict[str, DType]:
         ("F6_E3M2", 6, u8, None),
         ("U8", 8, np.uint8, "uint8"),
         ("I8", 8, np.int8, "int8"),
-        ("F8_E5M2", 8, ml_dtypes.float8_e5m2, "float8_e5m2"),
-        ("F8_E4M3", 8, ml_dtypes.float8_e4m3fn, "float8_e4m3fn"),
-        ("F8_E8M0", 8, ml_dtypes.float8_e8m0fnu, "float8_e8m0fnu"),
-        ("F8_E4M3FNUZ", 8, ml_dtypes.float8_e4m3fnuz, "float8_e4m3fnuz"),
-        ("F8_E5M2FNUZ", 8, ml_dtypes.float8_e5m2fnuz, "float8_e5m2fnuz"),
+        ("F8_E5M2", 8, "float8_e5m2", "float8_e5m2"),
+        ("F8_E4M3", 8, "float8_e4m3fn", "float8_e4m3fn"),
+        ("F8_E8M0", 8, "float8_e8m0fnu", "float8_e8m0fnu"),
+        ("F8_E4M3FNUZ", 8, "float8_e4m3fnuz", "float8_e4m3fnuz"),
+        ("F8_E5M2FNUZ", 8, "float8_e5m2fnuz", "float8_e5m2fnuz"),
         ("I16", 16, np.int16, "int16"),
         ("U16", 16, np.uint16, "uint16"),
         ("F16", 16, np.float16, "float16"),
-        ("BF16", 16, ml_dtypes.bfloat16, "bfloat16"),
+        ("BF16", 16, "bfloat16", "bfloat16"),
         ("I32", 32, np.int32, "int32"),
         ("U32", 32, np.uint32, "uint32"),
         ("F32", 32, np.float32, "float32"),
@@ -82,7 +95,7 @@ def _table() -> dict[str, DType]:
         ("U64", 64, np.uint64, "uint64"),
     ]
     return {
-        code: DType(code, bits, np.dtype(dt), rank, torch)
+        code: DType(code, bits, dt if isinstance(dt, str) else np.dtype(dt), rank, torch)
         for rank, (code, bits, dt, torch) in enumerate(rows)
     }
 
@@ -90,7 +103,22 @@ def _table() -> dict[str, DType]:
 DTYPES: dict[str, DType] = _table()
 """Every safetensors dtype code, mapped to its :class:`DType`."""
 
-_BY_NUMPY: dict[np.dtype[Any], DType] = {d.numpy: d for d in DTYPES.values() if not d.packed}
+_BY_NUMPY: dict[np.dtype[Any], DType] = {
+    d.kind: d for d in DTYPES.values() if not d.packed and isinstance(d.kind, np.dtype)
+}
+"""The types by numpy dtype; ``ml_dtypes``' added by :func:`_know_ml_dtypes`."""
+
+
+_UNPACKED = sum(not d.packed for d in DTYPES.values())
+
+
+def _know_ml_dtypes() -> None:
+    """Add ``ml_dtypes``' types to :data:`_BY_NUMPY` once (importing it: numpy then knows their
+    names too)."""
+    if len(_BY_NUMPY) < _UNPACKED:
+        for d in DTYPES.values():
+            if not d.packed:
+                _BY_NUMPY.setdefault(d.numpy, d)
 
 
 def dtype_from_code(code: object) -> DType:
@@ -114,6 +142,7 @@ def dtype_for(value: str | np.dtype[Any] | type) -> DType:
         found = _BY_NUMPY.get(value)
         if found is not None:
             return found
+    _know_ml_dtypes()
     try:
         as_numpy = np.dtype(value)
     except Exception as exc:  # TypeError, ValueError, even SyntaxError for "f4,("

@@ -43,6 +43,30 @@ print(json.dumps([first, loaded, tensors["w"].tolist(), arrays["w"].tolist()]))
     assert tensor == array == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
 
 
+def test_ml_dtypes_is_imported_for_its_types_only(tmp_path: Path) -> None:
+    """The drop-ins import ``ml_dtypes`` (a third of their import time) only once a tensor or
+    a dtype of its types is met: a BF16 file still loads in a process that never imported it,
+    and its name is known to ``dtype_for`` there."""
+    f32, bf16 = tmp_path / "f32.safetensors", tmp_path / "bf16.safetensors"
+    reference.save_file({"w": torch.ones(3)}, f32)
+    reference.save_file({"w": torch.tensor([1.5, -2.0], dtype=torch.bfloat16)}, bf16)
+    script = f"""
+import json, sys
+import stream_st.numpy
+from stream_st.core.dtypes import dtype_for
+loaded = stream_st.numpy.load_file({str(f32)!r})["w"].tolist()
+before = "ml_dtypes" in sys.modules
+array = stream_st.numpy.load_file({str(bf16)!r})["w"]
+print(json.dumps([before, loaded, str(array.dtype), array.astype("f4").tolist(),
+                  dtype_for("float8_e4m3fn").code]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    before, loaded, dtype, values, f8 = json.loads(done.stdout)
+    assert before is False and loaded == [1.0, 1.0, 1.0]
+    assert (dtype, values, f8) == ("bfloat16", [1.5, -2.0], "F8_E4M3")
+
+
 def odd_file(path: Path) -> dict[str, np.ndarray]:
     """A file whose data start at an odd offset (the header not padded), so no tensor is
     aligned: F32, an empty F32, F16, BF16 and BOOL; its arrays."""

@@ -1,0 +1,119 @@
+"""What importing stream_st costs against the reference, by ``python -X importtime``.
+
+Run it from the repository root (about half a minute on 2 cores)::
+
+    python benchmarks/bench_import.py [--rounds 9] [--torch] [--base DIR]
+
+Each import runs in a fresh interpreter (``python -X importtime -c ...``), the variants
+interleaved and each first in turn from round to round, stream_st compiled to bytecode before
+the first (as an installed package has it). Two settings:
+
+* ``bare``: nothing imported before (numpy's own import counted for the modules that import
+  it): ``import safetensors.numpy`` against ``import stream_st`` and ``import stream_st.numpy``;
+* ``after numpy``: ``import numpy`` first, untimed: only the module's own cost, as in a program
+  that has numpy already (with ``--torch``, also ``safetensors.torch`` against
+  ``stream_st.torch`` after ``import torch``).
+
+``--base DIR`` also times each stream_st module with the checkout ``DIR``'s code (the code before
+a change), as ``MODULE@base`` in the same rounds.
+
+A variant's time is the cumulative time ``-X importtime`` reports for the module's own line
+(every module it imported first included), in ms. Printed: per setting and variant the median
+and range over the rounds, the paired ratio to the reference of the same setting and round
+(stream_st's time / the reference's: at most 1.2 is the target for ``import stream_st``), and
+the load average (``os.getloadavg()``, 1 minute) before and after. Import times move with
+the machine's load and its file cache; the paired ratio is the figure to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import compileall
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+Variant = tuple[str, str, str, Path]
+"""A setting, the module imported first untimed (or ""), the module timed, and the checkout
+whose stream_st it imports."""
+
+
+def variants(torch: bool, base: Path | None) -> list[Variant]:
+    """The variants run, the reference first in each setting."""
+    settings = [("bare", "", "numpy"), ("after numpy", "numpy", "numpy")]
+    if torch:
+        settings.append(("after torch", "torch", "torch"))
+    roots = [ROOT] if base is None else [ROOT, base]
+    chosen: list[Variant] = []
+    for setting, first, kind in settings:
+        chosen.append((setting, first, f"safetensors.{kind}", ROOT))
+        ours = ["stream_st", "stream_st.numpy"] if kind == "numpy" else [f"stream_st.{kind}"]
+        chosen += [(setting, first, module, root) for root in roots for module in ours]
+    return chosen
+
+
+def import_ms(first: str, module: str, root: Path) -> float:
+    """Milliseconds ``-X importtime`` gives ``module``'s own line, in a fresh interpreter that
+    imported ``first`` before it, with ``root``'s stream_st."""
+    code = (f"import {first}; " if first else "") + f"import {module}"
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    done = subprocess.run(  # in root: "-c" puts the working directory first on the path
+        [sys.executable, "-X", "importtime", "-c", code],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
+    for line in done.stderr.splitlines():
+        if not line.startswith("import time:"):
+            continue
+        _, cumulative, name = line.split("|")
+        if name.strip() == module and not name.startswith("  "):
+            return int(cumulative) / 1000
+    raise RuntimeError(f"no import line for {module} (imported already by {first or 'Python'}?)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--torch", action="store_true", help="also the torch drop-in")
+    parser.add_argument("--base", type=Path, help="a checkout whose stream_st is timed too")
+    args = parser.parse_args()
+    for root in filter(None, [ROOT, args.base]):
+        compileall.compile_dir(root / "stream_st", quiet=1)
+    chosen = variants(args.torch, args.base)
+    times: dict[Variant, list[float]] = {variant: [] for variant in chosen}
+    print(f"python {sys.version.split()[0]}; {args.rounds} rounds, each import in a fresh process")
+    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    for round_ in range(args.rounds):
+        turn = round_ % len(chosen)
+        for variant in chosen[turn:] + chosen[:turn]:
+            times[variant].append(import_ms(*variant[1:]))
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    print("setting      module               ms median [range]      vs reference (ours / ref)")
+    for variant in chosen:
+        setting, _, module, root = variant
+        values = times[variant]
+        reference = next(v for v in chosen if v[0] == setting and v[2].startswith("safetensors"))
+        label = module if root == ROOT else f"{module}@base"
+        line = (
+            f"{setting:12} {label:20} {statistics.median(values):7.1f} "
+            f"[{min(values):.1f}-{max(values):.1f}]"
+        )
+        if reference != variant:
+            ratios = sorted(a / b for a, b in zip(values, times[reference], strict=True))
+            line += (
+                f"   {statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
+                f" of {reference[2]}"
+            )
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
