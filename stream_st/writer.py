@@ -531,8 +531,7 @@ class TensorWriter(AsyncClosing):
         gathered = _Gathered()
         try:
             for name, value in pairs:
-                sink.clock.check(sink.name, sink.position)
-                info = self._lookup(name)
+                info = self._timely(sink, name)
                 data = _whole_view(info, value)
                 self._claim(info, len(data), "whole")
                 offset = self._header.data_start + info.start
@@ -561,14 +560,21 @@ class TensorWriter(AsyncClosing):
         """Check, place and send ``value`` for ``name``; any failure aborts the message."""
         sink = self._check_usable()
         try:
-            sink.clock.check(sink.name, sink.position)
-            info = self._lookup(name)
+            info = self._timely(sink, name)
             data = view(info, value)
             start = self._claim(info, len(data), kind)
             await self._send(info, start, data)
         except BaseException as exc:
             await self._abort(exc)
             raise
+
+    def _timely(self, sink: Sink, name: str) -> TensorInfo:
+        """The planned tensor ``name``, once the sink's time limits are checked at the byte the
+        tensor starts at in the message (where the sink writes in order, its own position)."""
+        info = self._lookup(name)
+        at = self._header.data_start + info.start if sink.random_access else sink.position
+        sink.clock.check(sink.name, at)
+        return info
 
     async def _send(self, info: TensorInfo, start: int, data: memoryview) -> None:
         """Send ``data``, claimed at ``start`` of tensor ``info``, hashed meanwhile if the
@@ -598,8 +604,7 @@ class TensorWriter(AsyncClosing):
                 )
             if self._digests is not None or not sink.kernel_copies:
                 return False
-            sink.clock.check(sink.name, sink.position)
-            info = self._lookup(name)
+            info = self._timely(sink, name)
             self._claim(info, info.nbytes, "whole")
             offset = self._header.data_start + info.start
             copied = await sink.copy_in(source, at, offset, info.nbytes)

@@ -143,14 +143,22 @@ async def test_deadline_counts_from_opening_across_every_shard(tmp_path: Path) -
             await anyio.sleep(0.2)
 
 
-async def test_deadline_aborts_a_file_write_and_leaves_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("many", [False, True], ids=["write", "write_many"])
+async def test_deadline_aborts_a_file_write_and_leaves_nothing(tmp_path: Path, many: bool) -> None:
+    """The error names the byte the tensor refused would have started at (a file is written
+    at positions: its sink's own position stays 0)."""
     destination = tmp_path / "out.safetensors"
     plan = [TensorSpec("a", "F32", (4,)), TensorSpec("b", "F32", (4,))]
-    with pytest.raises(ReadTimeoutError, match="deadline"):
+    with pytest.raises(ReadTimeoutError, match="deadline") as info:
         async with stream_st.open_writer(destination, plan, deadline=0.3) as writer:
             await writer.write("a", np.zeros(4, np.float32))
             await anyio.sleep(0.5)
-            await writer.write("b", np.zeros(4, np.float32))
+            if many:
+                await writer.write_many({"b": np.zeros(4, np.float32)})
+            else:
+                await writer.write("b", np.zeros(4, np.float32))
+    assert info.value.url == str(destination)
+    assert info.value.position == writer.header.data_start + writer.header["b"].start
     assert list(tmp_path.iterdir()) == []
 
 
