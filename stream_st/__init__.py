@@ -11,9 +11,12 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: most of the package's
+# own import time, and the window where Ctrl-C at the command's start would show a traceback
 if TYPE_CHECKING:
+    from typing import Any
+
     from ._api import load, open_stream, read_header, save
     from .connection import Connection, Listener, connect, listen
     from .core.digests import Digests

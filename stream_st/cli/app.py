@@ -18,15 +18,9 @@ import anyio
 
 from ..errors import SafetensorsError
 from ..transports.s3.config import unsigned_requests
-from . import interrupted
+from .exits import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_INTERNAL, EXIT_OK, interrupted
 from .options import aws_settings, caps_of
-from .output import (
-    EXIT_BROKEN_PIPE,
-    EXIT_ERROR,
-    EXIT_INTERNAL,
-    EXIT_OK,
-    warnings_as_lines,
-)
+from .output import warnings_as_lines
 from .parser import build_parser, complete
 
 __all__ = ["STOPPING_SIGNALS", "main"]

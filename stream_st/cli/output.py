@@ -20,7 +20,14 @@ from ..core.digests import ALGORITHM_KEY, DIGEST_KEY_PREFIX
 from ..core.header import TensorInfo
 from ..errors import SafetensorsError, StreamStWarning, UsageError, redact
 from ..tools.common import Progress, plural
-from . import EXIT_INTERRUPTED
+from .exits import (
+    EXIT_BROKEN_PIPE,
+    EXIT_DIFFERENT,
+    EXIT_ERROR,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+)
 
 __all__ = [
     "EXIT_BROKEN_PIPE",
@@ -32,21 +39,6 @@ __all__ = [
     "PROG",
     "STDIO",
 ]
-
-
-EXIT_OK = 0
-
-
-EXIT_DIFFERENT = 1
-
-
-EXIT_ERROR = 2
-
-
-EXIT_INTERNAL = 3
-
-
-EXIT_BROKEN_PIPE = 141
 
 
 STDIO = "-"

@@ -6,6 +6,7 @@ disk (not the page cache) as from the cache."""
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import stream_st
 import stream_st.reader.ahead as reader_module
 from stream_st import TruncatedStreamError
 from stream_st.transports.file import readahead as _ahead
+from stream_st.transports.file.direct import Direct, NotDirect
 from stream_st.transports.file.readahead import _preadv_fully, read_ahead
 
 from ..memory.test_zero_copy import evicted
@@ -177,6 +179,88 @@ async def test_a_worker_failing_outside_its_read_fails_the_wait_rather_than_hang
         async with read_ahead(fd, str(path)) as ahead:
             job = ahead.add(0, memoryview(bytearray(10)))
             with anyio.fail_after(10), pytest.raises(stream_st.TransportError, match="new thread"):
+                await ahead.wait(job)
+    finally:
+        os.close(fd)
+
+
+class _Uncached:
+    """A :class:`~stream_st.transports.file.direct.Direct` that finds nothing cached, and
+    reads through the page cache all the same: every piece starts the direct reads' threads."""
+
+    def uncached(self, offset: int, length: int) -> bool:
+        return True
+
+    def read_framed(self, *args: Any) -> int:
+        raise NotDirect()
+
+    def read_bounced(self, *args: Any) -> list[int]:
+        raise NotDirect()
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_thread_the_system_refuses_fails_the_read_and_the_close_ends(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The third read-ahead thread refused (a limit on threads): the wait raises, and leaving
+    the block neither joins the thread that never started nor waits for it."""
+    monkeypatch.setattr(Direct, "open", classmethod(lambda cls, fd: _Uncached()))
+    started = [0]
+    start = threading.Thread.start
+
+    def limited(thread: threading.Thread) -> None:
+        if thread.name == "stream_st read-ahead":
+            started[0] += 1
+            if started[0] > 2:
+                raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", limited)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with anyio.fail_after(10):
+            async with read_ahead(fd, str(path)) as ahead:
+                job = ahead.add(0, memoryview(bytearray(4096)))
+                with pytest.raises(stream_st.TransportError, match="new thread"):
+                    await ahead.wait(job)
+        assert ahead._running == 0
+    finally:
+        os.close(fd)
+
+
+async def test_a_failed_feed_keeps_no_view_of_the_caller_s_memory(path: Path) -> None:
+    """The error of a failed read is kept (every later wait raises it), but not the views the
+    threads read into: the caller may free its memory (a mapping closes without BufferError)."""
+
+    def feed(piece: memoryview) -> None:
+        raise ValueError("hash failed")
+
+    memory = mmap.mmap(-1, 2 * _ahead.FEED_PIECE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        async with read_ahead(fd, str(path)) as ahead:
+            job = ahead.add(0, memoryview(memory), feed=feed)
+            with anyio.fail_after(10), pytest.raises(stream_st.TransportError, match="hash"):
+                await ahead.wait(job)
+        gc.collect()
+        memory.close()
+    finally:
+        os.close(fd)
+
+
+async def test_a_worker_ended_by_a_base_exception_fails_the_wait(path: Path) -> None:
+    """Not only an Exception: whatever ends a worker (a feed's SystemExit) ends the wait."""
+
+    def feed(piece: memoryview) -> None:
+        raise SystemExit(3)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        async with read_ahead(fd, str(path)) as ahead:
+            job = ahead.add(0, memoryview(bytearray(2 * _ahead.FEED_PIECE)), feed=feed)
+            with anyio.fail_after(10), pytest.raises(stream_st.TransportError):
                 await ahead.wait(job)
     finally:
         os.close(fd)

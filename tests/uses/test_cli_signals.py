@@ -115,10 +115,13 @@ INTERRUPT_WHILE_LOADING = """
 import os, signal, sys
 
 class Interrupt:
-    "Sends this process SIGINT as the module named in argv[1] starts loading."
+    # Sends this process SIGINT as the module named in argv[1] starts loading; 'wrapped:NAME'
+    # raises what Python 3.11 makes of one that lands in a class's __set_name__.
     def find_spec(self, name, path=None, target=None):
         if name == sys.argv[1]:
             os.kill(os.getpid(), signal.SIGINT)
+        if "wrapped:" + name == sys.argv[1]:
+            raise RuntimeError("Error calling __set_name__") from KeyboardInterrupt()
         return None
 
 sys.meta_path.insert(0, Interrupt())
@@ -127,7 +130,9 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-@pytest.mark.parametrize("module", ["stream_st.cli.app", "stream_st.cli.parser", "anyio"])
+@pytest.mark.parametrize(
+    "module", ["stream_st.cli.app", "stream_st.cli.parser", "anyio", "wrapped:stream_st.errors"]
+)
 def test_interrupted_while_the_command_loads_says_so_in_one_line(
     tmp_path: Path, module: str
 ) -> None:

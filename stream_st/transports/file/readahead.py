@@ -37,6 +37,7 @@ import mmap
 import os
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -170,7 +171,7 @@ class ReadAhead:
         self._got: list[int] = []  # bytes each job received
         self._feeds: dict[int, InOrder] = {}  # of the fed jobs not yet complete
         self._stopped = False
-        self._error: Exception | None = None
+        self._error: BaseException | None = None
         self._waiting: tuple[int, anyio.Event] | None = None
         self._running = 0  # worker threads not yet ended
         self._threads: list[threading.Thread] = []  # worker threads started
@@ -264,9 +265,9 @@ class ReadAhead:
         """Start worker threads until ``count`` have been started (called holding the lock)."""
         while len(self._threads) < count and not self._stopped:
             thread = threading.Thread(target=self._work, name="stream_st read-ahead", daemon=True)
+            thread.start()  # a thread the system refuses is neither joined nor waited for
             self._threads.append(thread)
             self._running += 1
-            thread.start()
 
     async def _finished(self) -> None:
         """Return once every worker thread has ended (after :meth:`stop`)."""
@@ -289,21 +290,15 @@ class ReadAhead:
                     break
                 if direct and bounce is None and batch[0][3] is None:
                     bounce = memoryview(mmap.mmap(-1, _direct.bounce_size()))
-                counts = self._read(batch, direct, bounce)
-                fed = []
-                with self._cond:
-                    for (job, offset, view, _), count in zip(batch, counts, strict=True):
-                        feed = self._feeds.get(job)
-                        if feed is None:
-                            self._settle(job, count)
-                        else:
-                            fed.append((feed, offset, view, count))
-                for feed, offset, view, count in fed:
-                    feed.done(offset, view, count)
-                # hold no view while waiting for work: the caller may free its memory
-                del batch, fed
-        except Exception as exc:  # a read failed (OSError), a feed, or the choice of the next
-            # pieces (asking the kernel what it caches): the waiter is woken and raises it
+                self._serve(batch, direct, bounce)
+                del batch  # hold no view while waiting for work: the caller may free its memory
+        except BaseException as exc:  # a read failed (OSError), a feed, or the choice of the
+            # next pieces (starting more threads, asking the kernel what it caches): the waiter
+            # is woken and raises it (a thread's SystemExit ends nothing else either). The error
+            # outlives the read: it keeps no view of the caller's memory (the frames it went
+            # through let go of theirs).
+            batch = []
+            traceback.clear_frames(exc.__traceback__)
             with self._cond:
                 self._error = exc
             self.stop()
@@ -312,6 +307,20 @@ class ReadAhead:
                 self._running -= 1
                 if self._running == 0 and self._all_ended is not None:
                     self._call_soon(self._all_ended.set)
+
+    def _serve(self, batch: list[_Piece], direct: bool, bounce: memoryview | None) -> None:
+        """Read ``batch`` (see :meth:`_read`), then account for each piece, or feed it."""
+        counts = self._read(batch, direct, bounce)
+        fed = []
+        with self._cond:
+            for (job, offset, view, _), count in zip(batch, counts, strict=True):
+                feed = self._feeds.get(job)
+                if feed is None:
+                    self._settle(job, count)
+                else:
+                    fed.append((feed, offset, view, count))
+        for feed, offset, view, count in fed:
+            feed.done(offset, view, count)
 
     def _fed(self, job: int, count: int) -> None:
         """A piece of fed job ``job`` is fed (see :class:`InOrder`), ``count`` bytes of it."""
