@@ -14,7 +14,8 @@ from typing import Any
 from .._api import using_cache
 from ..errors import UsageError
 from ..transports.cache import Cache, parse_size
-from .output import EXIT_DIFFERENT, EXIT_OK, PROG, human, print_json
+from .exits import EXIT_DIFFERENT, EXIT_OK
+from .output import PROG, human, print_json
 
 __all__ = ["add_cache_command", "add_cache_option"]
 

@@ -45,11 +45,9 @@ from ..tools.model_checks import ModelConfig
 from ..transports.file.sink import PipeSink
 from ..transports.registry import SinkLike
 from .demo import print_report, run_demo
+from .exits import EXIT_DIFFERENT, EXIT_ERROR, EXIT_OK
 from .options import limits_of, options_of
 from .output import (
-    EXIT_DIFFERENT,
-    EXIT_ERROR,
-    EXIT_OK,
     PROG,
     STDIO,
     brief,

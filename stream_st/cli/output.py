@@ -1,4 +1,5 @@
-"""What the command prints: progress bars and lines, JSON, sizes, errors, exit statuses."""
+"""What the command prints: progress bars and lines, JSON, sizes, errors (its exit statuses:
+:mod:`.exits`)."""
 
 from __future__ import annotations
 
@@ -20,25 +21,8 @@ from ..core.digests import ALGORITHM_KEY, DIGEST_KEY_PREFIX
 from ..core.header import TensorInfo
 from ..errors import SafetensorsError, StreamStWarning, UsageError, redact
 from ..tools.common import Progress, plural
-from .exits import (
-    EXIT_BROKEN_PIPE,
-    EXIT_DIFFERENT,
-    EXIT_ERROR,
-    EXIT_INTERNAL,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-)
 
-__all__ = [
-    "EXIT_BROKEN_PIPE",
-    "EXIT_DIFFERENT",
-    "EXIT_ERROR",
-    "EXIT_INTERNAL",
-    "EXIT_INTERRUPTED",
-    "EXIT_OK",
-    "PROG",
-    "STDIO",
-]
+__all__ = ["PROG", "STDIO"]
 
 
 STDIO = "-"

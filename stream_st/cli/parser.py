@@ -25,8 +25,9 @@ from .commands import (
     run_show,
     run_validate,
 )
+from .exits import EXIT_ERROR
 from .options import ca_bundle, header_line, limit_arg, number_arg, size_arg
-from .output import EXIT_ERROR, PROG
+from .output import PROG
 
 __all__ = ["EXAMPLES", "SHELLS", "SOURCES", "build_parser"]
 

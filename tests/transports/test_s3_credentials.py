@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 import stream_st
+from stream_st.cli import exits as cli_exits
 from stream_st.cli import main as cli_main
-from stream_st.cli import output as cli_output
 from stream_st.transports.s3.config import S3Config
 from stream_st.transports.s3.source import S3Source
 
@@ -302,13 +302,13 @@ async def test_unsigned_requests_on_request(
 def test_no_sign_request_on_the_command_line(
     home: Path, relay: RecordingRelay, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli_main(["inspect", URL]) == cli_output.EXIT_ERROR
+    assert cli_main(["inspect", URL]) == cli_exits.EXIT_ERROR
     error = capsys.readouterr().err
     assert "no AWS credentials found" in error and error.count("\n") == 1
     for command in (["inspect"], ["hash", "--content"], ["validate"], ["diff", PUBLIC]):
-        assert cli_main([*command, "--no-sign-request", PUBLIC]) == cli_output.EXIT_OK
+        assert cli_main([*command, "--no-sign-request", PUBLIC]) == cli_exits.EXIT_OK
     copy = str(home / "copy.safetensors")
-    assert cli_main(["cp", "-q", "--no-sign-request", PUBLIC, copy]) == cli_output.EXIT_OK
+    assert cli_main(["cp", "-q", "--no-sign-request", PUBLIC, copy]) == cli_exits.EXIT_OK
     assert relay.gets() and all("authorization" not in h for h in relay.gets())
     assert S3Config.resolve().chain is not None  # the flag lasts for its command only
 

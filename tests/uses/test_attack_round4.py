@@ -17,7 +17,7 @@ import stream_st
 import stream_st.numpy
 from stream_st import tools
 from stream_st.cli import main
-from stream_st.cli.output import EXIT_DIFFERENT, EXIT_ERROR
+from stream_st.cli.exits import EXIT_DIFFERENT, EXIT_ERROR
 
 from .._util import raw_file
 from ._cli import write_model

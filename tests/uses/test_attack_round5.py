@@ -17,7 +17,7 @@ import safetensors.numpy as reference_numpy
 import stream_st
 import stream_st.tools
 from stream_st.cli import main
-from stream_st.cli.output import EXIT_ERROR
+from stream_st.cli.exits import EXIT_ERROR
 from stream_st.kv import KVLayout, KVReceiver, receive_kv, send_kv
 
 from ..servers.http_server import RangeHTTPServer

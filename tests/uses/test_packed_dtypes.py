@@ -16,7 +16,7 @@ import stream_st
 import stream_st.numpy as st_numpy
 from stream_st import DtypeError, HeaderError, UnknownDtypeError, tools
 from stream_st.cli import main
-from stream_st.cli.output import EXIT_ERROR
+from stream_st.cli.exits import EXIT_ERROR
 from stream_st.core.header import parse_header
 from stream_st.tools.hash import structural_hash
 
