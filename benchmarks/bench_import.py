@@ -20,7 +20,8 @@ a change), as ``MODULE@base`` in the same rounds.
 A variant's time is the cumulative time ``-X importtime`` reports for the module's own line
 (every module it imported first included), in ms. Printed: per setting and variant the median
 and range over the rounds, the paired ratio to the reference of the same setting and round
-(stream_st's time / the reference's: at most 1.2 is the target for ``import stream_st``), and
+(stream_st's time / the reference's: at most 1.2 is the target for ``import stream_st``), with
+``--base`` this checkout's time over the base's (below 1: the change is faster), and
 the load average (``os.getloadavg()``, 1 minute) before and after. Import times move with
 the machine's load and its file cache; the paired ratio is the figure to compare.
 """
@@ -107,12 +108,16 @@ def main() -> None:
             f"[{min(values):.1f}-{max(values):.1f}]"
         )
         if reference != variant:
-            ratios = sorted(a / b for a, b in zip(values, times[reference], strict=True))
-            line += (
-                f"   {statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
-                f" of {reference[2]}"
-            )
+            line += f"   {_paired(values, times[reference])} of {reference[2]}"
+        if root != ROOT:  # the change's own effect: this checkout's time over the base's
+            line += f"; this checkout {_paired(times[(setting, _, module, ROOT)], values)} of it"
         print(line)
+
+
+def _paired(tops: list[float], bottoms: list[float]) -> str:
+    """The median and range of the paired ratios ``top / bottom`` of the same rounds."""
+    ratios = sorted(a / b for a, b in zip(tops, bottoms, strict=True))
+    return f"{statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
 
 
 if __name__ == "__main__":
