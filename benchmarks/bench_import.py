@@ -6,13 +6,14 @@ Run it from the repository root (about half a minute on 2 cores)::
 
 Each import runs in a fresh interpreter (``python -X importtime -c ...``), the variants
 interleaved and each first in turn from round to round, stream_st compiled to bytecode before
-the first (as an installed package has it). Two settings:
+the first (as an installed package has it). The settings:
 
 * ``bare``: nothing imported before (numpy's own import counted for the modules that import
   it): ``import safetensors.numpy`` against ``import stream_st`` and ``import stream_st.numpy``;
-* ``after numpy``: ``import numpy`` first, untimed: only the module's own cost, as in a program
-  that has numpy already (with ``--torch``, also ``safetensors.torch`` against
-  ``stream_st.torch`` after ``import torch``).
+* ``after numpy``: the same, ``import numpy`` first, untimed: only the modules' own cost, as in
+  a program that has numpy already;
+* ``after torch`` (with ``--torch``): ``import safetensors.torch`` against ``import
+  stream_st.torch``, ``import torch`` first, untimed.
 
 ``--base DIR`` also times each stream_st module with the checkout ``DIR``'s code (the code before
 a change), as ``MODULE@base`` in the same rounds.
@@ -99,7 +100,7 @@ def main() -> None:
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     print("setting      module               ms median [range]      vs reference (ours / ref)")
     for variant in chosen:
-        setting, _, module, root = variant
+        setting, first, module, root = variant
         values = times[variant]
         reference = next(v for v in chosen if v[0] == setting and v[2].startswith("safetensors"))
         label = module if root == ROOT else f"{module}@base"
@@ -110,7 +111,8 @@ def main() -> None:
         if reference != variant:
             line += f"   {_paired(values, times[reference])} of {reference[2]}"
         if root != ROOT:  # the change's own effect: this checkout's time over the base's
-            line += f"; this checkout {_paired(times[(setting, _, module, ROOT)], values)} of it"
+            ours = times[(setting, first, module, ROOT)]
+            line += f"; this checkout {_paired(ours, values)} of it"
         print(line)
 
 

@@ -208,9 +208,12 @@ class _Progress:
 
 
 _STAGED_DTYPES: dict[str, np.dtype[Any]] = {
-    code: d.numpy
+    code: d.kind
     for code, d in DTYPES.items()
-    if NATIVE_IS_LITTLE and not d.packed and d.numpy.char in _BUFFER_CHARS
+    if NATIVE_IS_LITTLE
+    and not d.packed
+    and isinstance(d.kind, np.dtype)  # not ml_dtypes' (not imported for this)
+    and d.kind.char in _BUFFER_CHARS
 }
 """The dtypes whose arrays :class:`_Staged` takes: numpy's own (their buffer is their bytes on
 the wire, in native byte order, little-endian), by code."""

@@ -1,5 +1,6 @@
 """The ``stream-st`` command's exit statuses, and what it says when interrupted: a module that
-imports nothing, so that the command's entry point can use it before anything else is loaded."""
+imports nothing of the package, so that the command's entry point can use it before anything
+else is loaded."""
 
 from __future__ import annotations
 

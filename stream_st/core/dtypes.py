@@ -112,13 +112,23 @@ _BY_NUMPY: dict[np.dtype[Any], DType] = {
 _UNPACKED = sum(not d.packed for d in DTYPES.values())
 
 
-def _know_ml_dtypes() -> None:
-    """Add ``ml_dtypes``' types to :data:`_BY_NUMPY` once (importing it: numpy then knows their
-    names too)."""
-    if len(_BY_NUMPY) < _UNPACKED:
-        for d in DTYPES.values():
-            if not d.packed:
-                _BY_NUMPY.setdefault(d.numpy, d)
+def _know_ml_dtypes() -> bool:
+    """Add ``ml_dtypes``' types to :data:`_BY_NUMPY` (importing it: numpy then knows their
+    names too); whether they were new to it."""
+    if len(_BY_NUMPY) == _UNPACKED:
+        return False
+    for d in DTYPES.values():
+        if not d.packed:
+            _BY_NUMPY.setdefault(d.numpy, d)
+    return True
+
+
+def _as_numpy(value: str | np.dtype[Any] | type) -> np.dtype[Any] | None:
+    """``value`` as numpy understands a dtype, None where it does not."""
+    try:
+        return np.dtype(value)
+    except Exception:  # TypeError, ValueError, even SyntaxError for "f4,("
+        return None
 
 
 def dtype_from_code(code: object) -> DType:
@@ -142,11 +152,12 @@ def dtype_for(value: str | np.dtype[Any] | type) -> DType:
         found = _BY_NUMPY.get(value)
         if found is not None:
             return found
-    _know_ml_dtypes()
-    try:
-        as_numpy = np.dtype(value)
-    except Exception as exc:  # TypeError, ValueError, even SyntaxError for "f4,("
-        raise DtypeError(f"not a dtype: {value!r}") from exc
+    as_numpy = _as_numpy(value)
+    unknown = as_numpy is None or as_numpy.newbyteorder("=") not in _BY_NUMPY
+    if unknown and _know_ml_dtypes():  # ml_dtypes' names and types known now: ask again
+        as_numpy = _as_numpy(value)
+    if as_numpy is None:
+        raise DtypeError(f"not a dtype: {value!r}")
     found = _BY_NUMPY.get(as_numpy.newbyteorder("="))
     if found is None:
         raise DtypeError(f"numpy dtype {as_numpy} has no safetensors equivalent")

@@ -44,9 +44,10 @@ print(json.dumps([first, loaded, tensors["w"].tolist(), arrays["w"].tolist()]))
 
 
 def test_ml_dtypes_is_imported_for_its_types_only(tmp_path: Path) -> None:
-    """The drop-ins import ``ml_dtypes`` (a third of their import time) only once a tensor or
-    a dtype of its types is met: a BF16 file still loads in a process that never imported it,
-    and its name is known to ``dtype_for`` there."""
+    """The drop-ins and the writer import ``ml_dtypes`` (a third of the drop-ins' import time)
+    only once a tensor or a dtype of its types is met (numpy's own names and types do not): a
+    BF16 file still loads in a process that never imported it, and its names are known to
+    ``dtype_for`` there."""
     f32, bf16 = tmp_path / "f32.safetensors", tmp_path / "bf16.safetensors"
     reference.save_file({"w": torch.ones(3)}, f32)
     reference.save_file({"w": torch.tensor([1.5, -2.0], dtype=torch.bfloat16)}, bf16)
@@ -54,16 +55,18 @@ def test_ml_dtypes_is_imported_for_its_types_only(tmp_path: Path) -> None:
 import json, sys
 import stream_st.numpy
 from stream_st.core.dtypes import dtype_for
+import stream_st.writer
 loaded = stream_st.numpy.load_file({str(f32)!r})["w"].tolist()
+codes = [dtype_for(name).code for name in ("float32", ">f4", "F16")]
 before = "ml_dtypes" in sys.modules
 array = stream_st.numpy.load_file({str(bf16)!r})["w"]
 print(json.dumps([before, loaded, str(array.dtype), array.astype("f4").tolist(),
-                  dtype_for("float8_e4m3fn").code]))
+                  dtype_for("float8_e4m3fn").code, codes]))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    before, loaded, dtype, values, f8 = json.loads(done.stdout)
-    assert before is False and loaded == [1.0, 1.0, 1.0]
+    before, loaded, dtype, values, f8, codes = json.loads(done.stdout)
+    assert before is False and loaded == [1.0, 1.0, 1.0] and codes == ["F32", "F32", "F16"]
     assert (dtype, values, f8) == ("bfloat16", [1.5, -2.0], "F8_E4M3")
 
 

@@ -265,7 +265,12 @@ class ReadAhead:
         """Start worker threads until ``count`` have been started (called holding the lock)."""
         while len(self._threads) < count and not self._stopped:
             thread = threading.Thread(target=self._work, name="stream_st read-ahead", daemon=True)
-            thread.start()  # a thread the system refuses is neither joined nor waited for
+            try:
+                thread.start()  # a thread the system refuses is neither joined nor waited for
+            except RuntimeError as exc:  # a limit on threads
+                raise TransportError(
+                    f"cannot start a thread to read: {exc}", url=self._name
+                ) from exc
             self._threads.append(thread)
             self._running += 1
 
@@ -297,8 +302,8 @@ class ReadAhead:
             # is woken and raises it (a thread's SystemExit ends nothing else either). The error
             # outlives the read: it keeps no view of the caller's memory (the frames it went
             # through let go of theirs).
-            batch = []
-            traceback.clear_frames(exc.__traceback__)
+            batch, bounce = [], None
+            _let_go(exc)
             with self._cond:
                 self._error = exc
             self.stop()
@@ -403,6 +408,17 @@ class ReadAhead:
     def _call_soon(self, function: Callable[[], object]) -> None:
         """Have the event loop call ``function`` soon, from a worker thread, without waiting."""
         call_soon_from_thread(self._token, function)
+
+
+def _let_go(error: BaseException) -> None:
+    """Clear the variables of the frames ``error`` (and the errors it came from) went through,
+    but those still running: a kept error then holds none of the views they read into."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        traceback.clear_frames(cause.__traceback__)
+        cause = cause.__cause__ or cause.__context__
 
 
 def _advise_sequential(fd: int) -> None:
