@@ -373,6 +373,11 @@ def load_model(
     optimizer after loading. A shape that differs from the model's raises
     :class:`~stream_st.UsageError`.
 
+    ``device`` (as for :func:`load_file`): with ``assign=True``, where the model's tensors are
+    put (each copied there as it arrives, its CPU memory let go); without it, the tensors go
+    into the model's own memory, wherever that is, and ``device`` is only checked (a device this
+    torch cannot use is a :class:`~stream_st.UsageError` before anything is read).
+
     Digests recorded in the header are checked unless ``verify=False``; a tensor that fails
     has already been received into its parameter when :class:`~stream_st.IntegrityError` is
     raised, so the model is then partly loaded, as after any failed load.
@@ -401,10 +406,10 @@ def load_model(
             clock=clock_of(options),
             device=device,
         )
-    torch_device(device)  # checked; the model's own parameters decide where tensors land
+    target = torch_device(device)
     check_sync_address(filename, "source")
     if assign:
-        slots = _Slots(model)
+        slots = _Slots(model, target)
         clock, copy = clock_of(options), not _facade.maps(backend)
         _, others = run(_receive, filename, slots.place, verify, clock, copy, None, cache)
         missing, unexpected = slots.missing(), [name for name, _ in others]
@@ -467,10 +472,11 @@ def _load_into(
 class _Slots:
     """Where a model keeps each tensor of its state dict, for ``load_model(assign=True)``:
     names grouped by the tensor they share (tied weights), no tensor held (so a replaced one is
-    freed at once)."""
+    freed at once); each tensor placed is first copied to ``device`` unless it is None (the
+    CPU)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._model = model
+    def __init__(self, model: torch.nn.Module, device: Any | None) -> None:
+        self._model, self._device = model, device
         by_tensor: dict[int, list[str]] = {}
         for name, value in model.state_dict(keep_vars=True).items():
             if isinstance(value, _torch.Tensor):
@@ -491,6 +497,8 @@ class _Slots:
                 f"size mismatch for {name}: the file has shape {list(tensor.shape)}, "
                 f"the model {list(old.shape)}"
             )
+        if self._device is not None:
+            tensor = tensor.to(self._device)
         parameter = isinstance(old, _torch.nn.Parameter)
         new = _torch.nn.Parameter(tensor, requires_grad=old.requires_grad) if parameter else tensor
         del old

@@ -226,11 +226,18 @@ def test_tensors_land_on_the_cuda_device(ref_file: Path, device: str | int) -> N
     assert list(got) == list(expected)
     for name, tensor in expected.items():
         assert got[name].device == tensor.device and torch.equal(got[name], tensor)
-    with st.safe_open(ref_file, framework="pt", device=device) as handle:
+    with (
+        st.safe_open(ref_file, framework="pt", device=device) as handle,
+        reference_open(ref_file, framework="pt", device=device) as ref_handle,
+    ):
         for name in expected:
             assert torch.equal(handle.get_tensor(name), expected[name])
-            sliced = handle.get_slice(name)[:1]
-            assert sliced.device == expected[name].device
+            if expected[name].dim() == 0:  # refused, as the reference refuses it
+                with pytest.raises(IndexError, match="0-dim"):
+                    handle.get_slice(name)[:1]
+                continue
+            sliced, ref_sliced = handle.get_slice(name)[:1], ref_handle.get_slice(name)[:1]
+            assert sliced.device == ref_sliced.device and torch.equal(sliced, ref_sliced)
     with pytest.raises(UsageError):
         st.safe_open(ref_file, framework="tf")
     with pytest.raises(UsageError):
@@ -526,6 +533,25 @@ def test_load_model_assign_fills_a_meta_model_with_the_file_s_tensors(tmp_path: 
         model.body.bias.add_(1)  # a copy-on-write page: this process only
     assert path.read_bytes() == data
     assert torch.equal(st.load_file(path)["body.bias"], source.body.bias)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_load_model_assign_puts_the_tensors_on_the_device(tmp_path: Path) -> None:
+    torch.manual_seed(8)
+    source = Tied()
+    path = tmp_path / "m.safetensors"
+    st.save_model(source, path)
+    model = meta_tied()
+    assert st.load_model(model, path, assign=True, device="cuda") == (set(), [])
+    assert {t.device.type for t in model.state_dict().values()} == {"cuda"}
+    assert model.head.weight is model.embed.weight
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(model.state_dict()[name].cpu(), tensor), name
+    on_device = Tied().cuda()  # without assign: into the model's own memory, on the device
+    assert st.load_model(on_device, path) == (set(), [])
+    assert all(
+        torch.equal(on_device.state_dict()[n].cpu(), t) for n, t in source.state_dict().items()
+    )
 
 
 def test_load_model_assign_over_http_and_with_pread(tmp_path: Path, http: RangeHTTPServer) -> None:
