@@ -1,19 +1,26 @@
-"""The one compiled module, which ``pyproject.toml`` cannot declare without a warning: the sums of
+"""The compiled modules, which ``pyproject.toml`` cannot declare without a warning: the sums of
 F16, BF16 and F32 values for the validator's statistics, in C with the GIL released
-(``stream_st/core/_sums.c``). Optional: without a C compiler (GCC or Clang) the package installs
-all the same, and numpy computes the same sums, slower. Everything else is in ``pyproject.toml``."""
+(``stream_st/core/_sums.c``), and the reader of a header written as the reference writer writes
+it (``stream_st/core/_compact.c``). Optional: without a C compiler (GCC or Clang) the package
+installs all the same, and numpy computes the same sums, the Python parse reads every header,
+both slower. Everything else is in ``pyproject.toml``."""
 
 from setuptools import Extension, setup
 
+
+def _compiled(name: str) -> Extension:
+    """``stream_st.core.<name>`` from ``stream_st/core/<name>.c``: optional, one build for every
+    Python from 3.11 on (the stable ABI)."""
+    return Extension(
+        f"stream_st.core.{name}",
+        [f"stream_st/core/{name}.c"],
+        optional=True,
+        py_limited_api=True,
+        extra_compile_args=["-O3"],
+    )
+
+
 setup(
-    ext_modules=[
-        Extension(
-            "stream_st.core._sums",
-            ["stream_st/core/_sums.c"],
-            optional=True,
-            py_limited_api=True,  # one build for every Python from 3.11 on
-            extra_compile_args=["-O3"],
-        )
-    ],
+    ext_modules=[_compiled("_sums"), _compiled("_compact")],
     options={"bdist_wheel": {"py_limited_api": "cp311"}},
 )

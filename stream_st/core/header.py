@@ -950,17 +950,46 @@ _GROUPS = 6
 it, then its five groups."""
 
 
+def _compiled_piece() -> Callable[[str, bool], _Piece | None] | None:
+    """:func:`stream_st.core._compact.piece` as :func:`_compact_piece` calls it; None where the
+    package was installed without it (no C compiler at hand): the expression then reads every
+    piece."""
+    try:
+        from ._compact import piece
+    except ImportError:
+        return None
+    dtypes = {code: (dtype.code, dtype.bits) for code, dtype in DTYPES.items()}
+
+    def compiled(text: str, first: bool) -> _Piece | None:
+        got = piece(text, first, dtypes, _NUMPY_MAX_NDIM, _PLAIN_BITS)
+        if got is None:
+            return None
+        metadata, names, codes, shapes, starts, ends, in_order = got
+        return metadata, TensorTable(names, codes, shapes, starts, ends), in_order
+
+    return compiled
+
+
+_COMPILED_PIECE = _compiled_piece()
+
+
 def _compact_piece(piece: str, known: _Known, first: bool) -> _Piece | None:
     """The piece ``piece`` (a braced run of a header's members; ``first``: the header's start,
     where the metadata may be), if every member is written as the reference writes it
     (:data:`_COMPACT_MEMBER`) and plainly passes :func:`_parse_tensor`;
     ``None`` if not.
 
+    The compiled reader (``stream_st/core/_compact.c``) reads the plainest of them first: every
+    tensor of a whole-byte dtype and no zero dimension, plain strings in the metadata; what it
+    declines is read here.
+
     The piece is split at its members in one call: the texts between them must then be the
     opening brace (after the metadata, if any), commas and the closing brace (whitespace after
     it), and the fields are checked a column at a time. A handful of calls over the whole
     piece; no Python code runs per tensor, only per distinct layout.
     """
+    if _COMPILED_PIECE is not None and (read := _COMPILED_PIECE(piece, first)) is not None:
+        return read
     parts = _COMPACT_MEMBER.split(piece)
     n = len(parts) // _GROUPS
     between = parts[::_GROUPS]  # before the first member, between two, after the last

@@ -1,0 +1,338 @@
+/* stream_st.core._compact: a header piece written as the reference writer writes it, read in C.
+ *
+ * piece(text, first, dtypes, max_ndim, plain_bits) -> (metadata, names, codes, shapes, starts,
+ * ends, in_order) or None.
+ *
+ * ``text`` is a braced run of a header's members (see stream_st.core.header._compact_piece,
+ * whose result this is). It is accepted only when it reads, byte for byte,
+ *
+ *     {["__metadata__":{"k":"v",...},]"name":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},...}
+ *
+ * followed by nothing but JSON whitespace; the metadata only where ``first`` is true, its keys
+ * and values plain strings (no backslash, no control character, no key twice); a name holds no
+ * quote, backslash or control character and is not "__metadata__"; numbers are plain JSON
+ * integers below 2**64 (no sign, no leading zero); every dtype code is a key of ``dtypes``
+ * (code -> (the table's own code string, bits per value)) of whole bytes; every shape has at
+ * most ``max_ndim`` dimensions, none zero, and its bits (values x bits per value) are at most
+ * ``plain_bits``; and each tensor's offsets span exactly its bytes. Those are the tensors every
+ * check of the Python parse passes plainly: anything else (a valid header of another layout, an
+ * empty tensor, a sub-byte dtype, or an invalid one) gives None, and the Python parse reads the
+ * piece as before, which tells what is wrong. So this module only ever says yes where the
+ * Python parse says the same yes, and it is optional: without it that parse reads every piece.
+ *
+ * ``names`` are str, ``codes`` the table's own strings, ``shapes`` tuples of int (tensors of the
+ * same shape share one tuple), ``starts`` and ``ends`` int, ``in_order`` whether each tensor
+ * starts where the one before ends. Every read is bounds-checked against the text's length; the
+ * text is the UTF-8 of a str, so a name's bytes decode.
+ */
+#define Py_LIMITED_API 0x030B0000
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef unsigned long long u64;
+
+typedef struct {
+    const char *s;
+    Py_ssize_t n;
+    Py_ssize_t i;
+} Cursor;
+
+/* The literal ``lit`` (of ``len`` bytes) at the cursor, consumed; 0 if not there. */
+static int literal(Cursor *c, const char *lit, Py_ssize_t len) {
+    if (c->n - c->i < len || memcmp(c->s + c->i, lit, (size_t)len) != 0) return 0;
+    c->i += len;
+    return 1;
+}
+
+#define LITERAL(c, lit) literal((c), (lit), (Py_ssize_t)(sizeof(lit) - 1))
+
+/* A plain JSON integer below 2**64 at the cursor (0, or a digit 1-9 then digits), consumed
+   into *out; 0 if there is none or it does not fit. */
+static int number(Cursor *c, u64 *out) {
+    Py_ssize_t i = c->i;
+    if (i >= c->n || c->s[i] < '0' || c->s[i] > '9') return 0;
+    u64 value = (u64)(c->s[i++] - '0');
+    if (value != 0) {
+        while (i < c->n && c->s[i] >= '0' && c->s[i] <= '9') {
+            u64 digit = (u64)(c->s[i++] - '0');
+            if (value > (UINT64_MAX - digit) / 10) return 0;
+            value = value * 10 + digit;
+        }
+    }
+    c->i = i;
+    *out = value;
+    return 1;
+}
+
+/* The bytes of a string's content at the cursor, up to its closing quote (consumed, the quote
+   too): no backslash; with ``plain``, no control character either. Its span in *start, *len;
+   0 if the text ends first or a refused byte comes. */
+static int string_body(Cursor *c, int plain, Py_ssize_t *start, Py_ssize_t *len) {
+    Py_ssize_t i = c->i;
+    while (i < c->n) {
+        unsigned char b = (unsigned char)c->s[i];
+        if (b == '"') {
+            *start = c->i;
+            *len = i - c->i;
+            c->i = i + 1;
+            return 1;
+        }
+        if (b == '\\' || (plain && b < 0x20)) return 0;
+        i++;
+    }
+    return 0;
+}
+
+/* A str of the text's span (valid UTF-8: the text is a str's); NULL with an exception set. */
+static PyObject *span_str(Cursor *c, Py_ssize_t start, Py_ssize_t len) {
+    return PyUnicode_DecodeUTF8(c->s + start, len, "strict");
+}
+
+/* The metadata object at the cursor (after "__metadata__":), plain strings only: a new dict;
+   Py_None (a new reference) where it is not plain or holds a key twice; NULL on an error. */
+static PyObject *metadata(Cursor *c) {
+    if (!LITERAL(c, "{")) Py_RETURN_NONE;
+    PyObject *dict = PyDict_New();
+    if (dict == NULL) return NULL;
+    if (LITERAL(c, "}")) return dict;
+    for (;;) {
+        Py_ssize_t ks, kl, vs, vl;
+        if (!LITERAL(c, "\"") || !string_body(c, 1, &ks, &kl) || !LITERAL(c, ":\"") ||
+            !string_body(c, 1, &vs, &vl))
+            goto not_plain;
+        PyObject *key = span_str(c, ks, kl);
+        if (key == NULL) goto error;
+        int twice = PyDict_Contains(dict, key);
+        PyObject *value = twice == 0 ? span_str(c, vs, vl) : NULL;
+        int stored = value != NULL ? PyDict_SetItem(dict, key, value) : -1;
+        Py_DECREF(key);
+        Py_XDECREF(value);
+        if (twice == 1) goto not_plain;
+        if (twice < 0 || stored < 0) goto error;
+        if (LITERAL(c, "}")) return dict;
+        if (!LITERAL(c, ",")) goto not_plain;
+    }
+not_plain:
+    Py_DECREF(dict);
+    Py_RETURN_NONE;
+error:
+    Py_DECREF(dict);
+    return NULL;
+}
+
+/* The shape tuple of the dimensions written in text[start:start + len] ("2,3", or "" for a
+   scalar), already checked by the caller: each a plain integer below 2**64. */
+static PyObject *shape_tuple(Cursor *c, Py_ssize_t start, Py_ssize_t len, Py_ssize_t ndim) {
+    PyObject *shape = PyTuple_New(ndim);
+    if (shape == NULL) return NULL;
+    Cursor dims = {c->s, start + len, start};
+    for (Py_ssize_t d = 0; d < ndim; d++) {
+        u64 dim = 0;
+        (void)number(&dims, &dim); /* checked before */
+        (void)LITERAL(&dims, ",");
+        PyObject *item = PyLong_FromUnsignedLongLong(dim);
+        if (item == NULL || PyTuple_SetItem(shape, d, item) < 0) {
+            Py_DECREF(shape);
+            return NULL;
+        }
+    }
+    return shape;
+}
+
+typedef struct {
+    PyObject *names, *codes, *shapes, *starts, *ends;
+    PyObject *shape_cache; /* shape text -> tuple */
+    /* The last member's dtype and shape, by their spans in the text. */
+    Py_ssize_t code_start, code_len, shape_start, shape_len;
+    PyObject *code; /* borrowed from dtypes */
+    u64 code_bits;
+    PyObject *shape; /* borrowed from shape_cache */
+} Columns;
+
+/* The table's code string and bits for text[start:start + len], from ``dtypes``; 0 where it is
+   not there (or not of whole bytes), -1 on an error. */
+static int dtype_of(Columns *t, PyObject *dtypes, Cursor *c, Py_ssize_t start, Py_ssize_t len) {
+    if (t->code != NULL && len == t->code_len &&
+        memcmp(c->s + start, c->s + t->code_start, (size_t)len) == 0)
+        return 1;
+    PyObject *key = span_str(c, start, len);
+    if (key == NULL) return -1;
+    PyObject *entry = PyDict_GetItemWithError(dtypes, key); /* borrowed */
+    Py_DECREF(key);
+    if (entry == NULL) return PyErr_Occurred() ? -1 : 0;
+    if (!PyTuple_Check(entry) || PyTuple_Size(entry) != 2) return 0;
+    PyObject *code = PyTuple_GetItem(entry, 0);
+    u64 bits = PyLong_AsUnsignedLongLong(PyTuple_GetItem(entry, 1));
+    if (bits == (u64)-1 && PyErr_Occurred()) return -1;
+    if (code == NULL || bits == 0 || bits % 8 != 0) return 0;
+    t->code = code;
+    t->code_bits = bits;
+    t->code_start = start;
+    t->code_len = len;
+    return 1;
+}
+
+/* The shared tuple of the shape written in text[start:start + len]; NULL on an error. */
+static PyObject *shape_of(Columns *t, Cursor *c, Py_ssize_t start, Py_ssize_t len,
+                          Py_ssize_t ndim) {
+    if (t->shape != NULL && len == t->shape_len &&
+        memcmp(c->s + start, c->s + t->shape_start, (size_t)len) == 0)
+        return t->shape;
+    PyObject *key = span_str(c, start, len);
+    if (key == NULL) return NULL;
+    PyObject *shape = PyDict_GetItemWithError(t->shape_cache, key); /* borrowed */
+    if (shape == NULL && !PyErr_Occurred()) {
+        PyObject *made = shape_tuple(c, start, len, ndim);
+        if (made != NULL && PyDict_SetItem(t->shape_cache, key, made) == 0) shape = made;
+        Py_XDECREF(made); /* the cache holds it */
+    }
+    Py_DECREF(key);
+    if (shape != NULL) {
+        t->shape = shape;
+        t->shape_start = start;
+        t->shape_len = len;
+    }
+    return shape;
+}
+
+static int append_u64(PyObject *list, u64 value) {
+    PyObject *item = PyLong_FromUnsignedLongLong(value);
+    if (item == NULL) return -1;
+    int failed = PyList_Append(list, item);
+    Py_DECREF(item);
+    return failed;
+}
+
+/* One member at the cursor, appended to the columns: 1, 0 where it is not plain, -1 on an
+   error. ``*previous_end`` is the end of the member before (or -1 for none) and becomes this
+   one's; ``*in_order`` is cleared where this one does not start there. */
+static int member(Columns *t, Cursor *c, PyObject *dtypes, Py_ssize_t max_ndim, u64 plain_bits,
+                  u64 *previous_end, int *first_member, int *in_order) {
+    Py_ssize_t ns, nl, cs, cl;
+    if (!LITERAL(c, "\"") || !string_body(c, 1, &ns, &nl)) return 0;
+    if (nl == 12 && memcmp(c->s + ns, "__metadata__", 12) == 0) return 0;
+    if (!LITERAL(c, ":{\"dtype\":\"") || !string_body(c, 0, &cs, &cl)) return 0;
+    if (!LITERAL(c, ",\"shape\":[")) return 0;
+    Py_ssize_t shape_start = c->i, ndim = 0;
+    u64 count = 1; /* the values so far: at most plain_bits */
+    if (!LITERAL(c, "]")) {
+        for (;;) {
+            u64 dim;
+            if (!number(c, &dim)) return 0;
+            if (dim == 0 || count > plain_bits / dim) return 0; /* no empty tensor; bounded */
+            count *= dim;
+            ndim++;
+            if (LITERAL(c, "]")) break;
+            if (!LITERAL(c, ",")) return 0;
+        }
+    }
+    Py_ssize_t shape_len = c->i - 1 - shape_start;
+    u64 start, end;
+    if (!LITERAL(c, ",\"data_offsets\":[") || !number(c, &start) || !LITERAL(c, ",") ||
+        !number(c, &end) || !LITERAL(c, "]}"))
+        return 0;
+    if (ndim > max_ndim) return 0;
+    int known = dtype_of(t, dtypes, c, cs, cl);
+    if (known <= 0) return known;
+    if (count > plain_bits / t->code_bits) return 0;
+    if (end < start || end - start != count * t->code_bits / 8) return 0;
+    if (!*first_member && start != *previous_end) *in_order = 0;
+    *first_member = 0;
+    *previous_end = end;
+    PyObject *shape = shape_of(t, c, shape_start, shape_len, ndim);
+    if (shape == NULL) return -1;
+    PyObject *name = span_str(c, ns, nl);
+    if (name == NULL) return -1;
+    int failed = PyList_Append(t->names, name);
+    Py_DECREF(name);
+    if (failed || PyList_Append(t->codes, t->code) || PyList_Append(t->shapes, shape) ||
+        append_u64(t->starts, start) || append_u64(t->ends, end))
+        return -1;
+    return 1;
+}
+
+static PyObject *piece(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 5 || !PyUnicode_Check(args[0]) || !PyDict_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "piece(text: str, first, dtypes: dict, max_ndim, plain_bits)");
+        return NULL;
+    }
+    int first = PyObject_IsTrue(args[1]);
+    Py_ssize_t max_ndim = PyLong_AsSsize_t(args[3]);
+    u64 plain_bits = PyLong_AsUnsignedLongLong(args[4]);
+    if (first < 0 || (max_ndim == -1 && PyErr_Occurred()) ||
+        (plain_bits == (u64)-1 && PyErr_Occurred()))
+        return NULL;
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(args[0], &n);
+    if (s == NULL) {
+        /* A str holding a lone surrogate has no UTF-8: the Python parse refuses it. */
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Cursor c = {s, n, 0};
+    if (!LITERAL(&c, "{")) Py_RETURN_NONE;
+    PyObject *meta = NULL;
+    if (first && LITERAL(&c, "\"__metadata__\":")) {
+        meta = metadata(&c);
+        if (meta == NULL) return NULL;
+        if (meta == Py_None || !LITERAL(&c, ",")) {
+            Py_DECREF(meta);
+            Py_RETURN_NONE; /* not plain, or no tensor after it: the Python parse reads it */
+        }
+    }
+    Columns t = {0};
+    t.names = PyList_New(0);
+    t.codes = PyList_New(0);
+    t.shapes = PyList_New(0);
+    t.starts = PyList_New(0);
+    t.ends = PyList_New(0);
+    t.shape_cache = PyDict_New();
+    PyObject *result = NULL;
+    if (!t.names || !t.codes || !t.shapes || !t.starts || !t.ends || !t.shape_cache) goto done;
+    u64 previous_end = 0;
+    int first_member = 1, in_order = 1;
+    for (;;) {
+        int got = member(&t, &c, args[2], max_ndim, plain_bits, &previous_end, &first_member,
+                         &in_order);
+        if (got < 0) goto done;
+        if (got == 0) goto declined;
+        if (LITERAL(&c, "}")) break;
+        if (!LITERAL(&c, ",")) goto declined;
+    }
+    for (; c.i < c.n; c.i++) {
+        char b = c.s[c.i];
+        if (b != ' ' && b != '\t' && b != '\n' && b != '\r') goto declined;
+    }
+    result = Py_BuildValue("(OOOOOOO)", meta != NULL ? meta : Py_None, t.names, t.codes,
+                           t.shapes, t.starts, t.ends, in_order ? Py_True : Py_False);
+    goto done;
+declined:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(meta);
+    Py_XDECREF(t.names);
+    Py_XDECREF(t.codes);
+    Py_XDECREF(t.shapes);
+    Py_XDECREF(t.starts);
+    Py_XDECREF(t.ends);
+    Py_XDECREF(t.shape_cache);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"piece", (PyCFunction)(void (*)(void))piece, METH_FASTCALL,
+     "piece(text, first, dtypes, max_ndim, plain_bits): the columns of a header piece written "
+     "as the reference writer writes it, or None (see the module's source)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_compact",
+    "A header piece in the reference writer's layout, read in C.", 0, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__compact(void) { return PyModule_Create(&module); }
