@@ -262,16 +262,16 @@ def integer_at_least(what: str, value: object, least: int, unit: str = "") -> in
     :class:`ArgumentTypeError` for any other type (a bool, a float, a string: compared with a
     number they were a bare ``TypeError``, or taken as 1), :class:`UsageError` if it is less.
     ``unit`` follows the bound in the message (`` (bytes)``)."""
-    message = f"{what} must be an integer >= {least}{unit}, got {value!r}"
     try:
         if isinstance(value, bool):
             raise TypeError
         number = operator.index(value)  # type: ignore[arg-type]  # numpy's integers too
     except TypeError:
-        raise ArgumentTypeError(message) from None
-    if number < least:
-        raise UsageError(message)
-    return number
+        number = None
+    if number is not None and number >= least:
+        return number
+    message = f"{what} must be an integer >= {least}{unit}, got {value!r}"
+    raise ArgumentTypeError(message) if number is None else UsageError(message)
 
 
 class CredentialsError(UsageError):

@@ -1,7 +1,7 @@
 /* stream_st.core._compact: a header piece written as the reference writer writes it, read in C.
  *
- * piece(text, first, dtypes, max_ndim, plain_bits) -> (metadata, names, codes, shapes, starts,
- * ends, in_order) or None.
+ * piece(table, dtypes, max_ndim, plain_bits, text, first) -> (metadata, table(names, codes,
+ * shapes, starts, ends), in_order) or None.
  *
  * ``text`` is a braced run of a header's members (see stream_st.core.header._compact_piece,
  * whose result this is). It is accepted only when it reads, byte for byte,
@@ -20,9 +20,10 @@
  * piece as before, which tells what is wrong. So this module only ever says yes where the
  * Python parse says the same yes, and it is optional: without it that parse reads every piece.
  *
- * ``names`` are str, ``codes`` the table's own strings, ``shapes`` tuples of int (tensors of the
- * same shape share one tuple), ``starts`` and ``ends`` int, ``in_order`` whether each tensor
- * starts where the one before ends. Every read is bounds-checked against the text's length; the
+ * ``table`` (stream_st.core.header.TensorTable) is called with the columns: ``names`` (str),
+ * ``codes`` (the table's own strings), ``shapes`` (tuples of int; tensors of the same shape share
+ * one tuple), ``starts`` and ``ends`` (int); ``in_order`` is whether each tensor starts where
+ * the one before ends. Every read is bounds-checked against the text's length; the
  * text is the UTF-8 of a str, so a name's bytes decode.
  */
 #define Py_LIMITED_API 0x030B0000
@@ -255,18 +256,20 @@ static int member(Columns *t, Cursor *c, PyObject *dtypes, Py_ssize_t max_ndim, 
 
 static PyObject *piece(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 5 || !PyUnicode_Check(args[0]) || !PyDict_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "piece(text: str, first, dtypes: dict, max_ndim, plain_bits)");
+    if (nargs != 6 || !PyDict_Check(args[1]) || !PyUnicode_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "piece(table, dtypes: dict, max_ndim, plain_bits, text: str, first)");
         return NULL;
     }
-    int first = PyObject_IsTrue(args[1]);
-    Py_ssize_t max_ndim = PyLong_AsSsize_t(args[3]);
-    u64 plain_bits = PyLong_AsUnsignedLongLong(args[4]);
+    PyObject *table = args[0], *dtypes = args[1];
+    Py_ssize_t max_ndim = PyLong_AsSsize_t(args[2]);
+    u64 plain_bits = PyLong_AsUnsignedLongLong(args[3]);
+    int first = PyObject_IsTrue(args[5]);
     if (first < 0 || (max_ndim == -1 && PyErr_Occurred()) ||
         (plain_bits == (u64)-1 && PyErr_Occurred()))
         return NULL;
     Py_ssize_t n;
-    const char *s = PyUnicode_AsUTF8AndSize(args[0], &n);
+    const char *s = PyUnicode_AsUTF8AndSize(args[4], &n);
     if (s == NULL) {
         /* A str holding a lone surrogate has no UTF-8: the Python parse refuses it. */
         PyErr_Clear();
@@ -295,7 +298,7 @@ static PyObject *piece(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     u64 previous_end = 0;
     int first_member = 1, in_order = 1;
     for (;;) {
-        int got = member(&t, &c, args[2], max_ndim, plain_bits, &previous_end, &first_member,
+        int got = member(&t, &c, dtypes, max_ndim, plain_bits, &previous_end, &first_member,
                          &in_order);
         if (got < 0) goto done;
         if (got == 0) goto declined;
@@ -306,8 +309,12 @@ static PyObject *piece(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         char b = c.s[c.i];
         if (b != ' ' && b != '\t' && b != '\n' && b != '\r') goto declined;
     }
-    result = Py_BuildValue("(OOOOOOO)", meta != NULL ? meta : Py_None, t.names, t.codes,
-                           t.shapes, t.starts, t.ends, in_order ? Py_True : Py_False);
+    PyObject *columns = PyObject_CallFunctionObjArgs(table, t.names, t.codes, t.shapes,
+                                                     t.starts, t.ends, NULL);
+    if (columns == NULL) goto done;
+    result = Py_BuildValue("(OOO)", meta != NULL ? meta : Py_None, columns,
+                           in_order ? Py_True : Py_False);
+    Py_DECREF(columns);
     goto done;
 declined:
     result = Py_NewRef(Py_None);
@@ -324,8 +331,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"piece", (PyCFunction)(void (*)(void))piece, METH_FASTCALL,
-     "piece(text, first, dtypes, max_ndim, plain_bits): the columns of a header piece written "
-     "as the reference writer writes it, or None (see the module's source)."},
+     "piece(table, dtypes, max_ndim, plain_bits, text, first): the table of a header piece "
+     "written as the reference writer writes it, or None (see the module's source)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,15 +1,22 @@
 """Stub of the compiled module ``stream_st/core/_compact.c``: a header piece written as the
 reference writer writes it, read in C."""
 
-Columns = tuple[
-    dict[str, str] | None, list[str], list[str], list[tuple[int, ...]], list[int], list[int], bool
-]
-"""The metadata (None if the piece has none), the names, dtype codes, shapes, starts and ends of
-the piece's tensors, and whether each starts where the one before ends."""
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 def piece(
-    text: str, first: bool, dtypes: dict[str, tuple[str, int]], max_ndim: int, plain_bits: int, /
-) -> Columns | None:
-    """The columns of ``text`` if it is a piece in the reference writer's layout whose every
-    tensor plainly passes the header's checks (``dtypes``: each code's own string and bits per
-    value); None for any other piece, which the Python parse then reads."""
+    table: Callable[[list[str], list[str], list[tuple[int, ...]], list[int], list[int]], T],
+    dtypes: dict[str, tuple[str, int]],
+    max_ndim: int,
+    plain_bits: int,
+    text: str,
+    first: bool,
+    /,
+) -> tuple[dict[str, str] | None, T, bool] | None:
+    """The metadata (None if it has none), the ``table`` of the tensors (called with their
+    names, dtype codes, shapes, starts and ends) and whether each starts where the one before
+    ends, of ``text`` if it is a piece in the reference writer's layout whose every tensor
+    plainly passes the header's checks (``dtypes``: each code's own string and bits per value);
+    None for any other piece, which the Python parse then reads."""

@@ -848,9 +848,13 @@ def _parse_one_piece(raw: memoryview) -> Header | None:
 
 
 def _read_piece(piece: str, known: _Known, first: bool) -> _Piece | None:
-    """A piece of a header (see :func:`_parse_fast`) read by :func:`_compact_piece` if it is
-    written as the reference writes a header, else by :func:`_json_piece`; ``None`` for one
-    that does not plainly pass every check."""
+    """A piece of a header (see :func:`_parse_fast`) read by the compiled reader
+    (``stream_st/core/_compact.c``: the reference writer's layout, every tensor of a whole-byte
+    dtype and no zero dimension, plain strings in the metadata) where it was built, else by
+    :func:`_compact_piece` if it is written as the reference writes a header, else by
+    :func:`_json_piece`; ``None`` for one that does not plainly pass every check."""
+    if _COMPILED_PIECE is not None and (part := _COMPILED_PIECE(piece, first)) is not None:
+        return part
     part = _compact_piece(piece, known, first)
     return part if part is not None else _json_piece(piece, known)
 
@@ -951,23 +955,15 @@ it, then its five groups."""
 
 
 def _compiled_piece() -> Callable[[str, bool], _Piece | None] | None:
-    """:func:`stream_st.core._compact.piece` as :func:`_compact_piece` calls it; None where the
-    package was installed without it (no C compiler at hand): the expression then reads every
-    piece."""
+    """:func:`stream_st.core._compact.piece` as :func:`_read_piece` calls it, ``(text, first)``;
+    None where the package was installed without it (no C compiler at hand): the Python parse
+    then reads every piece."""
     try:
         from ._compact import piece
     except ImportError:
         return None
     dtypes = {code: (dtype.code, dtype.bits) for code, dtype in DTYPES.items()}
-
-    def compiled(text: str, first: bool) -> _Piece | None:
-        got = piece(text, first, dtypes, _NUMPY_MAX_NDIM, _PLAIN_BITS)
-        if got is None:
-            return None
-        metadata, names, codes, shapes, starts, ends, in_order = got
-        return metadata, TensorTable(names, codes, shapes, starts, ends), in_order
-
-    return compiled
+    return partial(piece, TensorTable, dtypes, _NUMPY_MAX_NDIM, _PLAIN_BITS)
 
 
 _COMPILED_PIECE = _compiled_piece()
@@ -979,17 +975,11 @@ def _compact_piece(piece: str, known: _Known, first: bool) -> _Piece | None:
     (:data:`_COMPACT_MEMBER`) and plainly passes :func:`_parse_tensor`;
     ``None`` if not.
 
-    The compiled reader (``stream_st/core/_compact.c``) reads the plainest of them first: every
-    tensor of a whole-byte dtype and no zero dimension, plain strings in the metadata; what it
-    declines is read here.
-
     The piece is split at its members in one call: the texts between them must then be the
     opening brace (after the metadata, if any), commas and the closing brace (whitespace after
     it), and the fields are checked a column at a time. A handful of calls over the whole
     piece; no Python code runs per tensor, only per distinct layout.
     """
-    if _COMPILED_PIECE is not None and (read := _COMPILED_PIECE(piece, first)) is not None:
-        return read
     parts = _COMPACT_MEMBER.split(piece)
     n = len(parts) // _GROUPS
     between = parts[::_GROUPS]  # before the first member, between two, after the last

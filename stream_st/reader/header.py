@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Iterator
 from typing import cast
 
 import numpy as np
@@ -94,20 +93,18 @@ def _header_length(
     return n
 
 
-@contextlib.contextmanager
-def _named(name: str) -> Iterator[None]:
-    """A :class:`HeaderError` raised inside names the source it was read from (``name``), as
-    every other error of a read does: of many files or URLs, the message says which one is not
-    a safetensors file. The class and attributes are kept."""
-    try:
-        yield
-    except HeaderError as exc:
-        if name in str(exc):
-            raise
-        named = type(exc).__new__(type(exc))
-        named.args = (redact(f"{name}: {exc}"),)
-        named.__dict__.update(exc.__dict__)
-        raise named.with_traceback(exc.__traceback__) from None
+def _named(exc: HeaderError, name: str) -> HeaderError:
+    """``exc`` naming the source it was read from (``name``), as every other error of a read
+    does: of many files or URLs, the message says which one is not a safetensors file. The
+    class, attributes and traceback are kept; ``exc`` itself if it names the source already.
+    (A plain function, raised ``from None``: a context manager's machinery was a tenth of a
+    small header's first read.)"""
+    if name in str(exc):
+        return exc
+    named = type(exc).__new__(type(exc))
+    named.args = (redact(f"{name}: {exc}"),)
+    named.__dict__.update(exc.__dict__)
+    return named.with_traceback(exc.__traceback__)
 
 
 async def _read_header(
@@ -118,8 +115,10 @@ async def _read_header(
     ``unknown_dtypes`` as in :func:`~stream_st.core.header.parse_header`."""
     prefix = memoryview(bytearray(LENGTH_PREFIX_SIZE))
     got = await source.fill(prefix)
-    with _named(source.name):
+    try:
         n = _header_length(prefix, got, source.size, max_header_size, source.name)
+    except HeaderError as exc:
+        raise _named(exc, source.name) from None
     raw, got = await _receive_header(source, n)
     if got < n:
         raise TruncatedStreamError(
@@ -129,8 +128,10 @@ async def _read_header(
             expected=LENGTH_PREFIX_SIZE + n,
             source=source.name,
         )
-    with _named(source.name):
+    try:
         header = await _parse(raw, source, unknown_dtypes)
+    except HeaderError as exc:
+        raise _named(exc, source.name) from None
     if source.size is not None:
         _check_size(header, source.size, source.name)
     return header, (prefix.tobytes(), raw)
@@ -164,6 +165,8 @@ def header_cap(value: object) -> int:
     """``max_header_size`` checked: an integer >= 1 (bytes); :class:`~stream_st.UsageError`
     otherwise (a string or None compared with the header's length was a TypeError, a bool or a
     float a cap that named itself "True bytes")."""
+    if type(value) is int and value >= 1:  # the common case, checked without a call
+        return value
     return integer_at_least("max_header_size", value, 1, " (bytes)")
 
 
@@ -185,8 +188,10 @@ async def header_only(
     unlimited = clock.limits is NO_LIMITS or not clock.limited  # most reads: known by identity
     if unlimited and isinstance(name, str) and scheme_of(name) is None:
         await give_turn()
-        with _named(name):
+        try:
             header = _cached_header(name, max_header_size, unknown_dtypes)
+        except HeaderError as exc:
+            raise _named(exc, name) from None
         if header is not None:
             return header, name
     source = await open_under(source_like, clock)
