@@ -329,7 +329,23 @@ done:
     return result;
 }
 
+/* untracked(list) -> list: ``list`` itself, no longer tracked by the cyclic garbage collector.
+   For the columns of a big header's table, which hold only strings, integers, None and tuples
+   of integers, none of which can refer back to the list: it can never be part of a reference
+   cycle, and its million places are not walked by each collection of its generation. */
+static PyObject *untracked(PyObject *module, PyObject *list) {
+    (void)module;
+    if (!PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "untracked(list)");
+        return NULL;
+    }
+    if (PyObject_GC_IsTracked(list)) PyObject_GC_UnTrack(list);
+    return Py_NewRef(list);
+}
+
 static PyMethodDef methods[] = {
+    {"untracked", untracked, METH_O,
+     "untracked(list): the list, untracked by the garbage collector (see the module's source)."},
     {"piece", (PyCFunction)(void (*)(void))piece, METH_FASTCALL,
      "piece(table, dtypes, max_ndim, plain_bits, text, first): the table of a header piece "
      "written as the reference writer writes it, or None (see the module's source)."},

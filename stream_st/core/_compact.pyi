@@ -20,3 +20,8 @@ def piece(
     ends, of ``text`` if it is a piece in the reference writer's layout whose every tensor
     plainly passes the header's checks (``dtypes``: each code's own string and bits per value);
     None for any other piece, which the Python parse then reads."""
+
+def untracked(column: list[T], /) -> list[T]:
+    """``column`` itself, no longer tracked by the cyclic garbage collector: for a big header's
+    columns, which hold only strings, integers, None and tuples of integers (no cycle can pass
+    through them), so that no collection walks their places."""

@@ -915,11 +915,19 @@ def _allotted(guess: int) -> Generator[None, None, tuple[list[Any], ...]]:
     """The five columns of a header of about ``guess`` tensors, each ``None`` in a tenth more
     places than that, one column a step. Filled in place, they never grow: a list that grows
     past a few MiB is copied whole in one call (glibc's ``realloc``) that nothing can cut into
-    steps, 10 to 17 ms of a 10**6-tensor header's parse each time, the longest steps it had."""
+    steps, 10 to 17 ms of a 10**6-tensor header's parse each time, the longest steps it had.
+
+    Each column is untracked by the garbage collector where the compiled module was built
+    (:data:`_UNTRACK`): it holds only strings, integers, None and shape tuples of integers, so
+    no reference cycle can pass through it, and a collection that walked its places held the
+    loop for 35-85 ms at 10**6 tensors (each column about 10 ms), the longest stall of that
+    parse."""
     places = guess + guess // 10 + 16
-    columns = []
+    columns: list[list[Any]] = []
     for _ in range(5):
-        columns.append([None] * places)
+        column: list[Any] = [None] * places
+        _UNTRACK(column)
+        columns.append(column)
         yield
     return tuple(columns)
 
@@ -954,19 +962,27 @@ _GROUPS = 6
 it, then its five groups."""
 
 
-def _compiled_piece() -> Callable[[str, bool], _Piece | None] | None:
-    """:func:`stream_st.core._compact.piece` as :func:`_read_piece` calls it, ``(text, first)``;
-    None where the package was installed without it (no C compiler at hand): the Python parse
-    then reads every piece."""
+def _compiled() -> tuple[
+    Callable[[str, bool], _Piece | None] | None, Callable[[list[Any]], object]
+]:
+    """The compiled reader of a piece (:func:`stream_st.core._compact.piece`, as
+    :func:`_read_piece` calls it: ``(text, first)``) and what takes a big header's column off the
+    garbage collector's lists (:func:`stream_st.core._compact.untracked`); ``None`` and a
+    function that does nothing where the package was installed without them (no C compiler at
+    hand): the Python parse then reads every piece, and the columns stay tracked."""
     try:
-        from ._compact import piece
+        from ._compact import piece, untracked
     except ImportError:
-        return None
+        return None, _tracked
     dtypes = {code: (dtype.code, dtype.bits) for code, dtype in DTYPES.items()}
-    return partial(piece, TensorTable, dtypes, _NUMPY_MAX_NDIM, _PLAIN_BITS)
+    return partial(piece, TensorTable, dtypes, _NUMPY_MAX_NDIM, _PLAIN_BITS), untracked
 
 
-_COMPILED_PIECE = _compiled_piece()
+def _tracked(column: list[Any]) -> None:
+    """Leave ``column`` as it is (where :func:`stream_st.core._compact.untracked` was not built)."""
+
+
+_COMPILED_PIECE, _UNTRACK = _compiled()
 
 
 def _compact_piece(piece: str, known: _Known, first: bool) -> _Piece | None:

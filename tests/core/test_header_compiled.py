@@ -9,6 +9,7 @@ with it and without it. Skipped where the package was installed without a C comp
 
 from __future__ import annotations
 
+import gc
 import json
 from typing import Any
 
@@ -21,6 +22,8 @@ from safetensors.numpy import save as reference_save
 from stream_st import HeaderError, parse_header
 from stream_st.core import header as core_header
 from stream_st.core.dtypes import DTYPES as ALL_DTYPES
+from stream_st.core.header import parse_steps, run_steps
+from stream_st.core.strict_json import PIECE_BYTES
 
 compiled = pytest.importorskip("stream_st.core._compact", reason="the C module was not built")
 
@@ -239,3 +242,32 @@ def test_generated_pieces_read_as_the_python_parse_reads_them(text: str, first: 
         except UnicodeEncodeError:
             return
         agree(raw, patch)
+
+
+def test_a_big_headers_columns_are_not_walked_by_the_garbage_collector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The columns a big header is parsed into hold only strings, integers and shape tuples:
+    untracked, no collection walks their places while the parse runs (or after)."""
+    count = 4 * PIECE_BYTES // 50
+    raw = (
+        "{"
+        + ",".join(
+            f'"t{i}":{{"dtype":"U8","shape":[1],"data_offsets":[{i},{i + 1}]}}'
+            for i in range(count)
+        )
+        + "}"
+    ).encode()
+    header = run_steps(parse_steps(raw))
+    table = header.tensors
+    columns = (table._names, table._codes, table._shapes, table._starts, table._ends)
+    assert not any(map(gc.is_tracked, columns))
+    assert len(header) == count and header["t7"].start == 7
+    with monkeypatch.context() as patch:
+        patch.setattr(core_header, "_COMPILED_PIECE", None)
+        patch.setattr(core_header, "_UNTRACK", core_header._tracked)
+        python = run_steps(parse_steps(raw))
+    assert list(python.tensors) == list(table) and dict(python._index) == dict(header._index)
+    assert gc.is_tracked(python.tensors._names)  # the Python parse's, as before
+    with pytest.raises(TypeError):
+        compiled.untracked(())
