@@ -3,7 +3,7 @@ the reference ``safetensors.torch``; and ``load_file`` against the reference's `
 
 Run it from the repository root (``--size-mb`` sets the model's size; a minute or so at 256)::
 
-    python benchmarks/bench_torch.py [--size-mb 256] [--repeat 5]
+    python benchmarks/bench_torch.py [--size-mb 256] [--repeat 5] [--device cuda]
 
 The model is a stack of ``nn.Linear(d, d)`` layers (F32, 16 MiB weights at the default ``d``)
 saved once with the reference writer. Each variant runs in a fresh subprocess, which builds the
@@ -39,6 +39,14 @@ per page) inside the timing, no model built:
 
 Last, ``get_slice`` of 1/8 of one remote tensor: the bytes the server sent for it, against 1/8
 of the tensor + 64 KiB.
+
+With ``--device cuda`` (a CUDA machine; the CUDA context made before the clock starts, the clock
+stopped after ``torch.cuda.synchronize()``), only the loads onto the device, the local file warm:
+
+* ``cuda_file_ours`` / ``cuda_file_ref``: ``load_file(path, device="cuda")`` of stream_st / of
+  the reference;
+* ``cuda_model_ours`` / ``cuda_model_ref``: ``load_model`` into the model built on the device,
+  stream_st's / the reference's (``device="cuda"``: its state dict loaded there, then copied in).
 """
 
 from __future__ import annotations
@@ -62,6 +70,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 WIDTH = 2048  # a 16 MiB F32 weight per layer
 MODEL_VARIANTS = ("ours", "ours_assign", "ours_dict", "ref_model", "ref_dict")
 FILE_VARIANTS = ("file_ours", "file_pread", "file_shared", "file_ref")
+CUDA_FILE_VARIANTS = ("cuda_file_ours", "cuda_file_ref")
+CUDA_MODEL_VARIANTS = ("cuda_model_ours", "cuda_model_ref")
 PAGE = 4096
 
 
@@ -102,7 +112,11 @@ def load_model(variant: str, src: str, model: Any) -> None:
 
     import stream_st.torch
 
-    if variant == "ours":
+    if variant == "cuda_model_ours":
+        stream_st.torch.load_model(model, src, device="cuda")
+    elif variant == "cuda_model_ref":
+        safetensors.torch.load_model(model, src, device="cuda")
+    elif variant == "ours":
         stream_st.torch.load_model(model, src)
     elif variant == "ours_assign":
         stream_st.torch.load_model(model, src, assign=True)
@@ -127,6 +141,10 @@ def load_file(variant: str, path: str) -> dict[str, Any]:
     import stream_st
     import stream_st.torch
 
+    if variant == "cuda_file_ours":
+        return stream_st.torch.load_file(path, device="cuda")
+    if variant == "cuda_file_ref":
+        return safetensors.torch.load_file(path, device="cuda")
     if variant == "file_ours":
         return stream_st.torch.load_file(path)
     if variant == "file_pread":
@@ -161,20 +179,29 @@ def child(variant: str, src: str, layers: int) -> None:
 
     for module in ("safetensors.torch", "stream_st", "stream_st.torch"):
         importlib.import_module(module)
-    model = None if variant in FILE_VARIANTS else build(layers)
+    cuda = variant.startswith("cuda_")
+    if cuda:
+        torch.zeros(1, device="cuda")  # the CUDA context, made before the clock
+    files = variant in FILE_VARIANTS or variant in CUDA_FILE_VARIANTS
+    model = None if files else build(layers)
+    if cuda and model is not None:
+        model = model.cuda()
     base = reset_peak()
     start = time.perf_counter()
     if model is None:
-        touched = touch(load_file(variant, src))
+        loaded = load_file(variant, src)
+        touched = 0 if cuda else touch(loaded)
     else:
         load_model(variant, src, model)
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     peak = rss_kib("VmHWM") - base
-    if model is None:
-        checksum = float(touched)
-    else:
-        with torch.no_grad():
+    with torch.no_grad():
+        if model is not None:
             checksum = float(sum(p.double().sum() for p in model.parameters()))
+        else:
+            checksum = float(sum(t.double().sum() for t in loaded.values())) if cuda else touched
     print(json.dumps({"seconds": seconds, "peak_mib": peak / 1024, "checksum": checksum}))
 
 
@@ -218,7 +245,8 @@ def slice_transfer(path: Path) -> None:
         with safe_open(server.url("/m.safetensors"), "pt") as f:
             server.settle()
             opened = sum(sent for *_, sent in server.requests)
-            name = "3.weight"
+            names = f.keys()
+            name = max(name for name in names if name.endswith("weight"))
             rows = f.get_slice(name).get_shape()[0]
             f.get_slice(name)[: rows // 8]
             server.settle()
@@ -235,6 +263,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument("--device", choices=["cuda"], help="only the loads onto a CUDA device")
     parser.add_argument("--child", nargs=3, metavar=("VARIANT", "SRC", "LAYERS"))
     args = parser.parse_args()
     if args.child:
@@ -242,7 +271,11 @@ def main() -> None:
         return
 
     import safetensors.torch
+    import torch
 
+    if args.device and not torch.cuda.is_available():
+        print(f"skipped: this torch ({torch.__version__}) sees no CUDA device")
+        return
     layers = max(1, args.size_mb // 16)
     largest = WIDTH * WIDTH * 4 / 2**20
     print(
@@ -255,6 +288,17 @@ def main() -> None:
         safetensors.torch.save_model(build(layers), str(path))
         path.read_bytes()  # page cache warm
         local = str(path)
+        if args.device:
+            for label, variants in (
+                ("load_file onto the CUDA device, local file warm", CUDA_FILE_VARIANTS),
+                (
+                    "load_model into a model on the CUDA device, local file warm",
+                    CUDA_MODEL_VARIANTS,
+                ),
+            ):
+                compare(label, variants, local, layers, args.repeat)
+            print(f"\nload avg at the end {os.getloadavg()[0]:.2f}")
+            return
         compare(
             f"load_model, local file, page cache warm; {targets}",
             MODEL_VARIANTS,
