@@ -355,8 +355,11 @@ def load_model(
     """Load ``filename`` (a file, URL or index) into ``model``; ``(missing, unexpected)`` names.
 
     Each tensor whose dtype and shape match the model's, on the CPU and contiguous, is received
-    straight into the model's own memory: no second copy of the model exists at any time. The
-    others are read fresh and go through ``model.load_state_dict`` as in the reference. Tensors
+    straight into the model's own memory: no second copy of the model exists at any time; on a
+    CUDA device, it is copied into the model's memory there as it arrives (of a model all on the
+    device, from a mapping of a local file, as :func:`load_file` reads one; else from CPU memory
+    used again for the next tensor). The others are read fresh and go through
+    ``model.load_state_dict`` as in the reference. Tensors
     the model shares (tied weights) count as loaded when one of them is in the file. With
     ``strict``, missing or unexpected names raise :class:`~stream_st.UsageError` (a
     ``RuntimeError``, as the reference raises) after loading.
@@ -414,8 +417,8 @@ def load_model(
         _, others = run(_receive, filename, slots.place, verify, clock, copy, None, cache)
         missing, unexpected = slots.missing(), [name for name, _ in others]
     else:
-        _facade.maps(backend)  # checked only: the model's own memory is where tensors go
-        missing, unexpected = _load_into(model, filename, verify, clock_of(options), cache)
+        maps = _facade.maps(backend)
+        missing, unexpected = _load_into(model, filename, verify, clock_of(options), cache, maps)
     if strict and (missing or unexpected):
         raise UsageError(_load_errors(model, missing, unexpected))
     return missing, unexpected
@@ -435,10 +438,19 @@ def _load_errors(model: torch.nn.Module, missing: set[str], unexpected: list[str
 
 
 def _load_into(
-    model: torch.nn.Module, filename: SourceLike, verify: bool, clock: Clock, cache: CacheLike
+    model: torch.nn.Module,
+    filename: SourceLike,
+    verify: bool,
+    clock: Clock,
+    cache: CacheLike,
+    maps: bool,
 ) -> tuple[set[str], list[str]]:
     """``load_model`` without ``assign``: every tensor that fits received into the model's own
-    memory, the others through ``load_state_dict``; ``(missing, unexpected)``."""
+    memory on the CPU, or copied into it on another device (CUDA) as it arrives, the others
+    through ``load_state_dict``; ``(missing, unexpected)``. A model with no tensor to receive on
+    the CPU, all of it on a device, reads a local file as ``load_file`` does with ``maps``
+    (``backend="mmap"``): the device's copies are made from a mapping of the file, no copy in
+    between; else each tensor is read into CPU memory, used again for the next."""
     from .compat._sync import run
 
     state = model.state_dict()
@@ -447,16 +459,22 @@ def _load_into(
         for name, tensor in state.items()
         if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
     }
-    placed, fresh = run(
-        _receive,
-        filename,
-        lambda name, tensor: tensor is into.get(name),
-        verify,
-        clock,
-        True,
-        into,
-        cache,
-    )
+    on_device = {
+        name: tensor for name, tensor in state.items() if tensor.device.type not in ("cpu", "meta")
+    }
+
+    def place(name: str, tensor: torch.Tensor) -> bool:
+        if tensor is into.get(name):
+            return True
+        target = on_device.get(name)
+        if target is None or target.shape != tensor.shape or target.dtype != tensor.dtype:
+            return False
+        with _torch.no_grad():
+            target.copy_(tensor)  # from pageable memory: done when it returns
+        return True
+
+    copy = bool(into) or not maps
+    placed, fresh = run(_receive, filename, place, verify, clock, copy, into, cache)
     missing_list, unexpected = model.load_state_dict(dict(fresh), strict=False)
     missing = set(missing_list).difference(placed)
     in_file = placed | {name for name, _ in fresh}

@@ -547,11 +547,18 @@ def test_load_model_assign_puts_the_tensors_on_the_device(tmp_path: Path) -> Non
     assert model.head.weight is model.embed.weight
     for name, tensor in source.state_dict().items():
         assert torch.equal(model.state_dict()[name].cpu(), tensor), name
-    on_device = Tied().cuda()  # without assign: into the model's own memory, on the device
+    on_device = Tied().cuda()  # without assign: copied into the model's memory on the device
     assert st.load_model(on_device, path) == (set(), [])
     assert all(
         torch.equal(on_device.state_dict()[n].cpu(), t) for n, t in source.state_dict().items()
     )
+    ours, ref = Tied().cuda(), Tied().cuda()
+    for each in (ours, ref):
+        each.body.half()  # another dtype than the file's: through load_state_dict, cast
+    assert st.load_model(ours, path) == (set(), [])
+    reference.load_model(ref, path, device="cuda")
+    assert all(torch.equal(ours.state_dict()[n], t) for n, t in ref.state_dict().items())
+    assert ours.body.weight.dtype == torch.float16
 
 
 def test_load_model_assign_over_http_and_with_pread(tmp_path: Path, http: RangeHTTPServer) -> None:
