@@ -357,9 +357,9 @@ def load_model(
     Each tensor whose dtype and shape match the model's, on the CPU and contiguous, is received
     straight into the model's own memory: no second copy of the model exists at any time; on a
     CUDA device, it is copied into the model's memory there as it arrives (of a model all on the
-    device, from a mapping of a local file, as :func:`load_file` reads one; else from CPU memory
-    used again for the next tensor). The others are read fresh and go through
-    ``model.load_state_dict`` as in the reference. Tensors
+    device, from a mapping of a local file, as :func:`load_file` reads one; else from fresh CPU
+    memory, let go once copied). The others go through ``model.load_state_dict`` as in the
+    reference. Tensors
     the model shares (tied weights) count as loaded when one of them is in the file. With
     ``strict``, missing or unexpected names raise :class:`~stream_st.UsageError` (a
     ``RuntimeError``, as the reference raises) after loading.
@@ -382,8 +382,9 @@ def load_model(
     torch cannot use is a :class:`~stream_st.UsageError` before anything is read).
 
     Digests recorded in the header are checked unless ``verify=False``; a tensor that fails
-    has already been received into its parameter when :class:`~stream_st.IntegrityError` is
-    raised, so the model is then partly loaded, as after any failed load.
+    has already been received into its parameter on the CPU (not into one on a device) when
+    :class:`~stream_st.IntegrityError` is raised, so the model is then partly loaded, as after
+    any failed load.
 
     ``process_group``, ``include``, ``slices``: loaded with the group, as by :func:`load_file`
     (names ``include=`` leaves out are not missing; ``assign`` is not taken then).
@@ -418,7 +419,8 @@ def load_model(
         missing, unexpected = slots.missing(), [name for name, _ in others]
     else:
         maps = _facade.maps(backend)
-        missing, unexpected = _load_into(model, filename, verify, clock_of(options), cache, maps)
+        mapped = {**options, "cache": cache} if maps else None
+        missing, unexpected = _load_into(model, filename, verify, clock_of(options), cache, mapped)
     if strict and (missing or unexpected):
         raise UsageError(_load_errors(model, missing, unexpected))
     return missing, unexpected
@@ -443,14 +445,15 @@ def _load_into(
     verify: bool,
     clock: Clock,
     cache: CacheLike,
-    maps: bool,
+    mapped: Mapping[str, object] | None,
 ) -> tuple[set[str], list[str]]:
     """``load_model`` without ``assign``: every tensor that fits received into the model's own
-    memory on the CPU, or copied into it on another device (CUDA) as it arrives, the others
-    through ``load_state_dict``; ``(missing, unexpected)``. A model with no tensor to receive on
-    the CPU, all of it on a device, reads a local file as ``load_file`` does with ``maps``
-    (``backend="mmap"``): the device's copies are made from a mapping of the file, no copy in
-    between; else each tensor is read into CPU memory, used again for the next."""
+    memory on the CPU, or copied into it on a CUDA device as it arrives, the others through
+    ``load_state_dict``; ``(missing, unexpected)``. Where the model has no tensor to receive on
+    the CPU (all on a device, meta or not contiguous) and ``mapped`` is given (``backend="mmap"``:
+    the call's options), the file is read as :func:`load_file` reads it: a local file mapped,
+    the device's copies made from the mapping; else each tensor is read into fresh CPU memory,
+    let go once copied."""
     from .compat._sync import run
 
     state = model.state_dict()
@@ -459,9 +462,7 @@ def _load_into(
         for name, tensor in state.items()
         if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
     }
-    on_device = {
-        name: tensor for name, tensor in state.items() if tensor.device.type not in ("cpu", "meta")
-    }
+    on_device = {name: tensor for name, tensor in state.items() if tensor.device.type == "cuda"}
 
     def place(name: str, tensor: torch.Tensor) -> bool:
         if tensor is into.get(name):
@@ -473,8 +474,21 @@ def _load_into(
             target.copy_(tensor)  # from pageable memory: done when it returns
         return True
 
-    copy = bool(into) or not maps
-    placed, fresh = run(_receive, filename, place, verify, clock, copy, into, cache)
+    loaded = None
+    if not into and mapped is not None:
+        loaded = _local.load_mapped(filename, True, verify, "mmap", mapped)
+    if loaded is None:
+        copy = bool(into) or mapped is None
+        placed, fresh = run(_receive, filename, place, verify, clock, copy, into, cache)
+    else:
+        placed, fresh = set(), []
+        for name in list(loaded):
+            tensor = loaded.pop(name)  # let go once copied
+            if place(name, tensor):
+                placed.add(name)
+            else:
+                fresh.append((name, tensor))
+            del tensor
     missing_list, unexpected = model.load_state_dict(dict(fresh), strict=False)
     missing = set(missing_list).difference(placed)
     in_file = placed | {name for name, _ in fresh}

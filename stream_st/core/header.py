@@ -920,8 +920,7 @@ def _allotted(guess: int) -> Generator[None, None, tuple[list[Any], ...]]:
     Each column is untracked by the garbage collector where the compiled module was built
     (:data:`_UNTRACK`): it holds only strings, integers, None and shape tuples of integers, so
     no reference cycle can pass through it, and a collection that walked its places held the
-    loop for 35-85 ms at 10**6 tensors (each column about 10 ms), the longest stall of that
-    parse."""
+    loop for 35-89 ms at 10**6 tensors, the longest stalls of that parse."""
     places = guess + guess // 10 + 16
     columns: list[list[Any]] = []
     for _ in range(5):

@@ -561,6 +561,37 @@ def test_load_model_assign_puts_the_tensors_on_the_device(tmp_path: Path) -> Non
     assert ours.body.weight.dtype == torch.float16
 
 
+def test_load_model_of_a_model_with_nothing_to_receive_on_the_cpu_maps_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model with no tensor to receive into on the CPU (here all on the meta device; on a
+    CUDA device, the same) reads a local file as load_file does, mapped; the outcome is the
+    reference's, warnings included."""
+    torch.manual_seed(9)
+    path = tmp_path / "m.safetensors"
+    st.save_model(Tied(), path)
+    calls: list[object] = []
+    mapped = stream_st.compat._local.load_mapped
+
+    def spy(*args: Any) -> Any:
+        calls.append(args[0])
+        return mapped(*args)
+
+    monkeypatch.setattr(stream_st.compat._local, "load_mapped", spy)
+    with warnings.catch_warnings(record=True) as ours_warned:
+        warnings.simplefilter("always")
+        ours = st.load_model(meta_tied(), path, strict=False)
+    with warnings.catch_warnings(record=True) as ref_warned:
+        warnings.simplefilter("always")
+        ref: Any = reference.load_model(meta_tied(), path, strict=False)
+    assert calls == [path]
+    assert (set(ours[0]), sorted(ours[1])) == (set(ref[0]), sorted(ref[1]))
+    assert [str(w.message) for w in ours_warned] == [str(w.message) for w in ref_warned]
+    with warnings.catch_warnings(record=True):
+        st.load_model(meta_tied(), path, backend="pread", strict=False)  # read, not mapped
+    assert calls == [path]
+
+
 def test_load_model_assign_over_http_and_with_pread(tmp_path: Path, http: RangeHTTPServer) -> None:
     torch.manual_seed(6)
     source = Tied()
