@@ -262,6 +262,8 @@ def integer_at_least(what: str, value: object, least: int, unit: str = "") -> in
     :class:`ArgumentTypeError` for any other type (a bool, a float, a string: compared with a
     number they were a bare ``TypeError``, or taken as 1), :class:`UsageError` if it is less.
     ``unit`` follows the bound in the message (`` (bytes)``)."""
+    if type(value) is int and value >= least:  # the common case: no call, no message
+        return value
     try:
         if isinstance(value, bool):
             raise TypeError

@@ -31,6 +31,7 @@ Needs torch: ``pip install torch==2.13.0`` (or the ``torch`` extra from a checko
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Unpack
@@ -190,8 +191,6 @@ def _distributed_load(
 ) -> dict[str, torch.Tensor]:
     """``load_file`` with a process group (see :mod:`stream_st.sharded.ranks`); ``caps``: its
     ``(max_tensor_bytes, max_total_bytes)``."""
-    import functools
-
     from .compat._sync import check_sync_address, run
     from .sharded import ranks
     from .transports.options import clock_of
@@ -390,7 +389,7 @@ def load_model(
     (names ``include=`` leaves out are not missing; ``assign`` is not taken then).
     """
     from ._api import no_cache_with_ranks
-    from .compat._sync import check_sync_address, run
+    from .compat._sync import check_sync_address
     from .transports.options import clock_of
 
     if process_group is not None or include is not None or slices is not None:
@@ -412,15 +411,14 @@ def load_model(
         )
     target = torch_device(device)
     check_sync_address(filename, "source")
+    given = {**options, "cache": cache}
+    read = functools.partial(_received, filename, verify, clock_of(options), cache, given)
     if assign:
         slots = _Slots(model, target)
-        clock, copy = clock_of(options), not _facade.maps(backend)
-        _, others = run(_receive, filename, slots.place, verify, clock, copy, None, cache)
+        _, others = read(slots.place, not _facade.maps(backend), None)
         missing, unexpected = slots.missing(), [name for name, _ in others]
     else:
-        maps = _facade.maps(backend)
-        mapped = {**options, "cache": cache} if maps else None
-        missing, unexpected = _load_into(model, filename, verify, clock_of(options), cache, mapped)
+        missing, unexpected = _load_into(model, read, _facade.maps(backend))
     if strict and (missing or unexpected):
         raise UsageError(_load_errors(model, missing, unexpected))
     return missing, unexpected
@@ -439,23 +437,14 @@ def _load_errors(model: torch.nn.Module, missing: set[str], unexpected: list[str
     return "\n".join(lines)
 
 
-def _load_into(
-    model: torch.nn.Module,
-    filename: SourceLike,
-    verify: bool,
-    clock: Clock,
-    cache: CacheLike,
-    mapped: Mapping[str, object] | None,
-) -> tuple[set[str], list[str]]:
+def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str], list[str]]:
     """``load_model`` without ``assign``: every tensor that fits received into the model's own
     memory on the CPU, or copied into it on a CUDA device as it arrives, the others through
-    ``load_state_dict``; ``(missing, unexpected)``. Where the model has no tensor to receive on
-    the CPU (all on a device, meta or not contiguous) and ``mapped`` is given (``backend="mmap"``:
-    the call's options), the file is read as :func:`load_file` reads it: a local file mapped,
-    the device's copies made from the mapping; else each tensor is read into fresh CPU memory,
-    let go once copied."""
-    from .compat._sync import run
-
+    ``load_state_dict``; ``(missing, unexpected)``. ``read`` reads the file (:func:`_received`);
+    where the model has no tensor to receive on the CPU (all on a device, meta or not
+    contiguous) and ``maps`` (``backend="mmap"``), without a copy (a local file mapped, the
+    device's copies made from the mapping); else each tensor into fresh CPU memory, let go once
+    copied."""
     state = model.state_dict()
     into = {
         name: tensor
@@ -474,21 +463,7 @@ def _load_into(
             target.copy_(tensor)  # from pageable memory: done when it returns
         return True
 
-    loaded = None
-    if not into and mapped is not None:
-        loaded = _local.load_mapped(filename, True, verify, "mmap", mapped)
-    if loaded is None:
-        copy = bool(into) or mapped is None
-        placed, fresh = run(_receive, filename, place, verify, clock, copy, into, cache)
-    else:
-        placed, fresh = set(), []
-        for name in list(loaded):
-            tensor = loaded.pop(name)  # let go once copied
-            if place(name, tensor):
-                placed.add(name)
-            else:
-                fresh.append((name, tensor))
-            del tensor
+    placed, fresh = read(place, bool(into) or not maps, into)
     missing_list, unexpected = model.load_state_dict(dict(fresh), strict=False)
     missing = set(missing_list).difference(placed)
     in_file = placed | {name for name, _ in fresh}
@@ -550,6 +525,54 @@ class _Slots:
         return self._model.get_submodule(owner), attribute
 
 
+_Placed = tuple[set[str], list[tuple[str, Any]]]
+"""The names ``place`` took (see :func:`_received`), and the tensors it did not."""
+
+_Read = Callable[[Callable[[str, Any], bool], bool, dict[str, Any] | None], _Placed]
+"""``read(place, copy, into)``: :func:`_received` of a ``load_model`` call's file."""
+
+
+def _received(
+    src: SourceLike,
+    verify: bool,
+    clock: Clock,
+    cache: CacheLike,
+    given: Mapping[str, object],
+    place: Callable[[str, Any], bool],
+    copy: bool,
+    into: dict[str, Any] | None,
+) -> _Placed:
+    """:func:`_receive` of ``src``, the call's options ``given``. Read without a copy, nothing
+    received into given memory, a local file with no option is read as :func:`load_file` reads
+    it: mapped, with no event loop to start."""
+    from .compat._sync import run
+
+    if not copy and not into:
+        loaded = _local.load_mapped(src, True, verify, "mmap", given)
+        if loaded is not None:
+            placed: set[str] = set()
+            others: list[tuple[str, Any]] = []
+            for name in list(loaded):  # each let go once placed
+                _hand(place, name, loaded.pop(name), placed, others)
+            return placed, others
+    return run(_receive, src, place, verify, clock, copy, into, cache)
+
+
+def _hand(
+    place: Callable[[str, Any], bool],
+    name: str,
+    tensor: Any,
+    placed: set[str],
+    others: list[tuple[str, Any]],
+) -> None:
+    """Hand ``tensor`` to ``place``: ``name`` into ``placed`` if it took it, else the pair into
+    ``others``."""
+    if place(name, tensor):
+        placed.add(name)
+    else:
+        others.append((name, tensor))
+
+
 async def _receive(
     src: SourceLike,
     place: Callable[[str, Any], bool],
@@ -558,7 +581,7 @@ async def _receive(
     copy: bool,
     into: dict[str, Any] | None = None,
     cache: CacheLike = None,
-) -> tuple[set[str], list[tuple[str, Any]]]:
+) -> _Placed:
     """Read every tensor of ``src`` (``into`` those it can take) and hand each to ``place``; the
     names it took, and the tensors it did not."""
     from ._api import stream_for
@@ -575,8 +598,5 @@ async def _receive(
         cache=cache,
     )
     async for name, tensor in stream:
-        if place(name, tensor):
-            placed.add(name)
-        else:
-            others.append((name, tensor))
+        _hand(place, name, tensor, placed, others)
     return placed, others

@@ -165,8 +165,6 @@ def header_cap(value: object) -> int:
     """``max_header_size`` checked: an integer >= 1 (bytes); :class:`~stream_st.UsageError`
     otherwise (a string or None compared with the header's length was a TypeError, a bool or a
     float a cap that named itself "True bytes")."""
-    if type(value) is int and value >= 1:  # the common case, checked without a call
-        return value
     return integer_at_least("max_header_size", value, 1, " (bytes)")
 
 
