@@ -416,7 +416,7 @@ def load_model(
     if assign:
         slots = _Slots(model, target)
         _, others = read(slots.place, not _facade.maps(backend), None)
-        missing, unexpected = slots.missing(), [name for name, _ in others]
+        missing, unexpected = slots.outcome(others)
     else:
         missing, unexpected = _load_into(model, read, _facade.maps(backend))
     if strict and (missing or unexpected):
@@ -480,16 +480,24 @@ class _Slots:
     """Where a model keeps each tensor of its state dict, for ``load_model(assign=True)``:
     names grouped by the tensor they share (tied weights), no tensor held (so a replaced one is
     freed at once); each tensor placed is first copied to ``device`` unless it is None (the
-    CPU)."""
+    CPU). A tensor that views part of another's memory (a buffer over a slice of another) is
+    made again over the new tensor where the file has only the other (:meth:`outcome`)."""
 
     def __init__(self, model: torch.nn.Module, device: Any | None) -> None:
         self._model, self._device = model, device
+        state = model.state_dict(keep_vars=True)
         by_tensor: dict[int, list[str]] = {}
-        for name, value in model.state_dict(keep_vars=True).items():
+        for name, value in state.items():
             if isinstance(value, _torch.Tensor):
                 by_tensor.setdefault(id(value), []).append(name)
         self._group = {name: names for names in by_tensor.values() for name in names}
         self._loaded: set[str] = set()
+        self._given: set[str] = set()  # the names the file had that were placed
+        tensors = {name: value for name, value in state.items() if name in self._group}
+        self._shared = [group for group in _shared.shared_groups(tensors) if len(group[0]) > 1]
+        self._geometry = {  # of the tensors sharing memory: enough to view the new one alike
+            name: _Geometry(tensors[name]) for group, _ in self._shared for name in group
+        }
 
     def place(self, name: str, tensor: Any) -> bool:
         """Put ``tensor`` where ``name`` (and every name tied to it) lives; False if the model
@@ -509,20 +517,73 @@ class _Slots:
         parameter = isinstance(old, _torch.nn.Parameter)
         new = _torch.nn.Parameter(tensor, requires_grad=old.requires_grad) if parameter else tensor
         del old
-        for each in names:
-            module, attribute = self._slot(each)
-            (module._parameters if parameter else module._buffers)[attribute] = new
+        self._set(names, new)
         self._loaded.update(names)
+        self._given.add(name)
         return True
 
-    def missing(self) -> set[str]:
-        """The model's names no tensor was placed for."""
-        return set(self._group).difference(self._loaded)
+    def outcome(self, others: list[tuple[str, Any]]) -> tuple[set[str], list[str]]:
+        """``(missing, unexpected)`` once every tensor is placed, ``others`` those the model
+        had no name for, counted as the reference's ``load_model`` counts them: of names that
+        share memory, those but the one kept (see
+        :func:`~stream_st.compat._shared.remove_duplicate_names`) are unexpected where the file
+        has them, else not missing; such a name that views part of the kept one's memory is
+        viewed again in the new tensor (where the dtypes agree and both are laid out plainly)."""
+        missing = set(self._group).difference(self._loaded)
+        unexpected = [name for name, _ in others]
+        for group, complete in self._shared:
+            keep = _shared.kept_name(complete, self._given, frozenset())
+            for name in sorted(group.difference([keep])):
+                if name in self._given:
+                    unexpected.append(name)
+                elif name in self._loaded or self._view_again(name, keep):
+                    missing.discard(name)
+        return missing, unexpected
+
+    def _view_again(self, name: str, keep: str) -> bool:
+        """View ``name`` in the tensor placed for ``keep`` as it viewed ``keep``'s old one;
+        False where ``keep`` was not placed or the view cannot be made alike."""
+        if keep not in self._loaded:
+            return False
+        module, attribute = self._slot(keep)
+        base = getattr(module, attribute)
+        was, view = self._geometry[keep], self._geometry[name]
+        if not (was.plain and base.is_contiguous() and base.dtype == was.dtype == view.dtype):
+            return False
+        new = base.detach().as_strided(
+            view.shape, view.stride, base.storage_offset() + view.offset - was.offset
+        )
+        if view.parameter:
+            new = _torch.nn.Parameter(new, requires_grad=view.requires_grad)
+        self._set([name], new)
+        return True
+
+    def _set(self, names: list[str], tensor: Any) -> None:
+        """Put ``tensor`` (a parameter or a buffer) in the slots of ``names``."""
+        parameter = isinstance(tensor, _torch.nn.Parameter)
+        for each in names:
+            module, attribute = self._slot(each)
+            (module._parameters if parameter else module._buffers)[attribute] = tensor
 
     def _slot(self, name: str) -> tuple[torch.nn.Module, str]:
         """The module that holds ``name`` and the attribute it is there."""
         owner, _, attribute = name.rpartition(".")
         return self._model.get_submodule(owner), attribute
+
+
+class _Geometry:
+    """How a tensor lies in its storage (in elements): enough to view another storage alike."""
+
+    __slots__ = ("dtype", "offset", "parameter", "plain", "requires_grad", "shape", "stride")
+
+    def __init__(self, tensor: Any) -> None:
+        self.dtype = tensor.dtype
+        self.shape = tuple(tensor.shape)
+        self.stride = tuple(tensor.stride())
+        self.offset: int = tensor.storage_offset()
+        self.plain: bool = tensor.is_contiguous()
+        self.parameter = isinstance(tensor, _torch.nn.Parameter)
+        self.requires_grad: bool = tensor.requires_grad
 
 
 _Placed = tuple[set[str], list[tuple[str, Any]]]

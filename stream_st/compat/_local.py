@@ -125,7 +125,9 @@ def _pread_exact(fd: int, size: int, offset: int, name: str, what: str) -> bytes
 class LocalFile:
     """One local safetensors file, its header parsed; tensors viewed in its private mapping
     (``mapped``) or read into fresh memory. ``verify`` checks whole tensors against the digests
-    the header records, if any."""
+    the header records, if any. The mapping, or the descriptor read from, lives as long as this
+    object or a view of the mapping does: a handle drops it when closed, and slices taken before
+    (which hold it) still read, as the reference's do."""
 
     def __init__(self, name: str, *, mapped: bool = True, verify: bool = True) -> None:
         self.name = name
@@ -146,6 +148,8 @@ class LocalFile:
         if mapped:
             os.close(fd)
             fd = -1
+        else:  # closed with the last user: the handle, or a slice taken before its close
+            weakref.finalize(self, os.close, fd)
         self._fd = fd
         self._checked: set[str] = set()
 
@@ -164,8 +168,6 @@ class LocalFile:
             count = wanted.nbytes // dtype.itemsize
             raw = np.frombuffer(self._region, dtype=dtype, count=count, offset=start)
         else:
-            if self._fd < 0:
-                raise UsageError(f"{self.name} is closed")
             raw = fresh_bytes(wanted.nbytes)
             got = pread_fully(self._fd, raw.data, start)
             if got < wanted.nbytes:
@@ -198,13 +200,6 @@ class LocalFile:
         count = info.nbytes // dtype.itemsize
         flat = load_torch().frombuffer(self._region, dtype=dtype, count=count, offset=start)
         return flat.reshape(info.array_shape)
-
-    def close(self) -> None:
-        """Close the descriptor (``pread``). A mapping stays while this object or a view of it
-        lives (slices taken before the close still read, as the reference's do)."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
 
 def _digests(header: Header) -> Digests | None:

@@ -29,7 +29,7 @@ import numpy as np
 from .._api import save as save_async
 from .._api import stream_for
 from ..core.arrays import framework_of, to_torch, torch_device, torch_dtype
-from ..core.header import TensorInfo
+from ..core.header import Header, TensorInfo
 from ..errors import ArgumentTypeError, TensorNotFoundError, UsageError
 from ..memory.delivery import Delivery
 from ..reader import Include
@@ -71,6 +71,12 @@ def maps(backend: object) -> bool:
     return backend == "mmap"
 
 
+def _metadata(header: Header) -> dict[str, str] | None:
+    """What the reference's ``metadata()`` gives for ``header``: its ``__metadata__``, ``{}``
+    where it is there but empty, None where it is not there."""
+    return dict(header.metadata) if header.metadata or header.has_metadata else None
+
+
 def _shut(bridge: Bridge, checkpoint: _Checkpoint) -> None:
     try:
         bridge.call(checkpoint.aclose)
@@ -100,7 +106,7 @@ class SafeOpen:
         verify: bool = True,
         **options: Any,
     ) -> None:
-        self._torch = framework_of(framework)
+        self._torch = framework_of(framework, required=True)
         if self._torch:
             self._device = torch_device(device)
         elif device is not None and str(device) != "cpu":
@@ -118,8 +124,6 @@ class SafeOpen:
         path = local_path(src)
         if path is not None:
             self._local = LocalFile(path, mapped=mapped, verify=verify)
-            if not mapped:
-                self._closer = weakref.finalize(self, self._local.close)
             return
         how = _Options(clock, verify, mapped, cache)
         bridge = Bridge()
@@ -176,11 +180,11 @@ class SafeOpen:
         """The header's ``__metadata__`` (``None`` if it has none); an index's ``metadata``."""
         self._open()
         if self._local is not None:
-            return dict(self._local.header.metadata) or None
+            return _metadata(self._local.header)
         index = self._checkpoint.index
         if index is not None:
             return dict(index.metadata) or None
-        return dict(self._checkpoint.files[""].header.metadata) or None
+        return _metadata(self._checkpoint.files[""].header)
 
     def get_tensor(self, name: str) -> Any:
         """The whole tensor ``name``, viewed in the mapped file (or read from the source now)
@@ -218,9 +222,7 @@ class SafeOpen:
         """Close the file (a mapped one's views stay valid); for a remote source, its
         connections and the private event loop."""
         self._closed = True
-        if self._local is not None:
-            self._local.close()
-            self._local = None  # the mapping goes with the last tensor or slice using it
+        self._local = None  # the file goes with the last tensor or slice using it
         if self._closer is not None:
             self._closer()
 
@@ -243,8 +245,8 @@ class Slice:
     :mod:`stream_st.compat._slicing`). Only the rows the first index selects are read from the
     source; the other indexes apply to them in memory. A digest covers a whole tensor, so part
     of one cannot be checked against it: only a key taking every row (``[...]``, ``[:]``, a
-    mask) is. A slice of a mapped local file still reads after the file is closed, as the
-    reference's do."""
+    mask) is. A slice of a local file still reads after the file is closed, as the reference's
+    do."""
 
     def __init__(
         self,

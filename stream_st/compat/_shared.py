@@ -19,7 +19,9 @@ __all__ = [
     "end_ptr",
     "find_shared_tensors",
     "is_complete",
+    "kept_name",
     "remove_duplicate_names",
+    "shared_groups",
     "storage_ptr",
     "storage_size",
 ]
@@ -100,12 +102,23 @@ def remove_duplicate_names(
 
     The kept name covers the whole storage (:func:`is_complete`); among those, the first in
     sorted order of the ``preferred_names``, else of those not in ``discard_names``, else of
-    all. A group (even of one) none of whose tensors covers its storage raises
-    :class:`~stream_st.UsageError` (a ``RuntimeError``, as the reference raises).
+    all (:func:`kept_name`). A group (even of one) none of whose tensors covers its storage
+    raises :class:`~stream_st.UsageError` (a ``RuntimeError``, as the reference raises).
     """
     preferred = set(preferred_names or ())
     discard = set(discard_names or ())
     kept: dict[str, list[str]] = {}
+    for group, complete in shared_groups(state):
+        keep = kept_name(complete, preferred, discard)
+        if len(group) > 1:
+            kept[keep] = sorted(name for name in group if name != keep)
+    return kept
+
+
+def shared_groups(state: Mapping[str, Any]) -> list[tuple[set[str], list[str]]]:
+    """:func:`find_shared_tensors`' groups, each with its names that cover the whole storage
+    (sorted); a group with none raises as :func:`remove_duplicate_names` does."""
+    groups = []
     for group in find_shared_tensors(state):
         complete = sorted(name for name in group if is_complete(state[name]))
         if not complete:
@@ -115,13 +128,17 @@ def remove_duplicate_names(
                 "storage. Refusing to save/load the model since you could be storing much more "
                 "memory than needed: save .clone()s of the tensors."
             )
-        keep = next(
-            iter(
-                [n for n in complete if n in preferred]
-                or [n for n in complete if n not in discard]
-                or complete
-            )
+        groups.append((group, complete))
+    return groups
+
+
+def kept_name(complete: list[str], preferred: set[str], discard: frozenset[str] | set[str]) -> str:
+    """The name kept of a group whose ``complete`` names (sorted) cover its storage: the first
+    of those ``preferred``, else of those not to ``discard``, else the first."""
+    return next(
+        iter(
+            [n for n in complete if n in preferred]
+            or [n for n in complete if n not in discard]
+            or complete
         )
-        if len(group) > 1:
-            kept[keep] = sorted(name for name in group if name != keep)
-    return kept
+    )

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..errors import DtypeError, UsageError
+from ..errors import ArgumentTypeError, DtypeError, UsageError
 from .dtypes import DTYPES
 from .layout import TensorSpec
 
@@ -34,7 +34,7 @@ __all__ = [
     "torch_to_array",
 ]
 
-Framework = Literal["np", "numpy", "pt", "torch"]
+Framework = Literal["np", "numpy", "pt", "torch", "pytorch"]
 """What tensors are handed out as: numpy arrays (``"np"``, ``"numpy"``) or torch tensors
 (``"pt"``, ``"torch"``), as the reference's ``framework=`` names them."""
 
@@ -114,7 +114,13 @@ def torch_to_array(tensor: Any, name: str) -> np.ndarray[Any, Any]:
         )
     code = torch_code(tensor.dtype)
     dense = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous()
-    return raw_bytes(dense).view(DTYPES[code].numpy).reshape(dense.shape)
+    try:
+        return raw_bytes(dense).view(DTYPES[code].numpy).reshape(dense.shape)
+    except ValueError as exc:  # more dimensions, or more elements, than numpy holds
+        raise UsageError(
+            f"tensor {name!r} ({dense.dim()} dimensions of {dense.numel()} elements) cannot be "
+            f"written: stream_st writes through numpy arrays, which cannot have its shape ({exc})"
+        ) from None
 
 
 def spec_of(name: str, value: Any, array: np.ndarray[Any, Any]) -> TensorSpec:
@@ -134,17 +140,27 @@ def spec_of(name: str, value: Any, array: np.ndarray[Any, Any]) -> TensorSpec:
 
 
 def raw_bytes(tensor: Any) -> np.ndarray[Any, Any]:
-    """A contiguous CPU tensor's memory as a 1-D ``uint8`` array (no copy)."""
-    raw: np.ndarray[Any, Any] = tensor.detach().reshape(-1).view(load_torch().uint8).numpy()
+    """A contiguous CPU tensor's memory as a 1-D ``uint8`` array (no copy). Taken as one run of
+    elements, whatever the strides of its dimensions of size 1 (torch calls a tensor of shape
+    ``(1,)`` and stride ``(2,)`` contiguous, and will not view it as bytes)."""
+    flat = tensor.detach().as_strided((tensor.numel(),), (1,))
+    raw: np.ndarray[Any, Any] = flat.view(load_torch().uint8).numpy()
     return raw
 
 
-def framework_of(framework: str | None) -> bool:
-    """Whether ``framework`` asks for torch tensors; :class:`UsageError` if it is unknown."""
-    if framework in (None, "np", "numpy"):
+def framework_of(framework: str | None, *, required: bool = False) -> bool:
+    """Whether ``framework`` asks for torch tensors (``"pt"``, ``"torch"``, ``"pytorch"``) or
+    numpy arrays (``"np"``, ``"numpy"``, None unless ``required``, as the reference's
+    ``safe_open`` has it); :class:`UsageError` for another name, :class:`ArgumentTypeError` for
+    what is not a name."""
+    if (framework is None and not required) or framework in ("np", "numpy"):
         return False
-    if framework in ("pt", "torch"):
+    if framework in ("pt", "torch", "pytorch"):
         return True
+    if not isinstance(framework, str):
+        raise ArgumentTypeError(
+            f"framework must be a name ('pt' or 'np'), got {type(framework).__name__}"
+        )
     raise UsageError(f"framework must be 'pt' or 'np', got {framework!r}")
 
 

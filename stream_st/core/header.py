@@ -373,6 +373,9 @@ class Header:
     """Each tensor's position in ``tensors`` by name (a dict, or a :class:`NameIndex`): strings
     and ints, so never GC-tracked."""
     unreadable: tuple[str, ...] = field(default=(), compare=False)
+    has_metadata: bool = field(default=False, compare=False)
+    """Whether the header holds a ``__metadata__`` entry, even an empty one (the reference's
+    ``metadata()`` is then ``{}``, not ``None``)."""
 
     @classmethod
     def from_tensors(
@@ -837,14 +840,15 @@ def _parse_one_piece(raw: memoryview) -> Header | None:
         return None
     metadata, table, in_order = part
     if table is None:
-        return Header(TensorTable([], [], [], [], []), metadata or {}, len(raw), {})
+        empty = TensorTable([], [], [], [], [])
+        return Header(empty, metadata or {}, len(raw), {}, has_metadata=metadata is not None)
     index = _positions(table._names)
     if len(index) != len(table._names):
         return None  # a name twice
     if not in_order or table._starts[0]:  # else in offset order from 0 already
         table = _data_order(table)
         index = _positions(table._names)
-    return Header(table, metadata or {}, len(raw), index)
+    return Header(table, metadata or {}, len(raw), index, has_metadata=metadata is not None)
 
 
 def _read_piece(piece: str, known: _Known, first: bool) -> _Piece | None:
@@ -908,7 +912,7 @@ def _parse_fast(raw: memoryview) -> Generator[None, None, Header | None]:
     if not ordered:
         table = _data_order(table)
         index.add(table._names, 0)
-    return Header(table, metadata or {}, len(raw), index)
+    return Header(table, metadata or {}, len(raw), index, has_metadata=metadata is not None)
 
 
 def _allotted(guess: int) -> Generator[None, None, tuple[list[Any], ...]]:
@@ -1156,4 +1160,6 @@ def _parse_object(text: str, header_size: int, keep: bool = False) -> Steps:
     if table is not rows_table:
         index = _positions(table._names)
     unreadable = tuple(t.name for t in table if t.dtype not in DTYPES) if keep else ()
-    return Header(table, metadata or {}, header_size, index, unreadable)
+    return Header(
+        table, metadata or {}, header_size, index, unreadable, has_metadata=metadata is not None
+    )

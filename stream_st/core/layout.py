@@ -170,7 +170,9 @@ def build_header(
     prefix = framed_header(text)
     table = TensorTable(names, codes, shapes, starts, ends)  # every dtype a known one
     size = len(prefix) - LENGTH_PREFIX_SIZE
-    header = Header(table, dict(metadata or {}), size, _positions(names))
+    header = Header(
+        table, dict(metadata or {}), size, _positions(names), has_metadata=metadata is not None
+    )
     return prefix, header
 
 

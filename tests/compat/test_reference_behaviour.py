@@ -256,12 +256,72 @@ def test_a_closed_handle_answers_nothing_but_its_slices_still_read(tmp_path: Pat
             with pytest.raises(compat.SafetensorError, match="File is closed"):
                 name_call("a")
         assert torch.equal(tensor, torch.arange(50.0).reshape(10, 5))
-        if backend == "mmap":
-            assert torch.equal(kept[2:4], torch.arange(10.0, 20.0).reshape(2, 5))
+        assert torch.equal(kept[2:4], torch.arange(10.0, 20.0).reshape(2, 5)), backend
     with safetensors.safe_open(path, "pt") as ref:
         pass
     with pytest.raises(safetensors.SafetensorError, match="File is closed"):
         ref.keys()
+
+
+def test_empty_metadata_reads_back_empty_and_none_as_none(tmp_path: Path) -> None:
+    """``metadata={}`` is written as ``"__metadata__":{}`` and ``metadata()`` gives ``{}``
+    (not None, which stands for no ``__metadata__`` at all), as the reference has it."""
+    metadata: dict[str, str] | None
+    for metadata in ({}, None):
+        path = tmp_path / f"{metadata}.safetensors"
+        st_pt.save_file({"a": torch.ones(1)}, path, metadata=metadata)
+        with safetensors.safe_open(path, "pt") as ref:
+            expected = ref.metadata()
+        assert expected == metadata
+        for backend in ("mmap", "pread"):
+            with compat.safe_open(path, "pt", backend=backend) as f:
+                assert f.metadata() == expected, (metadata, backend)
+
+
+def test_framework_is_named_as_the_reference_names_it(tmp_path: Path) -> None:
+    path = small(tmp_path)
+    kinds = {"pytorch": torch.Tensor, "torch": torch.Tensor, "numpy": np.ndarray}
+    for framework, kind in kinds.items():
+        with compat.safe_open(path, framework) as f:
+            assert isinstance(f.get_tensor("a"), kind), framework
+    for wrong in (None, 3):
+        for opener in (safetensors.safe_open, compat.safe_open):
+            with pytest.raises(TypeError):
+                opener(path, wrong)  # type: ignore[arg-type]
+        with pytest.raises(SafetensorsError, match="framework must be a name"):
+            compat.safe_open(path, wrong)  # type: ignore[arg-type]
+    with pytest.raises(SafetensorsError, match="framework must be 'pt' or 'np', got 'PT'"):
+        compat.safe_open(path, "PT")
+
+
+def test_a_contiguous_tensor_with_a_strided_dimension_of_one_is_written(tmp_path: Path) -> None:
+    """torch calls a tensor of shape (1,) and stride (2,) contiguous; the reference writes it,
+    and so do the drop-in's writers (they once raised torch's bare RuntimeError)."""
+    tensors = {
+        "a": torch.arange(4.0)[::2][:1],
+        "b": torch.arange(6.0).reshape(3, 2)[:, :1][1:2],
+    }
+    assert all(t.is_contiguous() and t.stride()[0] != 1 for t in tensors.values())
+    assert st_pt.save(tensors) == ref_pt.save(tensors)
+    st_pt.save_file(tensors, tmp_path / "a.safetensors")
+    assert (tmp_path / "a.safetensors").read_bytes() == ref_pt.save(tensors)
+
+    class Strided(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("b", torch.as_strided(torch.tensor([3.0]), (1,), (2,)))
+
+    st_pt.save_model(Strided(), tmp_path / "m.safetensors")
+    assert st_pt.load_file(tmp_path / "m.safetensors") == {"b": torch.tensor([3.0])}
+
+
+def test_a_torch_tensor_numpy_cannot_shape_is_a_clear_error(tmp_path: Path) -> None:
+    for tensor in (torch.zeros((1,) * 70), torch.empty((0, 2**61))):
+        with pytest.raises(SafetensorsError, match="cannot be written: stream_st writes through"):
+            st_pt.save({"a": tensor})
+        with pytest.raises(SafetensorsError, match="cannot be written"):
+            st_pt.save_file({"a": tensor}, tmp_path / "a.safetensors")
+        assert not (tmp_path / "a.safetensors").exists()
 
 
 KEYS: list[Any] = [

@@ -630,6 +630,50 @@ def test_load_model_assign_reports_and_refuses_as_without(tmp_path: Path) -> Non
         st.load_model(Tied(), tmp_path / "bad.safetensors", assign=True)
 
 
+class ViewShare(torch.nn.Module):
+    """A buffer that views part of another's memory."""
+
+    full: torch.Tensor
+    part: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        full = torch.arange(8.0)
+        self.register_buffer("full", full)
+        self.register_buffer("part", full[2:6])
+
+
+def test_load_model_assign_views_a_buffer_again_in_the_tensor_it_viewed(tmp_path: Path) -> None:
+    """save_model writes the buffer a view shares once; load_model(assign=True) makes the view
+    again over the new tensor (it once reported it missing, left over the old memory)."""
+    source = ViewShare()
+    source.full.mul_(10)
+    st.save_model(source, tmp_path / "v.safetensors")
+    assert list(st.load_file(tmp_path / "v.safetensors")) == ["full"]
+    for backend in ("mmap", "pread"):
+        model = ViewShare()
+        got = st.load_model(model, tmp_path / "v.safetensors", assign=True, backend=backend)
+        expected: Any = reference.load_model(ViewShare(), tmp_path / "v.safetensors")
+        assert got == (set(), []) == expected
+        assert torch.equal(model.full, torch.arange(8.0) * 10)
+        assert torch.equal(model.part, model.full[2:6])
+        assert model.part.untyped_storage().data_ptr() == model.full.untyped_storage().data_ptr()
+        model.full[3] = -1.0
+        assert model.part[1] == -1.0
+
+
+def test_load_model_assign_counts_both_names_of_a_tied_pair_as_without(tmp_path: Path) -> None:
+    """A file holding both names of a tied pair: the one not kept is unexpected, as the
+    reference and load_model without assign count it."""
+    state = {name: t.clone() for name, t in Tied().state_dict().items()}
+    reference.save_file(state, tmp_path / "both.safetensors")
+    expected: Any = reference.load_model(Tied(), tmp_path / "both.safetensors", strict=False)
+    assert expected[1]  # the pair's second name
+    for assign in (False, True):
+        got = st.load_model(Tied(), tmp_path / "both.safetensors", strict=False, assign=assign)
+        assert got == expected, assign
+
+
 def test_transformers_sharded_bf16_checkpoint_loads_into_the_same_class(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
