@@ -464,7 +464,7 @@ def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str
         return True
 
     placed, fresh = read(place, bool(into) or not maps, into)
-    missing_list, unexpected = model.load_state_dict(dict(fresh), strict=False)
+    missing_list, unexpected = _shared.load_state(model, dict(fresh))
     missing = set(missing_list).difference(placed)
     in_file = placed | {name for name, _ in fresh}
     for dropped in _remove_duplicate_names(state, preferred_names=in_file).values():

@@ -20,6 +20,7 @@ __all__ = [
     "find_shared_tensors",
     "is_complete",
     "kept_name",
+    "load_state",
     "remove_duplicate_names",
     "shared_groups",
     "storage_ptr",
@@ -142,3 +143,16 @@ def kept_name(complete: list[str], preferred: set[str], discard: frozenset[str] 
             or complete
         )
     )
+
+
+def load_state(model: Any, tensors: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """``model.load_state_dict(tensors, strict=False)``: its missing and unexpected names. The
+    ``RuntimeError`` torch raises for tensors it cannot take (a shape that differs) is a
+    :class:`~stream_st.UsageError`, a ``RuntimeError`` still, with torch's message."""
+    try:
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+    except RuntimeError as exc:
+        if not str(exc).startswith("Error(s) in loading state_dict"):
+            raise
+        raise UsageError(str(exc)) from exc
+    return list(missing), list(unexpected)

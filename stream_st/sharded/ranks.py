@@ -410,7 +410,7 @@ def load_model(
     :func:`stream_st.torch.load_model` gives them. Tensors that fit the model's CPU memory
     (dtype, shape) are received straight into it; the others (slices among them) go through
     ``model.load_state_dict``. Names ``include=`` leaves out are not missing."""
-    from ..compat._shared import remove_duplicate_names
+    from ..compat._shared import load_state, remove_duplicate_names
     from ..compat._sync import run
 
     state = model.state_dict()
@@ -434,7 +434,7 @@ def load_model(
     )
     placed = {name for name, tensor in loaded.items() if tensor is into.get(name)}
     fresh = {name: tensor for name, tensor in loaded.items() if name not in placed}
-    missing_list, unexpected = model.load_state_dict(fresh, strict=False)
+    missing_list, unexpected = load_state(model, fresh)
     selected = _selected(include)
     missing = {name for name in missing_list if name not in placed and selected(name)}
     for dropped in remove_duplicate_names(state, preferred_names=loaded).values():

@@ -324,6 +324,16 @@ def test_a_torch_tensor_numpy_cannot_shape_is_a_clear_error(tmp_path: Path) -> N
         assert not (tmp_path / "a.safetensors").exists()
 
 
+def test_load_model_of_a_shape_that_differs_raises_as_the_reference(tmp_path: Path) -> None:
+    """torch's error, with its message and type (a RuntimeError), and a SafetensorsError."""
+    path = tmp_path / "linear.safetensors"
+    ref_pt.save_file({"weight": torch.zeros(4, 2), "bias": torch.zeros(3)}, path)
+    raises_as_reference(
+        lambda: st_pt.load_model(torch.nn.Linear(2, 3), path),
+        lambda: ref_pt.load_model(torch.nn.Linear(2, 3), path),
+    )
+
+
 KEYS: list[Any] = [
     ...,
     (),
