@@ -439,12 +439,17 @@ class CachedStream(TensorStream):
         self.cache_state: str | None = None
 
     async def open(self, *, read_all: bool = False) -> Header:
-        if self.cache_state is None and self._header is None and not self._closed:
-            if not self._may_read_ahead():
-                await self._resolve(read_all=read_all)
-            elif (ahead := await self._resolve_reading_ahead()) is not None:
-                return self._adopt(ahead)
-        return await super().open(read_all=read_all)
+        try:
+            if self.cache_state is None and self._header is None and not self._closed:
+                if not self._may_read_ahead():
+                    await self._resolve(read_all=read_all)
+                elif (ahead := await self._resolve_reading_ahead()) is not None:
+                    return self._adopt(ahead)
+            return await super().open(read_all=read_all)
+        except BaseException:  # cancelled too: the copy being written lets go of its entry
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+            raise
 
     def _adopt(self, ahead: _CopyAhead) -> Header:
         """Read on from the copy read ahead: its header, source and statistics this stream's."""
@@ -455,7 +460,14 @@ class CachedStream(TensorStream):
 
     async def aclose(self) -> None:
         await self._drop_ahead()
-        await super().aclose()
+        resolved = self._source_like
+        unopened = resolved if self._source is None and isinstance(resolved, Source) else None
+        try:
+            await super().aclose()
+        finally:
+            if unopened is not None:  # resolved, not yet opened (a cancel between the two)
+                self._source_like = self._address
+                await unopened.aclose()
 
     async def _resolve(self, *, read_all: bool, on_copy: OnCopy | None = None) -> Resolved:
         """What to read, through the cache (:func:`~.transports.cache.resolve.resolve`)."""
@@ -467,7 +479,8 @@ class CachedStream(TensorStream):
         )
         if self._closed and isinstance(resolved.target, Source):  # closed meanwhile: let go
             await resolved.target.aclose()
-        self._source_like = resolved.target
+        else:
+            self._source_like = resolved.target
         self.cache_state = resolved.state
         return resolved
 
@@ -476,7 +489,12 @@ class CachedStream(TensorStream):
         if ahead is None:
             self.stats.asked(first=True)
             if self.cache_state is None and self._header is None and self._may_read_ahead():
-                ahead = await self._resolve_reading_ahead()
+                try:
+                    ahead = await self._resolve_reading_ahead()
+                except BaseException:  # as open() (cancelled too): the copy lets go
+                    with anyio.CancelScope(shield=True):
+                        await self.aclose()
+                    raise
         if ahead is None:  # as any stream, from what the cache said to read
             async with aclosing(super()._iterate()) as items:
                 async for item in items:
