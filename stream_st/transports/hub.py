@@ -96,6 +96,11 @@ class HubFile:
         revision = unquote(revision) if at else DEFAULT_REVISION
         if not repo or not revision:
             raise UnsupportedSourceError(f"empty repository name or revision in {url!r}")
+        for part in (org, repo, *revision.split("/"), *path.split("/")):
+            if part in ("", ".", ".."):  # the cache lays these out as folders: none may climb
+                raise UnsupportedSourceError(
+                    f"{url!r}: a name, revision or path with an empty, '.' or '..' part"
+                )
         return cls(repo_type, f"{org}/{repo}", revision, path)
 
     def address(self, revision: str | None = None) -> str:

@@ -16,7 +16,8 @@ ended early, or its copy was given up) leaves the follower to read the rest from
 itself, as a read without a cache would, for the same version of the object
 (:class:`~stream_st.SourceChangedError` otherwise); one killed leaves leftovers that the
 follower, taking the lock, removes. So does a writer that has written nothing for
-:data:`STALL` seconds (its link stalled): the follower goes on by itself.
+:data:`STALL` seconds (its link stalled), or for :data:`HERE_STALL` seconds where it is in the
+follower's own process: the follower goes on by itself.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from ..._util import process_running
 from ...errors import SourceChangedError
 from ..base import Source
 from .layout import ObjectEntry
-from .store import EntryLock, Record, pread_soon, read_json, remove_quietly, write_json
+from .store import STALL, EntryLock, Record, pread_soon, read_json, remove_quietly, write_json
 
-__all__ = ["POLL", "PUBLISH_STEP", "STALL", "FollowSource", "Growing", "follow"]
+__all__ = ["HERE_STALL", "POLL", "PUBLISH_STEP", "STALL", "FollowSource", "Growing", "follow"]
 
 PUBLISH_STEP = 1 << 20
 """The writer publishes its progress each time this many more bytes are written (and at the
@@ -46,10 +47,6 @@ end): a rename per step, and followers at most this far behind."""
 
 POLL = 0.01
 """Seconds between two looks of a follower at the writer's progress."""
-
-STALL = 30.0
-"""Seconds without a byte written after which a follower stops waiting for the writer and reads
-the rest from the server itself."""
 
 
 class Growing:
@@ -106,6 +103,13 @@ async def follow(
     return FollowSource(inner, entry, version, lock, state, size, fd, shown)
 
 
+HERE_STALL = 1.0
+"""Seconds without a byte written after which a follower of a writer in its own process reads
+by itself: that writer may be a handle that reads nothing until this one is done with (two
+``safe_open`` handles on one address), where a writer streaming publishes every
+:data:`PUBLISH_STEP` bytes."""
+
+
 class FollowSource(Source):
     """The copy another process is writing, read as it grows (see the module); the rest from
     ``inner`` should the writer stop first. ``fd``: the partial copy, opened (a commit renames
@@ -138,6 +142,7 @@ class FollowSource(Source):
         self._fd: int | None = fd
         self._written = int(state.get("written", 0))
         self._committed = False
+        self._stall = HERE_STALL if lock.held_here else STALL
         self._remote: Source | None = None  # the server, once the writer stopped first
         self._plan: list[tuple[int, int]] = []
 
@@ -189,7 +194,7 @@ class FollowSource(Source):
                     self._lock.release()
                 await self._read_by_itself()
                 return
-            if time.monotonic() - stalled > STALL:
+            if time.monotonic() - stalled > self._stall:
                 await self._read_by_itself()
                 return
             self.clock.check(self.name, self.position)

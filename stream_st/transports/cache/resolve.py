@@ -182,7 +182,7 @@ async def _object(
                 )
             touch(found[0].record)
             return Resolved(str(found[0].data), "offline")
-        while not lock.try_acquire():  # another process holds the entry
+        while not lock.try_acquire():  # another reader holds the entry
             follower = await follow(entry, inner, lock, shown)
             if follower is not None:
                 handed = True
@@ -390,7 +390,8 @@ async def _hub(
         return Resolved(address, "uncached")  # the read reports what the Hub said
     commit, etag = answer.commit, answer.etag
     lock = EntryLock(entry.lock(etag))
-    await lock.acquire(clock, address)
+    if not await lock.acquire(clock, address, functools.partial(_growth, entry.part(etag))):
+        return Resolved(address, "uncached")  # held in this process, or stalled
     handed = False
     inner: Source | None = None
     try:
@@ -433,6 +434,15 @@ async def _hub(
             lock.release()
             if inner is not None:
                 await inner.aclose()
+
+
+def _growth(part: Path) -> tuple[int, int] | None:
+    """How far the blob being written at ``part`` has come (its size and time of change)."""
+    try:
+        info = part.stat()
+    except OSError:
+        return None
+    return info.st_size, info.st_mtime_ns
 
 
 def _hub_partial(entry: HubEntry, etag: str, size: int | None) -> RangeSet:

@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -197,6 +197,16 @@ def touch(path: Path) -> None:
         os.utime(path)
 
 
+STALL = 30.0
+"""Seconds without progress by the process that writes a copy after which a reader waiting for
+it stops waiting and reads the object itself (see :meth:`EntryLock.acquire` and
+:mod:`.follow`)."""
+
+_HELD_HERE: set[Path] = set()
+"""The entries' lock files this process holds (a second reader in the process would wait for
+itself: it reads the object as without a cache instead)."""
+
+
 class EntryLock:
     """An exclusive ``flock`` on the file at ``path``: one writer per entry, across processes
     and within one. The file stays (removing a lock file races with its next user)."""
@@ -208,6 +218,11 @@ class EntryLock:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+    @property
+    def held_here(self) -> bool:
+        """Whether another reader in this process holds the lock."""
+        return self._fd is None and self.path in _HELD_HERE
 
     def try_acquire(self) -> bool:
         """Take the lock if it is free; True when taken."""
@@ -223,22 +238,31 @@ class EntryLock:
                 return False
             raise
         self._fd = fd
+        _HELD_HERE.add(self.path)
         return True
 
-    async def acquire(self, clock: Clock, name: str) -> bool:
-        """Take the lock, waiting while another holds it (within ``clock``'s deadline). Returns
-        whether it had to wait. A try never blocks (``LOCK_NB``): it is made on the event
-        loop's thread."""
-        waited = False
+    async def acquire(self, clock: Clock, name: str, progress: Callable[[], object]) -> bool:
+        """Take the lock, waiting while another process holds it and makes progress (what
+        ``progress()`` returns changes at least every :data:`STALL` seconds), within
+        ``clock``'s deadline. False, without the lock, where the holder is in this process or
+        stalled. A try never blocks (``LOCK_NB``): it is made on the event loop's thread."""
+        seen, since = progress(), time.monotonic()
         while not self.try_acquire():
-            waited = True
+            if self.held_here:
+                return False
             clock.check(name)
             await anyio.sleep(LOCK_POLL)
-        return waited
+            now = progress()
+            if now != seen:
+                seen, since = now, time.monotonic()
+            elif time.monotonic() - since > STALL:
+                return False
+        return True
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
+            _HELD_HERE.discard(self.path)
             os.close(fd)  # closing the descriptor releases the flock
 
 
