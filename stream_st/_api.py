@@ -23,7 +23,7 @@ from .core.arrays import Framework, as_array, spec_of
 from .core.digests import Digests
 from .core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes
 from .core.shards import is_index
-from .errors import UsageError
+from .errors import SafetensorsError, UsageError
 from .memory.delivery import Delivery
 from .reader import NO_CAPS, Caps, Include, TensorStream
 from .reader.ahead import _room_ahead
@@ -262,25 +262,28 @@ def open_stream(
     reads that copy next time after one conditional request (none offline); see
     ``docs/cache.md``. Other sources are read as they are.
     """
-    clock = clock_of(options)
-    clock.transport = clock.transport.reading(concurrency)
     if process_group is not None or slices is not None:
         from .sharded.ranks import DistributedStream
 
-        no_cache_with_ranks(cache)
-
-        return DistributedStream(
-            source,
-            process_group=process_group,
-            include=include,
-            slices=slices,
-            max_header_size=max_header_size,
-            verify=verify,
-            clock=clock,
-            delivery=Delivery(framework, into),
-            max_tensor_bytes=max_tensor_bytes,
-            max_total_bytes=max_total_bytes,
-        )
+        try:
+            no_cache_with_ranks(cache)
+            return DistributedStream(
+                source,
+                process_group=process_group,
+                include=include,
+                slices=slices,
+                max_header_size=max_header_size,
+                verify=verify,
+                clock=_clock(options, concurrency),
+                delivery=Delivery(framework, into),
+                max_tensor_bytes=max_tensor_bytes,
+                max_total_bytes=max_total_bytes,
+            )
+        except SafetensorsError as exc:  # every rank raises it, naming this one
+            if process_group is None:
+                raise
+            return DistributedStream.refused(process_group, exc)
+    clock = _clock(options, concurrency)
     return stream_for(
         source,
         include=include,
@@ -294,6 +297,13 @@ def open_stream(
         max_total_bytes=max_total_bytes,
         cache=cache,
     )
+
+
+def _clock(options: Mapping[str, Any], concurrency: int | None) -> Clock:
+    """The clock of a read with transport ``options`` and ``concurrency``."""
+    clock = clock_of(options)
+    clock.transport = clock.transport.reading(concurrency)
+    return clock
 
 
 def stream_for(

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 from .compat import _local, _save, _shared
 from .compat._errors import InvalidTensorsError, MetaTensorError
 from .core.arrays import is_torch_tensor, load_torch, torch_device
-from .errors import UsageError
+from .errors import SafetensorsError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -146,12 +146,9 @@ def load_file(
     only its share.
     """
     if process_group is not None or slices is not None:
-        from ._api import no_cache_with_ranks
-
-        no_cache_with_ranks(cache)
         caps = (max_tensor_bytes, max_total_bytes)
         return _distributed_load(
-            filename, process_group, include, slices, verify, device, caps, options
+            filename, process_group, include, slices, verify, device, caps, cache, options
         )
     target = torch_device(device)
     given = {
@@ -187,16 +184,22 @@ def _distributed_load(
     verify: bool,
     device: str | int | torch.device,
     caps: tuple[int | None, int | None],
+    cache: CacheLike,
     options: Mapping[str, Any],
 ) -> dict[str, torch.Tensor]:
     """``load_file`` with a process group (see :mod:`stream_st.sharded.ranks`); ``caps``: its
-    ``(max_tensor_bytes, max_total_bytes)``."""
+    ``(max_tensor_bytes, max_total_bytes)``. A call this rank refuses is told to the group."""
+    from ._api import no_cache_with_ranks
     from .compat._sync import check_sync_address, run
     from .sharded import ranks
     from .transports.options import clock_of
 
-    check_sync_address(filename, "source")
-    clock = clock_of(options)
+    try:
+        no_cache_with_ranks(cache)
+        check_sync_address(filename, "source")
+        clock = clock_of(options)
+    except SafetensorsError as exc:
+        ranks.refuse(group, exc)
     return run(
         functools.partial(
             ranks.load,
@@ -395,9 +398,13 @@ def load_model(
     if process_group is not None or include is not None or slices is not None:
         from .sharded import ranks
 
-        if assign:
-            raise UsageError("load_model(process_group=...) does not take assign=True")
-        no_cache_with_ranks(cache)
+        try:
+            if assign:
+                raise UsageError("load_model(process_group=...) does not take assign=True")
+            no_cache_with_ranks(cache)
+            clock = clock_of(options)
+        except SafetensorsError as exc:  # every rank raises it, naming this one
+            ranks.refuse(process_group, exc)
         return ranks.load_model(
             model,
             filename,
@@ -406,7 +413,7 @@ def load_model(
             include=include,
             slices=slices,
             verify=verify,
-            clock=clock_of(options),
+            clock=clock,
             device=device,
         )
     target = torch_device(device)

@@ -64,7 +64,7 @@ import hashlib
 import os
 import socket
 from collections.abc import AsyncGenerator, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header
 from ..core.shards import is_index, shard_address
@@ -176,15 +176,16 @@ class DistributedStream(TensorStream):
             delivery=delivery,
         )
         self._group = RankGroup(process_group)
-        self._selected = _selected(include)
-        self._names = (
-            None if include is None or callable(include) else set(self._selected_names(include))
-        )
+        self._selected: Callable[[str], bool] = lambda name: True
+        self._names: set[str] | None = None
         # Misuse on one rank is told to the group when it opens: raised here, it would leave
         # the others waiting for this rank until the group's timeout.
         self._problem: Failure | None = None
         self._slice: Callable[[str], object] = lambda name: None
         try:
+            self._selected = _selected(include)
+            if include is not None and not callable(include):
+                self._names = set(self._selected_names(include))
             self._group.hand_out_on(device)
             self._slice = _slice_of(slices)
             if max_tensor_bytes is None and max_total_bytes is None:
@@ -202,6 +203,16 @@ class DistributedStream(TensorStream):
         self._found: set[str] = set()
         self.headers: dict[str, Header] = {}
         self.plan: Plan | None = None
+
+    @classmethod
+    def refused(cls, process_group: Any, problem: SafetensorsError) -> DistributedStream:
+        """A stream whose open tells the group that this rank's call was refused before it
+        began (an option, a value the rank's own checks turned down): every rank then raises
+        :class:`RankFailedError` naming this one at once, where raising here would leave the
+        others waiting for this rank until the group's timeout."""
+        stream = cls("", process_group=process_group)
+        stream._problem = Failure.of(problem)
+        return stream
 
     @staticmethod
     def _selected_names(include: Include) -> list[str]:
@@ -394,6 +405,17 @@ async def load(
     return {name: tensor async for name, tensor in stream}
 
 
+def refuse(process_group: Any, problem: SafetensorsError) -> NoReturn:
+    """Raise ``problem``, a refusal of this rank's call before it began, as every rank of the
+    group raises it (:meth:`DistributedStream.refused`), from a call that has no event loop;
+    without a group, as it is."""
+    from ..compat._sync import run
+
+    if process_group is not None:
+        run(DistributedStream.refused(process_group, problem).open)
+    raise problem
+
+
 def load_model(
     model: torch.nn.Module,
     source: SourceLike,
@@ -410,7 +432,6 @@ def load_model(
     :func:`stream_st.torch.load_model` gives them. Tensors that fit the model's CPU memory
     (dtype, shape) are received straight into it; the others (slices among them) go through
     ``model.load_state_dict``. Names ``include=`` leaves out are not missing."""
-    from ..compat._shared import load_state, remove_duplicate_names
     from ..compat._sync import run
 
     state = model.state_dict()
@@ -432,6 +453,27 @@ def load_model(
             into=into,
         )
     )
+    failure = None
+    try:
+        missing, unexpected = _taken(model, state, into, loaded, include, strict)
+    except SafetensorsError as exc:
+        failure = Failure.of(exc)
+    run(RankGroup(process_group).agree, failure)  # no rank returns while another fails
+    return missing, unexpected
+
+
+def _taken(
+    model: torch.nn.Module,
+    state: Mapping[str, Any],
+    into: Mapping[str, Any],
+    loaded: Mapping[str, Any],
+    include: Include,
+    strict: bool,
+) -> tuple[set[str], list[str]]:
+    """The tensors ``loaded`` that were not received ``into`` the model given to it, and
+    ``(missing, unexpected)``; :class:`UsageError` where ``strict`` finds either."""
+    from ..compat._shared import load_state, remove_duplicate_names
+
     placed = {name for name, tensor in loaded.items() if tensor is into.get(name)}
     fresh = {name: tensor for name, tensor in loaded.items() if name not in placed}
     missing_list, unexpected = load_state(model, fresh)

@@ -199,7 +199,7 @@ def describe(exc: BaseException) -> str:
     """How a rank's failure is told to the others: the error's type and message."""
     if isinstance(exc, GeneratorExit):
         return "it left its stream before the end"
-    if isinstance(exc, anyio.get_cancelled_exc_class()):
-        return "it was cancelled"
+    if not isinstance(exc, Exception) and isinstance(exc, anyio.get_cancelled_exc_class()):
+        return "it was cancelled"  # (an error is told before any event loop runs)
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -177,7 +177,7 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
             model = Model()
             before = {name: t.data_ptr() for name, t in model.state_dict().items()}
             missing, unexpected = stream_st.torch.load_model(
-                model, src, process_group=group, include=include, strict=False
+                model, src, process_group=group, include=include, **{"strict": False, **options}
             )
             got = {name: t.clone() for name, t in model.state_dict().items()}
             report["in_place"] = sorted(

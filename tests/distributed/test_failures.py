@@ -82,14 +82,25 @@ def test_a_rank_leaving_its_stream_fails_the_others_at_once(
         ({"include": [None, "!raise"]}, "LookupError: no rule for"),
         ({"options": [{}, {"device": "nowhere"}]}, "UsageError: device='nowhere'"),
         ({"slices": [None, {"layer0": [5, 0, 2]}]}, "UsageError: slices= for 'layer0'"),
+        ({"include": [None, 5]}, "ArgumentTypeError: include= takes"),
+        ({"options": [{}, {"bogus": 1}]}, "UsageError: unknown option(s) ['bogus']"),
+        ({"options": [{}, {"cache": True}]}, "UsageError: cache= does not go with"),
+        ({"mode": "stream", "options": [{}, {"bogus": 1}]}, "unknown option(s) ['bogus']"),
+        ({"mode": "stream", "options": [{}, {"timeout": -1}]}, "UsageError: timeout"),
+        ({"mode": "load_model", "options": [{}, {"assign": True}]}, "does not take assign=True"),
+        ({"mode": "load_model", "options": [{}, {"strict": True}]}, "Unexpected key(s)"),
     ],
 )
 def test_one_rank_failing_while_planning(
     tmp_path: Path, layers: Path, pool: Pool, params: dict[str, Any], told: str
 ) -> None:
     """A rank whose own code (its ``include=`` predicate), or argument, fails before any byte
-    is exchanged: every rank raises naming it, at once."""
-    reports = pool.run(tmp_path, 2, mode="load_file", src=str(layers), **params)
+    is exchanged, or whose model does not take what it loaded: every rank raises naming it, at
+    once. Arguments refused before the group was joined (an unknown option, ``include=5``,
+    ``assign=True``) left the others waiting until the group's timeout; a model refusing its
+    tensors after the last gate left rank 0 returning while rank 1 raised."""
+    params = {"mode": "load_file", **params}
+    reports = pool.run(tmp_path, 2, src=str(layers), **params)
     for report in reports:
         assert told in failed(report, "RankFailedError", 1)
         assert report["seconds"] < PROMPT, report
