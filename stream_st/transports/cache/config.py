@@ -21,6 +21,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from pathlib import Path
 
 from ...errors import UsageError
@@ -28,7 +29,7 @@ from ...errors import UsageError
 __all__ = ["Cache", "CacheLike", "parse_size"]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*", re.IGNORECASE)
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([kmgtp])(i?))?(b?)\s*", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
 
@@ -43,7 +44,7 @@ def parse_size(text: str) -> int:
     number, unit, binary, byte = match.groups()
     decimal = bool(byte) and not binary and bool(unit)
     base = 1000 if decimal else 1024
-    return int(float(number) * base ** _POWERS[unit.lower()])
+    return int(Fraction(number) * base ** _POWERS[(unit or "").lower()])  # exact, any size
 
 
 def _cache_home(env: Mapping[str, str]) -> Path:

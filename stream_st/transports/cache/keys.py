@@ -2,7 +2,8 @@
 
 A key never holds a secret: user information (``user:password@``) is dropped, and a query that
 carries a signature or a credential (a presigned S3 URL's ``X-Amz-Signature``, a CDN's ``sig``,
-a ``token``) is dropped whole, as it changes with every signing and names no other object. Any
+a ``token``) is dropped, as it changes with every signing, but for what names a version of the
+object (S3's ``versionId``, :data:`VERSION_QUERY`): two versions are two objects. Any
 other query stays part of the object's identity (``?version=2``) but is kept on disk only as a
 hash. What is shown (``cache ls``) is the address without user information and query.
 """
@@ -36,6 +37,10 @@ SIGNED_QUERY = frozenset(
 )
 """Query parameters (lower case) that mark a signed or credentialed URL."""
 
+VERSION_QUERY = frozenset({"versionid", "generation"})
+"""Query parameters (lower case) of a signed URL that name one version of the object (S3's
+``versionId``, Google Cloud Storage's ``generation``): kept in its key."""
+
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -67,7 +72,11 @@ def object_key(address: str) -> ObjectKey:
     shown = f"{scheme}://{netloc}{path}"
     pairs = parse_qsl(parts.query, keep_blank_values=True)
     signed = any(name.lower() in SIGNED_QUERY for name, _ in pairs)
-    query = "" if signed or not parts.query else "?" + parts.query
+    if signed:  # of the signed query, only what names a version of the object stays
+        kept = sorted((n, v) for n, v in pairs if n.lower() in VERSION_QUERY)
+        query = "".join(f"&{n}={v}" for n, v in kept).replace("&", "?", 1)
+    else:
+        query = "?" + parts.query if parts.query else ""
     digest = hashlib.sha256(f"{shown}{query}".encode()).hexdigest()[:40]
     return ObjectKey(digest, shown)
 

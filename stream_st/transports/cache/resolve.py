@@ -147,10 +147,11 @@ def _partial(entry: ObjectEntry, etag: str, modified: str, size: int | None) -> 
         and entry.part.stat().st_size == size
     )
     if usable:
-        try:
-            return RangeSet(state["ranges"])
-        except (TypeError, ValueError):
-            pass
+        assert size is not None
+        with contextlib.suppress(TypeError, ValueError):
+            held = RangeSet(state["ranges"])
+            if held.within(size):
+                return held
     remove_quietly(entry.part, entry.part_record)
     return RangeSet()
 
@@ -451,8 +452,9 @@ def _hub_partial(entry: HubEntry, etag: str, size: int | None) -> RangeSet:
     part = entry.part(etag)
     if isinstance(state, dict) and size is not None and state.get("size") == size:
         with contextlib.suppress(OSError, TypeError, ValueError):
-            if part.stat().st_size == size:
-                return RangeSet(state["ranges"])
+            held = RangeSet(state["ranges"])
+            if part.stat().st_size == size and held.within(size):
+                return held
     remove_quietly(part, entry.part_record(etag))
     return RangeSet()
 

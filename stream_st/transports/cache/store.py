@@ -15,10 +15,12 @@ writer left.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -165,7 +167,7 @@ def _rehash(path: Path, record: Record) -> bool:
     """Whether the bytes at ``path`` still have the record's digest; blocking."""
     try:
         hasher = hash_file(path, new_hasher(record.algorithm, record.size))
-    except OSError:
+    except (OSError, UsageError):  # a damaged record (an algorithm it cannot name)
         return False
     return bytes(hasher.digest()).hex() == record.digest
 
@@ -267,7 +269,8 @@ class EntryLock:
 
 
 class RangeSet:
-    """Sorted, disjoint ``[start, end)`` ranges of bytes a partial copy holds."""
+    """Sorted, disjoint ``[start, end)`` ranges of bytes a partial copy holds (touching ranges
+    merged). Found by bisection: a copy made of many small reads (one row each) stays cheap."""
 
     def __init__(self, ranges: Iterable[Iterable[int]] = ()) -> None:
         self.ranges: list[tuple[int, int]] = []
@@ -277,28 +280,31 @@ class RangeSet:
     def add(self, start: int, end: int) -> None:
         if end <= start:
             return
-        kept: list[tuple[int, int]] = []
-        for low, high in self.ranges:
-            if high < start or low > end:
-                kept.append((low, high))
-            else:
-                start, end = min(start, low), max(end, high)
-        kept.append((start, end))
-        kept.sort()
-        self.ranges = kept
+        ranges = self.ranges
+        low = bisect.bisect_left(ranges, start, key=lambda each: each[1])  # first reaching it
+        high = bisect.bisect_right(ranges, end, key=lambda each: each[0])  # first past it
+        if low < high:
+            start, end = min(start, ranges[low][0]), max(end, ranges[high - 1][1])
+        ranges[low:high] = [(start, end)]
+
+    def within(self, size: int) -> bool:
+        """Whether every range lies in ``[0, size)`` (a record's ranges, checked)."""
+        return not self.ranges or (self.ranges[0][0] >= 0 and self.ranges[-1][1] <= size)
 
     def total(self) -> int:
         return sum(end - start for start, end in self.ranges)
 
     def covers(self, start: int, end: int) -> bool:
-        return any(low <= start and end <= high for low, high in self.ranges)
+        at = bisect.bisect_right(self.ranges, start, key=lambda each: each[0]) - 1
+        return at >= 0 and self.ranges[at][1] >= end
 
     def pieces(self, start: int, end: int) -> Iterator[tuple[int, int, bool]]:
         """``[start, end)`` cut at the ranges' edges: ``(start, end, held)`` in order."""
         at = start
-        for low, high in self.ranges:
-            if high <= at or low >= end:
-                continue
+        first = bisect.bisect_right(self.ranges, start, key=lambda each: each[1])
+        for low, high in itertools.islice(self.ranges, first, None):
+            if low >= end:
+                break
             if low > at:
                 yield at, low, False
             yield max(at, low), min(high, end), True
