@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .._api import using_cache
-from ..errors import UsageError
+from ..errors import SafetensorsError, UsageError
 from ..transports.cache import Cache, parse_size
 from .exits import EXIT_DIFFERENT, EXIT_OK
 from .output import PROG, human, print_json
@@ -66,9 +66,20 @@ def _age(seconds: float) -> str:
 
 
 async def run_cache(args: argparse.Namespace) -> int:
+    cache = _cache_of(args)
+    try:
+        return _run_cache(args, cache)
+    except OSError as exc:
+        if isinstance(exc, SafetensorsError):
+            raise
+        raise UsageError(
+            f"cannot use the cache in {cache.directory} ({exc.strerror or exc}: {exc.filename})"
+        ) from exc
+
+
+def _run_cache(args: argparse.Namespace, cache: Cache) -> int:
     from ..transports.cache.manage import entries, prune, remove
 
-    cache = _cache_of(args)
     if args.action == "ls":
         found = entries(cache)
         if args.json:

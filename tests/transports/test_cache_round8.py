@@ -9,6 +9,8 @@ import asyncio
 import fcntl
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ from stream_st.transports.cache.store import RangeSet
 from .._util import assert_same_arrays
 from ..servers.http_server import RangeHTTPServer
 from ..servers.hub_server import FakeHub
-from .test_cache import ARRAYS, DATA, files_under, read
+from .test_cache import ARRAYS, DATA, ROOT, files_under, read
 
 HUB_ADDRESS = "hf://org/model/model.safetensors"
 
@@ -189,3 +191,24 @@ def test_range_sets_merge_as_before_and_stay_cheap() -> None:
     assert ranges.covers(100, 205) and not ranges.covers(100, 206)
     assert list(ranges.pieces(204, 212)) == [(204, 205, True), (205, 210, False), (210, 212, True)]
     assert not RangeSet([(0, 11)]).within(10) and RangeSet([(0, 10)]).within(10)
+
+
+def test_a_cache_folder_that_is_a_file_warns_and_reads_without_it(tmp_path: Path) -> None:
+    """Was a bare NotADirectoryError (the command: an internal error), where the docs promise
+    a RuntimeWarning and the read going on."""
+    (tmp_path / "afile").write_bytes(b"")
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as server:
+        url = server.url("/m.safetensors")
+        with pytest.warns(RuntimeWarning, match="the cache cannot be used .*reading without it"):
+            arrays, state = asyncio.run(read(url, cache=tmp_path / "afile"))
+        assert state == "uncached"
+        assert_same_arrays(arrays, ARRAYS)
+        done = subprocess.run(
+            [sys.executable, "-m", "stream_st.cli", "inspect", "--cache-dir", "afile", url],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert done.returncode == 0, done.stderr
+        assert "the cache cannot be used" in done.stderr and "internal error" not in done.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .config import Cache
 from .layout import HubEntry, ObjectEntry
-from .store import EntryLock, Record, read_json, remove_quietly
+from .store import EntryLock, Record, read_json
 
 __all__ = ["Entry", "entries", "prune", "remove", "total_size"]
 
@@ -180,12 +180,15 @@ def total_size(cache: Cache) -> int:
 
 def remove(entry: Entry) -> bool:
     """Remove ``entry``'s files (and a Hub blob's snapshot links); False, removing nothing,
-    when another process holds its lock (it is being written)."""
+    when another process holds its lock (it is being written); ``OSError`` where one cannot
+    be removed."""
     lock = EntryLock(entry.lock) if entry.lock is not None else None
     if lock is not None and not lock.try_acquire():
         return False
     try:
-        remove_quietly(*entry.links, *entry.files)
+        for path in (*entry.links, *entry.files):  # asked for: a file left is an error
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     finally:
         if lock is not None:
             lock.release()

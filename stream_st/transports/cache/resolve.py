@@ -29,13 +29,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 
-from ...errors import CacheMissError, HTTPStatusError, TransportError
+from ...errors import CacheMissError, HTTPStatusError, SafetensorsError, TransportError
 from ..base import Source
 from ..http.redirect import REDIRECTS, redirected
 from ..http.target import Target
@@ -92,10 +93,19 @@ async def resolve(
     never when no request is made): the caller may start reading the copy, and must use what it
     read only if the answer is that copy (``target`` is that path), and drop it otherwise."""
     scheme = scheme_of(address)
-    if scheme == "hf":
-        return await _hub(address, cache, clock, read_all, on_copy)
-    if scheme in CACHED_SCHEMES:
-        return await _object(address, cache, clock, read_all, on_copy)
+    try:
+        if scheme == "hf":
+            return await _hub(address, cache, clock, read_all, on_copy)
+        if scheme in CACHED_SCHEMES:
+            return await _object(address, cache, clock, read_all, on_copy)
+    except OSError as exc:
+        if isinstance(exc, SafetensorsError):  # the read's own failure (TransportError)
+            raise
+        warnings.warn(  # a cache folder that is a file, read-only, replaced...
+            f"the cache cannot be used ({exc.strerror or exc}: {exc.filename}): reading without it",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return Resolved(address, "uncached")
 
 

@@ -157,9 +157,10 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def remove_quietly(*paths: Path) -> None:
-    """Remove each file of ``paths`` that exists."""
+    """Remove each file of ``paths`` that exists; one that cannot be removed (a folder made
+    read-only, or replaced by a file) is left: what is not trusted is checked again."""
     for path in paths:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.unlink(path)
 
 
@@ -231,7 +232,7 @@ class EntryLock:
         if self._fd is not None:
             return True
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)  # flock: no write
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
