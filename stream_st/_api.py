@@ -410,6 +410,7 @@ async def header_of(
     else:
         stream = stream_for(
             source,
+            include=(),  # no tensor: the copy is not given room for every byte up front
             max_header_size=max_header_size,
             clock=clock,
             cache=cache,

@@ -212,3 +212,41 @@ def test_a_cache_folder_that_is_a_file_warns_and_reads_without_it(tmp_path: Path
         )
         assert done.returncode == 0, done.stderr
         assert "the cache cannot be used" in done.stderr and "internal error" not in done.stderr
+
+
+def test_a_partial_read_takes_only_the_room_of_what_it_holds(tmp_path: Path) -> None:
+    """The copy's blocks were reserved for the whole object on any read: read_header of a
+    70 GB model reserved 70 GB, which the size cap and cache ls did not count."""
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as server:
+        url = server.url("/m.safetensors")
+        asyncio.run(stream_st.read_header(url, cache=tmp_path))
+        asyncio.run(read(url, cache=tmp_path, include=["t0"]))
+        (part,) = (p for p in tmp_path.rglob("*.part") if p.is_file())
+        info = part.stat()
+        assert info.st_size == len(DATA)
+        assert info.st_blocks * 512 < len(DATA) // 2  # t0 and the header: a quarter of it
+        arrays, state = asyncio.run(read(url, cache=tmp_path))
+        assert state == "fetch"
+        assert_same_arrays(arrays, ARRAYS)
+
+
+def test_a_copy_whose_record_cannot_be_written_is_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk at the commit left the copy under its final name with no record: unseen by
+    cache ls and prune, kept for ever."""
+    from stream_st.transports.cache.store import Record
+
+    def full(self: Record, path: Path) -> None:
+        raise OSError(28, "No space left on device", str(path))
+
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as server:
+        url = server.url("/m.safetensors")
+        monkeypatch.setattr(Record, "save", full)
+        with pytest.warns(RuntimeWarning, match="No space left"):
+            arrays, _ = asyncio.run(read(url, cache=tmp_path))
+        assert_same_arrays(arrays, ARRAYS)
+        assert not list(tmp_path.rglob("*.safetensors"))
+        monkeypatch.undo()
+        assert asyncio.run(read(url, cache=tmp_path))[1] == "fetch"
+        assert asyncio.run(read(url, cache=tmp_path))[1] == "hit"

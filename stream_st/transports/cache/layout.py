@@ -122,8 +122,12 @@ class ObjectEntry:
         from .store import fingerprint
 
         os.replace(part, self.data)
-        record.fingerprint = fingerprint(self.data)
-        record.save(self.record)
+        try:
+            record.fingerprint = fingerprint(self.data)
+            record.save(self.record)
+        except OSError:  # a copy no record names would be kept for ever, unseen: not kept
+            remove_quietly(self.data)
+            raise
         remove_quietly(self.part_record)
         self.clean(keep=self.version)
 

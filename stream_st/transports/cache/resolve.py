@@ -238,6 +238,7 @@ async def _object(
             held=held,
             growing=entry.growing,
             version=version.version,
+            reserve=read_all,
         )
         # the transport's digest of the whole object (an S3 checksum): the copy is checked
         # against it once complete, whatever reads made it up
@@ -436,6 +437,7 @@ async def _hub(
             expected=expected,
             on_committed=_pruner(cache, entry.blob(etag)),
             held=held if resumable else RangeSet(),
+            reserve=read_all,
         )
         writer = CopyWriter(destination, lock, address, None)
         handed = True

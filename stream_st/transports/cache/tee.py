@@ -76,7 +76,9 @@ class Destination:
     and the record). ``expected``: the digest (hex, of ``algorithm``) the copy must have, when
     known ahead (a Hub file's SHA-256). ``growing``: where the bytes written so far are
     published for other processes reading the same object (see :mod:`.follow`), with
-    ``version``, the copy's version name.
+    ``version``, the copy's version name. ``reserve``: the read takes every byte, so the
+    copy's blocks are reserved up front (see :func:`_allocate`); a read of part of the object
+    (``include=``, a header) keeps a sparse file, which takes only the room of what it holds.
     """
 
     part: Path
@@ -88,13 +90,17 @@ class Destination:
     held: RangeSet = field(default_factory=RangeSet)
     growing: Path | None = None
     version: str = ""
+    reserve: bool = True
 
 
-def _allocate(fd: int, size: int) -> None:
-    """Give the file ``size`` bytes, its blocks reserved up front where the file system can
-    (writing into reserved blocks measured twice as fast as into a sparse file, and a full disk
-    shows before the first byte); a sparse file elsewhere."""
+def _allocate(fd: int, size: int, reserve: bool) -> None:
+    """Give the file ``size`` bytes, its blocks reserved up front where the file system can and
+    ``reserve`` asks (writing into reserved blocks measured twice as fast as into a sparse file,
+    and a full disk shows before the first byte); a sparse file elsewhere."""
     os.ftruncate(fd, 0)
+    if not reserve:
+        os.ftruncate(fd, size)
+        return
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
@@ -225,7 +231,7 @@ class CopyWriter:
         self.given_up: str | None = None  # why no copy is kept
         if self.size is not None and os.fstat(self._fd).st_size != self.size:
             try:
-                _allocate(self._fd, self.size)
+                _allocate(self._fd, self.size, destination.reserve)
             except OSError as exc:
                 os.close(self._fd)
                 self._fd = None
