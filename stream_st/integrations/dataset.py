@@ -148,7 +148,9 @@ class DatasetInfo:
 
 def _batch_mode(headers: Sequence[Header], schema: object) -> bool:
     """Whether every shard holds the same tensors, each with one leading (sample) dimension per
-    shard, and the manifest's schema (if any) names exactly those."""
+    shard, and the manifest's schema (if any) names exactly those. A shard of no tensor (a
+    writer closed before its first batch writes one) holds no sample of any."""
+    headers = [header for header in headers if len(header)]
     if not headers:
         return isinstance(schema, dict)
     names = set(headers[0].names())

@@ -28,7 +28,7 @@ from anyio.from_thread import start_blocking_portal
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .._api import open_stream
-from ..errors import UsageError, integer_at_least
+from ..errors import ArgumentTypeError, SourceChangedError, UsageError, integer_at_least
 from ..reader.stream import include_names
 from .dataset import DatasetInfo, Piece, describe_dataset, plan_pieces, read_piece
 
@@ -52,8 +52,43 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         found = torch.distributed.get_rank(), torch.distributed.get_world_size()
     else:
-        found = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        found = _from_environment("RANK", 0), _from_environment("WORLD_SIZE", 1)
     return (found[0] if rank is None else rank), (found[1] if world_size is None else world_size)
+
+
+def _from_environment(name: str, default: int) -> int:
+    """The whole number the environment variable ``name`` holds (``default`` if unset)."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    if not text.strip().isascii() or not text.strip().isdigit():
+        raise UsageError(f"{name}={text!r} in the environment is not a whole number")
+    return int(text)
+
+
+def _flag(name: str, value: object) -> bool:
+    """``value`` if it is a bool; :class:`ArgumentTypeError` otherwise (``"no"`` is true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} takes True or False, got {type(value).__name__}")
+    return bool(value)
+
+
+def _check_alike(dataset: DatasetInfo, columns: list[str] | None) -> None:
+    """:class:`UsageError` where a column's dtype or the shape of its rows differs between two
+    shards (the samples could not be batched together)."""
+    seen: dict[str, tuple[str, tuple[int, ...], str]] = {}
+    for address, header in zip(dataset.shards, dataset.headers, strict=True):
+        for info in header.tensors:
+            if columns is not None and info.name not in columns:
+                continue
+            row = (info.dtype, tuple(info.shape[1:]), address)
+            first = seen.setdefault(info.name, row)
+            if first[:2] != row[:2]:
+                raise UsageError(
+                    f"column {info.name!r} differs between shards: {first[0]} rows of shape "
+                    f"{list(first[1])} in {first[2]}, {row[0]} rows of shape {list(row[1])} in "
+                    f"{address}"
+                )
 
 
 class SafetensorsDataset(IterableDataset[Sample]):
@@ -89,12 +124,15 @@ class SafetensorsDataset(IterableDataset[Sample]):
         world_size: int | None = None,
     ) -> None:
         super().__init__()
+        shuffle, drop_last = _flag("shuffle", shuffle), _flag("drop_last", drop_last)
+        seed = integer_at_least("seed", seed, -(1 << 63))  # an int (1.5 and None were taken)
+        shuffle_buffer = integer_at_least("shuffle_buffer", shuffle_buffer, 1)
+        piece_bytes = integer_at_least("piece_bytes", piece_bytes, 1)
         self.dataset: DatasetInfo = anyio.run(lambda: describe_dataset(source))
         if self.dataset.kv:
             raise UsageError(f"{os.fspath(source)} is a KV-mode dataset: it holds no samples")
-        shuffle_buffer = integer_at_least("shuffle_buffer", shuffle_buffer, 1)
-        piece_bytes = integer_at_least("piece_bytes", piece_bytes, 1)
         self.columns = None if columns is None else sorted(include_names(columns))
+        _check_alike(self.dataset, self.columns)
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.shuffle_buffer = shuffle_buffer
         self.drop_last = drop_last
@@ -104,9 +142,10 @@ class SafetensorsDataset(IterableDataset[Sample]):
             raise UsageError(f"rank {self.rank} is not in a world of {self.world_size}")
         self._plan = plan_pieces(self.dataset, self.columns, max_bytes=piece_bytes)
         first = self.dataset.columns[0] if self.dataset.columns else None
+        self._described = dict(zip(self.dataset.shards, self.dataset.headers, strict=True))
         self._rows = {
             address: header[first].shape[0] if first else 0
-            for address, header in zip(self.dataset.shards, self.dataset.headers, strict=True)
+            for address, header in self._described.items()
         }
 
     @property
@@ -122,7 +161,7 @@ class SafetensorsDataset(IterableDataset[Sample]):
 
     def set_epoch(self, epoch: int) -> None:
         """Shuffle differently in ``epoch`` (call it on every rank before each epoch)."""
-        self.epoch = epoch
+        self.epoch = integer_at_least("epoch", epoch, 0)
 
     def _sequence(self) -> list[Piece]:
         plan = list(self._plan)
@@ -166,6 +205,14 @@ class SafetensorsDataset(IterableDataset[Sample]):
         async with open_stream(
             piece.address, include=names, framework="pt", copy=False, verify=whole
         ) as stream:
+            if (
+                stream.header != self._described[piece.address]
+            ):  # a shard rewritten since: rows that were not planned
+                raise SourceChangedError(
+                    f"{piece.address} changed since the dataset was described (its header is "
+                    "another): describe the dataset again",
+                    url=piece.address,
+                )
             views: dict[str, torch.Tensor] = {
                 name: cast(torch.Tensor, tensor) async for name, tensor in stream
             }  # framework="pt": torch tensors

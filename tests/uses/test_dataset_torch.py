@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 
 import stream_st  # noqa: E402
 from stream_st.integrations.torch_dataset import SafetensorsDataset  # noqa: E402
+from stream_st.numpy import save_file  # noqa: E402
 
 from ..servers.http_server import RangeHTTPServer  # noqa: E402
 
@@ -176,3 +177,59 @@ def test_a_damaged_checksummed_shard_is_refused(tmp_path: Path) -> None:
     shard.write_bytes(bytes(damaged))
     with pytest.raises(stream_st.IntegrityError, match="'label'"):
         list(SafetensorsDataset(tmp_path))
+
+
+def test_a_shard_rewritten_after_the_dataset_was_described_is_refused(dataset_dir: Path) -> None:
+    """Its rows were read as the new file holds them: samples that were never planned, and
+    ranks yielding different counts."""
+    dataset = SafetensorsDataset(dataset_dir)
+    shard = sorted(dataset_dir.glob("part-*.safetensors"))[1]
+    rows: dict[str, np.ndarray[Any, Any]] = {
+        "image": np.zeros((3, 256, 256), np.uint8),
+        "label": np.arange(100, 103),
+    }
+    save_file(rows, shard)
+    with pytest.raises(stream_st.SourceChangedError, match="changed since the dataset"):
+        list(dataset)
+
+
+def test_shards_whose_columns_differ_are_refused_up_front(tmp_path: Path) -> None:
+    """Was accepted; the DataLoader then failed in torch's collate with a bare RuntimeError."""
+
+    async def main() -> None:
+        async with stream_st.open_dataset_writer(tmp_path, target_shard_size=1) as writer:
+            await writer.write_batch({"x": np.zeros((4, 3), np.float32)}, 4)
+            await writer.write_batch({"x": np.zeros((4, 5), np.float64)}, 4)
+
+    anyio.run(main)
+    with pytest.raises(stream_st.UsageError, match=r"column 'x' differs between shards: F32"):
+        SafetensorsDataset(tmp_path)
+
+
+def test_a_dataset_written_with_no_batch_holds_no_sample(tmp_path: Path) -> None:
+    """Was refused as a KV-mode dataset."""
+
+    async def main() -> None:
+        async with stream_st.open_dataset_writer(tmp_path):
+            pass
+
+    anyio.run(main)
+    dataset = SafetensorsDataset(tmp_path)
+    assert len(dataset) == 0 and list(dataset) == []
+
+
+def test_flags_and_the_environment_are_checked(
+    dataset_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """shuffle="no" shuffled, drop_last="no" dropped, seed=1.5 was taken; RANK=x raised a bare
+    ValueError."""
+    for wrong in ({"shuffle": "no"}, {"drop_last": "no"}, {"seed": 1.5}, {"seed": None}):
+        with pytest.raises(stream_st.SafetensorsError, match=next(iter(wrong))):
+            SafetensorsDataset(dataset_dir, **wrong)
+    numpy_true: Any = np.bool_(True)
+    assert len(SafetensorsDataset(dataset_dir, shuffle=numpy_true, seed=-1)) > 0
+    with pytest.raises(stream_st.SafetensorsError, match="epoch"):
+        SafetensorsDataset(dataset_dir).set_epoch("1")  # type: ignore[arg-type]
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(stream_st.UsageError, match="RANK='x' in the environment"):
+        SafetensorsDataset(dataset_dir)
