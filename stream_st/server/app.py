@@ -269,8 +269,12 @@ async def serving(
     checked = None if token is None else _Token(token)
     if isinstance(name, str):  # "model.safetensors" is served at /model.safetensors
         name = name.removesuffix(SUFFIX)
-    if name is not None and (not name or "/" in name or name != name.strip()):
-        raise UsageError(f"name must be a plain file name without '/', got {name!r}")
+    if name is not None and (
+        not name or "/" in name or name != name.strip() or not name.isprintable()
+    ):  # a control character (a newline) is not matched by the server's routes
+        raise UsageError(
+            f"name must be a plain file name without '/' or control characters, got {name!r}"
+        )
     served = await served_object(source, name=name, metadata=metadata, checksums=checksums)
     sock = _listening_socket(host, port)
     server = Server(served, host, sock.getsockname()[1], checked)

@@ -246,6 +246,9 @@ async def test_a_name_given_with_its_suffix_is_served_under_it(model: Path) -> N
     with pytest.raises(stream_st.UsageError, match="a plain file name"):
         async with stream_st.serving(model, name=".safetensors"):
             pass
+    with pytest.raises(stream_st.UsageError, match="control characters"):  # was served at a
+        async with stream_st.serving(model, name="a\nb"):  # URL no route answered (a 404)
+            pass
 
 
 # --------------------------------------------------------------------------- the writer
