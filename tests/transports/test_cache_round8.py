@@ -250,3 +250,17 @@ def test_a_copy_whose_record_cannot_be_written_is_not_kept(
         monkeypatch.undo()
         assert asyncio.run(read(url, cache=tmp_path))[1] == "fetch"
         assert asyncio.run(read(url, cache=tmp_path))[1] == "hit"
+
+
+def test_a_partial_copy_is_listed_and_removed_by_its_address(tmp_path: Path) -> None:
+    """Was listed as "(partial copy <hash>)", which no address pattern of cache rm matched."""
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as server:
+        url = server.url("/m.safetensors")
+        asyncio.run(stream_st.read_header(url, cache=tmp_path))
+        command = [sys.executable, "-m", "stream_st.cli", "cache"]
+        options: dict[str, Any] = {"capture_output": True, "text": True, "cwd": ROOT}
+        listed = subprocess.run([*command, "ls", "--dir", str(tmp_path)], **options)
+        assert url in listed.stdout and "partial" in listed.stdout, listed
+        removed = subprocess.run([*command, "rm", "--dir", str(tmp_path), url], **options)
+        assert removed.returncode == 0 and f"removed {url}" in removed.stdout, removed
+        assert not list(tmp_path.rglob("*.part"))

@@ -82,7 +82,7 @@ def _object_entries(cache: Cache) -> list[Entry]:
         for version in entry.partials():
             at = entry.at(version)
             state = read_json(at.part_record)
-            shown = _shown_of(entry) or f"(partial copy {key})"
+            shown = _recorded_address(state) or _shown_of(entry) or f"(partial copy {key})"
             found.append(
                 Entry(
                     shown,
@@ -94,6 +94,12 @@ def _object_entries(cache: Cache) -> list[Entry]:
                 )
             )
     return found
+
+
+def _recorded_address(state: object) -> str | None:
+    """The address a partial copy's record names (None in records written before it did)."""
+    shown = state.get("shown") if isinstance(state, dict) else None
+    return shown if isinstance(shown, str) and shown else None
 
 
 def _shown_of(entry: ObjectEntry) -> str | None:
@@ -155,7 +161,7 @@ def _hub_entries(cache: Cache) -> list[Entry]:
                 state = read_json(mine / name)
                 found.append(
                     Entry(
-                        f"hf:// {folder} (partial copy of {etag[:12]})",
+                        _recorded_address(state) or f"hf:// {folder} (partial copy of {etag[:12]})",
                         _held(state),
                         _mtime(mine / name),
                         False,

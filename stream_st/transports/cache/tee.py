@@ -454,6 +454,7 @@ class CopyWriter:
             fd = -1
             record = destination.record
             state = {
+                "shown": record.shown,  # for cache ls and rm
                 "ranges": self.held.ranges,
                 "size": self.size,
                 "etag": record.etag,
