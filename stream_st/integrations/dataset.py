@@ -135,9 +135,10 @@ class DatasetInfo:
     @property
     def columns(self) -> list[str]:
         """Batch mode: the tensors of every shard, in the manifest schema's order if it has one."""
-        if self.kv or not self.headers:
+        held = [header for header in self.headers if len(header)]  # empty shards hold none
+        if self.kv or not held:
             return []
-        names = self.headers[0].names()
+        names = held[0].names()
         schema = self.manifest.get("schema")
         return list(schema) if isinstance(schema, dict) and set(schema) == set(names) else names
 
@@ -838,7 +839,7 @@ def plan_pieces(
         raise UsageError(f"the dataset has no column {missing[0]!r} (it has {dataset.columns})")
     cuts = max(1, math.ceil(at_least / max(1, len(dataset.shards))))
     for address, header in zip(dataset.shards, dataset.headers, strict=True):
-        rows = header[columns[0]].shape[0] if columns else 0
+        rows = header[columns[0]].shape[0] if columns and len(header) else 0  # empty: none
         row_bytes = sum(header[c].nbytes // rows for c in columns) if rows else 0
         step = max(1, math.ceil(rows / cuts))
         if row_bytes:  # pieces: at most ``cuts`` plus the shard's bytes over max_bytes

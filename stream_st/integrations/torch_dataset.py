@@ -144,7 +144,7 @@ class SafetensorsDataset(IterableDataset[Sample]):
         first = self.dataset.columns[0] if self.dataset.columns else None
         self._described = dict(zip(self.dataset.shards, self.dataset.headers, strict=True))
         self._rows = {
-            address: header[first].shape[0] if first else 0
+            address: header[first].shape[0] if first and len(header) else 0
             for address, header in self._described.items()
         }
 

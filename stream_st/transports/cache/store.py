@@ -20,7 +20,6 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import itertools
 import json
 import os
 import time
@@ -205,9 +204,9 @@ STALL = 30.0
 it stops waiting and reads the object itself (see :meth:`EntryLock.acquire` and
 :mod:`.follow`)."""
 
-_HELD_HERE: set[Path] = set()
-"""The entries' lock files this process holds (a second reader in the process would wait for
-itself: it reads the object as without a cache instead)."""
+_HELD_HERE: set[tuple[int, int]] = set()
+"""The entries' lock files this process holds, by device and inode (however their path is
+spelled): a second reader in the process would wait for itself, and reads by itself instead."""
 
 
 class EntryLock:
@@ -217,6 +216,7 @@ class EntryLock:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd: int | None = None
+        self._identity = (0, 0)  # the lock file's device and inode, while held
 
     @property
     def held(self) -> bool:
@@ -225,7 +225,13 @@ class EntryLock:
     @property
     def held_here(self) -> bool:
         """Whether another reader in this process holds the lock."""
-        return self._fd is None and self.path in _HELD_HERE
+        if self._fd is not None or not _HELD_HERE:
+            return False
+        try:
+            info = os.stat(self.path)
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) in _HELD_HERE
 
     def try_acquire(self) -> bool:
         """Take the lock if it is free; True when taken."""
@@ -241,7 +247,9 @@ class EntryLock:
                 return False
             raise
         self._fd = fd
-        _HELD_HERE.add(self.path)
+        info = os.fstat(fd)
+        self._identity = (info.st_dev, info.st_ino)
+        _HELD_HERE.add(self._identity)
         return True
 
     async def acquire(self, clock: Clock, name: str, progress: Callable[[], object]) -> bool:
@@ -265,7 +273,7 @@ class EntryLock:
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
-            _HELD_HERE.discard(self.path)
+            _HELD_HERE.discard(self._identity)
             os.close(fd)  # closing the descriptor releases the flock
 
 
@@ -302,8 +310,10 @@ class RangeSet:
     def pieces(self, start: int, end: int) -> Iterator[tuple[int, int, bool]]:
         """``[start, end)`` cut at the ranges' edges: ``(start, end, held)`` in order."""
         at = start
-        first = bisect.bisect_right(self.ranges, start, key=lambda each: each[1])
-        for low, high in itertools.islice(self.ranges, first, None):
+        ranges = self.ranges
+        first = bisect.bisect_right(ranges, start, key=lambda each: each[1])
+        for index in range(first, len(ranges)):
+            low, high = ranges[index]
             if low >= end:
                 break
             if low > at:
