@@ -264,3 +264,18 @@ def test_a_partial_copy_is_listed_and_removed_by_its_address(tmp_path: Path) -> 
         removed = subprocess.run([*command, "rm", "--dir", str(tmp_path), url], **options)
         assert removed.returncode == 0 and f"removed {url}" in removed.stdout, removed
         assert not list(tmp_path.rglob("*.part"))
+
+
+def test_a_second_handle_knows_the_first_however_the_folder_is_spelled(tmp_path: Path) -> None:
+    """The lock held in this process was known by its path as spelled: through a symlinked or
+    relative folder, the second handle waited 30 s."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as server:
+        url = server.url("/m.safetensors")
+        started = time.monotonic()
+        with compat.safe_open(url, "np", cache=tmp_path / "real") as first:
+            assert np.array_equal(first.get_slice("t0")[:2], ARRAYS["t0"][:2])
+            with compat.safe_open(url, "np", cache=tmp_path / "link") as second:
+                assert np.array_equal(second.get_tensor("t1"), ARRAYS["t1"])
+        assert time.monotonic() - started < 10
