@@ -205,7 +205,7 @@ class DistributedStream(TensorStream):
         self.plan: Plan | None = None
 
     @classmethod
-    def refused(cls, process_group: Any, problem: SafetensorsError) -> DistributedStream:
+    def refused(cls, process_group: Any, problem: Exception) -> DistributedStream:
         """A stream whose open tells the group that this rank's call was refused before it
         began (an option, a value the rank's own checks turned down): every rank then raises
         :class:`RankFailedError` naming this one at once, where raising here would leave the
@@ -405,10 +405,10 @@ async def load(
     return {name: tensor async for name, tensor in stream}
 
 
-def refuse(process_group: Any, problem: SafetensorsError) -> NoReturn:
-    """Raise ``problem``, a refusal of this rank's call before it began, as every rank of the
-    group raises it (:meth:`DistributedStream.refused`), from a call that has no event loop;
-    without a group, as it is."""
+def refuse(process_group: Any, problem: Exception) -> NoReturn:
+    """Raise ``problem``, a refusal of this rank's call (or a failure of its own) before it
+    joined the group, as every rank of the group raises it (:meth:`DistributedStream.refused`),
+    from a call that has no event loop; without a group, as it is."""
     from ..compat._sync import run
 
     if process_group is not None:
@@ -434,12 +434,15 @@ def load_model(
     ``model.load_state_dict``. Names ``include=`` leaves out are not missing."""
     from ..compat._sync import run
 
-    state = model.state_dict()
-    into = {
-        name: tensor
-        for name, tensor in state.items()
-        if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
-    }
+    try:
+        state = model.state_dict()
+        into = {
+            name: tensor
+            for name, tensor in state.items()
+            if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
+        }
+    except Exception as exc:  # not a model: told to the group, which would wait for this rank
+        refuse(process_group, exc)
     loaded = run(
         functools.partial(
             load,
@@ -456,7 +459,7 @@ def load_model(
     failure = None
     try:
         missing, unexpected = _taken(model, state, into, loaded, include, strict)
-    except SafetensorsError as exc:
+    except Exception as exc:  # the model's own hooks too: any failure is told to the group
         failure = Failure.of(exc)
     run(RankGroup(process_group).agree, failure)  # no rank returns while another fails
     return missing, unexpected

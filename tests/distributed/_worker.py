@@ -7,8 +7,9 @@ group of the first ranks (made with ``new_group``), the others sit it out.
 ``PARAMS`` is a JSON file: ``world``, ``port``, ``timeout`` (seconds, the group's; a pool's group
 has 60), ``backend`` (``gloo``, or ``nccl``: rank R on CUDA device R modulo the count; a group of
 its own only), ``mode`` (``load_file``, ``load_model``, ``stream``), ``src`` (or ``srcs``: one per
-rank), ``options`` (keywords of ``load_file`` or ``open_stream``: the same for all, or one mapping
-per rank), and per rank ``include`` (``"!raise"``: a predicate that raises), ``slices`` (``{name:
+rank), ``options`` (keywords of ``load_file``, ``load_model`` or ``open_stream``: the same for
+all, or one mapping per rank), ``broken`` (``{rank: true}``, load_model mode: that rank gives
+None for the model), and per rank ``include`` (``"!raise"``: a predicate that raises), ``slices`` (``{name:
 [dim, part, parts]}``), ``ambient`` (``[max_tensor_bytes, max_total_bytes]`` set with
 ``using_caps``), ``env``; ``reference`` (a safetensors file: each tensor got is compared bit for
 bit, on its own device, with that file's, sliced as asked, the names that differ reported); ``stop``
@@ -176,6 +177,8 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
 
             model = Model()
             before = {name: t.data_ptr() for name, t in model.state_dict().items()}
+            if params.get("broken", {}).get(str(rank)):  # not a model: fails before the group
+                model = None
             missing, unexpected = stream_st.torch.load_model(
                 model, src, process_group=group, include=include, **{"strict": False, **options}
             )

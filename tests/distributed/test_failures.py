@@ -89,6 +89,7 @@ def test_a_rank_leaving_its_stream_fails_the_others_at_once(
         ({"mode": "stream", "options": [{}, {"timeout": -1}]}, "UsageError: timeout"),
         ({"mode": "load_model", "options": [{}, {"assign": True}]}, "does not take assign=True"),
         ({"mode": "load_model", "options": [{}, {"strict": True}]}, "Unexpected key(s)"),
+        ({"mode": "load_model", "broken": {"1": True}}, "AttributeError: 'NoneType'"),
     ],
 )
 def test_one_rank_failing_while_planning(
