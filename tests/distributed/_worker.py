@@ -7,16 +7,16 @@ group of the first ranks (made with ``new_group``), the others sit it out.
 ``PARAMS`` is a JSON file: ``world``, ``port``, ``timeout`` (seconds, the group's; a pool's group
 has 60), ``backend`` (``gloo``, or ``nccl``: rank R on CUDA device R modulo the count; a group of
 its own only), ``mode`` (``load_file``, ``load_model``, ``stream``), ``src`` (or ``srcs``: one per
-rank), ``options`` (keywords of ``load_file``, ``load_model`` or ``open_stream``: the same for
-all, or one mapping per rank), ``broken`` (``{rank: true}``, load_model mode: that rank gives
-None for the model), and per rank ``include`` (``"!raise"``: a predicate that raises), ``slices`` (``{name:
+rank), ``options`` (keywords of ``load_file``, ``load_model`` or ``open_stream``: the same for all,
+or one mapping per rank), ``broken`` (``{rank: true}``, load_model mode: that rank gives None for
+the model), and per rank ``include`` (``"!raise"``: a predicate that raises), ``slices`` (``{name:
 [dim, part, parts]}``), ``ambient`` (``[max_tensor_bytes, max_total_bytes]`` set with
 ``using_caps``), ``env``; ``reference`` (a safetensors file: each tensor got is compared bit for
-bit, on its own device, with that file's, sliced as asked, the names that differ reported); ``stop``
-(``{rank: how}``, stream mode: once it has its first tensor the rank kills itself with SIGKILL,
-``"kill"``, or raises :class:`Stopped` out of its loop, ``"raise"``); ``out`` (a folder). The rank
-writes what it got to ``out/rank<R>.safetensors`` (and the order to ``out/rank<R>.json``), or its
-error to ``out/rank<R>.json``, with the seconds the scenario took it.
+bit, on its own device, with that file's, sliced as asked, the names that differ reported);
+``stop`` (``{rank: how}``, stream mode: once it has its first tensor the rank kills itself with
+SIGKILL, ``"kill"``, or raises :class:`Stopped` out of its loop, ``"raise"``); ``out`` (a folder).
+The rank writes what it got to ``out/rank<R>.safetensors`` (and the order to ``out/rank<R>.json``),
+or its error to ``out/rank<R>.json``, with the seconds the scenario took it.
 """
 
 from __future__ import annotations
