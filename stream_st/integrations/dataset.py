@@ -54,6 +54,7 @@ from ..core.shards import MANIFEST_NAME, SHARD_NAME, is_index
 from ..errors import (
     DtypeError,
     HeaderError,
+    SourceChangedError,
     SourceNotFoundError,
     TruncatedStreamError,
     UsageError,
@@ -851,11 +852,23 @@ def plan_pieces(
     return pieces
 
 
-async def read_piece(piece: Piece) -> dict[str, Array]:
+def changed(address: str) -> SourceChangedError:
+    """The error for shard ``address`` found rewritten since the dataset was described."""
+    return SourceChangedError(
+        f"{address} changed since the dataset was described (its header is another): "
+        "describe the dataset again",
+        url=address,
+    )
+
+
+async def read_piece(piece: Piece, described: Header | None = None) -> dict[str, Array]:
     """The arrays of ``piece``: only their bytes are read (ranged requests on HTTP and S3).
 
     Whole tensors (a KV piece, or every row of a shard) are checked against the digests their
     shard records, as every read is; a range of rows cannot be (a digest covers a whole tensor).
+    A shard whose header is not ``described`` (the one the plan was made from), or that holds
+    fewer rows than the piece names, raises :class:`~stream_st.SourceChangedError`: it was
+    rewritten since.
     """
     if not piece.rows:
         return await load(piece.address, include=list(piece.names))
@@ -864,6 +877,8 @@ async def read_piece(piece: Piece) -> dict[str, Array]:
         rows = header[piece.names[0]].shape[:1]
         if any(header[name].shape[:1] != rows for name in piece.names):
             raise HeaderError(f"{piece.address}: the columns hold different numbers of samples")
+        if (described is not None and header != described) or piece.stop > sum(rows):
+            raise changed(piece.address)
         if (piece.start, piece.stop) == (0, *rows):
             out = {name: array async for name, array in stream}
         else:

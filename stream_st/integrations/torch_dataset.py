@@ -28,9 +28,9 @@ from anyio.from_thread import start_blocking_portal
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .._api import open_stream
-from ..errors import ArgumentTypeError, SourceChangedError, UsageError, integer_at_least
+from ..errors import ArgumentTypeError, UsageError, integer_at_least
 from ..reader.stream import include_names
-from .dataset import DatasetInfo, Piece, describe_dataset, plan_pieces, read_piece
+from .dataset import DatasetInfo, Piece, changed, describe_dataset, plan_pieces, read_piece
 
 __all__ = ["SafetensorsDataset"]
 
@@ -198,21 +198,17 @@ class SafetensorsDataset(IterableDataset[Sample]):
         (its digests checked when the piece is the whole shard, as
         :func:`~stream_st.integrations.dataset.read_piece` checks them); other sources are read
         with ranged requests."""
+        described = self._described[piece.address]
         if "://" in piece.address and not piece.address.startswith("file://"):
-            return {name: torch.from_numpy(a) for name, a in (await read_piece(piece)).items()}
+            read = await read_piece(piece, described)
+            return {name: torch.from_numpy(array) for name, array in read.items()}
         whole = (piece.start, piece.stop) == (0, self._rows[piece.address])
         names = list(piece.names)
         async with open_stream(
             piece.address, include=names, framework="pt", copy=False, verify=whole
         ) as stream:
-            if (
-                stream.header != self._described[piece.address]
-            ):  # a shard rewritten since: rows that were not planned
-                raise SourceChangedError(
-                    f"{piece.address} changed since the dataset was described (its header is "
-                    "another): describe the dataset again",
-                    url=piece.address,
-                )
+            if stream.header != described:  # rewritten since: rows that were not planned
+                raise changed(piece.address)
             views: dict[str, torch.Tensor] = {
                 name: cast(torch.Tensor, tensor) async for name, tensor in stream
             }  # framework="pt": torch tensors

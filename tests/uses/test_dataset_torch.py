@@ -193,6 +193,25 @@ def test_a_shard_rewritten_after_the_dataset_was_described_is_refused(dataset_di
         list(dataset)
 
 
+@pytest.mark.parametrize("rows", [7, 12])
+def test_a_shard_rewritten_on_a_server_is_refused(dataset_dir: Path, rows: int) -> None:
+    """Over HTTP the rows were read as the new file held them, past its tensors' ends where it
+    had fewer (three zeros read from the next tensor's bytes)."""
+    with RangeHTTPServer() as server:
+        for path in dataset_dir.iterdir():
+            server.objects[f"/data/{path.name}"] = path.read_bytes()
+        dataset = SafetensorsDataset(server.url("/data/dataset_manifest.json"), columns=["label"])
+        shard = sorted(dataset_dir.glob("part-*.safetensors"))[1]
+        new: dict[str, np.ndarray[Any, Any]] = {
+            "image": np.zeros((rows, 256, 256), np.uint8),
+            "label": np.arange(100, 100 + rows),
+        }
+        save_file(new, shard)
+        server.objects[f"/data/{shard.name}"] = shard.read_bytes()
+        with pytest.raises(stream_st.SourceChangedError, match="changed since the dataset"):
+            list(dataset)
+
+
 def test_shards_whose_columns_differ_are_refused_up_front(tmp_path: Path) -> None:
     """Was accepted; the DataLoader then failed in torch's collate with a bare RuntimeError."""
 
@@ -216,6 +235,19 @@ def test_a_dataset_written_with_no_batch_holds_no_sample(tmp_path: Path) -> None
     anyio.run(main)
     dataset = SafetensorsDataset(tmp_path)
     assert len(dataset) == 0 and list(dataset) == []
+
+
+def test_empty_shards_among_others_hold_no_sample(tmp_path: Path) -> None:
+    """A task that wrote no batch leaves a shard of no tensor: first, it made the dataset's
+    columns empty (nothing yielded); last, a TensorNotFoundError."""
+    rows: dict[str, np.ndarray[Any, Any]] = {
+        "x": np.zeros((4, 3), np.float32),
+        "label": np.arange(4),
+    }
+    for name in ("part-00000-0000-a", "part-00001-0000-b", "part-00002-0000-c"):
+        save_file(rows if name.endswith("b") else {}, tmp_path / f"{name}.safetensors")
+    dataset = SafetensorsDataset(tmp_path)
+    assert len(dataset) == 4 and labels(dataset) == [0, 1, 2, 3]
 
 
 def test_flags_and_the_environment_are_checked(
