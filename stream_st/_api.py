@@ -405,15 +405,16 @@ async def header_of(
             f"{os.fspath(source)} is the index of sharded files, which have a header "
             "each: read a shard's, or all of them with stream_st.tools.inspect(index)"
         )
-    if _cache_for(source, cache) is None:
+    settings = _cache_for(source, cache)
+    if settings is None:
         header, name = await header_only(source, clock, max_header_size, unknown_dtypes)
     else:
-        stream = stream_for(
-            source,
-            include=(),  # no tensor: the copy is not given room for every byte up front
+        stream = CachedStream(
+            str(source),
+            cache=settings,
+            whole=False,  # a header: the copy is not given room for every byte up front
             max_header_size=max_header_size,
             clock=clock,
-            cache=cache,
             unknown_dtypes=unknown_dtypes,
         )
         async with stream:
@@ -439,12 +440,19 @@ class CachedStream(TensorStream):
     While the request that checks the local copy is in flight, it reads the copy ahead (its
     header and first tensors, :class:`_CopyAhead`), and hands out nothing of it, header
     included, before the answer says the copy is the object; not into the caller's memory
-    (``into=``), nor with an ``include=`` predicate run on the copy's names."""
+    (``into=``), nor with an ``include=`` predicate run on the copy's names.
 
-    def __init__(self, address: str, *, cache: Cache, **options: Any) -> None:
+    ``whole``: whether the read takes every byte, so the remote object may be fetched with one
+    request and its copy given its room up front; by default, when no ``include=`` is given.
+    A handle that reads on demand (``safe_open``) or a header's read says False."""
+
+    def __init__(
+        self, address: str, *, cache: Cache, whole: bool | None = None, **options: Any
+    ) -> None:
         super().__init__(address, **options)
         self._address = address
         self._cache = cache
+        self._whole = options.get("include") is None if whole is None else whole
         self._options = options
         self._ahead: _CopyAhead | None = None
         self.cache_state: str | None = None
@@ -545,7 +553,7 @@ class CachedStream(TensorStream):
                     group.start_soon(ahead.run, path)
 
                 try:
-                    resolved = await self._resolve(read_all=self._include is None, on_copy=on_copy)
+                    resolved = await self._resolve(read_all=self._whole, on_copy=on_copy)
                 except Exception as exc:  # raised outside the group: no ExceptionGroup
                     failure = exc
                 ahead.answered.set()

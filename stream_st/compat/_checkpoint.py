@@ -66,8 +66,8 @@ class _File:
 
     @classmethod
     async def open(cls, address: SourceLike, options: _Options, shard: bool = False) -> _File:
-        stream = cached_stream(
-            address, options.cache, clock=options.clock, verify=options.verify
+        stream = cached_stream(  # read on demand: not every byte (see CachedStream)
+            address, options.cache, clock=options.clock, verify=options.verify, whole=False
         ) or TensorStream(address, clock=options.clock, verify=options.verify)
         if shard:
             await _open_shard(stream, str(address))
