@@ -535,7 +535,8 @@ class _Slots:
         share memory, those but the one kept (see
         :func:`~stream_st.compat._shared.remove_duplicate_names`) are unexpected where the file
         has them, else not missing; such a name that views part of the kept one's memory is
-        viewed again in the new tensor (where the dtypes agree and both are laid out plainly)."""
+        viewed again in the new tensor (where the kept one's dtype is the file's and both are
+        laid out plainly; a view of another dtype too)."""
         missing = set(self._group).difference(self._loaded)
         unexpected = [name for name, _ in others]
         for group, complete in self._shared:
@@ -555,11 +556,18 @@ class _Slots:
         module, attribute = self._slot(keep)
         base = getattr(module, attribute)
         was, view = self._geometry[keep], self._geometry[name]
-        if not (was.plain and base.is_contiguous() and base.dtype == was.dtype == view.dtype):
+        if not (was.plain and base.is_contiguous() and base.dtype == was.dtype):
+            return False  # laid out otherwise, or of the file's dtype: its bytes are others
+        at = base.storage_offset() * was.itemsize + view.offset * view.itemsize
+        at -= was.offset * was.itemsize  # the view's first byte in the new storage
+        if at < 0 or at % view.itemsize:
             return False
-        new = base.detach().as_strided(
-            view.shape, view.stride, base.storage_offset() + view.offset - was.offset
-        )
+        try:  # a view of another dtype too (as .view(torch.int32) made it)
+            new = _torch.empty(0, dtype=view.dtype, device=base.device).set_(
+                base.untyped_storage(), at // view.itemsize, view.shape, view.stride
+            )
+        except RuntimeError:  # past the new storage's end
+            return False
         if view.parameter:
             new = _torch.nn.Parameter(new, requires_grad=view.requires_grad)
         self._set([name], new)
@@ -581,13 +589,23 @@ class _Slots:
 class _Geometry:
     """How a tensor lies in its storage (in elements): enough to view another storage alike."""
 
-    __slots__ = ("dtype", "offset", "parameter", "plain", "requires_grad", "shape", "stride")
+    __slots__ = (
+        "dtype",
+        "itemsize",
+        "offset",
+        "parameter",
+        "plain",
+        "requires_grad",
+        "shape",
+        "stride",
+    )
 
     def __init__(self, tensor: Any) -> None:
         self.dtype = tensor.dtype
         self.shape = tuple(tensor.shape)
         self.stride = tuple(tensor.stride())
         self.offset: int = tensor.storage_offset()
+        self.itemsize: int = tensor.element_size()
         self.plain: bool = tensor.is_contiguous()
         self.parameter = isinstance(tensor, _torch.nn.Parameter)
         self.requires_grad: bool = tensor.requires_grad

@@ -101,6 +101,10 @@ class HubFile:
                 raise UnsupportedSourceError(
                     f"{url!r}: a name, revision or path with an empty, '.' or '..' part"
                 )
+            if not part.isprintable():  # a NUL no file name can hold, a newline...
+                raise UnsupportedSourceError(
+                    f"{url!r}: a name, revision or path with a control character"
+                )
         return cls(repo_type, f"{org}/{repo}", revision, path)
 
     def address(self, revision: str | None = None) -> str:

@@ -662,6 +662,31 @@ def test_load_model_assign_views_a_buffer_again_in_the_tensor_it_viewed(tmp_path
         assert model.part[1] == -1.0
 
 
+def test_load_model_assign_views_a_buffer_of_another_dtype_again(tmp_path: Path) -> None:
+    """A buffer made by .view(torch.int32) of a float one: was reported missing, left over
+    the old memory."""
+
+    class DtypeView(torch.nn.Module):
+        whole: torch.Tensor
+        bits: torch.Tensor
+
+        def __init__(self) -> None:
+            super().__init__()
+            whole = torch.arange(8.0)
+            self.register_buffer("whole", whole)
+            self.register_buffer("bits", whole[2:6].view(torch.int32))
+
+    source = DtypeView()
+    source.whole.add_(0.5)
+    st.save_model(source, tmp_path / "d.safetensors")
+    model = DtypeView()
+    got = st.load_model(model, tmp_path / "d.safetensors", assign=True)
+    expected: Any = reference.load_model(DtypeView(), tmp_path / "d.safetensors")
+    assert got == (set(), []) == expected
+    assert torch.equal(model.bits, model.whole[2:6].view(torch.int32))
+    assert torch.equal(model.whole, torch.arange(8.0) + 0.5)
+
+
 def test_load_model_assign_counts_both_names_of_a_tied_pair_as_without(tmp_path: Path) -> None:
     """A file holding both names of a tied pair: the one not kept is unexpected, as the
     reference and load_model without assign count it."""

@@ -107,6 +107,13 @@ def test_a_second_handle_in_the_process_reads_at_once_without_the_cache(
         assert time.monotonic() - started < 10
 
 
+def test_an_hf_address_with_a_control_character_is_refused(hub: FakeHub) -> None:
+    """An encoded NUL in a revision raised a bare ValueError from the cache's file names."""
+    hub.push("org/model", {"model.safetensors": DATA})
+    with pytest.raises(UnsupportedSourceError, match="a control character"):
+        asyncio.run(read("hf://org/model@a%00b/model.safetensors", cache=True))
+
+
 @pytest.mark.parametrize(
     "address",
     [
