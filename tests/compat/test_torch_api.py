@@ -631,60 +631,40 @@ def test_load_model_assign_reports_and_refuses_as_without(tmp_path: Path) -> Non
 
 
 class ViewShare(torch.nn.Module):
-    """A buffer that views part of another's memory."""
+    """A buffer that views part of another's memory (as another ``dtype``, if given)."""
 
     full: torch.Tensor
     part: torch.Tensor
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         full = torch.arange(8.0)
         self.register_buffer("full", full)
-        self.register_buffer("part", full[2:6])
+        self.register_buffer("part", full[2:6] if dtype is None else full[2:6].view(dtype))
 
 
-def test_load_model_assign_views_a_buffer_again_in_the_tensor_it_viewed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", [None, torch.int32])
+def test_load_model_assign_views_a_buffer_again_in_the_tensor_it_viewed(
+    tmp_path: Path, dtype: torch.dtype | None
+) -> None:
     """save_model writes the buffer a view shares once; load_model(assign=True) makes the view
-    again over the new tensor (it once reported it missing, left over the old memory)."""
-    source = ViewShare()
-    source.full.mul_(10)
+    again over the new tensor, of its own dtype (it once reported it missing, left over the old
+    memory)."""
+    source = ViewShare(dtype)
+    source.full.mul_(10).add_(0.5)
     st.save_model(source, tmp_path / "v.safetensors")
     assert list(st.load_file(tmp_path / "v.safetensors")) == ["full"]
     for backend in ("mmap", "pread"):
-        model = ViewShare()
+        model = ViewShare(dtype)
         got = st.load_model(model, tmp_path / "v.safetensors", assign=True, backend=backend)
-        expected: Any = reference.load_model(ViewShare(), tmp_path / "v.safetensors")
+        expected: Any = reference.load_model(ViewShare(dtype), tmp_path / "v.safetensors")
         assert got == (set(), []) == expected
-        assert torch.equal(model.full, torch.arange(8.0) * 10)
-        assert torch.equal(model.part, model.full[2:6])
+        assert torch.equal(model.full, torch.arange(8.0) * 10 + 0.5)
+        viewed = model.full[2:6]
+        assert torch.equal(model.part, viewed if dtype is None else viewed.view(dtype))
         assert model.part.untyped_storage().data_ptr() == model.full.untyped_storage().data_ptr()
         model.full[3] = -1.0
-        assert model.part[1] == -1.0
-
-
-def test_load_model_assign_views_a_buffer_of_another_dtype_again(tmp_path: Path) -> None:
-    """A buffer made by .view(torch.int32) of a float one: was reported missing, left over
-    the old memory."""
-
-    class DtypeView(torch.nn.Module):
-        whole: torch.Tensor
-        bits: torch.Tensor
-
-        def __init__(self) -> None:
-            super().__init__()
-            whole = torch.arange(8.0)
-            self.register_buffer("whole", whole)
-            self.register_buffer("bits", whole[2:6].view(torch.int32))
-
-    source = DtypeView()
-    source.whole.add_(0.5)
-    st.save_model(source, tmp_path / "d.safetensors")
-    model = DtypeView()
-    got = st.load_model(model, tmp_path / "d.safetensors", assign=True)
-    expected: Any = reference.load_model(DtypeView(), tmp_path / "d.safetensors")
-    assert got == (set(), []) == expected
-    assert torch.equal(model.bits, model.whole[2:6].view(torch.int32))
-    assert torch.equal(model.whole, torch.arange(8.0) + 0.5)
+        assert model.part[1] == (-1.0 if dtype is None else model.full[3:4].view(dtype)[0])
 
 
 def test_load_model_assign_counts_both_names_of_a_tied_pair_as_without(tmp_path: Path) -> None:

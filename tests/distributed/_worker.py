@@ -177,10 +177,10 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
 
             model = Model()
             before = {name: t.data_ptr() for name, t in model.state_dict().items()}
-            if params.get("broken", {}).get(str(rank)):  # not a model: fails before the group
-                model = None
+            broken = params.get("broken", {}).get(str(rank))  # not a model: fails before the group
+            given: Any = None if broken else model
             missing, unexpected = stream_st.torch.load_model(
-                model, src, process_group=group, include=include, **{"strict": False, **options}
+                given, src, process_group=group, include=include, **{"strict": False, **options}
             )
             got = {name: t.clone() for name, t in model.state_dict().items()}
             report["in_place"] = sorted(
