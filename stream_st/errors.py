@@ -94,7 +94,9 @@ _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^
 """``scheme://userinfo@``: the userinfo runs to the last ``@`` before the path, as URL parsers
 read it (a password with an unescaped ``@`` in it included)."""
 
-_PARAMETER = re.compile(r"(?P<lead>[?&])(?P<name>[^=&#\s'\"<>]+)=(?P<value>[^&#\s'\"<>]*)")
+_PARAMETER = re.compile(r"(?P<lead>[?&#])(?P<name>[^=&#\s'\"<>]+)=(?P<value>[^&#\s'\"<>]*)")
+"""A parameter of a query, or of a fragment (``#access_token=...``, as OAuth's implicit flow
+puts a token there)."""
 
 _SECRET_WORDS = ("signature", "credential", "token", "secret", "password", "passwd", "apikey")
 """A query parameter whose name holds one of these (any case) carries a secret: ``X-Amz-Signature``,

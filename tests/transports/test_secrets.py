@@ -227,6 +227,8 @@ async def test_a_refused_redirect_hides_where_it_pointed(server: RangeHTTPServer
         ("http://alice@host/m", "http://alice@host/m"),  # a user name alone is no secret
         ("user@example.com wrote /tmp/a:b@c", "user@example.com wrote /tmp/a:b@c"),
         ("http://h/p@x?token=", "http://h/p@x?token="),
+        ("https://h/x#access_token=abc&b=1", "https://h/x#access_token=***&b=1"),  # a fragment
+        ("https://h/x?sig=abc#part", "https://h/x?sig=***#part"),
     ],
 )  # fmt: skip
 def test_redact(text: str, shown: str) -> None:
