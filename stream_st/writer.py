@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar, Unpack
 
@@ -522,7 +522,7 @@ class TensorWriter(AsyncClosing):
         memory is read until this returns.
         """
         sink = self._check_usable()
-        pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
+        pairs = _pairs(tensors)
         if self._staged is not None:
             try:
                 for name, value in pairs:
@@ -677,6 +677,22 @@ class TensorWriter(AsyncClosing):
                 await sink.send(data)
             finally:
                 mine.set()
+
+
+def _pairs(tensors: object) -> Iterator[tuple[str, Any]]:
+    """The ``(name, array)`` pairs of ``tensors``, a mapping or an iterable of pairs; an
+    :class:`~stream_st.ArgumentTypeError` for anything else, as the pairs come."""
+    if isinstance(tensors, Mapping):
+        yield from tensors.items()
+        return
+    if isinstance(tensors, str | bytes) or not isinstance(tensors, Iterable):
+        raise ArgumentTypeError(
+            f"write_many takes {{name: array}} or (name, array) pairs, got {type(tensors).__name__}"
+        )
+    for pair in tensors:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise ArgumentTypeError(f"write_many takes (name, array) pairs, got {pair!r:.80}")
+        yield pair
 
 
 class _Gathered:

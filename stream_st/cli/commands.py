@@ -57,6 +57,7 @@ from .output import (
     print_validation,
     progress_reporter,
     show_values,
+    shown,
     split_digests,
     status_line,
 )
@@ -123,7 +124,7 @@ async def run_inspect(args: argparse.Namespace) -> int:
         if args.json:
             print_json(result.to_json())
             return EXIT_OK
-        print(f"{result.source}")
+        print(shown(result.source))
         shards = f" in {result.shards} shards" if result.shards > 1 else ""
         print(
             f"  {plural(result.tensor_count, 'tensor')}{shards}, "
@@ -136,13 +137,14 @@ async def run_inspect(args: argparse.Namespace) -> int:
         if metadata:
             print("  metadata:")
             for key, value in metadata.items():
-                print(f"    {key}: {value}")
+                print(f"    {shown(key)}: {shown(value)}")
         if result.tensors:
-            width = max(len("name"), *(len(t["name"]) for t in result.tensors))
+            names = [shown(t["name"]) for t in result.tensors]
+            width = max(len("name"), *map(len, names))
             print(f"  {'name':<{width}}  {'dtype':<11} {'shape':<22} {'bytes':>12}")
-            for t in result.tensors:
+            for name, t in zip(names, result.tensors, strict=True):
                 shape = str(t["shape"])
-                print(f"  {t['name']:<{width}}  {t['dtype']:<11} {shape:<22} {t['bytes']:>12,}")
+                print(f"  {name:<{width}}  {t['dtype']:<11} {shape:<22} {t['bytes']:>12,}")
         return EXIT_OK
 
     return await _each(args, one)
@@ -152,7 +154,7 @@ async def run_ls(args: argparse.Namespace) -> int:
     async def one(source: str) -> int:
         result = await tools.inspect(source, **options_of(args))
         for t in result.tensors:
-            print(t["name"])
+            print(shown(t["name"]))
         return EXIT_OK
 
     return await _each(args, one)
@@ -341,20 +343,20 @@ async def run_diff(args: argparse.Namespace) -> int:
         print_json(result.to_json())
     else:
         for name in result.added:
-            print(f"+ {name}")
+            print(f"+ {shown(name)}")
         for name in result.removed:
-            print(f"- {name}")
+            print(f"- {shown(name)}")
         for name, changes in result.changed.items():
             detail = ", ".join(f"{key} {a} -> {b}" for key, (a, b) in changes.items())
-            print(f"~ {name}: {detail}")
+            print(f"~ {shown(name)}: {detail}")
         for key in result.metadata_added:
-            print(f"+ metadata {key}: {brief(result.metadata_values[key])}")
+            print(f"+ metadata {shown(key)}: {brief(result.metadata_values[key])}")
         for key in result.metadata_removed:
-            print(f"- metadata {key}: {brief(result.metadata_values[key])}")
+            print(f"- metadata {shown(key)}: {brief(result.metadata_values[key])}")
         for key, (a, b) in result.metadata_changed.items():
-            print(f"~ metadata {key}: {brief(a)} -> {brief(b)}")
+            print(f"~ metadata {shown(key)}: {brief(a)} -> {brief(b)}")
         for name in result.content_differs:
-            print(f"~ {name}: content differs")
+            print(f"~ {shown(name)}: content differs")
         if result.equal:
             compared = " (content compared)" if result.content_compared else ""
             print(f"equal{compared}")

@@ -178,11 +178,21 @@ def print_json(value: Any) -> None:
 
 
 def _strict(value: Any) -> Any:
-    """``value`` with every float that is not finite made None, in lists and dicts too."""
+    """``value`` with every float that is not finite made None, and every text that holds bytes
+    no UTF-8 can (a file name's, kept by Python as surrogates) shown with those bytes escaped
+    (``bad\\xffname``), in lists and dicts too."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
+    if isinstance(value, str):
+        if value.isascii():
+            return value
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return value.encode(errors="surrogateescape").decode(errors="backslashreplace")
+        return value
     if isinstance(value, dict):
-        return {key: _strict(item) for key, item in value.items()}
+        return {_strict(key): _strict(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
         return [_strict(item) for item in value]
     return value
@@ -195,6 +205,15 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"  # pragma: no cover
+
+
+def shown(text: str) -> str:
+    """``text`` (a tensor name, a metadata key or value from a file) as a terminal may be given
+    it: control and format characters (an escape sequence, a newline that would forge a line of
+    the output, a bidirectional override) escaped as Python escapes them, the rest as it is."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def brief(value: str, limit: int = 200) -> str:
@@ -283,7 +302,7 @@ def show_values(args: argparse.Namespace, info: TensorInfo, array: np.ndarray[An
                 "tensor_shape": shape,
                 "packed": packed,
                 "dtype": str(array.dtype),
-                "shape": list(array.shape),
+                "shape": list(np.shape(values)),  # of what "values" holds: the slice's
                 "values": json_values(np.asarray(plain(values)).tolist()),
             }
         )
@@ -305,8 +324,9 @@ def _hex(byte: np.integer[Any]) -> str:
 
 def print_validation(result: tools.Validation) -> None:
     """The source, its statistics table and verdict."""
-    print(f"{result.source}:")
-    width = max([len("name"), *(len(t.name) for t in result.tensors)])
+    print(f"{shown(result.source)}:")
+    names = [shown(t.name) for t in result.tensors]
+    width = max([len("name"), *map(len, names)])
     print(
         f"{'name':<{width}}  {'dtype':<8} {'min':>11} {'max':>11} {'mean':>11} "
         f"{'std':>11} {'nan':>6} {'inf':>6}"
@@ -315,17 +335,17 @@ def print_validation(result: tools.Validation) -> None:
     def cell(value: float | None) -> str:
         return f"{value:>11.4g}" if value is not None else f"{'-':>11}"
 
-    for t in result.tensors:
+    for name, t in zip(names, result.tensors, strict=True):
         print(
-            f"{t.name:<{width}}  {t.dtype:<8} {cell(t.min)} {cell(t.max)} {cell(t.mean)} "
+            f"{name:<{width}}  {t.dtype:<8} {cell(t.min)} {cell(t.max)} {cell(t.mean)} "
             f"{cell(t.std)} {t.nan:>6} {t.inf:>6}"
         )
     if any(t.nan or t.inf for t in result.tensors):
         print("(min, max, mean and std are of the finite values: NaN and Inf are counted apart)")
     for warning in result.warnings:
-        print(f"warning: {warning}")
+        print(f"warning: {shown(warning)}")
     for error in result.errors:
-        print(f"error: {error}")
+        print(f"error: {shown(error)}")
     print(f"digests: {result.digests}")
     print(
         f"{'valid' if result.ok else 'INVALID'}: {plural(len(result.tensors), 'tensor')}, "

@@ -56,6 +56,7 @@ from ..core.shards import (
     shard_file_name,
 )
 from ..errors import (
+    ArgumentTypeError,
     SafetensorsError,
     TransportError,
     UsageError,
@@ -209,6 +210,7 @@ class _RollingWriter(AsyncClosing):
         digests = digests_for(checksums)
         self._algorithm = None if digests is None else digests.algorithm
         self.directory = Path(directory)
+        self._new_folders = _missing_folders(self.directory)  # removed again by abort()
         self.target_size = target_size
         self._current: _Shard | None = None
         self._sealed: list[tuple[str, int, int, list[TensorSpec]]] = []  # name, bytes, samples
@@ -316,6 +318,13 @@ class _RollingWriter(AsyncClosing):
             with contextlib.suppress(OSError):  # removing the rest matters more
                 (self.directory / name).unlink(missing_ok=True)
         self._sealed.clear()
+        for folder in self._new_folders:  # the deepest first; one not empty stays, with those above
+            try:
+                folder.rmdir()
+            except FileNotFoundError:
+                continue
+            except OSError:
+                break
 
     async def _abandon(self, cause: BaseException) -> None:
         await self.abort()
@@ -333,9 +342,14 @@ class ShardedWriter(_RollingWriter):
         metadata: Mapping[str, str] | None = None,
         checksums: bool | str = False,
     ) -> None:
+        self.metadata = dict(metadata or {})
+        if "total_size" in self.metadata:  # it replaced the index's own
+            raise UsageError(
+                "metadata may not hold 'total_size': the index's total_size is the writer's "
+                "count of the checkpoint's bytes"
+            )
         super().__init__(directory, max_shard_size, checksums)
         self.prefix = prefix
-        self.metadata = dict(metadata or {})
         self._tag = uuid.uuid4().hex[:8]
 
     async def write(self, name: str, array: Any) -> None:
@@ -400,6 +414,10 @@ class DatasetWriter(_RollingWriter):
         The schema records each name's dtype and shape as first written.
         """
         samples = integer_at_least("samples", samples, 0)
+        if not isinstance(tensors, Mapping):
+            raise ArgumentTypeError(
+                f"write_batch takes {{name: array}}, got {type(tensors).__name__}"
+            )
         for name, array in tensors.items():
             as_array = np.asarray(array)
             self._schema.setdefault(
@@ -456,6 +474,17 @@ class DatasetWriter(_RollingWriter):
         await super().abort()
         if self.generate_index:
             await anyio.to_thread.run_sync(_remove_index, self._staged_index)
+
+
+def _missing_folders(directory: Path) -> list[Path]:
+    """``directory`` and those above it that do not exist yet, the deepest first: what a writer
+    makes, and takes away again if its write fails."""
+    missing = []
+    for folder in (directory, *directory.parents):
+        if folder.exists():
+            break
+        missing.append(folder)
+    return missing
 
 
 def _remove_index(index: Path) -> None:
