@@ -313,7 +313,8 @@ def test_show_prints_values_and_json(plain: Path) -> None:
     text = shown.stdout.decode()
     assert shown.returncode == 0 and "[[0. 1. 2. 3.]\n [4. 5. 6. 7.]]" in text
     record = json.loads(run("show", "--json", str(plain), "embed.weight", "--slice", "1").stdout)
-    assert record["values"] == [4.0, 5.0, 6.0, 7.0] and record["shape"] == [3, 4]
+    assert record["values"] == [4.0, 5.0, 6.0, 7.0] and record["shape"] == [4]
+    assert record["tensor_shape"] == [3, 4]
     big = run("show", str(plain), "layers.0.q_proj.weight").stdout.decode()
     assert "..." in big  # summarized, numpy-style
     missing = run("show", str(plain), "nope")
