@@ -98,3 +98,10 @@ async def test_index_metadata_cannot_replace_the_total_size(tmp_path: Path) -> N
             tmp_path / "c", max_shard_size=1 << 20, metadata={"total_size": "9"}
         )
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/version").exists(), reason="needs /proc")
+async def test_a_folder_that_makes_no_file_is_not_called_missing() -> None:
+    """Writing /proc/version said "no such directory: /proc"."""
+    with pytest.raises(stream_st.SourceNotFoundError, match="cannot create a file in /proc"):
+        await stream_st.save("/proc/version", {"a": np.zeros(1)})

@@ -372,9 +372,13 @@ class AtomicFile:
             except FileExistsError:  # pragma: no cover - 48 random bits collided
                 continue
             except FileNotFoundError as exc:
-                raise SourceNotFoundError(
-                    f"no such directory: {_resolved(directory)}", url=self.name
-                ) from exc
+                where = _resolved(directory)
+                why = (  # /proc and the like have the folder, and make no file in it
+                    f"cannot create a file in {where}: {exc.strerror}"
+                    if os.path.isdir(directory)
+                    else f"no such directory: {where}"
+                )
+                raise SourceNotFoundError(why, url=self.name) from exc
             except OSError as exc:
                 raise TransportError(
                     f"cannot create a file in {_resolved(directory)}: {exc.strerror}", url=self.name
