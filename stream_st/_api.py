@@ -508,12 +508,7 @@ class CachedStream(TensorStream):
         if ahead is None:
             self.stats.asked(first=True)
             if self.cache_state is None and self._header is None and self._may_read_ahead():
-                try:
-                    ahead = await self._resolve_reading_ahead()
-                except BaseException:  # as open() (cancelled too): the copy lets go
-                    with anyio.CancelScope(shield=True):
-                        await self.aclose()
-                    raise
+                ahead = await self._resolve_reading_ahead()
         if ahead is None:  # as any stream, from what the cache said to read
             async with aclosing(super()._iterate()) as items:
                 async for item in items:
@@ -563,8 +558,9 @@ class CachedStream(TensorStream):
                 raise failure
             if not self._closed and ahead.is_answer(resolved):
                 return ahead
-        except BaseException:
-            await self._drop_ahead()
+        except BaseException:  # cancelled too: the copy read ahead, and the copy being written
+            with anyio.CancelScope(shield=True):  # (its entry's lock), let go with the stream
+                await self.aclose()
             raise
         await self._drop_ahead()
         return None
