@@ -197,7 +197,7 @@ def test_range_sets_merge_as_before_and_stay_cheap() -> None:
     assert ranges.ranges[0] == (0, 205) and len(ranges.ranges) == 19_980
     assert ranges.covers(100, 205) and not ranges.covers(100, 206)
     assert list(ranges.pieces(204, 212)) == [(204, 205, True), (205, 210, False), (210, 212, True)]
-    assert not RangeSet([(0, 11)]).within(10) and RangeSet([(0, 10)]).within(10)
+    assert RangeSet.recorded([(0, 11)], 10) is None and RangeSet.recorded([(0, 10)], 10)
 
 
 def test_a_cache_folder_that_is_a_file_warns_and_reads_without_it(tmp_path: Path) -> None:

@@ -158,10 +158,9 @@ def _partial(entry: ObjectEntry, etag: str, modified: str, size: int | None) -> 
     )
     if usable:
         assert size is not None
-        with contextlib.suppress(TypeError, ValueError):
-            held = RangeSet(state["ranges"])
-            if held.within(size):
-                return held
+        held = RangeSet.recorded(state["ranges"], size)
+        if held is not None:
+            return held
     remove_quietly(entry.part, entry.part_record)
     return RangeSet()
 
@@ -463,9 +462,9 @@ def _hub_partial(entry: HubEntry, etag: str, size: int | None) -> RangeSet:
     state = read_json(entry.part_record(etag))
     part = entry.part(etag)
     if isinstance(state, dict) and size is not None and state.get("size") == size:
-        with contextlib.suppress(OSError, TypeError, ValueError):
-            held = RangeSet(state["ranges"])
-            if part.stat().st_size == size and held.within(size):
+        held = RangeSet.recorded(state["ranges"], size)
+        with contextlib.suppress(OSError):
+            if held is not None and part.stat().st_size == size:
                 return held
     remove_quietly(part, entry.part_record(etag))
     return RangeSet()

@@ -296,9 +296,16 @@ class RangeSet:
             start, end = min(start, ranges[low][0]), max(end, ranges[high - 1][1])
         ranges[low:high] = [(start, end)]
 
-    def within(self, size: int) -> bool:
-        """Whether every range lies in ``[0, size)`` (a record's ranges, checked)."""
-        return not self.ranges or (self.ranges[0][0] >= 0 and self.ranges[-1][1] <= size)
+    @classmethod
+    def recorded(cls, ranges: object, size: int) -> RangeSet | None:
+        """The ranges a partial copy's record lists, when they are pairs of integers that lie
+        in ``[0, size)``; None for any other value (a damaged record)."""
+        try:
+            held = cls(ranges)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None
+        spans = held.ranges
+        return held if not spans or (spans[0][0] >= 0 and spans[-1][1] <= size) else None
 
     def total(self) -> int:
         return sum(end - start for start, end in self.ranges)
