@@ -690,9 +690,13 @@ def _pairs(tensors: object) -> Iterator[tuple[str, Any]]:
             f"write_many takes {{name: array}} or (name, array) pairs, got {type(tensors).__name__}"
         )
     for pair in tensors:
-        if not isinstance(pair, tuple) or len(pair) != 2:
-            raise ArgumentTypeError(f"write_many takes (name, array) pairs, got {pair!r:.80}")
-        yield pair
+        try:
+            name, value = pair  # a tuple, a list: what unpacks into two, as before
+        except (TypeError, ValueError):
+            raise ArgumentTypeError(
+                f"write_many takes (name, array) pairs, got {pair!r:.80}"
+            ) from None
+        yield name, value
 
 
 class _Gathered:

@@ -105,3 +105,17 @@ async def test_a_folder_that_makes_no_file_is_not_called_missing() -> None:
     """Writing /proc/version said "no such directory: /proc"."""
     with pytest.raises(stream_st.SourceNotFoundError, match="cannot create a file in /proc"):
         await stream_st.save("/proc/version", {"a": np.zeros(1)})
+
+
+async def test_write_many_takes_pairs_as_lists_too(tmp_path: Path) -> None:
+    """Pairs given as lists unpack as tuples do (the check of pairs must not refuse them)."""
+    plan = [stream_st.TensorSpec("a", "F32", (2,)), stream_st.TensorSpec("b", "F32", (1,))]
+    async with stream_st.open_writer(tmp_path / "x.safetensors", plan) as writer:
+        pairs: Any = [["a", np.zeros(2, np.float32)], ("b", np.ones(1, np.float32))]
+        await writer.write_many(pairs)
+    loaded = await stream_st.load(tmp_path / "x.safetensors")
+    assert loaded["b"].tolist() == [1.0] and loaded["a"].tolist() == [0.0, 0.0]
+    with pytest.raises(stream_st.ArgumentTypeError, match="takes \\(name, array\\) pairs"):
+        async with stream_st.open_writer(tmp_path / "y.safetensors", plan) as writer:
+            await writer.write_many([("a",)])  # type: ignore[list-item]
+    assert not (tmp_path / "y.safetensors").exists()
