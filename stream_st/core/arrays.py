@@ -36,7 +36,7 @@ __all__ = [
 
 Framework = Literal["np", "numpy", "pt", "torch", "pytorch"]
 """What tensors are handed out as: numpy arrays (``"np"``, ``"numpy"``) or torch tensors
-(``"pt"``, ``"torch"``), as the reference's ``framework=`` names them."""
+(``"pt"``, ``"torch"``, ``"pytorch"``), as the reference's ``framework=`` names them."""
 
 
 def load_torch() -> Any:

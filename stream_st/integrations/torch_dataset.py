@@ -61,7 +61,8 @@ def _from_environment(name: str, default: int) -> int:
     text = os.environ.get(name)
     if text is None:
         return default
-    if not text.strip().isascii() or not text.strip().isdigit():
+    digits = text.strip()
+    if not digits.isascii() or not digits.isdigit():
         raise UsageError(f"{name}={text!r} in the environment is not a whole number")
     return int(text)
 
