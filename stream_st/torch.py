@@ -427,21 +427,8 @@ def load_model(
     else:
         missing, unexpected = _load_into(model, read, _facade.maps(backend))
     if strict and (missing or unexpected):
-        raise UsageError(_load_errors(model, missing, unexpected))
+        raise UsageError(_shared.load_errors(model, missing, unexpected))
     return missing, unexpected
-
-
-def _load_errors(model: torch.nn.Module, missing: set[str], unexpected: list[str]) -> str:
-    """The message of a strict load that found ``missing`` or ``unexpected`` names, worded as
-    torch's ``load_state_dict`` words it."""
-    lines = [f"Error(s) in loading state_dict for {type(model).__name__}:"]
-    if missing:
-        names = ", ".join(f'"{name}"' for name in sorted(missing))
-        lines.append(f"    Missing key(s) in state_dict: {names}")
-    if unexpected:
-        names = ", ".join(f'"{name}"' for name in sorted(unexpected))
-        lines.append(f"    Unexpected key(s) in state_dict: {names}")
-    return "\n".join(lines)
 
 
 def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str], list[str]]:
@@ -474,12 +461,7 @@ def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str
     missing_list, unexpected = _shared.load_state(model, dict(fresh))
     missing = set(missing_list).difference(placed)
     in_file = placed | {name for name, _ in fresh}
-    for dropped in _remove_duplicate_names(state, preferred_names=in_file).values():
-        for name in dropped:  # stood for by the name kept: not missing; in the file, unexpected
-            if name in missing:
-                missing.remove(name)
-            else:
-                unexpected.append(name)
+    _shared.shared_counted(state, in_file, missing, unexpected)
     return missing, unexpected
 
 

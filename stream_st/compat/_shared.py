@@ -20,8 +20,10 @@ __all__ = [
     "find_shared_tensors",
     "is_complete",
     "kept_name",
+    "load_errors",
     "load_state",
     "remove_duplicate_names",
+    "shared_counted",
     "shared_groups",
     "storage_ptr",
     "storage_size",
@@ -156,3 +158,30 @@ def load_state(model: Any, tensors: dict[str, Any]) -> tuple[list[str], list[str
             raise
         raise UsageError(str(exc)) from exc
     return list(missing), list(unexpected)
+
+
+def shared_counted(
+    state: Mapping[str, Any], in_file: Iterable[str], missing: set[str], unexpected: list[str]
+) -> None:
+    """Count the names of ``state`` that share memory as the reference's ``load_model`` counts
+    them, in place: each name stood for by the one kept (see :func:`remove_duplicate_names`,
+    the names ``in_file`` preferred) is not missing if it was, else unexpected."""
+    for dropped in remove_duplicate_names(state, preferred_names=in_file).values():
+        for name in dropped:
+            if name in missing:
+                missing.remove(name)
+            else:
+                unexpected.append(name)
+
+
+def load_errors(model: Any, missing: set[str], unexpected: list[str]) -> str:
+    """The message of a strict load that found ``missing`` or ``unexpected`` names, worded as
+    torch's ``load_state_dict`` words it."""
+    lines = [f"Error(s) in loading state_dict for {type(model).__name__}:"]
+    if missing:
+        names = ", ".join(f'"{name}"' for name in sorted(missing))
+        lines.append(f"    Missing key(s) in state_dict: {names}")
+    if unexpected:
+        names = ", ".join(f'"{name}"' for name in sorted(unexpected))
+        lines.append(f"    Unexpected key(s) in state_dict: {names}")
+    return "\n".join(lines)

@@ -475,29 +475,14 @@ def _taken(
 ) -> tuple[set[str], list[str]]:
     """The tensors ``loaded`` that were not received ``into`` the model given to it, and
     ``(missing, unexpected)``; :class:`UsageError` where ``strict`` finds either."""
-    from ..compat._shared import load_state, remove_duplicate_names
+    from ..compat._shared import load_errors, load_state, shared_counted
 
     placed = {name for name, tensor in loaded.items() if tensor is into.get(name)}
     fresh = {name: tensor for name, tensor in loaded.items() if name not in placed}
     missing_list, unexpected = load_state(model, fresh)
     selected = _selected(include)
     missing = {name for name in missing_list if name not in placed and selected(name)}
-    for dropped in remove_duplicate_names(state, preferred_names=loaded).values():
-        for name in dropped:
-            if name in missing:  # stood for by the name kept
-                missing.remove(name)
-            else:
-                unexpected.append(name)
+    shared_counted(state, loaded, missing, unexpected)
     if strict and (missing or unexpected):
-        lines = [f"Error(s) in loading state_dict for {type(model).__name__}:"]
-        if missing:
-            lines.append(
-                "    Missing key(s) in state_dict: " + ", ".join(f'"{n}"' for n in sorted(missing))
-            )
-        if unexpected:
-            lines.append(
-                "    Unexpected key(s) in state_dict: "
-                + ", ".join(f'"{n}"' for n in sorted(unexpected))
-            )
-        raise UsageError("\n".join(lines))
+        raise UsageError(load_errors(model, missing, unexpected))
     return missing, unexpected
