@@ -276,6 +276,15 @@ def _f4_values(packed: np.ndarray[Any, Any], shape: Sequence[int]) -> np.ndarray
     return codes.reshape(shape).view(_F4_VALUES)
 
 
+def _in_range(index: tuple[int | slice, ...], shape: Sequence[int]) -> tuple[int | slice, ...]:
+    """``index`` when each of its integers lies within its axis (numpy words one too large for
+    its own integers as a wrong kind of index); an IndexError naming the axis otherwise."""
+    for axis, (each, size) in enumerate(zip(index, shape, strict=False)):
+        if isinstance(each, int) and not -size <= each < size:
+            raise IndexError(f"index {each} is out of range for axis {axis} of size {size}")
+    return index
+
+
 def show_values(args: argparse.Namespace, info: TensorInfo, array: np.ndarray[Any, Any]) -> None:
     """Print the tensor ``info`` (its ``--slice``), delivered as ``array``, numpy-style or as one
     JSON record. An F4 tensor's values are decoded from its packed bytes; an F6 tensor's are not
@@ -291,7 +300,7 @@ def show_values(args: argparse.Namespace, info: TensorInfo, array: np.ndarray[An
             "not decode (safetensors sets no bit order for them): show it whole"
         )
     try:
-        values = array[args.slice] if args.slice else array
+        values = array[_in_range(args.slice, array.shape)] if args.slice else array
     except (IndexError, TypeError) as exc:
         raise UsageError(f"--slice does not fit shape {list(array.shape)}: {exc}") from None
     if args.json:

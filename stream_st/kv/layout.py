@@ -135,7 +135,7 @@ class KVLayout:
                 dtype=meta["kv_dtype"],
                 codec=codec_from_metadata(meta).key,
                 group_size=int(meta.get("group_size", "64")),
-                digest=meta.get("kv_digest", "sha256") == "sha256",
+                digest=_kv_digest(meta.get("kv_digest", "sha256")),
             )
         except (KeyError, ValueError, TypeError, OverflowError) as exc:
             raise HeaderError(
@@ -143,9 +143,11 @@ class KVLayout:
             ) from None
         except UsageError as exc:
             raise HeaderError(f"not a KV-cache transfer: {exc}") from None
-        if layout.num_layers * len(layout.layer_specs(0)) != len(header.tensors):
+        each = len(layout.layer_specs(0))
+        if layout.num_layers * each != len(header.tensors):
             raise HeaderError(  # checked before the plan is built: kv_layers may be anything
-                f"the metadata announces {layout.num_layers} KV layers, "
+                f"the metadata announces {layout.num_layers} KV layers of {each} tensors "
+                f"(codec {layout.codec}, {'a' if layout.digest else 'no'} digest), "
                 f"the header holds {len(header.tensors)} tensors"
             )
         expected = [(s.name, dtype_for(s.dtype).code, s.shape) for s in layout.plan()]
@@ -180,6 +182,15 @@ def _kv_shape(text: str) -> tuple[int, ...]:
     ):
         raise ValueError("'kv_shape' is not a JSON list of integers")
     return tuple(shape)
+
+
+def _kv_digest(text: str) -> bool:
+    """Whether ``kv_digest`` announces a digest per layer: ``"sha256"`` or ``"none"``, a
+    ValueError for anything else (another word would be read as no digest, and the layout's
+    tensors then miscounted)."""
+    if text not in ("sha256", "none"):
+        raise ValueError(f"'kv_digest' must be 'sha256' or 'none', not {text!r}")
+    return text == "sha256"
 
 
 def _seed_name(name: str) -> tuple[int, str] | None:

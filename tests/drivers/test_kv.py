@@ -309,6 +309,8 @@ async def test_bad_kv_metadata_is_a_header_error(tmp_path: Path) -> None:
         ("kv_layers", "300000", "announces 300000 KV layers"),  # refused before any plan
         ("kv_shape", "[1, 4, 64]", "KV layout needs"),
         ("kv_dtype", "I8", "KV dtype must be"),
+        ("kv_digest", "sha1", "'kv_digest' must be 'sha256' or 'none', not 'sha1'"),
+        ("compression", "INT8", r"2 KV layers of 5 tensors \(codec int8, a digest\)"),
     ]:
         meta = {**header.metadata, key: value}
         tensors = {

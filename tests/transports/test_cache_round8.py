@@ -145,15 +145,21 @@ def test_presigned_urls_of_two_versions_name_two_copies() -> None:
     assert shown == "https://bucket.s3.amazonaws.com/m.safetensors"
 
 
-def test_a_partial_copy_record_reaching_past_the_object_is_not_trusted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", ["past the end", "no ranges"])
+def test_a_partial_copy_record_reaching_past_the_object_is_not_trusted(
+    tmp_path: Path, damage: str
+) -> None:
     """Ranges past the object's size were taken as held: a mostly empty copy was committed
-    and later handed out as a hit."""
+    and later handed out as a hit. A record without its ranges raised a bare KeyError."""
     with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as server:
         url = server.url("/m.safetensors")
         asyncio.run(read(url, cache=tmp_path, include=["t1"]))
         (record,) = tmp_path.rglob("*.part.json")
         state = json.loads(record.read_text())
-        state["ranges"] = [[0, state["size"] + 1]]
+        if damage == "no ranges":
+            del state["ranges"]
+        else:
+            state["ranges"] = [[0, state["size"] + 1]]
         record.write_text(json.dumps(state))
         for expected in ("fetch", "hit"):
             arrays, state = asyncio.run(read(url, cache=tmp_path))

@@ -58,6 +58,21 @@ def test_show_json_gives_the_shape_of_the_slice(
         assert record["shape"] == shape == list(np.shape(record["values"])), given
 
 
+@pytest.mark.parametrize(
+    "given", ["99999999999999999999", "-4", "1,4", "0:2,-99999999999999999999"]
+)
+def test_show_names_the_axis_an_index_falls_outside(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], given: str
+) -> None:
+    """An integer too large for numpy's own was refused as "only integers, slices ... are valid
+    indices", a wrong kind of index, where it is one out of range."""
+    path = tmp_path / "a.safetensors"
+    reference_save({"a": np.arange(12, dtype=np.float32).reshape(3, 4)}, str(path))
+    assert main(["show", str(path), "a", "--slice", given]) != 0
+    error = capsys.readouterr().err
+    assert "is out of range for axis" in error and "valid indices" not in error, error
+
+
 def test_json_records_are_json_for_a_file_name_that_is_not_utf8(
     tmp_path: Path, capsysbinary: pytest.CaptureFixture[bytes]
 ) -> None:

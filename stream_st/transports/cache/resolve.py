@@ -158,7 +158,7 @@ def _partial(entry: ObjectEntry, etag: str, modified: str, size: int | None) -> 
     )
     if usable:
         assert size is not None
-        held = RangeSet.recorded(state["ranges"], size)
+        held = RangeSet.recorded(state.get("ranges"), size)
         if held is not None:
             return held
     remove_quietly(entry.part, entry.part_record)
@@ -462,7 +462,7 @@ def _hub_partial(entry: HubEntry, etag: str, size: int | None) -> RangeSet:
     state = read_json(entry.part_record(etag))
     part = entry.part(etag)
     if isinstance(state, dict) and size is not None and state.get("size") == size:
-        held = RangeSet.recorded(state["ranges"], size)
+        held = RangeSet.recorded(state.get("ranges"), size)
         with contextlib.suppress(OSError):
             if held is not None and part.stat().st_size == size:
                 return held
