@@ -55,7 +55,9 @@ class Connection(AsyncClosing):
     that starts one gives its own: its deadline runs from its opening (waiting for a message to
     begin counts only against the timeout). Close it with ``async with`` or :meth:`aclose`, from
     any task: a task waiting on the connection then fails with
-    :class:`~stream_st.TransportError`.
+    :class:`~stream_st.TransportError`. A message read only part way (a ``break``, a refused
+    message) leaves the next one's start unknown: later reads raise
+    :class:`~stream_st.UsageError`.
     """
 
     def __init__(self, sock: socket.socket, name: str, *, limits: Limits = NO_LIMITS) -> None:

@@ -133,9 +133,17 @@ class Turn:
     def __init__(self, doing: str) -> None:
         self.doing = doing
         self._holder: SocketEnd | None = None
+        self._left: int | None = None  # the byte a message was left at, part way
 
     def claim(self, end: SocketEnd) -> None:
-        """Give the turn to ``end``; UsageError if another end still holds it."""
+        """Give the turn to ``end``; UsageError if another end still holds it, or if a message
+        was left part way (the next one's first byte is then unknown)."""
+        if self._left is not None:
+            raise UsageError(
+                f"{end.name}: the previous message was left at its byte {self._left}, before its "
+                "end: where the next message starts is unknown, so nothing more can be "
+                f"{self.doing} on this connection; close it"
+            )
         if self._holder is not None and self._holder is not end:
             raise UsageError(
                 f"{end.name}: the previous message is still being {self.doing} (in another task, "
@@ -147,6 +155,13 @@ class Turn:
         """Take the turn back from ``end``, if it holds it."""
         if self._holder is end:
             self._holder = None
+
+    def left(self, end: SocketEnd, position: int) -> None:
+        """``end``, holding the turn, stops at byte ``position`` of its message, before its end
+        (a reader that breaks off, or refuses the message): the turn is not given again."""
+        if self._holder is end:
+            self._holder = None
+            self._left = position
 
     def held_by(self, end: SocketEnd) -> bool:
         """True while ``end`` carries the connection's current message."""
@@ -244,6 +259,11 @@ class SocketSource(SocketEnd, Source):
     def message_read(self) -> None:
         if self._turn is not None:
             self._turn.release(self)  # e.g. a loop over messages() left with break
+
+    async def aclose(self) -> None:
+        if self._turn is not None and self.position:  # closed part way through its message
+            self._turn.left(self, self.position)  # (a message read to its end let go already)
+        await super().aclose()
 
     async def at_end(self) -> bool:
         """Wait for the next byte without taking it; True if the peer closed cleanly instead.

@@ -1,0 +1,94 @@
+"""The eleventh attack: connections left mid-message, streams closed from another task, KV
+producers that fail, memory that is not plain bytes, options of the wrong type. Each test failed
+before its mend."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from safetensors.numpy import save as reference_save
+
+import stream_st
+
+
+def _plan(message: dict[str, np.ndarray[Any, Any]]) -> list[stream_st.TensorSpec]:
+    return [
+        stream_st.TensorSpec(name, "F32" if a.dtype == np.float32 else "U8", a.shape)
+        for name, a in message.items()
+    ]
+
+
+@pytest.mark.parametrize("how", ["break", "refused", "messages"])
+async def test_a_message_left_part_way_makes_the_connection_refuse_further_reads(
+    how: str,
+) -> None:
+    """The next read began in the middle of the message left: a tensor whose bytes are a
+    safetensors file was handed out as the next message (wrong data, no error)."""
+    inner = reference_save({"weights": np.array([6.66, 6.66], np.float32)})
+    first = {"a": np.arange(4, dtype=np.float32), "blob": np.frombuffer(inner, np.uint8).copy()}
+    second = {"weights": np.array([1.0, 2.0], np.float32)}
+    seen: list[str] = []
+    async with stream_st.listen("127.0.0.1", 0) as listener:
+
+        async def send() -> None:
+            async with await stream_st.connect(listener.url) as connection:
+                for message in (first, second):
+                    async with connection.open_writer(_plan(message)) as writer:
+                        for name, array in message.items():
+                            await writer.write(name, array)
+                await anyio.sleep(5)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(send)
+            async with await listener.accept() as connection:
+                if how == "messages":
+                    with pytest.raises(stream_st.UsageError, match="left at its byte"):
+                        async for stream in connection.messages():
+                            async for name, _ in stream:
+                                seen.append(name)
+                                break
+                else:
+                    include = ["nope"] if how == "refused" else None
+                    with (
+                        pytest.raises(stream_st.TensorNotFoundError)
+                        if include
+                        else contextlib.nullcontext()
+                    ):
+                        async with connection.open_stream(include=include) as stream:
+                            async for name, _ in stream:
+                                seen.append(name)
+                                break
+                    with pytest.raises(stream_st.UsageError, match="before its end"):
+                        async with connection.open_stream() as stream:
+                            async for name, _ in stream:
+                                seen.append(name)
+            group.cancel_scope.cancel()
+    assert seen == ([] if how == "refused" else ["a"])
+
+
+async def test_a_connection_read_to_each_end_goes_on() -> None:
+    """Messages read whole, or with include= skipping what is not wanted, leave the connection
+    at the next one."""
+    messages = [
+        {"a": np.full(3, float(i), np.float32), "b": np.zeros(2, np.float32)} for i in range(3)
+    ]
+    async with stream_st.listen("127.0.0.1", 0) as listener:
+
+        async def send() -> None:
+            async with await stream_st.connect(listener.url) as connection:
+                for message in messages:
+                    async with connection.open_writer(_plan(message)) as writer:
+                        for name, array in message.items():
+                            await writer.write(name, array)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(send)
+            got = []
+            async with await listener.accept() as connection:
+                async for stream in connection.messages(include=["a"]):
+                    got += [float(array[0]) async for _, array in stream]
+    assert got == [0.0, 1.0, 2.0]
