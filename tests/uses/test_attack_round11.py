@@ -29,8 +29,11 @@ async def test_a_message_left_part_way_makes_the_connection_refuse_further_reads
     """The next read began in the middle of the message left: a tensor whose bytes are a
     safetensors file was handed out as the next message (wrong data, no error)."""
     inner = reference_save({"weights": np.array([6.66, 6.66], np.float32)})
-    first = {"a": np.arange(4, dtype=np.float32), "blob": np.frombuffer(inner, np.uint8).copy()}
-    second = {"weights": np.array([1.0, 2.0], np.float32)}
+    first: dict[str, np.ndarray[Any, Any]] = {
+        "a": np.arange(4, dtype=np.float32),
+        "blob": np.frombuffer(inner, np.uint8).copy(),
+    }
+    second: dict[str, np.ndarray[Any, Any]] = {"weights": np.array([1.0, 2.0], np.float32)}
     seen: list[str] = []
     async with stream_st.listen("127.0.0.1", 0) as listener:
 
