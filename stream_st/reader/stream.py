@@ -137,6 +137,7 @@ class TensorStream(AsyncClosing):
         self._generator: weakref.ref[AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]] | None = None
         self._held: AsyncGenerator[tuple[str, np.ndarray[Any, Any]]] | None = None
         self._reading: ReadAhead | None = None  # the iteration's read-ahead, if it has one
+        self._cut: str | None = None  # the source's name, once aclose cut the iteration short
         self._recycler = Recycler()  # fresh memory the caller has let go of, for later tensors
         self._closed = False
         self._head: tuple[bytes, memoryview] | None = None  # the prefix and header, as read
@@ -226,6 +227,8 @@ class TensorStream(AsyncClosing):
         held, self._held = self._held, None
         generator = held if alive is None else alive()
         if generator is not None and not getattr(generator, "ag_running", False):
+            if getattr(generator, "ag_frame", None) is not None:  # not at its end: cut short
+                self._cut = self._source.name if self._source is not None else "<stream>"
             await generator.aclose()
         reading, self._reading = self._reading, None
         if reading is not None:
@@ -239,7 +242,15 @@ class TensorStream(AsyncClosing):
         self._generator = weakref.ref(generator)
         if self._opened():  # closed with the stream, which 'async with' does (see __init__)
             self._held = generator
-        return generator
+        return _Iteration(generator, self)
+
+    def _after_end(self) -> None:
+        """The iteration ended: :class:`~stream_st.TransportError` if :meth:`aclose` cut it
+        short (from another task, or from the loop's body), not the end of the tensors."""
+        if self._cut is not None:
+            raise TransportError(
+                "the stream was closed on this side before its last tensor", url=self._cut
+            ) from None
 
     def _opened(self) -> bool:
         """Whether the stream was opened (``async with``) before its iteration began."""
@@ -360,3 +371,32 @@ class TensorStream(AsyncClosing):
         if source.whole_object and not await source.at_end():
             raise TrailingDataError(f"{source.name}: bytes follow the last tensor at byte {end}")
         source.message_read()
+
+
+class _Iteration:
+    """The iteration of a :class:`TensorStream`: its generator, and an error in place of the
+    end where the stream's :meth:`~TensorStream.aclose` closed the generator part way (the
+    generator itself could only end, and the loop would end short as if the tensors were all
+    there)."""
+
+    __slots__ = ("_generator", "_stream")
+
+    def __init__(
+        self, generator: AsyncGenerator[tuple[str, np.ndarray[Any, Any]]], stream: TensorStream
+    ) -> None:
+        self._generator = generator
+        self._stream = stream
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> tuple[str, np.ndarray[Any, Any]]:
+        try:
+            return await anext(self._generator)
+        except StopAsyncIteration:
+            self._stream._after_end()
+            raise
+
+    async def aclose(self) -> None:
+        """Close the iteration (as an async generator's ``aclose``)."""
+        await self._generator.aclose()

@@ -5,6 +5,7 @@ before its mend."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -95,3 +96,47 @@ async def test_a_connection_read_to_each_end_goes_on() -> None:
                 async for stream in connection.messages(include=["a"]):
                     got += [float(array[0]) async for _, array in stream]
     assert got == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("kind", ["bytes", "path"])
+def test_a_stream_closed_from_another_task_fails_its_loop(
+    tmp_path: Path, backend: str, kind: str
+) -> None:
+    """The loop of a stream closed by another task (a watchdog) while the loop's body ran ended
+    as if the file held only the tensors handed out so far."""
+    data = reference_save({f"t{i}": np.full(1000, i, np.float32) for i in range(6)})
+    path = tmp_path / "six.safetensors"
+    path.write_bytes(data)
+    got: list[str] = []
+
+    async def main() -> None:
+        stream = stream_st.open_stream(data if kind == "bytes" else path)
+
+        async def watchdog() -> None:
+            await anyio.sleep(0.05)
+            await stream.aclose()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(watchdog)
+            with pytest.raises(stream_st.TransportError, match="closed on this side"):
+                async with stream:
+                    async for name, _ in stream:
+                        got.append(name)
+                        await anyio.sleep(0.03)
+
+    anyio.run(main, backend=backend)
+    assert 0 < len(got) < 6
+
+
+async def test_a_stream_read_to_its_end_then_closed_ends_quietly() -> None:
+    """Closing after the last tensor, or after a break, raises nothing."""
+    data = reference_save({f"t{i}": np.zeros(2, np.float32) for i in range(3)})
+    stream = stream_st.open_stream(data)
+    async with stream:
+        names = [name async for name, _ in stream]
+    await stream.aclose()
+    assert names == ["t0", "t1", "t2"]
+    async with stream_st.open_stream(data) as stream:
+        async for _ in stream:
+            break
