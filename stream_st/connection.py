@@ -29,7 +29,7 @@ import anyio
 from ._util import AsyncClosing
 from .core.header import DEFAULT_MAX_HEADER_SIZE
 from .core.layout import TensorSpec
-from .errors import TransportError, UsageError
+from .errors import TransportError, UsageError, integer_at_least
 from .reader import Include, TensorStream
 from .transports.options import NO_LIMITS, Clock, LimitOptions, Limits
 from .transports.tcp import (
@@ -237,6 +237,7 @@ async def listen(
         raise UsageError(
             f"listen takes a host and a port (listen('127.0.0.1', 9000)), got {host!r}"
         )
+    port = integer_at_least("port", port, 0)
     if not 0 <= port <= 65535:
         raise UsageError(f"port {port} is out of range 0-65535")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -76,7 +76,7 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import CodecError
+from ..errors import ArgumentTypeError, CodecError
 from .casts import ErrorStats, error_stats, to_bfloat16
 from .dtypes import dtype_for
 from .layout import TensorSpec
@@ -529,6 +529,8 @@ CODECS: dict[str, Codec] = {"none": NoneCodec(), "int8": Int8Codec(), "int4": In
 
 def get_codec(key: str, *, group_size: int | None = None) -> Codec:
     """The codec for ``key`` (case-insensitive); ``group_size`` configures INT4 only."""
+    if not isinstance(key, str):
+        raise ArgumentTypeError(f"a codec is named by a str ({', '.join(CODECS)}), not {key!r}")
     lowered = key.lower()
     if lowered not in CODECS:
         raise CodecError(f"unknown codec {key!r}; known: {', '.join(CODECS)}")

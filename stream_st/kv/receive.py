@@ -15,7 +15,7 @@ import numpy as np
 from .._api import open_stream
 from .._util import task_group
 from ..connection import Connection
-from ..errors import ArgumentTypeError, IntegrityError, UsageError
+from ..errors import ArgumentTypeError, IntegrityError, UsageError, integer_at_least
 from ..reader import TensorStream
 from ..transports.options import LimitOptions
 from ..transports.registry import SourceLike
@@ -47,8 +47,7 @@ class KVReceiver:
     def __init__(
         self, layout: KVLayout, source: str, *, max_ahead: int = 2, integrity: str | None = None
     ) -> None:
-        if max_ahead < 0:
-            raise UsageError("max_ahead must be >= 0")
+        max_ahead = integer_at_least("max_ahead", max_ahead, 0)
         self.layout = layout
         self.source = source
         self.max_ahead = max_ahead

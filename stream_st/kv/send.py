@@ -19,7 +19,7 @@ from .._util import task_group
 from ..connection import Connection
 from ..core.codecs import Codec
 from ..core.dtypes import wire_bytes
-from ..errors import UsageError
+from ..errors import UsageError, integer_at_least
 from ..transports.options import LimitOptions
 from ..transports.registry import SinkLike
 from ..writer import TensorWriter, open_writer
@@ -138,6 +138,8 @@ async def send_kv(
     most ``queue`` layers: a slow receiver slows the producer (backpressure), never grows memory.
     If the transfer fails (the receiver went away, a layer is out of order or misshapen), it
     raises at once and stops pulling from the producer; the receiver sees an incomplete message.
+    If the producer raises, the layers it made before go out whole first (the receiver has
+    them, verified), then the transfer ends with the producer's exception.
     Time limits as in :func:`~stream_st.open_writer` (on a Connection, the connection's unless
     given here).
     """
@@ -146,6 +148,7 @@ async def send_kv(
             f"layers must be an iterable or async iterable of (layer, key, value), "
             f"not {type(layers).__name__}"
         )
+    queue = integer_at_least("queue", queue, 1)
     report = SendReport()
     codec = layout.get_codec()
     if isinstance(dst, Connection):
@@ -156,15 +159,20 @@ async def send_kv(
         max_buffer_size=max(0, queue - 1)
     )
 
+    failed: list[Exception] = []  # the producer's own failure, raised once its layers are out
+
     async def produce() -> None:
-        # The producer's own failure ends the transfer with its error: the channel is closed
-        # only after the last layer, so the sending side never takes a failure for an early end.
-        async for item in _each_of(layers):
-            report.produced_at.append(time.perf_counter())
-            try:
-                await send_layers.send(item)
-            except anyio.BrokenResourceError:
-                return  # the sending side failed and stopped listening: its error is reported
+        # The producer's failure ends the transfer with its error, after the layers it made
+        # before (queued, or being sent) have gone out whole: the receiver has them, verified.
+        try:
+            async for item in _each_of(layers):
+                report.produced_at.append(time.perf_counter())
+                try:
+                    await send_layers.send(item)
+                except anyio.BrokenResourceError:
+                    return  # the sending side failed and stopped listening: its error is reported
+        except Exception as exc:
+            failed.append(exc)
         await send_layers.aclose()
 
     async def consume(items: ObjectReceiveStream[tuple[int, Array, Array]]) -> None:
@@ -183,6 +191,8 @@ async def send_kv(
                 await _write_layer(writer, layout, codec, layer, key, value)
                 report.sent_at.append(time.perf_counter())
                 expected += 1
+            if failed:
+                raise failed[0]
             if expected != layout.num_layers:
                 raise UsageError(
                     f"the producer stopped after {expected} of {layout.num_layers} layers"

@@ -115,6 +115,8 @@ class Delivery:
             view = memoryview(buffer)
         except TypeError:
             raise self._mismatch(info, f"a {type(buffer).__name__}, not a buffer") from None
+        if "O" in view.format:  # Python objects: writing would overwrite their pointers
+            raise self._mismatch(info, "a buffer of Python objects")
         if view.readonly or not view.c_contiguous or view.nbytes != info.nbytes:
             raise self._mismatch(
                 info, f"{view.nbytes} bytes{' read-only' if view.readonly else ''}"

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
+import numpy as np
+
 from ..errors import UnsupportedSourceError, UsageError
 from .base import Source
 
@@ -41,9 +43,15 @@ def _as_bytes_view(chunk: Any) -> memoryview:
     try:
         view = memoryview(chunk)
     except (TypeError, ValueError):  # ValueError: a buffer numpy cannot export (datetime64)
+        if isinstance(chunk, np.ndarray) and not chunk.dtype.hasobject:  # bfloat16, float8...
+            return np.ascontiguousarray(chunk).reshape(-1).view(np.uint8).data
         raise UnsupportedSourceError(
             f"chunks must be bytes-like, got {type(chunk).__name__}"
         ) from None
+    if "O" in view.format:  # Python objects: their bytes are pointers, not data
+        raise UnsupportedSourceError(
+            f"chunks must be bytes-like, got a buffer of Python objects ({type(chunk).__name__})"
+        )
     if not view.c_contiguous:
         view = memoryview(view.tobytes())
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")

@@ -140,3 +140,99 @@ async def test_a_stream_read_to_its_end_then_closed_ends_quietly() -> None:
     async with stream_st.open_stream(data) as stream:
         async for _ in stream:
             break
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.1])
+async def test_a_failing_kv_producer_delivers_the_layers_it_made(pause: float) -> None:
+    """With no pause before its failure, the producer's error cancelled layer 0 mid-send: the
+    receiver got none of the two layers made, or both, by timing alone."""
+    from stream_st.kv import KVLayout, receive_kv, send_kv
+
+    shape = (1, 4, 64, 64)
+
+    async def producer() -> Any:
+        for i in range(2):
+            yield i, np.full(shape, i, np.float16), np.full(shape, i, np.float16)
+        await anyio.sleep(pause)
+        raise RuntimeError("model failed at layer 2")
+
+    got: list[int] = []
+    async with stream_st.listen("127.0.0.1", 0) as listener:
+
+        async def receive() -> None:
+            with pytest.raises(stream_st.TruncatedStreamError, match="layer_2_key"):
+                connection = await listener.accept()
+                async with connection, receive_kv(connection, timeout=5) as kv:
+                    async for layer, key, _ in kv:
+                        assert float(key.reshape(-1)[0]) == layer
+                        got.append(layer)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as group:
+                group.start_soon(receive)
+                with pytest.raises(RuntimeError, match="model failed at layer 2"):
+                    await send_kv(listener.url, KVLayout(4, shape), producer())
+    assert got == [0, 1]
+
+
+async def test_memory_of_python_objects_is_neither_a_chunk_nor_a_destination() -> None:
+    """An object array as into= memory had its pointers overwritten (the process then crashed);
+    as a chunk, its pointers were read as tensor bytes. A bfloat16 chunk, which memoryview
+    cannot export, was refused where float16 was taken."""
+    import ml_dtypes
+
+    data = reference_save({"t": np.array([1, 2], np.int64)})
+    objects = np.array([object(), object()], dtype=object)
+    with pytest.raises(stream_st.UsageError, match="a buffer of Python objects"):
+        async for _ in stream_st.open_stream(data, into={"t": objects.data}):
+            pass
+
+    async def chunks(last: Any) -> Any:
+        yield data[:-16]
+        yield last
+
+    with pytest.raises(stream_st.UnsupportedSourceError, match="Python objects"):
+        async for _ in stream_st.open_stream(chunks(np.array(["secret", 42], dtype=object))):
+            pass
+    tail = np.frombuffer(data[-16:], np.uint16).view(ml_dtypes.bfloat16)
+    arrays = [a async for _, a in stream_st.open_stream(chunks(tail))]
+    assert arrays[0].tolist() == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        ("send_kv queue=None", stream_st.ArgumentTypeError),
+        ("send_kv queue=-5", stream_st.UsageError),
+        ("receive_kv max_ahead=nan", stream_st.ArgumentTypeError),
+        ("receive_kv max_ahead=None", stream_st.ArgumentTypeError),
+        ("KVLayout codec=None", stream_st.ArgumentTypeError),
+        ("listen port='9000'", stream_st.ArgumentTypeError),
+        ("listen port=1.5", stream_st.ArgumentTypeError),
+    ],
+)
+async def test_options_of_the_wrong_kind_are_refused_by_name(
+    tmp_path: Path, call: str, error: type[Exception]
+) -> None:
+    """Each was a bare TypeError, ValueError or AttributeError, or (queue=-5, max_ahead=nan:
+    no backpressure at all) taken."""
+    from stream_st.kv import KVLayout, receive_kv, send_kv
+
+    shape = (1, 1, 2, 64)
+    layout = KVLayout(2, shape)
+    layers = [(i, np.ones(shape, np.float16), np.ones(shape, np.float16)) for i in range(2)]
+    path = tmp_path / "kv.safetensors"
+    await send_kv(path, layout, layers)
+    with pytest.raises(error):
+        if call.startswith("send_kv"):
+            await send_kv(path, layout, layers, queue=None if "None" in call else -5)  # type: ignore[arg-type]
+        elif call.startswith("receive_kv"):
+            ahead = None if "None" in call else float("nan")
+            async with receive_kv(path, max_ahead=ahead):  # type: ignore[arg-type]
+                pass
+        elif call.startswith("KVLayout"):
+            KVLayout(2, shape, codec=None)  # type: ignore[arg-type]
+        else:
+            port = "9000" if "'" in call else 1.5
+            async with stream_st.listen("127.0.0.1", port):  # type: ignore[arg-type]
+                pass
