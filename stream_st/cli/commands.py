@@ -39,6 +39,7 @@ from ..errors import (
     UsageError,
     redact,
 )
+from ..sharded.reader import ShardedStream
 from ..tools.common import naming, plural
 from ..tools.cp import address_in
 from ..tools.model_checks import ModelConfig
@@ -192,8 +193,10 @@ async def run_show(args: argparse.Namespace) -> int:
         raise UsageError(
             f"{args.source} has no tensor {args.name!r} (stream-st ls {args.source} lists them)"
         ) from None
-    for array in arrays:
-        show_values(args, stream.header[args.name], array)
+    headers = stream.headers.values() if isinstance(stream, ShardedStream) else [stream.header]
+    infos = [header[args.name] for header in headers if args.name in header]  # a dataset's:
+    for info, array in zip(infos, arrays, strict=True):  # one a shard, each of its own shape
+        show_values(args, info, array)
     return EXIT_OK
 
 
@@ -307,15 +310,15 @@ async def run_hash_check(args: argparse.Namespace) -> int:
             if entry is None:
                 continue
             want, name = entry
-            shown = redact(name)  # an address's password and signature, as everywhere
+            named = shown(redact(name))  # no password nor signature; no line forged
             try:
                 got = await tools.file_sha256(source_arg(name), **options_of(args))
             except SafetensorsError as exc:
                 failed(name, exc)
-                print(f"{shown}: FAILED open or read")
+                print(f"{named}: FAILED open or read")
                 unreadable += 1
                 continue
-            print(f"{shown}: {'OK' if got == want else 'FAILED'}")
+            print(f"{named}: {'OK' if got == want else 'FAILED'}")
             mismatched += got != want
         if malformed:
             lines_word = "line is" if malformed == 1 else "lines are"

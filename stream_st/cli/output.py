@@ -239,10 +239,11 @@ def split_digests(metadata: Mapping[str, str]) -> tuple[dict[str, str], str | No
 
 
 def failed(source: str, exc: SafetensorsError) -> None:
-    """Report one source's error on one line, naming the source where the message does not."""
+    """Report one source's error on one line, naming the source where the message does not (a
+    name from a file or a list, escaped: it cannot forge a line)."""
     text, source = str(exc), redact(source)
     named = source in text or (source == "/dev/stdin" and "stdin" in text)
-    print(f"stream-st: error: {text if named else f'{source}: {text}'}", file=sys.stderr)
+    print(f"stream-st: error: {shown(text if named else f'{source}: {text}')}", file=sys.stderr)
 
 
 def json_values(values: Any) -> Any:

@@ -5,6 +5,7 @@ before its mend."""
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,10 @@ import anyio
 import numpy as np
 import pytest
 from safetensors.numpy import save as reference_save
+from safetensors.numpy import save_file as reference_save_file
 
 import stream_st
+from stream_st.cli import main
 
 
 def _plan(message: dict[str, np.ndarray[Any, Any]]) -> list[stream_st.TensorSpec]:
@@ -236,3 +239,43 @@ async def test_options_of_the_wrong_kind_are_refused_by_name(
             port = "9000" if "'" in call else 1.5
             async with stream_st.listen("127.0.0.1", port):  # type: ignore[arg-type]
                 pass
+
+
+def _two_shards(folder: Path) -> Path:
+    """A checkpoint of two shards written by the reference, and its index."""
+    folder.mkdir()
+    shards = {"model-00001-of-00002.safetensors": "a", "model-00002-of-00002.safetensors": "b"}
+    for number, (shard, name) in enumerate(shards.items()):
+        reference_save_file({name: np.full(4, number, np.float32)}, str(folder / shard))
+    index = folder / "model.safetensors.index.json"
+    weight_map = {name: shard for shard, name in shards.items()}
+    index.write_text(json.dumps({"metadata": {"total_size": 32}, "weight_map": weight_map}))
+    return index
+
+
+@pytest.mark.parametrize("where", ["index", "folder"])
+def test_show_reads_a_tensor_of_a_sharded_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    """Failed for every index and model folder: "a sharded stream has one header per shard"."""
+    index = _two_shards(tmp_path / "model")
+    source = str(index if where == "index" else index.parent)
+    assert main(["show", "--json", source, "b"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["values"] == [1.0] * 4 and record["shape"] == [4]
+
+
+def test_hash_check_shows_listed_names_escaped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checksum list (untrusted, downloaded with the files) forged an "OK" line with a name
+    holding newlines (coreutils' escaped form), and sent escape sequences to the terminal."""
+    monkeypatch.chdir(tmp_path)
+    forged = "x\\nmodel.safetensors: OK\\ny.safetensors"
+    listing = tmp_path / "SHA256SUMS"
+    listing.write_text(f"\\{'0' * 64}  {forged}\n{'0' * 64}  evil\x1b[2J.safetensors\n")
+    assert main(["hash", "--check", str(listing)]) != 0
+    captured = capsys.readouterr()
+    assert "\nmodel.safetensors: OK" not in captured.out
+    assert "x\\nmodel.safetensors: OK\\ny.safetensors: FAILED" in captured.out
+    assert "\x1b" not in captured.out + captured.err
