@@ -128,7 +128,11 @@ def _small(tensors: Mapping[str, Any]) -> bool:
     that does not say its size counts as large)."""
     if len(tensors) > SAVE_INLINE_TENSORS:
         return False
-    return sum(getattr(value, "nbytes", SAVE_INLINE) for value in tensors.values()) < SAVE_INLINE
+    try:
+        sizes = [getattr(value, "nbytes", SAVE_INLINE) for value in tensors.values()]
+    except Exception:  # a sparse tensor's nbytes raises: refused when it is laid out
+        return False
+    return sum(sizes) < SAVE_INLINE
 
 
 async def load(

@@ -364,6 +364,8 @@ def address_in(into: str, name: str) -> str:
     if "://" not in into:
         return os.path.join(into, *name.split("/"))
     parts = urlsplit(into)
+    if not parts.netloc and parts.scheme.lower() != "file":  # s3:// then names a local path
+        raise UsageError(f"{into} names no bucket or host to write {name} into")
     quoted = name if parts.scheme.lower() in ("s3", "file") else quote(name)
     path = parts.path if parts.path.endswith("/") else parts.path + "/"
     return urlunsplit((parts.scheme, parts.netloc, path + quoted, parts.query, ""))

@@ -279,3 +279,27 @@ def test_hash_check_shows_listed_names_escaped(
     assert "\nmodel.safetensors: OK" not in captured.out
     assert "x\\nmodel.safetensors: OK\\ny.safetensors: FAILED" in captured.out
     assert "\x1b" not in captured.out + captured.err
+
+
+def test_cp_to_an_s3_address_without_a_bucket_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``cp m.safetensors s3://`` wrote ./s3:/m.safetensors (the URL became a local path) where
+    an ``s3:`` folder existed, else said "no such directory"."""
+    monkeypatch.chdir(tmp_path)
+    reference_save_file({"a": np.zeros(2, np.float32)}, "m.safetensors")
+    (tmp_path / "s3:").mkdir()
+    for destination in ("s3://", "s3:///"):
+        assert main(["cp", "m.safetensors", destination]) == 2
+        assert "names no bucket or host" in capsys.readouterr().err
+    assert list((tmp_path / "s3:").iterdir()) == []
+
+
+async def test_saving_a_sparse_tensor_is_refused_by_name_everywhere(tmp_path: Path) -> None:
+    """To a local file, the size check choosing the inline write raised torch's bare
+    RuntimeError before the tensors were checked."""
+    torch = pytest.importorskip("torch")
+    sparse = torch.eye(3).to_sparse()
+    with pytest.raises(stream_st.UsageError, match="sparse_coo, not dense"):
+        await stream_st.save(tmp_path / "s.safetensors", {"w": sparse})
+    assert list(tmp_path.iterdir()) == []
