@@ -382,9 +382,16 @@ class ShardedWriter(_RollingWriter):
             for index, (_, _, _, specs) in enumerate(self._sealed)
             for spec in specs
         }
-        total = sum(size for _, size, _, _ in self._sealed)
+        # the tensors' bytes, as transformers and huggingface_hub count it (not the files')
+        total = sum(_data_bytes(specs) for _, _, _, specs in self._sealed)
         document = {"metadata": {"total_size": total, **self.metadata}, "weight_map": weight_map}
         return f"{self.prefix}.safetensors.index.json", document
+
+
+def _data_bytes(specs: list[TensorSpec]) -> int:
+    """The bytes of the tensors of ``specs`` together."""
+    header = build_header(specs)[1]
+    return header.file_size - header.data_start
 
 
 class DatasetWriter(_RollingWriter):
