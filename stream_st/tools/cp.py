@@ -22,8 +22,16 @@ from ..core.header import Header, TensorInfo
 from ..core.layout import TensorSpec
 from ..core.shards import shard_address
 from ..core.stats import LoadStats, record_last
-from ..errors import SafetensorsError, StreamStWarning, TransportError, UsageError
+from ..errors import (
+    HeaderError,
+    SafetensorsError,
+    StreamStWarning,
+    TensorNotFoundError,
+    TransportError,
+    UsageError,
+)
 from ..reader import Include, TensorStream
+from ..reader.stream import include_names
 from ..sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from ..transports.file.source import FileSource
 from ..transports.options import Clock, Transport, TransportOptions
@@ -91,7 +99,7 @@ def _target_dtype(dtype: str | None) -> str | None:
     """The dtype code ``cp``'s ``dtype=`` names (``None`` for none)."""
     if dtype is None:
         return None
-    target = _TARGETS.get(dtype.lower())
+    target = _TARGETS.get(dtype.lower()) if isinstance(dtype, str) else None
     if target is None:
         raise UsageError(f"dtype must be one of {', '.join(_TARGETS)}, not {dtype!r}")
     return target
@@ -245,10 +253,12 @@ async def cp(
     """
     if quantize is not None and (dtype is not None or dequantize):
         raise UsageError("choose one of dtype=, quantize= and dequantize=")
+    if include is not None and not callable(include):
+        include_names(include)  # names, or an ArgumentTypeError saying what it takes
     target = _target_dtype(dtype)
     encoder = None
     if quantize is not None:
-        if quantize.lower() != "int8":
+        if not isinstance(quantize, str) or quantize.lower() != "int8":
             raise UsageError(f"quantize supports int8, not {quantize!r}")
         encoder = get_codec("int8")
     clock = command_clock(options)
@@ -341,11 +351,15 @@ def _copied_digests(
     checksums: bool | str | None, headers: Sequence[Header], names: list[str], converting: bool
 ) -> bool | str | Digests:
     """What ``cp`` records (see there): the source's digests for ``names`` when no tensor
-    changes and the algorithm is the one asked for, else the algorithm to compute."""
+    changes and the algorithm is the one asked for, else the algorithm to compute. Shards with
+    digests of several algorithms, or only some with digests, are recorded with one of theirs
+    (the default where it is one), computed anew."""
     found = {h.metadata.get(ALGORITHM_KEY) for h in headers}
-    source = found.pop() if len(found) == 1 else None  # one algorithm, in every header
+    source = next(iter(found)) if len(found) == 1 else None  # one algorithm, in every header
     if checksums is None:
-        checksums = source or False
+        kinds = sorted(kind for kind in found if kind is not None)
+        mixed = DEFAULT_ALGORITHM if DEFAULT_ALGORITHM in kinds else next(iter(kinds), None)
+        checksums = source or mixed or False
     if checksums is False:
         return False
     name = algorithm_named(DEFAULT_ALGORITHM if checksums is True else checksums).name
@@ -551,17 +565,28 @@ async def mirror(
             wanted = None if include is None or names is None else sorted(filter(selected, names))
             if wanted == []:
                 continue
-            copied = await cp(
-                shard_address(shards.home, shard),
-                await opened_at(address_in(into, shard)),
-                include=wanted,
-                dtype=dtype,
-                quantize=quantize,
-                dequantize=dequantize,
-                checksums=checksums,
-                progress=progress,
-                **options,
-            )
+            where = shard_address(shards.home, shard)
+            try:
+                copied = await cp(
+                    where,
+                    await opened_at(address_in(into, shard)),
+                    include=wanted,
+                    dtype=dtype,
+                    quantize=quantize,
+                    dequantize=dequantize,
+                    checksums=checksums,
+                    progress=progress,
+                    **options,
+                )
+            except TensorNotFoundError:  # include= took the index's word for the shard's names
+                if wanted is None:
+                    raise
+                raise HeaderError(
+                    f"{where}: the shard's tensors differ from those the index assigns it (it "
+                    f"lacks some of {wanted[:5]})"
+                ) from None
+            if wanted is None:  # copied whole: its names (a manifest: its size) as the index says
+                shards.check(shard, where, copied.header)
             weight_map.update(dict.fromkeys(copied.header.names(), shard))
             total += copied.header.data_size
             reads.append(copied.load)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -303,3 +304,45 @@ async def test_saving_a_sparse_tensor_is_refused_by_name_everywhere(tmp_path: Pa
     with pytest.raises(stream_st.UsageError, match="sparse_coo, not dense"):
         await stream_st.save(tmp_path / "s.safetensors", {"w": sparse})
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("options", [[], ["--dtype", "bf16"], ["--include", "a"]])
+def test_a_mirror_checks_each_shard_against_the_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str]
+) -> None:
+    """An index assigning each tensor to the other shard was mirrored (exit 0) as it was, or
+    with --dtype given a "corrected" index, or with --include refused as a bad option."""
+    folder = tmp_path / "model"
+    index = _two_shards(folder)
+    swapped = {"a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors"}
+    index.write_text(json.dumps({"metadata": {"total_size": 32}, "weight_map": swapped}))
+    out = tmp_path / "out"
+    assert main(["cp", "-q", *options, str(index), f"{out}/"]) == 2
+    assert "differ from those the index assigns it" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_merge_of_shards_with_digests_of_two_kinds_keeps_digests(tmp_path: Path) -> None:
+    """Every digest was dropped (no digests in the merged file) when the shards' algorithms
+    differed, or only some shards had digests."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for shard, name, algorithm in (("s1", "a", "xxh3-128"), ("s2", "b", "sha256")):
+        path, tensors = folder / f"{shard}.safetensors", {name: np.ones(4, np.float32)}
+        anyio.run(partial(stream_st.save, path, tensors, checksums=algorithm))
+    weight_map = {"a": "s1.safetensors", "b": "s2.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    merged = tmp_path / "merged.safetensors"
+    assert main(["cp", "-q", "--merge", f"{folder}/", str(merged)]) == 0
+    header = anyio.run(stream_st.read_header, merged)
+    assert header.metadata["stream_st.digest"] == "xxh3-128"
+
+
+@pytest.mark.parametrize("option", [{"quantize": 8}, {"dtype": 5}, {"include": 5}])
+async def test_cp_refuses_options_of_the_wrong_kind(tmp_path: Path, option: dict[str, Any]) -> None:
+    """cp(quantize=8) and cp(include=5) raised bare AttributeError and TypeError."""
+    source = tmp_path / "a.safetensors"
+    reference_save_file({"a": np.zeros(2, np.float32)}, str(source))
+    with pytest.raises(stream_st.UsageError):
+        await stream_st.tools.cp(source, tmp_path / "b.safetensors", **option)
+    assert not (tmp_path / "b.safetensors").exists()
