@@ -33,6 +33,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import struct
 import uuid
@@ -288,6 +289,9 @@ class _RollingWriter(AsyncClosing):
     async def _nothing_written(self) -> None:
         """A hook for a writer closed with no tensor written (an empty index by default)."""
 
+    def _after_commit(self) -> None:
+        """A hook run once the index is in place."""
+
     async def aclose(self) -> None:
         """Seal the last shard, write the index (or manifest) whole, then commit: the shards
         moved to their final names and the index into place, shielded from cancellation."""
@@ -307,6 +311,7 @@ class _RollingWriter(AsyncClosing):
             await self.abort()
             raise
         self._closed = True
+        self._after_commit()
 
     async def abort(self) -> None:
         """Remove every shard written so far and the one in the making; nothing is left behind."""
@@ -375,6 +380,21 @@ class ShardedWriter(_RollingWriter):
             with _io("moving a shard into place", self.directory / final):
                 os.replace(self.directory / name, self.directory / final)
             self._sealed[index] = (final, size, samples, specs)  # abort() removes it from here
+
+    def _after_commit(self) -> None:
+        """Remove the shards of an earlier checkpoint of this prefix that the new index does not
+        name, as transformers' ``save_pretrained`` does: a loader takes ``{prefix}.safetensors``
+        before the index, so a stale one would be loaded in place of the new checkpoint."""
+        kept = {name for name, *_ in self._sealed}
+        ours = re.compile(rf"{re.escape(self.prefix)}(-\d{{5}}-of-\d{{5}})?\.safetensors")
+        try:
+            entries = list(os.scandir(self.directory))
+        except OSError:
+            return
+        for entry in entries:
+            if ours.fullmatch(entry.name) and entry.name not in kept and not entry.is_dir():
+                with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+                    os.unlink(entry.path)
 
     def _index(self) -> tuple[str, dict[str, Any]]:
         weight_map = {
@@ -539,7 +559,11 @@ def open_sharded_writer(
     shard whenever the next tensor would take the current one past ``max_shard_size`` bytes of
     data, then ``{prefix}.safetensors.index.json``. A single shard is named
     ``{prefix}.safetensors``. ``checksums=True`` (or an algorithm's name) records each tensor's
-    digest in its shard's ``__metadata__``, as :func:`~stream_st.open_writer` does."""
+    digest in its shard's ``__metadata__``, as :func:`~stream_st.open_writer` does. Once the
+    index is in place, shards of an earlier checkpoint of the same prefix that it does not name
+    (``{prefix}.safetensors``, ``{prefix}-NNNNN-of-NNNNN.safetensors``) are removed, as
+    transformers' ``save_pretrained`` removes them: loaders take a ``{prefix}.safetensors``
+    before the index."""
     return ShardedWriter(
         directory,
         max_shard_size=max_shard_size,

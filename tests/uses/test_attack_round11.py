@@ -346,3 +346,37 @@ async def test_cp_refuses_options_of_the_wrong_kind(tmp_path: Path, option: dict
     with pytest.raises(stream_st.UsageError):
         await stream_st.tools.cp(source, tmp_path / "b.safetensors", **option)
     assert not (tmp_path / "b.safetensors").exists()
+
+
+@pytest.mark.parametrize(("before", "after"), [(1, 2), (3, 2), (2, 1)])
+async def test_a_checkpoint_saved_again_leaves_no_shard_of_the_earlier_one(
+    tmp_path: Path, before: int, after: int
+) -> None:
+    """A checkpoint of two shards saved where one of one shard was left model.safetensors,
+    which loaders (transformers) take before the index: the old weights were loaded."""
+    (tmp_path / "notes.safetensors").write_bytes(b"kept")
+    (tmp_path / "other-00001-of-00002.safetensors").write_bytes(b"kept")
+
+    async def save(shards: int, value: float) -> None:
+        async with stream_st.open_sharded_writer(tmp_path, max_shard_size=16) as writer:
+            for i in range(shards):
+                await writer.write(f"w{i}", np.full(4, value, np.float32))
+
+    await save(before, 0.0)
+    await save(after, 1.0)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    shards = (
+        ["model.safetensors"]
+        if after == 1
+        else [f"model-{i:05d}-of-{after:05d}.safetensors" for i in range(1, after + 1)]
+    )
+    assert names == sorted(
+        [
+            *shards,
+            "model.safetensors.index.json",
+            "notes.safetensors",
+            "other-00001-of-00002.safetensors",
+        ]
+    )
+    loaded = await stream_st.load(tmp_path / "model.safetensors.index.json")
+    assert all(float(a[0]) == 1.0 for a in loaded.values()) and len(loaded) == after
