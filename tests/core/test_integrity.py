@@ -166,7 +166,7 @@ async def test_a_damaged_digest_record_is_refused_before_any_tensor(tmp_path: Pa
         "has no digest": {k: v for k, v in good.items() if k != DIGEST_KEY_PREFIX + "b"},
         "digest for no tensor": {**good, DIGEST_KEY_PREFIX + "c": good[DIGEST_KEY_PREFIX + "a"]},
         "which this version cannot check": {**good, ALGORITHM_KEY: "md4"},
-        "is not 32 hex digits": {**good, DIGEST_KEY_PREFIX + "a": "zz"},
+        "is not 32 lowercase hex digits": {**good, DIGEST_KEY_PREFIX + "a": "zz"},
         "no 'stream_st.digest' key": {k: v for k, v in good.items() if k != ALGORITHM_KEY},
     }
     for message, metadata in cases.items():
