@@ -43,6 +43,7 @@ from .common import (
     expect_totals,
     included,
     merged_metadata,
+    naming,
     opened,
     tensors_of,
 )
@@ -278,7 +279,10 @@ async def cp(
             raise UsageError(f"--dequantize: the source is not quantized ({why})")
         wanted = [t for t in tensors_of(headers) if included(include, t.name)]
         plan = _Plan(wanted, metadata, target, encoder, decoder if dequantize else None)
-        digests = _copied_digests(checksums, headers, [t.name for t in wanted], plan.converted > 0)
+        with naming(src):  # a damaged digest record is the source's
+            digests = _copied_digests(
+                checksums, headers, [t.name for t in wanted], plan.converted > 0
+            )
         expect_totals(progress, wanted)
         done_bytes = done = 0
         pending: dict[str, dict[str, Any]] = {}
@@ -357,6 +361,8 @@ def _copied_digests(
     found = {h.metadata.get(ALGORITHM_KEY) for h in headers}
     source = next(iter(found)) if len(found) == 1 else None  # one algorithm, in every header
     if checksums is None:
+        for header in headers:  # records to inherit must be ones to check, as the read says
+            Digests.from_header(header)
         kinds = sorted(kind for kind in found if kind is not None)
         mixed = DEFAULT_ALGORITHM if DEFAULT_ALGORITHM in kinds else next(iter(kinds), None)
         checksums = source or mixed or False

@@ -380,3 +380,34 @@ async def test_a_checkpoint_saved_again_leaves_no_shard_of_the_earlier_one(
     )
     loaded = await stream_st.load(tmp_path / "model.safetensors.index.json")
     assert all(float(a[0]) == 1.0 for a in loaded.values()) and len(loaded) == after
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ({"stream_st.digest": "md5"}, "the header's digests use 'md5'"),
+        ({"stream_st.digest:b": None}, "tensor 'b' has no digest in the header"),
+    ],
+)
+def test_cp_of_a_damaged_digest_record_names_the_source(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    damage: dict[str, str | None],
+    message: str,
+) -> None:
+    """cp said "unknown digest algorithm 'md5'; choose one of [...]", as if an option were
+    wrong, or "tensor 'b' has no digest", naming no source; the other commands said which."""
+    arrays = {"a": np.zeros(2, np.float32), "b": np.ones(2, np.float32)}
+    good = tmp_path / "good.safetensors"
+    anyio.run(partial(stream_st.save, good, arrays, checksums=True))
+    metadata = dict(anyio.run(stream_st.read_header, good).metadata)
+    for key, value in damage.items():
+        if value is None:
+            del metadata[key]
+        else:
+            metadata[key] = value
+    damaged = tmp_path / "damaged.safetensors"
+    reference_save_file(arrays, str(damaged), metadata=metadata)
+    assert main(["cp", "-q", str(damaged), str(tmp_path / "copy.safetensors")]) == 2
+    error = capsys.readouterr().err
+    assert message in error and str(damaged) in error and "choose one of" not in error
