@@ -43,7 +43,8 @@ def _as_bytes_view(chunk: Any) -> memoryview:
     try:
         view = memoryview(chunk)
     except (TypeError, ValueError):  # ValueError: a buffer numpy cannot export (datetime64)
-        if isinstance(chunk, np.ndarray) and not chunk.dtype.hasobject:  # bfloat16, float8...
+        if isinstance(chunk, np.ndarray) and chunk.dtype.kind == "V" and not chunk.dtype.hasobject:
+            # ml_dtypes' bfloat16, float8...: numbers, as float16 is, which memoryview takes
             return np.ascontiguousarray(chunk).reshape(-1).view(np.uint8).data
         raise UnsupportedSourceError(
             f"chunks must be bytes-like, got {type(chunk).__name__}"
