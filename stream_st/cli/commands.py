@@ -375,10 +375,10 @@ def _load_shapes(path: str | None) -> dict[str, list[int]] | None:
     except (OSError, SafetensorsError) as exc:
         raise UsageError(f"--expect-shapes: cannot read {path}: {exc}") from None
     if not isinstance(shapes, dict) or not all(
-        isinstance(v, list) and all(isinstance(d, int) for d in v) for v in shapes.values()
+        isinstance(v, list) and all(type(d) is int and d >= 0 for d in v) for v in shapes.values()
     ):
         raise UsageError(
-            f"--expect-shapes: {path} must map tensor names to shapes (lists of integers)"
+            f"--expect-shapes: {path} must map tensor names to shapes (lists of integers >= 0)"
         )
     return shapes
 

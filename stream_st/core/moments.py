@@ -5,6 +5,12 @@ their min, max, mean and sum of squared deviations (``m2``), and the NaN and Inf
 Summaries of parts merge exactly (:meth:`Moments.merge`, the pairwise update of Chan, Golub and
 LeVeque), so a big tensor is summarised in parts by several threads and merged in order.
 
+Integer (and boolean) values keep their min and max exact, as Python ints taken in their own
+dtype (a 64-bit integer beyond 2**53 is not rounded through float64), and their exact sum
+(``integer_sum``, each chunk summed in integers: 64-bit values in their own type, modulo 2**64,
+set right by the chunk's float64 sum), so that their mean is that sum divided by the count,
+rounded once to float64. Their ``m2`` is taken in float64 as any other type's.
+
 Each chunk of :data:`CHUNK` values (a few hundred KiB: it stays in the CPU's caches while every
 statistic is taken from it) is handled with a few numpy calls, most of which release the GIL:
 
@@ -140,15 +146,19 @@ def summarisable(dtype: str) -> bool:
 class Moments:
     """The summary of some values: ``count`` finite values, their ``low`` and ``high``, ``mean``
     and ``m2`` (sum of squared deviations from the mean), and the ``nan`` and ``inf`` values
-    left out of them. ``low`` and ``high`` are ``inf`` and ``-inf`` while ``count`` is 0."""
+    left out of them. ``low`` and ``high`` are ``inf`` and ``-inf`` while ``count`` is 0; for
+    integer values they are exact Python ints. ``integer_sum``: the exact sum of integer values
+    (None for floating ones), of which ``mean`` is then the quotient by ``count``, rounded once.
+    """
 
     count: int = 0
     mean: float = 0.0
     m2: float = 0.0
-    low: float = math.inf
-    high: float = -math.inf
+    low: int | float = math.inf
+    high: int | float = -math.inf
     nan: int = 0
     inf: int = 0
+    integer_sum: int | None = None
 
     @property
     def variance(self) -> float | None:
@@ -163,7 +173,7 @@ class Moments:
 
     def times(self, factor: float) -> Moments:
         """These moments of the values multiplied by ``factor`` (exact for a power of 2)."""
-        return Moments(
+        return Moments(  # no integer sum: the values scaled are floating-point ones
             self.count,
             self.mean * factor,
             self.m2 * factor * factor,
@@ -181,12 +191,18 @@ class Moments:
             return
         if not self.count:
             self.count, self.mean, self.m2 = other.count, other.mean, other.m2
+            self.integer_sum = other.integer_sum
         else:
             count = self.count + other.count
             delta = other.mean - self.mean
             self.mean += delta * (other.count / count)
             self.m2 += other.m2 + delta * delta * (self.count * (other.count / count))
             self.count = count
+            if self.integer_sum is None or other.integer_sum is None:
+                self.integer_sum = None
+            else:
+                self.integer_sum += other.integer_sum
+                self.mean = self.integer_sum / count  # exact, rounded once
         self.low = min(self.low, other.low)
         self.high = max(self.high, other.high)
 
@@ -238,6 +254,7 @@ def _add_chunks(result: Moments, flat: Array, start: int, stop: int) -> None:
     """Merge the moments of ``flat[start:stop]`` (``start < stop``) into ``result``, chunk by
     chunk, each chunk's min and max taken first."""
     floating = _floating(flat.dtype)
+    integer = flat.dtype.kind in "iub"
     compiled = _SUMS if flat.dtype == _F32 else None
     size = min(CHUNK, stop - start) if compiled is None else 0
     scratch = np.empty(size + -size % BLOCK, np.float64)
@@ -249,6 +266,13 @@ def _add_chunks(result: Moments, flat: Array, start: int, stop: int) -> None:
             if not chunk.size:
                 continue
             low, high = _MIN(chunk), _MAX(chunk)
+        if integer:  # min and max exact, in the values' own type (float64 rounds beyond 2**53)
+            part = Moments()
+            _add_finite(part, chunk, int(low), int(high), scratch)
+            part.integer_sum = _integer_sum(chunk, part.mean * part.count)
+            part.mean = part.integer_sum / part.count
+            result.merge(part)
+            continue
         low, high = float(low), float(high)
         if compiled is not None:
             _add_sums(result, chunk.size, low, high, _compiled(compiled, chunk, "F32"))
@@ -260,6 +284,18 @@ def _add_chunks(result: Moments, flat: Array, start: int, stop: int) -> None:
             result.merge(part.times(1 / factor))
         else:
             _add_finite(result, chunk, low, high, scratch)
+
+
+def _integer_sum(chunk: Array, near: float) -> int:
+    """The exact sum of ``chunk`` (integers, at most :data:`CHUNK` of them), ``near`` its sum
+    as float64 gave it. Values narrower than 64 bits are summed in int64, which they cannot
+    overflow; 64-bit ones in their own type, which gives the sum modulo 2**64 (numpy's integers
+    wrap), the multiple of 2**64 to add being the one that brings it nearest ``near``: float64
+    sums of 64 Ki values are off by far less than 2**62 (one pass, no scratch)."""
+    if chunk.dtype.itemsize < 8:
+        return int(np.add.reduce(chunk, dtype=np.int64))
+    wrapped = int(np.add.reduce(chunk))
+    return wrapped + round((near - wrapped) / 2**64) * 2**64
 
 
 def _add_halves(result: Moments, flat: Array, start: int, stop: int) -> None:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Unpack
 
+import anyio
+import anyio.to_thread
+import numpy as np
+
 from .._util import task_group
-from ..core.header import Header
+from ..core.dtypes import wire_bytes
+from ..core.header import Header, TensorInfo
 from ..reader import TensorStream
 from ..transports.options import TransportOptions
 from ..transports.registry import SourceLike
@@ -20,9 +26,10 @@ from .common import (
     opened,
     tensors_of,
 )
-from .hash import digest_stream
 
 __all__ = ["Diff", "diff"]
+
+Array = np.ndarray[Any, Any]
 
 
 @dataclass
@@ -65,7 +72,16 @@ async def diff(
     **options: Unpack[TransportOptions],
 ) -> Diff:
     """Compare tensors (names, dtypes, shapes, byte lengths) and metadata; with ``content``, also
-    the bytes of tensors the two have in common, both streamed at once in constant memory."""
+    the bytes of tensors the two have in common, both streamed at once in constant memory.
+
+    A name a dataset repeats in every shard (``dataset_manifest.json``) is compared shard by
+    shard: each of its tensors is reported as ``name (shard N)``, N counted from 0 in the
+    manifest's order, so that a shard more or less, or one whose tensor differs, is a
+    difference. A name each side holds once (a file, a sharded checkpoint) is compared by name
+    alone, whichever shard holds it. (``content`` reads the sources as
+    :func:`~stream_st.tools.common.opened` does, which refuses, with a
+    :class:`~stream_st.UsageError`, a dataset whose shards repeat a name: its bytes are
+    compared here by key all the same, should it hand them out.)"""
     clock = command_clock(options)
     compared: set[str] = set()  # filled once both headers are known, before any data is read
     async with (
@@ -74,11 +90,12 @@ async def diff(
     ):
         result, common = _compare(headers_a, headers_b)
         if content:
-            compared.update(common)
+            keys = _Keys(headers_a, headers_b)
+            compared.update(name for name, _ in common)
             expect_totals(
                 progress, [t for t in tensors_of([*headers_a, *headers_b]) if t.name in compared]
             )
-            digests: list[dict[str, str]] = [{}, {}]
+            digests: list[dict[Key, str]] = [{}, {}]
             totals = [0, 0]
             counts = [0, 0]
 
@@ -92,30 +109,113 @@ async def diff(
 
             async def run(side: int, stream: TensorStream) -> None:
                 with naming((a, b)[side]):
-                    digests[side] = await digest_stream(stream, report(side))
+                    digests[side] = await _digests(stream, keys.of(side), report(side))
 
             async with task_group() as group:
                 group.start_soon(run, 0, stream_a)
                 group.start_soon(run, 1, stream_b)
             result.content_compared = True
-            result.content_differs = [n for n in common if digests[0][n] != digests[1][n]]
+            result.content_differs = [
+                _label(key) for key in common if digests[0][key] != digests[1][key]
+            ]
     return result
 
 
-def _compare(headers_a: Sequence[Header], headers_b: Sequence[Header]) -> tuple[Diff, list[str]]:
+Key = tuple[str, int]
+"""A tensor as compared: its name, and for a name repeated across shards the shard holding it
+(-1 for a name each side holds once)."""
+
+
+def _label(key: Key) -> str:
+    """The tensor ``key`` names, as the report gives it: ``name``, or ``name (shard N)``."""
+    name, shard = key
+    return name if shard < 0 else f"{name} (shard {shard})"
+
+
+class _Keys:
+    """The :data:`Key` of each tensor of two sources' headers: a name either side repeats (a
+    dataset's columns, one per shard) is keyed by its shard, any other by its name alone."""
+
+    def __init__(self, headers_a: Sequence[Header], headers_b: Sequence[Header]) -> None:
+        self.shards: list[dict[str, list[int]]] = []
+        repeated: set[str] = set()
+        for headers in (headers_a, headers_b):
+            shards: dict[str, list[int]] = {}
+            for shard, header in enumerate(headers):
+                for info in header:
+                    shards.setdefault(info.name, []).append(shard)
+            repeated.update(name for name, held in shards.items() if len(held) > 1)
+            self.shards.append(shards)
+        self.repeated = repeated
+
+    def tensors(self, headers: Sequence[Header]) -> dict[Key, TensorInfo]:
+        """The tensors of ``headers`` (either side's) by key."""
+        return {
+            (info.name, shard if info.name in self.repeated else -1): info
+            for shard, header in enumerate(headers)
+            for info in header
+        }
+
+    def of(self, side: int) -> Callable[[str, int], Key]:
+        """The key of the ``k``-th tensor named ``name`` that side ``side``'s stream hands out
+        (shards are streamed in order, and a shard holds a name once)."""
+        shards = self.shards[side]
+
+        def key(name: str, k: int) -> Key:
+            return (name, shards[name][k] if name in self.repeated else -1)
+
+        return key
+
+
+async def _digests(
+    stream: TensorStream, key: Callable[[str, int], Key], progress: Progress
+) -> dict[Key, str]:
+    """sha256 of each tensor's bytes, by its key (``key(name, k)`` for the ``k``-th tensor of
+    that name handed out), as :func:`~stream_st.tools.hash.digest_stream` takes them (which keys
+    them by name alone): one tensor hashed in a thread while the next is read."""
+    digests: dict[Key, str] = {}
+    seen: dict[str, int] = {}
+    done_bytes = done = 0
+
+    def sha256(array: Array) -> str:
+        return hashlib.sha256(wire_bytes(array)).hexdigest()
+
+    async def digest(tensor: Key, array: Array, finished: anyio.Event) -> None:
+        digests[tensor] = await anyio.to_thread.run_sync(sha256, array)
+        finished.set()
+
+    previous: anyio.Event | None = None
+    async with task_group() as group:
+        async for name, array in stream:
+            k = seen.get(name, 0)
+            seen[name] = k + 1
+            if previous is not None:
+                await previous.wait()  # one tensor hashing while the next is read, no more
+            previous = anyio.Event()
+            group.start_soon(digest, key(name, k), array, previous)
+            done_bytes += array.nbytes
+            done += 1
+            progress(done_bytes, done)
+            del array
+    return digests
+
+
+def _compare(headers_a: Sequence[Header], headers_b: Sequence[Header]) -> tuple[Diff, list[Key]]:
     """What differs between two files' headers, tensors (names, dtypes, shapes, byte lengths)
-    and metadata; and the names of the tensors both hold alike, whose bytes may be compared."""
-    tensors_a = {t.name: t for t in tensors_of(headers_a)}
-    tensors_b = {t.name: t for t in tensors_of(headers_b)}
+    and metadata; and the keys of the tensors both hold alike, whose bytes may be compared."""
+    keys = _Keys(headers_a, headers_b)
+    tensors_a = keys.tensors(headers_a)
+    tensors_b = keys.tensors(headers_b)
     result = Diff(
-        added=sorted(tensors_b.keys() - tensors_a.keys()),
-        removed=sorted(tensors_a.keys() - tensors_b.keys()),
+        added=[_label(k) for k in sorted(tensors_b.keys() - tensors_a.keys())],
+        removed=[_label(k) for k in sorted(tensors_a.keys() - tensors_b.keys())],
     )
-    for name in sorted(tensors_a.keys() & tensors_b.keys()):
-        ta, tb = tensors_a[name], tensors_b[name]
+    same: list[Key] = []
+    for key in sorted(tensors_a.keys() & tensors_b.keys()):
+        ta, tb = tensors_a[key], tensors_b[key]
         changes = {
-            key: [va, vb]
-            for key, va, vb in (
+            what: [va, vb]
+            for what, va, vb in (
                 ("dtype", ta.dtype, tb.dtype),
                 ("shape", list(ta.shape), list(tb.shape)),
                 ("byte_length", ta.nbytes, tb.nbytes),
@@ -123,7 +223,9 @@ def _compare(headers_a: Sequence[Header], headers_b: Sequence[Header]) -> tuple[
             if va != vb
         }
         if changes:
-            result.changed[name] = changes
+            result.changed[_label(key)] = changes
+        else:
+            same.append(key)
     meta_a, meta_b = merged_metadata(headers_a), merged_metadata(headers_b)
     result.metadata_added = sorted(meta_b.keys() - meta_a.keys())
     result.metadata_removed = sorted(meta_a.keys() - meta_b.keys())
@@ -136,5 +238,4 @@ def _compare(headers_a: Sequence[Header], headers_b: Sequence[Header]) -> tuple[
         for k in sorted(meta_a.keys() & meta_b.keys())
         if meta_a[k] != meta_b[k]
     }
-    same = [n for n in sorted(tensors_a.keys() & tensors_b.keys()) if n not in result.changed]
     return result, same

@@ -3,20 +3,27 @@ missing between others, floating-point tensors in several dtypes, and a Llama-fa
 ``config.json`` (:class:`ModelConfig`): the shapes, layers, parameter count and dtype it implies.
 :func:`stream_st.tools.validate.validate` runs them on a file's header; the names are
 importable from :mod:`stream_st.tools.validate` too.
+
+Every check costs what the file's own tensors do, however large the numbers it is given: a
+config's counts (up to :data:`LARGEST`) are looked up and counted, not listed name by name, and
+layers missing between two far apart (``layers.0``, ``layers.1000000000000``) are told by the
+ends of their runs.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from ..core.header import TensorInfo
 from ..core.strict_json import decode_json
-from ..errors import SafetensorsError, UsageError
+from ..errors import ArgumentTypeError, SafetensorsError, UsageError
 from .common import plural
 
 if TYPE_CHECKING:
@@ -29,7 +36,8 @@ __all__ = [
     "validate_dtype_consistency",
 ]
 
-_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.([0-9]{1,4000})\.")
+"""A layer's tensor: ``...layers.N.`` (N in ASCII digits, fewer than Python reads as an int)."""
 
 
 def check_layers(names: Iterable[str], required: Sequence[str]) -> list[str]:
@@ -61,15 +69,31 @@ def _layer_stacks(names: Iterable[str]) -> dict[str, set[int]]:
     return stacks
 
 
+def _runs(numbers: Iterable[int]) -> list[tuple[int, int]]:
+    """The runs of consecutive ``numbers``, first and last: ``(0, 3), (7, 7)`` for 0-3 and 7."""
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and runs[-1][1] == n - 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return [(a, b) for a, b in runs]
+
+
+def _text(runs: Iterable[tuple[int, int]]) -> str:
+    """``0-3, 7, 9-10`` for the runs ``(0, 3), (7, 7), (9, 10)``."""
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def _spans(numbers: Iterable[int]) -> str:
     """``0-3, 7, 9-10`` for 0, 1, 2, 3, 7, 9, 10."""
-    spans: list[list[int]] = []
-    for n in sorted(numbers):
-        if spans and spans[-1][1] == n - 1:
-            spans[-1][1] = n
-        else:
-            spans.append([n, n])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return _text(_runs(numbers))
+
+
+def _holes(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The runs of numbers between ``runs`` (in order): taken from their ends, however many
+    numbers they are."""
+    return [(a[1] + 1, b[0] - 1) for a, b in itertools.pairwise(runs)]
 
 
 def check_layer_sequence(names: Iterable[str]) -> list[str]:
@@ -78,11 +102,13 @@ def check_layer_sequence(names: Iterable[str]) -> list[str]:
     present are not looked for (a shard, a pipeline stage holds a run of layers)."""
     problems = []
     for stack, present in sorted(_layer_stacks(names).items()):
-        holes = set(range(min(present), max(present) + 1)) - present
+        runs = _runs(present)
+        holes = _holes(runs)  # from the runs' ends: a file naming layers 0 and 10**12 is cheap
         if holes:
+            many = len(holes) > 1 or holes[0][0] != holes[0][1]
             problems.append(
-                f"{stack}N: layer{'s' if len(holes) > 1 else ''} {_spans(holes)} missing "
-                f"(layers {_spans(present)} present)"
+                f"{stack}N: layer{'s' if many else ''} {_text(holes)} missing "
+                f"(layers {_text(runs)} present)"
             )
     return problems
 
@@ -137,6 +163,23 @@ def _some(names: Sequence[str], shown: int = 3) -> str:
 _TORCH_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
 
 
+LARGEST = 2**63 - 1
+"""The largest number a :class:`ModelConfig` takes (``int64``'s largest): no safetensors file
+could hold a model of more."""
+
+
+def _count(what: str, value: object) -> int:
+    """``value`` if it is an int (not a bool) from 1 to :data:`LARGEST`;
+    :class:`~stream_st.ArgumentTypeError` for another type, :class:`~stream_st.UsageError` for a
+    number out of range, ``what`` named in the message."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentTypeError(f"{what} must be a positive integer, not {value!r}")
+    if not 1 <= value <= LARGEST:
+        shown = f"{value!r}" if value < 0 or value.bit_length() <= 128 else "a larger one"
+        raise UsageError(f"{what} must be a positive integer up to 2**63 - 1, not {shown}")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What a Hugging Face ``config.json`` of a Llama-family model (Llama, Mistral, SmolLM, ...)
@@ -146,6 +189,8 @@ class ModelConfig:
     Shapes and names are those of :class:`stream_st.models.llm.LlamaConfig`; weights named as
     Hugging Face saves ``LlamaForCausalLM`` (``model.embed_tokens.weight``,
     ``model.layers.N.self_attn.q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight``).
+    Every number is an ``int`` from 1 to :data:`LARGEST` (:class:`~stream_st.ArgumentTypeError`
+    for another type, :class:`~stream_st.UsageError` for another number, when made).
     """
 
     hidden_size: int
@@ -157,19 +202,25 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     dtype: str | None = None
 
+    def __post_init__(self) -> None:
+        for number in fields(self)[:6]:
+            _count(f"ModelConfig.{number.name}", getattr(self, number.name))
+
     @classmethod
     def from_json(cls, config: Mapping[str, Any], *, source: str = "the config") -> ModelConfig:
         """The configuration a parsed ``config.json`` gives; :class:`~stream_st.UsageError` for
-        a missing or malformed number, or one no Llama model has."""
+        a missing or malformed number (not an integer from 1 to :data:`LARGEST`), or one no
+        Llama model has."""
         if not isinstance(config, Mapping):
             raise UsageError(f"{source} must be a JSON object")
 
         def number(key: str, default: int | None = None) -> int:
             value = config.get(key)
             value = default if value is None else value
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UsageError(f"{source}: {key} must be a positive integer, not {value!r}")
-            return value
+            try:
+                return _count(f"{source}: {key}", value)
+            except ArgumentTypeError as exc:  # a wrong type in a file: the file's error
+                raise UsageError(str(exc)) from None
 
         heads = number("num_attention_heads")
         found = cls(
@@ -222,32 +273,82 @@ class ModelConfig:
                 "heads the heads)"
             ) from None
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every weight the model has and its shape (``lm_head.weight`` unless tied)."""
-        from ..models.llm.model import LM_HEAD
+    def tensor_count(self) -> int:
+        """How many weights the model has: the embeddings, nine a layer, the final norm and,
+        unless tied, the head."""
+        head = 0 if self.tie_word_embeddings else 1
+        return 2 + len(_layer_parts()) * self.num_hidden_layers + head
 
+    def names(self) -> Iterator[str]:
+        """Every weight's name, in the model's order, one at a time (as many as
+        :meth:`tensor_count`: take what is needed)."""
+        from ..models.llm.model import EMBEDDINGS, FINAL_NORM, LM_HEAD
+
+        yield EMBEDDINGS
+        for layer in range(self.num_hidden_layers):
+            for part in _layer_parts():
+                yield f"model.layers.{layer}.{part}.weight"
+        yield FINAL_NORM
+        if not self.tie_word_embeddings:
+            yield LM_HEAD
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight the model has and its shape (``lm_head.weight`` unless tied): a dict of
+        :meth:`tensor_count` entries, which :meth:`check` does not build (it looks up the
+        file's own names)."""
         llama = self.llama()
-        names = llama.names() + ([] if self.tie_word_embeddings else [LM_HEAD])
-        return {name: llama.shape(name) for name in names}
+        return {name: llama.shape(name) for name in self.names()}
 
     def parameter_count(self) -> int:
-        """Values in all the model's weights (the tied head counted once)."""
-        return _values_in(self.shapes())
+        """Values in all the model's weights (the tied head counted once), from the shapes of
+        one layer's weights: no name is made for every layer."""
+        from ..models.llm.model import EMBEDDINGS, FINAL_NORM
+
+        llama = self.llama()
+        layer = sum(math.prod(llama.shape(name)) for name in llama.layer_names(0))
+        ends = math.prod(llama.shape(EMBEDDINGS)) + math.prod(llama.shape(FINAL_NORM))
+        head = 0 if self.tie_word_embeddings else math.prod(llama.shape(EMBEDDINGS))
+        return ends + head + layer * self.num_hidden_layers
+
+    def _position(self, name: str) -> int | None:
+        """Where weight ``name`` comes in :meth:`names`, None for a name the model has not."""
+        from ..models.llm.model import EMBEDDINGS, FINAL_NORM, LM_HEAD
+
+        total = self.num_hidden_layers
+        if name == EMBEDDINGS:
+            return 0
+        if name == FINAL_NORM:
+            return 1 + len(_layer_parts()) * total
+        if name == LM_HEAD:
+            return None if self.tie_word_embeddings else 2 + len(_layer_parts()) * total
+        match = _LAYER_WEIGHT.fullmatch(name)
+        if match is None:
+            return None
+        layer, part = int(match[1]), _layer_parts().get(match[2])
+        if part is None or layer >= total:
+            return None
+        return 1 + len(_layer_parts()) * layer + part
 
     def check(self, infos: Mapping[str, TensorInfo]) -> tuple[list[str], list[str]]:
-        """Errors and warnings for a file's tensors (``{name: info}``) against this config."""
-        from ..models.llm.model import LAYER_PARTS, LM_HEAD
+        """Errors and warnings for a file's tensors (``{name: info}``) against this config.
+        The work is that of the file's tensors, however many the config's numbers imply: each
+        name of the file is looked up, and what the config expects beyond them (missing layers,
+        the parameter count) is counted, not listed."""
+        from ..models.llm.model import LM_HEAD
 
         errors: list[str] = []
         warnings: list[str] = []
         llama = self.llama()
-        expected = self.shapes()
-        for name, shape in expected.items():
-            info = infos.get(name)
-            if info is not None and tuple(info.shape) != shape:
-                errors.append(f"{name}: shape {list(info.shape)}, the config gives {list(shape)}")
-        if not any(name in infos for name in expected):  # not this model: nothing else to say
-            return [_nothing_matches(expected, infos)], []
+        positions = {name: self._position(name) for name in infos}
+        expected = sorted((p, name) for name, p in positions.items() if p is not None)
+        if not expected:  # not this model: nothing else to say
+            return [_nothing_matches(self, infos)], []
+        for _, name in expected:
+            shape = llama.shape(name)
+            if tuple(infos[name].shape) != shape:
+                errors.append(
+                    f"{name}: shape {list(infos[name].shape)}, the config gives {list(shape)}"
+                )
         layers = _layer_stacks(n for n in infos if n.startswith("model.layers.")).get(
             "model.layers.", set()
         )
@@ -256,32 +357,33 @@ class ModelConfig:
         if beyond:
             errors.append(f"layers {_spans(beyond)} beyond the config's {total} layers")
         for layer in sorted(n for n in layers if n < total):
-            names = llama.layer_names(layer)
             lacking = [
-                part for part, name in zip(LAYER_PARTS, names, strict=True) if name not in infos
+                part
+                for part, name in zip(_layer_parts(), llama.layer_names(layer), strict=True)
+                if name not in infos
             ]
             if lacking:
                 errors.append(f"layer {layer} has no tensor for {', '.join(lacking)}")
-        inside = range(min(layers), max(layers) + 1) if layers else range(0)
-        absent = [n for n in range(total) if n not in layers and n not in inside]
+        absent = _absent(layers, total)
         if absent:
             warnings.append(
-                f"expected layers missing: {_spans(absent)} of the config's {total} "
+                f"expected layers missing: {_text(absent)} of the config's {total} "
                 f"(layers {_spans(layers) if layers else 'none'} present)"
             )
-        outside = [n for n in expected if not n.startswith("model.layers.") and n not in infos]
+        outside = [n for n in self._ends() if n not in infos and self._position(n) is not None]
         if outside:
             warnings.append(f"expected tensors missing: {', '.join(outside)}")
         if self.tie_word_embeddings and LM_HEAD in infos:
             warnings.append(f"{LM_HEAD} present, though the config ties it to the embeddings")
-        described = set(expected) | {LM_HEAD}
-        unknown = [n for n in infos if n not in described and not _beyond(n, total)]
+        unknown = [
+            n for n, p in positions.items() if p is None and n != LM_HEAD and not _beyond(n, total)
+        ]
         if unknown:
             warnings.append(
                 f"{plural(len(unknown), 'tensor')} the config does not describe: {_some(unknown)}"
             )
         count = sum(info.nelements for info in infos.values())
-        want = _values_in(expected)
+        want = self.parameter_count()
         if count != want:
             warnings.append(
                 f"parameter count {count:,} differs from the config's {want:,} "
@@ -291,10 +393,33 @@ class ModelConfig:
             warnings.extend(validate_dtype_consistency(infos.values(), self.dtype))
         return errors, warnings
 
+    def _ends(self) -> list[str]:
+        """The weights outside the layers, in the model's order (the head even if tied)."""
+        from ..models.llm.model import EMBEDDINGS, FINAL_NORM, LM_HEAD
 
-def _values_in(shapes: Mapping[str, tuple[int, ...]]) -> int:
-    """How many values tensors of ``shapes`` hold."""
-    return sum(math.prod(shape) for shape in shapes.values())
+        return [EMBEDDINGS, FINAL_NORM, LM_HEAD]
+
+
+@functools.cache
+def _layer_parts() -> dict[str, int]:
+    """Each part of a layer (``self_attn.q_proj``) and its place among the layer's weights."""
+    from ..models.llm.model import LAYER_PARTS
+
+    return {part: index for index, part in enumerate(LAYER_PARTS)}
+
+
+_LAYER_WEIGHT = re.compile(r"model\.layers\.(0|[1-9][0-9]{0,3999})\.(.+)\.weight")
+"""A layer's weight as the model names it (the layer's number as written, in ASCII digits)."""
+
+
+def _absent(layers: set[int], total: int) -> list[tuple[int, int]]:
+    """The runs of the config's ``total`` layers missing before the first of ``layers`` or
+    after the last (all of them without any): from the ends, however many."""
+    if not layers:
+        return [(0, total - 1)]
+    first, last = min(layers), max(layers)
+    runs = [(0, min(first, total) - 1), (last + 1, total - 1)]
+    return [(a, b) for a, b in runs if a <= b]
 
 
 def _beyond(name: str, total: int) -> bool:
@@ -303,12 +428,16 @@ def _beyond(name: str, total: int) -> bool:
     return match is not None and name.startswith("model.layers.") and int(match[1]) >= total
 
 
-def _nothing_matches(expected: Mapping[str, object], infos: Mapping[str, TensorInfo]) -> str:
+def _nothing_matches(config: ModelConfig, infos: Mapping[str, TensorInfo]) -> str:
     """The error for a file none of whose tensors the config names (a config for another model,
-    or another naming of the same one): some names of each side."""
+    or another naming of the same one): some names of each side (the config's first few, not
+    all of them made)."""
     held = f"{plural(len(infos), 'tensor')}: {_some(list(infos))}" if infos else "no tensor"
+    count = config.tensor_count()
+    first = list(itertools.islice(config.names(), 3))
+    more = f", ... {count - len(first)} more" if count > len(first) else ""
     return (
         "no tensor of the file is one the config names (a config for another model?): the "
-        f"config expects {plural(len(expected), 'tensor')}: {_some(list(expected))}; "
+        f"config expects {plural(count, 'tensor')}: {', '.join(first)}{more}; "
         f"the file holds {held}"
     )

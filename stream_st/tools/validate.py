@@ -12,8 +12,11 @@ Errors make a file invalid; warnings are reported apart (the split of the design
   tensors missing around those present (a shard, a pipeline stage), tensors the config does
   not describe, a parameter count other than the config's.
 
-Statistics come from :mod:`stream_st.core.moments` (one cache-friendly pass, float64-exact),
-computed by worker threads while later tensors arrive. The checks of the header's structure and
+Statistics come from :mod:`stream_st.core.moments` (one cache-friendly pass, float64-exact;
+an integer tensor's min and max exact ints, its mean its exact sum over its count), computed by
+worker threads while later tensors arrive. The arguments are checked before the source is
+opened (:class:`~stream_st.ArgumentTypeError` or :class:`~stream_st.UsageError`, naming the
+argument). The checks of the header's structure and
 of a model's config are in :mod:`stream_st.tools.model_checks`; their names are importable from
 here too.
 """
@@ -22,8 +25,9 @@ from __future__ import annotations
 
 import os
 import queue
+import reprlib
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Unpack
@@ -38,7 +42,13 @@ from ..core.digests import ALGORITHM_KEY, Digests
 from ..core.header import Header, TensorInfo
 from ..core.moments import Moments, moments_of, summarisable
 from ..core.stats import LoadStats
-from ..errors import IntegrityError, TensorNotFoundError, redact
+from ..errors import (
+    ArgumentTypeError,
+    IntegrityError,
+    TensorNotFoundError,
+    integer_at_least,
+    redact,
+)
 from ..reader import TensorStream
 from ..sharded.reader import ShardedStream
 from ..transports.options import Clock, TransportOptions, checked_number
@@ -91,13 +101,15 @@ def _workers() -> int:
 class TensorStats:
     """Statistics of one tensor: min, max, mean and std (population) of its finite values, and
     its NaN and Inf counts (floating types). None where there are no finite values, or no
-    values to summarise (the packed F4 and F6 types)."""
+    values to summarise (the packed F4 and F6 types). An integer or boolean tensor's min and
+    max are exact ints, taken in its own dtype (an I64 or U64 value beyond 2**53 is not rounded),
+    its mean the exact sum of its values divided by their count, rounded once to a float."""
 
     name: str
     dtype: str
     shape: list[int]
-    min: float | None
-    max: float | None
+    min: int | float | None
+    max: int | float | None
     mean: float | None
     std: float | None
     nan: int = 0
@@ -184,20 +196,79 @@ async def validate(
     model's ``config.json`` (a path, its parsed JSON or a :class:`ModelConfig`): the shapes,
     layers, parameter count and dtype it implies are checked too (see the module for which
     findings are errors). Warnings: all-zero or constant tensors, values beyond ``warn_abs``,
-    floating-point tensors in several dtypes. ``result.load`` tells how the read went."""
+    floating-point tensors in several dtypes. ``result.load`` tells how the read went.
+
+    The arguments are checked before the source is opened: ``expect_shapes`` must map names
+    (str) to shapes (sequences of integers from 0), ``expect_layers`` be names (not one str),
+    ``progress`` a callable; :class:`~stream_st.ArgumentTypeError` for another type,
+    :class:`~stream_st.UsageError` for a negative dimension, each naming the argument."""
     checked_number("warn_abs", warn_abs)
+    shapes = _expected_shapes(expect_shapes)
+    layers = _expected_layers(expect_layers)
+    if progress is not None and not callable(progress):
+        raise ArgumentTypeError(
+            f"progress takes a callable of (bytes done, tensors done) or None, "
+            f"got {type(progress).__name__}"
+        )
     model = None if config is None else _config_of(config)
     async with _opened_views(source, command_clock(options)) as (stream, headers):
         return await _validate_stream(
             redact(str(source)),
             stream,
             headers,
-            expect_shapes,
-            expect_layers,
+            shapes,
+            layers,
             model,
             warn_abs,
             progress,
         )
+
+
+def _expected_shapes(given: object) -> dict[str, list[int]]:
+    """``expect_shapes`` checked: a mapping of names to shapes, each a sequence of integers
+    (numpy's too) of at least 0; :class:`~stream_st.ArgumentTypeError` for anything else (a
+    list of pairs, a bare number, a bool or float dimension), :class:`~stream_st.UsageError`
+    for a negative dimension."""
+    if given is None:
+        return {}
+    if not isinstance(given, Mapping):
+        raise ArgumentTypeError(
+            "expect_shapes takes a mapping of tensor names to shapes ({name: [dim, ...]}), "
+            f"got {type(given).__name__} {reprlib.repr(given)}"
+        )
+    shapes: dict[str, list[int]] = {}
+    for name, shape in given.items():
+        if not isinstance(name, str):
+            raise ArgumentTypeError(
+                f"expect_shapes: tensor names are str, got {type(name).__name__} {name!r}"
+            )
+        if isinstance(shape, str | bytes | Mapping) or not isinstance(shape, Iterable):
+            raise ArgumentTypeError(
+                f"expect_shapes[{name!r}] must be a shape (a sequence of integers), "
+                f"got {type(shape).__name__} {reprlib.repr(shape)}"
+            )
+        shapes[name] = [
+            integer_at_least(f"expect_shapes[{name!r}]: a dimension", dim, 0) for dim in shape
+        ]
+    return shapes
+
+
+def _expected_layers(given: object) -> list[str]:
+    """``expect_layers`` checked: names (str) of the parts every layer must have;
+    :class:`~stream_st.ArgumentTypeError` for one str (whose letters would be taken as the
+    names) or anything but names."""
+    if isinstance(given, str | bytes) or not isinstance(given, Iterable):
+        raise ArgumentTypeError(
+            "expect_layers takes a sequence of name parts (['q_proj', 'k_proj']), "
+            f"got {type(given).__name__} {reprlib.repr(given)}"
+        )
+    layers = list(given)
+    wrong = next((part for part in layers if not isinstance(part, str)), None)
+    if wrong is not None:
+        raise ArgumentTypeError(
+            f"expect_layers: name parts are str, got {type(wrong).__name__} {wrong!r}"
+        )
+    return layers
 
 
 @asynccontextmanager
@@ -221,7 +292,7 @@ async def _validate_stream(
     source: str,
     stream: TensorStream,
     headers: Sequence[Header],
-    expect_shapes: Mapping[str, Sequence[int]] | None,
+    expect_shapes: Mapping[str, list[int]],
     expect_layers: Sequence[str],
     config: ModelConfig | None,
     warn_abs: float,
@@ -231,11 +302,11 @@ async def _validate_stream(
     infos = {t.name: t for t in tensors_of(headers)}
     if not infos:
         result.warnings.append("the file holds no tensors")
-    for name, shape in (expect_shapes or {}).items():
+    for name, shape in expect_shapes.items():
         if name not in infos:
-            result.errors.append(f"{name}: expected shape {list(shape)}, tensor missing")
-        elif list(infos[name].shape) != list(shape):
-            result.errors.append(f"{name}: shape {list(infos[name].shape)}, expected {list(shape)}")
+            result.errors.append(f"{name}: expected shape {shape}, tensor missing")
+        elif list(infos[name].shape) != shape:
+            result.errors.append(f"{name}: shape {list(infos[name].shape)}, expected {shape}")
     result.errors.extend(check_layers(infos, expect_layers))
     result.errors.extend(check_layer_sequence(infos))
     if config is not None:
