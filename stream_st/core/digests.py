@@ -214,7 +214,8 @@ class Digests:
                 raise IntegrityError(f"tensor {name!r} has no digest in the header", name=name)
             if len(value) != size or not _is_hex(value):
                 raise IntegrityError(
-                    f"tensor {name!r}: its digest {value[:80]!r} is not {size} lowercase hex digits",
+                    f"tensor {name!r}: its digest {value[:80]!r} is not {size} lowercase hex "
+                    "digits",
                     name=name,
                 )
             seen += 1
