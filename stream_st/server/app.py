@@ -26,14 +26,14 @@ import anyio
 
 from ..errors import SourceChangedError, TransportError, UsageError
 from .conditions import answer
-from .served import SUFFIX, ServedObject, SourceFile, Tensors, served_object
+from .served import ServedObject, SourceFile, Tensors, served_object
 
 if TYPE_CHECKING:
     from aiohttp import web
 
     from ..core.header import Header
 
-__all__ = ["DEFAULT_PORT", "SLICE", "TOKEN_ENV", "Server", "serve", "serving"]
+__all__ = ["DEFAULT_PORT", "GRACE", "SLICE", "TOKEN_ENV", "Server", "serve", "serving"]
 
 log = logging.getLogger("stream_st.serve")
 
@@ -45,6 +45,15 @@ TOKEN_ENV = "STREAM_ST_SERVE_TOKEN"
 
 SLICE = 4 << 20
 """Bytes in memory go out in slices of this size, each taken by the socket before the next."""
+
+GRACE = 2.0
+"""Seconds the answers still being sent when a server stops get to finish, in all; then their
+connections are closed."""
+
+_LATE = 0.25
+"""What aiohttp's own shutdown gives (twice: to finish, then once cancelled) a request that came
+on a kept-alive connection after the answers being sent were dealt with: a race of a few turns
+of the event loop."""
 
 _ALLOW = "GET, HEAD"
 
@@ -78,6 +87,7 @@ class Server:
         self._token = token
         self.host = host
         self.port = port
+        self._answering: dict[asyncio.Task[object], web.Request] = {}  # by the task answering
 
     @property
     def path(self) -> str:
@@ -113,6 +123,40 @@ class Server:
     # ------------------------------------------------------------------ answering
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        """Answer one request, known as being answered until done (see :meth:`_stop`)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._answering[task] = request
+        try:
+            return await self._answer(request)
+        finally:
+            del self._answering[task]
+
+    async def _stop(self, runner: web.AppRunner) -> None:
+        """Stop: stop listening, give the answers being sent :data:`GRACE` seconds in all to
+        finish, then end those still going (their tasks cancelled, their connections aborted)
+        and clean up.
+
+        aiohttp's own shutdown spends its timeout twice on an answer that does not end (waiting
+        for it, then for the handler once its request is cancelled, which an answer blocked on
+        a slow client never notices): stopping with ``shutdown_timeout=2`` took 4 s."""
+        for site in runner.sites:
+            await site.stop()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + GRACE
+        while self._answering and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(list(self._answering), timeout=left)
+        stuck = list(self._answering.items())
+        for task, request in stuck:
+            transport = request.transport  # before the cancellation lets aiohttp drop it
+            task.cancel()
+            if transport is not None:
+                transport.abort()  # its buffer would never drain to a stalled client
+        if stuck:
+            await asyncio.wait([task for task, _ in stuck], timeout=_LATE)
+        await runner.cleanup()
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         """Answer one request (see the module)."""
         from aiohttp import web
 
@@ -256,7 +300,7 @@ async def serving(
     default here) picks a free port. Needs asyncio (aiohttp's event loop), not trio.
 
     Leaving the block stops the server: it stops listening, and answers still being sent get
-    two seconds to finish before their connections are closed.
+    two seconds (:data:`GRACE`) in all to finish before their connections are closed.
     """
     try:
         from aiohttp import web
@@ -267,27 +311,20 @@ async def serving(
     except RuntimeError:
         raise UsageError("serving() runs on asyncio (aiohttp's event loop), not trio") from None
     checked = None if token is None else _Token(token)
-    if isinstance(name, str):  # "model.safetensors" is served at /model.safetensors
-        name = name.removesuffix(SUFFIX)
-    if name is not None and (
-        not name or "/" in name or name != name.strip() or not name.isprintable()
-    ):  # a control character (a newline) is not matched by the server's routes
-        raise UsageError(
-            f"name must be a plain file name without '/' or control characters, got {name!r}"
-        )
+    # name= is checked first thing (served.checked_name), the file's own name likewise
     served = await served_object(source, name=name, metadata=metadata, checksums=checksums)
     sock = _listening_socket(host, port)
     server = Server(served, host, sock.getsockname()[1], checked)
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", server._handle)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=_LATE)
     try:
         await runner.setup()
         await web.SockSite(runner, sock).start()
         yield server
     finally:
         with anyio.CancelScope(shield=True):
-            await runner.cleanup()
+            await server._stop(runner)
         with suppress(OSError):
             sock.close()
 
@@ -308,7 +345,9 @@ def serve(
     directory holding one), or tensors in memory (``{name: array}``: numpy arrays, torch
     tensors, a ``state_dict``; they must not change while served). The object is at
     ``http://host:port/<name>.safetensors`` (``name``: the file's, else ``model``; given with
-    its ``.safetensors``, it is not added twice); any reader
+    its ``.safetensors``, it is not added twice; a string without ``/``, surrounding spaces or
+    control characters, in UTF-8, else a :class:`~stream_st.UsageError`, as is a file whose own
+    name is not one); any reader
     loads it, ``stream_st.load(url)`` included. ``host`` is 127.0.0.1 unless told otherwise.
     ``token`` asks every request for ``Authorization: Bearer <token>`` (a reader passes
     ``headers={"Authorization": "Bearer <token>"}``); it is never logged or shown.

@@ -39,6 +39,7 @@ from ..core.header import Header
 from ..core.layout import TensorSpec, build_header
 from ..core.shards import INDEX_SUFFIX, is_index, shard_address
 from ..errors import (
+    ArgumentTypeError,
     SourceChangedError,
     SourceNotFoundError,
     UsageError,
@@ -48,7 +49,7 @@ from ..tools.common import command_clock, headers_of, merged_metadata, model_sou
 from ..tools.cp import _copied_digests
 from ..writer import lay_out
 
-__all__ = ["Piece", "ServedObject", "SourceFile", "Tensors", "served_object"]
+__all__ = ["Piece", "ServedObject", "SourceFile", "Tensors", "checked_name", "served_object"]
 
 Tensors = Mapping[str, Any]
 """Tensors in memory, by name: numpy arrays, torch tensors, anything ``numpy.asarray`` takes."""
@@ -201,6 +202,7 @@ async def served_object(
     read once); False serves none. ``metadata`` (tensors in memory only) goes in
     ``__metadata__``.
     """
+    name = checked_name(name)
     if isinstance(source, Mapping):
         return await _from_tensors(source, name or "model", metadata, checksums)
     if metadata is not None:
@@ -219,18 +221,52 @@ async def served_object(
     return await _from_checkpoint(found[0], name, checksums)
 
 
+def _servable(name: str) -> bool:
+    """Whether the object can be served at ``/<name>.safetensors``: a name not empty, without
+    ``/``, surrounding spaces or control characters (a newline is matched by no route), all of
+    it valid UTF-8 (no surrogate escaping a byte of a file name that is not: a URL has none)."""
+    return bool(name) and "/" not in name and name == name.strip() and name.isprintable()
+
+
+def checked_name(name: object) -> str | None:
+    """``name=`` as given to :func:`~stream_st.serving` (None: the default), without a
+    trailing ``.safetensors``; :class:`~stream_st.UsageError` unless it can be served (see
+    :func:`_servable`), :class:`~stream_st.ArgumentTypeError` unless a string."""
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"name must be a string or None, got {type(name).__name__}")
+    name = name.removesuffix(SUFFIX)  # "model.safetensors" is served at /model.safetensors
+    if not _servable(name):
+        raise UsageError(
+            "name must be a plain file name in UTF-8, without '/', surrounding spaces or "
+            f"control characters, got {name!r}"
+        )
+    return name
+
+
 def _default_name(path: str) -> str:
     """The name a checkpoint is served under: its file name without ``.safetensors`` (and an
-    index's ``.index.json``); ``model`` for a manifest."""
+    index's ``.index.json``); ``model`` for a manifest. :class:`~stream_st.UsageError` when
+    that name is not one ``name=`` would take (see :func:`_servable`: a newline in it, bytes
+    that are not UTF-8), saying to give one."""
     base = os.path.basename(path)
     for suffix in (INDEX_SUFFIX, SUFFIX):
         base = base.removesuffix(suffix)
-    return "model" if is_index(path) and not path.endswith(INDEX_SUFFIX) else base
+    name = "model" if is_index(path) and not path.endswith(INDEX_SUFFIX) else base
+    if not _servable(name):
+        raise UsageError(
+            f"{path!r} cannot be served under its file's name {name!r} (it must be a plain "
+            "name without surrounding spaces or control characters, in UTF-8): give another "
+            "with name= (stream-st serve --name)"
+        )
+    return name
 
 
 async def _from_checkpoint(
     address: str, name: str | None, checksums: bool | str | None
 ) -> ServedObject:
+    served = name or _default_name(address)  # refused before any file is read
     clock = command_clock({})
     if is_index(address):
         index = await ShardIndex.read(address, clock)
@@ -276,7 +312,6 @@ async def _from_checkpoint(
                 )
             )
         pieces = _merged(pieces)
-    served = name or _default_name(address)
     return ServedObject(served, header, pieces, _etag(head, files, unique=False))
 
 

@@ -14,19 +14,24 @@ import ssl
 from collections.abc import Mapping
 from typing import Unpack
 
-from ...errors import TransportError, redact
+from ...errors import ArgumentTypeError, TransportError, UsageError, redact
 from ..base import Sink
 from ..options import Clock, LimitOptions
 from . import ClientUser, HTTPClient, Upload, raise_for_status
 
 __all__ = ["HttpSink"]
 
+METHODS = ("PUT", "POST")
+"""The methods an :class:`HttpSink` uploads with, spelt as HTTP has them (methods are
+case-sensitive: ``put`` is another method, which servers refuse)."""
+
 
 class HttpSink(ClientUser, Sink):
-    """Upload one message to ``url`` with ``method`` (``PUT`` or ``POST``). ``headers``,
-    ``ssl_context`` and ``limits`` (``timeout``, ``deadline``, ``speed_limit``, ``speed_time``)
-    as in :class:`~stream_st.HttpSource`; the limits are used unless the writer is given its
-    own."""
+    """Upload one message to ``url`` with ``method``: ``"PUT"`` or ``"POST"``, in capitals
+    (anything else raises :class:`~stream_st.UsageError` here, a non-string
+    :class:`~stream_st.ArgumentTypeError`). ``headers``, ``ssl_context`` and ``limits``
+    (``timeout``, ``deadline``, ``speed_limit``, ``speed_time``) as in
+    :class:`~stream_st.HttpSource`; the limits are used unless the writer is given its own."""
 
     def __init__(
         self,
@@ -40,6 +45,12 @@ class HttpSink(ClientUser, Sink):
         **limits: Unpack[LimitOptions],
     ) -> None:
         super().__init__()
+        if not isinstance(method, str):
+            raise ArgumentTypeError(
+                f"method must be the string 'PUT' or 'POST', got {type(method).__name__}"
+            )
+        if method not in METHODS:
+            raise UsageError(f"method must be 'PUT' or 'POST' (in capitals), got {method!r}")
         self.url = url
         self.name = redact(name or url)  # what errors show: no password, no signature
         self._method = method

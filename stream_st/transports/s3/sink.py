@@ -3,7 +3,8 @@
 Bytes are gathered into parts of ``part_size`` (at least 5 MiB, S3's minimum for every part but
 the last) and each full part is uploaded as it fills, so memory stays at one part. The object
 appears only when the upload is completed, after the last tensor; on any failure, cancellation
-or abort the multipart upload is aborted: no object at the key, no pending upload left. A message
+or abort before that the multipart upload is aborted: no object at the key, no pending upload
+left. A message
 that fits in one part is sent as a single PUT instead, unless :meth:`S3Sink.prepare` asks for every
 byte to be sent before the commit (copying a sharded checkpoint: every shard's upload is completed
 only once all are uploaded).
@@ -16,8 +17,8 @@ by when they arrive.
 
 The clean-up after a failure runs shielded from cancellation but gives up after
 :attr:`S3Sink.abort_timeout` seconds, whatever ``timeout`` is; a cancellation is re-raised as
-itself once it is done. When an answer is lost (the connection breaks or times out, or the call
-is cancelled, after the request went out), the sink asks the store what happened:
+itself once it is done. When an answer is lost (the connection breaks or times out after the
+request went out), the sink asks the store what happened:
 
 * CreateMultipartUpload: the upload has no known id. Before creating it the sink lists the key's
   pending uploads; afterwards it aborts those pending now that were not then. An upload of the
@@ -31,8 +32,15 @@ is cancelled, after the request went out), the sink asks the store what happened
 * A single PUT: the object at the key is compared with the body sent (ETag with its MD5) in the
   same way: success, or :class:`~stream_st.OutcomeUnknownError`.
 
-A cancellation while the completion is under way aborts the upload if it is still pending; if the
-store completed it anyway the object stays, since a cancellation cannot undo a write.
+The request that stores the object (CompleteMultipartUpload, or the single PUT) is the commit
+point, as the rename of a local file is. A cancellation before it goes out aborts the upload;
+once it is sent it is seen through, shielded from the cancellation (anyio's, or asyncio's
+``Task.cancel()``) with the clock's limits and, from the cancellation on, at most
+:attr:`S3Sink.abort_timeout` seconds more: the object stored, the write reports success and the
+cancellation reaches the caller at its next checkpoint (asyncio's ``Task.cancel()``, which a
+shield cannot hold back, is then spent). Given up after that time, the cancellation is raised and
+the upload aborted if still pending; if the store completed it anyway the object stays, since a
+cancellation cannot undo a write.
 """
 
 from __future__ import annotations
@@ -104,7 +112,8 @@ class S3Sink(ClientUser, Sink):
     :class:`~stream_st.HttpSource`; the limits are used unless the writer is given its own."""
 
     abort_timeout: float = 15.0
-    """Seconds the clean-up after a failure may take in all, whatever ``timeout`` is."""
+    """Seconds the clean-up after a failure may take in all, whatever ``timeout`` is; also what
+    the request that commits the object still gets once the write is cancelled."""
 
     def __init__(
         self,
@@ -269,16 +278,20 @@ class S3Sink(ClientUser, Sink):
             await self._cleaning_up_on_failure(self._commit())
         finally:
             self._part = bytearray()
-            await self._close_client()
+            with self._bounded():  # committed and cancelled: the write is done all the same
+                await self._close_client()
 
     async def _commit(self) -> None:
         if self._upload_id is None and not self._held:  # it all fits in one part: one PUT
             body = bytes(self._part)
-            put = self._call("PUT", "", body, headers=_checked(_crc32(body)))
-            await self._last("PutObject", put, lambda: _md5_etag(body))
+            await self._last(
+                "PutObject",
+                lambda: self._call("PUT", "", body, headers=_checked(_crc32(body))),
+                lambda: _md5_etag(body),
+            )
             return
         await self._upload_rest()
-        await self._last("CompleteMultipartUpload", self._complete(), self._multipart_etag)
+        await self._last("CompleteMultipartUpload", self._complete, self._multipart_etag)
         self._upload_id = None
 
     async def _complete(self) -> None:
@@ -297,17 +310,64 @@ class S3Sink(ClientUser, Sink):
             )
 
     async def _last(
-        self, request: str, call: Awaitable[object], etag: Callable[[], str | None]
+        self,
+        request: str,
+        call: Callable[[], Awaitable[object]],
+        etag: Callable[[], str | None],
     ) -> None:
-        """Await ``call``, the ``request`` that stores the object; if it fails without a clear
-        refusal, find out from the store (:meth:`_settle`) whether it stored the object, whose
-        ETag would be ``etag()``."""
+        """Send ``request``, the one that stores the object (``call()``), and see it through
+        (:meth:`_through`); if it fails without a clear refusal, find out from the store
+        (:meth:`_settle`) whether it stored the object, whose ETag would be ``etag()``.
+
+        A cancellation before it is sent raises here (the upload is then aborted); once sent it
+        is the commit point: a cancellation lets it finish, and if the object was stored this
+        returns, the cancellation reaching the caller at its next checkpoint."""
+        await anyio.lowlevel.checkpoint_if_cancelled()
         try:
-            await call
+            await self._through(call)
         except Exception as exc:
             if _refusal(exc):
                 raise
             await self._settle(request, exc, etag())
+
+    async def _through(self, call: Callable[[], Awaitable[object]]) -> None:
+        """Await ``call()`` shielded from cancellation, in a task of its own so that a
+        cancellation (an anyio one, or asyncio's ``Task.cancel()``, which goes through anyio's
+        shields) is seen: from then on the request has :attr:`abort_timeout` more seconds (the
+        clock's limits apply as always). Returns once it succeeded, raises what it raised, or
+        the cancellation if it had to be given up."""
+        shield = anyio.CancelScope(shield=True)
+        finished = anyio.Event()
+        done = False
+        failure: Exception | None = None
+
+        async def run() -> None:
+            nonlocal done, failure
+            try:
+                with shield:
+                    await call()
+                    done = True
+            except Exception as exc:
+                failure = exc
+            finally:
+                finished.set()
+
+        cancelled: BaseException | None = None
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(run)
+                try:
+                    await finished.wait()
+                except anyio.get_cancelled_exc_class():
+                    shield.deadline = anyio.current_time() + self.abort_timeout
+                    raise
+        except anyio.get_cancelled_exc_class() as exc:
+            cancelled = exc
+        if failure is not None:
+            raise failure
+        if not done:  # given up: only a cancellation sets the deadline that does it
+            assert cancelled is not None
+            raise cancelled
 
     def _multipart_etag(self) -> str | None:
         """The ETag S3 gives the completed object: the MD5 of the parts' MD5s, ``-`` their count;
