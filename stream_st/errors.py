@@ -213,9 +213,11 @@ class TruncatedStreamError(SafetensorsError, EOFError):
         self, what: str, *, name: str | None, offset: int, expected: int, source: str = ""
     ) -> None:
         where = f" from {source}" if source else ""
+        missing = expected - offset
         super().__init__(
             f"stream ended{where} while reading {what}: reached byte {offset}, "
-            f"expected data up to byte {expected} ({expected - offset} bytes missing)"
+            f"expected data up to byte {expected} ({missing} byte{'' if missing == 1 else 's'} "
+            "missing)"
         )
         self.name = name
         self.offset = offset
