@@ -132,7 +132,7 @@ async def run_inspect(args: argparse.Namespace) -> int:
             f"{result.parameter_count:,} parameters, {human(result.data_bytes)} of data, "
             f"header {human(result.header_bytes)}"
         )
-        metadata, digests = split_digests(result.metadata)
+        metadata, digests = split_digests(result.metadata, [t["name"] for t in result.tensors])
         if digests is not None:
             print(f"  checksummed: {digests}")
         if metadata:

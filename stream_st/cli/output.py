@@ -9,7 +9,7 @@ import math
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 
@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import tools
-from ..core.digests import ALGORITHM_KEY, DIGEST_KEY_PREFIX
+from ..core.digests import ALGORITHM_KEY, ALGORITHMS, DIGEST_KEY_PREFIX
 from ..core.header import TensorInfo
 from ..errors import SafetensorsError, StreamStWarning, UsageError, redact
 from ..tools.common import Progress, plural
@@ -223,9 +223,13 @@ def brief(value: str, limit: int = 200) -> str:
     return f"{value[:limit]!r}... ({len(value):,} characters)"
 
 
-def split_digests(metadata: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
+def split_digests(
+    metadata: Mapping[str, str], names: Collection[str]
+) -> tuple[dict[str, str], str | None]:
     """The metadata without the keys of a checksummed file's digests, and what they say in one
-    line (the algorithm and how many tensors have one); None when there are none."""
+    line (the algorithm, how many tensors have one, and whether a read can check them: not for
+    an unknown algorithm or a record whose digests are not one for each of ``names``, the
+    tensors); None when there are none."""
     rest = {
         k: v
         for k, v in metadata.items()
@@ -233,9 +237,14 @@ def split_digests(metadata: Mapping[str, str]) -> tuple[dict[str, str], str | No
     }
     if len(rest) == len(metadata):
         return rest, None
-    count = sum(k.startswith(DIGEST_KEY_PREFIX) for k in metadata)
-    algorithm = metadata.get(ALGORITHM_KEY, "no algorithm named")
-    return rest, f"{algorithm} digest of each of {plural(count, 'tensor')} (checked as read)"
+    digested = {k[len(DIGEST_KEY_PREFIX) :] for k in metadata if k.startswith(DIGEST_KEY_PREFIX)}
+    algorithm = metadata.get(ALGORITHM_KEY)
+    line = f"{algorithm or 'no algorithm named'} digests of {plural(len(digested), 'tensor')}"
+    if algorithm not in ALGORITHMS:
+        return rest, f"{line}, which no read can check (read with verify=False)"
+    if digested != set(names):
+        return rest, f"{line} of {len(set(names))}: a damaged record, reads refuse it"
+    return rest, f"{line}, one each (checked as read)"
 
 
 def failed(source: str, exc: SafetensorsError) -> None:

@@ -411,3 +411,26 @@ def test_cp_of_a_damaged_digest_record_names_the_source(
     assert main(["cp", "-q", str(damaged), str(tmp_path / "copy.safetensors")]) == 2
     error = capsys.readouterr().err
     assert message in error and str(damaged) in error and "choose one of" not in error
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        ({"stream_st.digest": "md5"}, "md5 digests of 2 tensors, which no read can check"),
+        ({"stream_st.digest:ghost": "0" * 32}, "digests of 3 tensors of 2: a damaged record"),
+    ],
+)
+def test_inspect_says_when_a_digest_record_cannot_be_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: dict[str, str], said: str
+) -> None:
+    """An md5 record was said to be "checked as read", and a record with a digest for no
+    tensor "a digest of each of 3 tensors" for a file of 2."""
+    arrays = {"a": np.zeros(2, np.float32), "b": np.ones(2, np.float32)}
+    good = tmp_path / "good.safetensors"
+    anyio.run(partial(stream_st.save, good, arrays, checksums=True))
+    metadata = {**anyio.run(stream_st.read_header, good).metadata, **damage}
+    damaged = tmp_path / "damaged.safetensors"
+    reference_save_file(arrays, str(damaged), metadata=metadata)
+    assert main(["inspect", str(damaged)]) == 0
+    out = capsys.readouterr().out
+    assert said in out and "checked as read" not in out

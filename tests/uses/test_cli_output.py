@@ -28,7 +28,7 @@ def test_inspect_folds_the_digests_into_one_line(tmp_path: Path) -> None:
     copy = _checksummed(tmp_path)
     text = run("inspect", str(copy)).stdout
     assert "stream_st.digest" not in text, text
-    assert text.count("checksummed: xxh3-128 digest of each of 4 tensors") == 1
+    assert text.count("checksummed: xxh3-128 digests of 4 tensors, one each (checked as read)") == 1
     found = json.loads(run("inspect", "--json", str(copy)).stdout)  # all of it for scripts
     assert sum(k.startswith("stream_st.digest:") for k in found["metadata"]) == 4
 
