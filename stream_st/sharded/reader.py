@@ -137,6 +137,10 @@ class ShardIndex:
 
     def __init__(self, raw: bytes, name: str, home: str | None = None) -> None:
         self.home = name if home is None else home
+        if raw[8:9] == b"{" and int.from_bytes(raw[:8], "little") <= len(raw) - 8:
+            raise UsageError(  # a length prefix and a JSON object: a file, not its index
+                f"{name} is a safetensors file, not an index of shards: copy or read it as one"
+            )
         obj = decode_json(raw, f"{name}: the index", strict=True)  # a key once, no NaN
         if not isinstance(obj, dict):
             raise HeaderError(f"{name}: the index must be a JSON object")

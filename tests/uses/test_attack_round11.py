@@ -434,3 +434,13 @@ def test_inspect_says_when_a_digest_record_cannot_be_checked(
     assert main(["inspect", str(damaged)]) == 0
     out = capsys.readouterr().out
     assert said in out and "checked as read" not in out
+
+
+async def test_a_file_given_as_an_index_is_called_a_file(tmp_path: Path) -> None:
+    """tools.mirror() of a .safetensors file said "the index is not valid JSON: 'utf-32-le'
+    codec can't decode..."."""
+    path = tmp_path / "m.safetensors"
+    reference_save_file({"a": np.zeros(2, np.float32)}, str(path))
+    with pytest.raises(stream_st.UsageError, match="is a safetensors file, not an index"):
+        await stream_st.tools.mirror(str(path), f"{tmp_path}/out/")
+    assert not (tmp_path / "out").exists()
