@@ -4,6 +4,7 @@ the header core and yields numpy arrays."""
 from __future__ import annotations
 
 import contextlib
+import os
 import reprlib
 import sys
 import weakref
@@ -211,6 +212,9 @@ class TensorStream(AsyncClosing):
         self._recycler = Recycler()  # no later tensor: let memory kept for one go
         source, self._source = self._source, None
         if source is not None:
+            header = self._header
+            if header is not None and source.position >= header.file_size:
+                source.message_read()  # every byte taken (a break on the last tensor): done
             record_last(self.stats)
             await source.aclose()
 
@@ -228,7 +232,7 @@ class TensorStream(AsyncClosing):
         generator = held if alive is None else alive()
         if generator is not None and not getattr(generator, "ag_running", False):
             if getattr(generator, "ag_frame", None) is not None:  # not at its end: cut short
-                self._cut = self._source.name if self._source is not None else "<stream>"
+                self._cut = self._shown_name()
             await generator.aclose()
         reading, self._reading = self._reading, None
         if reading is not None:
@@ -244,12 +248,26 @@ class TensorStream(AsyncClosing):
             self._held = generator
         return _Iteration(generator, self)
 
-    def _after_end(self) -> None:
+    def _shown_name(self) -> str:
+        """The name of what this stream reads, for a message."""
+        if self._source is not None:
+            return self._source.name
+        given = self._source_like
+        return os.fspath(given) if isinstance(given, str | os.PathLike) else "<stream>"
+
+    def _after_end(self, failed: BaseException | None) -> None:
         """The iteration ended: :class:`~stream_st.TransportError` if :meth:`aclose` cut it
-        short (from another task, or from the loop's body), not the end of the tensors."""
+        short (from another task, or from the loop's body), :class:`~stream_st.UsageError` if a
+        step raised before (``failed``: a timeout caught around it, say), not the end of the
+        tensors."""
         if self._cut is not None:
             raise TransportError(
-                "the stream was closed on this side before its last tensor", url=self._cut
+                "the stream was closed on this side before its end", url=self._cut
+            ) from None
+        if failed is not None:
+            raise UsageError(
+                f"{self._shown_name()}: this stream's iteration failed ({type(failed).__name__}) "
+                "and cannot go on: open the source again to read it"
             ) from None
 
     def _opened(self) -> bool:
@@ -375,17 +393,18 @@ class TensorStream(AsyncClosing):
 
 class _Iteration:
     """The iteration of a :class:`TensorStream`: its generator, and an error in place of the
-    end where the stream's :meth:`~TensorStream.aclose` closed the generator part way (the
-    generator itself could only end, and the loop would end short as if the tensors were all
-    there)."""
+    end where the stream's :meth:`~TensorStream.aclose` closed the generator part way, or a
+    step raised before (a timeout caught and the step tried again): the generator itself could
+    only end, and the loop would end short as if the tensors were all there."""
 
-    __slots__ = ("_generator", "_stream")
+    __slots__ = ("_failed", "_generator", "_stream")
 
     def __init__(
         self, generator: AsyncGenerator[tuple[str, np.ndarray[Any, Any]]], stream: TensorStream
     ) -> None:
         self._generator = generator
         self._stream = stream
+        self._failed: BaseException | None = None  # what a step raised: the generator is done
 
     def __aiter__(self) -> Self:
         return self
@@ -394,7 +413,10 @@ class _Iteration:
         try:
             return await anext(self._generator)
         except StopAsyncIteration:
-            self._stream._after_end()
+            self._stream._after_end(self._failed)
+            raise
+        except BaseException as exc:  # cancelled too: a later step must not end quietly
+            self._failed = exc
             raise
 
     async def aclose(self) -> None:

@@ -326,6 +326,10 @@ class ShardedStream(TensorStream):
         ahead = (self._clock.transport.concurrency or 1) > 1
         try:
             for position, shard in enumerate(shards):
+                if self._closed:  # by another task, while this one read the shard before
+                    raise TransportError(
+                        "the stream was closed on this side before its end", url=index.home
+                    )
                 following = shards[position + 1] if ahead and position + 1 < len(shards) else None
                 stream = None
                 try:
@@ -425,6 +429,7 @@ class ShardedStream(TensorStream):
             raise TensorNotFoundError(f"include= names tensors in no shard: {missing}")
 
     async def aclose(self) -> None:
+        self._closed = True  # an iteration running in another task opens no further shard
         await self._close_iteration()
         for stream in (self._current, self._ahead):
             if isinstance(stream, TensorStream):

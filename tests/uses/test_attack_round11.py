@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 from safetensors.numpy import save as reference_save
@@ -444,3 +445,88 @@ async def test_a_file_given_as_an_index_is_called_a_file(tmp_path: Path) -> None
     with pytest.raises(stream_st.UsageError, match="is a safetensors file, not an index"):
         await stream_st.tools.mirror(str(path), f"{tmp_path}/out/")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("how", ["header only", "one anext", "break on the last"])
+async def test_a_message_read_to_its_last_byte_leaves_the_connection_usable(how: str) -> None:
+    """A message whose every byte was taken without its iteration reaching its end (a message
+    of no tensor whose header was looked at, anext() of a one-tensor message, a break on the
+    last tensor) made the next read refuse the connection."""
+    first: dict[str, np.ndarray[Any, Any]] = (
+        {} if how == "header only" else {"x": np.arange(3, dtype=np.float32)}
+    )
+    messages = [first, {"y": np.ones(2, np.float32)}]
+    async with stream_st.listen("127.0.0.1", 0) as listener:
+
+        async def send() -> None:
+            async with await stream_st.connect(listener.url) as connection:
+                for message in messages:
+                    async with connection.open_writer(_plan(message)) as writer:
+                        for name, array in message.items():
+                            await writer.write(name, array)
+                await anyio.sleep(5)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(send)
+            async with await listener.accept() as connection:
+                async with connection.open_stream() as stream:
+                    if how == "one anext":
+                        await anext(aiter(stream))
+                    elif how == "break on the last":
+                        async for _ in stream:
+                            break
+                async with connection.open_stream() as stream:
+                    names = [name async for name, _ in stream]
+            group.cancel_scope.cancel()
+    assert names == ["y"]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_step_that_failed_and_is_tried_again_does_not_end_the_loop_quietly(
+    backend: str,
+) -> None:
+    """A step cut off by a timeout caught around it, then tried again, ended the iteration as if
+    every tensor had been read."""
+    data = reference_save({f"t{i}": np.full(1000, i, np.float32) for i in range(6)})
+
+    async def chunks() -> Any:
+        yield data[:200]
+        await anyio.sleep(0.2)
+        yield data[200:]
+
+    async def main() -> None:
+        items = aiter(stream_st.open_stream(chunks()))
+        with anyio.move_on_after(0.05):
+            await anext(items)
+        with pytest.raises(stream_st.UsageError, match=r"iteration failed .* cannot go on"):
+            await anext(items)
+
+    anyio.run(main, backend=backend)
+
+
+async def test_a_sharded_stream_closed_while_reading_opens_no_further_shard(
+    tmp_path: Path,
+) -> None:
+    """Closed by another task while its loop was inside a shard's read, the stream went on to
+    read every later shard and handed out all of their tensors."""
+    async with stream_st.open_sharded_writer(tmp_path, max_shard_size=4 << 20) as writer:
+        for i in range(8):
+            await writer.write(f"t{i}", np.full(1 << 20, i, np.float32))  # a shard each
+    stream = stream_st.open_stream(tmp_path / "model.safetensors.index.json")
+    got: list[str] = []
+
+    async def watchdog() -> None:
+        while len(got) < 2:
+            await anyio.lowlevel.checkpoint()
+        generator = stream._generator() if stream._generator is not None else None
+        while generator is None or not getattr(generator, "ag_running", False):  # inside a read
+            await anyio.lowlevel.checkpoint()
+        await stream.aclose()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(watchdog)
+        with pytest.raises(stream_st.TransportError, match="closed on this side"):
+            async with stream:
+                async for name, _ in stream:
+                    got.append(name)
+    assert len(got) < 8

@@ -36,11 +36,11 @@ The request that stores the object (CompleteMultipartUpload, or the single PUT) 
 point, as the rename of a local file is. A cancellation before it goes out aborts the upload;
 once it is sent it is seen through, shielded from the cancellation (anyio's, or asyncio's
 ``Task.cancel()``) with the clock's limits and, from the cancellation on, at most
-:attr:`S3Sink.abort_timeout` seconds more: the object stored, the write reports success and the
-cancellation reaches the caller at its next checkpoint (asyncio's ``Task.cancel()``, which a
-shield cannot hold back, is then spent). Given up after that time, the cancellation is raised and
-the upload aborted if still pending; if the store completed it anyway the object stays, since a
-cancellation cannot undo a write.
+:attr:`S3Sink.abort_timeout` seconds more; then the cancellation is raised: the object stored
+whole and nothing pending, or (given up after that time) the upload aborted if still pending; if
+the store completed it anyway the object stays, since a cancellation cannot undo a write. The
+cancellation is never swallowed (asyncio's, delivered once, is what its timeouts and task groups
+count on).
 """
 
 from __future__ import annotations
@@ -308,6 +308,7 @@ class S3Sink(ClientUser, Sink):
                 "no CompleteMultipartUploadResult in the answer to CompleteMultipartUpload",
                 url=self.name,
             )
+        self._upload_id = None  # stored: nothing left to abort, should a cancellation follow
 
     async def _last(
         self,
@@ -320,8 +321,8 @@ class S3Sink(ClientUser, Sink):
         (:meth:`_settle`) whether it stored the object, whose ETag would be ``etag()``.
 
         A cancellation before it is sent raises here (the upload is then aborted); once sent it
-        is the commit point: a cancellation lets it finish, and if the object was stored this
-        returns, the cancellation reaching the caller at its next checkpoint."""
+        is the commit point: a cancellation lets it finish (stored, nothing is left to abort),
+        then goes on."""
         await anyio.lowlevel.checkpoint_if_cancelled()
         try:
             await self._through(call)
@@ -334,8 +335,8 @@ class S3Sink(ClientUser, Sink):
         """Await ``call()`` shielded from cancellation, in a task of its own so that a
         cancellation (an anyio one, or asyncio's ``Task.cancel()``, which goes through anyio's
         shields) is seen: from then on the request has :attr:`abort_timeout` more seconds (the
-        clock's limits apply as always). Returns once it succeeded, raises what it raised, or
-        the cancellation if it had to be given up."""
+        clock's limits apply as always). Returns once it succeeded, raises what it raised, or,
+        once it ended or was given up, the cancellation."""
         shield = anyio.CancelScope(shield=True)
         finished = anyio.Event()
         done = False
@@ -363,11 +364,11 @@ class S3Sink(ClientUser, Sink):
                     raise
         except anyio.get_cancelled_exc_class() as exc:
             cancelled = exc
+        if cancelled is not None:  # seen through (or given up): the cancellation goes on
+            raise cancelled
         if failure is not None:
             raise failure
-        if not done:  # given up: only a cancellation sets the deadline that does it
-            assert cancelled is not None
-            raise cancelled
+        assert done
 
     def _multipart_etag(self) -> str | None:
         """The ETag S3 gives the completed object: the MD5 of the parts' MD5s, ``-`` their count;
