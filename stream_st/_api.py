@@ -32,6 +32,7 @@ from .reader.header import header_only
 from .sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from .transports.base import Source
 from .transports.cache import Cache, CacheLike
+from .transports.cache.config import hub_offline
 from .transports.file.source import FileSource, open_path
 from .transports.options import UNLIMITED, Clock, TransportOptions, clock_of
 from .transports.registry import SinkLike, SourceLike
@@ -684,8 +685,13 @@ class _CopyAhead:
 def _cache_for(source: object, cache: object) -> Cache | None:
     """The cache a read of ``source`` goes through: the one ``cache`` (any ``cache=`` value, see
     :meth:`~stream_st.Cache.of`; None: the one :func:`using_cache` set) names, when ``source``
-    is an address a cache applies to; else None (the source is read as it is)."""
+    is an address a cache applies to; else None (the source is read as it is). An ``hf://``
+    read with ``HF_HUB_OFFLINE`` set and no cache asked for goes through the offline cache:
+    the Hub is not asked (as ``huggingface_hub`` does not ask it), a missing copy is a
+    :class:`~stream_st.CacheMissError`."""
     settings = Cache.of(cache) if cache is not None else current_cache()
+    if settings is None and hub_offline(source):
+        settings = Cache.of("offline")
     if settings is None:
         return None
     from .transports.cache.resolve import is_cached_address

@@ -43,10 +43,17 @@ from urllib.parse import quote, unquote
 import anyio
 
 from ..core.digests import ObjectDigest
-from ..errors import HTTPStatusError, SafetensorsError, TransportError, UnsupportedSourceError
+from ..errors import (
+    ArgumentTypeError,
+    HTTPStatusError,
+    SafetensorsError,
+    TransportError,
+    UnsupportedSourceError,
+    UsageError,
+)
 from .base import Source
 from .http import HTTPClient, Response, Target
-from .http.redirect import REDIRECTS, redirected
+from .http.redirect import REDIRECTS, credential_header, redirected
 from .http.source import HttpSource
 from .options import Clock, LimitOptions
 
@@ -55,6 +62,7 @@ __all__ = [
     "HubClient",
     "HubFile",
     "HubSource",
+    "checked_token",
     "hub_endpoint",
     "hub_token",
 ]
@@ -131,19 +139,34 @@ def hub_endpoint(environ: Mapping[str, str] | None = None) -> str:
 
 def hub_token(environ: Mapping[str, str] | None = None) -> str | None:
     """The token to send to the Hub: ``HF_TOKEN``, else the token file in ``HF_HOME``; None
-    when neither holds one."""
+    when neither holds one. A token holding a line break or another control character (it would
+    inject a header) is a :class:`~stream_st.UsageError` naming where it came from."""
     env = os.environ if environ is None else environ
     token = env.get("HF_TOKEN", "").strip()
     if token:
-        return token
+        return checked_token(token, "HF_TOKEN")
     home = env.get("HF_HOME") or os.path.join(
         env.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "huggingface"
     )
+    path = Path(home, "token")
     try:
-        token = Path(home, "token").read_text(encoding="utf-8").strip()
+        token = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
-    return token or None
+    return checked_token(token, str(path)) if token else None
+
+
+def checked_token(token: object, where: str = "token=") -> str:
+    """``token`` if it is a str a header can carry; :class:`~stream_st.ArgumentTypeError` for
+    another type, :class:`~stream_st.UsageError` for a control character (a line break would
+    inject a header). The token itself is never shown."""
+    if not isinstance(token, str):
+        raise ArgumentTypeError(f"a Hub token is a str, not {type(token).__name__} ({where})")
+    if not token.isprintable():
+        raise UsageError(
+            f"the Hub token from {where} holds a line break or another control character"
+        )
+    return token
 
 
 def _origin(url: str) -> tuple[str, str, int] | None:
@@ -159,8 +182,9 @@ class HubClient(HTTPClient):
     """An HTTP client that sends the Hub's token to the Hub's origin and nowhere else.
 
     A request to the Hub carries ``Authorization: Bearer <token>`` and never follows a redirect
-    by itself (the caller decides where to go next, without the token); requests elsewhere go
-    as they are.
+    by itself (the caller decides where to go next, without the token); requests elsewhere (the
+    CDN a file is served from) go without any header that proves who asks (the caller's
+    ``Authorization``, ``Cookie``, ``x-amz-*``...), as a redirect to another origin drops them.
     """
 
     def __init__(self, endpoint: str, token: str | None) -> None:
@@ -192,6 +216,8 @@ class HubClient(HTTPClient):
             follow_redirects = False
             if self._token is not None:
                 headers = {**(headers or {}), "Authorization": f"Bearer {self._token}"}
+        elif headers:  # the CDN: another origin, which a caller's credentials never reach
+            headers = {k: v for k, v in headers.items() if not credential_header(k)}
         return await super().request(
             method,
             url,
@@ -225,8 +251,10 @@ class HubSource(HttpSource):
         **limits: Unpack[LimitOptions],
     ) -> None:
         self.file = HubFile.parse(url)
+        if endpoint is not None and not isinstance(endpoint, str):
+            raise ArgumentTypeError(f"endpoint is a URL (str), not {type(endpoint).__name__}")
         endpoint = hub_endpoint() if endpoint is None else endpoint.rstrip("/")
-        token = hub_token() if token is None else token or None
+        token = hub_token() if token is None else checked_token(token) or None
         self._hub = HubClient(endpoint, token)
         self._resolve_url = self.file.resolve_url(endpoint)
         super().__init__(

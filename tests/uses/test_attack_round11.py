@@ -530,3 +530,61 @@ async def test_a_sharded_stream_closed_while_reading_opens_no_further_shard(
                 async for name, _ in stream:
                     got.append(name)
     assert len(got) < 8
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    """The fake Hub with one private file, and an environment with no token of its own."""
+    from ..servers.hub_server import FakeHub
+
+    with FakeHub(token="hf_SECRET123") as served:
+        data = reference_save({"a": np.arange(4, dtype=np.float32)})
+        served.push("org/private", {"model.safetensors": data}, private=True)
+        monkeypatch.setenv("HF_ENDPOINT", served.endpoint)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        yield served
+
+
+async def test_a_callers_credentials_never_reach_the_hubs_cdn(hub: Any) -> None:
+    """An Authorization header given with headers= to an hf:// read went to the CDN (another
+    origin), where an http:// read of the same URL dropped it at the redirect."""
+    secret = {"Authorization": "Bearer hf_SECRET123", "Cookie": "session=hf_SECRET123"}
+    loaded = await stream_st.load("hf://org/private/model.safetensors", headers=secret)
+    assert loaded["a"].tolist() == [0, 1, 2, 3]
+    seen = hub.seen()
+    assert any("resolve" in r.path for r in seen) and any("resolve" not in r.path for r in seen)
+    for request in seen:
+        on_hub = "resolve" in request.path
+        sent = request.headers.get("authorization"), request.headers.get("cookie")
+        assert (sent[0] is not None) == on_hub and (sent[1] is None or on_hub), request.path
+
+
+async def test_hf_hub_offline_holds_for_reads_without_a_cache(
+    hub: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HF_HUB_OFFLINE=1 was ignored unless cache= was given: the Hub was asked, the token
+    sent."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_TOKEN", "hf_SECRET123")
+    with pytest.raises(stream_st.CacheMissError):
+        await stream_st.read_header("hf://org/private/model.safetensors")
+    assert hub.seen() == []
+
+
+@pytest.mark.parametrize("token", ["hf_abc\r\nX-Injected: yes", 123, b"hf_abc"])
+async def test_a_hub_token_that_no_header_can_carry_is_refused(
+    hub: Any, monkeypatch: pytest.MonkeyPatch, token: Any
+) -> None:
+    """A token with a line break injected a header; an int or bytes token was sent as its
+    text."""
+    if isinstance(token, str):
+        monkeypatch.setenv("HF_TOKEN", token)
+        with pytest.raises(stream_st.UsageError, match="from HF_TOKEN holds a line break") as info:
+            await stream_st.read_header("hf://org/private/model.safetensors")
+    else:
+        with pytest.raises(stream_st.ArgumentTypeError, match="a Hub token is a str") as info:
+            stream_st.hub.HubSource("hf://org/private/model.safetensors", token=token)
+    assert "hf_abc" not in str(info.value)
+    assert hub.seen() == []

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ...errors import UsageError
 
-__all__ = ["Cache", "CacheLike", "parse_size"]
+__all__ = ["Cache", "CacheLike", "hub_offline", "parse_size"]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([kmgtp])(i?))?(b?)\s*", re.IGNORECASE)
@@ -114,3 +114,13 @@ class Cache:
 
 CacheLike = Cache | bool | str | os.PathLike[str] | None
 """What ``cache=`` accepts (see :meth:`Cache.of`)."""
+
+
+def hub_offline(source: object, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``source`` is an ``hf://`` address read while ``HF_HUB_OFFLINE`` is set."""
+    env = os.environ if environ is None else environ
+    return (
+        isinstance(source, str)
+        and source[:5].lower() == "hf://"
+        and env.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+    )

@@ -27,7 +27,13 @@ from urllib.parse import unquote, urljoin, urlsplit
 from ...errors import HTTPProtocolError, SafetensorsError
 from .target import Target
 
-__all__ = ["REDIRECTS", "basic_authorization", "redirected", "url_credentials"]
+__all__ = [
+    "REDIRECTS",
+    "basic_authorization",
+    "credential_header",
+    "redirected",
+    "url_credentials",
+]
 
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 """The statuses a GET or HEAD follows (when the answer names a ``Location``)."""
@@ -36,7 +42,7 @@ _CREDENTIALS = frozenset({"authorization", "cookie", "proxy-authorization"})
 _SIGNED_PREFIX = "x-amz-"
 
 
-def _credential(name: str) -> bool:
+def credential_header(name: str) -> bool:
     """Whether a request header named ``name`` proves who asks (never sent to another origin)."""
     key = name.lower()
     return key in _CREDENTIALS or key.startswith(_SIGNED_PREFIX)
@@ -81,4 +87,4 @@ def redirected(
         )
     if new.origin == target.origin:
         return new, dict(headers)
-    return new, {name: value for name, value in headers.items() if not _credential(name)}
+    return new, {name: value for name, value in headers.items() if not credential_header(name)}
