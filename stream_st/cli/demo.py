@@ -38,12 +38,12 @@ import numpy as np
 from .._util import task_group
 from ..connection import Connection, connect, listen
 from ..core.codecs import error_stats
-from ..errors import AllocationError, UsageError
+from ..errors import AllocationError, UsageError, integer_at_least
 from ..kv import KVLayout, KVReceiver, SendReport, receive_kv, send_kv
 from ..transports.options import LimitOptions, clock_of
 
 if TYPE_CHECKING:
-    from ..models.llm import LlamaConfig
+    from ..models.llm import Llama, LlamaConfig
 
 __all__ = ["DemoResult", "ModelDemo", "ModelResult", "run_demo", "run_model_demo"]
 
@@ -418,6 +418,44 @@ def split_tokens(tokens: int, context: int | None) -> tuple[int, str | None]:
     return context, None
 
 
+MAX_CONTINUATION = 512
+"""Most tokens of the continuation the receiver runs (and scores, from the second on): a longer
+text is cut there, said in a notice. A block of ``n`` tokens on top of a context of ``c`` takes
+attention scores of ``n * (c + n)`` per head: scored whole, 12,000 tokens need gigabytes."""
+
+TRAINED_CONTEXT = 8192
+"""Positions SmolLM2-135M-Instruct was trained on (its GGUF's ``llama.context_length``): the
+context and the continuation run together stay within them."""
+
+
+def cap_continuation(tokens: int, context: int, limit: int | None = None) -> tuple[int, str | None]:
+    """How many of the ``tokens - context`` tokens after the context the receiver runs, and a
+    notice (None when it runs them all): at most ``limit`` (None: :data:`MAX_CONTINUATION`),
+    and no position past :data:`TRAINED_CONTEXT`. A context that leaves fewer than 2 of those
+    positions is a :class:`~stream_st.UsageError`."""
+    limit = MAX_CONTINUATION if limit is None else limit
+    room = TRAINED_CONTEXT - context
+    if room < 2:
+        raise UsageError(
+            f"a context of {context} tokens leaves no room for a continuation in the "
+            f"{TRAINED_CONTEXT} positions {MODEL_NAME} was trained on"
+        )
+    after = tokens - context
+    count = min(after, limit, room)
+    if count == after:
+        return count, None
+    why = (
+        f"at most {limit} are run"
+        if count == limit
+        else f"the model was trained on {TRAINED_CONTEXT} positions"
+    )
+    return count, (
+        f"the text has {tokens} tokens: the continuation is its {count} tokens after the "
+        f"{context}-token context ({count - 1} scored; {why}), the last {after - count} are "
+        "not scored"
+    )
+
+
 def verdict(demo: ModelDemo) -> str:
     """One line: what the demo showed and whether it went well."""
     lossless = [r for r in demo.results if r.codec == "none" and r.dtype == "F32"]
@@ -462,22 +500,27 @@ async def run_model_demo(
     context: int | None = None,
     codecs: tuple[str, ...] = tuple(MODEL_CODECS),
     progress: Callable[[str], None] | None = None,
+    max_continuation: int | None = None,
     **limits: Unpack[LimitOptions],
 ) -> ModelDemo:
     """The main job with a real model (SmolLM2-135M-Instruct, from the ``llm`` extra).
 
     ``text`` (default :func:`default_text`) is tokenized and split after ``context`` tokens
     (None: 256, fewer for a short text, see :func:`split_tokens`, which ``progress`` is told).
+    The continuation is the next ``max_continuation`` tokens at most (None:
+    :data:`MAX_CONTINUATION`; never past the model's :data:`TRAINED_CONTEXT`): a longer text
+    is cut there and the notice says so (:func:`cap_continuation`).
     The receiver first recomputes the context's cache itself and scores the continuation: the
     reference. Then, once per codec over one loopback TCP connection, a sender prefills the
     context and sends each layer's keys and values as soon as the layer exists; the receiver
     runs layer ``l`` of the continuation as soon as layer ``l`` has arrived and passed its
     check. The continuation's perplexity counts its tokens from the second on (the first has
     no logits from a cache alone). ``progress`` is told what runs. Limits as in
-    :func:`run_demo`.
+    :func:`run_demo`. Memory that runs out (a long ``context``) is an
+    :class:`~stream_st.AllocationError`.
     """
-    from ..models.llm import load_tokenizer, perplexity, read_gguf
-    from ..models.llm.transfer import continue_received, one_blas_thread, send_prefill
+    from ..models.llm import load_tokenizer, read_gguf
+    from ..models.llm.transfer import one_blas_thread
 
     names = [codec.lower() for codec in codecs]
     if not names or len(set(names)) != len(names) or not set(names) <= set(MODEL_CODECS):
@@ -486,51 +529,77 @@ async def run_model_demo(
         isinstance(context, bool) or not isinstance(context, int) or context < 1
     ):
         raise UsageError(f"context must be a positive integer, got {context!r}")
+    if max_continuation is not None:
+        max_continuation = integer_at_least("max_continuation", max_continuation, 2)
     clock_of(limits)  # a bad limit says so before the model loads
     limits.setdefault("timeout", 30)
     say = progress or (lambda _: None)
-    with one_blas_thread():  # sender and receiver: one core each
-        tokenizer = await anyio.to_thread.run_sync(load_tokenizer)
-        ids = np.array(tokenizer.encode(default_text() if text is None else text).ids)
-        context, notice = split_tokens(int(ids.size), context)
-        if notice is not None:
-            say(notice)
-        say(f"loading {MODEL_NAME} (GGUF, dequantized to float32)")
-        model = await anyio.to_thread.run_sync(read_gguf)
-        prompt, continuation = ids[:context], ids[context:]
+    sizes = "tokenizing the text"  # what ran out of memory, if anything does
+    try:
+        with one_blas_thread():  # sender and receiver: one core each
+            tokenizer = await anyio.to_thread.run_sync(load_tokenizer)
+            ids = np.array(tokenizer.encode(default_text() if text is None else text).ids)
+            context, notice = split_tokens(int(ids.size), context)
+            count, capped = cap_continuation(int(ids.size), context, max_continuation)
+            notices = [n for n in (notice, capped) if n is not None]
+            for line in notices:
+                say(line)
+            sizes = f"a context of {context} tokens and a continuation of {count}"
+            say(f"loading {MODEL_NAME} (GGUF, dequantized to float32)")
+            model = await anyio.to_thread.run_sync(read_gguf)
+            prompt, continuation = ids[:context], ids[context : context + count]
+            demo = await _run_model_demo(model, prompt, continuation, names, say, limits)
+    except AllocationError:
+        raise
+    except MemoryError:  # numpy's, bare: a bug's exit status otherwise
+        raise AllocationError(f"no memory for the model demo ({sizes})") from None
+    demo.notice = "; ".join(notices) or None
+    return demo
 
-        say(f"receiver recomputes the context ({context} tokens) and scores the continuation")
-        began = time.perf_counter()
-        cache = await anyio.to_thread.run_sync(model.cache, prompt)
-        reference = await anyio.to_thread.run_sync(model.score, continuation, cache)
-        recompute_time = time.perf_counter() - began
-        del cache
 
-        results = [ModelResult(MODEL_CODECS[n][0], dtype=MODEL_CODECS[n][1]) for n in names]
-        layouts = [model.config.kv_layout(context, r.dtype, r.codec) for r in results]
+async def _run_model_demo(
+    model: Llama,
+    prompt: Array,
+    continuation: Array,
+    names: list[str],
+    say: Callable[[str], None],
+    limits: LimitOptions,
+) -> ModelDemo:
+    """The model demo's runs, :func:`run_model_demo`'s text tokenized and split."""
+    from ..models.llm import perplexity
+    from ..models.llm.transfer import continue_received, send_prefill
 
-        async def send(connection: Connection, index: int) -> None:
-            say(f"transfer {index + 1}/{len(results)}: {results[index].label}")
-            results[index].start = time.perf_counter()
-            report = await send_prefill(connection, model, prompt, layouts[index])
-            _sent(results[index], report)
+    context = int(prompt.size)
+    say(f"receiver recomputes the context ({context} tokens) and scores the continuation")
+    began = time.perf_counter()
+    cache = await anyio.to_thread.run_sync(model.cache, prompt)
+    reference = await anyio.to_thread.run_sync(model.score, continuation, cache)
+    recompute_time = time.perf_counter() - began
+    del cache
 
-        async def receive(connection: Connection, index: int) -> None:
-            result = results[index]
-            async with receive_kv(connection) as incoming:
-                logits = await continue_received(
-                    incoming, model, continuation, done_at=result.consumed
-                )
-                _received(result, incoming)
-            result.finished = time.perf_counter() - result.start
-            result.payload_bytes = 2 * model.config.num_layers * int(np.prod(layouts[0].shape)) * 4
-            result.perplexity = perplexity(logits[:-1], continuation[1:])
-            result.max_logit_error = float(np.max(np.abs(logits - reference)))
-            result.identical = bool(np.array_equal(logits, reference))
+    results = [ModelResult(MODEL_CODECS[n][0], dtype=MODEL_CODECS[n][1]) for n in names]
+    layouts = [model.config.kv_layout(context, r.dtype, r.codec) for r in results]
 
-        await _session(len(results), send, receive, **limits)
-        for result in results:
-            _finish(result)
+    async def send(connection: Connection, index: int) -> None:
+        say(f"transfer {index + 1}/{len(results)}: {results[index].label}")
+        results[index].start = time.perf_counter()
+        report = await send_prefill(connection, model, prompt, layouts[index])
+        _sent(results[index], report)
+
+    async def receive(connection: Connection, index: int) -> None:
+        result = results[index]
+        async with receive_kv(connection) as incoming:
+            logits = await continue_received(incoming, model, continuation, done_at=result.consumed)
+            _received(result, incoming)
+        result.finished = time.perf_counter() - result.start
+        result.payload_bytes = 2 * model.config.num_layers * int(np.prod(layouts[0].shape)) * 4
+        result.perplexity = perplexity(logits[:-1], continuation[1:])
+        result.max_logit_error = float(np.max(np.abs(logits - reference)))
+        result.identical = bool(np.array_equal(logits, reference))
+
+    await _session(len(results), send, receive, **limits)
+    for result in results:
+        _finish(result)
     return ModelDemo(
         context_tokens=context,
         continuation_tokens=int(continuation.size),
@@ -538,7 +607,6 @@ async def run_model_demo(
         recompute_perplexity=perplexity(reference[:-1], continuation[1:]),
         results=results,
         config=model.config,
-        notice=notice,
     )
 
 

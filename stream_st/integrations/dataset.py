@@ -14,7 +14,8 @@ with :func:`manifest_document`: one policy, here. A dataset is written in one of
 * KV mode: every tensor is one value, keyed ``{name}{separator}{column}``.
 
 :func:`describe_dataset` reads a manifest (or lists a directory of shards), every shard's header,
-and tells the modes apart; :func:`plan_pieces` splits the shards into pieces of bounded size (row
+and tells the modes apart (:meth:`DatasetInfo.not_batch` says why shards are not in batch
+mode); :func:`plan_pieces` splits the shards into pieces of bounded size (row
 ranges in batch mode, groups of keys in KV mode) that a reader task reads on its own with
 :func:`read_piece`, fetching only the byte ranges of the tensors it selects. A KV-mode dataset
 is read as rows with :func:`kv_rows` (where each name's tensors lie, told from the headers a
@@ -147,22 +148,56 @@ class DatasetInfo:
     def keys(self) -> dict[str, int]:
         return {name: i for i, header in enumerate(self.headers) for name in header.names()}
 
+    def not_batch(self) -> str | None:
+        """Why the shards do not form batch mode (see :func:`describe_dataset`): which shard or
+        column disagrees, or that there is no shard; None where they do (or where the headers
+        were not read, ``from_manifest``)."""
+        if self.kv and not self.headers and self.shards:
+            return None
+        return _not_batch(self.shards, self.headers, self.manifest.get("schema"))
 
-def _batch_mode(headers: Sequence[Header], schema: object) -> bool:
-    """Whether every shard holds the same tensors, each with one leading (sample) dimension per
-    shard, and the manifest's schema (if any) names exactly those. A shard of no tensor (a
-    writer closed before its first batch writes one) holds no sample of any."""
-    headers = [header for header in headers if len(header)]
-    if not headers:
-        return isinstance(schema, dict)
-    names = set(headers[0].names())
+
+def _not_batch(shards: Sequence[str], headers: Sequence[Header], schema: object) -> str | None:
+    """Why the shards at ``shards`` (their ``headers``) and the manifest's ``schema`` do not
+    form batch mode, or None where they do: batch mode is every shard holding the same tensors,
+    each with one leading (sample) dimension per shard, and the manifest's schema (if any)
+    naming exactly those. A shard of no tensor (a writer closed before its first batch writes
+    one) holds no sample of any. The reason names one tensor, never all of them (a KV-mode
+    dataset may hold millions)."""
+    held = [(shard, header) for shard, header in zip(shards, headers, strict=True) if len(header)]
+    if not held:
+        if isinstance(schema, dict):
+            return None
+        if not shards:
+            return "it has no shard"
+        return "its shards hold no tensor and no manifest schema names its columns"
+    first, header = held[0]
+    names = set(header.names())
     if isinstance(schema, dict) and schema and set(schema) != names:
-        return False
-    for header in headers:
-        leading = {info.shape[0] if info.shape else None for info in header.tensors}
-        if set(header.names()) != names or len(leading) != 1 or None in leading:
-            return False
-    return True
+        extra = sorted(names - set(schema))
+        if extra:
+            return f"tensor {extra[0]!r} of {first} is not in the manifest's schema"
+        lacking = sorted(set(schema) - names)[0]
+        return f"column {lacking!r} of the manifest's schema is not in {first}"
+    for shard, header in held:
+        others = set(header.names())
+        if others != names:
+            extra = sorted(others - names)
+            if extra:
+                return f"tensor {extra[0]!r} of {shard} is not in {first}"
+            return f"tensor {sorted(names - others)[0]!r} of {first} is not in {shard}"
+        rows: tuple[str, int] | None = None
+        for info in header.tensors:
+            if not info.shape:
+                return f"tensor {info.name!r} of {shard} is 0-d: it has no sample dimension"
+            if rows is None:
+                rows = (info.name, info.shape[0])
+            elif info.shape[0] != rows[1]:
+                return (
+                    f"in {shard}, tensor {info.name!r} holds {info.shape[0]} rows, "
+                    f"{rows[0]!r} {rows[1]}"
+                )
+    return None
 
 
 async def describe_dataset(
@@ -204,7 +239,7 @@ async def describe_dataset(
         if index is not None:
             index.check(name, shard, header)
         headers.append(header)
-    batch = _batch_mode(headers, manifest.get("schema")) if kv is None else not kv
+    batch = _not_batch(shards, headers, manifest.get("schema")) is None if kv is None else not kv
     return DatasetInfo(home, shards, tuple(headers), manifest, not batch)
 
 

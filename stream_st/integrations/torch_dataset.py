@@ -8,7 +8,10 @@ first samples, or (``drop_last=True``) cut. Each rank reads its own contiguous p
 sequence, split again between its ``DataLoader`` workers, so each sample is read once per epoch
 across the whole job (padding aside) and only its bytes are fetched: ranged requests from any
 source stream_st reads (paths, ``s3://``, ``http(s)://``, ``hf://``). With ``shuffle``, samples
-are also shuffled within a bounded buffer (``shuffle_buffer`` samples) in each worker.
+are also shuffled within a bounded buffer (``shuffle_buffer`` samples) in each worker. The epoch
+(:meth:`SafetensorsDataset.set_epoch`) is kept in shared memory, so that ``DataLoader`` workers
+that outlive an epoch (``persistent_workers=True``), each holding its own copy of the dataset,
+still see the one the main process sets.
 """
 
 from __future__ import annotations
@@ -109,6 +112,11 @@ class SafetensorsDataset(IterableDataset[Sample]):
     alone).
     ``rank`` and ``world_size`` default to torch.distributed's (or
     ``RANK``/``WORLD_SIZE``).
+    The epoch lies in shared memory (one ``int64`` tensor): :meth:`set_epoch` in the main process
+    reaches the copies of the dataset that ``DataLoader`` workers hold, persistent ones
+    (``persistent_workers=True``) included, however they were started (fork, spawn,
+    forkserver). A dataset pickled otherwise (``pickle.dumps``) takes its epoch's value along, no
+    longer shared.
     """
 
     def __init__(
@@ -131,10 +139,16 @@ class SafetensorsDataset(IterableDataset[Sample]):
         piece_bytes = integer_at_least("piece_bytes", piece_bytes, 1)
         self.dataset: DatasetInfo = anyio.run(lambda: describe_dataset(source))
         if self.dataset.kv:
-            raise UsageError(f"{os.fspath(source)} is a KV-mode dataset: it holds no samples")
+            why = self.dataset.not_batch() or "its mode was given as KV"
+            raise UsageError(
+                f"{os.fspath(source)} is not a batch-mode dataset ({why}), so it reads as a "
+                "KV-mode dataset: it holds no samples"
+            )
         self.columns = None if columns is None else sorted(include_names(columns))
         _check_alike(self.dataset, self.columns)
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.shuffle, self.seed = shuffle, seed
+        # shared: a persistent DataLoader worker's copy of the dataset reads what set_epoch wrote
+        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         self.shuffle_buffer = shuffle_buffer
         self.drop_last = drop_last
         self.piece_bytes = piece_bytes
@@ -160,19 +174,31 @@ class SafetensorsDataset(IterableDataset[Sample]):
             return self.num_samples // self.world_size
         return math.ceil(self.num_samples / self.world_size)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Shuffle differently in ``epoch`` (call it on every rank before each epoch)."""
-        self.epoch = integer_at_least("epoch", epoch, 0)
+    @property
+    def epoch(self) -> int:
+        """The epoch :meth:`set_epoch` set last (0 at first), as every worker sees it."""
+        return int(self._epoch.item())
 
-    def _sequence(self) -> list[Piece]:
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self.set_epoch(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Shuffle differently in ``epoch`` (call it on every rank before each epoch, before
+        iterating the ``DataLoader``): written into shared memory, so that the ``DataLoader``'s
+        workers, persistent ones included, read it when they begin the epoch."""
+        self._epoch.fill_(integer_at_least("epoch", epoch, 0))
+
+    def _sequence(self, epoch: int) -> list[Piece]:
         plan = list(self._plan)
         if self.shuffle:
-            random.Random(f"{self.seed}/{self.epoch}").shuffle(plan)
+            random.Random(f"{self.seed}/{epoch}").shuffle(plan)
         return plan
 
-    def pieces(self, worker: int = 0, workers: int = 1) -> list[Piece]:
-        """The row ranges ``worker`` (of ``workers``) of this rank reads this epoch, in order."""
-        sequence = self._sequence()
+    def pieces(self, worker: int = 0, workers: int = 1, *, epoch: int | None = None) -> list[Piece]:
+        """The row ranges ``worker`` (of ``workers``) of this rank reads in ``epoch`` (None: the
+        current one), in order."""
+        sequence = self._sequence(self.epoch if epoch is None else epoch)
         ends = [0]
         for piece in sequence:
             ends.append(ends[-1] + piece.stop - piece.start)
@@ -231,13 +257,17 @@ class SafetensorsDataset(IterableDataset[Sample]):
                     yield dict(zip(names, row, strict=True))
 
     def __iter__(self) -> Iterator[Sample]:
+        """The samples of the current epoch that this rank's worker reads: the epoch read once,
+        from shared memory, when the iteration begins (a worker's copy of the dataset sees the
+        :meth:`set_epoch` of the main process)."""
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        samples = self._samples(self.pieces(worker, workers))
+        epoch = self.epoch
+        samples = self._samples(self.pieces(worker, workers, epoch=epoch))
         if not self.shuffle:
             yield from samples
             return
-        seed = random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{worker}/{workers}")
+        seed = random.Random(f"{self.seed}/{epoch}/{self.rank}/{worker}/{workers}")
         rng = np.random.default_rng(seed.getrandbits(128))
         size = self.shuffle_buffer
         buffer: list[Sample] = []

@@ -438,6 +438,13 @@ class DatasetWriter(_RollingWriter):
     async def write_batch(self, tensors: Mapping[str, Any], samples: int) -> None:
         """Add a group of tensors holding ``samples`` samples; the group stays in one shard.
 
+        Batch mode (``samples`` other than 1): every column is ``[samples, *sample_shape]``; a
+        column of another number of rows, or of no dimension at all, is a :class:`UsageError`
+        naming it, and nothing of the group is written (the manifest would count samples its
+        shard does not hold). A group of one sample may instead be one KV-mode row, the tensors
+        of one name (``{name}{separator}{column}``), each a value of any shape: it is taken as
+        it is.
+
         The schema records each name's dtype and shape as first written.
         """
         samples = integer_at_least("samples", samples, 0)
@@ -445,12 +452,14 @@ class DatasetWriter(_RollingWriter):
             raise ArgumentTypeError(
                 f"write_batch takes {{name: array}}, got {type(tensors).__name__}"
             )
-        for name, array in tensors.items():
-            as_array = np.asarray(array)
+        arrays = {name: np.asarray(array) for name, array in tensors.items()}
+        if samples != 1:
+            _check_rows(arrays, samples)
+        for name, as_array in arrays.items():
             self._schema.setdefault(
                 name, {"dtype": dtype_for(as_array.dtype).code, "shape": list(as_array.shape)}
             )
-        await self._add_group(tensors, samples)
+        await self._add_group(arrays, samples)
 
     def _shard_name(self, index: int) -> str:
         return shard_file_name(self.task_id, index, self._uuid)
@@ -501,6 +510,24 @@ class DatasetWriter(_RollingWriter):
         await super().abort()
         if self.generate_index:
             await anyio.to_thread.run_sync(_remove_index, self._staged_index)
+
+
+def _check_rows(arrays: Mapping[str, Array], samples: int) -> None:
+    """:class:`UsageError` unless every one of ``arrays`` (a batch of ``samples`` samples, see
+    :meth:`DatasetWriter.write_batch`) holds ``samples`` rows: a leading dimension of that
+    size."""
+    for name, array in arrays.items():
+        if array.ndim == 0:
+            raise UsageError(
+                f"write_batch: column {name!r} is 0-d (a single value): a batch of {samples} "
+                f"samples holds [{samples}, ...] of every column; nothing of the batch was written"
+            )
+        if array.shape[0] != samples:
+            raise UsageError(
+                f"write_batch: column {name!r} holds {array.shape[0]} rows (shape "
+                f"{list(array.shape)}), not samples={samples}: a batch holds one row of every "
+                "column per sample; nothing of the batch was written"
+            )
 
 
 def _missing_folders(directory: Path) -> list[Path]:

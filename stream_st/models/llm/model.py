@@ -28,7 +28,7 @@ import numpy as np
 
 from ...core.header import Header
 from ...core.strict_json import decode_json
-from ...errors import HeaderError, SafetensorsError
+from ...errors import ArgumentTypeError, HeaderError, SafetensorsError, integer_at_least
 from ...kv import KVLayout
 from ..bert import Stage
 
@@ -87,7 +87,26 @@ def _config_number(key: str, value: object, kind: type) -> int | float:
 
 class ModelError(SafetensorsError, ValueError):
     """Weights or a model file that do not make the model: a tensor missing or misshapen, a
-    configuration missing or unsupported, tokens outside the vocabulary."""
+    configuration missing or unsupported, a GGUF file that cannot be read (cut short, say),
+    tokens or perplexity targets outside the vocabulary, a cache of another number of layers
+    or shape than the model's. Token ids that are not integers (floats, a string) are an
+    :class:`~stream_st.ArgumentTypeError` instead."""
+
+
+def token_ids(tokens: object, what: str = "tokens") -> Array:
+    """``tokens`` as a flat int64 array; :class:`~stream_st.ArgumentTypeError` unless they are
+    integers (a sequence or array of them; floats would be truncated, a string is no id)."""
+    try:
+        raw = np.asarray(tokens)
+    except (TypeError, ValueError, OverflowError) as exc:  # ragged, or past int64
+        raise ArgumentTypeError(f"{what} must be integer token ids: {exc}") from None
+    if raw.size and raw.dtype.kind not in "iu":  # an empty list reads as float64
+        raise ArgumentTypeError(
+            f"{what} must be integer token ids, got {raw.dtype} ({type(tokens).__name__})"
+        )
+    if raw.dtype.kind == "u" and raw.size and raw.max() > np.iinfo(np.int64).max:
+        raise ModelError(f"{what} must be ids in the vocabulary, got {int(raw.max())}")
+    return raw.astype(np.int64).reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -249,8 +268,11 @@ class Llama:
 
     def forward(self, tokens: Sequence[int] | Array, start: int = 0) -> Forward:
         """The forward pass of ``tokens`` at positions ``start``, ``start + 1``, ...; run its
-        layers with :meth:`Forward.step`."""
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        layers with :meth:`Forward.step`. :class:`ModelError` unless ``tokens`` are 1 or more
+        ids of the vocabulary, :class:`~stream_st.ArgumentTypeError` for ids that are not
+        integers."""
+        ids = token_ids(tokens)
+        start = integer_at_least("start", start, 0)
         if ids.size == 0 or ids.min() < 0 or ids.max() >= self.config.vocab_size:
             raise ModelError(f"tokens must be 1 or more ids in [0, {self.config.vocab_size})")
         return Forward(self, ids, start)
@@ -266,10 +288,38 @@ class Llama:
         """The whole cache of ``tokens``."""
         return [(key, value) for _, key, value in self.prefill(tokens)]
 
+    def past_length(self, cache: KVCache | None) -> int:
+        """How many positions ``cache`` holds (0 for none, or an empty one). :class:`ModelError`
+        unless it holds one ``(keys, values)`` pair per layer of the model, keys of shape
+        ``[1, num_kv_heads, seq, head_dim]`` (each layer's shapes are checked as it runs)."""
+        if cache is None:
+            return 0
+        if not isinstance(cache, list | tuple):
+            raise ArgumentTypeError(
+                f"a cache is a list of (keys, values) per layer, not {type(cache).__name__}"
+            )
+        if not cache:
+            return 0
+        layers = self.config.num_layers
+        if len(cache) != layers:
+            raise ModelError(f"the cache holds {len(cache)} layers, the model has {layers}")
+        for layer, entry in enumerate(cache):
+            if not isinstance(entry, list | tuple) or len(entry) != 2:
+                raise ModelError(f"layer {layer} of the cache is not a (keys, values) pair")
+        shape = np.shape(cache[0][0])
+        c = self.config
+        if len(shape) != 4 or (shape[0], shape[1], shape[3]) != (1, c.num_kv_heads, c.head_dim):
+            raise ModelError(
+                f"the cache holds keys {list(shape)}, [1, {c.num_kv_heads}, seq, {c.head_dim}] "
+                "expected"
+            )
+        return int(shape[2])
+
     def score(self, tokens: Sequence[int] | Array, cache: KVCache | None = None) -> Array:
         """Logits ``[len(tokens), vocab]`` of ``tokens`` run on top of ``cache`` (from the
-        prefill of the tokens before them) or from position 0."""
-        start = 0 if not cache else cache[0][0].shape[2]
+        prefill of the tokens before them, one pair per layer: see :meth:`past_length`) or
+        from position 0."""
+        start = self.past_length(cache)
         run = self.forward(tokens, start)
         for layer in range(self.config.num_layers):
             run.step(None if not cache else cache[layer])
@@ -279,14 +329,21 @@ class Llama:
         self, tokens: Sequence[int] | Array, cache: KVCache | None, max_new_tokens: int
     ) -> list[int]:
         """Greedy generation: run ``tokens`` on top of ``cache`` (the prefill of the tokens
-        before them, or none), then pick the likeliest token ``max_new_tokens`` times, stopping
-        after the end-of-sequence token. ``cache`` is extended in place."""
+        before them, one pair per layer as :meth:`past_length` checks, or none), then pick the
+        likeliest token ``max_new_tokens`` (an integer >= 0) times, stopping after the
+        end-of-sequence token. ``cache``, a list, is extended in place."""
+        limit = integer_at_least("max_new_tokens", max_new_tokens, 0)
+        if cache is not None and not isinstance(cache, list):
+            raise ArgumentTypeError(
+                f"generate extends its cache in place: a list, not {type(cache).__name__}"
+            )
+        self.past_length(cache)
         cache = [] if cache is None else cache
         out: list[int] = []
-        block = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        while len(out) < max_new_tokens:
+        block = token_ids(tokens)
+        while len(out) < limit:
             past: list[tuple[Array, Array] | None] = [*cache] or [None] * self.config.num_layers
-            run = self.forward(block, cache[0][0].shape[2] if cache else 0)
+            run = self.forward(block, self.past_length(cache))
             cache[:] = [run.step(entry) for entry in past]
             out.append(int(np.argmax(run.logits(last_only=True)[-1])))
             if out[-1] == self.config.eos_token_id:
@@ -383,11 +440,19 @@ class Forward:
 
 def perplexity(logits: Array, targets: Sequence[int] | Array) -> float:
     """exp(mean negative log-likelihood) of ``targets`` under ``logits`` ``[n, vocab]``, row ``i``
-    predicting ``targets[i]`` (computed in float64)."""
-    wide = np.asarray(logits, dtype=np.float64)
-    ids = np.asarray(targets, dtype=np.int64).reshape(-1)
+    predicting ``targets[i]`` (computed in float64). :class:`ModelError` unless there are ``n``
+    targets, each an id in ``[0, vocab)`` (-1 is no id: it would score the last one);
+    :class:`~stream_st.ArgumentTypeError` for targets or logits that are not numbers."""
+    try:
+        wide = np.asarray(logits, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ArgumentTypeError(f"logits must be an array of numbers: {exc}") from None
+    ids = token_ids(targets, "targets")
     if wide.ndim != 2 or wide.shape[0] != ids.size or ids.size == 0:
         raise ModelError(f"{ids.size} targets for logits of shape {list(wide.shape)}")
+    if ids.min() < 0 or ids.max() >= wide.shape[1]:
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise ModelError(f"targets must be ids in [0, {wide.shape[1]}), got {bad}")
     top = wide.max(axis=-1)
     log_norm = top + np.log(np.exp(wide - top[:, None]).sum(axis=-1))
     return float(np.exp(np.mean(log_norm - wide[np.arange(ids.size), ids])))

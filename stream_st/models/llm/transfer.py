@@ -18,6 +18,7 @@ import anyio
 import numpy as np
 
 from ...connection import Connection
+from ...errors import UsageError
 from ...kv import KVLayout, KVReceiver, SendReport, send_kv
 from ...transports.options import LimitOptions
 from ...transports.registry import SinkLike
@@ -36,8 +37,11 @@ async def send_prefill(
     **limits: Unpack[LimitOptions],
 ) -> SendReport:
     """Prefill ``tokens`` and send each layer's keys and values through ``layout`` (its dtype
-    and codec) as soon as the layer is done; see :func:`~stream_st.send_kv`."""
+    and codec) as soon as the layer is done; see :func:`~stream_st.send_kv`. ``layout`` must
+    be the model's for ``len(tokens)`` tokens (:meth:`~stream_st.llm.LlamaConfig.kv_layout`):
+    :class:`~stream_st.UsageError` before anything is computed or sent otherwise."""
     run = model.forward(tokens)
+    check_layout(model, layout, run.tokens.size, "the layout to send")
 
     async def layers() -> AsyncIterator[tuple[int, Array, Array]]:
         for layer in range(model.config.num_layers):
@@ -57,7 +61,12 @@ async def continue_received(
 ) -> Array:
     """Run ``tokens`` on top of the cache ``incoming`` delivers, layer ``l`` as soon as layer
     ``l`` is verified; returns their logits ``[len(tokens), vocab]``. ``done_at`` gets the
-    ``time.perf_counter()`` at which each layer finished."""
+    ``time.perf_counter()`` at which each layer finished.
+
+    The transfer's layout (its header) must be a cache of this model: as many layers, keys and
+    values ``[1, num_kv_heads, seq, head_dim]``. :class:`~stream_st.UsageError` before anything
+    runs otherwise (a cache of another model scored as this one's gives numbers, all wrong)."""
+    check_layout(model, incoming.layout, incoming.layout.shape[2], "the incoming transfer")
     run = model.forward(tokens, incoming.layout.shape[2])
     for layer in range(model.config.num_layers):
         key, value = await incoming.wait_for_layer(layer)
@@ -67,6 +76,19 @@ async def continue_received(
             done_at.append(time.perf_counter())
     logits: Array = await anyio.to_thread.run_sync(run.logits)
     return logits
+
+
+def check_layout(model: Llama, layout: KVLayout, seq: int, what: str) -> None:
+    """:class:`~stream_st.UsageError` unless ``layout`` carries ``model``'s cache of ``seq``
+    tokens: its number of layers, keys and values ``[1, num_kv_heads, seq, head_dim]``."""
+    c = model.config
+    expected = (1, c.num_kv_heads, seq, c.head_dim)
+    if layout.num_layers != c.num_layers or tuple(layout.shape) != expected:
+        raise UsageError(
+            f"{what} carries {layout.num_layers} layers of keys and values "
+            f"{list(layout.shape)}; this model's cache of {seq} tokens is {c.num_layers} layers "
+            f"of {list(expected)}"
+        )
 
 
 @contextmanager

