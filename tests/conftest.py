@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -87,3 +88,9 @@ def small_nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NginxServe
     reference_numpy.save_file(arrays, str(root / "m.safetensors"))
     with running(NginxServer(root, tmp_path_factory.mktemp("nginx"))) as server:
         yield server
+
+
+@pytest.fixture
+def key(request: pytest.FixtureRequest) -> str:
+    """An object key of the test's own (its name, made a safe key)."""
+    return re.sub(r"[^\w.-]+", "-", request.node.name) + ".safetensors"

@@ -8,7 +8,6 @@ timeout, and an error that says when the writer cannot know whether the object w
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,39 +60,33 @@ def store(moto_s3: MotoS3Server) -> MotoS3Server:
 
 
 @pytest.fixture
-def key(request: pytest.FixtureRequest) -> str:
-    """An object key of the test's own."""
-    return re.sub(r"[^\w.-]+", "-", request.node.name) + ".safetensors"
-
-
-@pytest.fixture
 def proxy(store: MotoS3Server) -> Iterator[LossyProxy]:
     with LossyProxy(store.port) as proxy:
         yield proxy
 
 
-def s3_sink(proxy: LossyProxy, key: str, **kwargs: Any) -> S3Sink:
+def s3_sink(proxy: LossyProxy, key: str, bucket: str = BUCKET, **kwargs: Any) -> S3Sink:
     config = S3Config.resolve(
         endpoint_url=proxy.url,
         access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
         secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
         environ={},
     )
-    sink = S3Sink(f"s3://{BUCKET}/{key}", config=config, part_size=MIN_PART_SIZE, **kwargs)
+    sink = S3Sink(f"s3://{bucket}/{key}", config=config, part_size=MIN_PART_SIZE, **kwargs)
     sink.abort_timeout = 1.0
     return sink
 
 
-def pending(store: MotoS3Server, key: str) -> list[str]:
+def pending(store: MotoS3Server, key: str, bucket: str = BUCKET) -> list[str]:
     """Upload ids of the multipart uploads of exactly ``key`` still pending."""
-    answer = store.client().list_multipart_uploads(Bucket=BUCKET, Prefix=key)
+    answer = store.client().list_multipart_uploads(Bucket=bucket, Prefix=key)
     return [u["UploadId"] for u in answer.get("Uploads", []) if u["Key"] == key]
 
 
-def stored(store: MotoS3Server, key: str) -> bytes | None:
+def stored(store: MotoS3Server, key: str, bucket: str = BUCKET) -> bytes | None:
     client = store.client()
     try:
-        return bytes(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        return bytes(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     except client.exceptions.NoSuchKey:
         return None
 

@@ -21,6 +21,18 @@ import stream_st
 from stream_st.cli import main
 
 
+async def _send_messages(
+    url: str, messages: list[dict[str, np.ndarray[Any, Any]]], pause: float
+) -> None:
+    """Each of ``messages`` written on one connection to ``url``, kept open ``pause`` s more."""
+    async with await stream_st.connect(url) as connection:
+        for message in messages:
+            async with connection.open_writer(_plan(message)) as writer:
+                for name, array in message.items():
+                    await writer.write(name, array)
+        await anyio.sleep(pause)
+
+
 def _plan(message: dict[str, np.ndarray[Any, Any]]) -> list[stream_st.TensorSpec]:
     return [
         stream_st.TensorSpec(name, "F32" if a.dtype == np.float32 else "U8", a.shape)
@@ -44,12 +56,7 @@ async def test_a_message_left_part_way_makes_the_connection_refuse_further_reads
     async with stream_st.listen("127.0.0.1", 0) as listener:
 
         async def send() -> None:
-            async with await stream_st.connect(listener.url) as connection:
-                for message in (first, second):
-                    async with connection.open_writer(_plan(message)) as writer:
-                        for name, array in message.items():
-                            await writer.write(name, array)
-                await anyio.sleep(5)
+            await _send_messages(listener.url, [first, second], pause=5)
 
         async with anyio.create_task_group() as group:
             group.start_soon(send)
@@ -88,11 +95,7 @@ async def test_a_connection_read_to_each_end_goes_on() -> None:
     async with stream_st.listen("127.0.0.1", 0) as listener:
 
         async def send() -> None:
-            async with await stream_st.connect(listener.url) as connection:
-                for message in messages:
-                    async with connection.open_writer(_plan(message)) as writer:
-                        for name, array in message.items():
-                            await writer.write(name, array)
+            await _send_messages(listener.url, messages, pause=0)
 
         async with anyio.create_task_group() as group:
             group.start_soon(send)
@@ -101,6 +104,20 @@ async def test_a_connection_read_to_each_end_goes_on() -> None:
                 async for stream in connection.messages(include=["a"]):
                     got += [float(array[0]) async for _, array in stream]
     assert got == [0.0, 1.0, 2.0]
+
+
+async def _read_while_closed(
+    stream: stream_st.TensorStream, watchdog: Any, got: list[str], pause: float
+) -> None:
+    """Read ``stream`` into ``got`` (``pause`` s a tensor) while ``watchdog``, another task,
+    closes it: the loop must fail, not end."""
+    async with anyio.create_task_group() as group:
+        group.start_soon(watchdog)
+        with pytest.raises(stream_st.TransportError, match="closed on this side"):
+            async with stream:
+                async for name, _ in stream:
+                    got.append(name)
+                    await anyio.sleep(pause)
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
@@ -122,13 +139,7 @@ def test_a_stream_closed_from_another_task_fails_its_loop(
             await anyio.sleep(0.05)
             await stream.aclose()
 
-        async with anyio.create_task_group() as group:
-            group.start_soon(watchdog)
-            with pytest.raises(stream_st.TransportError, match="closed on this side"):
-                async with stream:
-                    async for name, _ in stream:
-                        got.append(name)
-                        await anyio.sleep(0.03)
+        await _read_while_closed(stream, watchdog, got, pause=0.03)
 
     anyio.run(main, backend=backend)
     assert 0 < len(got) < 6
@@ -459,12 +470,7 @@ async def test_a_message_read_to_its_last_byte_leaves_the_connection_usable(how:
     async with stream_st.listen("127.0.0.1", 0) as listener:
 
         async def send() -> None:
-            async with await stream_st.connect(listener.url) as connection:
-                for message in messages:
-                    async with connection.open_writer(_plan(message)) as writer:
-                        for name, array in message.items():
-                            await writer.write(name, array)
-                await anyio.sleep(5)
+            await _send_messages(listener.url, messages, pause=5)
 
         async with anyio.create_task_group() as group:
             group.start_soon(send)
@@ -523,12 +529,7 @@ async def test_a_sharded_stream_closed_while_reading_opens_no_further_shard(
             await anyio.lowlevel.checkpoint()
         await stream.aclose()
 
-    async with anyio.create_task_group() as group:
-        group.start_soon(watchdog)
-        with pytest.raises(stream_st.TransportError, match="closed on this side"):
-            async with stream:
-                async for name, _ in stream:
-                    got.append(name)
+    await _read_while_closed(stream, watchdog, got, pause=0.0)
     assert len(got) < 8
 
 

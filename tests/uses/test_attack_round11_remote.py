@@ -20,20 +20,23 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st import TensorSpec
 from stream_st.cli import main
 from stream_st.transports.http.sink import HttpSink
-from stream_st.transports.s3.config import S3Config
-from stream_st.transports.s3.sink import MIN_PART_SIZE, S3Sink
 
 from ..servers.lossy_proxy import LossyProxy, _read_message
-from ..servers.s3_server import CREDENTIALS, MotoS3Server
+from ..servers.s3_server import MotoS3Server
+from ..transports.test_upload_faults import (
+    COMPLETE,
+    TWO_PARTS,
+    Arrays,
+    pending,
+    s3_sink,
+    stored,
+    write,
+)
 
-Arrays = dict[str, np.ndarray[Any, Any]]
 BUCKET = "round11"
-TWO_PARTS: Arrays = {f"w{i}": np.random.default_rng(i).random(400_000) for i in range(2)}
 SMALL: Arrays = {"a": np.arange(12, dtype=np.float32)}
-COMPLETE = ("POST", "^uploadId=")
 PUT = ("PUT", "^$")
 LATE = 0.5  # seconds an answer is held back after the store gave it
 
@@ -70,46 +73,9 @@ def store(moto_s3: MotoS3Server) -> MotoS3Server:
     return moto_s3
 
 
-@pytest.fixture
-def key(request: pytest.FixtureRequest) -> str:
-    return re.sub(r"[^\w.-]+", "-", request.node.name) + ".safetensors"
-
-
 @pytest.fixture(autouse=True)
 def no_metadata_service(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-
-
-def s3_sink(endpoint: str, key: str) -> S3Sink:
-    config = S3Config.resolve(
-        endpoint_url=endpoint,
-        access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        environ={},
-    )
-    sink = S3Sink(f"s3://{BUCKET}/{key}", config=config, part_size=MIN_PART_SIZE)
-    sink.abort_timeout = 1.0
-    return sink
-
-
-def pending(store: MotoS3Server, key: str) -> list[str]:
-    answer = store.client().list_multipart_uploads(Bucket=BUCKET, Prefix=key)
-    return [u["UploadId"] for u in answer.get("Uploads", []) if u["Key"] == key]
-
-
-def stored(store: MotoS3Server, key: str) -> bytes | None:
-    client = store.client()
-    try:
-        return bytes(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
-    except client.exceptions.NoSuchKey:
-        return None
-
-
-async def write(sink: Any, arrays: Arrays) -> None:
-    plan = [TensorSpec(n, a.dtype, a.shape) for n, a in arrays.items()]
-    async with stream_st.open_writer(sink, plan) as writer:
-        for name, array in arrays.items():
-            await writer.write(name, array)
 
 
 @pytest.mark.parametrize(
@@ -130,11 +96,11 @@ async def test_a_write_cancelled_once_its_commit_went_out_is_stored_whole(
         with anyio.fail_after(30), anyio.CancelScope() as scope:
             async with anyio.create_task_group() as group:
                 group.start_soon(cancel_when_seen, scope)
-                await write(s3_sink(proxy.url, key), arrays)
+                await write(s3_sink(proxy, key, BUCKET), arrays)
                 pytest.fail("the cancellation was swallowed")
     assert scope.cancelled_caught
-    assert stored(store, key) == reference_numpy.save(arrays)
-    assert pending(store, key) == []
+    assert stored(store, key, BUCKET) == reference_numpy.save(arrays)
+    assert pending(store, key, BUCKET) == []
 
 
 async def test_a_save_task_cancelled_once_its_commit_went_out_stays_cancelled(
@@ -144,13 +110,13 @@ async def test_a_save_task_cancelled_once_its_commit_went_out_stays_cancelled(
     the completion's answer was on its way: the object stored whole, and the cancellation (which
     asyncio delivers once: its timeouts and task groups count on it) not swallowed."""
     with LateProxy(store.port, *COMPLETE) as proxy:
-        task = asyncio.create_task(stream_st.save(s3_sink(proxy.url, key), TWO_PARTS))
+        task = asyncio.create_task(stream_st.save(s3_sink(proxy, key, BUCKET), TWO_PARTS))
         await anyio.to_thread.run_sync(proxy.wait_for, *COMPLETE)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, 30)
-    assert stored(store, key) == reference_numpy.save(TWO_PARTS)
-    assert pending(store, key) == []
+    assert stored(store, key, BUCKET) == reference_numpy.save(TWO_PARTS)
+    assert pending(store, key, BUCKET) == []
 
 
 async def test_a_save_task_cancelled_with_its_commit_stalled_gives_up(
@@ -160,14 +126,14 @@ async def test_a_save_task_cancelled_with_its_commit_stalled_gives_up(
     an answer that never comes leaves a cancellation and no pending upload."""
     with LossyProxy(store.port, hold=5.0) as proxy:
         proxy.lose(*COMPLETE, "stall")
-        task = asyncio.create_task(stream_st.save(s3_sink(proxy.url, key), TWO_PARTS))
+        task = asyncio.create_task(stream_st.save(s3_sink(proxy, key, BUCKET), TWO_PARTS))
         await anyio.to_thread.run_sync(proxy.wait_for, *COMPLETE)
         started = time.monotonic()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, 30)
         assert time.monotonic() - started < 4
-    assert pending(store, key) == []
+    assert pending(store, key, BUCKET) == []
 
 
 # ---------------------------------------------------------------- HttpSink's method
