@@ -20,6 +20,8 @@ import bisect
 import math
 import os
 import random
+import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import cast
 
@@ -95,6 +97,48 @@ def _check_alike(dataset: DatasetInfo, columns: list[str] | None) -> None:
                 )
 
 
+def _checked_epoch(epoch: object) -> int:
+    """``epoch`` as an ``int`` an ``int64`` holds, else a :class:`~stream_st.UsageError`."""
+    checked = integer_at_least("epoch", epoch, 0)
+    if checked >= 1 << 63:
+        raise UsageError(f"epoch must be below 2**63, got {checked}")
+    return checked
+
+
+class _EpochSlots:
+    """The epochs of this process's datasets, in shared memory: blocks of :data:`BLOCK`
+    ``int64`` places, a dataset taking one and giving it back when it goes. One shared block
+    (one file descriptor, as torch shares memory) serves many datasets, where a block each held
+    a descriptor per dataset (a thousand datasets exhausted the default limit of open files)."""
+
+    BLOCK = 1024
+
+    def __init__(self) -> None:
+        self._blocks: list[torch.Tensor] = []
+        self._free: list[tuple[int, int]] = []  # (block, place) given back
+        self._lock = threading.Lock()
+
+    def take(self, owner: object) -> tuple[torch.Tensor, int]:
+        """A place (its block and index) set to 0, given back when ``owner`` goes."""
+        with self._lock:
+            if not self._free:
+                block = torch.zeros(self.BLOCK, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
+                self._free = [(len(self._blocks), place) for place in range(self.BLOCK)][::-1]
+                self._blocks.append(block)
+            number, place = self._free.pop()
+        tensor = self._blocks[number]
+        tensor[place] = 0
+        weakref.finalize(owner, self._give_back, number, place)
+        return tensor, place
+
+    def _give_back(self, number: int, place: int) -> None:
+        with self._lock:
+            self._free.append((number, place))
+
+
+_EPOCH_SLOTS = _EpochSlots()
+
+
 class SafetensorsDataset(IterableDataset[Sample]):
     """Samples of a batch-mode dataset, each ``{column: tensor}`` (one row of every column).
 
@@ -112,7 +156,8 @@ class SafetensorsDataset(IterableDataset[Sample]):
     alone).
     ``rank`` and ``world_size`` default to torch.distributed's (or
     ``RANK``/``WORLD_SIZE``).
-    The epoch lies in shared memory (one ``int64`` tensor): :meth:`set_epoch` in the main process
+    The epoch lies in shared memory (one ``int64`` place in a block the process's datasets share):
+    :meth:`set_epoch` in the main process
     reaches the copies of the dataset that ``DataLoader`` workers hold, persistent ones
     (``persistent_workers=True``) included, however they were started (fork, spawn,
     forkserver). A dataset pickled otherwise (``pickle.dumps``) takes its epoch's value along, no
@@ -139,7 +184,7 @@ class SafetensorsDataset(IterableDataset[Sample]):
         piece_bytes = integer_at_least("piece_bytes", piece_bytes, 1)
         self.dataset: DatasetInfo = anyio.run(lambda: describe_dataset(source))
         if self.dataset.kv:
-            why = self.dataset.not_batch() or "its mode was given as KV"
+            why = self.dataset.not_batch()  # the reason it was found to be KV-mode
             raise UsageError(
                 f"{os.fspath(source)} is not a batch-mode dataset ({why}), so it reads as a "
                 "KV-mode dataset: it holds no samples"
@@ -148,7 +193,7 @@ class SafetensorsDataset(IterableDataset[Sample]):
         _check_alike(self.dataset, self.columns)
         self.shuffle, self.seed = shuffle, seed
         # shared: a persistent DataLoader worker's copy of the dataset reads what set_epoch wrote
-        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
+        self._epochs, self._slot = _EPOCH_SLOTS.take(self)
         self.shuffle_buffer = shuffle_buffer
         self.drop_last = drop_last
         self.piece_bytes = piece_bytes
@@ -177,17 +222,17 @@ class SafetensorsDataset(IterableDataset[Sample]):
     @property
     def epoch(self) -> int:
         """The epoch :meth:`set_epoch` set last (0 at first), as every worker sees it."""
-        return int(self._epoch.item())
+        return int(self._epochs[self._slot])
 
     @epoch.setter
-    def epoch(self, epoch: int) -> None:
-        self.set_epoch(epoch)
+    def epoch(self, epoch: int) -> None:  # written here, not through an overridable set_epoch
+        self._epochs[self._slot] = _checked_epoch(epoch)
 
     def set_epoch(self, epoch: int) -> None:
         """Shuffle differently in ``epoch`` (call it on every rank before each epoch, before
         iterating the ``DataLoader``): written into shared memory, so that the ``DataLoader``'s
         workers, persistent ones included, read it when they begin the epoch."""
-        self._epoch.fill_(integer_at_least("epoch", epoch, 0))
+        self._epochs[self._slot] = _checked_epoch(epoch)
 
     def _sequence(self, epoch: int) -> list[Piece]:
         plan = list(self._plan)

@@ -438,12 +438,12 @@ class DatasetWriter(_RollingWriter):
     async def write_batch(self, tensors: Mapping[str, Any], samples: int) -> None:
         """Add a group of tensors holding ``samples`` samples; the group stays in one shard.
 
-        Batch mode (``samples`` other than 1): every column is ``[samples, *sample_shape]``; a
-        column of another number of rows, or of no dimension at all, is a :class:`UsageError`
-        naming it, and nothing of the group is written (the manifest would count samples its
-        shard does not hold). A group of one sample may instead be one KV-mode row, the tensors
-        of one name (``{name}{separator}{column}``), each a value of any shape: it is taken as
-        it is.
+        Batch mode: every column is ``[samples, *sample_shape]``; a column of another number of
+        rows, or of no dimension at all, is a :class:`UsageError` naming it, and nothing of the
+        group is written (the manifest would count samples its shard does not hold). A group
+        whose ``samples`` is 1, or its number of tensors, may instead be KV-mode rows (the
+        tensors ``{name}{separator}{column}`` of one name, or one tensor a sample, as the Spark
+        writer counts them), each a value of any shape: it is taken as it is.
 
         The schema records each name's dtype and shape as first written.
         """
@@ -453,7 +453,7 @@ class DatasetWriter(_RollingWriter):
                 f"write_batch takes {{name: array}}, got {type(tensors).__name__}"
             )
         arrays = {name: np.asarray(array) for name, array in tensors.items()}
-        if samples != 1:
+        if samples not in (1, len(arrays)):  # else maybe KV rows: their shapes are free
             _check_rows(arrays, samples)
         for name, as_array in arrays.items():
             self._schema.setdefault(

@@ -45,6 +45,7 @@ import anyio
 from ..core.digests import ObjectDigest
 from ..errors import (
     ArgumentTypeError,
+    CacheMissError,
     HTTPStatusError,
     SafetensorsError,
     TransportError,
@@ -52,6 +53,7 @@ from ..errors import (
     UsageError,
 )
 from .base import Source
+from .cache.config import hub_offline
 from .http import HTTPClient, Response, Target
 from .http.redirect import REDIRECTS, credential_header, redirected
 from .http.source import HttpSource
@@ -181,7 +183,9 @@ def _origin(url: str) -> tuple[str, str, int] | None:
 class HubClient(HTTPClient):
     """An HTTP client that sends the Hub's token to the Hub's origin and nowhere else.
 
-    A request to the Hub carries ``Authorization: Bearer <token>`` and never follows a redirect
+    While ``HF_HUB_OFFLINE`` is set a request to the Hub is a
+    :class:`~stream_st.CacheMissError`, none goes out. A request to the Hub carries
+    ``Authorization: Bearer <token>`` and never follows a redirect
     by itself (the caller decides where to go next, without the token); requests elsewhere (the
     CDN a file is served from) go without any header that proves who asks (the caller's
     ``Authorization``, ``Cookie``, ``x-amz-*``...), as a redirect to another origin drops them.
@@ -191,6 +195,7 @@ class HubClient(HTTPClient):
         super().__init__()
         self._hub = _origin(endpoint)
         self._token = token
+        self._offline = hub_offline()  # HF_HUB_OFFLINE: the Hub is never asked
 
     def on_hub(self, url: str) -> bool:
         """Whether ``url`` is on the Hub's origin (scheme, host and port)."""
@@ -213,6 +218,12 @@ class HubClient(HTTPClient):
         ssl_context: ssl.SSLContext | None = None,
     ) -> Response:
         if self.on_hub(url):
+            if self._offline:  # a read that no cache answered (a process group's, say)
+                raise CacheMissError(
+                    f"{url}: HF_HUB_OFFLINE is set, so the Hub is not asked; read it once "
+                    "online with cache= to keep a copy (read offline from then on)",
+                    url=url,
+                )
             follow_redirects = False
             if self._token is not None:
                 headers = {**(headers or {}), "Authorization": f"Bearer {self._token}"}

@@ -589,3 +589,16 @@ async def test_a_hub_token_that_no_header_can_carry_is_refused(
             stream_st.hub.HubSource("hf://org/private/model.safetensors", token=token)
     assert "hf_abc" not in str(info.value)
     assert hub.seen() == []
+
+
+async def test_hf_hub_offline_stops_every_request_to_the_hub(
+    hub: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads no cache answers (a HubSource given itself, a process group's, a dataset's
+    manifest) still asked the Hub, the token sent, with HF_HUB_OFFLINE=1."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_TOKEN", "hf_SECRET123")
+    source = stream_st.hub.HubSource("hf://org/private/model.safetensors")
+    with pytest.raises(stream_st.CacheMissError, match="HF_HUB_OFFLINE is set"):
+        await stream_st.read_header(source)
+    assert hub.seen() == []

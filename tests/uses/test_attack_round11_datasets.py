@@ -5,6 +5,7 @@ dataset says why shards are not in batch mode."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -139,3 +140,40 @@ def test_shards_holding_other_tensors_and_no_shard_are_named(tmp_path: Path) -> 
     (tmp_path / "none" / "dataset_manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(stream_st.UsageError, match=r"\(it has no shard\)"):
         SafetensorsDataset(tmp_path / "none")
+
+
+def test_many_datasets_share_the_memory_of_their_epochs(tmp_path: Path) -> None:
+    """Each dataset's shared epoch held a file descriptor of its own: about a thousand datasets
+    exhausted the default limit of open files."""
+    write(tmp_path, ({"x": np.arange(4)}, 4))
+    before = len(os.listdir("/proc/self/fd"))
+    datasets = [SafetensorsDataset(tmp_path) for _ in range(300)]
+    assert len(os.listdir("/proc/self/fd")) - before < 5
+    for number, data in enumerate(datasets):
+        data.set_epoch(number)
+    assert [data.epoch for data in datasets] == list(range(300))
+
+
+def test_a_subclass_setting_epoch_in_its_set_epoch_works(tmp_path: Path) -> None:
+    """The epoch setter called the overridable set_epoch: a subclass assigning self.epoch
+    there recursed for ever."""
+
+    class Logged(SafetensorsDataset):
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+    write(tmp_path, ({"x": np.arange(4)}, 4))
+    data = Logged(tmp_path, shuffle=True)
+    data.set_epoch(3)
+    assert data.epoch == 3
+    with pytest.raises(stream_st.UsageError, match="below 2\\*\\*63"):
+        data.epoch = 2**63
+
+
+async def test_kv_rows_counted_by_their_tensors_are_taken(tmp_path: Path) -> None:
+    """A group of KV values counted one a tensor (samples = its number of tensors) is not
+    a batch: its values' shapes are free."""
+    async with stream_st.open_dataset_writer(tmp_path) as writer:
+        await writer.write_batch({"a__emb": np.zeros(3), "b__emb": np.zeros(5)}, samples=2)
+    manifest = json.loads((tmp_path / "dataset_manifest.json").read_text())
+    assert manifest["total_samples"] == 2

@@ -116,11 +116,9 @@ CacheLike = Cache | bool | str | os.PathLike[str] | None
 """What ``cache=`` accepts (see :meth:`Cache.of`)."""
 
 
-def hub_offline(source: object, environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``source`` is an ``hf://`` address read while ``HF_HUB_OFFLINE`` is set."""
+def hub_offline(source: object = None, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``HF_HUB_OFFLINE`` is set, and ``source`` (when given) an ``hf://`` address."""
     env = os.environ if environ is None else environ
-    return (
-        isinstance(source, str)
-        and source[:5].lower() == "hf://"
-        and env.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
-    )
+    if source is not None and not (isinstance(source, str) and source[:5].lower() == "hf://"):
+        return False
+    return env.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
