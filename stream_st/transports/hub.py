@@ -168,6 +168,12 @@ def checked_token(token: object, where: str = "token=") -> str:
         raise UsageError(
             f"the Hub token from {where} holds a line break or another control character"
         )
+    try:
+        token.encode("latin-1")  # what an HTTP header carries
+    except UnicodeEncodeError:
+        raise UsageError(
+            f"the Hub token from {where} holds characters an HTTP header cannot carry"
+        ) from None
     return token
 
 
