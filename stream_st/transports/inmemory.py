@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UnsupportedSourceError, UsageError
+from ..errors import TransportError, UnsupportedSourceError, UsageError
 from .base import Source
 
 __all__ = ["BytesSource", "ChunkIteratorSource", "refuse_path_bytes"]
@@ -93,6 +93,7 @@ class ChunkIteratorSource(Source):
         self._iterator: AsyncIterator[Any] = aiter(chunks)
         self._chunk = memoryview(b"")
         self._done = False
+        self._closed = False
         self.name = name
 
     async def receive_into(self, buffer: memoryview) -> int:
@@ -105,6 +106,12 @@ class ChunkIteratorSource(Source):
             except StopAsyncIteration:
                 self._done = True
                 return 0
+            if self._closed:  # closed by another task while this waited for the chunk
+                raise TransportError(
+                    "receive failed: the source was closed on this side",
+                    url=self.name,
+                    position=self.position,
+                )
             self._chunk = _as_bytes_view(chunk)
             self.clock.moved(len(self._chunk))
         count = min(len(buffer), len(self._chunk))
@@ -114,6 +121,10 @@ class ChunkIteratorSource(Source):
         return count
 
     async def aclose(self) -> None:
+        """Close the iterator; one a read in another task is running cannot be closed now (an
+        async generator refuses it): that read fails once it returns, and the generator is
+        closed when it is collected."""
+        self._closed = True
         closer = getattr(self._iterator, "aclose", None)
-        if closer is not None:
+        if closer is not None and not getattr(self._iterator, "ag_running", False):
             await closer()

@@ -602,3 +602,28 @@ async def test_hf_hub_offline_stops_every_request_to_the_hub(
     with pytest.raises(stream_st.CacheMissError, match="HF_HUB_OFFLINE is set"):
         await stream_st.read_header(source)
     assert hub.seen() == []
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_stream_of_chunks_closed_while_a_chunk_is_awaited(backend: str) -> None:
+    """Closing raised a bare RuntimeError in the closing task ("aclose(): asynchronous
+    generator is already running"), the chunks' generator being awaited by the loop."""
+    data = reference_save({f"t{i}": np.full(1000, i, np.float32) for i in range(6)})
+
+    async def chunks() -> Any:
+        for start in range(0, len(data), 1000):
+            await anyio.sleep(0.01)
+            yield data[start : start + 1000]
+
+    async def main() -> None:
+        stream = stream_st.open_stream(chunks())
+        got: list[str] = []
+
+        async def watchdog() -> None:
+            await anyio.sleep(0.075)
+            await stream.aclose()
+
+        await _read_while_closed(stream, watchdog, got, pause=0.0)
+        assert len(got) < 6
+
+    anyio.run(main, backend=backend)
