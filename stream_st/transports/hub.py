@@ -190,7 +190,7 @@ class HubClient(HTTPClient):
     """An HTTP client that sends the Hub's token to the Hub's origin and nowhere else.
 
     While ``HF_HUB_OFFLINE`` is set a request to the Hub is a
-    :class:`~stream_st.CacheMissError`, none goes out. A request to the Hub carries
+    ``CacheMissError`` (a ``SourceNotFoundError``), none goes out. A request to the Hub carries
     ``Authorization: Bearer <token>`` and never follows a redirect
     by itself (the caller decides where to go next, without the token); requests elsewhere (the
     CDN a file is served from) go without any header that proves who asks (the caller's
