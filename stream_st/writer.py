@@ -828,12 +828,12 @@ async def run_stoppable(work: Callable[..., T], inline: bool = False) -> T:
     """``work(stop=...)`` in a worker thread, the event loop free meanwhile; ``work`` asks
     ``stop()`` as it goes (as :func:`save_at_once` does).
 
-    Cancelled by its cancel scope, the call waits for the thread: ``stop()`` raises the
-    cancellation there, and the work ends as it does on any error (a write at once removes its
-    temporary file), the cancellation going on; done first (a write that committed), its result
-    is returned (as :class:`TensorWriter`'s commit point decides) and the caller's cancel scope
-    cancels its next checkpoint. A cancellation anyio does not see (asyncio's own
-    ``Task.cancel``) does not wait, but ``stop()`` says true from then on.
+    Cancelled (by a cancel scope, or asyncio's own ``Task.cancel``: ``asyncio.timeout``,
+    ``wait_for``), the call waits for the thread: ``stop()`` says true from then on, and the
+    work ends as it does on any error (a write at once removes its temporary file), or has
+    committed already; then the cancellation goes on. Either way nothing of the work is left
+    running once the call has raised: the destination holds the old file or the whole new one
+    (a caller that timed out may retry, or clean up, at once).
 
     ``inline``: quick work (a small file) runs on the event loop's thread instead, after a
     turn of the loop (where a cancellation shows): handing it to a worker and back cost more
@@ -843,13 +843,36 @@ async def run_stoppable(work: Callable[..., T], inline: bool = False) -> T:
         await anyio.lowlevel.checkpoint()
         return work(stop=lambda: False)
     called_off = False
+    finished = anyio.Event()
+    outcome: list[T] = []
+    failure: BaseException | None = None
 
     def stop() -> bool:
-        anyio.from_thread.check_cancelled()
         return called_off
 
+    async def run() -> None:
+        nonlocal failure
+        try:
+            with anyio.CancelScope(shield=True):  # the thread is waited for, cancelled or not
+                outcome.append(await anyio.to_thread.run_sync(functools.partial(work, stop=stop)))
+        except BaseException as exc:
+            failure = exc
+        finally:
+            finished.set()
+
+    cancelled: BaseException | None = None
     try:
-        return await anyio.to_thread.run_sync(functools.partial(work, stop=stop))
-    except BaseException:
-        called_off = True
-        raise
+        async with anyio.create_task_group() as group:  # a task of its own: asyncio's
+            group.start_soon(run)  # Task.cancel reaches the waiting, not the shielded thread
+            try:
+                await finished.wait()
+            except anyio.get_cancelled_exc_class():
+                called_off = True
+                raise
+    except anyio.get_cancelled_exc_class() as exc:
+        cancelled = exc
+    if cancelled is not None:  # the work has ended (committed, or stopped and cleaned up)
+        raise cancelled
+    if failure is not None:
+        raise failure
+    return outcome[0]

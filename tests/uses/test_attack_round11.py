@@ -627,3 +627,27 @@ def test_a_stream_of_chunks_closed_while_a_chunk_is_awaited(backend: str) -> Non
         assert len(got) < 6
 
     anyio.run(main, backend=backend)
+
+
+async def test_a_save_timed_out_by_asyncio_settles_before_it_raises() -> None:
+    """asyncio.timeout cancelled save() at once while its thread wrote on: the file could be
+    committed after the call had raised TimeoutError (a retry or a clean-up raced it)."""
+    import asyncio
+    import threading
+    import time
+
+    from stream_st.writer import run_stoppable
+
+    running = threading.Event()
+    ended: list[bool] = []
+
+    def work(stop: Any) -> str:
+        running.set()
+        time.sleep(0.3)  # a block being written: the thread cannot be interrupted
+        ended.append(True)
+        return "committed" if not stop() else "stopped"
+
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await run_stoppable(work)
+    assert running.is_set() and ended == [True]  # the thread had ended when the call raised
