@@ -28,7 +28,7 @@ import numpy as np
 
 from ._util import AsyncClosing, task_group
 from .core.arrays import as_array
-from .core.digests import Digests, OrderedHash, digests_for
+from .core.digests import Digests, OrderedHash, digests_for, without_record
 from .core.dtypes import _BUFFER_CHARS, DTYPES, NATIVE_IS_LITTLE, DType, dtype_for, wire_bytes
 from .core.header import Header, TensorInfo
 from .core.layout import TensorSpec, build_header
@@ -442,9 +442,10 @@ class TensorWriter(AsyncClosing):
         self._prefix, self._header = prefix, header
 
     def _recorded(self, digests: Digests | None) -> Mapping[str, str] | None:
-        """The metadata to write: the caller's, with ``digests`` recorded in it."""
+        """The metadata to write: the caller's, with ``digests`` recorded in it (without them,
+        the caller's less any digest record it holds, which describes other bytes)."""
         if digests is None:
-            return self._metadata
+            return without_record(self._metadata)
         return digests.add_to(self._metadata, [spec.name for spec in self._specs])
 
     async def abort(self) -> None:

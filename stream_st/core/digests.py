@@ -64,6 +64,16 @@ class Hasher(Protocol):
     def digest(self) -> bytes: ...
 
 
+def without_record(metadata: Mapping[str, str] | None) -> Mapping[str, str] | None:
+    """``metadata`` without the keys of a digest record (``stream_st.digest``...): a record
+    copied from another file's metadata describes that file's bytes, and written where no digest
+    is recorded would make the new file fail its own check. ``metadata`` itself when it holds
+    none."""
+    if not metadata or not any(key.startswith(ALGORITHM_KEY) for key in metadata):
+        return metadata
+    return {key: value for key, value in metadata.items() if not key.startswith(ALGORITHM_KEY)}
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """A digest algorithm: its ``name`` in files, its ``digest_size`` in bytes, and where it

@@ -67,5 +67,9 @@ def lay_out(
         if digests is not None:
             digests = Digests.compute(arrays, digests.algorithm)
             metadata = digests.add_to(metadata, [spec.name for spec in specs])
+    elif metadata:  # a digest record copied from a checksummed file's metadata is left out
+        from .digests import without_record
+
+        metadata = without_record(metadata)
     prefix, header = build_header(specs, metadata)
     return prefix, header, (wire_bytes(arrays[name]) for name in header.names())

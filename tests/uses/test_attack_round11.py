@@ -651,3 +651,32 @@ async def test_a_save_timed_out_by_asyncio_settles_before_it_raises() -> None:
         async with asyncio.timeout(0.05):
             await run_stoppable(work)
     assert running.is_set() and ended == [True]  # the thread had ended when the call raised
+
+
+@pytest.mark.parametrize("how", ["save", "open_writer", "numpy drop-in"])
+async def test_metadata_copied_from_a_checksummed_file_makes_a_readable_file(
+    tmp_path: Path, how: str
+) -> None:
+    """The digest record in metadata copied from a checksummed file was written as it was:
+    stream_st then called its own fresh file corrupt (the tensor had changed)."""
+    source = tmp_path / "a.safetensors"
+    await stream_st.save(source, {"w": np.ones(4, np.float32)}, checksums=True)
+    metadata = dict((await stream_st.read_header(source)).metadata)
+    changed = {"w": np.full(4, 2.0, np.float32)}
+    destination = tmp_path / "b.safetensors"
+    if how == "save":
+        await stream_st.save(destination, changed, metadata=metadata)
+    elif how == "open_writer":
+        plan = [stream_st.TensorSpec("w", "F32", (4,))]
+        async with stream_st.open_writer(destination, plan, metadata=metadata) as writer:
+            await writer.write("w", changed["w"])
+    else:
+        from stream_st.numpy import save_file
+
+        await anyio.to_thread.run_sync(
+            lambda: save_file(changed, str(destination), metadata=metadata)
+        )
+    loaded = await stream_st.load(destination)
+    assert loaded["w"].tolist() == [2.0] * 4
+    header = await stream_st.read_header(destination)
+    assert not any(key.startswith("stream_st.digest") for key in header.metadata)
