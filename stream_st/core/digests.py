@@ -68,10 +68,14 @@ def without_record(metadata: Mapping[str, str] | None) -> Mapping[str, str] | No
     """``metadata`` without the keys of a digest record (``stream_st.digest``...): a record
     copied from another file's metadata describes that file's bytes, and written where no digest
     is recorded would make the new file fail its own check. ``metadata`` itself when it holds
-    none."""
-    if not metadata or not any(key.startswith(ALGORITHM_KEY) for key in metadata):
+    none (or is no mapping of names: refused when the header is built, as it would be)."""
+
+    def recorded(key: object) -> bool:
+        return isinstance(key, str) and key.startswith(ALGORITHM_KEY)
+
+    if not isinstance(metadata, Mapping) or not any(map(recorded, metadata)):
         return metadata
-    return {key: value for key, value in metadata.items() if not key.startswith(ALGORITHM_KEY)}
+    return {key: value for key, value in metadata.items() if not recorded(key)}
 
 
 @dataclass(frozen=True)
