@@ -680,3 +680,20 @@ async def test_metadata_copied_from_a_checksummed_file_makes_a_readable_file(
     assert loaded["w"].tolist() == [2.0] * 4
     header = await stream_st.read_header(destination)
     assert not any(key.startswith("stream_st.digest") for key in header.metadata)
+
+
+@pytest.mark.parametrize("how", ["save", "open_writer"])
+async def test_a_destination_ending_in_a_slash_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """save("ckpt/") wrote a regular file named ckpt, where the reference and open() refuse."""
+    monkeypatch.chdir(tmp_path)
+    arrays = {"a": np.zeros(2, np.float32)}
+    with pytest.raises(stream_st.UsageError, match="names a directory"):
+        if how == "save":
+            await stream_st.save("ckpt/", arrays)
+        else:
+            plan = [stream_st.TensorSpec("a", "F32", (2,))]
+            async with stream_st.open_writer("ckpt/", plan) as writer:
+                await writer.write("a", arrays["a"])
+    assert list(tmp_path.iterdir()) == []

@@ -340,6 +340,11 @@ class AtomicFile:
         self.fsync = fsync
         if not self.name:  # realpath would make it the working directory
             raise UsageError("the destination is an empty path: name a file")
+        if self.name.endswith((os.sep, os.sep + ".")):  # realpath would drop what says so
+            raise UsageError(
+                f"the destination {self.name} names a directory (it ends in {os.sep!r}): "
+                "name the file to write in it"
+            )
         self._target, existing = _target_of(self.name)
         self._replacing = existing is not None  # the commit renames over it
         directory, base = os.path.split(self._target)
