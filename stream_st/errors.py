@@ -261,6 +261,14 @@ class ArgumentTypeError(UsageError, TypeError):
     :class:`UsageError` and a ``TypeError``, as the reference (and Python) raise for it."""
 
 
+def boolean(what: str, value: object) -> bool:
+    """``value`` if it is ``True`` or ``False``; :class:`ArgumentTypeError` for anything else (a
+    string such as ``"no"`` would otherwise be taken as true)."""
+    if value is True or value is False:
+        return value
+    raise ArgumentTypeError(f"{what} must be True or False, got {value!r}")
+
+
 def integer_at_least(what: str, value: object, least: int, unit: str = "") -> int:
     """``value`` as an ``int`` if it is an integer (numpy's too) of at least ``least``;
     :class:`ArgumentTypeError` for any other type (a bool, a float, a string: compared with a

@@ -39,6 +39,7 @@ from .errors import (
     TruncatedStreamError,
     UsageError,
     WriterError,
+    boolean,
     integer_at_least,
 )
 from .transports.file.atomic import local_destination, save_at_once
@@ -291,7 +292,7 @@ class TensorWriter(AsyncClosing):
         self._digests_up_front = digests_up_front  # for a front-to-back sink; None: no digests
         self._prefix, self._header = build_header(specs, self._recorded(self._digests))
         self._dst = dst
-        self._fsync = fsync
+        self._fsync = boolean("fsync", fsync)
         self._clock = clock or Clock()
         self._sink: Sink | None = None
         self._state = _NEW

@@ -30,6 +30,7 @@ from ..errors import (
     TransportError,
     TruncatedStreamError,
     UsageError,
+    boolean,
 )
 from ..memory.delivery import Delivery
 from ..memory.recycle import Recycler
@@ -123,8 +124,8 @@ class TensorStream(AsyncClosing):
         self._include = include
         self._delivery = delivery or Delivery()
         self._max_header_size = header_cap(max_header_size)
-        self._verify = verify
-        self._copy = copy
+        self._verify = boolean("verify", verify)
+        self._copy = boolean("copy", copy)
         self._clock = clock or Clock()
         self._source: Source | None = None
         self._header: Header | None = None

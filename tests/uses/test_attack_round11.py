@@ -697,3 +697,16 @@ async def test_a_destination_ending_in_a_slash_is_refused(
             async with stream_st.open_writer("ckpt/", plan) as writer:
                 await writer.write("a", arrays["a"])
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_switches_take_true_or_false_only(tmp_path: Path) -> None:
+    """verify="no" turned verification on, fsync="yes" was taken: any truthy value passed."""
+    path = tmp_path / "a.safetensors"
+    arrays = {"a": np.zeros(2, np.float32)}
+    with pytest.raises(stream_st.ArgumentTypeError, match="fsync must be True or False"):
+        await stream_st.save(path, arrays, fsync="yes")  # type: ignore[arg-type]
+    await stream_st.save(path, arrays)
+    options: dict[str, Any]
+    for options in ({"verify": "no"}, {"copy": "no"}):
+        with pytest.raises(stream_st.ArgumentTypeError, match="must be True or False"):
+            await stream_st.load(path, **options)
