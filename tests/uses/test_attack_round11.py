@@ -706,7 +706,7 @@ async def test_switches_take_true_or_false_only(tmp_path: Path) -> None:
     with pytest.raises(stream_st.ArgumentTypeError, match="fsync must be True or False"):
         await stream_st.save(path, arrays, fsync="yes")  # type: ignore[arg-type]
     await stream_st.save(path, arrays)
-    options: dict[str, Any]
-    for options in ({"verify": "no"}, {"copy": "no"}):
-        with pytest.raises(stream_st.ArgumentTypeError, match="must be True or False"):
-            await stream_st.load(path, **options)
+    with pytest.raises(stream_st.ArgumentTypeError, match="verify must be True or False"):
+        await stream_st.load(path, verify="no")  # type: ignore[arg-type]
+    with pytest.raises(stream_st.ArgumentTypeError, match="copy must be True or False"):
+        await stream_st.load(path, copy="no")  # type: ignore[arg-type]
