@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -19,8 +19,11 @@ __all__ = [
     "call_soon_from_thread",
     "package_version",
     "process_running",
+    "seen_through",
     "task_group",
 ]
+
+T = TypeVar("T")
 
 
 class AsyncClosing:
@@ -123,3 +126,46 @@ def process_running(pid: object) -> bool:
             return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except (OSError, IndexError):
         return True
+
+
+async def seen_through(
+    call: Callable[[], Awaitable[T]], on_cancel: Callable[[anyio.CancelScope], None]
+) -> T:
+    """``call()``'s result, the call seen through whatever cancellation comes meanwhile: it runs
+    shielded, in a task of its own, so that a cancellation of the caller (an anyio one, or
+    asyncio's own ``Task.cancel``, which goes through anyio's shields) is seen. Cancelled, the
+    caller tells ``on_cancel`` (given the shield, to bound it with a deadline, or a flag the
+    work asks) and waits for the call to end; then the cancellation goes on, never swallowed
+    (asyncio delivers its own once, and its timeouts and task groups count on it). A failure of
+    the call is raised as it is."""
+    shield = anyio.CancelScope(shield=True)
+    finished = anyio.Event()
+    outcome: list[T] = []
+    failure: BaseException | None = None
+
+    async def run() -> None:
+        nonlocal failure
+        try:
+            with shield:  # a deadline set on it ends the call: the scope takes that in
+                outcome.append(await call())
+        except BaseException as exc:
+            failure = exc
+        finally:
+            finished.set()
+
+    cancelled: BaseException | None = None
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            try:
+                await finished.wait()
+            except anyio.get_cancelled_exc_class():
+                on_cancel(shield)
+                raise
+    except anyio.get_cancelled_exc_class() as exc:
+        cancelled = exc
+    if cancelled is not None:  # the call has ended (done, failed or given up): go on
+        raise cancelled
+    if failure is not None:
+        raise failure
+    return outcome[0]

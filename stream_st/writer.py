@@ -26,7 +26,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import numpy as np
 
-from ._util import AsyncClosing, task_group
+from ._util import AsyncClosing, seen_through, task_group
 from .core.arrays import as_array
 from .core.digests import Digests, OrderedHash, digests_for, without_record
 from .core.dtypes import _BUFFER_CHARS, DTYPES, NATIVE_IS_LITTLE, DType, dtype_for, wire_bytes
@@ -845,36 +845,14 @@ async def run_stoppable(work: Callable[..., T], inline: bool = False) -> T:
         await anyio.lowlevel.checkpoint()
         return work(stop=lambda: False)
     called_off = False
-    finished = anyio.Event()
-    outcome: list[T] = []
-    failure: BaseException | None = None
 
     def stop() -> bool:
         return called_off
 
-    async def run() -> None:
-        nonlocal failure
-        try:
-            with anyio.CancelScope(shield=True):  # the thread is waited for, cancelled or not
-                outcome.append(await anyio.to_thread.run_sync(functools.partial(work, stop=stop)))
-        except BaseException as exc:
-            failure = exc
-        finally:
-            finished.set()
+    def call_off(_: anyio.CancelScope) -> None:
+        nonlocal called_off
+        called_off = True  # the thread stops before its next block (or has committed)
 
-    cancelled: BaseException | None = None
-    try:
-        async with anyio.create_task_group() as group:  # a task of its own: asyncio's
-            group.start_soon(run)  # Task.cancel reaches the waiting, not the shielded thread
-            try:
-                await finished.wait()
-            except anyio.get_cancelled_exc_class():
-                called_off = True
-                raise
-    except anyio.get_cancelled_exc_class() as exc:
-        cancelled = exc
-    if cancelled is not None:  # the work has ended (committed, or stopped and cleaned up)
-        raise cancelled
-    if failure is not None:
-        raise failure
-    return outcome[0]
+    return await seen_through(
+        lambda: anyio.to_thread.run_sync(functools.partial(work, stop=stop)), call_off
+    )

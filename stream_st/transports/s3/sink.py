@@ -58,6 +58,7 @@ from xml.sax.saxutils import escape
 
 import anyio
 
+from ..._util import seen_through
 from ...errors import SafetensorsError, TransportError, UsageError, redact
 from ..base import Sink
 from ..http import (
@@ -337,38 +338,11 @@ class S3Sink(ClientUser, Sink):
         shields) is seen: from then on the request has :attr:`abort_timeout` more seconds (the
         clock's limits apply as always). Returns once it succeeded, raises what it raised, or,
         once it ended or was given up, the cancellation."""
-        shield = anyio.CancelScope(shield=True)
-        finished = anyio.Event()
-        done = False
-        failure: Exception | None = None
 
-        async def run() -> None:
-            nonlocal done, failure
-            try:
-                with shield:
-                    await call()
-                    done = True
-            except Exception as exc:
-                failure = exc
-            finally:
-                finished.set()
+        def bound(shield: anyio.CancelScope) -> None:
+            shield.deadline = anyio.current_time() + self.abort_timeout
 
-        cancelled: BaseException | None = None
-        try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(run)
-                try:
-                    await finished.wait()
-                except anyio.get_cancelled_exc_class():
-                    shield.deadline = anyio.current_time() + self.abort_timeout
-                    raise
-        except anyio.get_cancelled_exc_class() as exc:
-            cancelled = exc
-        if cancelled is not None:  # seen through (or given up): the cancellation goes on
-            raise cancelled
-        if failure is not None:
-            raise failure
-        assert done
+        await seen_through(call, bound)
 
     def _multipart_etag(self) -> str | None:
         """The ETag S3 gives the completed object: the MD5 of the parts' MD5s, ``-`` their count;
