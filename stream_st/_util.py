@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -135,9 +136,11 @@ async def seen_through(
     shielded, in a task of its own, so that a cancellation of the caller (an anyio one, or
     asyncio's own ``Task.cancel``, which goes through anyio's shields) is seen. Cancelled, the
     caller tells ``on_cancel`` (given the shield, to bound it with a deadline, or a flag the
-    work asks) and waits for the call to end; then the cancellation goes on, never swallowed
-    (asyncio delivers its own once, and its timeouts and task groups count on it). A failure of
-    the call is raised as it is."""
+    work asks) and waits for the call to end. Then: done, under a cancelled anyio scope (which
+    cancels the caller's next checkpoint, again and again), its result is returned, so that the
+    caller knows what was done; else the cancellation goes on, never swallowed (asyncio's own
+    is delivered once, and its timeouts and task groups count on it). A failure of the call is
+    raised as it is."""
     shield = anyio.CancelScope(shield=True)
     finished = anyio.Event()
     outcome: list[T] = []
@@ -164,7 +167,9 @@ async def seen_through(
                 raise
     except anyio.get_cancelled_exc_class() as exc:
         cancelled = exc
-    if cancelled is not None:  # the call has ended (done, failed or given up): go on
+    if cancelled is not None:  # the call has ended (done, failed or given up)
+        if outcome and anyio.current_effective_deadline() == -math.inf:
+            return outcome[0]  # an anyio scope is cancelled: its next checkpoint raises
         raise cancelled
     if failure is not None:
         raise failure

@@ -833,9 +833,10 @@ async def run_stoppable(work: Callable[..., T], inline: bool = False) -> T:
     Cancelled (by a cancel scope, or asyncio's own ``Task.cancel``: ``asyncio.timeout``,
     ``wait_for``), the call waits for the thread: ``stop()`` says true from then on, and the
     work ends as it does on any error (a write at once removes its temporary file), or has
-    committed already; then the cancellation goes on. Either way nothing of the work is left
-    running once the call has raised: the destination holds the old file or the whole new one
-    (a caller that timed out may retry, or clean up, at once).
+    committed already (then, under a cancel scope, its result is returned: see
+    :func:`~stream_st._util.seen_through`). Either way nothing of the work is left running once
+    the call has ended: the destination holds the old file or the whole new one (a caller that
+    timed out may retry, or clean up, at once).
 
     ``inline``: quick work (a small file) runs on the event loop's thread instead, after a
     turn of the loop (where a cancellation shows): handing it to a worker and back cost more

@@ -36,11 +36,11 @@ The request that stores the object (CompleteMultipartUpload, or the single PUT) 
 point, as the rename of a local file is. A cancellation before it goes out aborts the upload;
 once it is sent it is seen through, shielded from the cancellation (anyio's, or asyncio's
 ``Task.cancel()``) with the clock's limits and, from the cancellation on, at most
-:attr:`S3Sink.abort_timeout` seconds more; then the cancellation is raised: the object stored
-whole and nothing pending, or (given up after that time) the upload aborted if still pending; if
-the store completed it anyway the object stays, since a cancellation cannot undo a write. The
-cancellation is never swallowed (asyncio's, delivered once, is what its timeouts and task groups
-count on).
+:attr:`S3Sink.abort_timeout` seconds more: stored, the write reports success under a cancel
+scope (which cancels the next checkpoint) and raises asyncio's own cancellation (delivered once,
+what its timeouts and task groups count on: never swallowed); given up after that time, the
+cancellation is raised and the upload aborted if still pending; if the store completed it anyway
+the object stays, since a cancellation cannot undo a write.
 """
 
 from __future__ import annotations
@@ -323,7 +323,7 @@ class S3Sink(ClientUser, Sink):
 
         A cancellation before it is sent raises here (the upload is then aborted); once sent it
         is the commit point: a cancellation lets it finish (stored, nothing is left to abort),
-        then goes on."""
+        then goes on as :func:`~stream_st._util.seen_through` says."""
         await anyio.lowlevel.checkpoint_if_cancelled()
         try:
             await self._through(call)
@@ -336,8 +336,7 @@ class S3Sink(ClientUser, Sink):
         """Await ``call()`` shielded from cancellation, in a task of its own so that a
         cancellation (an anyio one, or asyncio's ``Task.cancel()``, which goes through anyio's
         shields) is seen: from then on the request has :attr:`abort_timeout` more seconds (the
-        clock's limits apply as always). Returns once it succeeded, raises what it raised, or,
-        once it ended or was given up, the cancellation."""
+        clock's limits apply as always); see :func:`~stream_st._util.seen_through`."""
 
         def bound(shield: anyio.CancelScope) -> None:
             shield.deadline = anyio.current_time() + self.abort_timeout
