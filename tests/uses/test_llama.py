@@ -69,11 +69,11 @@ def prose(tokenizer: Any) -> Array:
     return np.array(tokenizer.encode(default_text()).ids)
 
 
-def tiny_model(layers: int = 3, seed: int = 0) -> Llama:
-    """A small random Llama (same code path, other sizes) for the checkpoint tests."""
+def tiny_model(layers: int = 3, seed: int = 0, kv_heads: int = 2) -> Llama:
+    """A small random Llama (same code path, other sizes, in milliseconds)."""
     config = LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=layers,
-        num_heads=4, num_kv_heads=2, rope_theta=10000.0,
+        num_heads=4, num_kv_heads=kv_heads, rope_theta=10000.0,
     )  # fmt: skip
     rng = np.random.default_rng(seed)
     weights = {
