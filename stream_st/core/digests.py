@@ -70,8 +70,8 @@ def without_record(metadata: Mapping[str, str] | None) -> Mapping[str, str] | No
     is recorded would make the new file fail its own check. ``metadata`` itself when it holds
     none (or is no mapping of names: refused when the header is built, as it would be)."""
 
-    def recorded(key: object) -> bool:
-        return isinstance(key, str) and key.startswith(ALGORITHM_KEY)
+    def recorded(key: object) -> bool:  # the keys a reader takes for the record, no others
+        return isinstance(key, str) and (key == ALGORITHM_KEY or key.startswith(DIGEST_KEY_PREFIX))
 
     if not isinstance(metadata, Mapping) or not any(map(recorded, metadata)):
         return metadata

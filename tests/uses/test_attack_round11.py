@@ -710,3 +710,14 @@ async def test_switches_take_true_or_false_only(tmp_path: Path) -> None:
         await stream_st.load(path, verify="no")  # type: ignore[arg-type]
     with pytest.raises(stream_st.ArgumentTypeError, match="copy must be True or False"):
         await stream_st.load(path, copy="no")  # type: ignore[arg-type]
+
+
+async def test_metadata_keys_that_only_begin_like_a_digest_record_are_kept(
+    tmp_path: Path,
+) -> None:
+    """Only the keys a reader takes for a digest record are left out, not a user's own
+    "stream_st.digestion"."""
+    path = tmp_path / "a.safetensors"
+    metadata = {"stream_st.digestion": "mine", "stream_st.digest:w": "0" * 32}
+    await stream_st.save(path, {"w": np.ones(2, np.float32)}, metadata=metadata)
+    assert (await stream_st.read_header(path)).metadata == {"stream_st.digestion": "mine"}
