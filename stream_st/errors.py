@@ -262,10 +262,14 @@ class ArgumentTypeError(UsageError, TypeError):
 
 
 def boolean(what: str, value: object) -> bool:
-    """``value`` if it is ``True`` or ``False``; :class:`ArgumentTypeError` for anything else (a
-    string such as ``"no"`` would otherwise be taken as true)."""
+    """``value`` as a ``bool`` if it is one (numpy's ``bool_`` too, seen by its dtype: no numpy
+    import here); :class:`ArgumentTypeError` for anything else (a string such as ``"no"`` would
+    otherwise be taken as true)."""
     if value is True or value is False:
         return value
+    dtype = getattr(value, "dtype", None)
+    if getattr(dtype, "kind", None) == "b" and getattr(value, "shape", None) == ():
+        return bool(value)
     raise ArgumentTypeError(f"{what} must be True or False, got {value!r}")
 
 

@@ -33,7 +33,7 @@ from anyio.from_thread import start_blocking_portal
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .._api import open_stream
-from ..errors import ArgumentTypeError, UsageError, integer_at_least
+from ..errors import UsageError, boolean, integer_at_least
 from ..reader.stream import include_names
 from .dataset import DatasetInfo, Piece, changed, describe_dataset, plan_pieces, read_piece
 
@@ -70,13 +70,6 @@ def _from_environment(name: str, default: int) -> int:
     if not digits.isascii() or not digits.isdigit():
         raise UsageError(f"{name}={text!r} in the environment is not a whole number")
     return int(text)
-
-
-def _flag(name: str, value: object) -> bool:
-    """``value`` if it is a bool; :class:`ArgumentTypeError` otherwise (``"no"`` is true)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ArgumentTypeError(f"{name} takes True or False, got {type(value).__name__}")
-    return bool(value)
 
 
 def _check_alike(dataset: DatasetInfo, columns: list[str] | None) -> None:
@@ -178,7 +171,7 @@ class SafetensorsDataset(IterableDataset[Sample]):
         world_size: int | None = None,
     ) -> None:
         super().__init__()
-        shuffle, drop_last = _flag("shuffle", shuffle), _flag("drop_last", drop_last)
+        shuffle, drop_last = boolean("shuffle", shuffle), boolean("drop_last", drop_last)
         seed = integer_at_least("seed", seed, -(1 << 63))  # an int (1.5 and None were taken)
         shuffle_buffer = integer_at_least("shuffle_buffer", shuffle_buffer, 1)
         piece_bytes = integer_at_least("piece_bytes", piece_bytes, 1)
