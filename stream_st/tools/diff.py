@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Unpack
 
-import anyio
-import anyio.to_thread
-import numpy as np
-
 from .._util import task_group
-from ..core.dtypes import wire_bytes
 from ..core.header import Header, TensorInfo
 from ..reader import TensorStream
 from ..transports.options import TransportOptions
@@ -26,10 +20,9 @@ from .common import (
     opened,
     tensors_of,
 )
+from .hash import digest_stream
 
 __all__ = ["Diff", "diff"]
-
-Array = np.ndarray[Any, Any]
 
 
 @dataclass
@@ -80,8 +73,8 @@ async def diff(
     difference. A name each side holds once (a file, a sharded checkpoint) is compared by name
     alone, whichever shard holds it. (``content`` reads the sources as
     :func:`~stream_st.tools.common.opened` does, which refuses, with a
-    :class:`~stream_st.UsageError`, a dataset whose shards repeat a name: its bytes are
-    compared here by key all the same, should it hand them out.)"""
+    :class:`~stream_st.UsageError`, a dataset whose shards repeat a name: the bytes compared
+    are those of names held once, by name.)"""
     clock = command_clock(options)
     compared: set[str] = set()  # filled once both headers are known, before any data is read
     async with (
@@ -90,12 +83,11 @@ async def diff(
     ):
         result, common = _compare(headers_a, headers_b)
         if content:
-            keys = _Keys(headers_a, headers_b)
             compared.update(name for name, _ in common)
             expect_totals(
                 progress, [t for t in tensors_of([*headers_a, *headers_b]) if t.name in compared]
             )
-            digests: list[dict[Key, str]] = [{}, {}]
+            digests: list[dict[str, str]] = [{}, {}]
             totals = [0, 0]
             counts = [0, 0]
 
@@ -109,14 +101,14 @@ async def diff(
 
             async def run(side: int, stream: TensorStream) -> None:
                 with naming((a, b)[side]):
-                    digests[side] = await _digests(stream, keys.of(side), report(side))
+                    digests[side] = await digest_stream(stream, report(side))
 
             async with task_group() as group:
                 group.start_soon(run, 0, stream_a)
                 group.start_soon(run, 1, stream_b)
             result.content_compared = True
-            result.content_differs = [
-                _label(key) for key in common if digests[0][key] != digests[1][key]
+            result.content_differs = [  # names held once: a repeated one was refused
+                _label(key) for key in common if digests[0][key[0]] != digests[1][key[0]]
             ]
     return result
 
@@ -132,80 +124,31 @@ def _label(key: Key) -> str:
     return name if shard < 0 else f"{name} (shard {shard})"
 
 
-class _Keys:
-    """The :data:`Key` of each tensor of two sources' headers: a name either side repeats (a
-    dataset's columns, one per shard) is keyed by its shard, any other by its name alone."""
-
-    def __init__(self, headers_a: Sequence[Header], headers_b: Sequence[Header]) -> None:
-        self.shards: list[dict[str, list[int]]] = []
-        repeated: set[str] = set()
-        for headers in (headers_a, headers_b):
-            shards: dict[str, list[int]] = {}
-            for shard, header in enumerate(headers):
-                for info in header:
-                    shards.setdefault(info.name, []).append(shard)
-            repeated.update(name for name, held in shards.items() if len(held) > 1)
-            self.shards.append(shards)
-        self.repeated = repeated
-
-    def tensors(self, headers: Sequence[Header]) -> dict[Key, TensorInfo]:
-        """The tensors of ``headers`` (either side's) by key."""
-        return {
-            (info.name, shard if info.name in self.repeated else -1): info
+def _keyed(headers_a: Sequence[Header], headers_b: Sequence[Header]) -> list[dict[Key, TensorInfo]]:
+    """The tensors of each side's headers by :data:`Key`: a name either side repeats (a
+    dataset's columns, one per shard) keyed by its shard, any other by its name alone."""
+    repeated: set[str] = set()
+    for headers in (headers_a, headers_b):
+        seen: set[str] = set()
+        for header in headers:
+            for info in header:
+                if info.name in seen:
+                    repeated.add(info.name)
+                seen.add(info.name)
+    return [
+        {
+            (info.name, shard if info.name in repeated else -1): info
             for shard, header in enumerate(headers)
             for info in header
         }
-
-    def of(self, side: int) -> Callable[[str, int], Key]:
-        """The key of the ``k``-th tensor named ``name`` that side ``side``'s stream hands out
-        (shards are streamed in order, and a shard holds a name once)."""
-        shards = self.shards[side]
-
-        def key(name: str, k: int) -> Key:
-            return (name, shards[name][k] if name in self.repeated else -1)
-
-        return key
-
-
-async def _digests(
-    stream: TensorStream, key: Callable[[str, int], Key], progress: Progress
-) -> dict[Key, str]:
-    """sha256 of each tensor's bytes, by its key (``key(name, k)`` for the ``k``-th tensor of
-    that name handed out), as :func:`~stream_st.tools.hash.digest_stream` takes them (which keys
-    them by name alone): one tensor hashed in a thread while the next is read."""
-    digests: dict[Key, str] = {}
-    seen: dict[str, int] = {}
-    done_bytes = done = 0
-
-    def sha256(array: Array) -> str:
-        return hashlib.sha256(wire_bytes(array)).hexdigest()
-
-    async def digest(tensor: Key, array: Array, finished: anyio.Event) -> None:
-        digests[tensor] = await anyio.to_thread.run_sync(sha256, array)
-        finished.set()
-
-    previous: anyio.Event | None = None
-    async with task_group() as group:
-        async for name, array in stream:
-            k = seen.get(name, 0)
-            seen[name] = k + 1
-            if previous is not None:
-                await previous.wait()  # one tensor hashing while the next is read, no more
-            previous = anyio.Event()
-            group.start_soon(digest, key(name, k), array, previous)
-            done_bytes += array.nbytes
-            done += 1
-            progress(done_bytes, done)
-            del array
-    return digests
+        for headers in (headers_a, headers_b)
+    ]
 
 
 def _compare(headers_a: Sequence[Header], headers_b: Sequence[Header]) -> tuple[Diff, list[Key]]:
     """What differs between two files' headers, tensors (names, dtypes, shapes, byte lengths)
     and metadata; and the keys of the tensors both hold alike, whose bytes may be compared."""
-    keys = _Keys(headers_a, headers_b)
-    tensors_a = keys.tensors(headers_a)
-    tensors_b = keys.tensors(headers_b)
+    tensors_a, tensors_b = _keyed(headers_a, headers_b)
     result = Diff(
         added=[_label(k) for k in sorted(tensors_b.keys() - tensors_a.keys())],
         removed=[_label(k) for k in sorted(tensors_a.keys() - tensors_b.keys())],
