@@ -282,13 +282,9 @@ class ModelConfig:
     def names(self) -> Iterator[str]:
         """Every weight's name, in the model's order, one at a time (as many as
         :meth:`tensor_count`: take what is needed)."""
-        from ..models.llm.model import EMBEDDINGS, FINAL_NORM, LM_HEAD
+        from ..models.llm.model import LM_HEAD
 
-        yield EMBEDDINGS
-        for layer in range(self.num_hidden_layers):
-            for part in _layer_parts():
-                yield f"model.layers.{layer}.{part}.weight"
-        yield FINAL_NORM
+        yield from self.llama().each_name()
         if not self.tie_word_embeddings:
             yield LM_HEAD
 

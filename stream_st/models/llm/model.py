@@ -189,8 +189,14 @@ class LlamaConfig:
 
     def names(self) -> list[str]:
         """Every weight in the order the forward pass uses them (a checkpoint's plan order)."""
-        layers = [name for layer in range(self.num_layers) for name in self.layer_names(layer)]
-        return [EMBEDDINGS, *layers, FINAL_NORM]
+        return list(self.each_name())
+
+    def each_name(self) -> Iterator[str]:
+        """:meth:`names` one at a time (take what is needed of a config's many)."""
+        yield EMBEDDINGS
+        for layer in range(self.num_layers):
+            yield from self.layer_names(layer)
+        yield FINAL_NORM
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of weight ``name``; :class:`ModelError` for a name the model has not."""
