@@ -43,6 +43,7 @@ from ..sharded.reader import ShardedStream
 from ..tools.common import naming, plural
 from ..tools.cp import address_in
 from ..tools.model_checks import ModelConfig
+from ..tools.validate import expected_shapes
 from ..transports.file.sink import PipeSink
 from ..transports.registry import SinkLike
 from .demo import print_report, run_demo
@@ -374,13 +375,13 @@ def _load_shapes(path: str | None) -> dict[str, list[int]] | None:
             shapes = decode_json(f.read(), f"expected shapes {path}")
     except (OSError, SafetensorsError) as exc:
         raise UsageError(f"--expect-shapes: cannot read {path}: {exc}") from None
-    if not isinstance(shapes, dict) or not all(
-        isinstance(v, list) and all(type(d) is int and d >= 0 for d in v) for v in shapes.values()
-    ):
+    try:  # checked here, once, as validate() checks it: the option's error, not each source's
+        return expected_shapes(shapes)
+    except SafetensorsError as exc:
         raise UsageError(
-            f"--expect-shapes: {path} must map tensor names to shapes (lists of integers >= 0)"
-        )
-    return shapes
+            f"--expect-shapes: {path} must map tensor names to shapes (lists of integers >= 0): "
+            f"{exc}"
+        ) from None
 
 
 def _load_config(path: str | None) -> ModelConfig | None:

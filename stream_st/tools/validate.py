@@ -203,7 +203,7 @@ async def validate(
     ``progress`` a callable; :class:`~stream_st.ArgumentTypeError` for another type,
     :class:`~stream_st.UsageError` for a negative dimension, each naming the argument."""
     checked_number("warn_abs", warn_abs)
-    shapes = _expected_shapes(expect_shapes)
+    shapes = expected_shapes(expect_shapes)
     layers = _expected_layers(expect_layers)
     if progress is not None and not callable(progress):
         raise ArgumentTypeError(
@@ -224,7 +224,7 @@ async def validate(
         )
 
 
-def _expected_shapes(given: object) -> dict[str, list[int]]:
+def expected_shapes(given: object) -> dict[str, list[int]]:
     """``expect_shapes`` checked: a mapping of names to shapes, each a sequence of integers
     (numpy's too) of at least 0; :class:`~stream_st.ArgumentTypeError` for anything else (a
     list of pairs, a bare number, a bool or float dimension), :class:`~stream_st.UsageError`
