@@ -403,15 +403,9 @@ class ShardedWriter(_RollingWriter):
             for spec in specs
         }
         # the tensors' bytes, as transformers and huggingface_hub count it (not the files')
-        total = sum(_data_bytes(specs) for _, _, _, specs in self._sealed)
+        total = sum(build_header(specs)[1].data_size for _, _, _, specs in self._sealed)
         document = {"metadata": {"total_size": total, **self.metadata}, "weight_map": weight_map}
         return f"{self.prefix}.safetensors.index.json", document
-
-
-def _data_bytes(specs: list[TensorSpec]) -> int:
-    """The bytes of the tensors of ``specs`` together."""
-    header = build_header(specs)[1]
-    return header.file_size - header.data_start
 
 
 class DatasetWriter(_RollingWriter):
