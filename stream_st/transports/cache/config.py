@@ -79,7 +79,7 @@ class Cache:
         return cls(
             directory=directory.expanduser(),
             hub_directory=hub.expanduser(),
-            offline=env.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE,
+            offline=hub_offline(environ=env),
             max_size=parse_size(cap) if cap else None,
         )
 
