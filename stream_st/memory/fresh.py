@@ -6,12 +6,17 @@ See :func:`fresh_bytes` for why large arrays get a mapping of their own rather t
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import mmap
+import sys
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
-__all__ = ["ALIGN", "OWN_MAPPING_FROM", "fresh_bytes", "fresh_mapping"]
+__all__ = ["ALIGN", "OWN_MAPPING_FROM", "fresh_bytes", "fresh_mapping", "populate"]
 
 
 OWN_MAPPING_FROM = 4 << 20
@@ -43,3 +48,52 @@ def fresh_mapping(nbytes: int) -> mmap.mmap:
 ALIGN: Final = 4096
 """File offsets, lengths and memory of a direct read are multiples of this: the largest logical
 block size in common use (most disks need 512)."""
+
+
+_MADV_POPULATE_WRITE: Final = 23
+"""``madvise`` advice that faults a range's pages in, writable, without writing them (Linux 5.14
+and later)."""
+
+_PAGE: Final = mmap.PAGESIZE
+
+
+def populate(view: memoryview) -> bool:
+    """Fault in the pages of fresh memory that a read is about to fill (``view``: writable), in
+    one call, without changing a byte: the pages wholly inside ``view``; the one or two it shares
+    with other memory are left to the read. A read into fresh memory spends most of its time in
+    those faults (44 MiB of new 1 MiB arrays, measured here: 24 ms read, 6 ms once populated,
+    the populating 16 ms), so another thread can take them off the read while it waits for
+    the disk (:class:`~stream_st.transports.file.readahead.ReadAhead`). Does nothing where the
+    system cannot be asked (not Linux, a kernel before 5.14); whether it was asked."""
+    advise = _madvise()
+    if advise is None or _refused:
+        return False
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    start = -(-address // _PAGE) * _PAGE
+    end = (address + len(view)) // _PAGE * _PAGE
+    if end <= start:
+        return True
+    if advise(start, end - start, _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
+        _refused.add(_MADV_POPULATE_WRITE)  # advice this kernel does not know: ask no more
+        return False
+    return True  # any other failure (no memory to fault in now) is left to the read
+
+
+_refused: set[int] = set()
+"""The advice the kernel refused as unknown (see :func:`populate`)."""
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise`` (called without the GIL), or None where :func:`populate` cannot
+    work."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # pragma: no cover - every Linux libc has madvise()
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    advise: Callable[[int, int, int], int] = function
+    return advise

@@ -127,7 +127,9 @@ async def _read_ahead(
                         bisect.insort(spans, span)
                 hasher = None if digests is None else digests.hasher()
                 feed = None if hasher is None else hasher.update
-                job = ahead.add(base + info.start, view, frame, feed) if info.nbytes else -1
+                # memory of its own, new unless the caller has let go of some to reuse
+                new = frame is not None and not recycler.dropped
+                job = ahead.add(base + info.start, view, frame, feed, new) if info.nbytes else -1
                 queued.append((info, job, span, target_array, hasher))
                 following = next(upcoming, None)
             if not queued:

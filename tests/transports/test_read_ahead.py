@@ -23,8 +23,9 @@ import safetensors.numpy as reference
 import stream_st
 import stream_st.reader.ahead as reader_module
 from stream_st import TruncatedStreamError
+from stream_st.memory import fresh as fresh_memory
 from stream_st.transports.file import readahead as _ahead
-from stream_st.transports.file.direct import Direct, NotDirect
+from stream_st.transports.file.direct import Direct, NotDirect, Residency
 from stream_st.transports.file.readahead import _preadv_fully, read_ahead
 
 from ..memory.test_zero_copy import evicted
@@ -537,3 +538,92 @@ def test_threads_wake_the_loop_through_its_own_public_call(
         evicted(path)
         got = anyio.run(read, backend=backend)
         assert all(np.array_equal(got[name], array) for name, array in expected.items())
+
+
+class _AllCold:
+    """A page cache that never holds the file (what cachestat says of an evicted one)."""
+
+    def uncached(self, offset: int, length: int) -> bool:
+        return True
+
+
+async def test_cold_pieces_are_read_one_thread_at_a_time_while_fresh_memory_is_populated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cold pieces go to one reading thread at a time (the kernel sees one sequential read);
+    the other thread faults in the fresh memory of pieces further on, and only fresh memory:
+    every byte lands as in the file."""
+    data = np.random.default_rng(3).integers(0, 255, 24 << 20, dtype=np.uint8)
+    file = tmp_path / "bytes"
+    file.write_bytes(data.tobytes())
+    monkeypatch.setattr(_ahead, "PIECE", 1 << 20)
+    active, most = [0], [0]
+    populated: list[memoryview] = []
+    lock = threading.Lock()
+    read = _ahead._preadv_fully
+
+    def counted(fd: int, views: list[memoryview], offset: int) -> list[int]:
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        try:
+            return read(fd, views, offset)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    populate = fresh_memory.populate
+
+    def populating(view: memoryview) -> bool:
+        populated.append(view)
+        return populate(view)
+
+    monkeypatch.setattr(_ahead, "_preadv_fully", counted)
+    monkeypatch.setattr(_ahead, "populate", populating)
+    fresh = [memoryview(mmap.mmap(-1, 8 << 20)) for _ in range(2)]
+    given = memoryview(bytearray(8 << 20))  # not fresh: never populated
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        async with read_ahead(fd, str(file)) as ahead:
+            ahead._residency = _AllCold()  # type: ignore[assignment]
+            jobs = [
+                ahead.add(0, fresh[0], fresh=True),
+                ahead.add(8 << 20, given),
+                ahead.add(16 << 20, fresh[1], fresh=True),
+            ]
+            assert [await ahead.wait(job) for job in jobs] == [8 << 20] * 3
+    finally:
+        os.close(fd)
+    assert most[0] == 1
+    assert bytes(fresh[0]) + bytes(given) + bytes(fresh[1]) == data.tobytes()
+    assert populated  # some of the fresh memory, none of the given
+    assert all(view.obj in (fresh[0].obj, fresh[1].obj) for view in populated)
+
+
+async def test_a_load_of_a_file_evicted_from_the_page_cache_reads_it_as_cold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """End to end, on a file the page cache lacks (where the kernel says what it caches): the
+    load takes the cold path and gives the file's tensors."""
+    tensors = {f"t{i:02}": np.full(1 << 20, i, np.uint8) for i in range(24)}
+    file = tmp_path / "m.safetensors"
+    reference.save_file(tensors, file)
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        if Residency.of(fd) is None:
+            pytest.skip("the kernel cannot say what it caches (cachestat)")
+    finally:
+        os.close(fd)
+    hows: list[int] = []
+    take = _ahead.ReadAhead._take
+
+    def taking(self: _ahead.ReadAhead) -> tuple[list[Any], int]:
+        batch, how = take(self)
+        hows.append(how)
+        return batch, how
+
+    monkeypatch.setattr(_ahead.ReadAhead, "_take", taking)
+    evicted(file)
+    got = await stream_st.load(file)
+    assert all(np.array_equal(got[name], array) for name, array in tensors.items())
+    assert _ahead._COLD in hows

@@ -41,7 +41,7 @@ import numpy as np
 from ...memory.fresh import ALIGN
 from .pread import pread_fully
 
-__all__ = ["BOUNCE", "WORKERS", "Direct", "NotDirect", "bounce_size", "enabled"]
+__all__ = ["BOUNCE", "WORKERS", "Direct", "NotDirect", "Residency", "bounce_size", "enabled"]
 
 
 BOUNCE = 2 << 20
@@ -116,13 +116,44 @@ class NotDirect(Exception):
     """The file system refused a direct read (alignment it does not take): read buffered."""
 
 
-class Direct:
-    """A second descriptor of an open file, with ``O_DIRECT``, and what the page cache holds of
-    it. :meth:`open` gives None where direct reads are not possible."""
+class Residency:
+    """What the page cache holds of the file open as ``fd``, asked of the kernel with
+    ``cachestat`` (see the module). :meth:`of` gives None where the kernel cannot say."""
 
     def __init__(self, fd: int, syscall: Callable[..., int]) -> None:
         self._fd = fd
         self._syscall = syscall
+
+    @classmethod
+    def of(cls, fd: int) -> Residency | None:
+        """A :class:`Residency` of the file open as ``fd`` (kept open by the caller), or None."""
+        syscall = _syscall() if sys.platform.startswith("linux") else None
+        if syscall is None:
+            return None
+        found = cls(fd, syscall)
+        return None if found._cached(0, 1) is None else found
+
+    def uncached(self, offset: int, length: int) -> bool:
+        """Whether the page cache holds less than half of ``length`` bytes at ``offset``."""
+        pages = self._cached(offset, length)
+        if pages is None:
+            return False
+        first = offset // ALIGN
+        total = (offset + length + ALIGN - 1) // ALIGN - first
+        return pages * 2 < total
+
+    def _cached(self, offset: int, length: int) -> int | None:
+        """The pages of the range in the page cache, or None where the kernel cannot say."""
+        stat = _Stat()
+        area = _Range(offset, length)
+        if self._syscall(_CACHESTAT, self._fd, ctypes.byref(area), ctypes.byref(stat), 0) < 0:
+            return None
+        return int(stat.nr_cache)
+
+
+class Direct(Residency):
+    """A second descriptor of an open file, with ``O_DIRECT``, and what the page cache holds of
+    it. :meth:`open` gives None where direct reads are not possible."""
 
     @classmethod
     def open(cls, fd: int) -> Direct | None:
@@ -160,23 +191,6 @@ class Direct:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-    def uncached(self, offset: int, length: int) -> bool:
-        """Whether the page cache holds less than half of ``length`` bytes at ``offset``."""
-        pages = self._cached(offset, length)
-        if pages is None:
-            return False
-        first = offset // ALIGN
-        total = (offset + length + ALIGN - 1) // ALIGN - first
-        return pages * 2 < total
-
-    def _cached(self, offset: int, length: int) -> int | None:
-        """The pages of the range in the page cache, or None where the kernel cannot say."""
-        stat = _Stat()
-        area = _Range(offset, length)
-        if self._syscall(_CACHESTAT, self._fd, ctypes.byref(area), ctypes.byref(stat), 0) < 0:
-            return None
-        return int(stat.nr_cache)
 
     def read_framed(self, buffered: int, frame: memoryview, offset: int, length: int) -> int:
         """Read ``length`` bytes at ``offset`` into ``frame``, which starts at the file offset of
