@@ -18,7 +18,7 @@ import stream_st
 from stream_st.memory.fresh import ALIGN
 from stream_st.memory.recycle import RECYCLE_FROM, Recycler
 from stream_st.transports.file import direct as _direct
-from stream_st.transports.file.direct import Direct, NotDirect
+from stream_st.transports.file.direct import Direct, NotDirect, Residency
 
 from ..memory.test_zero_copy import cached, evicted
 from .test_read_ahead import mixed, shrinks_and_never_yields_short
@@ -180,6 +180,27 @@ def test_cached_pages_are_told_from_evicted_ones(
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         assert direct.uncached(0, 3 * ALIGN) or cached(target, 0, 3 * ALIGN)
         direct.close()
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("answer", [0, None])
+def test_a_kernel_whose_page_cache_count_means_nothing_is_not_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: int | None
+) -> None:
+    """Where ``cachestat`` counts no page of a file whose first byte was just read (an overlay
+    file system counts its own file's pages, which hold none) or fails (a file the caller may
+    not write), neither the cold path nor direct reads ask it: every piece would look cold."""
+    monkeypatch.setenv("STREAM_ST_DIRECT_IO", "1")
+    target = tmp_path / "f"
+    target.write_bytes(b"x" * (3 * ALIGN))
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        if Residency.of(fd) is None:
+            pytest.skip("no cachestat here")
+        monkeypatch.setattr(Residency, "_cached", lambda self, offset, length: answer)
+        assert Residency.of(fd) is None
+        assert Direct.open(fd) is None
     finally:
         os.close(fd)
 

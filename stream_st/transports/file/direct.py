@@ -131,7 +131,20 @@ class Residency:
         if syscall is None:
             return None
         found = cls(fd, syscall)
-        return None if found._cached(0, 1) is None else found
+        return found if found._answers(fd) else None
+
+    def _answers(self, buffered: int) -> bool:
+        """Whether the kernel says what it caches of the file, truly: its first byte, read
+        through ``buffered`` (the file's ordinary descriptor) right before, must count as
+        cached. ``cachestat`` fails for a file the caller may not write (Linux 6.10 and later)
+        and, on an overlay file system (a container's), counts the pages of the overlay's own
+        file, which never holds any: every piece would look uncached."""
+        try:
+            os.pread(buffered, 1, 0)
+        except OSError:
+            return False
+        pages = self._cached(0, 1)
+        return pages is not None and pages > 0
 
     def uncached(self, offset: int, length: int) -> bool:
         """Whether the page cache holds less than half of ``length`` bytes at ``offset``."""
@@ -177,7 +190,7 @@ class Direct(Residency):
             same = os.path.samestat(os.fstat(fd), os.fstat(direct))
         except OSError:  # pragma: no cover - fstat on open descriptors does not fail
             same = False
-        if not same or found._cached(0, 1) is None:
+        if not same or not found._answers(fd):
             found.close()
             return None
         # What is still read through the page cache (tails, pieces it mostly holds) is read as
