@@ -8,6 +8,10 @@ timeout, and an error that says when the writer cannot know whether the object w
 
 from __future__ import annotations
 
+import re
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -308,3 +312,59 @@ async def test_a_write_ended_by_its_deadline_still_aborts_its_upload(
                 await part.write(TWO_PARTS["w1"][most:])
     proxy.wait_for(*ABORT, timeout=0)
     assert pending(store, key) == [] and stored(store, key) is None
+
+
+class _SlowAnswer:
+    """One HTTP upload stored once its whole body is in, answered ``delay`` seconds later."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.stored: bytes | None = None
+        self.complete = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}/m.safetensors"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        connection, _ = self._listener.accept()
+        with connection:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += connection.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = int(re.search(rb"(?i)content-length:\s*(\d+)", head)[1])  # type: ignore[index]
+            while len(body) < length and (more := connection.recv(1 << 20)):
+                body += more
+            if len(body) == length:
+                self.stored = body
+                self.complete.set()
+            time.sleep(self.delay)
+            connection.sendall(b"HTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n")
+
+    def close(self) -> None:
+        self._listener.close()
+        self._thread.join(5)
+
+
+async def test_http_upload_cancelled_after_its_whole_body_waits_for_the_answer() -> None:
+    """The whole body went out (the commit point): a cancellation then lets the answer come, and
+    the write reports success under the cancel scope, never a cancelled write the server
+    stored."""
+    server = _SlowAnswer(delay=0.5)
+    written = False
+    try:
+        with anyio.fail_after(10), anyio.CancelScope() as scope:
+
+            async def cancel_when_stored() -> None:
+                await anyio.to_thread.run_sync(server.complete.wait)
+                scope.cancel()
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(cancel_when_stored)
+                await write(HttpSink(server.url), SMALL)
+                written = True
+        assert written
+        assert server.stored == reference_numpy.save(SMALL)
+    finally:
+        server.close()

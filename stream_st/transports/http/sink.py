@@ -5,7 +5,9 @@ The writer announces the message's size before the first byte, so the body goes 
 memory. The upload is committed when the server answers 2xx to the complete body; an aborted
 message drops the connection mid-body, so the server sees an incomplete request. When the answer
 to the complete body is lost (the connection breaks, or no answer comes in time), the server may
-have stored the message or not: that raises :class:`~stream_st.OutcomeUnknownError`.
+have stored the message or not: that raises :class:`~stream_st.OutcomeUnknownError`. Once the
+whole body went out a cancellation lets the answer come (:attr:`HttpSink.abort_timeout`), as an
+S3 upload's commit does.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import ssl
 from collections.abc import Mapping
 from typing import Unpack
 
+import anyio
+
+from ..._util import seen_through
 from ...errors import ArgumentTypeError, TransportError, UsageError, redact
 from ..base import Sink
 from ..options import Clock, LimitOptions
@@ -63,6 +68,10 @@ class HttpSink(ClientUser, Sink):
         self._size: int | None = None
         self._upload: Upload | None = None
 
+    abort_timeout: float = 15.0
+    """The most seconds the answer to a complete body is waited for once the write is cancelled
+    (see :meth:`aclose`); the limits apply as always."""
+
     def prepare_headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
         """The headers to send with a request; object stores sign them here."""
         return headers
@@ -78,14 +87,26 @@ class HttpSink(ClientUser, Sink):
         self.position += len(buffer)
 
     async def aclose(self) -> None:
+        """The commit: end the body and read the answer. The whole body went out, so the server
+        may store it: a cancellation now lets the answer come, for :attr:`abort_timeout` seconds
+        more at most, then goes on as :func:`~stream_st._util.seen_through` says (stored, the
+        write reports success under a cancel scope; asyncio's own cancellation is raised once
+        the answer is in), never reporting a cancelled write the server went on to store."""
         try:
-            if self._upload is None:
+            upload, self._upload = self._upload, None
+            if upload is None:
                 raise TransportError("nothing was uploaded", url=self.name)
-            response = await self._upload.finish()
-            self._upload = None
-            await raise_for_status(response, name=self.name)
-            async with response:
-                await response.read_all()
+
+            async def commit() -> None:
+                response = await upload.finish()
+                await raise_for_status(response, name=self.name)
+                async with response:
+                    await response.read_all()
+
+            def bound(shield: anyio.CancelScope) -> None:
+                shield.deadline = anyio.current_time() + self.abort_timeout
+
+            await seen_through(commit, bound)
         finally:
             await self._close_client()
 
