@@ -60,10 +60,13 @@ from ..errors import (
     ArgumentTypeError,
     SafetensorsError,
     TransportError,
+    UnsupportedSinkError,
     UsageError,
     WriterError,
     integer_at_least,
+    redact,
 )
+from ..transports.file.atomic import path_from_url
 from ..transports.file.sink import FileSink
 
 __all__ = [
@@ -192,6 +195,29 @@ class _Shard:
         return size
 
 
+def _local_folder(directory: object) -> Path:
+    """The local folder ``directory`` names: a path, or a ``file://`` URL; a URL of another
+    scheme (``s3://``, ``https://``: these writers write local files only, where it would have
+    made a folder named ``s3:``) raises :class:`~stream_st.UnsupportedSinkError`, anything else
+    :class:`~stream_st.ArgumentTypeError`."""
+    if isinstance(directory, os.PathLike):
+        directory = os.fspath(directory)
+    if not isinstance(directory, str):
+        raise ArgumentTypeError(
+            f"the folder must be a path or a file:// URL, got {type(directory).__name__}"
+        )
+    if "://" in directory:
+        scheme = directory.split("://", 1)[0].lower()
+        if scheme != "file":
+            raise UnsupportedSinkError(
+                f"shards are written to a local folder, not to a {scheme}:// URL "
+                f"({redact(directory)}): write them here, then copy the checkpoint there with "
+                "'stream-st cp INDEX URL/'"
+            )
+        return Path(path_from_url(directory, UnsupportedSinkError))
+    return Path(directory)
+
+
 class _RollingWriter(AsyncClosing):
     """Shards rolled over at ``target_size`` bytes of data; subclasses name them and write the
     index."""
@@ -210,7 +236,7 @@ class _RollingWriter(AsyncClosing):
         integer_at_least(size_option, target_size, 1)
         digests = digests_for(checksums)
         self._algorithm = None if digests is None else digests.algorithm
-        self.directory = Path(directory)
+        self.directory = _local_folder(directory)
         self._new_folders = _missing_folders(self.directory)  # removed again by abort()
         self.target_size = target_size
         self._current: _Shard | None = None
