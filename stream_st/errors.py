@@ -115,6 +115,16 @@ and password (a value with a digit in it, of 20 characters or more, or Base64 of
 ``user:password``: not ``Basic authentication``), or an AWS signature with its key id."""
 
 
+_HEADER = re.compile(
+    r"(?i)\b(?P<name>x-amz-security-token|x-goog-security-token|proxy-authorization|cookie"
+    r"|x-api-key|api-key|private-token|x-auth-token)(?P<gap>[ \t]*:[ \t]*)"
+    r"(?P<value>[^\s<>\"';][^\r\n<>\"']*)"
+)
+"""A request header that carries a credential, quoted with its value in a text (an error page
+echoing the request): a session token stream_st sends with a signed request, a cookie, an API
+key given in ``headers=``."""
+
+
 def _mask_userinfo(match: re.Match[str]) -> str:
     user, colon, _ = match["userinfo"].partition(":")
     return f"{match['scheme']}{user}:{MASK}@" if colon else match[0]
@@ -157,7 +167,9 @@ def redact(text: str) -> str:
     authenticates a request (``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``,
     ``Signature``, ``sig``, ``key`` and any name holding ``token``, ``secret``, ``password`` or
     ``credential``), and the credentials of an ``Authorization`` value quoted in it (``Bearer``,
-    ``Basic``, an AWS signature: an error page may echo the request). Masking again changes
+    ``Basic``, an AWS signature: an error page may echo the request), as are the values of
+    headers that carry one (``X-Amz-Security-Token``, ``Cookie``, ``X-Api-Key``,
+    ``Proxy-Authorization``, ...) quoted as ``name: value``. Masking again changes
     nothing. Every error's message passes through it; use
     it wherever an address is shown."""
     if "@" in text:
@@ -166,6 +178,8 @@ def redact(text: str) -> str:
         text = _PARAMETER.sub(_mask_parameter, text)
     if "Bearer" in text or "Basic" in text or "AWS4-" in text:
         text = _AUTHORIZATION.sub(_mask_authorization, text)
+    if ":" in text:
+        text = _HEADER.sub(lambda match: f"{match['name']}{match['gap']}{MASK}", text)
     return text
 
 

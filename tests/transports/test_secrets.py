@@ -229,6 +229,11 @@ async def test_a_refused_redirect_hides_where_it_pointed(server: RangeHTTPServer
         ("http://h/p@x?token=", "http://h/p@x?token="),
         ("https://h/x#access_token=abc&b=1", "https://h/x#access_token=***&b=1"),  # a fragment
         ("https://h/x?sig=abc#part", "https://h/x?sig=***#part"),
+        ("Denied. x-amz-security-token: FQoGZXIvYXdzE", "Denied. x-amz-security-token: ***"),
+        ("<pre>Cookie: session=abc; id=2</pre>", "<pre>Cookie: ***</pre>"),
+        ("X-Api-Key:k123\r\nPrivate-Token: glpat-1", "X-Api-Key:***\r\nPrivate-Token: ***"),
+        ("x-amz-security-token: T0K authorization: x", "x-amz-security-token: ***"),  # to the end
+        ("Proxy-Authorization: Basic YWxpY2U6c2VjcmV0", "Proxy-Authorization: ***"),
     ],
 )  # fmt: skip
 def test_redact(text: str, shown: str) -> None:
