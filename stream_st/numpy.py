@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 import numpy as np
 
 from .compat import _local, _save
+from .core.dtypes import DTYPES
 
 if TYPE_CHECKING:
     from .compat import _reference as _facade
@@ -103,3 +104,28 @@ def save(
 ) -> bytes:
     """``tensor_dict`` as the bytes of a safetensors file, as the reference makes them."""
     return _save.save_bytes(tensor_dict, metadata, checksums)
+
+
+def _getdtype(dtype_str: str) -> np.dtype[Any]:
+    """The numpy dtype of a safetensors dtype code (``KeyError`` for one numpy has no type of
+    its own for), as the reference's private helper that other libraries import is."""
+    return _TYPES[dtype_str]
+
+
+def _view2np(safeview: Any) -> dict[str, np.ndarray[Any, Any]]:
+    """The arrays of ``(name, {"dtype", "shape", "data"})`` pairs (what
+    :func:`stream_st.compat.deserialize` gives), over their data, as the reference's private
+    helper makes them."""
+    return {
+        name: np.frombuffer(view["data"], dtype=_getdtype(view["dtype"])).reshape(view["shape"])
+        for name, view in safeview
+    }
+
+
+_TYPES: dict[str, np.dtype[Any]] = {
+    code: row.numpy
+    for code, row in DTYPES.items()
+    if not isinstance(row.kind, str) and not row.packed
+}
+"""Dtype code to numpy dtype, for the codes numpy has a type of its own for (the reference's
+private table, which programs import; ``ml_dtypes``' types are left out, as there)."""

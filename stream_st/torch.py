@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from .compat import _local, _save, _shared
 from .compat._errors import InvalidTensorsError, MetaTensorError
-from .core.arrays import is_torch_tensor, load_torch, torch_device
+from .core.arrays import is_torch_tensor, load_torch, torch_device, torch_dtypes
 from .errors import SafetensorsError, UsageError
 
 if TYPE_CHECKING:
@@ -305,6 +305,32 @@ _end_ptr = _shared.end_ptr
 _is_complete = _shared.is_complete
 _find_shared_tensors = _shared.find_shared_tensors
 _remove_duplicate_names = _shared.remove_duplicate_names
+
+
+def _getdtype(dtype_str: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype code (``KeyError`` for one this torch lacks), as
+    the reference's private helper that other libraries import is."""
+    dtype: torch.dtype = torch_dtypes()[dtype_str]
+    return dtype
+
+
+def __getattr__(name: str) -> Any:
+    """Names the reference's module has that programs import from it (torch's checkpoint
+    reader imports ``_getdtype``, vLLM ``_TYPES``), made when first asked for: ``_TYPES`` (dtype
+    code to torch dtype), ``_SIZE`` (torch dtype to its bytes per element), and ``TensorSpec``,
+    ``serialize``, ``serialize_file``, ``deserialize`` (:mod:`stream_st.compat`'s)."""
+    if name == "_TYPES":
+        value: Any = dict(torch_dtypes())
+    elif name == "_SIZE":
+        value = {dtype: dtype.itemsize for dtype in torch_dtypes().values()}
+    elif name in ("TensorSpec", "serialize", "serialize_file", "deserialize"):
+        from . import compat
+
+        value = getattr(compat, name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def save_model(
