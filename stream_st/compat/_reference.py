@@ -140,7 +140,16 @@ class SafeOpen:
             raise FileClosedError()
 
     def _out(self, array: np.ndarray[Any, Any], code: str) -> Any:
-        return self._place(to_torch(array, code)) if self._torch else array
+        if self._torch:
+            return self._place(to_torch(array, code))
+        return array.copy() if self._shares else array
+
+    @property
+    def _shares(self) -> bool:
+        """Whether arrays are views of the handle's mapping, which numpy's are not to be: the
+        reference hands out each numpy array a copy of its own (a caller writing to one must
+        not change the next one it reads)."""
+        return self._local is not None and self._local.mapped
 
     def _place(self, tensor: Any) -> Any:
         """``tensor`` on the handle's device."""
@@ -207,7 +216,9 @@ class SafeOpen:
     def get_slice(self, name: str) -> Slice:
         """A :class:`Slice` of tensor ``name``: index it to read part of it."""
         info = self._info(name)
-        return Slice(info, self._reader(info), place=self._place if self._torch else None)
+        if self._torch:
+            return Slice(info, self._reader(info), place=self._place)
+        return Slice(info, self._reader(info), copy=self._shares)
 
     def _reader(self, info: TensorInfo) -> Callable[[Rows], np.ndarray[Any, Any]]:
         """Reads ``info``'s rows (all of them for None)."""
@@ -245,8 +256,9 @@ class Slice:
     :mod:`stream_st.compat._slicing`). Only the rows the first index selects are read from the
     source; the other indexes apply to them in memory. A digest covers a whole tensor, so part
     of one cannot be checked against it: only a key taking every row (``[...]``, ``[:]``, a
-    mask) is. A slice of a local file still reads after the file is closed, as the reference's
-    do."""
+    mask) is, and a mapped local file's tensor before its rows are first viewed. numpy arrays
+    are copies of their own (``copy``), as the reference's are. A slice of a local file still
+    reads after the file is closed, as the reference's do."""
 
     def __init__(
         self,
@@ -254,10 +266,12 @@ class Slice:
         read: Callable[[Rows], np.ndarray[Any, Any]],
         *,
         place: Callable[[Any], Any] | None = None,
+        copy: bool = False,
     ) -> None:
         self._info = info
         self._read = read
         self._place = place
+        self._copy = copy  # numpy arrays read as views of a mapping are handed out as copies
 
     def get_shape(self) -> list[int]:
         """The tensor's shape."""
@@ -281,7 +295,7 @@ class Slice:
             if not last:
                 rows = None
         picked = self._read(rows)[(*index, ...)]  # an array even where ints name one value
-        return picked if picked.flags.c_contiguous else picked.copy()
+        return picked.copy() if self._copy or not picked.flags.c_contiguous else picked
 
     def _torch_item(self, key: object, place: Callable[[Any], Any]) -> Any:
         """``key`` taken by torch from the rows it names (on the CPU: only what it takes goes

@@ -76,3 +76,40 @@ def test_the_reference_s_private_names_programs_import_are_there() -> None:
     got = stream_st.numpy._view2np(compat.deserialize(reference_numpy.save(arrays)))
     assert all(np.array_equal(got[name], array) for name, array in arrays.items())
     assert torch.float32 in stream_st.torch._SIZE
+
+
+def test_safe_open_numpy_arrays_are_copies_of_their_own(tmp_path: Path) -> None:
+    """The reference hands each numpy array out a copy: writing to one changes no later read."""
+    import stream_st.numpy
+
+    file = tmp_path / "a.safetensors"
+    stream_st.numpy.save_file({"x": np.arange(4, dtype=np.float32)}, file)
+    with stream_st.numpy.safe_open(file, "np") as opened:
+        first = opened.get_tensor("x")
+        first *= 10
+        part = opened.get_slice("x")[0:2]
+        part[0] = 7
+        assert opened.get_tensor("x").tolist() == [0, 1, 2, 3]
+        assert opened.get_slice("x")[0:2].tolist() == [0, 1]
+        assert opened.get_tensors()["x"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_torch_slice_written_to_never_makes_the_whole_tensor_look_corrupt(
+    tmp_path: Path,
+) -> None:
+    """A mapped tensor whose digest is recorded is checked before its rows are first viewed:
+    the caller's writes to that view are no damage a later whole read reports."""
+    torch = pytest.importorskip("torch")
+    import stream_st.torch
+
+    file = tmp_path / "a.safetensors"
+    stream_st.torch.save_file({"x": torch.arange(4.0)}, file, checksums=True)
+    with stream_st.torch.safe_open(file, "pt") as opened:
+        part = opened.get_slice("x")[0:2]
+        part[0] = 5
+        assert opened.get_tensor("x").tolist() == [5, 1, 2, 3]  # the view, as the reference's
+    corrupt = bytearray(file.read_bytes())
+    corrupt[-1] ^= 0xFF
+    file.write_bytes(bytes(corrupt))
+    with stream_st.torch.safe_open(file, "pt") as opened, pytest.raises(stream_st.IntegrityError):
+        opened.get_slice("x")[0:1]  # the first view of a damaged tensor: checked, refused
