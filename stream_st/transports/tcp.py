@@ -4,7 +4,8 @@ Bytes are received with non-blocking ``recv_into`` straight into each array's me
 ``anyio.wait_readable`` only when the socket is empty: no per-chunk ``bytes`` objects, and it runs
 on asyncio and trio alike. ``send`` returns once the kernel has taken every byte, so no reference
 to the caller's memory outlives the call, with no copy. A failed message closes the socket, so the
-peer sees a message that ends early.
+peer sees a message that ends early; a message written in full ends gracefully (see
+:data:`CLOSE_GRACE`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ from .options import UNLIMITED, Clock
 YIELD_EVERY = 16 << 20
 """A tensor filled from a peer that keeps the socket full yields to the event loop at least this
 often (bytes), so other tasks, deadlines and cancellation are not held up until it is whole."""
+
+CLOSE_GRACE = 2.0
+"""The longest (seconds) a sink that wrote its whole message waits for the peer to close before it
+closes the socket. Closing a socket while bytes the peer sent lie unread in it (a greeting, an
+acknowledgement) makes the kernel answer with a reset and drop what it still had queued to send:
+the peer would lose the message's end. So the sink sends its FIN after the last byte, reads and
+discards whatever the peer sends until the peer closes, and only then closes; bounded, so a peer
+that keeps its side open delays the close by this much at most."""
 
 __all__ = [
     "SocketEnd",
@@ -100,11 +109,21 @@ async def connect_socket(host: str, port: int, clock: Clock = UNLIMITED) -> sock
 
 
 async def _addresses(host: str, port: int) -> list[tuple[Any, ...]]:
-    """``getaddrinfo`` results; an IP literal needs no lookup (a worker-thread hop each time)."""
+    """``getaddrinfo`` results; an IP literal needs no lookup (a worker-thread hop each time).
+
+    A host that is no valid name (a lone surrogate, an empty label: IDNA cannot encode it) is a
+    :class:`~stream_st.UsageError` naming the URL.
+    """
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
-        found = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        try:
+            found = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except UnicodeError as exc:  # idna's errors (IDNAError, InvalidCodepoint) included
+            raise UsageError(
+                f"bad tcp:// URL {tcp_url(host, port)!r}: the host {host!r} is not a valid host "
+                f"name ({exc})"
+            ) from exc
         return [tuple(entry) for entry in found]
     family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
     return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (host, port))]
@@ -289,8 +308,11 @@ class SocketSink(SocketEnd, Sink):
     bytes (a stalled receiver); ``turn`` is given when a :class:`~stream_st.Connection` lends its
     socket to this one message, which committing then leaves open (see :class:`SocketEnd`)."""
 
+    _size: int | None = None  # the message's length, once announced by allocate
+
     async def allocate(self, size: int) -> None:
         self._claim()  # the writer announces the message before its first byte
+        self._size = size
 
     async def send(self, buffer: memoryview) -> None:
         await self._send_all(self._handle.send, buffer)
@@ -301,6 +323,41 @@ class SocketSink(SocketEnd, Sink):
         with contextlib.suppress(OSError):  # already gone: nothing to tell the peer
             self._handle.shutdown(socket.SHUT_RDWR)
         close_socket(self._handle)  # a lent socket too: the connection refuses further messages
+
+    async def aclose(self) -> None:
+        """Commit: an owned socket that carried its whole message is ended gracefully (see
+        :meth:`_finish`) before it is closed; one left short of the length announced closes at
+        once, so the peer sees the message end early. A lent socket stays open."""
+        whole = self._size is None or self.position >= self._size
+        if self._turn is None and whole and not self._closed():
+            await self._finish()
+        await super().aclose()
+
+    async def _finish(self) -> None:
+        """Send FIN after every byte queued, then read and drop what the peer sends until it
+        closes, for :data:`CLOSE_GRACE` seconds at most, so that the close that follows finds
+        nothing unread and cannot reset the connection under bytes still on their way. Past the
+        commit point: shielded from cancellation (the wait is bounded), never raises."""
+        sock = self._handle
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:  # the peer is gone already: nothing to wait for
+            return
+        scratch = bytearray(64 << 10)
+        with anyio.CancelScope(shield=True, deadline=anyio.current_time() + CLOSE_GRACE):
+            while True:
+                try:
+                    if not sock.recv_into(scratch):
+                        return  # the peer's clean close: it has read everything it wanted
+                except BlockingIOError:
+                    try:
+                        await anyio.wait_readable(sock)
+                    except (anyio.ClosedResourceError, OSError):  # closed meanwhile
+                        return
+                except OSError:  # a reset: the peer is gone
+                    return
+                else:
+                    await anyio.lowlevel.checkpoint()  # a peer that keeps sending: let others in
 
 
 async def source_for(url: str, clock: Clock) -> Source:
