@@ -62,6 +62,7 @@ class Growing:
         state = {
             "id": uuid.uuid4().hex,
             "pid": os.getpid(),
+            "shown": record.shown,  # for cache ls, should the writer be killed
             "version": version,
             "size": record.size,
             "etag": record.etag,

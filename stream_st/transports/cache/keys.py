@@ -1,45 +1,45 @@
 """What names a copy on disk: an address made safe to keep, and its key.
 
-A key never holds a secret: user information (``user:password@``) is dropped, and a query that
-carries a signature or a credential (a presigned S3 URL's ``X-Amz-Signature``, a CDN's ``sig``,
-a ``token``) is dropped, as it changes with every signing, but for what names a version of the
-object (S3's ``versionId``, :data:`VERSION_QUERY`): two versions are two objects. Any
-other query stays part of the object's identity (``?version=2``) but is kept on disk only as a
-hash. What is shown (``cache ls``) is the address without user information and query.
+A key never holds a secret: user information (``user:password@``) is dropped, and so is each
+query parameter that only signs or authorizes the request (:func:`signs_only`: a presigned S3
+or Google URL's ``X-Amz-*`` and ``X-Goog-*``, CloudFront's ``Signature``, ``Expires``,
+``Policy`` and ``Key-Pair-Id``, an Azure SAS's ``sig``, ``se``, ``sp``..., and any name that
+:func:`~stream_st.errors.redact` masks: ``token``, ``key``, ``access_token``...): it changes
+with every signing, and the same object signed twice is one copy. Every other parameter stays
+part of the object's identity (``?file=a``, ``?version=2``, S3's ``versionId``), in a canonical
+order, and is kept on disk only as a hash: two objects never share a copy. What is shown
+(``cache ls``) is the address without user information and query.
 """
 
 from __future__ import annotations
 
 import hashlib
-from urllib.parse import parse_qsl, urlsplit
+from collections.abc import Collection
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
-__all__ = ["ObjectKey", "object_key", "version_key"]
+from ...errors import _secret_parameter
+
+__all__ = ["ObjectKey", "object_key", "signs_only", "version_key"]
+
+SIGNED_PREFIXES = ("x-amz-", "x-goog-")
+"""Query parameters (lower case) whose name starts so sign a request (SigV4, Google's V4)."""
 
 SIGNED_QUERY = frozenset(
-    {
-        "x-amz-signature",
-        "x-amz-credential",
-        "x-amz-security-token",
-        "x-goog-signature",
-        "x-goog-credential",
-        "signature",
-        "sig",
-        "token",
-        "access_token",
-        "awsaccesskeyid",
-        "key-pair-id",
-        "policy",
-        "expires",
-        "se",
-        "sv",
-        "sp",
-    }
+    {"signature", "expires", "policy", "key-pair-id", "awsaccesskeyid", "googleaccessid"}
 )
-"""Query parameters (lower case) that mark a signed or credentialed URL."""
+"""Query parameters (lower case) of a URL signed by S3's SigV2, Google's V2 or CloudFront: only
+the signature's, when a ``Signature`` is there."""
+
+SAS_QUERY = frozenset(
+    {"sig", "sv", "ss", "srt", "sp", "se", "st", "spr", "sr", "si", "sip", "sdd", "ses"}
+    | {"skoid", "sktid", "skt", "ske", "sks", "skv", "saoid", "suoid", "scid", "sduoid"}
+)
+"""Query parameters (lower case) of an Azure shared access signature: only the signature's,
+when a ``sig`` is there."""
 
 VERSION_QUERY = frozenset({"versionid", "generation"})
-"""Query parameters (lower case) of a signed URL that name one version of the object (S3's
-``versionId``, Google Cloud Storage's ``generation``): kept in its key."""
+"""Query parameters (lower case) that name one version of an object (S3's ``versionId``, Google
+Cloud Storage's ``generation``): part of its key, signed or not."""
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -71,14 +71,24 @@ def object_key(address: str) -> ObjectKey:
     path = parts.path or "/"
     shown = f"{scheme}://{netloc}{path}"
     pairs = parse_qsl(parts.query, keep_blank_values=True)
-    signed = any(name.lower() in SIGNED_QUERY for name, _ in pairs)
-    if signed:  # of the signed query, only what names a version of the object stays
-        kept = sorted((n, v) for n, v in pairs if n.lower() in VERSION_QUERY)
-        query = "".join(f"&{n}={v}" for n, v in kept).replace("&", "?", 1)
-    else:
-        query = "?" + parts.query if parts.query else ""
+    names = {name.lower() for name, _ in pairs}
+    kept = sorted((n, v) for n, v in pairs if not signs_only(n, names))
+    query = "?" + urlencode(kept, quote_via=quote) if kept else ""
     digest = hashlib.sha256(f"{shown}{query}".encode()).hexdigest()[:40]
     return ObjectKey(digest, shown)
+
+
+def signs_only(name: str, names: Collection[str] = ()) -> bool:
+    """Whether the query parameter ``name`` only signs or authorizes a request (see the module),
+    in a query of the parameters ``names`` (lower case)."""
+    lowered = name.lower()
+    if lowered in VERSION_QUERY:
+        return False
+    if lowered.startswith(SIGNED_PREFIXES) or _secret_parameter(name):
+        return True
+    if lowered in SIGNED_QUERY and "signature" in names:
+        return True
+    return lowered in SAS_QUERY and "sig" in names
 
 
 def version_key(etag: str, last_modified: str, size: int | None) -> str:

@@ -97,25 +97,38 @@ class ObjectEntry:
 
     def clean(self, keep: str | None = None) -> None:
         """Remove what no one will use (call it holding the lock): leftovers of writers that
-        died (temporary files, partial copies whose ranges were never recorded) and, with
-        ``keep``, every version but that one."""
+        died (:meth:`leftovers`) and, with ``keep``, every version but that one."""
         try:
             names = os.listdir(self.folder)
         except OSError:
             return
-        recorded = set(self.partials())
+        left = set(self.leftovers(names))
         for name in names:
             if name == "lock":
                 continue
-            version = name.split(".", 1)[0]
-            stale = (
+            if name in left or (keep is not None and name.split(".", 1)[0] != keep):
+                remove_quietly(self.folder / name)
+
+    def leftovers(self, names: list[str] | None = None) -> list[str]:
+        """The names of the files here that only a writer holding the lock uses, left when no
+        one holds it by one that died or was killed: temporary files, the ``.growing`` file,
+        partial copies whose ranges were never recorded. ``names``: the folder's, if known."""
+        if names is None:
+            try:
+                names = os.listdir(self.folder)
+            except OSError:
+                return []
+        recorded = {name[: -len(".part.json")] for name in names if name.endswith(".part.json")}
+        return sorted(
+            name
+            for name in names
+            if name != "lock"
+            and (
                 name.startswith(".")
                 or name.endswith(".tmp")
-                or (name.endswith(".part") and version not in recorded)
-                or (keep is not None and version != keep)
+                or (name.endswith(".part") and name[: -len(".part")] not in recorded)
             )
-            if stale:
-                remove_quietly(self.folder / name)
+        )
 
     def commit(self, part: Path, record: Record) -> None:
         """Move the finished ``part`` into place and record it; other versions go."""

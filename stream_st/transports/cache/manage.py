@@ -2,8 +2,11 @@
 (``stream-st cache ls|rm|prune``).
 
 Listed are the copies stream_st keeps: every object entry, and the Hub blobs stream_st wrote or
-checked (those with its record); partial copies are listed as such. Removing an entry takes its
-lock first: an entry being written by another process is left alone (and said so).
+checked (those with its record); partial copies are listed as such, and so are the leftovers of
+a writer that was killed (a preallocated partial copy whose ranges were never recorded, its
+progress file, temporary files) while no one holds their entry's lock. Removing an entry takes
+its lock first: an entry being written by another process is left alone (and said so).
+:func:`prune` removes every such leftover, whatever the cap.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..._util import process_running
 from .config import Cache
 from .layout import HubEntry, ObjectEntry
 from .store import EntryLock, Record, read_json
@@ -25,7 +29,8 @@ class Entry:
     """One copy in the cache. ``shown``: its address (an ``hf://`` one pinned to its commit);
     ``size``: bytes on disk (a partial copy: bytes held); ``last_used``: seconds since the
     epoch; ``complete``: False for a partial copy; ``files``: what removing it removes;
-    ``lock``: the entry's lock file."""
+    ``lock``: the entry's lock file; ``leftover``: what a killed writer left (see the module),
+    ``size`` then its bytes on disk."""
 
     shown: str
     size: int
@@ -34,6 +39,7 @@ class Entry:
     files: list[Path] = field(default_factory=list)
     lock: Path | None = None
     links: list[Path] = field(default_factory=list)
+    leftover: bool = False
 
     @property
     def kind(self) -> str:
@@ -93,7 +99,46 @@ def _object_entries(cache: Cache) -> list[Entry]:
                     at.lock,
                 )
             )
+        left = _leftover(entry.folder, entry.leftovers(), entry.lock)
+        if left is not None:
+            label = _recorded_address(read_json(entry.growing)) or _shown_of(entry)
+            left.shown = f"{label or f'objects/{key}'} (left by a killed writer)"
+            found.append(left)
     return found
+
+
+def _unlocked(lock: Path) -> bool:
+    """Whether no one holds the lock at ``lock`` (a lock file that cannot be opened: unknown,
+    taken as held)."""
+    if not lock.exists():
+        return True
+    probe = EntryLock(lock)
+    try:
+        if not probe.try_acquire():
+            return False
+    except OSError:
+        return False
+    probe.release()
+    return True
+
+
+def _on_disk(path: Path) -> int:
+    """The bytes ``path`` takes on disk (a preallocated partial copy: all of them)."""
+    try:
+        return path.lstat().st_blocks * 512
+    except OSError:
+        return 0
+
+
+def _leftover(folder: Path, names: list[str], lock: Path) -> Entry | None:
+    """One entry of the files ``names`` in ``folder`` that a killed writer left, when there
+    are any and no one holds ``lock``."""
+    if not names or not _unlocked(lock):
+        return None
+    files = [folder / name for name in names]
+    used = max((_mtime(path) for path in files), default=0.0)
+    size = sum(_on_disk(path) for path in files)
+    return Entry("", size, used, False, files, lock, leftover=True)
 
 
 def _recorded_address(state: object) -> str | None:
@@ -133,9 +178,11 @@ def _hub_entries(cache: Cache) -> list[Entry]:
         mine = root / folder / ".stream_st"
         if "--" not in folder or not mine.is_dir():
             continue
-        for name in sorted(os.listdir(mine)):
+        names = sorted(os.listdir(mine))
+        hub = HubEntry(root, folder, "")
+        found.extend(_hub_leftovers(hub, mine, names))
+        for name in names:
             etag = name.split(".", 1)[0]
-            hub = HubEntry(root, folder, "")
             if name == f"{etag}.json":
                 record = Record.load(mine / name)
                 if record is None or not hub.blob(etag).exists():
@@ -172,6 +219,28 @@ def _hub_entries(cache: Cache) -> list[Entry]:
     return found
 
 
+def _hub_leftovers(hub: HubEntry, mine: Path, names: list[str]) -> list[Entry]:
+    """What killed writers left in a Hub repository's ``.stream_st`` folder (``mine``): a
+    partial copy of a blob whose ranges were never recorded, temporary files of processes gone
+    (``.<etag>.json.<pid>.tmp``); one entry per blob whose lock no one holds."""
+    by_etag: dict[str, list[str]] = {}
+    for name in names:
+        if name.startswith(".") and name.endswith(".tmp"):
+            etag, _, rest = name[1:].partition(".")
+            pid = rest.removesuffix(".tmp").rpartition(".")[2]
+            if not (pid.isdigit() and process_running(int(pid))):
+                by_etag.setdefault(etag, []).append(name)
+        elif name.endswith(".part") and f"{name}.json" not in names:
+            by_etag.setdefault(name.removesuffix(".part"), []).append(name)
+    found = []
+    for etag, left in by_etag.items():
+        entry = _leftover(mine, left, hub.lock(etag))
+        if entry is not None:
+            entry.shown = f"hf:// {hub.folder} (left by a killed writer of {etag[:12]})"
+            found.append(entry)
+    return found
+
+
 def entries(cache: Cache) -> list[Entry]:
     """Every copy in ``cache`` (see the module), least recently used first."""
     found = _object_entries(cache) + _hub_entries(cache)
@@ -193,6 +262,8 @@ def remove(entry: Entry) -> bool:
         return False
     try:
         for path in (*entry.links, *entry.files):  # asked for: a file left is an error
+            if entry.leftover and path.suffix == ".part" and _recorded(path):
+                continue  # a writer came and recorded its ranges since: a partial copy now
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     finally:
@@ -201,14 +272,19 @@ def remove(entry: Entry) -> bool:
     return True
 
 
+def _recorded(part: Path) -> bool:
+    return part.with_name(f"{part.name}.json").exists()
+
+
 def prune(cache: Cache, max_size: int, *, keep: tuple[Path, ...] = ()) -> list[Entry]:
-    """Remove the least recently used copies until those left hold at most ``max_size`` bytes;
-    copies whose files are in ``keep``, and those being written, stay. Returns those removed."""
+    """Remove what killed writers left (see the module), then the least recently used copies
+    until those left hold at most ``max_size`` bytes; copies whose files are in ``keep``, and
+    those being written, stay. Returns those removed."""
     found = entries(cache)
     total = sum(entry.size for entry in found)
     removed: list[Entry] = []
-    for entry in found:
-        if total <= max_size:
+    for entry in sorted(found, key=lambda entry: not entry.leftover):  # leftovers first
+        if total <= max_size and not entry.leftover:
             break
         if any(path in keep for path in entry.files):
             continue

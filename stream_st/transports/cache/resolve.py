@@ -33,6 +33,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -58,6 +59,9 @@ from .store import (
     touch,
 )
 from .tee import CopyWriter, Destination, TeeSource
+
+if TYPE_CHECKING:
+    from ..hub import HubFile
 
 __all__ = ["CACHED_SCHEMES", "Resolved", "is_cached_address", "read_cached", "resolve"]
 
@@ -288,9 +292,21 @@ def _hub_algorithm(etag: str) -> tuple[str, str | None]:
     return "xxh3-128", None
 
 
-async def _hub_blob(entry: HubEntry, etag: str) -> bool:
-    """Whether the blob ``etag`` is in the cache and checks out; a blob that was put there by
-    another program is hashed once against its name, and recorded."""
+def _hub_extra(file: HubFile, commit: str) -> dict[str, str]:
+    """What a record of a Hub blob adds: which file of which repository, at what commit
+    (``cache ls`` shows it, ``cache rm 'hf://org/model@*'`` finds it by it)."""
+    return {
+        "repo_type": file.repo_type,
+        "repo_id": file.repo_id,
+        "path": file.path,
+        "commit": commit,
+    }
+
+
+async def _hub_blob(entry: HubEntry, etag: str, file: HubFile, commit: str) -> bool:
+    """Whether the blob ``etag`` (of ``file`` at ``commit``) is in the cache and checks out; a
+    blob that was put there by another program is hashed once against its name, and recorded
+    as that file's."""
     blob = entry.blob(etag)
     record_path = entry.record(etag)
     record = Record.load(record_path)
@@ -300,7 +316,8 @@ async def _hub_blob(entry: HubEntry, etag: str) -> bool:
             size = blob.stat().st_size
         except OSError:
             return False
-        record = Record(entry.path, size, algorithm, expected or "", etag=etag)
+        record = Record(file.address(commit), size, algorithm, expected or "", etag=etag)
+        record.extra = _hub_extra(file, commit)
         if expected is None:  # nothing to check it against: taken as it is
             return True
         record.fingerprint = [-1]
@@ -309,12 +326,12 @@ async def _hub_blob(entry: HubEntry, etag: str) -> bool:
     return await checked_copy(blob, record, record_path)
 
 
-async def _hub_local(entry: HubEntry, commit: str) -> Path | None:
+async def _hub_local(entry: HubEntry, file: HubFile, commit: str) -> Path | None:
     """This file's snapshot at ``commit``, when its blob is in the cache and checks out."""
     etag = entry.blob_of(commit)
     if etag is None:
         return None
-    if await _hub_blob(entry, etag):
+    if await _hub_blob(entry, etag, file, commit):
         touch(entry.record(etag))
         return entry.pointer(commit)
     remove_quietly(entry.pointer(commit))
@@ -377,7 +394,7 @@ async def _hub(
     file = HubFile.parse(address)
     entry = HubEntry(cache.hub_directory, repo_folder(file.repo_type, file.repo_id), file.path)
     known = entry.commit_of(file.revision)
-    local = None if known is None else await _hub_local(entry, known)
+    local = None if known is None else await _hub_local(entry, file, known)
     if local is not None and (cache.offline or COMMIT.fullmatch(file.revision)):
         assert known is not None
         state = "offline" if cache.offline else "hit"
@@ -406,7 +423,7 @@ async def _hub(
     handed = False
     inner: Source | None = None
     try:
-        if await _hub_blob(entry, etag):
+        if await _hub_blob(entry, etag, file, commit):
             entry.link(commit, etag, file.revision)
             touch(entry.record(etag))
             return Resolved(str(entry.pointer(commit)), "hit", file.address(commit))
@@ -421,12 +438,7 @@ async def _hub(
         size = inner.size
         shown = file.address(commit)
         record = Record(shown, -1 if size is None else size, algorithm, "", etag=etag)
-        record.extra = {
-            "repo_type": file.repo_type,
-            "repo_id": file.repo_id,
-            "path": file.path,
-            "commit": commit,
-        }
+        record.extra = _hub_extra(file, commit)
         resumable = inner.random_access and size is not None
         destination = Destination(
             part=entry.part(etag),

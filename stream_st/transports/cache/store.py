@@ -123,17 +123,38 @@ class Record:
 
     @classmethod
     def load(cls, path: Path) -> Record | None:
-        """The record at ``path``; None when there is none or it is unreadable."""
+        """The record at ``path``; None when there is none, or it is unreadable or malformed
+        (a field missing, unknown or of the wrong type: a damaged record)."""
         data = read_json(path)
-        if data is None:
+        if not isinstance(data, dict):
             return None
         try:
-            return cls(**data)
+            record = cls(**data)
         except TypeError:
             return None
+        return record if record._well_formed() else None
+
+    def _well_formed(self) -> bool:
+        """Whether every field has its type (as JSON gives it) and the size is one."""
+        texts = (self.shown, self.algorithm, self.digest, self.etag, self.last_modified)
+        return (
+            all(isinstance(text, str) for text in texts)
+            and _integer(self.size)
+            and self.size >= 0
+            and isinstance(self.fingerprint, list)
+            and all(_integer(part) for part in self.fingerprint)
+            and isinstance(self.created, (int, float))
+            and not isinstance(self.created, bool)
+            and isinstance(self.extra, dict)
+            and all(isinstance(v, str) for v in self.extra.values())
+        )
 
     def save(self, path: Path) -> None:
         write_json(path, asdict(self))
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def read_json(path: Path) -> Any:

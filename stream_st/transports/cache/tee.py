@@ -236,6 +236,7 @@ class CopyWriter:
                 os.close(self._fd)
                 self._fd = None
                 remove_quietly(part)
+                lock.release()  # no copy to write: another reader may fetch it meanwhile
                 self.given_up = f"no room for the copy: {exc}"
                 warnings.warn(f"{name}: not keeping a copy: {self.given_up}", RuntimeWarning, 2)
         self._hashers: list[Hasher] = [new_hasher(record.algorithm, self.size)]
