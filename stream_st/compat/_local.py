@@ -160,18 +160,17 @@ class LocalFile:
 
     def array(self, info: TensorInfo, rows: tuple[int, int] | None = None) -> np.ndarray[Any, Any]:
         """Tensor ``info`` (or its ``rows``) as the reader delivers it: a view of the mapping, or
-        fresh memory read now. A whole tensor is checked against its digest; so is a mapped one
-        before its rows are first viewed (the caller may write to the view, and a later check
-        of the whole would find the mapping changed)."""
-        mapped_check = self._region is not None and self._digests is not None
-        if rows is not None and mapped_check and info.name not in self._checked:
-            self.array(info)
+        fresh memory read now. A whole tensor is checked against its digest. Rows of a mapped
+        tensor with a digest not yet checked are a copy: a caller writing to a view of them
+        would change the mapping a later check of the whole reads."""
         wanted = info if rows is None else info.rows(*rows)
         start = self.header.data_start + wanted.start
         dtype = wanted.array_dtype
         if self._region is not None:
             count = wanted.nbytes // dtype.itemsize
             raw = np.frombuffer(self._region, dtype=dtype, count=count, offset=start)
+            if rows is not None and self._digests is not None and info.name not in self._checked:
+                raw = raw.copy()
         else:
             raw = fresh_bytes(wanted.nbytes)
             got = pread_fully(self._fd, raw.data, start)

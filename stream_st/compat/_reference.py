@@ -256,8 +256,9 @@ class Slice:
     :mod:`stream_st.compat._slicing`). Only the rows the first index selects are read from the
     source; the other indexes apply to them in memory. A digest covers a whole tensor, so part
     of one cannot be checked against it: only a key taking every row (``[...]``, ``[:]``, a
-    mask) is, and a mapped local file's tensor before its rows are first viewed. numpy arrays
-    are copies of their own (``copy``), as the reference's are. A slice of a local file still
+    mask) is (a part of a mapped tensor not yet checked is read as a copy, so that writing to it
+    changes nothing such a check reads). numpy arrays are copies of their own (``copy``), as the
+    reference's are. A slice of a local file still
     reads after the file is closed, as the reference's do."""
 
     def __init__(

@@ -26,8 +26,9 @@ reads ahead of the threads twice as far as by default, so the disk has more to d
 copies or waits to be scheduled (a cold 1 GiB file of 32 MiB tensors, each read in a fresh
 process, paired per round: streamed 1.23x as fast, twice, loaded and kept 1.14x, on 2 loaded
 cores). Where the kernel says what it caches (``cachestat``, for a file the caller may write,
-not through an overlay file system), pieces it lacks are read by one thread at a time: two threads reading cold pieces at once break the one sequential read the
-kernel reads ahead of (measured here: 0.76x one thread). The other thread meanwhile faults in
+not through an overlay file system), pieces it lacks are read by one thread at a time: two
+threads reading cold pieces at once break the one sequential read the kernel reads ahead of
+(measured here: 0.76x one thread). The other thread meanwhile faults in
 the fresh memory of the pieces after (:func:`~stream_st.memory.fresh.populate`), work a read
 into new memory otherwise does itself, page by page: a cold 44 MiB KV cache of 1 MiB tensors,
 each read in a fresh process, paired per round, loaded and kept 1.47x as fast as before and
