@@ -41,6 +41,7 @@ import hashlib
 import hmac
 import importlib.util
 import os
+import re
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -52,7 +53,14 @@ from urllib.parse import quote, urlsplit
 
 import anyio
 
-from ...errors import MASK, CredentialsError, UnsupportedSourceError, UsageError, redact
+from ...errors import (
+    MASK,
+    CredentialsError,
+    SafetensorsError,
+    UnsupportedSourceError,
+    UsageError,
+    redact,
+)
 from ..options import UNLIMITED, Clock
 
 __all__ = ["CredentialChain", "S3Config", "parse_s3_url", "unsigned_requests"]
@@ -60,13 +68,34 @@ __all__ = ["CredentialChain", "S3Config", "parse_s3_url", "unsigned_requests"]
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
 
 
-def parse_s3_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/key`` -> ``(bucket, key)``."""
-    parts = urlsplit(url)
-    key = parts.path.lstrip("/")
-    if parts.scheme.lower() != "s3" or not parts.netloc or not key:
-        raise UnsupportedSourceError(f"expected s3://bucket/key, got {url!r}")
-    return parts.netloc, key
+_BUCKET = re.compile(r"[A-Za-z0-9._-]+")
+"""What a bucket name may hold (S3's rules, with the upper case and ``_`` of legacy names)."""
+
+
+def parse_s3_url(
+    url: str, unsupported: type[SafetensorsError] = UnsupportedSourceError
+) -> tuple[str, str]:
+    """``s3://bucket/key`` -> ``(bucket, key)``; ``unsupported`` is raised for anything else.
+
+    The key is everything after the bucket's ``/``, as the AWS CLI takes it: an S3 key may hold
+    ``?``, ``#``, ``%`` and more, so an ``s3://`` URL has no query and no fragment, and nothing
+    in it is percent-decoded (``s3://b/m?v=2`` is the key ``m?v=2``). It must be Unicode text
+    (UTF-8, which S3 keys are): a lone surrogate is refused here, before any request."""
+    scheme, sep, rest = url.partition("://")
+    bucket, _, key = rest.partition("/")
+    if not sep or scheme.lower() != "s3" or not bucket or not key:
+        raise unsupported(f"expected s3://bucket/key, got {url!r}")
+    if not _BUCKET.fullmatch(bucket):
+        raise unsupported(
+            f"{url!r}: {bucket!r} is not a bucket name (letters, digits, '.', '-' and '_')"
+        )
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise unsupported(
+            f"{url!r}: the key is not valid Unicode text ({exc.reason} at {exc.start})"
+        ) from None
+    return bucket, key
 
 
 _UNSIGNED: ContextVar[bool] = ContextVar("stream_st_unsigned_s3", default=False)

@@ -48,18 +48,26 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import operator
 import re
 import ssl
 import zlib
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from typing import Unpack
+from typing import SupportsIndex, Unpack, cast
 from urllib.parse import quote
 from xml.sax.saxutils import escape
 
 import anyio
 
 from ..._util import seen_through
-from ...errors import SafetensorsError, TransportError, UsageError, redact
+from ...errors import (
+    ArgumentTypeError,
+    SafetensorsError,
+    TransportError,
+    UnsupportedSinkError,
+    UsageError,
+    redact,
+)
 from ..base import Sink
 from ..http import (
     ClientUser,
@@ -99,6 +107,26 @@ def _checked(checksum: str) -> dict[str, str]:
     return {"x-amz-sdk-checksum-algorithm": "CRC32", "x-amz-checksum-crc32": checksum}
 
 
+def _part_size(value: object) -> int:
+    """``part_size`` as an ``int`` (numpy's integers too) of at least :data:`MIN_PART_SIZE`:
+    :class:`~stream_st.ArgumentTypeError` for any other type (a float, a string, a bool),
+    :class:`~stream_st.UsageError` if it is less."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        size = operator.index(cast(SupportsIndex, value))
+    except TypeError:
+        raise ArgumentTypeError(
+            f"part_size must be an integer number of bytes, at least {MIN_PART_SIZE} "
+            f"(S3's minimum), got {value!r}"
+        ) from None
+    if size < MIN_PART_SIZE:
+        raise UsageError(
+            f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum), got {size}"
+        )
+    return size
+
+
 def _splice(part: bytearray, start: int, head: memoryview) -> None:
     """Copy over ``part`` (the message's bytes from ``start``) what ``head`` (its first bytes)
     holds for that range."""
@@ -128,10 +156,9 @@ class S3Sink(ClientUser, Sink):
         **limits: Unpack[LimitOptions],
     ) -> None:
         super().__init__()
-        if part_size < MIN_PART_SIZE:
-            raise UsageError(f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum)")
+        part_size = _part_size(part_size)
         self.name = redact(url)
-        self.bucket, self.key = parse_s3_url(url)
+        self.bucket, self.key = parse_s3_url(url, UnsupportedSinkError)
         self.config = config or S3Config.resolve()
         self._use_client(client, headers, ssl_context, limits)
         self._part_size = part_size
