@@ -111,3 +111,17 @@ def test_a_torch_slice_written_to_never_makes_the_whole_tensor_look_corrupt(
         assert whole.tolist() == [0, 1, 2, 3]
         whole[1] = 9  # a view of the checked tensor, as the reference's: later reads see it
         assert opened.get_slice("x")[0:2].tolist() == [0, 9]
+
+
+def test_s3_keys_with_a_question_mark_or_a_hash_are_cache_keys_of_their_own() -> None:
+    """An s3:// key runs to its end (``?`` and ``#`` included): two such objects never share a
+    cached copy; a plain key keeps the key it had."""
+    import hashlib
+
+    from stream_st.transports.cache.keys import object_key
+
+    keys = {object_key(f"s3://b/m{tail}").key for tail in ("#1", "#2", "?v=1", "?v=2", "")}
+    assert len(keys) == 5
+    plain = object_key("s3://b/ckpt/m.safetensors")
+    assert plain.key == hashlib.sha256(b"s3://b/ckpt/m.safetensors").hexdigest()[:40]
+    assert plain.shown == "s3://b/ckpt/m.safetensors"

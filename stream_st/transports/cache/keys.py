@@ -57,7 +57,12 @@ class ObjectKey:
 
 
 def object_key(address: str) -> ObjectKey:
-    """The key of the object at ``address`` (a URL); see the module."""
+    """The key of the object at ``address`` (a URL); see the module. An ``s3://`` address has no
+    query or fragment: its key is everything after the bucket (``?`` and ``#`` included)."""
+    if address[:5].lower() == "s3://":
+        bucket, _, key = address[5:].partition("/")
+        shown = f"s3://{bucket.lower()}/{key}"
+        return ObjectKey(hashlib.sha256(shown.encode()).hexdigest()[:40], shown)
     parts = urlsplit(address)
     scheme = parts.scheme.lower()
     host = (parts.hostname or "").lower()
