@@ -23,7 +23,7 @@ import unicodedata
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import SplitResult, quote, unquote, urlsplit, urlunsplit
 
 from ..errors import HeaderError
 
@@ -36,11 +36,13 @@ __all__ = [
     "SHARD_NAME",
     "ShardEntry",
     "is_index",
+    "join_address",
     "manifest_document",
     "shard_address",
     "shard_file_name",
     "shard_name",
     "shard_position",
+    "split_address",
 ]
 
 MAX_DECODINGS = 3
@@ -96,6 +98,15 @@ def shard_name(shard: object, index: str) -> str:
     return shard
 
 
+def split_address(url: str) -> SplitResult:
+    """``url``'s parts, as ``urlsplit`` gives them, but an ``s3://`` address's key runs to its
+    end: an S3 key may hold ``?`` and ``#``, so it has no query and no fragment."""
+    if url[:5].lower() == "s3://":
+        bucket, _, key = url[5:].partition("/")
+        return SplitResult(url[:2], bucket, "/" + key, "", "")
+    return urlsplit(url)
+
+
 def shard_address(index: str, shard: str) -> str:
     """The address of ``shard`` (a name from the index) in the directory of ``index``.
 
@@ -108,13 +119,20 @@ def shard_address(index: str, shard: str) -> str:
     if "://" not in index:
         address = posixpath.join(posixpath.dirname(index), shard)
     else:
-        parts = urlsplit(index)
+        parts = split_address(index)
         name = shard if _literal(parts.scheme) else quote(shard)
         path = posixpath.join(posixpath.dirname(parts.path), name)
-        address = urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+        address = join_address(parts.scheme, parts.netloc, path, parts.query)
     if not _inside(index, address):
         raise HeaderError(f"{index}: shard {shard!r} resolves to {address}, outside the index")
     return address
+
+
+def join_address(scheme: str, netloc: str, path: str, query: str) -> str:
+    """The address of these parts (an ``s3://`` key as written: see :func:`split_address`)."""
+    if scheme.lower() == "s3":
+        return f"{scheme}://{netloc}{path}"
+    return urlunsplit((scheme, netloc, path, query, ""))
 
 
 def _literal(scheme: str) -> bool:
@@ -126,7 +144,7 @@ def _literal(scheme: str) -> bool:
 def _inside(index: str, address: str) -> bool:
     """Whether ``address``, read the way its transport reads it, is in ``index``'s directory."""
     if "://" in index:
-        home, there = urlsplit(index), urlsplit(address)
+        home, there = split_address(index), split_address(address)
         if (there.scheme, there.netloc, there.query, there.fragment) != (
             home.scheme,
             home.netloc,
@@ -213,7 +231,7 @@ def is_index(source: object) -> TypeGuard[str | os.PathLike[str]]:
     if not isinstance(text, str) or "json" not in text:  # most sources: no URL to split
         return False
     try:
-        path = urlsplit(text).path
+        path = split_address(text).path
     except ValueError:  # not a URL at all: the transports will say what is wrong with it
         return False
     return path.endswith(INDEX_SUFFIX) or posixpath.basename(path) == MANIFEST_NAME

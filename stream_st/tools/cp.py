@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Unpack
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote
 
 import anyio
 import numpy as np
@@ -20,7 +20,7 @@ from ..core.digests import ALGORITHM_KEY, DEFAULT_ALGORITHM, Digests, algorithm_
 from ..core.dtypes import dtype_from_code
 from ..core.header import Header, TensorInfo
 from ..core.layout import TensorSpec
-from ..core.shards import shard_address
+from ..core.shards import join_address, shard_address, split_address
 from ..core.stats import LoadStats, record_last
 from ..errors import (
     HeaderError,
@@ -383,12 +383,12 @@ def address_in(into: str, name: str) -> str:
     """The address of ``name`` (a relative path) inside the directory or prefix ``into``."""
     if "://" not in into:
         return os.path.join(into, *name.split("/"))
-    parts = urlsplit(into)
+    parts = split_address(into)
     if not parts.netloc and parts.scheme.lower() != "file":  # s3:// then names a local path
         raise UsageError(f"{into} names no bucket or host to write {name} into")
     quoted = name if parts.scheme.lower() in ("s3", "file") else quote(name)
     path = parts.path if parts.path.endswith("/") else parts.path + "/"
-    return urlunsplit((parts.scheme, parts.netloc, path + quoted, parts.query, ""))
+    return join_address(parts.scheme, parts.netloc, path + quoted, parts.query)
 
 
 class _Held(Sink):
@@ -547,7 +547,7 @@ async def mirror(
             f"{index}: a dataset manifest is mirrored as it is (its byte counts would change): "
             "drop the conversions, or merge it into one file"
         )
-    index_name = posixpath.basename(urlsplit(index).path if "://" in index else index)
+    index_name = posixpath.basename(split_address(index).path if "://" in index else index)
     _allow_open_files(len(shards.shards) + 1)
     written: list[str] = []
     held: list[_Held] = []

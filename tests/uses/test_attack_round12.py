@@ -125,3 +125,17 @@ def test_s3_keys_with_a_question_mark_or_a_hash_are_cache_keys_of_their_own() ->
     plain = object_key("s3://b/ckpt/m.safetensors")
     assert plain.key == hashlib.sha256(b"s3://b/ckpt/m.safetensors").hexdigest()[:40]
     assert plain.shown == "s3://b/ckpt/m.safetensors"
+
+
+def test_a_sharded_checkpoint_under_an_s3_prefix_with_a_question_mark_is_an_index() -> None:
+    """An s3:// key runs to its end: an index under ``ck?v/`` is an index, and its shards lie
+    beside it, where a URL split would have cut the key at ``?``."""
+    from stream_st.core.shards import is_index, shard_address
+    from stream_st.tools.cp import address_in
+
+    index = "s3://bkt/ck?v#1/model.safetensors.index.json"
+    assert is_index(index)
+    assert shard_address(index, "model-1.safetensors") == "s3://bkt/ck?v#1/model-1.safetensors"
+    assert address_in("s3://bkt/p?x/", "m.safetensors") == "s3://bkt/p?x/m.safetensors"
+    signed = "https://h/a/model.safetensors.index.json?sig=1"  # a URL's query stays one
+    assert shard_address(signed, "x y.safetensors") == "https://h/a/x%20y.safetensors?sig=1"
