@@ -122,10 +122,7 @@ def _view2np(safeview: Any) -> dict[str, np.ndarray[Any, Any]]:
     }
 
 
-_TYPES: dict[str, np.dtype[Any]] = {
-    code: row.numpy
-    for code, row in DTYPES.items()
-    if not isinstance(row.kind, str) and not row.packed
-}
+_NUMPY_OWN = ("BOOL", "U8", "I8", "U16", "I16", "F16", "U32", "I32", "F32", "U64", "I64", "F64")
+_TYPES: dict[str, np.dtype[Any]] = {code: DTYPES[code].numpy for code in (*_NUMPY_OWN, "C64")}
 """Dtype code to numpy dtype, for the codes numpy has a type of its own for (the reference's
 private table, which programs import; ``ml_dtypes``' types are left out, as there)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from safetensors import numpy as reference_numpy
 
 from .servers.daemon import running
+from .servers.hub_server import FakeHub
 from .servers.nginx_server import NginxServer
 from .servers.proxy_server import ForwardProxy
 from .servers.s3_server import MotoS3Server
@@ -94,3 +96,16 @@ def small_nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NginxServe
 def key(request: pytest.FixtureRequest) -> str:
     """An object key of the test's own (its name, made a safe key)."""
     return re.sub(r"[^\w.-]+", "-", request.node.name) + ".safetensors"
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeHub]:
+    """A test Hub, named by ``HF_ENDPOINT`` and ``HF_TOKEN``, with every cache place (``HF_HOME``,
+    ``HF_HUB_CACHE``, ``STREAM_ST_CACHE``) under the test's own directory."""
+    with FakeHub() as running:
+        monkeypatch.setenv("HF_ENDPOINT", running.endpoint)
+        monkeypatch.setenv("HF_TOKEN", running.token)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+        monkeypatch.setenv("STREAM_ST_CACHE", str(tmp_path / "st-cache"))
+        yield running

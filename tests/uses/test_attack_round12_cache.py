@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -292,18 +291,6 @@ def test_a_cap_evicts_a_killed_writers_leftovers(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob("*.part")) and not list(tmp_path.rglob(".growing"))
     (kept,) = entries(Cache.at(tmp_path))
     assert kept.complete and kept.shown.endswith("/o.safetensors")
-
-
-@pytest.fixture
-def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeHub]:
-    """A test Hub, with every cache place under the test's own directory."""
-    with FakeHub() as running:
-        monkeypatch.setenv("HF_ENDPOINT", running.endpoint)
-        monkeypatch.setenv("HF_TOKEN", running.token)
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-        monkeypatch.setenv("STREAM_ST_CACHE", str(tmp_path / "st-cache"))
-        yield running
 
 
 def test_a_killed_hub_writers_leftover_is_pruned(hub: FakeHub, tmp_path: Path) -> None:
