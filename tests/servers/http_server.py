@@ -21,7 +21,8 @@ What real servers, CDNs and object stores do: ``redirects[path] = url`` (answer 
 ``last_modified``; each object has a version, counted from 0) honoured in ``If-Match``,
 ``If-Unmodified-Since`` (412), ``If-None-Match`` (304) and ``If-Range`` (a stale one gets the
 whole new object, 200) unless ``conditionals`` is False, ``replace_after[path] = (n, data)``
-(the object is replaced by ``data``, a new version, after n GETs of it), ``gzip`` ("asked":
+(the object is replaced by ``data``, a new version, after n GETs of it; with
+``unvalidated_new`` answers about a replaced object carry no validator), ``gzip`` ("asked":
 a request whose ``Accept-Encoding`` names gzip gets the whole object gzip-compressed, like
 nginx's ``gzip on``; "always": every 200 or 206 body is sent compressed, labelled
 ``Content-Encoding: gzip``).
@@ -104,6 +105,7 @@ class RangeHTTPServer:
     etag: str = ""
     last_modified: bool = False
     conditionals: bool = True
+    unvalidated_new: bool = False
     replace_after: dict[str, tuple[int, bytes]] = field(default_factory=dict)
     gzip: str = ""
     close_after: int | None = None
@@ -343,7 +345,9 @@ class RangeHTTPServer:
     def _validators(self, path: str) -> dict[str, str]:
         """The ETag and Last-Modified headers of the object at ``path``, as configured."""
         version = self._versions.get(path, 0)
-        headers = {}
+        headers: dict[str, str] = {}
+        if self.unvalidated_new and version:
+            return headers
         if self.etag:
             headers["ETag"] = f'{"W/" if self.etag == "weak" else ""}"v{version}"'
         if self.last_modified:

@@ -198,6 +198,20 @@ async def test_object_replaced_during_a_read(
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("validator", ["etag", "last_modified"])
+async def test_object_replaced_by_one_whose_answers_drop_the_validator(
+    server: RangeHTTPServer, validator: str
+) -> None:
+    """The first answer pinned the version with a validator; a later answer without it (a
+    replaced object, a server ignoring ``If-Match``) could be any version: a change."""
+    setattr(server, validator, "strong" if validator == "etag" else True)
+    server.conditionals = False
+    server.unvalidated_new = True
+    server.replace_after["/m.safetensors"] = (1, OTHER_FILE)
+    with pytest.raises(SourceChangedError, match="then none"):
+        await load(server.url("/m.safetensors"), include=["b"])
+
+
 async def test_object_replaced_by_one_of_another_size(server: RangeHTTPServer) -> None:
     """No validators at all: the size in Content-Range still tells."""
     server.replace_after["/m.safetensors"] = (1, OTHER_FILE + b"x" * 100)

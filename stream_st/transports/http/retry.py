@@ -103,10 +103,14 @@ class VersionPin:
             change = f"412 Precondition Failed to {asked}"
         else:
             keys = ("ETag", "Last-Modified")
+            # The validator that pinned the version (the ETag, else Last-Modified) must come
+            # again: an answer without it could be any version (a 206 carries the validators a
+            # 200 would); the other one may be left out, not changed.
+            pinning = 0 if self.seen[0] else 1
             changes = [
-                f"{key} {old!r}, then {new!r}"
-                for key, old, new in zip(keys, self.seen, seen, strict=True)
-                if old and new and old != new
+                f"{key} {old!r}, then {new!r}" if new else f"{key} {old!r}, then none"
+                for at, (key, old, new) in enumerate(zip(keys, self.seen, seen, strict=True))
+                if old and old != new and (new or at == pinning)
             ]
             if not changes:
                 return
