@@ -84,6 +84,9 @@ class BytesSource(Source):
         return skipped
 
 
+_EMPTY = memoryview(b"")
+
+
 class ChunkIteratorSource(Source):
     """An async iterable of bytes-like chunks of any sizes, together making one whole file."""
 
@@ -91,7 +94,7 @@ class ChunkIteratorSource(Source):
         super().__init__()
         self._iterable = chunks
         self._iterator: AsyncIterator[Any] = aiter(chunks)
-        self._chunk = memoryview(b"")
+        self._chunk = _EMPTY
         self._done = False
         self._closed = False
         self.name = name
@@ -116,7 +119,9 @@ class ChunkIteratorSource(Source):
             self.clock.moved(len(self._chunk))
         count = min(len(buffer), len(self._chunk))
         buffer[:count] = self._chunk[:count]
-        self._chunk = self._chunk[count:]
+        # A chunk taken whole is let go of: a view of it kept while the next is awaited would
+        # stop its producer from reusing its buffer (a bytearray cleared or grown: BufferError).
+        self._chunk = self._chunk[count:] if count < len(self._chunk) else _EMPTY
         self.position += count
         return count
 

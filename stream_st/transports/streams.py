@@ -25,7 +25,7 @@ from anyio.abc import ByteReceiveStream, ByteSendStream, SocketStream
 from anyio.streams.stapled import StapledByteStream
 from anyio.streams.tls import TLSStream
 
-from ..errors import TransportError, UsageError
+from ..errors import TransportError, UnsupportedSourceError, UsageError
 from .base import AsyncReadInto, Sink, Source
 
 __all__ = [
@@ -63,7 +63,17 @@ class AnyioStreamSource(Source):
             raise TransportError(
                 f"receive failed: {exc!r}", url=self.name, position=self.position
             ) from exc
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise UnsupportedSourceError(
+                f"{self.name}: the stream gave {type(data).__name__}, not bytes"
+            )
         count = len(data)
+        if count > len(buffer):
+            raise TransportError(
+                f"the stream gave {count} bytes where at most {len(buffer)} were asked for",
+                url=self.name,
+                position=self.position,
+            )
         buffer[:count] = data
         self.position += count
         self.clock.moved(count)

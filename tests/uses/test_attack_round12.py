@@ -139,3 +139,48 @@ def test_a_sharded_checkpoint_under_an_s3_prefix_with_a_question_mark_is_an_inde
     assert address_in("s3://bkt/p?x/", "m.safetensors") == "s3://bkt/p?x/m.safetensors"
     signed = "https://h/a/model.safetensors.index.json?sig=1"  # a URL's query stays one
     assert shard_address(signed, "x y.safetensors") == "https://h/a/x%20y.safetensors?sig=1"
+
+
+async def test_a_chunk_generator_may_reuse_its_buffer_once_the_chunk_is_taken() -> None:
+    """A generator that yields one bytearray, then clears and refills it: each chunk is let go
+    of once taken, so the producer's buffer is free again (no BufferError)."""
+    import safetensors.numpy as reference_numpy
+
+    arrays: dict[str, np.ndarray[Any, Any]] = {
+        "a": np.arange(1000, dtype=np.float32),
+        "b": np.ones(300, np.int16),
+    }
+    data = reference_numpy.save(arrays)
+
+    async def chunks() -> Any:
+        buffer = bytearray()
+        for start in range(0, len(data), 777):
+            buffer.clear()
+            buffer += data[start : start + 777]
+            yield buffer
+
+    got = {name: array async for name, array in stream_st.open_stream(chunks())}
+    assert all(np.array_equal(got[name], array) for name, array in arrays.items())
+
+
+async def test_an_anyio_stream_that_gives_more_than_asked_or_text_is_refused() -> None:
+    import anyio.abc
+    import safetensors.numpy as reference_numpy
+
+    data = reference_numpy.save({"a": np.arange(10, dtype=np.float32)})
+
+    class Loose(anyio.abc.ByteReceiveStream):
+        def __init__(self, answer: Any) -> None:
+            self.answer = answer
+
+        async def receive(self, max_bytes: int = 65536) -> bytes:
+            answer: bytes = self.answer
+            return answer
+
+        async def aclose(self) -> None:
+            pass
+
+    with pytest.raises(stream_st.TransportError, match="at most 8 were asked for"):
+        await stream_st.load(Loose(data))
+    with pytest.raises(stream_st.UnsupportedSourceError, match="gave str"):
+        await stream_st.load(Loose("text"))
