@@ -184,3 +184,24 @@ async def test_an_anyio_stream_that_gives_more_than_asked_or_text_is_refused() -
         await stream_st.load(Loose(data))
     with pytest.raises(stream_st.UnsupportedSourceError, match="gave str"):
         await stream_st.load(Loose("text"))
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 404 Not Found\nFAKE: second line\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 300 Multiple Choices\r\nLocation: /a\nInjected: b\r\nContent-Length: 0\r\n\r\n",
+    ],
+)
+async def test_an_answer_s_bare_line_feed_never_makes_a_message_of_two_lines(
+    answer: bytes,
+) -> None:
+    from ..servers.http_server import RangeHTTPServer
+    from ..servers.lossy_proxy import LossyProxy
+
+    with RangeHTTPServer() as server, LossyProxy(server.port) as proxy:
+        proxy.lose("GET", "", answer, times=None)
+        with pytest.raises(stream_st.SafetensorsError) as info:
+            await stream_st.load(proxy.url + "/m.safetensors")
+    assert "\n" not in str(info.value) and "\r" not in str(info.value)
+    assert "second line" not in str(info.value) and "Injected" not in str(info.value)

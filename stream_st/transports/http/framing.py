@@ -26,7 +26,7 @@ __all__ = ["Response", "Upload", "content_range", "receive_response", "request_h
 _HEAD_LIMIT = 64 << 10
 _MAX_INTERIM = 32  # interim (1xx) answers accepted before the final one
 _USER_AGENT = "stream_st"
-_STATUS_LINE = re.compile(r"HTTP/1\.[0-9] ([1-5][0-9]{2})(?: (.*))?", re.DOTALL)
+_STATUS_LINE = re.compile(r"HTTP/1\.[0-9] ([1-5][0-9]{2})(?: (.*))?")
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _DISCARD_LIMIT = 64 << 10  # an unwanted body up to this size is read to keep its connection
 
@@ -72,7 +72,9 @@ async def _read_head(connection: Connection, target: Target) -> tuple[int, str, 
             buffer += more[:count]
         head = bytes(buffer[:end]).decode("latin-1")
         del buffer[: end + 4]
-        status_line, *header_lines = head.split("\r\n")
+        # Lines end in CRLF, or a bare LF (which recipients may take as one): a line break is
+        # never part of a value, so no message quoting one runs onto a second line.
+        status_line, *header_lines = head.replace("\r\n", "\n").replace("\r", " ").split("\n")
         match = _STATUS_LINE.fullmatch(status_line)
         if match is None:
             raise HTTPProtocolError(f"malformed status line {status_line[:100]!r}", url=target.url)
