@@ -22,7 +22,8 @@ What real servers, CDNs and object stores do: ``redirects[path] = url`` (answer 
 ``If-Unmodified-Since`` (412), ``If-None-Match`` (304) and ``If-Range`` (a stale one gets the
 whole new object, 200) unless ``conditionals`` is False, ``replace_after[path] = (n, data)``
 (the object is replaced by ``data``, a new version, after n GETs of it; with
-``unvalidated_new`` answers about a replaced object carry no validator), ``gzip`` ("asked":
+``unvalidated_new`` answers about a replaced object carry no validator), ``range_cap`` (a range
+is answered with at most that many bytes, its ``Content-Range`` saying so), ``gzip`` ("asked":
 a request whose ``Accept-Encoding`` names gzip gets the whole object gzip-compressed, like
 nginx's ``gzip on``; "always": every 200 or 206 body is sent compressed, labelled
 ``Content-Encoding: gzip``).
@@ -106,6 +107,7 @@ class RangeHTTPServer:
     last_modified: bool = False
     conditionals: bool = True
     unvalidated_new: bool = False
+    range_cap: int | None = None
     replace_after: dict[str, tuple[int, bytes]] = field(default_factory=dict)
     gzip: str = ""
     close_after: int | None = None
@@ -314,6 +316,8 @@ class RangeHTTPServer:
                 )
                 return True
             code = 206
+            if self.range_cap is not None:  # as some servers: at most so much of a range
+                end = min(end, start + self.range_cap)
         extra["Accept-Ranges"] = "none" if self.no_range else "bytes"
         if code == 206:
             extra["Content-Range"] = f"bytes {start}-{end - 1}/{size}"

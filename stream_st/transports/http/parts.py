@@ -294,11 +294,17 @@ class PartWindow:
         """Receive ``part``'s body from ``response``; a break is retried (``retries``, with
         back-off) by the next request, an answer that ends early makes it short."""
         view = self._view(part)
+        before = part.got
         try:
             while part.got < len(view):
                 count = await response.receive_into(view[part.got :])
                 if count == 0:
-                    break  # the server sent less than asked: the object is shorter
+                    if part.got > before:  # a whole answer for less than asked (a server
+                        # capping its ranges): the rest is asked for next, as one stream does
+                        part.response = None
+                        await response.aclose()
+                        return
+                    break  # nothing at all: the object is shorter than planned
                 part.got += count
                 self._received += count
         except HTTPProtocolError:
