@@ -101,7 +101,7 @@ from .ranks_plan import plan_exchange as plan_exchange
 from .ranks_plan import slice_bounds as slice_bounds
 from .ranks_plan import slice_shape as slice_shape
 from .ranks_plan import stripe_size as stripe_size
-from .reader import ShardIndex
+from .reader import ShardIndex, repeated_name
 
 if TYPE_CHECKING:
     import torch
@@ -125,6 +125,23 @@ def _header_digest(header: Header) -> str:
     """What every rank must agree on: the tensor table and where the data starts."""
     table = [(t.name, t.dtype, t.shape, t.start, t.end) for t in header.tensors]
     return hashlib.sha256(repr((header.data_start, table)).encode()).hexdigest()
+
+
+def _index_digest(index: ShardIndex) -> str:
+    """What every rank reading an index must agree on: its shards in reading order, where each
+    tensor is (an index) or each shard's size (a manifest)."""
+    weight_map = sorted((index.weight_map or {}).items())
+    table = (index.weight_map is None, index.shards, weight_map, sorted(index.shard_bytes.items()))
+    return hashlib.sha256(repr(table).encode()).hexdigest()
+
+
+def _check_same(everyone: list[tuple[Any, ...]], meaning: str) -> None:
+    """:class:`RankFailedError`, on every rank alike, naming the first rank whose digest (the
+    last item of its gathered tuple: what it digests, the digest) differs from rank 0's."""
+    for rank, each in enumerate(everyone):
+        if each[-1] != everyone[0][-1]:
+            cause = f"its {each[-1][0]} differs from rank 0's ({meaning})"
+            raise RankFailedError(f"rank {rank} failed: {cause}", rank=rank, cause=cause)
 
 
 def _selected(include: Include) -> Callable[[str], bool]:
@@ -167,6 +184,7 @@ class DistributedStream(TensorStream):
         device: Any = None,
         max_tensor_bytes: int | None = None,
         max_total_bytes: int | None = None,
+        unique_names: bool = False,
     ) -> None:
         super().__init__(
             source,
@@ -195,6 +213,9 @@ class DistributedStream(TensorStream):
         except SafetensorsError as exc:
             self._problem = Failure.of(exc)
         self._counted: list[int] = []  # bytes each rank's caps counted, shard after shard
+        # For one dict of names (load): each rank's wanted names -> the shard they came from.
+        self._unique_names = unique_names
+        self._shard_of: list[dict[str, str]] = []
         self._slices = slices
         self._index_address = os.fspath(source) if is_index(source) else None
         self._index: ShardIndex | None = None
@@ -241,19 +262,23 @@ class DistributedStream(TensorStream):
             raise UsageError("the stream is closed")
         self._group_opened = True
         failure = self._problem
+        digest: tuple[str, str] | None = None
         if failure is None:
             try:
                 if self._index_address is None:
-                    await super().open()
+                    digest = ("header", _header_digest(await super().open()))
                 else:
                     self._clock.start()
                     self._index = await ShardIndex.read(self._index_address, self._clock)
                     self._check_names(set(self._index.weight_map or ()) or None)
+                    digest = ("index", _index_digest(self._index))
             except BaseException as exc:  # told to the group first, raised after
                 failure = Failure.of(exc)
         group = self._group
         try:
-            group.peers = await group.gather((socket.gethostname(), os.getpid()), failure)
+            everyone = await group.gather((socket.gethostname(), os.getpid(), digest), failure)
+            group.peers = [(host, pid) for host, pid, _ in everyone]
+            _check_same(everyone, "not the same file or index")
         except BaseException:
             await self.aclose()
             raise
@@ -283,30 +308,29 @@ class DistributedStream(TensorStream):
         return wants
 
     async def _exchange(
-        self, stream: TensorStream | None, failure: Failure | None
+        self, stream: TensorStream | None, failure: Failure | None, shard: str = ""
     ) -> AsyncGenerator[tuple[str, Any]]:
         """One file read by the group: agree on its header and who wants what, check every
         rank's caps, then run the plan. ``failure``: opening it failed on this rank."""
         group = self._group
         wants: dict[int, Slice | None] = {}
-        digest = None
+        digest: tuple[str, str] | None = None
         if stream is not None and failure is None:
             try:
                 header = stream.header
                 if self._index_address is None:
                     self._check_names(set(header.names()))
                 wants = self._wants(header)
-                digest = _header_digest(header)
+                digest = ("header", _header_digest(header))
             except Exception as exc:  # include= and slices= may be the caller's functions
                 failure = Failure.of(exc)
         caps = (self._caps.tensor, self._caps.total)
         everyone = await group.gather((digest, wants, caps), failure)
-        for rank, (other, _, _) in enumerate(everyone):
-            if other != everyone[0][0]:
-                cause = "its header differs from rank 0's (not the same file)"
-                raise RankFailedError(f"rank {rank} failed: {cause}", rank=rank, cause=cause)
+        _check_same([each[::-1] for each in everyone], "not the same file")
         assert stream is not None
         self._check_caps(stream, [(each[1], Caps(*each[2])) for each in everyone])
+        if self._unique_names and self._index_address is not None:
+            self._claim_names(stream.header, shard, [each[1] for each in everyone])
         plan = self.plan = plan_exchange(stream.header.tensors, [each[1] for each in everyone])
         file = FileExchange(group, stream, wants, self._delivery, self._verify)
         async with contextlib.aclosing(file.run(plan)) as items:
@@ -314,6 +338,22 @@ class DistributedStream(TensorStream):
                 self._found.add(item[0])
                 yield item
                 del item
+
+    def _claim_names(
+        self, header: Header, shard: str, every: list[dict[int, Slice | None]]
+    ) -> None:
+        """For one dict of names: the same :class:`UsageError` on every rank, before any of
+        ``shard``'s bytes move, if a tensor some rank wants of it came from an earlier shard
+        (a batch-mode dataset repeats its columns in every shard), as ``load_file`` raises."""
+        claimed = self._shard_of or [{} for _ in every]
+        self._shard_of = claimed
+        for rank, wants in enumerate(every):
+            for index in sorted(wants):
+                name = header.tensors[index].name
+                first = claimed[rank].setdefault(name, shard)
+                if first != shard:
+                    assert self._index_address is not None
+                    raise repeated_name(self._index_address, name, first, shard)
 
     def _check_caps(
         self, stream: TensorStream, every: list[tuple[dict[int, Slice | None], Caps]]
@@ -354,7 +394,8 @@ class DistributedStream(TensorStream):
                 except BaseException as exc:  # told to the group first, raised after
                     failure = Failure.of(exc)
                 try:
-                    async with contextlib.aclosing(self._exchange(stream, failure)) as items:
+                    exchange = self._exchange(stream, failure, shard)
+                    async with contextlib.aclosing(exchange) as items:
                         async for item in items:
                             yield item
                             del item
@@ -401,6 +442,7 @@ async def load(
         device=device,
         max_tensor_bytes=max_tensor_bytes,
         max_total_bytes=max_total_bytes,
+        unique_names=True,
     )
     return {name: tensor async for name, tensor in stream}
 
@@ -432,6 +474,7 @@ def load_model(
     :func:`stream_st.torch.load_model` gives them. Tensors that fit the model's CPU memory
     (dtype, shape) are received straight into it; the others (slices among them) go through
     ``model.load_state_dict``. Names ``include=`` leaves out are not missing."""
+    from ..compat._shared import find_shared_tensors
     from ..compat._sync import run
 
     try:
@@ -441,6 +484,13 @@ def load_model(
             for name, tensor in state.items()
             if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
         }
+        # Names that share memory (tied weights) are received fresh and go through
+        # load_state_dict: received in place, their buffers would overlap (one name read
+        # while another is received into the same bytes).
+        for group in find_shared_tensors(into):
+            if len(group) > 1:
+                for name in group:
+                    del into[name]
     except Exception as exc:  # not a model: told to the group, which would wait for this rank
         refuse(process_group, exc)
     loaded = run(

@@ -20,7 +20,7 @@ import anyio.to_thread
 
 from .._util import process_running
 from ..core.arrays import load_torch
-from ..errors import RankFailedError, RankLostError, UsageError
+from ..errors import ArgumentTypeError, RankFailedError, RankLostError, UsageError
 
 __all__ = ["LOST_LOOKS", "LOST_PAUSE", "MESSAGE_BYTES", "Failure", "RankGroup", "describe"]
 
@@ -63,6 +63,11 @@ class RankGroup:
                 "slices= (and load_model's include=) need process_group= (a torch.distributed "
                 "process group)"
             )
+        if not isinstance(group, dist.ProcessGroup):
+            raise ArgumentTypeError(
+                "process_group= takes a torch.distributed process group (e.g. "
+                f"torch.distributed.group.WORLD), got {type(group).__name__}"
+            )
         if not dist.is_available() or not dist.is_initialized():
             raise UsageError("process_group= needs torch.distributed initialised in this process")
         self.group = group
@@ -86,6 +91,8 @@ class RankGroup:
             out = None if device in (None, "cpu") else self.torch.device(device)
         except (RuntimeError, TypeError) as exc:
             raise UsageError(f"device={device!r} is not a device: {exc}") from None
+        if out is not None and out.type not in ("cpu", "cuda"):
+            raise UsageError(f"device={device!r}: only the CPU and CUDA devices are supported")
         if out is not None and out.type == "cuda" and not self.torch.cuda.is_available():
             raise UsageError(f"device={device!r}: this torch has no CUDA device")
         self.out_device = out
