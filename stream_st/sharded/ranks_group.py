@@ -63,7 +63,8 @@ class RankGroup:
                 "slices= (and load_model's include=) need process_group= (a torch.distributed "
                 "process group)"
             )
-        if not isinstance(group, dist.ProcessGroup):
+        kind = getattr(dist, "ProcessGroup", None)  # absent where torch has no distributed
+        if kind is not None and not isinstance(group, kind):
             raise ArgumentTypeError(
                 "process_group= takes a torch.distributed process group (e.g. "
                 f"torch.distributed.group.WORLD), got {type(group).__name__}"
