@@ -205,3 +205,14 @@ async def test_an_answer_s_bare_line_feed_never_makes_a_message_of_two_lines(
             await stream_st.load(proxy.url + "/m.safetensors")
     assert "\n" not in str(info.value) and "\r" not in str(info.value)
     assert "second line" not in str(info.value) and "Injected" not in str(info.value)
+
+
+async def test_a_416_to_the_first_bytes_of_an_object_it_says_holds_some_is_no_empty_file() -> None:
+    from ..servers.http_server import RangeHTTPServer
+    from ..servers.lossy_proxy import LossyProxy
+
+    refusal = b"HTTP/1.1 416 Range Not Satisfiable\r\nContent-Range: bytes */504232\r\n"
+    with RangeHTTPServer() as server, LossyProxy(server.port) as proxy:
+        proxy.lose("GET", "", refusal + b"Content-Length: 0\r\n\r\n", times=None)
+        with pytest.raises(stream_st.HTTPProtocolError, match="holds 504232 bytes"):
+            await stream_st.load(proxy.url + "/m.safetensors")

@@ -222,6 +222,15 @@ class HttpSource(ClientUser, Source):
             else:
                 if response.status == 416 and start == 0:  # an empty object
                     await response.aclose()
+                    unsatisfied = response.headers.get("content-range", "").strip()
+                    total = unsatisfied.removeprefix("bytes */")
+                    if total != unsatisfied and total.isdigit() and int(total):
+                        raise HTTPProtocolError(
+                            f"the server refused the object's first bytes (416) while saying it "
+                            f"holds {int(total)} bytes",
+                            url=self.name,
+                            position=0,
+                        )
                     return None
                 retrying = self._retry.retryable(response.status) and attempt < self._retry.count
                 if retrying:
