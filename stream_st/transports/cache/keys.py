@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit
+from urllib.parse import parse_qsl, quote, urlencode
 
+from ...core.shards import split_address
 from ...errors import _secret_parameter
 
 __all__ = ["ObjectKey", "object_key", "signs_only", "version_key"]
@@ -59,11 +60,7 @@ class ObjectKey:
 def object_key(address: str) -> ObjectKey:
     """The key of the object at ``address`` (a URL); see the module. An ``s3://`` address has no
     query or fragment: its key is everything after the bucket (``?`` and ``#`` included)."""
-    if address[:5].lower() == "s3://":
-        bucket, _, key = address[5:].partition("/")
-        shown = f"s3://{bucket.lower()}/{key}"
-        return ObjectKey(hashlib.sha256(shown.encode()).hexdigest()[:40], shown)
-    parts = urlsplit(address)
+    parts = split_address(address)
     scheme = parts.scheme.lower()
     host = (parts.hostname or "").lower()
     if ":" in host:
