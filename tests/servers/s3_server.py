@@ -3,6 +3,7 @@
     with MotoS3Server() as s3:
         s3.endpoint_url           # http://127.0.0.1:PORT
         s3.client()               # a boto3 client for setting up buckets and checking results
+        s3.config()               # stream_st's S3Config for it
 
 The child serves until its standard input closes, so it never outlives the test run.
 Run standalone: ``python -m tests.servers.s3_server`` prints the port and serves until stdin closes.
@@ -12,7 +13,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stream_st.transports.s3.config import S3Config
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -74,6 +78,18 @@ class MotoS3Server:
             aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
             aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
             config=Config(response_checksum_validation="when_required"),
+        )
+
+    def config(self) -> S3Config:
+        """An :class:`~stream_st.transports.s3.config.S3Config` for this server, with its test
+        credentials and nothing taken from the environment."""
+        from stream_st.transports.s3.config import S3Config
+
+        return S3Config.resolve(
+            endpoint_url=self.endpoint_url,
+            access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            environ={},
         )
 
     def __enter__(self) -> MotoS3Server:

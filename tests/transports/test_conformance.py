@@ -34,7 +34,7 @@ from stream_st.transports.s3.sink import S3Sink
 from stream_st.transports.s3.source import S3Source
 
 from ..servers.http_server import RangeHTTPServer
-from ..servers.s3_server import CREDENTIALS, MotoS3Server
+from ..servers.s3_server import MotoS3Server
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 
@@ -207,12 +207,7 @@ def s3_config(moto_s3: MotoS3Server) -> S3Config:
     client = moto_s3.client()
     with contextlib.suppress(Exception):
         client.create_bucket(Bucket="conformance")
-    return S3Config.resolve(
-        endpoint_url=moto_s3.endpoint_url,
-        access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        environ={},
-    )
+    return moto_s3.config()
 
 
 @pytest.fixture

@@ -35,7 +35,7 @@ from stream_st.transports.s3.source import S3Source
 
 from .._util import assert_same_arrays
 from ..servers.http_server import RangeHTTPServer
-from ..servers.s3_server import CREDENTIALS, MotoS3Server
+from ..servers.s3_server import MotoS3Server
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 
@@ -252,12 +252,7 @@ async def test_s3_object_replaced_during_a_read(
     client = moto_s3.client()
     client.create_bucket(Bucket="changing")
     client.put_object(Bucket="changing", Key="m.safetensors", Body=SPLIT_FILE)
-    config = S3Config.resolve(
-        endpoint_url=moto_s3.endpoint_url,
-        access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        environ={},
-    )
+    config = moto_s3.config()
     source = S3Source("s3://changing/m.safetensors", config=config)
     with pytest.raises(SourceChangedError, match=re.escape("s3://changing/m.safetensors")):
         async with stream_st.open_stream(source, include=["b"]) as stream:
@@ -326,12 +321,7 @@ async def test_s3_error_document_is_one_line(
 ) -> None:
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     moto_s3.client().create_bucket(Bucket="errors")
-    config = S3Config.resolve(
-        endpoint_url=moto_s3.endpoint_url,
-        access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        environ={},
-    )
+    config = moto_s3.config()
     with pytest.raises(HTTPNotFoundError) as info:
         await load(S3Source("s3://errors/missing.safetensors", config=config))
     assert str(info.value) == (

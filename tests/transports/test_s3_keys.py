@@ -32,12 +32,7 @@ ODD_KEYS = [
 @pytest.fixture
 def s3(moto_s3: MotoS3Server) -> tuple[MotoS3Server, S3Config]:
     moto_s3.client().create_bucket(Bucket=BUCKET)
-    config = S3Config.resolve(
-        endpoint_url=moto_s3.endpoint_url,
-        access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        environ={},
-    )
+    config = moto_s3.config()
     return moto_s3, config
 
 

@@ -164,12 +164,7 @@ async def test_http_upload_refused(http: RangeHTTPServer) -> None:
 def s3(moto_s3: MotoS3Server) -> tuple[MotoS3Server, S3Config]:
     client = moto_s3.client()
     client.create_bucket(Bucket="uploads")
-    config = S3Config.resolve(
-        endpoint_url=moto_s3.endpoint_url,
-        access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        environ={},
-    )
+    config = moto_s3.config()
     return moto_s3, config
 
 
