@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -68,3 +72,17 @@ def assert_same_arrays(
         assert got[name].dtype == array.dtype, name
         assert got[name].shape == array.shape, name
         assert got[name].tobytes() == array.tobytes(), name
+
+
+def run_command(
+    *args: str, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m stream_st.cli ARGS`` in a process of its own, from this checkout, in the
+    environment with ``env`` added; its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "stream_st.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})},
+    )

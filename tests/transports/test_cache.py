@@ -7,6 +7,7 @@ Hub and its CDN) and real processes: two readers at once, a writer killed with S
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import os
 import signal
@@ -26,7 +27,7 @@ from stream_st.transports.cache import Cache, CacheMissError, parse_size
 from stream_st.transports.cache.keys import object_key
 from stream_st.transports.cache.manage import entries, prune, remove
 
-from .._util import assert_same_arrays
+from .._util import assert_same_arrays, run_command
 from ..servers.http_server import RangeHTTPServer
 from ..servers.hub_server import CDN_HOST, FakeHub
 from ..servers.s3_server import CREDENTIALS, MotoS3Server
@@ -477,23 +478,10 @@ def test_remove_leaves_an_entry_being_written(tmp_path: Path) -> None:
 
 
 def test_the_command(server: RangeHTTPServer, tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "STREAM_ST_CACHE": str(tmp_path),
-        "HF_HUB_CACHE": str(tmp_path / "hub"),
-    }
-    env.pop("HF_HUB_OFFLINE", None)
+    # HF_HUB_OFFLINE is not in the environment (the suite's hermetic_environment)
+    env = {"STREAM_ST_CACHE": str(tmp_path), "HF_HUB_CACHE": str(tmp_path / "hub")}
     url = server.url("/m.safetensors")
-
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "stream_st.cli", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-        )
+    run = functools.partial(run_command, env=env)
 
     assert run("inspect", "--offline", url).returncode == 2
     assert run("validate", "-q", "--cache", url).returncode == 0

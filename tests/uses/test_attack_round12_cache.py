@@ -29,7 +29,7 @@ from stream_st.transports.cache.keys import object_key
 from stream_st.transports.cache.manage import entries, prune
 from stream_st.transports.cache.store import EntryLock
 
-from .._util import assert_same_arrays
+from .._util import assert_same_arrays, run_command
 from ..servers.http_server import RangeHTTPServer
 from ..servers.hub_server import FakeHub
 
@@ -69,16 +69,7 @@ async def read(source: str, **options: Any) -> tuple[Arrays, str | None]:
     return arrays, getattr(stream, "cache_state", None)
 
 
-def command(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``stream-st ARGS``, in a process of its own."""
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "stream_st.cli", *args],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=60,
-    )
+command = run_command
 
 
 # ------------------------------------------------------------------ 1: the query names the object

@@ -3,9 +3,6 @@ each test failed before its fix."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +14,10 @@ import stream_st
 import stream_st.numpy
 from stream_st.kv import KVLayout, receive_kv, send_kv
 
+from .._util import run_command
 from ..servers.http_server import RangeHTTPServer
 
 Array = np.ndarray[Any, Any]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_kv_layout_shape_given_as_a_list_is_the_same_layout(tmp_path: Path) -> None:
@@ -61,15 +58,7 @@ def test_kv_layout_layer_bytes_of_a_huge_shape_does_not_wrap() -> None:
     assert layout.layer_bytes == 2 * 2**80 * 2 + 32
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """``python -m stream_st.cli`` with ``args``, from this checkout."""
-    return subprocess.run(
-        [sys.executable, "-m", "stream_st.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+cli = run_command
 
 
 async def test_cache_prune_or_ls_with_a_pattern_is_refused_not_applied_to_every_copy(
