@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any, Unpack
 
 from .compat import _local, _save, _shared
@@ -448,7 +448,7 @@ def load_model(
     read = functools.partial(_received, filename, verify, clock_of(options), cache, given)
     if assign:
         slots = _Slots(model, target)
-        _, others = read(slots.place, not _facade.maps(backend), None)
+        _, others = read(slots.place, not _facade.maps(backend), None, slots.seen)
         missing, unexpected = slots.outcome(others)
     else:
         missing, unexpected = _load_into(model, read, _facade.maps(backend))
@@ -472,9 +472,16 @@ def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str
         if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
     }
     on_device = {name: tensor for name, tensor in state.items() if tensor.device.type == "cuda"}
+    overruled: set[str] = set()
+
+    def seen(names: Collection[str]) -> None:
+        dropped, fresh = _overruled(state, names)
+        overruled.update(dropped)
+        for name in dropped | fresh:
+            into.pop(name, None)
 
     def place(name: str, tensor: torch.Tensor) -> bool:
-        if tensor is into.get(name):
+        if tensor is into.get(name) or name in overruled:
             return True
         target = on_device.get(name)
         if target is None or target.shape != tensor.shape or target.dtype != tensor.dtype:
@@ -483,12 +490,38 @@ def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str
             target.copy_(tensor)  # from pageable memory: done when it returns
         return True
 
-    placed, fresh = read(place, bool(into) or not maps, into)
+    placed, fresh = read(place, bool(into) or not maps, into, seen)
     missing_list, unexpected = _shared.load_state(model, dict(fresh))
     missing = set(missing_list).difference(placed)
     in_file = placed | {name for name, _ in fresh}
     _shared.shared_counted(state, in_file, missing, unexpected)
     return missing, unexpected
+
+
+def _overruled(state: Mapping[str, Any], names: Collection[str]) -> tuple[set[str], set[str]]:
+    """Of the file's ``names``, where more than one of a group sharing memory is in the file:
+    those ``load_state_dict`` would overwrite with a later name's (one tensor under several
+    names, tied weights: all but the last in the model's order), and those to copy in the
+    model's order (names that view parts of the memory otherwise: received fresh, applied by
+    ``load_state_dict``). The reference's ``load_model`` ends so, whatever the file's order."""
+    in_file = set(names)
+    order = {name: position for position, name in enumerate(state)}
+    dropped: set[str] = set()
+    fresh: set[str] = set()
+    for group in _shared.find_shared_tensors(state):
+        present = sorted(group.intersection(in_file), key=order.__getitem__)
+        if len(present) < 2:
+            continue
+        if len({_view_of(state[name]) for name in present}) == 1:
+            dropped.update(present[:-1])
+        else:
+            fresh.update(present)
+    return dropped, fresh
+
+
+def _view_of(tensor: Any) -> tuple[Any, ...]:
+    """What makes two tensors the same memory seen alike."""
+    return (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
 
 
 class _Slots:
@@ -508,18 +541,30 @@ class _Slots:
         self._group = {name: names for names in by_tensor.values() for name in names}
         self._loaded: set[str] = set()
         self._given: set[str] = set()  # the names the file had that were placed
+        self._overruled: set[str] = set()  # tied names the file has with a later one (seen)
         tensors = {name: value for name, value in state.items() if name in self._group}
         self._shared = [group for group in _shared.shared_groups(tensors) if len(group[0]) > 1]
         self._geometry = {  # of the tensors sharing memory: enough to view the new one alike
             name: _Geometry(tensors[name]) for group, _ in self._shared for name in group
         }
 
+    def seen(self, names: Collection[str]) -> None:
+        """The file has ``names``: of tied names, only the last in the model's order is placed
+        (as ``load_state_dict`` copies them, the last one's values stay)."""
+        in_file = set(names)
+        for group in {id(group): group for group in self._group.values()}.values():
+            self._overruled.update([name for name in group if name in in_file][:-1])
+
     def place(self, name: str, tensor: Any) -> bool:
         """Put ``tensor`` where ``name`` (and every name tied to it) lives; False if the model
-        has no such name."""
+        has no such name. A tied name the file has with a later one (:meth:`seen`) is taken and
+        dropped."""
         names = self._group.get(name)
         if names is None:
             return False
+        if name in self._overruled:
+            self._given.add(name)
+            return True
         module, attribute = self._slot(names[0])
         old = getattr(module, attribute)
         if old.shape != tensor.shape:
@@ -622,8 +667,11 @@ class _Geometry:
 _Placed = tuple[set[str], list[tuple[str, Any]]]
 """The names ``place`` took (see :func:`_received`), and the tensors it did not."""
 
-_Read = Callable[[Callable[[str, Any], bool], bool, dict[str, Any] | None], _Placed]
-"""``read(place, copy, into)``: :func:`_received` of a ``load_model`` call's file."""
+_Read = Callable[
+    [Callable[[str, Any], bool], bool, dict[str, Any] | None, Callable[[Collection[str]], None]],
+    _Placed,
+]
+"""``read(place, copy, into, seen)``: :func:`_received` of a ``load_model`` call's file."""
 
 
 def _received(
@@ -635,21 +683,24 @@ def _received(
     place: Callable[[str, Any], bool],
     copy: bool,
     into: dict[str, Any] | None,
+    seen: Callable[[Collection[str]], None],
 ) -> _Placed:
     """:func:`_receive` of ``src``, the call's options ``given``. Read without a copy, nothing
     received into given memory, a local file with no option is read as :func:`load_file` reads
-    it: mapped, with no event loop to start."""
+    it: mapped, with no event loop to start. ``seen`` is told the file's names before any
+    tensor is read or handed to ``place``."""
     from .compat._sync import run
 
     if not copy and not into:
         loaded = _local.load_mapped(src, True, verify, "mmap", given)
         if loaded is not None:
+            seen(list(loaded))
             placed: set[str] = set()
             others: list[tuple[str, Any]] = []
             for name in list(loaded):  # each let go once placed
                 _hand(place, name, loaded.pop(name), placed, others)
             return placed, others
-    return run(_receive, src, place, verify, clock, copy, into, cache)
+    return run(_receive, src, place, seen, verify, clock, copy, into, cache)
 
 
 def _hand(
@@ -670,16 +721,19 @@ def _hand(
 async def _receive(
     src: SourceLike,
     place: Callable[[str, Any], bool],
+    seen: Callable[[Collection[str]], None],
     verify: bool,
     clock: Clock,
     copy: bool,
     into: dict[str, Any] | None = None,
     cache: CacheLike = None,
 ) -> _Placed:
-    """Read every tensor of ``src`` (``into`` those it can take) and hand each to ``place``; the
-    names it took, and the tensors it did not."""
+    """Read every tensor of ``src`` (``into`` those it can take, as it holds them once ``seen``
+    was told the file's names) and hand each to ``place``; the names it took, and the tensors
+    it did not. Of an index without a weight map, ``seen`` is told none."""
     from ._api import stream_for
     from .memory.delivery import Delivery
+    from .sharded.reader import ShardedStream
 
     placed: set[str] = set()
     others: list[tuple[str, Any]] = []
@@ -691,6 +745,11 @@ async def _receive(
         copy=copy,
         cache=cache,
     )
-    async for name, tensor in stream:
-        _hand(place, name, tensor, placed, others)
+    async with stream:
+        if isinstance(stream, ShardedStream):
+            seen(list(stream.index.weight_map or ()))
+        else:
+            seen([info.name for info in stream.header.tensors])
+        async for name, tensor in stream:
+            _hand(place, name, tensor, placed, others)
     return placed, others

@@ -630,6 +630,74 @@ def test_load_model_assign_reports_and_refuses_as_without(tmp_path: Path) -> Non
         st.load_model(Tied(), tmp_path / "bad.safetensors", assign=True)
 
 
+class TiedBackwards(torch.nn.Module):
+    """Two tied names whose order in the model (``z`` first) is not the file's (sorted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.z = torch.nn.Linear(4, 4, bias=False)
+        self.a = torch.nn.Linear(4, 4, bias=False)
+        self.a.weight = self.z.weight
+
+
+@pytest.mark.parametrize("how", ["received", "pread", "http", "other dtype", "assign"])
+def test_load_model_of_both_tied_names_keeps_the_last_in_the_model_s_order(
+    tmp_path: Path, http: RangeHTTPServer, how: str
+) -> None:
+    """A file holding both names of a tied pair, with different values: the model ends with
+    the value of the name last in the model's order, as the reference's ``load_state_dict``
+    copies them, whatever the order in the file; the other is reported unexpected."""
+    path = tmp_path / "m.safetensors"
+    reference.save_file(
+        {"a.weight": torch.full((4, 4), 1.0), "z.weight": torch.full((4, 4), 2.0)}, path
+    )
+    expected = TiedBackwards()
+    ref: Any = reference.load_model(expected, path, strict=False)
+    assert torch.equal(expected.z.weight.detach(), torch.full((4, 4), 1.0))  # "a": last
+    model = TiedBackwards()
+    address: object = path
+    options: dict[str, Any] = {"strict": False}
+    if how == "pread":
+        options["backend"] = "pread"
+    elif how == "http":
+        http.objects["/m.safetensors"] = path.read_bytes()
+        address = http.url("/m.safetensors")
+    elif how == "other dtype":
+        model.z.double()  # through load_state_dict, cast
+        expected.z.double()
+    elif how == "assign":
+        options["assign"] = True
+    got: Any = st.load_model(model, address, **options)
+    assert (set(got[0]), sorted(got[1])) == (set(ref[0]), sorted(ref[1]))
+    assert model.a.weight is model.z.weight
+    assert torch.equal(model.z.weight.float(), torch.full((4, 4), 1.0)), how
+
+
+class PartFirstInFile(torch.nn.Module):
+    """A buffer viewing part of another, before it in the file's (sorted) order."""
+
+    full: torch.Tensor
+    a_part: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("full", torch.zeros(8))
+        self.register_buffer("a_part", self.full[2:6])
+
+
+def test_load_model_of_a_view_and_its_base_both_in_the_file_copies_in_the_model_s_order(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "m.safetensors"
+    reference.save_file({"full": torch.full((8,), 1.0), "a_part": torch.full((4,), 2.0)}, path)
+    ours, ref = PartFirstInFile(), PartFirstInFile()
+    got: Any = st.load_model(ours, path, strict=False)
+    expected: Any = reference.load_model(ref, path, strict=False)
+    assert torch.equal(ref.full, torch.tensor([1.0, 1, 2, 2, 2, 2, 1, 1]))
+    assert torch.equal(ours.full, ref.full) and ours.a_part.data_ptr() == ours.full.data_ptr() + 8
+    assert (set(got[0]), sorted(got[1])) == (set(expected[0]), sorted(expected[1]))
+
+
 class ViewShare(torch.nn.Module):
     """A buffer that views part of another's memory (as another ``dtype``, if given)."""
 
