@@ -655,7 +655,7 @@ def test_load_model_of_both_tied_names_keeps_the_last_in_the_model_s_order(
     ref: Any = reference.load_model(expected, path, strict=False)
     assert torch.equal(expected.z.weight.detach(), torch.full((4, 4), 1.0))  # "a": last
     model = TiedBackwards()
-    address: object = path
+    address: str | Path = path
     options: dict[str, Any] = {"strict": False}
     if how == "pread":
         options["backend"] = "pread"
