@@ -468,3 +468,14 @@ async def test_request_headers_must_be_latin_1(raw_server: Serve) -> None:
 def test_source_options_are_checked(options: dict[str, Any]) -> None:
     with pytest.raises(UsageError, match="HttpSource"):
         HttpSource("http://127.0.0.1/x", **options)
+
+
+async def test_an_unasked_not_modified_is_named_so(raw_server: Serve) -> None:
+    """A 304 to a request that was not conditional: an error that says what came, not a
+    redirect "to nowhere"."""
+    raw = b"HTTP/1.1 304 Not Modified\r\nContent-Length: 0\r\n\r\n"
+    url = raw_server(answer(raw)) + "/f.safetensors"
+    with anyio.fail_after(10), pytest.raises(HTTPStatusError) as info:
+        await stream_st.load(url)
+    assert info.value.status == 304
+    assert "not modified" in str(info.value) and "nowhere" not in str(info.value)

@@ -97,7 +97,10 @@ async def raise_for_status(response: Answer, *, name: str | None = None) -> None
     finally:
         await response.aclose()
     detail = summary(body)
-    if response.status < 400:
+    if response.status == 304:  # not asked for (a conditional request handles its own)
+        where = "not modified, an answer to a conditional request this request was not"
+        detail = f"{where}: {detail}" if detail else where
+    elif response.status < 400:
         where = f"redirected to {response.headers.get('location', 'nowhere')[:200]}"
         detail = f"{where}: {detail}" if detail else where
     kind = HTTPNotFoundError if response.status == 404 else HTTPStatusError
