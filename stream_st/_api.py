@@ -23,7 +23,7 @@ from .core.arrays import Framework, as_array, spec_of
 from .core.digests import Digests
 from .core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes
 from .core.shards import is_index
-from .errors import SafetensorsError, UsageError, boolean
+from .errors import IntegrityError, SafetensorsError, UsageError, boolean
 from .memory.delivery import Delivery
 from .reader import NO_CAPS, Caps, Include, TensorStream
 from .reader.ahead import _room_ahead
@@ -461,6 +461,7 @@ class CachedStream(TensorStream):
         self._whole = options.get("include") is None if whole is None else whole
         self._options = options
         self._ahead: _CopyAhead | None = None
+        self._resolved: Resolved | None = None
         self.cache_state: str | None = None
 
     async def open(self, *, read_all: bool = False) -> Header:
@@ -507,7 +508,14 @@ class CachedStream(TensorStream):
         else:
             self._source_like = resolved.target
         self.cache_state = resolved.state
+        self._resolved = resolved
         return resolved
+
+    async def _refuted(self) -> None:
+        """A tensor failed its digest: the cache keeps nothing of what was read (see
+        :meth:`~.transports.cache.resolve.Resolved.refuted`)."""
+        if self._resolved is not None:
+            await self._resolved.refuted()
 
     async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
         ahead = self._ahead  # read ahead by open(), or None
@@ -532,6 +540,10 @@ class CachedStream(TensorStream):
                     yield item
                     del item
             self.object_check = stream.object_check
+        except IntegrityError:  # read from the copy, as the stream's own reads (see there)
+            with anyio.CancelScope(shield=True):
+                await self._refuted()
+            raise
         finally:
             self._generator = self._held = None  # this one: ending, not closed again
             await self.aclose()

@@ -11,6 +11,7 @@ import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterable
 from typing import Any, Self
 
+import anyio
 import numpy as np
 
 from .._util import AsyncClosing
@@ -25,6 +26,7 @@ from ..core.header import (
 from ..core.stats import LoadStats, record_last
 from ..errors import (
     ArgumentTypeError,
+    IntegrityError,
     TensorNotFoundError,
     TrailingDataError,
     TransportError,
@@ -289,10 +291,18 @@ class TensorStream(AsyncClosing):
                     yield item
                     del item  # hold no array while the next one is read
                     self.stats.asked()
+        except IntegrityError:
+            with anyio.CancelScope(shield=True):
+                await self._refuted()
+            raise
         finally:
             if owns:
                 self._generator = self._held = None  # this one: ending, not closed again
                 await self.aclose()
+
+    async def _refuted(self) -> None:
+        """Bytes read failed the file's own digests (:class:`~stream_st.IntegrityError`), the
+        source still open: a stream that keeps what it reads (a cache's copy) lets go of it."""
 
     async def _tensors(
         self, header: Header, selected: Callable[[str], bool]

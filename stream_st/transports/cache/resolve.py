@@ -82,6 +82,16 @@ class Resolved:
     target: str | Source
     state: str
     home: str | None = None  # where its neighbours are, when not at the address (hf://, pinned)
+    files: tuple[Path, ...] = ()  # the copy's, where ``target`` is a copy that may be wrong
+
+    async def refuted(self) -> None:
+        """Bytes read from ``target`` failed the file's own digests (a tensor's): the cache
+        keeps nothing of them, so the next read fetches the object again (a copy checked
+        against the origin's own digest, a Hub blob's SHA-256, is the origin's and stays)."""
+        if isinstance(self.target, TeeSource):
+            await self.target.writer.refuted()
+        else:
+            remove_quietly(*self.files)
 
 
 OnCopy = Callable[[str], None]
@@ -195,7 +205,7 @@ async def _object(
                     f"{shown} is not in the cache, and the cache is offline", url=shown
                 )
             touch(found[0].record)
-            return Resolved(str(found[0].data), "offline")
+            return _copy(found[0], "offline")
         while not lock.try_acquire():  # another reader holds the entry
             follower = await follow(entry, inner, lock, shown)
             if follower is not None:
@@ -216,16 +226,16 @@ async def _object(
             if found is None or not (exc.status == 304 or exc.status >= 500):
                 raise
             touch(found[0].record)
-            return Resolved(str(found[0].data), "hit" if exc.status == 304 else "stale")
+            return _copy(found[0], "hit" if exc.status == 304 else "stale")
         except TransportError:
             if found is None:
                 raise
             touch(found[0].record)
-            return Resolved(str(found[0].data), "stale")
+            return _copy(found[0], "stale")
         etag, modified = _validators(inner)
         if found is not None and _fresh(found[1], etag, modified, inner.size):
             touch(found[0].record)
-            return Resolved(str(found[0].data), "hit")
+            return _copy(found[0], "hit")
         version = entry.at(version_key(etag, modified, inner.size))
         strong = bool(modified) or (bool(etag) and not etag.startswith("W/"))
         resumable = inner.random_access and inner.size is not None and strong
@@ -237,6 +247,7 @@ async def _object(
             part_record=version.part_record if resumable else None,
             record=record,
             commit=version.commit,
+            kept=(version.data, version.record),
             on_committed=_pruner(cache, version.data),
             held=held,
             growing=entry.growing,
@@ -253,6 +264,11 @@ async def _object(
         if not handed:
             lock.release()
             await inner.aclose()
+
+
+def _copy(entry: ObjectEntry, state: str) -> Resolved:
+    """The copy of ``entry`` to read."""
+    return Resolved(str(entry.data), state, files=(entry.data, entry.record))
 
 
 def _pruner(cache: Cache, keep: Path) -> Callable[[], None] | None:
@@ -398,7 +414,7 @@ async def _hub(
     if local is not None and (cache.offline or COMMIT.fullmatch(file.revision)):
         assert known is not None
         state = "offline" if cache.offline else "hit"
-        return Resolved(str(local), state, file.address(known))
+        return Resolved(str(local), state, file.address(known), _blob_files(entry, known))
     if cache.offline:
         raise CacheMissError(
             f"{address} is not in the cache (HF_HUB_OFFLINE or cache='offline')", url=address
@@ -413,7 +429,7 @@ async def _hub(
         if local is None:
             raise
         assert known is not None
-        return Resolved(str(local), "stale", file.address(known))
+        return Resolved(str(local), "stale", file.address(known), _blob_files(entry, known))
     if answer is None or answer.commit is None or answer.etag is None:
         return Resolved(address, "uncached")  # the read reports what the Hub said
     commit, etag = answer.commit, answer.etag
@@ -426,7 +442,8 @@ async def _hub(
         if await _hub_blob(entry, etag, file, commit):
             entry.link(commit, etag, file.revision)
             touch(entry.record(etag))
-            return Resolved(str(entry.pointer(commit)), "hit", file.address(commit))
+            files = _blob_files(entry, commit)
+            return Resolved(str(entry.pointer(commit)), "hit", file.address(commit), files)
         inner = await open_source(file.address(commit), clock)
         if isinstance(inner, HubSource):
             inner.commit = commit
@@ -446,6 +463,7 @@ async def _hub(
             record=record,
             commit=functools.partial(_commit_blob, entry, etag, commit, file.revision),
             expected=expected,
+            kept=_blob_files(entry, commit, etag),
             on_committed=_pruner(cache, entry.blob(etag)),
             held=held if resumable else RangeSet(),
             reserve=read_all,
@@ -458,6 +476,16 @@ async def _hub(
             lock.release()
             if inner is not None:
                 await inner.aclose()
+
+
+def _blob_files(entry: HubEntry, commit: str, etag: str | None = None) -> tuple[Path, ...]:
+    """The files of the blob of ``commit`` (named ``etag``, else as its snapshot links to it)
+    that go if it is found wrong: none where its name is the Hub's digest of it (checked when
+    written, so the Hub's own bytes)."""
+    etag = etag or entry.blob_of(commit)
+    if etag is None or _hub_algorithm(etag)[1] is not None:
+        return ()
+    return entry.blob(etag), entry.record(etag), entry.pointer(commit)
 
 
 def _growth(part: Path) -> tuple[int, int] | None:

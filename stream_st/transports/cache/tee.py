@@ -79,6 +79,8 @@ class Destination:
     ``version``, the copy's version name. ``reserve``: the read takes every byte, so the
     copy's blocks are reserved up front (see :func:`_allocate`); a read of part of the object
     (``include=``, a header) keeps a sparse file, which takes only the room of what it holds.
+    ``kept``: the files a commit leaves, removed if the copy is found wrong afterwards (see
+    :meth:`CopyWriter.refuted`).
     """
 
     part: Path
@@ -91,6 +93,7 @@ class Destination:
     growing: Path | None = None
     version: str = ""
     reserve: bool = True
+    kept: tuple[Path, ...] = ()
 
 
 def _allocate(fd: int, size: int, reserve: bool) -> None:
@@ -433,6 +436,15 @@ class CopyWriter:
             remove_quietly(self.destination.part)
             self._forget_part()
         self.lock.release()
+
+    async def refuted(self) -> None:
+        """The reader found bytes of this read that fail the file's own digests (a tensor's):
+        nothing of them is kept, neither a partial copy nor one committed already (once every
+        byte was held: :attr:`Destination.kept`)."""
+        if self.committed:
+            remove_quietly(*self.destination.kept)
+        elif self.active:
+            await self._discard()
 
     async def close(self) -> None:
         """The read is over. An incomplete copy of known size is kept as a partial copy for a
