@@ -6,7 +6,9 @@ reads), and a file or every shard of an index (:class:`_Checkpoint`). Not public
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +19,7 @@ from .._api import cached_stream
 from ..core.digests import Digests
 from ..core.header import Header, TensorInfo
 from ..core.shards import is_index, shard_address
-from ..errors import TensorNotFoundError
+from ..errors import IntegrityError, TensorNotFoundError
 from ..reader import TensorStream, _read_tensor, merge_ranges
 from ..sharded.reader import ShardIndex, _open_shard, repeated_name
 from ..transports.file.mmap import FileMap
@@ -101,12 +103,13 @@ class _File:
         wanted = info if rows is None else info.rows(*rows)
         digests = self._digests if rows is None else None
         base = self.header.data_start
-        if self._map is not None:  # faulted in as touched, as the reference's views are
-            return await self._view(wanted, digests)
-        async with self._lock:
-            source = self.stream.source
-            await source.plan_reads(merge_ranges([(base + wanted.start, base + wanted.end)]))
-            return await _read_tensor(source, wanted, base, digests=digests)
+        async with self._refuting():
+            if self._map is not None:  # faulted in as touched, as the reference's views are
+                return await self._view(wanted, digests)
+            async with self._lock:
+                source = self.stream.source
+                await source.plan_reads(merge_ranges([(base + wanted.start, base + wanted.end)]))
+                return await _read_tensor(source, wanted, base, digests=digests)
 
     async def read_all(self) -> dict[str, np.ndarray[Any, Any]]:
         """Every tensor, in offset order, with the whole read planned at once."""
@@ -115,15 +118,28 @@ class _File:
         base = self.header.data_start
         tensors = list(self.header.tensors)
         ranges = merge_ranges((base + t.start, base + t.end) for t in tensors)
-        if self._map is not None:
-            self._map.plan(ranges)  # populated a window ahead
-            return {t.name: await self._view(t, self._digests) for t in tensors}
-        async with self._lock:
-            source = self.stream.source
-            await source.plan_reads(ranges)
-            return {
-                t.name: await _read_tensor(source, t, base, digests=self._digests) for t in tensors
-            }
+        async with self._refuting():
+            if self._map is not None:
+                self._map.plan(ranges)  # populated a window ahead
+                return {t.name: await self._view(t, self._digests) for t in tensors}
+            async with self._lock:
+                source = self.stream.source
+                await source.plan_reads(ranges)
+                return {
+                    t.name: await _read_tensor(source, t, base, digests=self._digests)
+                    for t in tensors
+                }
+
+    @contextlib.asynccontextmanager
+    async def _refuting(self) -> AsyncIterator[None]:
+        """A tensor that fails its digest: the stream lets go of what it kept of the read (a
+        cache's copy: see :meth:`~stream_st.TensorStream._refuted`) before the error goes on."""
+        try:
+            yield
+        except IntegrityError:
+            with anyio.CancelScope(shield=True):
+                await self.stream._refuted()
+            raise
 
     async def _view(self, info: TensorInfo, digests: Digests | None) -> np.ndarray[Any, Any]:
         """Tensor ``info`` as a view of the mapping, checked against ``digests`` if given. Views

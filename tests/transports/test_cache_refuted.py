@@ -53,8 +53,16 @@ def read_file(url: str, cache: Path) -> tuple[dict[str, Any], str | None]:
     return stream_st.numpy.load_file(url, cache=cache), None
 
 
+def read_handle(url: str, cache: Path) -> tuple[dict[str, Any], str | None]:
+    with stream_st.numpy.safe_open(url, "np", cache=cache) as handle:
+        names = handle.keys()
+        return {name: handle.get_tensor(name) for name in names}, None
+
+
 @pytest.mark.parametrize("damaged", ["first", "last"])
-@pytest.mark.parametrize("read", [read_stream, read_file], ids=["open_stream", "load_file"])
+@pytest.mark.parametrize(
+    "read", [read_stream, read_file, read_handle], ids=["open_stream", "load_file", "safe_open"]
+)
 def test_a_copy_failing_a_tensor_digest_is_not_kept(
     tmp_path: Path, damaged: str, read: Any
 ) -> None:
