@@ -24,6 +24,7 @@ from .core.dtypes import DTYPES
 
 if TYPE_CHECKING:
     from .compat import _reference as _facade
+    from .transports.cache import CacheLike
     from .transports.options import TransportOptions
     from .transports.registry import SinkLike, SourceLike
 else:  # the streaming core, imported when a call needs it (see stream_st.compat._lazy)
@@ -39,10 +40,13 @@ def safe_open(
     *,
     backend: str = "mmap",
     verify: bool = True,
+    cache: CacheLike = None,
     **options: Unpack[TransportOptions],
 ) -> _facade.SafeOpen:
     """Open ``filename`` to read tensors by name; see :func:`stream_st.torch.safe_open`."""
-    return _facade.SafeOpen(filename, framework, device, backend=backend, verify=verify, **options)
+    return _facade.SafeOpen(
+        filename, framework, device, backend=backend, verify=verify, cache=cache, **options
+    )
 
 
 def load_file(
@@ -52,6 +56,7 @@ def load_file(
     verify: bool = True,
     max_tensor_bytes: int | None = None,
     max_total_bytes: int | None = None,
+    cache: CacheLike = None,
     **options: Unpack[TransportOptions],
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Every tensor of ``filename`` (a file, URL or index) as ``{name: array}``: a local file's
@@ -59,9 +64,11 @@ def load_file(
     into fresh memory instead: use it on network file systems and for files that may change
     while the arrays live); see :func:`stream_st.torch.load_file`. ``max_tensor_bytes`` and
     ``max_total_bytes`` cap what the file may make the read allocate, as for
-    :func:`stream_st.open_stream`."""
+    :func:`stream_st.open_stream`; ``cache=`` keeps a verified local copy of a remote file (see
+    :func:`stream_st.open_stream`)."""
     caps = {"max_tensor_bytes": max_tensor_bytes, "max_total_bytes": max_total_bytes}
-    arrays = _local.load_mapped(filename, False, verify, backend, {**options, **caps})
+    given = {**options, **caps, "cache": cache}
+    arrays = _local.load_mapped(filename, False, verify, backend, given)
     if arrays is not None:
         return arrays
     return _facade.load_file(
@@ -71,6 +78,7 @@ def load_file(
         verify,
         max_tensor_bytes=max_tensor_bytes,
         max_total_bytes=max_total_bytes,
+        cache=cache,
         **options,
     )
 

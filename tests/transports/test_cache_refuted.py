@@ -37,14 +37,15 @@ def checksummed(tmp_path: Path) -> bytes:
 def offset_in(data: bytes, name: str) -> int:
     """The file offset of a byte inside tensor ``name``."""
     (size,) = struct.unpack("<Q", data[:8])
-    return 8 + size + json.loads(data[8 : 8 + size])[name]["data_offsets"][0] + 1000
+    begin: int = json.loads(data[8 : 8 + size])[name]["data_offsets"][0]
+    return 8 + size + begin + 1000
 
 
 def read_stream(url: str, cache: Path) -> tuple[dict[str, Any], str | None]:
     async def main() -> tuple[dict[str, Any], str | None]:
         async with stream_st.open_stream(url, cache=cache) as stream:
             got = {name: np.array(array) async for name, array in stream}
-            return got, stream.cache_state
+            return got, getattr(stream, "cache_state", None)
 
     return anyio.run(main)
 
