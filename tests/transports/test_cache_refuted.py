@@ -36,7 +36,7 @@ def checksummed(tmp_path: Path) -> bytes:
 
 def offset_in(data: bytes, name: str) -> int:
     """The file offset of a byte inside tensor ``name``."""
-    (size,) = struct.unpack("<Q", data[:8])
+    size = int(struct.unpack("<Q", data[:8])[0])
     begin = int(json.loads(data[8 : 8 + size])[name]["data_offsets"][0])
     return 8 + size + begin + 1000
 
