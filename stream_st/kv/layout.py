@@ -70,6 +70,9 @@ class KVLayout:
                 "a KV layout needs >= 1 layer and a [batch, heads, seq, head_dim] shape of "
                 f"sizes >= 0, got {self.num_layers} layers of {list(self.shape)}"
             )
+        # "INT4" names the codec as "int4" does: one spelling, so that the group size applies
+        # and a layout sent compares equal to the one received
+        object.__setattr__(self, "codec", get_codec(self.codec).key)
         for dtype in (self.dtype, self.wire_dtype or self.dtype):
             if dtype not in ("F16", "BF16", "F32"):
                 raise UsageError(f"KV dtype must be F16, BF16 or F32, not {dtype!r}")
@@ -130,11 +133,11 @@ class KVLayout:
             return _seed_layout(header)
         try:
             layout = cls(
-                num_layers=int(meta["kv_layers"]),
+                num_layers=_metadata_number(meta, "kv_layers"),
                 shape=_kv_shape(meta["kv_shape"]),
                 dtype=meta["kv_dtype"],
                 codec=codec_from_metadata(meta).key,
-                group_size=int(meta.get("group_size", "64")),
+                group_size=_metadata_number(meta, "group_size", "64"),
                 digest=_kv_digest(meta.get("kv_digest", "sha256")),
             )
         except (KeyError, ValueError, TypeError, OverflowError) as exc:
@@ -172,6 +175,28 @@ _SEED_PARTS = {  # name suffix after layer_{i}_ -> (role, codec part)
 }
 
 
+def _decimal(text: str) -> int | None:
+    """The number ``text`` spells as a canonical decimal (ASCII digits, no sign, space,
+    underscore or leading zero: the one spelling ``str(n)`` gives), or None for any other text.
+    Layer numbers in tensor names and the numbers in KV metadata are held to it."""
+    if not (text.isascii() and text.isdecimal()) or (text[0] == "0" and text != "0"):
+        return None
+    try:
+        return int(text)
+    except ValueError:  # more digits than Python converts: no layer count or group size
+        return None
+
+
+def _metadata_number(meta: dict[str, str], key: str, default: str | None = None) -> int:
+    """The canonical decimal under ``key`` in the metadata (``default`` when absent); a KeyError
+    when it is absent without a default, a ValueError when it is not one."""
+    text = meta[key] if default is None else meta.get(key, default)
+    number = _decimal(text)
+    if number is None:
+        raise ValueError(f"{key!r} must be a decimal integer, not {text!r}")
+    return number
+
+
 def _kv_shape(text: str) -> tuple[int, ...]:
     """The ``kv_shape`` metadata (a JSON list of integers, from a peer) parsed by the header's
     strict, bounded parser: a ValueError (a :class:`~stream_st.HeaderError` where it is not
@@ -198,11 +223,10 @@ def _seed_name(name: str) -> tuple[int, str] | None:
     if not name.startswith("layer_"):
         return None
     number, _, suffix = name[len("layer_") :].partition("_")
-    if not number.isdecimal() or not number.isascii() or str(int(number)) != number:
-        return None  # "layer_01_key", "layer_1_key" spelled otherwise: not canonical
-    if suffix not in _SEED_PARTS:
+    layer = _decimal(number)  # "layer_01_key", "layer_+1_key": not canonical
+    if layer is None or suffix not in _SEED_PARTS:
         return None
-    return int(number), suffix
+    return layer, suffix
 
 
 def _original_dtype(meta: dict[str, str]) -> str | None:
@@ -316,9 +340,10 @@ def _seed_layout(header: Header) -> KVLayout:
                 )
     if "group_size" in meta and (codec == "int4" or (declared or "").lower() == "int4"):
         raw = meta["group_size"]
-        if not (raw.isdecimal() and raw.isascii() and int(raw) > 0):
+        declared_size = _decimal(raw)
+        if not declared_size:  # None or 0
             raise HeaderError(f"not a KV cache: group_size {raw!r} is not a positive integer")
-        if codec == "int4" and int(raw) != group_size:
+        if codec == "int4" and declared_size != group_size:
             raise HeaderError(
                 f"the metadata says group_size {raw}, the INT4 scales' shape says {group_size}"
             )

@@ -299,6 +299,21 @@ def test_layout_checks() -> None:
     assert layout.metadata()["compression"] == "INT4"
 
 
+async def test_a_codec_named_in_capitals_keeps_its_group_size(tmp_path: Path) -> None:
+    shape = (1, 1, 2, 32)  # 32 values a row: the asked group divides it, the default 64 not
+    layout = KVLayout(num_layers=1, shape=shape, codec="INT4", group_size=16)
+    assert layout.codec == "int4" and layout.layer_specs(0)[1].shape == (1, 1, 2, 2)  # 2 groups
+    assert layout == KVLayout(num_layers=1, shape=shape, codec="int4", group_size=16)
+    path = tmp_path / "kv.safetensors"
+    await send_kv(path, layout, [(0, *kv(0, shape))])
+    async with receive_kv(path) as received:
+        assert received.layout == layout and received.layout.group_size == 16
+
+
+NOT_DECIMAL_2 = ["+2", " 2", "2 ", "0_2", "02", "\uff12"]
+"""Spellings of 2 that Python's int() takes and a decimal in KV metadata is not."""
+
+
 async def test_bad_kv_metadata_is_a_header_error(tmp_path: Path) -> None:
     path = tmp_path / "kv.safetensors"
     await send_kv(path, KVLayout(num_layers=2, shape=SHAPE), produce(2))
@@ -311,6 +326,10 @@ async def test_bad_kv_metadata_is_a_header_error(tmp_path: Path) -> None:
         ("kv_dtype", "I8", "KV dtype must be"),
         ("kv_digest", "sha1", "'kv_digest' must be 'sha256' or 'none', not 'sha1'"),
         ("compression", "INT8", r"2 KV layers of 5 tensors \(codec int8, a digest\)"),
+        # the numbers are decimals as str() writes them, as layer numbers in names are
+        *[("kv_layers", text, "'kv_layers' must be a decimal") for text in NOT_DECIMAL_2],
+        ("group_size", "6_4", "'group_size' must be a decimal integer, not '6_4'"),
+        ("group_size", "064", "'group_size' must be a decimal integer, not '064'"),
     ]:
         meta = {**header.metadata, key: value}
         tensors = {

@@ -227,6 +227,11 @@ SCALE = ("F32", [1], np.float32(2.0).tobytes())
         ),
         (
             {"layer_0_key": f32(SHAPE), "layer_0_value": f32(SHAPE)},
+            {"compression": "INT4", "group_size": "064"},  # a decimal as str() writes it
+            "'064' is not a positive",
+        ),
+        (
+            {"layer_0_key": f32(SHAPE), "layer_0_value": f32(SHAPE)},
             {"original_dtype": "int8"},
             "original_dtype 'int8' is not",
         ),
@@ -270,7 +275,7 @@ async def test_a_scale_that_cannot_decode_fails_that_layer() -> None:
         "layer_1_value.scale": SCALE,
     }
     delivered = []
-    with anyio.fail_after(10), pytest.raises(stream_st.SafetensorsError, match="scale must be"):
+    with anyio.fail_after(10), pytest.raises(stream_st.errors.CodecError, match="scale must be"):
         async with receive_kv(raw_file(tensors, {"compression": "INT8"})) as kv_in:
             async for layer, key, _ in kv_in:
                 assert key.dtype == np.float32 and not key.any()
