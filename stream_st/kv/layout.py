@@ -16,7 +16,7 @@ from ..core.dtypes import dtype_for
 from ..core.header import Header
 from ..core.layout import TensorSpec, integer_shape
 from ..core.strict_json import decode_json
-from ..errors import ArgumentTypeError, HeaderError, IntegrityError, UsageError
+from ..errors import ArgumentTypeError, HeaderError, IntegrityError, UsageError, boolean
 
 __all__ = ["DIGEST_SIZE", "IntegrityError", "KVLayout"]
 
@@ -76,9 +76,7 @@ class KVLayout:
         for dtype in (self.dtype, self.wire_dtype or self.dtype):
             if dtype not in ("F16", "BF16", "F32"):
                 raise UsageError(f"KV dtype must be F16, BF16 or F32, not {dtype!r}")
-        if not isinstance(self.digest, bool | np.bool_):  # "no" would be true
-            raise ArgumentTypeError(f"a KV layout's digest is True or False, not {self.digest!r}")
-        object.__setattr__(self, "digest", bool(self.digest))
+        object.__setattr__(self, "digest", boolean("a KV layout's digest", self.digest))
         if self.style not in ("stream_st", "seed"):
             raise UsageError(f"KV layout style must be 'stream_st' or 'seed', not {self.style!r}")
         self.layer_specs(0)  # a codec that cannot carry this shape says so now, not mid-send

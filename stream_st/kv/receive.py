@@ -15,7 +15,7 @@ import numpy as np
 from .._api import open_stream
 from .._util import task_group
 from ..connection import Connection
-from ..errors import ArgumentTypeError, IntegrityError, UsageError, integer_at_least
+from ..errors import ArgumentTypeError, IntegrityError, UsageError, boolean, integer_at_least
 from ..reader import TensorStream
 from ..transports.options import LimitOptions
 from ..transports.registry import SourceLike
@@ -201,6 +201,7 @@ async def receive_kv(
     unfinished message leaves it unusable: close it). Time limits as in
     :func:`~stream_st.open_stream` (on a Connection, the connection's unless given here).
     """
+    require_digests = boolean("require_digests", require_digests)  # "no" would be true
     stream = (
         source.open_stream(**limits)
         if isinstance(source, Connection)

@@ -19,7 +19,7 @@ from .._util import task_group
 from ..connection import Connection
 from ..core.codecs import Codec
 from ..core.dtypes import wire_bytes
-from ..errors import UsageError, integer_at_least
+from ..errors import ArgumentTypeError, UsageError, integer_at_least
 from ..transports.options import LimitOptions
 from ..transports.registry import SinkLike
 from ..writer import TensorWriter, open_writer
@@ -143,6 +143,8 @@ async def send_kv(
     Time limits as in :func:`~stream_st.open_writer` (on a Connection, the connection's unless
     given here).
     """
+    if not isinstance(layout, KVLayout):
+        raise ArgumentTypeError(f"layout must be a KVLayout, not {type(layout).__name__}")
     if not isinstance(layers, AsyncIterable | Iterable):
         raise UsageError(
             f"layers must be an iterable or async iterable of (layer, key, value), "

@@ -359,6 +359,24 @@ async def test_producer_yielding_the_wrong_thing_is_a_usage_error(
     assert list(tmp_path.iterdir()) == []
 
 
+async def test_a_layout_that_is_not_one_and_a_digest_wish_that_is_not_a_bool_are_refused(
+    tmp_path: Path,
+) -> None:
+    """A dict or None for the layout was a bare AttributeError; ``require_digests="no"`` was
+    taken as true."""
+    for layout in (None, {"num_layers": 1, "shape": SHAPE}):
+        with pytest.raises(stream_st.ArgumentTypeError, match="layout must be a KVLayout"):
+            await send_kv(tmp_path / "kv.safetensors", layout, [])  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+    path = tmp_path / "kv.safetensors"
+    await send_kv(path, KVLayout(num_layers=1, shape=SHAPE, digest=False), produce(1))
+    with pytest.raises(stream_st.ArgumentTypeError, match="require_digests must be True or"):
+        async with receive_kv(path, require_digests="no"):  # type: ignore[arg-type]
+            pass
+    async with receive_kv(path, require_digests=np.bool_(False)) as received:  # type: ignore[arg-type]
+        assert [layer async for layer, _, _ in received] == [0]
+
+
 async def test_demo_runs_and_measures() -> None:
     from stream_st.cli.demo import run_demo
 

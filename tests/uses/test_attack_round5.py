@@ -228,7 +228,7 @@ def test_a_torch_datasets_rank_is_taken_even_without_a_world_size(
 
 def test_a_kv_layouts_digest_is_true_or_false() -> None:
     """``digest="no"`` was taken, as true: the layer digests were sent."""
-    with pytest.raises(stream_st.ArgumentTypeError, match="digest is True or False"):
+    with pytest.raises(stream_st.ArgumentTypeError, match="digest must be True or False"):
         KVLayout(1, (1, 1, 2, 4), digest="no")  # type: ignore[arg-type]
     assert KVLayout(1, (1, 1, 2, 4), digest=np.bool_(False)).digest is False  # type: ignore[arg-type]
 
