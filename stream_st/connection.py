@@ -176,8 +176,10 @@ async def connect(url: str, **limits: Unpack[LimitOptions]) -> Connection:
 class Listener:
     """Accepts TCP connections; iterate it for :class:`Connection` objects.
 
-    Several tasks may accept at once. Once the ``listen()`` block is left, :meth:`accept` (even
-    one already waiting) raises :class:`~stream_st.UsageError`.
+    Several tasks may accept at once. Leaving the ``listen()`` block closes the listener: a task
+    waiting in :meth:`accept` then fails with :class:`~stream_st.TransportError` (as one waiting
+    on a :class:`Connection` does), and :meth:`accept` called afterwards raises
+    :class:`~stream_st.UsageError`.
     """
 
     def __init__(self, sock: socket.socket, limits: Limits) -> None:
@@ -193,11 +195,13 @@ class Listener:
         return tcp_url(self.host, self.port)
 
     async def accept(self) -> Connection:
-        """Wait for the next connection."""
+        """Wait for the next connection (see :class:`Listener` for what closing it does)."""
+        if self._sock.fileno() < 0:
+            raise UsageError(f"{self.url}: the listener is closed")
         async with self._accepting:  # one task waits on the socket, the others here
             while True:
-                if self._sock.fileno() < 0:
-                    raise UsageError(f"{self.url}: the listener is closed")
+                if self._sock.fileno() < 0:  # closed while this task waited
+                    raise TransportError("accept failed: the listener was closed", url=self.url)
                 try:
                     sock, address = self._sock.accept()
                     break

@@ -263,8 +263,11 @@ async def test_accept_after_the_listener_closed() -> None:
 
 
 async def test_leaving_listen_wakes_the_tasks_accepting() -> None:
+    """A task waiting in accept gets a TransportError, as one waiting on a connection does (it
+    was a UsageError, where the manual promised a TransportError)."""
+
     async def accept_until_closed(listener: stream_st.Listener) -> None:
-        with pytest.raises(UsageError, match="the listener is closed"):
+        with pytest.raises(TransportError, match="accept failed: the listener was closed"):
             await listener.accept()
 
     with anyio.fail_after(5):
