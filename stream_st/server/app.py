@@ -4,8 +4,11 @@ Each request is checked in this order: the bearer token (401), the path (404), t
 (405), the files still the ones planned (409), then the conditions and the range
 (``conditions``: 304, 412, 416, 200 or 206). A body is sent piece by piece: a file's bytes with
 ``sendfile`` (zero-copy), bytes in memory in slices of :data:`SLICE`. Its last byte is held back
-until the files are found unchanged once more: a file modified while it was being sent ends its
-answer one byte short (the connection is closed), never complete with a mix of two versions.
+until the files are found unchanged once more: a file changed (another inode, size or
+modification time) while it was being sent ends its answer one byte short (the connection is
+closed), never complete with a mix of two versions. ``sendfile`` queues the file's pages, not
+copies: a write in place after that check still reaches a client that has not read those bytes
+yet (``docs/serve.md``: served files are replaced by rename).
 """
 
 from __future__ import annotations
@@ -264,9 +267,10 @@ def _opened(file: SourceFile, opened: dict[SourceFile, io.FileIO]) -> io.FileIO:
 
 
 def _plain(status: int, text: str, headers: Mapping[str, str] | None = None) -> web.Response:
-    """A short text answer."""
+    """A short text answer; like every answer, it says byte ranges are taken."""
     from aiohttp import web
 
+    headers = {"Accept-Ranges": "bytes", **(headers or {})}
     return web.Response(status=status, text=text + "\n", headers=headers)
 
 

@@ -16,8 +16,9 @@ whose bytes come from where they already are.
 
 Any byte range of the object maps to pieces (:meth:`ServedObject.pieces_in`) without building
 the object. A file served is found again by its path on every request and must be the one
-planned (same device, inode, size and modification time, :class:`SourceFile`); a change is
-refused, never served mixed with the old bytes.
+planned (same device, inode, size and modification time, :class:`SourceFile`); a change seen is
+refused, never served mixed with the old bytes (a write in place after an answer's last check is
+not seen: see ``app``).
 """
 
 from __future__ import annotations
