@@ -7,6 +7,7 @@ import gc
 import json
 import socket
 import struct
+import time
 import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import trio
 
 import stream_st
 import stream_st.transports.base
+import stream_st.transports.tcp
 from stream_st import TransportError
 from stream_st.core.codecs import error_stats
 from stream_st.kv import IntegrityError, KVLayout, receive_kv, send_kv
@@ -82,6 +84,36 @@ async def test_transfer_over_tcp_with_each_codec(codec: str) -> None:
         else:
             snr = error_stats(expected_key, key)["snr_db"]
             assert snr > (35 if codec == "int8" else 15)
+
+
+async def test_a_receiver_keeping_the_connection_open_costs_the_grace_uncancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As docs/kv.md says: send_kv to a tcp:// URL waits for the receiver to close, up to
+    CLOSE_GRACE, and a cancellation does not cut that wait short."""
+    monkeypatch.setattr(stream_st.transports.tcp, "CLOSE_GRACE", 1.0)
+    layout = KVLayout(num_layers=1, shape=SHAPE)
+    layers: list[int] = []
+    sending = anyio.CancelScope()
+    async with stream_st.listen("127.0.0.1", 0, timeout=10) as listener:
+
+        async def receiver() -> None:
+            async with await listener.accept() as connection:
+                async with receive_kv(connection) as kv_in:
+                    layers.extend([layer async for layer, _, _ in kv_in])
+                await anyio.sleep(0.2)  # the message read, the connection kept open...
+                sending.cancel()  # ...and the sender, waiting for its close, cancelled
+                await anyio.sleep(5)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(receiver)
+            began = time.monotonic()
+            with sending:
+                report = await send_kv(listener.url, layout, produce(1))
+            took = time.monotonic() - began
+            group.cancel_scope.cancel()
+    assert layers == [0] and report.wire_bytes > layout.layer_bytes
+    assert 1.0 <= took < 3
 
 
 def test_kv_transfer_on_trio() -> None:
