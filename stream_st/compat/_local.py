@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..core.arrays import load_torch, to_torch, torch_dtype
+from ..core.arrays import load_torch, to_torch, torch_dtype, torch_shape
 from ..core.dtypes import wire_bytes
 from ..core.header import (
     DEFAULT_MAX_HEADER_SIZE,
@@ -198,12 +198,13 @@ class LocalFile:
         if not torch:
             return self.array(info)
         if self._region is None or self._digests is not None or not info.nbytes:
-            return to_torch(self.array(info), info.dtype)
+            return to_torch(self.array(info), info.dtype, info.shape)
         dtype = torch_dtype(info.dtype)
+        shape = torch_shape(info.dtype, info.shape)
         start = self.header.data_start + info.start
         count = info.nbytes // dtype.itemsize
         flat = load_torch().frombuffer(self._region, dtype=dtype, count=count, offset=start)
-        return flat.reshape(info.array_shape)
+        return flat.reshape(shape)
 
 
 def _digests(header: Header) -> Digests | None:

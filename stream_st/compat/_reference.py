@@ -28,7 +28,7 @@ import numpy as np
 
 from .._api import save as save_async
 from .._api import stream_for
-from ..core.arrays import framework_of, to_torch, torch_device, torch_dtype
+from ..core.arrays import framework_of, to_torch, torch_device, torch_dtype, torch_shape
 from ..core.header import Header, TensorInfo
 from ..errors import ArgumentTypeError, TensorNotFoundError, UsageError
 from ..memory.delivery import Delivery
@@ -139,9 +139,9 @@ class SafeOpen:
         if self._closed:
             raise FileClosedError()
 
-    def _out(self, array: np.ndarray[Any, Any], code: str) -> Any:
+    def _out(self, array: np.ndarray[Any, Any], info: TensorInfo) -> Any:
         if self._torch:
-            return self._place(to_torch(array, code))
+            return self._place(to_torch(array, info.dtype, info.shape))
         return array.copy() if self._shares else array
 
     @property
@@ -199,19 +199,19 @@ class SafeOpen:
         """The whole tensor ``name``, viewed in the mapped file (or read from the source now)
         and checked against its digest, if the header records one."""
         info = self._info(name)
-        return self._out(self._reader(info)(None), info.dtype)
+        return self._out(self._reader(info)(None), info)
 
     def get_tensors(self) -> dict[str, Any]:
         """Every tensor, in offset order, each checked as by :meth:`get_tensor`."""
         self._open()
         if self._local is not None:
             local = self._local
-            return {t.name: self._out(local.array(t), t.dtype) for t in local.header.tensors}
+            return {t.name: self._out(local.array(t), t) for t in local.header.tensors}
         assert self._bridge is not None
         arrays = self._bridge.call(self._checkpoint.read_all)
         headers = self._bridge.call(self._checkpoint.headers)
-        codes = {t.name: t.dtype for header in headers for t in header.tensors}
-        return {name: self._out(array, codes[name]) for name, array in arrays.items()}
+        infos = {t.name: t for header in headers for t in header.tensors}
+        return {name: self._out(array, infos[name]) for name, array in arrays.items()}
 
     def get_slice(self, name: str) -> Slice:
         """A :class:`Slice` of tensor ``name``: index it to read part of it."""
@@ -304,9 +304,11 @@ class Slice:
         info = self._info
         packed = info.dtype_info.packed and bool(info.shape)
         if packed:  # torch indexes the bytes, two values each, over the leading dimensions
+            torch_shape(info.dtype, info.shape)  # refuses an F4 tensor no torch tensor holds
             key = leading(key, info.shape, packed_tensor(info.name, info.dtype))
         rows, key = torch_rows(key, info.shape[:-1] if packed else info.shape)
-        picked = pick(to_torch(self._read(rows), "U8" if packed else info.dtype), key)
+        array = self._read(rows)
+        picked = pick(to_torch(array, "U8" if packed else info.dtype, array.shape), key)
         if packed:
             picked = picked.view(torch_dtype(info.dtype))
         return place(picked)  # a view where torch gives one, as the reference's

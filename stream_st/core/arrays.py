@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -31,6 +32,7 @@ __all__ = [
     "torch_code",
     "torch_device",
     "torch_dtypes",
+    "torch_shape",
     "torch_to_array",
 ]
 
@@ -84,13 +86,28 @@ def is_torch_tensor(value: object) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def to_torch(array: np.ndarray[Any, Any], code: str) -> Any:
-    """``array`` (as the reader delivers a tensor of dtype ``code``) as a torch tensor over the
-    same memory. Packed F4 keeps the array's shape, which is torch's ``float4_e2m1fn_x2`` one."""
+def torch_shape(code: str, shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of the torch tensor holding a tensor of dtype ``code`` and ``shape`` (as the
+    header gives it): ``shape`` itself, but F4's last dimension halved, as torch's
+    ``float4_e2m1fn_x2`` holds two values an element. An F4 tensor whose last dimension is odd
+    has no torch shape: :class:`DtypeError`, with the reference's message."""
+    if code != "F4":
+        return tuple(shape)
+    if not shape or shape[-1] % 2:
+        raise DtypeError(
+            f"f4_x2 dtype requires that the last dim be divisible by 2 in torch: got {list(shape)}"
+        )
+    return (*shape[:-1], shape[-1] // 2)
+
+
+def to_torch(array: np.ndarray[Any, Any], code: str, shape: Sequence[int]) -> Any:
+    """``array`` (as the reader delivers a tensor of dtype ``code`` and ``shape``) as a torch
+    tensor over the same memory, of :func:`torch_shape`."""
     torch = load_torch()
     dtype = torch_dtype(code)
+    wanted = torch_shape(code, shape)
     flat = torch.from_numpy(array.reshape(-1).view(np.uint8))
-    return flat.view(dtype).reshape(array.shape)
+    return flat.view(dtype).reshape(wanted)
 
 
 def torch_to_array(tensor: Any, name: str) -> np.ndarray[Any, Any]:

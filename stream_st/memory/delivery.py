@@ -9,7 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from ..core.arrays import framework_of, is_torch_tensor, raw_bytes, to_torch, torch_dtype
+from ..core.arrays import (
+    framework_of,
+    is_torch_tensor,
+    raw_bytes,
+    to_torch,
+    torch_dtype,
+    torch_shape,
+)
 from ..core.header import TensorInfo
 from ..errors import DtypeError, TensorNotFoundError, UsageError
 
@@ -85,7 +92,7 @@ class Delivery:
         is the caller's memory (:meth:`target`)."""
         given = self.into.get(info.name) if placed else None
         if self.torch:
-            return given if is_torch_tensor(given) else to_torch(array, info.dtype)
+            return given if is_torch_tensor(given) else to_torch(array, info.dtype, info.shape)
         return given if isinstance(given, np.ndarray) else array
 
     @staticmethod
@@ -96,7 +103,7 @@ class Delivery:
         )
 
     def _tensor_array(self, info: TensorInfo, tensor: Any) -> np.ndarray[Any, Any]:
-        expected = (torch_dtype(info.dtype), info.array_shape)
+        expected = (torch_dtype(info.dtype), torch_shape(info.dtype, info.shape))
         if (tensor.dtype, tuple(tensor.shape)) != expected:
             raise self._mismatch(info, f"a {tensor.dtype} tensor of shape {list(tensor.shape)}")
         if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_meta:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import warnings
 import weakref
@@ -18,6 +19,7 @@ import pytest
 import safetensors.torch as reference
 import torch
 import trio
+from safetensors import SafetensorError
 from safetensors import safe_open as reference_open
 
 import stream_st
@@ -438,6 +440,43 @@ def test_float4_slices_take_the_leading_dimensions_as_torch_does(tmp_path: Path)
                 f.get_slice("f4")[key]
         with pytest.raises(IndexError, match="last dimension can only be taken whole"):
             f.get_slice("f4_1d")[0]
+
+
+def test_float4_of_an_odd_last_dimension_is_refused_as_the_reference_refuses_it(
+    tmp_path: Path,
+) -> None:
+    """No ``float4_e2m1fn_x2`` tensor holds an F4 tensor whose last dimension is odd: every torch
+    read refuses it with the reference's message (a 1-D tensor of its bytes was handed out), while
+    its shape is still told and numpy still reads its bytes."""
+    for shape, nbytes in (([2, 3], 3), ([4, 1], 2), ([0, 3], 0)):
+        entry = {"dtype": "F4", "shape": shape, "data_offsets": [0, nbytes]}
+        text = json.dumps({"w": entry}).encode()
+        blob = len(text).to_bytes(8, "little") + text + bytes(range(1, nbytes + 1))
+        path = tmp_path / f"f4_{shape[0]}_{shape[1]}.safetensors"
+        path.write_bytes(blob)
+        wording = f"f4_x2 dtype requires that the last dim be divisible by 2 in torch: got {shape}"
+        message = f"^{re.escape(wording)}$"
+        with reference_open(path, "pt") as f, pytest.raises(SafetensorError, match=message):
+            f.get_tensor("w")
+        with pytest.raises(DtypeError, match=message):
+            st.load_file(path)
+        with pytest.raises(DtypeError, match=message):
+            st.load(blob)
+        with st.safe_open(path, "pt") as f:
+            assert f.get_slice("w").get_shape() == shape
+            for read in (lambda: f.get_tensor("w"), f.get_tensors, lambda: f.get_slice("w")[:]):
+                with pytest.raises(DtypeError, match=message):
+                    read()
+        with pytest.raises(DtypeError, match=message):
+            asyncio.run(read_torch(blob))
+        assert stream_st.numpy.load(blob)["w"].tolist() == list(range(1, nbytes + 1))
+
+
+async def read_torch(source: bytes) -> None:
+    """Every tensor of ``source``, read as torch tensors by :func:`stream_st.open_stream`."""
+    async with stream_st.open_stream(source, framework="pt") as stream:
+        async for _ in stream:
+            pass
 
 
 # ---------------------------------------------------------------------- models
