@@ -26,6 +26,7 @@ from ..errors import (
     TruncatedStreamError,
     UsageError,
 )
+from ..transports.inmemory import as_bytes_view
 from ..transports.registry import SinkLike
 from ..writer import open_writer
 from ._errors import NegativeSizeError, WrongTypeError
@@ -163,7 +164,7 @@ def deserialize(data: bytes | bytearray | memoryview) -> list[tuple[str, dict[st
     them: ``[(name, {"dtype": "F32", "shape": [2, 3], "data": bytearray(...)}), ...]``."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise WrongTypeError(f"deserialize takes bytes, got {type(data).__name__}")
-    view = memoryview(data).cast("B")
+    view = as_bytes_view(data)  # a non-contiguous view copied
     length = parse_header_length(view[:LENGTH_PREFIX_SIZE])
     if len(view) < LENGTH_PREFIX_SIZE + length:
         raise TruncatedStreamError(

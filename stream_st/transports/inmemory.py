@@ -10,7 +10,7 @@ import numpy as np
 from ..errors import TransportError, UnsupportedSourceError, UsageError
 from .base import Source
 
-__all__ = ["BytesSource", "ChunkIteratorSource", "refuse_path_bytes"]
+__all__ = ["BytesSource", "ChunkIteratorSource", "as_bytes_view", "refuse_path_bytes"]
 
 _PATH_BYTES = 4096
 """Bytes given as a source and no longer than this are checked for being a path or address."""
@@ -37,7 +37,7 @@ def refuse_path_bytes(data: bytes | bytearray | memoryview) -> None:
     )
 
 
-def _as_bytes_view(chunk: Any) -> memoryview:
+def as_bytes_view(chunk: Any) -> memoryview:
     """A flat byte view of a bytes-like ``chunk``; a non-contiguous one (a strided numpy view)
     is copied, its elements in C order."""
     try:
@@ -65,7 +65,7 @@ class BytesSource(Source):
 
     def __init__(self, data: Any, name: str = "<bytes>") -> None:
         super().__init__()
-        self._data = _as_bytes_view(data)
+        self._data = as_bytes_view(data)
         self.size = len(self._data)
         self.name = name
 
@@ -115,7 +115,7 @@ class ChunkIteratorSource(Source):
                     url=self.name,
                     position=self.position,
                 )
-            self._chunk = _as_bytes_view(chunk)
+            self._chunk = as_bytes_view(chunk)
             self.clock.moved(len(self._chunk))
         count = min(len(buffer), len(self._chunk))
         buffer[:count] = self._chunk[:count]

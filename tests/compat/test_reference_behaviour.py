@@ -569,6 +569,8 @@ def test_serialize_and_deserialize_as_the_reference(tmp_path: Path) -> None:
     assert (tmp_path / "ours.safetensors").read_bytes() == data
     assert (tmp_path / "ref.safetensors").read_bytes() == data
     assert sorted(compat.deserialize(data)) == sorted(safetensors.deserialize(data))
+    strided = np.repeat(np.frombuffer(data, np.uint8), 2)[::2].data  # not contiguous
+    assert compat.deserialize(strided) == compat.deserialize(data)  # was a bare TypeError
     spec = compat.TensorSpec(dtype="float4_e2m1fn_x2", shape=[3, 2], data_ptr=0, data_len=0)
     ref_spec = safetensors.TensorSpec(
         dtype="float4_e2m1fn_x2", shape=[3, 2], data_ptr=0, data_len=0
