@@ -518,8 +518,10 @@ def _parse_tensor(
 
 def _kept_tensor(name: str, code: str, shape: list[int], offsets: object) -> _Row:
     """The row of a tensor whose dtype code stream_st does not know, sized by its
-    ``data_offsets`` alone: the shape is checked as any shape is, not against the bytes."""
+    ``data_offsets`` alone: the shape is checked as any shape is (each dimension, and the count
+    of values, below 2**64), not against the bytes."""
     dims = checked_dims(name, shape)
+    _value_count(name, dims)
     if type(offsets) is list and len(offsets) == 2:
         start, end = offsets
         if type(start) is int and type(end) is int and 0 <= start <= end <= U64_MAX:
@@ -595,6 +597,20 @@ def checked_dims(name: str, shape: Iterable[int]) -> tuple[int, ...]:
     return dims
 
 
+def _value_count(name: str, shape: tuple[int, ...]) -> int:
+    """The number of values of a tensor of ``shape`` (dimensions in [0, 2**64));
+    :class:`HeaderError` where it passes 2**64 - 1 at any step, as the reference checks it,
+    dimension by dimension (so no number formed exceeds 2**128)."""
+    count = 1
+    for dim in shape:
+        count *= dim
+        if count > U64_MAX:
+            raise HeaderError(
+                f"tensor {name!r}: shape {brief(list(shape))} holds more than 2**64 - 1 values"
+            )
+    return count
+
+
 def data_size(name: str, dtype: DType, shape: tuple[int, ...]) -> int:
     """Bytes of a tensor of ``dtype`` and ``shape`` (dimensions in [0, 2**64)).
 
@@ -613,13 +629,7 @@ def data_size(name: str, dtype: DType, shape: tuple[int, ...]) -> int:
         bits = prod(shape) * bits_each
         if 0 < bits <= _PLAIN_BITS:
             return bits // 8
-    count = 1
-    for dim in shape:
-        count *= dim
-        if count > U64_MAX:
-            raise HeaderError(
-                f"tensor {name!r}: shape {brief(list(shape))} holds more than 2**64 - 1 values"
-            )
+    count = _value_count(name, shape)
     bits = count * dtype.bits
     if bits > U64_MAX:
         raise HeaderError(

@@ -148,6 +148,20 @@ def test_overflowing_shapes_are_refused_with_a_short_message(dims: list[int], dt
     assert len(message) < 400 and "\n" not in message
 
 
+def test_a_kept_tensor_s_shape_is_refused_past_2_64_values_as_any_shape_is() -> None:
+    """``unknown_dtypes="keep"`` sizes a tensor of a code stream_st does not know by its
+    offsets, but its shape is checked as any shape is: a count of values past 2**64 - 1 is
+    refused (it was kept), and one below it kept."""
+    for dims in ([2**40, 2**40], [U64_MAX] * 50_000 + [0]):
+        with pytest.raises(HeaderError, match=r"holds more than 2\*\*64 - 1 values"):
+            parse_header(dims_header(dims, "I4"), unknown_dtypes="keep")
+    largest = [2**32, 2**32 - 1]
+    assert parse_header(dims_header(largest, "I4"), unknown_dtypes="keep")["a"].shape == (
+        2**32,
+        2**32 - 1,
+    )
+
+
 def test_a_zero_first_keeps_the_count_at_zero() -> None:
     text = dims_header([0] + [U64_MAX] * 1000, "F6_E2M3")  # packed: numpy holds it 1-D
     assert not reference_refuses(text)
