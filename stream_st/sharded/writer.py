@@ -46,6 +46,7 @@ import anyio.to_thread
 import numpy as np
 
 from .._util import AsyncClosing
+from ..core.arrays import as_array
 from ..core.digests import Digests, digest_of, digests_for
 from ..core.dtypes import dtype_for, wire_bytes
 from ..core.layout import TensorSpec, build_header
@@ -247,7 +248,7 @@ class _RollingWriter(AsyncClosing):
     async def _add_group(self, tensors: Mapping[str, Any], samples: int) -> None:
         if self._closed:
             raise UsageError("the writer is closed")
-        arrays = {name: np.asarray(array) for name, array in tensors.items()}
+        arrays = {name: as_array(array, name) for name, array in tensors.items()}
         current = self._current
         repeats = current is not None and not current.names.isdisjoint(arrays)
         for name in arrays:
@@ -460,26 +461,34 @@ class DatasetWriter(_RollingWriter):
 
         Batch mode: every column is ``[samples, *sample_shape]``; a column of another number of
         rows, or of no dimension at all, is a :class:`UsageError` naming it, and nothing of the
-        group is written (the manifest would count samples its shard does not hold). A group
+        group is written (the manifest would count samples its shard does not hold); so is a
+        group of no tensor but some samples. Arrays are taken as :func:`~stream_st.save` takes
+        them (torch tensors of any dtype included). A group
         whose ``samples`` is 1, or its number of tensors, may instead be KV-mode rows (the
         tensors ``{name}{separator}{column}`` of one name, or one tensor a sample, as the Spark
         writer counts them), each a value of any shape: it is taken as it is.
 
-        The schema records each name's dtype and shape as first written.
+        The schema records each name's dtype and shape as first written, in a group taken (a
+        group refused records nothing).
         """
         samples = integer_at_least("samples", samples, 0)
         if not isinstance(tensors, Mapping):
             raise ArgumentTypeError(
                 f"write_batch takes {{name: array}}, got {type(tensors).__name__}"
             )
-        arrays = {name: np.asarray(array) for name, array in tensors.items()}
+        arrays = {name: as_array(array, name) for name, array in tensors.items()}
+        if samples and not arrays:
+            raise UsageError(
+                f"write_batch: a batch of {samples} samples holds no tensor (a shard would count "
+                "samples it does not hold); nothing was written"
+            )
         if samples not in (1, len(arrays)):  # else maybe KV rows: their shapes are free
             _check_rows(arrays, samples)
-        for name, as_array in arrays.items():
+        await self._add_group(arrays, samples)  # checks every column before writing any
+        for name, array in arrays.items():  # only a batch taken is recorded
             self._schema.setdefault(
-                name, {"dtype": dtype_for(as_array.dtype).code, "shape": list(as_array.shape)}
+                name, {"dtype": dtype_for(array.dtype).code, "shape": list(array.shape)}
             )
-        await self._add_group(arrays, samples)
 
     def _shard_name(self, index: int) -> str:
         return shard_file_name(self.task_id, index, self._uuid)

@@ -164,3 +164,44 @@ async def test_a_failed_dataset_write_keeps_the_old_index(tmp_path: Path) -> Non
         await new.write_batch({"x": np.ones((4, 3), np.float32)}, samples=4)
     assert {p.name for p in index.iterdir()} != set(before)
     assert sorted(p.name for p in data.iterdir() if p.name.startswith(".")) == []
+
+
+async def test_writers_take_arrays_as_save_does(tmp_path: Path) -> None:
+    """A torch tensor of any dtype (BF16, F8) and a Parameter are written as ``save`` writes
+    them; what numpy cannot make an array of (a ragged list) is a UsageError naming it."""
+    torch = pytest.importorskip("torch")
+    given = {
+        "bf16": torch.arange(6, dtype=torch.float32).reshape(2, 3).to(torch.bfloat16),
+        "f8": torch.ones(2, 3).to(torch.float8_e4m3fn),
+        "param": torch.nn.Parameter(torch.ones(2, 3)),
+    }
+    async with open_sharded_writer(tmp_path / "ckpt", max_shard_size=MB) as w:
+        for name, value in given.items():
+            await w.write(name, value)
+        with pytest.raises(stream_st.UsageError, match="'ragged'"):
+            await w.write("ragged", [[1, 2], [3]])
+    async with open_dataset_writer(tmp_path / "data", target_shard_size=MB) as d:
+        await d.write_batch(given, samples=2)
+        with pytest.raises(stream_st.UsageError, match="'ragged'"):
+            await d.write_batch({"ragged": [[1, 2], [3]]}, samples=2)
+    for index in ("ckpt/model.safetensors.index.json", "data/dataset_manifest.json"):
+        got: dict[str, Any] = await read_all(tmp_path / index, framework="pt")
+        for name, value in given.items():
+            assert got[name].dtype == value.dtype
+            assert torch.equal(got[name].float(), value.detach().float())
+
+
+async def test_a_refused_batch_records_nothing_in_the_schema(tmp_path: Path) -> None:
+    """A batch refused for any column (here its second) adds none of its columns to the
+    manifest's schema; a batch of samples but no tensor is refused (its shard would count
+    samples it does not hold)."""
+    async with open_dataset_writer(tmp_path, target_shard_size=MB) as d:
+        with pytest.raises(stream_st.DtypeError):
+            await d.write_batch({"a": np.zeros(2, np.int64), "b": np.array(["x", "y"])}, 2)
+        with pytest.raises(stream_st.UsageError, match="no tensor"):
+            await d.write_batch({}, 5)
+        await d.write_batch({}, 0)
+        await d.write_batch({"b": np.arange(2, dtype=np.int64)}, 2)
+    manifest = json.loads((tmp_path / "dataset_manifest.json").read_text())
+    assert manifest["schema"] == {"b": {"dtype": "I64", "shape": [2]}}
+    assert manifest["total_samples"] == 2
