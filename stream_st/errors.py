@@ -201,10 +201,17 @@ than 100 MB): the first 8 bytes of a text file, an archive or an executable read
 
 
 class HeaderTooLargeError(HeaderError):
-    """The declared header length exceeds ``max_header_size``; nothing was allocated for it."""
+    """The declared header length exceeds ``max_header_size``; nothing was allocated for it.
+    Raised by a writer too (``writing=True``) for a header over the default limit, before the
+    destination is opened."""
 
-    def __init__(self, declared: int, limit: int) -> None:
-        if declared >= IMPLAUSIBLE_HEADER_LENGTH:
+    def __init__(self, declared: int, limit: int, *, writing: bool = False) -> None:
+        if writing:  # refused by a writer: no reader (the reference's included) would take it
+            message = (
+                f"the header would be {declared} bytes, over the {limit} bytes readers take "
+                "(the reference's too): write fewer or shorter names, or less metadata"
+            )
+        elif declared >= IMPLAUSIBLE_HEADER_LENGTH:
             message = "not a safetensors file (its first 8 bytes are not a header length)"
         else:
             message = (

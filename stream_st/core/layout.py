@@ -17,9 +17,10 @@ from typing import Any, SupportsIndex, cast
 
 import numpy as np
 
-from ..errors import ArgumentTypeError, DtypeError, HeaderError, UsageError
+from ..errors import ArgumentTypeError, DtypeError, HeaderError, HeaderTooLargeError, UsageError
 from .dtypes import DType, dtype_for
 from .header import (
+    DEFAULT_MAX_HEADER_SIZE,
     LENGTH_PREFIX_SIZE,
     METADATA_KEY,
     U64_MAX,
@@ -117,7 +118,9 @@ def build_header(
     the text ``json.dumps`` writes, made member by member (each distinct dtype and shape
     checked and written once).
     A plan that is not a list of :class:`TensorSpec`, or metadata that is not a mapping, raises
-    :class:`UsageError`; a plan no valid header can describe raises :class:`HeaderError`.
+    :class:`UsageError`; a plan no valid header can describe raises :class:`HeaderError` (a
+    :class:`~stream_st.HeaderTooLargeError` for a header no reader takes, see
+    :func:`framed_header`).
     """
     members: list[str] = []  # the JSON object's members, as json.dumps writes them
     if metadata is not None:  # even empty: the reference writes "__metadata__":{} too
@@ -178,6 +181,13 @@ def build_header(
 
 def framed_header(text: bytes) -> bytes:
     """The bytes that precede the data for the JSON header ``text``: its length (a little-endian
-    u64) and the text, padded with spaces to a multiple of 8 as the reference writer pads it."""
-    text += b" " * (-len(text) % 8)
+    u64) and the text, padded with spaces to a multiple of 8 as the reference writer pads it.
+
+    A header over :data:`~stream_st.core.header.DEFAULT_MAX_HEADER_SIZE` bytes, padded, is a
+    :class:`~stream_st.HeaderTooLargeError`: the reference refuses to write it, and no reader
+    with its default limit (the reference's, stream_st's) would read it back."""
+    size = len(text) + -len(text) % 8
+    if size > DEFAULT_MAX_HEADER_SIZE:
+        raise HeaderTooLargeError(size, DEFAULT_MAX_HEADER_SIZE, writing=True)
+    text += b" " * (size - len(text))
     return struct.pack("<Q", len(text)) + text

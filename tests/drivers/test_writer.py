@@ -29,9 +29,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from hypothesis import HealthCheck, given, settings
 
 import stream_st
+import stream_st.numpy
 from stream_st import (
     DTYPES,
     HeaderError,
+    HeaderTooLargeError,
     SafetensorsError,
     TensorSpec,
     TruncatedStreamError,
@@ -40,6 +42,7 @@ from stream_st import (
     WriterError,
 )
 from stream_st.core import dtypes as core_dtypes
+from stream_st.core.header import DEFAULT_MAX_HEADER_SIZE
 from stream_st.transports.base import Sink
 from stream_st.transports.file import atomic
 from stream_st.transports.file.sink import FileSink
@@ -716,6 +719,30 @@ async def test_bad_plans_fail_before_anything_is_created(tmp_path: pathlib.Path)
         await stream_st.save(path, [np.zeros(2)])  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="invalid path"):
         await stream_st.save(tmp_path / "a\0b.st", {"a": np.zeros(2)})
+    assert os.listdir(tmp_path) == []
+
+
+async def test_a_header_no_reader_takes_is_refused_before_anything_is_created(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A header over 100,000,000 bytes (padded) is refused as the reference refuses it ("header
+    too large"): no reader with its default limit would read it back. One at the limit is
+    laid out."""
+    member = len('{"":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}')
+    name = "n" * (DEFAULT_MAX_HEADER_SIZE - member)
+    prefix, header = stream_st.build_header([TensorSpec(name, "F32", (1,))])
+    assert header.header_size == len(prefix) - 8 == DEFAULT_MAX_HEADER_SIZE
+    del prefix, header
+    name += "n"  # padded to 8 bytes more
+    arrays = {name: np.zeros(1, np.float32)}
+    path = tmp_path / "never.st"
+    too_large = pytest.raises(HeaderTooLargeError, match="100000008 bytes, over the 100000000")
+    with too_large:
+        stream_st.open_writer(path, [TensorSpec(name, "F32", (1,))])
+    with too_large:
+        await stream_st.save(path, arrays)
+    with too_large:
+        stream_st.numpy.save_file(arrays, path)
     assert os.listdir(tmp_path) == []
 
 
