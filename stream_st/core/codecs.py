@@ -485,6 +485,7 @@ class Int4Codec:
         g = self.group_size
         if (
             packed.ndim == 0
+            or steps.ndim == 0
             or steps.shape[:-1] != packed.shape[:-1]
             or packed.shape[-1] * 2 != steps.shape[-1] * g
         ):
@@ -542,17 +543,19 @@ def get_codec(key: str, *, group_size: int | None = None) -> Codec:
 
 
 def codec_from_metadata(metadata: Mapping[str, str]) -> Codec:
-    """The codec a stream's ``__metadata__`` declares; "none" when it has no ``compression``."""
+    """The codec a stream's ``__metadata__`` declares; "none" when it has no ``compression``.
+    :class:`~stream_st.CodecError` for a compression or ``group_size`` it cannot take (the value
+    echoed up to 100 characters)."""
     compression = metadata.get("compression", "NONE")
+    if not isinstance(compression, str) or compression.lower() not in CODECS:
+        raise CodecError(f"unknown compression {compression!r:.100} in metadata")
     key = compression.lower()
-    if key not in CODECS:
-        raise CodecError(f"unknown compression {compression!r} in metadata")
     if key == "int4" and "group_size" in metadata:
         raw = metadata["group_size"]
         try:
             size = int(raw)
-        except ValueError:
-            raise CodecError(f"metadata group_size must be an integer, got {raw!r}") from None
+        except (ValueError, TypeError):
+            raise CodecError(f"metadata group_size must be an integer, got {raw!r:.100}") from None
         return get_codec(key, group_size=size)
     return CODECS[key]
 

@@ -23,6 +23,7 @@ from ..core.layout import TensorSpec
 from ..core.shards import join_address, shard_address, split_address
 from ..core.stats import LoadStats, record_last
 from ..errors import (
+    CodecError,
     HeaderError,
     SafetensorsError,
     StreamStWarning,
@@ -212,8 +213,13 @@ _ORIGINAL = {dtype_from_code(code).numpy.name: code for code in CONVERTIBLE}
 
 
 def _decoded_shape(codec: Codec, info: TensorInfo) -> tuple[int, ...]:
-    """The shape of the tensor whose first wire tensor is ``info``."""
+    """The shape of the tensor whose first wire tensor is ``info``; :class:`CodecError` where
+    INT4 codes are 0-d (they pack the last axis: there is none)."""
     if codec.key == "int4":  # two codes per byte along the last axis
+        if not info.shape:
+            raise CodecError(
+                f"tensor {info.name!r}: INT4 codes of shape [] (a scalar) pack no axis"
+            )
         return (*info.shape[:-1], info.shape[-1] * 2)
     return tuple(info.shape)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 import hypothesis.strategies as st
@@ -14,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.extra import numpy as hnp
 
-from stream_st import SafetensorsError, TensorSpec, build_header, parse_header
+from stream_st import SafetensorsError, TensorSpec, build_header, parse_header, save
 from stream_st.core.codecs import (
     CODECS,
     Codec,
@@ -28,6 +29,7 @@ from stream_st.core.codecs import (
     to_bfloat16,
 )
 from stream_st.core.dtypes import dtype_for
+from stream_st.tools.cp import cp
 
 Array = npt.NDArray[Any]
 
@@ -130,6 +132,22 @@ def test_codec_from_metadata_round_trips() -> None:
         codec_from_metadata({"compression": "ZSTD"})
     with pytest.raises(CodecError, match="group_size"):
         codec_from_metadata({"compression": "INT4", "group_size": "sixty-four"})
+
+
+def test_codec_from_metadata_refuses_what_is_not_text() -> None:
+    """A compression or group_size that is no text is a CodecError (it was a bare
+    AttributeError, TypeError); a long value is echoed cut to 100 characters."""
+    with pytest.raises(CodecError, match="unknown compression 5 "):
+        codec_from_metadata({"compression": 5})  # type: ignore[dict-item]
+    with pytest.raises(CodecError, match="got None"):
+        codec_from_metadata({"compression": "INT4", "group_size": None})  # type: ignore[dict-item]
+    for meta in (
+        {"compression": "x" * 10_000},
+        {"compression": "INT4", "group_size": "x" * 10_000},
+    ):
+        with pytest.raises(CodecError) as caught:
+            codec_from_metadata(meta)
+        assert len(str(caught.value)) < 200
 
 
 def test_decode_accepts_the_metadata_dtype_name() -> None:
@@ -371,6 +389,30 @@ def test_int4_shape_errors() -> None:
         codec.encode("k", np.zeros((2, 100), np.float16))
     with pytest.raises(CodecError, match="scalar"):
         codec.encode("k", np.ones((), np.float32))
+
+
+@pytest.mark.parametrize(
+    ("codes", "scales"),
+    [((), (1,)), ((1,), ())],
+    ids=["codes_0d", "scales_0d"],
+)
+async def test_int4_0d_parts_are_a_codec_error(
+    tmp_path: Path, codes: tuple[int, ...], scales: tuple[int, ...]
+) -> None:
+    """0-d INT4 codes or scales (a crafted file) are a CodecError, from decode and from
+    ``cp(dequantize=True)``, which leaves nothing behind (it was a bare IndexError)."""
+    parts: dict[str, Array] = {
+        "w": np.zeros(codes, np.uint8),
+        "w.scales": np.ones(scales, np.float16),
+    }
+    with pytest.raises(CodecError, match="INT4 codes of shape"):
+        get_codec("int4", group_size=2).decode("w", parts, "F32")
+    source, out = tmp_path / "q.safetensors", tmp_path / "out.safetensors"
+    await save(source, parts, metadata={"compression": "INT4", "group_size": "2"})
+    await cp(source, out)  # the wire tensors copied as they are
+    with pytest.raises(CodecError, match="INT4 codes of shape"):
+        await cp(source, tmp_path / "d.safetensors", dequantize=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.safetensors", "q.safetensors"]
 
 
 def test_int4_refuses_values_beyond_the_f16_step() -> None:
