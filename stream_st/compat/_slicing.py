@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from types import EllipsisType
 from typing import Any, SupportsIndex, cast
 
+from ..core.arrays import load_torch
 from ..errors import UsageError
 from ._errors import SliceError, SliceTypeError, SliceValueError
 
@@ -201,18 +202,23 @@ def torch_rows(key: object, shape: Sequence[int]) -> tuple[Rows, object]:
     and the key to apply to them (:func:`pick`). Only a key that starts with an integer or a
     slice narrows the rows; any other (a mask, ``None``, a bool, a list...) is applied to the
     whole tensor, as it is. An integer outside the first dimension, or a first slice whose step
-    is not positive, is refused before anything is read."""
+    is not positive, is refused before anything is read, as torch refuses the key
+    (:func:`_torch_refusal`)."""
     items = key if isinstance(key, tuple) else (key,)
     if not shape or not items:
         return None, key
     first, size = items[0], shape[0]
     if _plain_int(first):
-        row = _position(operator.index(cast(SupportsIndex, first)), 0, size, None)
+        index = operator.index(cast(SupportsIndex, first))
+        if not -size <= index < size:
+            _torch_refusal(key, shape)
+        row = _position(index, 0, size, None)
         return (row, row + 1), (0, *items[1:])
     if not isinstance(first, slice):
         return None, key
     step = 1 if first.step is None else _integer(first.step)
     if step is not None and step <= 0:  # torch's refusals, before reading the whole tensor
+        _torch_refusal(key, shape)
         raise SliceValueError(
             "slice step cannot be zero" if step == 0 else "step must be greater than zero"
         )
@@ -222,6 +228,18 @@ def torch_rows(key: object, shape: Sequence[int]) -> tuple[Rows, object]:
         return None, key
     rows = (picked.start, picked[-1] + 1) if picked else (0, 0)
     return (None if rows == (0, size) else rows), (slice(None, None, step), *items[1:])
+
+
+def _torch_refusal(key: object, shape: Sequence[int]) -> None:
+    """Raise torch's refusal of ``key`` over a tensor of ``shape``, with its message and type and
+    in its order of checks (too many indices before a bad step; an integer past 64 bits a
+    ``ValueError``), found on a meta tensor: nothing read, nothing allocated. Returns where
+    torch can make no tensor of ``shape``, or takes the key."""
+    try:
+        probe = load_torch().empty(tuple(shape), device="meta")
+    except (RuntimeError, TypeError, ValueError):  # a dimension past 64 bits
+        return
+    pick(probe, key)
 
 
 LAST_WHOLE = "its last dimension can only be taken whole"

@@ -429,6 +429,11 @@ TORCH_KEYS: list[Any] = [
     (slice(None, None, -1),),  # refused by torch (ValueError)
     (0, slice(None, None, -1)),
     (0, 0, 0, 0, 0),  # too many (IndexError)
+    2**70,  # past 64 bits: torch's ValueError, not an index out of bounds
+    (-(2**70), 0),
+    (slice(None, None, 0), 0, 0, 0, 0),  # too many, told before the step
+    (slice(None, None, -1), 0, 0, 0, 0),
+    (7, 0, 0, 0, 0),  # too many, told before the bound
 ]
 
 
