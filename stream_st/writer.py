@@ -425,7 +425,11 @@ class TensorWriter(AsyncClosing):
         """Check the digests given up front against the bytes written, or patch the computed
         ones over the placeholders of the header written at the start."""
         assert self._digests is not None
-        computed = {name: h.hasher.digest().hex() for name, h in self._hashes.items()}
+        hashes, empty = self._hashes, self._digests.hasher().digest().hex()
+        computed = {  # a tensor no piece was fed for is empty (its parts added up to nothing)
+            info.name: hashes[info.name].hasher.digest().hex() if info.name in hashes else empty
+            for info in self._header.tensors
+        }
         given = self._digests.values
         if given:
             for info in self._header.tensors:

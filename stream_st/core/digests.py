@@ -28,7 +28,7 @@ from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import IntegrityError, UsageError
+from ..errors import ArgumentTypeError, IntegrityError, UsageError
 from .dtypes import wire_bytes
 
 if TYPE_CHECKING:
@@ -64,18 +64,20 @@ class Hasher(Protocol):
     def digest(self) -> bytes: ...
 
 
+def _recorded(key: object) -> bool:
+    """Whether ``key`` is one of a digest record's: the keys a reader takes for the record
+    (:data:`ALGORITHM_KEY`, and :data:`DIGEST_KEY_PREFIX` + a name), no others."""
+    return isinstance(key, str) and (key == ALGORITHM_KEY or key.startswith(DIGEST_KEY_PREFIX))
+
+
 def without_record(metadata: Mapping[str, str] | None) -> Mapping[str, str] | None:
     """``metadata`` without the keys of a digest record (``stream_st.digest``...): a record
     copied from another file's metadata describes that file's bytes, and written where no digest
     is recorded would make the new file fail its own check. ``metadata`` itself when it holds
     none (or is no mapping of names: refused when the header is built, as it would be)."""
-
-    def recorded(key: object) -> bool:  # the keys a reader takes for the record, no others
-        return isinstance(key, str) and (key == ALGORITHM_KEY or key.startswith(DIGEST_KEY_PREFIX))
-
-    if not isinstance(metadata, Mapping) or not any(map(recorded, metadata)):
+    if not isinstance(metadata, Mapping) or not any(map(_recorded, metadata)):
         return metadata
-    return {key: value for key, value in metadata.items() if not recorded(key)}
+    return {key: value for key, value in metadata.items() if not _recorded(key)}
 
 
 @dataclass(frozen=True)
@@ -243,7 +245,7 @@ class Digests:
         other names, or metadata already holding digest keys, are a
         :class:`~stream_st.UsageError`."""
         entries = dict(metadata or {})
-        clash = next((key for key in entries if key.startswith(ALGORITHM_KEY)), None)
+        clash = next(filter(_recorded, entries), None)
         if clash is not None:
             raise UsageError(
                 f"metadata key {clash!r} is reserved for the digests that checksums= records"
@@ -305,7 +307,21 @@ def digests_for(checksums: bool | str | Digests) -> Digests | None:
         return Digests(algorithm_named(checksums).name)
     if isinstance(checksums, Digests):
         algorithm_named(checksums.algorithm)
-        return checksums
+        values = checksums.values
+        if not isinstance(values, Mapping):
+            got = type(values).__name__
+        else:
+            items = values.items()
+            bad = next(
+                (i for i in items if not isinstance(i[0], str) or not isinstance(i[1], str)), None
+            )
+            if bad is None:
+                return checksums
+            got = f"{bad[0]!r:.80}: {type(bad[1]).__name__}"
+        raise ArgumentTypeError(
+            f"checksums=Digests(algorithm, values): values must map tensor names to hex digests "
+            f"(str to str), got {got}"
+        )
     raise UsageError(
         "checksums must be True, False, an algorithm name or a Digests, "
         f"got {type(checksums).__name__}"

@@ -7,6 +7,7 @@ import base64
 import hashlib
 import itertools
 import json
+import os
 import random
 import zlib
 from collections.abc import AsyncIterator, Iterator
@@ -109,6 +110,52 @@ async def test_unknown_algorithm_and_reserved_keys_are_usage_errors(tmp_path: Pa
             tmp_path / "m.safetensors", tensors(), metadata={ALGORITHM_KEY: "x"}, checksums=True
         )
     assert not list(tmp_path.iterdir())
+
+
+async def test_only_the_records_keys_are_reserved(tmp_path: Path) -> None:
+    """Keys that merely start as the record's do (``stream_st.digestion``) are the caller's:
+    kept with checksums= as without, as the manual reserves only the record's own keys."""
+    metadata = {"stream_st.digestion": "x", "stream_st.digest_note": "y"}
+    await stream_st.save(tmp_path / "m.safetensors", tensors(), metadata=metadata, checksums=True)
+    header = await stream_st.read_header(tmp_path / "m.safetensors")
+    assert {k: header.metadata[k] for k in metadata} == metadata
+    for key in (ALGORITHM_KEY, DIGEST_KEY_PREFIX + "note"):
+        with pytest.raises(stream_st.UsageError, match=f"metadata key '{key}' is reserved"):
+            await stream_st.save(
+                tmp_path / "n.safetensors", tensors(), metadata={key: "x"}, checksums=True
+            )
+    assert os.listdir(tmp_path) == ["m.safetensors"]
+
+
+@pytest.mark.parametrize(
+    ("values", "got"),
+    [([("a", "00")], "list"), ({"a": 1}, "'a': int"), ({1: "00"}, "1: str"), (None, "NoneType")],
+)
+async def test_digests_given_must_map_names_to_text(tmp_path: Path, values: Any, got: str) -> None:
+    digests = Digests("sha256", values)
+    with pytest.raises(stream_st.ArgumentTypeError, match=f"str to str\\), got {got}$"):
+        await stream_st.save(tmp_path / "m.safetensors", {"a": np.ones(2)}, checksums=digests)
+    with pytest.raises(stream_st.ArgumentTypeError, match="values must map tensor names"):
+        stream_st.open_writer(tmp_path / "m.safetensors", [], checksums=digests)
+    assert not list(tmp_path.iterdir())
+
+
+async def test_an_empty_tensor_finished_with_no_part_has_its_digest(tmp_path: Path) -> None:
+    """``async with w.tensor(name): pass`` completes a tensor of 0 bytes: its digest is the
+    empty one, computed or checked against the one given."""
+    arrays: Arrays = {"e": np.zeros((0, 3), np.float32), "a": np.ones(2, np.float32)}
+    plan = [TensorSpec(n, "F32", a.shape) for n, a in arrays.items()]
+    for checksums in (True, Digests.compute(arrays), Digests.compute(arrays, "sha256")):
+        path = tmp_path / "m.safetensors"
+        async with stream_st.open_writer(path, plan, checksums=checksums) as w:
+            await w.write("a", arrays["a"])
+            async with w.tensor("e"):
+                pass
+        header = await stream_st.read_header(path)
+        assert Digests.from_header(header) == Digests.compute(
+            arrays, header.metadata[ALGORITHM_KEY]
+        )
+        assert same(await stream_st.load(path), arrays)  # every digest checked
 
 
 # ---------------------------------------------------------------------- readers
