@@ -602,7 +602,9 @@ class TensorWriter(AsyncClosing):
         page cache: none of them passes through this process. Returns False, nothing done, where
         the destination is not a local file, or where the writer computes digests (which need the
         bytes): write the tensor's array instead. A source that ends first raises
-        :class:`~stream_st.TruncatedStreamError`, and aborts the message as any failed write."""
+        :class:`~stream_st.TruncatedStreamError`, one that is not an open regular file, or is
+        the file being written, :class:`~stream_st.UsageError`; either aborts the message as any
+        failed write."""
         sink = self._check_usable()
         try:
             source = integer_at_least("copy_from_file: the source's descriptor", source, 0)

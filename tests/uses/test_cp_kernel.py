@@ -197,6 +197,43 @@ async def test_copy_from_file_refuses_bad_arguments(
     assert os.listdir(tmp_path) == []
 
 
+async def test_copy_from_file_refuses_the_writers_own_file(source: Path, tmp_path: Path) -> None:
+    """A descriptor its owner closed, its number then taken by the writer's own file: copied
+    onto itself the file kept its zeros and the copy said True. Refused, nothing left."""
+    target = tmp_path / "out.safetensors"
+    fd = os.open(source, os.O_RDONLY)
+    os.close(fd)  # the caller's bug: the number is free again
+    writer = stream_st.open_writer(target, [TensorSpec("x", "F32", (4,))])
+    with pytest.raises(stream_st.UsageError, match="it is the file being written"):
+        async with writer:
+            assert os.path.sameopenfile(fd, writer._sink._fd)  # type: ignore[union-attr]
+            await writer.copy_from_file("x", fd, 0)
+    assert os.listdir(tmp_path) == ["in.safetensors"]
+
+
+async def test_copy_from_file_refuses_what_is_not_a_regular_file(tmp_path: Path) -> None:
+    target = tmp_path / "out.safetensors"
+    read, write = os.pipe()
+    folder = os.open(tmp_path, os.O_RDONLY)
+    closed = os.dup2(read, 900)  # a number no file the writer opens takes (the lowest free)
+    os.close(closed)
+    try:
+        os.write(write, b"\0" * 16)
+        for fd, why in (
+            (read, "not a regular file"),
+            (folder, "not a regular file"),
+            (closed, "not an open file"),
+        ):
+            writer = stream_st.open_writer(target, [TensorSpec("x", "F32", (4,))])
+            with pytest.raises(stream_st.UsageError, match=f"descriptor {fd}: .*{why}"):
+                async with writer:
+                    await writer.copy_from_file("x", fd, 0)
+    finally:
+        for fd in (read, write, folder):
+            os.close(fd)
+    assert os.listdir(tmp_path) == []
+
+
 async def test_a_file_system_whose_kernel_copy_says_0_is_read_instead(
     source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -122,6 +122,29 @@ def copy_range(source: int, target: int, at: int, to: int, count: int) -> int:
     return done
 
 
+def _check_copy_source(source: int, target: int) -> None:
+    """Raise :class:`~stream_st.UsageError` unless the descriptor ``source`` is an open regular
+    file other than the one open as ``target`` (copied onto itself, a file would keep its
+    zeros where the copy said it wrote the source's bytes)."""
+    try:
+        found = os.fstat(source)
+    except OSError as exc:
+        raise UsageError(
+            f"cannot copy from descriptor {source}: {exc.strerror or exc} (not an open file)"
+        ) from None
+    if not stat.S_ISREG(found.st_mode):
+        raise UsageError(
+            f"cannot copy from descriptor {source}: not a regular file (copy from a local file, "
+            "or write the tensor's array)"
+        )
+    own = os.fstat(target)
+    if (found.st_dev, found.st_ino) == (own.st_dev, own.st_ino):
+        raise UsageError(
+            f"cannot copy from descriptor {source}: it is the file being written (was the "
+            "source's descriptor closed, and its number taken by the writer?)"
+        )
+
+
 async def _write(fd: int, buffer: memoryview, offset: int, name: str) -> None:
     """Write all of ``buffer`` at ``offset`` of the file open as ``fd``: on the event loop's
     thread when it is shorter than :data:`WRITE_INLINE`, else in worker threads, :data:`WRITERS`
@@ -232,11 +255,14 @@ class FileSink(AtomicFile, Sink):
         """Write ``count`` bytes at ``offset`` from offset ``at`` of the local file open as
         ``source``, copied by the kernel (:func:`copy_range`, in a worker thread, at most
         :data:`COPY_TURN` bytes a turn: a cancellation waits for one turn at most). Returns how
-        many were copied: fewer only where ``source`` ends first."""
+        many were copied: fewer only where ``source`` ends first. A ``source`` that is not an
+        open regular file, or is this sink's own file (a descriptor closed by its owner and its
+        number taken by this sink), is a :class:`~stream_st.UsageError`, nothing copied."""
         if self._done:
             raise UsageError(f"{self.name}: the file sink is closed")
         done = 0
         with self._in_use() as fd:
+            _check_copy_source(source, fd)
             while done < count:
                 self.clock.check(self.name, offset + done)  # a deadline passed between turns
                 size = min(COPY_TURN, count - done)
