@@ -215,3 +215,28 @@ def test_a_nameless_file_the_system_gives_no_name_is_copied_into_a_hidden_one(
     assert sorted(os.listdir(tmp_path)) == ["new.safetensors", "old.safetensors"]
     assert len(tried) == 1
     assert {os.stat(tmp_path).st_dev} == atomic._UNLINKABLE
+
+
+async def test_a_directory_removed_before_the_commit_does_not_mark_the_file_system(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The link fails with ENOENT because the directory went away, not for want of ``/proc``:
+    the write fails, and later files on that file system still have no name until their
+    commit (a killed writer would leave a hidden temporary of each, marked)."""
+    if not nameless_works(tmp_path):
+        pytest.skip("no O_TMPFILE here")
+    monkeypatch.setattr(atomic, "_UNLINKABLE", set())
+    gone, other = tmp_path / "gone", tmp_path / "other"
+    gone.mkdir()
+    other.mkdir()
+    plan = [TensorSpec("a", "U8", (10,))]
+    with pytest.raises(stream_st.SourceNotFoundError, match="no such directory"):
+        async with stream_st.open_writer(gone / "x.st", plan) as writer:
+            await writer.write("a", np.zeros(10, np.uint8))
+            gone.rmdir()
+    assert not atomic._UNLINKABLE
+    assert nameless_works(other)
+    async with stream_st.open_writer(other / "y.st", plan) as writer:
+        assert writer._sink.temp_path is None  # type: ignore[union-attr]
+        await writer.write("a", np.ones(10, np.uint8))
+    assert os.listdir(tmp_path) == ["other"] and os.listdir(other) == ["y.st"]

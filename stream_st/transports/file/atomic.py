@@ -490,11 +490,13 @@ class AtomicFile:
     def _name_a_copy(self, directory: str, base: str) -> None:
         """Where the file system gives a nameless file no name (no ``/proc``, ...): copy its
         bytes into a new hidden file (flushed too with ``fsync``), which takes its place. The
-        file system is remembered: later files there are named from the start."""
+        file system is remembered once that file is made (the directory is there and takes
+        files: the link failed for the file system's sake, not for a directory removed
+        meanwhile): later files there are named from the start."""
         nameless = self._fd
+        named = self._create_named(directory, base)
         with contextlib.suppress(OSError):
             _UNLINKABLE.add(os.fstat(nameless).st_dev)
-        named = self._create_named(directory, base)
         try:
             size, offset = os.fstat(nameless).st_size, 0
             while offset < size:
