@@ -159,18 +159,29 @@ async def test_called_inside_a_running_event_loop(tmp_path: Path) -> None:
     assert (tmp_path / "x.safetensors").read_bytes() == reference_numpy.save(arrays)
 
 
-def test_a_replaced_file_keeps_its_mode_and_a_symlink_stays(tmp_path: Path) -> None:
-    target = tmp_path / "real.safetensors"
-    target.write_bytes(b"old")
-    target.chmod(0o640)
-    link = tmp_path / "link.safetensors"
-    link.symlink_to(target)
+def test_a_replaced_file_keeps_its_mode_and_a_symlink_is_replaced(tmp_path: Path) -> None:
+    """A symlink at the destination is replaced by the new file, as the reference replaces it:
+    in a Hugging Face cache layout the blob two snapshots link to stays as it was."""
+    blobs, rev1, rev2 = tmp_path / "blobs", tmp_path / "rev1", tmp_path / "rev2"
+    for folder in (blobs, rev1, rev2):
+        folder.mkdir()
+    old = {"w": np.zeros(4, np.float32)}
+    reference_numpy.save_file(old, str(blobs / "abc"))
+    (blobs / "abc").chmod(0o640)
+    for rev in (rev1, rev2):
+        (rev / "model.safetensors").symlink_to(Path("..") / "blobs" / "abc")
     arrays = numpy_tensors(10)
-    stream_st.numpy.save_file(arrays, link)
-    assert link.is_symlink()
-    assert target.read_bytes() == reference_numpy.save(arrays)
-    assert stat.S_IMODE(target.stat().st_mode) == 0o640
-    assert sorted(os.listdir(tmp_path)) == ["link.safetensors", "real.safetensors"]
+    stream_st.numpy.save_file(arrays, rev1 / "model.safetensors")
+    assert not (rev1 / "model.safetensors").is_symlink()
+    assert (rev1 / "model.safetensors").read_bytes() == reference_numpy.save(arrays)
+    assert stat.S_IMODE((rev1 / "model.safetensors").stat().st_mode) == 0o640
+    assert (rev2 / "model.safetensors").read_bytes() == reference_numpy.save(old)
+    assert os.listdir(blobs) == ["abc"] and os.listdir(rev1) == ["model.safetensors"]
+    for name, to in (("dangling", tmp_path / "nowhere" / "x"), ("folder", blobs)):
+        (tmp_path / name).symlink_to(to)  # replaced too, as the reference replaces them
+        stream_st.numpy.save_file(arrays, tmp_path / name)
+        assert (tmp_path / name).read_bytes() == reference_numpy.save(arrays)
+    assert not (tmp_path / "nowhere").exists() and os.listdir(blobs) == ["abc"]
 
 
 def test_relative_paths_and_symlinked_directories_are_written_where_they_point(

@@ -246,19 +246,38 @@ async def test_a_directory_is_not_a_source(tmp_path: Path) -> None:
     assert open_fds() == before
 
 
-async def test_saving_through_a_symlink_keeps_the_link(tmp_path: Path) -> None:
-    target = tmp_path / "data" / "real.safetensors"
-    target.parent.mkdir()
+async def test_a_symlink_at_the_destination_is_replaced_not_written_through(
+    tmp_path: Path,
+) -> None:
+    """As the reference's ``save_file`` (and ``os.replace``): the link is replaced by the new
+    file, whatever it leads to (a file, nothing, a directory); the file it led to is left as it
+    was (a Hugging Face cache's blob, shared by other snapshots, stays whole). The new file
+    takes the permission bits of the file the link led to."""
+    data = tmp_path / "data"
+    data.mkdir()
+    target = data / "real.safetensors"
     target.write_bytes(b"old")
-    link = tmp_path / "link.safetensors"
-    link.symlink_to(target)
-    dangling = tmp_path / "dangling.safetensors"
-    dangling.symlink_to(tmp_path / "data" / "new.safetensors")
-    for path in (link, dangling):
+    target.chmod(0o640)
+    links = {"link": target, "dangling": data / "new.safetensors", "folder": data}
+    for name, to in links.items():
+        (tmp_path / name).symlink_to(to)
+    for name in links:
+        path = tmp_path / name
         await stream_st.save(path, TENSORS)
-        assert path.is_symlink()
+        assert not path.is_symlink()
         same(await stream_st.load(path), TENSORS)
-    assert sorted(os.listdir(tmp_path / "data")) == ["new.safetensors", "real.safetensors"]
+    assert stat.S_IMODE((tmp_path / "link").stat().st_mode) == 0o640
+    assert target.read_bytes() == b"old" and os.listdir(data) == ["real.safetensors"]
+
+
+async def test_a_symlink_to_a_device_is_written_through(tmp_path: Path) -> None:
+    """A link that leads to what is not a regular file (a device, a FIFO: ``/dev/stdout``) is
+    written through, as the file it leads to would be; the link stays."""
+    null = device_node(tmp_path, "null", NULL)
+    (tmp_path / "out").symlink_to(null)
+    await stream_st.save(tmp_path / "out", TENSORS)
+    assert (tmp_path / "out").is_symlink() and stat.S_ISCHR(null.stat().st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["null", "out"]
 
 
 async def test_replacing_a_file_keeps_its_permission_bits(tmp_path: Path) -> None:

@@ -19,8 +19,12 @@ saved, and a full disk fails its first write instead, leaving nothing behind all
 The commit links a nameless file in at the destination's name when nothing is there
 (``linkat``), else under a short hidden name, renamed over the destination (``os.replace``,
 atomic on POSIX); a failed write deletes it. Until the commit the destination keeps its previous
-content. A symlink is written through: the file it points to is replaced, the link stays. A file
-replaced keeps its permission bits.
+content. A symlink at the destination is replaced itself, as ``os.replace`` and the reference's
+``save_file`` replace it, whatever it leads to (a file, nothing, a directory): the file it led to
+stays as it was (a blob that other links share, as in a Hugging Face cache). A link that leads to
+what is not a regular file (a FIFO, a device) is written through, as that would be
+(:func:`replaced`). A file replaced keeps its permission bits (a link replaced, those of the file
+it led to).
 """
 
 from __future__ import annotations
@@ -214,46 +218,39 @@ def write_blocks(
             ) from exc
 
 
-def _existing(path: str) -> os.stat_result | None:
-    """What is at ``path`` now (through symlinks), or None if nothing."""
+def _existing(path: str, follow: bool = True) -> os.stat_result | None:
+    """What is at ``path`` now (through symlinks unless ``follow`` is false), or None if
+    nothing (a symlink that leads nowhere, or round in a loop, leads to nothing)."""
     try:
-        return os.stat(path)
+        return os.stat(path, follow_symlinks=follow)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except ValueError as exc:  # a NUL byte: no path the OS takes
         raise UsageError(f"invalid path {path!r}: {exc}") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None
         raise TransportError(f"cannot look at the destination: {exc.strerror}", url=path) from exc
 
 
-def _target_of(name: str) -> tuple[str, os.stat_result | None]:
-    """The path of the file a write of ``name`` replaces, absolute (through a symlink: the file
-    it points to is replaced, the link stays), and what is there now (None if nothing).
-
-    One ``lstat`` where ``name`` is not a symlink (nor ends in ``.`` or ``/``, nor has a ``..``:
-    the kernel then resolves the path as ``os.path.realpath`` would), else
-    ``os.path.realpath``, which costs one a component."""
-    parts = name.split(os.sep)
-    if parts[-1] not in ("", ".") and ".." not in parts:
-        try:
-            found = os.lstat(name)
-        except FileNotFoundError:  # nothing there, or no such directory (said when writing)
-            found = None
-        except (OSError, ValueError):  # said below
-            parts = []
-        if parts and (found is None or not stat.S_ISLNK(found.st_mode)):
-            return (name if os.path.isabs(name) else os.path.join(os.getcwd(), name)), found
-    try:
-        target = os.path.realpath(name)
-    except ValueError as exc:  # a NUL byte: no path the OS takes
-        raise UsageError(f"invalid path {name!r}: {exc}") from None
-    return target, _existing(target)
+def _target_of(name: str) -> tuple[str, os.stat_result | None, int | None]:
+    """The path a write of ``name`` replaces, absolute; what is there now (None if nothing; a
+    symlink is itself replaced, as ``os.replace`` replaces it, the file it leads to left as it
+    is); and the permission bits the new file takes: those of the regular file there, or that
+    a symlink there leads to (None: the default)."""
+    target = name if os.path.isabs(name) else os.path.join(os.getcwd(), name)
+    found = _existing(target, follow=False)
+    led_to = _existing(target) if found is not None and stat.S_ISLNK(found.st_mode) else found
+    if led_to is None or not stat.S_ISREG(led_to.st_mode):
+        return target, found, None
+    return target, found, stat.S_IMODE(led_to.st_mode)
 
 
 def replaced(path: str) -> bool:
     """Whether a message for ``path`` replaces a file, through an :class:`AtomicFile` (nothing
-    there, a regular file, or a directory, refused by it), rather than being written in place
-    (a :class:`~.sink.PipeSink`)."""
+    there, a regular file, or a directory, refused by it; or a symlink to one of them, replaced
+    itself), rather than being written in place (a :class:`~.sink.PipeSink`: what is there,
+    through a symlink, is not a regular file)."""
     existing = _existing(path)
     return existing is None or stat.S_ISREG(existing.st_mode) or stat.S_ISDIR(existing.st_mode)
 
@@ -345,7 +342,8 @@ class AtomicFile:
                 f"the destination {self.name} names a directory (it ends in {os.sep!r}): "
                 "name the file to write in it"
             )
-        self._target, existing = _target_of(self.name)
+        # the new file takes the old one's permission bits (_mode)
+        self._target, existing, self._mode = _target_of(self.name)
         self._replacing = existing is not None  # the commit renames over it
         directory, base = os.path.split(self._target)
         if not base or (existing is not None and stat.S_ISDIR(existing.st_mode)):
@@ -355,8 +353,6 @@ class AtomicFile:
         self._busy = 0  # positioned writes running in worker threads (a FileSink's)
         self._done = False
         self.temp_path: str | None = None  # the temporary's name; None while it has none
-        # the new file takes the old one's permission bits
-        self._mode = None if existing is None else stat.S_IMODE(existing.st_mode)
         fd = _open_nameless(directory)
         self._fd = self._create_named(directory, base) if fd is None else self._own(fd)
 
