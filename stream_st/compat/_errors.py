@@ -2,14 +2,14 @@
 
 ``SafetensorError`` (the reference's one exception class) is :class:`~stream_st.SafetensorsError`
 itself, so ``except SafetensorError`` catches every error stream_st raises. Where the reference
-raises ``ValueError``, ``TypeError``, ``IndexError`` or ``FileNotFoundError``, the drop-in raises
-a class deriving from both that type and :class:`~stream_st.SafetensorsError`: code written for
-either library catches it.
+raises ``ValueError``, ``TypeError``, ``IndexError``, ``KeyError``, ``UnicodeEncodeError`` or
+``FileNotFoundError``, the drop-in raises a class deriving from both that type and
+:class:`~stream_st.SafetensorsError`: code written for either library catches it.
 """
 
 from __future__ import annotations
 
-from ..errors import SafetensorsError, SourceNotFoundError, UsageError
+from ..errors import DtypeError, HeaderError, SafetensorsError, SourceNotFoundError, UsageError
 
 __all__ = [
     "FileClosedError",
@@ -21,6 +21,8 @@ __all__ = [
     "SliceError",
     "SliceTypeError",
     "SliceValueError",
+    "TorchDtypeError",
+    "UnencodableTextError",
     "WrongTypeError",
 ]
 
@@ -41,6 +43,30 @@ class NegativeSizeError(SafetensorsError, OverflowError):
 class WrongTypeError(SafetensorsError, TypeError):
     """An argument of the wrong type: metadata that is not ``str`` to ``str``, a ``serialize``
     entry that is not a :class:`~stream_st.compat.TensorSpec` (the reference's ``TypeError``)."""
+
+
+class TorchDtypeError(DtypeError, KeyError):
+    """A torch tensor given to save whose dtype safetensors cannot carry (``complex128``,
+    ``qint8``, ``uint4``...): the reference's ``KeyError``, and a
+    :class:`~stream_st.DtypeError` as stream_st's own writers raise."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnencodableTextError(HeaderError, UnicodeEncodeError):
+    """A tensor name or metadata text given to save that UTF-8 cannot encode (a lone
+    surrogate): the reference's ``UnicodeEncodeError`` (its fields are ``cause``'s), and the
+    :class:`~stream_st.HeaderError` stream_st's own writers raise."""
+
+    def __init__(self, what: str, cause: UnicodeEncodeError) -> None:
+        UnicodeEncodeError.__init__(
+            self, cause.encoding, cause.object, cause.start, cause.end, cause.reason
+        )
+        self.message = f"{what} must be valid Unicode text: {cause}"
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class SliceError(SafetensorsError, IndexError):

@@ -20,26 +20,59 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
+from ..core.arrays import is_torch_tensor, torch_code
 from ..core.message import lay_out
+from ..errors import DtypeError
 from ..transports.file.atomic import local_destination, save_at_once
-from ._errors import InvalidTensorsError, WrongTypeError
+from ._errors import InvalidTensorsError, TorchDtypeError, UnencodableTextError, WrongTypeError
 
 __all__ = ["check_metadata", "checked_tensors", "save_bytes", "save_local"]
 
 
 def checked_tensors(tensors: object) -> Mapping[str, Any]:
     """``tensors`` if it is a mapping; else :class:`InvalidTensorsError`, as the reference
-    words it."""
+    words it. Names UTF-8 cannot encode, and torch tensors of a dtype safetensors cannot carry,
+    raise what stream_st's writers raise, deriving from the reference's built-in type as well
+    (:class:`UnencodableTextError`, :class:`TorchDtypeError`)."""
     if not isinstance(tensors, Mapping):
         raise InvalidTensorsError(
             f"Expected a dict of [str, np.ndarray] but received {type(tensors)}"
         )
+    for name in tensors:
+        if isinstance(name, str) and not name.isascii():
+            _encodable(name, f"tensor name {name!r:.80}")
+    if is_torch_tensor(next(iter(tensors.values()), None)):
+        _check_torch_dtypes(tensors)
     return tensors
+
+
+def _encodable(text: str, what: str) -> None:
+    """:class:`UnencodableTextError` naming ``what`` unless UTF-8 encodes ``text``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UnencodableTextError(what, exc) from None
+
+
+def _check_torch_dtypes(tensors: Mapping[str, Any]) -> None:
+    """:class:`TorchDtypeError` for the first torch tensor of ``tensors`` whose dtype
+    safetensors cannot carry (each dtype looked up once)."""
+    known: set[Any] = set()
+    for name, tensor in tensors.items():
+        dtype = getattr(tensor, "dtype", None)
+        if dtype in known or not is_torch_tensor(tensor):
+            continue
+        try:
+            torch_code(dtype)
+        except DtypeError as exc:
+            raise TorchDtypeError(f"tensor {name!r:.80}: {exc}") from None
+        known.add(dtype)
 
 
 def check_metadata(metadata: object) -> dict[str, str] | None:
     """``metadata`` as a dict of ``str`` to ``str``; :class:`WrongTypeError` (a ``TypeError``,
-    as the reference raises) for anything else."""
+    as the reference raises) for anything else, :class:`UnencodableTextError` (a
+    ``UnicodeEncodeError``, as there) for text UTF-8 cannot encode."""
     if metadata is None:
         return None
     if not isinstance(metadata, Mapping):
@@ -54,6 +87,8 @@ def check_metadata(metadata: object) -> dict[str, str] | None:
                     f"argument 'metadata': '{type(item).__name__}' object is not an instance "
                     "of 'str'"
                 )
+            if not item.isascii():
+                _encodable(item, f"metadata {key!r:.80}")
     return dict(metadata)
 
 

@@ -250,6 +250,58 @@ def test_refusals_create_nothing(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []
 
 
+def _lone_surrogate_cases() -> list[tuple[Any, Any, Any, Any]]:
+    """(reference save, stream_st save, tensors, metadata) of text UTF-8 cannot encode."""
+    np_one, pt_one = np.zeros(2, np.float32), torch.zeros(2)
+    return [
+        (reference_numpy.save, stream_st.numpy.save, {"\ud800": np_one}, None),
+        (reference_torch.save, stream_st.torch.save, {"\udcff": pt_one}, None),
+        (reference_numpy.save, stream_st.numpy.save, {"a": np_one}, {"k": "\ud800"}),
+        (reference_torch.save, stream_st.torch.save, {"a": pt_one}, {"\udc80": "v"}),
+    ]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch on quantized and complex32 tensors
+def test_refusals_derive_from_the_references_built_in_types(tmp_path: Path) -> None:
+    """A torch dtype safetensors cannot carry is the reference's ``KeyError``, text UTF-8 cannot
+    encode its ``UnicodeEncodeError``; each a SafetensorsError too (DtypeError, HeaderError),
+    on the direct path and the streamed one, nothing created."""
+    zeros = torch.zeros(2)
+    dtypes = [
+        torch.zeros(2, dtype=torch.complex128),
+        torch.zeros(2, dtype=torch.complex32),
+        torch.quantize_per_tensor(zeros, 0.1, 0, torch.qint8),
+        torch.zeros(2, dtype=torch.uint8).view(torch.uint4),  # type: ignore[attr-defined]
+        torch.zeros(2, dtype=torch.uint8).view(torch.bits8),
+    ]
+    path = tmp_path / "t.safetensors"
+    for tensor in dtypes:
+        tensors = {"ok": zeros, "x": tensor}
+        with pytest.raises(KeyError):
+            reference_torch.save(tensors)
+        refused = pytest.raises(KeyError, match=f"tensor 'x': torch dtype {tensor.dtype} has no")
+        with refused as caught_dtype:
+            stream_st.torch.save(tensors)
+        assert isinstance(caught_dtype.value, stream_st.DtypeError)
+        with refused:
+            stream_st.torch.save_file(tensors, path)
+        with refused:
+            stream_st.torch.save_file(tensors, path, timeout=9)  # the streamed way
+    for reference, ours, tensors, metadata in _lone_surrogate_cases():
+        with pytest.raises(UnicodeEncodeError):
+            reference(tensors, metadata)
+        with pytest.raises(UnicodeEncodeError, match="must be valid Unicode text") as caught:
+            ours(tensors, metadata)
+        assert isinstance(caught.value, stream_st.HeaderError)
+        assert caught.value.reason == "surrogates not allowed"
+        arrays = {name: np.zeros(2) for name in tensors}
+        with pytest.raises(UnicodeEncodeError):
+            stream_st.numpy.save_file(arrays, path, metadata)
+        with pytest.raises(UnicodeEncodeError):
+            stream_st.numpy.save_file(arrays, path, metadata, timeout=9)
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_fifo_is_written_through_by_the_streamed_writer(tmp_path: Path) -> None:
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
