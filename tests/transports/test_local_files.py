@@ -270,6 +270,19 @@ async def test_a_symlink_at_the_destination_is_replaced_not_written_through(
     assert target.read_bytes() == b"old" and os.listdir(data) == ["real.safetensors"]
 
 
+async def test_a_link_through_a_descriptor_of_the_process_is_not_replaced(tmp_path: Path) -> None:
+    """``/dev/stdout`` redirected to a file is a link to ``/proc/self/fd/1``: not the caller's
+    to replace (as root, a save would put a file in ``/dev``). Such a link stays; the file the
+    descriptor holds is written as if named."""
+    real = tmp_path / "real.safetensors"
+    real.write_bytes(b"old")
+    with real.open("rb") as held:
+        (tmp_path / "stdout").symlink_to(f"/proc/self/fd/{held.fileno()}")
+        await stream_st.save(tmp_path / "stdout", TENSORS)
+    assert (tmp_path / "stdout").is_symlink()
+    same(await stream_st.load(real), TENSORS)
+
+
 async def test_a_symlink_to_a_device_is_written_through(tmp_path: Path) -> None:
     """A link that leads to what is not a regular file (a device, a FIFO: ``/dev/stdout``) is
     written through, as the file it leads to would be; the link stays."""

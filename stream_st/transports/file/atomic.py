@@ -218,6 +218,10 @@ def write_blocks(
             ) from exc
 
 
+_MAX_HOPS = 40
+"""Symlinks followed in a row before giving up, as the kernel does (``ELOOP``)."""
+
+
 def _existing(path: str, follow: bool = True) -> os.stat_result | None:
     """What is at ``path`` now (through symlinks unless ``follow`` is false), or None if
     nothing (a symlink that leads nowhere, or round in a loop, leads to nothing)."""
@@ -240,10 +244,27 @@ def _target_of(name: str) -> tuple[str, os.stat_result | None, int | None]:
     a symlink there leads to (None: the default)."""
     target = name if os.path.isabs(name) else os.path.join(os.getcwd(), name)
     found = _existing(target, follow=False)
+    if found is not None and stat.S_ISLNK(found.st_mode) and _through_proc(target):
+        target = os.path.realpath(target)  # the file a descriptor holds, not /dev's link
+        found = _existing(target, follow=False)
     led_to = _existing(target) if found is not None and stat.S_ISLNK(found.st_mode) else found
     if led_to is None or not stat.S_ISREG(led_to.st_mode):
         return target, found, None
     return target, found, stat.S_IMODE(led_to.st_mode)
+
+
+def _through_proc(path: str) -> bool:
+    """Whether the symlink at ``path`` leads through ``/proc`` (``/dev/stdout``, ``/dev/fd/N``,
+    ``/proc/self/fd/N``: a descriptor of the process), a link that is not the caller's to
+    replace: the file it leads to is written as if named."""
+    for _ in range(_MAX_HOPS):
+        if os.path.normpath(path).startswith("/proc/"):
+            return True
+        try:
+            path = os.path.join(os.path.dirname(path), os.readlink(path))
+        except OSError:  # not a link (the chain's end), or gone
+            return False
+    return False
 
 
 def replaced(path: str) -> bool:
