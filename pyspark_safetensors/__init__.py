@@ -42,6 +42,7 @@ from stream_st.integrations.dataset import (
     DatasetInfo,
     KvRows,
     Piece,
+    check_alike,
     describe_dataset,
     kv_rows,
     plan_pieces,
@@ -118,8 +119,8 @@ def _describe(options: Any) -> Described:
 
 def _column_types(dataset: DatasetInfo, names: list[str], raw: bool) -> dict[str, Column]:
     """The types of columns ``names``: as the manifest records them (``spark_type``), else as
-    told from the dtype and shape of the first shard's tensor of that name (batch mode); every
-    one the tensor struct with ``raw``."""
+    told from the dtype and shape of the tensor of that name in the first shard holding it
+    (batch mode); every one the tensor struct with ``raw``."""
     schema = dataset.manifest.get("schema")
     entries = schema if isinstance(schema, dict) else {}
     out = {}
@@ -131,8 +132,8 @@ def _column_types(dataset: DatasetInfo, names: list[str], raw: bool) -> dict[str
             kind = TENSOR_STRUCT
         elif isinstance(recorded, str):
             kind = parse_type(recorded)
-        else:
-            info = dataset.headers[0][name]
+        else:  # told from the first shard holding it (a shard may hold no tensor)
+            info = next(header[name] for header in dataset.headers if name in header)
             kind = inferred_type(info.dtype, len(info.shape) - 1)
         column = column_of(kind)
         if column is None:
@@ -155,6 +156,11 @@ def _kv_record(dataset: DatasetInfo, options: Any) -> dict[str, Any] | None:
         return None
     if not all(isinstance(record.get(k), str) for k in ("name_col", "spark_type", "separator")):
         raise UsageError(f"the manifest's {KV_RECORD!r} record is not one this source wrote")
+    if record["name_col"] in schema:  # a row cannot hold two columns of one name
+        raise UsageError(
+            f"the manifest's {KV_RECORD!r} record names the rows by {record['name_col']!r}, a "
+            "column of its schema too (read it with option raw=true)"
+        )
     return record
 
 
@@ -266,10 +272,13 @@ class SafetensorsReader(DataSourceReader):
             self._plan_shards(dataset, limit << 20)
             return
         names = None if dataset.kv else [f.name for f in schema.fields]
+        if names is not None:  # a column read as numbers is cast from the one dtype it has
+            numbers = [name for name, kind in self.kinds.items() if not kind.tensor]
+            check_alike(dataset, numbers, shapes=False)
         pieces = plan_pieces(dataset, names, max_bytes=limit << 20)
         headers = dict(zip(dataset.shards, dataset.headers, strict=True))
-        self.rows = {
-            address: header[names[0]].shape[0] if names else 0
+        self.rows = {  # a shard of no tensor holds no row
+            address: header[names[0]].shape[0] if names and len(header) else 0
             for address, header in headers.items()
         }
         self.steps = {

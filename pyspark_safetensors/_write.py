@@ -581,6 +581,7 @@ class SafetensorsWriter(DataSourceArrowWriter):
                 or not manifest.get("total_samples")
                 or set(self.options.columns) == set(manifest.get("schema", {}))
             )
+            _check_appended_types(manifest.get("schema", {}), schema, self.options.columns)
             schema = {**manifest.get("schema", {}), **schema}
             record = _appended_record(record, manifest, every)
         for column, kind in self.options.columns.items():  # a read gives these types back
@@ -673,6 +674,33 @@ class SafetensorsWriter(DataSourceArrowWriter):
         return StagedShard(
             shard.task, shard.index, name, staged, samples, header.file_size, _specs(header)
         )
+
+
+def _check_appended_types(
+    earlier: Mapping[str, Any],
+    schema: Mapping[str, Mapping[str, Any]],
+    columns: Mapping[str, Column],
+) -> None:
+    """Refuse (:class:`~stream_st.UsageError`) an append that writes a column of the dataset's
+    manifest schema ``earlier`` under another Spark type, or (a column of numbers) another dtype
+    than it records: a read gives a column one type, so the earlier shards would be read cast to
+    the new one (0.5 as 0), or the new ones to the old. A tensor struct's rows each carry their
+    own dtype (nothing is cast): only its Spark type must agree."""
+    for column, kind in columns.items():
+        entry = earlier.get(column)
+        if not isinstance(entry, dict):
+            continue
+        spark, dtype = type_text(kind.spark), schema.get(column, {}).get("dtype")
+        recorded = entry.get("spark_type")
+        other_type = recorded is not None and recorded != spark
+        written = entry.get("dtype")
+        other_dtype = not kind.tensor and None not in (dtype, written) and dtype != written
+        if other_type or other_dtype:
+            raise UsageError(
+                f"column {column!r} of the dataset is {recorded or 'of no recorded Spark type'} "
+                f"({written}); this append writes it as {spark} ({dtype}): cast it to "
+                "the dataset's type, or overwrite the dataset"
+            )
 
 
 def _appended_record(

@@ -76,6 +76,7 @@ __all__ = [
     "KvColumn",
     "KvRows",
     "Piece",
+    "check_alike",
     "describe_dataset",
     "kv_rows",
     "plan_pieces",
@@ -198,6 +199,28 @@ def _not_batch(shards: Sequence[str], headers: Sequence[Header], schema: object)
                     f"{rows[0]!r} {rows[1]}"
                 )
     return None
+
+
+def check_alike(
+    dataset: DatasetInfo, columns: Iterable[str] | None = None, *, shapes: bool = True
+) -> None:
+    """:class:`~stream_st.UsageError` where a batch-mode column (of ``columns``; None: every
+    one) differs between two shards in its dtype or, with ``shapes``, the shape of its rows:
+    its samples could not be batched together, nor read as one type without casting some."""
+    wanted = None if columns is None else set(columns)
+    seen: dict[str, tuple[str, tuple[int, ...], str]] = {}
+    for address, header in zip(dataset.shards, dataset.headers, strict=True):
+        for info in header.tensors:
+            if wanted is not None and info.name not in wanted:
+                continue
+            row = (info.dtype, tuple(info.shape[1:]), address)
+            first = seen.setdefault(info.name, row)
+            if first[0] != row[0] or (shapes and first[1] != row[1]):
+                raise UsageError(
+                    f"column {info.name!r} differs between shards: {first[0]} rows of shape "
+                    f"{list(first[1])} in {first[2]}, {row[0]} rows of shape {list(row[1])} in "
+                    f"{address}"
+                )
 
 
 async def describe_dataset(

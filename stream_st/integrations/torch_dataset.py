@@ -35,7 +35,15 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .._api import open_stream
 from ..errors import UsageError, boolean, integer_at_least
 from ..reader.stream import include_names
-from .dataset import DatasetInfo, Piece, changed, describe_dataset, plan_pieces, read_piece
+from .dataset import (
+    DatasetInfo,
+    Piece,
+    changed,
+    check_alike,
+    describe_dataset,
+    plan_pieces,
+    read_piece,
+)
 
 __all__ = ["SafetensorsDataset"]
 
@@ -70,24 +78,6 @@ def _from_environment(name: str, default: int) -> int:
     if not digits.isascii() or not digits.isdigit():
         raise UsageError(f"{name}={text!r} in the environment is not a whole number")
     return int(text)
-
-
-def _check_alike(dataset: DatasetInfo, columns: list[str] | None) -> None:
-    """:class:`UsageError` where a column's dtype or the shape of its rows differs between two
-    shards (the samples could not be batched together)."""
-    seen: dict[str, tuple[str, tuple[int, ...], str]] = {}
-    for address, header in zip(dataset.shards, dataset.headers, strict=True):
-        for info in header.tensors:
-            if columns is not None and info.name not in columns:
-                continue
-            row = (info.dtype, tuple(info.shape[1:]), address)
-            first = seen.setdefault(info.name, row)
-            if first[:2] != row[:2]:
-                raise UsageError(
-                    f"column {info.name!r} differs between shards: {first[0]} rows of shape "
-                    f"{list(first[1])} in {first[2]}, {row[0]} rows of shape {list(row[1])} in "
-                    f"{address}"
-                )
 
 
 def _checked_epoch(epoch: object) -> int:
@@ -183,7 +173,7 @@ class SafetensorsDataset(IterableDataset[Sample]):
                 "KV-mode dataset: it holds no samples"
             )
         self.columns = None if columns is None else sorted(include_names(columns))
-        _check_alike(self.dataset, self.columns)
+        check_alike(self.dataset, self.columns)
         self.shuffle, self.seed = shuffle, seed
         # shared: a persistent DataLoader worker's copy of the dataset reads what set_epoch wrote
         self._epochs, self._slot = _EPOCH_SLOTS.take(self)

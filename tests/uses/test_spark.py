@@ -372,6 +372,23 @@ def test_overwrite_replaces_and_append_extends(spark: Any, tmp_path: Path) -> No
     assert manifest(tmp_path)["total_samples"] == 5 and len(list(tmp_path.iterdir())) == 2
 
 
+def test_an_append_under_another_type_is_refused(spark: Any, tmp_path: Path) -> None:
+    """The earlier shards were read cast to the append's types (0.5 as 0, 2**40 as 0); the job
+    is aborted and leaves nothing (``test_spark_shards_alike.py`` has more)."""
+    written = [(0.5, 2**40), (1.7, 3)]
+    frame(spark, written, "x double, n bigint", 1).write.format("safetensors").option(
+        "batch_size", 10
+    ).mode("overwrite").save(str(tmp_path))
+    with pytest.raises(Exception, match="column 'x' of the dataset is double"):
+        frame(spark, [(7, 8)], "x int, n int", 1).write.format("safetensors").option(
+            "batch_size", 10
+        ).mode("append").save(str(tmp_path))
+    check_layout(tmp_path)  # no staging left
+    assert [tuple(r) for r in spark.read.format("safetensors").load(str(tmp_path)).collect()] == (
+        written
+    )
+
+
 def test_explicit_registration_reads_what_stream_st_wrote(spark: Any, tmp_path: Path) -> None:
     import pyspark_safetensors
 

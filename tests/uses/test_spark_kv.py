@@ -25,7 +25,6 @@ pa = pytest.importorskip("pyarrow")
 from pyspark.sql.types import (  # noqa: E402
     ArrayType,
     FloatType,
-    IntegerType,
     LongType,
     StringType,
     StructField,
@@ -164,10 +163,10 @@ def test_rows_of_shards_laid_out_otherwise_and_names_without_a_column(tmp_path: 
     document = json.loads(manifest.read_text())
     document["shards"][0]["bytes"] = shard.stat().st_size
     manifest.write_text(json.dumps(document))
-    only_n = StructType([StructField("name", StringType()), StructField("n", IntegerType())])
+    only_n = StructType([StructField("name", StringType()), StructField("n", LongType())])
     parsed = WriteOptions.parse({"path": str(tmp_path), "name_col": "name"}, only_n)
     writer = SafetensorsWriter(parsed, overwrite=False)
-    extra = pa.record_batch({"name": ["d"], "n": pa.array([7], pa.int32())})
+    extra = pa.record_batch({"name": ["d"], "n": pa.array([7], pa.int64())})
     writer.commit([writer.write(iter([extra]))])
     rows = read(tmp_path)
     assert rows == [

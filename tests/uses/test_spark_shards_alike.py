@@ -1,0 +1,159 @@
+"""A column reads as one type from every shard, or not at all: an append under another type is
+refused, shards of different dtypes are refused (as the torch dataset refuses them), never cast
+to the first shard's type; a shard of no tensor is read as no row. These run without a Spark
+session: the data source's writer and reader are plain Python (a task's writer, the driver's
+commit and abort, the planning and each partition's read); ``test_spark.py`` appends through
+Spark.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+pytest.importorskip("pyspark")
+pa = pytest.importorskip("pyarrow")
+
+from pyspark.sql.types import (  # noqa: E402
+    ArrayType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
+
+import pyspark_safetensors  # noqa: E402
+import stream_st  # noqa: E402
+from pyspark_safetensors._write import SafetensorsWriter, WriteOptions  # noqa: E402
+from stream_st.numpy import save_file  # noqa: E402
+
+
+def commit(
+    path: Path, schema: StructType, columns: dict[str, Any], mode: str, **options: str
+) -> None:
+    """One task's batch of ``columns`` (Arrow arrays) written at ``path`` and committed as
+    Spark does it: the job aborted (its staging removed) where the commit fails."""
+    parsed = WriteOptions.parse({"path": str(path), **options}, schema)
+    writer = SafetensorsWriter(parsed, overwrite=mode == "overwrite")
+    message = writer.write(iter([pa.record_batch(columns)]))
+    try:
+        writer.commit([message])
+    except BaseException:
+        writer.abort([message])
+        raise
+
+
+def read(path: Path, **options: str) -> list[dict[str, Any]]:
+    """Every row a read gives, through the planning and each partition's read."""
+    source = pyspark_safetensors.SafetensorsDataSource({"path": str(path), **options})
+    reader: Any = source.reader(source.schema())
+    return [row for p in reader.partitions() for part in reader.read(p) for row in part.to_pylist()]
+
+
+def manifest(path: Path) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads((path / "dataset_manifest.json").read_text())
+    return document
+
+
+NUMBERS = StructType([StructField("x", DoubleType()), StructField("n", LongType())])
+
+
+@pytest.mark.parametrize(
+    ("schema", "columns"),
+    [
+        (
+            StructType([StructField("x", IntegerType()), StructField("n", IntegerType())]),
+            {"x": pa.array([7], pa.int32()), "n": pa.array([8], pa.int32())},
+        ),
+        (  # the same Spark types, another dtype (option dtype)
+            NUMBERS,
+            {"x": pa.array([7.0]), "n": pa.array([8])},
+        ),
+    ],
+    ids=["other Spark type", "other dtype"],
+)
+def test_an_append_under_another_type_is_refused(
+    tmp_path: Path, schema: StructType, columns: dict[str, Any]
+) -> None:
+    """The earlier shards were read cast to the append's type (0.5 as 0, 2**40 as 0)."""
+    first = {"x": pa.array([0.5, 1.7]), "n": pa.array([2**40, 3])}
+    commit(tmp_path, NUMBERS, first, "overwrite", batch_size="10")
+    before = manifest(tmp_path)
+    options = {"dtype": "x:F32"} if schema == NUMBERS else {}
+    with pytest.raises(stream_st.UsageError, match="column 'x' of the dataset is double"):
+        commit(tmp_path, schema, columns, "append", batch_size="10", **options)
+    assert manifest(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["dataset_manifest.json", *(s["shard_path"] for s in before["shards"])]
+    )
+    assert read(tmp_path) == [{"x": 0.5, "n": 2**40}, {"x": 1.7, "n": 3}]
+    # under the dataset's types: taken
+    commit(tmp_path, NUMBERS, {"x": pa.array([7.0]), "n": pa.array([8])}, "append", batch_size="9")
+    assert [row["x"] for row in read(tmp_path)] == [0.5, 1.7, 7.0]
+
+
+def test_shards_whose_column_differs_in_dtype_are_refused(tmp_path: Path) -> None:
+    """As the torch dataset refuses them (they were read cast to the first shard's type); read
+    raw (each row a tensor struct of its own dtype, nothing cast) they are taken."""
+
+    async def write() -> None:
+        async with stream_st.open_dataset_writer(tmp_path) as w:
+            await w.write_batch({"label": np.array([1, 2], np.int32), "x": np.ones(2)}, 2)
+            await w.write_batch({"label": np.array([2**40, 3]), "x": np.ones(2)}, 2)
+
+    anyio.run(write)
+    with pytest.raises(stream_st.UsageError, match="column 'label' differs between shards"):
+        read(tmp_path)
+    assert len(read(tmp_path, columns="x")) == 4  # the column alike in every shard
+    rows = read(tmp_path, raw="true")
+    assert [row["label"]["dtype"] for row in rows] == ["I32", "I32", "I64", "I64"]
+
+
+def test_a_shard_of_no_tensor_holds_no_row(tmp_path: Path) -> None:
+    """An empty dataset of open_dataset_writer appended to, and a directory whose first shard
+    holds no tensor, read as the torch dataset reads them (a bare KeyError before)."""
+
+    async def empty() -> None:
+        async with stream_st.open_dataset_writer(tmp_path / "appended"):
+            pass
+
+    anyio.run(empty)
+    schema = StructType(
+        [StructField("label", IntegerType()), StructField("x", ArrayType(FloatType()))]
+    )
+    columns = {
+        "label": pa.array([1, 2], pa.int32()),
+        "x": pa.array([[1.0, 2.0], [3.0, 4.0]], pa.list_(pa.float32())),
+    }
+    commit(tmp_path / "appended", schema, columns, "append", batch_size="2")
+    assert read(tmp_path / "appended") == [
+        {"label": 1, "x": [1.0, 2.0]},
+        {"label": 2, "x": [3.0, 4.0]},
+    ]
+    listing = tmp_path / "listing"
+    listing.mkdir()
+    save_file({}, str(listing / "part-00000-0000-a.safetensors"))
+    save_file({"x": np.arange(3, dtype=np.int32)}, str(listing / "part-00001-0000-b.safetensors"))
+    assert read(listing) == [{"x": 0}, {"x": 1}, {"x": 2}]
+
+
+def test_a_kv_record_naming_the_rows_by_a_column_is_refused(tmp_path: Path) -> None:
+    """A manifest whose KV record's name column is also a column of its schema (a row cannot
+    hold both): a clear error (a bare KeyError before); read raw, a row per tensor."""
+    schema = StructType([StructField("name", StringType()), StructField("k", IntegerType())])
+    columns = {"name": pa.array(["a", "b"]), "k": pa.array([1, 2], pa.int32())}
+    commit(tmp_path, schema, columns, "overwrite", name_col="name")
+    document = manifest(tmp_path)
+    document["kv"]["name_col"] = "k"
+    (tmp_path / "dataset_manifest.json").write_text(json.dumps(document))
+    with pytest.raises(stream_st.UsageError, match="names the rows by 'k', a column"):
+        read(tmp_path)
+    assert sorted(row["tensor_key"] for row in read(tmp_path, raw="true")) == ["a__k", "b__k"]
