@@ -185,6 +185,8 @@ class ShardIndex:
                     ">= 0)"
                 )
             shard = shard_name(entry.get("shard_path"), name)
+            if shard in self.shard_bytes:  # every reader would read its samples twice
+                raise HeaderError(f"{name}: the manifest lists shard {shard!r} twice")
             self.shards.append(shard)
             self.shard_bytes[shard] = size
         self.metadata = {k: v for k, v in obj.items() if k not in ("shards", "schema")}

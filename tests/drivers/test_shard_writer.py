@@ -12,6 +12,7 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
+from stream_st.integrations.dataset import describe_dataset
 from stream_st.sharded.writer import open_dataset_writer, open_sharded_writer
 
 Arrays = dict[str, np.ndarray[Any, Any]]
@@ -98,6 +99,21 @@ async def test_reader_checks_the_manifest(tmp_path: Path) -> None:
     path.write_text(json.dumps(manifest))
     with pytest.raises(stream_st.TensorNotFoundError, match="nope"):
         await read_all(path, include=["nope"])
+
+
+async def test_a_manifest_listing_a_shard_twice_is_refused(tmp_path: Path) -> None:
+    """Every reader (the stream, the datasets' description) read its samples twice."""
+    async with open_dataset_writer(tmp_path, target_shard_size=MB) as w:
+        await w.write_batch({"x": np.arange(3)}, samples=3)
+    path = tmp_path / "dataset_manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["shards"].append(manifest["shards"][0])
+    manifest["total_samples"] *= 2
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(stream_st.HeaderError, match=r"lists shard 'part-.*' twice"):
+        await read_all(path)
+    with pytest.raises(stream_st.HeaderError, match="twice"):
+        await describe_dataset(tmp_path)
 
 
 class Boom(Exception):
