@@ -61,6 +61,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Unpack
 
+import anyio
+
 from ...errors import (
     CertificateError,
     HTTPProtocolError,
@@ -138,6 +140,7 @@ class HttpSource(ClientUser, Source):
         self._response_end = 0  # absolute offset where the open response's body ends
         self._plan: list[tuple[int, int]] = []
         self._pin = VersionPin()  # the first answer's ETag, Last-Modified
+        self._running: set[anyio.CancelScope] = set()  # the reads in progress (see _reported)
 
     @property
     def validators(self) -> tuple[str, str]:
@@ -282,12 +285,25 @@ class HttpSource(ClientUser, Source):
     @contextmanager
     def _reported(self) -> Iterator[None]:
         """Errors raised inside name this source as its caller did (``name``), never the URL a
-        request went to: one redirected to may be signed, and a message is no place for that."""
+        request went to: one redirected to may be signed, and a message is no place for that.
+        :meth:`aclose` from another task cuts the work inside short (a wait for bytes, a
+        request, a back-off): it raises :class:`TransportError` ("closed on this side")."""
+        scope = anyio.CancelScope()
+        self._running.add(scope)
         try:
-            yield
+            with scope:
+                yield
         except TransportError as exc:
             exc.report_as(self.name)
             raise
+        finally:
+            self._running.discard(scope)
+        if scope.cancelled_caught:
+            raise TransportError(
+                "read failed: the source was closed on this side",
+                url=self.name,
+                position=self.position,
+            )
 
     async def receive_into(self, buffer: memoryview) -> int:
         with self._reported():
@@ -430,6 +446,8 @@ class HttpSource(ClientUser, Source):
             await response.aclose()
 
     async def aclose(self) -> None:
+        for scope in self._running:  # another task's read: it ends, its connection closed here
+            scope.cancel()
         if self._parts is not None:
             await self._parts.aclose()
         await self._close_response()

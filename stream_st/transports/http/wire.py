@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import socket
 import ssl
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -47,7 +47,7 @@ class PlainWire:
                 count = self._sock.recv_into(buffer)
             except BlockingIOError:
                 with self.clock.waiting():
-                    await anyio.wait_readable(self._sock)
+                    await _wait(anyio.wait_readable, self._sock)
                 continue
             self.clock.moved(count)
             return count
@@ -59,13 +59,24 @@ class PlainWire:
                 sent = self._sock.send(view)
             except BlockingIOError:
                 with self.clock.waiting(stalled=_STALLED):
-                    await anyio.wait_writable(self._sock)
+                    await _wait(anyio.wait_writable, self._sock)
                 continue
             view = view[sent:]
             self.clock.moved(sent)
 
     async def aclose(self) -> None:
+        if self._sock.fileno() >= 0:  # a task waiting on it (another one's read) wakes
+            anyio.notify_closing(self._sock)
         self._sock.close()
+
+
+async def _wait(wait: Callable[[socket.socket], Awaitable[None]], sock: socket.socket) -> None:
+    """``wait(sock)``: the socket closed meanwhile (by another task) is the error a closed
+    socket raises."""
+    try:
+        await wait(sock)
+    except anyio.ClosedResourceError as exc:
+        raise _closed() from exc
 
 
 class StreamWire:
