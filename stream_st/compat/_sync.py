@@ -15,9 +15,11 @@ any synchronous I/O. Not public API.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 from collections.abc import AsyncIterable, Awaitable, Callable
+from concurrent.futures import CancelledError
 from typing import Any, TypeVar
 
 import anyio
@@ -44,27 +46,38 @@ class Bridge:
         self._lock = threading.Lock()
 
     def call(self, function: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """``await function(*args)`` on the bridge's loop; its result or its exception."""
+        """``await function(*args)`` on the bridge's loop; its result or its exception. The
+        caller interrupted while it waits (Ctrl-C) stops the call's task too; a call cut short
+        by :meth:`close` from another thread is a :class:`UsageError`."""
         portal = self._portal
         if portal is None:
             raise UsageError("the file is closed")
         try:
-            return portal.call(function, *args)
+            future = portal.start_task_soon(function, *args)
         except RuntimeError as exc:
-            if isinstance(exc, UsageError) or "event loop thread" not in str(exc):
-                raise
+            if "event loop thread" not in str(exc):
+                raise UsageError("the file is closed") from None  # closed by another thread
             raise UsageError(
                 "a synchronous stream_st call was made from the loop that serves it (from inside "
                 "a coroutine it runs); use the async API there"
             ) from None
+        try:
+            return future.result()
+        except CancelledError:
+            raise UsageError("the file was closed during the call") from None
+        except BaseException:
+            future.cancel()  # a KeyboardInterrupt: the task would otherwise run on to its end
+            raise
 
     def close(self) -> None:
         """Stop the loop, cancelling anything still running on it, and join its thread."""
         with self._lock:
-            if self._portal is None:
-                return
-            self._portal = None
-        self._context.__exit__(None, None, None)
+            portal, self._portal = self._portal, None
+        if portal is None:
+            return
+        with contextlib.suppress(RuntimeError):  # its loop already gone
+            portal.call(portal.stop, True)
+        self._context.__exit__(None, None, None)  # joins the thread (stopped: nothing to stop)
 
 
 def _loop_running() -> bool:

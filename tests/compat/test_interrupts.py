@@ -1,0 +1,91 @@
+"""A synchronous drop-in call waiting on a stalled server stops when asked: Ctrl-C (SIGINT)
+surfaces as KeyboardInterrupt at once, also from code run under an event loop (a notebook cell,
+which goes through a Bridge, a loop in a thread of its own), and a ``safe_open`` closed from
+another thread ends the read it was waiting in. Each runs in a process of its own, bounded: a
+regression times out instead of hanging the suite."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+CHILD = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys, threading, time
+    import numpy as np, safetensors.numpy as reference
+    import stream_st.numpy as st_np
+    from tests.servers.http_server import RangeHTTPServer
+
+    how = sys.argv[1]
+    data = reference.save({"w": np.ones(1 << 20, np.float32)})
+    with RangeHTTPServer(objects={"/m": data}, stall_after=100_000) as server:
+        url = server.url("/m")
+
+        def interrupt():
+            time.sleep(1)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        began = time.monotonic()
+        try:
+            if how == "close":  # closed from another thread while its get_tensor waits
+                handle = st_np.safe_open(url, "np")
+
+                def read():
+                    try:
+                        handle.get_tensor("w")
+                    except Exception as exc:
+                        print("read failed:", type(exc).__name__, exc)
+
+                reader = threading.Thread(target=read)
+                reader.start()
+                time.sleep(1)
+                handle.close()
+                reader.join()
+            else:
+                threading.Thread(target=interrupt, daemon=True).start()
+                if how == "cell":  # a sync call from code under a running loop, as in Jupyter
+                    async def cell():
+                        return st_np.load_file(url)
+                    asyncio.new_event_loop().run_until_complete(cell())
+                else:
+                    with st_np.safe_open(url, "np") as handle:
+                        handle.get_tensor("w")
+            print("returned")
+        except KeyboardInterrupt:
+            print("interrupted")
+        names = [thread.name for thread in threading.enumerate()]
+        print(f"after {time.monotonic() - began:.1f} s, threads {names}")
+    """
+)
+
+
+def _run(how: str) -> str:
+    """The child's output for ``how``; it must end within 30 s (a hang fails the test)."""
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, how],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.mark.parametrize("how", ["cell", "safe_open"])
+def test_ctrl_c_stops_a_call_waiting_on_a_stalled_server(how: str) -> None:
+    out = _run(how)
+    assert out.startswith("interrupted\n"), out
+    assert "blocking_portal" not in out, out  # the bridge's loop thread is gone
+
+
+def test_safe_open_closed_from_another_thread_ends_its_read() -> None:
+    out = _run("close")
+    assert "read failed: TransportError" in out and "closed on this side" in out, out
+    assert "blocking_portal" not in out, out
