@@ -184,10 +184,10 @@ class TensorStream(AsyncClosing):
         ``read_all`` promises that every tensor will be read next, so a ranged transport may
         fetch everything with its first request.
         """
-        if self._header is not None:
-            return self._header
         if self._closed:
             raise UsageError("the stream is closed")
+        if self._header is not None:
+            return self._header
         self.stats.begin()
         source = await open_under(self._source_like, self._clock)
         if self._closed:  # closed from another task while the source was being opened
@@ -264,9 +264,7 @@ class TensorStream(AsyncClosing):
         step raised before (``failed``: a timeout caught around it, say), not the end of the
         tensors."""
         if self._cut is not None:
-            raise TransportError(
-                "the stream was closed on this side before its end", url=self._cut
-            ) from None
+            raise _closed_early(self._cut) from None
         if failed is not None:
             raise UsageError(
                 f"{self._shown_name()}: this stream's iteration failed ({type(failed).__name__}) "
@@ -282,11 +280,14 @@ class TensorStream(AsyncClosing):
         owns = self._header is None
         # Iterated without 'async with' and nothing to skip: every byte will be read.
         header = await self.open(read_all=owns and self._include is None)
+        name = self.source.name
         try:
             selected = _selector(self._include, header)
             self._delivery.check(header.names())
             async with contextlib.aclosing(self._tensors(header, selected)) as items:
                 async for item in items:
+                    if self._closed:  # by another task during the step: no array of a closed
+                        raise _closed_early(name)  # stream (a view of its mapping, say)
                     self.stats.handed(header[item[0]].nbytes)
                     yield item
                     del item  # hold no array while the next one is read
@@ -400,6 +401,12 @@ class TensorStream(AsyncClosing):
         if source.whole_object and not await source.at_end():
             raise TrailingDataError(f"{source.name}: bytes follow the last tensor at byte {end}")
         source.message_read()
+
+
+def _closed_early(name: str) -> TransportError:
+    """The error of an iteration's step after its stream, reading ``name``, was closed (from
+    another task, or from the loop's body) before the end."""
+    return TransportError("the stream was closed on this side before its end", url=name)
 
 
 class _Iteration:

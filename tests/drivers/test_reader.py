@@ -391,6 +391,39 @@ async def test_header_before_open_and_double_iteration() -> None:
             stream.__aiter__()
 
 
+async def test_a_closed_stream_does_not_open_again(sample_path: pathlib.Path) -> None:
+    """open() and 'async with' after aclose() are a UsageError, also once the header was read
+    (they gave the header, and the iteration then said 'not open')."""
+    stream = stream_st.open_stream(sample_path)
+    async with stream:
+        pass
+    with pytest.raises(UsageError, match="the stream is closed"):
+        await stream.open()
+    with pytest.raises(UsageError, match="the stream is closed"):
+        async with stream:
+            pass
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_mapped_stream_closed_from_another_task(tmp_path: pathlib.Path, backend: str) -> None:
+    """copy=False: the loop's next step is a TransportError ("closed on this side"), never a
+    bare OSError from the closed descriptor, nor views handed out of a closed stream. 24 MiB:
+    populating the mapping gives the loop two turns at least, so the close comes mid-step (one
+    would not do under trio, which may run the step on first)."""
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file({f"t{i}": np.full(1 << 18, i, np.float32) for i in range(24)}, path)
+
+    async def main() -> None:
+        stream = stream_st.open_stream(path, copy=False)
+        async with stream, anyio.create_task_group() as group:
+            group.start_soon(stream.aclose)
+            with pytest.raises(stream_st.TransportError, match="closed on this side"):
+                async for _ in stream:
+                    pass
+
+    anyio.run(main, backend=backend)
+
+
 async def test_missing_file_and_unsupported_sources(tmp_path: pathlib.Path) -> None:
     with pytest.raises(SourceNotFoundError) as info:
         await read_all(tmp_path / "nope.safetensors")

@@ -5,12 +5,14 @@ made with mkfifo, a small tmpfs or a file size limit for a full disk."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 import resource
 import stat
 import subprocess
 import threading
+import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ import stream_st
 import stream_st.sharded.writer
 from stream_st import ReadTimeoutError, TensorSpec, TransportError
 from stream_st.sharded.writer import open_dataset_writer, open_sharded_writer
+from stream_st.transports.file.source import open_file_source
 
 from .._util import sample_tensors
 from ..uses.test_cli import COMMAND
@@ -244,6 +247,30 @@ async def test_a_directory_is_not_a_source(tmp_path: Path) -> None:
     with pytest.raises(TransportError, match="cannot read a directory"):
         await stream_st.load(tmp_path)
     assert open_fds() == before
+
+
+async def test_a_source_dropped_unclosed_gives_its_descriptor_back(tmp_path: Path) -> None:
+    """A stream opened and dropped without aclose (a plain file, a FIFO) has its descriptor
+    closed when it is collected, with the ResourceWarning a Python file gives; a stream closed
+    gives none."""
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(TENSORS, str(path))
+    pipe = fifo(tmp_path)
+    before = open_fds()
+    for dropped in (path, pipe):
+        with pytest.warns(ResourceWarning, match=f"unclosed file '{dropped}'"):
+            for _ in range(10):
+                source = open_file_source(dropped)
+                if dropped == path:  # the stream's header read: 'stream.open()', forgotten
+                    await stream_st.open_stream(source).open()
+                del source
+            gc.collect()
+        assert open_fds() == before
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        async with stream_st.open_stream(path):
+            pass
+        gc.collect()
 
 
 async def test_a_symlink_at_the_destination_is_replaced_not_written_through(

@@ -19,8 +19,11 @@ import errno
 import os
 import stat
 import sys
+import warnings
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -81,6 +84,21 @@ def _pread_cached(fd: int, buffer: memoryview, offset: int) -> int:
     return filled
 
 
+def _dropped(fd: int, name: str) -> None:
+    """Close ``fd``, left open by a source or sink dropped unclosed, with the ``ResourceWarning``
+    a Python file dropped unclosed gives."""
+    warnings.warn(f"unclosed file {name!r}", ResourceWarning, stacklevel=1)
+    os.close(fd)
+
+
+def closed_when_dropped(owner: object, fd: int, name: str) -> weakref.finalize[Any, Any]:
+    """A finalizer that closes ``fd`` once ``owner`` is dropped unclosed (see :func:`_dropped`);
+    detach it when ``owner`` closes ``fd`` itself. None of it runs at interpreter exit."""
+    finalizer = weakref.finalize(owner, _dropped, fd, name)
+    finalizer.atexit = False
+    return finalizer
+
+
 def open_path(name: str, flags: int) -> int:
     """``os.open(name, flags | O_CLOEXEC)``; its failures raise SafetensorsError subclasses."""
     try:
@@ -129,6 +147,7 @@ class FileSource(Source):
         except OSError as exc:  # pragma: no cover - fstat on an open fd does not fail in practice
             os.close(self._fd)
             raise TransportError(f"cannot stat: {exc.strerror}", url=self.name) from exc
+        self._unclosed = closed_when_dropped(self, self._fd, self.name)
 
     def fileno(self) -> int:
         """The open file's descriptor (the source keeps it, and closes it with itself)."""
@@ -163,9 +182,8 @@ class FileSource(Source):
             else:
                 got = await self._read_halves(offset, buffer)
         except OSError as exc:
-            raise TransportError(
-                f"read failed: {exc.strerror or exc}", url=self.name, position=offset
-            ) from exc
+            reason = PipeEnd.closed_here if self._fd < 0 else exc.strerror or exc
+            raise TransportError(f"read failed: {reason}", url=self.name, position=offset) from exc
         self.position = offset + got
         return got
 
@@ -215,11 +233,13 @@ class FileSource(Source):
 
     def _cached(self, offset: int) -> bool:
         """Whether the page cache holds the byte at ``offset``: a one-byte read that never
-        blocks (False where the kernel cannot tell)."""
-        return _pread_cached(self._fd, memoryview(bytearray(1)), offset) == 1
+        blocks (False where the kernel cannot tell, or the file was closed meanwhile: the
+        mapping outlives it, and the stream reports the close)."""
+        return self._fd >= 0 and _pread_cached(self._fd, memoryview(bytearray(1)), offset) == 1
 
     async def aclose(self) -> None:
         if self._fd >= 0:
+            self._unclosed.detach()
             os.close(self._fd)
             self._fd = -1
 
@@ -235,10 +255,15 @@ class PipeEnd(NonBlockingEnd[int]):
     closed_here = "the file was closed on this side"
     peer_stalled = "the reader took no data"
 
+    def __init__(self, fd: int, name: str, *, clock: Clock = UNLIMITED) -> None:
+        super().__init__(fd, name, clock=clock)
+        self._unclosed = closed_when_dropped(self, fd, name)
+
     def _close(self) -> None:
         """Close the descriptor, first waking any task waiting on it; closing twice is a no-op."""
         fd, self._handle = self._handle, -1
         if fd >= 0:
+            self._unclosed.detach()
             anyio.notify_closing(fd)
             os.close(fd)
 
