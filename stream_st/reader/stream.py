@@ -428,6 +428,11 @@ class _Iteration:
         return self
 
     async def __anext__(self) -> tuple[str, np.ndarray[Any, Any]]:
+        if getattr(self._generator, "ag_running", False):  # another task's step is under way
+            raise UsageError(
+                f"{self._stream._shown_name()}: a stream was iterated from two tasks at once; "
+                "iterate it from one task"
+            )
         try:
             return await anext(self._generator)
         except StopAsyncIteration:

@@ -6,7 +6,7 @@ import asyncio
 import os
 import pathlib
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
@@ -422,6 +422,37 @@ def test_a_mapped_stream_closed_from_another_task(tmp_path: pathlib.Path, backen
                     pass
 
     anyio.run(main, backend=backend)
+
+
+async def test_one_iteration_stepped_from_two_tasks() -> None:
+    """A step taken while another task's step waits for data is a UsageError for that task
+    alone: the first task's iteration goes on to the end (it was failed too, 'iteration failed',
+    and the second got a bare RuntimeError)."""
+    tensors = {f"t{i}": np.full(1000, i, np.float32) for i in range(4)}
+    data = reference_numpy.save(tensors)
+    data_start = 8 + int.from_bytes(data[:8], "little")
+    more = anyio.Event()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield data[:data_start]  # the header: the first step waits for the rest
+        await more.wait()
+        yield data[data_start:]
+
+    names: list[str] = []
+    async with stream_st.open_stream(chunks()) as stream:
+        iteration = aiter(stream)
+
+        async def first() -> None:
+            names.extend([name async for name, _ in iteration])
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as group:
+                group.start_soon(first)
+                await anyio.wait_all_tasks_blocked()
+                with pytest.raises(UsageError, match="iterated from two tasks at once"):
+                    await anext(iteration)
+                more.set()
+    assert names == list(tensors)
 
 
 async def test_missing_file_and_unsupported_sources(tmp_path: pathlib.Path) -> None:
