@@ -3,7 +3,10 @@ objects (connections), and producers that fill the reader's buffer themselves
 (:class:`~.base.AsyncReadInto`).
 
 Reading: a connection may carry several safetensors messages back to back, so these sources never
-ask for more bytes than the reader needs: the bytes after a message stay in the connection.
+ask for more bytes than the reader needs: the bytes after a message stay in the connection. As on
+a ``tcp://`` connection, its messages are read one at a time and written one at a time, and none
+is read after one was left part way (see :class:`~.tcp.Turn`): the turns are kept for the
+caller's stream object, whichever source or sink is made for it, as long as it lives.
 
 Writing: bytes go out in chunks of :data:`CHUNK` straight from the caller's memory. Transports may
 keep a reference to bytes the kernel has not taken yet (asyncio on Python 3.12+ and uvloop queue
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -27,6 +32,7 @@ from anyio.streams.tls import TLSStream
 
 from ..errors import TransportError, UnsupportedSourceError, UsageError
 from .base import AsyncReadInto, Sink, Source
+from .tcp import Turn
 
 __all__ = [
     "CHUNK",
@@ -39,15 +45,69 @@ __all__ = [
 ]
 
 
-class AnyioStreamSource(Source):
-    """An anyio ``ByteReceiveStream`` (a TCP stream, a TLS stream, a memory stream...)."""
+_TURNS: dict[str, weakref.WeakKeyDictionary[object, Turn]] = {
+    "read": weakref.WeakKeyDictionary(),
+    "written": weakref.WeakKeyDictionary(),
+}
+"""The turns of the messages read and written on each of the caller's streams."""
+
+
+@dataclass(eq=False)
+class _Message:
+    """What holds a stream's turn for one message: the name of its source or sink (not the
+    source itself, which holds the stream: a turn, kept for the stream weakly, must not keep the
+    stream alive)."""
+
+    name: str
+
+
+def _turn(stream: object, doing: str) -> Turn | None:
+    """The turn of the messages ``doing`` ("read", "written") on the caller's ``stream``; None
+    for a stream that cannot be referenced weakly or hashed (its messages are not checked)."""
+    turns = _TURNS[doing]
+    try:
+        turn = turns.get(stream)
+        if turn is None:
+            turn = turns[stream] = Turn(doing)
+    except TypeError:
+        return None
+    return turn
+
+
+class _MessageSource(Source):
+    """A source reading one message from a stream the caller keeps (a connection): it holds the
+    stream's turn from :meth:`start` until the message is read; closed part way, it leaves the
+    turn with the byte it stopped at (see :class:`~.tcp.Turn`)."""
 
     whole_object = False
 
-    def __init__(self, stream: ByteReceiveStream, name: str = "<anyio stream>") -> None:
+    def __init__(self, stream: object, name: str) -> None:
         super().__init__()
-        self._stream = stream
         self.name = name
+        self._turn = _turn(stream, "read")
+        self._message = _Message(name)
+
+    async def start(self, *, read_all: bool = False) -> None:
+        if self._turn is not None:
+            self._turn.claim(self._message)
+
+    def message_read(self) -> None:
+        if self._turn is not None:
+            self._turn.release(self._message)
+
+    async def aclose(self) -> None:
+        if self._turn is not None and self.position:  # part way: a message read let go already
+            self._turn.left(self._message, self.position)
+        elif self._turn is not None:
+            self._turn.release(self._message)
+
+
+class AnyioStreamSource(_MessageSource):
+    """An anyio ``ByteReceiveStream`` (a TCP stream, a TLS stream, a memory stream...)."""
+
+    def __init__(self, stream: ByteReceiveStream, name: str = "<anyio stream>") -> None:
+        super().__init__(stream, name)
+        self._stream = stream
 
     async def receive_into(self, buffer: memoryview) -> int:
         if not buffer:
@@ -80,15 +140,12 @@ class AnyioStreamSource(Source):
         return count
 
 
-class AsyncioStreamSource(Source):
+class AsyncioStreamSource(_MessageSource):
     """An asyncio ``StreamReader`` (from ``asyncio.open_connection`` and friends)."""
 
-    whole_object = False
-
     def __init__(self, reader: asyncio.StreamReader, name: str = "<asyncio stream>") -> None:
-        super().__init__()
+        super().__init__(reader, name)
         self._reader = reader
-        self.name = name
 
     async def receive_into(self, buffer: memoryview) -> int:
         if not buffer:
@@ -162,13 +219,38 @@ def _pieces(buffer: memoryview, tail: int) -> list[tuple[int, int, bool]]:
     return spans
 
 
-class AnyioStreamSink(Sink):
+class _MessageSink(Sink):
+    """A sink writing one message to a stream the caller keeps (a connection): it holds the
+    stream's turn from :meth:`allocate`, before the first byte, until it is closed or aborted
+    (see :class:`~.tcp.Turn`)."""
+
+    def __init__(self, stream: object, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self._turn = _turn(stream, "written")
+        self._message = _Message(name)
+
+    async def allocate(self, size: int) -> None:
+        if self._turn is not None:
+            self._turn.claim(self._message)
+
+    def _refused(self) -> bool:
+        """True for a sink refused the stream's turn: it sent nothing, and must not end (abort)
+        the message another one is writing."""
+        return self._turn is not None and not self._turn.held_by(self._message)
+
+    def _release(self) -> None:
+        """The message is done (closed or aborted): the stream's next one may start."""
+        if self._turn is not None:
+            self._turn.release(self._message)
+
+
+class AnyioStreamSink(_MessageSink):
     """An anyio ``ByteSendStream`` (a TCP or UNIX socket stream, a TLS stream, ...)."""
 
     def __init__(self, stream: ByteSendStream, name: str = "<anyio stream>") -> None:
-        super().__init__()
+        super().__init__(stream, name)
         self._stream = stream
-        self.name = name
         self._tail = TAIL if _sends_right_away(stream) else CHUNK
 
     async def send(self, buffer: memoryview) -> None:
@@ -189,18 +271,20 @@ class AnyioStreamSink(Sink):
 
     async def aclose(self) -> None:
         """Nothing to flush: ``send`` returns once the stream has taken the bytes."""
+        self._release()
 
     async def abort(self) -> None:
-        await anyio.aclose_forcefully(self._stream)
+        if not self._refused():
+            self._release()
+            await anyio.aclose_forcefully(self._stream)
 
 
-class AsyncioStreamSink(Sink):
+class AsyncioStreamSink(_MessageSink):
     """An asyncio ``StreamWriter`` (from ``asyncio.open_connection`` and friends)."""
 
     def __init__(self, writer: asyncio.StreamWriter, name: str = "<asyncio stream>") -> None:
-        super().__init__()
+        super().__init__(writer, name)
         self._writer = writer
-        self.name = name
 
     def _tail(self) -> int:
         try:
@@ -241,8 +325,13 @@ class AsyncioStreamSink(Sink):
             raise TransportError(
                 f"send failed: {exc!r}", url=self.name, position=self.position
             ) from exc
+        finally:
+            self._release()
 
     async def abort(self) -> None:
+        if self._refused():
+            return
+        self._release()
         self._writer.transport.abort()
         # The connection is being dropped: how it ends does not matter, only that it does.
         with anyio.move_on_after(1), contextlib.suppress(Exception):

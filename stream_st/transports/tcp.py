@@ -15,7 +15,7 @@ import errno
 import ipaddress
 import os
 import socket
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import anyio
@@ -141,20 +141,27 @@ async def _connect(sock: socket.socket, address: tuple[Any, ...]) -> None:
             raise OSError(code, os.strerror(code))
 
 
+class _End(Protocol):
+    """One end of a message: what a :class:`Turn` is given to."""
+
+    name: str
+
+
 class Turn:
     """One message at a time in one direction of a connection.
 
-    The socket end carrying a message holds the turn from its first byte until it is closed; a
-    second end that starts meanwhile raises :class:`~stream_st.UsageError` rather than mixing its
-    bytes with the first message's. ``doing`` names what happens to messages: "read", "written".
+    The end carrying a message (a socket's, or a source or sink over a stream the caller keeps)
+    holds the turn from its first byte until it is closed; a second end that starts meanwhile
+    raises :class:`~stream_st.UsageError` rather than mixing its bytes with the first message's.
+    ``doing`` names what happens to messages: "read", "written".
     """
 
     def __init__(self, doing: str) -> None:
         self.doing = doing
-        self._holder: SocketEnd | None = None
+        self._holder: _End | None = None
         self._left: int | None = None  # the byte a message was left at, part way
 
-    def claim(self, end: SocketEnd) -> None:
+    def claim(self, end: _End) -> None:
         """Give the turn to ``end``; UsageError if another end still holds it, or if a message
         was left part way (the next one's first byte is then unknown)."""
         if self._left is not None:
@@ -170,19 +177,19 @@ class Turn:
             )
         self._holder = end
 
-    def release(self, end: SocketEnd) -> None:
+    def release(self, end: _End) -> None:
         """Take the turn back from ``end``, if it holds it."""
         if self._holder is end:
             self._holder = None
 
-    def left(self, end: SocketEnd, position: int) -> None:
+    def left(self, end: _End, position: int) -> None:
         """``end``, holding the turn, stops at byte ``position`` of its message, before its end
         (a reader that breaks off, or refuses the message): the turn is not given again."""
         if self._holder is end:
             self._holder = None
             self._left = position
 
-    def held_by(self, end: SocketEnd) -> bool:
+    def held_by(self, end: _End) -> bool:
         """True while ``end`` carries the connection's current message."""
         return self._holder is end
 

@@ -171,6 +171,37 @@ async def test_messages_back_to_back_on_one_connection(tcp_sender: StartSender) 
         assert await connection.receive() == b"rest"  # left unread for the next user
 
 
+@pytest.mark.parametrize("kind", ["anyio", "asyncio"])
+async def test_a_caller_stream_keeps_the_rules_of_a_connection(
+    tcp_sender: StartSender, kind: str
+) -> None:
+    """As on a tcp:// connection: a second message opened while one is read, and any message
+    after one left part way (a break), are a UsageError (the rest of the first message was
+    parsed as a header: HeaderError, 'not a safetensors file'); whichever source is made for
+    the caller's stream."""
+    message = reference_numpy.save({f"t{i}": np.full(1000, i, np.float32) for i in range(3)})
+    port = await tcp_sender(message * 3)
+    if kind == "anyio":
+        stream: Any = await anyio.connect_tcp("127.0.0.1", port)
+    else:
+        stream, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        assert len(await read_all(stream)) == 3  # read to its end: the next one may start
+        async with stream_st.open_stream(stream) as first:
+            with pytest.raises(UsageError, match="still being read"):
+                await stream_st.open_stream(stream).open()
+            async for _ in first:
+                break
+        with pytest.raises(UsageError, match="left at its byte"):
+            await read_all(stream)
+    finally:
+        if kind == "anyio":
+            await stream.aclose()
+        else:
+            writer.close()
+            await writer.wait_closed()
+
+
 async def test_connection_that_ends_mid_tensor(tcp_sender: StartSender) -> None:
     data = sample_file()
     port = await tcp_sender(data[:-3])

@@ -509,6 +509,24 @@ async def test_header_is_known_and_written_on_open(tmp_path: pathlib.Path) -> No
     assert name == "b" and last.tolist() == [1, 2, 3]
 
 
+@pytest.mark.parametrize("kind", ["anyio", "asyncio"])
+async def test_one_message_written_at_a_time_on_a_caller_stream(kind: str) -> None:
+    """As on a tcp:// connection: a second writer opened on the caller's stream while a first
+    one writes is a UsageError, and leaves the first one's message whole (it mixed its bytes
+    in); once the first is closed the next message may start."""
+    plan = [TensorSpec("a", np.int32, (4,))]
+    arrays: Arrays = {"a": np.arange(4, dtype=np.int32)}
+    pair = tcp_pair() if kind == "anyio" else asyncio_pair()
+    async with pair as (client, server):
+        async with stream_st.open_writer(client, plan) as writer:
+            with pytest.raises(UsageError, match="still being written"):
+                await write_plan(client, plan, arrays)
+            await writer.write("a", arrays["a"])
+        await write_plan(client, plan, arrays)
+        assert_same(await read_back(server), arrays)
+        assert_same(await read_back(server), arrays)
+
+
 def test_spec_example_header_matches_reference_layout() -> None:
     plan = [
         TensorSpec(f"layer_{i}_{kind}", "F16", (1, 4, 128, 64))
