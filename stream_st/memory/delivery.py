@@ -4,7 +4,7 @@ into=...)``): fresh arrays, memory the caller gives, numpy arrays or torch tenso
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -87,12 +87,21 @@ class Delivery:
             return None
         return array, array.reshape(-1).view(np.uint8).data
 
-    def deliver(self, info: TensorInfo, array: np.ndarray[Any, Any], placed: bool) -> Any:
+    def deliver(
+        self,
+        info: TensorInfo,
+        array: np.ndarray[Any, Any],
+        placed: bool,
+        shape: Sequence[int] | None = None,
+    ) -> Any:
         """What the reader hands out for ``info``, filled into ``array``; ``placed`` when that
-        is the caller's memory (:meth:`target`)."""
+        is the caller's memory (:meth:`target`). ``shape``: what ``array`` holds of ``info``
+        when not the whole of it (a part a rank receives), as the header would give it."""
         given = self.into.get(info.name) if placed else None
         if self.torch:
-            return given if is_torch_tensor(given) else to_torch(array, info.dtype, info.shape)
+            if is_torch_tensor(given):
+                return given
+            return to_torch(array, info.dtype, info.shape if shape is None else shape)
         return given if isinstance(given, np.ndarray) else array
 
     @staticmethod

@@ -486,7 +486,8 @@ class FileExchange:
             if wanted is None:
                 value = self.delivery.deliver(info, array, index in self.placed)
             else:
-                value = Delivery("pt" if self.delivery.torch else "np").deliver(info, array, False)
+                part = Delivery("pt" if self.delivery.torch else "np")
+                value = part.deliver(info, array, False, slice_shape(info, wanted))
             device = self.group.out_device
             if device is not None and self.group.torch.is_tensor(value):
                 value = value.to(device)
