@@ -348,7 +348,7 @@ def save_model(
     non-contiguous tensors packed; without it they are refused with a ``ValueError``, as in the
     reference. ``checksums`` as in :func:`save_file`."""
     state = dict(model.state_dict())
-    extra = dict(metadata) if metadata is not None else None
+    extra = _save.check_metadata(metadata)  # a dict of its own: the caller's is left as given
     for keep, dropped in _remove_duplicate_names(state).items():
         for name in dropped:
             extra = {} if extra is None else extra
@@ -387,7 +387,9 @@ def load_model(
     CUDA device, it is copied into the model's memory there as it arrives (of a model all on the
     device, from a mapping of a local file, as :func:`load_file` reads one; else from fresh CPU
     memory, let go once copied). The others go through ``model.load_state_dict`` as in the
-    reference. Tensors
+    reference, as do those of modules that load in their own way (a load pre-hook, as
+    ``spectral_norm``'s, or a ``_load_from_state_dict`` of their own), whose code then runs as
+    it runs there (not with ``assign=True``, which puts the file's tensors in place). Tensors
     the model shares (tied weights) count as loaded when one of them is in the file. With
     ``strict``, missing or unexpected names raise :class:`~stream_st.UsageError` (a
     ``RuntimeError``, as the reference raises) after loading.
@@ -466,12 +468,20 @@ def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str
     device's copies made from the mapping); else each tensor into fresh CPU memory, let go once
     copied."""
     state = model.state_dict()
+    own = _shared.loading_their_own_way(model)
     into = {
         name: tensor
         for name, tensor in state.items()
-        if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
+        if tensor.device.type == "cpu"
+        and not tensor.is_meta
+        and tensor.is_contiguous()
+        and not name.startswith(own)
     }
-    on_device = {name: tensor for name, tensor in state.items() if tensor.device.type == "cuda"}
+    on_device = {
+        name: tensor
+        for name, tensor in state.items()
+        if tensor.device.type == "cuda" and not name.startswith(own)
+    }
     overruled: set[str] = set()
 
     def seen(names: Collection[str]) -> None:
@@ -491,7 +501,8 @@ def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str
         return True
 
     placed, fresh = read(place, bool(into) or not maps, into, seen)
-    missing_list, unexpected = _shared.load_state(model, dict(fresh))
+    metadata = getattr(state, "_metadata", None)
+    missing_list, unexpected = _shared.load_state(model, dict(fresh), metadata)
     missing = set(missing_list).difference(placed)
     in_file = placed | {name for name, _ in fresh}
     _shared.shared_counted(state, in_file, missing, unexpected)

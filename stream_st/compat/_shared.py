@@ -10,9 +10,11 @@ nothing.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..core.arrays import load_torch
 from ..errors import UsageError
 
 __all__ = [
@@ -147,10 +149,33 @@ def kept_name(complete: list[str], preferred: set[str], discard: frozenset[str] 
     )
 
 
-def load_state(model: Any, tensors: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """``model.load_state_dict(tensors, strict=False)``: its missing and unexpected names. The
+def loading_their_own_way(model: Any) -> tuple[str, ...]:
+    """The prefixes (``"block."``; ``""`` for the model itself) of the modules that load in
+    their own way: a load pre-hook (``spectral_norm``'s), or a ``_load_from_state_dict`` of
+    their own (torch's own modules', which only read older versions' layouts, aside). Their
+    tensors, and those of the modules in them, go through ``load_state_dict`` as the
+    reference's ``load_model`` gives them, never received in place past their code."""
+    plain = load_torch().nn.Module._load_from_state_dict
+    prefixes = []
+    for name, module in model.named_modules():
+        loads = type(module)._load_from_state_dict
+        custom = loads is not plain and not loads.__module__.startswith("torch.nn.")
+        if module._load_state_dict_pre_hooks or custom:
+            prefixes.append(f"{name}." if name else "")
+    return tuple(prefixes)
+
+
+def load_state(
+    model: Any, tensors: dict[str, Any], metadata: Any = None
+) -> tuple[list[str], list[str]]:
+    """``model.load_state_dict(tensors, strict=False)``: its missing and unexpected names.
+    ``metadata``: the ``_metadata`` of the model's own state dict (each module's version), which
+    modules that load in their own way read, as from a checkpoint's state dict. The
     ``RuntimeError`` torch raises for tensors it cannot take (a shape that differs) is a
     :class:`~stream_st.UsageError`, a ``RuntimeError`` still, with torch's message."""
+    if metadata is not None:
+        tensors = OrderedDict(tensors)
+        tensors._metadata = metadata  # type: ignore[attr-defined]
     try:
         missing, unexpected = model.load_state_dict(tensors, strict=False)
     except RuntimeError as exc:

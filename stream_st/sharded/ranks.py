@@ -474,15 +474,19 @@ def load_model(
     :func:`stream_st.torch.load_model` gives them. Tensors that fit the model's CPU memory
     (dtype, shape) are received straight into it; the others (slices among them) go through
     ``model.load_state_dict``. Names ``include=`` leaves out are not missing."""
-    from ..compat._shared import find_shared_tensors
+    from ..compat._shared import find_shared_tensors, loading_their_own_way
     from ..compat._sync import run
 
     try:
         state = model.state_dict()
+        own = loading_their_own_way(model)  # through load_state_dict, their code run
         into = {
             name: tensor
             for name, tensor in state.items()
-            if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
+            if tensor.device.type == "cpu"
+            and not tensor.is_meta
+            and tensor.is_contiguous()
+            and not name.startswith(own)
         }
         # Names that share memory (tied weights) are received fresh and go through
         # load_state_dict: received in place, their buffers would overlap (one name read
@@ -529,7 +533,7 @@ def _taken(
 
     placed = {name for name, tensor in loaded.items() if tensor is into.get(name)}
     fresh = {name: tensor for name, tensor in loaded.items() if name not in placed}
-    missing_list, unexpected = load_state(model, fresh)
+    missing_list, unexpected = load_state(model, fresh, getattr(state, "_metadata", None))
     selected = _selected(include)
     missing = {name for name in missing_list if name not in placed and selected(name)}
     shared_counted(state, loaded, missing, unexpected)

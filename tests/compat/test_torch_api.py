@@ -1022,3 +1022,60 @@ def test_a_sync_call_leaves_the_thread_s_event_loop_as_it_was(ref_file: Path) ->
     thread.start()
     thread.join()
     assert found == [True]
+
+
+class Doubling(torch.nn.Module):
+    """Keeps twice the checkpoint's weight (a load pre-hook converts it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(2, 2))
+        self._register_load_state_dict_pre_hook(self._convert)
+
+    def _convert(self, state: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
+        if prefix + "weight" in state:
+            state[prefix + "weight"] = state[prefix + "weight"] * 2
+
+
+class Transposing(torch.nn.Module):
+    """Its own ``_load_from_state_dict`` (a legacy layout), as some libraries have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(2, 2))
+
+    def _load_from_state_dict(self, state: Any, prefix: str, *args: Any) -> None:
+        if prefix + "weight" in state:
+            state[prefix + "weight"] = state[prefix + "weight"].t().contiguous()
+        super()._load_from_state_dict(state, prefix, *args)
+
+
+def with_load_hooks() -> torch.nn.Module:
+    model = torch.nn.Sequential(Doubling(), Transposing(), torch.nn.Linear(2, 2))
+    return torch.nn.utils.spectral_norm(model[2]) and model
+
+
+def test_load_model_runs_the_model_s_own_loading_as_the_reference(tmp_path: Path) -> None:
+    """Modules that load in their own way (a load pre-hook, their own _load_from_state_dict,
+    spectral_norm's) get their tensors through load_state_dict, with the state dict's metadata,
+    as the reference's load_model gives them; the others are still received in place."""
+    torch.manual_seed(3)
+    path = tmp_path / "m.safetensors"
+    reference.save_model(with_load_hooks(), str(path))
+    ours, ref = with_load_hooks(), with_load_hooks()
+    expected: Any = reference.load_model(ref, str(path))
+    assert st.load_model(ours, path) == expected
+    for name, tensor in ref.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("metadata", ["format=pt", 5, [("format", "pt")]])
+def test_save_model_refuses_metadata_that_is_no_dict_as_the_reference(
+    tmp_path: Path, metadata: Any
+) -> None:
+    with pytest.raises(TypeError):
+        reference.save_model(Tied(), str(tmp_path / "ref.safetensors"), metadata=metadata)
+    with pytest.raises(TypeError) as raised:
+        st.save_model(Tied(), tmp_path / "ours.safetensors", metadata=metadata)
+    assert isinstance(raised.value, stream_st.SafetensorsError)
+    assert not list(tmp_path.iterdir())

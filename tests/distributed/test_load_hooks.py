@@ -1,0 +1,74 @@
+"""A group load gives modules that load in their own way (a load pre-hook, spectral_norm's)
+their tensors through ``load_state_dict``, as the reference's ``load_model`` does, in a real
+gloo group (of one rank: what is checked is that rank's loading, not the exchange)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
+
+from ._group import ENV, ROOT, WAIT, free_port  # noqa: E402
+
+SCRIPT = textwrap.dedent(
+    """
+    import datetime, sys
+    import torch, torch.distributed as dist
+    import safetensors.torch as reference
+    import stream_st.torch
+
+    path, port = sys.argv[1], int(sys.argv[2])
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+        timeout=datetime.timedelta(seconds=30),
+    )
+
+    class Doubling(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(2, 2))
+            self._register_load_state_dict_pre_hook(self.convert)
+
+        def convert(self, state, prefix, *args):
+            if prefix + "weight" in state:
+                state[prefix + "weight"] = state[prefix + "weight"] * 2
+
+    def model():
+        built = torch.nn.Sequential(Doubling(), torch.nn.Linear(2, 2))
+        torch.nn.utils.spectral_norm(built[1])
+        return built
+
+    torch.manual_seed(0)
+    reference.save_model(model(), path)
+    ours, ref = model(), model()
+    got = stream_st.torch.load_model(ours, path, process_group=dist.group.WORLD)
+    assert got == (set(), []), got
+    reference.load_model(ref, path)
+    for name, tensor in ref.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], tensor), name
+    dist.destroy_process_group()
+    print("ok")
+    """
+)
+
+
+def test_a_group_load_runs_the_model_s_own_loading(tmp_path: Path) -> None:
+    script = tmp_path / "hooks.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "m.safetensors"), str(free_port())],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+    )
+    assert done.stdout.strip() == "ok", done.stderr[-3000:]
