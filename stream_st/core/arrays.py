@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..compat._errors import DeviceError
 from ..errors import ArgumentTypeError, DtypeError, UsageError
 from .dtypes import DTYPES
 from .layout import TensorSpec
@@ -184,16 +185,17 @@ def framework_of(framework: str | None, *, required: bool = False) -> bool:
 def torch_device(device: object) -> Any | None:
     """The ``torch.device`` tensors are handed out on, or None for the CPU (where they are
     received). ``device`` is what the reference takes: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, a
-    CUDA index (``0``), or a ``torch.device``. A name torch does not know, or a device this
-    torch cannot use (no CUDA build, no such GPU), is a :class:`UsageError` before anything is
-    read."""
+    CUDA index (``0``), or a ``torch.device``. A name torch does not know is a
+    :class:`~stream_st.compat._errors.DeviceError` (a ``ValueError`` too, as the reference's),
+    a device this torch cannot use (no CUDA build, no such GPU) a :class:`UsageError`, before
+    anything is read."""
     if device is None or str(device) == "cpu":
         return None
     torch = load_torch()
     try:
         chosen = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     except (RuntimeError, TypeError, ValueError) as exc:
-        raise UsageError(f"device={device!r} is not a device torch knows: {exc}") from None
+        raise DeviceError(f"device={device!r} is not a device torch knows: {exc}") from None
     if chosen.type == "cpu":
         return None
     if chosen.type != "cuda":

@@ -1079,3 +1079,15 @@ def test_save_model_refuses_metadata_that_is_no_dict_as_the_reference(
         st.save_model(Tied(), tmp_path / "ours.safetensors", metadata=metadata)
     assert isinstance(raised.value, stream_st.SafetensorsError)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("device", ["cuda:x", "cuda:-1"])
+def test_a_device_name_torch_cannot_parse_is_a_value_error_as_the_reference(
+    ref_file: Path, device: str
+) -> None:
+    with pytest.raises(ValueError):
+        reference.load_file(ref_file, device=device)
+    for call in (st.load_file, lambda path, device: st.safe_open(path, "pt", device=device)):
+        with pytest.raises(ValueError, match="not a device torch knows") as raised:
+            call(ref_file, device=device)
+        assert isinstance(raised.value, UsageError)
