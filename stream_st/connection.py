@@ -30,8 +30,10 @@ from ._util import AsyncClosing
 from .core.header import DEFAULT_MAX_HEADER_SIZE
 from .core.layout import TensorSpec
 from .errors import TransportError, UsageError, integer_at_least
+from .integrity import Digests
 from .reader import Include, TensorStream
 from .transports.options import NO_LIMITS, Clock, LimitOptions, Limits
+from .transports.registry import SinkLender
 from .transports.tcp import (
     SocketSink,
     SocketSource,
@@ -41,12 +43,12 @@ from .transports.tcp import (
     parse_tcp_url,
     tcp_url,
 )
-from .writer import Order, TensorWriter
+from .writer import Order, TensorWriter, open_writer
 
 __all__ = ["Connection", "Listener", "connect", "listen"]
 
 
-class Connection(AsyncClosing):
+class Connection(AsyncClosing, SinkLender):
     """One TCP connection; read (and write) any number of safetensors messages on it in turn.
 
     One message at a time is read, and one written (a second one started meanwhile raises
@@ -58,6 +60,9 @@ class Connection(AsyncClosing):
     :class:`~stream_st.TransportError`. A message read only part way (a ``break``, a refused
     message) leaves the next one's start unknown: later reads raise
     :class:`~stream_st.UsageError`.
+
+    A connection is also a destination of :func:`~stream_st.open_writer` and
+    :func:`~stream_st.save`: each call writes the next message, as :meth:`open_writer` does.
     """
 
     def __init__(self, sock: socket.socket, name: str, *, limits: Limits = NO_LIMITS) -> None:
@@ -107,22 +112,32 @@ class Connection(AsyncClosing):
             max_total_bytes=max_total_bytes,
         )
 
+    def lend_sink(self) -> SocketSink:
+        """The socket lent to the next message written, under the connection's limits (a call
+        that gives its own replaces them) and its writing turn."""
+        self._check_open()
+        return SocketSink(self._sock, self.name, clock=self._clock({}), turn=self._writing)
+
     def open_writer(
         self,
         plan: Iterable[TensorSpec],
         *,
         metadata: Mapping[str, str] | None = None,
         order: Order = "plan",
+        checksums: bool | str | Digests = False,
         **limits: Unpack[LimitOptions],
     ) -> TensorWriter:
-        """Write the next message on this connection (see :func:`~stream_st.open_writer`).
+        """Write the next message on this connection: ``open_writer(connection, plan, ...)``
+        (see :func:`~stream_st.open_writer`). A socket is written front to back, so
+        ``checksums`` must be a :class:`~stream_st.Digests` (``Digests.compute(arrays)``) to
+        record digests (:func:`~stream_st.save` computes them itself).
 
         A message that fails closes the connection, so the peer sees it end early.
         """
         self._check_open()
-        clock = self._clock(limits)
-        sink = SocketSink(self._sock, self.name, clock=clock, turn=self._writing)
-        return TensorWriter(sink, plan, metadata=metadata, order=order)
+        return open_writer(
+            self, plan, metadata=metadata, order=order, checksums=checksums, **limits
+        )
 
     async def messages(
         self,

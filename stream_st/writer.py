@@ -803,8 +803,9 @@ def open_writer(
     """Write a safetensors message to ``dst`` following ``plan``, tensor by tensor.
 
     ``dst`` is a path (``str``, ``os.PathLike``, ``file://`` URL), ``tcp://host:port``,
-    ``http(s)://`` (a PUT upload), ``s3://bucket/key`` (a multipart upload), an anyio
-    ``ByteSendStream``, an asyncio ``StreamWriter`` or a :class:`~stream_st.sinks.Sink`. Time
+    ``http(s)://`` (a PUT upload), ``s3://bucket/key`` (a multipart upload), a
+    :class:`~stream_st.Connection` (its next message), an anyio ``ByteSendStream``, an asyncio
+    ``StreamWriter`` or a :class:`~stream_st.sinks.Sink`. Time
     limits as in :func:`~stream_st.open_stream`: ``timeout`` bounds connecting and each wait for
     the destination to take bytes, ``deadline`` the whole write from opening to the last tensor,
     ``speed_limit``/``speed_time`` a transfer that stays too slow; ``headers`` and ``ssl_context``

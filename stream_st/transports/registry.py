@@ -11,6 +11,7 @@ iterators, ``readinto`` producers) are matched by type below.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import importlib
 import inspect
@@ -40,6 +41,7 @@ __all__ = [
     "ReadIntoSource",
     "Scheme",
     "Sink",
+    "SinkLender",
     "SinkLike",
     "Source",
     "SourceLike",
@@ -83,7 +85,17 @@ SourceLike = (
 )
 """Everything :func:`open_source` accepts."""
 
-SinkLike = str | os.PathLike[str] | ByteSendStream | asyncio.StreamWriter | Sink
+
+class SinkLender(abc.ABC):
+    """A destination that lends a sink of its own to each message written to it: a
+    :class:`~stream_st.Connection`, whose socket carries one message after another."""
+
+    @abc.abstractmethod
+    def lend_sink(self) -> Sink:
+        """The sink of the next message, with the lender's clock (its limits) and its turn."""
+
+
+SinkLike = str | os.PathLike[str] | ByteSendStream | asyncio.StreamWriter | Sink | SinkLender
 """Everything :func:`open_sink` accepts."""
 
 
@@ -151,17 +163,21 @@ async def _new_source(obj: SourceLike, clock: Clock) -> Source:
 
 
 async def open_sink(dst: SinkLike, *, fsync: bool = False, clock: Clock = UNLIMITED) -> Sink:
-    """Pick the transport for ``dst``: a path or URL, an anyio byte stream, an asyncio writer.
+    """Pick the transport for ``dst``: a path or URL, an anyio byte stream, an asyncio writer,
+    a :class:`~stream_st.Connection` (a :class:`SinkLender`).
 
     URLs: ``file://``, ``tcp://host:port`` (connects), ``http(s)://`` (a PUT upload) and
     ``s3://bucket/key`` (a multipart upload). ``fsync`` applies to files: flush to stable storage
     before the file is moved into place. ``clock`` (the operation's limits) bounds connecting and
     every wait; its ``headers`` and ``ssl_context`` go to an HTTP or S3 sink. A :class:`Sink`
     given as it is keeps its own clock unless ``clock`` sets a limit, and its own headers and TLS
-    context unless ``clock`` brings others (as for a source, see :func:`open_source`). A path that
-    exists and is not a regular file (a FIFO, ``/dev/null``) is written through in place, never
-    replaced.
+    context unless ``clock`` brings others (as for a source, see :func:`open_source`); so does the
+    sink a :class:`SinkLender` lends (a connection's socket, under the connection's limits and
+    turn). A path that exists and is not a regular file (a FIFO, ``/dev/null``) is written
+    through in place, never replaced.
     """
+    if isinstance(dst, SinkLender):
+        dst = dst.lend_sink()
     if isinstance(dst, Sink):
         sink = dst
         if clock.limited:
@@ -188,8 +204,8 @@ async def _new_sink(dst: SinkLike, fsync: bool, clock: Clock) -> Sink:
     if isinstance(dst, ByteSendStream):
         return AnyioStreamSink(dst)
     raise UnsupportedSinkError(
-        f"cannot write safetensors to {type(dst).__name__}: expected a path, a file:// URL, "
-        "an anyio ByteSendStream or an asyncio StreamWriter"
+        f"cannot write safetensors to {type(dst).__name__}: expected a path, a URL, "
+        "a Connection, an anyio ByteSendStream or an asyncio StreamWriter"
     )
 
 

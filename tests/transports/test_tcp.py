@@ -361,6 +361,54 @@ async def test_one_message_written_at_a_time() -> None:
         assert_same_arrays(received(peer), SMALL)
 
 
+async def test_a_connection_is_a_destination_of_open_writer_and_save() -> None:
+    arrays: Arrays = {"x": np.arange(3, dtype=np.float32), "y": np.ones((2, 2), np.int16)}
+    plan = [TensorSpec(name, array.dtype, array.shape) for name, array in arrays.items()]
+    got: list[tuple[Arrays, dict[str, str]]] = []
+    async with stream_st.listen("127.0.0.1", 0) as listener:
+
+        async def receive() -> None:
+            async with await listener.accept() as connection:
+                async for stream in connection.messages():  # digests checked as it reads
+                    got.append(({n: a async for n, a in stream}, dict(stream.header.metadata)))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as group:
+                group.start_soon(receive)
+                async with await stream_st.connect(listener.url) as connection:
+                    async with stream_st.open_writer(connection, plan) as writer:
+                        await writer.write_many(arrays)
+                    await stream_st.save(connection, arrays, checksums=True)
+                    digests = stream_st.Digests.compute(arrays)
+                    async with connection.open_writer(plan, checksums=digests) as writer:
+                        await writer.write_many(arrays)
+                    with pytest.raises(UsageError, match="give them up front"):
+                        async with connection.open_writer(plan, checksums=True):
+                            pass
+                    async with connection.open_writer(plan) as writer:  # the refusal sent nothing
+                        await writer.write_many(arrays)
+    assert len(got) == 4
+    for message, _ in got:
+        assert_same_arrays(message, arrays)
+    assert [metadata.get("stream_st.digest") for _, metadata in got] == [
+        None,
+        "xxh3-128",
+        "xxh3-128",
+        None,
+    ]
+
+
+async def test_a_connection_given_to_save_keeps_its_limits() -> None:
+    async with stream_st.listen("127.0.0.1", 0, timeout=0.3) as listener:
+        with small_buffer_socket() as peer:  # connects, never reads
+            peer.connect(("127.0.0.1", listener.port))
+            async with await listener.accept() as connection:
+                with anyio.fail_after(5), pytest.raises(ReadTimeoutError):
+                    await stream_st.save(connection, {"big": BIG})
+                with pytest.raises(UsageError, match="the connection is closed"):
+                    await stream_st.save(connection, SMALL)  # the failed message closed it
+
+
 async def until_blocked_then(close: Callable[[], Awaitable[None]], blocked: Awaitable[Any]) -> None:
     """Run ``blocked`` (no timeout of its own) and ``close`` from another task once it waits;
     ``blocked`` must fail promptly with a TransportError."""
