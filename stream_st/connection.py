@@ -27,10 +27,10 @@ from typing import Unpack
 import anyio
 
 from ._util import AsyncClosing
+from .core.digests import Digests
 from .core.header import DEFAULT_MAX_HEADER_SIZE
 from .core.layout import TensorSpec
 from .errors import TransportError, UsageError, integer_at_least
-from .integrity import Digests
 from .reader import Include, TensorStream
 from .transports.options import NO_LIMITS, Clock, LimitOptions, Limits
 from .transports.registry import SinkLender
