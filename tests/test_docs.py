@@ -134,6 +134,59 @@ def test_retired_statements_stay_out() -> None:
             assert statement not in text, f"{name}: {statement!r}"
 
 
+API_ENTRY = re.compile(r"^::: stream_st\.(\w+)\s*$|\]\[stream_st\.(\w+)\]", re.MULTILINE)
+"""An entry of the API page, ``::: stream_st.name``, or a link to the page that has it,
+``[`name`][stream_st.name]``."""
+
+TREE_NODE = re.compile(r"^(?P<lead>[ │]*(?:[├└]── )?)(?P<name>[A-Z]\w*Error)\b", re.MULTILINE)
+"""A node of an exception tree drawn as text: each level four columns further right."""
+
+
+def test_the_api_page_has_every_exported_name() -> None:
+    import stream_st
+
+    page = (DOCS / "api.md").read_text(encoding="utf-8")
+    listed = {entry or link for entry, link in API_ENTRY.findall(page)}
+    missing = sorted(set(stream_st.__all__) - listed - {"__version__"})
+    assert not missing, f"exported by stream_st but not in docs/api.md: {missing}"
+
+
+def _drawn_tree(text: str) -> dict[str, str | None]:
+    """Each error of the tree drawn in ``text`` (its root first) and the error it hangs from."""
+    parents: dict[str, str | None] = {}
+    path: list[str] = []
+    root_column: int | None = None
+    for node in TREE_NODE.finditer(text):
+        column = len(node["lead"])
+        root_column = column if root_column is None else root_column
+        depth = (column - root_column) // 4
+        del path[depth:]
+        parents[node["name"]] = path[-1] if path else None
+        path.append(node["name"])
+    return parents
+
+
+def test_the_error_trees_draw_every_exception_under_its_base() -> None:
+    from stream_st import errors
+
+    expected = {
+        name: next(
+            (b.__name__ for b in cls.__bases__ if issubclass(b, errors.SafetensorsError)), None
+        )
+        for name, cls in vars(errors).items()
+        if isinstance(cls, type) and issubclass(cls, errors.SafetensorsError)
+    }
+    page = (DOCS / "errors.md").read_text(encoding="utf-8")
+    drawn = {
+        "docs/errors.md": page.split("```text", 1)[1].split("```", 1)[0],
+        "the docstring of stream_st.errors": (errors.__doc__ or "")
+        .split("::\n\n", 1)[1]
+        .split("\n\n")[0],
+    }
+    for where, text in drawn.items():
+        assert _drawn_tree(text) == expected, f"the exception tree of {where} is not the code's"
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The site, built with warnings as errors."""
