@@ -23,6 +23,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from stream_st.cli.exits import EXIT_ERROR, EXIT_OK
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,8 +155,25 @@ def test_wheel_installs_with_license_metadata_and_version(
     assert found.split()[0] == version  # from the installed metadata
     assert Path(found.split()[1]).is_relative_to(tmp_path / "venv")  # the wheel's code
     assert "usage: stream-st" in _check([command])
+    assert _check([python, "-m", "stream_st", "--help"], cwd=tmp_path).startswith(
+        "usage: stream-st"
+    )
     used = "from stream_st.core import moments; print(moments._SUMS is not None)"
     assert _check([python, "-c", used], cwd=tmp_path).strip() == str(bool(compiled))
+
+
+def test_python_m_stream_st_is_the_command(tmp_path: Path) -> None:
+    """``python -m stream_st`` runs the stream-st command: its help, its errors, its exit status."""
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "stream_st", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    shown = run("--help")
+    assert shown.returncode == EXIT_OK and shown.stdout.startswith("usage: stream-st")
+    missing = run("validate", str(tmp_path / "none.safetensors"))
+    assert missing.returncode == EXIT_ERROR
+    assert missing.stderr.startswith("stream-st: error: no such file")
 
 
 def _requirements(requires: list[str], extra: str) -> list[Requirement]:
