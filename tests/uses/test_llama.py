@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -317,3 +317,101 @@ def test_demo_command_refuses_a_bad_timeout_as_its_line_is_read(
     assert exited.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "argument --timeout" in err[-1], err
+
+
+def untied_model() -> Llama:
+    """:func:`tiny_model` with an output head of its own."""
+    small = tiny_model()
+    head = np.random.default_rng(9).standard_normal((64, 32), dtype=np.float32)
+    return Llama(small.config, {**small.weights, "lm_head.weight": head})
+
+
+async def paced(stream: AsyncIterable[tuple[str, Array]]) -> AsyncIterator[tuple[str, Array]]:
+    """``stream``'s tensors, each after a pause (weights arriving over a slow link)."""
+    async for item in stream:
+        await anyio.sleep(0.01)
+        yield item
+
+
+@pytest.mark.parametrize("tied", [None, False])
+@pytest.mark.parametrize("threaded", [True, False])
+async def test_streaming_prefill_of_an_untied_model_waits_for_its_output_head(
+    tmp_path: Path, tied: bool | None, threaded: bool
+) -> None:
+    """lm_head.weight comes after model.norm.weight (write_checkpoint's order, the last shard of
+    a transformers save): the logits were run with the embeddings as the output head."""
+    untied = untied_model()
+    path = tmp_path / "untied.safetensors"
+    header = await write_checkpoint(path, untied)
+    assert [t.name for t in header.tensors][-2:] == ["model.norm.weight", "lm_head.weight"]
+    tokens = [5, 9, 2, 33, 7]
+    run = untied.forward(tokens)
+    for _ in range(3):
+        run.step()
+    expected = run.logits(last_only=True)
+    async with stream_st.open_stream(path) as stream:
+        streamed = await run_streaming(
+            StreamingPrefill(untied.config, tokens, tied=tied), paced(stream), threaded=threaded
+        )
+    assert np.array_equal(streamed.output(), expected)  # bit for bit, as documented
+    assert [s.name for s in streamed.stages] == [f"layer {i}" for i in range(3)] + ["logits"]
+
+
+async def test_streaming_prefill_told_tied_or_not(tmp_path: Path) -> None:
+    """tied=True runs the logits at the final norm and refuses an lm_head.weight; tied=False
+    waits for one and says it never came; tied=None takes a tied checkpoint as it is."""
+    tied, untied = tiny_model(), untied_model()
+    await write_checkpoint(tmp_path / "tied.safetensors", tied)
+    await write_checkpoint(tmp_path / "untied.safetensors", untied)
+    run = tied.forward([1, 2])
+    for _ in range(3):
+        run.step()
+    for told in (True, None):
+        streamed = await run_streaming(
+            StreamingPrefill(tied.config, [1, 2], tied=told),
+            stream_st.open_stream(tmp_path / "tied.safetensors"),
+        )
+        assert np.array_equal(streamed.output(), run.logits(last_only=True))
+    with pytest.raises(ModelError, match=r"ended early: 1 missing, \['lm_head\.weight'\]"):
+        await run_streaming(
+            StreamingPrefill(tied.config, [1, 2], tied=False),
+            stream_st.open_stream(tmp_path / "tied.safetensors"),
+        )
+    with pytest.raises(ModelError, match=r"holds lm_head\.weight, though tied=True"):
+        await run_streaming(
+            StreamingPrefill(untied.config, [1, 2], tied=True),
+            stream_st.open_stream(tmp_path / "untied.safetensors"),
+        )
+    with pytest.raises(stream_st.ArgumentTypeError, match="tied must be True or False"):
+        StreamingPrefill(tied.config, [1, 2], tied="no")  # type: ignore[arg-type]
+
+
+async def test_streaming_prefill_of_a_sharded_untied_transformers_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """transformers' save_pretrained(max_shard_size=...) of an untied LlamaForCausalLM puts
+    lm_head.weight in the last shard, after model.norm.weight."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-5,
+    )  # fmt: skip
+    reference_model = transformers.LlamaForCausalLM(hf_config).eval()
+    reference_model.save_pretrained(tmp_path, max_shard_size="20KB")
+    index = tmp_path / "model.safetensors.index.json"
+    shards = json.loads(index.read_text())["weight_map"]
+    assert shards["lm_head.weight"] > shards["model.norm.weight"]
+    config = LlamaConfig(64, 32, 48, 2, 4, 2)
+    tokens = [1, 5, 9, 3]
+    with torch.no_grad():
+        expected = reference_model(torch.tensor([tokens])).logits[0, -1:].numpy()
+    loaded = Llama(config, await stream_st.load(index)).forward(tokens)
+    for _ in range(2):
+        loaded.step()
+    streamed = await run_streaming(
+        StreamingPrefill(config, tokens), stream_st.open_stream(index), threaded=False
+    )
+    assert np.array_equal(streamed.output(), loaded.logits(last_only=True))
+    np.testing.assert_allclose(streamed.output(), expected, atol=1e-4)

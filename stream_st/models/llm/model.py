@@ -28,7 +28,7 @@ import numpy as np
 
 from ...core.header import Header
 from ...core.strict_json import decode_json
-from ...errors import ArgumentTypeError, HeaderError, SafetensorsError, integer_at_least
+from ...errors import ArgumentTypeError, HeaderError, SafetensorsError, boolean, integer_at_least
 from ...kv import KVLayout
 from ..bert import Stage
 
@@ -470,27 +470,42 @@ class StreamingPrefill:
     order: embeddings, layer 0, layer 1, ..., final norm): layer ``l`` runs as soon as its
     weights are in, and each weight is let go once used, except the embeddings (the output head
     of a tied model). Fed as :class:`~stream_st.bert.StreamingBert` is, e.g. by
-    :func:`~stream_st.bert.run_streaming`; :meth:`output` gives the last token's logits."""
+    :func:`~stream_st.bert.run_streaming`; :meth:`output` gives the last token's logits.
+
+    ``tied`` says whether the checkpoint lacks ``lm_head.weight`` (its output head is the
+    embeddings): ``False`` waits for it wherever it comes (after the final norm, in a shard of
+    its own); ``True`` runs the logits as soon as the final norm is in, and refuses an
+    ``lm_head.weight``; ``None`` (the default) uses ``lm_head.weight`` if it comes, the
+    embeddings once the weights have ended without it. Either way the logits are those of
+    the loaded model, bit for bit."""
 
     config: LlamaConfig
     tokens: Sequence[int] | Array
     stages: list[Stage] = field(default_factory=list)
     cache: KVCache = field(default_factory=list)
+    tied: bool | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
+        if self.tied is not None:
+            boolean("tied", self.tied)
         self.model = Llama(self.config, {}, partial=True)
         self._run = self.model.forward(self.tokens)
         self._logits: Array | None = None
+        self._head = [] if self.tied else [LM_HEAD]  # what the logits wait for beyond the norm
 
     def add(self, name: str, array: Array) -> None:
         """Take one weight without running anything."""
+        if name == LM_HEAD and self.tied:
+            raise ModelError(f"the checkpoint holds {LM_HEAD}, though tied=True said it has none")
         self.model.add(name, array)
 
-    def _needed(self) -> list[str]:
+    def _needed(self, head: bool = True) -> list[str]:
+        """The weights the next stage needs (the logits' without ``lm_head.weight``, with
+        ``head`` false)."""
         done = self._run.layers_done
         if done < self.config.num_layers:
             return [EMBEDDINGS, *self.config.layer_names(done)]
-        return [EMBEDDINGS, FINAL_NORM]
+        return [EMBEDDINGS, FINAL_NORM, *(self._head if head else [])]
 
     @property
     def finished(self) -> bool:
@@ -520,9 +535,19 @@ class StreamingPrefill:
         return ran
 
     def output(self) -> Array:
-        """Logits ``[1, vocab]`` of the last token: its argmax is the first generated token."""
+        """Logits ``[1, vocab]`` of the last token: its argmax is the first generated token.
+        Called once the weights have ended (as :func:`~stream_st.bert.run_streaming` does):
+        with ``tied=None``, a checkpoint that ended without ``lm_head.weight`` is tied, and its
+        logits are run here; :class:`ModelError` if a weight never came."""
+        last = self._run.layers_done == self.config.num_layers
+        needed = [] if self.finished or not last else self._needed(head=False)
+        if needed and self.tied is None and not self.model.missing(needed):
+            self._head = []  # the weights ended without an output head: the embeddings
+            self.run_ready()
         if self._logits is None:
-            missing = [n for n in self.model.missing() if n not in self._used()]
+            head = self._head if self.tied is False else []  # None: lm_head may never come
+            awaited = self.model.missing([*self.config.names(), *head])
+            missing = [n for n in awaited if n not in self._used()]
             raise ModelError(f"the weights ended early: {len(missing)} missing, {missing[:3]}...")
         return self._logits
 
