@@ -5,6 +5,7 @@ escaped pipes; screenshots in a headless browser where one is installed)."""
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
 import shutil
@@ -15,7 +16,10 @@ import tempfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import ml_dtypes
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,6 +189,64 @@ def test_the_error_trees_draw_every_exception_under_its_base() -> None:
     }
     for where, text in drawn.items():
         assert _drawn_tree(text) == expected, f"the exception tree of {where} is not the code's"
+
+
+def _broken_llama(config: dict[str, int]) -> dict[str, np.ndarray[Any, Any]]:
+    """The model of ``config`` broken as validate.md breaks it: layer 2 dropped, layer 1's
+    ``up_proj`` with 128 rows, three NaN in layer 3's ``o_proj``, the final norm in F32."""
+    rng = np.random.default_rng(0)
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    kv = hidden // config["num_attention_heads"] * config["num_key_value_heads"]
+
+    def weight(*shape: int, norm: bool = False) -> np.ndarray[Any, Any]:
+        values = rng.standard_normal(shape) * (1 if norm else 0.02) + (1 if norm else 0)
+        return values.astype(ml_dtypes.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": weight(config["vocab_size"], hidden)}
+    parts = {
+        "self_attn.q_proj": (hidden, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, hidden),
+        "mlp.gate_proj": (inner, hidden),
+        "mlp.up_proj": (inner, hidden),
+        "mlp.down_proj": (hidden, inner),
+    }
+    for layer in (0, 1, 3):
+        for part, shape in parts.items():
+            tensors[f"model.layers.{layer}.{part}.weight"] = weight(*shape)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{layer}.{norm}.weight"] = weight(hidden, norm=True)
+    tensors["model.layers.1.mlp.up_proj.weight"] = weight(128, hidden)
+    tensors["model.layers.3.self_attn.o_proj.weight"][0, :3] = np.nan
+    tensors["model.norm.weight"] = weight(hidden, norm=True).astype(np.float32)
+    return tensors
+
+
+def test_validates_example_of_a_broken_model_is_what_the_command_prints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stream_st.cli import main
+    from stream_st.numpy import save_file
+
+    page = (DOCS / "validate.md").read_text(encoding="utf-8")
+    config = re.search(r"use this `config.json`.*?```json\n(.*?)```", page, re.S)
+    shown = re.search(
+        r"\$ (stream-st validate [^\n]*? broken\.safetensors) \| grep -v ([^\n]*)\n"
+        r"(.*?)\$ echo \$\?\n(\d+)",
+        page,
+        re.S,
+    )
+    assert config is not None and shown is not None
+    (tmp_path / "config.json").write_text(config[1], encoding="utf-8")
+    save_file(_broken_llama(json.loads(config[1])), str(tmp_path / "broken.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    status = main(shown[1].split()[1:])
+    left_out = tuple(p.replace("\\", "") for p in re.findall(r"-e '\^(.*?)'", shown[2]))
+    printed = [
+        line for line in capsys.readouterr().out.splitlines() if not line.startswith(left_out)
+    ]
+    assert printed == shown[3].splitlines() and status == int(shown[4])
 
 
 @pytest.fixture(scope="module")
