@@ -27,10 +27,12 @@ import numpy as np
 
 from .._util import task_group
 from ..core.strict_json import decode_json
-from ..errors import SafetensorsError, UsageError
+from ..errors import ArgumentTypeError, HeaderError, UsageError
+from ._checks import ModelError, check_ids, config_number, counts, epsilon, integer_ids
 
 __all__ = [
     "BertConfig",
+    "ModelError",
     "Stage",
     "StageRunner",
     "StreamingBert",
@@ -66,34 +68,60 @@ _LAYER = tuple(
 )
 
 
+_CONFIG_FIELDS = {
+    "hidden_size": int,
+    "num_attention_heads": int,
+    "num_hidden_layers": int,
+    "layer_norm_eps": float,
+}
+"""The fields of :class:`BertConfig`, named as in a Hugging Face ``config.json``, and what each
+holds."""
+
+
 @dataclass(frozen=True)
 class BertConfig:
-    """The few numbers of a Hugging Face ``config.json`` the forward pass needs."""
+    """The few numbers of a Hugging Face ``config.json`` the forward pass needs:
+    :class:`ModelError` unless the sizes are integers >= 1, the heads dividing the hidden size,
+    and ``layer_norm_eps`` a finite number >= 0."""
 
     hidden_size: int
     num_attention_heads: int
     num_hidden_layers: int
     layer_norm_eps: float = 1e-12
 
+    def __post_init__(self) -> None:
+        sizes = (self.hidden_size, self.num_attention_heads, self.num_hidden_layers)
+        if not counts(*sizes) or (
+            not epsilon(self.layer_norm_eps) or self.hidden_size % self.num_attention_heads
+        ):
+            raise ModelError(f"not a BERT configuration: {self}")
+
     @classmethod
     def from_json(cls, path: str | Path) -> BertConfig:
         """The configuration in the Hugging Face ``config.json`` at ``path``, parsed by the
-        header's strict, bounded JSON parser; :class:`~stream_st.SafetensorsError` if it is not
-        one this model runs."""
-        raw = decode_json(Path(path).read_bytes(), f"{path}", strict=True)
-        if not isinstance(raw, dict):
-            raise SafetensorsError(f"{path}: not a model configuration (a JSON object)")
-        if raw.get("hidden_act", "gelu") != "gelu":
-            raise SafetensorsError(f"unsupported activation {raw.get('hidden_act')!r}")
+        header's strict, bounded JSON parser; :class:`ModelError` if it cannot be read or is
+        not one this model runs (a size that is no JSON integer, an epsilon that is no finite
+        JSON number, another activation than GELU)."""
         try:
-            return cls(
-                hidden_size=int(raw["hidden_size"]),
-                num_attention_heads=int(raw["num_attention_heads"]),
-                num_hidden_layers=int(raw["num_hidden_layers"]),
-                layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SafetensorsError(f"{path}: not a BERT configuration ({exc!r})") from None
+            raw = decode_json(Path(path).read_bytes(), f"{path}", strict=True)
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+            raise ModelError(f"cannot read BERT configuration {path}: {reason}") from None
+        except HeaderError as exc:
+            raise ModelError(f"not a BERT configuration: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ModelError(f"not a BERT configuration: {path} holds no JSON object")
+        if raw.get("hidden_act", "gelu") != "gelu":
+            raise ModelError(f"{path}: unsupported activation {raw.get('hidden_act')!r}")
+        values = {
+            key: config_number(f"not a BERT configuration: {path}", key, raw[key], kind)
+            for key, kind in _CONFIG_FIELDS.items()
+            if key in raw
+        }
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except TypeError as exc:  # a field missing
+            raise ModelError(f"not a BERT configuration: {path} ({exc})") from None
 
     @property
     def head_dim(self) -> int:
@@ -182,7 +210,9 @@ class StageRunner(Protocol):
 
     def run_ready(self) -> list[Stage]: ...
 
-    def output(self) -> Array: ...
+    def output(self) -> Array:
+        """The result, once the weights have ended; raises if a weight never came."""
+        ...
 
 
 Runner = TypeVar("Runner", bound=StageRunner)
@@ -193,6 +223,11 @@ class StreamingBert:
     """Runs a BERT encoder stage by stage as weights are fed in. See the module docstring.
 
     ``input_ids`` and ``attention_mask`` are ``[batch, seq]``; ``token_type_ids`` default to 0.
+    They are checked as given (:class:`~stream_st.ArgumentTypeError` for ids that are not
+    integers, a mask that is not numbers; :class:`ModelError` for no token, shapes that differ,
+    a mask of other values than 0 and 1) and against the embeddings once they arrive
+    (:class:`ModelError` for an id outside the vocabulary, -1 included, a token type outside
+    the model's, more tokens than it has positions).
     """
 
     config: BertConfig
@@ -206,6 +241,26 @@ class StreamingBert:
     values: list[Array] = field(default_factory=list)
     hidden: Array | None = None
     layers_done: int = -1  # -1: embeddings not computed yet
+
+    def __post_init__(self) -> None:
+        self.input_ids = integer_ids(self.input_ids, "input_ids")
+        shape = self.input_ids.shape
+        if len(shape) != 2 or not self.input_ids.size:
+            raise ModelError(f"input_ids must be [batch, seq] of 1 or more tokens, got {shape}")
+        if self.token_type_ids is not None:
+            self.token_type_ids = integer_ids(self.token_type_ids, "token_type_ids")
+        try:
+            mask = np.asarray(self.attention_mask)
+        except (TypeError, ValueError) as exc:  # ragged
+            raise ArgumentTypeError(f"attention_mask must be an array of 0 and 1: {exc}") from None
+        if mask.dtype.kind not in "biuf":
+            raise ArgumentTypeError(f"attention_mask must be numbers, got {mask.dtype}")
+        self.attention_mask = mask
+        for what, given in (("attention_mask", mask), ("token_type_ids", self.token_type_ids)):
+            if given is not None and given.shape != shape:
+                raise ModelError(f"{what} has shape {given.shape}, input_ids {shape}")
+        if not np.isin(mask, (0, 1)).all():
+            raise ModelError("attention_mask must hold 0 (padding) and 1 (a token) only")
 
     def feed(self, name: str, array: Array) -> list[Stage]:
         """Take one weight; run every stage that became possible. Returns the stages run."""
@@ -241,7 +296,7 @@ class StreamingBert:
         """The last hidden state ``[batch, seq, hidden]``; every stage must have run."""
         if not self.finished or self.hidden is None:
             missing = self._missing()
-            raise SafetensorsError(
+            raise ModelError(
                 f"the forward pass is incomplete: missing {missing[:5]}"
                 + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             )
@@ -279,11 +334,20 @@ class StreamingBert:
     def _embed(
         self, words: Array, positions: Array, types: Array, ln_w: Array, ln_b: Array
     ) -> Array:
-        ids = np.asarray(self.input_ids)
+        ids = self.input_ids
         seq = ids.shape[1]
-        token_types = (
-            np.zeros_like(ids) if self.token_type_ids is None else np.asarray(self.token_type_ids)
-        )
+        token_types = np.zeros_like(ids) if self.token_type_ids is None else self.token_type_ids
+        hidden = self.config.hidden_size
+        for what, table in (("word", words), ("position", positions), ("token type", types)):
+            if table.ndim != 2 or table.shape[1] != hidden:
+                raise ModelError(
+                    f"the {what} embeddings have shape {list(table.shape)}, the configuration "
+                    f"needs [n, {hidden}]"
+                )
+        check_ids(ids, len(words), "input_ids")
+        check_ids(token_types, len(types), "token_type_ids")
+        if seq > len(positions):
+            raise ModelError(f"{seq} tokens, the model has {len(positions)} positions")
         x = words[ids] + positions[np.arange(seq)][None] + types[token_types]
         return _layer_norm(x.astype(np.float32), ln_w, ln_b, self.config.layer_norm_eps)
 
@@ -322,8 +386,9 @@ async def run_streaming(
     With ``threaded`` (the default) each stage runs in a worker thread while the event loop goes
     on receiving, so the transfer does not pause while a layer computes (numpy releases the GIL
     in its kernels). Without it, stages run on the event loop between tensors: simpler, and
-    enough when compute is small against the transfer. Raises :class:`SafetensorsError` if the
-    tensors end before every stage could run, or whatever the source raised.
+    enough when compute is small against the transfer. Raises
+    :class:`~stream_st.SafetensorsError` if the tensors end before every stage could run, or
+    whatever the source raised.
     """
     if not threaded:
         async for name, array in tensors:

@@ -28,8 +28,10 @@ import numpy as np
 
 from ...core.header import Header
 from ...core.strict_json import decode_json
-from ...errors import ArgumentTypeError, HeaderError, SafetensorsError, boolean, integer_at_least
+from ...errors import ArgumentTypeError, HeaderError, boolean, integer_at_least
 from ...kv import KVLayout
+from .._checks import ModelError as ModelError
+from .._checks import check_ids, config_number, counts, epsilon, integer_ids
 from ..bert import Stage
 
 Array = np.ndarray[Any, Any]
@@ -69,44 +71,10 @@ _CONFIG_FIELDS = {
 """The fields of :class:`LlamaConfig` and what each holds."""
 
 
-def _config_number(key: str, value: object, kind: type) -> int | float:
-    """``value`` of configuration field ``key`` as ``kind``: an integer field takes a JSON
-    integer only; a float field any finite JSON number (the strict parser gives an integer, or
-    the text of any other number)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value if kind is int else float(value)
-    if kind is float and isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            number = math.nan
-        if math.isfinite(number):
-            return number
-    raise ModelError(f"not a Llama checkpoint: {CONFIG_KEY!r} gives {key} = {value!r}")
-
-
-class ModelError(SafetensorsError, ValueError):
-    """Weights or a model file that do not make the model: a tensor missing or misshapen, a
-    configuration missing or unsupported, a GGUF file that cannot be read (cut short, say),
-    tokens or perplexity targets outside the vocabulary, a cache of another number of layers
-    or shape than the model's. Token ids that are not integers (floats, a string) are an
-    :class:`~stream_st.ArgumentTypeError` instead."""
-
-
 def token_ids(tokens: object, what: str = "tokens") -> Array:
     """``tokens`` as a flat int64 array; :class:`~stream_st.ArgumentTypeError` unless they are
     integers (a sequence or array of them; floats would be truncated, a string is no id)."""
-    try:
-        raw = np.asarray(tokens)
-    except (TypeError, ValueError, OverflowError) as exc:  # ragged, or past int64
-        raise ArgumentTypeError(f"{what} must be integer token ids: {exc}") from None
-    if raw.size and raw.dtype.kind not in "iu":  # an empty list reads as float64
-        raise ArgumentTypeError(
-            f"{what} must be integer token ids, got {raw.dtype} ({type(tokens).__name__})"
-        )
-    if raw.dtype.kind == "u" and raw.size and raw.max() > np.iinfo(np.int64).max:
-        raise ModelError(f"{what} must be ids in the vocabulary, got {int(raw.max())}")
-    return raw.astype(np.int64).reshape(-1)
+    return integer_ids(tokens, what).reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -126,8 +94,9 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         sizes = (self.vocab_size, self.hidden_size, self.intermediate_size, self.num_layers)
-        if min(*sizes, self.num_heads, self.num_kv_heads) < 1 or (
-            self.hidden_size % self.num_heads
+        if not counts(*sizes, self.num_heads, self.num_kv_heads) or (
+            not epsilon(self.rms_norm_eps)
+            or self.hidden_size % self.num_heads
             or self.num_heads % self.num_kv_heads
             or self.head_dim % 2
         ):
@@ -159,7 +128,7 @@ class LlamaConfig:
             kind = _CONFIG_FIELDS.get(key)
             if kind is None:
                 raise ModelError(f"not a Llama checkpoint: {CONFIG_KEY!r} has an unknown {key!r}")
-            values[key] = _config_number(key, value, kind)
+            values[key] = config_number(f"not a Llama checkpoint: {CONFIG_KEY!r}", key, value, kind)
         try:
             return cls(**values)  # type: ignore[arg-type]
         except TypeError as exc:  # a field missing
@@ -279,8 +248,9 @@ class Llama:
         integers."""
         ids = token_ids(tokens)
         start = integer_at_least("start", start, 0)
-        if ids.size == 0 or ids.min() < 0 or ids.max() >= self.config.vocab_size:
+        if ids.size == 0:
             raise ModelError(f"tokens must be 1 or more ids in [0, {self.config.vocab_size})")
+        check_ids(ids, self.config.vocab_size, "tokens")
         return Forward(self, ids, start)
 
     def prefill(self, tokens: Sequence[int] | Array) -> Iterator[tuple[int, Array, Array]]:
@@ -456,9 +426,7 @@ def perplexity(logits: Array, targets: Sequence[int] | Array) -> float:
     ids = token_ids(targets, "targets")
     if wide.ndim != 2 or wide.shape[0] != ids.size or ids.size == 0:
         raise ModelError(f"{ids.size} targets for logits of shape {list(wide.shape)}")
-    if ids.min() < 0 or ids.max() >= wide.shape[1]:
-        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-        raise ModelError(f"targets must be ids in [0, {wide.shape[1]}), got {bad}")
+    check_ids(ids, wide.shape[1], "targets")
     top = wide.max(axis=-1)
     log_norm = top + np.log(np.exp(wide - top[:, None]).sum(axis=-1))
     return float(np.exp(np.mean(log_norm - wide[np.arange(ids.size), ids])))

@@ -1,0 +1,79 @@
+"""What the models check of what they are given, and the error they raise: shared by the BERT
+encoder (:mod:`.bert`) and the Llama decoder (:mod:`.llm`).
+
+Token ids must be integers (floats would be truncated, a string is no id) and rows of the
+weights they index (-1 would silently be the last row); a configuration's sizes integers of at
+least 1 and its epsilon a finite number >= 0, read from a JSON file only as JSON integers and
+numbers (``true`` is no size, the string ``"nan"`` no epsilon).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..core.strict_json import Number
+from ..errors import ArgumentTypeError, SafetensorsError
+
+Array = np.ndarray[Any, Any]
+
+
+class ModelError(SafetensorsError, ValueError):
+    """Weights or a model file that do not make the model: a tensor missing or misshapen, a
+    configuration missing or unsupported, a GGUF file that cannot be read (cut short, say),
+    token ids (or perplexity targets, token types) outside the rows of the weights they index,
+    inputs of shapes that do not go together, a cache of another number of layers or shape
+    than the model's. Token ids that are not integers (floats, a string) are an
+    :class:`~stream_st.ArgumentTypeError` instead."""
+
+
+def integer_ids(tokens: object, what: str) -> Array:
+    """``tokens`` as an int64 array of their shape; :class:`~stream_st.ArgumentTypeError`
+    unless they are integers (a sequence, nested or not, or an array of them)."""
+    try:
+        raw = np.asarray(tokens)
+    except (TypeError, ValueError, OverflowError) as exc:  # ragged, or past int64
+        raise ArgumentTypeError(f"{what} must be integer token ids: {exc}") from None
+    if raw.size and raw.dtype.kind not in "iu":  # an empty list reads as float64
+        raise ArgumentTypeError(
+            f"{what} must be integer token ids, got {raw.dtype} ({type(tokens).__name__})"
+        )
+    if raw.dtype.kind == "u" and raw.size and raw.max() > np.iinfo(np.int64).max:
+        raise ModelError(f"{what} must be ids in the vocabulary, got {int(raw.max())}")
+    return raw.astype(np.int64)
+
+
+def check_ids(ids: Array, bound: int, what: str) -> None:
+    """:class:`ModelError` unless every id of ``ids`` (integers) is in ``[0, bound)``: a row of
+    the weights it indexes (numpy would take -1 as the last one)."""
+    if ids.size and (ids.min() < 0 or ids.max() >= bound):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise ModelError(f"{what} must be ids in [0, {bound}), got {bad}")
+
+
+def counts(*values: object) -> bool:
+    """Whether every one of ``values`` is an integer (numpy's too, not a ``bool``) >= 1."""
+    return all(
+        isinstance(v, int | np.integer) and not isinstance(v, bool) and bool(v >= 1) for v in values
+    )
+
+
+def epsilon(value: object) -> bool:
+    """Whether ``value`` is a finite real number (numpy's too, not a ``bool``) >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        return False
+    return math.isfinite(value) and bool(value >= 0)
+
+
+def config_number(what: str, key: str, value: object, kind: type) -> int | float:
+    """``value`` of configuration field ``key`` as ``kind``, as the strict JSON parser gives
+    it: an integer field takes a JSON integer only; a float field any finite JSON number (an
+    integer, or the :class:`~stream_st.core.strict_json.Number` text of any other); a
+    :class:`ModelError` (``"{what} gives {key} = {value}"``) for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if kind is int else float(value)
+    if kind is float and isinstance(value, Number) and math.isfinite(number := float(value)):
+        return number
+    raise ModelError(f"{what} gives {key} = {value!r}")

@@ -1,0 +1,163 @@
+"""StreamingBert and BertConfig check what they are given as the Llama decoder does: ids, mask
+and sequence length against the weights, the configuration's numbers; every refusal a
+ModelError (or an ArgumentTypeError), never a bare numpy error nor a silent wrong answer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import stream_st
+from stream_st.models.bert import BertConfig, ModelError, StreamingBert, run_loaded
+from stream_st.models.llm import ModelError as LlamaModelError
+
+Array = np.ndarray[Any, Any]
+CONFIG = BertConfig(hidden_size=8, num_attention_heads=2, num_hidden_layers=1)
+LAYER = {
+    "attention.self.query": (8, 8),
+    "attention.self.key": (8, 8),
+    "attention.self.value": (8, 8),
+    "attention.output.dense": (8, 8),
+    "attention.output.LayerNorm": (8,),
+    "intermediate.dense": (16, 8),
+    "output.dense": (8, 16),
+    "output.LayerNorm": (8,),
+}
+
+
+def weights() -> dict[str, Array]:
+    """A one-layer BERT of hidden size 8: a vocabulary of 10, 4 positions, 2 token types."""
+    rng = np.random.default_rng(0)
+    found = {
+        "embeddings.word_embeddings.weight": rng.standard_normal((10, 8), dtype=np.float32),
+        "embeddings.position_embeddings.weight": rng.standard_normal((4, 8), dtype=np.float32),
+        "embeddings.token_type_embeddings.weight": rng.standard_normal((2, 8), dtype=np.float32),
+        "embeddings.LayerNorm.weight": np.ones(8, np.float32),
+        "embeddings.LayerNorm.bias": np.zeros(8, np.float32),
+    }
+    for part, shape in LAYER.items():
+        found[f"encoder.layer.0.{part}.weight"] = rng.standard_normal(shape, dtype=np.float32)
+        found[f"encoder.layer.0.{part}.bias"] = np.zeros(shape[0], np.float32)
+    return found
+
+
+def run(ids: Any, mask: Any, types: Any = None, config: BertConfig = CONFIG) -> Array:
+    return run_loaded(StreamingBert(config, ids, mask, types), weights())
+
+
+def test_good_inputs_still_run() -> None:
+    out = run([[1, 9, 0]], [[1, 1, 0]], [[0, 1, 1]])
+    assert out.shape == (1, 3, 8) and np.isfinite(out).all()
+    assert run(np.array([[1, 2]], np.uint8), np.array([[True, True]])).shape == (1, 2, 8)
+
+
+@pytest.mark.parametrize(
+    ("ids", "mask", "types", "message"),
+    [
+        ([[1, -1]], [[1, 1]], None, r"input_ids must be ids in \[0, 10\), got -1"),
+        ([[1, 10]], [[1, 1]], None, r"input_ids must be ids in \[0, 10\), got 10"),
+        ([[1, 2]], [[1, 1]], [[0, 2]], r"token_type_ids must be ids in \[0, 2\), got 2"),
+        ([[1, 2, 3, 4, 5]], [[1] * 5], None, "5 tokens, the model has 4 positions"),
+        ([[1, 2]], [[1, 1, 1]], None, r"attention_mask has shape \(1, 3\), input_ids \(1, 2\)"),
+        ([[1, 2]], [[1, 1]], [[0]], r"token_type_ids has shape \(1, 1\)"),
+        ([1, 2], [1, 1], None, r"input_ids must be \[batch, seq\]"),
+        ([[]], [[]], None, "1 or more tokens"),
+        ([[1, 2]], [[1, 2]], None, "attention_mask must hold 0"),
+        ([[1, 2]], [[1, np.nan]], None, "attention_mask must hold 0"),
+    ],
+)
+def test_inputs_that_do_not_fit_the_weights_are_a_model_error(
+    ids: Any, mask: Any, types: Any, message: str
+) -> None:
+    """-1 silently embedded the last word of the vocabulary; the others were a bare IndexError
+    or ValueError from numpy."""
+    with pytest.raises(ModelError, match=message) as raised:
+        run(ids, mask, types)
+    assert isinstance(raised.value, stream_st.SafetensorsError | ValueError)
+
+
+@pytest.mark.parametrize(
+    ("ids", "mask"),
+    [([[1.0, 2.0]], [[1, 1]]), ([["a", "b"]], [[1, 1]]), ([[1, 2]], [["1", "1"]])],
+)
+def test_inputs_that_are_not_integers_or_numbers_are_an_argument_type_error(
+    ids: Any, mask: Any
+) -> None:
+    with pytest.raises(stream_st.ArgumentTypeError):
+        run(ids, mask)
+
+
+def test_embeddings_of_another_width_than_the_configuration_are_a_model_error() -> None:
+    config = BertConfig(hidden_size=4, num_attention_heads=2, num_hidden_layers=1)
+    with pytest.raises(ModelError, match=r"word embeddings have shape \[10, 8\]"):
+        run([[1, 2]], [[1, 1]], config=config)
+
+
+def test_one_model_error_for_both_models() -> None:
+    assert ModelError is LlamaModelError
+
+
+@pytest.mark.parametrize(
+    "numbers",
+    [
+        {"num_attention_heads": 3},  # heads not dividing the hidden size
+        {"num_attention_heads": 0},
+        {"hidden_size": -32},
+        {"num_hidden_layers": 0},
+        {"hidden_size": True},
+        {"hidden_size": 8.0},
+        {"layer_norm_eps": float("nan")},
+        {"layer_norm_eps": -1.0},
+        {"layer_norm_eps": "1e-12"},
+    ],
+)
+def test_a_bad_configuration_is_a_model_error(numbers: dict[str, Any]) -> None:
+    """0 heads was a ZeroDivisionError, 3 heads of hidden 8 a bare ValueError at layer 0."""
+    with pytest.raises(ModelError, match="not a BERT configuration"):
+        BertConfig(**{**vars(CONFIG), **numbers})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"hidden_size": -32, "num_attention_heads": 2, "num_hidden_layers": 1}',
+        '{"hidden_size": true, "num_attention_heads": 1, "num_hidden_layers": 1}',
+        '{"hidden_size": 8, "num_attention_heads": 0, "num_hidden_layers": 1}',
+        '{"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1.0}',
+        '{"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,'
+        ' "layer_norm_eps": "nan"}',
+        '{"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,'
+        ' "layer_norm_eps": 1e999}',
+        '{"hidden_size": 8, "num_attention_heads": 2}',
+        "[8, 2, 1]",
+        "{",
+    ],
+)
+def test_a_bad_config_json_is_a_model_error(tmp_path: Path, text: str) -> None:
+    """They were taken (-32, true as 1, 'nan' as NaN) or raised ZeroDivisionError later."""
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(ModelError, match="not a BERT configuration"):
+        BertConfig.from_json(path)
+
+
+def test_a_config_json_read_as_before(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(
+        '{"hidden_size": 384, "num_attention_heads": 12, "num_hidden_layers": 6,'
+        ' "layer_norm_eps": 1e-12, "hidden_act": "gelu", "vocab_size": 30522}'
+    )
+    assert BertConfig.from_json(path) == BertConfig(384, 12, 6, 1e-12)
+    path.write_text('{"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1}')
+    assert BertConfig.from_json(path).layer_norm_eps == 1e-12
+
+
+def test_a_config_json_that_cannot_be_read_is_a_model_error(tmp_path: Path) -> None:
+    """A missing file was a bare FileNotFoundError."""
+    with pytest.raises(ModelError, match=r"cannot read BERT configuration .*missing\.json"):
+        BertConfig.from_json(tmp_path / "missing.json")
+    with pytest.raises(ModelError, match="cannot read BERT configuration"):
+        BertConfig.from_json(tmp_path)  # a directory
