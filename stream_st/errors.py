@@ -19,6 +19,7 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     ├── UsageError                    the API was used out of order (e.g. header before open)
     │   ├── ArgumentTypeError         an argument of the wrong type: a tensor name that is not a
     │   │                             string, a shape not of integers (also TypeError)
+    │   ├── DeviceError               a device= torch cannot parse, "cuda:x" (also ValueError)
     │   └── CredentialsError          no credentials for a remote store, or its configuration
     │                                 (profile, files, credential process) is broken
     ├── AllocationError               a tensor could not be allocated (also MemoryError)
@@ -59,6 +60,7 @@ __all__ = [
     "CertificateError",
     "CodecError",
     "CredentialsError",
+    "DeviceError",
     "DistributedError",
     "DtypeError",
     "HTTPNotFoundError",
@@ -274,6 +276,12 @@ class UnsupportedSourceError(SafetensorsError, TypeError):
 
 class UsageError(SafetensorsError, RuntimeError):
     """The API was used out of order, e.g. the header was asked for before the stream opened."""
+
+
+class DeviceError(UsageError, ValueError):
+    """A ``device=`` that names no device torch knows (``"cuda:x"``, ``"foo"``): the
+    reference's ``ValueError`` (for ``"cuda:x"``), and the :class:`UsageError` every other
+    refused device is."""
 
 
 class ArgumentTypeError(UsageError, TypeError):

@@ -9,7 +9,14 @@ raises ``ValueError``, ``TypeError``, ``IndexError``, ``KeyError``, ``UnicodeEnc
 
 from __future__ import annotations
 
-from ..errors import DtypeError, HeaderError, SafetensorsError, SourceNotFoundError, UsageError
+from ..errors import (
+    DeviceError,
+    DtypeError,
+    HeaderError,
+    SafetensorsError,
+    SourceNotFoundError,
+    UsageError,
+)
 
 __all__ = [
     "DeviceError",
@@ -34,12 +41,6 @@ SafetensorError = SafetensorsError
 class InvalidTensorsError(UsageError, ValueError):
     """What was given to save is not a dict of dense, contiguous tensors: the reference's
     ``ValueError`` (and stream_st's :class:`~stream_st.UsageError`, as before)."""
-
-
-class DeviceError(UsageError, ValueError):
-    """A ``device=`` that names no device torch knows (``"cuda:x"``, ``"foo"``): the
-    reference's ``ValueError`` (for ``"cuda:x"``), and the :class:`~stream_st.UsageError` every
-    other refused device is."""
 
 
 class NegativeSizeError(SafetensorsError, OverflowError):

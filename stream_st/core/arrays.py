@@ -17,8 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..compat._errors import DeviceError
-from ..errors import ArgumentTypeError, DtypeError, UsageError
+from ..errors import ArgumentTypeError, DeviceError, DtypeError, UsageError
 from .dtypes import DTYPES
 from .layout import TensorSpec
 
@@ -186,7 +185,7 @@ def torch_device(device: object) -> Any | None:
     """The ``torch.device`` tensors are handed out on, or None for the CPU (where they are
     received). ``device`` is what the reference takes: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, a
     CUDA index (``0``), or a ``torch.device``. A name torch does not know is a
-    :class:`~stream_st.compat._errors.DeviceError` (a ``ValueError`` too, as the reference's),
+    :class:`~stream_st.errors.DeviceError` (a ``ValueError`` too, as the reference's),
     a device this torch cannot use (no CUDA build, no such GPU) a :class:`UsageError`, before
     anything is read."""
     if device is None or str(device) == "cpu":
