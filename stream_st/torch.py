@@ -501,8 +501,7 @@ def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str
         return True
 
     placed, fresh = read(place, bool(into) or not maps, into, seen)
-    metadata = getattr(state, "_metadata", None)
-    missing_list, unexpected = _shared.load_state(model, dict(fresh), metadata)
+    missing_list, unexpected = _shared.load_state(model, dict(fresh))
     missing = set(missing_list).difference(placed)
     in_file = placed | {name for name, _ in fresh}
     _shared.shared_counted(state, in_file, missing, unexpected)
@@ -756,11 +755,14 @@ async def _receive(
         copy=copy,
         cache=cache,
     )
-    async with stream:
+    try:
+        await stream.open(read_all=True)  # every byte: one request, the copy given its room
         if isinstance(stream, ShardedStream):
             seen(list(stream.index.weight_map or ()))
         else:
             seen([info.name for info in stream.header.tensors])
         async for name, tensor in stream:
             _hand(place, name, tensor, placed, others)
+    finally:
+        await stream.aclose()
     return placed, others

@@ -10,7 +10,6 @@ nothing.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -165,17 +164,12 @@ def loading_their_own_way(model: Any) -> tuple[str, ...]:
     return tuple(prefixes)
 
 
-def load_state(
-    model: Any, tensors: dict[str, Any], metadata: Any = None
-) -> tuple[list[str], list[str]]:
-    """``model.load_state_dict(tensors, strict=False)``: its missing and unexpected names.
-    ``metadata``: the ``_metadata`` of the model's own state dict (each module's version), which
-    modules that load in their own way read, as from a checkpoint's state dict. The
+def load_state(model: Any, tensors: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """``model.load_state_dict(tensors, strict=False)``: its missing and unexpected names. The
+    dict has no ``_metadata``, as the reference's ``load_file`` gives none: modules read it as
+    a checkpoint of no version (BatchNorm then takes one without ``num_batches_tracked``). The
     ``RuntimeError`` torch raises for tensors it cannot take (a shape that differs) is a
     :class:`~stream_st.UsageError`, a ``RuntimeError`` still, with torch's message."""
-    if metadata is not None:
-        tensors = OrderedDict(tensors)
-        tensors._metadata = metadata  # type: ignore[attr-defined]
     try:
         missing, unexpected = model.load_state_dict(tensors, strict=False)
     except RuntimeError as exc:

@@ -533,7 +533,7 @@ def _taken(
 
     placed = {name for name, tensor in loaded.items() if tensor is into.get(name)}
     fresh = {name: tensor for name, tensor in loaded.items() if name not in placed}
-    missing_list, unexpected = load_state(model, fresh, getattr(state, "_metadata", None))
+    missing_list, unexpected = load_state(model, fresh)
     selected = _selected(include)
     missing = {name for name in missing_list if name not in placed and selected(name)}
     shared_counted(state, loaded, missing, unexpected)

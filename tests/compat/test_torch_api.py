@@ -1050,23 +1050,62 @@ class Transposing(torch.nn.Module):
         super()._load_from_state_dict(state, prefix, *args)
 
 
-def with_load_hooks() -> torch.nn.Module:
-    model = torch.nn.Sequential(Doubling(), Transposing(), torch.nn.Linear(2, 2))
-    return torch.nn.utils.spectral_norm(model[2]) and model
+def with_load_hooks() -> torch.nn.Sequential:
+    model = torch.nn.Sequential(
+        Doubling(), Transposing(), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    )
+    torch.nn.utils.spectral_norm(model[2])
+    return model
 
 
 def test_load_model_runs_the_model_s_own_loading_as_the_reference(tmp_path: Path) -> None:
     """Modules that load in their own way (a load pre-hook, their own _load_from_state_dict,
-    spectral_norm's) get their tensors through load_state_dict, with the state dict's metadata,
-    as the reference's load_model gives them; the others are still received in place."""
+    spectral_norm's) get their tensors through load_state_dict, as the reference's load_model
+    gives them; the others are still received in place."""
     torch.manual_seed(3)
     path = tmp_path / "m.safetensors"
     reference.save_model(with_load_hooks(), str(path))
     ours, ref = with_load_hooks(), with_load_hooks()
+    plain = ours.state_dict()["3.weight"].data_ptr()
     expected: Any = reference.load_model(ref, str(path))
     assert st.load_model(ours, path) == expected
     for name, tensor in ref.state_dict().items():
         assert torch.equal(ours.state_dict()[name], tensor), name
+    assert ours.state_dict()["3.weight"].data_ptr() == plain
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_load_model_of_batch_norm_without_num_batches_tracked_as_the_reference(
+    tmp_path: Path, strict: bool
+) -> None:
+    """A checkpoint of no version (the reference's load_file gives no metadata): BatchNorm
+    takes one without num_batches_tracked, as many converted checkpoints are."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    state = {k: v for k, v in model.state_dict().items() if "num_batches_tracked" not in k}
+    path = tmp_path / "m.safetensors"
+    reference.save_file(state, str(path))
+    fresh = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    expected: Any = reference.load_model(fresh, str(path), strict=strict)
+    ours = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    assert st.load_model(ours, path, strict=strict) == expected
+
+
+def test_load_model_over_http_reads_the_file_with_one_request(
+    tmp_path: Path, http: RangeHTTPServer
+) -> None:
+    """Every byte is read: the whole object is asked for at once (no first part, then the
+    rest), as load_file asks for it."""
+    torch.manual_seed(4)
+    model = torch.nn.Linear(256, 256)
+    path = tmp_path / "m.safetensors"
+    st.save_model(model, path)
+    http.objects["/m.safetensors"] = path.read_bytes()
+    assert st.load_model(torch.nn.Linear(256, 256), http.url("/m.safetensors")) == (set(), [])
+    http.settle()
+    assert [(method, ranged) for method, _, ranged, _ in http.requests] in (
+        [("GET", "")],
+        [("GET", "bytes=0-")],
+    ), http.requests
 
 
 @pytest.mark.parametrize("metadata", ["format=pt", 5, [("format", "pt")]])
