@@ -84,9 +84,16 @@ def test_a_copy_failing_a_tensor_digest_is_not_kept(
             got, state = read(url, cache)  # the server's file is intact: fetched again
             assert_same_arrays(got, ARRAYS)
             assert state in (None, "fetch")
+            if read is not read_handle:  # a whole read keeps a whole copy
+                assert [p for p in cache.rglob("*.json") if Record.load(p) is not None]
+            server.settle()
+            sent = sum(each for _, _, _, each in server.requests)
             got, state = read(url, cache)
             assert_same_arrays(got, ARRAYS)
             assert state in (None, "hit")
+            server.settle()
+            if read is not read_handle:  # served from the copy: no byte of the body again
+                assert sum(each for _, _, _, each in server.requests) == sent
 
 
 def test_a_kept_copy_failing_a_tensor_digest_is_removed(tmp_path: Path) -> None:
