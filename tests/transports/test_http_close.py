@@ -6,7 +6,7 @@ parallel parts, during open or mid-iteration, plain or TLS. Every wait is bounde
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import anyio
@@ -34,9 +34,11 @@ def stalled() -> Iterator[RangeHTTPServer]:
         yield server
 
 
-async def _closed_while_iterating(stream: stream_st.TensorStream) -> list[str]:
-    """Iterate ``stream``, closed from another task after 0.3 s; the names it handed out."""
-    got: list[str] = []
+async def _closed_during(
+    stream: stream_st.TensorStream, work: Callable[[], Awaitable[object]]
+) -> None:
+    """Run ``work`` with ``stream`` closed from another task after 0.3 s: it ends at once with
+    a TransportError saying so."""
 
     async def close_soon() -> None:
         await anyio.sleep(0.3)
@@ -45,8 +47,18 @@ async def _closed_while_iterating(stream: stream_st.TensorStream) -> list[str]:
     async with anyio.create_task_group() as group:
         group.start_soon(close_soon)
         with anyio.fail_after(10), pytest.raises(TransportError, match="closed on this side"):
-            async for name, _ in stream:
-                got.append(name)
+            await work()
+
+
+async def _closed_while_iterating(stream: stream_st.TensorStream) -> list[str]:
+    """Iterate ``stream``, closed from another task after 0.3 s; the names it handed out."""
+    got: list[str] = []
+
+    async def iterate() -> None:
+        async for name, _ in stream:
+            got.append(name)
+
+    await _closed_during(stream, iterate)
     return got
 
 
@@ -70,15 +82,7 @@ def test_closed_from_another_task_during_open(backend: str) -> None:
 
     async def main(url: str) -> None:
         stream = stream_st.open_stream(url)
-
-        async def close_soon() -> None:
-            await anyio.sleep(0.3)
-            await stream.aclose()
-
-        async with anyio.create_task_group() as group:
-            group.start_soon(close_soon)
-            with anyio.fail_after(10), pytest.raises(TransportError, match="closed on this side"):
-                await stream.open()
+        await _closed_during(stream, stream.open)
         with pytest.raises(UsageError, match="the stream is closed"):
             await stream.open()
 
