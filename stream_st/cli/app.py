@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 import threading
@@ -20,7 +19,7 @@ from ..errors import SafetensorsError
 from ..transports.s3.config import unsigned_requests
 from .exits import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_INTERNAL, EXIT_OK, interrupted
 from .options import aws_settings, caps_of
-from .output import warnings_as_lines
+from .output import PROG, OutputError, discard_output, standard_output, warnings_as_lines
 from .parser import build_parser, complete
 
 __all__ = ["STOPPING_SIGNALS", "main"]
@@ -90,6 +89,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         complete(parser)
+    except KeyboardInterrupt:
+        return interrupted()
+    try:
+        with standard_output():
+            return _command(parser, argv)
+    except OutputError as exc:
+        discard_output()
+        if isinstance(exc.__cause__, BrokenPipeError):  # the reader went away (``| head``)
+            return EXIT_BROKEN_PIPE
+        print(f"{PROG}: error: cannot write standard output: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _command(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    """Parse the command line and run the subcommand; its exit status."""
+    try:
         args = parser.parse_args(argv)
     except KeyboardInterrupt:
         return interrupted()
@@ -100,24 +115,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with signing, aws_settings(args), caps_of(args), warnings_as_lines():
             status: int = anyio.run(_run, args)
-        sys.stdout.flush()  # a closed pipe shows here, not in the flush at interpreter exit
     except SafetensorsError as exc:
-        print(f"stream-st: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    except BrokenPipeError:
-        # The reader went away (``| head``): stop quietly. As the Python docs recommend, point
-        # stdout at devnull so the flush at exit does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except BrokenPipeError:  # cp to ``-`` whose reader went away (``| head``): stop quietly
+        discard_output()
         return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         return interrupted()
     except _Stopped as stopped:
-        print(f"stream-st: stopped by {_signal_name(stopped.signum)}", file=sys.stderr)
+        print(f"{PROG}: stopped by {_signal_name(stopped.signum)}", file=sys.stderr)
         return 128 + stopped.signum
+    except OutputError:
+        raise
     except Exception:
         traceback.print_exc()
         print(
-            "stream-st: internal error (a bug, please report it with the traceback above)",
+            f"{PROG}: internal error (a bug, please report it with the traceback above)",
             file=sys.stderr,
         )
         return EXIT_INTERNAL

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import io
 import json
 import math
+import os
 import sys
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from typing import Any
+from typing import Any, TextIO, cast
 
 import ml_dtypes
 import numpy as np
@@ -22,11 +25,91 @@ from ..core.header import TensorInfo
 from ..errors import SafetensorsError, StreamStWarning, UsageError, redact
 from ..tools.common import Progress, plural
 
-__all__ = ["PROG", "STDIO"]
+__all__ = ["PROG", "STDIO", "OutputError"]
 
 
 STDIO = "-"
 """The argument that means standard input (a source) or standard output (a destination)."""
+
+
+class OutputError(Exception):
+    """Standard output cannot be written (a full disk, a descriptor closed with ``>&-``, a pipe
+    whose reader went away): the command's failure, reported once. Neither a
+    :class:`~stream_st.SafetensorsError`, which a command going through several sources takes
+    as one source's, nor an :class:`OSError`, which a command may take as its own (the cache's
+    folder); the :class:`OSError` is its ``__cause__``."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(cause.strerror or str(cause))
+
+
+class _Output(io.TextIOBase):
+    """Standard output as the command writes it: ``stream`` (None when the command was started
+    with it closed, where Python drops whatever is printed), every failure to write it an
+    :class:`OutputError`."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        super().__init__()
+        self.stream = stream
+
+    @contextmanager
+    def _failing(self) -> Iterator[TextIO]:
+        """The stream, its :class:`OSError` (a closed one's: ``EBADF``) an :class:`OutputError`."""
+        try:
+            if self.stream is None:
+                raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+            yield self.stream
+        except OSError as exc:
+            raise OutputError(exc) from exc
+
+    def write(self, text: str) -> int:
+        with self._failing() as stream:
+            return stream.write(text)
+
+    def flush(self) -> None:
+        if self.stream is not None:  # a closed one holds nothing to flush
+            with self._failing() as stream:
+                stream.flush()
+
+    def fileno(self) -> int:
+        with self._failing() as stream:
+            return stream.fileno()
+
+    def isatty(self) -> bool:
+        return self.stream is not None and self.stream.isatty()
+
+    def close(self) -> None:
+        """Leave standard output open (io's finalizer calls this): the command only writes."""
+
+
+@contextmanager
+def standard_output() -> Iterator[None]:
+    """Within the block, standard output (``sys.stdout``) fails with :class:`OutputError`, and
+    it is flushed as the block ends (whatever ends it: ``--help`` exits), so that a failure shows
+    there, not in the flush at interpreter exit."""
+    original = sys.stdout
+    sys.stdout = cast(TextIO, _Output(original))
+    try:
+        yield
+    finally:
+        try:
+            sys.stdout.flush()
+        finally:
+            sys.stdout = original
+
+
+def discard_output() -> None:
+    """Point the file descriptor of standard output at the null device, so that what could not
+    be written (a pipe closed, a disk full) is dropped by the flush at interpreter exit instead
+    of failing there again, as the Python docs recommend for a closed pipe."""
+    if sys.stdout is None:  # started closed: nothing is flushed at exit
+        return
+    with suppress(OSError, ValueError):  # no descriptor (output captured in memory)
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, sys.stdout.fileno())
+        finally:
+            os.close(null)
 
 
 class _Bar:

@@ -364,6 +364,49 @@ def test_cp_to_a_closed_output_pipe_exits_quietly(tmp_path: Path, taken: int) ->
         process.stderr.close()
 
 
+STDOUT_COMMANDS = [
+    ["inspect", "{model}"],
+    ["ls", "{model}"],
+    ["show", "{model}", "model.embed_tokens.weight"],
+    ["hash", "{model}"],
+    ["hash", "-c", "{sums}"],
+    ["validate", "-q", "{model}"],
+    ["diff", "{model}", "{model}"],
+    ["cp", "-q", "--json", "{model}", "{out}"],
+    ["cp", "-q", "{model}", "-"],
+    ["cache", "ls", "--dir", "{cache}"],
+    ["--help"],
+]
+
+
+@pytest.mark.parametrize("stdout", ["full", "closed"])
+@pytest.mark.parametrize("argv", STDOUT_COMMANDS, ids=" ".join)
+def test_output_that_cannot_be_written_is_an_error_with_exit_status_2(
+    argv: list[str], stdout: str, model: Path, tmp_path: Path
+) -> None:
+    """Standard output on a full disk (``> /dev/full``) or closed (``>&-``): one line naming
+    it, exit status 2 (it was an internal error's traceback, exit 3, or the cache's error)."""
+    if stdout == "full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    sums = tmp_path / "sums"
+    sums.write_text(f"{hashlib.sha256(model.read_bytes()).hexdigest()}  {model}\n")
+    paths = {"model": model, "sums": sums, "out": tmp_path / "out", "cache": tmp_path / "c"}
+    args = [arg.format(**paths) for arg in argv]
+    redirect = "> /dev/full" if stdout == "full" else ">&-"
+    result = subprocess.run(
+        ["sh", "-c", f'"$@" {redirect}', "sh", COMMAND, *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
+    reason = "No space left on device" if stdout == "full" else "Bad file descriptor"
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    if argv[-1] != "-":  # cp's own write to standard output says where it stopped
+        assert result.stderr == f"stream-st: error: cannot write standard output: {reason}\n"
+    assert reason in result.stderr
+
+
 def test_unexpected_exception_is_an_internal_error_with_exit_status_3(
     model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
