@@ -20,7 +20,7 @@ import stat
 import sys
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from typing import Any
 
@@ -41,7 +41,7 @@ from ..errors import (
 )
 from ..sharded.reader import ShardedStream
 from ..tools.common import naming, plural
-from ..tools.cp import address_in
+from ..tools.cp import _make_directory, address_in
 from ..tools.model_checks import ModelConfig
 from ..tools.validate import expected_shapes
 from ..transports.file.sink import PipeSink
@@ -445,13 +445,6 @@ def _source_name(src: str, dst: str) -> str:
     return name
 
 
-def _inside(dst: str, name: str) -> str:
-    """``name`` in the directory or prefix ``dst`` (a local one is made if missing)."""
-    if "://" not in dst:
-        os.makedirs(dst, exist_ok=True)
-    return address_in(dst, name)
-
-
 def _copy_options(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
     return {
         "include": args.include or None,
@@ -499,19 +492,28 @@ async def run_cp(args: argparse.Namespace) -> int:
             if not name.endswith(INDEX_SUFFIX):
                 raise UsageError(f"{args.src} is a manifest: name the file to merge it into")
             name = name[: -len(INDEX_SUFFIX)]
-        args.dst = _inside(args.dst, name)
+        args.dst = address_in(args.dst, name)
     elif is_index(src) and args.dst.endswith(INDEX_SUFFIX):
         raise UsageError(
             f"--merge writes one safetensors file, not an index: name it other than {args.dst}"
         )
-    dst = await _destination(args.dst)
-    with progress_reporter("copying", args.quiet) as progress, _include_named(args):
-        try:
-            copied = await tools.cp(src, dst, **_copy_options(args, progress))
-        except TransportError as exc:
-            if args.dst == STDIO and isinstance(exc.__cause__, BrokenPipeError):
-                raise exc.__cause__ from None  # the reader went away (``| head``): exit 141
-            raise
+    made: list[str] = []  # local directories made for the copy, removed if it fails
+    try:
+        if into and "://" not in args.dst:
+            _make_directory(os.path.dirname(args.dst), made)
+        dst = await _destination(args.dst)
+        with progress_reporter("copying", args.quiet) as progress, _include_named(args):
+            try:
+                copied = await tools.cp(src, dst, **_copy_options(args, progress))
+            except TransportError as exc:
+                if args.dst == STDIO and isinstance(exc.__cause__, BrokenPipeError):
+                    raise exc.__cause__ from None  # the reader went away (``| head``): exit 141
+                raise
+    except BaseException:  # failed, interrupted or stopped: nothing left at DST, no directory
+        for directory in reversed(made):
+            with suppress(OSError):  # no longer empty, or gone: leave it
+                os.rmdir(directory)
+        raise
     header = copied.header
     done = f"copied {plural(len(header), 'tensor')}, {header.file_size:,} bytes to {args.dst}"
     how = "quantized" if args.quantize else "dequantized" if args.dequantize else None

@@ -67,6 +67,39 @@ def test_into_a_directory_or_prefix_under_the_sources_name(
     )
 
 
+@pytest.mark.parametrize(
+    ("into", "said"),
+    [
+        ("afile/", "a file is in the way, url={tmp}/afile"),
+        ("afile/sub/", "a file is in the way, url={tmp}/afile"),
+        ("a" * 300 + "/", "File name too long"),
+    ],
+    ids=["a file", "under a file", "a name too long"],
+)
+def test_a_directory_that_cannot_be_made_is_an_error(tmp_path: Path, into: str, said: str) -> None:
+    """os.makedirs' own exception escaped as an internal error (exit 3, a traceback)."""
+    model = write_model(tmp_path / "m.safetensors")
+    (tmp_path / "afile").write_text("hi")
+    result = run("cp", "-q", str(model), f"{tmp_path}/{into}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert f"cannot make the directory: {said.format(tmp=tmp_path)}" in result.stderr
+    assert (tmp_path / "afile").read_text() == "hi"
+
+
+def test_a_failed_copy_into_a_new_directory_leaves_no_directory(tmp_path: Path) -> None:
+    """The directories made for the copy were left when it failed."""
+    model = write_model(tmp_path / "m.safetensors")
+    text = tmp_path / "notes.txt"
+    text.write_text("not safetensors")
+    assert run("cp", "-q", str(text), f"{tmp_path}/new1/").returncode == 2
+    assert run("cp", "-q", "--include", "nope", str(model), f"{tmp_path}/new2/a/b/").returncode == 2
+    (tmp_path / "old").mkdir()
+    assert run("cp", "-q", str(text), f"{tmp_path}/old/new/").returncode == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors", "notes.txt", "old"]
+    assert list((tmp_path / "old").iterdir()) == []  # the directory it did not make is kept
+
+
 def test_a_sharded_checkpoint_is_mirrored_index_last(checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     for source in (str(checkpoint), str(checkpoint / INDEX)):

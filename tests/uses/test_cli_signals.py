@@ -62,15 +62,17 @@ def _stopped(process: subprocess.Popen[bytes], signum: int) -> tuple[int, str]:
     return process.returncode, stderr.decode()
 
 
+@pytest.mark.parametrize("into", ["copy.safetensors", "new/dir/"], ids=["a file", "a new dir"])
 @pytest.mark.parametrize("signum", STOPS, ids=[s.name for s in STOPS])
-def test_stopped_copy_to_a_file_leaves_nothing(tmp_path: Path, signum: int) -> None:
+def test_stopped_copy_to_a_file_leaves_nothing(tmp_path: Path, signum: int, into: str) -> None:
+    """Nothing left, not even the directories made for the copy (``cp SRC new/dir/``)."""
     model = write_model(tmp_path / "model.safetensors", {"w": np.ones(1 << 20, np.float32)})
     out = tmp_path / "out"
     out.mkdir()
     fifo = tmp_path / "slow"
     with trickling(fifo, model.read_bytes(), 1 << 20) as fed:
         process = subprocess.Popen(
-            [COMMAND, "cp", "-q", str(fifo), str(out / "copy.safetensors")],
+            [COMMAND, "cp", "-q", str(fifo), f"{out}/{into}"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
