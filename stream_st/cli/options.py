@@ -58,6 +58,18 @@ def limit_arg(name: str) -> Callable[[str], float]:
     return number_arg(name, lambda value: Limits.of({name: value}))
 
 
+def nonempty_arg(refusal: str) -> Callable[[str], str]:
+    """The argparse type of an option whose empty value the command refuses with ``refusal``
+    (``--token "$TOKEN"`` with the variable unset must not serve without a token)."""
+
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(refusal)
+        return text
+
+    return parse
+
+
 def header_line(text: str) -> tuple[str, str]:
     """A ``--header 'Name: value'`` argument as (name, value), checked as every request's
     headers are (no line break, a valid name); the value is never shown (it may be a token)."""

@@ -26,7 +26,7 @@ from .commands import (
     run_validate,
 )
 from .exits import EXIT_ERROR
-from .options import ca_bundle, header_line, limit_arg, number_arg, size_arg
+from .options import ca_bundle, header_line, limit_arg, nonempty_arg, number_arg, size_arg
 from .output import PROG
 
 __all__ = ["EXAMPLES", "SHELLS", "SOURCES", "build_parser"]
@@ -340,13 +340,17 @@ def build_parser() -> argparse.ArgumentParser:
         "path", help="a safetensors file, a sharded checkpoint's *.index.json or a model directory"
     )
     serving.add_argument(
-        "--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)"
+        "--host",
+        type=nonempty_arg("empty: it would listen on every interface (name 0.0.0.0 for that)"),
+        default="127.0.0.1",
+        help="the address to listen on (default 127.0.0.1)",
     )
     serving.add_argument(
         "--port", type=int, default=8000, help="the port to listen on (default 8000; 0: any)"
     )
     serving.add_argument(
         "--token",
+        type=nonempty_arg("empty (an unset variable?): give the token, or leave --token out"),
         help="ask every request for 'Authorization: Bearer TOKEN' (else $STREAM_ST_SERVE_TOKEN, "
         "which keeps it off the command line)",
     )

@@ -319,6 +319,23 @@ def test_bad_option_values_exit_2_with_one_line(
     assert "Traceback" not in stderr
 
 
+@pytest.mark.parametrize("option", [["--token", ""], ["--host", ""]], ids=["token", "host"])
+def test_serve_refuses_an_empty_token_or_host(option: list[str], model: Path) -> None:
+    """``--token "$TOKEN"`` with the variable unset served with no token at all (the library
+    refuses an empty one); ``--host ""`` listened on every interface. Both served until
+    stopped: the timeout ends them."""
+    env = {k: v for k, v in os.environ.items() if k != "STREAM_ST_SERVE_TOKEN"}
+    result = subprocess.run(
+        [COMMAND, "serve", str(model), "--port", "0", *option],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
+    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    assert f"argument {option[0]}: empty" in result.stderr and result.stderr.count("\n") == 1
+
+
 def test_limits_reach_the_command(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["validate", "--deadline", "0", "{model}"]
     status, stderr = _status_and_stderr(argv, capsys, model=model)
