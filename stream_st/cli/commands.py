@@ -226,9 +226,10 @@ async def run_hash(args: argparse.Namespace) -> int:
             name = STDIO if source == "/dev/stdin" and STDIO in args.sources else redact(source)
             print(checksum_line(result["file_sha256"], name))
         else:
-            print(f"structural {result['structural_hash']}  {redact(source)}")
+            named = shown(redact(source))  # a directory's file name cannot forge a line
+            print(f"structural {result['structural_hash']}  {named}")
             if "content_hash" in result:
-                print(f"content    {result['content_hash']}  {redact(source)}")
+                print(f"content    {result['content_hash']}  {named}")
         return EXIT_OK
 
     return await _each(args, one)
@@ -245,7 +246,7 @@ async def run_weight_inspect(args: argparse.Namespace) -> int:
         if args.json:
             print_json(found)
         else:
-            print(f"{found['id']} {found['structural_hash']}  {redact(source)}")
+            print(f"{found['id']} {found['structural_hash']}  {shown(redact(source))}")
         return EXIT_OK
 
     return await _each(args, one)

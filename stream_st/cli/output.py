@@ -291,12 +291,22 @@ def human(n: float) -> str:
 
 
 def shown(text: str) -> str:
-    """``text`` (a tensor name, a metadata key or value from a file) as a terminal may be given
-    it: control and format characters (an escape sequence, a newline that would forge a line of
-    the output, a bidirectional override) escaped as Python escapes them, the rest as it is."""
+    """``text`` (a tensor name, a metadata key or value from a file, a file name) as a terminal
+    may be given it: control and format characters (an escape sequence, a newline that would
+    forge a line of the output, a bidirectional override) escaped as Python escapes them, a
+    byte of a file name that is not UTF-8 (a surrogate Python keeps it as) as ``\\xff``, the
+    rest as it is."""
     if text.isprintable():
         return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+    return "".join(c if c.isprintable() else _escaped(c) for c in text)
+
+
+def _escaped(character: str) -> str:
+    """One character that :func:`shown` escapes, as Python escapes it; a byte that is not
+    UTF-8, which Python reads into a surrogate from U+DC80 to U+DCFF, as the byte."""
+    if "\udc80" <= character <= "\udcff":
+        return f"\\x{ord(character) - 0xDC00:02x}"
+    return character.encode("unicode_escape").decode()
 
 
 def brief(value: str, limit: int = 200) -> str:

@@ -128,3 +128,36 @@ def test_check_reads_remote_sources(model: Path, tmp_path: Path) -> None:
         assert result.returncode == 0 and result.stdout == f"{url}: OK\n", result.stderr
         listed = run("hash", "--file", url)
         assert listed.stdout == f"{want}  {url}\n"
+
+
+def test_hash_of_a_directory_escapes_its_file_names(model: Path, tmp_path: Path) -> None:
+    """A file name in a model directory was printed raw: a newline forged a line, an escape
+    sequence reached the terminal, a byte not UTF-8 showed as ``\\udcff``, not ``\\xff``."""
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    forged = f"x\nstructural {'0' * 64}  trusted.safetensors\n\x1b[2Kz.safetensors"
+    escaped = f"x\\nstructural {'0' * 64}  trusted.safetensors\\n\\x1b[2Kz.safetensors"
+    shutil.copy(model, folder / forged)
+    shutil.copy(model, folder / os.fsdecode(b"bad\xffname.safetensors"))
+    for argv in (["hash"], ["hash", "--content"], ["hash", "--format", "weight-inspect"]):
+        result = subprocess.run(
+            [COMMAND, *argv, str(folder)], capture_output=True, timeout=120, check=True
+        )
+        lines = result.stdout.decode("ascii").splitlines()  # nothing but ASCII left
+        assert len(lines) == (4 if "--content" in argv else 2), lines
+        assert "\x1b" not in result.stdout.decode()
+        assert lines[0].endswith(f"{folder}/bad\\xffname.safetensors"), lines
+        assert lines[-1].endswith(f"{folder}/{escaped}"), lines
+
+
+def test_check_hashes_any_file_where_file_reads_safetensors(tmp_path: Path) -> None:
+    """As documented: --check is sha256sum -c's, whatever a listed file holds (a model
+    repository's config.json), where --file hashes a safetensors source as every hash does."""
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    sums = tmp_path / "sums"
+    sums.write_text(f"{hashlib.sha256(b'{}').hexdigest()}  {config.name}\n")
+    checked = run("hash", "-c", str(sums), cwd=tmp_path)
+    assert (checked.returncode, checked.stdout) == (0, "config.json: OK\n"), checked.stderr
+    refused = run("hash", "--file", config.name, cwd=tmp_path)
+    assert refused.returncode == 2 and "safetensors" in refused.stderr, refused.stderr
