@@ -574,6 +574,10 @@ async def run_serve(args: argparse.Namespace) -> int:
 async def run_demo_command(args: argparse.Namespace) -> int:
     if not args.synthetic:
         return await run_model_demo(args)
+    if args.text is not None or args.context is not None:
+        raise UsageError(
+            "--text and --context choose what the model scores: use them without --synthetic"
+        )
     codecs = tuple(c for c in (args.codecs or "none,int8,int4").split(",") if c)
     layers = 22 if args.layers is None else args.layers
     seq = 2048 if args.seq is None else args.seq

@@ -228,8 +228,11 @@ SHORT_NOTES = {"RangeIgnoredWarning": "server ignores ranges: reading it whole"}
 
 @contextmanager
 def warnings_as_lines() -> Iterator[None]:
-    """Within the block, stream_st's warnings (:class:`~stream_st.StreamStWarning`) print as one
-    ``stream-st: warning: ...`` line on stderr, each once, and show in the progress line."""
+    """Within the block, every warning shown (stream_st's own,
+    :class:`~stream_st.StreamStWarning`, each once; a cache that cannot be used, a
+    ``RuntimeWarning``) prints as one ``stream-st: warning: ...`` line on stderr, escaped as
+    :func:`shown` escapes it, never as Python's two lines of a source file, and shows in the
+    progress line."""
 
     def show(
         message: Warning | str,
@@ -239,15 +242,11 @@ def warnings_as_lines() -> Iterator[None]:
         file: Any = None,
         line: str | None = None,
     ) -> None:
-        if not issubclass(category, StreamStWarning):
-            original(message, category, filename, lineno, file, line)
-            return
         for note in _NOTES:
             note(SHORT_NOTES.get(category.__name__, "warning"))
-        print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)
+        print(f"{PROG}: warning: {shown(str(message))}", file=sys.stderr, flush=True)
 
     with warnings.catch_warnings():
-        original = warnings.showwarning
         warnings.showwarning = show
         warnings.simplefilter("default", StreamStWarning)
         yield

@@ -278,6 +278,8 @@ OTHER_BAD_VALUES = [
     ["validate", "--warn-abs", "-1", "{model}"],
     ["cp", "--dtype", "f64", "{model}", "{out}"],
     ["inspect"],
+    ["demo", "--synthetic", "--text", "{model}"],  # were ignored
+    ["demo", "--synthetic", "--context", "99999"],
 ]
 
 

@@ -12,6 +12,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 
+from ..servers.http_server import RangeHTTPServer
 from ._cli import run, write_model
 
 
@@ -71,3 +72,16 @@ def test_diff_shows_metadata_values(tmp_path: Path) -> None:
     assert "~ metadata same: 'x' -> 'y'" in text.stdout
     found = json.loads(run("diff", "--json", str(a), str(b)).stdout)
     assert found["metadata_values"] == {"gone": "old value", "new": "new value"}
+
+
+def test_a_cache_that_cannot_be_used_is_one_warning_line(tmp_path: Path) -> None:
+    """The cache's RuntimeWarning was printed as Python prints one: a file and line of
+    stream_st's source, then that line of code."""
+    model = write_model(tmp_path / "m.safetensors")
+    blocker = tmp_path / "notadir"
+    blocker.write_text("a file where the cache's folder would be")
+    with RangeHTTPServer(objects={"/m.safetensors": model.read_bytes()}) as server:
+        result = run("inspect", "--cache-dir", str(blocker / "c"), server.url("/m.safetensors"))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith("stream-st: warning: the cache cannot be used (Not a dir")
+    assert result.stderr.count("\n") == 1 and ".py:" not in result.stderr, result.stderr
