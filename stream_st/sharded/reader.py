@@ -298,7 +298,10 @@ class ShardedStream(TensorStream):
         return self._index is not None
 
     async def open(self, *, read_all: bool = False) -> Header:
-        """Read and validate the index (shards are opened as iteration reaches them)."""
+        """Read and validate the index (shards are opened as iteration reaches them); a closed
+        stream is not opened again (:class:`~stream_st.UsageError`), as any stream."""
+        if self._closed:
+            raise UsageError("the stream is closed")
         if self._index is None:
             self._clock.start()  # one clock for the index and every shard
             self.stats.begin()

@@ -418,3 +418,16 @@ async def test_include_on_an_index_scans_the_weight_map_once(tmp_path: Path) -> 
         got = {name: array async for name, array in stream}
     assert_same_arrays(got, shards["s0123.safetensors"])
     assert counted.scans <= 1
+
+
+async def test_a_closed_index_stream_does_not_open_again(tmp_path: Path) -> None:
+    """As any stream: open() and 'async with' after aclose() are a UsageError (the index's
+    stream gave an empty header)."""
+    stream = stream_st.open_stream(write_checkpoint(tmp_path))
+    async with stream:
+        pass
+    with pytest.raises(stream_st.UsageError, match="the stream is closed"):
+        await stream.open()
+    with pytest.raises(stream_st.UsageError, match="the stream is closed"):
+        async with stream:
+            pass
