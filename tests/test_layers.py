@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("_api", "connection", "sharded", "kv", "compat", "torch", "numpy", "distributed"),
     ("integrations", "models"),
     ("tools", "server"),
-    ("cli",),
+    ("cli", "__main__"),
 ]
 """Lowest first: a module may import its own layer and those below, never one above. The
 package's ``__init__`` and the re-export modules kept for moved paths stand above them all."""
