@@ -51,6 +51,13 @@ async def read(source: str, **options: Any) -> tuple[Arrays, str | None]:
     return arrays, getattr(stream, "cache_state", None)
 
 
+async def read_as(source: str, expected: Arrays, state: str, **options: Any) -> None:
+    """:func:`read` ``source``: ``expected`` came, served by the cache as ``state``."""
+    arrays, served = await read(source, **options)
+    assert served == state
+    assert_same_arrays(arrays, expected)
+
+
 def body_bytes(server: RangeHTTPServer) -> int:
     server.settle()
     return sum(sent for _, _, _, sent in server.requests)
@@ -67,17 +74,13 @@ async def test_first_read_keeps_a_copy_and_the_next_is_served_from_it(
     server: RangeHTTPServer, tmp_path: Path
 ) -> None:
     url = server.url("/m.safetensors")
-    arrays, state = await read(url, cache=tmp_path)
-    assert state == "fetch"
-    assert_same_arrays(arrays, ARRAYS)
+    await read_as(url, ARRAYS, "fetch", cache=tmp_path)
     assert body_bytes(server) == len(DATA)
     copies = list((tmp_path / "objects").rglob("*.safetensors"))
     assert len(copies) == 1 and copies[0].read_bytes() == DATA
     assert not list(tmp_path.rglob("*.part")) and not list(tmp_path.rglob("*.tmp"))
 
-    arrays, state = await read(url, cache=tmp_path)
-    assert state == "hit"
-    assert_same_arrays(arrays, ARRAYS)
+    await read_as(url, ARRAYS, "hit", cache=tmp_path)
     server.settle()
     method, _, _, sent = server.requests[-1]
     assert (method, sent) == ("GET", 0)  # one conditional request, answered 304
@@ -99,12 +102,8 @@ async def test_a_changed_object_is_fetched_again(tmp_path: Path) -> None:
         url = running.url("/m.safetensors")
         await read(url, cache=tmp_path)
         running.replace_after["/m.safetensors"] = (0, new)  # a new version, a new ETag
-        arrays, state = await read(url, cache=tmp_path)
-        assert state == "fetch"
-        assert_same_arrays(arrays, OTHER)
-        arrays, state = await read(url, cache=tmp_path)
-        assert state == "hit"
-        assert_same_arrays(arrays, OTHER)
+        await read_as(url, OTHER, "fetch", cache=tmp_path)
+        await read_as(url, OTHER, "hit", cache=tmp_path)
     copies = list((tmp_path / "objects").rglob("*.safetensors"))
     assert [c.read_bytes() for c in copies] == [new]  # the old version is gone
 
@@ -125,13 +124,9 @@ async def test_a_damaged_copy_is_never_handed_out(
     offline = Cache(tmp_path, tmp_path / "hub", offline=True)
     with pytest.raises(CacheMissError):  # offline: the damaged copy is found out, not used
         await read(url, cache=offline)
-    arrays, state = await read(url, cache=tmp_path)
-    assert state == "fetch"
-    assert_same_arrays(arrays, ARRAYS)
+    await read_as(url, ARRAYS, "fetch", cache=tmp_path)
     assert body_bytes(server) == 2 * len(DATA)
-    arrays, state = await read(url, cache=offline)
-    assert state == "offline"
-    assert_same_arrays(arrays, ARRAYS)
+    await read_as(url, ARRAYS, "offline", cache=offline)
 
 
 async def test_an_unchanged_touched_copy_is_checked_and_used(
@@ -141,9 +136,7 @@ async def test_an_unchanged_touched_copy_is_checked_and_used(
     await read(url, cache=tmp_path)
     (copy,) = (tmp_path / "objects").rglob("*.safetensors")
     copy.write_bytes(copy.read_bytes())  # same bytes, another fingerprint: hashed again
-    arrays, state = await read(url, cache=tmp_path)
-    assert state == "hit"
-    assert_same_arrays(arrays, ARRAYS)
+    await read_as(url, ARRAYS, "hit", cache=tmp_path)
 
 
 async def test_offline(
@@ -159,11 +152,9 @@ async def test_offline(
     await read(url, cache=tmp_path)
     server.settle()
     count = len(server.requests)
-    arrays, state = await read(url, cache=offline)
-    assert state == "offline"
-    assert_same_arrays(arrays, ARRAYS)
+    await read_as(url, ARRAYS, "offline", cache=offline)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    arrays, state = await read(url, cache=tmp_path)
+    _, state = await read(url, cache=tmp_path)
     assert state == "offline"
     server.settle()
     assert len(server.requests) == count  # no request at all
@@ -173,9 +164,7 @@ async def test_an_unreachable_server_leaves_the_copy_in_use(tmp_path: Path) -> N
     with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as running:
         url = running.url("/m.safetensors")
         await read(url, cache=tmp_path)
-    arrays, state = await read(url, cache=tmp_path)  # the server is gone
-    assert state == "stale"
-    assert_same_arrays(arrays, ARRAYS)
+    await read_as(url, ARRAYS, "stale", cache=tmp_path)  # the server is gone
 
 
 async def test_a_read_stopped_part_way_leaves_no_copy_under_the_final_name(
@@ -188,9 +177,7 @@ async def test_a_read_stopped_part_way_leaves_no_copy_under_the_final_name(
                 break
         assert not list(tmp_path.rglob("*.safetensors"))
         assert not list(tmp_path.rglob("*.part"))  # no ranges: nothing to resume
-        arrays, state = await read(url, cache=tmp_path)
-        assert state == "fetch"
-        assert_same_arrays(arrays, ARRAYS)
+        await read_as(url, ARRAYS, "fetch", cache=tmp_path)
 
 
 async def test_include_keeps_what_it_fetched_and_a_full_read_fetches_the_rest(
@@ -205,9 +192,7 @@ async def test_include_keeps_what_it_fetched_and_a_full_read_fetches_the_rest(
     assert len(list(tmp_path.rglob("*.part"))) == 1
     first = body_bytes(server)
     server.requests.clear()
-    arrays, state = await read(url, cache=tmp_path)
-    assert state == "fetch"
-    assert_same_arrays(arrays, ARRAYS)
+    await read_as(url, ARRAYS, "fetch", cache=tmp_path)
     t1 = header["t1"]
     second = body_bytes(server)
     first_range = 64 << 10  # each read's first request (the freshness check) asks for 64 KiB
@@ -354,18 +339,12 @@ def aws_env(moto_s3: MotoS3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 async def test_s3(aws_env: None, moto_s3: MotoS3Server, tmp_path: Path) -> None:
     url = "s3://cached/m.safetensors"
     cache = tmp_path / "cache"
-    arrays, state = await read(url, cache=cache)
-    assert state == "fetch"
-    assert_same_arrays(arrays, ARRAYS)
-    arrays, state = await read(url, cache=cache)
-    assert state == "hit"
-    assert_same_arrays(arrays, ARRAYS)
+    await read_as(url, ARRAYS, "fetch", cache=cache)
+    await read_as(url, ARRAYS, "hit", cache=cache)
     moto_s3.client().put_object(
         Bucket="cached", Key="m.safetensors", Body=reference_numpy.save(OTHER)
     )
-    arrays, state = await read(url, cache=cache)
-    assert state == "fetch"
-    assert_same_arrays(arrays, OTHER)
+    await read_as(url, OTHER, "fetch", cache=cache)
     (entry,) = entries(Cache.at(cache))
     assert entry.shown == url
 
@@ -375,9 +354,7 @@ async def test_s3(aws_env: None, moto_s3: MotoS3Server, tmp_path: Path) -> None:
 
 async def test_hub_files_go_into_the_hugging_face_layout(hub: FakeHub, tmp_path: Path) -> None:
     commit = hub.push("org/model", {"model.safetensors": DATA})
-    arrays, state = await read("hf://org/model/model.safetensors", cache=True)
-    assert state == "fetch"
-    assert_same_arrays(arrays, ARRAYS)
+    await read_as("hf://org/model/model.safetensors", ARRAYS, "fetch", cache=True)
     sha = hashlib.sha256(DATA).hexdigest()
     storage = tmp_path / "hub-cache" / "models--org--model"
     assert (storage / "blobs" / sha).read_bytes() == DATA
@@ -393,21 +370,20 @@ async def test_hub_files_go_into_the_hugging_face_layout(hub: FakeHub, tmp_path:
     assert Path(found).read_bytes() == DATA
 
     hub.log.clear()
-    arrays, state = await read("hf://org/model/model.safetensors", cache=True)
-    assert state == "hit"
-    assert_same_arrays(arrays, ARRAYS)
+    await read_as("hf://org/model/model.safetensors", ARRAYS, "hit", cache=True)
     seen = hub.seen()
     assert [(r.host, r.method) for r in seen] == [("127.0.0.1", "HEAD")]
     hub.log.clear()
-    arrays, state = await read(f"hf://org/model@{commit}/model.safetensors", cache=True)
+    _, state = await read(f"hf://org/model@{commit}/model.safetensors", cache=True)
     assert state == "hit"
     assert hub.seen() == []  # a commit in the cache: no request at all
     for request in hub.log:
         assert request.host != CDN_HOST or "authorization" not in request.headers
 
 
-async def test_hub_reads_a_blob_huggingface_hub_downloaded(hub: FakeHub, tmp_path: Path) -> None:
-    hub.push("org/model", {"model.safetensors": DATA})
+def downloaded_by_huggingface_hub(hub: FakeHub, tmp_path: Path) -> None:
+    """``org/model``'s ``model.safetensors`` put in the cache (``tmp_path / "hub-cache"``) by
+    ``huggingface_hub`` itself."""
     from huggingface_hub import hf_hub_download
 
     hf_hub_download(
@@ -417,10 +393,13 @@ async def test_hub_reads_a_blob_huggingface_hub_downloaded(hub: FakeHub, tmp_pat
         endpoint=hub.endpoint,
         token=hub.token,
     )
+
+
+async def test_hub_reads_a_blob_huggingface_hub_downloaded(hub: FakeHub, tmp_path: Path) -> None:
+    hub.push("org/model", {"model.safetensors": DATA})
+    downloaded_by_huggingface_hub(hub, tmp_path)
     hub.log.clear()
-    arrays, state = await read("hf://org/model/model.safetensors", cache=True)
-    assert state == "hit"
-    assert_same_arrays(arrays, ARRAYS)
+    await read_as("hf://org/model/model.safetensors", ARRAYS, "hit", cache=True)
     assert [r.host for r in hub.seen()] == ["127.0.0.1"]
 
 
@@ -434,13 +413,11 @@ async def test_hub_damaged_blob_and_offline(
     raw = bytearray(blob.read_bytes())
     raw[-1] ^= 0xFF
     blob.write_bytes(raw)
-    arrays, state = await read(address, cache=True)
-    assert state == "fetch"
-    assert_same_arrays(arrays, ARRAYS)
+    await read_as(address, ARRAYS, "fetch", cache=True)
     assert blob.read_bytes() == DATA
     hub.log.clear()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    arrays, state = await read(address, cache=True)
+    _, state = await read(address, cache=True)
     assert state == "offline"
     assert hub.seen() == []
     with pytest.raises(CacheMissError):

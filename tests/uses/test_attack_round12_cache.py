@@ -32,6 +32,7 @@ from stream_st.transports.cache.store import EntryLock
 from .._util import assert_same_arrays, run_command
 from ..servers.http_server import RangeHTTPServer
 from ..servers.hub_server import FakeHub
+from ..transports.test_cache import downloaded_by_huggingface_hub, read, read_as
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,12 +64,6 @@ class DownloadServer(RangeHTTPServer):
         return headers
 
 
-async def read(source: str, **options: Any) -> tuple[Arrays, str | None]:
-    stream = stream_st.open_stream(source, **options)
-    arrays = {name: array async for name, array in stream}
-    return arrays, getattr(stream, "cache_state", None)
-
-
 command = run_command
 
 
@@ -84,22 +79,14 @@ async def test_objects_told_apart_by_a_query_beside_a_token_are_two_copies(
     with DownloadServer(objects=objects, etag="strong") as running:
         url_a = running.url("/get?file=a&token=s3cr3tAAA")
         url_b = running.url("/get?file=b&token=s3cr3tBBB")
-        arrays, state = await read(url_a, cache=tmp_path)
-        assert state == "fetch"
-        assert_same_arrays(arrays, A)
-        arrays, state = await read(url_b, cache=tmp_path)
-        assert state == "fetch"
-        assert_same_arrays(arrays, B)
+        await read_as(url_a, A, "fetch", cache=tmp_path)
+        await read_as(url_b, B, "fetch", cache=tmp_path)
         # the same object signed again (another token, another order) is the same copy
-        arrays, state = await read(running.url("/get?token=other999&file=a"), cache=tmp_path)
-        assert state == "hit"
-        assert_same_arrays(arrays, A)
+        await read_as(running.url("/get?token=other999&file=a"), A, "hit", cache=tmp_path)
 
         offline = dataclasses.replace(Cache.at(tmp_path), offline=True)
         for url, expected in ((url_a, A), (url_b, B)):
-            arrays, state = await read(url, cache=offline)
-            assert state == "offline"
-            assert_same_arrays(arrays, expected)
+            await read_as(url, expected, "offline", cache=offline)
 
         running.rate = 2e6  # both at once: the second must not follow the first's copy
         both = tmp_path / "both"
@@ -313,18 +300,8 @@ def test_a_blob_huggingface_hub_downloaded_is_listed_by_its_address(
     """Checked by stream_st, it was recorded as a bare path (``model.safetensors``): listed so,
     and ``cache rm 'hf://org/model@*'`` missed it."""
     commit = hub.push("org/model", {"model.safetensors": DATA_A})
-    from huggingface_hub import hf_hub_download
-
-    hf_hub_download(
-        "org/model",
-        "model.safetensors",
-        cache_dir=tmp_path / "hub-cache",
-        endpoint=hub.endpoint,
-        token=hub.token,
-    )
-    arrays, state = asyncio.run(read("hf://org/model/model.safetensors", cache=True))
-    assert state == "hit"
-    assert_same_arrays(arrays, A)
+    downloaded_by_huggingface_hub(hub, tmp_path)
+    asyncio.run(read_as("hf://org/model/model.safetensors", A, "hit", cache=True))
     (entry,) = entries(Cache.default())
     assert entry.shown == f"hf://org/model@{commit}/model.safetensors"
     removed = command("cache", "rm", "hf://org/model@*")
