@@ -74,6 +74,37 @@ def _turn(stream: object, doing: str) -> Turn | None:
     return turn
 
 
+class _OneMessage:
+    """One message read or written on a stream the caller keeps (a connection), and the
+    stream's turn it claims (see :class:`~.tcp.Turn`); none for a stream whose messages are not
+    checked (see :func:`_turn`)."""
+
+    def __init__(self, stream: object, name: str, doing: str) -> None:
+        self._turn = _turn(stream, doing)
+        self._message = _Message(name)
+
+    def claim(self) -> None:
+        if self._turn is not None:
+            self._turn.claim(self._message)
+
+    def release(self) -> None:
+        """The message is done: the stream's next one may start."""
+        if self._turn is not None:
+            self._turn.release(self._message)
+
+    def left(self, position: int) -> None:
+        """The message was left part way, at ``position``: a later one is refused (see
+        :meth:`~.tcp.Turn.left`); one not begun is simply done."""
+        if self._turn is not None and position:
+            self._turn.left(self._message, position)
+        else:
+            self.release()
+
+    def refused(self) -> bool:
+        """True for a message refused the stream's turn (another one holds it)."""
+        return self._turn is not None and not self._turn.held_by(self._message)
+
+
 class _MessageSource(Source):
     """A source reading one message from a stream the caller keeps (a connection): it holds the
     stream's turn from :meth:`start` until the message is read; closed part way, it leaves the
@@ -84,22 +115,16 @@ class _MessageSource(Source):
     def __init__(self, stream: object, name: str) -> None:
         super().__init__()
         self.name = name
-        self._turn = _turn(stream, "read")
-        self._message = _Message(name)
+        self._one = _OneMessage(stream, name, "read")
 
     async def start(self, *, read_all: bool = False) -> None:
-        if self._turn is not None:
-            self._turn.claim(self._message)
+        self._one.claim()
 
     def message_read(self) -> None:
-        if self._turn is not None:
-            self._turn.release(self._message)
+        self._one.release()
 
     async def aclose(self) -> None:
-        if self._turn is not None and self.position:  # part way: a message read let go already
-            self._turn.left(self._message, self.position)
-        elif self._turn is not None:
-            self._turn.release(self._message)
+        self._one.left(self.position)  # a message read whole was let go already
 
 
 class AnyioStreamSource(_MessageSource):
@@ -227,22 +252,19 @@ class _MessageSink(Sink):
     def __init__(self, stream: object, name: str) -> None:
         super().__init__()
         self.name = name
-        self._turn = _turn(stream, "written")
-        self._message = _Message(name)
+        self._one = _OneMessage(stream, name, "written")
 
     async def allocate(self, size: int) -> None:
-        if self._turn is not None:
-            self._turn.claim(self._message)
+        self._one.claim()
 
     def _refused(self) -> bool:
         """True for a sink refused the stream's turn: it sent nothing, and must not end (abort)
         the message another one is writing."""
-        return self._turn is not None and not self._turn.held_by(self._message)
+        return self._one.refused()
 
     def _release(self) -> None:
         """The message is done (closed or aborted): the stream's next one may start."""
-        if self._turn is not None:
-            self._turn.release(self._message)
+        self._one.release()
 
 
 class AnyioStreamSink(_MessageSink):
