@@ -310,6 +310,31 @@ async def test_a_link_through_a_descriptor_of_the_process_is_not_replaced(tmp_pa
     same(await stream_st.load(real), TENSORS)
 
 
+async def test_dev_fd_is_a_descriptor_of_the_process_too(tmp_path: Path) -> None:
+    """``/dev/fd/N`` reaches ``/proc`` through its folder (``/dev/fd`` is a link to
+    ``/proc/self/fd``): the file descriptor N holds is written as if named, as through
+    ``/proc/self/fd/N``, not a file made in ``/proc``."""
+    real = tmp_path / "real.safetensors"
+    real.write_bytes(b"old")
+    with real.open("rb") as held:
+        await stream_st.save(f"/dev/fd/{held.fileno()}", TENSORS)
+    assert os.listdir(tmp_path) == ["real.safetensors"]
+    same(await stream_st.load(real), TENSORS)
+
+
+@pytest.mark.parametrize("through", ["/dev/fd", "/proc/self/fd"])
+async def test_a_descriptor_of_a_removed_file_is_refused(tmp_path: Path, through: str) -> None:
+    """A descriptor whose file was removed leads to no file to replace (the kernel names it
+    ``<old path> (deleted)``): refused, and no file of that name made."""
+    real = tmp_path / "real.safetensors"
+    real.write_bytes(b"old")
+    with real.open("rb") as held:
+        real.unlink()
+        with pytest.raises(stream_st.SourceNotFoundError, match="removed"):
+            await stream_st.save(f"{through}/{held.fileno()}", TENSORS)
+    assert os.listdir(tmp_path) == []
+
+
 async def test_a_symlink_to_a_device_is_written_through(tmp_path: Path) -> None:
     """A link that leads to what is not a regular file (a device, a FIFO: ``/dev/stdout``) is
     written through, as the file it leads to would be; the link stays."""

@@ -245,8 +245,14 @@ def _target_of(name: str) -> tuple[str, os.stat_result | None, int | None]:
     target = name if os.path.isabs(name) else os.path.join(os.getcwd(), name)
     found = _existing(target, follow=False)
     if found is not None and stat.S_ISLNK(found.st_mode) and _through_proc(target):
-        target = os.path.realpath(target)  # the file a descriptor holds, not /dev's link
-        found = _existing(target, follow=False)
+        held = os.path.realpath(target)  # the file a descriptor holds, not /dev's link
+        found = _existing(held, follow=False)
+        if found is None:  # the kernel names a removed file "<its old path> (deleted)"
+            raise SourceNotFoundError(
+                f"{target} leads to a file that was removed ({held}): no file to replace",
+                url=name,
+            )
+        target = held
     led_to = _existing(target) if found is not None and stat.S_ISLNK(found.st_mode) else found
     if led_to is None or not stat.S_ISREG(led_to.st_mode):
         return target, found, None
@@ -258,7 +264,9 @@ def _through_proc(path: str) -> bool:
     ``/proc/self/fd/N``: a descriptor of the process), a link that is not the caller's to
     replace: the file it leads to is written as if named."""
     for _ in range(_MAX_HOPS):
-        if os.path.normpath(path).startswith("/proc/"):
+        # the folders on the way resolved too: /dev/fd is itself a link to /proc/self/fd
+        path = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+        if path.startswith("/proc/"):
             return True
         try:
             path = os.path.join(os.path.dirname(path), os.readlink(path))
