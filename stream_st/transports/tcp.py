@@ -21,7 +21,13 @@ from urllib.parse import urlsplit
 import anyio
 import anyio.lowlevel
 
-from ..errors import TransportError, UnsupportedSourceError, UsageError
+from ..errors import (
+    SafetensorsError,
+    TransportError,
+    UnsupportedSinkError,
+    UnsupportedSourceError,
+    UsageError,
+)
 from .base import Sink, Source
 from .nonblocking import NonBlockingEnd
 from .options import UNLIMITED, Clock
@@ -50,17 +56,21 @@ __all__ = [
 ]
 
 
-def parse_tcp_url(url: str) -> tuple[str, int]:
-    """``tcp://host:port`` -> ``(host, port)``; IPv6 hosts in brackets."""
+def parse_tcp_url(
+    url: str, unsupported: type[SafetensorsError] = UnsupportedSourceError
+) -> tuple[str, int]:
+    """``tcp://host:port`` -> ``(host, port)``; IPv6 hosts in brackets. ``unsupported`` is
+    raised for a URL that names no peer (:class:`~stream_st.UnsupportedSinkError` for a
+    destination)."""
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:  # a port out of range or not a number, an unclosed IPv6 bracket
         raise UsageError(f"bad tcp:// URL {url!r}: {exc}") from exc
     if parts.scheme != "tcp" or not parts.hostname or port is None:
-        raise UnsupportedSourceError(f"expected tcp://host:port, got {url!r}")
+        raise unsupported(f"expected tcp://host:port, got {url!r}")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise UnsupportedSourceError(f"a tcp:// URL takes no path or query: {url!r}")
+        raise unsupported(f"a tcp:// URL takes no path or query: {url!r}")
     return parts.hostname, port
 
 
@@ -375,5 +385,5 @@ async def source_for(url: str, clock: Clock) -> Source:
 
 async def sink_for(url: str, clock: Clock, fsync: bool) -> Sink:
     """The registry's factory: a ``tcp://host:port`` peer, connected within ``clock``."""
-    host, port = parse_tcp_url(url)
+    host, port = parse_tcp_url(url, UnsupportedSinkError)
     return SocketSink(await connect_socket(host, port, clock), tcp_url(host, port))

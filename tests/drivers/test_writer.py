@@ -691,7 +691,10 @@ async def test_destination_kinds(tmp_path: pathlib.Path) -> None:
 
 
 async def test_unsupported_destinations(tmp_path: pathlib.Path) -> None:
-    for dst in (42, b"bytes", object(), "ftp://x/y", "file://remote/x"):
+    for dst in (
+        *(42, b"bytes", object(), "ftp://x/y", "file://remote/x"),
+        *("tcp://127.0.0.1", "tcp://:80", "tcp://h:1/path", "http://", "https:///x"),  # no peer
+    ):
         with pytest.raises(UnsupportedSinkError):
             await stream_st.save(dst, {"x": np.zeros(1)})  # type: ignore[arg-type]
     with pytest.raises(stream_st.TransportError, match="directory"):

@@ -19,10 +19,16 @@ from typing import Unpack
 import anyio
 
 from ..._util import seen_through
-from ...errors import ArgumentTypeError, TransportError, UsageError, redact
+from ...errors import (
+    ArgumentTypeError,
+    TransportError,
+    UnsupportedSinkError,
+    UsageError,
+    redact,
+)
 from ..base import Sink
 from ..options import Clock, LimitOptions
-from . import ClientUser, HTTPClient, Upload, raise_for_status
+from . import ClientUser, HTTPClient, Target, Upload, raise_for_status
 
 __all__ = ["HttpSink"]
 
@@ -119,4 +125,5 @@ class HttpSink(ClientUser, Sink):
 
 async def sink_for(url: str, clock: Clock, fsync: bool) -> Sink:
     """The registry's factory: a PUT upload to an ``http(s)://`` address."""
+    Target.parse(url, UnsupportedSinkError)  # an address with no host: refused as a destination
     return HttpSink(url)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
-from ...errors import UnsupportedSourceError, UsageError
+from ...errors import SafetensorsError, UnsupportedSourceError, UsageError
 
 __all__ = ["Target"]
 
@@ -22,14 +22,18 @@ class Target:
     path: str  # path and query, as sent on the request line
 
     @classmethod
-    def parse(cls, url: str) -> Target:
+    def parse(
+        cls, url: str, unsupported: type[SafetensorsError] = UnsupportedSourceError
+    ) -> Target:
         """Split ``url``; characters not allowed on a request line (spaces, non-ASCII) in its path
-        and query are percent-encoded (UTF-8), a non-ASCII host name is IDNA-encoded."""
+        and query are percent-encoded (UTF-8), a non-ASCII host name is IDNA-encoded.
+        ``unsupported`` is raised for a URL that is not ``http(s)://`` with a host
+        (:class:`~stream_st.UnsupportedSinkError` for a destination)."""
         try:
             parts = urlsplit(url)
             scheme = parts.scheme.lower()
             if scheme not in ("http", "https") or not parts.hostname:
-                raise UnsupportedSourceError(f"expected an http:// or https:// URL, got {url!r}")
+                raise unsupported(f"expected an http:// or https:// URL, got {url!r}")
             port = parts.port
             host = parts.hostname
             if not host.isascii():
