@@ -84,6 +84,14 @@ def _header_length(
     """The header length the ``got`` bytes of ``prefix`` declare, checked against
     ``max_header_size`` and against ``size`` (the source's, if known)."""
     if got < LENGTH_PREFIX_SIZE:
+        if size is not None and size > got:  # the source said it had more: cut off
+            raise TruncatedStreamError(
+                "the header length",
+                name=None,
+                offset=got,
+                expected=min(size, LENGTH_PREFIX_SIZE),
+                source=name,
+            )
         parse_header_length(prefix[:got].tobytes())  # raises: fewer than 8 bytes
     n = parse_header_length(prefix, max_header_size=max_header_size)
     if size is not None and LENGTH_PREFIX_SIZE + n > size:

@@ -16,6 +16,8 @@ import stream_st
 import stream_st.numpy
 from stream_st.reader.header import CACHED_FIRST_READ, PARSE_AT_ONCE_UP_TO, _cached_header
 
+from ..servers.http_server import RangeHTTPServer
+
 
 def write(path: Path, tensors: int, *, tail: bytes = b"", cut: int = 0) -> Path:
     """A file of ``tensors`` one-byte tensors (``tail`` appended, its last ``cut`` bytes cut)."""
@@ -99,3 +101,19 @@ async def test_limits_and_metadata_take_the_same_path(tmp_path: Path) -> None:
     stream_st.numpy.save_file({"a": np.zeros(4, np.float32)}, path, metadata={"k": "v"})
     found = await stream_st.read_header(path, timeout=5)  # a limit: read through a source
     assert found == await stream_st.read_header(path) and found.metadata == {"k": "v"}
+
+
+@pytest.mark.filterwarnings("ignore::stream_st.RangeIgnoredWarning")  # nothing to resume from
+@pytest.mark.parametrize("cut", [0, 4, 7])
+async def test_a_body_cut_within_the_length_prefix_is_a_truncation(cut: int) -> None:
+    """A source that said how long it is (an answer's Content-Length) and ends within the 8
+    bytes of the header's length is cut off (``TruncatedStreamError``, an ``EOFError``), as it
+    is anywhere later: not a file that is not safetensors."""
+    data = stream_st.numpy.save({"x": np.arange(4.0)})
+    objects = {"/f.safetensors": data}
+    with (
+        RangeHTTPServer(objects=objects, no_range=True, close_after=cut) as server,
+        pytest.raises(stream_st.TruncatedStreamError) as info,
+    ):
+        await stream_st.read_header(server.url("/f.safetensors"))
+    assert (info.value.offset, info.value.expected) == (cut, 8)
