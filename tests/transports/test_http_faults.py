@@ -23,7 +23,13 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st import ReadTimeoutError, TransportError, TruncatedStreamError, UsageError
+from stream_st import (
+    ReadTimeoutError,
+    SourceChangedError,
+    TransportError,
+    TruncatedStreamError,
+    UsageError,
+)
 from stream_st.transports.http import HTTPClient, HTTPProtocolError, HTTPStatusError
 from stream_st.transports.http.sink import HttpSink
 from stream_st.transports.http.source import HttpSource
@@ -42,6 +48,8 @@ SMALL = sample_file()
 # ranged request from the middle of the object.
 SPLIT = {"a": np.zeros(100_000, np.uint8), "b": np.full(1000, 7, np.uint8)}
 SPLIT_FILE: bytes = reference_numpy.save(SPLIT)
+# The same layout with other values: a replacement only the validators can tell apart.
+OTHER_FILE: bytes = reference_numpy.save({"a": np.ones(100_000, np.uint8), "b": SPLIT["b"]})
 
 
 @pytest.fixture
@@ -257,6 +265,101 @@ async def test_range_starting_elsewhere(raw_server: Serve, concurrency: int) -> 
 async def test_whole_body_from_byte_zero_is_still_used(raw_server: Serve) -> None:
     url = raw_server(ranges_from_zero_only(SPLIT_FILE)) + "/m.safetensors"
     assert_same_arrays(await load(url), SPLIT)
+
+
+Answer = Callable[[int], tuple[bytes, str, int | None]]
+"""The n-th request's answer (counted over every connection): the object, extra header lines
+(each ending in CRLF), and how many body bytes are sent before the connection is closed (None:
+the whole range)."""
+
+
+def ranged(answer_for: Answer, *, length: bool = True) -> Handler:
+    """Keep-alive ranged GETs answered as ``answer_for`` says; ``length``: with a
+    ``Content-Length`` (else the body ends as the connection closes, as HTTP/1.0 has it)."""
+    count = iter(range(1 << 30))  # next() on it is atomic: connections run in threads
+
+    def handle(connection: socket.socket) -> None:
+        while True:
+            headers, _ = read_request(connection)
+            data, extra, cut = answer_for(next(count))
+            match = re.fullmatch(r"bytes=(\d+)-(\d*)", headers["range"])
+            assert match is not None
+            first = int(match[1])
+            end = min(int(match[2]) + 1, len(data)) if match[2] else len(data)
+            sized = f"Content-Length: {end - first}\r\n" if length else ""
+            head = (
+                f"HTTP/1.1 206 Partial Content\r\n{sized}{extra}"
+                f"Content-Range: bytes {first}-{end - 1}/{len(data)}\r\n\r\n"
+            )
+            connection.sendall(head.encode() + data[first:end][:cut])
+            if cut is not None or not length:
+                return
+
+    return handle
+
+
+LAST_MODIFIED = "Last-Modified: Mon, 01 Jan 2024 00:00:00 GMT\r\n"
+
+
+@pytest.mark.parametrize("read", ["resumed", "include", "parallel"])
+async def test_a_version_pinned_by_last_modified_must_come_again(
+    raw_server: Serve, read: str
+) -> None:
+    """A weak ETag does not vouch for bytes: the first answer's Last-Modified pinned the version
+    (If-Unmodified-Since). A later answer that drops it, whatever weak ETag it keeps, could be
+    any version (here another): a change, never a tensor of both."""
+
+    def answer_for(n: int) -> tuple[bytes, str, int | None]:
+        if n == 0:
+            cut = len(SPLIT_FILE) // 2 if read == "resumed" else None
+            return SPLIT_FILE, 'ETag: W/"same"\r\n' + LAST_MODIFIED, cut
+        return OTHER_FILE, 'ETag: W/"same"\r\n', None
+
+    url = raw_server(ranged(answer_for)) + "/m.safetensors"
+    options: dict[str, Any] = {"include": ["b"]} if read == "include" else {}
+    concurrency = 2 if read == "parallel" else None
+    source = HttpSource(url, concurrency=concurrency, part_size=16384, backoff=0.01)
+    with pytest.raises(SourceChangedError, match=r"Last-Modified '.*', then none"):
+        await load(source, **options)
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+async def test_a_206_without_length_that_breaks_is_resumed(
+    raw_server: Serve, concurrency: int
+) -> None:
+    """A 206 delimited by the connection closing: its Content-Range says how many bytes are due,
+    so one that ends before them broke, and is resumed as one with a Content-Length is: the
+    first answer ends after 30 kB, the next before its first byte."""
+
+    def answer_for(n: int) -> tuple[bytes, str, int | None]:
+        return SPLIT_FILE, "", {0: 30_000, 1: 0}.get(n)
+
+    url = raw_server(ranged(answer_for, length=False)) + "/m.safetensors"
+    source = HttpSource(url, concurrency=concurrency, part_size=40_000, backoff=0.01)
+    assert_same_arrays(await load(source), SPLIT)
+
+
+BARE_LF = {
+    "bare LF": b"HTTP/1.1 200 OK\nContent-Length: %d\nContent-Type: x\n\n",
+    "CRLF, then a bare LF": b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\n",
+    "bare LF, then CRLF": b"HTTP/1.1 200 OK\nContent-Length: %d\n\r\n",
+    "status line alone": b"HTTP/1.1 200 OK\n\n",
+    "chunked": b"HTTP/1.1 200 OK\nTransfer-Encoding: chunked\n\n",
+}
+
+
+@pytest.mark.parametrize("head", BARE_LF.values(), ids=BARE_LF.keys())
+async def test_lines_ending_in_a_bare_lf_are_read(raw_server: Serve, head: bytes) -> None:
+    """RFC 9112 2.2: a recipient may take a bare LF for a line end, an empty line ending the
+    head too (it waited for a CRLF CRLF that never came)."""
+    if b"chunked" in head:
+        body = b"%x\n%s\n0\n\n" % (len(SMALL), SMALL)
+    elif b"%d" in head:
+        head, body = head % len(SMALL), SMALL
+    else:  # no length: the body ends as the connection closes
+        body = SMALL
+    url = raw_server(answer(head + body, then=lambda _: None)) + "/f.safetensors"
+    assert_same_arrays(await load(url, timeout=5), sample_tensors())
 
 
 def upload_then(action: Handler) -> Handler:

@@ -29,6 +29,7 @@ _USER_AGENT = "stream_st"
 _STATUS_LINE = re.compile(r"HTTP/1\.[0-9] ([1-5][0-9]{2})(?: (.*))?")
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _DISCARD_LIMIT = 64 << 10  # an unwanted body up to this size is read to keep its connection
+_HEAD_END = re.compile(rb"\n\r?\n")  # a line end, LF or CRLF, then an empty line (RFC 9112 2.2)
 
 Release = Callable[[Connection], None]
 """Takes back a connection whose answer was read to the end (a client's idle pool)."""
@@ -59,7 +60,7 @@ async def _read_head(connection: Connection, target: Target) -> tuple[int, str, 
     """Status, reason and headers of the answer, past any interim (1xx) answers."""
     buffer = connection.leftover
     for _ in range(_MAX_INTERIM + 1):
-        while (end := buffer.find(b"\r\n\r\n")) < 0:
+        while (end_match := _HEAD_END.search(buffer)) is None:
             if len(buffer) > _HEAD_LIMIT:
                 raise HTTPProtocolError("response head too large", url=target.url)
             more = bytearray(65536)
@@ -70,10 +71,11 @@ async def _read_head(connection: Connection, target: Target) -> tuple[int, str, 
             if count == 0:
                 raise TransportError("connection closed before a response", url=target.url)
             buffer += more[:count]
-        head = bytes(buffer[:end]).decode("latin-1")
-        del buffer[: end + 4]
-        # Lines end in CRLF, or a bare LF (which recipients may take as one): a line break is
-        # never part of a value, so no message quoting one runs onto a second line.
+        head = bytes(buffer[: end_match.start()]).removesuffix(b"\r").decode("latin-1")
+        del buffer[: end_match.end()]
+        # Lines end in CRLF, or a bare LF (which recipients may take as one, the empty line
+        # ending the head too): a line break is never part of a value, so no message quoting
+        # one runs onto a second line.
         status_line, *header_lines = head.replace("\r\n", "\n").replace("\r", " ").split("\n")
         match = _STATUS_LINE.fullmatch(status_line)
         if match is None:
@@ -124,12 +126,6 @@ def content_range(headers: Mapping[str, str]) -> tuple[int, int, int | None] | N
     return int(first), int(last), None if total == "*" else int(total)
 
 
-def _body_offset(status: int, headers: Mapping[str, str]) -> int:
-    """Where in the object a body starts: the first byte of a 206's ``Content-Range``, else 0."""
-    parsed = content_range(headers) if status == 206 else None
-    return 0 if parsed is None else parsed[0]
-
-
 class Response(AsyncClosing):
     """Status, headers and a body read into caller buffers with :meth:`receive_into`.
 
@@ -155,17 +151,23 @@ class Response(AsyncClosing):
         self.reason = reason
         self.headers = headers
         self.received = 0
-        self.offset = _body_offset(status, headers)
+        parsed = content_range(headers) if status == 206 else None
+        self.offset = 0 if parsed is None else parsed[0]  # where in the object the body starts
         self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        self._reusable = headers.get("connection", "").lower() != "close"
         self.content_length: int | None
         if not has_body:
             self.content_length = 0
         else:
             self.content_length = None if self._chunked else _content_length(headers, url)
+        if self.content_length is None and not self._chunked and parsed and parsed[1] >= parsed[0]:
+            # A 206 delimited by the connection closing (HTTP/1.0): its Content-Range says how
+            # many bytes are due, so a close before them is a break, resumed as any other.
+            self.content_length = parsed[1] - parsed[0] + 1
+            self._reusable = False
         self._remaining = self.content_length  # None: until the connection closes or last chunk
         self._chunk_left = 0
         self._done = self._remaining == 0
-        self._reusable = headers.get("connection", "").lower() != "close"
 
     @property
     def position(self) -> int:
@@ -254,7 +256,7 @@ class Response(AsyncClosing):
     async def _read_line(self) -> bytes:
         connection = self._connection
         assert connection is not None
-        while b"\r\n" not in connection.leftover:
+        while b"\n" not in connection.leftover:  # CRLF, or a bare LF as in a head
             if len(connection.leftover) > _HEAD_LIMIT:
                 raise HTTPProtocolError("chunk header line too long", url=self.url)
             more = bytearray(4096)
@@ -264,9 +266,9 @@ class Response(AsyncClosing):
                     "connection closed inside a chunked body", url=self.url, position=self.position
                 )
             connection.leftover += more[:count]
-        line, _, rest = bytes(connection.leftover).partition(b"\r\n")
+        line, _, rest = bytes(connection.leftover).partition(b"\n")
         connection.leftover[:] = rest
-        return line
+        return line.removesuffix(b"\r")
 
     async def read_all(self, limit: int = 1 << 20) -> bytes:
         """The rest of the body as bytes (for small answers: errors, XML); at most ``limit``."""

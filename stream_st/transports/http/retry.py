@@ -79,16 +79,24 @@ class VersionPin:
     def __init__(self) -> None:
         self.seen: tuple[str, str] | None = None
 
+    def _pinning(self) -> int:
+        """Which of the first answer's validators pins the version: 0, its ETag, where it is
+        strong or there is no Last-Modified; else 1, its Last-Modified (a weak ETag does not
+        vouch for bytes)."""
+        assert self.seen is not None
+        etag, modified = self.seen
+        return 1 if modified and (not etag or etag.startswith("W/")) else 0
+
     def preconditions(self) -> dict[str, str]:
         """The headers that make a later request of this read answer for the version of the
         first answer only: ``If-Match`` with its strong ETag, else ``If-Unmodified-Since`` with
-        its Last-Modified (a weak ETag does not vouch for bytes)."""
+        its Last-Modified; none for a weak ETag alone."""
         if self.seen is None:
             return {}
         etag, modified = self.seen
-        if etag and not etag.startswith("W/"):
-            return {"If-Match": etag}
-        return {"If-Unmodified-Since": modified} if modified else {}
+        if self._pinning():
+            return {"If-Unmodified-Since": modified}
+        return {"If-Match": etag} if etag and not etag.startswith("W/") else {}
 
     async def check(self, response: Response, name: str, position: int) -> None:
         """Pin the object's version on the first successful answer; on a later one, raise
@@ -103,10 +111,10 @@ class VersionPin:
             change = f"412 Precondition Failed to {asked}"
         else:
             keys = ("ETag", "Last-Modified")
-            # The validator that pinned the version (the ETag, else Last-Modified) must come
-            # again: an answer without it could be any version (a 206 carries the validators a
-            # 200 would); the other one may be left out, not changed.
-            pinning = 0 if self.seen[0] else 1
+            # The validator that pinned the version (a strong ETag, else Last-Modified, else a
+            # weak ETag) must come again: an answer without it could be any version (a 206
+            # carries the validators a 200 would); the other one may be left out, not changed.
+            pinning = self._pinning()
             changes = [
                 f"{key} {old!r}, then {new!r}" if new else f"{key} {old!r}, then none"
                 for at, (key, old, new) in enumerate(zip(keys, self.seen, seen, strict=True))
