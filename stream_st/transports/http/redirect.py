@@ -4,11 +4,14 @@ The one policy for every redirect the client follows:
 
 * only ``GET`` and ``HEAD`` requests follow 301, 302, 303, 307 and 308 answers with a
   ``Location``, at most ``max_redirects`` in a row;
-* a ``Location`` that is not an ``http(s)://`` URL, and a redirect from https to http (a
-  downgrade would send the request, and what it answers, in clear text), are refused;
+* a ``Location`` that is not an ``http(s)://`` URL naming a host (``http://`` and ``http:x``
+  are none: a scheme makes a URL absolute), or is no URL at all, and a redirect from https to
+  http (a downgrade would send the request, and what it answers, in clear text), are refused;
 * on a redirect to another origin (scheme, host or port), the credentials do not follow:
-  ``Authorization``, ``Cookie``, ``Proxy-Authorization`` and every ``x-amz-*`` header (an S3
-  signature, its session token, customer keys) are dropped, as requests and httpx do. A signed
+  ``Authorization``, ``Cookie``, ``Proxy-Authorization``, the API keys and tokens a message
+  masks (``X-Api-Key``, ``Api-Key``, ``Private-Token``, ``X-Auth-Token``,
+  ``X-Goog-Security-Token``) and every ``x-amz-*`` header (an S3 signature, its session token,
+  customer keys) are dropped, as requests and httpx drop ``Authorization``. A signed
   request is not signed again for the other host: the signature was meant for the first one. A
   same-origin redirect keeps them; once dropped, they stay dropped for the rest of the chain.
 
@@ -38,7 +41,18 @@ __all__ = [
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 """The statuses a GET or HEAD follows (when the answer names a ``Location``)."""
 
-_CREDENTIALS = frozenset({"authorization", "cookie", "proxy-authorization"})
+_CREDENTIALS = frozenset(
+    {
+        "authorization",
+        "cookie",
+        "proxy-authorization",
+        "x-api-key",
+        "api-key",
+        "private-token",
+        "x-auth-token",
+        "x-goog-security-token",
+    }
+)
 _SIGNED_PREFIX = "x-amz-"
 
 
@@ -74,10 +88,12 @@ def redirected(
 ) -> tuple[Target, dict[str, str]]:
     """Where the request to ``target`` goes on an answer redirecting it to ``location``, and the
     headers it carries there. Raises :class:`HTTPProtocolError` for a refused redirect."""
-    url = urljoin(target.url, location)
     try:
+        # A Location naming a scheme is taken as it is (RFC 3986's strict reading): urljoin
+        # would read "http://" and "http:x" as relative to the URL redirected from.
+        url = location if urlsplit(location).scheme else urljoin(target.url, location)
         new = Target.parse(url)
-    except SafetensorsError as exc:
+    except (SafetensorsError, ValueError) as exc:  # ValueError: an IPv6 bracket left open
         raise HTTPProtocolError(
             f"redirect to an unusable address {location[:200]!r}", url=target.url
         ) from exc
