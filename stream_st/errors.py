@@ -92,9 +92,15 @@ __all__ = [
 
 # ---------------------------------------------------------------- what a message may show
 
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s'\"<>]*)@")
+_USERINFO = re.compile(
+    r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)"
+    r"(?P<userinfo>[^/?#\s'\"<>]*|[^/?#\s'\"<>:]*:[^\s'\"<>]*)@"
+)
 """``scheme://userinfo@``: the userinfo runs to the last ``@`` before the path, as URL parsers
-read it (a password with an unescaped ``@`` in it included)."""
+read it (a password with an unescaped ``@`` in it included); where no ``@`` comes before the
+path, from a ``:`` there to the last ``@`` of the address (a password with an unescaped ``/``,
+``?`` or ``#`` in it, which URL parsers read as a host and port: a port followed by a path with
+an ``@`` in it is masked too)."""
 
 _PARAMETER = re.compile(r"(?P<lead>[?&#])(?P<name>[^=&#\s'\"<>]+)=(?P<value>[^&#\s'\"<>]*)")
 """A parameter of a query, or of a fragment (``#access_token=...``, as OAuth's implicit flow

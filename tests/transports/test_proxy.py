@@ -57,10 +57,12 @@ def closed_port() -> int:
 
 class RefusingProxy(LoopbackServer):
     """A proxy that answers every request (``CONNECT`` included) with 407, and records the
-    ``Proxy-Authorization`` header of each."""
+    ``Proxy-Authorization`` header of each; with ``bare_lf``, its lines end in a bare LF and it
+    keeps the connection open until the client closes it."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, bare_lf: bool = False) -> None:
         self.credentials: list[str | None] = []
+        self.bare_lf = bare_lf
         super().__init__()
 
     def handle(self, connection: socket.socket) -> None:
@@ -69,10 +71,16 @@ class RefusingProxy(LoopbackServer):
             headers = dict(line.partition(":")[::2] for line in lines)
             auth = headers.get("Proxy-Authorization")
             self.credentials.append(auth.strip() if auth else None)
-            connection.sendall(
+            answer = (
                 b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n"
                 b'Proxy-Authenticate: Basic realm="p"\r\nConnection: close\r\n\r\n'
             )
+            if self.bare_lf:
+                connection.sendall(answer.replace(b"\r\n", b"\n").replace(b"close", b"keep-alive"))
+                while connection.recv(4096):
+                    pass
+            else:
+                connection.sendall(answer)
 
 
 @pytest.fixture
@@ -151,6 +159,22 @@ async def test_a_407_names_the_proxy_and_sends_the_credentials(
     assert "407" in message and "\n" not in message and "s@cret" not in message
     assert "CONNECT 198.51.100.7:443" in message if scheme == "https" else "GET http://" in message
     assert refusing_proxy.credentials == ["Basic " + base64.b64encode(b"me:s@cret").decode()]
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+async def test_a_proxy_answering_in_bare_lf_lines_is_understood(
+    monkeypatch: pytest.MonkeyPatch, scheme: str
+) -> None:
+    """RFC 9112 2.2: a bare LF ends a line, the empty one too (a CONNECT answer was read until
+    the timeout, waiting for a CRLF CRLF)."""
+    proxy = RefusingProxy(bare_lf=True)
+    try:
+        monkeypatch.setenv(f"{scheme}_proxy", f"http://127.0.0.1:{proxy.port}")
+        source = stream_st.HttpSource(f"{scheme}://198.51.100.7/m.safetensors", retries=0)
+        with pytest.raises(TransportError, match=r"refused .*: HTTP 407 Proxy Authentication"):
+            await stream_st.read_header(source, timeout=3)
+    finally:
+        proxy.close()
 
 
 @pytest.mark.parametrize("proxy", ["socks5://127.0.0.1:1080", "socks5h://h:1", "https://p:3128"])

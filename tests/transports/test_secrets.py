@@ -190,6 +190,24 @@ async def test_misuse_errors_hide_the_url_password() -> None:
     assert_hidden(str(usage.value), str(scheme.value))
 
 
+@pytest.mark.parametrize("mark", ["/", "?", "#"])
+async def test_a_password_cut_short_by_a_delimiter_is_hidden(
+    monkeypatch: pytest.MonkeyPatch, mark: str
+) -> None:
+    """An unescaped '/', '?' or '#' in a password ends the URL's authority there: its start is
+    read as a port, which Python's reason quotes; no piece of it shows, of a source's URL or a
+    proxy's."""
+    password = f"{SECRET[:4]}{mark}{SECRET[4:]}"
+    with pytest.raises(UsageError, match="invalid URL") as source:
+        await load(f"http://alice:{password}@127.0.0.1:8080/m.safetensors")
+    monkeypatch.setenv("http_proxy", f"http://me:{password}@127.0.0.1:3128")
+    with pytest.raises(UsageError, match="invalid proxy URL") as proxy:
+        await load("http://127.0.0.1:8080/m.safetensors")
+    for error in (source.value, proxy.value):
+        assert_hidden(str(error), repr(error), secrets=(SECRET[:4], SECRET[4:]))
+        assert error.__cause__ is None and error.__suppress_context__  # no ValueError shown
+
+
 PRESIGNED = (
     "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIDEXAMPLE%2F20240101%2Fus-east-1"
     "&X-Amz-Date=20240101T000000Z&X-Amz-Expires=60&X-Amz-Security-Token=SESSIONTOKEN"
@@ -220,6 +238,9 @@ async def test_a_refused_redirect_hides_where_it_pointed(server: RangeHTTPServer
     [
         (f"http://alice:{SECRET}@host/m", "http://alice:***@host/m"),
         (f"see https://a:{SECRET}@b@host:8/x?y=1 and s3://b/k", "see https://a:***@host:8/x?y=1 and s3://b/k"),
+        (f"'http://a:{SECRET[:4]}/{SECRET[4:]}@host:8/m': x", "'http://a:***@host:8/m': x"),
+        (f"http://a:{SECRET[:4]}?#{SECRET[4:]}@host/m?b=1", "http://a:***@host/m?b=1"),
+        ("https://h/x?t=1:2&mail=a@b", "https://h/x?t=1:2&mail=a@b"),  # no userinfo: kept
         ("https://b.example/k?sig=abc&se=2&sv=1", "https://b.example/k?sig=***&se=2&sv=1"),
         ("https://h/x?Signature=abc&Key-Pair-Id=K1", "https://h/x?Signature=***&Key-Pair-Id=K1"),
         ("https://h/x?access_token=abc&api_key=def", "https://h/x?access_token=***&api_key=***"),

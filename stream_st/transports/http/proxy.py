@@ -36,7 +36,7 @@ import anyio.abc
 
 from ...errors import TransportError, UsageError
 from .redirect import basic_authorization
-from .target import Target
+from .target import Target, unreadable
 
 __all__ = ["Proxy", "proxy_for", "tunnel"]
 
@@ -64,7 +64,7 @@ class Proxy:
             parts = urlsplit(text)
             scheme, host, port = parts.scheme.lower(), parts.hostname, parts.port
         except ValueError as exc:
-            raise UsageError(f"{variable}: invalid proxy URL: {exc}") from None
+            raise UsageError(f"{variable}: invalid proxy URL: {unreadable(text, exc)}") from None
         if scheme != "http":
             raise UsageError(
                 f"{variable}: {scheme}:// proxies are not supported (only http:// proxies)"
@@ -167,11 +167,11 @@ async def tunnel(stream: anyio.abc.ByteStream, proxy: Proxy, target: Target) -> 
     lines = [f"CONNECT {authority} HTTP/1.1", f"Host: {authority}", *proxy.headers()]
     await stream.send(("\r\n".join(lines) + "\r\n\r\n").encode("ascii"))
     head = bytearray()
-    while not head.endswith(b"\r\n\r\n"):
+    while not head.endswith((b"\n\n", b"\n\r\n")):  # lines end in CRLF or a bare LF (as in framing)
         if len(head) > _HEAD_LIMIT:
             raise TransportError(f"the proxy {proxy.name} sent an overlong answer", url=target.url)
         head += await stream.receive(1)  # byte by byte: TLS starts right after the answer
-    status_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+    status_line = head.split(b"\n", 1)[0].removesuffix(b"\r").decode("latin-1")
     _, status, reason = [*status_line.split(" ", 2), "", ""][:3]
     code = int(status) if status.isdigit() else 0
     if not 200 <= code < 300:

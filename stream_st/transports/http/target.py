@@ -7,7 +7,7 @@ from urllib.parse import quote, urlsplit
 
 from ...errors import SafetensorsError, UnsupportedSourceError, UsageError
 
-__all__ = ["Target"]
+__all__ = ["Target", "unreadable"]
 
 _URL_SAFE = "!#$%&'()*+,/:;=?@[]~"  # kept as is in a request target; the rest is percent-encoded
 
@@ -42,7 +42,7 @@ class Target:
             if parts.query:
                 path += "?" + quote(parts.query, safe=_URL_SAFE)
         except ValueError as exc:  # a bad port, bracket, host name or lone surrogate
-            raise UsageError(f"invalid URL {url!r}: {exc}") from exc
+            raise UsageError(f"invalid URL {url!r}: {unreadable(url, exc)}") from None
         if port is None:
             port = 443 if scheme == "https" else 80
         return cls(scheme, host, port, path)
@@ -61,3 +61,14 @@ class Target:
     @property
     def url(self) -> str:
         return f"{self.scheme}://{self.authority}{self.path}"
+
+
+def unreadable(url: str, exc: ValueError) -> str:
+    """What ``exc``, raised reading ``url``, says is wrong with it, where that cannot show a
+    password: a URL naming credentials (an ``@``) gets a fixed reason, since Python's may quote
+    a piece of one (a password with an unescaped ``/``, ``?`` or ``#`` ends the address's
+    authority early, its start read as a port: ``Port could not be cast to integer value as
+    's3cr'``)."""
+    if "@" in url:
+        return "its host, port or a character cannot be read (the details could quote its password)"
+    return str(exc)
