@@ -30,7 +30,8 @@ from stream_st import (
     TruncatedStreamError,
     UsageError,
 )
-from stream_st.transports.http import HTTPClient, HTTPProtocolError, HTTPStatusError
+from stream_st.transports.http import HTTPClient, HTTPProtocolError, HTTPStatusError, Target
+from stream_st.transports.http.framing import request_head
 from stream_st.transports.http.sink import HttpSink
 from stream_st.transports.http.source import HttpSource
 from stream_st.transports.http.wire import StreamWire
@@ -565,6 +566,17 @@ async def test_request_headers_must_be_latin_1(raw_server: Serve) -> None:
     with pytest.raises(UsageError, match="Latin-1") as info:
         await load(HttpSource(url, headers={"Authorization": "Bearer €"}))
     assert url in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["tok\r\nX-Injected: yes", "tok\nX-Injected: yes", "t\0k"])
+def test_no_request_goes_out_with_a_header_of_a_value_s_choosing(value: str) -> None:
+    """A value with a line break (a session token wrapped over two lines in a credentials
+    file) would end its header line and start one of its own: refused, naming the header and
+    never showing the value, whatever put it there."""
+    target = Target.parse("http://127.0.0.1/f.safetensors")
+    with pytest.raises(UsageError, match="X-Amz-Security-Token") as info:
+        request_head("GET", target, {"X-Amz-Security-Token": value}, [])
+    assert "tok" not in str(info.value) and "Injected" not in str(info.value)
 
 
 @pytest.mark.parametrize("options", [{"concurrency": 0}, {"part_size": 0}, {"retries": -1}])

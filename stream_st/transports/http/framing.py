@@ -35,6 +35,9 @@ Release = Callable[[Connection], None]
 """Takes back a connection whose answer was read to the end (a client's idle pool)."""
 
 
+_BREAKS = re.compile("[\r\n\0]")
+
+
 def request_head(
     method: str, target: Target, headers: Mapping[str, str], extra: list[str]
 ) -> bytes:
@@ -47,6 +50,12 @@ def request_head(
     lines.extend(f"{k}: {v}" for k, v in headers.items() if k.lower() != "accept-encoding")
     lines.append("Accept-Encoding: identity")
     lines.extend(extra)
+    for line in lines[1:]:
+        if _BREAKS.search(line):  # would end the line early: a header of the value's choosing
+            name = line.partition(":")[0][:64]
+            raise UsageError(  # the value may be a credential (a session token): never shown
+                f"request header {name!r} for {target.url} holds a line break or a NUL: not sent"
+            )
     try:
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
     except UnicodeEncodeError as exc:
