@@ -20,7 +20,11 @@ How a file is read (:class:`HubSource`, an :class:`~stream_st.HttpSource`):
   so resolution costs one request per read (header-only: Hub + CDN = 2 requests per file).
 * The token is sent to the Hub's origin (scheme, host, port) only: requests there never follow a
   redirect by themselves, and nothing sent anywhere else carries it.
-* A CDN URL that expires during a read (403 or 410) is resolved again, once per failure.
+* A CDN URL that expires during a read (403 or 410) is resolved again, once per failure, at
+  the commit the file was first served from (``X-Repo-Commit``), not at the branch, which may
+  have moved meanwhile. Every later request to the Hub is asked at that commit too; an answer
+  naming another commit or another SHA-256 (``X-Linked-Etag``) than the first is a
+  :class:`~stream_st.SourceChangedError`: one read never mixes two versions of the file.
 * A 401 or 403 from the Hub is an :class:`~stream_st.HTTPStatusError` saying the repository is
   private or gated and how to pass a token.
 * ``X-Repo-Commit`` pins what a file was read at: an index's shards are read at the commit the
@@ -48,6 +52,7 @@ from ..errors import (
     CacheMissError,
     HTTPStatusError,
     SafetensorsError,
+    SourceChangedError,
     TransportError,
     UnsupportedSourceError,
     UsageError,
@@ -124,12 +129,14 @@ class HubFile:
         at = "" if revision == DEFAULT_REVISION else "@" + quote(revision, safe="")
         return f"hf://{prefix}{self.repo_id}{at}/{self.path}"
 
-    def resolve_url(self, endpoint: str) -> str:
-        """The Hub's URL for this file: it serves the file or redirects to where it is."""
+    def resolve_url(self, endpoint: str, revision: str | None = None) -> str:
+        """The Hub's URL for this file, at ``revision`` (default: its own): the Hub serves the
+        file or redirects to where it is."""
+        revision = self.revision if revision is None else revision
         prefix = "/datasets" if self.repo_type == "dataset" else ""
         return (
             f"{endpoint.rstrip('/')}{prefix}/{quote(self.repo_id)}/resolve/"
-            f"{quote(self.revision, safe='')}/{quote(self.path)}"
+            f"{quote(revision, safe='')}/{quote(self.path)}"
         )
 
 
@@ -252,7 +259,8 @@ class HubSource(HttpSource):
     ``endpoint`` and ``token`` default to the environment's (:func:`hub_endpoint`,
     :func:`hub_token`); ``token=""`` sends none. The other options are
     :class:`~stream_st.HttpSource`'s. After the first request, ``commit`` holds the commit the
-    Hub served the file from (``X-Repo-Commit``), when it said.
+    Hub served the file from (``X-Repo-Commit``), when it said: every later request to the Hub
+    asks at that commit.
     """
 
     def __init__(
@@ -273,7 +281,9 @@ class HubSource(HttpSource):
         endpoint = hub_endpoint() if endpoint is None else endpoint.rstrip("/")
         token = hub_token() if token is None else checked_token(token) or None
         self._hub = HubClient(endpoint, token)
-        self._resolve_url = self.file.resolve_url(endpoint)
+        self._endpoint = endpoint
+        self.commit: str | None = None
+        self.sha256: str | None = None  # the file's SHA-256, if the Hub said (X-Linked-Etag)
         super().__init__(
             self._resolve_url,
             client=self._hub,
@@ -286,8 +296,12 @@ class HubSource(HttpSource):
         )
         self._owns_client = True
         self._resolving = anyio.Lock()
-        self.commit: str | None = None
-        self.sha256: str | None = None  # the file's SHA-256, if the Hub said (X-Linked-Etag)
+
+    @property
+    def _resolve_url(self) -> str:
+        """Where the Hub is asked for the file: at the commit it was first served from, once
+        known (a branch that moved meanwhile is not followed), else at the address's revision."""
+        return self.file.resolve_url(self._endpoint, self.commit)
 
     @property
     def home(self) -> str:
@@ -333,7 +347,8 @@ class HubSource(HttpSource):
         answer, or None once ``url`` is the place elsewhere it redirected to. Its redirects are
         held to the client's policy (``stream_st.transports.http.redirect``): no downgrade to plain
         http,
-        no unusable ``Location``."""
+        no unusable ``Location``. It asks at the commit first served from, once known."""
+        self.url = self._resolve_url
         for _ in range(MAX_HUB_HOPS + 1):
             try:
                 response = await super()._get(start, end)
@@ -343,8 +358,7 @@ class HubSource(HttpSource):
                 raise
             if response is None:
                 return None
-            self.commit = response.headers.get("x-repo-commit", self.commit)
-            self.sha256 = self.sha256 or _sha256_of(response.headers.get("x-linked-etag", ""))
+            await self._check_version(response, start)
             location = response.headers.get("location")
             if response.status not in REDIRECTS or not location:
                 return response
@@ -353,6 +367,23 @@ class HubSource(HttpSource):
             if not self._hub.on_hub(self.url):
                 return None
         raise TransportError(f"more than {MAX_HUB_HOPS} redirects within the Hub", url=self.name)
+
+    async def _check_version(self, response: Response, position: int) -> None:
+        """Take the commit (``X-Repo-Commit``) and SHA-256 (``X-Linked-Etag``) the Hub's answer
+        names; :class:`SourceChangedError` (``response`` closed) where one differs from what an
+        earlier answer of this read named."""
+        commit = response.headers.get("x-repo-commit") or None
+        sha256 = _sha256_of(response.headers.get("x-linked-etag", ""))
+        for what, first, now in (("commit", self.commit, commit), ("SHA-256", self.sha256, sha256)):
+            if first is not None and now is not None and now != first:
+                await response.aclose()
+                raise SourceChangedError(
+                    f"the file changed on the Hub during the read: {what} {first}, then {now}",
+                    url=self.name,
+                    position=position,
+                )
+        self.commit = self.commit or commit
+        self.sha256 = self.sha256 or sha256
 
     async def object_digest(self) -> ObjectDigest | None:
         """The file's SHA-256 from the Hub (``X-Linked-Etag``, an LFS file's oid), if it gave

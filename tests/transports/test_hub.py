@@ -23,6 +23,7 @@ from stream_st import (
     HTTPStatusError,
     IntegrityError,
     ReadTimeoutError,
+    SourceChangedError,
     TransportError,
     UnsupportedSourceError,
     tools,
@@ -250,6 +251,55 @@ async def test_a_url_refused_again_after_resolving_is_an_error(hub: FakeHub) -> 
     assert "hf://org/model/model.safetensors" in str(caught.value)
     assert "sig=" not in str(caught.value)
     assert len(on(hub, HUB)) == len(on(hub, CDN_HOST)) == 2
+
+
+def filled(value: float) -> bytes:
+    """A file of 8 tensors of 1 MiB each, every element ``value``."""
+    return reference_numpy.save({f"t{i}": np.full(1 << 18, value, np.float32) for i in range(8)})
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+async def test_an_expired_url_is_resolved_again_at_the_commit_read_from(
+    hub: FakeHub, concurrency: int
+) -> None:
+    """The branch moves and the signed URL expires mid-read: the Hub is asked again at the
+    commit the read began at, never at the branch (which would mix two versions in one read)."""
+    first = hub.push("org/m", {"m.safetensors": filled(1)})
+    seen: dict[str, float] = {}
+    source = HubSource("hf://org/m/m.safetensors", concurrency=concurrency, part_size=1 << 20)
+    async with stream_st.open_stream(source, include=["t0", "t4", "t7"]) as stream:
+        async for name, array in stream:
+            seen[name] = float(array[0])
+            if name == "t0":
+                hub.push("org/m", {"m.safetensors": filled(2)})
+                hub.expire()
+    assert seen == {"t0": 1.0, "t4": 1.0, "t7": 1.0}
+    paths = [r.path for r in on(hub, HUB)]
+    assert paths[0] == "/org/m/resolve/main/m.safetensors"
+    assert set(paths[1:]) == {f"/org/m/resolve/{first}/m.safetensors"}
+
+
+@pytest.mark.parametrize("change", ["SHA-256", "commit"])
+async def test_a_resolution_naming_another_version_is_a_changed_source(
+    hub: FakeHub, change: str
+) -> None:
+    """A Hub whose answer at the commit names another SHA-256 or another commit than its first
+    answer did: SourceChangedError, nothing of the other version delivered."""
+    first = hub.push("org/m", {"m.safetensors": filled(1)})
+    repo = hub.repos[("model", "org/m")]
+    seen: dict[str, float] = {}
+    with pytest.raises(SourceChangedError, match=f"changed on the Hub during the read: {change}"):
+        async with stream_st.open_stream("hf://org/m/m.safetensors", include=["t0", "t7"]) as s:
+            async for name, array in s:
+                seen[name] = float(array[0])
+                if change == "SHA-256":  # the commit's file replaced in place
+                    data = filled(2)
+                    repo.commits[first] = {"m.safetensors": data}
+                    hub.cdn.objects[f"/{hashlib.sha256(data).hexdigest()}"] = data
+                else:  # the commit asked for answered as another one
+                    repo.refs[first] = hub.push("org/m", {"m.safetensors": filled(2)})
+                hub.expire()
+    assert seen == {"t0": 1.0}
 
 
 @pytest.mark.parametrize(
