@@ -421,7 +421,20 @@ class HTTPStatusError(TransportError):
             message += f": {detail}"
         super().__init__(message, url=url)
         self.status = status
-        self.body = body
+        self.body = _redacted_body(body)
+
+
+_REQUEST_BYTES = re.compile(rb"(<CanonicalRequestBytes>)[^<]*(</CanonicalRequestBytes>)")
+"""An S3 ``SignatureDoesNotMatch`` answer's hex of the request it signed (the session token in
+it, as hex, which :func:`redact` cannot see)."""
+
+
+def _redacted_body(body: bytes) -> bytes:
+    """``body`` with the secrets :func:`redact` masks masked (an S3 error page echoes the
+    request it refused, ``x-amz-security-token:`` included), and the request's bytes in hex
+    left out; bytes as they were elsewhere (Latin-1 keeps every byte)."""
+    body = _REQUEST_BYTES.sub(rb"\1" + MASK.encode() + rb"\2", body)
+    return redact(body.decode("latin-1")).encode("latin-1")
 
 
 class HTTPNotFoundError(HTTPStatusError, SourceNotFoundError):

@@ -21,7 +21,13 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st import HTTPNotFoundError, HTTPProtocolError, SafetensorsError, UsageError
+from stream_st import (
+    HTTPNotFoundError,
+    HTTPProtocolError,
+    HTTPStatusError,
+    SafetensorsError,
+    UsageError,
+)
 from stream_st.errors import TransportError, redact
 from stream_st.transports.http.proxy import Proxy
 from stream_st.transports.http.source import HttpSource
@@ -293,3 +299,27 @@ def test_a_bad_header_value_is_not_shown() -> None:
         Transport.of({"Authorization": f"Bearer {SECRET}\n"})  # a token file's newline
     assert_hidden(str(info.value))
     assert "Authorization" in str(info.value)
+
+
+async def test_an_error_body_echoing_the_request_keeps_no_session_token(
+    server: RangeHTTPServer,
+) -> None:
+    """An S3 ``SignatureDoesNotMatch`` page echoes the request it refused, the session token
+    stream_st sent with it included (as text, and as hex): the body kept on the error
+    (``.body``, which a caller may log) has them masked, as the message has."""
+    token = SECRET.encode()
+    server.status_for["/m.safetensors"] = 403
+    server.status_body = (
+        "application/xml",
+        b"<Error><Code>SignatureDoesNotMatch</Code><CanonicalRequest>GET\n/m.safetensors\n\n"
+        b"x-amz-security-token:"
+        + token
+        + b"\n</CanonicalRequest><CanonicalRequestBytes>"
+        + token.hex(" ").encode()
+        + b"</CanonicalRequestBytes></Error>",
+    )
+    with pytest.raises(HTTPStatusError) as info:
+        await load(server.url("/m.safetensors"))
+    body = info.value.body
+    assert token not in body and token.hex(" ").encode() not in body
+    assert b"<Code>SignatureDoesNotMatch</Code>" in body and b"x-amz-security-token:***" in body
