@@ -123,9 +123,21 @@ and password (a value with a digit in it, of 20 characters or more, or Base64 of
 ``user:password``: not ``Basic authentication``), or an AWS signature with its key id."""
 
 
+SECRET_HEADERS = (
+    "x-amz-security-token",
+    "x-goog-security-token",
+    "proxy-authorization",
+    "cookie",
+    "x-api-key",
+    "api-key",
+    "private-token",
+    "x-auth-token",
+)
+"""Request headers, besides ``Authorization``, whose value is a credential: masked where a
+text quotes them, never sent to another origin on a redirect."""
+
 _HEADER = re.compile(
-    r"(?i)\b(?P<name>x-amz-security-token|x-goog-security-token|proxy-authorization|cookie"
-    r"|x-api-key|api-key|private-token|x-auth-token)(?P<gap>[ \t]*:[ \t]*)"
+    rf"(?i)\b(?P<name>{'|'.join(SECRET_HEADERS)})(?P<gap>[ \t]*:[ \t]*)"
     r"(?P<value>[^\s<>\"';][^\r\n<>\"']*)"
 )
 """A request header that carries a credential, quoted with its value in a text (an error page

@@ -27,7 +27,7 @@ import base64
 from collections.abc import Mapping
 from urllib.parse import unquote, urljoin, urlsplit
 
-from ...errors import HTTPProtocolError, SafetensorsError
+from ...errors import SECRET_HEADERS, HTTPProtocolError, SafetensorsError
 from .target import Target
 
 __all__ = [
@@ -41,18 +41,7 @@ __all__ = [
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 """The statuses a GET or HEAD follows (when the answer names a ``Location``)."""
 
-_CREDENTIALS = frozenset(
-    {
-        "authorization",
-        "cookie",
-        "proxy-authorization",
-        "x-api-key",
-        "api-key",
-        "private-token",
-        "x-auth-token",
-        "x-goog-security-token",
-    }
-)
+_CREDENTIALS = frozenset({"authorization", *SECRET_HEADERS})
 _SIGNED_PREFIX = "x-amz-"
 
 
