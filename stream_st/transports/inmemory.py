@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TransportError, UnsupportedSourceError, UsageError
-from .base import Source
+from .base import Source, give_turn
 
 __all__ = ["BytesSource", "ChunkIteratorSource", "as_bytes_view", "refuse_path_bytes"]
 
@@ -109,7 +109,11 @@ class ChunkIteratorSource(Source):
             except StopAsyncIteration:
                 self._done = True
                 return 0
-            if self._closed:  # closed by another task while this waited for the chunk
+            # A producer that never suspends (slices of bytes in memory; ``b""`` past its end,
+            # yielded for ever) would hold the loop, deaf to a cancellation, for a whole tensor
+            # or without end: the loop gets its turn every TURN_EVERY, as between tensors.
+            await give_turn()
+            if self._closed:  # closed by another task while this waited for the chunk or its turn
                 raise TransportError(
                     "receive failed: the source was closed on this side",
                     url=self.name,

@@ -8,6 +8,7 @@ import gc
 import threading
 import time
 import weakref
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 
 import stream_st
 import stream_st.numpy
+from stream_st.errors import ReadTimeoutError
 from stream_st.reader.turns import TURN_EVERY, give_turn
 from stream_st.sharded.writer import open_sharded_writer
 
@@ -72,6 +74,42 @@ async def test_a_cancellation_reaches_many_small_reads(small: Path) -> None:
                     pass
             done += 1
     assert scope.cancelled_caught and done < READS
+
+
+async def test_a_cancellation_reaches_a_read_of_chunks_that_never_suspend() -> None:
+    """An async iterator of chunks that never suspends (slices of a file in memory) gives the
+    loop its turns within a tensor, as a local file does: a cancellation arrives (one 64 MiB
+    tensor held the loop, and kept the cancellation out, for its whole read)."""
+    data = stream_st.numpy.save({"x": np.ones(16 << 20, np.float32)})
+
+    async def slices() -> AsyncIterator[memoryview]:
+        view = memoryview(data)
+        for start in range(0, len(view), 16 << 10):
+            yield view[start : start + (16 << 10)]
+
+    with anyio.move_on_after(0.02) as scope:
+        await stream_st.load(slices())
+    assert scope.cancelled_caught
+
+
+@pytest.mark.parametrize("cut", [1000, None], ids=["in the header", "after the file"])
+async def test_a_cancellation_reaches_a_read_of_empty_chunks_for_ever(cut: int | None) -> None:
+    """An iterator that yields ``b""`` for ever without suspending (``yield await
+    reader.read(n)`` past its end) never ends the read; a cancellation still stops it (the read
+    spun on the loop for ever, deaf to it: here the read's own deadline stopped it)."""
+    data = stream_st.numpy.save({f"t{i}": np.full(1000, i, np.float32) for i in range(4)})
+
+    async def empty_for_ever() -> AsyncIterator[bytes]:
+        yield data[:cut]
+        while True:
+            yield b""
+
+    with anyio.move_on_after(0.05) as scope:
+        try:
+            await stream_st.load(empty_for_ever(), deadline=5)
+        except ReadTimeoutError:
+            pytest.fail("the read held the loop until its deadline: no cancellation reached it")
+    assert scope.cancelled_caught
 
 
 def base_of(array: np.ndarray[Any, Any]) -> Any:
