@@ -258,17 +258,24 @@ class TensorStream(AsyncClosing):
         given = self._source_like
         return os.fspath(given) if isinstance(given, str | os.PathLike) else "<stream>"
 
-    def _after_end(self, failed: BaseException | None) -> None:
+    def _after_end(self, failed: BaseException | None, finalized: bool) -> None:
         """The iteration ended: :class:`~stream_st.TransportError` if :meth:`aclose` cut it
         short (from another task, or from the loop's body), :class:`~stream_st.UsageError` if a
-        step raised before (``failed``: a timeout caught around it, say), not the end of the
-        tensors."""
+        step raised before (``failed``: a timeout caught around it, say) or if it was closed
+        from outside before this step (``finalized``: by the event loop it began in, which ended
+        and closed the async generators it had seen), not the end of the tensors."""
         if self._cut is not None:
             raise _closed_early(self._cut) from None
         if failed is not None:
             raise UsageError(
                 f"{self._shown_name()}: this stream's iteration failed ({type(failed).__name__}) "
                 "and cannot go on: open the source again to read it"
+            ) from None
+        if finalized:
+            raise UsageError(
+                f"{self._shown_name()}: the iteration was closed by its event loop (finalized) "
+                "before its end: step it from one event loop (asyncio.run() for each step ends "
+                "the loop, which closes it), or open the source again to read it"
             ) from None
 
     def _opened(self) -> bool:
@@ -411,11 +418,13 @@ def _closed_early(name: str) -> TransportError:
 
 class _Iteration:
     """The iteration of a :class:`TensorStream`: its generator, and an error in place of the
-    end where the stream's :meth:`~TensorStream.aclose` closed the generator part way, or a
-    step raised before (a timeout caught and the step tried again): the generator itself could
-    only end, and the loop would end short as if the tensors were all there."""
+    end where the stream's :meth:`~TensorStream.aclose` closed the generator part way, a step
+    raised before (a timeout caught and the step tried again), or the generator was closed
+    from outside between two steps (the event loop it began in ended, and finalized it; the
+    next step runs in another loop): the generator itself could only end, and the loop would
+    end short as if the tensors were all there."""
 
-    __slots__ = ("_failed", "_generator", "_stream")
+    __slots__ = ("_failed", "_generator", "_over", "_stream")
 
     def __init__(
         self, generator: AsyncGenerator[tuple[str, np.ndarray[Any, Any]]], stream: TensorStream
@@ -423,6 +432,7 @@ class _Iteration:
         self._generator = generator
         self._stream = stream
         self._failed: BaseException | None = None  # what a step raised: the generator is done
+        self._over = False  # its end was seen, or aclose() called here: later steps just end
 
     def __aiter__(self) -> Self:
         return self
@@ -433,10 +443,13 @@ class _Iteration:
                 f"{self._stream._shown_name()}: a stream was iterated from two tasks at once; "
                 "iterate it from one task"
             )
+        # No frame before the step: the generator was closed, and not by this iteration.
+        finalized = not self._over and getattr(self._generator, "ag_frame", None) is None
         try:
             return await anext(self._generator)
         except StopAsyncIteration:
-            self._stream._after_end(self._failed)
+            self._stream._after_end(self._failed, finalized)
+            self._over = True
             raise
         except BaseException as exc:  # cancelled too: a later step must not end quietly
             self._failed = exc
@@ -444,4 +457,5 @@ class _Iteration:
 
     async def aclose(self) -> None:
         """Close the iteration (as an async generator's ``aclose``)."""
+        self._over = True
         await self._generator.aclose()

@@ -486,6 +486,33 @@ async def test_one_iteration_stepped_from_two_tasks() -> None:
     assert names == list(tensors)
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_an_iteration_stepped_from_one_event_loop_after_another(
+    sample_path: pathlib.Path, backend: str
+) -> None:
+    """Each step in an event loop of its own (a synchronous bridge running each with
+    ``asyncio.run``): the first loop's end finalizes the iteration, and the next step is a
+    UsageError saying so, never the end of the tensors (it ended quietly after the first)."""
+    iteration = aiter(stream_st.open_stream(sample_path))
+
+    async def step() -> tuple[str, np.ndarray[Any, Any]]:
+        return await anext(iteration)
+
+    assert anyio.run(step, backend=backend)[0] in sample_tensors()
+    with pytest.raises(UsageError, match=r"closed by its event loop \(finalized\) before its end"):
+        anyio.run(step, backend=backend)
+
+
+async def test_an_iteration_closed_by_its_aclose_ends_quietly(sample_path: pathlib.Path) -> None:
+    """Closed with its own ``aclose()`` part way, as an async generator is: a later step ends
+    the iteration, with no error (the caller closed it)."""
+    iteration = aiter(stream_st.open_stream(sample_path))
+    await anext(iteration)
+    await iteration.aclose()  # type: ignore[attr-defined]
+    with pytest.raises(StopAsyncIteration):
+        await anext(iteration)
+
+
 async def test_missing_file_and_unsupported_sources(tmp_path: pathlib.Path) -> None:
     with pytest.raises(SourceNotFoundError) as info:
         await read_all(tmp_path / "nope.safetensors")
