@@ -31,7 +31,7 @@ from anyio.streams.stapled import StapledByteStream
 from anyio.streams.tls import TLSStream
 
 from ..errors import TransportError, UnsupportedSourceError, UsageError
-from .base import AsyncReadInto, Sink, Source
+from .base import AsyncReadInto, Sink, Source, give_turn
 from .tcp import Turn
 
 __all__ = [
@@ -188,6 +188,7 @@ class AsyncioStreamSource(_MessageSource):
         buffer[:count] = data
         self.position += count
         self.clock.moved(count)
+        await give_turn()  # a reader fed ahead answers without suspending
         return count
 
 
@@ -212,6 +213,7 @@ class ReadIntoSource(Source):
             )
         self.position += count
         self.clock.moved(count)
+        await give_turn()  # a producer that never suspends would hold the loop for a tensor
         return count
 
 

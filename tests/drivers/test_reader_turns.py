@@ -4,6 +4,7 @@ releases what the stream held, at once."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import time
@@ -89,6 +90,35 @@ async def test_a_cancellation_reaches_a_read_of_chunks_that_never_suspend() -> N
 
     with anyio.move_on_after(0.02) as scope:
         await stream_st.load(slices())
+    assert scope.cancelled_caught
+
+
+class _InMemory:
+    """A ``readinto`` producer over bytes in memory: it never suspends."""
+
+    def __init__(self, data: bytes) -> None:
+        self._view, self._at = memoryview(data), 0
+
+    async def readinto(self, buffer: memoryview) -> int:
+        count = min(len(buffer), 16 << 10, len(self._view) - self._at)
+        buffer[:count] = self._view[self._at : self._at + count]
+        self._at += count
+        return count
+
+
+@pytest.mark.parametrize("kind", ["readinto", "asyncio StreamReader"])
+async def test_a_cancellation_reaches_a_read_of_a_stream_that_never_suspends(kind: str) -> None:
+    """A ``readinto`` producer over memory, and an asyncio ``StreamReader`` fed the whole file
+    ahead, answer every read without suspending: the read still gives the loop its turns."""
+    data = stream_st.numpy.save({"x": np.ones(16 << 20, np.float32)})
+    if kind == "readinto":
+        source: Any = _InMemory(data)
+    else:
+        source = asyncio.StreamReader(limit=len(data) + 1)
+        source.feed_data(data)
+        source.feed_eof()
+    with anyio.move_on_after(0.02) as scope:
+        await stream_st.load(source)
     assert scope.cancelled_caught
 
 
