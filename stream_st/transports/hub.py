@@ -62,7 +62,7 @@ from .cache.config import hub_offline
 from .http import HTTPClient, Response, Target
 from .http.redirect import REDIRECTS, credential_header, redirected
 from .http.source import HttpSource
-from .options import Clock, LimitOptions
+from .options import Clock, LimitOptions, header_problem
 
 __all__ = [
     "DEFAULT_ENDPOINT",
@@ -171,16 +171,9 @@ def checked_token(token: object, where: str = "token=") -> str:
     inject a header). The token itself is never shown."""
     if not isinstance(token, str):
         raise ArgumentTypeError(f"a Hub token is a str, not {type(token).__name__} ({where})")
-    if not token.isprintable():
-        raise UsageError(
-            f"the Hub token from {where} holds a line break or another control character"
-        )
-    try:
-        token.encode("latin-1")  # what an HTTP header carries
-    except UnicodeEncodeError:
-        raise UsageError(
-            f"the Hub token from {where} holds characters an HTTP header cannot carry"
-        ) from None
+    problem = header_problem(token)
+    if problem is not None:
+        raise UsageError(f"the Hub token from {where} holds {problem}")
     return token
 
 

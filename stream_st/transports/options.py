@@ -55,6 +55,7 @@ __all__ = [
     "TransportOptions",
     "checked_number",
     "clock_of",
+    "header_problem",
 ]
 
 DEFAULT_SPEED_TIME = 30.0
@@ -98,6 +99,20 @@ def checked_number(
     if math.isinf(number) and not infinite:
         raise UsageError(f"{name} must be finite, got {number!r}")
     return number
+
+
+def header_problem(value: str) -> str | None:
+    """What keeps ``value`` (a credential) out of an HTTP header: a line break or another control
+    character (it would inject a header), or a character Latin-1 cannot encode (one a header
+    cannot carry); None when it can go as it is. Callers name where the value came from, never
+    the value."""
+    if not value.isprintable():
+        return "a line break or another control character"
+    try:
+        value.encode("latin-1")
+    except UnicodeEncodeError:
+        return "characters an HTTP header cannot carry"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -215,6 +215,78 @@ async def test_environment_shared_file_and_profile(
     assert [headers.get("x-amz-security-token") for headers in gets] == [None, "DEVTOKEN", None]
 
 
+async def test_every_key_comes_from_the_profile_the_endpoint_came_from(
+    home: Path, relay: RecordingRelay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AWS_PROFILE comes before AWS_DEFAULT_PROFILE for the keys too (botocore alone prefers
+    AWS_DEFAULT_PROFILE: another profile's keys were sent to this one's endpoint)."""
+    (home / ".aws").mkdir()
+    (home / ".aws" / "credentials").write_text(
+        "[dev]\naws_access_key_id = DEV\naws_secret_access_key = s\n"
+        "[prod]\naws_access_key_id = PROD\naws_secret_access_key = s\n"
+    )
+    (home / ".aws" / "config").write_text(
+        "[profile dev]\nregion = eu-west-3\n[profile prod]\nregion = us-east-1\n"
+    )
+    monkeypatch.setenv("AWS_PROFILE", "dev")
+    monkeypatch.setenv("AWS_DEFAULT_PROFILE", "prod")
+    config = S3Config.resolve()
+    assert config.region == "eu-west-3"
+    await stream_st.read_header(S3Source(URL, config=config))
+    monkeypatch.delenv("AWS_PROFILE")
+    await stream_st.read_header(URL)
+    assert [credential_of(headers) for headers in relay.gets()] == ["DEV", "PROD"]
+
+
+@pytest.mark.parametrize(
+    ("setup", "where"),
+    [
+        ("environment token", "the AWS session token from AWS_SESSION_TOKEN holds a line break"),
+        ("environment key", "the AWS access key id from AWS_ACCESS_KEY_ID holds a line break"),
+        (
+            "wrapped token, botocore",
+            r"the AWS session token from the AWS credential chain \(shared-credentials-file\) "
+            "holds a line break",
+        ),
+        (
+            "wrapped token, no botocore",
+            "the AWS session token from aws_session_token of the profile 'default' in "
+            ".*/credentials holds a line break",
+        ),
+        ("code", "the AWS session token from session_token= holds characters an HTTP header"),
+    ],
+    ids=["environment token", "environment key", "botocore file", "own file", "code"],
+)
+async def test_keys_a_header_cannot_carry_are_refused(
+    home: Path, relay: RecordingRelay, monkeypatch: pytest.MonkeyPatch, setup: str, where: str
+) -> None:
+    """A key or token holding a line break would inject a header: a CredentialsError naming
+    where it came from (never the value), before any request."""
+    config = None
+    if setup.startswith("environment"):
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AK\r\nX-Injected: yes" if "key" in setup else "AK")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+        monkeypatch.setenv("AWS_SESSION_TOKEN", "tok\r\nX-Injected: yes")
+    elif setup.startswith("wrapped"):  # configparser joins the lines with a newline
+        (home / ".aws").mkdir()
+        (home / ".aws" / "credentials").write_text(
+            "[default]\naws_access_key_id = AK\naws_secret_access_key = s\n"
+            "aws_session_token = part1\n  X-Injected: yes\n"
+        )
+        if "no botocore" in setup:  # environ= given: the files read here, not by botocore
+            config = S3Config.resolve(environ={**os.environ})
+            assert config.chain is None
+    else:
+        config = S3Config.resolve(
+            access_key_id="AK", secret_access_key="s", session_token="t\u4e00"
+        )
+    with pytest.raises(stream_st.CredentialsError) as info:
+        await stream_st.read_header(URL if config is None else S3Source(URL, config=config))
+    assert re.fullmatch(where + ".*", str(info.value))
+    assert "X-Injected" not in str(info.value) and "\u4e00" not in str(info.value)
+    assert relay.sent == b""
+
+
 async def test_credential_process(home: Path, relay: RecordingRelay) -> None:
     counter = credential_process(home, "proc", "7200")
     config = S3Config.resolve(profile="proc")

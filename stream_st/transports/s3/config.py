@@ -7,7 +7,9 @@ Configuration follows the standard AWS environment and files, each overridable i
 * region: ``region=`` > ``AWS_REGION`` > ``AWS_DEFAULT_REGION`` > the profile's ``region`` >
   ``us-east-1``;
 * profile: ``profile=`` > ``AWS_PROFILE`` > ``AWS_DEFAULT_PROFILE`` > ``default``; a profile
-  named but in neither file is an error;
+  named but in neither file is an error; the endpoint, region and credentials all come from
+  that one profile (botocore's chain is asked for its keys, where botocore alone would prefer
+  ``AWS_DEFAULT_PROFILE``);
 * unsigned requests (public buckets): ``anonymous=True`` > ``AWS_NO_SIGN_REQUEST=1`` (or the
   command line's ``--no-sign-request``, :func:`unsigned_requests`); ``anonymous=False`` signs
   whatever the environment says;
@@ -23,7 +25,10 @@ Configuration follows the standard AWS environment and files, each overridable i
   > the config file (``AWS_CONFIG_FILE``, default ``~/.aws/config``), in the profile.
 
 No credentials anywhere, when requests are to be signed, is a :class:`~stream_st.CredentialsError`
-before the first request goes out, never a silently unsigned request. A broken configuration is
+before the first request goes out, never a silently unsigned request. So is a key id, secret or
+session token holding a line break or another character an HTTP header cannot carry (a token
+wrapped over two lines in a credentials file would send its second line as a header of its
+own): the error names the key and where it came from, never its value. A broken configuration is
 one too: an unknown profile or an unreadable file when the configuration is resolved, a failing
 credential process on first use.
 
@@ -61,7 +66,7 @@ from ...errors import (
     UsageError,
     redact,
 )
-from ..options import UNLIMITED, Clock
+from ..options import UNLIMITED, Clock, header_problem
 
 __all__ = ["CredentialChain", "S3Config", "parse_s3_url", "unsigned_requests"]
 
@@ -145,7 +150,14 @@ def _ini(path: Path) -> configparser.ConfigParser:
     return parser
 
 
-def _profile(env: Mapping[str, str], profile: str) -> tuple[dict[str, str], dict[str, str]]:
+class _Section(NamedTuple):
+    """A profile's section of an AWS file, and where it is (for messages)."""
+
+    values: dict[str, str]
+    where: str  # "the profile 'dev' in /home/me/.aws/credentials"
+
+
+def _profile(env: Mapping[str, str], profile: str) -> tuple[_Section, _Section]:
     """``profile``'s sections of the AWS config and shared credentials files named by ``env``;
     CredentialsError when the profile is not ``default`` and neither file has it."""
     home = Path(env.get("HOME", "~")).expanduser()
@@ -160,20 +172,45 @@ def _profile(env: Mapping[str, str], profile: str) -> tuple[dict[str, str], dict
             f"the AWS profile {profile!r} is in neither {config_file} nor {credentials_file}"
         )
     return (
-        dict(config[section]) if config.has_section(section) else {},
-        dict(stored[profile]) if stored.has_section(profile) else {},
+        _Section(
+            dict(config[section]) if config.has_section(section) else {},
+            f"the profile {profile!r} in {config_file}",
+        ),
+        _Section(
+            dict(stored[profile]) if stored.has_section(profile) else {},
+            f"the profile {profile!r} in {credentials_file}",
+        ),
     )
 
 
-def _stored_keys(*sources: Mapping[str, str]) -> tuple[str | None, str | None, str | None]:
-    """The first key, secret and token found together in ``sources`` (the environment, then
-    profile sections); Nones if none has both key and secret."""
-    for source in sources:
-        key = source.get("AWS_ACCESS_KEY_ID") or source.get("aws_access_key_id")
-        secret = source.get("AWS_SECRET_ACCESS_KEY") or source.get("aws_secret_access_key")
+_KEY_NAMES = ("access_key_id", "secret_access_key", "session_token")
+"""The names of :class:`Keys`' fields."""
+
+_GIVEN = ("access_key_id=", "secret_access_key=", "session_token=")
+"""Where keys given in code come from, for messages."""
+
+_Stored = tuple[tuple[str | None, str | None, str | None], tuple[str, str, str]]
+
+
+def _stored_keys(env: Mapping[str, str], *sections: _Section) -> _Stored:
+    """The first key, secret and token found together in ``env``, then in ``sections``, with
+    where each came from (``AWS_SESSION_TOKEN``, ``aws_session_token of the profile...``); Nones
+    if none has both key and secret."""
+    sources = [(env, "")] + [(section.values, f" of {section.where}") for section in sections]
+    for source, where in sources:
+        names = [_spelling(source, name) for name in _KEY_NAMES]
+        key, secret, token = (source.get(name) for name in names)
         if key and secret:
-            return key, secret, source.get("AWS_SESSION_TOKEN") or source.get("aws_session_token")
-    return None, None, None
+            key_at, secret_at, token_at = (name + where for name in names)
+            return (key, secret, token), (key_at, secret_at, token_at)
+    return (None, None, None), _GIVEN
+
+
+def _spelling(source: Mapping[str, str], name: str) -> str:
+    """How ``source`` spells the key ``name``: ``AWS_SESSION_TOKEN`` (the environment's) or
+    ``aws_session_token`` (the files')."""
+    upper = f"AWS_{name.upper()}"
+    return upper if source.get(upper) else f"aws_{name}"
 
 
 class Keys(NamedTuple):
@@ -190,13 +227,28 @@ class Keys(NamedTuple):
             f"session_token={token!r})"
         )
 
+    def checked(self, origins: tuple[str, str, str]) -> Keys:
+        """These keys, if every one can go in an HTTP header as it is (the key id and token do):
+        else a :class:`~stream_st.CredentialsError` naming the key and where it came from
+        (``origins``, one for each), never its value. A line break (a token wrapped over two
+        lines in a credentials file) would send the rest as a header of its own."""
+        for value, name, origin in zip(self, _KEY_NAMES, origins, strict=True):
+            problem = None if value is None else header_problem(value)
+            if problem is not None:
+                label = name.replace("_", " ")
+                raise CredentialsError(f"the AWS {label} from {origin} holds {problem}")
+        return self
+
 
 class CredentialChain:
-    """The credentials botocore's chain finds for ``profile`` (None: botocore's own choice, from
-    ``AWS_PROFILE``). Looked for on the first :meth:`keys`, once; credentials that expire (SSO,
-    web identity, a credential process, container and instance roles) are refreshed by botocore
-    as they near their expiry. Both may block (files, processes, the network): while :meth:`due`
-    says so, async code calls :meth:`keys` in a worker thread (:meth:`S3Config.ready`)."""
+    """The credentials botocore's chain finds for ``profile`` (None: none named anywhere, so
+    botocore's default; :meth:`S3Config.resolve` passes the one it resolved, so that botocore,
+    which prefers ``AWS_DEFAULT_PROFILE``, never takes the keys of another profile than the one
+    the endpoint and region came from). Looked for on the first :meth:`keys`, once; credentials
+    that expire (SSO, web identity, a credential process, container and instance roles) are
+    refreshed by botocore as they near their expiry. Both may block (files, processes, the
+    network): while :meth:`due` says so, async code calls :meth:`keys` in a worker thread
+    (:meth:`S3Config.ready`)."""
 
     def __init__(self, profile: str | None = None) -> None:
         self.profile = profile
@@ -239,7 +291,10 @@ class CredentialChain:
                 f"SSO, credential_process, web identity, container and instance metadata); "
                 f"{_ASK_UNSIGNED}"
             )
-        return Keys(frozen.access_key, frozen.secret_key, frozen.token or None)
+        keys = Keys(frozen.access_key, frozen.secret_key, frozen.token or None)
+        method = getattr(self._found, "method", None) or "botocore"
+        origin = f"the AWS credential chain ({method}){self._named()}"
+        return keys.checked((origin, origin, origin))
 
     def _named(self) -> str:
         return "" if self.profile is None else f" for the profile {self.profile!r}"
@@ -260,6 +315,9 @@ class S3Config:
     path_style: bool = True
     anonymous: bool = False
     chain: CredentialChain | None = field(default=None, repr=False, compare=False)
+    origins: tuple[str, str, str] = field(default=_GIVEN, repr=False, compare=False)
+    """Where each of the keys given came from, for messages: ``AWS_SESSION_TOKEN``, the profile
+    and file, or (by default) the argument's name."""
 
     def __repr__(self) -> str:  # no secret: the keys masked, the endpoint's password too
         secret = None if self.secret_access_key is None else MASK
@@ -290,18 +348,19 @@ class S3Config:
         env = os.environ if environ is None else environ
         named = profile or env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE")
         config, stored = _profile(env, named or "default")
+        origins = _GIVEN
         region = (
             region
             or env.get("AWS_REGION")
             or env.get("AWS_DEFAULT_REGION")
-            or config.get("region")
+            or config.values.get("region")
             or "us-east-1"
         )
         custom = (
             endpoint_url
             or env.get("AWS_ENDPOINT_URL_S3")
             or env.get("AWS_ENDPOINT_URL")
-            or config.get("endpoint_url")
+            or config.values.get("endpoint_url")
         )
         if (access_key_id is None) != (secret_access_key is None):
             raise CredentialsError("give both access_key_id and secret_access_key, or neither")
@@ -311,11 +370,15 @@ class S3Config:
         if not anonymous and access_key_id is None:
             # Keys in the environment come first in botocore's chain too (unless a profile is
             # named in code): taken as they are, without importing botocore (0.1-0.3 s).
-            in_env = profile is None and _stored_keys(env)[0] is not None
+            in_env = profile is None and _stored_keys(env)[0][0] is not None
             if environ is None and not in_env and CredentialChain.available():
-                chain = CredentialChain(profile)
+                chain = CredentialChain(named)  # the keys of the profile all else came from
             else:
-                access_key_id, secret_access_key, token = _stored_keys(env, stored, config)
+                (access_key_id, secret_access_key, token), origins = _stored_keys(
+                    env, stored, config
+                )
+                if session_token:  # given in code, with keys found elsewhere
+                    origins = (origins[0], origins[1], _GIVEN[2])
                 session_token = session_token or token
         return cls(
             endpoint_url=(custom or f"https://s3.{region}.amazonaws.com").rstrip("/"),
@@ -326,6 +389,7 @@ class S3Config:
             path_style=custom is not None,
             anonymous=anonymous,
             chain=chain,
+            origins=origins,
         )
 
     def keys(self) -> Keys | None:
@@ -334,7 +398,8 @@ class S3Config:
         if self.anonymous:
             return None
         if self.access_key_id and self.secret_access_key:
-            return Keys(self.access_key_id, self.secret_access_key, self.session_token)
+            keys = Keys(self.access_key_id, self.secret_access_key, self.session_token)
+            return keys.checked(self.origins)
         if self.chain is not None:
             return self.chain.keys()
         raise CredentialsError(
