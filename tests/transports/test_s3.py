@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from stream_st.transports.s3.config import S3Config, parse_s3_url
 from stream_st.transports.s3.source import S3Source
 
 from .._util import assert_same_arrays, sample_file, sample_tensors
+from ..servers.http_server import RangeHTTPServer
 from ..servers.s3_server import CREDENTIALS, MotoS3Server
 
 Arrays = dict[str, np.ndarray[Any, Any]]
@@ -152,8 +154,6 @@ def test_sigv4_matches_the_documented_example() -> None:
 
 async def test_wrong_credentials_are_refused_by_a_checking_server() -> None:
     # moto accepts any key; this checks the error path with a real 403 from our HTTP server.
-    from ..servers.http_server import RangeHTTPServer
-
     with RangeHTTPServer(status_for={"/b/k": 403}) as server:
         config = S3Config.resolve(
             endpoint_url=f"http://127.0.0.1:{server.port}",
@@ -164,6 +164,43 @@ async def test_wrong_credentials_are_refused_by_a_checking_server() -> None:
         with pytest.raises(HTTPStatusError) as info:
             await read_all(S3Source("s3://b/k", config=config))
     assert info.value.status == 403
+
+
+class WrongRegion(RangeHTTPServer):
+    """Answers as S3 does a bucket asked for in another region than its own: 301 with no
+    Location, the bucket's region in ``x-amz-bucket-region`` unless ``header`` is off."""
+
+    header = True
+
+    def _send_head(self, connection: socket.socket, status: int, headers: dict[str, str]) -> None:
+        if status == 301 and self.header:
+            headers = {**headers, "x-amz-bucket-region": "eu-west-1"}
+        super()._send_head(connection, status, headers)
+
+
+@pytest.mark.parametrize("said", ["header", "body"])
+async def test_a_bucket_in_another_region_is_named(said: str) -> None:
+    """S3's 301 PermanentRedirect has no Location: the message names the bucket's region and
+    endpoint (it said 'redirected to nowhere')."""
+    endpoint = b"<Endpoint>b.s3.eu-west-1.amazonaws.com</Endpoint>" if said == "body" else b""
+    body = b"<Error><Code>PermanentRedirect</Code><Message>Use the specified endpoint.</Message>"
+    server = WrongRegion(status_for={"/b/k": 301}, status_body=("application/xml", body + endpoint))
+    server.header = said == "header"
+    with server:
+        config = S3Config.resolve(
+            endpoint_url=f"http://127.0.0.1:{server.port}",
+            access_key_id="a",
+            secret_access_key="b",
+            environ={},
+        )
+        with pytest.raises(HTTPStatusError) as info:
+            await read_all(S3Source("s3://b/k", config=config))
+    named = "region eu-west-1" if said == "header" else "endpoint b.s3.eu-west-1.amazonaws.com"
+    assert str(info.value).startswith(
+        f"HTTP 301 Moved Permanently: the bucket is elsewhere ({named}): give its region"
+    )
+    assert "PermanentRedirect: Use the specified endpoint" in str(info.value)
+    assert "nowhere" not in str(info.value)
 
 
 async def test_sharded_checkpoint_on_s3(aws_env: None, s3: MotoS3Server) -> None:

@@ -3,6 +3,8 @@ and how long a server asks to wait before the next attempt.
 
 Error messages are one line: an S3 ``<Error>`` is reduced to its ``<Code>`` and ``<Message>``,
 any other body (HTML pages included) to a short excerpt with its markup and line breaks gone.
+S3's answer to a bucket asked for in another region (301 ``PermanentRedirect``, no
+``Location``) names the bucket's region and endpoint, from ``x-amz-bucket-region`` and the body.
 The body itself stays on the error (``.body``), unless it is encoded (compressed): bodies are
 asked for as they are, and an encoded one is never taken for what was asked.
 """
@@ -101,10 +103,30 @@ async def raise_for_status(response: Answer, *, name: str | None = None) -> None
         where = "not modified, an answer to a conditional request this request was not"
         detail = f"{where}: {detail}" if detail else where
     elif response.status < 400:
-        where = f"redirected to {response.headers.get('location', 'nowhere')[:200]}"
+        location = response.headers.get("location")
+        moved = None if location else _bucket_elsewhere(response.headers, body)
+        where = moved or f"redirected to {(location or 'nowhere')[:200]}"
         detail = f"{where}: {detail}" if detail else where
     kind = HTTPNotFoundError if response.status == 404 else HTTPStatusError
     raise kind(response.status, response.reason, url=name or response.url, detail=detail, body=body)
+
+
+def _bucket_elsewhere(headers: Mapping[str, str], body: bytes) -> str | None:
+    """Where S3 says the bucket is, when asked for in another region than its own (its region:
+    ``x-amz-bucket-region`` or ``<Region>``; its endpoint: ``<Endpoint>``), and what to do; None
+    when the answer says neither."""
+    found = [
+        (what, " ".join(value.split())[:100])
+        for what, value in (
+            ("region", headers.get("x-amz-bucket-region") or xml_field(body, "Region") or ""),
+            ("endpoint", xml_field(body, "Endpoint") or ""),
+        )
+        if value.strip()
+    ]
+    if not found:
+        return None
+    named = ", ".join(f"{what} {value}" for what, value in found)
+    return f"the bucket is elsewhere ({named}): give its region (region=, AWS_REGION, --region)"
 
 
 def retry_after(headers: Mapping[str, str]) -> float | None:
