@@ -5,6 +5,8 @@ Addresses::
     hf://{org}/{repo}[@{revision}]/{path}             a model repository
     hf://datasets/{org}/{repo}[@{revision}]/{path}    a dataset repository
 
+A Space (``hf://spaces/...``) is neither: refused (:class:`~stream_st.UnsupportedSourceError`).
+
 The revision (a branch, tag or commit; default ``main``) is percent-decoded, so one holding ``/``
 is written encoded: ``hf://org/repo@refs%2Fpr%2F1/model.safetensors``. The path is taken as
 written, like an S3 key. The Hub is ``HF_ENDPOINT`` (default ``https://huggingface.co``); the
@@ -98,6 +100,11 @@ class HubFile:
         rest = url[len("hf://") :] if url[:5].lower() == "hf://" else None
         if rest is None:
             raise UnsupportedSourceError(f"expected an hf:// address, got {url!r}")
+        if rest.startswith("spaces/"):  # not taken for the model repository 'spaces/{org}'
+            raise UnsupportedSourceError(
+                f"{url!r}: a Space is neither a model nor a dataset repository; hf:// reads "
+                "files of those only (hf://org/repo/path, hf://datasets/org/repo/path)"
+            )
         repo_type = "dataset" if rest.startswith("datasets/") else "model"
         if repo_type == "dataset":
             rest = rest[len("datasets/") :]

@@ -128,6 +128,14 @@ def test_bad_addresses(url: str) -> None:
         HubFile.parse(url)
 
 
+async def test_a_space_is_no_repository_read(hub: FakeHub) -> None:
+    """hf://spaces/org/name/file was read as the model repository 'spaces/org' (and answered
+    'private or gated, or does not exist'): a Space is refused before any request."""
+    with pytest.raises(UnsupportedSourceError, match="a Space is neither a model nor a dataset"):
+        await stream_st.read_header("hf://spaces/org/model/model.safetensors")
+    assert hub.seen() == []
+
+
 def test_endpoint_and_token_from_the_environment(tmp_path: Path) -> None:
     assert hub_endpoint({}) == "https://huggingface.co"
     assert hub_endpoint({"HF_ENDPOINT": "http://127.0.0.1:9/"}) == "http://127.0.0.1:9"
