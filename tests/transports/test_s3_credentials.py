@@ -412,6 +412,25 @@ async def test_broken_configuration_is_a_one_line_error(
     assert "\n" not in str(info.value) and relay.sent == b""
 
 
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"access_key_id": 123, "secret_access_key": "s"},
+        {"access_key_id": "k", "secret_access_key": b"s"},
+        {"session_token": 1.5},
+        {"region": ["us-east-1"]},
+        {"endpoint_url": 8080},
+        {"profile": 0},
+    ],
+)
+def test_settings_given_in_code_are_strings(given: dict[str, object]) -> None:
+    """A setting of another type given in code is an ``ArgumentTypeError`` naming it, when
+    resolved (a number as a key failed later, with an internal error)."""
+    name = next(what for what, value in given.items() if not isinstance(value, str))
+    with pytest.raises(stream_st.ArgumentTypeError, match=f"{name}="):
+        S3Config.resolve(**given)  # type: ignore[arg-type]
+
+
 def test_without_botocore_the_environment_and_files(home: Path, tmp_path: Path) -> None:
     (home / ".aws").mkdir()
     (home / ".aws" / "credentials").write_text(

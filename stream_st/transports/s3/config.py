@@ -60,6 +60,7 @@ import anyio
 
 from ...errors import (
     MASK,
+    ArgumentTypeError,
     CredentialsError,
     SafetensorsError,
     UnsupportedSourceError,
@@ -345,6 +346,19 @@ class S3Config:
         """The configuration the arguments, the environment (``environ``, by default
         ``os.environ``) and the AWS files give; see the module docstring. Credentials from
         botocore's chain are looked for later, on first use."""
+        given = {
+            "endpoint_url": endpoint_url,
+            "region": region,
+            "access_key_id": access_key_id,
+            "secret_access_key": secret_access_key,
+            "session_token": session_token,
+            "profile": profile,
+        }
+        for what, value in given.items():
+            if value is not None and not isinstance(value, str):
+                raise ArgumentTypeError(
+                    f"S3Config {what}= takes a string, got {type(value).__name__}"
+                )
         env = os.environ if environ is None else environ
         named = profile or env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE")
         config, stored = _profile(env, named or "default")
