@@ -153,10 +153,16 @@ def loading_their_own_way(model: Any) -> tuple[str, ...]:
     their own way: a load pre-hook (``spectral_norm``'s), or a ``_load_from_state_dict`` of
     their own (torch's own modules', which only read older versions' layouts, aside). Their
     tensors, and those of the modules in them, go through ``load_state_dict`` as the
-    reference's ``load_model`` gives them, never received in place past their code."""
+    reference's ``load_model`` gives them, never received in place past their code. A load
+    post-hook anywhere makes it the whole model (``""``): torch tells each one the names found
+    missing so far in the whole load, so every tensor goes through ``load_state_dict`` for it
+    to see the reference's missing and unexpected names."""
     plain = load_torch().nn.Module._load_from_state_dict
+    modules = list(model.named_modules())
+    if any(module._load_state_dict_post_hooks for _, module in modules):
+        return ("",)
     prefixes = []
-    for name, module in model.named_modules():
+    for name, module in modules:
         loads = type(module)._load_from_state_dict
         custom = loads is not plain and not loads.__module__.startswith("torch.nn.")
         if module._load_state_dict_pre_hooks or custom:

@@ -1074,6 +1074,52 @@ def test_load_model_runs_the_model_s_own_loading_as_the_reference(tmp_path: Path
     assert ours.state_dict()["3.weight"].data_ptr() == plain
 
 
+class Defaulting(torch.nn.Module):
+    """Fills a buffer an old checkpoint lacks with its default: a load post-hook told it is
+    missing (a common backward-compatibility pattern); records what each call was told."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("scale", torch.ones(3))
+        self.told: list[tuple[list[str], list[str]]] = []
+        self.register_load_state_dict_post_hook(Defaulting._defaults)
+
+    @staticmethod
+    def _defaults(module: Defaulting, incompatible: Any) -> None:
+        module.told.append((sorted(incompatible.missing_keys), list(incompatible.unexpected_keys)))
+        if "scale" in incompatible.missing_keys:
+            module.scale.fill_(1.0)
+            incompatible.missing_keys.remove("scale")
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_load_model_tells_a_load_post_hook_what_the_reference_tells_it(
+    tmp_path: Path, nested: bool
+) -> None:
+    """A load post-hook (on the model or on a module in it) is told the missing and unexpected
+    names of the whole load as under the reference: tensors received in place were told it
+    as missing, and the hook overwrote them with its defaults."""
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(2, 2), Defaulting()) if nested else Defaulting()
+
+    trained = build()
+    with torch.no_grad():
+        for tensor in trained.state_dict().values():
+            tensor.fill_(5.0)
+    path = tmp_path / "m.safetensors"
+    reference.save_model(trained, str(path))
+    ours, ref = build(), build()
+    expected: Any = reference.load_model(ref, str(path))
+    assert st.load_model(ours, path) == expected
+    hooked = [m for model in (ours, ref) for m in model.modules() if isinstance(m, Defaulting)]
+    assert hooked[0].told == hooked[1].told == [([], [])]
+    for name, tensor in ref.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], tensor), name
+        assert tensor.eq(5.0).all(), name
+
+
 @pytest.mark.parametrize("strict", [True, False])
 def test_load_model_of_batch_norm_without_num_batches_tracked_as_the_reference(
     tmp_path: Path, strict: bool

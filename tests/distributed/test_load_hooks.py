@@ -1,5 +1,6 @@
 """A group load gives modules that load in their own way (a load pre-hook, spectral_norm's)
-their tensors through ``load_state_dict``, as the reference's ``load_model`` does, in a real
+their tensors through ``load_state_dict``, as the reference's ``load_model`` does, and a model
+with a load post-hook all its tensors (the hook is told what the reference tells it), in a real
 gloo group (of one rank: what is checked is that rank's loading, not the exchange)."""
 
 from __future__ import annotations
@@ -54,6 +55,20 @@ SCRIPT = textwrap.dedent(
     reference.load_model(ref, path)
     for name, tensor in ref.state_dict().items():
         assert torch.equal(ours.state_dict()[name], tensor), name
+
+    told = []
+    def defaults(module, incompatible):  # a load post-hook: a default for what is missing
+        told.append(sorted(incompatible.missing_keys))
+        if "1.weight" in incompatible.missing_keys:
+            module[1].weight.data.fill_(1.0)
+
+    trained = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    reference.save_model(trained, path)
+    hooked = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    hooked.register_load_state_dict_post_hook(defaults)
+    got = stream_st.torch.load_model(hooked, path, process_group=dist.group.WORLD)
+    assert got == (set(), []) and told == [[]], (got, told)
+    assert torch.equal(hooked[1].weight, trained[1].weight)
     dist.destroy_process_group()
     print("ok")
     """
