@@ -404,7 +404,8 @@ def load_model(
     the model does not save, ``persistent=False``, stay as built: set them after loading), and
     the fastest from a local file. The old parameter objects are no longer the model's: build an
     optimizer after loading. A shape that differs from the model's raises
-    :class:`~stream_st.UsageError`.
+    :class:`~stream_st.UsageError`, as does a state-dict name that is not the attribute path of
+    its tensor (a state-dict hook renaming it), before anything is replaced.
 
     ``device`` (as for :func:`load_file`): with ``assign=True``, where the model's tensors are
     put (each copied there as it arrives, its CPU memory let go); without it, the tensors go
@@ -553,6 +554,10 @@ class _Slots:
         self._given: set[str] = set()  # the names the file had that were placed
         self._overruled: set[str] = set()  # tied names the file has with a later one (seen)
         tensors = {name: value for name, value in state.items() if name in self._group}
+        for name, value in tensors.items():
+            module, attribute = self._slot(name)
+            if getattr(module, attribute, None) is not value:
+                raise self._unplaceable(name)
         self._shared = [group for group in _shared.shared_groups(tensors) if len(group[0]) > 1]
         self._geometry = {  # of the tensors sharing memory: enough to view the new one alike
             name: _Geometry(tensors[name]) for group, _ in self._shared for name in group
@@ -644,9 +649,23 @@ class _Slots:
             (module._parameters if parameter else module._buffers)[attribute] = tensor
 
     def _slot(self, name: str) -> tuple[torch.nn.Module, str]:
-        """The module that holds ``name`` and the attribute it is there."""
+        """The module that holds ``name`` and the attribute it is there; :class:`UsageError`
+        where no module is at that path."""
         owner, _, attribute = name.rpartition(".")
-        return self._model.get_submodule(owner), attribute
+        try:
+            return self._model.get_submodule(owner), attribute
+        except AttributeError:
+            raise self._unplaceable(name) from None
+
+    @staticmethod
+    def _unplaceable(name: str) -> UsageError:
+        """The error for a state-dict name that is not where the model keeps its tensor."""
+        return UsageError(
+            f"load_model(assign=True): the model's state dict names {name!r}, which is not the "
+            "path of the parameter or buffer it holds (a state-dict hook renames it?), so the "
+            "file's tensor cannot be put in its place: load with assign=False (through "
+            "load_state_dict, its hooks run)"
+        )
 
 
 class _Geometry:

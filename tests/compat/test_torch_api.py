@@ -712,6 +712,57 @@ def test_load_model_of_both_tied_names_keeps_the_last_in_the_model_s_order(
     assert torch.equal(model.z.weight.float(), torch.full((4, 4), 1.0)), how
 
 
+class Renamed(torch.nn.Module):
+    """Saves its tensors under other names than their attribute paths (a state-dict hook) and
+    reads them back (a load pre-hook): ``lin.*`` as ``linear.*``, or ``a`` and ``b`` swapped."""
+
+    def __init__(self, renames: dict[str, str]) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.register_buffer("a", torch.zeros(2))
+        self.register_buffer("b", torch.ones(2))
+        self.renames = renames
+        self._register_state_dict_hook(Renamed._save_as)
+        self._register_load_state_dict_pre_hook(self._load_as)
+
+    @staticmethod
+    def _save_as(module: Renamed, state: dict[str, Any], prefix: str, meta: Any) -> None:
+        tensors = {module._renamed(k, module.renames): state.pop(k) for k in list(state)}
+        state.update(tensors)
+
+    def _load_as(self, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        back = {saved: own for own, saved in self.renames.items()}
+        tensors = {self._renamed(k, back): state.pop(k) for k in list(state)}
+        state.update(tensors)
+
+    @staticmethod
+    def _renamed(name: str, renames: dict[str, str]) -> str:
+        head, dot, tail = name.partition(".")
+        return renames.get(head, head) + dot + tail
+
+
+@pytest.mark.parametrize("renames", [{"lin": "linear"}, {"a": "b", "b": "a"}])
+def test_load_model_assign_of_names_that_are_no_attribute_paths_is_a_usage_error(
+    tmp_path: Path, renames: dict[str, str]
+) -> None:
+    """assign=True puts each tensor at its name's attribute path: a name that is none (a
+    state-dict hook renames it) is a UsageError naming it, before anything is replaced;
+    without assign it loads through load_state_dict, its hooks run."""
+    path = tmp_path / "m.safetensors"
+    trained = Renamed(renames)
+    with torch.no_grad():
+        trained.lin.weight.fill_(5.0)
+    st.save_model(trained, path)
+    model = Renamed(renames)
+    before = dict(model.state_dict(keep_vars=True))
+    with pytest.raises(UsageError, match=r"names '(linear\.\w+|a|b)'.*assign=False"):
+        st.load_model(model, path, assign=True)
+    assert all(model.state_dict(keep_vars=True)[k] is v for k, v in before.items())
+    assert st.load_model(model, path) == (set(), [])
+    assert torch.equal(model.lin.weight, trained.lin.weight)
+    assert torch.equal(model.a, trained.a) and torch.equal(model.b, trained.b)
+
+
 class PartFirstInFile(torch.nn.Module):
     """A buffer viewing part of another, before it in the file's (sorted) order."""
 
