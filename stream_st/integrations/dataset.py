@@ -53,6 +53,7 @@ from ..core.header import (
 )
 from ..core.shards import MANIFEST_NAME, SHARD_NAME, is_index
 from ..errors import (
+    ArgumentTypeError,
     DtypeError,
     HeaderError,
     SourceChangedError,
@@ -236,7 +237,13 @@ async def describe_dataset(
     (:func:`whole_rows`) is described from the manifest alone: no header is read, ``headers``
     is empty (a reader reads each shard's own, :func:`read_shard_rows`).
     """
-    address = os.fspath(address)
+    if isinstance(address, os.PathLike):
+        address = os.fspath(address)
+    if not isinstance(address, str):
+        raise ArgumentTypeError(
+            f"a dataset is named by a path or URL (a str or os.PathLike of one), got "
+            f"{type(address).__name__}"
+        )
     given = bool(is_index(address))
     manifest: Mapping[str, Any] = {}
     # an http(s) location cannot be listed: its manifest is required

@@ -25,7 +25,6 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import cast
 
-import anyio
 import numpy as np
 import torch
 import torch.distributed
@@ -33,6 +32,7 @@ from anyio.from_thread import start_blocking_portal
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .._api import open_stream
+from ..compat._sync import run
 from ..errors import UsageError, boolean, integer_at_least
 from ..reader.stream import include_names
 from .dataset import (
@@ -165,7 +165,7 @@ class SafetensorsDataset(IterableDataset[Sample]):
         seed = integer_at_least("seed", seed, -(1 << 63))  # an int (1.5 and None were taken)
         shuffle_buffer = integer_at_least("shuffle_buffer", shuffle_buffer, 1)
         piece_bytes = integer_at_least("piece_bytes", piece_bytes, 1)
-        self.dataset: DatasetInfo = anyio.run(lambda: describe_dataset(source))
+        self.dataset: DatasetInfo = run(describe_dataset, source)  # a caller's loop running too
         if self.dataset.kv:
             why = self.dataset.not_batch()  # the reason it was found to be KV-mode
             raise UsageError(

@@ -3,6 +3,7 @@ DataLoader workers and distributed ranks, only the selected columns' bytes read,
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections import Counter
 from pathlib import Path
@@ -265,3 +266,20 @@ def test_flags_and_the_environment_are_checked(
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(stream_st.UsageError, match="RANK='x' in the environment"):
         SafetensorsDataset(dataset_dir)
+
+
+@pytest.mark.parametrize("source", [b"/data", None, 3])
+def test_a_source_that_names_no_path_is_an_argument_type_error(source: Any) -> None:
+    """A bytes path, None or a number let a bare TypeError escape (os.fspath)."""
+    with pytest.raises(stream_st.ArgumentTypeError, match=type(source).__name__):
+        SafetensorsDataset(source)
+
+
+def test_a_dataset_is_built_where_an_event_loop_runs(dataset_dir: Path) -> None:
+    """A notebook cell, async code calling sync code: anyio.run raised a bare RuntimeError
+    ('Already running asyncio in this thread')."""
+
+    async def cell() -> int:
+        return len(SafetensorsDataset(dataset_dir))
+
+    assert asyncio.run(cell()) == len(SafetensorsDataset(dataset_dir)) == 27
