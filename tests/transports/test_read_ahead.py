@@ -121,6 +121,11 @@ async def shrinks_and_never_yields_short(path: Path) -> None:
     assert seen == names[: names.index("big.a")]
 
 
+def running(ahead: _ahead.ReadAhead) -> int:
+    """The worker threads of ``ahead`` not yet ended."""
+    return len(set(ahead._threads) - ahead._ended)
+
+
 async def test_leaving_early_stops_the_threads_before_returning(
     path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -143,9 +148,9 @@ async def test_leaving_early_stops_the_threads_before_returning(
     into = {"big.b": np.zeros((1024, 1023), np.float32)}
     async with stream_st.open_stream(path, into=into) as stream:
         async for _name, _ in stream:
-            assert [ahead._running for ahead in readers] == [_ahead.WORKERS]
+            assert [running(ahead) for ahead in readers] == [_ahead.WORKERS]
             break
-    assert [ahead._running for ahead in readers] == [0]
+    assert [running(ahead) for ahead in readers] == [0]
     total = sum(-(-array.nbytes // 4096) for array in mixed().values())
     assert pieces_read[0] < total  # stopped early, not read to the end
 
@@ -226,7 +231,7 @@ async def test_a_thread_the_system_refuses_fails_the_read_and_the_close_ends(
                 job = ahead.add(0, memoryview(bytearray(4096)))
                 with pytest.raises(stream_st.TransportError, match="new thread"):
                     await ahead.wait(job)
-        assert ahead._running == 0
+        assert running(ahead) == 0
     finally:
         os.close(fd)
 
@@ -514,6 +519,86 @@ def test_a_break_right_before_the_event_loop_ends_closes_cleanly(
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "returned"
     assert done.stderr == ""
+
+
+CTRL_C_EVERYWHERE = """
+import sys, threading, anyio, numpy as np, safetensors.numpy as reference, stream_st
+from stream_st.transports.file import readahead
+
+OURS, THREADING = readahead.__file__, threading.__file__
+RESUMABLE = 0x20 | 0x80 | 0x100 | 0x200  # generators and coroutines
+
+class CtrlC:
+    # KeyboardInterrupt raised at the at-th entry to, or return from, a function of the
+    # read-ahead (or of threading called by one) on the event loop's thread: places trio
+    # raises it on Ctrl-C (a function's start, right after a call). A coroutine resumed from
+    # an await is not one: left out.
+
+    def __init__(self, at):
+        self.at, self.seen, self.raised = at, 0, False
+
+    def event(self, frame, event, arg):
+        frame.f_trace_lines = False
+        if event in ("call", "return"):
+            self.seen += 1
+            if self.seen == self.at:
+                self.raised = True
+                raise KeyboardInterrupt
+        return self.event
+
+    def enter(self, frame, event, arg):
+        code, caller = frame.f_code, frame.f_back
+        if code.co_flags & RESUMABLE:
+            return None
+        if code.co_filename == OURS or (
+            code.co_filename == THREADING and caller and caller.f_code.co_filename == OURS
+        ):
+            return self.event(frame, event, arg)
+        return None
+
+path = sys.argv[1]
+reference.save_file({f"t{i}": np.full(3 << 20, i, np.uint8) for i in range(3)}, path)
+
+async def main():
+    at = 1
+    while True:
+        ctrl_c = CtrlC(at)
+        sys.settrace(ctrl_c.enter)
+        try:
+            async with stream_st.open_stream(path) as stream:
+                async for name, array in stream:
+                    pass
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        if not ctrl_c.raised:
+            return at - 1
+        at += 1
+
+print(anyio.run(main, backend="trio"))
+for thread in threading.enumerate():
+    if thread.name == "stream_st read-ahead":
+        thread.join(10)
+        assert not thread.is_alive(), "a read-ahead thread is left running"
+"""
+
+
+def test_ctrl_c_anywhere_in_the_read_ahead_under_trio_never_hangs(tmp_path: Path) -> None:
+    """Ctrl-C under trio raises KeyboardInterrupt wherever the event loop's thread runs, in
+    Python code too (``threading.Condition.__enter__``): a stream read ahead, interrupted at
+    each such place in turn, ends every time, and its threads with it. Raised in that
+    ``__enter__`` after the acquire, the lock stayed held and the close waited for it for ever;
+    right as a thread's ``start()`` returned, the close waited for a thread never counted."""
+    done = subprocess.run(
+        [sys.executable, "-c", CTRL_C_EVERYWHERE, str(tmp_path / "m.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) >= 20  # the places tried: the trace reached the read-ahead
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])

@@ -190,7 +190,14 @@ class ReadAhead:
         self._cold_reading = False  # a thread reads pieces the page cache lacks
         self._fresh: set[int] = set()  # jobs of fresh memory, not yet complete
         self._populated_to = 0  # the file offset fresh memory has been populated up to
-        self._cond = threading.Condition(threading.Lock())
+        # The lock is taken as itself (``with self._lock``), never through the condition,
+        # which only waits and notifies: Ctrl-C under trio raises KeyboardInterrupt on the
+        # event loop's thread between any two steps of Python code, Condition.__enter__'s
+        # included, and one raised there after the acquire left the lock held for ever (the
+        # next stop() waited for it: the process hung). A with statement on a lock written
+        # in C is never interrupted between the acquire and the release on the way out.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._pieces: deque[_Piece] = deque()
         self._left: list[int] = []  # pieces of each job not yet read
         self._got: list[int] = []  # bytes each job received
@@ -198,8 +205,12 @@ class ReadAhead:
         self._stopped = False
         self._error: BaseException | None = None
         self._waiting: tuple[int, anyio.Event] | None = None
-        self._running = 0  # worker threads not yet ended
         self._threads: list[threading.Thread] = []  # worker threads started
+        # The threads that have ended, each adding itself, rather than a count of those
+        # running: a KeyboardInterrupt raised (see the lock) as a thread.start() returned,
+        # before the count, made the close wait for ever. A thread so started but never
+        # listed is waited for by nobody: it comes before any job, and ends at the stop.
+        self._ended: set[threading.Thread] = set()
         self._all_ended: anyio.Event | None = None
         self._token = anyio.lowlevel.current_token()
 
@@ -222,7 +233,7 @@ class ReadAhead:
         step = PIECE if feed is None else FEED_PIECE
         first = offset - offset % ALIGN  # pieces end on block boundaries: frames never overlap
         cuts = [offset, *range(first + step, offset + len(view), step), offset + len(view)]
-        with self._cond:
+        with self._lock:
             job = len(self._got)
             self._got.append(0)
             self._left.append(len(cuts) - 1)
@@ -241,14 +252,14 @@ class ReadAhead:
     async def wait(self, job: int) -> int:
         """The bytes job ``job`` received, once all of them are in; after :meth:`stop`, a
         :class:`~stream_st.TransportError` whether or not they are (the reader was closed)."""
-        with self._cond:
+        with self._lock:
             ready = self._left[job] == 0 or self._error is not None or self._stopped
             if not ready:
                 event = anyio.Event()
                 self._waiting = (job, event)
         if not ready:
             await event.wait()
-        with self._cond:
+        with self._lock:
             self._waiting = None
             if self._error is not None:
                 reason = getattr(self._error, "strerror", None) or self._error
@@ -260,7 +271,7 @@ class ReadAhead:
     def stop(self) -> None:
         """End the work: threads finish the read they are in and take no more; a waiting
         :meth:`wait` is woken (and raises, its job unread)."""
-        with self._cond:
+        with self._lock:
             self._stopped = True
             self._pieces.clear()
             for feed in self._feeds.values():
@@ -288,7 +299,7 @@ class ReadAhead:
 
     def start(self) -> None:
         """Start the worker threads."""
-        with self._cond:
+        with self._lock:
             self._add_workers(WORKERS)
 
     def _add_workers(self, count: int) -> None:
@@ -302,12 +313,11 @@ class ReadAhead:
                     f"cannot start a thread to read: {exc}", url=self._name
                 ) from exc
             self._threads.append(thread)
-            self._running += 1
 
     async def _finished(self) -> None:
         """Return once every worker thread has ended (after :meth:`stop`)."""
-        with self._cond:
-            if self._running == 0:
+        with self._lock:
+            if self._ended.issuperset(self._threads):
                 return
             if self._all_ended is None:  # one event for every task that waits
                 self._all_ended = anyio.Event()
@@ -337,20 +347,20 @@ class ReadAhead:
             # through let go of theirs).
             batch, bounce = [], None
             _let_go(exc)
-            with self._cond:
+            with self._lock:
                 self._error = exc
             self.stop()
         finally:
-            with self._cond:
-                self._running -= 1
-                if self._running == 0 and self._all_ended is not None:
+            with self._lock:
+                self._ended.add(threading.current_thread())
+                if self._all_ended is not None and self._ended.issuperset(self._threads):
                     self._call_soon(self._all_ended.set)
 
     def _serve(self, batch: list[_Piece], how: int, bounce: memoryview | None) -> None:
         """Read ``batch`` (see :meth:`_read`), then account for each piece, or feed it."""
         counts = self._read(batch, how == _DIRECT, bounce)
         fed = []
-        with self._cond:
+        with self._lock:
             if how == _COLD:  # the next cold read may start
                 self._cold_reading = False
                 self._cond.notify_all()
@@ -365,7 +375,7 @@ class ReadAhead:
 
     def _fed(self, job: int, count: int) -> None:
         """A piece of fed job ``job`` is fed (see :class:`InOrder`), ``count`` bytes of it."""
-        with self._cond:
+        with self._lock:
             self._settle(job, count)
 
     def _settle(self, job: int, count: int) -> None:
@@ -407,7 +417,7 @@ class ReadAhead:
         (:data:`_POPULATE`, a single piece) or waits. A fed job's piece goes alone (see
         :class:`InOrder`). Read directly, a piece with a frame goes alone, others up to
         :data:`stream_st.transports.file.direct.BOUNCE` bytes together. Empty once stopped."""
-        with self._cond:
+        with self._lock:
             while True:
                 while not self._pieces and not self._stopped:
                     self._cond.wait()
