@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import os
 import signal
 import stat
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,6 +106,72 @@ def temporary_size(directory: Path) -> int | None:
             if target.startswith(f"{directory}/") and target.endswith((".tmp", " (deleted)")):
                 return os.fstat(int(fd)).st_size
     return None
+
+
+async def test_a_writer_dropped_unclosed_leaves_nothing_open_or_behind(
+    tmp_path: Path, temporaries: str
+) -> None:
+    """A writer entered and never left (an exit stack never closed), then dropped: its
+    temporary file is closed and removed as it is collected, with the ``ResourceWarning`` an
+    unclosed Python file gives, the old file left as it was (the descriptor and the disk space
+    were kept for as long as the process ran). A writer left, committed or aborted, and a
+    save give no warning."""
+    target = tmp_path / "m.safetensors"
+    target.write_bytes(b"OLD")
+    plan = [TensorSpec("a", "F32", (1000,))]
+    with pytest.warns(ResourceWarning, match=f"unclosed file '{target}'"):
+        stack = contextlib.AsyncExitStack()
+        writer = await stack.enter_async_context(stream_st.open_writer(target, plan))
+        await writer.write("a", ARRAYS["a"])
+        assert temporary_size(tmp_path) is not None
+        del writer, stack
+        gc.collect()
+    assert temporary_size(tmp_path) is None
+    assert os.listdir(tmp_path) == [target.name] and target.read_bytes() == b"OLD"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with stream_st.open_writer(target, plan) as writer:
+            await writer.write("a", ARRAYS["a"])
+        with pytest.raises(WriterError):
+            async with stream_st.open_writer(target, plan) as writer:
+                await writer.write("a", ARRAYS["b"])  # the wrong dtype: aborted
+        await stream_st.save(target, ARRAYS)
+        del writer
+        gc.collect()
+    assert not [warning for warning in caught if warning.category is ResourceWarning]
+    assert os.listdir(tmp_path) == [target.name] and target.read_bytes() == EXPECTED
+
+
+UNCLOSED_AT_EXIT = """
+import sys, anyio, numpy as np, stream_st
+from stream_st.transports.file import atomic
+
+atomic.USE_TMPFILE = False  # a hidden temporary, which the process's end does not remove
+kept = []
+
+async def main():
+    plan = [stream_st.TensorSpec("a", "F32", (1000,))]
+    kept.append(await stream_st.open_writer(sys.argv[1], plan).__aenter__())
+    await kept[0].write("a", np.ones(1000, np.float32))
+
+anyio.run(main)
+"""
+
+
+def test_a_writer_still_unclosed_as_the_process_exits_leaves_no_hidden_temporary(
+    tmp_path: Path,
+) -> None:
+    target = tmp_path / "m.safetensors"
+    done = subprocess.run(
+        [sys.executable, "-W", "always::ResourceWarning", "-c", UNCLOSED_AT_EXIT, str(target)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "ResourceWarning: unclosed file" in done.stderr
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux-only")

@@ -37,6 +37,8 @@ import os
 import stat
 import sys
 import threading
+import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -59,6 +61,7 @@ __all__ = [
     "Abandoned",
     "AtomicFile",
     "Blocks",
+    "closed_when_dropped",
     "fsync_directory",
     "local_destination",
     "path_from_url",
@@ -345,6 +348,30 @@ def _link(fd: int, path: str) -> None:
     os.link(f"/proc/self/fd/{fd}", path, src_dir_fd=fd, follow_symlinks=True)
 
 
+def _dropped(fd: int, name: str, temporary: str | None) -> None:
+    """Close ``fd``, left open by a source or sink dropped unclosed, and remove ``temporary``,
+    the named temporary file of a write never committed, if any; then give the
+    ``ResourceWarning`` a Python file dropped unclosed gives (last: a filter that makes it an
+    error leaves nothing open)."""
+    os.close(fd)
+    if temporary is not None:
+        with contextlib.suppress(OSError):  # already gone
+            os.unlink(temporary)
+    warnings.warn(f"unclosed file {name!r}", ResourceWarning, stacklevel=1)
+
+
+def closed_when_dropped(
+    owner: object, fd: int, name: str, temporary: str | None = None
+) -> weakref.finalize[Any, Any]:
+    """A finalizer that closes ``fd`` once ``owner`` is dropped unclosed, and removes
+    ``temporary`` (see :func:`_dropped`); detach it when ``owner`` closes ``fd`` itself. At
+    interpreter exit it runs only for a ``temporary`` to remove (a descriptor, and a nameless
+    file, go with the process)."""
+    finalizer = weakref.finalize(owner, _dropped, fd, name, temporary)
+    finalizer.atexit = temporary is not None
+    return finalizer
+
+
 def fsync_directory(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -383,7 +410,14 @@ class AtomicFile:
         self._done = False
         self.temp_path: str | None = None  # the temporary's name; None while it has none
         fd = _open_nameless(directory)
-        self._fd = self._create_named(directory, base) if fd is None else self._own(fd)
+        self._hold(self._create_named(directory, base) if fd is None else self._own(fd))
+
+    def _hold(self, fd: int) -> None:
+        """Write through ``fd``, the temporary file (named :attr:`temp_path`, if named): the
+        file dropped unclosed (a writer entered and never left), it is closed and removed,
+        with a ``ResourceWarning`` (:func:`closed_when_dropped`)."""
+        self._fd = fd
+        self._unclosed = closed_when_dropped(self, fd, self.name, self.temp_path)
 
     def _own(self, fd: int) -> int:
         """``fd``, a new file given the permission bits of the file it replaces, if any."""
@@ -433,6 +467,7 @@ class AtomicFile:
     def _close_fd(self) -> None:
         fd, self._fd = self._fd, -1
         if fd >= 0:
+            self._unclosed.detach()
             os.close(fd)
 
     def _raise_commit_error(self, exc: BaseException) -> None:
@@ -534,8 +569,8 @@ class AtomicFile:
         except BaseException:
             os.close(named)  # the named one is removed, the nameless one closed, by the caller
             raise
-        self._fd = named
-        os.close(nameless)
+        self._close_fd()  # the nameless one
+        self._hold(named)
 
     def _discard(self) -> None:
         """Delete the temporary file (a nameless one goes with its descriptor); the descriptor

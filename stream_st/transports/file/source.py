@@ -19,11 +19,8 @@ import errno
 import os
 import stat
 import sys
-import warnings
-import weakref
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -38,6 +35,7 @@ from ...errors import (
 from ..base import Source
 from ..nonblocking import NonBlockingEnd
 from ..options import UNLIMITED, Clock
+from .atomic import closed_when_dropped
 from .atomic import path_from_url as path_from_url  # re-exported: it was defined here
 from .mmap import FileMap
 from .pread import pread_fully
@@ -82,21 +80,6 @@ def _pread_cached(fd: int, buffer: memoryview, offset: int) -> int:
             break
         filled += got
     return filled
-
-
-def _dropped(fd: int, name: str) -> None:
-    """Close ``fd``, left open by a source or sink dropped unclosed, with the ``ResourceWarning``
-    a Python file dropped unclosed gives."""
-    warnings.warn(f"unclosed file {name!r}", ResourceWarning, stacklevel=1)
-    os.close(fd)
-
-
-def closed_when_dropped(owner: object, fd: int, name: str) -> weakref.finalize[Any, Any]:
-    """A finalizer that closes ``fd`` once ``owner`` is dropped unclosed (see :func:`_dropped`);
-    detach it when ``owner`` closes ``fd`` itself. None of it runs at interpreter exit."""
-    finalizer = weakref.finalize(owner, _dropped, fd, name)
-    finalizer.atexit = False
-    return finalizer
 
 
 def open_path(name: str, flags: int) -> int:
