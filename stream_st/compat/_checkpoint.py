@@ -217,9 +217,9 @@ class _Checkpoint:
     async def info(self, name: str) -> TensorInfo:
         return (await self.file_of(name)).header[name]
 
-    async def read(self, name: str, rows: Rows) -> np.ndarray[Any, Any]:
-        file = await self.file_of(name)
-        return await file.read(file.header[name], rows)
+    async def read(self, info: TensorInfo, rows: Rows) -> np.ndarray[Any, Any]:
+        """Tensor ``info`` (one of a file's, or its bytes as another dtype), or its ``rows``."""
+        return await (await self.file_of(info.name)).read(info, rows)
 
     async def headers(self) -> list[Header]:
         """Every file's header, in reading order (opening every shard)."""

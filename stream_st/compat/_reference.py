@@ -46,7 +46,17 @@ from ._errors import (
 from ._local import LocalFile, local_path
 from ._save import check_metadata, checked_tensors
 from ._serialize import TensorSpec, specs_of, write_specs
-from ._slicing import LAST_WHOLE, leading, packed_tensor, pick, plan, torch_rows
+from ._slicing import (
+    LAST_WHOLE,
+    as_bytes,
+    byte_plan,
+    leading,
+    packed_tensor,
+    pick,
+    plan,
+    takes_whole,
+    torch_rows,
+)
 from ._sync import Bridge, check_sync_address, run
 
 __all__ = [
@@ -218,7 +228,7 @@ class SafeOpen:
         info = self._info(name)
         if self._torch:
             return Slice(info, self._reader(info), place=self._place)
-        return Slice(info, self._reader(info), copy=self._shares)
+        return Slice(info, self._reader(as_bytes(info) or info), copy=self._shares)
 
     def _reader(self, info: TensorInfo) -> Callable[[Rows], np.ndarray[Any, Any]]:
         """Reads ``info``'s rows (all of them for None)."""
@@ -227,7 +237,7 @@ class SafeOpen:
             return functools.partial(local.array, info)
         bridge = self._bridge
         assert bridge is not None
-        return functools.partial(bridge.call, self._checkpoint.read, info.name)
+        return functools.partial(bridge.call, self._checkpoint.read, info)
 
     def close(self) -> None:
         """Close the file (a mapped one's views stay valid); for a remote source, its
@@ -254,7 +264,9 @@ class Slice:
     ``[1:3, ::2]``: numpy arrays by the reference's strict rules, torch tensors as torch indexes
     them (``place`` given: it puts a tensor on the handle's device; see
     :mod:`stream_st.compat._slicing`). Only the rows the first index selects are read from the
-    source; the other indexes apply to them in memory. A digest covers a whole tensor, so part
+    source (``read`` reads rows of the array a tensor is delivered as; a tensor delivered as its
+    packed bytes, :func:`~._slicing.as_bytes`, is read as bytes, a slice of it is the bytes of
+    whole rows); the other indexes apply to them in memory. A digest covers a whole tensor, so part
     of one cannot be checked against it: only a key taking every row (``[...]``, ``[:]``, a
     mask) is (a part of a mapped tensor not yet checked is read as a copy, so that writing to it
     changes nothing such a check reads). numpy arrays are copies of their own (``copy``), as the
@@ -287,15 +299,19 @@ class Slice:
             return self._torch_item(key, self._place)
         info = self._info
         planned = plan(key, info.shape)
-        rows, index = planned.rows, planned.index
-        if info.dtype_info.packed and info.shape:
-            last = len(info.shape) - 1
-            if len(index) > last and index[last] != slice(0, info.shape[last], None):
-                raise SliceError(f"{packed_tensor(info.name, info.dtype)}: {LAST_WHOLE}")
-            index = index[:last]
-            if not last:
-                rows = None
-        picked = self._read(rows)[(*index, ...)]  # an array even where ints name one value
+        if as_bytes(info) is not None:  # read as its bytes (get_slice), a row a line
+            span = byte_plan(planned, info)
+            picked = self._read(span.span).reshape(span.lines)[span.index].reshape(-1)
+        else:
+            rows, index = planned.rows, planned.index
+            if info.dtype_info.packed and info.shape:  # F4 (its last dimension halved), 1-D
+                last = len(info.shape) - 1
+                if len(index) > last and not takes_whole(index[last], info.shape[last]):
+                    raise SliceError(f"{packed_tensor(info.name, info.dtype)}: {LAST_WHOLE}")
+                index = index[:last]
+                if not last:
+                    rows = None
+            picked = self._read(rows)[(*index, ...)]  # an array even where ints name one value
         return picked.copy() if self._copy or not picked.flags.c_contiguous else picked
 
     def _torch_item(self, key: object, place: Callable[[Any], Any]) -> Any:

@@ -25,14 +25,28 @@ import numbers
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from math import prod
 from types import EllipsisType
 from typing import Any, SupportsIndex, cast
 
 from ..core.arrays import load_torch
+from ..core.header import TensorInfo
 from ..errors import UsageError
 from ._errors import SliceError, SliceTypeError, SliceValueError
 
-__all__ = ["LAST_WHOLE", "Plan", "leading", "packed_tensor", "pick", "plan", "torch_rows"]
+__all__ = [
+    "LAST_WHOLE",
+    "BytePlan",
+    "Plan",
+    "as_bytes",
+    "byte_plan",
+    "leading",
+    "packed_tensor",
+    "pick",
+    "plan",
+    "takes_whole",
+    "torch_rows",
+]
 
 Index = int | slice
 Rows = tuple[int, int] | None
@@ -128,11 +142,8 @@ def plan(key: object, shape: Sequence[int]) -> Plan:
         _within(index, dim, size, failed)
         for dim, (index, size) in enumerate(zip(expanded, dims, strict=False))
     ]
-    whole = all(
-        isinstance(index, slice) and index.indices(size) == (0, size, 1)
-        for index, size in zip(final, dims, strict=False)
-    )
-    if whole:  # the whole tensor: read (and checked) as get_tensor reads it
+    if all(takes_whole(index, size) for index, size in zip(final, dims, strict=False)):
+        # the whole tensor: read (and checked) as get_tensor reads it
         return Plan(None, ())
     first = final[0]
     if isinstance(first, int):
@@ -144,6 +155,11 @@ def plan(key: object, shape: Sequence[int]) -> Plan:
     start, stop = picked[0] - low, picked[-1] - low
     end: int | None = stop + 1 if picked.step > 0 else (stop - 1 if stop else None)
     return Plan((low, high + 1), (slice(start, end, picked.step), *final[1:]))
+
+
+def takes_whole(index: Index, size: int) -> bool:
+    """Whether ``index`` takes a dimension of ``size`` whole, in order."""
+    return isinstance(index, slice) and index.indices(size) == (0, size, 1)
 
 
 def _within(index: Index, dim: int, size: int, failed: Callable[[str], SliceError]) -> Index:
@@ -248,6 +264,61 @@ LAST_WHOLE = "its last dimension can only be taken whole"
 def packed_tensor(name: str, code: str) -> str:
     """How a refusal names a tensor of a packed dtype ``code``."""
     return f"tensor {name!r} is {code}, packed several values a byte"
+
+
+# ------------------------------------------------------------- packed tensors as their bytes
+
+FIRST_ONLY = "delivered as its bytes, it can only be cut along its first dimension"
+BYTE_BOUNDARY = (
+    "its rows are not whole bytes: only a run of rows in order that starts and ends on a byte "
+    "boundary can be taken"
+)
+
+
+@dataclass(frozen=True)
+class BytePlan:
+    """How to read a slice of a tensor delivered as its packed bytes (:func:`byte_plan`): the
+    bytes ``span`` (``(start, stop)``; None for all of them), viewed as ``lines`` (rows, bytes a
+    row), of which ``index`` takes the rows asked."""
+
+    span: Rows
+    lines: tuple[int, int]
+    index: Index
+
+
+def as_bytes(info: TensorInfo) -> TensorInfo | None:
+    """The ``U8`` tensor of ``info``'s bytes where ``info`` has several dimensions and is
+    delivered as its packed bytes in one (F6; F4 whose last dimension is odd), so that rows read
+    of it are bytes; None for any other tensor."""
+    if not (info.dtype_info.packed and len(info.shape) > 1 and len(info.array_shape) == 1):
+        return None
+    return TensorInfo(info.name, "U8", (info.nbytes,), info.start, info.end)
+
+
+def byte_plan(planned: Plan, info: TensorInfo) -> BytePlan:
+    """The bytes to read for ``planned`` (:func:`plan` of a key over ``info``'s shape) of a
+    tensor delivered as its packed bytes (:func:`as_bytes`), and the rows of them to take: the
+    bytes of whole rows of its first dimension. :class:`SliceError`, naming the tensor, for a
+    key that cuts another dimension, or takes rows that are not whole bytes (F4 rows of an odd
+    number of values, F6 rows of a number not a multiple of 4) but as one run in order that
+    starts and ends on a byte boundary (as the reference refuses a slice of a packed tensor
+    that does not end on one)."""
+    if planned.rows is None:
+        return BytePlan(None, (1, info.nbytes), slice(None))
+    shape, dtype = info.shape, info.dtype_info
+    named = packed_tensor(info.name, info.dtype)
+    first, rest = planned.index[0], planned.index[1:]
+    if not all(takes_whole(index, size) for index, size in zip(rest, shape[1:], strict=False)):
+        raise SliceError(f"{named}: {FIRST_ONLY}")
+    low, high = planned.rows
+    values = prod(shape[1:])  # a row's
+    size = dtype.nbytes(values)
+    if size is not None:
+        return BytePlan((low * size, high * size), (high - low, size), first)
+    start, stop = dtype.nbytes(low * values), dtype.nbytes(high * values)
+    if start is None or stop is None or range(high - low)[first] != range(high - low):
+        raise SliceError(f"{named}: {BYTE_BOUNDARY}")
+    return BytePlan((start, stop), (1, stop - start), slice(None))
 
 
 _OURS: tuple[tuple[type[Exception], Callable[[str], Exception]], ...] = (

@@ -19,6 +19,7 @@ from safetensors import safe_open as reference_open
 import stream_st.numpy as sn
 from stream_st.errors import IntegrityError, SafetensorsError, TensorNotFoundError, UsageError
 
+from .._util import raw_file
 from ..fuzz.fault_suite import Collector, Sender
 from ..memory.test_zero_copy import linux_only
 from ..servers.http_server import RangeHTTPServer
@@ -216,3 +217,77 @@ def test_tcp(ref_file: Path) -> None:
     finally:
         collector.stop()
     assert collector.received == [ref_file.read_bytes()]
+
+
+# ---------------------------------------------------------------------- packed tensors
+
+PACKED = {
+    "f6": ("F6_E2M3", [4, 4], 12),
+    "f4_odd": ("F4", [4, 3], 6),
+    "f6_odd": ("F6_E3M2", [4, 2], 6),
+}
+"""Tensors delivered as their packed bytes in one dimension: F6 rows of 3 bytes, F4 rows of 1.5
+and F6 rows of 1.5 (dtype, shape, bytes)."""
+
+
+def packed_file() -> bytes:
+    header: dict[str, Any] = {}
+    data = b""
+    for name, (code, shape, size) in PACKED.items():
+        header[name] = {
+            "dtype": code,
+            "shape": shape,
+            "data_offsets": [len(data), len(data) + size],
+        }
+        data += bytes(range(len(data), len(data) + size))
+    return raw_file(header, data)
+
+
+def check_packed_slices(address: str | Path, backend: str = "mmap") -> None:
+    """A slice of a tensor delivered as its bytes is the bytes of the rows taken; rows that are
+    not whole bytes only as a run from and to a byte boundary."""
+    with sn.safe_open(address, backend=backend) as f:
+        rows = f.get_tensor("f6").reshape(4, 3)  # 3 bytes a row
+        for key, taken in [
+            (np.s_[1:3], [1, 2]),
+            (np.s_[1], [1]),
+            (np.s_[-1], [3]),
+            (np.s_[0:2, ...], [0, 1]),
+            (np.s_[::-2], [3, 1]),
+            (np.s_[2:2], []),
+            (np.s_[:, :], [0, 1, 2, 3]),
+        ]:
+            got = f.get_slice("f6")[key]
+            assert got.dtype == np.uint8 and got.ndim == 1, key
+            assert np.array_equal(got, rows[taken].reshape(-1)), key
+        for name in ("f4_odd", "f6_odd"):
+            whole = f.get_tensor(name)  # 1.5 bytes a row
+            assert np.array_equal(f.get_slice(name)[0:2], whole[:3]), name
+            assert np.array_equal(f.get_slice(name)[-2:], whole[3:]), name
+            assert np.array_equal(f.get_slice(name)[...], whole), name
+            for key in (np.s_[1:3], np.s_[1], np.s_[0:4:2], np.s_[1::-1]):
+                with pytest.raises(IndexError, match="not whole bytes") as caught:
+                    f.get_slice(name)[key]
+                assert isinstance(caught.value, SafetensorsError)
+        for key in (np.s_[:, 1:], np.s_[..., 0], np.s_[0:2, 0]):
+            with pytest.raises(IndexError, match=r"'f6' is F6_E2M3.*first dimension"):
+                f.get_slice("f6")[key]
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_packed_tensors_slice_as_the_bytes_of_whole_rows(tmp_path: Path, backend: str) -> None:
+    path = tmp_path / "packed.safetensors"
+    path.write_bytes(packed_file())
+    check_packed_slices(path, backend)
+    with sn.safe_open(path, backend=backend) as f:
+        assert np.array_equal(f.get_slice("f6")[1:3], np.arange(3, 9))  # rows 1 and 2
+
+
+def test_packed_tensors_slice_alike_over_http_and_tcp(http: RangeHTTPServer) -> None:
+    http.objects["/packed.safetensors"] = packed_file()
+    check_packed_slices(http.url("/packed.safetensors"))
+    sender = Sender(packed_file())
+    try:
+        check_packed_slices(f"tcp://127.0.0.1:{sender.port}")
+    finally:
+        sender.stop()
