@@ -6,9 +6,10 @@ stricter rules of its own, and so does this.
 numpy (:func:`plan`): a key is an int (anything with ``__index__``: a numpy integer, a 0-d
 integer tensor, ``True`` and ``False`` as 1 and 0), a slice, ``...``, or a tuple of those. A
 slice reaching past the end of a dimension is refused, not clipped; lists other than ``[]`` (no
-rows) are refused. Beyond the reference: negative slice bounds count from the end (as in
-Python), a slice whose start passes its stop selects nothing, and a dimension of size 0 can be
-sliced whole (``[:]``, ``[0:0]``). An index outside the tensor raises
+rows) are refused. Beyond the reference: negative slice bounds count from the end and negative
+steps go backwards (as in Python; a bound outside the dimension is refused either way), a slice
+whose start passes its stop selects nothing, and a dimension of size 0 can be sliced whole
+(``[:]``, ``[0:0]``). An index outside the tensor raises
 :class:`~stream_st.compat.SliceError` (a ``SafetensorError`` and an ``IndexError``) with the
 reference's message.
 
@@ -169,14 +170,15 @@ def _within(index: Index, dim: int, size: int, failed: Callable[[str], SliceErro
         return _position(index, dim, size, failed)
     if index.step is not None and index.step == 0:
         raise SliceError("Slice step must be a positive integer, got 0")
-    if index.step is not None and index.step < 0:
-        return index  # Python's meaning, clipped as Python clips it
     start = _resolved(index.start, size, dim, 0)
     stop = _resolved(index.stop, size, dim, size)
     if (start >= size and size > 0) or start > size:
         raise failed(f"index {start} out of bounds for tensor dimension #{dim} of size {size}")
     if stop > size:
         raise failed(f"index {stop - 1} out of bounds for tensor dimension #{dim} of size {size}")
+    if index.step is not None and index.step < 0:  # from start down to stop (None: to the end)
+        first = None if index.start is None else start
+        return slice(first, None if index.stop is None else stop, index.step)
     return slice(start, max(start, stop), index.step)
 
 

@@ -468,6 +468,41 @@ def test_get_slice_beyond_the_reference(tmp_path: Path) -> None:
             assert np.array_equal(f.get_slice("a")[key], whole[key]), key
 
 
+def test_bounds_outside_a_dimension_are_refused_whichever_the_step(tmp_path: Path) -> None:
+    """numpy: a bound past the last row or before the first is refused with a negative step as
+    with a positive one (it was clipped); torch refuses every negative step, as the
+    reference's."""
+    path = small(tmp_path)
+    whole = np.arange(50.0).reshape(10, 5)
+    outside: list[Any] = [
+        slice(10, None, -1),
+        slice(None, -11, -1),
+        slice(100, -100, -1),
+        slice(-11, None, -1),
+        slice(None, 11, -1),
+        (slice(None), slice(5, None, -1)),
+    ]
+    inside: list[Any] = [
+        slice(9, None, -1),
+        slice(None, -10, -1),
+        slice(-10, 0, -1),
+        (1, slice(4, 0, -2)),
+    ]
+    with compat.safe_open(path, "np") as f:
+        for key in outside:
+            with pytest.raises(IndexError, match=r"out of bounds|Invalid index") as caught:
+                f.get_slice("a")[key]
+            assert isinstance(caught.value, SafetensorsError), key
+        for key in inside:
+            assert np.array_equal(f.get_slice("a")[key], whole[key]), key
+    with compat.safe_open(path, "pt") as ours, safetensors.safe_open(path, "pt") as ref:
+        for key in outside + inside:
+            raises_as_reference(
+                partial(ours.get_slice("a").__getitem__, key),
+                partial(ref.get_slice("a").__getitem__, key),
+            )
+
+
 def test_open_file_objects_as_the_reference(tmp_path: Path) -> None:
     fsspec = pytest.importorskip("fsspec")
     path = small(tmp_path)
