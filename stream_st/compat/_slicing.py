@@ -236,7 +236,11 @@ def torch_rows(key: object, shape: Sequence[int]) -> tuple[Rows, object]:
         return None, key
     step = 1 if first.step is None else _integer(first.step)
     if step is not None and step <= 0:  # torch's refusals, before reading the whole tensor
-        _torch_refusal(key, shape)
+        if all(bound is None or _integer(bound) is not None for bound in (first.start, first.stop)):
+            # integer bounds change nothing torch says, but an integer tensor as one leaves
+            # torch failing (SystemError) at a later zero step with a tensor bound
+            items = (slice(None, None, step), *items[1:])
+        _torch_refusal(items, shape)
         raise SliceValueError(
             "slice step cannot be zero" if step == 0 else "step must be greater than zero"
         )
@@ -328,8 +332,14 @@ _OURS: tuple[tuple[type[Exception], Callable[[str], Exception]], ...] = (
     (TypeError, SliceTypeError),
     (ValueError, SliceValueError),
     (RuntimeError, UsageError),
+    (SystemError, UsageError),
+    (AttributeError, UsageError),
 )
-"""The error raised for each built-in type torch raises on indexing: ours, of the same type."""
+"""The error raised for each built-in type torch raises on indexing: ours, of the same type;
+a :class:`UsageError` for torch failing inside (``SystemError``, ``AttributeError``: a key with
+a tensor bound after torch refused a negative step with one)."""
+
+_TORCH_ERRORS = tuple(kind for kind, _ in _OURS)
 
 
 def pick(tensor: Any, key: object) -> Any:
@@ -337,7 +347,7 @@ def pick(tensor: Any, key: object) -> Any:
     :class:`~stream_st.SafetensorsError` of the same built-in type, with torch's message."""
     try:
         return tensor[key]
-    except (IndexError, TypeError, ValueError, RuntimeError) as exc:
+    except _TORCH_ERRORS as exc:
         ours = next(make for kind, make in _OURS if isinstance(exc, kind))
         raise ours(str(exc)) from exc
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import subprocess
+import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -456,6 +458,46 @@ def test_torch_keys_mean_what_they_mean_to_torch(tmp_path: Path, backend: str) -
                 f.get_slice("t")[key]
             assert str(caught.value) == want[1][0], key
             assert all(isinstance(caught.value, t) for t in want[1][1]), (key, want[1][1])
+
+
+TENSOR_BOUNDS = """
+import sys, torch
+import stream_st.compat as compat
+
+def answer(key):
+    try:
+        f.get_slice("a")[key]
+    except Exception as exc:
+        print(type(exc).__name__, isinstance(exc, compat.SafetensorError), exc)
+
+with compat.safe_open(sys.argv[1], "pt") as f:
+    answer(slice(None, torch.tensor(-3), -1))
+    answer(slice(torch.tensor(1), 3, 0))
+    try:  # torch 2.13 itself then fails (SystemError) at a zero step with a tensor bound
+        torch.zeros(4)[slice(None, torch.tensor(-3), -1)]
+    except ValueError:
+        pass
+    answer((0, slice(torch.tensor(1), 3, 0)))
+"""
+
+
+def test_a_negative_step_with_a_tensor_bound_leaves_torch_as_it_was(tmp_path: Path) -> None:
+    """torch answers a negative first step with a tensor bound, then fails inside
+    (``SystemError``) at a zero step with one: get_slice does not set it off, and gives a
+    :class:`SafetensorsError` where torch fails (in a process of its own: torch stays so)."""
+    done = subprocess.run(
+        [sys.executable, "-c", TENSOR_BOUNDS, str(small(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    answers = done.stdout.splitlines()
+    assert answers[:2] == [
+        "SliceValueError True step must be greater than zero",
+        "SliceValueError True slice step cannot be zero",
+    ]
+    assert answers[2].split()[1] == "True", answers[2]
 
 
 def test_get_slice_beyond_the_reference(tmp_path: Path) -> None:
