@@ -30,7 +30,7 @@ from .._api import save as save_async
 from .._api import stream_for
 from ..core.arrays import framework_of, to_torch, torch_device, torch_dtype, torch_shape
 from ..core.header import Header, TensorInfo
-from ..errors import ArgumentTypeError, TensorNotFoundError, UsageError
+from ..errors import ArgumentTypeError, DeviceError, TensorNotFoundError, UsageError
 from ..memory.delivery import Delivery
 from ..reader import Include
 from ..reader.caps import NO_CAPS, Caps
@@ -75,10 +75,27 @@ BACKENDS = ("mmap", "pread")
 
 def maps(backend: object) -> bool:
     """Whether ``backend`` maps local files (``"mmap"``) rather than reading each tensor into
-    fresh memory (``"pread"``); :class:`UsageError` if it is neither."""
+    fresh memory (``"pread"``); :class:`UsageError` if it is neither (an
+    :class:`ArgumentTypeError`, a ``TypeError`` too as the reference's, if it is no string)."""
     if backend not in BACKENDS:
-        raise UsageError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        wrong = ArgumentTypeError if not isinstance(backend, str) else UsageError
+        raise wrong(f"backend must be one of {BACKENDS}, got {backend!r}")
     return backend == "mmap"
+
+
+def _on_cpu(device: object) -> None:
+    """Refuse ``device`` for numpy arrays, which live on the CPU, unless it is the CPU: a
+    :class:`UsageError`; a :class:`DeviceError` (a ``ValueError`` too, as the reference's) for
+    a name torch does not know (``"cuda:x"``), where torch is there to tell."""
+    if device is None or str(device) == "cpu":
+        return
+    try:
+        torch_device(device)
+    except DeviceError:  # a name torch does not know
+        raise
+    except UsageError:  # torch missing, or a device this torch cannot use: refused below
+        pass
+    raise UsageError(f"device={device!r}: numpy arrays live on the CPU")
 
 
 def _metadata(header: Header) -> dict[str, str] | None:
@@ -119,9 +136,8 @@ class SafeOpen:
         self._torch = framework_of(framework, required=True)
         if self._torch:
             self._device = torch_device(device)
-        elif device is not None and str(device) != "cpu":
-            raise UsageError(f"device={device!r}: numpy arrays live on the CPU")
         else:
+            _on_cpu(device)
             self._device = None
         check_sync_address(src, "source")
         cache = options.pop("cache", None)  # cache= (stream_st._api)

@@ -159,6 +159,21 @@ def test_arguments_of_the_wrong_type_are_type_errors(tmp_path: Path) -> None:
     assert not dst.exists()
 
 
+@pytest.mark.parametrize("framework", ["pt", "np"])
+def test_a_bad_backend_or_device_is_the_reference_s_type_of_error(
+    tmp_path: Path, framework: str
+) -> None:
+    """A backend that is no string is a TypeError, a device name torch cannot parse a
+    ValueError, with numpy too (they were a UsageError alone)."""
+    path = tmp_path / "x.safetensors"
+    ref_np.save_file({"x": np.zeros(2)}, path)
+    for options in ({"backend": None}, {"backend": 1}, {"device": "cuda:x"}, {"device": "cuda:-1"}):
+        raises_the_reference_s_type(
+            partial(compat.safe_open, path, framework, **options),
+            partial(safetensors.safe_open, path, framework, **options),
+        )
+
+
 def test_a_meta_tensor_is_not_implemented_as_in_the_reference(tmp_path: Path) -> None:
     dst = tmp_path / "x.safetensors"
     meta = {"a": torch.empty(3, device="meta")}
