@@ -274,6 +274,19 @@ class SafeOpen:
     ) -> None:
         self.close()
 
+    def __reduce__(self) -> Any:
+        raise _unpicklable("safe_open")
+
+
+def _unpicklable(kind: str) -> ArgumentTypeError:
+    """A handle or slice holds a descriptor, a mapping or an event loop of this process: a copy
+    elsewhere would read another file through a reused descriptor number, or nothing (another
+    process: a DataLoader's spawned worker). Refused, as the reference refuses it; open the
+    file again there."""
+    return ArgumentTypeError(
+        f"cannot pickle 'builtins.{kind}' object: open the file again where it is needed"
+    )
+
 
 class Slice:
     """Part of one tensor, read on indexing: ``f.get_slice(name)[2:5]``, ``[0]``, ``[..., :3]``,
@@ -309,6 +322,9 @@ class Slice:
     def get_dtype(self) -> str:
         """The tensor's safetensors dtype code (``"F32"``, ``"BF16"``, ...)."""
         return self._info.dtype
+
+    def __reduce__(self) -> Any:
+        raise _unpicklable("PySafeSlice")
 
     def __getitem__(self, key: object) -> Any:
         if self._place is not None:

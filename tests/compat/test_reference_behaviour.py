@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import pickle
 import subprocess
 import sys
 from collections.abc import Callable
@@ -721,3 +722,20 @@ def test_low_level_misuse_is_refused_as_by_the_reference() -> None:
         compat.serialize({"a": spec})
     with pytest.raises(compat.SafetensorError):
         compat.deserialize(b"garbage")
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_a_handle_and_its_slices_are_not_pickled_as_by_the_reference(
+    tmp_path: Path, backend: str
+) -> None:
+    """A handle holds this process's descriptor or mapping: a pickled ``pread`` handle read
+    another file through the reused descriptor number, and meant nothing in another process (a
+    DataLoader's spawned worker). Refused with the reference's ``TypeError`` and message."""
+    path = small(tmp_path)
+    with safetensors.safe_open(path, "np") as r, compat.safe_open(path, "np", backend=backend) as f:
+        for ours, theirs in ((f, r), (f.get_slice("a"), r.get_slice("a"))):
+            with pytest.raises(TypeError) as expected:
+                pickle.dumps(theirs)
+            with pytest.raises(TypeError, match=expected.value.args[0]) as info:
+                pickle.dumps(ours)
+            assert isinstance(info.value, SafetensorsError)
