@@ -8,23 +8,25 @@ program calling sync code) it goes through a :class:`Bridge`: a loop in a thread
 which the calling thread hands the coroutine and then waits for the result (a few milliseconds to
 start). Either way the caller's loop is never asked to run anything, so it can neither deadlock on
 it nor meet "this event loop is already running". An open file (``safe_open``) keeps a
-:class:`Bridge` for its lifetime. The caller's thread is blocked for the call's duration, as by
-any synchronous I/O. Not public API.
+:class:`Bridge` for its lifetime, usable in the process that opened it only (not in a copy
+made by ``os.fork()``, where its loop runs in no thread). The caller's thread is blocked for the
+call's duration, as by any synchronous I/O. Not public API.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 import threading
 from collections.abc import AsyncIterable, Awaitable, Callable
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import ByteReceiveStream, ByteSendStream
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+from anyio.from_thread import BlockingPortal
 
 from ..errors import ArgumentTypeError, UsageError
 
@@ -38,17 +40,38 @@ class Bridge:
 
     :meth:`call` runs a coroutine function there and blocks until it returns; calls from several
     threads are taken one after another by the loop, which owns every connection they use.
+
+    The loop belongs to the process that made the bridge: a copy made by ``os.fork()`` (a
+    ``DataLoader`` worker) has no thread running it, and its connections are the parent's
+    sockets, so there a call is a :class:`UsageError` and :meth:`close` lets the copy go
+    without touching either.
     """
 
     def __init__(self) -> None:
-        self._context = start_blocking_portal("asyncio")
-        self._portal: BlockingPortal | None = self._context.__enter__()
+        # A thread of its own, not anyio's start_blocking_portal: that context manager, when
+        # the bridge's copy in a forked process is collected, would wait on the loop for ever.
+        self._pid = os.getpid()
+        started: Future[BlockingPortal] = Future()
+        self._thread = threading.Thread(
+            target=_serve, args=(started,), name="stream_st-bridge", daemon=True
+        )
+        self._thread.start()
+        self._portal: BlockingPortal | None = started.result()
         self._lock = threading.Lock()
 
     def call(self, function: Callable[..., Awaitable[T]], *args: Any) -> T:
         """``await function(*args)`` on the bridge's loop; its result or its exception. The
         caller interrupted while it waits (Ctrl-C) stops the call's task too; a call cut short
-        by :meth:`close` from another thread is a :class:`UsageError`."""
+        by :meth:`close` from another thread, or made in a process forked from the one that
+        made the bridge, is a :class:`UsageError`."""
+        if os.getpid() != self._pid:
+            raise UsageError(
+                "this file was opened in another process, of which this one is a copy made by "
+                "os.fork() (a DataLoader worker is one): its event loop and connections stayed "
+                "there. Open it again in this process (in a DataLoader worker: in "
+                "worker_init_fn, or on first use in __getitem__); a local file opened by its "
+                "path reads in a forked copy as it is"
+            )
         portal = self._portal
         if portal is None:
             raise UsageError("the file is closed")
@@ -70,14 +93,36 @@ class Bridge:
             raise
 
     def close(self) -> None:
-        """Stop the loop, cancelling anything still running on it, and join its thread."""
+        """Stop the loop, cancelling anything still running on it, and join its thread; in a
+        forked copy of the process that made the bridge, only let the copy of it go (its loop
+        runs in no thread here: nothing could stop it, and the lock may be held for ever)."""
+        if os.getpid() != self._pid:
+            self._portal = None
+            return
         with self._lock:
             portal, self._portal = self._portal, None
         if portal is None:
             return
         with contextlib.suppress(RuntimeError):  # its loop already gone
             portal.call(portal.stop, True)
-        self._context.__exit__(None, None, None)  # joins the thread (stopped: nothing to stop)
+        self._thread.join()
+
+
+def _serve(started: Future[BlockingPortal]) -> None:
+    """A :class:`Bridge`'s thread: an event loop serving a portal, handed to ``started``, until
+    the portal is stopped; a loop that fails to start fails ``started``."""
+
+    async def serve() -> None:
+        async with BlockingPortal() as portal:
+            started.set_result(portal)
+            await portal.sleep_until_stopped()
+
+    try:
+        anyio.run(serve, backend="asyncio")
+    except BaseException as exc:
+        if started.done():
+            raise  # failed while serving: threading.excepthook reports it
+        started.set_exception(exc)
 
 
 def _loop_running() -> bool:

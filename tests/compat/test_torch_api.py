@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
+import textwrap
 import threading
 import warnings
 import weakref
@@ -962,6 +965,110 @@ def test_a_sync_call_after_close_is_a_usage_error(ref_file: Path) -> None:
     f.close()
     with pytest.raises(UsageError):
         f.get_tensor("f32")
+
+
+FORKED = textwrap.dedent(
+    """
+    import gc, json, os, signal, sys
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+    import stream_st.torch as st
+    from stream_st.errors import UsageError
+
+    torch.set_num_threads(1)
+
+    def in_child(work, end):  # work() in a copy made by os.fork(), then end(0): what it gave
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)  # a hang is a death by SIGALRM
+            os.close(r)
+            try:
+                said = work()
+            except UsageError as exc:
+                said = "UsageError: " + str(exc)
+            os.write(w, said.encode())
+            os.close(w)
+            end(0)
+        os.close(w)
+        _, status = os.waitpid(pid, 0)
+        with os.fdopen(r) as pipe:
+            said = pipe.read()
+        if os.WIFSIGNALED(status):
+            return f"{said} | killed by signal {os.WTERMSIG(status)}"
+        return f"{said} | exit {os.WEXITSTATUS(status)}"
+
+    class Rows(Dataset):
+        def __len__(self):
+            return 2
+        def __getitem__(self, i):
+            return held["f"].get_tensor("a")[i]
+
+    def loaded():  # by DataLoader workers, forked
+        try:
+            batches = DataLoader(
+                Rows(), batch_size=2, num_workers=2, multiprocessing_context="fork", timeout=20
+            )
+            return str([b.tolist() for b in batches])
+        except UsageError as exc:
+            return "UsageError: " + str(exc)
+
+    def collected():
+        held.clear()
+        gc.collect()
+        return "collected"
+
+    out = {}
+    for step in ("forked", "loaded"):  # DataLoader's SIGCHLD handler last: it sees any child
+        for name, source in zip(["mmap", "pread", "http", "index"], sys.argv[1:5]):
+            backend = "pread" if name == "pread" else "mmap"
+            held = {"f": st.safe_open(source, "pt", backend=backend)}
+            held["f"].get_tensor("a")  # used in the parent first
+            if step == "forked":
+                read = in_child(lambda: str(held["f"].get_tensor("a").tolist()), os._exit)
+                out[name] = [read, in_child(collected, sys.exit)]  # sys.exit: finalizers run
+            else:
+                out[name].append(loaded())
+            held["f"].close()
+    print(json.dumps(out))
+    """
+)
+
+
+@linux_only
+def test_a_handle_used_in_a_forked_process_reads_or_says_to_open_it_again(
+    tmp_path: Path, http: RangeHTTPServer
+) -> None:
+    """A safe_open copied by os.fork() (a DataLoader worker's dataset): a local file's reads
+    there; a remote source's or an index's (a private event loop whose thread the copy lacks,
+    the parent's connections) is a UsageError saying to open it again in that process, where
+    it waited for ever; collecting the copy, or exiting, never waits on that loop."""
+    path = tmp_path / "a.safetensors"
+    st.save_file({"a": torch.arange(2.0)}, path)
+    http.objects["/a.safetensors"] = path.read_bytes()
+    index = tmp_path / "m.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"a": "a.safetensors"}}))
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED)
+    sources = [str(path), str(path), http.url("/a.safetensors"), str(index)]
+    done = subprocess.run(
+        [sys.executable, str(script), *sources],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    for name in ("mmap", "pread"):
+        assert out[name] == ["[0.0, 1.0] | exit 0", "collected | exit 0", "[[0.0, 1.0]]"], name
+    for name in ("http", "index"):
+        read, collected, loaded = out[name]
+        assert read.startswith("UsageError: this file was opened in another process"), read
+        assert read.endswith("| exit 0") and "Open it again in this process" in read, read
+        assert loaded.startswith("UsageError: Caught UsageError in DataLoader worker"), loaded
+        assert "Open it again in this process" in loaded, loaded
+        assert collected == "collected | exit 0", name
 
 
 # ---------------------------------------------------------------------- remote sources
