@@ -67,15 +67,18 @@ async def task_group() -> AsyncIterator[TaskGroup]:
 
     Callers catch our errors by type (``except TruncatedStreamError``, ``except
     SafetensorsError``); a task group would hand them an ``ExceptionGroup`` instead. As in anyio,
-    a failure in the body or in any task cancels the rest. Groups holding anything but plain
-    exceptions (cancellation, ``KeyboardInterrupt``) pass through unchanged.
+    a failure in the body or in any task cancels the rest. A ``KeyboardInterrupt`` or
+    ``SystemExit`` alone in the group is raised as itself too: Ctrl-C under trio is raised in
+    the task it finds running or waiting, the group's body included. Other groups holding
+    anything but plain exceptions (cancellation) pass through unchanged.
     """
     try:
         async with anyio.create_task_group() as group:
             yield group
     except BaseExceptionGroup as grouped:
         leaves = _leaves(grouped)
-        if not all(isinstance(exc, Exception) for exc in leaves):
+        alone = len(leaves) == 1 and isinstance(leaves[0], KeyboardInterrupt | SystemExit)
+        if not alone and not all(isinstance(exc, Exception) for exc in leaves):
             raise
         first = leaves[0]
         context, suppress = first.__context__, first.__suppress_context__
@@ -139,8 +142,10 @@ async def seen_through(
     work asks) and waits for the call to end. Then: done, under a cancelled anyio scope (which
     cancels the caller's next checkpoint, again and again), its result is returned, so that the
     caller knows what was done; else the cancellation goes on, never swallowed (asyncio's own
-    is delivered once, and its timeouts and task groups count on it). A failure of the call is
-    raised as it is."""
+    is delivered once, and its timeouts and task groups count on it). Interrupted (Ctrl-C
+    under trio raises ``KeyboardInterrupt`` in the caller as it waits), the caller tells
+    ``on_cancel`` too, waits for the call to end, and raises the interrupt as itself (see
+    :func:`task_group`). A failure of the call is raised as it is."""
     shield = anyio.CancelScope(shield=True)
     finished = anyio.Event()
     outcome: list[T] = []
@@ -158,11 +163,11 @@ async def seen_through(
 
     cancelled: BaseException | None = None
     try:
-        async with anyio.create_task_group() as group:
+        async with task_group() as group:
             group.start_soon(run)
             try:
                 await finished.wait()
-            except anyio.get_cancelled_exc_class():
+            except BaseException:  # cancelled, or interrupted
                 on_cancel(shield)
                 raise
     except anyio.get_cancelled_exc_class() as exc:

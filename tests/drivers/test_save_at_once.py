@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -186,3 +188,42 @@ async def test_a_small_dict_is_saved_on_the_loops_thread(
         await stream_st.save(tmp_path / "m.safetensors", tensors)
         assert (tmp_path / "m.safetensors").read_bytes() == safetensors.numpy.save(tensors)
         assert threads and (set(threads) == {threading.get_ident()}) == inline
+
+
+CTRL_C_DURING_SAVE = """
+import os, signal, sys, time, anyio, numpy as np, stream_st
+
+class Interrupting:
+    # Converted in the save's worker thread: Ctrl-C comes while the caller waits for it.
+    def __array__(self, dtype=None, copy=None):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)  # the interrupt reaches the caller meanwhile
+        return np.arange(8, dtype=np.float32)
+
+tensors = {"a": np.ones(1 << 20, np.float32), "zz": Interrupting()}
+try:
+    anyio.run(stream_st.save, sys.argv[1], tensors, backend=sys.argv[2])
+except KeyboardInterrupt:
+    print("KeyboardInterrupt")
+except BaseException as exc:
+    print(repr(exc))
+"""
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_ctrl_c_during_a_save_stops_it_and_is_a_keyboard_interrupt(
+    tmp_path: Path, backend: str
+) -> None:
+    """Ctrl-C while a save's thread writes: the save stops (nothing is committed) and the
+    caller gets a KeyboardInterrupt, as itself. Under trio, which raises it in the task that
+    waits for the thread, it came in a BaseExceptionGroup, once the save had committed."""
+    target = tmp_path / "model.safetensors"
+    done = subprocess.run(
+        [sys.executable, "-c", CTRL_C_DURING_SAVE, str(target), backend],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.stdout.strip() == "KeyboardInterrupt", done.stdout + done.stderr
+    assert _left(tmp_path) == []
