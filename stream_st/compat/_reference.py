@@ -106,7 +106,8 @@ def _metadata(header: Header) -> dict[str, str] | None:
 
 def _shut(bridge: Bridge, checkpoint: _Checkpoint) -> None:
     try:
-        bridge.call(checkpoint.aclose)
+        if bridge.here:  # in a forked copy, the connections are the parent's: let them be
+            bridge.call(checkpoint.aclose)
     finally:
         bridge.close()
 

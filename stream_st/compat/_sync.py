@@ -59,12 +59,17 @@ class Bridge:
         self._portal: BlockingPortal | None = started.result()
         self._lock = threading.Lock()
 
+    @property
+    def here(self) -> bool:
+        """Whether this is the process that made the bridge (not a forked copy of it)."""
+        return os.getpid() == self._pid
+
     def call(self, function: Callable[..., Awaitable[T]], *args: Any) -> T:
         """``await function(*args)`` on the bridge's loop; its result or its exception. The
         caller interrupted while it waits (Ctrl-C) stops the call's task too; a call cut short
         by :meth:`close` from another thread, or made in a process forked from the one that
         made the bridge, is a :class:`UsageError`."""
-        if os.getpid() != self._pid:
+        if not self.here:
             raise UsageError(
                 "this file was opened in another process, of which this one is a copy made by "
                 "os.fork() (a DataLoader worker is one): its event loop and connections stayed "
@@ -96,7 +101,7 @@ class Bridge:
         """Stop the loop, cancelling anything still running on it, and join its thread; in a
         forked copy of the process that made the bridge, only let the copy of it go (its loop
         runs in no thread here: nothing could stop it, and the lock may be held for ever)."""
-        if os.getpid() != self._pid:
+        if not self.here:
             self._portal = None
             return
         with self._lock:
