@@ -46,14 +46,15 @@ def copy_path(cache: Path) -> str:
 
 
 def opened(path: str) -> list[str]:
-    """The descriptors of this process open on ``path`` (also once it was removed)."""
+    """The descriptors of this process open on ``path`` or a file under it (also once it was
+    removed)."""
     found = []
     for fd in os.listdir("/proc/self/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            target = os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
         except OSError:
             continue
-        if target.removesuffix(" (deleted)") == path:
+        if target == path or target.startswith(path.rstrip("/") + "/"):
             found.append(fd)
     return found
 

@@ -22,10 +22,13 @@ import safetensors.numpy as reference_numpy
 import xxhash
 
 import stream_st
+from stream_st.transports.cache import Cache
+from stream_st.transports.cache.manage import entries
 from stream_st.transports.cache.tee import PIECE
 
 from .._util import assert_same_arrays
 from ..servers.http_server import RangeHTTPServer
+from .test_cache_ahead import opened
 
 ROOT = Path(__file__).resolve().parents[2]
 BIG: dict[str, np.ndarray[Any, Any]] = {
@@ -118,6 +121,27 @@ async def test_a_read_cancelled_mid_tensor_leaves_a_copy_that_completes_right(
         assert_same_arrays({name: array async for name, array in stream}, BIG)
     (copy,) = (tmp_path / "objects").rglob("*.safetensors")
     assert copy.read_bytes() == BIG_DATA
+
+
+async def test_a_read_cancelled_by_a_cancel_scope_closes_and_records_its_partial_copy(
+    tmp_path: Path,
+) -> None:
+    """A cancel scope cancels every await of a read it stops, its close's too: the flush of the
+    partial copy was cut short, the copy's file left open in the process and its preallocated
+    blocks with no ranges recorded (a killed writer's leftover in ``cache ls``)."""
+    with (
+        anyio.fail_after(120),
+        RangeHTTPServer(objects={"/m.safetensors": BIG_DATA}, etag="strong", rate=8e6) as running,
+    ):
+        url = running.url("/m.safetensors")
+        for delay in (0.05, 0.15, 0.3):
+            with anyio.move_on_after(delay) as scope:
+                await stream_st.load(url, cache=tmp_path)
+            assert scope.cancelled_caught
+            assert opened(str(tmp_path)) == []
+            for part in (tmp_path / "objects").rglob("*.part"):
+                assert part.with_name(f"{part.name}.json").exists()
+            assert not [entry for entry in entries(Cache.at(tmp_path)) if entry.leftover]
 
 
 async def test_an_adaptive_window_lands_its_parts_in_the_tensor_as_without_a_cache(

@@ -52,6 +52,7 @@ from .store import (
     now,
     pread_soon,
     remove_quietly,
+    write_json,
 )
 
 __all__ = ["PIECE", "CopyWriter", "Destination", "TeeSource"]
@@ -393,19 +394,23 @@ class CopyWriter:
             raise IntegrityError(problem, source=self.name)
         record.digest = digest
         record.created = now()
-        await self._keeper.stop()
-        self._fd = None
-        os.close(fd)
-        try:
-            await anyio.to_thread.run_sync(destination.commit, part, record)
-        except OSError as exc:
-            remove_quietly(part)
-            self._forget_part()
-            self._unpublish()
-            self.lock.release()
-            self.given_up = f"keeping the copy failed: {exc}"
-            warnings.warn(f"{self.name}: {self.given_up}", RuntimeWarning, stacklevel=2)
-            return
+        # Not cancellable from here: the file is closed before it is moved, and a commit cut
+        # short (cancelled before its thread started) left the whole copy as a partial copy
+        # whose ranges no one would record. Moving a file and writing a record take a moment.
+        with anyio.CancelScope(shield=True):
+            await self._keeper.stop()
+            self._fd = None
+            os.close(fd)
+            try:
+                await anyio.to_thread.run_sync(destination.commit, part, record)
+            except OSError as exc:
+                remove_quietly(part)
+                self._forget_part()
+                self._unpublish()
+                self.lock.release()
+                self.given_up = f"keeping the copy failed: {exc}"
+                warnings.warn(f"{self.name}: {self.given_up}", RuntimeWarning, stacklevel=2)
+                return
         self._forget_part()
         self.committed = True
         self._unpublish()
@@ -448,7 +453,13 @@ class CopyWriter:
 
     async def close(self) -> None:
         """The read is over. An incomplete copy of known size is kept as a partial copy for a
-        later read (its data flushed before the ranges are recorded), else thrown away."""
+        later read (its data flushed before the ranges are recorded), else thrown away. Not
+        cancellable (a read cancelled closes in a cancelled scope): a flush cut short left the
+        copy's file open and its preallocated blocks unrecorded, as a killed writer's."""
+        with anyio.CancelScope(shield=True):
+            await self._close()
+
+    async def _close(self) -> None:
         await self._keeper.stop()
         self._unpublish()
         fd = self._fd
@@ -473,8 +484,6 @@ class CopyWriter:
                 "etag": record.etag,
                 "last_modified": record.last_modified,
             }
-            from .store import write_json
-
             assert destination.part_record is not None
             write_json(destination.part_record, state)
         except OSError:
