@@ -40,12 +40,19 @@ from .strict_json import (
     PIECE_BYTES,
     brief,
     decode_json,
+    first_item,
     json_type,
-    members,
+    kind_at,
+    member_name,
+    next_item,
     object_pieces,
     refuse_surrogates,
+    scan_bounded,
     scan_piece,
+    scan_short,
+    scan_string,
     scan_value,
+    skip_space,
     string_count,
 )
 
@@ -462,14 +469,96 @@ def _strict_entry(text: str, name: str) -> Any:
 
 
 def _parse_metadata(value: object) -> dict[str, str]:
+    """The metadata parsed as ``value``, checked: a JSON object of strings."""
     if type(value) is not dict:
-        raise HeaderError(f"{METADATA_KEY} must be a JSON object, got {json_type(value)}")
+        raise _metadata_error(json_type(value))
     for key, item in value.items():
         if type(item) is not str:
-            raise HeaderError(f"{METADATA_KEY}[{key!r}] must be a string, got {json_type(item)}")
-        refuse_surrogates(key, f"{METADATA_KEY} key")
-        refuse_surrogates(item, f"{METADATA_KEY}[{key!r}]")
+            raise _metadata_value_error(key, json_type(item))
+        _refuse_metadata_surrogates(key, item)
     return value
+
+
+_WS = r"[ \t\n\r]*+"
+_STRING = r'"[^"\\\x00-\x1f]*+(?:\\.[^"\\\x00-\x1f]*+)*+"'
+_ENTRIES = _STRING.join(["(?:", f"{_WS}:{_WS}", f'{_WS}(?:,{_WS}(?=")|(?=\\}})))*+'])
+"""A run of a JSON object's members whose values are strings, each with the ``,`` after it
+(and the whitespace after that) or, for the last, the ``}`` after it left unread: the
+metadata's entries a window at a time (:func:`_merge_entries`). A string's escapes are left to
+that parse to check."""
+_METADATA_ENTRIES = re.compile(_ENTRIES)
+_METADATA_ENTRIES_RAW = re.compile(_ENTRIES.encode())
+_METADATA_HEAD = re.compile(f'\\{{{_WS}"{METADATA_KEY}"{_WS}:{_WS}\\{{{_WS}'.encode())
+"""A header's start where the metadata is its first member, up to the metadata's first entry."""
+_AFTER_METADATA = re.compile(f"{_WS},{_WS}".encode())
+
+
+def _merge_entries(found: dict[str, str], text: str) -> bool:
+    """Add to ``found`` the metadata's entries that ``text`` holds (a run of
+    :data:`_ENTRIES`); False, ``found`` left as it was, where one of them is no valid JSON, holds
+    a lone surrogate or is a key twice (in ``text``, or in ``found`` already): read one at a
+    time, they tell which."""
+    body = text.rstrip(" \t\n\r").removesuffix(",")
+    try:
+        entries: dict[str, str] = decode_json("{" + body + "}", "header", strict=True)
+        if "\\u" in body:
+            for key, item in entries.items():
+                _refuse_metadata_surrogates(key, item)
+    except HeaderError:
+        return False
+    if not found.keys().isdisjoint(entries):
+        return False
+    found.update(entries)
+    return True
+
+
+def _metadata_steps(text: str, at: int) -> Generator[None, None, tuple[dict[str, str], int]]:
+    """The metadata whose JSON text starts at ``at``, checked as :func:`_parse_metadata` checks
+    it, and the index after it, read in steps of about :data:`PIECE_BYTES`: a run of entries
+    of string values at once (:func:`_merge_entries`), any other entry, or a run that does not
+    parse, an entry at a time, where a value that is no string is refused as it is met, unread.
+    """
+    if not text.startswith("{", at):
+        raise _metadata_error(kind_at(text, at))
+    found: dict[str, str] = {}
+    at, more = yield from first_item(text, at, "}")
+    pause = at + PIECE_BYTES
+    while more:
+        run = _METADATA_ENTRIES.match(text, at, at + PIECE_BYTES)
+        end = run.end() if run else at
+        if end > at and _merge_entries(found, text[at:end]):
+            at = end
+            if text.startswith("}", at):
+                return found, at + 1
+        else:  # one entry, or each of the run, whose error the parse found
+            stop = max(end, at + 1)
+            while more and at < stop:
+                key, at = yield from member_name(text, at)
+                if not text.startswith('"', at):
+                    raise _metadata_value_error(key, kind_at(text, at))
+                item, at = scan_string(text, at)
+                if key in found:
+                    raise HeaderError(f"duplicate key {key!r} in the JSON header")
+                _refuse_metadata_surrogates(key, item)
+                found[key] = item
+                at, more = yield from next_item(text, at, "}")
+        if at >= pause:
+            yield
+            pause = at + PIECE_BYTES
+    return found, at
+
+
+def _metadata_error(kind: str) -> HeaderError:
+    return HeaderError(f"{METADATA_KEY} must be a JSON object, got {kind}")
+
+
+def _metadata_value_error(key: str, kind: str) -> HeaderError:
+    return HeaderError(f"{METADATA_KEY}[{key!r}] must be a string, got {kind}")
+
+
+def _refuse_metadata_surrogates(key: str, item: str) -> None:
+    refuse_surrogates(key, f"{METADATA_KEY} key")
+    refuse_surrogates(item, f"{METADATA_KEY}[{key!r}]")
 
 
 _Layout = tuple[str, tuple[int, ...], int]
@@ -491,17 +580,29 @@ def _parse_tensor(
         code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     except (KeyError, TypeError):
         raise _fields_error(name, entry) from None
-    if type(shape) is not list or not {*map(type, shape)} <= _INT_ONLY:
+    if type(shape) is not list:
+        raise _shape_error(name, shape)
+    if len(shape) > _NUMPY_MAX_NDIM and _numpy_ndim(code):
+        raise _ndim_error(name, len(shape))  # before a look at each dimension
+    if not {*map(type, shape)} <= _INT_ONLY:
         raise _shape_error(name, shape)
     layout = known.get((code, *shape)) if type(code) is str else None
     if layout is None:
-        if keep and type(code) is str and code not in DTYPES and _KEPT_CODE.fullmatch(code):
-            return _kept_tensor(name, code, shape, offsets)
+        if _kept(code, keep):
+            dims = checked_dims(name, shape)
+            _value_count(name, dims)
+            return _kept_tensor(name, code, dims, offsets)
         dtype = _header_dtype(name, code)
         dims = checked_dims(name, shape)
         layout = dtype.code, dims, data_size(name, dtype, dims)
         if len(known) < _KNOWN_LAYOUTS:
             known[(dtype.code, *dims)] = layout
+    return _placed(name, layout, offsets)
+
+
+def _placed(name: str, layout: _Layout, offsets: object) -> _Row:
+    """The row of the tensor ``name`` of ``layout`` at ``offsets``, checked: two integers that
+    span its bytes, below 2**64."""
     code, dims, nbytes = layout
     if type(offsets) is list and len(offsets) == 2:
         start, end = offsets
@@ -516,12 +617,23 @@ def _parse_tensor(
     raise _offsets_error(name, offsets, code, dims, nbytes)
 
 
-def _kept_tensor(name: str, code: str, shape: list[int], offsets: object) -> _Row:
+def _kept(code: object, keep: bool) -> bool:
+    """Whether a tensor of dtype ``code`` is kept unread (``keep``, a code stream_st does not
+    know, of the form :data:`_KEPT_CODE`)."""
+    return keep and type(code) is str and code not in DTYPES and bool(_KEPT_CODE.fullmatch(code))
+
+
+def _numpy_ndim(code: object) -> bool:
+    """Whether a tensor of dtype ``code`` is delivered in an array of its own shape, so holds
+    no more dimensions than numpy takes: a known code of whole bytes."""
+    dtype = DTYPES.get(code) if type(code) is str else None
+    return dtype is not None and not dtype.packed
+
+
+def _kept_tensor(name: str, code: str, dims: tuple[int, ...], offsets: object) -> _Row:
     """The row of a tensor whose dtype code stream_st does not know, sized by its
-    ``data_offsets`` alone: the shape is checked as any shape is (each dimension, and the count
-    of values, below 2**64), not against the bytes."""
-    dims = checked_dims(name, shape)
-    _value_count(name, dims)
+    ``data_offsets`` alone: its shape ``dims`` is checked as any shape is (each dimension, and
+    the count of values, below 2**64: the caller's), not against the bytes."""
     if type(offsets) is list and len(offsets) == 2:
         start, end = offsets
         if type(start) is int and type(end) is int and 0 <= start <= end <= U64_MAX:
@@ -531,7 +643,7 @@ def _kept_tensor(name: str, code: str, shape: list[int], offsets: object) -> _Ro
                 f"tensor {name!r}: dtype {code} ({brief(list(dims))}): data_offsets "
                 f"[{start}, {end}] are reversed"
             )
-    raise _offsets_error(name, offsets, code, dims, 0)  # not two integers in [0, 2**64)
+    raise _offsets_form_error(name, offsets)  # not two integers in [0, 2**64)
 
 
 def _offsets_error(
@@ -543,15 +655,19 @@ def _offsets_error(
         and len(offsets) == 2
         and all(type(o) is int and 0 <= o <= U64_MAX for o in offsets)
     ):
-        return HeaderError(
-            f"tensor {name!r}: data_offsets must be exactly two non-negative integers below "
-            f"2**64, got {brief(offsets)}"
-        )
+        return _offsets_form_error(name, offsets)
     start, end = offsets
     problem = "are reversed" if end < start else f"span {end - start}"
     return HeaderError(
         f"tensor {name!r}: shape {brief(list(dims))} x {code} needs {nbytes} bytes but "
         f"data_offsets [{start}, {end}] {problem}"
+    )
+
+
+def _offsets_form_error(name: str, offsets: object) -> HeaderError:
+    return HeaderError(
+        f"tensor {name!r}: data_offsets must be exactly two non-negative integers below "
+        f"2**64, got {brief(offsets)}"
     )
 
 
@@ -561,12 +677,19 @@ _INT_ONLY = frozenset({int})
 def _fields_error(name: str, entry: object) -> HeaderError:
     """What is wrong with a tensor entry that is no object of the three fields."""
     if type(entry) is not dict:
-        return HeaderError(f"tensor {name!r}: entry must be a JSON object, got {json_type(entry)}")
+        return _entry_error(name, json_type(entry))
     missing = _TENSOR_FIELDS - entry.keys()
     if missing:
         return HeaderError(f"tensor {name!r}: missing field(s) {sorted(missing)}")
-    unknown = sorted(brief(key) for key in entry.keys() - _TENSOR_FIELDS)
-    return HeaderError(f"tensor {name!r}: unknown field(s) {unknown}")
+    return _unknown_fields_error(name, entry.keys() - _TENSOR_FIELDS)
+
+
+def _entry_error(name: str, kind: str) -> HeaderError:
+    return HeaderError(f"tensor {name!r}: entry must be a JSON object, got {kind}")
+
+
+def _unknown_fields_error(name: str, keys: Iterable[str]) -> HeaderError:
+    return HeaderError(f"tensor {name!r}: unknown field(s) {sorted(map(brief, keys))}")
 
 
 def _shape_error(name: str, shape: object) -> HeaderError:
@@ -605,13 +728,26 @@ def _value_count(name: str, shape: tuple[int, ...]) -> int:
     for dim in shape:
         count *= dim
         if count > U64_MAX:
-            raise HeaderError(
-                f"tensor {name!r}: shape {brief(list(shape))} holds more than 2**64 - 1 values"
-            )
+            raise _count_error(name, shape)
     return count
 
 
-def data_size(name: str, dtype: DType, shape: tuple[int, ...]) -> int:
+def _count_error(name: str, shape: Iterable[int]) -> HeaderError:
+    return HeaderError(
+        f"tensor {name!r}: shape {brief(list(shape))} holds more than 2**64 - 1 values"
+    )
+
+
+def _ndim_error(name: str, ndim: int, at_least: bool = False) -> HeaderError:
+    """The error for a tensor of ``ndim`` dimensions (``at_least``: that many read so far)
+    delivered as an array of more than numpy takes."""
+    return HeaderError(
+        f"tensor {name!r}: {'at least ' if at_least else ''}{ndim} dimensions, more than the "
+        f"{_NUMPY_MAX_NDIM} a numpy array can have"
+    )
+
+
+def data_size(name: str, dtype: DType, shape: tuple[int, ...], count: int | None = None) -> int:
     """Bytes of a tensor of ``dtype`` and ``shape`` (dimensions in [0, 2**64)).
 
     :class:`HeaderError` for a shape no valid file holds: its element or bit count passes
@@ -623,13 +759,18 @@ def data_size(name: str, dtype: DType, shape: tuple[int, ...]) -> int:
 
     A whole-byte type's tensor of no zero dimension and at most :data:`_PLAIN_BITS` bits passes
     every check: its item size is its bits / 8, its array its shape; it is told in one product.
+    One of more dimensions than numpy takes is refused before a look at any of them. ``count``
+    is the shape's number of values where the caller has checked it already.
     """
     bits_each = dtype.bits
-    if bits_each % 8 == 0 and len(shape) <= _NUMPY_MAX_NDIM:
+    if not dtype.packed and len(shape) > _NUMPY_MAX_NDIM:
+        raise _ndim_error(name, len(shape))
+    if bits_each % 8 == 0:
         bits = prod(shape) * bits_each
         if 0 < bits <= _PLAIN_BITS:
             return bits // 8
-    count = _value_count(name, shape)
+    if count is None:
+        count = _value_count(name, shape)
     bits = count * dtype.bits
     if bits > U64_MAX:
         raise HeaderError(
@@ -642,10 +783,7 @@ def data_size(name: str, dtype: DType, shape: tuple[int, ...]) -> int:
         )
     delivered = array_shape(dtype, shape)
     if len(delivered) > _NUMPY_MAX_NDIM:
-        raise HeaderError(
-            f"tensor {name!r}: {len(delivered)} dimensions, more than the {_NUMPY_MAX_NDIM} "
-            "a numpy array can have"
-        )
+        raise _ndim_error(name, len(delivered))
     span = dtype.numpy.itemsize
     for dim in delivered:
         span *= dim or 1
@@ -875,7 +1013,8 @@ def _read_piece(piece: str, known: _Known, first: bool) -> _Piece | None:
 
 def _parse_fast(raw: memoryview) -> Generator[None, None, Header | None]:
     """The :class:`Header` of ``raw``, if it is a header that plainly passes every check of
-    :func:`_parse_object`, found a piece of members at a time (:func:`object_pieces`) with
+    :func:`_parse_object`, found a piece of members at a time (:func:`object_pieces`), the
+    metadata that opens it a window at a time before them (:func:`_plain_metadata`), with
     whole-list operations; ``None`` for any other (invalid, or unusual: a dtype the table
     lacks, an escape that may hide a ``-0``...), which :func:`_parse_object` reads member by
     member to tell what is wrong, or accept. Each piece is read by :func:`_read_piece`.
@@ -886,13 +1025,20 @@ def _parse_fast(raw: memoryview) -> Generator[None, None, Header | None]:
     count = 0  # the tensors in ``columns`` so far (they may hold more places: see _allotted)
     index = NameIndex(len(raw) // _LEAST_MEMBER)
     metadata: dict[str, str] | None = None
+    begin = 0  # where the pieces start: past the metadata, where it is read first
     known: _Known = {}
     ordered = True
     try:
-        for at, piece in enumerate(object_pieces(raw)):
+        head = _METADATA_HEAD.match(raw)
+        if head is not None:  # read before the pieces: it may be long
+            plain = yield from _plain_metadata(raw, head.end())
+            if plain is None:
+                return None
+            metadata, begin = plain
+        for at, piece in enumerate(object_pieces(raw, begin)):
             if at:
                 yield  # between two pieces
-            part = _read_piece(piece, known, first=at == 0)
+            part = _read_piece(piece, known, first=not (at or begin))
             if part is None:
                 return None
             found, new, in_order = part
@@ -909,8 +1055,8 @@ def _parse_fast(raw: memoryview) -> Generator[None, None, Header | None]:
                 index.add(new._names, count)
                 if len(index) != end:
                     return None  # a name in two pieces
-                if not count and 2 * len(piece) < len(raw):  # more pieces to come
-                    columns = yield from _allotted(len(raw) * end // len(piece))
+                if not count and 2 * len(piece) < len(raw) - begin:  # more pieces to come
+                    columns = yield from _allotted((len(raw) - begin) * end // len(piece))
                 for column, more in zip(columns, _columns(new), strict=True):
                     column[count:end] = more  # past the places allotted, the list grows
                 count = end
@@ -923,6 +1069,31 @@ def _parse_fast(raw: memoryview) -> Generator[None, None, Header | None]:
         table = _data_order(table)
         index.add(table._names, 0)
     return Header(table, metadata or {}, len(raw), index, has_metadata=metadata is not None)
+
+
+def _plain_metadata(
+    raw: memoryview, at: int
+) -> Generator[None, None, tuple[dict[str, str], int] | None]:
+    """The metadata that ``raw`` opens with, whose first entry is at ``at``
+    (:data:`_METADATA_HEAD`), if its entries plainly pass (their values strings:
+    :func:`_merge_entries`) and a tensor's member follows it, and the byte where that member
+    starts; ``None`` for any other. Read about :data:`PIECE_BYTES` at a time, with a yield
+    between two windows: metadata of a million entries holds no step longer than one window's.
+    """
+    found: dict[str, str] = {}
+    while True:
+        run = _METADATA_ENTRIES_RAW.match(raw, at, at + PIECE_BYTES)
+        end = run.end() if run else at
+        closed = raw[end : end + 1].tobytes() == b"}"
+        if end == at and not closed:
+            return None  # an entry of another value, or one longer than a window
+        if not _merge_entries(found, str(raw[at:end], "utf-8")):
+            return None
+        if closed:
+            after = _AFTER_METADATA.match(raw, end + 1)
+            return (found, after.end()) if after else None
+        at = end
+        yield
 
 
 def _allotted(guess: int) -> Generator[None, None, tuple[list[Any], ...]]:
@@ -1125,6 +1296,9 @@ def _layout(code: str, shape: str | tuple[int, ...], known: _Known) -> _Layout:
     layout = known.get((code, shape))
     if layout is None:
         dtype = DTYPES.get(code) or dtype_from_code(code)  # the second raises
+        ndim = shape.count(",") + 1 if isinstance(shape, str) and shape else len(shape)
+        if not dtype.packed and ndim > _NUMPY_MAX_NDIM:
+            raise _ndim_error("", ndim)  # before the text is read as numbers
         dims = checked_dims("", _dims(shape))
         layout = dtype.code, dims, data_size("", dtype, dims)
         if len(known) < _KNOWN_LAYOUTS:
@@ -1140,31 +1314,42 @@ def _dims(shape: str | tuple[int, ...]) -> tuple[int, ...]:
     return tuple(map(int, shape.split(","))) if shape else ()
 
 
-_STEP_MEMBERS = 512
-"""Members of a header the member walk reads in one step (a fast parse's piece holds about
-as many)."""
-
-
 def _parse_object(text: str, header_size: int, keep: bool = False) -> Steps:
-    """The :class:`Header` of the JSON object ``text``, validated member by member."""
+    """The :class:`Header` of the JSON object ``text``, validated member by member, in steps of
+    about :data:`PIECE_BYTES` of its text: a member's value is parsed at once where its text is
+    plainly that short (:func:`scan_short`), else in steps (:func:`_metadata_steps`,
+    :func:`_tensor_steps`), so no step reads much more, whatever the header's shape."""
     metadata: dict[str, str] | None = None
     index: dict[str, int] = {}
     rows: list[_Row] = []
     known: dict[tuple[Any, ...], _Layout] = {}
-    for count, (name, value, start, end) in enumerate(members(text, METADATA_KEY)):
-        if count and count % _STEP_MEMBERS == 0:
+    pause = PIECE_BYTES
+    at, more = yield from first_item(text, 0, "}")
+    while more:
+        if at >= pause:
             yield
+            pause = at + PIECE_BYTES
+        name, start = yield from member_name(text, at)
         if name in index or (name == METADATA_KEY and metadata is not None):
             raise HeaderError(f"duplicate key {name!r} in the JSON header")
         if not name.isascii():
             refuse_surrogates(name, "tensor name")
         if name == METADATA_KEY:
-            metadata = _parse_metadata(value)
-            continue
-        if text.count('"', start, end) != 8 or text.find("-", start, end) >= 0:
-            value = _strict_entry(text[start:end], name)
-        index[name] = len(rows)
-        rows.append(_parse_tensor(name, value, known, keep))
+            metadata, end = yield from _metadata_steps(text, start)
+        else:
+            short = scan_short(text, start)
+            if short is None:
+                row, end = yield from _tensor_steps(name, text, start, keep)
+            else:
+                value, end = short
+                if text.count('"', start, end) != 8 or text.find("-", start, end) >= 0:
+                    value = _strict_entry(text[start:end], name)
+                row = _parse_tensor(name, value, known, keep)
+            index[name] = len(rows)
+            rows.append(row)
+        at, more = yield from next_item(text, end, "}")
+    if (yield from skip_space(text, at)) != len(text):
+        raise HeaderError(f"header is not valid JSON: extra data at char {at}")
     rows_table = TensorTable.of_rows(rows)
     table = _data_order(rows_table)
     if table is not rows_table:
@@ -1172,4 +1357,139 @@ def _parse_object(text: str, header_size: int, keep: bool = False) -> Steps:
     unreadable = tuple(t.name for t in table if t.dtype not in DTYPES) if keep else ()
     return Header(
         table, metadata or {}, header_size, index, unreadable, has_metadata=metadata is not None
+    )
+
+
+_ITEM_CHARS = 256
+"""The most characters a tensor's field read in steps takes for one value: its dtype (a code
+of 32 characters at most, 194 where each is written as a ``\\u`` escape), a dimension or an
+offset (20 digits). A longer one is refused unread."""
+
+
+def _tensor_steps(
+    name: str, text: str, at: int, keep: bool
+) -> Generator[None, None, tuple[_Row, int]]:
+    """The row of the tensor ``name`` whose entry's text, at ``at``, is not plainly short (see
+    :func:`_parse_object`), checked as :func:`_parse_tensor` checks it, and the index after it,
+    read a field at a time in steps of about :data:`PIECE_BYTES`. An entry that is no object,
+    a field other than the three, or a field given twice is refused where it is met; the shape
+    and the offsets are read an item at a time (:func:`_array_steps`), the dimensions checked
+    as they come (:class:`_Dims`); any other value is read from its first :data:`_ITEM_CHARS`
+    characters."""
+    if not text.startswith("{", at):
+        raise _entry_error(name, kind_at(text, at))
+    entry: dict[str, Any] = {}
+    dims: _Dims | None = None
+    at, more = yield from first_item(text, at, "}")
+    while more:
+        field, at = yield from member_name(text, at)
+        if field in entry:
+            raise HeaderError(f"duplicate key {field!r} in the JSON header")
+        if field not in _TENSOR_FIELDS:
+            raise _unknown_fields_error(name, [field])
+        what = f"tensor {name!r}: {field}"
+        if field == "dtype" or not text.startswith("[", at):
+            found = scan_bounded(text, at, _ITEM_CHARS)
+            if found is None:
+                raise _long_value_error(what, at)
+            entry[field], at = found
+        elif field == "shape":
+            dims = _Dims(name, entry.get("dtype"))
+            at = yield from _array_steps(what, text, at, dims.take)
+            entry[field] = dims.dims
+        else:
+            offsets: list[Any] = []
+            at = yield from _array_steps(what, text, at, partial(_take_offsets, name, offsets))
+            entry[field] = offsets
+        at, more = yield from next_item(text, at, "}")
+    if dims is None or len(entry) != len(_TENSOR_FIELDS):
+        return _parse_tensor(name, entry, {}, keep), at
+    code, offsets = entry["dtype"], entry["data_offsets"]
+    shape = tuple(dims.dims)
+    if _kept(code, keep):
+        return _kept_tensor(name, code, shape, offsets), at
+    dtype = _header_dtype(name, code)
+    return _placed(
+        name, (dtype.code, shape, data_size(name, dtype, shape, dims.count)), offsets
+    ), at
+
+
+class _Dims:
+    """A tensor's shape read in steps (:func:`_array_steps`), checked as it comes, as
+    :func:`_parse_tensor` checks a shape: each dimension an integer in [0, 2**64), the running
+    count of values below 2**64, and, where the dtype read before it is delivered in an array
+    of its own shape, at most the dimensions numpy takes."""
+
+    __slots__ = ("count", "dims", "most", "name")
+
+    def __init__(self, name: str, code: object) -> None:
+        self.name = name
+        self.dims: list[int] = []
+        self.count = 1
+        self.most = _NUMPY_MAX_NDIM if _numpy_ndim(code) else None
+
+    def take(self, items: list[Any]) -> None:
+        """Add the next dimensions, ``items``; :class:`HeaderError` for one that is not a
+        dimension, or for the shape they make."""
+        if not {*map(type, items)} <= _INT_ONLY or min(items) < 0 or max(items) > U64_MAX:
+            raise _shape_error(self.name, self.dims + items)
+        self.dims += items
+        if self.most is not None and len(self.dims) > self.most:
+            raise _ndim_error(self.name, len(self.dims), at_least=True)
+        count = self.count
+        if count:  # 0 stays 0, whatever comes
+            for dim in items:
+                count *= dim
+                if count > U64_MAX:
+                    raise _count_error(self.name, self.dims)
+            self.count = count
+
+
+def _take_offsets(name: str, offsets: list[Any], items: list[Any]) -> None:
+    """Add the next items of a tensor's ``data_offsets``; :class:`HeaderError` past two."""
+    offsets += items
+    if len(offsets) > 2:
+        raise _offsets_form_error(name, offsets)
+
+
+_INT_RUN = re.compile(r"(?:(?:0|[1-9][0-9]{0,19})[ \t\n\r]*,[ \t\n\r]*)*+")
+"""A run of an array's items that are plain integers of up to 20 digits, each followed by its
+``,`` (whitespace allowed around it)."""
+
+
+def _array_steps(
+    what: str, text: str, at: int, take: Callable[[list[Any]], object]
+) -> Generator[None, None, int]:
+    """Read the JSON array whose ``[`` is at ``at`` in steps of about :data:`PIECE_BYTES`,
+    giving its items to ``take`` in order: a run of plain integers at once (:data:`_INT_RUN`),
+    any other item alone, parsed from its first :data:`_ITEM_CHARS` characters (a longer one
+    is refused, naming ``what``); the index after its ``]``."""
+    at, more = yield from first_item(text, at, "]")
+    pause = at + PIECE_BYTES
+    while more:
+        run = _INT_RUN.match(text, at, pause)
+        end = run.end() if run else at
+        if end > at:
+            take(list(map(int, text[at:end].split(",")[:-1])))
+            at = end
+            if at + _ITEM_CHARS >= pause:
+                yield
+                pause = at + PIECE_BYTES
+                continue
+        at = yield from skip_space(text, at)
+        found = scan_bounded(text, at, _ITEM_CHARS)
+        if found is None:
+            raise _long_value_error(what, at)
+        item, at = found
+        take([item])
+        at, more = yield from next_item(text, at, "]")
+        if at >= pause:
+            yield
+            pause = at + PIECE_BYTES
+    return at
+
+
+def _long_value_error(what: str, at: int) -> HeaderError:
+    return HeaderError(
+        f"{what}: expected a JSON value of at most {_ITEM_CHARS} characters at char {at}"
     )

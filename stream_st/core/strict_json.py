@@ -3,8 +3,9 @@
 :func:`json.loads` alone accepts what a header must not hold (duplicate keys, NaN) and escapes
 with errors other than :class:`~stream_st.HeaderError` on hostile input (nesting too deep,
 undecodable bytes, integers too long). Here every failure is a :class:`~stream_st.HeaderError`,
-and :func:`members` walks a large JSON object one member at a time, so a header is validated as
-it is parsed and never exists as a whole as JSON objects. No I/O.
+and a large JSON object is walked one member at a time (:func:`member_name`, :func:`next_item`),
+so a header is validated as it is parsed and never exists as a whole as JSON objects; each
+step of the walk reads a bounded stretch of the text, whatever its shape. No I/O.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import reprlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from json.scanner import make_scanner
 from typing import Any, cast
@@ -20,17 +21,25 @@ from typing import Any, cast
 from ..errors import HeaderError
 
 __all__ = [
+    "MAX_PIECE_BYTES",
     "PIECE_BYTES",
     "Number",
     "brief",
     "decode_json",
+    "first_item",
     "json_errors",
     "json_type",
-    "members",
+    "kind_at",
+    "member_name",
+    "next_item",
     "object_pieces",
     "refuse_surrogates",
+    "scan_bounded",
     "scan_piece",
+    "scan_short",
+    "scan_string",
     "scan_value",
+    "skip_space",
     "string_count",
 ]
 
@@ -93,10 +102,16 @@ def json_errors(what: str) -> Iterator[None]:
         yield
     except HeaderError:
         raise
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of 4300+ digits
-        raise HeaderError(f"{what} is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise HeaderError(f"{what} JSON is nested too deeply") from None
+    except (ValueError, RecursionError) as exc:
+        raise _json_error(what, exc) from None
+
+
+def _json_error(what: str, exc: ValueError | RecursionError) -> HeaderError:
+    """The :class:`HeaderError` for what :mod:`json` raised on hostile input."""
+    if isinstance(exc, RecursionError):
+        return HeaderError(f"{what} JSON is nested too deeply")
+    # JSONDecodeError, UnicodeDecodeError, an int of 4300+ digits
+    return HeaderError(f"{what} is not valid JSON: {exc}")
 
 
 _BRIEF = reprlib.Repr()
@@ -143,6 +158,8 @@ def refuse_surrogates(text: str, what: str) -> None:
 
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
+_space_run = cast(Callable[[str, int, int], "re.Match[str]"], _WHITESPACE.match)
+"""``_WHITESPACE.match``, which always matches (``*``)."""
 
 
 def _skip_whitespace(text: str, at: int) -> int:
@@ -173,54 +190,133 @@ _SPACE = " \t\n\r"
 path, where it is handled."""
 
 
-def members(text: str, strict_name: str) -> Iterator[tuple[str, Any, int, int]]:
-    """The members of the JSON object ``text`` (it starts with ``{``), one at a time.
+def skip_space(text: str, at: int) -> Generator[None, None, int]:
+    """The index of the first character at or after ``at`` that is not JSON whitespace, found
+    :data:`PIECE_BYTES` characters at a time, yielding between two: a run of whitespace of any
+    length is read in steps."""
+    while True:
+        end = _space_run(text, at, at + PIECE_BYTES).end()
+        if end < at + PIECE_BYTES:
+            return end
+        at = end
+        yield
 
-    Yields ``(name, value, start, end)`` where ``text[start:end]`` is the value's JSON text.
-    Values are parsed fast (duplicate keys and ``-0`` pass: the caller parses again with
-    :func:`decode_json` what it must see strictly), the member named ``strict_name`` strictly.
-    """
-    ws = _skip_whitespace
-    with json_errors("header"):
-        at = ws(text, 1)
-        if text.startswith("}", at):
-            at += 1
-        else:
-            while True:
-                if not text.startswith('"', at):
-                    raise HeaderError(f"header is not valid JSON: expected a name at char {at}")
-                name, at = _scanstring(text, at + 1)
-                if text[at : at + 1] != ":":
-                    at = ws(text, at)
-                    if not text.startswith(":", at):
-                        raise HeaderError(f"header is not valid JSON: expected ':' at char {at}")
-                start = at + 1
-                if text[start : start + 1] in _SPACE:
-                    start = ws(text, start)
-                scan = _STRICT_SCAN if name == strict_name else _FAST_SCAN
-                try:
-                    value, at = scan(text, start)
-                except StopIteration:
-                    raise HeaderError(
-                        f"header is not valid JSON: expected a value at char {start}"
-                    ) from None
-                yield name, value, start, at
-                after = text[at : at + 1]
-                if after in _SPACE:
-                    at = ws(text, at)
-                    after = text[at : at + 1]
-                if after == "}":
-                    at += 1
-                    break
-                if after != ",":
-                    raise HeaderError(
-                        f"header is not valid JSON: expected ',' or '}}' at char {at}"
-                    )
-                at += 1
-                if text[at : at + 1] in _SPACE:
-                    at = ws(text, at)
-        if ws(text, at) != len(text):
-            raise HeaderError(f"header is not valid JSON: extra data at char {at}")
+
+def _short_space(text: str, at: int) -> int:
+    """The index past the whitespace at ``at`` where there is none or it runs for less than
+    :data:`PIECE_BYTES` (one plain call: no step), else the index that many characters on,
+    left to :func:`skip_space`."""
+    if text[at : at + 1] not in _SPACE:
+        return at
+    return _space_run(text, at, at + PIECE_BYTES).end()
+
+
+def first_item(text: str, at: int, close: str) -> Generator[None, None, tuple[int, bool]]:
+    """At the ``{`` or ``[`` at ``at``: the index of its first item (a member's name, an
+    array's value) and True; or, where it is empty, the index after its ``close`` and False."""
+    at = _short_space(text, at + 1)
+    if text[at : at + 1] in _SPACE:
+        at = yield from skip_space(text, at)
+    if text.startswith(close, at):
+        return at + 1, False
+    return at, True
+
+
+def next_item(text: str, at: int, close: str) -> Generator[None, None, tuple[int, bool]]:
+    """After an item of an object or array (closed by ``close``) whose text ends at ``at``: the
+    index of the next item and True, after a ``,``; or the index after ``close`` and False."""
+    after = text[at : at + 1]
+    if after in _SPACE:
+        at = yield from skip_space(text, at)
+        after = text[at : at + 1]
+    if after == close:
+        return at + 1, False
+    if after != ",":
+        raise HeaderError(f"header is not valid JSON: expected ',' or '{close}' at char {at}")
+    at = _short_space(text, at + 1)
+    if text[at : at + 1] in _SPACE:
+        at = yield from skip_space(text, at)
+    return at, True
+
+
+def member_name(text: str, at: int) -> Generator[None, None, tuple[str, int]]:
+    """The name of the member whose text starts at ``at`` and the index of its value (past the
+    ``:`` and any whitespace)."""
+    if not text.startswith('"', at):
+        raise HeaderError(f"header is not valid JSON: expected a name at char {at}")
+    name, at = scan_string(text, at)
+    if text[at : at + 1] != ":":
+        at = yield from skip_space(text, at)
+        if not text.startswith(":", at):
+            raise HeaderError(f"header is not valid JSON: expected ':' at char {at}")
+    at = _short_space(text, at + 1)
+    if text[at : at + 1] in _SPACE:
+        at = yield from skip_space(text, at)
+    return name, at
+
+
+def scan_string(text: str, at: int) -> tuple[str, int]:
+    """The JSON string whose opening quote is at ``at`` and the index after it."""
+    try:
+        return _scanstring(text, at + 1)
+    except ValueError as exc:
+        raise _json_error("header", exc) from None
+
+
+_SHORT = re.compile(r"\{[^{}\\]*+\}")
+"""A JSON object's text that holds no other brace and no escape."""
+
+
+def scan_short(text: str, at: int) -> tuple[Any, int] | None:
+    """The JSON object at ``at``, parsed fast (as a piece is: duplicate keys and ``-0`` pass),
+    and the index after it, where its text plainly ends within :data:`PIECE_BYTES`: its first
+    ``}`` closes it (no other brace and no ``\\`` before it, and an even count of ``"``, so
+    that ``}`` is in no string), and json's scanner, which reads no further than that ``}``,
+    costs no more. ``None`` for any other value, to be read in steps."""
+    short = _SHORT.match(text, at, at + PIECE_BYTES)
+    if short is None or text.count('"', at, short.end()) % 2:
+        return None
+    try:
+        return _FAST_SCAN(text, at)
+    except HeaderError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise _json_error("header", exc) from None
+    except StopIteration as stop:  # a value missing within it
+        raise _no_value(stop.value) from None
+
+
+def scan_bounded(text: str, at: int, most: int) -> tuple[Any, int] | None:
+    """The JSON value at ``at``, parsed strictly, and the index after it, where its text ends
+    within ``most`` characters: it is parsed from a copy of that many, so a longer one costs no
+    more. ``None`` where no value ends there (however the text goes on); :class:`HeaderError`
+    where none starts there, or for a duplicate key or NaN within it."""
+    part = text[at : at + most]
+    try:
+        value, end = _STRICT_SCAN(part, 0)
+    except HeaderError:
+        raise
+    except StopIteration as stop:
+        if stop.value == 0:  # none starts there
+            raise _no_value(at) from None
+        return None
+    except (ValueError, RecursionError):
+        return None
+    if end + 3 > len(part) and at + len(part) < len(text):
+        return None  # a number may go on past the copy (1e+5 read as 1)
+    return value, at + end
+
+
+def kind_at(text: str, at: int) -> str:
+    """What kind of JSON value starts at ``at``, for a message (``"an array"``): an array or an
+    object by its first character, unread (a refusal does not wait for it), a scalar parsed
+    (:func:`scan_value`)."""
+    first = text[at : at + 1]
+    if first == "[":
+        return "an array"
+    if first == "{":
+        return "an object"
+    return json_type(scan_value(text, at)[0])
 
 
 PIECE_BYTES = 32 << 10
@@ -229,30 +325,38 @@ piece is parsed in one step (about 400 tensors, under a millisecond on a quiet m
 at load 10 on 2 cores), and an event loop gets its turns between; the steps' own cost is lost
 in the noise (``benchmarks/bench_header.py``)."""
 
+MAX_PIECE_BYTES = 4 * PIECE_BYTES
+"""The most bytes :func:`object_pieces` looks through for the end of a piece: a member so long
+that none ends within this many bytes of a piece's start (or a layout with no cut it knows)
+ends the pieces, so that no piece, nor the search for one, is longer."""
+
 _CUT = re.compile(rb'\}[ \t\n\r]*(,)[ \t\n\r]*"')
 """Where an object of objects may be cut: after a member's ``}``, at the ``,`` before the next
 member's name (``},"`` as the reference writes it, ``}, "`` as :func:`json.dumps` does)."""
 
 
-def object_pieces(raw: memoryview) -> Iterator[str]:
+def object_pieces(raw: memoryview, start: int = 0) -> Iterator[str]:
     """The JSON object ``raw`` (UTF-8, starting with ``{``) as JSON objects of about
-    :data:`PIECE_BYTES` each, in order: each one is a run of ``raw``'s members, braced.
+    :data:`PIECE_BYTES` each, in order: each one is a run of ``raw``'s members, braced. With
+    ``start``, the members from that byte on (the first member's name, after a ``,``).
 
     ``raw`` is cut where its text reads ``},"`` (whitespace around the comma allowed), a guess:
     one that falls inside a string leaves a piece that is no JSON object (its parse state at the
     cut is the whole text's, which is inside the string), so a caller that parses every piece
     and finds each a whole object knows every cut fell between two members.
     :class:`UnicodeDecodeError` for a piece that is not UTF-8 (cuts fall on ASCII bytes, never
-    inside a character).
+    inside a character); :class:`ValueError` where no cut comes within :data:`MAX_PIECE_BYTES`
+    of a piece's start (a member that long), where the pieces end.
     """
     size = len(raw)
-    start = 0
     while True:
-        match = _CUT.search(raw, start + PIECE_BYTES) if size - start > 2 * PIECE_BYTES else None
-        if match is None:
+        if size - start <= 2 * PIECE_BYTES:
             text = str(raw[start:], "utf-8")
             yield "{" + text if start else text
             return
+        match = _CUT.search(raw, start + PIECE_BYTES, start + MAX_PIECE_BYTES)
+        if match is None:
+            raise ValueError(f"no member ends within {MAX_PIECE_BYTES} bytes of byte {start}")
         text = str(raw[start : match.start() + 1], "utf-8")
         yield ("{" + text if start else text) + "}"
         start = match.end(1)
@@ -265,7 +369,7 @@ _MINUS_ZERO = re.compile(r"[\[,:][ \t\n\r]*-0")
 def scan_piece(piece: str) -> dict[str, Any] | None:
     """The JSON object ``piece``, parsed fast (duplicate keys pass, the last kept; numbers but
     plain integers are :class:`Number`); ``None`` if it is no single JSON object or may hold a
-    ``-0`` (the fast parse reads it as 0): :func:`members` then tells what is wrong."""
+    ``-0`` (the fast parse reads it as 0): the member walk then tells what is wrong."""
     if "-0" in piece and _MINUS_ZERO.search(piece):
         return None
     try:
@@ -295,5 +399,11 @@ def scan_value(text: str, at: int) -> tuple[Any, int]:
     with json_errors("header"):
         try:
             return _STRICT_SCAN(text, at)
-        except StopIteration:
-            raise HeaderError(f"header is not valid JSON: expected a value at char {at}") from None
+        except StopIteration as stop:
+            raise _no_value(stop.value) from None
+
+
+def _no_value(at: int) -> HeaderError:
+    """The error for no JSON value at ``at``, where one must be (json's scanner raises
+    :class:`StopIteration` with that index)."""
+    return HeaderError(f"header is not valid JSON: expected a value at char {at}")

@@ -10,6 +10,7 @@ index, or the same error.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -185,6 +186,51 @@ def test_unknown_dtypes_kept_in_a_later_piece() -> None:
 def test_a_parse_nobody_waits_for_stops() -> None:
     with pytest.raises(UsageError, match="stopped"):
         parse_header(header(members()), stop=lambda: True)
+
+
+LONG_METADATA = {f'key {i} "\u00e9"': f"value\\{i}\n\u4e2d" for i in range(20_000)}
+"""Metadata of many windows of entries (about 20 pieces' worth), with escapes and text beyond
+ASCII."""
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first", "last"])
+@pytest.mark.parametrize("layout", ["reference", "json.dumps"])
+def test_long_metadata_is_read_a_window_at_a_time(first: bool, layout: str) -> None:
+    """Metadata that opens a header is read before its pieces, a window of entries at a time,
+    by the fast parse (as the reference writes it, and as json.dumps does); anywhere else, by
+    the walk; each as the walk reads it."""
+    if layout == "reference":
+        text = json.dumps(LONG_METADATA, ensure_ascii=False, separators=(",", ":"))
+    else:
+        text = json.dumps(LONG_METADATA)
+    assert len(text) > 20 * PIECE_BYTES
+    parts = members()
+    raw = header(parts, text) if first else header([*parts, f'"__metadata__":{text}'])
+    found = agree(raw)
+    assert isinstance(found, Header) and found.metadata == LONG_METADATA
+    if first:
+        assert fast(raw) == found
+
+
+@pytest.mark.parametrize(
+    ("late", "error"),
+    [
+        ('"key 7":"again"', "duplicate key 'key 7'"),  # a key of an earlier window
+        ('"k":"\\ud800"', "lone UTF-16 surrogate"),
+        ('"k":"\\x"', "Invalid \\\\escape"),
+        ('"k":["v"]', r"__metadata__\['k'\] must be a string, got an array"),
+        ('"k":1', "must be a string, got a number"),
+    ],
+)
+@pytest.mark.parametrize("first", [True, False], ids=["first", "last"])
+def test_a_bad_entry_in_a_later_window_of_metadata(first: bool, late: str, error: str) -> None:
+    entries = [f'"key {i}":"v"' for i in range(10_000)]
+    entries.insert(9_000, late)
+    text = "{" + ",".join(entries) + "}"
+    raw = header(members(), text) if first else header([*members(), f'"__metadata__":{text}'])
+    assert fast(raw) is None
+    refused = agree(raw)
+    assert refused[0] is HeaderError and re.search(error, refused[1])
 
 
 def compact(text: str) -> Any:

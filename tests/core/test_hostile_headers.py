@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
+import time
 import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -19,6 +20,8 @@ import safetensors
 import stream_st
 from stream_st import HeaderError, SafetensorsError, TruncatedStreamError, parse_header, tools
 from stream_st.cli import main
+from stream_st.core.header import parse_steps
+from stream_st.core.strict_json import PIECE_BYTES
 from stream_st.reader import header as reader_module
 from stream_st.reader.turns import TURN_CHECKPOINTS
 from stream_st.transports.inmemory import BytesSource
@@ -168,6 +171,27 @@ def test_a_zero_first_keeps_the_count_at_zero() -> None:
     assert parse_header(text)["a"].array_shape == (0,)
 
 
+@pytest.mark.parametrize(
+    ("dim", "count"), [(1234567890123456789, 200_000), (1, 2_000_000)], ids=["19 digits", "1"]
+)
+def test_a_shape_of_too_many_dimensions_is_refused_in_milliseconds(dim: int, count: int) -> None:
+    """A 4 MB header of 200,000 dimensions (or 2,000,000) is refused once more dimensions than
+    numpy takes are read, before the others are converted or multiplied (the reference, which
+    has no such limit, reads the whole shape)."""
+    text = dims_header([dim] * count)
+    assert len(text) > 4_000_000
+    start = time.process_time()
+    with pytest.raises(HeaderError, match="dimensions, more than the 64 a numpy array can have"):
+        parse_header(text)
+    assert time.process_time() - start < 0.1
+
+
+def test_more_dimensions_than_numpy_takes_are_refused_before_each_is_read() -> None:
+    text = '{"a": ' + entry(shape="[" + "1, " * 1000 + '"x"]', offsets="[0, 1]") + "}"
+    with pytest.raises(HeaderError, match="'a': 1001 dimensions, more than the 64"):
+        parse_header(text.encode())
+
+
 def test_deeply_nested_values_make_short_messages() -> None:
     deep = "[" * 900 + "]" * 900
     for text in (
@@ -222,6 +246,25 @@ def test_json_grammar_as_the_reference(text: str) -> None:
     refused = reference_refuses(text)
     try:
         parse_header(text.encode())
+    except HeaderError:
+        assert refused, "refused a header the reference accepts"
+    else:
+        assert not refused, "accepted a header the reference refuses"
+
+
+PAD = " " * (PIECE_BYTES + 1)
+"""Whitespace a piece long: an entry holding it is read in steps, a field at a time."""
+
+
+@pytest.mark.parametrize(
+    "text", GRAMMAR + ['{"a": ' + tensor + "}" for _, tensor in NOT_PLAIN_INTEGERS]
+)
+def test_a_long_entry_is_read_in_steps_as_the_reference_reads_it(text: str) -> None:
+    padded = text.replace(", ", "," + PAD).replace(": ", ":" + PAD)
+    refused = reference_refuses(padded)
+    assert refused == reference_refuses(text)
+    try:
+        parse_header(padded.encode())
     except HeaderError:
         assert refused, "refused a header the reference accepts"
     else:
@@ -320,7 +363,16 @@ def test_a_source_of_known_size_reads_the_header_in_one_read() -> None:
     assert source.reads == [8, len(text)]
 
 
-def test_a_big_header_is_parsed_in_steps_that_let_the_loop_run() -> None:
+@pytest.mark.parametrize(
+    "big",
+    [
+        lambda: many_tensors(64_000),  # 4 MB: 120 pieces, 30-300 ms
+        lambda: raw_file(LONG_MEMBERS["metadata first, as the reference writes it"]()),
+        lambda: raw_file(LONG_MEMBERS["a packed tensor of many dimensions"]()),
+    ],
+    ids=["tensors", "metadata", "dimensions"],
+)
+def test_a_big_header_is_parsed_in_steps_that_let_the_loop_run(big: Callable[[], bytes]) -> None:
     turns = 0
 
     async def read(data: bytes) -> int:
@@ -344,10 +396,89 @@ def test_a_big_header_is_parsed_in_steps_that_let_the_loop_run() -> None:
         assert threading.current_thread() is threading.main_thread()
         return during if count_of else -1
 
-    small, big = many_tensors(10), many_tensors(64_000)  # 4 MB: 120 pieces, 30-300 ms
-    opening = anyio.run(read, small)  # one piece: the turns of the open alone
+    opening = anyio.run(read, many_tensors(10))  # one piece: the turns of the open alone
     assert opening <= 2 * TURN_CHECKPOINTS
-    assert anyio.run(read, big) >= opening + 2 * TURN_CHECKPOINTS  # turns between pieces
+    assert anyio.run(read, big()) >= opening + 2 * TURN_CHECKPOINTS  # turns between steps
+
+
+TENSOR = '"a":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}'
+LONG_MEMBERS: dict[str, Callable[[], str]] = {
+    "metadata first, as the reference writes it": lambda: (
+        '{"__metadata__":{' + ",".join(f'"k{i}":"v"' for i in range(100_000)) + f"}},{TENSOR}}}"
+    ),
+    "metadata last, as json.dumps writes it": lambda: (
+        f'{{{TENSOR}, "__metadata__": {{'
+        + ", ".join(f'"k{i}": "v\\n"' for i in range(100_000))
+        + "}}"
+    ),
+    "a packed tensor of many dimensions": lambda: (
+        '{"a": {"dtype": "F6_E2M3", "shape": [' + "1, " * 400_000 + '0], "data_offsets": [0, 0]}}'
+    ),
+    "whitespace": lambda: "{" + TENSOR.replace(":", ":" + " " * 400_000) + " " * 400_000 + "}",
+}
+"""Valid headers (of empty tensors: no data) of a megabyte or two whose bulk is one member, or
+whitespace."""
+
+
+@pytest.mark.parametrize("case", LONG_MEMBERS)
+def test_a_header_of_one_long_member_is_parsed_in_steps(case: str) -> None:
+    """No step of a parse reads much more than a piece of the header, whatever its shape: the
+    metadata is read a window of entries at a time, a shape a run of dimensions at a time,
+    whitespace a piece at a time (each was one step, of the whole)."""
+    text = LONG_MEMBERS[case]()
+    assert not reference_refuses(text)
+    raw = text.encode()
+    steps = parse_steps(raw)
+    yields = 0
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(steps)
+            yields += 1
+    found = done.value.value
+    assert found == parse_header(raw) and found.metadata == json.loads(text).get("__metadata__", {})
+    assert yields >= len(raw) // (4 * PIECE_BYTES)  # a step reads 128 KiB at most, on average
+
+
+ITEMS = "1, " * 500_000 + "and no end"
+"""1.5 MB of an array's items, and then text that is no JSON: a value refused before it is read
+is refused for what it is, not as invalid JSON."""
+IMPOSSIBLE = [
+    (
+        "a metadata value",
+        '{"__metadata__": {"k": [' + ITEMS,
+        r"__metadata__\['k'\] must be a string, got an array",
+    ),
+    (
+        "the metadata",
+        '{"__metadata__": [' + ITEMS,
+        "__metadata__ must be a JSON object, got an array",
+    ),
+    ("a tensor's entry", '{"a": [' + ITEMS, "'a': entry must be a JSON object, got an array"),
+    ("an unknown field", '{"a": {"dtype": "U8", "x": [' + ITEMS, r"'a': unknown field\(s\)"),
+    (
+        "a shape of whole bytes",
+        '{"a": {"dtype": "U8", "shape": [' + ITEMS,
+        "'a': at least .* dimensions, more than the 64",
+    ),
+    (
+        "a packed shape of too many values",
+        '{"a": {"dtype": "F6_E2M3", "shape": [' + "4294967296, " * 3 + ITEMS,
+        r"'a': shape .* holds more than 2\*\*64 - 1 values",
+    ),
+    (
+        "the offsets",
+        '{"a": {"dtype": "U8", "shape": [1], "data_offsets": [' + ITEMS,
+        "'a': data_offsets must be exactly two",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "text", "message"), IMPOSSIBLE, ids=[c[0] for c in IMPOSSIBLE])
+def test_a_value_that_cannot_be_is_refused_before_it_is_read(
+    case: str, text: str, message: str
+) -> None:
+    with pytest.raises(HeaderError, match=message):
+        parse_header(text.encode())
 
 
 def many_tensors(count: int) -> bytes:
