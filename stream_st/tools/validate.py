@@ -402,7 +402,13 @@ class _Checker:
         self._bytes_done = 0
         self._tensors_done = 0
         self._queue: queue.SimpleQueue[_Piece | None] = queue.SimpleQueue()
-        self._room = threading.Condition()  # guards the three below
+        # guards the three below, taken as itself (``with self._lock``) on the event loop's
+        # thread, never through the condition: Ctrl-C under trio raises KeyboardInterrupt there
+        # between any two steps of Python code, and one raised in Condition.__enter__ after the
+        # acquire left the lock held for ever (the workers blocked on it, and the validation
+        # waited for them). A with statement on a lock written in C is never interrupted so.
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
         self._held = 0  # bytes of the parts queued or being summarised
         self._summarised: list[tuple[_Pending, int, Moments]] = []  # parts not yet recorded
         self._stopped = False  # a worker has ended: nobody waits for room
@@ -460,18 +466,18 @@ class _Checker:
 
     async def _put(self, piece: _Piece) -> None:
         """Queue ``piece``, once the parts before it leave room (:data:`IN_FLIGHT`)."""
-        with self._room:
+        with self._lock:
             full = self._held + piece.nbytes > IN_FLIGHT and self._held and not self._stopped
         if full:  # a cancellation need not wait: the thread ends once the workers make room
             await anyio.to_thread.run_sync(self._wait_for_room, abandon_on_cancel=True)
-        with self._room:
+        with self._lock:
             self._held += piece.nbytes
         self._queue.put(piece)
 
     def _wait_for_room(self) -> None:
         """Block until the parts queued or being summarised are down to half of
         :data:`IN_FLIGHT` (in a worker thread)."""
-        with self._room:
+        with self._lock:
             self._room.wait_for(lambda: self._held <= IN_FLIGHT // 2 or self._stopped)
 
     async def _worker(self, limiter: anyio.CapacityLimiter) -> None:
@@ -485,18 +491,18 @@ class _Checker:
                 tensor, index, nbytes = piece.tensor, piece.index, piece.nbytes
                 moments = moments_of(piece.array, piece.start, piece.stop)
                 del piece
-                with self._room:
+                with self._lock:
                     self._summarised.append((tensor, index, moments))
                     self._held -= nbytes
                     self._room.notify_all()
         finally:
-            with self._room:
+            with self._lock:
                 self._stopped = True
                 self._room.notify_all()
 
     def _record_summarised(self) -> None:
         """Record the tensors whose parts are all summarised (on the event loop's thread)."""
-        with self._room:
+        with self._lock:
             summarised, self._summarised = self._summarised, []
         for tensor, index, moments in summarised:
             tensor.parts[index] = moments

@@ -27,6 +27,7 @@ from stream_st.transports.cache.manage import entries
 from stream_st.transports.cache.tee import PIECE
 
 from .._util import assert_same_arrays
+from ..ctrl_c import run_script
 from ..servers.http_server import RangeHTTPServer
 from .test_cache_ahead import opened
 
@@ -175,3 +176,31 @@ async def test_an_adaptive_window_lands_its_parts_in_the_tensor_as_without_a_cac
     (copy,) = (tmp_path / "objects").rglob("*.safetensors")
     assert copy.read_bytes() == data
     assert cached < without + (1 << 20), (cached, without)
+
+
+CTRL_C_EVERYWHERE = """
+import sys, anyio, stream_st
+from stream_st.transports.cache import tee
+from tests.ctrl_c import assert_threads_end, everywhere
+
+url, cache = sys.argv[1:]
+
+async def read(at):
+    async with stream_st.open_stream(url, cache=f"{cache}/{at}") as stream:
+        async for name, array in stream:
+            pass
+
+print(anyio.run(everywhere, read, tee.__file__, backend="trio"))
+assert_threads_end("stream_st cache copy")
+"""
+
+
+def test_ctrl_c_anywhere_in_the_copy_under_trio_never_hangs(tmp_path: Path) -> None:
+    """Ctrl-C under trio raises KeyboardInterrupt wherever the event loop's thread runs, in
+    Python code too: a cached read, interrupted at each place of the copy's code in turn, ends
+    every time, and the copy's thread with it. Raised in ``threading.Condition.__enter__``
+    after the acquire, the lock stayed held: the copy's thread blocked on it and the close
+    waited for the thread for ever."""
+    with RangeHTTPServer(objects={"/m.safetensors": BIG_DATA}, etag="strong") as running:
+        tried = run_script(CTRL_C_EVERYWHERE, running.url("/m.safetensors"), str(tmp_path))
+    assert tried >= 20  # the trace reached the copy

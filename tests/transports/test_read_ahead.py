@@ -28,6 +28,7 @@ from stream_st.transports.file import readahead as _ahead
 from stream_st.transports.file.direct import Direct, NotDirect, Residency
 from stream_st.transports.file.readahead import _preadv_fully, read_ahead
 
+from ..ctrl_c import run_script
 from ..memory.test_zero_copy import evicted
 
 pytestmark = pytest.mark.anyio
@@ -522,65 +523,20 @@ def test_a_break_right_before_the_event_loop_ends_closes_cleanly(
 
 
 CTRL_C_EVERYWHERE = """
-import sys, threading, anyio, numpy as np, safetensors.numpy as reference, stream_st
+import sys, anyio, numpy as np, safetensors.numpy as reference, stream_st
 from stream_st.transports.file import readahead
-
-OURS, THREADING = readahead.__file__, threading.__file__
-RESUMABLE = 0x20 | 0x80 | 0x100 | 0x200  # generators and coroutines
-
-class CtrlC:
-    # KeyboardInterrupt raised at the at-th entry to, or return from, a function of the
-    # read-ahead (or of threading called by one) on the event loop's thread: places trio
-    # raises it on Ctrl-C (a function's start, right after a call). A coroutine resumed from
-    # an await is not one: left out.
-
-    def __init__(self, at):
-        self.at, self.seen, self.raised = at, 0, False
-
-    def event(self, frame, event, arg):
-        frame.f_trace_lines = False
-        if event in ("call", "return"):
-            self.seen += 1
-            if self.seen == self.at:
-                self.raised = True
-                raise KeyboardInterrupt
-        return self.event
-
-    def enter(self, frame, event, arg):
-        code, caller = frame.f_code, frame.f_back
-        if code.co_flags & RESUMABLE:
-            return None
-        if code.co_filename == OURS or (
-            code.co_filename == THREADING and caller and caller.f_code.co_filename == OURS
-        ):
-            return self.event(frame, event, arg)
-        return None
+from tests.ctrl_c import assert_threads_end, everywhere
 
 path = sys.argv[1]
 reference.save_file({f"t{i}": np.full(3 << 20, i, np.uint8) for i in range(3)}, path)
 
-async def main():
-    at = 1
-    while True:
-        ctrl_c = CtrlC(at)
-        sys.settrace(ctrl_c.enter)
-        try:
-            async with stream_st.open_stream(path) as stream:
-                async for name, array in stream:
-                    pass
-        except KeyboardInterrupt:
+async def read(at):
+    async with stream_st.open_stream(path) as stream:
+        async for name, array in stream:
             pass
-        finally:
-            sys.settrace(None)
-        if not ctrl_c.raised:
-            return at - 1
-        at += 1
 
-print(anyio.run(main, backend="trio"))
-for thread in threading.enumerate():
-    if thread.name == "stream_st read-ahead":
-        thread.join(10)
-        assert not thread.is_alive(), "a read-ahead thread is left running"
+print(anyio.run(everywhere, read, readahead.__file__, backend="trio"))
+assert_threads_end("stream_st read-ahead")
 """
 
 
@@ -590,15 +546,8 @@ def test_ctrl_c_anywhere_in_the_read_ahead_under_trio_never_hangs(tmp_path: Path
     each such place in turn, ends every time, and its threads with it. Raised in that
     ``__enter__`` after the acquire, the lock stayed held and the close waited for it for ever;
     right as a thread's ``start()`` returned, the close waited for a thread never counted."""
-    done = subprocess.run(
-        [sys.executable, "-c", CTRL_C_EVERYWHERE, str(tmp_path / "m.safetensors")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert int(done.stdout) >= 20  # the places tried: the trace reached the read-ahead
+    tried = run_script(CTRL_C_EVERYWHERE, str(tmp_path / "m.safetensors"))
+    assert tried >= 20  # the trace reached the read-ahead
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])

@@ -28,6 +28,8 @@ from stream_st.tools.validate import (
     validate_dtype_consistency,
 )
 
+from ..ctrl_c import run_script
+
 Arrays = dict[str, np.ndarray[Any, Any]]
 VALIDATE = sys.modules["stream_st.tools.validate"]  # the module (tools.validate is the function)
 COMMAND = shutil.which("stream-st", path=str(Path(sys.executable).parent)) or "stream-st"
@@ -465,3 +467,30 @@ def test_the_command_checks_a_config_and_reports_the_read(tmp_path: Path) -> Non
     config.write_text("{")
     broken = run("validate", "-q", "--config", str(config), str(path))
     assert broken.returncode == 2 and "cannot read the model config" in broken.stderr
+
+
+CTRL_C_EVERYWHERE = """
+import sys, anyio, numpy as np, safetensors.numpy as reference
+from stream_st import tools
+from tests.ctrl_c import everywhere
+
+VALIDATE = sys.modules["stream_st.tools.validate"]
+VALIDATE.SEGMENT, VALIDATE.IN_FLIGHT = 10_000, 50_000  # parts, the queue holding about one
+path = sys.argv[1]
+rng = np.random.default_rng(8)
+reference.save_file({f"t{i}": rng.random(30_000).astype(np.float32) for i in range(6)}, path)
+
+async def check(at):
+    await tools.validate(path)
+
+print(anyio.run(everywhere, check, VALIDATE.__file__, backend="trio"))
+"""
+
+
+def test_ctrl_c_anywhere_in_the_validation_under_trio_never_hangs(tmp_path: Path) -> None:
+    """Ctrl-C under trio raises KeyboardInterrupt wherever the event loop's thread runs, in
+    Python code too: a validation, interrupted at each place of its code in turn, ends every
+    time. Raised in ``threading.Condition.__enter__`` after the acquire, the lock stayed held:
+    the workers blocked on it and the validation waited for them for ever."""
+    tried = run_script(CTRL_C_EVERYWHERE, str(tmp_path / "m.safetensors"))
+    assert tried >= 20  # the trace reached the queue's lock

@@ -121,7 +121,14 @@ class _Keeper:
 
     def __init__(self, work: Callable[[int, memoryview, bool], None]) -> None:
         self._work = work
-        self._cond = threading.Condition(threading.Lock())
+        # The lock is taken as itself (``with self._lock``), never through the condition,
+        # which only waits and notifies: Ctrl-C under trio raises KeyboardInterrupt on the
+        # event loop's thread between any two steps of Python code, Condition.__enter__'s
+        # included, and one raised there after the acquire left the lock held for ever (the
+        # copy's thread blocked on it, and the close waited for the thread). A with statement
+        # on a lock written in C is never interrupted between the acquire and the release.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._pieces: deque[tuple[int, memoryview, bool]] = deque()
         self._busy = False  # the thread is working on a piece it took
         self._done: list[tuple[int, int]] = []  # ranges written since the last drained()
@@ -134,22 +141,31 @@ class _Keeper:
     @property
     def idle(self) -> bool:
         """Nothing handed over is left to do."""
-        with self._cond:
+        with self._lock:
             return not self._pieces and not self._busy
 
     def hand(self, offset: int, view: memoryview, fresh: bool) -> None:
-        with self._cond:
+        """Queue a piece: the thread is started (the first time) and woken before the piece is
+        queued, so that a KeyboardInterrupt raised in either (see the lock) leaves no piece
+        that no thread will take, which :meth:`settled` would wait for for ever."""
+        with self._lock:
             if self._stopped or self._error is not None:
                 return
-            self._pieces.append((offset, view, fresh))
             if self._thread is None:
-                self._token = anyio.lowlevel.current_token()
-                self._thread = threading.Thread(
-                    target=self._run, name="stream_st cache copy", daemon=True
-                )
-                self._thread.start()
-            else:
-                self._cond.notify()
+                self._start()
+            self._cond.notify()  # the thread takes the piece once the lock is let go
+            self._pieces.append((offset, view, fresh))
+
+    def _start(self) -> None:
+        """Start the thread (called holding the lock). A start interrupted stops the keeper:
+        the thread, if it runs, ends at once, and no piece is queued for it."""
+        self._token = anyio.lowlevel.current_token()
+        self._thread = threading.Thread(target=self._run, name="stream_st cache copy", daemon=True)
+        try:
+            self._thread.start()
+        except BaseException:
+            self._stopped = True
+            raise
 
     async def settled(self) -> None:
         """Return once nothing handed over is left to do (the thread reads no piece's memory)."""
@@ -161,14 +177,14 @@ class _Keeper:
         """Once nothing handed over is left to do: the ranges written since the last call, and
         the error that stopped the writing, if any (the pieces after it are dropped)."""
         await self.settled()
-        with self._cond:
+        with self._lock:
             done, self._done = self._done, []
             return done, self._error
 
     async def stop(self) -> None:
         """Drop the pieces not started and return once the thread does nothing more (it ends):
         the copy's file may be closed then. Not cancellable: a piece takes milliseconds."""
-        with self._cond:
+        with self._lock:
             self._stopped = True
             self._pieces.clear()
             self._cond.notify()
@@ -179,7 +195,7 @@ class _Keeper:
 
     def _wait(self) -> anyio.Event | None:
         """An event the thread sets once it is idle; None when it is idle already."""
-        with self._cond:
+        with self._lock:
             if not self._pieces and not self._busy:
                 return None
             if self._waiting is None:
@@ -188,7 +204,7 @@ class _Keeper:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 while not self._pieces and not self._stopped:
                     self._cond.wait()
                 if self._stopped:
@@ -202,7 +218,7 @@ class _Keeper:
             except OSError as exc:
                 error = exc
             del view  # hold none of the caller's memory while waiting for work
-            with self._cond:
+            with self._lock:
                 self._busy = False
                 if error is not None:
                     self._error = error
