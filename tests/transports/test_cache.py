@@ -307,6 +307,113 @@ def test_a_killed_writer_leaves_nothing_the_next_reader_trusts(tmp_path: Path) -
     assert names == ["json", "lock", "safetensors"]  # the dead writer's partial copy is gone
 
 
+KILLED_IN_THE_COMMIT = """
+import asyncio, os, signal, sys
+import stream_st
+from stream_st.transports.cache import layout, store
+
+def killed(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if sys.argv[3] == "record":  # killed right after the copy is moved into place
+    store.Record.save = killed
+else:  # killed right after the first removal of an old version's file
+    remove = layout.remove_quietly
+
+    def remove_then_killed(*paths):
+        remove(*paths)
+        if any(path.name.endswith((".json", ".safetensors")) for path in paths):
+            if not any(path.name.endswith(".part.json") for path in paths):
+                killed()
+
+    layout.remove_quietly = remove_then_killed
+asyncio.run(stream_st.load(sys.argv[1], cache=sys.argv[2]))
+"""
+
+
+def killed_in_the_commit(url: str, cache: Path, where: str) -> None:
+    """A cached ``load`` of ``url`` killed in its commit (``where``: "record", before the
+    record is written; "clean", after the first removal of an old version's files)."""
+    killed = reader(url, cache, KILLED_IN_THE_COMMIT.replace("sys.argv[3]", repr(where)))
+    killed.communicate(timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+
+
+def test_a_copy_whose_writer_was_killed_before_its_record_is_a_leftover(tmp_path: Path) -> None:
+    """Killed between the copy's move into place and its record's write, a writer left a whole
+    copy no record names: listed as a leftover of 4 kB (its progress file), unseen by prune
+    and rm, outside the cap, until the same address was read again."""
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as running:
+        url = running.url("/m.safetensors")
+        killed_in_the_commit(url, tmp_path, "record")
+    (copy,) = (tmp_path / "objects").rglob("*.safetensors")
+    assert not copy.with_suffix(".json").exists()
+    cache = Cache.at(tmp_path)
+    (entry,) = entries(cache)
+    assert entry.leftover and entry.shown == f"{url} (left by a killed writer)"
+    assert copy in entry.files and entry.size >= len(DATA)  # counted at its size on disk
+    assert prune(cache, 10 << 30) == [entry]
+    assert not copy.exists() and entries(cache) == []
+
+
+def test_a_writer_killed_removing_an_old_version_leaves_its_copy_not_its_record(
+    tmp_path: Path,
+) -> None:
+    """The old version's files were removed in the folder's order: a writer killed between
+    the two could leave the record of a copy that is gone. The record goes first."""
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as running:
+        url = running.url("/m.safetensors")
+        asyncio.run(read(url, cache=tmp_path))
+        (old,) = (tmp_path / "objects").rglob("*.safetensors")
+        running.replace_after["/m.safetensors"] = (0, reference_numpy.save(OTHER))  # new ETag
+        killed_in_the_commit(url, tmp_path, "clean")
+        assert old.exists() and not old.with_suffix(".json").exists()
+        complete, left = sorted(entries(Cache.at(tmp_path)), key=lambda entry: entry.leftover)
+        assert complete.complete and complete.shown == url
+        assert left.leftover and old in left.files
+        arrays, state = asyncio.run(read(url, cache=tmp_path))
+        assert state == "hit"  # the new version, committed before the kill
+        assert_same_arrays(arrays, OTHER)
+    assert [entry.complete for entry in entries(Cache.at(tmp_path))] == [True]
+
+
+def test_a_record_whose_copy_is_gone_is_a_leftover_not_a_copy(
+    server: RangeHTTPServer, tmp_path: Path
+) -> None:
+    """A record left with no copy was listed as a complete copy of the object's size, counted
+    by the cap (which could evict real copies for it), and "removed" by rm --all."""
+    url = server.url("/m.safetensors")
+    asyncio.run(read(url, cache=tmp_path))
+    (copy,) = (tmp_path / "objects").rglob("*.safetensors")
+    copy.unlink()
+    cache = Cache.at(tmp_path)
+    (entry,) = entries(cache)
+    assert entry.leftover and not entry.complete
+    assert entry.files == [copy.with_suffix(".json")] and entry.size < len(DATA)
+    assert prune(cache, 10 << 30) == [entry] and entries(cache) == []
+    assert asyncio.run(read(url, cache=tmp_path))[1] == "fetch"
+
+
+def test_a_first_copy_being_written_is_listed_and_left_alone(tmp_path: Path) -> None:
+    """While a first copy was written, cache ls listed nothing and rm --all said the cache held
+    no copy."""
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong", rate=1e6) as running:
+        url = running.url("/m.safetensors")
+        writer = reader(url, tmp_path)
+        give_up = time.monotonic() + 30
+        while not list(tmp_path.rglob("*.part")) and time.monotonic() < give_up:
+            time.sleep(0.01)
+        cache = Cache.at(tmp_path)
+        (entry,) = entries(cache)
+        assert entry.writing and not entry.leftover and not entry.complete
+        assert entry.shown == f"{url} (being written)"
+        assert not remove(entry) and prune(cache, 0) == []
+        _, err = writer.communicate(timeout=60)
+        assert writer.returncode == 0, err
+    (entry,) = entries(cache)
+    assert entry.complete and entry.shown == url
+
+
 # ------------------------------------------------------------------ nginx, S3
 
 

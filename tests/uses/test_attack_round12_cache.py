@@ -248,7 +248,9 @@ def test_a_killed_writers_leftovers_are_listed_and_pruned(tmp_path: Path) -> Non
     held = EntryLock(left.lock) if left.lock is not None else None
     assert held is not None and held.try_acquire()  # a live writer's: left alone
     try:
-        assert entries(cache) == [] and prune(cache, 1 << 40) == []
+        (writing,) = entries(cache)  # listed as being written
+        assert writing.writing and not writing.leftover
+        assert prune(cache, 1 << 40) == []
     finally:
         held.release()
 
@@ -277,10 +279,20 @@ def test_a_killed_hub_writers_leftover_is_pruned(hub: FakeHub, tmp_path: Path) -
     hub.cdn.rate = 2e6
     part = "hub-cache/*/.stream_st/*.part"
     kill_while_writing("hf://org/model/model.safetensors", tmp_path, part, default=True)
+    cache = Cache.default()
+    (killed,) = entries(cache)
+    assert killed.leftover and killed.lock is not None
+    held = EntryLock(killed.lock)
+    assert held.try_acquire()  # as a live writer of the blob holds it: being written
+    try:
+        (writing,) = entries(cache)
+        assert writing.writing and "being written" in writing.shown
+        assert prune(cache, 0) == []
+    finally:
+        held.release()
     hub.cdn.rate = None
     hub.push("org/model", {"model.safetensors": DATA_A})  # the file changes: another blob
     asyncio.run(read("hf://org/model/model.safetensors", cache=True))
-    cache = Cache.default()
     left = [e for e in entries(cache) if e.leftover]
     assert len(left) == 1 and left[0].size >= len(big)
     listed = command("cache", "ls")

@@ -31,7 +31,7 @@ from pathlib import Path
 from .config import Cache
 from .store import Record, remove_quietly
 
-__all__ = ["COMMIT", "HubEntry", "ObjectEntry", "repo_folder"]
+__all__ = ["COMMIT", "PAIRS", "HubEntry", "ObjectEntry", "partner", "repo_folder"]
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 """A full commit id: a revision that names one commit for good."""
@@ -77,33 +77,37 @@ class ObjectEntry:
         return self.folder / f"{self.version}.part.json"
 
     def versions(self) -> Iterator[str]:
-        """The versions with a complete copy here (by their records)."""
-        try:
-            names = os.listdir(self.folder)
-        except OSError:
-            return
+        """The versions with a complete copy here: a record and the copy it describes."""
+        names = set(self._names())
         for name in sorted(names):
-            if name.endswith(".json") and not name.endswith(".part.json"):
+            if (
+                name.endswith(".json")
+                and not name.endswith(".part.json")
+                and partner(name) in names
+            ):
                 yield name[: -len(".json")]
 
     def partials(self) -> Iterator[str]:
-        try:
-            names = os.listdir(self.folder)
-        except OSError:
-            return
+        """The versions with a partial copy here: the copy and the record of its ranges."""
+        names = set(self._names())
         for name in sorted(names):
-            if name.endswith(".part.json"):
+            if name.endswith(".part.json") and partner(name) in names:
                 yield name[: -len(".part.json")]
+
+    def _names(self) -> list[str]:
+        try:
+            return os.listdir(self.folder)
+        except OSError:
+            return []
 
     def clean(self, keep: str | None = None) -> None:
         """Remove what no one will use (call it holding the lock): leftovers of writers that
-        died (:meth:`leftovers`) and, with ``keep``, every version but that one."""
-        try:
-            names = os.listdir(self.folder)
-        except OSError:
-            return
+        died (:meth:`leftovers`) and, with ``keep``, every version but that one. Records go
+        before their copies: one killed in between leaves a copy no record names (a leftover),
+        never a record of a copy that is gone, which would be listed as a copy."""
+        names = self._names()
         left = set(self.leftovers(names))
-        for name in names:
+        for name in sorted(names, key=lambda name: not name.endswith(".json")):
             if name == "lock":
                 continue
             if name in left or (keep is not None and name.split(".", 1)[0] != keep):
@@ -112,23 +116,22 @@ class ObjectEntry:
     def leftovers(self, names: list[str] | None = None) -> list[str]:
         """The names of the files here that only a writer holding the lock uses, left when no
         one holds it by one that died or was killed: temporary files, the ``.growing`` file,
-        partial copies whose ranges were never recorded. ``names``: the folder's, if known."""
+        and either half of a copy and its record without the other (a partial copy whose
+        ranges were never recorded, a copy moved into place whose record was never written, a
+        record whose copy was removed). ``names``: the folder's, if known."""
         if names is None:
-            try:
-                names = os.listdir(self.folder)
-            except OSError:
-                return []
-        recorded = {name[: -len(".part.json")] for name in names if name.endswith(".part.json")}
-        return sorted(
-            name
-            for name in names
-            if name != "lock"
-            and (
-                name.startswith(".")
-                or name.endswith(".tmp")
-                or (name.endswith(".part") and name[: -len(".part")] not in recorded)
-            )
-        )
+            names = self._names()
+        present = set(names)
+
+        def left(name: str) -> bool:
+            if name == "lock":
+                return False
+            if name.startswith(".") or name.endswith(".tmp"):
+                return True
+            other = partner(name)
+            return other is not None and other not in present
+
+        return sorted(filter(left, names))
 
     def commit(self, part: Path, record: Record) -> None:
         """Move the finished ``part`` into place and record it; other versions go."""
@@ -143,6 +146,21 @@ class ObjectEntry:
             raise
         remove_quietly(self.part_record)
         self.clean(keep=self.version)
+
+
+PAIRS = ((".part.json", ".part"), (".json", ".safetensors"))
+"""The files of an object entry that go in pairs: a record and the copy it describes."""
+
+
+def partner(name: str) -> str | None:
+    """The other file of the pair ``name`` (a file of an object entry) is one of (see
+    :data:`PAIRS`); None for a file of no pair."""
+    for record, copy in PAIRS:
+        if name.endswith(record):
+            return name[: -len(record)] + copy
+        if name.endswith(copy):
+            return name[: -len(copy)] + record
+    return None
 
 
 def repo_folder(repo_type: str, repo_id: str) -> str:

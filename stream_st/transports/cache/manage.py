@@ -3,10 +3,12 @@
 
 Listed are the copies stream_st keeps: every object entry, and the Hub blobs stream_st wrote or
 checked (those with its record); partial copies are listed as such, and so are the leftovers of
-a writer that was killed (a preallocated partial copy whose ranges were never recorded, its
-progress file, temporary files) while no one holds their entry's lock. Removing an entry takes
-its lock first: an entry being written by another process is left alone (and said so).
-:func:`prune` removes every such leftover, whatever the cap.
+a writer that was killed (a preallocated partial copy whose ranges were never recorded, a copy
+moved into place whose record was never written, a record whose copy was removed, its progress
+file, temporary files) while no one holds their entry's lock; while one does, the files of a
+first copy being written, as such. Removing an entry takes its lock first: an entry being
+written by another process is left alone (and said so). :func:`prune` removes every such
+leftover, whatever the cap.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from ..._util import process_running
 from .config import Cache
-from .layout import HubEntry, ObjectEntry
+from .layout import HubEntry, ObjectEntry, partner
 from .store import EntryLock, Record, read_json
 
 __all__ = ["Entry", "entries", "prune", "remove", "total_size"]
@@ -30,7 +32,8 @@ class Entry:
     ``size``: bytes on disk (a partial copy: bytes held); ``last_used``: seconds since the
     epoch; ``complete``: False for a partial copy; ``files``: what removing it removes;
     ``lock``: the entry's lock file; ``leftover``: what a killed writer left (see the module),
-    ``size`` then its bytes on disk."""
+    ``size`` then its bytes on disk; ``writing``: a first copy another process is writing,
+    ``size`` its bytes on disk so far (counted by no cap, removed by no one)."""
 
     shown: str
     size: int
@@ -40,6 +43,7 @@ class Entry:
     lock: Path | None = None
     links: list[Path] = field(default_factory=list)
     leftover: bool = False
+    writing: bool = False
 
     @property
     def kind(self) -> str:
@@ -70,6 +74,7 @@ def _object_entries(cache: Cache) -> list[Entry]:
         return found
     for key in keys:
         entry = ObjectEntry.of(cache, key)
+        before = len(found)
         for version in entry.versions():
             at = entry.at(version)
             record = Record.load(at.record)
@@ -99,12 +104,25 @@ def _object_entries(cache: Cache) -> list[Entry]:
                     at.lock,
                 )
             )
-        left = _leftover(entry.folder, entry.leftovers(), entry.lock)
+        names = entry.leftovers()
+        left = _leftover(entry.folder, names, entry.lock, first=len(found) == before)
         if left is not None:
-            label = _recorded_address(read_json(entry.growing)) or _shown_of(entry)
-            left.shown = f"{label or f'objects/{key}'} (left by a killed writer)"
+            label = _left_by(entry, names) or f"objects/{key}"
+            what = "being written" if left.writing else "left by a killed writer"
+            left.shown = f"{label} ({what})"
             found.append(left)
     return found
+
+
+def _left_by(entry: ObjectEntry, names: list[str]) -> str | None:
+    """The address of what a writer left in ``entry`` (``names``): as its progress file, or
+    a record among them, or a copy's record beside them, names it."""
+    records = [entry.folder / name for name in names if name.endswith(".json")]
+    for path in (entry.growing, *records):
+        shown = _recorded_address(read_json(path))
+        if shown is not None:
+            return shown
+    return _shown_of(entry)
 
 
 def _unlocked(lock: Path) -> bool:
@@ -130,15 +148,20 @@ def _on_disk(path: Path) -> int:
         return 0
 
 
-def _leftover(folder: Path, names: list[str], lock: Path) -> Entry | None:
-    """One entry of the files ``names`` in ``folder`` that a killed writer left, when there
-    are any and no one holds ``lock``."""
-    if not names or not _unlocked(lock):
+def _leftover(folder: Path, names: list[str], lock: Path, *, first: bool) -> Entry | None:
+    """One entry of the files ``names`` in ``folder`` that only a writer uses, when there are
+    any: what a killed writer left, where no one holds ``lock``; else, where they are the
+    ``first`` copy of their entry (no other is listed), the copy being written (``writing``);
+    else None."""
+    if not names:
+        return None
+    unlocked = _unlocked(lock)
+    if not unlocked and not first:
         return None
     files = [folder / name for name in names]
     used = max((_mtime(path) for path in files), default=0.0)
     size = sum(_on_disk(path) for path in files)
-    return Entry("", size, used, False, files, lock, leftover=True)
+    return Entry("", size, used, False, files, lock, leftover=unlocked, writing=not unlocked)
 
 
 def _recorded_address(state: object) -> str | None:
@@ -234,9 +257,11 @@ def _hub_leftovers(hub: HubEntry, mine: Path, names: list[str]) -> list[Entry]:
             by_etag.setdefault(name.removesuffix(".part"), []).append(name)
     found = []
     for etag, left in by_etag.items():
-        entry = _leftover(mine, left, hub.lock(etag))
+        first = f"{etag}.part" in left  # a blob's first copy, or what was left of one
+        entry = _leftover(mine, left, hub.lock(etag), first=first)
         if entry is not None:
-            entry.shown = f"hf:// {hub.folder} (left by a killed writer of {etag[:12]})"
+            what = "being written:" if entry.writing else "left by a killed writer of"
+            entry.shown = f"hf:// {hub.folder} ({what} {etag[:12]})"
             found.append(entry)
     return found
 
@@ -249,8 +274,8 @@ def entries(cache: Cache) -> list[Entry]:
 
 
 def total_size(cache: Cache) -> int:
-    """Bytes the copies in ``cache`` hold."""
-    return sum(entry.size for entry in entries(cache))
+    """Bytes the copies in ``cache`` hold (not those being written)."""
+    return sum(entry.size for entry in entries(cache) if not entry.writing)
 
 
 def remove(entry: Entry) -> bool:
@@ -262,8 +287,8 @@ def remove(entry: Entry) -> bool:
         return False
     try:
         for path in (*entry.links, *entry.files):  # asked for: a file left is an error
-            if entry.leftover and path.suffix == ".part" and _recorded(path):
-                continue  # a writer came and recorded its ranges since: a partial copy now
+            if entry.leftover and _paired(path):
+                continue  # a writer came and made it whole since: a partial or complete copy
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     finally:
@@ -272,15 +297,18 @@ def remove(entry: Entry) -> bool:
     return True
 
 
-def _recorded(part: Path) -> bool:
-    return part.with_name(f"{part.name}.json").exists()
+def _paired(path: Path) -> bool:
+    """Whether the other file of the pair ``path`` is one of (see :func:`.layout.partner`: a
+    copy and its record) is there."""
+    other = partner(path.name)
+    return other is not None and path.with_name(other).exists()
 
 
 def prune(cache: Cache, max_size: int, *, keep: tuple[Path, ...] = ()) -> list[Entry]:
     """Remove what killed writers left (see the module), then the least recently used copies
     until those left hold at most ``max_size`` bytes; copies whose files are in ``keep``, and
     those being written, stay. Returns those removed."""
-    found = entries(cache)
+    found = [entry for entry in entries(cache) if not entry.writing]
     total = sum(entry.size for entry in found)
     removed: list[Entry] = []
     for entry in sorted(found, key=lambda entry: not entry.leftover):  # leftovers first
