@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 import anyio
 import numpy as np
 
+from ._util import task_group
 from .core.arrays import Framework, as_array, spec_of
 from .core.digests import Digests
 from .core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes
@@ -560,7 +561,7 @@ class CachedStream(TensorStream):
         ahead = self._ahead = _CopyAhead(self._copy_stream)
         failure: Exception | None = None
         try:
-            async with anyio.create_task_group() as group:
+            async with task_group() as group:  # Ctrl-C under trio: raised as itself
 
                 def on_copy(path: str) -> None:
                     group.start_soon(ahead.run, path)

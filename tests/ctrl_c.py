@@ -53,19 +53,26 @@ class CtrlC:
         return None
 
 
-async def everywhere(operation: Callable[[int], Awaitable[object]], *ours: str) -> int:
+async def everywhere(
+    operation: Callable[[int], Awaitable[object]], *ours: str, bare: bool = False
+) -> int:
     """Run ``operation`` (given the try's number, from 1) again and again, interrupted at the
     next place in ``ours`` each time (see :class:`CtrlC`), until a run meets no such place;
     returns the places tried. What the hang is about: the interrupt may come out bare or in an
-    exception group (one raised inside a task)."""
+    exception group (one raised inside a task), unless ``bare``: then it comes out as itself,
+    as ``except KeyboardInterrupt`` catches it."""
     at = 1
     while True:
         ctrl_c = CtrlC(at, ours)
         sys.settrace(ctrl_c.enter)
         try:
             await operation(at)
-        except* KeyboardInterrupt:  # alone or (raised in a task) in a group
+        except KeyboardInterrupt:
             pass
+        except BaseExceptionGroup as group:
+            sys.settrace(None)
+            if bare or group.subgroup(KeyboardInterrupt) is None:
+                raise AssertionError(f"interrupted at place {at}: {group!r}") from group
         finally:
             sys.settrace(None)
         if not ctrl_c.raised:

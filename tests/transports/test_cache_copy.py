@@ -195,6 +195,31 @@ assert_threads_end("stream_st cache copy")
 """
 
 
+CTRL_C_RESOLVING = """
+import sys, anyio, stream_st, stream_st._api
+from tests.ctrl_c import everywhere
+
+url, cache = sys.argv[1:]
+
+async def read(at):
+    async with stream_st.open_stream(url, cache=cache) as stream:  # a hit: resolved, read ahead
+        async for name, array in stream:
+            pass
+
+anyio.run(read, 0)  # the copy
+print(anyio.run(lambda: everywhere(read, stream_st._api.__file__, bare=True), backend="trio"))
+"""
+
+
+def test_ctrl_c_while_a_cached_read_resolves_is_a_keyboard_interrupt(tmp_path: Path) -> None:
+    """Ctrl-C under trio anywhere in a cached read's own code (the copy read ahead while the
+    request that checks it is in flight) comes out as ``KeyboardInterrupt``, as
+    ``except KeyboardInterrupt`` catches it, never in an exception group."""
+    with RangeHTTPServer(objects={"/m.safetensors": BIG_DATA}, etag="strong") as running:
+        tried = run_script(CTRL_C_RESOLVING, running.url("/m.safetensors"), str(tmp_path))
+    assert tried >= 20  # the trace reached the read
+
+
 def test_ctrl_c_anywhere_in_the_copy_under_trio_never_hangs(tmp_path: Path) -> None:
     """Ctrl-C under trio raises KeyboardInterrupt wherever the event loop's thread runs, in
     Python code too: a cached read, interrupted at each place of the copy's code in turn, ends
