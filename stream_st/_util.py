@@ -17,6 +17,7 @@ from anyio.abc import TaskGroup
 
 __all__ = [
     "AsyncClosing",
+    "allow_open_files",
     "call_soon_from_thread",
     "package_version",
     "process_running",
@@ -179,3 +180,22 @@ async def seen_through(
     if failure is not None:
         raise failure
     return outcome[0]
+
+
+def allow_open_files(count: int) -> None:
+    """Raise this process's soft limit on open files, within the hard one, to leave room for
+    ``count`` more (as Go programs do at start): for a writer that holds every file (or
+    connection) it writes open until its commit (:func:`~stream_st.tools.mirror`, the sharded
+    writers)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not a Unix
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2 * count + 256  # what the process holds besides, and the source being read
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    if hard != resource.RLIM_INFINITY:
+        wanted = min(wanted, hard)
+    with contextlib.suppress(ValueError, OSError):  # not allowed: one too many fails cleanly
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))

@@ -10,26 +10,29 @@ Two layouts:
 
 A safetensors header comes first, but which tensors a shard will hold is known only when it is
 full. So each shard's data goes, as it arrives (constant memory), straight into the shard's
-temporary file beside the destination (a :class:`~stream_st.transports.file.sink.FileSink`), after
-room left for the header (:func:`header_room`); when the shard is sealed its header is written
-into that room, padded with spaces as the format allows, and the file is moved into place. A
-header that outgrows its room is written to a new file, the data copied after it. A group of
-tensors (one ``write`` or ``write_batch`` call) never straddles two shards; a shard is sealed
-before a group that would take it past the target size. The index or manifest is written last,
-whole, beside its place; only then are the shards of a Hugging Face checkpoint moved from their
-provisional names to their final ones, and the index into place, shielded from cancellation: a
-reader never sees an index that names a shard that is not complete. On any failure (a full disk
-included: every I/O error is a :class:`~stream_st.TransportError` naming the place) or
-cancellation before that step, the writer is aborted and nothing new is left in the directory;
-a previous checkpoint of the same names stays whole. Only during that step, a few renames, can
-a reader of the previous index find new shards beside old ones (its check that each shard holds
-the tensors the index assigns it catches a different layout, not the same one with other
-values); a rename failing there leaves the previous checkpoint's shards it replaced gone.
+temporary file in the directory (a :class:`~stream_st.transports.file.sink.FileSink`: a file with
+no name, ``O_TMPFILE``, where the file system allows it), after room left for the header
+(:func:`header_room`); when the shard is sealed its header is written into that room, padded with
+spaces as the format allows. A header that outgrows its room is written to a new file, the data
+copied after it. A sealed shard stays open, and nameless, until the commit. A group of tensors
+(one ``write`` or ``write_batch`` call) never straddles two shards; a shard is sealed before a
+group that would take it past the target size. On any failure (a full disk included: every I/O
+error is a :class:`~stream_st.TransportError` naming the place) or cancellation before the
+commit, the writer is aborted and nothing new is left in the directory.
+
+The commit comes once the index or manifest is written whole, shielded from cancellation: every
+file is linked in under a held name (hidden, :meth:`_RollingWriter._held_name`), then the shards
+are renamed to their final names and the index last (:meth:`ShardedWriter._rename_sealed` says
+in which order, so that a process killed at any point leaves a previous checkpoint whole, the new
+one whole, or no index). A writer holds its directory while it works (a shared ``flock``); one
+that finds no other writer there first removes what writers killed there left under held names
+(:func:`_claim`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import os
@@ -37,7 +40,8 @@ import re
 import shutil
 import struct
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +49,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from .._util import AsyncClosing
+from .._util import AsyncClosing, allow_open_files
 from ..core.arrays import as_array
 from ..core.digests import Digests, digest_of, digests_for
 from ..core.dtypes import dtype_for, wire_bytes
@@ -118,19 +122,12 @@ def _io(doing: str, path: Path, position: int | None = None) -> Iterator[None]:
         ) from exc
 
 
-async def _write_file(
-    path: Path,
-    head: bytes,
-    rest: FileSink | None = None,
-    start: int = 0,
-    size: int = 0,
-    before_commit: Callable[[], None] | None = None,
-) -> None:
-    """``head``, then what ``rest`` holds from ``start`` on, as the file ``path`` (``size`` bytes
-    in all, when known): through a :class:`~stream_st.transports.file.sink.FileSink`, so a
-    temporary file is renamed into place once complete, and removed on any failure or
-    cancellation. ``before_commit`` runs (in a worker thread) once the file is complete, just
-    before its commit, both shielded from cancellation."""
+async def _filled(
+    path: Path, head: bytes, rest: FileSink | None = None, start: int = 0, size: int = 0
+) -> FileSink:
+    """A :class:`~stream_st.transports.file.sink.FileSink` for ``path`` holding ``head``, then
+    what ``rest`` holds from ``start`` on (``size`` bytes in all, when known), complete and not
+    committed (a temporary file, removed on any failure or cancellation)."""
     sink = FileSink(path)
     try:
         await sink.allocate(size)
@@ -140,13 +137,19 @@ async def _write_file(
             while got := await rest.read_at(start, chunk):
                 await sink.send(chunk[:got])
                 start += got
-        with anyio.CancelScope(shield=True):
-            if before_commit is not None:
-                await anyio.to_thread.run_sync(before_commit)
-            await sink.aclose()
+        await sink.prepare()
     except BaseException:
         await sink.abort()
         raise
+    return sink
+
+
+async def _write_file(path: Path, head: bytes) -> None:
+    """``head`` as the file ``path``: complete, then moved into place shielded from
+    cancellation; nothing is left on any failure."""
+    sink = await _filled(path, head)
+    with anyio.CancelScope(shield=True):
+        await sink.aclose()
 
 
 class _Shard:
@@ -176,8 +179,8 @@ class _Shard:
         self.data_bytes += len(view)
 
     async def seal(self, metadata: Mapping[str, str] | None) -> int:
-        """Write the header and put the shard at its destination; returns the file's size. On
-        any failure nothing is left there."""
+        """Write the header; :attr:`file` is then the complete shard, not committed. Returns the
+        file's size. On any failure nothing is left."""
         try:
             if self.algorithm is not None:
                 digests = Digests(self.algorithm, self.digests)
@@ -185,14 +188,15 @@ class _Shard:
             prefix, _ = build_header(self.specs, metadata)
             if len(prefix) <= self.room:
                 await self.file.write_at(0, memoryview(_padded(prefix, self.room)))
-                await self.file.aclose()
+                await self.file.prepare()
                 return self.room + self.data_bytes
             size = len(prefix) + self.data_bytes
-            await _write_file(self.destination, prefix, self.file, self.room, size)
+            outgrown = self.file
+            self.file = await _filled(self.destination, prefix, outgrown, self.room, size)
         except BaseException:
             await self.file.abort()
             raise
-        await self.file.abort()  # its data now follows the header in the new file
+        await outgrown.abort()  # its data now follows the header in the new file
         return size
 
 
@@ -240,8 +244,14 @@ class _RollingWriter(AsyncClosing):
         self.directory = _local_folder(directory)
         self._new_folders = _missing_folders(self.directory)  # removed again by abort()
         self.target_size = target_size
+        self._tag = uuid.uuid4().hex[:8]  # in the held names (_held_name)
         self._current: _Shard | None = None
-        self._sealed: list[tuple[str, int, int, list[TensorSpec]]] = []  # name, bytes, samples
+        # name (held, then final), bytes, samples
+        self._sealed: list[tuple[str, int, int, list[TensorSpec]]] = []
+        self._files: list[FileSink] = []  # complete, not linked in yet: the sealed shards, index
+        self._index_file: Path | None = None  # the index's held name, until it is in place
+        self._hold: weakref.finalize[Any, Any] | None = None  # lets the directory go (_claim)
+        self._claimed = False
         self._written: set[str] = set()
         self._closed = False
 
@@ -266,8 +276,7 @@ class _RollingWriter(AsyncClosing):
                 await self._seal()
                 current = None
             if current is None:
-                with _io("creating the directory", self.directory):
-                    self.directory.mkdir(parents=True, exist_ok=True)
+                await self._open_directory()
                 current = self._current = self._new_shard(arrays)
             for name, array in arrays.items():
                 await current.add(name, array)
@@ -276,6 +285,24 @@ class _RollingWriter(AsyncClosing):
             await self.abort()  # a shard missing bytes must never be sealed
             raise
         current.samples += samples
+
+    async def _open_directory(self) -> None:
+        """Make the directory, and hold it from the first time on (:func:`_claim`)."""
+        with _io("creating the directory", self.directory):
+            self.directory.mkdir(parents=True, exist_ok=True)
+        if not self._claimed:
+            self._claimed = True
+            held = await anyio.to_thread.run_sync(_claim, self.directory)
+            if held is not None:  # closed once the writer is done, or dropped
+                self._hold = weakref.finalize(self, os.close, held)
+
+    def _held_name(self, name: str) -> Path:
+        """Where the file to be named ``name`` is linked in at the commit, before it is renamed
+        to that name: ``.<tag>.partial.<name>``, hidden (the tag is this writer's). A writer's
+        sweep (:func:`_claim`) removes such files, and a hidden temporary file of one (where
+        the file system has no nameless file: ``..<tag>.partial.<name>.<random>.tmp``), that a
+        killed writer left."""
+        return self.directory / f".{self._tag}.partial.{name}"
 
     def _new_shard(self, first: Mapping[str, Array]) -> _Shard:
         """The next shard, opened with room for a header that ``first`` starts."""
@@ -287,11 +314,16 @@ class _RollingWriter(AsyncClosing):
                 metadata, list(first)
             )
         room = header_room(self.target_size, len(build_header(specs, metadata)[0]))
-        name = self._shard_name(len(self._sealed))
-        return _Shard(self.directory / name, room, self._algorithm)
+        allow_open_files(len(self._files) + 1)  # every sealed shard is held open until the end
+        return _Shard(self._held_name(self._shard_name(len(self._sealed))), room, self._algorithm)
 
     def _shard_name(self, index: int) -> str:
+        """The name of shard ``index`` as it is written (its held name's end)."""
         raise NotImplementedError
+
+    def _final_name(self, index: int) -> str:
+        """The name shard ``index`` takes at the commit."""
+        return self._shard_name(index)
 
     def _shard_metadata(self) -> Mapping[str, str] | None:
         return None
@@ -301,14 +333,32 @@ class _RollingWriter(AsyncClosing):
         if shard is None:
             return
         size = await shard.seal(self._shard_metadata())
+        self._files.append(shard.file)
         self._sealed.append((shard.destination.name, size, shard.samples, shard.specs))
 
     def _index(self) -> tuple[str, dict[str, Any]]:
         raise NotImplementedError
 
-    def _rename_sealed(self) -> None:
-        """A hook to give sealed shards their final names (see :meth:`_index`), just before the
-        index commits them."""
+    def _put(self, index: int, final: str) -> None:
+        """Rename the sealed shard ``index`` to ``final``."""
+        name, size, samples, specs = self._sealed[index]
+        with _io("moving a shard into place", self.directory / final):
+            os.replace(self.directory / name, self.directory / final)
+        self._sealed[index] = (final, size, samples, specs)  # abort() removes it from here
+
+    def _rename_sealed(self, index: Path) -> None:
+        """Give the sealed shards, linked in under their held names, their final names (see
+        :meth:`_final_name`), just before the index takes its place, ``index``."""
+        for number in range(len(self._sealed)):
+            self._put(number, self._final_name(number))
+
+    def _commit(self, index: Path) -> None:
+        """The shards to their final names, then the index to ``index`` (in a worker thread)."""
+        self._rename_sealed(index)
+        assert self._index_file is not None  # linked in by aclose
+        with _io("moving the index into place", index):
+            os.replace(self._index_file, index)
+        self._index_file = None
 
     async def _before_index(self) -> None:
         """A hook to write what goes beside the shards before the index commits them."""
@@ -320,36 +370,57 @@ class _RollingWriter(AsyncClosing):
         """A hook run once the index is in place."""
 
     async def aclose(self) -> None:
-        """Seal the last shard, write the index (or manifest) whole, then commit: the shards
-        moved to their final names and the index into place, shielded from cancellation."""
+        """Seal the last shard, write the index (or manifest) whole, then commit, shielded from
+        cancellation: every file linked in under its held name, then the shards renamed to
+        their final names and the index into place (:meth:`_commit`)."""
         if self._closed:
             return
         try:
             await self._seal()
             if not self._sealed:  # nothing written: the directory may not exist yet
-                with _io("creating the directory", self.directory):
-                    self.directory.mkdir(parents=True, exist_ok=True)
+                await self._open_directory()
                 await self._nothing_written()
             await self._before_index()
             name, document = self._index()
             text = json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
-            await _write_file(self.directory / name, text, before_commit=self._rename_sealed)
+            self._index_file = self._held_name(name)
+            self._files.append(await _filled(self._index_file, text))
+            with anyio.CancelScope(shield=True):
+                while self._files:
+                    await self._files[0].aclose()  # removes itself if it fails
+                    del self._files[0]
+                await anyio.to_thread.run_sync(self._commit, self.directory / name)
         except BaseException:
             await self.abort()
             raise
         self._closed = True
         self._after_commit()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Let the directory go (see :func:`_claim`)."""
+        if self._hold is not None:
+            self._hold()
 
     async def abort(self) -> None:
-        """Remove every shard written so far and the one in the making; nothing is left behind."""
+        """Remove every shard written so far and the one in the making, and the index if written;
+        nothing is left behind."""
         self._closed = True
         if self._current is not None:
             await self._current.file.abort()
             self._current = None
-        for name, *_ in self._sealed:
+        for file in self._files:
+            await file.abort()
+        self._files.clear()
+        names = [name for name, *_ in self._sealed]
+        if self._index_file is not None:
+            names.append(self._index_file.name)
+            self._index_file = None
+        for name in names:
             with contextlib.suppress(OSError):  # removing the rest matters more
                 (self.directory / name).unlink(missing_ok=True)
         self._sealed.clear()
+        self._let_go()
         for folder in self._new_folders:  # the deepest first; one not empty stays, with those above
             try:
                 folder.rmdir()
@@ -382,15 +453,14 @@ class ShardedWriter(_RollingWriter):
             )
         super().__init__(directory, max_shard_size, checksums)
         self.prefix = prefix
-        self._tag = uuid.uuid4().hex[:8]
 
     async def write(self, name: str, array: Any) -> None:
         """Add one tensor (to the current shard, or a new one if it would overflow)."""
         await self._add_group({name: array}, 0)
 
     def _shard_name(self, index: int) -> str:
-        # The total is unknown until the end: a provisional name, renamed when closing.
-        return f".{self.prefix}-{index + 1:05d}-{self._tag}.partial.safetensors"
+        # The total is unknown until the end: a provisional name, replaced at the commit.
+        return f"{self.prefix}-{index + 1:05d}.safetensors"
 
     def _shard_metadata(self) -> Mapping[str, str] | None:
         return {"format": "pt", **self.metadata}
@@ -401,12 +471,32 @@ class ShardedWriter(_RollingWriter):
             return f"{self.prefix}.safetensors"
         return f"{self.prefix}-{index + 1:05d}-of-{count:05d}.safetensors"
 
-    def _rename_sealed(self) -> None:
-        for index, (name, size, samples, specs) in enumerate(self._sealed):
-            final = self._final_name(index)
-            with _io("moving a shard into place", self.directory / final):
-                os.replace(self.directory / name, self.directory / final)
-            self._sealed[index] = (final, size, samples, specs)  # abort() removes it from here
+    def _rename_sealed(self, index: Path) -> None:
+        """The shards to their final names, the previous checkpoint kept whole for as long as
+        it can be. A shard whose name is free goes there first: the previous index names no
+        such file. Then, where a shard takes the place of a file (a previous shard of that
+        name), or the new checkpoint is or replaces ``{prefix}.safetensors`` (loaders take it
+        before any index), the previous index is removed before any of that: a process killed
+        from then until the new index is in place leaves no index, never one naming a mix of
+        old and new shards."""
+        single = f"{self.prefix}.safetensors"
+        finals = [self._final_name(number) for number in range(len(self._sealed))]
+        later = []
+        for number, final in enumerate(finals):
+            if final == single or os.path.lexists(self.directory / final):
+                later.append(number)
+            else:
+                self._put(number, final)
+        stale = single not in finals and os.path.lexists(self.directory / single)
+        if not later and not stale:
+            return
+        with _io("removing the previous index", index):
+            index.unlink(missing_ok=True)
+        for number in later:
+            self._put(number, finals[number])
+        if stale:
+            with contextlib.suppress(OSError):  # not a file ours to remove: _after_commit's say
+                os.unlink(self.directory / single)
 
     def _after_commit(self) -> None:
         """Remove the shards of an earlier checkpoint of this prefix that the new index does not
@@ -500,14 +590,17 @@ class DatasetWriter(_RollingWriter):
         await self._seal()
 
     def _index(self) -> tuple[str, dict[str, Any]]:
-        shards = [ShardEntry(name, samples, size) for name, size, samples, _ in self._sealed]
+        shards = [
+            ShardEntry(self._final_name(index), samples, size)
+            for index, (_, size, samples, _) in enumerate(self._sealed)
+        ]
         return MANIFEST_NAME, manifest_document(shards, self._schema)
 
     @property
     def _staged_index(self) -> Path:
         """Where the new ``_tensor_index.parquet`` is written before it takes the old one's
-        place (a hidden name: readers and listings of the dataset skip it)."""
-        return self.directory / f".{INDEX_NAME}-{self._uuid}"
+        place (a held name, hidden: readers and listings of the dataset skip it)."""
+        return self._held_name(INDEX_NAME)
 
     async def _before_index(self) -> None:
         """With ``generate_index``: ``_tensor_index.parquet``, a directory Spark reads (it skips
@@ -517,28 +610,30 @@ class DatasetWriter(_RollingWriter):
         if not self.generate_index:
             return
         rows = [
-            (spec.name, name, list(spec.shape), dtype_for(spec.dtype).code)
-            for name, _, _, specs in self._sealed
+            (spec.name, self._final_name(index), list(spec.shape), dtype_for(spec.dtype).code)
+            for index, (_, _, _, specs) in enumerate(self._sealed)
             for spec in specs
         ]
         table = await anyio.to_thread.run_sync(tensor_index_table, rows)
         staged = self._staged_index
-        await anyio.to_thread.run_sync(_remove_index, staged)
         staged.mkdir()
         await _write_file(staged / f"part-00000-{self._uuid}-c000.parquet", table)
 
-    def _rename_sealed(self) -> None:
-        """The new index in the old one's place (without ``generate_index``, an earlier index
-        removed: it would name shards the new manifest does not)."""
-        index = self.directory / INDEX_NAME
-        _remove_index(index)
+    def _rename_sealed(self, index: Path) -> None:
+        """The shards to their final names (new ones: the writer's UUID is in them), then the new
+        ``_tensor_index.parquet`` in the old one's place (without ``generate_index``, an earlier
+        one removed: it would name shards the new manifest does not)."""
+        super()._rename_sealed(index)
+        table = self.directory / INDEX_NAME
+        _remove_index(table)
         if self.generate_index:
-            self._staged_index.rename(index)
+            self._staged_index.rename(table)
 
     async def abort(self) -> None:
+        if self.generate_index:  # while the directory is held: no other writer's sweep races it
+            with contextlib.suppress(OSError):
+                _remove_index(self._staged_index)
         await super().abort()
-        if self.generate_index:
-            await anyio.to_thread.run_sync(_remove_index, self._staged_index)
 
 
 def _check_rows(arrays: Mapping[str, Array], samples: int) -> None:
@@ -568,6 +663,52 @@ def _missing_folders(directory: Path) -> list[Path]:
             break
         missing.append(folder)
     return missing
+
+
+_HELD = re.compile(r"\.\.?[0-9a-f]{8}\.partial\..+")
+"""What a writer holds in its directory until its commit (:meth:`_RollingWriter._held_name`),
+the hidden temporary file of one (``..<tag>.partial.<name>.<random>.tmp``) included."""
+
+
+def _claim(directory: Path) -> int | None:
+    """A descriptor of ``directory`` holding a shared ``flock`` of it, the mark of a writer at
+    work there (the kernel lets it go when the process ends, killed or not). First, where no
+    other writer holds the directory (an exclusive lock is granted at once), remove what writers
+    killed there left under held names (:data:`_HELD`): none is at work to commit them. None
+    where the file system has no such lock (nothing is removed then)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # another writer is at work here: what looks left may be its own
+        else:
+            _sweep(directory)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only for another writer's sweep
+    except BaseException as exc:
+        os.close(fd)
+        if isinstance(exc, OSError):
+            return None
+        raise
+    return fd
+
+
+def _sweep(directory: Path) -> None:
+    """Remove the files (and a staged index's folder) under held names in ``directory``."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in entries:
+        if _HELD.fullmatch(entry.name):
+            with contextlib.suppress(OSError):  # gone meanwhile: nothing to do
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
 
 
 def _remove_index(index: Path) -> None:
@@ -615,11 +756,12 @@ def open_sharded_writer(
     shard whenever the next tensor would take the current one past ``max_shard_size`` bytes of
     data, then ``{prefix}.safetensors.index.json``. A single shard is named
     ``{prefix}.safetensors``. ``checksums=True`` (or an algorithm's name) records each tensor's
-    digest in its shard's ``__metadata__``, as :func:`~stream_st.open_writer` does. Once the
-    index is in place, shards of an earlier checkpoint of the same prefix that it does not name
+    digest in its shard's ``__metadata__``, as :func:`~stream_st.open_writer` does. Shards of
+    an earlier checkpoint of the same prefix that the new index does not name
     (``{prefix}.safetensors``, ``{prefix}-NNNNN-of-NNNNN.safetensors``) are removed, as
     transformers' ``save_pretrained`` removes them: loaders take a ``{prefix}.safetensors``
-    before the index."""
+    before the index, so that one goes before the new index is in place (see
+    :meth:`ShardedWriter._rename_sealed`), the others once it is."""
     return ShardedWriter(
         directory,
         max_shard_size=max_shard_size,

@@ -15,6 +15,7 @@ from urllib.parse import quote
 import anyio
 import numpy as np
 
+from .._util import allow_open_files
 from ..core.codecs import Codec, codec_from_metadata, get_codec, to_bfloat16
 from ..core.digests import ALGORITHM_KEY, DEFAULT_ALGORITHM, Digests, algorithm_named
 from ..core.dtypes import dtype_from_code
@@ -482,24 +483,6 @@ def _make_directory(path: str, made: list[str]) -> None:
     made.append(path)
 
 
-def _allow_open_files(count: int) -> None:
-    """Raise this process's soft limit on open files, within the hard one, to leave room for
-    ``count`` more (as Go programs do at start): :func:`mirror` holds every shard open (a file,
-    a connection) until all are written."""
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - not a Unix
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = 2 * count + 256  # what the process holds besides, and the source being read
-    if soft == resource.RLIM_INFINITY or soft >= wanted:
-        return
-    if hard != resource.RLIM_INFINITY:
-        wanted = min(wanted, hard)
-    with contextlib.suppress(ValueError, OSError):  # not allowed: a copy too many fails cleanly
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-
-
 async def _discard(held: Sequence[_Held], made: Sequence[str], failure: BaseException) -> None:
     """Abort every message in ``held`` and remove the directories ``made`` if they are empty;
     what may be left (an upload that could not be aborted) is noted on ``failure``."""
@@ -554,7 +537,7 @@ async def mirror(
             "drop the conversions, or merge it into one file"
         )
     index_name = posixpath.basename(split_address(index).path if "://" in index else index)
-    _allow_open_files(len(shards.shards) + 1)
+    allow_open_files(len(shards.shards) + 1)
     written: list[str] = []
     held: list[_Held] = []
     made: list[str] = []  # local directories made for the copy

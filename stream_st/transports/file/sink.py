@@ -341,6 +341,13 @@ class FileSink(AtomicFile, Sink):
                     f"reading back failed: {exc.strerror or exc}", url=self.name, position=offset
                 ) from exc
 
+    async def prepare(self) -> bool:
+        """Write what is staged and let its buffer go: a file held until its commit (the shards
+        of a sharded write) keeps no memory."""
+        self._flush()
+        self._stage = bytearray()
+        return True
+
     async def aclose(self) -> None:
         """Flush (with ``fsync``), close and move the temporary file to the destination."""
         if self._done:
