@@ -86,3 +86,29 @@ def run_command(
         timeout=60,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})},
     )
+
+
+def nameless_works(directory: Path) -> bool:
+    """Whether the writers hold ``directory``'s files with no name (``O_TMPFILE``)."""
+    from stream_st.transports.file import atomic
+
+    fd = atomic._open_nameless(os.fspath(directory))
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
+
+
+def stepped(raw: bytes) -> tuple[Any, int]:
+    """What :func:`stream_st.core.header.parse_steps` of ``raw`` gives, and after how many
+    steps (the turns it gave the loop)."""
+    from stream_st.core.header import parse_steps
+
+    steps = parse_steps(raw)
+    yields = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value, yields
+        yields += 1

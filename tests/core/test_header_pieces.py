@@ -26,6 +26,8 @@ from stream_st.core.header import (
 from stream_st.core.strict_json import PIECE_BYTES, object_pieces
 from stream_st.errors import DtypeError, UsageError
 
+from .._util import stepped
+
 COUNT = 2 * PIECE_BYTES // 44 + 200
 """Tensors of about 50 bytes each: two pieces."""
 LATE = COUNT - 100
@@ -286,15 +288,10 @@ def test_the_compact_reader_declines_what_it_cannot_plainly_read(part: str) -> N
 
 def test_a_parse_yields_between_pieces_only() -> None:
     raw = header(members())
-    steps = parse_steps(raw)
-    yields = 0
-    with pytest.raises(StopIteration) as done:
-        while True:
-            next(steps)
-            yields += 1
+    found, yields = stepped(raw)
     columns = 5  # allotted once the first piece tells the tensors' size, one a step
     assert yields == len(list(object_pieces(memoryview(raw)))) - 1 + columns > columns
-    assert done.value.value == parse_header(raw)
+    assert found == parse_header(raw)
     assert list(parse_steps(header(members()[:100]))) == []  # one piece, one step
 
 

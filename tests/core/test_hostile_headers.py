@@ -20,13 +20,12 @@ import safetensors
 import stream_st
 from stream_st import HeaderError, SafetensorsError, TruncatedStreamError, parse_header, tools
 from stream_st.cli import main
-from stream_st.core.header import parse_steps
 from stream_st.core.strict_json import PIECE_BYTES
 from stream_st.reader import header as reader_module
 from stream_st.reader.turns import TURN_CHECKPOINTS
 from stream_st.transports.inmemory import BytesSource
 
-from .._util import chunked, raw_file
+from .._util import chunked, raw_file, stepped
 
 U64_MAX = 2**64 - 1
 
@@ -428,13 +427,7 @@ def test_a_header_of_one_long_member_is_parsed_in_steps(case: str) -> None:
     text = LONG_MEMBERS[case]()
     assert not reference_refuses(text)
     raw = text.encode()
-    steps = parse_steps(raw)
-    yields = 0
-    with pytest.raises(StopIteration) as done:
-        while True:
-            next(steps)
-            yields += 1
-    found = done.value.value
+    found, yields = stepped(raw)
     assert found == parse_header(raw) and found.metadata == json.loads(text).get("__metadata__", {})
     assert yields >= len(raw) // (4 * PIECE_BYTES)  # a step reads 128 KiB at most, on average
 

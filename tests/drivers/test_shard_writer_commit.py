@@ -23,6 +23,8 @@ from stream_st import SourceNotFoundError, TransportError
 from stream_st.sharded.writer import open_dataset_writer, open_sharded_writer
 from stream_st.transports.file import atomic
 
+from .._util import nameless_works
+
 INDEX = "model.safetensors.index.json"
 
 
@@ -44,15 +46,6 @@ async def test_an_index_that_cannot_be_written_replaces_no_previous_shard(tmp_pa
         await _write(tmp_path, 2.0)
     after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != INDEX}
     assert after == previous
-
-
-def nameless_works(directory: Path) -> bool:
-    """Whether the writers hold ``directory``'s files with no name (``O_TMPFILE``)."""
-    fd = atomic._open_nameless(os.fspath(directory))
-    if fd is None:
-        return False
-    os.close(fd)
-    return True
 
 
 CHILD = """

@@ -287,13 +287,19 @@ def test_two_processes_reading_at_once_fetch_the_object_once(tmp_path: Path) -> 
         assert body_bytes(running) < len(DATA) + (128 << 10)  # fetched once
 
 
+def writing(url: str, cache: Path) -> subprocess.Popen[str]:
+    """A process reading ``url`` into ``cache``, once it has begun its copy (within 30 s)."""
+    process = reader(url, cache)
+    give_up = time.monotonic() + 30
+    while not list(cache.rglob("*.part")) and time.monotonic() < give_up:
+        time.sleep(0.01)
+    return process
+
+
 def test_a_killed_writer_leaves_nothing_the_next_reader_trusts(tmp_path: Path) -> None:
     with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong", rate=1e6) as running:
         url = running.url("/m.safetensors")
-        writer = reader(url, tmp_path)
-        give_up = time.monotonic() + 30
-        while not list(tmp_path.rglob("*.part")) and time.monotonic() < give_up:
-            time.sleep(0.01)
+        writer = writing(url, tmp_path)
         time.sleep(0.3)  # part way through the body
         writer.send_signal(signal.SIGKILL)
         writer.communicate()
@@ -399,10 +405,7 @@ def test_a_first_copy_being_written_is_listed_and_left_alone(tmp_path: Path) -> 
     no copy."""
     with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong", rate=1e6) as running:
         url = running.url("/m.safetensors")
-        writer = reader(url, tmp_path)
-        give_up = time.monotonic() + 30
-        while not list(tmp_path.rglob("*.part")) and time.monotonic() < give_up:
-            time.sleep(0.01)
+        writer = writing(url, tmp_path)
         cache = Cache.at(tmp_path)
         (entry,) = entries(cache)
         assert entry.writing and not entry.leftover and not entry.complete

@@ -31,20 +31,13 @@ import stream_st
 from stream_st import TensorSpec, WriterError
 from stream_st.transports.file import atomic
 
+from .._util import nameless_works
+
 ARRAYS: dict[str, np.ndarray[Any, Any]] = {
     "a": np.arange(1000, dtype=np.float32),
     "b": np.full(10, 3, np.uint8),
 }
 EXPECTED = reference_numpy.save(ARRAYS)
-
-
-def nameless_works(directory: Path) -> bool:
-    """Whether the sink writes ``directory``'s files through nameless temporaries."""
-    fd = atomic._open_nameless(os.fspath(directory))
-    if fd is None:
-        return False
-    os.close(fd)
-    return True
 
 
 @pytest.fixture(params=["nameless", "named"])

@@ -155,15 +155,20 @@ def test_sigv4_matches_the_documented_example() -> None:
 async def test_wrong_credentials_are_refused_by_a_checking_server() -> None:
     # moto accepts any key; this checks the error path with a real 403 from our HTTP server.
     with RangeHTTPServer(status_for={"/b/k": 403}) as server:
-        config = S3Config.resolve(
-            endpoint_url=f"http://127.0.0.1:{server.port}",
-            access_key_id="a",
-            secret_access_key="b",
-            environ={},
-        )
-        with pytest.raises(HTTPStatusError) as info:
-            await read_all(S3Source("s3://b/k", config=config))
-    assert info.value.status == 403
+        assert (await refusal(server)).status == 403
+
+
+async def refusal(server: RangeHTTPServer) -> HTTPStatusError:
+    """What a read of ``s3://b/k`` from ``server`` as the S3 endpoint is refused with."""
+    config = S3Config.resolve(
+        endpoint_url=f"http://127.0.0.1:{server.port}",
+        access_key_id="a",
+        secret_access_key="b",
+        environ={},
+    )
+    with pytest.raises(HTTPStatusError) as info:
+        await read_all(S3Source("s3://b/k", config=config))
+    return info.value
 
 
 class WrongRegion(RangeHTTPServer):
@@ -187,20 +192,13 @@ async def test_a_bucket_in_another_region_is_named(said: str) -> None:
     server = WrongRegion(status_for={"/b/k": 301}, status_body=("application/xml", body + endpoint))
     server.header = said == "header"
     with server:
-        config = S3Config.resolve(
-            endpoint_url=f"http://127.0.0.1:{server.port}",
-            access_key_id="a",
-            secret_access_key="b",
-            environ={},
-        )
-        with pytest.raises(HTTPStatusError) as info:
-            await read_all(S3Source("s3://b/k", config=config))
+        message = str(await refusal(server))
     named = "region eu-west-1" if said == "header" else "endpoint b.s3.eu-west-1.amazonaws.com"
-    assert str(info.value).startswith(
+    assert message.startswith(
         f"HTTP 301 Moved Permanently: the bucket is elsewhere ({named}): give its region"
     )
-    assert "PermanentRedirect: Use the specified endpoint" in str(info.value)
-    assert "nowhere" not in str(info.value)
+    assert "PermanentRedirect: Use the specified endpoint" in message
+    assert "nowhere" not in message
 
 
 async def test_sharded_checkpoint_on_s3(aws_env: None, s3: MotoS3Server) -> None:
