@@ -91,13 +91,22 @@ def _run_cache(args: argparse.Namespace, cache: Cache) -> int:
                         "last_used": entry.last_used,
                         "complete": entry.complete,
                         "leftover": entry.leftover,
+                        "writing": entry.writing,
                     }
                 )
             return EXIT_OK
         width = max([len("address"), *(len(e.shown) for e in found)])
         print(f"{'address':<{width}}  {'size':>9}  {'last used':>10}  state")
         for entry in reversed(found):
-            state = "complete" if entry.complete else "leftover" if entry.leftover else "partial"
+            state = (
+                "complete"
+                if entry.complete
+                else "leftover"
+                if entry.leftover
+                else "writing"
+                if entry.writing
+                else "partial"
+            )
             used = _age(entry.last_used)
             print(f"{entry.shown:<{width}}  {human(entry.size):>9}  {used:>10}  {state}")
         total = sum(e.size for e in found)

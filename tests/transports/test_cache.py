@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -411,6 +412,10 @@ def test_a_first_copy_being_written_is_listed_and_left_alone(tmp_path: Path) -> 
         assert entry.writing and not entry.leftover and not entry.complete
         assert entry.shown == f"{url} (being written)"
         assert not remove(entry) and prune(cache, 0) == []
+        listed = run_command("cache", "ls", "--cache-dir", str(tmp_path))
+        assert listed.stdout.splitlines()[1].split()[-1] == "writing", listed.stdout
+        listed = run_command("cache", "ls", "--cache-dir", str(tmp_path), "--json")
+        assert json.loads(listed.stdout)["writing"] is True, listed.stdout
         _, err = writer.communicate(timeout=60)
         assert writer.returncode == 0, err
     (entry,) = entries(cache)
