@@ -92,15 +92,44 @@ __all__ = [
 
 # ---------------------------------------------------------------- what a message may show
 
-_USERINFO = re.compile(
-    r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)"
-    r"(?P<userinfo>[^/?#\s'\"<>]*|[^/?#\s'\"<>:]*:[^\s'\"<>]*)@"
-)
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s'\"<>]*)@")
 """``scheme://userinfo@``: the userinfo runs to the last ``@`` before the path, as URL parsers
-read it (a password with an unescaped ``@`` in it included); where no ``@`` comes before the
-path, from a ``:`` there to the last ``@`` of the address (a password with an unescaped ``/``,
-``?`` or ``#`` in it, which URL parsers read as a host and port: a port followed by a path with
-an ``@`` in it is masked too)."""
+read it (a password with an unescaped ``@`` in it included)."""
+
+_TOKEN = re.compile(r"[^\s'\"<>]+")
+"""A run of text an address may fill (up to a space or a quote)."""
+
+_SCHEME = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://")
+
+_USER = re.compile(r"[^/?#:]*")
+
+_AUTHORITY = re.compile(r"[^/?#]*")
+
+
+def _mask_cut_short(text: str) -> str:
+    """``text`` with the password of an address whose authority (up to the first ``/``, ``?``
+    or ``#``) holds a ``:`` and no ``@`` masked from that ``:`` to the last ``@`` of the run it
+    is in: a password with an unescaped ``/``, ``?`` or ``#`` in it, which URL parsers read as
+    a host and port (a port followed by a path with an ``@`` in it is masked too). In time
+    linear in the text: each run's last ``@`` is found once, each authority scanned once (a
+    pattern running to the last ``@`` from every address took quadratic time, seconds for an
+    error page of 64 KiB)."""
+    pieces: list[str] = []
+    done = 0
+    for token in _TOKEN.finditer(text):
+        last = text.rfind("@", token.start(), token.end())
+        if last < 0:
+            continue
+        for scheme in _SCHEME.finditer(text, token.start(), last):
+            user = _USER.match(text, scheme.end(), last)
+            authority = _AUTHORITY.match(text, scheme.end(), last)
+            assert user is not None and authority is not None  # both match the empty string
+            if text[user.end()] == ":" and "@" not in authority[0]:  # "@" there: masked above
+                pieces += [text[done : user.end() + 1], MASK]
+                done = last
+                break
+    return "".join(pieces) + text[done:] if pieces else text
+
 
 _PARAMETER = re.compile(r"(?P<lead>[?&#])(?P<name>[^=&#\s'\"<>]+)=(?P<value>[^&#\s'\"<>]*)")
 """A parameter of a query, or of a fragment (``#access_token=...``, as OAuth's implicit flow
@@ -193,7 +222,7 @@ def redact(text: str) -> str:
     nothing. Every error's message passes through it; use
     it wherever an address is shown."""
     if "@" in text:
-        text = _USERINFO.sub(_mask_userinfo, text)
+        text = _mask_cut_short(_USERINFO.sub(_mask_userinfo, text))
     if "=" in text:
         text = _PARAMETER.sub(_mask_parameter, text)
     if "Bearer" in text or "Basic" in text or "AWS4-" in text:
