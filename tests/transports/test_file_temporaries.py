@@ -301,3 +301,31 @@ async def test_a_directory_removed_before_the_commit_does_not_mark_the_file_syst
         assert writer._sink.temp_path is None  # type: ignore[union-attr]
         await writer.write("a", np.ones(10, np.uint8))
     assert os.listdir(tmp_path) == ["other"] and os.listdir(other) == ["y.st"]
+
+
+FORKED_WRITER = """
+import os, sys
+from stream_st.transports.file import atomic
+atomic.USE_TMPFILE = False  # a named temporary, as where O_TMPFILE is not
+written = atomic.AtomicFile(sys.argv[1])
+if os.fork() == 0:
+    sys.exit(0)  # a forked helper that ends normally: its exit runs the finalizers it copied
+os.wait()
+written.write_whole([memoryview(b"done")], 4)
+"""
+
+
+def test_a_forked_copy_leaves_the_writers_temporary_alone(tmp_path: Path) -> None:
+    """A process forked while a write is on (a helper that ends normally) inherits the
+    finalizer that removes a dropped writer's named temporary: it removed the parent's, whose
+    commit then failed. Only the parent's own writer is cleaned up by it."""
+    out = tmp_path / "out.safetensors"
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_WRITER, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == b"done" and os.listdir(tmp_path) == ["out.safetensors"]

@@ -348,12 +348,15 @@ def _link(fd: int, path: str) -> None:
     os.link(f"/proc/self/fd/{fd}", path, src_dir_fd=fd, follow_symlinks=True)
 
 
-def _dropped(fd: int, name: str, temporary: str | None) -> None:
+def _dropped(fd: int, name: str, temporary: str | None, pid: int) -> None:
     """Close ``fd``, left open by a source or sink dropped unclosed, and remove ``temporary``,
     the named temporary file of a write never committed, if any; then give the
     ``ResourceWarning`` a Python file dropped unclosed gives (last: a filter that makes it an
-    error leaves nothing open)."""
+    error leaves nothing open). In a process forked from ``pid``, the one that opened it, only
+    the copy of the descriptor is closed: the temporary is the parent's, still being written."""
     os.close(fd)
+    if os.getpid() != pid:
+        return
     if temporary is not None:
         with contextlib.suppress(OSError):  # already gone
             os.unlink(temporary)
@@ -367,7 +370,7 @@ def closed_when_dropped(
     ``temporary`` (see :func:`_dropped`); detach it when ``owner`` closes ``fd`` itself. At
     interpreter exit it runs only for a ``temporary`` to remove (a descriptor, and a nameless
     file, go with the process)."""
-    finalizer = weakref.finalize(owner, _dropped, fd, name, temporary)
+    finalizer = weakref.finalize(owner, _dropped, fd, name, temporary, os.getpid())
     finalizer.atexit = temporary is not None
     return finalizer
 
