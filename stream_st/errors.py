@@ -232,6 +232,17 @@ def redact(text: str) -> str:
     return text
 
 
+def unreadable(url: str, exc: ValueError) -> str:
+    """What ``exc``, raised reading ``url``, says is wrong with it, where that cannot show a
+    password: a URL naming credentials (an ``@``) gets a fixed reason, since Python's may quote
+    a piece of one (a password with an unescaped ``/``, ``?`` or ``#`` ends the address's
+    authority early, its start read as a port: ``Port could not be cast to integer value as
+    's3cr'``)."""
+    if "@" in url:
+        return "its host, port or a character cannot be read (the details could quote its password)"
+    return str(exc)
+
+
 class SafetensorsError(Exception):
     """Root of every error stream_st raises for bad data, misuse or failed I/O. Its message
     shows no secret an address carries (see ``redact``)."""

@@ -27,6 +27,7 @@ from ..errors import (
     UnsupportedSinkError,
     UnsupportedSourceError,
     UsageError,
+    unreadable,
 )
 from .base import Sink, Source
 from .nonblocking import NonBlockingEnd
@@ -66,7 +67,7 @@ def parse_tcp_url(
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:  # a port out of range or not a number, an unclosed IPv6 bracket
-        raise UsageError(f"bad tcp:// URL {url!r}: {exc}") from exc
+        raise UsageError(f"bad tcp:// URL {url!r}: {unreadable(url, exc)}") from None
     if parts.scheme != "tcp" or not parts.hostname or port is None:
         raise unsupported(f"expected tcp://host:port, got {url!r}")
     if parts.path not in ("", "/") or parts.query or parts.fragment:

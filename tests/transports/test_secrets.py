@@ -335,3 +335,12 @@ def test_masking_takes_time_linear_in_the_text(tail: str) -> None:
     started = time.process_time()
     redact(text)
     assert time.process_time() - started < 1.0
+
+
+async def test_a_tcp_address_s_cut_password_is_hidden() -> None:
+    """A ``tcp://`` address's password with a ``/`` in it ends its authority early, its start
+    read as a port: Python's reason (``... as 's3cr'``) quoted it, and the message showed it."""
+    with pytest.raises(UsageError) as info:
+        await stream_st.read_header(f"tcp://alice:{SECRET[:4]}/{SECRET[4:]}@127.0.0.1:1")
+    assert_hidden(str(info.value), repr(info.value), secrets=(SECRET[:4], SECRET[4:]))
+    assert info.value.__cause__ is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
-from ...errors import SafetensorsError, UnsupportedSourceError, UsageError
+from ...errors import SafetensorsError, UnsupportedSourceError, UsageError, unreadable
 
 __all__ = ["Target", "unreadable"]
 
@@ -61,14 +61,3 @@ class Target:
     @property
     def url(self) -> str:
         return f"{self.scheme}://{self.authority}{self.path}"
-
-
-def unreadable(url: str, exc: ValueError) -> str:
-    """What ``exc``, raised reading ``url``, says is wrong with it, where that cannot show a
-    password: a URL naming credentials (an ``@``) gets a fixed reason, since Python's may quote
-    a piece of one (a password with an unescaped ``/``, ``?`` or ``#`` ends the address's
-    authority early, its start read as a port: ``Port could not be cast to integer value as
-    's3cr'``)."""
-    if "@" in url:
-        return "its host, port or a character cannot be read (the details could quote its password)"
-    return str(exc)
