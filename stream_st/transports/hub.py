@@ -347,8 +347,11 @@ class HubSource(HttpSource):
         answer, or None once ``url`` is the place elsewhere it redirected to. Its redirects are
         held to the client's policy (``stream_st.transports.http.redirect``): no downgrade to plain
         http,
-        no unusable ``Location``. It asks at the commit first served from, once known."""
-        self.url = self._resolve_url
+        no unusable ``Location``. It asks at the commit first served from, once known, where it
+        would ask at the address's revision (a URL the Hub redirected to within itself is kept:
+        its answers are held to that commit too, by :meth:`_check_version`)."""
+        if self.url == self.file.resolve_url(self._endpoint, None):
+            self.url = self._resolve_url
         for _ in range(MAX_HUB_HOPS + 1):
             try:
                 response = await super()._get(start, end)

@@ -408,6 +408,22 @@ async def test_a_renamed_repository_is_followed_with_the_token(hub: FakeHub) -> 
     assert len(on(hub, CDN_HOST)) == 1
 
 
+async def test_a_renamed_repository_s_file_the_hub_serves_is_asked_where_it_moved(
+    hub: FakeHub,
+) -> None:
+    """A file the Hub serves itself (no CDN) of a renamed repository: the ranges after the
+    first go to the address the Hub redirected to, not through the old name's redirect again."""
+    hub.push("org/private", {"model.safetensors": reference_numpy.save(BIG)})
+    hub.renamed[("model", "old/name")] = "org/private"
+    hub.is_lfs = lambda path: False
+    async with stream_st.open_stream("hf://old/name/model.safetensors") as stream:
+        assert {name async for name, _ in stream} == set(BIG)
+    assert [r.path for r in on(hub, HUB)] == [
+        "/old/name/resolve/main/model.safetensors",
+        *["/org/private/resolve/main/model.safetensors"] * 2,
+    ]
+
+
 async def test_a_hub_redirect_to_an_unusable_address_is_a_protocol_error(hub: FakeHub) -> None:
     hub.renamed[("model", "org/model")] = "/127.0.0.1:99999/x"  # Location: //127.0.0.1:99999/...
     with pytest.raises(HTTPProtocolError, match="redirect to an unusable address"):
