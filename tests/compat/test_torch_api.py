@@ -1006,13 +1006,18 @@ FORKED = textwrap.dedent(
             return held["f"].get_tensor("a")[i]
 
     def loaded():  # by DataLoader workers, forked
-        try:
-            batches = DataLoader(
+        batches = iter(
+            DataLoader(
                 Rows(), batch_size=2, num_workers=2, multiprocessing_context="fork", timeout=20
             )
+        )
+        try:
             return str([b.tolist() for b in batches])
         except UsageError as exc:
             return "UsageError: " + str(exc)
+        finally:  # its workers stopped now, not left to be copied into the next loader's
+            del batches
+            gc.collect()
 
     def collected():
         held.clear()
