@@ -398,6 +398,18 @@ def address_in(into: str, name: str) -> str:
     return join_address(parts.scheme, parts.netloc, path + quoted, parts.query)
 
 
+def _unindexed(written: list[str]) -> None:
+    """Before a mirror's commit into a local directory, remove the index there (``written``'s
+    last address) where a shard is to take the place of a file: a process killed in the commit,
+    or a commit that fails, then leaves no index (loading it fails) rather than the older index
+    over a mix of new and old shards. The new index is committed last."""
+    *shards, index = written
+    local = [shard for shard in shards if "://" not in shard]
+    if "://" not in index and any(os.path.lexists(shard) for shard in local):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(index)
+
+
 class _Held(Sink):
     """``sink`` with its commit held back: the writer's ``aclose`` only gets the message ready
     (:meth:`~stream_st.transports.base.Sink.prepare`), :meth:`commit` commits it. A sink that
@@ -596,6 +608,7 @@ async def mirror(
         await sink.send(memoryview(raw))
         await sink.aclose()
         with anyio.CancelScope(shield=True):  # the commit: a signal waits for it
+            _unindexed(written)
             while held:
                 await held[0].commit()
                 del held[0]

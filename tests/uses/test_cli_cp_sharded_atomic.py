@@ -9,6 +9,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -178,3 +179,53 @@ def test_an_http_destination_takes_each_shard_as_its_upload_ends(
         assert run("cp", "-q", str(v2 / INDEX), server.url("/m/")).returncode == 2
         assert server.objects["/m/m-1.safetensors"] == new["m-1.safetensors"]
         assert server.objects[f"/m/{INDEX}"] == old[INDEX]
+
+
+KILLED_MIRROR = """
+import os, signal, sys, anyio
+from stream_st.tools.cp import mirror
+
+index, into, kill_at = sys.argv[1:]
+calls = 0
+
+def profile(frame, event, arg):  # a kill just before the kill_at-th call that names a file
+    global calls
+    if event == "c_call" and arg in (os.link, os.rename, os.replace, os.unlink):
+        calls += 1
+        if calls == int(kill_at):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+sys.setprofile(profile)
+anyio.run(lambda: mirror(index, into))
+"""
+
+
+def test_a_mirror_killed_at_any_step_of_its_commit_leaves_no_mix(
+    tmp_path: Path, versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]]
+) -> None:
+    """A mirror over an older checkpoint of the same shard names, its process killed (SIGKILL)
+    before each call that names, renames or removes a file in turn: the index there, if any,
+    loads the old checkpoint or the new one, whole (it loaded new shards beside old ones, the
+    older index still there, when killed between two shards' renames)."""
+    v1, _, v2, _ = versions
+    tensors = {"a": (4,), "b": (256, 256)}
+    for kill_at in range(1, 100):
+        dst = tmp_path / f"dst{kill_at}"
+        shutil.copytree(v1, dst)
+        killed = subprocess.run(
+            [sys.executable, "-c", KILLED_MIRROR, str(v2 / INDEX), f"{dst}/", str(kill_at)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        )
+        if (dst / INDEX).exists():
+            loaded = stream_st.numpy.load_file(str(dst / INDEX))
+            values = {float(loaded[name].reshape(-1)[0]) for name in tensors}
+            assert len(values) == 1, f"killed at call {kill_at}: a mix of checkpoints"
+        if killed.returncode == 0:
+            assert values == {2.0}
+            break
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+    else:
+        pytest.fail("the mirror never ended unkilled")
