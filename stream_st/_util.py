@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import math
 import os
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from types import TracebackType
@@ -98,6 +99,18 @@ def package_version() -> str:
         return version("stream-st")
     except PackageNotFoundError:
         return "0+unknown"
+
+
+def lock_and_condition() -> tuple[threading.Lock, threading.Condition]:
+    """A lock shared by the event loop's thread with threads of one's own, and a condition over
+    it that only waits and notifies. Take the lock as itself (``with lock``) on the event
+    loop's thread, never through the condition: Ctrl-C under trio raises KeyboardInterrupt
+    there between any two steps of Python code, ``Condition.__enter__``'s included, and one
+    raised there after the acquire left the lock held for ever (the threads blocked on it, and
+    whoever waited for them). A with statement on a lock written in C is never interrupted
+    between the acquire and the release on the way out."""
+    lock = threading.Lock()
+    return lock, threading.Condition(lock)
 
 
 def call_soon_from_thread(

@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import queue
 import reprlib
-import threading
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
@@ -37,7 +36,7 @@ import anyio.to_thread
 import numpy as np
 
 from .._api import stream_for
-from .._util import task_group
+from .._util import lock_and_condition, task_group
 from ..core.digests import ALGORITHM_KEY, Digests
 from ..core.header import Header, TensorInfo
 from ..core.moments import Moments, moments_of, summarisable
@@ -402,13 +401,8 @@ class _Checker:
         self._bytes_done = 0
         self._tensors_done = 0
         self._queue: queue.SimpleQueue[_Piece | None] = queue.SimpleQueue()
-        # guards the three below, taken as itself (``with self._lock``) on the event loop's
-        # thread, never through the condition: Ctrl-C under trio raises KeyboardInterrupt there
-        # between any two steps of Python code, and one raised in Condition.__enter__ after the
-        # acquire left the lock held for ever (the workers blocked on it, and the validation
-        # waited for them). A with statement on a lock written in C is never interrupted so.
-        self._lock = threading.Lock()
-        self._room = threading.Condition(self._lock)
+        # guards the three below; taken as self._lock (see lock_and_condition)
+        self._lock, self._room = lock_and_condition()
         self._held = 0  # bytes of the parts queued or being summarised
         self._summarised: list[tuple[_Pending, int, Moments]] = []  # parts not yet recorded
         self._stopped = False  # a worker has ended: nobody waits for room

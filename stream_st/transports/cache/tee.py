@@ -37,7 +37,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from ..._util import call_soon_from_thread
+from ..._util import call_soon_from_thread, lock_and_condition
 from ...core.digests import Hasher, ObjectDigest, update_sliced
 from ...errors import IntegrityError
 from ..base import DISCARD_CHUNK, Source
@@ -121,14 +121,7 @@ class _Keeper:
 
     def __init__(self, work: Callable[[int, memoryview, bool], None]) -> None:
         self._work = work
-        # The lock is taken as itself (``with self._lock``), never through the condition,
-        # which only waits and notifies: Ctrl-C under trio raises KeyboardInterrupt on the
-        # event loop's thread between any two steps of Python code, Condition.__enter__'s
-        # included, and one raised there after the acquire left the lock held for ever (the
-        # copy's thread blocked on it, and the close waited for the thread). A with statement
-        # on a lock written in C is never interrupted between the acquire and the release.
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._lock, self._cond = lock_and_condition()  # taken as self._lock (see there)
         self._pieces: deque[tuple[int, memoryview, bool]] = deque()
         self._busy = False  # the thread is working on a piece it took
         self._done: list[tuple[int, int]] = []  # ranges written since the last drained()

@@ -52,7 +52,7 @@ from contextlib import asynccontextmanager
 import anyio
 import anyio.lowlevel
 
-from ..._util import call_soon_from_thread
+from ..._util import call_soon_from_thread, lock_and_condition
 from ...errors import TransportError
 from ...memory.fresh import ALIGN, populate
 from . import direct as _direct
@@ -190,14 +190,7 @@ class ReadAhead:
         self._cold_reading = False  # a thread reads pieces the page cache lacks
         self._fresh: set[int] = set()  # jobs of fresh memory, not yet complete
         self._populated_to = 0  # the file offset fresh memory has been populated up to
-        # The lock is taken as itself (``with self._lock``), never through the condition,
-        # which only waits and notifies: Ctrl-C under trio raises KeyboardInterrupt on the
-        # event loop's thread between any two steps of Python code, Condition.__enter__'s
-        # included, and one raised there after the acquire left the lock held for ever (the
-        # next stop() waited for it: the process hung). A with statement on a lock written
-        # in C is never interrupted between the acquire and the release on the way out.
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._lock, self._cond = lock_and_condition()  # taken as self._lock (see there)
         self._pieces: deque[_Piece] = deque()
         self._left: list[int] = []  # pieces of each job not yet read
         self._got: list[int] = []  # bytes each job received
