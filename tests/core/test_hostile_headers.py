@@ -242,7 +242,12 @@ DUPLICATES = [
 
 @pytest.mark.parametrize("text", GRAMMAR)
 def test_json_grammar_as_the_reference(text: str) -> None:
-    refused = reference_refuses(text)
+    parsed_as_the_reference(text, reference_refuses(text))
+
+
+def parsed_as_the_reference(text: str, refused: bool) -> None:
+    """``text`` is refused as a header where the reference refuses it (``refused``), and only
+    there."""
     try:
         parse_header(text.encode())
     except HeaderError:
@@ -262,12 +267,7 @@ def test_a_long_entry_is_read_in_steps_as_the_reference_reads_it(text: str) -> N
     padded = text.replace(", ", "," + PAD).replace(": ", ":" + PAD)
     refused = reference_refuses(padded)
     assert refused == reference_refuses(text)
-    try:
-        parse_header(padded.encode())
-    except HeaderError:
-        assert refused, "refused a header the reference accepts"
-    else:
-        assert not refused, "accepted a header the reference refuses"
+    parsed_as_the_reference(padded, refused)
 
 
 @pytest.mark.parametrize("text", DUPLICATES)
