@@ -44,6 +44,10 @@ import anyio
 
 from ..errors import ReadTimeoutError, UsageError, integer_at_least
 
+HEADER_BREAKS = "\r\n\0"
+"""What no request header's value may hold: each would end its line early (a header of the
+value's choosing). Checked where ``headers=`` is given and again on every request's head."""
+
 __all__ = [
     "NO_LIMITS",
     "NO_TRANSPORT",
@@ -201,7 +205,11 @@ class Transport:
                 raise UsageError(
                     f"headers must map str to str, got {name!r} mapped to {type(value).__name__}"
                 )
-            if not name or any(c in name for c in ":\r\n \t") or any(c in value for c in "\r\n\0"):
+            if (
+                not name
+                or any(c in name for c in ":\r\n \t")
+                or any(c in value for c in HEADER_BREAKS)
+            ):
                 raise UsageError(
                     f"header {name!r} has no valid name, or its value holds a line break"
                 )

@@ -17,6 +17,7 @@ from ...errors import (
     TransportError,
     UsageError,
 )
+from ..options import HEADER_BREAKS
 from .status import outcome_unknown, raise_for_status
 from .target import Target
 from .wire import Connection, receive_error
@@ -35,7 +36,7 @@ Release = Callable[[Connection], None]
 """Takes back a connection whose answer was read to the end (a client's idle pool)."""
 
 
-_BREAKS = re.compile("[\r\n\0]")
+_BREAKS = re.compile(f"[{HEADER_BREAKS}]")
 
 
 def request_head(
