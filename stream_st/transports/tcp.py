@@ -347,20 +347,24 @@ class SocketSink(SocketEnd, Sink):
         :meth:`_finish`) before it is closed; one left short of the length announced closes at
         once, so the peer sees the message end early. A lent socket stays open."""
         whole = self._size is None or self.position >= self._size
-        if self._turn is None and whole and not self._closed():
-            await self._finish()
-        await super().aclose()
+        try:
+            if self._turn is None and whole and not self._closed():
+                await self._finish()
+        finally:
+            await super().aclose()
 
     async def _finish(self) -> None:
         """Send FIN after every byte queued, then read and drop what the peer sends until it
         closes, for :data:`CLOSE_GRACE` seconds at most, so that the close that follows finds
         nothing unread and cannot reset the connection under bytes still on their way. Past the
-        commit point: shielded from cancellation (the wait is bounded), never raises."""
+        commit point: shielded from cancellation (the wait is bounded). A peer that resets the
+        connection meanwhile closed with bytes of the message unread in its socket: that is a
+        :class:`~stream_st.TransportError`, not a delivery; its clean close is one."""
         sock = self._handle
         try:
             sock.shutdown(socket.SHUT_WR)
-        except OSError:  # the peer is gone already: nothing to wait for
-            return
+        except OSError as exc:  # reset already
+            raise self._unread(exc) from exc
         scratch = bytearray(64 << 10)
         with anyio.CancelScope(shield=True, deadline=anyio.current_time() + CLOSE_GRACE):
             while True:
@@ -372,10 +376,19 @@ class SocketSink(SocketEnd, Sink):
                         await anyio.wait_readable(sock)
                     except (anyio.ClosedResourceError, OSError):  # closed meanwhile
                         return
-                except OSError:  # a reset: the peer is gone
-                    return
+                except OSError as exc:  # a reset
+                    raise self._unread(exc) from exc
                 else:
                     await anyio.lowlevel.checkpoint()  # a peer that keeps sending: let others in
+
+    def _unread(self, exc: OSError) -> TransportError:
+        """The error for a reset seen after the message's last byte went out."""
+        return TransportError(
+            "the peer reset the connection before reading the whole message "
+            f"({exc.strerror or exc})",
+            url=self.name,
+            position=self.position,
+        )
 
 
 async def source_for(url: str, clock: Clock) -> Source:

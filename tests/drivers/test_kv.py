@@ -259,6 +259,28 @@ async def test_receiver_dies_and_the_sender_stops_pulling() -> None:
     assert layers.pulled < 50
 
 
+async def test_a_receiver_that_leaves_with_layers_unread_fails_the_send() -> None:
+    """The whole message fits in the socket buffers: its last byte went out before the receiver
+    gave up, and the reset that followed was taken for a delivery (send_kv returned a report)."""
+    layout = KVLayout(num_layers=3, shape=(1, 2, 16, 64))  # 4 KiB tensors
+    async with stream_st.listen("127.0.0.1", 0, timeout=10) as listener:
+
+        async def receiver() -> None:
+            # leaving closes the connection with layers 1 and 2 unread
+            async with (
+                await listener.accept() as connection,
+                receive_kv(connection, max_ahead=0) as kv_in,
+            ):
+                await kv_in.wait_for_layer(0)
+                await anyio.sleep(0.3)  # the rest lies in the socket, unread
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as group:
+                group.start_soon(receiver)
+                with pytest.raises(TransportError, match="before reading the whole message"):
+                    await send_kv(listener.url, layout, CountedLayers(layout))
+
+
 async def test_backpressure_bounds_the_producer() -> None:
     layout = KVLayout(num_layers=40, shape=(1, 8, 512, 64))  # 2 MiB per layer
     layers = CountedLayers(layout)

@@ -5,11 +5,12 @@ name is a UsageError, not an idna error."""
 
 from __future__ import annotations
 
+import functools
 import re
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,6 +123,49 @@ async def test_a_peer_that_keeps_its_side_open_costs_the_grace_at_most(
     assert 0.3 <= took < 0.3 + PROMPT
     assert got.ending == "EOF"  # the writer's FIN, before the peer closed
     assert_same_arrays(arrays_of(got.data), TENSORS)
+
+
+def read_some_and_close(server: socket.socket, seen: threading.Event) -> None:
+    """Accept one connection, read its first bytes, and close once the rest has arrived unread
+    (a reset)."""
+    conn, _ = server.accept()
+    with conn:
+        conn.recv(100)
+        seen.set()
+        time.sleep(0.3)  # the writer has sent its last byte and waits for the close
+
+
+async def peer_that_reads_part(
+    write: Callable[[str], Awaitable[object]],
+) -> None:
+    """``write(url)`` to a peer that resets the connection with most of the message unread,
+    after the message's last byte went out, is a TransportError saying so."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(10)
+    seen = threading.Event()
+    thread = threading.Thread(target=read_some_and_close, args=(server, seen), daemon=True)
+    thread.start()
+    try:
+        with (
+            pytest.raises(stream_st.TransportError, match="reset the connection before reading"),
+            anyio.fail_after(10),
+        ):
+            await write(f"tcp://127.0.0.1:{server.getsockname()[1]}")
+    finally:
+        await anyio.to_thread.run_sync(thread.join, 10)
+        server.close()
+    assert seen.is_set()
+
+
+SMALL = {"x": np.arange(8000, dtype=np.float64)}  # 64 kB: within the socket buffers
+
+
+async def test_a_peer_that_resets_with_the_message_unread_is_no_delivery() -> None:
+    await peer_that_reads_part(functools.partial(stream_st.save, tensors=SMALL))
+
+
+def test_a_peer_that_resets_with_the_message_unread_is_no_delivery_on_trio() -> None:
+    trio.run(peer_that_reads_part, functools.partial(stream_st.save, tensors=SMALL))
 
 
 # ---------------------------------------------------------------- a message cut short
