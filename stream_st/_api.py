@@ -30,6 +30,7 @@ from .reader import NO_CAPS, Caps, Include, TensorStream
 from .reader.ahead import _room_ahead
 from .reader.caps import current_caps
 from .reader.header import header_only
+from .reader.stream import ObjectOnly
 from .sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from .transports.base import Source
 from .transports.cache import Cache, CacheLike
@@ -318,7 +319,7 @@ def stream_for(
     *,
     include: Include = None,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
-    verify: bool = True,
+    verify: bool | ObjectOnly = True,
     clock: Clock,
     delivery: Delivery | None = None,
     copy: bool = True,

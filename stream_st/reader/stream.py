@@ -9,7 +9,7 @@ import reprlib
 import sys
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterable
-from typing import Any, Self
+from typing import Any, Self, final
 
 import anyio
 import numpy as np
@@ -83,6 +83,21 @@ def _selector(include: Include, header: Header) -> Callable[[str], bool]:
     return names.__contains__
 
 
+@final
+class ObjectOnly:
+    """The type of :data:`OBJECT_ONLY`."""
+
+    def __repr__(self) -> str:
+        return "OBJECT_ONLY"
+
+
+OBJECT_ONLY = ObjectOnly()
+"""A :class:`TensorStream`'s ``verify=`` for a reader that checks the header's per-tensor digests
+itself, each tensor's (``stream_st.tools.validate``): the stream checks the whole object's digest
+(:meth:`Source.object_digest`) as ``verify=True`` does, and no tensor's. Not a value the public
+``verify=`` takes."""
+
+
 class TensorStream(AsyncClosing):
     """One safetensors file read as a stream. Create it with :func:`open_stream`.
 
@@ -99,7 +114,7 @@ class TensorStream(AsyncClosing):
     :func:`open_stream`). ``verify`` checks the header's digests, if it has any, and the whole
     object's digest when its transport gives one and every tensor is read
     (:meth:`Source.object_digest`); after the read, ``object_check`` says how that went (None:
-    the transport gave no digest).
+    the transport gave no digest). :data:`OBJECT_ONLY` checks the whole object's digest alone.
     ``stats`` (a :class:`~stream_st.LoadStats`) counts the bytes, tensors and time of the read.
     ``unknown_dtypes="keep"`` (for a read of the header alone) keeps a tensor of a dtype code
     stream_st does not know (see :func:`~stream_st.core.header.parse_header`); iterating over
@@ -112,7 +127,7 @@ class TensorStream(AsyncClosing):
         *,
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
-        verify: bool = True,
+        verify: bool | ObjectOnly = True,
         clock: Clock | None = None,
         delivery: Delivery | None = None,
         copy: bool = True,
@@ -126,7 +141,7 @@ class TensorStream(AsyncClosing):
         self._include = include
         self._delivery = delivery or Delivery()
         self._max_header_size = header_cap(max_header_size)
-        self._verify = boolean("verify", verify)
+        self._verify = verify if isinstance(verify, ObjectOnly) else boolean("verify", verify)
         self._copy = boolean("copy", copy)
         self._clock = clock or Clock()
         self._source: Source | None = None
@@ -319,7 +334,7 @@ class TensorStream(AsyncClosing):
         delivery = self._delivery
         base = header.data_start
         wanted = self._checked(header, selected)
-        digests = Digests.from_header(header) if self._verify else None
+        digests = Digests.from_header(header) if self._verify is True else None
         ranges = merge_ranges((base + t.start, base + t.end) for t in wanted)
         mapped = (
             None
@@ -375,7 +390,7 @@ class TensorStream(AsyncClosing):
         """The whole object's digest, if its transport gives one and the read will take every
         byte, with a hasher already fed the prefix and the header; None otherwise."""
         head, self._head = self._head, None
-        if not (self._verify and every_byte) or head is None:
+        if self._verify is False or not every_byte or head is None:
             return None
         digest = await self.source.object_digest()
         if digest is None:

@@ -49,6 +49,7 @@ from ..errors import (
     redact,
 )
 from ..reader import TensorStream
+from ..reader.stream import OBJECT_ONLY
 from ..sharded.reader import ShardedStream
 from ..transports.options import Clock, TransportOptions, checked_number
 from ..transports.registry import SourceLike
@@ -276,10 +277,11 @@ async def _opened_views(
 ) -> AsyncIterator[tuple[TensorStream, list[Header]]]:
     """The source opened once, with its headers (as :func:`~stream_st.tools.common.opened`),
     a local file's tensors handed out as read-only views of its mapping (``copy=False``): the
-    statistics read the page cache itself, no copy is made, no fresh page is touched. Digests are
-    not checked by the stream, which would stop at the first tensor failing: :class:`_Checker`
-    checks every tensor's."""
-    stream = stream_for(source, clock=clock, copy=False, verify=False)  # digests: checked here
+    statistics read the page cache itself, no copy is made, no fresh page is touched. The
+    header's digests are not checked by the stream, which would stop at the first tensor failing:
+    :class:`_Checker` checks every tensor's. The whole object's digest (an S3 checksum, a Hub
+    file's SHA-256) is, after the last tensor (:data:`~stream_st.reader.stream.OBJECT_ONLY`)."""
+    stream = stream_for(source, clock=clock, copy=False, verify=OBJECT_ONLY)
     async with stream:
         if isinstance(stream, ShardedStream):  # every shard's header, up front
             yield stream, await headers_of(source, clock)

@@ -429,6 +429,26 @@ async def test_a_whole_s3_read_checks_the_stores_checksum(
     assert ("2 parts" in stream.object_check) == (upload == "multipart")
 
 
+async def test_validate_checks_the_stores_checksum(s3: MotoS3Server) -> None:
+    """An object whose stored bytes do not match its stored CRC32 (moto keeps a PUT whose
+    checksum does not match its body): validate reports it as an error, as load refuses it."""
+    arrays, data = _plain_file(5000)
+    checksum = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+    for key, body in (("validated", data), ("damaged", flipped(data, len(data) - 7))):
+        s3.client().put_object(
+            Bucket=BUCKET, Key=key, Body=body, ChecksumAlgorithm="CRC32", ChecksumCRC32=checksum
+        )
+    for key, ok in (("validated", True), ("damaged", False)):
+        source = S3Source(f"s3://{BUCKET}/{key}", config=s3_config(s3.port))
+        result = await tools.validate(source)
+        assert [t.name for t in result.tensors] == list(arrays)  # every tensor summarised
+        assert result.ok == ok, result.errors
+    assert len(result.errors) == 1
+    assert "the object does not match the store's CRC32 checksum" in result.errors[0]
+    with pytest.raises(IntegrityError, match="does not match the store's CRC32"):
+        await stream_st.load(S3Source(f"s3://{BUCKET}/damaged", config=s3_config(s3.port)))
+
+
 async def test_s3_parts_of_unequal_sizes_are_not_checked_and_say_why(s3: MotoS3Server) -> None:
     arrays, data = _plain_file(2 * MIN_PART_SIZE + 2000)
     client = s3.client()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -29,6 +30,7 @@ from stream_st.tools.validate import (
 )
 
 from ..ctrl_c import run_script
+from ..servers.hub_server import FakeHub
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 VALIDATE = sys.modules["stream_st.tools.validate"]  # the module (tools.validate is the function)
@@ -237,6 +239,26 @@ async def test_a_failing_worker_fails_the_validation(
     with anyio.fail_after(30), pytest.raises(MemoryError, match="no room"):
         await tools.validate(path)
     await assert_no_thread_waits_for_room()
+
+
+async def test_a_hub_file_failing_its_sha256_is_invalid(hub: FakeHub) -> None:
+    """A Hub file whose bytes were damaged after the Hub (its CDN's copy), with no digests of
+    its own: validate checks it against the Hub's SHA-256 (X-Linked-Etag) as load does, an
+    error after every tensor is summarised; the intact file is valid."""
+    data = reference_numpy.save({"w": np.arange(1000, dtype=np.float32).reshape(10, 100)})
+    hub.push("org/m", {"model.safetensors": data})
+    url = "hf://org/m/model.safetensors"
+    assert (await tools.validate(url)).ok
+    damaged = bytearray(data)
+    damaged[-5] ^= 0x40
+    hub.cdn.objects[f"/{hashlib.sha256(data).hexdigest()}"] = bytes(damaged)
+    result = await tools.validate(url)
+    assert [t.name for t in result.tensors] == ["w"]
+    assert not result.ok
+    assert len(result.errors) == 1
+    assert "does not match the Hub's SHA-256 (X-Linked-Etag)" in result.errors[0]
+    with pytest.raises(stream_st.IntegrityError, match="does not match the Hub's SHA-256"):
+        await stream_st.load(url)
 
 
 async def test_results_come_in_file_order(tmp_path: Path) -> None:
