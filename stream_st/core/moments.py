@@ -219,15 +219,16 @@ def _narrow_float(dtype: np.dtype[Any]) -> bool:
 
 def _widen(values: Array, scratch: Array) -> Array:
     """``values`` as a type numpy's reductions handle natively: the floats narrower than float32
-    as float64 (into ``scratch``, float64 of at least their size), magnitudes for complex, uint8
-    for bool; others as they are."""
+    as float64 (into ``scratch``, float64 of at least their size), magnitudes for complex, 0 and
+    1 (uint8) for bool, whose every nonzero byte is true (as numpy and the reference read it);
+    others as they are."""
     dtype = values.dtype
     if _narrow_float(dtype):
         out = scratch[: values.size]
         np.copyto(out, values, casting="unsafe")
         return out
     if dtype == np.bool_:
-        return values.view(np.uint8)
+        return np.minimum(values.view(np.uint8), 1)
     if dtype.kind == "c":
         return np.abs(values)
     return values

@@ -92,6 +92,22 @@ def test_integers_and_booleans(dtype: type) -> None:
     assert_exact(moments_of(values), values)
 
 
+async def test_booleans_of_any_nonzero_byte_are_summarised_as_0_and_1(tmp_path: Path) -> None:
+    """A BOOL tensor's bytes other than 0 and 1 are true, as numpy and the reference load them:
+    its statistics are those of 0 and 1, not of the bytes."""
+    raw = np.random.default_rng(3).integers(0, 256, 200_000, dtype=np.uint8)
+    raw[:4] = [0, 2, 255, 1]
+    entry = {"dtype": "BOOL", "shape": [raw.size], "data_offsets": [0, raw.size]}
+    header = json.dumps({"m": entry})
+    path = tmp_path / "bool.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header.encode() + raw.tobytes())
+    loaded = reference_numpy.load_file(str(path))["m"]
+    stats = (await tools.validate(path)).tensors[0]
+    assert (stats.min, stats.max) == (0, 1)
+    assert stats.mean == np.mean(loaded) and stats.std is not None
+    assert math.isclose(stats.std, float(np.std(loaded)), rel_tol=1e-12)
+
+
 def test_complex_values_are_summarised_by_magnitude() -> None:
     values = np.array([3 + 4j, 1j, -2, np.nan], dtype=np.complex64)
     found = moments_of(values)
