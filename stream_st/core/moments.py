@@ -195,7 +195,10 @@ class Moments:
         else:
             count = self.count + other.count
             delta = other.mean - self.mean
-            self.mean += delta * (other.count / count)
+            if math.isfinite(delta):
+                self.mean += delta * (other.count / count)
+            else:  # means near float64's ends, of opposite signs: weighted, they cannot overflow
+                self.mean = self.mean * (self.count / count) + other.mean * (other.count / count)
             self.m2 += other.m2 + delta * delta * (self.count * (other.count / count))
             self.count = count
             if self.integer_sum is None or other.integer_sum is None:
@@ -282,7 +285,9 @@ def _add_chunks(result: Moments, flat: Array, start: int, stop: int) -> None:
             part = Moments()
             np.multiply(chunk, factor, out=scratch[: chunk.size])
             _add_finite(part, scratch[: chunk.size], low * factor, high * factor, scratch)
-            result.merge(part.times(1 / factor))
+            part = part.times(1 / factor)
+            part.low, part.high = low, high  # a tiny one scaled down and back would be 0
+            result.merge(part)
         else:
             _add_finite(result, chunk, low, high, scratch)
 

@@ -197,3 +197,25 @@ def test_f64_sums_that_overflow_are_taken_scaled(values: list[float]) -> None:
     assert math.isclose(found.mean, float((array / scale).mean()) * scale, rel_tol=1e-12)
     assert (found.low, found.high) == (array.min(), array.max())
     assert found.std == math.inf
+
+
+@pytest.mark.parametrize(
+    "values", [[1e-300, 1e200], [-1e200, 1e-300], [5e-324, 1e300, 2.0], [-5e-324, -1e300]]
+)
+def test_f64_min_and_max_stay_exact_beside_a_value_taken_scaled(values: list[float]) -> None:
+    """A chunk with a value beyond 2**500 is summed scaled down: its tiny end is still its min
+    or max (scaled down and back it was 0)."""
+    array = np.array(values)
+    found = moments_of(array)
+    assert (found.low, found.high) == (array.min(), array.max())
+
+
+def test_f64_chunks_with_means_at_both_ends_merge_to_a_finite_mean() -> None:
+    """Chunks at -1.5e308 and +1.5e308: the difference of their means overflows float64, their
+    merged mean is 0 (it was inf); the variance overflows, as the documentation says."""
+    array = np.concatenate([np.full(CHUNK, -1.5e308), np.full(CHUNK, 1.5e308)])
+    found = moments_of(array)
+    assert (found.mean, found.std) == (0.0, math.inf)
+    total = Moments(1, -1.5e308, 0.0, -1.5e308, -1.5e308)
+    total.merge(Moments(2, 1.5e308, 0.0, 1.5e308, 1.5e308))  # weighed 1/3 and 2/3
+    assert math.isclose(total.mean, 0.5e308, rel_tol=1e-15)
