@@ -14,6 +14,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,7 +37,7 @@ from stream_st.transports.http.sink import HttpSink
 from stream_st.transports.http.source import HttpSource
 from stream_st.transports.http.wire import StreamWire
 from stream_st.transports.hub import HubSource
-from stream_st.transports.options import UNLIMITED
+from stream_st.transports.options import UNLIMITED, Clock, Limits
 
 from .._util import assert_same_arrays, sample_file, sample_tensors
 from ..servers.http_server import RangeHTTPServer
@@ -404,6 +405,123 @@ async def test_upload_answered_badly(
     with anyio.fail_after(10), pytest.raises(error, match=message) as info:
         await stream_st.save(url, {"a": np.arange(1000, dtype=np.float32)})
     assert isinstance(info.value, TransportError) and info.value.url == url
+
+
+OK_ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+def keep_alive(methods: list[bytes], then: Callable[[socket.socket, bytes], bool]) -> Handler:
+    """Requests on one connection, each method recorded in ``methods`` (across connections):
+    a GET is answered ``ok`` unless ``then(connection, method)``, which may answer it itself,
+    returns true to end the connection."""
+
+    def handle(connection: socket.socket) -> None:
+        while True:
+            method = connection.recv(8, socket.MSG_PEEK).partition(b" ")[0]
+            read_request(connection)
+            methods.append(method)
+            if then(connection, method):
+                return
+            connection.sendall(OK_ANSWER)
+
+    return handle
+
+
+async def _get(client: HTTPClient, url: str) -> bytes:
+    async with await client.request("GET", url) as response:
+        return await response.read_all()
+
+
+@pytest.mark.parametrize("end", [socket.socket.close, reset], ids=["closed", "reset"])
+async def test_a_keep_alive_connection_the_server_ended_is_replaced(
+    raw_server: Serve, end: Handler
+) -> None:
+    """The connection closed or reset after an answer: the next read goes on a new one."""
+    methods: list[bytes] = []
+
+    def answer_once(connection: socket.socket, method: bytes) -> bool:
+        connection.sendall(OK_ANSWER)
+        end(connection)
+        return True
+
+    url = raw_server(keep_alive(methods, answer_once)) + "/m"
+    client = HTTPClient()
+    with anyio.fail_after(10):
+        assert await _get(client, url) == b"ok"
+        await anyio.sleep(0.1)  # the close arrives
+        assert await _get(client, url) == b"ok"
+    await client.aclose()
+    assert methods == [b"GET", b"GET"]
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT"])
+async def test_a_timeout_on_a_reused_connection_is_not_retried(
+    raw_server: Serve, method: str
+) -> None:
+    """The answer held past ``timeout`` on a pooled connection: the request fails after the
+    timeout, sent once; never sent again on a new connection."""
+    methods: list[bytes] = []
+
+    def hold_the_second(connection: socket.socket, method: bytes) -> bool:
+        if len(methods) == 1:
+            return False
+        wait_for_close(connection)
+        return True
+
+    url = raw_server(keep_alive(methods, hold_the_second)) + "/m"
+    client = HTTPClient(clock=Clock(Limits(timeout=0.5)))
+    with anyio.fail_after(10):
+        assert await _get(client, url) == b"ok"
+        began = time.monotonic()
+        with pytest.raises(ReadTimeoutError, match="timeout"):
+            await client.request(method, url, body=b"x" if method == "PUT" else None)
+    await client.aclose()
+    assert time.monotonic() - began < 0.9
+    assert methods == [b"GET", method.encode()]
+
+
+async def test_a_post_is_never_sent_twice(raw_server: Serve) -> None:
+    """A POST goes on a new connection (closed after its answer), not the pooled one: one the
+    server ends after taking it is not a stale keep-alive connection to send it again on."""
+    methods: list[bytes] = []
+
+    def drop_posts(connection: socket.socket, method: bytes) -> bool:
+        return method == b"POST"  # taken, and no answer: the connection ends
+
+    url = raw_server(keep_alive(methods, drop_posts)) + "/m"
+    client = HTTPClient()
+    with anyio.fail_after(10):
+        assert await _get(client, url) == b"ok"
+        with pytest.raises(TransportError, match="closed before a response"):
+            await client.request("POST", url, body=b"x")
+    await client.aclose()
+    assert methods == [b"GET", b"POST"]
+
+
+async def test_a_post_after_the_pooled_connection_went_stale(raw_server: Serve) -> None:
+    """The pooled connection closed by the server is no concern of a POST, which goes on a new
+    connection and asks for it to be closed after its answer."""
+    methods: list[bytes] = []
+    heads: list[bytes] = []
+
+    def close_after_a_get(connection: socket.socket, method: bytes) -> bool:
+        connection.sendall(OK_ANSWER)
+        return method == b"GET"
+
+    def handle(connection: socket.socket) -> None:
+        heads.append(connection.recv(65536, socket.MSG_PEEK))
+        keep_alive(methods, close_after_a_get)(connection)
+
+    url = raw_server(handle) + "/m"
+    client = HTTPClient()
+    with anyio.fail_after(10):
+        assert await _get(client, url) == b"ok"
+        await anyio.sleep(0.1)  # the close arrives
+        async with await client.request("POST", url, body=b"x") as response:
+            assert await response.read_all() == b"ok"
+    await client.aclose()
+    assert methods == [b"GET", b"POST"]
+    assert b"\r\nConnection: close\r\n" in heads[1]
 
 
 @pytest.fixture(scope="module")

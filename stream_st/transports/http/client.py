@@ -42,14 +42,21 @@ class HTTPClient(AsyncClosing):
         self._closed = False
 
     async def _connect(
-        self, target: Target, proxy: Proxy | None, clock: Clock, context: ssl.SSLContext | None
+        self,
+        target: Target,
+        proxy: Proxy | None,
+        clock: Clock,
+        context: ssl.SSLContext | None,
+        *,
+        pooled: bool = True,
     ) -> tuple[Connection, bool]:
         """A connection to ``target`` (through ``proxy``) whose waits obey ``clock``, and whether
-        it was reused from the pool: only one reached the same way, with the same TLS context."""
+        it was reused from the pool (unless ``pooled`` is false): only one reached the same way,
+        with the same TLS context."""
         context = context or self._ssl_context
         route = (target.origin, proxy, context)
         idle = self._idle.get(route)
-        if idle:
+        if idle and pooled:
             connection = idle.pop()
             connection.wire.clock = clock
             return connection, True
@@ -75,7 +82,10 @@ class HTTPClient(AsyncClosing):
     ) -> Response:
         """Send a request and read the response head; the body is read from the Response.
 
-        A stale keep-alive connection is replaced transparently. GET and HEAD follow redirects
+        A keep-alive connection the server closed or reset while it sat idle (before any byte
+        of an answer) is replaced transparently and the request sent again, once; never after a
+        time limit passed. A request that is not idempotent (POST) is never sent twice: it goes
+        on a new connection, closed after its answer. GET and HEAD follow redirects
         (unless ``follow_redirects`` is false) by the policy of
         ``stream_st.transports.http.redirect``. A
         successful answer whose body is encoded (``Content-Encoding: gzip``) raises
@@ -115,10 +125,15 @@ class HTTPClient(AsyncClosing):
         context: ssl.SSLContext | None,
     ) -> Response:
         proxy = proxy_for(target)
+        idempotent = method in _IDEMPOTENT
         extra = [] if body is None else [f"Content-Length: {len(body)}"]
+        extra += [] if idempotent else ["Connection: close"]
         head = _head(method, target, dict(headers), extra, proxy)
         for attempt in range(2):
-            connection, reused = await self._connect(target, proxy, clock, context)
+            connection, reused = await self._connect(
+                target, proxy, clock, context, pooled=idempotent
+            )
+            received = len(connection.leftover)
             try:
                 await connection.wire.send(head)
                 if body:
@@ -127,8 +142,9 @@ class HTTPClient(AsyncClosing):
                 break
             except (OSError, TransportError) as exc:
                 await connection.wire.aclose()
-                # A keep-alive connection the server closed meanwhile: retry once, fresh.
-                if reused and attempt == 0:
+                # A keep-alive connection the server closed meanwhile: once more, on a new one.
+                stale = _dropped(exc) and len(connection.leftover) == received
+                if reused and attempt == 0 and stale:
                     continue
                 if isinstance(exc, SafetensorsError):
                     raise
@@ -180,6 +196,21 @@ class HTTPClient(AsyncClosing):
         for connections in idle.values():
             for connection in connections:
                 await connection.wire.aclose()
+
+
+_IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS", "TRACE"})
+"""The methods whose request sent twice does what it does once (RFC 9110 9.2.2)."""
+
+_DROPPED = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+
+
+def _dropped(exc: OSError) -> bool:
+    """Whether ``exc``, raised by a request on a connection, is the server having closed or reset
+    the connection: the end of it where an answer was due, or a reset or broken pipe, sending or
+    receiving. Never a time limit, nor an answer that could not be read."""
+    if type(exc) is TransportError:  # from reading the answer's head: its end, or a receive's
+        return exc.__cause__ is None or isinstance(exc.__cause__, _DROPPED)
+    return isinstance(exc, _DROPPED)
 
 
 def _head(
