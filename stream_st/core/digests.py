@@ -183,7 +183,15 @@ class Digests:
     @classmethod
     def compute(cls, tensors: Mapping[str, Any], algorithm: str = DEFAULT_ALGORITHM) -> Digests:
         """The digests of ``{name: array}``, each over the array's bytes as a file holds them
-        (little-endian). One pass over each array; run it in a worker thread for big ones."""
+        (little-endian). One pass over each array; run it in a worker thread for big ones.
+        What :func:`~stream_st.save` refuses is refused here as there: not a mapping
+        (:class:`~stream_st.ArgumentTypeError`), a value numpy makes no array of
+        (:class:`~stream_st.UsageError`), one of a dtype safetensors cannot carry (an object or
+        str array: :class:`~stream_st.DtypeError`)."""
+        if not isinstance(tensors, Mapping):
+            raise ArgumentTypeError(
+                f"Digests.compute takes a mapping of names to arrays, got {type(tensors).__name__}"
+            )
         values = {
             name: digest_of(algorithm, wire_bytes(_as_array(array, name)))
             for name, array in tensors.items()
@@ -291,9 +299,14 @@ def _is_hex(text: str) -> bool:
 
 
 def _as_array(value: Any, name: str) -> Any:
-    from .arrays import as_array
+    """``value`` as the array a writer writes for tensor ``name``, refused as the writer refuses
+    it (:func:`~stream_st.core.arrays.as_array`, the dtype of its plan entry)."""
+    from .arrays import as_array, spec_of
+    from .layout import _dtype_of
 
-    return as_array(value, name)
+    array = as_array(value, name)
+    _dtype_of(spec_of(name, value, array))
+    return array
 
 
 def digests_for(checksums: bool | str | Digests) -> Digests | None:

@@ -140,6 +140,30 @@ async def test_digests_given_must_map_names_to_text(tmp_path: Path, values: Any,
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    ("tensors", "error", "message"),
+    [
+        ([("a", np.ones(2))], stream_st.UsageError, "a mapping of names to arrays, got list"),
+        ({"a": None}, stream_st.DtypeError, "tensor 'a': numpy dtype object has no"),
+        ({"a": np.array([object()])}, stream_st.DtypeError, "tensor 'a': numpy dtype object"),
+        ({"a": "xyz"}, stream_st.DtypeError, "tensor 'a': numpy dtype <U3 has no"),
+        ({"a": [[1], [2, 3]]}, stream_st.UsageError, "tensor 'a': cannot make an array"),
+        ({1: np.ones(2)}, stream_st.ArgumentTypeError, "a tensor name must be a string"),
+    ],
+    ids=["pairs", "none", "objects", "str", "ragged", "name"],
+)
+async def test_compute_refuses_what_save_refuses(
+    tmp_path: Path, tensors: Any, error: type[Exception], message: str
+) -> None:
+    """Digests.compute refuses what save refuses, with the same error (a bare TypeError or
+    AttributeError escaped; a str was given a digest save would never record)."""
+    with pytest.raises(error, match=message):
+        Digests.compute(tensors)
+    with pytest.raises(error, match=message):
+        await stream_st.save(tmp_path / "m.safetensors", tensors, checksums=True)
+    assert not list(tmp_path.iterdir())
+
+
 async def test_an_empty_tensor_finished_with_no_part_has_its_digest(tmp_path: Path) -> None:
     """``async with w.tensor(name): pass`` completes a tensor of 0 bytes: its digest is the
     empty one, computed or checked against the one given."""
