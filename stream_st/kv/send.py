@@ -4,9 +4,10 @@ its digest right after.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Unpack
 
@@ -18,8 +19,8 @@ from anyio.abc import ObjectReceiveStream, TaskGroup
 from .._util import task_group
 from ..connection import Connection
 from ..core.codecs import Codec
-from ..core.dtypes import wire_bytes
-from ..errors import ArgumentTypeError, UsageError, integer_at_least
+from ..core.dtypes import dtype_for, wire_bytes
+from ..errors import ArgumentTypeError, DtypeError, UsageError, integer_at_least
 from ..transports.options import LimitOptions
 from ..transports.registry import SinkLike
 from ..writer import TensorWriter, open_writer
@@ -42,6 +43,10 @@ class SendReport:
 HASH_IN_THREAD = 256 << 10
 """Tensors from this size on are hashed in a worker thread (hashlib releases the GIL), so the
 event loop keeps sending and receiving meanwhile."""
+
+SAMPLES = 256
+"""How many values of each key and value are noted when the producer yields them and compared
+once their layer is sent and hashed: a producer that reuses its buffers changed them meanwhile."""
 
 
 class LayerHash:
@@ -78,9 +83,35 @@ class LayerHash:
         return self._sha.digest()
 
 
+def _sample(array: Array) -> bytes:
+    """The bytes of :data:`SAMPLES` values of ``array`` spread over it, at any strides."""
+    if array.ndim == 0 or array.size <= SAMPLES:
+        return array.tobytes()
+    spread = np.linspace(0, array.size - 1, num=SAMPLES, dtype=np.intp)
+    return array[np.unravel_index(spread, array.shape)].tobytes()
+
+
+def _samples(item: object) -> tuple[bytes, ...]:
+    """:func:`_sample` of a producer's key and value as yielded (nothing for an item that is no
+    ``(layer, key, value)``: :func:`_checked` refuses it)."""
+    if isinstance(item, tuple) and len(item) == 3:
+        return tuple(_sample(part) for part in item[1:] if isinstance(part, np.ndarray))
+    return ()
+
+
 async def _write_layer(
-    writer: TensorWriter, layout: KVLayout, codec: Codec, layer: int, key: Array, value: Array
+    writer: TensorWriter,
+    layout: KVLayout,
+    codec: Codec,
+    layer: int,
+    key: Array,
+    value: Array,
+    yielded: tuple[bytes, ...],
 ) -> None:
+    """Send one layer's parts, then its digest; ``yielded``: the key's and value's
+    :func:`_sample` when the producer yielded them, checked once their bytes are sent and hashed
+    (before the digest goes out), so a producer that reused a buffer meanwhile fails here, on
+    the sender, and not as a layer the receiver finds corrupt."""
     async with task_group() as group:
         digest = LayerHash(group)
         for name, part in (
@@ -91,9 +122,17 @@ async def _write_layer(
             if layout.digest:
                 digest.add(array)  # hashed while the part is being sent
             await writer.write(name, array)
+        checksum = await digest.digest()
+        for what, array, before in zip(("key", "value"), (key, value), yielded, strict=True):
+            if _sample(array) != before:
+                raise UsageError(
+                    f"layer {layer} {what} changed after the producer yielded it, before it was "
+                    "sent: does the producer reuse its buffers? Each array must stay unchanged "
+                    "until its layer is sent, which may be after the next queue layers are "
+                    "yielded (yield copies, or rotate queue + 1 sets of buffers)"
+                )
         if layout.digest:
-            checksum = np.frombuffer(await digest.digest(), dtype=np.uint8)
-            await writer.write(digest_name(layer), checksum)
+            await writer.write(digest_name(layer), np.frombuffer(checksum, dtype=np.uint8))
 
 
 def _checked(item: object) -> tuple[int, Array, Array]:
@@ -101,25 +140,45 @@ def _checked(item: object) -> tuple[int, Array, Array]:
     if (
         not isinstance(item, tuple)
         or len(item) != 3
+        or isinstance(item[0], bool)  # True is no layer 1
         or not isinstance(item[0], int | np.integer)
         or not all(isinstance(array, np.ndarray) for array in item[1:])
     ):
         kinds = [type(part).__name__ for part in item] if isinstance(item, tuple) else type(item)
-        raise UsageError(
+        raise ArgumentTypeError(
             f"the producer must yield (layer: int, key: ndarray, value: ndarray), not {kinds}"
         )
     return int(item[0]), item[1], item[2]
 
 
-async def _each_of(items: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]:
-    """The items of an async or a plain iterable, as an async iterator."""
+def _code(array: Array) -> str | None:
+    """The safetensors code of ``array``'s dtype; None for a dtype safetensors has none for."""
+    try:
+        return dtype_for(array.dtype).code
+    except DtypeError:
+        return None
+
+
+async def _each_of(items: AsyncIterable[Any] | Iterable[Any]) -> AsyncGenerator[Any, None]:
+    """The items of an async or a plain iterable, as an async iterator. Closing it closes the
+    iterable's iterator (a generator's cleanup runs then, not whenever it is collected)."""
     if isinstance(items, AsyncIterable):
-        async for item in items:
-            yield item
+        iterator = aiter(items)
+        try:
+            async for item in iterator:
+                yield item
+        finally:
+            if hasattr(iterator, "aclose"):
+                await iterator.aclose()
     else:
-        for item in items:
-            yield item
-            await anyio.lowlevel.checkpoint()
+        plain = iter(items)
+        try:
+            for item in plain:
+                yield item
+                await anyio.lowlevel.checkpoint()
+        finally:
+            if hasattr(plain, "close"):
+                plain.close()
 
 
 async def send_kv(
@@ -139,7 +198,14 @@ async def send_kv(
     If the transfer fails (the receiver went away, a layer is out of order or misshapen), it
     raises at once and stops pulling from the producer; the receiver sees an incomplete message.
     If the producer raises, the layers it made before go out whole first (the receiver has
-    them, verified), then the transfer ends with the producer's exception.
+    them, verified), then the transfer ends with the producer's exception. ``layers`` is closed
+    (its ``aclose()`` or ``close()``) when the transfer ends, whichever way.
+
+    Each key and value yielded is read until its layer is sent, which may be after the next
+    ``queue`` layers are yielded: it must stay unchanged until then. A producer that refills
+    the same buffers for each layer must yield copies (or rotate ``queue + 1`` sets of
+    buffers); one that changes a buffer too early is caught in most cases
+    (:class:`~stream_st.UsageError`, before that layer's digest goes out).
     Time limits as in :func:`~stream_st.open_writer` (on a Connection, the connection's unless
     given here).
     """
@@ -157,9 +223,9 @@ async def send_kv(
         writer = dst.open_writer(layout.plan(), metadata=layout.metadata(), **limits)
     else:
         writer = open_writer(dst, layout.plan(), metadata=layout.metadata(), **limits)
-    send_layers, receive_layers = anyio.create_memory_object_stream[tuple[int, Array, Array]](
-        max_buffer_size=max(0, queue - 1)
-    )
+    send_layers, receive_layers = anyio.create_memory_object_stream[
+        tuple[object, tuple[bytes, ...]]
+    ](max_buffer_size=max(0, queue - 1))
 
     failed: list[Exception] = []  # the producer's own failure, raised once its layers are out
 
@@ -167,20 +233,23 @@ async def send_kv(
         # The producer's failure ends the transfer with its error, after the layers it made
         # before (queued, or being sent) have gone out whole: the receiver has them, verified.
         try:
-            async for item in _each_of(layers):
-                report.produced_at.append(time.perf_counter())
-                try:
-                    await send_layers.send(item)
-                except anyio.BrokenResourceError:
-                    return  # the sending side failed and stopped listening: its error is reported
+            async with contextlib.aclosing(_each_of(layers)) as items:
+                async for item in items:
+                    report.produced_at.append(time.perf_counter())
+                    try:  # noted before the producer can change them
+                        await send_layers.send((item, _samples(item)))
+                    except anyio.BrokenResourceError:
+                        return  # the sending side failed and stopped listening: it reports
         except Exception as exc:
             failed.append(exc)
         await send_layers.aclose()
 
-    async def consume(items: ObjectReceiveStream[tuple[int, Array, Array]]) -> None:
+    dtype = dtype_for(layout.wire_dtype or layout.dtype)
+
+    async def consume(items: ObjectReceiveStream[tuple[object, tuple[bytes, ...]]]) -> None:
         async with items:
             expected = 0
-            async for item in items:
+            async for item, yielded in items:
                 layer, key, value = _checked(item)
                 if layer != expected:
                     raise UsageError(f"layer {layer} produced where layer {expected} was due")
@@ -190,7 +259,12 @@ async def send_kv(
                             f"layer {layer} {what} has shape {list(array.shape)}, "
                             f"the layout says {list(layout.shape)}"
                         )
-                await _write_layer(writer, layout, codec, layer, key, value)
+                    if _code(array) != dtype.code:  # any byte order, as the writer takes
+                        raise UsageError(
+                            f"layer {layer} {what} has dtype {array.dtype}, "
+                            f"the layout says {dtype.code} ({dtype.numpy})"
+                        )
+                await _write_layer(writer, layout, codec, layer, key, value, yielded)
                 report.sent_at.append(time.perf_counter())
                 expected += 1
             if failed:

@@ -399,18 +399,118 @@ async def test_bad_kv_metadata_is_a_header_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "item",
-    [(0, [1.0], [1.0]), (0, kv(0)[0]), "layer", (0.0, *kv(0))],
-    ids=["lists", "no value", "not a tuple", "float layer"],
+    [(0, [1.0], [1.0]), (0, kv(0)[0]), "layer", (0.0, *kv(0)), (True, *kv(0)), (False, *kv(0))],
+    ids=["lists", "no value", "not a tuple", "float layer", "True layer", "False layer"],
 )
 async def test_producer_yielding_the_wrong_thing_is_a_usage_error(
     tmp_path: Path, item: object
 ) -> None:
+    """A bool was taken for a layer number ((True, key, value) for layer 1), where
+    wait_for_layer(True) is refused."""
+
     async def producer() -> AsyncIterator[Any]:
         yield item
 
-    with pytest.raises(stream_st.UsageError, match=r"\(layer: int, key: ndarray"):
+    with pytest.raises(stream_st.ArgumentTypeError, match=r"\(layer: int, key: ndarray"):
         await send_kv(tmp_path / "kv.safetensors", KVLayout(num_layers=1, shape=SHAPE), producer())
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("codec", ["none", "int8", "int4"])
+async def test_arrays_of_another_dtype_than_the_layout_are_refused(
+    tmp_path: Path, codec: str
+) -> None:
+    """With the int8 and int4 codecs only the shape was checked: float32 keys beyond float16's
+    range went out under an F16 layout and the receiver handed out inf."""
+    layout = KVLayout(num_layers=1, shape=(1, 1, 2, 64), dtype="F16", codec=codec)
+    key = np.full(layout.shape, 100_000.0, np.float32)
+    path = tmp_path / "kv.safetensors"
+    with pytest.raises(stream_st.UsageError, match=r"layer 0 key has dtype float32, the layout"):
+        await send_kv(path, layout, [(0, key, key)])
+    assert list(tmp_path.iterdir()) == []
+    swapped = kv(0, layout.shape)[0].astype(">f2")  # the layout's dtype in another byte order
+    await send_kv(path, layout, [(0, swapped, swapped)])
+    async with receive_kv(path) as received:
+        got, _ = await received.wait_for_layer(0)
+    assert got.dtype == np.float16
+
+
+@pytest.mark.parametrize("queue", [1, 2])
+async def test_a_producer_reusing_its_buffers_is_caught_by_the_sender(queue: int) -> None:
+    """A producer that refilled one key and one value buffer for every layer changed a layer
+    while it was being sent and hashed: the receiver failed it as corrupted on the wire."""
+    layout = KVLayout(num_layers=6, shape=(1, 8, 1024, 128), dtype="F32")  # 4 MiB tensors
+
+    def refilled() -> Any:
+        key, value = np.empty(layout.shape, np.float32), np.empty(layout.shape, np.float32)
+        for layer in range(layout.num_layers):
+            key.fill(layer)
+            value.fill(-layer)
+            yield layer, key, value
+
+    received: list[BaseException] = []
+    async with stream_st.listen("127.0.0.1", 0, timeout=10) as listener:
+
+        async def receiver() -> None:
+            async with await listener.accept() as connection:
+                try:
+                    async with receive_kv(connection) as kv_in:
+                        async for _ in kv_in:
+                            pass
+                except stream_st.SafetensorsError as exc:
+                    received.append(exc)
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as group:
+                group.start_soon(receiver)
+                with pytest.raises(stream_st.UsageError, match="reuse its buffers"):
+                    await send_kv(listener.url, layout, refilled(), queue=queue)
+    assert not [exc for exc in received if isinstance(exc, IntegrityError)]
+
+
+async def closed_after_a_failed_send(path: Path) -> list[str]:
+    """What a failed send_kv left of an async and of a plain generator producer, at once."""
+    layout = KVLayout(num_layers=4, shape=(1, 1, 2, 8), dtype="F32")
+    events: list[str] = []
+
+    def layer(number: int) -> tuple[int, Array, Array]:
+        shape = layout.shape if number != 1 else (1, 1, 2, 9)  # layer 1 misshapen
+        return number, np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+
+    async def async_producer() -> AsyncIterator[tuple[int, Array, Array]]:
+        try:
+            for number in range(4):
+                yield layer(number)
+        finally:
+            events.append("async producer closed")
+
+    def plain_producer() -> Any:
+        try:
+            for number in range(4):
+                yield layer(number)
+        finally:
+            events.append("plain producer closed")
+
+    for producer in (async_producer(), plain_producer()):
+        with pytest.raises(stream_st.UsageError, match="layer 1 key has shape"):
+            await send_kv(path, layout, producer)
+    return events
+
+
+async def test_a_failed_send_closes_the_producer(tmp_path: Path) -> None:
+    """Neither send_kv's own wrapper nor the producer was closed: the producer's cleanup ran
+    whenever it was collected, on trio with a ResourceWarning for stream_st's generator."""
+    events = await closed_after_a_failed_send(tmp_path / "kv.safetensors")
+    assert events == ["async producer closed", "plain producer closed"]
+
+
+def test_a_failed_send_closes_the_producer_on_trio(tmp_path: Path) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        events = trio.run(closed_after_a_failed_send, tmp_path / "kv.safetensors")
+        gc.collect()
+    assert events == ["async producer closed", "plain producer closed"]
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
 
 
 async def test_a_layout_that_is_not_one_and_a_digest_wish_that_is_not_a_bool_are_refused(
