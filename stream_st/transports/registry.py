@@ -154,6 +154,13 @@ async def _new_source(obj: SourceLike, clock: Clock) -> Source:
     if inspect.iscoroutinefunction(getattr(obj, "readinto", None)):  # not a blocking file's
         return ReadIntoSource(cast(AsyncReadInto, obj))
     if isinstance(obj, AsyncIterable):
+        from ..connection import Listener  # which imports this module
+
+        if isinstance(obj, Listener):  # iterated, it yields connections, not bytes
+            raise UnsupportedSourceError(
+                f"cannot read safetensors from a Listener ({obj.url}): accept a connection "
+                "first (connection = await listener.accept()) and read from the connection"
+            )
         return ChunkIteratorSource(obj)
     raise UnsupportedSourceError(
         f"cannot read safetensors from {type(obj).__name__}: expected a path, URL, bytes, "

@@ -25,6 +25,7 @@ from stream_st import (
     UnsupportedSourceError,
     UsageError,
 )
+from stream_st.kv import receive_kv
 
 from .._util import assert_same_arrays, sample_file, sample_tensors
 from ..conftest import StartSender
@@ -275,6 +276,18 @@ async def test_leaving_listen_wakes_the_tasks_accepting() -> None:
             group.start_soon(accept_until_closed, listener)  # waits on the socket
             group.start_soon(accept_until_closed, listener)  # waits for its turn
             await anyio.wait_all_tasks_blocked()
+
+
+async def test_a_listener_is_no_source() -> None:
+    """A Listener iterates connections: taken for an async iterable of byte chunks, reading it
+    waited for a peer and then failed on its connection (or waited for ever without one)."""
+    with anyio.fail_after(5):
+        async with stream_st.listen("127.0.0.1", 0) as listener:
+            with pytest.raises(UnsupportedSourceError, match="accept a connection first"):
+                await read_all(listener)
+            with pytest.raises(UnsupportedSourceError, match="accept a connection first"):
+                async with receive_kv(listener):
+                    pass
 
 
 async def test_tasks_accept_at_once() -> None:
