@@ -189,6 +189,44 @@ async def test_s3_multipart_upload(s3: tuple[MotoS3Server, S3Config]) -> None:
     assert pending_uploads(server) == []
 
 
+async def test_s3_parts_grow_to_stay_within_the_part_limit(
+    s3: tuple[MotoS3Server, S3Config],
+) -> None:
+    """A message larger than ``max_parts`` parts hold (S3: 10,000; 2 here) is uploaded in larger
+    parts, its size over ``max_parts`` rounded up to a MiB, instead of being refused at the
+    part past the last once the rest went up."""
+    server, config = s3
+    sink = S3Sink("s3://uploads/m/grown.safetensors", config=config, part_size=MIN_PART_SIZE)
+    sink.max_parts = 2
+    async with stream_st.open_writer(sink, plan_of(BIG)) as writer:
+        for name, array in BIG.items():
+            await writer.write(name, array)
+    client = server.client()
+    body = client.get_object(Bucket="uploads", Key="m/grown.safetensors")["Body"].read()
+    assert body == reference_numpy.save(BIG)
+    assert client.head_object(Bucket="uploads", Key="m/grown.safetensors")["ETag"].endswith('-2"')
+    assert pending_uploads(server) == []
+
+
+async def test_s3_a_message_past_the_part_limit_fails_before_sending(
+    s3: tuple[MotoS3Server, S3Config],
+) -> None:
+    """Announced, a size past ``max_parts`` parts of 5 GiB is refused before any request; not
+    announced, the part past the last is refused before it is sent, and the upload aborted."""
+    server, config = s3
+    sink = S3Sink("s3://uploads/m/huge.safetensors", config=config, part_size=MIN_PART_SIZE)
+    sink.max_parts = 2
+    with pytest.raises(stream_st.UsageError, match=r"more than 2 parts .* of 5368709120 bytes"):
+        await sink.allocate(2 * (5 << 30) + 1)
+    sink = S3Sink("s3://uploads/m/huge.safetensors", config=config, part_size=MIN_PART_SIZE)
+    sink.max_parts = 2
+    with pytest.raises(stream_st.UsageError, match=r"more than 2 parts .* not announced"):
+        await sink.send(memoryview(bytes(3 * MIN_PART_SIZE)))
+    assert pending_uploads(server) == []
+    listing = server.client().list_objects_v2(Bucket="uploads", Prefix="m/huge")
+    assert listing.get("KeyCount", 0) == 0
+
+
 async def test_s3_small_object_in_one_put(
     s3: tuple[MotoS3Server, S3Config], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

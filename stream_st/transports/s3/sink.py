@@ -1,7 +1,12 @@
 """``s3://bucket/key`` sinks: a multipart upload fed by the streaming writer.
 
 Bytes are gathered into parts of ``part_size`` (at least 5 MiB, S3's minimum for every part but
-the last) and each full part is uploaded as it fills, so memory stays at one part. The object
+the last) and each full part is uploaded as it fills, so memory stays at one part. S3 takes at
+most :attr:`S3Sink.max_parts` (10,000) parts: a message announced (:meth:`S3Sink.allocate`) as
+larger than that many parts hold has its parts made larger, the size over 10,000 rounded up to a
+MiB (so is the memory the part takes), and one over 10,000 parts of 5 GiB, S3's largest, is
+refused before any byte is sent; a message of unknown size that outgrows the parts fails before
+the part past the last is sent. The object
 appears only when the upload is completed, after the last tensor; on any failure, cancellation
 or abort before that the multipart upload is aborted: no object at the key, no pending upload
 left. A message
@@ -85,6 +90,7 @@ from .config import S3Config, parse_s3_url
 __all__ = ["MIN_PART_SIZE", "S3Sink"]
 
 MIN_PART_SIZE = 5 << 20
+MAX_PART_SIZE = 5 << 30
 
 
 def _refusal(exc: Exception) -> bool:
@@ -143,6 +149,9 @@ class S3Sink(ClientUser, Sink):
     abort_timeout: float = 15.0
     """Seconds the clean-up after a failure may take in all, whatever ``timeout`` is; also what
     the request that commits the object still gets once the write is cancelled."""
+
+    max_parts: int = 10_000
+    """The most parts a multipart upload may have (S3's limit)."""
 
     def __init__(
         self,
@@ -204,7 +213,19 @@ class S3Sink(ClientUser, Sink):
         return response.headers, answer
 
     async def allocate(self, size: int) -> None:
+        """Take the message's ``size``, announced before its first byte: parts are made larger
+        if ``size`` needs more than :attr:`max_parts` of them (:class:`~stream_st.UsageError` if
+        even parts of :data:`MAX_PART_SIZE` cannot hold it)."""
         self._size = size
+        least = -(-size // self.max_parts)
+        if least <= self._part_size:
+            return
+        if least > MAX_PART_SIZE or self._cut:
+            raise UsageError(
+                f"{self.name}: {size} bytes need more than {self.max_parts} parts (S3's most) "
+                f"of {MAX_PART_SIZE if self._cut == 0 else self._part_size} bytes"
+            )
+        self._part_size = -(-least // (1 << 20)) << 20
 
     async def hold_head(self, size: int) -> bool:
         """Hold back the parts holding the first ``size`` bytes until the commit."""
@@ -268,6 +289,12 @@ class S3Sink(ClientUser, Sink):
 
     async def _cut_part(self) -> None:
         """The part filling is complete: upload it, or hold it back if it holds the head."""
+        if self._cut == self.max_parts:
+            raise UsageError(
+                f"{self.name}: more than {self.max_parts} parts (S3's most) of {self._part_size} "
+                "bytes written, the message's size not announced up front; give a larger "
+                "part_size"
+            )
         self._cut += 1
         part, self._part = self._part, bytearray()
         if (self._cut - 1) * self._part_size < self._head:
