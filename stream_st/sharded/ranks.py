@@ -66,6 +66,7 @@ import socket
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from ..core.digests import Digests
 from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header
 from ..core.shards import is_index, shard_address
 from ..errors import (
@@ -221,7 +222,9 @@ class DistributedStream(TensorStream):
         self._index: ShardIndex | None = None
         self._shard: TensorStream | None = None
         self._group_opened = False
-        self._found: set[str] = set()
+        # Opened with the group, its iteration not begun: the group waits for this rank's
+        # headers and wants, which aclose then gives, saying this rank left its stream.
+        self._owes_wants = False
         self.headers: dict[str, Header] = {}
         self.plan: Plan | None = None
 
@@ -269,8 +272,9 @@ class DistributedStream(TensorStream):
                     digest = ("header", _header_digest(await super().open()))
                 else:
                     self._clock.start()
-                    self._index = await ShardIndex.read(self._index_address, self._clock)
-                    self._check_names(set(self._index.weight_map or ()) or None)
+                    index = self._index = await ShardIndex.read(self._index_address, self._clock)
+                    if index.weight_map is not None or not index.shards:  # its names known now
+                        self._check_names(set(index.weight_map or ()))
                     digest = ("index", _index_digest(self._index))
             except BaseException as exc:  # told to the group first, raised after
                 failure = Failure.of(exc)
@@ -282,13 +286,12 @@ class DistributedStream(TensorStream):
         except BaseException:
             await self.aclose()
             raise
+        self._owes_wants = True
         return self._header or Header.from_tensors((), {}, 0)
 
-    def _check_names(self, present: set[str] | None) -> None:
+    def _check_names(self, present: set[str]) -> None:
         """:class:`TensorNotFoundError` for ``include=`` or ``slices=`` names not in ``present``
-        (all of a file's or an index's names; None: not known up front)."""
-        if present is None:
-            return
+        (all of a file's, an index's or a manifest's names)."""
         named = set(self._names or ())
         if isinstance(self._slices, Mapping):
             named |= set(self._slices)
@@ -315,12 +318,18 @@ class DistributedStream(TensorStream):
         group = self._group
         wants: dict[int, Slice | None] = {}
         digest: tuple[str, str] | None = None
+        digests: Digests | None = None
         if stream is not None and failure is None:
             try:
                 header = stream.header
-                if self._index_address is None:
+                index = self._index
+                if index is None:
                     self._check_names(set(header.names()))
+                elif index.weight_map is None and shard == index.shards[-1]:
+                    # A manifest's names are known once its last shard is open.
+                    self._check_names({n for each in self.headers.values() for n in each.names()})
                 wants = self._wants(header)
+                digests = Digests.from_header(header) if self._verify else None
                 digest = ("header", _header_digest(header))
             except Exception as exc:  # include= and slices= may be the caller's functions
                 failure = Failure.of(exc)
@@ -332,10 +341,9 @@ class DistributedStream(TensorStream):
         if self._unique_names and self._index_address is not None:
             self._claim_names(stream.header, shard, [each[1] for each in everyone])
         plan = self.plan = plan_exchange(stream.header.tensors, [each[1] for each in everyone])
-        file = FileExchange(group, stream, wants, self._delivery, self._verify)
+        file = FileExchange(group, stream, wants, self._delivery, digests)
         async with contextlib.aclosing(file.run(plan)) as items:
             async for item in items:
-                self._found.add(item[0])
                 yield item
                 del item
 
@@ -373,6 +381,7 @@ class DistributedStream(TensorStream):
     async def _iterate(self) -> AsyncGenerator[tuple[str, Any]]:
         owns = not self._group_opened
         await self.open()
+        self._owes_wants = False  # from here on, the first shard's exchange gathers them
         try:
             if self._index_address is None:
                 async with contextlib.aclosing(self._exchange(self, None)) as items:
@@ -408,6 +417,13 @@ class DistributedStream(TensorStream):
                 await self.aclose()
 
     async def aclose(self) -> None:
+        """Close the stream; left before its iteration began, tell the group first (at the
+        gather of headers and wants it waits at), so that every other rank raises
+        :class:`RankFailedError` at once rather than at the group's timeout."""
+        if self._owes_wants:
+            self._owes_wants = False
+            with contextlib.suppress(GeneratorExit):  # the group heard it: this rank left
+                await self._group.gather(None, Failure.of(GeneratorExit()))
         shard, self._shard = self._shard, None
         if shard is not None:
             await shard.aclose()

@@ -171,7 +171,8 @@ SCRATCH: Slice = (-1, -1, -1)
 
 
 class FileExchange:
-    """The group's read of one safetensors file, open on this rank as ``stream``."""
+    """The group's read of one safetensors file, open on this rank as ``stream``; each
+    tensor handed out whole is checked against ``digests``, if given (its header's)."""
 
     def __init__(
         self,
@@ -179,7 +180,7 @@ class FileExchange:
         stream: TensorStream,
         wants: dict[int, Slice | None],
         delivery: Delivery,
-        verify: bool,
+        digests: Digests | None,
     ) -> None:
         self.group = group
         self.stream = stream
@@ -187,7 +188,7 @@ class FileExchange:
         self.tensors = list(self.header.tensors)
         self.wants = wants
         self.delivery = delivery
-        self.digests = Digests.from_header(self.header) if verify else None
+        self.digests = digests
         self.buffers: dict[tuple[int, Slice | None], np.ndarray[Any, Any]] = {}
         self.placed: set[int] = set()
         self.pieces: dict[int, list[tuple[int, int, int]]] = {}  # tensor -> (lo, hi, reader)

@@ -14,7 +14,8 @@ the model), and per rank ``include`` (``"!raise"``: a predicate that raises), ``
 ``using_caps``), ``env``; ``reference`` (a safetensors file: each tensor got is compared bit for
 bit, on its own device, with that file's, sliced as asked, the names that differ reported);
 ``stop`` (``{rank: how}``, stream mode: once it has its first tensor the rank kills itself with
-SIGKILL, ``"kill"``, or raises :class:`Stopped` out of its loop, ``"raise"``); ``out`` (a folder).
+SIGKILL, ``"kill"``, or raises :class:`Stopped` out of its loop, ``"raise"``; ``"leave"``: it
+raises :class:`Stopped` in the ``async with`` before its loop); ``out`` (a folder).
 The rank writes what it got to ``out/rank<R>.safetensors`` (and the order to ``out/rank<R>.json``),
 or its error to ``out/rank<R>.json``, with the seconds the scenario took it.
 """
@@ -54,6 +55,8 @@ async def _stream(
     async with stream_st.open_stream(
         src, framework="pt", process_group=group, include=include, slices=slices, **options
     ) as stream:
+        if stop == "leave":
+            raise Stopped("left before iterating")
         with anyio.CancelScope() as scope:
             async for name, tensor in stream:
                 got[name] = tensor
