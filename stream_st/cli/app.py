@@ -26,10 +26,11 @@ __all__ = ["STOPPING_SIGNALS", "main"]
 
 
 STOPPING_SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
 )
-"""Signals the command treats as it treats SIGINT: cancel what runs (a write in progress is
-aborted, leaving nothing at its destination), then exit with 128 + the signal's number."""
+"""Signals that stop the command: cancel what runs (a write in progress is aborted, leaving
+nothing at its destination, unless it reached its commit point: then it finishes, and so may the
+command), then exit with 128 + the signal's number."""
 
 
 _SIGNAL_GRACE = 0.01
@@ -46,13 +47,15 @@ class _Stopped(BaseException):
 
 
 async def _run(args: argparse.Namespace) -> int:
-    """Run the subcommand; a stopping signal cancels it as SIGINT does, so every writer aborts
-    (a temporary file removed, an upload abandoned), then raises :class:`_Stopped`, even where
-    the subcommand then failed. A second stopping signal during that clean-up stops the process
-    at once."""
+    """Run the subcommand; a stopping signal cancels it, so every writer aborts (a temporary
+    file removed, an upload abandoned), then raises :class:`_Stopped`, even where the subcommand
+    then failed. A subcommand that finishes all the same (a write past its commit point is seen
+    through, and reports success under the cancelled scope) is done: its status, with a line
+    saying the signal came too late. A second stopping signal during that clean-up stops the
+    process at once."""
     received: list[int] = []
     loop = asyncio.get_running_loop()
-    status = EXIT_OK
+    status: int | None = None
     watched = STOPPING_SIGNALS if threading.current_thread() is threading.main_thread() else ()
     previous = {signum: signal.getsignal(signum) for signum in watched}
     with anyio.CancelScope() as scope:
@@ -79,8 +82,14 @@ async def _run(args: argparse.Namespace) -> int:
             for signum, handler in previous.items():
                 loop.remove_signal_handler(signum)
                 signal.signal(signum, handler)
-    if received:
+    if status is None:  # cancelled: only a stopping signal does that
         raise _Stopped(received[0])
+    if received:
+        print(
+            f"{PROG}: {_signal_name(received[0])} came once the command had committed its work: "
+            "it completed",
+            file=sys.stderr,
+        )
     return status
 
 
@@ -124,6 +133,8 @@ def _command(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
     except KeyboardInterrupt:
         return interrupted()
     except _Stopped as stopped:
+        if stopped.signum == signal.SIGINT:
+            return interrupted()
         print(f"{PROG}: stopped by {_signal_name(stopped.signum)}", file=sys.stderr)
         return 128 + stopped.signum
     except OutputError:

@@ -4,6 +4,8 @@ destination (no temporary file, no pending multipart upload), exit status 128 + 
 from __future__ import annotations
 
 import contextlib
+import http.client
+import http.server
 import os
 import signal
 import subprocess
@@ -111,6 +113,90 @@ def test_stopped_copy_to_s3_leaves_no_pending_upload(
     assert status == 128 + signum, stderr
     assert not pending(), "a multipart upload left pending"
     assert "Contents" not in client.list_objects_v2(Bucket=bucket)
+
+
+@contextmanager
+def holding_commits(target: int) -> Iterator[tuple[str, threading.Event, threading.Event]]:
+    """An HTTP relay to the S3 server on port ``target``: (its endpoint, ``sent``, ``release``).
+    The request that stores an object (CompleteMultipartUpload, or a single PUT) is carried out
+    by the server, then ``sent`` is set and its answer held until ``release`` is."""
+    sent, release = threading.Event(), threading.Event()
+
+    class Relay(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def relay(self) -> None:
+            body = self.rfile.read(int(self.headers.get("content-length") or 0))
+            upstream = http.client.HTTPConnection("127.0.0.1", target, timeout=60)
+            upstream.request(self.command, self.path, body, dict(self.headers.items()))
+            answer = upstream.getresponse()
+            data = answer.read()
+            upstream.close()
+            query = self.path.partition("?")[2]
+            if (self.command, query.startswith("uploadId=")) == ("POST", True) or (
+                self.command == "PUT" and not query
+            ):
+                sent.set()
+                release.wait(60)
+            self.send_response(answer.status)
+            for name, value in answer.getheaders():
+                if name.lower() not in ("content-length", "connection", "date", "server"):
+                    self.send_header(name, value)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+
+        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = relay
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Relay)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", sent, release
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("size", [1 << 10, 17 << 20], ids=["single PUT", "multipart"])
+@pytest.mark.parametrize("signum", STOPS[::2], ids=[s.name for s in STOPS[::2]])
+def test_a_signal_during_the_commit_lets_the_copy_complete(
+    tmp_path: Path, moto_s3: MotoS3Server, signum: int, size: int
+) -> None:
+    """A stop that comes while the request storing the object is under way: the object is
+    stored (the commit point is passed), so the command says so and exits with 0."""
+    model = write_model(tmp_path / "model.safetensors", {"w": np.ones(size // 4, np.float32)})
+    client = moto_s3.client()
+    bucket = f"commit-{signum}-{size}"
+    client.create_bucket(Bucket=bucket)
+    client.put_object(Bucket=bucket, Key="m.safetensors", Body=b"older")
+    with holding_commits(moto_s3.port) as (endpoint, sent, release):
+        env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+        process = subprocess.Popen(
+            [COMMAND, "cp", "-q", str(model), f"s3://{bucket}/m.safetensors"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        _wait_for("the commit", sent.is_set, process)
+        process.send_signal(signum)
+        time.sleep(0.5)  # the signal is handled while the answer is held
+        release.set()
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr
+    name = signal.Signals(signum).name
+    assert stderr.decode() == (
+        f"stream-st: {name} came once the command had committed its work: it completed\n"
+    )
+    stored = client.get_object(Bucket=bucket, Key="m.safetensors")["Body"].read()
+    assert stored == model.read_bytes()
+    assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 
 INTERRUPT_WHILE_LOADING = """
