@@ -327,8 +327,10 @@ async def _validate_stream(
     if checker.failure is not None:
         result.errors.append(checker.failure)
     failed = len(checker.mismatches) + damaged + (checker.failure is not None)
-    if failed:
+    if checker.mismatches:
         verified = f"FAILED ({plural(len(checker.mismatches), 'tensor')} of {len(infos)})"
+    elif failed:  # the records themselves, or the whole object's check: not a tensor's
+        verified = "FAILED (see the errors)"
     else:
         verified = f"{plural(checker.checked, 'tensor')} verified"
     result.digests = f"{', '.join(sorted(algorithms))}: {verified}" if algorithms else "none"

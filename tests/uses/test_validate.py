@@ -277,6 +277,23 @@ async def test_a_hub_file_failing_its_sha256_is_invalid(hub: FakeHub) -> None:
         await stream_st.load(url)
 
 
+async def test_a_checksummed_file_failing_only_the_hubs_sha256_names_no_tensor(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    """Every tensor of a checksummed Hub file matches its digest, but the bytes are not the
+    Hub's (a metadata value changed): the digests line says the check failed, not "0 tensors"."""
+    path = tmp_path / "m.safetensors"
+    tensors = {"w": np.arange(1000, dtype=np.float32)}
+    await stream_st.save(path, tensors, metadata={"note": "aaaa"}, checksums=True)
+    data = path.read_bytes()
+    hub.push("org/m", {"model.safetensors": data})
+    hub.cdn.objects[f"/{hashlib.sha256(data).hexdigest()}"] = data.replace(b"aaaa", b"bbbb")
+    result = await tools.validate("hf://org/m/model.safetensors")
+    assert not result.ok
+    assert result.digests.endswith(": FAILED (see the errors)")
+    assert "does not match the Hub's SHA-256" in result.errors[0]
+
+
 async def test_results_come_in_file_order(tmp_path: Path) -> None:
     tensors = {f"w{i}": np.full(1000 * (i % 5 + 1), i, np.float32) for i in range(12)}
     path = tmp_path / "m.safetensors"
