@@ -12,6 +12,7 @@ from ..errors import UsageError
 from ..reader.caps import Caps, using_caps
 from ..transports.cache.config import parse_size
 from ..transports.options import LimitOptions, Limits, Transport, TransportOptions
+from ..transports.s3.config import check_profile, endpoint_problem, region_problem
 
 __all__ = []
 
@@ -100,6 +101,33 @@ AWS_FLAGS = {
 }
 """The command's S3 flags (``--endpoint-url``, ``--region``, ``--profile``, spelled as the AWS
 CLI spells them) and the environment variable each stands for, above every other source."""
+
+
+def endpoint_arg(text: str) -> str:
+    """An ``--endpoint-url`` argument: an http(s) URL with a host (an empty one is refused, not
+    taken as unset: ``--endpoint-url "$URL"`` with the variable unset would go to AWS)."""
+    problem = endpoint_problem(text) if text else "empty (an unset variable?)"
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def region_arg(text: str) -> str:
+    """A ``--region`` argument: a region name, as botocore takes it (it goes into the host
+    name of AWS's endpoint)."""
+    problem = region_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def profile_arg(text: str) -> str:
+    """A ``--profile`` argument: a profile the AWS files have (``default`` always is)."""
+    try:
+        check_profile(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 @contextmanager

@@ -26,7 +26,17 @@ from .commands import (
     run_validate,
 )
 from .exits import EXIT_ERROR
-from .options import ca_bundle, header_line, limit_arg, nonempty_arg, number_arg, size_arg
+from .options import (
+    ca_bundle,
+    endpoint_arg,
+    header_line,
+    limit_arg,
+    nonempty_arg,
+    number_arg,
+    profile_arg,
+    region_arg,
+    size_arg,
+)
 from .output import PROG
 
 __all__ = ["EXAMPLES", "SHELLS", "SOURCES", "build_parser"]
@@ -405,17 +415,20 @@ def build_parser() -> argparse.ArgumentParser:
         )
         remote.add_argument(
             "--endpoint-url",
+            type=endpoint_arg,
             metavar="URL",
             help="the S3-compatible store s3:// addresses go to (MinIO, R2...), as the AWS CLI's "
             "(else AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile's endpoint_url)",
         )
         remote.add_argument(
             "--region",
+            type=region_arg,
             metavar="REGION",
             help="the S3 region (else AWS_REGION, AWS_DEFAULT_REGION, the profile's, us-east-1)",
         )
         remote.add_argument(
             "--profile",
+            type=profile_arg,
             metavar="NAME",
             help="the AWS profile for s3:// credentials and settings (else AWS_PROFILE)",
         )

@@ -116,6 +116,62 @@ def test_unreadable_config_files_are_one_line_errors(tmp_path: Path) -> None:
         assert "\n" not in str(info.value) and value in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("setting", "origin"),
+    [
+        ({"region": "x@127.0.0.1:18790/"}, "region="),
+        ({"environ": {"AWS_REGION": "eu west 1"}}, "AWS_REGION"),
+        ({"environ": {"AWS_DEFAULT_REGION": "-eu-west-1"}}, "AWS_DEFAULT_REGION"),
+        ({"profile_region": "a/b"}, "the region of the profile 'p'"),
+        ({"region": "r" * 64}, "region="),
+    ],
+)
+def test_a_region_is_a_host_name_label(
+    setting: dict[str, Any], origin: str, tmp_path: Path
+) -> None:
+    """A region goes into AWS's host name: one holding '@host:port/' sent the signed request
+    and the session token to that host; any other than a DNS label is refused (as botocore
+    does), naming where it came from, and no key is shown."""
+    config = tmp_path / "config"
+    config.write_text(f"[profile p]\nregion = {setting.pop('profile_region', 'us-east-1')}\n")
+    environ = {
+        "HOME": str(tmp_path),
+        "AWS_CONFIG_FILE": str(config),
+        "AWS_ACCESS_KEY_ID": "AKIDEXAMPLE",
+        "AWS_SECRET_ACCESS_KEY": "KEY-SECRET",
+        "AWS_SESSION_TOKEN": "TOKEN-SECRET",
+        **setting.pop("environ", {}),
+    }
+    with pytest.raises(stream_st.CredentialsError, match="not a region name") as info:
+        S3Config.resolve(**setting, profile="p", environ=environ)
+    message = str(info.value)
+    assert message.startswith(f"the AWS region from {origin}"), message
+    assert "SECRET" not in message
+    for region in ("eu-west-3", "us-gov-west-1", "a", "r" * 63):
+        assert S3Config.resolve(region=region, environ=environ).region == region
+
+
+@pytest.mark.parametrize(
+    ("setting", "origin"),
+    [
+        ({"endpoint_url": "notaurl"}, "endpoint_url="),
+        ({"environ": {"AWS_ENDPOINT_URL": "ftp://host"}}, "AWS_ENDPOINT_URL"),
+        ({"environ": {"AWS_ENDPOINT_URL_S3": "http://[::1"}}, "AWS_ENDPOINT_URL_S3"),
+        ({"endpoint_url": "https://user:pw@/"}, "endpoint_url="),
+    ],
+)
+def test_an_endpoint_is_an_http_url(setting: dict[str, Any], origin: str, tmp_path: Path) -> None:
+    """An endpoint that is no http(s) URL with a host is refused when resolved, naming where it
+    came from (it failed on each request, quoting the object's address built on it), never
+    shown (it may hold a password)."""
+    environ = {"HOME": str(tmp_path), **setting.pop("environ", {})}
+    with pytest.raises(stream_st.CredentialsError) as info:
+        S3Config.resolve(**setting, environ=environ)
+    assert str(info.value) == (
+        f"the S3 endpoint from {origin} is not an http:// or https:// URL with a host"
+    )
+
+
 async def test_s3_missing_object_and_bucket(aws_env: None) -> None:
     with pytest.raises(HTTPNotFoundError) as info:
         await read_all("s3://models/nope.safetensors")

@@ -112,3 +112,28 @@ def test_region_signs_the_requests(bare_env: dict[str, str], tmp_path: Path) -> 
         server.settle()
         signed = [h.get("authorization", "") for _, _, h in server.headers_seen]
         assert signed and all("/eu-west-3/s3/aws4_request" in a for a in signed), signed
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        ("--endpoint-url", "notaurl", "not an http:// or https:// URL with a host"),
+        ("--endpoint-url", "", "empty (an unset variable?)"),
+        ("--profile", "nosuch", "the AWS profile 'nosuch' is in neither"),
+        ("--region", "x@127.0.0.1:9/", "'x@127.0.0.1:9/' is not a region name"),
+        ("--region", "eu west 1", "'eu west 1' is not a region name"),
+    ],
+)
+def test_a_bad_s3_flag_is_refused_once(
+    flag: str, value: str, said: str, bare_env: dict[str, str]
+) -> None:
+    """A bad --endpoint-url, --profile or --region is refused as the command line is parsed,
+    naming the flag, once (they were each source's error, without the flag's name; an empty
+    --endpoint-url was taken as unset, a region holding '@host:port/' sent the signed request
+    to that host)."""
+    env = {**bare_env, **CREDENTIALS, "AWS_SESSION_TOKEN": "TOKEN-SECRET"}
+    status, out, err = _run("inspect", "s3://b/k1", "s3://b/k2", flag, value, env=env)
+    assert status == 2 and out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and f"argument {flag}: {said}" in lines[0], err
+    assert "SECRET" not in err

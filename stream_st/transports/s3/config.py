@@ -29,8 +29,9 @@ before the first request goes out, never a silently unsigned request. So is a ke
 session token holding a line break or another character an HTTP header cannot carry (a token
 wrapped over two lines in a credentials file would send its second line as a header of its
 own): the error names the key and where it came from, never its value. A broken configuration is
-one too: an unknown profile or an unreadable file when the configuration is resolved, a failing
-credential process on first use.
+one too: an unknown profile, an unreadable file, a region that is no region name (it goes into
+AWS's host name) or an endpoint that is no http(s) URL when the configuration is resolved (named
+by where it came from), a failing credential process on first use.
 
 Only the keys come from the chain: the signing (SigV4, below) and the transport are ours.
 
@@ -76,6 +77,35 @@ UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
 
 _BUCKET = re.compile(r"[A-Za-z0-9._-]+")
 """What a bucket name may hold (S3's rules, with the upper case and ``_`` of legacy names)."""
+
+_REGION = re.compile(r"[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?")
+"""What a region name may be, as botocore checks it: it goes into AWS's host name, where an
+``@``, ``:`` or ``/`` would send the signed request (and the session token) to another host."""
+
+
+def region_problem(region: str) -> str | None:
+    """Why ``region`` is no region name (shown: a region is no secret); None when it is one."""
+    if _REGION.fullmatch(region):
+        return None
+    return f"{region!r} is not a region name (letters, digits and inner '-', at most 63)"
+
+
+def endpoint_problem(url: str) -> str | None:
+    """Why ``url`` is no endpoint (not shown: it may hold a password); None when it is one."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # an unclosed [ of an IPv6 address
+        parts = urlsplit("")
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        return "not an http:// or https:// URL with a host"
+    return None
+
+
+def check_profile(profile: str) -> None:
+    """CredentialsError when the AWS profile ``profile`` is in neither AWS file (or a file
+    cannot be read), as :meth:`S3Config.resolve` would find it: for a command line to refuse a
+    named profile once, before any source is read."""
+    _profile(os.environ, profile)
 
 
 def parse_s3_url(
@@ -212,6 +242,12 @@ def _spelling(source: Mapping[str, str], name: str) -> str:
     ``aws_session_token`` (the files')."""
     upper = f"AWS_{name.upper()}"
     return upper if source.get(upper) else f"aws_{name}"
+
+
+def _first(*candidates: tuple[str | None, str]) -> tuple[str | None, str]:
+    """The first of ``candidates`` whose value is set (not empty), as (value, where it came
+    from); (None, "") when none is."""
+    return next(((value, at) for value, at in candidates if value), (None, ""))
 
 
 class Keys(NamedTuple):
@@ -363,19 +399,25 @@ class S3Config:
         named = profile or env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE")
         config, stored = _profile(env, named or "default")
         origins = _GIVEN
-        region = (
-            region
-            or env.get("AWS_REGION")
-            or env.get("AWS_DEFAULT_REGION")
-            or config.values.get("region")
-            or "us-east-1"
+        found, region_at = _first(
+            (region, "region="),
+            (env.get("AWS_REGION"), "AWS_REGION"),
+            (env.get("AWS_DEFAULT_REGION"), "AWS_DEFAULT_REGION"),
+            (config.values.get("region"), f"the region of {config.where}"),
         )
-        custom = (
-            endpoint_url
-            or env.get("AWS_ENDPOINT_URL_S3")
-            or env.get("AWS_ENDPOINT_URL")
-            or config.values.get("endpoint_url")
+        region = found or "us-east-1"
+        custom, custom_at = _first(
+            (endpoint_url, "endpoint_url="),
+            (env.get("AWS_ENDPOINT_URL_S3"), "AWS_ENDPOINT_URL_S3"),
+            (env.get("AWS_ENDPOINT_URL"), "AWS_ENDPOINT_URL"),
+            (config.values.get("endpoint_url"), f"the endpoint_url of {config.where}"),
         )
+        problem = region_problem(region)
+        if problem is not None:
+            raise CredentialsError(f"the AWS region from {region_at}: {problem}")
+        problem = None if custom is None else endpoint_problem(custom)
+        if problem is not None:
+            raise CredentialsError(f"the S3 endpoint from {custom_at} is {problem}")
         if (access_key_id is None) != (secret_access_key is None):
             raise CredentialsError("give both access_key_id and secret_access_key, or neither")
         if anonymous is None:
