@@ -71,6 +71,21 @@ def nonempty_arg(refusal: str) -> Callable[[str], str]:
     return parse
 
 
+def token_arg(text: str) -> str:
+    """A ``serve --token`` argument: a bearer token the server takes, else refused without
+    being shown (``--token "$TOKEN"`` with the variable unset must not serve without one)."""
+    from ..server.app import token_problem  # the server's modules, only when a token is given
+
+    if not text:
+        raise argparse.ArgumentTypeError(
+            "empty (an unset variable?): give the token, or leave --token out"
+        )
+    problem = token_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def header_line(text: str) -> tuple[str, str]:
     """A ``--header 'Name: value'`` argument as (name, value), checked as every request's
     headers are (no line break, a valid name); the value is never shown (it may be a token)."""

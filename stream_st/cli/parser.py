@@ -36,6 +36,7 @@ from .options import (
     profile_arg,
     region_arg,
     size_arg,
+    token_arg,
 )
 from .output import PROG
 
@@ -360,9 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serving.add_argument(
         "--token",
-        type=nonempty_arg("empty (an unset variable?): give the token, or leave --token out"),
-        help="ask every request for 'Authorization: Bearer TOKEN' (else $STREAM_ST_SERVE_TOKEN, "
-        "which keeps it off the command line)",
+        type=token_arg,
+        help="ask every request for 'Authorization: Bearer TOKEN', TOKEN visible ASCII (else "
+        "$STREAM_ST_SERVE_TOKEN, which keeps it off the command line)",
     )
     serving.add_argument(
         "--name", help="serve at /NAME.safetensors (default: the file's or the index's name)"

@@ -27,7 +27,7 @@ from urllib.parse import quote
 
 import anyio
 
-from ..errors import SourceChangedError, TransportError, UsageError
+from ..errors import ArgumentTypeError, SourceChangedError, TransportError, UsageError
 from .conditions import answer
 from .served import ServedObject, SourceFile, Tensors, served_object
 
@@ -61,14 +61,29 @@ of the event loop."""
 _ALLOW = "GET, HEAD"
 
 
+def token_problem(token: str) -> str | None:
+    """Why ``token`` cannot be a bearer token, never showing it; None when it can be one. A
+    token is visible ASCII (letters, digits, punctuation; no space), as RFC 6750's tokens are:
+    a client sends a header's other characters as bytes of its own choosing (Latin-1, UTF-8),
+    which would match the token for one client and not another."""
+    if not token:
+        return "empty"
+    if not all("!" <= character <= "~" for character in token):
+        return "not visible ASCII (letters, digits, punctuation; no space or other character)"
+    return None
+
+
 class _Token:
     """A bearer token, compared in constant time and never shown."""
 
     __slots__ = ("_digest",)
 
     def __init__(self, token: str) -> None:
-        if not isinstance(token, str) or not token or token != token.strip():
-            raise UsageError("token must be a non-empty string without surrounding spaces")
+        if not isinstance(token, str):
+            raise ArgumentTypeError(f"token must be a string, got {type(token).__name__}")
+        problem = token_problem(token)
+        if problem is not None:
+            raise UsageError(f"the bearer token is {problem}")
         self._digest = hashlib.sha256(token.encode()).digest()
 
     def admits(self, authorization: str | None) -> bool:

@@ -340,6 +340,38 @@ async def test_a_bearer_token_is_asked_for_and_never_shown(tmp_path: Path) -> No
             pass
 
 
+@pytest.mark.parametrize("token", ["s3cr\udce9t", "sécret", "two words", "tab\there", " pad"])
+async def test_a_token_is_visible_ascii(tmp_path: Path, token: str) -> None:
+    """A token of other characters is refused, never shown: one not UTF-8 (a byte of a Latin-1
+    secret store, kept by Python as a surrogate) failed with UnicodeEncodeError, and one like
+    'sécret' was never admitted from a client sending it as its header's Latin-1."""
+    path = tmp_path / "model.safetensors"
+    reference_numpy.save_file(tensors(), str(path))
+    with pytest.raises(stream_st.UsageError, match="the bearer token is") as refused:
+        async with stream_st.serving(path, token=token):
+            pass
+    assert token.strip() not in str(refused.value)
+
+
+@pytest.mark.parametrize("given", ["argument", "environment"])
+def test_the_command_refuses_a_token_not_visible_ascii(tmp_path: Path, given: str) -> None:
+    """``--token $'s3cr\\xe9t'`` (or the variable holding it) was an internal error (exit 3)
+    that showed a character of the token."""
+    path = tmp_path / "model.safetensors"
+    reference_numpy.save_file(tensors(), str(path))
+    token = b"s3cr\xe9t"
+    argv = [COMMAND.encode(), b"serve", bytes(path), b"--port", b"0"]
+    env = {os.fsencode(k): os.fsencode(v) for k, v in os.environ.items()}
+    if given == "argument":
+        argv += [b"--token", token]
+    else:
+        env[b"STREAM_ST_SERVE_TOKEN"] = token
+    result = subprocess.run(argv, capture_output=True, timeout=30, env=env)
+    assert (result.returncode, result.stdout) == (2, b""), result.stderr
+    assert b"not visible ASCII" in result.stderr and result.stderr.count(b"\n") == 1
+    assert b"\xe9" not in result.stderr and b"s3cr" not in result.stderr
+
+
 # ---------------------------------------------------------------- errors
 
 
