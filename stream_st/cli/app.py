@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import threading
@@ -17,7 +18,14 @@ import anyio
 
 from ..errors import SafetensorsError
 from ..transports.s3.config import unsigned_requests
-from .exits import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_INTERNAL, EXIT_OK, interrupted
+from .exits import (
+    EXIT_BROKEN_PIPE,
+    EXIT_ERROR,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    SIGNAL_GRACE,
+    interrupted,
+)
 from .options import aws_settings, caps_of
 from .output import PROG, OutputError, discard_output, standard_output, warnings_as_lines
 from .parser import build_parser, complete
@@ -31,11 +39,6 @@ STOPPING_SIGNALS = tuple(
 """Signals that stop the command: cancel what runs (a write in progress is aborted, leaving
 nothing at its destination, unless it reached its commit point: then it finishes, and so may the
 command), then exit with 128 + the signal's number."""
-
-
-_SIGNAL_GRACE = 0.01
-"""Seconds a failed command waits before it reports its error, for a stopping signal delivered
-with the failure to be handled first (the event loop reads signals in its next turns)."""
 
 
 class _Stopped(BaseException):
@@ -75,7 +78,7 @@ async def _run(args: argparse.Namespace) -> int:
             # a write cut short) is the signal's doing: the signal, delivered but maybe not
             # yet handled by the loop, is let in, and reported as for a clean stop.
             with anyio.CancelScope(shield=True):
-                await anyio.sleep(_SIGNAL_GRACE)
+                await anyio.sleep(SIGNAL_GRACE)
             if not received:
                 raise
         finally:
@@ -95,6 +98,10 @@ async def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stream-st`` command; returns the exit status."""
+    if sys.stderr is None:  # started with standard error closed (``2>&-``): its lines are
+        # dropped, not printed into standard output (print's default), and its descriptor is
+        # taken, so that no file the command opens (a copy's destination) is given it
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     try:
         parser = build_parser()
         complete(parser)

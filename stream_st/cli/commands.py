@@ -47,7 +47,7 @@ from ..tools.validate import expected_shapes
 from ..transports.file.sink import PipeSink
 from ..transports.registry import SinkLike
 from .demo import print_report, run_demo
-from .exits import EXIT_DIFFERENT, EXIT_ERROR, EXIT_OK
+from .exits import EXIT_DIFFERENT, EXIT_ERROR, EXIT_OK, SIGNAL_GRACE
 from .options import limits_of, options_of
 from .output import (
     PROG,
@@ -114,6 +114,10 @@ async def _each(args: argparse.Namespace, run: Callable[[str], Awaitable[int]]) 
             try:
                 found = await run(source)
             except SafetensorsError as exc:
+                # A failure that came with a stopping signal (the source ended by the same
+                # hangup) is the signal's doing: a moment for the loop to take the signal in,
+                # which cancels this, and the command reports the signal alone.
+                await anyio.sleep(SIGNAL_GRACE)
                 failed(source, exc)
                 found = EXIT_ERROR
             status = max(status, found)

@@ -13,6 +13,7 @@ __all__ = [
     "EXIT_INTERNAL",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "SIGNAL_GRACE",
     "interrupted",
 ]
 
@@ -33,6 +34,12 @@ EXIT_INTERRUPTED = 130
 
 EXIT_BROKEN_PIPE = 141
 """The reader of the output went away (``| head``): 128 + SIGPIPE's number."""
+
+
+SIGNAL_GRACE = 0.01
+"""Seconds a failure waits before it is reported, for a stopping signal delivered with it (a
+source ended by the same hangup) to be handled first: the event loop reads signals in its next
+turns, and the signal, not the failure it caused, is what the command reports."""
 
 
 def interrupted() -> int:

@@ -1,0 +1,81 @@
+"""The command with its standard streams as a shell may leave them: standard error closed, and
+standard input ended by the hangup that stops it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+import safetensors.numpy as reference_numpy
+
+from ._cli import COMMAND, write_model
+
+
+def _without_stderr(*args: str) -> subprocess.CompletedProcess[bytes]:
+    """The command run with standard error closed (``2>&-``), its standard output captured."""
+    return subprocess.run(
+        [COMMAND, *args],
+        stdout=subprocess.PIPE,
+        preexec_fn=lambda: os.close(2),
+        timeout=120,
+        check=False,
+    )
+
+
+def test_a_copy_with_standard_error_closed_is_made(tmp_path: Path) -> None:
+    source = write_model(tmp_path / "a.safetensors")
+    done = _without_stderr("cp", str(source), str(tmp_path / "b.safetensors"))
+    assert done.returncode == 0
+    assert (tmp_path / "b.safetensors").read_bytes() == source.read_bytes()
+    piped = _without_stderr("cp", str(source), "-")
+    assert piped.returncode == 0
+    assert piped.stdout == source.read_bytes()  # no traceback, no message among the bytes
+
+
+def test_an_error_with_standard_error_closed_stays_out_of_standard_output(tmp_path: Path) -> None:
+    done = _without_stderr("inspect", str(tmp_path / "missing.safetensors"))
+    assert done.returncode == 2
+    assert done.stdout == b""
+
+
+def _feed(stdin: IO[bytes], data: bytes) -> None:
+    """``data`` written to ``stdin`` a MiB at a time, as a slow link brings it."""
+    try:
+        for start in range(0, len(data), 1 << 20):
+            stdin.write(data[start : start + (1 << 20)])
+            stdin.flush()
+            time.sleep(0.01)
+    except (BrokenPipeError, ValueError, OSError):
+        pass
+
+
+def test_a_hangup_that_ends_standard_input_is_reported_as_the_hangup(tmp_path: Path) -> None:
+    """``ssh host stream-st hash --content -`` cut off: SIGHUP and the end of standard input come
+    together; the command reports the signal (129), not the short input it caused (2). The race
+    went to the short input in about 8 runs of 10: three runs."""
+    source = tmp_path / "big.safetensors"
+    reference_numpy.save_file({"big": np.zeros(8 << 20, np.float32)}, str(source))
+    data = source.read_bytes()
+    for _ in range(3):
+        process = subprocess.Popen(
+            [COMMAND, "hash", "--content", "-"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        assert process.stdin is not None and process.stderr is not None
+
+        feeder = threading.Thread(target=_feed, args=(process.stdin, data[: len(data) // 2]))
+        feeder.start()
+        feeder.join()  # half the file sent: the command waits for the rest
+        process.send_signal(signal.SIGHUP)
+        process.stdin.close()  # the hangup ends the input too
+        error = process.stderr.read().decode()
+        assert process.wait(timeout=60) == 128 + signal.SIGHUP, error
+        assert error.strip().splitlines()[-1] == "stream-st: stopped by SIGHUP"
