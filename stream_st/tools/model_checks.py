@@ -17,13 +17,13 @@ import itertools
 import math
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.header import TensorInfo
 from ..core.strict_json import decode_json
-from ..errors import ArgumentTypeError, SafetensorsError, UsageError
+from ..errors import ArgumentTypeError, SafetensorsError, UsageError, boolean
 from .common import plural
 
 if TYPE_CHECKING:
@@ -35,6 +35,8 @@ __all__ = [
     "check_layers",
     "validate_dtype_consistency",
 ]
+
+_T = TypeVar("_T")
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.([0-9]{1,4000})\.")
 """A layer's tensor: ``...layers.N.`` (N in ASCII digits, fewer than Python reads as an int)."""
@@ -209,18 +211,22 @@ class ModelConfig:
     @classmethod
     def from_json(cls, config: Mapping[str, Any], *, source: str = "the config") -> ModelConfig:
         """The configuration a parsed ``config.json`` gives; :class:`~stream_st.UsageError` for
-        a missing or malformed number (not an integer from 1 to :data:`LARGEST`), or one no
-        Llama model has."""
+        a missing or malformed number (not an integer from 1 to :data:`LARGEST`), one no Llama
+        model has, or a ``tie_word_embeddings`` that is not a JSON boolean (``"false"`` would
+        be true)."""
         if not isinstance(config, Mapping):
             raise UsageError(f"{source} must be a JSON object")
 
-        def number(key: str, default: int | None = None) -> int:
+        def typed(check: Callable[[str, object], _T], key: str, default: object) -> _T:
             value = config.get(key)
             value = default if value is None else value
             try:
-                return _count(f"{source}: {key}", value)
+                return check(f"{source}: {key}", value)
             except ArgumentTypeError as exc:  # a wrong type in a file: the file's error
                 raise UsageError(str(exc)) from None
+
+        def number(key: str, default: int | None = None) -> int:
+            return typed(_count, key, default)
 
         heads = number("num_attention_heads")
         found = cls(
@@ -230,7 +236,7 @@ class ModelConfig:
             num_key_value_heads=number("num_key_value_heads", heads),
             intermediate_size=number("intermediate_size"),
             vocab_size=number("vocab_size"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=typed(boolean, "tie_word_embeddings", False),
             dtype=_TORCH_DTYPES.get(str(config.get("torch_dtype", config.get("dtype")))),
         )
         head_dim = config.get("head_dim")

@@ -477,6 +477,9 @@ async def test_tied_heads_unknown_tensors_and_dtypes_are_warnings(tmp_path: Path
         ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer"),
         ({"num_key_value_heads": 3}, "not a Llama configuration"),
         ({"head_dim": 8}, "head_dim 8 is not hidden_size / num_attention_heads"),
+        # "false" was read as true (bool of a non-empty string): a JSON boolean or nothing
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be True or False"),
+        ({"tie_word_embeddings": 0}, "tie_word_embeddings must be True or False"),
     ],
 )
 def test_a_config_no_llama_model_has_is_refused(changes: dict[str, Any], message: str) -> None:
