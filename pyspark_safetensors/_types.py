@@ -39,6 +39,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
+from stream_st.core.shards import MANIFEST_DTYPES as SEED_DTYPES
 from stream_st.errors import UsageError
 
 __all__ = [
@@ -52,10 +53,6 @@ __all__ = [
     "type_text",
     "without_nulls",
 ]
-
-SEED_DTYPES = ("F16", "F32", "F64", "BF16", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
-"""The dtypes the dataset layout's manifest schema allows (``BOOL`` and the 8-bit floats are
-not among them)."""
 
 TENSOR_STRUCT = StructType(
     [

@@ -31,6 +31,7 @@ __all__ = [
     "FORMAT_VERSION",
     "INDEX_NAME",
     "INDEX_SUFFIX",
+    "MANIFEST_DTYPES",
     "MANIFEST_NAME",
     "SAFETENSORS_VERSION",
     "SHARD_NAME",
@@ -173,6 +174,13 @@ SAFETENSORS_VERSION = "1.0"
 
 
 INDEX_NAME = "_tensor_index.parquet"
+
+
+MANIFEST_DTYPES = (
+    "F16", "F32", "F64", "BF16", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"
+)  # fmt: skip
+"""The dtypes the dataset layout's manifest schema allows (``BOOL`` and the 8-bit floats are
+not among them): the only ones a dataset's columns may have."""
 
 
 SHARD_NAME = re.compile(r"part-(\d{5,})-(\d{4,})-[^/]+\.safetensors")

@@ -56,13 +56,16 @@ from ..core.dtypes import dtype_for, wire_bytes
 from ..core.layout import TensorSpec, build_header
 from ..core.shards import (
     INDEX_NAME,
+    MANIFEST_DTYPES,
     MANIFEST_NAME,
+    SHARD_NAME,
     ShardEntry,
     manifest_document,
     shard_file_name,
 )
 from ..errors import (
     ArgumentTypeError,
+    DtypeError,
     SafetensorsError,
     TransportError,
     UnsupportedSinkError,
@@ -77,8 +80,10 @@ from ..transports.file.sink import FileSink
 __all__ = [
     "DatasetWriter",
     "ShardedWriter",
+    "missing_folders",
     "open_dataset_writer",
     "open_sharded_writer",
+    "remove_new_folders",
     "tensor_index_table",
 ]
 
@@ -242,7 +247,7 @@ class _RollingWriter(AsyncClosing):
         digests = digests_for(checksums)
         self._algorithm = None if digests is None else digests.algorithm
         self.directory = _local_folder(directory)
-        self._new_folders = _missing_folders(self.directory)  # removed again by abort()
+        self._new_folders = missing_folders(self.directory)  # removed again by abort()
         self.target_size = target_size
         self._tag = uuid.uuid4().hex[:8]  # in the held names (_held_name)
         self._current: _Shard | None = None
@@ -369,6 +374,19 @@ class _RollingWriter(AsyncClosing):
     def _after_commit(self) -> None:
         """A hook run once the index is in place."""
 
+    def _remove_unlisted(self, ours: re.Pattern[str]) -> None:
+        """Remove the files of the directory whose names ``ours`` matches (an earlier write's
+        shards) that the new index, in place, does not name."""
+        kept = {name for name, *_ in self._sealed}
+        try:
+            entries = list(os.scandir(self.directory))
+        except OSError:
+            return
+        for entry in entries:
+            if ours.fullmatch(entry.name) and entry.name not in kept and not entry.is_dir():
+                with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+                    os.unlink(entry.path)
+
     async def aclose(self) -> None:
         """Seal the last shard, write the index (or manifest) whole, then commit, shielded from
         cancellation: every file linked in under its held name, then the shards renamed to
@@ -421,13 +439,7 @@ class _RollingWriter(AsyncClosing):
                 (self.directory / name).unlink(missing_ok=True)
         self._sealed.clear()
         self._let_go()
-        for folder in self._new_folders:  # the deepest first; one not empty stays, with those above
-            try:
-                folder.rmdir()
-            except FileNotFoundError:
-                continue
-            except OSError:
-                break
+        remove_new_folders(self._new_folders)
 
     async def _abandon(self, cause: BaseException) -> None:
         await self.abort()
@@ -502,16 +514,9 @@ class ShardedWriter(_RollingWriter):
         """Remove the shards of an earlier checkpoint of this prefix that the new index does not
         name, as transformers' ``save_pretrained`` does: a loader takes ``{prefix}.safetensors``
         before the index, so a stale one would be loaded in place of the new checkpoint."""
-        kept = {name for name, *_ in self._sealed}
-        ours = re.compile(rf"{re.escape(self.prefix)}(-\d{{5}}-of-\d{{5}})?\.safetensors")
-        try:
-            entries = list(os.scandir(self.directory))
-        except OSError:
-            return
-        for entry in entries:
-            if ours.fullmatch(entry.name) and entry.name not in kept and not entry.is_dir():
-                with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
-                    os.unlink(entry.path)
+        self._remove_unlisted(
+            re.compile(rf"{re.escape(self.prefix)}(-\d{{5}}-of-\d{{5}})?\.safetensors")
+        )
 
     def _index(self) -> tuple[str, dict[str, Any]]:
         weight_map = {
@@ -545,6 +550,9 @@ class DatasetWriter(_RollingWriter):
         self.generate_index = generate_index
         self._uuid = str(uuid.uuid4())
         self._schema: dict[str, dict[str, Any]] = {}
+        self._columns: frozenset[str] | None = None  # the first group's (see _check_columns)
+        self._batches = False  # a group taken was surely a batch: its rows were checked
+        self._kv_rows = False  # a group of other columns than the first was taken
 
     async def write_batch(self, tensors: Mapping[str, Any], samples: int) -> None:
         """Add a group of tensors holding ``samples`` samples; the group stays in one shard.
@@ -552,8 +560,11 @@ class DatasetWriter(_RollingWriter):
         Batch mode: every column is ``[samples, *sample_shape]``; a column of another number of
         rows, or of no dimension at all, is a :class:`UsageError` naming it, and nothing of the
         group is written (the manifest would count samples its shard does not hold); so is a
-        group of no tensor but some samples. Arrays are taken as :func:`~stream_st.save` takes
-        them (torch tensors of any dtype included). A group
+        group of no tensor but some samples, and a batch whose columns are not those of the
+        dataset's first (:meth:`_check_columns`). Arrays are taken as :func:`~stream_st.save`
+        takes them (torch tensors included), of a dtype the manifest's schema can record
+        (:data:`~stream_st.core.shards.MANIFEST_DTYPES`: not ``BOOL`` nor an 8-bit float, a
+        :class:`DtypeError`). A group
         whose ``samples`` is 1, or its number of tensors, may instead be KV-mode rows (the
         tensors ``{name}{separator}{column}`` of one name, or one tensor a sample, as the Spark
         writer counts them), each a value of any shape: it is taken as it is.
@@ -572,16 +583,60 @@ class DatasetWriter(_RollingWriter):
                 f"write_batch: a batch of {samples} samples holds no tensor (a shard would count "
                 "samples it does not hold); nothing was written"
             )
-        if samples not in (1, len(arrays)):  # else maybe KV rows: their shapes are free
+        for name, array in arrays.items():
+            code = dtype_for(array.dtype).code  # refuses dtypes safetensors cannot carry
+            if code not in MANIFEST_DTYPES:
+                raise DtypeError(
+                    f"write_batch: column {name!r} is {code}, a dtype the dataset manifest's "
+                    f"schema cannot record (it allows {', '.join(MANIFEST_DTYPES)}): cast it "
+                    "(BOOL to U8, as the Spark writer writes booleans); nothing of the batch was "
+                    "written"
+                )
+        batch = samples not in (1, len(arrays))  # else maybe KV rows: their shapes are free
+        if batch:
             _check_rows(arrays, samples)
+        self._check_columns(arrays, samples, batch)
         await self._add_group(arrays, samples)  # checks every column before writing any
-        for name, array in arrays.items():  # only a batch taken is recorded
+        if arrays:  # only a batch taken is recorded
+            if self._columns is None:
+                self._columns = frozenset(arrays)
+            self._kv_rows |= self._columns != set(arrays)
+            self._batches |= batch
+        for name, array in arrays.items():
             self._schema.setdefault(
                 name, {"dtype": dtype_for(array.dtype).code, "shape": list(array.shape)}
             )
 
+    def _check_columns(self, arrays: Mapping[str, Array], samples: int, batch: bool) -> None:
+        """:class:`UsageError` where a group of ``samples`` samples (``batch``: surely a batch,
+        its rows checked) would mix batch mode with other columns: a batch whose columns are
+        not those of the dataset's first group, a group of other columns once a batch was
+        taken, or a batch after KV-mode rows (groups of other tensors). Readers take shards of
+        other tensors for KV-mode rows, and a shard would hold, and its manifest entry count,
+        samples of two batches."""
+        if not arrays or self._columns is None or not (batch or self._batches):
+            return
+        names = sorted(arrays)
+        if self._kv_rows:
+            raise UsageError(
+                f"write_batch: a batch of {samples} samples of {names} after KV-mode rows "
+                "(groups of other tensors): a dataset holds batches of the same columns, or KV "
+                "rows; nothing of the batch was written"
+            )
+        if self._columns != set(arrays):
+            raise UsageError(
+                f"write_batch: the batch's columns {names} are not the dataset's "
+                f"{sorted(self._columns)}: every batch holds the same columns (readers take "
+                "shards of other columns for KV-mode rows); nothing of the batch was written"
+            )
+
     def _shard_name(self, index: int) -> str:
         return shard_file_name(self.task_id, index, self._uuid)
+
+    def _after_commit(self) -> None:
+        """Remove the shards (``part-*.safetensors``) the new manifest does not list, an earlier
+        dataset's, as the Spark writer's overwrite removes them."""
+        self._remove_unlisted(SHARD_NAME)
 
     async def _nothing_written(self) -> None:
         """The layout's manifest lists at least one shard: an empty dataset is one shard of no
@@ -654,15 +709,27 @@ def _check_rows(arrays: Mapping[str, Array], samples: int) -> None:
             )
 
 
-def _missing_folders(directory: Path) -> list[Path]:
+def missing_folders(directory: Path) -> list[Path]:
     """``directory`` and those above it that do not exist yet, the deepest first: what a writer
-    makes, and takes away again if its write fails."""
+    makes, and takes away again if its write fails (:func:`remove_new_folders`)."""
     missing = []
     for folder in (directory, *directory.parents):
         if folder.exists():
             break
         missing.append(folder)
     return missing
+
+
+def remove_new_folders(folders: Sequence[Path]) -> None:
+    """Remove ``folders`` (:func:`missing_folders`, the deepest first) where a failed write left
+    them empty: one not empty stays, with those above it."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:
+            break
 
 
 _HELD = re.compile(r"\.\.?[0-9a-f]{8}\.partial\..+")
@@ -781,8 +848,9 @@ def open_dataset_writer(
 ) -> DatasetWriter:
     """Write a dataset into ``directory``: ``write_batch({name: array}, samples)`` per group, shards
     rolled over at ``target_shard_size`` bytes of data, or when a group repeats a name of the
-    current shard (batch mode: one batch of every column per shard), then
-    ``dataset_manifest.json``. ``checksums`` as for :func:`open_sharded_writer`.
+    current shard (batch mode: one batch of every column per shard, every batch of the same
+    columns), then ``dataset_manifest.json``; the shards of an earlier dataset there that it
+    does not list are removed then. ``checksums`` as for :func:`open_sharded_writer`.
     ``generate_index=True`` also writes ``_tensor_index.parquet`` (a row per tensor: key, shard,
     shape, dtype), as the Spark writer's option of that name does; it needs pyarrow."""
     return DatasetWriter(

@@ -12,11 +12,13 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
+from stream_st.core.shards import MANIFEST_DTYPES
 from stream_st.integrations.dataset import describe_dataset
 from stream_st.sharded.writer import open_dataset_writer, open_sharded_writer
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 MB = 1_000_000
+LAYOUT = "uses/dataset_manifest.schema.json"
 
 
 def tensors(count: int, size: int = MB) -> Arrays:
@@ -58,6 +60,7 @@ async def test_single_shard_is_model_safetensors(tmp_path: Path) -> None:
 
 
 async def test_dataset_shards_and_manifest(tmp_path: Path) -> None:
+    """KV-mode rows (a name's tensors, one sample a group) roll over at the target size."""
     async with open_dataset_writer(tmp_path, target_shard_size=2_100_000, task_id=3) as w:
         for batch in range(5):
             await w.write_batch(
@@ -65,19 +68,19 @@ async def test_dataset_shards_and_manifest(tmp_path: Path) -> None:
                     f"batch{batch}.image": np.full((10, 25_000), batch, dtype=np.float32),
                     f"batch{batch}.label": np.arange(10, dtype=np.int64),
                 },
-                samples=10,
+                samples=1,
             )
     manifest = json.loads((tmp_path / "dataset_manifest.json").read_text())
     assert manifest["format_version"] == "1.0"
-    assert manifest["total_samples"] == 50
+    assert manifest["total_samples"] == 5
     shards = manifest["shards"]
-    assert len(shards) == 3  # 1 MB per batch: two batches per 2 MB shard
+    assert len(shards) == 3  # 1 MB per row: two rows per 2 MB shard
     for index, shard in enumerate(shards):
         assert re.fullmatch(
             rf"part-00003-{index:04d}-[0-9a-f-]{{36}}\.safetensors", shard["shard_path"]
         )
         assert shard["bytes"] == (tmp_path / shard["shard_path"]).stat().st_size
-    assert [s["samples_count"] for s in shards] == [20, 20, 10]
+    assert [s["samples_count"] for s in shards] == [2, 2, 1]
     assert manifest["total_bytes"] == sum(s["bytes"] for s in shards)
     assert manifest["schema"]["batch0.image"] == {"dtype": "F32", "shape": [10, 25000]}
     got = await read_all(tmp_path / "dataset_manifest.json", include=["batch4.label"])
@@ -196,15 +199,40 @@ async def test_writers_take_arrays_as_save_does(tmp_path: Path) -> None:
             await w.write(name, value)
         with pytest.raises(stream_st.UsageError, match="'ragged'"):
             await w.write("ragged", [[1, 2], [3]])
+    columns = {name: value for name, value in given.items() if name != "f8"}  # see below
     async with open_dataset_writer(tmp_path / "data", target_shard_size=MB) as d:
-        await d.write_batch(given, samples=2)
+        await d.write_batch(columns, samples=2)
         with pytest.raises(stream_st.UsageError, match="'ragged'"):
             await d.write_batch({"ragged": [[1, 2], [3]]}, samples=2)
-    for index in ("ckpt/model.safetensors.index.json", "data/dataset_manifest.json"):
+    for index, written in (
+        ("ckpt/model.safetensors.index.json", given),
+        ("data/dataset_manifest.json", columns),
+    ):
         got: dict[str, Any] = await read_all(tmp_path / index, framework="pt")
-        for name, value in given.items():
+        for name, value in written.items():
             assert got[name].dtype == value.dtype
             assert torch.equal(got[name].float(), value.detach().float())
+
+
+async def test_the_dataset_writer_refuses_dtypes_its_manifest_cannot_record(
+    tmp_path: Path,
+) -> None:
+    """BOOL and F8 columns were recorded in dataset_manifest.json's schema, whose dtypes the
+    layout's manifest schema (``tests/uses/dataset_manifest.schema.json``) does not allow."""
+    torch = pytest.importorskip("torch")
+    layout = json.loads(Path(__file__).parents[1].joinpath(LAYOUT).read_text())
+    entry = layout["properties"]["schema"]["additionalProperties"]
+    assert list(MANIFEST_DTYPES) == entry["properties"]["dtype"]["enum"]
+    async with open_dataset_writer(tmp_path) as d:
+        for code, value in (
+            ("BOOL", np.ones((2, 3), bool)),
+            ("F8_E4M3", torch.ones(2, 3).to(torch.float8_e4m3fn)),
+        ):
+            with pytest.raises(stream_st.DtypeError, match=rf"'{code}' is {code}.*U8"):
+                await d.write_batch({"x": np.zeros(2, np.uint8), code: value}, samples=2)
+        await d.write_batch({"x": np.ones(2, np.uint8)}, samples=2)
+    manifest = json.loads((tmp_path / "dataset_manifest.json").read_text())
+    assert manifest["schema"] == {"x": {"dtype": "U8", "shape": [2]}}
 
 
 async def test_a_refused_batch_records_nothing_in_the_schema(tmp_path: Path) -> None:
@@ -221,3 +249,42 @@ async def test_a_refused_batch_records_nothing_in_the_schema(tmp_path: Path) -> 
     manifest = json.loads((tmp_path / "dataset_manifest.json").read_text())
     assert manifest["schema"] == {"b": {"dtype": "I64", "shape": [2]}}
     assert manifest["total_samples"] == 2
+
+
+async def test_every_batch_of_a_dataset_holds_the_same_columns(tmp_path: Path) -> None:
+    """A batch of other columns joined the shard of the one before: the manifest counted 8
+    samples in a shard of 4 rows. It is refused, as a batch after KV rows and KV rows after a
+    batch are; nothing of it is written and the writer goes on."""
+    async with open_dataset_writer(tmp_path / "batches") as d:
+        await d.write_batch({"image": np.zeros((4, 2), np.float32)}, 4)
+        for other, samples in (({"label": np.arange(4)}, 4), ({"label": np.arange(1)}, 1)):
+            with pytest.raises(
+                stream_st.UsageError, match=r"columns \['label'\] are not .*'image'"
+            ):
+                await d.write_batch(other, samples)
+        await d.write_batch({"image": np.ones((3, 2), np.float32)}, 3)
+    manifest = json.loads((tmp_path / "batches" / "dataset_manifest.json").read_text())
+    assert [s["samples_count"] for s in manifest["shards"]] == [4, 3]
+    assert list(manifest["schema"]) == ["image"]
+    async with open_dataset_writer(tmp_path / "kv") as d:
+        await d.write_batch({"a__x": np.zeros(3)}, 1)
+        await d.write_batch({"b__x": np.zeros(2)}, 1)  # KV rows: a name's tensors a group
+        with pytest.raises(stream_st.UsageError, match="after KV-mode rows"):
+            await d.write_batch({"a__x": np.zeros((4, 3))}, 4)
+    manifest = json.loads((tmp_path / "kv" / "dataset_manifest.json").read_text())
+    assert manifest["total_samples"] == 2
+
+
+async def test_a_dataset_written_again_leaves_no_earlier_shard(tmp_path: Path) -> None:
+    """The earlier dataset's shards stayed beside the new manifest; other files stay."""
+    (tmp_path / "notes.txt").write_text("kept")
+    for rows in (3, 5):
+        async with open_dataset_writer(tmp_path, target_shard_size=1) as d:
+            for _ in range(rows - 2):
+                await d.write_batch({"x": np.arange(rows)}, rows)
+    manifest = json.loads((tmp_path / "dataset_manifest.json").read_text())
+    listed = [s["shard_path"] for s in manifest["shards"]]
+    assert len(listed) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*listed, "dataset_manifest.json", "notes.txt"]
+    )

@@ -114,7 +114,7 @@ async def test_kv_rows_and_batches_that_agree_are_still_written(tmp_path: Path) 
         ([({"x": np.zeros(3), "y": np.zeros(2)}, 1)], r"tensor 'y' holds 2 rows, 'x' 3"),
         ([({"x": np.float32(3)}, 1)], r"tensor 'x' of .*part-00000-0000-.* is 0-d"),
         (
-            [({"x": np.zeros(3)}, 3), ({"y": np.zeros(3)}, 3)],
+            [({"x": np.zeros(3)}, 1), ({"y": np.zeros(3)}, 1)],  # KV rows
             r"column 'y' of the manifest's schema is not in .*part-00000-0000-",
         ),
     ],
@@ -131,7 +131,7 @@ def test_the_torch_dataset_says_why_shards_are_not_batch_mode(
 
 
 def test_shards_holding_other_tensors_and_no_shard_are_named(tmp_path: Path) -> None:
-    write(tmp_path / "two", ({"x": np.zeros(3)}, 3), ({"y": np.zeros(3)}, 3))
+    write(tmp_path / "two", ({"x": np.zeros(3)}, 1), ({"y": np.zeros(3)}, 1))  # KV rows
     (tmp_path / "two" / "dataset_manifest.json").unlink()  # a directory of shards alone
     with pytest.raises(stream_st.UsageError, match=r"tensor 'y' of .*-0001-.* is not in .*-0000-"):
         SafetensorsDataset(tmp_path / "two")
