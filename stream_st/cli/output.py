@@ -419,13 +419,13 @@ def show_values(args: argparse.Namespace, info: TensorInfo, array: np.ndarray[An
         )
     elif packed:
         print(
-            f"{args.name}: {code} {shape}, packed: {array.size} raw bytes, not values (four "
+            f"{shown(args.name)}: {code} {shape}, packed: {array.size} raw bytes, not values (four "
             "6-bit values in three bytes, in an order safetensors leaves open)"
         )
         print(np.array2string(array, threshold=200, edgeitems=3, formatter={"int": _hex}))
     else:
         decoded = f"F4 {shape} (float4_e2m1fn values, two a byte)" if code == "F4" else None
-        print(f"{args.name}: {decoded or f'{array.dtype} {shape}'}")
+        print(f"{shown(args.name)}: {decoded or f'{array.dtype} {shape}'}")
         print(np.array2string(np.asarray(values), threshold=200, edgeitems=3))
 
 

@@ -45,6 +45,22 @@ def test_names_from_a_file_reach_the_terminal_escaped(
     assert "esc\\x1b[31mRED" in out
 
 
+def test_show_prints_the_name_escaped(
+    hostile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``show``'s first line gave the name as the command line had it, raw: a newline forged a
+    line, an escape sequence reached the terminal (a packed tensor's line too)."""
+    name = ESCAPE + "\nvalid: ok"
+    header = json.dumps({name: {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [0, 3]}})
+    packed = tmp_path / "packed.safetensors"
+    packed.write_bytes(len(header).to_bytes(8, "little") + header.encode() + b"abc")
+    for path, shown in ((hostile, FORGED), (hostile, ESCAPE), (packed, name)):
+        assert main(["show", str(path), shown]) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and "\x07" not in out and "\nvalid: " not in out, out
+        assert out.startswith(shown.encode("unicode_escape").decode() + ": "), out
+
+
 def test_show_json_gives_the_shape_of_the_slice(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
