@@ -9,16 +9,19 @@ calls); each reads the header itself, then:
   ``slices=`` (name -> ``(dim, part, parts)``, or a function of the name giving that or None:
   this rank wants part ``part`` of ``parts`` of the tensor along ``dim``, split as
   ``numpy.array_split`` / ``torch.tensor_split`` split it) are resolved against the header and
-  gathered, so every rank computes the same plan (:func:`plan_exchange`).
+  gathered, with whether the rank checks digests, so every rank computes the same plan
+  (:func:`plan_exchange`).
 * **Who reads what.** A tensor every rank wants whole is *shared*: its bytes are cut into
   stripes, contiguous runs of at most :data:`STRIPE_BYTES` (fewer for small files, so every rank
   gets some), dealt to the ranks in turn, balanced by bytes; each stripe's owner reads it from
   the source and broadcasts it. A tensor one rank only wants whole is read by that rank alone,
   nothing exchanged. A slice that is contiguous in the file (``dim`` 0, or every dimension before
-  ``dim`` of size 1) is read by its rank alone, its bytes only. A tensor that several (but not
-  all) ranks want whole, or that some rank wants a non-contiguous slice of, is read whole by its
-  stripe's owner and sent point to point: the whole tensor to those who want it whole, each
-  slice to the rank that wants it (a scatter of unequal parts), never the whole tensor to them.
+  ``dim`` of size 1) is read by its rank alone, its bytes only, unless that rank checks digests
+  (a part cannot be checked). A tensor that several (but not all) ranks want whole, or that some
+  rank wants any other slice of, is read whole by its stripe's owner and sent point to point:
+  the whole tensor to those who want it whole, each slice to the rank that wants it (a scatter
+  of unequal parts), never the whole tensor to them. The owner checks the whole tensor against
+  its digest before cutting or sending it, if any rank it cuts a slice for checks digests.
 * **Pipelined, in offset order.** Each rank reads its own stripes ahead (at most
   :data:`READ_AHEAD_BYTES`) while it waits for the group to exchange earlier ones; at most
   :data:`WINDOW_STRIPES` stripes are in flight at once, and tensors are handed out in the
@@ -334,14 +337,17 @@ class DistributedStream(TensorStream):
             except Exception as exc:  # include= and slices= may be the caller's functions
                 failure = Failure.of(exc)
         caps = (self._caps.tensor, self._caps.total)
-        everyone = await group.gather((digest, wants, caps), failure)
+        everyone = await group.gather((digest, wants, caps, digests is not None), failure)
         _check_same([each[::-1] for each in everyone], "not the same file")
         assert stream is not None
         self._check_caps(stream, [(each[1], Caps(*each[2])) for each in everyone])
         if self._unique_names and self._index_address is not None:
             self._claim_names(stream.header, shard, [each[1] for each in everyone])
-        plan = self.plan = plan_exchange(stream.header.tensors, [each[1] for each in everyone])
-        file = FileExchange(group, stream, wants, self._delivery, digests)
+        checked = [each[3] for each in everyone]
+        plan = self.plan = plan_exchange(
+            stream.header.tensors, [each[1] for each in everyone], checked=checked
+        )
+        file = FileExchange(group, stream, wants, self._delivery, digests, checked)
         async with contextlib.aclosing(file.run(plan)) as items:
             async for item in items:
                 yield item

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import math
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,7 +172,9 @@ SCRATCH: Slice = (-1, -1, -1)
 
 class FileExchange:
     """The group's read of one safetensors file, open on this rank as ``stream``; each
-    tensor handed out whole is checked against ``digests``, if given (its header's)."""
+    tensor handed out whole is checked against ``digests``, if given (its header's, this rank
+    checking them). ``checking[r]``: rank ``r`` checks digests, so a tensor this rank owns and
+    cuts a slice of for it is checked here before any of it is cut or sent."""
 
     def __init__(
         self,
@@ -181,6 +183,7 @@ class FileExchange:
         wants: dict[int, Slice | None],
         delivery: Delivery,
         digests: Digests | None,
+        checking: Sequence[bool],
     ) -> None:
         self.group = group
         self.stream = stream
@@ -189,6 +192,9 @@ class FileExchange:
         self.wants = wants
         self.delivery = delivery
         self.digests = digests
+        self.checks = digests is not None  # this rank checks what it hands out whole
+        self.checking = checking
+        self.checked: set[int] = set()  # tensors checked whole before they were cut or sent
         self.buffers: dict[tuple[int, Slice | None], np.ndarray[Any, Any]] = {}
         self.placed: set[int] = set()
         self.pieces: dict[int, list[tuple[int, int, int]]] = {}  # tensor -> (lo, hi, reader)
@@ -316,6 +322,7 @@ class FileExchange:
                         for item in await self.complete(pending, reader):
                             yield item
                     await reader.until(own)
+                    await self.check_cut(stripe)
                 transfers = self.prepare(stripe)
                 await reader.during(group.agree)
                 await self.issue(transfers, stripe.owner)  # no await between: both or neither
@@ -331,6 +338,19 @@ class FileExchange:
             for item in await self.complete(pending, reader):
                 yield item
         await group.agree()
+
+    async def check_cut(self, stripe: Stripe) -> None:
+        """Check each tensor of ``stripe`` (owned and read here) that this rank cuts a slice of
+        for a rank that checks digests (a slice has no digest of its own), before anything is
+        cut or sent: a mismatch fails the group at the stripe's gate. This rank reads the
+        header's digests for it even if it does not check its own tensors."""
+        for piece in stripe.pieces:
+            if any(part is not None and self.checking[r] for r, part in piece.targets):
+                if self.digests is None:
+                    self.digests = Digests.from_header(self.header)
+                if self.digests is not None:
+                    await self.check(piece.index, self.own_bytes(piece.index))
+                    self.checked.add(piece.index)
 
     def prepare(self, stripe: Stripe) -> list[_Transfer]:
         """The collectives that move ``stripe``'s bytes, their memory found (before the gate:
@@ -482,7 +502,7 @@ class FileExchange:
                 del self.buffers[(index, wanted)]
             shape = info.array_shape if wanted is None else slice_shape(info, wanted)
             array = raw.view(info.array_dtype).reshape(shape)
-            if self.digests is not None and wanted is None:
+            if self.checks and wanted is None and index not in self.checked:
                 await self.check(index, raw)
             if wanted is None:
                 value = self.delivery.deliver(info, array, index in self.placed)

@@ -138,10 +138,14 @@ def plan_exchange(
     tensors: Sequence[TensorInfo],
     wants: Sequence[Mapping[int, Slice | None]],
     stripe: int | None = None,
+    checked: Sequence[bool] | None = None,
 ) -> Plan:
     """The plan for ``tensors`` (in offset order) when rank ``r`` wants ``wants[r]``: tensor
-    index -> None (the whole tensor) or a slice. ``stripe`` overrides :func:`stripe_size`."""
+    index -> None (the whole tensor) or a slice. ``stripe`` overrides :func:`stripe_size`.
+    ``checked[r]``: rank ``r`` checks digests, so its slices, contiguous ones too, are cut by an
+    owner that reads (and checks) the whole tensor, never read alone (a part has no digest)."""
     world = len(wants)
+    checked = checked or [False] * world
     direct: list[list[tuple[int, Slice | None]]] = [[] for _ in range(world)]
     shared: list[tuple[int, tuple[tuple[int, Slice | None], ...] | None]] = []
     for index, info in enumerate(tensors):
@@ -151,10 +155,10 @@ def plan_exchange(
         whole = [rank for rank, wanted in asking if wanted is None]
         apart = [(rank, wanted) for rank, wanted in asking if wanted is not None]
         scattered: list[tuple[int, Slice | None]] = [
-            (r, w) for r, w in apart if contiguous_span(info, w) is None
+            (r, w) for r, w in apart if checked[r] or contiguous_span(info, w) is None
         ]
         for rank, wanted in apart:
-            if contiguous_span(info, wanted) is not None or info.nbytes == 0:
+            if (rank, wanted) not in scattered or info.nbytes == 0:
                 direct[rank].append((index, wanted))
         if info.nbytes == 0:  # nothing to exchange: everyone makes its own empty tensor
             for rank in whole:

@@ -79,3 +79,15 @@ def test_slice_bounds_and_checks() -> None:
     for bad in [(2, 0, 2), (0, 2, 2), (0, 0, 0), [0, 0, 2], (0, 0)]:
         with pytest.raises(UsageError):
             check_slice(info, bad)
+
+
+def test_slices_of_a_rank_that_checks_digests_are_cut_by_an_owner() -> None:
+    """A part has no digest: a rank that checks digests gets even a contiguous slice cut from
+    the whole tensor by its owner (who checks it first); a rank that does not reads it alone."""
+    tensors = table((8, 6))
+    wants = [{0: (0, 0, 2)}, {0: (0, 1, 2)}]
+    plan = plan_exchange(tensors, wants, checked=[False, True])
+    assert plan.direct == [[(0, (0, 0, 2))], []]
+    [stripe] = plan.stripes
+    assert [(p.lo, p.hi, p.targets) for p in stripe.pieces] == [(0, 192, ((1, (0, 1, 2)),))]
+    assert plan_exchange(tensors, wants).stripes == []
