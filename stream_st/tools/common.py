@@ -106,17 +106,25 @@ def naming(source: SourceLike) -> Iterator[None]:
 
 @asynccontextmanager
 async def opened(
-    source: SourceLike, clock: Clock, *, include: Include = None, verify: bool = True
+    source: SourceLike,
+    clock: Clock,
+    *,
+    include: Include = None,
+    verify: bool = True,
+    unknown_dtypes: UnknownDtypes = "refuse",
 ) -> AsyncIterator[tuple[TensorStream, list[Header]]]:
     """The source opened once, with its headers: a stream may not be readable twice.
-    ``verify=False`` leaves a checksummed file's digests unchecked (the caller checks them).
-    An error reading the headers names the source (see :func:`naming`)."""
-    stream = stream_for(source, include=include, clock=clock, verify=verify)
+    ``verify=False`` leaves a checksummed file's digests unchecked (the caller checks them);
+    ``unknown_dtypes`` as for :func:`headers_of`. An error reading the headers names the source
+    (see :func:`naming`)."""
+    stream = stream_for(
+        source, include=include, clock=clock, verify=verify, unknown_dtypes=unknown_dtypes
+    )
     async with AsyncExitStack() as stack:
         with naming(source):
             await stack.enter_async_context(stream)
             if isinstance(stream, ShardedStream):  # every shard's header, up front
-                headers = await headers_of(source, clock)
+                headers = await headers_of(source, clock, unknown_dtypes=unknown_dtypes)
             else:
                 headers = [stream.header]
         yield stream, headers

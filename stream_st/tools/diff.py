@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Unpack
 
 from .._util import task_group
-from ..core.header import Header, TensorInfo
+from ..core.header import Header, TensorInfo, UnknownDtypes
 from ..reader import TensorStream
 from ..transports.options import TransportOptions
 from ..transports.registry import SourceLike
@@ -77,10 +78,13 @@ async def diff(
     are those of names held once, by name.)"""
     clock = command_clock(options)
     compared: set[str] = set()  # filled once both headers are known, before any data is read
-    async with (
-        opened(a, clock, include=compared.__contains__) as (stream_a, headers_a),
-        opened(b, clock, include=compared.__contains__) as (stream_b, headers_b),
-    ):
+    # the headers alone take a dtype stream_st cannot read (I4), as inspect does
+    unknown: UnknownDtypes = "refuse" if content else "keep"
+
+    def side(source: SourceLike) -> AbstractAsyncContextManager[tuple[TensorStream, list[Header]]]:
+        return opened(source, clock, include=compared.__contains__, unknown_dtypes=unknown)
+
+    async with side(a) as (stream_a, headers_a), side(b) as (stream_b, headers_b):
         result, common = _compare(headers_a, headers_b)
         if content:
             compared.update(name for name, _ in common)

@@ -124,6 +124,27 @@ def test_header_only_commands(packed: Path, capsys: pytest.CaptureFixture[str]) 
     assert [t["dtype"] for t in tensors] == ["F32", "I4", "I2"]
 
 
+def test_diff_of_the_headers_keeps_them(
+    packed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Plain ``diff`` reads the headers alone, and refused a packed dtype inspect, ls and hash
+    accept ("only header-only reads accept it"); ``--content`` reads the data, and refuses it."""
+    wider = tmp_path / "wider.safetensors"
+    header = {
+        **HEADER,
+        "q4": {"dtype": "I4", "shape": [4, 16], "data_offsets": [24, 56]},
+        "q2": {"dtype": "I2", "shape": [16], "data_offsets": [56, 60]},
+    }
+    wider.write_bytes(raw_file(header, WEIGHTS.tobytes() + bytes(36)))
+    assert main(["diff", str(packed), str(packed)]) == 0
+    capsys.readouterr()
+    assert main(["diff", "--json", str(packed), str(wider)]) == 1
+    record = json.loads(capsys.readouterr().out)
+    assert list(record["changed"]) == ["q4"] and not record["added"] and not record["removed"]
+    assert main(["diff", "--content", str(packed), str(wider)]) == EXIT_ERROR
+    assert "'q4'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["cp", "validate", "hash --content"])
 def test_data_commands_refuse(
     packed: Path, tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
