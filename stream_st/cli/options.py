@@ -71,6 +71,16 @@ def nonempty_arg(refusal: str) -> Callable[[str], str]:
     return parse
 
 
+def comma_list(text: str) -> str:
+    """The argparse type of an option taking a comma-separated list (``--codecs none,int8``):
+    a list naming nothing (``''``, ``,,``) is refused, where it was taken as no list at all."""
+    if not any(part.strip() for part in text.split(",")):
+        raise argparse.ArgumentTypeError(
+            f"names nothing ({text!r}): give one or more, comma-separated"
+        )
+    return text
+
+
 def token_arg(text: str) -> str:
     """A ``serve --token`` argument: a bearer token the server takes, else refused without
     being shown (``--token "$TOKEN"`` with the variable unset must not serve without one)."""

@@ -28,6 +28,7 @@ from .commands import (
 from .exits import EXIT_ERROR
 from .options import (
     ca_bundle,
+    comma_list,
     endpoint_arg,
     header_line,
     limit_arg,
@@ -213,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--codecs",
+        type=comma_list,
         help="codecs to run, in order (default none,f16,int8,int4; --synthetic: none,int8,int4)",
     )
     demo.add_argument("--json", action="store_true", help="the report as one JSON record")
@@ -282,7 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="one JSON record per source")
     check.add_argument("--expect-shapes", metavar="JSON", help="file mapping names to shapes")
     check.add_argument(
-        "--expect-layers", metavar="PARTS", help="comma-separated parts every layer must have"
+        "--expect-layers",
+        type=comma_list,
+        metavar="PARTS",
+        help="comma-separated parts every layer must have",
     )
     check.add_argument(
         "--config",

@@ -321,6 +321,26 @@ def test_bad_option_values_exit_2_with_one_line(
     assert "Traceback" not in stderr
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["validate", "--expect-layers", ",,", "{model}"],
+        ["validate", "--expect-layers", "", "{model}"],
+        ["demo", "--synthetic", "--layers", "1", "--seq", "8", "--codecs", ""],
+    ],
+    ids=" ".join,
+)
+def test_an_empty_list_is_refused(
+    argv: list[str], model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--expect-layers ,,`` checked nothing and ``--codecs ''`` ran the default codecs, both
+    silently: a list naming nothing is refused, naming the option."""
+    status, stderr = _status_and_stderr(argv, capsys, model=model)
+    assert (status, stderr.count("\n")) == (2, 1), stderr
+    option = next(arg for arg in argv if arg in ("--expect-layers", "--codecs"))
+    assert f"argument {option}: names nothing" in stderr
+
+
 @pytest.mark.parametrize("option", [["--token", ""], ["--host", ""]], ids=["token", "host"])
 def test_serve_refuses_an_empty_token_or_host(option: list[str], model: Path) -> None:
     """``--token "$TOKEN"`` with the variable unset served with no token at all (the library
