@@ -66,7 +66,8 @@ async def diff(
     **options: Unpack[TransportOptions],
 ) -> Diff:
     """Compare tensors (names, dtypes, shapes, byte lengths) and metadata; with ``content``, also
-    the bytes of tensors the two have in common, both streamed at once in constant memory.
+    the bytes of tensors the two have in common, both streamed at once (each side holding about
+    one tensor at a time, plus its read-ahead).
 
     A name a dataset repeats in every shard (``dataset_manifest.json``) is compared shard by
     shard: each of its tensors is reported as ``name (shard N)``, N counted from 0 in the
