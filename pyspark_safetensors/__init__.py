@@ -165,7 +165,8 @@ def _kv_record(dataset: DatasetInfo, options: Any) -> dict[str, Any] | None:
 
 
 def _selected(available: list[str], options: Any) -> list[str]:
-    """The columns option ``columns`` names, in its order (default: all of ``available``)."""
+    """The columns option ``columns`` names, in its order, each once (default: all of
+    ``available``)."""
     wanted = options.get("columns")
     if not wanted:
         return available
@@ -173,6 +174,9 @@ def _selected(available: list[str], options: Any) -> list[str]:
     missing = [c for c in columns if c not in available]
     if missing:
         raise UsageError(f"the dataset has no column {missing[0]!r} (it has {available})")
+    repeated = [c for i, c in enumerate(columns) if c in columns[:i]]
+    if repeated:  # a row holds each column once
+        raise UsageError(f"option columns names {repeated[0]!r} twice ({wanted!r})")
     return columns
 
 

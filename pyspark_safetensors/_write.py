@@ -21,6 +21,7 @@ import json
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, cast
 
 import anyio
@@ -42,7 +43,7 @@ from stream_st.core.shards import (
     shard_file_name,
     shard_position,
 )
-from stream_st.errors import UsageError, WriterError
+from stream_st.errors import UnsupportedSinkError, UsageError, WriterError
 from stream_st.integrations.dataset import (
     KV_RECORD,
     MANIFEST_NAME,
@@ -51,7 +52,12 @@ from stream_st.integrations.dataset import (
     whole_rows,
 )
 from stream_st.sharded.reader import ShardIndex
-from stream_st.sharded.writer import tensor_index_table
+from stream_st.sharded.writer import (
+    _local_folder,
+    missing_folders,
+    remove_new_folders,
+    tensor_index_table,
+)
 from stream_st.tools import cp
 from stream_st.transports import store as _store
 from stream_st.transports.options import Clock
@@ -524,6 +530,7 @@ class SafetensorsWriter(DataSourceArrowWriter):
         self.options = options
         self.overwrite = overwrite
         self.staging = _store.join(options.path, f"_temporary/{uuid.uuid4()}")
+        self.new_folders = _new_folders(options.path)  # abort() removes them again, if empty
         # Made here, before any task runs, and never by a task: once abort() has removed it, a
         # task still running cannot write there any more, and removes what it wrote.
         anyio.run(_store.make_directory, self.staging)
@@ -557,6 +564,7 @@ class SafetensorsWriter(DataSourceArrowWriter):
         parent = self.staging.rsplit("/", 1)[0]
         if not await _store.list_names(parent):
             await _store.remove_tree(parent)
+        remove_new_folders(self.new_folders)
 
     async def _commit(self, messages: list[ShardsWritten]) -> None:
         path = self.options.path
@@ -570,7 +578,8 @@ class SafetensorsWriter(DataSourceArrowWriter):
         if not staged and (self.overwrite or MANIFEST_NAME not in listed):
             empty = await self._empty_shard()
             staged = [empty]
-            schema = {k: {"dtype": d, "shape": list(shape)} for k, d, shape in empty.tensors}
+            specs = {k: {"dtype": d, "shape": list(shape)} for k, d, shape in empty.tensors}
+            schema = {column: specs[column] for column in self.options.columns if column in specs}
         previous: list[StagedShard] = []
         record = self.options.kv_record()
         if not self.overwrite and MANIFEST_NAME in listed:
@@ -581,6 +590,8 @@ class SafetensorsWriter(DataSourceArrowWriter):
                 or not manifest.get("total_samples")
                 or set(self.options.columns) == set(manifest.get("schema", {}))
             )
+            if not kv:
+                _check_appended_columns(manifest.get("schema", {}), self.options.columns)
             _check_appended_types(manifest.get("schema", {}), schema, self.options.columns)
             schema = {**manifest.get("schema", {}), **schema}
             record = _appended_record(record, manifest, every)
@@ -673,6 +684,28 @@ class SafetensorsWriter(DataSourceArrowWriter):
         samples = len({(split_key(key, columns, separator) or (key,))[0] for key in live})
         return StagedShard(
             shard.task, shard.index, name, staged, samples, header.file_size, _specs(header)
+        )
+
+
+def _new_folders(path: str) -> list[Path]:
+    """The local folders a write to ``path`` makes (:func:`missing_folders`); none for an
+    ``s3://`` one (an object store has no folder)."""
+    try:
+        return missing_folders(_local_folder(path))
+    except UnsupportedSinkError:
+        return []
+
+
+def _check_appended_columns(earlier: Mapping[str, Any], columns: Mapping[str, Column]) -> None:
+    """Batch mode: refuse (:class:`~stream_st.UsageError`) an append whose columns are not those
+    of the dataset's manifest schema ``earlier`` (where it names any): a batch-mode dataset's
+    shards all hold the same columns, else every reader takes its shards for KV-mode rows (46
+    samples read as 2 rows, one a tensor name)."""
+    if earlier and set(earlier) != set(columns):
+        raise UsageError(
+            f"the dataset's columns are {sorted(earlier)}; this append writes {sorted(columns)}: "
+            "every shard of a batch-mode dataset holds the same columns; select the dataset's "
+            "columns, or overwrite the dataset"
         )
 
 

@@ -1,9 +1,10 @@
-"""A column reads as one type from every shard, or not at all: an append under another type is
-refused, shards of different dtypes are refused (as the torch dataset refuses them), never cast
-to the first shard's type; a shard of no tensor is read as no row. These run without a Spark
-session: the data source's writer and reader are plain Python (a task's writer, the driver's
-commit and abort, the planning and each partition's read); ``test_spark.py`` appends through
-Spark.
+"""A column reads as one type from every shard, or not at all: an append under another type, or
+(batch mode) of other columns, is refused, shards of different dtypes are refused (as the torch
+dataset refuses them), never cast to the first shard's type; a shard of no tensor is read as no
+row; the columns a write or read names, and the folders an abort leaves, are checked on the
+driver. These run without a Spark session: the data source's writer and reader are plain Python
+(a task's writer, the driver's commit and abort, the planning and each partition's read);
+``test_spark.py`` appends through Spark.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 pytest.importorskip("pyspark")
 pa = pytest.importorskip("pyarrow")
 
+from pyspark.sql.pandas.types import to_arrow_type  # noqa: E402
 from pyspark.sql.types import (  # noqa: E402
     ArrayType,
     DoubleType,
@@ -157,3 +159,82 @@ def test_a_kv_record_naming_the_rows_by_a_column_is_refused(tmp_path: Path) -> N
     with pytest.raises(stream_st.UsageError, match="names the rows by 'k', a column"):
         read(tmp_path)
     assert sorted(row["tensor_key"] for row in read(tmp_path, raw="true")) == ["a__k", "b__k"]
+
+
+@pytest.mark.parametrize(
+    ("schema", "columns"),
+    [
+        (StructType([StructField("x", DoubleType())]), {"x": pa.array([7.0])}),
+        (
+            StructType([*NUMBERS.fields, StructField("m", LongType())]),
+            {"x": pa.array([7.0]), "n": pa.array([8]), "m": pa.array([9])},
+        ),
+    ],
+    ids=["fewer", "more"],
+)
+def test_a_batch_mode_append_of_other_columns_is_refused(
+    tmp_path: Path, schema: StructType, columns: dict[str, Any]
+) -> None:
+    """It was taken: its shards held other tensors than the earlier ones, and every reader
+    took the dataset for KV-mode rows (46 samples read as 2 rows)."""
+    commit(
+        tmp_path,
+        NUMBERS,
+        {"x": pa.array([0.5, 1.7]), "n": pa.array([2, 3])},
+        "overwrite",
+        batch_size="10",
+    )
+    before = manifest(tmp_path)
+    with pytest.raises(stream_st.UsageError, match=r"columns are \['n', 'x'\].*or overwrite"):
+        commit(tmp_path, schema, columns, "append", batch_size="10")
+    assert manifest(tmp_path) == before
+    assert read(tmp_path) == [{"x": 0.5, "n": 2}, {"x": 1.7, "n": 3}]
+
+
+def test_an_empty_dataframe_reads_back_with_its_columns_in_order(tmp_path: Path) -> None:
+    """The manifest's schema listed them in the shard header's order (by dtype)."""
+    schema = StructType(
+        [
+            StructField("l", LongType()),
+            StructField("i", IntegerType()),
+            StructField("d", DoubleType()),
+            StructField("f", ArrayType(FloatType())),
+        ]
+    )
+    columns = {field.name: pa.array([], to_arrow_type(field.dataType)) for field in schema}
+    commit(tmp_path, schema, columns, "overwrite", batch_size="5")
+    assert list(manifest(tmp_path)["schema"]) == ["l", "i", "d", "f"]
+    source = pyspark_safetensors.SafetensorsDataSource({"path": str(tmp_path)})
+    assert source.schema().names == ["l", "i", "d", "f"]
+
+
+def test_an_aborted_write_leaves_no_folder_it_made(tmp_path: Path) -> None:
+    """A job that failed left the (empty) folder of its new dataset; a folder that was there
+    before stays."""
+    for path in (tmp_path / "new" / "data", tmp_path):
+        parsed = WriteOptions.parse({"path": str(path), "batch_size": "2"}, NUMBERS)
+        SafetensorsWriter(parsed, overwrite=True).abort([])  # as Spark, a task having failed
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_read_naming_a_column_twice_is_refused(tmp_path: Path) -> None:
+    """A bare ValueError in a task (a JVM Arrow error in KV mode), not on the driver."""
+    commit(
+        tmp_path / "b",
+        NUMBERS,
+        {"x": pa.array([0.5]), "n": pa.array([2])},
+        "overwrite",
+        batch_size="1",
+    )
+    kv = StructType([StructField("name", StringType()), StructField("n", LongType())])
+    commit(
+        tmp_path / "kv",
+        kv,
+        {"name": pa.array(["a"]), "n": pa.array([1])},
+        "overwrite",
+        name_col="name",
+    )
+    for path in (tmp_path / "b", tmp_path / "kv"):
+        source = pyspark_safetensors.SafetensorsDataSource({"path": str(path), "columns": "n,n"})
+        with pytest.raises(stream_st.UsageError, match="names 'n' twice"):
+            source.schema()
