@@ -40,6 +40,8 @@ def refuse_path_bytes(data: bytes | bytearray | memoryview) -> None:
 def as_bytes_view(chunk: Any) -> memoryview:
     """A flat byte view of a bytes-like ``chunk``; a non-contiguous one (a strided numpy view)
     is copied, its elements in C order."""
+    if type(chunk) is bytes:  # most chunks: flat bytes already
+        return memoryview(chunk)
     try:
         view = memoryview(chunk)
     except (TypeError, ValueError):  # ValueError: a buffer numpy cannot export (datetime64)
@@ -100,15 +102,31 @@ class ChunkIteratorSource(Source):
         self.name = name
 
     async def receive_into(self, buffer: memoryview) -> int:
+        if not self._chunk and not await self._next():
+            return 0
+        return self._take(buffer)
+
+    async def fill(self, buffer: memoryview) -> int:
+        """Fill ``buffer`` from as many chunks as it takes, in one call: a call per chunk cost
+        more than the copy of a chunk of a few KiB."""
+        filled, total = 0, len(buffer)
+        while filled < total:
+            if not self._chunk and not await self._next():
+                break
+            filled += self._take(buffer[filled:])
+        return filled
+
+    async def _next(self) -> bool:
+        """Wait for the next chunk that is not empty; False at the end."""
         while not self._chunk:
             if self._done:
-                return 0
+                return False
             try:
                 with self.clock.waiting(self.name, self.position):
                     chunk = await anext(self._iterator)
             except StopAsyncIteration:
                 self._done = True
-                return 0
+                return False
             # A producer that never suspends (slices of bytes in memory; ``b""`` past its end,
             # yielded for ever) would hold the loop, deaf to a cancellation, for a whole tensor
             # or without end: the loop gets its turn every TURN_EVERY, as between tensors.
@@ -121,11 +139,16 @@ class ChunkIteratorSource(Source):
                 )
             self._chunk = as_bytes_view(chunk)
             self.clock.moved(len(self._chunk))
-        count = min(len(buffer), len(self._chunk))
-        buffer[:count] = self._chunk[:count]
+        return True
+
+    def _take(self, buffer: memoryview) -> int:
+        """Copy what ``buffer`` holds of the current chunk into it; how many bytes."""
+        chunk = self._chunk
+        count = min(len(buffer), len(chunk))
+        buffer[:count] = chunk[:count]
         # A chunk taken whole is let go of: a view of it kept while the next is awaited would
         # stop its producer from reusing its buffer (a bytearray cleared or grown: BufferError).
-        self._chunk = self._chunk[count:] if count < len(self._chunk) else _EMPTY
+        self._chunk = chunk[count:] if count < len(chunk) else _EMPTY
         self.position += count
         return count
 

@@ -35,7 +35,7 @@ import math
 import ssl
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, fields, replace
 from numbers import Real
 from typing import TypedDict
@@ -237,6 +237,10 @@ class Transport:
 NO_TRANSPORT = Transport()
 
 
+_UNBOUND: AbstractContextManager[None] = nullcontext()
+"""What :meth:`Clock.waiting` gives without limits: a wait bound by nothing."""
+
+
 class Clock:
     """One operation's limits, as time passes; every transport wait goes through it.
 
@@ -256,7 +260,7 @@ class Clock:
     @property
     def limited(self) -> bool:
         """True when any limit is set."""
-        return self.limits.limited
+        return self.limits is not NO_LIMITS and self.limits.limited  # most: known by identity
 
     def start(self) -> None:
         """The operation opens: the deadline and the speed guard run from now. Idempotent."""
@@ -299,20 +303,23 @@ class Clock:
         if scope.cancelled_caught:
             raise ReadTimeoutError(self._deadline_passed(), url=name, position=position)
 
-    @contextmanager
     def waiting(
         self, name: str | None = None, position: int | None = None, *, stalled: str = "no data"
-    ) -> Iterator[None]:
+    ) -> AbstractContextManager[None]:
         """Bound the wait in the ``with`` block by every limit.
 
         A limit that passes raises :class:`~stream_st.ReadTimeoutError` for ``name`` at
         ``position``; with no ``name``, a plain :class:`TimeoutError` with the same message, for
         callers that translate OS errors themselves. ``stalled`` says what the timeout saw
-        ("no data", "the peer took no data").
+        ("no data", "the peer took no data"). Without limits (most reads) nothing is bound, at
+        the cost of no generator: a wait is taken per chunk, some of a few KiB.
         """
         if not self.limited:
-            yield
-            return
+            return _UNBOUND
+        return self._bounded(name, position, stalled)
+
+    @contextmanager
+    def _bounded(self, name: str | None, position: int | None, stalled: str) -> Iterator[None]:
         bound, reason = self._bound(stalled)
         if bound <= 0:
             raise self._error(reason, name, position)
