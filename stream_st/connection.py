@@ -197,6 +197,13 @@ class Listener:
     :class:`~stream_st.UsageError`.
     """
 
+    not_a_source = (
+        "iterated, it gives connections, not bytes: accept a connection first "
+        "(connection = await listener.accept()) and read from the connection"
+    )
+    """Why a listener given where a source is asked for (an async iterable, taken for one of
+    byte chunks) is refused: the sources' registry, a layer below, asks the type for this."""
+
     def __init__(self, sock: socket.socket, limits: Limits) -> None:
         self._sock = sock
         self._limits = limits

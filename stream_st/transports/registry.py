@@ -154,12 +154,10 @@ async def _new_source(obj: SourceLike, clock: Clock) -> Source:
     if inspect.iscoroutinefunction(getattr(obj, "readinto", None)):  # not a blocking file's
         return ReadIntoSource(cast(AsyncReadInto, obj))
     if isinstance(obj, AsyncIterable):
-        from ..connection import Listener  # which imports this module
-
-        if isinstance(obj, Listener):  # iterated, it yields connections, not bytes
+        refusal = getattr(type(obj), "not_a_source", None)  # iterated, it gives no bytes
+        if isinstance(refusal, str):
             raise UnsupportedSourceError(
-                f"cannot read safetensors from a Listener ({obj.url}): accept a connection "
-                "first (connection = await listener.accept()) and read from the connection"
+                f"cannot read safetensors from a {type(obj).__name__}: {refusal}"
             )
         return ChunkIteratorSource(obj)
     raise UnsupportedSourceError(
