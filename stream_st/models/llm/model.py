@@ -96,6 +96,7 @@ class LlamaConfig:
         sizes = (self.vocab_size, self.hidden_size, self.intermediate_size, self.num_layers)
         if not counts(*sizes, self.num_heads, self.num_kv_heads) or (
             not epsilon(self.rms_norm_eps)
+            or not (epsilon(self.rope_theta) and self.rope_theta > 0)  # NaN, inf, 0: NaN logits
             or self.hidden_size % self.num_heads
             or self.num_heads % self.num_kv_heads
             or self.head_dim % 2
@@ -138,11 +139,7 @@ class LlamaConfig:
         """:class:`ModelError` unless ``header`` declares exactly this model's weights, each of
         the shape it needs (``lm_head.weight`` optional). Costs what the header's tensors do,
         however large the numbers of the configuration: nothing is sized by them before."""
-        if 9 * self.num_layers + 2 > len(header.tensors):
-            raise ModelError(
-                f"the configuration has {self.num_layers} layers, the checkpoint holds "
-                f"{len(header.tensors)} tensors"
-            )
+        self.check_count(len(header.tensors))
         for info in header.tensors:
             if info.shape != self.shape(info.name):
                 raise ModelError(
@@ -152,6 +149,15 @@ class LlamaConfig:
         missing = [name for name in self.names() if name not in header]
         if missing:
             raise ModelError(f"the checkpoint lacks {len(missing)} weights: {missing[:3]}...")
+
+    def check_count(self, tensors: int) -> None:
+        """:class:`ModelError` unless ``tensors``, the number a file holds, are enough for this
+        configuration's weights: checked before anything is sized by ``num_layers`` (a
+        damaged or hostile file can declare a billion layers and hold one)."""
+        if 9 * self.num_layers + 2 > tensors:
+            raise ModelError(
+                f"the configuration has {self.num_layers} layers, the file holds {tensors} tensors"
+            )
 
     def layer_names(self, layer: int) -> list[str]:
         return [f"model.layers.{layer}.{part}.weight" for part in LAYER_PARTS]

