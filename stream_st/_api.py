@@ -30,7 +30,7 @@ from .reader import NO_CAPS, Caps, Include, TensorStream
 from .reader.ahead import _room_ahead
 from .reader.caps import current_caps
 from .reader.header import header_only
-from .reader.stream import ObjectOnly
+from .reader.stream import ObjectOnly, tensor_dict
 from .sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from .transports.base import Source
 from .transports.cache import Cache, CacheLike
@@ -179,7 +179,7 @@ async def load(
         max_total_bytes=max_total_bytes,
         cache=cache,
     )
-    return {name: array async for name, array in stream}
+    return await tensor_dict(stream)
 
 
 def open_stream(

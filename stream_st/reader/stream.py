@@ -8,8 +8,15 @@ import os
 import reprlib
 import sys
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterable
-from typing import Any, Self, final
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Collection,
+    Iterable,
+)
+from typing import Any, Self, TypeVar, final
 
 import anyio
 import numpy as np
@@ -48,6 +55,26 @@ from .turns import give_turn
 
 Include = Collection[str] | Callable[[str], bool] | str | None
 """Which tensors to deliver: ``None`` for all, names, or a predicate on the name."""
+
+
+T = TypeVar("T")
+
+
+async def tensor_dict(stream: AsyncIterable[tuple[str, T]]) -> dict[str, T]:
+    """Every ``(name, tensor)`` of ``stream`` in a dict. A step that fails lets go of the tensors
+    read so far before its error propagates: the failed call's frames can outlive it (under
+    ``asyncio.run`` its task and the error hold each other, through the traceback, until the
+    cyclic garbage collector runs), and held there they would keep those tensors, and with
+    views of a mapped file that file's descriptor, open after the call failed."""
+    tensors: dict[str, T] = {}
+    try:
+        async for name, tensor in stream:
+            tensors[name] = tensor
+            del tensor  # held by the dict alone
+    except BaseException:
+        tensors.clear()
+        raise
+    return tensors
 
 
 def include_names(include: Iterable[str] | str) -> set[str]:
@@ -273,17 +300,18 @@ class TensorStream(AsyncClosing):
         given = self._source_like
         return os.fspath(given) if isinstance(given, str | os.PathLike) else "<stream>"
 
-    def _after_end(self, failed: BaseException | None, finalized: bool) -> None:
+    def _after_end(self, failed: type[BaseException] | None, finalized: bool) -> None:
         """The iteration ended: :class:`~stream_st.TransportError` if :meth:`aclose` cut it
         short (from another task, or from the loop's body), :class:`~stream_st.UsageError` if a
-        step raised before (``failed``: a timeout caught around it, say) or if it was closed
-        from outside before this step (``finalized``: by the event loop it began in, which ended
-        and closed the async generators it had seen), not the end of the tensors."""
+        step raised before (``failed``, the error's class: a timeout caught around it, say) or
+        if it was closed from outside before this step (``finalized``: by the event loop it
+        began in, which ended and closed the async generators it had seen), not the end of the
+        tensors."""
         if self._cut is not None:
             raise _closed_early(self._cut) from None
         if failed is not None:
             raise UsageError(
-                f"{self._shown_name()}: this stream's iteration failed ({type(failed).__name__}) "
+                f"{self._shown_name()}: this stream's iteration failed ({failed.__name__}) "
                 "and cannot go on: open the source again to read it"
             ) from None
         if finalized:
@@ -446,7 +474,10 @@ class _Iteration:
     ) -> None:
         self._generator = generator
         self._stream = stream
-        self._failed: BaseException | None = None  # what a step raised: the generator is done
+        # The class of what a step raised (the generator is done), not the error: its traceback
+        # holds the step's frame, so this iteration; held here, it would be a cycle that only
+        # the garbage collector frees, keeping its frames' tensors (and a mapping's descriptor).
+        self._failed: type[BaseException] | None = None
         self._over = False  # its end was seen, or aclose() called here: later steps just end
 
     def __aiter__(self) -> Self:
@@ -467,7 +498,7 @@ class _Iteration:
             self._over = True
             raise
         except BaseException as exc:  # cancelled too: a later step must not end quietly
-            self._failed = exc
+            self._failed = type(exc)
             raise
 
     async def aclose(self) -> None:

@@ -101,7 +101,10 @@ async def _open_shard(stream: TensorStream, address: str, *, read_all: bool = Fa
         raise
     except SafetensorsError as exc:
         failure = _without_contents(exc, address)
-    raise failure  # outside the handler: the original is not chained for a traceback to show
+    try:
+        raise failure  # outside the handler: the original is not chained for a traceback to show
+    finally:
+        del failure  # else this frame, in its traceback, holds it: a cycle only gc.collect() frees
 
 
 async def shard_headers(

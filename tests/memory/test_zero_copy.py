@@ -3,6 +3,7 @@ ahead of the consumer; every other source still reads fresh arrays."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import gc
 import json
@@ -237,6 +238,66 @@ async def test_sharded_checkpoints_map_every_shard(tmp_path: Path) -> None:
     assert sorted(got) == ["x", "y"]
     assert not any(array.flags.writeable for array in got.values())
     np.testing.assert_array_equal(got["y"], np.ones(2, np.int16))
+
+
+def damaged_checkpoint(folder: Path) -> Path:
+    """The index of three one-tensor shards, the last one cut short: a load maps the first two,
+    then fails."""
+    weight_map = {}
+    for index, shard in enumerate(["a", "b", "c"]):
+        weight_map[f"t{index}"] = f"{shard}.safetensors"
+        write(folder / f"{shard}.safetensors", {f"t{index}": np.full(10_000, index, np.float32)})
+    os.truncate(folder / "c.safetensors", 1000)
+    index_path = folder / "model.safetensors.index.json"
+    index_path.write_text(json.dumps({"weight_map": weight_map}))
+    return index_path
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@linux_only
+def test_a_failed_load_under_asyncio_run_closes_what_it_mapped(tmp_path: Path) -> None:
+    """asyncio.run keeps a failed call's frames until the cyclic garbage collector runs (its
+    task and the error hold each other): the load lets go of the views it mapped before its
+    error leaves, so no descriptor stays open after it (each failed call kept one)."""
+    index = damaged_checkpoint(tmp_path)
+    gc.collect()
+    gc.disable()
+    try:
+        before = open_descriptors()
+        for _ in range(3):
+            with pytest.raises(TruncatedStreamError, match=r"c\.safetensors"):
+                asyncio.run(stream_st.load(index, copy=False))
+            assert open_descriptors() == before
+    finally:
+        gc.enable()
+
+
+@linux_only
+async def test_a_failed_load_leaves_no_reference_cycle(
+    tmp_path: Path,
+) -> None:
+    """The error of a failed load is in no reference cycle (a shard's error held by the frame
+    that raised it, a step's error by the iteration it left): dropped, it goes at once, with
+    the frames of its traceback and what they held."""
+    index = damaged_checkpoint(tmp_path)
+    with pytest.raises(TruncatedStreamError):  # whatever the event loop opens on first use
+        await stream_st.load(index, copy=False)
+    gc.collect()
+    gc.disable()
+    try:
+        before = open_descriptors()
+        for _ in range(3):
+            with pytest.raises(TruncatedStreamError, match=r"c\.safetensors"):
+                await stream_st.load(index)
+            with pytest.raises(TruncatedStreamError, match=r"c\.safetensors"):
+                await stream_st.load(index, copy=False)
+            assert open_descriptors() == before
+            assert not [o for o in gc.get_objects() if isinstance(o, TruncatedStreamError)]
+    finally:
+        gc.enable()
 
 
 @linux_only
