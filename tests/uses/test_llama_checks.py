@@ -111,3 +111,10 @@ def test_a_gguf_file_with_a_nan_rope_base_is_refused(tmp_path: Path) -> None:
     _gguf(path, small_model(1), 1, freq_base=float("nan"))
     with pytest.raises(ModelError, match="not a Llama configuration"):
         read_gguf(path)
+
+
+@pytest.mark.parametrize("layer", ["²", "\u0661", "01", "-1"])
+def test_a_weight_of_a_layer_numbered_oddly_is_no_weight_of_the_model(layer: str) -> None:
+    """'²' passed str.isdigit and int() raised a bare ValueError."""
+    with pytest.raises(ModelError, match="is not a weight of this Llama model"):
+        small_model().config.shape(f"model.layers.{layer}.input_layernorm.weight")

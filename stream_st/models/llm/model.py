@@ -193,7 +193,7 @@ class LlamaConfig:
             return (hidden,)
         prefix, _, part = name.removesuffix(".weight").partition(".layers.")
         layer, _, part = part.partition(".")
-        in_range = prefix == "model" and layer.isdigit() and int(layer) < self.num_layers
+        in_range = prefix == "model" and layer.isdecimal() and int(layer) < self.num_layers
         if in_range and part in shapes and name in self.layer_names(int(layer)):  # not "01"
             return shapes[part]
         raise ModelError(f"{name!r} is not a weight of this Llama model")
