@@ -329,3 +329,65 @@ def test_a_forked_copy_leaves_the_writers_temporary_alone(tmp_path: Path) -> Non
     )
     assert done.returncode == 0, done.stderr
     assert out.read_bytes() == b"done" and os.listdir(tmp_path) == ["out.safetensors"]
+
+
+def open_fds() -> set[str]:
+    """The descriptors this process has open."""
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("remade", [False, True], ids=["gone", "remade"])
+async def test_a_write_whose_directory_moved_away_leaves_nothing(
+    tmp_path: Path, temporaries: str, remade: bool
+) -> None:
+    """The directory renamed while its file is written (a checkpoint folder rotated): the commit
+    goes to the path named, as it is then. Where no directory is there, the write fails and its
+    temporary is removed from the directory where it went; where another one was made there,
+    the file lands in it. Either way no descriptor is left open."""
+    before = open_fds()
+    folder, moved = tmp_path / "d", tmp_path / "e"
+    folder.mkdir()
+    plan = [TensorSpec("a", "F32", (1000,)), TensorSpec("b", "U8", (10,))]
+    with contextlib.ExitStack() as expect:
+        if not remade:
+            expect.enter_context(pytest.raises(stream_st.SourceNotFoundError, match="no such dir"))
+        async with stream_st.open_writer(folder / "m.safetensors", plan) as writer:
+            await writer.write("a", ARRAYS["a"])
+            folder.rename(moved)
+            if remade:
+                folder.mkdir()
+            await writer.write("b", ARRAYS["b"])
+    assert os.listdir(moved) == []
+    if remade:
+        assert (folder / "m.safetensors").read_bytes() == EXPECTED
+    del writer
+    assert open_fds() == before
+
+
+async def test_no_descriptor_is_left_open(tmp_path: Path, temporaries: str) -> None:
+    """A write committed, one replacing a file, one aborted, one dropped unclosed: each closes
+    what it opened, the file and any handle on its directory."""
+    before = open_fds()
+    target = tmp_path / "m.safetensors"
+    plan = [TensorSpec("a", "F32", (1000,))]
+    await stream_st.save(target, ARRAYS)
+    await stream_st.save(target, ARRAYS)
+    with pytest.raises(WriterError):
+        async with stream_st.open_writer(target, plan) as writer:
+            await writer.write("a", ARRAYS["b"])  # the wrong dtype: aborted
+    with pytest.warns(ResourceWarning):
+        stack = contextlib.AsyncExitStack()
+        writer = await stack.enter_async_context(stream_st.open_writer(target, plan))
+        del writer, stack
+        gc.collect()
+    assert open_fds() == before
+    assert os.listdir(tmp_path) == [target.name] and target.read_bytes() == EXPECTED
+
+
+def test_a_name_the_directory_cannot_take_is_named_in_the_error(tmp_path: Path) -> None:
+    """A destination name past the longest the directory takes: the error names the path."""
+    import stream_st.numpy as st_np
+
+    target = tmp_path / long_name(256)
+    with pytest.raises(stream_st.TransportError, match=f"cannot look at {target}: File name"):
+        st_np.save_file(ARRAYS, target)

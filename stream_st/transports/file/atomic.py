@@ -9,22 +9,25 @@ until the commit: a process killed at any point (even by SIGKILL) leaves nothing
 Where the file system gives such a file no name (no ``/proc``...), the commit copies it into a
 hidden one first, and later files there are hidden ones from the start. Elsewhere it is a hidden
 file, ``.<name>.<random>.tmp``, or ``.<random>.tmp`` where that would pass the longest name the
-directory takes: any valid destination name can be written. The blocks
+directory takes: any valid destination name can be written; it is made, renamed and removed
+through a handle on its directory, so that a write whose directory was moved away meanwhile
+removes it wherever it went. The blocks
 of a file of :data:`ALLOCATE_FROM` bytes or more are reserved up front (Linux ``fallocate``): a
 full disk shows before any data is written, and the page-cache writes ran faster
 (``benchmarks/bench_write.py --variants stream_st,nofalloc``: 1.24x paired at load average ~2.3;
 1.12x in an in-process A/B). A smaller file is not: there the reservation cost more than it
 saved, and a full disk fails its first write instead, leaving nothing behind all the same.
 
-The commit links a nameless file in at the destination's name when nothing is there
-(``linkat``), else under a short hidden name, renamed over the destination (``os.replace``,
-atomic on POSIX); a failed write deletes it. Until the commit the destination keeps its previous
-content. A symlink at the destination is replaced itself, as ``os.replace`` and the reference's
-``save_file`` replace it, whatever it leads to (a file, nothing, a directory): the file it led to
-stays as it was (a blob that other links share, as in a Hugging Face cache). A link that leads to
-what is not a regular file (a FIFO, a device) is written through, as that would be
-(:func:`replaced`). A file replaced keeps its permission bits (a link replaced, those of the file
-it led to).
+The commit links a nameless file in at the destination's name when nothing is there (``linkat``),
+else under a short hidden name, renamed over the destination (``os.replace``, atomic on POSIX); a
+failed write deletes it. Either goes to the destination's path as it is at the commit: where its
+directory was moved away meanwhile, the commit fails. Until the commit the destination keeps its
+previous content. A symlink at the destination is replaced itself, as ``os.replace`` and the
+reference's ``save_file`` replace it, whatever it leads to (a file, nothing, a directory): the file
+it led to stays as it was (a blob that other links share, as in a Hugging Face cache). A link that
+leads to what is not a regular file (a FIFO, a device) is written through, as that would be
+(:func:`replaced`). A file replaced keeps its permission bits (a link replaced, those of the file it
+led to).
 """
 
 from __future__ import annotations
@@ -88,6 +91,9 @@ reference's ``save_file`` 0.52-0.87 s), and 512 MiB of 32 MiB tensors 0.45-1.43 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | _CLOEXEC  # read back: FileSink.read_at
 _TMPFILE_FLAGS = os.O_RDWR | getattr(os, "O_TMPFILE", 0) | _CLOEXEC
+# a handle on the directory a named temporary is made, renamed and removed in (*at calls):
+# O_PATH asks for no read permission, which making a file there needs none of either
+_DIRECTORY_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC
 
 USE_TMPFILE = hasattr(os, "O_TMPFILE")
 """Write through a nameless file (``O_TMPFILE``) where the file system allows it; ``False``
@@ -237,7 +243,7 @@ def _existing(path: str, follow: bool = True) -> os.stat_result | None:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             return None
-        raise TransportError(f"cannot look at the destination: {exc.strerror}", url=path) from exc
+        raise TransportError(f"cannot look at {path}: {exc.strerror}", url=path) from exc
 
 
 def _target_of(name: str) -> tuple[str, os.stat_result | None, int | None]:
@@ -300,14 +306,48 @@ def _name_max(directory: str) -> int:
         return _NAME_MAX
 
 
+_TOKEN_BYTES = 6
+"""Random bytes in a temporary's name, written as hex (:func:`_temp_name`)."""
+
+
+def temp_keeps_name(directory: str, base: str) -> bool:
+    """Whether a hidden temporary beside ``base`` in ``directory`` is named after it,
+    ``.<base>.<random>.tmp``, the longest name the directory takes allowing (else it is
+    ``.<random>.tmp``: :func:`_temp_name`)."""
+    extra = len("..") + 2 * _TOKEN_BYTES + len(".tmp")
+    return len(os.fsencode(base)) + extra <= _name_max(directory)
+
+
 def _temp_name(directory: str, base: str) -> str:
     """A new hidden name beside ``base`` that fits the directory: ``.<base>.<random>.tmp``, or
     ``.<random>.tmp`` where a long ``base`` would make it too long."""
-    token = os.urandom(6).hex()  # as secrets.token_hex(6), without importing secrets
-    name = f".{base}.{token}.tmp"
-    if len(os.fsencode(name)) > _name_max(directory):
-        name = f".{token}.tmp"
+    token = os.urandom(_TOKEN_BYTES).hex()  # as secrets.token_hex, without importing secrets
+    name = f".{base}.{token}.tmp" if temp_keeps_name(directory, base) else f".{token}.tmp"
     return os.path.join(directory, name)
+
+
+def _at(path: str, directory_fd: int | None) -> str:
+    """``path`` as an ``*at`` call takes it beside ``directory_fd``, the handle on its directory
+    (its last part), or as it is where there is none."""
+    return path if directory_fd is None else os.path.basename(path)
+
+
+def _missing(directory: str, url: str) -> SourceNotFoundError | None:
+    """The error for a write to ``url`` whose ``directory`` is not there (or was moved away
+    meanwhile), or None where it is."""
+    if os.path.isdir(directory):
+        return None
+    return SourceNotFoundError(f"no such directory: {_resolved(directory)}", url=url)
+
+
+def _no_file_in(directory: str, exc: OSError, url: str) -> TransportError:
+    """The error for a file that could not be made in ``directory`` (``exc``), the destination
+    ``url``'s: :class:`~stream_st.SourceNotFoundError` where it is not found."""
+    why = f"cannot create a file in {_resolved(directory)}: {exc.strerror}"
+    if not isinstance(exc, FileNotFoundError):
+        return TransportError(why, url=url)
+    # /proc and the like have the folder, and make no file in it
+    return _missing(directory, url) or SourceNotFoundError(why, url=url)
 
 
 def _open_nameless(directory: str) -> int | None:
@@ -348,29 +388,39 @@ def _link(fd: int, path: str) -> None:
     os.link(f"/proc/self/fd/{fd}", path, src_dir_fd=fd, follow_symlinks=True)
 
 
-def _dropped(fd: int, name: str, temporary: str | None, pid: int) -> None:
+def _dropped(fd: int, name: str, temporary: str | None, directory_fd: int | None, pid: int) -> None:
     """Close ``fd``, left open by a source or sink dropped unclosed, and remove ``temporary``,
-    the named temporary file of a write never committed, if any; then give the
+    the named temporary file of a write never committed, if any (in ``directory_fd``, the
+    handle on its directory, where there is one: closed then too); then give the
     ``ResourceWarning`` a Python file dropped unclosed gives (last: a filter that makes it an
     error leaves nothing open). In a process forked from ``pid``, the one that opened it, only
-    the copy of the descriptor is closed: the temporary is the parent's, still being written."""
+    the copies of the descriptors are closed: the temporary is the parent's, still being
+    written."""
     os.close(fd)
-    if os.getpid() != pid:
-        return
-    if temporary is not None:
-        with contextlib.suppress(OSError):  # already gone
-            os.unlink(temporary)
+    try:
+        if os.getpid() != pid:
+            return
+        if temporary is not None:
+            with contextlib.suppress(OSError):  # already gone
+                os.unlink(_at(temporary, directory_fd), dir_fd=directory_fd)
+    finally:
+        if directory_fd is not None:
+            os.close(directory_fd)
     warnings.warn(f"unclosed file {name!r}", ResourceWarning, stacklevel=1)
 
 
 def closed_when_dropped(
-    owner: object, fd: int, name: str, temporary: str | None = None
+    owner: object,
+    fd: int,
+    name: str,
+    temporary: str | None = None,
+    directory_fd: int | None = None,
 ) -> weakref.finalize[Any, Any]:
     """A finalizer that closes ``fd`` once ``owner`` is dropped unclosed, and removes
-    ``temporary`` (see :func:`_dropped`); detach it when ``owner`` closes ``fd`` itself. At
-    interpreter exit it runs only for a ``temporary`` to remove (a descriptor, and a nameless
-    file, go with the process)."""
-    finalizer = weakref.finalize(owner, _dropped, fd, name, temporary, os.getpid())
+    ``temporary`` (in ``directory_fd``, closed too: see :func:`_dropped`); detach it when
+    ``owner`` closes them itself. At interpreter exit it runs only for a ``temporary`` to
+    remove (a descriptor, and a nameless file, go with the process)."""
+    finalizer = weakref.finalize(owner, _dropped, fd, name, temporary, directory_fd, os.getpid())
     finalizer.atexit = temporary is not None
     return finalizer
 
@@ -412,6 +462,9 @@ class AtomicFile:
         self._busy = 0  # positioned writes running in worker threads (a FileSink's)
         self._done = False
         self.temp_path: str | None = None  # the temporary's name; None while it has none
+        # a handle on the directory a named temporary was made in, which its commit and removal
+        # go through: they reach it wherever the directory went (None: by its path)
+        self._directory_fd: int | None = None
         fd = _open_nameless(directory)
         self._hold(self._create_named(directory, base) if fd is None else self._own(fd))
 
@@ -420,7 +473,9 @@ class AtomicFile:
         file dropped unclosed (a writer entered and never left), it is closed and removed,
         with a ``ResourceWarning`` (:func:`closed_when_dropped`)."""
         self._fd = fd
-        self._unclosed = closed_when_dropped(self, fd, self.name, self.temp_path)
+        self._unclosed = closed_when_dropped(
+            self, fd, self.name, self.temp_path, self._directory_fd
+        )
 
     def _own(self, fd: int) -> int:
         """``fd``, a new file given the permission bits of the file it replaces, if any."""
@@ -431,28 +486,24 @@ class AtomicFile:
 
     def _create_named(self, directory: str, base: str) -> int:
         """A new hidden file beside the destination, open (see :meth:`_own`); its name in
-        :attr:`temp_path`."""
+        :attr:`temp_path`, made through a handle on ``directory`` (:attr:`_directory_fd`)."""
+        try:
+            self._directory_fd = os.open(directory, _DIRECTORY_FLAGS)
+        except OSError as exc:
+            raise _no_file_in(directory, exc, self.name) from exc
         while True:
             self.temp_path = _temp_name(directory, base)
+            at = _at(self.temp_path, self._directory_fd)
             try:
-                return self._own(os.open(self.temp_path, _OPEN_FLAGS, 0o666))
+                return self._own(os.open(at, _OPEN_FLAGS, 0o666, dir_fd=self._directory_fd))
             except FileExistsError:  # pragma: no cover - 48 random bits collided
                 continue
-            except FileNotFoundError as exc:
-                where = _resolved(directory)
-                why = (  # /proc and the like have the folder, and make no file in it
-                    f"cannot create a file in {where}: {exc.strerror}"
-                    if os.path.isdir(directory)
-                    else f"no such directory: {where}"
-                )
-                raise SourceNotFoundError(why, url=self.name) from exc
             except OSError as exc:
-                raise TransportError(
-                    f"cannot create a file in {_resolved(directory)}: {exc.strerror}", url=self.name
-                ) from exc
+                self._close_directory()
+                raise _no_file_in(directory, exc, self.name) from exc
             except BaseException:  # an interrupt as the file was made: no sink owns it yet
-                with contextlib.suppress(OSError):
-                    os.unlink(self.temp_path)
+                self._remove_temporary()
+                self._close_directory()
                 raise
 
     def reserve(self, size: int) -> None:
@@ -467,11 +518,26 @@ class AtomicFile:
             )
         # Any other failure (EOPNOTSUPP on filesystems without it...) only costs the speed-up.
 
-    def _close_fd(self) -> None:
+    def _close_fd(self, keep_directory: bool = False) -> None:
+        """Close the file, and unless ``keep_directory`` the handle on its directory."""
         fd, self._fd = self._fd, -1
         if fd >= 0:
             self._unclosed.detach()
             os.close(fd)
+        if not keep_directory:
+            self._close_directory()
+
+    def _close_directory(self) -> None:
+        directory_fd, self._directory_fd = self._directory_fd, None
+        if directory_fd is not None:
+            with contextlib.suppress(OSError):  # nothing to lose: it was only read through
+                os.close(directory_fd)
+
+    def _remove_temporary(self) -> None:
+        """Remove the temporary's name, if it has one (through the handle on its directory)."""
+        if self.temp_path is not None:
+            with contextlib.suppress(OSError):  # already gone, or nothing better to do
+                os.unlink(_at(self.temp_path, self._directory_fd), dir_fd=self._directory_fd)
 
     def _raise_commit_error(self, exc: BaseException) -> None:
         """An OS error ``exc`` before the commit, raised as a :class:`~stream_st.TransportError`
@@ -516,7 +582,10 @@ class AtomicFile:
     def _commit(self) -> None:
         """Put the complete file at the destination and close it. A nameless file is linked in
         at the destination's name when nothing is there (the commit, with no name left behind
-        at any moment), else under a new hidden name first; a named one is renamed over it."""
+        at any moment), else under a new hidden name first; a named one is renamed over it.
+        Either way the file goes to the destination's path as it is now: a directory moved away
+        meanwhile is no longer the destination's, and the commit fails, the temporary removed
+        by the caller (:meth:`_discard`), wherever the directory went."""
         directory, base = os.path.split(self._target)
         if self.temp_path is None:
             try:
@@ -536,8 +605,16 @@ class AtomicFile:
                 self._name_a_copy(directory, base)
         temp = self.temp_path
         assert temp is not None  # linked in under it, or made so by _name_a_copy
-        self._close_fd()
-        os.replace(temp, self._target)
+        self._close_fd(keep_directory=True)
+        at = self._directory_fd
+        try:
+            os.replace(_at(temp, at), self._target, src_dir_fd=at)
+        except FileNotFoundError as exc:
+            missing = _missing(directory, self.name)
+            if missing is None:
+                raise
+            raise missing from exc
+        self._close_directory()
 
     def _linked_in(self) -> bool:
         """Link the nameless file in at the destination's name and close it (the commit, with
@@ -572,16 +649,14 @@ class AtomicFile:
         except BaseException:
             os.close(named)  # the named one is removed, the nameless one closed, by the caller
             raise
-        self._close_fd()  # the nameless one
+        self._close_fd(keep_directory=True)  # the nameless one
         self._hold(named)
 
     def _discard(self) -> None:
         """Delete the temporary file (a nameless one goes with its descriptor); the descriptor
         closes once no write is running."""
         self._done = True
-        if self.temp_path is not None:
-            with contextlib.suppress(OSError):  # already gone, or nothing better to do
-                os.unlink(self.temp_path)
+        self._remove_temporary()
         if not self._busy:
             self._close_fd()
 
