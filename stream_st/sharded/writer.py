@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import io
 import json
 import os
@@ -74,7 +75,7 @@ from ..errors import (
     integer_at_least,
     redact,
 )
-from ..transports.file.atomic import path_from_url
+from ..transports.file.atomic import path_from_url, temp_keeps_name
 from ..transports.file.sink import FileSink
 
 __all__ = [
@@ -303,11 +304,17 @@ class _RollingWriter(AsyncClosing):
 
     def _held_name(self, name: str) -> Path:
         """Where the file to be named ``name`` is linked in at the commit, before it is renamed
-        to that name: ``.<tag>.partial.<name>``, hidden (the tag is this writer's). A writer's
-        sweep (:func:`_claim`) removes such files, and a hidden temporary file of one (where
-        the file system has no nameless file: ``..<tag>.partial.<name>.<random>.tmp``), that a
-        killed writer left."""
-        return self.directory / f".{self._tag}.partial.{name}"
+        to that name: ``.<tag>.partial.<name>``, hidden (the tag is this writer's), or
+        ``.<tag>.partial.<digest of name>`` where that, or its temporary file's name, would
+        pass the longest name the directory takes (any valid final name can be written). A
+        writer's sweep (:func:`_claim`) removes such files, and a hidden temporary file of one
+        (where the file system has no nameless file: ``..<tag>.partial.<name>.<random>.tmp``),
+        that a killed writer left."""
+        held = f".{self._tag}.partial.{name}"
+        if not temp_keeps_name(str(self.directory), held):
+            digest = hashlib.blake2b(os.fsencode(name), digest_size=8).hexdigest()
+            held = f".{self._tag}.partial.{digest}"
+        return self.directory / held
 
     def _new_shard(self, first: Mapping[str, Array]) -> _Shard:
         """The next shard, opened with room for a header that ``first`` starts."""

@@ -150,12 +150,14 @@ HELD_BY_A_KILLED_WRITER = """
 import sys, anyio, numpy as np, stream_st
 from stream_st.transports.file import atomic
 
-kind, directory, nameless = sys.argv[1:]
+kind, directory, nameless, prefix = sys.argv[1:]
 atomic.USE_TMPFILE = nameless == "1"
 
 async def main():
     if kind == "checkpoint":
-        async with stream_st.open_sharded_writer(directory, max_shard_size=1 << 20) as writer:
+        async with stream_st.open_sharded_writer(
+            directory, max_shard_size=1 << 20, prefix=prefix
+        ) as writer:
             for i in range(3):
                 await writer.write(f"t{i}", np.zeros(1 << 18, np.float32))  # a shard each
             print("sealed", flush=True)
@@ -170,12 +172,14 @@ anyio.run(main)
 """
 
 
-def _kill_while_writing(kind: str, directory: Path, nameless: bool, sig: int) -> None:
-    """A writer of ``kind`` into ``directory``, killed with ``sig`` once two shards are sealed
-    and a third is being written."""
+def _kill_while_writing(
+    kind: str, directory: Path, nameless: bool, sig: int, prefix: str = "model"
+) -> None:
+    """A writer of ``kind`` into ``directory`` (a checkpoint's shards named after ``prefix``),
+    killed with ``sig`` once two shards are sealed and a third is being written."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     script = textwrap.dedent(HELD_BY_A_KILLED_WRITER)
-    args = [kind, os.fspath(directory), str(int(nameless))]
+    args = [kind, os.fspath(directory), str(int(nameless)), prefix]
     with subprocess.Popen(
         [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, env=env
     ) as child:
@@ -211,6 +215,43 @@ async def test_a_later_writer_removes_what_a_killed_one_left(tmp_path: Path, kin
     async with open_dataset_writer(directory) as writer:
         await writer.write_batch({"x": np.ones(2, np.float32)}, samples=2)
     assert not [name for name in os.listdir(directory) if name.startswith(".")]
+
+
+@pytest.mark.parametrize("size", [205, 220])
+async def test_a_later_writer_removes_what_a_killed_one_left_under_long_names(
+    tmp_path: Path, size: int
+) -> None:
+    """A prefix whose held names (``.<tag>.partial.<name>``, 18 bytes longer than the shard's),
+    or their temporaries' (``.<held>.<random>.tmp``, 18 more), would pass the longest name the
+    directory takes: short held names stand in, which a killed writer's temporaries are still
+    named after, for the next writer to remove."""
+    directory = tmp_path / "out"
+    _kill_while_writing("checkpoint", directory, False, signal.SIGKILL, "p" * size)
+    left = os.listdir(directory)
+    assert len(left) == 3 and all(name.startswith("..") for name in left)
+    async with open_dataset_writer(directory) as writer:
+        await writer.write_batch({"x": np.ones(2, np.float32)}, samples=2)
+    assert not [name for name in os.listdir(directory) if name.startswith(".")]
+
+
+@pytest.mark.parametrize("nameless", [True, False], ids=["nameless", "named"])
+async def test_a_long_prefix_whose_names_fit_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nameless: bool
+) -> None:
+    """Final names of up to 242 bytes (the directory takes 255) are written, though their held
+    names would be 18 bytes longer, and the held index's too long: short ones stand in."""
+    if nameless and not nameless_works(tmp_path):
+        pytest.skip("no O_TMPFILE here")
+    monkeypatch.setattr(atomic, "USE_TMPFILE", nameless)
+    prefix = "p" * 215
+    async with open_sharded_writer(tmp_path, max_shard_size=400, prefix=prefix) as writer:
+        await writer.write("a", np.zeros(100, np.float32))
+        await writer.write("b", np.ones(100, np.float32))
+    index = f"{prefix}.safetensors.index.json"
+    shards = [f"{prefix}-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    assert sorted(os.listdir(tmp_path)) == sorted([index, *shards])
+    loaded = await stream_st.load(tmp_path / index)
+    assert loaded["b"].tolist() == [1.0] * 100
 
 
 async def test_a_live_writers_files_are_not_removed(
