@@ -52,27 +52,30 @@ _EMBEDDINGS = (
     "embeddings.LayerNorm.weight",
     "embeddings.LayerNorm.bias",
 )
-_LAYER = tuple(
-    f"{part}.{kind}"
-    for part in (
-        "attention.self.query",
-        "attention.self.key",
-        "attention.self.value",
-        "attention.output.dense",
-        "attention.output.LayerNorm",
-        "intermediate.dense",
-        "output.dense",
-        "output.LayerNorm",
-    )
-    for kind in ("weight", "bias")
-)
+_LAYER_PARTS = {
+    "attention.self.query": ("hidden", "hidden"),
+    "attention.self.key": ("hidden", "hidden"),
+    "attention.self.value": ("hidden", "hidden"),
+    "attention.output.dense": ("hidden", "hidden"),
+    "attention.output.LayerNorm": ("hidden",),
+    "intermediate.dense": ("intermediate", "hidden"),
+    "output.dense": ("hidden", "intermediate"),
+    "output.LayerNorm": ("hidden",),
+}
+"""The parts of a layer, in the order the forward pass uses them, and the sizes their weight's
+dimensions are (a bias: the first one's)."""
+_LAYER = tuple(f"{part}.{kind}" for part in _LAYER_PARTS for kind in ("weight", "bias"))
 
+
+_STARTS = {prefix: (f"{prefix}embeddings.", f"{prefix}encoder.") for prefix in ("bert.", "")}
+"""How the names of the encoder's weights start under each prefix."""
 
 _CONFIG_FIELDS = {
     "hidden_size": int,
     "num_attention_heads": int,
     "num_hidden_layers": int,
     "layer_norm_eps": float,
+    "intermediate_size": int,
 }
 """The fields of :class:`BertConfig`, named as in a Hugging Face ``config.json``, and what each
 holds."""
@@ -82,16 +85,19 @@ holds."""
 class BertConfig:
     """The few numbers of a Hugging Face ``config.json`` the forward pass needs:
     :class:`ModelError` unless the sizes are integers >= 1, the heads dividing the hidden size,
-    and ``layer_norm_eps`` a finite number >= 0."""
+    and ``layer_norm_eps`` a finite number >= 0. ``intermediate_size`` unknown (``None``) is
+    taken from the first weight that has it."""
 
     hidden_size: int
     num_attention_heads: int
     num_hidden_layers: int
     layer_norm_eps: float = 1e-12
+    intermediate_size: int | None = None
 
     def __post_init__(self) -> None:
         sizes = (self.hidden_size, self.num_attention_heads, self.num_hidden_layers)
-        if not counts(*sizes) or (
+        intermediate = () if self.intermediate_size is None else (self.intermediate_size,)
+        if not counts(*sizes, *intermediate) or (
             not epsilon(self.layer_norm_eps) or self.hidden_size % self.num_attention_heads
         ):
             raise ModelError(f"not a BERT configuration: {self}")
@@ -227,7 +233,9 @@ class StreamingBert:
     integers, a mask that is not numbers; :class:`ModelError` for no token, shapes that differ,
     a mask of other values than 0 and 1) and against the embeddings once they arrive
     (:class:`ModelError` for an id outside the vocabulary, -1 included, a token type outside
-    the model's, more tokens than it has positions).
+    the model's, more tokens than it has positions). Each weight is checked as it arrives
+    (see :meth:`add`). ``prefix`` (``"bert."`` or ``""``) is found from the first tensor
+    named ``[bert.]embeddings.*`` or ``[bert.]encoder.*`` unless given.
     """
 
     config: BertConfig
@@ -241,8 +249,16 @@ class StreamingBert:
     values: list[Array] = field(default_factory=list)
     hidden: Array | None = None
     layers_done: int = -1  # -1: embeddings not computed yet
+    _sizes: dict[str, int | None] = field(default_factory=dict, init=False, repr=False)
+    """The sizes of the weights' dimensions (``None``: any, as a table's rows)."""
 
     def __post_init__(self) -> None:
+        config = self.config
+        self._sizes = {
+            "hidden": config.hidden_size,
+            "intermediate": config.intermediate_size,  # None: the first weight's that has it
+            "rows": None,
+        }
         self.input_ids = integer_ids(self.input_ids, "input_ids")
         shape = self.input_ids.shape
         if len(shape) != 2 or not self.input_ids.size:
@@ -268,10 +284,45 @@ class StreamingBert:
         return self.run_ready()
 
     def add(self, name: str, array: Array) -> None:
-        """Take one weight without running anything (see :meth:`run_ready`)."""
+        """Take one weight without running anything (see :meth:`run_ready`). :class:`ModelError`
+        for a weight of the encoder (under the prefix) whose numbers are not floating point, a
+        layer's or the embeddings' LayerNorm of another shape than the configuration's, or a
+        layer it has not; a tensor that is no weight of the encoder (a pooler, a head,
+        ``embeddings.position_ids``) is let go."""
         if self.prefix is None:
-            self.prefix = "bert." if name.startswith("bert.") else ""
-        self.weights[name] = array
+            self.prefix = next((p for p in ("bert.", "") if name.startswith(_STARTS[p])), None)
+        if self.prefix is None or not name.startswith(self.prefix):
+            return  # before the encoder's first weight (a head), or under another prefix
+        if self._check(name, name.removeprefix(self.prefix), array):
+            self.weights[name] = array
+
+    def _check(self, name: str, local: str, array: Array) -> bool:
+        """Whether ``local`` (``name`` less the prefix) is a weight of the encoder, checked."""
+        layer, _, part = local.removeprefix("encoder.layer.").partition(".")
+        if local.startswith("encoder."):
+            layers = self.config.num_hidden_layers
+            if part not in _LAYER or not layer.isdecimal() or f"{int(layer)}" != layer:
+                raise ModelError(f"{name} is no weight of a BERT layer")
+            if int(layer) >= layers:
+                raise ModelError(f"{name}: the configuration has {layers} layers")
+            dims = _LAYER_PARTS[part.rpartition(".")[0]]
+        elif local in _EMBEDDINGS:
+            dims = ("hidden",) if "LayerNorm" in local else ("rows", "hidden")
+        else:
+            return False
+        if not isinstance(array, np.ndarray):
+            raise ArgumentTypeError(f"{name} is a {type(array).__name__}, not a numpy array")
+        if array.dtype.kind not in "fV":  # V: bfloat16 and float8 (ml_dtypes)
+            raise ModelError(f"{name} holds {array.dtype}, the model needs floating point")
+        dims = dims[:1] if local.endswith(".bias") else dims
+        given = list(array.shape)
+        if len(given) == len(dims):
+            if "intermediate" in dims and self._sizes["intermediate"] is None:
+                self._sizes["intermediate"] = given[dims.index("intermediate")]  # the first's
+            if all(self._sizes[dim] in (None, n) for dim, n in zip(dims, given, strict=True)):
+                return True
+        needed = ", ".join(f"{self._sizes[dim]}".replace("None", "n") for dim in dims)
+        raise ModelError(f"{name} has shape {given}, the configuration needs [{needed}]")
 
     @property
     def ready(self) -> bool:
@@ -337,13 +388,6 @@ class StreamingBert:
         ids = self.input_ids
         seq = ids.shape[1]
         token_types = np.zeros_like(ids) if self.token_type_ids is None else self.token_type_ids
-        hidden = self.config.hidden_size
-        for what, table in (("word", words), ("position", positions), ("token type", types)):
-            if table.ndim != 2 or table.shape[1] != hidden:
-                raise ModelError(
-                    f"the {what} embeddings have shape {list(table.shape)}, the configuration "
-                    f"needs [n, {hidden}]"
-                )
         check_ids(ids, len(words), "input_ids")
         check_ids(token_types, len(types), "token_type_ids")
         if seq > len(positions):

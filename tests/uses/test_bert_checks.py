@@ -4,6 +4,8 @@ ModelError (or an ArgumentTypeError), never a bare numpy error nor a silent wron
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,11 @@ def weights() -> dict[str, Array]:
 
 def run(ids: Any, mask: Any, types: Any = None, config: BertConfig = CONFIG) -> Array:
     return run_loaded(StreamingBert(config, ids, mask, types), weights())
+
+
+def bert(config: BertConfig = CONFIG) -> StreamingBert:
+    """An encoder of ``config`` for two tokens."""
+    return StreamingBert(config, np.array([[1, 2]]), np.array([[1, 1]]))
 
 
 def test_good_inputs_still_run() -> None:
@@ -92,8 +99,85 @@ def test_inputs_that_are_not_integers_or_numbers_are_an_argument_type_error(
 
 def test_embeddings_of_another_width_than_the_configuration_are_a_model_error() -> None:
     config = BertConfig(hidden_size=4, num_attention_heads=2, num_hidden_layers=1)
-    with pytest.raises(ModelError, match=r"word embeddings have shape \[10, 8\]"):
+    needs = "has shape [10, 8], the configuration needs [n, 4]"
+    with pytest.raises(ModelError, match=re.escape(f"word_embeddings.weight {needs}")):
         run([[1, 2]], [[1, 1]], config=config)
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "needed"),
+    [
+        ("encoder.layer.0.output.LayerNorm.weight", (1,), "[8]"),
+        ("encoder.layer.0.attention.self.query.bias", (1,), "[8]"),
+        ("encoder.layer.0.attention.self.key.weight", (8,), "[8, 8]"),
+        ("embeddings.LayerNorm.bias", (), "[8]"),
+        ("encoder.layer.0.intermediate.dense.weight", (12, 8), "[16, 8]"),
+        ("encoder.layer.0.output.dense.weight", (8, 12), "[8, 16]"),
+    ],
+)
+def test_a_weight_of_another_shape_than_the_configuration_is_a_model_error(
+    name: str, shape: tuple[int, ...], needed: str
+) -> None:
+    """A [1] LayerNorm weight or bias was broadcast silently (off by up to 6.6 on MiniLM), a
+    dense weight of another shape a bare numpy ValueError."""
+    bad = {**weights(), name: np.ones(shape, np.float32)}
+    message = f"{name} has shape {list(shape)}, the configuration needs {needed}"
+    with pytest.raises(ModelError, match=re.escape(message)):
+        run_loaded(bert(replace(CONFIG, intermediate_size=16)), bad)
+
+
+def test_the_intermediate_size_is_the_configuration_s_or_the_first_weight_s() -> None:
+    """intermediate_size from config.json wins; without it the first weight that has it sets it."""
+    assert run_loaded(bert(), weights()).shape == (1, 2, 8)
+    with pytest.raises(ModelError, match=r"needs \[12, 8\]"):
+        run_loaded(bert(replace(CONFIG, intermediate_size=12)), weights())
+    backwards = dict(reversed(weights().items()))  # output.dense (8, 16) comes first
+    assert run_loaded(bert(), backwards).shape == (1, 2, 8)
+    narrow = {**weights(), "encoder.layer.0.intermediate.dense.weight": np.ones((12, 8))}
+    with pytest.raises(ModelError, match=r"dense\.bias has shape \[16\], .* needs \[12\]"):
+        run_loaded(bert(), narrow)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_, np.complex64])
+def test_weights_that_are_not_floating_point_are_a_model_error(dtype: Any) -> None:
+    bad = {**weights(), "encoder.layer.0.attention.self.value.weight": np.ones((8, 8), dtype)}
+    with pytest.raises(ModelError, match=r"value\.weight holds .*, the model needs floating"):
+        run_loaded(bert(), bad)
+
+
+def test_a_weight_that_is_no_array_is_an_argument_type_error() -> None:
+    """A list was a bare AttributeError ('list' object has no attribute 'T') as its layer ran."""
+    listed = {**weights(), "encoder.layer.0.output.dense.bias": [0.0] * 8}
+    with pytest.raises(stream_st.ArgumentTypeError, match=r"dense\.bias is a list, not a numpy"):
+        run_loaded(bert(), listed)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("encoder.layer.1.output.dense.bias", "the configuration has 1 layers"),
+        ("encoder.layer.01.output.dense.bias", "is no weight of a BERT layer"),
+        ("encoder.layer.0.output.gate.bias", "is no weight of a BERT layer"),
+    ],
+)
+def test_a_layer_the_configuration_has_not_is_a_model_error(name: str, message: str) -> None:
+    """A checkpoint of more layers than config.json says was run on its first ones, silently."""
+    with pytest.raises(ModelError, match=f"{re.escape(name)}:? {message}"):
+        run_loaded(bert(), {**weights(), name: np.ones(8)})
+
+
+def test_the_bert_prefix_is_found_past_tensors_of_a_head() -> None:
+    """A checkpoint whose first tensor was cls.* took no prefix: every bert.* weight was
+    reported missing."""
+    ids, mask = np.array([[1, 9, 3]]), np.array([[1, 1, 0]])
+    expected = run(ids, mask)
+    head = {"cls.predictions.bias": np.zeros(10, np.float32)}
+    prefixed = {**head, **{f"bert.{k}": v for k, v in weights().items()}}
+    prefixed["bert.pooler.dense.weight"] = np.zeros((8, 8), np.float32)
+    prefixed["bert.embeddings.position_ids"] = np.arange(4)  # integers, but no weight: let go
+    model = StreamingBert(CONFIG, ids, mask)
+    np.testing.assert_array_equal(run_loaded(model, prefixed), expected)
+    assert model.prefix == "bert."
 
 
 def test_one_model_error_for_both_models() -> None:
