@@ -607,7 +607,7 @@ async def run_demo_command(args: argparse.Namespace) -> int:
 
 
 async def run_model_demo(args: argparse.Namespace) -> int:
-    from .demo import print_model_report, run_model_demo
+    from .demo import print_model_report, problems, run_model_demo
 
     if args.layers is not None or args.seq is not None:
         raise UsageError("--layers and --seq size the synthetic cache: use them with --synthetic")
@@ -627,7 +627,7 @@ async def run_model_demo(args: argparse.Namespace) -> int:
         print_json(demo.to_json())
     else:
         print_model_report(demo)
-    return EXIT_OK
+    return EXIT_DIFFERENT if problems(demo) else EXIT_OK  # the verdict CHECK
 
 
 async def run_completion(args: argparse.Namespace) -> int:

@@ -4,7 +4,9 @@ The main job (:func:`run_model_demo`) runs a real decoder, SmolLM2-135M-Instruct
 (:mod:`stream_st.llm`): a sender prefills a context and sends each layer's keys and values as
 soon as the layer exists; the receiver runs that layer of the continuation on them as they
 arrive, and the continuation's perplexity, per codec, is compared with the receiver recomputing
-the context itself. :func:`print_model_report` prints it, :meth:`ModelDemo.to_json` gives it.
+the context itself. Every layer received is compared, bit for bit, with the recomputed cache
+through the codec (the codecs are deterministic). :func:`print_model_report` prints it,
+:meth:`ModelDemo.to_json` gives it, and its :func:`verdict` is OK or CHECK (:func:`problems`).
 
 The synthetic demo (:func:`run_demo`, ``stream-st demo --synthetic``) needs no model: a sender
 computes a TinyLlama-shaped KV cache layer by layer (real numpy work: the key and value
@@ -25,6 +27,7 @@ connection (a session), and the demo prints:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,10 +43,11 @@ from ..connection import Connection, connect, listen
 from ..core.codecs import error_stats
 from ..errors import AllocationError, UsageError, integer_at_least
 from ..kv import KVLayout, KVReceiver, SendReport, receive_kv, send_kv
+from ..kv.layout import key_name, value_name
 from ..transports.options import LimitOptions, clock_of
 
 if TYPE_CHECKING:
-    from ..models.llm import Llama, LlamaConfig
+    from ..models.llm import KVCache, Llama, LlamaConfig
 
 __all__ = ["DemoResult", "ModelDemo", "ModelResult", "run_demo", "run_model_demo"]
 
@@ -333,6 +337,7 @@ class ModelResult(DemoResult):
     perplexity: float = math.nan
     max_logit_error: float = math.nan  # against the receiver's own recomputation
     identical: bool = False  # logits bit for bit those of the recomputation
+    wrong_layer: int | None = None  # the first layer received other than expected (see below)
 
     @property
     def label(self) -> str:
@@ -372,6 +377,7 @@ class ModelDemo:
                     "perplexity_change": r.perplexity / self.recompute_perplexity - 1,
                     "max_logit_error": r.max_logit_error,
                     "logits_identical": r.identical,
+                    "first_wrong_layer": r.wrong_layer,
                     "first_layer_seconds": r.first_layer,
                     "prefill_seconds": r.produced[-1],
                     "finished_seconds": r.finished,
@@ -456,16 +462,32 @@ def cap_continuation(tokens: int, context: int, limit: int | None = None) -> tup
     )
 
 
-def verdict(demo: ModelDemo) -> str:
-    """One line: what the demo showed and whether it went well."""
-    lossless = [r for r in demo.results if r.codec == "none" and r.dtype == "F32"]
-    changes = {r.label: r.perplexity / demo.recompute_perplexity - 1 for r in demo.results}
-    problems = [f"{r.label} logits differ" for r in lossless if not r.identical]
-    problems += [
-        f"{label} perplexity {change:+.1%}"
-        for label, change in changes.items()
-        if not abs(change) <= PERPLEXITY_TOLERANCE
+def problems(demo: ModelDemo) -> list[str]:
+    """What makes the verdict CHECK (none: OK), from what was computed alone, never from how
+    long anything took: a layer received other than the codec makes it from the recomputed
+    cache, none/F32 logits not bit for bit the recomputation's, a perplexity beyond
+    :data:`PERPLEXITY_TOLERANCE`, fewer than :data:`MIN_SCORED` tokens scored."""
+    found = [
+        f"{r.label} layer {r.wrong_layer} is not the recomputed cache through the codec"
+        for r in demo.results
+        if r.wrong_layer is not None
     ]
+    found += [
+        f"{r.label} logits differ"
+        for r in demo.results
+        if r.codec == "none" and r.dtype == "F32" and not r.identical
+    ]
+    for r in demo.results:
+        change = r.perplexity / demo.recompute_perplexity - 1
+        if not abs(change) <= PERPLEXITY_TOLERANCE:
+            found.append(f"{r.label} perplexity {change:+.1%}")
+    if demo.continuation_tokens - 1 < MIN_SCORED:
+        found.append(f"only {demo.continuation_tokens - 1} tokens scored")
+    return found
+
+
+def verdict(demo: ModelDemo) -> str:
+    """One line: what the demo showed and whether it went well (:func:`problems`)."""
     best = min(demo.results, key=lambda r: r.finished)
     tail = best.finished - best.produced[-1]
     shown = (
@@ -474,13 +496,14 @@ def verdict(demo: ModelDemo) -> str:
         f"({best.label}, overlap {best.overlap_efficiency:.0%}); recomputing it took "
         f"{demo.recompute_time * 1e3:.0f} ms of its own compute"
     )
-    if demo.continuation_tokens - 1 < MIN_SCORED:
-        problems.append(f"only {demo.continuation_tokens - 1} tokens scored")
-    if problems:
-        return f"verdict: CHECK ({'; '.join(problems)}): {shown}"
-    exact = " (none/F32 bit for bit)" if lossless else ""
+    found = problems(demo)
+    if found:
+        return f"verdict: CHECK ({'; '.join(found)}): {shown}"
+    lossless = any(r.codec == "none" and r.dtype == "F32" for r in demo.results)
+    exact = " (none/F32 logits bit for bit)" if lossless else ""
     return (
-        f"verdict: OK: every codec within {PERPLEXITY_TOLERANCE:.0%} of the recomputation's "
+        "verdict: OK: every layer arrived bit for bit as its codec makes it of the recomputed "
+        f"cache, every codec within {PERPLEXITY_TOLERANCE:.0%} of the recomputation's "
         f"perplexity{exact}; {shown}"
     )
 
@@ -575,10 +598,10 @@ async def _run_model_demo(
     cache = await anyio.to_thread.run_sync(model.cache, prompt)
     reference = await anyio.to_thread.run_sync(model.score, continuation, cache)
     recompute_time = time.perf_counter() - began
-    del cache
-
     results = [ModelResult(MODEL_CODECS[n][0], dtype=MODEL_CODECS[n][1]) for n in names]
     layouts = [model.config.kv_layout(context, r.dtype, r.codec) for r in results]
+    expected = [await anyio.to_thread.run_sync(_expected_layers, cache, x) for x in layouts]
+    del cache
 
     async def send(connection: Connection, index: int) -> None:
         say(f"transfer {index + 1}/{len(results)}: {results[index].label}")
@@ -588,8 +611,15 @@ async def _run_model_demo(
 
     async def receive(connection: Connection, index: int) -> None:
         result = results[index]
+
+        def check(layer: int, key: Array, value: Array) -> None:
+            if result.wrong_layer is None and _layer_digest(key, value) != expected[index][layer]:
+                result.wrong_layer = layer
+
         async with receive_kv(connection) as incoming:
-            logits = await continue_received(incoming, model, continuation, done_at=result.consumed)
+            logits = await continue_received(
+                incoming, model, continuation, done_at=result.consumed, each_layer=check
+            )
             _received(result, incoming)
         result.finished = time.perf_counter() - result.start
         result.payload_bytes = 2 * model.config.num_layers * int(np.prod(layouts[0].shape)) * 4
@@ -608,6 +638,30 @@ async def _run_model_demo(
         results=results,
         config=model.config,
     )
+
+
+def _layer_digest(key: Array, value: Array) -> bytes:
+    """SHA-256 of a layer's keys' and values' bytes: a received layer compared bit for bit with
+    the expected one, without holding the expected one."""
+    digest = hashlib.sha256()
+    for array in (key, value):
+        digest.update(np.ascontiguousarray(array).data)
+    return digest.digest()
+
+
+def _expected_layers(cache: KVCache, layout: KVLayout) -> list[bytes]:
+    """Each layer's :func:`_layer_digest` as a transfer of ``cache`` through ``layout`` must
+    deliver it: cast to the layout's dtype, then encoded and decoded by its codec (the codecs
+    are deterministic), one layer at a time."""
+    codec, dtype = layout.get_codec(), layout.numpy_dtype
+
+    def through(name: str, array: Array) -> Array:
+        return codec.decode(name, dict(codec.encode(name, array.astype(dtype, copy=False))), dtype)
+
+    return [
+        _layer_digest(through(key_name(layer), key), through(value_name(layer), value))
+        for layer, (key, value) in enumerate(cache)
+    ]
 
 
 def print_model_report(demo: ModelDemo) -> None:
@@ -643,7 +697,8 @@ def print_model_report(demo: ModelDemo) -> None:
         "ready at the receiver.\noverlap = 1 - stall / transfer time. change: perplexity "
         "against the receiver's own recomputation; logits: against it, bit for bit.\n"
         "Perplexity counts the continuation from its second token. Every layer passed its "
-        "SHA-256 check before use.\nOn one machine a transfer's done time includes the "
+        "SHA-256 check before use, and is compared, bit for bit, with the receiver's "
+        "recomputed layer through the codec.\nOn one machine a transfer's done time includes the "
         "sender's prefill, so it cannot beat recomputing: what counts is how soon after the "
         "sender's last layer the receiver is ready, and that the perplexity holds."
     )

@@ -145,13 +145,13 @@ def test_the_demo_caps_a_long_continuation_and_says_so(
     monkeypatch.setattr(llm, "read_gguf", lambda: smollm2)  # loaded once for the module
     monkeypatch.setattr("stream_st.cli.demo.MAX_CONTINUATION", 16, raising=False)
     argv = ["demo", "-q", "--text", str(text_file), "--context", "24", "--codecs", "none"]
-    assert main([*argv, "--json"]) == 0
+    assert main([*argv, "--json"]) == 1  # 15 tokens scored: the verdict is CHECK
     found = json.loads(capsys.readouterr().out)
     assert (found["context_tokens"], found["continuation_tokens"], found["scored_tokens"]) == (
         24, 16, 15,
     )  # fmt: skip
     assert "the continuation is its 16 tokens after the 24-token context" in found["notice"]
-    assert main(argv) == 0
+    assert main(argv) == 1
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
     assert len(notes) == 1 and "(15 scored; at most 16 are run)" in notes[0], notes
 

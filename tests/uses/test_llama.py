@@ -276,8 +276,10 @@ def test_demo_command_runs_the_model(text_file: Path, capsys: pytest.CaptureFixt
     argv = ["demo", "--text", str(text_file), "--context", "24", "--codecs", "none,int4"]
     status = main([*argv, "--json"])
     captured = capsys.readouterr()
-    assert status == 0, captured.err
+    assert status == 1, captured.err  # 41 tokens scored: too few, the verdict is CHECK
     found = json.loads(captured.out)
+    assert found["verdict"].startswith("verdict: CHECK ("), found["verdict"]
+    assert "only 41 tokens scored" in found["verdict"]
     assert found["model"] == "SmolLM2-135M-Instruct" and found["layers"] == 30
     assert found["kv_shape"] == [1, 3, 24, 64]
     rows = {(r["codec"], r["dtype"]): r for r in found["transfers"]}
@@ -289,6 +291,55 @@ def test_demo_command_runs_the_model(text_file: Path, capsys: pytest.CaptureFixt
     for row in rows.values():
         assert 0 < row["first_layer_seconds"] <= row["prefill_seconds"] <= row["finished_seconds"]
     assert "loading SmolLM2" in captured.err  # progress, on stderr
+
+
+async def damaging_send_prefill(
+    dst: Any, model: Llama, tokens: Array, layout: stream_st.KVLayout, **limits: Any
+) -> stream_st.kv.SendReport:
+    """send_prefill with a sender's bug the digests cannot see (they are taken of what is
+    sent): none/F16 sends the context's positions in reverse order (rotated keys carry their
+    position: the perplexity stays), int8 swaps layers 28 and 29; the others go out intact."""
+    if (layout.codec, layout.dtype) not in {("none", "F16"), ("int8", "F32")}:
+        return await send_prefill(dst, model, tokens, layout, **limits)
+    cache = model.cache(tokens)
+    if layout.codec == "int8":
+        cache[28], cache[29] = cache[29], cache[28]
+    else:
+        cache = [(key[:, :, ::-1], value[:, :, ::-1]) for key, value in cache]
+    dtype = layout.numpy_dtype
+    layers = [(i, key.astype(dtype), value.astype(dtype)) for i, (key, value) in enumerate(cache)]
+    return await stream_st.send_kv(dst, layout, layers, **limits)
+
+
+def test_demo_checks_every_layer_against_the_codec_and_exits_1_on_check(
+    model: Llama,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The verdict said OK for a wrong cache: none/F32 alone was checked bit for bit, the others
+    by perplexity, which positions out of order and swapped late layers hardly move. Every
+    layer is now compared with the recomputed cache through its codec; CHECK exits 1."""
+    from stream_st.cli.demo import default_text
+
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(default_text().split()[:120]), encoding="utf-8")
+    argv = ["demo", "-q", "--text", str(text), "--context", "24", "--json"]
+    monkeypatch.setattr("stream_st.models.llm.read_gguf", lambda: model)  # loaded once
+    assert main([*argv, "--codecs", "none,f16,int8"]) == 0  # intact: every layer as expected
+    found = json.loads(capsys.readouterr().out)
+    assert found["verdict"].startswith("verdict: OK: every layer arrived bit for bit")
+    assert [r["first_wrong_layer"] for r in found["transfers"]] == [None, None, None]
+
+    monkeypatch.setattr("stream_st.models.llm.transfer.send_prefill", damaging_send_prefill)
+    assert main([*argv, "--codecs", "none,f16,int8"]) == 1
+    found = json.loads(capsys.readouterr().out)
+    wrong = {r["codec"] + "/" + r["dtype"]: r["first_wrong_layer"] for r in found["transfers"]}
+    assert wrong == {"none/F32": None, "none/F16": 0, "int8/F32": 28}
+    assert found["verdict"].startswith(
+        "verdict: CHECK (none/F16 layer 0 is not the recomputed cache through the codec; "
+        "int8 layer 28 is not the recomputed cache through the codec)"
+    ), found["verdict"]
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ threads of one end would otherwise spin on the cores the other end computes on.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Unpack
 
@@ -58,10 +58,12 @@ async def continue_received(
     tokens: Sequence[int] | Array,
     *,
     done_at: list[float] | None = None,
+    each_layer: Callable[[int, Array, Array], None] | None = None,
 ) -> Array:
     """Run ``tokens`` on top of the cache ``incoming`` delivers, layer ``l`` as soon as layer
     ``l`` is verified; returns their logits ``[len(tokens), vocab]``. ``done_at`` gets the
-    ``time.perf_counter()`` at which each layer finished.
+    ``time.perf_counter()`` at which each layer finished; ``each_layer`` is then called with
+    the layer's number, keys and values (to check what arrived, say).
 
     The transfer's layout (its header) must be a cache of this model: as many layers, keys and
     values ``[1, num_kv_heads, seq, head_dim]``. :class:`~stream_st.UsageError` before anything
@@ -74,6 +76,8 @@ async def continue_received(
         incoming.release(layer)
         if done_at is not None:
             done_at.append(time.perf_counter())
+        if each_layer is not None:
+            each_layer(layer, key, value)
     logits: Array = await anyio.to_thread.run_sync(run.logits)
     return logits
 
