@@ -2,7 +2,9 @@
 
 Each request is checked in this order: the bearer token (401), the path (404), the method
 (405), the files still the ones planned (409), then the conditions and the range
-(``conditions``: 304, 412, 416, 200 or 206). A body is sent piece by piece: a file's bytes with
+(``conditions``: 304, 412, 416, 200 or 206). The files a body comes from are opened before the
+status goes out: no descriptor free is a 503 (``Retry-After``), a file no longer the one planned
+a 409. A body is sent piece by piece: a file's bytes with
 ``sendfile`` (zero-copy), bytes in memory in slices of :data:`SLICE`. Its last byte is held back
 until the files are found unchanged once more: a file changed (another inode, size or
 modification time) while it was being sent ends its answer one byte short (the connection is
@@ -59,6 +61,9 @@ on a kept-alive connection after the answers being sent were dealt with: a race 
 of the event loop."""
 
 _ALLOW = "GET, HEAD"
+
+_RETRY_AFTER = {"Retry-After": "1"}
+"""What a 503 says: ask again in a second (stream_st's reader waits as told, then retries)."""
 
 
 def token_problem(token: str) -> str | None:
@@ -207,50 +212,83 @@ class Server:
             )
         if decided.status == 304:
             return web.Response(status=304, headers=common)
-        response = web.StreamResponse(status=decided.status, headers=common)
-        response.content_type = "application/octet-stream"
-        response.content_length = decided.end - decided.start
-        if decided.status == 206:
-            response.headers["Content-Range"] = (
-                f"bytes {decided.start}-{decided.end - 1}/{served.size}"
-            )
-        await response.prepare(request)
-        if request.method == "GET" and decided.end > decided.start:
-            await self._send(request, response, decided.start, decided.end)
-        await response.write_eof()
-        return response
+        sending = request.method == "GET" and decided.end > decided.start
+        opened: dict[SourceFile, io.FileIO] = {}
+        try:
+            if sending:  # before the status goes out: a file that cannot be opened gets its own
+                refused = self._open_files(decided.start, decided.end, opened)
+                if refused is not None:
+                    return refused
+            response = web.StreamResponse(status=decided.status, headers=common)
+            response.content_type = "application/octet-stream"
+            response.content_length = decided.end - decided.start
+            if decided.status == 206:
+                response.headers["Content-Range"] = (
+                    f"bytes {decided.start}-{decided.end - 1}/{served.size}"
+                )
+            await response.prepare(request)
+            if sending:
+                await self._send(request, response, decided.start, decided.end, opened)
+            await response.write_eof()
+            return response
+        finally:
+            for handle in opened.values():
+                handle.close()
 
     def _changed(self, change: str) -> web.StreamResponse:
         log.warning("refusing to serve: %s since serving began", change)
         return _plain(409, "a file served changed on disk since serving began: serve it again")
 
-    async def _send(
-        self, request: web.Request, response: web.StreamResponse, start: int, end: int
-    ) -> None:
-        """Send bytes ``start`` to ``end`` of the object; the last one only once every file
-        sent from is found unchanged (else the connection is closed one byte short)."""
-        transport = request.transport
-        opened: dict[SourceFile, io.FileIO] = {}
+    def _open_files(
+        self, start: int, end: int, opened: dict[SourceFile, io.FileIO]
+    ) -> web.StreamResponse | None:
+        """Open every file bytes ``start`` to ``end`` of the object come from (into ``opened``);
+        None when all are, else the answer: 503 with ``Retry-After`` when the process or the
+        system has no file descriptor free (``EMFILE``, ``ENFILE``: the request may be asked
+        again), 409 when a file is no longer the one planned (gone, replaced)."""
         try:
-            try:
-                for piece, low, high in self._served.pieces_in(start, end - 1):
-                    if piece.file is None:
-                        assert piece.data is not None
-                        view = piece.data[low - piece.start : high - piece.start]
-                        for at in range(0, len(view), SLICE):
-                            await response.write(view[at : at + SLICE])
-                        continue
-                    handle = _opened(piece.file, opened)
-                    if transport is None or transport.is_closing():
-                        return
-                    position = piece.offset + low - piece.start
-                    await asyncio.get_running_loop().sendfile(
-                        transport, handle, position, high - low
-                    )
-                last = self._last_byte(end - 1, opened)
-                problem = next(filter(None, (file.change() for file in opened)), None)
-            except SourceChangedError as exc:
-                problem = str(exc)
+            for piece, _, _ in self._served.pieces_in(start, end):
+                if piece.file is not None and piece.file not in opened:
+                    opened[piece.file] = piece.file.open()  # checked to be the one planned
+        except SourceChangedError as exc:
+            return self._changed(str(exc))
+        except TransportError as exc:
+            log.warning("answering 503: %s", exc)
+            busy = _plain(
+                503, "the server cannot open the files served now: try again", _RETRY_AFTER
+            )
+            busy.force_close()  # the connection's own descriptor goes back too
+            return busy
+        return None
+
+    async def _send(
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        start: int,
+        end: int,
+        opened: dict[SourceFile, io.FileIO],
+    ) -> None:
+        """Send bytes ``start`` to ``end`` of the object, from the files ``opened`` (the caller
+        closes them); the last one only once every file sent from is found unchanged (else the
+        connection is closed one byte short)."""
+        transport = request.transport
+        try:
+            for piece, low, high in self._served.pieces_in(start, end - 1):
+                if piece.file is None:
+                    assert piece.data is not None
+                    view = piece.data[low - piece.start : high - piece.start]
+                    for at in range(0, len(view), SLICE):
+                        await response.write(view[at : at + SLICE])
+                    continue
+                if transport is None or transport.is_closing():
+                    return
+                position = piece.offset + low - piece.start
+                await asyncio.get_running_loop().sendfile(
+                    transport, opened[piece.file], position, high - low
+                )
+            last = self._last_byte(end - 1, opened)
+            problem = next(filter(None, (file.change() for file in opened)), None)
             if problem is not None:
                 log.warning("closing an answer one byte short: %s", problem)
                 if transport is not None:
@@ -259,26 +297,14 @@ class Server:
             await response.write(last)
         except ConnectionError:  # the client went away
             return
-        finally:
-            for handle in opened.values():
-                handle.close()
 
     def _last_byte(self, position: int, opened: dict[SourceFile, io.FileIO]) -> bytes:
-        """Byte ``position`` of the object."""
+        """Byte ``position`` of the object (from its file among ``opened``)."""
         piece, _, _ = next(self._served.pieces_in(position, position + 1))
         if piece.file is None:
             assert piece.data is not None
             return bytes(piece.data[position - piece.start : position - piece.start + 1])
-        handle = _opened(piece.file, opened)
-        return os.pread(handle.fileno(), 1, piece.offset + position - piece.start)
-
-
-def _opened(file: SourceFile, opened: dict[SourceFile, io.FileIO]) -> io.FileIO:
-    """``file`` opened (once per answer: kept in ``opened``), checked to be the one planned."""
-    handle = opened.get(file)
-    if handle is None:
-        handle = opened[file] = file.open()
-    return handle
+        return os.pread(opened[piece.file].fileno(), 1, piece.offset + position - piece.start)
 
 
 def _plain(status: int, text: str, headers: Mapping[str, str] | None = None) -> web.Response:

@@ -24,6 +24,7 @@ not seen: see ``app``).
 from __future__ import annotations
 
 import bisect
+import errno
 import hashlib
 import io
 import os
@@ -43,6 +44,7 @@ from ..errors import (
     ArgumentTypeError,
     SourceChangedError,
     SourceNotFoundError,
+    TransportError,
     UsageError,
 )
 from ..sharded.reader import ShardIndex
@@ -56,6 +58,9 @@ Tensors = Mapping[str, Any]
 """Tensors in memory, by name: numpy arrays, torch tensors, anything ``numpy.asarray`` takes."""
 
 SUFFIX = ".safetensors"
+
+_NO_DESCRIPTOR = (errno.EMFILE, errno.ENFILE)
+"""Why a file may fail to open that says nothing of the file: no descriptor free."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,11 +102,13 @@ class SourceFile:
 
     def open(self) -> io.FileIO:
         """The file, opened for reading; :class:`~stream_st.SourceChangedError` unless it is the
-        one planned."""
+        one planned, :class:`~stream_st.TransportError` when no file descriptor is free (in this
+        process, or in the system): it may be the one planned, and may open a moment later."""
         try:
             handle = io.FileIO(self.path, "r")
         except OSError as exc:
-            raise SourceChangedError(f"{self.path}: {exc.strerror or exc}", url=self.path) from None
+            kind = TransportError if exc.errno in _NO_DESCRIPTOR else SourceChangedError
+            raise kind(f"{self.path}: {exc.strerror or exc}", url=self.path) from None
         if self.identity_of(os.fstat(handle.fileno())) != self.identity:
             handle.close()
             raise SourceChangedError(f"{self.path} changed on disk", url=self.path)

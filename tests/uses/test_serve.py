@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import termios
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -402,6 +403,74 @@ async def test_bad_sources_a_taken_port_and_a_changed_file(tmp_path: Path) -> No
         with pytest.raises(stream_st.HTTPStatusError) as refused:
             await stream_st.load(server.url)
         assert refused.value.status == 409
+
+
+SHORT_OF_DESCRIPTORS = """
+import asyncio, os, resource, sys
+import stream_st
+
+async def main(path):
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    async with stream_st.serving(path) as server:
+        held = []
+        try:
+            while True:
+                held.append(os.open(path, os.O_RDONLY))
+        except OSError:
+            os.close(held.pop())  # one descriptor free: a client's connection takes it
+        loop = asyncio.get_running_loop()
+        lines = asyncio.Queue()
+        loop.add_reader(0, lambda: lines.put_nowait(os.read(0, 64)))
+        print(server.url, flush=True)
+        await lines.get()
+        for fd in held:
+            os.close(fd)
+        print("released", flush=True)
+        await lines.get()
+        loop.remove_reader(0)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_a_server_short_of_descriptors_answers_503_before_any_byte(tmp_path: Path) -> None:
+    """A server whose process has no descriptor free for the file answers 503 with Retry-After
+    (and closes the connection, giving its descriptor back), where it sent 200 and its headers,
+    then cut the body; a reader waits as asked and gets the object once descriptors are free."""
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(tensors(), str(path))
+    process = subprocess.Popen(
+        [sys.executable, "-c", SHORT_OF_DESCRIPTORS, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    stdin, stdout = process.stdin, process.stdout
+    try:
+        url = stdout.readline().strip()
+        assert url.startswith("http://"), url
+        status, headers, body = fetch(url)
+        assert status == 503 and headers["retry-after"] == "1", (status, headers)
+        assert headers["connection"] == "close" and b"try again" in body
+        assert fetch(url, "HEAD")[0] == 200  # no file to open
+
+        def release() -> None:  # once the load's first request has had its 503
+            stdin.write("release\n")
+            stdin.flush()
+
+        releasing = threading.Timer(0.3, release)
+        started = time.monotonic()
+        releasing.start()
+        loaded = stream_st.numpy.load_file(url)
+        releasing.join()
+        assert stdout.readline() == "released\n"
+        assert loaded.keys() == tensors().keys()
+        assert time.monotonic() - started >= 0.9  # it waited as asked, then asked again
+    finally:
+        stdin.close()
+        process.wait(timeout=30)
+    assert process.returncode == 0
 
 
 def fetch_while(url: str, meanwhile: Any) -> bytes:
