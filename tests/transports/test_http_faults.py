@@ -325,6 +325,31 @@ async def test_a_version_pinned_by_last_modified_must_come_again(
         await load(source, **options)
 
 
+async def test_a_server_still_busy_after_the_retries_is_its_status(raw_server: Serve) -> None:
+    """A 503 (Retry-After, no ETag: it speaks of the server, not of the object) to every
+    request after the first, until the retries are spent: its status, an HTTPStatusError,
+    where the missing ETag read as the object changed (SourceChangedError)."""
+    count = iter(range(1 << 30))
+
+    def handle(connection: socket.socket) -> None:
+        read_request(connection)
+        if next(count):
+            body = b"busy\n"
+            head = f"HTTP/1.1 503 Busy\r\nRetry-After: 0\r\nContent-Length: {len(body)}\r\n"
+            connection.sendall(head.encode() + b"Connection: close\r\n\r\n" + body)
+            return
+        head = (
+            f'HTTP/1.1 206 Partial Content\r\nETag: "v1"\r\nContent-Length: {len(SPLIT_FILE)}'
+            f"\r\nContent-Range: bytes 0-{len(SPLIT_FILE) - 1}/{len(SPLIT_FILE)}\r\n\r\n"
+        )
+        connection.sendall(head.encode() + SPLIT_FILE[: len(SPLIT_FILE) // 2])  # then cut
+
+    url = raw_server(handle) + "/m.safetensors"
+    with pytest.raises(HTTPStatusError) as busy:
+        await load(HttpSource(url, retries=2, backoff=0.01))
+    assert busy.value.status == 503
+
+
 @pytest.mark.parametrize("concurrency", [1, 2])
 async def test_a_206_without_length_that_breaks_is_resumed(
     raw_server: Serve, concurrency: int

@@ -100,8 +100,12 @@ class VersionPin:
 
     async def check(self, response: Response, name: str, position: int) -> None:
         """Pin the object's version on the first successful answer; on a later one, raise
-        :class:`SourceChangedError` (closing ``response``) if it serves another version."""
+        :class:`SourceChangedError` (closing ``response``) if it serves another version. A
+        status worth retrying (a 503, say) speaks of the server, not of a version: it is left
+        to be raised as itself."""
         seen = (response.headers.get("etag", ""), response.headers.get("last-modified", ""))
+        if Retries.retryable(response.status):
+            return
         if self.seen is None:
             if response.status < 300:
                 self.seen = seen
