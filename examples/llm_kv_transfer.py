@@ -22,6 +22,13 @@ from stream_st.models.llm import load_tokenizer, read_gguf
 from stream_st.models.llm.transfer import one_blas_thread, send_prefill
 
 
+def count(text: str) -> int:
+    """The type of ``--tokens``: an integer >= 0, refused before anything is loaded."""
+    if int(text) < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return int(text)
+
+
 async def main(prompt: str, codec: str, new_tokens: int) -> None:
     tokenizer = load_tokenizer()
     ids = np.array(tokenizer.encode(prompt).ids)
@@ -57,7 +64,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompt", default="The three primary colours are")
     parser.add_argument("--codec", default="none", choices=("none", "int8", "int4"))
-    parser.add_argument("--tokens", type=int, default=24, help="tokens to generate")
+    parser.add_argument("--tokens", type=count, default=24, help="tokens to generate")
     args = parser.parse_args()
     with one_blas_thread():
         anyio.run(main, args.prompt, args.codec, args.tokens)

@@ -42,4 +42,8 @@ async def main(path: str, names: list[str]) -> None:
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         target = sys.argv[1] if len(sys.argv) > 1 else str(_demo_file(tmp))
-        anyio.run(main, target, sys.argv[2:])
+        try:
+            anyio.run(main, target, sys.argv[2:])
+        except stream_st.SafetensorsError as exc:  # one line, exit status 2, as stream-st says it
+            print(f"read_stream.py: error: {exc}", file=sys.stderr)
+            sys.exit(2)

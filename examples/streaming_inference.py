@@ -53,6 +53,13 @@ def serve_once(data: bytes, rate: float) -> int:
     return port
 
 
+def positive(text: str) -> float:
+    """The type of ``--rate``: a number > 0, refused before anything is sent."""
+    if not float(text) > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return float(text)
+
+
 async def main(rate: float) -> None:
     directory = minilm_dir()
     weights = directory / "model.safetensors"
@@ -97,6 +104,6 @@ async def main(rate: float) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", type=float, default=200.0, help="link speed in MB/s (200)")
+    parser.add_argument("--rate", type=positive, default=200.0, help="link speed in MB/s (200)")
     args = parser.parse_args()
     anyio.run(main, args.rate * 1e6)

@@ -68,3 +68,28 @@ def test_a_prompt_of_one_token_is_refused_with_a_message() -> None:
         assert result.returncode == 1, result.stderr
         assert "Traceback" not in result.stderr
         assert "give one of 2 tokens or more" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("example", "args", "message"),
+    [
+        ("llm_kv_transfer.py", ["--tokens", "-1"], "argument --tokens: must be 0 or more"),
+        ("streaming_inference.py", ["--rate", "0"], "argument --rate: must be more than 0"),
+        ("streaming_inference.py", ["--rate", "-3"], "argument --rate: must be more than 0"),
+        ("read_stream.py", ["/nonexistent/model.safetensors"], "error: no such file"),
+    ],
+)
+def test_bad_arguments_are_refused_with_a_message(
+    example: str, args: list[str], message: str
+) -> None:
+    """--tokens -1 ran the whole transfer, then a 48-line ExceptionGroup traceback; --rate 0 a
+    ZeroDivisionError in a thread (-3 was taken); a missing file a traceback."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / example), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert message in result.stderr.splitlines()[-1]
