@@ -289,10 +289,13 @@ def test_two_processes_reading_at_once_fetch_the_object_once(tmp_path: Path) -> 
 
 
 def writing(url: str, cache: Path) -> subprocess.Popen[str]:
-    """A process reading ``url`` into ``cache``, once it has begun its copy (within 30 s)."""
+    """A process reading ``url`` into ``cache``, once it has begun its copy and published its
+    progress, which names the address (within 30 s; the copy is made and allocated first)."""
     process = reader(url, cache)
     give_up = time.monotonic() + 30
-    while not list(cache.rglob("*.part")) and time.monotonic() < give_up:
+    while time.monotonic() < give_up and not (
+        list(cache.rglob("*.part")) and list(cache.rglob(".growing"))
+    ):
         time.sleep(0.01)
     return process
 
