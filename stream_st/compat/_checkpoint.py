@@ -21,6 +21,7 @@ from ..core.header import Header, TensorInfo
 from ..core.shards import is_index, shard_address
 from ..errors import IntegrityError, TensorNotFoundError
 from ..reader import TensorStream, _read_tensor, merge_ranges
+from ..reader.stream import tensor_dict
 from ..sharded.reader import ShardIndex, _open_shard, repeated_name
 from ..transports.file.mmap import FileMap
 from ..transports.file.source import FileSource
@@ -78,7 +79,7 @@ class _File:
         source = stream.source
         if not source.random_access:
             try:  # checked against the digests by the stream
-                arrays = {name: array async for name, array in stream}
+                arrays = await tensor_dict(stream)
             finally:
                 await stream.aclose()
             return cls(stream, arrays, None, None)

@@ -34,6 +34,7 @@ from ..errors import ArgumentTypeError, DeviceError, TensorNotFoundError, UsageE
 from ..memory.delivery import Delivery
 from ..reader import Include
 from ..reader.caps import NO_CAPS, Caps
+from ..reader.stream import tensor_dict
 from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import Sink, SinkLike, SourceLike
 from ._checkpoint import Rows, _Checkpoint, _Options
@@ -477,7 +478,7 @@ async def _load(
         max_tensor_bytes=caps.tensor,
         max_total_bytes=caps.total,
     )
-    return {name: tensor async for name, tensor in stream}
+    return await tensor_dict(stream)
 
 
 def serialize(

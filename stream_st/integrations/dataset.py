@@ -63,6 +63,7 @@ from ..errors import (
 )
 from ..reader import _read_tensor
 from ..reader.header import _header_length, _receive_header
+from ..reader.stream import tensor_dict
 from ..sharded.reader import ShardIndex, shard_address
 from ..transports import store as _store
 from ..transports.file.source import FileSource
@@ -945,7 +946,7 @@ async def read_piece(piece: Piece, described: Header | None = None) -> dict[str,
         if (described is not None and header != described) or piece.stop > sum(rows):
             raise changed(piece.address)
         if (piece.start, piece.stop) == (0, *rows):
-            out = {name: array async for name, array in stream}
+            out = await tensor_dict(stream)
         else:
             out = {}
             for info in sorted((header[n] for n in piece.names), key=lambda info: info.start):

@@ -81,7 +81,7 @@ from ..errors import (
 from ..memory.delivery import Delivery
 from ..reader import Include, TensorStream
 from ..reader.caps import Caps, current_caps
-from ..reader.stream import include_names
+from ..reader.stream import include_names, tensor_dict
 from ..transports.options import Clock
 from ..transports.registry import SourceLike
 from .ranks_exchange import READ_AHEAD_BYTES as READ_AHEAD_BYTES
@@ -466,7 +466,7 @@ async def load(
         max_total_bytes=max_total_bytes,
         unique_names=True,
     )
-    return {name: tensor async for name, tensor in stream}
+    return await tensor_dict(stream)
 
 
 def refuse(process_group: Any, problem: Exception) -> NoReturn:
