@@ -11,7 +11,8 @@ import mmap
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -257,22 +258,29 @@ def open_descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+@contextmanager
+def collector_off() -> Iterator[int]:
+    """The cyclic garbage collector off (after one collection) in the block: what a failed
+    call keeps only through a reference cycle stays. Gives the open descriptors at its start."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield open_descriptors()
+    finally:
+        gc.enable()
+
+
 @linux_only
 def test_a_failed_load_under_asyncio_run_closes_what_it_mapped(tmp_path: Path) -> None:
     """asyncio.run keeps a failed call's frames until the cyclic garbage collector runs (its
     task and the error hold each other): the load lets go of the views it mapped before its
     error leaves, so no descriptor stays open after it (each failed call kept one)."""
     index = damaged_checkpoint(tmp_path)
-    gc.collect()
-    gc.disable()
-    try:
-        before = open_descriptors()
+    with collector_off() as before:
         for _ in range(3):
             with pytest.raises(TruncatedStreamError, match=r"c\.safetensors"):
                 asyncio.run(stream_st.load(index, copy=False))
             assert open_descriptors() == before
-    finally:
-        gc.enable()
 
 
 @linux_only
@@ -285,10 +293,7 @@ async def test_a_failed_load_leaves_no_reference_cycle(
     index = damaged_checkpoint(tmp_path)
     with pytest.raises(TruncatedStreamError):  # whatever the event loop opens on first use
         await stream_st.load(index, copy=False)
-    gc.collect()
-    gc.disable()
-    try:
-        before = open_descriptors()
+    with collector_off() as before:
         for _ in range(3):
             with pytest.raises(TruncatedStreamError, match=r"c\.safetensors"):
                 await stream_st.load(index)
@@ -296,8 +301,6 @@ async def test_a_failed_load_leaves_no_reference_cycle(
                 await stream_st.load(index, copy=False)
             assert open_descriptors() == before
             assert not [o for o in gc.get_objects() if isinstance(o, TruncatedStreamError)]
-    finally:
-        gc.enable()
 
 
 @linux_only
