@@ -574,7 +574,9 @@ class DatasetWriter(_RollingWriter):
         :class:`DtypeError`). A group
         whose ``samples`` is 1, or its number of tensors, may instead be KV-mode rows (the
         tensors ``{name}{separator}{column}`` of one name, or one tensor a sample, as the Spark
-        writer counts them), each a value of any shape: it is taken as it is.
+        writer counts them), each a value of any shape: it is taken as it is, unless batches of
+        the same columns were taken before (then it is a batch, its rows checked: a last batch
+        of one sample).
 
         The schema records each name's dtype and shape as first written, in a group taken (a
         group refused records nothing).
@@ -599,7 +601,10 @@ class DatasetWriter(_RollingWriter):
                     "(BOOL to U8, as the Spark writer writes booleans); nothing of the batch was "
                     "written"
                 )
-        batch = samples not in (1, len(arrays))  # else maybe KV rows: their shapes are free
+        # else maybe KV rows, their shapes free; but not once batches of these columns were taken
+        batch = samples not in (1, len(arrays)) or (
+            self._batches and self._columns == frozenset(arrays)
+        )
         if batch:
             _check_rows(arrays, samples)
         self._check_columns(arrays, samples, batch)

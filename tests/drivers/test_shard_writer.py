@@ -275,6 +275,21 @@ async def test_every_batch_of_a_dataset_holds_the_same_columns(tmp_path: Path) -
     assert manifest["total_samples"] == 2
 
 
+async def test_a_last_batch_of_one_sample_is_a_batch(tmp_path: Path) -> None:
+    """Once batches of a dataset's columns were taken, a group of them with 1 sample (or as
+    many as its columns) is a batch too, its rows checked: one of 7 rows for 2 samples was
+    taken as KV rows, and the dataset was then read as KV rows."""
+    async with open_dataset_writer(tmp_path) as d:
+        await d.write_batch({"x": np.zeros((4, 3)), "y": np.zeros(4)}, 4)
+        for rows, samples in ((7, 2), (5, 1)):
+            with pytest.raises(stream_st.UsageError, match="'y'"):
+                await d.write_batch({"x": np.zeros((samples, 3)), "y": np.zeros(rows)}, samples)
+        await d.write_batch({"x": np.zeros((1, 3)), "y": np.zeros(1)}, 1)
+    manifest = json.loads((tmp_path / "dataset_manifest.json").read_text())
+    assert manifest["total_samples"] == 5
+    assert not (await describe_dataset(tmp_path)).kv
+
+
 async def test_a_dataset_written_again_leaves_no_earlier_shard(tmp_path: Path) -> None:
     """The earlier dataset's shards stayed beside the new manifest; other files stay."""
     (tmp_path / "notes.txt").write_text("kept")
