@@ -489,6 +489,8 @@ class AtomicFile:
         :attr:`temp_path`, made through a handle on ``directory`` (:attr:`_directory_fd`)."""
         try:
             self._directory_fd = os.open(directory, _DIRECTORY_FLAGS)
+        except PermissionError:  # no O_PATH (macOS): a directory one may write, not read
+            self._directory_fd = None  # named by its path, as _at then does
         except OSError as exc:
             raise _no_file_in(directory, exc, self.name) from exc
         while True:
