@@ -103,6 +103,7 @@ async def _each(args: argparse.Namespace, run: Callable[[str], Awaitable[int]]) 
     if len(args.sources) > 1 and args.sources.count(STDIO) + args.sources.count("/dev/stdin") > 1:
         raise UsageError("standard input can be read once: name '-' once")
     status = EXIT_OK
+    grace = SIGNAL_GRACE  # waited once: a signal comes with the first failure it causes
     for text in args.sources:
         try:
             sources = tools.model_sources(source_arg(text))
@@ -117,7 +118,8 @@ async def _each(args: argparse.Namespace, run: Callable[[str], Awaitable[int]]) 
                 # A failure that came with a stopping signal (the source ended by the same
                 # hangup) is the signal's doing: a moment for the loop to take the signal in,
                 # which cancels this, and the command reports the signal alone.
-                await anyio.sleep(SIGNAL_GRACE)
+                await anyio.sleep(grace)
+                grace = 0
                 failed(source, exc)
                 found = EXIT_ERROR
             status = max(status, found)
