@@ -138,7 +138,9 @@ class HTTPClient(AsyncClosing):
                 await connection.wire.send(head)
                 if body:
                     await connection.wire.send(body)
-                response = await receive_response(self._release, method, target, connection)
+                response = await receive_response(
+                    self._release, method, target, connection, keep_alive=idempotent
+                )
                 break
             except (OSError, TransportError) as exc:
                 await connection.wire.aclose()

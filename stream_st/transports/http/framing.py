@@ -105,12 +105,28 @@ async def _read_head(connection: Connection, target: Target) -> tuple[int, str, 
 
 
 async def receive_response(
-    release: Release, method: str, target: Target, connection: Connection
+    release: Release,
+    method: str,
+    target: Target,
+    connection: Connection,
+    *,
+    keep_alive: bool = True,
 ) -> Response:
-    """Read the head of the answer to a ``method`` request on ``connection``."""
+    """Read the head of the answer to a ``method`` request on ``connection``; without
+    ``keep_alive`` (the request asked for ``Connection: close``, or was cut short) the connection
+    is closed after the answer, whatever the answer says."""
     status, reason, headers = await _read_head(connection, target)
     has_body = method != "HEAD" and status not in (204, 304) and status >= 200
-    return Response(release, connection, target.url, status, reason, headers, has_body=has_body)
+    return Response(
+        release,
+        connection,
+        target.url,
+        status,
+        reason,
+        headers,
+        has_body=has_body,
+        keep_alive=keep_alive,
+    )
 
 
 def _content_length(headers: Mapping[str, str], url: str) -> int | None:
@@ -140,7 +156,8 @@ class Response(AsyncClosing):
     """Status, headers and a body read into caller buffers with :meth:`receive_into`.
 
     Use as ``async with``: leaving it returns the connection to the pool when the body was read
-    to the end, and closes it otherwise.
+    to the end (unless ``keep_alive`` is false or the answer said ``Connection: close``), and
+    closes it otherwise.
     """
 
     def __init__(
@@ -153,6 +170,7 @@ class Response(AsyncClosing):
         headers: dict[str, str],
         *,
         has_body: bool,
+        keep_alive: bool = True,
     ) -> None:
         self._release = release
         self._connection: Connection | None = connection
@@ -164,7 +182,7 @@ class Response(AsyncClosing):
         parsed = content_range(headers) if status == 206 else None
         self.offset = 0 if parsed is None else parsed[0]  # where in the object the body starts
         self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-        self._reusable = headers.get("connection", "").lower() != "close"
+        self._reusable = keep_alive and headers.get("connection", "").lower() != "close"
         self.content_length: int | None
         if not has_body:
             self.content_length = 0
@@ -346,10 +364,10 @@ class Upload:
         assert connection is not None
         try:
             with anyio.move_on_after(1):
+                # The body was cut short: never reuse this connection.
                 response = await receive_response(
-                    self._release, self._method, self._target, connection
+                    self._release, self._method, self._target, connection, keep_alive=False
                 )
-                response._reusable = False  # the body was cut short: never reuse this connection
                 await raise_for_status(response)
         except HTTPStatusError:
             raise
