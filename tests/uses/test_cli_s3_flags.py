@@ -119,6 +119,8 @@ def test_region_signs_the_requests(bare_env: dict[str, str], tmp_path: Path) -> 
     [
         ("--endpoint-url", "notaurl", "not an http:// or https:// URL with a host"),
         ("--endpoint-url", "", "empty (an unset variable?)"),
+        ("--endpoint-url", "http://host:abc", "a URL whose port is not a number from 0 to"),
+        ("--endpoint-url", "http://host:70000", "a URL whose port is not a number from 0 to"),
         ("--profile", "nosuch", "the AWS profile 'nosuch' is in neither"),
         ("--region", "x@127.0.0.1:9/", "'x@127.0.0.1:9/' is not a region name"),
         ("--region", "eu west 1", "'eu west 1' is not a region name"),

@@ -98,6 +98,10 @@ def endpoint_problem(url: str) -> str | None:
         parts = urlsplit("")
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         return "not an http:// or https:// URL with a host"
+    try:
+        _ = parts.port
+    except ValueError:  # not a number, or out of range
+        return "a URL whose port is not a number from 0 to 65535"
     return None
 
 
