@@ -289,7 +289,8 @@ class DistributedStream(TensorStream):
         except BaseException:
             await self.aclose()
             raise
-        self._owes_wants = True
+        # An index with no shard: the ranks that iterate it gather nothing more.
+        self._owes_wants = self._index is None or bool(self._index.shards)
         return self._header or Header.from_tensors((), {}, 0)
 
     def _check_names(self, present: set[str]) -> None:
@@ -426,14 +427,16 @@ class DistributedStream(TensorStream):
         """Close the stream; left before its iteration began, tell the group first (at the
         gather of headers and wants it waits at), so that every other rank raises
         :class:`RankFailedError` at once rather than at the group's timeout."""
-        if self._owes_wants:
-            self._owes_wants = False
-            with contextlib.suppress(GeneratorExit):  # the group heard it: this rank left
-                await self._group.gather(None, Failure.of(GeneratorExit()))
-        shard, self._shard = self._shard, None
-        if shard is not None:
-            await shard.aclose()
-        await super().aclose()
+        try:
+            if self._owes_wants:
+                self._owes_wants = False
+                with contextlib.suppress(GeneratorExit):  # the group heard it: this rank left
+                    await self._group.gather(None, Failure.of(GeneratorExit()))
+        finally:  # a broken group's error is raised once the source is closed
+            shard, self._shard = self._shard, None
+            if shard is not None:
+                await shard.aclose()
+            await super().aclose()
 
 
 async def load(

@@ -15,7 +15,10 @@ the model), and per rank ``include`` (``"!raise"``: a predicate that raises), ``
 bit, on its own device, with that file's, sliced as asked, the names that differ reported);
 ``stop`` (``{rank: how}``, stream mode: once it has its first tensor the rank kills itself with
 SIGKILL, ``"kill"``, or raises :class:`Stopped` out of its loop, ``"raise"``; ``"leave"``: it
-raises :class:`Stopped` in the ``async with`` before its loop); ``out`` (a folder).
+raises :class:`Stopped` in the ``async with`` before its loop; ``"close"``: it leaves the
+``async with`` before its loop, raising nothing; ``"die"``: it kills itself there, with SIGKILL);
+``out`` (a folder). A stream-mode rank reports ``closed``: whether its stream was closed
+(its source let go of) once its ``async with`` was left, with or without an error.
 The rank writes what it got to ``out/rank<R>.safetensors`` (and the order to ``out/rank<R>.json``),
 or its error to ``out/rank<R>.json``, with the seconds the scenario took it.
 """
@@ -47,28 +50,47 @@ class Stopped(Exception):
 
 
 async def _stream(
-    src: str, group: Any, include: Any, slices: Any, stop: str | None, options: dict[str, Any]
+    src: str,
+    group: Any,
+    include: Any,
+    slices: Any,
+    stop: str | None,
+    options: dict[str, Any],
+    report: dict[str, Any],
 ) -> dict[str, Any]:
     import stream_st
 
     got: dict[str, Any] = {}
-    async with stream_st.open_stream(
+    opened = stream_st.open_stream(
         src, framework="pt", process_group=group, include=include, slices=slices, **options
-    ) as stream:
-        if stop == "leave":
-            raise Stopped("left before iterating")
-        with anyio.CancelScope() as scope:
-            async for name, tensor in stream:
-                got[name] = tensor
-                if stop == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if stop == "raise":
-                    raise Stopped(f"stopped after {name}")
-                if stop == "cancel":
-                    scope.cancel()
-        if scope.cancelled_caught:
-            raise Stopped("cancelled")
+    )
+    try:
+        async with opened as stream:
+            if stop == "leave":
+                raise Stopped("left before iterating")
+            if stop == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if stop == "close":
+                return got
+            await _loop(stream, got, stop)
+    finally:
+        report["closed"] = opened._closed
     return got
+
+
+async def _loop(stream: Any, got: dict[str, Any], stop: str | None) -> None:
+    """Iterate ``stream`` into ``got``, stopping as ``stop`` says."""
+    with anyio.CancelScope() as scope:
+        async for name, tensor in stream:
+            got[name] = tensor
+            if stop == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if stop == "raise":
+                raise Stopped(f"stopped after {name}")
+            if stop == "cancel":
+                scope.cancel()
+    if scope.cancelled_caught:
+        raise Stopped("cancelled")
 
 
 def _raising(name: str) -> bool:
@@ -193,7 +215,7 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
             report["unexpected"] = sorted(unexpected)
         else:
             stop = params.get("stop", {}).get(str(rank))
-            got = asyncio.run(_stream(src, group, include, slices, stop, options))
+            got = asyncio.run(_stream(src, group, include, slices, stop, options, report))
         report["names"] = list(got)
         report["devices"] = _devices(got)
         if "reference" in params:

@@ -20,7 +20,7 @@ if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
 from safetensors.torch import load_file as reference_load  # noqa: E402
 from safetensors.torch import save_file as reference_save  # noqa: E402
 
-from ._group import Pool  # noqa: E402
+from ._group import Pool, run_group  # noqa: E402
 from .test_failures import PROMPT, failed  # noqa: E402
 from .test_load import assert_same, ok  # noqa: E402
 
@@ -42,6 +42,36 @@ def test_a_rank_leaving_before_iterating_fails_the_other_at_once(
     assert "left its stream" in failed(reports[0], "RankFailedError", 1)
     for report in reports:
         assert report["seconds"] < PROMPT, report
+    for report in pool.run(tmp_path, 2, mode="load_file", src=str(plain)):
+        assert_same(ok(report), reference_load(str(plain)))
+
+
+def test_a_rank_closing_an_unopened_stream_on_a_broken_group_still_closes_it(
+    tmp_path: Path, plain: Path
+) -> None:
+    """Rank 0 dies once open; rank 1 leaves before iterating: its gather (telling the group it
+    left) fails with :class:`~stream_st.RankLostError`, raised once its source is closed (it
+    was left open)."""
+    stop = {"0": "die", "1": "close"}
+    reports = run_group(tmp_path, 2, mode="stream", src=str(plain), stop=stop, timeout=5)
+    assert reports[0].get("died") == -9, reports[0]
+    assert "is gone" in failed(reports[1], "RankLostError", 0)
+    assert reports[1]["closed"], reports[1]
+
+
+def test_a_rank_closing_an_empty_index_before_iterating_returns_at_once(
+    tmp_path: Path, pool: Pool
+) -> None:
+    """An index that lists no shard: rank 0 reads it to its end, rank 1 leaves before
+    iterating. The others gather nothing after opening it, so rank 1 owes no gather (it waited
+    for one until the group's timeout), and the group goes on."""
+    index = str(_empty_index(tmp_path))
+    reports = pool.run(tmp_path, 2, mode="stream", src=index, stop={"1": "close"})
+    for report in reports:
+        assert "error" not in report and report["names"] == [], report
+        assert report["closed"] and report["seconds"] < PROMPT, report
+    plain = tmp_path / "again.safetensors"
+    reference_save({"x": torch.arange(4.0)}, str(plain))
     for report in pool.run(tmp_path, 2, mode="load_file", src=str(plain)):
         assert_same(ok(report), reference_load(str(plain)))
 
