@@ -154,11 +154,12 @@ def plan_exchange(
             continue
         whole = [rank for rank, wanted in asking if wanted is None]
         apart = [(rank, wanted) for rank, wanted in asking if wanted is not None]
-        scattered: list[tuple[int, Slice | None]] = [
-            (r, w) for r, w in apart if checked[r] or contiguous_span(info, w) is None
-        ]
+        scattered: list[tuple[int, Slice | None]] = []
         for rank, wanted in apart:
-            if (rank, wanted) not in scattered or info.nbytes == 0:
+            cut = checked[rank] or contiguous_span(info, wanted) is None  # by a whole's owner
+            if cut:
+                scattered.append((rank, wanted))
+            if not cut or info.nbytes == 0:
                 direct[rank].append((index, wanted))
         if info.nbytes == 0:  # nothing to exchange: everyone makes its own empty tensor
             for rank in whole:
