@@ -60,7 +60,7 @@ from ..errors import (
 )
 from ..memory.delivery import Delivery
 from ..reader import Include, TensorStream
-from ..reader.stream import include_names
+from ..reader.stream import ObjectOnly, include_names
 from ..transports.options import Clock
 from ..transports.registry import read_object
 
@@ -254,7 +254,7 @@ class ShardedStream(TensorStream):
         *,
         include: Include = None,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
-        verify: bool = True,
+        verify: bool | ObjectOnly = True,
         clock: Clock | None = None,
         delivery: Delivery | None = None,
         copy: bool = True,
