@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import re
+import select
 import socket
 import threading
 import time
@@ -132,7 +133,11 @@ def read_some_and_close(server: socket.socket, seen: threading.Event) -> None:
     with conn:
         conn.recv(100)
         seen.set()
-        time.sleep(0.3)  # the writer has sent its last byte and waits for the close
+        # The writer has sent its last byte and waits for the close: its FIN came, behind the
+        # bytes left unread (not a fixed wait, which a loaded machine outlasts).
+        ended = select.poll()
+        ended.register(conn, select.POLLRDHUP)
+        ended.poll(10_000)
 
 
 async def peer_that_reads_part(

@@ -115,6 +115,14 @@ def test_stopped_copy_to_s3_leaves_no_pending_upload(
     assert "Contents" not in client.list_objects_v2(Bucket=bucket)
 
 
+def _signal_handled(process: subprocess.Popen[bytes], signum: int) -> bool:
+    """Whether the command's handler took ``signum`` in: it puts back the default action of
+    every stopping signal, so the process no longer catches it (``SigCgt`` in /proc)."""
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    caught = int(status.partition("\nSigCgt:")[2].split()[0], 16)
+    return not caught >> (signum - 1) & 1
+
+
 @contextmanager
 def holding_commits(target: int) -> Iterator[tuple[str, threading.Event, threading.Event]]:
     """An HTTP relay to the S3 server on port ``target``: (its endpoint, ``sent``, ``release``).
@@ -185,8 +193,10 @@ def test_a_signal_during_the_commit_lets_the_copy_complete(
             env=env,
         )
         _wait_for("the commit", sent.is_set, process)
+        assert not _signal_handled(process, signum)
         process.send_signal(signum)
-        time.sleep(0.5)  # the signal is handled while the answer is held
+        # Handled while the answer is held: not a fixed wait, which a loaded machine outlasts.
+        _wait_for("the signal handled", lambda: _signal_handled(process, signum), process)
         release.set()
         _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr

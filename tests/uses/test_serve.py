@@ -4,10 +4,12 @@ plain HTTP client (``http.client``) and by stream_st's readers."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import http.client
 import json
 import os
+import queue
 import random
 import signal
 import socket
@@ -406,8 +408,14 @@ async def test_bad_sources_a_taken_port_and_a_changed_file(tmp_path: Path) -> No
 
 
 SHORT_OF_DESCRIPTORS = """
-import asyncio, os, resource, sys
+import asyncio, logging, os, resource, sys
 import stream_st
+
+class Said503(logging.Handler):
+    def emit(self, record):  # each 503 answered, as it goes out: a line the test waits for
+        print("503", flush=True)
+
+logging.getLogger("stream_st.serve").addHandler(Said503())
 
 async def main(path):
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -447,27 +455,35 @@ def test_a_server_short_of_descriptors_answers_503_before_any_byte(tmp_path: Pat
     )
     assert process.stdin is not None and process.stdout is not None
     stdin, stdout = process.stdin, process.stdout
+    lines: queue.Queue[str] = queue.Queue()  # the child's, read with a time limit: never a hang
+
+    def pump() -> None:
+        for line in stdout:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    loading = concurrent.futures.ThreadPoolExecutor(1)
     try:
-        url = stdout.readline().strip()
+        url = lines.get(timeout=30).strip()
         assert url.startswith("http://"), url
         status, headers, body = fetch(url)
         assert status == 503 and headers["retry-after"] == "1", (status, headers)
         assert headers["connection"] == "close" and b"try again" in body
+        assert lines.get(timeout=30) == "503\n"
         assert fetch(url, "HEAD")[0] == 200  # no file to open
 
-        def release() -> None:  # once the load's first request has had its 503
-            stdin.write("release\n")
-            stdin.flush()
-
-        releasing = threading.Timer(0.3, release)
         started = time.monotonic()
-        releasing.start()
-        loaded = stream_st.numpy.load_file(url)
-        releasing.join()
-        assert stdout.readline() == "released\n"
-        assert loaded.keys() == tensors().keys()
+        loaded = loading.submit(stream_st.numpy.load_file, url)
+        assert lines.get(timeout=30) == "503\n"  # the load's first request had its 503
+        stdin.write("release\n")
+        stdin.flush()
+        while (line := lines.get(timeout=30)) == "503\n":
+            pass  # a retry that came before the release was done (a loaded machine)
+        assert line == "released\n"
+        assert loaded.result(timeout=30).keys() == tensors().keys()
         assert time.monotonic() - started >= 0.9  # it waited as asked, then asked again
     finally:
+        loading.shutdown(wait=False)
         stdin.close()
         process.wait(timeout=30)
     assert process.returncode == 0
