@@ -59,13 +59,16 @@ async def _run(args: argparse.Namespace) -> int:
     received: list[int] = []
     loop = asyncio.get_running_loop()
     status: int | None = None
-    watched = STOPPING_SIGNALS if threading.current_thread() is threading.main_thread() else ()
-    previous = {signum: signal.getsignal(signum) for signum in watched}
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {signum: signal.getsignal(signum) for signum in STOPPING_SIGNALS}
+    # A signal the command was started ignoring stays ignored: ``nohup`` (SIGHUP), a shell's
+    # background job (SIGINT) mean the command should not stop on them.
+    watched = [s for s, was in previous.items() if was is not signal.SIG_IGN and on_main_thread]
     with anyio.CancelScope() as scope:
 
         def stop(signum: int) -> None:
             received.append(signum)
-            for each in STOPPING_SIGNALS:
+            for each in watched:
                 signal.signal(each, signal.SIG_DFL)
             scope.cancel()
 
@@ -82,9 +85,9 @@ async def _run(args: argparse.Namespace) -> int:
             if not received:
                 raise
         finally:
-            for signum, handler in previous.items():
+            for signum in watched:
                 loop.remove_signal_handler(signum)
-                signal.signal(signum, handler)
+                signal.signal(signum, previous[signum])
     if status is None:  # cancelled: only a stopping signal does that
         raise _Stopped(received[0])
     if received:

@@ -79,3 +79,28 @@ def test_a_hangup_that_ends_standard_input_is_reported_as_the_hangup(tmp_path: P
         error = process.stderr.read().decode()
         assert process.wait(timeout=60) == 128 + signal.SIGHUP, error
         assert error.strip().splitlines()[-1] == "stream-st: stopped by SIGHUP"
+
+
+def test_a_signal_the_command_was_started_ignoring_stays_ignored(tmp_path: Path) -> None:
+    """``nohup stream-st ...`` (SIGHUP ignored), a shell's background job (SIGINT ignored): the
+    command took the signal as a stop all the same, where it should go on to its end."""
+    source = write_model(tmp_path / "m.safetensors")
+    data = source.read_bytes()
+    process = subprocess.Popen(
+        [COMMAND, "hash", "--content", "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: [
+            signal.signal(s, signal.SIG_IGN) for s in (signal.SIGHUP, signal.SIGINT)
+        ],
+    )
+    assert process.stdin is not None
+    process.stdin.write(data[:16])
+    process.stdin.flush()
+    time.sleep(1)  # the command is up, waiting for the rest (an early signal is ignored too)
+    for signum in (signal.SIGHUP, signal.SIGINT):
+        process.send_signal(signum)
+    out, err = process.communicate(data[16:], timeout=60)
+    assert process.returncode == 0, err
+    assert out.split() and out.split()[0] != b""
