@@ -43,7 +43,13 @@ from ..core.header import (
     parse_header_length,
 )
 from ..core.stats import LoadStats, record_last
-from ..errors import TrailingDataError, TransportError, TruncatedStreamError, UsageError
+from ..errors import (
+    TrailingDataError,
+    TransportError,
+    TruncatedStreamError,
+    UsageError,
+    boolean,
+)
 from ..memory.fresh import fresh_bytes
 from ..transports.file.pread import pread_fully
 from ._errors import NoSuchFileError
@@ -256,7 +262,9 @@ def load_mapped(
     ``"mmap"``, or the call was ``given`` anything else (transport options, ``cache=``,
     ``include=``, caps: not None) or runs under caps ``using_caps()`` set; the caller then
     reads through the streaming core. A file that does not exist is
-    :class:`~stream_st.compat.SafetensorError` (a ``FileNotFoundError``) here."""
+    :class:`~stream_st.compat.SafetensorError` (a ``FileNotFoundError``) here; a ``verify``
+    that is no bool an :class:`~stream_st.ArgumentTypeError`, whichever way the file is read."""
+    verify = boolean("verify", verify)
     if backend != "mmap" or any(value is not None for value in given.values()) or _capped():
         return None
     path = local_path(src)

@@ -30,7 +30,7 @@ from .._api import save as save_async
 from .._api import stream_for
 from ..core.arrays import framework_of, to_torch, torch_device, torch_dtype, torch_shape
 from ..core.header import Header, TensorInfo
-from ..errors import ArgumentTypeError, DeviceError, TensorNotFoundError, UsageError
+from ..errors import ArgumentTypeError, DeviceError, TensorNotFoundError, UsageError, boolean
 from ..memory.delivery import Delivery
 from ..reader import Include
 from ..reader.caps import NO_CAPS, Caps
@@ -123,7 +123,8 @@ class SafeOpen:
     copy-on-write views of the mapping); ``"pread"`` keeps the descriptor and reads each tensor
     into fresh memory. Other sources (URLs, an index's shards) are read on a private event loop
     the handle keeps, one ranged read per tensor. ``verify`` checks each whole tensor read
-    against the digest the header records for it, if any."""
+    against the digest the header records for it, if any (a ``verify`` that is no bool is an
+    :class:`~stream_st.ArgumentTypeError`, as everywhere)."""
 
     def __init__(
         self,
@@ -135,6 +136,7 @@ class SafeOpen:
         verify: bool = True,
         **options: Any,
     ) -> None:
+        verify = boolean("verify", verify)
         self._torch = framework_of(framework, required=True)
         if self._torch:
             self._device = torch_device(device)

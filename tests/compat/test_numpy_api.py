@@ -17,7 +17,13 @@ import trio
 from safetensors import safe_open as reference_open
 
 import stream_st.numpy as sn
-from stream_st.errors import IntegrityError, SafetensorsError, TensorNotFoundError, UsageError
+from stream_st.errors import (
+    ArgumentTypeError,
+    IntegrityError,
+    SafetensorsError,
+    TensorNotFoundError,
+    UsageError,
+)
 
 from .._util import raw_file
 from ..fuzz.fault_suite import Collector, Sender
@@ -135,6 +141,22 @@ def test_checksums_are_opt_in_and_verified_by_default(tmp_path: Path) -> None:
     with sn.safe_open(path, backend="pread") as f, pytest.raises(IntegrityError, match="'i8'"):
         f.get_tensor("i8")
     assert not np.array_equal(sn.load_file(path, verify=False)["i8"], arrays()["i8"])
+
+
+@pytest.mark.parametrize("verify", ["", [], None, 0, "yes"])
+def test_verify_that_is_no_bool_is_refused(tmp_path: Path, verify: Any) -> None:
+    """verify= is True or False, as stream_st.load takes it: a falsy value read a corrupted
+    checksummed file unchecked, mapped (load_file) or through safe_open."""
+    path = tmp_path / "sum.safetensors"
+    sn.save_file(arrays(), path, checksums=True)
+    corrupt(path, "i8")
+    message = "verify must be True or False"
+    with pytest.raises(ArgumentTypeError, match=message):
+        sn.load_file(path, verify=verify)
+    with pytest.raises(ArgumentTypeError, match=message):
+        sn.load_file(path, verify=verify, backend="pread")
+    with pytest.raises(ArgumentTypeError, match=message):
+        sn.safe_open(path, "np", verify=verify)
 
 
 def test_bad_arguments_are_safetensors_errors(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ import stream_st
 import stream_st.numpy
 import stream_st.torch as st
 from stream_st.errors import (
+    ArgumentTypeError,
     DtypeError,
     IntegrityError,
     SafetensorsError,
@@ -363,6 +364,12 @@ def test_checksums_are_opt_in_and_verified_by_default(tmp_path: Path) -> None:
             f.get_slice("f32")[1:3]  # part of a tensor cannot be checked
         with st.safe_open(path, "pt", backend=backend, verify=False) as f:
             assert not same(f.get_tensor("f32"), tensors["f32"])
+        wrongs: tuple[Any, ...] = ("", None, [])  # only True or False: these read it unchecked
+        for wrong in wrongs:
+            with pytest.raises(ArgumentTypeError, match="verify must be True or False"):
+                st.load_file(path, backend=backend, verify=wrong)
+            with pytest.raises(ArgumentTypeError, match="verify must be True or False"):
+                st.safe_open(path, "pt", backend=backend, verify=wrong)
     with pytest.raises(IntegrityError):
         st.load(path.read_bytes())
     assert not same(st.load_file(path, verify=False)["f32"], tensors["f32"])
