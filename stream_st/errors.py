@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import base64
 import operator
+import os
 import re
 
 __all__ = [
@@ -377,6 +378,24 @@ def integer_at_least(what: str, value: object, least: int, unit: str = "") -> in
         return number
     message = f"{what} must be an integer >= {least}{unit}, got {value!r}"
     raise ArgumentTypeError(message) if number is None else UsageError(message)
+
+
+def string(what: str, value: object) -> str:
+    """``value`` if it is a ``str``; :class:`ArgumentTypeError` naming ``what`` for anything
+    else (None or a number, which failed later as a bare ``TypeError``). The message shows the
+    type only: the value may be an address with a secret in it."""
+    if isinstance(value, str):
+        return value
+    raise ArgumentTypeError(f"{what} must be a string, got {type(value).__name__}")
+
+
+def path_string(what: str, value: object) -> str:
+    """``value``, a path given as a ``str`` or an ``os.PathLike`` of one, as a ``str``;
+    :class:`ArgumentTypeError` naming ``what`` for anything else (None, bytes, a number)."""
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if isinstance(text, str):
+        return text
+    raise ArgumentTypeError(f"{what} must be a str or os.PathLike, got {type(value).__name__}")
 
 
 class CredentialsError(UsageError):

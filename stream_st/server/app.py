@@ -29,7 +29,7 @@ from urllib.parse import quote
 
 import anyio
 
-from ..errors import ArgumentTypeError, SourceChangedError, TransportError, UsageError
+from ..errors import ArgumentTypeError, SourceChangedError, TransportError, UsageError, string
 from .conditions import answer
 from .served import ServedObject, SourceFile, Tensors, served_object
 
@@ -317,6 +317,7 @@ def _plain(status: int, text: str, headers: Mapping[str, str] | None = None) -> 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
     """A socket listening on ``host:port``; :class:`~stream_st.TransportError` if it cannot."""
+    string("host", host)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise UsageError(f"port must be an integer in 0-65535, got {port!r}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

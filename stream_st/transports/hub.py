@@ -58,6 +58,7 @@ from ..errors import (
     TransportError,
     UnsupportedSourceError,
     UsageError,
+    string,
 )
 from .base import Source
 from .cache.config import hub_offline
@@ -97,6 +98,7 @@ class HubFile:
     @classmethod
     def parse(cls, url: str) -> HubFile:
         """Split an ``hf://`` address (see the module docstring)."""
+        url = string("url", url)
         rest = url[len("hf://") :] if url[:5].lower() == "hf://" else None
         if rest is None:
             raise UnsupportedSourceError(f"expected an hf:// address, got {url!r}")

@@ -14,6 +14,9 @@ import stream_st
 from stream_st import ReadTimeoutError, TruncatedStreamError
 from stream_st.transports.http import HTTPNotFoundError, HTTPStatusError
 from stream_st.transports.http.source import FIRST_RANGE, HttpSource
+from stream_st.transports.hub import HubSource
+from stream_st.transports.s3.config import S3Config
+from stream_st.transports.s3.source import S3Source
 
 from .._util import assert_same_arrays, sample_file, sample_tensors
 from ..servers.http_server import RangeHTTPServer
@@ -237,3 +240,38 @@ async def test_parallel_failure_is_our_error_not_a_group(server: RangeHTTPServer
         with pytest.raises(stream_st.SourceNotFoundError, match="404"):
             async for _ in stream:
                 pass
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error", "message"),
+    [
+        ("part_size", float("nan"), stream_st.ArgumentTypeError, "part_size must be an integer"),
+        ("part_size", 1000.5, stream_st.ArgumentTypeError, "part_size must be an integer"),
+        ("part_size", 0, stream_st.UsageError, r"part_size must be an integer >= 1"),
+        ("retries", 2.5, stream_st.ArgumentTypeError, "retries must be an integer"),
+        ("retries", float("nan"), stream_st.ArgumentTypeError, "retries must be an integer"),
+        ("retries", -1, stream_st.UsageError, "retries must be an integer >= 0"),
+        ("backoff", -1, stream_st.UsageError, "backoff must be a number >= 0"),
+        ("backoff", float("nan"), stream_st.UsageError, "backoff must be a number >= 0"),
+        ("backoff", float("inf"), stream_st.UsageError, "backoff must be finite"),
+        ("backoff", None, stream_st.ArgumentTypeError, "backoff must be a number"),
+        ("backoff", "1", stream_st.UsageError, "backoff must be a number"),
+        ("concurrency", 1.5, stream_st.ArgumentTypeError, "concurrency must be an integer"),
+    ],
+)
+@pytest.mark.parametrize("kind", ["http", "s3", "hf"])
+def test_bad_numeric_options_are_refused_as_the_source_is_made(
+    kind: str, option: str, value: object, error: type[Exception], message: str
+) -> None:
+    """A NaN part_size passed the old check (NaN < 1 is false) and the read then fetched 1-byte
+    parts for ever; a float retries was a bare TypeError mid-read; a negative backoff passed."""
+    made = {
+        "http": lambda **kw: HttpSource("http://127.0.0.1:9/m.safetensors", **kw),
+        "s3": lambda **kw: S3Source(
+            "s3://b/m.safetensors", config=S3Config("http://127.0.0.1:9", "us-east-1"), **kw
+        ),
+        "hf": lambda **kw: HubSource("hf://org/repo/m.safetensors", token="", **kw),
+    }[kind]
+    with pytest.raises(error, match=message) as info:
+        made(**{option: value})
+    assert isinstance(info.value, stream_st.SafetensorsError)

@@ -35,6 +35,7 @@ from ...errors import (
     TransportError,
     UnsupportedSinkError,
     UsageError,
+    path_string,
 )
 from ..base import Sink
 from ..options import UNLIMITED, Clock
@@ -199,7 +200,7 @@ class FileSink(AtomicFile, Sink):
 
     def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
         Sink.__init__(self)
-        AtomicFile.__init__(self, path, fsync=fsync)
+        AtomicFile.__init__(self, path_string("path", path), fsync=fsync)
         self._stage = bytearray()  # small writes that follow each other, not written yet, in
         self._staged = 0  # its first bytes: a buffer made once and kept (fresh memory faults)
         self._staged_at = 0  # where in the file they go

@@ -31,6 +31,8 @@ from ...errors import (
     SourceNotFoundError,
     TransportError,
     UsageError,
+    integer_at_least,
+    path_string,
 )
 from ..base import Source
 from ..nonblocking import NonBlockingEnd
@@ -123,13 +125,18 @@ class FileSource(Source):
     def __init__(self, path: str | os.PathLike[str], *, fd: int | None = None) -> None:
         super().__init__()
         self._inline_bytes = 0
-        self.name = os.fspath(path)
-        self._fd = open_path(self.name, os.O_RDONLY) if fd is None else fd
+        self.name = path_string("path", path)
+        if fd is None:
+            self._fd = open_path(self.name, os.O_RDONLY)
+        else:
+            self._fd = integer_at_least("fd", fd, 0)
         try:
             self.size = os.fstat(self._fd).st_size
-        except OSError as exc:  # pragma: no cover - fstat on an open fd does not fail in practice
-            os.close(self._fd)
-            raise TransportError(f"cannot stat: {exc.strerror}", url=self.name) from exc
+        except (OSError, OverflowError) as exc:
+            if fd is not None:  # a descriptor given that is not open (or none there can be)
+                raise UsageError(f"{self.name}: fd={fd} is no open file descriptor") from None
+            os.close(self._fd)  # fstat on a file just opened does not fail in practice
+            raise TransportError(f"cannot stat: {exc}", url=self.name) from exc
         self._unclosed = closed_when_dropped(self, self._fd, self.name)
 
     def fileno(self) -> int:

@@ -7,7 +7,13 @@ from collections.abc import Hashable, Mapping
 from dataclasses import replace
 
 from ..._util import AsyncClosing
-from ...errors import HTTPProtocolError, ReadTimeoutError, SafetensorsError, TransportError
+from ...errors import (
+    ArgumentTypeError,
+    HTTPProtocolError,
+    ReadTimeoutError,
+    SafetensorsError,
+    TransportError,
+)
 from ..options import UNLIMITED, Clock, LimitOptions, Limits, Transport
 from .framing import Response, Upload, receive_response, request_head
 from .proxy import Proxy, proxy_for
@@ -240,6 +246,8 @@ class ClientUser:
         limits: LimitOptions,
     ) -> None:
         """Set up, from the constructor's arguments; every one checked."""
+        if client is not None and not isinstance(client, HTTPClient):
+            raise ArgumentTypeError(f"client must be an HTTPClient, got {type(client).__name__}")
         transport = Transport.of(headers, ssl_context)
         self.clock = Clock(Limits.of(limits))
         self._owns_client = client is None

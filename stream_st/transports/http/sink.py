@@ -25,9 +25,10 @@ from ...errors import (
     UnsupportedSinkError,
     UsageError,
     redact,
+    string,
 )
 from ..base import Sink
-from ..options import Clock, LimitOptions
+from ..options import Clock, LimitOptions, Transport
 from . import ClientUser, HTTPClient, Target, Upload, raise_for_status
 
 __all__ = ["HttpSink"]
@@ -62,14 +63,14 @@ class HttpSink(ClientUser, Sink):
             )
         if method not in METHODS:
             raise UsageError(f"method must be 'PUT' or 'POST' (in capitals), got {method!r}")
-        self.url = url
+        self.url = string("url", url)
+        if name is not None:
+            string("name", name)
         self.name = redact(name or url)  # what errors show: no password, no signature
         self._method = method
+        given = Transport.of(headers)  # checked as a source's are
         self._use_client(
-            client,
-            {"Content-Type": "application/octet-stream", **dict(headers or {})},
-            ssl_context,
-            limits,
+            client, given.over({"Content-Type": "application/octet-stream"}), ssl_context, limits
         )
         self._size: int | None = None
         self._upload: Upload | None = None

@@ -64,17 +64,19 @@ from typing import Unpack
 import anyio
 
 from ...errors import (
+    ArgumentTypeError,
     CertificateError,
     HTTPProtocolError,
     RangeIgnoredWarning,
     ReadTimeoutError,
     SourceChangedError,
     TransportError,
-    UsageError,
+    integer_at_least,
     redact,
+    string,
 )
 from ..base import Source
-from ..options import Clock, LimitOptions, Transport
+from ..options import Clock, LimitOptions, Transport, checked_number
 from .client import ClientUser, HTTPClient
 from .framing import Response, content_range
 from .parts import PartWindow
@@ -122,19 +124,21 @@ class HttpSource(ClientUser, Source):
         **limits: Unpack[LimitOptions],
     ) -> None:
         super().__init__()
-        if (concurrency is not None and concurrency < 1) or part_size < 1 or retries < 0:
-            raise UsageError(
-                f"HttpSource({url!r}): concurrency ({concurrency}) and part_size ({part_size}) "
-                f"must be positive, retries ({retries}) at least 0"
-            )
+        self.url = string("url", url)
+        if name is not None:
+            string("name", name)
+        self.name = redact(name or url)  # what errors show: no password, no signature
+        if concurrency is not None:
+            concurrency = integer_at_least("concurrency", concurrency, 1)
         self._concurrency = concurrency
-        self._part_size = part_size
+        self._part_size = integer_at_least("part_size", part_size, 1, " (bytes)")
+        delay = checked_number("backoff", backoff, infinite=False)
+        if delay is None:
+            raise ArgumentTypeError("backoff must be a number of seconds >= 0, got None")
         self._parts: PartWindow | None = None  # reads go through it once open (see the module)
         self._single = False  # adaptive and settled on one stream: no window any more
-        self.url = url
-        self.name = redact(name or url)  # what errors show: no password, no signature
         self._use_client(client, headers, ssl_context, limits)
-        self._retry = Retries(retries, backoff)
+        self._retry = Retries(integer_at_least("retries", retries, 0), delay)
         self._response: Response | None = None
         self._response_at = 0  # absolute offset of the next byte the open response delivers
         self._response_end = 0  # absolute offset where the open response's body ends

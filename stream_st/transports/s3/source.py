@@ -28,7 +28,7 @@ from typing import NamedTuple, Unpack
 
 from ..._util import task_group
 from ...core.digests import Crc32, Hasher, ObjectDigest, PartedHash
-from ...errors import HTTPStatusError
+from ...errors import ArgumentTypeError, HTTPStatusError, string
 from ..base import Source
 from ..http import HTTPClient, Response, raise_for_status
 from ..http.source import HttpSource
@@ -100,7 +100,9 @@ class S3Source(HttpSource):
         part_size: int = 8 << 20,
         **limits: Unpack[LimitOptions],
     ) -> None:
-        bucket, key = parse_s3_url(url)
+        bucket, key = parse_s3_url(string("url", url))
+        if config is not None and not isinstance(config, S3Config):
+            raise ArgumentTypeError(f"config must be an S3Config, got {type(config).__name__}")
         self.config = config or S3Config.resolve()
         super().__init__(
             self.config.object_url(bucket, key),

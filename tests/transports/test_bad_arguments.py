@@ -1,0 +1,85 @@
+"""The transports' constructors, and ``serving``, refuse an argument of the wrong type or out of
+range as they are called, with a :class:`~stream_st.SafetensorsError` naming it: each was a bare
+``TypeError``, ``AttributeError``, ``OSError`` or ``OverflowError``, some only mid-read."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import stream_st
+from stream_st.sinks import FileSink
+from stream_st.sources import FileSource
+from stream_st.transports.http.sink import HttpSink
+from stream_st.transports.http.source import HttpSource
+from stream_st.transports.hub import HubSource
+from stream_st.transports.s3.source import S3Source
+
+from .._util import sample_file
+
+URL = "http://127.0.0.1:9/m.safetensors"
+
+CASES: dict[str, tuple[Callable[[Path], Any], type[Exception], str]] = {
+    "HttpSource(None)": (lambda p: HttpSource(None), stream_st.ArgumentTypeError, "url must"),  # type: ignore[arg-type]
+    "HttpSource(name=5)": (
+        lambda p: HttpSource(URL, name=5),  # type: ignore[arg-type]
+        stream_st.ArgumentTypeError,
+        "name must be a string",
+    ),
+    "HttpSource(client=5)": (
+        lambda p: HttpSource(URL, client=5),  # type: ignore[arg-type]
+        stream_st.ArgumentTypeError,
+        "client must be an HTTPClient",
+    ),
+    "HttpSink(headers=5)": (
+        lambda p: HttpSink(URL, headers=5),  # type: ignore[arg-type]
+        stream_st.UsageError,
+        "headers must be a mapping",
+    ),
+    "HttpSink(None)": (lambda p: HttpSink(None), stream_st.ArgumentTypeError, "url must"),  # type: ignore[arg-type]
+    "S3Source(config=5)": (
+        lambda p: S3Source("s3://b/k", config=5),  # type: ignore[arg-type]
+        stream_st.ArgumentTypeError,
+        "config must be an S3Config",
+    ),
+    "S3Source(None)": (lambda p: S3Source(None), stream_st.ArgumentTypeError, "url must"),  # type: ignore[arg-type]
+    "HubSource(None)": (lambda p: HubSource(None), stream_st.ArgumentTypeError, "url must"),  # type: ignore[arg-type]
+    "FileSink(None)": (lambda p: FileSink(None), stream_st.ArgumentTypeError, "path must"),  # type: ignore[arg-type]
+    "FileSource(None)": (lambda p: FileSource(None), stream_st.ArgumentTypeError, "path must"),  # type: ignore[arg-type]
+    "FileSource(fd=-1)": (
+        lambda p: FileSource(p, fd=-1),
+        stream_st.UsageError,
+        "fd must be an integer >= 0",
+    ),
+    "FileSource(fd=2**70)": (
+        lambda p: FileSource(p, fd=1 << 70),
+        stream_st.UsageError,
+        "no open file descriptor",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_bad_argument_is_refused_as_the_object_is_made(tmp_path: Path, case: str) -> None:
+    make, error, message = CASES[case]
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(sample_file())
+    with pytest.raises(error, match=message):
+        make(path)
+
+
+def test_serving_refuses_a_host_that_is_no_string(tmp_path: Path) -> None:
+    """``serving`` runs on asyncio only; ``host=None`` was a bare TypeError (``":" in None``)."""
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(sample_file())
+
+    async def serve() -> None:
+        async with stream_st.serving(path, host=None):  # type: ignore[arg-type]
+            pass
+
+    with pytest.raises(stream_st.ArgumentTypeError, match="host must be a string"):
+        asyncio.run(serve())
