@@ -617,3 +617,33 @@ def test_drop_in_functions(server: RangeHTTPServer, tmp_path: Path) -> None:
     with stream_st.torch.safe_open(url, cache=tmp_path) as handle:
         np.testing.assert_array_equal(handle.get_tensor("t0").numpy(), ARRAYS["t0"])
     assert body_bytes(server) == sent  # both read the copy
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        ({"max_size": -5}, stream_st.UsageError, r"Cache.max_size must be an integer >= 0"),
+        ({"max_size": float("nan")}, stream_st.ArgumentTypeError, "Cache.max_size"),
+        ({"max_size": "1GB"}, stream_st.ArgumentTypeError, "Cache.max_size"),
+        ({"offline": "no"}, stream_st.ArgumentTypeError, "Cache.offline must be True or False"),
+        ({"directory": 5}, stream_st.ArgumentTypeError, "Cache.directory must be a str"),
+        ({"hub_directory": None}, stream_st.ArgumentTypeError, "Cache.hub_directory"),
+    ],
+)
+def test_a_cache_with_bad_fields_is_refused_as_it_is_made(
+    tmp_path: Path, fields: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """Each was taken: a bare TypeError mid-read, a negative or NaN cap, "no" read as offline."""
+    with pytest.raises(error, match=message):
+        Cache(**{"directory": tmp_path, "hub_directory": tmp_path / "hub", **fields})
+
+
+async def test_a_cache_given_str_directories_reads_through_them(
+    server: RangeHTTPServer, tmp_path: Path
+) -> None:
+    """A str directory was kept as a str: the read failed with a bare TypeError (str / str)."""
+    directories = {"directory": str(tmp_path / "c"), "hub_directory": str(tmp_path / "h")}
+    cache = Cache(**directories, max_size=10**9)  # type: ignore[arg-type]  # typed Path, str taken
+    assert cache.directory == tmp_path / "c" and isinstance(cache.hub_directory, Path)
+    await read_as(server.url("/m.safetensors"), ARRAYS, "fetch", cache=cache)
+    assert files_under(tmp_path / "c")

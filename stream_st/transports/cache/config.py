@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 
-from ...errors import UsageError
+from ...errors import UsageError, boolean, integer_at_least, path_string
 
 __all__ = ["Cache", "CacheLike", "hub_offline", "parse_size"]
 
@@ -66,6 +66,20 @@ class Cache:
     hub_directory: Path
     offline: bool = False
     max_size: int | None = None
+
+    def __post_init__(self) -> None:
+        """Check the fields: each directory a ``str`` or ``os.PathLike`` (kept as a
+        :class:`~pathlib.Path`), ``offline`` True or False, ``max_size`` None or a whole number
+        of bytes >= 0; :class:`~stream_st.ArgumentTypeError` or
+        :class:`~stream_st.UsageError` naming the field (they failed later, mid-read, or a
+        string such as ``"no"`` was taken as true)."""
+        for field in ("directory", "hub_directory"):
+            path = Path(path_string(f"Cache.{field}", getattr(self, field)))
+            object.__setattr__(self, field, path)
+        object.__setattr__(self, "offline", boolean("Cache.offline", self.offline))
+        if self.max_size is not None:
+            cap = integer_at_least("Cache.max_size", self.max_size, 0, " (bytes)")
+            object.__setattr__(self, "max_size", cap)
 
     @classmethod
     def default(cls, environ: Mapping[str, str] | None = None) -> Cache:
