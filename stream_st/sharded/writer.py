@@ -44,7 +44,7 @@ import uuid
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import anyio
 import anyio.to_thread
@@ -63,10 +63,12 @@ from ..core.shards import (
     ShardEntry,
     manifest_document,
     shard_file_name,
+    shard_name,
 )
 from ..errors import (
     ArgumentTypeError,
     DtypeError,
+    HeaderError,
     SafetensorsError,
     TransportError,
     UnsupportedSinkError,
@@ -261,9 +263,19 @@ class _RollingWriter(AsyncClosing):
         self._written: set[str] = set()
         self._closed = False
 
-    async def _add_group(self, tensors: Mapping[str, Any], samples: int) -> None:
+    def _check_open(self) -> None:
+        """:class:`UsageError` once the writer is closed (committed or aborted)."""
         if self._closed:
             raise UsageError("the writer is closed")
+
+    async def __aenter__(self) -> Self:
+        """The writer, still open: a closed one is not entered again (as a
+        :class:`~stream_st.TensorWriter` is not), where leaving the block did nothing."""
+        self._check_open()
+        return self
+
+    async def _add_group(self, tensors: Mapping[str, Any], samples: int) -> None:
+        self._check_open()
         arrays = {name: as_array(array, name) for name, array in tensors.items()}
         current = self._current
         repeats = current is not None and not current.names.isdisjoint(arrays)
@@ -452,6 +464,27 @@ class _RollingWriter(AsyncClosing):
         await self.abort()
 
 
+def _checked_prefix(prefix: object) -> str:
+    """``prefix=`` of a sharded checkpoint, checked before anything is written: a plain file
+    name, not empty, without ``/`` or surrounding spaces, that makes shard names an index may
+    hold (:func:`~stream_st.core.shards.shard_name`: no control character, ``\\``, ``:``,
+    ``?`` or ``#``). :class:`ArgumentTypeError` unless a string, :class:`UsageError` else."""
+    if not isinstance(prefix, str):
+        raise ArgumentTypeError(f"prefix must be a string, got {type(prefix).__name__}")
+    try:
+        shard_name(f"{prefix}.safetensors", "prefix")
+    except HeaderError:
+        plain = False
+    else:
+        plain = bool(prefix) and "/" not in prefix and prefix == prefix.strip()
+    if not plain:
+        raise UsageError(
+            "prefix must be a plain file name, without '/', surrounding spaces, control "
+            f"characters, '\\', ':', '?' or '#', got {prefix!r}"
+        )
+    return prefix
+
+
 class ShardedWriter(_RollingWriter):
     """A Hugging Face sharded checkpoint; see :func:`open_sharded_writer`."""
 
@@ -464,6 +497,8 @@ class ShardedWriter(_RollingWriter):
         metadata: Mapping[str, str] | None = None,
         checksums: bool | str = False,
     ) -> None:
+        self.prefix = _checked_prefix(prefix)
+        build_header((), metadata)  # refuses metadata that is no mapping of str to str, as save
         self.metadata = dict(metadata or {})
         if "total_size" in self.metadata:  # it replaced the index's own
             raise UsageError(
@@ -471,7 +506,6 @@ class ShardedWriter(_RollingWriter):
                 "count of the checkpoint's bytes"
             )
         super().__init__(directory, max_shard_size, checksums)
-        self.prefix = prefix
 
     async def write(self, name: str, array: Any) -> None:
         """Add one tensor (to the current shard, or a new one if it would overflow)."""
@@ -834,10 +868,13 @@ def open_sharded_writer(
     """Write a sharded checkpoint into ``directory``: ``write(name, array)`` per tensor, a new
     shard whenever the next tensor would take the current one past ``max_shard_size`` bytes of
     data, then ``{prefix}.safetensors.index.json``. A single shard is named
-    ``{prefix}.safetensors``. ``checksums=True`` (or an algorithm's name) records each tensor's
-    digest in its shard's ``__metadata__``, as :func:`~stream_st.open_writer` does. Shards of
-    an earlier checkpoint of the same prefix that the new index does not name
-    (``{prefix}.safetensors``, ``{prefix}-NNNNN-of-NNNNN.safetensors``) are removed, as
+    ``{prefix}.safetensors``; ``prefix`` is a plain file name (no ``/``, surrounding spaces,
+    control characters, ``\\``, ``:``, ``?`` or ``#``), refused with ``metadata`` that is no
+    mapping of strings before anything is written. ``checksums=True`` (or an algorithm's name)
+    records each tensor's digest in its shard's ``__metadata__``, as
+    :func:`~stream_st.open_writer` does. Shards of an earlier checkpoint of the same prefix
+    that the new index does not name (``{prefix}.safetensors``,
+    ``{prefix}-NNNNN-of-NNNNN.safetensors``) are removed, as
     transformers' ``save_pretrained`` removes them: loaders take a ``{prefix}.safetensors``
     before the index, so that one goes before the new index is in place (see
     :meth:`ShardedWriter._rename_sealed`), the others once it is."""

@@ -149,6 +149,45 @@ async def test_misuse(tmp_path: Path) -> None:
             await w.write("s", np.array(["text"]))
     with pytest.raises(stream_st.UsageError):
         await w.write("b", np.zeros(2))
+    with pytest.raises(stream_st.UsageError, match="the writer is closed"):
+        async with w:  # entered again once committed: it did nothing, silently
+            pass
+    dataset = open_dataset_writer(tmp_path / "data")
+    async with dataset:
+        pass
+    with pytest.raises(stream_st.UsageError, match="the writer is closed"):
+        async with dataset:
+            pass
+
+
+@pytest.mark.parametrize(
+    "prefix", ["", " ", " model", "model ", "a\nb", "../up", "sub/dir", "a:b", "a#b", "~m"]
+)
+async def test_a_prefix_that_is_no_plain_file_name_is_refused(tmp_path: Path, prefix: str) -> None:
+    """Before anything is written: such a prefix gave a hidden index (""), names with a newline,
+    a write that failed into a missing folder, or shards the index reader refuses."""
+    with pytest.raises(stream_st.UsageError, match="prefix must be a plain file name"):
+        open_sharded_writer(tmp_path / "ckpt", max_shard_size=100, prefix=prefix)
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"prefix": None}, stream_st.ArgumentTypeError, "prefix must be a string, got NoneType"),
+        ({"metadata": 5}, stream_st.UsageError, "metadata must be a mapping of strings"),
+        ({"metadata": {"k": 1}}, stream_st.HeaderError, "metadata must map strings to strings"),
+    ],
+)
+async def test_a_sharded_writer_checks_its_arguments_first(
+    tmp_path: Path, options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """prefix=None committed None.safetensors and its index, then failed with a bare TypeError;
+    metadata that is no mapping was a bare TypeError, as save does not raise for it."""
+    with pytest.raises(error, match=message):
+        async with open_sharded_writer(tmp_path / "ckpt", max_shard_size=100, **options) as w:
+            await w.write("x", np.zeros(3, np.float32))
+    assert not (tmp_path / "ckpt").exists()
 
 
 async def test_writers_closed_with_nothing_written(tmp_path: Path) -> None:
