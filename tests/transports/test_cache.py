@@ -406,8 +406,9 @@ def test_a_record_whose_copy_is_gone_is_a_leftover_not_a_copy(
 
 def test_a_first_copy_being_written_is_listed_and_left_alone(tmp_path: Path) -> None:
     """While a first copy was written, cache ls listed nothing and rm --all said the cache held
-    no copy."""
-    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong", rate=1e6) as running:
+    no copy. The copy takes about 6 s (1.3 MB at 200 kB/s): the two commands run meanwhile
+    take a second or two on a loaded machine."""
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong", rate=2e5) as running:
         url = running.url("/m.safetensors")
         writer = writing(url, tmp_path)
         cache = Cache.at(tmp_path)
