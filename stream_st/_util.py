@@ -10,11 +10,13 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, NoReturn, Self, TypeVar
 
 import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
+
+from .errors import UsageError
 
 __all__ = [
     "AsyncClosing",
@@ -32,7 +34,8 @@ T = TypeVar("T")
 class AsyncClosing:
     """``async with`` for objects with an ``aclose()``: entering gives the object, leaving closes
     it. Leaving on an exception calls :meth:`_abandon` instead, which closes too unless the
-    object has something to throw away (a writer aborts its message)."""
+    object has something to throw away (a writer aborts its message). A plain ``with`` is a
+    :class:`~stream_st.UsageError` saying so, where it was a bare ``TypeError``."""
 
     async def aclose(self) -> None:
         raise NotImplementedError
@@ -54,6 +57,13 @@ class AsyncClosing:
             await self._abandon(exc)
         else:
             await self.aclose()
+
+    def __enter__(self) -> NoReturn:
+        """Refused: the object is entered with ``async with``."""
+        raise UsageError(f"{type(self).__name__} is an async context manager: use `async with`")
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Never called (:meth:`__enter__` raises); ``with`` wants it to call that."""
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

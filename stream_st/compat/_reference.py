@@ -22,7 +22,7 @@ import os
 import weakref
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, NoReturn, Self
 
 import numpy as np
 
@@ -277,6 +277,14 @@ class SafeOpen:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    async def __aenter__(self) -> NoReturn:
+        """Refused, where ``async with`` was a bare ``TypeError``: the handle is entered with
+        a plain ``with``, also inside a coroutine."""
+        raise UsageError("safe_open is a context manager: use `with`, not `async with`")
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Never called (:meth:`__aenter__` raises); ``async with`` wants it to call that."""
 
     def __reduce__(self) -> Any:
         raise _unpicklable("safe_open")

@@ -16,7 +16,7 @@ from collections.abc import (
     Collection,
     Iterable,
 )
-from typing import Any, Self, TypeVar, final
+from typing import Any, NoReturn, Self, TypeVar, final
 
 import anyio
 import numpy as np
@@ -282,6 +282,10 @@ class TensorStream(AsyncClosing):
         reading, self._reading = self._reading, None
         if reading is not None:
             await reading.close()
+
+    def __iter__(self) -> NoReturn:
+        """Refused, where a plain ``for`` was a bare ``TypeError``: iterate with ``async for``."""
+        raise UsageError("a TensorStream is an async iterator: use `async for`")
 
     def __aiter__(self) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
         if self._iterated:

@@ -159,6 +159,13 @@ def test_verify_that_is_no_bool_is_refused(tmp_path: Path, verify: Any) -> None:
         sn.safe_open(path, "np", verify=verify)
 
 
+async def test_safe_open_entered_with_async_with_says_with(ref_file: Path) -> None:
+    """A UsageError naming `with`, where Python's was a bare TypeError."""
+    with pytest.raises(UsageError, match="safe_open is a context manager: use `with`"):
+        async with sn.safe_open(ref_file, "np"):
+            pass
+
+
 def test_bad_arguments_are_safetensors_errors(tmp_path: Path) -> None:
     with pytest.raises(SafetensorsError):
         sn.save_file({"o": np.array([object()])}, tmp_path / "x.safetensors")

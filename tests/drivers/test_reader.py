@@ -435,6 +435,17 @@ async def test_a_closed_stream_does_not_open_again(sample_path: pathlib.Path) ->
             pass
 
 
+def test_a_stream_used_with_plain_with_or_for_says_async(sample_path: pathlib.Path) -> None:
+    """A UsageError naming the async form, where Python's was a bare TypeError ('does not
+    support the context manager protocol', 'is not iterable')."""
+    message = "TensorStream is an async context manager: use `async with`"
+    with pytest.raises(UsageError, match=message), stream_st.open_stream(sample_path):
+        pass
+    with pytest.raises(UsageError, match="TensorStream is an async iterator: use `async for`"):
+        for _ in stream_st.open_stream(sample_path):
+            pass
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_a_mapped_stream_closed_from_another_task(tmp_path: pathlib.Path, backend: str) -> None:
     """copy=False: the loop's next step is a TransportError ("closed on this side"), never a

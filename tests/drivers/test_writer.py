@@ -978,6 +978,19 @@ async def test_writer_used_after_it_closed(tmp_path: pathlib.Path) -> None:
     assert leftovers(tmp_path, "done.st") == []
 
 
+def test_writers_entered_with_plain_with_say_async(tmp_path: pathlib.Path) -> None:
+    """A UsageError naming `async with`, where Python's was a bare TypeError; nothing written."""
+    writers = [
+        stream_st.open_writer(tmp_path / "x.st", PLAN),
+        stream_st.open_sharded_writer(tmp_path / "ckpt", max_shard_size=100),
+    ]
+    for writer in writers:
+        message = f"{type(writer).__name__} is an async context manager: use `async with`"
+        with pytest.raises(UsageError, match=message), writer:
+            pass
+    assert os.listdir(tmp_path) == []
+
+
 async def test_explicit_abort(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "aborted.st"
     writer = stream_st.open_writer(path, PLAN)
