@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ArgumentTypeError, IntegrityError, UsageError
 from .dtypes import wire_bytes
+from .header import _SHORT
 
 if TYPE_CHECKING:
     import anyio
@@ -179,6 +180,14 @@ class Digests:
 
     algorithm: str = DEFAULT_ALGORITHM
     values: Mapping[str, str] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        """A bounded summary (a file may hold millions of tensors): the algorithm, how many
+        digests, and the first few, shortened."""
+        return (
+            f"Digests(algorithm={_SHORT.repr(self.algorithm)}, n_tensors={len(self.values)}, "
+            f"values={_SHORT.repr(self.values)})"
+        )
 
     @classmethod
     def compute(cls, tensors: Mapping[str, Any], algorithm: str = DEFAULT_ALGORITHM) -> Digests:

@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import ArgumentTypeError, DtypeError, HeaderError, HeaderTooLargeError, UsageError
 from .dtypes import DType, dtype_for
 from .header import (
+    _SHORT,
     DEFAULT_MAX_HEADER_SIZE,
     LENGTH_PREFIX_SIZE,
     METADATA_KEY,
@@ -59,6 +60,14 @@ class TensorSpec:
             _set(self, "shape", integer_shape(shape))
         except ArgumentTypeError as exc:
             raise ArgumentTypeError(f"tensor {name!r}: {exc}") from None
+
+    def __repr__(self) -> str:
+        """The spec with its name and shape shortened (reprlib): a few hundred characters,
+        whatever the name."""
+        return (
+            f"TensorSpec(name={_SHORT.repr(self.name)}, dtype={_SHORT.repr(self.dtype)}, "
+            f"shape={_SHORT.repr(self.shape)})"
+        )
 
 
 def integer_shape(shape: object) -> tuple[int, ...]:

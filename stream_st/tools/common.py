@@ -7,15 +7,20 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from dataclasses import fields, is_dataclass
+from typing import TYPE_CHECKING
 
 from .._api import header_of, stream_for
-from ..core.header import Header, TensorInfo, UnknownDtypes
+from ..core.header import _SHORT, Header, TensorInfo, UnknownDtypes
 from ..core.shards import INDEX_SUFFIX, MANIFEST_NAME, is_index
 from ..errors import SafetensorsError, SourceNotFoundError, UsageError, redact
 from ..reader import Include, TensorStream
 from ..sharded.reader import ShardedStream, shard_headers
 from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import SourceLike
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = ["Progress", "headers_of", "model_sources", "naming", "plural"]
 
@@ -29,6 +34,35 @@ def plural(count: int, noun: str, nouns: str | None = None) -> str:
     """``1 tensor``, ``2 tensors``: ``count`` and ``noun`` in agreement (``nouns`` where the plural
     is not the noun and an s)."""
     return f"{count} {noun if count == 1 else nouns or noun + 's'}"
+
+
+def result_repr(result: DataclassInstance, **leading: object) -> str:
+    """The ``repr`` of a command's result, bounded however many tensors it lists: ``leading``
+    (what its properties say), then each field as :func:`_brief` shows it."""
+    shown = {**leading, **{f.name: getattr(result, f.name) for f in fields(result) if f.repr}}
+    parts = ", ".join(f"{name}={_brief(value)}" for name, value in shown.items())
+    return f"{type(result).__name__}({parts})"
+
+
+def _brief(value: object) -> str:
+    """A field of a command's result for its ``repr``: a list or dict (which may hold an entry
+    per tensor) as its first entry and, when it holds more, its length; a dataclass (a
+    tensor's statistics) field by field; anything else shortened as a header's ``repr``
+    shortens it (a string cut, a list or dict to its first entries)."""
+    if isinstance(value, dict) and value:
+        key = next(iter(value))
+        first, close = f"{{{_SHORT.repr(key)}: {_brief_entry(value[key])}", "}"
+    elif isinstance(value, list) and value:
+        first, close = f"[{_brief_entry(value[0])}", "]"
+    else:
+        return _brief_entry(value)
+    return first + close if len(value) == 1 else f"{first}, ...{close} ({len(value)} in all)"
+
+
+def _brief_entry(value: object) -> str:
+    if is_dataclass(value) and not isinstance(value, type):
+        return result_repr(value)
+    return _SHORT.repr(value)
 
 
 def command_clock(options: TransportOptions) -> Clock:

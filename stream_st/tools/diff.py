@@ -19,6 +19,7 @@ from .common import (
     merged_metadata,
     naming,
     opened,
+    result_repr,
     tensors_of,
 )
 from .hash import digest_stream
@@ -52,6 +53,10 @@ class Diff:
             or self.metadata_changed
             or self.content_differs
         )
+
+    def __repr__(self) -> str:
+        """A bounded summary: whether equal, then the first differences of each kind."""
+        return result_repr(self, equal=self.equal)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "equal": self.equal}

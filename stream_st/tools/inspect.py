@@ -8,7 +8,7 @@ from typing import Any, Unpack
 from ..errors import redact
 from ..transports.options import TransportOptions
 from ..transports.registry import SourceLike
-from .common import command_clock, headers_of, merged_metadata, tensors_of
+from .common import command_clock, headers_of, merged_metadata, result_repr, tensors_of
 
 __all__ = ["Inspection", "inspect"]
 
@@ -25,6 +25,10 @@ class Inspection:
     header_bytes: int
     metadata: dict[str, str]
     shards: int = 1
+
+    def __repr__(self) -> str:
+        """A bounded summary: the counts, and the first tensors and metadata."""
+        return result_repr(self)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

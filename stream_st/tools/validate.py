@@ -53,7 +53,15 @@ from ..reader.stream import OBJECT_ONLY
 from ..sharded.reader import ShardedStream
 from ..transports.options import Clock, TransportOptions, checked_number
 from ..transports.registry import SourceLike
-from .common import Progress, command_clock, expect_totals, headers_of, plural, tensors_of
+from .common import (
+    Progress,
+    command_clock,
+    expect_totals,
+    headers_of,
+    plural,
+    result_repr,
+    tensors_of,
+)
 from .model_checks import (
     ModelConfig,
     check_layer_sequence,
@@ -150,6 +158,10 @@ class Validation:
     def ok(self) -> bool:
         """True when there is no error (warnings allowed)."""
         return not self.errors
+
+    def __repr__(self) -> str:
+        """A bounded summary: whether valid, then the first statistics, errors and warnings."""
+        return result_repr(self, ok=self.ok)
 
     def to_json(self, *, load: bool = False) -> dict[str, Any]:
         """The result as JSON-ready values; ``load=True`` adds the read's statistics."""

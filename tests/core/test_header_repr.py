@@ -14,7 +14,7 @@ import numpy as np
 
 import stream_st
 import stream_st.numpy as st_np
-from stream_st import Header, build_header
+from stream_st import Header, build_header, tools
 from stream_st.core.layout import TensorSpec
 from stream_st.sharded import ShardIndex
 
@@ -58,3 +58,38 @@ def test_objects_that_hold_a_header_have_a_bounded_repr(tmp_path: Path) -> None:
         assert isinstance(handle.get_tensor(f"{LONG}.1"), np.ndarray)
     for obj in objects:
         assert len(repr(obj)) < BOUND, (type(obj), repr(obj)[:BOUND])
+
+
+def test_digests_specs_and_the_commands_results_have_a_bounded_repr(tmp_path: Path) -> None:
+    """Digests, inspect's, validate's and diff's results showed every tensor in their repr
+    (megabytes for 20,000 tensors), a TensorSpec its whole name: each now shows how many and
+    the first, shortened."""
+    path = tmp_path / "many.safetensors"
+    header = many_tensors(path)
+    other = tmp_path / "other.safetensors"  # half the tensors, other bytes, other metadata
+    specs = [TensorSpec(f"{LONG}.{i}", "U8", (1,) * 60) for i in range(TENSORS // 2)]
+    prefix, half = build_header([*specs, TensorSpec(f"{LONG}+", "U8", [2])], {LONG: LONG})
+    other.write_bytes(prefix + b"\1" * half.data_size)
+
+    async def results() -> tuple[tools.Inspection, tools.Validation, tools.Diff]:
+        return (
+            await tools.inspect(path),
+            await tools.validate(path),
+            await tools.diff(path, other, content=True),
+        )
+
+    inspection, validation, diff = anyio.run(results)
+    digests = stream_st.Digests("sha256", {info.name: "ab" * 32 for info in header.tensors})
+    spec = TensorSpec(LONG * 2000, "F32", (1,) * 60)
+    for obj in (digests, spec, inspection, validation, diff):
+        assert len(repr(obj)) < BOUND, (type(obj), repr(obj)[:BOUND])
+    assert repr(digests).startswith(f"Digests(algorithm='sha256', n_tensors={TENSORS}, ")
+    assert repr(spec).startswith("TensorSpec(name='nnn") and "dtype='F32'" in repr(spec)
+    assert "tensors=[{'bytes': 1, 'dtype': 'U8', 'name': 'nnn" in repr(inspection)
+    assert f"...] ({TENSORS} in all), tensor_count={TENSORS}" in repr(inspection)
+    assert repr(validation).startswith("Validation(ok=True, source=")
+    assert "tensors=[TensorStats(name='nnn" in repr(validation)
+    assert f"...] ({TENSORS} in all)" in repr(validation)
+    assert repr(diff).startswith("Diff(equal=False, added=['nnn") and diff.content_differs
+    for kind, count in (("removed", TENSORS // 2), ("content_differs", TENSORS // 2)):
+        assert f"{kind}=['nnn" in repr(diff) and f"...] ({count} in all)" in repr(diff)
