@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from .._api import header_of, stream_for
 from ..core.header import _SHORT, Header, TensorInfo, UnknownDtypes
 from ..core.shards import INDEX_SUFFIX, MANIFEST_NAME, is_index
-from ..errors import SafetensorsError, SourceNotFoundError, UsageError, redact
+from ..errors import ArgumentTypeError, SafetensorsError, SourceNotFoundError, UsageError, redact
 from ..reader import Include, TensorStream
 from ..sharded.reader import ShardedStream, shard_headers
 from ..transports.options import Clock, TransportOptions, clock_of
@@ -34,6 +34,18 @@ def plural(count: int, noun: str, nouns: str | None = None) -> str:
     """``1 tensor``, ``2 tensors``: ``count`` and ``noun`` in agreement (``nouns`` where the plural
     is not the noun and an s)."""
     return f"{count} {noun if count == 1 else nouns or noun + 's'}"
+
+
+def checked_progress(progress: object) -> Progress | None:
+    """``progress=`` checked before anything is read or written: None or a callable;
+    :class:`~stream_st.ArgumentTypeError` naming it for anything else (it failed as a bare
+    ``TypeError`` at the first tensor)."""
+    if progress is not None and not callable(progress):
+        raise ArgumentTypeError(
+            f"progress takes a callable of (bytes done, tensors done) or None, "
+            f"got {type(progress).__name__}"
+        )
+    return progress
 
 
 def result_repr(result: DataclassInstance, **leading: object) -> str:

@@ -41,6 +41,7 @@ from ..transports.registry import Sink, SinkLike, SourceLike, open_sink, read_ob
 from ..writer import TensorWriter
 from .common import (
     Progress,
+    checked_progress,
     command_clock,
     expect_totals,
     included,
@@ -259,6 +260,7 @@ async def cp(
     digests to compute need a destination that can be patched at the end (a file, S3): asked
     for, they are a :class:`~stream_st.UsageError` elsewhere; inherited, they are left out.
     """
+    progress = checked_progress(progress)
     if quantize is not None and (dtype is not None or dequantize):
         raise UsageError("choose one of dtype=, quantize= and dequantize=")
     if include is not None and not callable(include):
@@ -539,6 +541,7 @@ async def mirror(
     index of the same shard names find new shards beside old ones, and a failure there keeps
     the shards committed before it. An HTTP upload cannot be held: each shard is committed as
     its upload completes, and a failure leaves those uploaded (the index is not written)."""
+    progress = checked_progress(progress)
     clock = command_clock(options)
     raw, home = await read_object(index, clock, limit=MAX_INDEX_SIZE)
     shards = ShardIndex(raw, index, home)

@@ -14,6 +14,7 @@ from ..transports.options import TransportOptions
 from ..transports.registry import SourceLike
 from .common import (
     Progress,
+    checked_progress,
     command_clock,
     expect_totals,
     merged_metadata,
@@ -82,6 +83,7 @@ async def diff(
     :func:`~stream_st.tools.common.opened` does, which refuses, with a
     :class:`~stream_st.UsageError`, a dataset whose shards repeat a name: the bytes compared
     are those of names held once, by name.)"""
+    progress = checked_progress(progress)
     clock = command_clock(options)
     compared: set[str] = set()  # filled once both headers are known, before any data is read
     # the headers alone take a dtype stream_st cannot read (I4), as inspect does

@@ -18,13 +18,15 @@ from .._util import task_group
 from ..core.dtypes import wire_bytes
 from ..core.header import Header, TensorInfo
 from ..core.shards import is_index
-from ..errors import UsageError, redact
-from ..reader import TensorStream
+from ..errors import ArgumentTypeError, UsageError, redact
+from ..reader import Include, TensorStream
+from ..reader.stream import include_names
 from ..transports.base import Source
 from ..transports.options import Clock, TransportOptions
 from ..transports.registry import SourceLike, open_source
 from .common import (
     Progress,
+    checked_progress,
     command_clock,
     expect_totals,
     headers_of,
@@ -48,8 +50,16 @@ def structural_hash(tensors: Iterable[TensorInfo]) -> str:
 
     The hashed text is the compact JSON (sorted keys, UTF-8) of
     ``{"format": "safetensors", "tensors": [{"name", "dtype" (lower case), "shape",
-    "byte_length"}, ... sorted by name]}``.
+    "byte_length"}, ... sorted by name]}``. ``tensors`` is a header's (an iterable of
+    :class:`~stream_st.TensorInfo`); anything else is an :class:`~stream_st.ArgumentTypeError`.
     """
+    wrong = "structural_hash takes a header's tensors (TensorInfo entries)"
+    if not isinstance(tensors, Iterable):
+        raise ArgumentTypeError(f"{wrong}, got {type(tensors).__name__}")
+    listed = list(tensors)
+    for entry in listed:
+        if not isinstance(entry, TensorInfo):
+            raise ArgumentTypeError(f"{wrong}, got an entry of type {type(entry).__name__}")
     document = {
         "format": "safetensors",
         "tensors": [
@@ -59,7 +69,7 @@ def structural_hash(tensors: Iterable[TensorInfo]) -> str:
                 "shape": list(t.shape),
                 "byte_length": t.nbytes,
             }
-            for t in sorted(tensors, key=lambda t: t.name)
+            for t in sorted(listed, key=lambda t: t.name)
         ],
     }
     text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -97,14 +107,19 @@ async def digest_stream(stream: TensorStream, progress: Progress | None) -> dict
 async def content_digests(
     source: SourceLike,
     *,
-    include: Iterable[str] | None = None,
+    include: Include = None,
     progress: Progress | None = None,
     **options: Unpack[TransportOptions],
 ) -> dict[str, str]:
-    """sha256 (hex) of each tensor's bytes, streamed one tensor at a time."""
-    selected = None if include is None else list(include)
-    async with opened(source, command_clock(options), include=selected) as (stream, headers):
-        expect_totals(progress, [t for t in tensors_of(headers) if included(selected, t.name)])
+    """sha256 (hex) of each tensor's bytes, streamed one tensor at a time; ``include`` (one
+    name, a collection of them or a predicate on the name) selects tensors. The arguments are
+    checked before the source is opened: :class:`~stream_st.ArgumentTypeError`, naming the
+    argument, for a wrong type."""
+    if include is not None and not callable(include):
+        include = include_names(include)  # names, or an ArgumentTypeError saying what it takes
+    progress = checked_progress(progress)
+    async with opened(source, command_clock(options), include=include) as (stream, headers):
+        expect_totals(progress, [t for t in tensors_of(headers) if included(include, t.name)])
         return await digest_stream(stream, progress)
 
 
@@ -131,6 +146,7 @@ async def hash(  # the command's name (shadows the builtin only inside this modu
     content hashes: so a pipe, a FIFO or standard input gives the same ``file_sha256`` as the
     file itself.
     """
+    progress = checked_progress(progress)
     clock = command_clock(options)
     if not file:
         if not content:

@@ -29,6 +29,7 @@ import reprlib
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
+from numbers import Real
 from typing import Any, Unpack
 
 import anyio
@@ -55,6 +56,7 @@ from ..transports.options import Clock, TransportOptions, checked_number
 from ..transports.registry import SourceLike
 from .common import (
     Progress,
+    checked_progress,
     command_clock,
     expect_totals,
     headers_of,
@@ -212,16 +214,18 @@ async def validate(
 
     The arguments are checked before the source is opened: ``expect_shapes`` must map names
     (str) to shapes (sequences of integers from 0), ``expect_layers`` be names (not one str),
-    ``progress`` a callable; :class:`~stream_st.ArgumentTypeError` for another type,
-    :class:`~stream_st.UsageError` for a negative dimension, each naming the argument."""
-    checked_number("warn_abs", warn_abs)
+    ``warn_abs`` a number (``math.inf``: no such warning; None is refused), ``progress`` a
+    callable; :class:`~stream_st.ArgumentTypeError` for another type,
+    :class:`~stream_st.UsageError` for a negative dimension or ``warn_abs``, each naming the
+    argument."""
+    if isinstance(warn_abs, bool) or not isinstance(warn_abs, Real):
+        raise ArgumentTypeError(
+            f"warn_abs takes a number >= 0 (math.inf: no warning), got {type(warn_abs).__name__}"
+        )
+    checked_number("warn_abs", warn_abs)  # NaN or a negative number: a UsageError
     shapes = expected_shapes(expect_shapes)
     layers = _expected_layers(expect_layers)
-    if progress is not None and not callable(progress):
-        raise ArgumentTypeError(
-            f"progress takes a callable of (bytes done, tensors done) or None, "
-            f"got {type(progress).__name__}"
-        )
+    progress = checked_progress(progress)
     model = None if config is None else _config_of(config)
     async with _opened_views(source, command_clock(options)) as (stream, headers):
         return await _validate_stream(

@@ -186,13 +186,17 @@ def test_validate_min_and_max_of_64_bit_integers_are_exact(
         ({"expect_shapes": {1: [3]}}, stream_st.ArgumentTypeError, "tensor names are str"),
         ({"expect_layers": "q_proj"}, stream_st.ArgumentTypeError, "expect_layers takes"),
         ({"progress": 5}, stream_st.ArgumentTypeError, "progress takes a callable"),
+        ({"warn_abs": None}, stream_st.ArgumentTypeError, "warn_abs takes a number"),
+        ({"warn_abs": "1"}, stream_st.ArgumentTypeError, "warn_abs takes a number"),
+        ({"warn_abs": -1}, stream_st.UsageError, "warn_abs must be a number >= 0"),
     ],
 )
 async def test_validate_names_the_argument_it_cannot_take(
     tmp_path: Path, arguments: dict[str, Any], refusal: type[Exception], match: str
 ) -> None:
     """validate(expect_shapes=[...]) raised AttributeError, {'a': 5} and progress=5 TypeError;
-    a negative or boolean dimension was compared as if a shape could have it."""
+    a negative or boolean dimension was compared as if a shape could have it; warn_abs=None
+    was taken and compared with the first tensor's values (a bare TypeError)."""
     path = tmp_path / "a.safetensors"
     reference_save({"a": np.zeros((3, 4), np.float32)}, str(path))
     with pytest.raises(refusal, match=match):

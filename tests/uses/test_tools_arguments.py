@@ -1,0 +1,67 @@
+"""The commands' library functions check their arguments before anything is read or written:
+a wrong type is an :class:`~stream_st.ArgumentTypeError` naming the argument, where a bare
+``TypeError`` came from deep inside (or after the destination was opened)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import stream_st
+import stream_st.numpy as st_np
+from stream_st import tools
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    path = tmp_path / "a.safetensors"
+    st_np.save_file({"a": np.zeros(3, np.float32), "b": np.ones(2, np.float32)}, path)
+    return path
+
+
+NOT_CALLABLE: Any = 5
+
+CALLS: dict[str, Callable[[Path, Path], Awaitable[Any]]] = {
+    "cp": lambda src, dst: tools.cp(src, dst, progress=NOT_CALLABLE),
+    "content_digests": lambda src, dst: tools.content_digests(src, progress=NOT_CALLABLE),
+    "hash": lambda src, dst: tools.hash(src, content=True, progress=NOT_CALLABLE),
+    "diff": lambda src, dst: tools.diff(src, src, content=True, progress=NOT_CALLABLE),
+}
+
+
+@pytest.mark.parametrize("call", CALLS)
+async def test_a_progress_that_is_no_callable_is_refused_first(
+    source: Path, tmp_path: Path, call: str
+) -> None:
+    """cp(progress=5) and content_digests(progress=5) raised "'int' object is not callable"
+    at the first tensor, cp's destination opened."""
+    dst = tmp_path / "out.safetensors"
+    with pytest.raises(stream_st.ArgumentTypeError, match="progress takes a callable"):
+        await CALLS[call](source, dst)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
+
+
+async def test_content_digests_takes_what_include_takes(source: Path) -> None:
+    """include=5 raised "'int' object is not iterable"; one name was taken as its letters."""
+    with pytest.raises(stream_st.ArgumentTypeError, match="include= takes"):
+        await tools.content_digests(source, include=5)  # type: ignore[arg-type]
+    every = await tools.content_digests(source)
+    assert await tools.content_digests(source, include="a") == {"a": every["a"]}
+    assert await tools.content_digests(source, include=iter(["b"])) == {"b": every["b"]}  # type: ignore[arg-type]
+    assert await tools.content_digests(source, include=lambda name: name == "b") == {
+        "b": every["b"]
+    }
+
+
+async def test_structural_hash_takes_a_headers_tensors(source: Path) -> None:
+    """structural_hash(None) raised "'NoneType' object is not iterable"; names alone raised an
+    AttributeError."""
+    header = await stream_st.read_header(source)
+    assert tools.structural_hash(header.tensors) == tools.structural_hash(iter(header.tensors))
+    for wrong, match in ((None, "got NoneType"), (["a"], "got an entry of type str")):
+        with pytest.raises(stream_st.ArgumentTypeError, match=f"structural_hash takes.*{match}"):
+            tools.structural_hash(wrong)  # type: ignore[arg-type]
