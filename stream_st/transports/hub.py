@@ -149,22 +149,36 @@ class HubFile:
         )
 
 
+def _setting(environ: Mapping[str, str] | None, name: str) -> str:
+    """Variable ``name`` of ``environ`` (``os.environ`` when None), "" when unset;
+    :class:`~stream_st.ArgumentTypeError` for an ``environ`` that is no mapping or holds other
+    than a str there (they failed as a bare ``AttributeError``)."""
+    env = os.environ if environ is None else environ
+    if not isinstance(env, Mapping):
+        raise ArgumentTypeError(
+            f"environ takes a mapping of variable names to values or None (os.environ), "
+            f"got {type(env).__name__}"
+        )
+    value = env.get(name, "")
+    if not isinstance(value, str):
+        raise ArgumentTypeError(f"environ[{name!r}] must be a str, got {type(value).__name__}")
+    return value
+
+
 def hub_endpoint(environ: Mapping[str, str] | None = None) -> str:
     """The Hub's base URL: ``HF_ENDPOINT``, else the public Hub."""
-    env = os.environ if environ is None else environ
-    return (env.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+    return (_setting(environ, "HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
 
 
 def hub_token(environ: Mapping[str, str] | None = None) -> str | None:
     """The token to send to the Hub: ``HF_TOKEN``, else the token file in ``HF_HOME``; None
     when neither holds one. A token holding a line break or another control character (it would
     inject a header) is a :class:`~stream_st.UsageError` naming where it came from."""
-    env = os.environ if environ is None else environ
-    token = env.get("HF_TOKEN", "").strip()
+    token = _setting(environ, "HF_TOKEN").strip()
     if token:
         return checked_token(token, "HF_TOKEN")
-    home = env.get("HF_HOME") or os.path.join(
-        env.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "huggingface"
+    home = _setting(environ, "HF_HOME") or os.path.join(
+        _setting(environ, "XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "huggingface"
     )
     path = Path(home, "token")
     try:

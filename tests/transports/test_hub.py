@@ -151,6 +151,21 @@ def test_endpoint_and_token_from_the_environment(tmp_path: Path) -> None:
     assert hub_token({"XDG_CACHE_HOME": str(tmp_path)}) == "hf_xdg"
 
 
+@pytest.mark.parametrize(
+    ("environ", "match"),
+    [
+        (5, "environ takes a mapping"),
+        ({"HF_ENDPOINT": 5, "HF_TOKEN": 5}, r"environ\['HF_(ENDPOINT|TOKEN)'\] must be a str"),
+    ],
+)
+def test_an_environment_of_another_type_is_refused_naming_it(environ: Any, match: str) -> None:
+    """hub_endpoint(5) and hub_token(5) raised a bare AttributeError, as did a variable of
+    another type than str."""
+    for function in (hub_endpoint, hub_token):
+        with pytest.raises(stream_st.ArgumentTypeError, match=match):
+            function(environ)
+
+
 def test_the_token_goes_to_the_hubs_origin_only() -> None:
     client = HubClient("https://huggingface.co", "hf_x")
     assert client.on_hub("https://HuggingFace.co:443/org/repo/resolve/main/x")
