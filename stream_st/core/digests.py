@@ -123,13 +123,15 @@ speed; ``sha256`` and ``blake3`` are cryptographic, for a digest that must be ha
 DEFAULT_ALGORITHM = "xxh3-128"
 
 
-def algorithm_named(name: str) -> Algorithm:
-    """The algorithm called ``name``; :class:`~stream_st.UsageError` for an unknown one."""
+def algorithm_named(name: str, option: str | None = None) -> Algorithm:
+    """The algorithm called ``name``; :class:`~stream_st.UsageError` for an unknown one, naming
+    the ``option`` that gave it (``"checksums="``), if any."""
     try:
         return ALGORITHMS[name]
     except (KeyError, TypeError):
+        unknown = "unknown" if option is None else f"{option} names an unknown"
         raise UsageError(
-            f"unknown digest algorithm {name!r}; choose one of {sorted(ALGORITHMS)}"
+            f"{unknown} digest algorithm {name!r}; choose one of {sorted(ALGORITHMS)}"
         ) from None
 
 
@@ -326,9 +328,9 @@ def digests_for(checksums: bool | str | Digests) -> Digests | None:
     if checksums is True:
         return Digests()
     if isinstance(checksums, str):
-        return Digests(algorithm_named(checksums).name)
+        return Digests(algorithm_named(checksums, "checksums=").name)
     if isinstance(checksums, Digests):
-        algorithm_named(checksums.algorithm)
+        algorithm_named(checksums.algorithm, "checksums=")
         values = checksums.values
         if not isinstance(values, Mapping):
             got = type(values).__name__

@@ -103,8 +103,11 @@ async def test_each_algorithm_is_the_plain_digest_of_the_bytes(
 
 
 async def test_unknown_algorithm_and_reserved_keys_are_usage_errors(tmp_path: Path) -> None:
-    with pytest.raises(stream_st.UsageError, match="unknown digest algorithm 'md4'"):
+    named = "checksums= names an unknown digest algorithm 'md4'"  # the argument said
+    with pytest.raises(stream_st.UsageError, match=named):
         await stream_st.save(tmp_path / "m.safetensors", tensors(), checksums="md4")
+    with pytest.raises(stream_st.UsageError, match=named):
+        stream_st.open_sharded_writer(tmp_path / "ckpt", max_shard_size=100, checksums="md4")
     with pytest.raises(stream_st.UsageError, match="reserved"):
         await stream_st.save(
             tmp_path / "m.safetensors", tensors(), metadata={ALGORITHM_KEY: "x"}, checksums=True
