@@ -9,8 +9,9 @@ are; the mapping goes when the handle and the last tensor viewing it are gone.
 
 Python before 3.13 keeps a duplicate of the descriptor for as long as an ``mmap.mmap`` lives;
 there the mapping is made with the C library's ``mmap`` directly (POSIX), so a thousand open
-shards take no descriptor each. Without ``mapped`` (``backend="pread"``) the descriptor stays
-open and each tensor is read into fresh memory.
+shards take no descriptor each (:func:`stream_st.transports.file.mmap.map_file`, which maps
+the shards of an index too). Without ``mapped`` (``backend="pread"``) the descriptor stays open
+and each tensor is read into fresh memory.
 
 :func:`load_mapped` is ``load_file`` of such a file (:mod:`stream_st.torch`,
 :mod:`stream_st.numpy`): no event loop, and nothing of the streaming core imported, so a script
@@ -21,8 +22,6 @@ check) it imports when it meets them.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import stat
 import sys
@@ -51,6 +50,7 @@ from ..errors import (
     boolean,
 )
 from ..memory.fresh import fresh_bytes
+from ..transports.file.mmap import map_file
 from ..transports.file.pread import pread_fully
 from ._errors import NoSuchFileError
 
@@ -60,62 +60,6 @@ if TYPE_CHECKING:
 __all__ = ["LocalFile", "load_mapped", "local_path"]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
-
-class _LibcMapping:
-    """The C library's ``mmap`` and ``munmap``, where there are (POSIX)."""
-
-    def __init__(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        self.mmap = libc.mmap
-        self.mmap.restype = ctypes.c_void_p
-        self.mmap.argtypes = (
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int64,
-        )
-        self.munmap = libc.munmap
-        self.munmap.restype = ctypes.c_int
-        self.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-
-    def map_private(self, fd: int, size: int) -> Any:
-        """``size`` bytes of ``fd`` mapped copy-on-write, as a ctypes array that unmaps them
-        when it is collected."""
-        address = self.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
-        if address is None or address == ctypes.c_void_p(-1).value:
-            error = ctypes.get_errno()
-            raise OSError(error, os.strerror(error))
-        region = (ctypes.c_ubyte * size).from_address(address)
-        weakref.finalize(region, self.munmap, address, size)
-        return region
-
-
-def _libc_mapping() -> _LibcMapping | None:
-    if sys.version_info >= (3, 13) or os.name != "posix":
-        return None
-    try:
-        return _LibcMapping()
-    except (OSError, AttributeError):  # pragma: no cover - a libc without mmap
-        return None
-
-
-_LIBC = _libc_mapping()
-
-
-def _map_private(fd: int, size: int) -> Any:
-    """The file ``fd`` of ``size`` bytes mapped copy-on-write, holding no descriptor where the
-    platform allows."""
-    if _LIBC is not None:
-        return _LIBC.map_private(fd, size)
-    options: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
-    if os.name == "posix":
-        flags = {"flags": mmap.MAP_PRIVATE, "prot": mmap.PROT_READ | mmap.PROT_WRITE}
-    else:  # pragma: no cover - Windows' copy on write
-        flags = {"access": mmap.ACCESS_COPY}
-    return mmap.mmap(fd, size, **flags, **options)
 
 
 def _pread_exact(fd: int, size: int, offset: int, name: str, what: str) -> bytes:
@@ -144,7 +88,7 @@ class LocalFile:
                 raise UsageError(f"{name} is not a regular file")
             self.header = _read_header(fd, info.st_size, name)
             self._digests = _digests(self.header) if verify else None
-            self._region: Any = _map_private(fd, info.st_size) if mapped else None
+            self._region: Any = map_file(fd, info.st_size, private=True) if mapped else None
         except OSError as exc:
             os.close(fd)
             raise TransportError(f"cannot read: {exc.strerror or exc}", url=name) from exc

@@ -3,6 +3,7 @@ descriptor (a mapping only), so a thousand shards open at once fit under ``ulimi
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -82,3 +83,43 @@ def test_a_thousand_shards_open_at_once_under_ulimit_1024(tmp_path: Path) -> Non
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1000", str(float(sum(range(1000))))]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="ulimit")
+def test_an_index_of_more_shards_than_descriptors_loads(tmp_path: Path) -> None:
+    """``load_file`` of an index maps each shard through the streaming core: the mappings hold
+    no descriptor, so 300 shards load under ``ulimit -n 128``, read-only views where the
+    mapping is shared, writable ones where it is private."""
+    shards = 300
+    for i in range(shards):
+        ref_pt.save_file({f"layer.{i}": torch.full((2,), float(i))}, tmp_path / f"m-{i}.st")
+    weight_map = {f"layer.{i}": f"m-{i}.st" for i in range(shards)}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    script = textwrap.dedent(
+        f"""
+        import resource
+        import anyio
+        import stream_st, stream_st.numpy, stream_st.torch
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard))
+        arrays = stream_st.numpy.load_file({str(index)!r})
+        tensors = stream_st.torch.load_file({str(index)!r})
+        streamed = anyio.run(lambda: stream_st.load({str(index)!r}, copy=False))
+        try:  # a shared mapping's views cannot be made writable
+            streamed["layer.1"].flags.writeable = True
+        except ValueError:
+            pass
+        arrays["layer.1"][0] = -1.0  # a private mapping's copy on write
+        print(len(arrays), sum(float(a[1]) for a in arrays.values()),
+              sum(float(t[1]) for t in tensors.values()), float(arrays["layer.1"][0]),
+              all(not a.flags.writeable for a in streamed.values()))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    total = str(float(sum(range(shards))))
+    assert done.stdout.split() == [str(shards), total, total, "-1.0", "True"]
+    assert ref_pt.load_file(tmp_path / "m-1.st")["layer.1"].tolist() == [1.0, 1.0]

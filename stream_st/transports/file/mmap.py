@@ -21,25 +21,33 @@ for the mapping and for copying reads (0.80x), so it is not done.
 A ``private`` mapping (``MAP_PRIVATE``, ``PROT_READ | PROT_WRITE``) gives writable views, as the
 reference's torch tensors are: a page stays the file's own (in the page cache) until it is
 written, then the kernel copies it for this process alone, so writes never reach the file.
+
+:func:`map_file` makes the mapping (for :class:`FileMap`, and for the drop-ins' local files,
+:mod:`stream_st.compat._local`) holding no descriptor: Python before 3.13 keeps a duplicate of
+the descriptor for as long as an ``mmap.mmap`` lives, so there the C library's ``mmap`` is
+called directly (POSIX), and a thousand mapped shards take no descriptor each. The event loop's
+modules are imported only by the methods that wait, so the drop-ins' synchronous load imports
+none of them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
+import os
 import sys
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import anyio.lowlevel
-import anyio.to_thread
 import numpy as np
 
 from ...core.header import TensorInfo
 from ...errors import TransportError
 
-__all__ = ["INLINE_STEP", "WINDOW", "FileMap"]
+__all__ = ["INLINE_STEP", "WINDOW", "FileMap", "map_file"]
 
 WINDOW = 64 << 20
 """Bytes populated per call (at least the tensor asked for)."""
@@ -53,8 +61,90 @@ MADV_POPULATE_READ: int = getattr(mmap, "MADV_POPULATE_READ", 22)
 _UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 
 _UNTRACKED: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
-"""Python 3.13 and later map without keeping a duplicate of the file's descriptor; before,
-``mmap`` holds one for as long as the mapping (so any view of it) lives."""
+"""Python 3.13 and later map without keeping a duplicate of the file's descriptor."""
+
+
+class _LibcMapping:
+    """The C library's ``mmap``, ``munmap`` and ``madvise``, where there are (POSIX)."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.mmap = libc.mmap
+        self.mmap.restype = ctypes.c_void_p
+        self.mmap.argtypes = (
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int64,
+        )
+        self.munmap = libc.munmap
+        self.munmap.restype = ctypes.c_int
+        self.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        self.madvise = libc.madvise
+        self.madvise.restype = ctypes.c_int
+        self.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+    def map(self, fd: int, size: int, flags: int, prot: int) -> Any:
+        """``size`` bytes of ``fd`` mapped with ``flags`` and ``prot``, as a ctypes array that
+        unmaps them when it is collected."""
+        address = self.mmap(None, size, prot, flags, fd, 0)
+        if address is None or address == ctypes.c_void_p(-1).value:
+            _raise_errno()
+        region = (ctypes.c_ubyte * size).from_address(address)
+        weakref.finalize(region, self.munmap, address, size)
+        return region
+
+    def advise(self, region: Any, advice: int, start: int, length: int) -> None:
+        """``madvise(advice)`` over ``length`` bytes of ``region`` from ``start``."""
+        if self.madvise(ctypes.addressof(region) + start, length, advice) != 0:
+            _raise_errno()
+
+
+def _raise_errno() -> None:
+    error = ctypes.get_errno()
+    raise OSError(error, os.strerror(error))
+
+
+def _libc_mapping() -> _LibcMapping | None:
+    if sys.version_info >= (3, 13) or os.name != "posix":
+        return None
+    try:
+        return _LibcMapping()
+    except (OSError, AttributeError):  # pragma: no cover - a libc without mmap
+        return None
+
+
+_LIBC = _libc_mapping()
+
+
+def map_file(fd: int, size: int, *, private: bool = False) -> Any:
+    """The file ``fd`` of ``size`` bytes mapped whole, shared and read-only, or copy-on-write
+    (``private``), holding no descriptor where the platform allows: a buffer (an ``mmap.mmap``
+    or a ctypes array) that unmaps when it and every view of it are gone. A shared mapping made
+    with the C library's ``mmap`` is a writable buffer: read-only views are for the caller to
+    make (``memoryview(...).toreadonly()``)."""
+    if os.name == "posix":
+        flags, prot = (
+            (mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            if private
+            else (mmap.MAP_SHARED, mmap.PROT_READ)
+        )
+        if _LIBC is not None:
+            return _LIBC.map(fd, size, flags, prot)
+        return mmap.mmap(fd, size, flags=flags, prot=prot, **_UNTRACKED)
+    access = mmap.ACCESS_COPY if private else mmap.ACCESS_READ  # pragma: no cover - Windows
+    return mmap.mmap(fd, size, access=access, **_UNTRACKED)  # pragma: no cover
+
+
+def _advise(region: Any, advice: int, start: int, length: int) -> None:
+    """``madvise(advice)`` over ``length`` bytes of ``region`` (made by :func:`map_file`)."""
+    if isinstance(region, mmap.mmap):
+        region.madvise(advice, start, length)
+    else:
+        assert _LIBC is not None
+        _LIBC.advise(region, advice, start, length)
 
 
 class FileMap:
@@ -73,19 +163,16 @@ class FileMap:
         cached: Callable[[int], bool] = lambda _: False,
     ) -> None:
         self.name = name
-        flags, prot = (
-            (mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-            if private
-            else (mmap.MAP_SHARED, mmap.PROT_READ)
-        )
         try:
-            self._map = mmap.mmap(fd, size, flags=flags, prot=prot, **_UNTRACKED)
+            self._map = map_file(fd, size, private=private)
         except OSError as exc:
             raise TransportError(f"cannot map: {exc.strerror or exc}", url=name) from exc
+        buffer = memoryview(self._map)
+        self._buffer = buffer if private else buffer.toreadonly()
         self._cached = cached
         self._pending: deque[tuple[int, int]] = deque()
         self._populated = 0
-        self._populate = hasattr(self._map, "madvise")
+        self._populate = not isinstance(self._map, mmap.mmap) or hasattr(self._map, "madvise")
 
     def plan(self, ranges: Sequence[tuple[int, int]]) -> None:
         """The absolute byte ranges that will be viewed, ascending: only those get populated."""
@@ -98,7 +185,7 @@ class FileMap:
         end = start + info.nbytes
         if end > self._populated:
             await self._populate_to(end)
-        raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=start)
+        raw = np.frombuffer(self._buffer, dtype=np.uint8, count=info.nbytes, offset=start)
         return raw.view(info.array_dtype).reshape(info.array_shape)
 
     async def _populate_to(self, end: int) -> None:
@@ -110,6 +197,8 @@ class FileMap:
             return
         uncached = await self._populate_cached(pieces)
         if uncached and self._populate:
+            import anyio.to_thread
+
             await anyio.to_thread.run_sync(self._advise, uncached)
 
     def _take(self, end: int) -> list[tuple[int, int]]:
@@ -129,6 +218,8 @@ class FileMap:
     async def _populate_cached(self, pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Populate ``pieces`` here, step by step, while each step's first and last bytes are
         cached; returns what is left, from the first step that is not."""
+        import anyio.lowlevel
+
         for index, (first, stop) in enumerate(pieces):
             for start in range(first, stop, INLINE_STEP):
                 end = min(start + INLINE_STEP, stop)
@@ -143,7 +234,7 @@ class FileMap:
         for start, stop in pieces:
             aligned = start - start % mmap.PAGESIZE
             try:
-                self._map.madvise(MADV_POPULATE_READ, aligned, stop - aligned)
+                _advise(self._map, MADV_POPULATE_READ, aligned, stop - aligned)
             except OSError as exc:
                 if exc.errno in _UNSUPPORTED:
                     self._populate = False
