@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar, Unpack
 
@@ -596,15 +596,21 @@ class TensorWriter(AsyncClosing):
             group.start_soon(feed, data)
             await self._put(info, start, data)
 
-    async def copy_from_file(self, name: str, source: int, at: int, origin: str = "") -> bool:
+    async def copy_from_file(
+        self, name: str, source: int, at: int, origin: str = "", *, then: Sequence[str] = ()
+    ) -> bool:
         """Write the whole tensor ``name`` from its bytes at offset ``at`` of the local file open
         as ``source`` (``origin``: its name, for errors), copied by the kernel, page cache to
-        page cache: none of them passes through this process. Returns False, nothing done, where
-        the destination is not a local file, or where the writer computes digests (which need the
-        bytes): write the tensor's array instead. A source that ends first raises
+        page cache: none of them passes through this process. ``then`` names tensors that follow
+        it in the file being written with no gap, each after the one before, whose bytes follow
+        its own in the source: they are copied with it, in one call (many small tensors copied
+        one by one cost a thread's round trip each). Returns False, nothing done, where the
+        destination is not a local file, or where the writer computes digests (which need the
+        bytes): write the tensors' arrays instead. A source that ends first raises
         :class:`~stream_st.TruncatedStreamError`, one that is not an open regular file, or is
-        the file being written, :class:`~stream_st.UsageError`; either aborts the message as any
-        failed write."""
+        the file being written, :class:`~stream_st.UsageError`, as does a tensor of ``then``
+        that does not follow the one before; any of them aborts the message as any failed
+        write."""
         sink = self._check_usable()
         try:
             source = integer_at_least("copy_from_file: the source's descriptor", source, 0)
@@ -613,21 +619,36 @@ class TensorWriter(AsyncClosing):
                 raise UsageError(
                     f"copy_from_file: no file has descriptor {source} or offset {at} (bytes)"
                 )
+            if isinstance(then, str) or not isinstance(then, Sequence):
+                raise ArgumentTypeError(
+                    f"copy_from_file: then= takes a sequence of names, got {type(then).__name__}"
+                )
             if self._digests is not None or not sink.kernel_copies:
                 return False
-            info = self._timely(sink, name)
-            self._claim(info, info.nbytes, "whole")
-            offset = self._header.data_start + info.start
-            copied = await sink.copy_in(source, at, offset, info.nbytes)
-            if copied < info.nbytes:
+            run = [self._timely(sink, name)]
+            for following in then:
+                info, before = self._lookup(following), run[-1]
+                if info.start != before.start + before.nbytes:
+                    raise UsageError(
+                        f"copy_from_file: tensor {following!r} does not follow {before.name!r} "
+                        "in the file being written"
+                    )
+                run.append(info)
+            for info in run:
+                self._claim(info, info.nbytes, "whole")
+            first, count = run[0], run[-1].start + run[-1].nbytes - run[0].start
+            copied = await sink.copy_in(source, at, self._header.data_start + first.start, count)
+            if copied < count:
+                short = next(i for i in run if i.start + i.nbytes - first.start > copied)
                 raise TruncatedStreamError(
-                    f"tensor {name!r}",
-                    name=name,
+                    f"tensor {short.name!r}",
+                    name=short.name,
                     offset=at + copied,
-                    expected=at + info.nbytes,
+                    expected=at + short.start + short.nbytes - first.start,
                     source=origin,
                 )
-            self._progress.wrote(name, info.nbytes)
+            for info in run:
+                self._progress.wrote(info.name, info.nbytes)
         except BaseException as exc:
             await self._abort(exc)
             raise

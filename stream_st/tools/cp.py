@@ -7,7 +7,7 @@ import json
 import os
 import posixpath
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Unpack
 from urllib.parse import quote
@@ -35,6 +35,7 @@ from ..errors import (
 from ..reader import Include, TensorStream
 from ..reader.stream import include_names
 from ..sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
+from ..transports.file.sink import COPY_TURN
 from ..transports.file.source import FileSource
 from ..transports.options import Clock, Transport, TransportOptions
 from ..transports.registry import Sink, SinkLike, SourceLike, open_sink, read_object
@@ -337,16 +338,43 @@ async def _copied_by_kernel(
         key.startswith(ALGORITHM_KEY) for key in stream.header.metadata
     ):  # digests, even damaged ones: the reading way checks them, or says what is wrong
         return False
-    fd, start, done_bytes = source.fileno(), stream.header.data_start, 0
-    for done, info in enumerate(stream.selected(), 1):
-        stream.stats.asked()
-        if not await writer.copy_from_file(info.name, fd, start + info.start, source.name):
-            return False  # the first tensor: nothing copied yet
-        stream.stats.handed(info.nbytes)
-        done_bytes += info.nbytes
-        if progress is not None:
-            progress(done_bytes, done)
+    fd, start, done_bytes, done = source.fileno(), stream.header.data_start, 0, 0
+    for run in _runs(stream.selected(), writer.header):
+        first, *then = run
+        for _ in run:
+            stream.stats.asked()
+        if not await writer.copy_from_file(
+            first.name, fd, start + first.start, source.name, then=[t.name for t in then]
+        ):
+            return False  # the first run: nothing copied yet
+        for info in run:  # as the reading way reports them, one tensor after another
+            stream.stats.handed(info.nbytes)
+            done_bytes += info.nbytes
+            done += 1
+            if progress is not None:
+                progress(done_bytes, done)
     return True
+
+
+def _runs(tensors: Iterable[TensorInfo], written: Header) -> Iterator[list[TensorInfo]]:
+    """``tensors`` (the source's, in order) in runs that lie with no gap, one after the other,
+    both in the source and in ``written`` (the copy's header), of at most :data:`COPY_TURN`
+    bytes (a longer tensor alone): each is copied by the kernel in one call."""
+    run: list[TensorInfo] = []
+    size = 0
+    for info in tensors:
+        if run:
+            last = run[-1]
+            apart = info.start != last.start + last.nbytes or (
+                written[info.name].start != written[last.name].start + last.nbytes
+            )
+            if apart or size + info.nbytes > COPY_TURN:
+                yield run
+                run, size = [], 0
+        run.append(info)
+        size += info.nbytes
+    if run:
+        yield run
 
 
 def _not_up_front(algorithm: str) -> Digests | None:

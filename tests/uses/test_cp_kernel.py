@@ -312,3 +312,66 @@ async def test_a_sharded_source_merged_into_one_file_is_read(
         got = reference_numpy.load_file(str(target))
         assert all(np.array_equal(got[name], array) for name, array in tensors().items())
     assert kernel_copies == []
+
+
+async def test_tensors_lying_together_are_copied_in_one_call(
+    tmp_path: Path, kernel_copies: list[int]
+) -> None:
+    """Many small tensors: a run lying with no gap in the source and the copy goes in one
+    kernel call (one per tensor cost a thread's round trip each); a tensor left out by
+    include= breaks the run. The bytes and the progress are the reading way's."""
+    source = tmp_path / "many.safetensors"
+    reference_numpy.save_file({f"t{i}": np.full(3, i, np.float32) for i in range(6)}, str(source))
+    chosen = ["t0", "t1", "t3", "t4", "t5"]  # t2 left out: a gap in the source
+    by_kernel, by_reading = tmp_path / "k.safetensors", tmp_path / "r.safetensors"
+    progress: list[tuple[int, int]] = []
+    await cp(source, by_kernel, include=chosen, progress=lambda *p: progress.append(p))
+    await cp(source.read_bytes(), by_reading, include=chosen)
+    assert by_kernel.read_bytes() == by_reading.read_bytes()
+    assert kernel_copies == [2 * 12, 3 * 12]
+    assert progress == [(12 * n, n) for n in range(1, 6)]
+    await cp(source, tmp_path / "all.safetensors")
+    assert (tmp_path / "all.safetensors").read_bytes() == source.read_bytes()
+    assert kernel_copies[2:] == [6 * 12]
+
+
+async def test_a_run_copied_from_a_short_source_names_the_tensor_cut(
+    tmp_path: Path,
+) -> None:
+    source = tmp_path / "in.bin"
+    source.write_bytes(b"\0" * 20)  # x's 16 bytes and 4 of y's
+    target = tmp_path / "out.safetensors"
+    specs = [TensorSpec(n, "F32", (4,)) for n in ("x", "y", "z")]
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        writer = stream_st.open_writer(target, specs)
+        with pytest.raises(TruncatedStreamError, match="tensor 'y'"):
+            async with writer:
+                await writer.copy_from_file("x", fd, 0, str(source), then=["y", "z"])
+    finally:
+        os.close(fd)
+    assert os.listdir(tmp_path) == ["in.bin"]
+
+
+@pytest.mark.parametrize(
+    ("then", "error", "match"),
+    [
+        (["z"], stream_st.UsageError, "tensor 'z' does not follow 'x'"),
+        (["y", "y"], stream_st.UsageError, "tensor 'y' does not follow 'y'"),
+        ("y", stream_st.ArgumentTypeError, "then= takes a sequence of names"),
+    ],
+)
+async def test_copy_from_file_refuses_a_run_with_a_gap(
+    source: Path, tmp_path: Path, then: Any, error: type[Exception], match: str
+) -> None:
+    target = tmp_path / "out.safetensors"
+    specs = [TensorSpec(n, "F32", (4,)) for n in ("x", "y", "z")]
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        writer = stream_st.open_writer(target, specs)
+        with pytest.raises(error, match=match):
+            async with writer:
+                await writer.copy_from_file("x", fd, 0, then=then)
+    finally:
+        os.close(fd)
+    assert os.listdir(tmp_path) == ["in.safetensors"]
