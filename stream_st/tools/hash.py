@@ -15,13 +15,14 @@ import numpy as np
 
 from .._api import stream_for
 from .._util import task_group
+from ..core.digests import HASH_INLINE
 from ..core.dtypes import wire_bytes
 from ..core.header import Header, TensorInfo
 from ..core.shards import is_index
 from ..errors import ArgumentTypeError, UsageError, redact
 from ..reader import Include, TensorStream
 from ..reader.stream import include_names
-from ..transports.base import Source
+from ..transports.base import Source, give_turn
 from ..transports.options import Clock, TransportOptions
 from ..transports.registry import SourceLike, open_source
 from .common import (
@@ -77,7 +78,9 @@ def structural_hash(tensors: Iterable[TensorInfo]) -> str:
 
 
 async def digest_stream(stream: TensorStream, progress: Progress | None) -> dict[str, str]:
-    """sha256 of each tensor's bytes; hashing runs in a thread while the next tensor is read."""
+    """sha256 of each tensor's bytes; hashing runs in a thread while the next tensor is read,
+    or, for a tensor of at most :data:`~stream_st.core.digests.HASH_INLINE` bytes, on the
+    loop's own thread (cheaper than a thread's round trip), a turn given as the reader does."""
     digests: dict[str, str] = {}
     done_bytes = 0
     done = 0
@@ -94,8 +97,13 @@ async def digest_stream(stream: TensorStream, progress: Progress | None) -> dict
         async for name, array in stream:
             if previous is not None:
                 await previous.wait()  # one tensor hashing while the next is read, no more
-            previous = anyio.Event()
-            group.start_soon(digest, name, array, previous)
+                previous = None
+            if array.nbytes <= HASH_INLINE:
+                digests[name] = sha256(array)
+                await give_turn()
+            else:
+                previous = anyio.Event()
+                group.start_soon(digest, name, array, previous)
             done_bytes += array.nbytes
             done += 1
             if progress is not None:
