@@ -396,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (inspect, check, copy):
         add_cache_option(sub)
 
-    for sub in (hashing, differ, check, copy, demo):
+    # a no-op where nothing is shown (inspect, ls, show), as a script passing it to all expects
+    for sub in (inspect, listing, show, hashing, differ, check, copy, demo):
         sub.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     for sub in (inspect, listing, show, hashing, differ, check, copy):
         remote = sub.add_argument_group("remote sources and destinations")

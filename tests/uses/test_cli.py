@@ -96,6 +96,21 @@ def test_inspect_table_and_json(model: Path) -> None:
     assert found["data_bytes"] == sum(a.nbytes for a in TENSORS.values())
 
 
+@pytest.mark.parametrize(
+    "argv", [["inspect"], ["ls"], ["show", "model.embed_tokens.weight"]], ids=" ".join
+)
+def test_commands_showing_no_progress_take_quiet_as_the_others_do(
+    argv: list[str], model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``-q`` is a no-op for the commands that show no progress (it was "unrecognized
+    arguments"): their output is the same with it."""
+    command, *rest = argv
+    assert main([command, str(model), *rest]) == 0
+    plain = capsys.readouterr()
+    assert main([command, "-q", str(model), *rest]) == 0
+    assert capsys.readouterr() == plain
+
+
 def test_inspect_over_http_reads_only_the_header(model: Path) -> None:
     with RangeHTTPServer(objects={"/m.safetensors": model.read_bytes()}) as server:
         result = run("inspect", "--json", server.url("/m.safetensors"))
