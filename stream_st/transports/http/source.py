@@ -128,17 +128,18 @@ class HttpSource(ClientUser, Source):
         if name is not None:
             string("name", name)
         self.name = redact(name or url)  # what errors show: no password, no signature
+        kind = type(self).__name__  # each message names the source it refuses an option of
         if concurrency is not None:
-            concurrency = integer_at_least("concurrency", concurrency, 1)
+            concurrency = integer_at_least(f"{kind} concurrency", concurrency, 1)
         self._concurrency = concurrency
-        self._part_size = integer_at_least("part_size", part_size, 1, " (bytes)")
-        delay = checked_number("backoff", backoff, infinite=False)
+        self._part_size = integer_at_least(f"{kind} part_size", part_size, 1, " (bytes)")
+        delay = checked_number(f"{kind} backoff", backoff, infinite=False)
         if delay is None:
-            raise ArgumentTypeError("backoff must be a number of seconds >= 0, got None")
+            raise ArgumentTypeError(f"{kind} backoff must be a number of seconds >= 0, got None")
         self._parts: PartWindow | None = None  # reads go through it once open (see the module)
         self._single = False  # adaptive and settled on one stream: no window any more
         self._use_client(client, headers, ssl_context, limits)
-        self._retry = Retries(integer_at_least("retries", retries, 0), delay)
+        self._retry = Retries(integer_at_least(f"{kind} retries", retries, 0), delay)
         self._response: Response | None = None
         self._response_at = 0  # absolute offset of the next byte the open response delivers
         self._response_end = 0  # absolute offset where the open response's body ends
