@@ -86,11 +86,13 @@ def token_arg(text: str) -> str:
     being shown (``--token "$TOKEN"`` with the variable unset must not serve without one)."""
     from ..server.app import token_problem  # the server's modules, only when a token is given
 
-    if not text:
-        raise argparse.ArgumentTypeError(
-            "empty (an unset variable?): give the token, or leave --token out"
-        )
-    problem = token_problem(text)
+    empty = "empty (an unset variable?): give the token, or leave --token out"
+    return _taken(text, token_problem(text) if text else empty)
+
+
+def _taken(text: str, problem: str | None) -> str:
+    """``text``, an argument a ``*_problem`` check found nothing wrong with; else refused with
+    what the check said (argparse prints it after the option's name)."""
     if problem is not None:
         raise argparse.ArgumentTypeError(problem)
     return text
@@ -131,19 +133,13 @@ CLI spells them) and the environment variable each stands for, above every other
 def endpoint_arg(text: str) -> str:
     """An ``--endpoint-url`` argument: an http(s) URL with a host (an empty one is refused, not
     taken as unset: ``--endpoint-url "$URL"`` with the variable unset would go to AWS)."""
-    problem = endpoint_problem(text) if text else "empty (an unset variable?)"
-    if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
-    return text
+    return _taken(text, endpoint_problem(text) if text else "empty (an unset variable?)")
 
 
 def region_arg(text: str) -> str:
     """A ``--region`` argument: a region name, as botocore takes it (it goes into the host
     name of AWS's endpoint)."""
-    problem = region_problem(text)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
-    return text
+    return _taken(text, region_problem(text))
 
 
 def profile_arg(text: str) -> str:
