@@ -54,6 +54,8 @@ import operator
 import os
 import re
 
+from ._regex import LazyPattern
+
 __all__ = [
     "AllocationError",
     "ArgumentTypeError",
@@ -93,18 +95,18 @@ __all__ = [
 
 # ---------------------------------------------------------------- what a message may show
 
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s'\"<>]*)@")
+_USERINFO = LazyPattern(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s'\"<>]*)@")
 """``scheme://userinfo@``: the userinfo runs to the last ``@`` before the path, as URL parsers
 read it (a password with an unescaped ``@`` in it included)."""
 
-_TOKEN = re.compile(r"[^\s'\"<>]+")
+_TOKEN = LazyPattern(r"[^\s'\"<>]+")
 """A run of text an address may fill (up to a space or a quote)."""
 
-_SCHEME = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://")
+_SCHEME = LazyPattern(r"\b[A-Za-z][A-Za-z0-9+.-]*://")
 
-_USER = re.compile(r"[^/?#:]*")
+_USER = LazyPattern(r"[^/?#:]*")
 
-_AUTHORITY = re.compile(r"[^/?#]*")
+_AUTHORITY = LazyPattern(r"[^/?#]*")
 
 
 def _mask_cut_short(text: str) -> str:
@@ -117,13 +119,13 @@ def _mask_cut_short(text: str) -> str:
     error page of 64 KiB)."""
     pieces: list[str] = []
     done = 0
-    for token in _TOKEN.finditer(text):
+    for token in _TOKEN.compiled.finditer(text):
         last = text.rfind("@", token.start(), token.end())
         if last < 0:
             continue
-        for scheme in _SCHEME.finditer(text, token.start(), last):
-            user = _USER.match(text, scheme.end(), last)
-            authority = _AUTHORITY.match(text, scheme.end(), last)
+        for scheme in _SCHEME.compiled.finditer(text, token.start(), last):
+            user = _USER.compiled.match(text, scheme.end(), last)
+            authority = _AUTHORITY.compiled.match(text, scheme.end(), last)
             assert user is not None and authority is not None  # both match the empty string
             if text[user.end()] == ":" and "@" not in authority[0]:  # "@" there: masked above
                 pieces += [text[done : user.end() + 1], MASK]
@@ -132,7 +134,7 @@ def _mask_cut_short(text: str) -> str:
     return "".join(pieces) + text[done:] if pieces else text
 
 
-_PARAMETER = re.compile(r"(?P<lead>[?&#])(?P<name>[^=&#\s'\"<>]+)=(?P<value>[^&#\s'\"<>]*)")
+_PARAMETER = LazyPattern(r"(?P<lead>[?&#])(?P<name>[^=&#\s'\"<>]+)=(?P<value>[^&#\s'\"<>]*)")
 """A parameter of a query, or of a fragment (``#access_token=...``, as OAuth's implicit flow
 puts a token there)."""
 
@@ -143,7 +145,7 @@ _SECRET_WORDS = ("signature", "credential", "token", "secret", "password", "pass
 MASK = "***"
 """What stands for a secret in a message."""
 
-_AUTHORIZATION = re.compile(
+_AUTHORIZATION = LazyPattern(
     r"\b(?P<scheme>Bearer|Basic)(?P<gap>[ \t]+)(?P<value>[A-Za-z0-9._~+/-]{8,}=*)(?![\w=~+/.-])"
     r"|\b(?P<aws>AWS4-HMAC-SHA256)[ \t]+[^\r\n'\"<>]*?Signature=[0-9A-Fa-f]+"
 )
@@ -166,7 +168,7 @@ SECRET_HEADERS = (
 """Request headers, besides ``Authorization``, whose value is a credential: masked where a
 text quotes them, never sent to another origin on a redirect."""
 
-_HEADER = re.compile(
+_HEADER = LazyPattern(
     rf"(?i)\b(?P<name>{'|'.join(SECRET_HEADERS)})(?P<gap>[ \t]*:[ \t]*)"
     r"(?P<value>[^\s<>\"';][^\r\n<>\"']*)"
 )
@@ -223,13 +225,13 @@ def redact(text: str) -> str:
     nothing. Every error's message passes through it; use
     it wherever an address is shown."""
     if "@" in text:
-        text = _mask_cut_short(_USERINFO.sub(_mask_userinfo, text))
+        text = _mask_cut_short(_USERINFO.compiled.sub(_mask_userinfo, text))
     if "=" in text:
-        text = _PARAMETER.sub(_mask_parameter, text)
+        text = _PARAMETER.compiled.sub(_mask_parameter, text)
     if "Bearer" in text or "Basic" in text or "AWS4-" in text:
-        text = _AUTHORIZATION.sub(_mask_authorization, text)
+        text = _AUTHORIZATION.compiled.sub(_mask_authorization, text)
     if ":" in text:
-        text = _HEADER.sub(lambda match: f"{match['name']}{match['gap']}{MASK}", text)
+        text = _HEADER.compiled.sub(lambda match: f"{match['name']}{match['gap']}{MASK}", text)
     return text
 
 
@@ -495,7 +497,7 @@ class HTTPStatusError(TransportError):
         self.body = _redacted_body(body)
 
 
-_REQUEST_BYTES = re.compile(rb"(<CanonicalRequestBytes>)[^<]*(</CanonicalRequestBytes>)")
+_REQUEST_BYTES = LazyPattern(rb"(<CanonicalRequestBytes>)[^<]*(</CanonicalRequestBytes>)")
 """An S3 ``SignatureDoesNotMatch`` answer's hex of the request it signed (the session token in
 it, as hex, which :func:`redact` cannot see)."""
 
@@ -504,7 +506,7 @@ def _redacted_body(body: bytes) -> bytes:
     """``body`` with the secrets :func:`redact` masks masked (an S3 error page echoes the
     request it refused, ``x-amz-security-token:`` included), and the request's bytes in hex
     left out; bytes as they were elsewhere (Latin-1 keeps every byte)."""
-    body = _REQUEST_BYTES.sub(rb"\1" + MASK.encode() + rb"\2", body)
+    body = _REQUEST_BYTES.compiled.sub(rb"\1" + MASK.encode() + rb"\2", body)
     return redact(body.decode("latin-1")).encode("latin-1")
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import re
 import reprlib
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any, Literal, NamedTuple, TypeVar, cast, overload
 
 import numpy as np
 
+from .._regex import LazyPattern
 from ..errors import (
     DtypeError,
     HeaderError,
@@ -80,7 +80,7 @@ DEFAULT_MAX_HEADER_SIZE = 100_000_000
 METADATA_KEY = "__metadata__"
 
 U64_MAX = 2**64 - 1
-_NUMPY_MAX_NDIM = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
+_NUMPY_MAX_NDIM = 64 if int(np.__version__.split(".", 1)[0]) >= 2 else 32
 _NUMPY_MAX_BYTES = int(np.iinfo(np.intp).max)
 _PLAIN_BITS = min(U64_MAX, 8 * _NUMPY_MAX_BYTES)
 """The most bits a tensor of a whole-byte type may take (the format's limit, and numpy's)."""
@@ -91,7 +91,7 @@ UnknownDtypes = Literal["refuse", "keep"]
 default, :class:`~stream_st.UnknownDtypeError`), or ``"keep"`` the tensor for header-only use
 (see :func:`parse_header`)."""
 
-_KEPT_CODE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")
+_KEPT_CODE = LazyPattern(r"[A-Za-z][A-Za-z0-9_]{0,31}")
 """The dtype codes ``unknown_dtypes="keep"`` keeps: a letter, then up to 31 letters, digits or
 underscores (``I4``, ``I2``, ``U1``...). Anything else in a dtype is refused in any mode."""
 
@@ -486,11 +486,11 @@ _ENTRIES = _STRING.join(["(?:", f"{_WS}:{_WS}", f'{_WS}(?:,{_WS}(?=")|(?=\\}})))
 (and the whitespace after that) or, for the last, the ``}`` after it left unread: the
 metadata's entries a window at a time (:func:`_merge_entries`). A string's escapes are left to
 that parse to check."""
-_METADATA_ENTRIES = re.compile(_ENTRIES)
-_METADATA_ENTRIES_RAW = re.compile(_ENTRIES.encode())
-_METADATA_HEAD = re.compile(f'\\{{{_WS}"{METADATA_KEY}"{_WS}:{_WS}\\{{{_WS}'.encode())
+_METADATA_ENTRIES = LazyPattern(_ENTRIES)
+_METADATA_ENTRIES_RAW = LazyPattern(_ENTRIES.encode())
+_METADATA_HEAD = LazyPattern(f'\\{{{_WS}"{METADATA_KEY}"{_WS}:{_WS}\\{{{_WS}'.encode())
 """A header's start where the metadata is its first member, up to the metadata's first entry."""
-_AFTER_METADATA = re.compile(f"{_WS},{_WS}".encode())
+_AFTER_METADATA = LazyPattern(f"{_WS},{_WS}".encode())
 
 
 def _merge_entries(found: dict[str, str], text: str) -> bool:
@@ -524,7 +524,7 @@ def _metadata_steps(text: str, at: int) -> Generator[None, None, tuple[dict[str,
     at, more = yield from first_item(text, at, "}")
     pause = at + PIECE_BYTES
     while more:
-        run = _METADATA_ENTRIES.match(text, at, at + PIECE_BYTES)
+        run = _METADATA_ENTRIES.compiled.match(text, at, at + PIECE_BYTES)
         end = run.end() if run else at
         if end > at and _merge_entries(found, text[at:end]):
             at = end
@@ -620,7 +620,12 @@ def _placed(name: str, layout: _Layout, offsets: object) -> _Row:
 def _kept(code: object, keep: bool) -> bool:
     """Whether a tensor of dtype ``code`` is kept unread (``keep``, a code stream_st does not
     know, of the form :data:`_KEPT_CODE`)."""
-    return keep and type(code) is str and code not in DTYPES and bool(_KEPT_CODE.fullmatch(code))
+    return (
+        keep
+        and type(code) is str
+        and code not in DTYPES
+        and bool(_KEPT_CODE.compiled.fullmatch(code))
+    )
 
 
 def _numpy_ndim(code: object) -> bool:
@@ -706,7 +711,7 @@ def _header_dtype(name: str, code: object) -> DType:
         hint = (
             "; only header-only reads accept it (inspect, ls, hash; "
             "read_header(..., unknown_dtypes='keep'))"
-            if type(code) is str and _KEPT_CODE.fullmatch(code)
+            if type(code) is str and _KEPT_CODE.compiled.fullmatch(code)
             else ""
         )
         raise UnknownDtypeError(f"tensor {name!r}: {exc}{hint}") from None
@@ -1029,7 +1034,7 @@ def _parse_fast(raw: memoryview) -> Generator[None, None, Header | None]:
     known: _Known = {}
     ordered = True
     try:
-        head = _METADATA_HEAD.match(raw)
+        head = _METADATA_HEAD.compiled.match(raw)
         if head is not None:  # read before the pieces: it may be long
             plain = yield from _plain_metadata(raw, head.end())
             if plain is None:
@@ -1082,7 +1087,7 @@ def _plain_metadata(
     """
     found: dict[str, str] = {}
     while True:
-        run = _METADATA_ENTRIES_RAW.match(raw, at, at + PIECE_BYTES)
+        run = _METADATA_ENTRIES_RAW.compiled.match(raw, at, at + PIECE_BYTES)
         end = run.end() if run else at
         closed = raw[end : end + 1].tobytes() == b"}"
         if end == at and not closed:
@@ -1090,7 +1095,7 @@ def _plain_metadata(
         if not _merge_entries(found, str(raw[at:end], "utf-8")):
             return None
         if closed:
-            after = _AFTER_METADATA.match(raw, end + 1)
+            after = _AFTER_METADATA.compiled.match(raw, end + 1)
             return (found, after.end()) if after else None
         at = end
         yield
@@ -1131,7 +1136,7 @@ _Known = dict[tuple[str, str | tuple[int, ...]], _Layout]
 
 _NUMBER = "(?:0|[1-9][0-9]*+)"
 """A plain JSON integer's text: digits, no leading zero, no sign."""
-_COMPACT_MEMBER = re.compile(
+_COMPACT_MEMBER = LazyPattern(
     rf'"([^"\\\x00-\x1f]*+)":\{{"dtype":"([^"\\]*+)","shape":\[((?:{_NUMBER}(?:,{_NUMBER})*+)?+)\],'
     rf'"data_offsets":\[({_NUMBER}),({_NUMBER})\]\}}'
 )
@@ -1180,7 +1185,7 @@ def _compact_piece(piece: str, known: _Known, first: bool) -> _Piece | None:
     it), and the fields are checked a column at a time. A handful of calls over the whole
     piece; no Python code runs per tensor, only per distinct layout.
     """
-    parts = _COMPACT_MEMBER.split(piece)
+    parts = _COMPACT_MEMBER.compiled.split(piece)
     n = len(parts) // _GROUPS
     between = parts[::_GROUPS]  # before the first member, between two, after the last
     head = between[0]
@@ -1452,7 +1457,7 @@ def _take_offsets(name: str, offsets: list[Any], items: list[Any]) -> None:
         raise _offsets_form_error(name, offsets)
 
 
-_INT_RUN = re.compile(r"(?:(?:0|[1-9][0-9]{0,19})[ \t\n\r]*,[ \t\n\r]*)*+")
+_INT_RUN = LazyPattern(r"(?:(?:0|[1-9][0-9]{0,19})[ \t\n\r]*,[ \t\n\r]*)*+")
 """A run of an array's items that are plain integers of up to 20 digits, each followed by its
 ``,`` (whitespace allowed around it)."""
 
@@ -1467,7 +1472,7 @@ def _array_steps(
     at, more = yield from first_item(text, at, "]")
     pause = at + PIECE_BYTES
     while more:
-        run = _INT_RUN.match(text, at, pause)
+        run = _INT_RUN.compiled.match(text, at, pause)
         end = run.end() if run else at
         if end > at:
             take(list(map(int, text[at:end].split(",")[:-1])))

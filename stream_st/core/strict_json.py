@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from json.scanner import make_scanner
 from typing import Any, cast
 
+from .._regex import LazyPattern
 from ..errors import HeaderError
 
 __all__ = [
@@ -330,7 +331,7 @@ MAX_PIECE_BYTES = 4 * PIECE_BYTES
 that none ends within this many bytes of a piece's start (or a layout with no cut it knows)
 ends the pieces, so that no piece, nor the search for one, is longer."""
 
-_CUT = re.compile(rb'\}[ \t\n\r]*(,)[ \t\n\r]*"')
+_CUT = LazyPattern(rb'\}[ \t\n\r]*(,)[ \t\n\r]*"')
 """Where an object of objects may be cut: after a member's ``}``, at the ``,`` before the next
 member's name (``},"`` as the reference writes it, ``}, "`` as :func:`json.dumps` does)."""
 
@@ -354,7 +355,7 @@ def object_pieces(raw: memoryview, start: int = 0) -> Iterator[str]:
             text = str(raw[start:], "utf-8")
             yield "{" + text if start else text
             return
-        match = _CUT.search(raw, start + PIECE_BYTES, start + MAX_PIECE_BYTES)
+        match = _CUT.compiled.search(raw, start + PIECE_BYTES, start + MAX_PIECE_BYTES)
         if match is None:
             raise ValueError(f"no member ends within {MAX_PIECE_BYTES} bytes of byte {start}")
         text = str(raw[start : match.start() + 1], "utf-8")
@@ -362,7 +363,7 @@ def object_pieces(raw: memoryview, start: int = 0) -> Iterator[str]:
         start = match.end(1)
 
 
-_MINUS_ZERO = re.compile(r"[\[,:][ \t\n\r]*-0")
+_MINUS_ZERO = LazyPattern(r"[\[,:][ \t\n\r]*-0")
 """Where a ``-0`` number may begin (or a string holds such text: a false alarm, never a miss)."""
 
 
@@ -370,7 +371,7 @@ def scan_piece(piece: str) -> dict[str, Any] | None:
     """The JSON object ``piece``, parsed fast (duplicate keys pass, the last kept; numbers but
     plain integers are :class:`Number`); ``None`` if it is no single JSON object or may hold a
     ``-0`` (the fast parse reads it as 0): the member walk then tells what is wrong."""
-    if "-0" in piece and _MINUS_ZERO.search(piece):
+    if "-0" in piece and _MINUS_ZERO.compiled.search(piece):
         return None
     try:
         value, end = _FAST_SCAN(piece, 0)
@@ -381,7 +382,7 @@ def scan_piece(piece: str) -> dict[str, Any] | None:
     return cast(dict[str, Any], value)
 
 
-_ESCAPE = re.compile(r"\\(.)", re.DOTALL)
+_ESCAPE = LazyPattern(r"\\(.)", re.DOTALL)
 
 
 def string_count(text: str) -> int:
@@ -389,7 +390,8 @@ def string_count(text: str) -> int:
     value lacks."""
     quotes = text.count('"')
     if "\\" in text:
-        quotes -= _ESCAPE.findall(text).count('"')  # escapes, in order: \\ then \" is not one
+        # escapes, in order: \\ then \" is not one
+        quotes -= _ESCAPE.compiled.findall(text).count('"')
     return quotes // 2
 
 

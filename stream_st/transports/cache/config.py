@@ -24,12 +24,13 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 
+from ..._regex import LazyPattern
 from ...errors import UsageError, boolean, integer_at_least, path_string
 
 __all__ = ["Cache", "CacheLike", "hub_offline", "parse_size"]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([kmgtp])(i?))?(b?)\s*", re.IGNORECASE)
+_SIZE = LazyPattern(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([kmgtp])(i?))?(b?)\s*", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
 
@@ -38,7 +39,7 @@ def parse_size(text: str) -> int:
     ``G``, ``T``, ``P`` alone or with ``iB`` are powers of 1024 (``50G`` is 50 GiB, as ``du``
     and ``ulimit`` count); with ``B`` alone (``50GB``) powers of 1000. A
     :class:`~stream_st.UsageError` for anything else."""
-    match = _SIZE.fullmatch(text)
+    match = _SIZE.compiled.fullmatch(text)
     if match is None:
         raise UsageError(f"not a size: {text!r} (expected bytes or a number with a unit: 50G)")
     number, unit, binary, byte = match.groups()
