@@ -129,7 +129,13 @@ class HubFile:
                 raise UnsupportedSourceError(
                     f"{url!r}: a name, revision or path with a control character"
                 )
-        return cls(repo_type, f"{org}/{repo}", revision, path)
+        repo_id = f"{org}/{repo}"
+        if "--" in repo_id or ".." in repo_id:  # refused as huggingface_hub's validate_repo_id
+            raise UnsupportedSourceError(
+                f"{url!r}: a repository name holding '--' or '..', which the Hub refuses (the "
+                "cache would keep 'a/b--c' and 'a--b/c' in one folder)"
+            )
+        return cls(repo_type, repo_id, revision, path)
 
     def address(self, revision: str | None = None) -> str:
         """The ``hf://`` address of this file, at ``revision`` (default: its own)."""

@@ -135,6 +135,26 @@ def test_an_hf_address_that_climbs_out_is_refused(
     assert not any("escaped" in p.name for p in outside)
 
 
+@pytest.mark.parametrize(
+    "address",
+    [
+        "hf://a/b--c/model.safetensors",
+        "hf://a--b/c/model.safetensors",
+        "hf://datasets/a/b..c/model.safetensors",
+    ],
+)
+def test_an_hf_repository_name_holding_two_dashes_or_dots_is_refused(
+    tmp_path: Path, hub: FakeHub, address: str
+) -> None:
+    """hf://a/b--c and hf://a--b/c were both kept in models--a--b--c: offline, a read of one
+    was answered with the other's file. The Hub refuses such names, as huggingface_hub does."""
+    hub.push("a/b--c", {"model.safetensors": DATA})
+    hub.push("a--b/c", {"model.safetensors": DATA})
+    with pytest.raises(UnsupportedSourceError, match=r"holding '--' or '\.\.'"):
+        asyncio.run(read(address, cache=True))
+    assert not [p for p in files_under(tmp_path) if "s--a" in str(p)]
+
+
 def test_presigned_urls_of_two_versions_name_two_copies() -> None:
     """A signed query was dropped whole, versionId with it: offline, or with the server down,
     the URL of version 2 was answered with the copy of version 1."""
