@@ -543,6 +543,26 @@ async def test_hub_damaged_blob_and_offline(
         await read("hf://org/model/other.safetensors", cache=True)
 
 
+@pytest.mark.parametrize("status", [500, 503, 429, 404])
+async def test_a_hub_failing_its_head_leaves_the_copy_in_use(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, status: int
+) -> None:
+    """A Hub answering the ``HEAD`` 5xx (or 429) made the read fail after its retries, where
+    an ``http(s)://`` server's 5xx leaves the copy in use ("stale"), as cache.md says; a 404
+    still is the Hub's answer."""
+    hub.push("org/model", {"model.safetensors": DATA})
+    address = "hf://org/model/model.safetensors"
+    await read(address, cache=True)
+    with RangeHTTPServer() as failing:
+        failing.status_for["/org/model/resolve/main/model.safetensors"] = status
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{failing.port}")
+        if status == 404:
+            with pytest.raises(stream_st.SafetensorsError):
+                await read(address, cache=True)
+        else:
+            await read_as(address, ARRAYS, "stale", cache=True)
+
+
 async def test_hub_wrong_bytes_are_not_kept(hub: FakeHub, tmp_path: Path) -> None:
     hub.push("org/model", {"model.safetensors": DATA})
     sha = hashlib.sha256(DATA).hexdigest()

@@ -15,7 +15,8 @@ all. Otherwise one ``HEAD`` to the Hub's resolve URL (the token to the Hub only,
 :class:`~stream_st.HubSource` sends it) tells the commit and the file's ETag (an LFS file's
 SHA-256): a blob of that ETag in the cache is used (the snapshot link and the ref made as
 ``huggingface_hub`` makes them); else the file is read at that commit, from the location the
-Hub gave, into the blob, checked against its SHA-256 while it streams.
+Hub gave, into the blob, checked against its SHA-256 while it streams. A Hub that cannot be
+reached, or answers the ``HEAD`` with a 5xx or 429, leaves the copy in use.
 
 Offline (``cache="offline"``, ``HF_HUB_OFFLINE=1``): the copy is used without any request, and
 a missing one is a :class:`~.config.CacheMissError`.
@@ -69,6 +70,11 @@ CACHED_SCHEMES = frozenset({"http", "https", "s3", "hf"})
 """The addresses a cache applies to; any other source is read as it is."""
 
 MAX_HUB_HOPS = 5
+
+HUB_UNSURE = frozenset({429, *range(500, 600)})
+"""The Hub's answers to the ``HEAD`` that leave a cached copy in use (``"stale"``), as where
+the Hub cannot be reached: it failed (5xx) or asks to come back later (429), as
+``huggingface_hub`` falls back to its cache."""
 
 
 @dataclass
@@ -362,14 +368,16 @@ class _HubAnswer:
     location: str | None
 
 
-async def _hub_head(url: str, clock: Clock) -> _HubAnswer | None:
+async def _hub_head(url: str, clock: Clock) -> _HubAnswer | int:
     """One ``HEAD`` of the Hub's resolve URL ``url`` (following redirects within the Hub: a
-    renamed repository); None when the Hub answers with an error (the read then reports it)."""
+    renamed repository); the status of an error answer (or of the last of too many
+    redirects) instead of an answer."""
     from ..hub import HubClient, hub_endpoint, hub_token
 
     client = HubClient(hub_endpoint(), hub_token())
     transport = clock.transport
     try:
+        status = 0
         for _ in range(MAX_HUB_HOPS + 1):
             response = await client.request(
                 "HEAD",
@@ -387,7 +395,7 @@ async def _hub_head(url: str, clock: Clock) -> _HubAnswer | None:
                     url = location
                     continue
             if status >= 400:
-                return None
+                return status
             etag = _etag(headers.get("x-linked-etag") or headers.get("etag") or "")
             size_text = headers.get("x-linked-size") or (
                 headers.get("content-length") if status < 300 else None
@@ -397,7 +405,7 @@ async def _hub_head(url: str, clock: Clock) -> _HubAnswer | None:
             commit = commit if commit and COMMIT.fullmatch(commit) else None
             far = location if status in REDIRECTS and location else None
             return _HubAnswer(commit, etag, size, far)
-        return None
+        return status
     finally:
         await client.aclose()
 
@@ -421,6 +429,7 @@ async def _hub(
         )
     if local is not None and on_copy is not None:
         on_copy(str(local))
+    answer: _HubAnswer | int | None
     try:
         answer = await _hub_head(file.resolve_url(hub_endpoint()), clock)
     except HTTPStatusError:
@@ -428,9 +437,12 @@ async def _hub(
     except TransportError:
         if local is None:
             raise
+        answer = None  # the Hub cannot be reached
+    unsure = answer is None or (isinstance(answer, int) and answer in HUB_UNSURE)
+    if local is not None and unsure:
         assert known is not None
         return Resolved(str(local), "stale", file.address(known), _blob_files(entry, known))
-    if answer is None or answer.commit is None or answer.etag is None:
+    if not isinstance(answer, _HubAnswer) or answer.commit is None or answer.etag is None:
         return Resolved(address, "uncached")  # the read reports what the Hub said
     commit, etag = answer.commit, answer.etag
     lock = EntryLock(entry.lock(etag))
