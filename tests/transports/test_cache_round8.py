@@ -204,6 +204,26 @@ def test_a_record_naming_an_unknown_digest_is_fetched_again(tmp_path: Path) -> N
             assert_same_arrays(arrays, ARRAYS)
 
 
+@pytest.mark.parametrize("etag", ['"v0"\r\nX-Injected: 1', '"v0"\0', '"\u2603"'])
+def test_a_record_whose_etag_no_header_can_carry_is_fetched_again(
+    tmp_path: Path, etag: str
+) -> None:
+    """Every later read of the URL raised UsageError about a request header 'If-None-Match'
+    the caller never gave: the damaged record's copy was used to ask the server."""
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as server:
+        url = server.url("/m.safetensors")
+        asyncio.run(read(url, cache=tmp_path))
+        (record,) = (p for p in tmp_path.rglob("*.json") if ".part" not in p.name)
+        damaged = json.loads(record.read_text())
+        damaged["etag"] = etag
+        record.write_text(json.dumps(damaged))
+        for expected in ("fetch", "hit"):
+            arrays, state = asyncio.run(read(url, cache=tmp_path))
+            assert state == expected
+            assert_same_arrays(arrays, ARRAYS)
+        assert not any("x-injected" in headers for _, _, headers in server.headers_seen)
+
+
 @pytest.mark.parametrize("text", ["9" * 400, "5iB", "\u0661\u0662\u0663", "1e3"])
 def test_sizes_that_are_not_sizes_or_are_huge(text: str) -> None:
     """A huge size raised a bare OverflowError (the command: an internal error); 5iB and

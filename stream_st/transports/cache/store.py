@@ -35,7 +35,7 @@ from ...core.digests import Hasher, update_sliced
 from ...core.strict_json import decode_json
 from ...errors import SafetensorsError, UsageError
 from ..file.pread import pread_fully
-from ..options import Clock
+from ..options import HEADER_BREAKS, Clock
 
 __all__ = [
     "LOCK_POLL",
@@ -135,10 +135,13 @@ class Record:
         return record if record._well_formed() else None
 
     def _well_formed(self) -> bool:
-        """Whether every field has its type (as JSON gives it) and the size is one."""
+        """Whether every field has its type (as JSON gives it), the size is one, and the
+        validators can be sent back in a request header (``If-None-Match``)."""
         texts = (self.shown, self.algorithm, self.digest, self.etag, self.last_modified)
         return (
             all(isinstance(text, str) for text in texts)
+            and _header_value(self.etag)
+            and _header_value(self.last_modified)
             and _integer(self.size)
             and self.size >= 0
             and isinstance(self.fingerprint, list)
@@ -151,6 +154,13 @@ class Record:
 
     def save(self, path: Path) -> None:
         write_json(path, asdict(self))
+
+
+def _header_value(text: str) -> bool:
+    """Whether ``text`` can go in a request header as it is: Latin-1, with no line break or NUL
+    (a server's validator always can; a damaged record's may not, and its request would be
+    refused as carrying a header of the value's choosing)."""
+    return not any(c in text for c in HEADER_BREAKS) and all(ord(c) < 256 for c in text)
 
 
 def _integer(value: object) -> bool:
