@@ -189,6 +189,57 @@ def test_a_partial_copy_record_reaching_past_the_object_is_not_trusted(
         assert copy.read_bytes() == DATA
 
 
+def tensor_at(name: str) -> int:
+    """Where tensor ``name``'s bytes start in :data:`DATA`."""
+    header_size = int.from_bytes(DATA[:8], "little")
+    begin, _ = json.loads(DATA[8 : 8 + header_size])[name]["data_offsets"]
+    return 8 + header_size + int(begin)
+
+
+@pytest.mark.parametrize("scheme", ["http", "hf"])
+def test_a_partial_copy_written_to_since_is_thrown_away(
+    tmp_path: Path, hub: FakeHub, scheme: str
+) -> None:
+    """A partial copy whose bytes changed on disk was served as it was (hf:// too), and a full
+    read of an http(s):// object committed it as a complete, checked copy: every later read
+    was a hit with the damaged tensor."""
+    hub.push("org/model", {"model.safetensors": DATA})
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as server:
+        address = server.url("/m.safetensors") if scheme == "http" else HUB_ADDRESS
+        asyncio.run(read(address, cache=tmp_path, include=["t1"]))
+        (part,) = tmp_path.rglob("*.part")
+        with open(part, "r+b") as file:
+            file.seek(tensor_at("t1") + 100)
+            file.write(b"\xff" * 64)
+        arrays, _ = asyncio.run(read(address, cache=tmp_path, include=["t1"]))
+        assert_same_arrays(arrays, {"t1": ARRAYS["t1"]})
+        for expected in ("fetch", "hit"):
+            arrays, state = asyncio.run(read(address, cache=tmp_path))
+            assert state == expected
+            assert_same_arrays(arrays, ARRAYS)
+
+
+@pytest.mark.parametrize("scheme", ["http", "hf"])
+def test_a_partial_copy_record_claiming_bytes_never_written_is_not_trusted(
+    tmp_path: Path, hub: FakeHub, scheme: str
+) -> None:
+    """A record of a partial copy listing every byte as held, over a copy holding one tensor
+    (what damage to its digits can leave), had a full read commit the zeros never written as
+    a checked copy: the next read was a hit returning them."""
+    hub.push("org/model", {"model.safetensors": DATA})
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as server:
+        address = server.url("/m.safetensors") if scheme == "http" else HUB_ADDRESS
+        asyncio.run(read(address, cache=tmp_path, include=["t1"]))
+        (record,) = tmp_path.rglob("*.part.json")
+        state = json.loads(record.read_text())
+        state["ranges"] = [[0, len(DATA)]]
+        record.write_text(json.dumps(state))
+        for expected in ("fetch", "hit"):
+            arrays, served = asyncio.run(read(address, cache=tmp_path))
+            assert served == expected
+            assert_same_arrays(arrays, ARRAYS)
+
+
 def test_a_record_naming_an_unknown_digest_is_fetched_again(tmp_path: Path) -> None:
     """Was a UsageError on every read of the address, online too."""
     with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as server:

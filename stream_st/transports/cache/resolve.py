@@ -55,7 +55,7 @@ from .store import (
     Record,
     checked_copy,
     fingerprint,
-    read_json,
+    partial_ranges,
     remove_quietly,
     touch,
 )
@@ -164,27 +164,6 @@ async def _committed(entry: ObjectEntry) -> tuple[ObjectEntry, Record] | None:
     return None
 
 
-def _partial(entry: ObjectEntry, etag: str, modified: str, size: int | None) -> RangeSet:
-    """The ranges a partial copy of this version holds (empty when none is usable)."""
-    state = read_json(entry.part_record)
-    usable = (
-        isinstance(state, dict)
-        and size is not None
-        and state.get("size") == size
-        and state.get("etag") == etag
-        and state.get("last_modified") == modified
-        and entry.part.exists()
-        and entry.part.stat().st_size == size
-    )
-    if usable:
-        assert size is not None
-        held = RangeSet.recorded(state.get("ranges"), size)
-        if held is not None:
-            return held
-    remove_quietly(entry.part, entry.part_record)
-    return RangeSet()
-
-
 def _fresh(record: Record, etag: str, modified: str, size: int | None) -> bool:
     """Whether an answer of this version is the recorded copy's (a version with no validator
     is never known to be the same)."""
@@ -245,7 +224,11 @@ async def _object(
         version = entry.at(version_key(etag, modified, inner.size))
         strong = bool(modified) or (bool(etag) and not etag.startswith("W/"))
         resumable = inner.random_access and inner.size is not None and strong
-        held = _partial(version, etag, modified, inner.size) if resumable else RangeSet()
+        held = RangeSet()
+        if resumable:
+            held = partial_ranges(
+                version.part, version.part_record, inner.size, etag=etag, last_modified=modified
+            )
         record = Record(shown, -1 if inner.size is None else inner.size, "xxh3-128", "")
         record.etag, record.last_modified = etag, modified
         destination = Destination(
@@ -461,7 +444,7 @@ async def _hub(
             inner.commit = commit
             if answer.location is not None:  # the Hub's redirect: straight there
                 inner.url = answer.location
-        held = _hub_partial(entry, etag, answer.size)
+        held = partial_ranges(entry.part(etag), entry.part_record(etag), answer.size)
         await inner.start(read_all=read_all and not held.ranges)
         algorithm, expected = _hub_algorithm(etag)
         size = inner.size
@@ -507,19 +490,6 @@ def _growth(part: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return info.st_size, info.st_mtime_ns
-
-
-def _hub_partial(entry: HubEntry, etag: str, size: int | None) -> RangeSet:
-    """The ranges a partial copy of blob ``etag`` holds (empty when none is usable)."""
-    state = read_json(entry.part_record(etag))
-    part = entry.part(etag)
-    if isinstance(state, dict) and size is not None and state.get("size") == size:
-        held = RangeSet.recorded(state.get("ranges"), size)
-        with contextlib.suppress(OSError):
-            if held is not None and part.stat().st_size == size:
-                return held
-    remove_quietly(part, entry.part_record(etag))
-    return RangeSet()
 
 
 def _commit_blob(

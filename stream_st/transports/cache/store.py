@@ -8,6 +8,12 @@ thrown away; one otherwise changed (written to, touched, copied) is hashed again
 away unless its digest still matches. Records and copies are replaced by renames only, so a
 reader never sees half of one.
 
+A partial copy's record (:func:`record_partial`) holds the ranges it holds, written once its
+bytes are flushed to disk, with the partial copy's fingerprint and a seal (a digest of the
+record itself): a partial copy changed since, or a record damaged into another valid one (a
+range's digit changed), is thrown away (:func:`partial_ranges`), never taken as holding bytes
+it was not given.
+
 A lock file beside each entry (``flock``, released by the kernel when its holder dies) makes one
 process the writer of an entry; the others wait for it. The lock holder removes what a dead
 writer left.
@@ -47,8 +53,10 @@ __all__ = [
     "hash_file",
     "new_hasher",
     "now",
+    "partial_ranges",
     "pread_soon",
     "read_json",
+    "record_partial",
     "remove_quietly",
     "touch",
     "write_json",
@@ -222,6 +230,47 @@ async def checked_copy(path: Path, record: Record | None, record_path: Path) -> 
         return True
     remove_quietly(path, record_path)
     return False
+
+
+def record_partial(part: Path, record_path: Path, state: dict[str, Any]) -> None:
+    """Record at ``record_path`` what the partial copy at ``part`` holds (``state``: its
+    ``ranges``, the object's ``size`` and what else :func:`partial_ranges` is to match), with
+    the copy's fingerprint and the record's seal (see the module). Call it once the copy's
+    bytes are flushed to disk (``fsync``): a record never names bytes a crash lost."""
+    state = {**state, "fingerprint": fingerprint(part)}
+    write_json(record_path, {**state, "seal": _seal(state)})
+
+
+def partial_ranges(part: Path, record_path: Path, size: int | None, **expected: str) -> RangeSet:
+    """The ranges the partial copy at ``part`` holds, as its record at ``record_path`` (see
+    :func:`record_partial`) says, where the record is sealed, of an object of ``size`` with
+    the ``expected`` fields (its validators), and the copy's fingerprint is the one recorded.
+    Else (no record, a damaged one, another version, a copy written to, touched or replaced
+    since) both files are removed and nothing is held: the reader fetches those bytes."""
+    state = read_json(record_path)
+    sealed = isinstance(state, dict) and state.pop("seal", None) == _seal(state)
+    if (
+        sealed
+        and size is not None
+        and state.get("size") == size
+        and all(state.get(name) == value for name, value in expected.items())
+    ):
+        try:
+            seen = fingerprint(part)
+        except OSError:
+            seen = []
+        held = RangeSet.recorded(state.get("ranges"), size)
+        if held is not None and seen[:1] == [size] and seen == state.get("fingerprint"):
+            return held
+    remove_quietly(part, record_path)
+    return RangeSet()
+
+
+def _seal(state: dict[str, Any]) -> str:
+    """The digest (xxh3-128, hex) of a partial copy's record ``state``, its seal aside."""
+    hasher = new_hasher("xxh3-128")
+    hasher.update(json.dumps(state, sort_keys=True).encode())
+    return bytes(hasher.digest()).hex()
 
 
 def touch(path: Path) -> None:

@@ -51,8 +51,8 @@ from .store import (
     new_hasher,
     now,
     pread_soon,
+    record_partial,
     remove_quietly,
-    write_json,
 )
 
 __all__ = ["PIECE", "CopyWriter", "Destination", "TeeSource"]
@@ -494,7 +494,7 @@ class CopyWriter:
                 "last_modified": record.last_modified,
             }
             assert destination.part_record is not None
-            write_json(destination.part_record, state)
+            record_partial(destination.part, destination.part_record, state)
         except OSError:
             if fd >= 0:
                 os.close(fd)
