@@ -8,11 +8,13 @@ a ``tcp://`` connection, its messages are read one at a time and written one at 
 is read after one was left part way (see :class:`~.tcp.Turn`): the turns are kept for the
 caller's stream object, whichever source or sink is made for it, as long as it lives.
 
-Writing: bytes go out in chunks of :data:`CHUNK` straight from the caller's memory. Transports may
-keep a reference to bytes the kernel has not taken yet (asyncio on Python 3.12+ and uvloop queue
-memoryviews instead of copying them), so the last :data:`TAIL` bytes of every buffer are sent as a
-copy: once ``send`` returns, whatever the transport still holds is that copy (its queue is at most
-the high-water mark, 64 KiB by default), and the caller may change its array. A successful message
+Writing: bytes go out to a socket in chunks of :data:`CHUNK` straight from the caller's memory.
+Transports may keep a reference to bytes the kernel has not taken yet (asyncio on Python 3.12+ and
+uvloop queue memoryviews instead of copying them), so the last :data:`TAIL` bytes of every buffer
+are sent as a copy: once ``send`` returns, whatever the transport still holds is that copy (its
+queue is at most the high-water mark, 64 KiB by default), and the caller may change its array. Any
+other anyio stream (a memory object stream, a batching transport) may keep the items it is given
+for later, so it gets every chunk as a ``bytes`` copy. A successful message
 leaves the stream open for the next one; the caller owns it. A failed one closes it at once, so the
 peer sees a message that ends early.
 """
@@ -230,7 +232,8 @@ def _sends_right_away(stream: ByteSendStream) -> bool:
     """True for anyio streams known to take a memoryview before ``send`` returns.
 
     Sockets hand bytes to the kernel or the transport's buffer (bounded by the tail copy), TLS
-    encrypts them into a new buffer. Any other stream gets ``bytes`` copies, as its type asks.
+    encrypts them into a new buffer. Any other stream may keep what it is given: it gets every
+    chunk as a ``bytes`` copy, as its type asks.
     """
     if isinstance(stream, StapledByteStream):
         return _sends_right_away(stream.send_stream)
@@ -275,12 +278,13 @@ class AnyioStreamSink(_MessageSink):
     def __init__(self, stream: ByteSendStream, name: str = "<anyio stream>") -> None:
         super().__init__(stream, name)
         self._stream = stream
-        self._tail = TAIL if _sends_right_away(stream) else CHUNK
+        self._sends_right_away = _sends_right_away(stream)
 
     async def send(self, buffer: memoryview) -> None:
         stream = self._stream
         try:
-            for start, end, copy in _pieces(buffer, self._tail):
+            tail = TAIL if self._sends_right_away else len(buffer)  # a copy of each chunk
+            for start, end, copy in _pieces(buffer, tail):
                 piece: Any = bytes(buffer[start:end]) if copy else buffer[start:end]
                 with self.clock.waiting(self.name, self.position, stalled=_STALLED):
                     await stream.send(piece)

@@ -641,9 +641,10 @@ async def test_asyncio_stream_writer() -> None:
     assert_same(received[1], {"again": np.ones(3, np.int8)})
 
 
-@pytest.mark.parametrize("kind", ["anyio", "asyncio"])
+@pytest.mark.parametrize("kind", ["anyio", "asyncio", "memory"])
 async def test_array_may_change_once_write_returns(kind: str) -> None:
-    """Zero-copy sends never leave the transport holding the caller's memory."""
+    """Zero-copy sends never leave the transport holding the caller's memory; a stream that keeps
+    the items it is sent (here a memory object stream, read only after the message) gets copies."""
     shape = (3 << 20) + 12345
     plan = [TensorSpec(f"t{i}", "U8", (shape,)) for i in range(3)]
     buffer = np.empty(shape, dtype=np.uint8)
@@ -666,6 +667,11 @@ async def test_array_may_change_once_write_returns(kind: str) -> None:
 
             group.start_soon(receive_anyio)
             await produce(client)
+    elif kind == "memory":
+        async with memory_pipe() as (sink, receive):
+            await produce(sink)
+            buffer.fill(0xDD)
+            received.append(reference_numpy.load(await drain(receive)))
     else:
         async with asyncio_pair() as (writer, reader), anyio.create_task_group() as group:
 
