@@ -473,10 +473,12 @@ class TensorWriter(AsyncClosing):
         with anyio.CancelScope(shield=True):
             try:
                 await sink.abort()
-            except Exception:
+            except Exception as exc:
                 if cause is None:
                     raise
-                # Already failing: the first error is the one to report.
+                # Already failing (or cancelled): the first error is the one to report, with
+                # what the abort left (an S3 upload that may still be pending) as its note.
+                cause.add_note(str(exc))
 
     async def __aenter__(self) -> Self:
         await self.open()

@@ -40,6 +40,7 @@ Arrays = dict[str, np.ndarray[Any, Any]]
 BUCKET = "faults"
 # Two parts of MIN_PART_SIZE: the second one is sent with the completion.
 TWO_PARTS: Arrays = {f"w{i}": np.random.default_rng(i).random(400_000) for i in range(2)}
+ONE_PART = np.ones(MIN_PART_SIZE // 8 + 1000)  # a tensor over one part
 SMALL: Arrays = {"a": np.arange(12, dtype=np.float32)}
 
 # The requests of a multipart upload: method and a pattern of the query string.
@@ -51,6 +52,11 @@ PUT = ("PUT", "^$")
 ERROR = b"<Error><Code>InternalError</Code><Message>We encountered an error.</Message></Error>"
 ERROR_IN_200 = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(ERROR), ERROR)
 ANSWER_500 = b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n"
+SLOW_DOWN = b"<Error><Code>SlowDown</Code><Message>Reduce your request rate.</Message></Error>"
+ANSWER_503 = b"HTTP/1.1 503 Slow Down\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(SLOW_DOWN),
+    SLOW_DOWN,
+)
 REDIRECT = (
     b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://elsewhere.invalid/\r\n"
     b"Content-Length: 0\r\n\r\n"
@@ -187,6 +193,78 @@ async def test_cancel_with_a_stalled_store_and_no_timeout_ends(
     proxy.wait_for(*ABORT, given_up=True)  # the abort gave up by itself, before the proxy did
     for upload_id in pending(store, key):
         store.client().abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload_id)
+
+
+# ---------------------------------------------------------------- AbortMultipartUpload
+
+
+STOPS = ["failure", "misuse", "cancel", "cancel-in-part"]
+
+
+async def stopped(sink: S3Sink, proxy: LossyProxy, how: str) -> BaseException:
+    """What a write raises that is stopped once its upload is made: by a failure (a part
+    answered 500), a misuse (a tensor written twice), or a cancellation, in the ``async with``
+    body or while the store holds a part unanswered."""
+    plan = [TensorSpec(name, ONE_PART.dtype, ONE_PART.shape) for name in "ab"]
+    if how == "failure":
+        proxy.lose(*PART, ANSWER_500)
+    elif how == "cancel-in-part":
+        proxy.lose(*PART, "stall")
+    caught: list[BaseException] = []
+
+    async def cancel_in_part(scope: anyio.CancelScope) -> None:
+        await anyio.to_thread.run_sync(proxy.wait_for, *PART)
+        scope.cancel()
+
+    with anyio.fail_after(60), anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+            if how == "cancel-in-part":
+                group.start_soon(cancel_in_part, scope)
+            try:
+                async with stream_st.open_writer(sink, plan) as writer:
+                    await writer.write("a", ONE_PART)  # more than a part: the upload is made
+                    if how == "cancel":
+                        scope.cancel()
+                        await anyio.sleep(1)
+                    await writer.write("a" if how == "misuse" else "b", ONE_PART)
+            except BaseException as exc:
+                caught.append(exc)
+                if isinstance(exc, anyio.get_cancelled_exc_class()):
+                    raise
+    assert scope.cancelled_caught == how.startswith("cancel")
+    (raised,) = caught
+    expected = {"failure": TransportError, "misuse": stream_st.WriterError}
+    assert isinstance(raised, expected.get(how, anyio.get_cancelled_exc_class()))
+    return raised
+
+
+@pytest.mark.parametrize("how", STOPS)
+async def test_an_abort_answered_503_is_retried(
+    store: MotoS3Server, proxy: LossyProxy, key: str, how: str
+) -> None:
+    """AbortMultipartUpload is idempotent: a busy store's 503 (or any 5xx, a 429) is asked again,
+    where one 503 left the upload pending and the caller told nothing."""
+    proxy.lose(*ABORT, ANSWER_503)
+    raised = await stopped(s3_sink(proxy, key), proxy, how)
+    assert not getattr(raised, "__notes__", None)
+    aborts = [action for method, _, action in proxy.requests if method == "DELETE"]
+    assert aborts == [str(ANSWER_503), "pass"]
+    assert pending(store, key) == [] and stored(store, key) is None
+
+
+@pytest.mark.parametrize("how", STOPS)
+async def test_an_upload_the_store_keeps_refusing_to_abort_is_told(
+    store: MotoS3Server, proxy: LossyProxy, key: str, how: str
+) -> None:
+    """Every attempt answered 503: the original error (or cancellation) is raised with a note
+    that the upload may still be pending, where a misuse's and a cancellation's had none."""
+    proxy.lose(*ABORT, ANSWER_503, times=None)
+    raised = await stopped(s3_sink(proxy, key), proxy, how)
+    notes = getattr(raised, "__notes__", [])
+    assert len(notes) == 1
+    assert re.search(r"HTTP 503.*SlowDown.*may still be pending", notes[0]), notes
+    (upload_id,) = pending(store, key)
+    store.client().abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload_id)
 
 
 # ---------------------------------------------------------------- CompleteMultipartUpload

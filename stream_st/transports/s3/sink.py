@@ -22,7 +22,9 @@ by when they arrive.
 
 The clean-up after a failure runs shielded from cancellation but gives up after
 :attr:`S3Sink.abort_timeout` seconds, whatever ``timeout`` is; a cancellation is re-raised as
-itself once it is done. When an answer is lost (the connection breaks or times out after the
+itself once it is done. An AbortMultipartUpload answered with a 5xx or a 429 is sent again
+within that time; an upload left pending all the same is named in a note on the error raised
+(or on the cancellation). When an answer is lost (the connection breaks or times out after the
 request went out), the sink asks the store what happened:
 
 * CreateMultipartUpload: the upload has no known id. Before creating it the sink lists the key's
@@ -84,6 +86,7 @@ from ..http import (
     summary,
     xml_field,
 )
+from ..http.retry import Retries
 from ..options import Clock, LimitOptions, Limits
 from .config import S3Config, parse_s3_url
 
@@ -91,6 +94,11 @@ __all__ = ["MIN_PART_SIZE", "S3Sink"]
 
 MIN_PART_SIZE = 5 << 20
 MAX_PART_SIZE = 5 << 30
+
+_ABORT_RETRIES = Retries(count=4, backoff=0.25)
+"""How an AbortMultipartUpload answered with a status worth retrying (a 5xx, a 429: a busy
+store, or one racing a part it is still storing) is sent again, as a read's request is: it is
+idempotent. The clean-up's :attr:`S3Sink.abort_timeout` bounds the attempts in all."""
 
 
 def _refusal(exc: Exception) -> bool:
@@ -453,21 +461,36 @@ class S3Sink(ClientUser, Sink):
         return headers.get("etag", "").strip('"')
 
     async def _delete(self, upload_id: str) -> bool:
-        """Abort the multipart upload ``upload_id``: True if it was pending, False if gone."""
-        try:
-            await self._call("DELETE", self._upload_query(upload_id))
-        except HTTPNotFoundError:
-            return False
-        return True
+        """Abort the multipart upload ``upload_id``: True if it was pending, False if gone (or
+        aborted by an attempt whose answer was a status worth retrying: see
+        :data:`_ABORT_RETRIES`; an attempt is made only if its back-off ends before the
+        clean-up's time does)."""
+        for attempt in range(_ABORT_RETRIES.count + 1):
+            try:
+                await self._call("DELETE", self._upload_query(upload_id))
+            except HTTPNotFoundError:
+                return False
+            except HTTPStatusError as exc:
+                wait = _ABORT_RETRIES.backoff * 2**attempt
+                if (
+                    not _ABORT_RETRIES.retryable(exc.status)
+                    or attempt == _ABORT_RETRIES.count
+                    or anyio.current_time() + wait >= anyio.current_effective_deadline()
+                ):
+                    raise  # the clean-up's time would run out waiting: say what the store said
+                await _ABORT_RETRIES.back_off(self.clock, attempt + 1, self.name, 0, wait)
+            else:
+                return True
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def _cleaning_up_on_failure(self, step: Awaitable[None]) -> None:
         """Await ``step``; on any failure or cancellation clean up at once and re-raise, with a
-        note on the error when the clean-up could not finish."""
+        note on the error (or the cancellation) when the clean-up could not finish."""
         try:
             await step
         except BaseException as exc:
             problem = await self._clean_up()
-            if problem is not None and isinstance(exc, Exception):
+            if problem is not None:
                 exc.add_note(problem)
             raise
 
