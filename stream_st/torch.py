@@ -447,6 +447,7 @@ def load_model(
         )
     target = torch_device(device)
     check_sync_address(filename, "source")
+    _local.refuse_missing(filename)
     given = {**options, "cache": cache}
     read = functools.partial(_received, filename, verify, clock_of(options), cache, given)
     if assign:

@@ -57,7 +57,7 @@ from ._errors import NoSuchFileError
 if TYPE_CHECKING:
     from ..core.digests import Digests
 
-__all__ = ["LocalFile", "load_mapped", "local_path"]
+__all__ = ["LocalFile", "load_mapped", "local_path", "refuse_missing"]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -169,8 +169,9 @@ def _digests(header: Header) -> Digests | None:
 
 def local_path(src: object) -> str | None:
     """The path of ``src`` if it names a local regular file (a path, a ``file://`` URL) that
-    is not a sharded checkpoint's index, or a file that does not exist; else None (a remote
-    address, a FIFO, bytes...)."""
+    is not a sharded checkpoint's index, or a file that does not exist (as the reference sees
+    it: also a path under a regular file, or one holding a NUL); else None (a remote address,
+    a FIFO, bytes...)."""
     if isinstance(src, os.PathLike):
         src = os.fspath(src)
     if not isinstance(src, str):
@@ -188,9 +189,9 @@ def local_path(src: object) -> str | None:
         src = path_from_url(src)
     try:
         mode = os.stat(src).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL
         return src  # the local reader says so, as the reference words it
-    except (OSError, ValueError):
+    except OSError:
         return None  # the transports say what is wrong with it
     return src if stat.S_ISREG(mode) else None
 
@@ -237,12 +238,18 @@ def _capped() -> bool:
 def _open(name: str) -> int:
     try:
         return os.open(name, os.O_RDONLY | _CLOEXEC)
-    except FileNotFoundError:
-        raise NoSuchFileError(name) from None
+    except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL
+        raise NoSuchFileError(name) from None  # as the reference says of all three
     except OSError as exc:
         raise TransportError(f"cannot open: {exc.strerror or exc}", url=name) from None
-    except ValueError as exc:  # a NUL byte
-        raise UsageError(f"invalid path {name!r}: {exc}") from None
+
+
+def refuse_missing(src: object) -> None:
+    """Raise :class:`~.NoSuchFileError` (a ``FileNotFoundError``), worded as the reference
+    words it, where ``src`` names a local file that does not exist (see :func:`local_path`)."""
+    path = local_path(src)
+    if path is not None and not os.path.lexists(path):
+        raise NoSuchFileError(path)
 
 
 _FIRST_READ = 64 << 10

@@ -40,11 +40,10 @@ from ..transports.registry import Sink, SinkLike, SourceLike
 from ._checkpoint import Rows, _Checkpoint, _Options
 from ._errors import (
     FileClosedError,
-    NoSuchFileError,
     SliceError,
     WrongTypeError,
 )
-from ._local import LocalFile, local_path
+from ._local import LocalFile, local_path, refuse_missing
 from ._save import check_metadata, checked_tensors
 from ._serialize import TensorSpec, specs_of, write_specs
 from ._slicing import (
@@ -450,9 +449,7 @@ def load_file(
     when nothing else is asked for)."""
     copy = not maps(backend)
     check_sync_address(src, "source")
-    path = local_path(src)
-    if path is not None and not os.path.lexists(path):
-        raise NoSuchFileError(path)
+    refuse_missing(src)
     cache = options.pop("cache", None)  # cache= (stream_st._api)
     include = options.pop("include", None)  # include= (stream_st.torch.load_file)
     caps = Caps.of(options.pop("max_tensor_bytes", None), options.pop("max_total_bytes", None))

@@ -250,15 +250,30 @@ def small(tmp_path: Path) -> Path:
     return path
 
 
-def test_missing_file_is_worded_as_the_reference(tmp_path: Path) -> None:
-    name = str(tmp_path / "notafile")
+@pytest.mark.parametrize("where", ["absent", "under a file", "with a NUL"])
+def test_missing_file_is_worded_as_the_reference(tmp_path: Path, where: str) -> None:
+    """A path under a regular file (ENOTDIR) or holding a NUL is no file to the reference
+    either: a FileNotFoundError, where they were a TransportError and a UsageError."""
+    name = {
+        "absent": str(tmp_path / "notafile"),
+        "under a file": str(small(tmp_path) / "model.safetensors"),
+        "with a NUL": str(tmp_path / "a\0b.safetensors"),
+    }[where]
     for framework in ("pt", "np"):
         error = raises_as_reference(
             partial(compat.safe_open, name, framework),
             partial(safetensors.safe_open, name, framework),
         )
         assert isinstance(error, FileNotFoundError)
-    raises_as_reference(lambda: st_pt.load_file(name), lambda: ref_pt.load_file(name))
+    for backend in ("mmap", "pread"):
+        raises_as_reference(
+            partial(st_pt.load_file, name, backend=backend), partial(ref_pt.load_file, name)
+        )
+    raises_as_reference(partial(st_np.load_file, name), partial(ref_np.load_file, name))
+    for model in (torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")):
+        raises_as_reference(
+            partial(st_pt.load_model, model, name), partial(ref_pt.load_model, model, name)
+        )
 
 
 def test_a_closed_handle_answers_nothing_but_its_slices_still_read(tmp_path: Path) -> None:
