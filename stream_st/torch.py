@@ -389,7 +389,9 @@ def load_model(
     memory, let go once copied). The others go through ``model.load_state_dict`` as in the
     reference, as do those of modules that load in their own way (a load pre-hook, as
     ``spectral_norm``'s, or a ``_load_from_state_dict`` of their own), whose code then runs as
-    it runs there (not with ``assign=True``, which puts the file's tensors in place). Tensors
+    it runs there (not with ``assign=True``, which puts the file's tensors in place), those
+    whose ``state_dict()`` entry is not the model's own parameter or buffer (a copy a
+    state-dict hook gives), and conjugate or negative views. Tensors
     the model shares (tied weights) count as loaded when one of them is in the file. With
     ``strict``, missing or unexpected names raise :class:`~stream_st.UsageError` (a
     ``RuntimeError``, as the reference raises) after loading.
@@ -470,19 +472,14 @@ def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str
     device's copies made from the mapping); else each tensor into fresh CPU memory, let go once
     copied."""
     state = model.state_dict()
-    own = _shared.loading_their_own_way(model)
+    receivable = _shared.receivable(model, state)
     into = {
         name: tensor
-        for name, tensor in state.items()
-        if tensor.device.type == "cpu"
-        and not tensor.is_meta
-        and tensor.is_contiguous()
-        and not name.startswith(own)
+        for name, tensor in receivable.items()
+        if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
     }
     on_device = {
-        name: tensor
-        for name, tensor in state.items()
-        if tensor.device.type == "cuda" and not name.startswith(own)
+        name: tensor for name, tensor in receivable.items() if tensor.device.type == "cuda"
     }
     overruled: set[str] = set()
 

@@ -23,6 +23,7 @@ __all__ = [
     "kept_name",
     "load_errors",
     "load_state",
+    "receivable",
     "remove_duplicate_names",
     "shared_counted",
     "shared_groups",
@@ -168,6 +169,42 @@ def loading_their_own_way(model: Any) -> tuple[str, ...]:
         if module._load_state_dict_pre_hooks or custom:
             prefixes.append(f"{name}." if name else "")
     return tuple(prefixes)
+
+
+def receivable(model: Any, state: Mapping[str, Any]) -> dict[str, Any]:
+    """Of ``state`` (``model.state_dict()``), the tensors ``load_model`` may receive in place,
+    past ``load_state_dict``: each the model's own parameter or buffer of its name (the same
+    memory seen alike, where a state-dict hook or a ``_save_to_state_dict`` of its own may give
+    a copy, or another name), not a conjugate or negative view (whose bytes are not its
+    values), of no module that loads in its own way (:func:`loading_their_own_way`). The
+    others go through ``load_state_dict``, as the reference's ``load_model`` gives them."""
+    own = loading_their_own_way(model)
+    tensors = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    memory = {name: _memory(tensor) for name, tensor in tensors}
+    return {
+        name: value
+        for name, value in state.items()
+        if isinstance(value, load_torch().Tensor)
+        and not name.startswith(own)
+        and not value.is_conj()
+        and not value.is_neg()
+        and memory.get(name) == _memory(value)
+    }
+
+
+def _memory(tensor: Any) -> tuple[Any, ...]:
+    """Where ``tensor``'s values lie and how they are seen: two tensors alike here are one."""
+    return (
+        storage_ptr(tensor),
+        tensor.storage_offset(),
+        tensor.dtype,
+        tensor.device,
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+    )
 
 
 def load_state(model: Any, tensors: dict[str, Any]) -> tuple[list[str], list[str]]:

@@ -1292,6 +1292,62 @@ def test_load_model_tells_a_load_post_hook_what_the_reference_tells_it(
         assert tensor.eq(5.0).all(), name
 
 
+class CopyOnSave(torch.nn.Module):
+    """Saves a copy of its weight (``detach().clone()``), as some modules do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(4))
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        destination[prefix + "weight"] = self.weight.detach().clone()
+
+
+class HookCopy(torch.nn.Module):
+    """A state-dict post hook (public API) hands out copies of every tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(4))
+        self.register_state_dict_post_hook(HookCopy._copies)
+
+    @staticmethod
+    def _copies(module: Any, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for name, tensor in list(state.items()):
+            state[name] = tensor.clone()
+
+
+class Views(torch.nn.Module):
+    """Buffers that are conjugate and negative views (their bytes are not their values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        values = torch.tensor([1 + 2j, 3 + 4j], dtype=torch.complex64)
+        self.register_buffer("conj", values.conj())
+        self.register_buffer("neg", torch._neg_view(values.clone()))
+
+
+@pytest.mark.parametrize("build", [CopyOnSave, HookCopy, Views])
+def test_load_model_loads_what_state_dict_gives_as_no_tensor_of_the_model(
+    tmp_path: Path, build: type[torch.nn.Module]
+) -> None:
+    """Tensors ``state_dict()`` gives that are not the model's own memory seen alike (copies,
+    conjugate and negative views) go through load_state_dict, as the reference's load_model
+    gives them: copies were filled and the model left as it was, reporting success, and a
+    conjugate view raised a bare RuntimeError."""
+    path = tmp_path / "m.safetensors"
+    reference.save_file(
+        {name: torch.rand_like(t) for name, t in build().state_dict().items()}, str(path)
+    )
+    ours, ref = build(), build()
+    expected: Any = reference.load_model(ref, str(path))
+    assert st.load_model(ours, path) == expected
+    loaded = reference.load_file(str(path))
+    for name, tensor in ref.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], tensor), name
+        assert torch.equal(tensor, loaded[name]), name
+
+
 @pytest.mark.parametrize("strict", [True, False])
 def test_load_model_of_batch_norm_without_num_batches_tracked_as_the_reference(
     tmp_path: Path, strict: bool
