@@ -20,7 +20,9 @@ group that would take it past the target size. On any failure (a full disk inclu
 error is a :class:`~stream_st.TransportError` naming the place) or cancellation before the
 commit, the writer is aborted and nothing new is left in the directory.
 
-The commit comes once the index or manifest is written whole, shielded from cancellation: every
+The commit comes once the index or manifest is written whole, seen to its end whatever
+cancellation comes (asyncio's own, which goes through anyio's shields, is raised once it has
+ended; a commit that failed is thrown away then, never while it runs, one done is kept): every
 file is linked in under a held name (hidden, :meth:`_RollingWriter._held_name`), then the shards
 are renamed to their final names and the index last (:meth:`ShardedWriter._rename_sealed` says
 in which order, so that a process killed at any point leaves a previous checkpoint whole, the new
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import io
 import json
@@ -50,7 +53,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from .._util import AsyncClosing, allow_open_files
+from .._util import AsyncClosing, allow_open_files, seen_through
 from ..core.arrays import as_array
 from ..core.digests import Digests, digest_of, digests_for
 from ..core.dtypes import dtype_for, wire_bytes
@@ -231,6 +234,16 @@ def _local_folder(directory: object) -> Path:
     return Path(directory)
 
 
+_OPEN, _COMMITTED, _ABORTED = "open", "committed", "aborted"
+"""A rolling writer's states: it takes writes, its index is in place, or it threw all away."""
+
+
+def _unstoppable(_: anyio.CancelScope) -> None:
+    """A commit, cancelled, is seen to its end: renames are quick, and stopping between two of
+    them would leave the directory in a state a killed process leaves (see
+    :meth:`ShardedWriter._rename_sealed`)."""
+
+
 class _RollingWriter(AsyncClosing):
     """Shards rolled over at ``target_size`` bytes of data; subclasses name them and write the
     index."""
@@ -261,12 +274,20 @@ class _RollingWriter(AsyncClosing):
         self._hold: weakref.finalize[Any, Any] | None = None  # lets the directory go (_claim)
         self._claimed = False
         self._written: set[str] = set()
-        self._closed = False
+        self._state = _OPEN
+        self._failure: BaseException | None = None  # why it was aborted (None: by abort())
 
     def _check_open(self) -> None:
-        """:class:`UsageError` once the writer is closed (committed or aborted)."""
-        if self._closed:
+        """:class:`UsageError` once the writer is closed: committed, or aborted (saying why)."""
+        if self._state == _ABORTED:
+            raise UsageError(self._aborted()) from self._failure
+        if self._state == _COMMITTED:
             raise UsageError("the writer is closed")
+
+    def _aborted(self) -> str:
+        """What an aborted writer says when used or closed: why it was aborted."""
+        why = "by abort()" if self._failure is None else f"({self._failure!r})"
+        return f"the write was aborted {why}; no shard was committed"
 
     async def __aenter__(self) -> Self:
         """The writer, still open: a closed one is not entered again (as a
@@ -299,8 +320,8 @@ class _RollingWriter(AsyncClosing):
             for name, array in arrays.items():
                 await current.add(name, array)
                 self._written.add(name)
-        except BaseException:
-            await self.abort()  # a shard missing bytes must never be sealed
+        except BaseException as exc:
+            await self._abort(exc)  # a shard missing bytes must never be sealed
             raise
         current.samples += samples
 
@@ -383,6 +404,14 @@ class _RollingWriter(AsyncClosing):
         with _io("moving the index into place", index):
             os.replace(self._index_file, index)
         self._index_file = None
+        self._state = _COMMITTED
+
+    async def _link_and_commit(self, index: Path) -> None:
+        """Link every file in under its held name, then :meth:`_commit` (the index last)."""
+        while self._files:
+            await self._files[0].aclose()  # removes itself if it fails
+            del self._files[0]
+        await anyio.to_thread.run_sync(self._commit, index)
 
     async def _before_index(self) -> None:
         """A hook to write what goes beside the shards before the index commits them."""
@@ -407,10 +436,16 @@ class _RollingWriter(AsyncClosing):
                     os.unlink(entry.path)
 
     async def aclose(self) -> None:
-        """Seal the last shard, write the index (or manifest) whole, then commit, shielded from
-        cancellation: every file linked in under its held name, then the shards renamed to
-        their final names and the index into place (:meth:`_commit`)."""
-        if self._closed:
+        """Seal the last shard, write the index (or manifest) whole, then commit, seen through
+        whatever cancellation comes meanwhile (:func:`~stream_st._util.seen_through`: asyncio's
+        own too, raised once the commit has ended): every file linked in under its held name,
+        then the shards renamed to their final names and the index into place
+        (:meth:`_link_and_commit`). A writer aborted before (a write that failed or was
+        cancelled, its error caught, or :meth:`abort`) raises :class:`~stream_st.WriterError`
+        saying why: nothing was written."""
+        if self._state == _ABORTED:
+            raise WriterError(self._aborted()) from self._failure
+        if self._state == _COMMITTED:
             return
         try:
             await self._seal()
@@ -422,17 +457,16 @@ class _RollingWriter(AsyncClosing):
             text = json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
             self._index_file = self._held_name(name)
             self._files.append(await _filled(self._index_file, text))
-            with anyio.CancelScope(shield=True):
-                while self._files:
-                    await self._files[0].aclose()  # removes itself if it fails
-                    del self._files[0]
-                await anyio.to_thread.run_sync(self._commit, self.directory / name)
-        except BaseException:
-            await self.abort()
-            raise
-        self._closed = True
-        self._after_commit()
-        self._let_go()
+            commit = functools.partial(self._link_and_commit, self.directory / name)
+            await seen_through(commit, _unstoppable)
+        except BaseException as exc:
+            if self._state != _COMMITTED:  # nothing of the commit runs still: throw it all away
+                await self._abort(exc)
+            raise  # committed, then cancelled: asyncio's own cancellation, raised once settled
+        finally:
+            if self._state == _COMMITTED:
+                self._after_commit()
+                self._let_go()
 
     def _let_go(self) -> None:
         """Let the directory go (see :func:`_claim`)."""
@@ -441,8 +475,15 @@ class _RollingWriter(AsyncClosing):
 
     async def abort(self) -> None:
         """Remove every shard written so far and the one in the making, and the index if written;
-        nothing is left behind."""
-        self._closed = True
+        nothing is left behind. Closing the writer then raises :class:`~stream_st.WriterError`
+        (as :meth:`~stream_st.TensorWriter.abort` makes it)."""
+        await self._abort(None)
+
+    async def _abort(self, cause: BaseException | None) -> None:
+        """:meth:`abort` for ``cause`` (None: the caller's :meth:`abort`), the first one kept."""
+        if self._state != _OPEN:
+            return
+        self._state, self._failure = _ABORTED, cause
         if self._current is not None:
             await self._current.file.abort()
             self._current = None
@@ -461,7 +502,7 @@ class _RollingWriter(AsyncClosing):
         remove_new_folders(self._new_folders)
 
     async def _abandon(self, cause: BaseException) -> None:
-        await self.abort()
+        await self._abort(cause)
 
 
 def _checked_prefix(prefix: object) -> str:
@@ -730,11 +771,11 @@ class DatasetWriter(_RollingWriter):
         if self.generate_index:
             self._staged_index.rename(table)
 
-    async def abort(self) -> None:
-        if self.generate_index:  # while the directory is held: no other writer's sweep races it
+    async def _abort(self, cause: BaseException | None) -> None:
+        if self.generate_index and self._state == _OPEN:  # the directory held: no sweep races it
             with contextlib.suppress(OSError):
                 _remove_index(self._staged_index)
-        await super().abort()
+        await super()._abort(cause)
 
 
 def _check_rows(arrays: Mapping[str, Array], samples: int) -> None:

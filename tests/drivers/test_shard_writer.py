@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 import safetensors.numpy as reference_numpy
@@ -158,6 +159,62 @@ async def test_misuse(tmp_path: Path) -> None:
     with pytest.raises(stream_st.UsageError, match="the writer is closed"):
         async with dataset:
             pass
+
+
+def _writer(kind: str, directory: Path) -> Any:
+    if kind == "checkpoint":
+        return open_sharded_writer(directory, max_shard_size=MB)
+    return open_dataset_writer(directory, target_shard_size=MB)
+
+
+async def _add(writer: Any, name: Any, array: np.ndarray[Any, Any]) -> None:
+    if isinstance(writer, stream_st.ShardedWriter):
+        await writer.write(name, array)
+    else:
+        await writer.write_batch({name: array}, samples=1)
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "dataset"])
+@pytest.mark.parametrize("how", ["caught", "timed out"])
+async def test_a_writer_aborted_by_a_failed_write_says_so_at_the_close(
+    tmp_path: Path, kind: str, how: str
+) -> None:
+    """A write that failed or was cancelled aborts the writer (its shards are gone); its error
+    caught (or the cancellation swallowed by the caller's own time limit), the block ended
+    normally and the close said nothing: no checkpoint, and no error. It raises WriterError
+    saying why, as open_writer's does; a write after it says why, not just "closed"."""
+    directory = tmp_path / "out"
+    with pytest.raises(stream_st.WriterError, match=r"aborted \((ArgumentTypeError|Cancelled)"):
+        async with _writer(kind, directory) as writer:
+            await _add(writer, "a", np.ones(4, np.float32))
+            if how == "caught":
+                with pytest.raises(stream_st.ArgumentTypeError):
+                    await _add(writer, 7, np.ones(4, np.float32))
+            else:
+                with anyio.move_on_after(0) as scope:
+                    await _add(writer, "b", np.zeros(4 * MB, np.float32))
+                assert scope.cancelled_caught
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(stream_st.UsageError, match="aborted"):  # a write says why too
+        await _add(writer, "c", np.ones(4, np.float32))
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "dataset"])
+async def test_abort_by_the_user(tmp_path: Path, kind: str) -> None:
+    """``abort()`` leaves nothing, and the close then raises WriterError saying so (as
+    open_writer's does), where it said nothing; ``abort()`` once committed does nothing, where
+    it removed the committed shards under the index."""
+    with pytest.raises(stream_st.WriterError, match=r"aborted by abort\(\)"):
+        async with _writer(kind, tmp_path / "out") as writer:
+            await _add(writer, "a", np.ones(4, np.float32))
+            await writer.abort()
+    assert list(tmp_path.iterdir()) == []
+    async with _writer(kind, tmp_path / "out") as writer:
+        await _add(writer, "a", np.ones(4, np.float32))
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    await writer.abort()
+    await writer.aclose()  # committed: nothing to do
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == written
 
 
 @pytest.mark.parametrize(

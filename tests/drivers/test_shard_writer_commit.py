@@ -6,17 +6,22 @@ one that a later writer of the directory removes): a writer killed meanwhile lea
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import resource
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
 import pytest
+import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import SourceNotFoundError, TransportError
@@ -307,3 +312,65 @@ def test_more_shards_than_the_soft_limit_on_open_files(tmp_path: Path) -> None:
     loaded = anyio.run(stream_st.load, tmp_path / "ckpt" / INDEX)
     assert len(loaded) == 80 and float(loaded["t79"][0]) == 79.0
     assert len(os.listdir(tmp_path / "data")) == 81  # and the manifest
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "dataset"])
+def test_asyncio_cancellation_in_the_commit_waits_for_it(tmp_path: Path, kind: str) -> None:
+    """``Task.cancel`` (what ``asyncio.timeout`` and ``wait_for`` do), which goes through anyio's
+    shields, arriving while the commit's worker thread renames: the cancellation was raised at
+    once and the writer aborted, removing the shards the thread had just given their final
+    names, while the thread moved the index into place: an index naming missing shards, the
+    previous checkpoint gone. Now the cancellation is raised once the commit has ended, the new
+    checkpoint whole. The worker thread is held (a profile hook, set for the threads the
+    event loop starts) just after it moved the index into place, until the cancellation has
+    reached the writer's task."""
+    index = tmp_path / (INDEX if kind == "checkpoint" else "dataset_manifest.json")
+    placed, go = threading.Event(), threading.Event()
+    armed = False
+
+    def hold(frame: Any, event: str, arg: Any) -> None:
+        in_commit = frame.f_code.co_name == "_commit"  # os.replace there: the index is in place
+        if armed and event == "c_return" and arg is os.replace and in_commit:
+            placed.set()
+            go.wait(10)
+
+    async def write(value: float) -> None:
+        if kind == "checkpoint":
+            async with open_sharded_writer(tmp_path, max_shard_size=64) as writer:
+                for i in range(2):
+                    await writer.write(f"t{i}", np.full(16, value, np.float32))
+        else:
+            async with open_dataset_writer(tmp_path, target_shard_size=64) as dataset:
+                for _ in range(2):
+                    await dataset.write_batch({"x": np.full((2, 8), value, np.float32)}, 2)
+
+    async def main() -> None:
+        nonlocal armed
+        await write(1.0)  # the previous checkpoint
+        armed = True
+        task = asyncio.ensure_future(write(2.0))
+        assert await asyncio.to_thread(placed.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0.05)  # the cancellation reaches the task (and, before, its abort)
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    threading.setprofile(hold)  # the event loop's worker threads, all started from now on
+    try:
+        asyncio.run(main())
+    finally:
+        threading.setprofile(None)
+        go.set()
+    document = json.loads(index.read_text())
+    if kind == "checkpoint":
+        named = sorted(set(document["weight_map"].values()))
+    else:
+        named = [shard["shard_path"] for shard in document["shards"]]
+    assert sorted(os.listdir(tmp_path)) == sorted([index.name, *named])
+    values = {
+        float(array[0].flat[0])
+        for shard in named
+        for array in reference_numpy.load_file(str(tmp_path / shard)).values()
+    }
+    assert values == {2.0} and len(named) == 2
