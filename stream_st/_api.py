@@ -14,7 +14,7 @@ from collections.abc import (
 from contextlib import aclosing, contextmanager
 from contextvars import ContextVar
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack, overload
 
 import anyio
 import numpy as np
@@ -41,6 +41,8 @@ from .transports.registry import SinkLike, SourceLike
 from .writer import Order, TensorWriter, local_destination, run_stoppable, save_at_once
 
 if TYPE_CHECKING:
+    import torch
+
     from .sharded.ranks import Slices
     from .transports.cache.resolve import OnCopy, Resolved
 
@@ -182,6 +184,46 @@ async def load(
     return await tensor_dict(stream)
 
 
+@overload
+def open_stream(
+    source: SourceLike,
+    *,
+    include: Include = None,
+    max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    framework: Literal["pt", "torch", "pytorch"],
+    into: Mapping[str, Any] | None = None,
+    verify: bool = True,
+    copy: bool = True,
+    concurrency: int | None = None,
+    max_tensor_bytes: int | None = None,
+    max_total_bytes: int | None = None,
+    process_group: Any = None,
+    slices: Slices | None = None,
+    cache: CacheLike = None,
+    **options: Unpack[TransportOptions],
+) -> TensorStream[torch.Tensor]: ...
+
+
+@overload
+def open_stream(
+    source: SourceLike,
+    *,
+    include: Include = None,
+    max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    framework: Literal["np", "numpy"] | None = None,
+    into: Mapping[str, Any] | None = None,
+    verify: bool = True,
+    copy: bool = True,
+    concurrency: int | None = None,
+    max_tensor_bytes: int | None = None,
+    max_total_bytes: int | None = None,
+    process_group: Any = None,
+    slices: Slices | None = None,
+    cache: CacheLike = None,
+    **options: Unpack[TransportOptions],
+) -> TensorStream[np.ndarray[Any, Any]]: ...
+
+
 def open_stream(
     source: SourceLike,
     *,
@@ -198,7 +240,7 @@ def open_stream(
     slices: Slices | None = None,
     cache: CacheLike = None,
     **options: Unpack[TransportOptions],
-) -> TensorStream:
+) -> TensorStream[Any]:
     """Read a safetensors file as a stream of ``(name, numpy array)`` in offset order.
 
     ``source`` is a path (``str``, ``os.PathLike``, ``file://`` URL), a bytes-like object, an async
@@ -236,13 +278,14 @@ def open_stream(
     :class:`~stream_st.sharded.ShardedStream` over every shard.
 
     ``framework="pt"`` hands tensors out as torch tensors over the memory they were received in
-    (every dtype torch has, BF16 and the F8 family included); ``"np"`` (the default) as numpy
-    arrays. ``into`` maps names to memory the caller already owns (a torch tensor or numpy array
-    of the tensor's dtype and shape, or a writable contiguous buffer of exactly its bytes): those
-    tensors are received straight into it and handed out as it (a buffer: as an array over it);
-    a name not in the header is a :class:`~stream_st.TensorNotFoundError`, memory of another
-    dtype, shape or size a :class:`~stream_st.UsageError`. If the read fails, that memory may
-    hold part of the tensor.
+    (every dtype torch has, BF16 and the F8 family included), and the stream's type says so
+    (``TensorStream[torch.Tensor]``); ``"np"`` (the default) as numpy arrays. ``into`` maps
+    names to memory the caller already owns (a torch tensor or numpy array of the tensor's dtype
+    and shape, or a writable contiguous buffer of exactly its bytes): those tensors are received
+    straight into it and handed out as it (a buffer: as an array over it); a name not in the
+    header is a :class:`~stream_st.TensorNotFoundError`, memory of another dtype, shape or size
+    a :class:`~stream_st.UsageError`. If the read fails, that memory may hold part of the
+    tensor.
 
     ``verify`` (default True): a header that records digests (see :mod:`stream_st.integrity`)
     has each tensor checked, while its bytes arrive, before it is yielded; a mismatch raises
@@ -328,7 +371,7 @@ def stream_for(
     max_total_bytes: int | None = None,
     cache: CacheLike = None,
     unknown_dtypes: UnknownDtypes = "refuse",
-) -> TensorStream:
+) -> TensorStream[Any]:
     """:func:`open_stream` under ``clock``: reads that share one operation's limits.
     ``unknown_dtypes`` (one file's header-only read) as in :class:`~stream_st.TensorStream`.
 
@@ -437,7 +480,7 @@ async def header_of(
 T = TypeVar("T")
 
 
-class CachedStream(TensorStream):
+class CachedStream(TensorStream[Any]):
     """:class:`~stream_st.TensorStream` over ``address`` (an ``http(s)://``, ``s3://`` or
     ``hf://`` address) and ``cache``. After it opens, ``cache_state`` says how the cache served
     it: ``"hit"`` (the local copy, checked fresh), ``"offline"`` (the copy, no request),
@@ -519,7 +562,7 @@ class CachedStream(TensorStream):
         if self._resolved is not None:
             await self._resolved.refuted()
 
-    async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
+    async def _iterate(self) -> AsyncGenerator[tuple[str, Any]]:
         ahead = self._ahead  # read ahead by open(), or None
         if ahead is None:
             self.stats.asked(first=True)
@@ -735,7 +778,7 @@ def cached_stream(source: object, cache: object, **options: Any) -> CachedStream
     return CachedStream(str(source), cache=settings, **options)
 
 
-class CachedShardedStream(ShardedStream):
+class CachedShardedStream(ShardedStream[Any]):
     """:class:`~stream_st.sharded.ShardedStream` over a remote index whose index and shards are
     each read through ``cache`` as a single file is (:class:`CachedStream`): a second read of the
     checkpoint, or an offline one, needs no byte from the network."""

@@ -23,7 +23,6 @@ import random
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import cast
 
 import numpy as np
 import torch
@@ -264,9 +263,7 @@ class SafetensorsDataset(IterableDataset[Sample]):
         ) as stream:
             if stream.header != described:  # rewritten since: rows that were not planned
                 raise changed(piece.address)
-            views: dict[str, torch.Tensor] = {
-                name: cast(torch.Tensor, tensor) async for name, tensor in stream
-            }  # framework="pt": torch tensors
+            views = {name: tensor async for name, tensor in stream}
         return {name: views[name][piece.start : piece.stop] for name in names}
 
     def _samples(self, pieces: list[Piece]) -> Iterator[Sample]:

@@ -1,5 +1,5 @@
 """One safetensors file read as a stream: :class:`TensorStream`, which drives a source through
-the header core and yields numpy arrays."""
+the header core and yields numpy arrays (torch tensors with ``framework="pt"``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from collections.abc import (
     Collection,
     Iterable,
 )
-from typing import Any, NoReturn, Self, TypeVar, final
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, Self, TypeVar, final
 
 import anyio
 import numpy as np
@@ -58,6 +58,16 @@ Include = Collection[str] | Callable[[str], bool] | str | None
 
 
 T = TypeVar("T")
+
+# What a TensorStream hands out for each tensor: a numpy array (a bare ``TensorStream``) or, read
+# with framework="pt", a torch.Tensor. typing's TypeVar takes a default from Python 3.13 on;
+# checkers know typing_extensions' (their own stubs: it is not imported when the code runs).
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar as DefaultTypeVar
+
+    TensorT = DefaultTypeVar("TensorT", covariant=True, default=np.ndarray[Any, Any])
+else:
+    TensorT = TypeVar("TensorT", covariant=True)
 
 
 async def tensor_dict(stream: AsyncIterable[tuple[str, T]]) -> dict[str, T]:
@@ -125,7 +135,7 @@ itself, each tensor's (``stream_st.tools.validate``): the stream checks the whol
 ``verify=`` takes."""
 
 
-class TensorStream(AsyncClosing):
+class TensorStream(AsyncClosing, Generic[TensorT]):
     """One safetensors file read as a stream. Create it with :func:`open_stream`.
 
     Use it as ``async with open_stream(src) as stream`` to see ``stream.header`` before any data,
@@ -136,7 +146,8 @@ class TensorStream(AsyncClosing):
     reference to them (with ``copy=False``, a local file's are read-only views of its mapping, see
     :func:`open_stream`). ``clock`` holds the time limits of the read (see :func:`open_stream`);
     it starts when the stream opens. ``delivery`` says where tensors land and what they are
-    handed out as (see ``framework=`` and ``into=`` of :func:`open_stream`).
+    handed out as (see ``framework=`` and ``into=`` of :func:`open_stream`); the type parameter
+    says which (``TensorStream[torch.Tensor]``; a bare ``TensorStream`` hands out numpy arrays).
     ``max_tensor_bytes`` and ``max_total_bytes`` cap what the read may allocate (see
     :func:`open_stream`). ``verify`` checks the header's digests, if it has any, and the whole
     object's digest when its transport gives one and every tensor is read
@@ -180,8 +191,8 @@ class TensorStream(AsyncClosing):
         # too (``_held``) when the stream was open before it began ('async with'): leaving the
         # block closes it then, so what it holds (the array handed out last, tensors read
         # ahead) goes at once, not when the loop gets a turn to finalise it after a 'break'.
-        self._generator: weakref.ref[AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]] | None = None
-        self._held: AsyncGenerator[tuple[str, np.ndarray[Any, Any]]] | None = None
+        self._generator: weakref.ref[AsyncGenerator[tuple[str, TensorT]]] | None = None
+        self._held: AsyncGenerator[tuple[str, TensorT]] | None = None
         self._reading: ReadAhead | None = None  # the iteration's read-ahead, if it has one
         self._cut: str | None = None  # the source's name, once aclose cut the iteration short
         self._recycler = Recycler()  # fresh memory the caller has let go of, for later tensors
@@ -287,7 +298,7 @@ class TensorStream(AsyncClosing):
         """Refused, where a plain ``for`` was a bare ``TypeError``: iterate with ``async for``."""
         raise UsageError("a TensorStream is an async iterator: use `async for`")
 
-    def __aiter__(self) -> AsyncIterator[tuple[str, np.ndarray[Any, Any]]]:
+    def __aiter__(self) -> AsyncIterator[tuple[str, TensorT]]:
         if self._iterated:
             raise UsageError("a TensorStream can be iterated only once")
         self._iterated = True
@@ -329,7 +340,7 @@ class TensorStream(AsyncClosing):
         """Whether the stream was opened (``async with``) before its iteration began."""
         return self._header is not None
 
-    async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
+    async def _iterate(self) -> AsyncGenerator[tuple[str, TensorT]]:
         self.stats.asked(first=True)
         owns = self._header is None
         # Iterated without 'async with' and nothing to skip: every byte will be read.
@@ -463,7 +474,7 @@ def _closed_early(name: str) -> TransportError:
     return TransportError("the stream was closed on this side before its end", url=name)
 
 
-class _Iteration:
+class _Iteration(Generic[TensorT]):
     """The iteration of a :class:`TensorStream`: its generator, and an error in place of the
     end where the stream's :meth:`~TensorStream.aclose` closed the generator part way, a step
     raised before (a timeout caught and the step tried again), or the generator was closed
@@ -474,7 +485,7 @@ class _Iteration:
     __slots__ = ("_failed", "_generator", "_over", "_stream")
 
     def __init__(
-        self, generator: AsyncGenerator[tuple[str, np.ndarray[Any, Any]]], stream: TensorStream
+        self, generator: AsyncGenerator[tuple[str, TensorT]], stream: TensorStream[TensorT]
     ) -> None:
         self._generator = generator
         self._stream = stream
@@ -487,7 +498,7 @@ class _Iteration:
     def __aiter__(self) -> Self:
         return self
 
-    async def __anext__(self) -> tuple[str, np.ndarray[Any, Any]]:
+    async def __anext__(self) -> tuple[str, TensorT]:
         if getattr(self._generator, "ag_running", False):  # another task's step is under way
             raise UsageError(
                 f"{self._stream._shown_name()}: a stream was iterated from two tasks at once; "

@@ -81,7 +81,7 @@ from ..errors import (
 from ..memory.delivery import Delivery
 from ..reader import Include, TensorStream
 from ..reader.caps import Caps, current_caps
-from ..reader.stream import include_names, tensor_dict
+from ..reader.stream import TensorT, include_names, tensor_dict
 from ..transports.options import Clock
 from ..transports.registry import SourceLike
 from .ranks_exchange import READ_AHEAD_BYTES as READ_AHEAD_BYTES
@@ -167,7 +167,7 @@ def _slice_of(slices: Slices | None) -> Callable[[str], object]:
     return slices.get
 
 
-class DistributedStream(TensorStream):
+class DistributedStream(TensorStream[TensorT]):
     """A safetensors file (or a sharded checkpoint's index) read by every rank of a process
     group together; made by :func:`~stream_st.open_stream` given ``process_group=``. Use it as
     any :class:`~stream_st.TensorStream`: each rank gets ``(name, tensor)`` for what it wants, in
@@ -223,7 +223,7 @@ class DistributedStream(TensorStream):
         self._slices = slices
         self._index_address = os.fspath(source) if is_index(source) else None
         self._index: ShardIndex | None = None
-        self._shard: TensorStream | None = None
+        self._shard: TensorStream[Any] | None = None
         self._group_opened = False
         # Opened with the group, its iteration not begun: the group waits for this rank's
         # headers and wants, which aclose then gives, saying this rank left its stream.
@@ -232,7 +232,7 @@ class DistributedStream(TensorStream):
         self.plan: Plan | None = None
 
     @classmethod
-    def refused(cls, process_group: Any, problem: Exception) -> DistributedStream:
+    def refused(cls, process_group: Any, problem: Exception) -> DistributedStream[Any]:
         """A stream whose open tells the group that this rank's call was refused before it
         began (an option, a value the rank's own checks turned down): every rank then raises
         :class:`RankFailedError` naming this one at once, where raising here would leave the
@@ -315,7 +315,7 @@ class DistributedStream(TensorStream):
         return wants
 
     async def _exchange(
-        self, stream: TensorStream | None, failure: Failure | None, shard: str = ""
+        self, stream: TensorStream[Any] | None, failure: Failure | None, shard: str = ""
     ) -> AsyncGenerator[tuple[str, Any]]:
         """One file read by the group: agree on its header and who wants what, check every
         rank's caps, then run the plan. ``failure``: opening it failed on this rank."""
@@ -371,7 +371,7 @@ class DistributedStream(TensorStream):
                     raise repeated_name(self._index_address, name, first, shard)
 
     def _check_caps(
-        self, stream: TensorStream, every: list[tuple[dict[int, Slice | None], Caps]]
+        self, stream: TensorStream[Any], every: list[tuple[dict[int, Slice | None], Caps]]
     ) -> None:
         """Each rank's wants (a sliced tensor counted whole: it may be read whole to be cut)
         against that rank's caps, on every rank alike: if one is over, every rank raises the

@@ -41,8 +41,6 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-import numpy as np
-
 from .._util import task_group
 from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes
 from ..core.shards import MANIFEST_NAME, shard_address, shard_name
@@ -60,7 +58,7 @@ from ..errors import (
 )
 from ..memory.delivery import Delivery
 from ..reader import Include, TensorStream
-from ..reader.stream import ObjectOnly, include_names
+from ..reader.stream import ObjectOnly, TensorT, include_names
 from ..transports.options import Clock
 from ..transports.registry import read_object
 
@@ -92,7 +90,7 @@ def _without_contents(exc: SafetensorsError, address: str) -> SafetensorsError:
     return reworded
 
 
-async def _open_shard(stream: TensorStream, address: str, *, read_all: bool = False) -> Header:
+async def _open_shard(stream: TensorStream[Any], address: str, *, read_all: bool = False) -> Header:
     """Open the shard ``stream`` reads (at ``address``); its header, or an error that quotes none
     of its bytes. Failed I/O is reported as is: it names the address and a position only."""
     try:
@@ -235,7 +233,7 @@ class ShardIndex:
             )
 
 
-class ShardedStream(TensorStream):
+class ShardedStream(TensorStream[TensorT]):
     """Every tensor of every shard of an index; used like any :class:`~stream_st.TensorStream`.
 
     ``index`` (the :class:`ShardIndex`) is available once open. ``header`` is the header of the
@@ -276,10 +274,11 @@ class ShardedStream(TensorStream):
         )
         self._counted = 0  # bytes the shards reached so far declare, for max_total_bytes
         self._clock.transport = self._clock.transport.reading(concurrency)
-        self._ahead: TensorStream | SafetensorsError | None = None  # opened while one streams
+        # The next shard, opened while one streams (or the error opening it raised).
+        self._ahead: TensorStream[TensorT] | SafetensorsError | None = None
         self._address = os.fspath(index)
         self._index: ShardIndex | None = None
-        self._current: TensorStream | None = None
+        self._current: TensorStream[TensorT] | None = None
         self.headers: dict[str, Header] = {}
         self._unique_names = unique_names
         self._shard_of: dict[str, str] = {}  # with unique_names: each name read, its shard
@@ -315,11 +314,11 @@ class ShardedStream(TensorStream):
         """The index, read whole (a cached read reads it through the cache)."""
         return await ShardIndex.read(self._address, self._clock)
 
-    def _shard_stream(self, address: str, **options: Any) -> TensorStream:
+    def _shard_stream(self, address: str, **options: Any) -> TensorStream[TensorT]:
         """The stream of one shard (a cached read reads it through the cache)."""
         return TensorStream(address, **options)
 
-    async def _iterate(self) -> AsyncGenerator[tuple[str, np.ndarray[Any, Any]]]:
+    async def _iterate(self) -> AsyncGenerator[tuple[str, TensorT]]:
         self.stats.asked(first=True)
         await self.open()
         index = self.index
@@ -381,7 +380,7 @@ class ShardedStream(TensorStream):
 
     async def _open_checked(
         self, index: ShardIndex, shard: str, selected: Callable[[str], bool]
-    ) -> TensorStream:
+    ) -> TensorStream[TensorT]:
         """The open stream of ``shard``'s selected tensors, its header checked against the
         index."""
         address = shard_address(index.home, shard)
@@ -406,7 +405,7 @@ class ShardedStream(TensorStream):
 
     async def _next_stream(
         self, index: ShardIndex, shard: str, selected: Callable[[str], bool]
-    ) -> TensorStream:
+    ) -> TensorStream[TensorT]:
         """``shard``'s open stream: the one opened ahead (or its failure, raised only now that
         the shards before it have been read), else opened now."""
         ahead, self._ahead = self._ahead, None

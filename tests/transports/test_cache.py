@@ -231,7 +231,7 @@ def test_sizes() -> None:
     with pytest.raises(stream_st.UsageError):
         parse_size("lots")
     with pytest.raises(stream_st.UsageError):
-        stream_st.open_stream("http://127.0.0.1:1/x.safetensors", cache=3)  # type: ignore[arg-type]
+        stream_st.open_stream("http://127.0.0.1:1/x.safetensors", cache=3)  # type: ignore[call-overload]
 
 
 async def test_the_cap_evicts_the_least_recently_used(tmp_path: Path) -> None:

@@ -1,0 +1,100 @@
+"""The public type hints (the package ships ``py.typed``) as a user's code meets them: small
+programs written as users write them, each checked by ``mypy --strict`` from outside the
+repository, against the installed package. A program holds what must type-check and, marked
+``# type: ignore[code]``, what must be refused: strict mypy reports an ignore that nothing
+needed, so a hint that lets a mistake through (a misspelt name typed ``Any``) fails the program
+as surely as a hint that refuses correct code."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PROGRAMS = {
+    "framework_pt": """
+        from typing import Any, assert_type
+
+        import numpy as np
+        import torch
+
+        import stream_st
+        from stream_st.sharded import ShardedStream
+
+
+        async def read(path: str, group: Any) -> None:
+            async with stream_st.open_stream(path, framework="pt") as stream:
+                assert_type(stream, stream_st.TensorStream[torch.Tensor])
+                async for name, tensor in stream:
+                    assert_type(tensor, torch.Tensor)
+                    tensor.to(torch.float16)
+                    tensor.astype(np.float16)  # type: ignore[attr-defined]
+            ranks = stream_st.open_stream(path, framework="torch", process_group=group)
+            assert_type(ranks, stream_st.TensorStream[torch.Tensor])
+
+
+        def shards(stream: ShardedStream[torch.Tensor]) -> stream_st.TensorStream[torch.Tensor]:
+            return stream  # an index's stream, read with framework="pt"
+    """,
+    "framework_np": """
+        from typing import Any, assert_type
+
+        import numpy as np
+
+        import stream_st
+
+
+        async def read(path: str) -> None:
+            async with stream_st.open_stream(path) as stream:
+                async for name, array in stream:
+                    assert_type(array, np.ndarray[Any, Any])
+                    array.astype(np.float16)
+            assert_type(
+                stream_st.open_stream(path, framework="np"),
+                stream_st.TensorStream[np.ndarray[Any, Any]],
+            )
+
+
+        def bare(stream: stream_st.TensorStream) -> stream_st.TensorStream[np.ndarray[Any, Any]]:
+            return stream  # a bare TensorStream hands out numpy arrays
+    """,
+}
+"""Each program, by the name its test goes under."""
+
+
+@pytest.fixture(scope="module")
+def mypy_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    """What ``mypy --strict`` says of each program, run once for all of them (its own cache and
+    no configuration: a user's project outside this one)."""
+    folder = tmp_path_factory.mktemp("typing")
+    files = []
+    for name, text in PROGRAMS.items():
+        (folder / f"{name}.py").write_text(textwrap.dedent(text), encoding="utf-8")
+        files.append(f"{name}.py")
+    options = ["--strict", "--config-file=", "--no-error-summary", "--cache-dir", "cache"]
+    run = subprocess.run(
+        [sys.executable, "-m", "mypy", *options, *files],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode in (0, 1), run.stderr + run.stdout  # 1: errors found, 2: mypy failed
+    said: dict[str, list[str]] = {name: [] for name in PROGRAMS}
+    for line in run.stdout.splitlines():
+        said[Path(line.split(":", 1)[0]).stem].append(line)
+    shutil.rmtree(folder / "cache", ignore_errors=True)
+    return said
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_a_users_program_type_checks_strictly(
+    program: str, mypy_errors: dict[str, list[str]]
+) -> None:
+    if program == "framework_pt":
+        pytest.importorskip("torch")
+    assert mypy_errors[program] == []
