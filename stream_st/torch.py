@@ -490,7 +490,10 @@ def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str
             into.pop(name, None)
 
     def place(name: str, tensor: torch.Tensor) -> bool:
-        if tensor is into.get(name) or name in overruled:
+        if name in overruled:
+            return True
+        if tensor is into.get(name):  # written through another view: autograd told, as by copy_
+            _torch.autograd.graph.increment_version(tensor)
             return True
         target = on_device.get(name)
         if target is None or target.shape != tensor.shape or target.dtype != tensor.dtype:

@@ -1348,6 +1348,24 @@ def test_load_model_loads_what_state_dict_gives_as_no_tensor_of_the_model(
         assert torch.equal(tensor, loaded[name]), name
 
 
+def test_load_model_tells_autograd_the_parameters_changed_as_the_reference(
+    tmp_path: Path,
+) -> None:
+    """A tensor received in place counts as changed in place, as after the reference's
+    ``copy_``: a backward through a graph built before the load raises, where it silently used
+    the new weights."""
+    path = tmp_path / "m.safetensors"
+    reference.save_file({"weight": torch.full((1, 3), 5.0), "bias": torch.zeros(1)}, str(path))
+    for load in (reference.load_model, st.load_model):
+        model = torch.nn.Linear(3, 1)
+        before = model.weight._version
+        out = model(torch.ones(1, 3, requires_grad=True)).sum()
+        load(model, str(path))
+        assert model.weight._version > before
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward()
+
+
 @pytest.mark.parametrize("strict", [True, False])
 def test_load_model_of_batch_norm_without_num_batches_tracked_as_the_reference(
     tmp_path: Path, strict: bool
