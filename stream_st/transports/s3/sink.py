@@ -27,10 +27,13 @@ within that time; an upload left pending all the same is named in a note on the 
 (or on the cancellation). When an answer is lost (the connection breaks or times out after the
 request went out), the sink asks the store what happened:
 
-* CreateMultipartUpload: the upload has no known id. Before creating it the sink lists the key's
-  pending uploads; afterwards it aborts those pending now that were not then. An upload of the
-  same key started by another writer in that moment cannot be told apart and is aborted too; a
-  store that refuses to list uploads leaves the unnamed upload pending, and the error says so.
+* CreateMultipartUpload: it is seen through as the commit is (a cancellation waits at most
+  :attr:`S3Sink.abort_timeout` seconds for its answer, then aborts the upload it names). An
+  answer lost all the same leaves an upload with no known id: S3 lists a key's pending uploads
+  with nothing that tells one writer's from another's (no metadata; the same owner, and a start
+  time from the store's clock), so the sink never aborts an upload it cannot prove its own, which
+  might be another writer's of the same key. That upload may stay pending, and a note on the
+  error says so (a lifecycle rule's AbortIncompleteMultipartUpload removes it).
 * CompleteMultipartUpload (also answered with a 5xx, or with a 200 carrying an ``<Error>``): the
   upload is aborted. Had the store still had it pending, nothing was stored and the original error
   is raised. Was it gone, the object at the key is compared with the one sent (its ETag with the
@@ -56,7 +59,6 @@ import base64
 import contextlib
 import hashlib
 import operator
-import re
 import ssl
 import zlib
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -183,7 +185,6 @@ class S3Sink(ClientUser, Sink):
         self._size: int | None = None
         self._upload_id: str | None = None
         self._creating = False  # CreateMultipartUpload went out and its answer was not read
-        self._uploads_before: set[str] | None = None  # the key's pending uploads before ours
         self._etags: dict[int, str] = {}  # by part number
         self._checksums: dict[int, str] = {}  # by part number: what the store checked
         self._cut = 0  # parts cut from the message so far
@@ -258,36 +259,20 @@ class S3Sink(ClientUser, Sink):
                 await self._cleaning_up_on_failure(self._cut_part())
         self.position += len(buffer)
 
-    async def _list_uploads(self) -> set[str]:
-        """The ids of the multipart uploads of exactly this key pending now."""
-        found: set[str] = set()
-        marker = ""
-        while True:
-            query = f"prefix={quote(self.key, safe='')}&uploads={marker}"
-            _, answer = await self._call("GET", query, key="")
-            for match in re.finditer(rb"<Upload>.*?</Upload>", answer, re.DOTALL):
-                upload_id = xml_field(match[0], "UploadId")
-                if xml_field(match[0], "Key") == self.key and upload_id is not None:
-                    found.add(upload_id)
-            next_key, next_id = (
-                xml_field(answer, "NextKeyMarker"),
-                xml_field(answer, "NextUploadIdMarker"),
-            )
-            if xml_field(answer, "IsTruncated") != "true" or not (next_key and next_id):
-                return found
-            marker = (
-                f"&key-marker={quote(next_key, safe='')}&upload-id-marker={quote(next_id, safe='')}"
-            )
-
     async def _create(self) -> None:
-        try:
-            self._uploads_before = await self._list_uploads()
-        except HTTPStatusError:
-            self._uploads_before = None  # not allowed to list: an unnamed upload stays unfound
+        """CreateMultipartUpload, seen through as the commit is (:meth:`_through`): a
+        cancellation meanwhile waits for the upload's id, to abort that upload."""
+        await self._through(self._send_create)
+
+    async def _send_create(self) -> None:
         self._creating = True
-        _, answer = await self._call(
-            "POST", "uploads=", headers={"x-amz-checksum-algorithm": "CRC32"}
-        )
+        try:
+            _, answer = await self._call(
+                "POST", "uploads=", headers={"x-amz-checksum-algorithm": "CRC32"}
+            )
+        except Exception as exc:
+            self._creating = not _refusal(exc)  # refused: no upload was made
+            raise
         upload_id = xml_field(answer, "UploadId")
         if upload_id is None:
             raise TransportError(
@@ -500,35 +485,31 @@ class S3Sink(ClientUser, Sink):
         upload_id, self._upload_id = self._upload_id, None
         creating, self._creating = self._creating, False
         self._part, self._held = bytearray(), {}
-        what = f"multipart upload {upload_id}" if upload_id else "an unnamed multipart upload"
         problem = None
+        if creating:
+            problem = (
+                f"the answer to CreateMultipartUpload for {self.name} was lost: the upload it "
+                "may have made has no known id and cannot be told from another writer's upload "
+                "of the key, so it was not aborted and may still be pending (list the key's "
+                "multipart uploads to abort it, or let a lifecycle rule do so)"
+            )
         with self._bounded() as scope:
             try:
                 if upload_id is not None:
                     await self._delete(upload_id)
-                elif creating:
-                    await self._abort_unnamed()
             except SafetensorsError as exc:
-                problem = f"aborting {what} of {self.name} failed ({exc}): it may still be pending"
+                problem = (
+                    f"aborting multipart upload {upload_id} of {self.name} failed ({exc}): it "
+                    "may still be pending"
+                )
             finally:
                 await self._close_client()
-        if scope.cancelled_caught:
+        if scope.cancelled_caught and upload_id is not None:
             problem = (
-                f"aborting {what} of {self.name} took over {self.abort_timeout} s: "
-                "it may still be pending"
+                f"aborting multipart upload {upload_id} of {self.name} took over "
+                f"{self.abort_timeout} s: it may still be pending"
             )
         return problem
-
-    async def _abort_unnamed(self) -> None:
-        """Abort the upload whose CreateMultipartUpload answer was lost: the key's uploads
-        pending now but not before it."""
-        if self._uploads_before is None:
-            raise TransportError(
-                "its id is unknown and the key's uploads could not be listed before it",
-                url=self.name,
-            )
-        for upload_id in await self._list_uploads() - self._uploads_before:
-            await self._delete(upload_id)
 
     async def abort(self) -> None:
         """Abort the multipart upload, if one was started; see the module docstring. Raises
