@@ -17,6 +17,24 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: most of 
 if TYPE_CHECKING:
     from typing import Any
 
+    # The submodules of _SUBMODULES, for checkers (imported on first use as attributes).
+    from . import bert as bert
+    from . import codecs as codecs
+    from . import connection as connection
+    from . import dataset as dataset
+    from . import dtypes as dtypes
+    from . import errors as errors
+    from . import header as header
+    from . import hub as hub
+    from . import integrity as integrity
+    from . import kv as kv
+    from . import llm as llm
+    from . import reader as reader
+    from . import sharded as sharded
+    from . import sinks as sinks
+    from . import sources as sources
+    from . import torch_dataset as torch_dataset
+    from . import writer as writer
     from ._api import load, open_stream, read_header, save
     from .connection import Connection, Listener, connect, listen
     from .core.digests import Digests
@@ -195,20 +213,22 @@ _SUBMODULES = frozenset(
 as earlier releases, which imported them with the package, allowed."""
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module, or a moved module, when it is first asked for."""
-    if name == "__version__":
-        from ._util import package_version  # imports anyio: not for every import stream_st
+if not TYPE_CHECKING:  # checkers see the names above, not Any for every name (a misspelt one)
 
-        value: Any = package_version()
-    elif name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f".{name}", __name__)
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
+    def __getattr__(name: str) -> Any:
+        """Import a public name's module, or a moved module, when it is first asked for."""
+        if name == "__version__":
+            from ._util import package_version  # imports anyio: not for every import stream_st
+
+            value: Any = package_version()
+        elif name in _PUBLIC:
+            value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+        elif name in _SUBMODULES:
+            value = importlib.import_module(f".{name}", __name__)
+        else:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        globals()[name] = value
+        return value
 
 
 def __dir__() -> list[str]:

@@ -59,14 +59,19 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _type_checking(node: ast.If) -> bool:
-    return "TYPE_CHECKING" in ast.unparse(node.test)
+def _run_branch(node: ast.If) -> list[ast.stmt] | None:
+    """The branch of an ``if TYPE_CHECKING:`` (or ``if not TYPE_CHECKING:``) that runs; None for
+    another ``if``."""
+    test = ast.unparse(node.test)
+    if "TYPE_CHECKING" not in test:
+        return None
+    return node.body if test.startswith("not ") else node.orelse
 
 
 def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
     for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and _type_checking(node):
-            yield from (n for branch in node.orelse for n in _imports_in(branch))
+        if isinstance(node, ast.If) and (runs := _run_branch(node)) is not None:
+            yield from (n for branch in runs for n in _imports_in(branch))
             continue
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node

@@ -62,6 +62,29 @@ PROGRAMS = {
         def bare(stream: stream_st.TensorStream) -> stream_st.TensorStream[np.ndarray[Any, Any]]:
             return stream  # a bare TensorStream hands out numpy arrays
     """,
+    "misspelt_names": """
+        from typing import assert_type
+
+        import stream_st
+        import stream_st.compat
+        import stream_st.numpy
+        import stream_st.sharded
+
+        stream_st.read_headr  # type: ignore[attr-defined]
+        stream_st.TensorStrem  # type: ignore[attr-defined]
+        stream_st.compat.safe_opn  # type: ignore[attr-defined]
+        stream_st.sharded.ShardedStrem  # type: ignore[attr-defined]
+        stream_st.numpy.load_fil  # type: ignore[attr-defined]
+        stream_st.kv.send_kvv  # type: ignore[attr-defined]
+
+        # What is imported on first use is still seen, with its type.
+        assert_type(stream_st.__version__, str)
+        stream_st.kv.send_kv
+        stream_st.dtypes.DTYPES
+        stream_st.compat.numpy.load_file
+        stream_st.compat.deserialize
+        stream_st.sharded.ShardIndex
+    """,
 }
 """Each program, by the name its test goes under."""
 

@@ -32,6 +32,8 @@ from typing import IO, TYPE_CHECKING, Any
 from ._errors import SafetensorError, WrongTypeError
 
 if TYPE_CHECKING:
+    from .. import numpy as numpy
+    from .. import torch as torch
     from ._reference import serialize, serialize_file
     from ._serialize import TensorSpec, deserialize
 
@@ -104,19 +106,21 @@ _LAZY = {
 which ``stream_st.torch`` and ``stream_st.numpy`` (light, under this package) do not need."""
 
 
-def __getattr__(name: str) -> Any:
-    """``torch`` and ``numpy``, the submodules, and the names of :data:`_LAZY`, imported when
-    first asked for."""
-    import importlib
+if not TYPE_CHECKING:  # checkers see the names above, not Any for every name (a misspelt one)
 
-    if name in ("torch", "numpy"):
-        value: Any = importlib.import_module(f"stream_st.{name}")
-    elif name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
+    def __getattr__(name: str) -> Any:
+        """``torch`` and ``numpy``, the submodules, and the names of :data:`_LAZY`, imported
+        when first asked for."""
+        import importlib
+
+        if name in ("torch", "numpy"):
+            value: Any = importlib.import_module(f"stream_st.{name}")
+        elif name in _LAZY:
+            value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        else:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        globals()[name] = value
+        return value
 
 
 def install() -> None:

@@ -25,13 +25,15 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module of a name of :data:`_LAZY` when it is first asked for."""
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value
-    return value
+if not TYPE_CHECKING:  # checkers see the names above, not Any for every name (a misspelt one)
+
+    def __getattr__(name: str) -> Any:
+        """Import the module of a name of :data:`_LAZY` when it is first asked for."""
+        if name not in _LAZY:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
 
 
 __all__ = [
