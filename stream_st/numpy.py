@@ -19,11 +19,16 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import numpy as np
 
+from . import compat
 from .compat import _local, _save
 from .core.dtypes import DTYPES
 
 if TYPE_CHECKING:
+    from .compat import TensorSpec as TensorSpec
     from .compat import _reference as _facade
+    from .compat import deserialize as deserialize
+    from .compat import serialize as serialize
+    from .compat import serialize_file as serialize_file
     from .transports.cache import CacheLike
     from .transports.options import TransportOptions
     from .transports.registry import SinkLike, SourceLike
@@ -83,9 +88,11 @@ def load_file(
     )
 
 
-def load(data: bytes, *, verify: bool = True) -> dict[str, np.ndarray[Any, Any]]:
-    """Every tensor of a safetensors file given as ``bytes`` (digests checked unless
-    ``verify=False``)."""
+def load(
+    data: bytes | bytearray | memoryview, *, verify: bool = True
+) -> dict[str, np.ndarray[Any, Any]]:
+    """Every tensor of a safetensors file given as ``bytes`` (or a ``bytearray`` or
+    ``memoryview``; digests checked unless ``verify=False``)."""
     return _facade.load_bytes(data, False, verify)
 
 
@@ -134,3 +141,16 @@ _NUMPY_OWN = ("BOOL", "U8", "I8", "U16", "I16", "F16", "U32", "I32", "F32", "U64
 _TYPES: dict[str, np.dtype[Any]] = {code: DTYPES[code].numpy for code in (*_NUMPY_OWN, "C64")}
 """Dtype code to numpy dtype, for the codes numpy has a type of its own for (the reference's
 private table, which programs import; ``ml_dtypes``' types are left out, as there)."""
+
+
+if not TYPE_CHECKING:  # checkers see the names imported above, not Any for every name
+
+    def __getattr__(name: str) -> Any:
+        """``TensorSpec``, ``serialize``, ``serialize_file`` and ``deserialize``, which the
+        reference's module has too (:mod:`stream_st.compat`'s), imported when first asked for:
+        they import the streaming core."""
+        if name not in compat._LAZY:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(compat, name)
+        globals()[name] = value
+        return value

@@ -85,6 +85,22 @@ PROGRAMS = {
         stream_st.compat.deserialize
         stream_st.sharded.ShardIndex
     """,
+    "numpy_dropin": """
+        from typing import Any, assert_type
+
+        import numpy as np
+
+        import stream_st.numpy
+        from stream_st.numpy import TensorSpec, deserialize, serialize, serialize_file
+
+        data = stream_st.numpy.save({"a": np.zeros(3, np.float32)})
+        stream_st.numpy.load(bytearray(data))
+        stream_st.numpy.load(memoryview(data))
+        assert_type(deserialize(data), list[tuple[str, dict[str, Any]]])
+        spec = TensorSpec(dtype="F32", shape=[3], data_ptr=0, data_len=12)
+        assert_type(serialize({"a": spec}), bytes)
+        serialize_file({"a": spec}, "a.safetensors")
+    """,
 }
 """Each program, by the name its test goes under."""
 

@@ -456,8 +456,8 @@ def load_file(
     return run(_load, src, torch, verify, copy, clock_of(options), cache, caps, include)
 
 
-def load_bytes(data: bytes, torch: bool, verify: bool) -> dict[str, Any]:
-    """Every tensor of a safetensors file given as bytes."""
+def load_bytes(data: bytes | bytearray | memoryview, torch: bool, verify: bool) -> dict[str, Any]:
+    """Every tensor of a safetensors file given as bytes (or a bytearray or memoryview)."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ArgumentTypeError(f"load takes the bytes of a file, got {type(data).__name__}")
     return run(_load, data, torch, verify, True, Clock())

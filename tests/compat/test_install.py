@@ -65,3 +65,29 @@ def test_install_after_the_reference_was_imported_warns() -> None:
         """
     )
     assert out == "ok"
+
+
+def test_the_numpy_drop_in_has_the_names_of_the_references_module() -> None:
+    """``TensorSpec``, ``serialize``, ``serialize_file`` and ``deserialize``, which programs import
+    from ``safetensors.numpy``: the package's own, imported when first asked for."""
+    out = run(
+        """
+        import sys
+        import numpy as np
+        import stream_st.compat as compat
+        compat.install()
+        import safetensors.numpy as sn
+        assert "stream_st.compat._serialize" not in sys.modules, "imported with the module"
+        from safetensors.numpy import TensorSpec, deserialize, serialize, serialize_file
+        names = ("TensorSpec", "deserialize", "serialize", "serialize_file")
+        assert (TensorSpec, deserialize, serialize, serialize_file) == tuple(
+            getattr(compat, name) for name in names
+        )
+        assert [name for name, _ in deserialize(sn.save({"a": np.ones(3, np.float32)}))] == ["a"]
+        try:
+            sn.deserialise
+        except AttributeError as exc:
+            print(exc)
+        """
+    )
+    assert out == "module 'stream_st.numpy' has no attribute 'deserialise'"
