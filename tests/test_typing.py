@@ -101,6 +101,26 @@ PROGRAMS = {
         assert_type(serialize({"a": spec}), bytes)
         serialize_file({"a": spec}, "a.safetensors")
     """,
+    "cache_paths": """
+        import dataclasses
+        import os
+        from pathlib import Path
+        from typing import assert_type
+
+        import stream_st
+
+
+        class Where(os.PathLike[str]):
+            def __fspath__(self) -> str:
+                return "cache"
+
+
+        cache = stream_st.Cache(directory="cache", hub_directory=Path("cache/hub"))
+        stream_st.Cache(Where(), Where(), offline=True, max_size=1 << 30)
+        assert_type(cache.directory, Path)
+        assert_type(dataclasses.replace(cache, offline=True), stream_st.Cache)
+        stream_st.Cache(directory=b"cache", hub_directory="hub")  # type: ignore[arg-type]
+    """,
 }
 """Each program, by the name its test goes under."""
 

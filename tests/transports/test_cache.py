@@ -663,8 +663,7 @@ async def test_a_cache_given_str_directories_reads_through_them(
     server: RangeHTTPServer, tmp_path: Path
 ) -> None:
     """A str directory was kept as a str: the read failed with a bare TypeError (str / str)."""
-    directories = {"directory": str(tmp_path / "c"), "hub_directory": str(tmp_path / "h")}
-    cache = Cache(**directories, max_size=10**9)  # type: ignore[arg-type]  # typed Path, str taken
+    cache = Cache(str(tmp_path / "c"), hub_directory=str(tmp_path / "h"), max_size=10**9)
     assert cache.directory == tmp_path / "c" and isinstance(cache.hub_directory, Path)
     await read_as(server.url("/m.safetensors"), ARRAYS, "fetch", cache=cache)
     assert files_under(tmp_path / "c")

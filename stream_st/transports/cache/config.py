@@ -68,19 +68,26 @@ class Cache:
     offline: bool = False
     max_size: int | None = None
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        hub_directory: str | os.PathLike[str],
+        offline: bool = False,
+        max_size: int | None = None,
+    ) -> None:
         """Check the fields: each directory a ``str`` or ``os.PathLike`` (kept as a
         :class:`~pathlib.Path`), ``offline`` True or False, ``max_size`` None or a whole number
         of bytes >= 0; :class:`~stream_st.ArgumentTypeError` or
         :class:`~stream_st.UsageError` naming the field (they failed later, mid-read, or a
-        string such as ``"no"`` was taken as true)."""
-        for field in ("directory", "hub_directory"):
-            path = Path(path_string(f"Cache.{field}", getattr(self, field)))
-            object.__setattr__(self, field, path)
-        object.__setattr__(self, "offline", boolean("Cache.offline", self.offline))
-        if self.max_size is not None:
-            cap = integer_at_least("Cache.max_size", self.max_size, 0, " (bytes)")
-            object.__setattr__(self, "max_size", cap)
+        string such as ``"no"`` was taken as true). Written here, not made by the dataclass, so
+        that its types say what it takes, where the fields say what it keeps."""
+        given = {"directory": directory, "hub_directory": hub_directory}
+        for field, value in given.items():
+            object.__setattr__(self, field, Path(path_string(f"Cache.{field}", value)))
+        object.__setattr__(self, "offline", boolean("Cache.offline", offline))
+        if max_size is not None:
+            max_size = integer_at_least("Cache.max_size", max_size, 0, " (bytes)")
+        object.__setattr__(self, "max_size", max_size)
 
     @classmethod
     def default(cls, environ: Mapping[str, str] | None = None) -> Cache:
