@@ -121,6 +121,14 @@ PROGRAMS = {
         assert_type(dataclasses.replace(cache, offline=True), stream_st.Cache)
         stream_st.Cache(directory=b"cache", hub_directory="hub")  # type: ignore[arg-type]
     """,
+    "validate_result": """
+        from stream_st import tools
+
+
+        async def check(path: str) -> None:
+            result = await tools.validate(path)
+            print(result.ok, len(result.tensors), result.load.summary())
+    """,
 }
 """Each program, by the name its test goes under."""
 

@@ -421,7 +421,7 @@ async def run_validate(args: argparse.Namespace) -> int:
             print_json(result.to_json(load=args.stats))
         else:
             print_validation(result)
-            if args.stats and result.load is not None:
+            if args.stats:
                 print(f"load: {result.load.summary()}")
         return EXIT_OK if result.ok else EXIT_DIFFERENT
 

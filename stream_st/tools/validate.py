@@ -154,7 +154,7 @@ class Validation:
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     digests: str = ""  # the header's digests: which algorithm, how many tensors verified
-    load: LoadStats | None = None
+    load: LoadStats = field(default_factory=LoadStats)
 
     @property
     def ok(self) -> bool:
@@ -169,7 +169,7 @@ class Validation:
         """The result as JSON-ready values; ``load=True`` adds the read's statistics."""
         record = asdict(self)
         del record["load"]
-        if load and self.load is not None:
+        if load:
             record["load"] = self.load.to_json()
         return {**record, "ok": self.ok}
 
