@@ -20,7 +20,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "stream_st"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "_util"),
+    ("errors", "_util", "_regex"),
     ("core",),
     ("memory",),
     ("transports",),
