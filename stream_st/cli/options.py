@@ -59,18 +59,6 @@ def limit_arg(name: str) -> Callable[[str], float]:
     return number_arg(name, lambda value: Limits.of({name: value}))
 
 
-def nonempty_arg(refusal: str) -> Callable[[str], str]:
-    """The argparse type of an option whose empty value the command refuses with ``refusal``
-    (``--token "$TOKEN"`` with the variable unset must not serve without a token)."""
-
-    def parse(text: str) -> str:
-        if not text:
-            raise argparse.ArgumentTypeError(refusal)
-        return text
-
-    return parse
-
-
 def comma_list(text: str) -> str:
     """The argparse type of an option taking a comma-separated list (``--codecs none,int8``):
     a list naming nothing (``''``, ``,,``) is refused, where it was taken as no list at all."""
@@ -88,6 +76,14 @@ def token_arg(text: str) -> str:
 
     empty = "empty (an unset variable?): give the token, or leave --token out"
     return _taken(text, token_problem(text) if text else empty)
+
+
+def host_arg(text: str) -> str:
+    """A ``serve --host`` argument: an address the server listens on, refused where the
+    library refuses it (empty: every interface, asked for by name as 0.0.0.0)."""
+    from ..server.app import host_problem  # the server's modules, only when serving
+
+    return _taken(text, host_problem(text))
 
 
 def _taken(text: str, problem: str | None) -> str:

@@ -31,8 +31,8 @@ from .options import (
     comma_list,
     endpoint_arg,
     header_line,
+    host_arg,
     limit_arg,
-    nonempty_arg,
     number_arg,
     profile_arg,
     region_arg,
@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serving.add_argument(
         "--host",
-        type=nonempty_arg("empty: it would listen on every interface (name 0.0.0.0 for that)"),
+        type=host_arg,
         default="127.0.0.1",
         help="the address to listen on (default 127.0.0.1)",
     )

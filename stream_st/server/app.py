@@ -78,6 +78,15 @@ def token_problem(token: str) -> str | None:
     return None
 
 
+def host_problem(host: str) -> str | None:
+    """Why ``host`` is refused as the address to listen on; None when it is not. An empty
+    host listens on every interface, and the server's ``url`` (``http://:PORT/...``) names no
+    host a reader can load from: every interface is asked for by name."""
+    if not host:
+        return "empty: it would listen on every interface (name 0.0.0.0 for that)"
+    return None
+
+
 class _Token:
     """A bearer token, compared in constant time and never shown."""
 
@@ -317,7 +326,9 @@ def _plain(status: int, text: str, headers: Mapping[str, str] | None = None) -> 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
     """A socket listening on ``host:port``; :class:`~stream_st.TransportError` if it cannot."""
-    string("host", host)
+    problem = host_problem(string("host", host))
+    if problem is not None:
+        raise UsageError(f"host is {problem}")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise UsageError(f"port must be an integer in 0-65535, got {port!r}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -83,3 +83,20 @@ def test_serving_refuses_a_host_that_is_no_string(tmp_path: Path) -> None:
 
     with pytest.raises(stream_st.ArgumentTypeError, match="host must be a string"):
         asyncio.run(serve())
+
+
+def test_serving_refuses_an_empty_host(tmp_path: Path) -> None:
+    """``host=""`` listened on every interface (the command refuses ``--host ""`` for that)
+    and gave ``server.url`` as ``http://:PORT/...``, which ``stream_st.load`` refused."""
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(sample_file())
+
+    async def serve() -> None:
+        async with stream_st.serving(path, host=""):
+            pass
+
+    refusal = r"host is empty: it would listen on every interface \(name 0\.0\.0\.0 for that\)"
+    with pytest.raises(stream_st.UsageError, match=refusal):
+        asyncio.run(serve())
+    with pytest.raises(stream_st.UsageError, match=refusal):
+        stream_st.serve(path, host="")
