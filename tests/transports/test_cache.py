@@ -234,6 +234,18 @@ def test_sizes() -> None:
         stream_st.open_stream("http://127.0.0.1:1/x.safetensors", cache=3)  # type: ignore[call-overload]
 
 
+def test_a_cap_that_is_no_size_names_the_variable(tmp_path: Path) -> None:
+    """``STREAM_ST_CACHE_MAX=bogus`` was refused as ``not a size: 'bogus'``, by the library and
+    the command alike, with no word of where the value came from."""
+    refusal = "STREAM_ST_CACHE_MAX in the environment: not a size: 'bogus'"
+    with pytest.raises(stream_st.UsageError, match=refusal):
+        Cache.default({"STREAM_ST_CACHE": str(tmp_path), "STREAM_ST_CACHE_MAX": "bogus"})
+    pruned = run_command(
+        "cache", "prune", env={"STREAM_ST_CACHE": str(tmp_path), "STREAM_ST_CACHE_MAX": "bogus"}
+    )
+    assert pruned.returncode == 2 and f"stream-st: error: {refusal}" in pruned.stderr
+
+
 async def test_the_cap_evicts_the_least_recently_used(tmp_path: Path) -> None:
     objects = {f"/m{i}.safetensors": DATA for i in range(3)}
     with RangeHTTPServer(objects=objects, etag="strong") as running:

@@ -52,6 +52,19 @@ def _cache_home(env: Mapping[str, str]) -> Path:
     return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
+def _cap(env: Mapping[str, str]) -> int | None:
+    """The cap ``STREAM_ST_CACHE_MAX`` sets (None if unset or blank); a
+    :class:`~stream_st.UsageError` naming the variable for what is not a size (the message
+    said only ``not a size: 'bogus'``, the command's too, with no word of where it came from)."""
+    cap = env.get("STREAM_ST_CACHE_MAX", "").strip()
+    if not cap:
+        return None
+    try:
+        return parse_size(cap)
+    except UsageError as exc:
+        raise UsageError(f"STREAM_ST_CACHE_MAX in the environment: {exc}") from None
+
+
 @dataclass(frozen=True)
 class Cache:
     """Where copies go and how they are used.
@@ -97,12 +110,11 @@ class Cache:
         directory = Path(env.get("STREAM_ST_CACHE") or home / "stream_st")
         hub_home = Path(env.get("HF_HOME") or home / "huggingface")
         hub = Path(env.get("HF_HUB_CACHE") or hub_home / "hub")
-        cap = env.get("STREAM_ST_CACHE_MAX", "").strip()
         return cls(
             directory=directory.expanduser(),
             hub_directory=hub.expanduser(),
             offline=hub_offline(environ=env),
-            max_size=parse_size(cap) if cap else None,
+            max_size=_cap(env),
         )
 
     @classmethod
