@@ -493,7 +493,7 @@ def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str
         if name in overruled:
             return True
         if tensor is into.get(name):  # written through another view: autograd told, as by copy_
-            _torch.autograd.graph.increment_version(tensor)
+            _shared.changed_in_place((tensor,))
             return True
         target = on_device.get(name)
         if target is None or target.shape != tensor.shape or target.dtype != tensor.dtype:

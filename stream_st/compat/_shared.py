@@ -17,6 +17,7 @@ from ..core.arrays import load_torch
 from ..errors import UsageError
 
 __all__ = [
+    "changed_in_place",
     "end_ptr",
     "find_shared_tensors",
     "is_complete",
@@ -193,6 +194,15 @@ def receivable(model: Any, state: Mapping[str, Any]) -> dict[str, Any]:
         and not value.is_neg()
         and memory.get(name) == _memory(value)
     }
+
+
+def changed_in_place(tensors: Iterable[Any]) -> None:
+    """Tell autograd that ``tensors`` (received in place by ``load_model``, through other
+    views of their memory) changed in place, as the reference's ``copy_`` tells it: a backward
+    through a graph built before the load raises, instead of using the new values."""
+    bump = load_torch().autograd.graph.increment_version
+    for tensor in tensors:
+        bump(tensor)
 
 
 def _memory(tensor: Any) -> tuple[Any, ...]:

@@ -497,21 +497,19 @@ def load_model(
 ) -> tuple[set[str], list[str]]:
     """Load ``source`` into ``model`` with the group; ``(missing, unexpected)`` names as
     :func:`stream_st.torch.load_model` gives them. Tensors that fit the model's CPU memory
-    (dtype, shape) are received straight into it; the others (slices among them) go through
-    ``model.load_state_dict``. Names ``include=`` leaves out are not missing."""
-    from ..compat._shared import find_shared_tensors, loading_their_own_way
+    (dtype, shape) are received straight into it, each then counting as changed in place for
+    autograd; the others (slices among them, and those not received in place by
+    :func:`stream_st.torch.load_model`: see :func:`~stream_st.compat._shared.receivable`) go
+    through ``model.load_state_dict``. Names ``include=`` leaves out are not missing."""
+    from ..compat._shared import changed_in_place, find_shared_tensors, receivable
     from ..compat._sync import run
 
     try:
         state = model.state_dict()
-        own = loading_their_own_way(model)  # through load_state_dict, their code run
         into = {
             name: tensor
-            for name, tensor in state.items()
-            if tensor.device.type == "cpu"
-            and not tensor.is_meta
-            and tensor.is_contiguous()
-            and not name.startswith(own)
+            for name, tensor in receivable(model, state).items()
+            if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
         }
         # Names that share memory (tied weights) are received fresh and go through
         # load_state_dict: received in place, their buffers would overlap (one name read
@@ -522,19 +520,23 @@ def load_model(
                     del into[name]
     except Exception as exc:  # not a model: told to the group, which would wait for this rank
         refuse(process_group, exc)
-    loaded = run(
-        functools.partial(
-            load,
-            source,
-            process_group,
-            include=include,
-            slices=slices,
-            verify=verify,
-            clock=clock,
-            device=device,
-            into=into,
+    try:
+        loaded = run(
+            functools.partial(
+                load,
+                source,
+                process_group,
+                include=include,
+                slices=slices,
+                verify=verify,
+                clock=clock,
+                device=device,
+                into=into,
+            )
         )
-    )
+    except BaseException:  # some may have been received into before it failed
+        changed_in_place(into.values())
+        raise
     failure = None
     try:
         missing, unexpected = _taken(model, state, into, loaded, include, strict)
@@ -552,11 +554,13 @@ def _taken(
     include: Include,
     strict: bool,
 ) -> tuple[set[str], list[str]]:
-    """The tensors ``loaded`` that were not received ``into`` the model given to it, and
-    ``(missing, unexpected)``; :class:`UsageError` where ``strict`` finds either."""
-    from ..compat._shared import load_errors, load_state, shared_counted
+    """The tensors ``loaded`` that were not received ``into`` the model given to it (those
+    that were told to autograd as changed in place), and ``(missing, unexpected)``;
+    :class:`UsageError` where ``strict`` finds either."""
+    from ..compat._shared import changed_in_place, load_errors, load_state, shared_counted
 
     placed = {name for name, tensor in loaded.items() if tensor is into.get(name)}
+    changed_in_place(into[name] for name in placed)
     fresh = {name: tensor for name, tensor in loaded.items() if name not in placed}
     missing_list, unexpected = load_state(model, fresh)
     selected = _selected(include)
