@@ -191,6 +191,24 @@ def test_the_error_trees_draw_every_exception_under_its_base() -> None:
         assert _drawn_tree(text) == expected, f"the exception tree of {where} is not the code's"
 
 
+def test_every_error_of_the_tree_is_stream_sts_and_in_the_api_page() -> None:
+    """errors.md says each class of its tree is in the API reference: each is a name of
+    ``stream_st`` (in ``__all__``, so the test above finds it on the API page) and has its
+    entry there. DeviceError, drawn in the tree, was only ``stream_st.errors``'s: the tree
+    test compares it with ``stream_st.errors`` and the API test only goes from ``__all__``."""
+    import stream_st
+
+    page = (DOCS / "errors.md").read_text(encoding="utf-8")
+    drawn = set(_drawn_tree(page.split("```text", 1)[1].split("```", 1)[0]))
+    api = (DOCS / "api.md").read_text(encoding="utf-8")
+    listed = {entry or link for entry, link in API_ENTRY.findall(api)}
+    assert len(drawn) >= 30
+    for name in sorted(drawn):
+        assert name in stream_st.__all__, f"errors.md draws {name}; stream_st does not export it"
+        assert getattr(stream_st, name).__name__ == name
+        assert name in listed, f"errors.md draws {name}; docs/api.md has no entry for it"
+
+
 def _broken_llama(config: dict[str, int]) -> dict[str, np.ndarray[Any, Any]]:
     """The model of ``config`` broken as validate.md breaks it: layer 2 dropped, layer 1's
     ``up_proj`` with 128 rows, three NaN in layer 3's ``o_proj``, the final norm in F32."""
