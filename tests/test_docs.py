@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import textwrap
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+
+from ._util import assert_same_arrays
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -207,6 +210,46 @@ def test_every_error_of_the_tree_is_stream_sts_and_in_the_api_page() -> None:
         assert name in stream_st.__all__, f"errors.md draws {name}; stream_st does not export it"
         assert getattr(stream_st, name).__name__ == name
         assert name in listed, f"errors.md draws {name}; docs/api.md has no entry for it"
+
+
+async def test_writings_first_example_runs_as_written(tmp_path: Path) -> None:
+    """The first example of writing.md, given arrays of its plan's shapes: the writer's tensor
+    written in two parts, each half the rows of its first axis (as ``part.write`` takes them),
+    then ``save`` and ``load``. It planned a first axis of one row, so no two parts made it."""
+    import stream_st
+
+    block = re.search(
+        r"```python\n(.*?)```", (DOCS / "writing.md").read_text(encoding="utf-8"), re.S
+    )
+    assert block is not None
+    writing, saving = block[1].split("\n\n", 1)
+    names: dict[str, Any] = {"stream_st": stream_st, "dst": tmp_path / "m.safetensors"}
+    exec(writing.split("async with", 1)[0], names)  # the plan
+    key, value = (spec.shape for spec in names["plan"])
+    assert value[0] >= 2, f"a first axis of {value[0]} row(s) cannot be written in two parts"
+    rng = np.random.default_rng(0)
+    arrays = {
+        "layer_0_key": rng.standard_normal(key).astype(np.float16),
+        "layer_0_value": rng.standard_normal(value).astype(np.float16),
+    }
+    half = value[0] // 2
+    names.update(
+        key_array=arrays["layer_0_key"],
+        first_rows=arrays["layer_0_value"][:half],
+        other_rows=arrays["layer_0_value"][half:],
+        a=np.arange(3, dtype=np.float32),
+        b=np.ones((2, 2), np.int64),
+        source=names["dst"],
+    )
+    exec(
+        f"async def write():\n{textwrap.indent(writing, '    ')}\n\n"
+        f"async def save_and_load():\n{textwrap.indent(saving, '    ')}    return arrays\n",
+        names,
+    )
+    await names["write"]()
+    assert_same_arrays(await stream_st.load(names["dst"]), arrays)
+    loaded = await names["save_and_load"]()
+    assert_same_arrays(loaded, {"a": names["a"], "b": names["b"]})
 
 
 def _broken_llama(config: dict[str, int]) -> dict[str, np.ndarray[Any, Any]]:
