@@ -252,6 +252,32 @@ async def test_writings_first_example_runs_as_written(tmp_path: Path) -> None:
     assert_same_arrays(loaded, {"a": names["a"], "b": names["b"]})
 
 
+def test_the_commands_cli_md_calls_library_functions_are_stream_st_tools() -> None:
+    """cli.md names the commands that are also functions of ``stream_st.tools``: exactly those
+    that are. It said every command was one, where ls, show, serve, demo, cache and completion
+    are not."""
+    import argparse
+
+    import stream_st.tools
+    from stream_st.cli.parser import build_parser
+
+    page = (DOCS / "cli.md").read_text(encoding="utf-8")
+    sentence = re.search(
+        r"((?:`\w+`,?\s+)+and\s+`\w+`) are also library functions of the same\s+name in "
+        r"`stream_st\.tools`",
+        page,
+    )
+    assert sentence is not None, "cli.md does not say which commands stream_st.tools has"
+    named = set(re.findall(r"`(\w+)`", sentence[1]))
+    subcommands = next(
+        action.choices
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    functions = {name for name in subcommands if callable(getattr(stream_st.tools, name, None))}
+    assert named == functions
+
+
 def _broken_llama(config: dict[str, int]) -> dict[str, np.ndarray[Any, Any]]:
     """The model of ``config`` broken as validate.md breaks it: layer 2 dropped, layer 1's
     ``up_proj`` with 128 rows, three NaN in layer 3's ``o_proj``, the final norm in F32."""
