@@ -7,6 +7,7 @@ import json
 import os
 import posixpath
 import warnings
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Unpack
@@ -63,9 +64,12 @@ _TARGETS = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
 
 
 _QUANTIZED_KEY = "quantized_tensors"
+"""``__metadata__`` key ``cp`` records the number of quantized tensors under."""
 _DEQUANTIZED_KEY = "dequantized_from"
 """What ``--dequantize`` records in place of the codec's keys it drops."""
-"""``__metadata__`` key ``cp`` records the number of quantized tensors under."""
+_ORIGINALS_KEY = "original_dtypes"
+"""``__metadata__`` key of the quantized tensors whose dtype is not ``original_dtype`` (the
+dtype of most), a JSON object of each one's numpy dtype name: what ``--dequantize`` restores."""
 
 
 @dataclass
@@ -132,16 +136,19 @@ class _Plan:
         self.specs: list[TensorSpec] = []
         self.changed: set[str] = set()  # source tensors converted or quantized
         self.parts: dict[str, str] = {}  # decoder: wire tensor -> the tensor it rebuilds
+        self.rebuilt_as: dict[str, str] = {}  # decoder: rebuilt tensor -> its dtype code
         names = {t.name for t in wanted}
+        originals = _originals(metadata) if decoder is not None else {}
         recorded = _ORIGINAL.get(metadata.get("original_dtype", ""), "F32")
-        self.out_dtype = target or recorded  # of the tensors rebuilt from wire tensors
         for info in wanted:
             if decoder is not None:
                 wire = decoder.part_names(info.name)
                 if all(part in names for part in wire):
                     self.parts.update(dict.fromkeys(wire, info.name))
                     shape = _decoded_shape(decoder, info)
-                    self.specs.append(TensorSpec(info.name, self.out_dtype, shape))
+                    code = target or originals.get(info.name, recorded)
+                    self.rebuilt_as[info.name] = code
+                    self.specs.append(TensorSpec(info.name, code, shape))
                 elif info.name not in self.parts:
                     self.specs.append(TensorSpec(info.name, info.dtype, info.shape))
             elif info.dtype in CONVERTIBLE and encoder is not None:
@@ -169,7 +176,7 @@ class _Plan:
         if self.decoder is not None:
             # The codec's keys no longer describe the file: say what they were, in one key.
             dropped = {}
-            for key in [*self.decoder.metadata("float32"), _QUANTIZED_KEY]:
+            for key in [*self.decoder.metadata("float32"), _QUANTIZED_KEY, _ORIGINALS_KEY]:
                 if key in metadata:
                     dropped[key] = metadata.pop(key)
             described = " ".join(f"{key}={value}" for key, value in dropped.items())
@@ -178,11 +185,9 @@ class _Plan:
         if self.encoder is not None:
             metadata.update(self.encoder.metadata())
             metadata[_QUANTIZED_KEY] = str(len(self.changed))
-            kinds = {t.dtype for t in wanted if t.name in self.changed}
-            if len(kinds) == 1:  # what --dequantize restores
-                metadata["original_dtype"] = dtype_from_code(kinds.pop()).numpy.name
-            else:
-                metadata.pop("original_dtype", None)
+            for key in ("original_dtype", _ORIGINALS_KEY):  # the source's say nothing now
+                metadata.pop(key, None)
+            metadata.update(_original_dtypes([t for t in wanted if t.name in self.changed]))
         if self.target is not None and self.changed:
             note = ", round to nearest even)" if self.target == "BF16" else ")"
             metadata["converted_to"] = f"{self.target} ({len(self.changed)} tensors{note}"
@@ -201,7 +206,7 @@ class _Plan:
                 return []
             del pending[whole]
             decoded = await anyio.to_thread.run_sync(
-                self.decoder.decode, whole, got, dtype_from_code(self.out_dtype).numpy
+                self.decoder.decode, whole, got, dtype_from_code(self.rebuilt_as[whole]).numpy
             )
             return [(whole, decoded)]
         if name in self.changed and self.encoder is not None:
@@ -213,6 +218,43 @@ class _Plan:
 
 _ORIGINAL = {dtype_from_code(code).numpy.name: code for code in CONVERTIBLE}
 """The dtype codes of the numpy names ``original_dtype`` is written with."""
+
+
+def _original_dtypes(quantized: Sequence[TensorInfo]) -> dict[str, str]:
+    """The ``__metadata__`` keys that record the dtype of each of the ``quantized`` tensors:
+    ``original_dtype``, the numpy name of most tensors' dtype (the codec's key, the only one
+    where all share it), and :data:`_ORIGINALS_KEY` for the others. Without it, an F64 tensor
+    quantized beside F32 ones came back F32 (its values beyond F32's range infinite)."""
+    if not quantized:
+        return {}
+    kinds = Counter(info.dtype for info in quantized)
+    most = kinds.most_common(1)[0][0]
+    keys = {"original_dtype": dtype_from_code(most).numpy.name}
+    others = {i.name: dtype_from_code(i.dtype).numpy.name for i in quantized if i.dtype != most}
+    if others:
+        keys[_ORIGINALS_KEY] = json.dumps(others, separators=(",", ":"))
+    return keys
+
+
+def _originals(metadata: Mapping[str, str]) -> dict[str, str]:
+    """The dtype code :data:`_ORIGINALS_KEY` records for each tensor it names (none in a file
+    quantized before it was written, or with all tensors of one dtype); a
+    :class:`~stream_st.CodecError` where it is no JSON object of floating-point dtype names."""
+    raw = metadata.get(_ORIGINALS_KEY)
+    if raw is None:
+        return {}
+    try:
+        recorded = json.loads(raw)
+    except ValueError:
+        recorded = None
+    if not isinstance(recorded, dict) or not all(
+        isinstance(name, str) and name in _ORIGINAL for name in recorded.values()
+    ):
+        raise CodecError(
+            f"metadata {_ORIGINALS_KEY} must be a JSON object of tensor names to "
+            f"{', '.join(_ORIGINAL)}, got {raw!r:.100}"
+        )
+    return {tensor: _ORIGINAL[name] for tensor, name in recorded.items()}
 
 
 def _decoded_shape(codec: Codec, info: TensorInfo) -> tuple[int, ...]:
@@ -249,8 +291,9 @@ async def cp(
     ``<name>.scale`` (symmetric, per tensor: ``scale = 127 / max|x|``, ``x ~= code / scale``),
     recorded in ``__metadata__``; a source whose metadata says it is quantized already is
     refused. ``dequantize`` rebuilds the floating-point tensors of a source quantized with the
-    int8 or int4 codec (its ``__metadata__`` names it) as their ``original_dtype`` (F32 when
-    unrecorded, or ``dtype``). Other tensors are copied as they are, and a copy that changes
+    int8 or int4 codec (its ``__metadata__`` names it) each as the dtype it was quantized from
+    (``original_dtype``, most tensors' dtype, and ``original_dtypes`` for the others; F32 when
+    unrecorded), or as ``dtype``. Other tensors are copied as they are, and a copy that changes
     nothing is byte-identical to a source written in offset order (the reference writer's).
     A copy that fails or is interrupted leaves nothing at ``dst``.
 

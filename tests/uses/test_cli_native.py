@@ -283,6 +283,51 @@ def test_quantize_refuses_quantized_and_dequantize_restores(plain: Path, tmp_pat
     assert none.returncode == 2 and b"says compression=NONE" in none.stderr
 
 
+def test_dequantize_restores_each_tensors_dtype(tmp_path: Path) -> None:
+    """A file of F64, F32 and F16 tensors, quantized and dequantized, comes back with each
+    tensor's own dtype: ``original_dtype`` was recorded only where all shared one, so every
+    tensor came back F32 (an F64 value beyond F32's range infinite). A file that records only
+    ``original_dtype`` (as before) is read as it was; a damaged record is refused."""
+    rng = np.random.default_rng(0)
+    tensors: dict[str, np.ndarray[Any, Any]] = {
+        "a": rng.standard_normal(64),  # F64
+        "b": rng.standard_normal(64).astype(np.float32),
+        "c": rng.standard_normal(64).astype(np.float32),
+        "d": rng.standard_normal(64).astype(np.float16),
+        "n": np.arange(3, dtype=np.int64),
+    }
+    source, q8 = tmp_path / "mixed.safetensors", tmp_path / "q8.safetensors"
+    reference_numpy.save_file(tensors, str(source))
+    assert run("cp", "-q", "--quantize", "int8", str(source), str(q8)).returncode == 0
+    quantized = json.loads(run("inspect", "--json", str(q8)).stdout)["metadata"]
+    assert quantized["original_dtype"] == "float32"  # most tensors'
+    assert json.loads(quantized["original_dtypes"]) == {"a": "float64", "d": "float16"}
+    back = tmp_path / "back.safetensors"
+    restored = run("cp", "-q", "--dequantize", str(q8), str(back))
+    assert restored.returncode == 0 and restored.stderr == b""
+    found = reference_numpy.load_file(str(back))
+    for name, array in tensors.items():
+        assert found[name].dtype == array.dtype, name
+        np.testing.assert_allclose(found[name], array, atol=np.abs(array).max() / 127)
+    metadata = json.loads(run("inspect", "--json", str(back)).stdout)["metadata"]
+    assert "original_dtypes" not in metadata and "original_dtypes=" in metadata["dequantized_from"]
+
+    codes = reference_numpy.load_file(str(q8))
+    for record, dtypes in [({}, ["float32"] * 4), ({"original_dtype": "float16"}, ["float16"] * 4)]:
+        older = tmp_path / "older.safetensors"  # as quantized before the per-tensor key
+        meta = {k: v for k, v in quantized.items() if not k.startswith("original_dtype")}
+        reference_numpy.save_file(codes, str(older), metadata={**meta, **record})
+        assert run("cp", "-q", "--dequantize", str(older), str(back)).returncode == 0
+        found = reference_numpy.load_file(str(back))
+        assert [found[name].dtype.name for name in "abcd"] == dtypes
+    damaged = tmp_path / "damaged.safetensors"
+    meta = {**quantized, "original_dtypes": '{"a": "int8"}'}
+    reference_numpy.save_file(codes, str(damaged), metadata=meta)
+    refused = run("cp", "-q", "--dequantize", str(damaged), str(tmp_path / "no.safetensors"))
+    assert refused.returncode == 2 and b"metadata original_dtypes must be" in refused.stderr
+    assert not (tmp_path / "no.safetensors").exists()
+
+
 def test_dequantize_int4_kv_transfer(tmp_path: Path) -> None:
     """A KV file written with the int4 codec (its steps in `<name>.scales`) comes back as F16."""
     codec = stream_st.core.codecs.get_codec("int4")
