@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 import numpy as np
 
 from . import compat
-from .compat import _local, _save
+from .compat import _local, _save, safe_open
 from .core.dtypes import DTYPES
 
 if TYPE_CHECKING:
@@ -36,22 +36,6 @@ else:  # the streaming core, imported when a call needs it (see stream_st.compat
     from .compat._lazy import reference as _facade
 
 __all__ = ["load", "load_file", "safe_open", "save", "save_file"]
-
-
-def safe_open(
-    filename: SourceLike,
-    framework: str = "np",
-    device: str | int = "cpu",
-    *,
-    backend: str = "mmap",
-    verify: bool = True,
-    cache: CacheLike = None,
-    **options: Unpack[TransportOptions],
-) -> _facade.SafeOpen:
-    """Open ``filename`` to read tensors by name; see :func:`stream_st.torch.safe_open`."""
-    return _facade.SafeOpen(
-        filename, framework, device, backend=backend, verify=verify, cache=cache, **options
-    )
 
 
 def load_file(

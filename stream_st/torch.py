@@ -36,7 +36,7 @@ import os
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any, Unpack
 
-from .compat import _local, _save, _shared
+from .compat import _local, _save, _shared, safe_open
 from .compat._errors import InvalidTensorsError, MetaTensorError
 from .core.arrays import is_torch_tensor, load_torch, torch_device, torch_dtypes
 from .errors import SafetensorsError, UsageError
@@ -70,36 +70,6 @@ __all__ = [
 ]
 
 _torch = load_torch()  # a clear error at import when torch is missing
-
-
-def safe_open(
-    filename: SourceLike,
-    framework: str = "pt",
-    device: str | int | torch.device = "cpu",
-    *,
-    backend: str = "mmap",
-    verify: bool = True,
-    cache: CacheLike = None,
-    **options: Unpack[TransportOptions],
-) -> _facade.SafeOpen:
-    """Open ``filename`` (a file, URL or index) to read tensors by name, as the reference's
-    ``safe_open``: ``keys()``, ``offset_keys()``, ``metadata()``, ``get_tensor(name)``,
-    ``get_tensors()``, ``get_slice(name)[...]``; use it with ``with`` or call ``close()``.
-
-    A local file is mapped as by :func:`load_file` (``backend="mmap"``, the default), its
-    descriptor closed at once: an open handle holds no thread and no descriptor, as the
-    reference's. ``"pread"`` keeps the descriptor and reads tensor by tensor into fresh memory.
-    From a remote source a slice over the first dimension reads only those rows' bytes. Slices
-    index as the reference's do (torch's rules here; see :mod:`stream_st.compat._slicing`).
-    After ``close()`` every method raises ``File is closed``; slices taken before still read.
-    ``get_tensor`` and ``get_tensors`` check each tensor against the digest the header records
-    for it, if any (``verify=False`` skips it); a ``get_slice`` of part of a tensor cannot be
-    checked (a digest covers the whole tensor).
-    ``device``: where tensors are handed out (see :func:`load_file`).
-    """
-    return _facade.SafeOpen(
-        filename, framework, device, backend=backend, verify=verify, cache=cache, **options
-    )
 
 
 def load_file(

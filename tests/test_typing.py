@@ -129,8 +129,42 @@ PROGRAMS = {
             result = await tools.validate(path)
             print(result.ok, len(result.tensors), result.load.summary())
     """,
+    "safe_open_class": """
+        from typing import assert_type
+
+        import numpy as np
+        import torch
+
+        import stream_st.compat
+        import stream_st.numpy
+        import stream_st.torch
+        from stream_st.compat import safe_open
+
+
+        def open_blob(path: str) -> safe_open:  # a class, as the reference's
+            return safe_open(path, framework="pt")
+
+
+        def either(path: str) -> safe_open | torch.nn.Module:
+            with open_blob(path) as handle:
+                assert_type(handle.keys(), list[str])
+                handle.get_slice("a").get_shape()
+                return handle
+
+
+        assert_type(stream_st.torch.safe_open("a.safetensors", "pt"), safe_open)
+        assert_type(stream_st.numpy.safe_open("a.safetensors", "np"), safe_open)
+        stream_st.torch.safe_open("a.safetensors", "pt", device=torch.device("cpu"), timeout=5)
+        stream_st.compat._safe_open_handle(open("a.safetensors", "rb"), "np").metadata()
+        stream_st.torch.safe_open("a.safetensors", "pt", timeot=5)  # type: ignore[call-arg]
+        stream_st.torch.safe_open("a.safetensors")  # type: ignore[call-arg]
+        np.asarray(safe_open("a.safetensors", "np").get_tensor("a"))
+    """,
 }
 """Each program, by the name its test goes under."""
+
+NEEDS_TORCH = {"framework_pt", "safe_open_class"}
+"""The programs that import torch (skipped where it is missing)."""
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +196,6 @@ def mypy_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]
 def test_a_users_program_type_checks_strictly(
     program: str, mypy_errors: dict[str, list[str]]
 ) -> None:
-    if program == "framework_pt":
+    if program in NEEDS_TORCH:
         pytest.importorskip("torch")
     assert mypy_errors[program] == []

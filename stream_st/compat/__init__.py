@@ -1,7 +1,7 @@
 """The whole ``safetensors`` package, over stream_st: a stand-in for code written for the
 reference (``huggingface/safetensors``).
 
-It has what the reference's top level has: :func:`safe_open`, ``_safe_open_handle`` (a
+It has what the reference's top level has: :class:`safe_open`, ``_safe_open_handle`` (a
 ``safe_open`` over an open file object), :data:`SafetensorError`, :class:`TensorSpec`,
 :func:`serialize`, :func:`serialize_file`, :func:`deserialize` and ``__version__``; and its
 ``torch`` and ``numpy`` submodules are :mod:`stream_st.torch` and :mod:`stream_st.numpy`.
@@ -59,26 +59,34 @@ _NAMES = ("safetensors", "safetensors.torch", "safetensors.numpy")
 _saved: dict[str, ModuleType | None] = {}
 
 
-def safe_open(
-    filename: Any,
-    framework: str,
-    device: str | int = "cpu",
-    *,
-    backend: str = "mmap",
-    verify: bool = True,
-    **options: Any,
-) -> Any:
-    """Open ``filename`` (a file, URL or sharded index) to read tensors by name, as the
-    reference's ``safe_open``; ``framework`` is ``"pt"`` or ``"np"``. See
-    :func:`stream_st.torch.safe_open`."""
-    from ._reference import SafeOpen
+if TYPE_CHECKING:  # for checkers the handle's class itself, its methods and arguments typed
+    from ._reference import SafeOpen as safe_open
+else:
 
-    return SafeOpen(filename, framework, device, backend=backend, verify=verify, **options)
+    class safe_open:
+        """Open ``filename`` (a file, URL or sharded index) to read tensors by name, as the
+        reference's ``safe_open``, a class as there: ``safe_open(filename, framework,
+        device="cpu", *, backend="mmap", verify=True, cache=None, **transport_options)``, with
+        ``framework`` ``"pt"`` or ``"np"``. The handle it gives is an instance of it (of its
+        subclass :class:`._reference.SafeOpen`, which documents it), so code may annotate with it
+        and test ``isinstance(handle, safe_open)``. It is one object, ``stream_st.torch``'s and
+        ``stream_st.numpy``'s too, as the reference's is; defined here, apart from the handle, so
+        that importing it imports no streaming core."""
+
+        __slots__ = ()
+
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            """A handle, not yet set up: its ``__init__`` takes the arguments."""
+            if cls is not safe_open:  # the handle's class, made as itself
+                return object.__new__(cls)
+            import importlib  # as __getattr__ does: _reference imports this module
+
+            return object.__new__(importlib.import_module("._reference", __name__).SafeOpen)
 
 
 def _safe_open_handle(
     f: IO[Any], framework: str, device: str | int = "cpu", *, backend: str = "mmap"
-) -> Any:
+) -> safe_open:
     """``safe_open`` over an open file object (a built-in file, an ``fsspec`` local file):
     the file it names, opened again by name as the reference does; a file object with no
     name on disk is read whole."""

@@ -22,7 +22,7 @@ import os
 import weakref
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, NoReturn, Self
+from typing import TYPE_CHECKING, Any, NoReturn, Self, TypeAlias, Unpack
 
 import numpy as np
 
@@ -58,6 +58,15 @@ from ._slicing import (
     torch_rows,
 )
 from ._sync import Bridge, check_sync_address, run
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..transports.cache import CacheLike
+
+    _Public: TypeAlias = object  # for checkers stream_st.compat.safe_open is SafeOpen itself
+else:
+    from . import safe_open as _Public  # the reference's class, light, which a handle is of
 
 __all__ = [
     "SafeOpen",
@@ -112,28 +121,40 @@ def _shut(bridge: Bridge, checkpoint: _Checkpoint) -> None:
         bridge.close()
 
 
-class SafeOpen:
-    """A safetensors file (or sharded checkpoint) opened for reading tensors by name; the
-    reference's ``safe_open``. Close it with ``with`` or :meth:`close`; every method but those
-    of a :class:`Slice` already taken then raises ``File is closed``.
+class SafeOpen(_Public):
+    """A safetensors file (or sharded checkpoint) opened for reading tensors by name: what the
+    reference's ``safe_open`` gives (:class:`stream_st.compat.safe_open`, whose subclass this is:
+    calling that makes one of these). Close it with ``with`` or :meth:`close`; every method but
+    those of a :class:`Slice` already taken then raises ``File is closed``.
+
+    ``src``: a file, URL or index; ``framework``: ``"pt"`` (torch tensors) or ``"np"`` (numpy
+    arrays), required as in the reference; ``device``: where tensors are handed out, as for
+    :func:`stream_st.torch.load_file` (numpy arrays: the CPU only); ``cache=`` and the transport
+    options (``headers=``, ``timeout=``, ...) for a remote source, as for
+    :func:`stream_st.open_stream`. Read with ``keys()``, ``offset_keys()``, ``metadata()``,
+    ``get_tensor(name)``, ``get_tensors()``, ``get_slice(name)[...]``.
 
     A local file is read synchronously: with ``backend="mmap"`` it is mapped privately and its
     descriptor closed at once, so an open handle holds no descriptor and no thread (tensors are
     copy-on-write views of the mapping); ``"pread"`` keeps the descriptor and reads each tensor
     into fresh memory. Other sources (URLs, an index's shards) are read on a private event loop
-    the handle keeps, one ranged read per tensor. ``verify`` checks each whole tensor read
-    against the digest the header records for it, if any (a ``verify`` that is no bool is an
-    :class:`~stream_st.ArgumentTypeError`, as everywhere)."""
+    the handle keeps, one ranged read per tensor; a slice over the first dimension reads only
+    those rows' bytes. Slices index as the reference's do (see :mod:`._slicing`). ``verify``
+    checks each whole tensor read (``get_tensor``, ``get_tensors``) against the digest the
+    header records for it, if any (a ``verify`` that is no bool is an
+    :class:`~stream_st.ArgumentTypeError`, as everywhere); a ``get_slice`` of part of a tensor
+    cannot be checked (a digest covers the whole tensor)."""
 
     def __init__(
         self,
         src: SourceLike,
         framework: str,
-        device: object = "cpu",
+        device: str | int | torch.device = "cpu",
         *,
         backend: str = "mmap",
         verify: bool = True,
-        **options: Any,
+        cache: CacheLike = None,
+        **options: Unpack[TransportOptions],
     ) -> None:
         verify = boolean("verify", verify)
         self._torch = framework_of(framework, required=True)
@@ -143,7 +164,6 @@ class SafeOpen:
             _on_cpu(device)
             self._device = None
         check_sync_address(src, "source")
-        cache = options.pop("cache", None)  # cache= (stream_st._api)
         clock = clock_of(options) if options else Clock()
         mapped = maps(backend)
         self._local: LocalFile | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 
 def run(code: str) -> str:
@@ -91,3 +92,41 @@ def test_the_numpy_drop_in_has_the_names_of_the_references_module() -> None:
         """
     )
     assert out == "module 'stream_st.numpy' has no attribute 'deserialise'"
+
+
+def test_safe_open_is_one_class_as_the_references(tmp_path: Path) -> None:
+    """``safe_open`` is a class, one object in ``safetensors``, ``safetensors.torch`` and
+    ``safetensors.numpy`` as the reference's is, its handles instances of it: code written for
+    the reference that uses it as a type runs (a union annotation is evaluated when the ``def``
+    runs). Importing it imports no streaming core; ``framework`` is required, as there."""
+    path = tmp_path / "a.safetensors"
+    out = run(
+        f"""
+        import sys
+        import numpy as np
+        import stream_st.compat as compat
+        compat.install()
+        import torch
+        import safetensors.numpy, safetensors.torch
+        from safetensors import safe_open
+        assert "stream_st.compat._reference" not in sys.modules, "imported with safe_open"
+        assert safetensors.torch.safe_open is safe_open is safetensors.numpy.safe_open
+        assert isinstance(safe_open, type)
+
+        def open_blob(path: str) -> safe_open | torch.nn.Module:
+            return safe_open(path, framework="pt")
+
+        safetensors.numpy.save_file({{"a": np.ones(3, np.float32)}}, {str(path)!r})
+        with open_blob({str(path)!r}) as handle:
+            assert isinstance(handle, safe_open), type(handle)
+            assert handle.get_tensor("a").tolist() == [1.0, 1.0, 1.0]
+        assert not isinstance(object(), safe_open)
+        with safetensors.numpy.safe_open({str(path)!r}, "np") as handle:
+            assert isinstance(handle, safetensors.torch.safe_open)
+        try:
+            safe_open({str(path)!r})
+        except TypeError as exc:
+            print(type(exc).__name__)
+        """
+    )
+    assert out == "TypeError"

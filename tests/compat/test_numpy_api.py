@@ -84,7 +84,7 @@ def test_save_is_byte_identical_to_the_reference(tmp_path: Path) -> None:
 def test_load_and_safe_open_match_the_reference(ref_file: Path) -> None:
     assert_same(sn.load_file(ref_file), reference.load_file(str(ref_file)))
     assert_same(sn.load(ref_file.read_bytes()), reference.load(ref_file.read_bytes()))
-    with reference_open(ref_file, framework="np") as ref, sn.safe_open(ref_file) as ours:
+    with reference_open(ref_file, framework="np") as ref, sn.safe_open(ref_file, "np") as ours:
         assert (ours.keys(), ours.offset_keys()) == (ref.keys(), ref.offset_keys())
         assert ours.metadata() == ref.metadata()
         names = ours.keys()
@@ -105,14 +105,16 @@ def test_bf16_and_f8_read_where_the_reference_cannot(tmp_path: Path) -> None:
         reference.load_file(str(tmp_path / "x.safetensors"))
     loaded = sn.load_file(tmp_path / "x.safetensors")
     assert loaded["bf16"].dtype == ml_dtypes.bfloat16 and np.array_equal(loaded["bf16"], bf16)
-    assert np.array_equal(sn.safe_open(tmp_path / "x.safetensors").get_slice("bf16")[1], bf16[1])
+    assert np.array_equal(
+        sn.safe_open(tmp_path / "x.safetensors", "np").get_slice("bf16")[1], bf16[1]
+    )
 
 
 @linux_only
 def test_load_file_and_safe_open_map_a_local_file_writably(ref_file: Path) -> None:
     original = ref_file.read_bytes()
     expected = reference.load_file(str(ref_file))
-    with sn.safe_open(ref_file) as f:
+    with sn.safe_open(ref_file, "np") as f:
         names = f.keys()
         opened = {name: f.get_tensor(name) for name in names}
     for loaded in (sn.load_file(ref_file), opened):
@@ -138,7 +140,10 @@ def test_checksums_are_opt_in_and_verified_by_default(tmp_path: Path) -> None:
         sn.load_file(path)
     with pytest.raises(IntegrityError, match="'i8'"):
         sn.load(path.read_bytes())
-    with sn.safe_open(path, backend="pread") as f, pytest.raises(IntegrityError, match="'i8'"):
+    with (
+        sn.safe_open(path, "np", backend="pread") as f,
+        pytest.raises(IntegrityError, match="'i8'"),
+    ):
         f.get_tensor("i8")
     assert not np.array_equal(sn.load_file(path, verify=False)["i8"], arrays()["i8"])
 
@@ -180,7 +185,7 @@ def test_inside_asyncio_and_trio(ref_file: Path) -> None:
     expected = reference.load_file(str(ref_file))
 
     async def cell() -> Arrays:
-        with sn.safe_open(ref_file) as f:
+        with sn.safe_open(ref_file, "np") as f:
             assert np.array_equal(f.get_slice("f4")[2:4], expected["f4"][2:4])
         return sn.load_file(ref_file)
 
@@ -196,7 +201,7 @@ def test_sharded_index_with_safe_open_and_load_file(tmp_path: Path) -> None:
     index = tmp_path / "a.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {"total_size": 56}, "weight_map": weight_map}))
     assert_same(sn.load_file(index), {"x": np.arange(4.0), "y": np.ones(3)})
-    with sn.safe_open(index) as f:
+    with sn.safe_open(index, "np") as f:
         assert f.keys() == ["x", "y"] and f.offset_keys() == ["x", "y"]
         assert f.metadata() == {"total_size": 56}
         assert np.array_equal(f.get_slice("y")[1:], np.ones(2))
@@ -214,7 +219,7 @@ def http() -> Iterator[RangeHTTPServer]:
 def check_remote(address: str, ref_file: Path) -> None:
     expected = reference.load_file(str(ref_file))
     assert_same(sn.load_file(address), expected)
-    with reference_open(ref_file, framework="np") as ref, sn.safe_open(address) as ours:
+    with reference_open(ref_file, framework="np") as ref, sn.safe_open(address, "np") as ours:
         assert ours.keys() == ref.keys() and ours.metadata() == ref.metadata()
         for key in SLICES:
             assert np.array_equal(ours.get_slice("i4")[key], ref.get_slice("i4")[key]), key
@@ -275,7 +280,7 @@ def packed_file() -> bytes:
 def check_packed_slices(address: str | Path, backend: str = "mmap") -> None:
     """A slice of a tensor delivered as its bytes is the bytes of the rows taken; rows that are
     not whole bytes only as a run from and to a byte boundary."""
-    with sn.safe_open(address, backend=backend) as f:
+    with sn.safe_open(address, "np", backend=backend) as f:
         rows = f.get_tensor("f6").reshape(4, 3)  # 3 bytes a row
         for key, taken in [
             (np.s_[1:3], [1, 2]),
@@ -308,7 +313,7 @@ def test_packed_tensors_slice_as_the_bytes_of_whole_rows(tmp_path: Path, backend
     path = tmp_path / "packed.safetensors"
     path.write_bytes(packed_file())
     check_packed_slices(path, backend)
-    with sn.safe_open(path, backend=backend) as f:
+    with sn.safe_open(path, "np", backend=backend) as f:
         assert np.array_equal(f.get_slice("f6")[1:3], np.arange(3, 9))  # rows 1 and 2
 
 

@@ -647,7 +647,7 @@ def test_drop_in_functions(server: RangeHTTPServer, tmp_path: Path) -> None:
         model.register_buffer(name, torch.zeros(array.shape, dtype=torch.float64))
     stream_st.torch.load_model(model, url, cache=tmp_path)
     np.testing.assert_array_equal(model.t3.numpy(), ARRAYS["t3"])
-    with stream_st.torch.safe_open(url, cache=tmp_path) as handle:
+    with stream_st.torch.safe_open(url, "pt", cache=tmp_path) as handle:
         np.testing.assert_array_equal(handle.get_tensor("t0").numpy(), ARRAYS["t0"])
     assert body_bytes(server) == sent  # both read the copy
 
