@@ -36,6 +36,7 @@ import os
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any, Unpack
 
+from . import compat
 from .compat import _local, _save, _shared, safe_open
 from .compat._errors import InvalidTensorsError, MetaTensorError
 from .core.arrays import is_torch_tensor, load_torch, torch_device, torch_dtypes
@@ -44,12 +45,20 @@ from .errors import SafetensorsError, UsageError
 if TYPE_CHECKING:
     import torch
 
+    from .compat import TensorSpec as TensorSpec
     from .compat import _reference as _facade
+    from .compat import deserialize as deserialize
+    from .compat import serialize as serialize
+    from .compat import serialize_file as serialize_file
     from .reader import Include
     from .sharded.ranks import Slices
     from .transports.cache import CacheLike
     from .transports.options import Clock, TransportOptions
     from .transports.registry import SinkLike, SourceLike
+
+    # Made when first asked for (__getattr__ below), declared here for checkers.
+    _TYPES: dict[str, torch.dtype]
+    _SIZE: dict[torch.dtype, int]
 else:  # the streaming core, imported when a call needs it (see stream_st.compat._lazy)
     from .compat._lazy import reference as _facade
 
@@ -284,23 +293,24 @@ def _getdtype(dtype_str: str) -> torch.dtype:
     return dtype
 
 
-def __getattr__(name: str) -> Any:
-    """Names the reference's module has that programs import from it (torch's checkpoint
-    reader imports ``_getdtype``, vLLM ``_TYPES``), made when first asked for: ``_TYPES`` (dtype
-    code to torch dtype), ``_SIZE`` (torch dtype to its bytes per element), and ``TensorSpec``,
-    ``serialize``, ``serialize_file``, ``deserialize`` (:mod:`stream_st.compat`'s)."""
-    if name == "_TYPES":
-        value: Any = dict(torch_dtypes())
-    elif name == "_SIZE":
-        value = {dtype: dtype.itemsize for dtype in torch_dtypes().values()}
-    elif name in ("TensorSpec", "serialize", "serialize_file", "deserialize"):
-        from . import compat
+if not TYPE_CHECKING:  # checkers see the names declared above, not Any for every name
 
-        value = getattr(compat, name)
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
+    def __getattr__(name: str) -> Any:
+        """Names the reference's module has that programs import from it (torch's checkpoint
+        reader imports ``_getdtype``, vLLM ``_TYPES``), made when first asked for: ``_TYPES``
+        (dtype code to torch dtype), ``_SIZE`` (torch dtype to its bytes per element), and
+        ``TensorSpec``, ``serialize``, ``serialize_file``, ``deserialize``
+        (:mod:`stream_st.compat`'s, which import the streaming core)."""
+        if name == "_TYPES":
+            value: Any = dict(torch_dtypes())
+        elif name == "_SIZE":
+            value = {dtype: dtype.itemsize for dtype in torch_dtypes().values()}
+        elif name in compat._LAZY:
+            value = getattr(compat, name)
+        else:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        globals()[name] = value
+        return value
 
 
 def save_model(

@@ -160,10 +160,28 @@ PROGRAMS = {
         stream_st.torch.safe_open("a.safetensors")  # type: ignore[call-arg]
         np.asarray(safe_open("a.safetensors", "np").get_tensor("a"))
     """,
+    "torch_dropin_names": """
+        from typing import Any, assert_type
+
+        import torch
+
+        import stream_st.torch
+        from stream_st.torch import TensorSpec, deserialize, serialize, serialize_file
+
+        stream_st.torch.load_fil  # type: ignore[attr-defined]
+        assert_type(stream_st.torch._TYPES, dict[str, torch.dtype])
+        assert_type(stream_st.torch._SIZE, dict[torch.dtype, int])
+        assert_type(stream_st.torch._getdtype("F32"), torch.dtype)
+        data = stream_st.torch.save({"a": torch.zeros(3)})
+        assert_type(deserialize(data), list[tuple[str, dict[str, Any]]])
+        spec = TensorSpec(dtype="F32", shape=[3], data_ptr=0, data_len=12)
+        assert_type(serialize({"a": spec}), bytes)
+        serialize_file({"a": spec}, "a.safetensors")
+    """,
 }
 """Each program, by the name its test goes under."""
 
-NEEDS_TORCH = {"framework_pt", "safe_open_class"}
+NEEDS_TORCH = {"framework_pt", "safe_open_class", "torch_dropin_names"}
 """The programs that import torch (skipped where it is missing)."""
 
 
