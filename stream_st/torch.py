@@ -195,9 +195,10 @@ def _distributed_load(
     )
 
 
-def load(data: bytes, *, verify: bool = True) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file given as ``bytes``, checked against the digests the
-    header records, if any (unless ``verify=False``)."""
+def load(data: bytes | bytearray | memoryview, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file given as ``bytes`` (or a ``bytearray`` or
+    ``memoryview``), checked against the digests the header records, if any (unless
+    ``verify=False``)."""
     return _facade.load_bytes(data, True, verify)
 
 

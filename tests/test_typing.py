@@ -178,10 +178,22 @@ PROGRAMS = {
         assert_type(serialize({"a": spec}), bytes)
         serialize_file({"a": spec}, "a.safetensors")
     """,
+    "torch_load_buffers": """
+        from typing import assert_type
+
+        import torch
+
+        import stream_st.torch
+
+        data = stream_st.torch.save({"a": torch.zeros(3)})
+        assert_type(stream_st.torch.load(bytearray(data)), dict[str, torch.Tensor])
+        stream_st.torch.load(memoryview(data))
+        stream_st.torch.load("a.safetensors")  # type: ignore[arg-type]
+    """,
 }
 """Each program, by the name its test goes under."""
 
-NEEDS_TORCH = {"framework_pt", "safe_open_class", "torch_dropin_names"}
+NEEDS_TORCH = {"framework_pt", "safe_open_class", "torch_dropin_names", "torch_load_buffers"}
 """The programs that import torch (skipped where it is missing)."""
 
 
