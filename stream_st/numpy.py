@@ -35,7 +35,17 @@ if TYPE_CHECKING:
 else:  # the streaming core, imported when a call needs it (see stream_st.compat._lazy)
     from .compat._lazy import reference as _facade
 
-__all__ = ["load", "load_file", "safe_open", "save", "save_file"]
+__all__ = [
+    "TensorSpec",
+    "deserialize",
+    "load",
+    "load_file",
+    "safe_open",
+    "save",
+    "save_file",
+    "serialize",
+    "serialize_file",
+]
 
 
 def load_file(

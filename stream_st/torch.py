@@ -63,10 +63,12 @@ else:  # the streaming core, imported when a call needs it (see stream_st.compat
     from .compat._lazy import reference as _facade
 
 __all__ = [
+    "TensorSpec",
     "_end_ptr",
     "_find_shared_tensors",
     "_is_complete",
     "_remove_duplicate_names",
+    "deserialize",
     "load",
     "load_file",
     "load_model",
@@ -74,6 +76,8 @@ __all__ = [
     "save",
     "save_file",
     "save_model",
+    "serialize",
+    "serialize_file",
     "storage_ptr",
     "storage_size",
 ]

@@ -3,10 +3,14 @@ fresh process each (an install lasts for the process)."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 
 def run(code: str) -> str:
@@ -130,3 +134,22 @@ def test_safe_open_is_one_class_as_the_references(tmp_path: Path) -> None:
         """
     )
     assert out == "TypeError"
+
+
+@pytest.mark.parametrize("module", ["torch", "numpy"])
+def test_star_import_gives_the_names_the_references_gives(module: str) -> None:
+    """``from safetensors.torch import *`` (and ``.numpy``) gives the reference's public names
+    (it has no ``__all__``): each of its own, ``TensorSpec`` and ``deserialize`` among them,
+    comes with the drop-in's too."""
+    reference = pytest.importorskip(f"safetensors.{module}")
+    importlib.import_module(f"stream_st.{module}")
+    theirs: dict[str, Any] = {}
+    exec(f"from {reference.__name__} import *", theirs)
+    ours: dict[str, Any] = {}
+    exec(f"from stream_st.{module} import *", ours)
+    own = {
+        name
+        for name, value in theirs.items()
+        if getattr(value, "__module__", "").startswith(("safetensors", "builtins"))
+    }
+    assert own - set(ours) == set()
