@@ -77,9 +77,11 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_a_group_load_runs_the_model_s_own_loading(tmp_path: Path) -> None:
-    script = tmp_path / "hooks.py"
-    script.write_text(SCRIPT)
+def _run_one_rank(source: str, tmp_path: Path) -> None:
+    """Run ``source`` as a one-rank group's script (the file to write, the port) and expect
+    ``ok`` from it."""
+    script = tmp_path / "rank.py"
+    script.write_text(source)
     done = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "m.safetensors"), str(free_port())],
         cwd=ROOT,
@@ -89,6 +91,10 @@ def test_a_group_load_runs_the_model_s_own_loading(tmp_path: Path) -> None:
         timeout=WAIT,
     )
     assert done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_group_load_runs_the_model_s_own_loading(tmp_path: Path) -> None:
+    _run_one_rank(SCRIPT, tmp_path)
 
 
 OWN_MEMORY = textwrap.dedent(
@@ -178,14 +184,4 @@ def test_a_group_load_receives_only_into_the_model_s_own_memory_and_tells_autogr
     and success reported), conjugate and negative views as the reference loads them, and a
     backward through a graph built before the load raises as after the reference's ``copy_``
     (it used the new weights), as after a load that failed part done."""
-    script = tmp_path / "own.py"
-    script.write_text(OWN_MEMORY)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "m.safetensors"), str(free_port())],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=WAIT,
-    )
-    assert done.stdout.strip() == "ok", done.stderr[-3000:]
+    _run_one_rank(OWN_MEMORY, tmp_path)
