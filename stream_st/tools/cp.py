@@ -7,7 +7,6 @@ import json
 import os
 import posixpath
 import warnings
-from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Unpack
@@ -68,8 +67,9 @@ _QUANTIZED_KEY = "quantized_tensors"
 _DEQUANTIZED_KEY = "dequantized_from"
 """What ``--dequantize`` records in place of the codec's keys it drops."""
 _ORIGINALS_KEY = "original_dtypes"
-"""``__metadata__`` key of the quantized tensors whose dtype is not ``original_dtype`` (the
-dtype of most), a JSON object of each one's numpy dtype name: what ``--dequantize`` restores."""
+"""``__metadata__`` key of a file whose quantized tensors were of several dtypes (in place of
+the codec's ``original_dtype``, which every reader applies to all), a JSON object of each one's
+numpy dtype name: what ``--dequantize`` restores."""
 
 
 @dataclass
@@ -221,19 +221,17 @@ _ORIGINAL = {dtype_from_code(code).numpy.name: code for code in CONVERTIBLE}
 
 
 def _original_dtypes(quantized: Sequence[TensorInfo]) -> dict[str, str]:
-    """The ``__metadata__`` keys that record the dtype of each of the ``quantized`` tensors:
-    ``original_dtype``, the numpy name of most tensors' dtype (the codec's key, the only one
-    where all share it), and :data:`_ORIGINALS_KEY` for the others. Without it, an F64 tensor
+    """The ``__metadata__`` key that records the dtype of each of the ``quantized`` tensors:
+    the codec's ``original_dtype`` (its numpy name) where all share one, else
+    :data:`_ORIGINALS_KEY` naming each tensor's (``original_dtype`` then says nothing: a reader
+    that knows only it, an older stream_st or the KV reader, decodes every tensor to it, and
+    without it to F32, which loses nothing for F16 and BF16). Without either, an F64 tensor
     quantized beside F32 ones came back F32 (its values beyond F32's range infinite)."""
-    if not quantized:
-        return {}
-    kinds = Counter(info.dtype for info in quantized)
-    most = kinds.most_common(1)[0][0]
-    keys = {"original_dtype": dtype_from_code(most).numpy.name}
-    others = {i.name: dtype_from_code(i.dtype).numpy.name for i in quantized if i.dtype != most}
-    if others:
-        keys[_ORIGINALS_KEY] = json.dumps(others, separators=(",", ":"))
-    return keys
+    dtypes = {info.name: dtype_from_code(info.dtype).numpy.name for info in quantized}
+    kinds = set(dtypes.values())
+    if len(kinds) == 1:
+        return {"original_dtype": kinds.pop()}
+    return {_ORIGINALS_KEY: json.dumps(dtypes, separators=(",", ":"))} if dtypes else {}
 
 
 def _originals(metadata: Mapping[str, str]) -> dict[str, str]:
@@ -292,10 +290,10 @@ async def cp(
     recorded in ``__metadata__``; a source whose metadata says it is quantized already is
     refused. ``dequantize`` rebuilds the floating-point tensors of a source quantized with the
     int8 or int4 codec (its ``__metadata__`` names it) each as the dtype it was quantized from
-    (``original_dtype``, most tensors' dtype, and ``original_dtypes`` for the others; F32 when
-    unrecorded), or as ``dtype``. Other tensors are copied as they are, and a copy that changes
-    nothing is byte-identical to a source written in offset order (the reference writer's).
-    A copy that fails or is interrupted leaves nothing at ``dst``.
+    (``original_dtype`` where all were of one dtype, else ``original_dtypes`` naming each
+    tensor's; F32 when unrecorded), or as ``dtype``. Other tensors are copied as they are, and
+    a copy that changes nothing is byte-identical to a source written in offset order (the
+    reference writer's). A copy that fails or is interrupted leaves nothing at ``dst``.
 
     The source's digests, if it has some, are verified as it is read: a tensor that fails
     leaves nothing at ``dst``. ``checksums`` (True or an algorithm's name) records digests in

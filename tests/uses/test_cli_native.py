@@ -285,8 +285,9 @@ def test_quantize_refuses_quantized_and_dequantize_restores(plain: Path, tmp_pat
 
 def test_dequantize_restores_each_tensors_dtype(tmp_path: Path) -> None:
     """A file of F64, F32 and F16 tensors, quantized and dequantized, comes back with each
-    tensor's own dtype: ``original_dtype`` was recorded only where all shared one, so every
-    tensor came back F32 (an F64 value beyond F32's range infinite). A file that records only
+    tensor's own dtype (``original_dtypes``; ``original_dtype``, which readers apply to every
+    tensor, is recorded only where all share one): every tensor came back F32 (an F64 value
+    beyond F32's range infinite). A file that records only
     ``original_dtype`` (as before) is read as it was; a damaged record is refused."""
     rng = np.random.default_rng(0)
     tensors: dict[str, np.ndarray[Any, Any]] = {
@@ -300,8 +301,14 @@ def test_dequantize_restores_each_tensors_dtype(tmp_path: Path) -> None:
     reference_numpy.save_file(tensors, str(source))
     assert run("cp", "-q", "--quantize", "int8", str(source), str(q8)).returncode == 0
     quantized = json.loads(run("inspect", "--json", str(q8)).stdout)["metadata"]
-    assert quantized["original_dtype"] == "float32"  # most tensors'
-    assert json.loads(quantized["original_dtypes"]) == {"a": "float64", "d": "float16"}
+    # no original_dtype: readers that know only it would decode every tensor to it
+    assert "original_dtype" not in quantized
+    assert json.loads(quantized["original_dtypes"]) == {
+        "a": "float64",
+        "b": "float32",
+        "c": "float32",
+        "d": "float16",
+    }
     back = tmp_path / "back.safetensors"
     restored = run("cp", "-q", "--dequantize", str(q8), str(back))
     assert restored.returncode == 0 and restored.stderr == b""
