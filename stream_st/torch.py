@@ -487,7 +487,11 @@ def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str
             target.copy_(tensor)  # from pageable memory: done when it returns
         return True
 
-    placed, fresh = read(place, bool(into) or not maps, into, seen)
+    try:
+        placed, fresh = read(place, bool(into) or not maps, into, seen)
+    except BaseException:  # some may hold bytes already: which, no one can tell
+        _shared.changed_in_place(into.values())
+        raise
     missing_list, unexpected = _shared.load_state(model, dict(fresh))
     missing = set(missing_list).difference(placed)
     in_file = placed | {name for name, _ in fresh}

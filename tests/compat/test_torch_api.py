@@ -1366,6 +1366,27 @@ def test_load_model_tells_autograd_the_parameters_changed_as_the_reference(
             out.backward()
 
 
+def test_load_model_failing_part_done_tells_autograd_of_what_it_may_have_written(
+    tmp_path: Path,
+) -> None:
+    """A load that fails on a damaged tensor (its digest checked as it lands in the model's own
+    memory) counts every tensor it received in place as changed: a backward through a graph
+    built before it raises, where it used the damaged bytes left in the weight."""
+    path = tmp_path / "m.safetensors"
+    st.save_file({"weight": torch.full((1, 3), 5.0), "bias": torch.zeros(1)}, path, checksums=True)
+    damaged = bytearray(path.read_bytes())
+    damaged[-5] ^= 0xFF  # in the weight, the last tensor in offset order
+    path.write_bytes(damaged)
+    model = torch.nn.Linear(3, 1)
+    before = model.weight._version
+    out = model(torch.ones(1, 3, requires_grad=True)).sum()
+    with pytest.raises(IntegrityError):
+        st.load_model(model, path, verify=True)
+    assert model.weight._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
 @pytest.mark.parametrize("strict", [True, False])
 def test_load_model_of_batch_norm_without_num_batches_tracked_as_the_reference(
     tmp_path: Path, strict: bool
