@@ -127,7 +127,14 @@ async def write_cancelled_at(
 # ---------------------------------------------------------------- CreateMultipartUpload
 
 
-UNPROVEN = r"CreateMultipartUpload .* was lost: .* not aborted and may still be pending"
+UNPROVEN = (
+    r"CreateMultipartUpload for \S+: {}.*; the upload it may have made has no known id .* not "
+    r"aborted and may still be pending"
+)
+ANSWER_429 = b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(SLOW_DOWN),
+    SLOW_DOWN,
+)
 
 
 def abort_all(store: MotoS3Server, key: str) -> list[str]:
@@ -139,20 +146,40 @@ def abort_all(store: MotoS3Server, key: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("action", "forward"),
-    [("reset", False), (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", True)],
-    ids=["reset", "no-upload-id"],
+    ("action", "what"),
+    [
+        ("reset", "its answer was lost"),
+        (ANSWER_503, "the store answered it with HTTP 503, which does not say whether it made"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", r"the store's answer \(HTTP 200\) "),
+    ],
+    ids=["reset", "503", "no-upload-id"],
 )
 async def test_create_answer_lost_leaves_the_upload_and_says_so(
-    store: MotoS3Server, proxy: LossyProxy, key: str, action: str | bytes, forward: bool
+    store: MotoS3Server, proxy: LossyProxy, key: str, action: str | bytes, what: str
 ) -> None:
-    """The store made an upload whose id never came back: S3's listing cannot tell it from
-    another writer's upload of the key, so it is left, never guessed at, and the error says so."""
-    proxy.lose(*CREATE, action, forward=forward)
+    """The store made an upload whose id never came back (or came back a 5xx, which does not
+    say whether it did): S3's listing cannot tell it from another writer's upload of the key, so
+    it is left, never guessed at, and the error's note says so and what the answer was, where a
+    503 and a 200 without an UploadId were said to be lost answers."""
+    proxy.lose(*CREATE, action, forward=True)
     with pytest.raises(TransportError) as info:
         await write(s3_sink(proxy, key), TWO_PARTS)
-    assert [n for n in getattr(info.value, "__notes__", []) if re.search(UNPROVEN, n)]
+    notes = getattr(info.value, "__notes__", [])
+    assert len(notes) == 1 and re.search(UNPROVEN.format(what), notes[0]), notes
     assert len(abort_all(store, key)) == 1 and stored(store, key) is None
+
+
+@pytest.mark.parametrize("action", [ANSWER_429, REDIRECT], ids=["429", "redirect"])
+async def test_create_refused_leaves_nothing_and_no_note(
+    store: MotoS3Server, proxy: LossyProxy, key: str, action: bytes
+) -> None:
+    """A CreateMultipartUpload refused (a 429, a redirect) made no upload: nothing is pending
+    and no note says one may be."""
+    proxy.lose(*CREATE, action)
+    with pytest.raises(HTTPStatusError) as info:
+        await write(s3_sink(proxy, key), TWO_PARTS)
+    assert not getattr(info.value, "__notes__", None)
+    assert pending(store, key) == [] and stored(store, key) is None
 
 
 class SlowCreate(LossyProxy):

@@ -33,7 +33,9 @@ request went out), the sink asks the store what happened:
   with nothing that tells one writer's from another's (no metadata; the same owner, and a start
   time from the store's clock), so the sink never aborts an upload it cannot prove its own, which
   might be another writer's of the same key. That upload may stay pending, and a note on the
-  error says so (a lifecycle rule's AbortIncompleteMultipartUpload removes it).
+  error says so (a lifecycle rule's AbortIncompleteMultipartUpload removes it). So may one
+  answered with a 5xx (which does not say whether the store made the upload) or with a 200
+  that names no UploadId; the note says which. A redirect or a 4xx (a 429 too) made none.
 * CompleteMultipartUpload (also answered with a 5xx, or with a 200 carrying an ``<Error>``): the
   upload is aborted. Had the store still had it pending, nothing was stored and the original error
   is raised. Was it gone, the object at the key is compared with the one sent (its ETag with the
@@ -184,7 +186,8 @@ class S3Sink(ClientUser, Sink):
         self._part = bytearray()
         self._size: int | None = None
         self._upload_id: str | None = None
-        self._creating = False  # CreateMultipartUpload went out and its answer was not read
+        # Why an upload CreateMultipartUpload may have made has no known id; None if none may
+        self._unnamed: str | None = None
         self._etags: dict[int, str] = {}  # by part number
         self._checksums: dict[int, str] = {}  # by part number: what the store checked
         self._cut = 0  # parts cut from the message so far
@@ -265,20 +268,28 @@ class S3Sink(ClientUser, Sink):
         await self._through(self._send_create)
 
     async def _send_create(self) -> None:
-        self._creating = True
+        """Send CreateMultipartUpload and take the id of the upload it made; on a failure, note
+        in :attr:`_unnamed` why an upload it may have made has none."""
+        self._unnamed = "its answer was lost"  # until one is read
         try:
             _, answer = await self._call(
                 "POST", "uploads=", headers={"x-amz-checksum-algorithm": "CRC32"}
             )
-        except Exception as exc:
-            self._creating = not _refusal(exc)  # refused: no upload was made
+        except HTTPStatusError as exc:
+            self._unnamed = (
+                None  # refused: no upload was made
+                if _refusal(exc)
+                else f"the store answered it with HTTP {exc.status}, which does not say "
+                "whether it made the upload"
+            )
             raise
         upload_id = xml_field(answer, "UploadId")
         if upload_id is None:
+            self._unnamed = "the store's answer (HTTP 200) named no UploadId"
             raise TransportError(
                 "no UploadId in the answer to CreateMultipartUpload", url=self.name
             )
-        self._upload_id, self._creating = upload_id, False
+        self._upload_id, self._unnamed = upload_id, None
 
     async def _cut_part(self) -> None:
         """The part filling is complete: upload it, or hold it back if it holds the head."""
@@ -483,15 +494,15 @@ class S3Sink(ClientUser, Sink):
         """Abort the upload, shielded and within ``abort_timeout``: None once nothing of this
         write is pending, else what may be."""
         upload_id, self._upload_id = self._upload_id, None
-        creating, self._creating = self._creating, False
+        unnamed, self._unnamed = self._unnamed, None
         self._part, self._held = bytearray(), {}
         problem = None
-        if creating:
+        if unnamed is not None:
             problem = (
-                f"the answer to CreateMultipartUpload for {self.name} was lost: the upload it "
-                "may have made has no known id and cannot be told from another writer's upload "
-                "of the key, so it was not aborted and may still be pending (list the key's "
-                "multipart uploads to abort it, or let a lifecycle rule do so)"
+                f"CreateMultipartUpload for {self.name}: {unnamed}; the upload it may have "
+                "made has no known id and cannot be told from another writer's upload of the "
+                "key, so it was not aborted and may still be pending (list the key's multipart "
+                "uploads to abort it, or let a lifecycle rule do so)"
             )
         with self._bounded() as scope:
             try:
