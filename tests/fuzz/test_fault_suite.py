@@ -11,12 +11,16 @@ from collections.abc import Iterator
 
 import pytest
 
+from stream_st import TransportError
+
 from ..servers.fault_proxy import Fault, FaultKind, FaultProxy
 from .fault_suite import (
     MEDIA,
     Case,
     Sender,
     Suite,
+    Violation,
+    judge,
     open_fds,
     run_cases,
     settled_fds,
@@ -108,6 +112,39 @@ async def test_a_lost_create_answer_says_its_upload_may_be_pending(suite: Suite)
     result = await suite.run(case("s3-multipart", "truncate", "down", 0.01))
     assert result.verdict == "error", result.detail
     assert "1 multipart upload(s) left pending, as its note says" in result.detail
+
+
+NAME = "s3://faults/k.safetensors"
+LOST_CREATE = (
+    f"CreateMultipartUpload for {NAME}: its answer was lost; the upload it may have made has no "
+    "known id and cannot be told from another writer's upload of the key, so it was not aborted "
+    "and may still be pending (list the key's multipart uploads to abort it, or let a lifecycle "
+    "rule do so)"
+)
+
+
+@pytest.mark.parametrize(
+    ("note", "pending"),
+    [
+        (f"aborting multipart upload u1 of {NAME} failed (HTTP 503): it may still be pending", 1),
+        (f"aborting multipart upload u1 of {NAME} took over 1.0 s: it may still be pending", 1),
+        (LOST_CREATE, 2),
+    ],
+    ids=["abort-failed", "abort-timed-out", "more-than-the-unnamed-one"],
+)
+def test_an_upload_left_pending_but_by_a_lost_create_answer_is_a_violation(
+    note: str, pending: int
+) -> None:
+    """Only the upload a CreateMultipartUpload named no id of may be left: one whose abort
+    failed or timed out is a violation, where any note saying "may still be pending" (as the
+    abort's does) had the judge accept it and the regression of an abort answered 503 pass."""
+    error = TransportError("HTTP 500 Internal Server Error", url=NAME)
+    error.add_note(note)
+    failed = case("s3-multipart", "truncate", "down", 0.5)
+    with pytest.raises(Violation, match=f"{pending} multipart upload"):
+        judge(failed, "raised", error, None, pending)
+    error.__notes__ = [LOST_CREATE]
+    assert judge(failed, "raised", error, None, 1)[0] == "error"
 
 
 @pytest.mark.parametrize("medium", ["s3-put", "http-upload"])
