@@ -75,6 +75,21 @@ else:
 
         __slots__ = ()
 
+        class _Signature:
+            """What ``inspect.signature(safe_open)`` (``help``, an editor) shows: the handle's
+            ``__init__``'s arguments, read when asked (where ``__new__``'s ``*args, **kwargs``
+            showed nothing)."""
+
+            def __get__(self, instance: object, owner: type) -> Any:
+                import importlib
+                import inspect
+
+                handle = importlib.import_module("._reference", __name__).SafeOpen
+                signature = inspect.signature(handle.__init__)
+                return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+        __signature__ = _Signature()
+
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
             """A handle, not yet set up: its ``__init__`` takes the arguments."""
             if cls is not safe_open:  # the handle's class, made as itself

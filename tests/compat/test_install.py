@@ -136,6 +136,18 @@ def test_safe_open_is_one_class_as_the_references(tmp_path: Path) -> None:
     assert out == "TypeError"
 
 
+def test_safe_open_shows_its_arguments() -> None:
+    """``inspect.signature(safe_open)`` (what ``help`` and editors show) names the handle's
+    arguments, where the class's ``__new__`` showed ``(*args, **kwargs)``."""
+    import inspect
+
+    from stream_st.compat import safe_open
+
+    names = list(inspect.signature(safe_open).parameters)
+    assert names == ["src", "framework", "device", "backend", "verify", "cache", "options"]
+    assert inspect.signature(safe_open).parameters["device"].default == "cpu"
+
+
 @pytest.mark.parametrize("module", ["torch", "numpy"])
 def test_star_import_gives_the_names_the_references_gives(module: str) -> None:
     """``from safetensors.torch import *`` (and ``.numpy``) gives the reference's public names
