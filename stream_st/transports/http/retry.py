@@ -59,15 +59,18 @@ class Retries:
             return math.inf
         return asked
 
+    def delay(self, failures: int) -> float:
+        """The exponential back-off's seconds before the next attempt after ``failures``
+        failed ones."""
+        return self.backoff * 2.0 ** (failures - 1)
+
     async def back_off(
         self, clock: Clock, failures: int, name: str, position: int, wait: float | None = None
     ) -> None:
         """Wait before the next attempt after ``failures`` failed ones: ``wait`` seconds when
-        the server said, else an exponential back-off; a deadline that passes first ends the
-        read instead."""
-        if wait is None:
-            wait = self.backoff * 2 ** (failures - 1)
-        await clock.pause(wait, name, position)
+        the server said, else :meth:`delay`; a deadline that passes first ends the read
+        instead."""
+        await clock.pause(self.delay(failures) if wait is None else wait, name, position)
 
 
 class VersionPin:

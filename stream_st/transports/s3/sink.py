@@ -467,14 +467,14 @@ class S3Sink(ClientUser, Sink):
             except HTTPNotFoundError:
                 return False
             except HTTPStatusError as exc:
-                wait = _ABORT_RETRIES.backoff * 2**attempt
+                wait = _ABORT_RETRIES.delay(attempt + 1)
                 if (
                     not _ABORT_RETRIES.retryable(exc.status)
                     or attempt == _ABORT_RETRIES.count
                     or anyio.current_time() + wait >= anyio.current_effective_deadline()
                 ):
                     raise  # the clean-up's time would run out waiting: say what the store said
-                await _ABORT_RETRIES.back_off(self.clock, attempt + 1, self.name, 0, wait)
+                await _ABORT_RETRIES.back_off(self.clock, attempt + 1, self.name, 0)
             else:
                 return True
         raise AssertionError("unreachable")  # pragma: no cover
