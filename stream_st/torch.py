@@ -458,11 +458,7 @@ def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str
     copied."""
     state = model.state_dict()
     receivable = _shared.receivable(model, state)
-    into = {
-        name: tensor
-        for name, tensor in receivable.items()
-        if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
-    }
+    into = _shared.in_cpu_memory(receivable)
     on_device = {
         name: tensor for name, tensor in receivable.items() if tensor.device.type == "cuda"
     }

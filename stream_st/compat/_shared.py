@@ -20,6 +20,7 @@ __all__ = [
     "changed_in_place",
     "end_ptr",
     "find_shared_tensors",
+    "in_cpu_memory",
     "is_complete",
     "kept_name",
     "load_errors",
@@ -193,6 +194,16 @@ def receivable(model: Any, state: Mapping[str, Any]) -> dict[str, Any]:
         and not value.is_conj()
         and not value.is_neg()
         and memory.get(name) == _memory(value)
+    }
+
+
+def in_cpu_memory(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """Of ``tensors`` (:func:`receivable`'s), those whose memory a file's bytes can be read
+    straight into: on the CPU, not meta, contiguous."""
+    return {
+        name: tensor
+        for name, tensor in tensors.items()
+        if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
     }
 
 

@@ -501,16 +501,17 @@ def load_model(
     autograd; the others (slices among them, and those not received in place by
     :func:`stream_st.torch.load_model`: see :func:`~stream_st.compat._shared.receivable`) go
     through ``model.load_state_dict``. Names ``include=`` leaves out are not missing."""
-    from ..compat._shared import changed_in_place, find_shared_tensors, receivable
+    from ..compat._shared import (
+        changed_in_place,
+        find_shared_tensors,
+        in_cpu_memory,
+        receivable,
+    )
     from ..compat._sync import run
 
     try:
         state = model.state_dict()
-        into = {
-            name: tensor
-            for name, tensor in receivable(model, state).items()
-            if tensor.device.type == "cpu" and not tensor.is_meta and tensor.is_contiguous()
-        }
+        into = in_cpu_memory(receivable(model, state))
         # Names that share memory (tied weights) are received fresh and go through
         # load_state_dict: received in place, their buffers would overlap (one name read
         # while another is received into the same bytes).
