@@ -127,12 +127,13 @@ class SafeOpen(_Public):
     calling that makes one of these). Close it with ``with`` or :meth:`close`; every method but
     those of a :class:`Slice` already taken then raises ``File is closed``.
 
-    ``src``: a file, URL or index; ``framework``: ``"pt"`` (torch tensors) or ``"np"`` (numpy
-    arrays), required as in the reference; ``device``: where tensors are handed out, as for
-    :func:`stream_st.torch.load_file` (numpy arrays: the CPU only); ``cache=`` and the transport
-    options (``headers=``, ``timeout=``, ...) for a remote source, as for
-    :func:`stream_st.open_stream`. Read with ``keys()``, ``offset_keys()``, ``metadata()``,
-    ``get_tensor(name)``, ``get_tensors()``, ``get_slice(name)[...]``.
+    ``filename``: a file, URL or index (named as in the reference); ``framework``: ``"pt"``
+    (torch tensors) or ``"np"`` (numpy arrays), required as in the reference; ``device``:
+    where tensors are handed out, as for :func:`stream_st.torch.load_file` (numpy arrays: the
+    CPU only); ``cache=`` and the transport options (``headers=``, ``timeout=``, ...) for a
+    remote source, as for :func:`stream_st.open_stream`. Read with ``keys()``,
+    ``offset_keys()``, ``metadata()``, ``get_tensor(name)``, ``get_tensors()``,
+    ``get_slice(name)[...]``.
 
     A local file is read synchronously: with ``backend="mmap"`` it is mapped privately and its
     descriptor closed at once, so an open handle holds no descriptor and no thread (tensors are
@@ -147,7 +148,7 @@ class SafeOpen(_Public):
 
     def __init__(
         self,
-        src: SourceLike,
+        filename: SourceLike,
         framework: str,
         device: str | int | torch.device = "cpu",
         *,
@@ -163,21 +164,21 @@ class SafeOpen(_Public):
         else:
             _on_cpu(device)
             self._device = None
-        check_sync_address(src, "source")
+        check_sync_address(filename, "source")
         clock = clock_of(options) if options else Clock()
         mapped = maps(backend)
         self._local: LocalFile | None = None
         self._bridge: Bridge | None = None
         self._closer: Callable[[], Any] | None = None
         self._closed = False
-        path = local_path(src)
+        path = local_path(filename)
         if path is not None:
             self._local = LocalFile(path, mapped=mapped, verify=verify)
             return
         how = _Options(clock, verify, mapped, cache)
         bridge = Bridge()
         try:
-            self._checkpoint = bridge.call(_Checkpoint.open, src, how)
+            self._checkpoint = bridge.call(_Checkpoint.open, filename, how)
         except BaseException:
             bridge.close()
             raise

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 
@@ -136,16 +137,29 @@ def test_safe_open_is_one_class_as_the_references(tmp_path: Path) -> None:
     assert out == "TypeError"
 
 
-def test_safe_open_shows_its_arguments() -> None:
+def test_safe_open_shows_its_arguments_and_takes_them_by_the_references_names(
+    tmp_path: Path,
+) -> None:
     """``inspect.signature(safe_open)`` (what ``help`` and editors show) names the handle's
-    arguments, where the class's ``__new__`` showed ``(*args, **kwargs)``."""
+    arguments, where the class's ``__new__`` showed ``(*args, **kwargs)``; they are taken by
+    name as the reference takes them (``filename=``, which the drop-ins' functions took too
+    before ``safe_open`` became a class)."""
     import inspect
 
+    import safetensors
+
+    import stream_st.numpy
+    import stream_st.torch
     from stream_st.compat import safe_open
 
     names = list(inspect.signature(safe_open).parameters)
-    assert names == ["src", "framework", "device", "backend", "verify", "cache", "options"]
+    assert names == ["filename", "framework", "device", "backend", "verify", "cache", "options"]
     assert inspect.signature(safe_open).parameters["device"].default == "cpu"
+    path = str(tmp_path / "a.safetensors")
+    stream_st.numpy.save_file({"a": np.ones(2, np.float32)}, path)
+    for opened in (safetensors.safe_open, safe_open, stream_st.torch.safe_open):
+        with opened(filename=path, framework="np", device="cpu") as handle:
+            assert handle.keys() == ["a"]
 
 
 @pytest.mark.parametrize("module", ["torch", "numpy"])
