@@ -137,6 +137,7 @@ class _Plan:
         self.changed: set[str] = set()  # source tensors converted or quantized
         self.parts: dict[str, str] = {}  # decoder: wire tensor -> the tensor it rebuilds
         self.rebuilt_as: dict[str, str] = {}  # decoder: rebuilt tensor -> its dtype code
+        self.decoded_as: dict[str, str] = {}  # decoder: rebuilt tensor -> its original's
         names = {t.name for t in wanted}
         originals = _originals(metadata) if decoder is not None else {}
         recorded = _ORIGINAL.get(metadata.get("original_dtype", ""), "F32")
@@ -146,8 +147,9 @@ class _Plan:
                 if all(part in names for part in wire):
                     self.parts.update(dict.fromkeys(wire, info.name))
                     shape = _decoded_shape(decoder, info)
-                    code = target or originals.get(info.name, recorded)
-                    self.rebuilt_as[info.name] = code
+                    original = originals.get(info.name, recorded)
+                    code = self.rebuilt_as[info.name] = target or original
+                    self.decoded_as[info.name] = original
                     self.specs.append(TensorSpec(info.name, code, shape))
                 elif info.name not in self.parts:
                     self.specs.append(TensorSpec(info.name, info.dtype, info.shape))
@@ -206,8 +208,12 @@ class _Plan:
                 return []
             del pending[whole]
             decoded = await anyio.to_thread.run_sync(
-                self.decoder.decode, whole, got, dtype_from_code(self.rebuilt_as[whole]).numpy
+                self.decoder.decode, whole, got, dtype_from_code(self.decoded_as[whole]).numpy
             )
+            if self.rebuilt_as[whole] != self.decoded_as[whole]:  # --dtype: as any conversion
+                decoded = await anyio.to_thread.run_sync(
+                    _convert, decoded, self.rebuilt_as[whole], whole
+                )
             return [(whole, decoded)]
         if name in self.changed and self.encoder is not None:
             return self.encoder.encode(name, array)

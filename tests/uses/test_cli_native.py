@@ -335,6 +335,22 @@ def test_dequantize_restores_each_tensors_dtype(tmp_path: Path) -> None:
     assert not (tmp_path / "no.safetensors").exists()
 
 
+def test_dequantize_to_a_dtype_converts_as_cp_dtype_does(tmp_path: Path) -> None:
+    """``--dequantize --dtype f16`` of values beyond F16's range: the decoded F32 tensor is
+    converted as ``--dtype`` converts (the warning names the tensor and counts the values),
+    where numpy's own "overflow encountered in cast" said neither."""
+    source, q8 = tmp_path / "big.safetensors", tmp_path / "q8.safetensors"
+    reference_numpy.save_file({"w": np.array([1e6, -2e5, 3e4], np.float32)}, str(source))
+    assert run("cp", "-q", "--quantize", "int8", str(source), str(q8)).returncode == 0
+    out = tmp_path / "f16.safetensors"
+    done = run("cp", "-q", "--dequantize", "--dtype", "f16", str(q8), str(out))
+    assert done.returncode == 0, done.stderr
+    assert b"tensor 'w': 2 finite values beyond F16's range became infinite" in done.stderr
+    assert b"overflow encountered" not in done.stderr
+    found = reference_numpy.load_file(str(out))["w"]
+    assert found.dtype == np.float16 and np.isinf(found[:2]).all() and np.isfinite(found[2])
+
+
 def test_dequantize_int4_kv_transfer(tmp_path: Path) -> None:
     """A KV file written with the int4 codec (its steps in `<name>.scales`) comes back as F16."""
     codec = stream_st.core.codecs.get_codec("int4")
