@@ -35,6 +35,7 @@ from ..errors import (
 from ..reader import Include, TensorStream
 from ..reader.stream import include_names
 from ..sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
+from ..transports import store
 from ..transports.file.sink import COPY_TURN
 from ..transports.file.source import FileSource
 from ..transports.options import Clock, Transport, TransportOptions
@@ -475,16 +476,26 @@ def address_in(into: str, name: str) -> str:
     return join_address(parts.scheme, parts.netloc, path + quoted, parts.query)
 
 
-def _unindexed(written: list[str]) -> None:
-    """Before a mirror's commit into a local directory, remove the index there (``written``'s
-    last address) where a shard is to take the place of a file: a process killed in the commit,
-    or a commit that fails, then leaves no index (loading it fails) rather than the older index
-    over a mix of new and old shards. The new index is committed last."""
+async def _shard_replaces(written: list[str], options: TransportOptions) -> bool:
+    """Whether a mirror's commit into a directory or prefix (``written``: its shards' addresses,
+    then its index's) puts a shard where a file or object is: a reader of the older index of
+    the same name would then find new shards beside old ones. ``options`` as the copy's."""
     *shards, index = written
-    local = [shard for shard in shards if "://" not in shard]
-    if "://" not in index and any(os.path.lexists(shard) for shard in local):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(index)
+    if not store.listable(index):  # http(s): each shard was committed as its upload ended
+        return False
+    for shard in shards:
+        if await store.exists(shard, **options):
+            return True
+    return False
+
+
+async def _unindexed(written: list[str], options: TransportOptions) -> None:
+    """At the start of a mirror's commit where a shard takes the place of a file or object
+    (:func:`_shard_replaces`), remove the index there (``written``'s last address): a process
+    killed in the commit, or a commit that fails, then leaves no index (loading it fails)
+    rather than the older index over a mix of new and old shards. The new index is committed
+    last."""
+    await store.remove(written[-1], **options)
 
 
 class _Held(Sink):
@@ -612,10 +623,12 @@ async def mirror(
     completed) before any is committed; any failure, cancellation or stopping signal until then
     discards them all (and the directories made), leaving the destination as it was. Then they
     are committed in order, the index last, shielded from cancellation: renames on a local
-    disk, CompleteMultipartUpload calls on S3. Only in that short step can a reader of an old
+    disk, CompleteMultipartUpload calls on S3, after the older index there is removed where a
+    shard takes the place of a file or object. Only in that short step can a reader of an old
     index of the same shard names find new shards beside old ones, and a failure there keeps
-    the shards committed before it. An HTTP upload cannot be held: each shard is committed as
-    its upload completes, and a failure leaves those uploaded (the index is not written)."""
+    the shards committed before it, with no index. An HTTP upload cannot be held: each shard is
+    committed as its upload completes, and a failure leaves those uploaded (the index is not
+    written)."""
     progress = checked_progress(progress)
     clock = command_clock(options)
     raw, home = await read_object(index, clock, limit=MAX_INDEX_SIZE)
@@ -685,8 +698,10 @@ async def mirror(
         await sink.allocate(len(raw))
         await sink.send(memoryview(raw))
         await sink.aclose()
+        replacing = await _shard_replaces(written, options)
         with anyio.CancelScope(shield=True):  # the commit: a signal waits for it
-            _unindexed(written)
+            if replacing:
+                await _unindexed(written, options)
             while held:
                 await held[0].commit()
                 del held[0]

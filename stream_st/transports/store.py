@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from typing import Unpack
 from urllib.parse import quote
 
 import anyio
@@ -20,11 +21,13 @@ import anyio.to_thread
 
 from ..errors import TransportError, UnsupportedSinkError
 from .http import HTTPNotFoundError, xml_field
+from .options import TransportOptions
 from .registry import open_sink, path_from_url
 from .s3.config import parse_s3_url
 from .s3.sink import S3Sink
 
 __all__ = [
+    "exists",
     "join",
     "list_names",
     "listable",
@@ -87,6 +90,14 @@ class _Bucket(S3Sink):
     async def delete(self, key: str) -> None:
         with contextlib.suppress(HTTPNotFoundError):  # already gone
             await self._call("DELETE", "", key=key)
+
+    async def has(self, key: str) -> bool:
+        """Whether an object is at ``key`` (a HEAD request)."""
+        try:
+            await self._call("HEAD", "", key=key)
+        except HTTPNotFoundError:
+            return False
+        return True
 
     async def __aenter__(self) -> _Bucket:
         return self
@@ -158,8 +169,19 @@ async def move(source: str, destination: str) -> None:
         await bucket.delete(source_key)
 
 
-async def remove(address: str) -> None:
-    """Remove the object at ``address``, if there is one."""
+async def exists(address: str, **options: Unpack[TransportOptions]) -> bool:
+    """Whether a file or an object is at ``address`` (a dangling symlink is one); ``options``
+    for an object store's requests."""
+    path = _local(address)
+    if path is not None:
+        return await anyio.to_thread.run_sync(os.path.lexists, path)
+    async with _Bucket(address, **options) as bucket:
+        return await bucket.has(bucket.key)
+
+
+async def remove(address: str, **options: Unpack[TransportOptions]) -> None:
+    """Remove the object at ``address``, if there is one; ``options`` for an object store's
+    requests."""
     path = _local(address)
     if path is not None:
         try:
@@ -169,7 +191,7 @@ async def remove(address: str) -> None:
         except OSError as exc:
             raise TransportError(f"removing failed: {exc.strerror}", url=address) from exc
         return
-    async with _Bucket(address) as bucket:
+    async with _Bucket(address, **options) as bucket:
         await bucket.delete(bucket.key)
 
 

@@ -226,6 +226,67 @@ def test_a_mirror_killed_at_any_step_of_its_commit_leaves_no_mix(
         if killed.returncode == 0:
             assert values == {2.0}
             break
-        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        assert killed.returncode == -signal.SIGKILL, (kill_at, killed.stderr)
+    else:
+        pytest.fail("the mirror never ended unkilled")
+
+
+KILLED_S3_MIRROR = """
+import os, signal, sys, anyio
+from stream_st.tools.cp import mirror
+
+index, into, kill_at = sys.argv[1:]
+calls = set()  # a coroutine's frame is called again at each resumption
+
+def profile(frame, event, arg):  # a kill just before the kill_at-th CompleteMultipartUpload
+    if event == "call" and frame.f_code.co_name == "_complete" and frame not in calls:
+        calls.add(frame)
+        if len(calls) == int(kill_at):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+sys.setprofile(profile)
+anyio.run(lambda: mirror(index, into))
+"""
+
+
+def test_a_mirror_to_s3_killed_in_its_commit_leaves_no_mix(
+    versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]], moto_s3: MotoS3Server
+) -> None:
+    """As into a local directory: a mirror over an older checkpoint of the same shard names on
+    S3, killed before each CompleteMultipartUpload in turn, leaves an index there only if it
+    loads one checkpoint whole (the older index stayed over the first new shard and the second
+    old one, and loaded them)."""
+    _, old, v2, _ = versions
+    client = moto_s3.client()
+    bucket = "killed"
+    client.create_bucket(Bucket=bucket)
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": moto_s3.endpoint_url}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    for kill_at in range(1, 10):
+        prefix = f"k{kill_at}/"
+        for name, data in old.items():
+            client.put_object(Bucket=bucket, Key=prefix + name, Body=data)
+        into = f"s3://{bucket}/{prefix}"
+        killed = subprocess.run(
+            [sys.executable, "-c", KILLED_S3_MIRROR, str(v2 / INDEX), into, str(kill_at)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        keys = {
+            o["Key"][len(prefix) :]
+            for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+        }
+        if INDEX in keys:
+            shard_values = set()
+            for shard, (name, _) in SHARDS.items():
+                body = client.get_object(Bucket=bucket, Key=prefix + shard)["Body"].read()
+                shard_values.add(float(reference_numpy.load(body)[name].reshape(-1)[0]))
+            assert len(shard_values) == 1, f"killed at completion {kill_at}: a mix of checkpoints"
+        if killed.returncode == 0:
+            assert INDEX in keys and shard_values == {2.0}
+            break
+        assert killed.returncode == -signal.SIGKILL, (kill_at, killed.stderr)
     else:
         pytest.fail("the mirror never ended unkilled")
