@@ -483,10 +483,7 @@ async def _shard_replaces(written: list[str], options: TransportOptions) -> bool
     *shards, index = written
     if not store.listable(index):  # http(s): each shard was committed as its upload ended
         return False
-    for shard in shards:
-        if await store.exists(shard, **options):
-            return True
-    return False
+    return await store.any_exists(shards, **options)
 
 
 async def _unindexed(written: list[str], options: TransportOptions) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Sequence
 from typing import Unpack
 from urllib.parse import quote
 
@@ -27,7 +28,7 @@ from .s3.config import parse_s3_url
 from .s3.sink import S3Sink
 
 __all__ = [
-    "exists",
+    "any_exists",
     "join",
     "list_names",
     "listable",
@@ -169,14 +170,27 @@ async def move(source: str, destination: str) -> None:
         await bucket.delete(source_key)
 
 
-async def exists(address: str, **options: Unpack[TransportOptions]) -> bool:
-    """Whether a file or an object is at ``address`` (a dangling symlink is one); ``options``
-    for an object store's requests."""
-    path = _local(address)
-    if path is not None:
-        return await anyio.to_thread.run_sync(os.path.lexists, path)
-    async with _Bucket(address, **options) as bucket:
-        return await bucket.has(bucket.key)
+async def any_exists(addresses: Sequence[str], **options: Unpack[TransportOptions]) -> bool:
+    """Whether a file or an object is at any of ``addresses`` (a dangling symlink is one),
+    asked in turn until one is; ``options`` for an object store's requests (one connection
+    per bucket, a HEAD request per object)."""
+    buckets: dict[str, _Bucket] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        for address in addresses:
+            path = _local(address)
+            if path is not None:
+                if await anyio.to_thread.run_sync(os.path.lexists, path):
+                    return True
+                continue
+            bucket_name, key = parse_s3_url(address)
+            bucket = buckets.get(bucket_name)
+            if bucket is None:
+                bucket = buckets[bucket_name] = await stack.enter_async_context(
+                    _Bucket(address, **options)
+                )
+            if await bucket.has(key):
+                return True
+    return False
 
 
 async def remove(address: str, **options: Unpack[TransportOptions]) -> None:
