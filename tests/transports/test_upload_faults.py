@@ -182,6 +182,24 @@ async def test_create_refused_leaves_nothing_and_no_note(
     assert pending(store, key) == [] and stored(store, key) is None
 
 
+async def test_create_never_sent_has_no_note() -> None:
+    """A store nothing listens at: CreateMultipartUpload never went out (the connection was
+    refused), so no upload can be pending, where the error's note said one may be."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    config = S3Config.resolve(
+        endpoint_url=f"http://127.0.0.1:{port}",
+        access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        environ={},
+    )
+    sink = S3Sink(f"s3://{BUCKET}/never", config=config, part_size=MIN_PART_SIZE)
+    with pytest.raises(TransportError, match="cannot connect") as info:
+        await write(sink, TWO_PARTS)
+    assert not getattr(info.value, "__notes__", None)
+
+
 class SlowCreate(LossyProxy):
     """A :class:`LossyProxy` that holds each CreateMultipartUpload ``delay`` seconds before the
     store sees it (``sent`` is set once one arrives)."""

@@ -46,6 +46,9 @@ class HTTPClient(AsyncClosing):
         self._max_redirects = max_redirects
         self._idle: dict[Hashable, list[Connection]] = {}
         self._closed = False
+        self.sending = 0
+        """Requests :meth:`request` began to send so far: one that fails with this unchanged
+        never reached a server (no connection, or credentials not ready)."""
 
     async def _connect(
         self,
@@ -140,6 +143,7 @@ class HTTPClient(AsyncClosing):
                 target, proxy, clock, context, pooled=idempotent
             )
             received = len(connection.leftover)
+            self.sending += 1
             try:
                 await connection.wire.send(head)
                 if body:

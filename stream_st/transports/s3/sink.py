@@ -271,6 +271,7 @@ class S3Sink(ClientUser, Sink):
         """Send CreateMultipartUpload and take the id of the upload it made; on a failure, note
         in :attr:`_unnamed` why an upload it may have made has none."""
         self._unnamed = "its answer was lost"  # until one is read
+        sending = self._client.sending
         try:
             _, answer = await self._call(
                 "POST", "uploads=", headers={"x-amz-checksum-algorithm": "CRC32"}
@@ -282,6 +283,10 @@ class S3Sink(ClientUser, Sink):
                 else f"the store answered it with HTTP {exc.status}, which does not say "
                 "whether it made the upload"
             )
+            raise
+        except BaseException:
+            if self._client.sending == sending:  # never sent (no connection): no upload made
+                self._unnamed = None
             raise
         upload_id = xml_field(answer, "UploadId")
         if upload_id is None:
