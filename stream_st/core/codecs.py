@@ -41,7 +41,9 @@ Details and edge cases:
   *up* from ``max|x| / 7`` so that no code ever needs clipping; an all-zero group gets step 0
   (decode multiplies, so this is exact and divides by nothing). The step must fit F16: a group
   with ``max|x| > 7 * 65504`` is refused, and groups with ``max|x|`` below ``7 * 2**-14`` (about
-  4.3e-4) get a subnormal, hence coarser, step.
+  4.3e-4) get a subnormal, hence coarser, step. Decoding saturates a product beyond the
+  requested dtype's largest finite value by at most ``step / 2`` to that value: the F16 group
+  whose ``max|x|`` is 65504 has step 9360, and ``7 * 9360 = 65520`` would round to Inf in F16.
 * Inputs containing NaN or +-Inf are refused by INT8 and INT4 with :class:`CodecError` (a
   :class:`~stream_st.errors.SafetensorsError` and a ``ValueError``); "none" passes anything.
 * Encoding computes in float32 (float64 for float64 inputs); F16 and BF16 values are exact in
@@ -206,6 +208,22 @@ def _part(name: str, parts: Mapping[str, Array], part: str) -> Array:
         return np.asarray(parts[part])
     except KeyError:
         raise CodecError(f"tensor {name!r}: wire tensor {part!r} is missing") from None
+
+
+def _saturate(values: Array, dtype: np.dtype[Any], slack: Array, reach: float) -> None:
+    """Clip decoded ``values`` in place to ``dtype``'s largest finite magnitude where they lie
+    beyond it by at most ``slack`` (the error bound, broadcast against ``values``): a finite
+    value of ``dtype`` decodes to them (INT4's ``7 * 9360 = 65520`` from a group whose ``max|x|``
+    is 65504), which the cast to ``dtype`` would round to +-Inf. Values further out stay, and
+    overflow as any cast does. ``reach`` bounds ``|values|``: nothing is read when it is within
+    ``dtype``'s range."""
+    below_inf = np.array([np.inf], dtype=dtype).view(_bits(dtype)) - 1  # the largest finite
+    limit = float(below_inf.view(dtype)[0])
+    if reach <= limit:
+        return
+    magnitude = np.abs(values)
+    near = (magnitude > limit) & (magnitude <= limit + slack)
+    np.copyto(values, np.copysign(values.dtype.type(limit), values), where=near)
 
 
 def _metadata(
@@ -505,7 +523,11 @@ class Int4Codec:
         codes -= np.int8(8)
         work = _work_dtype(out_dtype)
         values = codes.reshape(*lead, n // g, g).astype(work)
-        values *= steps.astype(work)[..., None]
+        wide_steps = steps.astype(work)
+        values *= wide_steps[..., None]
+        if steps.size:  # codes lie in [-8, 7]
+            reach = 8 * float(np.max(np.abs(wide_steps)))
+            _saturate(values, out_dtype, np.abs(wide_steps[..., None]) / 2, reach)
         return values.reshape(*lead, n).astype(out_dtype, copy=False)
 
     def metadata(self, original_dtype: DTypeLike | None = None) -> dict[str, str]:

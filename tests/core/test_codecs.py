@@ -425,6 +425,28 @@ def test_int4_refuses_values_beyond_the_f16_step() -> None:
     assert float(y[3]) == 7 * 65504
 
 
+def test_int4_decodes_the_top_of_f16_to_finite_values() -> None:
+    """Every F16 value from 57344 to 65504 survives an INT4 round trip to F16 finite and within
+    step / 2: 65472 and 65504 get step 9360 (max|x| / 7 rounded up), and 7 * 9360 = 65520, which
+    rounds to +Inf in F16, is saturated to 65504 (it decoded to +-Inf)."""
+    top = np.arange(0x7B00, 0x7C00, dtype=np.uint16).view(np.float16)
+    x = np.stack([top, -top], axis=-1)  # one group of two per value
+    codec = Int4Codec(group_size=2)
+    with np.errstate(over="raise"):
+        y, parts = roundtrip(codec, x)
+    assert np.isfinite(as_f64(y)).all()
+    assert float(parts["t.scales"][-1, 0]) == 9360.0
+    assert y[-1].tolist() == [65504.0, -65504.0]
+    check_int4_bound(x, y, parts["t.scales"], 2)
+    # A product beyond 65504 by more than half a step comes from no F16 value: it overflows as
+    # before (the nibble -8, never written, times 9360 is -74880).
+    with np.errstate(over="ignore"):
+        far = codec.decode(
+            "t", {"t": np.array([0x87], np.uint8), "t.scales": np.array([9360], np.float16)}, "F16"
+        )
+    assert far.tolist() == [65504.0, -math.inf]
+
+
 def test_int4_tiny_groups_use_subnormal_steps() -> None:
     x = np.array([1e-30, -5e-31] * 32, dtype=np.float32)
     y, parts = roundtrip(CODECS["int4"], x)
