@@ -48,6 +48,7 @@ __all__ = [
     "ObjectDigest",
     "OrderedHash",
     "algorithm_named",
+    "is_record_key",
 ]
 
 ALGORITHM_KEY = "stream_st.digest"
@@ -65,7 +66,7 @@ class Hasher(Protocol):
     def digest(self) -> bytes: ...
 
 
-def _recorded(key: object) -> bool:
+def is_record_key(key: object) -> bool:
     """Whether ``key`` is one of a digest record's: the keys a reader takes for the record
     (:data:`ALGORITHM_KEY`, and :data:`DIGEST_KEY_PREFIX` + a name), no others."""
     return isinstance(key, str) and (key == ALGORITHM_KEY or key.startswith(DIGEST_KEY_PREFIX))
@@ -76,9 +77,9 @@ def without_record(metadata: Mapping[str, str] | None) -> Mapping[str, str] | No
     copied from another file's metadata describes that file's bytes, and written where no digest
     is recorded would make the new file fail its own check. ``metadata`` itself when it holds
     none (or is no mapping of names: refused when the header is built, as it would be)."""
-    if not isinstance(metadata, Mapping) or not any(map(_recorded, metadata)):
+    if not isinstance(metadata, Mapping) or not any(map(is_record_key, metadata)):
         return metadata
-    return {key: value for key, value in metadata.items() if not _recorded(key)}
+    return {key: value for key, value in metadata.items() if not is_record_key(key)}
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,7 @@ class Digests:
         other names, or metadata already holding digest keys, are a
         :class:`~stream_st.UsageError`."""
         entries = dict(metadata or {})
-        clash = next(filter(_recorded, entries), None)
+        clash = next(filter(is_record_key, entries), None)
         if clash is not None:
             raise UsageError(
                 f"metadata key {clash!r} is reserved for the digests that checksums= records"

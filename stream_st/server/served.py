@@ -36,7 +36,7 @@ from typing import Any
 import anyio.to_thread
 
 from .._api import load
-from ..core.digests import ALGORITHM_KEY, Digests, digests_for
+from ..core.digests import Digests, digests_for, is_record_key
 from ..core.header import Header
 from ..core.layout import TensorSpec, build_header
 from ..core.shards import INDEX_SUFFIX, is_index, shard_address
@@ -300,9 +300,7 @@ async def _from_checkpoint(
         pieces = [Piece(0, files[0].size, file=files[0])]
         header = headers[0]
     else:
-        kept = {
-            k: v for k, v in merged_metadata(headers).items() if not k.startswith(ALGORITHM_KEY)
-        }
+        kept = {k: v for k, v in merged_metadata(headers).items() if not is_record_key(k)}
         recorded = digests.add_to(kept, names) if isinstance(digests, Digests) else kept or None
         specs = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
         head, header = build_header(specs, recorded)
@@ -325,7 +323,7 @@ async def _from_checkpoint(
 
 def _recorded(header: Header) -> bool:
     """Whether ``header`` records digests (or anything under their keys)."""
-    return any(key.startswith(ALGORITHM_KEY) for key in header.metadata)
+    return any(map(is_record_key, header.metadata))
 
 
 async def _from_tensors(

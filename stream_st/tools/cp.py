@@ -17,7 +17,13 @@ import numpy as np
 
 from .._util import allow_open_files
 from ..core.codecs import Codec, codec_from_metadata, get_codec, to_bfloat16
-from ..core.digests import ALGORITHM_KEY, DEFAULT_ALGORITHM, Digests, algorithm_named
+from ..core.digests import (
+    ALGORITHM_KEY,
+    DEFAULT_ALGORITHM,
+    Digests,
+    algorithm_named,
+    is_record_key,
+)
 from ..core.dtypes import dtype_from_code
 from ..core.header import Header, TensorInfo
 from ..core.layout import TensorSpec
@@ -322,9 +328,7 @@ async def cp(
         encoder = get_codec("int8")
     clock = command_clock(options)
     async with opened(src, clock, include=include) as (stream, headers):
-        metadata = {
-            k: v for k, v in merged_metadata(headers).items() if not k.startswith(ALGORITHM_KEY)
-        }
+        metadata = {k: v for k, v in merged_metadata(headers).items() if not is_record_key(k)}
         decoder = _quantized_by(metadata) if encoder is not None or dequantize else None
         if encoder is not None and decoder is not None:
             raise UsageError(
@@ -383,7 +387,7 @@ async def _copied_by_kernel(
         return False
     source = stream.source
     if not isinstance(source, FileSource) or any(
-        key.startswith(ALGORITHM_KEY) for key in stream.header.metadata
+        map(is_record_key, stream.header.metadata)
     ):  # digests, even damaged ones: the reading way checks them, or says what is wrong
         return False
     fd, start, done_bytes, done = source.fileno(), stream.header.data_start, 0, 0

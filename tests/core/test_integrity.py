@@ -130,6 +130,31 @@ async def test_only_the_records_keys_are_reserved(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == ["m.safetensors"]
 
 
+@pytest.mark.parametrize("checksums", [False, True])
+async def test_copies_keep_keys_that_only_start_as_the_records(
+    tmp_path: Path, checksums: bool
+) -> None:
+    """cp (as it is, converted, quantized) and serve keep the caller's keys that merely start as
+    the record's (``stream_st.digestion``), where they dropped every key starting with
+    ``stream_st.digest``; a plain cp is still the same bytes."""
+    mine = {"stream_st.digestion": "mine", "stream_st.digests_note": "also", "other": "x"}
+    arrays = {"a": np.arange(4, dtype=np.float32)}
+    source = tmp_path / "src.safetensors"
+    await stream_st.save(source, arrays, metadata=mine, checksums=checksums)
+    variants: list[dict[str, Any]] = [{}, {"dtype": "bf16"}, {"quantize": "int8"}]
+    for options in variants:
+        out = tmp_path / "out.safetensors"
+        await tools.cp(source, out, **options)
+        metadata = (await stream_st.read_header(out)).metadata
+        assert {k: metadata.get(k) for k in mine} == mine, options
+        if not options:
+            assert out.read_bytes() == source.read_bytes()
+    for served_checksums in ("sha256", False):
+        async with stream_st.serving(source, checksums=served_checksums) as server:
+            metadata = (await stream_st.read_header(server.url)).metadata
+        assert {k: metadata.get(k) for k in mine} == mine, served_checksums
+
+
 @pytest.mark.parametrize(
     ("values", "got"),
     [([("a", "00")], "list"), ({"a": 1}, "'a': int"), ({1: "00"}, "1: str"), (None, "NoneType")],
