@@ -70,11 +70,34 @@ class ErrorStats(TypedDict):
     snr_db: float
 
 
+def _exponent(values: Array) -> int:
+    """``e`` with ``max|values| < 2**e`` (0 for none, all zeros, or a NaN or Inf among them):
+    dividing by ``2**e``, exact, brings every value into (-1, 1)."""
+    top = float(np.max(np.abs(values))) if values.size else 0.0
+    return math.frexp(top)[1] if 0.0 < top < math.inf else 0
+
+
+def _squares(values: Array) -> tuple[float, int]:
+    """``sum(values**2)`` as ``(total, e)``, meaning ``total * 4**e``: the values are scaled by
+    ``2**-e`` first, so that neither the largest square nor the sum overflows or underflows."""
+    e = _exponent(values)
+    scaled = np.ldexp(values, -e)
+    return float(np.sum(scaled * scaled)), e
+
+
+def _times_two_to(value: float, e: int) -> float:
+    """``value * 2**e``, infinite where that is beyond float64."""
+    with np.errstate(over="ignore"):
+        return float(np.ldexp(value, e))
+
+
 def error_stats(original: npt.ArrayLike, decoded: npt.ArrayLike) -> ErrorStats:
     """Root-mean-square error, largest absolute error and signal-to-noise ratio, in float64.
 
     ``snr_db = 10 * log10(sum(x**2) / sum((x - y)**2))``: ``inf`` when the two are equal (also for
-    empty arrays), ``-inf`` when the original is all zeros and the decoded one is not.
+    empty arrays), ``-inf`` when the original is all zeros and the decoded one is not. Values are
+    scaled by powers of two before they are squared, so the figures hold for values of any
+    magnitude (1e-200 as 1e160).
     """
     x = np.asarray(original).astype(np.float64)
     y = np.asarray(decoded).astype(np.float64)
@@ -82,17 +105,19 @@ def error_stats(original: npt.ArrayLike, decoded: npt.ArrayLike) -> ErrorStats:
         raise CodecError(f"error_stats: shapes differ, {list(x.shape)} vs {list(y.shape)}")
     if x.size == 0:
         return {"rmse": 0.0, "max_abs_error": 0.0, "snr_db": math.inf}
+    shift = max(_exponent(x), _exponent(y))  # x - y cannot overflow in units of 2**shift
+    x, y = np.ldexp(x, -shift), np.ldexp(y, -shift)
     diff = x - y
-    noise = float(np.sum(diff * diff))
-    signal = float(np.sum(x * x))
+    noise, noise_e = _squares(diff)
+    signal, signal_e = _squares(x)
     if noise == 0.0:
         snr = math.inf
     elif signal == 0.0:
         snr = -math.inf
     else:
-        snr = 10.0 * math.log10(signal / noise)
+        snr = 10.0 * math.log10(signal / noise) + 20.0 * math.log10(2.0) * (signal_e - noise_e)
     return {
-        "rmse": math.sqrt(noise / x.size),
-        "max_abs_error": float(np.max(np.abs(diff))),
+        "rmse": _times_two_to(math.sqrt(noise / x.size), noise_e + shift),
+        "max_abs_error": _times_two_to(float(np.max(np.abs(diff))), shift),
         "snr_db": snr,
     }

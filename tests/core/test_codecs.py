@@ -623,6 +623,31 @@ def test_error_stats_in_float64() -> None:
         error_stats(np.zeros(3), np.zeros(4))
 
 
+@pytest.mark.parametrize("magnitude", [1e-300, 1e-200, 1.0, 1e160, 1e300])
+def test_error_stats_at_any_magnitude(magnitude: float) -> None:
+    """The figures scale with the values: squares of 1e-200 underflowed float64 (an INT8 round
+    trip to all zeros reported rmse 0 and snr inf, "identical") and of 1e160 overflowed it (rmse
+    inf, snr nan)."""
+    x = np.array([3.0, -4.0, 0.0, 0.0]) * magnitude
+    y = np.array([3.0, -3.0, -1.0, 0.0]) * magnitude
+    stats = error_stats(x, y)
+    assert stats["rmse"] == pytest.approx(math.sqrt(2 / 4) * magnitude, rel=1e-12)
+    assert stats["max_abs_error"] == pytest.approx(magnitude, rel=1e-12)
+    assert stats["snr_db"] == pytest.approx(10 * math.log10(25 / 2), rel=1e-12)
+    assert error_stats(x, np.zeros(4))["snr_db"] == pytest.approx(0.0, abs=1e-12)
+    assert error_stats(x, x)["snr_db"] == math.inf
+    assert error_stats(np.zeros(4), y)["snr_db"] == -math.inf
+
+
+def test_error_stats_beyond_float64() -> None:
+    """An error beyond float64 is infinite; the ratio of the sums still holds."""
+    x = np.array([1.5e308, 1.0])
+    stats = error_stats(x, -x)
+    assert stats["max_abs_error"] == math.inf
+    assert stats["rmse"] == math.inf
+    assert stats["snr_db"] == pytest.approx(10 * math.log10(1 / 4))
+
+
 # ---------------------------------------------------------------- properties
 
 
