@@ -91,12 +91,16 @@ def checked_number(
     name: str, value: object, *, infinite: bool = True, zero: bool = True
 ) -> float | None:
     """Option ``name``'s ``value`` as a float: ``None``, or a number >= 0 (> 0 unless ``zero``;
-    finite unless ``infinite``). Anything else (NaN, a bool, a string) is a UsageError."""
+    finite unless ``infinite``). Anything else (NaN, a bool, a string) is a UsageError. A number
+    too large for a float (``10**400``) is infinite."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, Real):
         raise UsageError(f"{name} must be a number or None, got {type(value).__name__} {value!r}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = -math.inf if value < 0 else math.inf
     if math.isnan(number) or number < 0 or (number == 0 and not zero):
         floor = ">= 0" if zero else "> 0"
         raise UsageError(f"{name} must be a number {floor}, got {number!r}")

@@ -278,6 +278,9 @@ BAD_VALUES = [
     ("speed_time", 0),
     ("speed_time", math.inf),
     ("speed_time", -1),
+    ("timeout", -(10**400)),  # ints beyond a float: were a bare OverflowError
+    ("speed_limit", 10**400),
+    ("speed_time", 10**400),
     ("deadlin", 1),  # a misspelt option
 ]
 
@@ -340,6 +343,7 @@ async def test_connection_messages_take_their_own_limits(tcp_sender: Any) -> Non
 
 def test_good_values_and_their_defaults() -> None:
     assert Limits(timeout=math.inf, deadline=math.inf) == Limits()
+    assert Limits(timeout=10**400, deadline=10**400) == Limits()  # beyond a float: infinite
     assert Limits(speed_limit=100) == Limits(speed_limit=100.0, speed_time=30.0)
     assert Limits(speed_time=5) == Limits(speed_limit=1.0, speed_time=5.0)  # as curl
     assert Limits(speed_limit=0, speed_time=5) == Limits()  # 0 turns the guard off
