@@ -24,13 +24,14 @@ from ..core.digests import (
     algorithm_named,
     is_record_key,
 )
-from ..core.dtypes import dtype_from_code
+from ..core.dtypes import dtype_for, dtype_from_code
 from ..core.header import Header, TensorInfo
 from ..core.layout import TensorSpec
 from ..core.shards import join_address, shard_address, split_address
 from ..core.stats import LoadStats, record_last
 from ..errors import (
     CodecError,
+    DtypeError,
     HeaderError,
     SafetensorsError,
     StreamStWarning,
@@ -100,15 +101,30 @@ def _convert(array: np.ndarray[Any, Any], code: str, name: str) -> np.ndarray[An
             converted = array.astype(dtype_from_code(code).numpy)
     infinite = ~np.isfinite(converted)
     if infinite.any():
-        lost = int(np.count_nonzero(np.isfinite(array[infinite])))
-        if lost:
-            warnings.warn(
-                StreamStWarning(
-                    f"tensor {name!r}: {lost} finite values beyond {code}'s range became infinite"
-                ),
-                stacklevel=2,
-            )
+        _warn_infinite(name, code, int(np.count_nonzero(np.isfinite(array[infinite]))))
     return converted
+
+
+def _decoded(codec: Codec, name: str, parts: Mapping[str, Any], code: str) -> np.ndarray[Any, Any]:
+    """Tensor ``name`` rebuilt by ``codec`` from its wire tensors ``parts`` as dtype ``code``;
+    values decoded beyond its range (from a scale far smaller than the codec writes: the codes
+    and the scales are finite) become infinite, and a :class:`~stream_st.StreamStWarning` says
+    how many, as :func:`_convert`'s."""
+    with np.errstate(over="ignore"):
+        decoded = codec.decode(name, parts, dtype_from_code(code).numpy)
+    _warn_infinite(name, code, decoded.size - int(np.count_nonzero(np.isfinite(decoded))))
+    return decoded
+
+
+def _warn_infinite(name: str, code: str, lost: int) -> None:
+    """Warn that ``lost`` finite values of tensor ``name`` became infinite as dtype ``code``."""
+    if lost:
+        warnings.warn(
+            StreamStWarning(
+                f"tensor {name!r}: {lost} finite values beyond {code}'s range became infinite"
+            ),
+            stacklevel=3,
+        )
 
 
 def _target_dtype(dtype: str | None) -> str | None:
@@ -147,7 +163,7 @@ class _Plan:
         self.decoded_as: dict[str, str] = {}  # decoder: rebuilt tensor -> its original's
         names = {t.name for t in wanted}
         originals = _originals(metadata) if decoder is not None else {}
-        recorded = _ORIGINAL.get(metadata.get("original_dtype", ""), "F32")
+        recorded = _original(metadata) if decoder is not None else "F32"
         for info in wanted:
             if decoder is not None:
                 wire = decoder.part_names(info.name)
@@ -215,7 +231,7 @@ class _Plan:
                 return []
             del pending[whole]
             decoded = await anyio.to_thread.run_sync(
-                self.decoder.decode, whole, got, dtype_from_code(self.decoded_as[whole]).numpy
+                _decoded, self.decoder, whole, got, self.decoded_as[whole]
             )
             if self.rebuilt_as[whole] != self.decoded_as[whole]:  # --dtype: as any conversion
                 decoded = await anyio.to_thread.run_sync(
@@ -245,6 +261,25 @@ def _original_dtypes(quantized: Sequence[TensorInfo]) -> dict[str, str]:
     if len(kinds) == 1:
         return {"original_dtype": kinds.pop()}
     return {_ORIGINALS_KEY: json.dumps(dtypes, separators=(",", ":"))} if dtypes else {}
+
+
+def _original(metadata: Mapping[str, str]) -> str:
+    """The dtype code ``original_dtype`` names (a numpy name as the codecs write it, or, as the
+    KV reader takes, with a ``torch.`` prefix or a code), F32 where there is none; a
+    :class:`~stream_st.CodecError` where it names no floating-point dtype (``int32``), where
+    the tensors were rebuilt as F32 without a word."""
+    raw = metadata.get("original_dtype")
+    if raw is None:
+        return "F32"
+    try:
+        code = dtype_for(raw.removeprefix("torch.")).code
+    except DtypeError:
+        code = ""
+    if code not in CONVERTIBLE:
+        raise CodecError(
+            f"metadata original_dtype must name one of {', '.join(_ORIGINAL)}, got {raw!r:.100}"
+        )
+    return code
 
 
 def _originals(metadata: Mapping[str, str]) -> dict[str, str]:
@@ -304,7 +339,9 @@ async def cp(
     refused. ``dequantize`` rebuilds the floating-point tensors of a source quantized with the
     int8 or int4 codec (its ``__metadata__`` names it) each as the dtype it was quantized from
     (``original_dtype`` where all were of one dtype, else ``original_dtypes`` naming each
-    tensor's; F32 when unrecorded), or as ``dtype``. Other tensors are copied as they are, and
+    tensor's; F32 when unrecorded; a :class:`~stream_st.CodecError` where either names no float
+    dtype; values decoded beyond its range become infinite, with a warning as ``dtype``'s), or
+    as ``dtype``. Other tensors are copied as they are, and
     a copy that changes nothing is byte-identical to a source written in offset order (the
     reference writer's). A copy that fails or is interrupted leaves nothing at ``dst``.
 

@@ -351,6 +351,51 @@ def test_dequantize_to_a_dtype_converts_as_cp_dtype_does(tmp_path: Path) -> None
     assert found.dtype == np.float16 and np.isinf(found[:2]).all() and np.isfinite(found[2])
 
 
+def test_dequantize_warns_of_values_beyond_the_original_dtype(tmp_path: Path) -> None:
+    """An INT8 scale far smaller than the codec writes, decoded as the recorded F16: the values
+    beyond F16's range become infinite with cp's warning naming the tensor and counting them
+    (numpy's bare "overflow encountered" said neither); an original_dtype that names no float
+    dtype is refused, leaving nothing behind (the tensors came back F32 without a word), and
+    the KV reader's spellings are taken."""
+    codes: dict[str, np.ndarray[Any, Any]] = {
+        "t": np.array([1, -2, 127], np.int8),
+        "t.scale": np.array([1e-45], np.float32),
+    }
+    tiny = tmp_path / "tiny.safetensors"
+    reference_numpy.save_file(
+        codes, str(tiny), metadata={"compression": "INT8", "original_dtype": "float16"}
+    )
+    out = tmp_path / "out.safetensors"
+    done = run("cp", "-q", "--dequantize", str(tiny), str(out))
+    assert done.returncode == 0, done.stderr
+    assert b"tensor 't': 3 finite values beyond F16's range became infinite" in done.stderr
+    assert b"overflow encountered" not in done.stderr
+    found = reference_numpy.load_file(str(out))["t"]
+    assert found.dtype == np.float16 and found.tolist() == [np.inf, -np.inf, np.inf]
+    codes["t.scale"] = np.array([2.0], np.float32)
+    for original, dtype in [
+        ("torch.bfloat16", "bfloat16"),
+        ("F64", "float64"),
+        ("int32", None),
+        ("zzz", None),
+    ]:
+        source = tmp_path / "q8.safetensors"
+        reference_numpy.save_file(
+            codes, str(source), metadata={"compression": "INT8", "original_dtype": original}
+        )
+        out.unlink(missing_ok=True)
+        result = run("cp", "-q", "--dequantize", str(source), str(out))
+        if dtype is None:
+            assert (
+                result.returncode == 2
+                and b"metadata original_dtype must name one of" in result.stderr
+            )
+            assert not out.exists()
+        else:
+            assert result.returncode == 0 and result.stderr == b"", result.stderr
+            assert reference_numpy.load_file(str(out))["t"].dtype.name == dtype
+
+
 def test_dequantize_int4_kv_transfer(tmp_path: Path) -> None:
     """A KV file written with the int4 codec (its steps in `<name>.scales`) comes back as F16."""
     codec = stream_st.core.codecs.get_codec("int4")
