@@ -471,8 +471,8 @@ def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str
             into.pop(name, None)
 
     def place(name: str, tensor: torch.Tensor) -> bool:
-        if name in overruled:
-            return True
+        if name in overruled:  # dropped where load_state_dict takes it, else refused there
+            return _takes(state[name], tensor)
         if tensor is into.get(name):  # written through another view: autograd told, as by copy_
             _shared.changed_in_place((tensor,))
             return True
@@ -514,6 +514,14 @@ def _overruled(state: Mapping[str, Any], names: Collection[str]) -> tuple[set[st
         else:
             fresh.update(present)
     return dropped, fresh
+
+
+def _takes(mine: Any, tensor: Any) -> bool:
+    """Whether ``load_state_dict`` takes ``tensor`` for the model's tensor ``mine``: the same
+    shape, or one value of shape ``[1]`` for a tensor of none (as torch takes a checkpoint of
+    its 0.3 versions); the dtype is cast."""
+    shape = tuple(tensor.shape)
+    return shape == tuple(mine.shape) or (mine.dim() == 0 and shape == (1,))
 
 
 def _view_of(tensor: Any) -> tuple[Any, ...]:
@@ -558,14 +566,11 @@ class _Slots:
 
     def place(self, name: str, tensor: Any) -> bool:
         """Put ``tensor`` where ``name`` (and every name tied to it) lives; False if the model
-        has no such name. A tied name the file has with a later one (:meth:`seen`) is taken and
-        dropped."""
+        has no such name; :class:`UsageError` for a shape that differs from the model's. A tied
+        name the file has with a later one (:meth:`seen`) is checked so, taken and dropped."""
         names = self._group.get(name)
         if names is None:
             return False
-        if name in self._overruled:
-            self._given.add(name)
-            return True
         module, attribute = self._slot(names[0])
         old = getattr(module, attribute)
         if old.shape != tensor.shape:
@@ -573,6 +578,9 @@ class _Slots:
                 f"size mismatch for {name}: the file has shape {list(tensor.shape)}, "
                 f"the model {list(old.shape)}"
             )
+        if name in self._overruled:
+            self._given.add(name)
+            return True
         if self._device is not None:
             tensor = tensor.to(self._device)
         parameter = isinstance(old, _torch.nn.Parameter)

@@ -722,6 +722,60 @@ def test_load_model_of_both_tied_names_keeps_the_last_in_the_model_s_order(
     assert torch.equal(model.z.weight.float(), torch.full((4, 4), 1.0)), how
 
 
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("how", ["received", "pread", "http", "assign"])
+def test_load_model_of_both_tied_names_checks_the_shape_of_the_one_dropped(
+    tmp_path: Path, http: RangeHTTPServer, how: str, strict: bool
+) -> None:
+    """Of a tied pair both in the file, the name the last one overrules (``z``, first in the
+    model's order) with a shape that differs from the model's: a size mismatch for it, as the
+    reference raises, the other's values in the model; it was dropped unlooked at, the load
+    reporting success (``strict=False``) or only the other name unexpected."""
+    path = tmp_path / "m.safetensors"
+    reference.save_file(
+        {"a.weight": torch.full((4, 4), 1.0), "z.weight": torch.full((4, 5), 2.0)}, path
+    )
+    expected = TiedBackwards()
+    with pytest.raises(RuntimeError, match=r"size mismatch for z\.weight"):
+        reference.load_model(expected, path, strict=strict)
+    model = TiedBackwards()
+    address: str | Path = path
+    options: dict[str, Any] = {"strict": strict}
+    if how == "pread":
+        options["backend"] = "pread"
+    elif how == "http":
+        http.objects["/m.safetensors"] = path.read_bytes()
+        address = http.url("/m.safetensors")
+    elif how == "assign":
+        options["assign"] = True
+    with pytest.raises(UsageError, match=r"size mismatch for z\.weight"):
+        st.load_model(model, address, **options)
+    if how != "assign":  # assign=True: the tensors placed before the mismatch stay
+        assert torch.equal(model.z.weight, expected.z.weight)
+        assert torch.equal(model.a.weight, torch.full((4, 4), 1.0))
+
+
+class TiedScalar(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.z = torch.nn.Parameter(torch.tensor(0.0))
+        self.a = self.z
+
+
+def test_load_model_drops_a_tied_name_load_state_dict_takes_of_another_shape(
+    tmp_path: Path,
+) -> None:
+    """A tied scalar the file holds as one value of shape ``[1]`` (which ``load_state_dict``
+    takes, as a checkpoint of torch 0.3) overruled by the later name: dropped, the later one's
+    value kept, as by the reference."""
+    path = tmp_path / "m.safetensors"
+    reference.save_file({"a": torch.tensor(1.0), "z": torch.tensor([2.0])}, path)
+    expected, model = TiedScalar(), TiedScalar()
+    ref: Any = reference.load_model(expected, path, strict=False)  # (set, list)
+    assert st.load_model(model, path, strict=False) == ref
+    assert model.z.item() == expected.z.item() == 1.0
+
+
 class Renamed(torch.nn.Module):
     """Saves its tensors under other names than their attribute paths (a state-dict hook) and
     reads them back (a load pre-hook): ``lin.*`` as ``linear.*``, or ``a`` and ``b`` swapped."""
