@@ -455,8 +455,11 @@ def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str
     where the model has no tensor to receive on the CPU (all on a device, meta or not
     contiguous) and ``maps`` (``backend="mmap"``), without a copy (a local file mapped, the
     device's copies made from the mapping); else each tensor into fresh CPU memory, let go once
-    copied."""
+    copied. A model sharing memory that no name covers whole (a buffer over a slice of
+    another's) is refused as by the reference (:func:`~stream_st.compat._shared.shared_groups`),
+    the model as it was."""
     state = model.state_dict()
+    _shared.shared_groups(state)  # memory no name covers whole: refused before any is read
     receivable = _shared.receivable(model, state)
     into = _shared.in_cpu_memory(receivable)
     on_device = {

@@ -1346,6 +1346,58 @@ def test_load_model_tells_a_load_post_hook_what_the_reference_tells_it(
         assert tensor.eq(5.0).all(), name
 
 
+class SlicedBuffer(torch.nn.Module):
+    """A buffer over part of a storage no name covers whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.register_buffer("x", torch.zeros(6)[:3])
+
+
+class StridedBuffer(torch.nn.Module):
+    """A buffer that is every other column of a storage no name covers whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.register_buffer("x", torch.zeros(4, 6)[:, ::2])
+
+
+class OverlappingViews(torch.nn.Module):
+    """Two buffers over overlapping parts of one storage, neither covering it whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        base = torch.zeros(6)
+        self.register_buffer("x", base[:4])
+        self.register_buffer("y", base[2:])
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+@pytest.mark.parametrize("build", [SlicedBuffer, StridedBuffer, OverlappingViews])
+def test_load_model_refuses_memory_no_name_covers_before_loading_as_the_reference(
+    tmp_path: Path, build: type[torch.nn.Module], backend: str
+) -> None:
+    """A model sharing memory that no name covers whole is refused with the reference's
+    message, the model as it was (the reference refuses before loading anything), where every
+    tensor had been loaded into the model before the refusal."""
+    path = tmp_path / "m.safetensors"
+    reference.save_file({n: torch.ones(t.shape) for n, t in build().state_dict().items()}, path)
+    torch.manual_seed(3)
+    expected = build()
+    with pytest.raises(RuntimeError, match="Refusing to save/load the model") as raised:
+        reference.load_model(expected, path)
+    torch.manual_seed(3)
+    model = build()
+    worded = str(raised.value).split("storage.")[0]  # the advice after it is stream_st's
+    with pytest.raises(UsageError, match=re.escape(worded)):
+        st.load_model(model, path, strict=False, backend=backend)
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+
+
 class CopyOnSave(torch.nn.Module):
     """Saves a copy of its weight (``detach().clone()``), as some modules do."""
 
