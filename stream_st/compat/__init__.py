@@ -29,6 +29,7 @@ import warnings
 from types import ModuleType
 from typing import IO, TYPE_CHECKING, Any
 
+from ..errors import ArgumentTypeError
 from ._errors import SafetensorError, WrongTypeError
 
 if TYPE_CHECKING:
@@ -90,9 +91,19 @@ else:
 
         __signature__ = _Signature()
 
+        def __init_subclass__(cls, **kwargs: Any) -> None:
+            """Refused, as the reference's class refuses to be a base (it would make a blank
+            object that opens nothing): only the handle's own class derives from it."""
+            if (cls.__module__, cls.__qualname__) != (f"{__name__}._reference", "SafeOpen"):
+                raise ArgumentTypeError(
+                    f"type '{__name__}.safe_open' is not an acceptable base type, as the "
+                    "reference's is not: wrap the handle safe_open(...) gives instead"
+                )
+            super().__init_subclass__(**kwargs)
+
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
             """A handle, not yet set up: its ``__init__`` takes the arguments."""
-            if cls is not safe_open:  # the handle's class, made as itself
+            if cls is not safe_open:  # the handle's class (the only subclass), made as itself
                 return object.__new__(cls)
             import importlib  # as __getattr__ does: _reference imports this module
 

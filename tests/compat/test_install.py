@@ -162,6 +162,22 @@ def test_safe_open_shows_its_arguments_and_takes_them_by_the_references_names(
             assert handle.keys() == ["a"]
 
 
+def test_safe_open_is_no_base_type_as_the_reference_s_is_not() -> None:
+    """A class derived from ``safe_open`` (or from the handle's class) is refused where it is
+    defined, as the reference refuses it: a TypeError, and a SafetensorsError. It was made, and
+    calling it gave a blank object that opened nothing and checked no argument."""
+    import safetensors
+
+    from stream_st.compat import _reference, safe_open
+    from stream_st.errors import ArgumentTypeError
+
+    with pytest.raises(TypeError, match="not an acceptable base type"):
+        type("Mine", (safetensors.safe_open,), {})
+    for base in (safe_open, _reference.SafeOpen):
+        with pytest.raises(ArgumentTypeError, match="not an acceptable base type"):
+            type("Mine", (base,), {})
+
+
 @pytest.mark.parametrize("module", ["torch", "numpy"])
 def test_star_import_gives_the_names_the_references_gives(module: str) -> None:
     """``from safetensors.torch import *`` (and ``.numpy``) gives the reference's public names
