@@ -555,9 +555,13 @@ def _report_copy(
 async def run_serve(args: argparse.Namespace) -> int:
     """Serve a checkpoint over HTTP until stopped (SIGINT, SIGTERM: see ``app``)."""
     from ..server import serving
-    from ..server.app import TOKEN_ENV
+    from ..server.app import TOKEN_ENV, token_problem
 
-    token = args.token or os.environ.get(TOKEN_ENV) or None
+    token = args.token  # checked as parsed
+    if token is None and (token := os.environ.get(TOKEN_ENV)) is not None:
+        problem = token_problem(token)  # a variable set empty must not serve without a token
+        if problem is not None:
+            raise UsageError(f"{TOKEN_ENV} is {problem}: set it to the token, or unset it")
     checksums = False if args.no_checksums else args.checksums or None
     async with serving(
         args.path,
