@@ -11,7 +11,13 @@ from contextlib import contextmanager
 from ..errors import UsageError
 from ..reader.caps import Caps, using_caps
 from ..transports.cache.config import parse_size
-from ..transports.options import LimitOptions, Limits, Transport, TransportOptions
+from ..transports.options import (
+    LimitOptions,
+    Limits,
+    Transport,
+    TransportOptions,
+    header_problem,
+)
 from ..transports.s3.config import check_profile, endpoint_problem, region_problem
 
 __all__ = []
@@ -96,16 +102,23 @@ def _taken(text: str, problem: str | None) -> str:
 
 def header_line(text: str) -> tuple[str, str]:
     """A ``--header 'Name: value'`` argument as (name, value), checked as every request's
-    headers are (no line break, a valid name); the value is never shown (it may be a token)."""
+    headers are (a valid name), and as a header's value must be to go out at all (no control
+    character, nothing Latin-1 cannot encode): refused here, once, not by each source's
+    request; the value is never shown (it may be a token)."""
     name, colon, value = text.partition(":")
     if not colon or not name.strip():  # not shown: the whole may be a token
         missing = "a name before the colon" if colon else "the colon"
         raise argparse.ArgumentTypeError(f"expected 'Name: value', without {missing}")
+    name, value = name.strip(), value.strip()
     try:
-        Transport.of({name.strip(): value.strip()})
+        Transport.of({name: value})
     except UsageError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return name.strip(), value.strip()
+    for part, said in ((name, "the name"), (value, "the value of")):
+        problem = header_problem(part)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(f"{said} {name!r} holds {problem}")
+    return name, value
 
 
 def ca_bundle(path: str) -> ssl.SSLContext:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ._cli import COMMAND, write_model
+from ..servers.http_server import RangeHTTPServer
+from ._cli import COMMAND, run, write_model
 
 
 @pytest.fixture
@@ -34,3 +35,24 @@ def test_serve_refuses_a_bad_token_from_its_variable(token: str, model: Path) ->
     assert result.stderr.startswith("stream-st: error: STREAM_ST_SERVE_TOKEN is ")
     assert result.stderr.count("\n") == 1
     assert not token or token not in result.stderr  # never shown
+
+
+@pytest.mark.parametrize(
+    "header",
+    ["X-Note: caf\u00e9 \u2603", "X-Note: a\x01b", "X-Note: a\x7fb", "X\x7f: v", "\u2603: v"],
+    ids=["not latin-1", "control", "delete", "control in the name", "name not latin-1"],
+)
+def test_a_header_no_request_can_carry_is_refused_once(header: str, model: Path) -> None:
+    """A ``-H`` value Latin-1 cannot encode was refused by each source's request, once per
+    source (and taken without a word for a local one); a control character other than a line
+    break was sent. Either is the option's error, once, before any source is read."""
+    data = model.read_bytes()
+    with RangeHTTPServer(objects={"/a.safetensors": data, "/b.safetensors": data}) as http:
+        urls = [http.url("/a.safetensors"), http.url("/b.safetensors")]
+        for sources in (urls, [str(model), str(model)]):
+            result = run("inspect", "-q", "-H", header, *sources)
+            assert (result.returncode, result.stdout) == (2, ""), result.stderr
+            assert "argument -H/--header: " in result.stderr
+            assert result.stderr.count("\n") == 1, result.stderr
+        http.settle()
+        assert http.requests == []
