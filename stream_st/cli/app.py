@@ -27,7 +27,14 @@ from .exits import (
     interrupted,
 )
 from .options import aws_settings, caps_of
-from .output import PROG, OutputError, discard_output, standard_output, warnings_as_lines
+from .output import (
+    PROG,
+    OutputError,
+    discard_output,
+    shown,
+    standard_output,
+    warnings_as_lines,
+)
 from .parser import build_parser, complete
 
 __all__ = ["STOPPING_SIGNALS", "main"]
@@ -135,7 +142,7 @@ def _command(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
         with signing, aws_settings(args), caps_of(args), warnings_as_lines():
             status: int = anyio.run(_run, args)
     except SafetensorsError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {shown(str(exc))}", file=sys.stderr)  # a name cannot forge a line
         return EXIT_ERROR
     except BrokenPipeError:  # cp to ``-`` whose reader went away (``| head``): stop quietly
         discard_output()

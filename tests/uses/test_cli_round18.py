@@ -56,3 +56,21 @@ def test_a_header_no_request_can_carry_is_refused_once(header: str, model: Path)
             assert result.stderr.count("\n") == 1, result.stderr
         http.settle()
         assert http.requests == []
+
+
+def test_a_name_not_utf8_is_escaped_in_a_single_source_error(model: Path, tmp_path: Path) -> None:
+    """``show``, ``cp`` and ``diff`` reported their errors with a file name's byte that is not
+    UTF-8 as Python's surrogate (``\\udcff``), where the docs (and the commands taking several
+    sources) escape it as the byte (``bad\\xffname``)."""
+    odd = tmp_path / os.fsdecode(b"bad\xffname.safetensors")
+    odd.write_bytes(model.read_bytes())
+    for argv in (
+        ["show", str(odd), "nope"],
+        ["cp", "-q", "--include", "zz", str(odd), str(tmp_path / "out.safetensors")],
+    ):
+        result = subprocess.run(
+            [COMMAND, *argv], capture_output=True, timeout=120, stdin=subprocess.DEVNULL
+        )
+        stderr = result.stderr.decode("utf-8")  # no surrogate: UTF-8 throughout
+        assert result.returncode == 2, stderr
+        assert "bad\\xffname.safetensors" in stderr and stderr.count("\n") == 1
