@@ -42,7 +42,7 @@ from typing import TypedDict
 
 import anyio
 
-from ..errors import ReadTimeoutError, UsageError, integer_at_least
+from ..errors import ArgumentTypeError, ReadTimeoutError, UsageError, integer_at_least
 
 HEADER_BREAKS = "\r\n\0"
 """What no request header's value may hold: each would end its line early (a header of the
@@ -155,11 +155,16 @@ class Limits:
 
     @classmethod
     def of(cls, options: Mapping[str, object]) -> Limits:
-        """The limits named by an entry point's keyword arguments; UsageError for unknown ones."""
+        """The limits named by an entry point's keyword arguments; unknown ones (a misspelt
+        keyword) are an :class:`~stream_st.ArgumentTypeError`, a ``TypeError`` as Python's own
+        for an unexpected keyword argument."""
         known = {field.name for field in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise UsageError(f"unknown option(s) {unknown}; the limits are {sorted(known)}")
+            raise ArgumentTypeError(
+                f"unknown option(s) {unknown} (unexpected keyword arguments); the transport "
+                f"options are headers, ssl_context and the limits {sorted(known)}"
+            )
         return cls(**options)  # type: ignore[arg-type]  # each value is checked on construction
 
     @property

@@ -160,6 +160,40 @@ def test_arguments_of_the_wrong_type_are_type_errors(tmp_path: Path) -> None:
     assert not dst.exists()
 
 
+def test_a_misspelt_keyword_is_a_type_error_as_the_reference_s(tmp_path: Path) -> None:
+    """``devcie=``, ``stict=``, ``metdata=``: Python's TypeError for an unexpected keyword
+    argument in the reference, where the drop-ins raised a UsageError (a RuntimeError) that
+    ``except TypeError`` missed."""
+    path = tmp_path / "x.safetensors"
+    devcie: dict[str, Any] = {"devcie": "cpu"}  # misspelt on purpose (a checker sees them)
+    stict: dict[str, Any] = {"stict": False}
+    metdata: dict[str, Any] = {"metdata": {}}
+    ref_pt.save_file({"a": torch.ones(2)}, path)
+    calls: list[tuple[Callable[[], object], Callable[[], object]]] = [
+        (
+            partial(compat.safe_open, path, "pt", **devcie),
+            partial(safetensors.safe_open, path, "pt", **devcie),
+        ),
+        (
+            partial(st_pt.load_file, path, **devcie),
+            partial(ref_pt.load_file, path, **devcie),
+        ),
+        (
+            partial(st_pt.load_model, torch.nn.Module(), path, **stict),
+            partial(ref_pt.load_model, torch.nn.Module(), path, **stict),
+        ),
+        (
+            partial(st_np.save_file, {"a": np.ones(2)}, tmp_path / "y.safetensors", **metdata),
+            partial(ref_np.save_file, {"a": np.ones(2)}, tmp_path / "y.safetensors", **metdata),
+        ),
+    ]
+    for ours, reference in calls:
+        raises_the_reference_s_type(ours, reference)
+        with pytest.raises(TypeError, match="unknown option"):
+            ours()
+    assert not (tmp_path / "y.safetensors").exists()
+
+
 @pytest.mark.parametrize("framework", ["pt", "np"])
 def test_a_bad_backend_or_device_is_the_reference_s_type_of_error(
     tmp_path: Path, framework: str
