@@ -83,7 +83,7 @@ def test_a_rank_leaving_its_stream_fails_the_others_at_once(
         ({"options": [{}, {"device": "nowhere"}]}, "UsageError: device='nowhere'"),
         ({"slices": [None, {"layer0": [5, 0, 2]}]}, "UsageError: slices= for 'layer0'"),
         ({"include": [None, 5]}, "ArgumentTypeError: include= takes"),
-        ({"options": [{}, {"bogus": 1}]}, "UsageError: unknown option(s) ['bogus']"),
+        ({"options": [{}, {"bogus": 1}]}, "ArgumentTypeError: unknown option(s) ['bogus']"),
         ({"options": [{}, {"cache": True}]}, "UsageError: cache= does not go with"),
         ({"mode": "stream", "options": [{}, {"bogus": 1}]}, "unknown option(s) ['bogus']"),
         ({"mode": "stream", "options": [{}, {"timeout": -1}]}, "UsageError: timeout"),
