@@ -44,6 +44,7 @@ from ..core.codecs import error_stats
 from ..errors import AllocationError, UsageError, integer_at_least
 from ..kv import KVLayout, KVReceiver, SendReport, receive_kv, send_kv
 from ..kv.layout import key_name, value_name
+from ..tools.common import plural
 from ..transports.options import LimitOptions, clock_of
 
 if TYPE_CHECKING:
@@ -53,6 +54,20 @@ __all__ = ["DemoResult", "ModelDemo", "ModelResult", "run_demo", "run_model_demo
 
 Array = np.ndarray[Any, Any]
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, NEW_TOKENS = 32, 4, 64, 512, 16
+
+MAX_LAYERS = 1024
+"""The most layers the synthetic demo takes (decoders have up to about 128): each transfer plans
+every layer's wire tensors before the first goes out."""
+
+MAX_CACHE = 1 << 30
+"""The most bytes of keys and values (F16) the synthetic demo's cache holds: the receiver keeps
+every codec's keys to measure their errors."""
+
+
+def _cache_bytes(layers: int, seq: int) -> int:
+    """Bytes of the synthetic cache's keys and values (F16) of ``layers`` layers of ``seq``
+    tokens."""
+    return layers * 2 * 2 * KV_HEADS * seq * HEAD_DIM
 
 
 @dataclass
@@ -127,6 +142,14 @@ def _layouts(layers: int, seq: int, codecs: tuple[str, ...]) -> list[KVLayout]:
     for name, value in (("layers", layers), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"{name} must be a positive integer, got {value!r}")
+    if layers > MAX_LAYERS:
+        raise UsageError(f"layers must be at most {MAX_LAYERS}, got {layers}")
+    cache = _cache_bytes(layers, seq)
+    if cache > MAX_CACHE:
+        raise UsageError(
+            f"a cache of {plural(layers, 'layer')} of {seq:,} tokens holds {cache:,} bytes, "
+            f"over the demo's {MAX_CACHE:,}: fewer layers or a shorter seq"
+        )
     names = [codec.lower() for codec in codecs]
     if not names or len(set(names)) != len(names):
         raise UsageError(f"the demo needs one or more different codecs, got {list(codecs)}")
@@ -209,7 +232,7 @@ async def run_demo(
                 keys.append(key)
                 incoming.release(layer)
             _received(result, incoming)
-        result.payload_bytes = layers * 2 * 2 * KV_HEADS * seq * HEAD_DIM
+        result.payload_bytes = _cache_bytes(layers, seq)
         received_keys[result.codec] = keys
 
     await _session(len(layouts), send, receive, **limits)

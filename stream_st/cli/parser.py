@@ -224,10 +224,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="a TinyLlama-shaped cache of random projections instead of the model",
     )
     demo.add_argument(
-        "--layers", type=int, metavar="N", help="--synthetic: number of layers (default 22)"
+        "--layers",
+        type=int,
+        metavar="N",
+        help="--synthetic: number of layers (default 22, at most 1024)",
     )
     demo.add_argument(
-        "--seq", type=int, metavar="TOKENS", help="--synthetic: sequence length (default 2048)"
+        "--seq",
+        type=int,
+        metavar="TOKENS",
+        help="--synthetic: sequence length (default 2048; layers x seq x 1 KiB at most 1 GiB)",
     )
 
     inspect = command(

@@ -5,6 +5,7 @@ request, file names shown unescaped."""
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 from pathlib import Path
 
@@ -74,3 +75,39 @@ def test_a_name_not_utf8_is_escaped_in_a_single_source_error(model: Path, tmp_pa
         stderr = result.stderr.decode("utf-8")  # no surrogate: UTF-8 throughout
         assert result.returncode == 2, stderr
         assert "bad\\xffname.safetensors" in stderr and stderr.count("\n") == 1
+
+
+def _limited_memory() -> None:
+    """Run in the child: at most 3 GiB of address space, so that a demo allocating without end
+    fails in it, not the machine."""
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+
+@pytest.mark.parametrize(
+    ("layers", "seq", "said"),
+    [
+        ("99999999999", "1", "layers must be at most 1024, got 99999999999"),
+        (
+            "64",
+            "16385",
+            "a cache of 64 layers of 16,385 tokens holds 1,073,807,360 bytes, over the demo's "
+            "1,073,741,824: fewer layers or a shorter seq",
+        ),
+    ],
+    ids=["layers", "layers x seq"],
+)
+def test_the_synthetic_demo_refuses_a_cache_beyond_its_bounds(
+    layers: str, seq: str, said: str
+) -> None:
+    """``demo --synthetic --layers 99999999999`` planned every layer's wire tensors, allocating
+    until the OOM killer came (a MemoryError and "internal error" under a memory limit); the
+    layers and the cache's bytes are bounded, refused before anything is computed (exit 2)."""
+    argv = ["demo", "--synthetic", "-q", "--codecs", "none", "--layers", layers, "--seq", seq]
+    result = subprocess.run(
+        [COMMAND, *argv], capture_output=True, text=True, timeout=60, preexec_fn=_limited_memory
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (
+        2,
+        "",
+        f"stream-st: error: {said}\n",
+    )
