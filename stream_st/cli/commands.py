@@ -36,6 +36,7 @@ from ..errors import (
     SourceNotFoundError,
     TensorNotFoundError,
     TransportError,
+    UnsupportedSinkError,
     UsageError,
     redact,
 )
@@ -44,6 +45,7 @@ from ..tools.common import naming, plural
 from ..tools.cp import _make_directory, address_in
 from ..tools.model_checks import ModelConfig
 from ..tools.validate import expected_shapes
+from ..transports.file.atomic import path_from_url
 from ..transports.file.sink import PipeSink
 from ..transports.registry import SinkLike
 from .demo import print_report, run_demo
@@ -428,16 +430,28 @@ async def run_validate(args: argparse.Namespace) -> int:
     return await _each(args, one)
 
 
+def _local_path(dst: str) -> str | None:
+    """The local path the destination ``dst`` names (a path, or a ``file://`` URL's); None for
+    any other URL."""
+    if "://" not in dst:
+        return dst
+    if urllib.parse.urlsplit(dst).scheme.lower() != "file":
+        return None
+    return path_from_url(dst, UnsupportedSinkError)
+
+
 def _is_directory(dst: str) -> bool:
     """Whether ``cp`` writes into ``dst`` rather than as it: a trailing slash (a local directory,
     an S3 prefix, an HTTP folder; of a URL's path, a query after it or not), a bucket alone
-    (``s3://bucket``), or an existing local directory, as ``cp`` and ``aws s3 cp`` take them."""
+    (``s3://bucket``), or an existing local directory (a path or a ``file://`` URL), as ``cp``
+    and ``aws s3 cp`` take them."""
     if dst == STDIO:
         return False
-    if "://" in dst:  # the path says, before any query (an upload's token)
-        parts = urllib.parse.urlsplit(dst)
-        return parts.path.endswith("/") or (parts.scheme.lower() == "s3" and not parts.path)
-    return dst.endswith("/") or os.path.isdir(dst)
+    local = _local_path(dst)
+    if local is not None:
+        return local.endswith("/") or os.path.isdir(local)
+    parts = urllib.parse.urlsplit(dst)  # the path says, before any query (an upload's token)
+    return parts.path.endswith("/") or (parts.scheme.lower() == "s3" and not parts.path)
 
 
 def _source_name(src: str, dst: str) -> str:
@@ -506,8 +520,9 @@ async def run_cp(args: argparse.Namespace) -> int:
         )
     made: list[str] = []  # local directories made for the copy, removed if it fails
     try:
-        if into and "://" not in args.dst:
-            _make_directory(os.path.dirname(args.dst), made)
+        local = _local_path(args.dst)
+        if into and local is not None:
+            _make_directory(os.path.dirname(local), made)
         dst = await _destination(args.dst)
         with progress_reporter("copying", args.quiet) as progress, _include_named(args):
             try:

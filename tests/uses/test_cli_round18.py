@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from stream_st.cli import main
+
 from ..servers.http_server import RangeHTTPServer
 from ._cli import COMMAND, run, write_model
 
@@ -111,3 +113,18 @@ def test_the_synthetic_demo_refuses_a_cache_beyond_its_bounds(
         "",
         f"stream-st: error: {said}\n",
     )
+
+
+def test_cp_into_a_file_url_directory_as_into_a_path(model: Path, tmp_path: Path) -> None:
+    """A ``file://`` destination naming an existing directory failed ("the destination is a
+    directory") and one ending in ``/`` that did not exist failed ("no such directory"), where
+    the same paths are written into (made if missing): the URL's path is taken as the path."""
+    (tmp_path / "there").mkdir()
+    for dst, landed in (
+        (tmp_path / "there", tmp_path / "there" / model.name),
+        (tmp_path / "new" / "deeper", tmp_path / "new" / "deeper" / model.name),
+    ):
+        assert main(["cp", "-q", str(model), dst.as_uri() + "/" * (dst.name == "deeper")]) == 0
+        assert landed.read_bytes() == model.read_bytes()
+    failed = main(["cp", "-q", "--include", "zz", str(model), (tmp_path / "gone").as_uri() + "/"])
+    assert failed == 2 and not (tmp_path / "gone").exists()  # the directory made is removed
