@@ -28,7 +28,7 @@ import anyio
 
 from .. import tools
 from .._api import open_stream
-from ..core.shards import INDEX_SUFFIX, is_index
+from ..core.shards import INDEX_SUFFIX, is_index, split_address
 from ..core.stats import LoadStats, last_stats
 from ..core.strict_json import decode_json
 from ..errors import (
@@ -442,16 +442,16 @@ def _local_path(dst: str) -> str | None:
 
 def _is_directory(dst: str) -> bool:
     """Whether ``cp`` writes into ``dst`` rather than as it: a trailing slash (a local directory,
-    an S3 prefix, an HTTP folder; of a URL's path, a query after it or not), a bucket alone
-    (``s3://bucket``), or an existing local directory (a path or a ``file://`` URL), as ``cp``
-    and ``aws s3 cp`` take them."""
+    an S3 prefix, an HTTP folder; of a URL's path, a query after it or not, where an S3 key,
+    which has none, runs to its end), a bucket alone (``s3://bucket``), or an existing local
+    directory (a path or a ``file://`` URL), as ``cp`` and ``aws s3 cp`` take them."""
     if dst == STDIO:
         return False
     local = _local_path(dst)
     if local is not None:
         return local.endswith("/") or os.path.isdir(local)
-    parts = urllib.parse.urlsplit(dst)  # the path says, before any query (an upload's token)
-    return parts.path.endswith("/") or (parts.scheme.lower() == "s3" and not parts.path)
+    parts = split_address(dst)  # the path says, before any query (an upload's token)
+    return parts.path.endswith("/") or (parts.scheme.lower() == "s3" and parts.path == "/")
 
 
 def _source_name(src: str, dst: str) -> str:

@@ -14,6 +14,7 @@ import pytest
 from stream_st.cli import main
 
 from ..servers.http_server import RangeHTTPServer
+from ..servers.s3_server import CREDENTIALS, MotoS3Server
 from ._cli import COMMAND, run, write_model
 
 
@@ -128,3 +129,18 @@ def test_cp_into_a_file_url_directory_as_into_a_path(model: Path, tmp_path: Path
         assert landed.read_bytes() == model.read_bytes()
     failed = main(["cp", "-q", "--include", "zz", str(model), (tmp_path / "gone").as_uri() + "/"])
     assert failed == 2 and not (tmp_path / "gone").exists()  # the directory made is removed
+
+
+def test_cp_takes_an_s3_key_to_its_end(model: Path, moto_s3: MotoS3Server) -> None:
+    """An S3 key holds ``?`` as any other character (the reader's, and ``aws s3 cp``'s): to
+    ``s3://b/dir/?x=1`` the command wrote ``dir/?x=1/model.safetensors``, its path before the
+    ``?`` taken as a prefix; it writes the key ``dir/?x=1``, and into a prefix only where the
+    key ends in ``/``."""
+    client = moto_s3.client()
+    client.create_bucket(Bucket="round18-keys")
+    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": moto_s3.endpoint_url}
+    for dst in ("s3://round18-keys/dir/?x=1", "s3://round18-keys/pre/?x=1/"):
+        result = run("cp", "-q", str(model), dst, env=env)
+        assert result.returncode == 0, result.stderr
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="round18-keys")["Contents"]]
+    assert sorted(keys) == ["dir/?x=1", "pre/?x=1/model.safetensors"]
