@@ -64,6 +64,7 @@ from .output import (
     shown,
     split_digests,
     status_line,
+    undecoded,
 )
 
 
@@ -262,15 +263,30 @@ async def run_weight_inspect(args: argparse.Namespace) -> int:
 
 def checksum_line(sha256: str, name: str) -> str:
     """``sha256sum``'s line for ``name``: a name holding a backslash, a newline or a carriage
-    return is escaped, the line then starting with a backslash (as coreutils does)."""
-    if not any(c in name for c in "\\\n\r"):
-        return f"{sha256}  {name}"
-    escaped = name.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
-    return f"\\{sha256}  {escaped}"
+    return is escaped, the line then starting with a backslash (as coreutils does); so is one
+    holding another control or format character, escaped as :func:`.output.shown` escapes it
+    (``\\x1b``), where ``sha256sum`` writes it as it is, to drive the terminal (``hash --check``
+    reads it back; ``sha256sum -c`` does not). A byte that is not UTF-8 is written as it is."""
+    escaped = "".join(
+        "\\\\" if c == "\\" else c if c.isprintable() or undecoded(c) else shown(c) for c in name
+    )
+    return f"{sha256}  {name}" if escaped == name else f"\\{sha256}  {escaped}"
 
 
 _CHECK_LINE = re.compile(r"(\\?)([0-9a-fA-F]{64}) [ *](.+)")
 _CHECK_BSD = re.compile(r"(\\?)SHA256 \((.+)\) = ([0-9a-fA-F]{64})")
+_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.)")
+_SHORT_ESCAPES = {"n": "\n", "r": "\r", "t": "\t"}
+
+
+def _unescaped(match: re.Match[str]) -> str:
+    """The character one escape of a checksum line's name stands for (see
+    :func:`checksum_line`): ``\\n``, ``\\r``, ``\\t``, ``\\xHH``, ``\\uHHHH``, ``\\UHHHHHHHH``
+    (one Unicode has), else what follows the backslash."""
+    code = match[1]
+    if len(code) > 1 and int(code[1:], 16) <= sys.maxunicode:
+        return chr(int(code[1:], 16))
+    return _SHORT_ESCAPES.get(code, code)
 
 
 def parse_checksum_line(line: str) -> tuple[str, str] | None:
@@ -285,7 +301,7 @@ def parse_checksum_line(line: str) -> tuple[str, str] | None:
             return None
         escaped, name, digest = found.groups()
     if escaped:
-        name = re.sub(r"\\(.)", lambda m: {"n": "\n", "r": "\r"}.get(m[1], m[1]), name)
+        name = _ESCAPE.sub(_unescaped, name)
     return digest.lower(), name
 
 
@@ -562,7 +578,7 @@ def _report_copy(
         print_json(record)
         return
     if not args.quiet:
-        print(redact(done), file=sys.stderr)
+        print(shown(redact(done)), file=sys.stderr)  # DST's name cannot drive the terminal
     if args.stats and load is not None:
         print(f"load: {load.summary()}", file=sys.stderr)
 

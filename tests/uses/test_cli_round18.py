@@ -4,6 +4,7 @@ request, file names shown unescaped."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import resource
 import subprocess
@@ -144,3 +145,26 @@ def test_cp_takes_an_s3_key_to_its_end(model: Path, moto_s3: MotoS3Server) -> No
         assert result.returncode == 0, result.stderr
     keys = [o["Key"] for o in client.list_objects_v2(Bucket="round18-keys")["Contents"]]
     assert sorted(keys) == ["dir/?x=1", "pre/?x=1/model.safetensors"]
+
+
+def test_hash_file_and_cp_escape_a_name_that_would_drive_the_terminal(
+    model: Path, tmp_path: Path
+) -> None:
+    """``hash --file`` (of a model directory, whose file names nobody typed) and ``cp``'s
+    ``copied ... to DST`` line wrote a name's escape sequence raw to the terminal: escaped as
+    the other commands show it, on ``sha256sum``'s escaped line, which ``hash --check`` reads
+    back."""
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    name = "a\x1b[2Jb\\c.safetensors"  # an escape sequence and a backslash
+    (folder / name).write_bytes(model.read_bytes())
+    listed = run("hash", "--file", "dir", cwd=tmp_path)
+    want = hashlib.sha256(model.read_bytes()).hexdigest()
+    assert listed.stdout == f"\\{want}  dir/a\\x1b[2Jb\\\\c.safetensors\n", listed.stderr
+    (tmp_path / "sums").write_text(listed.stdout)
+    checked = run("hash", "--check", "sums", cwd=tmp_path)
+    assert (checked.returncode, checked.stdout) == (0, "dir/a\\x1b[2Jb\\c.safetensors: OK\n")
+    copied = run("cp", str(model), str(folder / "\x1b]0;title\x07.safetensors"))
+    assert copied.returncode == 0, copied.stderr
+    assert copied.stderr.endswith("/dir/\\x1b]0;title\\x07.safetensors\n"), copied.stderr
+    assert "\x1b" not in copied.stderr and "\x07" not in copied.stderr
