@@ -38,6 +38,7 @@ __all__ = [
     "ShardEntry",
     "is_index",
     "join_address",
+    "literal_scheme",
     "manifest_document",
     "shard_address",
     "shard_file_name",
@@ -121,7 +122,7 @@ def shard_address(index: str, shard: str) -> str:
         address = posixpath.join(posixpath.dirname(index), shard)
     else:
         parts = split_address(index)
-        name = shard if _literal(parts.scheme) else quote(shard)
+        name = shard if literal_scheme(parts.scheme) else quote(shard)
         path = posixpath.join(posixpath.dirname(parts.path), name)
         address = join_address(parts.scheme, parts.netloc, path, parts.query)
     if not _inside(index, address):
@@ -136,7 +137,7 @@ def join_address(scheme: str, netloc: str, path: str, query: str) -> str:
     return urlunsplit((scheme, netloc, path, query, ""))
 
 
-def _literal(scheme: str) -> bool:
+def literal_scheme(scheme: str) -> bool:
     """Whether a URL of ``scheme`` names its object by the path as written (an S3 key, a path
     in a Hub repository)."""
     return scheme.lower() in ("s3", "hf")
@@ -153,7 +154,7 @@ def _inside(index: str, address: str) -> bool:
             "",
         ):
             return False
-        decode = str if _literal(home.scheme) else unquote
+        decode = str if literal_scheme(home.scheme) else unquote
         directory, target = decode(posixpath.dirname(home.path)), decode(there.path)
     else:
         directory, target = posixpath.dirname(index), address

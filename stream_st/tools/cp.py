@@ -27,7 +27,7 @@ from ..core.digests import (
 from ..core.dtypes import dtype_for, dtype_from_code
 from ..core.header import Header, TensorInfo
 from ..core.layout import TensorSpec
-from ..core.shards import join_address, shard_address, split_address
+from ..core.shards import join_address, literal_scheme, shard_address, split_address
 from ..core.stats import LoadStats, record_last
 from ..errors import (
     CodecError,
@@ -512,7 +512,7 @@ def address_in(into: str, name: str) -> str:
     parts = split_address(into)
     if not parts.netloc and parts.scheme.lower() != "file":  # s3:// then names a local path
         raise UsageError(f"{into} names no bucket or host to write {name} into")
-    quoted = name if parts.scheme.lower() in ("s3", "file") else quote(name)
+    quoted = name if literal_scheme(parts.scheme) else quote(name)  # file:// decodes it
     path = parts.path if parts.path.endswith("/") else parts.path + "/"
     return join_address(parts.scheme, parts.netloc, path + quoted, parts.query)
 

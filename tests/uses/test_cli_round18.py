@@ -132,6 +132,19 @@ def test_cp_into_a_file_url_directory_as_into_a_path(model: Path, tmp_path: Path
     assert failed == 2 and not (tmp_path / "gone").exists()  # the directory made is removed
 
 
+def test_cp_into_a_file_url_directory_keeps_a_name_url_escapes_would_change(
+    model: Path, tmp_path: Path
+) -> None:
+    """A source named ``a%41#b.safetensors`` copied into ``file:///dir/`` was written as
+    ``dir/aA`` (its name joined unquoted into the URL, which the file transport decodes): it
+    lands under its own name, as into a plain path."""
+    named = tmp_path / "a%41#b.safetensors"
+    named.write_bytes(model.read_bytes())
+    (tmp_path / "into").mkdir()
+    assert main(["cp", "-q", str(named), (tmp_path / "into").as_uri() + "/"]) == 0
+    assert os.listdir(tmp_path / "into") == [named.name]
+
+
 def test_cp_takes_an_s3_key_to_its_end(model: Path, moto_s3: MotoS3Server) -> None:
     """An S3 key holds ``?`` as any other character (the reader's, and ``aws s3 cp``'s): to
     ``s3://b/dir/?x=1`` the command wrote ``dir/?x=1/model.safetensors``, its path before the
