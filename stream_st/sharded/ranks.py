@@ -205,9 +205,11 @@ class DistributedStream(TensorStream[TensorT]):
         self._problem: Failure | None = None
         self._slice: Callable[[str], object] = lambda name: None
         try:
-            self._selected = _selected(include)
             if include is not None and not callable(include):
-                self._names = set(self._selected_names(include))
+                # its names taken once: an iterator would be spent by a second look
+                include = include_names(include)
+                self._names = set(include)
+            self._selected = _selected(include)
             self._group.hand_out_on(device)
             self._slice = _slice_of(slices)
             if max_tensor_bytes is None and max_total_bytes is None:
@@ -240,12 +242,6 @@ class DistributedStream(TensorStream[TensorT]):
         stream = cls("", process_group=process_group)
         stream._problem = Failure.of(problem)
         return stream
-
-    @staticmethod
-    def _selected_names(include: Include) -> list[str]:
-        if isinstance(include, str):
-            return [include]
-        return [] if include is None or callable(include) else list(include)
 
     @property
     def header(self) -> Header:
@@ -506,11 +502,15 @@ def load_model(
         find_shared_tensors,
         in_cpu_memory,
         receivable,
+        shared_groups,
     )
     from ..compat._sync import run
 
     try:
+        if include is not None and not callable(include):
+            include = include_names(include)  # once: an iterator would be spent by a second look
         state = model.state_dict()
+        shared_groups(state)  # memory no name covers whole: refused before anything is read
         into = in_cpu_memory(receivable(model, state))
         # Names that share memory (tied weights) are received fresh and go through
         # load_state_dict: received in place, their buffers would overlap (one name read

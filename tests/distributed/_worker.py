@@ -9,7 +9,8 @@ has 60), ``backend`` (``gloo``, or ``nccl``: rank R on CUDA device R modulo the 
 its own only), ``mode`` (``load_file``, ``load_model``, ``stream``), ``src`` (or ``srcs``: one per
 rank), ``options`` (keywords of ``load_file``, ``load_model`` or ``open_stream``: the same for all,
 or one mapping per rank), ``broken`` (``{rank: true}``, load_model mode: that rank gives None for
-the model), and per rank ``include`` (``"!raise"``: a predicate that raises), ``slices`` (``{name:
+the model), and per rank ``include`` (``"!raise"``: a predicate that raises; ``{"once":
+names}``: an iterator of the names), ``slices`` (``{name:
 [dim, part, parts]}``), ``ambient`` (``[max_tensor_bytes, max_total_bytes]`` set with
 ``using_caps``), ``env``; ``reference`` (a safetensors file: each tensor got is compared bit for
 bit, on its own device, with that file's, sliced as asked, the names that differ reported);
@@ -183,6 +184,8 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
     include = params.get("include", [None] * world)[rank]
     if include == "!raise":
         include = _raising
+    elif isinstance(include, dict):  # {"once": names}: an iterator, spent by one look
+        include = iter(include["once"])
     slices = _slices(params.get("slices", [None] * world)[rank])
     options = params.get("options", {})
     if isinstance(options, list):

@@ -149,6 +149,32 @@ def test_load_model_in_place(tmp_path: Path, pool: Pool) -> None:
         assert report["in_place"] == sorted(model.state_dict())
 
 
+def test_include_given_as_an_iterator_is_checked_as_a_list(
+    tmp_path: Path, checkpoint: Path, pool: Pool
+) -> None:
+    """``include=`` an iterator (a generator): a name not in the file fails every rank, as a
+    list's does, and load_model loads the names it gives; the iterator was spent by a first
+    look, so the missing name was skipped without a word."""
+    once = {"once": ["a", "not-there"]}
+    for mode in ("load_file", "stream"):
+        reports = pool.run(tmp_path, 2, mode=mode, src=str(checkpoint), include=[None, once])
+        for report in reports:
+            assert report.get("error") == "RankFailedError", report
+            assert "not in the source: ['not-there']" in report["message"], report
+    model = Model()
+    torch.nn.init.normal_(model.scale)
+    path = tmp_path / "model.safetensors"
+    reference_save(model.state_dict(), str(path))
+    wanted = {"once": ["proj.weight", "scale"]}
+    reports = pool.run(tmp_path, 2, mode="load_model", src=str(path), include=[wanted, wanted])
+    expected = reference_load(str(path))
+    for report in reports:
+        assert report.get("missing") == [] and report["unexpected"] == [], report
+        got = ok(report)
+        for name in ("proj.weight", "scale"):
+            assert torch.equal(got[name], expected[name]), name
+
+
 def write_index(folder: Path, every: dict[str, Any], cut: int) -> Path:
     """``every`` as a sharded checkpoint in ``folder``: its first ``cut`` tensors, then the rest;
     the index's path."""
