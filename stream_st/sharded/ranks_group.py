@@ -63,6 +63,9 @@ class RankGroup:
                 "slices= (and load_model's include=) need process_group= (a torch.distributed "
                 "process group)"
             )
+        outside = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
+        if outside is not None and group is outside:  # what new_group gives a rank left out
+            raise UsageError("this process is not a member of process_group")
         kind = getattr(dist, "ProcessGroup", None)  # absent where torch has no distributed
         if kind is not None and not isinstance(group, kind):
             raise ArgumentTypeError(

@@ -213,3 +213,13 @@ def test_a_bad_copy_on_one_rank(tmp_path: Path, pool: Pool, damage: str, bad: in
             message = failed(report, "RankFailedError", bad)
             assert f"IntegrityError: tensor 'layer1' from rank {bad}'s source" in message, report
         assert "tensors" not in report
+
+
+def test_a_rank_left_out_of_a_subgroup_is_told_so(tmp_path: Path) -> None:
+    """``new_group`` gives a rank it leaves out torch's non-member sentinel (the int -100):
+    passed on as ``process_group=``, it was refused as "got int", where the rank is not a
+    member of the group."""
+    path = tmp_path / "m.safetensors"
+    reference_save({"a": torch.zeros(2)}, str(path))
+    with pytest.raises(stream_st.UsageError, match="not a member of process_group"):
+        stream_st.torch.load_file(path, process_group=dist.GroupMember.NON_GROUP_MEMBER)
