@@ -148,6 +148,12 @@ def _check_same(everyone: list[tuple[Any, ...]], meaning: str) -> None:
             raise RankFailedError(f"rank {rank} failed: {cause}", rank=rank, cause=cause)
 
 
+def _listed(include: Include) -> Include:
+    """``include=`` with its names taken once (a set), a predicate or None as it is: an
+    iterator would be spent by a second look."""
+    return include if include is None or callable(include) else include_names(include)
+
+
 def _selected(include: Include) -> Callable[[str], bool]:
     if include is None:
         return lambda name: True
@@ -205,9 +211,8 @@ class DistributedStream(TensorStream[TensorT]):
         self._problem: Failure | None = None
         self._slice: Callable[[str], object] = lambda name: None
         try:
-            if include is not None and not callable(include):
-                # its names taken once: an iterator would be spent by a second look
-                include = include_names(include)
+            include = _listed(include)
+            if isinstance(include, set):
                 self._names = set(include)
             self._selected = _selected(include)
             self._group.hand_out_on(device)
@@ -507,8 +512,7 @@ def load_model(
     from ..compat._sync import run
 
     try:
-        if include is not None and not callable(include):
-            include = include_names(include)  # once: an iterator would be spent by a second look
+        include = _listed(include)
         state = model.state_dict()
         shared_groups(state)  # memory no name covers whole: refused before anything is read
         into = in_cpu_memory(receivable(model, state))
