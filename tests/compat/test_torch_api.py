@@ -704,22 +704,31 @@ def test_load_model_of_both_tied_names_keeps_the_last_in_the_model_s_order(
     ref: Any = reference.load_model(expected, path, strict=False)
     assert torch.equal(expected.z.weight.detach(), torch.full((4, 4), 1.0))  # "a": last
     model = TiedBackwards()
+    address, options = _tied_load(path, http, how, strict=False)
+    if how == "other dtype":
+        model.z.double()  # through load_state_dict, cast
+        expected.z.double()
+    got: Any = st.load_model(model, address, **options)
+    assert (set(got[0]), sorted(got[1])) == (set(ref[0]), sorted(ref[1]))
+    assert model.a.weight is model.z.weight
+    assert torch.equal(model.z.weight.float(), torch.full((4, 4), 1.0)), how
+
+
+def _tied_load(
+    path: Path, http: RangeHTTPServer, how: str, *, strict: bool
+) -> tuple[str | Path, dict[str, Any]]:
+    """Where and how a tied-names test loads ``path``: the address (served by ``http`` for
+    ``"http"``) and ``load_model``'s options (``"pread"``, ``"assign"``)."""
     address: str | Path = path
-    options: dict[str, Any] = {"strict": False}
+    options: dict[str, Any] = {"strict": strict}
     if how == "pread":
         options["backend"] = "pread"
     elif how == "http":
         http.objects["/m.safetensors"] = path.read_bytes()
         address = http.url("/m.safetensors")
-    elif how == "other dtype":
-        model.z.double()  # through load_state_dict, cast
-        expected.z.double()
     elif how == "assign":
         options["assign"] = True
-    got: Any = st.load_model(model, address, **options)
-    assert (set(got[0]), sorted(got[1])) == (set(ref[0]), sorted(ref[1]))
-    assert model.a.weight is model.z.weight
-    assert torch.equal(model.z.weight.float(), torch.full((4, 4), 1.0)), how
+    return address, options
 
 
 @pytest.mark.parametrize("strict", [True, False])
@@ -739,15 +748,7 @@ def test_load_model_of_both_tied_names_checks_the_shape_of_the_one_dropped(
     with pytest.raises(RuntimeError, match=r"size mismatch for z\.weight"):
         reference.load_model(expected, path, strict=strict)
     model = TiedBackwards()
-    address: str | Path = path
-    options: dict[str, Any] = {"strict": strict}
-    if how == "pread":
-        options["backend"] = "pread"
-    elif how == "http":
-        http.objects["/m.safetensors"] = path.read_bytes()
-        address = http.url("/m.safetensors")
-    elif how == "assign":
-        options["assign"] = True
+    address, options = _tied_load(path, http, how, strict=strict)
     with pytest.raises(UsageError, match=r"size mismatch for z\.weight"):
         st.load_model(model, address, **options)
     if how != "assign":  # assign=True: the tensors placed before the mismatch stay
