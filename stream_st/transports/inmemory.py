@@ -121,6 +121,11 @@ class ChunkIteratorSource(Source):
         while not self._chunk:
             if self._done:
                 return False
+            if getattr(self._iterator, "ag_running", False):  # stepped by another reader now
+                raise UsageError(
+                    f"{self.name}: the async generator is being read by another stream; "
+                    "give each stream an iterator of its own"
+                )
             try:
                 with self.clock.waiting(self.name, self.position):
                     chunk = await anext(self._iterator)

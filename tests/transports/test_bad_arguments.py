@@ -100,3 +100,49 @@ def test_serving_refuses_an_empty_host(tmp_path: Path) -> None:
         asyncio.run(serve())
     with pytest.raises(stream_st.UsageError, match=refusal):
         stream_st.serve(path, host="")
+
+
+class _NotAPath:
+    """An ``os.PathLike`` whose ``__fspath__`` gives a number."""
+
+    def __fspath__(self) -> Any:
+        return 5
+
+
+async def test_a_path_like_that_gives_no_path_is_an_argument_error() -> None:
+    """Its ``__fspath__`` giving neither str nor bytes: Python's bare TypeError escaped."""
+    with pytest.raises(stream_st.ArgumentTypeError, match="not a path"):
+        await stream_st.load(_NotAPath())
+
+
+async def test_an_async_generator_read_by_two_streams_at_once_is_refused() -> None:
+    """The second stream over a generator the first is stepping: a UsageError (as for a shared
+    anyio or asyncio stream), where the generator's bare RuntimeError escaped."""
+    import anyio
+    import numpy as np
+
+    import stream_st.numpy
+
+    raw = stream_st.numpy.save({f"t{i}": np.arange(100, dtype=np.float32) for i in range(20)})
+
+    async def chunks() -> Any:
+        for start in range(0, len(raw), 500):
+            await anyio.sleep(0.001)
+            yield raw[start : start + 500]
+
+    source = chunks()
+    outcomes: list[object] = []
+
+    async def read() -> None:
+        try:
+            outcomes.append(len([name async for name, _ in stream_st.open_stream(source)]))
+        except stream_st.SafetensorsError as exc:
+            outcomes.append(exc)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(read)
+        await anyio.sleep(0.0005)
+        group.start_soon(read)
+    assert 20 in outcomes, outcomes
+    (refused,) = [o for o in outcomes if isinstance(o, stream_st.UsageError)]
+    assert "read by another stream" in str(refused)

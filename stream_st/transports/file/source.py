@@ -28,6 +28,7 @@ import anyio.to_thread
 
 from ..._util import task_group
 from ...errors import (
+    ArgumentTypeError,
     SourceNotFoundError,
     TransportError,
     UsageError,
@@ -100,7 +101,10 @@ def open_file_source(path: str | os.PathLike[str], clock: Clock = UNLIMITED) -> 
     """The source for a local path: a :class:`FileSource` for a regular file, a
     :class:`PipeSource` for a FIFO, a pipe or a character device. Never blocks: a FIFO is opened
     before its writer comes."""
-    name = os.fspath(path)
+    try:
+        name = os.fspath(path)
+    except TypeError as exc:  # a PathLike whose __fspath__ gives neither str nor bytes
+        raise ArgumentTypeError(f"not a path: {exc}") from None
     fd = open_path(name, os.O_RDONLY | os.O_NONBLOCK)
     try:
         mode = os.fstat(fd).st_mode
