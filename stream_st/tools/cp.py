@@ -45,6 +45,7 @@ from ..sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from ..transports import store
 from ..transports.file.sink import COPY_TURN
 from ..transports.file.source import FileSource
+from ..transports.http import HTTPStatusError
 from ..transports.options import Clock, Transport, TransportOptions
 from ..transports.registry import Sink, SinkLike, SourceLike, open_sink, read_object
 from ..writer import TensorWriter
@@ -524,7 +525,12 @@ async def _shard_replaces(written: list[str], options: TransportOptions) -> bool
     *shards, index = written
     if not store.listable(index):  # http(s): each shard was committed as its upload ended
         return False
-    return await store.any_exists(shards, **options)
+    try:
+        return await store.any_exists(shards, **options)
+    except HTTPStatusError as exc:
+        if exc.status != 403:
+            raise
+        return False  # credentials that may not read the keys: the older index stays, as before
 
 
 async def _unindexed(written: list[str], options: TransportOptions) -> None:
@@ -533,7 +539,11 @@ async def _unindexed(written: list[str], options: TransportOptions) -> None:
     killed in the commit, or a commit that fails, then leaves no index (loading it fails)
     rather than the older index over a mix of new and old shards. The new index is committed
     last."""
-    await store.remove(written[-1], **options)
+    try:
+        await store.remove(written[-1], **options)
+    except HTTPStatusError as exc:
+        if exc.status != 403:
+            raise  # credentials that may not delete it: the older index stays, as before
 
 
 class _Held(Sink):
