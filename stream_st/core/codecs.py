@@ -78,7 +78,7 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ArgumentTypeError, CodecError
+from ..errors import ArgumentTypeError, CodecError, DtypeError
 from .casts import ErrorStats, error_stats, to_bfloat16
 from .dtypes import dtype_for
 from .layout import TensorSpec
@@ -97,6 +97,24 @@ __all__ = [
     "get_codec",
     "to_bfloat16",
 ]
+
+_TORCH_NAMES = {"float": "float32"}
+"""torch's dtype names that mean another dtype in numpy (``torch.float`` is float32, numpy's
+``float`` float64); the others (``half``, ``double``, ``bfloat16``...) agree."""
+
+
+def original_code(raw: str) -> str:
+    """The dtype code an ``original_dtype`` record names: a numpy name as the codecs write it,
+    or a ``torch.`` name or a code as other writers do (``"float16"``, ``"torch.float"``,
+    ``"F16"``); "" where it names no dtype. Whether a float is for the caller to say."""
+    name = raw.removeprefix("torch.")
+    if name != raw:
+        name = _TORCH_NAMES.get(name, name)
+    try:
+        return dtype_for(name).code
+    except DtypeError:
+        return ""
+
 
 Array = npt.NDArray[Any]
 DTypeLike = str | np.dtype[Any] | type

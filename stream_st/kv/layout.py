@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.codecs import Codec, codec_from_metadata, get_codec
+from ..core.codecs import Codec, codec_from_metadata, get_codec, original_code
 from ..core.dtypes import dtype_for
 from ..core.header import Header
 from ..core.layout import TensorSpec, integer_shape
@@ -233,10 +233,7 @@ def _original_dtype(meta: dict[str, str]) -> str | None:
     raw = meta.get("original_dtype")
     if raw is None:
         return None
-    try:
-        code = dtype_for(raw.removeprefix("torch.")).code
-    except ValueError:  # DtypeError: not a dtype at all
-        code = ""
+    code = original_code(raw)
     if code not in _FLOAT_CODES:
         raise HeaderError(
             f"not a KV cache: original_dtype {raw!r} is not float16, bfloat16 or float32"

@@ -16,7 +16,7 @@ import anyio
 import numpy as np
 
 from .._util import allow_open_files
-from ..core.codecs import Codec, codec_from_metadata, get_codec, to_bfloat16
+from ..core.codecs import Codec, codec_from_metadata, get_codec, original_code, to_bfloat16
 from ..core.digests import (
     ALGORITHM_KEY,
     DEFAULT_ALGORITHM,
@@ -24,14 +24,13 @@ from ..core.digests import (
     algorithm_named,
     is_record_key,
 )
-from ..core.dtypes import dtype_for, dtype_from_code
+from ..core.dtypes import dtype_from_code
 from ..core.header import Header, TensorInfo
 from ..core.layout import TensorSpec
 from ..core.shards import join_address, literal_scheme, shard_address, split_address
 from ..core.stats import LoadStats, record_last
 from ..errors import (
     CodecError,
-    DtypeError,
     HeaderError,
     SafetensorsError,
     StreamStWarning,
@@ -272,10 +271,7 @@ def _original(metadata: Mapping[str, str]) -> str:
     raw = metadata.get("original_dtype")
     if raw is None:
         return "F32"
-    try:
-        code = dtype_for(raw.removeprefix("torch.")).code
-    except DtypeError:
-        code = ""
+    code = original_code(raw)
     if code not in CONVERTIBLE:
         raise CodecError(
             f"metadata original_dtype must name one of {', '.join(_ORIGINAL)}, got {raw!r:.100}"

@@ -26,6 +26,7 @@ from stream_st.core.codecs import (
     codec_from_metadata,
     error_stats,
     get_codec,
+    original_code,
     to_bfloat16,
 )
 from stream_st.core.dtypes import dtype_for
@@ -725,3 +726,22 @@ def test_int8_of_a_big_endian_array_is_that_of_its_values(dtype: str) -> None:
     (_, expected), (_, expected_scale) = Int8Codec().encode("w", native)
     assert codes.tolist() == expected.tolist() == [42, -127, 85]
     assert scale.tolist() == expected_scale.tolist()
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        ("float16", "F16"),
+        ("bfloat16", "BF16"),
+        ("float", "F64"),  # numpy's name
+        ("torch.float", "F32"),  # torch's: float32, where it was read as numpy's float64
+        ("torch.half", "F16"),
+        ("torch.double", "F64"),
+        ("torch.bfloat16", "BF16"),
+        ("F32", "F32"),
+        ("zzz", ""),
+    ],
+)
+def test_original_code_reads_numpy_torch_and_code_names(raw: str, code: str) -> None:
+    """One reading of ``original_dtype`` for ``cp --dequantize`` and the KV reader."""
+    assert original_code(raw) == code
