@@ -18,6 +18,7 @@ import posixpath
 import re
 import stat
 import sys
+import unicodedata
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -64,7 +65,6 @@ from .output import (
     shown,
     split_digests,
     status_line,
-    undecoded,
 )
 
 
@@ -266,11 +266,18 @@ def checksum_line(sha256: str, name: str) -> str:
     return is escaped, the line then starting with a backslash (as coreutils does); so is one
     holding another control or format character, escaped as :func:`.output.shown` escapes it
     (``\\x1b``), where ``sha256sum`` writes it as it is, to drive the terminal (``hash --check``
-    reads it back; ``sha256sum -c`` does not). A byte that is not UTF-8 is written as it is."""
+    reads it back; ``sha256sum -c`` does not). A byte that is not UTF-8, and any other
+    character (a no-break space), is written as it is, as ``sha256sum -c`` reads it."""
     escaped = "".join(
-        "\\\\" if c == "\\" else c if c.isprintable() or undecoded(c) else shown(c) for c in name
+        "\\\\" if c == "\\" else shown(c) if _drives_the_terminal(c) else c for c in name
     )
     return f"{sha256}  {name}" if escaped == name else f"\\{sha256}  {escaped}"
+
+
+def _drives_the_terminal(character: str) -> bool:
+    """Whether ``character`` is a control or format character (an escape sequence's ESC, a
+    line break, a bidirectional override), which a checksum line escapes."""
+    return unicodedata.category(character) in ("Cc", "Cf")
 
 
 _CHECK_LINE = re.compile(r"(\\?)([0-9a-fA-F]{64}) [ *](.+)")

@@ -302,16 +302,10 @@ def shown(text: str) -> str:
 
 def _escaped(character: str) -> str:
     """One character that :func:`shown` escapes, as Python escapes it; a byte that is not
-    UTF-8 (:func:`undecoded`) as the byte."""
-    if undecoded(character):
+    UTF-8, which Python reads into a surrogate from U+DC80 to U+DCFF, as the byte."""
+    if "\udc80" <= character <= "\udcff":
         return f"\\x{ord(character) - 0xDC00:02x}"
     return character.encode("unicode_escape").decode()
-
-
-def undecoded(character: str) -> bool:
-    """Whether ``character`` stands for a byte of a file name that is not UTF-8 (a surrogate
-    from U+DC80 to U+DCFF, as Python reads such a byte)."""
-    return "\udc80" <= character <= "\udcff"
 
 
 def brief(value: str, limit: int = 200) -> str:

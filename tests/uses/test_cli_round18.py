@@ -181,3 +181,8 @@ def test_hash_file_and_cp_escape_a_name_that_would_drive_the_terminal(
     assert copied.returncode == 0, copied.stderr
     assert copied.stderr.endswith("/dir/\\x1b]0;title\\x07.safetensors\n"), copied.stderr
     assert "\x1b" not in copied.stderr and "\x07" not in copied.stderr
+    spaced = folder.parent / "spaced"
+    spaced.mkdir()
+    (spaced / "u\u00a0v.safetensors").write_bytes(model.read_bytes())  # a no-break space
+    plain = run("hash", "--file", "spaced", cwd=tmp_path)
+    assert plain.stdout == f"{want}  spaced/u\u00a0v.safetensors\n", plain.stdout  # sha256sum's
