@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import anyio.lowlevel
 
+from ..errors import UsageError
 from .options import UNLIMITED, Clock, Transport
 
 if TYPE_CHECKING:
@@ -114,12 +115,23 @@ class Source(ABC):
 
     clock: Clock = UNLIMITED
     name: str = "<source>"
+    _claimed = False
     size: int | None = None
     whole_object: bool = True
     random_access: bool = False
 
     def __init__(self) -> None:
         self.position = 0
+
+    def claim(self) -> None:
+        """Take this source for one read; a second is a :class:`~stream_st.UsageError` (the
+        bytes a first read took are gone, and two reads at once would each get part of them)."""
+        if self._claimed:
+            raise UsageError(
+                f"{self.name}: this source was given to another read already; a source is "
+                "read once: open a new one for each read (or pass its path or URL)"
+            )
+        self._claimed = True
 
     async def start(self, *, read_all: bool = False) -> None:  # noqa: B027 - most are ready
         """Connect or send the first request; the reader calls it once, before anything else.

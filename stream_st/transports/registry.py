@@ -125,6 +125,7 @@ async def open_source(obj: SourceLike, clock: Clock = UNLIMITED) -> Source:
     """
     if isinstance(obj, Source):
         source = obj
+        source.claim()
         if clock.limited:
             source.clock = clock
     else:

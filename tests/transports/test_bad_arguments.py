@@ -146,3 +146,33 @@ async def test_an_async_generator_read_by_two_streams_at_once_is_refused() -> No
     assert 20 in outcomes, outcomes
     (refused,) = [o for o in outcomes if isinstance(o, stream_st.UsageError)]
     assert "read by another stream" in str(refused)
+
+
+async def test_a_source_object_given_to_a_second_read_is_refused(tmp_path: Path) -> None:
+    """A :class:`~stream_st.sources.Source` is read once: given to a second read (after the
+    first, or while it runs), a UsageError saying so, where a closed file's bare OSError escaped
+    and other sources' leftovers were called a truncated file."""
+    import anyio
+
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(sample_file())
+    source = FileSource(path)
+    assert await stream_st.load(source)
+    with pytest.raises(stream_st.UsageError, match="given to another read already"):
+        await stream_st.load(source)
+
+    fresh = FileSource(path)
+    outcomes: list[object] = []
+
+    async def read() -> None:
+        try:
+            outcomes.append(len(await stream_st.load(fresh)))
+        except stream_st.SafetensorsError as exc:
+            outcomes.append(exc)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(read)
+        group.start_soon(read)
+    assert any(isinstance(o, int) for o in outcomes), outcomes
+    (refused,) = [o for o in outcomes if isinstance(o, stream_st.UsageError)]
+    assert "read once" in str(refused)
