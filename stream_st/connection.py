@@ -80,7 +80,7 @@ class Connection(AsyncClosing, SinkLender):
     def _clock(self, limits: LimitOptions) -> Clock:
         """The clock of one message: the call's ``limits`` if it gives any, else the
         connection's."""
-        return Clock(Limits.of(limits) if limits else self.limits)
+        return Clock(Limits.of(limits, transport=False) if limits else self.limits)
 
     def _source(self, limits: LimitOptions) -> SocketSource:
         """The socket lent to the next message read."""
@@ -180,7 +180,7 @@ class Connection(AsyncClosing, SinkLender):
 async def connect(url: str, **limits: Unpack[LimitOptions]) -> Connection:
     """Connect to ``tcp://host:port``. The limits (see :func:`~stream_st.open_stream`) bound the
     connect and then every message on the connection (see :class:`Connection`)."""
-    checked = Limits.of(limits)
+    checked = Limits.of(limits, transport=False)
     host, port = parse_tcp_url(url)
     clock = Clock(checked)
     clock.start()
@@ -258,7 +258,7 @@ async def listen(
     Raises :class:`~stream_st.TransportError` if the address cannot be listened on (in use,
     unknown host).
     """
-    checked = Limits.of(limits)
+    checked = Limits.of(limits, transport=False)
     if not isinstance(host, str) or "://" in host:  # connect() takes a URL; listen() does not
         raise UsageError(
             f"listen takes a host and a port (listen('127.0.0.1', 9000)), got {host!r}"

@@ -154,16 +154,18 @@ class Limits:
             object.__setattr__(self, name, value)
 
     @classmethod
-    def of(cls, options: Mapping[str, object]) -> Limits:
+    def of(cls, options: Mapping[str, object], *, transport: bool = True) -> Limits:
         """The limits named by an entry point's keyword arguments; unknown ones (a misspelt
         keyword) are an :class:`~stream_st.ArgumentTypeError`, a ``TypeError`` as Python's own
-        for an unexpected keyword argument."""
+        for an unexpected keyword argument. ``transport``: whether the entry point also takes
+        ``headers`` and ``ssl_context`` (the message lists what it takes)."""
         known = {field.name for field in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
+            takes = "headers, ssl_context and the limits" if transport else "the limits"
             raise ArgumentTypeError(
-                f"unknown option(s) {unknown} (unexpected keyword arguments); the transport "
-                f"options are headers, ssl_context and the limits {sorted(known)}"
+                f"unknown option(s) {unknown} (unexpected keyword arguments); the options are "
+                f"{takes} {sorted(known)}"
             )
         return cls(**options)  # type: ignore[arg-type]  # each value is checked on construction
 

@@ -176,3 +176,16 @@ async def test_a_source_object_given_to_a_second_read_is_refused(tmp_path: Path)
     assert any(isinstance(o, int) for o in outcomes), outcomes
     (refused,) = [o for o in outcomes if isinstance(o, stream_st.UsageError)]
     assert "read once" in str(refused)
+
+
+async def test_connect_and_listen_name_only_the_limits_they_take() -> None:
+    """``connect``/``listen`` take the limits and no transport options: a misspelt keyword's
+    message lists just those, where it offered ``headers`` and ``ssl_context``, which they then
+    refused too."""
+    with pytest.raises(stream_st.ArgumentTypeError, match=r"\['timeot'\]") as caught:
+        await stream_st.connect("tcp://127.0.0.1:9", timeot=1)  # type: ignore[call-arg]
+    assert "headers" not in str(caught.value) and "the limits" in str(caught.value)
+    with pytest.raises(stream_st.ArgumentTypeError, match=r"\['headers'\]") as caught:
+        async with stream_st.listen(headers={}):  # type: ignore[call-arg]
+            pass
+    assert "ssl_context" not in str(caught.value)
