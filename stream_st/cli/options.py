@@ -16,7 +16,6 @@ from ..transports.options import (
     Limits,
     Transport,
     TransportOptions,
-    header_problem,
 )
 from ..transports.s3.config import check_profile, endpoint_problem, region_problem
 
@@ -114,10 +113,6 @@ def header_line(text: str) -> tuple[str, str]:
         Transport.of({name: value})
     except UsageError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    for part, said in ((name, "the name"), (value, "the value of")):
-        problem = header_problem(part)
-        if problem is not None:
-            raise argparse.ArgumentTypeError(f"{said} {name!r} holds {problem}")
     return name, value
 
 

@@ -114,11 +114,9 @@ def header_problem(value: str) -> str | None:
     character (it would inject a header), or a character Latin-1 cannot encode (one a header
     cannot carry); None when it can go as it is. Callers name where the value came from, never
     the value."""
-    if not value.isprintable():
+    if any(c != "\t" and (c < " " or c == "\x7f") for c in value):  # RFC 9110: tab is text
         return "a line break or another control character"
-    try:
-        value.encode("latin-1")
-    except UnicodeEncodeError:
+    if any(c > "\xff" for c in value):  # beyond Latin-1 (a header's obs-text goes to 0xFF)
         return "characters an HTTP header cannot carry"
     return None
 
@@ -197,8 +195,9 @@ class Transport:
 
     @classmethod
     def of(cls, headers: object = None, ssl_context: object = None) -> Transport:
-        """Check the options: UsageError unless ``headers`` is a mapping of str to str with no
-        line breaks in it, and ``ssl_context`` an :class:`ssl.SSLContext` (each may be None)."""
+        """Check the options: UsageError unless ``headers`` is a mapping of str to str that a
+        request can carry (see :func:`header_problem`; the value never shown), and
+        ``ssl_context`` an :class:`ssl.SSLContext` (each may be None)."""
         if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
             raise UsageError(
                 f"ssl_context must be an ssl.SSLContext, got {type(ssl_context).__name__}"
@@ -216,14 +215,11 @@ class Transport:
                 raise UsageError(
                     f"headers must map str to str, got {name!r} mapped to {type(value).__name__}"
                 )
-            if (
-                not name
-                or any(c in name for c in ":\r\n \t")
-                or any(c in value for c in HEADER_BREAKS)
-            ):
-                raise UsageError(
-                    f"header {name!r} has no valid name, or its value holds a line break"
-                )
+            if not name or any(c in name for c in ":\r\n \t") or header_problem(name):
+                raise UsageError(f"header {name!r} has no valid name")
+            problem = header_problem(value)
+            if problem is not None:
+                raise UsageError(f"the value of header {name!r} holds {problem}")
             pairs.append((name, value))
         return cls(tuple(pairs), ssl_context)
 

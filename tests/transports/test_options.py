@@ -105,16 +105,39 @@ async def test_call_headers_go_on_top_of_a_given_sources(private: PrivateServer)
         ({"headers": {"a": 1}}, "headers must map str to str"),
         ({"headers": {"a": "b\r\nX-Injected: 1"}}, "line break"),
         ({"headers": {"bad name": "v"}}, "no valid name"),
+        ({"headers": {"X-Note": "a\x01b"}}, "'X-Note' holds a line break or another control"),
+        ({"headers": {"X-Note": "snow \u2603"}}, "'X-Note' holds characters an HTTP header"),
         ({"ssl_context": "/etc/ssl/ca.pem"}, "ssl_context must be an ssl.SSLContext"),
         ({"proxy": "http://p"}, "unknown option"),
     ],
 )
 async def test_bad_options_are_usage_errors(options: dict[str, Any], message: str) -> None:
+    """Refused as the call is made, before any request; a header's value never shown (a
+    control character other than a line break was sent, and a character beyond Latin-1 refused
+    by each request, shown in the message)."""
     with pytest.raises(UsageError, match=message) as info:
         await stream_st.read_header("http://127.0.0.1:9/m.safetensors", **options)
-    assert "\n" not in str(info.value)
+    assert "\n" not in str(info.value) and "\u2603" not in str(info.value)
     with pytest.raises(UsageError, match=message):
         stream_st.open_writer("http://127.0.0.1:9/m.safetensors", [], **options)
+
+
+def test_a_header_value_may_hold_a_tab_and_latin1_text(private: PrivateServer) -> None:
+    """RFC 9110 field values hold tabs and bytes 0x80-0xFF (obs-text): ``-H`` sends them, where
+    it refused a tab (and a no-break space) as a control character."""
+    for value in ("a\tb", "caf\u00e9\u00a0x"):
+        auth = f"Authorization: {TOKEN['Authorization']}"
+        argv = [
+            "inspect",
+            "-q",
+            "-H",
+            auth,
+            "-H",
+            f"X-Note: {value}",
+            private.url("/m.safetensors"),
+        ]
+        assert main(argv) == 0
+        assert private.seen[-1]["x-note"] == value
 
 
 # ---------------------------------------------------------------- TLS

@@ -117,7 +117,10 @@ def two(tmp_path: Path) -> tuple[str, str]:
         (["validate", "--speed-limit", "x"], "argument --speed-limit: not a number: 'x'"),
         (["validate", "--warn-abs", "-1"], "argument --warn-abs: must be a number >= 0, got -1.0"),
         (["hash", "-H", "Bad Name: v"], "argument -H/--header: header 'Bad Name' has no valid"),
-        (["inspect", "-H", "X: a\nb"], "argument -H/--header: header 'X' has no valid name"),
+        (
+            ["inspect", "-H", "X: a\nb"],
+            "argument -H/--header: the value of header 'X' holds a line break",
+        ),
     ],
 )
 def test_a_bad_option_is_named_once_not_blamed_on_each_source(
