@@ -117,7 +117,7 @@ def header_problem(value: str) -> str | None:
     if any(c != "\t" and (c < " " or c == "\x7f") for c in value):  # RFC 9110: tab is text
         return "a line break or another control character"
     if any(c > "\xff" for c in value):  # beyond Latin-1 (a header's obs-text goes to 0xFF)
-        return "characters an HTTP header cannot carry"
+        return "characters beyond Latin-1, which an HTTP header cannot carry"
     return None
 
 

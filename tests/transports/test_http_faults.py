@@ -729,10 +729,11 @@ async def test_url_is_percent_encoded() -> None:
 
 
 async def test_request_headers_must_be_latin_1(raw_server: Serve) -> None:
+    """Refused as the source is made, the value not shown (it may be a token)."""
     url = raw_server(wait_for_close) + "/f.safetensors"
-    with pytest.raises(UsageError, match="Latin-1") as info:
+    with pytest.raises(UsageError, match="'Authorization' holds characters beyond Latin-1") as info:
         await load(HttpSource(url, headers={"Authorization": "Bearer €"}))
-    assert url in str(info.value)
+    assert "€" not in str(info.value)
 
 
 @pytest.mark.parametrize("value", ["tok\r\nX-Injected: yes", "tok\nX-Injected: yes", "t\0k"])

@@ -106,7 +106,7 @@ async def test_call_headers_go_on_top_of_a_given_sources(private: PrivateServer)
         ({"headers": {"a": "b\r\nX-Injected: 1"}}, "line break"),
         ({"headers": {"bad name": "v"}}, "no valid name"),
         ({"headers": {"X-Note": "a\x01b"}}, "'X-Note' holds a line break or another control"),
-        ({"headers": {"X-Note": "snow \u2603"}}, "'X-Note' holds characters an HTTP header"),
+        ({"headers": {"X-Note": "snow \u2603"}}, "'X-Note' holds characters beyond Latin-1"),
         ({"ssl_context": "/etc/ssl/ca.pem"}, "ssl_context must be an ssl.SSLContext"),
         ({"proxy": "http://p"}, "unknown option"),
     ],
