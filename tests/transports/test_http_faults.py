@@ -275,9 +275,10 @@ Answer = Callable[[int], tuple[bytes, str, int | None]]
 the whole range)."""
 
 
-def ranged(answer_for: Answer, *, length: bool = True) -> Handler:
+def ranged(answer_for: Answer, *, length: bool = True, chunked: bool = False) -> Handler:
     """Keep-alive ranged GETs answered as ``answer_for`` says; ``length``: with a
-    ``Content-Length`` (else the body ends as the connection closes, as HTTP/1.0 has it)."""
+    ``Content-Length`` (else the body ends as the connection closes, as HTTP/1.0 has it);
+    ``chunked``: in one chunk and the last, a cut body ended cleanly, the connection kept."""
     count = iter(range(1 << 30))  # next() on it is atomic: connections run in threads
 
     def handle(connection: socket.socket) -> None:
@@ -288,13 +289,17 @@ def ranged(answer_for: Answer, *, length: bool = True) -> Handler:
             assert match is not None
             first = int(match[1])
             end = min(int(match[2]) + 1, len(data)) if match[2] else len(data)
-            sized = f"Content-Length: {end - first}\r\n" if length else ""
+            body = data[first:end][:cut]
+            if chunked:
+                extra += "Transfer-Encoding: chunked\r\n"
+                body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+            sized = f"Content-Length: {end - first}\r\n" if length and not chunked else ""
             head = (
                 f"HTTP/1.1 206 Partial Content\r\n{sized}{extra}"
                 f"Content-Range: bytes {first}-{end - 1}/{len(data)}\r\n\r\n"
             )
-            connection.sendall(head.encode() + data[first:end][:cut])
-            if cut is not None or not length:
+            connection.sendall(head.encode() + body)
+            if not chunked and (cut is not None or not length):
                 return
 
     return handle
@@ -362,6 +367,20 @@ async def test_a_206_without_length_that_breaks_is_resumed(
         return SPLIT_FILE, "", {0: 30_000, 1: 0}.get(n)
 
     url = raw_server(ranged(answer_for, length=False)) + "/m.safetensors"
+    source = HttpSource(url, concurrency=concurrency, part_size=40_000, backoff=0.01)
+    assert_same_arrays(await load(source), SPLIT)
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+async def test_a_chunked_206_ending_early_is_resumed(raw_server: Serve, concurrency: int) -> None:
+    """A chunked 206 whose last chunk comes before the bytes its Content-Range names ended early
+    though cleanly: resumed from the byte reached, as a body cut short is, where one stream
+    (concurrency 1) took it for the object's end and called the file truncated."""
+
+    def answer_for(n: int) -> tuple[bytes, str, int | None]:
+        return SPLIT_FILE, 'ETag: "v1"\r\n', 30_000 if n == 0 else None
+
+    url = raw_server(ranged(answer_for, chunked=True)) + "/m.safetensors"
     source = HttpSource(url, concurrency=concurrency, part_size=40_000, backoff=0.01)
     assert_same_arrays(await load(source), SPLIT)
 

@@ -420,22 +420,28 @@ class HttpSource(ClientUser, Source):
                     break
                 await self._adopt(fresh, at)
                 response = fresh
+            broken: TransportError | None = None
             try:  # never past the range the answer is for: a longer body is not the object's
                 got = await response.receive_into(buffer[filled : filled + self._response_end - at])
             except HTTPProtocolError:
                 raise
             except TransportError as exc:
+                got, broken = 0, exc
+            if got == 0:
+                # The answer broke, or ended (a chunked body's last chunk) before its range did.
+                cut = broken is not None or (
+                    self.random_access and self._response_at < self._response_end
+                )
                 await self._close_response()
+                if not cut:
+                    break
                 failures += 1
                 if not self.random_access or failures > self._retry.count:
-                    if isinstance(exc, ReadTimeoutError):
-                        raise
+                    if isinstance(broken, ReadTimeoutError):
+                        raise broken
                     break  # the body ended early: the reader reports the truncation
                 await self._back_off(failures, at)
                 continue
-            if got == 0:
-                await self._close_response()
-                break
             filled += got
             self._response_at += got
             if landed is not None:
