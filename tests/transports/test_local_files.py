@@ -354,6 +354,18 @@ async def test_replacing_a_file_keeps_its_permission_bits(tmp_path: Path) -> Non
     same(await stream_st.load(path), TENSORS)
 
 
+async def test_replacing_a_set_user_id_file_does_not_keep_that_bit(tmp_path: Path) -> None:
+    """New content under a set-user-ID (or set-group-ID) program's name runs as its owner no
+    more: a write into the file clears those bits, and so does replacing it, where the new file
+    took them with the rest."""
+    path = tmp_path / "tool.safetensors"
+    path.write_bytes(b"old")
+    path.chmod(0o6755)
+    assert stat.S_IMODE(path.stat().st_mode) & stat.S_ISUID
+    await stream_st.save(path, TENSORS)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+
+
 async def cancel_at_every_turn(
     job: Callable[[int], Awaitable[None]],
     check: Callable[[int, bool], None],

@@ -250,7 +250,8 @@ def _target_of(name: str) -> tuple[str, os.stat_result | None, int | None]:
     """The path a write of ``name`` replaces, absolute; what is there now (None if nothing; a
     symlink is itself replaced, as ``os.replace`` replaces it, the file it leads to left as it
     is); and the permission bits the new file takes: those of the regular file there, or that
-    a symlink there leads to (None: the default)."""
+    a symlink there leads to, less set-user-ID and set-group-ID, which a write into that file
+    would clear too (None: the default)."""
     target = name if os.path.isabs(name) else os.path.join(os.getcwd(), name)
     found = _existing(target, follow=False)
     if found is not None and stat.S_ISLNK(found.st_mode) and _through_proc(target):
@@ -265,7 +266,7 @@ def _target_of(name: str) -> tuple[str, os.stat_result | None, int | None]:
     led_to = _existing(target) if found is not None and stat.S_ISLNK(found.st_mode) else found
     if led_to is None or not stat.S_ISREG(led_to.st_mode):
         return target, found, None
-    return target, found, stat.S_IMODE(led_to.st_mode)
+    return target, found, stat.S_IMODE(led_to.st_mode) & ~(stat.S_ISUID | stat.S_ISGID)
 
 
 def _through_proc(path: str) -> bool:
