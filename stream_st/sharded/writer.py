@@ -57,6 +57,7 @@ from .._util import AsyncClosing, allow_open_files, seen_through
 from ..core.arrays import as_array
 from ..core.digests import Digests, digest_of, digests_for
 from ..core.dtypes import dtype_for, wire_bytes
+from ..core.header import DEFAULT_MAX_HEADER_SIZE, LENGTH_PREFIX_SIZE
 from ..core.layout import TensorSpec, build_header
 from ..core.shards import (
     INDEX_NAME,
@@ -82,6 +83,7 @@ from ..errors import (
 )
 from ..transports.file.atomic import path_from_url, temp_keeps_name
 from ..transports.file.sink import FileSink
+from .reader import MAX_INDEX_SIZE
 
 __all__ = [
     "DatasetWriter",
@@ -104,14 +106,33 @@ ROOM_PER_DATA = 4096
 
 ROOM_MAX = 1 << 20
 """...up to this much: enough for ~9000 tensors of 5 GiB shards with short names. The room is
-also at least twice the header of the shard's first group, and a multiple of 4 KiB."""
+also at least twice the header of the shard's first group, and a multiple of 4 KiB, but never
+more than :data:`ROOM_LIMIT`."""
+
+ROOM_LIMIT = (LENGTH_PREFIX_SIZE + DEFAULT_MAX_HEADER_SIZE) // 4096 * 4096
+"""The most room a header is given: the largest multiple of 4 KiB whose header, padded to fill
+it, is within the :data:`~stream_st.core.header.DEFAULT_MAX_HEADER_SIZE` bytes every reader
+takes (the reference's too)."""
 
 
 def header_room(target_size: int, first_header: int) -> int:
     """Bytes to leave for the header of a shard of ``target_size`` bytes of data whose first
     group alone has a header of ``first_header`` bytes (see :data:`ROOM_PER_DATA`)."""
     room = max(min(target_size // ROOM_PER_DATA, ROOM_MAX), 2 * first_header)
-    return -(-room // 4096) * 4096
+    return min(-(-room // 4096) * 4096, ROOM_LIMIT)
+
+
+def _index_text(name: str, document: Mapping[str, Any]) -> tuple[str, bytes]:
+    """The index (or manifest) ``name`` and the text of its ``document``; a
+    :class:`~stream_st.WriterError` where it would be larger than the
+    :data:`~stream_st.sharded.reader.MAX_INDEX_SIZE` bytes readers take."""
+    text = json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
+    if len(text) > MAX_INDEX_SIZE:
+        raise WriterError(
+            f"{name} would be {len(text)} bytes, over the {MAX_INDEX_SIZE} bytes readers take: "
+            "write less metadata, or fewer or shorter tensor names"
+        )
+    return name, text
 
 
 def _padded(prefix: bytes, size: int) -> bytes:
@@ -453,8 +474,7 @@ class _RollingWriter(AsyncClosing):
                 await self._open_directory()
                 await self._nothing_written()
             await self._before_index()
-            name, document = self._index()
-            text = json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
+            name, text = _index_text(*self._index())
             self._index_file = self._held_name(name)
             self._files.append(await _filled(self._index_file, text))
             commit = functools.partial(self._link_and_commit, self.directory / name)
@@ -547,6 +567,7 @@ class ShardedWriter(_RollingWriter):
                 "count of the checkpoint's bytes"
             )
         super().__init__(directory, max_shard_size, checksums)
+        _index_text(*self._index())  # metadata too large for the index: refused before any write
 
     async def write(self, name: str, array: Any) -> None:
         """Add one tensor (to the current shard, or a new one if it would overflow)."""

@@ -13,8 +13,10 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
+from stream_st.core.header import DEFAULT_MAX_HEADER_SIZE
 from stream_st.core.shards import MANIFEST_DTYPES
 from stream_st.integrations.dataset import describe_dataset
+from stream_st.sharded.reader import MAX_INDEX_SIZE
 from stream_st.sharded.writer import open_dataset_writer, open_sharded_writer
 
 Arrays = dict[str, np.ndarray[Any, Any]]
@@ -399,3 +401,29 @@ async def test_a_dataset_written_again_leaves_no_earlier_shard(tmp_path: Path) -
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [*listed, "dataset_manifest.json", "notes.txt"]
     )
+
+
+async def test_a_shards_padded_header_stays_within_the_readers_limit(tmp_path: Path) -> None:
+    """The room left for a shard's header (twice its first group's) was never capped: metadata
+    of 60 MB, which save writes, gave a shard whose padded header (120 MB) no reader takes, and
+    the writer reported success."""
+    metadata = {"notes": "x" * 60_000_000}
+    async with open_sharded_writer(tmp_path / "ok", metadata=metadata) as w:
+        await w.write("a", np.ones(2, np.float32))
+    shard = tmp_path / "ok" / "model.safetensors"
+    header = await stream_st.read_header(shard)
+    assert header.data_start <= 8 + DEFAULT_MAX_HEADER_SIZE
+    assert reference_numpy.load_file(str(shard))["a"].tolist() == [1.0, 1.0]
+
+
+async def test_an_index_readers_refuse_is_not_written(tmp_path: Path) -> None:
+    """An index over the MAX_INDEX_SIZE bytes readers take was committed (readers then refused
+    the checkpoint): metadata that alone passes it is refused when the writer is made, an index
+    that passes it with its weight map at the close, nothing left either way."""
+    with pytest.raises(stream_st.WriterError, match=r"model\.safetensors\.index\.json would be"):
+        open_sharded_writer(tmp_path / "ckpt", metadata={"notes": "x" * MAX_INDEX_SIZE})
+    metadata = {"notes": "x" * (MAX_INDEX_SIZE - 1000)}
+    with pytest.raises(stream_st.WriterError, match=f"over the {MAX_INDEX_SIZE} bytes"):
+        async with open_sharded_writer(tmp_path / "ckpt", metadata=metadata) as w:
+            await w.write("t" * 2000, np.ones(2, np.float32))
+    assert not (tmp_path / "ckpt").exists()
