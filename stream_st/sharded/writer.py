@@ -55,7 +55,7 @@ import numpy as np
 
 from .._util import AsyncClosing, allow_open_files, seen_through
 from ..core.arrays import as_array
-from ..core.digests import Digests, digest_of, digests_for
+from ..core.digests import Digests, digest_of, digests_for, without_record
 from ..core.dtypes import dtype_for, wire_bytes
 from ..core.header import DEFAULT_MAX_HEADER_SIZE, LENGTH_PREFIX_SIZE
 from ..core.layout import TensorSpec, build_header
@@ -567,6 +567,8 @@ class ShardedWriter(_RollingWriter):
                 "count of the checkpoint's bytes"
             )
         super().__init__(directory, max_shard_size, checksums)
+        if self._algorithm is None:  # a digest record copied in describes another file's bytes
+            self.metadata = dict(without_record(self.metadata) or {})  # left out, as save does
         _index_text(*self._index())  # metadata too large for the index: refused before any write
 
     async def write(self, name: str, array: Any) -> None:
@@ -934,7 +936,9 @@ def open_sharded_writer(
     control characters, ``\\``, ``:``, ``?`` or ``#``), refused with ``metadata`` that is no
     mapping of strings before anything is written. ``checksums=True`` (or an algorithm's name)
     records each tensor's digest in its shard's ``__metadata__``, as
-    :func:`~stream_st.open_writer` does. Shards of an earlier checkpoint of the same prefix
+    :func:`~stream_st.open_writer` does; without it, a digest record in ``metadata``
+    (``stream_st.digest``...) is left out of the shards and the index, as
+    :func:`~stream_st.save` leaves it out. Shards of an earlier checkpoint of the same prefix
     that the new index does not name (``{prefix}.safetensors``,
     ``{prefix}-NNNNN-of-NNNNN.safetensors``) are removed, as
     transformers' ``save_pretrained`` removes them: loaders take a ``{prefix}.safetensors``

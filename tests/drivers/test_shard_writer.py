@@ -427,3 +427,24 @@ async def test_an_index_readers_refuse_is_not_written(tmp_path: Path) -> None:
         async with open_sharded_writer(tmp_path / "ckpt", metadata=metadata) as w:
             await w.write("t" * 2000, np.ones(2, np.float32))
     assert not (tmp_path / "ckpt").exists()
+
+
+async def test_a_digest_record_in_metadata_is_left_out_without_checksums(tmp_path: Path) -> None:
+    """Metadata copied from a checksummed file carries its digests: the sharded writer kept
+    them (in every shard and the index) where save leaves them out, and the new checkpoint then
+    failed its own integrity check when loaded. Other keys stay."""
+    source = tmp_path / "base.safetensors"
+    await stream_st.save(source, {"w": np.ones(4, np.float32)}, metadata={"k": "v"}, checksums=True)
+    metadata = dict((await stream_st.read_header(source)).metadata)
+    metadata["stream_st.digestion"] = "mine"  # not the writer's own: kept
+    assert "stream_st.digest:w" in metadata
+    async with open_sharded_writer(tmp_path / "ckpt", metadata=metadata) as w:
+        await w.write("w", np.full(4, 2, np.float32))
+    kept = {"k": "v", "stream_st.digestion": "mine"}
+    assert (await stream_st.read_header(tmp_path / "ckpt" / "model.safetensors")).metadata == {
+        "format": "pt",
+        **kept,
+    }
+    index = tmp_path / "ckpt" / "model.safetensors.index.json"
+    assert json.loads(index.read_text())["metadata"] == {"total_size": 16, **kept}
+    assert (await stream_st.load(index))["w"].tolist() == [2.0] * 4
