@@ -235,8 +235,9 @@ class _Shard:
 def _local_folder(directory: object) -> Path:
     """The local folder ``directory`` names: a path, or a ``file://`` URL; a URL of another
     scheme (``s3://``, ``https://``: these writers write local files only, where it would have
-    made a folder named ``s3:``) raises :class:`~stream_st.UnsupportedSinkError`, anything else
-    :class:`~stream_st.ArgumentTypeError`."""
+    made a folder named ``s3:``) raises :class:`~stream_st.UnsupportedSinkError`, an empty
+    path or one holding a NUL :class:`~stream_st.UsageError` (as :func:`~stream_st.save` refuses
+    them), anything else :class:`~stream_st.ArgumentTypeError`."""
     if isinstance(directory, os.PathLike):
         directory = os.fspath(directory)
     if not isinstance(directory, str):
@@ -251,7 +252,11 @@ def _local_folder(directory: object) -> Path:
                 f"({redact(directory)}): write them here, then copy the checkpoint there with "
                 "'stream-st cp INDEX URL/'"
             )
-        return Path(path_from_url(directory, UnsupportedSinkError))
+        directory = path_from_url(directory, UnsupportedSinkError)
+    if not directory:  # the current directory, where save("") is refused
+        raise UsageError("the folder is an empty path: name a folder ('.' for this one)")
+    if "\0" in directory:
+        raise UsageError(f"invalid path {directory!r}: embedded null byte")
     return Path(directory)
 
 

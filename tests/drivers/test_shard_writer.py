@@ -163,7 +163,7 @@ async def test_misuse(tmp_path: Path) -> None:
             pass
 
 
-def _writer(kind: str, directory: Path) -> Any:
+def _writer(kind: str, directory: str | Path) -> Any:
     if kind == "checkpoint":
         return open_sharded_writer(directory, max_shard_size=MB)
     return open_dataset_writer(directory, target_shard_size=MB)
@@ -448,3 +448,26 @@ async def test_a_digest_record_in_metadata_is_left_out_without_checksums(tmp_pat
     index = tmp_path / "ckpt" / "model.safetensors.index.json"
     assert json.loads(index.read_text())["metadata"] == {"total_size": 16, **kept}
     assert (await stream_st.load(index))["w"].tolist() == [2.0] * 4
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "dataset"])
+@pytest.mark.parametrize(
+    ("folder", "message"),
+    [
+        ("{tmp}/a\0b", r"invalid path '.*a\\x00b': embedded null byte"),
+        ("file://{tmp}/a%00b", r"invalid path '.*a\\x00b': embedded null byte"),
+        ("", "the folder is an empty path"),
+    ],
+    ids=["nul", "nul-url", "empty"],
+)
+async def test_a_folder_no_file_system_takes_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, folder: str, message: str
+) -> None:
+    """A NUL in the folder let a bare ValueError escape at the first write (and from the
+    clean-up after it); an empty path wrote into the current directory, where save("") is
+    refused. Both are a UsageError, as save gives, before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(stream_st.UsageError, match=message):
+        async with _writer(kind, folder.format(tmp=tmp_path)) as writer:
+            await _add(writer, "a", np.ones(2, np.float32))
+    assert list(tmp_path.iterdir()) == []
