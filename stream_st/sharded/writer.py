@@ -81,7 +81,7 @@ from ..errors import (
     integer_at_least,
     redact,
 )
-from ..transports.file.atomic import path_from_url, temp_keeps_name
+from ..transports.file.atomic import _name_max, path_from_url, temp_keeps_name
 from ..transports.file.sink import FileSink
 from .reader import MAX_INDEX_SIZE
 
@@ -572,9 +572,29 @@ class ShardedWriter(_RollingWriter):
                 "count of the checkpoint's bytes"
             )
         super().__init__(directory, max_shard_size, checksums)
+        self._check_names_fit()
         if self._algorithm is None:  # a digest record copied in describes another file's bytes
             self.metadata = dict(without_record(self.metadata) or {})  # left out, as save does
         _index_text(*self._index())  # metadata too large for the index: refused before any write
+
+    def _check_names_fit(self) -> None:
+        """:class:`UsageError` where a name the checkpoint may take (at the longest
+        ``{prefix}-NNNNN-of-NNNNN.safetensors``, or the index's) would pass the longest name
+        its directory takes: refused before anything is written, where the commit failed once
+        every byte was."""
+        folder = self._new_folders[-1].parent if self._new_folders else self.directory
+        limit = _name_max(str(folder))
+        names = [
+            f"{self.prefix}-00001-of-00002.safetensors",
+            f"{self.prefix}.safetensors.index.json",
+        ]
+        longest = max(len(os.fsencode(name)) for name in names)
+        if longest > limit:
+            raise UsageError(
+                f"prefix is too long ({len(os.fsencode(self.prefix))} bytes): the checkpoint's "
+                f"file names ({{prefix}}-NNNNN-of-NNNNN.safetensors) would be {longest} bytes, "
+                f"over the {limit} bytes a file name in {folder} may have"
+            )
 
     async def write(self, name: str, array: Any) -> None:
         """Add one tensor (to the current shard, or a new one if it would overflow)."""
@@ -938,7 +958,8 @@ def open_sharded_writer(
     shard whenever the next tensor would take the current one past ``max_shard_size`` bytes of
     data, then ``{prefix}.safetensors.index.json``. A single shard is named
     ``{prefix}.safetensors``; ``prefix`` is a plain file name (no ``/``, surrounding spaces,
-    control characters, ``\\``, ``:``, ``?`` or ``#``), refused with ``metadata`` that is no
+    control characters, ``\\``, ``:``, ``?`` or ``#``) short enough for the directory to take
+    ``{prefix}-NNNNN-of-NNNNN.safetensors`` (27 bytes longer), refused with ``metadata`` that is no
     mapping of strings before anything is written. ``checksums=True`` (or an algorithm's name)
     records each tensor's digest in its shard's ``__metadata__``, as
     :func:`~stream_st.open_writer` does; without it, a digest record in ``metadata``

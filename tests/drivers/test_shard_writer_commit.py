@@ -259,6 +259,23 @@ async def test_a_long_prefix_whose_names_fit_is_written(
     assert loaded["b"].tolist() == [1.0] * 100
 
 
+async def test_a_prefix_whose_names_cannot_fit_is_refused_first(tmp_path: Path) -> None:
+    """A prefix whose shard names (``{prefix}-NNNNN-of-NNNNN.safetensors``, 27 bytes longer) or
+    index name pass the longest name the directory takes failed only once every byte was
+    written, saying "removing the previous index failed: File name too long". Now refused as
+    the writer is made, nothing written; the longest prefix that fits is written."""
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    fits = "p" * (limit - len("-00001-of-00002.safetensors"))
+    for prefix in (fits + "p", "é" * (len(fits) // 2 + 1)):
+        with pytest.raises(stream_st.UsageError, match=rf"prefix is too long .* over the {limit}"):
+            open_sharded_writer(tmp_path / "new" / "ckpt", max_shard_size=400, prefix=prefix)
+    assert list(tmp_path.iterdir()) == []
+    async with open_sharded_writer(tmp_path, max_shard_size=400, prefix=fits) as writer:
+        await writer.write("a", np.zeros(100, np.float32))
+        await writer.write("b", np.ones(100, np.float32))
+    assert (await stream_st.load(tmp_path / f"{fits}.safetensors.index.json"))["b"][0] == 1.0
+
+
 async def test_a_live_writers_files_are_not_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
