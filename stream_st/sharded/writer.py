@@ -81,7 +81,7 @@ from ..errors import (
     integer_at_least,
     redact,
 )
-from ..transports.file.atomic import _name_max, path_from_url, temp_keeps_name
+from ..transports.file.atomic import name_max, path_from_url, temp_keeps_name
 from ..transports.file.sink import FileSink
 from .reader import MAX_INDEX_SIZE
 
@@ -583,7 +583,7 @@ class ShardedWriter(_RollingWriter):
         its directory takes: refused before anything is written, where the commit failed once
         every byte was."""
         folder = self._new_folders[-1].parent if self._new_folders else self.directory
-        limit = _name_max(str(folder))
+        limit = name_max(str(folder))
         names = [
             f"{self.prefix}-00001-of-00002.safetensors",
             f"{self.prefix}.safetensors.index.json",

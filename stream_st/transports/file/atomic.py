@@ -67,6 +67,7 @@ __all__ = [
     "closed_when_dropped",
     "fsync_directory",
     "local_destination",
+    "name_max",
     "path_from_url",
     "replaced",
     "save_at_once",
@@ -299,7 +300,7 @@ def _resolved(directory: str) -> str:
     return os.path.realpath(directory)
 
 
-def _name_max(directory: str) -> int:
+def name_max(directory: str) -> int:
     """The longest file name ``directory`` takes, in bytes."""
     try:
         return os.pathconf(directory, "PC_NAME_MAX")
@@ -316,7 +317,7 @@ def temp_keeps_name(directory: str, base: str) -> bool:
     ``.<base>.<random>.tmp``, the longest name the directory takes allowing (else it is
     ``.<random>.tmp``: :func:`_temp_name`)."""
     extra = len("..") + 2 * _TOKEN_BYTES + len(".tmp")
-    return len(os.fsencode(base)) + extra <= _name_max(directory)
+    return len(os.fsencode(base)) + extra <= name_max(directory)
 
 
 def _temp_name(directory: str, base: str) -> str:
