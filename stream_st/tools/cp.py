@@ -353,7 +353,7 @@ async def cp(
     if quantize is not None and (dtype is not None or dequantize):
         raise UsageError("choose one of dtype=, quantize= and dequantize=")
     if include is not None and not callable(include):
-        include_names(include)  # names, or an ArgumentTypeError saying what it takes
+        include = include_names(include)  # names, or an ArgumentTypeError saying what it takes
     target = _target_dtype(dtype)
     encoder = None
     if quantize is not None:

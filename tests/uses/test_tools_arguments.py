@@ -65,3 +65,12 @@ async def test_structural_hash_takes_a_headers_tensors(source: Path) -> None:
     for wrong, match in ((None, "got NoneType"), (["a"], "got an entry of type str")):
         with pytest.raises(stream_st.ArgumentTypeError, match=f"structural_hash takes.*{match}"):
             tools.structural_hash(wrong)  # type: ignore[arg-type]
+
+
+async def test_cp_takes_include_as_an_iterator(source: Path, tmp_path: Path) -> None:
+    """cp(include=<iterator or generator>) spent it checking it and wrote a file with no
+    tensor; read once, it selects as a list does."""
+    for i, include in enumerate((iter(["b"]), (name for name in ["b"]))):
+        dst = tmp_path / f"out{i}.safetensors"
+        await tools.cp(source, dst, include=include)  # type: ignore[arg-type]
+        assert list(st_np.load_file(dst)) == ["b"]
