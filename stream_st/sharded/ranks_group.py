@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import socket
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -44,6 +45,11 @@ class Failure:
     def of(cls, exc: BaseException, named: int | None = None) -> Failure:
         return cls(describe(exc), exc, named)
 
+
+_PEERS: weakref.WeakKeyDictionary[Any, list[tuple[str, int]]] = weakref.WeakKeyDictionary()
+"""Each process group's ranks as (host, process id), learnt at the first gather of a load on it
+and kept as long as the group lives: a rank lost at any later collective on the group (another
+load's, or :func:`~.ranks.load_model`'s last agreement) is named by its process id."""
 
 _NAMED = 4
 """Bytes before the cause in a gate's row: the rank it names plus one (little-endian), 0 for its
@@ -86,7 +92,16 @@ class RankGroup:
             else self.torch.device("cpu")
         )
         self.out_device: Any = None
-        self.peers: list[tuple[str, int]] = []  # (host, pid) of each rank, for failures
+
+    @property
+    def peers(self) -> list[tuple[str, int]]:
+        """(host, process id) of each rank, for failures: empty until a first load on this
+        process group has gathered them (see :data:`_PEERS`)."""
+        return _PEERS.get(self.group, [])
+
+    @peers.setter
+    def peers(self, peers: list[tuple[str, int]]) -> None:
+        _PEERS[self.group] = peers
 
     def hand_out_on(self, device: Any) -> None:
         """Hand tensors out on ``device`` (None or ``"cpu"``: the CPU); :class:`UsageError` if

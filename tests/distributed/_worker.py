@@ -17,7 +17,10 @@ bit, on its own device, with that file's, sliced as asked, the names that differ
 ``stop`` (``{rank: how}``, stream mode: once it has its first tensor the rank kills itself with
 SIGKILL, ``"kill"``, or raises :class:`Stopped` out of its loop, ``"raise"``; ``"leave"``: it
 raises :class:`Stopped` in the ``async with`` before its loop; ``"close"``: it leaves the
-``async with`` before its loop, raising nothing; ``"die"``: it kills itself there, with SIGKILL);
+``async with`` before its loop, raising nothing; ``"die"``: it kills itself there, with SIGKILL;
+load_file mode, ``"again"``: every rank loads the file, then this one kills itself before the
+others load it again; load_model mode, ``"hook"``: it kills itself in its model's load post-hook,
+once every tensor has come, before the load's last agreement);
 ``out`` (a folder). A stream-mode rank reports ``closed``: whether its stream was closed
 (its source let go of) once its ``async with`` was left, with or without an error.
 The rank writes what it got to ``out/rank<R>.safetensors`` (and the order to ``out/rank<R>.json``),
@@ -193,10 +196,15 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
     ambient = Caps(*params.get("ambient", [[None, None]] * world)[rank])
     report: dict[str, Any] = {"rank": rank, "stream_st": stream_st.__file__}
     context = contextlib.ExitStack()
+    stop = params.get("stop", {}).get(str(rank))
     started = time.monotonic()
     try:
         context.enter_context(using_caps(ambient))
         if params["mode"] == "load_file":
+            if "again" in params.get("stop", {}).values():
+                stream_st.torch.load_file(src, process_group=group, **options)
+                if stop == "again":
+                    os.kill(os.getpid(), signal.SIGKILL)
             got = stream_st.torch.load_file(
                 src, process_group=group, include=include, slices=slices, **options
             )
@@ -204,6 +212,10 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
             from tests.distributed.test_load import Model
 
             model = Model()
+            if stop == "hook":
+                model.register_load_state_dict_post_hook(
+                    lambda *_: os.kill(os.getpid(), signal.SIGKILL)
+                )
             before = {name: t.data_ptr() for name, t in model.state_dict().items()}
             broken = params.get("broken", {}).get(str(rank))  # not a model: fails before the group
             given: Any = None if broken else model
@@ -217,7 +229,6 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
             report["missing"] = sorted(missing)
             report["unexpected"] = sorted(unexpected)
         else:
-            stop = params.get("stop", {}).get(str(rank))
             got = asyncio.run(_stream(src, group, include, slices, stop, options, report))
         report["names"] = list(got)
         report["devices"] = _devices(got)

@@ -59,6 +59,24 @@ def test_a_killed_rank_is_named_by_the_others(tmp_path: Path, layers: Path) -> N
         assert "is gone" in failed(survivor, "RankLostError", 1)
 
 
+@pytest.mark.parametrize(
+    ("mode", "how"),
+    [("load_file", "again"), ("load_model", "hook")],
+    ids=["between-two-loads", "before-load-models-last-agreement"],
+)
+def test_a_rank_killed_after_the_first_gather_is_named(
+    tmp_path: Path, layers: Path, mode: str, how: str
+) -> None:
+    """Killed between two loads on the group, or in load_model once its tensors came (before
+    the last agreement, which a group of its own makes): the others name it by its process id,
+    learnt at the group's first gather, where they named no rank."""
+    stop = {"1": how}
+    reports = run_group(tmp_path, 3, mode=mode, src=str(layers), stop=stop, timeout=5)
+    assert reports[1].get("died") == -9, reports[1]
+    for survivor in (reports[0], reports[2]):
+        assert "is gone" in failed(survivor, "RankLostError", 1)
+
+
 @pytest.mark.parametrize(("how", "told"), [("raise", "left its stream"), ("cancel", "cancelled")])
 def test_a_rank_leaving_its_stream_fails_the_others_at_once(
     tmp_path: Path, layers: Path, pool: Pool, how: str, told: str
