@@ -160,7 +160,6 @@ class _Plan:
         self.changed: set[str] = set()  # source tensors converted or quantized
         self.parts: dict[str, str] = {}  # decoder: wire tensor -> the tensor it rebuilds
         self.rebuilt_as: dict[str, str] = {}  # decoder: rebuilt tensor -> its dtype code
-        self.decoded_as: dict[str, str] = {}  # decoder: rebuilt tensor -> its original's
         names = {t.name for t in wanted}
         originals = _originals(metadata) if decoder is not None else {}
         recorded = _original(metadata) if decoder is not None else "F32"
@@ -170,9 +169,7 @@ class _Plan:
                 if all(part in names for part in wire):
                     self.parts.update(dict.fromkeys(wire, info.name))
                     shape = _decoded_shape(decoder, info)
-                    original = originals.get(info.name, recorded)
-                    code = self.rebuilt_as[info.name] = target or original
-                    self.decoded_as[info.name] = original
+                    code = self.rebuilt_as[info.name] = target or originals.get(info.name, recorded)
                     self.specs.append(TensorSpec(info.name, code, shape))
                 elif info.name not in self.parts:
                     self.specs.append(TensorSpec(info.name, info.dtype, info.shape))
@@ -230,13 +227,11 @@ class _Plan:
             if len(got) < len(self.decoder.part_names(whole)):
                 return []
             del pending[whole]
+            # --dtype: decoded straight into it, as the codec decodes (INT4 values up to half a
+            # step beyond its range saturate), not decoded as the original then converted
             decoded = await anyio.to_thread.run_sync(
-                _decoded, self.decoder, whole, got, self.decoded_as[whole]
+                _decoded, self.decoder, whole, got, self.rebuilt_as[whole]
             )
-            if self.rebuilt_as[whole] != self.decoded_as[whole]:  # --dtype: as any conversion
-                decoded = await anyio.to_thread.run_sync(
-                    _convert, decoded, self.rebuilt_as[whole], whole
-                )
             return [(whole, decoded)]
         if name in self.changed and self.encoder is not None:
             return self.encoder.encode(name, array)

@@ -335,9 +335,9 @@ def test_dequantize_restores_each_tensors_dtype(tmp_path: Path) -> None:
     assert not (tmp_path / "no.safetensors").exists()
 
 
-def test_dequantize_to_a_dtype_converts_as_cp_dtype_does(tmp_path: Path) -> None:
-    """``--dequantize --dtype f16`` of values beyond F16's range: the decoded F32 tensor is
-    converted as ``--dtype`` converts (the warning names the tensor and counts the values),
+def test_dequantize_to_a_dtype_warns_as_cp_dtype_does(tmp_path: Path) -> None:
+    """``--dequantize --dtype f16`` of values beyond F16's range: decoded into F16, they become
+    infinite with the warning ``--dtype`` gives (naming the tensor and counting the values),
     where numpy's own "overflow encountered in cast" said neither."""
     source, q8 = tmp_path / "big.safetensors", tmp_path / "q8.safetensors"
     reference_numpy.save_file({"w": np.array([1e6, -2e5, 3e4], np.float32)}, str(source))
@@ -349,6 +349,28 @@ def test_dequantize_to_a_dtype_converts_as_cp_dtype_does(tmp_path: Path) -> None
     assert b"overflow encountered" not in done.stderr
     found = reference_numpy.load_file(str(out))["w"]
     assert found.dtype == np.float16 and np.isinf(found[:2]).all() and np.isfinite(found[2])
+
+
+def test_dequantize_to_a_dtype_decodes_into_it(tmp_path: Path) -> None:
+    """``--dequantize --dtype f16`` of INT4 codes of an F32, F64 or BF16 tensor at F16's edge
+    gives what the codec's decode into F16 gives: a product within half a step beyond F16's
+    largest value saturates (``7 * 9360 = 65520`` from 65504), where the tensor was decoded as
+    its original dtype, then converted to F16 and turned infinite, with a warning."""
+    codec = stream_st.core.codecs.get_codec("int4")
+    edge = np.zeros((2, 64), np.float32)
+    edge[0, :2] = [65504.0, -65504.0]
+    edge[1, :2] = [65536.0, -1.0]  # BF16 holds no 65504: its next value up, beyond F16
+    for original in (edge, edge.astype(np.float64), stream_st.core.codecs.to_bfloat16(edge)):
+        parts = dict(codec.encode("w", original))
+        q4, out = tmp_path / "q4.safetensors", tmp_path / "f16.safetensors"
+        metadata = codec.metadata(original.dtype)
+        reference_numpy.save_file(parts, str(q4), metadata=metadata)
+        done = run("cp", "-q", "--dequantize", "--dtype", "f16", str(q4), str(out))
+        assert done.returncode == 0 and done.stderr == b"", (original.dtype, done.stderr)
+        found = reference_numpy.load_file(str(out))["w"]
+        expected = codec.decode("w", parts, np.float16)
+        assert np.isfinite(expected).all() and abs(float(expected[0, 0])) == 65504.0
+        np.testing.assert_array_equal(found, expected)
 
 
 def test_dequantize_warns_of_values_beyond_the_original_dtype(tmp_path: Path) -> None:
