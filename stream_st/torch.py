@@ -569,13 +569,16 @@ class _Slots:
 
     def place(self, name: str, tensor: Any) -> bool:
         """Put ``tensor`` where ``name`` (and every name tied to it) lives; False if the model
-        has no such name; :class:`UsageError` for a shape that differs from the model's. A tied
+        has no such name; :class:`UsageError` for a shape that differs from the model's (shape
+        [1] for a 0-d tensor is taken as its scalar, as ``load_state_dict`` takes it). A tied
         name the file has with a later one (:meth:`seen`) is checked so, taken and dropped."""
         names = self._group.get(name)
         if names is None:
             return False
         module, attribute = self._slot(names[0])
         old = getattr(module, attribute)
+        if old.dim() == 0 and tuple(tensor.shape) == (1,):
+            tensor = tensor.reshape(())  # an old checkpoint's scalar, as load_state_dict takes it
         if old.shape != tensor.shape:
             raise UsageError(
                 f"size mismatch for {name}: the file has shape {list(tensor.shape)}, "

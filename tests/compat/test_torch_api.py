@@ -679,6 +679,34 @@ def test_load_model_assign_reports_and_refuses_as_without(tmp_path: Path) -> Non
         st.load_model(Tied(), tmp_path / "bad.safetensors", assign=True)
 
 
+class Scalars(torch.nn.Module):
+    """A 0-d parameter and a 0-d buffer, which old checkpoints hold with shape [1]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.zeros(()))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+
+def test_load_model_assign_takes_shape_1_for_a_0_d_tensor_as_torch_does(tmp_path: Path) -> None:
+    """A file's shape [1] for a 0-d parameter or buffer is taken as the scalar it holds, with
+    assign=True as without and as torch's load_state_dict(assign=True) takes it; shape [2] is
+    still refused."""
+    path = tmp_path / "old.safetensors"
+    reference.save_file({"gain": torch.tensor([1.5]), "steps": torch.tensor([5])}, path)
+    expected = Scalars()
+    expected.load_state_dict(reference.load_file(path), assign=True)
+    for assign in (False, True):
+        model = Scalars()
+        assert st.load_model(model, path, assign=assign) == (set(), [])
+        assert model.gain.shape == model.steps.shape == expected.steps.shape == ()
+        assert isinstance(model.gain, torch.nn.Parameter) and model.gain.requires_grad
+        assert (model.gain.item(), model.steps.item()) == (1.5, 5)
+    reference.save_file({"gain": torch.tensor([1.5, 2.5]), "steps": torch.tensor([5])}, path)
+    with pytest.raises(UsageError, match=r"size mismatch for gain: the file has shape \[2\]"):
+        st.load_model(Scalars(), path, assign=True)
+
+
 class TiedBackwards(torch.nn.Module):
     """Two tied names whose order in the model (``z`` first) is not the file's (sorted)."""
 
