@@ -682,6 +682,8 @@ def test_load_model_assign_reports_and_refuses_as_without(tmp_path: Path) -> Non
 class Scalars(torch.nn.Module):
     """A 0-d parameter and a 0-d buffer, which old checkpoints hold with shape [1]."""
 
+    steps: torch.Tensor
+
     def __init__(self) -> None:
         super().__init__()
         self.gain = torch.nn.Parameter(torch.zeros(()))
