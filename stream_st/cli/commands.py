@@ -313,14 +313,17 @@ def parse_checksum_line(line: str) -> tuple[str, str] | None:
 
 
 async def _read_list(text: str) -> list[str]:
-    """The lines of the checksum list ``text`` (``-``: standard input)."""
+    """The lines of the checksum list ``text`` (``-``: standard input), split at line feeds
+    alone, one carriage return before each dropped (a list written on Windows), as
+    ``sha256sum -c`` reads them: a name may hold any other character (U+2028, a form feed)."""
     try:
         data = await anyio.Path(source_arg(text)).read_bytes()
     except OSError as exc:
         raise SourceNotFoundError(
             f"cannot read checksum list: {exc.strerror or exc}", url=text
         ) from None
-    return data.decode("utf-8", errors="surrogateescape").splitlines()
+    lines = data.decode("utf-8", errors="surrogateescape").split("\n")
+    return [line.removesuffix("\r") for line in lines]
 
 
 async def run_hash_check(args: argparse.Namespace) -> int:

@@ -161,3 +161,24 @@ def test_check_hashes_any_file_where_file_reads_safetensors(tmp_path: Path) -> N
     assert (checked.returncode, checked.stdout) == (0, "config.json: OK\n"), checked.stderr
     refused = run("hash", "--file", config.name, cwd=tmp_path)
     assert refused.returncode == 2 and "safetensors" in refused.stderr, refused.stderr
+
+
+def test_check_splits_lines_at_line_feeds_alone(model: Path, tmp_path: Path) -> None:
+    """A listed name holding U+2028, U+0085, a form feed or a vertical tab (each a line break to
+    str.splitlines) is one line, as sha256sum -c reads it, where --check split the line there
+    and could not check the file; a list with CRLF line ends (written on Windows) is read."""
+    want = hashlib.sha256(model.read_bytes()).hexdigest()
+    names = ["a\u2028b.safetensors", "c\x85d.safetensors", "e\x0cf.safetensors", "g\x0bh"]
+    for name in names:
+        shutil.copy(model, tmp_path / name)
+    sums = tmp_path / "sums"
+    sums.write_bytes("".join(f"{want}  {name}\n" for name in names).encode())
+    if shutil.which("sha256sum"):
+        theirs = subprocess.run(["sha256sum", "-c", str(sums)], cwd=tmp_path, capture_output=True)
+        assert theirs.returncode == 0, theirs.stderr
+    checked = run("hash", "--check", str(sums), cwd=tmp_path)
+    assert checked.returncode == 0 and checked.stderr == "", checked.stderr
+    assert checked.stdout.count(": OK\n") == len(names), checked.stdout
+    sums.write_bytes(f"{want}  {model.name}\r\n{want}  {names[0]}\r\n".encode())
+    checked = run("hash", "--check", str(sums), cwd=tmp_path)
+    assert checked.returncode == 0 and checked.stdout.count(": OK\n") == 2, checked.stderr
