@@ -125,8 +125,9 @@ class SafetensorsDataset(IterableDataset[Sample]):
     """Samples of a batch-mode dataset, each ``{column: tensor}`` (one row of every column).
 
     ``columns`` selects the tensors to read (only their bytes are fetched): one name or several,
-    as ``include=`` takes them. ``shuffle`` shuffles the order of pieces each epoch
-    (:meth:`set_epoch`; the same ``seed`` on every rank) and the samples within a buffer of
+    as ``include=`` takes them (none is a :class:`~stream_st.UsageError`); None, all of them.
+    ``shuffle`` shuffles the order of pieces each epoch (:meth:`set_epoch`; the same ``seed`` on
+    every rank) and the samples within a buffer of
     ``shuffle_buffer`` samples in each worker: the order is the same for the same seed, epoch,
     world size and number of workers.
     ``drop_last`` as for torch's ``DistributedSampler``: every rank gets ``len(self)`` samples,
@@ -172,6 +173,11 @@ class SafetensorsDataset(IterableDataset[Sample]):
                 "KV-mode dataset: it holds no samples"
             )
         self.columns = None if columns is None else sorted(include_names(columns))
+        if self.columns == []:  # a dataset of samples with nothing in them
+            raise UsageError(
+                "columns= names no column: give None (the default) to read every one (the "
+                f"dataset has {self.dataset.columns})"
+            )
         check_alike(self.dataset, self.columns)
         self.shuffle, self.seed = shuffle, seed
         # shared: a persistent DataLoader worker's copy of the dataset reads what set_epoch wrote

@@ -151,6 +151,16 @@ def test_streams_from_http_reading_only_the_selected_columns(dataset_dir: Path) 
         )  # labels and headers (a 64 KiB first read each), no images
 
 
+@pytest.mark.parametrize("columns", [[], (), set()])
+def test_columns_naming_none_is_refused(dataset_dir: Path, columns: Any) -> None:
+    """An empty ``columns=`` is a UsageError (None reads every column), where the dataset
+    held no sample at all."""
+    with pytest.raises(
+        stream_st.UsageError, match=r"columns= names no column.*\['image', 'label'\]"
+    ):
+        SafetensorsDataset(dataset_dir, columns=columns)
+
+
 def test_kv_dataset_and_bad_rank_are_refused(tmp_path: Path) -> None:
     async def main() -> None:
         async with stream_st.open_dataset_writer(tmp_path) as writer:
