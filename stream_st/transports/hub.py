@@ -421,7 +421,12 @@ class HubSource(HttpSource):
 
     def _refused(self, status: int) -> HTTPStatusError:
         """The one-line error for a Hub that refused the file (401/403)."""
-        if self._hub.has_token:
+        if self._hub.has_token and status == 401:  # the Hub's answer for a missing repository
+            hint = (
+                "the repository does not exist (check its name), or the token was refused or has "
+                "no access to it"
+            )
+        elif self._hub.has_token:
             hint = (
                 "the token was refused or has no access to this repository (a gated one needs "
                 "its terms accepted on the Hub)"

@@ -409,6 +409,12 @@ async def test_private_and_gated_repositories(
     assert "token was refused or has no access" in str(caught.value)
     assert all(r.host == HUB for r in hub.seen() if "gated" in r.path)
 
+    # The Hub answers 401 for a repository that does not exist, token or not: the message says
+    # so, where with a token it blamed the token alone.
+    with pytest.raises(HTTPStatusError) as caught:
+        await stream_st.read_header("hf://org/no-such-repo/model.safetensors")
+    assert caught.value.status == 401 and "does not exist (check its name)" in str(caught.value)
+
 
 async def test_a_renamed_repository_is_followed_with_the_token(hub: FakeHub) -> None:
     hub.push("org/private", {"model.safetensors": reference_numpy.save(BIG)}, private=True)
