@@ -509,14 +509,14 @@ class CachedStream(TensorStream[Any]):
         self._resolved: Resolved | None = None
         self.cache_state: str | None = None
 
-    async def open(self, *, read_all: bool = False) -> Header:
+    async def _open(self, *, read_all: bool) -> Header:
         try:
-            if self.cache_state is None and self._header is None and not self._closed:
+            if self.cache_state is None:
                 if not self._may_read_ahead():
                     await self._resolve(read_all=read_all)
                 elif (ahead := await self._resolve_reading_ahead()) is not None:
                     return self._adopt(ahead)
-            return await super().open(read_all=read_all)
+            return await super()._open(read_all=read_all)
         except BaseException:  # cancelled too: the copy being written lets go of its entry
             with anyio.CancelScope(shield=True):
                 await self.aclose()

@@ -184,6 +184,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         self._clock = clock or Clock()
         self._source: Source | None = None
         self._header: Header | None = None
+        self._opening: _Opening | None = None  # the open under way, which others wait for
         self._iterated = False
         # The iteration, held weakly: a strong reference would make a cycle (its frame holds
         # the stream), so one left with 'break' outside 'async with' would be closed, its file
@@ -232,15 +233,42 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         return self._source
 
     async def open(self, *, read_all: bool = False) -> Header:
-        """Open the source, read and validate the header. Idempotent.
+        """Open the source, read and validate the header. Idempotent: a call made while another
+        task's open is under way waits for it and gets its header, or raises its error (where
+        that open was cancelled instead, it opens the stream itself, unless that open closed
+        it: then a :class:`~stream_st.UsageError`, as for any closed stream).
 
         ``read_all`` promises that every tensor will be read next, so a ranged transport may
         fetch everything with its first request.
         """
-        if self._closed:
-            raise UsageError("the stream is closed")
-        if self._header is not None:
-            return self._header
+        while True:
+            if self._closed:
+                raise UsageError("the stream is closed")
+            if self._header is not None:
+                return self._header
+            opening = self._opening
+            if opening is None:
+                break
+            await opening.done.wait()
+            error, opening = opening.failed, None  # held by its frame, it would be a cycle
+            if error is not None:
+                try:
+                    raise error
+                finally:
+                    del error
+        opening = self._opening = _Opening()
+        try:
+            return await self._open(read_all=read_all)
+        except Exception as exc:
+            opening.failed = exc
+            raise
+        finally:
+            self._opening = None
+            opening.done.set()
+            del opening
+
+    async def _open(self, *, read_all: bool) -> Header:
+        """:meth:`open`'s work, one task at a time: open the source and read the header."""
         self.stats.begin()
         source = await open_under(self._source_like, self._clock)
         if self._closed:  # closed from another task while the source was being opened
@@ -466,6 +494,17 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         if source.whole_object and not await source.at_end():
             raise TrailingDataError(f"{source.name}: bytes follow the last tensor at byte {end}")
         source.message_read()
+
+
+class _Opening:
+    """A stream's open under way: ``done`` once it ended, ``failed`` with its error if that is
+    an :class:`Exception` (a cancellation, or an interrupt, is the opening task's alone)."""
+
+    __slots__ = ("done", "failed")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.failed: Exception | None = None
 
 
 def _closed_early(name: str) -> TransportError:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import pathlib
+import time
 import tracemalloc
+import warnings
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -26,6 +29,7 @@ from stream_st import (
     UsageError,
 )
 from stream_st.reader import merge_ranges
+from stream_st.transports.base import TURN_EVERY
 from stream_st.transports.file.source import FileSource
 from stream_st.transports.inmemory import BytesSource
 
@@ -522,6 +526,105 @@ async def test_an_iteration_closed_by_its_aclose_ends_quietly(sample_path: pathl
     await iteration.aclose()  # type: ignore[attr-defined]
     with pytest.raises(StopAsyncIteration):
         await anext(iteration)
+
+
+def gated_chunks(data: bytes, gate: anyio.Event) -> AsyncIterator[bytes]:
+    """``data`` in one chunk, yielded once ``gate`` is set."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        await gate.wait()
+        yield data
+
+    return chunks()
+
+
+async def open_from_tasks(stream: stream_st.TensorStream, gate: anyio.Event) -> list[object]:
+    """What ``stream.open()`` called from two tasks at once gives each (a header or an error),
+    ``gate`` set once both wait."""
+    outcomes: list[object] = []
+
+    async def opener() -> None:
+        try:
+            outcomes.append(await stream.open())
+        except Exception as exc:
+            outcomes.append(exc)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as group:
+            group.start_soon(opener)
+            group.start_soon(opener)
+            await anyio.wait_all_tasks_blocked()
+            gate.set()
+    return outcomes
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_open_from_two_tasks_at_once_opens_the_source_once(backend: str) -> None:
+    """The second call waits for the first one's open and gets its header, or its error: the
+    second opened the source again, and over a chunk iterator failed with 'being read by
+    another stream' and closed the stream under the first ('the stream is closed')."""
+
+    async def main() -> None:
+        gate = anyio.Event()
+        stream = stream_st.open_stream(gated_chunks(sample_file(), gate))
+        first, second = await open_from_tasks(stream, gate)
+        assert isinstance(first, stream_st.Header) and first is second
+        assert_same_arrays({name: array async for name, array in stream}, sample_tensors())
+
+        gate = anyio.Event()
+        stream = stream_st.open_stream(gated_chunks(b"\xff" * 64, gate))
+        first, second = await open_from_tasks(stream, gate)
+        assert isinstance(first, HeaderError) and first is second
+
+    anyio.run(main, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_open_waiting_for_a_cancelled_open(backend: str) -> None:
+    """The open another task waits for is cancelled (closing the stream, as any failed open):
+    the waiting call is a UsageError at once, not left waiting for it, nor cancelled with it."""
+
+    async def main() -> None:
+        stream = stream_st.open_stream(gated_chunks(sample_file(), anyio.Event()))
+        scope = anyio.CancelScope()
+
+        async def cancelled() -> None:
+            with scope:
+                await stream.open()
+
+        async def waiting() -> None:
+            with pytest.raises(UsageError, match="the stream is closed"):
+                await stream.open()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as group:
+                group.start_soon(cancelled)
+                await anyio.wait_all_tasks_blocked()
+                group.start_soon(waiting)
+                await anyio.wait_all_tasks_blocked()
+                scope.cancel()
+
+    anyio.run(main, backend=backend)
+
+
+def test_a_file_opened_from_two_tasks_at_once_is_opened_once(sample_path: pathlib.Path) -> None:
+    """Both calls get the one header; the file is opened once (the second call opened it again
+    and dropped the first, closed by its finalizer: a ResourceWarning)."""
+    anyio.run(stream_st.read_header, sample_path)  # the loop's turns counted from here: the
+    time.sleep(2 * TURN_EVERY)  # first open gives the loop a turn before it opens the file
+
+    async def main() -> tuple[stream_st.Header, stream_st.Header]:
+        stream = stream_st.open_stream(sample_path)
+        first, second = await asyncio.gather(stream.open(), stream.open())
+        await stream.aclose()
+        return first, second
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = anyio.run(main)
+        gc.collect()
+    assert first is second
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
 
 
 async def test_missing_file_and_unsupported_sources(tmp_path: pathlib.Path) -> None:

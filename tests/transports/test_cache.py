@@ -140,6 +140,21 @@ async def test_an_unchanged_touched_copy_is_checked_and_used(
     await read_as(url, ARRAYS, "hit", cache=tmp_path)
 
 
+async def test_a_stream_opened_from_two_tasks_at_once_asks_the_cache_once(
+    server: RangeHTTPServer, tmp_path: Path
+) -> None:
+    """The second open() waits for the first one's and gets its header: each open asked the
+    cache (a request each, the second reading the copy the first was writing, 'shared')."""
+    url = server.url("/m.safetensors")
+    for state in ("fetch", "hit"):
+        stream = stream_st.open_stream(url, cache=tmp_path)
+        first, second = await asyncio.gather(stream.open(), stream.open())
+        assert first is second and getattr(stream, "cache_state", None) == state
+        assert_same_arrays({name: array async for name, array in stream}, ARRAYS)
+    server.settle()
+    assert len(server.requests) == 2
+
+
 async def test_offline(
     server: RangeHTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
