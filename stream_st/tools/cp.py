@@ -29,6 +29,7 @@ from ..core.header import Header, TensorInfo
 from ..core.layout import TensorSpec
 from ..core.shards import join_address, literal_scheme, shard_address, split_address
 from ..core.stats import LoadStats, record_last
+from ..core.strict_json import decode_json
 from ..errors import (
     CodecError,
     HeaderError,
@@ -275,24 +276,31 @@ def _original(metadata: Mapping[str, str]) -> str:
 
 
 def _originals(metadata: Mapping[str, str]) -> dict[str, str]:
-    """The dtype code :data:`_ORIGINALS_KEY` records for each tensor it names (none in a file
-    quantized before it was written, or with all tensors of one dtype); a
-    :class:`~stream_st.CodecError` where it is no JSON object of floating-point dtype names."""
+    """The dtype code :data:`_ORIGINALS_KEY` records for each tensor it names, each name read as
+    ``original_dtype``'s (:func:`_original`); none in a file quantized before it was written, or
+    with all tensors of one dtype. A :class:`~stream_st.CodecError` where it is no JSON object of
+    floating-point dtype names (or JSON nested too deeply to read)."""
     raw = metadata.get(_ORIGINALS_KEY)
     if raw is None:
         return {}
     try:
-        recorded = json.loads(raw)
-    except ValueError:
-        recorded = None
-    if not isinstance(recorded, dict) or not all(
-        isinstance(name, str) and name in _ORIGINAL for name in recorded.values()
-    ):
+        recorded = decode_json(raw, f"metadata {_ORIGINALS_KEY}")
+    except HeaderError as exc:
+        raise CodecError(str(exc)) from None
+    codes = (
+        {
+            tensor: original_code(name) if isinstance(name, str) else ""
+            for tensor, name in recorded.items()
+        }
+        if isinstance(recorded, dict)
+        else None
+    )
+    if codes is None or not all(code in CONVERTIBLE for code in codes.values()):
         raise CodecError(
             f"metadata {_ORIGINALS_KEY} must be a JSON object of tensor names to "
             f"{', '.join(_ORIGINAL)}, got {raw!r:.100}"
         )
-    return {tensor: _ORIGINAL[name] for tensor, name in recorded.items()}
+    return codes
 
 
 def _decoded_shape(codec: Codec, info: TensorInfo) -> tuple[int, ...]:

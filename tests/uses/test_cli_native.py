@@ -335,6 +335,31 @@ def test_dequantize_restores_each_tensors_dtype(tmp_path: Path) -> None:
     assert not (tmp_path / "no.safetensors").exists()
 
 
+def test_dequantize_reads_original_dtypes_as_original_dtype(tmp_path: Path) -> None:
+    """Each name in ``original_dtypes`` is read as ``original_dtype``'s (a ``torch.`` name or a
+    code too), where only numpy names were taken; JSON nested too deeply is a CodecError, where
+    a bare RecursionError escaped as an internal error."""
+    codec = stream_st.core.codecs.get_codec("int8")
+    codes: dict[str, np.ndarray[Any, Any]] = {}
+    for name in "abc":
+        codes.update(codec.encode(name, np.linspace(-1, 1, 8, dtype=np.float32)))
+    source, out = tmp_path / "q8.safetensors", tmp_path / "out.safetensors"
+    spelt = '{"a": "torch.float16", "b": "F64", "c": "bfloat16"}'
+    for recorded, dtypes in [(spelt, ["float16", "float64", "bfloat16"]), ("[" * 100_000, None)]:
+        metadata = {**codec.metadata(), "original_dtypes": recorded}
+        reference_numpy.save_file(codes, str(source), metadata=metadata)
+        out.unlink(missing_ok=True)
+        result = run("cp", "-q", "--dequantize", str(source), str(out))
+        if dtypes is None:
+            assert result.returncode == 2, result.stderr
+            assert b"metadata original_dtypes JSON is nested too deeply" in result.stderr
+            assert not out.exists()
+        else:
+            assert result.returncode == 0 and result.stderr == b"", result.stderr
+            found = reference_numpy.load_file(str(out))
+            assert [found[name].dtype.name for name in "abc"] == dtypes
+
+
 def test_dequantize_to_a_dtype_warns_as_cp_dtype_does(tmp_path: Path) -> None:
     """``--dequantize --dtype f16`` of values beyond F16's range: decoded into F16, they become
     infinite with the warning ``--dtype`` gives (naming the tensor and counting the values),
