@@ -20,7 +20,7 @@ from urllib.parse import quote
 import anyio
 import anyio.to_thread
 
-from ..errors import TransportError, UnsupportedSinkError
+from ..errors import TransportError, UnsupportedSinkError, redact
 from .http import HTTPNotFoundError, xml_field
 from .options import TransportOptions
 from .registry import open_sink, path_from_url
@@ -124,7 +124,8 @@ async def list_names(directory: str) -> list[str]:
             raise TransportError(f"listing failed: {exc.strerror}", url=directory) from exc
         return sorted(entries)
     prefix = join(directory, "")
-    async with _Bucket(prefix + "_") as bucket:
+    async with _Bucket(prefix + "_") as bucket:  # a key in the prefix, for its bucket
+        bucket.name = redact(prefix)  # errors name the prefix listed
         keys = await bucket.keys(bucket.key[:-1])
     base = len(bucket.key) - 1
     return sorted(key[base:] for key in keys if "/" not in key[base:])

@@ -132,6 +132,16 @@ async def test_listing_moving_removing_under_a_prefix_with_query_characters(
     assert keys_in(server, "d") == ["d/other", "d?x"]
 
 
+async def test_a_listing_that_fails_names_the_prefix(
+    s3: tuple[MotoS3Server, S3Config], aws_env: None
+) -> None:
+    """A listing refused (a bucket that does not exist) names the prefix listed, where it named
+    a key of its own making in it (``.../ds/_``)."""
+    with pytest.raises(stream_st.SafetensorsError) as caught:
+        await store.list_names("s3://no-such-bucket/ds")
+    assert caught.value.url == "s3://no-such-bucket/ds/"  # type: ignore[attr-defined]
+
+
 # ---------------------------------------------------------------- refused before any request
 
 
