@@ -129,7 +129,9 @@ class Delivery:
     def _buffer_array(self, info: TensorInfo, buffer: Any) -> np.ndarray[Any, Any]:
         try:
             view = memoryview(buffer)
-        except TypeError:
+        except (TypeError, ValueError):  # ValueError: a released memoryview, say
+            if isinstance(buffer, memoryview):  # which memoryview() refuses once released alone
+                raise self._mismatch(info, "a released memoryview") from None
             raise self._mismatch(info, f"a {type(buffer).__name__}, not a buffer") from None
         if "O" in view.format:  # Python objects: writing would overwrite their pointers
             raise self._mismatch(info, "a buffer of Python objects")

@@ -16,11 +16,23 @@ _PATH_BYTES = 4096
 """Bytes given as a source and no longer than this are checked for being a path or address."""
 
 
+def _released() -> UnsupportedSourceError:
+    """The error for a memoryview given released (any use of it is a bare ``ValueError``)."""
+    return UnsupportedSourceError(
+        "the memoryview given was released (memoryview.release()): its bytes cannot be read"
+    )
+
+
 def refuse_path_bytes(data: bytes | bytearray | memoryview) -> None:
     """Refuse ``data`` given as a file's contents where it is a path or address instead
     (``b"/models/m.safetensors"``, ``b"s3://bucket/key"``): text of one line that no safetensors
-    file can be, its first 8 bytes read as a header length promising more than follows."""
-    if len(data) > _PATH_BYTES or len(data) < 8:
+    file can be, its first 8 bytes read as a header length promising more than follows; and a
+    released memoryview."""
+    try:
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+    except ValueError:  # the memoryview was released
+        raise _released() from None
+    if size > _PATH_BYTES or size < 8:
         return
     raw = bytes(data)
     if int.from_bytes(raw[:8], "little") <= len(raw) - 8:
@@ -45,6 +57,8 @@ def as_bytes_view(chunk: Any) -> memoryview:
     try:
         view = memoryview(chunk)
     except (TypeError, ValueError):  # ValueError: a buffer numpy cannot export (datetime64)
+        if isinstance(chunk, memoryview):  # which memoryview() refuses once released alone
+            raise _released() from None
         if isinstance(chunk, np.ndarray) and chunk.dtype.kind == "V" and not chunk.dtype.hasobject:
             # ml_dtypes' bfloat16, float8...: numbers, as float16 is, which memoryview takes
             return np.ascontiguousarray(chunk).reshape(-1).view(np.uint8).data

@@ -132,6 +132,27 @@ async def test_chunk_that_is_not_bytes() -> None:
             await read_all(bad())
 
 
+async def test_a_released_memoryview_is_named_as_such() -> None:
+    """Given as the file, as a chunk or as into= memory: a SafetensorsError saying it was
+    released, where a bare ValueError escaped ('operation forbidden on released memoryview
+    object'), and a chunk was 'not bytes-like'."""
+    data = sample_file()
+    released = memoryview(bytearray(data))
+    released.release()
+
+    async def chunks() -> AsyncIterator[memoryview]:
+        yield released
+
+    for source in (released, chunks()):
+        with pytest.raises(UnsupportedSourceError, match="memoryview given was released"):
+            await stream_st.read_header(source)
+    with pytest.raises(UnsupportedSourceError, match="memoryview given was released"):
+        await stream_st.load(released)
+    name = next(iter(sample_tensors()))
+    with pytest.raises(UsageError, match=f"into='{name}'.* a released memoryview"):
+        await read_all(data, into={name: released})
+
+
 async def test_non_contiguous_buffers_are_read_in_c_order() -> None:
     data = sample_file()
     assert len(data) % 4 == 0
