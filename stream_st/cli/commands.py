@@ -37,16 +37,14 @@ from ..errors import (
     SourceNotFoundError,
     TensorNotFoundError,
     TransportError,
-    UnsupportedSinkError,
     UsageError,
     redact,
 )
 from ..sharded.reader import ShardedStream
 from ..tools.common import naming, plural
-from ..tools.cp import _make_directory, address_in
+from ..tools.cp import _local_path, _make_directory, address_in
 from ..tools.model_checks import ModelConfig
 from ..tools.validate import expected_shapes
-from ..transports.file.atomic import path_from_url
 from ..transports.file.sink import PipeSink
 from ..transports.registry import SinkLike
 from .demo import print_report, run_demo
@@ -454,16 +452,6 @@ async def run_validate(args: argparse.Namespace) -> int:
         return EXIT_OK if result.ok else EXIT_DIFFERENT
 
     return await _each(args, one)
-
-
-def _local_path(dst: str) -> str | None:
-    """The local path the destination ``dst`` names (a path, or a ``file://`` URL's); None for
-    any other URL."""
-    if "://" not in dst:
-        return dst
-    if urllib.parse.urlsplit(dst).scheme.lower() != "file":
-        return None
-    return path_from_url(dst, UnsupportedSinkError)
 
 
 def _is_directory(dst: str) -> bool:

@@ -37,12 +37,14 @@ from ..errors import (
     StreamStWarning,
     TensorNotFoundError,
     TransportError,
+    UnsupportedSinkError,
     UsageError,
 )
 from ..reader import Include, TensorStream
 from ..reader.stream import include_names
 from ..sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from ..transports import store
+from ..transports.file.atomic import path_from_url
 from ..transports.file.sink import COPY_TURN
 from ..transports.file.source import FileSource
 from ..transports.http import HTTPStatusError
@@ -611,6 +613,16 @@ class _Held(Sink):
         await self.sink.abort()
 
 
+def _local_path(dst: str) -> str | None:
+    """The local path the destination ``dst`` names (a path, or a ``file://`` URL's); None for
+    any other URL."""
+    if "://" not in dst:
+        return dst
+    if split_address(dst).scheme.lower() != "file":
+        return None
+    return path_from_url(dst, UnsupportedSinkError)
+
+
 def _make_directory(path: str, made: list[str]) -> None:
     """Make the local directory ``path`` and its missing parents, adding those made to ``made``
     (parents first)."""
@@ -693,8 +705,9 @@ async def mirror(
     made: list[str] = []  # local directories made for the copy
 
     async def opened_at(target: str) -> _Held:
-        if "://" not in target:
-            _make_directory(os.path.dirname(target), made)
+        local = _local_path(target)
+        if local is not None:  # a path or a file:// URL
+            _make_directory(os.path.dirname(local), made)
         sink = _Held(await open_sink(target, clock=clock))
         held.append(sink)
         written.append(target)

@@ -83,6 +83,23 @@ def test_a_missing_shard_leaves_the_destination_as_it_was(
     assert not (tmp_path / "fresh").exists(), "directories made for the copy were left"
 
 
+def test_a_file_url_destination_is_made_as_a_path_is(
+    tmp_path: Path, versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]]
+) -> None:
+    """``cp INDEX file:///missing/dir/`` makes the directory, as a path's is made, where it failed
+    with "no such directory"; a copy that fails removes what it made, as for a path."""
+    v1, old, v2, _ = versions
+    made = tmp_path / "new dir" / "deeper"
+    done = run("cp", "-q", str(v1 / INDEX), f"{made.as_uri()}/")
+    assert done.returncode == 0, done.stderr
+    assert _contents(made) == old
+    (v2 / "sub" / "m-2.safetensors").unlink()
+    fresh = tmp_path / "fresh dir" / "deeper"
+    failed = run("cp", "-q", str(v2 / INDEX), f"{fresh.as_uri()}/")
+    assert failed.returncode == 2 and "m-2.safetensors" in failed.stderr, failed.stderr
+    assert not (tmp_path / "fresh dir").exists(), "directories made for the copy were left"
+
+
 def test_stopped_while_a_shard_streams_in_leaves_the_destination_as_it_was(
     tmp_path: Path, versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]]
 ) -> None:
