@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
@@ -103,13 +104,32 @@ class BytesSource(Source):
 _EMPTY = memoryview(b"")
 
 
+def _iterator_of(chunks: AsyncIterable[Any]) -> AsyncIterator[Any]:
+    """``aiter(chunks)``; :class:`~stream_st.UnsupportedSourceError` where ``__aiter__`` gives
+    no async iterator (a bare ``TypeError``), as one written ``async def`` does (it is not
+    called: its coroutine would never be awaited)."""
+    kind = type(chunks).__name__
+    wrong = (
+        f"{kind}.__aiter__ must return an async iterator (an object with 'async def "
+        "__anext__'), from a plain 'def'"
+    )
+    if inspect.iscoroutinefunction(getattr(type(chunks), "__aiter__", None)):
+        raise UnsupportedSourceError(f"{wrong}, not 'async def'")
+    try:
+        return aiter(chunks)
+    except TypeError as exc:  # what __aiter__ returned has no __anext__
+        raise UnsupportedSourceError(f"{wrong}: {exc}") from exc
+
+
 class ChunkIteratorSource(Source):
     """An async iterable of bytes-like chunks of any sizes, together making one whole file."""
 
     def __init__(self, chunks: AsyncIterable[Any], name: str = "<async iterator>") -> None:
         super().__init__()
         self._iterable = chunks
-        self._iterator: AsyncIterator[Any] = aiter(chunks)
+        self._iterator: AsyncIterator[Any] = _iterator_of(chunks)
+        # Whether each step is checked to be awaitable: an async generator's always are.
+        self._check_steps = not inspect.isasyncgen(self._iterator)
         self._chunk = _EMPTY
         self._done = False
         self._closed = False
@@ -142,7 +162,14 @@ class ChunkIteratorSource(Source):
                 )
             try:
                 with self.clock.waiting(self.name, self.position):
-                    chunk = await anext(self._iterator)
+                    step = anext(self._iterator)
+                    if self._check_steps and not inspect.isawaitable(step):
+                        raise UnsupportedSourceError(
+                            f"{self.name}: {type(self._iterator).__name__}.__anext__ returned "
+                            f"a {type(step).__name__}, not an awaitable: an async iterator's "
+                            "__anext__ is 'async def'"
+                        )
+                    chunk = await step
             except StopAsyncIteration:
                 self._done = True
                 return False
@@ -177,5 +204,7 @@ class ChunkIteratorSource(Source):
         closed when it is collected."""
         self._closed = True
         closer = getattr(self._iterator, "aclose", None)
-        if closer is not None and not getattr(self._iterator, "ag_running", False):
-            await closer()
+        if callable(closer) and not getattr(self._iterator, "ag_running", False):
+            closing = closer()
+            if inspect.isawaitable(closing):  # a plain method of that name has closed it
+                await closing

@@ -132,6 +132,55 @@ async def test_chunk_that_is_not_bytes() -> None:
             await read_all(bad())
 
 
+class OneChunk:
+    """An async iterator of one chunk, as a class: subclasses bend the protocol."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data: bytes | None = data
+
+    def __aiter__(self) -> OneChunk:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data, self.data = self.data, None
+        if data is None:
+            raise StopAsyncIteration
+        return data
+
+
+class PlainAclose(OneChunk):
+    closed = False
+
+    def aclose(self) -> None:  # a wrapper's close given that name
+        self.closed = True
+
+
+class AsyncAiter(OneChunk):
+    async def __aiter__(self) -> OneChunk:  # type: ignore[override]  # the old protocol
+        return self
+
+
+class PlainAnext(OneChunk):
+    def __anext__(self) -> bytes:  # type: ignore[override]  # the 'async' forgotten
+        return self.data or b""
+
+
+async def test_chunk_iterators_that_bend_the_protocol() -> None:
+    """A plain ``aclose`` is called, not awaited (the file was read, then a bare TypeError at the
+    close); an ``async def __aiter__`` or a plain ``__anext__`` is an UnsupportedSourceError
+    naming the break, where both were bare TypeErrors."""
+    data = sample_file()
+    closing = PlainAclose(data)
+    assert_same_arrays(await stream_st.load(closing), sample_tensors())
+    assert closing.closed
+    with pytest.raises(
+        UnsupportedSourceError, match=r"AsyncAiter.__aiter__ must .* not 'async def'"
+    ):
+        await stream_st.load(AsyncAiter(data))  # type: ignore[arg-type]  # the point
+    with pytest.raises(UnsupportedSourceError, match=r"PlainAnext.__anext__ returned a bytes, not"):
+        await stream_st.load(PlainAnext(data))
+
+
 async def test_a_released_memoryview_is_named_as_such() -> None:
     """Given as the file, as a chunk or as into= memory: a SafetensorsError saying it was
     released, where a bare ValueError escaped ('operation forbidden on released memoryview
