@@ -355,17 +355,53 @@ async def cp(
     for, they are a :class:`~stream_st.UsageError` elsewhere; inherited, they are left out.
     """
     progress = checked_progress(progress)
-    if quantize is not None and (dtype is not None or dequantize):
-        raise UsageError("choose one of dtype=, quantize= and dequantize=")
     if include is not None and not callable(include):
         include = include_names(include)  # names, or an ArgumentTypeError saying what it takes
+    target, encoder = _conversion(dtype, quantize, dequantize)
+    return await _copy(
+        src,
+        dst,
+        command_clock(options),
+        include=include,
+        target=target,
+        encoder=encoder,
+        dequantize=dequantize,
+        checksums=checksums,
+        progress=progress,
+    )
+
+
+def _conversion(
+    dtype: str | None, quantize: str | None, dequantize: bool
+) -> tuple[str | None, Codec | None]:
+    """``cp``'s conversion options checked: the dtype code ``dtype`` names and the codec
+    ``quantize`` names (each None for none); a :class:`~stream_st.UsageError` for a bad value
+    or more than one conversion."""
+    if quantize is not None and (dtype is not None or dequantize):
+        raise UsageError("choose one of dtype=, quantize= and dequantize=")
     target = _target_dtype(dtype)
-    encoder = None
-    if quantize is not None:
-        if not isinstance(quantize, str) or quantize.lower() != "int8":
-            raise UsageError(f"quantize supports int8, not {quantize!r}")
-        encoder = get_codec("int8")
-    clock = command_clock(options)
+    if quantize is None:
+        return target, None
+    if not isinstance(quantize, str) or quantize.lower() != "int8":
+        raise UsageError(f"quantize supports int8, not {quantize!r}")
+    return target, get_codec("int8")
+
+
+async def _copy(
+    src: SourceLike,
+    dst: SinkLike,
+    clock: Clock,
+    *,
+    include: Include,
+    target: str | None,
+    encoder: Codec | None,
+    dequantize: bool,
+    checksums: bool | str | None,
+    progress: Progress | None,
+) -> Copy:
+    """:func:`cp`'s copy, its arguments checked (``target`` and ``encoder`` as
+    :func:`_conversion` gives them), within ``clock``: that of the operation it is part of (a
+    mirror's, for each of its shards), started."""
     async with opened(src, clock, include=include) as (stream, headers):
         metadata = {k: v for k, v in merged_metadata(headers).items() if not is_record_key(k)}
         decoder = _quantized_by(metadata) if encoder is not None or dequantize else None
@@ -519,29 +555,29 @@ def address_in(into: str, name: str) -> str:
     return join_address(parts.scheme, parts.netloc, path + quoted, parts.query)
 
 
-async def _shard_replaces(written: list[str], options: TransportOptions) -> bool:
+async def _shard_replaces(written: list[str], clock: Clock) -> bool:
     """Whether a mirror's commit into a directory or prefix (``written``: its shards' addresses,
     then its index's) puts a shard where a file or object is: a reader of the older index of
-    the same name would then find new shards beside old ones. ``options`` as the copy's."""
+    the same name would then find new shards beside old ones. Within the mirror's ``clock``."""
     *shards, index = written
     if not store.listable(index):  # http(s): each shard was committed as its upload ended
         return False
     try:
-        return await store.any_exists(shards, **options)
+        return await store.any_exists(shards, clock)
     except HTTPStatusError as exc:
         if exc.status != 403:
             raise
         return False  # credentials that may not read the keys: the older index stays, as before
 
 
-async def _unindexed(written: list[str], options: TransportOptions) -> None:
+async def _unindexed(written: list[str], clock: Clock) -> None:
     """At the start of a mirror's commit where a shard takes the place of a file or object
     (:func:`_shard_replaces`), remove the index there (``written``'s last address): a process
     killed in the commit, or a commit that fails, then leaves no index (loading it fails)
     rather than the older index over a mix of new and old shards. The new index is committed
-    last."""
+    last. Within the mirror's ``clock``."""
     try:
-        await store.remove(written[-1], **options)
+        await store.remove(written[-1], clock)
     except HTTPStatusError as exc:
         if exc.status != 403:
             raise  # credentials that may not delete it: the older index stays, as before
@@ -669,10 +705,11 @@ async def mirror(
     **options: Unpack[TransportOptions],
 ) -> list[str]:
     """Copy the sharded checkpoint ``index`` (a ``*.index.json`` or ``dataset_manifest.json``)
-    into the directory or prefix ``into``: every shard under its name (each with :func:`cp` and
-    its options), then the index. The index is copied as it is when no tensor changes; otherwise
-    a Hugging Face index is written anew (``weight_map`` and ``total_size`` of the shards
-    written), and a manifest, whose byte counts would change, is a
+    into the directory or prefix ``into``: every shard under its name (each as :func:`cp` copies
+    it), then the index. ``options`` are the whole mirror's: ``deadline`` bounds it all, from
+    reading the index to the commit, not each shard. The index is copied as it is when no
+    tensor changes; otherwise a Hugging Face index is written anew (``weight_map`` and
+    ``total_size`` of the shards written), and a manifest, whose byte counts would change, is a
     :class:`~stream_st.UsageError`. A shard left with no tensor by ``include`` is not written.
     Returns the addresses written, the index last; the shards' reads together are
     :func:`~stream_st.last_stats`.
@@ -689,6 +726,7 @@ async def mirror(
     committed as its upload completes, and a failure leaves those uploaded (the index is not
     written)."""
     progress = checked_progress(progress)
+    target, encoder = _conversion(dtype, quantize, dequantize)
     clock = command_clock(options)
     raw, home = await read_object(index, clock, limit=MAX_INDEX_SIZE)
     shards = ShardIndex(raw, index, home)
@@ -725,16 +763,16 @@ async def mirror(
                 continue
             where = shard_address(shards.home, shard)
             try:
-                copied = await cp(
+                copied = await _copy(
                     where,
                     await opened_at(address_in(into, shard)),
-                    include=wanted,
-                    dtype=dtype,
-                    quantize=quantize,
+                    clock,
+                    include=None if wanted is None else set(wanted),
+                    target=target,
+                    encoder=encoder,
                     dequantize=dequantize,
                     checksums=checksums,
                     progress=progress,
-                    **options,
                 )
             except TensorNotFoundError:  # include= took the index's word for the shard's names
                 if wanted is None:
@@ -758,10 +796,10 @@ async def mirror(
         await sink.allocate(len(raw))
         await sink.send(memoryview(raw))
         await sink.aclose()
-        replacing = await _shard_replaces(written, options)
+        replacing = await _shard_replaces(written, clock)
         with anyio.CancelScope(shield=True):  # the commit: a signal waits for it
             if replacing:
-                await _unindexed(written, options)
+                await _unindexed(written, clock)
             while held:
                 await held[0].commit()
                 del held[0]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Sequence
-from typing import Unpack
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from urllib.parse import quote
 
 import anyio
@@ -22,7 +22,7 @@ import anyio.to_thread
 
 from ..errors import TransportError, UnsupportedSinkError, redact
 from .http import HTTPNotFoundError, xml_field
-from .options import TransportOptions
+from .options import UNLIMITED, Clock
 from .registry import open_sink, path_from_url
 from .s3.config import parse_s3_url
 from .s3.sink import S3Sink
@@ -171,32 +171,62 @@ async def move(source: str, destination: str) -> None:
         await bucket.delete(source_key)
 
 
-async def any_exists(addresses: Sequence[str], **options: Unpack[TransportOptions]) -> bool:
-    """Whether a file or an object is at any of ``addresses`` (a dangling symlink is one),
-    asked in turn until one is; ``options`` for an object store's requests (one connection
-    per bucket, a HEAD request per object)."""
+HEADS_AT_ONCE = 8
+"""The most requests :func:`any_exists` has in flight at once."""
+
+
+def _bucket(address: str, clock: Clock) -> _Bucket:
+    """A :class:`_Bucket` for ``address`` whose requests go under ``clock``: its limits, its
+    headers and TLS context (as :func:`~stream_st.transports.registry.open_sink` gives a sink)."""
+    bucket = _Bucket(address)
+    bucket.clock = clock
+    bucket.add_transport(clock.transport)
+    return bucket
+
+
+async def any_exists(addresses: Sequence[str], clock: Clock = UNLIMITED) -> bool:
+    """Whether a file or an object is at any of ``addresses`` (a dangling symlink is one), asked
+    :data:`HEADS_AT_ONCE` at a time; the first found stops the rest. ``clock`` (the operation's)
+    bounds an object store's requests: a client per bucket, a HEAD request per object. The first
+    to fail stops the rest too, and unless one was found its error is raised as it is."""
+    found = False
+    failure: list[Exception] = []
+    at_once = anyio.Semaphore(HEADS_AT_ONCE)
     buckets: dict[str, _Bucket] = {}
     async with contextlib.AsyncExitStack() as stack:
-        for address in addresses:
+        asks: list[Callable[[], Awaitable[bool]]] = []
+        for address in addresses:  # every address checked before any request
             path = _local(address)
             if path is not None:
-                if await anyio.to_thread.run_sync(os.path.lexists, path):
-                    return True
+                asks.append(partial(anyio.to_thread.run_sync, os.path.lexists, path))
                 continue
             bucket_name, key = parse_s3_url(address)
-            bucket = buckets.get(bucket_name)
-            if bucket is None:
-                bucket = buckets[bucket_name] = await stack.enter_async_context(
-                    _Bucket(address, **options)
-                )
-            if await bucket.has(key):
-                return True
-    return False
+            if bucket_name not in buckets:
+                buckets[bucket_name] = await stack.enter_async_context(_bucket(address, clock))
+            asks.append(partial(buckets[bucket_name].has, key))
+
+        async def ask(exists: Callable[[], Awaitable[bool]]) -> None:
+            nonlocal found
+            try:
+                async with at_once:
+                    if await exists():
+                        found = True
+                        group.cancel_scope.cancel()
+            except Exception as exc:  # raised once the others are stopped, not in a group
+                failure.append(exc)
+                group.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as group:
+            for exists in asks:
+                group.start_soon(ask, exists)
+    if failure and not found:
+        raise failure[0]
+    return found
 
 
-async def remove(address: str, **options: Unpack[TransportOptions]) -> None:
-    """Remove the object at ``address``, if there is one; ``options`` for an object store's
-    requests."""
+async def remove(address: str, clock: Clock = UNLIMITED) -> None:
+    """Remove the object at ``address``, if there is one; ``clock`` (the operation's) bounds an
+    object store's request."""
     path = _local(address)
     if path is not None:
         try:
@@ -206,7 +236,7 @@ async def remove(address: str, **options: Unpack[TransportOptions]) -> None:
         except OSError as exc:
             raise TransportError(f"removing failed: {exc.strerror}", url=address) from exc
         return
-    async with _Bucket(address, **options) as bucket:
+    async with _bucket(address, clock) as bucket:
         await bucket.delete(bucket.key)
 
 

@@ -13,9 +13,12 @@ import pytest
 import stream_st
 from stream_st import TensorSpec
 from stream_st.transports import store
+from stream_st.transports.http import HTTPStatusError
+from stream_st.transports.options import Clock, Limits
 from stream_st.transports.s3.config import S3Config, parse_s3_url
 from stream_st.transports.s3.sink import MIN_PART_SIZE, S3Sink
 
+from ..servers.http_server import RangeHTTPServer
 from ..servers.s3_server import CREDENTIALS, MotoS3Server
 
 Arrays = dict[str, np.ndarray[Any, Any]]
@@ -40,10 +43,15 @@ def s3(moto_s3: MotoS3Server) -> tuple[MotoS3Server, S3Config]:
 def aws_env(
     s3: tuple[MotoS3Server, S3Config], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    s3_at(s3[0].endpoint_url, monkeypatch, tmp_path)
+
+
+def s3_at(endpoint_url: str, monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
+    """The environment names ``endpoint_url`` as the S3 endpoint, with the test credentials."""
     for name, value in CREDENTIALS.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3[0].endpoint_url)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no stray ~/.aws files
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint_url)
+    monkeypatch.setenv("HOME", str(home))  # no stray ~/.aws files
     for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_REGION"):
         monkeypatch.delenv(name, raising=False)
 
@@ -140,6 +148,38 @@ async def test_a_listing_that_fails_names_the_prefix(
     with pytest.raises(stream_st.SafetensorsError) as caught:
         await store.list_names("s3://no-such-bucket/ds")
     assert caught.value.url == "s3://no-such-bucket/ds/"  # type: ignore[attr-defined]
+
+
+async def test_any_exists_asks_for_many_keys_at_once_and_finds_one(
+    s3: tuple[MotoS3Server, S3Config], aws_env: None, tmp_path: Path
+) -> None:
+    """Keys asked about HEADS_AT_ONCE at a time (they were asked one after another: a round trip
+    each before a mirror's commit), within the clock given (each request had a fresh one, so
+    the mirror's deadline did not bound them)."""
+    server, _ = s3
+    keys = [f"s3://{BUCKET}/many/{i}" for i in range(3 * store.HEADS_AT_ONCE)]
+    assert not await store.any_exists(keys, Clock())
+    server.client().put_object(Bucket=BUCKET, Key="many/20", Body=b"x")
+    assert await store.any_exists(keys, Clock())
+    assert await store.any_exists([str(tmp_path / "none"), str(tmp_path), *keys[:3]])
+    passed = Clock(Limits(deadline=0))
+    passed.start()
+    with pytest.raises(stream_st.ReadTimeoutError):  # as it is, not in a group
+        await store.any_exists(keys, passed)
+
+
+async def test_any_exists_raises_a_refused_head_as_it_is(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A 403 on the keys asked at once comes out as the HTTPStatusError a mirror's commit takes
+    for "may not read the keys", not in an exception group. (Every key refused: the test
+    server's answers to HEAD carry a body, which a connection used again would misread.)"""
+    keys = [f"k/{i}" for i in range(store.HEADS_AT_ONCE)]
+    with RangeHTTPServer(status_for={f"/{BUCKET}/{key}": 403 for key in keys}) as server:
+        s3_at(f"http://127.0.0.1:{server.port}", monkeypatch, tmp_path)
+        with pytest.raises(HTTPStatusError) as caught:
+            await store.any_exists([f"s3://{BUCKET}/{key}" for key in keys], Clock())
+    assert caught.value.status == 403
 
 
 # ---------------------------------------------------------------- refused before any request
