@@ -418,6 +418,11 @@ class TransportError(SafetensorsError, OSError):
         self.position = position
         super().__init__(self._text())
 
+    @property
+    def reason(self) -> str:
+        """What failed, without the address and the position (see ``url`` and ``position``)."""
+        return self._message
+
     def _text(self) -> str:
         parts = [self._message]
         if self.url and self.url not in self._message:  # named once

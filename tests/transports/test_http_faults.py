@@ -781,3 +781,13 @@ async def test_an_unasked_not_modified_is_named_so(raw_server: Serve) -> None:
         await stream_st.load(url)
     assert info.value.status == 304
     assert "not modified" in str(info.value) and "nowhere" not in str(info.value)
+
+
+async def test_a_refused_connection_says_why() -> None:
+    """The one-line error of a failed connect keeps its cause (refused, a limit passed), where
+    it said only "cannot connect to HOST:PORT" and left the reason to the chained error."""
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]
+    with pytest.raises(stream_st.TransportError) as caught:
+        await load(HttpSource(f"http://127.0.0.1:{port}/m.safetensors", retries=0))
+    assert f"cannot connect to 127.0.0.1:{port}: Connection refused" in str(caught.value)

@@ -167,7 +167,8 @@ async def connect(
             sock = await connect_socket(host, port, clock)
         except TransportError as exc:
             where = target.authority if proxy is None else f"the proxy {proxy.name}"
-            raise type(exc)(f"cannot connect to {where}", url=target.url) from exc
+            why = exc.reason.removeprefix("cannot connect: ")  # refused, a limit passed...
+            raise type(exc)(f"cannot connect to {where}: {why}", url=target.url) from exc
         wire = PlainWire(sock, clock)
     return Connection(target.origin, wire)
 
