@@ -286,7 +286,8 @@ class RangeHTTPServer:
             self.requests.append((method, path, headers.get("range", ""), 0))
             extra.update({"Content-Type": content_type, "Content-Length": str(len(message))})
             self._send_head(connection, status, extra)
-            connection.sendall(message)
+            if method != "HEAD":  # an answer to HEAD has no body, whatever its status
+                connection.sendall(message)
             return True
         assert data is not None
         if self.gzip == "always" or (
