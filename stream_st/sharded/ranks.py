@@ -260,20 +260,20 @@ class DistributedStream(TensorStream[TensorT]):
     def _opened(self) -> bool:
         return self._group_opened
 
-    async def open(self, *, read_all: bool = False) -> Header:
+    async def _open(self, *, read_all: bool) -> Header:
         """Open the source and read its header (an index: read it) on every rank, and agree on
-        it with the group: a rank that fails makes every rank raise :class:`RankFailedError`."""
+        it with the group, once: a rank that fails makes every rank raise
+        :class:`RankFailedError`. :meth:`open` runs it one task at a time, so a rank joins the
+        group's collectives once however many of its tasks open the stream."""
         if self._group_opened:
             return self._header or Header.from_tensors((), {}, 0)
-        if self._closed:
-            raise UsageError("the stream is closed")
         self._group_opened = True
         failure = self._problem
         digest: tuple[str, str] | None = None
         if failure is None:
             try:
                 if self._index_address is None:
-                    digest = ("header", _header_digest(await super().open()))
+                    digest = ("header", _header_digest(await super()._open(read_all=False)))
                 else:
                     self._clock.start()
                     index = self._index = await ShardIndex.read(self._index_address, self._clock)

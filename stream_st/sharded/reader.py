@@ -299,11 +299,9 @@ class ShardedStream(TensorStream[TensorT]):
     def _opened(self) -> bool:
         return self._index is not None
 
-    async def open(self, *, read_all: bool = False) -> Header:
-        """Read and validate the index (shards are opened as iteration reaches them); a closed
-        stream is not opened again (:class:`~stream_st.UsageError`), as any stream."""
-        if self._closed:
-            raise UsageError("the stream is closed")
+    async def _open(self, *, read_all: bool) -> Header:
+        """Read and validate the index, once (shards are opened as iteration reaches them); the
+        header is empty, each shard has its own. :meth:`open` runs it one task at a time."""
         if self._index is None:
             self._clock.start()  # one clock for the index and every shard
             self.stats.begin()

@@ -21,6 +21,8 @@ raises :class:`Stopped` in the ``async with`` before its loop; ``"close"``: it l
 load_file mode, ``"again"``: every rank loads the file, then this one kills itself before the
 others load it again; load_model mode, ``"hook"``: it kills itself in its model's load post-hook,
 once every tensor has come, before the load's last agreement);
+``opens`` (stream mode: the stream is opened from that many tasks at once before its ``async
+with``; the rank reports ``opened``, the tensor names of the header each got);
 ``out`` (a folder). A stream-mode rank reports ``closed``: whether its stream was closed
 (its source let go of) once its ``async with`` was left, with or without an error.
 The rank writes what it got to ``out/rank<R>.safetensors`` (and the order to ``out/rank<R>.json``),
@@ -61,6 +63,7 @@ async def _stream(
     stop: str | None,
     options: dict[str, Any],
     report: dict[str, Any],
+    opens: int = 1,
 ) -> dict[str, Any]:
     import stream_st
 
@@ -69,6 +72,8 @@ async def _stream(
         src, framework="pt", process_group=group, include=include, slices=slices, **options
     )
     try:
+        if opens > 1:
+            report["opened"] = await _open_at_once(opened, opens)
         async with opened as stream:
             if stop == "leave":
                 raise Stopped("left before iterating")
@@ -80,6 +85,19 @@ async def _stream(
     finally:
         report["closed"] = opened._closed
     return got
+
+
+async def _open_at_once(stream: Any, opens: int) -> list[list[str]]:
+    """``stream.open()`` called from ``opens`` tasks at once: the names of each one's header."""
+    names: list[list[str]] = []
+
+    async def opener() -> None:
+        names.append(list((await stream.open()).names()))
+
+    async with anyio.create_task_group() as group:
+        for _ in range(opens):
+            group.start_soon(opener)
+    return names
 
 
 async def _loop(stream: Any, got: dict[str, Any], stop: str | None) -> None:
@@ -229,7 +247,8 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
             report["missing"] = sorted(missing)
             report["unexpected"] = sorted(unexpected)
         else:
-            got = asyncio.run(_stream(src, group, include, slices, stop, options, report))
+            opens = params.get("opens", 1)
+            got = asyncio.run(_stream(src, group, include, slices, stop, options, report, opens))
         report["names"] = list(got)
         report["devices"] = _devices(got)
         if "reference" in params:

@@ -5,6 +5,7 @@ against the reference ``safetensors``), or every rank raises naming the rank tha
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +197,28 @@ def test_sharded_index(tmp_path: Path, pool: Pool) -> None:
     reports = pool.run(tmp_path, 2, mode="load_file", src=str(index), include=[None, second])
     assert_same(ok(reports[0]), every)
     assert_same(ok(reports[1]), {name: every[name] for name in second})
+
+
+def test_a_stream_opened_from_two_tasks_at_once_joins_the_group_once(
+    tmp_path: Path, checkpoint: Path, pool: Pool
+) -> None:
+    """Each rank opens its stream from two tasks at once: the second waits for the first one's
+    open (one gather with the group) and gets its header, where it returned at once, before
+    the first had agreed with the group (over HTTP, before the header came: an empty one); the
+    ranks then read it all, the index read once by each."""
+    expected = reference_load(str(checkpoint))
+    index = write_index(tmp_path, expected, 2)
+    with RangeHTTPServer() as server:
+        for path in (checkpoint, index, tmp_path / "m-1.safetensors", tmp_path / "m-2.safetensors"):
+            server.objects[f"/{path.name}"] = path.read_bytes()
+        for src, names in [(checkpoint, sorted(expected)), (index, [])]:
+            reports = pool.run(tmp_path, 2, mode="stream", src=server.url(f"/{src.name}"), opens=2)
+            for report in reports:
+                assert_same(ok(report), expected)
+                assert [sorted(each) for each in report["opened"]] == [names, names], report
+        server.settle()
+    gets = Counter(where for method, where, _, _ in server.requests if method == "GET")
+    assert gets[f"/{index.name}"] == 2
 
 
 def test_s3(tmp_path: Path, checkpoint: Path, moto_s3: Any, pool: Pool) -> None:

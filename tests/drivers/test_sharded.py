@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 import safetensors.numpy as reference_numpy
@@ -82,6 +84,39 @@ async def test_index_over_http() -> None:
         server.objects["/repo/model.safetensors.index.json"] = index_bytes()
         got = await read_all(server.url("/repo/model.safetensors.index.json"))
     assert_same_arrays(got, ALL)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_an_index_opened_from_two_tasks_at_once_is_read_once(backend: str) -> None:
+    """The second open() waits for the first one's and gets the same header: each read the
+    index (two requests for it), as TensorStream.open() once did for a file; each shard is
+    then requested once as the stream is read."""
+    index = "/repo/model.safetensors.index.json"
+    with RangeHTTPServer() as server:
+        for shard, arrays in SHARDS.items():
+            server.objects[f"/repo/{shard}"] = reference_numpy.save(arrays)
+        server.objects[index] = index_bytes()
+
+        async def main() -> tuple[list[stream_st.Header], Arrays]:
+            stream = stream_st.open_stream(server.url(index))
+            headers: list[stream_st.Header] = []
+
+            async def opener() -> None:
+                headers.append(await stream.open())
+
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as group:
+                    group.start_soon(opener)
+                    group.start_soon(opener)
+                async with stream:
+                    return headers, {name: array async for name, array in stream}
+
+        headers, got = anyio.run(main, backend=backend)
+        server.settle()
+    assert len(headers) == 2 and headers[0] == headers[1]
+    assert_same_arrays(got, ALL)
+    gets = Counter(path for method, path, _, _ in server.requests if method == "GET")
+    assert gets == {index: 1, **{f"/repo/{shard}": 1 for shard in SHARDS}}
 
 
 async def test_bad_indexes(tmp_path: Path) -> None:
