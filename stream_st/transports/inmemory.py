@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
@@ -121,13 +122,35 @@ def _iterator_of(chunks: AsyncIterable[Any]) -> AsyncIterator[Any]:
         raise UnsupportedSourceError(f"{wrong}: {exc}") from exc
 
 
+def _read_elsewhere(name: str, iterator: object) -> UsageError:
+    """The refusal of a stream over ``iterator`` (read as ``name``) that another reads."""
+    kind = "async generator" if inspect.isasyncgen(iterator) else "async iterator"
+    return UsageError(
+        f"{name}: the {kind} is being read by another stream; give each stream an iterator of "
+        "its own"
+    )
+
+
+_READERS: weakref.WeakValueDictionary[int, ChunkIteratorSource] = weakref.WeakValueDictionary()
+"""The source reading each iterator (by the iterator's id), from its making to its close: two
+streams sharing one would each take chunks the other never sees, between any two of its steps.
+Keyed by id, as an iterator need be neither hashable nor weakly referable: the source holds its
+iterator, so the id is that iterator's while the source lives (and a source dropped unclosed
+lets go of it when collected)."""
+
+
 class ChunkIteratorSource(Source):
-    """An async iterable of bytes-like chunks of any sizes, together making one whole file."""
+    """An async iterable of bytes-like chunks of any sizes, together making one whole file.
+    Its iterator is read by this source alone until it closes: another source made over it
+    meanwhile is a :class:`~stream_st.UsageError`."""
 
     def __init__(self, chunks: AsyncIterable[Any], name: str = "<async iterator>") -> None:
         super().__init__()
         self._iterable = chunks
         self._iterator: AsyncIterator[Any] = _iterator_of(chunks)
+        if _READERS.get(id(self._iterator)) is not None:
+            raise _read_elsewhere(name, self._iterator)
+        _READERS[id(self._iterator)] = self
         # Whether each step is checked to be awaitable: an async generator's always are.
         self._check_steps = not inspect.isasyncgen(self._iterator)
         self._chunk = _EMPTY
@@ -156,10 +179,7 @@ class ChunkIteratorSource(Source):
             if self._done:
                 return False
             if getattr(self._iterator, "ag_running", False):  # stepped by another reader now
-                raise UsageError(
-                    f"{self.name}: the async generator is being read by another stream; "
-                    "give each stream an iterator of its own"
-                )
+                raise _read_elsewhere(self.name, self._iterator)
             try:
                 with self.clock.waiting(self.name, self.position):
                     step = anext(self._iterator)
@@ -201,8 +221,10 @@ class ChunkIteratorSource(Source):
     async def aclose(self) -> None:
         """Close the iterator; one a read in another task is running cannot be closed now (an
         async generator refuses it): that read fails once it returns, and the generator is
-        closed when it is collected."""
+        closed when it is collected. The iterator is free for another source from here on."""
         self._closed = True
+        if _READERS.get(id(self._iterator)) is self:
+            del _READERS[id(self._iterator)]
         closer = getattr(self._iterator, "aclose", None)
         if callable(closer) and not getattr(self._iterator, "ag_running", False):
             closing = closer()

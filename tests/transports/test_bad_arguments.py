@@ -148,6 +148,57 @@ async def test_an_async_generator_read_by_two_streams_at_once_is_refused() -> No
     assert "read by another stream" in str(refused)
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_generator_that_never_waits_read_by_two_streams_is_refused(backend: str) -> None:
+    """A generator yielding without awaiting is never running when the second stream looks:
+    that stream opens once the first has its header, and is refused at once (a UsageError),
+    where each took chunks the other never saw: the second's header was tensor bytes
+    (HeaderTooLargeError), the first ended short (TruncatedStreamError)."""
+    import anyio
+    import numpy as np
+
+    import stream_st.numpy
+
+    raw = stream_st.numpy.save({f"t{i}": np.arange(1000, dtype=np.float32) for i in range(20)})
+
+    async def chunks() -> Any:
+        for start in range(0, len(raw), 512):
+            yield raw[start : start + 512]
+
+    async def main() -> list[object]:
+        source = chunks()
+        opened, tried = anyio.Event(), anyio.Event()
+        outcomes: list[object] = []
+
+        async def first() -> None:
+            try:
+                async with stream_st.open_stream(source) as stream:
+                    opened.set()
+                    await tried.wait()
+                    outcomes.append(len([name async for name, _ in stream]))
+            except stream_st.SafetensorsError as exc:
+                outcomes.append(exc)
+
+        async def second() -> None:
+            await opened.wait()
+            try:
+                outcomes.append(len([name async for name, _ in stream_st.open_stream(source)]))
+            except stream_st.SafetensorsError as exc:
+                outcomes.append(exc)
+            tried.set()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as group:
+                group.start_soon(first)
+                group.start_soon(second)
+        return outcomes
+
+    refused, read = anyio.run(main, backend=backend)
+    assert read == 20, read
+    assert isinstance(refused, stream_st.UsageError), refused
+    assert "async generator is being read by another stream" in str(refused)
+
+
 async def test_a_source_object_given_to_a_second_read_is_refused(tmp_path: Path) -> None:
     """A :class:`~stream_st.sources.Source` is read once: given to a second read (after the
     first, or while it runs), a UsageError saying so, where a closed file's bare OSError escaped
