@@ -17,10 +17,11 @@ API.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, Self, TypeAlias, Unpack
 
@@ -30,7 +31,14 @@ from .._api import save as save_async
 from .._api import stream_for
 from ..core.arrays import framework_of, to_torch, torch_device, torch_dtype, torch_shape
 from ..core.header import Header, TensorInfo
-from ..errors import ArgumentTypeError, DeviceError, TensorNotFoundError, UsageError, boolean
+from ..errors import (
+    ArgumentTypeError,
+    DeviceError,
+    IntegrityError,
+    TensorNotFoundError,
+    UsageError,
+    boolean,
+)
 from ..memory.delivery import Delivery
 from ..reader import Include
 from ..reader.caps import NO_CAPS, Caps
@@ -121,6 +129,51 @@ def _shut(bridge: Bridge, checkpoint: _Checkpoint) -> None:
         bridge.close()
 
 
+Read: TypeAlias = Callable[[TensorInfo, Rows], np.ndarray[Any, Any]]
+"""Reads a tensor's rows (``None``: the whole tensor, checked against its digest if any)."""
+
+
+class _Checks:
+    """What a handle's digest checks found, applied to its reads (:meth:`read`): rows that
+    cover a tensor (``(0, n)`` of ``n``: every byte of it, whatever a key then takes of its
+    other dimensions) are read as the whole tensor, so checked, at no more cost; a tensor that
+    failed its check is handed out in no part (a slice of it, which cannot be checked, is an
+    :class:`~stream_st.IntegrityError`), and a whole read of it is checked again."""
+
+    def __init__(self) -> None:
+        self._failed: dict[str, tuple[str, str]] = {}  # name -> the failure's message, source
+
+    def read(self, read: Read, info: TensorInfo, rows: Rows) -> np.ndarray[Any, Any]:
+        """``read(info, rows)``, as :class:`_Checks` has it."""
+        if rows is not None and rows == (0, info.shape[0]):
+            rows = None
+        failed = self._failed.get(info.name)
+        if failed is not None and rows is not None:
+            message, source = failed
+            raise IntegrityError(
+                f"tensor {info.name!r} failed its digest check on this handle: no part of it "
+                f"is delivered ({message})",
+                name=info.name,
+                source=source,
+            )
+        with self.noting():
+            array = read(info, rows)
+        if rows is None:  # checked whole (a remote copy damaged on the way, read again)
+            self._failed.pop(info.name, None)
+        return array
+
+    @contextlib.contextmanager
+    def noting(self) -> Iterator[None]:
+        """Remember the tensor whose check fails in the block (the message only: the error's
+        frames would keep its bytes)."""
+        try:
+            yield
+        except IntegrityError as exc:
+            if exc.name is not None:
+                self._failed[exc.name] = (str(exc), exc.source)
+            raise
+
+
 class SafeOpen(_Public):
     """A safetensors file (or sharded checkpoint) opened for reading tensors by name: what the
     reference's ``safe_open`` gives (:class:`stream_st.compat.safe_open`, whose subclass this is:
@@ -141,10 +194,11 @@ class SafeOpen(_Public):
     into fresh memory. Other sources (URLs, an index's shards) are read on a private event loop
     the handle keeps, one ranged read per tensor; a slice over the first dimension reads only
     those rows' bytes. Slices index as the reference's do (see :mod:`._slicing`). ``verify``
-    checks each whole tensor read (``get_tensor``, ``get_tensors``) against the digest the
-    header records for it, if any (a ``verify`` that is no bool is an
-    :class:`~stream_st.ArgumentTypeError`, as everywhere); a ``get_slice`` of part of a tensor
-    cannot be checked (a digest covers the whole tensor)."""
+    checks each whole tensor read (``get_tensor``, ``get_tensors``, a ``get_slice`` key taking
+    every row) against the digest the header records for it, if any (a ``verify`` that is no
+    bool is an :class:`~stream_st.ArgumentTypeError`, as everywhere); a ``get_slice`` of some
+    rows cannot be checked (a digest covers the whole tensor), but one of a tensor that failed
+    its check on the handle is refused (:class:`_Checks`)."""
 
     def __init__(
         self,
@@ -171,6 +225,7 @@ class SafeOpen(_Public):
         self._bridge: Bridge | None = None
         self._closer: Callable[[], Any] | None = None
         self._closed = False
+        self._checks = _Checks()
         path = local_path(filename)
         if path is not None:
             self._local = LocalFile(path, mapped=mapped, verify=verify)
@@ -255,10 +310,11 @@ class SafeOpen(_Public):
         """Every tensor, in offset order, each checked as by :meth:`get_tensor`."""
         self._open()
         if self._local is not None:
-            local = self._local
-            return {t.name: self._out(local.array(t), t) for t in local.header.tensors}
+            tensors = self._local.header.tensors
+            return {t.name: self._out(self._reader(t)(None), t) for t in tensors}
         assert self._bridge is not None
-        arrays = self._bridge.call(self._checkpoint.read_all)
+        with self._checks.noting():
+            arrays = self._bridge.call(self._checkpoint.read_all)
         headers = self._bridge.call(self._checkpoint.headers)
         infos = {t.name: t for header in headers for t in header.tensors}
         return {name: self._out(array, infos[name]) for name, array in arrays.items()}
@@ -271,13 +327,16 @@ class SafeOpen(_Public):
         return Slice(info, self._reader(as_bytes(info) or info), copy=self._shares)
 
     def _reader(self, info: TensorInfo) -> Callable[[Rows], np.ndarray[Any, Any]]:
-        """Reads ``info``'s rows (all of them for None)."""
+        """Reads ``info``'s rows (all of them for None), as :class:`_Checks` has it."""
         local = self._local
+        read: Read
         if local is not None:
-            return functools.partial(local.array, info)
-        bridge = self._bridge
-        assert bridge is not None
-        return functools.partial(bridge.call, self._checkpoint.read, info)
+            read = local.array
+        else:
+            bridge = self._bridge
+            assert bridge is not None
+            read = functools.partial(bridge.call, self._checkpoint.read)
+        return functools.partial(self._checks.read, read, info)
 
     def close(self) -> None:
         """Close the file (a mapped one's views stay valid); for a remote source, its
@@ -327,10 +386,11 @@ class Slice:
     :mod:`stream_st.compat._slicing`). Only the rows the first index selects are read from the
     source (``read`` reads rows of the array a tensor is delivered as; a tensor delivered as its
     packed bytes, :func:`~._slicing.as_bytes`, is read as bytes, a slice of it is the bytes of
-    whole rows); the other indexes apply to them in memory. A digest covers a whole tensor, so part
-    of one cannot be checked against it: only a key taking every row (``[...]``, ``[:]``, a
-    mask) is (a part of a mapped tensor not yet checked is read as a copy, so that writing to it
-    changes nothing such a check reads). numpy arrays are copies of their own (``copy``), as the
+    whole rows); the other indexes apply to them in memory. A digest covers a whole tensor, so
+    some rows of one cannot be checked against it: only a key taking every row (``[...]``,
+    ``[:, 5:6]``, a mask) is (a part of a mapped tensor not yet checked is read as a copy, so
+    that writing to it changes nothing such a check reads); no rows of a tensor that failed its
+    check are. numpy arrays are copies of their own (``copy``), as the
     reference's are. A slice of a local file still
     reads after the file is closed, as the reference's do."""
 

@@ -338,6 +338,75 @@ def corrupt(path: Path, name: str) -> None:
     modify_in_place(path, header.data_start + (info.start + info.end) // 2, b"\xa5")
 
 
+EVERY_ROW: list[Any] = [np.s_[:, 5:6], np.s_[0:100, 3], np.s_[::3], np.s_[..., 1:2], np.s_[:, :]]
+"""Keys that read every row of a 100-row tensor, most of them not every byte."""
+
+
+@pytest.mark.parametrize("where", ["mmap", "pread", "http"])
+@pytest.mark.parametrize("framework", ["np", "pt"])
+def test_a_slice_reading_every_row_is_checked_and_a_failed_tensor_is_never_handed_out(
+    tmp_path: Path, http: RangeHTTPServer, framework: str, where: str
+) -> None:
+    """A get_slice whose rows are all of a tensor's reads its every byte: it is checked against
+    the digest as get_tensor is, numpy's as torch's, whichever the key takes of the other
+    dimensions. A tensor that failed its check on a handle is handed out in no part there."""
+    arrays: dict[str, np.ndarray[Any, Any]] = {
+        "a": np.arange(1000, dtype=np.float32).reshape(100, 10),
+        "b": np.arange(100, dtype=np.int16),
+        "c": np.arange(600, dtype=np.float64).reshape(100, 3, 2),
+    }
+    path = tmp_path / "sum.safetensors"
+    stream_st.numpy.save_file(arrays, path, checksums=True)
+    good = path.read_bytes()
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(good)
+    header = asyncio.run(stream_st.read_header(path))
+    for name in arrays:  # a byte of the last row of each
+        modify_in_place(bad, header.data_start + header[name].end - 1, b"\xa5")
+    http.objects |= {"/sum.safetensors": good, "/bad.safetensors": bad.read_bytes()}
+
+    def handle(file: Path) -> Any:
+        if where == "http":
+            return st.safe_open(http.url(f"/{file.name}"), framework)
+        return st.safe_open(file, framework, backend=where)
+
+    def plain(value: Any) -> np.ndarray[Any, Any]:
+        return value.numpy() if framework == "pt" else np.asarray(value)
+
+    with handle(path) as f, reference_open(path, framework=framework) as ref:  # undamaged
+        for name, key in [("a", k) for k in EVERY_ROW] + [("b", np.s_[0:100]), ("c", np.s_[:, 1])]:
+            got, expected = plain(f.get_slice(name)[key]), plain(ref.get_slice(name)[key])
+            assert got.dtype == expected.dtype and np.array_equal(got, expected), key
+    for key in EVERY_ROW:
+        with handle(bad) as f, pytest.raises(IntegrityError, match="'a'"):
+            f.get_slice("a")[key]
+    with handle(bad) as f:
+        for name, key in [("b", np.s_[0:100]), ("b", np.s_[::2]), ("c", np.s_[:, 1, 0])]:
+            with pytest.raises(IntegrityError, match=f"'{name}'"):
+                f.get_slice(name)[key]
+    with handle(bad) as f:  # failed once: no part of it is handed out on this handle
+        with pytest.raises(IntegrityError, match="'a'"):
+            f.get_tensor("a")
+        sliced = f.get_slice("a")  # taken before the next failure too
+        for key in (np.s_[99:100], np.s_[0:1], np.s_[0], np.s_[5:7, 2]):
+            with pytest.raises(IntegrityError, match=r"'a'.*failed its digest check"):
+                sliced[key]
+            with pytest.raises(IntegrityError, match="'a'"):
+                f.get_slice("a")[key]
+        with pytest.raises(IntegrityError, match="'a'"):
+            f.get_tensor("a")
+        assert np.array_equal(plain(f.get_slice("b")[0:99]), arrays["b"][0:99])  # not failed
+        with pytest.raises(IntegrityError):  # the first failing in offset order
+            f.get_tensors()
+    with handle(bad) as f:  # failed in get_tensors: remembered too
+        with pytest.raises(IntegrityError) as failed:
+            f.get_tensors()
+        first = failed.value.name
+        assert first in arrays
+        with pytest.raises(IntegrityError, match=f"'{first}'"):
+            f.get_slice(first)[0:1]
+
+
 def test_checksums_are_opt_in_and_verified_by_default(tmp_path: Path) -> None:
     tensors = every_dtype()
     path = tmp_path / "sum.safetensors"
@@ -354,6 +423,7 @@ def test_checksums_are_opt_in_and_verified_by_default(tmp_path: Path) -> None:
         with pytest.raises(IntegrityError, match="'f32'"):
             st.load_file(path, backend=backend)
         with st.safe_open(path, "pt", backend=backend) as f:
+            f.get_slice("f32")[1:3]  # part of a tensor cannot be checked
             with pytest.raises(IntegrityError, match="'f32'"):
                 f.get_tensor("f32")
             with pytest.raises(IntegrityError, match="'f32'"):
@@ -361,7 +431,8 @@ def test_checksums_are_opt_in_and_verified_by_default(tmp_path: Path) -> None:
             with pytest.raises(IntegrityError, match="'f32'"):
                 f.get_slice("f32")[...]  # the whole tensor: checked
             assert same(f.get_tensor("f64"), tensors["f64"])
-            f.get_slice("f32")[1:3]  # part of a tensor cannot be checked
+            with pytest.raises(IntegrityError, match="'f32'"):
+                f.get_slice("f32")[1:3]  # known to be damaged
         with st.safe_open(path, "pt", backend=backend, verify=False) as f:
             assert not same(f.get_tensor("f32"), tensors["f32"])
         wrongs: tuple[Any, ...] = ("", None, [])  # only True or False: these read it unchecked
