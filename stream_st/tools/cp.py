@@ -7,8 +7,9 @@ import json
 import os
 import posixpath
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Unpack
 from urllib.parse import quote
 
@@ -243,6 +244,56 @@ class _Plan:
         return [(name, array)]
 
 
+class _Pairing:
+    """The tensors ``cp --quantize`` writes: one file's, or every shard's of a mirror, each
+    file's joining them as it is planned, before any of it is written. ``--dequantize`` rebuilds
+    every tensor ``t`` written beside all of its wire tensors (``t`` and ``t.scale``) from them,
+    so a tensor not written as codes beside such names (an I8 ``x`` kept as it is beside an F32
+    ``x.scale``, which becomes ``x.scale`` and ``x.scale.scale``) would be taken for codes, and
+    its neighbours for its scale: a copy that could not be dequantized, a
+    :class:`~stream_st.UsageError` naming them. So is a mirror's tensor written into two shards
+    (``w`` quantized in one, ``w.scale`` in another); within one file the writer refuses it."""
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self.written: dict[str, str] = {}  # tensor -> the file it is written into
+        self.waiting: dict[str, list[str]] = {}  # wire tensor not written -> the tensors it pairs
+
+    def add(self, plan: _Plan, where: str) -> None:
+        """Add the tensors of ``plan``, written into ``where``; a :class:`UsageError` where
+        ``--dequantize`` would pair them otherwise than as quantized."""
+        names = {spec.name for spec in plan.specs}
+        twice = sorted(names.intersection(self.written))
+        if twice:
+            first = twice[0]
+            raise UsageError(
+                f"--quantize would write tensor {first!r} into both {self.written[first]} and "
+                f"{where} (a tensor's {self.codec.key} scale beside a tensor of that name): "
+                "leave one of them out (--include)"
+            )
+        self.written.update(dict.fromkeys(names, where))
+        for name in sorted(names.difference(plan.changed)):  # kept as they are, and scales
+            for part in self._unwritten(name):
+                self.waiting.setdefault(part, []).append(name)
+        for part in sorted(names.intersection(self.waiting)):  # earlier files' tensors
+            for name in self.waiting.pop(part):
+                self._unwritten(name)
+
+    def _unwritten(self, name: str) -> list[str]:
+        """The wire tensors of ``name`` (not written as codes) not written yet; a
+        :class:`UsageError` where there is none."""
+        wire = [part for part in self.codec.part_names(name) if part != name]
+        unwritten = [part for part in wire if part not in self.written]
+        if not unwritten:
+            beside = ", ".join(map(repr, wire))
+            raise UsageError(
+                f"--quantize would write tensor {name!r}, not {self.codec.key} codes, beside "
+                f"{beside}: --dequantize would take {name!r} for {self.codec.key} codes and "
+                f"{beside} for their scale; leave one of them out (--include) or rename it"
+            )
+        return unwritten
+
+
 _ORIGINAL = {dtype_from_code(code).numpy.name: code for code in CONVERTIBLE}
 """The dtype codes of the numpy names ``original_dtype`` is written with."""
 
@@ -337,15 +388,16 @@ async def cp(
     how many).
     ``quantize="int8"`` stores every floating-point tensor as I8 codes plus a sibling F32
     ``<name>.scale`` (symmetric, per tensor: ``scale = 127 / max|x|``, ``x ~= code / scale``),
-    recorded in ``__metadata__``; a source whose metadata says it is quantized already is
-    refused. ``dequantize`` rebuilds the floating-point tensors of a source quantized with the
-    int8 or int4 codec (its ``__metadata__`` names it) each as the dtype it was quantized from
-    (``original_dtype`` where all were of one dtype, else ``original_dtypes`` naming each
-    tensor's; F32 when unrecorded; a :class:`~stream_st.CodecError` where either names no float
-    dtype; values decoded beyond its range become infinite, with a warning as ``dtype``'s), or
-    as ``dtype``. Other tensors are copied as they are, and
-    a copy that changes nothing is byte-identical to a source written in offset order (the
-    reference writer's). A copy that fails or is interrupted leaves nothing at ``dst``.
+    recorded in ``__metadata__``; a source whose metadata says it is quantized already is refused,
+    as is a tensor not quantized written beside ``<its name>.scale`` (``dequantize`` would take them
+    for codes and their scale), before anything is written. ``dequantize`` rebuilds the
+    floating-point tensors of a source quantized with the int8 or int4 codec (its ``__metadata__``
+    names it) each as the dtype it was quantized from (``original_dtype`` where all were of one
+    dtype, else ``original_dtypes`` naming each tensor's; F32 when unrecorded; a
+    :class:`~stream_st.CodecError` where either names no float dtype; values decoded beyond its
+    range become infinite, with a warning as ``dtype``'s), or as ``dtype``. Other tensors are copied
+    as they are, and a copy that changes nothing is byte-identical to a source written in offset
+    order (the reference writer's). A copy that fails or is interrupted leaves nothing at ``dst``.
 
     The source's digests, if it has some, are verified as it is read: a tensor that fails
     leaves nothing at ``dst``. ``checksums`` (True or an algorithm's name) records digests in
@@ -398,11 +450,18 @@ async def _copy(
     dequantize: bool,
     checksums: bool | str | None,
     progress: Progress | None,
+    pairing: _Pairing | None = None,
+    shard: str = "",
+    expect: Callable[[Header], None] | None = None,
 ) -> Copy:
     """:func:`cp`'s copy, its arguments checked (``target`` and ``encoder`` as
     :func:`_conversion` gives them), within ``clock``: that of the operation it is part of (a
-    mirror's, for each of its shards), started."""
+    mirror's, for each of its shards), started. A mirror's copy of ``shard`` passes its
+    ``pairing``, across its shards (a copy of its own checks its tensors alone), and
+    ``expect``, which checks the source's header before anything is written."""
     async with opened(src, clock, include=include) as (stream, headers):
+        if expect is not None:
+            expect(headers[0])
         metadata = {k: v for k, v in merged_metadata(headers).items() if not is_record_key(k)}
         decoder = _quantized_by(metadata) if encoder is not None or dequantize else None
         if encoder is not None and decoder is not None:
@@ -416,6 +475,8 @@ async def _copy(
             raise UsageError(f"--dequantize: the source is not quantized ({why})")
         wanted = [t for t in tensors_of(headers) if included(include, t.name)]
         plan = _Plan(wanted, metadata, target, encoder, decoder if dequantize else None)
+        if encoder is not None:
+            (pairing or _Pairing(encoder)).add(plan, shard)
         with naming(src):  # a damaged digest record is the source's
             digests = _copied_digests(
                 checksums, headers, [t.name for t in wanted], plan.converted > 0
@@ -741,6 +802,7 @@ async def mirror(
     written: list[str] = []
     held: list[_Held] = []
     made: list[str] = []  # local directories made for the copy
+    pairing = None if encoder is None else _Pairing(encoder)  # across the shards
 
     async def opened_at(target: str) -> _Held:
         local = _local_path(target)
@@ -773,6 +835,10 @@ async def mirror(
                     dequantize=dequantize,
                     checksums=checksums,
                     progress=progress,
+                    pairing=pairing,
+                    shard=shard,
+                    # copied whole: its tensors (a manifest's: its size) as the index says
+                    expect=None if wanted is not None else partial(shards.check, shard, where),
                 )
             except TensorNotFoundError:  # include= took the index's word for the shard's names
                 if wanted is None:
@@ -781,7 +847,7 @@ async def mirror(
                     f"{where}: the shard's tensors differ from those the index assigns it (it "
                     f"lacks some of {wanted[:5]})"
                 ) from None
-            if wanted is None:  # copied whole: its names (a manifest: its size) as the index says
+            if wanted is None and not changing:  # the index copied as it is: true of the copy
                 shards.check(shard, where, copied.header)
             weight_map.update(dict.fromkeys(copied.header.names(), shard))
             total += copied.header.data_size

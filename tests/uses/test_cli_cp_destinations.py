@@ -121,6 +121,52 @@ def test_a_sharded_checkpoint_is_mirrored_index_last(checkpoint: Path, tmp_path:
     assert [t["dtype"] for t in json.loads(listed.stdout)["tensors"]] == ["BF16"]
 
 
+def test_a_mirror_quantizes_and_dequantizes(checkpoint: Path, tmp_path: Path) -> None:
+    """``cp --quantize int8 INDEX DIR/`` (and ``--dequantize``) failed on every shard copied
+    whole ('the shard's tensors differ from those the index assigns it': the copy, with its
+    ``.scale`` tensors, was checked against the source's index); the mirror round-trips, with a
+    swapped index still refused before a shard is written. Tensors ``--dequantize`` would pair
+    otherwise than as quantized across shards (an I8 ``x`` in one beside ``x.scale`` in another,
+    or a ``w.scale`` written into two) are refused, leaving nothing."""
+    quantized, back = tmp_path / "q8", tmp_path / "back"
+    done = run("cp", "-q", "--quantize", "int8", str(checkpoint / INDEX), f"{quantized}/")
+    assert done.returncode == 0, done.stderr
+    weight_map = json.loads((quantized / INDEX).read_text())["weight_map"]
+    first, second = SHARDS
+    assert weight_map == {
+        **dict.fromkeys(["a", "a.scale"], first),
+        **dict.fromkeys(["b", "b.scale", "c", "c.scale"], second),
+    }
+    done = run("cp", "-q", "--dequantize", str(quantized / INDEX), f"{back}/")
+    assert done.returncode == 0, done.stderr
+    for shard, tensors in SHARDS.items():
+        found = reference_numpy.load_file(str(back / shard))
+        assert sorted(found) == sorted(tensors)
+        for name, array in tensors.items():
+            assert found[name].dtype == array.dtype
+            np.testing.assert_allclose(found[name], array, atol=3 / 127)
+    swapped = json.loads((checkpoint / INDEX).read_text())
+    swapped["weight_map"] = {"a": second, "b": first, "c": first}
+    (checkpoint / INDEX).write_text(json.dumps(swapped))
+    refused = run("cp", "-q", "--quantize", "int8", str(checkpoint / INDEX), f"{tmp_path}/no/")
+    assert refused.returncode == 2 and "differ from those the index assigns" in refused.stderr
+    split: list[tuple[str, dict[str, np.ndarray[Any, Any]], dict[str, np.ndarray[Any, Any]]]] = [
+        ("tensor 'x', not", {"x": np.ones(2, np.int8)}, {"x.scale": np.ones(1, np.float32)}),
+        ("'w.scale' into both", {"w": np.ones(2)}, {"w.scale": np.ones(1)}),
+    ]
+    for number, (named, *pair) in enumerate(split):
+        folder = tmp_path / f"pair{number}"
+        folder.mkdir()
+        shards = {}
+        for shard, part in zip(SHARDS, pair, strict=True):
+            reference_numpy.save_file(part, str(folder / shard))
+            shards.update(dict.fromkeys(part, shard))
+        (folder / INDEX).write_text(json.dumps({"weight_map": shards}))
+        refused = run("cp", "-q", "--quantize", "int8", str(folder / INDEX), f"{tmp_path}/no/")
+        assert refused.returncode == 2 and named in refused.stderr, refused.stderr
+    assert not (tmp_path / "no").exists()
+
+
 def test_merging_is_asked_for(checkpoint: Path, tmp_path: Path) -> None:
     """A sharded checkpoint was merged into one file, even under the index's name."""
     target = tmp_path / INDEX

@@ -283,6 +283,47 @@ def test_quantize_refuses_quantized_and_dequantize_restores(plain: Path, tmp_pat
     assert none.returncode == 2 and b"says compression=NONE" in none.stderr
 
 
+@pytest.mark.parametrize(
+    ("tensors", "named"),
+    [
+        ({"x": np.array([5, -3], np.int8), "x.scale": np.array([0.5], np.float32)}, "'x'"),
+        ({"x": np.array([5, -3], np.int8), "x.scale": np.array([2], np.int32)}, "'x'"),
+        ({"y": np.ones(2, np.float32), "y.scale.scale": np.ones(1, np.int8)}, "'y.scale'"),
+    ],
+    ids=["kept_beside_quantized", "kept_beside_kept", "scale_beside_kept"],
+)
+def test_quantize_refuses_tensors_dequantize_would_pair_wrongly(
+    tmp_path: Path, tensors: dict[str, np.ndarray[Any, Any]], named: str
+) -> None:
+    """A tensor written beside ``<its name>.scale`` that is not its int8 scale (an I8 ``x`` kept
+    beside an F32 ``x.scale`` quantized into ``x.scale`` and ``x.scale.scale``) is refused
+    before anything is written: the copy was written, and ``--dequantize`` of it failed ('INT8
+    scale must be one float, got int8'). Without it, the copy round-trips."""
+    source = tmp_path / "src.safetensors"
+    reference_numpy.save_file({**tensors, "z": np.arange(4, dtype=np.float32)}, str(source))
+    out = tmp_path / "q8.safetensors"
+    refused = run("cp", "--quantize", "int8", str(source), str(out))
+    assert refused.returncode == 2, refused.stderr
+    said = refused.stderr.decode()
+    assert f"--quantize would write tensor {named}" in said and "--dequantize" in said
+    assert said.count("\n") == 1 and not out.exists()
+    first = next(iter(tensors))
+    only = ["--include", first, "--include", "z"]
+    assert run("cp", "-q", "--quantize", "int8", *only, str(source), str(out)).returncode == 0
+    back = tmp_path / "back.safetensors"
+    assert run("cp", "-q", "--dequantize", str(out), str(back)).returncode == 0
+    found = reference_numpy.load_file(str(back))
+    assert sorted(found) == [first, "z"]
+    np.testing.assert_allclose(found[first], tensors[first], atol=1 / 127)
+    np.testing.assert_allclose(found["z"], np.arange(4), atol=3 / 127)
+    clash = tmp_path / "clash.safetensors"  # w.scale written twice: refused as it was
+    reference_numpy.save_file(
+        {"w": np.ones(2, np.float32), "w.scale": np.ones(1, np.float32)}, str(clash)
+    )
+    twice = run("cp", "--quantize", "int8", str(clash), str(out))
+    assert twice.returncode == 2 and b"'w.scale' appears twice in the plan" in twice.stderr
+
+
 def test_dequantize_restores_each_tensors_dtype(tmp_path: Path) -> None:
     """A file of F64, F32 and F16 tensors, quantized and dequantized, comes back with each
     tensor's own dtype (``original_dtypes``; ``original_dtype``, which readers apply to every
