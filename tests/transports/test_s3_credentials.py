@@ -253,7 +253,7 @@ async def test_every_key_comes_from_the_profile_the_endpoint_came_from(
             "the AWS session token from aws_session_token of the profile 'default' in "
             ".*/credentials holds a line break",
         ),
-        ("code", "the AWS session token from session_token= holds characters an HTTP header"),
+        ("code", "the AWS session token from session_token= holds characters beyond Latin-1"),
     ],
     ids=["environment token", "environment key", "botocore file", "own file", "code"],
 )
