@@ -166,7 +166,9 @@ async def start_and_read_header(
     source.clock.start()  # a lent connection brings the clock of its message
     await source.start(read_all=read_all)
     await give_turn()
-    return await _read_header(source, max_header_size, unknown_dtypes)
+    read = await _read_header(source, max_header_size, unknown_dtypes)
+    source.clock.check(source.name, source.position)  # a local file's reads never wait on it
+    return read
 
 
 def header_cap(value: object) -> int:

@@ -397,3 +397,13 @@ async def test_the_deadline_ends_an_http_read_without_retrying_past_it() -> None
         url = server.url("/slow.safetensors")
         with pytest.raises(ReadTimeoutError, match=r"deadline of 0\.3 s passed"):
             await stream_st.load(url, deadline=0.3)
+
+
+async def test_a_passed_deadline_ends_a_local_header_read_too(tmp_path: Path) -> None:
+    """``read_header`` of a local file with a deadline already passed raises as ``load`` does,
+    where a local file's reads, which never wait, never looked at it."""
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(sample_file())
+    for read in (stream_st.read_header, stream_st.load):
+        with pytest.raises(ReadTimeoutError, match="deadline of 0 s passed"):
+            await read(path, deadline=0)
