@@ -35,8 +35,8 @@ F16, BF16 and F32 chunks are summed by the compiled :mod:`stream_st.core._sums` 
 AVX2 against 0.7 to 1.5 with numpy, and worker threads on every core at once). Without it, and for
 the other types: BF16 and the 8-bit floats are widened to float64 by ml_dtypes' casts, F16 by a
 move of its bits into float32's (:func:`f16_over_unit`: numpy's float16 cast is several times
-slower), complex values are summarised by their magnitudes, booleans as 0 and 1. Packed sub-byte
-types (F4, F6) have no values here: :func:`summarisable` says which dtypes do.
+slower), complex values are summarised by their magnitudes (taken in float64), booleans as 0 and
+1. Packed sub-byte types (F4, F6) have no values here: :func:`summarisable` says which dtypes do.
 No I/O.
 """
 
@@ -222,9 +222,10 @@ def _narrow_float(dtype: np.dtype[Any]) -> bool:
 
 def _widen(values: Array, scratch: Array) -> Array:
     """``values`` as a type numpy's reductions handle natively: the floats narrower than float32
-    as float64 (into ``scratch``, float64 of at least their size), magnitudes for complex, 0 and
-    1 (uint8) for bool, whose every nonzero byte is true (as numpy and the reference read it);
-    others as they are."""
+    as float64 (into ``scratch``, float64 of at least their size), and complex values' magnitudes
+    (there too, from the parts widened to float64: ``np.abs`` of complex64 rounds them to
+    float32), 0 and 1 (uint8) for bool, whose every nonzero byte is true (as numpy and the
+    reference read it); others as they are."""
     dtype = values.dtype
     if _narrow_float(dtype):
         out = scratch[: values.size]
@@ -232,8 +233,10 @@ def _widen(values: Array, scratch: Array) -> Array:
         return out
     if dtype == np.bool_:
         return np.minimum(values.view(np.uint8), 1)
-    if dtype.kind == "c":
-        return np.abs(values)
+    if dtype.kind == "c":  # hypot of the widened parts, as numpy's abs of complex128
+        out = scratch[: values.size]
+        np.hypot(values.real, values.imag, out=out, dtype=np.float64)
+        return out
     return values
 
 
