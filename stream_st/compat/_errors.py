@@ -23,7 +23,6 @@ __all__ = [
     "FileClosedError",
     "InvalidTensorsError",
     "MetaTensorError",
-    "NegativeSizeError",
     "NoSuchFileError",
     "SafetensorError",
     "SliceError",
@@ -31,6 +30,7 @@ __all__ = [
     "SliceValueError",
     "TorchDtypeError",
     "UnencodableTextError",
+    "UnsignedOverflowError",
     "WrongTypeError",
 ]
 
@@ -43,9 +43,10 @@ class InvalidTensorsError(UsageError, ValueError):
     ``ValueError`` (and stream_st's :class:`~stream_st.UsageError`, as before)."""
 
 
-class NegativeSizeError(SafetensorsError, OverflowError):
-    """A negative dimension or length given to :class:`~stream_st.compat.TensorSpec` (the
-    reference's ``OverflowError``: it takes them as unsigned)."""
+class UnsignedOverflowError(SafetensorsError, OverflowError):
+    """A dimension, ``data_ptr`` or ``data_len`` given to :class:`~stream_st.compat.TensorSpec`
+    that is negative or past 64 bits (the reference's ``OverflowError``: it takes them as
+    unsigned 64-bit integers)."""
 
 
 class WrongTypeError(SafetensorsError, TypeError):

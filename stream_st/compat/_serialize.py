@@ -10,12 +10,12 @@ read while the call runs: the caller keeps it alive, as with the reference.
 from __future__ import annotations
 
 import ctypes
+import operator
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, SupportsIndex, cast
 
 import numpy as np
 
-from ..core.dtypes import DTYPES
 from ..core.header import LENGTH_PREFIX_SIZE, parse_header, parse_header_length
 from ..core.layout import TensorSpec as PlanEntry
 from ..core.layout import integer_shape
@@ -29,7 +29,7 @@ from ..errors import (
 from ..transports.inmemory import as_bytes_view
 from ..transports.registry import SinkLike
 from ..writer import open_writer
-from ._errors import NegativeSizeError, WrongTypeError
+from ._errors import UnsignedOverflowError, WrongTypeError
 
 __all__ = [
     "TensorSpec",
@@ -64,31 +64,31 @@ _CODES = {
 
 class TensorSpec:
     """One tensor for :func:`serialize`: its ``dtype`` (a numpy or torch name such as
-    ``"float32"``, or a safetensors code such as ``"F32"``), ``shape``, and the address and
-    length of its contiguous little-endian bytes. For ``float4_e2m1fn_x2`` (two values a byte)
-    the shape given is the storage's and the last dimension is doubled, as in the reference.
-    An unknown dtype raises :class:`~stream_st.DtypeError` (a ``SafetensorError``)."""
+    ``"float32"``), ``shape``, and the address and length of its contiguous little-endian bytes.
+    For ``float4_e2m1fn_x2`` (two values a byte) the shape given is the storage's and the last
+    dimension is doubled, as in the reference. Refused as the reference refuses them: a dtype
+    not among those names (a safetensors code such as ``"F32"`` is not) with a
+    :class:`~stream_st.DtypeError` (a ``SafetensorError``); a dtype that is not a string, or a
+    shape, ``data_ptr`` or ``data_len`` that is not integers, with a ``TypeError``; a negative
+    number or one past 64 bits with an ``OverflowError``."""
 
     __slots__ = ("_data_len", "_data_ptr", "_dtype", "_shape")
 
     def __init__(self, *, dtype: str, shape: Sequence[int], data_ptr: int, data_len: int) -> None:
-        code = _CODES.get(dtype, dtype if dtype in DTYPES else None)
-        if code is None:
-            raise DtypeError(
-                f"Unknown dtype {dtype!r}. Supported dtypes: {', '.join(_CODES)} "
-                "(or a safetensors code)"
+        if not isinstance(dtype, str):
+            raise WrongTypeError(
+                f"argument 'dtype': '{type(dtype).__name__}' object is not an instance of 'str'"
             )
-        dims = list(integer_shape(shape))
-        if any(dim < 0 for dim in dims):
-            raise NegativeSizeError(f"can't convert negative int to unsigned: shape {dims}")
+        code = _CODES.get(dtype)
+        if code is None:
+            raise DtypeError(f'Unknown dtype "{dtype}". Supported dtypes: {", ".join(_CODES)}')
+        dims = [_unsigned(dim, "shape") for dim in integer_shape(shape)]
         if code == "F4" and dims:
             dims[-1] *= 2
-        if data_ptr < 0 or data_len < 0:
-            raise UsageError("data_ptr and data_len cannot be negative")
         self._dtype = code
         self._shape = dims
-        self._data_ptr = int(data_ptr)
-        self._data_len = int(data_len)
+        self._data_ptr = _unsigned(data_ptr, "data_ptr")
+        self._data_len = _unsigned(data_len, "data_len")
 
     @property
     def dtype(self) -> str:
@@ -125,6 +125,23 @@ class TensorSpec:
         memory = (ctypes.c_ubyte * self._data_len).from_address(self._data_ptr)
         raw: np.ndarray[Any, Any] = np.frombuffer(memoryview(memory).cast("B"), dtype=np.uint8)
         return raw
+
+
+def _unsigned(value: object, argument: str) -> int:
+    """``value`` as the reference takes an unsigned 64-bit argument: by ``__index__`` (a
+    ``TypeError`` otherwise), neither negative nor past 64 bits (an ``OverflowError``)."""
+    try:
+        number = operator.index(cast(SupportsIndex, value))
+    except TypeError:
+        raise WrongTypeError(
+            f"argument '{argument}': '{type(value).__name__}' object cannot be interpreted as "
+            "an integer"
+        ) from None
+    if number < 0:
+        raise UnsignedOverflowError(f"can't convert negative int to unsigned: {argument} {number}")
+    if number >> 64:
+        raise UnsignedOverflowError(f"int too big to convert: {argument} {number}")
+    return number
 
 
 def specs_of(tensor_dict: object) -> dict[str, TensorSpec]:

@@ -758,6 +758,55 @@ def test_a_tensor_spec_s_shape_is_taken_as_the_reference_takes_it(shape: Any) ->
         raises_the_reference_s_type(partial(spec, compat.TensorSpec), reference)
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"dtype": "F32"},
+        {"dtype": "BOOL"},
+        {"dtype": "BF16"},
+        {"dtype": "Float32"},
+        {"dtype": "nonsense"},
+        {"dtype": "float32"},
+        {"dtype": "bool"},
+        {"dtype": "float8_e8m0fnu"},
+        {"dtype": "complex64"},
+        {"dtype": 1},
+        {"dtype": []},
+        {"dtype": None},
+        {"dtype": b"float32"},
+        {"data_ptr": "1"},
+        {"data_ptr": 1.0},
+        {"data_len": 1.5},
+        {"data_ptr": np.int64(0)},
+        {"data_ptr": True},
+        {"data_ptr": -1},
+        {"data_len": -1},
+        {"data_ptr": 1 << 64},
+        {"shape": [1 << 64]},
+        {"shape": [(1 << 64) - 1]},
+    ],
+)
+def test_a_tensor_spec_takes_the_dtypes_and_integers_the_reference_takes(
+    arguments: dict[str, Any],
+) -> None:
+    """The reference's dtype names only: a safetensors code (``"F32"``) was taken, where the
+    reference raises ``SafetensorError('Unknown dtype "F32". Supported dtypes: ...')``; a dtype
+    not a string, an address or length not an integer (a float was truncated) or past 64 bits
+    are refused with the reference's built-in type."""
+
+    def spec(kind: Any) -> Any:
+        return kind(**{"dtype": "float32", "shape": [0], "data_ptr": 0, "data_len": 0} | arguments)
+
+    reference = partial(spec, safetensors.TensorSpec)
+    want = outcome(reference)
+    if want[0] == "ok":
+        assert repr(spec(compat.TensorSpec)) == repr(want[1])
+    elif want[1][1]:  # a built-in type (TypeError, OverflowError)
+        raises_the_reference_s_type(partial(spec, compat.TensorSpec), reference)
+    else:  # the reference's SafetensorError, its message as the reference words it
+        raises_as_reference(partial(spec, compat.TensorSpec), reference)
+
+
 def test_low_level_misuse_is_refused_as_by_the_reference() -> None:
     with pytest.raises(compat.SafetensorError):
         compat.TensorSpec(dtype="nonsense", shape=[1], data_ptr=0, data_len=0)
