@@ -87,6 +87,9 @@ async def save(
     back (a socket, a pipe, an HTTP upload) they are computed from the arrays before the header
     goes out.
 
+    ``fsync=True``: a local file is flushed to stable storage before it is moved into place, and
+    its directory after, as :func:`~stream_st.open_writer` does.
+
     A local file given no time limit (nor a :class:`~stream_st.Digests` to check) is written at
     once, with no turn of the event loop per tensor (:func:`~stream_st.writer.save_at_once`):
     in one worker thread, or for a small dict (:data:`SAVE_INLINE`) on the loop's own thread.

@@ -834,13 +834,18 @@ def open_writer(
     ``speed_limit``/``speed_time`` a transfer that stays too slow; ``headers`` and ``ssl_context``
     as there, for an HTTP or S3 destination. ``plan`` lists every tensor as a
     :class:`~stream_st.TensorSpec` (dtype as a safetensors code or a numpy / ml_dtypes dtype);
-    ``order="reference"`` sorts it as the reference writer does. The header is built (and a bad
-    plan refused) right away and written when the writer opens.
+    ``order="reference"`` sorts it as the reference writer does. ``metadata`` (``str`` to
+    ``str``) is the header's ``__metadata__``, less any digest record copied into it (the
+    ``stream_st.digest`` keys; ``checksums`` records the new file's). The header is built (and
+    a bad plan refused) right away and written when the writer opens.
 
     A file is written to a hidden temporary file beside ``dst`` and renamed into place only when
-    every tensor has been written (``fsync=True`` flushes it to disk first); tensors may come in
-    any order. On a stream they must come in header order, and the stream is left open after a
-    complete message. Any error aborts the message: see :class:`TensorWriter`.
+    every tensor has been written; tensors may come in any order. On a stream they must come in
+    header order, and the stream is left open after a complete message. Any error aborts the
+    message: see :class:`TensorWriter`. ``fsync=True`` flushes the temporary file to stable
+    storage before the rename, and the directory after it (best effort: the file is in place,
+    an error there is ignored), so that after a power loss ``dst`` holds the old file or the
+    whole new one; other destinations (streams, uploads, a FIFO) ignore it.
 
     ``checksums=True`` (or an algorithm's name, see :data:`stream_st.integrity.ALGORITHMS`)
     records a digest of every tensor in ``__metadata__``, computed while the bytes go out; the

@@ -200,6 +200,9 @@ async def receive_kv(
     :class:`~stream_st.IntegrityError`. Leaving the block stops reading (on a Connection, an
     unfinished message leaves it unusable: close it). Time limits as in
     :func:`~stream_st.open_stream` (on a Connection, the connection's unless given here).
+
+    ``max_ahead`` (an integer >= 0, default 2): how many layers past the highest one asked for
+    are read and held before reading waits for the consumer (see :class:`KVReceiver`).
     """
     require_digests = boolean("require_digests", require_digests)  # "no" would be true
     stream = (

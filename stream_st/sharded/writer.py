@@ -992,6 +992,8 @@ def open_dataset_writer(
     current shard (batch mode: one batch of every column per shard, every batch of the same
     columns), then ``dataset_manifest.json``; the shards of an earlier dataset there that it
     does not list are removed then. ``checksums`` as for :func:`open_sharded_writer`.
+    ``task_id`` (an integer >= 0, default 0) is the task number every shard's name carries,
+    ``part-{task_id:05d}-{index:04d}-{uuid}.safetensors``, as a Spark task names its shards.
     ``generate_index=True`` also writes ``_tensor_index.parquet`` (a row per tensor: key, shard,
     shape, dtype), as the Spark writer's option of that name does; it needs pyarrow."""
     return DatasetWriter(
