@@ -65,7 +65,7 @@ from .cache.config import hub_offline
 from .http import HTTPClient, Response, Target
 from .http.redirect import REDIRECTS, credential_header, redirected
 from .http.source import HttpSource
-from .options import Clock, LimitOptions, header_problem
+from .options import Clock, LimitOptions, credential_problem
 
 __all__ = [
     "DEFAULT_ENDPOINT",
@@ -200,7 +200,7 @@ def checked_token(token: object, where: str = "token=") -> str:
     inject a header). The token itself is never shown."""
     if not isinstance(token, str):
         raise ArgumentTypeError(f"a Hub token is a str, not {type(token).__name__} ({where})")
-    problem = header_problem(token)
+    problem = credential_problem(token)
     if problem is not None:
         raise UsageError(f"the Hub token from {where} holds {problem}")
     return token

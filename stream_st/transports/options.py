@@ -59,6 +59,7 @@ __all__ = [
     "TransportOptions",
     "checked_number",
     "clock_of",
+    "credential_problem",
     "header_problem",
 ]
 
@@ -119,6 +120,16 @@ def header_problem(value: str) -> str | None:
     if any(c > "\xff" for c in value):  # beyond Latin-1 (a header's obs-text goes to 0xFF)
         return "characters beyond Latin-1, which an HTTP header cannot carry"
     return None
+
+
+def credential_problem(value: str) -> str | None:
+    """:func:`header_problem` for a key or token, which also refuses whitespace at either end:
+    text a header may carry, but a server strips it from a header's value (a token pasted with a
+    tab or a no-break space would fail as refused, unexplained)."""
+    problem = header_problem(value)
+    if problem is None and value != value.strip():
+        return "whitespace at its start or end"
+    return problem
 
 
 @dataclass(frozen=True, slots=True)

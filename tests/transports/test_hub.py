@@ -166,6 +166,16 @@ def test_an_environment_of_another_type_is_refused_naming_it(environ: Any, match
             function(environ)
 
 
+def test_a_token_given_with_whitespace_at_an_end_is_refused() -> None:
+    """``token=`` pasted with a tab or a no-break space: refused as such, never shown (the
+    environment's and the token file's are stripped, as huggingface_hub strips them)."""
+    for token in ("hf_s3cret\t", "\u00a0hf_s3cret"):
+        with pytest.raises(stream_st.UsageError, match="whitespace at its start or end") as info:
+            HubSource("hf://org/m/model.safetensors", token=token)
+        assert "s3cret" not in str(info.value)
+    assert hub_token({"HF_TOKEN": "hf_env\t"}) == "hf_env"
+
+
 def test_the_token_goes_to_the_hubs_origin_only() -> None:
     client = HubClient("https://huggingface.co", "hf_x")
     assert client.on_hub("https://HuggingFace.co:443/org/repo/resolve/main/x")

@@ -287,6 +287,26 @@ async def test_keys_a_header_cannot_carry_are_refused(
     assert relay.sent == b""
 
 
+async def test_keys_with_whitespace_at_an_end_are_refused(
+    home: Path, relay: RecordingRelay
+) -> None:
+    """A key pasted with a tab or a no-break space at an end: text a header carries, but not
+    the key (the server strips a header's value, the signature is made with it): refused as
+    such before any request, where it went out and came back an unexplained refusal; the
+    value never shown."""
+    for keys in (
+        {"access_key_id": "AK", "secret_access_key": "s3cr3t\t"},
+        {"access_key_id": "AK", "secret_access_key": "s", "session_token": "\u00a0t0ken"},
+    ):
+        config = S3Config.resolve(**keys)  # type: ignore[arg-type]
+        with pytest.raises(
+            stream_st.CredentialsError, match="whitespace at its start or end"
+        ) as info:
+            await stream_st.read_header(S3Source(URL, config=config))
+        assert "s3cr3t" not in str(info.value) and "t0ken" not in str(info.value)
+    assert relay.sent == b""
+
+
 async def test_credential_process(home: Path, relay: RecordingRelay) -> None:
     counter = credential_process(home, "proc", "7200")
     config = S3Config.resolve(profile="proc")

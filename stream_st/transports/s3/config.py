@@ -68,7 +68,7 @@ from ...errors import (
     UsageError,
     redact,
 )
-from ..options import UNLIMITED, Clock, header_problem
+from ..options import UNLIMITED, Clock, credential_problem
 
 __all__ = ["CredentialChain", "S3Config", "parse_s3_url", "unsigned_requests"]
 
@@ -274,7 +274,7 @@ class Keys(NamedTuple):
         (``origins``, one for each), never its value. A line break (a token wrapped over two
         lines in a credentials file) would send the rest as a header of its own."""
         for value, name, origin in zip(self, _KEY_NAMES, origins, strict=True):
-            problem = None if value is None else header_problem(value)
+            problem = None if value is None else credential_problem(value)
             if problem is not None:
                 label = name.replace("_", " ")
                 raise CredentialsError(f"the AWS {label} from {origin} holds {problem}")
