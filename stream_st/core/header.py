@@ -93,7 +93,8 @@ default, :class:`~stream_st.UnknownDtypeError`), or ``"keep"`` the tensor for he
 
 _KEPT_CODE = LazyPattern(r"[A-Za-z][A-Za-z0-9_]{0,31}")
 """The dtype codes ``unknown_dtypes="keep"`` keeps: a letter, then up to 31 letters, digits or
-underscores (``I4``, ``I2``, ``U1``...). Anything else in a dtype is refused in any mode."""
+underscores (``I4``, ``I2``, ``U1``...), unless it is a known code in other letter case (``f32``:
+refused, as the reference refuses it). Anything else in a dtype is refused in any mode."""
 
 
 class TensorInfo(NamedTuple):
@@ -620,12 +621,13 @@ def _placed(name: str, layout: _Layout, offsets: object) -> _Row:
 def _kept(code: object, keep: bool) -> bool:
     """Whether a tensor of dtype ``code`` is kept unread (``keep``, a code stream_st does not
     know, of the form :data:`_KEPT_CODE`)."""
-    return (
-        keep
-        and type(code) is str
-        and code not in DTYPES
-        and bool(_KEPT_CODE.compiled.fullmatch(code))
-    )
+    return keep and type(code) is str and code not in DTYPES and _keepable(code)
+
+
+def _keepable(code: str) -> bool:
+    """Whether ``code``, not a known code, is one a header-only parse keeps: of the form
+    :data:`_KEPT_CODE`, and no known code in other letter case."""
+    return bool(_KEPT_CODE.compiled.fullmatch(code)) and code.upper() not in DTYPES
 
 
 def _numpy_ndim(code: object) -> bool:
@@ -708,12 +710,14 @@ def _header_dtype(name: str, code: object) -> DType:
     try:
         return dtype_from_code(code)
     except DtypeError as exc:
-        hint = (
-            "; only header-only reads accept it (inspect, ls, hash; "
-            "read_header(..., unknown_dtypes='keep'))"
-            if type(code) is str and _KEPT_CODE.compiled.fullmatch(code)
-            else ""
-        )
+        hint = ""
+        if type(code) is str and _keepable(code):
+            hint = (
+                "; only header-only reads accept it (inspect, ls, hash; "
+                "read_header(..., unknown_dtypes='keep'))"
+            )
+        elif type(code) is str and code.upper() in DTYPES:
+            hint = f"; codes are upper case ({code.upper()!r})"
         raise UnknownDtypeError(f"tensor {name!r}: {exc}{hint}") from None
 
 

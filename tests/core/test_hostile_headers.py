@@ -164,6 +164,24 @@ def test_a_kept_tensor_s_shape_is_refused_past_2_64_values_as_any_shape_is() -> 
     )
 
 
+@pytest.mark.parametrize("code", ["f32", "Bf16", "f8_e4m3"])
+def test_a_known_code_in_other_case_is_refused_even_by_a_header_only_parse(code: str) -> None:
+    """The reference refuses ``"f32"``; ``unknown_dtypes="keep"`` kept it as an unknown code,
+    so ``hash`` gave it F32's structural hash (the dtype lower-cased). It is refused in any mode,
+    naming the tensor and the code, its hint the upper-case code (not "header-only reads
+    accept it"), in the walk and the fast parse alike."""
+    text = dims_header([4], code).replace(b"[0, 0]", b"[0, 16]")
+    assert reference_refuses(text)
+    for keep in ("keep", "refuse"):
+        with pytest.raises(stream_st.UnknownDtypeError) as info:
+            parse_header(text, unknown_dtypes=keep)
+        message = str(info.value)
+        assert f"tensor 'a': unknown safetensors dtype {code!r}" in message
+        assert f"codes are upper case ({code.upper()!r})" in message
+        assert "header-only" not in message
+    assert parse_header(dims_header([4], "I4"), unknown_dtypes="keep")["a"].dtype == "I4"
+
+
 def test_a_zero_first_keeps_the_count_at_zero() -> None:
     text = dims_header([0] + [U64_MAX] * 1000, "F6_E2M3")  # packed: numpy holds it 1-D
     assert not reference_refuses(text)

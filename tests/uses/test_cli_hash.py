@@ -83,6 +83,19 @@ def test_file_sha256_counts_trailing_bytes_or_fails(model: Path, tmp_path: Path)
         assert result.returncode == 2 and "error" in result.stderr
 
 
+def test_structural_hash_refuses_a_known_code_in_lower_case(model: Path, tmp_path: Path) -> None:
+    """A dtype "f32" (the reference refuses the file) was kept as an unknown code and, the
+    structural hash lower-casing dtypes, hashed as F32: a file no reader takes shared a valid
+    file's hash. It is refused, as the reading commands refuse it."""
+    lower = tmp_path / "lower.safetensors"
+    lower.write_bytes(model.read_bytes().replace(b'"F32"', b'"f32"', 1))
+    for args in (["hash"], ["hash", "--file"], ["ls"], ["inspect"]):
+        result = run(*args, str(lower))
+        assert result.returncode == 2, result.stdout
+        assert "unknown safetensors dtype 'f32'" in result.stderr
+        assert "codes are upper case ('F32')" in result.stderr
+
+
 def test_file_line_is_sha256sums_and_check_takes_it(model: Path, tmp_path: Path) -> None:
     """--file printed two labelled lines; now sha256sum's line, which sha256sum -c and
     hash --check both accept, and hash --check answers sha256sum -c's way."""
