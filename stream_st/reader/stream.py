@@ -234,9 +234,10 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
 
     async def open(self, *, read_all: bool = False) -> Header:
         """Open the source, read and validate the header. Idempotent: a call made while another
-        task's open is under way waits for it and gets its header, or raises its error (where
-        that open was cancelled instead, it opens the stream itself, unless that open closed
-        it: then a :class:`~stream_st.UsageError`, as for any closed stream).
+        task's open is under way waits for it and gets its header, or raises an error of its
+        own like that open's (its class, message and attributes), from it (where that open was
+        cancelled instead, it opens the stream itself, unless that open closed it: then a
+        :class:`~stream_st.UsageError`, as for any closed stream).
 
         ``read_all`` promises that every tensor will be read next, so a ranged transport may
         fetch everything with its first request.
@@ -251,9 +252,9 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
                 break
             await opening.done.wait()
             error, opening = opening.failed, None  # held by its frame, it would be a cycle
-            if error is not None:
-                try:
-                    raise error
+            if error is not None:  # not raised itself: each raise would add to its traceback
+                try:  # (this task's frames kept with it) and set its context (this task's)
+                    raise _own_copy(error) from error
                 finally:
                     del error
         opening = self._opening = _Opening()
@@ -505,6 +506,28 @@ class _Opening:
     def __init__(self) -> None:
         self.done = anyio.Event()
         self.failed: Exception | None = None
+
+
+def _own_copy(error: Exception) -> Exception:
+    """A new error like ``error``, another task's, for a task to raise as its own: of its class,
+    with its ``args``, attributes and notes; its traceback and context are this task's raise's.
+    Built without the class's constructor, which may not take the ``args`` back (keyword-only
+    arguments, a message it composes); what a built-in base keeps outside ``__dict__`` (a
+    ``UnicodeError``'s fields, an ``OSError``'s) is set as that base sets it."""
+    kind = type(error)
+    own = kind.__new__(kind, *error.args)
+    for base in kind.__mro__:  # the first built-in one: a TransportError's OSError
+        if base.__module__ == "builtins" and issubclass(base, BaseException):
+            base.__init__(own, *error.args)
+            break
+    own.__dict__.update(error.__dict__)
+    if isinstance(error, OSError) and isinstance(own, OSError):  # its file names: not in args
+        for field in ("filename", "filename2"):
+            if (name := getattr(error, field)) is not None:  # None set is shown ("None: None")
+                setattr(own, field, name)
+    if notes := getattr(error, "__notes__", None):
+        own.__notes__ = list(notes)  # a note added to one is not the other's
+    return own
 
 
 def _closed_early(name: str) -> TransportError:

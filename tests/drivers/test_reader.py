@@ -7,9 +7,11 @@ import gc
 import os
 import pathlib
 import time
+import traceback
 import tracemalloc
 import warnings
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 from typing import Any
 
 import anyio
@@ -19,15 +21,27 @@ import safetensors.numpy as reference_numpy
 import trio
 
 import stream_st
+import stream_st.compat._errors
 from stream_st import (
+    CacheMissError,
+    DistributedError,
     HeaderError,
+    HeaderTooLargeError,
+    HTTPNotFoundError,
+    HTTPStatusError,
+    IntegrityError,
+    RankFailedError,
+    SafetensorsError,
     SourceNotFoundError,
     TensorNotFoundError,
     TrailingDataError,
+    TransportError,
     TruncatedStreamError,
     UnsupportedSourceError,
     UsageError,
+    WriterError,
 )
+from stream_st.compat._errors import FileClosedError, NoSuchFileError, UnencodableTextError
 from stream_st.reader import merge_ranges
 from stream_st.transports.base import TURN_EVERY
 from stream_st.transports.file.source import FileSource
@@ -644,9 +658,111 @@ def test_open_from_two_tasks_at_once_opens_the_source_once(backend: str) -> None
         gate = anyio.Event()
         stream = stream_st.open_stream(gated_chunks(b"\xff" * 64, gate))
         first, second = await open_from_tasks(stream, gate)
-        assert isinstance(first, HeaderError) and first is second
+        assert isinstance(first, HeaderError) and type(second) is type(first)
+        assert second.__cause__ is first and str(second) == str(first)
 
     anyio.run(main, backend=backend)
+
+
+def failing_chunks(error: Exception, gate: anyio.Event) -> AsyncIterator[bytes]:
+    """Chunks that raise ``error`` once ``gate`` is set."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        await gate.wait()
+        raise error
+        yield b""  # pragma: no cover  # an async generator
+
+    return chunks()
+
+
+OPEN_ERRORS: list[partial[Any]] = [
+    partial(SafetensorsError, "plain"),
+    partial(HeaderTooLargeError, 1 << 40, 100),
+    partial(TruncatedStreamError, "the header", name=None, offset=3, expected=8, source="s"),
+    partial(TensorNotFoundError, "no tensor 'w'"),
+    partial(TransportError, "connection reset", url="http://h/m", position=5),
+    partial(
+        HTTPStatusError, 503, "Service Unavailable", url="http://h/m", detail="busy", body=b"busy"
+    ),
+    partial(HTTPNotFoundError, 404, "Not Found", url="http://h/m"),
+    partial(CacheMissError, "no copy", url="hf://o/m/f"),
+    partial(WriterError, "wrong shape", name="w"),
+    partial(IntegrityError, "digest mismatch", name="w", source="s", layer=2),
+    partial(DistributedError, "failed", rank=None, cause="x"),
+    partial(RankFailedError, "failed", rank=1, cause="x"),
+    partial(FileClosedError),
+    partial(NoSuchFileError, "/nope"),
+    partial(
+        UnencodableTextError, "a name", UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates")
+    ),
+    partial(FileNotFoundError, 2, "No such file or directory", "f.safetensors"),
+]
+"""How to make an error of each constructor the library's errors have (and a built-in one
+with fields): made in the test, not held by the module (a test looks for errors left over)."""
+
+FIELDS = ("errno", "strerror", "filename", "encoding", "object", "start", "end", "reason")
+"""What built-in bases (OSError, UnicodeError) keep outside an error's ``__dict__``."""
+
+
+def test_the_errors_copied_cover_every_constructor() -> None:
+    """OPEN_ERRORS makes an error of each class with a constructor of its own."""
+    built = {
+        kind
+        for module in (stream_st.errors, stream_st.compat._errors)
+        for kind in vars(module).values()
+        if isinstance(kind, type)
+        and issubclass(kind, SafetensorsError)
+        and "__init__" in vars(kind)
+    }
+    assert built <= {made.func for made in OPEN_ERRORS}
+
+
+@pytest.mark.parametrize("made", OPEN_ERRORS, ids=lambda made: made.func.__name__)
+def test_each_task_waiting_for_a_failed_open_raises_an_error_of_its_own(
+    made: partial[Any],
+) -> None:
+    """The tasks that waited for the open raise an error of its class, message and attributes,
+    from it, each its own: they raised the one error, each raise adding its frames to its
+    traceback and setting its context (the first task's report said the error happened while
+    another task's KeyError was handled)."""
+    error = made()
+    error.add_note("a note")
+
+    async def main() -> dict[int, Exception]:
+        gate = anyio.Event()
+        stream = stream_st.open_stream(failing_chunks(error, gate))
+        raised: dict[int, Exception] = {}
+
+        async def opener(task: int) -> None:
+            try:
+                try:
+                    raise KeyError(task)
+                except KeyError:
+                    await stream.open()
+            except Exception as exc:
+                raised[task] = exc
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as group:
+                for task in range(3):
+                    group.start_soon(opener, task)
+                await anyio.wait_all_tasks_blocked()
+                gate.set()
+        return raised
+
+    raised = anyio.run(main)
+    assert raised[0] is error  # the opening task's, its context that task's
+    assert isinstance(error.__context__, KeyError) and error.__context__.args == (0,)
+    assert [frame.name for frame in traceback.extract_tb(error.__traceback__)].count("open") == 1
+    for task in (1, 2):
+        own = raised[task]
+        assert type(own) is type(error) and own is not error and own.__cause__ is error
+        assert own.args == error.args and str(own) == str(error) and vars(own) == vars(error)
+        assert own.__notes__ is not error.__notes__  # a note added to one: not the other's
+        assert isinstance(own.__context__, KeyError) and own.__context__.args == (task,)
+        for field in FIELDS:
+            assert getattr(own, field, None) == getattr(error, field, None)
+    assert raised[1] is not raised[2]
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
