@@ -25,8 +25,8 @@ from ..core.digests import (
     algorithm_named,
     is_record_key,
 )
-from ..core.dtypes import dtype_from_code
-from ..core.header import Header, TensorInfo
+from ..core.dtypes import dtype_from_code, wire_bytes
+from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header, TensorInfo
 from ..core.layout import TensorSpec
 from ..core.shards import join_address, literal_scheme, shard_address, split_address
 from ..core.stats import LoadStats, record_last
@@ -42,6 +42,7 @@ from ..errors import (
     UsageError,
 )
 from ..reader import Include, TensorStream
+from ..reader.header import open_under, start_and_read_header
 from ..reader.stream import include_names
 from ..sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from ..transports import store
@@ -544,6 +545,44 @@ async def _copied_by_kernel(
     return True
 
 
+async def _copied_as_it_is(
+    src: str,
+    sink: Sink,
+    clock: Clock,
+    expect: Callable[[Header], None],
+    progress: Progress | None,
+) -> Copy:
+    """A dataset manifest's shard ``src`` copied byte for byte into ``sink`` (left to commit),
+    within ``clock``: its header as it is, padding kept (a dataset writer's leaves room), so that
+    the copy has the size the manifest counts, then its tensors, read (their digests checked) as
+    :func:`cp` reads them. ``expect`` checks the source's header before anything is written."""
+    source = await open_under(src, clock)
+    try:
+        header, (prefix, raw) = await start_and_read_header(source, DEFAULT_MAX_HEADER_SIZE)
+    finally:
+        await source.aclose()
+    expect(header)
+    async with opened(src, clock) as (stream, _):
+        read = stream.header
+        if read.metadata != header.metadata or list(read.tensors) != list(header.tensors):
+            raise HeaderError(f"{src}: the shard's header changed while it was copied")
+        wanted = stream.selected()  # every tensor, in offset order: the data section
+        expect_totals(progress, wanted)
+        await sink.allocate(header.file_size)
+        await sink.send(memoryview(prefix))
+        await sink.send(raw)
+        done_bytes = done = 0
+        async for _, array in stream:
+            await sink.send(wire_bytes(array))
+            done_bytes += array.nbytes
+            done += 1
+            if progress is not None:
+                progress(done_bytes, done)
+            del array
+        await sink.aclose()
+    return Copy(header, 0, stream.stats)
+
+
 def _runs(tensors: Iterable[TensorInfo], written: Header) -> Iterator[list[TensorInfo]]:
     """``tensors`` (the source's, in order) in runs that lie with no gap, one after the other,
     both in the source and in ``written`` (the copy's header), of at most :data:`COPY_TURN`
@@ -767,7 +806,8 @@ async def mirror(
 ) -> list[str]:
     """Copy the sharded checkpoint ``index`` (a ``*.index.json`` or ``dataset_manifest.json``)
     into the directory or prefix ``into``: every shard under its name (each as :func:`cp` copies
-    it), then the index. ``options`` are the whole mirror's: ``deadline`` bounds it all, from
+    it; a manifest's byte for byte, its header's padding kept, as the manifest counts its bytes),
+    then the index. ``options`` are the whole mirror's: ``deadline`` bounds it all, from
     reading the index to the commit, not each shard. The index is copied as it is when no
     tensor changes; otherwise a Hugging Face index is written anew (``weight_map`` and
     ``total_size`` of the shards written), and a manifest, whose byte counts would change, is a
@@ -824,22 +864,26 @@ async def mirror(
             if wanted == []:
                 continue
             where = shard_address(shards.home, shard)
+            sink = await opened_at(address_in(into, shard))
+            expect = partial(shards.check, shard, where)  # for a shard copied whole
             try:
-                copied = await _copy(
-                    where,
-                    await opened_at(address_in(into, shard)),
-                    clock,
-                    include=None if wanted is None else set(wanted),
-                    target=target,
-                    encoder=encoder,
-                    dequantize=dequantize,
-                    checksums=checksums,
-                    progress=progress,
-                    pairing=pairing,
-                    shard=shard,
-                    # copied whole: its tensors (a manifest's: its size) as the index says
-                    expect=None if wanted is not None else partial(shards.check, shard, where),
-                )
+                if names is None:  # a manifest's shard: the size it counts kept
+                    copied = await _copied_as_it_is(where, sink, clock, expect, progress)
+                else:
+                    copied = await _copy(
+                        where,
+                        sink,
+                        clock,
+                        include=None if wanted is None else set(wanted),
+                        target=target,
+                        encoder=encoder,
+                        dequantize=dequantize,
+                        checksums=checksums,
+                        progress=progress,
+                        pairing=pairing,
+                        shard=shard,
+                        expect=None if wanted is not None else expect,
+                    )
             except TensorNotFoundError:  # include= took the index's word for the shard's names
                 if wanted is None:
                     raise
@@ -847,8 +891,6 @@ async def mirror(
                     f"{where}: the shard's tensors differ from those the index assigns it (it "
                     f"lacks some of {wanted[:5]})"
                 ) from None
-            if wanted is None and not changing:  # the index copied as it is: true of the copy
-                shards.check(shard, where, copied.header)
             weight_map.update(dict.fromkeys(copied.header.names(), shard))
             total += copied.header.data_size
             reads.append(copied.load)

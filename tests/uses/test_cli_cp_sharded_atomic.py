@@ -14,11 +14,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 import safetensors.numpy as reference_numpy
 
+import stream_st
 import stream_st.numpy
+from stream_st.integrations.dataset import describe_dataset
 
 from ..servers.http_server import RangeHTTPServer
 from ..servers.s3_server import CREDENTIALS, MotoS3Server
@@ -338,3 +341,38 @@ def test_the_deadline_bounds_the_whole_mirror_not_each_shard(tmp_path: Path) -> 
     assert failed.returncode == 2, failed.stderr
     assert "error: the deadline of 1 s passed" in failed.stderr  # ReadTimeoutError's message
     assert _contents(dst) == old, "the destination changed"
+
+
+@pytest.mark.parametrize("served", [False, True], ids=["local", "http"])
+def test_a_dataset_manifest_is_mirrored_as_it_is(tmp_path: Path, served: bool) -> None:
+    """A dataset written by ``open_dataset_writer`` (its shards' headers padded to leave room)
+    could not be mirrored: each shard was copied with the reference's header, a few bytes where
+    the manifest counts 65552, and the copy refused with "the manifest says 65552 bytes". Its
+    shards are now copied byte for byte, padding kept, with their digests checked as read."""
+    src = tmp_path / "ds"
+
+    async def write() -> None:
+        async with stream_st.open_dataset_writer(src, checksums=True) as writer:
+            for batch in range(3):
+                await writer.write_batch({"x": np.arange(4, dtype=np.float32) + batch}, 4)
+
+    anyio.run(write)
+    files = _contents(src)
+    assert len(files) == 4  # three shards and the manifest
+    dst = tmp_path / "dst"
+    with RangeHTTPServer(objects={f"/ds/{name}": data for name, data in files.items()}) as server:
+        index = (
+            server.url("/ds/dataset_manifest.json")
+            if served
+            else str(src / "dataset_manifest.json")
+        )
+        copied = run("cp", "-q", index, f"{dst}/")
+    assert copied.returncode == 0, copied.stderr
+    assert _contents(dst) == files
+    described = anyio.run(describe_dataset, str(dst / "dataset_manifest.json"))
+    assert [header.file_size for header in described.headers] == [65552] * 3
+    assert [float(stream_st.numpy.load_file(shard)["x"][0]) for shard in described.shards] == [
+        0.0,
+        1.0,
+        2.0,
+    ]
