@@ -187,8 +187,10 @@ def _bucket(address: str, clock: Clock) -> _Bucket:
 async def any_exists(addresses: Sequence[str], clock: Clock = UNLIMITED) -> bool:
     """Whether a file or an object is at any of ``addresses`` (a dangling symlink is one), asked
     :data:`HEADS_AT_ONCE` at a time; the first found stops the rest. ``clock`` (the operation's)
-    bounds an object store's requests: a client per bucket, a HEAD request per object. The first
-    to fail stops the rest too, and unless one was found its error is raised as it is."""
+    bounds an object store's requests: a client per bucket, a HEAD request per object. A request
+    that fails stops none of the others (credentials without s3:ListBucket get a 403 for a
+    missing key, a 200 for one there): unless one was found, the first failure is raised as it
+    is."""
     found = False
     failure: list[Exception] = []
     at_once = anyio.Semaphore(HEADS_AT_ONCE)
@@ -212,9 +214,8 @@ async def any_exists(addresses: Sequence[str], clock: Clock = UNLIMITED) -> bool
                     if await exists():
                         found = True
                         group.cancel_scope.cancel()
-            except Exception as exc:  # raised once the others are stopped, not in a group
+            except Exception as exc:  # raised once the others are done, not in a group
                 failure.append(exc)
-                group.cancel_scope.cancel()
 
         async with anyio.create_task_group() as group:
             for exists in asks:
