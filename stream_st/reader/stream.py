@@ -234,9 +234,10 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
 
     async def open(self, *, read_all: bool = False) -> Header:
         """Open the source, read and validate the header. Idempotent: a call made while another
-        task's open is under way waits for it and gets its header, or raises an error of its
-        own like that open's (its class, message and attributes), from it (where that open was
-        cancelled instead, it opens the stream itself, unless that open closed it: then a
+        task's open is under way waits for it and gets its header (also where the stream was
+        closed since: an iteration's end), or raises an error of its own like that open's (its
+        class, message and attributes), from it (where that open was cancelled instead, it
+        opens the stream itself, unless that open closed it: then a
         :class:`~stream_st.UsageError`, as for any closed stream).
 
         ``read_all`` promises that every tensor will be read next, so a ranged transport may
@@ -251,7 +252,10 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
             if opening is None:
                 break
             await opening.done.wait()
-            error, opening = opening.failed, None  # held by its frame, it would be a cycle
+            header, error = opening.header, opening.failed
+            opening = None  # held by its frame, its error would be in a cycle
+            if header is not None:  # the stream may be closed since (an iteration's end)
+                return header
             if error is not None:  # not raised itself: each raise would add to its traceback
                 try:  # (this task's frames kept with it) and set its context (this task's)
                     raise _own_copy(error) from error
@@ -259,7 +263,8 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
                     del error
         opening = self._opening = _Opening()
         try:
-            return await self._open(read_all=read_all)
+            header = opening.header = await self._open(read_all=read_all)
+            return header
         except Exception as exc:
             opening.failed = exc
             raise
@@ -498,13 +503,15 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
 
 
 class _Opening:
-    """A stream's open under way: ``done`` once it ended, ``failed`` with its error if that is
-    an :class:`Exception` (a cancellation, or an interrupt, is the opening task's alone)."""
+    """A stream's open under way: ``done`` once it ended, ``header`` the header it read,
+    ``failed`` its error if that is an :class:`Exception` (a cancellation, or an interrupt, is
+    the opening task's alone)."""
 
-    __slots__ = ("done", "failed")
+    __slots__ = ("done", "failed", "header")
 
     def __init__(self) -> None:
         self.done = anyio.Event()
+        self.header: Header | None = None
         self.failed: Exception | None = None
 
 

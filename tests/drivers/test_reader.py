@@ -664,6 +664,37 @@ def test_open_from_two_tasks_at_once_opens_the_source_once(backend: str) -> None
     anyio.run(main, backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_open_waiting_for_an_iteration_s_open_gets_its_header(backend: str) -> None:
+    """An iteration without 'async with' opens the stream, read to its end and closed before
+    the open() waiting for that open resumes: the call gets the header read, where it was a
+    UsageError ('the stream is closed') for an open that went well."""
+
+    async def main() -> None:
+        gate = anyio.Event()
+        stream = stream_st.open_stream(gated_chunks(sample_file(), gate))
+        arrays: Arrays = {}
+        headers: list[stream_st.Header] = []
+
+        async def iterate() -> None:
+            arrays.update({name: array async for name, array in stream})
+
+        async def opener() -> None:
+            headers.append(await stream.open())
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as group:
+                group.start_soon(iterate)
+                await anyio.wait_all_tasks_blocked()
+                group.start_soon(opener)
+                await anyio.wait_all_tasks_blocked()
+                gate.set()
+        assert_same_arrays(arrays, sample_tensors())
+        assert len(headers) == 1 and headers[0] is stream.header
+
+    anyio.run(main, backend=backend)
+
+
 def failing_chunks(error: Exception, gate: anyio.Event) -> AsyncIterator[bytes]:
     """Chunks that raise ``error`` once ``gate`` is set."""
 
