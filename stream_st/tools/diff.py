@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Unpack
+from typing import Any, TypeVar, Unpack
 
 from .._util import task_group
 from ..core.header import Header, TensorInfo, UnknownDtypes
@@ -17,7 +17,6 @@ from .common import (
     checked_progress,
     command_clock,
     expect_totals,
-    merged_metadata,
     naming,
     opened,
     result_repr,
@@ -79,7 +78,9 @@ async def diff(
     shard: each of its tensors is reported as ``name (shard N)``, N counted from 0 in the
     manifest's order, so that a shard more or less, or one whose tensor differs, is a
     difference. A name each side holds once (a file, a sharded checkpoint) is compared by name
-    alone, whichever shard holds it. (``content`` reads the sources as
+    alone, whichever shard holds it. So is a metadata key, unless its value differs between the
+    shards of either side: then each shard's value is compared, as ``key (shard N)``.
+    (``content`` reads the sources as
     :func:`~stream_st.tools.common.opened` does, which refuses, with a
     :class:`~stream_st.UsageError`, a dataset whose shards repeat a name: the bytes compared
     are those of names held once, by name.)"""
@@ -126,12 +127,15 @@ async def diff(
 
 
 Key = tuple[str, int]
-"""A tensor as compared: its name, and for a name repeated across shards the shard holding it
-(-1 for a name each side holds once)."""
+"""A tensor or metadata key as compared: its name, and for a name repeated across shards (a
+metadata key whose value differs between shards) the shard holding it (-1 for a name each side
+holds once, or a key of one value)."""
+_V = TypeVar("_V")
 
 
 def _label(key: Key) -> str:
-    """The tensor ``key`` names, as the report gives it: ``name``, or ``name (shard N)``."""
+    """The tensor or metadata key ``key`` names, as the report gives it: ``name``, or
+    ``name (shard N)``."""
     name, shard = key
     return name if shard < 0 else f"{name} (shard {shard})"
 
@@ -147,13 +151,39 @@ def _keyed(headers_a: Sequence[Header], headers_b: Sequence[Header]) -> list[dic
                 if info.name in seen:
                     repeated.add(info.name)
                 seen.add(info.name)
+    return _by_shard((headers_a, headers_b), repeated, lambda h: ((i.name, i) for i in h))
+
+
+def _metadata_keyed(
+    headers_a: Sequence[Header], headers_b: Sequence[Header]
+) -> list[dict[Key, str]]:
+    """The ``__metadata__`` of each side's headers by :data:`Key`: a key whose value differs
+    between the shards of either side keyed by the shard holding each value, any other (its
+    value the same in every shard holding it) by the key alone."""
+    varied: set[str] = set()
+    for headers in (headers_a, headers_b):
+        first: dict[str, str] = {}
+        for header in headers:
+            for key, value in header.metadata.items():
+                if first.setdefault(key, value) != value:
+                    varied.add(key)
+    return _by_shard((headers_a, headers_b), varied, lambda h: h.metadata.items())
+
+
+def _by_shard(
+    sides: Iterable[Sequence[Header]],
+    split: set[str],
+    items: Callable[[Header], Iterable[tuple[str, _V]]],
+) -> list[dict[Key, _V]]:
+    """For each side, the ``items`` (name, value) of its headers by :data:`Key`: a name in
+    ``split`` with the shard holding it, any other with -1."""
     return [
         {
-            (info.name, shard if info.name in repeated else -1): info
+            (name, shard if name in split else -1): value
             for shard, header in enumerate(headers)
-            for info in header
+            for name, value in items(header)
         }
-        for headers in (headers_a, headers_b)
+        for headers in sides
     ]
 
 
@@ -181,15 +211,16 @@ def _compare(headers_a: Sequence[Header], headers_b: Sequence[Header]) -> tuple[
             result.changed[_label(key)] = changes
         else:
             same.append(key)
-    meta_a, meta_b = merged_metadata(headers_a), merged_metadata(headers_b)
-    result.metadata_added = sorted(meta_b.keys() - meta_a.keys())
-    result.metadata_removed = sorted(meta_a.keys() - meta_b.keys())
+    meta_a, meta_b = _metadata_keyed(headers_a, headers_b)
+    added, removed = sorted(meta_b.keys() - meta_a.keys()), sorted(meta_a.keys() - meta_b.keys())
+    result.metadata_added = [_label(k) for k in added]
+    result.metadata_removed = [_label(k) for k in removed]
     result.metadata_values = {
-        **{k: meta_a[k] for k in result.metadata_removed},
-        **{k: meta_b[k] for k in result.metadata_added},
+        **{_label(k): meta_a[k] for k in removed},
+        **{_label(k): meta_b[k] for k in added},
     }
     result.metadata_changed = {
-        k: [meta_a[k], meta_b[k]]
+        _label(k): [meta_a[k], meta_b[k]]
         for k in sorted(meta_a.keys() & meta_b.keys())
         if meta_a[k] != meta_b[k]
     }

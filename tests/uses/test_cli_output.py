@@ -74,6 +74,42 @@ def test_diff_shows_metadata_values(tmp_path: Path) -> None:
     assert found["metadata_values"] == {"gone": "old value", "new": "new value"}
 
 
+def _two_shards(directory: Path, metadata: list[dict[str, str]]) -> Path:
+    """A checkpoint of two shards in ``directory``, shard N's ``__metadata__`` ``metadata[N]``."""
+    directory.mkdir()
+    names = [f"model-0000{n}-of-00002.safetensors" for n in (1, 2)]
+    for n, (name, meta) in enumerate(zip(names, metadata, strict=True)):
+        reference_numpy.save_file({f"w{n}": np.zeros(2, np.float32)}, str(directory / name), meta)
+    index = {"metadata": {}, "weight_map": {"w0": names[0], "w1": names[1]}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return directory
+
+
+def test_diff_compares_a_metadata_key_shard_by_shard_where_its_shards_differ(
+    tmp_path: Path,
+) -> None:
+    """Each side's shards' metadata were merged, the last shard's value winning: checkpoints
+    whose first shards said note=alpha and note=beta were "equal". A key whose value differs
+    between a side's shards is compared shard by shard, as tensors a dataset repeats are; a
+    key of one value is compared by itself, whichever shard holds it."""
+    a = _two_shards(tmp_path / "a", [{"note": "alpha", "k": "v"}, {"note": "same"}])
+    b = _two_shards(tmp_path / "b", [{"note": "beta"}, {"note": "same", "k": "v"}])
+    text = run("diff", str(a), str(b))
+    assert (text.returncode, text.stdout) == (1, "~ metadata note (shard 0): 'alpha' -> 'beta'\n")
+    found = json.loads(run("diff", "--json", str(a), str(b)).stdout)
+    assert found["metadata_changed"] == {"note (shard 0)": ["alpha", "beta"]}
+    assert not found["metadata_added"] and not found["metadata_removed"]
+    c = _two_shards(tmp_path / "c", [{"note": "gamma"}, {"note": "gamma"}])
+    text = run("diff", str(b), str(c))
+    assert text.stdout.splitlines() == [
+        "- metadata k: 'v'",
+        "~ metadata note (shard 0): 'beta' -> 'gamma'",
+        "~ metadata note (shard 1): 'same' -> 'gamma'",
+    ]
+    d = _two_shards(tmp_path / "d", [{"note": "gamma"}, {}])
+    assert run("diff", str(c), str(d)).stdout == "equal\n"
+
+
 def test_a_cache_that_cannot_be_used_is_one_warning_line(tmp_path: Path) -> None:
     """The cache's RuntimeWarning was printed as Python prints one: a file and line of
     stream_st's source, then that line of code."""
