@@ -268,6 +268,8 @@ class WriteOptions:
                     "string>), a number, a boolean or a (nested) array of numbers"
                 )
             out[name] = kind
+        if self.name_col is not None:
+            _separable(list(out), self.kv_separator)
         for name in {*self.shapes, *(c for c in self.dtypes if c)}:
             if name not in out:
                 raise UsageError(f"options shapes / dtype name {name!r}, not a column written")
@@ -300,6 +302,24 @@ class WriteOptions:
         shape = self.shapes.get(name, (0,) * kind.depth)
         code = self.code_for(name) or kind.dtype
         return np.zeros((0, *shape), dtype_from_code(code).numpy)
+
+
+def _separable(columns: list[str], separator: str) -> None:
+    """KV mode: refuses ``columns`` whose keys ``{name}{separator}{column}`` could be another
+    name's of another column (a column holding the separator, or whose ``{separator}{column}``
+    ends another's), where a read could not tell the rows apart."""
+    if not separator:
+        raise UsageError("option kv_separator is empty: a key could not be split into its parts")
+    for column in columns:
+        suffix = f"{separator}{column}"
+        clash = [o for o in columns if o != column and suffix.endswith(f"{separator}{o}")]
+        if separator in column or clash:
+            beside = f" (or {clash[0]!r})" if clash else ""
+            raise UsageError(
+                f"KV column {column!r} with kv_separator {separator!r}: a key "
+                f"{{name}}{suffix} could not tell the name from the column{beside}; rename it or "
+                "choose another kv_separator"
+            )
 
 
 def _specs(header: Header) -> Specs:

@@ -123,6 +123,27 @@ def test_last_win_keeps_the_later_row_in_its_place(tmp_path: Path) -> None:
         write(tmp_path / "fail", [[batch(["a", "b", "a"])]])
 
 
+@pytest.mark.parametrize(
+    ("columns", "separator", "refused"),
+    [
+        (["b", "a__b"], "__", "'a__b'"),  # y + __a__b or y__a + __b
+        (["a__b"], "__", "'a__b'"),
+        (["b", "_b"], "__", "'_b'"),  # y + ___b or y_ + __b
+        (["b"], "", "kv_separator is empty"),
+    ],
+)
+def test_a_column_whose_keys_could_be_another_names_is_refused_on_the_driver(
+    tmp_path: Path, columns: list[str], separator: str, refused: str
+) -> None:
+    schema = StructType(
+        [StructField("name", StringType()), *(StructField(c, LongType()) for c in columns)]
+    )
+    options = {"path": str(tmp_path), "name_col": "name", "kv_separator": separator}
+    with pytest.raises(stream_st.UsageError, match=refused):
+        WriteOptions.parse(options, schema)
+    WriteOptions.parse({**options, "kv_separator": "/"}, schema)  # another separator is taken
+
+
 def test_rows_come_back_in_order_across_partitions(tmp_path: Path) -> None:
     names = [f"k{i}" for i in range(300)]
     # two tasks; a batch of rows alike (20 kB each: partitions of 1 MB cut the shard), one of
