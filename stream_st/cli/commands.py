@@ -42,7 +42,7 @@ from ..errors import (
 )
 from ..sharded.reader import ShardedStream
 from ..tools.common import naming, plural
-from ..tools.cp import _local_path, _make_directory, address_in
+from ..tools.cp import address_in, local_path, make_directory
 from ..tools.model_checks import ModelConfig
 from ..tools.validate import expected_shapes
 from ..transports.file.sink import PipeSink
@@ -461,7 +461,7 @@ def _is_directory(dst: str) -> bool:
     directory (a path or a ``file://`` URL), as ``cp`` and ``aws s3 cp`` take them."""
     if dst == STDIO:
         return False
-    local = _local_path(dst)
+    local = local_path(dst)
     if local is not None:
         return local.endswith("/") or os.path.isdir(local)
     parts = split_address(dst)  # the path says, before any query (an upload's token)
@@ -534,9 +534,9 @@ async def run_cp(args: argparse.Namespace) -> int:
         )
     made: list[str] = []  # local directories made for the copy, removed if it fails
     try:
-        local = _local_path(args.dst)
+        local = local_path(args.dst)
         if into and local is not None:
-            _make_directory(os.path.dirname(local), made)
+            make_directory(os.path.dirname(local), made)
         dst = await _destination(args.dst)
         with progress_reporter("copying", args.quiet) as progress, _include_named(args):
             try:

@@ -65,7 +65,7 @@ from .common import (
     tensors_of,
 )
 
-__all__ = ["CONVERTIBLE", "Copy", "address_in", "cp", "mirror"]
+__all__ = ["CONVERTIBLE", "Copy", "address_in", "cp", "local_path", "make_directory", "mirror"]
 
 
 CONVERTIBLE = ("F16", "BF16", "F32", "F64")
@@ -295,8 +295,9 @@ class _Pairing:
         return unwritten
 
 
-_ORIGINAL = {dtype_from_code(code).numpy.name: code for code in CONVERTIBLE}
-"""The dtype codes of the numpy names ``original_dtype`` is written with."""
+_ORIGINAL_NAMES = tuple(dtype_from_code(code).numpy.name for code in CONVERTIBLE)
+"""The numpy names of the dtypes ``original_dtype`` may name, as the codecs write them: what the
+messages of a bad one list."""
 
 
 def _original_dtypes(quantized: Sequence[TensorInfo]) -> dict[str, str]:
@@ -324,7 +325,8 @@ def _original(metadata: Mapping[str, str]) -> str:
     code = original_code(raw)
     if code not in CONVERTIBLE:
         raise CodecError(
-            f"metadata original_dtype must name one of {', '.join(_ORIGINAL)}, got {raw!r:.100}"
+            f"metadata original_dtype must name one of {', '.join(_ORIGINAL_NAMES)}, "
+            f"got {raw!r:.100}"
         )
     return code
 
@@ -352,7 +354,7 @@ def _originals(metadata: Mapping[str, str]) -> dict[str, str]:
     if codes is None or not all(code in CONVERTIBLE for code in codes.values()):
         raise CodecError(
             f"metadata {_ORIGINALS_KEY} must be a JSON object of tensor names to "
-            f"{', '.join(_ORIGINAL)}, got {raw!r:.100}"
+            f"{', '.join(_ORIGINAL_NAMES)}, got {raw!r:.100}"
         )
     return codes
 
@@ -749,7 +751,7 @@ class _Held(Sink):
         await self.sink.abort()
 
 
-def _local_path(dst: str) -> str | None:
+def local_path(dst: str) -> str | None:
     """The local path the destination ``dst`` names (a path, or a ``file://`` URL's); None for
     any other URL."""
     if "://" not in dst:
@@ -759,14 +761,14 @@ def _local_path(dst: str) -> str | None:
     return path_from_url(dst, UnsupportedSinkError)
 
 
-def _make_directory(path: str, made: list[str]) -> None:
+def make_directory(path: str, made: list[str]) -> None:
     """Make the local directory ``path`` and its missing parents, adding those made to ``made``
     (parents first)."""
     parent = os.path.dirname(path)
     if not path or os.path.isdir(path):
         return
     if parent != path:
-        _make_directory(parent, made)
+        make_directory(parent, made)
     try:
         os.mkdir(path)
     except FileExistsError:
@@ -845,9 +847,9 @@ async def mirror(
     pairing = None if encoder is None else _Pairing(encoder)  # across the shards
 
     async def opened_at(target: str) -> _Held:
-        local = _local_path(target)
+        local = local_path(target)
         if local is not None:  # a path or a file:// URL
-            _make_directory(os.path.dirname(local), made)
+            make_directory(os.path.dirname(local), made)
         sink = _Held(await open_sink(target, clock=clock))
         held.append(sink)
         written.append(target)

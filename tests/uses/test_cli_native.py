@@ -402,9 +402,9 @@ def test_dequantize_reads_original_dtypes_as_original_dtype(tmp_path: Path) -> N
 
 
 def test_dequantize_to_a_dtype_warns_as_cp_dtype_does(tmp_path: Path) -> None:
-    """``--dequantize --dtype f16`` of values beyond F16's range: decoded into F16, they become
-    infinite with the warning ``--dtype`` gives (naming the tensor and counting the values),
-    where numpy's own "overflow encountered in cast" said neither."""
+    """A guard: ``--dequantize --dtype f16`` of values beyond F16's range, decoded into F16,
+    become infinite with the warning ``--dtype`` gives (naming the tensor and counting the
+    values), never with numpy's own "overflow encountered in cast", which says neither."""
     source, q8 = tmp_path / "big.safetensors", tmp_path / "q8.safetensors"
     reference_numpy.save_file({"w": np.array([1e6, -2e5, 3e4], np.float32)}, str(source))
     assert run("cp", "-q", "--quantize", "int8", str(source), str(q8)).returncode == 0
@@ -476,7 +476,9 @@ def test_dequantize_warns_of_values_beyond_the_original_dtype(tmp_path: Path) ->
         if dtype is None:
             assert (
                 result.returncode == 2
-                and b"metadata original_dtype must name one of" in result.stderr
+                and b"metadata original_dtype must name one of float16, bfloat16, float32, "
+                b"float64, got"
+                in result.stderr
             )
             assert not out.exists()
         else:
