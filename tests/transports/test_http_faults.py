@@ -375,7 +375,8 @@ async def test_a_206_without_length_that_breaks_is_resumed(
 async def test_a_chunked_206_ending_early_is_resumed(raw_server: Serve, concurrency: int) -> None:
     """A chunked 206 whose last chunk comes before the bytes its Content-Range names ended early
     though cleanly: resumed from the byte reached, as a body cut short is, where one stream
-    (concurrency 1) took it for the object's end and called the file truncated."""
+    (concurrency 1) took it for the object's end and called the file truncated. Concurrency 2
+    is the control: its parted reads resumed it before."""
 
     def answer_for(n: int) -> tuple[bytes, str, int | None]:
         return SPLIT_FILE, 'ETag: "v1"\r\n', 30_000 if n == 0 else None
