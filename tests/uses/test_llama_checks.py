@@ -15,10 +15,13 @@ from stream_st.models.llm import (
     Llama,
     LlamaConfig,
     ModelError,
+    StreamingPrefill,
+    perplexity,
     read_checkpoint,
     read_gguf,
     write_checkpoint,
 )
+from stream_st.models.llm.transfer import send_prefill
 
 SIZES = {
     "vocab_size": 64,
@@ -118,3 +121,28 @@ def test_a_weight_of_a_layer_numbered_oddly_is_no_weight_of_the_model(layer: str
     """'²' passed str.isdigit and int() raised a bare ValueError."""
     with pytest.raises(ModelError, match="is not a weight of this Llama model"):
         small_model().config.shape(f"model.layers.{layer}.input_layernorm.weight")
+
+
+async def test_a_batch_of_token_ids_is_refused_not_run_as_one_sequence(tmp_path: Path) -> None:
+    """[[1, 2, 3], [4, 5, 6]] ran as the one sequence 1..6: six rows of logits, the second
+    row's tokens attending to the first's."""
+    model = small_model()
+    batch = np.array([[1, 2, 3], [4, 5, 6]])
+    calls = {
+        "forward": lambda: model.forward(batch),
+        "score": lambda: model.score(batch),
+        "cache": lambda: model.cache(batch),
+        "prefill": lambda: next(model.prefill(batch)),
+        "generate": lambda: model.generate(batch, None, 0),
+        "StreamingPrefill": lambda: StreamingPrefill(model.config, batch),
+        "perplexity": lambda: perplexity(np.zeros((6, 64)), batch),
+    }
+    for what, call in calls.items():
+        with pytest.raises(ModelError, match=r"must be one sequence of ids, not .* \[2, 3\]"):
+            call()
+            pytest.fail(what)
+    with pytest.raises(ModelError, match="one sequence"):
+        await send_prefill(tmp_path / "kv.st", model, batch, model.config.kv_layout(6))
+    assert not (tmp_path / "kv.st").exists()
+    assert model.score(np.array(5)).shape == (1, 64)  # one id, 0-d: one token, as before
+    np.testing.assert_array_equal(model.score(batch[1]), model.score([4, 5, 6]))

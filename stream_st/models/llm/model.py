@@ -73,8 +73,15 @@ _CONFIG_FIELDS = {
 
 def token_ids(tokens: object, what: str = "tokens") -> Array:
     """``tokens`` as a flat int64 array; :class:`~stream_st.ArgumentTypeError` unless they are
-    integers (a sequence or array of them; floats would be truncated, a string is no id)."""
-    return integer_ids(tokens, what).reshape(-1)
+    integers (a sequence or array of them, or one; floats would be truncated, a string is no
+    id), :class:`ModelError` for more than one dimension (a batch would run as one sequence,
+    its rows attending to the rows before)."""
+    ids = integer_ids(tokens, what)
+    if ids.ndim > 1:
+        raise ModelError(
+            f"{what} must be one sequence of ids, not an array of shape {list(ids.shape)}"
+        )
+    return ids.reshape(-1)
 
 
 @dataclass(frozen=True)
