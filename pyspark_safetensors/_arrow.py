@@ -184,8 +184,9 @@ def truncate_to_f16(values: Array) -> Array:
     """F16 bit patterns (uint16) of ``values`` as the Scala connector makes them: each value
     taken as a double, rounded to float32, then its bits cut down, not rounded: the exponent
     rebiased, the mantissa's low 13 bits dropped; float32 subnormals and anything below F16's
-    smallest normal become a signed zero, anything above its largest finite value a signed
-    infinity, a NaN the quiet NaN ``0x7e00`` (with the sign)."""
+    smallest normal become a signed zero, anything from 2**16 up a signed infinity (between
+    F16's largest finite value, 65504, and 2**16: cut down to 65504), a NaN the quiet NaN
+    ``0x7e00`` (with the sign)."""
     bits = np.asarray(values).astype(np.float64).astype(np.float32).view(np.uint32)
     sign = ((bits >> 31) << 15).astype(np.uint32)
     exponent = ((bits >> 23) & 0xFF).astype(np.int64)
@@ -207,9 +208,11 @@ def truncate_to_bf16(values: Array) -> Array:
     return (bits >> 16).astype(np.uint16)
 
 
-def cast(array: Array, code: str, rounding: str = "nearest") -> Array:
-    """``array`` as safetensors dtype ``code``: numpy's conversion (round to nearest even), or
-    for F16 and BF16 with ``rounding="truncate"``, the connector's truncation."""
+def cast(array: Array, code: str, name: str, rounding: str = "nearest") -> Array:
+    """``array`` (column ``name``) as safetensors dtype ``code``: numpy's conversion (floats
+    round to nearest even, and toward zero into integers), or for F16 and BF16 with
+    ``rounding="truncate"``, the connector's truncation. Refuses a value an integer dtype cannot
+    hold (out of its range, or not finite) rather than wrap it."""
     target = dtype_from_code(code).numpy
     if rounding == "truncate" and code == "F16":
         return truncate_to_f16(array).view(target)
@@ -217,7 +220,28 @@ def cast(array: Array, code: str, rounding: str = "nearest") -> Array:
         return truncate_to_bf16(array).view(target)
     if array.dtype == target:
         return array
+    if target.kind in "iu" and array.size:
+        _in_range(array, target, code, name)
     return array.astype(target)
+
+
+def _in_range(array: Array, target: np.dtype[Any], code: str, name: str) -> None:
+    """Refuses a value of ``array`` that integer dtype ``target`` (``code``) cannot hold: out
+    of its range (a float taken toward zero), or a NaN or infinity."""
+    bounds = np.iinfo(target)
+    if array.dtype.kind == "f":
+        whole = np.trunc(array)  # every integer bound is a power of two, so exact as a float
+        kept = np.isfinite(whole) & (whole >= float(bounds.min)) & (whole < float(bounds.max + 1))
+    elif array.dtype.kind in "iu":
+        kept = (array >= bounds.min) & (array <= bounds.max)
+    else:  # booleans: 0 or 1
+        return
+    if not kept.all():
+        bad = array.reshape(-1)[int(np.argmin(kept.reshape(-1)))]
+        raise UsageError(
+            f"column {name!r}: the value {bad.item()!r} does not fit {code} "
+            f"({bounds.min} to {bounds.max}; option dtype)"
+        )
 
 
 def stack_rows(
@@ -250,7 +274,7 @@ def stack_rows(
         array = array.reshape(len(array), *shape)
     code = code if code is not None else (kind.dtype if kind is not None else None)
     if code is not None:
-        array = cast(array, code, rounding)
+        array = cast(array, code, name, rounding)
     dtype_for(array.dtype)  # refuses what safetensors cannot carry
     return array
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +18,25 @@ import numpy as np
 import pytest
 
 pytest.importorskip("pyspark")
-pytest.importorskip("pyarrow")
+pa = pytest.importorskip("pyarrow")
 jsonschema = pytest.importorskip("jsonschema")
 
 from pyspark.sql import DataFrame  # noqa: E402
+from pyspark.sql.pandas.types import to_arrow_schema  # noqa: E402
+from pyspark.sql.types import (  # noqa: E402
+    ArrayType,
+    DataType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    StructField,
+    StructType,
+)
 from pyspark.testing.utils import assertSchemaEqual  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
+
+from pyspark_safetensors._write import SafetensorsWriter, WriteOptions  # noqa: E402
+from stream_st import UsageError  # noqa: E402
 
 SCHEMA = json.loads((Path(__file__).parent / "dataset_manifest.schema.json").read_text())
 TENSOR = "struct<data: binary, shape: array<int>, dtype: string>"
@@ -154,6 +168,34 @@ def test_casts_and_shapes_come_back_in_the_written_types(spark: Any, tmp_path: P
     assert [r.n for r in rows] == list(range(5))
     expected = [np.float32(v).item() for v in np.asarray([d[0] for d in data]).reshape(-1)]
     assert [v for r in rows for v in r.x] == expected
+
+
+@pytest.mark.parametrize(
+    ("kind", "values", "code", "bad"),
+    [
+        (IntegerType(), [127, 300], "I8", "300"),
+        (IntegerType(), [-128, -200], "I8", "-200"),
+        (IntegerType(), [0, -1], "U8", "-1"),
+        (LongType(), [0, 2**32], "U32", "4294967296"),
+        (DoubleType(), [-2147483648.9, 1e10], "I32", "10000000000.0"),
+        (DoubleType(), [1.0, math.nan], "I32", "nan"),
+        (DoubleType(), [1.0, -math.inf], "U64", "-inf"),
+        (ArrayType(DoubleType()), [[2.5, 255.9], [0.0, 256.0]], "U8", "256.0"),
+    ],
+)
+def test_a_cast_to_an_integer_dtype_refuses_a_value_it_cannot_hold(
+    tmp_path: Path, kind: DataType, values: list[Any], code: str, bad: str
+) -> None:
+    schema = StructType([StructField("x", kind)])
+    options = {"path": str(tmp_path / "d"), "batch_size": "1", "dtype": f"x:{code}"}
+    writer = SafetensorsWriter(WriteOptions.parse(options, schema), overwrite=True)
+    fits = pa.record_batch({"x": pa.array(values[:1], to_arrow_schema(schema).field("x").type)})
+    message = writer.write(iter([fits]))  # the first value fits (toward zero)
+    rows = pa.record_batch({"x": pa.array(values, to_arrow_schema(schema).field("x").type)})
+    with pytest.raises(UsageError, match=rf"column 'x': the value {re.escape(bad)} does not fit"):
+        writer.write(iter([rows]))
+    writer.abort([message])
+    assert not (tmp_path / "d").exists()
 
 
 def test_an_empty_frame_writes_one_empty_shard(spark: Any, tmp_path: Path) -> None:
