@@ -566,35 +566,37 @@ class CachedStream(TensorStream[Any]):
             await self._resolved.refuted()
 
     async def _iterate(self) -> AsyncGenerator[tuple[str, Any]]:
-        ahead = self._ahead  # read ahead by open(), or None
-        if ahead is None:
+        owns = self._header is None  # iterated without 'async with': opened and closed here,
+        if owns:  # through open(): an open() from another task meanwhile waits for this one
             self.stats.asked(first=True)
-            if self.cache_state is None and self._header is None and self._may_read_ahead():
-                ahead = await self._resolve_reading_ahead()
-        if ahead is None:  # as any stream, from what the cache said to read
-            async with aclosing(super()._iterate()) as items:
-                async for item in items:
-                    yield item
-                    del item
-            return
-        stream = ahead.stream
-        self._adopt(ahead)
+            await self.open(read_all=self._include is None)
+        ahead = self._ahead  # the copy an open (this one, another task's) read ahead, or None
         try:
-            for item in ahead.take_held():
-                yield item
-                del item
-            if not ahead.ended:
-                async for item in ahead.items:
+            if ahead is None:  # as any stream, from what the cache said to read
+                async with aclosing(super()._iterate()) as items:
+                    async for item in items:
+                        yield item
+                        del item
+                return
+            stream = ahead.stream
+            self._adopt(ahead)
+            try:
+                for item in ahead.take_held():
                     yield item
                     del item
-            self.object_check = stream.object_check
-        except IntegrityError:  # read from the copy, as the stream's own reads (see there)
-            with anyio.CancelScope(shield=True):
-                await self._refuted()
-            raise
+                if not ahead.ended:
+                    async for item in ahead.items:
+                        yield item
+                        del item
+                self.object_check = stream.object_check
+            except IntegrityError:  # read from the copy, as the stream's own reads (see there)
+                with anyio.CancelScope(shield=True):
+                    await self._refuted()
+                raise
         finally:
-            self._generator = self._held = None  # this one: ending, not closed again
-            await self.aclose()
+            if owns or ahead is not None:
+                self._generator = self._held = None  # this one: ending, not closed again
+                await self.aclose()
 
     def _may_read_ahead(self) -> bool:
         """Whether the copy may be read before the check: not into the caller's memory

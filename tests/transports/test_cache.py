@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -151,6 +153,34 @@ async def test_a_stream_opened_from_two_tasks_at_once_asks_the_cache_once(
         first, second = await asyncio.gather(stream.open(), stream.open())
         assert first is second and getattr(stream, "cache_state", None) == state
         assert_same_arrays({name: array async for name, array in stream}, ARRAYS)
+        await stream.aclose()  # opened before the iteration: not closed at its end
+    server.settle()
+    assert len(server.requests) == 2
+
+
+async def test_a_stream_iterated_while_another_task_opens_it_asks_the_cache_once(
+    server: RangeHTTPServer, tmp_path: Path
+) -> None:
+    """An iteration begun before open() opens the stream through open(): the open() another
+    task calls meanwhile waits for it and gets its header. The iteration resolved the address
+    itself, unseen by open(), which resolved it again: the cache asked twice (two requests),
+    what the first resolve opened (the remote object's connection, the copy read ahead)
+    dropped unclosed (a ResourceWarning)."""
+    url = server.url("/m.safetensors")
+    for state in ("fetch", "hit"):
+        stream = stream_st.open_stream(url, cache=tmp_path)
+
+        async def iterate(stream: stream_st.TensorStream = stream) -> Arrays:
+            return {name: array async for name, array in stream}
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            arrays, header = await asyncio.gather(iterate(), stream.open())
+            gc.collect()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+        assert_same_arrays(arrays, ARRAYS)
+        assert header is stream.header and sorted(header.names()) == sorted(ARRAYS)
+        assert getattr(stream, "cache_state", None) == state
     server.settle()
     assert len(server.requests) == 2
 
