@@ -53,6 +53,7 @@ import base64
 import operator
 import os
 import re
+from typing import TypeVar
 
 from ._regex import LazyPattern
 
@@ -210,6 +211,32 @@ def _mask_parameter(match: re.Match[str]) -> str:
     if not match["value"] or not _secret_parameter(match["name"]):
         return match[0]
     return f"{match['lead']}{match['name']}={MASK}"
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def rebuilt(error: _E, *args: object) -> _E:
+    """A new error like ``error``: of its class, with ``args`` (``error``'s own if none are
+    given), its attributes and notes; no traceback, cause or context (the raise that raises it
+    gives them). Built without the class's constructor, which may not take ``args`` back
+    (keyword-only arguments, a message it composes); what a built-in base keeps outside
+    ``__dict__`` (a ``UnicodeError``'s fields, an ``OSError``'s) is set as that base sets it."""
+    args = args or error.args
+    kind = type(error)
+    copy = kind.__new__(kind, *args)
+    for base in kind.__mro__:  # the first built-in one: a TransportError's OSError
+        if base.__module__ == "builtins" and issubclass(base, BaseException):
+            base.__init__(copy, *args)
+            break
+    copy.__dict__.update(error.__dict__)
+    if isinstance(error, OSError) and isinstance(copy, OSError):  # its file names: not in args
+        for field in ("filename", "filename2"):
+            if (name := getattr(error, field)) is not None:  # None set is shown ("None: None")
+                setattr(copy, field, name)
+    if notes := getattr(error, "__notes__", None):
+        copy.__notes__ = list(notes)  # a note added to one is not the other's
+    return copy
 
 
 def redact(text: str) -> str:

@@ -24,6 +24,7 @@ from ..errors import (
     TrailingDataError,
     TruncatedStreamError,
     integer_at_least,
+    rebuilt,
     redact,
 )
 from ..transports.file.source import _RWF_NOWAIT, _pread_cached, open_path
@@ -109,10 +110,7 @@ def _named(exc: HeaderError, name: str) -> HeaderError:
     small header's first read.)"""
     if name in str(exc):
         return exc
-    named = type(exc).__new__(type(exc))
-    named.args = (redact(f"{name}: {exc}"),)
-    named.__dict__.update(exc.__dict__)
-    return named.with_traceback(exc.__traceback__)
+    return rebuilt(exc, redact(f"{name}: {exc}")).with_traceback(exc.__traceback__)
 
 
 async def _read_header(

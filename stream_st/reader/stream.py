@@ -40,6 +40,7 @@ from ..errors import (
     TruncatedStreamError,
     UsageError,
     boolean,
+    rebuilt,
 )
 from ..memory.delivery import Delivery
 from ..memory.recycle import Recycler
@@ -258,7 +259,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
                 return header
             if error is not None:  # not raised itself: each raise would add to its traceback
                 try:  # (this task's frames kept with it) and set its context (this task's)
-                    raise _own_copy(error) from error
+                    raise rebuilt(error) from error
                 finally:
                     del error
         opening = self._opening = _Opening()
@@ -513,28 +514,6 @@ class _Opening:
         self.done = anyio.Event()
         self.header: Header | None = None
         self.failed: Exception | None = None
-
-
-def _own_copy(error: Exception) -> Exception:
-    """A new error like ``error``, another task's, for a task to raise as its own: of its class,
-    with its ``args``, attributes and notes; its traceback and context are this task's raise's.
-    Built without the class's constructor, which may not take the ``args`` back (keyword-only
-    arguments, a message it composes); what a built-in base keeps outside ``__dict__`` (a
-    ``UnicodeError``'s fields, an ``OSError``'s) is set as that base sets it."""
-    kind = type(error)
-    own = kind.__new__(kind, *error.args)
-    for base in kind.__mro__:  # the first built-in one: a TransportError's OSError
-        if base.__module__ == "builtins" and issubclass(base, BaseException):
-            base.__init__(own, *error.args)
-            break
-    own.__dict__.update(error.__dict__)
-    if isinstance(error, OSError) and isinstance(own, OSError):  # its file names: not in args
-        for field in ("filename", "filename2"):
-            if (name := getattr(error, field)) is not None:  # None set is shown ("None: None")
-                setattr(own, field, name)
-    if notes := getattr(error, "__notes__", None):
-        own.__notes__ = list(notes)  # a note added to one is not the other's
-    return own
 
 
 def _closed_early(name: str) -> TransportError:

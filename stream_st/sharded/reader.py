@@ -55,6 +55,7 @@ from ..errors import (
     TransportError,
     TruncatedStreamError,
     UsageError,
+    rebuilt,
 )
 from ..memory.delivery import Delivery
 from ..reader import Include, TensorStream
@@ -85,9 +86,7 @@ def _without_contents(exc: SafetensorsError, address: str) -> SafetensorsError:
         (text for kind, text in _PROBLEMS.items() if isinstance(exc, kind)),
         f"it cannot be read as a shard ({type(exc).__name__})",
     )
-    reworded = type(exc).__new__(type(exc), f"{address}: {problem}")
-    reworded.__dict__.update(exc.__dict__)
-    return reworded
+    return rebuilt(exc, f"{address}: {problem}")
 
 
 async def _open_shard(stream: TensorStream[Any], address: str, *, read_all: bool = False) -> Header:
