@@ -208,12 +208,14 @@ def check_alike(
 ) -> None:
     """:class:`~stream_st.UsageError` where a batch-mode column (of ``columns``; None: every
     one) differs between two shards in its dtype or, with ``shapes``, the shape of its rows:
-    its samples could not be batched together, nor read as one type without casting some."""
+    its samples could not be batched together, nor read as one type without casting some. A
+    tensor of no row (an empty write's shard, appended to later) describes no sample: it is
+    not compared."""
     wanted = None if columns is None else set(columns)
     seen: dict[str, tuple[str, tuple[int, ...], str]] = {}
     for address, header in zip(dataset.shards, dataset.headers, strict=True):
         for info in header.tensors:
-            if wanted is not None and info.name not in wanted:
+            if (wanted is not None and info.name not in wanted) or 0 in info.shape[:1]:
                 continue
             row = (info.dtype, tuple(info.shape[1:]), address)
             first = seen.setdefault(info.name, row)

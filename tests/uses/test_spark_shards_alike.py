@@ -208,6 +208,22 @@ def test_an_empty_dataframe_reads_back_with_its_columns_in_order(tmp_path: Path)
     assert source.schema().names == ["l", "i", "d", "f"]
 
 
+def test_an_empty_dataframe_appended_to_reads_as_the_rows_appended(tmp_path: Path) -> None:
+    """The empty shard's ``[0, 0]`` array column was taken, by the torch dataset, for rows of
+    another shape than the appended ``[2, 2]`` ("column 'x' differs between shards")."""
+    torch_dataset = pytest.importorskip("stream_st.integrations.torch_dataset")
+    schema = StructType([StructField("x", ArrayType(FloatType())), StructField("n", LongType())])
+    empty = {"x": pa.array([], pa.list_(pa.float32())), "n": pa.array([], pa.int64())}
+    commit(tmp_path, schema, empty, "overwrite", batch_size="2")
+    rows = {"x": pa.array([[1.0, 2.0], [3.0, 4.0]], pa.list_(pa.float32())), "n": pa.array([5, 6])}
+    commit(tmp_path, schema, rows, "append", batch_size="2")
+    assert [entry["samples_count"] for entry in manifest(tmp_path)["shards"]] == [0, 2]
+    expected = [{"x": [1.0, 2.0], "n": 5}, {"x": [3.0, 4.0], "n": 6}]
+    assert read(tmp_path) == expected
+    samples = torch_dataset.SafetensorsDataset(str(tmp_path))
+    assert [{k: v.tolist() for k, v in sample.items()} for sample in samples] == expected
+
+
 def test_an_aborted_write_leaves_no_folder_it_made(tmp_path: Path) -> None:
     """A job that failed left the (empty) folder of its new dataset; a folder that was there
     before stays."""
