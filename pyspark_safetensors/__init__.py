@@ -61,6 +61,7 @@ from ._types import (
     column_of,
     inferred_type,
     parse_type,
+    type_text,
     without_nulls,
 )
 from ._write import SafetensorsWriter, WriteOptions, _flag, _positive
@@ -164,6 +165,26 @@ def _kv_record(dataset: DatasetInfo, options: Any) -> dict[str, Any] | None:
     return record
 
 
+def _kv_fields_checked(schema: StructType, record: dict[str, Any], columns: list[str]) -> None:
+    """KV mode read as rows, with a schema given (``spark.read.schema(...)``): refuses, before
+    any task runs, a field that is no column of the dataset's, or a name column of a type its
+    recorded names cannot be read as."""
+    name_col, recorded = record["name_col"], record["spark_type"]
+    missing = [f.name for f in schema.fields if f.name != name_col and f.name not in columns]
+    if missing:
+        raise UsageError(
+            f"the dataset has no column {missing[0]!r} (it has {columns}, and the names in "
+            f"{name_col!r})"
+        )
+    if name_col in schema.names:  # read as their text, or an integer type holding them all
+        given = type_text(schema[name_col].dataType)
+        if given not in {recorded, "string", *(("bigint",) if recorded == "int" else ())}:
+            raise UsageError(
+                f"the names in {name_col!r} were written as {recorded}: they cannot be read as "
+                f"{given}"
+            )
+
+
 def _selected(available: list[str], options: Any) -> list[str]:
     """The columns option ``columns`` names, in its order, each once (default: all of
     ``available``)."""
@@ -252,6 +273,8 @@ class SafetensorsReader(DataSourceReader):
         self.kv = dataset.kv
         self.record = _kv_record(dataset, options)
         self.arrow = to_arrow_schema(schema)  # what Spark checks each batch against
+        if self.record is not None:
+            _kv_fields_checked(schema, self.record, list(dataset.manifest["schema"]))
         self.kinds: dict[str, Column] = {}
         for f in schema.fields:
             kind = column_of(f.dataType)

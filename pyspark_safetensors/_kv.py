@@ -485,7 +485,7 @@ async def read_laid_out(
         for at, spec in zip(part.starts, part.specs, strict=True)
     ]
     first = min((a for a, b in ranges if b > a), default=0)
-    last = max(b for _, b in ranges)
+    last = max((b for _, b in ranges), default=0)  # none: only the names are read
     base = LENGTH_PREFIX_SIZE + layout.header
     data = await read_span(address, base + first, base + last) if last > first else text[:0]
     out: LaidOut = []

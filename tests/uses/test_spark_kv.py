@@ -25,7 +25,9 @@ pa = pytest.importorskip("pyarrow")
 from pyspark.sql.types import (  # noqa: E402
     ArrayType,
     FloatType,
+    IntegerType,
     LongType,
+    ShortType,
     StringType,
     StructField,
     StructType,
@@ -142,6 +144,48 @@ def test_a_column_whose_keys_could_be_another_names_is_refused_on_the_driver(
     with pytest.raises(stream_st.UsageError, match=refused):
         WriteOptions.parse(options, schema)
     WriteOptions.parse({**options, "kv_separator": "/"}, schema)  # another separator is taken
+
+
+@pytest.mark.parametrize(
+    ("fields", "refused"),
+    [
+        ([("name", StringType()), ("n", LongType()), ("nope", LongType())], "no column 'nope'"),
+        ([("name", StringType()), ("nope", StringType())], "no column 'nope'"),
+        ([("name", LongType()), ("n", LongType())], r"written as string: .* as bigint"),
+    ],
+)
+def test_a_given_schema_the_dataset_cannot_fill_is_refused_before_any_task(
+    tmp_path: Path, fields: list[tuple[str, Any]], refused: str
+) -> None:
+    """It was a bare KeyError (a column the dataset lacks) or pyarrow's ArrowInvalid, from the
+    task (names of text read as bigint)."""
+    write(tmp_path, [[batch(["a", "b"])]])
+    source = pyspark_safetensors.SafetensorsDataSource({"path": str(tmp_path)})
+    with pytest.raises(stream_st.UsageError, match=refused):
+        source.reader(StructType([StructField(name, kind) for name, kind in fields]))
+    given = StructType([StructField("n", LongType()), StructField("name", StringType())])
+    for fields, expected in [
+        (given, [{"n": 0, "name": "a"}, {"n": 1, "name": "b"}]),  # another order
+        (given[1:], [{"name": "a"}, {"name": "b"}]),  # the names alone (was a bare ValueError)
+    ]:
+        reader: Any = source.reader(fields)
+        rows = [r for p in reader.partitions() for part in reader.read(p) for r in part.to_pylist()]
+        assert rows == expected
+
+
+def test_integer_names_read_as_their_text_or_a_wider_integer(tmp_path: Path) -> None:
+    schema = StructType([StructField("id", IntegerType()), StructField("n", LongType())])
+    parsed = WriteOptions.parse({"path": str(tmp_path), "name_col": "id"}, schema)
+    writer = SafetensorsWriter(parsed, overwrite=True)
+    ids = pa.array([5, -7], pa.int32())
+    writer.commit([writer.write(iter([pa.record_batch({"id": ids, "n": pa.array([1, 2])})]))])
+    source = pyspark_safetensors.SafetensorsDataSource({"path": str(tmp_path)})
+    for kind, names in [(StringType(), ["5", "-7"]), (LongType(), [5, -7])]:
+        reader: Any = source.reader(StructType([StructField("id", kind)]))
+        rows = [r for p in reader.partitions() for part in reader.read(p) for r in part.to_pylist()]
+        assert [row["id"] for row in rows] == names
+    with pytest.raises(stream_st.UsageError, match=r"written as int: .* as smallint"):
+        source.reader(StructType([StructField("id", ShortType())]))
 
 
 def test_rows_come_back_in_order_across_partitions(tmp_path: Path) -> None:
