@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import errno
 import io
 import json
@@ -46,7 +47,8 @@ class OutputError(Exception):
 class _Output(io.TextIOBase):
     """Standard output as the command writes it: ``stream`` (None when the command was started
     with it closed, where Python drops whatever is printed), every failure to write it an
-    :class:`OutputError`."""
+    :class:`OutputError`; a character its encoding lacks (an ``ascii`` or Latin-1 one: a C
+    locale, ``PYTHONIOENCODING``) written escaped, ``\\xe9``, as standard error writes it."""
 
     def __init__(self, stream: TextIO | None) -> None:
         super().__init__()
@@ -62,9 +64,18 @@ class _Output(io.TextIOBase):
         except OSError as exc:
             raise OutputError(exc) from exc
 
+    @property
+    def encoding(self) -> str:  # type: ignore[override]  # a plain attribute in io.TextIOBase
+        """The stream's encoding (UTF-8 where it has none)."""
+        return getattr(self.stream, "encoding", None) or "utf-8"
+
     def write(self, text: str) -> int:
         with self._failing() as stream:
-            return stream.write(text)
+            try:
+                return stream.write(text)
+            except UnicodeEncodeError:  # raised before a byte is written
+                escaped = text.encode(self.encoding, "backslashreplace")
+                return stream.write(escaped.decode(self.encoding))
 
     def flush(self) -> None:
         if self.stream is not None:  # a closed one holds nothing to flush
@@ -255,8 +266,26 @@ def warnings_as_lines() -> Iterator[None]:
 def print_json(value: Any) -> None:
     """One JSON record on one line (a stream of them reads with ``jq`` or line by line), strict
     JSON: a float that is not finite (a standard deviation beyond float64's range) is ``null``,
-    where Python's ``json`` would write ``Infinity`` or ``NaN``, which JSON has not."""
-    print(json.dumps(_strict(value), ensure_ascii=False, separators=(",", ":"), allow_nan=False))
+    where Python's ``json`` would write ``Infinity`` or ``NaN``, which JSON has not. Text goes
+    out as it is on a UTF-8 standard output, else (an ``ascii`` or Latin-1 one) in ``\\u00e9``
+    escapes, which every encoding carries."""
+    print(_json_text(value))
+
+
+def _json_text(value: Any) -> str:
+    """``value`` as :func:`print_json` writes it, without the line's end."""
+    ascii_only = not _utf8_output()
+    return json.dumps(
+        _strict(value), ensure_ascii=ascii_only, separators=(",", ":"), allow_nan=False
+    )
+
+
+def _utf8_output() -> bool:
+    """Whether standard output is written in UTF-8 (so carries any text)."""
+    try:
+        return codecs.lookup(getattr(sys.stdout, "encoding", None) or "utf-8").name == "utf-8"
+    except LookupError:
+        return False
 
 
 def _strict(value: Any) -> Any:

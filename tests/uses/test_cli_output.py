@@ -4,16 +4,19 @@ agreement, metadata values in diffs."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import anyio
 import numpy as np
+import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
 
 from ..servers.http_server import RangeHTTPServer
-from ._cli import run, write_model
+from ._cli import COMMAND, run, write_model
 
 
 def _checksummed(tmp_path: Path) -> Path:
@@ -108,6 +111,45 @@ def test_diff_compares_a_metadata_key_shard_by_shard_where_its_shards_differ(
     ]
     d = _two_shards(tmp_path / "d", [{"note": "gamma"}, {}])
     assert run("diff", str(c), str(d)).stdout == "equal\n"
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"PYTHONIOENCODING": "ascii"},
+        {"LC_ALL": "C", "PYTHONUTF8": "0"},
+        {"PYTHONIOENCODING": "latin-1"},
+    ],
+    ids=["ascii", "C locale", "latin-1"],
+)
+def test_a_standard_output_not_utf8_gets_names_escaped(tmp_path: Path, env: dict[str, str]) -> None:
+    """A name or value its encoding lacks ended the command in an internal error (exit 3, a
+    traceback): text shows it escaped, as standard error does, and JSON in \\u escapes, exact."""
+    names = {"café.w": np.zeros(1, np.float32), "€": np.ones(1, np.float32)}
+    path = write_model(tmp_path / "cafe.safetensors", names)
+    reference_numpy.save_file(names, str(path), metadata={"author": "Zoë €"})
+
+    def output(*args: str) -> bytes:
+        done = subprocess.run(
+            [COMMAND, *args], capture_output=True, timeout=120, env={**os.environ, **env}
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    escaped = "café.w".encode("latin-1") if "latin-1" in env.values() else b"caf\\xe9.w"
+    assert output("ls", str(path)) == escaped + b"\n\\u20ac\n"
+    commands = [["inspect", "--json", str(path)], ["diff", "--json", str(path), str(path)]]
+    if "LC_ALL" not in env:  # (a C locale reads a name in the arguments as ASCII)
+        commands.append(["show", "--json", str(path), "€"])
+    for args in commands:
+        text = output(*args)
+        assert text.isascii()
+        record = json.loads(text)
+        if args[0] == "inspect":
+            assert [t["name"] for t in record["tensors"]] == sorted(names)
+            assert record["metadata"] == {"author": "Zoë €"}
+        elif args[0] == "show":
+            assert record["name"] == "€" and record["values"] == [1.0]
 
 
 def test_a_cache_that_cannot_be_used_is_one_warning_line(tmp_path: Path) -> None:
