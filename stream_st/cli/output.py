@@ -376,6 +376,42 @@ def failed(source: str, exc: SafetensorsError) -> None:
     print(f"stream-st: error: {shown(text if named else f'{source}: {text}')}", file=sys.stderr)
 
 
+VALUES_CHUNK = 1 << 16
+"""About how many of a tensor's values ``show --json`` turns into text at a time."""
+
+
+def _write_values(values: np.ndarray[Any, Any]) -> None:
+    """Write ``values`` to standard output as the JSON of its nested lists (:func:`json_values`
+    of :func:`plain`'s ``tolist``), a run of :data:`VALUES_CHUNK` values or so at a time: the
+    text of a whole tensor, and its values as Python objects, held at once took some twenty
+    times the tensor's size."""
+    write = sys.stdout.write
+    if values.size <= VALUES_CHUNK:  # a scalar, an empty tensor: all at once
+        write(_values_text(values))
+        return
+    write("[")
+    row = values[0].size  # at least 1: none of the dimensions of so many values is 0
+    if row > VALUES_CHUNK:  # one row at a time, each in runs
+        for at in range(len(values)):
+            if at:
+                write(",")
+            _write_values(values[at])
+    else:  # rows, as many as make a run, at a time
+        step = VALUES_CHUNK // row
+        for at in range(0, len(values), step):
+            if at:
+                write(",")
+            write(_values_text(values[at : at + step])[1:-1])
+    write("]")
+
+
+def _values_text(values: np.ndarray[Any, Any]) -> str:
+    """The JSON of ``values``' nested lists, as :func:`print_json` writes them."""
+    return json.dumps(
+        json_values(np.asarray(plain(values)).tolist()), separators=(",", ":"), allow_nan=False
+    )
+
+
 def json_values(values: Any) -> Any:
     """Nested lists of plain numbers; NaN and infinities as the strings JSON lacks them as."""
     if isinstance(values, list):
@@ -434,8 +470,8 @@ def show_values(args: argparse.Namespace, info: TensorInfo, array: np.ndarray[An
         values = array[_in_range(args.slice, array.shape)] if args.slice else array
     except (IndexError, TypeError) as exc:
         raise UsageError(f"--slice does not fit shape {list(array.shape)}: {exc}") from None
-    if args.json:
-        print_json(
+    if args.json:  # one record, its values last, written as they are turned into text
+        head = _json_text(
             {
                 "name": args.name,
                 "safetensors_dtype": code,
@@ -443,9 +479,11 @@ def show_values(args: argparse.Namespace, info: TensorInfo, array: np.ndarray[An
                 "packed": packed,
                 "dtype": str(array.dtype),
                 "shape": list(np.shape(values)),  # of what "values" holds: the slice's
-                "values": json_values(np.asarray(plain(values)).tolist()),
             }
         )
+        sys.stdout.write(f'{head[:-1]},"values":')
+        _write_values(np.asarray(values))
+        sys.stdout.write("}\n")
     elif packed:
         print(
             f"{shown(args.name)}: {code} {shape}, packed: {array.size} raw bytes, not values (four "

@@ -1,19 +1,26 @@
 """What the command prints: checksummed files in one line, every failing tensor, counts in
-agreement, metadata values in diffs."""
+agreement, metadata values in diffs, ``show --json``'s values, text on a standard output that is
+not UTF-8."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
+import sys
+import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import anyio
+import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
+from stream_st.cli import main
 
 from ..servers.http_server import RangeHTTPServer
 from ._cli import COMMAND, run, write_model
@@ -111,6 +118,90 @@ def test_diff_compares_a_metadata_key_shard_by_shard_where_its_shards_differ(
     ]
     d = _two_shards(tmp_path / "d", [{"note": "gamma"}, {}])
     assert run("diff", str(c), str(d)).stdout == "equal\n"
+
+
+def _as_json_wrote_it(values: np.ndarray[Any, Any]) -> Any:
+    """The nested lists ``show --json`` wrote of a whole tensor, all at once: complex numbers
+    as [real, imaginary], ml_dtypes' floats as float64, NaN and infinities as strings."""
+    if values.dtype.kind == "c":
+        values = np.stack([values.real, values.imag], axis=-1)
+    elif values.dtype.kind == "V":
+        values = values.astype(np.float64)
+
+    def each(item: Any) -> Any:
+        if isinstance(item, list):
+            return [each(i) for i in item]
+        return str(item) if isinstance(item, float) and not math.isfinite(item) else item
+
+    return each(values.tolist())
+
+
+SHOWN = {
+    "special": np.array([1.5, np.nan, -0.0, np.inf, -np.inf], np.float32),
+    "wide": np.arange(3 * 70_001, dtype=np.float32).reshape(3, 70_001) / 7,
+    "long_rows": np.arange(2 * 70_000, dtype=np.float64).reshape(2, 70_000) / 3,
+    "tall": np.arange(70_001 * 3, dtype=np.int64).reshape(70_001, 3) - 2**40,
+    "cube": np.ones((3, 2, 40_000), np.float16),
+    "pairs": (np.arange(70_003) + 1j * np.arange(70_003)).astype(np.complex64),
+    "bf16": (np.arange(140_001) / 5).astype(ml_dtypes.bfloat16),
+    "flags": np.arange(140_001) % 3 == 0,
+    "big": np.array([2**64 - 1, 2**63], np.uint64),
+    "empty": np.zeros((0, 3), np.float32),
+    "empty_inside": np.zeros((3, 0, 2), np.float32),
+    "scalar": np.array(2.5, np.float64),
+}
+
+
+def test_show_json_writes_the_values_as_it_did(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``show --json`` writes a tensor's values a run at a time, not all at once (see below),
+    the same bytes as it wrote them all at once, whatever the shape or dtype, sliced or not."""
+    path = write_model(tmp_path / "shown.safetensors", SHOWN)
+    sliced: list[tuple[str, str, Any]] = [
+        ("wide", "1", 1),
+        ("wide", "::2,7:", (slice(None, None, 2), slice(7, None))),
+        ("pairs", "3", 3),
+    ]
+    for name, slice_text, index in [(name, "", ()) for name in SHOWN] + sliced:
+        flags = ["--slice", slice_text] if slice_text else []
+        assert main(["show", "--json", *flags, str(path), name]) == 0
+        values = SHOWN[name][index]
+        record = {
+            "name": name,
+            "safetensors_dtype": stream_st.dtype_for(SHOWN[name].dtype).code,
+            "tensor_shape": list(SHOWN[name].shape),
+            "packed": False,
+            "dtype": str(SHOWN[name].dtype),
+            "shape": list(np.shape(values)),
+            "values": _as_json_wrote_it(np.asarray(values)),
+        }
+        want = json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n"
+        assert capsys.readouterr().out == want, (name, slice_text)
+
+
+def test_show_json_holds_about_the_tensor_not_twenty_times_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The values of a whole tensor were made nested lists of Python numbers, then one JSON
+    string: a 4 MB F32 tensor took some 90 MB (cli.md: a command holds about the largest tensor
+    it reads). They are written a run at a time."""
+    tensor = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
+    path = write_model(tmp_path / "w.safetensors", {"w": tensor, "small": tensor[:4]})
+    written = tmp_path / "w.json"
+    with written.open("w") as out:
+        monkeypatch.setattr(sys, "stdout", out)
+        assert main(["show", "--json", str(path), "small"]) == 0  # the modules it imports
+        out.truncate(0)
+        out.seek(0)
+        tracemalloc.start()
+        try:
+            assert main(["show", "--json", str(path), "w"]) == 0
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert json.loads(written.read_text())["values"] == tensor.tolist()
+    assert peak < 3 * tensor.nbytes, peak
 
 
 @pytest.mark.parametrize(
