@@ -31,9 +31,10 @@ class KVReceiver:
     Layers are read in the background as they arrive and verified before they are handed out,
     at most ``max_ahead`` layers past the highest one asked for: a slow consumer stops the
     reading, which stops the sender (backpressure), and memory stays bounded. Iterate for
-    ``(layer, key, value)`` in order, or ``await wait_for_layer(i)`` for one layer (as attention
-    does, layer by layer). ``received_at`` and ``verified_at`` time each layer
-    (``time.perf_counter()`` values).
+    ``(layer, key, value)`` in order (each layer is released as the next is asked for: keep
+    what you need of it), or ``await wait_for_layer(i)`` for one layer (as attention does,
+    layer by layer; :meth:`release` it once used). ``received_at`` and ``verified_at`` time
+    each layer (``time.perf_counter()`` values).
 
     ``integrity`` says what was checked before a layer was handed out: ``"layer-sha256"`` (each
     layer's ``layer_{i}_digest``), ``"tensor-digests"`` (the file's ``stream_st.digest`` keys,
@@ -99,9 +100,13 @@ class KVReceiver:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[tuple[int, Array, Array]]:
+        """Each layer in order, released (see :meth:`release`) when the next one is asked for:
+        the consumer holds what it keeps, so iterating holds one layer at a time."""
         for layer in range(self.layout.num_layers):
             key, value = await self.wait_for_layer(layer)
             yield layer, key, value
+            del key, value
+            self.release(layer)
 
     async def _run(self, stream: TensorStream) -> None:
         try:

@@ -9,6 +9,7 @@ import socket
 import struct
 import time
 import warnings
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -585,3 +586,25 @@ async def test_a_send_that_cannot_connect_leaves_no_open_channel() -> None:
             await send_kv(f"tcp://127.0.0.1:{port}", layout, layers(), timeout=5)
         gc.collect()
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+async def test_iterating_a_receiver_holds_one_layer_at_a_time(tmp_path: Path) -> None:
+    """``async for layer, key, value in kv`` kept every layer handed out until the block was
+    left: memory grew with the whole cache, where kv.md says it stays bounded."""
+    path = tmp_path / "kv.safetensors"
+    await send_kv(path, KVLayout(num_layers=5, shape=SHAPE), produce(5))
+    handed: list[weakref.ref[Array]] = []
+    async with receive_kv(path, max_ahead=0) as kv_in:
+        async for layer, key, value in kv_in:
+            assert np.array_equal(key, kv(layer)[0]) and np.array_equal(value, kv(layer)[1])
+            handed.append(weakref.ref(key))
+            del key, value
+            gc.collect()
+            assert [ref() is None for ref in handed] == [True] * layer + [False]
+        with pytest.raises(stream_st.UsageError, match="layer 4 was released"):
+            await kv_in.wait_for_layer(4)
+    async with receive_kv(path) as kv_in:  # wait_for_layer's layers stay until released
+        key, _ = await kv_in.wait_for_layer(0)
+        assert (await kv_in.wait_for_layer(0))[0] is key
+        kept = [key async for _, key, _ in kv_in]  # what the loop keeps, it has
+    assert [np.array_equal(key, kv(layer)[0]) for layer, key in enumerate(kept)] == [True] * 5
