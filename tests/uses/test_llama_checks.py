@@ -5,12 +5,14 @@ refusal is a ModelError, never NaN logits nor a memory blow-up."""
 from __future__ import annotations
 
 import json
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from stream_st import ArgumentTypeError
 from stream_st.models.llm import (
     Llama,
     LlamaConfig,
@@ -146,3 +148,98 @@ async def test_a_batch_of_token_ids_is_refused_not_run_as_one_sequence(tmp_path:
     assert not (tmp_path / "kv.st").exists()
     assert model.score(np.array(5)).shape == (1, 64)  # one id, 0-d: one token, as before
     np.testing.assert_array_equal(model.score(batch[1]), model.score([4, 5, 6]))
+
+
+def test_generate_grows_its_cache_a_layer_at_a_time() -> None:
+    """Every layer's grown keys and values were made while the whole cache before was still
+    held: twice the cache at every step. Now the cache is held once, plus one layer."""
+    model = small_model(layers=8)
+    rng = np.random.default_rng(1)
+    tracemalloc.start()
+    try:
+        shape = (1, 2, 16384, 8)  # 1 MiB each: 16 MiB in all
+        cache = [
+            (
+                rng.standard_normal(shape, dtype=np.float32),
+                rng.standard_normal(shape, dtype=np.float32),
+            )
+            for _ in range(8)
+        ]
+        tracemalloc.reset_peak()
+        model.generate([1], cache, 2)
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(cache) == 8 and cache[0][0].shape == (1, 2, 16386, 8)
+    assert peak - current < 4 * 2**20, (peak, current)  # one layer is 2 MiB, the cache 16
+
+
+def test_generate_from_a_cache_continues_the_sequence() -> None:
+    """The tokens and the cache generate leaves are those of the sequence run from its start."""
+    model = small_model()
+    cache = model.cache([1, 2, 3])
+    out = model.generate([4], cache, 3)
+    assert out == model.generate([1, 2, 3, 4], None, 3)
+    for (key, value), (key_all, value_all) in zip(
+        cache, model.cache([1, 2, 3, 4, *out[:-1]]), strict=True
+    ):
+        np.testing.assert_allclose(key, key_all, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(value, value_all, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_of_no_tokens_checks_the_tokens() -> None:
+    """generate([-1], None, 0) returned [], where generate([-1], None, 1) refused -1."""
+    model = small_model()
+    for bad in ([-1], [64], []):
+        with pytest.raises(ModelError, match="tokens must be"):
+            model.generate(bad, None, 0)
+    with pytest.raises(ModelError, match="the cache holds 1 layers"):
+        model.generate([1], model.cache([1])[:1], 0)
+    assert model.generate([1], None, 0) == []
+
+
+async def test_a_partial_model_is_refused_before_its_checkpoint_is_written(
+    tmp_path: Path,
+) -> None:
+    """write_checkpoint of Llama(config, weights, partial=True) with weights missing raised a
+    bare KeyError."""
+    full = small_model()
+    weights = {n: w for n, w in full.weights.items() if "layers.1." not in n}
+    partial = Llama(full.config, weights, partial=True)
+    with pytest.raises(ModelError, match=r"lacks 9 weights: \['model\.layers\.1\.input_layernorm"):
+        await write_checkpoint(tmp_path / "model.safetensors", partial)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_weights_that_are_not_floating_point_numbers_are_refused() -> None:
+    """A string array was a bare ValueError, integers were taken, a list a bare AttributeError."""
+    model = small_model()
+    name = "model.norm.weight"
+    for bad in (np.array(["x"] * 32), np.ones(32, dtype=np.int64), np.ones(32, dtype=np.complex64)):
+        with pytest.raises(ModelError, match=f"{name} holds .*, the model needs floating point"):
+            Llama(model.config, {**model.weights, name: bad})
+    with pytest.raises(ModelError, match="has shape \\[3\\]"):
+        model.add(name, [1.0, 2.0, 3.0])  # type: ignore[arg-type]
+    model.add(name, [0.5] * 32)  # type: ignore[arg-type]
+    assert model.weights[name].dtype == np.float32
+    model.add(name, np.ones(32, dtype=np.float16))
+
+
+def test_a_cache_of_keys_or_values_that_are_not_floats_is_refused() -> None:
+    """Keys of strings were a bare ValueError in score, complex ones silently cast to float32;
+    complex logits silently lost their imaginary parts in perplexity."""
+    model = small_model()
+    cache = model.cache([1, 2, 3])
+    key, value = cache[1]
+    for bad in (key.astype(str), key + 1j, key.astype(np.int32)):
+        with pytest.raises(ModelError, match="layer 1's keys in the cache holds"):
+            model.score([4], [cache[0], (bad, value)])
+        with pytest.raises(ModelError, match="layer 1's values in the cache holds"):
+            model.generate([4], [cache[0], (key, bad)], 1)
+    with pytest.raises(ModelError, match=r"layer 1: the cache holds keys \[1, 2, 2, 8\]"):
+        model.generate([4], [cache[0], (key[:, :, :2], value[:, :, :2])], 1)
+    assert np.shape(cache[0][0]) == (1, 2, 3, 8)  # refused before any layer grew
+    half = [(k.astype(np.float16), v.astype(np.float16)) for k, v in cache]
+    np.testing.assert_allclose(model.score([4], half), model.score([4], cache), atol=0.05)
+    with pytest.raises(ArgumentTypeError, match="real numbers, not complex128"):
+        perplexity(np.zeros((1, 3), dtype=complex), [0])

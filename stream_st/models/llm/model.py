@@ -213,6 +213,35 @@ class LlamaConfig:
         return KVLayout(self.num_layers, shape, dtype, codec, group_size)
 
 
+def floats(what: str, array: object) -> Array:
+    """``array`` as a numpy array of floating point numbers, as given (not converted: float16,
+    bfloat16 and float32 alike); :class:`ModelError` for anything else (integers, complex
+    numbers, strings: float32 would truncate, drop the imaginary part or fail), ``what``
+    naming it."""
+    try:
+        out = np.asarray(array)
+    except (TypeError, ValueError) as exc:  # ragged
+        raise ModelError(f"{what} is not an array of numbers: {exc}") from None
+    if out.dtype.kind not in "fV":  # V: bfloat16 and float8 (ml_dtypes)
+        raise ModelError(f"{what} holds {out.dtype}, the model needs floating point")
+    return out
+
+
+def _past(layer: int, past: Sequence[object], shape: tuple[int, ...]) -> tuple[Array, Array]:
+    """Keys and values of ``past``, layer ``layer`` of a cache, as given; :class:`ModelError`
+    unless it is a pair of floating point numbers of ``shape``."""
+    if not isinstance(past, list | tuple) or len(past) != 2:
+        raise ModelError(f"layer {layer} of the cache is not a (keys, values) pair")
+    key = floats(f"layer {layer}'s keys in the cache", past[0])
+    value = floats(f"layer {layer}'s values in the cache", past[1])
+    if key.shape != shape or value.shape != shape:
+        raise ModelError(
+            f"layer {layer}: the cache holds keys {list(key.shape)} and values "
+            f"{list(value.shape)}, {list(shape)} expected"
+        )
+    return key, value
+
+
 def _rms_norm(x: Array, weight: Array, eps: float) -> Array:
     variance = np.mean(x * x, axis=-1, keepdims=True)
     normed: Array = weight * (x / np.sqrt(variance + np.float32(eps)))
@@ -243,12 +272,13 @@ class Llama:
         self._inv_freq: Array | None = None  # made at the first rotation: sized by head_dim
 
     def add(self, name: str, array: Array) -> None:
-        """Take one weight (as float32); :class:`ModelError` if the model has no such weight or
-        it has another shape."""
+        """Take one weight (as float32); :class:`ModelError` if the model has no such weight,
+        it has another shape or its numbers are not floating point."""
         shape = self.config.shape(name)
-        if tuple(array.shape) != shape:
-            raise ModelError(f"{name} has shape {list(array.shape)}, the model needs {list(shape)}")
-        self.weights[name] = np.asarray(array, dtype=np.float32)
+        given = floats(name, array)
+        if given.shape != shape:
+            raise ModelError(f"{name} has shape {list(given.shape)}, the model needs {list(shape)}")
+        self.weights[name] = given.astype(np.float32, copy=False)
 
     def missing(self, names: Sequence[str] | None = None) -> list[str]:
         """The weights (of ``names``, default all) not there yet."""
@@ -279,8 +309,8 @@ class Llama:
 
     def past_length(self, cache: KVCache | None) -> int:
         """How many positions ``cache`` holds (0 for none, or an empty one). :class:`ModelError`
-        unless it holds one ``(keys, values)`` pair per layer of the model, keys of shape
-        ``[1, num_kv_heads, seq, head_dim]`` (each layer's shapes are checked as it runs)."""
+        unless it holds one ``(keys, values)`` pair per layer of the model, keys and values of
+        floating point numbers, every one of shape ``[1, num_kv_heads, seq, head_dim]``."""
         if cache is None:
             return 0
         if not isinstance(cache, list | tuple):
@@ -292,16 +322,17 @@ class Llama:
         layers = self.config.num_layers
         if len(cache) != layers:
             raise ModelError(f"the cache holds {len(cache)} layers, the model has {layers}")
-        for layer, entry in enumerate(cache):
-            if not isinstance(entry, list | tuple) or len(entry) != 2:
-                raise ModelError(f"layer {layer} of the cache is not a (keys, values) pair")
-        shape = np.shape(cache[0][0])
+        if not isinstance(cache[0], list | tuple) or len(cache[0]) != 2:
+            raise ModelError("layer 0 of the cache is not a (keys, values) pair")
+        shape = floats("layer 0's keys in the cache", cache[0][0]).shape
         c = self.config
         if len(shape) != 4 or (shape[0], shape[1], shape[3]) != (1, c.num_kv_heads, c.head_dim):
             raise ModelError(
                 f"the cache holds keys {list(shape)}, [1, {c.num_kv_heads}, seq, {c.head_dim}] "
                 "expected"
             )
+        for layer, entry in enumerate(cache):
+            _past(layer, entry, shape)  # every layer before any runs (generate grows them)
         return int(shape[2])
 
     def score(self, tokens: Sequence[int] | Array, cache: KVCache | None = None) -> Array:
@@ -320,24 +351,30 @@ class Llama:
         """Greedy generation: run ``tokens`` on top of ``cache`` (the prefill of the tokens
         before them, one pair per layer as :meth:`past_length` checks, or none), then pick the
         likeliest token ``max_new_tokens`` (an integer >= 0) times, stopping after the
-        end-of-sequence token. ``cache``, a list, is extended in place."""
+        end-of-sequence token. ``tokens`` and ``cache`` are checked whatever the number.
+
+        ``cache``, a list, is extended in place, a layer at a time: each layer's grown keys and
+        values replace the layer's before the next layer runs, so the cache is held once, plus
+        one layer (the caller's references to the layers replaced keep those alive). Running out
+        of memory part way leaves the first layers grown: the cache is then unusable."""
         limit = integer_at_least("max_new_tokens", max_new_tokens, 0)
         if cache is not None and not isinstance(cache, list):
             raise ArgumentTypeError(
                 f"generate extends its cache in place: a list, not {type(cache).__name__}"
             )
-        self.past_length(cache)
+        run = self.forward(tokens, self.past_length(cache))
         cache = [] if cache is None else cache
         out: list[int] = []
-        block = token_ids(tokens)
         while len(out) < limit:
-            past: list[tuple[Array, Array] | None] = [*cache] or [None] * self.config.num_layers
-            run = self.forward(block, self.past_length(cache))
-            cache[:] = [run.step(entry) for entry in past]
+            for layer in range(self.config.num_layers):
+                if layer < len(cache):
+                    cache[layer] = run.step(cache[layer])  # the layer's keys before let go
+                else:
+                    cache.append(run.step())  # no cache given: the prefill
             out.append(int(np.argmax(run.logits(last_only=True)[-1])))
             if out[-1] == self.config.eos_token_id:
                 break
-            block = np.array(out[-1:])
+            run = self.forward(out[-1:], self.past_length(cache))
         return out
 
     def _rope(self, start: int, seq: int) -> tuple[Array, Array]:
@@ -366,14 +403,9 @@ class Llama:
         k = _rotate((x @ wk.T).reshape(seq, kv_heads, head_dim).transpose(1, 0, 2), cos, sin)
         v = (x @ wv.T).reshape(seq, kv_heads, head_dim).transpose(1, 0, 2)
         if past is not None:
-            past_key, past_value = (np.asarray(t, dtype=np.float32)[0] for t in past)
-            if past_key.shape != (kv_heads, start, head_dim) or past_value.shape != past_key.shape:
-                raise ModelError(
-                    f"layer {layer}: the cache holds keys {list(past_key.shape)} and values "
-                    f"{list(past_value.shape)}, [{kv_heads}, {start}, {head_dim}] expected"
-                )
-            k = np.concatenate((past_key, k), axis=1)
-            v = np.concatenate((past_value, v), axis=1)
+            past_key, past_value = _past(layer, past, (1, kv_heads, start, head_dim))
+            k = np.concatenate((past_key[0].astype(np.float32, copy=False), k), axis=1)
+            v = np.concatenate((past_value[0].astype(np.float32, copy=False), v), axis=1)
         total = k.shape[1]
         # Query head h reads key/value head h // group: one matmul per key/value head.
         q = q.reshape(kv_heads, group * seq, head_dim)
@@ -431,11 +463,15 @@ def perplexity(logits: Array, targets: Sequence[int] | Array) -> float:
     """exp(mean negative log-likelihood) of ``targets`` under ``logits`` ``[n, vocab]``, row ``i``
     predicting ``targets[i]`` (computed in float64). :class:`ModelError` unless there are ``n``
     targets, each an id in ``[0, vocab)`` (-1 is no id: it would score the last one);
-    :class:`~stream_st.ArgumentTypeError` for targets or logits that are not numbers."""
+    :class:`~stream_st.ArgumentTypeError` for targets or logits that are not numbers (logits
+    that are complex numbers, whose imaginary parts would be dropped, included)."""
     try:
-        wide = np.asarray(logits, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
+        given = np.asarray(logits)
+        wide = given.astype(np.float64) if given.dtype.kind in "fiuV" else None
+    except (TypeError, ValueError) as exc:  # ragged, or fields of a structured array
         raise ArgumentTypeError(f"logits must be an array of numbers: {exc}") from None
+    if wide is None:
+        raise ArgumentTypeError(f"logits must be an array of real numbers, not {given.dtype}")
     ids = token_ids(targets, "targets")
     if wide.ndim != 2 or wide.shape[0] != ids.size or ids.size == 0:
         raise ModelError(f"{ids.size} targets for logits of shape {list(wide.shape)}")

@@ -198,7 +198,11 @@ async def write_checkpoint(
     dst: SinkLike, model: Llama, **options: Unpack[TransportOptions]
 ) -> Header:
     """Write ``model``'s weights to ``dst`` (any destination :func:`~stream_st.open_writer`
-    takes) as a safetensors checkpoint, F32, layer by layer; returns the header written."""
+    takes) as a safetensors checkpoint, F32, layer by layer; returns the header written.
+    :class:`ModelError`, before anything is written, for a model still missing weights (made
+    with ``partial=True``)."""
+    if missing := model.missing():
+        raise ModelError(f"the model lacks {len(missing)} weights: {missing[:3]}...")
     metadata = {"format": "pt", CONFIG_KEY: model.config.to_json()}
     async with open_writer(dst, checkpoint_plan(model), metadata=metadata, **options) as writer:
         for spec in writer.header.tensors:
