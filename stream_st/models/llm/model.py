@@ -494,7 +494,7 @@ class StreamingPrefill:
     its own); ``True`` runs the logits as soon as the final norm is in, and refuses an
     ``lm_head.weight``; ``None`` (the default) uses ``lm_head.weight`` if it comes, the
     embeddings once the weights have ended without it. Either way the logits are those of
-    the loaded model, bit for bit."""
+    the loaded model's :meth:`Llama.forward` run to ``logits(last_only=True)``, bit for bit."""
 
     config: LlamaConfig
     tokens: Sequence[int] | Array

@@ -67,7 +67,9 @@ async def continue_received(
 
     The transfer's layout (its header) must be a cache of this model: as many layers, keys and
     values ``[1, num_kv_heads, seq, head_dim]``. :class:`~stream_st.UsageError` before anything
-    runs otherwise (a cache of another model scored as this one's gives numbers, all wrong)."""
+    runs otherwise (a cache of another model scored as this one's gives numbers, all wrong).
+    Only the layout is compared: another model's cache of the same layout (as many layers, keys
+    of the same shape) is taken, and gives wrong logits."""
     check_layout(model, incoming.layout, incoming.layout.shape[2], "the incoming transfer")
     run = model.forward(tokens, incoming.layout.shape[2])
     for layer in range(model.config.num_layers):
