@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 from anyio.from_thread import start_blocking_portal
 from pyspark.sql import SparkSession
-from pyspark.sql.datasource import DataSource, DataSourceReader, Filter, InputPartition
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import DataType, StringType, StructField, StructType
 
@@ -53,7 +53,6 @@ from stream_st.integrations.dataset import (
 
 from ._arrow import arrow_row_bytes, tensor_column, typed_column
 from ._kv import LAYOUT_KEY, RowLayout, checked_header, read_laid_out
-from ._pushdown import KeyColumn, decided, index_table, shards_matching
 from ._types import (
     TENSOR_COLUMN,
     TENSOR_STRUCT,
@@ -104,6 +103,13 @@ def _describe(options: Any) -> Described:
     path = options.get("path")
     if not path:
         raise UsageError("give the dataset's location: .load(path)")
+    if _flag(options, "filter_pushdown"):
+        raise UsageError(
+            "option filter_pushdown is refused: Spark reuses the partitions a filtered query "
+            "planned for the DataFrame's later queries that push no filter (a count() after a "
+            "where), which would miss the rows of the shards the filter skipped; Spark filters "
+            "every row read without it"
+        )
     kv = None if options.get("name_col") is None else True
     raw = _flag(options, "raw")
     dataset = anyio.run(lambda: describe_dataset(str(path), kv=kv, from_manifest=not raw))
@@ -247,11 +253,6 @@ class SafetensorsDataSource(DataSource):
         return _describe(self.options)
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        """With ``filter_pushdown=true``, a reader that takes Spark's filters (which Spark
-        hands it only with ``spark.sql.python.filterPushdown.enabled=true``, and refuses to
-        read through without)."""
-        if _flag(self.options, "filter_pushdown"):
-            return PushingReader(self.options, schema, self._described)
         return SafetensorsReader(self.options, schema, self._described)
 
     def writer(self, schema: StructType, overwrite: bool) -> SafetensorsWriter:
@@ -512,48 +513,6 @@ class SafetensorsReader(DataSourceReader):
                 else _values_column(part, kind, column)
             )
         return pa.RecordBatch.from_arrays([columns[f.name] for f in self.arrow], schema=self.arrow)
-
-
-class PushingReader(SafetensorsReader):
-    """A :class:`SafetensorsReader` that plans, of a KV dataset with ``_tensor_index.parquet``,
-    only the shards that can hold a row the filters on its key keep (see :mod:`._pushdown`):
-    on the name column of a dataset read as rows whole, of type string, or on ``tensor_key``
-    read as a row per tensor."""
-
-    def __init__(self, options: Any, schema: StructType, described: Described) -> None:
-        super().__init__(options, schema, described)
-        dataset, rows = described
-        self.home = dataset.home
-        entries = dataset.manifest.get("shards")
-        names = (
-            [entry["shard_path"] for entry in entries]
-            if isinstance(entries, list)
-            else [address.rsplit("/", 1)[-1] for address in dataset.shards]
-        )
-        self.addresses = dict(zip(names, dataset.shards, strict=True))
-        self.key: KeyColumn | None = None
-        self.tensors: dict[str, int] = {}
-        if self.record is None and dataset.kv:  # a row per tensor
-            self.key = KeyColumn("tensor_key")
-            self.tensors = {n: len(h.names()) for n, h in zip(names, dataset.headers, strict=True)}
-        elif self.record is not None and rows is None and self.record["spark_type"] == "string":
-            name_col, separator = self.record["name_col"], self.record["separator"]
-            self.key = KeyColumn(name_col, separator, tuple(self.columns))
-            self.tensors = {
-                name: entry["samples_count"] * len(self.columns)
-                for name, entry in zip(names, dataset.manifest["shards"], strict=True)
-            }
-
-    def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:
-        """Plans only the shards that can hold a row ``filters`` keep, as far as the index
-        decides them; returns all of them, for Spark to apply to the rows read."""
-        wanted = None if self.key is None else decided(self.key, filters)
-        table = None if wanted is None else index_table(self.home, self.tensors)
-        if wanted is not None and table is not None:
-            kept = {self.addresses[name] for name in shards_matching(wanted, table)}
-            parts = ([part for part in group if part.address in kept] for group in self.groups)
-            self.groups = [group for group in parts if group]
-        return filters
 
 
 def _values_column(values: list[Array | None], kind: Column, name: str) -> pa.Array:
