@@ -31,7 +31,7 @@ from .output import (
     PROG,
     OutputError,
     discard_output,
-    shown,
+    shown_message,
     standard_output,
     warnings_as_lines,
 )
@@ -142,7 +142,7 @@ def _command(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
         with signing, aws_settings(args), caps_of(args), warnings_as_lines():
             status: int = anyio.run(_run, args)
     except SafetensorsError as exc:
-        print(f"{PROG}: error: {shown(str(exc))}", file=sys.stderr)  # a name cannot forge a line
+        print(f"{PROG}: error: {shown_message(str(exc))}", file=sys.stderr)  # no line forged
         return EXIT_ERROR
     except BrokenPipeError:  # cp to ``-`` whose reader went away (``| head``): stop quietly
         discard_output()

@@ -242,7 +242,7 @@ def warnings_as_lines() -> Iterator[None]:
     """Within the block, every warning shown (stream_st's own,
     :class:`~stream_st.StreamStWarning`, each once; a cache that cannot be used, a
     ``RuntimeWarning``) prints as one ``stream-st: warning: ...`` line on stderr, escaped as
-    :func:`shown` escapes it, never as Python's two lines of a source file, and shows in the
+    :func:`shown_message` escapes it, never as Python's two lines of a source file, and shows in the
     progress line."""
 
     def show(
@@ -255,7 +255,7 @@ def warnings_as_lines() -> Iterator[None]:
     ) -> None:
         for note in _NOTES:
             note(SHORT_NOTES.get(category.__name__, "warning"))
-        print(f"{PROG}: warning: {shown(str(message))}", file=sys.stderr, flush=True)
+        print(f"{PROG}: warning: {shown_message(str(message))}", file=sys.stderr, flush=True)
 
     with warnings.catch_warnings():
         warnings.showwarning = show
@@ -322,8 +322,16 @@ def shown(text: str) -> str:
     """``text`` (a tensor name, a metadata key or value from a file, a file name) as a terminal
     may be given it: control and format characters (an escape sequence, a newline that would
     forge a line of the output, a bidirectional override) escaped as Python escapes them, a
-    byte of a file name that is not UTF-8 (a surrogate Python keeps it as) as ``\\xff``, the
+    byte of a file name that is not UTF-8 (a surrogate Python keeps it as) as ``\\xff``, a
+    backslash doubled (so the name ``a\\nb`` and ``a``, a newline, ``b`` show apart), the
     rest as it is."""
+    return shown_message(text.replace("\\", "\\\\"))
+
+
+def shown_message(text: str) -> str:
+    """A message (an error's, a warning's) escaped as :func:`shown` escapes a name, its
+    backslashes left as they are: the names in it are quoted as ``repr`` quotes them, their
+    backslashes doubled already."""
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else _escaped(c) for c in text)
@@ -373,7 +381,8 @@ def failed(source: str, exc: SafetensorsError) -> None:
     name from a file or a list, escaped: it cannot forge a line)."""
     text, source = str(exc), redact(source)
     named = source in text or (source == "/dev/stdin" and "stdin" in text)
-    print(f"stream-st: error: {shown(text if named else f'{source}: {text}')}", file=sys.stderr)
+    message = text if named else f"{source}: {text}"
+    print(f"stream-st: error: {shown_message(message)}", file=sys.stderr)
 
 
 VALUES_CHUNK = 1 << 16
@@ -521,9 +530,9 @@ def print_validation(result: tools.Validation) -> None:
     if any(t.nan or t.inf for t in result.tensors):
         print("(min, max, mean and std are of the finite values: NaN and Inf are counted apart)")
     for warning in result.warnings:
-        print(f"warning: {shown(warning)}")
+        print(f"warning: {shown_message(warning)}")
     for error in result.errors:
-        print(f"error: {shown(error)}")
+        print(f"error: {shown_message(error)}")
     print(f"digests: {result.digests}")
     print(
         f"{'valid' if result.ok else 'INVALID'}: {plural(len(result.tensors), 'tensor')}, "

@@ -243,6 +243,21 @@ def test_a_standard_output_not_utf8_gets_names_escaped(tmp_path: Path, env: dict
             assert record["name"] == "€" and record["values"] == [1.0]
 
 
+def test_a_name_s_backslash_is_doubled_so_names_show_apart(tmp_path: Path) -> None:
+    """Control characters were escaped, a backslash was not: the name ``a\\nb`` (a backslash)
+    and ``a``, a newline, ``b`` showed alike in ls, diff and validate. Errors keep their names
+    quoted as ``repr`` quotes them, backslashes doubled once."""
+    literal, newline = "a\\nb", "a\nb"
+    both = write_model(tmp_path / "both.safetensors", {literal: np.zeros(1), newline: np.ones(1)})
+    assert run("ls", str(both)).stdout.splitlines() == ["a\\nb", "a\\\\nb"]
+    one = write_model(tmp_path / "one.safetensors", {literal: np.zeros(1)})
+    other = write_model(tmp_path / "other.safetensors", {newline: np.zeros(1)})
+    assert run("diff", str(one), str(other)).stdout == "+ a\\nb\n- a\\\\nb\n"
+    assert "a\\\\nb " in run("validate", str(both)).stdout
+    missing = run("show", str(one), "no\\pe")
+    assert "has no tensor 'no\\\\pe'" in missing.stderr
+
+
 def test_a_cache_that_cannot_be_used_is_one_warning_line(tmp_path: Path) -> None:
     """The cache's RuntimeWarning was printed as Python prints one: a file and line of
     stream_st's source, then that line of code."""

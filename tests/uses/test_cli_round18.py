@@ -176,7 +176,8 @@ def test_hash_file_and_cp_escape_a_name_that_would_drive_the_terminal(
     assert listed.stdout == f"\\{want}  dir/a\\x1b[2Jb\\\\c.safetensors\n", listed.stderr
     (tmp_path / "sums").write_text(listed.stdout)
     checked = run("hash", "--check", "sums", cwd=tmp_path)
-    assert (checked.returncode, checked.stdout) == (0, "dir/a\\x1b[2Jb\\c.safetensors: OK\n")
+    # the backslash doubled, as every name shown (a\\nb is not a, a newline, b)
+    assert (checked.returncode, checked.stdout) == (0, "dir/a\\x1b[2Jb\\\\c.safetensors: OK\n")
     copied = run("cp", str(model), str(folder / "\x1b]0;title\x07.safetensors"))
     assert copied.returncode == 0, copied.stderr
     assert copied.stderr.endswith("/dir/\\x1b]0;title\\x07.safetensors\n"), copied.stderr
