@@ -310,10 +310,12 @@ def _strict(value: Any) -> Any:
 
 
 def human(n: float) -> str:
-    """A size in decimal units, as the progress bars show them."""
+    """A size in decimal units, as the progress bars show them: in the first unit where it
+    rounds below 1000 (999,950 bytes is ``1.0 MB``, not ``1000.0 kB``)."""
     for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        text = f"{n:.0f}" if unit == "B" else f"{n:.1f}"
+        if abs(float(text)) < 1000 or unit == "TB":
+            return f"{text} {unit}"
         n /= 1000
     return f"{n:.1f} TB"  # pragma: no cover
 

@@ -21,6 +21,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st.cli import main
+from stream_st.cli.output import human
 
 from ..servers.http_server import RangeHTTPServer
 from ._cli import COMMAND, run, write_model
@@ -256,6 +257,25 @@ def test_a_name_s_backslash_is_doubled_so_names_show_apart(tmp_path: Path) -> No
     assert "a\\\\nb " in run("validate", str(both)).stdout
     missing = run("show", str(one), "no\\pe")
     assert "has no tensor 'no\\\\pe'" in missing.stderr
+
+
+@pytest.mark.parametrize(
+    ("size", "text"),
+    [
+        (999, "999 B"),
+        (999.4, "999 B"),
+        (999.6, "1.0 kB"),
+        (999_949, "999.9 kB"),
+        (999_950, "1.0 MB"),
+        (1_234_567, "1.2 MB"),
+        (999_950_000_000, "1.0 TB"),
+        (5 * 10**15, "5000.0 TB"),
+    ],
+)
+def test_a_size_rounding_up_to_1000_takes_the_next_unit(size: float, text: str) -> None:
+    """``human`` chose the unit before rounding: 999,950 bytes showed as ``1000.0 kB``, 999.6
+    as ``1000 B``."""
+    assert human(size) == text
 
 
 def test_a_cache_that_cannot_be_used_is_one_warning_line(tmp_path: Path) -> None:
