@@ -139,7 +139,7 @@ async def _read_header(
     except HeaderError as exc:
         raise _named(exc, source.name) from None
     if source.size is not None:
-        _check_size(header, source.size, source.name)
+        check_size(header, source.size, source.name)
     return header, (prefix.tobytes(), raw)
 
 
@@ -250,11 +250,11 @@ def _cached_header(name: str, max_header_size: int, unknown_dtypes: UnknownDtype
     finally:
         os.close(fd)
     header = parse_header(raw, unknown_dtypes=unknown_dtypes)
-    _check_size(header, size, name)
+    check_size(header, size, name)
     return header
 
 
-def _check_size(header: Header, size: int, name: str) -> None:
+def check_size(header: Header, size: int, name: str) -> None:
     """:class:`TrailingDataError` or :class:`TruncatedStreamError` unless a source of ``size``
     bytes holds exactly what ``header`` describes."""
     file_size = header.file_size

@@ -21,7 +21,7 @@ from ..core.header import Header, TensorInfo
 from ..core.shards import is_index
 from ..errors import ArgumentTypeError, UsageError, redact
 from ..reader import Include, TensorStream
-from ..reader.header import _check_size
+from ..reader.header import check_size
 from ..reader.stream import include_names
 from ..transports.base import Source, give_turn
 from ..transports.options import Clock, TransportOptions
@@ -173,7 +173,7 @@ async def hash(  # the command's name (shadows the builtin only inside this modu
             result = structure_of(source, [header])
         result["file_sha256"] = await hashing.finish()
         if not content:  # read to its end: the bytes its header describes, no more, no fewer
-            _check_size(header, hashing.position, hashing.name)
+            check_size(header, hashing.position, hashing.name)
     finally:
         await hashing.inner.aclose()
     return result
