@@ -9,6 +9,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -215,9 +216,16 @@ def test_weights_that_are_not_floating_point_numbers_are_refused() -> None:
     """A string array was a bare ValueError, integers were taken, a list a bare AttributeError."""
     model = small_model()
     name = "model.norm.weight"
-    for bad in (np.array(["x"] * 32), np.ones(32, dtype=np.int64), np.ones(32, dtype=np.complex64)):
+    for bad in (
+        np.array(["x"] * 32),
+        np.ones(32, dtype=np.int64),
+        np.ones(32, dtype=np.complex64),
+        np.zeros(32, dtype="V4"),  # numpy's kind "V", as bfloat16's: a bare ValueError later
+        np.zeros(32, dtype=[("a", "f4")]),  # a record: cast silently
+    ):
         with pytest.raises(ModelError, match=f"{name} holds .*, the model needs floating point"):
             Llama(model.config, {**model.weights, name: bad})
+    model.add(name, np.ones(32, dtype=ml_dtypes.bfloat16))  # ml_dtypes' floats are taken
     with pytest.raises(ModelError, match="has shape \\[3\\]"):
         model.add(name, [1.0, 2.0, 3.0])  # type: ignore[arg-type]
     model.add(name, [0.5] * 32)  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from ...core.header import Header
@@ -222,9 +223,21 @@ def floats(what: str, array: object) -> Array:
         out = np.asarray(array)
     except (TypeError, ValueError) as exc:  # ragged
         raise ModelError(f"{what} is not an array of numbers: {exc}") from None
-    if out.dtype.kind not in "fV":  # V: bfloat16 and float8 (ml_dtypes)
+    if out.dtype.kind != "f" and not _ml_float(out.dtype):
         raise ModelError(f"{what} holds {out.dtype}, the model needs floating point")
     return out
+
+
+def _ml_float(dtype: np.dtype[Any]) -> bool:
+    """Whether ``dtype`` is one of ml_dtypes' floats (bfloat16, float8...: numpy's kind "V",
+    as a void or a record is, which are not)."""
+    if dtype.kind != "V":
+        return False
+    try:
+        ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
+    except ValueError:  # a void, a record, an ml_dtypes integer
+        return False
+    return True
 
 
 def _past(layer: int, past: Sequence[object], shape: tuple[int, ...]) -> tuple[Array, Array]:
