@@ -227,7 +227,10 @@ def rebuilt(error: _E, *args: object) -> _E:
     copy = kind.__new__(kind, *args)
     for base in kind.__mro__:  # the first built-in one: a TransportError's OSError
         if base.__module__ == "builtins" and issubclass(base, BaseException):
-            base.__init__(copy, *args)
+            try:
+                base.__init__(copy, *args)
+            except TypeError:  # new args a UnicodeError's five cannot be: a message alone
+                BaseException.__init__(copy, *args)
             break
     copy.__dict__.update(error.__dict__)
     if isinstance(error, OSError) and isinstance(copy, OSError):  # its file names: not in args

@@ -889,3 +889,19 @@ async def test_source_learns_the_merged_read_plan() -> None:
     base = header.data_start
     spans = sorted((base + header[n].start, base + header[n].end) for n in ("weight", "bias"))
     assert plans == [merge_ranges(spans)]
+
+
+def test_an_error_rebuilt_with_a_message_of_its_own_keeps_its_class() -> None:
+    """``errors.rebuilt`` with new ``args`` (a header error naming its source): a class whose
+    built-in base takes other arguments (a UnicodeError's five) is rebuilt with the message
+    alone, where its base's constructor raised TypeError."""
+    from stream_st.compat._errors import UnencodableTextError
+    from stream_st.errors import rebuilt
+
+    try:
+        "\udcff".encode("utf-8")
+    except UnicodeEncodeError as cause:
+        error = UnencodableTextError("tensor name", cause)
+    copy = rebuilt(error, "m.safetensors: bad text")
+    assert type(copy) is UnencodableTextError and copy.args == ("m.safetensors: bad text",)
+    assert str(copy) == str(error)  # its message is its own attribute, kept
