@@ -210,6 +210,12 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
             raise UsageError("the header is read when the stream opens: use 'async with' first")
         return self._header
 
+    @property
+    def head(self) -> tuple[bytes, memoryview] | None:
+        """The 8-byte length prefix and the header's bytes as the stream read them, padding
+        kept: once open, until an iteration starts (which lets them go); None otherwise."""
+        return self._head
+
     def selected(self) -> list[TensorInfo]:
         """The tensors an iteration hands out (those ``include=`` selects), in the order it hands
         them out; the stream must be open. Raises as the iteration does before it reads any:

@@ -26,7 +26,7 @@ from ..core.digests import (
     is_record_key,
 )
 from ..core.dtypes import dtype_from_code, wire_bytes
-from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header, TensorInfo
+from ..core.header import Header, TensorInfo
 from ..core.layout import TensorSpec
 from ..core.shards import join_address, literal_scheme, shard_address, split_address
 from ..core.stats import LoadStats, record_last
@@ -42,7 +42,6 @@ from ..errors import (
     UsageError,
 )
 from ..reader import Include, TensorStream
-from ..reader.header import open_under, start_and_read_header
 from ..reader.stream import include_names
 from ..sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from ..transports import store
@@ -556,18 +555,14 @@ async def _copied_as_it_is(
 ) -> Copy:
     """A dataset manifest's shard ``src`` copied byte for byte into ``sink`` (left to commit),
     within ``clock``: its header as it is, padding kept (a dataset writer's leaves room), so that
-    the copy has the size the manifest counts, then its tensors, read (their digests checked) as
+    the copy has the size the manifest counts (the bytes the stream read it from, the shard read
+    once), then its tensors, read (their digests checked) as
     :func:`cp` reads them. ``expect`` checks the source's header before anything is written."""
-    source = await open_under(src, clock)
-    try:
-        header, (prefix, raw) = await start_and_read_header(source, DEFAULT_MAX_HEADER_SIZE)
-    finally:
-        await source.aclose()
-    expect(header)
     async with opened(src, clock) as (stream, _):
-        read = stream.header
-        if read.metadata != header.metadata or list(read.tensors) != list(header.tensors):
-            raise HeaderError(f"{src}: the shard's header changed while it was copied")
+        header = stream.header
+        expect(header)
+        assert stream.head is not None  # open, not iterated yet
+        prefix, raw = stream.head
         wanted = stream.selected()  # every tensor, in offset order: the data section
         expect_totals(progress, wanted)
         await sink.allocate(header.file_size)
