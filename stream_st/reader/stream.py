@@ -109,6 +109,12 @@ def include_names(include: Iterable[str] | str) -> set[str]:
     return names
 
 
+def listed(include: Include) -> Include:
+    """``include=`` with its names taken once, checked (:func:`include_names`): an iterator
+    would be spent by a second look; a predicate or None as it is."""
+    return include if include is None or callable(include) else include_names(include)
+
+
 def _selector(include: Include, header: Header) -> Callable[[str], bool]:
     if include is None:
         return lambda name: True

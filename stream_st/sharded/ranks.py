@@ -81,7 +81,7 @@ from ..errors import (
 from ..memory.delivery import Delivery
 from ..reader import Include, TensorStream
 from ..reader.caps import Caps, current_caps
-from ..reader.stream import TensorT, include_names, tensor_dict
+from ..reader.stream import TensorT, include_names, listed, tensor_dict
 from ..transports.options import Clock
 from ..transports.registry import SourceLike
 from .ranks_exchange import READ_AHEAD_BYTES as READ_AHEAD_BYTES
@@ -148,12 +148,6 @@ def _check_same(everyone: list[tuple[Any, ...]], meaning: str) -> None:
             raise RankFailedError(f"rank {rank} failed: {cause}", rank=rank, cause=cause)
 
 
-def _listed(include: Include) -> Include:
-    """``include=`` with its names taken once (a set), a predicate or None as it is: an
-    iterator would be spent by a second look."""
-    return include if include is None or callable(include) else include_names(include)
-
-
 def _selected(include: Include) -> Callable[[str], bool]:
     if include is None:
         return lambda name: True
@@ -211,7 +205,7 @@ class DistributedStream(TensorStream[TensorT]):
         self._problem: Failure | None = None
         self._slice: Callable[[str], object] = lambda name: None
         try:
-            include = _listed(include)
+            include = listed(include)
             if isinstance(include, set):
                 self._names = set(include)
             self._selected = _selected(include)
@@ -512,7 +506,7 @@ def load_model(
     from ..compat._sync import run
 
     try:
-        include = _listed(include)
+        include = listed(include)
         state = model.state_dict()
         shared_groups(state)  # memory no name covers whole: refused before anything is read
         into = in_cpu_memory(receivable(model, state))

@@ -42,7 +42,7 @@ from ..errors import (
     UsageError,
 )
 from ..reader import Include, TensorStream
-from ..reader.stream import include_names
+from ..reader.stream import listed
 from ..sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from ..transports import store
 from ..transports.file.atomic import path_from_url
@@ -409,8 +409,7 @@ async def cp(
     for, they are a :class:`~stream_st.UsageError` elsewhere; inherited, they are left out.
     """
     progress = checked_progress(progress)
-    if include is not None and not callable(include):
-        include = include_names(include)  # names, or an ArgumentTypeError saying what it takes
+    include = listed(include)  # names taken once, or an ArgumentTypeError saying what it takes
     target, encoder = _conversion(dtype, quantize, dequantize)
     return await _copy(
         src,

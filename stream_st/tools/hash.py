@@ -22,7 +22,7 @@ from ..core.shards import is_index
 from ..errors import ArgumentTypeError, UsageError, redact
 from ..reader import Include, TensorStream
 from ..reader.header import check_size
-from ..reader.stream import include_names
+from ..reader.stream import listed
 from ..transports.base import Source, give_turn
 from ..transports.options import Clock, TransportOptions
 from ..transports.registry import SourceLike, open_source
@@ -124,8 +124,7 @@ async def content_digests(
     name, a collection of them or a predicate on the name) selects tensors. The arguments are
     checked before the source is opened: :class:`~stream_st.ArgumentTypeError`, naming the
     argument, for a wrong type."""
-    if include is not None and not callable(include):
-        include = include_names(include)  # names, or an ArgumentTypeError saying what it takes
+    include = listed(include)  # names taken once, or an ArgumentTypeError saying what it takes
     progress = checked_progress(progress)
     async with opened(source, command_clock(options), include=include) as (stream, headers):
         expect_totals(progress, [t for t in tensors_of(headers) if included(include, t.name)])
