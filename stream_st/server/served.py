@@ -300,7 +300,7 @@ async def _from_checkpoint(
         pieces = [Piece(0, files[0].size, file=files[0])]
         header = headers[0]
     else:
-        kept = {k: v for k, v in merged_metadata(headers).items() if not is_record_key(k)}
+        kept = merged_metadata(headers)
         recorded = digests.add_to(kept, names) if isinstance(digests, Digests) else kept or None
         specs = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
         head, header = build_header(specs, recorded)

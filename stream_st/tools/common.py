@@ -11,6 +11,7 @@ from dataclasses import fields, is_dataclass
 from typing import TYPE_CHECKING
 
 from .._api import header_of, stream_for
+from ..core.digests import is_record_key
 from ..core.header import _SHORT, Header, TensorInfo, UnknownDtypes
 from ..core.shards import INDEX_SUFFIX, MANIFEST_NAME, is_index
 from ..errors import ArgumentTypeError, SafetensorsError, SourceNotFoundError, UsageError, redact
@@ -127,10 +128,45 @@ def model_sources(path: str) -> list[str]:
     return files
 
 
+def varied_metadata(headers: Sequence[Header]) -> set[str]:
+    """The ``__metadata__`` keys whose value differs between the shards holding them."""
+    first: dict[str, str] = {}
+    return {
+        key
+        for header in headers
+        for key, value in header.metadata.items()
+        if first.setdefault(key, value) != value
+    }
+
+
+def shard_metadata(headers: Sequence[Header]) -> dict[str, str]:
+    """The ``__metadata__`` of ``headers`` (a checkpoint's shards) as one mapping: a key of one
+    value in every shard holding it once, a key whose value differs between shards once per
+    shard holding it, as ``key (shard N)`` (as ``diff`` reports it)."""
+    varied = varied_metadata(headers)
+    return {
+        f"{key} (shard {shard})" if key in varied else key: value
+        for shard, header in enumerate(headers)
+        for key, value in header.metadata.items()
+    }
+
+
 def merged_metadata(headers: Sequence[Header]) -> dict[str, str]:
+    """The ``__metadata__`` a file merging ``headers`` (a checkpoint's shards) carries: every
+    key but the checksum records (which describe each shard's own tensors); a key whose value
+    differs between shards is a :class:`~stream_st.UsageError`, as one file holds one value."""
     merged: dict[str, str] = {}
-    for header in headers:
-        merged.update(header.metadata)
+    for shard, header in enumerate(headers):
+        for key, value in header.metadata.items():
+            if is_record_key(key):
+                continue
+            if merged.setdefault(key, value) != value:
+                first = next(i for i, h in enumerate(headers) if key in h.metadata)
+                raise UsageError(
+                    f"the shards' __metadata__ differ at {_SHORT.repr(key)} (shard {first}: "
+                    f"{_SHORT.repr(merged[key])}, shard {shard}: {_SHORT.repr(value)}): a merged "
+                    "file holds one value of each key"
+                )
     return merged
 
 

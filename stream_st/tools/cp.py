@@ -463,7 +463,7 @@ async def _copy(
     async with opened(src, clock, include=include) as (stream, headers):
         if expect is not None:
             expect(headers[0])
-        metadata = {k: v for k, v in merged_metadata(headers).items() if not is_record_key(k)}
+        metadata = merged_metadata(headers)
         decoder = _quantized_by(metadata) if encoder is not None or dequantize else None
         if encoder is not None and decoder is not None:
             raise UsageError(

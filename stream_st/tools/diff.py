@@ -21,6 +21,7 @@ from .common import (
     opened,
     result_repr,
     tensors_of,
+    varied_metadata,
 )
 from .hash import digest_stream
 
@@ -160,13 +161,7 @@ def _metadata_keyed(
     """The ``__metadata__`` of each side's headers by :data:`Key`: a key whose value differs
     between the shards of either side keyed by the shard holding each value, any other (its
     value the same in every shard holding it) by the key alone."""
-    varied: set[str] = set()
-    for headers in (headers_a, headers_b):
-        first: dict[str, str] = {}
-        for header in headers:
-            for key, value in header.metadata.items():
-                if first.setdefault(key, value) != value:
-                    varied.add(key)
+    varied = varied_metadata(headers_a) | varied_metadata(headers_b)
     return _by_shard((headers_a, headers_b), varied, lambda h: h.metadata.items())
 
 

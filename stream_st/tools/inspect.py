@@ -8,7 +8,7 @@ from typing import Any, Unpack
 from ..errors import redact
 from ..transports.options import TransportOptions
 from ..transports.registry import SourceLike
-from .common import command_clock, headers_of, merged_metadata, result_repr, tensors_of
+from .common import command_clock, headers_of, result_repr, shard_metadata, tensors_of
 
 __all__ = ["Inspection", "inspect"]
 
@@ -48,6 +48,6 @@ async def inspect(source: SourceLike, **options: Unpack[TransportOptions]) -> In
         parameter_count=sum(t.nelements for t in tensors),
         data_bytes=sum(h.data_size for h in headers),
         header_bytes=sum(h.header_size for h in headers),
-        metadata=merged_metadata(headers),
+        metadata=shard_metadata(headers),
         shards=len(headers),
     )

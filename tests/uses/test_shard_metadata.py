@@ -1,0 +1,62 @@
+"""A sharded checkpoint whose shards' ``__metadata__`` differ at a key: ``inspect`` shows each
+shard's value, and what merges the shards into one file (``cp`` to a file, ``serve``) refuses it,
+where the last shard's value won before."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.numpy as reference_numpy
+
+import stream_st
+from stream_st.server.served import served_object
+from stream_st.tools import cp, inspect
+
+
+def checkpoint(tmp_path: Path, second: dict[str, str]) -> Path:
+    """Two shards, the first with ``{"format": "np", "note": "a"}``, the second with ``second``."""
+    shards = {
+        "model-00001-of-00002.safetensors": (
+            {"a": np.ones(3, np.float32)},
+            {"format": "np", "note": "a"},
+        ),
+        "model-00002-of-00002.safetensors": ({"b": np.zeros(2, np.int8)}, second),
+    }
+    weight_map = {}
+    for file, (tensors, metadata) in shards.items():
+        reference_numpy.save_file(tensors, tmp_path / file, metadata=metadata)
+        weight_map.update(dict.fromkeys(tensors, file))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+async def test_inspect_shows_each_shards_value_of_a_key_they_differ_at(tmp_path: Path) -> None:
+    index = checkpoint(tmp_path, {"format": "np", "note": "b"})
+    found = await inspect(str(index))
+    assert found.metadata == {"format": "np", "note (shard 0)": "a", "note (shard 1)": "b"}
+
+
+async def test_merging_shards_whose_metadata_differ_is_refused(tmp_path: Path) -> None:
+    index = checkpoint(tmp_path, {"format": "np", "note": "b"})
+    target = tmp_path / "merged.safetensors"
+    with pytest.raises(
+        stream_st.UsageError, match=r"differ at 'note' \(shard 0: 'a', shard 1: 'b'\)"
+    ):
+        await cp(str(index), str(target))
+    assert not target.exists()
+    with pytest.raises(stream_st.UsageError, match="differ at 'note'"):
+        await served_object(index)
+
+
+async def test_shards_agreeing_where_both_hold_a_key_merge(tmp_path: Path) -> None:
+    """A key one shard lacks is no disagreement: the merged file carries it."""
+    index = checkpoint(tmp_path, {"format": "np"})
+    target = tmp_path / "merged.safetensors"
+    await cp(str(index), str(target))
+    header = await stream_st.read_header(target)
+    assert header.metadata == {"format": "np", "note": "a"}
+    assert (await inspect(str(index))).metadata == {"format": "np", "note": "a"}
