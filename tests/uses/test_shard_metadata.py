@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,14 +19,14 @@ from stream_st.tools import cp, inspect
 
 def checkpoint(tmp_path: Path, second: dict[str, str]) -> Path:
     """Two shards, the first with ``{"format": "np", "note": "a"}``, the second with ``second``."""
-    shards = {
+    shards: dict[str, tuple[dict[str, np.ndarray[Any, Any]], dict[str, str]]] = {
         "model-00001-of-00002.safetensors": (
             {"a": np.ones(3, np.float32)},
             {"format": "np", "note": "a"},
         ),
         "model-00002-of-00002.safetensors": ({"b": np.zeros(2, np.int8)}, second),
     }
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for file, (tensors, metadata) in shards.items():
         reference_numpy.save_file(tensors, tmp_path / file, metadata=metadata)
         weight_map.update(dict.fromkeys(tensors, file))
