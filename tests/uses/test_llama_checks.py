@@ -65,9 +65,12 @@ async def test_a_checkpoint_with_a_negative_rope_theta_is_refused(tmp_path: Path
         await read_checkpoint(path)
 
 
-def _gguf(path: Path, model: Llama, blocks: int, freq_base: float = 10000.0) -> None:
+def _gguf(
+    path: Path, model: Llama, blocks: int, freq_base: float = 10000.0, eos: int | None = None
+) -> None:
     """``model`` as a llama GGUF file declaring ``blocks`` layers (its query and key rows left
-    as they are: only the shapes matter here)."""
+    as they are: only the shapes matter here) and end of sequence token ``eos`` (default the
+    model's)."""
     gguf = pytest.importorskip("gguf", reason="the llm extra (gguf) is not installed")
     c = model.config
     writer = gguf.GGUFWriter(path, "llama")
@@ -82,7 +85,7 @@ def _gguf(path: Path, model: Llama, blocks: int, freq_base: float = 10000.0) -> 
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     writer.add_bos_token_id(c.bos_token_id)
-    writer.add_eos_token_id(c.eos_token_id)
+    writer.add_eos_token_id(c.eos_token_id if eos is None else eos)
     names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}
     parts = {
         "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
@@ -116,6 +119,24 @@ def test_a_gguf_file_with_a_nan_rope_base_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "model.gguf"
     _gguf(path, small_model(1), 1, freq_base=float("nan"))
     with pytest.raises(ModelError, match="not a Llama configuration"):
+        read_gguf(path)
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [{"eos_token_id": -1}, {"eos_token_id": 64}, {"bos_token_id": -1}, {"eos_token_id": True}],
+)
+def test_a_token_id_out_of_the_vocabulary_is_refused(ids: dict[str, Any]) -> None:
+    """eos_token_id=-1 was taken: generate never stopped at it."""
+    with pytest.raises(ModelError, match=rf"{next(iter(ids))} .* is no id in \[0, 64\)"):
+        LlamaConfig(**SIZES, num_layers=1, **ids)
+    assert LlamaConfig(**SIZES, num_layers=1, bos_token_id=0, eos_token_id=63).eos_token_id == 63
+
+
+def test_a_gguf_file_with_an_end_token_out_of_its_vocabulary_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    _gguf(path, small_model(1), 1, eos=64)
+    with pytest.raises(ModelError, match=r"eos_token_id 64 is no id in \[0, 64\)"):
         read_gguf(path)
 
 

@@ -87,7 +87,8 @@ def token_ids(tokens: object, what: str = "tokens") -> Array:
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The numbers of a Llama model the forward pass needs."""
+    """The numbers of a Llama model the forward pass needs; :class:`ModelError` for numbers
+    that make none (the beginning and end of sequence tokens too: ids in ``[0, vocab_size)``)."""
 
     vocab_size: int
     hidden_size: int
@@ -110,6 +111,14 @@ class LlamaConfig:
             or self.head_dim % 2
         ):
             raise ModelError(f"not a Llama configuration: {self}")
+        for name in ("bos_token_id", "eos_token_id"):  # -1 would never end generate
+            value = getattr(self, name)
+            integer = isinstance(value, int | np.integer) and not isinstance(value, bool)
+            if not integer or not 0 <= value < self.vocab_size:
+                raise ModelError(
+                    f"not a Llama configuration: {name} {value!r} is no id in "
+                    f"[0, {self.vocab_size})"
+                )
 
     @property
     def head_dim(self) -> int:
