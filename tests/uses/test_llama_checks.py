@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import tracemalloc
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -272,3 +273,16 @@ def test_a_cache_of_keys_or_values_that_are_not_floats_is_refused() -> None:
     np.testing.assert_allclose(model.score([4], half), model.score([4], cache), atol=0.05)
     with pytest.raises(ArgumentTypeError, match="real numbers, not complex128"):
         perplexity(np.zeros((1, 3), dtype=complex), [0])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_perplexity_of_logits_that_are_not_finite_is_refused(bad: float) -> None:
+    """A NaN logit gave a NaN perplexity, +inf a RuntimeWarning and NaN, -inf an infinite
+    perplexity (the target's) or was taken."""
+    logits = np.zeros((2, 4), dtype=np.float32)
+    logits[1, 2] = bad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ModelError, match="logits must be finite numbers"):
+            perplexity(logits, [0, 1])
+    assert perplexity(np.zeros((2, 4), dtype=np.float32), [0, 1]) == pytest.approx(4.0)

@@ -484,7 +484,8 @@ class Forward:
 def perplexity(logits: Array, targets: Sequence[int] | Array) -> float:
     """exp(mean negative log-likelihood) of ``targets`` under ``logits`` ``[n, vocab]``, row ``i``
     predicting ``targets[i]`` (computed in float64). :class:`ModelError` unless there are ``n``
-    targets, each an id in ``[0, vocab)`` (-1 is no id: it would score the last one);
+    targets, each an id in ``[0, vocab)`` (-1 is no id: it would score the last one), and the
+    logits are finite (a NaN or an infinity makes no probabilities);
     :class:`~stream_st.ArgumentTypeError` for targets or logits that are not numbers (logits
     that are complex numbers, whose imaginary parts would be dropped, included)."""
     try:
@@ -498,7 +499,9 @@ def perplexity(logits: Array, targets: Sequence[int] | Array) -> float:
     if wide.ndim != 2 or wide.shape[0] != ids.size or ids.size == 0:
         raise ModelError(f"{ids.size} targets for logits of shape {list(wide.shape)}")
     check_ids(ids, wide.shape[1], "targets")
-    top = wide.max(axis=-1)
+    top = wide.max(axis=-1)  # a NaN or +inf shows in a row's maximum, -inf in the minimum
+    if not (np.isfinite(top).all() and np.isfinite(wide.min())):
+        raise ModelError("logits must be finite numbers, not NaN or infinite")
     log_norm = top + np.log(np.exp(wide - top[:, None]).sum(axis=-1))
     return float(np.exp(np.mean(log_norm - wide[np.arange(ids.size), ids])))
 
