@@ -63,6 +63,7 @@ from .output import (
     shown,
     split_digests,
     status_line,
+    surrogates_as_bytes,
 )
 
 
@@ -199,7 +200,8 @@ async def run_show(args: argparse.Namespace) -> int:
                 arrays = [array async for _, array in stream]  # the one tensor
     except TensorNotFoundError:
         raise UsageError(
-            f"{args.source} has no tensor {args.name!r} (stream-st ls {args.source} lists them)"
+            f"{args.source} has no tensor {surrogates_as_bytes(repr(args.name))} "
+            f"(stream-st ls {args.source} lists them)"
         ) from None
     headers = stream.headers.values() if isinstance(stream, ShardedStream) else [stream.header]
     infos = [header[args.name] for header in headers if args.name in header]  # a dataset's:
@@ -500,7 +502,7 @@ def _include_named(args: argparse.Namespace) -> Iterator[None]:
     except TensorNotFoundError as exc:
         if not args.include:
             raise
-        said = str(exc).removeprefix("include= ")
+        said = surrogates_as_bytes(str(exc).removeprefix("include= "))  # the names' reprs
         raise UsageError(f"--include {said} (stream-st ls {args.src} lists them)") from None
 
 

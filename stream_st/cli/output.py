@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -345,6 +346,18 @@ def _escaped(character: str) -> str:
     if "\udc80" <= character <= "\udcff":
         return f"\\x{ord(character) - 0xDC00:02x}"
     return character.encode("unicode_escape").decode()
+
+
+_REPR_ESCAPE = re.compile(r"\\(?:udc([89a-f][0-9a-f])|.)")
+"""One escape of a ``repr``: a surrogate's (``\\udcff``, a byte Python read that is not UTF-8,
+its two hex digits kept), or any other's, its backslash and the letter after it."""
+
+
+def surrogates_as_bytes(text: str) -> str:
+    """``text``, holding ``repr``s of names (an error's message), with the escape a ``repr``
+    gives a byte of an argument that is not UTF-8, ``\\udcff``, written as :func:`shown` writes
+    the byte, ``\\xff``; every backslash of ``text`` starts an escape of its ``repr``s."""
+    return _REPR_ESCAPE.sub(lambda m: f"\\x{m[1]}" if m[1] else m[0], text)
 
 
 def brief(value: str, limit: int = 200) -> str:

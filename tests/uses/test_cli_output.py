@@ -289,3 +289,16 @@ def test_a_cache_that_cannot_be_used_is_one_warning_line(tmp_path: Path) -> None
     assert result.returncode == 0, result.stderr
     assert result.stderr.startswith("stream-st: warning: the cache cannot be used (Not a dir")
     assert result.stderr.count("\n") == 1 and ".py:" not in result.stderr, result.stderr
+
+
+def test_a_name_given_that_is_not_utf8_shows_its_bytes(tmp_path: Path) -> None:
+    """A name on the command line holding a byte that is not UTF-8 showed in show's and cp
+    --include's errors as repr writes Python's surrogate for it, '\\udcff', where a file name's
+    byte shows as '\\xff'."""
+    model = write_model(tmp_path / "m.safetensors")
+    result = run("show", str(model), "bad\udcff")
+    assert result.returncode == 2 and "has no tensor 'bad\\xff' (" in result.stderr, result.stderr
+    result = run("cp", "--include", "\udcff", "--include", "a\\b", str(model), str(tmp_path / "o"))
+    assert result.returncode == 2 and "header: ['a\\\\b', '\\xff'] (" in result.stderr
+    result = run("show", str(model), "\\udcff")  # the name written so is a backslash and text
+    assert "has no tensor '\\\\udcff' (" in result.stderr
