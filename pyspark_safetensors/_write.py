@@ -304,22 +304,34 @@ class WriteOptions:
         return np.zeros((0, *shape), dtype_from_code(code).numpy)
 
 
-def _separable(columns: list[str], separator: str) -> None:
+def _separable(columns: list[str], separator: str, earlier: list[str] | None = None) -> None:
     """KV mode: refuses ``columns`` whose keys ``{name}{separator}{column}`` could be another
     name's of another column (one whose ``{separator}{column}`` ends another's), where a read
     could not tell the rows apart. A column holding the separator alone is read by its whole
-    name as the key's end (``split_key``'s suffix match)."""
+    name as the key's end (``split_key``'s suffix match). An append gives the columns of the
+    dataset it adds to as ``earlier``: their keys are checked against those of ``columns``
+    (two of the dataset's own were written so, before this rule, and are left as they were)."""
     if not separator:
         raise UsageError("option kv_separator is empty: a key could not be split into its parts")
-    for column in columns:
+    dataset = earlier or []
+    every = [*dataset, *(c for c in columns if c not in dataset)]
+    for column in every:
         suffix = f"{separator}{column}"
-        clash = [o for o in columns if o != column and suffix.endswith(f"{separator}{o}")]
+        clash = [
+            o
+            for o in every
+            if o != column
+            and suffix.endswith(f"{separator}{o}")
+            and not (column in dataset and o in dataset)
+        ]
         if clash:
             beside = f" (or {clash[0]!r})"
+            remedy = "rename it or choose another kv_separator"
+            if earlier is not None:
+                remedy = f"the dataset appended to holds {dataset}: rename the column appended"
             raise UsageError(
                 f"KV column {column!r} with kv_separator {separator!r}: a key "
-                f"{{name}}{suffix} could not tell the name from the column{beside}; rename it or "
-                "choose another kv_separator"
+                f"{{name}}{suffix} could not tell the name from the column{beside}; {remedy}"
             )
 
 
@@ -606,16 +618,19 @@ class SafetensorsWriter(DataSourceArrowWriter):
         if not self.overwrite and MANIFEST_NAME in listed:
             manifest = (await ShardIndex.read(_store.join(path, MANIFEST_NAME), Clock())).manifest
             previous = await _previous_shards(path, manifest, kv or self.options.generate_index)
+            earlier = manifest.get("schema", {})
             every = (
                 not staged
                 or not manifest.get("total_samples")
-                or set(self.options.columns) == set(manifest.get("schema", {}))
+                or set(self.options.columns) == set(earlier)
             )
             if not kv:
-                _check_appended_columns(manifest.get("schema", {}), self.options.columns)
-            _check_appended_types(manifest.get("schema", {}), schema, self.options.columns)
-            schema = {**manifest.get("schema", {}), **schema}
+                _check_appended_columns(earlier, self.options.columns)
+            _check_appended_types(earlier, schema, self.options.columns)
+            schema = {**earlier, **schema}
             record = _appended_record(record, manifest, every)
+            if record is not None:  # the dataset's rows and these read as one
+                _separable(list(self.options.columns), self.options.kv_separator, list(earlier))
         for column, kind in self.options.columns.items():  # a read gives these types back
             if column in schema:
                 schema[column] = {**schema[column], "spark_type": type_text(kind.spark)}

@@ -1,5 +1,6 @@
 """A column reads as one type from every shard, or not at all: an append under another type, or
-(batch mode) of other columns, is refused, shards of different dtypes are refused (as the torch
+(batch mode) of other columns, or (KV mode) of a column whose keys could be another's of the
+dataset, is refused, shards of different dtypes are refused (as the torch
 dataset refuses them), never cast to the first shard's type; a shard of no tensor is read as no
 row; the columns a write or read names, and the folders an abort leaves, are checked on the
 driver. These run without a Spark session: the data source's writer and reader are plain Python
@@ -189,6 +190,33 @@ def test_a_batch_mode_append_of_other_columns_is_refused(
         commit(tmp_path, schema, columns, "append", batch_size="10")
     assert manifest(tmp_path) == before
     assert read(tmp_path) == [{"x": 0.5, "n": 2}, {"x": 1.7, "n": 3}]
+
+
+@pytest.mark.parametrize(("dataset", "appended"), [("b", "a__b"), ("a__b", "b")])
+def test_a_kv_append_of_a_column_whose_keys_could_be_the_datasets_is_refused(
+    tmp_path: Path, dataset: str, appended: str
+) -> None:
+    """A write of both columns is refused (x__a__b: row x's a__b or row x__a's b); appending
+    one to a dataset of the other was taken."""
+
+    def kv(column: str, name: str) -> tuple[StructType, dict[str, Any]]:
+        schema = StructType([StructField("name", StringType()), StructField(column, LongType())])
+        return schema, {"name": pa.array([name]), column: pa.array([1])}
+
+    commit(tmp_path, *kv(dataset, "y"), "overwrite", name_col="name")
+    before = manifest(tmp_path)
+    refused = rf"a key \{{name\}}__a__b .* the dataset appended to holds \['{dataset}'\]"
+    with pytest.raises(stream_st.UsageError, match=refused):
+        commit(tmp_path, *kv(appended, "x"), "append", name_col="name")
+    assert manifest(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["dataset_manifest.json", *(s["shard_path"] for s in before["shards"])]
+    )
+    commit(tmp_path, *kv("c", "x"), "append", name_col="name")  # a column of no clash: taken
+    assert read(tmp_path) == [
+        {"name": "y", dataset: 1, "c": None},
+        {"name": "x", dataset: None, "c": 1},
+    ]
 
 
 def test_an_empty_dataframe_reads_back_with_its_columns_in_order(tmp_path: Path) -> None:
