@@ -329,8 +329,10 @@ class _RollingWriter(AsyncClosing):
         for name in arrays:
             if name in (self._written if self.unique_names else ()):
                 raise WriterError(f"tensor {name!r} was already written", name=name)
-        for array in arrays.values():
-            dtype_for(array.dtype)  # refuses dtypes safetensors cannot carry, before any write
+        # refuses, before any write, what no header takes: a dtype safetensors cannot carry, a
+        # name that is not a string, is __metadata__ or is not Unicode text (a lone surrogate)
+        specs = [TensorSpec(name, array.dtype, array.shape) for name, array in arrays.items()]
+        build_header(specs)
         size = sum(a.nbytes for a in arrays.values())
         try:
             if (
@@ -342,7 +344,7 @@ class _RollingWriter(AsyncClosing):
                 current = None
             if current is None:
                 await self._open_directory()
-                current = self._current = self._new_shard(arrays)
+                current = self._current = self._new_shard(specs)
             for name, array in arrays.items():
                 await current.add(name, array)
                 self._written.add(name)
@@ -375,16 +377,16 @@ class _RollingWriter(AsyncClosing):
             held = f".{self._tag}.partial.{digest}"
         return self.directory / held
 
-    def _new_shard(self, first: Mapping[str, Array]) -> _Shard:
+    def _new_shard(self, first: Sequence[TensorSpec]) -> _Shard:
         """The next shard, opened with room for a header that ``first`` starts."""
-        specs = [TensorSpec(name, dtype_for(a.dtype).code, a.shape) for name, a in first.items()]
         metadata = self._shard_metadata()
         if self._algorithm is not None:  # as long as the digests to come
+            names = [spec.name for spec in first]
             placeholder = digest_of(self._algorithm, memoryview(b""))
-            metadata = Digests(self._algorithm, dict.fromkeys(first, placeholder)).add_to(
-                metadata, list(first)
+            metadata = Digests(self._algorithm, dict.fromkeys(names, placeholder)).add_to(
+                metadata, names
             )
-        room = header_room(self.target_size, len(build_header(specs, metadata)[0]))
+        room = header_room(self.target_size, len(build_header(first, metadata)[0]))
         allow_open_files(len(self._files) + 1)  # every sealed shard is held open until the end
         return _Shard(self._held_name(self._shard_name(len(self._sealed))), room, self._algorithm)
 
@@ -776,7 +778,7 @@ class DatasetWriter(_RollingWriter):
     async def _nothing_written(self) -> None:
         """The layout's manifest lists at least one shard: an empty dataset is one shard of no
         tensor and no sample (as the Spark writer writes it)."""
-        self._current = self._new_shard({})
+        self._current = self._new_shard([])
         await self._seal()
 
     def _index(self) -> tuple[str, dict[str, Any]]:

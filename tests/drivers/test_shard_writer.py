@@ -18,6 +18,7 @@ from stream_st.core.shards import MANIFEST_DTYPES
 from stream_st.integrations.dataset import describe_dataset
 from stream_st.sharded.reader import MAX_INDEX_SIZE
 from stream_st.sharded.writer import open_dataset_writer, open_sharded_writer
+from stream_st.transports.file.sink import FileSink
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 MB = 1_000_000
@@ -177,21 +178,58 @@ async def _add(writer: Any, name: Any, array: np.ndarray[Any, Any]) -> None:
 
 
 @pytest.mark.parametrize("kind", ["checkpoint", "dataset"])
+@pytest.mark.parametrize("name", ["__metadata__", "\udcff", 7])
+async def test_a_name_no_header_takes_is_refused_at_its_write(
+    tmp_path: Path, kind: str, name: Any
+) -> None:
+    """A group's names are checked as a header checks them (the error save gives), before any
+    write, as a dtype is: the writer takes the next write and commits. Into a shard already
+    started, '__metadata__' or a lone surrogate was taken, then refused when the shard was
+    sealed, which threw every shard away; a name that is no string aborted the writer."""
+    error = _header_error(name)
+    with pytest.raises(type(error)):  # the single-file writer's error
+        await stream_st.save(tmp_path / "single.safetensors", {name: np.ones(2)})
+    async with _writer(kind, tmp_path / "out") as writer:
+        await _add(writer, "a", np.ones(4, np.float32))
+        with pytest.raises(type(error), match=re.escape(str(error))):
+            await _add(writer, name, np.ones(4, np.float32))
+        await _add(writer, "b", np.zeros(4, np.float32))
+    index = "model.safetensors.index.json" if kind == "checkpoint" else "dataset_manifest.json"
+    got = await read_all(tmp_path / "out" / index)
+    assert sorted(got) == ["a", "b"]
+
+
+def _header_error(name: Any) -> stream_st.SafetensorsError:
+    """The error a header of the tensor ``name`` is refused with."""
+    try:
+        stream_st.build_header([stream_st.TensorSpec(name, "F32", (4,))])
+    except stream_st.SafetensorsError as exc:
+        return exc
+    raise AssertionError(f"{name!r} was taken")
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "dataset"])
 @pytest.mark.parametrize("how", ["caught", "timed out"])
 async def test_a_writer_aborted_by_a_failed_write_says_so_at_the_close(
-    tmp_path: Path, kind: str, how: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, how: str
 ) -> None:
-    """A write that failed or was cancelled aborts the writer (its shards are gone); its error
-    caught (or the cancellation swallowed by the caller's own time limit), the block ended
-    normally and the close said nothing: no checkpoint, and no error. It raises WriterError
-    saying why, as open_writer's does; a write after it says why, not just "closed"."""
+    """A write that failed (here the disk refuses its bytes) or was cancelled aborts the writer
+    (its shards are gone); its error caught (or the cancellation swallowed by the caller's own
+    time limit), the block ended normally and the close said nothing: no checkpoint, and no
+    error. It raises WriterError saying why, as open_writer's does; a write after it says why,
+    not just "closed"."""
+
+    async def refused(*_: object) -> None:
+        raise stream_st.TransportError("disk full")
+
     directory = tmp_path / "out"
-    with pytest.raises(stream_st.WriterError, match=r"aborted \((ArgumentTypeError|Cancelled)"):
+    with pytest.raises(stream_st.WriterError, match=r"aborted \((TransportError|Cancelled)"):
         async with _writer(kind, directory) as writer:
             await _add(writer, "a", np.ones(4, np.float32))
             if how == "caught":
-                with pytest.raises(stream_st.ArgumentTypeError):
-                    await _add(writer, 7, np.ones(4, np.float32))
+                with pytest.raises(stream_st.TransportError), monkeypatch.context() as patch:
+                    patch.setattr(FileSink, "write_at", refused)
+                    await _add(writer, "b", np.ones(4, np.float32))
             else:
                 with anyio.move_on_after(0) as scope:
                     await _add(writer, "b", np.zeros(4 * MB, np.float32))
