@@ -501,10 +501,13 @@ class SafetensorsReader(DataSourceReader):
         self, names: pa.Array, values: dict[str, Array | list[Array | None]]
     ) -> pa.RecordBatch:
         """KV mode, read as rows: the Arrow batch of rows ``names`` (text) and their
-        ``values``, in the schema's order of columns."""
+        ``values``, in the schema's order of columns (the names where the schema holds the name
+        column)."""
         assert self.record is not None
         name_col = self.record["name_col"]
-        columns = {name_col: names.cast(self.arrow.field(name_col).type)}
+        columns: dict[str, pa.Array] = {}
+        if name_col in self.arrow.names:
+            columns[name_col] = names.cast(self.arrow.field(name_col).type)
         for column, kind in self.kinds.items():
             part = values[column]
             columns[column] = (

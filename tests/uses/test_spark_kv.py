@@ -78,10 +78,13 @@ def shards(path: Path) -> list[Path]:
     return [path / entry["shard_path"] for entry in manifest["shards"]]
 
 
-def read(path: Path | str, **options: str) -> list[dict[str, Any]]:
-    """Every row a read gives, through the planning and each partition's read."""
+def read(
+    path: Path | str, schema: StructType | None = None, **options: str
+) -> list[dict[str, Any]]:
+    """Every row a read gives (of ``schema``, by default the source's), through the planning and
+    each partition's read."""
     source = pyspark_safetensors.SafetensorsDataSource({"path": str(path), **options})
-    reader: Any = source.reader(source.schema())
+    reader: Any = source.reader(schema or source.schema())
     out: list[dict[str, Any]] = []
     for partition in reader.partitions():
         for part in reader.read(partition):
@@ -175,6 +178,7 @@ def test_a_given_schema_the_dataset_cannot_fill_is_refused_before_any_task(
     for schema, expected in [
         (given, [{"n": 0, "name": "a"}, {"n": 1, "name": "b"}]),  # another order
         (names_alone, [{"name": "a"}, {"name": "b"}]),  # the names alone (was a bare ValueError)
+        (StructType(given.fields[:1]), [{"n": 0}, {"n": 1}]),  # no names (was a bare KeyError)
     ]:
         reader: Any = source.reader(schema)
         rows = [r for p in reader.partitions() for part in reader.read(p) for r in part.to_pylist()]
@@ -248,6 +252,10 @@ def test_rows_of_shards_laid_out_otherwise_and_names_without_a_column(tmp_path: 
         {"name": "c", "n": 2, "x": [2.0, 2.25, 2.5]},
         {"name": "d", "n": 7, "x": None},
     ]
+    assert read(tmp_path, StructType([StructField("x", ArrayType(FloatType()))]))[2:] == [
+        {"x": [2.0, 2.25, 2.5]},
+        {"x": None},
+    ]  # the rows without their names (was a bare KeyError)
 
 
 def test_a_damaged_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
