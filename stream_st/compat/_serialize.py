@@ -30,6 +30,7 @@ from ..transports.inmemory import as_bytes_view
 from ..transports.registry import SinkLike
 from ..writer import open_writer
 from ._errors import UnsignedOverflowError, WrongTypeError
+from ._save import _encodable
 
 __all__ = [
     "TensorSpec",
@@ -145,6 +146,9 @@ def _unsigned(value: object, argument: str) -> int:
 
 
 def specs_of(tensor_dict: object) -> dict[str, TensorSpec]:
+    """``tensor_dict`` as a dict of names to :class:`TensorSpec`; :class:`WrongTypeError` (the
+    reference's ``TypeError``) for anything else, :class:`UnencodableTextError` (its
+    ``UnicodeEncodeError``) for a name UTF-8 cannot encode."""
     if not isinstance(tensor_dict, Mapping):
         raise WrongTypeError(
             f"argument 'tensor_dict': '{type(tensor_dict).__name__}' object cannot be converted "
@@ -156,6 +160,8 @@ def specs_of(tensor_dict: object) -> dict[str, TensorSpec]:
                 f"argument 'tensor_dict': expected str -> TensorSpec, got {type(name).__name__} "
                 f"-> {type(spec).__name__}"
             )
+        if not name.isascii():
+            _encodable(name, f"tensor name {name!r:.80}")
     return dict(tensor_dict)
 
 

@@ -25,7 +25,7 @@ import torch
 import stream_st.compat as compat
 import stream_st.numpy as st_np
 import stream_st.torch as st_pt
-from stream_st import SafetensorsError
+from stream_st import HeaderError, SafetensorsError
 
 
 def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
@@ -820,6 +820,31 @@ def test_low_level_misuse_is_refused_as_by_the_reference() -> None:
         compat.serialize({"a": spec})
     with pytest.raises(compat.SafetensorError):
         compat.deserialize(b"garbage")
+
+
+def test_serialize_refuses_a_name_utf8_cannot_encode_as_the_reference(tmp_path: Path) -> None:
+    """A lone surrogate in a name: the reference's ``UnicodeEncodeError`` (and a
+    ``HeaderError``), as the dict API raises it, where ``serialize`` and ``serialize_file``
+    raised a ``HeaderError`` alone; nothing written."""
+    data = np.arange(2, dtype=np.float32)
+    path = tmp_path / "t.safetensors"
+
+    def specs(kind: Any) -> dict[str, Any]:
+        spec = kind(dtype="float32", shape=[2], data_ptr=data.ctypes.data, data_len=8)
+        return {"a": spec, "\udcff": spec}
+
+    for name in ("serialize", "serialize_file"):
+        args = (path,) if name == "serialize_file" else ()
+        ours = partial(getattr(compat, name), specs(compat.TensorSpec), *args)
+        raises_the_reference_s_type(
+            ours, partial(getattr(safetensors, name), specs(safetensors.TensorSpec), *args)
+        )
+        with pytest.raises(UnicodeEncodeError, match="must be valid Unicode text") as caught:
+            ours()
+        assert str(caught.value).startswith("tensor name '\\udcff'")
+        assert isinstance(caught.value, HeaderError)
+        assert caught.value.reason == "surrogates not allowed"
+    assert not path.exists()
 
 
 @pytest.mark.parametrize("backend", ["mmap", "pread"])
