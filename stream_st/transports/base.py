@@ -241,12 +241,24 @@ class Sink(ABC):
 
     clock: Clock = UNLIMITED
     name: str = "<sink>"
+    _claimed = False
     random_access: bool = False
     kernel_copies: bool = False
     """Whether :meth:`copy_in` can write bytes of a local file here (a local file can)."""
 
     def __init__(self) -> None:
         self.position = 0
+
+    def claim(self) -> None:
+        """Take this sink for one message; a second is a :class:`~stream_st.UsageError` (a sink
+        commits one message: two writers would each write part of it, a later one after its
+        commit)."""
+        if self._claimed:
+            raise UsageError(
+                f"{self.name}: this sink was given to another write already; a sink takes one "
+                "message: open a new one for each write (or pass its path or URL)"
+            )
+        self._claimed = True
 
     def add_transport(self, transport: Transport) -> None:  # noqa: B027 - HTTP-based only
         """Apply an operation's ``headers`` and ``ssl_context``; only transports that make HTTP

@@ -712,10 +712,13 @@ async def test_unsupported_destinations(tmp_path: pathlib.Path) -> None:
 
 async def test_a_sink_object_is_used_as_is(tmp_path: pathlib.Path) -> None:
     sink = await open_sink(tmp_path / "direct.st", fsync=True)
-    assert isinstance(sink, FileSink) and await open_sink(sink) is sink
+    assert isinstance(sink, FileSink)
     await stream_st.save(sink, {"x": np.arange(3, dtype=np.uint8)})
     assert (await stream_st.load(tmp_path / "direct.st"))["x"].tolist() == [0, 1, 2]
     assert leftovers(tmp_path, "direct.st") == []
+    given = FileSink(tmp_path / "other.st")  # one message each: open_sink takes it
+    assert await open_sink(given) is given
+    await given.abort()
 
 
 async def test_bad_plans_fail_before_anything_is_created(tmp_path: pathlib.Path) -> None:

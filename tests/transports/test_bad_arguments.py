@@ -229,6 +229,29 @@ async def test_a_source_object_given_to_a_second_read_is_refused(tmp_path: Path)
     assert "read once" in str(refused)
 
 
+async def test_a_sink_object_given_to_a_second_write_is_refused(tmp_path: Path) -> None:
+    """A :class:`~stream_st.sinks.Sink` takes one message: given to a second writer (while the
+    first writes, or after its commit), a UsageError, as a source given to a second read is,
+    where two writers at once committed one file mixing both messages."""
+    import numpy as np
+
+    path = tmp_path / "x.safetensors"
+    sink = FileSink(path)
+    first = stream_st.open_writer(sink, [stream_st.TensorSpec("a", "F32", (4,))])
+    second = stream_st.open_writer(sink, [stream_st.TensorSpec("b", "I32", (4,))])
+    with pytest.raises(stream_st.UsageError, match="given to another write already"):
+        async with first:
+            await first.write("a", np.ones(4, np.float32))
+            async with second:
+                await second.write("b", np.full(4, 7, np.int32))
+    assert not path.exists()
+    sink = FileSink(path)
+    await stream_st.save(sink, {"a": np.ones(4, np.float32)})
+    with pytest.raises(stream_st.UsageError, match="one message"):
+        await stream_st.save(sink, {"b": np.full(4, 7, np.int32)})
+    assert list(await stream_st.load(path)) == ["a"]
+
+
 async def test_connect_and_listen_name_only_the_limits_they_take() -> None:
     """``connect``/``listen`` take the limits and no transport options: a misspelt keyword's
     message lists just those, where it offered ``headers`` and ``ssl_context``, which they then

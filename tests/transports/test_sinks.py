@@ -239,6 +239,21 @@ async def test_s3_small_object_in_one_put(
     same(await stream_st.load("s3://uploads/small.safetensors"), TENSORS)
 
 
+async def test_s3_sink_given_to_a_second_write_is_refused(
+    s3: tuple[MotoS3Server, S3Config],
+) -> None:
+    """An S3Sink takes one message: a second save of it is a UsageError, the object left as the
+    first wrote it and no upload pending, where it was written again from its own state."""
+    server, config = s3
+    sink = S3Sink("s3://uploads/m/once.safetensors", config=config, part_size=MIN_PART_SIZE)
+    await stream_st.save(sink, BIG)
+    with pytest.raises(stream_st.UsageError, match="given to another write already"):
+        await stream_st.save(sink, TENSORS)
+    body = server.client().get_object(Bucket="uploads", Key="m/once.safetensors")["Body"].read()
+    assert body == reference_numpy.save(BIG)
+    assert pending_uploads(server) == []
+
+
 @pytest.mark.parametrize("how", ["exception", "cancel", "missing tensor"])
 async def test_s3_failed_upload_leaves_nothing(s3: tuple[MotoS3Server, S3Config], how: str) -> None:
     server, config = s3
