@@ -69,9 +69,11 @@ class TensorSpec:
     For ``float4_e2m1fn_x2`` (two values a byte) the shape given is the storage's and the last
     dimension is doubled, as in the reference. Refused as the reference refuses them: a dtype
     not among those names (a safetensors code such as ``"F32"`` is not) with a
-    :class:`~stream_st.DtypeError` (a ``SafetensorError``); a dtype that is not a string, or a
-    shape, ``data_ptr`` or ``data_len`` that is not integers, with a ``TypeError``; a negative
-    number or one past 64 bits with an ``OverflowError``."""
+    :class:`~stream_st.DtypeError` (a ``SafetensorError``); a dtype that is not a string, a
+    shape that is not a sequence (a list, a tuple: not a set, a dict or a generator) of
+    integers, or a ``data_ptr`` or ``data_len`` that is not an integer, with a ``TypeError``; a
+    negative number or one past 64 bits (an F4 last dimension too, once doubled) with an
+    ``OverflowError``."""
 
     __slots__ = ("_data_len", "_data_ptr", "_dtype", "_shape")
 
@@ -83,8 +85,17 @@ class TensorSpec:
         code = _CODES.get(dtype)
         if code is None:
             raise DtypeError(f'Unknown dtype "{dtype}". Supported dtypes: {", ".join(_CODES)}')
+        if isinstance(shape, Mapping) or not hasattr(type(shape), "__getitem__"):
+            raise WrongTypeError(  # as by the reference: a set (of no order), a dict, an iterator
+                f"argument 'shape': '{type(shape).__name__}' object is not an instance of "
+                "'Sequence'"
+            )
         dims = [_unsigned(dim, "shape") for dim in integer_shape(shape)]
         if code == "F4" and dims:
+            if (dims[-1] * 2) >> 64:
+                raise UnsignedOverflowError(
+                    f"F4 last-dim {dims[-1]} doubled to logical shape overflows usize"
+                )
             dims[-1] *= 2
         self._dtype = code
         self._shape = dims

@@ -741,11 +741,17 @@ def test_serialize_and_deserialize_as_the_reference(tmp_path: Path) -> None:
         [],
         [-1],
         [3, -2],
+        {4, 2},
+        {2: 0, 4: 0},
+        iter((2, 4)),
+        range(3),
+        np.array([2, 3]),
     ],
 )
 def test_a_tensor_spec_s_shape_is_taken_as_the_reference_takes_it(shape: Any) -> None:
     """Integers (Python's, numpy's: anything with ``__index__``) and nothing else: a float is
-    refused, not truncated."""
+    refused, not truncated; in a sequence, not a set (taken in its order: ``{4, 2}`` gave
+    ``[2, 4]``), a dict or an iterator, which were taken."""
 
     def spec(kind: Any) -> Any:
         return kind(dtype="float32", shape=shape, data_ptr=0, data_len=0)
@@ -784,6 +790,8 @@ def test_a_tensor_spec_s_shape_is_taken_as_the_reference_takes_it(shape: Any) ->
         {"data_ptr": 1 << 64},
         {"shape": [1 << 64]},
         {"shape": [(1 << 64) - 1]},
+        {"dtype": "float4_e2m1fn_x2", "shape": [1 << 63]},
+        {"dtype": "float4_e2m1fn_x2", "shape": [2, (1 << 63) - 1]},
     ],
 )
 def test_a_tensor_spec_takes_the_dtypes_and_integers_the_reference_takes(
@@ -792,7 +800,8 @@ def test_a_tensor_spec_takes_the_dtypes_and_integers_the_reference_takes(
     """The reference's dtype names only: a safetensors code (``"F32"``) was taken, where the
     reference raises ``SafetensorError('Unknown dtype "F32". Supported dtypes: ...')``; a dtype
     not a string, an address or length not an integer (a float was truncated) or past 64 bits
-    are refused with the reference's built-in type."""
+    are refused with the reference's built-in type; an F4 last dimension past 64 bits once
+    doubled with its ``SafetensorError`` (an ``OverflowError`` too), where it was taken."""
 
     def spec(kind: Any) -> Any:
         return kind(**{"dtype": "float32", "shape": [0], "data_ptr": 0, "data_len": 0} | arguments)
@@ -820,6 +829,8 @@ def test_low_level_misuse_is_refused_as_by_the_reference() -> None:
         compat.serialize({"a": spec})
     with pytest.raises(compat.SafetensorError):
         compat.deserialize(b"garbage")
+    with pytest.raises(OverflowError):  # the F4 dimension doubled: past 64 bits
+        compat.TensorSpec(dtype="float4_e2m1fn_x2", shape=[1 << 63], data_ptr=0, data_len=0)
 
 
 def test_serialize_refuses_a_name_utf8_cannot_encode_as_the_reference(tmp_path: Path) -> None:
