@@ -4,6 +4,7 @@ and its digest checks.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,8 +34,9 @@ class KVReceiver:
     reading, which stops the sender (backpressure), and memory stays bounded. Iterate for
     ``(layer, key, value)`` in order (each layer is released as the next is asked for: keep
     what you need of it), or ``await wait_for_layer(i)`` for one layer (as attention does,
-    layer by layer; :meth:`release` it once used). ``received_at`` and ``verified_at`` time
-    each layer (``time.perf_counter()`` values).
+    layer by layer; :meth:`release` it once used). ``received_at[i]`` and ``verified_at[i]``
+    time layer ``i``: when its bytes were all in, and when it was checked and handed out
+    (``time.perf_counter()`` values; NaN while it has not been).
 
     ``integrity`` says what was checked before a layer was handed out: ``"layer-sha256"`` (each
     layer's ``layer_{i}_digest``), ``"tensor-digests"`` (the file's ``stream_st.digest`` keys,
@@ -55,8 +57,8 @@ class KVReceiver:
         self.integrity = integrity or ("layer-sha256" if layout.digest else "unverified")
         self._asked = -1  # the highest layer asked for so far
         self._asked_changed = anyio.Event()
-        self.received_at: list[float] = []
-        self.verified_at: list[float] = []
+        self.received_at = [math.nan] * layout.num_layers  # by layer, whatever order they come in
+        self.verified_at = [math.nan] * layout.num_layers
         self._codec = layout.get_codec()
         self._layers: dict[int, tuple[Array, Array]] = {}
         self._events = [anyio.Event() for _ in range(layout.num_layers)]
@@ -141,7 +143,7 @@ class KVReceiver:
                     if len(parts) < wanted:
                         continue
                     del pending[layer]
-                    self.received_at.append(time.perf_counter())
+                    self.received_at[layer] = time.perf_counter()
                     before, finished = finished, anyio.Event()
                     group.start_soon(self._settle, layer, parts, digest, before, finished)
                     complete[layer] = True
@@ -176,7 +178,7 @@ class KVReceiver:
         key = self._codec.decode(key_name(layer), parts, dtype)
         value = self._codec.decode(value_name(layer), parts, dtype)
         self._layers[layer] = (key, value)
-        self.verified_at.append(time.perf_counter())
+        self.verified_at[layer] = time.perf_counter()
         self._events[layer].set()
         finished.set()
 

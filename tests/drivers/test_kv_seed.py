@@ -71,6 +71,10 @@ async def test_the_seeds_own_example_is_received(tmp_path: Path) -> None:
     assert order[2:4] == ["layer_10_key", "layer_10_value"]  # not layer order on disk
     kv_in, got = await receive_all(path, max_ahead=0)
     assert list(got) == list(range(22))
+    for times in (kv_in.received_at, kv_in.verified_at):  # by layer, not by arrival
+        assert len(times) == 22 and times[10] < times[2]
+        layers = [int(name.split("_")[1]) for name in order[::2]]
+        assert [times[layer] for layer in layers] == sorted(times)
     for layer, (key, value) in got.items():
         assert key.dtype == np.float32 and key.shape == (1, 4, 8, 64)
         assert np.array_equal(key, tensors[f"layer_{layer}_key"])
