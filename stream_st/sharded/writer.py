@@ -536,7 +536,8 @@ def _checked_prefix(prefix: object) -> str:
     """``prefix=`` of a sharded checkpoint, checked before anything is written: a plain file
     name, not empty, without ``/`` or surrounding spaces, that makes shard names an index may
     hold (:func:`~stream_st.core.shards.shard_name`: no control character, ``\\``, ``:``,
-    ``?`` or ``#``). :class:`ArgumentTypeError` unless a string, :class:`UsageError` else."""
+    ``?`` or ``#``), none of them a held name (:data:`_HELD`, which a writer's sweep removes).
+    :class:`ArgumentTypeError` unless a string, :class:`UsageError` else."""
     if not isinstance(prefix, str):
         raise ArgumentTypeError(f"prefix must be a string, got {type(prefix).__name__}")
     try:
@@ -549,6 +550,12 @@ def _checked_prefix(prefix: object) -> str:
         raise UsageError(
             "prefix must be a plain file name, without '/', surrounding spaces, control "
             f"characters, '\\', ':', '?' or '#', got {prefix!r}"
+        )
+    if any(_HELD.fullmatch(f"{prefix}{end}") for end in (".safetensors", "-00001.safetensors")):
+        raise UsageError(
+            f"prefix {prefix!r} makes names of the form .<8 hex digits>.partial.<name>, those a "
+            "writer holds until its commit: the next writer in the folder would remove the "
+            "checkpoint as a killed writer's leftovers"
         )
     return prefix
 
@@ -960,7 +967,8 @@ def open_sharded_writer(
     shard whenever the next tensor would take the current one past ``max_shard_size`` bytes of
     data, then ``{prefix}.safetensors.index.json``. A single shard is named
     ``{prefix}.safetensors``; ``prefix`` is a plain file name (no ``/``, surrounding spaces,
-    control characters, ``\\``, ``:``, ``?`` or ``#``) short enough for the directory to take
+    control characters, ``\\``, ``:``, ``?`` or ``#``, nor the start of a name a writer holds
+    until its commit, ``.<8 hex digits>.partial.``) short enough for the directory to take
     ``{prefix}-NNNNN-of-NNNNN.safetensors`` (27 bytes longer), refused with ``metadata`` that is no
     mapping of strings before anything is written. ``checksums=True`` (or an algorithm's name)
     records each tensor's digest in its shard's ``__metadata__``, as

@@ -269,6 +269,27 @@ async def test_a_prefix_that_is_no_plain_file_name_is_refused(tmp_path: Path, pr
 
 
 @pytest.mark.parametrize(
+    "prefix", [".0123abcd.partial.model", ".0123abcd.partial", "..89abcdef.partial.m"]
+)
+async def test_a_prefix_making_held_names_is_refused(tmp_path: Path, prefix: str) -> None:
+    """Before anything is written: its shards and index had the names a writer holds until its
+    commit (.<8 hex digits>.partial.<name>), and the next writer in the folder removed the
+    committed checkpoint as a killed writer's leftovers. A prefix near it is taken and kept."""
+    with pytest.raises(stream_st.UsageError, match="a writer holds until its commit"):
+        open_sharded_writer(tmp_path, max_shard_size=100, prefix=prefix)
+    assert list(tmp_path.iterdir()) == []
+    near = ".0123ABCD.partial.model"  # not hexadecimal as a writer writes it: never swept
+    async with open_sharded_writer(tmp_path, max_shard_size=100, prefix=near) as w:
+        await w.write("a", np.ones(4))
+        await w.write("b", np.ones(40))
+    committed = sorted(p.name for p in tmp_path.iterdir())
+    async with open_sharded_writer(tmp_path, max_shard_size=MB, prefix="other") as w:
+        await w.write("c", np.ones(4))
+    kept = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(near))
+    assert len(committed) == 3 and kept == committed
+
+
+@pytest.mark.parametrize(
     ("options", "error", "message"),
     [
         ({"prefix": None}, stream_st.ArgumentTypeError, "prefix must be a string, got NoneType"),
