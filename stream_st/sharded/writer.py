@@ -78,6 +78,7 @@ from ..errors import (
     UnsupportedSinkError,
     UsageError,
     WriterError,
+    boolean,
     integer_at_least,
     redact,
 )
@@ -686,7 +687,7 @@ class DatasetWriter(_RollingWriter):
         super().__init__(directory, target_shard_size, checksums, "target_shard_size")
         # in every shard's name, as readers parse it
         self.task_id = integer_at_least("task_id", task_id, 0)
-        self.generate_index = generate_index
+        self.generate_index = boolean("generate_index", generate_index)
         self._uuid = str(uuid.uuid4())
         self._schema: dict[str, dict[str, Any]] = {}
         self._columns: frozenset[str] | None = None  # the first group's (see _check_columns)
@@ -1005,7 +1006,8 @@ def open_dataset_writer(
     ``task_id`` (an integer >= 0, default 0) is the task number every shard's name carries,
     ``part-{task_id:05d}-{index:04d}-{uuid}.safetensors``, as a Spark task names its shards.
     ``generate_index=True`` also writes ``_tensor_index.parquet`` (a row per tensor: key, shard,
-    shape, dtype), as the Spark writer's option of that name does; it needs pyarrow."""
+    shape, dtype), as the Spark writer's option of that name does; it needs pyarrow. It is
+    ``True`` or ``False`` (anything else an :class:`~stream_st.ArgumentTypeError`)."""
     return DatasetWriter(
         directory,
         target_shard_size=target_shard_size,

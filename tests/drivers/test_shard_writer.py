@@ -308,6 +308,14 @@ async def test_a_sharded_writer_checks_its_arguments_first(
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.parametrize("value", ["no", 0, None])
+async def test_generate_index_takes_a_bool_alone(tmp_path: Path, value: object) -> None:
+    """As fsync= does: "no" was taken by its truth value and wrote _tensor_index.parquet."""
+    with pytest.raises(stream_st.ArgumentTypeError, match="generate_index must be True or False"):
+        open_dataset_writer(tmp_path / "data", generate_index=value)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+
+
 async def test_writers_closed_with_nothing_written(tmp_path: Path) -> None:
     """Into a directory that does not exist yet, as when tensors are written: a checkpoint of
     no tensor, a dataset of one empty shard (the layout's manifest lists at least one)."""
