@@ -275,6 +275,15 @@ def test_a_cache_of_keys_or_values_that_are_not_floats_is_refused() -> None:
         perplexity(np.zeros((1, 3), dtype=complex), [0])
 
 
+def test_perplexity_of_logits_that_are_records_or_voids_is_refused() -> None:
+    """A record of one float was cast silently (a perplexity of 4.0), a void refused by numpy's
+    own message; ml_dtypes' floats (numpy's kind "V" too) are taken."""
+    for bad in (np.zeros((2, 4), dtype=[("a", "f8")]), np.zeros((2, 4), dtype="V4")):
+        with pytest.raises(ArgumentTypeError, match="real numbers, not"):
+            perplexity(bad, [0, 1])
+    assert perplexity(np.zeros((2, 4), dtype=ml_dtypes.bfloat16), [0, 1]) == pytest.approx(4.0)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_perplexity_of_logits_that_are_not_finite_is_refused(bad: float) -> None:
     """A NaN logit gave a NaN perplexity, +inf a RuntimeWarning and NaN, -inf an infinite

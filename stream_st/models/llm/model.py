@@ -487,11 +487,13 @@ def perplexity(logits: Array, targets: Sequence[int] | Array) -> float:
     targets, each an id in ``[0, vocab)`` (-1 is no id: it would score the last one), and the
     logits are finite (a NaN or an infinity makes no probabilities);
     :class:`~stream_st.ArgumentTypeError` for targets or logits that are not numbers (logits
-    that are complex numbers, whose imaginary parts would be dropped, included)."""
+    that are complex numbers, whose imaginary parts would be dropped, voids or records
+    included; ml_dtypes' floats are numbers)."""
     try:
         given = np.asarray(logits)
-        wide = given.astype(np.float64) if given.dtype.kind in "fiuV" else None
-    except (TypeError, ValueError) as exc:  # ragged, or fields of a structured array
+        real = given.dtype.kind in "fiu" or _ml_float(given.dtype)  # no void, no record
+        wide = given.astype(np.float64) if real else None
+    except (TypeError, ValueError) as exc:  # ragged
         raise ArgumentTypeError(f"logits must be an array of numbers: {exc}") from None
     if wide is None:
         raise ArgumentTypeError(f"logits must be an array of real numbers, not {given.dtype}")
