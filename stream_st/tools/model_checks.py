@@ -271,13 +271,8 @@ class ModelConfig:
                 num_heads=self.num_attention_heads,
                 num_kv_heads=self.num_key_value_heads,
             )
-        except ModelError:
-            raise UsageError(
-                f"not a Llama configuration: {self.num_attention_heads} attention heads, "
-                f"{self.num_key_value_heads} key/value heads, hidden size {self.hidden_size} "
-                "(the heads must divide the hidden size into an even head size, the key/value "
-                "heads the heads)"
-            ) from None
+        except ModelError as exc:  # the heads, or a vocabulary holding no bos or eos id
+            raise UsageError(str(exc)) from None
 
     def tensor_count(self) -> int:
         """How many weights the model has: the embeddings, nine a layer, the final norm and,

@@ -502,7 +502,9 @@ async def test_tied_heads_unknown_tensors_and_dtypes_are_warnings(tmp_path: Path
         ({"hidden_size": "16"}, "hidden_size must be a positive integer"),
         ({"vocab_size": 0}, "vocab_size must be a positive integer"),
         ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer"),
-        ({"num_key_value_heads": 3}, "not a Llama configuration"),
+        ({"num_key_value_heads": 3}, "not a Llama configuration: 4 attention heads, 3 key/v"),
+        # the Llama decoder's own reason (its default eos id), not the heads' (was)
+        ({"vocab_size": 2}, r"not a Llama configuration: eos_token_id 2 is no id in \[0, 2\)"),
         ({"head_dim": 8}, "head_dim 8 is not hidden_size / num_attention_heads"),
         # "false" was read as true (bool of a non-empty string): a JSON boolean or nothing
         ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be True or False"),

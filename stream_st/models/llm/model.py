@@ -106,11 +106,19 @@ class LlamaConfig:
         if not counts(*sizes, self.num_heads, self.num_kv_heads) or (
             not epsilon(self.rms_norm_eps)
             or not (epsilon(self.rope_theta) and self.rope_theta > 0)  # NaN, inf, 0: NaN logits
-            or self.hidden_size % self.num_heads
+        ):
+            raise ModelError(f"not a Llama configuration: {self}")
+        if (
+            self.hidden_size % self.num_heads
             or self.num_heads % self.num_kv_heads
             or self.head_dim % 2
         ):
-            raise ModelError(f"not a Llama configuration: {self}")
+            raise ModelError(
+                f"not a Llama configuration: {self.num_heads} attention heads, "
+                f"{self.num_kv_heads} key/value heads, hidden size {self.hidden_size} (the heads "
+                "must divide the hidden size into an even head size, the key/value heads the "
+                "heads)"
+            )
         for name in ("bos_token_id", "eos_token_id"):  # -1 would never end generate
             value = getattr(self, name)
             integer = isinstance(value, int | np.integer) and not isinstance(value, bool)
