@@ -390,9 +390,11 @@ def load_model(
     freed tensor by tensor. It is the way to load a model built on the ``meta`` device (buffers
     the model does not save, ``persistent=False``, stay as built: set them after loading), and
     the fastest from a local file. The old parameter objects are no longer the model's: build an
-    optimizer after loading. A shape that differs from the model's raises
-    :class:`~stream_st.UsageError`, as does a state-dict name that is not the attribute path of
-    its tensor (a state-dict hook renaming it), before anything is replaced.
+    optimizer after loading. A state-dict name that is not the attribute path of its tensor (a
+    state-dict hook renaming it) raises :class:`~stream_st.UsageError` before anything is read,
+    a shape in the file that differs from the model's before anything is replaced (of a sharded
+    checkpoint, before anything of the shard that holds it is: the earlier shards' tensors are
+    in the model then, as after any failed load).
 
     ``device`` (as for :func:`load_file`): with ``assign=True``, where the model's tensors are
     put (each copied there as it arrives, its CPU memory let go); without it, the tensors go
@@ -439,7 +441,7 @@ def load_model(
     read = functools.partial(_received, filename, verify, clock_of(options), cache, given)
     if assign:
         slots = _Slots(model, target)
-        _, others = read(slots.place, not _facade.maps(backend), None, slots.seen)
+        _, others = read(slots.place, not _facade.maps(backend), None, slots.seen, slots.fits)
         missing, unexpected = slots.outcome(others)
     else:
         missing, unexpected = _load_into(model, read, _facade.maps(backend))
@@ -487,7 +489,7 @@ def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str
         return True
 
     try:
-        placed, fresh = read(place, bool(into) or not maps, into, seen)
+        placed, fresh = read(place, bool(into) or not maps, into, seen, None)
     except BaseException:  # some may hold bytes already: which, no one can tell
         _shared.changed_in_place(into.values())
         raise
@@ -567,6 +569,15 @@ class _Slots:
         for group in {id(group): group for group in self._group.values()}.values():
             self._overruled.update([name for name in group if name in in_file][:-1])
 
+    def fits(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """:class:`UsageError` for the first of ``shapes`` (a file's tensors, or a shard's,
+        told before any of them is placed) whose shape :meth:`place` would refuse."""
+        for name, shape in shapes.items():
+            names = self._group.get(name)
+            if names is not None:
+                module, attribute = self._slot(names[0])
+                _check_shape(name, shape, getattr(module, attribute))
+
     def place(self, name: str, tensor: Any) -> bool:
         """Put ``tensor`` where ``name`` (and every name tied to it) lives; False if the model
         has no such name; :class:`UsageError` for a shape that differs from the model's (shape
@@ -577,13 +588,9 @@ class _Slots:
             return False
         module, attribute = self._slot(names[0])
         old = getattr(module, attribute)
+        _check_shape(name, tuple(tensor.shape), old)
         if old.dim() == 0 and tuple(tensor.shape) == (1,):
             tensor = tensor.reshape(())  # an old checkpoint's scalar, as load_state_dict takes it
-        if old.shape != tensor.shape:
-            raise UsageError(
-                f"size mismatch for {name}: the file has shape {list(tensor.shape)}, "
-                f"the model {list(old.shape)}"
-            )
         if name in self._overruled:
             self._given.add(name)
             return True
@@ -668,6 +675,16 @@ class _Slots:
         )
 
 
+def _check_shape(name: str, shape: tuple[int, ...], old: Any) -> None:
+    """:class:`UsageError` unless a tensor of ``shape`` takes the place of ``old``, the model's
+    tensor ``name``: of its shape, or [1] for a 0-d one (an old checkpoint's scalar)."""
+    if shape != tuple(old.shape) and not (old.dim() == 0 and shape == (1,)):
+        raise UsageError(
+            f"size mismatch for {name}: the file has shape {list(shape)}, "
+            f"the model {list(old.shape)}"
+        )
+
+
 class _Geometry:
     """How a tensor lies in its storage (in elements): enough to view another storage alike."""
 
@@ -696,11 +713,22 @@ class _Geometry:
 _Placed = tuple[set[str], list[tuple[str, Any]]]
 """The names ``place`` took (see :func:`_received`), and the tensors it did not."""
 
+_Fits = Callable[[Mapping[str, tuple[int, ...]]], None]
+"""Told the shapes (as torch tensors hold them) of a file's tensors, or of a shard's, before
+any of them is handed to ``place``; raises to refuse them all (see :func:`_received`)."""
+
 _Read = Callable[
-    [Callable[[str, Any], bool], bool, dict[str, Any] | None, Callable[[Collection[str]], None]],
+    [
+        Callable[[str, Any], bool],
+        bool,
+        dict[str, Any] | None,
+        Callable[[Collection[str]], None],
+        _Fits | None,
+    ],
     _Placed,
 ]
-"""``read(place, copy, into, seen)``: :func:`_received` of a ``load_model`` call's file."""
+"""``read(place, copy, into, seen, fits)``: :func:`_received` of a ``load_model`` call's
+file."""
 
 
 def _received(
@@ -713,23 +741,27 @@ def _received(
     copy: bool,
     into: dict[str, Any] | None,
     seen: Callable[[Collection[str]], None],
+    fits: _Fits | None,
 ) -> _Placed:
     """:func:`_receive` of ``src``, the call's options ``given``. Read without a copy, nothing
     received into given memory, a local file with no option is read as :func:`load_file` reads
     it: mapped, with no event loop to start. ``seen`` is told the file's names before any
-    tensor is read or handed to ``place``."""
+    tensor is read or handed to ``place``, ``fits`` (unless None) their shapes before any is
+    handed to it (of a sharded checkpoint, each shard's before any of that shard's is)."""
     from .compat._sync import run
 
     if not copy and not into:
         loaded = _local.load_mapped(src, True, verify, "mmap", given)
         if loaded is not None:
             seen(list(loaded))
+            if fits is not None:
+                fits({name: tuple(tensor.shape) for name, tensor in loaded.items()})
             placed: set[str] = set()
             others: list[tuple[str, Any]] = []
             for name in list(loaded):  # each let go once placed
                 _hand(place, name, loaded.pop(name), placed, others)
             return placed, others
-    return run(_receive, src, place, seen, verify, clock, copy, into, cache)
+    return run(_receive, src, place, seen, fits, verify, clock, copy, into, cache)
 
 
 def _hand(
@@ -751,6 +783,7 @@ async def _receive(
     src: SourceLike,
     place: Callable[[str, Any], bool],
     seen: Callable[[Collection[str]], None],
+    fits: _Fits | None,
     verify: bool,
     clock: Clock,
     copy: bool,
@@ -759,8 +792,11 @@ async def _receive(
 ) -> _Placed:
     """Read every tensor of ``src`` (``into`` those it can take, as it holds them once ``seen``
     was told the file's names) and hand each to ``place``; the names it took, and the tensors
-    it did not. Of an index without a weight map, ``seen`` is told none."""
+    it did not. Of an index without a weight map, ``seen`` is told none. ``fits`` (unless None)
+    is told the shapes of the file's tensors before the first is handed to ``place``, of a
+    sharded checkpoint's shard by shard, before each shard's first."""
     from ._api import stream_for
+    from .core.arrays import torch_shape
     from .memory.delivery import Delivery
     from .sharded.reader import ShardedStream
 
@@ -776,11 +812,15 @@ async def _receive(
     )
     try:
         await stream.open(read_all=True)  # every byte: one request, the copy given its room
+        checked = None  # the header whose shapes fits was told
         if isinstance(stream, ShardedStream):
             seen(list(stream.index.weight_map or ()))
         else:
             seen([info.name for info in stream.header.tensors])
         async for name, tensor in stream:
+            if fits is not None and stream.header is not checked:  # the file's, or a new shard's
+                checked = stream.header
+                fits({info.name: torch_shape(info.dtype, info.shape) for info in checked.tensors})
             _hand(place, name, tensor, placed, others)
     finally:
         await stream.aclose()

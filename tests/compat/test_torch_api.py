@@ -750,6 +750,63 @@ def test_load_model_assign_reports_and_refuses_as_without(tmp_path: Path) -> Non
         st.load_model(Tied(), tmp_path / "bad.safetensors", assign=True)
 
 
+class Three(torch.nn.Module):
+    """Parameters ``a`` and ``b`` of shape [2], ``c`` of shape [3]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(2))
+        self.b = torch.nn.Parameter(torch.zeros(2))
+        self.c = torch.nn.Parameter(torch.zeros(3))
+
+
+def _bad_c() -> dict[str, torch.Tensor]:
+    """``Three``'s tensors, ``c`` (last in a file) of another shape."""
+    return {"a": torch.full((2,), 7.0), "b": torch.full((2,), 5.0), "c": torch.ones(4)}
+
+
+@pytest.mark.parametrize("how", ["mapped", "pread", "http"])
+def test_load_model_assign_refuses_a_shape_before_anything_is_replaced(
+    tmp_path: Path, http: RangeHTTPServer, how: str
+) -> None:
+    """A shape in the file that differs from the model's (``c``'s, after ``a`` and ``b``): a
+    UsageError, the model's parameters its own still, where ``a`` and ``b`` had been replaced
+    already, the docstring saying otherwise."""
+    path = tmp_path / "m.safetensors"
+    st.save_file(_bad_c(), path)
+    address: str | Path = path
+    options: dict[str, Any] = {"backend": "pread"} if how == "pread" else {}
+    if how == "http":
+        http.objects["/m.safetensors"] = path.read_bytes()
+        address = http.url("/m.safetensors")
+    model = Three()
+    before = dict(model.named_parameters())
+    with pytest.raises(UsageError, match=r"size mismatch for c: the file has shape \[4\]"):
+        st.load_model(model, address, assign=True, **options)
+    assert all(getattr(model, name) is old for name, old in before.items()), how
+    assert not model.a.any() and not model.b.any()
+
+
+def test_load_model_assign_refuses_a_shape_before_anything_of_its_shard_is_replaced(
+    tmp_path: Path,
+) -> None:
+    """Of a sharded checkpoint, a shard's shapes are checked as its header is read: a shape that
+    differs refuses the load before any tensor of that shard is placed (``b``, before ``c``),
+    those of the shards before it in the model, as the docstring says."""
+    tensors = _bad_c()
+    st.save_file({"a": tensors["a"]}, tmp_path / "one.safetensors")
+    st.save_file({"b": tensors["b"], "c": tensors["c"]}, tmp_path / "two.safetensors")
+    index = tmp_path / "m.safetensors.index.json"
+    shards = {"a": "one.safetensors", "b": "two.safetensors", "c": "two.safetensors"}
+    index.write_text(json.dumps({"metadata": {}, "weight_map": shards}))
+    model = Three()
+    b, c = model.b, model.c
+    with pytest.raises(UsageError, match=r"size mismatch for c: the file has shape \[4\]"):
+        st.load_model(model, index, assign=True)
+    assert torch.equal(model.a, tensors["a"])  # the first shard's: placed
+    assert model.b is b and model.c is c
+
+
 class Scalars(torch.nn.Module):
     """A 0-d parameter and a 0-d buffer, which old checkpoints hold with shape [1]."""
 
@@ -849,10 +906,13 @@ def test_load_model_of_both_tied_names_checks_the_shape_of_the_one_dropped(
     with pytest.raises(RuntimeError, match=r"size mismatch for z\.weight"):
         reference.load_model(expected, path, strict=strict)
     model = TiedBackwards()
+    weight = model.z.weight
     address, options = _tied_load(path, http, how, strict=strict)
     with pytest.raises(UsageError, match=r"size mismatch for z\.weight"):
         st.load_model(model, address, **options)
-    if how != "assign":  # assign=True: the tensors placed before the mismatch stay
+    if how == "assign":  # refused before anything is replaced
+        assert model.a.weight is model.z.weight is weight
+    else:
         assert torch.equal(model.z.weight, expected.z.weight)
         assert torch.equal(model.a.weight, torch.full((4, 4), 1.0))
 
