@@ -631,6 +631,32 @@ async def test_hub_wrong_bytes_are_not_kept(hub: FakeHub, tmp_path: Path) -> Non
     assert not list((tmp_path / "hub-cache").rglob("blobs/*"))
 
 
+@pytest.mark.parametrize("size", ["\xb2", "9" * 5000])
+async def test_a_hub_size_of_no_ascii_digits_is_no_size(
+    hub: FakeHub, monkeypatch: pytest.MonkeyPatch, size: str
+) -> None:
+    """``X-Linked-Size: ²``: ``'²'.isdigit()`` holds but ``int('²')`` raised a bare ValueError;
+    such a size (or one of more digits than ``int`` reads) is none, the object's own used."""
+    hub.push("org/model", {"model.safetensors": DATA})
+    reply = hub.hub._reply
+
+    def sized(request: Any, status: int, headers: dict[str, str], body: bytes) -> bool:
+        return reply(request, status, {**headers, "X-Linked-Size": size}, body)
+
+    monkeypatch.setattr(hub.hub, "_reply", sized)
+    await read_as("hf://org/model/model.safetensors", ARRAYS, "fetch", cache=True)
+
+
+def test_a_temporary_file_of_no_ascii_pid_is_a_leftover(tmp_path: Path) -> None:
+    """``.<etag>.json.².tmp`` in a Hub repository's folder: ``'²'.isdigit()`` holds but
+    ``int('²')`` raised a bare ValueError in cache ls and prune."""
+    mine = tmp_path / "hub" / "models--org--model" / ".stream_st"
+    mine.mkdir(parents=True)
+    (mine / ".e1.json.\xb2.tmp").write_bytes(b"{}")
+    (entry,) = entries(Cache.at(tmp_path))
+    assert entry.leftover and entry.files == [mine / ".e1.json.\xb2.tmp"]
+
+
 def test_remove_leaves_an_entry_being_written(tmp_path: Path) -> None:
     from stream_st.transports.cache.store import EntryLock
 

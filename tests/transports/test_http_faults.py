@@ -183,6 +183,14 @@ GARBAGE = {
         b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n" + SMALL,
         "Content-Length '-5'",
     ),
+    "superscript length": (
+        "HTTP/1.1 200 OK\r\nContent-Length: 1\xb2\r\n\r\n".encode("latin-1") + SMALL,
+        "Content-Length '1\xb2'",
+    ),
+    "length past int's digits": (  # more than int() reads: a ValueError
+        b"HTTP/1.1 200 OK\r\nContent-Length: %s\r\n\r\n" % (b"9" * 5000) + SMALL,
+        "malformed Content-Length '9999",
+    ),
     "chunk size not hex": (CHUNKED_HEAD + b"zz\r\nabc\r\n", "chunk size line b'zz'"),
     "chunk size with 0x": (CHUNKED_HEAD + b"0x8\r\n" + SMALL[:8], "chunk size line b'0x8'"),
     "chunk without line end": (
@@ -196,6 +204,12 @@ GARBAGE = {
     "two-digit status": (b"HTTP/1.1 20 OK\r\nContent-Length: 0\r\n\r\n", "status line"),
     "not HTTP": (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "status line"),
     "endless 100 Continue": (b"HTTP/1.1 100 Continue\r\n\r\n" * 2000, "interim"),
+    "range end past int's digits": (
+        b"HTTP/1.1 206 Partial\r\nContent-Range: bytes 0-%s/%d\r\nContent-Length: %d\r\n\r\n"
+        % (b"9" * 5000, len(SMALL), len(SMALL))
+        + SMALL,
+        "unusable Content-Range",
+    ),
     "range end past the size": (
         b"HTTP/1.1 206 Partial\r\nContent-Range: bytes 0-99999/%d\r\nContent-Length: %d\r\n\r\n"
         % (len(SMALL), len(SMALL))
@@ -222,6 +236,18 @@ async def test_garbage_answers_are_protocol_errors(
         await load(url)
     assert info.value.url == url
     assert connections == 1  # not retried: the answer would be as garbled
+
+
+@pytest.mark.parametrize("size", ["\xb2", "0", "abc"])
+async def test_a_416_to_the_first_bytes_naming_no_size_is_an_empty_object(
+    raw_server: Serve, size: str
+) -> None:
+    """``bytes */²``: ``'²'.isdigit()`` holds but ``int('²')`` raised a bare ValueError; a size
+    that is no number of ASCII digits is no size, as ``abc`` is."""
+    head = f"HTTP/1.1 416 Range Not Satisfiable\r\nContent-Range: bytes */{size}\r\n"
+    url = raw_server(answer((head + "Content-Length: 0\r\n\r\n").encode("latin-1")))
+    with pytest.raises(stream_st.HeaderError, match="got only 0 bytes"):
+        await stream_st.read_header(url + "/f.safetensors", timeout=5)
 
 
 async def test_interim_answers_are_skipped(raw_server: Serve) -> None:

@@ -56,13 +56,16 @@ def closed_port() -> int:
 
 
 class RefusingProxy(LoopbackServer):
-    """A proxy that answers every request (``CONNECT`` included) with 407, and records the
-    ``Proxy-Authorization`` header of each; with ``bare_lf``, its lines end in a bare LF and it
-    keeps the connection open until the client closes it."""
+    """A proxy that answers every request (``CONNECT`` included) with 407 (or ``status``), and
+    records the ``Proxy-Authorization`` header of each; with ``bare_lf``, its lines end in a
+    bare LF and it keeps the connection open until the client closes it."""
 
-    def __init__(self, *, bare_lf: bool = False) -> None:
+    def __init__(
+        self, *, bare_lf: bool = False, status: bytes = b"407 Proxy Authentication Required"
+    ) -> None:
         self.credentials: list[str | None] = []
         self.bare_lf = bare_lf
+        self.status = status
         super().__init__()
 
     def handle(self, connection: socket.socket) -> None:
@@ -72,7 +75,7 @@ class RefusingProxy(LoopbackServer):
             auth = headers.get("Proxy-Authorization")
             self.credentials.append(auth.strip() if auth else None)
             answer = (
-                b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n"
+                b"HTTP/1.1 " + self.status + b"\r\nContent-Length: 0\r\n"
                 b'Proxy-Authenticate: Basic realm="p"\r\nConnection: close\r\n\r\n'
             )
             if self.bare_lf:
@@ -177,6 +180,21 @@ async def test_a_proxy_answering_in_bare_lf_lines_is_understood(
         proxy.close()
 
 
+async def test_a_status_of_superscript_digits_is_a_refusal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``HTTP/1.1 ²00 OK``: ``'²00'.isdigit()`` holds but ``int('²00')`` raised a bare
+    ValueError."""
+    proxy = RefusingProxy(status="\xb200 OK".encode("latin-1"))
+    try:
+        monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{proxy.port}")
+        source = stream_st.HttpSource("https://198.51.100.7/m.safetensors", retries=0)
+        with pytest.raises(TransportError, match=r"refused CONNECT 198\.51\.100\.7:443: HTTP 0"):
+            await stream_st.read_header(source, timeout=3)
+    finally:
+        proxy.close()
+
+
 @pytest.mark.parametrize("proxy", ["socks5://127.0.0.1:1080", "socks5h://h:1", "https://p:3128"])
 async def test_unsupported_proxies_are_refused(monkeypatch: pytest.MonkeyPatch, proxy: str) -> None:
     monkeypatch.setenv("HTTPS_PROXY", proxy)
@@ -231,6 +249,9 @@ def test_lower_case_wins_and_cgi_ignores_upper_case_http_proxy() -> None:
         ("http://[fd00::5]/", "fd00::/8", True),
         ("http://h/", "a b,  ,h", True),
         ("http://h/", "", False),
+        ("http://h:8080/", "h:x", True),  # a port that is no number: any port
+        ("http://h:8080/", "h:\xb2", True),  # '²'.isdigit() holds; int('²') raised
+        ("http://h:8080/", "h:" + "9" * 5000, True),  # more digits than int() reads
     ],
 )
 def test_no_proxy_rules(url: str, no_proxy: str, direct: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -12,9 +13,9 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st.transports.http import HTTPNotFoundError, HTTPStatusError
+from stream_st.transports.http import HTTPNotFoundError, HTTPProtocolError, HTTPStatusError
 from stream_st.transports.s3.config import S3Config, parse_s3_url
-from stream_st.transports.s3.source import S3Source
+from stream_st.transports.s3.source import S3Source, _parts_suffix
 
 from .._util import assert_same_arrays, sample_file, sample_tensors
 from ..servers.http_server import RangeHTTPServer
@@ -185,6 +186,39 @@ async def test_s3_missing_object_and_bucket(aws_env: None) -> None:
 
 def test_parse_s3_url() -> None:
     assert parse_s3_url("s3://b/k/x.safetensors") == ("b", "k/x.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("value", "count"),
+    [
+        ('"abc-3"', 3),
+        ("abc", None),
+        ('"abc-0"', None),
+        ('"abc-\xb2"', None),
+        ("a-" + "9" * 5000, None),
+    ],
+)
+def test_a_parts_suffix_is_ascii_digits(value: str, count: int | None) -> None:
+    """``"abc-²"``: ``'²'.isdigit()`` holds but ``int('²')`` raised a bare ValueError."""
+    assert _parts_suffix(value) == count
+
+
+async def test_a_part_size_that_is_no_number_is_a_protocol_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A part's HEAD answered ``Content-Length: 12x``: a bare ValueError."""
+
+    answer = SimpleNamespace(url="http://store/b/k?partNumber=1", headers={"content-length": "12x"})
+
+    async def head(self: S3Source, part: int | None = None) -> Any:
+        return answer
+
+    monkeypatch.setattr(S3Source, "_head", head)
+    config = S3Config.resolve(
+        endpoint_url="http://store", access_key_id="a", secret_access_key="b", environ={}
+    )
+    with pytest.raises(HTTPProtocolError, match="malformed Content-Length '12x'"):
+        await S3Source("s3://b/k", config=config)._uploaded_part_size(2)
 
 
 def test_sigv4_matches_the_documented_example() -> None:

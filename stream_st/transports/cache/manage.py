@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..._util import process_running
+from ..http.status import ascii_number
 from .config import Cache
 from .layout import HubEntry, ObjectEntry, partner
 from .store import EntryLock, Record, read_json
@@ -251,7 +252,7 @@ def _hub_leftovers(hub: HubEntry, mine: Path, names: list[str]) -> list[Entry]:
         if name.startswith(".") and name.endswith(".tmp"):
             etag, _, rest = name[1:].partition(".")
             pid = rest.removesuffix(".tmp").rpartition(".")[2]
-            if not (pid.isdigit() and process_running(int(pid))):
+            if not process_running(ascii_number(pid)):
                 by_etag.setdefault(etag, []).append(name)
         elif name.endswith(".part") and f"{name}.json" not in names:
             by_etag.setdefault(name.removesuffix(".part"), []).append(name)

@@ -41,6 +41,7 @@ import anyio
 from ...errors import CacheMissError, HTTPStatusError, SafetensorsError, TransportError
 from ..base import Source
 from ..http.redirect import REDIRECTS, redirected
+from ..http.status import ascii_number
 from ..http.target import Target
 from ..options import Clock, Transport
 from ..registry import open_source, read_object, scheme_of
@@ -383,7 +384,7 @@ async def _hub_head(url: str, clock: Clock) -> _HubAnswer | int:
             size_text = headers.get("x-linked-size") or (
                 headers.get("content-length") if status < 300 else None
             )
-            size = int(size_text) if size_text and size_text.isdigit() else None
+            size = ascii_number(size_text) if size_text else None
             commit = headers.get("x-repo-commit")
             commit = commit if commit and COMMIT.fullmatch(commit) else None
             far = location if status in REDIRECTS and location else None

@@ -18,11 +18,18 @@ from ...errors import (
     UsageError,
 )
 from ..options import HEADER_BREAKS
-from .status import outcome_unknown, raise_for_status
+from .status import ascii_number, outcome_unknown, raise_for_status
 from .target import Target
 from .wire import Connection, receive_error
 
-__all__ = ["Response", "Upload", "content_range", "receive_response", "request_head"]
+__all__ = [
+    "Response",
+    "Upload",
+    "content_length",
+    "content_range",
+    "receive_response",
+    "request_head",
+]
 
 _HEAD_LIMIT = 64 << 10
 _MAX_INTERIM = 32  # interim (1xx) answers accepted before the final one
@@ -129,17 +136,18 @@ async def receive_response(
     )
 
 
-def _content_length(headers: Mapping[str, str], url: str) -> int | None:
+def content_length(headers: Mapping[str, str], url: str) -> int | None:
     """The ``Content-Length`` header's value; :class:`HTTPProtocolError` if it is not a number."""
     value = headers.get("content-length")
     if value is None:
         return None
-    if not (value.isascii() and value.isdigit()):
+    number = ascii_number(value)
+    if number is None:
         raise HTTPProtocolError(f"malformed Content-Length {value[:40]!r}", url=url)
-    return int(value)
+    return number
 
 
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_CONTENT_RANGE = re.compile(r"bytes ([0-9]+)-([0-9]+)/([0-9]+|\*)")
 
 
 def content_range(headers: Mapping[str, str]) -> tuple[int, int, int | None] | None:
@@ -148,8 +156,10 @@ def content_range(headers: Mapping[str, str]) -> tuple[int, int, int | None] | N
     match = _CONTENT_RANGE.fullmatch(headers.get("content-range", ""))
     if match is None:
         return None
-    first, last, total = match.groups()
-    return int(first), int(last), None if total == "*" else int(total)
+    first, last, total = (ascii_number(text) for text in match.groups())
+    if first is None or last is None or (total is None and match[3] != "*"):
+        return None  # more digits than any size has
+    return first, last, total
 
 
 class Response(AsyncClosing):
@@ -187,7 +197,7 @@ class Response(AsyncClosing):
         if not has_body:
             self.content_length = 0
         else:
-            self.content_length = None if self._chunked else _content_length(headers, url)
+            self.content_length = None if self._chunked else content_length(headers, url)
         if self.content_length is None and not self._chunked and parsed and parsed[1] >= parsed[0]:
             # A 206 delimited by the connection closing (HTTP/1.0): its Content-Range says how
             # many bytes are due, so a close before them is a break, resumed as any other.

@@ -36,6 +36,7 @@ import anyio.abc
 
 from ...errors import TransportError, UsageError
 from .redirect import basic_authorization
+from .status import ascii_number
 from .target import Target, unreadable
 
 __all__ = ["Proxy", "proxy_for", "tunnel"]
@@ -116,7 +117,7 @@ def _host_port(entry: str) -> tuple[str, int | None]:
         host, _, port = entry.partition(":")
     else:  # a name, an IPv4 address or a bare IPv6 one
         host, port = entry, ""
-    return host, int(port) if port.isdigit() else None
+    return host, ascii_number(port)
 
 
 def _bypassed(target: Target, no_proxy: str) -> bool:
@@ -173,6 +174,6 @@ async def tunnel(stream: anyio.abc.ByteStream, proxy: Proxy, target: Target) -> 
         head += await stream.receive(1)  # byte by byte: TLS starts right after the answer
     status_line = head.split(b"\n", 1)[0].removesuffix(b"\r").decode("latin-1")
     _, status, reason = [*status_line.split(" ", 2), "", ""][:3]
-    code = int(status) if status.isdigit() else 0
+    code = ascii_number(status) or 0
     if not 200 <= code < 300:
         raise proxy.refused(f"CONNECT {authority}", code, reason, target.url)

@@ -81,7 +81,7 @@ from .client import ClientUser, HTTPClient
 from .framing import Response, content_range
 from .parts import PartWindow
 from .retry import Retries, VersionPin
-from .status import raise_for_status
+from .status import ascii_number, raise_for_status
 
 __all__ = ["ADAPTIVE_LIMIT", "ADAPTIVE_START", "FIRST_RANGE", "HttpSource"]
 
@@ -232,10 +232,11 @@ class HttpSource(ClientUser, Source):
                     await response.aclose()
                     unsatisfied = response.headers.get("content-range", "").strip()
                     total = unsatisfied.removeprefix("bytes */")
-                    if total != unsatisfied and total.isdigit() and int(total):
+                    size = ascii_number(total) if total != unsatisfied else None
+                    if size:
                         raise HTTPProtocolError(
                             f"the server refused the object's first bytes (416) while saying it "
-                            f"holds {int(total)} bytes",
+                            f"holds {size} bytes",
                             url=self.name,
                             position=0,
                         )

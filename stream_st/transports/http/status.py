@@ -22,6 +22,7 @@ from typing import Protocol
 from ...errors import HTTPNotFoundError, HTTPStatusError, OutcomeUnknownError, TransportError
 
 __all__ = [
+    "ascii_number",
     "outcome_unknown",
     "raise_for_status",
     "retry_after",
@@ -29,6 +30,8 @@ __all__ = [
     "unreadable_coding",
     "xml_field",
 ]
+
+_NUMBER_DIGITS = 100  # far beyond any size or count; int() refuses more than 4300
 
 
 class Answer(Protocol):
@@ -129,12 +132,22 @@ def _bucket_elsewhere(headers: Mapping[str, str], body: bytes) -> str | None:
     return f"the bucket is elsewhere ({named}): give its region (region=, AWS_REGION, --region)"
 
 
+def ascii_number(text: str) -> int | None:
+    """``text`` as a whole number when it is ASCII digits alone (at most 100), None otherwise:
+    what a number in a header, a status or a file name must be. ``str.isdigit`` takes ``'²'``,
+    which ``int`` refuses, and ``int`` takes ``' 1_0'`` and other scripts' digits."""
+    if text.isascii() and text.isdigit() and len(text) <= _NUMBER_DIGITS:
+        return int(text)
+    return None
+
+
 def retry_after(headers: Mapping[str, str]) -> float | None:
     """The seconds a ``Retry-After`` header asks to wait (a number of seconds or an HTTP date),
     at least 0; None without a usable one."""
     value = headers.get("retry-after", "").strip()
-    if value.isascii() and value.isdigit():
-        return float(value)
+    number = ascii_number(value)
+    if number is not None:
+        return float(number)
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError, OverflowError):

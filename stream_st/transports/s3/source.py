@@ -31,7 +31,9 @@ from ...core.digests import Crc32, Hasher, ObjectDigest, PartedHash
 from ...errors import ArgumentTypeError, HTTPStatusError, string
 from ..base import Source
 from ..http import HTTPClient, Response, raise_for_status
+from ..http.framing import content_length
 from ..http.source import HttpSource
+from ..http.status import ascii_number
 from ..options import Clock, LimitOptions
 from .config import S3Config, parse_s3_url
 
@@ -78,7 +80,7 @@ class _Checksum(NamedTuple):
 def _parts_suffix(text: str) -> int | None:
     """N from a multipart value's ``-N`` suffix (a checksum or an ETag); None without one."""
     _, dash, count = text.strip('"').rpartition("-")
-    return int(count) if dash and count.isdigit() and int(count) > 0 else None
+    return (ascii_number(count) or None) if dash else None
 
 
 class S3Source(HttpSource):
@@ -193,7 +195,7 @@ class S3Source(HttpSource):
 
         async def size_of(index: int, number: int) -> None:
             response = await self._head(number)
-            sizes[index] = int(response.headers.get("content-length", "0") or 0)
+            sizes[index] = content_length(response.headers, response.url) or 0
 
         async with task_group() as group:
             group.start_soon(size_of, 0, 1)
