@@ -827,11 +827,22 @@ async def mirror(
     clock = command_clock(options)
     raw, home = await read_object(index, clock, limit=MAX_INDEX_SIZE)
     shards = ShardIndex(raw, index, home)
-    changing = include is not None or bool(dtype or quantize or dequantize or checksums)
+    given = [
+        f"{option}= (--{option})"
+        for option, value in (
+            ("include", include is not None),
+            ("dtype", dtype),
+            ("quantize", quantize),
+            ("dequantize", dequantize),
+            ("checksums", checksums),
+        )
+        if value
+    ]
+    changing = bool(given)
     if changing and shards.weight_map is None:
         raise UsageError(
             f"{index}: a dataset manifest is mirrored as it is (its byte counts would change): "
-            "drop the conversions, or merge it into one file"
+            f"drop {', '.join(given)}, or merge it into one file"
         )
     index_name = posixpath.basename(split_address(index).path if "://" in index else index)
     allow_open_files(len(shards.shards) + 1)

@@ -376,3 +376,24 @@ def test_a_dataset_manifest_is_mirrored_as_it_is(tmp_path: Path, served: bool) -
         1.0,
         2.0,
     ]
+
+
+def test_a_dataset_manifest_refused_a_change_names_the_options_given(tmp_path: Path) -> None:
+    """``cp --include x ds/`` of a dataset manifest said "drop the conversions" where none was
+    given; the refusal names the options that were."""
+    src = tmp_path / "ds"
+
+    async def write() -> None:
+        async with stream_st.open_dataset_writer(src) as writer:
+            await writer.write_batch({"x": np.arange(4, dtype=np.float32)}, 4)
+
+    anyio.run(write)
+    manifest = str(src / "dataset_manifest.json")
+    for options, named in [
+        (["--include", "x"], "drop include= (--include), or merge"),
+        (["--dtype", "bf16", "--checksums"], "drop dtype= (--dtype), checksums= (--checksums),"),
+    ]:
+        refused = run("cp", "-q", *options, manifest, f"{tmp_path / 'dst'}/")
+        assert refused.returncode == 2 and named in refused.stderr, refused.stderr
+        assert "conversions" not in refused.stderr
+    assert not (tmp_path / "dst").exists()
