@@ -647,6 +647,27 @@ async def test_a_hub_size_of_no_ascii_digits_is_no_size(
     await read_as("hf://org/model/model.safetensors", ARRAYS, "fetch", cache=True)
 
 
+@pytest.mark.parametrize(
+    "etag", ["abc\x00def", "abc\tdef", "ab\x85c", "e" * 201, "e" * 250, "\xe9" * 101]
+)
+async def test_a_hub_etag_no_file_can_be_named_by_is_read_uncached(
+    hub: FakeHub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, etag: str
+) -> None:
+    """An ETag holding a NUL gave a bare ValueError (embedded null byte) as the blob's file
+    name; one too long for the blob's temporary files left a blob with no record ("keeping the
+    copy failed"); control characters made file names. None names a blob: the object is read
+    as it is, nothing kept."""
+    hub.push("org/model", {"model.safetensors": DATA})
+    reply = hub.hub._reply
+
+    def tagged(request: Any, status: int, headers: dict[str, str], body: bytes) -> bool:
+        return reply(request, status, {**headers, "X-Linked-Etag": f'"{etag}"'}, body)
+
+    monkeypatch.setattr(hub.hub, "_reply", tagged)
+    await read_as("hf://org/model/model.safetensors", ARRAYS, "uncached", cache=True)
+    assert not files_under(tmp_path / "hub-cache")
+
+
 def test_a_temporary_file_of_no_ascii_pid_is_a_leftover(tmp_path: Path) -> None:
     """``.<etag>.json.².tmp`` in a Hub repository's folder: ``'²'.isdigit()`` holds but
     ``int('²')`` raised a bare ValueError in cache ls and prune."""

@@ -77,6 +77,10 @@ HUB_UNSURE = frozenset({429, *range(500, 600)})
 the Hub cannot be reached: it failed (5xx) or asks to come back later (429), as
 ``huggingface_hub`` falls back to its cache."""
 
+_ETAG_BYTES = 200
+"""The most bytes of an ETag a Hub blob is named by: its longest file name, the temporary
+``.<etag>.part.json.<pid>.tmp``, stays within the 255 bytes file systems allow."""
+
 
 @dataclass
 class Resolved:
@@ -280,11 +284,12 @@ def _pruner(cache: Cache, keep: Path) -> Callable[[], None] | None:
 
 def _etag(value: str) -> str | None:
     """An ETag as the Hugging Face cache names blobs: no ``W/``, no quotes; None when empty or
-    unusable as a file name."""
+    unusable as a file name (a ``/``, a leading ``.``, a NUL or other character that is not
+    printable, more bytes than the blob's longest file name leaves room for)."""
     text = value.removeprefix("W/").strip().strip('"')
-    if not text or "/" in text or text.startswith("."):
+    if not text or "/" in text or text.startswith(".") or not text.isprintable():
         return None
-    return text
+    return text if len(text.encode()) <= _ETAG_BYTES else None
 
 
 def _hub_algorithm(etag: str) -> tuple[str, str | None]:
