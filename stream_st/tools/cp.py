@@ -7,7 +7,7 @@ import json
 import os
 import posixpath
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Unpack
@@ -149,7 +149,9 @@ def _quantized_by(metadata: Mapping[str, str]) -> Codec | None:
 
 class _Plan:
     """How ``cp`` turns each source tensor into the tensors it writes: as it is, converted to
-    ``target``, quantized with ``encoder`` or dequantized from ``decoder``'s wire tensors."""
+    ``target``, quantized with ``encoder`` or dequantized from ``decoder``'s wire tensors.
+    ``every`` names all the source's tensors, ``wanted`` those copied (``include=``'s): a
+    tensor ``decoder`` rebuilds is taken whole or not at all (see :func:`_taken_whole`)."""
 
     def __init__(
         self,
@@ -158,6 +160,7 @@ class _Plan:
         target: str | None,
         encoder: Codec | None,
         decoder: Codec | None,
+        every: Collection[str],
     ) -> None:
         self.target, self.encoder, self.decoder = target, encoder, decoder
         self.specs: list[TensorSpec] = []
@@ -165,6 +168,8 @@ class _Plan:
         self.parts: dict[str, str] = {}  # decoder: wire tensor -> the tensor it rebuilds
         self.rebuilt_as: dict[str, str] = {}  # decoder: rebuilt tensor -> its dtype code
         names = {t.name for t in wanted}
+        if decoder is not None:
+            _taken_whole(decoder, names, every)
         originals = _originals(metadata) if decoder is not None else {}
         recorded = _original(metadata) if decoder is not None else "F32"
         for info in wanted:
@@ -370,6 +375,25 @@ def _decoded_shape(codec: Codec, info: TensorInfo) -> tuple[int, ...]:
     return tuple(info.shape)
 
 
+def _taken_whole(decoder: Codec, wanted: Collection[str], every: Collection[str]) -> None:
+    """A :class:`~stream_st.UsageError` where ``wanted`` (the tensors ``include=`` takes of the
+    source's ``every``) holds some of the wire tensors a quantized tensor is rebuilt from, not
+    all: ``--dequantize`` copied codes without their scale as they were, I8 values nothing said
+    were codes any more (the codec's keys dropped), and a scale without its codes."""
+    if len(wanted) == len(every):
+        return
+    for name in sorted(every):
+        wire = decoder.part_names(name)
+        taken = [part for part in wire if part in wanted]
+        if taken and len(taken) < len(wire) and all(part in every for part in wire):
+            left = ", ".join(repr(part) for part in wire if part not in wanted)
+            raise UsageError(
+                f"--dequantize rebuilds tensor {name!r} from {' and '.join(map(repr, wire))}, "
+                f"and --include leaves out {left}: include {left} as well, or leave out "
+                f"{', '.join(map(repr, taken))}"
+            )
+
+
 async def cp(
     src: SourceLike,
     dst: SinkLike,
@@ -474,8 +498,10 @@ async def _copy(
             said = metadata.get("compression")
             why = f"its __metadata__ says compression={said}" if said else "no compression key"
             raise UsageError(f"--dequantize: the source is not quantized ({why})")
-        wanted = [t for t in tensors_of(headers) if included(include, t.name)]
-        plan = _Plan(wanted, metadata, target, encoder, decoder if dequantize else None)
+        tensors = tensors_of(headers)
+        wanted = [t for t in tensors if included(include, t.name)]
+        every = {t.name for t in tensors}
+        plan = _Plan(wanted, metadata, target, encoder, decoder if dequantize else None, every)
         if encoder is not None:
             (pairing or _Pairing(encoder)).add(plan, shard)
         with naming(src):  # a damaged digest record is the source's

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import safetensors.numpy as reference_numpy
+from safetensors import safe_open
 
 from ..servers.s3_server import CREDENTIALS, MotoS3Server
 from ._cli import run, write_model
@@ -193,3 +194,57 @@ def test_mirror_to_s3(checkpoint: Path, moto_s3: MotoS3Server) -> None:
     back = run("ls", f"s3://mirror/m/{INDEX}", env=_s3_env(moto_s3))
     assert sorted(back.stdout.split()) == ["a", "b", "c"], back.stderr
     assert os.environ.get("AWS_ENDPOINT_URL") != moto_s3.endpoint_url
+
+
+WEIGHTS = np.linspace(-3, 3, 32, dtype=np.float32).reshape(4, 8)
+
+
+def _quantized(tmp_path: Path, shard_of: dict[str, str]) -> Path:
+    """A file of ``w`` (F32) and ``b`` (I32) quantized to int8 by ``cp`` (``q.safetensors``),
+    and split into the shards ``shard_of`` names for ``w``, ``w.scale`` and ``b``: their index."""
+    source, quantized = tmp_path / "src.safetensors", tmp_path / "q.safetensors"
+    reference_numpy.save_file({"w": WEIGHTS, "b": np.ones(2, np.int32)}, str(source))
+    done = run("cp", "-q", "--quantize", "int8", str(source), str(quantized))
+    assert done.returncode == 0, done.stderr
+    codes = reference_numpy.load_file(str(quantized))
+    folder = tmp_path / "quantized"
+    folder.mkdir()
+    for shard in set(shard_of.values()):
+        part = {name: codes[name] for name, where in shard_of.items() if where == shard}
+        reference_numpy.save_file(part, str(folder / shard), metadata=_metadata(quantized))
+    (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": shard_of}))
+    return folder / INDEX
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    with safe_open(str(path), "np") as opened:
+        metadata: dict[str, str] = opened.metadata()
+    return metadata
+
+
+def test_dequantize_refuses_codes_without_their_scale(tmp_path: Path) -> None:
+    """``cp --dequantize --include w`` of a file quantized to int8 wrote ``w``'s I8 codes as
+    the copy, exit 0, the codec's keys dropped (``dequantized_from: 0 tensors``: nothing said
+    they were codes), in a mirror too; ``--include w.scale`` the scale alone. Both are refused,
+    naming what is left out, before anything is written; a tensor not quantized is taken
+    alone."""
+    first = next(iter(SHARDS))
+    index = _quantized(tmp_path, dict.fromkeys(["w", "w.scale", "b"], first))
+    out = tmp_path / "out"
+    for source in (tmp_path / "q.safetensors", index):
+        for taken, left in (("w", "'w.scale'"), ("w.scale", "'w'")):
+            refused = run("cp", "-q", "--dequantize", "--include", taken, str(source), f"{out}/")
+            assert refused.returncode == 2, refused.stderr
+            assert f"--include leaves out {left}: include {left} as well" in refused.stderr
+            assert not out.exists()
+    both = ("--include", "w", "--include", "w.scale")
+    done = run("cp", "-q", "--dequantize", *both, str(index), f"{out}/")
+    assert done.returncode == 0, done.stderr
+    found = reference_numpy.load_file(str(out / first))
+    np.testing.assert_allclose(found.pop("w"), WEIGHTS, atol=3 / 127)
+    assert found == {}
+    done = run(
+        "cp", "-q", "--dequantize", "--include", "b", str(tmp_path / "q.safetensors"), f"{out}/"
+    )
+    assert done.returncode == 0, done.stderr
+    assert list(reference_numpy.load_file(str(out / "q.safetensors"))) == ["b"]
