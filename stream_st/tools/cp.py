@@ -16,6 +16,7 @@ from urllib.parse import quote
 import anyio
 import numpy as np
 
+from .._api import header_of
 from .._util import allow_open_files
 from ..core.codecs import Codec, codec_from_metadata, get_codec, original_code, to_bfloat16
 from ..core.digests import (
@@ -62,6 +63,7 @@ from .common import (
     naming,
     opened,
     tensors_of,
+    varied_metadata,
 )
 
 __all__ = ["CONVERTIBLE", "Copy", "address_in", "cp", "local_path", "make_directory", "mirror"]
@@ -156,7 +158,7 @@ class _Plan:
     def __init__(
         self,
         wanted: Sequence[TensorInfo],
-        metadata: dict[str, str],
+        metadata: Mapping[str, str],
         target: str | None,
         encoder: Codec | None,
         decoder: Codec | None,
@@ -192,7 +194,8 @@ class _Plan:
                 self.specs.append(TensorSpec(info.name, info.dtype, info.shape))
         rebuilt = self.rebuilt  # a wire tensor planned before its whole was known goes
         self.specs = [s for s in self.specs if s.name not in self.parts or s.name in rebuilt]
-        self.metadata = self._metadata(metadata, wanted)
+        self.owned, self.record = self._record(metadata, wanted)
+        self.metadata = self.recorded(metadata)
 
     @property
     def rebuilt(self) -> set[str]:
@@ -203,26 +206,36 @@ class _Plan:
     def converted(self) -> int:
         return len(self.changed) + len(self.rebuilt)
 
-    def _metadata(self, metadata: dict[str, str], wanted: Sequence[TensorInfo]) -> dict[str, str]:
+    def _record(
+        self, metadata: Mapping[str, str], wanted: Sequence[TensorInfo]
+    ) -> tuple[set[str], dict[str, str]]:
+        """The ``__metadata__`` keys the conversion answers for (the source's say nothing of
+        the copy), and the entries it records in their place."""
         if self.decoder is not None:
             # The codec's keys no longer describe the file: say what they were, in one key.
-            dropped = {}
-            for key in [*self.decoder.metadata("float32"), _QUANTIZED_KEY, _ORIGINALS_KEY]:
-                if key in metadata:
-                    dropped[key] = metadata.pop(key)
-            described = " ".join(f"{key}={value}" for key, value in dropped.items())
-            metadata[_DEQUANTIZED_KEY] = f"{len(self.rebuilt)} tensors ({described})"
-            return metadata
+            dropped = [*self.decoder.metadata("float32"), _QUANTIZED_KEY, _ORIGINALS_KEY]
+            described = " ".join(f"{key}={metadata[key]}" for key in dropped if key in metadata)
+            said = f"{len(self.rebuilt)} tensors ({described})"
+            return {*dropped, _DEQUANTIZED_KEY}, {_DEQUANTIZED_KEY: said}
         if self.encoder is not None:
-            metadata.update(self.encoder.metadata())
-            metadata[_QUANTIZED_KEY] = str(len(self.changed))
-            for key in ("original_dtype", _ORIGINALS_KEY):  # the source's say nothing now
-                metadata.pop(key, None)
-            metadata.update(_original_dtypes([t for t in wanted if t.name in self.changed]))
+            record = {
+                **self.encoder.metadata(),
+                _QUANTIZED_KEY: str(len(self.changed)),
+                **_original_dtypes([t for t in wanted if t.name in self.changed]),
+            }
+            return {*record, "original_dtype", _ORIGINALS_KEY}, record
         if self.target is not None and self.changed:
             note = ", round to nearest even)" if self.target == "BF16" else ")"
-            metadata["converted_to"] = f"{self.target} ({len(self.changed)} tensors{note}"
-        return metadata
+            return {"converted_to"}, {
+                "converted_to": f"{self.target} ({len(self.changed)} tensors{note}"
+            }
+        return set(), {}
+
+    def recorded(self, metadata: Mapping[str, str]) -> dict[str, str]:
+        """``metadata`` with this plan's record in place of the keys its conversion answers
+        for: the copy's, or, of a mirror's plan over all its shards, each shard's (whose own
+        counts would differ from shard to shard)."""
+        return {k: v for k, v in metadata.items() if k not in self.owned} | self.record
 
     async def parts_of(
         self, name: str, array: np.ndarray[Any, Any], pending: dict[str, dict[str, Any]]
@@ -464,6 +477,23 @@ def _conversion(
     return target, get_codec("int8")
 
 
+def _decoder(metadata: Mapping[str, str], encoder: Codec | None, dequantize: bool) -> Codec | None:
+    """The codec ``--dequantize`` decodes the source with, as its ``__metadata__`` names it
+    (None without ``dequantize``); a :class:`~stream_st.UsageError` where the source is not
+    quantized, or where ``encoder`` would quantize a source quantized already."""
+    decoder = _quantized_by(metadata) if encoder is not None or dequantize else None
+    if encoder is not None and decoder is not None:
+        raise UsageError(
+            f"the source is quantized already ({metadata['compression']} in __metadata__): "
+            "dequantize it first"
+        )
+    if dequantize and decoder is None:
+        said = metadata.get("compression")
+        why = f"its __metadata__ says compression={said}" if said else "no compression key"
+        raise UsageError(f"--dequantize: the source is not quantized ({why})")
+    return decoder if dequantize else None
+
+
 async def _copy(
     src: SourceLike,
     dst: SinkLike,
@@ -478,30 +508,24 @@ async def _copy(
     pairing: _Pairing | None = None,
     shard: str = "",
     expect: Callable[[Header], None] | None = None,
+    checkpoint: _Plan | None = None,
 ) -> Copy:
     """:func:`cp`'s copy, its arguments checked (``target`` and ``encoder`` as
     :func:`_conversion` gives them), within ``clock``: that of the operation it is part of (a
     mirror's, for each of its shards), started. A mirror's copy of ``shard`` passes its
-    ``pairing``, across its shards (a copy of its own checks its tensors alone), and
-    ``expect``, which checks the source's header before anything is written."""
+    ``pairing``, across its shards (a copy of its own checks its tensors alone), ``expect``,
+    which checks the source's header before anything is written, and, converting, its
+    ``checkpoint`` plan (:func:`_planned`), whose record of the conversion the shard takes."""
     async with opened(src, clock, include=include) as (stream, headers):
         if expect is not None:
             expect(headers[0])
         metadata = merged_metadata(headers)
-        decoder = _quantized_by(metadata) if encoder is not None or dequantize else None
-        if encoder is not None and decoder is not None:
-            raise UsageError(
-                f"the source is quantized already ({metadata['compression']} in __metadata__): "
-                "dequantize it first"
-            )
-        if dequantize and decoder is None:
-            said = metadata.get("compression")
-            why = f"its __metadata__ says compression={said}" if said else "no compression key"
-            raise UsageError(f"--dequantize: the source is not quantized ({why})")
         tensors = tensors_of(headers)
         wanted = [t for t in tensors if included(include, t.name)]
         every = {t.name for t in tensors}
-        plan = _Plan(wanted, metadata, target, encoder, decoder if dequantize else None, every)
+        plan = _Plan(
+            wanted, metadata, target, encoder, _decoder(metadata, encoder, dequantize), every
+        )
         if encoder is not None:
             (pairing or _Pairing(encoder)).add(plan, shard)
         with naming(src):  # a damaged digest record is the source's
@@ -511,10 +535,11 @@ async def _copy(
         expect_totals(progress, wanted)
         done_bytes = done = 0
         pending: dict[str, dict[str, Any]] = {}
+        written = plan.metadata if checkpoint is None else checkpoint.recorded(plan.metadata)
         async with TensorWriter(
             dst,
             plan.specs,
-            metadata=plan.metadata or None,
+            metadata=written or None,
             checksums=digests,
             clock=clock,
             # Digests only inherited from the source, to compute: a destination that cannot
@@ -814,6 +839,54 @@ async def _discard(held: Sequence[_Held], made: Sequence[str], failure: BaseExce
             os.rmdir(directory)
 
 
+async def _planned(
+    shards: ShardIndex,
+    chosen: Sequence[tuple[str, str, Sequence[str] | None]],
+    clock: Clock,
+    target: str | None,
+    encoder: Codec | None,
+    dequantize: bool,
+) -> tuple[_Plan, dict[str, Header]]:
+    """A converting mirror's plan over all the tensors it copies (``chosen``: each shard to
+    write, its address, and the tensors ``include=`` takes of it, None for all), the shards'
+    headers read, each checked against the index, before any shard is written. Its record of
+    the conversion (the counts, the original dtypes: see :meth:`_Plan.recorded`) is the whole
+    checkpoint's, written into every shard: each shard's own made shards a merge refuses. Of
+    the source's keys it describes (``--dequantize``'s), those whose value differs between the
+    shards are left out. ``--dequantize`` refuses a tensor some of whose wire tensors
+    ``include=`` leaves out (:func:`_taken_whole`, over all the index's tensors, those of shards
+    not written too). Returns the plan and the headers by shard, which the shards' copies must
+    find again (:func:`_unchanged`)."""
+    headers: dict[str, Header] = {}
+    for shard, where, _ in chosen:
+        with naming(where):
+            header = await header_of(where, clock)
+        shards.check(shard, where, header)
+        headers[shard] = header
+    varied = varied_metadata(list(headers.values()))
+    common = {
+        key: value
+        for header in headers.values()
+        for key, value in header.metadata.items()
+        if key not in varied
+    }
+    wanted: list[TensorInfo] = []
+    for shard, _, names in chosen:
+        taken = None if names is None else set(names)
+        wanted.extend(info for info in headers[shard] if taken is None or info.name in taken)
+    weight_map = shards.weight_map
+    assert weight_map is not None  # a manifest is mirrored as it is
+    decoder = _decoder(common, encoder, dequantize)
+    return _Plan(wanted, common, target, encoder, decoder, weight_map), headers
+
+
+def _unchanged(known: Header, where: str, header: Header) -> None:
+    """A :class:`~stream_st.HeaderError` unless the ``header`` of the shard at ``where`` is the
+    one its mirror was planned with, ``known``."""
+    if header != known:
+        raise HeaderError(f"{where}: the shard changed while it was mirrored (its header differs)")
+
+
 async def mirror(
     index: str,
     into: str,
@@ -890,17 +963,24 @@ async def mirror(
     total = 0
     reads: list[LoadStats] = []
     selected = shards.selector(include)  # every name include= lists is in the index
+    chosen = []  # each shard to write, its address, and the tensors include= takes (None: all)
+    for shard in shards.shards:
+        names = shards.names_in(shard)  # None for a manifest: include= is None then
+        wanted = None if include is None or names is None else sorted(filter(selected, names))
+        if wanted != []:
+            chosen.append((shard, shard_address(shards.home, shard), wanted))
     try:
-        for shard in shards.shards:
-            names = shards.names_in(shard)  # None for a manifest: include= is None then
-            wanted = None if include is None or names is None else sorted(filter(selected, names))
-            if wanted == []:
-                continue
-            where = shard_address(shards.home, shard)
+        checkpoint: _Plan | None = None
+        known: dict[str, Header] = {}
+        if target is not None or encoder is not None or dequantize:
+            checkpoint, known = await _planned(shards, chosen, clock, target, encoder, dequantize)
+        for shard, where, wanted in chosen:
             sink = await opened_at(address_in(into, shard))
             expect = partial(shards.check, shard, where)  # for a shard copied whole
+            if checkpoint is not None:  # read and checked as it was planned: found again
+                expect = partial(_unchanged, known[shard], where)
             try:
-                if names is None:  # a manifest's shard: the size it counts kept
+                if shards.weight_map is None:  # a manifest's shard: the size it counts kept
                     copied = await _copied_as_it_is(where, sink, clock, expect, progress)
                 else:
                     copied = await _copy(
@@ -915,7 +995,8 @@ async def mirror(
                         progress=progress,
                         pairing=pairing,
                         shard=shard,
-                        expect=None if wanted is not None else expect,
+                        expect=expect if wanted is None or checkpoint is not None else None,
+                        checkpoint=checkpoint,
                     )
             except TensorNotFoundError:  # include= took the index's word for the shard's names
                 if wanted is None:

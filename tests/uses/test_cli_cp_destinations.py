@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -248,3 +249,65 @@ def test_dequantize_refuses_codes_without_their_scale(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert list(reference_numpy.load_file(str(out / "q.safetensors"))) == ["b"]
+
+
+def test_a_converted_mirror_records_the_whole_conversion_in_every_shard(tmp_path: Path) -> None:
+    """A mirror converted by ``cp --dtype``, ``--quantize`` or ``--dequantize`` recorded each
+    shard's own counts and original dtype in its ``__metadata__`` (``converted_to: BF16 (2
+    tensors...)`` in one, ``(1 tensors...)`` in the other; ``original_dtype`` float32 in one,
+    float16 in the other), so ``cp --merge`` and ``serve`` refused stream-st's own mirrors.
+    Every shard now records the whole checkpoint's (``original_dtypes`` naming each tensor's
+    where they differ, as one file's), and such a mirror merges; a quantized mirror whose
+    shards recorded their own (an older one) is dequantized each shard as its record says."""
+    first, second = SHARDS
+    src = tmp_path / "src"
+    src.mkdir()
+    tensors: dict[str, dict[str, np.ndarray[Any, Any]]] = {
+        first: {"a": np.ones(4, np.float32), "b": np.full(4, 2, np.float32)},
+        second: {"c": np.ones(4, np.float16), "d": np.arange(3, dtype=np.int32)},
+    }
+    for shard, part in tensors.items():
+        reference_numpy.save_file(part, str(src / shard))
+    weight_map = {name: shard for shard, part in tensors.items() for name in part}
+    (src / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    dtypes = {"a": "float32", "b": "float32", "c": "float16"}
+    originals = json.dumps(dtypes, separators=(",", ":"))
+    steps: list[tuple[str, list[str], Path, dict[str, str]]] = [
+        ("bf16", ["--dtype", "bf16"], src, {"converted_to": "BF16 (3 tensors, round to nearest"}),
+        (
+            "q8",
+            ["--quantize", "int8"],
+            src,
+            {"quantized_tensors": "3", "original_dtypes": originals},
+        ),
+        (
+            "back",
+            ["--dequantize"],
+            tmp_path / "q8",
+            {"dequantized_from": "3 tensors (compression="},
+        ),
+    ]
+    for into, options, source, record in steps:
+        done = run("cp", "-q", *options, str(source), f"{tmp_path / into}/")
+        assert done.returncode == 0, done.stderr
+        found = [_metadata(tmp_path / into / shard) for shard in SHARDS]
+        assert found[0] == found[1], found
+        assert all(found[0][key].startswith(value) for key, value in record.items()), found[0]
+        merged = tmp_path / f"{into}.safetensors"
+        done = run("cp", "-q", "--merge", str(tmp_path / into), str(merged))
+        assert done.returncode == 0, done.stderr
+    back = reference_numpy.load_file(str(tmp_path / "back.safetensors"))
+    assert {name: str(array.dtype) for name, array in back.items()} == {**dtypes, "d": "int32"}
+    older = tmp_path / "older"  # each shard quantized on its own, as a mirror was
+    older.mkdir()
+    for shard in SHARDS:
+        done = run("cp", "-q", "--quantize", "int8", str(src / shard), str(older / shard))
+        assert done.returncode == 0, done.stderr
+    shutil.copy(tmp_path / "q8" / INDEX, older / INDEX)
+    done = run("cp", "-q", "--dequantize", str(older), f"{tmp_path / 'older-back'}/")
+    assert done.returncode == 0, done.stderr
+    found = [_metadata(tmp_path / "older-back" / shard) for shard in SHARDS]
+    assert found[0] == found[1] and "quantized_tensors" not in found[0]["dequantized_from"]
+    for shard, part in tensors.items():
+        copied = reference_numpy.load_file(str(tmp_path / "older-back" / shard))
+        assert {n: a.dtype for n, a in copied.items()} == {n: a.dtype for n, a in part.items()}
