@@ -356,6 +356,28 @@ async def test_a_version_pinned_by_last_modified_must_come_again(
         await load(source, **options)
 
 
+@pytest.mark.parametrize("changed", [False, True])
+@pytest.mark.parametrize(
+    "validator", ['ETag: "a\x00{}"\r\n', 'ETag: W/"w"\r\nLast-Modified: Mon,\x00{}\r\n']
+)
+async def test_a_validator_no_request_can_carry_is_compared_not_sent(
+    raw_server: Serve, validator: str, changed: bool
+) -> None:
+    """A server's ETag (or Last-Modified) holding a NUL was sent back in If-Match and the read
+    refused as a UsageError, blaming the caller for a request header. It is not sent; later
+    answers are still compared with it."""
+
+    def answer_for(n: int) -> tuple[bytes, str, int | None]:
+        return SPLIT_FILE, validator.format("b" if n == 0 or not changed else "c"), None
+
+    url = raw_server(ranged(answer_for)) + "/m.safetensors"
+    if changed:
+        with pytest.raises(SourceChangedError, match=r", then '\"?(a|Mon,)\\x00c"):
+            await load(url, include=["b"])
+    else:
+        assert_same_arrays(await load(url, include=["b"]), {"b": SPLIT["b"]})
+
+
 async def test_a_server_still_busy_after_the_retries_is_its_status(raw_server: Serve) -> None:
     """A 503 (Retry-After, no ETag: it speaks of the server, not of the object) to every
     request after the first, until the retries are spent: its status, an HTTPStatusError,

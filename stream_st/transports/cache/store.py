@@ -41,7 +41,8 @@ from ...core.digests import Hasher, update_sliced
 from ...core.strict_json import decode_json
 from ...errors import SafetensorsError, UsageError
 from ..file.pread import pread_fully
-from ..options import HEADER_BREAKS, Clock
+from ..http.framing import sendable
+from ..options import Clock
 
 __all__ = [
     "LOCK_POLL",
@@ -148,8 +149,8 @@ class Record:
         texts = (self.shown, self.algorithm, self.digest, self.etag, self.last_modified)
         return (
             all(isinstance(text, str) for text in texts)
-            and _header_value(self.etag)
-            and _header_value(self.last_modified)
+            and sendable(self.etag)
+            and sendable(self.last_modified)
             and _integer(self.size)
             and self.size >= 0
             and isinstance(self.fingerprint, list)
@@ -162,13 +163,6 @@ class Record:
 
     def save(self, path: Path) -> None:
         write_json(path, asdict(self))
-
-
-def _header_value(text: str) -> bool:
-    """Whether ``text`` can go in a request header as it is: Latin-1, with no line break or NUL
-    (a server's validator always can; a damaged record's may not, and its request would be
-    refused as carrying a header of the value's choosing)."""
-    return not any(c in text for c in HEADER_BREAKS) and all(ord(c) < 256 for c in text)
 
 
 def _integer(value: object) -> bool:

@@ -29,6 +29,7 @@ __all__ = [
     "content_range",
     "receive_response",
     "request_head",
+    "sendable",
 ]
 
 _HEAD_LIMIT = 64 << 10
@@ -44,6 +45,12 @@ Release = Callable[[Connection], None]
 
 
 _BREAKS = re.compile(f"[{HEADER_BREAKS}]")
+
+
+def sendable(value: str) -> bool:
+    """Whether ``value`` can go in a request header as it is: Latin-1, with no line break or NUL
+    (:func:`request_head` refuses a request carrying any other)."""
+    return _BREAKS.search(value) is None and all(ord(c) < 256 for c in value)
 
 
 def request_head(

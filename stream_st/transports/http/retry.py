@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ...errors import ReadTimeoutError, SourceChangedError
 from ..options import Clock
-from .framing import Response
+from .framing import Response, sendable
 from .status import retry_after
 
 __all__ = ["Retries", "VersionPin"]
@@ -93,13 +93,17 @@ class VersionPin:
     def preconditions(self) -> dict[str, str]:
         """The headers that make a later request of this read answer for the version of the
         first answer only: ``If-Match`` with its strong ETag, else ``If-Unmodified-Since`` with
-        its Last-Modified; none for a weak ETag alone."""
+        its Last-Modified; none for a weak ETag alone, nor for a validator no request header can
+        carry (a server's answer holding a NUL: :meth:`check` still compares later answers
+        with it)."""
         if self.seen is None:
             return {}
         etag, modified = self.seen
         if self._pinning():
-            return {"If-Unmodified-Since": modified}
-        return {"If-Match": etag} if etag and not etag.startswith("W/") else {}
+            pinned = {"If-Unmodified-Since": modified}
+        else:
+            pinned = {"If-Match": etag} if etag and not etag.startswith("W/") else {}
+        return {key: value for key, value in pinned.items() if sendable(value)}
 
     async def check(self, response: Response, name: str, position: int) -> None:
         """Pin the object's version on the first successful answer; on a later one, raise
