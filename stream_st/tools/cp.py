@@ -855,8 +855,9 @@ async def _planned(
     the source's keys it describes (``--dequantize``'s), those whose value differs between the
     shards are left out. ``--dequantize`` refuses a tensor some of whose wire tensors
     ``include=`` leaves out (:func:`_taken_whole`, over all the index's tensors, those of shards
-    not written too). Returns the plan and the headers by shard, which the shards' copies must
-    find again (:func:`_unchanged`)."""
+    not written too), or whose wire tensors lie in different shards: a mirror copies each shard
+    on its own, and copied such codes as they were. Returns the plan and the headers by shard,
+    which the shards' copies must find again (:func:`_unchanged`)."""
     headers: dict[str, Header] = {}
     for shard, where, _ in chosen:
         with naming(where):
@@ -877,7 +878,15 @@ async def _planned(
     weight_map = shards.weight_map
     assert weight_map is not None  # a manifest is mirrored as it is
     decoder = _decoder(common, encoder, dequantize)
-    return _Plan(wanted, common, target, encoder, decoder, weight_map), headers
+    plan = _Plan(wanted, common, target, encoder, decoder, weight_map)
+    for part, name in plan.parts.items():
+        if weight_map[part] != weight_map[name]:
+            raise UsageError(
+                f"--dequantize rebuilds tensor {name!r} (in {weight_map[name]}) from {part!r} "
+                f"too (in {weight_map[part]}), and a mirror rebuilds each shard's tensors from "
+                "that shard alone: merge the checkpoint into one file (--merge)"
+            )
+    return plan, headers
 
 
 def _unchanged(known: Header, where: str, header: Header) -> None:

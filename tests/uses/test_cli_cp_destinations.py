@@ -251,6 +251,31 @@ def test_dequantize_refuses_codes_without_their_scale(tmp_path: Path) -> None:
     assert list(reference_numpy.load_file(str(out / "q.safetensors"))) == ["b"]
 
 
+def test_a_mirror_refuses_to_dequantize_a_tensor_split_between_shards(tmp_path: Path) -> None:
+    """A quantized checkpoint whose ``w`` (I8 codes) and ``w.scale`` lie in different shards
+    was mirrored by ``cp --dequantize`` with the pair copied as it was (I8 codes, exit 0), and
+    with ``--include w`` the codes alone: a mirror rebuilds each shard's tensors from that shard.
+    Both are refused before anything is written, the first naming the shards; ``--merge``
+    rebuilds it, and a mirror leaving the pair out is taken."""
+    first, second = SHARDS
+    index = _quantized(tmp_path, {"w": first, "w.scale": second, "b": second})
+    out = tmp_path / "out"
+    refused = run("cp", "-q", "--dequantize", str(index), f"{out}/")
+    assert refused.returncode == 2, refused.stderr
+    assert f"tensor 'w' (in {first}) from 'w.scale' too (in {second})" in refused.stderr
+    assert "(--merge)" in refused.stderr
+    refused = run("cp", "-q", "--dequantize", "--include", "w", str(index), f"{out}/")
+    assert refused.returncode == 2 and "--include leaves out 'w.scale'" in refused.stderr
+    assert not out.exists()
+    merged = tmp_path / "merged.safetensors"
+    done = run("cp", "-q", "--dequantize", "--merge", str(index), str(merged))
+    assert done.returncode == 0, done.stderr
+    np.testing.assert_allclose(reference_numpy.load_file(str(merged))["w"], WEIGHTS, atol=3 / 127)
+    done = run("cp", "-q", "--dequantize", "--include", "b", str(index), f"{out}/")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted([INDEX, second])
+
+
 def test_a_converted_mirror_records_the_whole_conversion_in_every_shard(tmp_path: Path) -> None:
     """A mirror converted by ``cp --dtype``, ``--quantize`` or ``--dequantize`` recorded each
     shard's own counts and original dtype in its ``__metadata__`` (``converted_to: BF16 (2
