@@ -226,6 +226,22 @@ async def test_a_read_stopped_part_way_leaves_no_copy_under_the_final_name(
         await read_as(url, ARRAYS, "fetch", cache=tmp_path)
 
 
+async def test_an_etag_no_request_can_carry_is_no_validator_of_the_copy(
+    server: RangeHTTPServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A server's ETag holding a NUL went into the copy's record, which then failed its own
+    check (its ETag cannot be sent in If-None-Match): the copy, on disk, was listed by no
+    cache ls, counted by no cap and never used. The ETag is no validator: the copy is listed
+    (fetched again at each read, as a copy of no validator is)."""
+    monkeypatch.setattr(server, "_validators", lambda path: {"ETag": '"a\x00b"'})
+    url = server.url("/m.safetensors")
+    await read_as(url, ARRAYS, "fetch", cache=tmp_path)
+    (entry,) = entries(Cache.at(tmp_path))
+    assert entry.complete and entry.shown == url
+    await read_as(url, ARRAYS, "fetch", cache=tmp_path)
+    assert len(entries(Cache.at(tmp_path))) == 1
+
+
 async def test_include_keeps_what_it_fetched_and_a_full_read_fetches_the_rest(
     server: RangeHTTPServer, tmp_path: Path
 ) -> None:

@@ -40,6 +40,7 @@ import anyio
 
 from ...errors import CacheMissError, HTTPStatusError, SafetensorsError, TransportError
 from ..base import Source
+from ..http.framing import sendable
 from ..http.redirect import REDIRECTS, redirected
 from ..http.status import ascii_number
 from ..http.target import Target
@@ -151,10 +152,13 @@ async def read_cached(address: str, cache: Cache, clock: Clock, *, limit: int) -
 
 
 def _validators(source: Source) -> tuple[str, str]:
-    """The ETag and Last-Modified the source's first answer had (``HttpSource.validators``)."""
+    """The ETag and Last-Modified the source's first answer had (``HttpSource.validators``);
+    one no request header can carry (a NUL in it) is none: the record keeps what
+    ``If-None-Match`` can send back."""
     validators = getattr(source, "validators", None)  # an HttpSource's (S3 and Hub included)
     if isinstance(validators, tuple) and len(validators) == 2:
-        return str(validators[0]), str(validators[1])
+        etag, modified = (str(value) if sendable(str(value)) else "" for value in validators)
+        return etag, modified
     return "", ""
 
 
