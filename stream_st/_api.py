@@ -640,7 +640,12 @@ class CachedStream(TensorStream[Any]):
 
     def _copy_stream(self, source: Source) -> TensorStream:
         """A plain stream over the copy's ``source``, read as this one would read it."""
-        options = {**self._options, "clock": self._clock, "delivery": self._delivery}
+        options = {
+            **self._options,
+            "include": self._include,  # its names as listed: an iterator given is spent
+            "clock": self._clock,
+            "delivery": self._delivery,
+        }
         return TensorStream(source, **options)
 
 

@@ -109,22 +109,25 @@ def include_names(include: Iterable[str] | str) -> set[str]:
     return names
 
 
-def listed(include: Include) -> Include:
+Listed = set[str] | Callable[[str], bool] | None
+"""An ``include=`` as :func:`listed` keeps it: its names in a set, a predicate, or None."""
+
+
+def listed(include: Include) -> Listed:
     """``include=`` with its names taken once, checked (:func:`include_names`): an iterator
     would be spent by a second look; a predicate or None as it is."""
     return include if include is None or callable(include) else include_names(include)
 
 
-def _selector(include: Include, header: Header) -> Callable[[str], bool]:
+def _selector(include: Listed, header: Header) -> Callable[[str], bool]:
     if include is None:
         return lambda name: True
     if callable(include):
         return include
-    names = include_names(include)
-    missing = sorted(n for n in names if n not in header)
+    missing = sorted(n for n in include if n not in header)
     if missing:
         raise TensorNotFoundError(f"include= names tensors not in the header: {missing}")
-    return names.__contains__
+    return include.__contains__
 
 
 @final
@@ -183,7 +186,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         self._caps = Caps.of(max_tensor_bytes, max_total_bytes)
         self._unknown_dtypes: UnknownDtypes = unknown_dtypes
         self._source_like = source
-        self._include = include
+        self._include = listed(include)  # looked at more than once: an iterator's names kept
         self._delivery = delivery or Delivery()
         self._max_header_size = header_cap(max_header_size)
         self._verify = verify if isinstance(verify, ObjectOnly) else boolean("verify", verify)

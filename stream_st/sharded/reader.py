@@ -426,9 +426,8 @@ class ShardedStream(TensorStream[TensorT]):
         include = self._include
         if index.weight_map is not None or include is None or callable(include):
             return
-        names = include_names(include)
         found = {name for header in self.headers.values() for name in header.names()}
-        missing = sorted(names - found)
+        missing = sorted(include - found)
         if missing:
             raise TensorNotFoundError(f"include= names tensors in no shard: {missing}")
 

@@ -325,6 +325,18 @@ async def test_include_names_predicate_and_single_name(sample_path: pathlib.Path
     assert list(await read_all(sample_path, include="weight")) == ["weight"]
 
 
+async def test_include_an_iterator_is_taken_once(sample_path: pathlib.Path) -> None:
+    """The stream looks at include= more than once (selected(), the iteration): an iterator's
+    names are kept, where its first look spent it and the iteration handed out nothing."""
+    names = iter(["bias", "weight"])  # an Iterable, not the Collection the type says
+    async with stream_st.open_stream(sample_path, include=names) as stream:  # type: ignore[call-overload]
+        assert [info.name for info in stream.selected()] == ["bias", "weight"]
+        assert [info.name for info in stream.selected()] == ["bias", "weight"]
+        assert [name async for name, _ in stream] == ["bias", "weight"]
+    with pytest.raises(TensorNotFoundError, match="nope"):
+        await read_all(sample_path, include=(name for name in ["weight", "nope"]))
+
+
 async def test_include_unknown_name(sample_path: pathlib.Path) -> None:
     with pytest.raises(TensorNotFoundError, match="nope"):
         await read_all(sample_path, include=["weight", "nope"])

@@ -17,6 +17,7 @@ import stream_st
 from stream_st import tools
 from stream_st.core.shards import _inside, shard_name
 from stream_st.sharded.reader import ShardedStream, shard_address
+from stream_st.sharded.writer import open_dataset_writer
 
 from .._util import assert_same_arrays, raw_file
 from ..servers.http_server import RangeHTTPServer
@@ -75,6 +76,18 @@ async def test_include_across_shards_opens_only_needed_shards(tmp_path: Path) ->
         await read_all(index, include=["nope"])
     with pytest.raises(stream_st.ArgumentTypeError, match=r"^include= takes .* got 5$"):
         await read_all(index, include=5)
+
+
+async def test_include_an_iterator_is_taken_once(tmp_path: Path) -> None:
+    """A manifest's stream looks at include= twice (the selection, then the check at its end
+    that each name was found): an iterator's names are kept, where the selection spent it and
+    a name in no shard went unnoticed."""
+    async with open_dataset_writer(tmp_path) as writer:
+        await writer.write_batch({"x": np.arange(3), "y": np.ones(2)}, samples=1)
+    manifest = tmp_path / "dataset_manifest.json"
+    assert list(await read_all(manifest, include=iter(["x"]))) == ["x"]
+    with pytest.raises(stream_st.TensorNotFoundError, match=r"in no shard: \['nope'\]"):
+        await read_all(manifest, include=iter(["x", "nope"]))
 
 
 async def test_index_over_http() -> None:

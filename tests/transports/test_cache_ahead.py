@@ -146,6 +146,21 @@ async def test_a_hit_reads_the_copy_while_the_check_is_in_flight(
     assert opened(path) == [] and reading_threads() == []
 
 
+async def test_a_copy_read_ahead_takes_the_names_of_an_include_iterator(
+    server: RangeHTTPServer, tmp_path: Path
+) -> None:
+    """The copy read ahead is read with the stream's include= as the stream took it: an
+    iterator's names, where it was given the iterator the stream had spent (nothing handed
+    out)."""
+    url = server.url("/m.safetensors")
+    assert (await read_watched(url, tmp_path, Watch(server, "")))[1] == "fetch"
+    names = iter(["t1"])  # an Iterable, not the Collection the type says
+    stream = stream_st.open_stream(url, cache=tmp_path, include=names)  # type: ignore[call-overload]
+    arrays = {name: array async for name, array in stream}
+    assert stream.cache_state == "hit"
+    assert_same_arrays(arrays, {"t1": OLD["t1"]})
+
+
 async def test_a_changed_object_read_ahead_from_its_copy_is_read_new(
     server: RangeHTTPServer, tmp_path: Path, reader: Reader
 ) -> None:
