@@ -53,7 +53,8 @@ import base64
 import operator
 import os
 import re
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ._regex import LazyPattern
 
@@ -219,12 +220,31 @@ _E = TypeVar("_E", bound=BaseException)
 def rebuilt(error: _E, *args: object) -> _E:
     """A new error like ``error``: of its class, with ``args`` (``error``'s own if none are
     given), its attributes and notes; no traceback, cause or context (the raise that raises it
-    gives them). Built without the class's constructor, which may not take ``args`` back
+    gives them). Built without the class's constructor (see :func:`_built`)."""
+    copy = _built(type(error), args or error.args, error.__dict__, _filenames(error))
+    if notes := getattr(error, "__notes__", None):
+        copy.__notes__ = list(notes)  # a note added to one is not the other's
+    return copy
+
+
+def _built(
+    kind: type[_E],
+    args: tuple[object, ...],
+    attributes: dict[str, object],
+    filenames: tuple[object, object],
+) -> _E:
+    """An error of class ``kind`` with ``args``, ``attributes`` and, an ``OSError``, its file
+    names, built without the class's constructor, which may not take ``args`` back
     (keyword-only arguments, a message it composes); what a built-in base keeps outside
-    ``__dict__`` (a ``UnicodeError``'s fields, an ``OSError``'s) is set as that base sets it."""
-    args = args or error.args
-    kind = type(error)
-    copy = kind.__new__(kind, *args)
+    ``__dict__`` (a ``UnicodeError``'s fields, an ``OSError``'s) is set as that base sets it.
+    :func:`rebuilt` makes a copy with it, and unpickling an error of stream_st's
+    (:meth:`SafetensorsError.__reduce__`) the error pickled."""
+    # The built-in type it is laid out as (its __base__), whose __new__ kind(...) calls: an
+    # AllocationError's Exception, where MemoryError.__new__, first in its MRO, refuses it.
+    solid: Any = kind
+    while solid.__module__ != "builtins":
+        solid = solid.__base__
+    copy: _E = solid.__new__(kind, *args)
     for base in kind.__mro__:  # the first built-in one: a TransportError's OSError
         if base.__module__ == "builtins" and issubclass(base, BaseException):
             try:
@@ -232,14 +252,19 @@ def rebuilt(error: _E, *args: object) -> _E:
             except TypeError:  # new args a UnicodeError's five cannot be: a message alone
                 BaseException.__init__(copy, *args)
             break
-    copy.__dict__.update(error.__dict__)
-    if isinstance(error, OSError) and isinstance(copy, OSError):  # its file names: not in args
-        for field in ("filename", "filename2"):
-            if (name := getattr(error, field)) is not None:  # None set is shown ("None: None")
+    copy.__dict__.update(attributes)
+    if isinstance(copy, OSError):  # its file names: not in args
+        for field, name in zip(("filename", "filename2"), filenames, strict=True):
+            if name is not None:  # None set is shown ("None: None")
                 setattr(copy, field, name)
-    if notes := getattr(error, "__notes__", None):
-        copy.__notes__ = list(notes)  # a note added to one is not the other's
     return copy
+
+
+def _filenames(error: BaseException) -> tuple[object, object]:
+    """An ``OSError``'s file names, which its ``args`` do not hold; None for another error."""
+    if isinstance(error, OSError):
+        return error.filename, error.filename2
+    return None, None
 
 
 def redact(text: str) -> str:
@@ -282,6 +307,13 @@ class SafetensorsError(Exception):
 
     def __init__(self, *args: object) -> None:
         super().__init__(*(redact(arg) if isinstance(arg, str) else arg for arg in args))
+
+    def __reduce__(self) -> tuple[Callable[..., SafetensorsError], tuple[object, ...]]:
+        """Pickled (to or from another process: a pool's worker that raised it) as its class,
+        ``args``, attributes and file names, unpickled without the class's constructor
+        (:func:`_built`): pickle's default called it with ``args``, which those taking other
+        arguments (keyword-only ones, the parts of a message they compose) refused."""
+        return _built, (type(self), self.args, self.__dict__, _filenames(self))
 
 
 class HeaderError(SafetensorsError, ValueError):
