@@ -18,7 +18,7 @@ from .._util import task_group
 from ..connection import Connection
 from ..errors import ArgumentTypeError, IntegrityError, UsageError, boolean, integer_at_least
 from ..reader import TensorStream
-from ..transports.options import LimitOptions
+from ..transports.options import LimitOptions, Limits
 from ..transports.registry import SourceLike
 from .layout import Array, KVLayout, digest_name, key_name, value_name
 from .send import LayerHash
@@ -206,12 +206,14 @@ async def receive_kv(
     ``require_digests=True`` refuses it (and a transfer sent without digests) on entry with
     :class:`~stream_st.IntegrityError`. Leaving the block stops reading (on a Connection, an
     unfinished message leaves it unusable: close it). Time limits as in
-    :func:`~stream_st.open_stream` (on a Connection, the connection's unless given here).
+    :func:`~stream_st.open_stream` (on a Connection, the connection's unless given here); any
+    other keyword is an :class:`~stream_st.ArgumentTypeError`.
 
     ``max_ahead`` (an integer >= 0, default 2): how many layers past the highest one asked for
     are read and held before reading waits for the consumer (see :class:`KVReceiver`).
     """
     require_digests = boolean("require_digests", require_digests)  # "no" would be true
+    Limits.of(limits, transport=False)  # verify=False, include=... would reach open_stream
     stream = (
         source.open_stream(**limits)
         if isinstance(source, Connection)

@@ -127,6 +127,23 @@ async def test_checksummed_seed_cache_is_verified_per_tensor(tmp_path: Path) -> 
     assert 1 not in delivered
 
 
+async def test_a_keyword_that_is_no_time_limit_is_refused(tmp_path: Path) -> None:
+    """Every keyword went on to open_stream: ``verify=False`` was taken silently, the receiver
+    still said ``integrity='tensor-digests'``, ``verified``, and handed out a damaged layer;
+    ``include=`` was taken too."""
+    path = tmp_path / "kv.safetensors"
+    await stream_st.save(path, seed_cache(2), metadata=SEED_META, checksums="sha256")
+    header = await stream_st.read_header(path)
+    data = bytearray(path.read_bytes())
+    data[header.data_start + header["layer_0_key"].start + 7] ^= 0x01
+    for options in ({"verify": False}, {"include": ["layer_0_key"]}):
+        with pytest.raises(stream_st.ArgumentTypeError, match="unknown option"):
+            async with receive_kv(bytes(data), require_digests=True, **options):
+                pass
+    kv_in, got = await receive_all(path, require_digests=True, timeout=10)  # a limit is taken
+    assert kv_in.verified and list(got) == [0, 1]
+
+
 @pytest.mark.parametrize(
     ("stored", "original", "delivered"),
     [
