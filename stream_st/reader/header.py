@@ -105,10 +105,11 @@ def _header_length(
 def _named(exc: HeaderError, name: str) -> HeaderError:
     """``exc`` naming the source it was read from (``name``), as every other error of a read
     does: of many files or URLs, the message says which one is not a safetensors file. The
-    class, attributes and traceback are kept; ``exc`` itself if it names the source already.
+    class, attributes and traceback are kept; ``exc`` itself if its message starts with the
+    source's name already (a name merely in it, a tensor's, says nothing of the source).
     (A plain function, raised ``from None``: a context manager's machinery was a tenth of a
     small header's first read.)"""
-    if name in str(exc):
+    if str(exc).startswith(f"{name}: "):
         return exc
     return rebuilt(exc, redact(f"{name}: {exc}")).with_traceback(exc.__traceback__)
 

@@ -117,3 +117,19 @@ async def test_a_body_cut_within_the_length_prefix_is_a_truncation(cut: int) -> 
     ):
         await stream_st.read_header(server.url("/f.safetensors"))
     assert (info.value.offset, info.value.expected) == (cut, 8)
+
+
+async def test_a_header_error_names_its_source_though_the_name_is_in_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file named ``a`` holding a bad tensor ``'a'``: the message starts with the file's name,
+    as any other's does, where the name found in it (the tensor's) was taken for the source's
+    and the message said nothing of the file; read at once or through a source alike."""
+    monkeypatch.chdir(tmp_path)
+    text = b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,1]}}'
+    path = Path("a")
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"x")
+    for read in (stream_st.read_header, through_a_source):
+        with pytest.raises(stream_st.HeaderError) as info:
+            await read(path)
+        assert str(info.value).startswith("a: tensor 'a': shape [2]")
