@@ -877,6 +877,14 @@ async def _planned(
         wanted.extend(info for info in headers[shard] if taken is None or info.name in taken)
     weight_map = shards.weight_map
     assert weight_map is not None  # a manifest is mirrored as it is
+    if "compression" in varied and (encoder is not None or dequantize):
+        codecs = sorted(
+            {h.metadata["compression"] for h in headers.values() if "compression" in h.metadata}
+        )
+        raise UsageError(
+            "the shards' __metadata__ name different codecs (compression "
+            f"{', '.join(map(repr, codecs))}): convert each shard on its own"
+        )
     decoder = _decoder(common, encoder, dequantize)
     plan = _Plan(wanted, common, target, encoder, decoder, weight_map)
     for part, name in plan.parts.items():

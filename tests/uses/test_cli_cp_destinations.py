@@ -276,6 +276,24 @@ def test_a_mirror_refuses_to_dequantize_a_tensor_split_between_shards(tmp_path: 
     assert sorted(p.name for p in out.iterdir()) == sorted([INDEX, second])
 
 
+def test_a_mirror_of_shards_quantized_with_different_codecs_is_refused_by_name(
+    tmp_path: Path,
+) -> None:
+    """Shards whose ``__metadata__`` name different codecs: a dequantizing mirror said the
+    source was "not quantized (no compression key)"; it names the codecs, before anything is
+    written."""
+    first, second = SHARDS
+    index = _quantized(tmp_path, {"w": first, "w.scale": first, "b": second})
+    path = index.parent / second
+    metadata = {**_metadata(path), "compression": "INT4"}
+    reference_numpy.save_file(reference_numpy.load_file(str(path)), str(path), metadata=metadata)
+    out = tmp_path / "out"
+    refused = run("cp", "-q", "--dequantize", str(index), f"{out}/")
+    assert refused.returncode == 2, refused.stderr
+    assert "different codecs (compression 'INT4', 'INT8')" in refused.stderr
+    assert not out.exists()
+
+
 def test_a_converted_mirror_records_the_whole_conversion_in_every_shard(tmp_path: Path) -> None:
     """A mirror converted by ``cp --dtype``, ``--quantize`` or ``--dequantize`` recorded each
     shard's own counts and original dtype in its ``__metadata__`` (``converted_to: BF16 (2
