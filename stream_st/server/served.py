@@ -207,8 +207,8 @@ async def served_object(
     ``checksums``: None keeps a file's or shards' digests as they are and computes xxh3-128
     digests of tensors in memory; True (or an algorithm's name) makes every tensor carry a
     digest, those recorded in the source if of that algorithm, else computed now (a file is
-    read once); False serves none. ``metadata`` (tensors in memory only) goes in
-    ``__metadata__``.
+    read once); False serves none (those a file records are checked first: it is read once).
+    ``metadata`` (tensors in memory only) goes in ``__metadata__``.
     """
     name = checked_name(name)
     if isinstance(source, Mapping):
@@ -287,9 +287,12 @@ async def _from_checkpoint(
     names = [t.name for t in tensors]
     digests = _copied_digests(checksums, headers, names, False)
     inherited = isinstance(digests, Digests)
-    if isinstance(digests, str):  # to compute: every tensor, mapped (the read checks any kept)
+    if isinstance(digests, str) or (digests is False and any(map(_recorded, headers))):
+        # Every tensor is read, mapped: the read checks the digests recorded before they are
+        # replaced or dropped (a damaged tensor is never served as a clean one).
         arrays = await load(address, copy=False)
-        digests = await anyio.to_thread.run_sync(Digests.compute, arrays, digests)
+        if isinstance(digests, str):
+            digests = await anyio.to_thread.run_sync(Digests.compute, arrays, digests)
     now = [SourceFile.of(path) for path in paths]
     if now != files:  # replaced while its header (or digests) were read
         raise SourceChangedError(f"{address} changed while it was being read", url=address)

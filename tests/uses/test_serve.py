@@ -292,6 +292,10 @@ async def test_a_files_own_digests_are_served_and_checked(tmp_path: Path) -> Non
         expected = await stream_st.load(str(plain))
         loaded = await stream_st.load(server.url)
         assert loaded.keys() == expected.keys()
+    with pytest.raises(stream_st.IntegrityError, match=r"embed\.weight"):  # checked, not dropped
+        async with stream_st.serving(path, checksums=False):
+            pass
+    await stream_st.save(path, tensors(), checksums=True)
     async with stream_st.serving(path, checksums=False) as server:  # dropped
         assert "stream_st.digest" not in server.header.metadata
         assert (await stream_st.load(server.url)).keys() == tensors().keys()
