@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import hashlib
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -105,6 +107,54 @@ def test_a_second_handle_in_the_process_reads_at_once_without_the_cache(
                 assert np.array_equal(second.get_tensor("t1"), ARRAYS["t1"])
             assert np.array_equal(first.get_tensor("t2"), ARRAYS["t2"])
         assert time.monotonic() - started < 10
+
+
+async def test_a_second_read_of_an_object_of_unknown_size_goes_on_by_itself(
+    tmp_path: Path,
+) -> None:
+    """An object of unknown size (a chunked 200): its copy publishes no progress to follow, and
+    a second read in the process, while the first stream stayed open, waited for the first's
+    lock for ever (timeout= or not). It reads the object itself once the writer has written
+    nothing for a second, as an hf:// read does."""
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, no_range=True, chunked=True) as server:
+        url = server.url("/m.safetensors")
+        async with stream_st.open_stream(url, cache=tmp_path) as first:
+            await first.__aiter__().__anext__()
+            assert getattr(first, "cache_state", None) == "fetch"
+            with anyio.fail_after(20):
+                arrays, state = await read(url, cache=tmp_path, timeout=2)
+    assert state == "uncached"
+    assert_same_arrays(arrays, ARRAYS)
+
+
+@pytest.mark.parametrize("scheme", ["http", "hf"])
+async def test_a_lock_another_process_holds_is_waited_for_at_most_the_timeout(
+    tmp_path: Path, scheme: str, hub: FakeHub
+) -> None:
+    """A writer in another process that makes no progress was waited for 30 s (hf://) or for
+    ever (http), whatever timeout= said: at most the timeout, then the object is read as it
+    is."""
+    with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong") as server:
+        hub.push("org/model", {"model.safetensors": DATA})
+        if scheme == "http":
+            address = server.url("/m.safetensors")
+            lock = tmp_path / "objects" / object_key(address).key / "lock"
+        else:
+            address = HUB_ADDRESS
+            sha = hashlib.sha256(DATA).hexdigest()
+            lock = tmp_path / "hub" / ".locks" / "models--org--model" / f"{sha}.lock"
+        lock.parent.mkdir(parents=True)
+        held = os.open(lock, os.O_RDONLY | os.O_CREAT)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX)  # not this process's EntryLock: as another's
+            started = time.monotonic()
+            with anyio.fail_after(20):
+                arrays, state = await read(address, cache=tmp_path, timeout=1)
+            assert time.monotonic() - started < 10
+        finally:
+            os.close(held)
+    assert state == "uncached"
+    assert_same_arrays(arrays, ARRAYS)
 
 
 def test_an_hf_address_with_a_control_character_is_refused(hub: FakeHub) -> None:

@@ -16,8 +16,9 @@ ended early, or its copy was given up) leaves the follower to read the rest from
 itself, as a read without a cache would, for the same version of the object
 (:class:`~stream_st.SourceChangedError` otherwise); one killed leaves leftovers that the
 follower, taking the lock, removes. So does a writer that has written nothing for
-:data:`STALL` seconds (its link stalled), or for :data:`HERE_STALL` seconds where it is in the
-follower's own process: the follower goes on by itself.
+:data:`STALL` seconds (its link stalled; the read's ``timeout`` where shorter), or for
+:data:`HERE_STALL` seconds where it is in the follower's own process: the follower goes on by
+itself.
 """
 
 from __future__ import annotations
@@ -37,7 +38,17 @@ from ..._util import process_running
 from ...errors import SourceChangedError
 from ..base import Source
 from .layout import ObjectEntry
-from .store import STALL, EntryLock, Record, pread_soon, read_json, remove_quietly, write_json
+from .store import (
+    HERE_STALL,
+    STALL,
+    EntryLock,
+    Record,
+    pread_soon,
+    read_json,
+    remove_quietly,
+    stall_limit,
+    write_json,
+)
 
 __all__ = ["HERE_STALL", "POLL", "PUBLISH_STEP", "STALL", "FollowSource", "Growing", "follow"]
 
@@ -104,13 +115,6 @@ async def follow(
     return FollowSource(inner, entry, version, lock, state, size, fd, shown)
 
 
-HERE_STALL = 1.0
-"""Seconds without a byte written after which a follower of a writer in its own process reads
-by itself: that writer may be a handle that reads nothing until this one is done with (two
-``safe_open`` handles on one address), where a writer streaming publishes every
-:data:`PUBLISH_STEP` bytes."""
-
-
 class FollowSource(Source):
     """The copy another process is writing, read as it grows (see the module); the rest from
     ``inner`` should the writer stop first. ``fd``: the partial copy, opened (a commit renames
@@ -143,7 +147,7 @@ class FollowSource(Source):
         self._fd: int | None = fd
         self._written = int(state.get("written", 0))
         self._committed = False
-        self._stall = HERE_STALL if lock.held_here else STALL
+        self._stall = stall_limit(self.clock, lock.held_here)
         self._remote: Source | None = None  # the server, once the writer stopped first
         self._plan: list[tuple[int, int]] = []
 

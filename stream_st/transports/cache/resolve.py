@@ -36,8 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import anyio
-
 from ...errors import CacheMissError, HTTPStatusError, SafetensorsError, TransportError
 from ..base import Source
 from ..http.framing import sendable
@@ -47,11 +45,10 @@ from ..http.target import Target
 from ..options import Clock, Transport
 from ..registry import open_source, read_object, scheme_of
 from .config import Cache
-from .follow import follow
+from .follow import FollowSource, follow
 from .keys import object_key, version_key
 from .layout import COMMIT, HubEntry, ObjectEntry, repo_folder
 from .store import (
-    LOCK_POLL,
     EntryLock,
     RangeSet,
     Record,
@@ -200,13 +197,18 @@ async def _object(
                 )
             touch(found[0].record)
             return _copy(found[0], "offline")
-        while not lock.try_acquire():  # another reader holds the entry
+        follower: FollowSource | None = None
+
+        async def followed() -> bool:  # the copy another reader is writing, read as it grows
+            nonlocal follower
             follower = await follow(entry, inner, lock, shown)
-            if follower is not None:
-                handed = True
-                return Resolved(follower, "shared")
-            clock.check(inner.name)
-            await anyio.sleep(LOCK_POLL)
+            return follower is not None
+
+        if not await lock.acquire(clock, inner.name, functools.partial(_files, entry), followed):
+            if follower is None:
+                return Resolved(address, "uncached")  # its writer made no progress for a while
+            handed = True
+            return Resolved(follower, "shared")
         entry.clean()
         found = await _committed(entry)
         if found is not None and found[1].etag:
@@ -440,7 +442,7 @@ async def _hub(
     commit, etag = answer.commit, answer.etag
     lock = EntryLock(entry.lock(etag))
     if not await lock.acquire(clock, address, functools.partial(_growth, entry.part(etag))):
-        return Resolved(address, "uncached")  # held in this process, or stalled
+        return Resolved(address, "uncached")  # its writer made no progress for a while
     handed = False
     inner: Source | None = None
     try:
@@ -491,6 +493,17 @@ def _blob_files(entry: HubEntry, commit: str, etag: str | None = None) -> tuple[
     if etag is None or _hub_algorithm(etag)[1] is not None:
         return ()
     return entry.blob(etag), entry.record(etag), entry.pointer(commit)
+
+
+def _files(entry: ObjectEntry) -> list[tuple[str, int, int]]:
+    """How far the copy being written into ``entry`` has come (its files' names, sizes and
+    times of change): for an object of unknown size, no ``.growing`` file tells."""
+    try:
+        with os.scandir(entry.folder) as found:
+            stats = [(each.name, each.stat()) for each in found]
+    except OSError:  # the folder, or a file in it, removed meanwhile
+        return []
+    return sorted((name, info.st_size, info.st_mtime_ns) for name, info in stats)
 
 
 def _growth(part: Path) -> tuple[int, int] | None:

@@ -29,7 +29,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,9 @@ from ..http.framing import sendable
 from ..options import Clock
 
 __all__ = [
+    "HERE_STALL",
     "LOCK_POLL",
+    "STALL",
     "EntryLock",
     "RangeSet",
     "Record",
@@ -59,6 +61,7 @@ __all__ = [
     "read_json",
     "record_partial",
     "remove_quietly",
+    "stall_limit",
     "touch",
     "write_json",
 ]
@@ -278,6 +281,21 @@ STALL = 30.0
 it stops waiting and reads the object itself (see :meth:`EntryLock.acquire` and
 :mod:`.follow`)."""
 
+HERE_STALL = 1.0
+""":data:`STALL` for a writer in the reader's own process: that writer may be a handle that
+reads nothing until this one is done with (two ``safe_open`` handles on one address), where a
+writer streaming makes progress all along."""
+
+
+def stall_limit(clock: Clock, here: bool) -> float:
+    """Seconds without progress by a copy's writer after which a reader waiting for it reads
+    the object itself: :data:`HERE_STALL` for a writer in this process (``here``), else
+    :data:`STALL`; at most ``clock``'s ``timeout`` (the longest any one wait may last)."""
+    limit = HERE_STALL if here else STALL
+    timeout = clock.limits.timeout
+    return limit if timeout is None else min(limit, timeout)
+
+
 _HELD_HERE: set[tuple[int, int]] = set()
 """The entries' lock files this process holds, by device and inode (however their path is
 spelled): a second reader in the process would wait for itself, and reads by itself instead."""
@@ -326,21 +344,29 @@ class EntryLock:
         _HELD_HERE.add(self._identity)
         return True
 
-    async def acquire(self, clock: Clock, name: str, progress: Callable[[], object]) -> bool:
-        """Take the lock, waiting while another process holds it and makes progress (what
-        ``progress()`` returns changes at least every :data:`STALL` seconds), within
-        ``clock``'s deadline. False, without the lock, where the holder is in this process or
-        stalled. A try never blocks (``LOCK_NB``): it is made on the event loop's thread."""
+    async def acquire(
+        self,
+        clock: Clock,
+        name: str,
+        progress: Callable[[], object],
+        give_way: Callable[[], Awaitable[bool]] | None = None,
+    ) -> bool:
+        """Take the lock, waiting while its holder makes progress (what ``progress()`` returns
+        changes at least every :func:`stall_limit` seconds), within ``clock``'s deadline.
+        False, without the lock, where the holder stalled, or where ``give_way()``, asked at
+        each look, is True (the reader found another way to the bytes: the copy the holder is
+        writing, followed). A try never blocks (``LOCK_NB``): it is made on the event loop's
+        thread."""
         seen, since = progress(), time.monotonic()
         while not self.try_acquire():
-            if self.held_here:
+            if give_way is not None and await give_way():
                 return False
             clock.check(name)
             await anyio.sleep(LOCK_POLL)
             now = progress()
             if now != seen:
                 seen, since = now, time.monotonic()
-            elif time.monotonic() - since > STALL:
+            elif time.monotonic() - since > stall_limit(clock, self.held_here):
                 return False
         return True
 
