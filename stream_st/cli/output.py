@@ -392,11 +392,13 @@ def split_digests(
 
 
 def failed(source: str, exc: SafetensorsError) -> None:
-    """Report one source's error on one line, naming the source where the message does not (a
-    name from a file or a list, escaped: it cannot forge a line)."""
+    """Report one source's error on one line, naming the source where the message does not. The
+    source's name (from a file or a list) is shown as :func:`shown` shows a name, where the
+    message names it too: it cannot forge a line, nor two names show alike."""
     text, source = str(exc), redact(source)
     named = source in text or (source == "/dev/stdin" and "stdin" in text)
-    message = text if named else f"{source}: {text}"
+    name = shown(source)
+    message = text.replace(source, name) if named else f"{name}: {text}"
     print(f"stream-st: error: {shown_message(message)}", file=sys.stderr)
 
 
@@ -525,7 +527,9 @@ def _hex(byte: np.integer[Any]) -> str:
 
 
 def print_validation(result: tools.Validation) -> None:
-    """The source, its statistics table and verdict."""
+    """The source, its statistics table, its warnings and errors and its verdict. A warning or
+    error names tensors unquoted (``w: 3 NaN values``): it is escaped as the names are
+    (:func:`shown`), so that the names ``a\\nb`` and ``a``, a newline, ``b`` show apart."""
     print(f"{shown(result.source)}:")
     names = [shown(t.name) for t in result.tensors]
     width = max([len("name"), *map(len, names)])
@@ -545,9 +549,9 @@ def print_validation(result: tools.Validation) -> None:
     if any(t.nan or t.inf for t in result.tensors):
         print("(min, max, mean and std are of the finite values: NaN and Inf are counted apart)")
     for warning in result.warnings:
-        print(f"warning: {shown_message(warning)}")
+        print(f"warning: {shown(warning)}")
     for error in result.errors:
-        print(f"error: {shown_message(error)}")
+        print(f"error: {shown(error)}")
     print(f"digests: {result.digests}")
     print(
         f"{'valid' if result.ok else 'INVALID'}: {plural(len(result.tensors), 'tensor')}, "

@@ -21,7 +21,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st.cli import main
-from stream_st.cli.output import human
+from stream_st.cli.output import failed, human
 
 from ..servers.http_server import RangeHTTPServer
 from ._cli import COMMAND, run, write_model
@@ -302,3 +302,24 @@ def test_a_name_given_that_is_not_utf8_shows_its_bytes(tmp_path: Path) -> None:
     assert result.returncode == 2 and "header: ['a\\\\b', '\\xff'] (" in result.stderr
     result = run("show", str(model), "\\udcff")  # the name written so is a backslash and text
     assert "has no tensor '\\\\udcff' (" in result.stderr
+
+
+def test_validate_s_findings_and_an_error_s_source_show_names_as_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """validate's warning and error lines, which name tensors unquoted, and the source's name an
+    error line gives were escaped without a backslash doubled: the name a\\nb (a backslash) and
+    a, a newline, b showed alike there, as nowhere else."""
+    literal, newline = "a\\nb", "a\nb"
+    model = write_model(
+        tmp_path / "m.safetensors", {literal: np.zeros(2), newline: np.full(2, np.nan)}
+    )
+    lines = run("validate", str(model)).stdout.splitlines()
+    assert "warning: a\\\\nb: all zeros" in lines and "error: a\\nb: 2 NaN values" in lines
+    folder = tmp_path / "d\\x"
+    folder.mkdir()
+    (folder / "short.safetensors").write_bytes(model.read_bytes()[:20])
+    result = run("inspect", str(folder / "short.safetensors"))  # the message names the source
+    assert f" from {tmp_path}/d\\\\x/short.safetensors while" in result.stderr, result.stderr
+    failed("d\\x/m.safetensors", stream_st.HeaderError("bad\nheader"))  # it does not
+    assert capsys.readouterr().err == "stream-st: error: d\\\\x/m.safetensors: bad\\nheader\n"
