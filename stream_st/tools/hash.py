@@ -51,7 +51,8 @@ def structural_hash(tensors: Iterable[TensorInfo]) -> str:
     """sha256 (hex) of the structure, independent of layout and JSON key order.
 
     The hashed text is the compact JSON (sorted keys, UTF-8) of
-    ``{"format": "safetensors", "tensors": [{"name", "dtype" (lower case), "shape",
+    ``{"format": "safetensors", "tensors": [{"name", "dtype" (lower case; a code stream_st does
+    not know, kept by a header-only read, as written: ``i4`` and ``I4`` hash apart), "shape",
     "byte_length"}, ... sorted by name]}``. ``tensors`` is a header's (an iterable of
     :class:`~stream_st.TensorInfo`); anything else is an :class:`~stream_st.ArgumentTypeError`.
     """
@@ -67,7 +68,7 @@ def structural_hash(tensors: Iterable[TensorInfo]) -> str:
         "tensors": [
             {
                 "name": t.name,
-                "dtype": t.dtype.lower(),
+                "dtype": t.dtype.lower() if t.readable else t.dtype,
                 "shape": list(t.shape),
                 "byte_length": t.nbytes,
             }

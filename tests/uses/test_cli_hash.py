@@ -118,6 +118,20 @@ def test_structural_hash_refuses_a_known_code_in_lower_case(model: Path, tmp_pat
         assert "codes are upper case ('F32')" in result.stderr
 
 
+def test_structural_hash_keeps_an_unknown_code_s_case(model: Path, tmp_path: Path) -> None:
+    """The structural hash lower-cased every dtype code, so a file of the unknown code "i4" and
+    one of "I4" (both refused by the reference) hashed alike: an unknown code is hashed as
+    written, a known one lower-cased as before."""
+    hashes: list[str] = []
+    for code in (b'"i4" ', b'"I4" '):
+        path = tmp_path / f"{code[1:3].decode()}{len(hashes)}.safetensors"
+        path.write_bytes(model.read_bytes().replace(b'"F32"', code, 1))
+        result = run("hash", "--json", str(path))
+        assert result.returncode == 0, result.stderr
+        hashes.append(json.loads(result.stdout)["structural_hash"])
+    assert hashes[0] != hashes[1]
+
+
 def test_file_line_is_sha256sums_and_check_takes_it(model: Path, tmp_path: Path) -> None:
     """--file printed two labelled lines; now sha256sum's line, which sha256sum -c and
     hash --check both accept, and hash --check answers sha256sum -c's way."""
