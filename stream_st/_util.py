@@ -222,3 +222,15 @@ def allow_open_files(count: int) -> None:
         wanted = min(wanted, hard)
     with contextlib.suppress(ValueError, OSError):  # not allowed: one too many fails cleanly
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def canonical_decimal(text: str) -> int | None:
+    """The number ``text`` spells as a canonical decimal (ASCII digits, no sign, space,
+    underscore or leading zero: the one spelling ``str(n)`` gives), or None for any other text.
+    Layer numbers in tensor names and the numbers in KV metadata are held to it."""
+    if not (text.isascii() and text.isdecimal()) or (text[0] == "0" and text != "0"):
+        return None
+    try:
+        return int(text)
+    except ValueError:  # more digits than Python converts: no layer count or group size
+        return None

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .._util import canonical_decimal
 from ..core.codecs import Codec, codec_from_metadata, get_codec, original_code
 from ..core.dtypes import dtype_for
 from ..core.header import Header
@@ -173,23 +174,11 @@ _SEED_PARTS = {  # name suffix after layer_{i}_ -> (role, codec part)
 }
 
 
-def _decimal(text: str) -> int | None:
-    """The number ``text`` spells as a canonical decimal (ASCII digits, no sign, space,
-    underscore or leading zero: the one spelling ``str(n)`` gives), or None for any other text.
-    Layer numbers in tensor names and the numbers in KV metadata are held to it."""
-    if not (text.isascii() and text.isdecimal()) or (text[0] == "0" and text != "0"):
-        return None
-    try:
-        return int(text)
-    except ValueError:  # more digits than Python converts: no layer count or group size
-        return None
-
-
 def _metadata_number(meta: dict[str, str], key: str, default: str | None = None) -> int:
     """The canonical decimal under ``key`` in the metadata (``default`` when absent); a KeyError
     when it is absent without a default, a ValueError when it is not one."""
     text = meta[key] if default is None else meta.get(key, default)
-    number = _decimal(text)
+    number = canonical_decimal(text)
     if number is None:
         raise ValueError(f"{key!r} must be a decimal integer, not {text!r}")
     return number
@@ -221,7 +210,7 @@ def _seed_name(name: str) -> tuple[int, str] | None:
     if not name.startswith("layer_"):
         return None
     number, _, suffix = name[len("layer_") :].partition("_")
-    layer = _decimal(number)  # "layer_01_key", "layer_+1_key": not canonical
+    layer = canonical_decimal(number)  # "layer_01_key", "layer_+1_key": not canonical
     if layer is None or suffix not in _SEED_PARTS:
         return None
     return layer, suffix
@@ -335,7 +324,7 @@ def _seed_layout(header: Header) -> KVLayout:
                 )
     if "group_size" in meta and (codec == "int4" or (declared or "").lower() == "int4"):
         raw = meta["group_size"]
-        declared_size = _decimal(raw)
+        declared_size = canonical_decimal(raw)
         if not declared_size:  # None or 0
             raise HeaderError(f"not a KV cache: group_size {raw!r} is not a positive integer")
         if codec == "int4" and declared_size != group_size:

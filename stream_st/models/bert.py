@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 import anyio
 import numpy as np
 
-from .._util import task_group
+from .._util import canonical_decimal, task_group
 from ..core.strict_json import decode_json
 from ..errors import ArgumentTypeError, HeaderError, UsageError
 from ._checks import ModelError, check_ids, config_number, counts, epsilon, integer_ids
@@ -301,9 +301,10 @@ class StreamingBert:
         layer, _, part = local.removeprefix("encoder.layer.").partition(".")
         if local.startswith("encoder."):
             layers = self.config.num_hidden_layers
-            if part not in _LAYER or not layer.isdecimal() or f"{int(layer)}" != layer:
+            number = canonical_decimal(layer)
+            if part not in _LAYER or number is None:
                 raise ModelError(f"{name} is no weight of a BERT layer")
-            if int(layer) >= layers:
+            if number >= layers:
                 raise ModelError(f"{name}: the configuration has {layers} layers")
             dims = _LAYER_PARTS[part.rpartition(".")[0]]
         elif local in _EMBEDDINGS:

@@ -158,6 +158,8 @@ def test_a_weight_that_is_no_array_is_an_argument_type_error() -> None:
         ("encoder.layer.1.output.dense.bias", "the configuration has 1 layers"),
         ("encoder.layer.01.output.dense.bias", "is no weight of a BERT layer"),
         ("encoder.layer.0.output.gate.bias", "is no weight of a BERT layer"),
+        ("encoder.layer.\u0661.output.dense.bias", "is no weight of a BERT layer"),
+        (f"encoder.layer.{'1' * 5000}.output.dense.bias", "is no weight of a BERT layer"),
     ],
 )
 def test_a_layer_the_configuration_has_not_is_a_model_error(name: str, message: str) -> None:

@@ -141,9 +141,10 @@ def test_a_gguf_file_with_an_end_token_out_of_its_vocabulary_is_refused(tmp_path
         read_gguf(path)
 
 
-@pytest.mark.parametrize("layer", ["²", "\u0661", "01", "-1"])
+@pytest.mark.parametrize("layer", ["²", "\u0661", "01", "-1", "1" * 5000])
 def test_a_weight_of_a_layer_numbered_oddly_is_no_weight_of_the_model(layer: str) -> None:
-    """'²' passed str.isdigit and int() raised a bare ValueError."""
+    """'²' passed str.isdigit and int() raised a bare ValueError; so did 5,000 digits (past
+    what int() converts)."""
     with pytest.raises(ModelError, match="is not a weight of this Llama model"):
         small_model().config.shape(f"model.layers.{layer}.input_layernorm.weight")
 

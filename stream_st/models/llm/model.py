@@ -27,6 +27,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ..._util import canonical_decimal
 from ...core.header import Header
 from ...core.strict_json import decode_json
 from ...errors import ArgumentTypeError, HeaderError, boolean, integer_at_least
@@ -218,8 +219,9 @@ class LlamaConfig:
             return (hidden,)
         prefix, _, part = name.removesuffix(".weight").partition(".layers.")
         layer, _, part = part.partition(".")
-        in_range = prefix == "model" and layer.isdecimal() and int(layer) < self.num_layers
-        if in_range and part in shapes and name in self.layer_names(int(layer)):  # not "01"
+        number = canonical_decimal(layer) if prefix == "model" else None
+        in_range = number is not None and number < self.num_layers
+        if in_range and part in shapes and name in self.layer_names(int(layer)):  # ".weight" too
             return shapes[part]
         raise ModelError(f"{name!r} is not a weight of this Llama model")
 
