@@ -145,7 +145,7 @@ def process_running(pid: object) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # no such process; no pid of this system
         return False
     except PermissionError:
         return True

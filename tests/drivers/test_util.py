@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import anyio
 import pytest
 
 from stream_st import TruncatedStreamError
-from stream_st._util import task_group
+from stream_st._util import process_running, task_group
 
 
 async def test_the_first_failure_comes_out_plain_with_its_own_context() -> None:
@@ -39,3 +41,11 @@ async def test_a_failure_in_the_body_comes_out_plain() -> None:
         async with task_group() as group:
             group.start_soon(anyio.sleep, 5)
             raise LookupError("body")
+
+
+@pytest.mark.parametrize("pid", [2**40, 2**70, 10**99])
+def test_a_pid_past_the_system_s_is_no_running_process(pid: int) -> None:
+    """A pid read from a cache's or a group's files past what the system takes (a damaged or
+    crafted file): os.kill raised a bare OverflowError."""
+    assert process_running(pid) is False
+    assert process_running(os.getpid()) is True
