@@ -3,7 +3,10 @@
 :func:`moments_of` summarises a run of values as :class:`Moments`: the count of finite values,
 their min, max, mean and sum of squared deviations (``m2``), and the NaN and Inf counts.
 Summaries of parts merge exactly (:meth:`Moments.merge`, the pairwise update of Chan, Golub and
-LeVeque), so a big tensor is summarised in parts by several threads and merged in order.
+LeVeque), so a big tensor is summarised in parts by several threads and merged in order. ``m2`` is
+kept in units of a power of 4 where float64 could not hold it (values far from 1, as
+:func:`~stream_st.core.casts.error_stats` keeps its sums of squares): the std of F64 values near
+1e300 or 1e-200 is theirs, not infinite or 0.
 
 Integer (and boolean) values keep their min and max exact, as Python ints taken in their own
 dtype (a 64-bit integer beyond 2**53 is not rounded through float64), and their exact sum
@@ -51,6 +54,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .casts import _times_two_to
+
 __all__ = [
     "CHUNK",
     "F16_UNIT",
@@ -76,11 +81,12 @@ BLOCK = 1 << 13
 one measured up to 25 times slower than 8 of these; its threads wait for work spinning, a CPU's
 worth), and the statistics' worker threads already use every CPU."""
 
-_FAR = 2.0**500
-"""Chunks with a value this far from 0 (F64 only) are summed scaled by a power of 2 into
-[1, 2), then scaled back: their sums and squares would overflow float64 (a mean of NaN where
-two values near the largest float64 were added). A variance beyond float64 is then ``inf``,
-as numpy's."""
+_FAR, _NEAR = 2.0**400, 2.0**-400
+"""Chunks whose largest magnitude is not in [_NEAR, _FAR) (F64 and C128 only) are summed scaled
+by a power of 2 into [1, 2), their ``m2`` kept in those units: their sums and squares would
+overflow float64 (a mean of NaN where two values near the largest float64 were added, a std of
+``inf``) or underflow (a std of 0 for values of 1e-200 that differ). Within them, no square, sum
+of squares (of up to 2**60 values) or difference of means squared does either."""
 
 _RECENTRE = 1e-3
 """A chunk whose ``m2`` is below this fraction of its shifted sum of squares (three digits or
@@ -145,10 +151,11 @@ def summarisable(dtype: str) -> bool:
 @dataclass
 class Moments:
     """The summary of some values: ``count`` finite values, their ``low`` and ``high``, ``mean``
-    and ``m2`` (sum of squared deviations from the mean), and the ``nan`` and ``inf`` values
-    left out of them. ``low`` and ``high`` are ``inf`` and ``-inf`` while ``count`` is 0; for
-    integer values they are exact Python ints. ``integer_sum``: the exact sum of integer values
-    (None for floating ones), of which ``mean`` is then the quotient by ``count``, rounded once.
+    and ``m2`` (sum of squared deviations from the mean, in units of ``4**e``: the deviations
+    in units of ``2**e``), and the ``nan`` and ``inf`` values left out of them. ``low`` and
+    ``high`` are ``inf`` and ``-inf`` while ``count`` is 0; for integer values they are exact
+    Python ints. ``integer_sum``: the exact sum of integer values (None for floating ones), of
+    which ``mean`` is then the quotient by ``count``, rounded once.
     """
 
     count: int = 0
@@ -159,29 +166,58 @@ class Moments:
     nan: int = 0
     inf: int = 0
     integer_sum: int | None = None
+    e: int = 0
 
     @property
     def variance(self) -> float | None:
-        """The population variance (``m2 / count``), None without finite values."""
-        return max(self.m2, 0.0) / self.count if self.count else None
+        """The population variance (``m2 / count``, ``inf`` beyond float64), None without
+        finite values."""
+        return _times_two_to(max(self.m2, 0.0) / self.count, 2 * self.e) if self.count else None
 
     @property
     def std(self) -> float | None:
         """The population standard deviation (numpy's ``std``), None without finite values."""
-        variance = self.variance
-        return None if variance is None else math.sqrt(variance)
+        if not self.count:
+            return None
+        return _times_two_to(math.sqrt(max(self.m2, 0.0) / self.count), self.e)
 
     def times(self, factor: float) -> Moments:
         """These moments of the values multiplied by ``factor`` (exact for a power of 2)."""
+        mantissa, exponent = math.frexp(factor)  # factor = 2 * mantissa * 2**(exponent - 1)
         return Moments(  # no integer sum: the values scaled are floating-point ones
             self.count,
             self.mean * factor,
-            self.m2 * factor * factor,
+            self.m2 * (2 * mantissa) ** 2,
             self.low * factor,
             self.high * factor,
             self.nan,
             self.inf,
+            e=self.e + exponent - 1,
         )
+
+    def add(self, count: int, mean: float, m2: float, e: int) -> None:
+        """Add ``count`` (> 0) more values, of ``mean`` and ``m2`` in units of ``4**e``, to the
+        count, mean and ``m2`` of these (Chan, Golub and LeVeque's pairwise update). Where
+        float64 might not hold the sum of ``m2`` (see :data:`_FAR`), it is taken in the units of
+        its largest term."""
+        if not self.count:
+            self.count, self.mean, self.m2, self.e = count, mean, m2, e
+            return
+        total = self.count + count
+        weight = self.count * (count / total)
+        delta = mean - self.mean
+        if self.e == e == 0 and (not delta or _NEAR <= abs(delta) < _FAR):
+            self.m2 += m2 + delta * delta * weight  # nothing over- or underflows
+        else:  # the means' difference in units of 2**unit, the greater mean's in [0.5, 1)
+            unit = math.frexp(max(abs(mean), abs(self.mean)))[1]
+            apart = math.ldexp(mean, -unit) - math.ldexp(self.mean, -unit)
+            terms = ((self.m2, self.e), (m2, e), (apart * apart * weight, unit))
+            self.m2, self.e = _sum_of_squares(terms)
+        if math.isfinite(delta):
+            self.mean += delta * (count / total)
+        else:  # means near float64's ends, of opposite signs: weighted, they cannot overflow
+            self.mean = self.mean * (self.count / total) + mean * (count / total)
+        self.count = total
 
     def merge(self, other: Moments) -> None:
         """Add ``other``'s values to these (exact: Chan, Golub and LeVeque's pairwise update)."""
@@ -189,25 +225,33 @@ class Moments:
         self.inf += other.inf
         if not other.count:
             return
-        if not self.count:
-            self.count, self.mean, self.m2 = other.count, other.mean, other.m2
+        first = not self.count
+        self.add(other.count, other.mean, other.m2, other.e)
+        if first:
             self.integer_sum = other.integer_sum
+        elif self.integer_sum is None or other.integer_sum is None:
+            self.integer_sum = None
         else:
-            count = self.count + other.count
-            delta = other.mean - self.mean
-            if math.isfinite(delta):
-                self.mean += delta * (other.count / count)
-            else:  # means near float64's ends, of opposite signs: weighted, they cannot overflow
-                self.mean = self.mean * (self.count / count) + other.mean * (other.count / count)
-            self.m2 += other.m2 + delta * delta * (self.count * (other.count / count))
-            self.count = count
-            if self.integer_sum is None or other.integer_sum is None:
-                self.integer_sum = None
-            else:
-                self.integer_sum += other.integer_sum
-                self.mean = self.integer_sum / count  # exact, rounded once
+            self.integer_sum += other.integer_sum
+            self.mean = self.integer_sum / self.count  # exact, rounded once
         self.low = min(self.low, other.low)
         self.high = max(self.high, other.high)
+
+
+def _sum_of_squares(terms: tuple[tuple[float, int], ...]) -> tuple[float, int]:
+    """The sum of ``value * 4**e`` over ``terms`` (values >= 0), as ``(total, e)``: each term
+    taken in the units of the largest (one too small to count there becomes 0), so that neither
+    a term nor the sum over- or underflows."""
+    powers = [
+        (mantissa, exponent + 2 * e)
+        for value, e in terms
+        if value > 0
+        for mantissa, exponent in [math.frexp(value)]
+    ]
+    if not powers:
+        return 0.0, 0
+    unit = -(-max(power for _, power in powers) // 2)
+    return math.fsum(math.ldexp(mantissa, power - 2 * unit) for mantissa, power in powers), unit
 
 
 def _floating(dtype: np.dtype[Any]) -> bool:
@@ -283,13 +327,13 @@ def _add_chunks(result: Moments, flat: Array, start: int, stop: int) -> None:
         low, high = float(low), float(high)
         if compiled is not None:
             _add_sums(result, chunk.size, low, high, _compiled(compiled, chunk, "F32"))
-        elif max(-low, high) >= _FAR:  # F64 whose sums would overflow: summed scaled down
-            factor = 2.0 ** (1 - math.frexp(max(-low, high))[1])  # its inverse is finite
+        elif (top := max(-low, high)) and not _NEAR <= top < _FAR:  # F64 far from 1: scaled
+            factor = 2.0 ** min(1 - math.frexp(top)[1], 1022)  # it and its inverse are finite
             part = Moments()
             np.multiply(chunk, factor, out=scratch[: chunk.size])
             _add_finite(part, scratch[: chunk.size], low * factor, high * factor, scratch)
             part = part.times(1 / factor)
-            part.low, part.high = low, high  # a tiny one scaled down and back would be 0
+            part.low, part.high = low, high  # exact (a tiny one scaled down and back is 0)
             result.merge(part)
         else:
             _add_finite(result, chunk, low, high, scratch)
@@ -448,15 +492,6 @@ def _add_sums(result: Moments, n: int, low: float, high: float, sums: Shifts) ->
         r1, r2 = sums(s1 / n)
         m2 = r2 - r1 * (r1 / n)
         mean += r1 / n
-    count = result.count
-    if not count:
-        result.count, result.mean, result.m2 = n, mean, max(m2, 0.0)
-        result.low, result.high = low, high
-        return
-    total = count + n
-    delta = mean - result.mean
-    result.mean += delta * (n / total)
-    result.m2 += max(m2, 0.0) + delta * delta * (count * (n / total))
-    result.count = total
+    result.add(n, mean, max(m2, 0.0), 0)
     result.low = min(result.low, low)
     result.high = max(result.high, high)

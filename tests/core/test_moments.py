@@ -189,14 +189,44 @@ def test_strided_and_byte_swapped_values(dtype: Any) -> None:
     ids=["spread", "near-max", "both-ends", "huge"],
 )
 def test_f64_sums_that_overflow_are_taken_scaled(values: list[float]) -> None:
-    """The mean of F64 values whose sums overflow float64 is right (it was NaN); their variance
-    overflows, and the std is infinite, as numpy's."""
+    """The mean of F64 values whose sums overflow float64 is right (it was NaN), and so is their
+    std (it was infinite, as numpy's): their variance overflows, not the std."""
     array = np.array(values, dtype=np.float64)
     scale = 2.0**1000
     found = moments_of(array)
     assert math.isclose(found.mean, float((array / scale).mean()) * scale, rel_tol=1e-12)
     assert (found.low, found.high) == (array.min(), array.max())
-    assert found.std == math.inf
+    assert found.std is not None
+    assert math.isclose(found.std, float((array / scale).std()) * scale, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("power", [1000, 600, -600, -900, -1060])
+def test_f64_std_far_from_1_is_taken_scaled(power: int) -> None:
+    """Values at 2**1000 or 2**-900: the squares overflowed (std inf) or underflowed (std 0,
+    or digits lost among subnormals), in one chunk and across chunks whose means differ, where
+    the difference of means squared did the same; constant chunks apart by little. Each is
+    compared with numpy's std of the values scaled to about 1, which is exact."""
+    rng = np.random.default_rng(19)
+    integers = rng.integers(-(2**12), 2**12, 3 * CHUNK + 5).astype(np.float64)  # exact scaled
+    integers[CHUNK : 2 * CHUNK] += 2**13  # a chunk whose mean is far from the others'
+    small = [[1.0, 2.0, 3.0], [3.0, -3.0, 1.0, -2.0]]
+    steps = np.repeat([5.0, 6.0, 7.0], CHUNK)  # constant chunks: only their means differ
+    for values in (integers, *map(np.array, small), steps):
+        array = np.ldexp(values, power)
+        found = moments_of(array)
+        assert found.std is not None and found.std > 0
+        assert math.isclose(found.std, math.ldexp(float(values.std()), power), rel_tol=1e-12)
+        assert (found.low, found.high) == (array.min(), array.max())
+        assert (found.low, found.high) == (array.min(), array.max())
+
+
+def test_f64_chunks_far_from_1_and_near_it_merge() -> None:
+    """A chunk near 1 between two at 2**1000 (summed scaled): merged in their units."""
+    values = np.random.default_rng(20).integers(-(2**12), 2**12, CHUNK).astype(np.float64)
+    array = np.concatenate([np.ldexp(values, 1000), values, np.ldexp(values + 9, 1000)])
+    found = moments_of(array)
+    expected = math.ldexp(float(np.ldexp(array, -1000).std()), 1000)
+    assert found.std is not None and math.isclose(found.std, expected, rel_tol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -212,10 +242,10 @@ def test_f64_min_and_max_stay_exact_beside_a_value_taken_scaled(values: list[flo
 
 def test_f64_chunks_with_means_at_both_ends_merge_to_a_finite_mean() -> None:
     """Chunks at -1.5e308 and +1.5e308: the difference of their means overflows float64, their
-    merged mean is 0 (it was inf); the variance overflows, as the documentation says."""
+    merged mean is 0 (it was inf); the variance overflows, the std is theirs (it was inf)."""
     array = np.concatenate([np.full(CHUNK, -1.5e308), np.full(CHUNK, 1.5e308)])
     found = moments_of(array)
-    assert (found.mean, found.std) == (0.0, math.inf)
+    assert (found.mean, found.std, found.variance) == (0.0, 1.5e308, math.inf)
     total = Moments(1, -1.5e308, 0.0, -1.5e308, -1.5e308)
     total.merge(Moments(2, 1.5e308, 0.0, 1.5e308, 1.5e308))  # weighed 1/3 and 2/3
     assert math.isclose(total.mean, 0.5e308, rel_tol=1e-15)
