@@ -24,7 +24,7 @@ from .core.arrays import Framework, as_array, spec_of
 from .core.digests import Digests
 from .core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes
 from .core.shards import is_index
-from .errors import IntegrityError, SafetensorsError, UsageError, boolean
+from .errors import ArgumentTypeError, IntegrityError, SafetensorsError, UsageError, boolean
 from .memory.delivery import Delivery
 from .reader import NO_CAPS, Caps, Include, TensorStream
 from .reader.ahead import _room_ahead
@@ -96,7 +96,9 @@ async def save(
     A cancelled call leaves nothing behind, unless the file was committed first.
     """
     if not isinstance(tensors, Mapping):
-        raise UsageError(f"save takes a mapping of names to arrays, got {type(tensors).__name__}")
+        raise ArgumentTypeError(
+            f"save takes a mapping of names to arrays, got {type(tensors).__name__}"
+        )
     fsync = boolean("fsync", fsync)
     if not options and not isinstance(checksums, Digests):
         path = local_destination(dst)

@@ -171,24 +171,31 @@ async def test_digests_given_must_map_names_to_text(tmp_path: Path, values: Any,
 @pytest.mark.parametrize(
     ("tensors", "error", "message"),
     [
-        ([("a", np.ones(2))], stream_st.UsageError, "a mapping of names to arrays, got list"),
+        (
+            [("a", np.ones(2))],
+            stream_st.ArgumentTypeError,
+            "a mapping of names to arrays, got list",
+        ),
+        (None, stream_st.ArgumentTypeError, "a mapping of names to arrays, got NoneType"),
         ({"a": None}, stream_st.DtypeError, "tensor 'a': numpy dtype object has no"),
         ({"a": np.array([object()])}, stream_st.DtypeError, "tensor 'a': numpy dtype object"),
         ({"a": "xyz"}, stream_st.DtypeError, "tensor 'a': numpy dtype <U3 has no"),
         ({"a": [[1], [2, 3]]}, stream_st.UsageError, "tensor 'a': cannot make an array"),
         ({1: np.ones(2)}, stream_st.ArgumentTypeError, "a tensor name must be a string"),
     ],
-    ids=["pairs", "none", "objects", "str", "ragged", "name"],
+    ids=["pairs", "no-mapping", "none", "objects", "str", "ragged", "name"],
 )
 async def test_compute_refuses_what_save_refuses(
     tmp_path: Path, tensors: Any, error: type[Exception], message: str
 ) -> None:
     """Digests.compute refuses what save refuses, with the same error (a bare TypeError or
-    AttributeError escaped; a str was given a digest save would never record)."""
-    with pytest.raises(error, match=message):
+    AttributeError escaped; a str was given a digest save would never record; save refused a
+    non-mapping with a UsageError that is no TypeError)."""
+    with pytest.raises(error, match=message) as computed:
         Digests.compute(tensors)
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message) as saved:
         await stream_st.save(tmp_path / "m.safetensors", tensors, checksums=True)
+    assert type(saved.value) is type(computed.value)
     assert not list(tmp_path.iterdir())
 
 
