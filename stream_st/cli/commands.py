@@ -68,8 +68,28 @@ from .output import (
 
 
 def source_arg(text: str) -> str:
-    """A source argument as the library takes it: ``-`` is standard input."""
-    return "/dev/stdin" if text == STDIO else text
+    """A source argument as the library takes it: ``-`` is standard input (``/dev/stdin``).
+    Standard input that is a regular file read already past its start (``(head -c 8 >
+    /dev/null; stream-st hash --file -) < f``) is a :class:`~stream_st.UsageError`: the path
+    opens the file anew, read from its start, not from where the shell's reads left it."""
+    if text != STDIO:
+        return text
+    offset = _stdin_offset()
+    if offset:
+        raise UsageError(
+            f"standard input is a file read up to byte {offset:,} already, and '-' would read "
+            f"it from its start: pipe the rest of it (tail -c +{offset + 1} FILE | stream-st ...)"
+        )
+    return "/dev/stdin"
+
+
+def _stdin_offset() -> int:
+    """Where the reads of standard input have left it, when it is a regular file; else 0 (a
+    pipe, a terminal, standard input closed: opening ``/dev/stdin`` tells)."""
+    with suppress(OSError):
+        if stat.S_ISREG(os.fstat(0).st_mode):
+            return os.lseek(0, 0, os.SEEK_CUR)
+    return 0
 
 
 def one_source_arg(text: str) -> str:

@@ -104,3 +104,21 @@ def test_a_signal_the_command_was_started_ignoring_stays_ignored(tmp_path: Path)
     out, err = process.communicate(data[16:], timeout=60)
     assert process.returncode == 0, err
     assert out.split() and out.split()[0] != b""
+
+
+def test_standard_input_a_file_read_past_its_start_is_refused(tmp_path: Path) -> None:
+    """``-`` opened /dev/stdin, which reads a regular file from its start: where the shell's
+    reads had left it part read (``(head -c 8 >/dev/null; stream-st hash --file -) < f``), the
+    command hashed or showed the bytes already read too. It is refused, saying so."""
+    model = write_model(tmp_path / "m.safetensors")
+    for args in (["hash", "--file", "-"], ["show", "-", "model.embed_tokens.weight"]):
+        with model.open("rb") as stdin:
+            os.lseek(stdin.fileno(), 8, os.SEEK_SET)
+            done = subprocess.run(
+                [COMMAND, *args], stdin=stdin, capture_output=True, text=True, timeout=120
+            )
+        assert (done.returncode, done.stdout) == (2, ""), done.stderr
+        assert "standard input is a file read up to byte 8 already" in done.stderr
+        with model.open("rb") as stdin:  # from its start, as before
+            whole = subprocess.run([COMMAND, *args], stdin=stdin, capture_output=True, timeout=120)
+        assert whole.returncode == 0, whole.stderr
