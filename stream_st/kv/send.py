@@ -21,7 +21,7 @@ from ..connection import Connection
 from ..core.codecs import Codec
 from ..core.dtypes import dtype_for, wire_bytes
 from ..errors import ArgumentTypeError, DtypeError, UsageError, integer_at_least
-from ..transports.options import LimitOptions
+from ..transports.options import LimitOptions, Limits
 from ..transports.registry import SinkLike
 from ..writer import TensorWriter, open_writer
 from .layout import Array, KVLayout, digest_name, key_name, value_name
@@ -207,7 +207,7 @@ async def send_kv(
     buffers); one that changes a buffer too early is caught in most cases
     (:class:`~stream_st.UsageError`, before that layer's digest goes out).
     Time limits as in :func:`~stream_st.open_writer` (on a Connection, the connection's unless
-    given here).
+    given here); any other keyword is an :class:`~stream_st.ArgumentTypeError`.
     """
     if not isinstance(layout, KVLayout):
         raise ArgumentTypeError(f"layout must be a KVLayout, not {type(layout).__name__}")
@@ -217,6 +217,7 @@ async def send_kv(
             f"not {type(layers).__name__}"
         )
     queue = integer_at_least("queue", queue, 1)
+    Limits.of(limits, transport=False)  # checksums=, fsync=... would reach open_writer
     report = SendReport()
     codec = layout.get_codec()
     if isinstance(dst, Connection):

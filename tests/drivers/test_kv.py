@@ -169,6 +169,19 @@ async def test_header_first_and_layer_zero_before_the_last_is_produced() -> None
             await send_kv(listener.url, layout, producer())
 
 
+@pytest.mark.parametrize("option", [{"checksums": True}, {"fsync": True}, {"metadata": {}}])
+async def test_send_kv_refuses_a_keyword_that_is_no_time_limit(
+    tmp_path: Path, option: dict[str, Any]
+) -> None:
+    """Every keyword went on to open_writer: ``checksums=True`` or ``fsync=True`` was taken
+    silently (or clashed with the layout's own metadata deep inside); nothing is written."""
+    path = tmp_path / "kv.safetensors"
+    with pytest.raises(stream_st.ArgumentTypeError, match="unknown option"):
+        await send_kv(path, KVLayout(num_layers=4, shape=SHAPE), produce(4), **option)
+    assert not path.exists()
+    await send_kv(path, KVLayout(num_layers=4, shape=SHAPE), produce(4), timeout=10)
+
+
 async def test_flipped_byte_is_detected_and_the_layer_withheld(tmp_path: Path) -> None:
     layout = KVLayout(num_layers=4, shape=SHAPE)
     path = tmp_path / "kv.safetensors"
