@@ -285,14 +285,24 @@ def test_perplexity_of_logits_that_are_records_or_voids_is_refused() -> None:
     assert perplexity(np.zeros((2, 4), dtype=ml_dtypes.bfloat16), [0, 1]) == pytest.approx(4.0)
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_perplexity_of_logits_that_are_not_finite_is_refused(bad: float) -> None:
-    """A NaN logit gave a NaN perplexity, +inf a RuntimeWarning and NaN, -inf an infinite
-    perplexity (the target's) or was taken."""
+@pytest.mark.parametrize("row", [[0, 0, np.nan, 0], [0, 0, np.inf, 0], [-np.inf] * 4])
+def test_perplexity_of_logits_that_make_no_probabilities_is_refused(row: list[float]) -> None:
+    """A NaN logit gave a NaN perplexity, +inf a RuntimeWarning and NaN."""
     logits = np.zeros((2, 4), dtype=np.float32)
-    logits[1, 2] = bad
+    logits[1] = row
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with pytest.raises(ModelError, match="logits must be finite numbers"):
+        with pytest.raises(ModelError, match="finite maximum in each row"):
             perplexity(logits, [0, 1])
+
+
+def test_perplexity_takes_minus_infinity_as_a_masked_token() -> None:
+    """-inf is a token masked out (probability 0): the others share the row, and a target of
+    -inf is certain to be missed (an infinite perplexity), without a warning."""
+    logits = np.zeros((2, 4), dtype=np.float32)
+    logits[:, 3] = -np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert perplexity(logits, [0, 1]) == pytest.approx(3.0)
+        assert perplexity(logits, [0, 3]) == np.inf
     assert perplexity(np.zeros((2, 4), dtype=np.float32), [0, 1]) == pytest.approx(4.0)

@@ -495,7 +495,8 @@ def perplexity(logits: Array, targets: Sequence[int] | Array) -> float:
     """exp(mean negative log-likelihood) of ``targets`` under ``logits`` ``[n, vocab]``, row ``i``
     predicting ``targets[i]`` (computed in float64). :class:`ModelError` unless there are ``n``
     targets, each an id in ``[0, vocab)`` (-1 is no id: it would score the last one), and the
-    logits are finite (a NaN or an infinity makes no probabilities);
+    logits hold no NaN or +inf, nor a row of -inf alone (no probabilities); -inf masks a token
+    (probability 0: a target of -inf gives an infinite perplexity);
     :class:`~stream_st.ArgumentTypeError` for targets or logits that are not numbers (logits
     that are complex numbers, whose imaginary parts would be dropped, voids or records
     included; ml_dtypes' floats are numbers)."""
@@ -511,11 +512,14 @@ def perplexity(logits: Array, targets: Sequence[int] | Array) -> float:
     if wide.ndim != 2 or wide.shape[0] != ids.size or ids.size == 0:
         raise ModelError(f"{ids.size} targets for logits of shape {list(wide.shape)}")
     check_ids(ids, wide.shape[1], "targets")
-    top = wide.max(axis=-1)  # a NaN or +inf shows in a row's maximum, -inf in the minimum
-    if not (np.isfinite(top).all() and np.isfinite(wide.min())):
-        raise ModelError("logits must be finite numbers, not NaN or infinite")
-    log_norm = top + np.log(np.exp(wide - top[:, None]).sum(axis=-1))
-    return float(np.exp(np.mean(log_norm - wide[np.arange(ids.size), ids])))
+    top = wide.max(axis=-1)  # a NaN or +inf shows in its row's maximum, as a row of -inf
+    if not np.isfinite(top).all():
+        raise ModelError(
+            "logits must be numbers with a finite maximum in each row, not NaN or +inf"
+        )
+    with np.errstate(divide="ignore"):  # a target of -inf: log(0)
+        log_norm = top + np.log(np.exp(wide - top[:, None]).sum(axis=-1))
+        return float(np.exp(np.mean(log_norm - wide[np.arange(ids.size), ids])))
 
 
 @dataclass
