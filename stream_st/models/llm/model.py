@@ -517,9 +517,8 @@ def perplexity(logits: Array, targets: Sequence[int] | Array) -> float:
         raise ModelError(
             "logits must be numbers with a finite maximum in each row, not NaN or +inf"
         )
-    with np.errstate(divide="ignore"):  # a target of -inf: log(0)
-        log_norm = top + np.log(np.exp(wide - top[:, None]).sum(axis=-1))
-        return float(np.exp(np.mean(log_norm - wide[np.arange(ids.size), ids])))
+    log_norm = top + np.log(np.exp(wide - top[:, None]).sum(axis=-1))
+    return float(np.exp(np.mean(log_norm - wide[np.arange(ids.size), ids])))
 
 
 @dataclass
