@@ -392,7 +392,8 @@ def load_model(
     the fastest from a local file. The old parameter objects are no longer the model's: build an
     optimizer after loading. A state-dict name that is not the attribute path of its tensor (a
     state-dict hook renaming it) raises :class:`~stream_st.UsageError` before anything is read,
-    a shape in the file that differs from the model's before anything is replaced (of a sharded
+    a shape in the file that differs from the model's, or a dtype of no gradient (an integer
+    or bool) for a parameter that requires one, before anything is replaced (of a sharded
     checkpoint, before anything of the shard that holds it is: the earlier shards' tensors are
     in the model then, as after any failed load).
 
@@ -569,14 +570,24 @@ class _Slots:
         for group in {id(group): group for group in self._group.values()}.values():
             self._overruled.update([name for name in group if name in in_file][:-1])
 
-    def fits(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """:class:`UsageError` for the first of ``shapes`` (a file's tensors, or a shard's,
-        told before any of them is placed) whose shape :meth:`place` would refuse."""
-        for name, shape in shapes.items():
+    def fits(self, kinds: Mapping[str, tuple[tuple[int, ...], Any]]) -> None:
+        """:class:`UsageError` for the first of ``kinds`` (shape and torch dtype of a file's
+        tensors, or a shard's, told before any of them is placed) that :meth:`place` would
+        refuse: a shape not the model's, or a dtype no gradient is taken of (an integer or
+        bool) for a parameter that requires one (which torch's ``Parameter`` refuses)."""
+        for name, (shape, dtype) in kinds.items():
             names = self._group.get(name)
             if names is not None:
                 module, attribute = self._slot(names[0])
-                _check_shape(name, shape, getattr(module, attribute))
+                old = getattr(module, attribute)
+                _check_shape(name, shape, old)
+                graded = dtype.is_floating_point or dtype.is_complex
+                if old.requires_grad and not graded and name not in self._overruled:
+                    raise UsageError(
+                        f"{name}: the file holds {dtype}, and the model's parameter requires "
+                        "grad, which only a floating point or complex tensor takes (set "
+                        "requires_grad_(False) first, or load without assign=True)"
+                    )
 
     def place(self, name: str, tensor: Any) -> bool:
         """Put ``tensor`` where ``name`` (and every name tied to it) lives; False if the model
@@ -713,9 +724,10 @@ class _Geometry:
 _Placed = tuple[set[str], list[tuple[str, Any]]]
 """The names ``place`` took (see :func:`_received`), and the tensors it did not."""
 
-_Fits = Callable[[Mapping[str, tuple[int, ...]]], None]
-"""Told the shapes (as torch tensors hold them) of a file's tensors, or of a shard's, before
-any of them is handed to ``place``; raises to refuse them all (see :func:`_received`)."""
+_Fits = Callable[[Mapping[str, tuple[tuple[int, ...], Any]]], None]
+"""Told the shapes and dtypes (as torch tensors hold them) of a file's tensors, or of a
+shard's, before any of them is handed to ``place``; raises to refuse them all (see
+:func:`_received`)."""
 
 _Read = Callable[
     [
@@ -746,8 +758,9 @@ def _received(
     """:func:`_receive` of ``src``, the call's options ``given``. Read without a copy, nothing
     received into given memory, a local file with no option is read as :func:`load_file` reads
     it: mapped, with no event loop to start. ``seen`` is told the file's names before any
-    tensor is read or handed to ``place``, ``fits`` (unless None) their shapes before any is
-    handed to it (of a sharded checkpoint, each shard's before any of that shard's is)."""
+    tensor is read or handed to ``place``, ``fits`` (unless None) their shapes and dtypes
+    before any is handed to it (of a sharded checkpoint, each shard's before any of that
+    shard's is)."""
     from .compat._sync import run
 
     if not copy and not into:
@@ -755,7 +768,7 @@ def _received(
         if loaded is not None:
             seen(list(loaded))
             if fits is not None:
-                fits({name: tuple(tensor.shape) for name, tensor in loaded.items()})
+                fits({name: (tuple(t.shape), t.dtype) for name, t in loaded.items()})
             placed: set[str] = set()
             others: list[tuple[str, Any]] = []
             for name in list(loaded):  # each let go once placed
@@ -793,10 +806,10 @@ async def _receive(
     """Read every tensor of ``src`` (``into`` those it can take, as it holds them once ``seen``
     was told the file's names) and hand each to ``place``; the names it took, and the tensors
     it did not. Of an index without a weight map, ``seen`` is told none. ``fits`` (unless None)
-    is told the shapes of the file's tensors before the first is handed to ``place``, of a
-    sharded checkpoint's shard by shard, before each shard's first."""
+    is told the shapes and dtypes of the file's tensors before the first is handed to
+    ``place``, of a sharded checkpoint's shard by shard, before each shard's first."""
     from ._api import stream_for
-    from .core.arrays import torch_shape
+    from .core.arrays import torch_dtype, torch_shape
     from .memory.delivery import Delivery
     from .sharded.reader import ShardedStream
 
@@ -820,7 +833,8 @@ async def _receive(
         async for name, tensor in stream:
             if fits is not None and stream.header is not checked:  # the file's, or a new shard's
                 checked = stream.header
-                fits({info.name: torch_shape(info.dtype, info.shape) for info in checked.tensors})
+                infos = checked.tensors
+                fits({i.name: (torch_shape(i.dtype, i.shape), torch_dtype(i.dtype)) for i in infos})
             _hand(place, name, tensor, placed, others)
     finally:
         await stream.aclose()

@@ -765,15 +765,24 @@ def _bad_c() -> dict[str, torch.Tensor]:
     return {"a": torch.full((2,), 7.0), "b": torch.full((2,), 5.0), "c": torch.ones(4)}
 
 
+_REFUSED = {
+    "shape": (torch.ones(4), r"size mismatch for c: the file has shape \[4\]"),
+    "integer": (torch.ones(3, dtype=torch.int64), r"c: the file holds torch.int64.*requires grad"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(_REFUSED))
 @pytest.mark.parametrize("how", ["mapped", "pread", "http"])
 def test_load_model_assign_refuses_a_shape_before_anything_is_replaced(
-    tmp_path: Path, http: RangeHTTPServer, how: str
+    tmp_path: Path, http: RangeHTTPServer, how: str, bad: str
 ) -> None:
-    """A shape in the file that differs from the model's (``c``'s, after ``a`` and ``b``): a
-    UsageError, the model's parameters its own still, where ``a`` and ``b`` had been replaced
-    already, the docstring saying otherwise."""
+    """A shape in the file that differs from the model's (``c``'s, after ``a`` and ``b``), or
+    an integer dtype for a parameter that requires grad: a UsageError, the model's parameters
+    its own still, where ``a`` and ``b`` had been replaced already, the docstring saying
+    otherwise (of the integer, a bare RuntimeError from torch's Parameter)."""
     path = tmp_path / "m.safetensors"
-    st.save_file(_bad_c(), path)
+    c, message = _REFUSED[bad]
+    st.save_file({**_bad_c(), "c": c}, path)
     address: str | Path = path
     options: dict[str, Any] = {"backend": "pread"} if how == "pread" else {}
     if how == "http":
@@ -781,7 +790,7 @@ def test_load_model_assign_refuses_a_shape_before_anything_is_replaced(
         address = http.url("/m.safetensors")
     model = Three()
     before = dict(model.named_parameters())
-    with pytest.raises(UsageError, match=r"size mismatch for c: the file has shape \[4\]"):
+    with pytest.raises(UsageError, match=message):
         st.load_model(model, address, assign=True, **options)
     assert all(getattr(model, name) is old for name, old in before.items()), how
     assert not model.a.any() and not model.b.any()
