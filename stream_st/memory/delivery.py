@@ -26,8 +26,9 @@ __all__ = ["Delivery"]
 class Delivery:
     """Where each tensor of a read lands and what it is handed out as.
 
-    ``into`` maps names to memory the caller owns: a torch tensor or numpy array of the tensor's
-    dtype and shape, or any writable contiguous buffer of exactly its bytes. Those tensors are
+    ``into`` maps names to memory the caller owns: a torch tensor (contiguous on the CPU, no
+    negative or conjugate view) or numpy array of the tensor's dtype and shape, or any writable
+    contiguous buffer of exactly its bytes. Those tensors are
     received straight into it; the others into fresh arrays. ``torch`` hands tensors out as torch
     tensors (a given tensor itself), else as numpy arrays (a given array itself). Not ``exact``:
     memory that does not fit its tensor, and names the file lacks, are passed over (the tensor
@@ -117,6 +118,8 @@ class Delivery:
             raise self._mismatch(info, f"a {tensor.dtype} tensor of shape {list(tensor.shape)}")
         if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_meta:
             raise self._mismatch(info, f"not contiguous CPU memory ({tensor.device})")
+        if tensor.is_neg() or tensor.is_conj():  # its memory holds other values than it shows
+            raise self._mismatch(info, "a negative or conjugate view")
         return raw_bytes(tensor).view(info.array_dtype).reshape(info.array_shape)
 
     def _checked_array(self, info: TensorInfo, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

@@ -1136,6 +1136,8 @@ def test_open_stream_into_callers_memory(ref_file: Path) -> None:
         {"f32": bytearray(10)},
         {"f32": bytes(120)},
         {"f32": torch.empty(5, 6).T},
+        {"f32": torch.zeros(6, 5)._neg_view()},  # these two: a bare RuntimeError, before
+        {"c64": torch.zeros(6, 5, dtype=torch.complex64).conj()},
     ],
 )
 def test_into_that_does_not_fit_is_refused(ref_file: Path, into: dict[str, Any]) -> None:
