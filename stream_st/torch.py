@@ -419,7 +419,9 @@ def load_model(
 
         try:
             if assign:
-                raise UsageError("load_model(process_group=...) does not take assign=True")
+                given = {"process_group": process_group, "include": include, "slices": slices}
+                named = ", ".join(f"{key}=..." for key, value in given.items() if value is not None)
+                raise UsageError(f"load_model({named}) does not take assign=True")
             no_cache_with_ranks(cache)
             clock = clock_of(options)
         except SafetensorsError as exc:  # every rank raises it, naming this one

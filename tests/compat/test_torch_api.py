@@ -816,6 +816,15 @@ def test_load_model_assign_refuses_a_shape_before_anything_of_its_shard_is_repla
     assert model.b is b and model.c is c
 
 
+def test_load_model_assign_with_include_names_include(tmp_path: Path) -> None:
+    """assign=True with include= (no process group) is refused naming what was given, where the
+    message blamed a process_group= the call did not have."""
+    path = tmp_path / "m.safetensors"
+    st.save_model(torch.nn.Linear(2, 2), path)
+    with pytest.raises(UsageError, match=r"^load_model\(include=\.\.\.\) does not take assign"):
+        st.load_model(torch.nn.Linear(2, 2), path, assign=True, include=["weight"])
+
+
 class Scalars(torch.nn.Module):
     """A 0-d parameter and a 0-d buffer, which old checkpoints hold with shape [1]."""
 
