@@ -562,9 +562,9 @@ def _taken(
     changed_in_place(into[name] for name in placed)
     fresh = {name: tensor for name, tensor in loaded.items() if name not in placed}
     missing_list, unexpected = load_state(model, fresh)
-    selected = _selected(include)
-    missing = {name for name in missing_list if name not in placed and selected(name)}
-    shared_counted(state, loaded, missing, unexpected)
+    missing = set(missing_list).difference(placed)
+    shared_counted(state, loaded, missing, unexpected)  # before include= leaves names out:
+    missing = set(filter(_selected(include), missing))  # a tied one dropped is not unexpected
     if strict and (missing or unexpected):
         raise UsageError(load_errors(model, missing, unexpected))
     return missing, unexpected

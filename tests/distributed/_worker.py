@@ -8,23 +8,23 @@ group of the first ranks (made with ``new_group``), the others sit it out.
 has 60), ``backend`` (``gloo``, or ``nccl``: rank R on CUDA device R modulo the count; a group of
 its own only), ``mode`` (``load_file``, ``load_model``, ``stream``), ``src`` (or ``srcs``: one per
 rank), ``options`` (keywords of ``load_file``, ``load_model`` or ``open_stream``: the same for all,
-or one mapping per rank), ``broken`` (``{rank: true}``, load_model mode: that rank gives None for
-the model), and per rank ``include`` (``"!raise"``: a predicate that raises; ``{"once":
-names}``: an iterator of the names), ``slices`` (``{name:
-[dim, part, parts]}``), ``ambient`` (``[max_tensor_bytes, max_total_bytes]`` set with
-``using_caps``), ``env``; ``reference`` (a safetensors file: each tensor got is compared bit for
-bit, on its own device, with that file's, sliced as asked, the names that differ reported);
-``stop`` (``{rank: how}``, stream mode: once it has its first tensor the rank kills itself with
-SIGKILL, ``"kill"``, or raises :class:`Stopped` out of its loop, ``"raise"``; ``"leave"``: it
-raises :class:`Stopped` in the ``async with`` before its loop; ``"close"``: it leaves the
-``async with`` before its loop, raising nothing; ``"die"``: it kills itself there, with SIGKILL;
-load_file mode, ``"again"``: every rank loads the file, then this one kills itself before the
-others load it again; load_model mode, ``"hook"``: it kills itself in its model's load post-hook,
-once every tensor has come, before the load's last agreement);
-``opens`` (stream mode: the stream is opened from that many tasks at once before its ``async
-with``; the rank reports ``opened``, the tensor names of the header each got);
-``out`` (a folder). A stream-mode rank reports ``closed``: whether its stream was closed
-(its source let go of) once its ``async with`` was left, with or without an error.
+or one mapping per rank), ``model`` (load_model mode: the name of the model's class in
+``test_load``, ``Model`` unless given), ``broken`` (``{rank: true}``, load_model mode: that rank
+gives None for the model), and per rank ``include`` (``"!raise"``: a predicate that raises;
+``{"once": names}``: an iterator of the names), ``slices`` (``{name: [dim, part, parts]}``),
+``ambient`` (``[max_tensor_bytes, max_total_bytes]`` set with ``using_caps``), ``env``;
+``reference`` (a safetensors file: each tensor got is compared bit for bit, on its own device, with
+that file's, sliced as asked, the names that differ reported); ``stop`` (``{rank: how}``, stream
+mode: once it has its first tensor the rank kills itself with SIGKILL, ``"kill"``, or raises
+:class:`Stopped` out of its loop, ``"raise"``; ``"leave"``: it raises :class:`Stopped` in the
+``async with`` before its loop; ``"close"``: it leaves the ``async with`` before its loop, raising
+nothing; ``"die"``: it kills itself there, with SIGKILL; load_file mode, ``"again"``: every rank
+loads the file, then this one kills itself before the others load it again; load_model mode,
+``"hook"``: it kills itself in its model's load post-hook, once every tensor has come, before the
+load's last agreement); ``opens`` (stream mode: the stream is opened from that many tasks at once
+before its ``async with``; the rank reports ``opened``, the tensor names of the header each got);
+``out`` (a folder). A stream-mode rank reports ``closed``: whether its stream was closed (its
+source let go of) once its ``async with`` was left, with or without an error.
 The rank writes what it got to ``out/rank<R>.safetensors`` (and the order to ``out/rank<R>.json``),
 or its error to ``out/rank<R>.json``, with the seconds the scenario took it.
 """
@@ -227,9 +227,9 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
                 src, process_group=group, include=include, slices=slices, **options
             )
         elif params["mode"] == "load_model":
-            from tests.distributed.test_load import Model
+            from tests.distributed import test_load
 
-            model = Model()
+            model = getattr(test_load, params.get("model", "Model"))()
             if stop == "hook":
                 model.register_load_state_dict_post_hook(
                     lambda *_: os.kill(os.getpid(), signal.SIGKILL)

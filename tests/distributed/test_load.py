@@ -176,6 +176,35 @@ def test_include_given_as_an_iterator_is_checked_as_a_list(
             assert torch.equal(got[name], expected[name]), name
 
 
+class Tied(torch.nn.Module):  # type: ignore[misc,name-defined]
+    """A model whose head shares the embedding's weight (save_model writes it once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.norm = torch.nn.LayerNorm(4)
+
+
+def test_include_of_a_model_with_tied_weights_counts_them_as_without(
+    tmp_path: Path, pool: Pool
+) -> None:
+    """A tied name the file does not hold (save_model dropped it) is neither missing nor
+    unexpected whatever include= leaves out, as without include=; it was reported unexpected
+    (include= filtered the missing names before the tied ones were counted)."""
+    from stream_st.torch import save_model
+
+    path = tmp_path / "tied.safetensors"
+    save_model(Tied(), str(path))
+    for include in (["emb.weight"], ["norm.weight", "norm.bias"], None):
+        reports = pool.run(
+            tmp_path, 2, mode="load_model", model="Tied", src=str(path), include=[include] * 2
+        )
+        for report in reports:
+            assert report.get("missing") == [] and report["unexpected"] == [], (include, report)
+
+
 def write_index(folder: Path, every: dict[str, Any], cut: int) -> Path:
     """``every`` as a sharded checkpoint in ``folder``: its first ``cut`` tensors, then the rest;
     the index's path."""
