@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import queue
 import reprlib
+from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
@@ -62,8 +63,8 @@ from .common import (
     headers_of,
     plural,
     result_repr,
-    tensors_of,
 )
+from .diff import Key, _keyed, _label
 from .model_checks import (
     ModelConfig,
     check_layer_sequence,
@@ -212,6 +213,11 @@ async def validate(
     findings are errors). Warnings: all-zero or constant tensors, values beyond ``warn_abs``,
     floating-point tensors in several dtypes. ``result.load`` tells how the read went.
 
+    A name a dataset repeats in every shard (``dataset_manifest.json``) is validated shard by
+    shard, each tensor against its own shard's header and digest, and reported as
+    ``name (shard N)``, N counted from 0 in the manifest's order (as :func:`~stream_st.tools.diff`
+    names it); ``expect_shapes`` applies to each, ``config`` sees the first shard's.
+
     The arguments are checked before the source is opened: ``expect_shapes`` must map names
     (str) to shapes (sequences of integers from 0), ``expect_layers`` be names (not one str),
     ``warn_abs`` a number (``math.inf``: no such warning; None is refused), ``progress`` a
@@ -297,7 +303,7 @@ async def _opened_views(
     header's digests are not checked by the stream, which would stop at the first tensor failing:
     :class:`_Checker` checks every tensor's. The whole object's digest (an S3 checksum, a Hub
     file's SHA-256) is, after the last tensor (:data:`~stream_st.reader.stream.OBJECT_ONLY`)."""
-    stream = stream_for(source, clock=clock, copy=False, verify=OBJECT_ONLY)
+    stream = stream_for(source, clock=clock, copy=False, verify=OBJECT_ONLY, unique_names=False)
     async with stream:
         if isinstance(stream, ShardedStream):  # every shard's header, up front
             yield stream, await headers_of(source, clock)
@@ -316,29 +322,34 @@ async def _validate_stream(
     progress: Progress | None,
 ) -> Validation:
     result = Validation(source, load=stream.stats)
-    infos = {t.name: t for t in tensors_of(headers)}
+    infos = _keyed(headers, ())[0]  # a name a dataset repeats: once per shard
+    named: dict[str, list[tuple[Key, TensorInfo]]] = {}  # each name's tensors, in shard order
+    for key, info in infos.items():
+        named.setdefault(key[0], []).append((key, info))
     if not infos:
         result.warnings.append("the file holds no tensors")
     for name, shape in expect_shapes.items():
-        if name not in infos:
+        if name not in named:
             result.errors.append(f"{name}: expected shape {shape}, tensor missing")
-        elif list(infos[name].shape) != shape:
-            result.errors.append(f"{name}: shape {list(infos[name].shape)}, expected {shape}")
-    result.errors.extend(check_layers(infos, expect_layers))
-    result.errors.extend(check_layer_sequence(infos))
-    if config is not None:
-        errors, warnings = config.check(infos)
+        for key, info in named.get(name, ()):
+            if list(info.shape) != shape:
+                result.errors.append(f"{_label(key)}: shape {list(info.shape)}, expected {shape}")
+    result.errors.extend(check_layers(named, expect_layers))
+    result.errors.extend(check_layer_sequence(named))
+    if config is not None:  # a name repeated: its first shard's tensor
+        errors, warnings = config.check({name: found[0][1] for name, found in named.items()})
         result.errors.extend(errors)
         result.warnings.extend(warnings)
     if config is None or config.dtype is None:
-        result.warnings.extend(validate_dtype_consistency(infos.values()))
+        dtypes = {_label(key): info.dtype for key, info in infos.items()}
+        result.warnings.extend(validate_dtype_consistency(dtypes))
     algorithms = {h.metadata[ALGORITHM_KEY] for h in headers if ALGORITHM_KEY in h.metadata}
-    digests, damaged = _recorded_digests(result, headers)
+    digests, damaged = _recorded_digests(result, headers, infos)
     expect_totals(progress, list(infos.values()))
     checker = _Checker(infos, progress, digests=digests, source=source)
     await checker.run(stream)
-    for stats in checker.done:
-        _findings(result, stats, infos[stats.name], warn_abs)
+    for stats, info in checker.done:
+        _findings(result, stats, info, warn_abs)
     result.errors.extend(checker.mismatches)
     if checker.failure is not None:
         result.errors.append(checker.failure)
@@ -354,13 +365,14 @@ async def _validate_stream(
 
 
 def _recorded_digests(
-    result: Validation, headers: Sequence[Header]
-) -> tuple[dict[str, Digests], int]:
-    """Each tensor's recorded digests (the :class:`Digests` of its header), and how many headers
-    record digests that cannot be checked (each an error in ``result``)."""
-    found: dict[str, Digests] = {}
+    result: Validation, headers: Sequence[Header], infos: Mapping[Key, TensorInfo]
+) -> tuple[dict[Key, Digests], int]:
+    """Each tensor's recorded digests (the :class:`Digests` of its header), by its key in
+    ``infos`` (a name repeated across shards: each shard's own), and how many headers record
+    digests that cannot be checked (each an error in ``result``)."""
+    found: dict[Key, Digests] = {}
     damaged = 0
-    for header in headers:
+    for shard, header in enumerate(headers):
         try:
             digests = Digests.from_header(header)
         except IntegrityError as exc:
@@ -368,15 +380,20 @@ def _recorded_digests(
             damaged += 1
             continue
         if digests is not None:
-            found.update(dict.fromkeys(digests.values, digests))
+            found.update(
+                ((name, shard) if (name, shard) in infos else (name, -1), digests)
+                for name in digests.values
+            )
     return found, damaged
 
 
 @dataclass
 class _Pending:
-    """A tensor being summarised: its slot in the results, the summaries of its parts."""
+    """A tensor being summarised: its slot in the results, its name as reported (``name`` or
+    ``name (shard N)``), the summaries of its parts."""
 
     slot: int
+    label: str
     info: TensorInfo
     parts: list[Moments | None]
     left: int
@@ -399,25 +416,31 @@ class _Checker:
     worker per CPU takes parts off a queue (a tensor of more than :data:`SEGMENT` values in
     parts, others whole), so that a worker done with one part goes on with the next without
     waiting for the event loop; at most :data:`IN_FLIGHT` bytes of tensors are queued or being
-    summarised. ``done``: the statistics, in stream order. Each tensor with a recorded digest in
-    ``digests`` is checked against it: ``checked`` counts those that match, ``mismatches``
-    describes each that does not (every tensor is still summarised)."""
+    summarised. ``infos``: the tensors to come, by :data:`~stream_st.tools.diff.Key` (a name a
+    dataset repeats in every shard: each shard's, taken in shard order as the stream delivers
+    them). ``done``: the statistics, with each tensor's info, in stream order. Each tensor with a
+    recorded digest in ``digests`` (by the same keys) is checked against it: ``checked`` counts
+    those that match, ``mismatches`` describes each that does not (every tensor is still
+    summarised)."""
 
     def __init__(
         self,
-        infos: Mapping[str, TensorInfo],
+        infos: Mapping[Key, TensorInfo],
         progress: Progress | None,
         *,
-        digests: Mapping[str, Digests] | None = None,
+        digests: Mapping[Key, Digests] | None = None,
         source: str = "",
     ) -> None:
         self._infos = infos
+        self._keys: dict[str, deque[Key]] = {}  # each name's keys yet to be streamed
+        for key in infos:
+            self._keys.setdefault(key[0], deque()).append(key)
         self._progress = progress
         self._digests = digests or {}
         self._source = source
         self.checked = 0
         self.mismatches: list[str] = []
-        self._slots: list[TensorStats | None] = []
+        self._slots: list[tuple[TensorStats, TensorInfo] | None] = []
         self._bytes_done = 0
         self._tensors_done = 0
         self._queue: queue.SimpleQueue[_Piece | None] = queue.SimpleQueue()
@@ -429,8 +452,8 @@ class _Checker:
         self.failure: str | None = None
 
     @property
-    def done(self) -> list[TensorStats]:
-        return [stats for stats in self._slots if stats is not None]
+    def done(self) -> list[tuple[TensorStats, TensorInfo]]:
+        return [done for done in self._slots if done is not None]
 
     async def run(self, stream: TensorStream) -> None:
         workers = _workers()
@@ -449,15 +472,18 @@ class _Checker:
         """Queue every tensor of ``stream``, in parts, recording what is summarised meanwhile."""
         try:
             async for name, array in stream:
-                info = self._infos.get(name)
-                if info is None:
+                keys = self._keys.get(name)
+                if not keys:
                     raise TensorNotFoundError(f"{name} streamed but not in the header")
-                await self._check_digest(name, array)
+                key = keys.popleft()
+                info, label = self._infos[key], _label(key)
+                await self._check_digest(key, array)
                 self._slots.append(None)
                 starts = range(0, array.size, SEGMENT) if summarisable(info.dtype) else ()
-                tensor = _Pending(len(self._slots) - 1, info, [None] * len(starts), len(starts))
+                slot = len(self._slots) - 1
+                tensor = _Pending(slot, label, info, [None] * len(starts), len(starts))
                 if not starts:
-                    self._record(tensor, tensor_stats(name, info.dtype, info.shape, array))
+                    self._record(tensor, tensor_stats(label, info.dtype, info.shape, array))
                     continue
                 for index, start in enumerate(starts):
                     stop = min(start + SEGMENT, array.size)
@@ -468,15 +494,15 @@ class _Checker:
         except IntegrityError as exc:  # the tensors before it are still summarised
             self.failure = str(exc)
 
-    async def _check_digest(self, name: str, array: Array) -> None:
-        recorded = self._digests.get(name)
+    async def _check_digest(self, key: Key, array: Array) -> None:
+        recorded = self._digests.get(key)
         if recorded is None:
             return
         try:
-            await recorded.check_view(name, array, self._source)
+            await recorded.check_view(key[0], array, self._source)
             self.checked += 1
-        except IntegrityError as exc:
-            self.mismatches.append(str(exc))
+        except IntegrityError as exc:  # a name repeated across shards: which shard's
+            self.mismatches.append(str(exc) if key[1] < 0 else f"{_label(key)}: {exc}")
 
     async def _put(self, piece: _Piece) -> None:
         """Queue ``piece``, once the parts before it leave room (:data:`IN_FLIGHT`)."""
@@ -527,10 +553,10 @@ class _Checker:
                     if part is not None:
                         total.merge(part)
                 info = tensor.info
-                self._record(tensor, TensorStats.of(info.name, info.dtype, info.shape, total))
+                self._record(tensor, TensorStats.of(tensor.label, info.dtype, info.shape, total))
 
     def _record(self, tensor: _Pending, stats: TensorStats) -> None:
-        self._slots[tensor.slot] = stats
+        self._slots[tensor.slot] = (stats, tensor.info)
         self._bytes_done += tensor.info.nbytes
         self._tensors_done += 1
         if self._progress is not None:

@@ -6,7 +6,10 @@ import json
 import math
 from pathlib import Path
 
+import anyio
 import numpy as np
+
+import stream_st
 
 from ._cli import run, write_model
 
@@ -45,3 +48,21 @@ def test_values_near_float64s_limit_give_a_mean_and_strict_json(tmp_path: Path) 
     (stats,) = found["tensors"]
     assert math.isclose(stats["mean"], (values / 2.0**1000).mean() * 2.0**1000, rel_tol=1e-12)
     assert stats["std"] is None and stats["max"] == big
+
+
+def test_a_dataset_manifest_is_validated_shard_by_shard(tmp_path: Path) -> None:
+    """``stream-st validate dataset_manifest.json`` of a dataset repeating its column in every
+    shard exited 2 ("in more than one shard"); each shard's tensor is now reported apart."""
+    manifest = anyio.run(_dataset, tmp_path / "d")
+    result = run("validate", str(manifest))
+    assert result.returncode == 0, result.stderr
+    assert "x (shard 0)" in result.stdout and "x (shard 1)" in result.stdout
+    assert "digests: xxh3-128: 2 tensors verified" in result.stdout
+
+
+async def _dataset(path: Path) -> Path:
+    """A checksummed dataset of one column ``x``, in two shards."""
+    async with stream_st.open_dataset_writer(path, target_shard_size=1, checksums=True) as writer:
+        for shard in range(2):
+            await writer.write_batch({"x": np.full(4, shard, np.float32)}, samples=4)
+    return path / "dataset_manifest.json"

@@ -581,3 +581,36 @@ def test_ctrl_c_anywhere_in_the_validation_under_trio_never_hangs(tmp_path: Path
     the workers blocked on it and the validation waited for them for ever."""
     tried = run_script(CTRL_C_EVERYWHERE, str(tmp_path / "m.safetensors"))
     assert tried >= 20  # the trace reached the queue's lock
+
+
+async def test_a_dataset_s_columns_are_validated_shard_by_shard(tmp_path: Path) -> None:
+    """A batch-mode dataset repeats its columns in every shard: validate refused it ("in more
+    than one shard"), and reading it by name alone would have checked every shard's tensor
+    against the last shard's digest. Each shard's tensor is now checked against its own header
+    and digest, and reported as ``x (shard N)``, as ``diff`` names it."""
+    async with stream_st.open_dataset_writer(
+        tmp_path / "d", target_shard_size=1, checksums=True
+    ) as writer:
+        for shard in range(3):
+            await writer.write_batch({"x": np.full((4 - shard, 2), shard, np.float32)}, 4 - shard)
+    manifest = tmp_path / "d" / "dataset_manifest.json"
+    result = await tools.validate(manifest, expect_shapes={"x": [4, 2]})
+    assert [(t.name, t.min, t.shape) for t in result.tensors] == [
+        ("x (shard 0)", 0, [4, 2]),
+        ("x (shard 1)", 1, [3, 2]),
+        ("x (shard 2)", 2, [2, 2]),
+    ]
+    assert result.digests == "xxh3-128: 3 tensors verified"
+    assert result.errors == [
+        "x (shard 1): shape [3, 2], expected [4, 2]",
+        "x (shard 2): shape [2, 2], expected [4, 2]",
+    ]
+    second = sorted((tmp_path / "d").glob("*.safetensors"))[1]  # shard 1: its data comes last
+    data = bytearray(second.read_bytes())
+    data[-4:] = np.float32(5).tobytes()
+    second.write_bytes(bytes(data))
+    result = await tools.validate(manifest)
+    assert result.digests == "xxh3-128: FAILED (1 tensor of 3)"
+    (error,) = result.errors
+    assert error.startswith("x (shard 1): tensor 'x' ") and "does not match" in error
+    assert [(t.name, t.max) for t in result.tensors][1] == ("x (shard 1)", 5)
