@@ -289,8 +289,9 @@ class DistributedStream(TensorStream[TensorT]):
         return self._header or Header.from_tensors((), {}, 0)
 
     def _check_names(self, present: set[str]) -> None:
-        """:class:`TensorNotFoundError` for ``include=`` or ``slices=`` names not in ``present``
-        (all of a file's, an index's or a manifest's names)."""
+        """:class:`TensorNotFoundError` for ``include=``, ``slices=`` or ``into=`` names not in
+        ``present`` (all of a file's, an index's or a manifest's names)."""
+        self._delivery.check(sorted(present))
         named = set(self._names or ())
         if isinstance(self._slices, Mapping):
             named |= set(self._slices)

@@ -9,22 +9,24 @@ has 60), ``backend`` (``gloo``, or ``nccl``: rank R on CUDA device R modulo the 
 its own only), ``mode`` (``load_file``, ``load_model``, ``stream``), ``src`` (or ``srcs``: one per
 rank), ``options`` (keywords of ``load_file``, ``load_model`` or ``open_stream``: the same for all,
 or one mapping per rank), ``model`` (load_model mode: the name of the model's class in
-``test_load``, ``Model`` unless given), ``broken`` (``{rank: true}``, load_model mode: that rank
-gives None for the model), and per rank ``include`` (``"!raise"``: a predicate that raises;
-``{"once": names}``: an iterator of the names), ``slices`` (``{name: [dim, part, parts]}``),
-``ambient`` (``[max_tensor_bytes, max_total_bytes]`` set with ``using_caps``), ``env``;
-``reference`` (a safetensors file: each tensor got is compared bit for bit, on its own device, with
-that file's, sliced as asked, the names that differ reported); ``stop`` (``{rank: how}``, stream
-mode: once it has its first tensor the rank kills itself with SIGKILL, ``"kill"``, or raises
-:class:`Stopped` out of its loop, ``"raise"``; ``"leave"``: it raises :class:`Stopped` in the
-``async with`` before its loop; ``"close"``: it leaves the ``async with`` before its loop, raising
-nothing; ``"die"``: it kills itself there, with SIGKILL; load_file mode, ``"again"``: every rank
-loads the file, then this one kills itself before the others load it again; load_model mode,
-``"hook"``: it kills itself in its model's load post-hook, once every tensor has come, before the
-load's last agreement); ``opens`` (stream mode: the stream is opened from that many tasks at once
-before its ``async with``; the rank reports ``opened``, the tensor names of the header each got);
-``out`` (a folder). A stream-mode rank reports ``closed``: whether its stream was closed (its
-source let go of) once its ``async with`` was left, with or without an error.
+``test_load``, ``Model`` unless given), ``into`` (stream mode: ``{name: [buffer, count]}``, the
+same for all: names of one buffer number are given one float32 tensor of ``count`` zeros as
+``into=``), ``broken`` (``{rank: true}``, load_model mode: that rank gives None for the model), and
+per rank ``include`` (``"!raise"``: a predicate that raises; ``{"once": names}``: an iterator of
+the names), ``slices`` (``{name: [dim, part, parts]}``), ``ambient`` (``[max_tensor_bytes,
+max_total_bytes]`` set with ``using_caps``), ``env``; ``reference`` (a safetensors file: each
+tensor got is compared bit for bit, on its own device, with that file's, sliced as asked, the names
+that differ reported); ``stop`` (``{rank: how}``, stream mode: once it has its first tensor the
+rank kills itself with SIGKILL, ``"kill"``, or raises :class:`Stopped` out of its loop,
+``"raise"``; ``"leave"``: it raises :class:`Stopped` in the ``async with`` before its loop;
+``"close"``: it leaves the ``async with`` before its loop, raising nothing; ``"die"``: it kills
+itself there, with SIGKILL; load_file mode, ``"again"``: every rank loads the file, then this one
+kills itself before the others load it again; load_model mode, ``"hook"``: it kills itself in its
+model's load post-hook, once every tensor has come, before the load's last agreement); ``opens``
+(stream mode: the stream is opened from that many tasks at once before its ``async with``; the rank
+reports ``opened``, the tensor names of the header each got); ``out`` (a folder). A stream-mode
+rank reports ``closed``: whether its stream was closed (its source let go of) once its ``async
+with`` was left, with or without an error.
 The rank writes what it got to ``out/rank<R>.safetensors`` (and the order to ``out/rank<R>.json``),
 or its error to ``out/rank<R>.json``, with the seconds the scenario took it.
 """
@@ -191,6 +193,7 @@ def serve(port: int, rank: int, world: int) -> None:
 
 def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
     """Run one scenario as ``rank`` of ``group``; write the report."""
+    import torch
     import torch.distributed as dist
 
     import stream_st.torch
@@ -211,6 +214,10 @@ def scenario(params: dict[str, Any], rank: int, group: Any) -> None:
     options = params.get("options", {})
     if isinstance(options, list):
         options = options[rank]
+    if "into" in params:  # {name: [buffer, count]}: one tensor per buffer number
+        buffers: dict[int, Any] = {}
+        into = {n: buffers.setdefault(b, torch.zeros(c)) for n, (b, c) in params["into"].items()}
+        options = {**options, "into": into}
     ambient = Caps(*params.get("ambient", [[None, None]] * world)[rank])
     report: dict[str, Any] = {"rank": rank, "stream_st": stream_st.__file__}
     context = contextlib.ExitStack()
