@@ -4,6 +4,7 @@ into=...)``): fresh arrays, memory the caller gives, numpy arrays or torch tenso
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -68,6 +69,24 @@ class Delivery:
         missing = sorted(set(self.into).difference(names))
         if missing and self.exact:
             raise TensorNotFoundError(f"into= names tensors not in the header: {missing[:8]}")
+
+    def check_apart(self, infos: Sequence[TensorInfo]) -> None:
+        """:class:`UsageError` if the caller's memory for two of ``infos`` overlaps (one
+        staging buffer given for several names): for a read that receives them together
+        (a process group's), where a read of one tensor at a time lets each have it in turn."""
+        spans = []
+        for info in infos:
+            target = self.target(info)
+            if target is not None and info.nbytes:
+                start = target[0].__array_interface__["data"][0]
+                spans.append((start, start + info.nbytes, info.name))
+        spans.sort()
+        for (_, end, name), (start, _, other) in itertools.pairwise(spans):
+            if start < end:
+                raise UsageError(
+                    f"into= gives {name!r} and {other!r} overlapping memory: with a process "
+                    "group tensors are received together, each needs memory of its own"
+                )
 
     def target(self, info: TensorInfo) -> tuple[np.ndarray[Any, Any], memoryview] | None:
         """The caller's memory for ``info`` as an array and a writable byte view, if given (and,

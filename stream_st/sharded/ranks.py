@@ -329,6 +329,8 @@ class DistributedStream(TensorStream[TensorT]):
                     # A manifest's names are known once its last shard is open.
                     self._check_names({n for each in self.headers.values() for n in each.names()})
                 wants = self._wants(header)
+                whole = [header.tensors[index] for index, part in wants.items() if part is None]
+                self._delivery.check_apart(whole)  # received together: no memory given twice
                 digests = Digests.from_header(header) if self._verify else None
                 digest = ("header", _header_digest(header))
             except Exception as exc:  # include= and slices= may be the caller's functions
