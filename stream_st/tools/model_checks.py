@@ -270,8 +270,10 @@ class ModelConfig:
                 num_layers=self.num_hidden_layers,
                 num_heads=self.num_attention_heads,
                 num_kv_heads=self.num_key_value_heads,
+                bos_token_id=0,  # no part of names and shapes: any id of the vocabulary
+                eos_token_id=0,
             )
-        except ModelError as exc:  # the heads, or a vocabulary holding no bos or eos id
+        except ModelError as exc:  # the heads
             raise UsageError(str(exc)) from None
 
     def tensor_count(self) -> int:

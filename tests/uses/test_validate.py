@@ -503,8 +503,6 @@ async def test_tied_heads_unknown_tensors_and_dtypes_are_warnings(tmp_path: Path
         ({"vocab_size": 0}, "vocab_size must be a positive integer"),
         ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer"),
         ({"num_key_value_heads": 3}, "not a Llama configuration: 4 attention heads, 3 key/v"),
-        # the Llama decoder's own reason (its default eos id), not the heads' (was)
-        ({"vocab_size": 2}, r"not a Llama configuration: eos_token_id 2 is no id in \[0, 2\)"),
         ({"head_dim": 8}, "head_dim 8 is not hidden_size / num_attention_heads"),
         # "false" was read as true (bool of a non-empty string): a JSON boolean or nothing
         ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be True or False"),
@@ -514,6 +512,13 @@ async def test_tied_heads_unknown_tensors_and_dtypes_are_warnings(tmp_path: Path
 def test_a_config_no_llama_model_has_is_refused(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(stream_st.UsageError, match=message):
         ModelConfig.from_json({**CONFIG, **changes})
+
+
+@pytest.mark.parametrize("vocab", [1, 2])
+def test_a_config_of_a_small_vocabulary_is_taken(vocab: int) -> None:
+    """The Llama decoder's default token ids (1 and 2), which the config never gave, were
+    checked against its vocabulary: a vocabulary of 1 or 2 was refused."""
+    assert ModelConfig.from_json({**CONFIG, "vocab_size": vocab}).vocab_size == vocab
 
 
 def test_an_unreadable_config_is_refused(tmp_path: Path) -> None:
