@@ -13,6 +13,7 @@ import pytest
 import stream_st
 import stream_st.numpy
 from stream_st.integrations.dataset import describe_dataset, plan_pieces, read_piece
+from stream_st.core.shards import shard_position
 from stream_st.sharded.writer import open_dataset_writer
 
 SHARDS = 5
@@ -143,3 +144,15 @@ async def test_the_dataset_writer_writes_the_tensor_index_when_asked(tmp_path: P
     async with open_dataset_writer(tmp_path, target_shard_size=1) as writer:
         await writer.write_batch({"x": np.zeros(2, np.float32)}, samples=2)
     assert not index.exists()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        f"part-{'1' * 5000}-0000-x.safetensors",  # past what int() reads: a bare ValueError
+        "part-\u0661\u0662\u0663\u0664\u0665-0000-x.safetensors",  # Arabic-Indic digits
+    ],
+)
+def test_a_shard_name_of_other_digits_is_no_shard_name(name: str) -> None:
+    assert shard_position(name) is None
+    assert shard_position("part-00012-0003-x.safetensors") == (12, 3)
