@@ -185,7 +185,7 @@ not among them): the only ones a dataset's columns may have."""
 
 
 SHARD_NAME = re.compile(r"part-([0-9]{5,4000})-([0-9]{4,4000})-[^/]+\.safetensors")
-"""What :func:`shard_file_name` makes; in a directory without a manifest, the shards. ASCII
+r"""What :func:`shard_file_name` makes; in a directory without a manifest, the shards. ASCII
 digits, as many as ``int`` reads (``\d`` takes other scripts' digits)."""
 
 

@@ -12,8 +12,8 @@ import pytest
 
 import stream_st
 import stream_st.numpy
-from stream_st.integrations.dataset import describe_dataset, plan_pieces, read_piece
 from stream_st.core.shards import shard_position
+from stream_st.integrations.dataset import describe_dataset, plan_pieces, read_piece
 from stream_st.sharded.writer import open_dataset_writer
 
 SHARDS = 5
