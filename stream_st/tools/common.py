@@ -151,23 +151,32 @@ def shard_metadata(headers: Sequence[Header]) -> dict[str, str]:
     }
 
 
+CONVERSION_COUNTS = frozenset({"converted_to", "quantized_tensors", "dequantized_from"})
+"""``__metadata__`` keys ``cp`` records a conversion's counts under: a mirror made before it
+recorded the whole checkpoint's held each shard's own, which no merged file can say."""
+
+
 def merged_metadata(headers: Sequence[Header]) -> dict[str, str]:
     """The ``__metadata__`` a file merging ``headers`` (a checkpoint's shards) carries: every
-    key but the checksum records (which describe each shard's own tensors); a key whose value
+    key but the checksum records (which describe each shard's own tensors), and but the
+    :data:`CONVERSION_COUNTS` whose value differs between shards; any other key whose value
     differs between shards is a :class:`~stream_st.UsageError`, as one file holds one value."""
     merged: dict[str, str] = {}
+    counts: set[str] = set()
     for shard, header in enumerate(headers):
         for key, value in header.metadata.items():
-            if is_record_key(key):
+            if is_record_key(key) or merged.setdefault(key, value) == value:
                 continue
-            if merged.setdefault(key, value) != value:
-                first = next(i for i, h in enumerate(headers) if key in h.metadata)
-                raise UsageError(
-                    f"the shards' __metadata__ differ at {_SHORT.repr(key)} (shard {first}: "
-                    f"{_SHORT.repr(merged[key])}, shard {shard}: {_SHORT.repr(value)}): a merged "
-                    "file holds one value of each key"
-                )
-    return merged
+            if key in CONVERSION_COUNTS:
+                counts.add(key)
+                continue
+            first = next(i for i, h in enumerate(headers) if key in h.metadata)
+            raise UsageError(
+                f"the shards' __metadata__ differ at {_SHORT.repr(key)} (shard {first}: "
+                f"{_SHORT.repr(merged[key])}, shard {shard}: {_SHORT.repr(value)}): a merged "
+                "file holds one value of each key"
+            )
+    return {key: value for key, value in merged.items() if key not in counts}
 
 
 @contextmanager

@@ -61,3 +61,21 @@ async def test_shards_agreeing_where_both_hold_a_key_merge(tmp_path: Path) -> No
     header = await stream_st.read_header(target)
     assert header.metadata == {"format": "np", "note": "a"}
     assert (await inspect(str(index))).metadata == {"format": "np", "note": "a"}
+
+
+async def test_a_conversion_s_counts_that_differ_between_shards_are_left_out(
+    tmp_path: Path,
+) -> None:
+    """A mirror converted by an older cp recorded each shard's own counts (``converted_to``,
+    ``quantized_tensors``): such shards merge, the counts no merged file can say left out, the
+    keys that agree kept."""
+    index = checkpoint(tmp_path, {"format": "np", "note": "a", "converted_to": "BF16 (1 tensor)"})
+    first = tmp_path / "model-00001-of-00002.safetensors"
+    reference_numpy.save_file(
+        {"a": np.ones(3, np.float32)},
+        first,
+        metadata={"format": "np", "note": "a", "converted_to": "BF16 (2 tensors)"},
+    )
+    target = tmp_path / "merged.safetensors"
+    await cp(str(index), str(target))
+    assert (await stream_st.read_header(target)).metadata == {"format": "np", "note": "a"}
