@@ -242,6 +242,10 @@ class Sink(ABC):
     clock: Clock = UNLIMITED
     name: str = "<sink>"
     _claimed = False
+    one_message: bool = True
+    """Whether this sink commits one object (a file, an upload), so that :meth:`claim` takes it
+    once; False for a stream the caller keeps, which takes message after message, each holding
+    the stream's turn."""
     random_access: bool = False
     kernel_copies: bool = False
     """Whether :meth:`copy_in` can write bytes of a local file here (a local file can)."""
@@ -252,7 +256,10 @@ class Sink(ABC):
     def claim(self) -> None:
         """Take this sink for one message; a second is a :class:`~stream_st.UsageError` (a sink
         commits one message: two writers would each write part of it, a later one after its
-        commit)."""
+        commit). A sink without :attr:`one_message` (a stream) is not taken: its messages follow
+        one another on the stream."""
+        if not self.one_message:
+            return
         if self._claimed:
             raise UsageError(
                 f"{self.name}: this sink was given to another write already; a sink takes one "

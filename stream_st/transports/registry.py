@@ -179,9 +179,10 @@ async def open_sink(dst: SinkLike, *, fsync: bool = False, clock: Clock = UNLIMI
     given as it is keeps its own clock unless ``clock`` sets a limit, and its own headers and TLS
     context unless ``clock`` brings others (as for a source, see :func:`open_source`); so does the
     sink a :class:`SinkLender` lends (a connection's socket, under the connection's limits and
-    turn). A :class:`Sink` given as it is takes one message (:meth:`~.base.Sink.claim`: a second
-    is a :class:`~stream_st.UsageError`). A path that exists and is not a regular file (a FIFO,
-    ``/dev/null``) is written through in place, never replaced.
+    turn). A :class:`Sink` given as it is that commits one object (a file, an upload) takes one
+    message (:meth:`~.base.Sink.claim`: a second is a :class:`~stream_st.UsageError`); a stream's
+    sink takes message after message, one at a time. A path that exists and is not a regular
+    file (a FIFO, ``/dev/null``) is written through in place, never replaced.
     """
     if isinstance(dst, SinkLender):
         dst = dst.lend_sink()  # one for this message

@@ -254,6 +254,8 @@ class _MessageSink(Sink):
     stream's turn from :meth:`allocate`, before the first byte, until it is closed or aborted
     (see :class:`~.tcp.Turn`)."""
 
+    one_message = False  # the stream takes message after message
+
     def __init__(self, stream: object, name: str) -> None:
         super().__init__()
         self.name = name

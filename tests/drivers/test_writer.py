@@ -47,6 +47,7 @@ from stream_st.transports.base import Sink
 from stream_st.transports.file import atomic
 from stream_st.transports.file.sink import FileSink
 from stream_st.transports.registry import open_sink
+from stream_st.transports.streams import AnyioStreamSink, AsyncioStreamSink
 from stream_st.writer import Order
 
 from .._util import REFERENCE_DTYPES
@@ -620,6 +621,26 @@ async def test_two_messages_back_to_back_on_one_connection() -> None:
         await stream_st.save(client, first)
         await stream_st.save(client, second)  # the stream stays open after a message
         await client.send_eof()
+        assert_same(await read_back(server), first)
+        assert_same(await read_back(server), second)
+
+
+@pytest.mark.parametrize("kind", ["anyio", "asyncio"])
+async def test_a_stream_sink_object_takes_message_after_message(kind: str) -> None:
+    """A stream sink given as it is (not a file or an upload) takes one message after another,
+    each holding the stream's turn, where it was claimed as a sink of one message and the
+    second save was a UsageError."""
+    first: Arrays = {"x": np.arange(3, dtype=np.uint8)}
+    second: Arrays = {"y": np.arange(2, dtype=np.uint8)}
+    pair = tcp_pair() if kind == "anyio" else asyncio_pair()
+    async with pair as (client, server):
+        sink = (
+            AsyncioStreamSink(client)
+            if isinstance(client, asyncio.StreamWriter)
+            else AnyioStreamSink(client)
+        )
+        await stream_st.save(sink, first)
+        await stream_st.save(sink, second)
         assert_same(await read_back(server), first)
         assert_same(await read_back(server), second)
 
