@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Unpack
+from typing import Unpack, cast
 
 import anyio
 import numpy as np
@@ -18,7 +18,7 @@ from .._util import task_group
 from ..connection import Connection
 from ..errors import ArgumentTypeError, IntegrityError, UsageError, boolean, integer_at_least
 from ..reader import TensorStream
-from ..transports.options import LimitOptions, Limits
+from ..transports.options import LimitOptions, Limits, TransportOptions, clock_of
 from ..transports.registry import SourceLike
 from .layout import Array, KVLayout, digest_name, key_name, value_name
 from .send import LayerHash
@@ -195,7 +195,7 @@ async def receive_kv(
     *,
     max_ahead: int = 2,
     require_digests: bool = False,
-    **limits: Unpack[LimitOptions],
+    **options: Unpack[TransportOptions],
 ) -> AsyncIterator[KVReceiver]:
     """Receive one KV cache from ``source`` (a Connection, ``tcp://`` URL, path...).
 
@@ -206,19 +206,21 @@ async def receive_kv(
     ``require_digests=True`` refuses it (and a transfer sent without digests) on entry with
     :class:`~stream_st.IntegrityError`. Leaving the block stops reading (on a Connection, an
     unfinished message leaves it unusable: close it). Time limits as in
-    :func:`~stream_st.open_stream` (on a Connection, the connection's unless given here); any
-    other keyword is an :class:`~stream_st.ArgumentTypeError`.
+    :func:`~stream_st.open_stream` (on a Connection, the connection's unless given here), and
+    for any other source ``headers`` and ``ssl_context`` as there (an ``https://`` or ``s3://``
+    URL); any other keyword is an :class:`~stream_st.ArgumentTypeError`.
 
     ``max_ahead`` (an integer >= 0, default 2): how many layers past the highest one asked for
     are read and held before reading waits for the consumer (see :class:`KVReceiver`).
     """
     require_digests = boolean("require_digests", require_digests)  # "no" would be true
-    Limits.of(limits, transport=False)  # verify=False, include=... would reach open_stream
-    stream = (
-        source.open_stream(**limits)
-        if isinstance(source, Connection)
-        else open_stream(source, **limits)
-    )
+    # verify=False, include=... would reach open_stream; a Connection takes no transport options
+    if isinstance(source, Connection):
+        Limits.of(options, transport=False)
+        stream = source.open_stream(**cast("LimitOptions", options))  # checked: no transport ones
+    else:
+        clock_of(options)
+        stream = open_stream(source, **options)
     async with stream:
         header = stream.header
         layout = KVLayout.from_header(header)

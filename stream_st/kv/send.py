@@ -9,7 +9,7 @@ import hashlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Unpack
+from typing import Any, Unpack, cast
 
 import anyio
 import anyio.lowlevel
@@ -21,7 +21,7 @@ from ..connection import Connection
 from ..core.codecs import Codec
 from ..core.dtypes import dtype_for, wire_bytes
 from ..errors import ArgumentTypeError, DtypeError, UsageError, integer_at_least
-from ..transports.options import LimitOptions, Limits
+from ..transports.options import LimitOptions, Limits, TransportOptions, clock_of
 from ..transports.registry import SinkLike
 from ..writer import TensorWriter, open_writer
 from .layout import Array, KVLayout, digest_name, key_name, value_name
@@ -187,7 +187,7 @@ async def send_kv(
     layers: AsyncIterable[tuple[int, Array, Array]] | Iterable[tuple[int, Array, Array]],
     *,
     queue: int = 2,
-    **limits: Unpack[LimitOptions],
+    **options: Unpack[TransportOptions],
 ) -> SendReport:
     """Send a KV cache layer by layer as ``layers`` yields ``(layer, key, value)`` in order.
     ``layers`` is an async iterable (an ``async def`` generator) or a plain one (a list, a
@@ -207,7 +207,8 @@ async def send_kv(
     buffers); one that changes a buffer too early is caught in most cases
     (:class:`~stream_st.UsageError`, before that layer's digest goes out).
     Time limits as in :func:`~stream_st.open_writer` (on a Connection, the connection's unless
-    given here); any other keyword is an :class:`~stream_st.ArgumentTypeError`.
+    given here), and for any other destination ``headers`` and ``ssl_context`` as there (an
+    ``https://`` or ``s3://`` URL); any other keyword is an :class:`~stream_st.ArgumentTypeError`.
     """
     if not isinstance(layout, KVLayout):
         raise ArgumentTypeError(f"layout must be a KVLayout, not {type(layout).__name__}")
@@ -217,13 +218,16 @@ async def send_kv(
             f"not {type(layers).__name__}"
         )
     queue = integer_at_least("queue", queue, 1)
-    Limits.of(limits, transport=False)  # checksums=, fsync=... would reach open_writer
     report = SendReport()
     codec = layout.get_codec()
+    # checksums=, fsync=... would reach open_writer; a Connection takes no transport options
     if isinstance(dst, Connection):
+        Limits.of(options, transport=False)
+        limits = cast("LimitOptions", options)  # checked: no headers or ssl_context
         writer = dst.open_writer(layout.plan(), metadata=layout.metadata(), **limits)
     else:
-        writer = open_writer(dst, layout.plan(), metadata=layout.metadata(), **limits)
+        clock_of(options)
+        writer = open_writer(dst, layout.plan(), metadata=layout.metadata(), **options)
     send_layers, receive_layers = anyio.create_memory_object_stream[
         tuple[object, tuple[bytes, ...]]
     ](max_buffer_size=max(0, queue - 1))

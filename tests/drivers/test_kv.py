@@ -6,6 +6,7 @@ import functools
 import gc
 import json
 import socket
+import ssl
 import struct
 import time
 import warnings
@@ -25,6 +26,8 @@ import stream_st.transports.tcp
 from stream_st import TransportError
 from stream_st.core.codecs import error_stats
 from stream_st.kv import IntegrityError, KVLayout, receive_kv, send_kv
+
+from ..servers.http_server import RangeHTTPServer
 
 Array = np.ndarray[Any, Any]
 SHAPE = (1, 4, 64, 64)
@@ -180,6 +183,38 @@ async def test_send_kv_refuses_a_keyword_that_is_no_time_limit(
         await send_kv(path, KVLayout(num_layers=4, shape=SHAPE), produce(4), **option)
     assert not path.exists()
     await send_kv(path, KVLayout(num_layers=4, shape=SHAPE), produce(4), timeout=10)
+
+
+async def test_kv_takes_a_urls_transport_options_and_no_other_keyword() -> None:
+    """``headers`` and ``ssl_context`` reach open_writer and open_stream for a URL, where the
+    refusal of what is no time limit refused them too; ``checksums=`` and ``verify=`` stay
+    refused, and a Connection (a socket: no HTTP request) takes no transport options."""
+    layout = KVLayout(num_layers=2, shape=SHAPE)
+    token = {"Authorization": "Bearer s3cret"}
+    transport: dict[str, Any] = {"headers": token, "ssl_context": ssl.create_default_context()}
+    with RangeHTTPServer() as server:
+        url = server.url("/kv.safetensors")
+        await send_kv(url, layout, produce(2), **transport)
+        async with receive_kv(url, **transport) as kv_in:
+            key, _ = await kv_in.wait_for_layer(1)
+        assert np.array_equal(key, kv(1)[0])
+        assert [seen["authorization"] for _, _, seen in server.headers_seen] == [
+            token["Authorization"]
+        ] * len(server.headers_seen)
+        with pytest.raises(stream_st.ArgumentTypeError, match="headers, ssl_context and"):
+            await send_kv(url, layout, produce(2), checksums=True)  # type: ignore[call-arg]
+        with pytest.raises(stream_st.ArgumentTypeError, match="headers, ssl_context and"):
+            async with receive_kv(url, verify=False):  # type: ignore[call-arg]
+                pass
+    async with (
+        stream_st.listen("127.0.0.1", 0, timeout=10) as listener,
+        await stream_st.connect(listener.url) as connection,
+    ):
+        with pytest.raises(stream_st.ArgumentTypeError, match=r"unknown option.*'headers'"):
+            await send_kv(connection, layout, produce(2), headers=token)
+        with pytest.raises(stream_st.ArgumentTypeError, match=r"unknown option.*'headers'"):
+            async with receive_kv(connection, headers=token):
+                pass
 
 
 async def test_flipped_byte_is_detected_and_the_layer_withheld(tmp_path: Path) -> None:
