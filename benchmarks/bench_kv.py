@@ -595,7 +595,8 @@ async def _concurrent_round(
                     )
                 ):
                     raise RuntimeError(f"transfer {index}: layer {layer} differs")
-                ahead[0] = max(ahead[0], len(incoming.verified_at) - layer - 1)
+                held = int(np.count_nonzero(~np.isnan(incoming.verified_at)))  # NaN: not yet
+                ahead[0] = max(ahead[0], held - layer - 1)
                 incoming.release(layer)
                 verified[index] += 1
 
