@@ -55,9 +55,17 @@ class Bridge:
         self._thread = threading.Thread(
             target=_serve, args=(started,), name="stream_st-bridge", daemon=True
         )
-        self._thread.start()
-        self._portal: BlockingPortal | None = started.result()
         self._lock = threading.Lock()
+        self._thread.start()
+        try:
+            self._portal: BlockingPortal | None = started.result()
+        except BaseException:
+            # Interrupted (Ctrl-C) while the thread starts: its loop, once up, would serve for
+            # ever, with no one to close it. Wait for it and stop it (one that failed is gone).
+            if started.exception() is None:
+                self._portal = started.result()
+                self.close()
+            raise
 
     @property
     def here(self) -> bool:

@@ -10,9 +10,15 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+from anyio.from_thread import BlockingPortal
+
+from stream_st.compat import _sync
 
 CHILD = textwrap.dedent(
     """
@@ -89,3 +95,30 @@ def test_safe_open_closed_from_another_thread_ends_its_read() -> None:
     out = _run("close")
     assert "read failed: TransportError" in out and "closed on this side" in out, out
     assert "blocking_portal" not in out, out
+
+
+def test_ctrl_c_while_a_bridge_starts_stops_its_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interrupted while waiting for its thread's loop to start (the thread scheduled late, on a
+    busy machine), a Bridge stops that loop and joins its thread before the KeyboardInterrupt
+    goes on: no one holds the bridge to close it."""
+    serve = _sync._serve
+
+    def late(started: Future[BlockingPortal]) -> None:
+        time.sleep(0.05)
+        serve(started)
+
+    class Interrupted(Future[BlockingPortal]):
+        waits = 0
+
+        def result(self, timeout: float | None = None) -> BlockingPortal:
+            Interrupted.waits += 1
+            if Interrupted.waits == 1:  # Ctrl-C while the bridge waits for its thread's loop
+                raise KeyboardInterrupt
+            return super().result(timeout)
+
+    before = set(threading.enumerate())
+    monkeypatch.setattr(_sync, "_serve", late)
+    monkeypatch.setattr(_sync, "Future", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _sync.Bridge()
+    assert [t for t in threading.enumerate() if t not in before] == []
