@@ -299,6 +299,7 @@ class _RollingWriter(AsyncClosing):
         self._files: list[FileSink] = []  # complete, not linked in yet: the sealed shards, index
         self._index_file: Path | None = None  # the index's held name, until it is in place
         self._hold: weakref.finalize[Any, Any] | None = None  # lets the directory go (_claim)
+        self._drop: weakref.finalize[Any, Any] | None = None  # the new folders, if dropped open
         self._claimed = False
         self._written: set[str] = set()
         self._state = _OPEN
@@ -360,6 +361,8 @@ class _RollingWriter(AsyncClosing):
             self.directory.mkdir(parents=True, exist_ok=True)
         if not self._claimed:
             self._claimed = True
+            if self._new_folders:  # a writer dropped unclosed leaves them as it found them
+                self._drop = weakref.finalize(self, remove_new_folders, self._new_folders)
             held = await anyio.to_thread.run_sync(_claim, self.directory)
             if held is not None:  # closed once the writer is done, or dropped
                 self._hold = weakref.finalize(self, os.close, held)
@@ -498,6 +501,8 @@ class _RollingWriter(AsyncClosing):
 
     def _let_go(self) -> None:
         """Let the directory go (see :func:`_claim`)."""
+        if self._drop is not None:
+            self._drop.detach()
         if self._hold is not None:
             self._hold()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 from pathlib import Path
@@ -142,6 +143,19 @@ async def test_failure_leaves_nothing(tmp_path: Path, kind: str) -> None:
                     await d.write_batch({name: array}, samples=1)
                 raise Boom
     assert set(tmp_path.iterdir()) == before
+
+
+async def test_a_writer_dropped_unclosed_leaves_no_folder_it_made(tmp_path: Path) -> None:
+    """Dropped without being closed, after writes, a writer leaves the destination as it found
+    it, as a failed one does: its shards go and so do the folders it made."""
+    writer = open_sharded_writer(tmp_path / "new" / "model", max_shard_size=2 * MB)
+    await writer.__aenter__()
+    for name, array in tensors(5).items():
+        await writer.write(name, array)
+    with pytest.warns(ResourceWarning):  # the unclosed shards, let go of
+        del writer
+        gc.collect()
+    assert list(tmp_path.iterdir()) == []
 
 
 async def test_misuse(tmp_path: Path) -> None:
