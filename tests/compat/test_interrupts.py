@@ -122,3 +122,48 @@ def test_ctrl_c_while_a_bridge_starts_stops_its_thread(monkeypatch: pytest.Monke
     with pytest.raises(KeyboardInterrupt):
         _sync.Bridge()
     assert [t for t in threading.enumerate() if t not in before] == []
+
+
+WATCHDOG = textwrap.dedent(
+    """
+    import os, signal, sys, tempfile, threading
+    import numpy as np
+    import stream_st.numpy as st_np
+
+    class Watchdog(Exception):
+        pass
+
+    def fire(*_):
+        raise Watchdog
+
+    tensors = {f"t{i}": np.ones(1 << 20, np.float32) for i in range(8)}
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "w.safetensors")
+        st_np.save_file(tensors, path, timeout=60)  # imports done
+        signal.signal(signal.SIGALRM, fire)
+        for attempt in range(40):
+            signal.setitimer(signal.ITIMER_REAL, 0.0005 + 0.0005 * attempt)
+            try:
+                st_np.save_file(tensors, path, timeout=60)
+            except Watchdog:
+                pass
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    print("left", [name for name in left if "AnyIO" in name])
+    """
+)
+
+
+def test_a_raising_signal_handler_leaves_no_thread_keeping_the_process() -> None:
+    """A watchdog's SIGALRM handler that raises (or a custom Ctrl-C handler), firing anywhere
+    in a streamed save, leaves no event-loop worker thread behind that would keep the process
+    from exiting: with such a handler set, the call's loop runs in a thread of its own."""
+    result = subprocess.run(
+        [sys.executable, "-c", WATCHDOG],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "left []" in result.stdout, result.stdout
