@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import operator
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import Any, SupportsIndex, cast
@@ -52,7 +52,7 @@ class TensorSpec:
         # Written out, not generated: a plan of many small tensors makes a spec for each, and
         # the frozen dataclass's own __init__ and __post_init__ took twice as long.
         if not isinstance(name, str):
-            raise ArgumentTypeError(f"a tensor name must be a string, got {name!r}")
+            raise _name_error(name)
         _set = object.__setattr__
         _set(self, "name", name)
         _set(self, "dtype", dtype)
@@ -68,6 +68,11 @@ class TensorSpec:
             f"TensorSpec(name={_SHORT.repr(self.name)}, dtype={_SHORT.repr(self.dtype)}, "
             f"shape={_SHORT.repr(self.shape)})"
         )
+
+
+def _name_error(name: object) -> ArgumentTypeError:
+    """The error for a tensor name that is not a string."""
+    return ArgumentTypeError(f"a tensor name must be a string, got {name!r}")
 
 
 def integer_shape(shape: object) -> tuple[int, ...]:
@@ -101,10 +106,16 @@ def _plan_list(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
 def _dtype_of(spec: TensorSpec) -> DType:
     """The dtype of a planned tensor; a :class:`~stream_st.DtypeError` naming the tensor (one
     of a dict of many arrays) if safetensors cannot carry it."""
+    return _dtype_named(spec.name, spec.dtype)
+
+
+def _dtype_named(name: str, dtype: Any) -> DType:
+    """The dtype ``dtype`` names (a safetensors code, a numpy / ml_dtypes dtype) for tensor
+    ``name``; a :class:`~stream_st.DtypeError` naming the tensor if safetensors has none."""
     try:
-        return dtype_for(spec.dtype)
+        return dtype_for(dtype)
     except DtypeError as exc:
-        raise DtypeError(f"tensor {spec.name!r}: {exc}") from None
+        raise DtypeError(f"tensor {name!r}: {exc}") from None
 
 
 def plan_order(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
@@ -112,9 +123,18 @@ def plan_order(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
     return sorted(_plan_list(specs), key=lambda s: (-_dtype_of(s).rank, s.name))
 
 
-def _compact(value: object) -> str:
-    """``value`` as compact JSON, non-ASCII text kept (as the reference writes it)."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+_compact = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+"""A value as compact JSON, non-ASCII text kept (as the reference writes it): what ``json.dumps``
+with these arguments gives, through one encoder made once (``dumps`` makes one each call)."""
+
+
+_Row = tuple[str, Any, tuple[int, ...]]
+"""A planned tensor as :func:`_header_of` takes it: its name, its dtype (as ``dtype_of`` there
+takes it) and its shape (a tuple of ints)."""
+
+
+_FIELDS = cast(Callable[[TensorSpec], _Row], operator.attrgetter("name", "dtype", "shape"))
+"""A spec's row (in C)."""
 
 
 def build_header(
@@ -131,18 +151,40 @@ def build_header(
     :class:`~stream_st.HeaderTooLargeError` for a header no reader takes, see
     :func:`framed_header`).
     """
-    members: list[str] = []  # the JSON object's members, as json.dumps writes them
-    if metadata is not None:  # even empty: the reference writes "__metadata__":{} too
-        if not isinstance(metadata, Mapping):
-            raise UsageError(
-                f"metadata must be a mapping of strings to strings, got {type(metadata).__name__}"
+    members = _metadata_members(metadata)
+    rows = map(_FIELDS, _plan_list(specs))
+    return _header_of(members, rows, metadata, _dtype_named)
+
+
+def _metadata_members(metadata: Mapping[str, str] | None) -> list[str]:
+    """The JSON object's first members, as ``json.dumps`` writes them: ``__metadata__``'s, if
+    ``metadata`` is not None (even empty: the reference writes ``"__metadata__":{}`` too);
+    :class:`UsageError` for metadata that is not a mapping, :class:`HeaderError` for one that
+    does not map strings to strings."""
+    if metadata is None:
+        return []
+    if not isinstance(metadata, Mapping):
+        raise UsageError(
+            f"metadata must be a mapping of strings to strings, got {type(metadata).__name__}"
+        )
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise HeaderError(
+                f"metadata must map strings to strings; got {key!r}: {type(value).__name__}"
             )
-        for key, value in metadata.items():
-            if not isinstance(key, str) or not isinstance(value, str):
-                raise HeaderError(
-                    f"metadata must map strings to strings; got {key!r}: {type(value).__name__}"
-                )
-        members.append(f'"{METADATA_KEY}":{_compact(dict(metadata))}')
+    return [f'"{METADATA_KEY}":{_compact(dict(metadata))}']
+
+
+def _header_of(
+    members: list[str],
+    rows: Iterable[_Row],
+    metadata: Mapping[str, str] | None,
+    dtype_of: Callable[[str, Any], DType],
+) -> tuple[bytes, Header]:
+    """:func:`build_header`'s result for ``rows`` placed back to back in the order given, after
+    ``members`` (:func:`_metadata_members` of ``metadata``, checked): each row's name checked
+    (not ``__metadata__``, not twice), then its dtype found by ``dtype_of(name, dtype)``, then
+    its size (each distinct dtype and shape checked and written once)."""
     names: list[str] = []  # the header's columns, as a TensorTable holds them
     codes: list[str] = []
     shapes: list[tuple[int, ...]] = []
@@ -150,15 +192,17 @@ def build_header(
     ends: list[int] = []
     seen: set[str] = set()
     offset = 0
+    found: tuple[object, DType] | None = None  # the row before's dtype, as given and as found
     layouts: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}  # each checked once
-    for spec in _plan_list(specs):
-        name, shape = spec.name, spec.shape
+    for name, given, shape in rows:
         if name == METADATA_KEY:
             raise HeaderError(f"{METADATA_KEY!r} is reserved and cannot name a tensor")
         if name in seen:
             raise HeaderError(f"tensor {name!r} appears twice in the plan")
         seen.add(name)
-        dtype = _dtype_of(spec)
+        if found is None or given is not found[0]:  # most plans: one dtype object throughout
+            found = given, dtype_of(name, given)
+        dtype = found[1]
         layout = layouts.get((dtype.code, shape))
         if layout is None:  # its size, and its member's text up to the offsets
             nbytes = data_size(name, dtype, checked_dims(name, shape))

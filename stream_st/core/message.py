@@ -12,9 +12,18 @@ import numpy as np
 
 from ..errors import UsageError
 from .arrays import as_array, spec_of
-from .dtypes import wire_bytes
+from .dtypes import DType, wire_bytes
 from .header import Header
-from .layout import TensorSpec, _dtype_of, _plan_list, build_header, plan_order
+from .layout import (
+    TensorSpec,
+    _dtype_named,
+    _header_of,
+    _metadata_members,
+    _name_error,
+    _plan_list,
+    _Row,
+    plan_order,
+)
 
 __all__ = ["Order", "lay_out", "ordered"]
 
@@ -47,29 +56,49 @@ def lay_out(
     from the arrays, one pass over each, and recorded in the header. The same plan, header and
     errors as :func:`~stream_st.save` of the same dict."""
     arrays: dict[str, np.ndarray[Any, Any]] = {}
-    plan: list[TensorSpec] = []
-    codes: dict[np.dtype[Any], str] = {}  # each array dtype's safetensors code, found once
+    rows: list[_Row] = []
+    found: dict[np.dtype[Any], DType] = {}  # each array dtype's safetensors dtype, found once
     for name, value in tensors.items():
         if type(value) is np.ndarray:  # most tensors: no torch tensor, nothing to convert
+            if not isinstance(name, str):
+                raise _name_error(name)
             arrays[name] = value
-            code = codes.get(value.dtype)
-            if code is None:
-                code = codes[value.dtype] = _dtype_of(TensorSpec(name, value.dtype, ())).code
-            plan.append(TensorSpec(name, code, value.shape))  # a code: the quickest to look up
-        else:
+            dtype = found.get(value.dtype)
+            if dtype is None:
+                dtype = found[value.dtype] = _dtype_named(name, value.dtype)
+            rows.append((name, dtype, value.shape))  # an array's shape: a tuple of ints
+        else:  # its dtype found as the streamed writer's plan finds it: after every conversion
             array = arrays[name] = as_array(value, name)
-            plan.append(spec_of(name, value, array))
-    specs = ordered(plan, order)
+            spec = spec_of(name, value, array)
+            rows.append((spec.name, spec.dtype, spec.shape))
+    if order == "reference":
+        rows.sort(key=_reference_key)
+    elif order != "plan":
+        raise UsageError(f"order must be 'plan' or 'reference', got {order!r}")
     if checksums is not False:  # imported here: hashing is not needed to write a plain file
         from .digests import Digests, digests_for
 
         digests = digests_for(checksums)
         if digests is not None:
             digests = Digests.compute(arrays, digests.algorithm)
-            metadata = digests.add_to(metadata, [spec.name for spec in specs])
+            metadata = digests.add_to(metadata, [name for name, _, _ in rows])
     elif metadata:  # a digest record copied from a checksummed file's metadata is left out
         from .digests import without_record
 
         metadata = without_record(metadata)
-    prefix, header = build_header(specs, metadata)
+    members = _metadata_members(metadata)
+    prefix, header = _header_of(members, rows, metadata, _found)
     return prefix, header, (wire_bytes(arrays[name]) for name in header.names())
+
+
+def _found(name: str, dtype: Any) -> DType:
+    """The dtype of a row of :func:`lay_out`: the one found already for an array, else the one
+    its plan entry names (:class:`~stream_st.DtypeError` naming tensor ``name`` if none)."""
+    return dtype if isinstance(dtype, DType) else _dtype_named(name, dtype)
+
+
+def _reference_key(row: _Row) -> tuple[int, str]:
+    """The reference writer's order of rows (as :func:`~stream_st.core.layout.plan_order`
+    orders a plan): descending dtype alignment, then name."""
+    name, dtype, _ = row
+    return -_found(name, dtype).rank, name

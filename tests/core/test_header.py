@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import random
 import struct
 from typing import Any
 
@@ -26,6 +27,7 @@ from stream_st import (
 from stream_st.core.dtypes import array_shape, dtype_for, dtype_from_code
 from stream_st.core.header import NameIndex, data_size, parse_header_length
 from stream_st.core.layout import plan_order
+from stream_st.core.message import lay_out
 from stream_st.errors import DtypeError, UsageError
 
 
@@ -409,6 +411,52 @@ def test_build_then_parse_round_trip() -> None:
     assert parsed == header
     assert parsed.metadata == {"compression": "none"}
     assert prefix[8:].startswith(b'{"__metadata__":{"compression":"none"}')
+
+
+def _random_text(rng: random.Random) -> str:
+    """A short text of ASCII, control characters, quotes, backslashes and non-ASCII (BMP and
+    beyond)."""
+    alphabet = 'ab_.09 "\\/\n\t\x00\x1f\x7f\x80\u2028é中😀'
+    return "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6)))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_built_header_text_is_what_json_dumps_writes(seed: int) -> None:
+    rng = random.Random(seed)
+    names = list({_random_text(rng) for _ in range(rng.randint(1, 8))})
+    shapes = [(), (0,), (3,), (2, 5), (1, 1, 7)]
+    specs = [
+        TensorSpec(name, rng.choice(["F32", "U8", "I64"]), rng.choice(shapes)) for name in names
+    ]
+    metadata = {_random_text(rng): _random_text(rng) for _ in range(rng.randint(0, 3))}
+    prefix, header = build_header(specs, metadata)
+    expected: dict[str, Any] = {"__metadata__": metadata}
+    for info in header.tensors:
+        expected[info.name] = {
+            "dtype": info.dtype,
+            "shape": list(info.shape),
+            "data_offsets": [info.start, info.end],
+        }
+    text = json.dumps(expected, separators=(",", ":"), ensure_ascii=False).encode()
+    assert prefix[8:].rstrip(b" ") == text
+    arrays = {spec.name: np.zeros(spec.shape, DTYPES[str(spec.dtype)].numpy) for spec in specs}
+    laid_out, laid_header, _ = lay_out(arrays, metadata, order="plan")
+    assert (laid_out, laid_header) == (prefix, header)
+
+
+def test_a_laid_out_dict_finds_errors_as_its_plan_does() -> None:
+    with pytest.raises(HeaderError, match="reserved"):
+        lay_out({"a": np.zeros(1), "__metadata__": np.zeros(1)})
+    with pytest.raises(UsageError, match="must be a string"):
+        lay_out({1: np.zeros(1)})  # type: ignore[dict-item]
+    with pytest.raises(DtypeError, match="tensor 'b'"):
+        lay_out({"a": np.zeros(1), "b": ["x"]})
+    with pytest.raises(UsageError, match="order must be"):  # before a converted tensor's dtype
+        lay_out({"b": ["x"]}, order="bogus")  # type: ignore[arg-type]
+    mixed = {"b": np.zeros((2, 3), np.float32), "a": [[1, 2]], "c": np.zeros(2, np.int8)}
+    arrays = {name: np.asarray(value) for name, value in mixed.items()}
+    specs = [TensorSpec(name, array.dtype, array.shape) for name, array in arrays.items()]
+    assert lay_out(mixed, {"k": "v"})[:2] == build_header(plan_order(specs), {"k": "v"})
 
 
 def test_build_refuses_bad_plans() -> None:
