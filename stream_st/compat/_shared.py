@@ -1,7 +1,12 @@
 """Which torch tensors of a state dict share memory: the helpers the reference's
 ``safetensors.torch`` offers under these names (``storage_ptr``, ``storage_size``,
 ``_find_shared_tensors``, ``_remove_duplicate_names``, ``_is_complete``, ``_end_ptr``), which
-transformers and other code import, with the same results.
+transformers and other code import, with the same results but for one case. A tensor joins
+the group of those before it (by address) when it starts before the furthest end any of them
+reaches, where the reference's compares its start with the end of the one just before only:
+for ``A`` a whole storage, ``B = A[2:4]`` and ``C = A[5:8]``, the reference makes ``C``, inside
+``A``, a group of its own that no name covers (so its ``_remove_duplicate_names`` and
+``save_model`` raise), where this gives one group, ``A`` kept for ``B`` and ``C``.
 
 Tensors share memory when they live on the same device in the same storage (same address and
 size) and their bytes overlap; tensors on the ``meta`` device, or in an empty storage, share
@@ -69,7 +74,9 @@ def is_complete(tensor: Any) -> bool:
 
 
 def _overlapping(names: list[str], state: Mapping[str, Any]) -> list[set[str]]:
-    """``names`` (tensors of one storage) in groups whose bytes overlap, by address."""
+    """``names`` (tensors of one storage) in groups whose bytes overlap, by address: a tensor
+    starting before the furthest end reached so far joins the group (the module docstring
+    says how the reference differs)."""
     areas = sorted((int(state[n].data_ptr()), end_ptr(state[n]), n) for n in names)
     groups: list[set[str]] = []
     reach = -1

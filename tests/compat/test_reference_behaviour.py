@@ -685,6 +685,34 @@ def test_sharing_helpers_agree_with_the_reference() -> None:
     )
 
 
+def test_a_view_inside_the_storage_after_a_shorter_one_shares_it(tmp_path: Path) -> None:
+    """``C`` starts past ``B``'s end but inside ``A``: one group, ``A`` kept for both (the
+    reference's groups are ``{A, B}`` and ``{C}``, and it then refuses to save), as
+    docs/dropin.md says."""
+
+    class Views(torch.nn.Module):
+        A: torch.Tensor
+        C: torch.Tensor
+
+        def __init__(self) -> None:
+            super().__init__()
+            base = torch.arange(10.0)
+            self.register_buffer("A", base)
+            self.register_buffer("B", base[2:4])
+            self.register_buffer("C", base[5:8])
+
+    state = dict(Views().state_dict())
+    assert st_pt._find_shared_tensors(state) == [{"A", "B", "C"}]
+    assert st_pt._remove_duplicate_names(state) == {"A": ["B", "C"]}
+    st_pt.save_model(Views(), tmp_path / "views.safetensors")
+    with safetensors.safe_open(tmp_path / "views.safetensors", "pt") as f:
+        assert f.keys() == ["A"] and f.metadata() == {"B": "A", "C": "A"}
+    model = Views()
+    model.A.zero_()
+    assert st_pt.load_model(model, tmp_path / "views.safetensors") == (set(), [])
+    assert torch.equal(model.C, torch.arange(5.0, 8.0))
+
+
 # ---------------------------------------------------------------- low-level functions
 
 
