@@ -54,7 +54,7 @@ import anyio.to_thread
 import numpy as np
 
 from .._util import AsyncClosing, allow_open_files, seen_through
-from ..core.arrays import as_array
+from ..core.arrays import as_array, spec_of
 from ..core.digests import Digests, digest_of, digests_for, without_record
 from ..core.dtypes import dtype_for, wire_bytes
 from ..core.header import DEFAULT_MAX_HEADER_SIZE, LENGTH_PREFIX_SIZE
@@ -200,14 +200,16 @@ class _Shard:
         self.algorithm = algorithm
         self.digests: dict[str, str] = {}
 
-    async def add(self, name: str, array: Array) -> None:
+    async def add(self, spec: TensorSpec, array: Array) -> None:
+        """Write ``array``, the bytes of tensor ``spec``, after the data so far."""
+        name = spec.name
         view = wire_bytes(array)
         at = self.room + self.data_bytes
         await self.file.allocate(at + len(view))
         await self.file.write_at(at, view)
         if self.algorithm is not None:
             self.digests[name] = await anyio.to_thread.run_sync(digest_of, self.algorithm, view)
-        self.specs.append(TensorSpec(name, dtype_for(array.dtype).code, array.shape))
+        self.specs.append(TensorSpec(name, dtype_for(spec.dtype).code, spec.shape))
         self.names.add(name)
         self.data_bytes += len(view)
 
@@ -323,9 +325,12 @@ class _RollingWriter(AsyncClosing):
         self._check_open()
         return self
 
-    async def _add_group(self, tensors: Mapping[str, Any], samples: int) -> None:
+    async def _add_group(
+        self, arrays: Mapping[str, Array], specs: Sequence[TensorSpec], samples: int
+    ) -> None:
+        """Write ``arrays`` (:func:`_taken`, with their plan entries ``specs``), a group of
+        ``samples`` samples, into one shard."""
         self._check_open()
-        arrays = {name: as_array(array, name) for name, array in tensors.items()}
         current = self._current
         repeats = current is not None and not current.names.isdisjoint(arrays)
         for name in arrays:
@@ -333,7 +338,6 @@ class _RollingWriter(AsyncClosing):
                 raise WriterError(f"tensor {name!r} was already written", name=name)
         # refuses, before any write, what no header takes: a dtype safetensors cannot carry, a
         # name that is not a string, is __metadata__ or is not Unicode text (a lone surrogate)
-        specs = [TensorSpec(name, array.dtype, array.shape) for name, array in arrays.items()]
         build_header(specs)
         size = sum(a.nbytes for a in arrays.values())
         try:
@@ -347,9 +351,9 @@ class _RollingWriter(AsyncClosing):
             if current is None:
                 await self._open_directory()
                 current = self._current = self._new_shard(specs)
-            for name, array in arrays.items():
-                await current.add(name, array)
-                self._written.add(name)
+            for spec in specs:
+                await current.add(spec, arrays[spec.name])
+                self._written.add(spec.name)
         except BaseException as exc:
             await self._abort(exc)  # a shard missing bytes must never be sealed
             raise
@@ -613,7 +617,8 @@ class ShardedWriter(_RollingWriter):
 
     async def write(self, name: str, array: Any) -> None:
         """Add one tensor (to the current shard, or a new one if it would overflow)."""
-        await self._add_group({name: array}, 0)
+        self._check_open()
+        await self._add_group(*_taken({name: array}), 0)
 
     def _shard_name(self, index: int) -> str:
         # The total is unknown until the end: a provisional name, replaced at the commit.
@@ -708,8 +713,8 @@ class DatasetWriter(_RollingWriter):
         group of no tensor but some samples, and a batch whose columns are not those of the
         dataset's first (:meth:`_check_columns`). Arrays are taken as :func:`~stream_st.save`
         takes them (torch tensors included), of a dtype the manifest's schema can record
-        (:data:`~stream_st.core.shards.MANIFEST_DTYPES`: not ``BOOL`` nor an 8-bit float, a
-        :class:`DtypeError`). A group
+        (:data:`~stream_st.core.shards.MANIFEST_DTYPES`: not ``BOOL``, an 8-bit float nor F4,
+        a :class:`DtypeError`). A group
         whose ``samples`` is 1, or its number of tensors, may instead be KV-mode rows (the
         tensors ``{name}{separator}{column}`` of one name, or one tensor a sample, as the Spark
         writer counts them), each a value of any shape: it is taken as it is, unless batches of
@@ -724,17 +729,17 @@ class DatasetWriter(_RollingWriter):
             raise ArgumentTypeError(
                 f"write_batch takes {{name: array}}, got {type(tensors).__name__}"
             )
-        arrays = {name: as_array(array, name) for name, array in tensors.items()}
+        arrays, specs = _taken(tensors)
         if samples and not arrays:
             raise UsageError(
                 f"write_batch: a batch of {samples} samples holds no tensor (a shard would count "
                 "samples it does not hold); nothing was written"
             )
-        for name, array in arrays.items():
-            code = dtype_for(array.dtype).code  # refuses dtypes safetensors cannot carry
+        for spec in specs:
+            code = dtype_for(spec.dtype).code  # refuses dtypes safetensors cannot carry
             if code not in MANIFEST_DTYPES:
                 raise DtypeError(
-                    f"write_batch: column {name!r} is {code}, a dtype the dataset manifest's "
+                    f"write_batch: column {spec.name!r} is {code}, a dtype the dataset manifest's "
                     f"schema cannot record (it allows {', '.join(MANIFEST_DTYPES)}): cast it "
                     "(BOOL to U8, as the Spark writer writes booleans); nothing of the batch was "
                     "written"
@@ -746,15 +751,15 @@ class DatasetWriter(_RollingWriter):
         if batch:
             _check_rows(arrays, samples)
         self._check_columns(arrays, samples, batch)
-        await self._add_group(arrays, samples)  # checks every column before writing any
+        await self._add_group(arrays, specs, samples)  # checks every column before writing any
         if arrays:  # only a batch taken is recorded
             if self._columns is None:
                 self._columns = frozenset(arrays)
             self._kv_rows |= self._columns != set(arrays)
             self._batches |= batch
-        for name, array in arrays.items():
+        for spec in specs:
             self._schema.setdefault(
-                name, {"dtype": dtype_for(array.dtype).code, "shape": list(array.shape)}
+                spec.name, {"dtype": dtype_for(spec.dtype).code, "shape": list(spec.shape)}
             )
 
     def _check_columns(self, arrays: Mapping[str, Array], samples: int, batch: bool) -> None:
@@ -839,6 +844,14 @@ class DatasetWriter(_RollingWriter):
             with contextlib.suppress(OSError):
                 _remove_index(self._staged_index)
         await super()._abort(cause)
+
+
+def _taken(tensors: Mapping[str, Any]) -> tuple[dict[str, Array], list[TensorSpec]]:
+    """The arrays ``tensors`` are written as (:func:`~stream_st.core.arrays.as_array`), and
+    their plan entries (:func:`~stream_st.core.arrays.spec_of`: a torch ``float4_e2m1fn_x2``
+    tensor is F4, its last dimension doubled, as :func:`~stream_st.save` writes it)."""
+    arrays = {name: as_array(value, name) for name, value in tensors.items()}
+    return arrays, [spec_of(name, tensors[name], array) for name, array in arrays.items()]
 
 
 def _check_rows(arrays: Mapping[str, Array], samples: int) -> None:

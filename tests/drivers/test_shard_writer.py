@@ -393,6 +393,37 @@ async def test_writers_take_arrays_as_save_does(tmp_path: Path) -> None:
             assert torch.equal(got[name].float(), value.detach().float())
 
 
+async def test_a_float4_tensor_is_written_as_f4_as_save_writes_it(tmp_path: Path) -> None:
+    """A torch ``float4_e2m1fn_x2`` tensor, whose array holds its packed bytes, was recorded as
+    U8 of the packed shape in the shard and taken as a U8 column by the dataset writer: it is F4
+    with the last dimension doubled, as ``save`` and the reference write it, and F4 is not a
+    dtype the manifest's schema records."""
+    torch = pytest.importorskip("torch")
+    packed = torch.tensor([[0x12, 0x34], [0x56, 0x78]], dtype=torch.uint8)
+    value = packed.view(torch.float4_e2m1fn_x2)
+    await stream_st.save(tmp_path / "single.safetensors", {"w": value})
+    async with open_sharded_writer(tmp_path / "ckpt", max_shard_size=MB) as w:
+        await w.write("w", value)
+        with pytest.raises(stream_st.UsageError, match="0-d"):
+            await w.write("scalar", torch.zeros((), dtype=torch.uint8).view(value.dtype))
+    for path in ("single.safetensors", "ckpt/model.safetensors"):
+        header = await stream_st.read_header(tmp_path / path)
+        assert (header["w"].dtype, header["w"].shape) == ("F4", (2, 4))
+    index = json.loads((tmp_path / "ckpt/model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 4
+    got: dict[str, Any] = await read_all(
+        tmp_path / "ckpt/model.safetensors.index.json", framework="pt"
+    )
+    assert got["w"].dtype == value.dtype
+    assert torch.equal(got["w"].view(torch.uint8), packed)
+    async with open_dataset_writer(tmp_path / "data") as d:
+        with pytest.raises(stream_st.DtypeError, match="'x' is F4"):
+            await d.write_batch({"x": value}, samples=2)
+        await d.write_batch({"x": packed}, samples=2)
+    manifest = json.loads((tmp_path / "data/dataset_manifest.json").read_text())
+    assert manifest["schema"] == {"x": {"dtype": "U8", "shape": [2, 2]}}
+
+
 async def test_the_dataset_writer_refuses_dtypes_its_manifest_cannot_record(
     tmp_path: Path,
 ) -> None:
