@@ -15,7 +15,8 @@ that answer the way the Hub and its CDN do:
   with a relative ``Location``, as the Hub does.
 * the CDN serves each LFS file at ``/{sha256}`` with Range, only with a valid signature:
   :meth:`FakeHub.expire` (or ``expire_after`` GETs) makes every URL signed so far answer
-  ``expired_status`` (403, as CloudFront does; 410 also happens).
+  ``expired_status`` (403, as CloudFront does; 410 also happens), with no ``ETag``; with
+  ``cdn_etag``, the objects it serves carry one (their sha256), as CloudFront's do.
 
 Every request to either is logged in :attr:`FakeHub.log` with its host and headers.
 
@@ -184,7 +185,8 @@ class _CdnServer(_Server):
         if not hub.signature_valid(request.path, request.query):
             body = b"<Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>"
             return self._reply(request, hub.expired_status, {}, body)
-        served = self._serve_object(request, request.path, {})
+        named = {"ETag": f'"{request.path.lstrip("/")}"'} if hub.cdn_etag else {}
+        served = self._serve_object(request, request.path, named)
         if request.method == "GET" and hub.expire_after is not None:
             hub.expire_after -= 1
             if hub.expire_after == 0:  # every URL signed so far expires now
@@ -208,6 +210,7 @@ class FakeHub:
         self.log: list[Seen] = []
         self.expired_status = 403
         self.expire_after: int | None = None
+        self.cdn_etag = False  # the CDN names each object's version with an ETag (CloudFront)
         self._key = b"cdn-signing-key"
         self._generation = 0
         self.hub = _HubServer(self, "127.0.0.1")

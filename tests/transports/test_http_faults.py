@@ -34,7 +34,7 @@ from stream_st import (
 from stream_st.transports.http import HTTPClient, HTTPProtocolError, HTTPStatusError, Target
 from stream_st.transports.http.framing import request_head
 from stream_st.transports.http.sink import HttpSink
-from stream_st.transports.http.source import HttpSource
+from stream_st.transports.http.source import FIRST_RANGE, HttpSource
 from stream_st.transports.http.wire import StreamWire
 from stream_st.transports.hub import HubSource
 from stream_st.transports.options import UNLIMITED, Clock, Limits
@@ -401,6 +401,36 @@ async def test_a_server_still_busy_after_the_retries_is_its_status(raw_server: S
     with pytest.raises(HTTPStatusError) as busy:
         await load(HttpSource(url, retries=2, backoff=0.01))
     assert busy.value.status == 503
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+async def test_an_error_status_to_a_later_request_is_its_status(
+    raw_server: Serve, status: int
+) -> None:
+    """A later request of a read refused (a token or signature that expired, the object
+    deleted) with no ETag, as S3 and CloudFront answer: its status, an HTTPStatusError, where
+    the missing ETag read as the object changed (SourceChangedError)."""
+    count = iter(range(1 << 30))
+
+    def handle(connection: socket.socket) -> None:
+        read_request(connection)
+        if next(count):
+            body = b"refused\n"
+            head = f"HTTP/1.1 {status} Refused\r\nContent-Length: {len(body)}\r\n"
+            connection.sendall(head.encode() + b"Connection: close\r\n\r\n" + body)
+            return
+        first = SPLIT_FILE[:FIRST_RANGE]
+        head = (
+            f'HTTP/1.1 206 Partial Content\r\nETag: "v1"\r\nContent-Length: {len(first)}'
+            f"\r\nContent-Range: bytes 0-{len(first) - 1}/{len(SPLIT_FILE)}\r\n"
+            "Connection: close\r\n\r\n"
+        )
+        connection.sendall(head.encode() + first)
+
+    url = raw_server(handle) + "/m.safetensors"
+    with pytest.raises(HTTPStatusError) as refused:
+        await load(url, include=["b"])
+    assert refused.value.status == status
 
 
 @pytest.mark.parametrize("concurrency", [1, 2])

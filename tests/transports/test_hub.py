@@ -257,8 +257,12 @@ async def test_a_parallel_read_resolves_once(hub: FakeHub) -> None:
     assert len(on(hub, HUB)) == len(on(hub, CDN_HOST)) == len(cdn_requests)
 
 
+@pytest.mark.parametrize("etag", [False, True])
 @pytest.mark.parametrize("status", [403, 410])
-async def test_an_expired_cdn_url_is_resolved_again(hub: FakeHub, status: int) -> None:
+async def test_an_expired_cdn_url_is_resolved_again(hub: FakeHub, status: int, etag: bool) -> None:
+    """Also where the CDN's answers name the version with an ETag and its refusal names none,
+    as CloudFront's do, where that read as the object changed (SourceChangedError)."""
+    hub.cdn_etag = etag
     hub.expired_status = status
     hub.expire_after = 1  # the URL expires once the first range was served
     async with stream_st.open_stream("hf://org/model/model.safetensors") as stream:

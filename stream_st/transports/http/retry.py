@@ -107,12 +107,13 @@ class VersionPin:
 
     async def check(self, response: Response, name: str, position: int) -> None:
         """Pin the object's version on the first successful answer; on a later one, raise
-        :class:`SourceChangedError` (closing ``response``) if it serves another version. A
-        status worth retrying (a 503, say) speaks of the server, not of a version: it is left
-        to be raised as itself."""
-        seen = (response.headers.get("etag", ""), response.headers.get("last-modified", ""))
-        if Retries.retryable(response.status):
+        :class:`SourceChangedError` (closing ``response``) if it serves another version, or is
+        a 412 to the preconditions. Any other error status (a 503, a 403 for a signature that
+        expired, a 404) speaks of the server or the request, not of a version, and names none
+        (S3 and CloudFront send no ``ETag`` with one): it is left to be raised as itself."""
+        if response.status >= 300 and response.status != 412:
             return
+        seen = (response.headers.get("etag", ""), response.headers.get("last-modified", ""))
         if self.seen is None:
             if response.status < 300:
                 self.seen = seen
