@@ -70,10 +70,10 @@ class TensorSpec:
     dimension is doubled, as in the reference. Refused as the reference refuses them: a dtype
     not among those names (a safetensors code such as ``"F32"`` is not) with a
     :class:`~stream_st.DtypeError` (a ``SafetensorError``); a dtype that is not a string, a
-    shape that is not a sequence (a list, a tuple: not a set, a dict or a generator) of
-    integers, or a ``data_ptr`` or ``data_len`` that is not an integer, with a ``TypeError``; a
-    negative number or one past 64 bits (an F4 last dimension too, once doubled) with an
-    ``OverflowError``."""
+    shape that is not a sequence (a list, a tuple, ``bytes`` taken as its byte values: not a
+    set, a dict or a generator) of integers, or a ``data_ptr`` or ``data_len`` that is not an
+    integer, with a ``TypeError``; a negative number or one past 64 bits (an F4 last dimension
+    too, once doubled) with an ``OverflowError``."""
 
     __slots__ = ("_data_len", "_data_ptr", "_dtype", "_shape")
 
@@ -90,6 +90,8 @@ class TensorSpec:
                 f"argument 'shape': '{type(shape).__name__}' object is not an instance of "
                 "'Sequence'"
             )
+        if isinstance(shape, bytes):  # its byte values, as the reference takes them, where
+            shape = list(shape)  # integer_shape refuses bytes (a name given for a shape)
         dims = [_unsigned(dim, "shape") for dim in integer_shape(shape)]
         if code == "F4" and dims:
             if (dims[-1] * 2) >> 64:

@@ -774,12 +774,16 @@ def test_serialize_and_deserialize_as_the_reference(tmp_path: Path) -> None:
         iter((2, 4)),
         range(3),
         np.array([2, 3]),
+        b"\x02\x03",
+        bytearray(b"\x04"),
+        b"",
     ],
 )
 def test_a_tensor_spec_s_shape_is_taken_as_the_reference_takes_it(shape: Any) -> None:
     """Integers (Python's, numpy's: anything with ``__index__``) and nothing else: a float is
     refused, not truncated; in a sequence, not a set (taken in its order: ``{4, 2}`` gave
-    ``[2, 4]``), a dict or an iterator, which were taken."""
+    ``[2, 4]``), a dict or an iterator, which were taken. ``bytes`` and ``bytearray`` are
+    sequences of their byte values, as in the reference (they were refused)."""
 
     def spec(kind: Any) -> Any:
         return kind(dtype="float32", shape=shape, data_ptr=0, data_len=0)
@@ -790,6 +794,18 @@ def test_a_tensor_spec_s_shape_is_taken_as_the_reference_takes_it(shape: Any) ->
         assert spec(compat.TensorSpec).shape == want[1].shape
     else:
         raises_the_reference_s_type(partial(spec, compat.TensorSpec), reference)
+
+
+def test_serialize_writes_a_shape_given_as_bytes_as_the_reference() -> None:
+    data = np.arange(6, dtype=np.float32)
+    for shape in (b"\x02\x03", bytearray(b"\x06")):
+
+        def specs(kind: Any, shape: bytes | bytearray = shape) -> dict[str, Any]:
+            return {"x": kind(dtype="float32", shape=shape, data_ptr=data.ctypes.data, data_len=24)}
+
+        written = compat.serialize(specs(compat.TensorSpec))
+        assert written == safetensors.serialize(specs(safetensors.TensorSpec))
+        assert compat.deserialize(written)[0][1]["shape"] == list(shape)
 
 
 @pytest.mark.parametrize(
