@@ -23,7 +23,7 @@ from typing import Any
 from ..core.arrays import is_torch_tensor, torch_code
 from ..core.message import lay_out
 from ..errors import DtypeError
-from ..transports.file.atomic import local_destination, save_at_once
+from ..transports.file.atomic import local_target, save_at_once
 from ._errors import InvalidTensorsError, TorchDtypeError, UnencodableTextError, WrongTypeError
 
 __all__ = ["check_metadata", "checked_tensors", "save_bytes", "save_local"]
@@ -105,10 +105,11 @@ def save_local(
     The file, errors and guarantees of the streamed write, laid out as the reference does."""
     if options:
         return False
-    path = local_destination(dst)
-    if path is None:
+    found = local_target(dst)
+    if found is None:
         return False
-    save_at_once(checked_tensors(tensors), path, check_metadata(metadata), checksums)
+    path, seen = found
+    save_at_once(checked_tensors(tensors), path, check_metadata(metadata), checksums, seen=seen)
     return True
 
 

@@ -184,6 +184,32 @@ def test_a_replaced_file_keeps_its_mode_and_a_symlink_is_replaced(tmp_path: Path
     assert not (tmp_path / "nowhere").exists() and os.listdir(blobs) == ["abc"]
 
 
+def test_the_destination_is_looked_at_once_but_through_a_symlink(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One ``lstat`` tells the drop-in's ``save_file`` what is at the destination, new or
+    replaced; a symlink there is followed as well, to find what it leads to."""
+    looks: list[tuple[str, bool]] = []
+    real_stat = os.stat
+
+    def counted(path: Any, *args: Any, follow_symlinks: bool = True, **kwargs: Any) -> Any:
+        if str(path).endswith(".safetensors"):
+            looks.append((os.path.basename(path), follow_symlinks))
+        return real_stat(path, *args, follow_symlinks=follow_symlinks, **kwargs)
+
+    monkeypatch.setattr(os, "stat", counted)
+    arrays = numpy_tensors(3)
+    for _ in range(2):  # new, then replaced
+        stream_st.numpy.save_file(arrays, tmp_path / "a.safetensors")
+    assert looks == [("a.safetensors", False)] * 2
+    looks.clear()
+    (tmp_path / "b.safetensors").symlink_to(tmp_path / "a.safetensors")
+    stream_st.numpy.save_file(arrays, tmp_path / "b.safetensors")
+    assert looks == [("b.safetensors", False), ("b.safetensors", True), ("b.safetensors", True)]
+    assert not (tmp_path / "b.safetensors").is_symlink()
+    assert (tmp_path / "b.safetensors").read_bytes() == reference_numpy.save(arrays)
+
+
 def test_relative_paths_and_symlinked_directories_are_written_where_they_point(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

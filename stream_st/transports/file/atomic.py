@@ -67,6 +67,7 @@ __all__ = [
     "closed_when_dropped",
     "fsync_directory",
     "local_destination",
+    "local_target",
     "name_max",
     "path_from_url",
     "replaced",
@@ -247,14 +248,17 @@ def _existing(path: str, follow: bool = True) -> os.stat_result | None:
         raise TransportError(f"cannot look at {path}: {exc.strerror}", url=path) from exc
 
 
-def _target_of(name: str) -> tuple[str, os.stat_result | None, int | None]:
+def _target_of(
+    name: str, seen: tuple[os.stat_result | None] | None = None
+) -> tuple[str, os.stat_result | None, int | None]:
     """The path a write of ``name`` replaces, absolute; what is there now (None if nothing; a
     symlink is itself replaced, as ``os.replace`` replaces it, the file it leads to left as it
-    is); and the permission bits the new file takes: those of the regular file there, or that
-    a symlink there leads to, less set-user-ID and set-group-ID, which a write into that file
-    would clear too (None: the default)."""
+    is), looked at unless ``seen`` holds it already (:func:`local_target`); and the permission
+    bits the new file takes: those of the regular file there, or that a symlink there leads to,
+    less set-user-ID and set-group-ID, which a write into that file would clear too (None: the
+    default)."""
     target = name if os.path.isabs(name) else os.path.join(os.getcwd(), name)
-    found = _existing(target, follow=False)
+    found = _existing(target, follow=False) if seen is None else seen[0]
     if found is not None and stat.S_ISLNK(found.st_mode) and _through_proc(target):
         held = os.path.realpath(target)  # the file a descriptor holds, not /dev's link
         found = _existing(held, follow=False)
@@ -291,7 +295,12 @@ def replaced(path: str) -> bool:
     there, a regular file, or a directory, refused by it; or a symlink to one of them, replaced
     itself), rather than being written in place (a :class:`~.sink.PipeSink`: what is there,
     through a symlink, is not a regular file)."""
-    existing = _existing(path)
+    return _replaces(path, _existing(path, follow=False))
+
+
+def _replaces(path: str, here: os.stat_result | None) -> bool:
+    """:func:`replaced`, given ``here``, what is at ``path`` now (not followed)."""
+    existing = _existing(path) if here is not None and stat.S_ISLNK(here.st_mode) else here
     return existing is None or stat.S_ISREG(existing.st_mode) or stat.S_ISDIR(existing.st_mode)
 
 
@@ -443,7 +452,13 @@ class AtomicFile:
     leaves a partial file at the destination even after a power loss. The rename is the commit
     point."""
 
-    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fsync: bool = False,
+        seen: tuple[os.stat_result | None] | None = None,
+    ) -> None:
         self.name = os.fspath(path)
         self.fsync = fsync
         if not self.name:  # realpath would make it the working directory
@@ -454,7 +469,7 @@ class AtomicFile:
                 "name the file to write in it"
             )
         # the new file takes the old one's permission bits (_mode)
-        self._target, existing, self._mode = _target_of(self.name)
+        self._target, existing, self._mode = _target_of(self.name, seen)
         self._replacing = existing is not None  # the commit renames over it
         directory, base = os.path.split(self._target)
         if not base or (existing is not None and stat.S_ISDIR(existing.st_mode)):
@@ -682,6 +697,13 @@ def local_destination(dst: object) -> str | None:
     """The path of ``dst`` if it names a local file that a write replaces (a path or a
     ``file://`` URL, where nothing or a regular file is), else None (a URL, a stream, a FIFO or
     a device, written through in place; or a path the streamed write refuses, in its turn)."""
+    found = local_target(dst)
+    return None if found is None else found[0]
+
+
+def local_target(dst: object) -> tuple[str, tuple[os.stat_result | None]] | None:
+    """:func:`local_destination`'s path, with what is there now, not followed (None if
+    nothing), in a tuple: the ``seen`` of :func:`save_at_once`, which then looks no more."""
     if isinstance(dst, os.PathLike):
         dst = os.fspath(dst)
     if not isinstance(dst, str):
@@ -691,7 +713,8 @@ def local_destination(dst: object) -> str | None:
             if dst.split("://", 1)[0].lower() != "file":
                 return None
             dst = path_from_url(dst, UnsupportedSinkError)
-        return dst if replaced(dst) else None
+        here = _existing(dst, follow=False)
+        return (dst, (here,)) if _replaces(dst, here) else None
     except SafetensorsError:
         return None
 
@@ -705,14 +728,16 @@ def save_at_once(
     order: Order = "reference",
     fsync: bool = False,
     stop: Callable[[], bool] | None = None,
+    seen: tuple[os.stat_result | None] | None = None,
 ) -> Header:
     """Write ``tensors`` to the local file ``path`` (see :func:`local_destination`) at once, on
     the calling thread, with no event loop: the file :func:`~stream_st.save` writes, with the
     same errors, through the same temporary file and commit (:meth:`AtomicFile.write_whole`).
     ``stop``, asked before each block of writes and once more before the commit, ends the write
-    with nothing committed (:class:`Abandoned`) when it says so. Returns the header written."""
+    with nothing committed (:class:`Abandoned`) when it says so. ``seen``: what is at ``path``
+    now, as :func:`local_target` found it (else looked at). Returns the header written."""
     prefix, header, data = lay_out(tensors, metadata, checksums, order)
-    AtomicFile(path, fsync=fsync).write_whole(
+    AtomicFile(path, fsync=fsync, seen=seen).write_whole(
         itertools.chain([memoryview(prefix)], data), header.file_size, stop
     )
     return header
