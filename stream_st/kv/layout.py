@@ -49,8 +49,10 @@ class KVLayout:
     group_size: int = 64
     digest: bool = True
     wire_dtype: str | None = None
-    """With codec "none", the dtype the tensors travel in when it is not ``dtype`` (a cache
-    written in one float type whose ``original_dtype`` names another): decoding casts."""
+    """With codec "none", the dtype the tensors travel in when it is not ``dtype``: a
+    seed-style cache written in one float type whose ``original_dtype`` names another, as
+    :func:`receive_kv` reads it (decoding casts). None when it is ``dtype``. :func:`send_kv`
+    sends no such layout: a stream_st transfer's tensors are of its ``kv_dtype``."""
     style: str = "stream_st"
     """"stream_st": laid out by :func:`send_kv`, its metadata announces it. "seed": inferred
     from ``layer_{i}_key`` / ``layer_{i}_value`` names and shapes alone (the exchange format
@@ -77,6 +79,8 @@ class KVLayout:
         for dtype in (self.dtype, self.wire_dtype or self.dtype):
             if dtype not in ("F16", "BF16", "F32"):
                 raise UsageError(f"KV dtype must be F16, BF16 or F32, not {dtype!r}")
+        if self.wire_dtype == self.dtype:  # one spelling: equal to a layout without it
+            object.__setattr__(self, "wire_dtype", None)
         object.__setattr__(self, "digest", boolean("a KV layout's digest", self.digest))
         if self.style not in ("stream_st", "seed"):
             raise UsageError(f"KV layout style must be 'stream_st' or 'seed', not {self.style!r}")
@@ -331,8 +335,6 @@ def _seed_layout(header: Header) -> KVLayout:
             raise HeaderError(
                 f"the metadata says group_size {raw}, the INT4 scales' shape says {group_size}"
             )
-    if wire is not None and wire == dtype:
-        wire = None
     try:
         layout = KVLayout(
             num_layers=num_layers,

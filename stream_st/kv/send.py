@@ -209,9 +209,19 @@ async def send_kv(
     Time limits as in :func:`~stream_st.open_writer` (on a Connection, the connection's unless
     given here), and for any other destination ``headers`` and ``ssl_context`` as there (an
     ``https://`` or ``s3://`` URL); any other keyword is an :class:`~stream_st.ArgumentTypeError`.
+    Keys and values are of the layout's ``dtype``; a layout with a ``wire_dtype`` (a seed-style
+    cache's, as received) is a :class:`~stream_st.UsageError`: the transfer's metadata has no
+    word for tensors stored in another dtype than ``kv_dtype``.
     """
     if not isinstance(layout, KVLayout):
         raise ArgumentTypeError(f"layout must be a KVLayout, not {type(layout).__name__}")
+    if layout.wire_dtype is not None:  # no metadata key says so: the tensors are of kv_dtype
+        raise UsageError(
+            f"a KV transfer's tensors are of its dtype ({layout.dtype}), not wire_dtype "
+            f"{layout.wire_dtype}: wire_dtype describes a seed-style cache as received; send "
+            f"dataclasses.replace(layout, wire_dtype=None) with {layout.dtype} layers, or "
+            f"a layout of dtype {layout.wire_dtype}"
+        )
     if not isinstance(layers, AsyncIterable | Iterable):
         raise UsageError(
             f"layers must be an iterable or async iterable of (layer, key, value), "
@@ -249,7 +259,7 @@ async def send_kv(
             failed.append(exc)
         await send_layers.aclose()
 
-    dtype = dtype_for(layout.wire_dtype or layout.dtype)
+    dtype = dtype_for(layout.dtype)
 
     async def consume(items: ObjectReceiveStream[tuple[object, tuple[bytes, ...]]]) -> None:
         async with items:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import json
@@ -411,6 +412,23 @@ async def test_a_codec_named_in_capitals_keeps_its_group_size(tmp_path: Path) ->
     await send_kv(path, layout, [(0, *kv(0, shape))])
     async with receive_kv(path) as received:
         assert received.layout == layout and received.layout.group_size == 16
+
+
+async def test_a_layout_whose_tensors_travel_in_another_dtype_is_not_sent(tmp_path: Path) -> None:
+    """wire_dtype (a seed-style cache's, as received) was sent: its F32 tensors went out under
+    metadata announcing F16 (kv_dtype, original_dtype), and receive_kv refused the transfer."""
+    path = tmp_path / "kv.safetensors"
+    layout = KVLayout(num_layers=1, shape=SHAPE, dtype="F16", wire_dtype="F32")
+    key, value = kv(0)
+    f32 = [(0, key.astype(np.float32), value.astype(np.float32))]
+    with pytest.raises(stream_st.UsageError, match="wire_dtype F32: wire_dtype describes"):
+        await send_kv(path, layout, f32)
+    assert list(tmp_path.iterdir()) == []
+    plain = dataclasses.replace(layout, wire_dtype=None)
+    assert KVLayout(num_layers=1, shape=SHAPE, dtype="F16", wire_dtype="F16") == plain
+    await send_kv(path, plain, [(0, *kv(0))])
+    async with receive_kv(path) as received:
+        assert received.layout == plain
 
 
 NOT_DECIMAL_2 = ["+2", " 2", "2 ", "0_2", "02", "\uff12"]
