@@ -14,7 +14,7 @@ import pytest
 from safetensors import numpy as reference_numpy
 
 import stream_st
-from stream_st.errors import TransportError, UsageError
+from stream_st.errors import HTTPProtocolError, TransportError, UsageError
 from stream_st.transports.http import Target
 from stream_st.transports.http.proxy import proxy_for
 
@@ -56,12 +56,13 @@ def closed_port() -> int:
 
 
 class RefusingProxy(LoopbackServer):
-    """A proxy that answers every request (``CONNECT`` included) with 407 (or ``status``), and
-    records the ``Proxy-Authorization`` header of each; with ``bare_lf``, its lines end in a
-    bare LF and it keeps the connection open until the client closes it."""
+    """A proxy that answers every request (``CONNECT`` included) with 407 (or ``status``; None:
+    it closes the connection without an answer), and records the ``Proxy-Authorization`` header
+    of each; with ``bare_lf``, its lines end in a bare LF and it keeps the connection open until
+    the client closes it."""
 
     def __init__(
-        self, *, bare_lf: bool = False, status: bytes = b"407 Proxy Authentication Required"
+        self, *, bare_lf: bool = False, status: bytes | None = b"407 Proxy Authentication Required"
     ) -> None:
         self.credentials: list[str | None] = []
         self.bare_lf = bare_lf
@@ -74,6 +75,8 @@ class RefusingProxy(LoopbackServer):
             headers = dict(line.partition(":")[::2] for line in lines)
             auth = headers.get("Proxy-Authorization")
             self.credentials.append(auth.strip() if auth else None)
+            if self.status is None:
+                return
             answer = (
                 b"HTTP/1.1 " + self.status + b"\r\nContent-Length: 0\r\n"
                 b'Proxy-Authenticate: Basic realm="p"\r\nConnection: close\r\n\r\n'
@@ -162,6 +165,50 @@ async def test_a_407_names_the_proxy_and_sends_the_credentials(
     assert "407" in message and "\n" not in message and "s@cret" not in message
     assert "CONNECT 198.51.100.7:443" in message if scheme == "https" else "GET http://" in message
     assert refusing_proxy.credentials == ["Basic " + base64.b64encode(b"me:s@cret").decode()]
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+async def test_a_proxy_refusal_is_not_retried(
+    refusing_proxy: RefusingProxy, monkeypatch: pytest.MonkeyPatch, scheme: str
+) -> None:
+    """The same request gets the same 407: an HTTPProtocolError at once, where it was retried
+    with back-off as a broken connection is."""
+    monkeypatch.setenv(f"{scheme}_proxy", f"http://127.0.0.1:{refusing_proxy.port}")
+    source = stream_st.HttpSource(f"{scheme}://198.51.100.7/m.safetensors", backoff=0.01)
+    with pytest.raises(HTTPProtocolError, match=r"refused .*: HTTP 407"):
+        await stream_st.read_header(source, timeout=5)
+    assert len(refusing_proxy.credentials) == 1
+
+
+async def test_a_proxy_busy_to_connect_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 503 to ``CONNECT`` may pass, as an origin's would: retried, then a TransportError."""
+    proxy = RefusingProxy(status=b"503 Service Unavailable")
+    try:
+        monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{proxy.port}")
+        source = stream_st.HttpSource("https://198.51.100.7/m.safetensors", retries=2, backoff=0.01)
+        with pytest.raises(TransportError, match=r"refused CONNECT .*: HTTP 503") as info:
+            await stream_st.read_header(source, timeout=5)
+        assert not isinstance(info.value, HTTPProtocolError)
+        assert len(proxy.credentials) == 3
+    finally:
+        proxy.close()
+
+
+async def test_a_proxy_closing_before_answering_connect_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where it was reported as a connection lost during the TLS handshake, which never began."""
+    proxy = RefusingProxy(status=None)
+    try:
+        monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{proxy.port}")
+        source = stream_st.HttpSource("https://198.51.100.7/m.safetensors", retries=0)
+        with pytest.raises(TransportError) as info:
+            await stream_st.read_header(source, timeout=5)
+        message = str(info.value)
+        assert f"the proxy http://127.0.0.1:{proxy.port} closed the connection" in message
+        assert "before answering CONNECT 198.51.100.7:443" in message and "TLS" not in message
+    finally:
+        proxy.close()
 
 
 @pytest.mark.parametrize("scheme", ["http", "https"])

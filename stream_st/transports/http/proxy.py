@@ -19,8 +19,10 @@ requests choose it, and ``CONNECT`` tunnels for https.
 
 A plain http request through a proxy is sent to it in absolute form (``GET http://host/path``);
 an https one goes through ``CONNECT host:port``, then TLS inside the tunnel. A proxy that refuses
-(407, any answer but 2xx to ``CONNECT``) raises a one-line :class:`~stream_st.TransportError`
-naming the proxy, never its password.
+(407, any answer but 2xx to ``CONNECT``) raises a one-line :class:`~stream_st.HTTPProtocolError`
+naming the proxy, never its password: not retried, as the same request gets the same answer
+(a status worth retrying, a 503 say, raises a :class:`~stream_st.TransportError`, retried as the
+origin's would be). A proxy that closes the connection before answering ``CONNECT`` is named so.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ from urllib.parse import unquote, urlsplit
 import anyio
 import anyio.abc
 
-from ...errors import TransportError, UsageError
+from ...errors import HTTPProtocolError, TransportError, UsageError
 from .redirect import basic_authorization
-from .status import ascii_number
+from .status import RETRYABLE, ascii_number
 from .target import Target, unreadable
 
 __all__ = ["Proxy", "proxy_for", "tunnel"]
@@ -86,12 +88,14 @@ class Proxy:
         return [] if self.authorization is None else [f"Proxy-Authorization: {self.authorization}"]
 
     def refused(self, what: str, status: int, reason: str, url: str) -> TransportError:
-        """The error for the proxy answering ``what`` with ``status``."""
+        """The error for the proxy answering ``what`` with ``status``: a
+        :class:`HTTPProtocolError`, which is not retried, unless the status is worth retrying."""
         hint = (
             " (it asks for credentials: user:password@ in the proxy URL)" if status == 407 else ""
         )
         answer = f"HTTP {status} {reason}".rstrip()
-        return TransportError(f"the proxy {self.name} refused {what}: {answer}{hint}", url=url)
+        kind = TransportError if status in RETRYABLE else HTTPProtocolError
+        return kind(f"the proxy {self.name} refused {what}: {answer}{hint}", url=url)
 
 
 def _setting(name: str, environ: Mapping[str, str]) -> tuple[str, str] | None:
@@ -161,17 +165,26 @@ def proxy_for(target: Target, environ: Mapping[str, str] | None = None) -> Proxy
 
 async def tunnel(stream: anyio.abc.ByteStream, proxy: Proxy, target: Target) -> None:
     """Ask ``proxy``, on ``stream``, for a tunnel to ``target``'s host and port (``CONNECT``);
-    :class:`TransportError` unless it answers 2xx. Reads exactly the answer: what follows is the
+    :class:`TransportError` unless it answers 2xx (see :meth:`Proxy.refused`), or when the
+    connection ends before its answer does. Reads exactly the answer: what follows is the
     origin's. The caller bounds the wait."""
     host = f"[{target.host}]" if ":" in target.host else target.host
     authority = f"{host}:{target.port}"
     lines = [f"CONNECT {authority} HTTP/1.1", f"Host: {authority}", *proxy.headers()]
-    await stream.send(("\r\n".join(lines) + "\r\n\r\n").encode("ascii"))
     head = bytearray()
-    while not head.endswith((b"\n\n", b"\n\r\n")):  # lines end in CRLF or a bare LF (as in framing)
-        if len(head) > _HEAD_LIMIT:
-            raise TransportError(f"the proxy {proxy.name} sent an overlong answer", url=target.url)
-        head += await stream.receive(1)  # byte by byte: TLS starts right after the answer
+    try:
+        await stream.send(("\r\n".join(lines) + "\r\n\r\n").encode("ascii"))
+        while not head.endswith((b"\n\n", b"\n\r\n")):  # CRLF or a bare LF ends a line
+            if len(head) > _HEAD_LIMIT:
+                raise TransportError(
+                    f"the proxy {proxy.name} sent an overlong answer", url=target.url
+                )
+            head += await stream.receive(1)  # byte by byte: TLS starts right after the answer
+    except (anyio.EndOfStream, anyio.BrokenResourceError) as exc:
+        raise TransportError(
+            f"the proxy {proxy.name} closed the connection before answering CONNECT {authority}",
+            url=target.url,
+        ) from exc
     status_line = head.split(b"\n", 1)[0].removesuffix(b"\r").decode("latin-1")
     _, status, reason = [*status_line.split(" ", 2), "", ""][:3]
     code = ascii_number(status) or 0

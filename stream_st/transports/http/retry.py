@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from ...errors import ReadTimeoutError, SourceChangedError
 from ..options import Clock
 from .framing import Response, sendable
-from .status import retry_after
+from .status import RETRYABLE, retry_after
 
 __all__ = ["Retries", "VersionPin"]
 
-_RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _ASKS_TO_WAIT = frozenset({429, 503})  # statuses whose Retry-After is honoured
 _MAX_RETRY_AFTER = 300.0  # seconds a Retry-After may ask for when no deadline bounds the read
 
@@ -35,7 +34,7 @@ class Retries:
     @staticmethod
     def retryable(status: int) -> bool:
         """True for a status worth asking again for (a timeout, too many requests, a 5xx)."""
-        return status in _RETRYABLE_STATUS
+        return status in RETRYABLE
 
     async def server_wait(
         self, response: Response, clock: Clock, name: str, position: int

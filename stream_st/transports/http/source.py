@@ -40,9 +40,9 @@ deadline, exceeds 5 minutes (the status error at once). A body that still ends e
 by the reader as a :class:`~stream_st.TruncatedStreamError` naming the URL and the offset; a
 server that stops sending raises :class:`~stream_st.ReadTimeoutError` after ``timeout`` seconds.
 An answer that breaks HTTP (garbled status line, length or chunks, a body compressed although
-asked for as it is, a refused redirect) raises a :class:`~stream_st.TransportError` at once,
-with no retry; so does an error status other than those retried (one line: an S3 error's code
-and message, an excerpt of any other body).
+asked for as it is, a refused redirect, a proxy's refusal) raises a
+:class:`~stream_st.TransportError` at once, with no retry; so does an error status other than
+those retried (one line: an S3 error's code and message, an excerpt of any other body).
 
 Every request of a read gets the version of the object the first answer had: its validator (a
 strong ``ETag``, else ``Last-Modified``) goes with each later request (``If-Match``, else

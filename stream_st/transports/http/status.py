@@ -22,6 +22,7 @@ from typing import Protocol
 from ...errors import HTTPNotFoundError, HTTPStatusError, OutcomeUnknownError, TransportError
 
 __all__ = [
+    "RETRYABLE",
     "ascii_number",
     "outcome_unknown",
     "raise_for_status",
@@ -30,6 +31,9 @@ __all__ = [
     "unreadable_coding",
     "xml_field",
 ]
+
+RETRYABLE = frozenset({408, 425, 429, 500, 502, 503, 504})
+"""Statuses worth asking again for: a timeout, too many requests, a 5xx."""
 
 _NUMBER_DIGITS = 100  # far beyond any size or count; int() refuses more than 4300
 
