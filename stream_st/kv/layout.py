@@ -12,7 +12,14 @@ from typing import Any
 import numpy as np
 
 from .._util import canonical_decimal
-from ..core.codecs import Codec, codec_from_metadata, get_codec, original_code
+from ..core.codecs import (
+    DEFAULT_GROUP_SIZE,
+    Codec,
+    Int4Codec,
+    codec_from_metadata,
+    get_codec,
+    original_code,
+)
 from ..core.dtypes import dtype_for
 from ..core.header import Header
 from ..core.layout import TensorSpec, integer_shape
@@ -46,7 +53,9 @@ class KVLayout:
     shape: tuple[int, ...]
     dtype: str = "F16"
     codec: str = "none"
-    group_size: int = 64
+    group_size: int = DEFAULT_GROUP_SIZE
+    """INT4's group size (a positive even integer); any other codec has none, and its layout
+    holds the default, whatever was given, as the one received does."""
     digest: bool = True
     wire_dtype: str | None = None
     """With codec "none", the dtype the tensors travel in when it is not ``dtype``: a
@@ -76,6 +85,9 @@ class KVLayout:
         # "INT4" names the codec as "int4" does: one spelling, so that the group size applies
         # and a layout sent compares equal to the one received
         object.__setattr__(self, "codec", get_codec(self.codec).key)
+        Int4Codec(group_size=self.group_size)  # a CodecError for a size INT4 cannot group by
+        if self.codec != "int4":  # never sent: the receiver's layout holds the default
+            object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE)
         for dtype in (self.dtype, self.wire_dtype or self.dtype):
             if dtype not in ("F16", "BF16", "F32"):
                 raise UsageError(f"KV dtype must be F16, BF16 or F32, not {dtype!r}")

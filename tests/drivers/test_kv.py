@@ -26,6 +26,7 @@ import stream_st.transports.base
 import stream_st.transports.tcp
 from stream_st import TransportError
 from stream_st.core.codecs import error_stats
+from stream_st.errors import CodecError
 from stream_st.kv import IntegrityError, KVLayout, receive_kv, send_kv
 
 from ..servers.http_server import RangeHTTPServer
@@ -429,6 +430,27 @@ async def test_a_layout_whose_tensors_travel_in_another_dtype_is_not_sent(tmp_pa
     await send_kv(path, plain, [(0, *kv(0))])
     async with receive_kv(path) as received:
         assert received.layout == plain
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+async def test_a_codec_without_groups_keeps_the_default_group_size(
+    tmp_path: Path, codec: str
+) -> None:
+    """The group size of a codec that has none was kept as given (never checked, never sent),
+    and the layout received, with the default, did not compare equal to the one sent."""
+    layout = KVLayout(num_layers=1, shape=SHAPE, codec=codec, group_size=32)
+    assert layout.group_size == 64 and layout == KVLayout(num_layers=1, shape=SHAPE, codec=codec)
+    path = tmp_path / "kv.safetensors"
+    await send_kv(path, layout, [(0, *kv(0))])
+    async with receive_kv(path) as received:
+        assert received.layout == layout
+
+
+@pytest.mark.parametrize("codec", ["none", "int8", "int4"])
+@pytest.mark.parametrize("group_size", [-64, -5, 0, 3, True, 32.0])
+def test_a_group_size_int4_cannot_group_by_is_refused(codec: str, group_size: Any) -> None:
+    with pytest.raises(CodecError, match="group_size must be a positive even integer"):
+        KVLayout(num_layers=1, shape=SHAPE, codec=codec, group_size=group_size)
 
 
 NOT_DECIMAL_2 = ["+2", " 2", "2 ", "0_2", "02", "\uff12"]
