@@ -178,7 +178,9 @@ class SafeOpen(_Public):
     """A safetensors file (or sharded checkpoint) opened for reading tensors by name: what the
     reference's ``safe_open`` gives (:class:`stream_st.compat.safe_open`, whose subclass this is:
     calling that makes one of these). Close it with ``with`` or :meth:`close`; every method but
-    those of a :class:`Slice` already taken then raises ``File is closed``.
+    those of a :class:`Slice` already taken then raises ``File is closed`` (a
+    :class:`~stream_st.UsageError`), as does a call another thread had begun and the close cut
+    short.
 
     ``filename``: a file, URL or index (named as in the reference); ``framework``: ``"pt"``
     (torch tensors) or ``"np"`` (numpy arrays), required as in the reference; ``device``:
@@ -240,9 +242,19 @@ class SafeOpen(_Public):
         self._bridge = bridge
         self._closer = weakref.finalize(self, _shut, bridge, self._checkpoint)
 
-    def _open(self) -> None:
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """``File is closed`` (:class:`FileClosedError`) if the handle is, else run the block:
+        an error from it once another thread has closed the handle meanwhile (a read cut short,
+        its source or mapping gone) is ``File is closed`` too, chained from it."""
         if self._closed:
             raise FileClosedError()
+        try:
+            yield
+        except Exception as exc:
+            if not self._closed:
+                raise
+            raise FileClosedError() from exc
 
     def _out(self, array: np.ndarray[Any, Any], info: TensorInfo) -> Any:
         if self._torch:
@@ -261,7 +273,6 @@ class SafeOpen(_Public):
         return tensor if self._device is None else tensor.to(self._device)
 
     def _info(self, name: str) -> TensorInfo:
-        self._open()
         if not isinstance(name, str):  # as the reference's argument check words it
             raise WrongTypeError(
                 f"argument 'name': '{type(name).__name__}' object is not an instance of 'str'"
@@ -276,55 +287,57 @@ class SafeOpen(_Public):
 
     def keys(self) -> list[str]:
         """The tensors' names, sorted."""
-        self._open()
-        if self._local is not None:
-            return sorted(self._local.header.names())
-        return sorted(self._checkpoint.where)
+        with self._reading():
+            if self._local is not None:
+                return sorted(self._local.header.names())
+            return sorted(self._checkpoint.where)
 
     def offset_keys(self) -> list[str]:
         """The tensors' names in the order of their bytes (file after file for an index)."""
-        self._open()
-        if self._local is not None:
-            return self._local.header.names()
-        assert self._bridge is not None
-        headers = self._bridge.call(self._checkpoint.headers)
-        return [name for header in headers for name in header.names()]
+        with self._reading():
+            if self._local is not None:
+                return self._local.header.names()
+            assert self._bridge is not None
+            headers = self._bridge.call(self._checkpoint.headers)
+            return [name for header in headers for name in header.names()]
 
     def metadata(self) -> dict[str, Any] | None:
         """The header's ``__metadata__`` (``None`` if it has none); an index's ``metadata``."""
-        self._open()
-        if self._local is not None:
-            return _metadata(self._local.header)
-        index = self._checkpoint.index
-        if index is not None:
-            return dict(index.metadata) or None
-        return _metadata(self._checkpoint.files[""].header)
+        with self._reading():
+            if self._local is not None:
+                return _metadata(self._local.header)
+            index = self._checkpoint.index
+            if index is not None:
+                return dict(index.metadata) or None
+            return _metadata(self._checkpoint.files[""].header)
 
     def get_tensor(self, name: str) -> Any:
         """The whole tensor ``name``, viewed in the mapped file (or read from the source now)
         and checked against its digest, if the header records one."""
-        info = self._info(name)
-        return self._out(self._reader(info)(None), info)
+        with self._reading():
+            info = self._info(name)
+            return self._out(self._reader(info)(None), info)
 
     def get_tensors(self) -> dict[str, Any]:
         """Every tensor, in offset order, each checked as by :meth:`get_tensor`."""
-        self._open()
-        if self._local is not None:
-            tensors = self._local.header.tensors
-            return {t.name: self._out(self._reader(t)(None), t) for t in tensors}
-        assert self._bridge is not None
-        with self._checks.noting():
-            arrays = self._bridge.call(self._checkpoint.read_all)
-        headers = self._bridge.call(self._checkpoint.headers)
-        infos = {t.name: t for header in headers for t in header.tensors}
-        return {name: self._out(array, infos[name]) for name, array in arrays.items()}
+        with self._reading():
+            if self._local is not None:
+                tensors = self._local.header.tensors
+                return {t.name: self._out(self._reader(t)(None), t) for t in tensors}
+            assert self._bridge is not None
+            with self._checks.noting():
+                arrays = self._bridge.call(self._checkpoint.read_all)
+            headers = self._bridge.call(self._checkpoint.headers)
+            infos = {t.name: t for header in headers for t in header.tensors}
+            return {name: self._out(array, infos[name]) for name, array in arrays.items()}
 
     def get_slice(self, name: str) -> Slice:
         """A :class:`Slice` of tensor ``name``: index it to read part of it."""
-        info = self._info(name)
-        if self._torch:
-            return Slice(info, self._reader(info), place=self._place)
-        return Slice(info, self._reader(as_bytes(info) or info), copy=self._shares)
+        with self._reading():
+            info = self._info(name)
+            if self._torch:
+                return Slice(info, self._reader(info), place=self._place)
+            return Slice(info, self._reader(as_bytes(info) or info), copy=self._shares)
 
     def _reader(self, info: TensorInfo) -> Callable[[Rows], np.ndarray[Any, Any]]:
         """Reads ``info``'s rows (all of them for None), as :class:`_Checks` has it."""

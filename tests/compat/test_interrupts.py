@@ -1,7 +1,8 @@
 """A synchronous drop-in call waiting on a stalled server stops when asked: Ctrl-C (SIGINT)
 surfaces as KeyboardInterrupt at once, also from code run under an event loop (a notebook cell,
 which goes through a Bridge, a loop in a thread of its own), and a ``safe_open`` closed from
-another thread ends the read it was waiting in. Each runs in a process of its own, bounded: a
+another thread ends the read it was waiting in (``File is closed``, as a closed handle answers).
+Each runs in a process of its own, bounded: a
 regression times out instead of hanging the suite."""
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ CHILD = textwrap.dedent(
                     try:
                         handle.get_tensor("w")
                     except Exception as exc:
-                        print("read failed:", type(exc).__name__, exc)
+                        cause = exc.__cause__
+                        print("read failed:", type(exc).__name__, exc, "from", repr(cause))
 
                 reader = threading.Thread(target=read)
                 reader.start()
@@ -93,7 +95,8 @@ def test_ctrl_c_stops_a_call_waiting_on_a_stalled_server(how: str) -> None:
 
 def test_safe_open_closed_from_another_thread_ends_its_read() -> None:
     out = _run("close")
-    assert "read failed: TransportError" in out and "closed on this side" in out, out
+    assert "read failed: FileClosedError File is closed from TransportError" in out, out
+    assert "closed on this side" in out, out  # the read cut short, what the error chains from
     assert "blocking_portal" not in out, out
 
 

@@ -330,6 +330,28 @@ def test_a_closed_handle_answers_nothing_but_its_slices_still_read(tmp_path: Pat
         ref.keys()
 
 
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_a_read_cut_short_by_a_close_answers_file_is_closed(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread closing the handle while ``get_tensors`` runs (here: as its first tensor
+    is handed out) makes it raise ``File is closed``, as the handle then answers, chained from
+    what the close cut short, where that came out as it was (an ``AssertionError``)."""
+    path = tmp_path / "two.safetensors"
+    ref_pt.save_file({"a": torch.zeros(2), "b": torch.ones(2)}, path)
+    f = compat.safe_open(path, "pt", backend=backend)
+    out = f._out
+
+    def closing(array: Any, info: Any) -> Any:
+        f.close()
+        return out(array, info)
+
+    monkeypatch.setattr(f, "_out", closing)
+    with pytest.raises(compat.SafetensorError, match="File is closed") as caught:
+        f.get_tensors()
+    assert caught.value.__cause__ is not None
+
+
 def test_empty_metadata_reads_back_empty_and_none_as_none(tmp_path: Path) -> None:
     """``metadata={}`` is written as ``"__metadata__":{}`` and ``metadata()`` gives ``{}``
     (not None, which stands for no ``__metadata__`` at all), as the reference has it."""
