@@ -270,7 +270,8 @@ _OPEN, _COMMITTED, _ABORTED = "open", "committed", "aborted"
 def _unstoppable(_: anyio.CancelScope) -> None:
     """A commit, cancelled, is seen to its end: renames are quick, and stopping between two of
     them would leave the directory in a state a killed process leaves (see
-    :meth:`ShardedWriter._rename_sealed`)."""
+    :meth:`ShardedWriter._rename_sealed`). So is a claim of the directory (:func:`_claim`,
+    which waits at most for another writer's sweep), for the writer to let it go."""
 
 
 class _RollingWriter(AsyncClosing):
@@ -367,9 +368,19 @@ class _RollingWriter(AsyncClosing):
             self._claimed = True
             if self._new_folders:  # a writer dropped unclosed leaves them as it found them
                 self._drop = weakref.finalize(self, remove_new_folders, self._new_folders)
-            held = await anyio.to_thread.run_sync(_claim, self.directory)
-            if held is not None:  # closed once the writer is done, or dropped
-                self._hold = weakref.finalize(self, os.close, held)
+            claim = functools.partial(anyio.to_thread.run_sync, self._hold_directory)
+            await seen_through(claim, _unstoppable)
+
+    def _hold_directory(self) -> None:
+        """:func:`_claim` the directory (in a worker thread), its descriptor held by the writer
+        before the thread returns. The claim is seen through a cancellation (asyncio's own went
+        through anyio's shield and left the thread to claim it after the writer was aborted),
+        then raised: the writer, aborted, lets the directory go (:meth:`_let_go`), where its
+        descriptor was left open, and the directory held by no writer at work, for the rest of
+        the process."""
+        held = _claim(self.directory)
+        if held is not None:  # closed once the writer is done, or dropped
+            self._hold = weakref.finalize(self, os.close, held)
 
     def _held_name(self, name: str) -> Path:
         """Where the file to be named ``name`` is linked in at the commit, before it is renamed

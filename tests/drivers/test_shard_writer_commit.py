@@ -7,6 +7,7 @@ one that a later writer of the directory removes): a writer killed meanwhile lea
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import resource
@@ -25,6 +26,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import SourceNotFoundError, TransportError
+from stream_st.sharded import writer as writer_module
 from stream_st.sharded.writer import open_dataset_writer, open_sharded_writer
 from stream_st.transports.file import atomic
 
@@ -391,3 +393,51 @@ def test_asyncio_cancellation_in_the_commit_waits_for_it(tmp_path: Path, kind: s
         for array in reference_numpy.load_file(str(tmp_path / shard)).values()
     }
     assert values == {2.0} and len(named) == 2
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "dataset"])
+def test_a_writer_cancelled_while_it_claims_its_folder_lets_it_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """``Task.cancel`` arriving while the worker thread claims the folder (a shared ``flock``,
+    :func:`~stream_st.sharded.writer._claim`): anyio raises it once the thread has returned,
+    and the descriptor it returned was dropped, never closed, its lock held for the rest of the
+    process; every later writer there took it for a writer at work and never swept what a
+    killed one left. Now it is let go with the writer."""
+    claim = writer_module._claim
+    entered, go = threading.Event(), threading.Event()
+
+    def held_claim(directory: Path) -> int | None:
+        entered.set()
+        go.wait(10)
+        return claim(directory)
+
+    monkeypatch.setattr(writer_module, "_claim", held_claim)
+
+    async def write() -> None:
+        if kind == "checkpoint":
+            async with open_sharded_writer(tmp_path, max_shard_size=64) as writer:
+                await writer.write("t", np.ones(4, np.float32))
+        else:
+            async with open_dataset_writer(tmp_path, target_shard_size=64) as dataset:
+                await dataset.write_batch({"x": np.ones((2, 2), np.float32)}, 2)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(write())
+        assert await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0.05)  # the cancellation reaches the task, shielded
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        go.set()
+    probe = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no writer holds the folder
+    finally:
+        os.close(probe)
+    assert os.listdir(tmp_path) == []
