@@ -295,14 +295,14 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         source = await open_under(self._source_like, self._clock)
         if self._closed:  # closed from another task while the source was being opened
             await source.aclose()
-            raise TransportError(
-                "open failed: the stream was closed on this side", url=source.name, position=0
-            )
+            raise _closed_opening(source)
         self._source = source
         try:
             self._header, self._head = await start_and_read_header(
                 source, self._max_header_size, self._unknown_dtypes, read_all=read_all
             )
+            if self._closed:  # meanwhile, where the source's read was let finish (a producer's)
+                raise _closed_opening(source)
             self.stats.received(self._header.data_start)
         except BaseException:
             await self.aclose()
@@ -395,6 +395,8 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         owns = self._header is None
         # Iterated without 'async with' and nothing to skip: every byte will be read.
         header = await self.open(read_all=owns and self._include is None)
+        if self._closed:  # by another task since the open this one waited for
+            raise _closed_early(self._shown_name())
         name = self.source.name
         try:
             selected = _selector(self._include, header)
@@ -529,6 +531,13 @@ class _Opening:
         self.done = anyio.Event()
         self.header: Header | None = None
         self.failed: Exception | None = None
+
+
+def _closed_opening(source: Source) -> TransportError:
+    """The error of an open whose stream was closed (from another task) before it ended."""
+    return TransportError(
+        "open failed: the stream was closed on this side", url=source.name, position=source.position
+    )
 
 
 def _closed_early(name: str) -> TransportError:

@@ -21,18 +21,19 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import anyio.lowlevel
 
-from ..errors import UsageError
+from ..errors import TransportError, UsageError
 from .options import UNLIMITED, Clock, Transport
 
 if TYPE_CHECKING:
     from ..core.digests import ObjectDigest
 
-__all__ = ["DISCARD_CHUNK", "AsyncReadInto", "Sink", "Source", "give_turn"]
+__all__ = ["DISCARD_CHUNK", "AsyncReadInto", "Sink", "Source", "Waits", "give_turn"]
 
 DISCARD_CHUNK = 1 << 20
 """Skipped bytes of a stream are read and dropped in chunks of at most this size."""
@@ -226,6 +227,55 @@ class Source(ABC):
 
     async def aclose(self) -> None:  # noqa: B027 - a source with nothing to release keeps this
         """Release the underlying file, stream or connection."""
+
+
+def _closed_here(source: Source) -> TransportError:
+    """The error of a read of ``source`` that its close cut short, or that came after it."""
+    return TransportError(
+        "receive failed: the source was closed on this side",
+        url=source.name,
+        position=source.position,
+    )
+
+
+class Waits:
+    """The reads of a source that wait for a peer or producer it cannot close itself (a stream
+    the caller keeps, an async iterator's next chunk), cut short by the source's close from any
+    task: the read waiting then, and any read begun after, raises
+    :class:`~stream_st.TransportError` ("closed on this side") at once, whether or not the peer
+    ever sends again."""
+
+    __slots__ = ("_scopes", "closed")
+
+    def __init__(self) -> None:
+        self.closed = False
+        self._scopes: set[anyio.CancelScope] = set()
+
+    @contextmanager
+    def reading(self, source: Source) -> Iterator[None]:
+        """A read of ``source``, cut short by :meth:`close`. A read inside another (each
+        receive of a fill) is cut short with it: a source is read by one task at a time, and a
+        cancel scope costs as much as a receive of a few KiB."""
+        if self.closed:
+            raise _closed_here(source)
+        if self._scopes:
+            yield
+            return
+        scope = anyio.CancelScope()
+        self._scopes.add(scope)
+        try:
+            with scope:
+                yield
+        finally:
+            self._scopes.discard(scope)
+        if self.closed:  # during the read, or while its bytes were being handed over
+            raise _closed_here(source)
+
+    def close(self) -> None:
+        """The source is closed: cut short the reads waiting now, and refuse later ones."""
+        self.closed = True
+        for scope in self._scopes:
+            scope.cancel()
 
 
 class Sink(ABC):

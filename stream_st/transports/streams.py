@@ -33,7 +33,7 @@ from anyio.streams.stapled import StapledByteStream
 from anyio.streams.tls import TLSStream
 
 from ..errors import TransportError, UnsupportedSourceError, UsageError
-from .base import AsyncReadInto, Sink, Source, give_turn
+from .base import AsyncReadInto, Sink, Source, Waits, give_turn
 from .tcp import Turn
 
 __all__ = [
@@ -110,7 +110,8 @@ class _OneMessage:
 class _MessageSource(Source):
     """A source reading one message from a stream the caller keeps (a connection): it holds the
     stream's turn from :meth:`start` until the message is read; closed part way, it leaves the
-    turn with the byte it stopped at (see :class:`~.tcp.Turn`)."""
+    turn with the byte it stopped at (see :class:`~.tcp.Turn`). Its close, from any task, cuts
+    short a read waiting for the peer (see :class:`~.base.Waits`); the stream stays open."""
 
     whole_object = False
 
@@ -118,14 +119,20 @@ class _MessageSource(Source):
         super().__init__()
         self.name = name
         self._one = _OneMessage(stream, name, "read")
+        self._waits = Waits()
 
     async def start(self, *, read_all: bool = False) -> None:
         self._one.claim()
+
+    async def fill(self, buffer: memoryview) -> int:
+        with self._waits.reading(self):  # one cancel scope for the receives of a tensor
+            return await super().fill(buffer)
 
     def message_read(self) -> None:
         self._one.release()
 
     async def aclose(self) -> None:
+        self._waits.close()
         self._one.left(self.position)  # a message read whole was let go already
 
 
@@ -140,7 +147,7 @@ class AnyioStreamSource(_MessageSource):
         if not buffer:
             return 0
         try:
-            with self.clock.waiting(self.name, self.position):
+            with self._waits.reading(self), self.clock.waiting(self.name, self.position):
                 data = await self._stream.receive(len(buffer))
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             return 0
@@ -178,7 +185,7 @@ class AsyncioStreamSource(_MessageSource):
         if not buffer:
             return 0
         try:
-            with self.clock.waiting(self.name, self.position):
+            with self._waits.reading(self), self.clock.waiting(self.name, self.position):
                 data = await self._reader.read(len(buffer))
         except TransportError:
             raise

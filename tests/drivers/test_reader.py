@@ -566,6 +566,74 @@ def test_a_mapped_stream_closed_from_another_task(tmp_path: pathlib.Path, backen
     anyio.run(main, backend=backend)
 
 
+class _HeldProducer:
+    """A ``readinto`` producer of ``data`` whose read after the length prefix waits for
+    ``go``."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.position = 0
+        self.go = anyio.Event()
+
+    async def readinto(self, buffer: memoryview) -> int:
+        if self.position == 8:
+            await self.go.wait()
+        count = min(len(buffer), len(self.data) - self.position, 8 if not self.position else 4096)
+        buffer[:count] = self.data[self.position : self.position + count]
+        self.position += count
+        return count
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_stream_closed_while_a_producer_gives_its_header(backend: str) -> None:
+    """A producer's read is let finish (it writes into the stream's memory): the open then fails
+    with a TransportError ("closed on this side"), where the loop's next step met the source
+    gone and failed with a UsageError "the stream is not open"."""
+
+    async def main() -> None:
+        producer = _HeldProducer(sample_file())
+        stream = stream_st.open_stream(producer)
+
+        async def close() -> None:
+            await anyio.wait_all_tasks_blocked()
+            await stream.aclose()
+            producer.go.set()
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as group:
+                group.start_soon(close)
+                with pytest.raises(TransportError, match=r"open failed: .* closed on this side"):
+                    async for _ in stream:
+                        pass
+
+    anyio.run(main, backend=backend)
+
+
+async def test_a_loop_waiting_for_another_tasks_open_meets_the_close_after_it() -> None:
+    """A loop waiting for the open another task began, which closes the stream right after it
+    (before the loop's task runs again), fails with a TransportError ("closed on this side"),
+    where it met the source gone ("the stream is not open")."""
+    producer = _HeldProducer(sample_file())
+    stream = stream_st.open_stream(producer)
+
+    async def open_then_close() -> None:
+        await stream.open()
+        await stream.aclose()
+
+    async def loop() -> None:
+        with pytest.raises(TransportError, match="closed on this side before its end"):
+            async for _ in stream:
+                pass
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as group:
+            group.start_soon(open_then_close)
+            await anyio.wait_all_tasks_blocked()  # the open waits for the producer
+            group.start_soon(loop)
+            await anyio.wait_all_tasks_blocked()  # the loop waits for that open
+            producer.go.set()
+
+
 async def test_one_iteration_stepped_from_two_tasks() -> None:
     """A step taken while another task's step waits for data is a UsageError for that task
     alone: the first task's iteration goes on to the end (it was failed too, 'iteration failed',

@@ -470,6 +470,55 @@ async def test_closing_a_tcp_stream_wakes_its_reader() -> None:
         await until_blocked_then(stream.aclose, read_header_of(stream))
 
 
+async def close_wakes_a_callers_stream_reader(kind: str, sent: int) -> None:
+    """A stream over the caller's connection (``kind``: an anyio stream, an asyncio reader),
+    closed from another task while its loop waits for a peer that sent ``sent`` bytes and then
+    nothing: the loop fails at once, as over a tcp:// URL. It waited for the peer's next bytes
+    (for ever), then failed with "the stream is not open" where the close came during the
+    header."""
+    data = sample_file()
+    done = anyio.Event()
+
+    async def serve(client: anyio.abc.SocketStream) -> None:
+        async with client:
+            await client.send(data[:sent])
+            await done.wait()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as group:
+        group.start_soon(listener.serve, serve)
+        if kind == "anyio":
+            async with await anyio.connect_tcp("127.0.0.1", port) as connection:
+                stream = stream_st.open_stream(connection)
+                await until_blocked_then(stream.aclose, read_all_of(stream))
+        else:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            stream = stream_st.open_stream(reader)
+            await until_blocked_then(stream.aclose, read_all_of(stream))
+            writer.close()
+        done.set()
+        group.cancel_scope.cancel()
+
+
+async def read_all_of(stream: stream_st.TensorStream) -> None:
+    async for _ in stream:
+        pass
+
+
+@pytest.mark.parametrize("sent", [4, 20, len(sample_file()) - 1])  # prefix, header, a tensor
+@pytest.mark.parametrize("kind", ["anyio", "asyncio"])
+async def test_closing_a_stream_over_a_callers_connection_wakes_its_loop(
+    kind: str, sent: int
+) -> None:
+    await close_wakes_a_callers_stream_reader(kind, sent)
+
+
+def test_closing_a_stream_over_an_anyio_connection_wakes_its_loop_on_trio() -> None:
+    for sent in (4, 20, len(sample_file()) - 1):
+        trio.run(close_wakes_a_callers_stream_reader, "anyio", sent)
+
+
 async def test_aborting_a_tcp_writer_wakes_its_sender() -> None:
     with small_buffer_socket() as server:  # accepts (backlog), never reads
         server.bind(("127.0.0.1", 0))
