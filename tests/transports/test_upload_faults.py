@@ -151,8 +151,9 @@ def abort_all(store: MotoS3Server, key: str) -> list[str]:
         ("reset", "its answer was lost"),
         (ANSWER_503, "the store answered it with HTTP 503, which does not say whether it made"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", r"the store's answer \(HTTP 200\) "),
+        (ERROR_IN_200, r"the store's answer \(HTTP 200\) carried an <Error>, which does not say"),
     ],
-    ids=["reset", "503", "no-upload-id"],
+    ids=["reset", "503", "no-upload-id", "error-in-200"],
 )
 async def test_create_answer_lost_leaves_the_upload_and_says_so(
     store: MotoS3Server, proxy: LossyProxy, key: str, action: str | bytes, what: str
@@ -160,7 +161,8 @@ async def test_create_answer_lost_leaves_the_upload_and_says_so(
     """The store made an upload whose id never came back (or came back a 5xx, which does not
     say whether it did): S3's listing cannot tell it from another writer's upload of the key, so
     it is left, never guessed at, and the error's note says so and what the answer was, where a
-    503 and a 200 without an UploadId were said to be lost answers."""
+    503, a 200 without an UploadId and a 200 carrying an ``<Error>`` were said to be lost
+    answers."""
     proxy.lose(*CREATE, action, forward=True)
     with pytest.raises(TransportError) as info:
         await write(s3_sink(proxy, key), TWO_PARTS)

@@ -34,8 +34,9 @@ request went out), the sink asks the store what happened:
   time from the store's clock), so the sink never aborts an upload it cannot prove its own, which
   might be another writer's of the same key. That upload may stay pending, and a note on the
   error says so (a lifecycle rule's AbortIncompleteMultipartUpload removes it). So may one
-  answered with a 5xx (which does not say whether the store made the upload) or with a 200
-  that names no UploadId; the note says which. A redirect or a 4xx (a 429 too) made none.
+  answered with a 5xx (which does not say whether the store made the upload), with a 200
+  carrying an ``<Error>`` (which does not say so either), or with a 200 that names no UploadId;
+  the note says which. A redirect or a 4xx (a 429 too) made none.
 * CompleteMultipartUpload (also answered with a 5xx, or with a 200 carrying an ``<Error>``): the
   upload is aborted. Had the store still had it pending, nothing was stored and the original error
   is raised. Was it gone, the object at the key is compared with the one sent (its ETag with the
@@ -103,6 +104,11 @@ _ABORT_RETRIES = Retries(count=4, backoff=0.25)
 """How an AbortMultipartUpload answered with a status worth retrying (a 5xx, a 429: a busy
 store, or one racing a part it is still storing) is sent again, as a read's request is: it is
 idempotent. The clean-up's :attr:`S3Sink.abort_timeout` bounds the attempts in all."""
+
+
+class _ErrorIn200(TransportError):
+    """A 200 carrying an S3 ``<Error>`` (:meth:`S3Sink._call`): the store answered, with an
+    error."""
 
 
 def _refusal(exc: Exception) -> bool:
@@ -221,7 +227,7 @@ class S3Sink(ClientUser, Sink):
         async with response:
             answer = await response.read_all()
         if b"<Error>" in answer:
-            raise TransportError(f"S3 refused the request: {summary(answer)}", url=self.name)
+            raise _ErrorIn200(f"S3 refused the request: {summary(answer)}", url=self.name)
         return response.headers, answer
 
     async def allocate(self, size: int) -> None:
@@ -282,6 +288,12 @@ class S3Sink(ClientUser, Sink):
                 if _refusal(exc)
                 else f"the store answered it with HTTP {exc.status}, which does not say "
                 "whether it made the upload"
+            )
+            raise
+        except _ErrorIn200:
+            self._unnamed = (
+                "the store's answer (HTTP 200) carried an <Error>, which does not say whether "
+                "it made the upload"
             )
             raise
         except BaseException:
