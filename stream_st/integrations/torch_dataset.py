@@ -17,12 +17,14 @@ still see the one the main process sets.
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 import os
 import random
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
+from typing import Self
 
 import numpy as np
 import torch
@@ -144,7 +146,8 @@ class SafetensorsDataset(IterableDataset[Sample]):
     reaches the copies of the dataset that ``DataLoader`` workers hold, persistent ones
     (``persistent_workers=True``) included, however they were started (fork, spawn,
     forkserver). A dataset pickled otherwise (``pickle.dumps``) takes its epoch's value along, no
-    longer shared.
+    longer shared; a copy (``copy.copy``, ``copy.deepcopy``) has an epoch of its own in shared
+    memory, set to this one's.
     """
 
     def __init__(
@@ -221,6 +224,32 @@ class SafetensorsDataset(IterableDataset[Sample]):
         iterating the ``DataLoader``): written into shared memory, so that the ``DataLoader``'s
         workers, persistent ones included, read it when they begin the epoch."""
         self._epochs[self._slot] = _checked_epoch(epoch)
+
+    def __copy__(self) -> Self:
+        """A dataset alike with an epoch place of its own, set to this one's epoch: a place
+        shared with this dataset would be given back when this one goes, and another dataset
+        would take it."""
+        return self._copied(self._state())
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Self:
+        """As :meth:`__copy__`, the rest copied deeply: the epoch stays in shared memory, so
+        :meth:`set_epoch` on the copy still reaches its ``DataLoader`` workers."""
+        clone = self._copied({})
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self._state(), memo))
+        return clone
+
+    def _state(self) -> dict[str, object]:
+        """The dataset's attributes but its epoch place."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_epochs", "_slot")}
+
+    def _copied(self, state: dict[str, object]) -> Self:
+        """A dataset of ``state``, with a place of its own holding this one's epoch."""
+        clone = type(self).__new__(type(self))
+        clone.__dict__.update(state)
+        clone._epochs, clone._slot = _EPOCH_SLOTS.take(clone)
+        clone._epochs[clone._slot] = self.epoch
+        return clone
 
     def _sequence(self, epoch: int) -> list[Piece]:
         plan = list(self._plan)

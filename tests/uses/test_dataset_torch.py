@@ -4,6 +4,8 @@ DataLoader workers and distributed ranks, only the selected columns' bytes read,
 from __future__ import annotations
 
 import asyncio
+import copy
+import gc
 import itertools
 from collections import Counter
 from pathlib import Path
@@ -293,3 +295,35 @@ def test_a_dataset_is_built_where_an_event_loop_runs(dataset_dir: Path) -> None:
         return len(SafetensorsDataset(dataset_dir))
 
     assert asyncio.run(cell()) == len(SafetensorsDataset(dataset_dir)) == 27
+
+
+@pytest.mark.parametrize("how", [copy.copy, copy.deepcopy])
+def test_a_copy_has_an_epoch_of_its_own(dataset_dir: Path, how: Any) -> None:
+    """A shallow copy shared the original's epoch place without owning it: once the original
+    went, another dataset took the place and reset it. A deep copy's epoch was cloned out of
+    shared memory: set_epoch never reached its persistent, forked DataLoader workers."""
+    data = SafetensorsDataset(dataset_dir, shuffle=True, seed=3)
+    data.set_epoch(5)
+    copied = how(data)
+    assert copied.epoch == 5
+    copied.set_epoch(6)
+    assert data.epoch == 5
+    del data
+    gc.collect()
+    SafetensorsDataset(dataset_dir).set_epoch(9)  # may take the place the original gave back
+    assert copied.epoch == 6
+    loader = torch.utils.data.DataLoader(
+        copied,
+        batch_size=None,
+        num_workers=1,
+        persistent_workers=True,
+        multiprocessing_context="fork",
+    )
+    orders = []
+    for epoch in (1, 2):
+        copied.set_epoch(epoch)
+        orders.append(labels(loader))
+        expected = SafetensorsDataset(dataset_dir, shuffle=True, seed=3)
+        expected.set_epoch(epoch)
+        assert orders[-1] == labels(expected)
+    assert orders[0] != orders[1]
