@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TransportError, UnsupportedSourceError, UsageError
-from .base import Source, give_turn
+from ..errors import UnsupportedSourceError, UsageError
+from .base import Source, Waits, give_turn
 
 __all__ = ["BytesSource", "ChunkIteratorSource", "as_bytes_view", "refuse_path_bytes"]
 
@@ -142,7 +142,8 @@ lets go of it when collected)."""
 class ChunkIteratorSource(Source):
     """An async iterable of bytes-like chunks of any sizes, together making one whole file.
     Its iterator is read by this source alone until it closes: another source made over it
-    meanwhile is a :class:`~stream_st.UsageError`."""
+    meanwhile is a :class:`~stream_st.UsageError`. Its close, from any task, cuts short a read
+    waiting for the next chunk (see :class:`~.base.Waits`)."""
 
     def __init__(self, chunks: AsyncIterable[Any], name: str = "<async iterator>") -> None:
         super().__init__()
@@ -155,22 +156,24 @@ class ChunkIteratorSource(Source):
         self._check_steps = not inspect.isasyncgen(self._iterator)
         self._chunk = _EMPTY
         self._done = False
-        self._closed = False
+        self._waits = Waits()
         self.name = name
 
     async def receive_into(self, buffer: memoryview) -> int:
-        if not self._chunk and not await self._next():
-            return 0
-        return self._take(buffer)
+        with self._waits.reading(self):
+            if not self._chunk and not await self._next():
+                return 0
+            return self._take(buffer)
 
     async def fill(self, buffer: memoryview) -> int:
         """Fill ``buffer`` from as many chunks as it takes, in one call: a call per chunk cost
         more than the copy of a chunk of a few KiB."""
         filled, total = 0, len(buffer)
-        while filled < total:
-            if not self._chunk and not await self._next():
-                break
-            filled += self._take(buffer[filled:])
+        with self._waits.reading(self):
+            while filled < total:
+                if not self._chunk and not await self._next():
+                    break
+                filled += self._take(buffer[filled:])
         return filled
 
     async def _next(self) -> bool:
@@ -197,12 +200,6 @@ class ChunkIteratorSource(Source):
             # yielded for ever) would hold the loop, deaf to a cancellation, for a whole tensor
             # or without end: the loop gets its turn every TURN_EVERY, as between tensors.
             await give_turn()
-            if self._closed:  # closed by another task while this waited for the chunk or its turn
-                raise TransportError(
-                    "receive failed: the source was closed on this side",
-                    url=self.name,
-                    position=self.position,
-                )
             self._chunk = as_bytes_view(chunk)
             self.clock.moved(len(self._chunk))
         return True
@@ -219,10 +216,11 @@ class ChunkIteratorSource(Source):
         return count
 
     async def aclose(self) -> None:
-        """Close the iterator; one a read in another task is running cannot be closed now (an
-        async generator refuses it): that read fails once it returns, and the generator is
-        closed when it is collected. The iterator is free for another source from here on."""
-        self._closed = True
+        """Close the iterator. One that a read in another task is waiting in cannot be closed
+        from here (an async generator refuses it): that read is cancelled instead, which ends
+        an async generator there (its ``finally`` blocks run), and fails. The iterator is free
+        for another source from here on."""
+        self._waits.close()
         if _READERS.get(id(self._iterator)) is self:
             del _READERS[id(self._iterator)]
         closer = getattr(self._iterator, "aclose", None)

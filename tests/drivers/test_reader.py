@@ -45,7 +45,7 @@ from stream_st.compat._errors import FileClosedError, NoSuchFileError, Unencodab
 from stream_st.reader import merge_ranges
 from stream_st.transports.base import TURN_EVERY
 from stream_st.transports.file.source import FileSource
-from stream_st.transports.inmemory import BytesSource
+from stream_st.transports.inmemory import BytesSource, ChunkIteratorSource
 
 from .._util import assert_same_arrays, chunked, raw_file, sample_file, sample_tensors
 from ..conftest import StartSender
@@ -632,6 +632,52 @@ async def test_a_loop_waiting_for_another_tasks_open_meets_the_close_after_it() 
             group.start_soon(loop)
             await anyio.wait_all_tasks_blocked()  # the loop waits for that open
             producer.go.set()
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_stream_of_chunks_closed_while_its_producer_waits(backend: str) -> None:
+    """The loop fails at once with a TransportError ("closed on this side"), the generator
+    ended where it waited (its ``finally`` ran), where the close was seen only once the
+    producer gave its next chunk (never, here)."""
+    data = sample_file()
+    ended: list[bool] = []
+
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            yield data[:20]  # the length prefix and some of the header
+            await anyio.sleep_forever()
+        finally:
+            ended.append(True)
+
+    async def main() -> None:
+        stream = stream_st.open_stream(chunks())
+
+        async def close() -> None:
+            await anyio.wait_all_tasks_blocked()
+            await stream.aclose()
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as group:
+                group.start_soon(close)
+                with pytest.raises(TransportError, match="closed on this side"):
+                    async for _ in stream:
+                        pass
+        assert ended == [True]
+
+    anyio.run(main, backend=backend)
+
+
+async def test_a_source_of_chunks_read_after_its_close_is_no_end() -> None:
+    """A read of a chunk source closed meanwhile (from another task, while the reader was busy
+    elsewhere) is a TransportError ("closed on this side"): its generator closed, it ended the
+    read as if the producer had, and the stream blamed the source with a TruncatedStreamError."""
+    source = ChunkIteratorSource(chunked(sample_file(), 16))
+    buffer = memoryview(bytearray(32))
+    assert await source.fill(buffer) == 32
+    await source.aclose()
+    for read in (source.fill, source.receive_into):
+        with pytest.raises(TransportError, match="closed on this side"):
+            await read(buffer)
 
 
 async def test_one_iteration_stepped_from_two_tasks() -> None:
