@@ -367,7 +367,10 @@ class _RollingWriter(AsyncClosing):
         if not self._claimed:
             self._claimed = True
             if self._new_folders:  # a writer dropped unclosed leaves them as it found them
-                self._drop = weakref.finalize(self, remove_new_folders, self._new_folders)
+                mine = re.compile(rf"\.\.?{self._tag}\.partial\..+")  # its held names
+                self._drop = weakref.finalize(
+                    self, _dropped_open, self.directory, mine, self._new_folders
+                )
             claim = functools.partial(anyio.to_thread.run_sync, self._hold_directory)
             await seen_through(claim, _unstoppable)
 
@@ -906,6 +909,16 @@ def remove_new_folders(folders: Sequence[Path]) -> None:
             break
 
 
+def _dropped_open(directory: Path, mine: re.Pattern[str], folders: Sequence[Path]) -> None:
+    """Take away what a writer dropped unclosed left: the files under its held names in
+    ``directory`` (``mine``), then the ``folders`` it made (:func:`remove_new_folders`). Its
+    shards' hidden temporary files (where the file system has no nameless file) are among those
+    files: their own finalizers, which remove them too, may run only after this one, when the
+    writer lets its shards go, and would find the folders kept."""
+    _sweep(directory, mine)
+    remove_new_folders(folders)
+
+
 _HELD = re.compile(r"\.\.?[0-9a-f]{8}\.partial\..+")
 """What a writer holds in its directory until its commit (:meth:`_RollingWriter._held_name`),
 the hidden temporary file of one (``..<tag>.partial.<name>.<random>.tmp``) included."""
@@ -937,14 +950,15 @@ def _claim(directory: Path) -> int | None:
     return fd
 
 
-def _sweep(directory: Path) -> None:
-    """Remove the files (and a staged index's folder) under held names in ``directory``."""
+def _sweep(directory: Path, held: re.Pattern[str] = _HELD) -> None:
+    """Remove the files (and a staged index's folder) under held names (``held``) in
+    ``directory``."""
     try:
         entries = list(os.scandir(directory))
     except OSError:
         return
     for entry in entries:
-        if _HELD.fullmatch(entry.name):
+        if held.fullmatch(entry.name):
             with contextlib.suppress(OSError):  # gone meanwhile: nothing to do
                 if entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path)

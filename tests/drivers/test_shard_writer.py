@@ -18,8 +18,16 @@ from stream_st.core.header import DEFAULT_MAX_HEADER_SIZE
 from stream_st.core.shards import MANIFEST_DTYPES
 from stream_st.integrations.dataset import describe_dataset
 from stream_st.sharded.reader import MAX_INDEX_SIZE
-from stream_st.sharded.writer import open_dataset_writer, open_sharded_writer
+from stream_st.sharded.writer import (
+    DatasetWriter,
+    ShardedWriter,
+    open_dataset_writer,
+    open_sharded_writer,
+)
+from stream_st.transports.file import atomic
 from stream_st.transports.file.sink import FileSink
+
+from .._util import nameless_works
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 MB = 1_000_000
@@ -145,13 +153,29 @@ async def test_failure_leaves_nothing(tmp_path: Path, kind: str) -> None:
     assert set(tmp_path.iterdir()) == before
 
 
-async def test_a_writer_dropped_unclosed_leaves_no_folder_it_made(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["checkpoint", "dataset"])
+@pytest.mark.parametrize("nameless", [True, False], ids=["nameless", "named"])
+async def test_a_writer_dropped_unclosed_leaves_no_folder_it_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, nameless: bool
+) -> None:
     """Dropped without being closed, after writes, a writer leaves the destination as it found
-    it, as a failed one does: its shards go and so do the folders it made."""
-    writer = open_sharded_writer(tmp_path / "new" / "model", max_shard_size=2 * MB)
-    await writer.__aenter__()
-    for name, array in tensors(5).items():
-        await writer.write(name, array)
+    it, as a failed one does: its shards go and so do the folders it made, also where the file
+    system has no nameless file (the shards' hidden temporaries, removed by their own
+    finalizers, are gone before the folders are removed, where they kept them)."""
+    if nameless and not nameless_works(tmp_path):
+        pytest.skip("no O_TMPFILE here")
+    monkeypatch.setattr(atomic, "USE_TMPFILE", nameless)
+    writer: ShardedWriter | DatasetWriter
+    if kind == "checkpoint":
+        writer = open_sharded_writer(tmp_path / "new" / "model", max_shard_size=2 * MB)
+        await writer.__aenter__()
+        for name, array in tensors(5).items():
+            await writer.write(name, array)
+    else:
+        writer = open_dataset_writer(tmp_path / "new" / "ds", target_shard_size=2 * MB)
+        await writer.__aenter__()
+        for name, array in tensors(5).items():
+            await writer.write_batch({name: array}, samples=1)
     with pytest.warns(ResourceWarning):  # the unclosed shards, let go of
         del writer
         gc.collect()
