@@ -19,7 +19,6 @@ import re
 import stat
 import sys
 import unicodedata
-import urllib.parse
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict
@@ -492,7 +491,7 @@ def _is_directory(dst: str) -> bool:
 
 def _source_name(src: str, dst: str) -> str:
     """The name a copy of ``src`` takes in the directory or prefix ``dst``."""
-    path = urllib.parse.urlsplit(src).path if "://" in src else src
+    path = split_address(src).path if "://" in src else src
     name = posixpath.basename(path.rstrip("/"))
     if not name or src == "/dev/stdin" or src.lower().startswith("tcp://"):
         shown = STDIO if src == "/dev/stdin" else src

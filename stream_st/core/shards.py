@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 from urllib.parse import SplitResult, quote, unquote, urlsplit, urlunsplit
 
-from ..errors import HeaderError
+from ..errors import HeaderError, UsageError, unreadable
 
 __all__ = [
     "FORMAT_VERSION",
@@ -102,11 +102,15 @@ def shard_name(shard: object, index: str) -> str:
 
 def split_address(url: str) -> SplitResult:
     """``url``'s parts, as ``urlsplit`` gives them, but an ``s3://`` address's key runs to its
-    end: an S3 key may hold ``?`` and ``#``, so it has no query and no fragment."""
+    end: an S3 key may hold ``?`` and ``#``, so it has no query and no fragment. A URL that
+    ``urlsplit`` cannot read (an unclosed ``[``) is a :class:`UsageError`."""
     if url[:5].lower() == "s3://":
         bucket, _, key = url[5:].partition("/")
         return SplitResult(url[:2], bucket, "/" + key, "", "")
-    return urlsplit(url)
+    try:
+        return urlsplit(url)
+    except ValueError as exc:  # a bracketed host unclosed or not an IPv6 address
+        raise UsageError(f"invalid URL {url!r}: {unreadable(url, exc)}") from None
 
 
 def shard_address(index: str, shard: str) -> str:

@@ -14,6 +14,9 @@ import pytest
 import safetensors.numpy as reference_numpy
 from safetensors import safe_open
 
+import stream_st
+from stream_st.tools import mirror
+
 from ..servers.s3_server import CREDENTIALS, MotoS3Server
 from ._cli import run, write_model
 
@@ -354,3 +357,31 @@ def test_a_converted_mirror_records_the_whole_conversion_in_every_shard(tmp_path
     for shard, part in tensors.items():
         copied = reference_numpy.load_file(str(tmp_path / "older-back" / shard))
         assert {n: a.dtype for n, a in copied.items()} == {n: a.dtype for n, a in part.items()}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("cp", "M", "http://[::1/x.safetensors"),
+        ("cp", "M", "tcp://[::1"),
+        ("cp", "M", "http://[zz]/x"),
+        ("cp", "http://[::1/x.safetensors", "D/"),
+        ("cp", "M", "file://[::1/x"),
+        ("inspect", "file://[::1/x.safetensors"),
+    ],
+)
+def test_an_unreadable_url_is_a_usage_error(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """An unclosed or bad bracketed host as a destination, as a source copied into a folder or
+    in a file:// URL crashed with an internal error (exit 3) where a source said so."""
+    model = write_model(tmp_path / "m.safetensors")
+    argv = [{"M": str(model), "D/": f"{tmp_path}/"}.get(arg, arg) for arg in args]
+    done = run(*argv)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("stream-st: error: invalid URL "), done.stderr
+
+
+async def test_an_unreadable_url_is_a_usage_error_in_the_library(checkpoint: Path) -> None:
+    with pytest.raises(stream_st.UsageError, match="invalid URL 'http://"):
+        await mirror(str(checkpoint / INDEX), "http://[::1/")
+    with pytest.raises(stream_st.UsageError, match="invalid URL 'file://"):
+        await stream_st.load("file://[::1/x.safetensors")

@@ -681,10 +681,13 @@ class AtomicFile:
 
 
 def path_from_url(url: str, unsupported: type[SafetensorsError] = UnsupportedSourceError) -> str:
-    """The local path of a ``file://`` URL; ``unsupported`` is raised for any other URL."""
-    from urllib.parse import unquote, urlsplit  # numpy imports it already
+    """The local path of a ``file://`` URL; ``unsupported`` is raised for any other URL, a
+    :class:`~stream_st.UsageError` for one that cannot be read (an unclosed ``[``)."""
+    from urllib.parse import unquote  # numpy imports it already
 
-    parts = urlsplit(url)
+    from ...core.shards import split_address
+
+    parts = split_address(url)
     scheme = parts.scheme.lower()
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
