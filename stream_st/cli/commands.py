@@ -55,6 +55,7 @@ from .output import (
     brief,
     failed,
     human,
+    print_bytes,
     print_json,
     print_validation,
     progress_reporter,
@@ -252,7 +253,7 @@ async def run_hash(args: argparse.Namespace) -> int:
             print_json(result)
         elif args.file:  # as sha256sum prints it: sha256sum -c and stream-st hash --check take it
             name = STDIO if source == "/dev/stdin" and STDIO in args.sources else redact(source)
-            print(checksum_line(result["file_sha256"], name))
+            print_bytes(os.fsencode(checksum_line(result["file_sha256"], name)))
         else:
             named = shown(redact(source))  # a directory's file name cannot forge a line
             print(f"structural {result['structural_hash']}  {named}")
@@ -286,7 +287,8 @@ def checksum_line(sha256: str, name: str) -> str:
     holding another control or format character, escaped as :func:`.output.shown` escapes it
     (``\\x1b``), where ``sha256sum`` writes it as it is, to drive the terminal (``hash --check``
     reads it back; ``sha256sum -c`` does not). A byte that is not UTF-8, and any other
-    character (a no-break space), is written as it is, as ``sha256sum -c`` reads it."""
+    character (a no-break space), is left as it is: the line is written as the name's bytes
+    (:func:`os.fsencode`), whatever the output's encoding, as ``sha256sum -c`` reads it."""
     escaped = "".join(
         "\\\\" if c == "\\" else shown(c) if _drives_the_terminal(c) else c for c in name
     )

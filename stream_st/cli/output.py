@@ -78,6 +78,19 @@ class _Output(io.TextIOBase):
                 escaped = text.encode(self.encoding, "backslashreplace")
                 return stream.write(escaped.decode(self.encoding))
 
+    def write_bytes(self, data: bytes) -> None:
+        """Write ``data`` as they are, past the encoding, into the stream's binary buffer after
+        the text written before them; a stream with none (text in memory) takes them as UTF-8
+        text, a byte that is not UTF-8 as the surrogate Python reads it into."""
+        with self._failing() as stream:
+            stream.flush()
+            buffer = getattr(stream, "buffer", None)
+            if buffer is None:
+                stream.write(data.decode("utf-8", "surrogateescape"))
+            else:
+                buffer.write(data)
+                buffer.flush()  # as the text before them, line by line on a terminal
+
     def flush(self) -> None:
         if self.stream is not None:  # a closed one holds nothing to flush
             with self._failing() as stream:
@@ -108,6 +121,13 @@ def standard_output() -> Iterator[None]:
             sys.stdout.flush()
         finally:
             sys.stdout = original
+
+
+def print_bytes(line: bytes) -> None:
+    """``line`` and a line feed on the command's standard output (see :func:`standard_output`)
+    as they are, whatever its encoding: a file name's bytes, as ``sha256sum`` writes them, where
+    text its encoding lacks is written escaped."""
+    cast(_Output, sys.stdout).write_bytes(line + b"\n")
 
 
 def discard_output() -> None:

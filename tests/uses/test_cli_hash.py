@@ -231,3 +231,31 @@ def test_check_splits_lines_at_line_feeds_alone(model: Path, tmp_path: Path) -> 
     sums.write_bytes(f"{want}  {model.name}\r\n{want}  {names[0]}\r\n".encode())
     checked = run("hash", "--check", str(sums), cwd=tmp_path)
     assert checked.returncode == 0 and checked.stdout.count(": OK\n") == 2, checked.stderr
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "ascii", "latin-1"])
+def test_file_line_holds_the_names_bytes_whatever_the_output_encoding(
+    model: Path, tmp_path: Path, encoding: str
+) -> None:
+    """A name the output's encoding could not carry was written escaped with no leading
+    backslash (``caf\\xe9``, ``bad\\udcffname``), or in that encoding (Latin-1's byte E9): the
+    line named another file. Now the name's bytes, which hash --check and sha256sum -c read."""
+    want = hashlib.sha256(model.read_bytes()).hexdigest()
+    for name in (b"caf\xc3\xa9.safetensors", b"bad\xffname.safetensors"):
+        shutil.copy(model, tmp_path / os.fsdecode(name))
+        listed = subprocess.run(
+            [COMMAND, "hash", "--file", os.fsdecode(name)],
+            cwd=tmp_path,
+            capture_output=True,
+            timeout=120,
+            env={**os.environ, "PYTHONIOENCODING": encoding},
+        )
+        assert listed.stdout == f"{want}  ".encode() + name + b"\n", listed.stderr
+        (tmp_path / "sums").write_bytes(listed.stdout)
+        checked = run("hash", "--check", "sums", cwd=tmp_path)
+        assert checked.returncode == 0 and checked.stdout.endswith(": OK\n"), checked
+        if shutil.which("sha256sum"):
+            coreutils = subprocess.run(
+                ["sha256sum", "-c", "sums"], cwd=tmp_path, capture_output=True
+            )
+            assert coreutils.returncode == 0, coreutils
