@@ -139,16 +139,37 @@ def varied_metadata(headers: Sequence[Header]) -> set[str]:
     }
 
 
+def shard_labels(keys: Iterable[tuple[str, int]]) -> dict[tuple[str, int], str]:
+    """The label each of ``keys`` is reported under: a key is a name and the shard holding this
+    value of it (-1 for a name labelled by itself), labelled ``name`` or ``name (shard N)``,
+    `` (shard N)`` added again while that label is taken (by a name labelled by itself,
+    spelled so in the file, or by an earlier key's label), so that no two keys show alike."""
+    keys = list(keys)
+    labels = {key: key[0] for key in keys if key[1] < 0}
+    taken = set(labels.values())
+    for name, shard in keys:
+        if shard >= 0 and (name, shard) not in labels:
+            label = f"{name} (shard {shard})"
+            while label in taken:
+                label += f" (shard {shard})"
+            labels[name, shard] = label
+            taken.add(label)
+    return labels
+
+
 def shard_metadata(headers: Sequence[Header]) -> dict[str, str]:
     """The ``__metadata__`` of ``headers`` (a checkpoint's shards) as one mapping: a key of one
     value in every shard holding it once, a key whose value differs between shards once per
-    shard holding it, as ``key (shard N)`` (as ``diff`` reports it)."""
+    shard holding it, as ``key (shard N)`` (as ``diff`` reports it; see :func:`shard_labels`
+    for a label a key of the file is spelled as already)."""
     varied = varied_metadata(headers)
-    return {
-        f"{key} (shard {shard})" if key in varied else key: value
+    values = {
+        (key, shard if key in varied else -1): value
         for shard, header in enumerate(headers)
         for key, value in header.metadata.items()
     }
+    labels = shard_labels(values)
+    return {labels[key]: value for key, value in values.items()}
 
 
 CONVERSION_COUNTS = frozenset({"converted_to", "quantized_tensors", "dequantized_from"})

@@ -20,6 +20,7 @@ from .common import (
     naming,
     opened,
     result_repr,
+    shard_labels,
     tensors_of,
     varied_metadata,
 )
@@ -80,7 +81,8 @@ async def diff(
     manifest's order, so that a shard more or less, or one whose tensor differs, is a
     difference. A name each side holds once (a file, a sharded checkpoint) is compared by name
     alone, whichever shard holds it. So is a metadata key, unless its value differs between the
-    shards of either side: then each shard's value is compared, as ``key (shard N)``.
+    shards of either side: then each shard's value is compared, as ``key (shard N)`` (see
+    :func:`~stream_st.tools.common.shard_labels` for a key spelled so already).
     (``content`` reads the sources as
     :func:`~stream_st.tools.common.opened` does, which refuses, with a
     :class:`~stream_st.UsageError`, a dataset whose shards repeat a name: the bytes compared
@@ -207,15 +209,16 @@ def _compare(headers_a: Sequence[Header], headers_b: Sequence[Header]) -> tuple[
         else:
             same.append(key)
     meta_a, meta_b = _metadata_keyed(headers_a, headers_b)
+    label = shard_labels(sorted(meta_a.keys() | meta_b.keys()))  # one for both sides
     added, removed = sorted(meta_b.keys() - meta_a.keys()), sorted(meta_a.keys() - meta_b.keys())
-    result.metadata_added = [_label(k) for k in added]
-    result.metadata_removed = [_label(k) for k in removed]
+    result.metadata_added = [label[k] for k in added]
+    result.metadata_removed = [label[k] for k in removed]
     result.metadata_values = {
-        **{_label(k): meta_a[k] for k in removed},
-        **{_label(k): meta_b[k] for k in added},
+        **{label[k]: meta_a[k] for k in removed},
+        **{label[k]: meta_b[k] for k in added},
     }
     result.metadata_changed = {
-        _label(k): [meta_a[k], meta_b[k]]
+        label[k]: [meta_a[k], meta_b[k]]
         for k in sorted(meta_a.keys() & meta_b.keys())
         if meta_a[k] != meta_b[k]
     }

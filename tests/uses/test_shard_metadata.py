@@ -14,7 +14,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st.server.served import served_object
-from stream_st.tools import cp, inspect
+from stream_st.tools import cp, diff, inspect
 
 
 def checkpoint(tmp_path: Path, second: dict[str, str]) -> Path:
@@ -39,6 +39,34 @@ async def test_inspect_shows_each_shards_value_of_a_key_they_differ_at(tmp_path:
     index = checkpoint(tmp_path, {"format": "np", "note": "b"})
     found = await inspect(str(index))
     assert found.metadata == {"format": "np", "note (shard 0)": "a", "note (shard 1)": "b"}
+
+
+async def test_a_key_spelled_as_a_shards_label_does_not_hide_that_shards_value(
+    tmp_path: Path,
+) -> None:
+    """A key of the file spelled ``note (shard 0)`` took the place of the label of shard 0's
+    value of ``note`` (inspect lost that value, diff one of the two changes): the label is made
+    ``note (shard 0) (shard 0)``."""
+    fake = "note (shard 0)"
+    sides = []
+    for side, first in (("a", "a"), ("b", "c")):
+        (tmp_path / side).mkdir()
+        index = checkpoint(tmp_path / side, {"format": "np", "note": "b", fake: side})
+        reference_numpy.save_file(
+            {"a": np.ones(3, np.float32)},
+            tmp_path / side / "model-00001-of-00002.safetensors",
+            metadata={"format": "np", "note": first, fake: side},
+        )
+        sides.append(str(index))
+    found = await inspect(sides[0])
+    assert found.metadata == {
+        "format": "np",
+        "note (shard 0) (shard 0)": "a",
+        fake: "a",
+        "note (shard 1)": "b",
+    }
+    changed = (await diff(*sides)).metadata_changed
+    assert changed == {"note (shard 0) (shard 0)": ["a", "c"], fake: ["a", "b"]}
 
 
 async def test_merging_shards_whose_metadata_differ_is_refused(tmp_path: Path) -> None:
