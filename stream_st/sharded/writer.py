@@ -369,7 +369,7 @@ class _RollingWriter(AsyncClosing):
             if self._new_folders:  # a writer dropped unclosed leaves them as it found them
                 mine = re.compile(rf"\.\.?{self._tag}\.partial\..+")  # its held names
                 self._drop = weakref.finalize(
-                    self, _dropped_open, self.directory, mine, self._new_folders
+                    self, _dropped_open, self.directory, mine, self._new_folders, os.getpid()
                 )
             claim = functools.partial(anyio.to_thread.run_sync, self._hold_directory)
             await seen_through(claim, _unstoppable)
@@ -909,14 +909,19 @@ def remove_new_folders(folders: Sequence[Path]) -> None:
             break
 
 
-def _dropped_open(directory: Path, mine: re.Pattern[str], folders: Sequence[Path]) -> None:
+def _dropped_open(
+    directory: Path, mine: re.Pattern[str], folders: Sequence[Path], pid: int
+) -> None:
     """Take away what a writer dropped unclosed left: the files under its held names in
     ``directory`` (``mine``), then the ``folders`` it made (:func:`remove_new_folders`). Its
     shards' hidden temporary files (where the file system has no nameless file) are among those
     files: their own finalizers, which remove them too, may run only after this one, when the
-    writer lets its shards go, and would find the folders kept."""
-    _sweep(directory, mine)
-    remove_new_folders(folders)
+    writer lets its shards go, and would find the folders kept. In a process forked from
+    ``pid``, the writer's, nothing is removed: the folders and files are the parent's, whose
+    writer may still be at work on them."""
+    if os.getpid() == pid:
+        _sweep(directory, mine)
+        remove_new_folders(folders)
 
 
 _HELD = re.compile(r"\.\.?[0-9a-f]{8}\.partial\..+")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +183,45 @@ async def test_a_writer_dropped_unclosed_leaves_no_folder_it_made(
         del writer
         gc.collect()
     assert list(tmp_path.iterdir()) == []
+
+
+FORKED_WRITER = """
+import os, sys
+import anyio, numpy as np
+from stream_st.sharded.writer import open_sharded_writer
+from stream_st.transports.file import atomic
+atomic.USE_TMPFILE = sys.argv[2] == "nameless"
+writer = open_sharded_writer(os.path.join(sys.argv[1], "new", "model"), max_shard_size=64)
+async def write():
+    for name in ("a", "b"):
+        await writer.write(name, np.ones(16, np.float32))
+anyio.run(write)
+if os.fork() == 0:
+    sys.exit(0)  # a forked helper that ends normally: its exit runs the finalizers it copied
+os.wait()
+anyio.run(writer.aclose)
+"""
+
+
+@pytest.mark.parametrize("nameless", [True, False], ids=["nameless", "named"])
+def test_a_forked_copy_leaves_the_writers_folders_alone(tmp_path: Path, nameless: bool) -> None:
+    """A process forked while a writer that made its folders is at work (a helper that ends
+    normally) inherits the finalizer that takes them away from a writer dropped unclosed: it
+    removed the parent's folders (and, named, its shards' temporaries), whose commit then
+    failed. Only the parent's own writer is cleaned up by it."""
+    if nameless and not nameless_works(tmp_path):
+        pytest.skip("no O_TMPFILE here")
+    mode = "nameless" if nameless else "named"
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_WRITER, str(tmp_path), mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert done.returncode == 0, done.stderr
+    index = tmp_path / "new" / "model" / "model.safetensors.index.json"
+    assert sorted(json.loads(index.read_text())["weight_map"]) == ["a", "b"]
 
 
 async def test_misuse(tmp_path: Path) -> None:
