@@ -12,7 +12,8 @@ import sys
 import threading
 import traceback
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
+from types import FrameType
 
 import anyio
 
@@ -92,18 +93,44 @@ async def _run(args: argparse.Namespace) -> int:
             if not received:
                 raise
         finally:
+            # Done: the signals go to _Completed until main returns; else back to what they
+            # were. Held meanwhile, so that one coming between two handlers goes to the second.
+            after = _Completed(said=bool(received)) if status is not None else None
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, watched) if watched else None
             for signum in watched:
                 loop.remove_signal_handler(signum)
-                signal.signal(signum, previous[signum])
+                signal.signal(signum, previous[signum] if after is None else after)
+            if held is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
     if status is None:  # cancelled: only a stopping signal does that
         raise _Stopped(received[0])
     if received:
-        print(
-            f"{PROG}: {_signal_name(received[0])} came once the command had committed its work: "
-            "it completed",
-            file=sys.stderr,
-        )
+        print(_completed_line(received[0]), file=sys.stderr)
     return status
+
+
+class _Completed:
+    """The handler of the stopping signals once the command has done its work, until
+    :func:`main` returns: the first signal is said with :func:`_completed_line` (unless one
+    during the work's last steps was), and the command exits as it would have."""
+
+    def __init__(self, said: bool) -> None:
+        self.said = said
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.said:
+            return
+        self.said = True
+        with suppress(OSError, ValueError):  # no descriptor (standard error in memory)
+            # written past sys.stderr's buffer, which the signal may have come in the middle of
+            os.write(sys.stderr.fileno(), f"{_completed_line(signum)}\n".encode())
+
+
+def _completed_line(signum: int) -> str:
+    """What the command says of a stopping signal that came once its work was done."""
+    return (
+        f"{PROG}: {_signal_name(signum)} came once the command had committed its work: it completed"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         complete(parser)
     except KeyboardInterrupt:
         return interrupted()
+    handlers = {signum: signal.getsignal(signum) for signum in STOPPING_SIGNALS}
     try:
         with standard_output():
             return _command(parser, argv)
@@ -126,6 +154,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_BROKEN_PIPE
         print(f"{PROG}: error: cannot write standard output: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    finally:
+        # Where the command completed: a caller's run (argv given) gets its handlers back; the
+        # process's command exits next, and ignores the signals, since Python's finalization
+        # sets its handlers to the default (stopping the process) before its long clean-up.
+        for signum, handler in handlers.items():
+            if isinstance(signal.getsignal(signum), _Completed):
+                signal.signal(signum, signal.SIG_IGN if argv is None else handler)
 
 
 def _command(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stream_st.cli import main
+
 from ..servers.s3_server import CREDENTIALS, MotoS3Server
 from ._cli import COMMAND, write_model
 
@@ -207,6 +209,39 @@ def test_a_signal_during_the_commit_lets_the_copy_complete(
     stored = client.get_object(Bucket=bucket, Key="m.safetensors")["Body"].read()
     assert stored == model.read_bytes()
     assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+@pytest.mark.parametrize("signum", STOPS, ids=[s.name for s in STOPS])
+def test_signals_once_the_copy_is_done_leave_its_exit_status(tmp_path: Path, signum: int) -> None:
+    """The signals were given their former handlers as soon as the copy was done, a tenth of
+    a second before the process exited: one then killed it, or said 'interrupted' (130). Now
+    the signals from the 'copied' line on, however many, leave the exit status 0, one line at
+    most saying they came once the copy was done."""
+    model = write_model(tmp_path / "model.safetensors")
+    copy = tmp_path / "copy.safetensors"
+    process = subprocess.Popen(
+        [COMMAND, "cp", str(model), str(copy)], stderr=subprocess.PIPE, text=True
+    )
+    assert process.stderr is not None
+    assert process.stderr.readline().startswith("copied ")
+    while process.poll() is None:  # every moment until it exits gets one: no timing to hit
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signum)
+        time.sleep(0.005)
+    assert process.returncode == 0, process.stderr.read()
+    name = signal.Signals(signum).name
+    said = f"stream-st: {name} came once the command had committed its work: it completed\n"
+    assert process.stderr.read() in ("", said)
+    assert copy.read_bytes() == model.read_bytes()
+
+
+def test_a_callers_signal_handlers_are_back_once_the_command_is_done(tmp_path: Path) -> None:
+    """main given its arguments (a caller's run, in a process that goes on) sets back the
+    handlers the stopping signals had, which the command holds once its work is done."""
+    before = {signum: signal.getsignal(signum) for signum in STOPS}
+    model = write_model(tmp_path / "model.safetensors")
+    assert main(["cp", "-q", str(model), str(tmp_path / "copy.safetensors")]) == 0
+    assert {signum: signal.getsignal(signum) for signum in STOPS} == before
 
 
 INTERRUPT_WHILE_LOADING = """
