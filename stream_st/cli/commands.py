@@ -350,13 +350,19 @@ async def _read_list(text: str) -> list[str]:
 async def run_hash_check(args: argparse.Namespace) -> int:
     """``hash --check LIST...``: as ``sha256sum -c``, each listed source (local or remote) read
     whole and its sha256 compared with the list's: ``NAME: OK`` or ``NAME: FAILED``; exit status
-    1 if one differs, 2 if one cannot be read or a list holds no checksum line."""
+    1 if one differs, 2 if one cannot be read or a list cannot be read or holds no checksum
+    line (said, and the other lists checked)."""
     if args.content or args.file or args.json:
         raise UsageError("--check takes checksum lists alone (no --content, --file or --json)")
     status = EXIT_OK
     mismatched = unreadable = 0
     for listed in args.sources:
-        lines = await _read_list(listed)
+        try:
+            lines = await _read_list(listed)
+        except SafetensorsError as exc:  # missing, a directory: said, the other lists checked
+            failed(listed, exc)
+            status = EXIT_ERROR
+            continue
         entries = [parse_checksum_line(line) for line in lines if line.strip()]
         malformed = entries.count(None)
         if malformed == len(entries):

@@ -259,3 +259,17 @@ def test_file_line_holds_the_names_bytes_whatever_the_output_encoding(
                 ["sha256sum", "-c", "sums"], cwd=tmp_path, capture_output=True
             )
             assert coreutils.returncode == 0, coreutils
+
+
+def test_check_goes_on_past_a_list_it_cannot_read(model: Path, tmp_path: Path) -> None:
+    """A missing list, or a directory given as one, ended the command (exit 2) before the
+    lists after it were checked; now it is said and the others checked, as sha256sum -c does."""
+    want = hashlib.sha256(model.read_bytes()).hexdigest()
+    (tmp_path / "good.sha").write_text(f"{want}  {model.name}\n")
+    (tmp_path / "folder").mkdir()
+    for unreadable in ("missing.sha", "folder"):
+        checked = run("hash", "--check", unreadable, "good.sha", cwd=tmp_path)
+        assert checked.returncode == 2, checked.stderr
+        assert checked.stdout == f"{model.name}: OK\n"
+        assert checked.stderr.startswith("stream-st: error: cannot read checksum list: ")
+        assert f"url={unreadable}" in checked.stderr
