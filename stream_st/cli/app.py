@@ -134,7 +134,9 @@ def _completed_line(signum: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``stream-st`` command; returns the exit status."""
+    """Entry point of the ``stream-st`` command; returns the exit status. Without ``argv`` it
+    runs the process's command, which exits next: the stopping signals are then left ignored
+    once its work is done; with ``argv`` (a caller's run) they get back their handlers."""
     if sys.stderr is None:  # started with standard error closed (``2>&-``): its lines are
         # dropped, not printed into standard output (print's default), and its descriptor is
         # taken, so that no file the command opens (a copy's destination) is given it
