@@ -378,25 +378,33 @@ async def test_a_validator_no_request_can_carry_is_compared_not_sent(
         assert_same_arrays(await load(url, include=["b"]), {"b": SPLIT["b"]})
 
 
-async def test_a_server_still_busy_after_the_retries_is_its_status(raw_server: Serve) -> None:
-    """A 503 (Retry-After, no ETag: it speaks of the server, not of the object) to every
-    request after the first, until the retries are spent: its status, an HTTPStatusError,
-    where the missing ETag read as the object changed (SourceChangedError)."""
+def _first_then(status: str, headers: str, body: bytes, first: bytes, end: str) -> Handler:
+    """A server answering a read's first request with ``first`` (the file's first bytes, ETag
+    "v1"; the header block ended by ``end``), and every later one with ``status`` and
+    ``headers`` (no ETag: they speak of the server or the request, not of the object)."""
     count = iter(range(1 << 30))
 
     def handle(connection: socket.socket) -> None:
         read_request(connection)
         if next(count):
-            body = b"busy\n"
-            head = f"HTTP/1.1 503 Busy\r\nRetry-After: 0\r\nContent-Length: {len(body)}\r\n"
+            head = f"HTTP/1.1 {status}\r\n{headers}Content-Length: {len(body)}\r\n"
             connection.sendall(head.encode() + b"Connection: close\r\n\r\n" + body)
             return
         head = (
-            f'HTTP/1.1 206 Partial Content\r\nETag: "v1"\r\nContent-Length: {len(SPLIT_FILE)}'
-            f"\r\nContent-Range: bytes 0-{len(SPLIT_FILE) - 1}/{len(SPLIT_FILE)}\r\n\r\n"
+            f'HTTP/1.1 206 Partial Content\r\nETag: "v1"\r\nContent-Length: {len(first)}'
+            f"\r\nContent-Range: bytes 0-{len(first) - 1}/{len(SPLIT_FILE)}\r\n{end}"
         )
-        connection.sendall(head.encode() + SPLIT_FILE[: len(SPLIT_FILE) // 2])  # then cut
+        connection.sendall(head.encode() + first)
 
+    return handle
+
+
+async def test_a_server_still_busy_after_the_retries_is_its_status(raw_server: Serve) -> None:
+    """A 503 (Retry-After, no ETag: it speaks of the server, not of the object) to every
+    request after the first, until the retries are spent: its status, an HTTPStatusError,
+    where the missing ETag read as the object changed (SourceChangedError)."""
+    whole = SPLIT_FILE[: len(SPLIT_FILE) // 2]  # said whole, then cut
+    handle = _first_then("503 Busy", "Retry-After: 0\r\n", b"busy\n", whole, "\r\n")
     url = raw_server(handle) + "/m.safetensors"
     with pytest.raises(HTTPStatusError) as busy:
         await load(HttpSource(url, retries=2, backoff=0.01))
@@ -410,23 +418,8 @@ async def test_an_error_status_to_a_later_request_is_its_status(
     """A later request of a read refused (a token or signature that expired, the object
     deleted) with no ETag, as S3 and CloudFront answer: its status, an HTTPStatusError, where
     the missing ETag read as the object changed (SourceChangedError)."""
-    count = iter(range(1 << 30))
-
-    def handle(connection: socket.socket) -> None:
-        read_request(connection)
-        if next(count):
-            body = b"refused\n"
-            head = f"HTTP/1.1 {status} Refused\r\nContent-Length: {len(body)}\r\n"
-            connection.sendall(head.encode() + b"Connection: close\r\n\r\n" + body)
-            return
-        first = SPLIT_FILE[:FIRST_RANGE]
-        head = (
-            f'HTTP/1.1 206 Partial Content\r\nETag: "v1"\r\nContent-Length: {len(first)}'
-            f"\r\nContent-Range: bytes 0-{len(first) - 1}/{len(SPLIT_FILE)}\r\n"
-            "Connection: close\r\n\r\n"
-        )
-        connection.sendall(head.encode() + first)
-
+    first = SPLIT_FILE[:FIRST_RANGE]
+    handle = _first_then(f"{status} Refused", "", b"refused\n", first, "Connection: close\r\n\r\n")
     url = raw_server(handle) + "/m.safetensors"
     with pytest.raises(HTTPStatusError) as refused:
         await load(url, include=["b"])
