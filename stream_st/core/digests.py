@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import importlib
 import zlib
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Callable, Collection, Container, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ArgumentTypeError, IntegrityError, UsageError
 from .dtypes import wire_bytes
-from .header import _SHORT
+from .header import _SHORT, run_steps
+from .steps import slices
 
 if TYPE_CHECKING:
     import anyio
@@ -219,13 +220,24 @@ class Digests:
         :class:`~stream_st.IntegrityError`: the header itself is damaged or was not written
         by this scheme.
         """
+        return run_steps(cls.from_header_steps(header))
+
+    @classmethod
+    def from_header_steps(cls, header: Header) -> Generator[None, None, Digests | None]:
+        """:meth:`from_header` as a generator that yields between two slices of the header's
+        metadata and tensors (:func:`~stream_st.core.steps.slices`) and returns the digests: a
+        reader on an event loop gives the loop its turn there (a header of 200,000 tensors took
+        over half a second)."""
         metadata = header.metadata
         name = metadata.get(ALGORITHM_KEY)
-        values = {
-            key[len(DIGEST_KEY_PREFIX) :]: value
-            for key, value in metadata.items()
-            if key.startswith(DIGEST_KEY_PREFIX)
-        }
+        values: dict[str, str] = {}
+        for keys in slices(list(metadata)):
+            values |= {
+                key[len(DIGEST_KEY_PREFIX) :]: metadata[key]
+                for key in keys
+                if key.startswith(DIGEST_KEY_PREFIX)
+            }
+            yield
         if name is None and not values:
             return None
         if name is None:
@@ -236,27 +248,34 @@ class Digests:
                 f"(known: {sorted(ALGORITHMS)}); read with verify=False to skip the check"
             )
         digests = cls(name, values)
-        digests.check_names([info.name for info in header.tensors])
+        yield from digests._names_checked(header.names(), header)
         return digests
 
     def check_names(self, names: Collection[str]) -> None:
         """Raise :class:`~stream_st.IntegrityError` unless ``values`` holds one well-formed
         digest for each of ``names`` and nothing else."""
+        run_steps(self._names_checked(tuple(names), names))
+
+    def _names_checked(
+        self, names: Sequence[str], among: Container[str]
+    ) -> Generator[None, None, None]:
+        """:meth:`check_names` of ``names`` (``among`` holds them too, for a quicker look-up)
+        as a generator that yields between two slices of them."""
         size = 2 * ALGORITHMS[self.algorithm].digest_size
-        seen = 0
-        for name in names:
-            value = self.values.get(name)
-            if value is None:
-                raise IntegrityError(f"tensor {name!r} has no digest in the header", name=name)
-            if len(value) != size or not _is_hex(value):
-                raise IntegrityError(
-                    f"tensor {name!r}: its digest {value[:80]!r} is not {size} lowercase hex "
-                    "digits",
-                    name=name,
-                )
-            seen += 1
-        if seen != len(self.values):
-            extra = next(name for name in self.values if name not in names)
+        for part in slices(names):
+            for name in part:
+                value = self.values.get(name)
+                if value is None:
+                    raise IntegrityError(f"tensor {name!r} has no digest in the header", name=name)
+                if len(value) != size or not _is_hex(value):
+                    raise IntegrityError(
+                        f"tensor {name!r}: its digest {value[:80]!r} is not {size} lowercase "
+                        "hex digits",
+                        name=name,
+                    )
+            yield
+        if len(names) != len(self.values):
+            extra = next(name for name in self.values if name not in among)
             raise IntegrityError(f"the header has a digest for no tensor: {extra!r}")
 
     def add_to(self, metadata: Mapping[str, str] | None, names: Collection[str]) -> dict[str, str]:
@@ -307,7 +326,7 @@ class Digests:
 
 
 def _is_hex(text: str) -> bool:
-    return all(c in "0123456789abcdef" for c in text)
+    return not text.strip("0123456789abcdef")  # what is left: not a lowercase hex digit
 
 
 def _as_array(value: Any, name: str) -> Any:

@@ -7,7 +7,7 @@ import bisect
 import functools
 import sys
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -72,7 +72,7 @@ def _overlaps(spans: list[Span], span: Span) -> bool:
 
 async def _read_ahead(
     source: FileSource,
-    wanted: list[TensorInfo],
+    wanted: Sequence[TensorInfo],
     base: int,
     delivery: Delivery,
     recycler: Recycler,

@@ -47,6 +47,11 @@ class Caps:
         """The bytes ``tensors`` (of ``source``, to be read) declare, plus ``before`` (bytes of
         the same read already counted); :class:`~stream_st.AllocationError` if one tensor or
         the whole is over its cap. Nothing is allocated for them before this passes."""
+        return self.check_total(self.tally(tensors, source, before), source)
+
+    def tally(self, tensors: Iterable[TensorInfo], source: str, before: int = 0) -> int:
+        """:meth:`check` without the total's cap: a read checked a slice of its tensors at a
+        time counts them here, then checks the whole once (:meth:`check_total`)."""
         total = before
         for info in tensors:
             if self.tensor is not None and info.nbytes > self.tensor:
@@ -55,6 +60,11 @@ class Caps:
                     f"max_tensor_bytes={self.tensor} allows: refused before allocating it"
                 )
             total += info.nbytes
+        return total
+
+    def check_total(self, total: int, source: str) -> int:
+        """``total``, the bytes the tensors of a read declare together;
+        :class:`~stream_st.AllocationError` if that is over ``max_total_bytes``."""
         if self.total is not None and total > self.total:
             raise AllocationError(
                 f"{source}: the tensors to read declare {total} bytes, more than "

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
-from typing import cast
 
 import numpy as np
 
@@ -30,7 +28,7 @@ from ..errors import (
 from ..transports.file.source import _RWF_NOWAIT, _pread_cached, open_path
 from ..transports.options import NO_LIMITS, Clock
 from ..transports.registry import Source, SourceLike, open_source, scheme_of
-from .turns import give_turn
+from .turns import give_turn, run_in_turns
 
 HEADER_FIRST_READ = 64 << 10
 """On a source of unknown length, the header buffer starts at this size and doubles as bytes
@@ -67,16 +65,8 @@ async def _parse(raw: memoryview, source: Source, unknown_dtypes: UnknownDtypes)
     if len(raw) <= ONE_PIECE_BYTES:
         return parse_header(raw, unknown_dtypes=unknown_dtypes)
     steps = parse_steps(raw, unknown_dtypes=unknown_dtypes)
-    with (
-        contextlib.closing(steps),
-        source.clock.within_deadline(source.name, LENGTH_PREFIX_SIZE + len(raw)),
-    ):
-        try:
-            while True:
-                next(steps)
-                await give_turn()
-        except StopIteration as done:
-            return cast(Header, done.value)
+    with source.clock.within_deadline(source.name, LENGTH_PREFIX_SIZE + len(raw)):
+        return await run_in_turns(steps)
 
 
 def _header_length(

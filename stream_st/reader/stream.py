@@ -14,8 +14,10 @@ from collections.abc import (
     AsyncIterator,
     Callable,
     Collection,
+    Generator,
     Iterable,
 )
+from itertools import compress
 from typing import TYPE_CHECKING, Any, Generic, NoReturn, Self, TypeVar, final
 
 import anyio
@@ -27,10 +29,13 @@ from ..core.header import (
     DEFAULT_MAX_HEADER_SIZE,
     Header,
     TensorInfo,
+    TensorTable,
     UnknownDtypes,
     refuse_unreadable,
+    run_steps,
 )
 from ..core.stats import LoadStats, record_last
+from ..core.steps import slices
 from ..errors import (
     ArgumentTypeError,
     IntegrityError,
@@ -52,7 +57,7 @@ from .ahead import READ_AHEAD_FROM, _read_ahead
 from .caps import Caps
 from .header import header_cap, open_under, start_and_read_header
 from .tensors import _read_tensor, merge_ranges
-from .turns import give_turn
+from .turns import give_turn, run_in_turns
 
 Include = Collection[str] | Callable[[str], bool] | str | None
 """Which tensors to deliver: ``None`` for all, names, or a predicate on the name."""
@@ -128,6 +133,11 @@ def _selector(include: Listed, header: Header) -> Callable[[str], bool]:
     if missing:
         raise TensorNotFoundError(f"include= names tensors not in the header: {missing}")
     return include.__contains__
+
+
+def _kept(column: list[T], taken: list[bool]) -> list[T]:
+    """The items of ``column`` whose place in ``taken`` is True."""
+    return list(compress(column, taken))
 
 
 @final
@@ -231,16 +241,41 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         ``include=`` naming a tensor the header lacks, a tensor over the caps
         (``max_tensor_bytes``, ``max_total_bytes``), one of a dtype with no reader."""
         header = self.header
-        return self._checked(header, _selector(self._include, header))
+        return list(run_steps(self._checked(header, _selector(self._include, header)))[0])
 
-    def _checked(self, header: Header, selected: Callable[[str], bool]) -> list[TensorInfo]:
-        """The tensors of ``header`` that ``selected`` takes, refused as a whole where one of
-        them cannot be read or is over the caps (before anything is allocated for them)."""
-        wanted = [info for info in header.tensors if selected(info.name)]
+    def _checked(
+        self, header: Header, selected: Callable[[str], bool]
+    ) -> Generator[None, None, tuple[TensorTable, int]]:
+        """The tensors of ``header`` that ``selected`` takes and the bytes they declare, refused
+        as a whole where one of them cannot be read or is over the caps (before anything is
+        allocated for them): a generator that yields between two slices of a big header's
+        tensors (:func:`slices`), where the loop gets its turn (:func:`run_in_turns`). They are
+        a table: a list of as many :class:`TensorInfo` would be that many objects made in a
+        row, and full passes of the garbage collector over them (tens of milliseconds each)."""
+        wanted = header.tensors
+        if self._include is not None:
+            taken: list[bool] = []
+            for names in slices(wanted.names()):
+                taken += map(selected, names)
+                yield
+            names, codes, shapes, starts, ends = wanted.columns()
+            wanted = TensorTable(
+                _kept(names, taken),
+                _kept(codes, taken),
+                _kept(shapes, taken),
+                _kept(starts, taken),
+                _kept(ends, taken),
+            )
         if header.unreadable:
-            refuse_unreadable(wanted)
-        self._caps.check(wanted, self.source.name)
-        return wanted
+            for part in slices(wanted):
+                refuse_unreadable(part)
+                yield
+        name = self.source.name
+        total = 0
+        for part in slices(wanted):
+            total = self._caps.tally(part, name, total)
+            yield
+        return wanted, self._caps.check_total(total, name)
 
     @property
     def source(self) -> Source:
@@ -428,9 +463,14 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         source = self.source
         delivery = self._delivery
         base = header.data_start
-        wanted = self._checked(header, selected)
-        digests = Digests.from_header(header) if self._verify is True else None
-        ranges = merge_ranges((base + t.start, base + t.end) for t in wanted)
+        wanted, total = await run_in_turns(self._checked(header, selected))
+        digests = None
+        if self._verify is True:
+            digests = await run_in_turns(Digests.from_header_steps(header))
+        ranges: list[tuple[int, int]] = []
+        for part in slices(wanted):
+            merge_ranges(((base + t.start, base + t.end) for t in part), ranges)
+            await give_turn()
         mapped = (
             None
             if self._copy or not isinstance(source, FileSource)
@@ -446,7 +486,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
             mapped is None
             and hasher is None
             and isinstance(source, FileSource)
-            and sum(info.nbytes for info in wanted) >= READ_AHEAD_FROM
+            and total >= READ_AHEAD_FROM
         ):
             ahead = _read_ahead(
                 source, wanted, base, delivery, self._recycler, self._started_reading, digests

@@ -47,9 +47,14 @@ def _allocate_framed(
     return array, raw.data, frame
 
 
-def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Ascending ``(start, end)`` ranges with empty ones dropped and touching ones joined."""
-    merged: list[tuple[int, int]] = []
+def merge_ranges(
+    ranges: Iterable[tuple[int, int]], merged: list[tuple[int, int]] | None = None
+) -> list[tuple[int, int]]:
+    """Ascending ``(start, end)`` ranges with empty ones dropped and touching ones joined;
+    appended to ``merged`` (ranges merged before, all ending before these start) and returned
+    in it when given, in a new list otherwise."""
+    if merged is None:
+        merged = []
     for start, end in ranges:
         if end <= start:
             continue

@@ -23,6 +23,7 @@ import stream_st
 from stream_st import Digests, IntegrityError, SafetensorsError, TensorSpec, tools
 from stream_st.cli import main
 from stream_st.core.digests import ALGORITHM_KEY, DIGEST_KEY_PREFIX
+from stream_st.core.steps import SLICE
 from stream_st.transports.http.source import HttpSource
 from stream_st.transports.s3.sink import MIN_PART_SIZE, S3Sink
 from stream_st.transports.s3.source import S3Source
@@ -284,6 +285,24 @@ async def test_a_damaged_digest_record_is_refused_before_any_tensor(tmp_path: Pa
         assert same(
             await stream_st.load(with_metadata(arrays, metadata), verify=False), arrays
         )  # still an ordinary file
+
+
+async def test_a_big_headers_digest_record_is_checked_a_slice_at_a_time() -> None:
+    # A reader on an event loop gives the loop its turn between two steps: the record of a
+    # header of 200,000 tensors, checked in one go, held the loop for over half a second.
+    arrays: Arrays = {f"t{i:05d}": np.zeros(1, np.int8) for i in range(4 * SLICE)}
+    good = Digests.compute(arrays).add_to(None, list(arrays))
+    header = await stream_st.read_header(with_metadata(arrays, good))
+    assert sum(1 for _ in Digests.from_header_steps(header)) >= 2 * 4  # metadata, then names
+    assert Digests.from_header(header) == Digests.compute(arrays)
+    first = DIGEST_KEY_PREFIX + "t00000"
+    for message, metadata in {
+        "digest for no tensor: 'zz'": {**good, DIGEST_KEY_PREFIX + "zz": good[first]},
+        "is not 32 lowercase hex digits": {**good, first: good[first].upper()},
+    }.items():
+        header = await stream_st.read_header(with_metadata(arrays, metadata))
+        with pytest.raises(IntegrityError, match=message):
+            Digests.from_header(header)
 
 
 async def test_a_renamed_tensor_loses_its_digest(tmp_path: Path) -> None:
