@@ -4,9 +4,7 @@ The synchronous facades (:mod:`stream_st.torch`, :mod:`stream_st.numpy`) call th
 an asyncio event loop of their own. A one-shot call (:func:`run`) from a thread that runs no
 event loop (a plain script, a worker thread) runs that loop right there, in the calling thread: a
 fraction of a millisecond. From inside a running event loop (a notebook cell, an asyncio or trio
-program calling sync code), or from the main thread while a signal handler written in Python is
-set (one that raises would land inside the loop's machinery), it goes through a :class:`Bridge`:
-a loop in a thread of its own, to
+program calling sync code) it goes through a :class:`Bridge`: a loop in a thread of its own, to
 which the calling thread hands the coroutine and then waits for the result (a few milliseconds to
 start). Either way the caller's loop is never asked to run anything, so it can neither deadlock on
 it nor meet "this event loop is already running". An open file (``safe_open``) keeps a
@@ -20,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import sys
 import threading
 from collections.abc import AsyncIterable, Awaitable, Callable
@@ -158,30 +155,14 @@ def _loop_running() -> bool:
         return False
 
 
-def _handlers_raise_here() -> bool:
-    """Whether a signal handler written in Python may run in this thread during a call (the main
-    thread, with one set for some signal; Python's own SIGINT handler aside, which asyncio's
-    runner replaces for the call by one that cancels it cleanly). Such a handler may raise (a
-    SIGALRM watchdog, a custom Ctrl-C handler) between any two steps of the event loop's own
-    machinery, which is not made to survive it: anyio, for one, can be left with a worker
-    thread, not a daemon, waiting for good, and the process can then never exit."""
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    return any(
-        callable(handler) and handler is not signal.default_int_handler
-        for handler in map(signal.getsignal, signal.valid_signals())
-    )
-
-
 async def _boxed(box: list[T], function: Callable[..., Awaitable[T]], *args: Any) -> None:
     box.append(await function(*args))
 
 
 def run(function: Callable[..., Awaitable[T]], *args: Any) -> T:
     """``await function(*args)`` on a private event loop started for this call, from sync code:
-    in the calling thread when it runs no loop and no signal handler of the caller's may raise
-    inside it, else in a :class:`Bridge`'s thread."""
-    if not _loop_running() and not _handlers_raise_here():
+    in the calling thread when it runs no loop, else in a :class:`Bridge`'s thread."""
+    if not _loop_running():
         # The result goes back in a box, not as the task's result: in the main thread asyncio's
         # runner formats its SIGINT handler, which names the task and so the task's result, on
         # the way out (``signal.getsignal``): the repr of every tensor loaded, milliseconds.
