@@ -256,8 +256,7 @@ class Waits:
         """A read of ``source``, cut short by :meth:`close`. A read inside another (each
         receive of a fill) is cut short with it: a source is read by one task at a time, and a
         cancel scope costs as much as a receive of a few KiB."""
-        if self.closed:
-            raise _closed_here(source)
+        self.check(source)
         if self._scopes:
             yield
             return
@@ -268,7 +267,12 @@ class Waits:
                 yield
         finally:
             self._scopes.discard(scope)
-        if self.closed:  # during the read, or while its bytes were being handed over
+        self.check(source)  # closed during the read, or while its bytes were handed over
+
+    def check(self, source: Source) -> None:
+        """A read of ``source`` that will not wait (its bytes are at hand): refused once the
+        source is closed, at the cost of one test, not a cancel scope's."""
+        if self.closed:
             raise _closed_here(source)
 
     def close(self) -> None:

@@ -160,20 +160,20 @@ class ChunkIteratorSource(Source):
         self.name = name
 
     async def receive_into(self, buffer: memoryview) -> int:
-        with self._waits.reading(self):
-            if not self._chunk and not await self._next():
-                return 0
-            return self._take(buffer)
+        self._waits.check(self)
+        if not self._chunk and not await self._next():
+            return 0
+        return self._take(buffer)
 
     async def fill(self, buffer: memoryview) -> int:
         """Fill ``buffer`` from as many chunks as it takes, in one call: a call per chunk cost
         more than the copy of a chunk of a few KiB."""
         filled, total = 0, len(buffer)
-        with self._waits.reading(self):
-            while filled < total:
-                if not self._chunk and not await self._next():
-                    break
-                filled += self._take(buffer[filled:])
+        self._waits.check(self)
+        while filled < total:
+            if not self._chunk and not await self._next():
+                break
+            filled += self._take(buffer[filled:])
         return filled
 
     async def _next(self) -> bool:
@@ -192,7 +192,10 @@ class ChunkIteratorSource(Source):
                             f"a {type(step).__name__}, not an awaitable: an async iterator's "
                             "__anext__ is 'async def'"
                         )
-                    chunk = await step
+                    # Only a wait for the producer takes a cancel scope: a chunk at hand
+                    # is taken with a plain closed check (see fill).
+                    with self._waits.reading(self):
+                        chunk = await step
             except StopAsyncIteration:
                 self._done = True
                 return False

@@ -124,10 +124,6 @@ class _MessageSource(Source):
     async def start(self, *, read_all: bool = False) -> None:
         self._one.claim()
 
-    async def fill(self, buffer: memoryview) -> int:
-        with self._waits.reading(self):  # one cancel scope for the receives of a tensor
-            return await super().fill(buffer)
-
     def message_read(self) -> None:
         self._one.release()
 
@@ -142,6 +138,11 @@ class AnyioStreamSource(_MessageSource):
     def __init__(self, stream: ByteReceiveStream, name: str = "<anyio stream>") -> None:
         super().__init__(stream, name)
         self._stream = stream
+
+    async def fill(self, buffer: memoryview) -> int:
+        # A stream of any kind may wait in each receive: one cancel scope for those of a tensor.
+        with self._waits.reading(self):
+            return await super().fill(buffer)
 
     async def receive_into(self, buffer: memoryview) -> int:
         if not buffer:
@@ -174,6 +175,12 @@ class AnyioStreamSource(_MessageSource):
         return count
 
 
+def _buffered(reader: asyncio.StreamReader) -> bool:
+    """Whether ``reader`` holds bytes not read yet (so that a read of it does not wait); False
+    where it does not say (a reader that is not asyncio's own)."""
+    return bool(getattr(reader, "_buffer", None))
+
+
 class AsyncioStreamSource(_MessageSource):
     """An asyncio ``StreamReader`` (from ``asyncio.open_connection`` and friends)."""
 
@@ -185,8 +192,13 @@ class AsyncioStreamSource(_MessageSource):
         if not buffer:
             return 0
         try:
-            with self._waits.reading(self), self.clock.waiting(self.name, self.position):
-                data = await self._reader.read(len(buffer))
+            with self.clock.waiting(self.name, self.position):
+                if self._reader.at_eof() or _buffered(self._reader):  # read returns at once
+                    self._waits.check(self)
+                    data = await self._reader.read(len(buffer))
+                else:
+                    with self._waits.reading(self):
+                        data = await self._reader.read(len(buffer))
         except TransportError:
             raise
         except OSError as exc:

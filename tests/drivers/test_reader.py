@@ -43,7 +43,7 @@ from stream_st import (
 )
 from stream_st.compat._errors import FileClosedError, NoSuchFileError, UnencodableTextError
 from stream_st.reader import merge_ranges
-from stream_st.transports.base import TURN_EVERY
+from stream_st.transports.base import TURN_EVERY, Waits
 from stream_st.transports.file.source import FileSource
 from stream_st.transports.inmemory import BytesSource, ChunkIteratorSource
 
@@ -678,6 +678,36 @@ async def test_a_source_of_chunks_read_after_its_close_is_no_end() -> None:
     for read in (source.fill, source.receive_into):
         with pytest.raises(TransportError, match="closed on this side"):
             await read(buffer)
+
+
+def test_bytes_at_hand_are_read_without_a_cancel_scope(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of a chunk source or an asyncio reader whose bytes are at hand enters no cancel
+    scope (one costs about as much as the read of a small tensor): only a wait for the producer
+    or the peer does, where every tensor's read took one (twice the cost per small tensor)."""
+    scopes: list[None] = []
+    reading = Waits.reading
+
+    def counted(waits: Waits, source: Any) -> Any:
+        scopes.append(None)
+        return reading(waits, source)
+
+    monkeypatch.setattr(Waits, "reading", counted)
+    data = reference_numpy.save({f"t{i}": np.ones(4, np.float32) for i in range(50)})
+
+    async def one_chunk() -> AsyncIterator[bytes]:
+        yield data
+
+    async def main() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        for source in (one_chunk(), reader):
+            scopes.clear()
+            async with stream_st.open_stream(source) as stream:
+                assert len([name async for name, _ in stream]) == 50
+            assert len(scopes) <= 2, source  # the chunk's wait, the end's
+
+    anyio.run(main, backend="asyncio")
 
 
 async def test_one_iteration_stepped_from_two_tasks() -> None:
