@@ -128,3 +128,24 @@ def test_a_tls_stream_closed_from_another_task(tmp_path: Path, backend: str) -> 
     (tmp_path / "nginx").mkdir()
     with running(NginxServer(root, tmp_path / "nginx")) as nginx:
         anyio.run(main, nginx, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_read_begun_after_the_close_is_refused_as_closed(backend: str) -> None:
+    """A source read after its close (by a caller that kept it) fails at once saying so, never
+    with what a closed connection pool happens to raise."""
+
+    async def main() -> None:
+        with RangeHTTPServer(objects={"/m": DATA}) as server:
+            source = HttpSource(server.url("/m"))
+            await source.start()
+            await source.aclose()
+            buffer = memoryview(bytearray(16))
+            for read in (source.fill(buffer), source.read_into_at(100, buffer)):
+                with (
+                    anyio.fail_after(10),
+                    pytest.raises(TransportError, match="closed on this side"),
+                ):
+                    await read
+
+    anyio.run(main, backend=backend)

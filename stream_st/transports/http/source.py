@@ -61,8 +61,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Unpack
 
-import anyio
-
 from ...errors import (
     ArgumentTypeError,
     CertificateError,
@@ -75,7 +73,7 @@ from ...errors import (
     redact,
     string,
 )
-from ..base import Source
+from ..base import Source, Waits
 from ..options import Clock, LimitOptions, Transport, checked_number
 from .client import ClientUser, HTTPClient
 from .framing import Response, content_range
@@ -145,7 +143,7 @@ class HttpSource(ClientUser, Source):
         self._response_end = 0  # absolute offset where the open response's body ends
         self._plan: list[tuple[int, int]] = []
         self._pin = VersionPin()  # the first answer's ETag, Last-Modified
-        self._running: set[anyio.CancelScope] = set()  # the reads in progress (see _reported)
+        self._waits = Waits()  # the reads in progress (see _reported)
 
     @property
     def validators(self) -> tuple[str, str]:
@@ -293,23 +291,14 @@ class HttpSource(ClientUser, Source):
         """Errors raised inside name this source as its caller did (``name``), never the URL a
         request went to: one redirected to may be signed, and a message is no place for that.
         :meth:`aclose` from another task cuts the work inside short (a wait for bytes, a
-        request, a back-off): it raises :class:`TransportError` ("closed on this side")."""
-        scope = anyio.CancelScope()
-        self._running.add(scope)
+        request, a back-off), and refuses work begun after it: it raises
+        :class:`TransportError` ("closed on this side")."""
         try:
-            with scope:
+            with self._waits.reading(self):
                 yield
         except TransportError as exc:
             exc.report_as(self.name)
             raise
-        finally:
-            self._running.discard(scope)
-        if scope.cancelled_caught:
-            raise TransportError(
-                "read failed: the source was closed on this side",
-                url=self.name,
-                position=self.position,
-            )
 
     async def receive_into(self, buffer: memoryview) -> int:
         with self._reported():
@@ -458,8 +447,7 @@ class HttpSource(ClientUser, Source):
             await response.aclose()
 
     async def aclose(self) -> None:
-        for scope in self._running:  # another task's read: it ends, its connection closed here
-            scope.cancel()
+        self._waits.close()  # another task's read: it ends, its connection closed here
         if self._parts is not None:
             await self._parts.aclose()
         await self._close_response()
