@@ -22,7 +22,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import anyio.lowlevel
@@ -268,6 +268,14 @@ class Waits:
         finally:
             self._scopes.discard(scope)
         self.check(source)  # closed during the read, or while its bytes were handed over
+
+    def guard(self, source: Source, *, waits: bool) -> AbstractContextManager[None]:
+        """:meth:`reading` for a read of ``source`` that ``waits``; :meth:`check` for one whose
+        bytes are at hand, where a cancel scope would cost more than the read."""
+        if waits:
+            return self.reading(source)
+        self.check(source)
+        return nullcontext()
 
     def check(self, source: Source) -> None:
         """A read of ``source`` that will not wait (its bytes are at hand): refused once the

@@ -192,13 +192,12 @@ class AsyncioStreamSource(_MessageSource):
         if not buffer:
             return 0
         try:
-            with self.clock.waiting(self.name, self.position):
-                if self._reader.at_eof() or _buffered(self._reader):  # read returns at once
-                    self._waits.check(self)
-                    data = await self._reader.read(len(buffer))
-                else:
-                    with self._waits.reading(self):
-                        data = await self._reader.read(len(buffer))
+            at_hand = self._reader.at_eof() or _buffered(self._reader)  # read returns at once
+            with (
+                self.clock.waiting(self.name, self.position),
+                self._waits.guard(self, waits=not at_hand),
+            ):
+                data = await self._reader.read(len(buffer))
         except TransportError:
             raise
         except OSError as exc:
