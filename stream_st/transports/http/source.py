@@ -54,11 +54,13 @@ bytes from two versions.
 
 from __future__ import annotations
 
+import bisect
 import math
 import ssl
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from operator import itemgetter
 from typing import Unpack
 
 from ...errors import (
@@ -280,10 +282,12 @@ class HttpSource(ClientUser, Source):
 
     def _planned_end(self, offset: int, minimum: int) -> int:
         """Where a request from ``offset`` should end: the end of the planned run it falls in,
-        and at least ``minimum`` (the bytes asked for now)."""
-        for start, end in self._plan:
-            if start <= offset < end:
-                return max(end, minimum)
+        and at least ``minimum`` (the bytes asked for now). The plan is in order: a binary
+        search, where a scan of a plan of many runs per request was quadratic."""
+        plan = self._plan
+        index = bisect.bisect_right(plan, offset, key=itemgetter(0)) - 1
+        if index >= 0 and offset < plan[index][1]:
+            return max(plan[index][1], minimum)
         return minimum
 
     @contextmanager
