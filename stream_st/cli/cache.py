@@ -67,6 +67,8 @@ def _age(seconds: float) -> str:
 
 async def run_cache(args: argparse.Namespace) -> int:
     cache = _cache_of(args)
+    if cache.directory.exists() and not cache.directory.is_dir():  # not an empty cache
+        raise UsageError(f"cannot use the cache in {cache.directory}: not a directory")
     try:
         return _run_cache(args, cache)
     except OSError as exc:

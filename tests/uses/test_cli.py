@@ -295,6 +295,8 @@ OTHER_BAD_VALUES = [
     ["inspect"],
     ["demo", "--synthetic", "--text", "{model}"],  # were ignored
     ["demo", "--synthetic", "--context", "99999"],
+    ["cache", "ls", "--dir", "{model}"],  # a file: listed as an empty cache
+    ["cache", "rm", "--dir", "{model}", "*"],
 ]
 
 
