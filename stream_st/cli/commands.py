@@ -434,7 +434,7 @@ def _load_shapes(path: str | None) -> dict[str, list[int]] | None:
         return None
     try:
         with open(path, "rb") as f:
-            shapes = decode_json(f.read(), f"expected shapes {path}")
+            shapes = decode_json(f.read(), f"expected shapes {path}", strict=True)
     except (OSError, SafetensorsError) as exc:
         raise UsageError(f"--expect-shapes: cannot read {path}: {exc}") from None
     try:  # checked here, once, as validate() checks it: the option's error, not each source's

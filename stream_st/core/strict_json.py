@@ -51,7 +51,7 @@ def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                raise HeaderError(f"duplicate key {key!r} in the JSON header")
+                raise HeaderError(f"duplicate key {key!r} in a JSON object")
             seen.add(key)
     return result
 

@@ -249,6 +249,9 @@ def test_validate_finds_nan_inf_and_expectations(tmp_path: Path) -> None:
     wrong = run("validate", "--expect-shapes", str(shapes), "--expect-layers", "v_proj", str(good))
     assert wrong.returncode == 1
     assert "expected [4]" in wrong.stdout and "no tensor for v_proj" in wrong.stdout
+    shapes.write_text('{"a.layers.0.q_proj": [4], "a.layers.0.q_proj": [3]}')  # the last won
+    twice = run("validate", "--expect-shapes", str(shapes), str(good))
+    assert twice.returncode == 2 and "duplicate key 'a.layers.0.q_proj'" in twice.stderr
 
 
 def test_errors_are_one_line_with_exit_status_2(tmp_path: Path) -> None:
