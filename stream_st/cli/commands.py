@@ -22,6 +22,7 @@ import unicodedata
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict
+from types import EllipsisType
 from typing import Any
 
 import anyio
@@ -190,10 +191,14 @@ async def run_ls(args: argparse.Namespace) -> int:
     return await _each(args, one)
 
 
-def parse_index(text: str) -> tuple[int | slice, ...]:
-    """A ``--slice`` argument, numpy's basic indexing: ``0:4``, ``1``, ``:,0:2``, ``::2``."""
-    index: list[int | slice] = []
+def parse_index(text: str) -> tuple[int | slice | EllipsisType, ...]:
+    """A ``--slice`` argument, numpy's basic indexing: ``0:4``, ``1``, ``:,0:2``, ``::2``,
+    ``...,0``."""
+    index: list[int | slice | EllipsisType] = []
     for part in text.split(","):
+        if part.strip() == "...":
+            index.append(Ellipsis)
+            continue
         try:
             if ":" not in part:
                 index.append(int(part))

@@ -16,6 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
+from types import EllipsisType
 from typing import Any, TextIO, cast
 
 import ml_dtypes
@@ -489,11 +490,22 @@ def _f4_values(packed: np.ndarray[Any, Any], shape: Sequence[int]) -> np.ndarray
     return codes.reshape(shape).view(_F4_VALUES)
 
 
-def _in_range(index: tuple[int | slice, ...], shape: Sequence[int]) -> tuple[int | slice, ...]:
+def _in_range(
+    index: tuple[int | slice | EllipsisType, ...], shape: Sequence[int]
+) -> tuple[int | slice | EllipsisType, ...]:
     """``index`` when each of its integers lies within its axis (numpy words one too large for
-    its own integers as a wrong kind of index); an IndexError naming the axis otherwise."""
-    for axis, (each, size) in enumerate(zip(index, shape, strict=False)):
-        if isinstance(each, int) and not -size <= each < size:
+    its own integers as a wrong kind of index); an IndexError naming the axis otherwise. The
+    indices after an ellipsis are those of the last axes."""
+    axes = list(enumerate(index))
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        after = len(shape) - (len(index) - at - 1)  # the axis of the first index after it
+        axes = axes[:at] + [(after + i, each) for i, each in enumerate(index[at + 1 :])]
+    for axis, each in axes:
+        if not (isinstance(each, int) and 0 <= axis < len(shape)):
+            continue  # a slice, or an axis too many (numpy's error names it)
+        size = shape[axis]
+        if not -size <= each < size:
             raise IndexError(f"index {each} is out of range for axis {axis} of size {size}")
     return index
 

@@ -249,7 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("source", help="file, directory, URL or - (stdin)")
     show.add_argument("name", help="the tensor's name")
     show.add_argument(
-        "--slice", type=parse_index, metavar="INDEX", help="numpy-style indices, e.g. 0:4 or 1,0:8"
+        "--slice",
+        type=parse_index,
+        metavar="INDEX",
+        help="numpy-style indices, e.g. 0:4, 1,0:8 or ...,0",
     )
     show.add_argument("--json", action="store_true", help="the values as one JSON record")
 

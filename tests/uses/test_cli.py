@@ -617,3 +617,35 @@ def test_the_progress_bar_makes_no_request_of_its_own(model: Path) -> None:
         without_bar = len(server.requests) - with_bar
     assert result.returncode == 0 and b"3/3 tensors" in result.stderr, result
     assert with_bar == without_bar
+
+
+@pytest.mark.parametrize(
+    ("text", "index"),
+    [
+        ("...,1", (..., 1)),
+        ("1,...", (1, ...)),
+        ("0,...,-1", (0, ..., -1)),
+        ("...,0:2", (..., slice(0, 2))),
+        ("...", (...,)),
+        ("0,1,2,...", (0, 1, 2, ...)),
+    ],
+)
+def test_show_slice_takes_an_ellipsis_as_numpy_does(
+    text: str, index: tuple[Any, ...], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--slice`` took ints and slices only; ``...`` (as the reference's ``get_slice`` and
+    numpy take it) was "expected numpy-style indices"."""
+    values = np.arange(24, dtype=np.int32).reshape(2, 3, 4)
+    path = tmp_path / "b.safetensors"
+    reference_numpy.save_file({"b": values}, str(path))
+    assert main(["show", "--json", str(path), "b", f"--slice={text}"]) == 0
+    assert json.loads(capsys.readouterr().out)["values"] == values[index].tolist()
+
+
+def test_show_slice_after_an_ellipsis_is_checked_against_the_last_axes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "b.safetensors"
+    reference_numpy.save_file({"b": np.zeros((2, 3, 4), np.int8)}, str(path))
+    assert main(["show", str(path), "b", "--slice=...,4"]) == 2
+    assert "index 4 is out of range for axis 2 of size 4" in capsys.readouterr().err
