@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib
 import os
+import signal
 import sys
 import threading
 from collections.abc import AsyncIterable, Awaitable, Callable
@@ -155,8 +158,90 @@ def _loop_running() -> bool:
         return False
 
 
-async def _boxed(box: list[T], function: Callable[..., Awaitable[T]], *args: Any) -> None:
-    box.append(await function(*args))
+_SIGNALS = sorted(int(signum) for signum in signal.valid_signals())
+_getsignal: Callable[[int], object] = importlib.import_module("_signal").getsignal
+"""``signal.getsignal`` without its conversion to enums: 3 us for every signal, not 45."""
+
+
+class _CallersHandlers:
+    """The caller's own Python signal handlers, while a call runs its loop in the main thread.
+
+    Python runs a handler in the main thread between any two bytecodes: there, inside the
+    loop's own machinery. One that raises (a ``SIGALRM`` timeout, a ``SIGTERM`` handler's
+    ``sys.exit()``) would fail whatever callback it landed in: asyncio logs that and drops it
+    (a worker thread's result is lost, and the call waits for it for ever), or the loop stops
+    with tasks and worker threads left running. Each such handler is wrapped for the call: it
+    still runs when its signal comes, and what it raises cancels the call's task instead
+    (cleaned up as for Ctrl-C) and is raised to the caller once the loop is over, as a plain
+    synchronous call would have raised it; a second one is raised where it lands (the way out
+    of a call that does not stop). A handler replaced during the call is left as set."""
+
+    __slots__ = ("_loop", "_over", "_task", "_wrapped", "raised")
+
+    def __init__(self) -> None:
+        self.raised: BaseException | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wrapped: list[tuple[int, Any, Callable[..., None]]] = []
+        self._over = False
+
+    def __enter__(self) -> _CallersHandlers:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # handlers run in the main thread only, not in this call's loop
+        try:
+            for signum in _SIGNALS:
+                handler = _getsignal(signum)
+                if callable(handler) and handler is not signal.default_int_handler:
+                    wrapper = functools.partial(self._deferred, handler)
+                    self._wrapped.append((signum, handler, wrapper))
+                    signal.signal(signum, wrapper)
+        except BaseException:  # a handler raised while the others were wrapped
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Put the caller's handlers back. Until all are, a wrapped one that raises keeps what
+        it raised for the caller (:attr:`raised`); a wrapper left in place by a handler raising
+        in between calls its handler as it is from then on."""
+        try:
+            for signum, handler, wrapper in self._wrapped:
+                if _getsignal(signum) is wrapper:
+                    signal.signal(signum, handler)
+        finally:
+            self._over = True
+
+    def started(self) -> None:
+        """The call's task is running (on the loop of this thread)."""
+        self._task = asyncio.current_task()
+        self._loop = asyncio.get_running_loop()
+
+    def _deferred(self, handler: Callable[..., object], signum: int, frame: Any) -> None:
+        if self._over:  # a wrapper kept by code that chains to the handler it replaced
+            handler(signum, frame)
+            return
+        try:
+            handler(signum, frame)
+        except BaseException as exc:
+            if self.raised is not None:
+                raise  # stopping the call hangs: raised where it lands, as a second Ctrl-C is
+            self.raised = exc
+            task, loop = self._task, self._loop
+            if task is not None and loop is not None and not task.done():
+                task.cancel()
+                loop.call_soon_threadsafe(_nothing)  # wake a loop waiting in select()
+
+
+def _nothing() -> None:
+    pass
+
+
+async def _boxed(
+    box: list[T], handlers: _CallersHandlers, function: Callable[..., Awaitable[T]], *args: Any
+) -> None:
+    handlers.started()
+    if handlers.raised is None:  # a handler raised while the loop started: nothing to begin
+        box.append(await function(*args))
 
 
 def run(function: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -170,9 +255,22 @@ def run(function: Callable[..., Awaitable[T]], *args: Any) -> T:
         # otherwise make its loop current and, on the way out, leave the thread with none,
         # taking the loop the caller had set (asyncio.set_event_loop) from under it.
         box: list[T] = []
-        anyio.run(
-            _boxed, box, function, *args, backend_options={"loop_factory": asyncio.new_event_loop}
-        )
+        handlers = _CallersHandlers()
+        try:
+            with handlers:
+                anyio.run(
+                    _boxed,
+                    box,
+                    handlers,
+                    function,
+                    *args,
+                    backend_options={"loop_factory": asyncio.new_event_loop},
+                )
+        except BaseException:
+            if handlers.raised is None:
+                raise  # the call's own error (a handler's supersedes it: it stopped the call)
+        if handlers.raised is not None:
+            raise handlers.raised.with_traceback(handlers.raised.__traceback__) from None
         return box[0]
     bridge = Bridge()
     try:

@@ -125,3 +125,62 @@ def test_ctrl_c_while_a_bridge_starts_stops_its_thread(monkeypatch: pytest.Monke
     with pytest.raises(KeyboardInterrupt):
         _sync.Bridge()
     assert [t for t in threading.enumerate() if t not in before] == []
+
+
+RAISING_HANDLER = textwrap.dedent(
+    """
+    import os, signal, sys, tempfile, threading
+    import numpy as np
+    import stream_st.numpy as st_np
+
+    class Alarm(Exception):
+        pass
+
+    def alarm(signum, frame):
+        raise Alarm
+
+    tensors = {f"t{i}": np.full(1 << 20, i, np.float32) for i in range(8)}
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "w.safetensors")
+        st_np.save_file(tensors, path, timeout=60)  # the imports done
+        signal.signal(signal.SIGALRM, alarm)
+        raised = 0
+        for attempt in range(40):
+            signal.setitimer(signal.ITIMER_REAL, 0.0005 + 0.0005 * attempt)
+            try:
+                if attempt % 2:
+                    st_np.save_file(tensors, path, timeout=60)
+                else:
+                    st_np.load_file(path)
+            except Alarm:
+                raised += 1
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            assert st_np.load_file(path)["t7"][0] == 7  # the old file or the new one, whole
+            assert os.listdir(folder) == ["w.safetensors"], os.listdir(folder)
+        assert signal.getsignal(signal.SIGALRM) is alarm
+    for thread in threading.enumerate():  # those of the last call end (none for ever)
+        if thread is not threading.main_thread():
+            thread.join(10)
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    print("raised", raised, "threads left", left)
+    """
+)
+
+
+def test_a_signal_handler_that_raises_stops_a_call_as_it_would_a_plain_function() -> None:
+    """A Python signal handler that raises (a SIGALRM timeout) runs between any two bytecodes,
+    inside the call's event loop: what it raised failed a callback there, which asyncio logged
+    and dropped, and the call waited for ever for what that callback would have delivered (or
+    left worker threads that kept the process from exiting). Its exception now stops the call
+    and reaches the caller, with nothing left behind."""
+    result = subprocess.run(
+        [sys.executable, "-c", RAISING_HANDLER],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "threads left []" in result.stdout, result.stdout
+    assert "raised 0 " not in result.stdout  # the handler's exception reached the caller
+    assert "Exception in callback" not in result.stderr, result.stderr[-3000:]
