@@ -181,12 +181,34 @@ def _buffered(reader: asyncio.StreamReader) -> bool:
     return bool(getattr(reader, "_buffer", None))
 
 
+def _on_its_loop(stream: asyncio.StreamReader | asyncio.StreamWriter, name: str) -> None:
+    """A :class:`UsageError` unless the running event loop is the asyncio loop ``stream``
+    belongs to: elsewhere (under trio, in another ``asyncio.run``) its first wait fails with
+    that loop's own error, a bare ``TypeError`` or ``RuntimeError``."""
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    owner = getattr(stream, "_loop", None)  # asyncio's own streams say where they belong
+    if running is None or (isinstance(owner, asyncio.AbstractEventLoop) and owner is not running):
+        where = "under another event loop library" if running is None else "on another loop"
+        raise UsageError(
+            f"{name}: an asyncio {type(stream).__name__} is used on the asyncio event loop it "
+            f"belongs to, not {where}: use an anyio stream, a chunk iterator or a URL there"
+        )
+
+
 class AsyncioStreamSource(_MessageSource):
-    """An asyncio ``StreamReader`` (from ``asyncio.open_connection`` and friends)."""
+    """An asyncio ``StreamReader`` (from ``asyncio.open_connection`` and friends), read on the
+    asyncio loop it belongs to."""
 
     def __init__(self, reader: asyncio.StreamReader, name: str = "<asyncio stream>") -> None:
         super().__init__(reader, name)
         self._reader = reader
+
+    async def start(self, *, read_all: bool = False) -> None:
+        _on_its_loop(self._reader, self.name)
+        await super().start(read_all=read_all)
 
     async def receive_into(self, buffer: memoryview) -> int:
         if not buffer:
@@ -328,11 +350,16 @@ class AnyioStreamSink(_MessageSink):
 
 
 class AsyncioStreamSink(_MessageSink):
-    """An asyncio ``StreamWriter`` (from ``asyncio.open_connection`` and friends)."""
+    """An asyncio ``StreamWriter`` (from ``asyncio.open_connection`` and friends), written on
+    the asyncio loop it belongs to."""
 
     def __init__(self, writer: asyncio.StreamWriter, name: str = "<asyncio stream>") -> None:
         super().__init__(writer, name)
         self._writer = writer
+
+    async def allocate(self, size: int) -> None:
+        _on_its_loop(self._writer, self.name)
+        await super().allocate(size)
 
     def _tail(self) -> int:
         try:

@@ -1061,3 +1061,45 @@ def test_an_error_rebuilt_with_a_message_of_its_own_keeps_its_class() -> None:
     copy = rebuilt(error, "m.safetensors: bad text")
     assert type(copy) is UnencodableTextError and copy.args == ("m.safetensors: bad text",)
     assert str(copy) == str(error)  # its message is its own attribute, kept
+
+
+def test_an_asyncio_stream_is_refused_off_its_own_loop() -> None:
+    """An asyncio StreamReader read under trio, or on another asyncio loop than its own, failed
+    at its first wait with that library's bare error (trio's TypeError "unrecognized yield
+    message", asyncio's RuntimeError "attached to a different loop"); a StreamWriter written
+    there too. Both are a UsageError now, before any byte."""
+    data = reference_numpy.save({"t": np.ones(4, np.float32)})
+    made: dict[str, Any] = {}
+
+    async def make() -> None:
+        made["reader"] = asyncio.StreamReader()
+        made["writer"] = asyncio.StreamWriter(_Transport(), asyncio.Protocol(), None, made["loop"])
+
+    made["loop"] = asyncio.new_event_loop()
+    made["loop"].run_until_complete(make())
+    made["loop"].close()
+
+    async def read_on_another() -> None:
+        with pytest.raises(UsageError, match="on the asyncio event loop it belongs to"):
+            await stream_st.load(made["reader"])
+        with pytest.raises(UsageError, match="on the asyncio event loop it belongs to"):
+            await stream_st.save(made["writer"], {"t": np.ones(4, np.float32)})
+
+    async def read_under_trio() -> None:
+        reader = asyncio.StreamReader(loop=made["loop"])
+        reader.feed_data(data[:20])  # a wait would follow
+        with pytest.raises(UsageError, match="not under another event loop library"):
+            await stream_st.load(reader)
+
+    asyncio.run(read_on_another())
+    trio.run(read_under_trio)
+
+
+class _Transport(asyncio.WriteTransport):
+    """A transport taking every write (the writer is refused before one)."""
+
+    def write(self, data: Any) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
