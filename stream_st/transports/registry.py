@@ -154,6 +154,9 @@ async def _new_source(obj: SourceLike, clock: Clock) -> Source:
         return AnyioStreamSource(obj)
     if inspect.iscoroutinefunction(getattr(obj, "readinto", None)):  # not a blocking file's
         return ReadIntoSource(cast(AsyncReadInto, obj))
+    chunks = getattr(obj, "iter_any", None)
+    if callable(chunks) and inspect.iscoroutinefunction(getattr(obj, "readany", None)):
+        return ChunkIteratorSource(chunks())  # aiohttp's StreamReader: iterated, it gives lines
     if isinstance(obj, AsyncIterable):
         refusal = getattr(type(obj), "not_a_source", None)  # iterated, it gives no bytes
         if isinstance(refusal, str):

@@ -275,3 +275,17 @@ def test_bad_numeric_options_are_refused_as_the_source_is_made(
     with pytest.raises(error, match=message) as info:
         made(**{option: value})
     assert isinstance(info.value, stream_st.SafetensorsError)
+
+
+async def test_an_aiohttp_response_body_is_read_as_chunks(server: RangeHTTPServer) -> None:
+    """aiohttp's ``response.content`` is an async iterable of *lines*: given as a source it was
+    read line by line, and a tensor of 512 KiB without a newline byte failed with aiohttp's own
+    LineTooLong. Its chunks are read now, as they come."""
+    aiohttp = pytest.importorskip("aiohttp")
+    tensors = {"w": np.full(1 << 20, 11, np.uint8)}  # no newline byte at all
+    server.objects["/w.safetensors"] = reference_numpy.save(tensors)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(server.url("/w.safetensors")) as response,
+    ):
+        assert_same_arrays(await stream_st.load(response.content), tensors)
