@@ -15,7 +15,7 @@ from .._api import using_cache
 from ..errors import SafetensorsError, UsageError
 from ..transports.cache import Cache, parse_size
 from .exits import EXIT_DIFFERENT, EXIT_OK
-from .output import PROG, human, print_json
+from .output import PROG, human, print_json, shown
 
 __all__ = ["add_cache_command", "add_cache_option"]
 
@@ -97,7 +97,7 @@ def _run_cache(args: argparse.Namespace, cache: Cache) -> int:
                     }
                 )
             return EXIT_OK
-        width = max([len("address"), *(len(e.shown) for e in found)])
+        width = max([len("address"), *(len(shown(e.shown)) for e in found)])
         print(f"{'address':<{width}}  {'size':>9}  {'last used':>10}  state")
         for entry in reversed(found):
             state = (
@@ -110,7 +110,7 @@ def _run_cache(args: argparse.Namespace, cache: Cache) -> int:
                 else "partial"
             )
             used = _age(entry.last_used)
-            print(f"{entry.shown:<{width}}  {human(entry.size):>9}  {used:>10}  {state}")
+            print(f"{shown(entry.shown):<{width}}  {human(entry.size):>9}  {used:>10}  {state}")
         total = sum(e.size for e in found)
         print(f"{len(found)} copies, {human(total)} in {cache.directory} and {cache.hub_directory}")
         return EXIT_OK
@@ -136,16 +136,16 @@ def _run_cache(args: argparse.Namespace, cache: Cache) -> int:
         busy = [e for e in chosen if not remove(e)]
         for entry in chosen:
             if entry not in busy:
-                print(f"removed {entry.shown} ({human(entry.size)})")
+                print(f"removed {shown(entry.shown)} ({human(entry.size)})")
         for entry in busy:
-            print(f"left {entry.shown}: another process is writing it")
+            print(f"left {shown(entry.shown)}: another process is writing it")
         return EXIT_DIFFERENT if busy else EXIT_OK
     cap = parse_size(args.max_size) if args.max_size else cache.max_size
     if cap is None:
         raise UsageError("give --max-size SIZE (or set STREAM_ST_CACHE_MAX)")
     removed = prune(cache, cap)
     for entry in removed:
-        print(f"removed {entry.shown} ({human(entry.size)})")
+        print(f"removed {shown(entry.shown)} ({human(entry.size)})")
     print(f"removed {len(removed)} copies, {human(sum(e.size for e in removed))}")
     return EXIT_OK
 

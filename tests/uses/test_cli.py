@@ -649,3 +649,23 @@ def test_show_slice_after_an_ellipsis_is_checked_against_the_last_axes(
     reference_numpy.save_file({"b": np.zeros((2, 3, 4), np.int8)}, str(path))
     assert main(["show", str(path), "b", "--slice=...,4"]) == 2
     assert "index 4 is out of range for axis 2 of size 4" in capsys.readouterr().err
+
+
+def test_cache_ls_and_rm_escape_an_address(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``cache ls`` and ``cache rm`` printed a copy's address as it was: an escape sequence or
+    a bidirectional override in it reached the terminal (validate showed it escaped)."""
+    cache = str(tmp_path / "c")
+    objects = {"/e%1B[31m%E2%80%AEred.safetensors": model.read_bytes()}
+    with RangeHTTPServer(objects=objects, etag="strong") as running:
+        url = running.url("/e\x1b[31m\u202ered.safetensors")
+        assert main(["validate", "-q", "--cache-dir", cache, url]) == 0
+    capsys.readouterr()
+    assert main(["cache", "ls", "--dir", cache]) == 0
+    listed = capsys.readouterr().out
+    assert main(["cache", "rm", "--all", "--dir", cache]) == 0
+    removed = capsys.readouterr().out
+    for out in (listed, removed):
+        assert "\x1b" not in out and "\u202e" not in out, out
+        assert "/e\\x1b[31m\\u202ered.safetensors" in out, out
