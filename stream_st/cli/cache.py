@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fnmatch
+import re
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -55,6 +55,14 @@ def add_cache_option(sub: argparse.ArgumentParser) -> None:
             return await handler(args)
 
     sub.set_defaults(handler=cached)
+
+
+def _pattern(text: str) -> re.Pattern[str]:
+    """``cache rm``'s ``PATTERN``: ``*`` any characters, ``?`` one, every other character
+    itself (a ``[`` too: an IPv6 host, ``a[1].safetensors``), so that an address as ``cache ls``
+    lists it matches itself."""
+    parts = (".*" if c == "*" else "." if c == "?" else re.escape(c) for c in text)
+    return re.compile("".join(parts), re.DOTALL)
 
 
 def _age(seconds: float) -> str:
@@ -117,10 +125,9 @@ def _run_cache(args: argparse.Namespace, cache: Cache) -> int:
     if args.action == "rm":
         if not args.patterns and not args.all:
             raise UsageError("name the addresses to remove (patterns, as * and ?) or give --all")
+        patterns = [_pattern(p) for p in args.patterns]
         chosen = [
-            e
-            for e in entries(cache)
-            if args.all or any(fnmatch.fnmatchcase(e.shown, p) for p in args.patterns)
+            e for e in entries(cache) if args.all or any(p.fullmatch(e.shown) for p in patterns)
         ]
         if not chosen:
             what = (

@@ -669,3 +669,30 @@ def test_cache_ls_and_rm_escape_an_address(
     for out in (listed, removed):
         assert "\x1b" not in out and "\u202e" not in out, out
         assert "/e\\x1b[31m\\u202ered.safetensors" in out, out
+
+
+def test_cache_rm_takes_an_address_with_brackets_as_it_is(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``cache rm`` read ``[1]`` in a pattern as a class (fnmatch's): the address of
+    ``a[1].safetensors`` (or of any IPv6 host) as ``cache ls`` lists it matched not itself but
+    ``a1.safetensors``. Only ``*`` and ``?`` are wildcards."""
+    cache = str(tmp_path / "c")
+    objects = {"/a[1].safetensors": model.read_bytes(), "/a1.safetensors": model.read_bytes()}
+    with RangeHTTPServer(objects=objects, etag="strong") as running:
+        bracketed, plain = running.url("/a[1].safetensors"), running.url("/a1.safetensors")
+        for url in (bracketed, plain):
+            assert main(["validate", "-q", "--cache-dir", cache, url]) == 0
+    capsys.readouterr()
+
+    def listed() -> list[str]:
+        assert main(["cache", "ls", "--json", "--dir", cache]) == 0
+        return [json.loads(line)["address"] for line in capsys.readouterr().out.splitlines()]
+
+    assert sorted(listed()) == sorted([bracketed, plain])
+    assert main(["cache", "rm", "--dir", cache, bracketed]) == 0
+    assert capsys.readouterr().out == f"removed {bracketed} (456 B)\n"
+    assert listed() == [plain]
+    assert main(["cache", "rm", "--dir", cache, "*/a?.safetensors"]) == 0
+    assert capsys.readouterr().out == f"removed {plain} (456 B)\n"
+    assert listed() == []
