@@ -72,6 +72,15 @@ def test_into_a_directory_or_prefix_under_the_sources_name(
     )
 
 
+def test_a_file_url_source_gives_the_name_of_the_file_it_reads(tmp_path: Path) -> None:
+    """``cp file:///d/sp%20ace.safetensors OUT/`` read ``sp ace.safetensors`` but named the
+    copy ``sp%20ace.safetensors``: the URL's name was taken undecoded."""
+    model = write_model(tmp_path / "sp ace.safetensors")
+    result = run("cp", "-q", model.as_uri(), str(tmp_path / "out") + "/")
+    assert result.returncode == 0, result.stderr
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["sp ace.safetensors"]
+
+
 @pytest.mark.parametrize(
     ("into", "said"),
     [
