@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 import time
@@ -13,8 +14,9 @@ from typing import Any
 
 from .._api import using_cache
 from ..errors import SafetensorsError, UsageError
-from ..transports.cache import Cache, parse_size
+from ..transports.cache import Cache
 from .exits import EXIT_DIFFERENT, EXIT_OK
+from .options import size_arg
 from .output import PROG, human, print_json, shown
 
 __all__ = ["add_cache_command", "add_cache_option"]
@@ -23,8 +25,11 @@ Handler = Callable[[argparse.Namespace], Awaitable[int]]
 
 
 def _cache_of(args: argparse.Namespace) -> Cache:
+    env: dict[str, str] = dict(os.environ)
+    if getattr(args, "max_size", None) is not None:  # the option's cap, not the environment's
+        env.pop("STREAM_ST_CACHE_MAX", None)
     directory = getattr(args, "dir", None)
-    return Cache.at(directory) if directory else Cache.default()
+    return Cache.at(directory, env) if directory else Cache.default(env)
 
 
 def add_cache_option(sub: argparse.ArgumentParser) -> None:
@@ -147,7 +152,7 @@ def _run_cache(args: argparse.Namespace, cache: Cache) -> int:
         for entry in busy:
             print(f"left {shown(entry.shown)}: another process is writing it")
         return EXIT_DIFFERENT if busy else EXIT_OK
-    cap = parse_size(args.max_size) if args.max_size else cache.max_size
+    cap = cache.max_size if args.max_size is None else args.max_size
     if cap is None:
         raise UsageError("give --max-size SIZE (or set STREAM_ST_CACHE_MAX)")
     removed = prune(cache, cap)
@@ -181,7 +186,9 @@ def add_cache_command(commands: Any) -> argparse.ArgumentParser:
     removing.add_argument("patterns", nargs="*", metavar="PATTERN", help="addresses (* and ?)")
     removing.add_argument("--all", action="store_true", help="every copy")
     pruning = actions.add_parser("prune", help="remove the least recently used copies")
-    pruning.add_argument("--max-size", metavar="SIZE", help="keep at most SIZE (50G)")
+    pruning.add_argument(
+        "--max-size", metavar="SIZE", type=size_arg, help="keep at most SIZE (50G)"
+    )
     for action in (listing, removing, pruning):  # after the action too; else the cache's
         action.add_argument(
             "--dir", "--cache-dir", metavar="DIR", default=argparse.SUPPRESS, help=where

@@ -696,3 +696,18 @@ def test_cache_rm_takes_an_address_with_brackets_as_it_is(
     assert main(["cache", "rm", "--dir", cache, "*/a?.safetensors"]) == 0
     assert capsys.readouterr().out == f"removed {plain} (456 B)\n"
     assert listed() == []
+
+
+def test_cache_prune_names_its_option_and_takes_it_over_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--max-size abc`` said "not a size" without naming the option, and a bad
+    ``STREAM_ST_CACHE_MAX`` refused ``--max-size 1G``, which overrides it."""
+    cache = str(tmp_path / "c")
+    status, stderr = _status_and_stderr(["cache", "prune", "--max-size", "abc"], capsys)
+    assert status == 2 and "argument --max-size: not a size: 'abc'" in stderr, stderr
+    monkeypatch.setenv("STREAM_ST_CACHE_MAX", "abc")
+    assert main(["cache", "prune", "--dir", cache, "--max-size", "1G"]) == 0
+    assert capsys.readouterr().out == "removed 0 copies, 0 B\n"
+    status, stderr = _status_and_stderr(["cache", "prune", "--dir", cache], capsys)
+    assert status == 2 and "STREAM_ST_CACHE_MAX in the environment" in stderr, stderr
