@@ -37,6 +37,7 @@ from ..errors import (
     SourceNotFoundError,
     TensorNotFoundError,
     TransportError,
+    UnsupportedSourceError,
     UsageError,
     redact,
 )
@@ -45,7 +46,6 @@ from ..tools.common import naming, plural
 from ..tools.cp import address_in, local_path, make_directory
 from ..tools.model_checks import ModelConfig
 from ..tools.validate import expected_shapes
-from ..transports.file.atomic import path_from_url
 from ..transports.file.sink import PipeSink
 from ..transports.registry import SinkLike
 from .demo import print_report, run_demo
@@ -505,10 +505,8 @@ def _is_directory(dst: str) -> bool:
 
 def _source_name(src: str, dst: str) -> str:
     """The name a copy of ``src`` takes in the directory or prefix ``dst``."""
-    path = src
-    if "://" in src:
-        parts = split_address(src)  # a file:// URL's path decoded, as its reader opens it
-        path = path_from_url(src) if parts.scheme.lower() == "file" else parts.path
+    local = local_path(src, UnsupportedSourceError)  # a file:// URL's, as its reader opens it
+    path = split_address(src).path if local is None else local
     name = posixpath.basename(path.rstrip("/"))
     if not name or src == "/dev/stdin" or src.lower().startswith("tcp://"):
         shown = STDIO if src == "/dev/stdin" else src

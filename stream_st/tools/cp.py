@@ -796,14 +796,17 @@ class _Held(Sink):
         await self.sink.abort()
 
 
-def local_path(dst: str) -> str | None:
-    """The local path the destination ``dst`` names (a path, or a ``file://`` URL's); None for
-    any other URL."""
-    if "://" not in dst:
-        return dst
-    if split_address(dst).scheme.lower() != "file":
+def local_path(
+    address: str, unsupported: type[SafetensorsError] = UnsupportedSinkError
+) -> str | None:
+    """The local path ``address`` names (a path, or a ``file://`` URL's, decoded); None for any
+    other URL. ``unsupported`` is raised for a ``file://`` URL of a remote host (a destination's
+    by default)."""
+    if "://" not in address:
+        return address
+    if split_address(address).scheme.lower() != "file":
         return None
-    return path_from_url(dst, UnsupportedSinkError)
+    return path_from_url(address, unsupported)
 
 
 def make_directory(path: str, made: list[str]) -> None:
