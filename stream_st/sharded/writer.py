@@ -34,6 +34,7 @@ that finds no other writer there first removes what writers killed there left un
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -666,6 +667,12 @@ class ShardedWriter(_RollingWriter):
         stale = single not in finals and os.path.lexists(self.directory / single)
         if not later and not stale:
             return
+        for number in later:  # refused while the previous checkpoint is whole, not once its
+            # index is gone: a directory there cannot be replaced
+            target = self.directory / finals[number]
+            if target.is_dir() and not target.is_symlink():
+                with _io("moving a shard into place", target):
+                    raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
         with _io("removing the previous index", index):
             index.unlink(missing_ok=True)
         for number in later:

@@ -55,6 +55,22 @@ async def test_an_index_that_cannot_be_written_replaces_no_previous_shard(tmp_pa
     assert after == previous
 
 
+async def test_a_directory_at_a_shards_final_name_keeps_the_previous_index(
+    tmp_path: Path,
+) -> None:
+    """The previous index was removed before the shard's move over the directory failed: the
+    previous checkpoint no longer loaded."""
+    async with open_sharded_writer(tmp_path, max_shard_size=16) as writer:
+        for name in ("a", "b", "c"):
+            await writer.write(name, np.full(4, 1.0, np.float32))
+    (tmp_path / "model-00002-of-00002.safetensors").mkdir()  # the second write's last shard
+    with pytest.raises(TransportError, match="directory"):
+        await _write(tmp_path, 2.0)
+    loaded = await stream_st.load(tmp_path / INDEX)
+    assert sorted(loaded) == ["a", "b", "c"]
+    assert all((array == 1.0).all() for array in loaded.values())
+
+
 CHILD = """
 import os, signal, sys, threading, anyio, numpy as np, stream_st
 from stream_st.transports.file import atomic
