@@ -215,10 +215,13 @@ class _Hashing(Source):
         return got
 
     async def finish(self) -> str:
-        """Read what no one read yet through the hash; the sha256 (hex) of every byte."""
+        """Read what no one read yet through the hash; the sha256 (hex) of every byte. The
+        operation's deadline is checked at every chunk (a local file's reads wait for nothing
+        it would bound otherwise)."""
         await self.start()
         chunk = memoryview(bytearray(FILE_CHUNK))
         while got := await self.inner.fill(chunk):
+            self.inner.clock.check(self.name, self.position)
             await anyio.to_thread.run_sync(self._sha.update, chunk[:got])
             self.position += got
         return self._sha.hexdigest()

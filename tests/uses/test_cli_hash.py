@@ -273,3 +273,29 @@ def test_check_goes_on_past_a_list_it_cannot_read(model: Path, tmp_path: Path) -
         assert checked.stdout == f"{model.name}: OK\n"
         assert checked.stderr.startswith("stream-st: error: cannot read checksum list: ")
         assert f"url={unreadable}" in checked.stderr
+
+
+def _sparse_model(path: Path, size: int) -> Path:
+    """A safetensors file of one U8 tensor of ``size`` zero bytes, its data a hole (fast to make
+    and to read)."""
+    header = json.dumps({"x": {"dtype": "U8", "shape": [size], "data_offsets": [0, size]}})
+    text = header.encode().ljust(-(-len(header) // 8) * 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text)
+    os.truncate(path, path.stat().st_size + size)
+    return path
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["file", "check"])
+def test_deadline_bounds_hashing_a_local_file(tmp_path: Path, check: bool) -> None:
+    """A local file's bytes after the header were hashed with no look at the deadline: a big
+    file ran to its end, whatever --deadline said."""
+    big = _sparse_model(tmp_path / "big.safetensors", 2 << 30)
+    if check:
+        listing = tmp_path / "SHA256SUMS"
+        listing.write_text(f"{'0' * 64}  {big}\n")
+        args = ["hash", "--check", str(listing)]
+    else:
+        args = ["hash", "--file", str(big)]
+    result = run(*args, "--deadline", "0.2")
+    assert result.returncode == 2, result
+    assert "deadline of 0.2 s passed" in result.stderr
