@@ -121,6 +121,8 @@ def test_region_signs_the_requests(bare_env: dict[str, str], tmp_path: Path) -> 
         ("--endpoint-url", "", "empty (an unset variable?)"),
         ("--endpoint-url", "http://host:abc", "a URL whose port is not a number from 0 to"),
         ("--endpoint-url", "http://host:70000", "a URL whose port is not a number from 0 to"),
+        ("--endpoint-url", "http://a b:9000", "a URL whose host is not a host name or an IP"),
+        ("--endpoint-url", "http://a%ffb:9000", "a URL whose host is not a host name or an IP"),
         ("--profile", "nosuch", "the AWS profile 'nosuch' is in neither"),
         ("--region", "x@127.0.0.1:9/", "'x@127.0.0.1:9/' is not a region name"),
         ("--region", "eu west 1", "'eu west 1' is not a region name"),
@@ -130,8 +132,9 @@ def test_a_bad_s3_flag_is_refused_once(
     flag: str, value: str, said: str, bare_env: dict[str, str]
 ) -> None:
     """A bad --endpoint-url, --profile or --region is refused as the command line is parsed,
-    naming the flag, once (they were each source's error, without the flag's name; an empty
-    --endpoint-url was taken as unset, a region holding '@host:port/' sent the signed request
+    naming the flag, once (they were each source's error, without the flag's name, as a host
+    with a space or an escape still was until it was checked; an empty --endpoint-url was taken
+    as unset, a region holding '@host:port/' sent the signed request
     to that host)."""
     env = {**bare_env, **CREDENTIALS, "AWS_SESSION_TOKEN": "TOKEN-SECRET"}
     status, out, err = _run("inspect", "s3://b/k1", "s3://b/k2", flag, value, env=env)

@@ -90,6 +90,11 @@ def region_problem(region: str) -> str | None:
     return f"{region!r} is not a region name (letters, digits and inner '-', at most 63)"
 
 
+_HOST = re.compile(r"[\w.~-]+|[0-9a-f.]*:[0-9a-f:.]*(?:%[\w.~-]+)?", re.IGNORECASE)
+"""A host name (letters, digits, ``-``, ``.``, ``_``, ``~``: no space, no escape) or an IPv6
+address, a zone after ``%`` allowed (``urlsplit`` gives it without its brackets)."""
+
+
 def endpoint_problem(url: str) -> str | None:
     """Why ``url`` is no endpoint (not shown: it may hold a password); None when it is one."""
     try:
@@ -98,6 +103,8 @@ def endpoint_problem(url: str) -> str | None:
         parts = urlsplit("")
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         return "not an http:// or https:// URL with a host"
+    if not _HOST.fullmatch(parts.hostname):  # "a b", "a%ffb": no request could reach it
+        return "a URL whose host is not a host name or an IP address"
     try:
         _ = parts.port
     except ValueError:  # not a number, or out of range
