@@ -468,7 +468,9 @@ def _conversion(
     ``quantize`` names (each None for none); a :class:`~stream_st.UsageError` for a bad value
     or more than one conversion."""
     if quantize is not None and (dtype is not None or dequantize):
-        raise UsageError("choose one of dtype=, quantize= and dequantize=")
+        raise UsageError(
+            "choose one of --dtype, --quantize and --dequantize (dtype=, quantize= and dequantize=)"
+        )
     target = _target_dtype(dtype)
     if quantize is None:
         return target, None

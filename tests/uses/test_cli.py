@@ -515,6 +515,15 @@ def test_cp_round_trip_conversion_and_quantization(model: Path, tmp_path: Path) 
     np.testing.assert_allclose(quantized[only] / scale, TENSORS[only], atol=0.5 / scale)
 
 
+def test_cp_conversions_refused_together_name_the_options(model: Path, tmp_path: Path) -> None:
+    """The command said 'choose one of dtype=, quantize= and dequantize=': Python's keywords,
+    not its options."""
+    result = run("cp", "--quantize", "int8", "--dtype", "bf16", str(model), str(tmp_path / "q"))
+    assert result.returncode == 2
+    assert "choose one of --dtype, --quantize and --dequantize" in result.stderr
+    assert not (tmp_path / "q").exists()
+
+
 def test_cp_reports_its_read_with_stats_and_json(
     model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
