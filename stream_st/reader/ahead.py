@@ -137,7 +137,8 @@ async def _read_ahead(
             await give_turn()
             info, job, span, array, hasher = queued.popleft()
             source.clock.check(source.name, source.position)
-            got = await ahead.wait(job) if job >= 0 else 0
+            with source.clock.within_deadline(source.name, base + info.start):
+                got = await ahead.wait(job) if job >= 0 else 0  # a big tensor: seconds
             source.position = base + info.start + got
             if got < info.nbytes:
                 raise _cut_short(info, source, base)

@@ -309,13 +309,19 @@ class Clock:
         if left <= seconds:
             raise ReadTimeoutError(self._deadline_passed(), url=name, position=position)
 
-    @contextmanager
-    def within_deadline(self, name: str, position: int | None = None) -> Iterator[None]:
-        """Bound work that is no wait for data (a big header's parse) by the deadline alone;
-        :class:`~stream_st.ReadTimeoutError` when it passes."""
+    def within_deadline(
+        self, name: str, position: int | None = None
+    ) -> AbstractContextManager[None]:
+        """Bound work that is no wait for the transport (a big header's parse, a local file's
+        read by worker threads) by the deadline alone; :class:`~stream_st.ReadTimeoutError`
+        when it passes. Without a deadline nothing is bound, at the cost of no generator."""
         if self._ends_at is None:
-            yield
-            return
+            return _UNBOUND
+        return self._until_deadline(name, position)
+
+    @contextmanager
+    def _until_deadline(self, name: str, position: int | None) -> Iterator[None]:
+        assert self._ends_at is not None  # see within_deadline
         with anyio.move_on_after(self._ends_at - time.monotonic()) as scope:
             yield
         if scope.cancelled_caught:

@@ -11,6 +11,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -25,6 +27,7 @@ import safetensors.numpy as reference_numpy
 import stream_st
 from stream_st import ReadTimeoutError, TensorSpec, UsageError, tools
 from stream_st.cli.demo import run_demo
+from stream_st.transports.file import readahead
 from stream_st.transports.options import Limits
 
 from .._util import sample_file, sample_tensors
@@ -130,6 +133,29 @@ async def test_deadline_ends_a_local_read_between_tensors(tmp_path: Path) -> Non
         with pytest.raises(ReadTimeoutError, match=r"deadline of 0\.3 s passed") as info:
             await anext(tensors)
     assert info.value.url == str(path)
+
+
+async def test_deadline_ends_a_local_read_within_a_big_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline was checked between tensors only: a file of one big tensor was read to its
+    end past it (each piece's read here slowed down to 0.2 s, 0.4 s in all)."""
+    path = tmp_path / "big.safetensors"
+    reference_numpy.save_file({"x": np.ones(16 << 20, np.uint8)}, str(path))
+    slow = readahead._preadv_fully
+
+    def slowed(*args: Any) -> list[int]:
+        time.sleep(0.2)
+        return slow(*args)
+
+    monkeypatch.setattr(readahead, "_preadv_fully", slowed)
+    async with stream_st.open_stream(path, deadline=0.1) as stream:
+        with pytest.raises(ReadTimeoutError, match=r"deadline of 0\.1 s passed") as info:
+            async for _ in stream:
+                pass
+    assert info.value.position == stream.header.data_start
+    alive = [thread.name for thread in threading.enumerate()]
+    assert "stream_st read-ahead" not in alive  # the threads stopped and waited for
 
 
 async def test_deadline_counts_from_opening_across_every_shard(tmp_path: Path) -> None:
