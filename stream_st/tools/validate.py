@@ -233,7 +233,8 @@ async def validate(
     layers = _expected_layers(expect_layers)
     progress = checked_progress(progress)
     model = None if config is None else _config_of(config)
-    async with _opened_views(source, command_clock(options)) as (stream, headers):
+    clock = command_clock(options)
+    async with _opened_views(source, clock) as (stream, headers):
         return await _validate_stream(
             redact(str(source)),
             stream,
@@ -243,6 +244,7 @@ async def validate(
             model,
             warn_abs,
             progress,
+            clock,
         )
 
 
@@ -320,6 +322,7 @@ async def _validate_stream(
     config: ModelConfig | None,
     warn_abs: float,
     progress: Progress | None,
+    clock: Clock,
 ) -> Validation:
     result = Validation(source, load=stream.stats)
     infos = _keyed(headers, ())[0]  # a name a dataset repeats: once per shard
@@ -346,7 +349,7 @@ async def _validate_stream(
     algorithms = {h.metadata[ALGORITHM_KEY] for h in headers if ALGORITHM_KEY in h.metadata}
     digests, damaged = _recorded_digests(result, headers, infos)
     expect_totals(progress, list(infos.values()))
-    checker = _Checker(infos, progress, digests=digests, source=source)
+    checker = _Checker(infos, progress, clock, digests=digests, source=source)
     await checker.run(stream)
     for stats, info in checker.done:
         _findings(result, stats, info, warn_abs)
@@ -421,12 +424,14 @@ class _Checker:
     them). ``done``: the statistics, with each tensor's info, in stream order. Each tensor with a
     recorded digest in ``digests`` (by the same keys) is checked against it: ``checked`` counts
     those that match, ``mismatches`` describes each that does not (every tensor is still
-    summarised)."""
+    summarised). ``clock``: the operation's, whose deadline is checked at every part (the
+    summaries are no wait for the transport that it bounds otherwise)."""
 
     def __init__(
         self,
         infos: Mapping[Key, TensorInfo],
         progress: Progress | None,
+        clock: Clock,
         *,
         digests: Mapping[Key, Digests] | None = None,
         source: str = "",
@@ -436,6 +441,7 @@ class _Checker:
         for key in infos:
             self._keys.setdefault(key[0], deque()).append(key)
         self._progress = progress
+        self._clock = clock
         self._digests = digests or {}
         self._source = source
         self.checked = 0
@@ -486,6 +492,7 @@ class _Checker:
                     self._record(tensor, tensor_stats(label, info.dtype, info.shape, array))
                     continue
                 for index, start in enumerate(starts):
+                    self._clock.check(self._source)
                     stop = min(start + SEGMENT, array.size)
                     nbytes = (stop - start) * array.itemsize
                     await self._put(_Piece(tensor, index, array, start, stop, nbytes))

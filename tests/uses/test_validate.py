@@ -619,3 +619,16 @@ async def test_a_dataset_s_columns_are_validated_shard_by_shard(tmp_path: Path) 
     (error,) = result.errors
     assert error.startswith("x (shard 1): tensor 'x' ") and "does not match" in error
     assert [(t.name, t.max) for t in result.tensors][1] == ("x (shard 1)", 5)
+
+
+async def test_deadline_bounds_the_summaries(tmp_path: Path) -> None:
+    """The summaries were no wait for the transport: a 512 MiB tensor was summarised to its
+    end (seconds) past deadline=0.3. Its data is a hole: made and mapped at once."""
+    path = tmp_path / "big.safetensors"
+    size = 512 << 20
+    header = json.dumps({"x": {"dtype": "F32", "shape": [size // 4], "data_offsets": [0, size]}})
+    text = header.encode().ljust(-(-len(header) // 8) * 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text)
+    os.truncate(path, path.stat().st_size + size)
+    with pytest.raises(stream_st.ReadTimeoutError, match=r"deadline of 0\.3 s passed"):
+        await tools.validate(path, deadline=0.3)
