@@ -495,7 +495,10 @@ def _in_range(
 ) -> tuple[int | slice | EllipsisType, ...]:
     """``index`` when each of its integers lies within its axis (numpy words one too large for
     its own integers as a wrong kind of index); an IndexError naming the axis otherwise. The
-    indices after an ellipsis are those of the last axes."""
+    indices after an ellipsis are those of the last axes. Too many indices are left to numpy's
+    error, which says so (an axis past an ellipsis would be named wrongly)."""
+    if len(index) - (Ellipsis in index) > len(shape):
+        return index
     axes = list(enumerate(index))
     if Ellipsis in index:
         at = index.index(Ellipsis)

@@ -658,6 +658,10 @@ def test_show_slice_after_an_ellipsis_is_checked_against_the_last_axes(
     reference_numpy.save_file({"b": np.zeros((2, 3, 4), np.int8)}, str(path))
     assert main(["show", str(path), "b", "--slice=...,4"]) == 2
     assert "index 4 is out of range for axis 2 of size 4" in capsys.readouterr().err
+    # more indices than axes: said so, where an axis before the first was named
+    assert main(["show", str(path), "b", "--slice=...,1,2,3,4"]) == 2
+    err = capsys.readouterr().err
+    assert "too many indices" in err and "out of range" not in err, err
 
 
 def test_cache_ls_and_rm_escape_an_address(
