@@ -27,7 +27,7 @@ import safetensors.numpy as reference_numpy
 import stream_st
 from stream_st import ReadTimeoutError, TensorSpec, UsageError, tools
 from stream_st.cli.demo import run_demo
-from stream_st.transports.file import readahead
+from stream_st.transports.file import atomic, readahead
 from stream_st.transports.options import Limits
 
 from .._util import sample_file, sample_tensors
@@ -185,6 +185,24 @@ async def test_deadline_aborts_a_file_write_and_leaves_nothing(tmp_path: Path, m
                 await writer.write("b", np.zeros(4, np.float32))
     assert info.value.url == str(destination)
     assert info.value.position == writer.header.data_start + writer.header["b"].start
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_deadline_aborts_a_big_tensors_write_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline was checked between tensors only: one big tensor was written to its end
+    past it (each 256 KiB block's write here slowed down to 10 ms: 0.64 s for 32 MiB)."""
+    slow = atomic.pwrite_fully
+
+    def slowed(*args: Any) -> None:
+        time.sleep(0.01)
+        slow(*args)
+
+    monkeypatch.setattr(atomic, "pwrite_fully", slowed)
+    destination = tmp_path / "out.safetensors"
+    with pytest.raises(ReadTimeoutError, match=r"deadline of 0\.2 s passed"):
+        await stream_st.save(destination, {"a": np.ones(32 << 20, np.uint8)}, deadline=0.2)
     assert list(tmp_path.iterdir()) == []
 
 

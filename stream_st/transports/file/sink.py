@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import anyio
 import anyio.lowlevel
@@ -146,22 +147,37 @@ def _check_copy_source(source: int, target: int) -> None:
         )
 
 
-async def _write(fd: int, buffer: memoryview, offset: int, name: str) -> None:
+async def _write(fd: int, buffer: memoryview, offset: int, name: str, clock: Clock) -> None:
     """Write all of ``buffer`` at ``offset`` of the file open as ``fd``: on the event loop's
     thread when it is shorter than :data:`WRITE_INLINE`, else in worker threads, :data:`WRITERS`
     of them sharing a buffer of at least :data:`SPLIT_THRESHOLD` bytes, taking its blocks in
-    turn."""
+    turn, each block within ``clock``'s deadline (a big tensor's write takes seconds)."""
     blocks = Blocks([buffer], offset)
     if len(buffer) < WRITE_INLINE:
         write_blocks(fd, blocks, name)
         await anyio.lowlevel.checkpoint()
         return
+    stop = _deadline_stop(clock, name)
     if SPLIT_THRESHOLD is None or len(buffer) < SPLIT_THRESHOLD:
-        await anyio.to_thread.run_sync(write_blocks, fd, blocks, name, None)
+        await anyio.to_thread.run_sync(write_blocks, fd, blocks, name, stop)
         return
     async with task_group() as group:
         for _ in range(WRITERS):
-            group.start_soon(anyio.to_thread.run_sync, write_blocks, fd, blocks, name, None)
+            group.start_soon(anyio.to_thread.run_sync, write_blocks, fd, blocks, name, stop)
+
+
+def _deadline_stop(clock: Clock, name: str) -> Callable[[], bool] | None:
+    """A ``stop`` for :func:`~.atomic.write_blocks` that raises
+    :class:`~stream_st.ReadTimeoutError` once ``clock``'s deadline has passed; None without a
+    deadline."""
+    if clock.remaining() == math.inf:
+        return None
+
+    def stop() -> bool:
+        clock.check(name)
+        return False
+
+    return stop
 
 
 async def open_file_sink(
@@ -250,7 +266,7 @@ class FileSink(AtomicFile, Sink):
                 await self.write_at(offset, buffer)
             return
         with self._in_use() as fd:
-            await _write(fd, buffer, offset, self.name)
+            await _write(fd, buffer, offset, self.name, self.clock)
 
     async def copy_in(self, source: int, at: int, offset: int, count: int) -> int:
         """Write ``count`` bytes at ``offset`` from offset ``at`` of the local file open as
