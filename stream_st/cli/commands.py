@@ -219,7 +219,9 @@ def parse_index(text: str) -> tuple[int | slice | EllipsisType, ...]:
 
 async def run_show(args: argparse.Namespace) -> int:
     source = one_source_arg(args.source)
-    stream = open_stream(source, include=[args.name], **options_of(args))  # options checked
+    # mapped where the source is a local file: a slice, or the edges a summary shows, touch only
+    # their own pages of a big tensor
+    stream = open_stream(source, include=[args.name], copy=False, **options_of(args))
     try:
         with naming(source):  # the source's own errors only, not the options' nor --slice's
             async with stream:
