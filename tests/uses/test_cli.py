@@ -730,8 +730,8 @@ def test_show_maps_a_local_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """show read the whole tensor into new memory to print a few of its values: --slice 0:3 of
-    a 3 GiB tensor took 13 s and 3 GiB; a local file's tensor is now a view of its mapping,
-    whose slice touches its own pages alone."""
+    a 3 GiB tensor took 13 s and 3 GiB; a local file's tensor is now a view of its mapping (its
+    pages the page cache's)."""
     path = tmp_path / "m.safetensors"
     reference_numpy.save_file({"x": np.arange(1 << 20, dtype=np.int32)}, str(path))
     shown: list[np.ndarray[Any, Any]] = []
