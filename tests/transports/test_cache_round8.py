@@ -215,6 +215,20 @@ def test_presigned_urls_of_two_versions_name_two_copies() -> None:
     assert shown == "https://bucket.s3.amazonaws.com/m.safetensors"
 
 
+@pytest.mark.parametrize("name", ["key", "fileKey", "object_key"])
+def test_a_key_parameter_of_an_unsigned_url_names_the_object(name: str) -> None:
+    """Every name ending in 'key' was dropped from the object's identity, as a credential:
+    ?key=a and ?key=b shared one copy, and offline, or with the server down, a read of one was
+    answered with the other's. Beside a signature it still signs only; an API key or a token
+    still authorizes only."""
+    assert object_key(f"https://h/d?{name}=a").key != object_key(f"https://h/d?{name}=b").key
+    signed = "https://h/d?X-Amz-Signature={}&" + name + "={}"
+    assert object_key(signed.format("s", "a")).key == object_key(signed.format("t", "b")).key
+    for credential in ("api_key", "token", "secret_key"):
+        first, second = (f"https://h/d?f=1&{credential}={v}" for v in "ab")
+        assert object_key(first).key == object_key(second).key
+
+
 @pytest.mark.parametrize("damage", ["past the end", "no ranges"])
 def test_a_partial_copy_record_reaching_past_the_object_is_not_trusted(
     tmp_path: Path, damage: str

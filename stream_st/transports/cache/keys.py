@@ -4,10 +4,12 @@ A key never holds a secret: user information (``user:password@``) is dropped, an
 query parameter that only signs or authorizes the request (:func:`signs_only`: a presigned S3
 or Google URL's ``X-Amz-*`` and ``X-Goog-*``, CloudFront's ``Signature``, ``Expires``,
 ``Policy`` and ``Key-Pair-Id``, an Azure SAS's ``sig``, ``se``, ``sp``..., and any name that
-:func:`~stream_st.errors.redact` masks: ``token``, ``key``, ``access_token``...): it changes
-with every signing, and the same object signed twice is one copy. Every other parameter stays
-part of the object's identity (``?file=a``, ``?version=2``, S3's ``versionId``), in a canonical
-order, and is kept on disk only as a hash: two objects never share a copy. What is shown
+:func:`~stream_st.errors.redact` masks: ``token``, ``access_token``, ``api_key``...): it changes
+with every signing, and the same object signed twice is one copy. ``key`` and a name ending in
+``key`` (``fileKey``) are dropped only from a signed URL: elsewhere they name the object as
+often as they authorize. Every other parameter stays part of the object's identity
+(``?file=a``, ``?version=2``, S3's ``versionId``), in a canonical order, and is kept on disk
+only as a hash: two objects never share a copy. What is shown
 (``cache ls``) is the address without user information and query.
 """
 
@@ -18,7 +20,7 @@ from collections.abc import Collection
 from urllib.parse import parse_qsl, quote, urlencode
 
 from ...core.shards import split_address
-from ...errors import _secret_parameter
+from ...errors import _SECRET_WORDS, _secret_parameter
 
 __all__ = ["ObjectKey", "object_key", "signs_only", "version_key"]
 
@@ -86,11 +88,29 @@ def signs_only(name: str, names: Collection[str] = ()) -> bool:
     lowered = name.lower()
     if lowered in VERSION_QUERY:
         return False
-    if lowered.startswith(SIGNED_PREFIXES) or _secret_parameter(name):
+    if lowered.startswith(SIGNED_PREFIXES):
+        return True
+    if _names_a_key(lowered) and not _signed(names):
+        return False  # ?key=, ?fileKey=: as often the object's name as a credential
+    if _secret_parameter(name):
         return True
     if lowered in SIGNED_QUERY and "signature" in names:
         return True
     return lowered in SAS_QUERY and "sig" in names
+
+
+def _names_a_key(lowered: str) -> bool:
+    """Whether a parameter of this name (lower case) is ``key`` or ends in ``key`` without
+    another word of a secret (``fileKey``, ``objectKey``; not ``apikey``, ``secret_key``)."""
+    plain = lowered.replace("_", "").replace("-", "")
+    return plain.endswith("key") and not any(word in plain for word in _SECRET_WORDS)
+
+
+def _signed(names: Collection[str]) -> bool:
+    """Whether a query of the parameters ``names`` (lower case) carries a signature."""
+    return bool({"signature", "sig"} & set(names)) or any(
+        name.startswith(SIGNED_PREFIXES) for name in names
+    )
 
 
 def version_key(etag: str, last_modified: str, size: int | None) -> str:
