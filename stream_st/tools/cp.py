@@ -139,7 +139,7 @@ def _target_dtype(dtype: str | None) -> str | None:
         return None
     target = _TARGETS.get(dtype.lower()) if isinstance(dtype, str) else None
     if target is None:
-        raise UsageError(f"dtype must be one of {', '.join(_TARGETS)}, not {dtype!r}")
+        raise UsageError(f"dtype= (--dtype) must be one of {', '.join(_TARGETS)}, not {dtype!r}")
     return target
 
 
@@ -285,9 +285,9 @@ class _Pairing:
         if twice:
             first = twice[0]
             raise UsageError(
-                f"--quantize would write tensor {first!r} into both {self.written[first]} and "
-                f"{where} (a tensor's {self.codec.key} scale beside a tensor of that name): "
-                "leave one of them out (--include)"
+                f"quantize= (--quantize) would write tensor {first!r} into both "
+                f"{self.written[first]} and {where} (a tensor's {self.codec.key} scale beside a "
+                "tensor of that name): leave one of them out (include=, --include)"
             )
         self.written.update(dict.fromkeys(names, where))
         for name in sorted(names.difference(plan.changed)):  # kept as they are, and scales
@@ -305,9 +305,10 @@ class _Pairing:
         if not unwritten:
             beside = ", ".join(map(repr, wire))
             raise UsageError(
-                f"--quantize would write tensor {name!r}, not {self.codec.key} codes, beside "
-                f"{beside}: --dequantize would take {name!r} for {self.codec.key} codes and "
-                f"{beside} for their scale; leave one of them out (--include) or rename it"
+                f"quantize= (--quantize) would write tensor {name!r}, not {self.codec.key} codes, "
+                f"beside {beside}: dequantize= (--dequantize) would take {name!r} for "
+                f"{self.codec.key} codes and {beside} for their scale; leave one of them out "
+                "(include=, --include) or rename it"
             )
         return unwritten
 
@@ -401,9 +402,9 @@ def _taken_whole(decoder: Codec, wanted: Collection[str], every: Collection[str]
         if taken and len(taken) < len(wire) and all(part in every for part in wire):
             left = ", ".join(repr(part) for part in wire if part not in wanted)
             raise UsageError(
-                f"--dequantize rebuilds tensor {name!r} from {' and '.join(map(repr, wire))}, "
-                f"and --include leaves out {left}: include {left} as well, or leave out "
-                f"{', '.join(map(repr, taken))}"
+                f"dequantize= (--dequantize) rebuilds tensor {name!r} from "
+                f"{' and '.join(map(repr, wire))}, and include= (--include) leaves out {left}: "
+                f"include {left} as well, or leave out {', '.join(map(repr, taken))}"
             )
 
 
@@ -475,7 +476,7 @@ def _conversion(
     if quantize is None:
         return target, None
     if not isinstance(quantize, str) or quantize.lower() != "int8":
-        raise UsageError(f"quantize supports int8, not {quantize!r}")
+        raise UsageError(f"quantize= (--quantize) supports int8, not {quantize!r}")
     return target, get_codec("int8")
 
 
@@ -487,12 +488,12 @@ def _decoder(metadata: Mapping[str, str], encoder: Codec | None, dequantize: boo
     if encoder is not None and decoder is not None:
         raise UsageError(
             f"the source is quantized already ({metadata['compression']} in __metadata__): "
-            "dequantize it first"
+            "dequantize it first (dequantize=, --dequantize)"
         )
     if dequantize and decoder is None:
         said = metadata.get("compression")
         why = f"its __metadata__ says compression={said}" if said else "no compression key"
-        raise UsageError(f"--dequantize: the source is not quantized ({why})")
+        raise UsageError(f"dequantize= (--dequantize): the source is not quantized ({why})")
     return decoder if dequantize else None
 
 
@@ -895,9 +896,9 @@ async def _planned(
     for part, name in plan.parts.items():
         if weight_map[part] != weight_map[name]:
             raise UsageError(
-                f"--dequantize rebuilds tensor {name!r} (in {weight_map[name]}) from {part!r} "
-                f"too (in {weight_map[part]}), and a mirror rebuilds each shard's tensors from "
-                "that shard alone: merge the checkpoint into one file (--merge)"
+                f"dequantize= (--dequantize) rebuilds tensor {name!r} (in {weight_map[name]}) from "
+                f"{part!r} too (in {weight_map[part]}), and a mirror rebuilds each shard's "
+                "tensors from that shard alone: merge the checkpoint into one file (cp(), --merge)"
             )
     return plan, headers
 
@@ -963,7 +964,7 @@ async def mirror(
     if changing and shards.weight_map is None:
         raise UsageError(
             f"{index}: a dataset manifest is mirrored as it is (its byte counts would change): "
-            f"drop {', '.join(given)}, or merge it into one file"
+            f"drop {', '.join(given)}, or merge it into one file (cp(), --merge)"
         )
     index_name = posixpath.basename(split_address(index).path if "://" in index else index)
     allow_open_files(len(shards.shards) + 1)

@@ -248,7 +248,7 @@ def test_dequantize_refuses_codes_without_their_scale(tmp_path: Path) -> None:
         for taken, left in (("w", "'w.scale'"), ("w.scale", "'w'")):
             refused = run("cp", "-q", "--dequantize", "--include", taken, str(source), f"{out}/")
             assert refused.returncode == 2, refused.stderr
-            assert f"--include leaves out {left}: include {left} as well" in refused.stderr
+            assert f"(--include) leaves out {left}: include {left} as well" in refused.stderr
             assert not out.exists()
     both = ("--include", "w", "--include", "w.scale")
     done = run("cp", "-q", "--dequantize", *both, str(index), f"{out}/")
@@ -275,9 +275,9 @@ def test_a_mirror_refuses_to_dequantize_a_tensor_split_between_shards(tmp_path: 
     refused = run("cp", "-q", "--dequantize", str(index), f"{out}/")
     assert refused.returncode == 2, refused.stderr
     assert f"tensor 'w' (in {first}) from 'w.scale' too (in {second})" in refused.stderr
-    assert "(--merge)" in refused.stderr
+    assert "(cp(), --merge)" in refused.stderr
     refused = run("cp", "-q", "--dequantize", "--include", "w", str(index), f"{out}/")
-    assert refused.returncode == 2 and "--include leaves out 'w.scale'" in refused.stderr
+    assert refused.returncode == 2 and "(--include) leaves out 'w.scale'" in refused.stderr
     assert not out.exists()
     merged = tmp_path / "merged.safetensors"
     done = run("cp", "-q", "--dequantize", "--merge", str(index), str(merged))

@@ -305,7 +305,7 @@ def test_quantize_refuses_tensors_dequantize_would_pair_wrongly(
     refused = run("cp", "--quantize", "int8", str(source), str(out))
     assert refused.returncode == 2, refused.stderr
     said = refused.stderr.decode()
-    assert f"--quantize would write tensor {named}" in said and "--dequantize" in said
+    assert f"quantize= (--quantize) would write tensor {named}" in said and "--dequantize" in said
     assert said.count("\n") == 1 and not out.exists()
     first = next(iter(tensors))
     only = ["--include", first, "--include", "z"]

@@ -4,6 +4,7 @@ a wrong type is an :class:`~stream_st.ArgumentTypeError` naming the argument, wh
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -74,3 +75,22 @@ async def test_cp_takes_include_as_an_iterator(source: Path, tmp_path: Path) -> 
         dst = tmp_path / f"out{i}.safetensors"
         await tools.cp(source, dst, include=include)  # type: ignore[arg-type]
         assert list(st_np.load_file(dst)) == ["b"]
+
+
+async def test_cp_refusals_name_the_keywords(source: Path, tmp_path: Path) -> None:
+    """cp(dequantize=True) of a file not quantized said '--dequantize: the source is not
+    quantized', and cp(dequantize=True, include="a") of a quantized one '--include leaves out
+    'a.scale'': the command's options, not the keywords the caller gave; both are named."""
+    q8 = tmp_path / "q8.safetensors"
+    await tools.cp(source, q8, quantize="int8")
+    dst = tmp_path / "out.safetensors"
+    for src, options, named in (
+        (source, {"dtype": "f64"}, "dtype= (--dtype) must be one of"),
+        (source, {"quantize": "int4"}, "quantize= (--quantize) supports int8"),
+        (source, {"dequantize": True}, "dequantize= (--dequantize): the source is not"),
+        (q8, {"quantize": "int8"}, "dequantize it first (dequantize=, --dequantize)"),
+        (q8, {"dequantize": True, "include": "a"}, "include= (--include) leaves out 'a.scale'"),
+    ):
+        with pytest.raises(stream_st.UsageError, match=re.escape(named)):
+            await tools.cp(src, dst, **options)
+        assert not dst.exists()
