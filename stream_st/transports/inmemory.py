@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UnsupportedSourceError, UsageError
+from ..errors import TransportError, UnsupportedSourceError, UsageError
 from .base import Source, Waits, give_turn
 
 __all__ = ["BytesSource", "ChunkIteratorSource", "as_bytes_view", "refuse_path_bytes"]
@@ -145,13 +145,18 @@ class ChunkIteratorSource(Source):
     meanwhile is a :class:`~stream_st.UsageError`. Its close, from any task, cuts short a read
     waiting for the next chunk (see :class:`~.base.Waits`)."""
 
-    def __init__(self, chunks: AsyncIterable[Any], name: str = "<async iterator>") -> None:
+    def __init__(
+        self, chunks: AsyncIterable[Any], name: str = "<async iterator>", owner: object = None
+    ) -> None:
+        """``owner``: what the chunks come from, claimed in place of their iterator, where each
+        iteration of it makes a new iterator (aiohttp's reader, see :func:`aiohttp_source`)."""
         super().__init__()
         self._iterable = chunks
         self._iterator: AsyncIterator[Any] = _iterator_of(chunks)
-        if _READERS.get(id(self._iterator)) is not None:
-            raise _read_elsewhere(name, self._iterator)
-        _READERS[id(self._iterator)] = self
+        self._claim = self._iterator if owner is None else owner
+        if _READERS.get(id(self._claim)) is not None:
+            raise _read_elsewhere(name, self._claim)
+        _READERS[id(self._claim)] = self
         # Whether each step is checked to be awaitable: an async generator's always are.
         self._check_steps = not inspect.isasyncgen(self._iterator)
         self._chunk = _EMPTY
@@ -224,10 +229,32 @@ class ChunkIteratorSource(Source):
         an async generator there (its ``finally`` blocks run), and fails. The iterator is free
         for another source from here on."""
         self._waits.close()
-        if _READERS.get(id(self._iterator)) is self:
-            del _READERS[id(self._iterator)]
+        if _READERS.get(id(self._claim)) is self:
+            del _READERS[id(self._claim)]
         closer = getattr(self._iterator, "aclose", None)
         if callable(closer) and not getattr(self._iterator, "ag_running", False):
             closing = closer()
             if inspect.isawaitable(closing):  # a plain method of that name has closed it
                 await closing
+
+
+def aiohttp_source(reader: Any) -> ChunkIteratorSource:
+    """A source over aiohttp's ``StreamReader`` (``response.content``), read by chunks
+    (``iter_any()``: iterated itself, it gives lines): claimed as one iterator is, and its
+    failures (aiohttp's ``ClientError``, such as a body cut short, or an ``OSError``) raised as
+    :class:`~stream_st.TransportError` at the byte reached."""
+    source: ChunkIteratorSource
+
+    async def chunks() -> AsyncIterator[Any]:
+        try:
+            async for chunk in reader.iter_any():
+                yield chunk
+        except Exception as exc:
+            if not (isinstance(exc, OSError) or type(exc).__module__.startswith("aiohttp")):
+                raise
+            raise TransportError(
+                f"read failed: {exc}", url=source.name, position=source.position
+            ) from exc
+
+    source = ChunkIteratorSource(chunks(), "<aiohttp response>", owner=reader)
+    return source

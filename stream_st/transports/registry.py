@@ -25,7 +25,7 @@ from ..errors import UnsupportedSinkError, UnsupportedSourceError, UsageError
 from .base import AsyncReadInto, Sink, Source
 from .file.sink import open_file_sink
 from .file.source import open_file_source, path_from_url
-from .inmemory import BytesSource, ChunkIteratorSource, refuse_path_bytes
+from .inmemory import BytesSource, ChunkIteratorSource, aiohttp_source, refuse_path_bytes
 from .options import UNLIMITED, Clock
 from .streams import (
     AnyioStreamSink,
@@ -156,7 +156,7 @@ async def _new_source(obj: SourceLike, clock: Clock) -> Source:
         return ReadIntoSource(cast(AsyncReadInto, obj))
     chunks = getattr(obj, "iter_any", None)
     if callable(chunks) and inspect.iscoroutinefunction(getattr(obj, "readany", None)):
-        return ChunkIteratorSource(chunks())  # aiohttp's StreamReader: iterated, it gives lines
+        return aiohttp_source(obj)  # aiohttp's StreamReader: iterated, it gives lines
     if isinstance(obj, AsyncIterable):
         refusal = getattr(type(obj), "not_a_source", None)  # iterated, it gives no bytes
         if isinstance(refusal, str):

@@ -289,3 +289,32 @@ async def test_an_aiohttp_response_body_is_read_as_chunks(server: RangeHTTPServe
         session.get(server.url("/w.safetensors")) as response,
     ):
         assert_same_arrays(await stream_st.load(response.content), tensors)
+
+
+async def test_an_aiohttp_body_cut_short_or_read_twice_is_our_error(
+    server: RangeHTTPServer,
+) -> None:
+    """A body cut short raised aiohttp's own ClientPayloadError, and two streams over one
+    ``response.content`` a bare RuntimeError ('readany() called while another coroutine is
+    already waiting'): each ``iter_any()`` is a new iterator, so the claim never saw the second."""
+    aiohttp = pytest.importorskip("aiohttp")
+    tensors = {"w": np.full(1 << 20, 11, np.uint8)}
+    data = reference_numpy.save(tensors)
+    server.objects["/w.safetensors"] = data
+    server.close_after = len(data) // 2
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(server.url("/w.safetensors")) as response,
+    ):
+        with pytest.raises(stream_st.TransportError, match="read failed") as info:
+            await stream_st.load(response.content)
+        assert info.value.position is not None and 0 < info.value.position < len(data)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(server.url("/w.safetensors")) as response,
+    ):
+        first = stream_st.open_stream(response.content)
+        await first.open()
+        with pytest.raises(stream_st.UsageError, match="being read by another stream"):
+            await stream_st.load(response.content)
+        await first.aclose()
