@@ -131,8 +131,11 @@ def _run_cache(args: argparse.Namespace, cache: Cache) -> int:
         if not args.patterns and not args.all:
             raise UsageError("name the addresses to remove (patterns, as * and ?) or give --all")
         patterns = [_pattern(p) for p in args.patterns]
-        chosen = [
-            e for e in entries(cache) if args.all or any(p.fullmatch(e.shown) for p in patterns)
+        chosen = [  # an address as it is, or as ls shows it (a backslash doubled, escapes)
+            e
+            for e in entries(cache)
+            if args.all
+            or any(p.fullmatch(e.shown) or p.fullmatch(shown(e.shown)) for p in patterns)
         ]
         if not chosen:
             what = (

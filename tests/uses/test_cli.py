@@ -684,6 +684,23 @@ def test_cache_ls_and_rm_escape_an_address(
         assert "/e\\x1b[31m\\u202ered.safetensors" in out, out
 
 
+def test_cache_rm_takes_an_address_as_ls_lists_it(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``cache ls`` shows a backslash doubled (and escapes a control character): ``cache rm``
+    of the address so listed matched nothing, only the raw one did."""
+    cache = str(tmp_path / "c")
+    with RangeHTTPServer(objects={"/a%5Cb.safetensors": model.read_bytes()}) as running:
+        url = running.url("/a\\b.safetensors")
+        assert main(["validate", "-q", "--cache-dir", cache, url]) == 0
+    capsys.readouterr()
+    assert main(["cache", "ls", "--dir", cache]) == 0
+    listed = capsys.readouterr().out.splitlines()[1].split()[0]
+    assert listed.endswith("/a\\\\b.safetensors"), listed
+    assert main(["cache", "rm", "--dir", cache, listed]) == 0
+    assert "removed" in capsys.readouterr().out
+
+
 def test_cache_rm_takes_an_address_with_brackets_as_it_is(
     model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
