@@ -626,6 +626,7 @@ class _Slots:
         viewed again in the new tensor (where the kept one's dtype is the file's and both are
         laid out plainly; a view of another dtype too)."""
         missing = set(self._group).difference(self._loaded)
+        missing.difference_update([name for name in missing if self._fills_in(name)])
         unexpected = [name for name, _ in others]
         for group, complete in self._shared:
             keep = _shared.kept_name(complete, self._given, frozenset())
@@ -667,6 +668,18 @@ class _Slots:
         for each in names:
             module, attribute = self._slot(each)
             (module._parameters if parameter else module._buffers)[attribute] = tensor
+
+    def _fills_in(self, name: str) -> bool:
+        """Whether the module holding ``name`` keeps its own tensor where a file lacks it, as
+        its ``load_state_dict`` fills it in: a batch norm's ``num_batches_tracked`` (an older
+        checkpoint's, written without it)."""
+        module, attribute = self._slot(name)
+        norm = _torch.nn.modules.batchnorm._NormBase
+        return (
+            attribute == "num_batches_tracked"
+            and isinstance(module, norm)
+            and module.track_running_stats
+        )
 
     def _slot(self, name: str) -> tuple[torch.nn.Module, str]:
         """The module that holds ``name`` and the attribute it is there; :class:`UsageError`

@@ -855,6 +855,28 @@ def test_load_model_assign_takes_shape_1_for_a_0_d_tensor_as_torch_does(tmp_path
         st.load_model(Scalars(), path, assign=True)
 
 
+def test_load_model_assign_leaves_a_batch_norms_missing_count_as_torch_does(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint without BatchNorm's num_batches_tracked (an older torch's, other tools'):
+    torch's load_state_dict(assign=True) fills it in and reports nothing, as load_model without
+    assign does; with assign=True it was missing, and strict load_model raised."""
+    path = tmp_path / "bn.safetensors"
+    state = torch.nn.BatchNorm1d(3).state_dict()
+    del state["num_batches_tracked"]
+    reference.save_file(state, path)
+    expected = torch.nn.BatchNorm1d(3)
+    matched = expected.load_state_dict(dict(state), assign=True)
+    assert not matched.missing_keys and not matched.unexpected_keys
+    for assign in (False, True):
+        model = torch.nn.BatchNorm1d(3)
+        assert st.load_model(model, path, assign=assign) == (set(), [])
+        assert model.num_batches_tracked is not None and model.num_batches_tracked.item() == 0
+    model = torch.nn.BatchNorm1d(3, track_running_stats=False)  # no such buffers: unexpected
+    _, unexpected = st.load_model(model, path, strict=False, assign=True)
+    assert sorted(unexpected) == ["running_mean", "running_var"]
+
+
 class TiedBackwards(torch.nn.Module):
     """Two tied names whose order in the model (``z`` first) is not the file's (sorted)."""
 
