@@ -61,6 +61,29 @@ def test_validate_reports_every_tensor_failing_its_digest(tmp_path: Path) -> Non
     assert "valid" in run("validate", str(_checksummed(tmp_path / "x"))).stdout
 
 
+def test_validate_names_a_tensor_failing_its_digest_as_its_other_findings(tmp_path: Path) -> None:
+    """A tensor failing its digest was named by the read's error, quoted as ``repr`` quotes it,
+    then escaped as validate's findings are: the name a\\b showed as 'a\\\\\\\\b', a repr of a
+    repr. It is named as the table and the other findings name it, unquoted, once escaped."""
+    names = ["a\\b", "q'\"x"]
+    plain = write_model(tmp_path / "plain.safetensors", dict.fromkeys(names, np.ones(4)))
+    copy = tmp_path / "sums.safetensors"
+    assert run("cp", "-q", "--checksums", str(plain), str(copy)).returncode == 0
+    header = anyio.run(stream_st.read_header, copy)
+    data = bytearray(copy.read_bytes())
+    for name in names:
+        data[header.data_start + header[name].start] ^= 0x01
+    copy.write_bytes(bytes(data))
+    lines = run("validate", str(copy)).stdout.splitlines()
+    for shown in ("a\\\\b", "q'\"x"):
+        assert any(
+            line.startswith(f"error: {shown}: does not match its xxh3-128 digest (")
+            for line in lines
+        ), lines
+    found = json.loads(run("validate", "--json", str(copy)).stdout)["errors"]
+    assert sorted(error.split(": does not match")[0] for error in found) == sorted(names)
+
+
 def test_counts_agree_with_their_nouns(tmp_path: Path) -> None:
     path = write_model(
         tmp_path / "one.safetensors",
