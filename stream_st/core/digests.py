@@ -307,22 +307,36 @@ class Digests:
     async def check_view(self, name: str, array: Any, source: str = "") -> None:
         """:meth:`check` of a tensor already in memory (e.g. mapped from a file), hashed off the
         event loop when large."""
+        self.check(name, await self._hashed(array), source)
+
+    async def view_mismatch(self, name: str, array: Any) -> str | None:
+        """:meth:`mismatch` of a tensor already in memory, hashed as :meth:`check_view` does."""
+        return self.mismatch(name, await self._hashed(array))
+
+    async def _hashed(self, array: Any) -> Hasher:
         hasher = self.hasher()
         await hash_view(hasher, wire_bytes(array))
-        self.check(name, hasher, source)
+        return hasher
 
     def check(self, name: str, hasher: Hasher, source: str = "") -> None:
         """Raise :class:`~stream_st.IntegrityError` unless ``hasher`` holds tensor ``name``'s
         recorded digest."""
-        got = hasher.digest().hex()
-        if got != self.values[name]:
+        problem = self.mismatch(name, hasher)
+        if problem is not None:
             where = f" from {source}" if source else ""
             raise IntegrityError(
-                f"tensor {name!r}{where} does not match its {self.algorithm} digest "
-                f"(recorded {self.values[name]}, got {got}); not delivered",
-                name=name,
-                source=source,
+                f"tensor {name!r}{where} {problem}; not delivered", name=name, source=source
             )
+
+    def mismatch(self, name: str, hasher: Hasher) -> str | None:
+        """How ``hasher`` differs from tensor ``name``'s recorded digest ("does not match its
+        ... digest (recorded ..., got ...)"); None where it holds it."""
+        got = hasher.digest().hex()
+        if got == self.values[name]:
+            return None
+        return (
+            f"does not match its {self.algorithm} digest (recorded {self.values[name]}, got {got})"
+        )
 
 
 def _is_hex(text: str) -> bool:
