@@ -43,18 +43,23 @@ _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.([0-9]{1,4000})\.
 
 
 def check_layers(names: Iterable[str], required: Sequence[str]) -> list[str]:
-    """For every layer index found in ``names`` (``...layers.N....``), the ``required`` name
-    parts (e.g. ``q_proj``) that no tensor of that layer contains."""
-    layers: dict[int, list[str]] = {}
+    """For every layer found in ``names`` (``...layers.N....``), per stack (an encoder's and a
+    decoder's layers apart, as :func:`check_layer_sequence` tells them), the ``required`` name
+    parts (e.g. ``q_proj``) that no tensor of that layer contains; a layer is named by its
+    number where the file has one stack, by its whole prefix (``model.decoder.layers.1``)
+    where it has several."""
+    layers: dict[tuple[str, int], list[str]] = {}
     for name in names:
         match = _LAYER.search(name)
         if match:
-            layers.setdefault(int(match.group(1)), []).append(name)
+            layers.setdefault((name[: match.start(1)], int(match.group(1))), []).append(name)
+    several = len({stack for stack, _ in layers}) > 1
     problems = []
-    for layer in sorted(layers):
-        missing = [part for part in required if not any(part in n for n in layers[layer])]
+    for stack, layer in sorted(layers):
+        missing = [part for part in required if not any(part in n for n in layers[stack, layer])]
         if missing:
-            problems.append(f"layer {layer} has no tensor for {', '.join(missing)}")
+            named = f"{stack}{layer}" if several else str(layer)
+            problems.append(f"layer {named} has no tensor for {', '.join(missing)}")
     if required and not layers:
         problems.append("no layered tensors found (names like 'layers.N.')")
     return problems

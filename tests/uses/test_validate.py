@@ -632,3 +632,20 @@ async def test_deadline_bounds_the_summaries(tmp_path: Path) -> None:
     os.truncate(path, path.stat().st_size + size)
     with pytest.raises(stream_st.ReadTimeoutError, match=r"deadline of 0\.3 s passed"):
         await tools.validate(path, deadline=0.3)
+
+
+async def test_expect_layers_checks_each_stack_apart(tmp_path: Path) -> None:
+    """Layers were grouped by their number alone: a decoder's layer 1 lacking q_proj passed,
+    the encoder's layer 1 holding one."""
+    parts = ("q_proj", "k_proj")
+    tensors = {
+        f"model.{stack}.layers.{n}.self_attn.{part}.weight": np.ones(2, np.float32)
+        for stack in ("encoder", "decoder")
+        for n in (0, 1)
+        for part in parts
+    }
+    del tensors["model.decoder.layers.1.self_attn.q_proj.weight"]
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(tensors, str(path))
+    result = await tools.validate(path, expect_layers=list(parts))
+    assert result.errors == ["layer model.decoder.layers.1 has no tensor for q_proj"]
