@@ -20,7 +20,7 @@ from urllib.parse import quote
 import anyio
 import anyio.to_thread
 
-from ..errors import TransportError, UnsupportedSinkError, redact
+from ..errors import TransportError, UnsupportedSinkError, UsageError, redact
 from .http import HTTPNotFoundError, xml_field
 from .options import UNLIMITED, Clock
 from .registry import open_sink, path_from_url
@@ -113,13 +113,16 @@ def _contents(answer: bytes) -> list[str]:
 
 
 async def list_names(directory: str) -> list[str]:
-    """The names of the files directly in ``directory``, sorted; none if it does not exist."""
+    """The names of the files directly in ``directory``, sorted; none if it does not exist; a
+    :class:`~stream_st.UsageError` for a local file."""
     path = _local(directory)
     if path is not None:
         try:
             entries = await anyio.to_thread.run_sync(os.listdir, path)
         except FileNotFoundError:
             return []
+        except NotADirectoryError:
+            raise UsageError(f"{redact(directory)} is a file, not a directory") from None
         except OSError as exc:
             raise TransportError(f"listing failed: {exc.strerror}", url=directory) from exc
         return sorted(entries)

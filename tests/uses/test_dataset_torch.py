@@ -327,3 +327,11 @@ def test_a_copy_has_an_epoch_of_its_own(dataset_dir: Path, how: Any) -> None:
         expected.set_epoch(epoch)
         assert orders[-1] == labels(expected)
     assert orders[0] != orders[1]
+
+
+def test_a_file_given_as_the_dataset_is_a_usage_error(dataset_dir: Path) -> None:
+    """A shard or any file named as the dataset said 'listing failed: Not a directory', a
+    TransportError, as if the disk had failed."""
+    shard = next(dataset_dir.glob("part-*.safetensors"))
+    with pytest.raises(stream_st.UsageError, match="is a file, not a directory"):
+        SafetensorsDataset(shard)
