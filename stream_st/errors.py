@@ -303,7 +303,10 @@ def unreadable(url: str, exc: ValueError) -> str:
 
 class SafetensorsError(Exception):
     """Root of every error stream_st raises for bad data, misuse or failed I/O. Its message
-    shows no secret an address carries (see ``redact``)."""
+    shows no secret an address carries (see ``redact``). Every class can also be built from a
+    message alone, ``type(error)(message)``, its other attributes then unknown (0, None or
+    empty): as torch's ``DataLoader`` re-raises the error of a worker process, where a class
+    refusing that became a bare ``RuntimeError``."""
 
     def __init__(self, *args: object) -> None:
         super().__init__(*(redact(arg) if isinstance(arg, str) else arg for arg in args))
@@ -330,7 +333,11 @@ class HeaderTooLargeError(HeaderError):
     Raised by a writer too (``writing=True``) for a header over the default limit, before the
     destination is opened."""
 
-    def __init__(self, declared: int, limit: int, *, writing: bool = False) -> None:
+    def __init__(self, declared: int | str, limit: int = 0, *, writing: bool = False) -> None:
+        if isinstance(declared, str):  # a message alone (see SafetensorsError): sizes unknown
+            super().__init__(declared)
+            self.declared = self.limit = 0
+            return
         if writing:  # refused by a writer: no reader (the reference's included) would take it
             message = (
                 f"the header would be {declared} bytes, over the {limit} bytes readers take "
@@ -356,8 +363,18 @@ class TruncatedStreamError(SafetensorsError, EOFError):
     """
 
     def __init__(
-        self, what: str, *, name: str | None, offset: int, expected: int, source: str = ""
+        self,
+        what: str,
+        *,
+        name: str | None = None,
+        offset: int | None = None,
+        expected: int | None = None,
+        source: str = "",
     ) -> None:
+        if offset is None or expected is None:  # a message alone (see SafetensorsError)
+            super().__init__(what)
+            self.name, self.offset, self.expected, self.source = name, 0, 0, redact(source)
+            return
         where = f" from {source}" if source else ""
         missing = expected - offset
         super().__init__(
@@ -554,8 +571,18 @@ class HTTPStatusError(TransportError):
     ``body`` the start of the answer's body (``detail`` is the one line the message shows)."""
 
     def __init__(
-        self, status: int, reason: str, *, url: str, detail: str = "", body: bytes = b""
+        self,
+        status: int | str,
+        reason: str = "",
+        *,
+        url: str = "",
+        detail: str = "",
+        body: bytes = b"",
     ) -> None:
+        if isinstance(status, str):  # a message alone (see SafetensorsError): no status known
+            super().__init__(status, url=url)
+            self.status, self.body = 0, b""
+            return
         message = f"HTTP {status} {reason}".rstrip()
         if detail:
             message += f": {detail}"
@@ -607,7 +634,7 @@ class DistributedError(SafetensorsError):
     """A load over a process group failed on some rank. ``rank`` is that rank in the group (None
     when it could not be told), ``cause`` what went wrong there."""
 
-    def __init__(self, message: str, *, rank: int | None, cause: str) -> None:
+    def __init__(self, message: str, *, rank: int | None = None, cause: str = "") -> None:
         super().__init__(message)
         self.rank = rank
         self.cause = cause

@@ -335,3 +335,33 @@ def test_a_file_given_as_the_dataset_is_a_usage_error(dataset_dir: Path) -> None
     shard = next(dataset_dir.glob("part-*.safetensors"))
     with pytest.raises(stream_st.UsageError, match="is a file, not a directory"):
         SafetensorsDataset(shard)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbled"])
+def test_a_damaged_shard_read_by_workers_raises_our_error(dataset_dir: Path, damage: str) -> None:
+    """torch's DataLoader re-raises a worker's error as ``type(error)(message)``: a class that
+    refused a message alone (TruncatedStreamError, HeaderTooLargeError, HTTPStatusError...)
+    came back a bare RuntimeError."""
+    shard = sorted(dataset_dir.glob("part-*.safetensors"))[1]
+    dataset = SafetensorsDataset(dataset_dir)
+    with shard.open("r+b") as file:
+        if damage == "truncated":
+            file.truncate(shard.stat().st_size - 10)
+        else:
+            file.write(b"\xff" * 8)  # a header length no file has
+    expected = stream_st.TruncatedStreamError if damage == "truncated" else stream_st.HeaderError
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1)
+    with pytest.raises(expected, match="in DataLoader worker process 0"):
+        list(loader)
+
+
+def test_every_error_class_takes_a_message_alone() -> None:
+    """What the DataLoader's re-raise (above) needs of every class."""
+    classes = [
+        kind
+        for kind in vars(stream_st.errors).values()
+        if isinstance(kind, type) and issubclass(kind, stream_st.SafetensorsError)
+    ]
+    assert len(classes) > 30
+    for kind in classes:
+        assert "a message" in str(kind("a message")), kind
