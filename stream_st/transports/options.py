@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import ssl
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, fields, replace
 from numbers import Real
@@ -318,6 +318,19 @@ class Clock:
         if self._ends_at is None:
             return _UNBOUND
         return self._until_deadline(name, position)
+
+    def deadline_stop(self, name: str) -> Callable[[], bool] | None:
+        """A ``stop`` for work in a worker thread asked between its steps (a local file's write,
+        block by block: see :func:`~.file.atomic.write_blocks`) that raises
+        :class:`~stream_st.ReadTimeoutError` once the deadline has passed; None without one."""
+        if self._ends_at is None:
+            return None
+
+        def stop() -> bool:
+            self.check(name)
+            return False
+
+        return stop
 
     @contextmanager
     def _until_deadline(self, name: str, position: int | None) -> Iterator[None]:

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import math
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import anyio
 import anyio.lowlevel
@@ -157,27 +156,13 @@ async def _write(fd: int, buffer: memoryview, offset: int, name: str, clock: Clo
         write_blocks(fd, blocks, name)
         await anyio.lowlevel.checkpoint()
         return
-    stop = _deadline_stop(clock, name)
+    stop = clock.deadline_stop(name)
     if SPLIT_THRESHOLD is None or len(buffer) < SPLIT_THRESHOLD:
         await anyio.to_thread.run_sync(write_blocks, fd, blocks, name, stop)
         return
     async with task_group() as group:
         for _ in range(WRITERS):
             group.start_soon(anyio.to_thread.run_sync, write_blocks, fd, blocks, name, stop)
-
-
-def _deadline_stop(clock: Clock, name: str) -> Callable[[], bool] | None:
-    """A ``stop`` for :func:`~.atomic.write_blocks` that raises
-    :class:`~stream_st.ReadTimeoutError` once ``clock``'s deadline has passed; None without a
-    deadline."""
-    if clock.remaining() == math.inf:
-        return None
-
-    def stop() -> bool:
-        clock.check(name)
-        return False
-
-    return stop
 
 
 async def open_file_sink(
