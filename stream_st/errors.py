@@ -184,9 +184,22 @@ def _mask_userinfo(match: re.Match[str]) -> str:
     return f"{match['scheme']}{user}:{MASK}@" if colon else match[0]
 
 
+def _plain_parameter(name: str) -> str:
+    """A query parameter's name as the secret checks read it: lower case, no ``_`` nor ``-``."""
+    return name.lower().replace("_", "").replace("-", "")
+
+
 def _secret_parameter(name: str) -> bool:
-    key = name.lower().replace("_", "").replace("-", "")
+    key = _plain_parameter(name)
     return key in ("sig", "key") or key.endswith("key") or any(w in key for w in _SECRET_WORDS)
+
+
+def _key_parameter(name: str) -> bool:
+    """Whether query parameter ``name`` is masked for its ``key`` ending alone (``key``,
+    ``fileKey``; not ``api_key`` nor ``secret_key``, which hold a word of a secret): a name that
+    names an object as often as it authorizes a request."""
+    key = _plain_parameter(name)
+    return key.endswith("key") and not any(w in key for w in _SECRET_WORDS)
 
 
 def _mask_authorization(match: re.Match[str]) -> str:

@@ -20,7 +20,7 @@ from collections.abc import Collection
 from urllib.parse import parse_qsl, quote, urlencode
 
 from ...core.shards import split_address
-from ...errors import _SECRET_WORDS, _secret_parameter
+from ...errors import _key_parameter, _secret_parameter
 
 __all__ = ["ObjectKey", "object_key", "signs_only", "version_key"]
 
@@ -90,20 +90,13 @@ def signs_only(name: str, names: Collection[str] = ()) -> bool:
         return False
     if lowered.startswith(SIGNED_PREFIXES):
         return True
-    if _names_a_key(lowered) and not _signed(names):
+    if _key_parameter(name) and not _signed(names):
         return False  # ?key=, ?fileKey=: as often the object's name as a credential
     if _secret_parameter(name):
         return True
     if lowered in SIGNED_QUERY and "signature" in names:
         return True
     return lowered in SAS_QUERY and "sig" in names
-
-
-def _names_a_key(lowered: str) -> bool:
-    """Whether a parameter of this name (lower case) is ``key`` or ends in ``key`` without
-    another word of a secret (``fileKey``, ``objectKey``; not ``apikey``, ``secret_key``)."""
-    plain = lowered.replace("_", "").replace("-", "")
-    return plain.endswith("key") and not any(word in plain for word in _SECRET_WORDS)
 
 
 def _signed(names: Collection[str]) -> bool:
