@@ -219,8 +219,8 @@ def parse_index(text: str) -> tuple[int | slice | EllipsisType, ...]:
 
 async def run_show(args: argparse.Namespace) -> int:
     source = one_source_arg(args.source)
-    # mapped where the source is a local file: a slice, or the edges a summary shows, touch only
-    # their own pages of a big tensor
+    # mapped where the source is a local file: a big tensor is not copied into new memory to
+    # show a slice of it, or the edges a summary shows
     stream = open_stream(source, include=[args.name], copy=False, **options_of(args))
     try:
         with naming(source):  # the source's own errors only, not the options' nor --slice's
