@@ -241,12 +241,14 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         ``include=`` naming a tensor the header lacks, a tensor over the caps
         (``max_tensor_bytes``, ``max_total_bytes``), one of a dtype with no reader."""
         header = self.header
-        return list(run_steps(self._checked(header, _selector(self._include, header)))[0])
+        selected = _selector(self._include, header)
+        return list(run_steps(self._checked(header, selected, self.source.name))[0])
 
     def _checked(
-        self, header: Header, selected: Callable[[str], bool]
+        self, header: Header, selected: Callable[[str], bool], name: str
     ) -> Generator[None, None, tuple[TensorTable, int]]:
-        """The tensors of ``header`` that ``selected`` takes and the bytes they declare, refused
+        """The tensors of ``header`` that ``selected`` takes and the bytes they declare (read
+        from ``name``, for a message), refused
         as a whole where one of them cannot be read or is over the caps (before anything is
         allocated for them): a generator that yields between two slices of a big header's
         tensors (:func:`slices`), where the loop gets its turn (:func:`run_in_turns`). They are
@@ -270,7 +272,6 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
             for part in slices(wanted):
                 refuse_unreadable(part)
                 yield
-        name = self.source.name
         total = 0
         for part in slices(wanted):
             total = self._caps.tally(part, name, total)
@@ -463,7 +464,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         source = self.source
         delivery = self._delivery
         base = header.data_start
-        wanted, total = await run_in_turns(self._checked(header, selected))
+        wanted, total = await run_in_turns(self._checked(header, selected, source.name))
         digests = None
         if self._verify is True:
             digests = await run_in_turns(Digests.from_header_steps(header))
@@ -471,6 +472,8 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         for part in slices(wanted):
             merge_ranges(((base + t.start, base + t.end) for t in part), ranges)
             await give_turn()
+        if self._closed:  # by another task during those turns: the source is closed
+            raise _closed_early(source.name)
         mapped = (
             None
             if self._copy or not isinstance(source, FileSource)

@@ -566,6 +566,37 @@ def test_a_mapped_stream_closed_from_another_task(tmp_path: pathlib.Path, backen
     anyio.run(main, backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_stream_closed_while_its_selection_is_checked(
+    tmp_path: pathlib.Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closed from another task while the loop's first step checked the tensors ``include=``
+    takes (a turn for the loop after each slice of a big header: a sharded stream's shards are
+    read so), the step failed with a UsageError "the stream is not open", where a close in any
+    other step is a TransportError ("closed on this side"). A turn at each slice here."""
+    monkeypatch.setattr(stream_st.transports.base, "TURN_EVERY", 0.0)
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file({f"t{i}": np.full(1, i, np.float32) for i in range(5000)}, path)
+
+    async def main() -> None:
+        stream = stream_st.open_stream(path, include=lambda name: name.endswith("7"))
+        async with stream, anyio.create_task_group() as group:
+
+            async def close() -> None:
+                generator = stream._generator() if stream._generator is not None else None
+                while generator is None or not getattr(generator, "ag_running", False):
+                    await anyio.lowlevel.checkpoint()
+                    generator = stream._generator() if stream._generator is not None else None
+                await stream.aclose()
+
+            group.start_soon(close)
+            with pytest.raises(stream_st.TransportError, match="closed on this side"):
+                async for _ in stream:
+                    pass
+
+    anyio.run(main, backend=backend)
+
+
 class _HeldProducer:
     """A ``readinto`` producer of ``data`` whose read after the length prefix waits for
     ``go``."""
