@@ -8,11 +8,12 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
-from contextlib import nullcontext, suppress
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext, suppress
 from types import FrameType
 
 import anyio
@@ -64,7 +65,6 @@ async def _run(args: argparse.Namespace) -> int:
     through, and reports success under the cancelled scope) is done: its status, with a line
     saying the signal came too late. A second stopping signal during that clean-up stops the
     process at once."""
-    received: list[int] = []
     loop = asyncio.get_running_loop()
     status: int | None = None
     on_main_thread = threading.current_thread() is threading.main_thread()
@@ -73,40 +73,89 @@ async def _run(args: argparse.Namespace) -> int:
     # background job (SIGINT) mean the command should not stop on them.
     watched = [s for s, was in previous.items() if was is not signal.SIG_IGN and on_main_thread]
     with anyio.CancelScope() as scope:
-
-        def stop(signum: int) -> None:
-            received.append(signum)
-            for each in watched:
-                signal.signal(each, signal.SIG_DFL)
-            scope.cancel()
-
-        for signum in watched:
-            loop.add_signal_handler(signum, stop, signum)
-        try:
-            status = await args.handler(args)
-        except SafetensorsError:
-            # A failure that came with a stopping signal (the source ended by the same hangup,
-            # a write cut short) is the signal's doing: the signal, delivered but maybe not
-            # yet handled by the loop, is let in, and reported as for a clean stop.
-            with anyio.CancelScope(shield=True):
-                await anyio.sleep(SIGNAL_GRACE)
-            if not received:
-                raise
-        finally:
-            # Done: the signals go to _Completed until main returns; else back to what they
-            # were. Held meanwhile, so that one coming between two handlers goes to the second.
-            after = _Completed(said=bool(received)) if status is not None else None
-            held = signal.pthread_sigmask(signal.SIG_BLOCK, watched) if watched else None
+        stop = _Stop(loop, scope, watched)
+        with _woken_by_signals(loop) if watched else nullcontext():
             for signum in watched:
-                loop.remove_signal_handler(signum)
-                signal.signal(signum, previous[signum] if after is None else after)
-            if held is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+                signal.signal(signum, stop)
+            try:
+                status = await args.handler(args)
+            except SafetensorsError:
+                # A failure that came with a stopping signal (the source ended by the same
+                # hangup, a write cut short) is the signal's doing: the signal, delivered but
+                # maybe not yet handled, is let in, and reported as for a clean stop.
+                with anyio.CancelScope(shield=True):
+                    await anyio.sleep(SIGNAL_GRACE)
+                if not stop.received:
+                    raise
+            finally:
+                # Done: the signals go to _Completed until main returns; else back to what they
+                # were (the command is stopping). Each handler is Python's, put in place of
+                # another at once: no moment when a signal gets the system's default.
+                after = _Completed(said=bool(stop.received)) if status is not None else None
+                stop.after = _stopping if after is None else after
+                for signum in watched:
+                    signal.signal(signum, previous[signum] if after is None else after)
     if status is None:  # cancelled: only a stopping signal does that
-        raise _Stopped(received[0])
-    if received:
-        print(_completed_line(received[0]), file=sys.stderr)
+        raise _Stopped(stop.received[0])
+    if stop.received:
+        print(_completed_line(stop.received[0]), file=sys.stderr)
     return status
+
+
+class _Stop:
+    """The handler of the stopping signals while the subcommand runs: the first cancels
+    ``scope`` (in the event loop, woken for it) and gives every stopping signal the system's
+    default, so that a second one ends the process at once. Once the subcommand is done
+    (``after`` set, the handlers being changed), a signal is ``after``'s, or ignored where the
+    command is stopping."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, scope: anyio.CancelScope, watched: list[int]
+    ) -> None:
+        self.loop = loop
+        self.scope = scope
+        self.watched = watched
+        self.received: list[int] = []
+        self.after: Callable[[int, FrameType | None], None] | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.after is not None:
+            self.after(signum, frame)
+            return
+        self.received.append(signum)
+        for each in self.watched:
+            signal.signal(each, signal.SIG_DFL)
+        self.loop.call_soon_threadsafe(self.scope.cancel)
+
+
+def _stopping(signum: int, frame: FrameType | None) -> None:
+    """A stopping signal while the command, stopped by another, sets back the handlers."""
+
+
+@contextmanager
+def _woken_by_signals(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+    """Have a signal wake the event loop's wait, wherever the system delivers it: a signal's
+    handler runs on the main thread between two steps of Python, which a wait for the next
+    event (a server with no client) would put off while a worker thread took the signal."""
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    writer.setblocking(False)
+    former = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    loop.add_reader(reader.fileno(), _drain, reader)
+    try:
+        yield
+    finally:
+        loop.remove_reader(reader.fileno())
+        signal.set_wakeup_fd(former)
+        reader.close()
+        writer.close()
+
+
+def _drain(reader: socket.socket) -> None:
+    """Read what signals wrote to wake the loop (their handlers have run, or run next)."""
+    with suppress(BlockingIOError, InterruptedError):
+        while reader.recv(4096):
+            pass
 
 
 class _Completed:
