@@ -146,15 +146,15 @@ RAISING_HANDLER = textwrap.dedent(
         signal.signal(signal.SIGALRM, alarm)
         raised = 0
         for attempt in range(40):
-            signal.setitimer(signal.ITIMER_REAL, 0.0005 + 0.0005 * attempt)
-            try:
+            try:  # the timer set and cleared inside: it may ring before the call, or after it
+                signal.setitimer(signal.ITIMER_REAL, 0.0005 + 0.0005 * attempt)
                 if attempt % 2:
                     st_np.save_file(tensors, path, timeout=60)
                 else:
                     st_np.load_file(path)
+                signal.setitimer(signal.ITIMER_REAL, 0)
             except Alarm:
                 raised += 1
-            signal.setitimer(signal.ITIMER_REAL, 0)
             assert st_np.load_file(path)["t7"][0] == 7  # the old file or the new one, whole
             assert os.listdir(folder) == ["w.safetensors"], os.listdir(folder)
         assert signal.getsignal(signal.SIGALRM) is alarm
