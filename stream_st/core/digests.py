@@ -145,19 +145,28 @@ HASH_INLINE = 1 << 20
 """Buffers up to this size are hashed on the event loop's thread (cheaper than a thread hop)."""
 
 
-def update_sliced(hasher: Hasher, view: memoryview) -> None:
+def update_sliced(
+    hasher: Hasher, view: memoryview, stop: Callable[[], object] | None = None
+) -> None:
+    """Feed ``view`` to ``hasher`` in slices of :data:`HASH_SLICE`, calling ``stop`` (which
+    raises to end the work: a deadline passed) before each."""
     for start in range(0, len(view), HASH_SLICE):
+        if stop is not None:
+            stop()
         hasher.update(view[start : start + HASH_SLICE])
 
 
-async def hash_view(hasher: Hasher, view: memoryview) -> None:
-    """Feed ``view`` to ``hasher``: at once when small, else in a worker thread."""
+async def hash_view(
+    hasher: Hasher, view: memoryview, stop: Callable[[], object] | None = None
+) -> None:
+    """Feed ``view`` to ``hasher``: at once when small, else in a worker thread, slice by slice
+    (``stop``: see :func:`update_sliced`)."""
     if len(view) <= HASH_INLINE:
         hasher.update(view)
     else:
         import anyio.to_thread  # here: a write at once hashes with no event loop
 
-        await anyio.to_thread.run_sync(update_sliced, hasher, view)
+        await anyio.to_thread.run_sync(update_sliced, hasher, view, stop)
 
 
 def digest_of(algorithm: str, view: memoryview) -> str:
@@ -304,18 +313,24 @@ class Digests:
         """A fresh hasher of this algorithm."""
         return ALGORITHMS[self.algorithm].new()
 
-    async def check_view(self, name: str, array: Any, source: str = "") -> None:
+    async def check_view(
+        self,
+        name: str,
+        array: Any,
+        source: str = "",
+        stop: Callable[[], object] | None = None,
+    ) -> None:
         """:meth:`check` of a tensor already in memory (e.g. mapped from a file), hashed off the
-        event loop when large."""
-        self.check(name, await self._hashed(array), source)
+        event loop when large (``stop``: see :func:`update_sliced`)."""
+        self.check(name, await self._hashed(array, stop), source)
 
     async def view_mismatch(self, name: str, array: Any) -> str | None:
         """:meth:`mismatch` of a tensor already in memory, hashed as :meth:`check_view` does."""
         return self.mismatch(name, await self._hashed(array))
 
-    async def _hashed(self, array: Any) -> Hasher:
+    async def _hashed(self, array: Any, stop: Callable[[], object] | None = None) -> Hasher:
         hasher = self.hasher()
-        await hash_view(hasher, wire_bytes(array))
+        await hash_view(hasher, wire_bytes(array), stop)
         return hasher
 
     def check(self, name: str, hasher: Hasher, source: str = "") -> None:

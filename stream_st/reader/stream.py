@@ -499,6 +499,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
                     yield item
                     del item
             return
+        stop = source.clock.deadline_stop(source.name)
         for info in wanted:
             source.clock.check(source.name, source.position)
             await give_turn()
@@ -510,7 +511,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
             else:
                 array = await mapped.view(info, base)
                 if digests is not None:  # a local file: no whole-object digest to feed
-                    await digests.check_view(info.name, array, source.name)
+                    await digests.check_view(info.name, array, source.name, stop)
             if sys.byteorder == "big" and array.dtype.itemsize > 1:  # pragma: no cover
                 array.byteswap(inplace=True)
             yield info.name, delivery.deliver(info, array, target is not None)

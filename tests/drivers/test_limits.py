@@ -25,9 +25,13 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
+import stream_st.numpy
 from stream_st import ReadTimeoutError, TensorSpec, UsageError, tools
 from stream_st.cli.demo import run_demo
+from stream_st.core import digests
 from stream_st.transports.file import atomic, readahead
+from stream_st.transports.file import mmap as mapping
+from stream_st.transports.file.source import FileSource
 from stream_st.transports.options import Limits
 
 from .._util import sample_file, sample_tensors
@@ -156,6 +160,59 @@ async def test_deadline_ends_a_local_read_within_a_big_tensor(
     assert info.value.position == stream.header.data_start
     alive = [thread.name for thread in threading.enumerate()]
     assert "stream_st read-ahead" not in alive  # the threads stopped and waited for
+
+
+async def test_deadline_ends_the_population_of_a_mapped_big_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """copy=False: what the page cache lacks was populated by one worker thread's call for the
+    whole tensor, past the deadline, and the view handed out. Windows of 1 MiB here, each
+    slowed down to 0.1 s (the file taken as uncached): the deadline ends it between two."""
+    path = tmp_path / "big.safetensors"
+    reference_numpy.save_file({"x": np.ones(4 << 20, np.uint8)}, str(path))
+    slow = mapping._advise
+
+    def slowed(*args: Any) -> None:
+        time.sleep(0.1)
+        slow(*args)
+
+    monkeypatch.setattr(mapping, "WINDOW", 1 << 20)
+    monkeypatch.setattr(mapping, "_advise", slowed)
+    monkeypatch.setattr(FileSource, "_cached", lambda self, offset: False)
+    got: list[str] = []
+    with pytest.raises(ReadTimeoutError, match=r"deadline of 0\.05 s passed"):
+        async for name, _ in stream_st.open_stream(path, copy=False, deadline=0.05):
+            got.append(name)
+    assert got == []
+
+
+async def test_deadline_ends_the_digest_check_of_a_mapped_big_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """copy=False on a checksummed file: a big tensor's digest was checked to its end past the
+    deadline, and the tensor handed out. Each 1 MiB slice's hash slowed down to 0.05 s here."""
+    path = tmp_path / "big.safetensors"
+    stream_st.numpy.save_file({"x": np.ones(8 << 20, np.uint8)}, path, checksums=True)
+    fresh = digests.Digests.hasher
+
+    class Slow:
+        def __init__(self, hasher: Any) -> None:
+            self.hasher = hasher
+
+        def update(self, data: Any) -> None:
+            time.sleep(0.05)
+            self.hasher.update(data)
+
+        def digest(self) -> bytes:
+            return bytes(self.hasher.digest())
+
+    monkeypatch.setattr(digests, "HASH_SLICE", 1 << 20)
+    monkeypatch.setattr(digests.Digests, "hasher", lambda self: Slow(fresh(self)))
+    got: list[str] = []
+    with pytest.raises(ReadTimeoutError, match=r"deadline of 0\.1 s passed"):
+        async for name, _ in stream_st.open_stream(path, copy=False, deadline=0.1):
+            got.append(name)
+    assert got == []
 
 
 async def test_deadline_counts_from_opening_across_every_shard(tmp_path: Path) -> None:

@@ -151,7 +151,9 @@ class FileMap:
     """The mapping of an open file of ``size`` bytes (``name`` for errors). ``cached(offset)``
     says, without blocking, whether the page cache holds the byte at ``offset`` (by default
     nothing is taken as cached); the caller keeps the descriptor, and must keep it open for
-    ``cached`` as long as views are taken. ``private``: writable copy-on-write views."""
+    ``cached`` as long as views are taken. ``private``: writable copy-on-write views. ``stop``
+    is called before each step of population (at most :data:`WINDOW` bytes), and raises to end
+    it (a deadline passed)."""
 
     def __init__(
         self,
@@ -161,8 +163,10 @@ class FileMap:
         *,
         private: bool = False,
         cached: Callable[[int], bool] = lambda _: False,
+        stop: Callable[[], object] | None = None,
     ) -> None:
         self.name = name
+        self._stop = stop
         try:
             self._map = map_file(fd, size, private=private)
         except OSError as exc:
@@ -230,15 +234,26 @@ class FileMap:
         return []
 
     def _advise(self, pieces: list[tuple[int, int]]) -> None:
-        """``MADV_POPULATE_READ`` over ``pieces``; an unsupported advice turns itself off."""
-        for start, stop in pieces:
-            aligned = start - start % mmap.PAGESIZE
-            try:
-                _advise(self._map, MADV_POPULATE_READ, aligned, stop - aligned)
-            except OSError as exc:
-                if exc.errno in _UNSUPPORTED:
-                    self._populate = False
+        """``MADV_POPULATE_READ`` over ``pieces``, :data:`WINDOW` bytes at a time; an
+        unsupported advice turns itself off."""
+        for first, last in pieces:
+            for start in range(first, last, WINDOW):
+                if self._stop is not None:
+                    self._stop()
+                if not self._populate_step(start, min(start + WINDOW, last)):
                     return
-                raise TransportError(
-                    f"read failed: {exc.strerror or exc}", url=self.name, position=start
-                ) from exc
+
+    def _populate_step(self, start: int, stop: int) -> bool:
+        """``MADV_POPULATE_READ`` from ``start`` to ``stop``; False where the advice is
+        unsupported (population is then off)."""
+        aligned = start - start % mmap.PAGESIZE
+        try:
+            _advise(self._map, MADV_POPULATE_READ, aligned, stop - aligned)
+        except OSError as exc:
+            if exc.errno in _UNSUPPORTED:
+                self._populate = False
+                return False
+            raise TransportError(
+                f"read failed: {exc.strerror or exc}", url=self.name, position=start
+            ) from exc
+        return True

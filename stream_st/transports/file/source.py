@@ -223,7 +223,14 @@ class FileSource(Source):
         if sys.byteorder != "little":  # pragma: no cover - little-endian hosts only here
             return None
         assert self.size is not None
-        return FileMap(self._fd, self.size, self.name, private=private, cached=self._cached)
+        return FileMap(
+            self._fd,
+            self.size,
+            self.name,
+            private=private,
+            cached=self._cached,
+            stop=self.clock.deadline_stop(self.name),
+        )
 
     def _cached(self, offset: int) -> bool:
         """Whether the page cache holds the byte at ``offset``: a one-byte read that never
