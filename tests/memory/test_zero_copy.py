@@ -79,15 +79,16 @@ def resident(path: Path, start: int, stop: int) -> list[bool]:
 
 def evicted(path: Path) -> Path:
     """``path`` with every page dropped from the page cache (a page left cached, as under
-    writeback on a busy machine, would let a read find its first window cached); skips where
-    that cannot be done."""
-    for _ in range(5):
+    writeback on a busy machine, would let a read find its first window cached), and still so
+    a moment later: a read-ahead in flight when the pages were dropped (one a read of the
+    header started) lands its pages after; skips where that cannot be done."""
+    for _ in range(10):
         with open(path, "rb") as file:
             os.fsync(file.fileno())
             os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        time.sleep(0.05)
         if not any(resident(path, 0, path.stat().st_size)):
             return path
-        time.sleep(0.05)
     pytest.skip("this file system keeps pages of the file cached")
 
 
