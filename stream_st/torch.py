@@ -624,7 +624,8 @@ class _Slots:
         :func:`~stream_st.compat._shared.remove_duplicate_names`) are unexpected where the file
         has them, else not missing; such a name that views part of the kept one's memory is
         viewed again in the new tensor (where the kept one's dtype is the file's and both are
-        laid out plainly; a view of another dtype too)."""
+        laid out plainly; a view of another dtype too). A batch norm's count the file lacks is
+        filled in (:meth:`_fills_in`)."""
         missing = set(self._group).difference(self._loaded)
         missing.difference_update([name for name in missing if self._fills_in(name)])
         unexpected = [name for name, _ in others]
@@ -670,16 +671,21 @@ class _Slots:
             (module._parameters if parameter else module._buffers)[attribute] = tensor
 
     def _fills_in(self, name: str) -> bool:
-        """Whether the module holding ``name`` keeps its own tensor where a file lacks it, as
-        its ``load_state_dict`` fills it in: a batch norm's ``num_batches_tracked`` (an older
-        checkpoint's, written without it)."""
+        """Whether the module holding ``name`` fills it in where a file lacks it, as its
+        ``load_state_dict`` does: a batch norm's ``num_batches_tracked`` (an older
+        checkpoint's, written without it), the module's own count kept, or one on the meta
+        device replaced by a fresh ``tensor(0)`` (on ``device``), as torch replaces it."""
         module, attribute = self._slot(name)
         norm = _torch.nn.modules.batchnorm._NormBase
-        return (
+        if not (
             attribute == "num_batches_tracked"
             and isinstance(module, norm)
             and module.track_running_stats
-        )
+        ):
+            return False
+        if getattr(module, attribute).is_meta:  # no value to keep: the model could not run
+            self._set([name], _torch.tensor(0, dtype=_torch.long, device=self._device))
+        return True
 
     def _slot(self, name: str) -> tuple[torch.nn.Module, str]:
         """The module that holds ``name`` and the attribute it is there; :class:`UsageError`

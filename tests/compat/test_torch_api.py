@@ -877,6 +877,40 @@ def test_load_model_assign_leaves_a_batch_norms_missing_count_as_torch_does(
     assert sorted(unexpected) == ["running_mean", "running_var"]
 
 
+def _normed() -> torch.nn.Module:
+    """A net whose batch norm reads its count in forward (momentum=None: a cumulative mean)."""
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4, momentum=None))
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("counted", [True, False], ids=["count", "no-count"])
+def test_load_model_assign_into_meta_fills_a_batch_norms_count_as_torch_does(
+    tmp_path: Path, strict: bool, counted: bool
+) -> None:
+    """A model built on the meta device, loaded with assign=True: torch's load_state_dict puts a
+    fresh CPU tensor(0) for a count the file lacks in place of the meta one; load_model left the
+    meta one, so the model's state dict could not be saved and momentum=None's forward failed."""
+    path = tmp_path / "bn.safetensors"
+    state = _normed().state_dict()
+    state["1.num_batches_tracked"] = torch.tensor(7)
+    if not counted:
+        del state["1.num_batches_tracked"]
+    reference.save_file(state, path)
+    with torch.device("meta"):
+        expected, model = _normed(), _normed()
+    matched = expected.load_state_dict(reference.load_file(path), strict=strict, assign=True)
+    outcome = st.load_model(model, path, strict=strict, assign=True)
+    assert outcome == (set(matched.missing_keys), matched.unexpected_keys)
+    mine, theirs = model.state_dict(), expected.state_dict()
+    assert list(mine) == list(theirs)
+    for name, tensor in theirs.items():
+        assert (mine[name].device, mine[name].dtype) == (tensor.device, tensor.dtype), name
+        assert torch.equal(mine[name], tensor), name
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(model.train()(x), expected.train()(x))
+    assert torch.equal(model.state_dict()["1.num_batches_tracked"], theirs["1.num_batches_tracked"])
+
+
 class TiedBackwards(torch.nn.Module):
     """Two tied names whose order in the model (``z`` first) is not the file's (sorted)."""
 
