@@ -1,6 +1,6 @@
 """Streams closed from another task while their loop waits: the loop hands out no array after
-the close and fails with a TransportError ("closed on this side"), whatever it waited for. A
-turn at every checkpoint (``TURN_EVERY`` 0) lands each close where the test chooses."""
+the close and fails with a TransportError ("closed on this side"), whatever it waited for. Each
+close lands where the test chooses (a turn at every checkpoint: ``TURN_EVERY`` 0)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import TransportError
+from stream_st.reader.ahead import READ_AHEAD_FROM
 from stream_st.reader.stream import TensorStream
 from stream_st.sharded.reader import ShardedStream, ShardIndex
+from stream_st.transports.file.readahead import ReadAhead
 
 SHARDS = [f"model-0000{n}-of-00003.safetensors" for n in (1, 2, 3)]
 
@@ -92,5 +94,43 @@ def test_a_sharded_stream_closed_while_a_shard_opens(
         assert after == []
         assert len(opened) == closing + 1  # up to the one being opened, which is closed too
         assert all(shard._source is None for shard in opened)
+
+    anyio.run(main, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_big_file_closed_while_the_loop_waits_for_its_read_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """A local file read by the read-ahead threads, closed while the loop waited for a tensor's
+    read, failed with "read stopped: the file was closed", where every other close gives
+    "closed on this side"."""
+    path = tmp_path / "big.safetensors"
+    arrays = {"a": np.zeros(READ_AHEAD_FROM // 4, np.float32), "b": np.ones(4, np.float32)}
+    reference_numpy.save_file(arrays, str(path))
+    waiting, closed = anyio.Event(), anyio.Event()
+    wait = ReadAhead.wait
+
+    async def wait_for_the_close(self: ReadAhead, job: int) -> int:
+        waiting.set()
+        await closed.wait()
+        return await wait(self, job)
+
+    monkeypatch.setattr(ReadAhead, "wait", wait_for_the_close)
+
+    async def main() -> None:
+        stream = stream_st.open_stream(path)
+
+        async def close() -> None:
+            await waiting.wait()
+            await stream.aclose()
+            closed.set()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as group:
+                group.start_soon(close)
+                with pytest.raises(TransportError, match="closed on this side"):
+                    async for _ in stream:
+                        pass
 
     anyio.run(main, backend=backend)

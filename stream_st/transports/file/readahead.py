@@ -258,7 +258,9 @@ class ReadAhead:
                 reason = getattr(self._error, "strerror", None) or self._error
                 raise TransportError(f"read failed: {reason}", url=self._name) from self._error
             if self._stopped:  # before the wait or under it
-                raise TransportError("read stopped: the file was closed", url=self._name)
+                raise TransportError(
+                    "read stopped: the file was closed on this side", url=self._name
+                )
             return self._got[job]
 
     def stop(self) -> None:
