@@ -271,6 +271,24 @@ async def test_chunked_body_stalled_in_a_size_line(raw_server: Serve) -> None:
     assert info.value.url == url
 
 
+async def test_trailers_are_skipped_and_their_size_capped(raw_server: Serve) -> None:
+    """Trailer fields after the last chunk are skipped; a section without end (bytes keep
+    coming, so no timeout fires) is refused past a response head's size, where the read of
+    every tensor already received never returned."""
+    body = CHUNKED_HEAD + b"%x\r\n%s\r\n0\r\n" % (len(SMALL), SMALL)
+    url = raw_server(answer(body + b"X-Trailer: x\r\nY: y\r\n\r\n")) + "/f.safetensors"
+    assert_same_arrays(await load(url, timeout=5), sample_tensors())
+
+    def endless(connection: socket.socket) -> None:
+        while True:  # until the client closes
+            connection.sendall(b"X-Trailer: x\r\n" * 1000)
+
+    url = raw_server(answer(body, then=endless)) + "/f.safetensors"
+    with pytest.raises(HTTPProtocolError, match="response trailers too large") as info:
+        await load(url, timeout=5)
+    assert info.value.url == url
+
+
 @pytest.mark.parametrize("concurrency", [1, 2])
 async def test_whole_body_for_a_range_from_the_middle(raw_server: Serve, concurrency: int) -> None:
     """Taking that body as the range asked for would return the file's first bytes as ``b``."""

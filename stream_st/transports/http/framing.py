@@ -267,8 +267,13 @@ class Response(AsyncClosing):
                 )
             size = int(digits, 16)
             if size == 0:
-                while await self._read_line():  # trailers end with an empty line
-                    pass
+                trailers = 0  # the trailer section's bytes: capped as a response head is
+                while line := await self._read_line():  # trailers end with an empty line
+                    trailers += len(line)
+                    if trailers > _HEAD_LIMIT:
+                        raise HTTPProtocolError(
+                            "response trailers too large", url=self.url, position=self.position
+                        )
                 self._done = True
                 return 0
             self._chunk_left = size
