@@ -239,6 +239,28 @@ async def test_s3_small_object_in_one_put(
     same(await stream_st.load("s3://uploads/small.safetensors"), TENSORS)
 
 
+async def test_s3_key_ending_in_a_slash_is_refused_as_a_directory(
+    s3: tuple[MotoS3Server, S3Config], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``s3://bucket/models/`` names a prefix, as ``models/`` names a directory: refused before
+    any request, as a local path is, where an object named ``models/`` was stored."""
+    server, config = s3
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint_url)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    url = "s3://uploads/models/"
+    message = r"s3://uploads/models/ names a directory \(it ends in '/'\)"
+    with pytest.raises(stream_st.UsageError, match=message):
+        await stream_st.save(url, TENSORS)
+    with pytest.raises(stream_st.UsageError, match=message):
+        async with stream_st.open_writer(url, plan_of(TENSORS)):
+            pass
+    with pytest.raises(stream_st.UsageError, match=message):
+        S3Sink(url, config=config)
+    assert server.client().list_objects_v2(Bucket="uploads", Prefix="models").get("KeyCount") == 0
+
+
 async def test_s3_sink_given_to_a_second_write_is_refused(
     s3: tuple[MotoS3Server, S3Config],
 ) -> None:

@@ -186,6 +186,11 @@ class S3Sink(ClientUser, Sink):
         part_size = _part_size(part_size)
         self.name = redact(url)
         self.bucket, self.key = parse_s3_url(url, UnsupportedSinkError)
+        if self.key.endswith("/"):  # a prefix, as a directory is: no object named like one
+            raise UsageError(
+                f"the destination {self.name} names a directory (it ends in '/'): "
+                "name the file to write in it"
+            )
         self.config = config or S3Config.resolve()
         self._use_client(client, headers, ssl_context, limits)
         self._part_size = part_size
