@@ -73,7 +73,8 @@ class TensorSpec:
     shape that is not a sequence (a list, a tuple, ``bytes`` taken as its byte values: not a
     set, a dict or a generator) of integers, or a ``data_ptr`` or ``data_len`` that is not an
     integer, with a ``TypeError``; a negative number or one past 64 bits (an F4 last dimension
-    too, once doubled) with an ``OverflowError``."""
+    too, once doubled) with an ``OverflowError``. Every argument's type is checked before the
+    dtype's name, in the reference's order (``dtype``, ``shape``, ``data_ptr``, ``data_len``)."""
 
     __slots__ = ("_data_len", "_data_ptr", "_dtype", "_shape")
 
@@ -82,9 +83,6 @@ class TensorSpec:
             raise WrongTypeError(
                 f"argument 'dtype': '{type(dtype).__name__}' object is not an instance of 'str'"
             )
-        code = _CODES.get(dtype)
-        if code is None:
-            raise DtypeError(f'Unknown dtype "{dtype}". Supported dtypes: {", ".join(_CODES)}')
         if isinstance(shape, Mapping) or not hasattr(type(shape), "__getitem__"):
             raise WrongTypeError(  # as by the reference: a set (of no order), a dict, an iterator
                 f"argument 'shape': '{type(shape).__name__}' object is not an instance of "
@@ -93,6 +91,11 @@ class TensorSpec:
         if isinstance(shape, bytes):  # its byte values, as the reference takes them, where
             shape = list(shape)  # integer_shape refuses bytes (a name given for a shape)
         dims = [_unsigned(dim, "shape") for dim in integer_shape(shape)]
+        self._data_ptr = _unsigned(data_ptr, "data_ptr")
+        self._data_len = _unsigned(data_len, "data_len")
+        code = _CODES.get(dtype)  # its name once every argument's type is, as the reference
+        if code is None:
+            raise DtypeError(f'Unknown dtype "{dtype}". Supported dtypes: {", ".join(_CODES)}')
         if code == "F4" and dims:
             if (dims[-1] * 2) >> 64:
                 raise UnsignedOverflowError(
@@ -101,8 +104,6 @@ class TensorSpec:
             dims[-1] *= 2
         self._dtype = code
         self._shape = dims
-        self._data_ptr = _unsigned(data_ptr, "data_ptr")
-        self._data_len = _unsigned(data_len, "data_len")
 
     @property
     def dtype(self) -> str:

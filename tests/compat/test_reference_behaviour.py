@@ -858,6 +858,10 @@ def test_serialize_writes_a_shape_given_as_bytes_as_the_reference() -> None:
         {"shape": [(1 << 64) - 1]},
         {"dtype": "float4_e2m1fn_x2", "shape": [1 << 63]},
         {"dtype": "float4_e2m1fn_x2", "shape": [2, (1 << 63) - 1]},
+        {"dtype": "complex128", "data_len": None},
+        {"dtype": "complex128", "shape": [-1]},
+        {"dtype": "F32", "shape": [1.0]},
+        {"dtype": "nonsense", "data_ptr": 1 << 64},
     ],
 )
 def test_a_tensor_spec_takes_the_dtypes_and_integers_the_reference_takes(
@@ -867,7 +871,9 @@ def test_a_tensor_spec_takes_the_dtypes_and_integers_the_reference_takes(
     reference raises ``SafetensorError('Unknown dtype "F32". Supported dtypes: ...')``; a dtype
     not a string, an address or length not an integer (a float was truncated) or past 64 bits
     are refused with the reference's built-in type; an F4 last dimension past 64 bits once
-    doubled with its ``SafetensorError`` (an ``OverflowError`` too), where it was taken."""
+    doubled with its ``SafetensorError`` (an ``OverflowError`` too), where it was taken. An
+    unknown dtype beside an argument of the wrong type is the argument's error, the reference
+    checking types first, where it was the dtype's ``SafetensorError``."""
 
     def spec(kind: Any) -> Any:
         return kind(**{"dtype": "float32", "shape": [0], "data_ptr": 0, "data_len": 0} | arguments)
