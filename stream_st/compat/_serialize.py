@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, SupportsIndex, cast
 
@@ -159,6 +160,20 @@ def _unsigned(value: object, argument: str) -> int:
     return number
 
 
+def _class_name(cls: type) -> str:
+    """``cls`` named with its module, so that a class of another module named as one expected
+    is told apart from it: the reference's ``TensorSpec`` (an extension's, whose module reads
+    ``builtins``) as ``safetensors.TensorSpec``; Python's built-in types by their name alone."""
+    extension = sys.modules.get("safetensors._safetensors_rust")
+    if extension is not None and getattr(extension, cls.__name__, None) is cls:
+        return f"safetensors.{cls.__name__}"
+    if cls is TensorSpec:
+        return "stream_st.compat.TensorSpec"
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def specs_of(tensor_dict: object) -> dict[str, TensorSpec]:
     """``tensor_dict`` as a dict of names to :class:`TensorSpec`; :class:`WrongTypeError` (the
     reference's ``TypeError``) for anything else, :class:`UnencodableTextError` (its
@@ -171,8 +186,8 @@ def specs_of(tensor_dict: object) -> dict[str, TensorSpec]:
     for name, spec in tensor_dict.items():
         if not isinstance(name, str) or not isinstance(spec, TensorSpec):
             raise WrongTypeError(
-                f"argument 'tensor_dict': expected str -> TensorSpec, got {type(name).__name__} "
-                f"-> {type(spec).__name__}"
+                f"argument 'tensor_dict': expected str -> {_class_name(TensorSpec)}, got "
+                f"{_class_name(type(name))} -> {_class_name(type(spec))}"
             )
         if not name.isascii():
             _encodable(name, f"tensor name {name!r:.80}")

@@ -930,6 +930,34 @@ def test_serialize_refuses_a_name_utf8_cannot_encode_as_the_reference(tmp_path: 
     assert not path.exists()
 
 
+def test_a_tensor_spec_refused_is_named_with_its_module(tmp_path: Path) -> None:
+    """The reference's TensorSpec given to ``serialize`` is refused (a ``TypeError``), each
+    class named with its module, where the message read ``expected str -> TensorSpec, got str
+    -> TensorSpec``."""
+    data = np.arange(2, dtype=np.float32)
+    theirs = safetensors.TensorSpec(
+        dtype="float32", shape=[2], data_ptr=data.ctypes.data, data_len=8
+    )
+    ours = compat.TensorSpec(dtype="float32", shape=[2], data_ptr=data.ctypes.data, data_len=8)
+    expected = "argument 'tensor_dict': expected str -> stream_st.compat.TensorSpec, got "
+    path = tmp_path / "t.safetensors"
+    cases: list[tuple[Any, str]] = [
+        ({"a": theirs}, "str -> safetensors.TensorSpec"),
+        ({1: ours}, "int -> stream_st.compat.TensorSpec"),
+        ({"a": data}, "str -> numpy.ndarray"),
+    ]
+    for tensors, got in cases:
+        for call in (
+            partial(compat.serialize, tensors),
+            partial(compat.serialize_file, tensors, path),
+        ):
+            with pytest.raises(TypeError) as caught:
+                call()
+            assert str(caught.value) == expected + got
+            assert isinstance(caught.value, SafetensorsError)
+    assert not path.exists()
+
+
 @pytest.mark.parametrize("backend", ["mmap", "pread"])
 def test_a_handle_and_its_slices_are_not_pickled_as_by_the_reference(
     tmp_path: Path, backend: str
