@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime as dt
+import json
 import socket
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import boto3
 import numpy as np
 import pytest
 import safetensors.numpy as reference_numpy
@@ -15,6 +21,7 @@ import safetensors.numpy as reference_numpy
 import stream_st
 from stream_st.transports.http import HTTPNotFoundError, HTTPProtocolError, HTTPStatusError
 from stream_st.transports.s3.config import S3Config, parse_s3_url
+from stream_st.transports.s3.sink import S3Sink
 from stream_st.transports.s3.source import S3Source, _parts_suffix
 
 from .._util import assert_same_arrays, sample_file, sample_tensors
@@ -22,6 +29,11 @@ from ..servers.http_server import RangeHTTPServer
 from ..servers.s3_server import CREDENTIALS, MotoS3Server
 
 Arrays = dict[str, np.ndarray[Any, Any]]
+BOTO_CREDENTIALS = {
+    "region_name": CREDENTIALS["AWS_DEFAULT_REGION"],
+    "aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+    "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+}
 BIG: Arrays = {f"w{i}": np.random.default_rng(i).random(50_000) for i in range(4)}
 
 
@@ -240,6 +252,69 @@ def test_sigv4_matches_the_documented_example() -> None:
     assert headers["Authorization"].endswith(
         "Signature=f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41"
     )
+
+
+def test_sigv4_signs_the_host_the_request_carries() -> None:
+    """The host signed is the Host header sent (lower case, IDNA, no user info, no default
+    port): it was the endpoint as written, a signature every verifying server refused."""
+    config = S3Config("http://127.0.0.1", "us-east-1", "a", "b")
+    moment = dt.datetime(2024, 1, 2, tzinfo=dt.UTC)
+    for plain, written in [
+        ("http://127.0.0.1/b/k", "http://127.0.0.1:80/b/k"),
+        ("https://s3.example/b/k", "https://S3.Example:443/b/k"),
+        ("http://localhost:9000/b/k", "http://user:pw@LOCALHOST:9000/b/k"),
+        ("http://xn--bcher-kva.example/b/k", "http://b\u00fccher.example/b/k"),
+    ]:
+        signed = config.sign("GET", written, {}, now=moment)["Authorization"]
+        assert signed == config.sign("GET", plain, {}, now=moment)["Authorization"], written
+
+
+@contextlib.contextmanager
+def verifying_s3() -> Iterator[tuple[MotoS3Server, S3Config]]:
+    """A moto server that checks each request's signature (moto checks none unless told), with
+    the bucket ``checked`` holding ``small.safetensors``, and a config with a key it knows."""
+    with MotoS3Server() as server:
+        iam = boto3.client("iam", endpoint_url=server.endpoint_url, **BOTO_CREDENTIALS)
+        iam.create_user(UserName="reader")
+        policy = {"Effect": "Allow", "Action": "s3:*", "Resource": "*"}
+        iam.put_user_policy(
+            UserName="reader",
+            PolicyName="s3",
+            PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [policy]}),
+        )
+        key = iam.create_access_key(UserName="reader")["AccessKey"]
+        client = server.client()
+        client.create_bucket(Bucket="checked")
+        client.put_object(Bucket="checked", Key="small.safetensors", Body=sample_file({}))
+        checking = urllib.request.Request(  # no request unchecked from now on
+            f"{server.endpoint_url}/moto-api/reset-auth",
+            data=b"0",
+            headers={"Content-Type": "text/plain"},
+        )
+        with urllib.request.urlopen(checking, timeout=10):
+            pass
+        yield server, S3Config("", "us-east-1", key["AccessKeyId"], key["SecretAccessKey"])
+
+
+async def test_an_endpoint_written_otherwise_is_signed_as_sent() -> None:
+    """An endpoint in upper case, or with user info (accepted, as boto3 accepts them): every
+    signed request was refused (SignatureDoesNotMatch) by a server that checks signatures; a
+    read and a write succeed."""
+    with verifying_s3() as (server, keys):
+        for endpoint in (
+            server.endpoint_url,
+            f"http://LOCALHOST:{server.port}",
+            f"http://user:pw@127.0.0.1:{server.port}",
+        ):
+            config = dataclasses.replace(keys, endpoint_url=endpoint)
+            got = await read_all(S3Source("s3://checked/small.safetensors", config=config))
+            assert_same_arrays(got, sample_tensors())
+            await stream_st.save(S3Sink("s3://checked/written.safetensors", config=config), BIG)
+            got = await read_all(S3Source("s3://checked/written.safetensors", config=config))
+            assert_same_arrays(got, BIG)
+        wrong = dataclasses.replace(keys, endpoint_url=server.endpoint_url, secret_access_key="x")
+        with pytest.raises(HTTPStatusError, match="SignatureDoesNotMatch"):  # it does check
+            await read_all(S3Source("s3://checked/small.safetensors", config=wrong))
 
 
 async def test_wrong_credentials_are_refused_by_a_checking_server() -> None:

@@ -68,6 +68,7 @@ from ...errors import (
     UsageError,
     redact,
 )
+from ..http.target import Target
 from ..options import UNLIMITED, Clock, credential_problem
 
 __all__ = ["CredentialChain", "S3Config", "parse_s3_url", "unsigned_requests"]
@@ -519,8 +520,10 @@ class S3Config:
         out["x-amz-content-sha256"] = payload_hash
         if keys.session_token:
             out["x-amz-security-token"] = keys.session_token
-        # Every header given is signed (Range included), with the host.
-        signed = {"host": parts.netloc, **{k.lower(): " ".join(v.split()) for k, v in out.items()}}
+        # Every header given is signed (Range included), with the host as the request carries
+        # it (lower case, IDNA, no user info, no default port), not as the endpoint is written.
+        host = Target.parse(url).authority
+        signed = {"host": host, **{k.lower(): " ".join(v.split()) for k, v in out.items()}}
         names = sorted(signed)
         canonical_headers = "".join(f"{k}:{signed[k]}\n" for k in names)
         signed_headers = ";".join(names)
