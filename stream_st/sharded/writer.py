@@ -46,7 +46,7 @@ import shutil
 import struct
 import uuid
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -308,6 +308,9 @@ class _RollingWriter(AsyncClosing):
         self._written: set[str] = set()
         self._state = _OPEN
         self._failure: BaseException | None = None  # why it was aborted (None: by abort())
+        self._turns = anyio.Lock()  # held by one write at a time, or the close (_turn)
+        self._in_flight = 0  # writes begun and not ended: a close meanwhile is refused
+        self._closing = False  # a close began: a write begun since is refused
 
     def _check_open(self) -> None:
         """:class:`UsageError` once the writer is closed: committed, or aborted (saying why)."""
@@ -315,6 +318,8 @@ class _RollingWriter(AsyncClosing):
             raise UsageError(self._aborted()) from self._failure
         if self._state == _COMMITTED:
             raise UsageError("the writer is closed")
+        if self._closing:
+            raise UsageError("the writer is closing")
 
     def _aborted(self) -> str:
         """What an aborted writer says when used or closed: why it was aborted."""
@@ -327,12 +332,34 @@ class _RollingWriter(AsyncClosing):
         self._check_open()
         return self
 
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
+        """One write's turn. A write reads the writer's state (the shard in the making, where
+        its data ends) and updates it across awaits, so writes from tasks at once take turns,
+        each whole, in the order they came; the close takes one too (:meth:`aclose`). A write
+        cancelled while it waits aborts the writer, as one cancelled while it writes does: the
+        commit would lack it."""
+        self._check_open()
+        self._in_flight += 1
+        try:
+            try:
+                await self._turns.acquire()
+            except BaseException as exc:
+                await self._abort(exc)
+                raise
+            try:
+                self._check_open()  # aborted while it waited (a close waits for no write)
+                yield
+            finally:
+                self._turns.release()
+        finally:
+            self._in_flight -= 1
+
     async def _add_group(
         self, arrays: Mapping[str, Array], specs: Sequence[TensorSpec], samples: int
     ) -> None:
         """Write ``arrays`` (:func:`_taken`, with their plan entries ``specs``), a group of
-        ``samples`` samples, into one shard."""
-        self._check_open()
+        ``samples`` samples, into one shard, in the write's :meth:`_turn`."""
         current = self._current
         repeats = current is not None and not current.names.isdisjoint(arrays)
         for name in arrays:
@@ -493,7 +520,32 @@ class _RollingWriter(AsyncClosing):
         then the shards renamed to their final names and the index into place
         (:meth:`_link_and_commit`). A writer aborted before (a write that failed or was
         cancelled, its error caught, or :meth:`abort`) raises :class:`~stream_st.WriterError`
-        saying why: nothing was written."""
+        saying why: nothing was written. So does a close while writes of other tasks are in
+        flight (begun, not ended), which aborts the writer (as a
+        :class:`~stream_st.TensorWriter` closed with tensors not completely written does): the
+        commit would lack them. A write begun while the writer closes is refused
+        (:class:`~stream_st.UsageError`); closes from tasks at once commit once."""
+        if self._in_flight and self._state == _OPEN:
+            error = WriterError(
+                f"the writer closed while {self._in_flight} write(s) of other tasks were in "
+                "flight: nothing was committed; let every write end before closing the writer"
+            )
+            await self._abort(error)
+            raise error
+        closing, self._closing = self._closing, True
+        try:
+            await self._turns.acquire()
+        except BaseException as exc:
+            if not closing:  # nothing of the commit runs yet; else another close's runs
+                await self._abort(exc)
+            raise
+        try:
+            await self._close()
+        finally:
+            self._turns.release()
+
+    async def _close(self) -> None:
+        """:meth:`aclose`, in its turn."""
         if self._state == _ABORTED:
             raise WriterError(self._aborted()) from self._failure
         if self._state == _COMMITTED:
@@ -631,9 +683,12 @@ class ShardedWriter(_RollingWriter):
             )
 
     async def write(self, name: str, array: Any) -> None:
-        """Add one tensor (to the current shard, or a new one if it would overflow)."""
+        """Add one tensor (to the current shard, or a new one if it would overflow). Writes
+        from tasks at once land whole, in the order they came."""
         self._check_open()
-        await self._add_group(*_taken({name: array}), 0)
+        arrays, specs = _taken({name: array})
+        async with self._turn():
+            await self._add_group(arrays, specs, 0)
 
     def _shard_name(self, index: int) -> str:
         # The total is unknown until the end: a provisional name, replaced at the commit.
@@ -765,23 +820,25 @@ class DatasetWriter(_RollingWriter):
                     "(BOOL to U8, as the Spark writer writes booleans); nothing of the batch was "
                     "written"
                 )
-        # else maybe KV rows, their shapes free; but not once batches of these columns were taken
-        batch = samples not in (1, len(arrays)) or (
-            self._batches and self._columns == frozenset(arrays)
-        )
-        if batch:
-            _check_rows(arrays, samples)
-        self._check_columns(arrays, samples, batch)
-        await self._add_group(arrays, specs, samples)  # checks every column before writing any
-        if arrays:  # only a batch taken is recorded
-            if self._columns is None:
-                self._columns = frozenset(arrays)
-            self._kv_rows |= self._columns != set(arrays)
-            self._batches |= batch
-        for spec in specs:
-            self._schema.setdefault(
-                spec.name, {"dtype": dtype_for(spec.dtype).code, "shape": list(spec.shape)}
+        async with self._turn():  # the dataset's state is read and updated from here on
+            # else maybe KV rows, their shapes free; but not once batches of these columns were
+            # taken
+            batch = samples not in (1, len(arrays)) or (
+                self._batches and self._columns == frozenset(arrays)
             )
+            if batch:
+                _check_rows(arrays, samples)
+            self._check_columns(arrays, samples, batch)
+            await self._add_group(arrays, specs, samples)  # checks every column before any write
+            if arrays:  # only a batch taken is recorded
+                if self._columns is None:
+                    self._columns = frozenset(arrays)
+                self._kv_rows |= self._columns != set(arrays)
+                self._batches |= batch
+            for spec in specs:
+                self._schema.setdefault(
+                    spec.name, {"dtype": dtype_for(spec.dtype).code, "shape": list(spec.shape)}
+                )
 
     def _check_columns(self, arrays: Mapping[str, Array], samples: int, batch: bool) -> None:
         """:class:`UsageError` where a group of ``samples`` samples (``batch``: surely a batch,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -335,6 +336,163 @@ async def test_abort_by_the_user(tmp_path: Path, kind: str) -> None:
     await writer.abort()
     await writer.aclose()  # committed: nothing to do
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == written
+
+
+def _index_of(kind: str, directory: Path) -> Path:
+    name = "model.safetensors.index.json" if kind == "checkpoint" else "dataset_manifest.json"
+    return directory / name
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("kind", ["checkpoint", "dataset"])
+def test_writes_from_tasks_at_once_each_land_whole(tmp_path: Path, kind: str, backend: str) -> None:
+    """Tasks writing to one writer at once (three tensors a shard): every tensor lands whole and
+    every shard is listed, where each task that found no shard open made its own (the last one
+    kept, the others never sealed nor listed), tensors of one shard were written at the same
+    offset, over each other, and the commit said nothing."""
+    arrays = tensors(8, MB // 3)
+
+    async def main() -> Arrays:
+        async with _writer(kind, tmp_path) as writer, anyio.create_task_group() as group:
+            for name, array in arrays.items():
+                group.start_soon(_add, writer, name, array)
+        return await read_all(_index_of(kind, tmp_path))
+
+    got = anyio.run(main, backend=backend)
+    assert sorted(got) == sorted(arrays)
+    if backend == "asyncio":  # tasks begin in the order they were started (trio's vary)
+        assert list(got) == list(arrays)
+    for name, array in arrays.items():
+        assert np.array_equal(got[name], array)
+    if kind == "dataset":
+        manifest = json.loads(_index_of(kind, tmp_path).read_text())
+        assert manifest["total_samples"] == len(arrays)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_batches_from_tasks_at_once_each_take_a_shard(tmp_path: Path, backend: str) -> None:
+    """Batches of a dataset written by tasks at once each take a shard of their own, every one
+    listed: the manifest counted one batch's samples of four."""
+
+    async def main() -> None:
+        async with open_dataset_writer(tmp_path) as writer, anyio.create_task_group() as group:
+            for value in range(4):
+                batch = {"x": np.full((1000, 4), value, np.float32)}
+                group.start_soon(writer.write_batch, batch, 1000)
+
+    anyio.run(main, backend=backend)
+    manifest = json.loads(_index_of("dataset", tmp_path).read_text())
+    assert manifest["total_samples"] == 4000
+    shards = manifest["shards"]
+    columns = [reference_numpy.load_file(str(tmp_path / s["shard_path"]))["x"] for s in shards]
+    assert sorted(int(column[0, 0]) for column in columns) == [0, 1, 2, 3]
+    for column in columns:
+        assert column.shape == (1000, 4) and (column == column[0, 0]).all()
+
+
+def _gate(monkeypatch: pytest.MonkeyPatch) -> tuple[anyio.Event, anyio.Event]:
+    """Hold every shard write (``FileSink.write_at``) until the second event is set; the first
+    is set once one is held."""
+    held, go = anyio.Event(), anyio.Event()
+    write_at = FileSink.write_at
+
+    async def gated(sink: FileSink, offset: int, data: memoryview) -> None:
+        held.set()
+        await go.wait()
+        await write_at(sink, offset, data)
+
+    monkeypatch.setattr(FileSink, "write_at", gated)
+    return held, go
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("kind", ["checkpoint", "dataset"])
+def test_a_close_with_writes_in_flight_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, backend: str
+) -> None:
+    """A close while other tasks' writes are in flight (one writing, one waiting its turn)
+    aborts the writer and raises WriterError, as open_writer's does with tensors not written
+    whole, where it committed a checkpoint lacking them; the waiting write then says why. A
+    write cancelled while it waits its turn aborts the writer, as one cancelled while it writes
+    does."""
+    one = np.ones(4, np.float32)
+
+    async def main() -> list[Exception]:
+        with anyio.fail_after(10):  # a close let through waits for the held write for ever
+            return await both()
+
+    async def both() -> list[Exception]:
+        waiting: list[Exception] = []
+
+        async def first(writer: Any) -> None:
+            with contextlib.suppress(stream_st.SafetensorsError):  # its shard thrown away
+                await _add(writer, "a", one)
+
+        async def second(writer: Any) -> None:
+            try:
+                await _add(writer, "b", one)
+            except stream_st.UsageError as exc:
+                waiting.append(exc)
+
+        writer = _writer(kind, tmp_path / "closed")
+        held, go = _gate(monkeypatch)
+        async with anyio.create_task_group() as group:
+            group.start_soon(first, writer)
+            await held.wait()
+            group.start_soon(second, writer)
+            await anyio.wait_all_tasks_blocked()
+            with pytest.raises(stream_st.WriterError, match=r"2 write\(s\) .* in flight"):
+                await writer.aclose()
+            go.set()
+        writer = _writer(kind, tmp_path / "cancelled")
+        held, go = _gate(monkeypatch)
+        async with anyio.create_task_group() as group:
+            group.start_soon(first, writer)
+            await held.wait()
+            with anyio.move_on_after(0) as scope:
+                await _add(writer, "b", one)
+            assert scope.cancelled_caught
+            go.set()
+        with pytest.raises(stream_st.WriterError, match="aborted"):
+            await writer.aclose()
+        return waiting
+
+    waiting = anyio.run(main, backend=backend)
+    assert [str(exc) for exc in waiting] == [
+        "the write was aborted (WriterError('the writer closed while 2 write(s) of other tasks "
+        "were in flight: nothing was committed; let every write end before closing the "
+        "writer')); no shard was committed"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("kind", ["checkpoint", "dataset"])
+def test_a_write_while_the_writer_closes_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, backend: str
+) -> None:
+    """A write begun while the writer commits is refused (it changed the shard being sealed);
+    a second close meanwhile waits for the first, which commits once."""
+
+    async def main() -> Arrays:
+        writer = _writer(kind, tmp_path)
+        await _add(writer, "a", np.ones(4, np.float32))
+        held, go = _gate(monkeypatch)
+        with anyio.fail_after(10):  # a write let through waits for the held close for ever
+            await closing(writer, held, go)
+        return await read_all(_index_of(kind, tmp_path))
+
+    async def closing(writer: Any, held: anyio.Event, go: anyio.Event) -> None:
+        async with anyio.create_task_group() as group:
+            group.start_soon(writer.aclose)
+            await held.wait()  # the close writes the shard's header
+            with pytest.raises(stream_st.UsageError, match="the writer is closing"):
+                await _add(writer, "b", np.ones(4, np.float32))
+            group.start_soon(writer.aclose)
+            await anyio.wait_all_tasks_blocked()
+            go.set()
+
+    assert list(anyio.run(main, backend=backend)) == ["a"]
 
 
 @pytest.mark.parametrize(
