@@ -80,6 +80,15 @@ def test_object_url_percent_encodes_query_and_fragment_characters() -> None:
     assert config.object_url("b", "m?v", "uploads=") == "http://127.0.0.1:9/b/m%3Fv?uploads="
 
 
+def test_a_virtual_hosted_bucket_prefixes_the_host_not_the_user_info() -> None:
+    """An endpoint with user info put the bucket in front of it (``b.user:pw@host``): the
+    requests went to the endpoint's host, the bucket taken as part of the user name."""
+    config = S3Config("http://user:pw@s3.example:9000", "us-east-1", path_style=False)
+    assert config.object_url("b", "k") == "http://user:pw@b.s3.example:9000/k"
+    plain = S3Config("http://s3.example:9000", "us-east-1", path_style=False)
+    assert plain.object_url("b", "") == "http://b.s3.example:9000/"
+
+
 @pytest.mark.parametrize(
     "url",
     ["s3://b", "s3://b/", "s3:///k", "s3:b/k", "http://b/k", "s3://b?x/k", "s3://b#x/k"],

@@ -494,7 +494,8 @@ class S3Config:
             url = f"{self.endpoint_url}/{bucket}{path}"
         else:
             parts = urlsplit(self.endpoint_url)
-            url = f"{parts.scheme}://{bucket}.{parts.netloc}{path or '/'}"
+            userinfo, at, host = parts.netloc.rpartition("@")  # the bucket names the host
+            url = f"{parts.scheme}://{userinfo}{at}{bucket}.{host}{path or '/'}"
         return f"{url}?{query}" if query else url
 
     def sign(
