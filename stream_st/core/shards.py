@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+import stat
 import unicodedata
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ __all__ = [
     "SAFETENSORS_VERSION",
     "SHARD_NAME",
     "ShardEntry",
+    "holds_safetensors",
     "is_index",
     "join_address",
     "literal_scheme",
@@ -239,8 +241,37 @@ INDEX_SUFFIX = ".index.json"
 MANIFEST_NAME = "dataset_manifest.json"
 
 
+def holds_safetensors(head: bytes, size: int) -> bool:
+    """Whether bytes beginning with ``head`` (9 of them at least), ``size`` in all, are a
+    safetensors file rather than JSON: a little-endian length that fits in ``size``, then ``{``.
+    JSON never passes: its first 8 bytes are printable text, which read as a length exceeds any
+    file."""
+    return head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8
+
+
+def _local_safetensors(address: str) -> bool:
+    """Whether ``address`` (a path or ``file://`` URL) is a local regular file whose bytes are a
+    safetensors file (:func:`holds_safetensors`); False for anything else, remote or unreadable
+    (the reader then says what is wrong with it)."""
+    if "://" in address:
+        parts = split_address(address)
+        if parts.scheme.lower() != "file" or parts.netloc not in ("", "localhost"):
+            return False
+        address = unquote(parts.path)
+    try:
+        if not stat.S_ISREG(os.stat(address).st_mode):
+            return False  # a FIFO or a device: not opened here, where a read could block
+        with open(address, "rb") as file:
+            return holds_safetensors(file.read(9), os.fstat(file.fileno()).st_size)
+    except (OSError, ValueError):  # ValueError: a NUL in the path
+        return False
+
+
 def is_index(source: object) -> TypeGuard[str | os.PathLike[str]]:
-    """True for a ``str`` or path naming a ``*.index.json`` or ``dataset_manifest.json``."""
+    """True for a ``str`` or path naming a ``*.index.json`` or ``dataset_manifest.json``, unless
+    it is a local file whose bytes are a safetensors file (as ``save_file`` or ``stream-st cp``
+    write under any name): that is read as the file it is. A remote address is judged by its
+    name alone."""
     text = source if isinstance(source, str) else getattr(source, "__fspath__", lambda: "")()
     if not isinstance(text, str) or "json" not in text:  # most sources: no URL to split
         return False
@@ -248,4 +279,5 @@ def is_index(source: object) -> TypeGuard[str | os.PathLike[str]]:
         path = split_address(text).path
     except ValueError:  # not a URL at all: the transports will say what is wrong with it
         return False
-    return path.endswith(INDEX_SUFFIX) or posixpath.basename(path) == MANIFEST_NAME
+    named = path.endswith(INDEX_SUFFIX) or posixpath.basename(path) == MANIFEST_NAME
+    return named and not _local_safetensors(text)

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 from .._util import task_group
 from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes
-from ..core.shards import MANIFEST_NAME, shard_address, shard_name
+from ..core.shards import MANIFEST_NAME, holds_safetensors, shard_address, shard_name
 from ..core.strict_json import decode_json
 from ..errors import (
     DtypeError,
@@ -137,9 +137,11 @@ class ShardIndex:
 
     def __init__(self, raw: bytes, name: str, home: str | None = None) -> None:
         self.home = name if home is None else home
-        if raw[8:9] == b"{" and int.from_bytes(raw[:8], "little") <= len(raw) - 8:
-            raise UsageError(  # a length prefix and a JSON object: a file, not its index
-                f"{name} is a safetensors file, not an index of shards: copy or read it as one"
+        if holds_safetensors(raw, len(raw)):  # a length prefix and a JSON object: not an index
+            raise UsageError(
+                f"{name} is a safetensors file, not an index of shards: read or copy it as a file "
+                "(a remote one named *.index.json or dataset_manifest.json is taken for an "
+                "index: read it from a local copy)"
             )
         obj = decode_json(raw, f"{name}: the index", strict=True)  # a key once, no NaN
         if not isinstance(obj, dict):

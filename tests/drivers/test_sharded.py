@@ -479,3 +479,53 @@ async def test_a_closed_index_stream_does_not_open_again(tmp_path: Path) -> None
     with pytest.raises(stream_st.UsageError, match="the stream is closed"):
         async with stream:
             pass
+
+
+@pytest.mark.parametrize("name", ["m.index.json", "dataset_manifest.json"])
+async def test_a_file_named_like_an_index_is_read_as_the_file_it_is(
+    tmp_path: Path, name: str
+) -> None:
+    """A safetensors file named ``*.index.json`` (stream_st's own save_file writes one) was
+    refused by every call and command, "a safetensors file, not an index of shards: copy or read
+    it as one", where the reference loads it: a local one is now read as the file it is."""
+    import safetensors
+    import safetensors.numpy as reference_numpy
+
+    import stream_st.compat as drop_in
+    import stream_st.numpy as drop_in_numpy
+    from stream_st.cli import main
+
+    arrays: Arrays = {"a": np.arange(3, dtype=np.float32), "b": np.ones((2, 2), np.int16)}
+    path = tmp_path / name
+    drop_in_numpy.save_file(arrays, str(path), metadata={"k": "v"})
+    assert_same_arrays(drop_in_numpy.load_file(str(path)), reference_numpy.load_file(str(path)))
+    with (
+        drop_in.safe_open(str(path), "np") as mine,
+        safetensors.safe_open(str(path), "np") as theirs,
+    ):
+        assert mine.metadata() == theirs.metadata() == {"k": "v"}
+        names = mine.keys()
+        assert sorted(names) == sorted(theirs.keys())
+        assert_same_arrays({k: mine.get_tensor(k) for k in names}, arrays)
+    for source in (str(path), path, path.as_uri()):
+        assert_same_arrays(await stream_st.load(source), arrays)
+        assert (await stream_st.read_header(source)).metadata == {"k": "v"}
+        async with stream_st.open_stream(source) as stream:
+            assert_same_arrays({k: v async for k, v in stream}, arrays)
+    copy = tmp_path / "copy.safetensors"
+    for command in (["ls", str(path)], ["cp", "-q", str(path), str(copy)]):
+        assert await anyio.to_thread.run_sync(main, command) == 0  # main() runs its own loop
+    assert_same_arrays(reference_numpy.load_file(str(copy)), arrays)
+
+
+async def test_a_remote_file_named_like_an_index_says_how_to_read_it(tmp_path: Path) -> None:
+    """A remote address is taken for an index by its name: a file there is refused, with a way
+    that works (a local copy), and what is neither a file nor an index stays refused."""
+    with RangeHTTPServer() as server:
+        server.objects["/r/m.index.json"] = reference_numpy.save({"a": np.ones(2, np.float32)})
+        with pytest.raises(stream_st.UsageError, match=r"is a safetensors file.*local copy"):
+            await stream_st.load(server.url("/r/m.index.json"))
+    neither = tmp_path / "n.index.json"
+    neither.write_bytes(b"\x09" + bytes(7) + b"{abcd")  # a length prefix past its end
+    with pytest.raises(stream_st.HeaderError, match="not valid JSON"):
+        await stream_st.load(neither)
