@@ -81,8 +81,14 @@ class RankGroup:
         if not dist.is_available() or not dist.is_initialized():
             raise UsageError("process_group= needs torch.distributed initialised in this process")
         self.group = group
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        try:
+            self.world = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
+        except (ValueError, RuntimeError):  # torch's "Group ... is not registered"
+            raise UsageError(
+                "process_group= is not a live process group of this process (destroyed by "
+                "torch.distributed.destroy_process_group?): make a new one (new_group)"
+            ) from None
         if self.rank < 0:
             raise UsageError("this process is not a member of process_group")
         self.cuda = dist.get_backend(group) == "nccl"

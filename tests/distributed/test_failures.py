@@ -6,6 +6,8 @@ group's timeout: the pool's group waits 60 s); nothing hangs, and the group stay
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ import stream_st.torch  # noqa: E402
 from stream_st.sharded.ranks import stripe_size  # noqa: E402
 from tests.servers.http_server import RangeHTTPServer  # noqa: E402
 
-from ._group import Pool, run_group  # noqa: E402
+from ._group import ENV, ROOT, WAIT, Pool, free_port, run_group  # noqa: E402
 from .test_load import assert_same, ok, write_index  # noqa: E402
 
 
@@ -231,6 +233,50 @@ def test_a_bad_copy_on_one_rank(tmp_path: Path, pool: Pool, damage: str, bad: in
             message = failed(report, "RankFailedError", bad)
             assert f"IntegrityError: tensor 'layer1' from rank {bad}'s source" in message, report
         assert "tensors" not in report
+
+
+DESTROYED = """
+import datetime, sys
+import torch, torch.distributed as dist
+import stream_st, stream_st.torch
+
+path, port = sys.argv[1], int(sys.argv[2])
+dist.init_process_group(
+    "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    timeout=datetime.timedelta(seconds=30),
+)
+group = dist.new_group([0])
+dist.destroy_process_group(group)
+for call in (
+    lambda: stream_st.torch.load_file(path, process_group=group),
+    lambda: stream_st.torch.load_model(torch.nn.Module(), path, process_group=group, strict=False),
+):
+    try:
+        call()
+        print("no error")
+    except stream_st.UsageError as exc:
+        print("UsageError:", exc)
+dist.destroy_process_group()
+"""
+
+
+def test_a_destroyed_group_is_refused_as_misuse(tmp_path: Path) -> None:
+    """A process group destroyed (``destroy_process_group(group)``) while the default one lives
+    on, passed as ``process_group=``, raised torch's bare ValueError ("Group ... is not
+    registered")."""
+    path = tmp_path / "m.safetensors"
+    reference_save({"a": torch.zeros(2)}, str(path))
+    result = subprocess.run(
+        [sys.executable, "-c", DESTROYED, str(path), str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        env=ENV,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and all("not a live process group" in line for line in lines), lines
 
 
 def test_a_rank_left_out_of_a_subgroup_is_told_so(tmp_path: Path) -> None:
