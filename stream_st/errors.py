@@ -62,6 +62,7 @@ __all__ = [
     "AllocationError",
     "ArgumentTypeError",
     "CacheMissError",
+    "CacheWarning",
     "CertificateError",
     "CodecError",
     "CredentialsError",
@@ -669,6 +670,11 @@ class CacheMissError(SourceNotFoundError):
 class StreamStWarning(UserWarning):
     """Root of the warnings stream_st gives: a read or write that works, but worse than asked
     (silence them all with ``warnings.simplefilter("ignore", StreamStWarning)``)."""
+
+
+class CacheWarning(StreamStWarning, RuntimeWarning):
+    """The local-copy cache could not be used (a folder that is a file, not writable) or a copy
+    could not be kept (a full disk): the read goes on without it. Also a ``RuntimeWarning``."""
 
 
 class RangeIgnoredWarning(StreamStWarning):

@@ -29,7 +29,7 @@ import warnings
 from types import ModuleType
 from typing import IO, TYPE_CHECKING, Any
 
-from ..errors import ArgumentTypeError
+from ..errors import ArgumentTypeError, StreamStWarning
 from ._errors import SafetensorError, WrongTypeError
 
 if TYPE_CHECKING:
@@ -169,6 +169,7 @@ def install() -> None:
         warnings.warn(
             f"{', '.join(already)} was imported before stream_st.compat.install(): modules that "
             "imported names from it keep the reference's",
+            StreamStWarning,
             stacklevel=2,
         )
     for name in _NAMES:

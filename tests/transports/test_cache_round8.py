@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -359,6 +360,19 @@ def test_range_sets_merge_as_before_and_stay_cheap() -> None:
     assert ranges.covers(100, 205) and not ranges.covers(100, 206)
     assert list(ranges.pieces(204, 212)) == [(204, 205, True), (205, 210, False), (210, 212, True)]
     assert RangeSet.recorded([(0, 11)], 10) is None and RangeSet.recorded([(0, 10)], 10)
+
+
+def test_the_cache_warnings_are_stream_st_warnings(tmp_path: Path) -> None:
+    """The cache warned with a plain RuntimeWarning: the filter the docs give to silence every
+    warning of stream_st (``simplefilter("ignore", StreamStWarning)``) let it through."""
+    (tmp_path / "afile").write_bytes(b"")
+    served = RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong")
+    with served as server, warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warnings.simplefilter("ignore", stream_st.StreamStWarning)
+        asyncio.run(read(server.url("/m.safetensors"), cache=tmp_path / "afile"))
+    assert [str(w.message) for w in seen] == []
+    assert issubclass(stream_st.CacheWarning, RuntimeWarning)
 
 
 def test_a_cache_folder_that_is_a_file_warns_and_reads_without_it(tmp_path: Path) -> None:

@@ -36,7 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...errors import CacheMissError, HTTPStatusError, SafetensorsError, TransportError
+from ...errors import (
+    CacheMissError,
+    CacheWarning,
+    HTTPStatusError,
+    SafetensorsError,
+    TransportError,
+)
 from ..base import Source
 from ..http.framing import sendable
 from ..http.redirect import REDIRECTS, redirected
@@ -126,7 +132,7 @@ async def resolve(
             raise
         warnings.warn(  # a cache folder that is a file, read-only, replaced...
             f"the cache cannot be used ({exc.strerror or exc}: {exc.filename}): reading without it",
-            RuntimeWarning,
+            CacheWarning,
             stacklevel=2,
         )
     return Resolved(address, "uncached")

@@ -39,7 +39,7 @@ import anyio.to_thread
 
 from ..._util import call_soon_from_thread, lock_and_condition
 from ...core.digests import Hasher, ObjectDigest, update_sliced
-from ...errors import IntegrityError
+from ...errors import CacheWarning, IntegrityError
 from ..base import DISCARD_CHUNK, Source
 from ..options import Transport
 from .follow import Growing
@@ -251,7 +251,7 @@ class CopyWriter:
                 remove_quietly(part)
                 lock.release()  # no copy to write: another reader may fetch it meanwhile
                 self.given_up = f"no room for the copy: {exc}"
-                warnings.warn(f"{name}: not keeping a copy: {self.given_up}", RuntimeWarning, 2)
+                warnings.warn(f"{name}: not keeping a copy: {self.given_up}", CacheWarning, 2)
         self._hashers: list[Hasher] = [new_hasher(record.algorithm, self.size)]
         self._check = check if check is not None and check.new is not None else None
         if self._check is not None and self._check.new is not None:
@@ -418,7 +418,7 @@ class CopyWriter:
                 self._unpublish()
                 self.lock.release()
                 self.given_up = f"keeping the copy failed: {exc}"
-                warnings.warn(f"{self.name}: {self.given_up}", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"{self.name}: {self.given_up}", CacheWarning, stacklevel=2)
                 return
         self._forget_part()
         self.committed = True
@@ -436,9 +436,7 @@ class CopyWriter:
         """Keep no copy of this read (the read itself goes on)."""
         if self.given_up is None:
             self.given_up = reason
-            warnings.warn(
-                f"{self.name}: not keeping a copy: {reason}", RuntimeWarning, stacklevel=3
-            )
+            warnings.warn(f"{self.name}: not keeping a copy: {reason}", CacheWarning, stacklevel=3)
         await self._discard()
 
     async def _discard(self) -> None:
