@@ -117,7 +117,12 @@ class HubFile:
             )
         org, repo, path = parts
         repo, at, revision = repo.partition("@")
-        revision = unquote(revision) if at else DEFAULT_REVISION
+        try:  # strict: bad escapes were each made U+FFFD, and two revisions one
+            revision = unquote(revision, errors="strict") if at else DEFAULT_REVISION
+        except UnicodeDecodeError:
+            raise UnsupportedSourceError(
+                f"{url!r}: a revision whose %-escapes are not UTF-8 text"
+            ) from None
         if not repo or not revision:
             raise UnsupportedSourceError(f"empty repository name or revision in {url!r}")
         for part in (org, repo, *revision.split("/"), *path.split("/")):

@@ -120,6 +120,14 @@ def test_resolve_urls_encode_the_revision_and_path() -> None:
     )
 
 
+def test_a_revision_whose_escapes_are_not_text_is_refused() -> None:
+    """Bad escapes were each made U+FFFD: two revisions written apart became one, asked of the
+    Hub and kept in the cache under one name."""
+    for url in ("hf://org/repo@%ED%A0%80/m", "hf://org/repo@%FF%FF/m"):
+        with pytest.raises(UnsupportedSourceError, match="not UTF-8 text"):
+            HubFile.parse(url)
+
+
 @pytest.mark.parametrize(
     "url", ["hf://org/repo", "hf://org/model.safetensors", "hf://org//x", "hf://org/repo@/x"]
 )
