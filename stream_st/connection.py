@@ -266,6 +266,8 @@ async def listen(
     port = integer_at_least("port", port, 0)
     if not 0 <= port <= 65535:
         raise UsageError(f"port {port} is out of range 0-65535")
+    if host.startswith("[") and host.endswith("]"):  # as a tcp:// URL writes an IPv6 address
+        host = host[1:-1]
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         sock = socket.create_server((host, port), family=family, backlog=128)

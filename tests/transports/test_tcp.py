@@ -311,8 +311,9 @@ async def test_tasks_accept_at_once() -> None:
     assert len(set(names)) == 2
 
 
-async def test_ipv6_listener_url() -> None:
-    async with stream_st.listen("::1", 0) as listener:
+@pytest.mark.parametrize("host", ["::1", "[::1]"])  # the second as a tcp:// URL writes it
+async def test_ipv6_listener_url(host: str) -> None:
+    async with stream_st.listen(host, 0) as listener:
         assert listener.url == f"tcp://[::1]:{listener.port}"
         with anyio.fail_after(5):
             async with anyio.create_task_group() as group:
