@@ -65,6 +65,13 @@ class Connection(AsyncClosing, SinkLender):
     :func:`~stream_st.save`: each call writes the next message, as :meth:`open_writer` does.
     """
 
+    not_a_source = (
+        "it carries any number of messages: read the next one with connection.open_stream(), "
+        "or each in turn with connection.messages()"
+    )
+    """Why a connection given where a source is asked for is refused (see
+    :attr:`Listener.not_a_source`)."""
+
     def __init__(self, sock: socket.socket, name: str, *, limits: Limits = NO_LIMITS) -> None:
         self._sock = sock
         self.name = name

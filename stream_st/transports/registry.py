@@ -157,12 +157,12 @@ async def _new_source(obj: SourceLike, clock: Clock) -> Source:
     chunks = getattr(obj, "iter_any", None)
     if callable(chunks) and inspect.iscoroutinefunction(getattr(obj, "readany", None)):
         return aiohttp_source(obj)  # aiohttp's StreamReader: iterated, it gives lines
+    refusal = getattr(type(obj), "not_a_source", None)  # a type that says how it is read
+    if isinstance(refusal, str):
+        raise UnsupportedSourceError(
+            f"cannot read safetensors from a {type(obj).__name__}: {refusal}"
+        )
     if isinstance(obj, AsyncIterable):
-        refusal = getattr(type(obj), "not_a_source", None)  # iterated, it gives no bytes
-        if isinstance(refusal, str):
-            raise UnsupportedSourceError(
-                f"cannot read safetensors from a {type(obj).__name__}: {refusal}"
-            )
         return ChunkIteratorSource(obj)
     raise UnsupportedSourceError(
         f"cannot read safetensors from {type(obj).__name__}: expected a path, URL, bytes, "

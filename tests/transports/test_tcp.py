@@ -278,6 +278,16 @@ async def test_leaving_listen_wakes_the_tasks_accepting() -> None:
             await anyio.wait_all_tasks_blocked()
 
 
+async def test_a_connection_given_as_a_source_says_how_it_is_read() -> None:
+    """save(connection) writes its next message, but load(connection) fell to the generic
+    refusal ("expected a path, URL, bytes, ..."), naming nothing a connection has."""
+    with anyio.fail_after(5):
+        async with connected() as (_, connection):
+            for read in (stream_st.load, read_all):
+                with pytest.raises(UnsupportedSourceError, match=r"connection\.open_stream\(\)"):
+                    await read(connection)
+
+
 async def test_a_listener_is_no_source() -> None:
     """A Listener iterates connections: taken for an async iterable of byte chunks, reading it
     waited for a peer and then failed on its connection (or waited for ever without one)."""
