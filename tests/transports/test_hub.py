@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -403,6 +404,24 @@ async def test_datasets_and_revisions(hub: FakeHub) -> None:
         await stream_st.read_header("hf://org/model@v3/m.safetensors")
     with pytest.raises(HTTPNotFoundError, match=r"hf://org/model/nothing\.safetensors"):
         await stream_st.read_header("hf://org/model/nothing.safetensors")
+
+
+@pytest.mark.parametrize("cache", [False, True])
+async def test_a_hub_out_of_reach_is_named_by_the_address_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cache: bool
+) -> None:
+    """With the cache, the Hub's question failing to connect named the resolve URL asked
+    (HF_ENDPOINT/org/model/resolve/main/...), where a read without it names the hf:// address."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: connections are refused
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        address = "hf://org/model/model.safetensors"
+        with pytest.raises(TransportError) as caught:
+            await stream_st.read_header(address, cache=cache, timeout=5)
+    assert caught.value.url == address, caught.value
 
 
 async def test_private_and_gated_repositories(

@@ -433,10 +433,9 @@ async def _hub(
     answer: _HubAnswer | int | None
     try:
         answer = await _hub_head(file.resolve_url(hub_endpoint()), clock)
-    except HTTPStatusError:
-        raise
-    except TransportError:
-        if local is None:
+    except TransportError as exc:
+        if local is None or isinstance(exc, HTTPStatusError):
+            exc.report_as(address)  # the address given, as a read without the cache names it
             raise
         answer = None  # the Hub cannot be reached
     unsure = answer is None or (isinstance(answer, int) and answer in HUB_UNSURE)
