@@ -16,7 +16,7 @@ from .._api import using_cache
 from ..errors import SafetensorsError, UsageError
 from ..transports.cache import Cache
 from .exits import EXIT_DIFFERENT, EXIT_OK
-from .options import size_arg
+from .options import directory_arg, size_arg
 from .output import PROG, human, print_json, shown
 
 __all__ = ["add_cache_command", "add_cache_option"]
@@ -29,7 +29,7 @@ def _cache_of(args: argparse.Namespace) -> Cache:
     if getattr(args, "max_size", None) is not None:  # the option's cap, not the environment's
         env.pop("STREAM_ST_CACHE_MAX", None)
     directory = getattr(args, "dir", None)
-    return Cache.at(directory, env) if directory else Cache.default(env)
+    return Cache.default(env) if directory is None else Cache.at(directory, env)
 
 
 def add_cache_option(sub: argparse.ArgumentParser) -> None:
@@ -42,7 +42,12 @@ def add_cache_option(sub: argparse.ArgumentParser) -> None:
         help="keep a verified local copy of a remote source, and read it next time after one "
         "conditional request (STREAM_ST_CACHE, HF_HUB_CACHE)",
     )
-    group.add_argument("--cache-dir", metavar="DIR", help="as --cache, with the copies in DIR")
+    group.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        type=directory_arg,
+        help="as --cache, with the copies in DIR",
+    )
     group.add_argument(
         "--offline",
         action="store_true",
@@ -52,8 +57,8 @@ def add_cache_option(sub: argparse.ArgumentParser) -> None:
 
     async def cached(args: argparse.Namespace) -> int:
         chosen: Cache | None = None
-        if args.cache or args.cache_dir or args.offline:
-            chosen = Cache.at(args.cache_dir) if args.cache_dir else Cache.default()
+        if args.cache or args.cache_dir is not None or args.offline:
+            chosen = Cache.default() if args.cache_dir is None else Cache.at(args.cache_dir)
             if args.offline:
                 chosen = dataclasses.replace(chosen, offline=True)
         with using_cache(chosen):
@@ -181,7 +186,7 @@ def add_cache_command(commands: Any) -> argparse.ArgumentParser:
     )
     sub.set_defaults(handler=run_cache)
     where = "the cache given to --cache-dir DIR"
-    sub.add_argument("--dir", "--cache-dir", metavar="DIR", help=where)
+    sub.add_argument("--dir", "--cache-dir", metavar="DIR", type=directory_arg, help=where)
     actions = sub.add_subparsers(dest="action", metavar="{ls,rm,prune}", required=True)
     listing = actions.add_parser("ls", help="list the copies")
     listing.add_argument("--json", action="store_true", help="one JSON record per copy")
@@ -194,6 +199,11 @@ def add_cache_command(commands: Any) -> argparse.ArgumentParser:
     )
     for action in (listing, removing, pruning):  # after the action too; else the cache's
         action.add_argument(
-            "--dir", "--cache-dir", metavar="DIR", default=argparse.SUPPRESS, help=where
+            "--dir",
+            "--cache-dir",
+            metavar="DIR",
+            type=directory_arg,
+            default=argparse.SUPPRESS,
+            help=where,
         )
     return sub

@@ -91,6 +91,13 @@ def host_arg(text: str) -> str:
     return _taken(text, host_problem(text))
 
 
+def directory_arg(text: str) -> str:
+    """A ``--cache-dir DIR`` (``cache --dir DIR``) argument: an empty one is refused, not taken
+    as no option (``cache rm --all --dir "$DIR"`` with the variable unset would empty the
+    default cache)."""
+    return _taken(text, None if text else "empty (an unset variable?): give the directory")
+
+
 def _taken(text: str, problem: str | None) -> str:
     """``text``, an argument a ``*_problem`` check found nothing wrong with; else refused with
     what the check said (argparse prints it after the option's name)."""

@@ -743,6 +743,38 @@ def test_cache_prune_names_its_option_and_takes_it_over_the_environment(
     assert status == 2 and "STREAM_ST_CACHE_MAX in the environment" in stderr, stderr
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["cache", "rm", "--all", "--dir", ""],
+        ["cache", "--dir", "", "rm", "--all"],
+        ["cache", "ls", "--cache-dir", ""],
+        ["validate", "-q", "--cache-dir", "", "{url}"],
+    ],
+    ids=" ".join,
+)
+def test_an_empty_cache_dir_is_refused(
+    argv: list[str],
+    model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--cache-dir ''`` (``--dir "$DIR"`` with the variable unset) was taken as no option:
+    ``cache rm --all --dir ''`` emptied the default cache, ``--cache-dir ''`` read with no
+    cache; it is refused, as an empty ``--endpoint-url`` is, and the default cache is kept."""
+    monkeypatch.setenv("STREAM_ST_CACHE", str(tmp_path / "default"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    with RangeHTTPServer(objects={"/m.safetensors": model.read_bytes()}) as running:
+        url = running.url("/m.safetensors")
+        assert main(["validate", "-q", "--cache", url]) == 0
+        status, stderr = _status_and_stderr([arg.replace("{url}", url) for arg in argv], capsys)
+    assert status == 2, stderr
+    assert "--cache-dir: empty (an unset variable?)" in stderr, stderr
+    assert main(["cache", "ls", "--json"]) == 0
+    assert [json.loads(line)["address"] for line in capsys.readouterr().out.splitlines()] == [url]
+
+
 def test_show_maps_a_local_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
