@@ -474,7 +474,7 @@ async def run_validate(args: argparse.Namespace) -> int:
             result = await tools.validate(
                 source,
                 expect_shapes=shapes,
-                expect_layers=[p for p in (args.expect_layers or "").split(",") if p],
+                expect_layers=args.expect_layers or (),
                 config=config,
                 warn_abs=args.warn_abs,
                 progress=progress,
@@ -655,7 +655,7 @@ async def run_demo_command(args: argparse.Namespace) -> int:
         raise UsageError(
             "--text and --context choose what the model scores: use them without --synthetic"
         )
-    codecs = tuple(c for c in (args.codecs or "none,int8,int4").split(",") if c)
+    codecs = args.codecs or ("none", "int8", "int4")
     layers = 22 if args.layers is None else args.layers
     seq = 2048 if args.seq is None else args.seq
     results = await run_demo(layers, seq, codecs, **limits_of(args))
@@ -691,7 +691,7 @@ async def run_model_demo(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
             raise UsageError(f"cannot read --text {args.text}: {detail}") from None
-    codecs = tuple(c for c in (args.codecs or "none,f16,int8,int4").split(",") if c)
+    codecs = args.codecs or ("none", "f16", "int8", "int4")
     with status_line("stream-st demo", args.quiet) as progress:
         demo = await run_model_demo(
             text, context=args.context, codecs=codecs, progress=progress, **limits_of(args)

@@ -64,14 +64,16 @@ def limit_arg(name: str) -> Callable[[str], float]:
     return number_arg(name, lambda value: Limits.of({name: value}))
 
 
-def comma_list(text: str) -> str:
+def comma_list(text: str) -> tuple[str, ...]:
     """The argparse type of an option taking a comma-separated list (``--codecs none,int8``):
-    a list naming nothing (``''``, ``,,``) is refused, where it was taken as no list at all."""
-    if not any(part.strip() for part in text.split(",")):
+    its names, each stripped of the spaces around it (``'q_proj, k_proj'``), empty ones left
+    out; a list naming nothing (``''``, ``,,``) is refused, where it was taken as no list."""
+    names = tuple(name for part in text.split(",") if (name := part.strip()))
+    if not names:
         raise argparse.ArgumentTypeError(
             f"names nothing ({text!r}): give one or more, comma-separated"
         )
-    return text
+    return names
 
 
 def token_arg(text: str) -> str:

@@ -361,6 +361,19 @@ def test_an_empty_list_is_refused(
     assert f"argument {option}: names nothing" in stderr
 
 
+def test_a_list_takes_spaces_after_its_commas(
+    model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--expect-layers 'q_proj, k_proj'`` failed every layer for lacking `` k_proj`` and
+    ``--codecs 'none, int8'`` refused `` int8``: each name is stripped, as the check that a
+    list names something strips it."""
+    argv = ["validate", "-q", "--expect-layers", "q_proj, k_proj ,", str(model)]
+    assert main(argv) == 0, capsys.readouterr().out
+    assert "valid: 3 tensors, 0 errors" in capsys.readouterr().out
+    parsed = build_parser().parse_args(["demo", "--synthetic", "--codecs", " none, int8 "])
+    assert parsed.codecs == ("none", "int8")
+
+
 @pytest.mark.parametrize("option", [["--token", ""], ["--host", ""]], ids=["token", "host"])
 def test_serve_refuses_an_empty_token_or_host(option: list[str], model: Path) -> None:
     """``--token "$TOKEN"`` with the variable unset served with no token at all (the library
