@@ -239,10 +239,10 @@ async def run_show(args: argparse.Namespace) -> int:
 
 
 async def run_hash(args: argparse.Namespace) -> int:
-    if args.check:
-        return await run_hash_check(args)
     if args.format == "weight-inspect":
         return await run_weight_inspect(args)
+    if args.check:
+        return await run_hash_check(args)
     if args.file and args.content and not args.json:
         raise UsageError(
             "--file prints sha256sum's lines, which have no room for --content: add --json"
@@ -275,8 +275,10 @@ async def run_hash(args: argparse.Namespace) -> int:
 async def run_weight_inspect(args: argparse.Namespace) -> int:
     """``hash --format weight-inspect``: the weight-inspect tool's structural ID of each file,
     ``wi:safetensors:0:<8 hex> <hash>  <source>`` (``--json``: its ``id --json`` record)."""
-    if args.content or args.file:
-        raise UsageError("--format weight-inspect hashes the header only: no --content or --file")
+    if args.content or args.file or args.check:
+        raise UsageError(
+            "--format weight-inspect hashes the header only: no --content, --file or --check"
+        )
 
     async def one(source: str) -> int:
         found = await tools.weight_inspect(source, **options_of(args))

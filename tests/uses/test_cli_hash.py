@@ -166,6 +166,22 @@ def test_file_line_is_sha256sums_and_check_takes_it(model: Path, tmp_path: Path)
     assert run("hash", "-c", str(sums), cwd=tmp_path).returncode == 1
 
 
+@pytest.mark.parametrize("option", ["--content", "--file", "--check"])
+def test_weight_inspect_format_refuses_what_it_does_not_do(
+    option: str, model: Path, tmp_path: Path
+) -> None:
+    """``hash --format weight-inspect --check LIST`` ignored the format, checking the list's
+    sha256 lines (exit 0), where ``--file`` and ``--content`` were refused: so is ``--check``."""
+    sums = tmp_path / "sums.sha256"
+    sums.write_text(run("hash", "--file", str(model)).stdout)
+    source = str(sums if option == "--check" else model)
+    result = run("hash", "--format", "weight-inspect", option, source)
+    assert (result.returncode, result.stdout) == (2, ""), result.stdout
+    assert "weight-inspect hashes the header only: no --content, --file or --check" in (
+        result.stderr
+    )
+
+
 def test_check_reads_remote_sources(model: Path, tmp_path: Path) -> None:
     """--check compares what an http(s):// (or s3://, hf://) source serves with the list."""
     want = hashlib.sha256(model.read_bytes()).hexdigest()
