@@ -34,6 +34,7 @@ from .output import (
     OutputError,
     discard_output,
     shown_message,
+    standard_error,
     standard_output,
     warnings_as_lines,
 )
@@ -190,6 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # dropped, not printed into standard output (print's default), and its descriptor is
         # taken, so that no file the command opens (a copy's destination) is given it
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+    with standard_error():  # one it cannot write (``2>/dev/full``): its lines dropped too
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    """:func:`main`, standard error taken care of."""
     try:
         parser = build_parser()
         complete(parser)

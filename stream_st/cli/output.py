@@ -124,6 +124,60 @@ def standard_output() -> Iterator[None]:
             sys.stdout = original
 
 
+class _Errors(io.TextIOBase):
+    """Standard error as the command writes it: ``stream``, until a write to it fails (a full
+    disk, ``2>/dev/full``); what it cannot take is dropped from then on, as for standard error
+    closed (``2>&-``), so that a line the command could not say never changes what it does: a
+    copy that warns succeeds, an error exits with 2 (the :class:`OSError` escaping made it 1)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__()
+        self.stream = stream
+        self.dropping = False
+
+    def _try(self, call: Callable[[TextIO], object]) -> None:
+        """``call`` on the stream, unless it failed before; its first failure, dropping."""
+        if self.dropping:
+            return
+        try:
+            call(self.stream)
+        except OSError:
+            self.dropping = True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]  # a plain attribute in io.TextIOBase
+        """The stream's encoding (UTF-8 where it has none)."""
+        return getattr(self.stream, "encoding", None) or "utf-8"
+
+    def write(self, text: str) -> int:
+        self._try(lambda stream: stream.write(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._try(lambda stream: stream.flush())
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return not self.dropping and self.stream.isatty()
+
+    def close(self) -> None:
+        """Leave standard error open (io's finalizer calls this)."""
+
+
+@contextmanager
+def standard_error() -> Iterator[None]:
+    """Within the block, what standard error (``sys.stderr``) cannot take is dropped, with all
+    that follows it (see :class:`_Errors`)."""
+    original = sys.stderr
+    sys.stderr = cast(TextIO, _Errors(original))
+    try:
+        yield
+    finally:
+        sys.stderr = original
+
+
 def print_bytes(line: bytes) -> None:
     """``line`` and a line feed on the command's standard output (see :func:`standard_output`)
     as they are, whatever its encoding: a file name's bytes, as ``sha256sum`` writes them, where

@@ -3,16 +3,23 @@ standard input ended by the hangup that stops it."""
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
+import pytest
 import safetensors.numpy as reference_numpy
+
+from stream_st import tools
+from stream_st.cli import main
 
 from ._cli import COMMAND, write_model
 
@@ -42,6 +49,55 @@ def test_an_error_with_standard_error_closed_stays_out_of_standard_output(tmp_pa
     done = _without_stderr("inspect", str(tmp_path / "missing.safetensors"))
     assert done.returncode == 2
     assert done.stdout == b""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+@pytest.mark.parametrize(
+    ("argv", "status"),
+    [
+        pytest.param(["cp", "-q", "--dtype", "f16", "{big}", "{out}"], 0, id="cp-warning"),
+        pytest.param(["ls", "{missing}"], 2, id="ls-missing"),
+        pytest.param(["diff", "{big}", "{missing}"], 2, id="diff-missing"),
+        pytest.param(["ls", "--timeout", "-1", "{big}"], 2, id="bad-option"),
+    ],
+)
+def test_standard_error_that_cannot_be_written_changes_no_exit_status(
+    argv: list[str], status: int, tmp_path: Path
+) -> None:
+    """Standard error on a full disk (``2>/dev/full``): a copy that warned failed with exit
+    status 1, leaving no file, and an error exited with 1 (``diff``'s "different"), where 2 is
+    an error's; what standard error cannot take is dropped, as for one closed."""
+    big = write_model(tmp_path / "big.safetensors", {"a": np.array([1e10, 1.0], np.float32)})
+    out = tmp_path / "out.safetensors"
+    paths = {"big": big, "out": out, "missing": tmp_path / "missing.safetensors"}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [COMMAND, *(arg.format(**paths) for arg in argv)],
+            stdout=subprocess.DEVNULL,
+            stderr=full,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode == status
+    assert out.exists() == (argv[0] == "cp")
+
+
+def test_an_internal_error_with_standard_error_unwritable_exits_3(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The traceback of an internal error, which standard error could not take, raised from
+    the handler printing it: the exit status was 1, not 3."""
+
+    class Full(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    async def broken(*args: Any, **kwargs: Any) -> None:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(tools, "inspect", broken)
+    monkeypatch.setattr(sys, "stderr", Full())
+    assert main(["inspect", str(write_model(tmp_path / "a.safetensors"))]) == 3
 
 
 def _feed(stdin: IO[bytes], data: bytes) -> None:
