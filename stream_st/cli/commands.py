@@ -54,6 +54,7 @@ from .options import limits_of, options_of
 from .output import (
     PROG,
     STDIO,
+    OutputError,
     brief,
     failed,
     human,
@@ -584,6 +585,9 @@ async def run_cp(args: argparse.Namespace) -> int:
             except TransportError as exc:
                 if args.dst == STDIO and isinstance(exc.__cause__, BrokenPipeError):
                     raise exc.__cause__ from None  # the reader went away (``| head``): exit 141
+                cause = exc.__cause__
+                if isinstance(dst, PipeSink) and exc.url == dst.name and isinstance(cause, OSError):
+                    raise OutputError(cause, exc.position) from cause  # as every command says it
                 raise
     except BaseException:  # failed, interrupted or stopped: nothing left at DST, no directory
         for directory in reversed(made):

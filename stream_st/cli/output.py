@@ -40,10 +40,12 @@ class OutputError(Exception):
     whose reader went away): the command's failure, reported once. Neither a
     :class:`~stream_st.SafetensorsError`, which a command going through several sources takes
     as one source's, nor an :class:`OSError`, which a command may take as its own (the cache's
-    folder); the :class:`OSError` is its ``__cause__``."""
+    folder); the :class:`OSError` is its ``__cause__``, ``position`` the byte a copy to
+    standard output stopped at."""
 
-    def __init__(self, cause: OSError) -> None:
-        super().__init__(cause.strerror or str(cause))
+    def __init__(self, cause: OSError, position: int | None = None) -> None:
+        reason = cause.strerror or str(cause)
+        super().__init__(reason if position is None else f"{reason}, at byte {position}")
 
 
 class _Output(io.TextIOBase):
