@@ -17,7 +17,7 @@ import anyio
 import numpy as np
 
 from .._api import header_of
-from .._util import allow_open_files
+from .._util import allow_open_files, canonical_decimal
 from ..core.codecs import Codec, codec_from_metadata, get_codec, original_code, to_bfloat16
 from ..core.digests import (
     ALGORITHM_KEY,
@@ -408,6 +408,57 @@ def _taken_whole(decoder: Codec, wanted: Collection[str], every: Collection[str]
             )
 
 
+_CODES = {"int8": "I8", "int4": "U8"}
+"""The dtype code of each codec's codes (the first of its wire tensors)."""
+
+
+def _decodable(
+    decoder: Codec,
+    metadata: Mapping[str, str],
+    wanted: Sequence[TensorInfo],
+    every: Collection[str],
+) -> None:
+    """A :class:`~stream_st.CodecError` where ``--dequantize`` would not rebuild what the
+    source's ``__metadata__`` says it quantized: no tensor of ``every`` beside all its wire
+    tensors; a tensor of ``wanted`` of the codes' dtype without its scale (copied as it was, the
+    codes then plain integers), unless ``quantized_tensors`` counts the tensors rebuilt (it was
+    kept as it was); more tensors rebuilt than that counts; or a wire tensor of two tensors
+    (``w.scale`` the scale of ``w`` and the codes of ``w.scale.scale``)."""
+    said = f"__metadata__ says compression={metadata.get('compression')}"
+    owner: dict[str, str] = {}
+    for name in sorted(every):
+        wire = decoder.part_names(name)
+        if not all(part in every for part in wire):
+            continue
+        for part in wire:
+            if part in owner:
+                raise CodecError(
+                    f"dequantize= (--dequantize): tensor {part!r} is a wire tensor of both "
+                    f"{owner[part]!r} and {name!r} ({said}): rename one of them"
+                )
+            owner[part] = name
+    rebuilt = len(set(owner.values()))
+    if not rebuilt:
+        spelled = " and ".join(decoder.part_names("<name>"))
+        raise CodecError(
+            f"dequantize= (--dequantize): the {said}, but no tensor has its wire tensors "
+            f"({spelled})"
+        )
+    recorded = canonical_decimal(metadata.get(_QUANTIZED_KEY, ""))
+    if recorded is not None and recorded < rebuilt:
+        raise CodecError(
+            f"dequantize= (--dequantize): the {said} and {_QUANTIZED_KEY}={recorded}, but "
+            f"{rebuilt} tensors have their wire tensors"
+        )
+    orphans = [t.name for t in wanted if t.dtype == _CODES[decoder.key] and t.name not in owner]
+    if orphans and recorded != rebuilt:
+        scales = " and ".join(map(repr, decoder.part_names(orphans[0])[1:]))
+        raise CodecError(
+            f"dequantize= (--dequantize): the {said}, but {_CODES[decoder.key]} tensor "
+            f"{orphans[0]!r} has no {scales} (its codes would be copied as plain integers)"
+        )
+
+
 async def cp(
     src: SourceLike,
     dst: SinkLike,
@@ -526,9 +577,10 @@ async def _copy(
         tensors = tensors_of(headers)
         wanted = [t for t in tensors if included(include, t.name)]
         every = {t.name for t in tensors}
-        plan = _Plan(
-            wanted, metadata, target, encoder, _decoder(metadata, encoder, dequantize), every
-        )
+        decoder = _decoder(metadata, encoder, dequantize)
+        if decoder is not None and checkpoint is None:  # a mirror's: checked over every shard
+            _decodable(decoder, metadata, wanted, every)
+        plan = _Plan(wanted, metadata, target, encoder, decoder, every)
         if encoder is not None:
             (pairing or _Pairing(encoder)).add(plan, shard)
         with naming(src):  # a damaged digest record is the source's
@@ -892,6 +944,8 @@ async def _planned(
             f"{', '.join(map(repr, codecs))}): convert each shard on its own"
         )
     decoder = _decoder(common, encoder, dequantize)
+    if decoder is not None:
+        _decodable(decoder, common, wanted, weight_map)
     plan = _Plan(wanted, common, target, encoder, decoder, weight_map)
     for part, name in plan.parts.items():
         if weight_map[part] != weight_map[name]:

@@ -416,6 +416,47 @@ async def test_int4_0d_parts_are_a_codec_error(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.safetensors", "q.safetensors"]
 
 
+I8_CODES = np.array([127, -127, 3], np.int8)
+SCALE = np.array([2.0], np.float32)
+
+
+@pytest.mark.parametrize(
+    ("parts", "metadata", "match"),
+    [
+        ({"w": I8_CODES}, {"original_dtype": "float16"}, "no tensor has its wire tensors"),
+        ({"w": I8_CODES, "w.scale": SCALE}, {"compression": "INT4"}, "no tensor has its wire"),
+        ({"w": I8_CODES, "w.scale": SCALE, "m": I8_CODES}, {}, "I8 tensor 'm' has no 'm.scale'"),
+        (
+            {"w": I8_CODES, "w.scale": SCALE, "v": I8_CODES, "v.scale": SCALE},
+            {"quantized_tensors": "1"},
+            "quantized_tensors=1, but 2 tensors",
+        ),
+        (
+            {"w": I8_CODES, "w.scale": np.array([2], np.int8), "w.scale.scale": SCALE},
+            {},
+            "'w.scale' is a wire tensor of both 'w' and 'w.scale'",
+        ),
+    ],
+)
+async def test_dequantize_refuses_what_it_would_not_rebuild(
+    tmp_path: Path, parts: dict[str, Array], metadata: dict[str, str], match: str
+) -> None:
+    """``cp(dequantize=True)`` of a file whose ``__metadata__`` names a codec but whose codes
+    lack their scale, or which names the other codec, copied the codes as plain integers
+    (``converted: 0``, the codec's keys dropped), exit 0; one with more tensors rebuilt than
+    ``quantized_tensors`` counts, likewise; ``w``, ``w.scale``, ``w.scale.scale`` failed late
+    ("not completely written"). Each is a CodecError before anything is written; an I8 tensor
+    that ``quantized_tensors`` says was kept as it was is copied as it is."""
+    source = tmp_path / "q.safetensors"
+    await save(source, parts, metadata={"compression": "INT8", **metadata})
+    with pytest.raises(CodecError, match=match):
+        await cp(source, tmp_path / "d.safetensors", dequantize=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["q.safetensors"]
+    kept = {"w": I8_CODES, "w.scale": SCALE, "m": I8_CODES}
+    await save(source, kept, metadata={"compression": "INT8", "quantized_tensors": "1"})
+    assert (await cp(source, tmp_path / "d.safetensors", dequantize=True)).converted == 1
+
+
 def test_int4_refuses_values_beyond_the_f16_step() -> None:
     x = np.zeros(64, dtype=np.float32)
     x[3] = 7 * 65504 * 1.01
