@@ -228,7 +228,9 @@ async def validate(
         raise ArgumentTypeError(
             f"warn_abs takes a number >= 0 (math.inf: no warning), got {type(warn_abs).__name__}"
         )
-    checked_number("warn_abs", warn_abs)  # NaN or a negative number: a UsageError
+    # NaN or a negative number: a UsageError; any other Real (a Fraction: no format g) a float
+    limit = checked_number("warn_abs", warn_abs)
+    assert limit is not None  # a Real, checked above
     shapes = expected_shapes(expect_shapes)
     layers = _expected_layers(expect_layers)
     progress = checked_progress(progress)
@@ -242,7 +244,7 @@ async def validate(
             shapes,
             layers,
             model,
-            warn_abs,
+            limit,
             progress,
             clock,
         )

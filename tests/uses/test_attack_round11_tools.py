@@ -7,6 +7,7 @@ import json
 import resource
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,16 @@ async def test_validate_names_the_argument_it_cannot_take(
     reference_save({"a": np.zeros((3, 4), np.float32)}, str(path))
     with pytest.raises(refusal, match=match):
         await tools.validate(path, **arguments)
+
+
+async def test_validate_takes_warn_abs_of_any_real_number(tmp_path: Path) -> None:
+    """validate(warn_abs=Fraction(1, 3)) passed the argument check, read the whole file, then
+    failed formatting its warning (a bare TypeError); any Real number is taken as a float."""
+    path = tmp_path / "a.safetensors"
+    reference_save({"w": np.array([1.0, 5.0], np.float32)}, str(path))
+    third: Any = Fraction(1, 3)  # a Real, not the float the signature names
+    found = await tools.validate(path, warn_abs=third)
+    assert [w for w in found.warnings if "(beyond 0.333333)" in w] != []
 
 
 @pytest.mark.parametrize("shape", [[3, -4], [True, 4]])
