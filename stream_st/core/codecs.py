@@ -70,6 +70,7 @@ float32 *to odd*, which makes the second rounding correct.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -78,9 +79,9 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ArgumentTypeError, CodecError, DtypeError
+from ..errors import ArgumentTypeError, CodecError, DtypeError, StreamStWarning
 from .casts import ErrorStats, error_stats, to_bfloat16
-from .dtypes import dtype_for
+from .dtypes import dtype_for, dtype_from_code
 from .layout import TensorSpec
 from .moments import F16_UNIT, f16_over_unit, sign_extremes
 
@@ -93,9 +94,11 @@ __all__ = [
     "Int8Codec",
     "NoneCodec",
     "codec_from_metadata",
+    "decoded",
     "error_stats",
     "get_codec",
     "to_bfloat16",
+    "warn_infinite",
 ]
 
 _TORCH_NAMES = {"float": "float32"}
@@ -598,6 +601,28 @@ def codec_from_metadata(metadata: Mapping[str, str]) -> Codec:
             raise CodecError(f"metadata group_size must be an integer, got {raw!r:.100}") from None
         return get_codec(key, group_size=size)
     return CODECS[key]
+
+
+def decoded(codec: Codec, name: str, parts: Mapping[str, Array], code: str) -> Array:
+    """Tensor ``name`` rebuilt by ``codec`` from its wire tensors ``parts`` as dtype ``code``;
+    values decoded beyond its range (from a scale far smaller than the codec writes: the codes
+    and the scales are finite) become infinite, and a :class:`~stream_st.StreamStWarning` says
+    how many (:func:`warn_infinite`), not numpy's bare overflow warning."""
+    with np.errstate(over="ignore"):
+        values = codec.decode(name, parts, dtype_from_code(code).numpy)
+    warn_infinite(name, code, values.size - int(np.count_nonzero(np.isfinite(values))))
+    return values
+
+
+def warn_infinite(name: str, code: str, lost: int) -> None:
+    """Warn that ``lost`` finite values of tensor ``name`` became infinite as dtype ``code``."""
+    if lost:
+        warnings.warn(
+            StreamStWarning(
+                f"tensor {name!r}: {lost} finite values beyond {code}'s range became infinite"
+            ),
+            stacklevel=3,
+        )
 
 
 # ---------------------------------------------------------------- bfloat16

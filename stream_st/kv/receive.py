@@ -16,6 +16,7 @@ import numpy as np
 from .._api import open_stream
 from .._util import task_group
 from ..connection import Connection
+from ..core.codecs import decoded
 from ..errors import ArgumentTypeError, IntegrityError, UsageError, boolean, integer_at_least
 from ..reader import TensorStream
 from ..transports.options import LimitOptions, Limits, TransportOptions, clock_of
@@ -174,9 +175,9 @@ class KVReceiver:
                 source=self.source,
                 layer=layer,
             )
-        dtype = self.layout.numpy_dtype
-        key = self._codec.decode(key_name(layer), parts, dtype)
-        value = self._codec.decode(value_name(layer), parts, dtype)
+        code = self.layout.dtype  # values decoded beyond it: a warning counting them
+        key = decoded(self._codec, key_name(layer), parts, code)
+        value = decoded(self._codec, value_name(layer), parts, code)
         self._layers[layer] = (key, value)
         self.verified_at[layer] = time.perf_counter()
         self._events[layer].set()

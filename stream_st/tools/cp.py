@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import posixpath
-import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -18,7 +17,15 @@ import numpy as np
 
 from .._api import header_of
 from .._util import allow_open_files, canonical_decimal
-from ..core.codecs import Codec, codec_from_metadata, get_codec, original_code, to_bfloat16
+from ..core.codecs import (
+    Codec,
+    codec_from_metadata,
+    decoded,
+    get_codec,
+    original_code,
+    to_bfloat16,
+    warn_infinite,
+)
 from ..core.digests import (
     ALGORITHM_KEY,
     DEFAULT_ALGORITHM,
@@ -36,7 +43,6 @@ from ..errors import (
     CodecError,
     HeaderError,
     SafetensorsError,
-    StreamStWarning,
     TensorNotFoundError,
     TransportError,
     UnsupportedSinkError,
@@ -107,30 +113,8 @@ def _convert(array: np.ndarray[Any, Any], code: str, name: str) -> np.ndarray[An
             converted = array.astype(dtype_from_code(code).numpy)
     infinite = ~np.isfinite(converted)
     if infinite.any():
-        _warn_infinite(name, code, int(np.count_nonzero(np.isfinite(array[infinite]))))
+        warn_infinite(name, code, int(np.count_nonzero(np.isfinite(array[infinite]))))
     return converted
-
-
-def _decoded(codec: Codec, name: str, parts: Mapping[str, Any], code: str) -> np.ndarray[Any, Any]:
-    """Tensor ``name`` rebuilt by ``codec`` from its wire tensors ``parts`` as dtype ``code``;
-    values decoded beyond its range (from a scale far smaller than the codec writes: the codes
-    and the scales are finite) become infinite, and a :class:`~stream_st.StreamStWarning` says
-    how many, as :func:`_convert`'s."""
-    with np.errstate(over="ignore"):
-        decoded = codec.decode(name, parts, dtype_from_code(code).numpy)
-    _warn_infinite(name, code, decoded.size - int(np.count_nonzero(np.isfinite(decoded))))
-    return decoded
-
-
-def _warn_infinite(name: str, code: str, lost: int) -> None:
-    """Warn that ``lost`` finite values of tensor ``name`` became infinite as dtype ``code``."""
-    if lost:
-        warnings.warn(
-            StreamStWarning(
-                f"tensor {name!r}: {lost} finite values beyond {code}'s range became infinite"
-            ),
-            stacklevel=3,
-        )
 
 
 def _target_dtype(dtype: str | None) -> str | None:
@@ -251,10 +235,10 @@ class _Plan:
             del pending[whole]
             # --dtype: decoded straight into it, as the codec decodes (INT4 values up to half a
             # step beyond its range saturate), not decoded as the original then converted
-            decoded = await anyio.to_thread.run_sync(
-                _decoded, self.decoder, whole, got, self.rebuilt_as[whole]
+            values = await anyio.to_thread.run_sync(
+                decoded, self.decoder, whole, got, self.rebuilt_as[whole]
             )
-            return [(whole, decoded)]
+            return [(whole, values)]
         if name in self.changed and self.encoder is not None:
             return self.encoder.encode(name, array)
         if name in self.changed and self.target is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -302,6 +303,27 @@ async def test_a_scale_that_cannot_decode_fails_that_layer() -> None:
                 assert key.dtype == np.float32 and not key.any()
                 delivered.append(layer)
     assert delivered == [0]
+
+
+async def test_values_decoded_beyond_the_dtype_are_counted_in_a_warning() -> None:
+    """An INT8 layer whose scale is finite and > 0 but tiny decodes beyond F16's range: it was
+    handed out all Inf with numpy's bare overflow RuntimeWarning; a StreamStWarning counts the
+    values lost, as cp(dequantize=True)'s does."""
+    codes = ("I8", [1, 1, 2, 4], np.full(8, 100, np.int8).tobytes())
+    tiny = ("F32", [1], np.float32(1e-30).tobytes())
+    tensors = {"layer_0_key": codes, "layer_0_key.scale": SCALE}
+    tensors |= {"layer_0_value": codes, "layer_0_value.scale": tiny}
+    meta = {"compression": "INT8", "original_dtype": "float16"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, got = await receive_all(raw_file(tensors, meta))
+    assert np.isinf(got[0][1]).all() and np.isfinite(got[0][0]).all()
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (
+            stream_st.StreamStWarning,
+            "tensor 'layer_0_value': 8 finite values beyond F16's range became infinite",
+        )
+    ]
 
 
 async def test_a_stream_st_transfer_still_needs_all_its_metadata(tmp_path: Path) -> None:
