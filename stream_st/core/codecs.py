@@ -79,6 +79,7 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
+from .._util import canonical_decimal
 from ..errors import ArgumentTypeError, CodecError, DtypeError, StreamStWarning
 from .casts import ErrorStats, error_stats, to_bfloat16
 from .dtypes import dtype_for, dtype_from_code
@@ -413,10 +414,10 @@ class Int8Codec:
         scale_arr = _part(name, parts, name + self.suffix)
         if codes.dtype != np.int8:
             raise CodecError(f"tensor {name!r}: INT8 codes must be int8, got {codes.dtype}")
-        if scale_arr.size != 1 or scale_arr.dtype.kind != "f":
+        if scale_arr.shape != (1,) or scale_arr.dtype != np.float32:
             raise CodecError(
-                f"tensor {name!r}: INT8 scale must be one float, got {scale_arr.dtype} "
-                f"of shape {list(scale_arr.shape)}"
+                f"tensor {name!r}: INT8 scale must be float32 of shape [1], got "
+                f"{scale_arr.dtype} of shape {list(scale_arr.shape)}"
             )
         scale = float(scale_arr.reshape(-1)[0])
         if not (math.isfinite(scale) and scale > 0.0):
@@ -535,6 +536,8 @@ class Int4Codec:
             )
         if not np.isfinite(steps).all():
             raise CodecError(f"tensor {name!r}: INT4 scales contain NaN or Inf")
+        if (steps < 0).any():  # the encoder's are max|x| / 7: the values came back sign-flipped
+            raise CodecError(f"tensor {name!r}: INT4 scales must be >= 0, got {steps.min()}")
         *lead, half = packed.shape
         n = half * 2
         low = (packed & np.uint8(0x0F)).astype(np.int8)
@@ -595,10 +598,10 @@ def codec_from_metadata(metadata: Mapping[str, str]) -> Codec:
     key = compression.lower()
     if key == "int4" and "group_size" in metadata:
         raw = metadata["group_size"]
-        try:
-            size = int(raw)
-        except (ValueError, TypeError):
-            raise CodecError(f"metadata group_size must be an integer, got {raw!r:.100}") from None
+        # a canonical decimal, as the KV reader's (not '6_4', ' 64', '+64' or other digits)
+        size = canonical_decimal(raw) if isinstance(raw, str) else None
+        if size is None:
+            raise CodecError(f"metadata group_size must be a decimal, got {raw!r:.100}")
         return get_codec(key, group_size=size)
     return CODECS[key]
 

@@ -521,7 +521,7 @@ def test_decode_refuses_bad_parts() -> None:
         CODECS["int8"].decode("t", {**p8, "t": p8["t"].view(np.uint8)}, "F16")
     with pytest.raises(CodecError, match="finite and > 0"):
         CODECS["int8"].decode("t", {**p8, "t.scale": np.zeros(1, np.float32)}, "F16")
-    with pytest.raises(CodecError, match="one float"):
+    with pytest.raises(CodecError, match=r"float32 of shape \[1\], got float32 of shape \[2\]"):
         CODECS["int8"].decode("t", {**p8, "t.scale": np.ones(2, np.float32)}, "F16")
     with pytest.raises(CodecError, match=r"'t\.scales' is missing"):
         CODECS["int4"].decode("t", {"t": p4["t"]}, "F16")
@@ -535,6 +535,41 @@ def test_decode_refuses_bad_parts() -> None:
         CODECS["int4"].decode("t", {**p4, "t.scales": p4["t.scales"] * np.inf}, "F16")
     with pytest.raises(CodecError, match="not int32"):
         CODECS["int4"].decode("t", p4, np.int32)
+
+
+@pytest.mark.parametrize(
+    ("parts", "group_size", "match"),
+    [
+        ({"w.scale": np.array([2.0], np.float16)}, None, "got float16 of shape"),
+        ({"w.scale": np.array(2.0, np.float32)}, None, r"got float32 of shape \[\]"),
+        (
+            {"w": np.array([[0x71]], np.uint8), "w.scales": np.array([[-1.0]], np.float16)},
+            "2",
+            "INT4 scales must be >= 0, got -1.0",
+        ),
+        *[
+            ({"w": np.zeros((1, 32), np.uint8)}, size, "group_size must be a decimal")
+            for size in ["6_4", " 64", "+64", "\u0666\u0664", "064"]
+        ],
+    ],
+)
+async def test_decode_holds_the_wire_tensors_to_the_spec(
+    tmp_path: Path, parts: dict[str, Array], group_size: str | None, match: str
+) -> None:
+    """An INT8 scale of F16 or of shape [] (the spec: F32 [1]), a negative INT4 step (its
+    values came back sign-flipped) and a group_size spelled as no canonical decimal (which
+    int() took, where the KV reader refuses it) were decoded without a word by
+    cp(dequantize=True); each is a CodecError, before anything is written."""
+    if group_size is None:
+        metadata, wire = {"compression": "INT8"}, {"w": np.array([127, -127, 3], np.int8)}
+    else:
+        metadata = {"compression": "INT4", "group_size": group_size}
+        wire = {"w.scales": np.ones((1, 1), np.float16)}
+    source = tmp_path / "q.safetensors"
+    await save(source, {**wire, **parts}, metadata=metadata)
+    with pytest.raises(CodecError, match=match):
+        await cp(source, tmp_path / "d.safetensors", dequantize=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["q.safetensors"]
 
 
 # ---------------------------------------------------------------- bfloat16
