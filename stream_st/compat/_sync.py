@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 from collections.abc import AsyncIterable, Awaitable, Callable
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from typing import Any, TypeVar
 
 import anyio
@@ -59,13 +59,18 @@ class Bridge:
             target=_serve, args=(started,), name="stream_st-bridge", daemon=True
         )
         self._lock = threading.Lock()
-        self._thread.start()
         try:
+            self._thread.start()
             self._portal: BlockingPortal | None = started.result()
         except BaseException:
-            # Interrupted (Ctrl-C) while the thread starts: its loop, once up, would serve for
-            # ever, with no one to close it. Wait for it and stop it (one that failed is gone).
-            if started.exception() is None:
+            # Interrupted (Ctrl-C) while the thread starts (in Thread.start too): its loop, once
+            # up, would serve for ever, with no one to close it. Given up before it is up, it
+            # ends itself (see _serve), waited for where the thread runs (one interrupted in
+            # Thread.start may not yet); up already, it is stopped here (one that failed is gone).
+            if started.cancel():
+                if self._thread.is_alive():
+                    self._thread.join()
+            elif started.exception() is None:
                 self._portal = started.result()
                 self.close()
             raise
@@ -130,7 +135,10 @@ def _serve(started: Future[BlockingPortal]) -> None:
 
     async def serve() -> None:
         async with BlockingPortal() as portal:
-            started.set_result(portal)
+            try:
+                started.set_result(portal)
+            except InvalidStateError:  # given up (cancelled) by its maker, interrupted meanwhile
+                return
             await portal.sleep_until_stopped()
 
     try:

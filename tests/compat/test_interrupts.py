@@ -127,6 +127,31 @@ def test_ctrl_c_while_a_bridge_starts_stops_its_thread(monkeypatch: pytest.Monke
     assert [t for t in threading.enumerate() if t not in before] == []
 
 
+@pytest.mark.parametrize("started", [True, False], ids=["thread-started", "not-started"])
+def test_ctrl_c_inside_the_bridge_threads_start_leaves_no_thread(
+    monkeypatch: pytest.MonkeyPatch, started: bool
+) -> None:
+    """Interrupted inside ``Thread.start`` (which waits for the new thread to run: where a
+    Ctrl-C lands in 1 of 20 here), a Bridge left its thread's loop serving for ever, with its
+    descriptors, since the wait for the loop was the only part that cleaned up. Interrupted
+    before the thread ran at all, there is nothing to stop."""
+
+    class Interrupted(threading.Thread):
+        def start(self) -> None:
+            if started:
+                super().start()
+            raise KeyboardInterrupt
+
+    before = set(threading.enumerate())
+    monkeypatch.setattr(_sync.threading, "Thread", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _sync.Bridge()
+    deadline = time.monotonic() + 10
+    while [t for t in threading.enumerate() if t not in before] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [t for t in threading.enumerate() if t not in before] == []
+
+
 RAISING_HANDLER = textwrap.dedent(
     """
     import os, signal, sys, tempfile, threading
