@@ -150,20 +150,23 @@ def _serve(started: Future[BlockingPortal]) -> None:
 
 
 def _loop_running() -> bool:
-    """Whether this thread is running an event loop (asyncio's or trio's) right now."""
+    """Whether this thread is running an event loop (asyncio's or trio's) right now, or is
+    starting or ending one under ``anyio.run``: there (a signal handler's call, a ``__del__``'s)
+    no loop runs yet, or any longer, but ``anyio.run`` would refuse to start another."""
     try:
         asyncio.get_running_loop()
         return True
     except RuntimeError:
         pass
     trio = sys.modules.get("trio")
-    if trio is None:
-        return False
-    try:
-        trio.lowlevel.current_trio_token()
-        return True
-    except RuntimeError:
-        return False
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+            return True
+        except RuntimeError:
+            pass
+    sniffio = sys.modules.get("sniffio")  # what anyio.run asks of a thread before it starts
+    return sniffio is not None and sniffio.current_async_library_cvar.get(None) is not None
 
 
 _SIGNALS = sorted(int(signum) for signum in signal.valid_signals())

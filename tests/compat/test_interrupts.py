@@ -16,9 +16,11 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
 import pytest
 from anyio.from_thread import BlockingPortal
 
+import stream_st.numpy
 from stream_st.compat import _sync
 
 CHILD = textwrap.dedent(
@@ -143,13 +145,27 @@ def test_ctrl_c_inside_the_bridge_threads_start_leaves_no_thread(
             raise KeyboardInterrupt
 
     before = set(threading.enumerate())
-    monkeypatch.setattr(_sync.threading, "Thread", Interrupted)
+    monkeypatch.setattr(threading, "Thread", Interrupted)  # the module _sync starts it from
     with pytest.raises(KeyboardInterrupt):
         _sync.Bridge()
     deadline = time.monotonic() + 10
     while [t for t in threading.enumerate() if t not in before] and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [t for t in threading.enumerate() if t not in before] == []
+
+
+def test_a_call_while_anyio_run_starts_or_ends_its_loop_goes_through_a_bridge() -> None:
+    """While ``anyio.run`` sets up or tears down its loop (a signal handler or a ``__del__``
+    running there), no loop runs, but anyio.run refuses another: a synchronous call failed with
+    anyio's bare RuntimeError "Already running asyncio in this thread"."""
+    sniffio = pytest.importorskip("sniffio")
+    data = stream_st.numpy.save({"a": np.arange(3, dtype=np.float32)})
+    token = sniffio.current_async_library_cvar.set("asyncio")  # the state in that window
+    try:
+        loaded = stream_st.numpy.load(data)
+    finally:
+        sniffio.current_async_library_cvar.reset(token)
+    assert loaded["a"].tolist() == [0, 1, 2]
 
 
 RAISING_HANDLER = textwrap.dedent(
