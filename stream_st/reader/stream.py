@@ -422,6 +422,12 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
                 "the loop, which closes it), or open the source again to read it"
             ) from None
 
+    def _check_open(self, name: str) -> None:
+        """:class:`~stream_st.TransportError` ("closed on this side", naming ``name``) if the
+        stream was closed, by another task while this one's iteration waited."""
+        if self._closed:
+            raise _closed_early(name)
+
     def _opened(self) -> bool:
         """Whether the stream was opened (``async with``) before its iteration began."""
         return self._header is not None
@@ -431,8 +437,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         owns = self._header is None
         # Iterated without 'async with' and nothing to skip: every byte will be read.
         header = await self.open(read_all=owns and self._include is None)
-        if self._closed:  # by another task since the open this one waited for
-            raise _closed_early(self._shown_name())
+        self._check_open(self._shown_name())  # closed by another task since the open waited for
         name = self.source.name
         try:
             selected = _selector(self._include, header)
@@ -472,8 +477,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         for part in slices(wanted):
             merge_ranges(((base + t.start, base + t.end) for t in part), ranges)
             await give_turn()
-        if self._closed:  # by another task during those turns: the source is closed
-            raise _closed_early(source.name)
+        self._check_open(source.name)  # closed by another task during those turns
         mapped = (
             None
             if self._copy or not isinstance(source, FileSource)

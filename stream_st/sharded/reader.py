@@ -59,7 +59,7 @@ from ..errors import (
 )
 from ..memory.delivery import Delivery
 from ..reader import Include, TensorStream
-from ..reader.stream import ObjectOnly, TensorT, _closed_early, include_names
+from ..reader.stream import ObjectOnly, TensorT, include_names
 from ..transports.options import Clock
 from ..transports.registry import read_object
 
@@ -332,7 +332,7 @@ class ShardedStream(TensorStream[TensorT]):
         ahead = (self._clock.transport.concurrency or 1) > 1
         try:
             for position, shard in enumerate(shards):
-                self._check_open(index)  # by another task, while this one read the shard before
+                self._check_open(index.home)  # by another task, while the shard before was read
                 following = shards[position + 1] if ahead and position + 1 < len(shards) else None
                 stream = None
                 try:
@@ -340,7 +340,7 @@ class ShardedStream(TensorStream[TensorT]):
                         if following is not None:  # its header and first parts: while this starts
                             group.start_soon(self._open_ahead, index, following, selected)
                         stream = self._current = await self._next_stream(index, shard, selected)
-                        self._check_open(index)  # meanwhile: aclose() found no shard to close
+                        self._check_open(index.home)  # meanwhile: aclose() found no shard to close
                         self.headers[shard] = stream.header
                         if self._unique_names:
                             self._claim_names(shard, stream.header, selected)
@@ -349,7 +349,7 @@ class ShardedStream(TensorStream[TensorT]):
                         items = aiter(stream)
                         first = await anext(items, None)
                     if first is not None:
-                        self._check_open(index)  # closed while the shard ahead opened
+                        self._check_open(index.home)  # closed while the shard ahead opened
                         yield first
                         del first
                     async for item in items:  # closed later, the shard is closed with it
@@ -364,12 +364,6 @@ class ShardedStream(TensorStream[TensorT]):
             if isinstance(unread, TensorStream):
                 await unread.aclose()
         self._check_all_found(index)
-
-    def _check_open(self, index: ShardIndex) -> None:
-        """:class:`~stream_st.TransportError` ("closed on this side") if the stream was closed,
-        by another task while this one's iteration waited (opening or reading a shard)."""
-        if self._closed:
-            raise _closed_early(index.home)
 
     def _claim_names(self, shard: str, header: Header, selected: Callable[[str], bool]) -> None:
         """With ``unique_names``: :class:`UsageError` if a tensor of ``shard`` to be read was

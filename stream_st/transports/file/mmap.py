@@ -243,12 +243,12 @@ class FileMap:
                 if not self._populate_step(start, min(start + WINDOW, last)):
                     return
 
-    def _populate_step(self, start: int, stop: int) -> bool:
-        """``MADV_POPULATE_READ`` from ``start`` to ``stop``; False where the advice is
+    def _populate_step(self, start: int, end: int) -> bool:
+        """``MADV_POPULATE_READ`` from ``start`` to ``end``; False where the advice is
         unsupported (population is then off)."""
         aligned = start - start % mmap.PAGESIZE
         try:
-            _advise(self._map, MADV_POPULATE_READ, aligned, stop - aligned)
+            _advise(self._map, MADV_POPULATE_READ, aligned, end - aligned)
         except OSError as exc:
             if exc.errno in _UNSUPPORTED:
                 self._populate = False
