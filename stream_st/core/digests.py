@@ -221,18 +221,21 @@ class Digests:
         return cls(algorithm_named(algorithm).name, values)
 
     @classmethod
-    def from_header(cls, header: Header) -> Digests | None:
+    def from_header(cls, header: Header, quote: Callable[[str], str] = repr) -> Digests | None:
         """The digests a header records, or None if it records none.
 
         A record that cannot be checked (an unknown algorithm, a tensor without a digest, a
         digest for no tensor, a digest of the wrong form) raises
         :class:`~stream_st.IntegrityError`: the header itself is damaged or was not written
-        by this scheme.
+        by this scheme. Its message names a tensor as ``quote`` writes it: quoted, as errors
+        name tensors, by default; a report that escapes its names itself gives its own.
         """
-        return run_steps(cls.from_header_steps(header))
+        return run_steps(cls.from_header_steps(header, quote))
 
     @classmethod
-    def from_header_steps(cls, header: Header) -> Generator[None, None, Digests | None]:
+    def from_header_steps(
+        cls, header: Header, quote: Callable[[str], str] = repr
+    ) -> Generator[None, None, Digests | None]:
         """:meth:`from_header` as a generator that yields between two slices of the header's
         metadata and tensors (:func:`~stream_st.core.steps.slices`) and returns the digests: a
         reader on an event loop gives the loop its turn there (a header of 200,000 tensors took
@@ -257,7 +260,7 @@ class Digests:
                 f"(known: {sorted(ALGORITHMS)}); read with verify=False to skip the check"
             )
         digests = cls(name, values)
-        yield from digests._names_checked(header.names(), header)
+        yield from digests._names_checked(header.names(), header, quote)
         return digests
 
     def check_names(self, names: Collection[str]) -> None:
@@ -266,26 +269,29 @@ class Digests:
         run_steps(self._names_checked(tuple(names), names))
 
     def _names_checked(
-        self, names: Sequence[str], among: Container[str]
+        self, names: Sequence[str], among: Container[str], quote: Callable[[str], str] = repr
     ) -> Generator[None, None, None]:
         """:meth:`check_names` of ``names`` (``among`` holds them too, for a quicker look-up)
-        as a generator that yields between two slices of them."""
+        as a generator that yields between two slices of them, naming a tensor as ``quote``
+        writes it."""
         size = 2 * ALGORITHMS[self.algorithm].digest_size
         for part in slices(names):
             for name in part:
                 value = self.values.get(name)
                 if value is None:
-                    raise IntegrityError(f"tensor {name!r} has no digest in the header", name=name)
+                    raise IntegrityError(
+                        f"tensor {quote(name)} has no digest in the header", name=name
+                    )
                 if len(value) != size or not _is_hex(value):
                     raise IntegrityError(
-                        f"tensor {name!r}: its digest {value[:80]!r} is not {size} lowercase "
-                        "hex digits",
+                        f"tensor {quote(name)}: its digest {value[:80]!r} is not {size} "
+                        "lowercase hex digits",
                         name=name,
                     )
             yield
         if len(names) != len(self.values):
             extra = next(name for name in self.values if name not in among)
-            raise IntegrityError(f"the header has a digest for no tensor: {extra!r}")
+            raise IntegrityError(f"the header has a digest for no tensor: {quote(extra)}")
 
     def add_to(self, metadata: Mapping[str, str] | None, names: Collection[str]) -> dict[str, str]:
         """``metadata`` with these digests recorded for the tensors ``names``, in that order;

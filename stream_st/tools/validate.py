@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from numbers import Real
 from typing import Any, Unpack
 
@@ -374,22 +375,31 @@ def _recorded_digests(
 ) -> tuple[dict[Key, Digests], int]:
     """Each tensor's recorded digests (the :class:`Digests` of its header), by its key in
     ``infos`` (a name repeated across shards: each shard's own), and how many headers record
-    digests that cannot be checked (each an error in ``result``)."""
+    digests that cannot be checked (each an error in ``result``, naming a tensor as the other
+    findings do: unquoted, a name repeated across shards with its shard)."""
     found: dict[Key, Digests] = {}
     damaged = 0
     for shard, header in enumerate(headers):
         try:
-            digests = Digests.from_header(header)
+            digests = Digests.from_header(header, partial(_named_in, infos, shard))
         except IntegrityError as exc:
             result.errors.append(str(exc))
             damaged += 1
             continue
         if digests is not None:
-            found.update(
-                ((name, shard) if (name, shard) in infos else (name, -1), digests)
-                for name in digests.values
-            )
+            found.update((_key_in(infos, shard, name), digests) for name in digests.values)
     return found, damaged
+
+
+def _key_in(infos: Mapping[Key, TensorInfo], shard: int, name: str) -> Key:
+    """The key in ``infos`` of the tensor ``name`` of shard ``shard``: ``(name, shard)`` for a
+    name repeated across shards, else ``(name, -1)``."""
+    return (name, shard) if (name, shard) in infos else (name, -1)
+
+
+def _named_in(infos: Mapping[Key, TensorInfo], shard: int, name: str) -> str:
+    """The tensor ``name`` of shard ``shard`` as the findings name it (:func:`_key_in`)."""
+    return _label(_key_in(infos, shard, name))
 
 
 @dataclass

@@ -66,3 +66,44 @@ async def _dataset(path: Path) -> Path:
         for shard in range(2):
             await writer.write_batch({"x": np.full(4, shard, np.float32)}, samples=4)
     return path / "dataset_manifest.json"
+
+
+def _recorded_anew(path: Path, change: dict[str, str | None]) -> None:
+    """Rewrite the checksummed file ``path`` with the ``__metadata__`` keys ``change`` names
+    set (a None value: removed), its tensors' bytes as they were."""
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    for key, value in change.items():
+        if value is None:
+            del header["__metadata__"][key]
+        else:
+            header["__metadata__"][key] = value
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + size :])
+
+
+def test_a_damaged_digest_record_names_its_tensor_as_the_other_findings(tmp_path: Path) -> None:
+    """A digest record lacking a tensor's digest, or holding one for no tensor, named the tensor
+    quoted as ``repr`` quotes it, then escaped as validate's findings are: the name a\\b showed
+    as 'a\\\\\\\\b', a repr of a repr. It is named as the table and the other findings name it,
+    unquoted, once escaped."""
+    names = ["a\\b", "q'\"x"]
+    path = tmp_path / "sums.safetensors"
+    anyio.run(lambda: stream_st.save(path, dict.fromkeys(names, np.ones(4)), checksums=True))
+    recorded = anyio.run(stream_st.read_header, path).metadata["stream_st.digest:a\\b"]
+    damages: list[tuple[dict[str, str | None], str]] = [
+        ({"stream_st.digest:a\\b": None}, "tensor a\\b has no digest in the header"),
+        ({"stream_st.digest:z\\y": recorded}, "the header has a digest for no tensor: z\\y"),
+    ]
+    for change, said in damages:
+        copy = tmp_path / "damaged.safetensors"
+        copy.write_bytes(path.read_bytes())
+        _recorded_anew(copy, change)
+        lines = run("validate", str(copy)).stdout.splitlines()
+        shown = said.replace("\\", "\\\\")  # as the table shows the name a\\b: a\\\\b
+        assert [line for line in lines if line.startswith("error: ")] == [f"error: {shown}"]
+        assert "a\\\\b  " in lines[2], lines
+        found = json.loads(run("validate", "--json", str(copy)).stdout)["errors"]
+        assert found == [said]
