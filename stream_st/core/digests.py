@@ -330,9 +330,12 @@ class Digests:
         event loop when large (``stop``: see :func:`update_sliced`)."""
         self.check(name, await self._hashed(array, stop), source)
 
-    async def view_mismatch(self, name: str, array: Any) -> str | None:
-        """:meth:`mismatch` of a tensor already in memory, hashed as :meth:`check_view` does."""
-        return self.mismatch(name, await self._hashed(array))
+    async def view_mismatch(
+        self, name: str, array: Any, stop: Callable[[], object] | None = None
+    ) -> str | None:
+        """:meth:`mismatch` of a tensor already in memory, hashed as :meth:`check_view` does
+        (``stop`` too)."""
+        return self.mismatch(name, await self._hashed(array, stop))
 
     async def _hashed(self, array: Any, stop: Callable[[], object] | None = None) -> Hasher:
         hasher = self.hasher()

@@ -436,8 +436,9 @@ class _Checker:
     them). ``done``: the statistics, with each tensor's info, in stream order. Each tensor with a
     recorded digest in ``digests`` (by the same keys) is checked against it: ``checked`` counts
     those that match, ``mismatches`` describes each that does not (every tensor is still
-    summarised). ``clock``: the operation's, whose deadline is checked at every part (the
-    summaries are no wait for the transport that it bounds otherwise)."""
+    summarised). ``clock``: the operation's, whose deadline is checked at every part and
+    every slice of a digest's hashing (the summaries and the hashing are no wait for the
+    transport that it bounds otherwise)."""
 
     def __init__(
         self,
@@ -454,6 +455,7 @@ class _Checker:
             self._keys.setdefault(key[0], deque()).append(key)
         self._progress = progress
         self._clock = clock
+        self._stop = clock.deadline_stop(source)  # of a big tensor's hashing, slice by slice
         self._digests = digests or {}
         self._source = source
         self.checked = 0
@@ -520,7 +522,7 @@ class _Checker:
         recorded = self._digests.get(key)
         if recorded is None:
             return
-        problem = await recorded.view_mismatch(key[0], array)
+        problem = await recorded.view_mismatch(key[0], array, self._stop)
         if problem is None:
             self.checked += 1
         else:

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import tools
+from stream_st.core import digests
 from stream_st.core.moments import Moments, moments_of
 from stream_st.tools.validate import (
     ModelConfig,
@@ -564,6 +566,7 @@ def test_the_command_checks_a_config_and_reports_the_read(tmp_path: Path) -> Non
 CTRL_C_EVERYWHERE = """
 import sys, anyio, numpy as np, safetensors.numpy as reference
 from stream_st import tools
+from stream_st.core import digests
 from tests.ctrl_c import everywhere
 
 VALIDATE = sys.modules["stream_st.tools.validate"]
@@ -632,6 +635,36 @@ async def test_deadline_bounds_the_summaries(tmp_path: Path) -> None:
     os.truncate(path, path.stat().st_size + size)
     with pytest.raises(stream_st.ReadTimeoutError, match=r"deadline of 0\.3 s passed"):
         await tools.validate(path, deadline=0.3)
+
+
+async def test_deadline_bounds_a_big_tensors_digest_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checksummed big tensor's digest, which validate checks on the file's mapping, was
+    hashed to its end past the deadline, where the reader's check of the same view stops
+    between two slices. Each 1 MiB slice's hash slowed down to 0.05 s here: 32 of them."""
+    path = tmp_path / "big.safetensors"
+    await stream_st.save(path, {"x": np.ones(32 << 20, np.uint8)}, checksums=True)
+    fresh = digests.Digests.hasher
+    hashed: list[int] = []
+
+    class Slow:
+        def __init__(self, hasher: Any) -> None:
+            self.hasher = hasher
+
+        def update(self, data: Any) -> None:
+            hashed.append(len(data))
+            time.sleep(0.05)
+            self.hasher.update(data)
+
+        def digest(self) -> bytes:
+            return bytes(self.hasher.digest())
+
+    monkeypatch.setattr(digests, "HASH_SLICE", 1 << 20)
+    monkeypatch.setattr(digests.Digests, "hasher", lambda self: Slow(fresh(self)))
+    with pytest.raises(stream_st.ReadTimeoutError, match=r"deadline of 0\.5 s passed"):
+        await tools.validate(path, deadline=0.5)
+    assert len(hashed) < 32
 
 
 async def test_expect_layers_checks_each_stack_apart(tmp_path: Path) -> None:
