@@ -85,8 +85,9 @@ class KVLayout:
         # "INT4" names the codec as "int4" does: one spelling, so that the group size applies
         # and a layout sent compares equal to the one received
         object.__setattr__(self, "codec", get_codec(self.codec).key)
-        Int4Codec(group_size=self.group_size)  # a CodecError for a size INT4 cannot group by
-        if self.codec != "int4":  # never sent: the receiver's layout holds the default
+        if self.codec == "int4":
+            Int4Codec(group_size=self.group_size)  # a CodecError for a size it cannot group by
+        else:  # never sent: the receiver's layout holds the default
             object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE)
         for dtype in (self.dtype, self.wire_dtype or self.dtype):
             if dtype not in ("F16", "BF16", "F32"):
