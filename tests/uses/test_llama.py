@@ -437,6 +437,21 @@ async def test_streaming_prefill_told_tied_or_not(tmp_path: Path) -> None:
         StreamingPrefill(tied.config, [1, 2], tied="no")  # type: ignore[arg-type]
 
 
+async def test_streaming_prefill_told_tied_by_a_numpy_bool(tmp_path: Path) -> None:
+    """tied=np.False_ passed the check but was kept as given, and output(), which tells False by
+    identity, said 'ended early: 0 missing, []' where tied=False names lm_head.weight."""
+    model = tiny_model()
+    await write_checkpoint(tmp_path / "tied.safetensors", model)
+    for told in (np.False_, np.True_):
+        prefill = StreamingPrefill(model.config, [1, 2], tied=told)  # type: ignore[arg-type]
+        assert prefill.tied is bool(told)
+    with pytest.raises(ModelError, match=r"ended early: 1 missing, \['lm_head\.weight'\]"):
+        await run_streaming(
+            StreamingPrefill(model.config, [1, 2], tied=np.False_),  # type: ignore[arg-type]
+            stream_st.open_stream(tmp_path / "tied.safetensors"),
+        )
+
+
 async def test_streaming_prefill_of_a_sharded_untied_transformers_checkpoint(
     tmp_path: Path,
 ) -> None:

@@ -543,8 +543,8 @@ class StreamingPrefill:
     tied: bool | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
-        if self.tied is not None:
-            boolean("tied", self.tied)
+        if self.tied is not None:  # numpy's bool_ as a bool: output() tells False by identity
+            self.tied = boolean("tied", self.tied)
         self.model = Llama(self.config, {}, partial=True)
         self._run = self.model.forward(self.tokens)
         self._logits: Array | None = None
