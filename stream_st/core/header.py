@@ -491,7 +491,9 @@ _METADATA_ENTRIES = LazyPattern(_ENTRIES)
 _METADATA_ENTRIES_RAW = LazyPattern(_ENTRIES.encode())
 _METADATA_HEAD = LazyPattern(f'\\{{{_WS}"{METADATA_KEY}"{_WS}:{_WS}\\{{{_WS}'.encode())
 """A header's start where the metadata is its first member, up to the metadata's first entry."""
-_AFTER_METADATA = LazyPattern(f"{_WS},{_WS}".encode())
+_AFTER_METADATA = LazyPattern(f'{_WS},{_WS}(?=")'.encode())
+"""The comma after the metadata and the whitespace after it, where a member's name follows (a
+comma before the closing ``}`` is no JSON)."""
 
 
 def _merge_entries(found: dict[str, str], text: str) -> bool:

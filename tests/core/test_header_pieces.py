@@ -235,6 +235,18 @@ def test_a_bad_entry_in_a_later_window_of_metadata(first: bool, late: str, error
     assert refused[0] is HeaderError and re.search(error, refused[1])
 
 
+@pytest.mark.parametrize("after", [",}", ", }", ",\n}"])
+def test_long_metadata_then_a_comma_and_no_tensor_is_refused(after: str) -> None:
+    """A header of long metadata alone whose last member is followed by a comma is no JSON:
+    refused by every parse, as by the walk (the fast parse once read the ``}`` after the
+    comma as an empty piece of tensors, and took the file for a valid one with no tensor)."""
+    text = json.dumps(LONG_METADATA, ensure_ascii=False, separators=(",", ":"))
+    raw = f'{{"__metadata__":{text}{after}'.encode()
+    assert fast(raw) is None
+    refused = agree(raw)
+    assert refused[0] is HeaderError and "expected a name" in refused[1]
+
+
 def compact(text: str) -> Any:
     """What the reader of the reference writer's layout makes of one piece (None: declined,
     or an error naming no tensor, as :func:`_parse_fast` takes it)."""
