@@ -34,6 +34,7 @@ from anyio.streams.tls import TLSStream
 
 from ..errors import TransportError, UnsupportedSourceError, UsageError
 from .base import AsyncReadInto, Sink, Source, Waits, give_turn
+from .inmemory import as_bytes_view
 from .tcp import Turn
 
 __all__ = [
@@ -162,6 +163,8 @@ class AnyioStreamSource(_MessageSource):
             raise UnsupportedSourceError(
                 f"{self.name}: the stream gave {type(data).__name__}, not bytes"
             )
+        if isinstance(data, memoryview):  # of any format and shape: its bytes, flat
+            data = as_bytes_view(data)
         count = len(data)
         if count > len(buffer):
             raise TransportError(

@@ -186,6 +186,36 @@ async def test_an_anyio_stream_that_gives_more_than_asked_or_text_is_refused() -
         await stream_st.load(Loose("text"))
 
 
+@pytest.mark.parametrize("shape", [(-1,), (-1, 2)], ids=["float32", "2-D"])
+async def test_a_stream_giving_memoryviews_of_any_format_is_read_by_their_bytes(
+    shape: tuple[int, ...],
+) -> None:
+    """An anyio byte stream whose ``receive`` gives memoryviews of float32 items (counted as
+    items, not bytes, by ``len``) or of two dimensions: read as their bytes (a bare
+    ``ValueError`` before, from copying the view into the buffer)."""
+    import anyio.abc
+    import safetensors.numpy as reference_numpy
+
+    data = reference_numpy.save({"a": np.arange(6, dtype=np.float32)})
+
+    class Views(anyio.abc.ByteReceiveStream):
+        def __init__(self) -> None:
+            self.at = 0
+
+        async def receive(self, max_bytes: int = 65536) -> Any:  # not bytes, on purpose
+            if self.at >= len(data):
+                raise anyio.EndOfStream
+            piece = data[self.at : self.at + 8]
+            self.at += len(piece)
+            return np.frombuffer(piece, np.float32).reshape(shape).data
+
+        async def aclose(self) -> None:
+            pass
+
+    loaded = await stream_st.load(Views())
+    assert loaded["a"].tolist() == list(range(6))
+
+
 @pytest.mark.parametrize(
     "answer",
     [
