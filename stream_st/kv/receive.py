@@ -35,7 +35,8 @@ class KVReceiver:
     reading, which stops the sender (backpressure), and memory stays bounded. Iterate for
     ``(layer, key, value)`` in order (each layer is released as the next is asked for: keep
     what you need of it), or ``await wait_for_layer(i)`` for one layer (as attention does,
-    layer by layer; :meth:`release` it once used). ``received_at[i]`` and ``verified_at[i]``
+    layer by layer; :meth:`release` it once used). Leaving the ``receive_kv`` block lets go of
+    every layer still held: keep what you need of them. ``received_at[i]`` and ``verified_at[i]``
     time layer ``i``: when its bytes were all in, and when it was checked and handed out
     (``time.perf_counter()`` values; NaN while it has not been).
 
@@ -65,6 +66,7 @@ class KVReceiver:
         self._events = [anyio.Event() for _ in range(layout.num_layers)]
         self._error: BaseException | None = None
         self._released: set[int] = set()
+        self._let_go: set[int] = set()  # held when the receive_kv block was left
         self._next = 0
 
     @property
@@ -76,8 +78,8 @@ class KVReceiver:
         """Key and value of ``layer``, once it has arrived and passed its check.
 
         Raises the transfer's error if it failed before that layer was handed out, and
-        :class:`~stream_st.UsageError` for a layer :meth:`release` forgot, or one that had not
-        arrived when the ``receive_kv`` block was left (reading stopped there)."""
+        :class:`~stream_st.UsageError` for a layer :meth:`release` forgot, or any layer once the
+        ``receive_kv`` block was left (reading stopped there, and what was held was let go)."""
         if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
             raise ArgumentTypeError(f"a layer is an integer, not {type(layer).__name__}")
         if not 0 <= layer < self.layout.num_layers:
@@ -92,6 +94,11 @@ class KVReceiver:
             return self._layers[layer]
         if layer in self._released:
             raise UsageError(f"layer {layer} was released: it is handed out once only")
+        if layer in self._let_go:
+            raise UsageError(
+                f"layer {layer} was let go when the receive_kv block was left: keep what you "
+                "need of a layer inside the block"
+            )
         if self._error is None:
             raise UsageError(
                 f"layer {layer} had not arrived when the receive_kv block was left: "
@@ -183,6 +190,11 @@ class KVReceiver:
         self._events[layer].set()
         finished.set()
 
+    def _leave(self) -> None:
+        """Let go of every layer still held: the ``receive_kv`` block was left."""
+        self._let_go.update(self._layers)
+        self._layers.clear()
+
     def release(self, layer: int) -> None:
         """Forget a layer handed out already (to bound memory when consuming once); asking for
         it again raises :class:`~stream_st.UsageError`."""
@@ -238,9 +250,12 @@ async def receive_kv(
                 source=stream.source.name,
             )
         receiver = KVReceiver(layout, stream.source.name, max_ahead=max_ahead, integrity=integrity)
-        async with task_group() as group:
-            group.start_soon(receiver._run, stream)
-            try:
-                yield receiver
-            finally:
-                group.cancel_scope.cancel()
+        try:
+            async with task_group() as group:
+                group.start_soon(receiver._run, stream)
+                try:
+                    yield receiver
+                finally:
+                    group.cancel_scope.cancel()
+        finally:  # the reader has stopped: nothing is handed out any more
+            receiver._leave()

@@ -704,3 +704,19 @@ async def test_iterating_a_receiver_holds_one_layer_at_a_time(tmp_path: Path) ->
         assert (await kv_in.wait_for_layer(0))[0] is key
         kept = [key async for _, key, _ in kv_in]  # what the loop keeps, it has
     assert [np.array_equal(key, kv(layer)[0]) for layer, key in enumerate(kept)] == [True] * 5
+
+
+async def test_the_layers_a_receiver_holds_are_let_go_at_the_blocks_end(tmp_path: Path) -> None:
+    """kv.md says a layer wait_for_layer hands out stays until release or the block's end, but
+    every layer not released was still held after the block, and wait_for_layer handed it out."""
+    path = tmp_path / "kv.safetensors"
+    await send_kv(path, KVLayout(num_layers=3, shape=SHAPE), produce(3))
+    async with receive_kv(path) as kv_in:
+        held = [weakref.ref((await kv_in.wait_for_layer(layer))[0]) for layer in range(3)]
+        kv_in.release(0)
+    gc.collect()
+    assert [ref() is None for ref in held] == [True] * 3
+    with pytest.raises(stream_st.UsageError, match="layer 0 was released"):
+        await kv_in.wait_for_layer(0)
+    with pytest.raises(stream_st.UsageError, match="layer 2 was let go when the receive_kv block"):
+        await kv_in.wait_for_layer(2)
