@@ -87,6 +87,10 @@ async def run_cache(args: argparse.Namespace) -> int:
     cache = _cache_of(args)
     if cache.directory.exists() and not cache.directory.is_dir():  # not an empty cache
         raise UsageError(f"cannot use the cache in {cache.directory}: not a directory")
+    if getattr(args, "dir", None) is not None and not cache.directory.exists():
+        # the cache named must be there (a mistyped --dir listed 0 copies); the default one,
+        # never used yet, is empty
+        raise UsageError(f"--dir {cache.directory}: no such directory")
     try:
         return _run_cache(args, cache)
     except OSError as exc:

@@ -141,6 +141,7 @@ def test_cache_rm_takes_its_patterns_after_the_options(
 ) -> None:
     """``stream-st cache rm --dir DIR PATTERN`` was refused ("unrecognized arguments")."""
     cache = str(tmp_path / "cache")
+    os.mkdir(cache)  # an empty cache
     assert main(["cache", "rm", "--dir", cache, "http://nowhere/*"]) == 1  # nothing matched
     assert main(["cache", "rm", "http://nowhere/*", "--dir", cache]) == 1
     with pytest.raises(SystemExit) as refused:

@@ -462,6 +462,7 @@ def test_output_that_cannot_be_written_is_an_error_with_exit_status_2(
         pytest.skip("no /dev/full")
     sums = tmp_path / "sums"
     sums.write_text(f"{hashlib.sha256(model.read_bytes()).hexdigest()}  {model}\n")
+    (tmp_path / "c").mkdir()  # an empty cache, listed
     paths = {"model": model, "sums": sums, "out": tmp_path / "out", "cache": tmp_path / "c"}
     args = [arg.format(**paths) for arg in argv]
     redirect = "> /dev/full" if stdout == "full" else ">&-"
@@ -747,6 +748,7 @@ def test_cache_prune_names_its_option_and_takes_it_over_the_environment(
     """``--max-size abc`` said "not a size" without naming the option, and a bad
     ``STREAM_ST_CACHE_MAX`` refused ``--max-size 1G``, which overrides it."""
     cache = str(tmp_path / "c")
+    os.mkdir(cache)
     status, stderr = _status_and_stderr(["cache", "prune", "--max-size", "abc"], capsys)
     assert status == 2 and "argument --max-size: not a size: 'abc'" in stderr, stderr
     monkeypatch.setenv("STREAM_ST_CACHE_MAX", "abc")
@@ -786,6 +788,36 @@ def test_an_empty_cache_dir_is_refused(
     assert "--cache-dir: empty (an unset variable?)" in stderr, stderr
     assert main(["cache", "ls", "--json"]) == 0
     assert [json.loads(line)["address"] for line in capsys.readouterr().out.splitlines()] == [url]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["cache", "ls", "--dir", "{missing}"],
+        ["cache", "--cache-dir", "{missing}", "ls", "--json"],
+        ["cache", "rm", "--all", "--dir", "{missing}"],
+        ["cache", "rm", "--dir", "{missing}", "http://*"],
+        ["cache", "prune", "--max-size", "1G", "--dir", "{missing}"],
+    ],
+    ids=" ".join,
+)
+def test_a_cache_dir_that_does_not_exist_is_refused(
+    argv: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``cache ls --dir DIR`` of a directory that does not exist (a mistyped one) said "0
+    copies", exit 0, as ``prune`` said "removed 0 copies" and ``rm`` that nothing matched: it is
+    refused, naming it, exit 2. The default cache, never used yet, still lists 0 copies."""
+    missing = tmp_path / "missing"
+    status, stderr = _status_and_stderr(argv, capsys, missing=missing)
+    assert status == 2 and stderr == f"stream-st: error: --dir {missing}: no such directory\n"
+    assert not missing.exists()
+    monkeypatch.setenv("STREAM_ST_CACHE", str(tmp_path / "default"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    assert main(["cache", "ls"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("0 copies, 0 B in ")
 
 
 def test_show_maps_a_local_file(
