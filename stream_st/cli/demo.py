@@ -33,7 +33,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 import anyio
 import numpy as np
@@ -45,7 +45,7 @@ from ..errors import AllocationError, UsageError, integer_at_least
 from ..kv import KVLayout, KVReceiver, SendReport, receive_kv, send_kv
 from ..kv.layout import key_name, value_name
 from ..tools.common import plural
-from ..transports.options import LimitOptions, clock_of
+from ..transports.options import Clock, LimitOptions, Limits
 
 if TYPE_CHECKING:
     from ..models.llm import KVCache, Llama, LlamaConfig
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = ["DemoResult", "ModelDemo", "ModelResult", "run_demo", "run_model_demo"]
 
 Array = np.ndarray[Any, Any]
+T = TypeVar("T")
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, NEW_TOKENS = 32, 4, 64, 512, 16
 
 MAX_LAYERS = 1024
@@ -156,6 +157,25 @@ def _layouts(layers: int, seq: int, codecs: tuple[str, ...]) -> list[KVLayout]:
     return [KVLayout(layers, (1, KV_HEADS, seq, HEAD_DIM), "F16", codec) for codec in names]
 
 
+def _whole_run(limits: LimitOptions) -> tuple[Clock, LimitOptions]:
+    """The clock of a whole demo, started now, and the limits of each of its transfers (a bad
+    one is a :class:`~stream_st.UsageError` now, before anything runs). ``deadline`` bounds the
+    whole demo, as a command's bounds all the command does; the others apply to each transfer,
+    ``timeout`` defaulting to 30 s."""
+    clock = Clock(Limits.of(limits, transport=False))
+    clock.start()
+    each = limits.copy()
+    each.pop("deadline", None)
+    each.setdefault("timeout", 30)
+    return clock, each
+
+
+async def _in_thread(work: Callable[..., T], *args: object) -> T:
+    """``work(*args)`` in a worker thread, given up (left to finish alone) when the demo's
+    deadline passes: loading the model, recomputing a cache."""
+    return await anyio.to_thread.run_sync(work, *args, abandon_on_cancel=True)
+
+
 async def _session(
     count: int,
     send: Callable[[Connection, int], Awaitable[None]],
@@ -195,11 +215,19 @@ async def run_demo(
     """The synthetic demo: one transfer per codec of a TinyLlama-shaped cache over one loopback
     TCP connection; returns the measurements.
 
-    The limits (see :func:`~stream_st.open_stream`) apply to each transfer; ``timeout``
-    defaults to 30 s.
+    The limits (see :func:`~stream_st.open_stream`): ``deadline`` bounds the whole demo (a
+    :class:`~stream_st.ReadTimeoutError` when it passes), the others apply to each transfer;
+    ``timeout`` defaults to 30 s.
     """
     layouts = _layouts(layers, seq, codecs)
-    limits.setdefault("timeout", 30)
+    clock, limits = _whole_run(limits)
+    with clock.within_deadline(""):
+        return await _run_demo(layouts, seq, limits)
+
+
+async def _run_demo(layouts: list[KVLayout], seq: int, limits: LimitOptions) -> list[DemoResult]:
+    """:func:`run_demo` of ``layouts``, checked, each transfer under ``limits``."""
+    layers = layouts[0].num_layers
     try:
         hidden, wk, wv = _weights(seq)
     except MemoryError:
@@ -235,18 +263,21 @@ async def run_demo(
         result.payload_bytes = _cache_bytes(layers, seq)
         received_keys[result.codec] = keys
 
+    def measured(keys: list[Array]) -> dict[str, float]:
+        """A codec's errors over the keys received."""
+        errors = [
+            error_stats(compute_layer(i, hidden, wk, wv)[0], key) for i, key in enumerate(keys)
+        ]
+        return {
+            "rmse": float(np.mean([e["rmse"] for e in errors])),
+            "max_abs_error": max(e["max_abs_error"] for e in errors),
+            "snr_db": float(np.mean([e["snr_db"] for e in errors])),
+        }
+
     await _session(len(layouts), send, receive, **limits)
     for result in results:
-        if result.codec != "none":  # measured after every transfer, off the clock
-            errors = [
-                error_stats(compute_layer(i, hidden, wk, wv)[0], key)
-                for i, key in enumerate(received_keys[result.codec])
-            ]
-            result.errors = {
-                "rmse": float(np.mean([e["rmse"] for e in errors])),
-                "max_abs_error": max(e["max_abs_error"] for e in errors),
-                "snr_db": float(np.mean([e["snr_db"] for e in errors])),
-            }
+        if result.codec != "none":  # measured after every transfer, off the transfers' clock
+            result.errors = await _in_thread(measured, received_keys[result.codec])
         _finish(result)
     return results
 
@@ -564,8 +595,9 @@ async def run_model_demo(
     runs layer ``l`` of the continuation as soon as layer ``l`` has arrived and passed its
     check. The continuation's perplexity counts its tokens from the second on (the first has
     no logits from a cache alone). ``progress`` is told what runs. Limits as in
-    :func:`run_demo`. Memory that runs out (a long ``context``) is an
-    :class:`~stream_st.AllocationError`.
+    :func:`run_demo`: ``deadline`` bounds it all, loading the model included (work in a worker
+    thread when it passes is left to finish alone). Memory that runs out (a long ``context``)
+    is an :class:`~stream_st.AllocationError`.
     """
     from ..models.llm import load_tokenizer, read_gguf
     from ..models.llm.transfer import one_blas_thread
@@ -579,13 +611,13 @@ async def run_model_demo(
         raise UsageError(f"context must be a positive integer, got {context!r}")
     if max_continuation is not None:
         max_continuation = integer_at_least("max_continuation", max_continuation, 2)
-    clock_of(limits)  # a bad limit says so before the model loads
-    limits.setdefault("timeout", 30)
+    clock, limits = _whole_run(limits)  # a bad limit says so before the model loads
     say = progress or (lambda _: None)
     sizes = "tokenizing the text"  # what ran out of memory, if anything does
     try:
-        with one_blas_thread():  # sender and receiver: one core each
-            tokenizer = await anyio.to_thread.run_sync(load_tokenizer)
+        # sender and receiver: one core each
+        with one_blas_thread(), clock.within_deadline(""):
+            tokenizer = await _in_thread(load_tokenizer)
             ids = np.array(tokenizer.encode(default_text() if text is None else text).ids)
             context, notice = split_tokens(int(ids.size), context)
             count, capped = cap_continuation(int(ids.size), context, max_continuation)
@@ -594,7 +626,7 @@ async def run_model_demo(
                 say(line)
             sizes = f"a context of {context} tokens and a continuation of {count}"
             say(f"loading {MODEL_NAME} (GGUF, dequantized to float32)")
-            model = await anyio.to_thread.run_sync(read_gguf)
+            model = await _in_thread(read_gguf)
             prompt, continuation = ids[:context], ids[context : context + count]
             demo = await _run_model_demo(model, prompt, continuation, names, say, limits)
     except AllocationError:
@@ -620,12 +652,12 @@ async def _run_model_demo(
     context = int(prompt.size)
     say(f"receiver recomputes the context ({context} tokens) and scores the continuation")
     began = time.perf_counter()
-    cache = await anyio.to_thread.run_sync(model.cache, prompt)
-    reference = await anyio.to_thread.run_sync(model.score, continuation, cache)
+    cache = await _in_thread(model.cache, prompt)
+    reference = await _in_thread(model.score, continuation, cache)
     recompute_time = time.perf_counter() - began
     results = [ModelResult(MODEL_CODECS[n][0], dtype=MODEL_CODECS[n][1]) for n in names]
     layouts = [model.config.kv_layout(context, r.dtype, r.codec) for r in results]
-    expected = [await anyio.to_thread.run_sync(_expected_layers, cache, x) for x in layouts]
+    expected = [await _in_thread(_expected_layers, cache, x) for x in layouts]
     del cache
 
     async def send(connection: Connection, index: int) -> None:
