@@ -182,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="SECONDS",
             help="seconds of waiting over which --speed-limit applies (default 30)",
         )
+        if name == "demo":  # it reads no source: what it receives it sends itself
+            return sub
         caps = sub.add_argument_group("allocation caps (none by default)")
         caps.add_argument(
             "--max-tensor-bytes",

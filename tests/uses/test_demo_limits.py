@@ -1,4 +1,5 @@
-"""The demo's limits: ``--deadline`` bounds the whole demo."""
+"""The demo's limits: ``--deadline`` bounds the whole demo, and the allocation caps, which
+bound what a source makes a read allocate, are not offered on a command that reads none."""
 
 from __future__ import annotations
 
@@ -41,3 +42,18 @@ async def test_the_model_demo_gives_up_a_load_its_deadline_passes(
     with pytest.raises(stream_st.ReadTimeoutError, match=r"^the deadline of 0\.2 s passed$"):
         await demo.run_model_demo(deadline=0.2)
     assert time.monotonic() - began < 2
+
+
+@pytest.mark.parametrize("cap", ["--max-tensor-bytes", "--max-total-bytes"])
+def test_the_demo_offers_no_allocation_caps(cap: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``demo --max-tensor-bytes 1`` was taken and ignored (every tensor it received is
+    larger): the demo reads no source, what it receives it sends itself."""
+    argv = ["demo", "-q", "--synthetic", "--layers", "1", "--seq", "8", "--codecs", "none"]
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, cap, "1"])
+    assert exited.value.code == 2
+    assert f"unrecognized arguments: {cap} 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    shown = capsys.readouterr().out
+    assert "--deadline" in shown and cap not in shown
