@@ -9,6 +9,7 @@ read while the call runs: the caller keeps it alive, as with the reference.
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import operator
 import sys
@@ -211,12 +212,13 @@ async def write_specs(
             await writer.write(info.name, raw.view(info.array_dtype).reshape(info.array_shape))
 
 
-def deserialize(data: bytes | bytearray | memoryview) -> list[tuple[str, dict[str, Any]]]:
-    """The tensors of the safetensors file ``data``, in offset order, as the reference gives
-    them: ``[(name, {"dtype": "F32", "shape": [2, 3], "data": bytearray(...)}), ...]``."""
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise WrongTypeError(f"deserialize takes bytes, got {type(data).__name__}")
-    view = as_bytes_view(data)  # a non-contiguous view copied
+def deserialize(bytes: builtins.bytes | bytearray | memoryview) -> list[tuple[str, dict[str, Any]]]:
+    """The tensors of the safetensors file ``bytes`` (the argument named as the reference names
+    it), in offset order, as the reference gives them:
+    ``[(name, {"dtype": "F32", "shape": [2, 3], "data": bytearray(...)}), ...]``."""
+    if not isinstance(bytes, builtins.bytes | bytearray | memoryview):
+        raise WrongTypeError(f"deserialize takes bytes, got {type(bytes).__name__}")
+    view = as_bytes_view(bytes)  # a non-contiguous view copied
     length = parse_header_length(view[:LENGTH_PREFIX_SIZE])
     if len(view) < LENGTH_PREFIX_SIZE + length:
         raise TruncatedStreamError(

@@ -15,6 +15,7 @@ nothing.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -89,12 +90,13 @@ def _overlapping(names: list[str], state: Mapping[str, Any]) -> list[set[str]]:
     return groups
 
 
-def find_shared_tensors(state: Mapping[str, Any]) -> list[set[str]]:
-    """Every tensor of ``state`` with memory of its own, in groups of the names whose bytes
-    overlap (a group of one for a tensor that shares none), storage by storage in the order
-    their first tensor comes in ``state``."""
+def find_shared_tensors(state_dict: Mapping[str, Any]) -> list[set[str]]:
+    """Every tensor of ``state_dict`` (the argument named as the reference names it) with
+    memory of its own, in groups of the names whose bytes overlap (a group of one for a tensor
+    that shares none), storage by storage in the order their first tensor comes in
+    ``state_dict``."""
     by_storage: dict[tuple[Any, int, int], list[str]] = {}
-    for name, tensor in state.items():
+    for name, tensor in state_dict.items():
         if tensor.device.type == "meta":
             continue
         pointer, size = storage_ptr(tensor), storage_size(tensor)
@@ -102,17 +104,19 @@ def find_shared_tensors(state: Mapping[str, Any]) -> list[set[str]]:
             by_storage.setdefault((tensor.device, pointer, size), []).append(name)
     groups: list[set[str]] = []
     for names in by_storage.values():
-        groups.extend([set(names)] if len(names) == 1 else _overlapping(names, state))
+        groups.extend([set(names)] if len(names) == 1 else _overlapping(names, state_dict))
     return groups
 
 
 def remove_duplicate_names(
-    state: Mapping[str, Any],
+    state_dict: Mapping[str, Any],
     *,
     preferred_names: Iterable[str] | None = None,
     discard_names: Iterable[str] | None = None,
-) -> dict[str, list[str]]:
-    """For each group of names sharing memory: the name to keep, and the others (sorted).
+) -> defaultdict[str, list[str]]:
+    """For each group of names of ``state_dict`` sharing memory: the name to keep, and the
+    others (sorted), in a ``defaultdict(list)`` as the reference's (a name kept for no other
+    gives ``[]``), its arguments named as there.
 
     The kept name covers the whole storage (:func:`is_complete`); among those, the first in
     sorted order of the ``preferred_names``, else of those not in ``discard_names``, else of
@@ -121,8 +125,8 @@ def remove_duplicate_names(
     """
     preferred = set(preferred_names or ())
     discard = set(discard_names or ())
-    kept: dict[str, list[str]] = {}
-    for group, complete in shared_groups(state):
+    kept: defaultdict[str, list[str]] = defaultdict(list)
+    for group, complete in shared_groups(state_dict):
         keep = kept_name(complete, preferred, discard)
         if len(group) > 1:
             kept[keep] = sorted(name for name in group if name != keep)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import io
 import pickle
 import subprocess
@@ -26,6 +27,7 @@ import stream_st.compat as compat
 import stream_st.numpy as st_np
 import stream_st.torch as st_pt
 from stream_st import HeaderError, SafetensorsError
+from stream_st.compat._reference import SafeOpen
 
 
 def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
@@ -79,6 +81,71 @@ def test_every_name_the_reference_exports_is_there() -> None:
         assert callable(getattr(st_pt, name)), name
     assert compat.SafetensorError is SafetensorsError
     assert compat.torch is st_pt and compat.numpy is st_np
+
+
+DROPIN = Path(__file__).parents[2] / "docs" / "dropin.md"
+
+
+def shared_callables() -> list[tuple[str, Callable[..., Any], Callable[..., Any]]]:
+    """``(name, reference's, ours)`` for each function or class both modules of a pair have
+    (the handle's public methods too), signatures readable on both sides."""
+    found = []
+    for reference, ours in ((safetensors, compat), (ref_pt, st_pt), (ref_np, st_np)):
+        for name in dir(reference):
+            theirs = getattr(reference, name)
+            if name.startswith("__") or not callable(theirs) or not hasattr(ours, name):
+                continue
+            if getattr(theirs, "__module__", None) == "typing" or (
+                isinstance(theirs, type) and issubclass(theirs, BaseException)
+            ):
+                continue  # typing's names the module imported, and its error class
+            found.append((f"{reference.__name__}.{name}", theirs, getattr(ours, name)))
+    for name in dir(safetensors.safe_open):
+        if not name.startswith("_"):
+            method = getattr(SafeOpen, name)  # the class of the handle compat.safe_open gives
+            found.append((f"safe_open.{name}", getattr(safetensors.safe_open, name), method))
+    return found
+
+
+def test_every_function_takes_the_reference_s_arguments_by_its_names() -> None:
+    """Each function both have takes the reference's parameters, named and of the kinds
+    there, in its order (``_find_shared_tensors(state_dict=)``, ``deserialize(bytes=)`` were
+    a bare TypeError); ours may add keyword-only ones after them that docs/dropin.md names
+    as additions (the transport options as ``**options``)."""
+    documented = DROPIN.read_text()
+    compared = 0
+    for name, theirs, ours in shared_callables():
+        wanted = list(inspect.signature(theirs).parameters.values())
+        given = list(inspect.signature(ours).parameters.values())
+        if name.startswith("safe_open."):  # the reference's self is positional-only
+            wanted, given = wanted[1:], given[1:]
+        assert [(p.name, p.kind) for p in given[: len(wanted)]] == [
+            (p.name, p.kind) for p in wanted
+        ], name
+        for added in given[len(wanted) :]:
+            if added.kind is inspect.Parameter.VAR_KEYWORD:
+                assert "transport options" in documented, name
+            else:
+                assert added.kind is inspect.Parameter.KEYWORD_ONLY, (name, added.name)
+                assert f"`{added.name}=`" in documented, (name, added.name)
+        compared += 1
+    assert compared >= 20
+
+
+def test_the_reference_s_keywords_are_taken_and_give_its_kinds_of_result() -> None:
+    """``state_dict=`` and ``bytes=`` as the reference's callers pass them; a name kept for no
+    other is ``[]`` in ``_remove_duplicate_names``' defaultdict, as there."""
+    shared = torch.zeros(4)
+    state = {"a": shared, "b": shared, "c": torch.ones(1)}
+    assert st_pt._find_shared_tensors(state_dict=state) == ref_pt._find_shared_tensors(
+        state_dict=state
+    )
+    ours = st_pt._remove_duplicate_names(state_dict=state, discard_names=["a"])
+    theirs = ref_pt._remove_duplicate_names(state_dict=state, discard_names=["a"])
+    assert (type(ours), ours, ours["c"]) == (type(theirs), theirs, theirs["c"])
+    data = ref_pt.save({"c": state["c"]})
+    for module in (compat, st_pt, st_np):
+        assert module.deserialize(bytes=data) == safetensors.deserialize(bytes=data)
 
 
 # -------------------------------------------------------------------------- saving refused
