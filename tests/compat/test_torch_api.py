@@ -111,6 +111,24 @@ def test_save_is_byte_identical_to_the_reference(tmp_path: Path) -> None:
     assert st.save(tensors) == reference.save(tensors)
 
 
+def test_conjugate_and_negative_views_are_written_as_they_show(tmp_path: Path) -> None:
+    """The values a conjugate or negative view shows are written, so the file reads back as
+    the tensor saved; the reference writes the memory under the view (its file reads back the
+    other way), a difference docs/dropin.md declares."""
+    conj = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj()
+    neg = torch.tensor([1.0, 2.0])._neg_view()
+    tensors = {"conj": conj, "neg": neg}
+    st.save_file(tensors, tmp_path / "ours.safetensors")
+    for data in (st.save(tensors), (tmp_path / "ours.safetensors").read_bytes()):
+        assert data != reference.save(tensors)
+        assert_same(reference.load(data), {"conj": conj.resolve_conj(), "neg": neg.resolve_neg()})
+        assert_same(reference.load(reference.save(tensors)), {"conj": conj.conj(), "neg": -neg})
+    assert (
+        "Conjugate and negative views"
+        in (Path(__file__).parents[2] / "docs" / "dropin.md").read_text()
+    )
+
+
 def test_load_file_and_load_match_the_reference(ref_file: Path) -> None:
     expected = reference.load_file(ref_file)
     assert_same(st.load_file(ref_file), expected)
