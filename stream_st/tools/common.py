@@ -172,9 +172,12 @@ def shard_metadata(headers: Sequence[Header]) -> dict[str, str]:
     return {labels[key]: value for key, value in values.items()}
 
 
-CONVERSION_COUNTS = frozenset({"converted_to", "quantized_tensors", "dequantized_from"})
-"""``__metadata__`` keys ``cp`` records a conversion's counts under: a mirror made before it
-recorded the whole checkpoint's held each shard's own, which no merged file can say."""
+CONVERSION_COUNTS = frozenset(
+    {"converted_to", "quantized_tensors", "dequantized_from", "kept_tensors"}
+)
+"""``__metadata__`` keys ``cp`` records a conversion's counts (and the tensors it kept as they
+were) under: a mirror made before it recorded the whole checkpoint's held each shard's own, as
+do shards converted each on its own, which no merged file can say."""
 
 
 def merged_metadata(headers: Sequence[Header]) -> dict[str, str]:

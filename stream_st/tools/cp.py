@@ -90,6 +90,10 @@ _ORIGINALS_KEY = "original_dtypes"
 """``__metadata__`` key of a file whose quantized tensors were of several dtypes (in place of
 the codec's ``original_dtype``, which every reader applies to all), a JSON object of each one's
 numpy dtype name: what ``--dequantize`` restores."""
+_KEPT_KEY = "kept_tensors"
+"""``__metadata__`` key naming, as a JSON list, the tensors of the codes' dtype (I8) that
+``--quantize`` copied as they were: not codes lacking their scale, which a shard of a mirror,
+whose ``quantized_tensors`` counts the whole checkpoint's, cannot tell by its count."""
 
 
 @dataclass
@@ -197,17 +201,24 @@ class _Plan:
         the copy), and the entries it records in their place."""
         if self.decoder is not None:
             # The codec's keys no longer describe the file: say what they were, in one key.
-            dropped = [*self.decoder.metadata("float32"), _QUANTIZED_KEY, _ORIGINALS_KEY]
+            dropped = [
+                *self.decoder.metadata("float32"),
+                _QUANTIZED_KEY,
+                _ORIGINALS_KEY,
+                _KEPT_KEY,
+            ]
             described = " ".join(f"{key}={metadata[key]}" for key in dropped if key in metadata)
             said = f"{len(self.rebuilt)} tensors ({described})"
             return {*dropped, _DEQUANTIZED_KEY}, {_DEQUANTIZED_KEY: said}
         if self.encoder is not None:
+            kept = [t.name for t in wanted if t.dtype == _CODES[self.encoder.key]]  # no float
             record = {
                 **self.encoder.metadata(),
                 _QUANTIZED_KEY: str(len(self.changed)),
                 **_original_dtypes([t for t in wanted if t.name in self.changed]),
+                **({_KEPT_KEY: json.dumps(kept, separators=(",", ":"))} if kept else {}),
             }
-            return {*record, "original_dtype", _ORIGINALS_KEY}, record
+            return {*record, "original_dtype", _ORIGINALS_KEY, _KEPT_KEY}, record
         if self.target is not None and self.changed:
             note = ", round to nearest even)" if self.target == "BF16" else ")"
             return {"converted_to"}, {
@@ -361,6 +372,24 @@ def _originals(metadata: Mapping[str, str]) -> dict[str, str]:
     return codes
 
 
+def _kept(metadata: Mapping[str, str]) -> set[str]:
+    """The tensors :data:`_KEPT_KEY` says ``--quantize`` copied as they were; none in a file
+    quantized before it was recorded, or with no such tensor. A :class:`~stream_st.CodecError`
+    where it is no JSON list of names."""
+    raw = metadata.get(_KEPT_KEY)
+    if raw is None:
+        return set()
+    try:
+        recorded = decode_json(raw, f"metadata {_KEPT_KEY}")
+    except HeaderError as exc:
+        raise CodecError(str(exc)) from None
+    if not isinstance(recorded, list) or not all(isinstance(name, str) for name in recorded):
+        raise CodecError(
+            f"metadata {_KEPT_KEY} must be a JSON list of tensor names, got {raw!r:.100}"
+        )
+    return set(recorded)
+
+
 def _decoded_shape(codec: Codec, info: TensorInfo) -> tuple[int, ...]:
     """The shape of the tensor whose first wire tensor is ``info``; :class:`CodecError` where
     INT4 codes are 0-d (they pack the last axis: there is none)."""
@@ -405,8 +434,9 @@ def _decodable(
     """A :class:`~stream_st.CodecError` where ``--dequantize`` would not rebuild what the
     source's ``__metadata__`` says it quantized: no tensor of ``every`` beside all its wire
     tensors; a tensor of ``wanted`` of the codes' dtype without its scale (copied as it was, the
-    codes then plain integers), unless ``quantized_tensors`` counts the tensors rebuilt (it was
-    kept as it was); more tensors rebuilt than that counts; or a wire tensor of two tensors
+    codes then plain integers), unless :data:`_KEPT_KEY` names it or ``quantized_tensors``
+    counts the tensors rebuilt (it was kept as it was; a mirror's shard counts the whole
+    checkpoint's); more tensors rebuilt than that counts; or a wire tensor of two tensors
     (``w.scale`` the scale of ``w`` and the codes of ``w.scale.scale``)."""
     said = f"__metadata__ says compression={metadata.get('compression')}"
     owner: dict[str, str] = {}
@@ -434,7 +464,10 @@ def _decodable(
             f"dequantize= (--dequantize): the {said} and {_QUANTIZED_KEY}={recorded}, but "
             f"{rebuilt} tensors have their wire tensors"
         )
-    orphans = [t.name for t in wanted if t.dtype == _CODES[decoder.key] and t.name not in owner]
+    codes, kept = _CODES[decoder.key], _kept(metadata)
+    orphans = [
+        t.name for t in wanted if t.dtype == codes and t.name not in owner and t.name not in kept
+    ]
     if orphans and recorded != rebuilt:
         scales = " and ".join(map(repr, decoder.part_names(orphans[0])[1:]))
         raise CodecError(

@@ -288,6 +288,63 @@ def test_a_mirror_refuses_to_dequantize_a_tensor_split_between_shards(tmp_path: 
     assert sorted(p.name for p in out.iterdir()) == sorted([INDEX, second])
 
 
+def test_a_shard_of_a_quantized_mirror_is_dequantized_alone(tmp_path: Path) -> None:
+    """One shard of a mirror quantized by ``cp --quantize``, whose I8 tensor ``k`` was kept as it
+    was, was refused by ``cp --dequantize`` (I8 tensor 'k' has no 'k.scale'): its
+    ``quantized_tensors`` counts the whole checkpoint's tensors, so it could not say ``k`` was
+    kept. The mirror names the tensors it kept (``kept_tensors``, in every shard), and each
+    shard is dequantized alone; a shard whose I8 tensor it does not name, codes that lost their
+    scale or a record that is no list of names, is still refused. Shards quantized each on its
+    own, naming each its own, still merge."""
+    first, second = SHARDS
+    src, quantized = tmp_path / "src", tmp_path / "q8"
+    src.mkdir()
+    tensors: dict[str, dict[str, np.ndarray[Any, Any]]] = {
+        first: {"a": WEIGHTS, "a2": -WEIGHTS, "k": np.arange(4, dtype=np.int8)},
+        second: {"b": 2 * WEIGHTS, "k2": np.ones(2, np.int8)},
+    }
+    for shard, part in tensors.items():
+        reference_numpy.save_file(part, str(src / shard))
+    weight_map = {name: shard for shard, part in tensors.items() for name in part}
+    (src / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    done = run("cp", "-q", "--quantize", "int8", str(src / INDEX), f"{quantized}/")
+    assert done.returncode == 0, done.stderr
+    for shard, part in tensors.items():
+        out = tmp_path / f"back-{shard}"
+        done = run("cp", "-q", "--dequantize", str(quantized / shard), str(out))
+        assert done.returncode == 0, done.stderr
+        found = reference_numpy.load_file(str(out))
+        assert sorted(found) == sorted(part)
+        for name, array in part.items():
+            assert found[name].dtype == array.dtype
+            np.testing.assert_allclose(found[name], array, atol=6 / 127)
+    recorded = [_metadata(quantized / shard) for shard in SHARDS]
+    assert recorded[0] == recorded[1], recorded
+    assert recorded[0]["kept_tensors"] == '["k","k2"]' and recorded[0]["quantized_tensors"] == "3"
+    codes = reference_numpy.load_file(str(quantized / first))
+    unnamed = {key: value for key, value in recorded[0].items() if key != "kept_tensors"}
+    scaleless = {name: array for name, array in codes.items() if name != "a2.scale"}
+    damaged: list[tuple[dict[str, np.ndarray[Any, Any]], dict[str, str], str]] = [
+        (codes, unnamed, "I8 tensor 'k' has no 'k.scale'"),
+        (scaleless, recorded[0], "I8 tensor 'a2' has no 'a2.scale'"),
+        (codes, {**recorded[0], "kept_tensors": '"k"'}, "kept_tensors must be a JSON list"),
+    ]
+    for number, (part, metadata, said) in enumerate(damaged):
+        path = tmp_path / f"damaged{number}.safetensors"
+        reference_numpy.save_file(part, str(path), metadata=metadata)
+        refused = run("cp", "-q", "--dequantize", str(path), str(tmp_path / "no.safetensors"))
+        assert refused.returncode == 2 and said in refused.stderr, refused.stderr
+    assert not (tmp_path / "no.safetensors").exists()
+    apart = tmp_path / "apart"  # each shard quantized on its own: each names its own
+    apart.mkdir()
+    for shard in SHARDS:
+        done = run("cp", "-q", "--quantize", "int8", str(src / shard), str(apart / shard))
+        assert done.returncode == 0, done.stderr
+    shutil.copy(quantized / INDEX, apart / INDEX)
+    done = run("cp", "-q", "--merge", str(apart), str(tmp_path / "merged.safetensors"))
+    assert done.returncode == 0, done.stderr
+
+
 def test_a_mirror_of_shards_quantized_with_different_codecs_is_refused_by_name(
     tmp_path: Path,
 ) -> None:
