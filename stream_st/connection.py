@@ -30,7 +30,7 @@ from ._util import AsyncClosing
 from .core.digests import Digests
 from .core.header import DEFAULT_MAX_HEADER_SIZE
 from .core.layout import TensorSpec
-from .errors import TransportError, UsageError, integer_at_least
+from .errors import TransportError, TruncatedStreamError, UsageError, integer_at_least
 from .reader import Include, TensorStream
 from .transports.options import NO_LIMITS, Clock, LimitOptions, Limits
 from .transports.registry import SinkLender
@@ -89,11 +89,13 @@ class Connection(AsyncClosing, SinkLender):
         connection's."""
         return Clock(Limits.of(limits, transport=False) if limits else self.limits)
 
-    def _source(self, limits: LimitOptions) -> SocketSource:
-        """The socket lent to the next message read."""
+    def _source(
+        self, limits: LimitOptions, kind: type[SocketSource] = SocketSource
+    ) -> SocketSource:
+        """The socket lent to the next message read, as a ``kind``."""
         self._check_open()
         clock = self._clock(limits)
-        return SocketSource(self._sock, self.name, clock=clock, turn=self._reading)
+        return kind(self._sock, self.name, clock=clock, turn=self._reading)
 
     def open_stream(
         self,
@@ -108,9 +110,11 @@ class Connection(AsyncClosing, SinkLender):
 
         Closing that stream leaves the connection open for the next message.
         ``max_tensor_bytes`` and ``max_total_bytes`` cap what the peer's message may make the
-        reader allocate (see :func:`~stream_st.open_stream`).
+        reader allocate (see :func:`~stream_st.open_stream`). A peer that closed the connection
+        instead of sending a message makes opening the stream raise
+        :class:`~stream_st.TruncatedStreamError` (:meth:`messages` ends there instead).
         """
-        source = self._source(limits)
+        source = self._source(limits, _NextMessage)
         return TensorStream(
             source,
             include=include,
@@ -182,6 +186,19 @@ class Connection(AsyncClosing, SinkLender):
     async def aclose(self) -> None:
         self._closed = True
         close_socket(self._sock)
+
+
+class _NextMessage(SocketSource):
+    """The socket lent to the message :meth:`Connection.open_stream` reads: a peer that closed
+    the connection cleanly where that message would begin is said so, not taken for a header
+    of 0 bytes."""
+
+    async def start(self, *, read_all: bool = False) -> None:
+        await super().start(read_all=read_all)
+        if await self.at_end():
+            raise TruncatedStreamError(
+                f"{self.name}: the peer closed the connection before the next message"
+            )
 
 
 async def connect(url: str, **limits: Unpack[LimitOptions]) -> Connection:

@@ -160,6 +160,23 @@ async def test_connect_reads_messages_in_turn(tcp_sender: StartSender) -> None:
         assert [s async for s in connection.messages()] == []  # the peer closed cleanly
 
 
+async def test_a_message_asked_for_once_the_peer_closed_says_so(tcp_sender: StartSender) -> None:
+    """open_stream() and receive_kv() on a connection whose peer had closed it cleanly after
+    its last message failed with a HeaderError: 'a safetensors file starts with an 8-byte
+    header length; got only 0 bytes'."""
+    port = await tcp_sender(reference_numpy.save(SMALL))
+    async with await stream_st.connect(f"tcp://127.0.0.1:{port}", timeout=5) as connection:
+        async with connection.open_stream() as stream:
+            assert_same_arrays({n: a async for n, a in stream}, SMALL)
+        said = r"^tcp://127\.0\.0\.1:\d+: the peer closed the connection before the next message$"
+        with pytest.raises(TruncatedStreamError, match=said):
+            async with connection.open_stream():
+                pass
+        with pytest.raises(TruncatedStreamError, match=said):
+            async with receive_kv(connection):
+                pass
+
+
 async def test_leaving_messages_after_a_read_message_frees_the_connection(
     tcp_sender: StartSender,
 ) -> None:
