@@ -260,12 +260,16 @@ def _read_header(fd: int, size: int, name: str) -> Header:
     """The header of the file ``fd`` of ``size`` bytes, checked against its size."""
     first = bytearray(min(size, _FIRST_READ))
     got = pread_fully(fd, memoryview(first), 0)
-    if got < LENGTH_PREFIX_SIZE:
+    if got < min(size, LENGTH_PREFIX_SIZE):  # the file said it had more: cut off while read
         raise TruncatedStreamError(
-            "the header length", name=None, offset=got, expected=LENGTH_PREFIX_SIZE, source=name
+            "the header length",
+            name=None,
+            offset=got,
+            expected=min(size, LENGTH_PREFIX_SIZE),
+            source=name,
         )
-    length = parse_header_length(
-        first[:LENGTH_PREFIX_SIZE], max_header_size=DEFAULT_MAX_HEADER_SIZE
+    length = parse_header_length(  # a file shorter than the length: a HeaderError, as read else
+        first[: min(got, LENGTH_PREFIX_SIZE)], max_header_size=DEFAULT_MAX_HEADER_SIZE
     )
     end = LENGTH_PREFIX_SIZE + length
     if end <= got:

@@ -18,7 +18,7 @@ import torch
 
 import stream_st.numpy
 import stream_st.torch
-from stream_st.errors import AllocationError, SafetensorsError
+from stream_st.errors import AllocationError, HeaderError, SafetensorsError
 
 CORE = ("anyio", "stream_st._api", "stream_st.reader", "stream_st.compat._reference")
 """What a mapped ``load_file`` needs none of (the event loop, the reader, the transports)."""
@@ -140,3 +140,26 @@ def test_options_caps_and_a_missing_file_keep_their_behaviour(tmp_path: Path) ->
     assert isinstance(missing.value, FileNotFoundError)
     with pytest.raises(SafetensorsError):
         stream_st.numpy.load_file(path, backend="mapped")
+
+
+@pytest.mark.parametrize("data", [b"", b"\x01\x00", b"\x00" * 7])
+def test_a_file_shorter_than_the_header_length_is_a_header_error_read_any_way(
+    tmp_path: Path, data: bytes
+) -> None:
+    """A file of fewer than 8 bytes: mapped (``load_file``, ``safe_open``) it was a
+    TruncatedStreamError (an ``EOFError``) where ``backend="pread"``, bytes and URLs give the
+    HeaderError (a ``ValueError``) that says a file starts with an 8-byte header length."""
+    path = tmp_path / "tiny.safetensors"
+    path.write_bytes(data)
+    reads = [
+        lambda: stream_st.torch.load_file(path),
+        lambda: stream_st.numpy.load_file(path),
+        lambda: stream_st.torch.load_file(path, backend="pread"),
+        lambda: stream_st.torch.safe_open(path, "pt"),
+        lambda: stream_st.numpy.safe_open(path, "np", backend="pread"),
+        lambda: stream_st.torch.load(data),
+    ]
+    for read in reads:
+        with pytest.raises(HeaderError, match="starts with an 8-byte header length") as caught:
+            read()
+        assert isinstance(caught.value, ValueError) and not isinstance(caught.value, EOFError)
