@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 
+import anyio
 import numpy as np
 
 from ..core.header import (
@@ -138,8 +139,21 @@ async def open_under(source_like: SourceLike, clock: Clock) -> Source:
     """The first step of every read: start ``clock``, give the loop its turn (many small local
     files never wait: their turns come from here), open the source of ``source_like``."""
     clock.start()
-    await give_turn()
+    try:
+        await give_turn()
+    except BaseException:  # cancelled: a Source given to be read is closed, as a read closes it
+        await close_untaken(source_like)
+        raise
     return await open_source(source_like, clock)
+
+
+async def close_untaken(source_like: SourceLike) -> None:
+    """Close ``source_like`` where it is a :class:`Source` that no read has taken yet
+    (:meth:`~stream_st.transports.base.Source.claim`): the read it was given to ended before
+    opening it (cancelled, closed), and nothing else would close it."""
+    if isinstance(source_like, Source) and not source_like._claimed:
+        with anyio.CancelScope(shield=True):
+            await source_like.aclose()
 
 
 async def start_and_read_header(

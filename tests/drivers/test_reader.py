@@ -535,6 +535,37 @@ async def test_a_closed_stream_does_not_open_again(sample_path: pathlib.Path) ->
             pass
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_source_given_is_closed_by_a_read_that_ends_before_opening_it(
+    sample_path: pathlib.Path, backend: str
+) -> None:
+    """A Source object given to a read cancelled before its first step (``load``, a stream in
+    ``async with``, ``read_header``), or to a stream closed unopened, is closed as a read closes
+    it: it kept its file open until the garbage collector came, with a ResourceWarning."""
+
+    async def main() -> list[FileSource]:
+        given = []
+        for how in ("load", "stream", "header", "closed unopened"):
+            source = FileSource(sample_path)
+            given.append(source)
+            if how == "closed unopened":
+                await stream_st.open_stream(source).aclose()
+                continue
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                if how == "load":
+                    await stream_st.load(source)
+                elif how == "stream":
+                    async with stream_st.open_stream(source):
+                        pass
+                else:
+                    await stream_st.read_header(source)
+        return given
+
+    for source in anyio.run(main, backend=backend):
+        assert source._fd < 0, source
+
+
 def test_a_stream_used_with_plain_with_or_for_says_async(sample_path: pathlib.Path) -> None:
     """A UsageError naming the async form, where Python's was a bare TypeError ('does not
     support the context manager protocol', 'is not iterable')."""
