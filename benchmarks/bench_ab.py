@@ -103,15 +103,18 @@ def _write_files(directory: Path) -> dict[str, Path]:
 
 
 def _run(tree: Path, figure: str, files: dict[str, Path], scratch: Path) -> float:
+    """One figure's seconds, in a fresh process with the stream_st of the checkout at ``tree``."""
     path = files["kv"] if figure in ("read-kv", "read-chunks", "import") else files["big"]
     out = scratch / "written.safetensors"
-    env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    root = tree.resolve()
+    env = {**os.environ, "PYTHONPATH": str(root)}
     result = subprocess.run(
-        [sys.executable, "-c", CHILD, figure, str(path), str(out)],
+        [sys.executable, "-c", CHILD, figure, str(path.resolve()), str(out.resolve())],
         capture_output=True,
         text=True,
         env=env,
         check=True,
+        cwd=root,  # '-c' puts the working directory first on the path, before PYTHONPATH
     )
     out.unlink(missing_ok=True)
     return float(result.stdout.strip().splitlines()[-1])
