@@ -101,17 +101,22 @@ def maps(backend: object) -> bool:
 
 
 def _on_cpu(device: object) -> None:
-    """Refuse ``device`` for numpy arrays, which live on the CPU, unless it is the CPU: a
-    :class:`UsageError`; a :class:`DeviceError` (a ``ValueError`` too, as the reference's) for
-    a name torch does not know (``"cuda:x"``), where torch is there to tell."""
+    """Refuse ``device`` for numpy arrays, which live on the CPU, unless it is a CPU device,
+    taken as for torch tensors (``"cpu"``, ``"cpu:0"``, a ``torch.device`` of either; without
+    torch, such a name as torch spells it): a :class:`UsageError`; a :class:`DeviceError` (a
+    ``ValueError`` too, as the reference's) for a name torch does not know (``"cuda:x"``),
+    where torch is there to tell."""
     if device is None or str(device) == "cpu":
         return
     try:
-        torch_device(device)
+        if torch_device(device) is None:  # a CPU device
+            return
     except DeviceError:  # a name torch does not know
         raise
     except UsageError:  # torch missing, or a device this torch cannot use: refused below
-        pass
+        kind, _, index = str(device).partition(":")
+        if kind == "cpu" and index.isascii() and index.isdigit() and str(int(index)) == index:
+            return  # "cpu:N" without torch to tell
     raise UsageError(f"device={device!r}: numpy arrays live on the CPU")
 
 

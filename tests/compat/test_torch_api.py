@@ -242,6 +242,29 @@ def test_the_cpu_named_any_way_is_the_cpu(ref_file: Path) -> None:
         assert {tensor.device.type for tensor in got.values()} == {"cpu"}
 
 
+def test_any_cpu_device_is_taken_by_both_frameworks(
+    ref_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``"cpu:0"`` and a ``torch.device`` of the CPU, taken for torch tensors, were refused for
+    numpy arrays ("numpy arrays live on the CPU"); both frameworks take them, as docs/dropin.md
+    says, and without torch numpy takes ``"cpu:N"`` as torch spells it."""
+    expected = reference.load_file(ref_file)["f32"].numpy()
+    for device in ("cpu:0", "cpu:2", torch.device("cpu"), torch.device("cpu", 0)):
+        for framework in ("pt", "np"):
+            with st.safe_open(ref_file, framework, device=device) as handle:
+                assert np.array_equal(np.asarray(handle.get_tensor("f32")), expected)
+    monkeypatch.setattr(stream_st.core.arrays, "load_torch", no_torch)
+    with stream_st.numpy.safe_open(ref_file, "np", device="cpu:1") as handle:
+        assert np.array_equal(handle.get_tensor("f32"), expected)
+    for device in ("cpu:01", "cpu:x", "cuda:0"):
+        with pytest.raises(UsageError, match="numpy arrays live on the CPU"):
+            stream_st.numpy.safe_open(ref_file, "np", device=device)
+
+
+def no_torch() -> Any:
+    raise UsageError("torch tensors need torch")
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", 0])
 def test_tensors_land_on_the_cuda_device(ref_file: Path, device: str | int) -> None:
