@@ -254,9 +254,9 @@ def main() -> None:
                 pass
         print(f"file: {spec.description}, {size / 2**30:.2f} GiB")
         running = servers(path, work, args.libraries)
-        for server in running.values():
-            server.start()
-        try:
+        try:  # those started are stopped, also when a later one fails to start
+            for server in running.values():
+                server.start()
             urls = {label: f"http://127.0.0.1:{s.port}/{NAME}" for label, s in running.items()}
             one: dict[str, list[float]] = {label: [] for label in urls}
             many: dict[str, list[float]] = {label: [] for label in ("nginx", "serve")}
@@ -281,11 +281,8 @@ def main() -> None:
         print()
         for line in summary:
             print(line)
-    finally:
-        if args.dir is None:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            shutil.rmtree(work / "nginx", ignore_errors=True)
+    finally:  # the servers' folders, and the file unless --dir keeps it
+        shutil.rmtree(work, ignore_errors=True)
     print(f"load average after:  {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

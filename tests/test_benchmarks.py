@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,3 +37,43 @@ def test_bench_ab_times_the_checkout_it_is_given(
     monkeypatch.chdir(ROOT)
     files = {"kv": kv, "big": kv}
     assert benchmarks("bench_ab")._run(fake.parent, "import", files, tmp_path) == 42.0
+
+
+def test_bench_serve_stops_the_servers_it_started_and_leaves_no_folder(
+    benchmarks: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that failed to start (--libraries without uvicorn) left those started before it
+    running, and with --dir every run left its empty working folder behind."""
+    bench_serve, bench_read = benchmarks("bench_serve"), benchmarks("bench_read")
+    stopped: list[str] = []
+
+    class Server:
+        def __init__(self, label: str) -> None:
+            self.label, self.started = label, False
+
+        def start(self) -> None:
+            if self.label == "uvicorn":
+                raise RuntimeError("uvicorn did not start")
+            self.started = True
+
+        def stop(self) -> None:
+            if self.started:
+                stopped.append(self.label)
+
+    def servers(path: Path, folder: Path, libraries: bool) -> dict[str, Server]:
+        return {label: Server(label) for label in ("nginx", "serve", "aiohttp", "uvicorn")}
+
+    tiny = bench_read.BenchFile("serve", "tiny", (bench_read.TensorLayout("w", "F32", (4,)),))
+    monkeypatch.setattr(bench_serve, "servers", servers)
+    monkeypatch.setattr(bench_serve, "big_file", lambda label, mib: tiny)
+    monkeypatch.setattr(bench_serve, "find_program", lambda name: name)
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # main sets it; restored after the test
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    argv = ["bench_serve.py", "--libraries", "--repeat", "1", "--dir", str(tmp_path / "data")]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(RuntimeError, match="uvicorn did not start"):
+        bench_serve.main()
+    assert stopped == ["nginx", "serve", "aiohttp"]
+    assert list(temporary.iterdir()) == []
