@@ -208,26 +208,44 @@ def truncate_to_bf16(values: Array) -> Array:
     return (bits >> 16).astype(np.uint16)
 
 
+CAST_HINT = "option dtype"
+"""What a write's refused cast names as its cause."""
+
+
 def cast(array: Array, code: str, name: str, rounding: str = "nearest") -> Array:
     """``array`` (column ``name``) as safetensors dtype ``code``: numpy's conversion (floats
     round to nearest even, and toward zero into integers), or for F16 and BF16 with
-    ``rounding="truncate"``, the connector's truncation. Refuses a value an integer dtype cannot
-    hold (out of its range, or not finite) rather than wrap it."""
+    ``rounding="truncate"``, the connector's truncation. Refuses a value the dtype cannot hold
+    rather than wrap it (:func:`converted`); an integer too large for F16 is refused whichever
+    the rounding."""
     target = dtype_from_code(code).numpy
-    if rounding == "truncate" and code == "F16":
-        return truncate_to_f16(array).view(target)
-    if rounding == "truncate" and code == "BF16":
-        return truncate_to_bf16(array).view(target)
+    truncate = {"F16": truncate_to_f16, "BF16": truncate_to_bf16}.get(code)
+    if rounding == "truncate" and truncate is not None:
+        out = truncate(array).view(target)
+        _finite(array, out, name, code, CAST_HINT)
+        return out
+    return converted(array, target, name, code, CAST_HINT)
+
+
+def converted(array: Array, target: np.dtype[Any], name: str, what: str, hint: str) -> Array:
+    """``array`` (column ``name``) as numpy dtype ``target`` (numpy's conversion: floats round
+    to nearest even, and toward zero into integers), refusing (:class:`~stream_st.UsageError`
+    naming the column, the value, ``what`` the target is called and ``hint``) a value it cannot
+    hold rather than wrap it: for an integer dtype, one out of its range, a NaN or an infinity;
+    for a float dtype, an integer beyond its range, which would become an infinity. A float
+    beyond a narrower float's range becomes its infinity, as IEEE rounding has it."""
     if array.dtype == target:
         return array
     if target.kind in "iu" and array.size:
-        _in_range(array, target, code, name)
-    return array.astype(target)
+        _in_range(array, target, name, what, hint)
+    out = array.astype(target)
+    _finite(array, out, name, what, hint)
+    return out
 
 
-def _in_range(array: Array, target: np.dtype[Any], code: str, name: str) -> None:
-    """Refuses a value of ``array`` that integer dtype ``target`` (``code``) cannot hold: out
-    of its range (a float taken toward zero), or a NaN or infinity."""
+def _in_range(array: Array, target: np.dtype[Any], name: str, what: str, hint: str) -> None:
+    """Refuses a value of ``array`` that integer dtype ``target`` cannot hold: out of its range
+    (a float taken toward zero), or a NaN or infinity."""
     bounds = np.iinfo(target)
     if array.dtype.kind == "f":
         whole = np.trunc(array)  # every integer bound is a power of two, so exact as a float
@@ -236,12 +254,22 @@ def _in_range(array: Array, target: np.dtype[Any], code: str, name: str) -> None
         kept = (array >= bounds.min) & (array <= bounds.max)
     else:  # booleans: 0 or 1
         return
+    _refuse_unkept(array, kept, name, f"{what} ({bounds.min} to {bounds.max}; {hint})")
+
+
+def _finite(array: Array, out: Array, name: str, what: str, hint: str) -> None:
+    """Refuses an integer of ``array`` that became an infinity in ``out``, of a float dtype too
+    narrow for it (F16's largest is 65504)."""
+    if array.dtype.kind in "iu" and out.dtype.kind not in "iub" and array.size:
+        kept = np.isfinite(out)
+        _refuse_unkept(array, kept, name, f"{what} (it would become an infinity; {hint})")
+
+
+def _refuse_unkept(array: Array, kept: Array, name: str, where: str) -> None:
+    """Refuses the first value of ``array`` not ``kept``, as one that does not fit ``where``."""
     if not kept.all():
         bad = array.reshape(-1)[int(np.argmin(kept.reshape(-1)))]
-        raise UsageError(
-            f"column {name!r}: the value {bad.item()!r} does not fit {code} "
-            f"({bounds.min} to {bounds.max}; option dtype)"
-        )
+        raise UsageError(f"column {name!r}: the value {bad.item()!r} does not fit {where}")
 
 
 def stack_rows(

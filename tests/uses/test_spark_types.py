@@ -198,6 +198,26 @@ def test_a_cast_to_an_integer_dtype_refuses_a_value_it_cannot_hold(
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "truncate"])
+def test_an_integer_f16_cannot_hold_is_refused_whichever_the_rounding(
+    tmp_path: Path, rounding: str
+) -> None:
+    """It became an infinity, read back as the smallest bigint (a float keeps IEEE's
+    infinity: a float column reads it back as one)."""
+    schema = StructType([StructField("c", LongType())])
+    options = {"path": str(tmp_path / "d"), "batch_size": "3", "dtype": "F16"}
+    writer = SafetensorsWriter(
+        WriteOptions.parse({**options, "f16_rounding": rounding}, schema), overwrite=True
+    )
+    rows = pa.record_batch({"c": pa.array([5, 65504, 70000], pa.int64())})
+    with pytest.raises(
+        UsageError, match=r"column 'c': the value 70000 does not fit F16 \(it would become an inf"
+    ):
+        writer.write(iter([rows]))
+    writer.abort([])
+    assert not (tmp_path / "d").exists()
+
+
 def test_an_empty_frame_writes_one_empty_shard(spark: Any, tmp_path: Path) -> None:
     empty = frame(spark, [], "x array<float>, n int, z boolean", 1)
     empty.write.format("safetensors").option("batch_size", 4).option("shapes", '{"x": [2]}').mode(
@@ -272,7 +292,8 @@ F16_VALUES = [
 
 @pytest.mark.parametrize("code", ["F16", "BF16"])
 def test_f16_rounding_truncate_is_the_connectors(spark: Any, tmp_path: Path, code: str) -> None:
-    data = [(F16_VALUES, 2**53 + 1, 7)]
+    big = 2**53 + 1 if code == "BF16" else 65519  # F16 holds no integer from 65520 up
+    data = [(F16_VALUES, big, 7)]
     written = frame(spark, data, "x array<double>, big bigint, small int", 1)
     arrays = {}
     for rounding in ("nearest", "TRUNCATE"):
@@ -285,7 +306,7 @@ def test_f16_rounding_truncate_is_the_connectors(spark: Any, tmp_path: Path, cod
     reference = connector_f16 if code == "F16" else connector_bf16
     truncated = arrays["TRUNCATE"]
     assert truncated["x"][0].tolist() == [reference(v) for v in F16_VALUES]
-    assert truncated["big"].tolist() == [reference(2.0**53)]  # a long goes through a double
+    assert truncated["big"].tolist() == [reference(float(big))]  # a long goes through a double
     assert truncated["small"].tolist() == [reference(7.0)]
     nearest_type = np.float16 if code == "F16" else ml_dtypes.bfloat16
     nearest = np.asarray(F16_VALUES).astype(nearest_type).view(np.uint16)
