@@ -236,6 +236,8 @@ def converted(array: Array, target: np.dtype[Any], name: str, what: str, hint: s
     beyond a narrower float's range becomes its infinity, as IEEE rounding has it."""
     if array.dtype == target:
         return array
+    if np.can_cast(array.dtype, target):  # it holds every value (a wider type)
+        return array.astype(target)
     if target.kind in "iu" and array.size:
         _in_range(array, target, name, what, hint)
     out = array.astype(target)
@@ -344,17 +346,21 @@ def tensor_column(array: Array, name: str, kind: Column = TENSOR_COLUMN) -> pa.S
     return pa.StructArray.from_arrays([fields[f.name] for f in struct], fields=list(struct))
 
 
+READ_HINT = "the type it is read as; read it as another, or with option raw=true"
+"""What a read's refused cast names as its cause."""
+
+
 def typed_column(array: Array, kind: Column, name: str) -> pa.Array:
     """``array`` ``[rows, *shape]`` as an Arrow column of the Spark type ``kind`` describes
     (:attr:`Column.arrow`): numbers, or arrays nested ``kind.depth`` deep (a deeper tensor is
-    flattened into a 1-deep array; a one-value tensor becomes a number)."""
+    flattened into a 1-deep array; a one-value tensor becomes a number), each value cast to
+    its type, refusing one it cannot hold (:func:`converted`)."""
     if kind.tensor:
         return tensor_column(array, name, kind)
     _batch_checked(array, kind, name)
     rows, sample = array.shape[0], _nested(tuple(array.shape[1:]), kind, name)
-    values = array.reshape(-1)
-    if values.dtype != kind.numpy:
-        values = values.astype(kind.numpy)
+    what = kind.element.simpleString()
+    values = converted(array.reshape(-1), kind.numpy, name, what, READ_HINT)
     types = [kind.arrow]  # the list type at each depth, then the numbers'
     while len(types) <= len(sample):
         types.append(types[-1].value_type)

@@ -98,6 +98,14 @@ class Column:
         return to_arrow_type(self.spark)
 
     @property
+    def element(self) -> DataType:
+        """The type of its numbers (``spark`` itself where it is no array)."""
+        inner = self.spark
+        while isinstance(inner, ArrayType):
+            inner = inner.elementType
+        return inner
+
+    @property
     def shape_type(self) -> np.dtype[Any]:
         """The tensor struct's shape numbers: int32 or int64."""
         assert isinstance(self.spark, StructType)

@@ -11,6 +11,7 @@ driver. These run without a Spark session: the data source's writer and reader a
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,12 @@ pa = pytest.importorskip("pyarrow")
 from pyspark.sql.pandas.types import to_arrow_type  # noqa: E402
 from pyspark.sql.types import (  # noqa: E402
     ArrayType,
+    ByteType,
     DoubleType,
     FloatType,
     IntegerType,
     LongType,
+    ShortType,
     StringType,
     StructField,
     StructType,
@@ -54,10 +57,11 @@ def commit(
         raise
 
 
-def read(path: Path, **options: str) -> list[dict[str, Any]]:
-    """Every row a read gives, through the planning and each partition's read."""
+def read(path: Path, schema: StructType | None = None, **options: str) -> list[dict[str, Any]]:
+    """Every row a read gives (of ``schema``, by default the source's), through the planning
+    and each partition's read."""
     source = pyspark_safetensors.SafetensorsDataSource({"path": str(path), **options})
-    reader: Any = source.reader(source.schema())
+    reader: Any = source.reader(schema or source.schema())
     return [row for p in reader.partitions() for part in reader.read(p) for row in part.to_pylist()]
 
 
@@ -118,6 +122,34 @@ def test_shards_whose_column_differs_in_dtype_are_refused(tmp_path: Path) -> Non
     assert len(read(tmp_path, columns="x")) == 4  # the column alike in every shard
     rows = read(tmp_path, raw="true")
     assert [row["label"]["dtype"] for row in rows] == ["I32", "I32", "I64", "I64"]
+
+
+def test_a_schema_given_to_a_read_refuses_a_value_it_cannot_hold(tmp_path: Path) -> None:
+    """They were cast with numpy's wrap-around: U8 200 read as tinyint -56, F32 NaN and 3e9 as
+    int -2147483648, U64 2**63 + 5 as bigint a negative number."""
+
+    async def write() -> None:
+        async with stream_st.open_dataset_writer(tmp_path) as w:
+            u = np.array([1, 200], np.uint8)
+            f = np.array([1.5, 3e9, np.nan], np.float32)
+            q = np.array([1, 2**63 + 5], np.uint64)
+            await w.write_batch({"u": u, "f": f[[0, 1]], "q": q}, 2)
+            await w.write_batch({"u": u, "f": f[[0, 2]], "q": q[[0, 0]]}, 2)
+
+    anyio.run(write)
+    refused = [
+        ("u", ByteType(), "200 does not fit tinyint (-128 to 127; the type it is read as"),
+        ("f", IntegerType(), "3000000000.0 does not fit int"),
+        ("f", LongType(), "nan does not fit bigint"),  # 3e9 fits
+        ("q", LongType(), "9223372036854775813 does not fit bigint"),
+    ]
+    for column, kind, message in refused:
+        with pytest.raises(
+            stream_st.UsageError, match=re.escape(f"'{column}': the value {message}")
+        ):
+            read(tmp_path, StructType([StructField(column, kind)]))
+    wider = StructType([StructField("u", ShortType()), StructField("f", DoubleType())])
+    assert [(row["u"], row["f"]) for row in read(tmp_path, wider)][:2] == [(1, 1.5), (200, 3e9)]
 
 
 def test_a_shard_of_no_tensor_holds_no_row(tmp_path: Path) -> None:
