@@ -285,8 +285,9 @@ def split_key(key: str, columns: Iterable[str], separator: str) -> tuple[str, st
 def _key_splitter(
     columns: Iterable[str], separator: str
 ) -> Callable[[str], tuple[str, str] | None]:
-    """:func:`split_key` for many keys: one dictionary look-up a key where no column holds the
-    separator."""
+    """:func:`split_key` for many keys: one dictionary look-up a key where no
+    ``{separator}{column}`` holds the separator but at its start (a key's last separator then
+    splits it); else each column's ending tried in turn (``_v`` with ``__``: ``a___v``)."""
     ordered = sorted(columns, key=len, reverse=True)
     known = set(ordered)
 
@@ -300,7 +301,8 @@ def _key_splitter(
         name, found, column = key.rpartition(separator)
         return (name, column) if found and column in known else None
 
-    return by_suffix if any(separator in column for column in ordered) else at_separator
+    suffixes = (separator + column for column in ordered)
+    return by_suffix if any(separator in suffix[1:] for suffix in suffixes) else at_separator
 
 
 @dataclass(frozen=True)

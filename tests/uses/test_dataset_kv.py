@@ -153,6 +153,12 @@ def test_keys_are_split_as_split_key_splits_each(case: str) -> None:
     assert list(zip(names.to_pylist(), [columns[i] for i in owners], strict=True)) == expected
 
 
+def test_a_column_ending_in_part_of_the_separator_is_split_at_its_ending() -> None:
+    """``_v`` with ``__`` was split at the key's last ``__``: ``a___v`` as ``a_`` and ``v``."""
+    assert dataset.split_key("a___v", ["_v", "w"], "__") == ("a", "_v")
+    assert dataset.split_key("a__w", ["_v", "w"], "__") == ("a", "w")
+
+
 @pytest.mark.parametrize("keys", [["a__n", "a__y"], ["a__n", "n"], ["a__n", "a_n"]])
 def test_a_key_of_no_column_is_refused(keys: list[str]) -> None:
     import pyarrow as pa

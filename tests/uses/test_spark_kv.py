@@ -156,6 +156,31 @@ def test_a_column_holding_the_separator_alone_is_written_and_read(tmp_path: Path
     WriteOptions.parse({"path": str(tmp_path), "name_col": "name"}, schema)
 
 
+def test_a_column_ending_in_part_of_the_separator_is_read_back(tmp_path: Path) -> None:
+    """``_v`` with ``__``: keys ``a___v``, which were split at their last ``__`` (``a_`` and
+    ``v``) where a shard records no layout (checksums), so its rows were refused, and a shard
+    a commit rewrote counted a name twice."""
+    schema = StructType(
+        [
+            StructField("name", StringType()),
+            StructField("_v", LongType()),
+            StructField("w", LongType()),
+        ]
+    )
+
+    def rows(names: list[str]) -> Any:
+        numbers = pa.array(range(len(names)), pa.int64())
+        return pa.record_batch({"name": names, "_v": numbers, "w": numbers})
+
+    options = {"path": str(tmp_path), "name_col": "name", "checksums": "true"}
+    writer = SafetensorsWriter(WriteOptions.parse(options, schema), overwrite=True)
+    writer.commit([writer.write(iter([rows(["a", "b"])]))])
+    assert read(tmp_path) == [{"name": "a", "_v": 0, "w": 0}, {"name": "b", "_v": 1, "w": 1}]
+    append(tmp_path, [rows(["a"])], schema, duplicatesStrategy="lastWin")  # a's row moves on
+    assert [entry["samples_count"] for entry in manifest_of(tmp_path)["shards"]] == [1, 1]
+    assert read(tmp_path) == [{"name": "b", "_v": 1, "w": 1}, {"name": "a", "_v": 0, "w": 0}]
+
+
 @pytest.mark.parametrize(
     ("fields", "refused"),
     [
