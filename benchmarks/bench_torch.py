@@ -7,7 +7,8 @@ Run it from the repository root (``--size-mb`` sets the model's size; a minute o
 
 The model is a stack of ``nn.Linear(d, d)`` layers (F32, 16 MiB weights at the default ``d``)
 saved once with the reference writer. Each variant runs in a fresh subprocess, which builds the
-model first (its memory allocated and touched: that is not timed), then times only the load:
+model first (its memory allocated and touched: that is not timed) and loads a tiny file the same
+way (what the call imports on its first use imported then), then times only the load:
 
 * ``ours``: ``stream_st.torch.load_model(model, src)``: every tensor received straight into the
   model's parameters;
@@ -53,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import os
 import statistics
@@ -86,6 +86,13 @@ def build(layers: int) -> Any:
         for parameter in model.parameters():
             parameter.fill_(0.5)
     return model
+
+
+def tiny_model() -> Any:
+    """The model of the warm-up file: one ``Linear(2, 2)``."""
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(2, 2))
 
 
 def rss_kib(field: str) -> int:
@@ -171,17 +178,28 @@ def touch(tensors: dict[str, Any]) -> int:
     return total
 
 
-def child(variant: str, src: str, layers: int) -> None:
+def warm_up(variant: str, warm: str) -> None:
+    """Load ``warm`` (the file of :func:`tiny_model`, a path or a URL as the measured source is)
+    the way ``variant`` loads: the modules its call imports on first use (the event loop's
+    backend, the reader, the HTTP client) are imported then, not inside the timing."""
+    if variant in FILE_VARIANTS or variant in CUDA_FILE_VARIANTS:
+        load_file(variant, warm)
+        return
+    model = tiny_model()
+    load_model(variant, warm, model.cuda() if variant.startswith("cuda_") else model)
+
+
+def child(variant: str, src: str, warm: str, layers: int) -> None:
     """Time one load, report ``{seconds, peak_mib, checksum}`` as JSON on stdout: into a model
     built first (not timed), or (``file_*``) of the file alone with every page touched. Every
-    module a variant uses is imported before the timing, the checksum taken after the peak."""
+    module a variant uses is imported before the timing (:func:`warm_up` of ``warm``), the
+    checksum taken after the peak."""
     import torch
 
-    for module in ("safetensors.torch", "stream_st", "stream_st.torch"):
-        importlib.import_module(module)
     cuda = variant.startswith("cuda_")
     if cuda:
         torch.zeros(1, device="cuda")  # the CUDA context, made before the clock
+    warm_up(variant, warm)
     files = variant in FILE_VARIANTS or variant in CUDA_FILE_VARIANTS
     model = None if files else build(layers)
     if cuda and model is not None:
@@ -205,9 +223,9 @@ def child(variant: str, src: str, layers: int) -> None:
     print(json.dumps({"seconds": seconds, "peak_mib": peak / 1024, "checksum": checksum}))
 
 
-def run_child(variant: str, src: str, layers: int) -> dict[str, float]:
+def run_child(variant: str, src: str, warm: str, layers: int) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", variant, src, str(layers)],
+        [sys.executable, __file__, "--child", variant, src, warm, str(layers)],
         check=True,
         capture_output=True,
         text=True,
@@ -217,12 +235,15 @@ def run_child(variant: str, src: str, layers: int) -> dict[str, float]:
     return result
 
 
-def compare(label: str, variants: tuple[str, ...], src: str, layers: int, repeat: int) -> None:
-    """Run ``variants`` in interleaved rounds; print medians and paired ratios to the first."""
+def compare(
+    label: str, variants: tuple[str, ...], src: str, warm: str, layers: int, repeat: int
+) -> None:
+    """Run ``variants`` on ``src`` (``warm`` the warm-up file of the same kind) in interleaved
+    rounds; print medians and paired ratios to the first."""
     runs: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for _ in range(repeat):
         for variant in variants:
-            runs[variant].append(run_child(variant, src, layers))
+            runs[variant].append(run_child(variant, src, warm, layers))
     checksums = {r["checksum"] for rs in runs.values() for r in rs}
     assert len(checksums) == 1, f"variants loaded different bytes: {checksums}"
     first = [r["seconds"] for r in runs[variants[0]]]
@@ -264,10 +285,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--device", choices=["cuda"], help="only the loads onto a CUDA device")
-    parser.add_argument("--child", nargs=3, metavar=("VARIANT", "SRC", "LAYERS"))
+    parser.add_argument("--child", nargs=4, metavar=("VARIANT", "SRC", "WARM", "LAYERS"))
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], int(args.child[2]))
+        child(args.child[0], args.child[1], args.child[2], int(args.child[3]))
         return
 
     import safetensors.torch
@@ -288,6 +309,8 @@ def main() -> None:
         safetensors.torch.save_model(build(layers), str(path))
         path.read_bytes()  # page cache warm
         local = str(path)
+        warm = Path(tmp) / "tiny.safetensors"
+        safetensors.torch.save_model(tiny_model(), str(warm))
         if args.device:
             for label, variants in (
                 ("load_file onto the CUDA device, local file warm", CUDA_FILE_VARIANTS),
@@ -296,13 +319,14 @@ def main() -> None:
                     CUDA_MODEL_VARIANTS,
                 ),
             ):
-                compare(label, variants, local, layers, args.repeat)
+                compare(label, variants, local, str(warm), layers, args.repeat)
             print(f"\nload avg at the end {os.getloadavg()[0]:.2f}")
             return
         compare(
             f"load_model, local file, page cache warm; {targets}",
             MODEL_VARIANTS,
             local,
+            str(warm),
             layers,
             args.repeat,
         )
@@ -310,6 +334,7 @@ def main() -> None:
             "load_file, local file, page cache warm, every page touched",
             FILE_VARIANTS,
             local,
+            str(warm),
             layers,
             args.repeat,
         )
@@ -318,11 +343,12 @@ def main() -> None:
 
             with RangeHTTPServer() as server:
                 server.objects["/model.safetensors"] = path.read_bytes()
-                url = server.url("/model.safetensors")
+                server.objects["/tiny.safetensors"] = warm.read_bytes()
                 compare(
                     "load_model, test HTTP server (loopback)",
                     MODEL_VARIANTS,
-                    url,
+                    server.url("/model.safetensors"),
+                    server.url("/tiny.safetensors"),
                     layers,
                     args.repeat,
                 )
