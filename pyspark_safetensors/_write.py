@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 from pyspark import TaskContext
 from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
-from pyspark.sql.types import IntegerType, LongType, StringType, StructType
+from pyspark.sql.types import ArrayType, DataType, IntegerType, LongType, StringType, StructType
 
 from stream_st._api import read_header, save
 from stream_st.core.digests import algorithm_named
@@ -277,6 +277,15 @@ class WriteOptions:
             if out[name].tensor:
                 raise UsageError(f"option shapes: {name!r} is a tensor struct: it has a shape")
         return out
+
+    def read_type(self, column: str) -> DataType:
+        """The Spark type a read gives ``column`` back (the manifest records it): its own, or a
+        flat array of its numbers where a ``shapes`` override changes its arrays' nesting."""
+        kind = self.columns[column]
+        shape = self.shapes.get(column)
+        if kind.depth and shape is not None and len(shape) != kind.depth:
+            return ArrayType(kind.element)
+        return kind.spark
 
     def code_for(self, column: str) -> str | None:
         return self.dtypes.get(column, self.dtypes.get(""))
@@ -626,14 +635,15 @@ class SafetensorsWriter(DataSourceArrowWriter):
             )
             if not kv:
                 _check_appended_columns(earlier, self.options.columns)
-            _check_appended_types(earlier, schema, self.options.columns)
+            _check_appended_types(earlier, schema, self.options)
             schema = {**earlier, **schema}
             record = _appended_record(record, manifest, every)
             if record is not None:  # the dataset's rows and these read as one
                 _separable(list(self.options.columns), self.options.kv_separator, list(earlier))
-        for column, kind in self.options.columns.items():  # a read gives these types back
+        for column in self.options.columns:  # a read gives these types back
             if column in schema:
-                schema[column] = {**schema[column], "spark_type": type_text(kind.spark)}
+                spark_type = type_text(self.options.read_type(column))
+                schema[column] = {**schema[column], "spark_type": spark_type}
         shards = previous + staged
         if kv:
             shards = await self._one_copy_per_key(shards, list(schema))
@@ -746,20 +756,18 @@ def _check_appended_columns(earlier: Mapping[str, Any], columns: Mapping[str, Co
 
 
 def _check_appended_types(
-    earlier: Mapping[str, Any],
-    schema: Mapping[str, Mapping[str, Any]],
-    columns: Mapping[str, Column],
+    earlier: Mapping[str, Any], schema: Mapping[str, Mapping[str, Any]], options: WriteOptions
 ) -> None:
     """Refuse (:class:`~stream_st.UsageError`) an append that writes a column of the dataset's
     manifest schema ``earlier`` under another Spark type, or (a column of numbers) another dtype
     than it records: a read gives a column one type, so the earlier shards would be read cast to
     the new one (0.5 as 0), or the new ones to the old. A tensor struct's rows each carry their
     own dtype (nothing is cast): only its Spark type must agree."""
-    for column, kind in columns.items():
+    for column, kind in options.columns.items():
         entry = earlier.get(column)
         if not isinstance(entry, dict):
             continue
-        spark, dtype = type_text(kind.spark), schema.get(column, {}).get("dtype")
+        spark, dtype = type_text(options.read_type(column)), schema.get(column, {}).get("dtype")
         recorded = entry.get("spark_type")
         other_type = recorded is not None and recorded != spark
         written = entry.get("dtype")

@@ -152,6 +152,23 @@ def test_a_schema_given_to_a_read_refuses_a_value_it_cannot_hold(tmp_path: Path)
     assert [(row["u"], row["f"]) for row in read(tmp_path, wider)][:2] == [(1, 1.5), (200, 3e9)]
 
 
+def test_a_shapes_override_changing_the_nesting_reads_back_flat(tmp_path: Path) -> None:
+    """``shapes`` of ``[6]`` or ``[1, 2, 3]`` on an ``array<array<int>>`` column recorded that
+    type, which such tensors cannot be read as: the default read refused the dataset written."""
+    schema = StructType([StructField("y", ArrayType(ArrayType(IntegerType())))])
+    y = pa.array([[[1, 2, 3], [4, 5, 6]]] * 2, to_arrow_type(schema["y"].dataType))
+    for shape in ([6], [1, 2, 3], [3, 2]):
+        path, shapes = tmp_path / str(shape), json.dumps({"y": shape})
+        commit(path, schema, {"y": y}, "overwrite", batch_size="2", shapes=shapes)
+        commit(path, schema, {"y": y}, "append", batch_size="2", shapes=shapes)  # alike: taken
+        flat = len(shape) != 2
+        assert manifest(path)["schema"]["y"]["spark_type"] == (
+            "array<int>" if flat else "array<array<int>>"
+        )
+        value = [1, 2, 3, 4, 5, 6] if flat else [[1, 2], [3, 4], [5, 6]]
+        assert read(path) == [{"y": value}] * 4
+
+
 def test_a_shard_of_no_tensor_holds_no_row(tmp_path: Path) -> None:
     """An empty dataset of open_dataset_writer appended to, and a directory whose first shard
     holds no tensor, read as the torch dataset reads them (a bare KeyError before)."""
