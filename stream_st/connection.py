@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
-from typing import Unpack
+from typing import Generic, Self, TypeVar, Unpack
 
 import anyio
 
@@ -46,6 +46,8 @@ from .transports.tcp import (
 from .writer import Order, TensorWriter, open_writer
 
 __all__ = ["Connection", "Listener", "connect", "listen"]
+
+T = TypeVar("T")
 
 
 class Connection(AsyncClosing, SinkLender):
@@ -150,7 +152,7 @@ class Connection(AsyncClosing, SinkLender):
             self, plan, metadata=metadata, order=order, checksums=checksums, **limits
         )
 
-    async def messages(
+    def messages(
         self,
         *,
         include: Include = None,
@@ -158,30 +160,29 @@ class Connection(AsyncClosing, SinkLender):
         max_tensor_bytes: int | None = None,
         max_total_bytes: int | None = None,
         **limits: Unpack[LimitOptions],
-    ) -> AsyncIterator[TensorStream]:
+    ) -> _Messages:
         """Every message until the peer closes the connection between two messages; caps as
         for :meth:`open_stream`, for each message.
 
         Each stream is opened (header read) before it is handed out; read it before asking for
-        the next one. A peer that resets the connection instead of closing it raises
-        :class:`~stream_st.TransportError`, as it does inside a message: a message may be lost.
+        the next one, which closes it. Closing the iteration (``async with
+        connection.messages() as messages``, or its ``aclose()``) closes the stream it handed
+        out last; a ``break`` leaves that stream to the caller (read to its end, it frees the
+        connection for the next message all the same). A peer that resets the connection
+        instead of closing it raises :class:`~stream_st.TransportError`, as it does inside a
+        message: a message may be lost.
         """
-        while True:
-            source = self._source(limits)
-            try:
-                await source.start()  # the reading turn is held from the wait for the next byte
-                if await source.at_end():
-                    return
-                async with TensorStream(
-                    source,
-                    include=include,
-                    max_header_size=max_header_size,
-                    max_tensor_bytes=max_tensor_bytes,
-                    max_total_bytes=max_total_bytes,
-                ) as stream:
-                    yield stream
-            finally:
-                await source.aclose()
+
+        def stream_of(source: SocketSource) -> TensorStream:
+            return TensorStream(
+                source,
+                include=include,
+                max_header_size=max_header_size,
+                max_tensor_bytes=max_tensor_bytes,
+                max_total_bytes=max_total_bytes,
+            )
+
+        return _Messages(self, limits, stream_of)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -263,12 +264,113 @@ class Listener:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return Connection(sock, tcp_url(host, port), limits=self._limits)
 
-    def __aiter__(self) -> AsyncIterator[Connection]:
-        return self._connections()
+    def __aiter__(self) -> _Connections:
+        return _Connections(self)
 
-    async def _connections(self) -> AsyncIterator[Connection]:
-        while True:
-            yield await self.accept()
+
+class _Steps(AsyncClosing, Generic[T]):
+    """An iteration that is an object, not an async generator: one left with a ``break`` holds
+    nothing for the event loop to finalize (trio warns with a ``ResourceWarning`` when it has to
+    close an async generator the loop dropped). As a generator, it ends after a step that raised
+    and after :meth:`aclose`; ``async with`` closes it too."""
+
+    what: str
+    """What is iterated, for a message."""
+
+    def __init__(self) -> None:
+        self._over = False
+        self._stepping = False
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> T:
+        self._check_idle()
+        if self._over:
+            raise StopAsyncIteration
+        self._stepping = True
+        try:
+            return await self._step()
+        except BaseException:  # cancelled too, as a generator's step
+            self._over = True
+            raise
+        finally:
+            self._stepping = False
+
+    async def _step(self) -> T:
+        """The next item, or :class:`StopAsyncIteration` at the end."""
+        raise NotImplementedError
+
+    def _check_idle(self) -> None:
+        """:class:`~stream_st.UsageError` while a step is under way (in another task)."""
+        if self._stepping:
+            raise UsageError(
+                f"{self.what} was iterated from two tasks at once (or closed while another task "
+                "stepped it): iterate it from one task"
+            )
+
+    async def aclose(self) -> None:
+        """End the iteration: later steps end at once."""
+        self._check_idle()
+        self._over = True
+
+
+class _Connections(_Steps[Connection]):
+    """The iteration of a :class:`Listener`: :meth:`Listener.accept` at each step."""
+
+    what = "a listener's iteration"
+
+    def __init__(self, listener: Listener) -> None:
+        super().__init__()
+        self._listener = listener
+
+    async def _step(self) -> Connection:
+        return await self._listener.accept()
+
+
+class _Messages(_Steps[TensorStream]):
+    """The iteration of :meth:`Connection.messages`: each step closes the stream handed out
+    before, waits for the next message's first byte (the connection's reading turn held from
+    there) and opens its stream, or ends where the peer closed the connection instead."""
+
+    what = "connection.messages()"
+
+    def __init__(
+        self,
+        connection: Connection,
+        limits: LimitOptions,
+        stream_of: Callable[[SocketSource], TensorStream],
+    ) -> None:
+        super().__init__()
+        self._connection = connection
+        self._limits = limits
+        self._stream_of = stream_of
+        self._stream: TensorStream | None = None  # the stream handed out last, not closed yet
+
+    async def _step(self) -> TensorStream:
+        await self._close_stream()
+        source = self._connection._source(self._limits)
+        try:
+            await source.start()  # the reading turn is held from the wait for the next byte
+            if await source.at_end():
+                raise StopAsyncIteration
+            stream = self._stream_of(source)
+            await stream.open()
+        except BaseException:
+            await source.aclose()
+            raise
+        self._stream = stream
+        return stream
+
+    async def _close_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            await stream.aclose()
+
+    async def aclose(self) -> None:
+        """End the iteration and close the stream it handed out last."""
+        await super().aclose()
+        await self._close_stream()
 
 
 @asynccontextmanager

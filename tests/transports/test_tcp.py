@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import socket
 import struct
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -189,6 +191,63 @@ async def test_leaving_messages_after_a_read_message_frees_the_connection(
             break  # the generator stays suspended until collected: it must not hold the turn
         async with connection.open_stream() as stream:
             assert_same_arrays({n: a async for n, a in stream}, second)
+
+
+def test_leaving_the_iterations_early_on_trio_leaves_nothing_to_the_collector() -> None:
+    """A ``break`` out of ``async for connection in listener`` or ``async for stream in
+    connection.messages()`` on trio, inside ``async with listen()`` and ``async with
+    connection``, gave a ResourceWarning: each iteration was an async generator, collected
+    unfinished."""
+    first: Arrays = {"x": np.arange(3, dtype=np.uint8)}
+    second: Arrays = {"y": np.ones(4, dtype=np.float64)}
+
+    async def main() -> list[Arrays]:
+        got: list[Arrays] = []
+        async with (
+            stream_st.listen("127.0.0.1", 0, timeout=5) as listener,
+            anyio.create_task_group() as group,
+        ):
+
+            async def send() -> None:
+                async with await stream_st.connect(listener.url, timeout=5) as connection:
+                    for message in (first, second):
+                        await stream_st.save(connection, message)
+
+            group.start_soon(send)
+            async for connection in listener:
+                async with connection:
+                    async for stream in connection.messages():
+                        got.append({n: a async for n, a in stream})
+                        break
+                    async with connection.open_stream() as stream:
+                        got.append({n: a async for n, a in stream})
+                break
+        return got
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = anyio.run(main, backend="trio")
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+    assert len(got) == 2
+    assert_same_arrays(got[0], first)
+    assert_same_arrays(got[1], second)
+
+
+async def test_closing_the_messages_iteration_closes_its_stream(tcp_sender: StartSender) -> None:
+    """``async with connection.messages()`` closes the stream handed out last, as ``aclose()``
+    does: one left part way then makes the next read say so; the iteration ends there."""
+    port = await tcp_sender(reference_numpy.save(sample_tensors()) * 2)
+    async with await stream_st.connect(f"tcp://127.0.0.1:{port}", timeout=5) as connection:
+        async with connection.messages() as messages:
+            async for stream in messages:
+                async for _ in stream:
+                    break
+                break
+        assert [s async for s in messages] == []
+        with pytest.raises(UsageError, match="the previous message was left at its byte"):
+            async with connection.open_stream():
+                pass
 
 
 def test_tcp_on_trio() -> None:
