@@ -141,3 +141,23 @@ def test_the_benchmark_commands_of_the_docs_take_only_options_their_scripts_have
             if name == script and used - known:
                 unknown[f"{name}{options}"] = used - known
     assert not unknown, f"options the scripts do not take: {unknown}"
+
+
+def test_the_docs_give_the_request_counts_bench_hub_prints() -> None:
+    """The counts of bench_hub.py (a fake Hub: the same every run) as benchmarks.md gives them;
+    it said 9 against 16 for a file read with concurrency=4, which the script counts 8 against
+    14."""
+    pytest.importorskip("huggingface_hub", reason="the hub extra is not installed")
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_hub.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    counts = re.findall(r"\d+\+\d+=(\d+) +\d+\+\d+=(\d+)", done.stdout)
+    page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    section = page.split("## Hugging Face Hub requests")[1].split("\n## ")[0]
+    assert len(counts) == 5
+    for ours, other in counts:
+        assert re.search(rf"\b{ours} against\s[^;]*\b{other}\b", section), (ours, other)
