@@ -27,8 +27,9 @@ Every tensor handed out is touched (one byte per 4 KiB page summed), as ``bench_
 does. The variants that hash check the digest against the server's. Rounds are interleaved
 after one untimed warm-up round; printed: per variant the median seconds, CPU seconds of the
 receiving process (all its threads) and minor page faults; then, paired per round, ``write``'s
-CPU seconds over each variant's (above 1: it costs less CPU than today's copy) and each
-variant's wall time over ``none``'s; the load average before and after.
+CPU seconds over each variant's (above 1: it costs less CPU than today's copy) and ``none``'s
+wall time over each variant's (below 1: it takes longer than a read without a copy); the load
+average before and after.
 """
 
 from __future__ import annotations
