@@ -312,6 +312,17 @@ class WriteOptions:
         code = self.code_for(name) or kind.dtype
         return np.zeros((0, *shape), dtype_from_code(code).numpy)
 
+    def empty_schema(self) -> dict[str, dict[str, Any]]:
+        """The manifest's schema of a write of no sample: every column, of the dtype and shape
+        :meth:`empty` gives it (KV mode: one value's, without the rows), so that a read gives
+        each column back (a KV shard of no sample holds no tensor to tell them from)."""
+        out = {}
+        for name in self.columns:
+            array = self.empty(name)
+            shape = array.shape[1:] if self.name_col is not None else array.shape
+            out[name] = {"dtype": dtype_for(array.dtype).code, "shape": list(shape)}
+        return out
+
 
 def _separable(columns: list[str], separator: str, earlier: list[str] | None = None) -> None:
     """KV mode: refuses ``columns`` whose keys ``{name}{separator}{column}`` could be another
@@ -618,10 +629,8 @@ class SafetensorsWriter(DataSourceArrowWriter):
                 schema.setdefault(column, entry)
         listed = await _store.list_names(path)
         if not staged and (self.overwrite or MANIFEST_NAME not in listed):
-            empty = await self._empty_shard()
-            staged = [empty]
-            specs = {k: {"dtype": d, "shape": list(shape)} for k, d, shape in empty.tensors}
-            schema = {column: specs[column] for column in self.options.columns if column in specs}
+            staged = [await self._empty_shard()]
+            schema = self.options.empty_schema()
         previous: list[StagedShard] = []
         record = self.options.kv_record()
         if not self.overwrite and MANIFEST_NAME in listed:
@@ -630,8 +639,8 @@ class SafetensorsWriter(DataSourceArrowWriter):
             earlier = manifest.get("schema", {})
             every = (
                 not staged
-                or not manifest.get("total_samples")
                 or set(self.options.columns) == set(earlier)
+                or (not manifest.get("total_samples") and set(earlier) <= set(self.options.columns))
             )
             if not kv:
                 _check_appended_columns(earlier, self.options.columns)
@@ -788,8 +797,8 @@ def _appended_record(
     differs (the rows of the two could not be read as one). Its rows stay whole where they were
     and ``every`` holds: the append writes every column of the dataset and no other (a name
     appended again then leaves all its earlier tensors behind: ``lastWin`` drops them, ``fail``
-    refuses it), or one of the two holds no row; otherwise a name may now lie in two shards, or
-    lack a column."""
+    refuses it), or the append holds no row, or the dataset holds none and the append writes
+    each of its columns; otherwise a name may now lie in two shards, or lack a column."""
     earlier = manifest.get(KV_RECORD)
     if record is None or earlier is None:
         return None

@@ -354,6 +354,25 @@ def test_whole_rows_are_planned_without_a_header_and_checked_by_the_tasks(
         read(tmp_path)
 
 
+def test_an_empty_write_reads_back_with_its_columns(tmp_path: Path) -> None:
+    """A KV write of no row recorded no column (its one shard holds no tensor): a read gave the
+    names alone, where docs/spark.md promises no rows in the written types."""
+    for path in (tmp_path / "some", tmp_path / "every"):
+        parsed = WriteOptions.parse({"path": str(path), "name_col": "name"}, SCHEMA)
+        writer = SafetensorsWriter(parsed, overwrite=True)
+        writer.commit([writer.write(iter([]))])
+        source = pyspark_safetensors.SafetensorsDataSource({"path": str(path)})
+        assert source.schema().simpleString() == "struct<name:string,n:bigint,x:array<float>>"
+        assert read(path) == []
+    only_n = StructType([StructField("name", StringType()), StructField("n", LongType())])
+    append(tmp_path / "some", [pa.record_batch({"name": ["a"], "n": pa.array([9])})], only_n)
+    assert whole(tmp_path / "some") is False  # a has no x
+    assert read(tmp_path / "some") == [{"name": "a", "n": 9, "x": None}]
+    append(tmp_path / "every", [batch(["a"])])
+    assert whole(tmp_path / "every") is True
+    assert read(tmp_path / "every") == [{"name": "a", "n": 0, "x": [0.0, 0.25, 0.5]}]
+
+
 def manifest_of(path: Path) -> Any:
     return json.loads((path / "dataset_manifest.json").read_text())
 
