@@ -1,6 +1,7 @@
 """Two checkouts of stream_st side by side on the hot paths: did a change cost speed?
 
     python benchmarks/bench_ab.py --a . --b ../other-checkout [--rounds 7] [--dir DIR]
+        [--figures read-kv,import]
 
 Writes (once, kept in ``--dir`` when given) the two files of ``bench_read.py``: ``big`` (64
 tensors of 32 MiB F32, 2 GiB) and ``kv`` (a TinyLlama KV cache, 44 MiB). Then, in rounds of
@@ -15,6 +16,8 @@ with that checkout first on ``sys.path``, it times, page cache warm:
   fresh arrays' first touch makes this one bimodal here (1.0 or 2.3 s either way), so take many
   rounds; ``write-reused``: the same with one array written 64 times (the writer's own path);
 * ``import``: ``import stream_st`` and a first ``read_header`` of ``kv``.
+
+``--figures`` times a comma-separated subset of these (default: all).
 
 It prints, per figure, each side's median seconds and the median of the per-round ratios A/B
 (below 1: A is faster), with the load average before and after. The checkouts must hold the

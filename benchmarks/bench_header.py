@@ -5,6 +5,7 @@ disk)::
 
     python benchmarks/bench_header.py [--sizes 10,100,...] [--rounds 3] [--tensors 1000000]
                                       [--repeat 3] [--skip-big] [--base DIR] [--idle MS]
+                                      [--only-sizes]
 
 Five parts:
 
@@ -31,6 +32,7 @@ Five parts:
   Printed: medians, and the paired ratios B / A, B / R and C / A of each round (median and
   range, and B / A of every round; above 1.00 stream_st is faster), with ``--base`` A0 / A
   (above 1.00: the change is faster) and B / A0, the load average before and after each size.
+  ``--only-sizes`` runs this part alone.
 * ``big``: a valid file of ``--tensors`` tensors (a 10**6-tensor header is about 77 MB of
   JSON): how long one full ``gc.collect()`` takes while the parsed header lives (every full
   collection of the process pays it for as long as the header is kept), and A and B each in a
@@ -286,10 +288,10 @@ def bench_sizes(sizes: list[int], rounds: int, idle: float, base: str | None) ->
                     runs[variant].append(first_call(variant, path, idle, base))
             path.unlink()
             med = statistics.median
-            for clock in ("seconds", "cpu"):
+            for clock, label in (("seconds", "wall"), ("cpu", "cpu")):
                 a, r_, b, c = ([run[clock] for run in runs[v]] for v in "ARBC")
                 line = (
-                    f"  {tensors:>8} {clock[:4]:>5} {_ms(med(a))} {_ms(med(r_))} {_ms(med(b))} "
+                    f"  {tensors:>8} {label:>5} {_ms(med(a))} {_ms(med(r_))} {_ms(med(b))} "
                     f"{_ms(med(c))}  {_ratio(b, a)} {_ratio(b, r_)} {_ratio(c, a)}"
                 )
                 if base:

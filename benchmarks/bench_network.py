@@ -2,8 +2,9 @@
 
 Run it from the repository root (about 4 minutes on 2 cores; ~3 GiB of disk, ~4 GiB of RAM)::
 
-    python benchmarks/bench_network.py [--repeat 7] [--kv-repeat 21] [--size-mib 2048]
-        [--s3-size-mib 512] [--ranged-size-mib 512] [--parallel 8x8,8x16,16x8,16x4]
+    python benchmarks/bench_network.py [--repeat 7] [--kv-repeat 21] [--warmup 1]
+        [--size-mib 2048] [--s3-size-mib 512] [--ranged-size-mib 512]
+        [--parallel 8x8,8x16,16x8,16x4]
         [--rss-parallel 8x16,16x8] [--dir DIR] [--skip-tcp] [--skip-http] [--skip-s3]
         [--skip-ranged] [--skip-rss] [--skip-kv] [--skip-big]
 
@@ -27,7 +28,7 @@ Every server runs in its own process, never in the measured one (no shared GIL):
 * parallel ranges: ``python -m tests.servers.http_server FILE --latency 0.03 --rate 200e6``: 30 ms
   before the first byte of every response and 200 MB/s per connection, an object store's profile.
 
-Variants run interleaved (A B C A B C ...) after one untimed warm-up round, all in one
+Variants run interleaved (A B C A B C ...) after ``--warmup`` untimed rounds (default 1), all in one
 ``anyio.run`` (asyncio backend); synchronous variants run on the same thread. Each variant builds
 a fresh array per tensor, "touches" it (sums byte 0 of every 4 KiB page) and drops it; the touches
 and the order of the names are checked against the file on every round. Clients that hand out

@@ -2,8 +2,9 @@
 
 Run it from the repository root (about a minute on 2 cores; needs ~2.1 GiB of disk and ~5 GiB RAM)::
 
-    python benchmarks/bench_read.py [--repeat 7] [--kv-repeat 35] [--rotate] [--dir DIR]
-                                    [--variants AEF] [--files big] [--files kv,64,128,256]
+    python benchmarks/bench_read.py [--repeat 7] [--kv-repeat 35] [--warmup 1] [--rotate]
+                                    [--dir DIR] [--variants AEF] [--files big]
+                                    [--files kv,64,128,256] [--no-rss]
 
 It writes two safetensors files (in a temporary directory, deleted at the end; with ``--dir`` the
 files are kept there and reused by later runs):
@@ -13,8 +14,8 @@ files are kept there and reused by later runs):
 * a number N in ``--files``: N MiB of 32 MiB F32 tensors, like ``big`` (``64,128,256``: the
   sizes where fixed costs still show), timed ``--kv-repeat`` rounds as the KV file.
 
-Then, page cache warm, it times these variants, interleaved (A B C D A B C D ...), and prints the
-median of the repetitions for each file:
+Then, page cache warm, it times these variants, interleaved (A B C D A B C D ...) after
+``--warmup`` untimed rounds, and prints the median of the repetitions for each file:
 
 * A: ``stream_st.open_stream(path)``, ``async for`` over every array, each dropped at once;
 * B: ``safetensors.numpy.load_file(path)`` (the reference, default mmap backend);
@@ -46,7 +47,8 @@ is already running; the synchronous variants run on the same thread.
 
 Finally a fresh subprocess (``python benchmarks/bench_read.py --rss-child PATH``) streams the big
 file with ``open_stream`` dropping each array, and reports its peak RSS (``VmHWM``) above the
-baseline taken after imports; the target is the largest tensor + 64 MiB.
+baseline taken after imports; the target is the largest tensor + 64 MiB (not with
+``--no-rss``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the reference ``safetensors.torch``; and ``load_file`` against the reference's `
 
 Run it from the repository root (``--size-mb`` sets the model's size; a minute or so at 256)::
 
-    python benchmarks/bench_torch.py [--size-mb 256] [--repeat 5] [--device cuda]
+    python benchmarks/bench_torch.py [--size-mb 256] [--repeat 5] [--skip-http] [--device cuda]
 
 The model is a stack of ``nn.Linear(d, d)`` layers (F32, 16 MiB weights at the default ``d``)
 saved once with the reference writer. Each variant runs in a fresh subprocess, which builds the
@@ -19,14 +19,15 @@ way (what the call imports on its first use imported then), then times only the 
 * ``ref_model``: ``safetensors.torch.load_model(model, path)`` (mmap, then ``load_state_dict``);
 * ``ref_dict``: ``model.load_state_dict(safetensors.torch.load_file(path))``.
 
-Over HTTP (the test server, ``tests/servers/http_server.py``, in this process) ``ours`` and
-``ours_dict`` read the URL and the reference variants first fetch the body with ``urllib`` and call
-``safetensors.torch.load`` on it (the reference cannot read a URL). Every variant leaves every
-parameter page written (a ``load_state_dict`` copy or our receive), and each child returns a
-checksum of all parameters (taken after the timing), compared across variants. Peak RSS is the
-child's ``VmHWM`` above its RSS once the model is built (reset through ``/proc/self/clear_refs``
-where the kernel allows); the target is the largest tensor + 64 MiB. Rounds are interleaved
-(A B C A B C ...); medians and each variant's median ratio to ``ours`` are printed.
+Over HTTP (the test server, ``tests/servers/http_server.py``, in this process; not with
+``--skip-http``) ``ours`` and ``ours_dict`` read the URL and the reference variants first fetch the
+body with ``urllib`` and call ``safetensors.torch.load`` on it (the reference cannot read a URL).
+Every variant leaves every parameter page written (a ``load_state_dict`` copy or our receive), and
+each child returns a checksum of all parameters (taken after the timing), compared across variants.
+Peak RSS is the child's ``VmHWM`` above its RSS once the model is built (reset through
+``/proc/self/clear_refs`` where the kernel allows); the target is the largest tensor + 64 MiB.
+Rounds are interleaved (A B C A B C ...); medians and each variant's median ratio to ``ours`` are
+printed.
 
 Then ``load_file`` alone on the local file, every page of every tensor touched (one byte read
 per page) inside the timing, no model built:
@@ -285,7 +286,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--device", choices=["cuda"], help="only the loads onto a CUDA device")
-    parser.add_argument("--child", nargs=4, metavar=("VARIANT", "SRC", "WARM", "LAYERS"))
+    parser.add_argument(
+        "--child", nargs=4, metavar=("VARIANT", "SRC", "WARM", "LAYERS"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.child:
         child(args.child[0], args.child[1], args.child[2], int(args.child[3]))
