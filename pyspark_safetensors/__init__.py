@@ -460,7 +460,9 @@ class SafetensorsReader(DataSourceReader):
         assert self.record is not None
         separator = self.record["separator"]
         layout = part.layout
-        text = None if layout is None else portal.call(checked_header, part.address, layout)
+        text = None
+        if layout is not None:
+            text = portal.call(checked_header, part.address, layout, part.size)
         if layout is not None and text is not None:  # only now is the layout trusted
             step = self._rows_per_batch_of({c: layout.column_specs(c) for c in self.kinds})
             wanted = range(part.start, part.stop)

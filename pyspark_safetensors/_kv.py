@@ -46,7 +46,7 @@ from stream_st.core.header import (
 )
 from stream_st.core.layout import framed_header
 from stream_st.errors import DtypeError, HeaderError, TruncatedStreamError
-from stream_st.integrations.dataset import read_span
+from stream_st.integrations.dataset import read_header_bytes, read_span
 
 __all__ = [
     "LAYOUT_KEY",
@@ -408,18 +408,17 @@ LaidOut = list[tuple[pa.Array, dict[str, Array]]]
 """Rows in batches: each batch's names, and its values of each column ``[rows, *shape]``."""
 
 
-async def checked_header(address: str, layout: RowLayout) -> Array | None:
+async def checked_header(address: str, layout: RowLayout, size: int) -> Array | None:
     """The header (its N bytes) of the shard at ``address`` if it is the one ``layout``
-    recorded: as long, and of the same digest (with the layout's); else None."""
-    end = LENGTH_PREFIX_SIZE + layout.header
+    recorded: as long, and of the same digest (with the layout's), in a shard of the ``size``
+    bytes its manifest entry gives it (which :meth:`RowLayout.parse` matched), none after;
+    else None (the shard is then read from its parsed header, which says what is wrong)."""
     try:
-        header = await read_span(address, 0, end)
+        length, text, held = await read_header_bytes(address)
     except TruncatedStreamError:
         return None
-    length = int.from_bytes(header[:LENGTH_PREFIX_SIZE].tobytes(), "little")
-    if len(header) != end or length != layout.header:
+    if length != layout.header or held not in (None, size):
         return None
-    text = header[LENGTH_PREFIX_SIZE:]
     if _digest(text.data, layout.columns, layout.specs, layout.blocks) != layout.digest:
         return None
     return text

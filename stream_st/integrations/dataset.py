@@ -58,11 +58,12 @@ from ..errors import (
     HeaderError,
     SourceChangedError,
     SourceNotFoundError,
+    TrailingDataError,
     TruncatedStreamError,
     UsageError,
 )
 from ..reader import _read_tensor
-from ..reader.header import _header_length, _receive_header
+from ..reader.header import _header_length, _named, _receive_header
 from ..reader.stream import tensor_dict
 from ..sharded.reader import ShardIndex, shard_address
 from ..transports import store as _store
@@ -82,6 +83,7 @@ __all__ = [
     "describe_dataset",
     "kv_rows",
     "plan_pieces",
+    "read_header_bytes",
     "read_kv_batches",
     "read_kv_rows",
     "read_piece",
@@ -559,10 +561,18 @@ def _offsets(texts: Any) -> tuple[Array, Array] | None:
     return both[0::2], both[1::2]
 
 
-def _shard_tensors(raw: Array) -> _Tensors:
-    """The tensors of the header ``raw`` (its N bytes): compact as a KV shard's, or any other
-    (:func:`~stream_st.core.header.parse_header`, which refuses a bad one)."""
-    return _compact_tensors(raw) or _header_tensors(parse_header(raw.data))
+def _shard_tensors(raw: Array, address: str) -> _Tensors:
+    """The tensors of the header ``raw`` (its N bytes) of the shard at ``address``: compact as
+    a KV shard's, or any other (:func:`~stream_st.core.header.parse_header`, which refuses a
+    bad one, its error naming the shard)."""
+    compact = _compact_tensors(raw)
+    if compact is not None:
+        return compact
+    try:
+        header = parse_header(raw.data)
+    except HeaderError as exc:
+        raise _named(exc, address) from None
+    return _header_tensors(header)
 
 
 def _rows_of(
@@ -675,21 +685,29 @@ async def read_shard_rows(
     """The rows of the KV-mode shard at ``address`` alone (see :class:`KvRows`): its header read
     as :func:`~stream_st.read_header` reads it (one request remotely), and read a field at a
     time where it is written compactly, as a KV shard's is. ``size``: the bytes the manifest
-    gives the shard, which its header must describe. Refuses what :func:`kv_rows` refuses."""
-    n, raw = await _header_bytes(address)
-    table = _shard_tensors(raw)
+    gives the shard, which its header must describe. Refuses what :func:`kv_rows` refuses, and
+    (:class:`~stream_st.TrailingDataError`) a shard holding bytes after its last tensor."""
+    n, raw, held = await read_header_bytes(address)
+    table = _shard_tensors(raw, address)
     data = int(table.end[-1]) if len(table.end) else 0
-    if size is not None and size != LENGTH_PREFIX_SIZE + n + data:
+    described = LENGTH_PREFIX_SIZE + n + data
+    if size is not None and size != described:
         raise HeaderError(
             f"{address}: the manifest says {size} bytes, the shard's header describes a "
             "different size"
         )
+    if held is not None and held > described:
+        raise TrailingDataError(
+            f"{address}: {held - described} bytes follow the last tensor (the header "
+            f"describes {described} bytes, the source has {held})"
+        )
     return _rows_of([table], (address,), (LENGTH_PREFIX_SIZE + n,), columns, separator)
 
 
-async def _header_bytes(address: str) -> tuple[int, Array]:
-    """The length N of the header of the object at ``address`` and its N bytes, read from its
-    start as :func:`~stream_st.read_header` reads them (one request remotely), not parsed."""
+async def read_header_bytes(address: str) -> tuple[int, Array, int | None]:
+    """The length N of the header of the object at ``address``, its N bytes and the object's
+    size (None where its source does not say), read from its start as
+    :func:`~stream_st.read_header` reads them (one request remotely), not parsed."""
     clock = Clock()
     clock.start()
     source = await open_source(address, clock)
@@ -708,7 +726,7 @@ async def _header_bytes(address: str) -> tuple[int, Array]:
                 expected=LENGTH_PREFIX_SIZE + n,
                 source=source.name,
             )
-        return n, np.frombuffer(raw, np.uint8)
+        return n, np.frombuffer(raw, np.uint8), source.size
     finally:
         await source.aclose()
 

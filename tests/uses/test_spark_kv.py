@@ -13,6 +13,7 @@ sends it back to the parsed header, never to wrong rows.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -293,6 +294,25 @@ def test_a_damaged_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
     shard.write_bytes(bytes(damaged))
     with pytest.raises(stream_st.IntegrityError, match=r"'b__x' .* does not match its xxh3-128"):
         read(tmp_path)
+
+
+def test_a_shard_with_bytes_after_its_data_or_a_damaged_header_is_refused_naming_it(
+    tmp_path: Path,
+) -> None:
+    """Whole rows were read from a shard with bytes appended (as the batch reader, ``raw=true``
+    and ``stream_st.load`` refuse it), and a header that is no JSON was refused naming no
+    shard."""
+    for checksums in ("false", "true"):  # laid out, or read from its header
+        path = tmp_path / checksums
+        write(path, [[batch(["a", "b"])]], checksums=checksums)
+        (shard,) = shards(path)
+        shard.write_bytes(shard.read_bytes() + bytes(8))
+        where = re.escape(str(shard))
+        with pytest.raises(stream_st.TrailingDataError, match=f"^{where}: 8 bytes follow"):
+            read(path)
+    shard.write_bytes(b"\x10" + bytes(7) + b"{not json!!!!!!}")
+    with pytest.raises(stream_st.HeaderError, match=f"^{where}: header is not valid JSON"):
+        read(path)
 
 
 @pytest.mark.parametrize("checksums", ["true", "false"])  # "false": laid out, see below
