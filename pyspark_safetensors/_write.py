@@ -122,18 +122,21 @@ def _shard_size(options: Mapping[str, str]) -> int:
 
 
 def _checksums(options: Mapping[str, str]) -> bool | str:
-    """``checksums``: ``false`` (the default), ``true`` (xxh3-128) or an algorithm's name."""
-    value = str(options.get("checksums", "false"))
-    if value.lower() in ("true", "false"):
-        return value.lower() == "true"
+    """``checksums``: ``false`` (the default), ``true`` (xxh3-128) or an algorithm's name (in
+    any case, as every option value)."""
+    value = str(options.get("checksums", "false")).lower()
+    if value in ("true", "false"):
+        return value == "true"
     return algorithm_named(value).name
 
 
 def _dtypes(text: str | None) -> dict[str, str]:
-    """``"F16"`` (every column) or ``"image:F16,label:I64"`` -> ``{column or "": code}``."""
+    """``"F16"`` (every column) or ``"image:F16,label:I64"`` -> ``{column or "": code}`` (a
+    code in any case, as every option value)."""
     out: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in (text or "").split(","))):
         column, _, code = item.rpartition(":")
+        code = code.strip().upper()
         if code not in SEED_DTYPES:
             raise UsageError(
                 f"option dtype: {code!r} is not a dtype of the dataset layout "

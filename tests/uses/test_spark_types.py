@@ -384,6 +384,16 @@ def test_option_values_are_case_insensitive(spark: Any, tmp_path: Path) -> None:
     assert [r.v for r in back.collect()] == [0, 1, 2, 3, 4, 0]
 
 
+def test_dtype_and_checksums_values_are_case_insensitive(tmp_path: Path) -> None:
+    """As docs/spark.md says every option value is: ``f16`` and ``SHA256`` were refused."""
+    options = {"path": str(tmp_path), "batch_size": "1"}
+    assert WriteOptions.parse({**options, "dtype": "f16"}).dtypes == {"": "F16"}
+    parsed = WriteOptions.parse({**options, "dtype": "x:bf16, n: i32"})
+    assert parsed.dtypes == {"x": "BF16", "n": "I32"}
+    assert WriteOptions.parse({**options, "checksums": "SHA256"}).checksums == "sha256"
+    assert WriteOptions.parse({**options, "checksums": "TRUE"}).checksums is True
+
+
 def test_a_tensor_struct_of_a_dtype_outside_the_layout_is_refused(
     spark: Any, tmp_path: Path
 ) -> None:
