@@ -136,24 +136,18 @@ async def _read_header(
 
 
 async def open_under(source_like: SourceLike, clock: Clock) -> Source:
-    """The first step of every read: start ``clock``, give the loop its turn (many small local
-    files never wait: their turns come from here), open the source of ``source_like``."""
+    """The first step of every read: start ``clock``, open the source of ``source_like``, give
+    the loop its turn (many small local files never wait: their turns come from here); a
+    cancellation there closes the source (a :class:`Source` given too: the read took it)."""
     clock.start()
+    source = await open_source(source_like, clock)  # a Source given: this read's from here
     try:
         await give_turn()
-    except BaseException:  # cancelled: a Source given to be read is closed, as a read closes it
-        await close_untaken(source_like)
-        raise
-    return await open_source(source_like, clock)
-
-
-async def close_untaken(source_like: SourceLike) -> None:
-    """Close ``source_like`` where it is a :class:`Source` that no read has taken yet
-    (:meth:`~stream_st.transports.base.Source.claim`): the read it was given to ended before
-    opening it (cancelled, closed), and nothing else would close it."""
-    if isinstance(source_like, Source) and not source_like._claimed:
+    except BaseException:  # cancelled: closed, as the read would have closed it
         with anyio.CancelScope(shield=True):
-            await source_like.aclose()
+            await source.aclose()
+        raise
+    return source
 
 
 async def start_and_read_header(

@@ -55,7 +55,7 @@ from ..transports.options import Clock
 from ..transports.registry import Source, SourceLike
 from .ahead import READ_AHEAD_FROM, _read_ahead
 from .caps import Caps
-from .header import close_untaken, header_cap, open_under, start_and_read_header
+from .header import header_cap, open_under, start_and_read_header
 from .tensors import _read_tensor, merge_ranges
 from .turns import give_turn, run_in_turns
 
@@ -353,9 +353,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         await self._close_iteration()
         self._recycler = Recycler()  # no later tensor: let memory kept for one go
         source, self._source = self._source, None
-        if source is None:  # never opened: a Source given is closed all the same
-            await close_untaken(self._source_like)
-        else:
+        if source is not None:
             header = self._header
             if header is not None and source.position >= header.file_size:
                 source.message_read()  # every byte taken (a break on the last tensor): done
