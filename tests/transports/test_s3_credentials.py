@@ -433,6 +433,35 @@ async def test_broken_configuration_is_a_one_line_error(
 
 
 @pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "[default]\naws_access_key_id = K\naws_secret_access_key SEKRET\n",
+            "neither a [section] nor name = value at line 3",
+        ),
+        ("aws_secret_access_key = SEKRET\n[default]\n", "line 1 comes before any [section]"),
+        (
+            "[default]\naws_secret_access_key SEKRET\nx\n[default\n",
+            "neither a [section] nor name = value at line 2, 3, 4",
+        ),
+    ],
+)
+def test_an_unreadable_credentials_file_is_named_not_quoted(
+    home: Path, text: str, expected: str
+) -> None:
+    """A malformed AWS file is refused naming it and the line numbers, never the lines' text
+    (configparser's message quoted the line, the secret key in it)."""
+    (home / ".aws").mkdir()
+    (home / ".aws" / "credentials").write_text(text)
+    with pytest.raises(stream_st.CredentialsError) as info:
+        S3Config.resolve()
+    assert str(info.value) == (
+        f"cannot read the AWS file {home / '.aws' / 'credentials'}: {expected}"
+    )
+    assert "SEKRET" not in str(info.value)
+
+
+@pytest.mark.parametrize(
     "given",
     [
         {"access_key_id": 123, "secret_access_key": "s"},

@@ -188,6 +188,16 @@ def _ini(path: Path) -> configparser.ConfigParser:
             parser.read_file(file)
     except FileNotFoundError:
         pass
+    except configparser.MissingSectionHeaderError as exc:
+        # configparser's messages quote the line, which may hold a secret: only its number
+        raise CredentialsError(
+            f"cannot read the AWS file {path}: line {exc.lineno} comes before any [section]"
+        ) from None
+    except configparser.ParsingError as exc:
+        lines = ", ".join(str(lineno) for lineno, _ in exc.errors)
+        raise CredentialsError(
+            f"cannot read the AWS file {path}: neither a [section] nor name = value at line {lines}"
+        ) from None
     except (OSError, UnicodeDecodeError, configparser.Error) as exc:
         raise CredentialsError(f"cannot read the AWS file {path}: {_one_line(exc)}") from None
     return parser
