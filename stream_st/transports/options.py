@@ -48,6 +48,24 @@ HEADER_BREAKS = "\r\n\0"
 """What no request header's value may hold: each would end its line early (a header of the
 value's choosing). Checked where ``headers=`` is given and again on every request's head."""
 
+_FRAMING = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "te",
+        "trailer",
+        "upgrade",
+        "expect",
+        "keep-alive",
+        "proxy-connection",
+    }
+)
+"""The headers (in lower case) that frame a request or its connection: the client writes those
+it needs itself, and one given in ``headers=`` beside them could make the server read another
+body or another request than the one sent."""
+
 __all__ = [
     "NO_LIMITS",
     "NO_TRANSPORT",
@@ -207,7 +225,8 @@ class Transport:
     @classmethod
     def of(cls, headers: object = None, ssl_context: object = None) -> Transport:
         """Check the options: UsageError unless ``headers`` is a mapping of str to str that a
-        request can carry (see :func:`header_problem`; the value never shown), and
+        request can carry (see :func:`header_problem`; the value never shown; none of the
+        headers that frame it, such as Content-Length or Host), and
         ``ssl_context`` an :class:`ssl.SSLContext` (each may be None)."""
         if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
             raise UsageError(
@@ -228,6 +247,11 @@ class Transport:
                 )
             if not name or any(c in name for c in ":\r\n \t") or header_problem(name):
                 raise UsageError(f"header {name!r} has no valid name")
+            if name.lower() in _FRAMING:
+                raise UsageError(
+                    f"header {name!r} frames the request, which the client does itself: "
+                    "it cannot be given"
+                )
             problem = header_problem(value)
             if problem is not None:
                 raise UsageError(f"the value of header {name!r} holds {problem}")

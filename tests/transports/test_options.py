@@ -107,6 +107,7 @@ async def test_call_headers_go_on_top_of_a_given_sources(private: PrivateServer)
         ({"headers": {"bad name": "v"}}, "no valid name"),
         ({"headers": {"X-Note": "a\x01b"}}, "'X-Note' holds a line break or another control"),
         ({"headers": {"X-Note": "snow \u2603"}}, "'X-Note' holds characters beyond Latin-1"),
+        ({"headers": {"content-LENGTH": "16"}}, "'content-LENGTH' frames the request"),
         ({"ssl_context": "/etc/ssl/ca.pem"}, "ssl_context must be an ssl.SSLContext"),
         ({"proxy": "http://p"}, "unknown option"),
     ],
@@ -120,6 +121,34 @@ async def test_bad_options_are_usage_errors(options: dict[str, Any], message: st
     assert "\n" not in str(info.value) and "\u2603" not in str(info.value)
     with pytest.raises(UsageError, match=message):
         stream_st.open_writer("http://127.0.0.1:9/m.safetensors", [], **options)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Host",
+        "Content-Length",
+        "transfer-encoding",
+        "Connection",
+        "TE",
+        "Trailer",
+        "Upgrade",
+        "Expect",
+        "Keep-Alive",
+        "Proxy-Connection",
+    ],
+)
+async def test_a_header_that_frames_the_request_is_refused(
+    private: PrivateServer, name: str
+) -> None:
+    """A header the client frames the request or its connection with is refused as the call
+    is made, naming it: a Content-Length given beside the client's own made a server store the
+    object cut short and answer 201, and the save succeed."""
+    with pytest.raises(UsageError, match=f"header '{name}' frames the request"):
+        await stream_st.save(private.url("/f.safetensors"), ARRAYS, headers={**TOKEN, name: "1"})
+    with pytest.raises(UsageError, match=f"header '{name}' frames the request"):
+        HttpSink(private.url("/f.safetensors"), headers={name: "1"})
+    assert private.seen == [] and "/f.safetensors" not in private.objects
 
 
 def test_a_header_value_may_hold_a_tab_and_latin1_text(private: PrivateServer) -> None:
@@ -180,6 +209,7 @@ def test_cli_ca_bundle(nginx: NginxServer, capsys: pytest.CaptureFixture[str]) -
     [
         (["--header", "no colon here"], "expected 'Name: value'"),
         (["--header", ": value"], "expected 'Name: value'"),
+        (["-H", "Content-Length: 16"], "header 'Content-Length' frames the request"),
         (["--ca-bundle", "/nonexistent/ca.pem"], "cannot use '/nonexistent/ca.pem' as a CA bundle"),
     ],
 )
