@@ -184,9 +184,12 @@ async def test_create_refused_leaves_nothing_and_no_note(
     assert pending(store, key) == [] and stored(store, key) is None
 
 
-async def test_create_never_sent_has_no_note() -> None:
+@pytest.mark.parametrize("arrays", [TWO_PARTS, SMALL], ids=["create", "put"])
+async def test_a_first_request_never_sent_is_a_plain_failure(arrays: Arrays) -> None:
     """A store nothing listens at: CreateMultipartUpload never went out (the connection was
-    refused), so no upload can be pending, where the error's note said one may be."""
+    refused), so no upload can be pending, where the error's note said one may be; nor did a
+    single PutObject, which was an :class:`OutcomeUnknownError` (the object "may or may not have
+    been stored")."""
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
@@ -198,7 +201,8 @@ async def test_create_never_sent_has_no_note() -> None:
     )
     sink = S3Sink(f"s3://{BUCKET}/never", config=config, part_size=MIN_PART_SIZE)
     with pytest.raises(TransportError, match="cannot connect") as info:
-        await write(sink, TWO_PARTS)
+        await write(sink, arrays)
+    assert not isinstance(info.value, OutcomeUnknownError)
     assert not getattr(info.value, "__notes__", None)
 
 

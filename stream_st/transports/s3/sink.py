@@ -398,17 +398,19 @@ class S3Sink(ClientUser, Sink):
         etag: Callable[[], str | None],
     ) -> None:
         """Send ``request``, the one that stores the object (``call()``), and see it through
-        (:meth:`_through`); if it fails without a clear refusal, find out from the store
+        (:meth:`_through`); if it fails without a clear refusal, once sent (a request that never
+        went out, its connection refused, stored nothing), find out from the store
         (:meth:`_settle`) whether it stored the object, whose ETag would be ``etag()``.
 
         A cancellation before it is sent raises here (the upload is then aborted); once sent it
         is the commit point: a cancellation lets it finish (stored, nothing is left to abort),
         then goes on as :func:`~stream_st._util.seen_through` says."""
         await anyio.lowlevel.checkpoint_if_cancelled()
+        sending = self._client.sending
         try:
             await self._through(call)
         except Exception as exc:
-            if _refusal(exc):
+            if _refusal(exc) or self._client.sending == sending:
                 raise
             await self._settle(request, exc, etag())
 
