@@ -548,15 +548,27 @@ def _conversion(
     return target, get_codec("int8")
 
 
-def _decoder(metadata: Mapping[str, str], encoder: Codec | None, dequantize: bool) -> Codec | None:
+def _decoder(
+    metadata: Mapping[str, str], target: str | None, encoder: Codec | None, dequantize: bool
+) -> Codec | None:
     """The codec ``--dequantize`` decodes the source with, as its ``__metadata__`` names it
     (None without ``dequantize``); a :class:`~stream_st.UsageError` where the source is not
-    quantized, or where ``encoder`` would quantize a source quantized already."""
-    decoder = _quantized_by(metadata) if encoder is not None or dequantize else None
-    if encoder is not None and decoder is not None:
+    quantized, where ``encoder`` would quantize a source quantized already, or where ``target``
+    would convert one's tensors without ``dequantize`` (its codec's float scales with the
+    rest: a copy still said to be quantized whose scales the codec refuses)."""
+    converting = target is not None or encoder is not None
+    decoder = _quantized_by(metadata) if converting or dequantize else None
+    if decoder is not None and not dequantize:
+        codec = f"({metadata['compression']} in __metadata__)"
+        if encoder is not None:
+            raise UsageError(
+                f"the source is quantized already {codec}: dequantize it first "
+                "(dequantize=, --dequantize)"
+            )
         raise UsageError(
-            f"the source is quantized already ({metadata['compression']} in __metadata__): "
-            "dequantize it first (dequantize=, --dequantize)"
+            f"dtype= (--dtype): the source is quantized {codec}, and converting it would convert "
+            "its codec's scales: add dequantize= (--dequantize) to rebuild its tensors as that "
+            "dtype"
         )
     if dequantize and decoder is None:
         said = metadata.get("compression")
@@ -594,7 +606,7 @@ async def _copy(
         tensors = tensors_of(headers)
         wanted = [t for t in tensors if included(include, t.name)]
         every = {t.name for t in tensors}
-        decoder = _decoder(metadata, encoder, dequantize)
+        decoder = _decoder(metadata, target, encoder, dequantize)
         if decoder is not None and checkpoint is None:  # a mirror's: checked over every shard
             _decodable(decoder, metadata, wanted, every)
         plan = _Plan(wanted, metadata, target, encoder, decoder, every)
@@ -952,7 +964,7 @@ async def _planned(
         wanted.extend(info for info in headers[shard] if taken is None or info.name in taken)
     weight_map = shards.weight_map
     assert weight_map is not None  # a manifest is mirrored as it is
-    if "compression" in varied and (encoder is not None or dequantize):
+    if "compression" in varied and (target is not None or encoder is not None or dequantize):
         codecs = sorted(
             {h.metadata["compression"] for h in headers.values() if "compression" in h.metadata}
         )
@@ -960,7 +972,7 @@ async def _planned(
             "the shards' __metadata__ name different codecs (compression "
             f"{', '.join(map(repr, codecs))}): convert each shard on its own"
         )
-    decoder = _decoder(common, encoder, dequantize)
+    decoder = _decoder(common, target, encoder, dequantize)
     if decoder is not None:
         _decodable(decoder, common, wanted, weight_map)
     plan = _Plan(wanted, common, target, encoder, decoder, weight_map)

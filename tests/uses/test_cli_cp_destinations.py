@@ -235,6 +235,29 @@ def _metadata(path: Path) -> dict[str, str]:
     return metadata
 
 
+def test_dtype_of_a_quantized_source_is_refused_without_dequantize(tmp_path: Path) -> None:
+    """``cp --dtype bf16`` of a file quantized to int8 converted its F32 ``w.scale`` too, exit
+    0, the copy still said compression INT8, and ``cp --dequantize`` of it failed ('INT8 scale
+    must be float32'). It is refused, naming ``--dequantize``, before anything is written, in
+    one file, a merge and a mirror alike; with ``--dequantize`` it rebuilds the tensors as
+    BF16."""
+    first, second = SHARDS
+    index = _quantized(tmp_path, {"w": first, "w.scale": first, "b": second})
+    quantized = tmp_path / "q.safetensors"
+    out = tmp_path / "out"
+    for source, merge in ((quantized, []), (index, ["--merge"]), (index, [])):
+        refused = run("cp", "-q", "--dtype", "bf16", *merge, str(source), f"{out}/")
+        assert refused.returncode == 2, refused.stderr
+        assert "dtype= (--dtype): the source is quantized (INT8" in refused.stderr
+        assert "add dequantize= (--dequantize)" in refused.stderr
+        assert not out.exists()
+    back = tmp_path / "back.safetensors"
+    done = run("cp", "-q", "--dtype", "bf16", "--dequantize", str(quantized), str(back))
+    assert done.returncode == 0, done.stderr
+    with safe_open(str(back), "pt") as opened:
+        assert str(opened.get_slice("w").get_dtype()) == "BF16"
+
+
 def test_dequantize_refuses_codes_without_their_scale(tmp_path: Path) -> None:
     """``cp --dequantize --include w`` of a file quantized to int8 wrote ``w``'s I8 codes as
     the copy, exit 0, the codec's keys dropped (``dequantized_from: 0 tensors``: nothing said
