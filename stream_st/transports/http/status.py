@@ -19,7 +19,13 @@ import re
 from collections.abc import Mapping
 from typing import Protocol
 
-from ...errors import HTTPNotFoundError, HTTPStatusError, OutcomeUnknownError, TransportError
+from ...errors import (
+    HTTPNotFoundError,
+    HTTPStatusError,
+    OutcomeUnknownError,
+    TransportError,
+    redact,
+)
 
 __all__ = [
     "RETRYABLE",
@@ -112,7 +118,8 @@ async def raise_for_status(response: Answer, *, name: str | None = None) -> None
     elif response.status < 400:
         location = response.headers.get("location")
         moved = None if location else _bucket_elsewhere(response.headers, body)
-        where = moved or f"redirected to {(location or 'nowhere')[:200]}"
+        # Masked before it is cut: a password cut from its '@' would no longer be seen as one.
+        where = moved or f"redirected to {redact(location or 'nowhere')[:200]}"
         detail = f"{where}: {detail}" if detail else where
     kind = HTTPNotFoundError if response.status == 404 else HTTPStatusError
     raise kind(response.status, response.reason, url=name or response.url, detail=detail, body=body)
