@@ -109,9 +109,14 @@ async def write(sink: Any, arrays: Arrays) -> None:
 
 
 async def write_cancelled_at(
-    sink: Any, arrays: Arrays, proxy: LossyProxy, request: tuple[str, str]
+    sink: Any,
+    arrays: Arrays,
+    proxy: LossyProxy,
+    request: tuple[str, str],
+    notes: list[str] | None = None,
 ) -> anyio.CancelScope:
-    """Write, cancelling once the server has seen ``request`` (and the proxy lost its answer)."""
+    """Write, cancelling once the server has seen ``request`` (and the proxy lost its answer);
+    the notes the cancellation carries out of the write are added to ``notes``."""
 
     async def cancel_when_seen(scope: anyio.CancelScope) -> None:
         await anyio.to_thread.run_sync(proxy.wait_for, *request)
@@ -120,7 +125,11 @@ async def write_cancelled_at(
     with anyio.fail_after(60), anyio.CancelScope() as scope:  # fail_after: a hang guard
         async with anyio.create_task_group() as group:
             group.start_soon(cancel_when_seen, scope)
-            await write(sink, arrays)
+            try:
+                await write(sink, arrays)
+            except anyio.get_cancelled_exc_class() as exc:
+                (notes if notes is not None else []).extend(getattr(exc, "__notes__", []))
+                raise
     return scope
 
 
@@ -416,6 +425,35 @@ async def test_cancelled_while_waiting_for_an_answer(
     assert len(abort_all(store, key)) == (at == CREATE)
     if at != COMPLETE:
         assert stored(store, key) is None
+
+
+@pytest.mark.parametrize(
+    ("at", "arrays", "request_name"),
+    [(COMPLETE, TWO_PARTS, "CompleteMultipartUpload"), (PUT, SMALL, "PutObject")],
+    ids=["complete", "put"],
+)
+async def test_cancelled_once_the_final_request_stored_the_object_says_so(
+    store: MotoS3Server,
+    proxy: LossyProxy,
+    key: str,
+    at: tuple[str, str],
+    arrays: Arrays,
+    request_name: str,
+) -> None:
+    """The final request reached the store, which stored the object, and its answer never
+    came: after abort_timeout the cancellation goes on with a note that the object at the key
+    is the one written (the abort found no upload), where it went on bare, the object that was
+    there replaced unsaid."""
+    store.client().put_object(Bucket=BUCKET, Key=key, Body=b"the object that was there")
+    proxy.lose(*at, "stall")
+    notes: list[str] = []
+    scope = await write_cancelled_at(s3_sink(proxy, key), arrays, proxy, at, notes)
+    assert scope.cancelled_caught
+    assert len(notes) == 1, notes
+    assert notes[0].startswith(f"the {request_name} sent before the cancellation was carried out")
+    assert f"the object at s3://{BUCKET}/{key} is the one written" in notes[0]
+    assert stored(store, key) == reference_numpy.save(arrays)
+    assert pending(store, key) == []
 
 
 # ---------------------------------------------------------------- a single PUT

@@ -199,6 +199,8 @@ class S3Sink(ClientUser, Sink):
         self._upload_id: str | None = None
         # Why an upload CreateMultipartUpload may have made has no known id; None if none may
         self._unnamed: str | None = None
+        # The final request, sent and cancelled before its answer came, and the ETag it stores
+        self._unanswered: tuple[str, str | None] | None = None
         self._etags: dict[int, str] = {}  # by part number
         self._checksums: dict[int, str] = {}  # by part number: what the store checked
         self._cut = 0  # parts cut from the message so far
@@ -413,6 +415,10 @@ class S3Sink(ClientUser, Sink):
             if _refusal(exc) or self._client.sending == sending:
                 raise
             await self._settle(request, exc, etag())
+        except BaseException:  # cancelled, its answer waited for abort_timeout at most
+            if self._client.sending != sending:  # sent: the clean-up finds out what it did
+                self._unanswered = (request, etag())
+            raise
 
     async def _through(self, call: Callable[[], Awaitable[object]]) -> None:
         """Await ``call()`` shielded from cancellation, in a task of its own so that a
@@ -516,9 +522,10 @@ class S3Sink(ClientUser, Sink):
 
     async def _clean_up(self) -> str | None:
         """Abort the upload, shielded and within ``abort_timeout``: None once nothing of this
-        write is pending, else what may be."""
+        write is pending, else what may be, or what a final request sent but unanswered did."""
         upload_id, self._upload_id = self._upload_id, None
         unnamed, self._unnamed = self._unnamed, None
+        unanswered, self._unanswered = self._unanswered, None
         self._part, self._held = bytearray(), {}
         problem = None
         if unnamed is not None:
@@ -528,10 +535,25 @@ class S3Sink(ClientUser, Sink):
                 "key, so it was not aborted and may still be pending (list the key's multipart "
                 "uploads to abort it, or let a lifecycle rule do so)"
             )
+        gone = True if upload_id is None else None  # whether no upload is pending (None: unknown)
         with self._bounded() as scope:
             try:
                 if upload_id is not None:
-                    await self._delete(upload_id)
+                    gone = not await self._delete(upload_id)
+                if unanswered is not None and gone:  # no upload left: the request's outcome
+                    request, etag = unanswered
+                    problem = (
+                        f"the {request} sent before the cancellation had no answer within "
+                        f"{self.abort_timeout} s: the object at {self.name} may or may not be "
+                        "the one written"
+                    )
+                    with contextlib.suppress(TransportError):
+                        if etag is not None and await self._stored_etag() == etag:
+                            problem = (
+                                f"the {request} sent before the cancellation was carried out: "
+                                f"the object at {self.name} is the one written (its answer did "
+                                f"not come within {self.abort_timeout} s)"
+                            )
             except SafetensorsError as exc:
                 problem = (
                     f"aborting multipart upload {upload_id} of {self.name} failed ({exc}): it "
@@ -539,7 +561,7 @@ class S3Sink(ClientUser, Sink):
                 )
             finally:
                 await self._close_client()
-        if scope.cancelled_caught and upload_id is not None:
+        if scope.cancelled_caught and gone is None:
             problem = (
                 f"aborting multipart upload {upload_id} of {self.name} took over "
                 f"{self.abort_timeout} s: it may still be pending"
