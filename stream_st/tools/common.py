@@ -4,17 +4,29 @@ sharded index), progress reporting, a model directory's sources.
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import fields, is_dataclass
 from typing import TYPE_CHECKING
 
 from .._api import header_of, stream_for
+from .._util import canonical_decimal
+from ..core.codecs import CODECS
 from ..core.digests import is_record_key
 from ..core.header import _SHORT, Header, TensorInfo, UnknownDtypes
 from ..core.shards import INDEX_SUFFIX, MANIFEST_NAME, is_index
-from ..errors import ArgumentTypeError, SafetensorsError, SourceNotFoundError, UsageError, redact
+from ..core.strict_json import decode_json
+from ..errors import (
+    ArgumentTypeError,
+    CodecError,
+    HeaderError,
+    SafetensorsError,
+    SourceNotFoundError,
+    UsageError,
+    redact,
+)
 from ..reader import Include, TensorStream
 from ..sharded.reader import ShardedStream, shard_headers
 from ..transports.options import Clock, TransportOptions, clock_of
@@ -172,19 +184,86 @@ def shard_metadata(headers: Sequence[Header]) -> dict[str, str]:
     return {labels[key]: value for key, value in values.items()}
 
 
-CONVERSION_COUNTS = frozenset(
-    {"converted_to", "quantized_tensors", "dequantized_from", "kept_tensors"}
-)
+QUANTIZED_KEY = "quantized_tensors"
+"""``__metadata__`` key ``cp`` records the number of quantized tensors under."""
+KEPT_KEY = "kept_tensors"
+"""``__metadata__`` key naming, as a JSON list, the tensors of the codes' dtype (I8) that
+``cp --quantize`` copied as they were: not codes lacking their scale, which a shard of a mirror,
+whose ``quantized_tensors`` counts the whole checkpoint's, cannot tell by its count."""
+CONVERSION_COUNTS = frozenset({"converted_to", QUANTIZED_KEY, "dequantized_from", KEPT_KEY})
 """``__metadata__`` keys ``cp`` records a conversion's counts (and the tensors it kept as they
 were) under: a mirror made before it recorded the whole checkpoint's held each shard's own, as
-do shards converted each on its own, which no merged file can say."""
+do shards converted each on its own, which no merged file can say (but for the quantized ones:
+see :func:`quantization_record`)."""
+
+
+def kept_tensors(metadata: Mapping[str, str]) -> list[str]:
+    """The tensors :data:`KEPT_KEY` says ``cp --quantize`` copied as they were; none in a file
+    quantized before it was recorded, or with no such tensor. A :class:`~stream_st.CodecError`
+    where it is no JSON list of names."""
+    raw = metadata.get(KEPT_KEY)
+    if raw is None:
+        return []
+    try:
+        recorded = decode_json(raw, f"metadata {KEPT_KEY}")
+    except HeaderError as exc:
+        raise CodecError(str(exc)) from None
+    if not isinstance(recorded, list) or not all(isinstance(name, str) for name in recorded):
+        raise CodecError(
+            f"metadata {KEPT_KEY} must be a JSON list of tensor names, got {raw!r:.100}"
+        )
+    return recorded
+
+
+def _paired(header: Header) -> int | None:
+    """How many tensors of ``header`` lie beside every wire tensor (``<name>.scale``) of the
+    codec its ``__metadata__`` names, as ``cp --dequantize`` counts those it rebuilds; None
+    where it names no codec that has any."""
+    codec = CODECS.get(header.metadata.get("compression", "").lower())
+    if codec is None or codec.key == "none":
+        return None
+    names = set(header.names())
+    return sum(all(part in names for part in codec.part_names(name)) for name in names)
+
+
+def quantization_record(headers: Sequence[Header], *, merging: bool) -> dict[str, str]:
+    """The :data:`QUANTIZED_KEY` and :data:`KEPT_KEY` that say what ``headers`` (a checkpoint's
+    shards, quantized by ``cp``) hold together: a mirror's shards each record the whole
+    checkpoint's (one value of each), shards quantized each on its own record each its own,
+    their counts equal only by chance. ``kept_tensors`` names every shard's (the one value, or
+    all the lists' names, left out where one is no list of names); ``quantized_tensors`` is the
+    one value every shard records, unless each of two or more shards counts just its own
+    tensors beside their scales (quantized apart: no mirror's, which counts them all, does):
+    their sum where ``merging`` them into one file, else (a mirror, whose shards may not all be
+    read) left out, as it is where shards record different counts."""
+    record: dict[str, str] = {}
+    kept = {h.metadata[KEPT_KEY] for h in headers if KEPT_KEY in h.metadata}
+    if len(kept) == 1:
+        record[KEPT_KEY] = kept.pop()
+    elif kept:
+        try:
+            names = [name for h in headers for name in kept_tensors(h.metadata)]
+            record[KEPT_KEY] = json.dumps(list(dict.fromkeys(names)), separators=(",", ":"))
+        except CodecError:  # one no list of names: what --dequantize of the merge says
+            pass
+    holding = [h for h in headers if QUANTIZED_KEY in h.metadata]
+    counts = [canonical_decimal(h.metadata[QUANTIZED_KEY]) for h in holding]
+    apart = len(holding) > 1 and all(
+        count is not None and count == _paired(h) for count, h in zip(counts, holding, strict=True)
+    )
+    if apart and merging:
+        record[QUANTIZED_KEY] = str(sum(count or 0 for count in counts))
+    elif not apart and len({h.metadata[QUANTIZED_KEY] for h in holding}) == 1:
+        record[QUANTIZED_KEY] = holding[0].metadata[QUANTIZED_KEY]
+    return record
 
 
 def merged_metadata(headers: Sequence[Header]) -> dict[str, str]:
     """The ``__metadata__`` a file merging ``headers`` (a checkpoint's shards) carries: every
     key but the checksum records (which describe each shard's own tensors), and but the
-    :data:`CONVERSION_COUNTS` whose value differs between shards; any other key whose value
-    differs between shards is a :class:`~stream_st.UsageError`, as one file holds one value."""
+    :data:`CONVERSION_COUNTS` whose value differs between shards, the quantized ones as
+    :func:`quantization_record` merges them; any other key whose value differs between shards
+    is a :class:`~stream_st.UsageError`, as one file holds one value."""
     merged: dict[str, str] = {}
     counts: set[str] = set()
     for shard, header in enumerate(headers):
@@ -200,7 +279,13 @@ def merged_metadata(headers: Sequence[Header]) -> dict[str, str]:
                 f"{_SHORT.repr(merged[key])}, shard {shard}: {_SHORT.repr(value)}): a merged "
                 "file holds one value of each key"
             )
-    return {key: value for key, value in merged.items() if key not in counts}
+    record = quantization_record(headers, merging=True)
+    counts.update({QUANTIZED_KEY, KEPT_KEY})  # the record says which are kept, and as what
+    return {
+        key: record.get(key, value)
+        for key, value in merged.items()
+        if key in record or key not in counts
+    }
 
 
 @contextmanager

@@ -60,14 +60,18 @@ from ..transports.options import Clock, Transport, TransportOptions
 from ..transports.registry import Sink, SinkLike, SourceLike, open_sink, read_object
 from ..writer import TensorWriter
 from .common import (
+    KEPT_KEY,
+    QUANTIZED_KEY,
     Progress,
     checked_progress,
     command_clock,
     expect_totals,
     included,
+    kept_tensors,
     merged_metadata,
     naming,
     opened,
+    quantization_record,
     tensors_of,
     varied_metadata,
 )
@@ -82,18 +86,12 @@ CONVERTIBLE = ("F16", "BF16", "F32", "F64")
 _TARGETS = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
 
 
-_QUANTIZED_KEY = "quantized_tensors"
-"""``__metadata__`` key ``cp`` records the number of quantized tensors under."""
 _DEQUANTIZED_KEY = "dequantized_from"
 """What ``--dequantize`` records in place of the codec's keys it drops."""
 _ORIGINALS_KEY = "original_dtypes"
 """``__metadata__`` key of a file whose quantized tensors were of several dtypes (in place of
 the codec's ``original_dtype``, which every reader applies to all), a JSON object of each one's
 numpy dtype name: what ``--dequantize`` restores."""
-_KEPT_KEY = "kept_tensors"
-"""``__metadata__`` key naming, as a JSON list, the tensors of the codes' dtype (I8) that
-``--quantize`` copied as they were: not codes lacking their scale, which a shard of a mirror,
-whose ``quantized_tensors`` counts the whole checkpoint's, cannot tell by its count."""
 
 
 @dataclass
@@ -203,9 +201,9 @@ class _Plan:
             # The codec's keys no longer describe the file: say what they were, in one key.
             dropped = [
                 *self.decoder.metadata("float32"),
-                _QUANTIZED_KEY,
+                QUANTIZED_KEY,
                 _ORIGINALS_KEY,
-                _KEPT_KEY,
+                KEPT_KEY,
             ]
             described = " ".join(f"{key}={metadata[key]}" for key in dropped if key in metadata)
             said = f"{len(self.rebuilt)} tensors ({described})"
@@ -214,11 +212,11 @@ class _Plan:
             kept = [t.name for t in wanted if t.dtype == _CODES[self.encoder.key]]  # no float
             record = {
                 **self.encoder.metadata(),
-                _QUANTIZED_KEY: str(len(self.changed)),
+                QUANTIZED_KEY: str(len(self.changed)),
                 **_original_dtypes([t for t in wanted if t.name in self.changed]),
-                **({_KEPT_KEY: json.dumps(kept, separators=(",", ":"))} if kept else {}),
+                **({KEPT_KEY: json.dumps(kept, separators=(",", ":"))} if kept else {}),
             }
-            return {*record, "original_dtype", _ORIGINALS_KEY, _KEPT_KEY}, record
+            return {*record, "original_dtype", _ORIGINALS_KEY, KEPT_KEY}, record
         if self.target is not None and self.changed:
             note = ", round to nearest even)" if self.target == "BF16" else ")"
             return {"converted_to"}, {
@@ -372,24 +370,6 @@ def _originals(metadata: Mapping[str, str]) -> dict[str, str]:
     return codes
 
 
-def _kept(metadata: Mapping[str, str]) -> set[str]:
-    """The tensors :data:`_KEPT_KEY` says ``--quantize`` copied as they were; none in a file
-    quantized before it was recorded, or with no such tensor. A :class:`~stream_st.CodecError`
-    where it is no JSON list of names."""
-    raw = metadata.get(_KEPT_KEY)
-    if raw is None:
-        return set()
-    try:
-        recorded = decode_json(raw, f"metadata {_KEPT_KEY}")
-    except HeaderError as exc:
-        raise CodecError(str(exc)) from None
-    if not isinstance(recorded, list) or not all(isinstance(name, str) for name in recorded):
-        raise CodecError(
-            f"metadata {_KEPT_KEY} must be a JSON list of tensor names, got {raw!r:.100}"
-        )
-    return set(recorded)
-
-
 def _decoded_shape(codec: Codec, info: TensorInfo) -> tuple[int, ...]:
     """The shape of the tensor whose first wire tensor is ``info``; :class:`CodecError` where
     INT4 codes are 0-d (they pack the last axis: there is none)."""
@@ -434,7 +414,7 @@ def _decodable(
     """A :class:`~stream_st.CodecError` where ``--dequantize`` would not rebuild what the
     source's ``__metadata__`` says it quantized: no tensor of ``every`` beside all its wire
     tensors; a tensor of ``wanted`` of the codes' dtype without its scale (copied as it was, the
-    codes then plain integers), unless :data:`_KEPT_KEY` names it or ``quantized_tensors``
+    codes then plain integers), unless :data:`KEPT_KEY` names it or ``quantized_tensors``
     counts the tensors rebuilt (it was kept as it was; a mirror's shard counts the whole
     checkpoint's); more tensors rebuilt than that counts; or a wire tensor of two tensors
     (``w.scale`` the scale of ``w`` and the codes of ``w.scale.scale``)."""
@@ -458,13 +438,13 @@ def _decodable(
             f"dequantize= (--dequantize): the {said}, but no tensor has its wire tensors "
             f"({spelled})"
         )
-    recorded = canonical_decimal(metadata.get(_QUANTIZED_KEY, ""))
+    recorded = canonical_decimal(metadata.get(QUANTIZED_KEY, ""))
     if recorded is not None and recorded < rebuilt:
         raise CodecError(
-            f"dequantize= (--dequantize): the {said} and {_QUANTIZED_KEY}={recorded}, but "
+            f"dequantize= (--dequantize): the {said} and {QUANTIZED_KEY}={recorded}, but "
             f"{rebuilt} tensors have their wire tensors"
         )
-    codes, kept = _CODES[decoder.key], _kept(metadata)
+    codes, kept = _CODES[decoder.key], set(kept_tensors(metadata))
     orphans = [
         t.name for t in wanted if t.dtype == codes and t.name not in owner and t.name not in kept
     ]
@@ -940,7 +920,9 @@ async def _planned(
     the conversion (the counts, the original dtypes: see :meth:`_Plan.recorded`) is the whole
     checkpoint's, written into every shard: each shard's own made shards a merge refuses. Of
     the source's keys it describes (``--dequantize``'s), those whose value differs between the
-    shards are left out. ``--dequantize`` refuses a tensor some of whose wire tensors
+    shards are left out, but ``kept_tensors``, every shard's names, and ``quantized_tensors``,
+    left out too where each shard counts its own (:func:`quantization_record`). ``--dequantize``
+    refuses a tensor some of whose wire tensors
     ``include=`` leaves out (:func:`_taken_whole`, over all the index's tensors, those of shards
     not written too), or whose wire tensors lie in different shards: a mirror copies each shard
     on its own, and copied such codes as they were. Returns the plan and the headers by shard,
@@ -956,8 +938,8 @@ async def _planned(
         key: value
         for header in headers.values()
         for key, value in header.metadata.items()
-        if key not in varied
-    }
+        if key not in {*varied, QUANTIZED_KEY, KEPT_KEY}
+    } | quantization_record(list(headers.values()), merging=False)
     wanted: list[TensorInfo] = []
     for shard, _, names in chosen:
         taken = None if names is None else set(names)

@@ -25,6 +25,7 @@ SHARDS: dict[str, dict[str, np.ndarray[Any, Any]]] = {
     "model-00002-of-00002.safetensors": {"b": np.ones((2, 2), np.float32), "c": np.zeros(3)},
 }
 INDEX = "model.safetensors.index.json"
+KEPT = "kept_tensors"
 
 
 @pytest.fixture
@@ -366,6 +367,60 @@ def test_a_shard_of_a_quantized_mirror_is_dequantized_alone(tmp_path: Path) -> N
     shutil.copy(quantized / INDEX, apart / INDEX)
     done = run("cp", "-q", "--merge", str(apart), str(tmp_path / "merged.safetensors"))
     assert done.returncode == 0, done.stderr
+
+
+def test_shards_quantized_apart_merge_into_a_file_dequantize_reads(tmp_path: Path) -> None:
+    """Shards quantized each on its own (``quantized_tensors: 1`` in each, by chance alike, and
+    each its own ``kept_tensors``) merged by ``cp --merge`` into a file saying
+    ``quantized_tensors: 1`` while holding 2 quantized tensors, ``kept_tensors`` dropped:
+    ``cp --dequantize`` of it, ``--dequantize --merge`` of the index and a dequantizing mirror
+    were refused. The merge counts the shards' quantized tensors together and names every
+    shard's kept ones, and each way dequantizes them; a mirror's shards, which record the whole
+    checkpoint's counts, still merge to those counts."""
+    first, second = SHARDS
+    tensors: dict[str, dict[str, np.ndarray[Any, Any]]] = {
+        first: {"a": WEIGHTS, "k": np.arange(4, dtype=np.int8)},
+        second: {"b": 2 * WEIGHTS, "k2": np.ones(2, np.int8)},
+    }
+    src, apart, mirrored = tmp_path / "src", tmp_path / "apart", tmp_path / "mirrored"
+    src.mkdir()
+    apart.mkdir()
+    for shard, part in tensors.items():
+        reference_numpy.save_file(part, str(src / shard))
+        done = run("cp", "-q", "--quantize", "int8", str(src / shard), str(apart / shard))
+        assert done.returncode == 0, done.stderr
+    weight_map = {name: shard for shard, part in tensors.items() for name in part}
+    (src / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    done = run("cp", "-q", "--quantize", "int8", str(src / INDEX), f"{mirrored}/")
+    assert done.returncode == 0, done.stderr
+    shutil.copy(mirrored / INDEX, apart / INDEX)
+    assert _metadata(apart / first)["quantized_tensors"] == "1"
+    assert _metadata(apart / second)["quantized_tensors"] == "1"
+    whole = {name: array for part in tensors.values() for name, array in part.items()}
+    for folder, kept in ((apart, '["k","k2"]'), (mirrored, _metadata(mirrored / first)[KEPT])):
+        merged = tmp_path / f"{folder.name}.safetensors"
+        done = run("cp", "-q", "--merge", str(folder / INDEX), str(merged))
+        assert done.returncode == 0, done.stderr
+        recorded = _metadata(merged)
+        assert (recorded["quantized_tensors"], recorded[KEPT]) == ("2", kept), recorded
+        out = tmp_path / f"{folder.name}-back"
+        out.mkdir()
+        ways = [
+            [str(merged), str(out / "file.safetensors")],
+            ["--merge", str(folder / INDEX), str(out / "merged.safetensors")],
+            [str(folder / INDEX), f"{out / 'mirror'}/"],
+        ]
+        for way in ways:
+            done = run("cp", "-q", "--dequantize", *way)
+            assert done.returncode == 0, done.stderr
+        found = reference_numpy.load_file(str(out / "file.safetensors"))
+        assert found.keys() == reference_numpy.load_file(str(out / "merged.safetensors")).keys()
+        for shard in SHARDS:
+            found.update(reference_numpy.load_file(str(out / "mirror" / shard)))
+        assert sorted(found) == sorted(whole)
+        for name, array in whole.items():
+            assert found[name].dtype == array.dtype
+            np.testing.assert_allclose(found[name], array, atol=6 / 127)
 
 
 def test_a_mirror_of_shards_quantized_with_different_codecs_is_refused_by_name(
