@@ -116,14 +116,8 @@ class Connection(AsyncClosing, SinkLender):
         instead of sending a message makes opening the stream raise
         :class:`~stream_st.TruncatedStreamError` (:meth:`messages` ends there instead).
         """
-        source = self._source(limits, _NextMessage)
-        return TensorStream(
-            source,
-            include=include,
-            max_header_size=max_header_size,
-            max_tensor_bytes=max_tensor_bytes,
-            max_total_bytes=max_total_bytes,
-        )
+        stream_of = _streams(include, max_header_size, max_tensor_bytes, max_total_bytes)
+        return stream_of(self._source(limits, _NextMessage))
 
     def lend_sink(self) -> SocketSink:
         """The socket lent to the next message written, under the connection's limits (a call
@@ -172,21 +166,33 @@ class Connection(AsyncClosing, SinkLender):
         instead of closing it raises :class:`~stream_st.TransportError`, as it does inside a
         message: a message may be lost.
         """
-
-        def stream_of(source: SocketSource) -> TensorStream:
-            return TensorStream(
-                source,
-                include=include,
-                max_header_size=max_header_size,
-                max_tensor_bytes=max_tensor_bytes,
-                max_total_bytes=max_total_bytes,
-            )
-
+        stream_of = _streams(include, max_header_size, max_tensor_bytes, max_total_bytes)
         return _Messages(self, limits, stream_of)
 
     async def aclose(self) -> None:
         self._closed = True
         close_socket(self._sock)
+
+
+def _streams(
+    include: Include,
+    max_header_size: int,
+    max_tensor_bytes: int | None,
+    max_total_bytes: int | None,
+) -> Callable[[SocketSource], TensorStream]:
+    """How a message's stream is made over the socket lent to it, with these caps (see
+    :meth:`Connection.open_stream`)."""
+
+    def stream_of(source: SocketSource) -> TensorStream:
+        return TensorStream(
+            source,
+            include=include,
+            max_header_size=max_header_size,
+            max_tensor_bytes=max_tensor_bytes,
+            max_total_bytes=max_total_bytes,
+        )
+
+    return stream_of
 
 
 class _NextMessage(SocketSource):
