@@ -42,7 +42,7 @@ from ..errors import (
     redact,
 )
 from ..sharded.reader import ShardedStream
-from ..tools.common import naming, plural
+from ..tools.common import command_clock, headers_of, naming, plural
 from ..tools.cp import address_in, local_path, make_directory
 from ..tools.model_checks import ModelConfig
 from ..tools.validate import expected_shapes
@@ -56,6 +56,7 @@ from .output import (
     STDIO,
     OutputError,
     brief,
+    digests_line,
     failed,
     human,
     print_bytes,
@@ -64,9 +65,9 @@ from .output import (
     progress_reporter,
     show_values,
     shown,
-    split_digests,
     status_line,
     surrogates_as_bytes,
+    without_digests,
 )
 
 
@@ -153,7 +154,8 @@ async def _each(args: argparse.Namespace, run: Callable[[str], Awaitable[int]]) 
 
 async def run_inspect(args: argparse.Namespace) -> int:
     async def one(source: str) -> int:
-        result = await tools.inspect(source, **options_of(args))
+        options = options_of(args)
+        result = await tools.inspect(source, **options)
         if args.json:
             print_json(result.to_json())
             return EXIT_OK
@@ -164,9 +166,14 @@ async def run_inspect(args: argparse.Namespace) -> int:
             f"{result.parameter_count:,} parameters, {human(result.data_bytes)} of data, "
             f"header {human(result.header_bytes)}"
         )
-        metadata, digests = split_digests(result.metadata, [t["name"] for t in result.tensors])
-        if digests is not None:
-            print(f"  checksummed: {digests}")
+        metadata = without_digests(result.metadata)
+        if len(metadata) < len(result.metadata):  # each shard's digests judged on its own
+            if result.shards == 1:
+                records = [(result.metadata, [t["name"] for t in result.tensors])]
+            else:  # its headers again: the merged metadata labels what differs between shards
+                headers = await headers_of(source, command_clock(options), unknown_dtypes="keep")
+                records = [(header.metadata, header.names()) for header in headers]
+            print(f"  checksummed: {digests_line(records)}")
         if metadata:
             print("  metadata:")
             for key, value in metadata.items():

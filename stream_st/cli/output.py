@@ -444,28 +444,43 @@ def brief(value: str, limit: int = 200) -> str:
     return f"{value[:limit]!r}... ({len(value):,} characters)"
 
 
-def split_digests(
-    metadata: Mapping[str, str], names: Collection[str]
-) -> tuple[dict[str, str], str | None]:
-    """The metadata without the keys of a checksummed file's digests, and what they say in one
-    line (the algorithm, how many tensors have one, and whether a read can check them: not for
-    an unknown algorithm or a record whose digests are not one for each of ``names``, the
-    tensors); None when there are none."""
-    rest = {
+def without_digests(metadata: Mapping[str, str]) -> dict[str, str]:
+    """``metadata`` (a checkpoint's, merged from its shards') without the keys of its digests:
+    those of a shard, and those labelled ``key (shard N)`` where shards differ in them."""
+    return {
         k: v
         for k, v in metadata.items()
-        if k != ALGORITHM_KEY and not k.startswith(DIGEST_KEY_PREFIX)
+        if not k.startswith((DIGEST_KEY_PREFIX, ALGORITHM_KEY + " (shard ")) and k != ALGORITHM_KEY
     }
-    if len(rest) == len(metadata):
-        return rest, None
-    digested = {k[len(DIGEST_KEY_PREFIX) :] for k in metadata if k.startswith(DIGEST_KEY_PREFIX)}
-    algorithm = metadata.get(ALGORITHM_KEY)
-    line = f"{algorithm or 'no algorithm named'} digests of {plural(len(digested), 'tensor')}"
-    if algorithm not in ALGORITHMS:
-        return rest, f"{line}, which no read can check (read with verify=False)"
-    if digested != set(names):
-        return rest, f"{line} of {len(set(names))}: a damaged record, reads refuse it"
-    return rest, f"{line}, one each (checked as read)"
+
+
+def digests_line(shards: Sequence[tuple[Mapping[str, str], Collection[str]]]) -> str | None:
+    """What the digests of ``shards`` (each a shard header's own metadata and its tensors'
+    names) say in one line: the algorithms, how many tensors have one, and whether a read can
+    check them (not for an unknown algorithm, nor for a shard whose digests are not one for each
+    of its tensors); None when there are none. Each shard's record is judged on its own."""
+    algorithms: dict[str, None] = {}  # in shard order, each once
+    digested = tensors = recorded = 0
+    damaged = unchecked = False
+    for metadata, names in shards:
+        keys = {k[len(DIGEST_KEY_PREFIX) :] for k in metadata if k.startswith(DIGEST_KEY_PREFIX)}
+        algorithm = metadata.get(ALGORITHM_KEY)
+        if not keys and algorithm is None:
+            continue
+        algorithms[algorithm or "no algorithm named"] = None
+        digested, tensors, recorded = digested + len(keys), tensors + len(set(names)), recorded + 1
+        unchecked |= algorithm not in ALGORITHMS
+        damaged |= keys != set(names)
+    if not recorded:
+        return None
+    line = f"{' and '.join(algorithms)} digests of {plural(digested, 'tensor')}"
+    if recorded < len(shards):
+        line += f" in {recorded} of {len(shards)} shards"
+    if unchecked:
+        return f"{line}, which no read can check (read with verify=False)"
+    if damaged:
+        return f"{line} of {tensors}: a damaged record, reads refuse it"
+    return f"{line}, one each (checked as read)"
 
 
 def failed(source: str, exc: SafetensorsError) -> None:

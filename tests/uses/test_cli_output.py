@@ -45,6 +45,38 @@ def test_inspect_folds_the_digests_into_one_line(tmp_path: Path) -> None:
     assert sum(k.startswith("stream_st.digest:") for k in found["metadata"]) == 4
 
 
+def test_inspect_judges_each_shards_digests_on_its_own(tmp_path: Path) -> None:
+    """A sharded source's merged metadata labels a digest (or algorithm) differing between
+    shards ``key (shard N)``: a sound checksummed dataset showed as a damaged record, and shards
+    of two algorithms as digests no read can check, the algorithm keys listed as metadata. Each
+    shard's record is judged on its own, the algorithms and counts summed."""
+
+    async def dataset() -> None:
+        path = tmp_path / "d"
+        async with stream_st.open_dataset_writer(path, target_shard_size=1, checksums=True) as w:
+            for shard in range(2):
+                await w.write_batch({"x": np.full(4, shard, np.float32)}, samples=4)
+
+    async def mixed() -> None:
+        await stream_st.save(tmp_path / "m" / "m-1.safetensors", {"a": np.ones(4)}, checksums=True)
+        await stream_st.save(
+            tmp_path / "m" / "m-2.safetensors", {"b": np.ones(4)}, checksums="sha256"
+        )
+
+    anyio.run(dataset)
+    (tmp_path / "m").mkdir()
+    anyio.run(mixed)
+    index = {"weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors"}}
+    (tmp_path / "m" / "m.safetensors.index.json").write_text(json.dumps(index))
+    for source, said in [
+        (tmp_path / "d" / "dataset_manifest.json", "xxh3-128 digests of 2 tensors"),
+        (tmp_path / "m", "xxh3-128 and sha256 digests of 2 tensors"),
+    ]:
+        text = run("inspect", str(source)).stdout
+        assert f"checksummed: {said}, one each (checked as read)" in text, text
+        assert "stream_st." not in text, text
+
+
 def test_validate_reports_every_tensor_failing_its_digest(tmp_path: Path) -> None:
     copy = _checksummed(tmp_path)
     header = anyio.run(stream_st.read_header, copy)
