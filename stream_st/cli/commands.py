@@ -19,8 +19,8 @@ import re
 import stat
 import sys
 import unicodedata
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from contextlib import aclosing, contextmanager, suppress
 from dataclasses import asdict
 from types import EllipsisType
 from typing import Any
@@ -29,6 +29,7 @@ import anyio
 
 from .. import tools
 from .._api import open_stream
+from ..core.header import TensorInfo
 from ..core.shards import INDEX_SUFFIX, is_index, split_address
 from ..core.stats import LoadStats, last_stats
 from ..core.strict_json import decode_json
@@ -41,7 +42,6 @@ from ..errors import (
     UsageError,
     redact,
 )
-from ..sharded.reader import ShardedStream
 from ..tools.common import command_clock, headers_of, naming, plural
 from ..tools.cp import address_in, local_path, make_directory
 from ..tools.model_checks import ModelConfig
@@ -230,19 +230,26 @@ async def run_show(args: argparse.Namespace) -> int:
     # mapped where the source is a local file: a big tensor is not copied into new memory to
     # show a slice of it, or the edges a summary shows
     stream = open_stream(source, include=[args.name], copy=False, **options_of(args))
-    try:
+
+    async def arrivals() -> AsyncGenerator[tuple[TensorInfo, Any]]:
+        """The tensor as each shard delivers it (a dataset's: one a shard, each of its own
+        shape), with its info from that shard's header, one held at a time."""
         with naming(source):  # the source's own errors only, not the options' nor --slice's
             async with stream:
-                arrays = [array async for _, array in stream]  # the one tensor
+                async for _, array in stream:
+                    yield stream.header[args.name], array
+                    del array
+
+    try:
+        async with aclosing(arrivals()) as arrived:
+            async for info, array in arrived:
+                show_values(args, info, array)
+                del array
     except TensorNotFoundError:
         raise UsageError(
             f"{args.source} has no tensor {surrogates_as_bytes(repr(args.name))} "
             f"(stream-st ls {args.source} lists them)"
         ) from None
-    headers = stream.headers.values() if isinstance(stream, ShardedStream) else [stream.header]
-    infos = [header[args.name] for header in headers if args.name in header]  # a dataset's:
-    for info, array in zip(infos, arrays, strict=True):  # one a shard, each of its own shape
-        show_values(args, info, array)
     return EXIT_OK
 
 

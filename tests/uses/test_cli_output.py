@@ -378,3 +378,39 @@ def test_validate_s_findings_and_an_error_s_source_show_names_as_shown(
     assert f" from {tmp_path}/d\\\\x/short.safetensors while" in result.stderr, result.stderr
     failed("d\\x/m.safetensors", stream_st.HeaderError("bad\nheader"))  # it does not
     assert capsys.readouterr().err == "stream-st: error: d\\\\x/m.safetensors: bad\\nheader\n"
+
+
+def test_show_of_a_dataset_holds_one_shards_tensor_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``show NAME`` of a dataset (NAME in every shard) collected every shard's copy before
+    printing any: memory grew with the shard count. Each is shown as it arrives, the one
+    before let go by then."""
+    import gc
+    import weakref
+
+    import stream_st.cli.commands as commands
+    import stream_st.cli.output as output
+
+    async def dataset() -> None:
+        path = tmp_path / "d"
+        async with stream_st.open_dataset_writer(path, target_shard_size=1) as writer:
+            for shard in range(4):
+                await writer.write_batch({"x": np.full(4, shard, np.float32)}, samples=4)
+
+    anyio.run(dataset)
+    shown: list[weakref.ref[Any]] = []
+    held: list[int] = []
+    show_values = output.show_values
+
+    def counting(args: Any, info: Any, array: Any) -> None:
+        gc.collect()
+        held.append(sum(ref() is not None for ref in shown))  # earlier shards' still alive
+        shown.append(weakref.ref(array))
+        show_values(args, info, array)
+
+    monkeypatch.setattr(commands, "show_values", counting)
+    assert main(["show", str(tmp_path / "d" / "dataset_manifest.json"), "x"]) == 0
+    assert held == [0, 0, 0, 0], held
+    printed = capsys.readouterr().out
+    assert printed.count("x: float32 [4]") == 4, printed
