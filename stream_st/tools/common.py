@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Collection,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import fields, is_dataclass
 from typing import TYPE_CHECKING
 
 from .._api import header_of, stream_for
 from .._util import canonical_decimal
-from ..core.codecs import CODECS
+from ..core.codecs import CODECS, Codec
 from ..core.digests import is_record_key
 from ..core.header import _SHORT, Header, TensorInfo, UnknownDtypes
 from ..core.shards import INDEX_SUFFIX, MANIFEST_NAME, is_index
@@ -215,15 +223,23 @@ def kept_tensors(metadata: Mapping[str, str]) -> list[str]:
     return recorded
 
 
+def with_wire_tensors(codec: Codec, names: Collection[str]) -> Iterator[tuple[str, list[str]]]:
+    """Each of ``names`` (sorted) that lies beside every wire tensor of ``codec``
+    (``<name>.scale``...), with those wire tensors' names: what ``cp --dequantize`` rebuilds."""
+    for name in sorted(names):
+        wire = codec.part_names(name)
+        if all(part in names for part in wire):
+            yield name, wire
+
+
 def _paired(header: Header) -> int | None:
-    """How many tensors of ``header`` lie beside every wire tensor (``<name>.scale``) of the
-    codec its ``__metadata__`` names, as ``cp --dequantize`` counts those it rebuilds; None
-    where it names no codec that has any."""
+    """How many tensors of ``header`` lie beside every wire tensor of the codec its
+    ``__metadata__`` names (:func:`with_wire_tensors`), as ``cp --dequantize`` counts those it
+    rebuilds; None where it names no codec that has any."""
     codec = CODECS.get(header.metadata.get("compression", "").lower())
     if codec is None or codec.key == "none":
         return None
-    names = set(header.names())
-    return sum(all(part in names for part in codec.part_names(name)) for name in names)
+    return sum(1 for _ in with_wire_tensors(codec, set(header.names())))
 
 
 def quantization_record(headers: Sequence[Header], *, merging: bool) -> dict[str, str]:

@@ -74,6 +74,7 @@ from .common import (
     quantization_record,
     tensors_of,
     varied_metadata,
+    with_wire_tensors,
 )
 
 __all__ = ["CONVERTIBLE", "Copy", "address_in", "cp", "local_path", "make_directory", "mirror"]
@@ -420,10 +421,7 @@ def _decodable(
     (``w.scale`` the scale of ``w`` and the codes of ``w.scale.scale``)."""
     said = f"__metadata__ says compression={metadata.get('compression')}"
     owner: dict[str, str] = {}
-    for name in sorted(every):
-        wire = decoder.part_names(name)
-        if not all(part in every for part in wire):
-            continue
+    for name, wire in with_wire_tensors(decoder, every):
         for part in wire:
             if part in owner:
                 raise CodecError(
