@@ -44,6 +44,7 @@ from ..errors import (
 )
 from ..tools.common import command_clock, headers_of, naming, plural
 from ..tools.cp import address_in, local_path, make_directory
+from ..tools.inspect import described
 from ..tools.model_checks import ModelConfig
 from ..tools.validate import expected_shapes
 from ..transports.file.sink import PipeSink
@@ -154,8 +155,9 @@ async def _each(args: argparse.Namespace, run: Callable[[str], Awaitable[int]]) 
 
 async def run_inspect(args: argparse.Namespace) -> int:
     async def one(source: str) -> int:
-        options = options_of(args)
-        result = await tools.inspect(source, **options)
+        clock = command_clock(options_of(args))
+        headers = await headers_of(source, clock, unknown_dtypes="keep")
+        result = described(source, headers)
         if args.json:
             print_json(result.to_json())
             return EXIT_OK
@@ -167,12 +169,9 @@ async def run_inspect(args: argparse.Namespace) -> int:
             f"header {human(result.header_bytes)}"
         )
         metadata = without_digests(result.metadata)
-        if len(metadata) < len(result.metadata):  # each shard's digests judged on its own
-            if result.shards == 1:
-                records = [(result.metadata, [t["name"] for t in result.tensors])]
-            else:  # its headers again: the merged metadata labels what differs between shards
-                headers = await headers_of(source, command_clock(options), unknown_dtypes="keep")
-                records = [(header.metadata, header.names()) for header in headers]
+        if len(metadata) < len(result.metadata):  # each shard's digests judged on its own:
+            # the merged metadata labels what differs between shards
+            records = [(header.metadata, header.names()) for header in headers]
             print(f"  checksummed: {digests_line(records)}")
         if metadata:
             print("  metadata:")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Unpack
 
+from ..core.header import Header
 from ..errors import redact
 from ..transports.options import TransportOptions
 from ..transports.registry import SourceLike
@@ -37,6 +39,12 @@ class Inspection:
 async def inspect(source: SourceLike, **options: Unpack[TransportOptions]) -> Inspection:
     """Read only the header (ranged requests on remote sources) and describe it."""
     headers = await headers_of(source, command_clock(options), unknown_dtypes="keep")
+    return described(source, headers)
+
+
+def described(source: SourceLike, headers: Sequence[Header]) -> Inspection:
+    """The :class:`Inspection` of ``source``, whose shards' ``headers`` (one for a file) were
+    read already."""
     tensors = tensors_of(headers)
     return Inspection(
         source=redact(str(source)),
