@@ -486,7 +486,7 @@ def test_unexpected_exception_is_an_internal_error_with_exit_status_3(
     async def broken(*args: Any, **kwargs: Any) -> None:
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(tools, "inspect", broken)
+    monkeypatch.setattr(commands, "headers_of", broken)
     assert main(["inspect", str(model)]) == 3
     stderr = capsys.readouterr().err
     assert "Traceback" in stderr and "ZeroDivisionError: a bug" in stderr

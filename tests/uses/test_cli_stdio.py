@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 import safetensors.numpy as reference_numpy
 
-from stream_st import tools
-from stream_st.cli import main
+from stream_st.cli import commands, main
 
 from ._cli import COMMAND, write_model
 
@@ -95,7 +94,7 @@ def test_an_internal_error_with_standard_error_unwritable_exits_3(
     async def broken(*args: Any, **kwargs: Any) -> None:
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(tools, "inspect", broken)
+    monkeypatch.setattr(commands, "headers_of", broken)
     monkeypatch.setattr(sys, "stderr", Full())
     assert main(["inspect", str(write_model(tmp_path / "a.safetensors"))]) == 3
 
