@@ -60,11 +60,14 @@ _FRAMING = frozenset(
         "expect",
         "keep-alive",
         "proxy-connection",
+        "range",
+        "if-range",
     }
 )
-"""The headers (in lower case) that frame a request or its connection: the client writes those
-it needs itself, and one given in ``headers=`` beside them could make the server read another
-body or another request than the one sent."""
+"""The headers (in lower case) that frame a request, its connection or the bytes it asks for:
+the client writes those it needs itself, and one given in ``headers=`` beside them could make
+the server read another body or another request than the one sent, or answer with other bytes
+than the ones asked for (a second ``Range``, an ``If-Range`` turning a ranged answer whole)."""
 
 __all__ = [
     "NO_LIMITS",

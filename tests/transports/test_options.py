@@ -136,6 +136,8 @@ async def test_bad_options_are_usage_errors(options: dict[str, Any], message: st
         "Expect",
         "Keep-Alive",
         "Proxy-Connection",
+        "rAnGe",
+        "If-Range",
     ],
 )
 async def test_a_header_that_frames_the_request_is_refused(
@@ -143,7 +145,8 @@ async def test_a_header_that_frames_the_request_is_refused(
 ) -> None:
     """A header the client frames the request or its connection with is refused as the call
     is made, naming it: a Content-Length given beside the client's own made a server store the
-    object cut short and answer 201, and the save succeed."""
+    object cut short and answer 201, and the save succeed; a Range went out beside the
+    client's own, asking a server that honours the first for other bytes."""
     with pytest.raises(UsageError, match=f"header '{name}' frames the request"):
         await stream_st.save(private.url("/f.safetensors"), ARRAYS, headers={**TOKEN, name: "1"})
     with pytest.raises(UsageError, match=f"header '{name}' frames the request"):
@@ -210,6 +213,7 @@ def test_cli_ca_bundle(nginx: NginxServer, capsys: pytest.CaptureFixture[str]) -
         (["--header", "no colon here"], "expected 'Name: value'"),
         (["--header", ": value"], "expected 'Name: value'"),
         (["-H", "Content-Length: 16"], "header 'Content-Length' frames the request"),
+        (["-H", "Range: bytes=0-9"], "header 'Range' frames the request"),
         (["--ca-bundle", "/nonexistent/ca.pem"], "cannot use '/nonexistent/ca.pem' as a CA bundle"),
     ],
 )
