@@ -26,6 +26,7 @@ __all__ = [
     "NoSuchFileError",
     "SafetensorError",
     "SliceError",
+    "SliceOverflowError",
     "SliceTypeError",
     "SliceValueError",
     "TorchDtypeError",
@@ -81,6 +82,12 @@ class UnencodableTextError(HeaderError, UnicodeEncodeError):
 class SliceError(SafetensorsError, IndexError):
     """An index of ``get_slice(name)[...]`` outside the tensor, or more indexes than it has
     dimensions."""
+
+
+class SliceOverflowError(SliceError, OverflowError):
+    """A numpy slice bound of ``get_slice(name)[...]`` before the first row (``[-10:2]`` of 7
+    rows): the reference's ``OverflowError`` (it takes every bound as unsigned), and the
+    ``IndexError`` any other index outside the tensor is."""
 
 
 class SliceTypeError(SafetensorsError, TypeError):

@@ -11,7 +11,8 @@ steps go backwards (as in Python; a bound outside the dimension is refused eithe
 whose start passes its stop selects nothing, and a dimension of size 0 can be sliced whole
 (``[:]``, ``[0:0]``). An index outside the tensor raises
 :class:`~stream_st.compat.SliceError` (a ``SafetensorError`` and an ``IndexError``) with the
-reference's message.
+reference's message; a slice bound before the first row an ``OverflowError`` too, as the
+reference's.
 
 torch (:func:`torch_rows`, :func:`pick`): the key is whatever torch takes, and torch itself
 applies it to the rows read, so it means what it means to a tensor: ``True`` and ``False`` add a
@@ -33,7 +34,7 @@ from typing import Any, SupportsIndex, cast
 from ..core.arrays import load_torch
 from ..core.header import TensorInfo
 from ..errors import UsageError
-from ._errors import SliceError, SliceTypeError, SliceValueError
+from ._errors import SliceError, SliceOverflowError, SliceTypeError, SliceValueError
 
 __all__ = [
     "LAST_WHOLE",
@@ -196,12 +197,14 @@ def _position(index: int, dim: int, size: int, failed: Callable[[str], SliceErro
 
 
 def _resolved(bound: int | None, size: int, dim: int, default: int) -> int:
-    """A slice bound as a position from the start of the dimension."""
+    """A slice bound as a position from the start of the dimension; :class:`SliceOverflowError`
+    (an ``OverflowError``, as the reference's for any negative bound) for one before the first
+    row."""
     if bound is None:
         return default
     if bound < 0:
         if bound + size < 0:
-            raise SliceError(f"Invalid index {bound} for dimension {dim} of size {size}")
+            raise SliceOverflowError(f"Invalid index {bound} for dimension {dim} of size {size}")
         return bound + size
     return bound
 

@@ -699,6 +699,32 @@ def test_bounds_outside_a_dimension_are_refused_whichever_the_step(tmp_path: Pat
             )
 
 
+def test_a_numpy_slice_bound_before_the_first_row_is_an_overflow_error(tmp_path: Path) -> None:
+    """The reference raises OverflowError for a negative numpy slice bound; one before the first
+    row was a SliceError here, an IndexError that ``except OverflowError`` missed. It is both
+    (and a SafetensorsError); torch's slices are clipped, as the reference's."""
+    path = small(tmp_path)
+    keys: list[Any] = [
+        slice(-11, 2),
+        slice(None, -100),
+        slice(2, -11),
+        (slice(None), slice(-6, None)),
+        slice(-100, None, -1),
+    ]
+    with compat.safe_open(path, "np") as ours, safetensors.safe_open(path, "np") as ref:
+        for key in keys:
+            with pytest.raises(OverflowError):
+                ref.get_slice("a")[key]
+            with pytest.raises(OverflowError, match="Invalid index") as caught:
+                ours.get_slice("a")[key]
+            assert isinstance(caught.value, IndexError) and isinstance(
+                caught.value, SafetensorsError
+            ), key
+    with compat.safe_open(path, "pt") as ours, safetensors.safe_open(path, "pt") as ref:
+        for key in keys[:4]:
+            assert torch.equal(ours.get_slice("a")[key], ref.get_slice("a")[key]), key
+
+
 def test_open_file_objects_as_the_reference(tmp_path: Path) -> None:
     fsspec = pytest.importorskip("fsspec")
     path = small(tmp_path)
