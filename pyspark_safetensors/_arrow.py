@@ -187,7 +187,7 @@ def truncate_to_f16(values: Array) -> Array:
     smallest normal become a signed zero, anything from 2**16 up a signed infinity (between
     F16's largest finite value, 65504, and 2**16: cut down to 65504), a NaN the quiet NaN
     ``0x7e00`` (with the sign)."""
-    bits = np.asarray(values).astype(np.float64).astype(np.float32).view(np.uint32)
+    bits = _float32_bits(values)
     sign = ((bits >> 31) << 15).astype(np.uint32)
     exponent = ((bits >> 23) & 0xFF).astype(np.int64)
     mantissa = bits & 0x7FFFFF
@@ -204,8 +204,14 @@ def truncate_to_f16(values: Array) -> Array:
 def truncate_to_bf16(values: Array) -> Array:
     """BF16 bit patterns (uint16) of ``values`` as the Scala connector makes them: each value
     taken as a double, rounded to float32, and the top 16 bits of that float kept."""
-    bits = np.asarray(values).astype(np.float64).astype(np.float32).view(np.uint32)
-    return (bits >> 16).astype(np.uint16)
+    return (_float32_bits(values) >> 16).astype(np.uint16)
+
+
+def _float32_bits(values: Array) -> Array:
+    """The float32 bits (uint32) of ``values`` taken as doubles, rounded to float32: one beyond
+    its range becomes a signed infinity, as documented, without numpy's overflow warning."""
+    with np.errstate(over="ignore"):
+        return np.asarray(values).astype(np.float64).astype(np.float32).view(np.uint32)
 
 
 CAST_HINT = "option dtype"
@@ -240,7 +246,8 @@ def converted(array: Array, target: np.dtype[Any], name: str, what: str, hint: s
         return array.astype(target)
     if target.kind in "iu" and array.size:
         _in_range(array, target, name, what, hint)
-    out = array.astype(target)
+    with np.errstate(over="ignore"):  # a float's infinity is the result; an integer's refused
+        out = array.astype(target)
     _finite(array, out, name, what, hint)
     return out
 

@@ -198,6 +198,7 @@ def test_a_cast_to_an_integer_dtype_refuses_a_value_it_cannot_hold(
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.filterwarnings("error")  # refused, not warned of
 @pytest.mark.parametrize("rounding", ["nearest", "truncate"])
 def test_an_integer_f16_cannot_hold_is_refused_whichever_the_rounding(
     tmp_path: Path, rounding: str
@@ -216,6 +217,26 @@ def test_an_integer_f16_cannot_hold_is_refused_whichever_the_rounding(
         writer.write(iter([rows]))
     writer.abort([])
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("rounding", ["nearest", "truncate"])
+@pytest.mark.parametrize("code", ["F32", "F16", "BF16"])
+def test_a_float_beyond_the_dtype_becomes_its_infinity_without_a_warning(
+    tmp_path: Path, code: str, rounding: str
+) -> None:
+    """The infinity is the documented result, where numpy's 'overflow encountered in cast'
+    RuntimeWarning reached the user."""
+    schema = StructType([StructField("x", DoubleType())])
+    options = {"path": str(tmp_path), "batch_size": "3", "dtype": code, "f16_rounding": rounding}
+    writer = SafetensorsWriter(WriteOptions.parse(options, schema), overwrite=True)
+    writer.commit([writer.write(iter([pa.record_batch({"x": pa.array([1.0, 1e300, -1e300])})]))])
+    shard = manifest(tmp_path)["shards"][0]["shard_path"]
+    assert load_file(str(tmp_path / shard))["x"].astype(np.float64).tolist() == [
+        1.0,
+        math.inf,
+        -math.inf,
+    ]
 
 
 def test_an_empty_frame_writes_one_empty_shard(spark: Any, tmp_path: Path) -> None:
@@ -309,7 +330,8 @@ def test_f16_rounding_truncate_is_the_connectors(spark: Any, tmp_path: Path, cod
     assert truncated["big"].tolist() == [reference(float(big))]  # a long goes through a double
     assert truncated["small"].tolist() == [reference(7.0)]
     nearest_type = np.float16 if code == "F16" else ml_dtypes.bfloat16
-    nearest = np.asarray(F16_VALUES).astype(nearest_type).view(np.uint16)
+    with np.errstate(over="ignore"):  # 65520 and 1e6 become F16's infinity
+        nearest = np.asarray(F16_VALUES).astype(nearest_type).view(np.uint16)
     assert arrays["nearest"]["x"][0].tolist() == nearest.tolist()  # numpy's rounding
     assert arrays["nearest"]["x"][0].tolist() != truncated["x"][0].tolist()
 
