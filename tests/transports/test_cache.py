@@ -616,6 +616,31 @@ async def test_hub_damaged_blob_and_offline(
         await read("hf://org/model/other.safetensors", cache=True)
 
 
+async def test_a_snapshot_link_re_pointed_elsewhere_reads_the_blob(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot link re-pointed at a file outside the cache that bears the blob's name: the
+    blob was checked, then the link (the outside file) was read, with no request at a pinned
+    commit. The checked blob is what is read, pinned, offline and stale alike."""
+    commit = hub.push("org/model", {"model.safetensors": DATA})
+    await read("hf://org/model/model.safetensors", cache=True)
+    pointer = tmp_path / "hub-cache" / "models--org--model" / "snapshots" / commit
+    pointer = pointer / "model.safetensors"
+    outside = tmp_path / "elsewhere" / Path(os.readlink(pointer)).name
+    outside.parent.mkdir()
+    outside.write_bytes(reference_numpy.save(OTHER))
+    pointer.unlink()
+    pointer.symlink_to(outside)
+    hub.log.clear()
+    arrays, state = await read(f"hf://org/model@{commit}/model.safetensors", cache=True)
+    assert state == "hit" and hub.seen() == []
+    assert_same_arrays(arrays, ARRAYS)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    arrays, state = await read("hf://org/model/model.safetensors", cache=True)
+    assert state == "offline"
+    assert_same_arrays(arrays, ARRAYS)
+
+
 @pytest.mark.parametrize("status", [500, 503, 429, 404])
 async def test_a_hub_failing_its_head_leaves_the_copy_in_use(
     hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, status: int

@@ -349,14 +349,16 @@ async def _hub_blob(entry: HubEntry, etag: str, file: HubFile, commit: str) -> b
     return await checked_copy(blob, record, record_path)
 
 
-async def _hub_local(entry: HubEntry, file: HubFile, commit: str) -> Path | None:
-    """This file's snapshot at ``commit``, when its blob is in the cache and checks out."""
+async def _hub_local(entry: HubEntry, file: HubFile, commit: str) -> str | None:
+    """The name of the blob this file's snapshot at ``commit`` links to, when that blob is in
+    the cache and checks out. The blob is what is read, never the link: a link re-pointed
+    elsewhere (to a file of the blob's name) only names the blob."""
     etag = entry.blob_of(commit)
-    if etag is None:
+    if etag is None or _etag(etag) != etag:
         return None
     if await _hub_blob(entry, etag, file, commit):
         touch(entry.record(etag))
-        return entry.pointer(commit)
+        return etag
     remove_quietly(entry.pointer(commit))
     return None
 
@@ -419,11 +421,13 @@ async def _hub(
     file = HubFile.parse(address)
     entry = HubEntry(cache.hub_directory, repo_folder(file.repo_type, file.repo_id), file.path)
     known = entry.commit_of(file.revision)
-    local = None if known is None else await _hub_local(entry, file, known)
+    held_etag = None if known is None else await _hub_local(entry, file, known)
+    local = None if held_etag is None else entry.blob(held_etag)
     if local is not None and (cache.offline or COMMIT.fullmatch(file.revision)):
-        assert known is not None
+        assert known is not None and held_etag is not None
         state = "offline" if cache.offline else "hit"
-        return Resolved(str(local), state, file.address(known), _blob_files(entry, known))
+        files = _blob_files(entry, known, held_etag)
+        return Resolved(str(local), state, file.address(known), files)
     if cache.offline:
         raise CacheMissError(
             f"{address} is not in the cache (HF_HUB_OFFLINE or cache='offline')", url=address
@@ -440,8 +444,9 @@ async def _hub(
         answer = None  # the Hub cannot be reached
     unsure = answer is None or (isinstance(answer, int) and answer in HUB_UNSURE)
     if local is not None and unsure:
-        assert known is not None
-        return Resolved(str(local), "stale", file.address(known), _blob_files(entry, known))
+        assert known is not None and held_etag is not None
+        files = _blob_files(entry, known, held_etag)
+        return Resolved(str(local), "stale", file.address(known), files)
     if not isinstance(answer, _HubAnswer) or answer.commit is None or answer.etag is None:
         return Resolved(address, "uncached")  # the read reports what the Hub said
     commit, etag = answer.commit, answer.etag
@@ -454,8 +459,8 @@ async def _hub(
         if await _hub_blob(entry, etag, file, commit):
             entry.link(commit, etag, file.revision)
             touch(entry.record(etag))
-            files = _blob_files(entry, commit)
-            return Resolved(str(entry.pointer(commit)), "hit", file.address(commit), files)
+            files = _blob_files(entry, commit, etag)
+            return Resolved(str(entry.blob(etag)), "hit", file.address(commit), files)
         inner = await open_source(file.address(commit), clock)
         if isinstance(inner, HubSource):
             inner.commit = commit
