@@ -19,7 +19,8 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     ├── UsageError                    the API was used out of order (e.g. header before open)
     │   ├── ArgumentTypeError         an argument of the wrong type: a tensor name that is not a
     │   │                             string, a shape not of integers (also TypeError)
-    │   ├── DeviceError               a device= torch cannot parse, "cuda:x" (also ValueError)
+    │   ├── DeviceError               a device= torch cannot parse, "cuda:x", or a CPU but the
+    │   │                             one, "cpu:1" (also ValueError)
     │   └── CredentialsError          no credentials for a remote store, or its configuration
     │                                 (profile, files, credential process) is broken
     ├── AllocationError               a tensor could not be allocated (also MemoryError)
@@ -433,9 +434,9 @@ class UsageError(SafetensorsError, RuntimeError):
 
 
 class DeviceError(UsageError, ValueError):
-    """A ``device=`` that names no device torch knows (``"cuda:x"``, ``"foo"``): the
-    reference's ``ValueError`` (for ``"cuda:x"``), and the :class:`UsageError` every other
-    refused device is."""
+    """A ``device=`` that names no device torch knows (``"cuda:x"``, ``"foo"``), or a CPU but
+    the one (``"cpu:1"``): the reference's ``ValueError`` (for ``"cuda:x"``), and the
+    :class:`UsageError` every other refused device is."""
 
 
 class ArgumentTypeError(UsageError, TypeError):

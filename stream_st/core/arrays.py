@@ -184,7 +184,8 @@ def framework_of(framework: str | None, *, required: bool = False) -> bool:
 def torch_device(device: object) -> Any | None:
     """The ``torch.device`` tensors are handed out on, or None for the CPU (where they are
     received). ``device`` is what the reference takes: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, a
-    CUDA index (``0``), or a ``torch.device``. A name torch does not know is a
+    CUDA index (``0``), or a ``torch.device``; and beyond it ``"cpu:0"``. A name torch does not
+    know, or a CPU but the one (``"cpu:1"``, which the reference refuses too), is a
     :class:`~stream_st.errors.DeviceError` (a ``ValueError`` too, as the reference's),
     a device this torch cannot use (no CUDA build, no such GPU) a :class:`UsageError`, before
     anything is read."""
@@ -196,6 +197,8 @@ def torch_device(device: object) -> Any | None:
     except (RuntimeError, TypeError, ValueError) as exc:
         raise DeviceError(f"device={device!r} is not a device torch knows: {exc}") from None
     if chosen.type == "cpu":
+        if chosen.index not in (None, 0):
+            raise DeviceError(f"device={device!r}: there is one CPU device, 'cpu' (or 'cpu:0')")
         return None
     if chosen.type != "cuda":
         raise UsageError(f"device={device!r}: only the CPU and CUDA devices are supported")

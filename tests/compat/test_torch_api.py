@@ -30,6 +30,7 @@ import stream_st.numpy
 import stream_st.torch as st
 from stream_st.errors import (
     ArgumentTypeError,
+    DeviceError,
     DtypeError,
     IntegrityError,
     SafetensorsError,
@@ -247,18 +248,32 @@ def test_any_cpu_device_is_taken_by_both_frameworks(
 ) -> None:
     """``"cpu:0"`` and a ``torch.device`` of the CPU, taken for torch tensors, were refused for
     numpy arrays ("numpy arrays live on the CPU"); both frameworks take them, as docs/dropin.md
-    says, and without torch numpy takes ``"cpu:N"`` as torch spells it."""
+    says, and without torch numpy takes ``"cpu:0"`` as torch spells it."""
     expected = reference.load_file(ref_file)["f32"].numpy()
-    for device in ("cpu:0", "cpu:2", torch.device("cpu"), torch.device("cpu", 0)):
+    for device in ("cpu:0", torch.device("cpu"), torch.device("cpu", 0)):
         for framework in ("pt", "np"):
             with st.safe_open(ref_file, framework, device=device) as handle:
                 assert np.array_equal(np.asarray(handle.get_tensor("f32")), expected)
     monkeypatch.setattr(stream_st.core.arrays, "load_torch", no_torch)
-    with stream_st.numpy.safe_open(ref_file, "np", device="cpu:1") as handle:
+    with stream_st.numpy.safe_open(ref_file, "np", device="cpu:0") as handle:
         assert np.array_equal(handle.get_tensor("f32"), expected)
     for device in ("cpu:01", "cpu:x", "cuda:0"):
         with pytest.raises(UsageError, match="numpy arrays live on the CPU"):
             stream_st.numpy.safe_open(ref_file, "np", device=device)
+
+
+def test_a_cpu_but_the_one_is_refused(ref_file: Path) -> None:
+    """``"cpu:1"`` and ``torch.device("cpu", 1)``, which the reference refuses, were taken as
+    the CPU; both frameworks refuse them with a DeviceError (a ValueError too) naming the one
+    CPU device, before anything is read."""
+    for device in ("cpu:1", "cpu:2", torch.device("cpu", 1)):
+        with pytest.raises(SafetensorError, match="is invalid"):
+            reference.load_file(ref_file, device=device)  # type: ignore[arg-type]
+        with pytest.raises(DeviceError, match=r"there is one CPU device, 'cpu' \(or 'cpu:0'\)"):
+            st.load_file(ref_file, device=device)
+        for framework in ("pt", "np"):
+            with pytest.raises(ValueError, match="there is one CPU device"):
+                st.safe_open(ref_file, framework, device=device)
 
 
 def no_torch() -> Any:
