@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import socket
 import stat
 import subprocess
 import sys
@@ -326,6 +327,32 @@ def test_refusals_derive_from_the_references_built_in_types(tmp_path: Path) -> N
         with pytest.raises(UnicodeEncodeError):
             stream_st.numpy.save_file(arrays, path, metadata, timeout=9)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_unix_sockets_file_at_the_destination_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A socket's file, which no open writes through, went to the streamed writer's pipe sink
+    (as a FIFO does) and its open failed (``ENXIO``); the reference's ``save_file`` replaces it
+    with the file: so do ``save_file`` and ``save``, and a symlink to a socket is replaced
+    itself, the socket left as it is."""
+    monkeypatch.chdir(tmp_path)  # a socket's path is short (108 bytes)
+    arrays = numpy_tensors(5)
+    for save in (
+        lambda path: stream_st.numpy.save_file(arrays, path),
+        lambda path: anyio.run(stream_st.save, path, arrays),
+    ):
+        for path in ("sock", "link"):
+            with socket.socket(socket.AF_UNIX) as bound:
+                bound.bind("sock")
+            if path == "link":
+                os.symlink("sock", path)
+            save(path)
+            assert Path(path).read_bytes() == reference_numpy.save(arrays)
+            assert not Path(path).is_symlink()
+            assert stat.S_ISSOCK(os.lstat("sock").st_mode) == (path == "link")
+            for left in os.listdir():
+                os.unlink(left)
 
 
 def test_a_fifo_is_written_through_by_the_streamed_writer(tmp_path: Path) -> None:

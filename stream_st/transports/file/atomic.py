@@ -292,16 +292,19 @@ def _through_proc(path: str) -> bool:
 
 def replaced(path: str) -> bool:
     """Whether a message for ``path`` replaces a file, through an :class:`AtomicFile` (nothing
-    there, a regular file, or a directory, refused by it; or a symlink to one of them, replaced
-    itself), rather than being written in place (a :class:`~.sink.PipeSink`: what is there,
-    through a symlink, is not a regular file)."""
+    there, a regular file, a Unix socket's file, which no open writes through, as the
+    reference's ``save_file`` replaces it, or a directory, refused by it; or a symlink to one
+    of them, replaced itself), rather than being written in place (a :class:`~.sink.PipeSink`:
+    what is there, through a symlink, is a FIFO or a device)."""
     return _replaces(path, _existing(path, follow=False))
 
 
 def _replaces(path: str, here: os.stat_result | None) -> bool:
     """:func:`replaced`, given ``here``, what is at ``path`` now (not followed)."""
     existing = _existing(path) if here is not None and stat.S_ISLNK(here.st_mode) else here
-    return existing is None or stat.S_ISREG(existing.st_mode) or stat.S_ISDIR(existing.st_mode)
+    return existing is None or any(
+        kind(existing.st_mode) for kind in (stat.S_ISREG, stat.S_ISSOCK, stat.S_ISDIR)
+    )
 
 
 def _resolved(directory: str) -> str:
@@ -698,8 +701,9 @@ def path_from_url(url: str, unsupported: type[SafetensorsError] = UnsupportedSou
 
 def local_destination(dst: object) -> str | None:
     """The path of ``dst`` if it names a local file that a write replaces (a path or a
-    ``file://`` URL, where nothing or a regular file is), else None (a URL, a stream, a FIFO or
-    a device, written through in place; or a path the streamed write refuses, in its turn)."""
+    ``file://`` URL, where nothing, a regular file or a socket's file is), else None (a URL, a
+    stream, a FIFO or a device, written through in place; or a path the streamed write refuses,
+    in its turn)."""
     found = local_target(dst)
     return None if found is None else found[0]
 

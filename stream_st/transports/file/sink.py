@@ -168,8 +168,8 @@ async def _write(fd: int, buffer: memoryview, offset: int, name: str, clock: Clo
 async def open_file_sink(
     path: str | os.PathLike[str], *, fsync: bool = False, clock: Clock = UNLIMITED
 ) -> Sink:
-    """The sink for a local path: a :class:`PipeSink` when something other than a regular file
-    or a directory is there (a FIFO, a device), written in place; else a :class:`FileSink`."""
+    """The sink for a local path: a :class:`PipeSink` when a FIFO or a device is there,
+    written in place; else a :class:`FileSink` (:func:`~.atomic.replaced`)."""
     name = os.fspath(path)
     if replaced(name):
         return FileSink(name, fsync=fsync)
