@@ -21,6 +21,8 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     │   │                             string, a shape not of integers (also TypeError)
     │   ├── DeviceError               a device= torch cannot parse, "cuda:x", or a CPU but the
     │   │                             one, "cpu:1" (also ValueError)
+    │   ├── UnsupportedDeviceError    a device= neither the CPU nor CUDA: "xla", "mps", "meta"
+    │   │                             (also NotImplementedError)
     │   └── CredentialsError          no credentials for a remote store, or its configuration
     │                                 (profile, files, credential process) is broken
     ├── AllocationError               a tensor could not be allocated (also MemoryError)
@@ -90,6 +92,7 @@ __all__ = [
     "TransportError",
     "TruncatedStreamError",
     "UnknownDtypeError",
+    "UnsupportedDeviceError",
     "UnsupportedSinkError",
     "UnsupportedSourceError",
     "UsageError",
@@ -437,6 +440,12 @@ class DeviceError(UsageError, ValueError):
     """A ``device=`` that names no device torch knows (``"cuda:x"``, ``"foo"``), or a CPU but
     the one (``"cpu:1"``): the reference's ``ValueError`` (for ``"cuda:x"``), and the
     :class:`UsageError` every other refused device is."""
+
+
+class UnsupportedDeviceError(UsageError, NotImplementedError):
+    """A ``device=`` torch knows that is neither the CPU nor CUDA (``"xla"``, ``"mps"``,
+    ``"meta"``): stream_st hands tensors out on those two only. Also a
+    ``NotImplementedError``, as torch raises for the reference on ``"xla"``."""
 
 
 class ArgumentTypeError(UsageError, TypeError):

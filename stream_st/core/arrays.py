@@ -17,7 +17,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..errors import ArgumentTypeError, DeviceError, DtypeError, UsageError
+from ..errors import (
+    ArgumentTypeError,
+    DeviceError,
+    DtypeError,
+    UnsupportedDeviceError,
+    UsageError,
+)
 from .dtypes import DTYPES
 from .layout import TensorSpec
 
@@ -187,8 +193,10 @@ def torch_device(device: object) -> Any | None:
     CUDA index (``0``), or a ``torch.device``; and beyond it ``"cpu:0"``. A name torch does not
     know, or a CPU but the one (``"cpu:1"``, which the reference refuses too), is a
     :class:`~stream_st.errors.DeviceError` (a ``ValueError`` too, as the reference's),
-    a device this torch cannot use (no CUDA build, no such GPU) a :class:`UsageError`, before
-    anything is read."""
+    a device neither the CPU nor CUDA (``"xla"``) an
+    :class:`~stream_st.errors.UnsupportedDeviceError` (a ``NotImplementedError`` too, as torch
+    raises for the reference), a device this torch cannot use (no CUDA build, no such GPU) a
+    :class:`UsageError`, before anything is read."""
     if device is None or str(device) == "cpu":
         return None
     torch = load_torch()
@@ -201,7 +209,9 @@ def torch_device(device: object) -> Any | None:
             raise DeviceError(f"device={device!r}: there is one CPU device, 'cpu' (or 'cpu:0')")
         return None
     if chosen.type != "cuda":
-        raise UsageError(f"device={device!r}: only the CPU and CUDA devices are supported")
+        raise UnsupportedDeviceError(
+            f"device={device!r}: only the CPU and CUDA devices are supported"
+        )
     if not torch.cuda.is_available():
         raise UsageError(f"device={device!r}: this torch has no usable CUDA device")
     if chosen.index is not None and chosen.index >= torch.cuda.device_count():

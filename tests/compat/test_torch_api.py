@@ -36,6 +36,7 @@ from stream_st.errors import (
     SafetensorsError,
     TensorNotFoundError,
     TruncatedStreamError,
+    UnsupportedDeviceError,
     UsageError,
 )
 
@@ -274,6 +275,21 @@ def test_a_cpu_but_the_one_is_refused(ref_file: Path) -> None:
         for framework in ("pt", "np"):
             with pytest.raises(ValueError, match="there is one CPU device"):
                 st.safe_open(ref_file, framework, device=device)
+
+
+def test_a_device_neither_cpu_nor_cuda_is_a_not_implemented_error(ref_file: Path) -> None:
+    """The reference's load_file raises torch's NotImplementedError for ``"xla"``; ours was a
+    UsageError alone, which ``except NotImplementedError`` missed. Every device neither the CPU
+    nor CUDA is refused with an UnsupportedDeviceError, both, before anything is read."""
+    with pytest.raises(NotImplementedError):
+        reference.load_file(ref_file, device="xla")
+    for device in ("xla", "xla:1", "meta", torch.device("mps")):
+        with pytest.raises(NotImplementedError, match="only the CPU and CUDA") as caught:
+            st.load_file(ref_file, device=device)
+        assert isinstance(caught.value, UnsupportedDeviceError)
+        assert isinstance(caught.value, UsageError)
+        with pytest.raises(NotImplementedError, match="only the CPU and CUDA"):
+            st.safe_open(ref_file, framework="pt", device=device)
 
 
 def no_torch() -> Any:
