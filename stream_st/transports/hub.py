@@ -25,8 +25,9 @@ How a file is read (:class:`HubSource`, an :class:`~stream_st.HttpSource`):
 * A CDN URL that expires during a read (403 or 410) is resolved again, once per failure, at
   the commit the file was first served from (``X-Repo-Commit``), not at the branch, which may
   have moved meanwhile. Every later request to the Hub is asked at that commit too; an answer
-  naming another commit or another SHA-256 (``X-Linked-Etag``) than the first is a
-  :class:`~stream_st.SourceChangedError`: one read never mixes two versions of the file.
+  naming another commit or another ETag (``X-Linked-Etag``, else ``ETag``: ``hub_etag``)
+  than the first is a :class:`~stream_st.SourceChangedError`: one read never mixes two
+  versions of the file.
 * A 401 or 403 from the Hub is an :class:`~stream_st.HTTPStatusError` saying the repository is
   private or gated and how to pass a token.
 * ``X-Repo-Commit`` pins what a file was read at: an index's shards are read at the commit the
@@ -74,6 +75,7 @@ __all__ = [
     "HubSource",
     "checked_token",
     "hub_endpoint",
+    "hub_etag",
     "hub_token",
 ]
 
@@ -287,7 +289,8 @@ class HubSource(HttpSource):
     :func:`hub_token`); ``token=""`` sends none. The other options are
     :class:`~stream_st.HttpSource`'s. After the first request, ``commit`` holds the commit the
     Hub served the file from (``X-Repo-Commit``), when it said: every later request to the Hub
-    asks at that commit.
+    asks at that commit; ``etag``, the file's ETag the Hub named (``hub_etag``). Either set
+    before the read (as the cache does from its ``HEAD``) holds its answers to it.
     """
 
     def __init__(
@@ -311,6 +314,7 @@ class HubSource(HttpSource):
         self._endpoint = endpoint
         self.commit: str | None = None
         self.sha256: str | None = None  # the file's SHA-256, if the Hub said (X-Linked-Etag)
+        self.etag: str | None = None  # the file's ETag, if the Hub said (see hub_etag)
         super().__init__(
             self._resolve_url,
             client=self._hub,
@@ -399,12 +403,19 @@ class HubSource(HttpSource):
         raise TransportError(f"more than {MAX_HUB_HOPS} redirects within the Hub", url=self.name)
 
     async def _check_version(self, response: Response, position: int) -> None:
-        """Take the commit (``X-Repo-Commit``) and SHA-256 (``X-Linked-Etag``) the Hub's answer
-        names; :class:`SourceChangedError` (``response`` closed) where one differs from what an
-        earlier answer of this read named."""
-        commit = response.headers.get("x-repo-commit") or None
-        sha256 = _sha256_of(response.headers.get("x-linked-etag", ""))
-        for what, first, now in (("commit", self.commit, commit), ("SHA-256", self.sha256, sha256)):
+        """Take the commit (``X-Repo-Commit``), SHA-256 (``X-Linked-Etag``) and ETag
+        (``hub_etag``) the Hub's answer names; :class:`SourceChangedError` (``response``
+        closed) where one differs from what an earlier answer of this read named, or what was
+        set before it (:attr:`commit`, :attr:`etag`)."""
+        headers = response.headers
+        commit = headers.get("x-repo-commit") or None
+        sha256 = _sha256_of(headers.get("x-linked-etag", ""))
+        etag = hub_etag(headers) or None
+        for what, first, now in (
+            ("commit", self.commit, commit),
+            ("SHA-256", self.sha256, sha256),
+            ("ETag", self.etag, etag),
+        ):
             if first is not None and now is not None and now != first:
                 await response.aclose()
                 raise SourceChangedError(
@@ -414,6 +425,7 @@ class HubSource(HttpSource):
                 )
         self.commit = self.commit or commit
         self.sha256 = self.sha256 or sha256
+        self.etag = self.etag or etag
 
     async def object_digest(self) -> ObjectDigest | None:
         """The file's SHA-256 from the Hub (``X-Linked-Etag``, an LFS file's oid), if it gave
@@ -443,6 +455,14 @@ class HubSource(HttpSource):
             )
         reason = "Unauthorized" if status == 401 else "Forbidden"
         return HTTPStatusError(status, reason, url=self.name, detail=hint)
+
+
+def hub_etag(headers: Mapping[str, str]) -> str:
+    """The file's ETag an answer of the Hub names, as the Hugging Face cache names its blob
+    (and ``huggingface_hub`` reads it): ``X-Linked-Etag`` (an LFS file's SHA-256), else
+    ``ETag``, with no ``W/`` and no quotes; "" when none."""
+    value = headers.get("x-linked-etag") or headers.get("etag") or ""
+    return value.removeprefix("W/").strip().strip('"')
 
 
 def _sha256_of(etag: str) -> str | None:

@@ -672,6 +672,29 @@ async def test_hub_wrong_bytes_are_not_kept(hub: FakeHub, tmp_path: Path) -> Non
     assert not list((tmp_path / "hub-cache").rglob("blobs/*"))
 
 
+async def test_a_hub_get_naming_another_etag_than_its_head_is_not_kept(
+    hub: FakeHub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The Hub's ``HEAD`` named the file's ETag (``v1``, no digest to check the bytes
+    against), its ``GET`` served other bytes under another (``v2``): they were kept as blob
+    ``v1``, every later read a hit on them. The ``GET`` naming another ETag than the ``HEAD``
+    is a SourceChangedError, and nothing is kept."""
+    monkeypatch.setattr(hub, "is_lfs", lambda path: False)  # served by the Hub itself
+    hub.push("org/model", {"model.safetensors": DATA})
+    hub.hub.objects["/other"] = reference_numpy.save(OTHER)
+    serve = hub.hub._serve_object
+
+    def changing(request: Any, key: str, extra: dict[str, str]) -> bool:
+        if request.method == "HEAD":
+            return serve(request, key, {**extra, "ETag": '"v1"'})
+        return serve(request, "/other", {**extra, "ETag": '"v2"'})
+
+    monkeypatch.setattr(hub.hub, "_serve_object", changing)
+    with pytest.raises(stream_st.SourceChangedError, match="ETag v1, then v2"):
+        await read("hf://org/model/model.safetensors", cache=True)
+    assert not files_under(tmp_path / "hub-cache" / "models--org--model" / "blobs")
+
+
 @pytest.mark.parametrize("size", ["\xb2", "9" * 5000])
 async def test_a_hub_size_of_no_ascii_digits_is_no_size(
     hub: FakeHub, monkeypatch: pytest.MonkeyPatch, size: str

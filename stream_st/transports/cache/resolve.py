@@ -15,8 +15,10 @@ all. Otherwise one ``HEAD`` to the Hub's resolve URL (the token to the Hub only,
 :class:`~stream_st.HubSource` sends it) tells the commit and the file's ETag (an LFS file's
 SHA-256): a blob of that ETag in the cache is used (the snapshot link and the ref made as
 ``huggingface_hub`` makes them); else the file is read at that commit, from the location the
-Hub gave, into the blob, checked against its SHA-256 while it streams. A Hub that cannot be
-reached, or answers the ``HEAD`` with a 5xx or 429, leaves the copy in use.
+Hub gave, into the blob, checked against its SHA-256 while it streams; an answer of the Hub
+to the read naming another ETag than the ``HEAD`` is a :class:`~stream_st.SourceChangedError`,
+nothing kept. A Hub that cannot be reached, or answers the ``HEAD`` with a 5xx or 429, leaves
+the copy in use.
 
 Offline (``cache="offline"``, ``HF_HUB_OFFLINE=1``): the copy is used without any request, and
 a missing one is a :class:`~.config.CacheMissError`.
@@ -294,11 +296,11 @@ def _pruner(cache: Cache, keep: Path) -> Callable[[], None] | None:
 # -- hf://
 
 
-def _etag(value: str) -> str | None:
-    """An ETag as the Hugging Face cache names blobs: no ``W/``, no quotes; None when empty or
-    unusable as a file name (a ``/``, a leading ``.``, a NUL or other character that is not
-    printable, more bytes than the blob's longest file name leaves room for)."""
-    text = value.removeprefix("W/").strip().strip('"')
+def _etag(text: str) -> str | None:
+    """``text``, an ETag as the Hugging Face cache names blobs (``hub.hub_etag``), when
+    usable as a file name; None when empty or not (a ``/``, a leading ``.``, a NUL or other
+    character that is not printable, more bytes than the blob's longest file name leaves room
+    for)."""
     if not text or "/" in text or text.startswith(".") or not text.isprintable():
         return None
     return text if len(text.encode()) <= _ETAG_BYTES else None
@@ -375,7 +377,7 @@ async def _hub_head(url: str, clock: Clock) -> _HubAnswer | int:
     """One ``HEAD`` of the Hub's resolve URL ``url`` (following redirects within the Hub: a
     renamed repository); the status of an error answer (or of the last of too many
     redirects) instead of an answer."""
-    from ..hub import HubClient, hub_endpoint, hub_token
+    from ..hub import HubClient, hub_endpoint, hub_etag, hub_token
 
     client = HubClient(hub_endpoint(), hub_token())
     transport = clock.transport
@@ -399,7 +401,7 @@ async def _hub_head(url: str, clock: Clock) -> _HubAnswer | int:
                     continue
             if status >= 400:
                 return status
-            etag = _etag(headers.get("x-linked-etag") or headers.get("etag") or "")
+            etag = _etag(hub_etag(headers))
             size_text = headers.get("x-linked-size") or (
                 headers.get("content-length") if status < 300 else None
             )
@@ -462,8 +464,8 @@ async def _hub(
             files = _blob_files(entry, commit, etag)
             return Resolved(str(entry.blob(etag)), "hit", file.address(commit), files)
         inner = await open_source(file.address(commit), clock)
-        if isinstance(inner, HubSource):
-            inner.commit = commit
+        if isinstance(inner, HubSource):  # its answers held to the HEAD's (else SourceChanged)
+            inner.commit, inner.etag = commit, etag
             if answer.location is not None:  # the Hub's redirect: straight there
                 inner.url = answer.location
         held = partial_ranges(entry.part(etag), entry.part_record(etag), answer.size)
