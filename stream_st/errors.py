@@ -23,6 +23,8 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     │   │                             one, "cpu:1" (also ValueError)
     │   ├── UnsupportedDeviceError    a device= neither the CPU nor CUDA: "xla", "mps", "meta"
     │   │                             (also NotImplementedError)
+    │   ├── UnsupportedFrameworkError a framework= of the reference's but "pt" and "np":
+    │   │                             "flax", "tf", "mlx", "paddle" (also ImportError)
     │   └── CredentialsError          no credentials for a remote store, or its configuration
     │                                 (profile, files, credential process) is broken
     ├── AllocationError               a tensor could not be allocated (also MemoryError)
@@ -93,6 +95,7 @@ __all__ = [
     "TruncatedStreamError",
     "UnknownDtypeError",
     "UnsupportedDeviceError",
+    "UnsupportedFrameworkError",
     "UnsupportedSinkError",
     "UnsupportedSourceError",
     "UsageError",
@@ -446,6 +449,13 @@ class UnsupportedDeviceError(UsageError, NotImplementedError):
     """A ``device=`` torch knows that is neither the CPU nor CUDA (``"xla"``, ``"mps"``,
     ``"meta"``): stream_st hands tensors out on those two only. Also a
     ``NotImplementedError``, as torch raises for the reference on ``"xla"``."""
+
+
+class UnsupportedFrameworkError(UsageError, ImportError):
+    """A ``framework=`` the reference has that stream_st does not hand tensors out for
+    (``"tf"``, ``"tensorflow"``, ``"flax"``, ``"jax"``, ``"mlx"``, ``"paddle"``): refused as
+    the handle opens. Also an ``ImportError``, as the reference's ``ModuleNotFoundError`` where
+    that library is not installed."""
 
 
 class ArgumentTypeError(UsageError, TypeError):

@@ -22,6 +22,7 @@ from ..errors import (
     DeviceError,
     DtypeError,
     UnsupportedDeviceError,
+    UnsupportedFrameworkError,
     UsageError,
 )
 from .dtypes import DTYPES
@@ -45,6 +46,9 @@ __all__ = [
 Framework = Literal["np", "numpy", "pt", "torch", "pytorch"]
 """What tensors are handed out as: numpy arrays (``"np"``, ``"numpy"``) or torch tensors
 (``"pt"``, ``"torch"``, ``"pytorch"``), as the reference's ``framework=`` names them."""
+
+_OTHER_FRAMEWORKS = ("tf", "tensorflow", "flax", "jax", "mlx", "paddle")
+"""The reference's other ``framework=`` names, whose tensors stream_st does not hand out."""
 
 
 def load_torch() -> Any:
@@ -174,8 +178,9 @@ def raw_bytes(tensor: Any) -> np.ndarray[Any, Any]:
 def framework_of(framework: str | None, *, required: bool = False) -> bool:
     """Whether ``framework`` asks for torch tensors (``"pt"``, ``"torch"``, ``"pytorch"``) or
     numpy arrays (``"np"``, ``"numpy"``, None unless ``required``, as the reference's
-    ``safe_open`` has it); :class:`UsageError` for another name, :class:`ArgumentTypeError` for
-    what is not a name."""
+    ``safe_open`` has it); :class:`~stream_st.errors.UnsupportedFrameworkError` (an
+    ``ImportError`` too) for another of the reference's (``"flax"``, ``"tf"``...),
+    :class:`UsageError` for another name, :class:`ArgumentTypeError` for what is not a name."""
     if (framework is None and not required) or framework in ("np", "numpy"):
         return False
     if framework in ("pt", "torch", "pytorch"):
@@ -183,6 +188,11 @@ def framework_of(framework: str | None, *, required: bool = False) -> bool:
     if not isinstance(framework, str):
         raise ArgumentTypeError(
             f"framework must be a name ('pt' or 'np'), got {type(framework).__name__}"
+        )
+    if framework in _OTHER_FRAMEWORKS:
+        raise UnsupportedFrameworkError(
+            f"framework={framework!r} is not supported: stream_st hands out torch tensors ('pt') "
+            "and numpy arrays ('np'); read with 'np' and convert the arrays"
         )
     raise UsageError(f"framework must be 'pt' or 'np', got {framework!r}")
 

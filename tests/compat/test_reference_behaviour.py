@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import inspect
 import io
 import pickle
@@ -26,7 +27,7 @@ import torch
 import stream_st.compat as compat
 import stream_st.numpy as st_np
 import stream_st.torch as st_pt
-from stream_st import HeaderError, SafetensorsError
+from stream_st import HeaderError, SafetensorsError, UnsupportedFrameworkError
 from stream_st.compat._reference import SafeOpen
 
 
@@ -448,6 +449,33 @@ def test_framework_is_named_as_the_reference_names_it(tmp_path: Path) -> None:
             compat.safe_open(path, wrong)  # type: ignore[arg-type]
     with pytest.raises(SafetensorsError, match="framework must be 'pt' or 'np', got 'PT'"):
         compat.safe_open(path, "PT")
+
+
+@pytest.mark.parametrize(
+    ("framework", "library"),
+    [
+        ("tf", "tensorflow"),
+        ("tensorflow", "tensorflow"),
+        ("flax", "jax"),
+        ("jax", "jax"),
+        ("mlx", "mlx"),
+        ("paddle", "paddle"),
+    ],
+)
+def test_another_framework_of_the_reference_is_an_import_error(
+    tmp_path: Path, framework: str, library: str
+) -> None:
+    """The reference's other frameworks fail with ModuleNotFoundError where their library is
+    missing; ours was refused with a UsageError alone, which ``except ImportError`` missed. It
+    is refused as the handle opens (those tensors are not handed out), an ImportError too."""
+    path = small(tmp_path)
+    if importlib.util.find_spec(library) is None:  # the reference's refusal, as said
+        with pytest.raises(ImportError), safetensors.safe_open(path, framework) as f:
+            f.get_tensor("a")
+    with pytest.raises(ImportError, match=f"framework='{framework}' is not supported") as caught:
+        compat.safe_open(path, framework)
+    assert isinstance(caught.value, UnsupportedFrameworkError)
+    assert isinstance(caught.value, SafetensorsError)
 
 
 def test_a_contiguous_tensor_with_a_strided_dimension_of_one_is_written(tmp_path: Path) -> None:
