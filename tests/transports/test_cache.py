@@ -712,15 +712,16 @@ async def test_a_hub_size_of_no_ascii_digits_is_no_size(
 
 
 @pytest.mark.parametrize(
-    "etag", ["abc\x00def", "abc\tdef", "ab\x85c", "e" * 201, "e" * 250, "\xe9" * 101]
+    "etag", ["abc\x00def", "abc\tdef", "ab\x85c", "e" * 201, "e" * 250, "\xe9" * 101, "e1.part"]
 )
 async def test_a_hub_etag_no_file_can_be_named_by_is_read_uncached(
     hub: FakeHub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, etag: str
 ) -> None:
     """An ETag holding a NUL gave a bare ValueError (embedded null byte) as the blob's file
     name; one too long for the blob's temporary files left a blob with no record ("keeping the
-    copy failed"); control characters made file names. None names a blob: the object is read
-    as it is, nothing kept."""
+    copy failed"); control characters made file names; one ending in ``.part`` had its record
+    named as the partial copy's record of another (``e1``). None names a blob: the object is
+    read as it is, nothing kept."""
     hub.push("org/model", {"model.safetensors": DATA})
     reply = hub.hub._reply
 
@@ -730,6 +731,34 @@ async def test_a_hub_etag_no_file_can_be_named_by_is_read_uncached(
     monkeypatch.setattr(hub.hub, "_reply", tagged)
     await read_as("hf://org/model/model.safetensors", ARRAYS, "uncached", cache=True)
     assert not files_under(tmp_path / "hub-cache")
+
+
+async def test_a_hub_blob_whose_etag_holds_a_dot_is_listed_and_removed(
+    hub: FakeHub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A blob named by an ETag holding a ``.`` (``1.abc``, as huggingface_hub names it too)
+    was kept but never listed, counted by the cap, pruned or removed: its files were told
+    apart by the first dot of their names. They are by their endings."""
+    commit = hub.push("org/model", {"model.safetensors": DATA})
+    reply = hub.hub._reply
+
+    def tagged(request: Any, status: int, headers: dict[str, str], body: bytes) -> bool:
+        return reply(request, status, {**headers, "X-Linked-Etag": '"1.abc"'}, body)
+
+    monkeypatch.setattr(hub.hub, "_reply", tagged)
+    await read_as("hf://org/model/model.safetensors", ARRAYS, "fetch", cache=True)
+    storage = tmp_path / "hub-cache" / "models--org--model"
+    left = storage / ".stream_st" / ".1.abc.json.999999999.tmp"  # a writer long gone
+    left.write_bytes(b"{}")
+    cache = Cache(tmp_path / "st-cache", tmp_path / "hub-cache")
+    copy, leftover = sorted(entries(cache), key=lambda entry: entry.leftover)
+    assert copy.shown == f"hf://org/model@{commit}/model.safetensors"
+    assert copy.size == len(DATA) and copy.files[0] == storage / "blobs" / "1.abc"
+    assert leftover.files == [left] and leftover.lock == storage.parent.joinpath(
+        ".locks", "models--org--model", "1.abc.lock"
+    )
+    assert len(prune(cache, 0)) == 2
+    assert not files_under(storage / "blobs") and not files_under(storage / "snapshots")
 
 
 def test_a_temporary_file_of_no_ascii_pid_is_a_leftover(tmp_path: Path) -> None:

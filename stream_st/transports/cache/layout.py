@@ -18,6 +18,10 @@ and size. ``hf://`` files, under ``hub_directory``, in the Hugging Face layout::
     models--<org>--<name>/.stream_st/<etag>.json           stream_st's record of the blob
     models--<org>--<name>/.stream_st/<etag>.part(.json)    a partial copy
     .locks/models--<org>--<name>/<etag>.lock               the lock huggingface_hub takes too
+
+An ETag may hold dots (huggingface_hub names blobs by any): the files of ``.stream_st`` are
+told apart by their endings (:func:`hub_file`), and no ETag that ends in ``.part`` names a blob
+(its record would be the partial copy's record of another).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from pathlib import Path
 from .config import Cache
 from .store import Record, remove_quietly
 
-__all__ = ["COMMIT", "PAIRS", "HubEntry", "ObjectEntry", "partner", "repo_folder"]
+__all__ = ["COMMIT", "PAIRS", "HubEntry", "ObjectEntry", "hub_file", "partner", "repo_folder"]
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 """A full commit id: a revision that names one commit for good."""
@@ -160,6 +164,20 @@ def partner(name: str) -> str | None:
             return name[: -len(record)] + copy
         if name.endswith(copy):
             return name[: -len(copy)] + record
+    return None
+
+
+HUB_ENDINGS = (".part.json", ".part", ".json")
+"""The endings of the files of a Hub repository's ``.stream_st`` folder after the blob's ETag
+(see the module), the longest first."""
+
+
+def hub_file(name: str) -> tuple[str, str] | None:
+    """The ETag and ending (one of :data:`HUB_ENDINGS`) of the file ``name`` of a Hub
+    repository's ``.stream_st`` folder; None for a name of no such file."""
+    for ending in HUB_ENDINGS:
+        if name.endswith(ending) and len(name) > len(ending):
+            return name[: -len(ending)], ending
     return None
 
 

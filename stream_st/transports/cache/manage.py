@@ -21,7 +21,7 @@ from pathlib import Path
 from ..._util import process_running
 from ..http.status import ascii_number
 from .config import Cache
-from .layout import HubEntry, ObjectEntry, partner
+from .layout import HubEntry, ObjectEntry, hub_file, partner
 from .store import EntryLock, Record, read_json
 
 __all__ = ["Entry", "entries", "prune", "remove", "total_size"]
@@ -206,8 +206,11 @@ def _hub_entries(cache: Cache) -> list[Entry]:
         hub = HubEntry(root, folder, "")
         found.extend(_hub_leftovers(hub, mine, names))
         for name in names:
-            etag = name.split(".", 1)[0]
-            if name == f"{etag}.json":
+            parsed = hub_file(name)
+            if parsed is None or name.startswith("."):  # a temporary file: a leftover, if any
+                continue
+            etag, ending = parsed
+            if ending == ".json":
                 record = Record.load(mine / name)
                 if record is None or not hub.blob(etag).exists():
                     continue
@@ -228,7 +231,7 @@ def _hub_entries(cache: Cache) -> list[Entry]:
                         _links_to(root / folder, etag),
                     )
                 )
-            elif name == f"{etag}.part.json":
+            elif ending == ".part.json":
                 state = read_json(mine / name)
                 found.append(
                     Entry(
@@ -250,9 +253,9 @@ def _hub_leftovers(hub: HubEntry, mine: Path, names: list[str]) -> list[Entry]:
     by_etag: dict[str, list[str]] = {}
     for name in names:
         if name.startswith(".") and name.endswith(".tmp"):
-            etag, _, rest = name[1:].partition(".")
-            pid = rest.removesuffix(".tmp").rpartition(".")[2]
+            written, _, pid = name[1:].removesuffix(".tmp").rpartition(".")
             if not process_running(ascii_number(pid)):
+                etag = (hub_file(written) or (written, ""))[0]
                 by_etag.setdefault(etag, []).append(name)
         elif name.endswith(".part") and f"{name}.json" not in names:
             by_etag.setdefault(name.removesuffix(".part"), []).append(name)

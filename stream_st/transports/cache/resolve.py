@@ -300,8 +300,11 @@ def _etag(text: str) -> str | None:
     """``text``, an ETag as the Hugging Face cache names blobs (``hub.hub_etag``), when
     usable as a file name; None when empty or not (a ``/``, a leading ``.``, a NUL or other
     character that is not printable, more bytes than the blob's longest file name leaves room
-    for)."""
+    for, an ending ``.part``: its record would be named as another's partial copy's, see
+    :mod:`.layout`)."""
     if not text or "/" in text or text.startswith(".") or not text.isprintable():
+        return None
+    if text.endswith(".part"):
         return None
     return text if len(text.encode()) <= _ETAG_BYTES else None
 
