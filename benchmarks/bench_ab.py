@@ -132,6 +132,10 @@ def main() -> None:
     parser.add_argument("--figures", default=",".join(FIGURES), help="comma-separated subset")
     args = parser.parse_args()
     figures = [f for f in args.figures.split(",") if f]
+    if unknown := sorted(set(figures) - set(FIGURES)):
+        parser.error(f"unknown --figures {', '.join(unknown)} (choose from {', '.join(FIGURES)})")
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch_name:
         scratch = Path(scratch_name)
         files = _write_files(args.dir or scratch)
