@@ -761,6 +761,29 @@ async def test_a_hub_blob_whose_etag_holds_a_dot_is_listed_and_removed(
     assert not files_under(storage / "blobs") and not files_under(storage / "snapshots")
 
 
+@pytest.mark.parametrize("blocked", ["ref", "snapshot"])
+async def test_a_hub_link_that_cannot_be_made_leaves_no_temporary_file(
+    hub: FakeHub, tmp_path: Path, blocked: str
+) -> None:
+    """A folder where the ref or the snapshot link goes (the ref of branch ``refs``, once
+    ``refs/pr/1`` was read): the temporary file made for it was left for good, and the warning
+    said no copy was kept, the blob being kept. The temporary file goes; the warning says the
+    copy is kept, unlinked, and it is."""
+    commit = hub.push("org/model", {"model.safetensors": DATA}, revision="refs")
+    storage = tmp_path / "hub-cache" / "models--org--model"
+    if blocked == "ref":
+        other = {"model.safetensors": reference_numpy.save(OTHER)}
+        hub.push("org/model", other, revision="refs/pr/1")
+        await read("hf://org/model@refs%2Fpr%2F1/model.safetensors", cache=True)
+    else:
+        (storage / "snapshots" / commit / "model.safetensors" / "in").mkdir(parents=True)
+    with pytest.warns(stream_st.CacheWarning, match="the copy is kept, but linking it"):
+        await read_as("hf://org/model@refs/model.safetensors", ARRAYS, "fetch", cache=True)
+    assert not [path for path in files_under(storage) if path.name.endswith(".tmp")]
+    kept = entries(Cache(tmp_path / "st-cache", tmp_path / "hub-cache"))
+    assert [entry.shown for entry in kept][-1] == f"hf://org/model@{commit}/model.safetensors"
+
+
 def test_a_temporary_file_of_no_ascii_pid_is_a_leftover(tmp_path: Path) -> None:
     """``.<etag>.json.².tmp`` in a Hub repository's folder: ``'²'.isdigit()`` holds but
     ``int('²')`` raised a bare ValueError in cache ls and prune."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Cache
-from .store import Record, remove_quietly
+from .store import Record, put_in_place, remove_quietly
 
 __all__ = ["COMMIT", "PAIRS", "HubEntry", "ObjectEntry", "hub_file", "partner", "repo_folder"]
 
@@ -245,13 +245,8 @@ class HubEntry:
         pointer = self.pointer(commit)
         pointer.parent.mkdir(parents=True, exist_ok=True)
         target = os.path.relpath(self.blob(etag), pointer.parent)
-        temp = pointer.with_name(f".{pointer.name}.{os.getpid()}.tmp")
-        remove_quietly(temp)
-        os.symlink(target, temp)
-        os.replace(temp, pointer)
+        put_in_place(pointer, lambda temp: os.symlink(target, temp))
         if revision != commit:
             ref = self.ref(revision)
             ref.parent.mkdir(parents=True, exist_ok=True)
-            temp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
-            temp.write_text(commit)
-            os.replace(temp, ref)
+            put_in_place(ref, lambda temp: temp.write_text(commit))

@@ -483,12 +483,13 @@ async def _hub(
             part=entry.part(etag),
             part_record=entry.part_record(etag) if resumable else None,
             record=record,
-            commit=functools.partial(_commit_blob, entry, etag, commit, file.revision),
+            commit=functools.partial(_commit_blob, entry, etag),
             expected=expected,
             kept=_blob_files(entry, commit, etag),
             on_committed=_pruner(cache, entry.blob(etag)),
             held=held if resumable else RangeSet(),
             reserve=read_all,
+            link=functools.partial(entry.link, commit, etag, file.revision),
         )
         writer = CopyWriter(destination, lock, address, None)
         handed = True
@@ -530,16 +531,14 @@ def _growth(part: Path) -> tuple[int, int] | None:
     return info.st_size, info.st_mtime_ns
 
 
-def _commit_blob(
-    entry: HubEntry, etag: str, commit: str, revision: str, part: Path, record: Record
-) -> None:
-    """Move the finished blob into place, record it, link the snapshot and the ref."""
+def _commit_blob(entry: HubEntry, etag: str, part: Path, record: Record) -> None:
+    """Move the finished blob into place and record it (its snapshot link and ref are made
+    next: ``Destination.link``)."""
     blob = entry.blob(etag)
     blob.parent.mkdir(parents=True, exist_ok=True)
     os.replace(part, blob)
     record.fingerprint = fingerprint(blob)
     record.save(entry.record(etag))
-    entry.link(commit, etag, revision)
 
 
 def is_cached_address(source: object) -> bool:

@@ -58,6 +58,7 @@ __all__ = [
     "now",
     "partial_ranges",
     "pread_soon",
+    "put_in_place",
     "read_json",
     "record_partial",
     "remove_quietly",
@@ -182,9 +183,17 @@ def read_json(path: Path) -> Any:
 
 def write_json(path: Path, value: Any) -> None:
     """Write ``value`` to ``path`` as JSON, through a temporary file and a rename."""
+    put_in_place(path, lambda temp: temp.write_text(json.dumps(value, sort_keys=True)))
+
+
+def put_in_place(path: Path, make: Callable[[Path], object]) -> None:
+    """Make the file ``path`` at once: ``make`` makes it under a temporary name beside it
+    (given that path; one a process of the same id left is removed first), which is renamed
+    to ``path``. Where either fails, the temporary file is removed."""
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        temp.write_text(json.dumps(value, sort_keys=True))
+        remove_quietly(temp)
+        make(temp)
         os.replace(temp, path)
     except BaseException:
         remove_quietly(temp)

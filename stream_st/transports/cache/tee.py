@@ -81,7 +81,9 @@ class Destination:
     copy's blocks are reserved up front (see :func:`_allocate`); a read of part of the object
     (``include=``, a header) keeps a sparse file, which takes only the room of what it holds.
     ``kept``: the files a commit leaves, removed if the copy is found wrong afterwards (see
-    :meth:`CopyWriter.refuted`).
+    :meth:`CopyWriter.refuted`). ``link``: makes the committed copy found by name (a Hub blob's
+    snapshot link and ref; blocking); where it fails, the copy is kept all the same, with a
+    warning.
     """
 
     part: Path
@@ -95,6 +97,7 @@ class Destination:
     version: str = ""
     reserve: bool = True
     kept: tuple[Path, ...] = ()
+    link: Callable[[], None] | None = None
 
 
 def _allocate(fd: int, size: int, reserve: bool) -> None:
@@ -420,10 +423,22 @@ class CopyWriter:
                 self.given_up = f"keeping the copy failed: {exc}"
                 warnings.warn(f"{self.name}: {self.given_up}", CacheWarning, stacklevel=2)
                 return
+            unlinked = None
+            if destination.link is not None:
+                try:
+                    await anyio.to_thread.run_sync(destination.link)
+                except OSError as exc:
+                    unlinked = exc
         self._forget_part()
         self.committed = True
         self._unpublish()
         self.lock.release()
+        if unlinked is not None:
+            warnings.warn(
+                f"{self.name}: the copy is kept, but linking it to its revision failed: {unlinked}",
+                CacheWarning,
+                stacklevel=2,
+            )
         if destination.on_committed is not None:
             with contextlib.suppress(OSError):
                 await anyio.to_thread.run_sync(destination.on_committed)
