@@ -337,8 +337,6 @@ def open_stream(
                 max_total_bytes=max_total_bytes,
             )
         except SafetensorsError as exc:  # every rank raises it, naming this one
-            if process_group is None:
-                raise
             return DistributedStream.refused(process_group, exc)
     clock = _clock(options, concurrency)
     return stream_for(

@@ -237,7 +237,10 @@ class DistributedStream(TensorStream[TensorT]):
         """A stream whose open tells the group that this rank's call was refused before it
         began (an option, a value the rank's own checks turned down): every rank then raises
         :class:`RankFailedError` naming this one at once, where raising here would leave the
-        others waiting for this rank until the group's timeout."""
+        others waiting for this rank until the group's timeout. Without a group (None),
+        ``problem`` is raised as it is."""
+        if process_group is None:
+            raise problem
         stream = cls("", process_group=process_group)
         stream._problem = Failure.of(problem)
         return stream
@@ -453,20 +456,24 @@ async def load(
     """Every tensor this rank wants of ``source`` as ``{name: torch tensor}`` (a sliced one: its
     slice), read with the group (see the module); returned on every rank only once every rank
     has all it wants. ``max_tensor_bytes``, ``max_total_bytes``: this rank's caps (see the
-    module)."""
-    stream = DistributedStream(
-        source,
-        process_group=process_group,
-        include=include,
-        slices=slices,
-        verify=verify,
-        clock=clock,
-        delivery=Delivery("pt", into, exact=False, writable=True),
-        device=device,
-        max_tensor_bytes=max_tensor_bytes,
-        max_total_bytes=max_total_bytes,
-        unique_names=True,
-    )
+    module). An argument refused as the stream is made is told to the group, as any other
+    failure is: every rank raises :class:`RankFailedError` naming this one."""
+    try:
+        stream = DistributedStream(
+            source,
+            process_group=process_group,
+            include=include,
+            slices=slices,
+            verify=verify,
+            clock=clock,
+            delivery=Delivery("pt", into, exact=False, writable=True),
+            device=device,
+            max_tensor_bytes=max_tensor_bytes,
+            max_total_bytes=max_total_bytes,
+            unique_names=True,
+        )
+    except SafetensorsError as exc:  # raised here, it would leave the others waiting
+        stream = DistributedStream.refused(process_group, exc)
     return await tensor_dict(stream)
 
 

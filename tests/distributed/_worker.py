@@ -5,10 +5,11 @@ standard input (answering ``done`` on its standard output): a scenario of fewer 
 group of the first ranks (made with ``new_group``), the others sit it out.
 
 ``PARAMS`` is a JSON file: ``world``, ``port``, ``timeout`` (seconds, the group's; a pool's group
-has 60), ``backend`` (``gloo``, or ``nccl``: rank R on CUDA device R modulo the count; a group of
-its own only), ``mode`` (``load_file``, ``load_model``, ``stream``), ``src`` (or ``srcs``: one per
-rank), ``options`` (keywords of ``load_file``, ``load_model`` or ``open_stream``: the same for all,
-or one mapping per rank), ``model`` (load_model mode: the name of the model's class in
+has 60 unless it is given: the scenario then runs on a group of its own), ``backend`` (``gloo``,
+or ``nccl``: rank R on CUDA device R modulo the count; a group of its own only), ``mode``
+(``load_file``, ``load_model``, ``stream``), ``src`` (or ``srcs``: one per rank), ``options``
+(keywords of ``load_file``, ``load_model`` or ``open_stream``: the same for all, or one mapping
+per rank), ``model`` (load_model mode: the name of the model's class in
 ``test_load``, ``Model`` unless given), ``into`` (stream mode: ``{name: [buffer, count]}``, the
 same for all: names of one buffer number are given one float32 tensor of ``count`` zeros as
 ``into=``), ``broken`` (``{rank: true}``, load_model mode: that rank gives None for the model), and
@@ -186,8 +187,15 @@ def serve(port: int, rank: int, world: int) -> None:
     groups[world] = dist.group.WORLD
     for line in sys.stdin:
         params = json.loads(Path(line.strip()).read_text())
-        if rank < params["world"]:
-            scenario(params, rank, groups[params["world"]])
+        size = params["world"]
+        group = groups[size]
+        if "timeout" in params:  # a group of the scenario's own, waiting that long
+            timeout = datetime.timedelta(seconds=params["timeout"])
+            group = dist.new_group(list(range(size)), timeout=timeout)
+        if rank < size:
+            scenario(params, rank, group)
+            if "timeout" in params:
+                dist.destroy_process_group(group)
         print("done", flush=True)
 
 

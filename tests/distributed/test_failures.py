@@ -127,6 +127,24 @@ def test_one_rank_failing_while_planning(
         assert report["seconds"] < PROMPT, report
 
 
+@pytest.mark.parametrize("mode", ["load_file", "load_model"])
+@pytest.mark.parametrize(
+    ("option", "told"),
+    [({"verify": "yes"}, "ArgumentTypeError: verify must be True or False, got 'yes'")],
+    ids=["verify"],
+)
+def test_one_rank_refusing_a_load_argument(
+    tmp_path: Path, layers: Path, pool: Pool, mode: str, option: dict[str, Any], told: str
+) -> None:
+    """``verify=``, refused as the stream is made, on rank 1 alone: every rank raises naming it
+    at once. Rank 1 raised it alone, leaving rank 0 waiting until the group's timeout (5 s
+    here)."""
+    reports = pool.run(tmp_path, 2, mode=mode, src=str(layers), options=[{}, option], timeout=5)
+    for report in reports:
+        assert told in failed(report, "RankFailedError", 1)
+        assert report["seconds"] < PROMPT, report
+
+
 def test_a_source_failing_on_one_rank_fails_every_rank(
     tmp_path: Path, layers: Path, pool: Pool
 ) -> None:
