@@ -131,7 +131,7 @@ def load_file(
     if process_group is not None or slices is not None:
         caps = (max_tensor_bytes, max_total_bytes)
         return _distributed_load(
-            filename, process_group, include, slices, verify, device, caps, cache, options
+            filename, process_group, include, slices, verify, device, caps, backend, cache, options
         )
     target = torch_device(device)
     given = {
@@ -167,17 +167,21 @@ def _distributed_load(
     verify: bool,
     device: str | int | torch.device,
     caps: tuple[int | None, int | None],
+    backend: str,
     cache: CacheLike,
     options: Mapping[str, Any],
 ) -> dict[str, torch.Tensor]:
     """``load_file`` with a process group (see :mod:`stream_st.sharded.ranks`); ``caps``: its
-    ``(max_tensor_bytes, max_total_bytes)``. A call this rank refuses is told to the group."""
+    ``(max_tensor_bytes, max_total_bytes)``. A call this rank refuses is told to the group.
+    ``backend`` is checked as without a group, though each rank reads its share into fresh
+    memory whichever it names."""
     from ._api import no_cache_with_ranks
     from .compat._sync import check_sync_address, run
     from .sharded import ranks
     from .transports.options import clock_of
 
     try:
+        _facade.maps(backend)
         no_cache_with_ranks(cache)
         check_sync_address(filename, "source")
         clock = clock_of(options)
@@ -422,6 +426,7 @@ def load_model(
                 given = {"process_group": process_group, "include": include, "slices": slices}
                 named = ", ".join(f"{key}=..." for key, value in given.items() if value is not None)
                 raise UsageError(f"load_model({named}) does not take assign=True")
+            _facade.maps(backend)  # checked as without a group; each rank reads into fresh memory
             no_cache_with_ranks(cache)
             clock = clock_of(options)
         except SafetensorsError as exc:  # every rank raises it, naming this one

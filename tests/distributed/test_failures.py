@@ -130,15 +130,19 @@ def test_one_rank_failing_while_planning(
 @pytest.mark.parametrize("mode", ["load_file", "load_model"])
 @pytest.mark.parametrize(
     ("option", "told"),
-    [({"verify": "yes"}, "ArgumentTypeError: verify must be True or False, got 'yes'")],
-    ids=["verify"],
+    [
+        ({"verify": "yes"}, "ArgumentTypeError: verify must be True or False, got 'yes'"),
+        ({"backend": "weird"}, "UsageError: backend must be one of ('mmap', 'pread')"),
+    ],
+    ids=["verify", "backend"],
 )
 def test_one_rank_refusing_a_load_argument(
     tmp_path: Path, layers: Path, pool: Pool, mode: str, option: dict[str, Any], told: str
 ) -> None:
-    """``verify=``, refused as the stream is made, on rank 1 alone: every rank raises naming it
-    at once. Rank 1 raised it alone, leaving rank 0 waiting until the group's timeout (5 s
-    here)."""
+    """``verify=`` refused as the stream is made, or ``backend=`` (unused with a group, checked
+    as without one), on rank 1 alone: every rank raises naming it at once. Rank 1 raised the
+    first alone, leaving rank 0 waiting until the group's timeout (5 s here), and the second was
+    dropped unchecked."""
     reports = pool.run(tmp_path, 2, mode=mode, src=str(layers), options=[{}, option], timeout=5)
     for report in reports:
         assert told in failed(report, "RankFailedError", 1)
