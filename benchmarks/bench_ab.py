@@ -9,6 +9,8 @@ A B B A (the order alternates, so drift over the run falls on both), each in a f
 with that checkout first on ``sys.path``, it times, page cache warm:
 
 * ``read-big`` / ``read-kv``: ``open_stream(path)``, every array touched once and dropped;
+* ``load-big``: ``stream_st.load(path)`` of ``big``, every array kept and touched once (2 GiB of
+  fresh memory in a fresh process);
 * ``read-chunks``: the same of ``kv`` read from memory as an async iterator of 16 KiB pieces (as
   a network client's iterator gives them), after one such read untimed: the reader's per-chunk
   path, not I/O nor first use;
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-FIGURES = ("read-big", "read-kv", "read-chunks", "write-big", "write-reused", "import")
+FIGURES = ("read-big", "load-big", "read-kv", "read-chunks", "write-big", "write-reused", "import")
 
 CHILD = r"""
 import sys, time
@@ -60,6 +62,10 @@ async def read():
             total += int(flat[::4096].sum()) if flat.size else 0
     return total
 
+async def load():
+    arrays = await stream_st.load(path)  # every array kept: the fresh memory of the whole file
+    return sum(int(a.reshape(-1).view(np.uint8)[::4096].sum()) for a in arrays.values())
+
 async def write():
     plan = [stream_st.TensorSpec(f"t{i:02}", "F32", (8 << 20,)) for i in range(64)]
     reused = np.ones(8 << 20, dtype=np.float32)
@@ -82,7 +88,7 @@ else:
     if data:  # the reader's first use (its imports) untimed: its chunk path alone is
         anyio.run(read)
     start = time.perf_counter()
-    anyio.run(write if figure.startswith("write") else read)
+    anyio.run(write if figure.startswith("write") else load if figure == "load-big" else read)
     print(time.perf_counter() - start)
 """
 

@@ -6,18 +6,26 @@ See :func:`fresh_mapping` for the pages large arrays get.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import functools
 import mmap
 import sys
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
-__all__ = ["ALIGN", "OWN_MAPPING_FROM", "fresh_bytes", "fresh_mapping", "populate"]
+__all__ = [
+    "ALIGN",
+    "HUGE_PAGES_HELD",
+    "OWN_MAPPING_FROM",
+    "fresh_bytes",
+    "fresh_mapping",
+    "populate",
+]
 
 
 OWN_MAPPING_FROM = 4 << 20
@@ -38,22 +46,57 @@ def fresh_bytes(nbytes: int) -> np.ndarray[Any, Any]:
 
 def fresh_mapping(nbytes: int) -> mmap.mmap:
     """An anonymous private mapping of ``nbytes``; from :data:`OWN_MAPPING_FROM` up advised to
-    be backed by transparent huge pages (``MADV_HUGEPAGE``, where the system has them: many
-    systems give them only where asked, as here).
+    be backed by transparent huge pages (``MADV_HUGEPAGE``, where the system has them: many give
+    them only where asked) while the mappings so advised and still in use hold less than
+    :data:`HUGE_PAGES_HELD` bytes.
 
-    A read into fresh memory spends most of its time faulting its pages in: 4 KiB pages cost
-    one fault each, 8,192 for a 32 MiB tensor. Measured on 2 loaded cores (load 5-7), paired
-    per round: a 64 MiB file of two 32 MiB tensors streamed warm went from 0.33x a one-thread
-    ``preadv`` loop into ``np.empty`` arrays to 0.85x with the advice; a fresh process loading
-    and keeping 256 MiB took 108-175 ms against 234-595 ms; 1 GiB, 0.7-4.2 s against 1.2-2.2 s
-    (medians 1.5 and 1.4 s: on a virtual machine a huge page the host has to back again costs
-    more at its first touch, as an earlier round measured, see ``docs/benchmarks.md``)."""
+    A read into fresh memory spends most of its time faulting its pages in: 4 KiB pages cost one
+    fault each, 8,192 for a 32 MiB tensor, and a warm 64 MiB file streamed at 0.33x a one-thread
+    ``preadv`` loop into ``np.empty`` arrays (which numpy advises so); 0.85x with the advice
+    (see ``docs/benchmarks.md``). But on a virtual machine that hands free 2 MiB blocks back to
+    its host, a huge page carved from memory not used lately waits for the host at its first
+    touch: loading and keeping 2 GiB in a fresh process took 1.8x as long with every mapping
+    advised. Memory freed a moment ago (a stream's earlier tensors) is still backed, so the
+    advice stops where much fresh memory is kept."""
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if nbytes >= OWN_MAPPING_FROM and _HUGE_PAGES:
-        with contextlib.suppress(OSError):  # a kernel without transparent huge pages
+    if nbytes >= OWN_MAPPING_FROM and _HUGE_PAGES and _huge_held.take(nbytes):
+        try:
             mapping.madvise(_HUGE_PAGES)
+        except OSError:  # a kernel without transparent huge pages
+            _huge_held.give_back(nbytes)
+        else:
+            weakref.finalize(mapping, _huge_held.give_back, nbytes)
     return mapping
 
+
+HUGE_PAGES_HELD = 256 << 20
+"""The most bytes of mappings advised for huge pages in use at once (see :func:`fresh_mapping`):
+a fresh process loading and keeping 256 MiB took 108-175 ms with the advice against 234-595
+without; 1 GiB about as long either way; 2 GiB 1.8x as long with it."""
+
+
+class _Held:
+    """The bytes of mappings advised for huge pages still in use (any thread allocates)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes = 0
+
+    def take(self, nbytes: int) -> bool:
+        """Count ``nbytes`` more if they stay within :data:`HUGE_PAGES_HELD`; whether they did."""
+        with self._lock:
+            if self._bytes + nbytes > HUGE_PAGES_HELD:
+                return False
+            self._bytes += nbytes
+            return True
+
+    def give_back(self, nbytes: int) -> None:
+        """A mapping of ``nbytes`` counted by :meth:`take` is unmapped, or was never advised."""
+        with self._lock:
+            self._bytes -= nbytes
+
+
+_huge_held = _Held()
 
 _HUGE_PAGES: Final[int] = getattr(mmap, "MADV_HUGEPAGE", 0)
 """``madvise`` advice for transparent huge pages (0 where Python has none)."""
