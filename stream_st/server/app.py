@@ -35,6 +35,7 @@ from .served import ServedObject, SourceFile, Tensors, served_object
 
 if TYPE_CHECKING:
     from aiohttp import web
+    from multidict import CIMultiDictProxy
 
     from ..core.header import Header
 
@@ -207,10 +208,10 @@ class Server:
             request.method,
             served.size,
             served.etag,
-            range_=headers.get("Range"),
-            if_match=headers.get("If-Match"),
-            if_none_match=headers.get("If-None-Match"),
-            if_range=headers.get("If-Range"),
+            range_=_combined(headers, "Range"),
+            if_match=_combined(headers, "If-Match"),
+            if_none_match=_combined(headers, "If-None-Match"),
+            if_range=_combined(headers, "If-Range"),
         )
         common = {"ETag": served.etag, "Accept-Ranges": "bytes"}
         if decided.status == 412:
@@ -440,3 +441,11 @@ def serve(
 
     with suppress(KeyboardInterrupt):
         anyio.run(forever)
+
+
+def _combined(headers: CIMultiDictProxy[str], name: str) -> str | None:
+    """The field ``name`` of a request's ``headers`` (a multidict), its lines joined as RFC 9110
+    combines a field sent more than once: two ``Range`` lines ask for several ranges (answered
+    whole), where the first line alone gave a 206 for it, dropping the other unsaid."""
+    lines = headers.getall(name, [])
+    return ", ".join(lines) if lines else None

@@ -5,6 +5,7 @@ plain HTTP client (``http.client``) and by stream_st's readers."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import fcntl
 import http.client
 import json
@@ -583,3 +584,27 @@ def test_import_stream_st_does_not_import_aiohttp() -> None:
         timeout=60,
     )
     assert done.stdout.strip() == "False", done.stderr
+
+
+async def test_a_range_sent_on_two_lines_asks_for_several_ranges(tmp_path: Path) -> None:
+    """Two ``Range`` lines are one field of two ranges (RFC 9110 combines a field sent twice):
+    answered whole, as several ranges on one line are, where the first line alone gave a 206
+    for it and dropped the other unsaid."""
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(tensors(), str(path))
+    expected = path.read_bytes()
+    async with stream_st.serving(path) as server:
+        host, port = server.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        stream = await anyio.connect_tcp(host, int(port))
+        async with stream:
+            await stream.send(
+                f"GET /{server.url.split('/', 3)[3]} HTTP/1.1\r\nHost: {host}\r\n"
+                "Range: bytes=0-3\r\nRange: bytes=5-9\r\nConnection: close\r\n\r\n".encode()
+            )
+            answer = b""
+            with contextlib.suppress(anyio.EndOfStream):
+                while True:
+                    answer += await stream.receive()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0] == b"HTTP/1.1 200 OK", head
+    assert body == expected
