@@ -786,16 +786,17 @@ class DatasetWriter(_RollingWriter):
         Batch mode: every column is ``[samples, *sample_shape]``; a column of another number of
         rows, or of no dimension at all, is a :class:`UsageError` naming it, and nothing of the
         group is written (the manifest would count samples its shard does not hold); so is a
-        group of no tensor but some samples, and a batch whose columns are not those of the
-        dataset's first (:meth:`_check_columns`). Arrays are taken as :func:`~stream_st.save`
-        takes them (torch tensors included), of a dtype the manifest's schema can record
-        (:data:`~stream_st.core.shards.MANIFEST_DTYPES`: not ``BOOL``, an 8-bit float nor F4,
-        a :class:`DtypeError`). A group
-        whose ``samples`` is 1, or its number of tensors, may instead be KV-mode rows (the
-        tensors ``{name}{separator}{column}`` of one name, or one tensor a sample, as the Spark
-        writer counts them), each a value of any shape: it is taken as it is, unless batches of
-        the same columns were taken before (then it is a batch, its rows checked: a last batch
-        of one sample).
+        group of no tensor but some samples, a batch whose columns are not those of the
+        dataset's first (:meth:`_check_columns`), and a batch whose column is of another dtype,
+        or holds rows of another shape, than the schema records (:meth:`_check_schema`).
+        Arrays are taken as :func:`~stream_st.save` takes them (torch tensors included), of a
+        dtype the manifest's schema can record (:data:`~stream_st.core.shards.MANIFEST_DTYPES`:
+        not ``BOOL``, an 8-bit float nor F4, a :class:`DtypeError`). A group whose ``samples``
+        is 1, or its number of tensors, may instead be KV-mode rows (the tensors
+        ``{name}{separator}{column}`` of one name, or one tensor a sample, as the Spark writer
+        counts them), each a value of any shape: it is taken as it is, unless batches of the
+        same columns were taken before (then it is a batch, its rows checked: a last batch of
+        one sample).
 
         The schema records each name's dtype and shape as first written, in a group taken (a
         group refused records nothing).
@@ -829,6 +830,8 @@ class DatasetWriter(_RollingWriter):
             if batch:
                 _check_rows(arrays, samples)
             self._check_columns(arrays, samples, batch)
+            if batch:
+                self._check_schema(specs)
             await self._add_group(arrays, specs, samples)  # checks every column before any write
             if arrays:  # only a batch taken is recorded
                 if self._columns is None:
@@ -862,6 +865,25 @@ class DatasetWriter(_RollingWriter):
                 f"{sorted(self._columns)}: every batch holds the same columns (readers take "
                 "shards of other columns for KV-mode rows); nothing of the batch was written"
             )
+
+    def _check_schema(self, specs: list[TensorSpec]) -> None:
+        """:class:`UsageError` where a column of a batch (of the dataset's columns, see
+        :meth:`_check_columns`) holds another dtype, or rows of another shape, than the
+        schema records: the manifest would contradict the batch's shard, and readers refuse
+        shards whose columns differ."""
+        for spec in specs:
+            recorded = self._schema.get(spec.name)
+            if recorded is None:
+                continue
+            code = dtype_for(spec.dtype).code
+            if code != recorded["dtype"] or list(spec.shape[1:]) != recorded["shape"][1:]:
+                raise UsageError(
+                    f"write_batch: column {spec.name!r} is {code} rows of shape "
+                    f"{list(spec.shape[1:])}, the dataset's {recorded['dtype']} rows of shape "
+                    f"{recorded['shape'][1:]}: a column's rows are of one dtype and shape in "
+                    "every batch (readers refuse shards whose columns differ); nothing of the "
+                    "batch was written"
+                )
 
     def _shard_name(self, index: int) -> str:
         return shard_file_name(self.task_id, index, self._uuid)

@@ -709,6 +709,36 @@ async def test_every_batch_of_a_dataset_holds_the_same_columns(tmp_path: Path) -
     assert manifest["total_samples"] == 2
 
 
+async def test_every_batch_of_a_column_holds_rows_of_one_dtype_and_shape(
+    tmp_path: Path,
+) -> None:
+    """A batch whose column was of another dtype or row shape than the first batch's was
+    written: the manifest's schema said F32 [4, 2] of a shard holding I64 [3, 5], and readers
+    refused the dataset. It is refused, nothing of it written (a last batch of one sample
+    included); a batch of other rows alike is taken, and so are KV rows of any shape."""
+    async with open_dataset_writer(tmp_path / "batches") as d:
+        await d.write_batch({"x": np.ones((4, 2), np.float32), "y": np.zeros(4, np.int64)}, 4)
+        for x, samples, why in (
+            (np.ones((3, 2), np.int64), 3, r"'x' is I64 rows of shape \[2\], .*F32 rows"),
+            (np.ones((3, 5), np.float32), 3, r"'x' is F32 rows of shape \[5\], .*shape \[2\]"),
+            (np.ones((1, 2, 1), np.float32), 1, r"'x' is F32 rows of shape \[2, 1\]"),
+        ):
+            with pytest.raises(stream_st.UsageError, match=why):
+                await d.write_batch({"x": x, "y": np.zeros(samples, np.int64)}, samples)
+        await d.write_batch({"x": np.ones((3, 2), np.float32), "y": np.zeros(3, np.int64)}, 3)
+    manifest = json.loads((tmp_path / "batches" / "dataset_manifest.json").read_text())
+    assert manifest["schema"] == {
+        "x": {"dtype": "F32", "shape": [4, 2]},
+        "y": {"dtype": "I64", "shape": [4]},
+    }
+    assert [s["samples_count"] for s in manifest["shards"]] == [4, 3]
+    assert not (await describe_dataset(tmp_path / "batches")).kv
+    async with open_dataset_writer(tmp_path / "kv") as d:
+        await d.write_batch({"a__x": np.zeros(3, np.float32)}, 1)
+        await d.write_batch({"b__x": np.zeros((2, 2), np.int64)}, 1)
+    assert (await describe_dataset(tmp_path / "kv")).kv
+
+
 async def test_a_last_batch_of_one_sample_is_a_batch(tmp_path: Path) -> None:
     """Once batches of a dataset's columns were taken, a group of them with 1 sample (or as
     many as its columns) is a batch too, its rows checked: one of 7 rows for 2 samples was
