@@ -20,7 +20,7 @@ import anyio
 import anyio.to_thread
 
 from .._util import process_running
-from ..core.arrays import load_torch
+from ..core.arrays import load_torch, torch_device
 from ..errors import ArgumentTypeError, RankFailedError, RankLostError, UsageError
 
 __all__ = ["LOST_LOOKS", "LOST_PAUSE", "MESSAGE_BYTES", "Failure", "RankGroup", "describe"]
@@ -110,17 +110,9 @@ class RankGroup:
         _PEERS[self.group] = peers
 
     def hand_out_on(self, device: Any) -> None:
-        """Hand tensors out on ``device`` (None or ``"cpu"``: the CPU); :class:`UsageError` if
-        this torch cannot use it."""
-        try:
-            out = None if device in (None, "cpu") else self.torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise UsageError(f"device={device!r} is not a device: {exc}") from None
-        if out is not None and out.type not in ("cpu", "cuda"):
-            raise UsageError(f"device={device!r}: only the CPU and CUDA devices are supported")
-        if out is not None and out.type == "cuda" and not self.torch.cuda.is_available():
-            raise UsageError(f"device={device!r}: this torch has no CUDA device")
-        self.out_device = out
+        """Hand tensors out on ``device``, checked as a load without a group checks it (see
+        :func:`~stream_st.core.arrays.torch_device`: a :class:`UsageError` if refused)."""
+        self.out_device = torch_device(device)
 
     def global_rank(self, rank: int) -> int:
         return int(self.dist.get_global_rank(self.group, rank)) if self.group else rank

@@ -166,6 +166,24 @@ def test_device_meta_is_refused_on_every_rank(
         assert "only the CPU and CUDA devices are supported" in message
 
 
+@pytest.mark.parametrize("device", ["cpu:1", "xla"])
+def test_a_refused_device_fails_every_rank_as_without_a_group(
+    tmp_path: Path, every: dict[str, Any], pool: Pool, device: str
+) -> None:
+    """The group's own copy of the device check took ``"cpu:1"`` and refused ``"xla"`` with a
+    UsageError alone, where the single-process load raises a DeviceError and an
+    UnsupportedDeviceError: the group tells the same error to every rank."""
+    src = tmp_path / "plain.safetensors"
+    reference_save(every, str(src))
+    with pytest.raises(stream_st.UsageError) as alone:
+        stream_st.torch.load_file(str(src), device=device)
+    told = f"{type(alone.value).__name__}: {alone.value}"
+    options: list[dict[str, Any]] = [{}, {"device": device}]
+    reports = pool.run(tmp_path, 2, mode="load_file", src=str(src), options=options, timeout=20)
+    for report in reports:
+        assert told in failed(report, "RankFailedError", 1)
+
+
 def test_process_group_that_is_no_group(tmp_path: Path, every: dict[str, Any]) -> None:
     src = tmp_path / "plain.safetensors"
     reference_save(every, str(src))

@@ -100,7 +100,7 @@ def test_a_rank_leaving_its_stream_fails_the_others_at_once(
     ("params", "told"),
     [
         ({"include": [None, "!raise"]}, "LookupError: no rule for"),
-        ({"options": [{}, {"device": "nowhere"}]}, "UsageError: device='nowhere'"),
+        ({"options": [{}, {"device": "nowhere"}]}, "DeviceError: device='nowhere'"),
         ({"slices": [None, {"layer0": [5, 0, 2]}]}, "UsageError: slices= for 'layer0'"),
         ({"include": [None, 5]}, "ArgumentTypeError: include= takes"),
         ({"options": [{}, {"bogus": 1}]}, "ArgumentTypeError: unknown option(s) ['bogus']"),
