@@ -181,12 +181,15 @@ def local_path(src: object) -> str | None:
 
         if is_index(src):
             return None
-    if "://" in src:
-        if not src.lower().startswith("file://"):
-            return None
+    if "://" in src:  # a URL, or a path holding it (the address helpers imported only then)
+        from ..core.shards import scheme_of
         from ..transports.file.atomic import path_from_url
 
-        src = path_from_url(src)
+        scheme = scheme_of(src)
+        if scheme not in (None, "file"):
+            return None
+        if scheme is not None:
+            src = path_from_url(src)
     try:
         mode = os.stat(src).st_mode
     except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 from urllib.parse import SplitResult, quote, unquote, urlsplit, urlunsplit
 
+from .._regex import LazyPattern
 from ..errors import HeaderError, UsageError, unreadable
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "join_address",
     "literal_scheme",
     "manifest_document",
+    "scheme_of",
     "shard_address",
     "shard_file_name",
     "shard_name",
@@ -102,6 +104,22 @@ def shard_name(shard: object, index: str) -> str:
     return shard
 
 
+_SCHEME = LazyPattern(r"[A-Za-z][A-Za-z0-9+.-]*(?=://)")
+"""A URL scheme (RFC 3986: a letter, then letters, digits, ``+``, ``-`` or ``.``) before
+``://``."""
+
+
+def scheme_of(address: object) -> str | None:
+    """The lower-cased URL scheme of ``address``, a string that begins with a scheme and
+    ``://``, else None: any other string is a path, ``://`` in it or not (``dir/with://x`` is
+    the file ``x`` in the folder ``dir/with:``, as the reference reads and writes it)."""
+    if isinstance(address, str) and "://" in address:
+        found = _SCHEME.compiled.match(address)
+        if found is not None:
+            return found.group().lower()
+    return None
+
+
 def split_address(url: str) -> SplitResult:
     """``url``'s parts, as ``urlsplit`` gives them, but an ``s3://`` address's key runs to its
     end: an S3 key may hold ``?`` and ``#``, so it has no query and no fragment. A URL that
@@ -124,7 +142,7 @@ def shard_address(index: str, shard: str) -> str:
     directory as its transport will read it: same scheme, host and query, no part that climbs out.
     """
     shard = shard_name(shard, index)
-    if "://" not in index:
+    if scheme_of(index) is None:
         address = posixpath.join(posixpath.dirname(index), shard)
     else:
         parts = split_address(index)
@@ -151,7 +169,7 @@ def literal_scheme(scheme: str) -> bool:
 
 def _inside(index: str, address: str) -> bool:
     """Whether ``address``, read the way its transport reads it, is in ``index``'s directory."""
-    if "://" in index:
+    if scheme_of(index) is not None:
         home, there = split_address(index), split_address(address)
         if (there.scheme, there.netloc, there.query, there.fragment) != (
             home.scheme,
@@ -253,7 +271,7 @@ def _local_safetensors(address: str) -> bool:
     """Whether ``address`` (a path or ``file://`` URL) is a local regular file whose bytes are a
     safetensors file (:func:`holds_safetensors`); False for anything else, remote or unreadable
     (the reader then says what is wrong with it)."""
-    if "://" in address:
+    if scheme_of(address) is not None:
         parts = split_address(address)
         if parts.scheme.lower() != "file" or parts.netloc not in ("", "localhost"):
             return False

@@ -34,6 +34,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .._api import open_stream
 from ..compat._sync import run
+from ..core.shards import scheme_of
 from ..errors import UsageError, boolean, integer_at_least
 from ..reader.stream import include_names
 from .dataset import (
@@ -288,7 +289,7 @@ class SafetensorsDataset(IterableDataset[Sample]):
         :func:`~stream_st.integrations.dataset.read_piece` checks them); other sources are read
         with ranged requests."""
         described = self._described[piece.address]
-        if "://" in piece.address and not piece.address.startswith("file://"):
+        if scheme_of(piece.address) not in (None, "file"):
             read = await read_piece(piece, described)
             return {name: torch.from_numpy(array) for name, array in read.items()}
         whole = (piece.start, piece.stop) == (0, self._rows[piece.address])

@@ -39,7 +39,7 @@ from .._api import load
 from ..core.digests import Digests, digests_for, is_record_key
 from ..core.header import Header
 from ..core.layout import TensorSpec, build_header
-from ..core.shards import INDEX_SUFFIX, is_index, shard_address
+from ..core.shards import INDEX_SUFFIX, is_index, scheme_of, shard_address
 from ..errors import (
     ArgumentTypeError,
     SourceChangedError,
@@ -221,7 +221,7 @@ async def served_object(
             f"of names to tensors, got {type(source).__name__}"
         )
     path = os.fspath(source)
-    if "://" in path:
+    if scheme_of(path) is not None:
         raise UsageError(f"serve takes a local path, not a URL: {path}")
     found = model_sources(path)
     if len(found) > 1:

@@ -67,6 +67,7 @@ from ..core.shards import (
     SHARD_NAME,
     ShardEntry,
     manifest_document,
+    scheme_of,
     shard_file_name,
     shard_name,
 )
@@ -248,8 +249,8 @@ def _local_folder(directory: object) -> Path:
         raise ArgumentTypeError(
             f"the folder must be a path or a file:// URL, got {type(directory).__name__}"
         )
-    if "://" in directory:
-        scheme = directory.split("://", 1)[0].lower()
+    scheme = scheme_of(directory)
+    if scheme is not None:
         if scheme != "file":
             raise UnsupportedSinkError(
                 f"shards are written to a local folder, not to a {scheme}:// URL "

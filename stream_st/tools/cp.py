@@ -36,7 +36,7 @@ from ..core.digests import (
 from ..core.dtypes import dtype_from_code, wire_bytes
 from ..core.header import Header, TensorInfo
 from ..core.layout import TensorSpec
-from ..core.shards import join_address, literal_scheme, shard_address, split_address
+from ..core.shards import join_address, literal_scheme, scheme_of, shard_address, split_address
 from ..core.stats import LoadStats, record_last
 from ..core.strict_json import decode_json
 from ..errors import (
@@ -754,7 +754,7 @@ def _copied_digests(
 
 def address_in(into: str, name: str) -> str:
     """The address of ``name`` (a relative path) inside the directory or prefix ``into``."""
-    if "://" not in into:
+    if scheme_of(into) is None:
         return os.path.join(into, *name.split("/"))
     parts = split_address(into)
     if not parts.netloc and parts.scheme.lower() != "file":  # s3:// then names a local path
@@ -864,9 +864,10 @@ def local_path(
     """The local path ``address`` names (a path, or a ``file://`` URL's, decoded); None for any
     other URL. ``unsupported`` is raised for a ``file://`` URL of a remote host (a destination's
     by default)."""
-    if "://" not in address:
+    scheme = scheme_of(address)
+    if scheme is None:
         return address
-    if split_address(address).scheme.lower() != "file":
+    if scheme != "file":
         return None
     return path_from_url(address, unsupported)
 
@@ -1029,7 +1030,9 @@ async def mirror(
             f"{index}: a dataset manifest is mirrored as it is (its byte counts would change): "
             f"drop {', '.join(given)}, or merge it into one file (cp(), --merge)"
         )
-    index_name = posixpath.basename(split_address(index).path if "://" in index else index)
+    index_name = posixpath.basename(
+        index if scheme_of(index) is None else split_address(index).path
+    )
     allow_open_files(len(shards.shards) + 1)
     written: list[str] = []
     held: list[_Held] = []

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, cast
 
 from anyio.abc import ByteReceiveStream, ByteSendStream
 
+from ..core.shards import scheme_of
 from ..errors import UnsupportedSinkError, UnsupportedSourceError, UsageError
 from .base import AsyncReadInto, Sink, Source
 from .file.sink import open_file_sink
@@ -97,13 +98,6 @@ class SinkLender(abc.ABC):
 
 SinkLike = str | os.PathLike[str] | ByteSendStream | asyncio.StreamWriter | Sink | SinkLender
 """Everything :func:`open_sink` accepts."""
-
-
-def scheme_of(address: object) -> str | None:
-    """The lower-cased URL scheme of ``address`` (a string with ``://``), else None."""
-    if isinstance(address, str) and "://" in address:
-        return address.split("://", 1)[0].lower()
-    return None
 
 
 def _factory(spec: str) -> Callable[..., Awaitable[Any]]:

@@ -20,6 +20,7 @@ from urllib.parse import quote
 import anyio
 import anyio.to_thread
 
+from ..core.shards import scheme_of
 from ..errors import TransportError, UnsupportedSinkError, UsageError, redact
 from .http import HTTPNotFoundError, xml_field
 from .options import UNLIMITED, Clock
@@ -40,23 +41,19 @@ __all__ = [
 ]
 
 
-def _scheme(address: str) -> str:
-    return address.split("://", 1)[0].lower() if "://" in address else ""
-
-
 def _local(address: str) -> str | None:
     """The file system path ``address`` names; None for an ``s3://`` URL; refuses the rest."""
-    scheme = _scheme(address)
+    scheme = scheme_of(address)
     if scheme == "s3":
         return None
-    if scheme in ("", "file"):
-        return path_from_url(address, UnsupportedSinkError) if scheme else address
+    if scheme in (None, "file"):
+        return address if scheme is None else path_from_url(address, UnsupportedSinkError)
     raise UnsupportedSinkError(f"{address}: a dataset is written to a path or an s3:// URL")
 
 
 def listable(address: str) -> bool:
     """Whether :func:`list_names` can list ``address`` (a path or ``s3://``; not ``http(s)://``)."""
-    return _scheme(address) in ("", "file", "s3")
+    return scheme_of(address) in (None, "file", "s3")
 
 
 def join(directory: str, name: str) -> str:

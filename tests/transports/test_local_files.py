@@ -24,8 +24,11 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
+import stream_st.numpy
 import stream_st.sharded.writer
+import stream_st.tools
 from stream_st import ReadTimeoutError, TensorSpec, TransportError
+from stream_st.core.shards import scheme_of
 from stream_st.sharded.writer import open_dataset_writer, open_sharded_writer
 from stream_st.transports.file.source import open_file_source
 
@@ -271,6 +274,44 @@ async def test_a_source_dropped_unclosed_gives_its_descriptor_back(tmp_path: Pat
         async with stream_st.open_stream(path):
             pass
         gc.collect()
+
+
+async def test_a_path_holding_colon_slash_slash_is_a_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any text before ``://`` was taken for a URL scheme: ``dir/with://x``, the file ``x`` in
+    the folder ``dir/with:`` (as the reference writes and reads it), was refused as a URL of
+    the scheme ``dir/with``. Only an RFC 3986 scheme (a letter, then letters, digits, ``+``,
+    ``-``, ``.``) makes a URL; the rest are paths, written and read as files: by save and load,
+    the drop-ins, the sharded writer and its index's reader, cp and mirror."""
+    assert [scheme_of(a) for a in ("S3://b/k", "git+ssh://h", "file:///a://b", 3)] == [
+        "s3",
+        "git+ssh",
+        "file",
+        None,
+    ]
+    assert [scheme_of(a) for a in ("dir/with://x", "1a://x", "a b://x", "-a://x")] == [None] * 4
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dir" / "with:").mkdir(parents=True)
+    arrays: dict[str, np.ndarray[Any, Any]] = {
+        "a": np.arange(3, dtype=np.float32),
+        "b": np.ones(2, np.int8),
+    }
+    await stream_st.save("dir/with://saved", arrays)
+    stream_st.numpy.save_file(arrays, "dir/with://dropped")
+    await stream_st.tools.cp("dir/with://saved", "dir/with://copied")
+    async with open_sharded_writer("dir/with://ckpt", max_shard_size=1) as writer:
+        for name, array in arrays.items():
+            await writer.write(name, array)
+    index = "dir/with://ckpt/model.safetensors.index.json"
+    await stream_st.tools.mirror(index, "dir/with://mirrored")
+    assert sorted(os.listdir("dir/with:/mirrored")) == sorted(os.listdir("dir/with:/ckpt"))
+    for name in ("saved", "dropped", "copied"):
+        assert (tmp_path / "dir" / "with:" / name).read_bytes() == reference_numpy.save(arrays)
+        assert stream_st.numpy.load_file(f"dir/with://{name}")["b"].tolist() == [1, 1]
+    for source in ("dir/with://saved", index):
+        got = {name: array async for name, array in stream_st.open_stream(source)}
+        assert got.keys() == arrays.keys() and got["a"].tolist() == [0, 1, 2]
 
 
 async def test_a_symlink_at_the_destination_is_replaced_not_written_through(

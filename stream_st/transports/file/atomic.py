@@ -716,10 +716,14 @@ def local_target(dst: object) -> tuple[str, tuple[os.stat_result | None]] | None
     if not isinstance(dst, str):
         return None
     try:
-        if "://" in dst:
-            if dst.split("://", 1)[0].lower() != "file":
+        if "://" in dst:  # a URL, or a path holding it (the address helpers imported only then)
+            from ...core.shards import scheme_of
+
+            scheme = scheme_of(dst)
+            if scheme not in (None, "file"):
                 return None
-            dst = path_from_url(dst, UnsupportedSinkError)
+            if scheme is not None:
+                dst = path_from_url(dst, UnsupportedSinkError)
         here = _existing(dst, follow=False)
         return (dst, (here,)) if _replaces(dst, here) else None
     except SafetensorsError:
