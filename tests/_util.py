@@ -112,3 +112,18 @@ def stepped(raw: bytes) -> tuple[Any, int]:
         except StopIteration as done:
             return done.value, yields
         yields += 1
+
+
+def mapping_of(address: int) -> list[str] | None:
+    """The ``VmFlags`` of this process's mapping holding ``address`` (``/proc/self/smaps``), or
+    None when no mapping holds it."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):
+                low, high = (int(bound, 16) for bound in first.split("-"))
+                inside = low <= address < high
+            elif inside and first == "VmFlags:":
+                return line.split()[1:]
+    return None

@@ -18,6 +18,8 @@ from stream_st.memory import fresh as _fresh
 from stream_st.memory import recycle as _recycle
 from stream_st.memory.recycle import IDLE_BYTES, KEPT_BYTES, RECYCLE_FROM, Recycler
 
+from .._util import mapping_of
+
 pytestmark = pytest.mark.anyio
 
 SIZE = 1 << 20
@@ -119,18 +121,11 @@ async def test_a_closed_stream_keeps_no_memory_for_reuse(tmp_path: Path) -> None
     assert not stream._recycler._kept
 
 
-def _vm_flags(where: int) -> list[str]:
-    """The ``VmFlags`` of the mapping of this process that holds address ``where``."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(part, 16) for part in head.split("-"))
-                inside = start <= where < end
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {where:#x}")
+def flags(where: int) -> list[str]:
+    """The ``VmFlags`` of the mapping holding ``where``, which must be one."""
+    found = mapping_of(where)
+    assert found is not None, f"no mapping holds {where:#x}"
+    return found
 
 
 needs_huge_pages = pytest.mark.skipif(
@@ -155,7 +150,7 @@ async def test_large_fresh_arrays_ask_for_huge_pages(tmp_path: Path, held: None)
     path = tmp_path / "m.safetensors"
     reference.save_file({"big": np.ones(2 << 20, np.float32), "small": np.ones(4)}, str(path))
     loaded = await stream_st.load(path)
-    assert "hg" in _vm_flags(address(loaded["big"]))
+    assert "hg" in flags(address(loaded["big"]))
     assert np.array_equal(loaded["big"], np.ones(2 << 20, np.float32))
 
 
@@ -169,9 +164,9 @@ async def test_memory_advised_for_huge_pages_is_bounded_while_in_use(
     path = tmp_path / "m.safetensors"
     reference.save_file({f"t{i}": np.full(2 << 20, i, np.float32) for i in range(2)}, str(path))
     first = await stream_st.load(path)
-    assert ["hg" in _vm_flags(address(first[f"t{i}"])) for i in range(2)] == [True, False]
+    assert ["hg" in flags(address(first[f"t{i}"])) for i in range(2)] == [True, False]
     del first
     gc.collect()
     again = await stream_st.load(path)
-    assert "hg" in _vm_flags(address(again["t0"]))
+    assert "hg" in flags(address(again["t0"]))
     assert [int(again[f"t{i}"][-1]) for i in range(2)] == [0, 1]
