@@ -29,7 +29,14 @@ import numpy as np
 
 from .._api import save as save_async
 from .._api import stream_for
-from ..core.arrays import framework_of, to_torch, torch_device, torch_dtype, torch_shape
+from ..core.arrays import (
+    framework_of,
+    one_cpu,
+    to_torch,
+    torch_device,
+    torch_dtype,
+    torch_shape,
+)
 from ..core.header import Header, TensorInfo
 from ..errors import (
     ArgumentTypeError,
@@ -101,22 +108,23 @@ def maps(backend: object) -> bool:
 
 
 def _on_cpu(device: object) -> None:
-    """Refuse ``device`` for numpy arrays, which live on the CPU, unless it is a CPU device,
+    """Refuse ``device`` for numpy arrays, which live on the CPU, unless it is the CPU device,
     taken as for torch tensors (``"cpu"``, ``"cpu:0"``, a ``torch.device`` of either; without
     torch, such a name as torch spells it): a :class:`UsageError`; a :class:`DeviceError` (a
-    ``ValueError`` too, as the reference's) for a name torch does not know (``"cuda:x"``),
-    where torch is there to tell."""
+    ``ValueError`` too, as the reference's) for a CPU but the one (``"cpu:1"``, with torch or
+    without), or for a name torch does not know (``"cuda:x"``), where torch is there to tell."""
     if device is None or str(device) == "cpu":
         return
     try:
         if torch_device(device) is None:  # a CPU device
             return
-    except DeviceError:  # a name torch does not know
+    except DeviceError:  # a name torch does not know, or a CPU but the one
         raise
     except UsageError:  # torch missing, or a device this torch cannot use: refused below
         kind, _, index = str(device).partition(":")
         if kind == "cpu" and index.isascii() and index.isdigit() and str(int(index)) == index:
-            return  # "cpu:N" without torch to tell
+            one_cpu(device, int(index))
+            return  # "cpu:0" without torch to tell
     raise UsageError(f"device={device!r}: numpy arrays live on the CPU")
 
 

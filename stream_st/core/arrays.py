@@ -34,6 +34,7 @@ __all__ = [
     "framework_of",
     "is_torch_tensor",
     "load_torch",
+    "one_cpu",
     "spec_of",
     "to_torch",
     "torch_code",
@@ -197,6 +198,14 @@ def framework_of(framework: str | None, *, required: bool = False) -> bool:
     raise UsageError(f"framework must be 'pt' or 'np', got {framework!r}")
 
 
+def one_cpu(device: object, index: int | None) -> None:
+    """Refuse ``device``, the CPU of ``index``, unless it is the one (``index`` None or 0):
+    a :class:`~stream_st.errors.DeviceError` (a ``ValueError`` too), as the reference refuses
+    ``"cpu:1"``."""
+    if index not in (None, 0):
+        raise DeviceError(f"device={device!r}: there is one CPU device, 'cpu' (or 'cpu:0')")
+
+
 def torch_device(device: object) -> Any | None:
     """The ``torch.device`` tensors are handed out on, or None for the CPU (where they are
     received). ``device`` is what the reference takes: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, a
@@ -215,8 +224,7 @@ def torch_device(device: object) -> Any | None:
     except (RuntimeError, TypeError, ValueError) as exc:
         raise DeviceError(f"device={device!r} is not a device torch knows: {exc}") from None
     if chosen.type == "cpu":
-        if chosen.index not in (None, 0):
-            raise DeviceError(f"device={device!r}: there is one CPU device, 'cpu' (or 'cpu:0')")
+        one_cpu(device, chosen.index)
         return None
     if chosen.type != "cuda":
         raise UnsupportedDeviceError(

@@ -263,10 +263,11 @@ def test_any_cpu_device_is_taken_by_both_frameworks(
             stream_st.numpy.safe_open(ref_file, "np", device=device)
 
 
-def test_a_cpu_but_the_one_is_refused(ref_file: Path) -> None:
+def test_a_cpu_but_the_one_is_refused(ref_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``"cpu:1"`` and ``torch.device("cpu", 1)``, which the reference refuses, were taken as
     the CPU; both frameworks refuse them with a DeviceError (a ValueError too) naming the one
-    CPU device, before anything is read."""
+    CPU device, before anything is read. Without torch, numpy arrays refuse ``"cpu:1"`` alike
+    (they took any ``"cpu:N"``)."""
     for device in ("cpu:1", "cpu:2", torch.device("cpu", 1)):
         with pytest.raises(SafetensorError, match="is invalid"):
             reference.load_file(ref_file, device=device)  # type: ignore[arg-type]
@@ -275,6 +276,16 @@ def test_a_cpu_but_the_one_is_refused(ref_file: Path) -> None:
         for framework in ("pt", "np"):
             with pytest.raises(ValueError, match="there is one CPU device"):
                 st.safe_open(ref_file, framework, device=device)
+    with_torch = {}
+    for device in ("cpu:1", "cpu:2"):
+        with pytest.raises(DeviceError) as caught:
+            stream_st.numpy.safe_open(ref_file, "np", device=device)
+        with_torch[device] = str(caught.value)
+    monkeypatch.setattr(stream_st.core.arrays, "load_torch", no_torch)
+    for device, message in with_torch.items():
+        with pytest.raises(DeviceError) as caught:
+            stream_st.numpy.safe_open(ref_file, "np", device=device)
+        assert str(caught.value) == message
 
 
 def test_a_device_neither_cpu_nor_cuda_is_a_not_implemented_error(ref_file: Path) -> None:
