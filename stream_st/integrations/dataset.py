@@ -89,6 +89,7 @@ __all__ = [
     "read_piece",
     "read_shard_rows",
     "split_key",
+    "verify_rows",
     "whole_rows",
 ]
 
@@ -947,6 +948,33 @@ def changed(address: str) -> SourceChangedError:
         "describe the dataset again",
         url=address,
     )
+
+
+_VERIFIED: set[tuple[str, str, str, str]] = set()
+"""The tensors this process has read whole and found to match their digests, each as (shard
+address, tensor name, digest algorithm, digest): a shard rewritten with other bytes records other
+digests, so it is read again."""
+
+
+async def verify_rows(address: str, names: Sequence[str], described: Header) -> None:
+    """Check the tensors ``names`` of the shard at ``address`` (described by ``described``)
+    against the digests it records, before rows of them are read alone (a digest covers a whole
+    tensor): each read whole once per process, through the verified read, its bytes dropped as
+    soon as they are checked. :class:`~stream_st.IntegrityError` for a tensor that does not match,
+    :class:`~stream_st.SourceChangedError` for a shard whose header is no longer ``described``;
+    nothing read for a shard that records no digests or tensors this process checked already."""
+    digests = Digests.from_header(described)
+    if digests is None:
+        return
+    checked = {(address, name, digests.algorithm, digests.values[name]) for name in names}
+    if checked <= _VERIFIED:
+        return
+    async with open_stream(address, include=list(names), copy=False) as stream:
+        if stream.header != described:
+            raise changed(address)
+        async for _ in stream:  # each tensor checked before it is yielded, then dropped
+            pass
+    _VERIFIED.update(checked)
 
 
 async def read_piece(piece: Piece, described: Header | None = None) -> dict[str, Array]:

@@ -45,6 +45,7 @@ from .dataset import (
     describe_dataset,
     plan_pieces,
     read_piece,
+    verify_rows,
 )
 
 __all__ = ["SafetensorsDataset"]
@@ -139,7 +140,9 @@ class SafetensorsDataset(IterableDataset[Sample]):
     rows of the one before are handed out). A local shard's samples are writable views of a
     private mapping of it, as the reference's ``safe_open`` gives them (a write never reaches
     the file; a sample kept beyond its batch keeps its shard mapped: ``clone()`` it to keep it
-    alone).
+    alone). Digests a checksummed shard records are checked before any of its samples is given:
+    a shard split into pieces has its selected columns read whole once per process that reads
+    part of it (a digest covers a whole tensor).
     ``rank`` and ``world_size`` default to torch.distributed's (or
     ``RANK``/``WORLD_SIZE``).
     The epoch lies in shared memory (one ``int64`` place in a block the process's datasets share):
@@ -284,15 +287,18 @@ class SafetensorsDataset(IterableDataset[Sample]):
 
     async def _read(self, piece: Piece) -> dict[str, torch.Tensor]:
         """The rows of ``piece``. A local shard is mapped privately, as the reference's
-        ``safe_open`` maps it: its rows are writable views whose writes never reach the file
-        (its digests checked when the piece is the whole shard, as
-        :func:`~stream_st.integrations.dataset.read_piece` checks them); other sources are read
-        with ranged requests."""
+        ``safe_open`` maps it: its rows are writable views whose writes never reach the file;
+        other sources are read with ranged requests. Digests a shard records are checked: as
+        the piece is read when it is the whole shard, else on the shard's tensors read whole once
+        per process (:func:`~stream_st.integrations.dataset.verify_rows`) before any row of them
+        is given."""
         described = self._described[piece.address]
+        whole = (piece.start, piece.stop) == (0, self._rows[piece.address])
+        if not whole:
+            await verify_rows(piece.address, piece.names, described)
         if scheme_of(piece.address) not in (None, "file"):
             read = await read_piece(piece, described)
             return {name: torch.from_numpy(array) for name, array in read.items()}
-        whole = (piece.start, piece.stop) == (0, self._rows[piece.address])
         names = list(piece.names)
         async with open_stream(
             piece.address, include=names, framework="pt", copy=False, verify=whole

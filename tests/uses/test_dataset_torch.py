@@ -192,6 +192,57 @@ def test_a_damaged_checksummed_shard_is_refused(tmp_path: Path) -> None:
         list(SafetensorsDataset(tmp_path))
 
 
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_a_damaged_checksummed_shard_read_in_row_ranges_is_refused(
+    tmp_path: Path, where: str
+) -> None:
+    """A shard split into pieces (``piece_bytes``, ranks, workers) was read unchecked, a digest
+    covering a whole tensor: row 5 came back as 4 from a flipped bit. Its tensors are now read
+    whole once per process, and checked, before any row of them is given."""
+
+    async def main() -> None:
+        async with stream_st.open_dataset_writer(tmp_path, checksums=True) as writer:
+            await writer.write_batch({"label": np.arange(8, dtype=np.int64)}, 8)
+
+    anyio.run(main)
+    (shard,) = tmp_path.glob("part-*.safetensors")
+    header = anyio.run(stream_st.read_header, str(shard))
+    damaged = bytearray(shard.read_bytes())
+    damaged[header.data_start + header["label"].start + 5 * 8] ^= 1
+    shard.write_bytes(bytes(damaged))
+    with RangeHTTPServer() as server:
+        for path in tmp_path.iterdir():
+            server.objects[f"/data/{path.name}"] = path.read_bytes()
+        source = server.url("/data/dataset_manifest.json") if where == "http" else str(tmp_path)
+        splits: list[dict[str, Any]] = [{"piece_bytes": 16}, {"rank": 1, "world_size": 2}]
+        for options in splits:
+            with pytest.raises(stream_st.IntegrityError, match="'label'"):
+                list(SafetensorsDataset(source, **options))
+
+
+def test_a_checksummed_shard_in_row_ranges_is_read_whole_once_per_process(
+    tmp_path: Path,
+) -> None:
+    """The check of a split shard costs one more read of its selected tensors, once: the
+    next epochs (and other pieces of it) take it as checked."""
+
+    async def main() -> None:
+        async with stream_st.open_dataset_writer(tmp_path, checksums=True) as writer:
+            await writer.write_batch({"label": np.arange(8, dtype=np.int64)}, 8)
+
+    anyio.run(main)
+    with RangeHTTPServer() as server:
+        for path in tmp_path.iterdir():
+            server.objects[f"/data/{path.name}"] = path.read_bytes()
+        data = SafetensorsDataset(server.url("/data/dataset_manifest.json"), piece_bytes=16)
+        server.requests.clear()
+        assert labels(data) == list(range(8))
+        first = len(server.requests)
+        server.requests.clear()
+        assert labels(data) == list(range(8))
+        assert len(server.requests) < first
+
+
 def test_a_shard_rewritten_after_the_dataset_was_described_is_refused(dataset_dir: Path) -> None:
     """Its rows were read as the new file holds them: samples that were never planned, and
     ranks yielding different counts."""
