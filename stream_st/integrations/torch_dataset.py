@@ -34,6 +34,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .._api import open_stream
 from ..compat._sync import run
+from ..core.arrays import to_torch
 from ..core.shards import scheme_of
 from ..errors import UsageError, boolean, integer_at_least
 from ..reader.stream import include_names
@@ -288,17 +289,21 @@ class SafetensorsDataset(IterableDataset[Sample]):
     async def _read(self, piece: Piece) -> dict[str, torch.Tensor]:
         """The rows of ``piece``. A local shard is mapped privately, as the reference's
         ``safe_open`` maps it: its rows are writable views whose writes never reach the file;
-        other sources are read with ranged requests. Digests a shard records are checked: as
-        the piece is read when it is the whole shard, else on the shard's tensors read whole once
-        per process (:func:`~stream_st.integrations.dataset.verify_rows`) before any row of them
-        is given."""
+        other sources are read with ranged requests (tensors of any dtype made as
+        ``framework="pt"`` makes them). Digests a shard records are checked: as the piece is read
+        when it is the whole shard, else on the shard's tensors read whole once per process
+        (:func:`~stream_st.integrations.dataset.verify_rows`) before any row of them is given."""
         described = self._described[piece.address]
         whole = (piece.start, piece.stop) == (0, self._rows[piece.address])
         if not whole:
             await verify_rows(piece.address, piece.names, described)
         if scheme_of(piece.address) not in (None, "file"):
             read = await read_piece(piece, described)
-            return {name: torch.from_numpy(array) for name, array in read.items()}
+            rows = piece.stop - piece.start
+            return {
+                name: to_torch(array, described[name].dtype, (rows, *described[name].shape[1:]))
+                for name, array in read.items()
+            }
         names = list(piece.names)
         async with open_stream(
             piece.address, include=names, framework="pt", copy=False, verify=whole

@@ -276,6 +276,26 @@ def test_a_shard_rewritten_on_a_server_is_refused(dataset_dir: Path, rows: int) 
             list(dataset)
 
 
+def test_a_bf16_column_over_http_is_a_torch_bfloat16_tensor(tmp_path: Path) -> None:
+    """Read from a local shard it was; over HTTP (and S3) torch.from_numpy of the ml_dtypes
+    array raised a bare TypeError."""
+
+    async def main() -> None:
+        async with stream_st.open_dataset_writer(tmp_path) as writer:
+            x = torch.arange(6, dtype=torch.bfloat16).reshape(3, 2)
+            await writer.write_batch({"x": x}, 3)
+
+    anyio.run(main)
+    with RangeHTTPServer() as server:
+        for path in tmp_path.iterdir():
+            server.objects[f"/data/{path.name}"] = path.read_bytes()
+        for piece_bytes in (64 << 20, 4):
+            url = server.url("/data/dataset_manifest.json")
+            samples = list(SafetensorsDataset(url, piece_bytes=piece_bytes))
+            assert [s["x"].dtype for s in samples] == [torch.bfloat16] * 3
+            assert [s["x"].tolist() for s in samples] == [[0, 1], [2, 3], [4, 5]]
+
+
 def test_shards_whose_columns_differ_are_refused_up_front(tmp_path: Path) -> None:
     """Was accepted; the DataLoader then failed in torch's collate with a bare RuntimeError.
     (The dataset writer refuses such a batch: the shards are written one by one.)"""
