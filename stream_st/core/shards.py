@@ -38,6 +38,7 @@ __all__ = [
     "SAFETENSORS_VERSION",
     "SHARD_NAME",
     "ShardEntry",
+    "address_path",
     "holds_safetensors",
     "is_index",
     "join_address",
@@ -131,6 +132,12 @@ def split_address(url: str) -> SplitResult:
         return urlsplit(url)
     except ValueError as exc:  # a bracketed host unclosed or not an IPv6 address
         raise UsageError(f"invalid URL {url!r}: {unreadable(url, exc)}") from None
+
+
+def address_path(address: str) -> str:
+    """The path ``address`` names: a plain path whole (``#`` and ``?`` are part of a file name
+    there), a URL's path as :func:`split_address` gives it (still percent-encoded)."""
+    return address if scheme_of(address) is None else split_address(address).path
 
 
 def shard_address(index: str, shard: str) -> str:
@@ -294,7 +301,7 @@ def is_index(source: object) -> TypeGuard[str | os.PathLike[str]]:
     if not isinstance(text, str) or "json" not in text:  # most sources: no URL to split
         return False
     try:
-        path = split_address(text).path
+        path = address_path(text)
     except ValueError:  # not a URL at all: the transports will say what is wrong with it
         return False
     named = path.endswith(INDEX_SUFFIX) or posixpath.basename(path) == MANIFEST_NAME

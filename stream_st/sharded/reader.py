@@ -39,11 +39,16 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 from .._util import task_group
 from ..core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes
-from ..core.shards import MANIFEST_NAME, holds_safetensors, shard_address, shard_name
+from ..core.shards import (
+    MANIFEST_NAME,
+    address_path,
+    holds_safetensors,
+    shard_address,
+    shard_name,
+)
 from ..core.strict_json import decode_json
 from ..errors import (
     DtypeError,
@@ -150,7 +155,7 @@ class ShardIndex:
         self.shard_bytes: dict[str, int] = {}
         self._names: dict[str, set[str]] = {}
         self.manifest: dict[str, Any] = {}
-        if urlsplit(name).path.endswith(MANIFEST_NAME):
+        if address_path(name).endswith(MANIFEST_NAME):
             self._read_manifest(obj, name)
         else:
             self._read_index(obj, name)

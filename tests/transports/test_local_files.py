@@ -28,7 +28,7 @@ import stream_st.numpy
 import stream_st.sharded.writer
 import stream_st.tools
 from stream_st import ReadTimeoutError, TensorSpec, TransportError
-from stream_st.core.shards import scheme_of
+from stream_st.core.shards import is_index, scheme_of
 from stream_st.sharded.writer import open_dataset_writer, open_sharded_writer
 from stream_st.transports.file.source import open_file_source
 
@@ -312,6 +312,31 @@ async def test_a_path_holding_colon_slash_slash_is_a_path(
     for source in ("dir/with://saved", index):
         got = {name: array async for name, array in stream_st.open_stream(source)}
         assert got.keys() == arrays.keys() and got["a"].tolist() == [0, 1, 2]
+
+
+async def test_an_index_in_a_folder_holding_a_hash_or_question_mark_is_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local index or manifest path was split as a URL to judge its name, so in ``run#1/``
+    (or ``run?x/``) the name was cut at ``#``: the sharded writer's index was read as a
+    safetensors file, and a dataset's manifest as a weight_map index. A path is a path whole."""
+    monkeypatch.chdir(tmp_path)
+    arrays: Arrays = {"a": np.arange(3, dtype=np.float32), "b": np.ones(2, np.int8)}
+    for folder in ("run#1", "run?x"):
+        async with open_sharded_writer(folder, max_shard_size=1) as writer:
+            for name, array in arrays.items():
+                await writer.write(name, array)
+        index = f"{folder}/model.safetensors.index.json"
+        assert is_index(index)
+        same({name: array async for name, array in stream_st.open_stream(index)}, arrays)
+        done = await anyio.run_process([COMMAND, "inspect", folder], check=False)
+        assert done.returncode == 0, done.stderr
+        async with open_dataset_writer(f"data{folder}") as dataset:
+            await dataset.write_batch({"x": np.zeros((3, 2), np.float32)}, 3)
+        manifest = f"data{folder}/dataset_manifest.json"
+        assert is_index(manifest)
+        got = {name: array async for name, array in stream_st.open_stream(manifest)}
+        assert list(got) == ["x"] and got["x"].shape == (3, 2)
 
 
 async def test_a_symlink_at_the_destination_is_replaced_not_written_through(
