@@ -1030,9 +1030,8 @@ async def mirror(
             f"{index}: a dataset manifest is mirrored as it is (its byte counts would change): "
             f"drop {', '.join(given)}, or merge it into one file (cp(), --merge)"
         )
-    index_name = posixpath.basename(
-        index if scheme_of(index) is None else split_address(index).path
-    )
+    # a path, or a file:// URL's decoded as its reader opened it; else the URL's path
+    index_name = posixpath.basename(local_path(index) or split_address(index).path)
     allow_open_files(len(shards.shards) + 1)
     written: list[str] = []
     held: list[_Held] = []

@@ -82,6 +82,17 @@ def test_a_file_url_source_gives_the_name_of_the_file_it_reads(tmp_path: Path) -
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["sp ace.safetensors"]
 
 
+def test_a_file_url_index_is_mirrored_under_the_name_it_is_read_by(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """Mirroring ``file:///d/my%20model.safetensors.index.json`` wrote the index as
+    ``my%20model.safetensors.index.json``: its name was the URL's, undecoded."""
+    index = (checkpoint / INDEX).rename(checkpoint / f"my {INDEX}")
+    result = run("cp", "-q", index.as_uri(), str(tmp_path / "out") + "/")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([*SHARDS, index.name])
+
+
 @pytest.mark.parametrize(
     ("into", "said"),
     [
