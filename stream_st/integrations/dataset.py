@@ -51,11 +51,12 @@ from ..core.header import (
     data_size,
     parse_header,
 )
-from ..core.shards import MANIFEST_NAME, SHARD_NAME, is_index
+from ..core.shards import MANIFEST_NAME, SHARD_NAME, is_index, scheme_of
 from ..errors import (
     ArgumentTypeError,
     DtypeError,
     HeaderError,
+    SafetensorsError,
     SourceChangedError,
     SourceNotFoundError,
     TrailingDataError,
@@ -67,6 +68,8 @@ from ..reader.header import _header_length, _named, _receive_header
 from ..reader.stream import tensor_dict
 from ..sharded.reader import ShardIndex, shard_address
 from ..transports import store as _store
+from ..transports.cache.resolve import _validators
+from ..transports.file.atomic import path_from_url
 from ..transports.file.source import FileSource
 from ..transports.options import Clock
 from ..transports.registry import open_source
@@ -950,41 +953,64 @@ def changed(address: str) -> SourceChangedError:
     )
 
 
-_VERIFIED: set[tuple[str, str, str, str]] = set()
-"""The tensors this process has read whole and found to match their digests, each as (shard
-address, tensor name, digest algorithm, digest): a shard rewritten with other bytes records other
-digests, so it is read again."""
+_VERIFIED: dict[tuple[str, tuple[int, ...]], tuple[Header, frozenset[str], tuple[str, str]]] = {}
+"""What this process has read whole and found to match the digests the shard records, by (shard
+address, the file's identity: ``st_dev``, ``st_ino``, ``st_size``, ``st_mtime_ns`` for a local
+one, else empty): the whole header the check was made against (its digests, tensor offsets and
+data start), the tensors checked, and the ``ETag`` / ``Last-Modified`` the check's read saw
+(empty where the source gives none). A shard rewritten in any of these is read again."""
 
 
-async def verify_rows(address: str, names: Sequence[str], described: Header) -> None:
+def _identity(address: str) -> tuple[int, ...]:
+    """The identity of the local file at ``address`` (see :data:`_VERIFIED`); empty for a remote
+    source, or a file that cannot be examined (its read says why)."""
+    scheme = scheme_of(address)
+    try:
+        found = os.stat(address if scheme is None else path_from_url(address))
+    except (OSError, SafetensorsError):
+        return ()
+    return (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns)
+
+
+async def verify_rows(address: str, names: Sequence[str], described: Header) -> tuple[str, str]:
     """Check the tensors ``names`` of the shard at ``address`` (described by ``described``)
     against the digests it records, before rows of them are read alone (a digest covers a whole
     tensor): each read whole once per process, through the verified read, its bytes dropped as
     soon as they are checked. :class:`~stream_st.IntegrityError` for a tensor that does not match,
     :class:`~stream_st.SourceChangedError` for a shard whose header is no longer ``described``;
-    nothing read for a shard that records no digests or tensors this process checked already."""
-    digests = Digests.from_header(described)
-    if digests is None:
-        return
-    checked = {(address, name, digests.algorithm, digests.values[name]) for name in names}
-    if checked <= _VERIFIED:
-        return
+    nothing read for a shard that records no digests or tensors this process checked already in
+    this header of this file (see :data:`_VERIFIED`). Returns the ``ETag`` and ``Last-Modified``
+    the check's read saw, which later reads of rows must see again (:func:`read_piece`'s
+    ``version``)."""
+    if Digests.from_header(described) is None:
+        return "", ""
+    key = (address, _identity(address))
+    known = _VERIFIED.get(key)
+    if known is not None and known[0] == described and known[1] >= set(names):
+        return known[2]
     async with open_stream(address, include=list(names), copy=False) as stream:
         if stream.header != described:
             raise changed(address)
         async for _ in stream:  # each tensor checked before it is yielded, then dropped
             pass
-    _VERIFIED.update(checked)
+        version = _validators(stream.source)
+    if known is not None and known[0] == described and known[2] == version:
+        names = [*known[1], *names]
+    _VERIFIED[key] = (described, frozenset(names), version)
+    return version
 
 
-async def read_piece(piece: Piece, described: Header | None = None) -> dict[str, Array]:
+async def read_piece(
+    piece: Piece, described: Header | None = None, version: tuple[str, str] = ("", "")
+) -> dict[str, Array]:
     """The arrays of ``piece``: only their bytes are read (ranged requests on HTTP and S3).
 
     Whole tensors (a KV piece, or every row of a shard) are checked against the digests their
     shard records, as every read is; a range of rows cannot be (a digest covers a whole tensor).
     A shard whose header is not ``described`` (the one the plan was made from), or that holds
     fewer rows than the piece names, raises :class:`~stream_st.SourceChangedError`: it was
-    rewritten since.
+    rewritten since; so does one that answers with another ``ETag`` or ``Last-Modified`` than
+    ``version`` names (where it names one: the version :func:`verify_rows` checked).
     """
     if not piece.rows:
         return await load(piece.address, include=list(piece.names))
@@ -995,6 +1021,13 @@ async def read_piece(piece: Piece, described: Header | None = None) -> dict[str,
             raise HeaderError(f"{piece.address}: the columns hold different numbers of samples")
         if (described is not None and header != described) or piece.stop > sum(rows):
             raise changed(piece.address)
+        seen = _validators(stream.source)
+        if any(old and old != new for old, new in zip(version, seen, strict=True)):
+            raise SourceChangedError(
+                f"{piece.address} changed since its digests were checked "
+                f"(ETag, Last-Modified {version}, then {seen}): describe the dataset again",
+                url=piece.address,
+            )
         if (piece.start, piece.stop) == (0, *rows):
             out = await tensor_dict(stream)
         else:

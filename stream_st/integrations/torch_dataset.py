@@ -295,10 +295,9 @@ class SafetensorsDataset(IterableDataset[Sample]):
         (:func:`~stream_st.integrations.dataset.verify_rows`) before any row of them is given."""
         described = self._described[piece.address]
         whole = (piece.start, piece.stop) == (0, self._rows[piece.address])
-        if not whole:
-            await verify_rows(piece.address, piece.names, described)
+        version = ("", "") if whole else await verify_rows(piece.address, piece.names, described)
         if scheme_of(piece.address) not in (None, "file"):
-            read = await read_piece(piece, described)
+            read = await read_piece(piece, described, version)
             rows = piece.stop - piece.start
             return {
                 name: to_torch(array, described[name].dtype, (rows, *described[name].shape[1:]))

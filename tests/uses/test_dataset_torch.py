@@ -7,6 +7,7 @@ import asyncio
 import copy
 import gc
 import itertools
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -435,3 +436,48 @@ def test_every_error_class_takes_a_message_alone() -> None:
     assert len(classes) > 30
     for kind in classes:
         assert "a message" in str(kind("a message")), kind
+
+
+def test_a_split_shard_rewritten_after_its_check_is_checked_again(tmp_path: Path) -> None:
+    """The check was remembered by address, tensor and recorded digest alone: a shard rewritten
+    in place with a damaged column, its header (so its record) the same, gave its rows unchecked
+    in the same process (row 5 read as 4). The check is remembered for that file (its device,
+    inode, size and time) and that whole header only."""
+
+    async def main() -> None:
+        async with stream_st.open_dataset_writer(tmp_path, checksums=True) as writer:
+            await writer.write_batch({"label": np.arange(8, dtype=np.int64)}, 8)
+
+    anyio.run(main)
+    assert labels(SafetensorsDataset(tmp_path, piece_bytes=16)) == list(range(8))
+    (shard,) = tmp_path.glob("part-*.safetensors")
+    header = anyio.run(stream_st.read_header, str(shard))
+    damaged = bytearray(shard.read_bytes())
+    damaged[header.data_start + header["label"].start + 5 * 8] ^= 1
+    (tmp_path / "new").write_bytes(bytes(damaged))
+    os.replace(tmp_path / "new", shard)
+    with pytest.raises(stream_st.IntegrityError, match="'label'"):
+        list(SafetensorsDataset(tmp_path, piece_bytes=16))
+
+
+def test_a_split_remote_shard_that_changes_after_its_check_is_refused(tmp_path: Path) -> None:
+    """Each piece of a split shard is read by requests of its own, which never compared the
+    version the check of the shard had read: bytes served with a new ETag after the check gave
+    a wrong row (7 read as another). A piece whose answer names another version than the
+    check's is refused."""
+
+    async def main() -> None:
+        async with stream_st.open_dataset_writer(tmp_path, checksums=True) as writer:
+            await writer.write_batch({"label": np.arange(8, dtype=np.int64)}, 8)
+
+    anyio.run(main)
+    (shard,) = tmp_path.glob("part-*.safetensors")
+    damaged = bytearray(shard.read_bytes())
+    damaged[-3] ^= 0xFF
+    with RangeHTTPServer(etag="strong") as server:
+        for path in tmp_path.iterdir():
+            server.objects[f"/data/{path.name}"] = path.read_bytes()
+        data = SafetensorsDataset(server.url("/data/dataset_manifest.json"), piece_bytes=16)
+        server.replace_after[f"/data/{shard.name}"] = (3, bytes(damaged))  # after the check
+        with pytest.raises(stream_st.SourceChangedError, match="since its digests were checked"):
+            list(data)
