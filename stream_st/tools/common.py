@@ -24,7 +24,7 @@ from .._util import canonical_decimal
 from ..core.codecs import CODECS, Codec
 from ..core.digests import is_record_key
 from ..core.header import _SHORT, Header, TensorInfo, UnknownDtypes
-from ..core.shards import INDEX_SUFFIX, MANIFEST_NAME, is_index
+from ..core.shards import INDEX_SUFFIX, MANIFEST_NAME, is_index, scheme_of
 from ..core.strict_json import decode_json
 from ..errors import (
     ArgumentTypeError,
@@ -37,6 +37,7 @@ from ..errors import (
 )
 from ..reader import Include, TensorStream
 from ..sharded.reader import ShardedStream, shard_headers
+from ..transports.file.atomic import path_from_url
 from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import SourceLike
 
@@ -128,17 +129,18 @@ def expect_totals(progress: Progress | None, tensors: Sequence[TensorInfo]) -> N
 
 
 def model_sources(path: str) -> list[str]:
-    """The sources a command argument names: ``path`` itself, or for a local directory its index
-    (``*.safetensors.index.json`` or ``dataset_manifest.json``) when it holds exactly one, else
-    every ``*.safetensors`` file in it, in name order. A directory with neither raises
-    :class:`~stream_st.SourceNotFoundError`."""
-    if not os.path.isdir(path):
+    """The sources a command argument names: ``path`` itself, or for a local directory (a path
+    or a ``file://`` URL) its index (``*.safetensors.index.json`` or ``dataset_manifest.json``)
+    when it holds exactly one, else every ``*.safetensors`` file in it, in name order, by their
+    paths. A directory with neither raises :class:`~stream_st.SourceNotFoundError`."""
+    local = path_from_url(path) if scheme_of(path) == "file" else path
+    if not os.path.isdir(local):
         return [path]
-    names = sorted(os.listdir(path))
+    names = sorted(os.listdir(local))
     indexes = [n for n in names if n.endswith(".safetensors" + INDEX_SUFFIX) or n == MANIFEST_NAME]
     if len(indexes) == 1:
-        return [os.path.join(path, indexes[0])]
-    files = [os.path.join(path, n) for n in names if n.endswith(".safetensors")]
+        return [os.path.join(local, indexes[0])]
+    files = [os.path.join(local, n) for n in names if n.endswith(".safetensors")]
     if len(indexes) > 1 and files:
         raise UsageError(f"{path} holds several indexes ({', '.join(indexes)}): name one")
     if not files:

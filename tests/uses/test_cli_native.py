@@ -169,6 +169,21 @@ def test_a_model_directory_is_accepted_where_a_file_is(plain: Path, tmp_path: Pa
     assert several.returncode == 2 and b"name one of them" in several.stderr
 
 
+def test_a_model_directory_is_accepted_as_a_file_url(plain: Path, tmp_path: Path) -> None:
+    """``stream-st inspect file:///d/`` (cp, hash) of a model directory said "cannot read a
+    directory" where the path ``/d`` was read: the URL was never taken for the directory."""
+    folder = tmp_path / "my model"
+    folder.mkdir()
+    shutil.copy(plain, folder / "model.safetensors")
+    url = folder.as_uri()
+    assert json.loads(run("inspect", "--json", url).stdout)["tensor_count"] == len(TENSORS)
+    out = tmp_path / "out.safetensors"
+    assert run("cp", "-q", url, str(out)).returncode == 0
+    assert out.read_bytes() == plain.read_bytes()
+    hashed = run("hash", url)
+    assert hashed.returncode == 0 and hashed.stdout == run("hash", str(folder)).stdout
+
+
 def test_errors_say_what_is_wrong_in_one_line(tmp_path: Path) -> None:
     text = tmp_path / "notes.txt"
     text.write_text("these are notes, not tensors\n" * 10)
