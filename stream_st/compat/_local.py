@@ -46,6 +46,7 @@ from ..errors import (
     TrailingDataError,
     TransportError,
     TruncatedStreamError,
+    UnsupportedSourceError,
     UsageError,
     boolean,
 )
@@ -182,14 +183,12 @@ def local_path(src: object) -> str | None:
         if is_index(src):
             return None
     if "://" in src:  # a URL, or a path holding it (the address helpers imported only then)
-        from ..core.shards import scheme_of
-        from ..transports.file.atomic import path_from_url
+        from ..transports.file.atomic import local_path as path_of
 
-        scheme = scheme_of(src)
-        if scheme not in (None, "file"):
+        path = path_of(src, UnsupportedSourceError)
+        if path is None:
             return None
-        if scheme is not None:
-            src = path_from_url(src)
+        src = path
     try:
         mode = os.stat(src).st_mode
     except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL

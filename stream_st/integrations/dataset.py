@@ -51,7 +51,7 @@ from ..core.header import (
     data_size,
     parse_header,
 )
-from ..core.shards import MANIFEST_NAME, SHARD_NAME, is_index, scheme_of
+from ..core.shards import MANIFEST_NAME, SHARD_NAME, is_index
 from ..errors import (
     ArgumentTypeError,
     DtypeError,
@@ -61,6 +61,7 @@ from ..errors import (
     SourceNotFoundError,
     TrailingDataError,
     TruncatedStreamError,
+    UnsupportedSourceError,
     UsageError,
 )
 from ..reader import _read_tensor
@@ -69,7 +70,7 @@ from ..reader.stream import tensor_dict
 from ..sharded.reader import ShardIndex, shard_address
 from ..transports import store as _store
 from ..transports.cache.resolve import _validators
-from ..transports.file.atomic import path_from_url
+from ..transports.file.atomic import local_path
 from ..transports.file.source import FileSource
 from ..transports.options import Clock
 from ..transports.registry import open_source
@@ -964,9 +965,11 @@ data start), the tensors checked, and the ``ETag`` / ``Last-Modified`` the check
 def _identity(address: str) -> tuple[int, ...]:
     """The identity of the local file at ``address`` (see :data:`_VERIFIED`); empty for a remote
     source, or a file that cannot be examined (its read says why)."""
-    scheme = scheme_of(address)
     try:
-        found = os.stat(address if scheme is None else path_from_url(address))
+        path = local_path(address, UnsupportedSourceError)
+        if path is None:
+            return ()
+        found = os.stat(path)
     except (OSError, SafetensorsError):
         return ()
     return (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns)

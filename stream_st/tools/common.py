@@ -24,7 +24,7 @@ from .._util import canonical_decimal
 from ..core.codecs import CODECS, Codec
 from ..core.digests import is_record_key
 from ..core.header import _SHORT, Header, TensorInfo, UnknownDtypes
-from ..core.shards import INDEX_SUFFIX, MANIFEST_NAME, is_index, scheme_of
+from ..core.shards import INDEX_SUFFIX, MANIFEST_NAME, is_index
 from ..core.strict_json import decode_json
 from ..errors import (
     ArgumentTypeError,
@@ -32,12 +32,13 @@ from ..errors import (
     HeaderError,
     SafetensorsError,
     SourceNotFoundError,
+    UnsupportedSourceError,
     UsageError,
     redact,
 )
 from ..reader import Include, TensorStream
 from ..sharded.reader import ShardedStream, shard_headers
-from ..transports.file.atomic import path_from_url
+from ..transports.file.atomic import local_path
 from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import SourceLike
 
@@ -133,7 +134,7 @@ def model_sources(path: str) -> list[str]:
     or a ``file://`` URL) its index (``*.safetensors.index.json`` or ``dataset_manifest.json``)
     when it holds exactly one, else every ``*.safetensors`` file in it, in name order, by their
     paths. A directory with neither raises :class:`~stream_st.SourceNotFoundError`."""
-    local = path_from_url(path) if scheme_of(path) == "file" else path
+    local = local_path(path, UnsupportedSourceError) or path
     if not os.path.isdir(local):
         return [path]
     names = sorted(os.listdir(local))

@@ -45,14 +45,13 @@ from ..errors import (
     SafetensorsError,
     TensorNotFoundError,
     TransportError,
-    UnsupportedSinkError,
     UsageError,
 )
 from ..reader import Include, TensorStream
 from ..reader.stream import listed
 from ..sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from ..transports import store
-from ..transports.file.atomic import path_from_url
+from ..transports.file.atomic import local_path
 from ..transports.file.sink import COPY_TURN
 from ..transports.file.source import FileSource
 from ..transports.http import HTTPStatusError
@@ -856,20 +855,6 @@ class _Held(Sink):
 
     async def abort(self) -> None:
         await self.sink.abort()
-
-
-def local_path(
-    address: str, unsupported: type[SafetensorsError] = UnsupportedSinkError
-) -> str | None:
-    """The local path ``address`` names (a path, or a ``file://`` URL's, decoded); None for any
-    other URL. ``unsupported`` is raised for a ``file://`` URL of a remote host (a destination's
-    by default)."""
-    scheme = scheme_of(address)
-    if scheme is None:
-        return address
-    if scheme != "file":
-        return None
-    return path_from_url(address, unsupported)
 
 
 def make_directory(path: str, made: list[str]) -> None:

@@ -67,6 +67,7 @@ __all__ = [
     "closed_when_dropped",
     "fsync_directory",
     "local_destination",
+    "local_path",
     "local_target",
     "name_max",
     "path_from_url",
@@ -699,6 +700,24 @@ def path_from_url(url: str, unsupported: type[SafetensorsError] = UnsupportedSou
     raise unsupported(f"unknown URL scheme {scheme!r} in {url!r}")
 
 
+def local_path(
+    address: str, unsupported: type[SafetensorsError] = UnsupportedSinkError
+) -> str | None:
+    """The local path ``address`` names (a path, or a ``file://`` URL's, decoded); None for any
+    other URL. ``unsupported`` is raised for a ``file://`` URL of a remote host (a destination's
+    by default)."""
+    if "://" not in address:  # a path: the address helpers are not imported for it
+        return address
+    from ...core.shards import scheme_of
+
+    scheme = scheme_of(address)
+    if scheme is None:  # a path holding "://"
+        return address
+    if scheme != "file":
+        return None
+    return path_from_url(address, unsupported)
+
+
 def local_destination(dst: object) -> str | None:
     """The path of ``dst`` if it names a local file that a write replaces (a path or a
     ``file://`` URL, where nothing, a regular file or a socket's file is), else None (a URL, a
@@ -716,16 +735,11 @@ def local_target(dst: object) -> tuple[str, tuple[os.stat_result | None]] | None
     if not isinstance(dst, str):
         return None
     try:
-        if "://" in dst:  # a URL, or a path holding it (the address helpers imported only then)
-            from ...core.shards import scheme_of
-
-            scheme = scheme_of(dst)
-            if scheme not in (None, "file"):
-                return None
-            if scheme is not None:
-                dst = path_from_url(dst, UnsupportedSinkError)
-        here = _existing(dst, follow=False)
-        return (dst, (here,)) if _replaces(dst, here) else None
+        path = local_path(dst, UnsupportedSinkError)
+        if path is None:
+            return None
+        here = _existing(path, follow=False)
+        return (path, (here,)) if _replaces(path, here) else None
     except SafetensorsError:
         return None
 
