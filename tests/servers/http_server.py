@@ -327,12 +327,21 @@ class RangeHTTPServer:
             extra["Transfer-Encoding"] = "chunked"
         else:
             extra["Content-Length"] = str(end - start)
-        self._send_head(connection, code, extra)
         if method == "HEAD":
             self.requests.append((method, path, range_header, 0))
+            self._send_head(connection, code, extra)
             return True
+        # Logged in the order requests arrive: a client may read an answer and send its next
+        # request before this thread gets to log the first (a loaded machine).
+        entry = (method, path, range_header, 0)
+        self.requests.append(entry)
+        self._send_head(connection, code, extra)
         sent = self._send_body(connection, memoryview(data)[start:end], chunked)
-        self.requests.append((method, path, range_header, sent))
+        with self._lock:
+            for i in range(len(self.requests) - 1, -1, -1):
+                if self.requests[i] is entry:
+                    self.requests[i] = (method, path, range_header, sent)
+                    break
         return sent == end - start
 
     def _version_of(self, path: str) -> Any:
