@@ -51,9 +51,12 @@ def refuse_path_bytes(data: bytes | bytearray | memoryview) -> None:
     )
 
 
+_EMPTY = memoryview(b"")
+
+
 def as_bytes_view(chunk: Any) -> memoryview:
     """A flat byte view of a bytes-like ``chunk``; a non-contiguous one (a strided numpy view)
-    is copied, its elements in C order."""
+    is copied, its elements in C order; an empty one, of any shape, is no bytes."""
     if type(chunk) is bytes:  # most chunks: flat bytes already
         return memoryview(chunk)
     try:
@@ -71,6 +74,8 @@ def as_bytes_view(chunk: Any) -> memoryview:
         raise UnsupportedSourceError(
             f"chunks must be bytes-like, got a buffer of Python objects ({type(chunk).__name__})"
         )
+    if not view.nbytes:  # of a shape with a 0 in it (0 by 3), which cast refuses
+        return _EMPTY
     if not view.c_contiguous:
         view = memoryview(view.tobytes())
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
@@ -100,9 +105,6 @@ class BytesSource(Source):
         skipped = max(0, min(count, len(self._data) - self.position))
         self.position += skipped
         return skipped
-
-
-_EMPTY = memoryview(b"")
 
 
 def _iterator_of(chunks: AsyncIterable[Any]) -> AsyncIterator[Any]:

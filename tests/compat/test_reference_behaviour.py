@@ -1022,6 +1022,9 @@ def test_low_level_misuse_is_refused_as_by_the_reference() -> None:
         compat.serialize({"a": spec})
     with pytest.raises(compat.SafetensorError):
         compat.deserialize(b"garbage")
+    for empty in (b"", np.zeros((0, 4), np.float32).data):  # the second: a TypeError
+        with pytest.raises(compat.SafetensorError, match="got only 0 bytes"):
+            compat.deserialize(empty)
     with pytest.raises(OverflowError):  # the F4 dimension doubled: past 64 bits
         compat.TensorSpec(dtype="float4_e2m1fn_x2", shape=[1 << 63], data_ptr=0, data_len=0)
 

@@ -136,6 +136,24 @@ async def test_chunks_of_mixed_types_and_empty_chunks() -> None:
     assert_same_arrays(await read_all(mixed()), sample_tensors())
 
 
+async def test_empty_buffers_of_any_shape_are_no_bytes() -> None:
+    """An empty buffer of a shape with a 0 in it (0 by 3) is a chunk skipped as b"" is, and
+    given as the whole file one too short as b"" is, where a bare TypeError escaped (memoryview
+    cannot cast it to bytes)."""
+    data = sample_file()
+
+    async def chunks() -> AsyncIterator[Any]:
+        yield np.zeros((0, 3), np.float32)
+        yield data[:50]
+        yield np.zeros((2, 0), np.uint8).data
+        yield data[50:]
+
+    assert_same_arrays(await read_all(chunks()), sample_tensors())
+    for whole in (b"", np.zeros((0, 4), np.float32).data):
+        with pytest.raises(HeaderError, match="got only 0 bytes"):
+            await read_all(whole)
+
+
 async def test_chunk_that_is_not_bytes() -> None:
     for chunk in ("text", np.zeros(2, "M8[s]")):  # datetime64 exports no buffer
 
