@@ -60,6 +60,7 @@ import os
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
+from urllib.parse import unquote_plus
 
 from ._regex import LazyPattern
 
@@ -144,9 +145,15 @@ def _mask_cut_short(text: str) -> str:
     return "".join(pieces) + text[done:] if pieces else text
 
 
-_PARAMETER = LazyPattern(r"(?P<lead>[?&#])(?P<name>[^=&#\s'\"<>]+)=(?P<value>[^&#\s'\"<>]*)")
-"""A parameter of a query, or of a fragment (``#access_token=...``, as OAuth's implicit flow
-puts a token there)."""
+_PARAMETER = LazyPattern(r"[?&#;](?P<name>(?:[^=&#;?%\s'\"<>]|%(?!3[Dd]))+)(?:=|%3[Dd])")
+"""The name of a parameter of a query, or of a fragment (``#access_token=...``, as OAuth's
+implicit flow puts a token there), and its ``=``, read as a server may read them: after a ``;``
+as after a ``&``, and ``=`` escaped (``?token%3D...``, a name a server decoding the query first
+reads as ``token=``) as unescaped."""
+
+_VALUE = LazyPattern(r"[^&#\s'\"<>]*")
+"""A parameter's value: up to the next ``&`` or ``#``, a ``;`` included (a server splitting the
+query at ``&`` alone reads it whole)."""
 
 _SECRET_WORDS = ("signature", "credential", "token", "secret", "password", "passwd", "apikey")
 """A query parameter whose name holds one of these (any case) carries a secret: ``X-Amz-Signature``,
@@ -229,10 +236,23 @@ def _basic_pair(value: str) -> bool:
         return False
 
 
-def _mask_parameter(match: re.Match[str]) -> str:
-    if not match["value"] or not _secret_parameter(match["name"]):
-        return match[0]
-    return f"{match['lead']}{match['name']}={MASK}"
+def _mask_parameters(text: str) -> str:
+    """``text`` with the value of each query or fragment parameter whose name, percent-decoded
+    as a server and the cache's key (``parse_qsl``) decode it (``%74oken`` is ``token``), is a
+    secret's (:func:`_secret_parameter`) masked. Each value is searched for parameters too
+    (``?a=1;token=...``), a masked one skipped whole: in time linear in the text."""
+    pieces: list[str] = []
+    done = start = 0
+    while parameter := _PARAMETER.compiled.search(text, start):
+        start = parameter.end()
+        if not _secret_parameter(unquote_plus(parameter["name"])):
+            continue  # its value is searched on: a value is read only to be masked
+        value = _VALUE.compiled.match(text, start)
+        assert value is not None  # it matches the empty string
+        if value.end() > start:
+            pieces += [text[done:start], MASK]
+            done = start = value.end()
+    return "".join(pieces) + text[done:] if pieces else text
 
 
 _E = TypeVar("_E", bound=BaseException)
@@ -294,7 +314,8 @@ def redact(text: str) -> str:
     tell whose), and the value of a query parameter that signs or
     authenticates a request (``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``,
     ``Signature``, ``sig``, ``key`` and any name holding ``token``, ``secret``, ``password`` or
-    ``credential``), and the credentials of an ``Authorization`` value quoted in it (``Bearer``,
+    ``credential``; its name read percent-decoded, ``%74oken`` as ``token``, and after a ``;``
+    as after a ``&``), and the credentials of an ``Authorization`` value quoted in it (``Bearer``,
     ``Basic``, an AWS signature: an error page may echo the request), as are the values of
     headers that carry one (``X-Amz-Security-Token``, ``Cookie``, ``X-Api-Key``,
     ``Proxy-Authorization``, ...) quoted as ``name: value``. Masking again changes
@@ -302,8 +323,8 @@ def redact(text: str) -> str:
     it wherever an address is shown."""
     if "@" in text:
         text = _mask_cut_short(_USERINFO.compiled.sub(_mask_userinfo, text))
-    if "=" in text:
-        text = _PARAMETER.compiled.sub(_mask_parameter, text)
+    if "=" in text or "%3" in text:
+        text = _mask_parameters(text)
     if "Bearer" in text or "Basic" in text or "AWS4-" in text:
         text = _AUTHORIZATION.compiled.sub(_mask_authorization, text)
     if ":" in text:
