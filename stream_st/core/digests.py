@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..errors import ArgumentTypeError, IntegrityError, UsageError
 from .dtypes import wire_bytes
 from .header import _SHORT, run_steps
+from .layout import _metadata_members
 from .steps import slices
 
 if TYPE_CHECKING:
@@ -297,7 +298,9 @@ class Digests:
         """``metadata`` with these digests recorded for the tensors ``names``, in that order;
         placeholders stand for digests not known yet (``values`` empty). Digests given for
         other names, or metadata already holding digest keys, are a
-        :class:`~stream_st.UsageError`."""
+        :class:`~stream_st.UsageError`; metadata the layout refuses is refused first, as it would
+        be without digests."""
+        _metadata_members(metadata)
         entries = dict(metadata or {})
         clash = next(filter(is_record_key, entries), None)
         if clash is not None:

@@ -131,6 +131,29 @@ async def test_only_the_records_keys_are_reserved(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == ["m.safetensors"]
 
 
+@pytest.mark.parametrize("metadata", [[("k", "v")], [], "kv", "", 5, [1, 2]])
+@pytest.mark.parametrize("how", ["save", "open_writer"])
+async def test_metadata_that_is_no_mapping_is_refused_with_checksums_as_without(
+    tmp_path: Path, metadata: Any, how: str
+) -> None:
+    """With checksums= a list of pairs was written as its dict (an empty one as no metadata), and
+    a str or an int raised a bare ValueError or TypeError, where without it each is refused."""
+    path = tmp_path / "m.safetensors"
+    for checksums in (False, True):
+        with pytest.raises(stream_st.UsageError, match="metadata must be a mapping of strings"):
+            if how == "save":
+                await stream_st.save(
+                    path, {"a": np.zeros(2, "f4")}, metadata=metadata, checksums=checksums
+                )
+            else:
+                specs = [TensorSpec("a", "F32", (2,))]
+                async with stream_st.open_writer(
+                    path, specs, metadata=metadata, checksums=checksums
+                ) as w:
+                    await w.write("a", np.zeros(2, "f4"))
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("checksums", [False, True])
 async def test_copies_keep_keys_that_only_start_as_the_records(
     tmp_path: Path, checksums: bool
