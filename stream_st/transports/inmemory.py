@@ -184,35 +184,45 @@ class ChunkIteratorSource(Source):
         return filled
 
     async def _next(self) -> bool:
-        """Wait for the next chunk that is not empty; False at the end."""
-        while not self._chunk:
-            if self._done:
-                return False
-            if getattr(self._iterator, "ag_running", False):  # stepped by another reader now
-                raise _read_elsewhere(self.name, self._iterator)
-            try:
-                with self.clock.waiting(self.name, self.position):
-                    step = anext(self._iterator)
-                    if self._check_steps and not inspect.isawaitable(step):
-                        raise UnsupportedSourceError(
-                            f"{self.name}: {type(self._iterator).__name__}.__anext__ returned "
-                            f"a {type(step).__name__}, not an awaitable: an async iterator's "
-                            "__anext__ is 'async def'"
-                        )
-                    # Only a wait for the producer takes a cancel scope: a chunk at hand
-                    # is taken with a plain closed check (see fill).
-                    with self._waits.reading(self):
-                        chunk = await step
-            except StopAsyncIteration:
-                self._done = True
-                return False
-            # A producer that never suspends (slices of bytes in memory; ``b""`` past its end,
-            # yielded for ever) would hold the loop, deaf to a cancellation, for a whole tensor
-            # or without end: the loop gets its turn every TURN_EVERY, as between tensors.
-            await give_turn()
-            self._chunk = as_bytes_view(chunk)
-            self.clock.moved(len(self._chunk))
+        """Wait for the next chunk that is not empty; False at the end. The empty chunks before
+        it are part of that one wait for data, which the clock bounds as a whole: a producer
+        yielding ``b""`` for ever gives no data, not a new wait each time."""
+        if self._done:
+            return False
+        # A producer that never suspends (slices of bytes in memory; ``b""`` past its end,
+        # yielded for ever) would hold the loop, deaf to a cancellation and a time limit, for a
+        # whole tensor or without end: the loop gets its turn every TURN_EVERY between steps,
+        # as between tensors; within the wait after an empty chunk (no data yet), outside it
+        # after the chunk that ends it (the loop's time is then no wait for the producer).
+        try:
+            with self.clock.waiting(self.name, self.position):
+                chunk = as_bytes_view(await self._step())
+                while not chunk:
+                    await give_turn()
+                    chunk = as_bytes_view(await self._step())
+        except StopAsyncIteration:
+            self._done = True
+            return False
+        await give_turn()
+        self._chunk = chunk
+        self.clock.moved(len(chunk))
         return True
+
+    async def _step(self) -> Any:
+        """The producer's next chunk, as it gives it; StopAsyncIteration at its end."""
+        if getattr(self._iterator, "ag_running", False):  # stepped by another reader now
+            raise _read_elsewhere(self.name, self._iterator)
+        step = anext(self._iterator)
+        if self._check_steps and not inspect.isawaitable(step):
+            raise UnsupportedSourceError(
+                f"{self.name}: {type(self._iterator).__name__}.__anext__ returned a "
+                f"{type(step).__name__}, not an awaitable: an async iterator's __anext__ is "
+                "'async def'"
+            )
+        # Only a wait for the producer takes a cancel scope: a chunk at hand is taken with a
+        # plain closed check (see fill).
+        with self._waits.reading(self):
+            return await step
 
     def _take(self, buffer: memoryview) -> int:
         """Copy what ``buffer`` holds of the current chunk into it; how many bytes."""

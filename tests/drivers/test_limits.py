@@ -298,6 +298,30 @@ async def test_anyio_stream_and_iterator_sources_obey_the_deadline() -> None:
             await stream_st.load(stream, timeout=0.3)
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("pause", [0.01, 0.0])
+@pytest.mark.parametrize("sent", [20, len(TRICKLED)])
+def test_empty_chunks_are_no_data_for_the_timeout(backend: str, pause: float, sent: int) -> None:
+    """A producer that yields ``b""`` every 10 ms (or without suspending) within the header or
+    past the file's last byte sends no data: timeout= ends the wait for the next bytes, where
+    each empty chunk began a new wait and the read hung."""
+
+    async def empties() -> AsyncIterator[bytes]:
+        yield TRICKLED[:sent]
+        while True:
+            if pause:
+                await anyio.sleep(pause)
+            yield b""
+
+    async def main() -> None:
+        with anyio.fail_after(HANG_GUARD), pytest.raises(ReadTimeoutError) as info:
+            await stream_st.load(empties(), timeout=0.3)
+        assert "no data for 0.3 s (timeout)" in str(info.value)
+        assert info.value.position == sent
+
+    anyio.run(main, backend=backend)
+
+
 class _BytesStream(anyio.abc.ByteReceiveStream):
     """An anyio byte stream over a memory channel that nobody writes to."""
 
