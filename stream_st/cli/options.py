@@ -50,13 +50,22 @@ def number_arg(name: str, check: Callable[[float], object]) -> Callable[[str], f
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        try:
+        with _refused_as(name):
             check(value)
-        except UsageError as exc:
-            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{name} ")) from None
         return value
 
     return parse
+
+
+@contextmanager
+def _refused_as(name: str) -> Iterator[None]:
+    """A :class:`~stream_st.UsageError` the library's check of its keyword ``name`` raises
+    within, as argparse's error for the option: its message less the leading ``name`` (argparse
+    names the option before it)."""
+    try:
+        yield
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{name} ")) from None
 
 
 def limit_arg(name: str) -> Callable[[str], float]:
@@ -91,6 +100,29 @@ def host_arg(text: str) -> str:
     from ..server.app import host_problem  # the server's modules, only when serving
 
     return _taken(text, host_problem(text))
+
+
+def port_arg(text: str) -> int:
+    """A ``serve --port`` argument: an integer from 0 (any free port) to 65535, refused as the
+    command line is parsed, naming the option, before the source is read."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0-65535 (0: any free port), got {port}")
+    return port
+
+
+def name_arg(text: str) -> str:
+    """A ``serve --name`` argument, refused where the library refuses ``name=`` (a ``/``,
+    surrounding spaces, a control character), naming the option; taken as given (the server
+    drops a trailing ``.safetensors`` itself)."""
+    from ..server.served import checked_name  # the server's modules, only when serving
+
+    with _refused_as("name"):
+        checked_name(text)
+    return text
 
 
 def directory_arg(text: str) -> str:

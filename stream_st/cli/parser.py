@@ -33,7 +33,9 @@ from .options import (
     header_line,
     host_arg,
     limit_arg,
+    name_arg,
     number_arg,
+    port_arg,
     profile_arg,
     region_arg,
     size_arg,
@@ -373,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the address to listen on (default 127.0.0.1)",
     )
     serving.add_argument(
-        "--port", type=int, default=8000, help="the port to listen on (default 8000; 0: any)"
+        "--port", type=port_arg, default=8000, help="the port to listen on (default 8000; 0: any)"
     )
     serving.add_argument(
         "--token",
@@ -382,7 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
         "$STREAM_ST_SERVE_TOKEN, which keeps it off the command line)",
     )
     serving.add_argument(
-        "--name", help="serve at /NAME.safetensors (default: the file's or the index's name)"
+        "--name",
+        type=name_arg,
+        help="serve at /NAME.safetensors (default: the file's or the index's name)",
     )
     digesting = serving.add_mutually_exclusive_group()
     digesting.add_argument(

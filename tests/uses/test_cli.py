@@ -391,6 +391,30 @@ def test_serve_refuses_an_empty_token_or_host(option: list[str], model: Path) ->
     assert f"argument {option[0]}: empty" in result.stderr and result.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        (["--port", "99999"], "must be in 0-65535 (0: any free port), got 99999"),
+        (["--port", "-1"], "must be in 0-65535 (0: any free port), got -1"),
+        (["--port", "http"], "not an integer: 'http'"),
+        (["--name", "a/b"], "must be a plain file name in UTF-8, without '/'"),
+        (["--name", ""], "must be a plain file name"),
+    ],
+    ids=["port too big", "port negative", "port not a number", "name with a slash", "name empty"],
+)
+def test_serve_refuses_a_bad_port_or_name_before_reading_the_source(
+    option: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``serve --port 99999 bad.safetensors`` reported the file's header error (a good file's:
+    ``port must be ...``, not naming ``--port``), and ``--name a/b`` was refused as ``name must
+    be ...``: both are refused as the command line is parsed, naming the option."""
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"garbage")
+    status, stderr = _status_and_stderr(["serve", str(bad), *option], capsys)
+    assert status == 2 and f"argument {option[0]}: {said}" in stderr, stderr
+    assert "bad.safetensors" not in stderr and stderr.count("\n") == 1
+
+
 def test_limits_reach_the_command(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["validate", "--deadline", "0", "{model}"]
     status, stderr = _status_and_stderr(argv, capsys, model=model)
