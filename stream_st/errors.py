@@ -54,13 +54,11 @@ password, a pre-signed URL's signature and credential), and so does every transp
 
 from __future__ import annotations
 
-import base64
 import operator
 import os
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
-from urllib.parse import unquote_plus
 
 from ._regex import LazyPattern
 
@@ -230,6 +228,8 @@ def _mask_authorization(match: re.Match[str]) -> str:
 
 def _basic_pair(value: str) -> bool:
     """Whether ``value`` is Base64 of ``user:password``, as a ``Basic`` credential is."""
+    import base64  # here: importing this module (every other does) stays cheap
+
     try:
         return b":" in base64.b64decode(value, validate=True)
     except ValueError:
@@ -241,6 +241,8 @@ def _mask_parameters(text: str) -> str:
     as a server and the cache's key (``parse_qsl``) decode it (``%74oken`` is ``token``), is a
     secret's (:func:`_secret_parameter`) masked. Each value is searched for parameters too
     (``?a=1;token=...``), a masked one skipped whole: in time linear in the text."""
+    from urllib.parse import unquote_plus  # here: it imports ipaddress, ~5 ms
+
     pieces: list[str] = []
     done = start = 0
     while parameter := _PARAMETER.compiled.search(text, start):
