@@ -28,6 +28,7 @@ import safetensors.numpy as reference_numpy
 import stream_st
 from stream_st.transports.cache import Cache, CacheMissError, parse_size
 from stream_st.transports.cache.keys import object_key
+from stream_st.transports.cache.layout import partner
 from stream_st.transports.cache.manage import entries, prune, remove
 
 from .._util import assert_same_arrays, run_command
@@ -477,6 +478,37 @@ def test_a_record_whose_copy_is_gone_is_a_leftover_not_a_copy(
     assert asyncio.run(read(url, cache=tmp_path))[1] == "fetch"
 
 
+@pytest.mark.parametrize(
+    ("include", "ending", "command"),
+    [(None, ".safetensors", ["rm", "--all"]), (["t1"], ".part", ["prune", "--max-size", "1G"])],
+)
+def test_a_folder_in_a_copy_s_place_is_damage_that_rm_and_prune_remove(
+    server: RangeHTTPServer,
+    tmp_path: Path,
+    include: list[str] | None,
+    ending: str,
+    command: list[str],
+) -> None:
+    """A folder made in a copy's place (or a partial copy's) was listed as a copy, and cache rm
+    --all failed ("Is a directory"), removing nothing; it is listed as damaged, and rm and
+    prune remove it, its record and what the folder holds."""
+    url = server.url("/m.safetensors")
+    asyncio.run(read(url, cache=tmp_path, include=include))
+    (copy,) = (tmp_path / "objects").rglob(f"*{ending}")
+    record = copy.with_name(str(partner(copy.name)))
+    copy.unlink()
+    copy.mkdir()
+    (copy / "kept").write_bytes(b"x")
+    (entry,) = entries(Cache.at(tmp_path))
+    assert entry.leftover and not entry.complete and entry.shown == f"{url} (damaged)"
+    assert sorted(entry.files) == sorted([copy, record])
+    done = run_command("cache", *command, "--dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert f"removed {url} (damaged)" in done.stdout
+    assert not copy.exists() and not record.exists() and entries(Cache.at(tmp_path)) == []
+    assert asyncio.run(read(url, cache=tmp_path))[1] == "fetch"
+
+
 def test_a_first_copy_being_written_is_listed_and_left_alone(tmp_path: Path) -> None:
     """While a first copy was written, cache ls listed nothing and rm --all said the cache held
     no copy. The copy takes about 6 s (1.3 MB at 200 kB/s): the two commands run meanwhile
@@ -759,6 +791,18 @@ async def test_a_hub_blob_whose_etag_holds_a_dot_is_listed_and_removed(
     )
     assert len(prune(cache, 0)) == 2
     assert not files_under(storage / "blobs") and not files_under(storage / "snapshots")
+
+
+async def test_a_folder_in_a_hub_blob_s_place_is_no_copy(hub: FakeHub, tmp_path: Path) -> None:
+    """A folder made in a Hub blob's place was listed as a complete copy of the blob; it is
+    not listed, as a blob that is gone is not (the Hugging Face cache's files are not
+    stream_st's to remove)."""
+    hub.push("org/model", {"model.safetensors": DATA})
+    await read_as("hf://org/model/model.safetensors", ARRAYS, "fetch", cache=True)
+    (blob,) = (tmp_path / "hub-cache" / "models--org--model" / "blobs").iterdir()
+    blob.unlink()
+    blob.mkdir()
+    assert entries(Cache(tmp_path / "st-cache", tmp_path / "hub-cache")) == []
 
 
 @pytest.mark.parametrize("blocked", ["ref", "snapshot"])

@@ -5,8 +5,9 @@ Listed are the copies stream_st keeps: every object entry, and the Hub blobs str
 checked (those with its record); partial copies are listed as such, and so are the leftovers of
 a writer that was killed (a preallocated partial copy whose ranges were never recorded, a copy
 moved into place whose record was never written, a record whose copy was removed, its progress
-file, temporary files) while no one holds their entry's lock; while one does, the files of a
-first copy being written, as such. Removing an entry takes its lock first: an entry being
+file, temporary files), and a folder made in a copy's place, with the copy's record, as
+damaged, while no one holds their entry's lock; while one does, the files of a first copy
+being written, as such. Removing an entry takes its lock first: an entry being
 written by another process is left alone (and said so). :func:`prune` removes every such
 leftover, whatever the cap.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,8 +78,12 @@ def _object_entries(cache: Cache) -> list[Entry]:
     for key in keys:
         entry = ObjectEntry.of(cache, key)
         before = len(found)
+        damaged: list[str] = []  # a copy that is no file (a folder) and its record: leftovers
         for version in entry.versions():
             at = entry.at(version)
+            if not at.data.is_file():
+                damaged += [at.record.name, at.data.name]
+                continue
             record = Record.load(at.record)
             if record is None:
                 continue
@@ -93,6 +99,9 @@ def _object_entries(cache: Cache) -> list[Entry]:
             )
         for version in entry.partials():
             at = entry.at(version)
+            if not at.part.is_file():
+                damaged += [at.part_record.name, at.part.name]
+                continue
             state = read_json(at.part_record)
             shown = _recorded_address(state) or _shown_of(entry) or f"(partial copy {key})"
             found.append(
@@ -105,11 +114,17 @@ def _object_entries(cache: Cache) -> list[Entry]:
                     at.lock,
                 )
             )
-        names = entry.leftovers()
+        names = sorted(entry.leftovers() + damaged)
         left = _leftover(entry.folder, names, entry.lock, first=len(found) == before)
         if left is not None:
             label = _left_by(entry, names) or f"objects/{key}"
-            what = "being written" if left.writing else "left by a killed writer"
+            what = (
+                "being written"
+                if left.writing
+                else "damaged"
+                if any(path.is_dir() for path in left.files)
+                else "left by a killed writer"
+            )
             left.shown = f"{label} ({what})"
             found.append(left)
     return found
@@ -212,7 +227,7 @@ def _hub_entries(cache: Cache) -> list[Entry]:
             etag, ending = parsed
             if ending == ".json":
                 record = Record.load(mine / name)
-                if record is None or not hub.blob(etag).exists():
+                if record is None or not hub.blob(etag).is_file():
                     continue
                 extra = record.extra
                 shown = record.shown
@@ -283,9 +298,9 @@ def total_size(cache: Cache) -> int:
 
 
 def remove(entry: Entry) -> bool:
-    """Remove ``entry``'s files (and a Hub blob's snapshot links); False, removing nothing,
-    when another process holds its lock (it is being written); ``OSError`` where one cannot
-    be removed."""
+    """Remove ``entry``'s files (and a Hub blob's snapshot links; a folder made in a copy's
+    place, with what it holds); False, removing nothing, when another process holds its lock
+    (it is being written); ``OSError`` where one cannot be removed."""
     lock = EntryLock(entry.lock) if entry.lock is not None else None
     if lock is not None and not lock.try_acquire():
         return False
@@ -294,7 +309,10 @@ def remove(entry: Entry) -> bool:
             if entry.leftover and _paired(path):
                 continue  # a writer came and made it whole since: a partial or complete copy
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
     finally:
         if lock is not None:
             lock.release()
@@ -302,10 +320,11 @@ def remove(entry: Entry) -> bool:
 
 
 def _paired(path: Path) -> bool:
-    """Whether the other file of the pair ``path`` is one of (see :func:`.layout.partner`: a
-    copy and its record) is there."""
+    """Whether ``path`` and the other file of the pair it is one of (see
+    :func:`.layout.partner`: a copy and its record) are both there, as files (a folder in a
+    copy's place is none)."""
     other = partner(path.name)
-    return other is not None and path.with_name(other).exists()
+    return other is not None and path.is_file() and path.with_name(other).is_file()
 
 
 def prune(cache: Cache, max_size: int, *, keep: tuple[Path, ...] = ()) -> list[Entry]:
