@@ -32,7 +32,7 @@ from .._api import open_stream
 from ..core.header import TensorInfo
 from ..core.shards import INDEX_SUFFIX, is_index, split_address
 from ..core.stats import LoadStats, last_stats
-from ..core.strict_json import decode_json
+from ..core.strict_json import Number, decode_json
 from ..errors import (
     SafetensorsError,
     SourceNotFoundError,
@@ -462,12 +462,26 @@ def _load_shapes(path: str | None) -> dict[str, list[int]] | None:
     except (OSError, SafetensorsError) as exc:
         raise UsageError(f"--expect-shapes: cannot read {path}: {exc}") from None
     try:  # checked here, once, as validate() checks it: the option's error, not each source's
-        return expected_shapes(shapes)
+        return expected_shapes(_minus_zero_as_zero(shapes))
     except SafetensorsError as exc:
         raise UsageError(
             f"--expect-shapes: {path} must map tensor names to shapes (lists of integers >= 0): "
             f"{exc}"
         ) from None
+
+
+def _minus_zero_as_zero(shapes: object) -> object:
+    """The ``--expect-shapes`` document, each dimension written ``-0`` taken as the integer 0
+    (as :func:`json.loads` reads it): the strict reader keeps ``-0`` apart, a :class:`Number`,
+    which is no dimension in a safetensors header but no negative one either."""
+    if not isinstance(shapes, dict):
+        return shapes
+    return {
+        name: [0 if isinstance(dim, Number) and dim == "-0" else dim for dim in shape]
+        if isinstance(shape, list)
+        else shape
+        for name, shape in shapes.items()
+    }
 
 
 def _load_config(path: str | None) -> ModelConfig | None:

@@ -361,6 +361,23 @@ def test_an_empty_list_is_refused(
     assert f"argument {option}: names nothing" in stderr
 
 
+def test_expect_shapes_takes_minus_zero_for_zero(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--expect-shapes '{"z": [-0, 3]}'`` was refused as "a dimension must be an integer >= 0,
+    got -0" (the strict reader keeps -0 apart from 0); it is the integer 0, as json.loads reads
+    it, where -0.0 is still no integer."""
+    path = tmp_path / "empty.safetensors"
+    reference_numpy.save_file({"z": np.zeros((0, 3), np.float32)}, str(path))
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text('{"z": [-0, 3]}')
+    argv = ["validate", "-q", "--expect-shapes", "{shapes}", "{path}"]
+    assert _status_and_stderr(argv, capsys, shapes=shapes, path=path) == (0, "")
+    shapes.write_text('{"z": [-0.0, 3]}')
+    status, stderr = _status_and_stderr(argv, capsys, shapes=shapes, path=path)
+    assert status == 2 and "must be an integer >= 0, got -0.0" in stderr
+
+
 def test_a_list_takes_spaces_after_its_commas(
     model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
