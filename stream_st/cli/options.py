@@ -105,12 +105,13 @@ def host_arg(text: str) -> str:
 def port_arg(text: str) -> int:
     """A ``serve --port`` argument: an integer from 0 (any free port) to 65535, refused as the
     command line is parsed, naming the option, before the source is read."""
+    from ..server.app import port_problem  # the server's modules, only when serving
+
     try:
         port = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0-65535 (0: any free port), got {port}")
+    _taken(text, port_problem(port))
     return port
 
 

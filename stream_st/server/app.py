@@ -88,6 +88,13 @@ def host_problem(host: str) -> str | None:
     return None
 
 
+def port_problem(port: object) -> str | None:
+    """Why ``port`` is refused as the port to listen on; None when it is not."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        return f"must be in 0-65535 (0: any free port), got {port!r}"
+    return None
+
+
 class _Token:
     """A bearer token, compared in constant time and never shown."""
 
@@ -330,8 +337,9 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     problem = host_problem(string("host", host))
     if problem is not None:
         raise UsageError(f"host is {problem}")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise UsageError(f"port must be an integer in 0-65535, got {port!r}")
+    problem = port_problem(port)
+    if problem is not None:
+        raise UsageError(f"port {problem}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         return socket.create_server((host, port), family=family, backlog=128)
