@@ -682,6 +682,41 @@ async def test_a_post_connection_is_not_pooled_after_its_answer(raw_server: Serv
     assert len(connections) == 2
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["with the answer", "after it"])
+async def test_bytes_past_an_answer_are_never_taken_for_the_next(
+    raw_server: Serve, late: bool
+) -> None:
+    """A server sending bytes past an answer's Content-Length: the next request on that
+    connection took them for its status line, a malformed one, and failed. A connection that
+    came with such bytes is not pooled; one they reach later is, and the answer to the next
+    request on it, unreadable, has that request sent again on a new connection, once."""
+    requests: list[int] = []  # per request, the number of the connection it came on
+    connections = iter(range(1 << 30))
+    excess = b"GARBAGE!" * 4
+
+    def handle(connection: socket.socket) -> None:
+        number = next(connections)
+        while True:
+            read_request(connection)
+            requests.append(number)
+            if late:
+                connection.sendall(OK_ANSWER)
+                time.sleep(0.2)  # read to its end, and the connection back in the pool
+                connection.sendall(excess)
+            else:
+                connection.sendall(OK_ANSWER + excess)
+
+    url = raw_server(handle) + "/m"
+    client = HTTPClient()
+    with anyio.fail_after(10):
+        assert await _get(client, url) == b"ok"
+        assert await _get(client, url) == b"ok"
+    await client.aclose()
+    # The second GET goes on a new connection, or goes twice: on the first, answered
+    # GARBAGE!...HTTP/1.1 200 OK, then on a new one.
+    assert requests == ([0, 0, 1] if late else [0, 1])
+
+
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     """A self-signed certificate for 127.0.0.1: (server context, client context trusting it)."""

@@ -92,7 +92,8 @@ class HTTPClient(AsyncClosing):
         """Send a request and read the response head; the body is read from the Response.
 
         A keep-alive connection the server closed or reset while it sat idle (before any byte
-        of an answer) is replaced transparently and the request sent again, once; never after a
+        of an answer), or whose answer cannot be read as one (bytes a server sent past its last
+        answer), is replaced transparently and the request sent again, once; never after a
         time limit passed. A request that is not idempotent (POST) is never sent twice: it goes
         on a new connection, closed after its answer. GET and HEAD follow redirects
         (unless ``follow_redirects`` is false) by the policy of
@@ -154,8 +155,11 @@ class HTTPClient(AsyncClosing):
                 break
             except (OSError, TransportError) as exc:
                 await connection.wire.aclose()
-                # A keep-alive connection the server closed meanwhile: once more, on a new one.
-                stale = _dropped(exc) and len(connection.leftover) == received
+                # A keep-alive connection the server closed meanwhile, or one whose answer is no
+                # answer (bytes a server sent past its last one): once more, on a new one.
+                stale = isinstance(exc, HTTPProtocolError) or (
+                    _dropped(exc) and len(connection.leftover) == received
+                )
                 if reused and attempt == 0 and stale:
                     continue
                 if isinstance(exc, SafetensorsError):

@@ -173,8 +173,8 @@ class Response(AsyncClosing):
     """Status, headers and a body read into caller buffers with :meth:`receive_into`.
 
     Use as ``async with``: leaving it returns the connection to the pool when the body was read
-    to the end (unless ``keep_alive`` is false or the answer said ``Connection: close``), and
-    closes it otherwise.
+    to the end (unless ``keep_alive`` is false, the answer said ``Connection: close`` or bytes
+    past its end came with it), and closes it otherwise.
     """
 
     def __init__(
@@ -343,7 +343,7 @@ class Response(AsyncClosing):
         connection, self._connection = self._connection, None
         if connection is None:
             return
-        if self._done and self._reusable:
+        if self._done and self._reusable and not connection.leftover:
             self._release(connection)
         else:
             await connection.wire.aclose()
