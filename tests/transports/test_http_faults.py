@@ -921,6 +921,21 @@ async def test_an_unasked_not_modified_is_named_so(raw_server: Serve) -> None:
     assert "not modified" in str(info.value) and "nowhere" not in str(info.value)
 
 
+async def test_a_not_modified_to_a_later_request_says_what_a_304_answers(
+    raw_server: Serve,
+) -> None:
+    """A 304 to a later ranged GET, which carries If-Match: the error said it answered "a
+    conditional request this request was not", where this one was; it says which preconditions
+    a 304 answers."""
+    first = SPLIT_FILE[:FIRST_RANGE]
+    handle = _first_then("304 Not Modified", "", b"", first, "Connection: close\r\n\r\n")
+    url = raw_server(handle) + "/m.safetensors"
+    with pytest.raises(HTTPStatusError) as info:
+        await load(url, include=["b"])
+    assert info.value.status == 304
+    assert "only to If-None-Match or If-Modified-Since (never to If-Match" in str(info.value)
+
+
 async def test_a_refused_connection_says_why() -> None:
     """The one-line error of a failed connect keeps its cause (refused, a limit passed), where
     it said only "cannot connect to HOST:PORT" and left the reason to the chained error."""

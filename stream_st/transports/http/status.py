@@ -112,8 +112,9 @@ async def raise_for_status(response: Answer, *, name: str | None = None) -> None
     finally:
         await response.aclose()
     detail = summary(body)
-    if response.status == 304:  # not asked for (a conditional request handles its own)
-        where = "not modified, an answer to a conditional request this request was not"
+    if response.status == 304:  # not asked for (the cache's If-None-Match handles its own)
+        where = "not modified, an answer only to If-None-Match or If-Modified-Since (never to "
+        where += "If-Match or If-Unmodified-Since)"
         detail = f"{where}: {detail}" if detail else where
     elif response.status < 400:
         location = response.headers.get("location")
