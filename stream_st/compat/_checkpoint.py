@@ -198,16 +198,29 @@ class _Checkpoint:
             if file is not None:
                 return file
             file = await _File.open(address, self.options, shard=True)
-            self.files[address] = file
-            index = self.index
-            assert index is not None
-            shard = next(s for s in index.shards if shard_address(index.home, s) == address)
-            index.check(shard, address, file.header)
+            try:
+                self._check(address, file.header)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await file.aclose()
+                raise
             for name in file.header.names():
-                first = self.where.setdefault(name, address)
-                if first != address:
-                    raise repeated_name(index.home, name, first, address)
+                self.where[name] = address
+            self.files[address] = file  # kept only once checked: a refused shard is every time
         return file
+
+    def _check(self, address: str, header: Header) -> None:
+        """:class:`~stream_st.HeaderError` unless ``header`` (of the shard at ``address``) is
+        what the index says of it; :class:`~stream_st.UsageError` if it holds a tensor another
+        shard holds."""
+        index = self.index
+        assert index is not None
+        shard = next(s for s in index.shards if shard_address(index.home, s) == address)
+        index.check(shard, address, header)
+        for name in header.names():
+            first = self.where.get(name, address)
+            if first != address:
+                raise repeated_name(index.home, name, first, address)
 
     async def file_of(self, name: str) -> _File:
         address = self.where.get(name)

@@ -19,6 +19,7 @@ from safetensors import safe_open as reference_open
 import stream_st.numpy as sn
 from stream_st.errors import (
     ArgumentTypeError,
+    HeaderError,
     IntegrityError,
     SafetensorsError,
     TensorNotFoundError,
@@ -205,6 +206,33 @@ def test_sharded_index_with_safe_open_and_load_file(tmp_path: Path) -> None:
         assert f.keys() == ["x", "y"] and f.offset_keys() == ["x", "y"]
         assert f.metadata() == {"total_size": 56}
         assert np.array_equal(f.get_slice("y")[1:], np.ones(2))
+
+
+def test_safe_open_refuses_a_shard_failing_the_index_check_every_time(tmp_path: Path) -> None:
+    """A shard that differs from what the index assigns it is refused at each read, not kept
+    open after the first refusal for the next read to take unchecked (its data, or a tensor
+    the index does not name in offset_keys() and get_tensors())."""
+    reference.save_file(
+        {"x": np.arange(4.0), "extra": np.ones(2)}, str(tmp_path / "a-1.safetensors")
+    )
+    reference.save_file({"y": np.ones(3)}, str(tmp_path / "a-2.safetensors"))
+    index = tmp_path / "a.safetensors.index.json"
+    weight_map = {"x": "a-1.safetensors", "y": "a-2.safetensors"}
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    not_assigned = (
+        r"a-1\.safetensors: the shard's tensors differ .* \(it holds tensors not assigned"
+    )
+    with sn.safe_open(index, "np") as f:
+        for read in [lambda: f.get_tensor("x")] * 2 + [f.offset_keys, f.get_tensors]:
+            with pytest.raises(HeaderError, match=not_assigned):
+                read()
+        assert f.keys() == ["x", "y"]
+        assert np.array_equal(f.get_tensor("y"), np.ones(3))
+    index.write_text(json.dumps({"weight_map": {"x": "a-2.safetensors", "y": "a-2.safetensors"}}))
+    with sn.safe_open(index, "np") as f:
+        for _ in range(2):  # the second was a TensorNotFoundError
+            with pytest.raises(HeaderError, match=r"a-2\.safetensors: .* \(it lacks \['x'\]\)"):
+                f.get_tensor("x")
 
 
 # ---------------------------------------------------------------------- remote
