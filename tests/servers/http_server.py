@@ -260,8 +260,11 @@ class RangeHTTPServer:
             return True
         status = self.status_for.get(path)
         extra: dict[str, str] = {}
-        if self.fail_first > 0:
-            self.fail_first -= 1
+        with self._lock:  # a thread per connection: exactly fail_first GETs fail, in any order
+            failing = self.fail_first > 0
+            if failing:
+                self.fail_first -= 1
+        if failing:
             status = self.fail_status
             if self.retry_after is not None:
                 extra["Retry-After"] = self.retry_after
