@@ -3,6 +3,7 @@ where they can pay, one connection everywhere else; against real servers on 127.
 
 from __future__ import annotations
 
+import math
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import SourceChangedError
+from stream_st.transports.http import parts
 from stream_st.transports.http.source import ADAPTIVE_LIMIT, ADAPTIVE_START, HttpSource
 from stream_st.transports.s3.source import S3Source
 
@@ -72,6 +74,30 @@ async def read(source: Any, **kwargs: Any) -> Arrays:
     return {name: array async for name, array in stream}
 
 
+@dataclass
+class LinkClock:
+    """The clock an adaptive window times its parts by (``parts.time``), replaced by a model
+    link's: the bytes the window received so far took as long as they would at
+    ``per_connection`` bytes per second on each of its K connections, all of them together at
+    most ``link``. The rate the window measures for each K is then that model's, whatever a
+    loaded machine does to the test server's pacing or to the client's turns; the window's own
+    decisions (grow, go back to one stream) are what is tested."""
+
+    source: HttpSource
+    per_connection: float
+    link: float = math.inf
+    now: float = 0.0
+    counted: int = 0  # the window's bytes received, as of the last reading
+
+    def monotonic(self) -> float:
+        window = self.source._parts
+        if window is not None:
+            rate = min(self.per_connection * window.concurrency, self.link)
+            self.now += (window._received - self.counted) / rate
+            self.counted = window._received
+        return self.now
+
+
 def ranges(server: RangeHTTPServer) -> list[str]:
     """The Range of every GET the server received (an answer cut short by the client counts)."""
     server.settle()
@@ -80,36 +106,47 @@ def ranges(server: RangeHTTPServer) -> list[str]:
 
 
 async def test_a_big_object_is_read_over_several_connections_that_grow(
-    store: CountingServer,
+    store: CountingServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """An object store: each connection has its own rate (timed as the model's, see
+    :class:`LinkClock`; the server paces each connection too, so that parts overlap)."""
     source = HttpSource(store.url("/model.safetensors"), part_size=PART)
+    monkeypatch.setattr(parts, "time", LinkClock(source, per_connection=RATE))
     assert_same_arrays(await read(source), MODEL)
     store.settle()
-    # more connections while they paid (each has its own rate), never more than the limit
+    # more connections while they paid, up to the limit and never more
     assert ADAPTIVE_START < store.peak <= ADAPTIVE_LIMIT
     assert store.connections <= ADAPTIVE_LIMIT + 1  # the first answer's closed when parts pay
-    assert ADAPTIVE_START < source.concurrency <= ADAPTIVE_LIMIT
+    assert source.concurrency == ADAPTIVE_LIMIT
     got = ranges(store)
     assert got[0] == "bytes=0-" and len(got) > ADAPTIVE_START  # the first: one stream
     size = len(store.objects["/model.safetensors"])
     assert len(got) <= -(-size // PART) + 1  # parts of part_size: nothing asked twice
 
 
-async def test_a_fast_link_goes_back_to_one_stream() -> None:
-    """Where one connection is as fast (loopback, no rate), the first answer is fast enough, or
-    the parts tried once are no faster than it was: it goes on to the end (or, when parts were
-    tried, one ranged request from where they end)."""
+@pytest.mark.parametrize(
+    "link", [2 * parts.FAST_STREAM, parts.FAST_STREAM / 10], ids=["fast", "slower"]
+)
+async def test_a_fast_link_goes_back_to_one_stream(
+    link: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where one connection fills the link (timed as the model's, see :class:`LinkClock`), the
+    first answer is fast enough (``FAST_STREAM``) and goes on to the end; or the parts tried
+    once are no faster than it was, and the rest is one ranged request from where they end."""
     with serve(etag="strong") as server:
         source = HttpSource(server.url("/model.safetensors"), part_size=PART)
+        monkeypatch.setattr(parts, "time", LinkClock(source, per_connection=link, link=link))
         assert_same_arrays(await read(source), MODEL)
         assert source.concurrency == 1
         got = ranges(server)
         size = len(server.objects["/model.safetensors"])
+    if link >= parts.FAST_STREAM:
+        assert got == ["bytes=0-"]  # no part tried
+    else:
         assert got[0] == "bytes=0-"
-        assert len(got) <= 1 + 2 * ADAPTIVE_START + 1  # at most the parts tried once
-        if len(got) > 1:
-            start, end = (int(n) for n in got[-1].removeprefix("bytes=").split("-"))
-            assert end == size - 1 and end + 1 - start >= size // 2  # the rest: one stream
+        assert 1 + ADAPTIVE_START < len(got) <= 1 + 2 * ADAPTIVE_START + 1  # parts tried once
+        start, end = (int(n) for n in got[-1].removeprefix("bytes=").split("-"))
+        assert end == size - 1 and end + 1 - start >= size // 2  # the rest: one stream
 
 
 async def test_explicit_one_keeps_one_connection() -> None:
@@ -157,11 +194,16 @@ async def test_a_selection_opens_the_window_only_when_big(store: CountingServer)
 
 
 async def test_a_broken_part_is_resumed(store: CountingServer) -> None:
-    store.close_after = 100_000
+    """A part whose answer breaks half way is asked for again from the byte it reached (a
+    window of a fixed size: resuming owes nothing to the adaptive growth)."""
+    store.close_after = cut = PART // 2
     store.close_once = True
-    source = HttpSource(store.url("/model.safetensors"), part_size=PART)
+    source = HttpSource(store.url("/model.safetensors"), part_size=PART, concurrency=4)
     assert_same_arrays(await read(source), MODEL)
-    assert source.concurrency > 1
+    assert store.close_after is None  # an answer was cut
+    starts = [int(r.removeprefix("bytes=").split("-")[0]) for r in ranges(store)]
+    assert any(start % PART == cut for start in starts)  # a part resumed where it broke
+    assert source.concurrency == 4
 
 
 async def test_a_replaced_object_is_never_mixed(store: CountingServer) -> None:
