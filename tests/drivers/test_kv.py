@@ -643,16 +643,33 @@ async def test_demo_runs_and_measures() -> None:
     assert results[0].wire_bytes > results[1].wire_bytes > results[2].wire_bytes
 
 
-async def test_slow_consumer_slows_the_sender() -> None:
-    layout = KVLayout(num_layers=30, shape=(1, 8, 512, 64))  # 2 MiB a layer
+async def test_slow_consumer_slows_the_sender(monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = KVLayout(num_layers=30, shape=(1, 8, 512, 64))  # 1 MiB a layer (F16 key and value)
     layers = CountedLayers(layout)
     gaps: list[int] = []
+    queue, max_ahead = 2, 1
+    # Socket buffers of a fixed size: left to the kernel, they grow with the traffic (up to
+    # tcp_rmem's maximum, 32 MiB on some systems), each MiB one more layer sent and not yet
+    # received, as many as a loaded machine lets pile up. Set, they stay as set, and getsockopt
+    # tells their size (the kernel's doubling included).
+    buffers: list[int] = []
+    connect = stream_st.transports.tcp.connect_socket
+
+    async def connect_small(*args: Any) -> socket.socket:
+        sock = await connect(*args)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        buffers.append(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+        return sock
+
+    monkeypatch.setattr(stream_st.transports.tcp, "connect_socket", connect_small)
 
     async with stream_st.listen("127.0.0.1", 0, timeout=10) as listener:
+        listener._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # inherited
+        buffers.append(listener._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
 
         async def receiver() -> None:
             connection = await listener.accept()
-            async with connection, receive_kv(connection, max_ahead=1) as kv_in:
+            async with connection, receive_kv(connection, max_ahead=max_ahead) as kv_in:
                 async for layer, _, _ in kv_in:
                     await anyio.sleep(0.03)  # a consumer slower than the link
                     gaps.append(layers.pulled - (layer + 1))
@@ -660,9 +677,12 @@ async def test_slow_consumer_slows_the_sender() -> None:
 
         async with anyio.create_task_group() as group:
             group.start_soon(receiver)
-            await send_kv(listener.url, layout, layers, queue=2)
-    # without read-ahead bounds the sender would run ~all 30 layers ahead at once
-    assert max(gaps) <= 12, gaps
+            await send_kv(listener.url, layout, layers, queue=queue)
+    # Pulled but not yet handed to the consumer: the one the producer waits to queue, the queue,
+    # the one being sent, what the two socket buffers hold, the receiver's read-ahead and the
+    # one it reads. Without read-ahead bounds the sender would run ~all 30 layers ahead at once.
+    on_the_wire = -(-sum(buffers) // layout.layer_bytes)
+    assert len(buffers) == 2 and max(gaps) <= 1 + queue + 1 + on_the_wire + max_ahead + 1, gaps
 
 
 async def test_a_send_that_cannot_connect_leaves_no_open_channel() -> None:
