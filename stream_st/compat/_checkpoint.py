@@ -179,8 +179,13 @@ class _Checkpoint:
                 for name, shard in self.index.weight_map.items():
                     self.where[name] = shard_address(home, shard)
             else:  # a manifest names no tensors: open every shard now
-                for shard in self.index.shards:
-                    await self._shard(shard_address(self.index.home, shard))
+                try:
+                    for shard in self.index.shards:
+                        await self._shard(shard_address(self.index.home, shard))
+                except BaseException:  # those opened before the refusal are closed
+                    with anyio.CancelScope(shield=True):
+                        await self.aclose()
+                    raise
         else:
             file = await _File.open(src, options)
             self.files[""] = file

@@ -4,7 +4,10 @@ local files and over HTTP, S3 (moto) and tcp://, and from inside running event l
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ import safetensors.numpy as reference
 import trio
 from safetensors import safe_open as reference_open
 
+import stream_st
 import stream_st.numpy as sn
 from stream_st.errors import (
     ArgumentTypeError,
@@ -233,6 +237,47 @@ def test_safe_open_refuses_a_shard_failing_the_index_check_every_time(tmp_path: 
         for _ in range(2):  # the second was a TensorNotFoundError
             with pytest.raises(HeaderError, match=r"a-2\.safetensors: .* \(it lacks \['x'\]\)"):
                 f.get_tensor("x")
+
+
+def open_in(folder: Path) -> set[str]:
+    """What the process's descriptors are open on in ``folder``."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own, closed since
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(f"{folder}{os.sep}"):
+                found.add(target)
+    return found
+
+
+@linux_only
+def test_safe_open_of_a_refused_manifest_leaves_no_shard_open(tmp_path: Path) -> None:
+    """A dataset manifest refused by safe_open (a batch-mode dataset repeats its columns in
+    every shard; a shard of another size than the manifest says) closes the shards it opened
+    before the refusal, where they stayed open until a garbage collection."""
+
+    async def write() -> None:
+        async with stream_st.open_dataset_writer(tmp_path, target_shard_size=16) as writer:
+            for i in range(3):
+                await writer.write_batch({"x": np.full((1, 4), i, np.float32)}, samples=1)
+
+    asyncio.run(write())
+    manifest = tmp_path / "dataset_manifest.json"
+    repeated = manifest.read_text()
+    document = json.loads(repeated)
+    document["shards"][1]["bytes"] += 1
+    resized = json.dumps(document)
+    gc.disable()  # what a refusal left open stays open, not collected by chance
+    try:
+        assert open_in(tmp_path) == set()
+        for text, error in [(repeated, UsageError), (resized, HeaderError)]:
+            manifest.write_text(text)
+            for _ in range(3):
+                with pytest.raises(error):
+                    sn.safe_open(manifest, "np")
+                assert open_in(tmp_path) == set()
+    finally:
+        gc.enable()
 
 
 # ---------------------------------------------------------------------- remote
