@@ -28,7 +28,7 @@ from collections.abc import Callable, Collection, Container, Coroutine, Generato
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import ArgumentTypeError, IntegrityError, UsageError
+from ..errors import ArgumentTypeError, IntegrityError, UsageError, boolean
 from .dtypes import wire_bytes
 from .header import _SHORT, run_steps
 from .layout import _metadata_members
@@ -384,10 +384,6 @@ def _as_array(value: Any, name: str) -> Any:
 def digests_for(checksums: bool | str | Digests) -> Digests | None:
     """What a writer's ``checksums=`` asks for: None (no digests), or the algorithm with the
     digests given up front (``values`` empty when they are to be computed while writing)."""
-    if checksums is False:
-        return None
-    if checksums is True:
-        return Digests()
     if isinstance(checksums, str):
         return Digests(algorithm_named(checksums, "checksums=").name)
     if isinstance(checksums, Digests):
@@ -407,10 +403,20 @@ def digests_for(checksums: bool | str | Digests) -> Digests | None:
             f"checksums=Digests(algorithm, values): values must map tensor names to hex digests "
             f"(str to str), got {got}"
         )
-    raise UsageError(
-        "checksums must be True, False, an algorithm name or a Digests, "
-        f"got {type(checksums).__name__}"
-    )
+    return Digests() if asked_for(checksums) else None
+
+
+def asked_for(checksums: object, takes: str = "an algorithm name or a Digests") -> bool:
+    """Whether ``checksums=``, given as neither an algorithm's name nor a :class:`Digests`, asks
+    for digests: True or False (numpy's ``bool_`` too, read as ``verify=`` is); a
+    :class:`~stream_st.UsageError` naming what it takes (True, False, ``takes``) for another
+    value."""
+    try:
+        return boolean("checksums", checksums)
+    except ArgumentTypeError:
+        raise UsageError(
+            f"checksums must be True, False, {takes}, got {type(checksums).__name__}"
+        ) from None
 
 
 class OrderedHash:

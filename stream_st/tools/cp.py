@@ -31,6 +31,7 @@ from ..core.digests import (
     DEFAULT_ALGORITHM,
     Digests,
     algorithm_named,
+    asked_for,
     is_record_key,
 )
 from ..core.dtypes import dtype_from_code, wire_bytes
@@ -576,6 +577,8 @@ async def _copy(
     ``pairing``, across its shards (a copy of its own checks its tensors alone), ``expect``,
     which checks the source's header before anything is written, and, converting, its
     ``checkpoint`` plan (:func:`_planned`), whose record of the conversion the shard takes."""
+    if checksums is not None and not isinstance(checksums, str):
+        checksums = asked_for(checksums, "an algorithm name or None")  # numpy's bool_ too
     async with opened(src, clock, include=include) as (stream, headers):
         if expect is not None:
             expect(headers[0])

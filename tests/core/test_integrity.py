@@ -116,6 +116,29 @@ async def test_unknown_algorithm_and_reserved_keys_are_usage_errors(tmp_path: Pa
     assert not list(tmp_path.iterdir())
 
 
+async def test_numpy_booleans_are_taken_as_verify_takes_them(tmp_path: Path) -> None:
+    """checksums=np.True_ was refused as "checksums must be True, False, an algorithm name or a
+    Digests, got bool" (and by cp as an unknown algorithm), where verify=np.False_ is taken."""
+    arrays = {"a": np.arange(4, dtype=np.float32)}
+    source, copy = tmp_path / "m.safetensors", tmp_path / "c.safetensors"
+    yes: Any = np.True_
+    no: Any = np.False_
+    header = await stream_st.save(source, arrays, checksums=yes)
+    assert Digests.from_header(header) == Digests.compute(arrays)
+    header = await stream_st.save(source, arrays, checksums=no)
+    assert Digests.from_header(header) is None
+    header = (await tools.cp(source, copy, checksums=yes)).header
+    assert Digests.from_header(header) == Digests.compute(arrays)
+    header = (await tools.cp(copy, source, checksums=no)).header
+    assert Digests.from_header(header) is None
+    wrong: Any = 1
+    with pytest.raises(stream_st.UsageError, match=r"an algorithm name or a Digests, got int$"):
+        await stream_st.save(source, arrays, checksums=wrong)
+    wrong = np.array([True])
+    with pytest.raises(stream_st.UsageError, match=r"^checksums must be .* or None, got ndarray$"):
+        await tools.cp(source, copy, checksums=wrong)
+
+
 async def test_only_the_records_keys_are_reserved(tmp_path: Path) -> None:
     """Keys that merely start as the record's do (``stream_st.digestion``) are the caller's:
     kept with checksums= as without, as the manual reserves only the record's own keys."""
