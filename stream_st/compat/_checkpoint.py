@@ -240,16 +240,22 @@ class _Checkpoint:
         """Tensor ``info`` (one of a file's, or its bytes as another dtype), or its ``rows``."""
         return await (await self.file_of(info.name)).read(info, rows)
 
+    async def _all_files(self) -> list[_File]:
+        """Every file, opening every shard, in reading order: the index's shard order (as
+        :func:`~stream_st.open_stream` reads them), whichever were read before."""
+        index = self.index
+        if index is None:
+            return [self.files[""]]
+        return [await self._shard(shard_address(index.home, shard)) for shard in index.shards]
+
     async def headers(self) -> list[Header]:
         """Every file's header, in reading order (opening every shard)."""
-        for address in dict.fromkeys(self.where.values()):
-            if address:
-                await self._shard(address)
-        return [file.header for file in self.files.values()]
+        return [file.header for file in await self._all_files()]
 
     async def read_all(self) -> dict[str, np.ndarray[Any, Any]]:
-        await self.headers()
-        return {k: v for file in self.files.values() for k, v in (await file.read_all()).items()}
+        return {
+            k: v for file in await self._all_files() for k, v in (await file.read_all()).items()
+        }
 
     async def aclose(self) -> None:
         for file in self.files.values():

@@ -306,7 +306,8 @@ class SafeOpen(_Public):
             return sorted(self._checkpoint.where)
 
     def offset_keys(self) -> list[str]:
-        """The tensors' names in the order of their bytes (file after file for an index)."""
+        """The tensors' names in the order of their bytes (for an index, shard after shard in
+        the order :func:`~stream_st.open_stream` reads them, whichever were read before)."""
         with self._reading():
             if self._local is not None:
                 return self._local.header.names()

@@ -212,6 +212,26 @@ def test_sharded_index_with_safe_open_and_load_file(tmp_path: Path) -> None:
         assert np.array_equal(f.get_slice("y")[1:], np.ones(2))
 
 
+def test_safe_open_of_an_index_lists_tensors_in_shard_order_whatever_was_read(
+    tmp_path: Path,
+) -> None:
+    """offset_keys() and get_tensors() of an index go shard after shard in the shards' name
+    order, as load_file reads them, not in the weight_map's order or the order the shards were
+    first read in."""
+    reference.save_file({"b": np.zeros(2)}, str(tmp_path / "a-1.safetensors"))
+    reference.save_file({"a": np.ones(2), "c": np.ones(1)}, str(tmp_path / "a-2.safetensors"))
+    index = tmp_path / "a.safetensors.index.json"
+    weight_map = {"c": "a-2.safetensors", "a": "a-2.safetensors", "b": "a-1.safetensors"}
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    order = ["b", "a", "c"]
+    assert list(sn.load_file(index)) == order
+    with sn.safe_open(index, "np") as f:
+        assert f.offset_keys() == order
+    with sn.safe_open(index, "np") as f:
+        f.get_tensor("c")
+        assert f.offset_keys() == order and list(f.get_tensors()) == order
+
+
 def test_safe_open_refuses_a_shard_failing_the_index_check_every_time(tmp_path: Path) -> None:
     """A shard that differs from what the index assigns it is refused at each read, not kept
     open after the first refusal for the next read to take unchecked (its data, or a tensor
