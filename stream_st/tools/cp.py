@@ -486,11 +486,14 @@ async def cp(
     order (the reference writer's). A copy that fails or is interrupted leaves nothing at ``dst``.
 
     The source's digests, if it has some, are verified as it is read: a tensor that fails
-    leaves nothing at ``dst``. ``checksums`` (True or an algorithm's name) records digests in
-    the copy; ``None`` (the default) does so when the source has them, with its algorithm. Copied
-    digests of tensors copied as they are go out with the header, so any destination takes them;
-    digests to compute need a destination that can be patched at the end (a file, S3): asked
-    for, they are a :class:`~stream_st.UsageError` elsewhere; inherited, they are left out.
+    leaves nothing at ``dst``. ``None`` (the default ``checksums``) records digests in the copy
+    when the source has them, with its algorithm, and ``True`` does so in any case (xxh3-128
+    for a source without them): a source's digests are kept, not computed anew, for the tensors
+    copied as they are. An algorithm's name records digests of that algorithm (the source's
+    kept where they are of it, else computed). Copied digests of tensors copied as they are go
+    out with the header, so any destination takes them; digests to compute need a destination
+    that can be patched at the end (a file, S3): asked for, they are a
+    :class:`~stream_st.UsageError` elsewhere; inherited, they are left out.
     """
     progress = checked_progress(progress)
     include = listed(include)  # names taken once, or an ArgumentTypeError saying what it takes
@@ -730,20 +733,26 @@ def _copied_digests(
     checksums: bool | str | None, headers: Sequence[Header], names: list[str], converting: bool
 ) -> bool | str | Digests:
     """What ``cp`` records (see there): the source's digests for ``names`` when no tensor
-    changes and the algorithm is the one asked for, else the algorithm to compute. Shards with
-    digests of several algorithms, or only some with digests, are recorded with one of theirs
-    (the default where it is one), computed anew."""
+    changes and the algorithm is the one asked for, else the algorithm to compute. With no
+    algorithm named (``checksums`` None or True) it is the source's: shards with digests of
+    several algorithms, or only some with digests, are recorded with one of theirs (the default
+    where it is one), computed anew, and a source without digests with the default (True) or
+    with none (None)."""
     found = {h.metadata.get(ALGORITHM_KEY) for h in headers}
     source = next(iter(found)) if len(found) == 1 else None  # one algorithm, in every header
-    if checksums is None:
+    if checksums is False:
+        return False
+    if isinstance(checksums, str):
+        name = algorithm_named(checksums).name
+    else:  # None or True: no algorithm named
         for header in headers:  # records to inherit must be ones to check, as the read says
             Digests.from_header(header)
         kinds = sorted(kind for kind in found if kind is not None)
         mixed = DEFAULT_ALGORITHM if DEFAULT_ALGORITHM in kinds else next(iter(kinds), None)
-        checksums = source or mixed or False
-    if checksums is False:
-        return False
-    name = algorithm_named(DEFAULT_ALGORITHM if checksums is True else checksums).name
+        kept = source or mixed or (DEFAULT_ALGORITHM if checksums else None)
+        if kept is None:
+            return False
+        name = algorithm_named(kept).name
     if converting or source != name:
         return name
     values: dict[str, str] = {}

@@ -791,6 +791,40 @@ def test_cp_checksums_validate_and_hash_file(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.safetensors", "plain.safetensors"]
 
 
+def test_cp_checksums_keeps_the_source_algorithm_and_its_digests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """cp --checksums (checksums=True) of a file with sha256 digests recorded xxh3-128 digests
+    instead, where cp without it keeps the source's; an algorithm named still records its own."""
+    arrays = tensors()
+    source = tmp_path / "src.safetensors"
+    anyio.run(lambda: stream_st.save(source, arrays, checksums="sha256"))
+    recorded = Digests.from_header(anyio.run(stream_st.read_header, source))
+    assert recorded is not None and recorded.algorithm == "sha256"
+
+    def copied(name: str, **options: Any) -> Digests | None:
+        copy = anyio.run(lambda: tools.cp(source, tmp_path / name, **options))
+        return Digests.from_header(copy.header)
+
+    assert copied("kept.safetensors", checksums=True) == recorded
+    assert main(["cp", "-q", "--checksums", str(source), str(tmp_path / "cli.safetensors")]) == 0
+    assert Digests.from_header(anyio.run(stream_st.read_header, tmp_path / "cli.safetensors")) == (
+        recorded
+    )
+    assert copied("named.safetensors", checksums="xxh3-128") == Digests.compute(arrays)
+    half = copied("half.safetensors", checksums=True, dtype="f16")  # computed, of sha256
+    assert half == Digests.compute(
+        reference_numpy.load_file(str(tmp_path / "half.safetensors")), "sha256"
+    )
+    data = source.read_bytes()  # checked as read: a tensor that fails leaves nothing
+    header = anyio.run(stream_st.read_header, source)
+    source.write_bytes(flipped(data, header.data_start + header["w1"].start))
+    capsys.readouterr()
+    assert main(["cp", "-q", "--checksums", str(source), str(tmp_path / "bad.safetensors")]) == 2
+    assert "does not match its sha256 digest" in capsys.readouterr().err
+    assert not (tmp_path / "bad.safetensors").exists()
+
+
 async def test_cp_keeps_the_source_digests_even_to_a_stream(tmp_path: Path) -> None:
     arrays = tensors()
     data = await saved(tmp_path, arrays)
