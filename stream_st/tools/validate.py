@@ -366,7 +366,11 @@ async def _validate_stream(
         verified = "FAILED (see the errors)"
     else:
         verified = f"{plural(checker.checked, 'tensor')} verified"
-    result.digests = f"{', '.join(sorted(algorithms))}: {verified}" if algorithms else "none"
+    algorithm = ", ".join(sorted(algorithms))  # "" for digests recorded without one
+    if algorithm:
+        result.digests = f"{algorithm}: {verified}"
+    else:  # digests whose algorithm is missing still failed, as their error says
+        result.digests = verified if damaged else "none"
     return result
 
 

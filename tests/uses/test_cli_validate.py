@@ -107,3 +107,19 @@ def test_a_damaged_digest_record_names_its_tensor_as_the_other_findings(tmp_path
         assert "a\\\\b  " in lines[2], lines
         found = json.loads(run("validate", "--json", str(copy)).stdout)["errors"]
         assert found == [said]
+
+
+def test_digests_recorded_without_their_algorithm_are_failed_not_none(tmp_path: Path) -> None:
+    """A header with tensor digests but no (or an empty) ``stream_st.digest`` key was said to
+    have "digests: none" (``--json``: "none"), under the error saying it has digests."""
+    path = tmp_path / "sums.safetensors"
+    anyio.run(lambda: stream_st.save(path, {"a": np.ones(4, np.float32)}, checksums=True))
+    for algorithm in (None, ""):
+        copy = tmp_path / "damaged.safetensors"
+        copy.write_bytes(path.read_bytes())
+        _recorded_anew(copy, {"stream_st.digest": algorithm})
+        result = run("validate", "-q", str(copy))
+        assert result.returncode == 1, result.stderr
+        assert "\ndigests: FAILED (see the errors)\n" in result.stdout, result.stdout
+        found = json.loads(run("validate", "--json", str(copy)).stdout)
+        assert found["digests"] == "FAILED (see the errors)" and len(found["errors"]) == 1
