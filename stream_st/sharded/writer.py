@@ -46,7 +46,7 @@ import shutil
 import struct
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -91,10 +91,12 @@ from .reader import MAX_INDEX_SIZE
 __all__ = [
     "DatasetWriter",
     "ShardedWriter",
+    "checkpoint_files",
     "missing_folders",
     "open_dataset_writer",
     "open_sharded_writer",
     "remove_new_folders",
+    "remove_unlisted",
     "tensor_index_table",
 ]
 
@@ -504,15 +506,7 @@ class _RollingWriter(AsyncClosing):
     def _remove_unlisted(self, ours: re.Pattern[str]) -> None:
         """Remove the files of the directory whose names ``ours`` matches (an earlier write's
         shards) that the new index, in place, does not name."""
-        kept = {name for name, *_ in self._sealed}
-        try:
-            entries = list(os.scandir(self.directory))
-        except OSError:
-            return
-        for entry in entries:
-            if ours.fullmatch(entry.name) and entry.name not in kept and not entry.is_dir():
-                with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
-                    os.unlink(entry.path)
+        remove_unlisted(self.directory, ours, {name for name, *_ in self._sealed})
 
     async def aclose(self) -> None:
         """Seal the last shard, write the index (or manifest) whole, then commit, seen through
@@ -638,6 +632,29 @@ def _checked_prefix(prefix: object) -> str:
     return prefix
 
 
+def checkpoint_files(prefix: str) -> re.Pattern[str]:
+    """The names of the files of a checkpoint of ``prefix`` (its index
+    ``{prefix}.safetensors.index.json``): ``{prefix}.safetensors`` and the shards
+    ``{prefix}-NNNNN-of-NNNNN.safetensors``. Those beside an index that it does not name are an
+    earlier checkpoint's, removed at its commit, as transformers' ``save_pretrained`` does: a
+    loader takes ``{prefix}.safetensors`` before the index, so a stale one would be loaded in
+    place of the new checkpoint."""
+    return re.compile(rf"{re.escape(prefix)}(-\d{{5}}-of-\d{{5}})?\.safetensors")
+
+
+def remove_unlisted(directory: Path, ours: re.Pattern[str], kept: Collection[str]) -> None:
+    """Remove the files of ``directory`` whose names ``ours`` matches (an earlier write's
+    shards) that are not in ``kept`` (those the new index, in place, names)."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in entries:
+        if ours.fullmatch(entry.name) and entry.name not in kept and not entry.is_dir():
+            with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+                os.unlink(entry.path)
+
+
 class ShardedWriter(_RollingWriter):
     """A Hugging Face sharded checkpoint; see :func:`open_sharded_writer`."""
 
@@ -741,9 +758,7 @@ class ShardedWriter(_RollingWriter):
         """Remove the shards of an earlier checkpoint of this prefix that the new index does not
         name, as transformers' ``save_pretrained`` does: a loader takes ``{prefix}.safetensors``
         before the index, so a stale one would be loaded in place of the new checkpoint."""
-        self._remove_unlisted(
-            re.compile(rf"{re.escape(self.prefix)}(-\d{{5}}-of-\d{{5}})?\.safetensors")
-        )
+        self._remove_unlisted(checkpoint_files(self.prefix))
 
     def _index(self) -> tuple[str, dict[str, Any]]:
         weight_map = {

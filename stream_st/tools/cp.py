@@ -9,6 +9,7 @@ import posixpath
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Unpack
 from urllib.parse import quote
 
@@ -51,6 +52,7 @@ from ..errors import (
 from ..reader import Include, TensorStream
 from ..reader.stream import listed
 from ..sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
+from ..sharded.writer import checkpoint_files, remove_unlisted
 from ..transports import store
 from ..transports.file.atomic import local_path
 from ..transports.file.sink import COPY_TURN
@@ -803,6 +805,27 @@ async def _unindexed(written: list[str], clock: Clock) -> None:
             raise  # credentials that may not delete it: the older index stays, as before
 
 
+_INDEX_END = ".safetensors.index.json"
+
+
+async def _superseded(written: list[str], into: str, prefix: str, clock: Clock) -> str | None:
+    """The address of the single file ``{prefix}.safetensors`` in ``into`` where a mirror's
+    index ``{prefix}.safetensors.index.json`` (``written``'s last address, its shards' before
+    it) names no such shard, None if there is no such file: loaders take it before the index,
+    so the commit removes it (:func:`~stream_st.sharded.writer.checkpoint_files`). Within the
+    mirror's ``clock``."""
+    *shards, index = written
+    single = address_in(into, f"{prefix}.safetensors")
+    if not store.listable(index) or single in shards:
+        return None
+    try:
+        return single if await store.any_exists([single], clock) else None
+    except HTTPStatusError as exc:
+        if exc.status != 403:
+            raise
+        return None  # credentials that may not read the key: the file stays, as before
+
+
 class _Held(Sink):
     """``sink`` with its commit held back: the writer's ``aclose`` only gets the message ready
     (:meth:`~stream_st.transports.base.Sink.prepare`), :meth:`commit` commits it. A sink that
@@ -1002,9 +1025,14 @@ async def mirror(
     disk, CompleteMultipartUpload calls on S3, after the older index there is removed where a
     shard takes the place of a file or object. Only in that short step can a reader of an old
     index of the same shard names find new shards beside old ones, and a failure there keeps
-    the shards committed before it, with no index. An HTTP upload cannot be held: each shard is
-    committed as its upload completes, and a failure leaves those uploaded (the index is not
-    written)."""
+    the shards committed before it, with no index. As the sharded writer's, the commit removes
+    an older ``{prefix}.safetensors`` beside ``{prefix}.safetensors.index.json`` that the index
+    does not name (loaders take it before the index), just before the index, the older index
+    removed first; in a local directory, once the index is in place, the older shards
+    ``{prefix}-NNNNN-of-NNNNN.safetensors`` it does not name too
+    (:func:`~stream_st.sharded.writer.checkpoint_files`). An HTTP upload cannot be held: each
+    shard is committed as its upload completes, and a failure leaves those uploaded (the index
+    is not written)."""
     progress = checked_progress(progress)
     target, encoder = _conversion(dtype, quantize, dequantize)
     clock = command_clock(options)
@@ -1029,6 +1057,7 @@ async def mirror(
         )
     # a path, or a file:// URL's decoded as its reader opened it; else the URL's path
     index_name = posixpath.basename(local_path(index) or split_address(index).path)
+    prefix = index_name[: -len(_INDEX_END)] if index_name.endswith(_INDEX_END) else None
     allow_open_files(len(shards.shards) + 1)
     written: list[str] = []
     held: list[_Held] = []
@@ -1104,14 +1133,26 @@ async def mirror(
         await sink.send(memoryview(raw))
         await sink.aclose()
         replacing = await _shard_replaces(written, clock)
+        stale = None
+        if prefix is not None:
+            stale = await _superseded(written, into, prefix, clock)
         with anyio.CancelScope(shield=True):  # the commit: a signal waits for it
-            if replacing:
+            if replacing or stale is not None:
                 await _unindexed(written, clock)
-            while held:
+            while len(held) > 1:  # the shards
                 await held[0].commit()
                 del held[0]
+            if stale is not None:  # gone before the index names the shards beside it
+                await store.remove(stale, clock)
+            await held[0].commit()
+            del held[0]
     except BaseException as exc:
         await _discard(held, made, exc)
         raise
+    folder = local_path(into)
+    if folder is not None and prefix is not None:  # an earlier checkpoint's shards, unnamed
+        kept = {shard for shard, _, _ in chosen}
+        ours = checkpoint_files(prefix)
+        await anyio.to_thread.run_sync(remove_unlisted, Path(folder), ours, kept)
     record_last(LoadStats.total(reads))
     return written

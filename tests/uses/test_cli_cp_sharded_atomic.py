@@ -86,6 +86,33 @@ def test_a_missing_shard_leaves_the_destination_as_it_was(
     assert not (tmp_path / "fresh").exists(), "directories made for the copy were left"
 
 
+def test_a_mirror_removes_the_single_file_and_the_shards_its_index_supersedes(
+    tmp_path: Path, versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]]
+) -> None:
+    """A mirror of ``model.safetensors.index.json`` into a folder holding an older checkpoint
+    as ``model.safetensors`` (and shards ``model-NNNNN-of-NNNNN.safetensors``) kept them beside
+    the new index, and transformers, which takes ``model.safetensors`` before any index, loaded
+    the old weights: the commit removes them, as the sharded writer's does; a mirror that
+    fails leaves them."""
+    _, _, v2, new = versions
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    tensors = {"a": np.full((4,), 1.0, np.float32), "b": np.full((2,), 1.0, np.float32)}
+    reference_numpy.save_file(tensors, str(dst / "model.safetensors"))
+    for number in (1, 2):
+        reference_numpy.save_file(tensors, str(dst / f"model-0000{number}-of-00002.safetensors"))
+    (dst / "m.safetensors").write_bytes(b"not ours")  # no name of the checkpoint's: kept
+    old = _contents(dst)
+    (v2 / "sub" / "m-2.safetensors").rename(tmp_path / "m-2.safetensors")
+    failed = run("cp", "-q", str(v2 / INDEX), f"{dst}/")
+    assert failed.returncode == 2, failed.stderr
+    assert _contents(dst) == old, "a failed mirror changed the destination"
+    (tmp_path / "m-2.safetensors").rename(v2 / "sub" / "m-2.safetensors")
+    done = run("cp", "-q", str(v2 / INDEX), f"{dst}/")
+    assert done.returncode == 0, done.stderr
+    assert _contents(dst) == {**new, "m.safetensors": b"not ours"}
+
+
 def test_a_file_url_destination_is_made_as_a_path_is(
     tmp_path: Path, versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]]
 ) -> None:
@@ -185,6 +212,22 @@ def test_a_failed_mirror_to_s3_completes_no_upload(
     assert stored("m/") == old
     assert not client.list_multipart_uploads(Bucket="atomic").get("Uploads")
     assert os.environ.get("AWS_ENDPOINT_URL") != moto_s3.endpoint_url
+
+
+def test_a_mirror_to_s3_removes_the_single_file_its_index_supersedes(
+    versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]], moto_s3: MotoS3Server
+) -> None:
+    """As into a local directory: an older ``model.safetensors`` under the prefix, which a
+    loader takes before the index, was kept beside the new index."""
+    _, _, v2, new = versions
+    client = moto_s3.client()
+    client.create_bucket(Bucket="single")
+    client.put_object(Bucket="single", Key="m/model.safetensors", Body=b"old")
+    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": moto_s3.endpoint_url}
+    done = run("cp", "-q", str(v2 / INDEX), "s3://single/m/", env=env)
+    assert done.returncode == 0, done.stderr
+    listed = client.list_objects_v2(Bucket="single", Prefix="m/")["Contents"]
+    assert {o["Key"][2:] for o in listed} == set(new)
 
 
 def test_an_http_destination_takes_each_shard_as_its_upload_ends(
