@@ -344,7 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantize", choices=("int8",), help="per-tensor symmetric int8, scales as siblings"
     )
     copy.add_argument(
-        "--checksums", action="store_true", help="record each tensor's digest (xxh3-128)"
+        "--checksums",
+        action="store_true",
+        help="record each tensor's digest: a source's digests kept, of its algorithm; "
+        "xxh3-128 for a source without",
     )
     converting.add_argument(
         "--dequantize",

@@ -537,6 +537,17 @@ def test_unexpected_exception_is_an_internal_error_with_exit_status_3(
     assert "3 internal error" in build_parser().format_help()
 
 
+def test_cp_checksums_help_says_a_sources_digests_are_kept(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``cp --help`` said --checksums records "each tensor's digest (xxh3-128)", where a
+    source's digests are kept, of its algorithm, xxh3-128 only for a source without."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["cp", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "a source's digests kept, of its algorithm; xxh3-128 for a source without" in said
+
+
 async def test_content_hash_of_a_truncated_stream_raises_our_error(model: Path) -> None:
     data = model.read_bytes()[:-10]
 
