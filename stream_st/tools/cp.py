@@ -500,6 +500,7 @@ async def cp(
     progress = checked_progress(progress)
     include = listed(include)  # names taken once, or an ArgumentTypeError saying what it takes
     target, encoder = _conversion(dtype, quantize, dequantize)
+    checksums = _asked(checksums)
     return await _copy(
         src,
         dst,
@@ -511,6 +512,16 @@ async def cp(
         checksums=checksums,
         progress=progress,
     )
+
+
+def _asked(checksums: object) -> bool | str | None:
+    """``checksums=`` checked before anything is opened, its mistakes the argument's, not a
+    source's: an algorithm's name (:func:`~stream_st.core.digests.algorithm_named`), True or
+    False (numpy's ``bool_`` too), or None; a :class:`~stream_st.UsageError` otherwise."""
+    if isinstance(checksums, str):
+        algorithm_named(checksums, "checksums=")
+        return checksums
+    return None if checksums is None else asked_for(checksums, "an algorithm name or None")
 
 
 def _conversion(
@@ -582,8 +593,6 @@ async def _copy(
     ``pairing``, across its shards (a copy of its own checks its tensors alone), ``expect``,
     which checks the source's header before anything is written, and, converting, its
     ``checkpoint`` plan (:func:`_planned`), whose record of the conversion the shard takes."""
-    if checksums is not None and not isinstance(checksums, str):
-        checksums = asked_for(checksums, "an algorithm name or None")  # numpy's bool_ too
     async with opened(src, clock, include=include) as (stream, headers):
         if expect is not None:
             expect(headers[0])
@@ -1035,6 +1044,7 @@ async def mirror(
     is not written)."""
     progress = checked_progress(progress)
     target, encoder = _conversion(dtype, quantize, dequantize)
+    checksums = _asked(checksums)
     clock = command_clock(options)
     raw, home = await read_object(index, clock, limit=MAX_INDEX_SIZE)
     shards = ShardIndex(raw, index, home)

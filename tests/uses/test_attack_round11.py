@@ -18,6 +18,7 @@ from safetensors.numpy import save as reference_save
 from safetensors.numpy import save_file as reference_save_file
 
 import stream_st
+from stream_st import tools
 from stream_st.cli import main
 
 
@@ -423,6 +424,20 @@ def test_cp_of_a_damaged_digest_record_names_the_source(
     assert main(["cp", "-q", str(damaged), str(tmp_path / "copy.safetensors")]) == 2
     error = capsys.readouterr().err
     assert message in error and str(damaged) in error and "choose one of" not in error
+
+
+def test_cp_of_an_unknown_algorithm_names_the_argument_not_the_source(tmp_path: Path) -> None:
+    """cp(src, dst, checksums="md5") said "src: unknown digest algorithm 'md5'", the name
+    checked once the source was open, as if the source were damaged; a mirror as well."""
+    missing = tmp_path / "missing.safetensors"  # never opened: the argument is refused first
+    said = "checksums= names an unknown digest algorithm 'md5'"
+    with pytest.raises(stream_st.UsageError, match=said) as refused:
+        anyio.run(partial(tools.cp, missing, tmp_path / "c.safetensors", checksums="md5"))
+    assert str(missing) not in str(refused.value)
+    index = tmp_path / "missing.safetensors.index.json"
+    with pytest.raises(stream_st.UsageError, match=said):
+        anyio.run(partial(tools.mirror, index, f"{tmp_path}/out/", checksums="md5"))
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(
