@@ -143,11 +143,16 @@ def _mask_cut_short(text: str) -> str:
     return "".join(pieces) + text[done:] if pieces else text
 
 
-_PARAMETER = LazyPattern(r"[?&#;](?P<name>(?:[^=&#;?%\s'\"<>]|%(?!3[Dd]))+)(?:=|%3[Dd])")
-"""The name of a parameter of a query, or of a fragment (``#access_token=...``, as OAuth's
-implicit flow puts a token there), and its ``=``, read as a server may read them: after a ``;``
-as after a ``&``, and ``=`` escaped (``?token%3D...``, a name a server decoding the query first
-reads as ``token=``) as unescaped."""
+_CHUNK = LazyPattern(r"[?&#;](?P<chunk>[^?&#;\s'\"<>]*)")
+"""What follows a ``?``, ``&``, ``;`` or ``#`` (``#access_token=...``: OAuth's implicit flow puts
+a token in the fragment) up to the next: a query's or fragment's parameter, a server splitting at
+``;`` as at ``&``."""
+
+_DECODED_PARAMETER = LazyPattern(
+    r"(?:^|%26|%3[Bb])(?P<name>(?:[^=%]|%(?!26|3[BbDd]))*)(?P<equals>=|%3[Dd])?"
+)
+"""A parameter within a chunk as a server decoding the query before splitting it reads it:
+``%26`` and ``%3B`` split as ``&`` and ``;``, ``%3D`` ends a name as ``=``."""
 
 _VALUE = LazyPattern(r"[^&#\s'\"<>]*")
 """A parameter's value: up to the next ``&`` or ``#``, a ``;`` included (a server splitting the
@@ -237,22 +242,35 @@ def _basic_pair(value: str) -> bool:
 
 
 def _mask_parameters(text: str) -> str:
-    """``text`` with the value of each query or fragment parameter whose name, percent-decoded
-    as a server and the cache's key (``parse_qsl``) decode it (``%74oken`` is ``token``), is a
-    secret's (:func:`_secret_parameter`) masked. Each value is searched for parameters too
-    (``?a=1;token=...``), a masked one skipped whole: in time linear in the text."""
+    """``text`` with the value of each query or fragment parameter whose name is a secret's
+    (:func:`_secret_parameter`) masked, the name read percent-decoded each way a reader may read
+    it: as ``parse_qsl`` (and so the cache's key) does, up to the first ``=`` (``%74oken`` is
+    ``token``, ``x%3Dtoken`` is ``x=token``), and as a server decoding the query first does
+    (``a=1%26token%3D...`` holds ``token``); a value masked from the first place either reading
+    starts it. In time linear in the text."""
     from urllib.parse import unquote_plus  # here: it imports ipaddress, ~5 ms
 
     pieces: list[str] = []
     done = start = 0
-    while parameter := _PARAMETER.compiled.search(text, start):
-        start = parameter.end()
-        if not _secret_parameter(unquote_plus(parameter["name"])):
-            continue  # its value is searched on: a value is read only to be masked
-        value = _VALUE.compiled.match(text, start)
+    while found := _CHUNK.compiled.search(text, start):
+        chunk, begin = found["chunk"], found.start("chunk")
+        start = found.end()
+        equals = chunk.find("=")
+        masked_from = None
+        if equals >= 0 and _secret_parameter(unquote_plus(chunk[:equals])):
+            masked_from = begin + equals + 1
+        for parameter in _DECODED_PARAMETER.compiled.finditer(chunk):
+            if masked_from is not None and begin + parameter.end() >= masked_from:
+                break
+            if parameter["equals"] and _secret_parameter(unquote_plus(parameter["name"])):
+                masked_from = begin + parameter.end()
+                break
+        if masked_from is None:
+            continue
+        value = _VALUE.compiled.match(text, masked_from)
         assert value is not None  # it matches the empty string
-        if value.end() > start:
-            pieces += [text[done:start], MASK]
+        if value.end() > masked_from:
+            pieces += [text[done:masked_from], MASK]
             done = start = value.end()
     return "".join(pieces) + text[done:] if pieces else text
 

@@ -262,6 +262,9 @@ async def test_a_refused_redirect_hides_where_it_pointed(server: RangeHTTPServer
         ("https://h/x?a=1;token=abc;b=2&c=3", "https://h/x?a=1;token=***&c=3"),  # ";" splits too
         ("https://h/x?token%3Dabc&c=3", "https://h/x?token%3D***&c=3"),  # "=" escaped
         ("https://h/x?a=b;c&d=%3D&e%3D", "https://h/x?a=b;c&d=%3D&e%3D"),  # no secret: kept
+        ("https://h/x?x%3Dtoken=abc&c=3", "https://h/x?x%3Dtoken=***&c=3"),  # parse_qsl's x=token
+        ("https://h/x?a%3Dx%26token=abc", "https://h/x?a%3Dx%26token=***"),
+        ("https://h/x?a=1%26token%3Dabc&c=3", "https://h/x?a=1%26token%3D***&c=3"),  # decoded first
         ("Denied. x-amz-security-token: FQoGZXIvYXdzE", "Denied. x-amz-security-token: ***"),
         ("<pre>Cookie: session=abc; id=2</pre>", "<pre>Cookie: ***</pre>"),
         ("X-Api-Key:k123\r\nPrivate-Token: glpat-1", "X-Api-Key:***\r\nPrivate-Token: ***"),
@@ -284,6 +287,9 @@ def test_redact(text: str, shown: str) -> None:
         "pass%77ord",
         "a+token",
         "%66ile",
+        "x%3Dtoken",
+        "%3Dtoken",
+        "a%3Dx%26token",
     ],
 )
 def test_redact_and_the_cache_key_read_an_escaped_name_alike(name: str) -> None:
@@ -296,7 +302,16 @@ def test_redact_and_the_cache_key_read_an_escaped_name_alike(name: str) -> None:
     assert dropped == (name != "%66ile")
 
 
-@pytest.mark.parametrize("text", ["a=b;" * 16000, ";token=" * 16000 + "x", "?x" + "%3" * 30000])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a=b;" * 16000,
+        ";token=" * 16000 + "x",
+        "?x" + "%3" * 30000,
+        "?" + "a%26" * 16000 + "=x",
+        "?" + "a%3D" * 16000,
+    ],
+)
 def test_parameters_are_masked_in_time_linear_in_the_text(text: str) -> None:
     """Each value is searched for parameters (``?a=1;token=...``) and read to its end only to
     be masked: reading every value to the next ``&`` took seconds for 64 kB of ``a=b;``."""
