@@ -413,7 +413,11 @@ class RangeHTTPServer:
 
     def _send_body(self, connection: socket.socket, body: memoryview, chunked: bool) -> int:
         limit = len(body)
-        for cut in (self.close_after, self.stall_after):
+        with self._lock:  # a thread per connection: with close_once, one answer only is cut
+            close_after = self.close_after
+            if self.close_once and close_after is not None and close_after < limit:
+                self.close_after = None
+        for cut in (close_after, self.stall_after):
             if cut is not None:
                 limit = min(limit, cut)
         piece = 1 << 20 if self.rate is None else max(4096, int(self.rate / 100))
@@ -430,8 +434,6 @@ class RangeHTTPServer:
                 connection.sendall(b"\r\n")
             sent += len(part)
         if sent < len(body):
-            if self.close_once:
-                self.close_after = None
             if self.stall_after is not None:
                 self._stopping.wait()
             return sent

@@ -717,6 +717,22 @@ async def test_bytes_past_an_answer_are_never_taken_for_the_next(
     assert requests == ([0, 0, 1] if late else [0, 1])
 
 
+def test_the_test_server_cuts_one_answer_only_with_close_once() -> None:
+    """``close_once`` cut every answer that began before the first cut one ended (each read
+    ``close_after`` before that one reset it): of two answers sent at once, one only is cut."""
+    with RangeHTTPServer(close_after=16384, close_once=True, rate=100_000) as server:
+        server.objects["/o"] = bytes(65536)
+        connections = [socket.create_connection((server.host, server.port), 5) for _ in range(2)]
+        for connection in connections:  # both asked before either answer is done (0.16 s)
+            connection.sendall(b"GET /o HTTP/1.1\r\nHost: test\r\n\r\n")
+            connection.shutdown(socket.SHUT_WR)  # closed by the server after its answer
+        for connection in connections:
+            with connection:
+                while connection.recv(65536):
+                    pass
+        assert sorted(sent for *_, sent in server.requests) == [16384, 65536]
+
+
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     """A self-signed certificate for 127.0.0.1: (server context, client context trusting it)."""
