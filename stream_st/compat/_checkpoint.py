@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,6 +157,15 @@ class _File:
         await self.stream.aclose()
 
 
+async def _close_quietly(files: Iterable[_File]) -> None:
+    """Close ``files`` after a refusal (shielded), each on its own: an error closing one neither
+    leaves the others open nor replaces the refusal."""
+    with anyio.CancelScope(shield=True):
+        for file in files:
+            with contextlib.suppress(Exception):
+                await file.aclose()
+
+
 class _Checkpoint:
     """A file, or every shard of an index, opened for reads by name (on the bridge's loop)."""
 
@@ -183,8 +192,7 @@ class _Checkpoint:
                     for shard in self.index.shards:
                         await self._shard(shard_address(self.index.home, shard))
                 except BaseException:  # those opened before the refusal are closed
-                    with anyio.CancelScope(shield=True):
-                        await self.aclose()
+                    await _close_quietly(self.files.values())
                     raise
         else:
             file = await _File.open(src, options)
@@ -206,8 +214,7 @@ class _Checkpoint:
             try:
                 self._check(address, file.header)
             except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await file.aclose()
+                await _close_quietly([file])
                 raise
             for name in file.header.names():
                 self.where[name] = address

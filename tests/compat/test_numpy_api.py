@@ -21,6 +21,7 @@ from safetensors import safe_open as reference_open
 
 import stream_st
 import stream_st.numpy as sn
+from stream_st.compat import _checkpoint
 from stream_st.errors import (
     ArgumentTypeError,
     HeaderError,
@@ -296,6 +297,37 @@ def test_safe_open_of_a_refused_manifest_leaves_no_shard_open(tmp_path: Path) ->
                 with pytest.raises(error):
                     sn.safe_open(manifest, "np")
                 assert open_in(tmp_path) == set()
+    finally:
+        gc.enable()
+
+
+@linux_only
+def test_a_refused_manifest_closes_every_shard_though_closes_fail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closing the shards opened before a refusal stopped at the first close that raised,
+    leaving the others open, and its error replaced the refusal: each is closed on its own and
+    the refusal goes on."""
+
+    async def write() -> None:
+        async with stream_st.open_dataset_writer(tmp_path, target_shard_size=16) as writer:
+            for i in range(3):
+                await writer.write_batch({"x": np.full((1, 4), i, np.float32)}, samples=1)
+
+    asyncio.run(write())
+    manifest = tmp_path / "dataset_manifest.json"  # refused at the second shard (x repeated)
+    close = _checkpoint._File.aclose
+
+    async def failing_close(file: Any) -> None:
+        await close(file)
+        raise OSError("close failed")
+
+    monkeypatch.setattr(_checkpoint._File, "aclose", failing_close)
+    gc.disable()  # what a refusal left open stays open, not collected by chance
+    try:
+        with pytest.raises(UsageError, match="more than one shard"):
+            sn.safe_open(manifest, "np")
+        assert open_in(tmp_path) == set()
     finally:
         gc.enable()
 
