@@ -717,6 +717,48 @@ async def test_bytes_past_an_answer_are_never_taken_for_the_next(
     assert requests == ([0, 0, 1] if late else [0, 1])
 
 
+@pytest.mark.parametrize("idle", ["stray bytes", "closed"])
+async def test_a_connection_stirred_while_pooled_is_not_taken(raw_server: Serve, idle: str) -> None:
+    """A pooled connection to which bytes (a server's, past its last answer) or its end came
+    while it sat idle was taken for the next request: an upload, never sent twice, took those
+    bytes for its answer's status line ('malformed status line') or lost its connection. Such a
+    connection is closed when taken from the pool, and the upload goes on a new one."""
+    requests: list[tuple[int, bytes]] = []  # per request, its connection's number and method
+    connections = iter(range(1 << 30))
+    pooled, stirred = threading.Event(), threading.Event()
+
+    def handle(connection: socket.socket) -> None:
+        number = next(connections)
+        while True:
+            method = connection.recv(8, socket.MSG_PEEK).partition(b" ")[0]
+            read_request(connection)
+            requests.append((number, method))
+            if method == b"PUT":
+                connection.sendall(b"HTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n")
+            else:
+                connection.sendall(OK_ANSWER)
+            if number == 0:
+                pooled.wait(5)
+                if idle == "closed":
+                    connection.close()
+                else:
+                    connection.sendall(b"GARBAGE!" * 4)
+                stirred.set()
+
+    url = raw_server(handle) + "/m"
+    client = HTTPClient()
+    with anyio.fail_after(10):
+        assert await _get(client, url) == b"ok"
+        pooled.set()
+        await anyio.to_thread.run_sync(stirred.wait, 5)
+        upload = await client.upload("PUT", url, content_length=1)
+        await upload.send(memoryview(b"x"))
+        async with await upload.finish() as response:
+            assert response.status == 201
+    await client.aclose()
+    assert requests == [(0, b"GET"), (1, b"PUT")]
+
+
 def test_the_test_server_cuts_one_answer_only_with_close_once() -> None:
     """``close_once`` cut every answer that began before the first cut one ended (each read
     ``close_after`` before that one reset it): of two answers sent at once, one only is cut."""

@@ -61,12 +61,16 @@ class HTTPClient(AsyncClosing):
     ) -> tuple[Connection, bool]:
         """A connection to ``target`` (through ``proxy``) whose waits obey ``clock``, and whether
         it was reused from the pool (unless ``pooled`` is false): only one reached the same way,
-        with the same TLS context."""
+        with the same TLS context, and to which nothing came while it sat idle (bytes a server
+        sent past its last answer, or its end: such a one is closed, never sent a request)."""
         context = context or self._ssl_context
         route = (target.origin, proxy, context)
         idle = self._idle.get(route)
-        if idle and pooled:
+        while idle and pooled:
             connection = idle.pop()
+            if connection.wire.stirred():
+                await connection.wire.aclose()
+                continue
             connection.wire.clock = clock
             return connection, True
         connection = await connect(target, clock, context, proxy)
@@ -189,7 +193,9 @@ class HTTPClient(AsyncClosing):
         """Start a request whose body is sent piece by piece with :meth:`Upload.send`.
 
         With ``content_length`` the body is sent as is, else with chunked transfer encoding.
-        ``clock``, ``ssl_context`` and proxies as in :meth:`request`.
+        ``clock``, ``ssl_context`` and proxies as in :meth:`request`. A pooled connection to
+        which bytes or its end came while it sat idle is closed, not used (on https, those the
+        TLS layer holds are not seen); the request is never sent twice.
         """
         target = Target.parse(url)
         headers = url_credentials(url, headers or {})

@@ -32,6 +32,11 @@ class Wire(Protocol):
     async def send(self, data: bytes | memoryview) -> None: ...
     async def aclose(self) -> None: ...
 
+    def stirred(self) -> bool:
+        """Whether bytes not yet read, or the connection's end, arrived (as far as can be seen
+        without waiting): a connection idle between answers should have nothing."""
+        ...
+
 
 class PlainWire:
     """A non-blocking socket: ``recv_into`` straight into the destination. Waits obey ``clock``
@@ -63,6 +68,9 @@ class PlainWire:
                 continue
             view = view[sent:]
             self.clock.moved(sent)
+
+    def stirred(self) -> bool:
+        return _stirred(self._sock)
 
     async def aclose(self) -> None:
         if self._sock.fileno() >= 0:  # a task waiting on it (another one's read) wakes
@@ -116,9 +124,25 @@ class StreamWire:
             raise _closed() from exc
         self.clock.moved(len(data))
 
+    def stirred(self) -> bool:
+        # Only bytes received here: those the event loop or the TLS layer holds cannot be seen
+        # without waiting (asyncio reads a socket as soon as bytes arrive).
+        return bool(self._pending)
+
     async def aclose(self) -> None:
         # No TLS closing handshake: it would wait on a peer that may be gone or still sending.
         await anyio.aclose_forcefully(self._stream)
+
+
+def _stirred(sock: socket.socket) -> bool:
+    """Whether ``sock`` has bytes to read, or its end or an error arrived: without waiting."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:  # reset, or closed here
+        pass
+    return True
 
 
 def _closed() -> OSError:
