@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import posixpath
+import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -45,9 +46,11 @@ from ..errors import (
     CodecError,
     HeaderError,
     SafetensorsError,
+    StreamStWarning,
     TensorNotFoundError,
     TransportError,
     UsageError,
+    redact,
 )
 from ..reader import Include, TensorStream
 from ..reader.stream import listed
@@ -821,11 +824,15 @@ async def _superseded(written: list[str], into: str, prefix: str, clock: Clock) 
     """The address of the single file ``{prefix}.safetensors`` in ``into`` where a mirror's
     index ``{prefix}.safetensors.index.json`` (``written``'s last address, its shards' before
     it) names no such shard, None if there is no such file: loaders take it before the index,
-    so the commit removes it (:func:`~stream_st.sharded.writer.checkpoint_files`). Within the
+    so the commit removes it (:func:`~stream_st.sharded.writer.checkpoint_files`). A local folder
+    of that name is no file, left as the writer leaves it (no loader takes it). Within the
     mirror's ``clock``."""
     *shards, index = written
     single = address_in(into, f"{prefix}.safetensors")
     if not store.listable(index) or single in shards:
+        return None
+    local = local_path(single)
+    if local is not None and await anyio.Path(local).is_dir():
         return None
     try:
         return single if await store.any_exists([single], clock) else None
@@ -833,6 +840,22 @@ async def _superseded(written: list[str], into: str, prefix: str, clock: Clock) 
         if exc.status != 403:
             raise
         return None  # credentials that may not read the key: the file stays, as before
+
+
+async def _remove_superseded(single: str, clock: Clock) -> None:
+    """Remove the single file a mirror's index supersedes (:func:`_superseded`), in the middle
+    of the commit: where it cannot be removed, the index is committed all the same (a checkpoint
+    without one would be left) and a :class:`~stream_st.StreamStWarning` says which file loaders
+    may still take first."""
+    try:
+        await store.remove(single, clock)
+    except TransportError as exc:
+        warnings.warn(
+            f"{redact(single)}: not removed ({exc}); loaders that take it before an index "
+            "read the older checkpoint",
+            StreamStWarning,
+            stacklevel=2,
+        )
 
 
 class _Held(Sink):
@@ -1153,7 +1176,7 @@ async def mirror(
                 await held[0].commit()
                 del held[0]
             if stale is not None:  # gone before the index names the shards beside it
-                await store.remove(stale, clock)
+                await _remove_superseded(stale, clock)
             await held[0].commit()
             del held[0]
     except BaseException as exc:

@@ -113,6 +113,51 @@ def test_a_mirror_removes_the_single_file_and_the_shards_its_index_supersedes(
     assert _contents(dst) == {**new, "m.safetensors": b"not ours"}
 
 
+def test_a_folder_named_as_the_single_file_is_left_and_the_mirror_commits(
+    tmp_path: Path, versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]]
+) -> None:
+    """A folder ``model.safetensors`` beside an older checkpoint is no single file a loader
+    takes: the mirror leaves it, as the sharded writer does, where removing it failed in the
+    middle of the commit, the older index gone and the new one never written."""
+    v1, _, v2, new = versions
+    dst = shutil.copytree(v1, tmp_path / "dst")
+    (dst / "model.safetensors").mkdir()
+    (dst / "model.safetensors" / "note").write_bytes(b"a user's")
+    done = run("cp", "-q", str(v2 / INDEX), f"{dst}/")
+    assert done.returncode == 0, done.stderr
+    assert _contents(dst) == {**new, "model.safetensors/note": b"a user's"}
+
+
+def test_a_single_file_that_cannot_be_removed_leaves_the_new_index_and_a_warning(
+    tmp_path: Path,
+    versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the superseded ``model.safetensors`` cannot be removed within the commit (a file
+    system refusing it, the failure injected here), the commit goes on: the new index is written
+    and a warning names the file, where the commit stopped half done with no index at all (the
+    local folder's cleanup after the commit, not refused here, then removes it)."""
+    from stream_st.errors import TransportError
+    from stream_st.tools.cp import mirror
+    from stream_st.transports import store
+
+    v1, _, v2, new = versions
+    dst = shutil.copytree(v1, tmp_path / "dst")
+    reference_numpy.save_file({"a": np.ones(2, np.float32)}, str(dst / "model.safetensors"))
+
+    remove = store.remove
+
+    async def refused(address: str, *args: Any, **kwargs: Any) -> None:
+        if address.endswith("/model.safetensors"):
+            raise TransportError("removing failed: Operation not permitted", url=address)
+        await remove(address, *args, **kwargs)
+
+    monkeypatch.setattr(store, "remove", refused)
+    with pytest.warns(stream_st.StreamStWarning, match="model.safetensors: not removed"):
+        anyio.run(lambda: mirror(str(v2 / INDEX), f"{dst}/"))
+    assert _contents(dst) == new
+
+
 def test_a_file_url_destination_is_made_as_a_path_is(
     tmp_path: Path, versions: tuple[Path, dict[str, bytes], Path, dict[str, bytes]]
 ) -> None:
