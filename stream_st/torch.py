@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from . import compat
 from .compat import _local, _save, _shared, safe_open
-from .compat._errors import InvalidTensorsError, MetaTensorError
+from .compat._errors import InvalidTensorsError, MetaTensorError, NotAModuleError
 from .core.arrays import is_torch_tensor, load_torch, torch_device, torch_dtypes
 from .errors import SafetensorsError, UsageError
 
@@ -336,7 +336,7 @@ def save_model(
     as ``{dropped: kept}`` unless it already has them. ``force_contiguous`` (the default) writes
     non-contiguous tensors packed; without it they are refused with a ``ValueError``, as in the
     reference. ``checksums`` as in :func:`save_file`."""
-    state = dict(model.state_dict())
+    state = dict(_module(model, "save_model").state_dict())
     extra = _save.check_metadata(metadata)  # a dict of its own: the caller's is left as given
     for keep, dropped in _remove_duplicate_names(state).items():
         for name in dropped:
@@ -418,6 +418,7 @@ def load_model(
     from .compat._sync import check_sync_address
     from .transports.options import clock_of
 
+    _module(model, "load_model")
     if process_group is not None or include is not None or slices is not None:
         from .sharded import ranks
 
@@ -456,6 +457,14 @@ def load_model(
     if strict and (missing or unexpected):
         raise UsageError(_shared.load_errors(model, missing, unexpected))
     return missing, unexpected
+
+
+def _module(model: torch.nn.Module, call: str) -> torch.nn.Module:
+    """``model`` if it has a ``state_dict`` to call; else :class:`NotAModuleError` (an
+    ``AttributeError``, as the reference raises), naming what ``call`` was given."""
+    if not callable(getattr(model, "state_dict", None)):
+        raise NotAModuleError(f"{call} takes a torch.nn.Module, got {type(model).__name__}")
+    return model
 
 
 def _load_into(model: torch.nn.Module, read: _Read, maps: bool) -> tuple[set[str], list[str]]:

@@ -2,9 +2,9 @@
 
 ``SafetensorError`` (the reference's one exception class) is :class:`~stream_st.SafetensorsError`
 itself, so ``except SafetensorError`` catches every error stream_st raises. Where the reference
-raises ``ValueError``, ``TypeError``, ``IndexError``, ``KeyError``, ``UnicodeEncodeError`` or
-``FileNotFoundError``, the drop-in raises a class deriving from both that type and
-:class:`~stream_st.SafetensorsError`: code written for either library catches it.
+raises ``ValueError``, ``TypeError``, ``IndexError``, ``KeyError``, ``AttributeError``,
+``UnicodeEncodeError`` or ``FileNotFoundError``, the drop-in raises a class deriving from both
+that type and :class:`~stream_st.SafetensorsError`: code written for either library catches it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ __all__ = [
     "InvalidTensorsError",
     "MetaTensorError",
     "NoSuchFileError",
+    "NotAModuleError",
     "SafetensorError",
     "SliceError",
     "SliceOverflowError",
@@ -101,6 +102,11 @@ class SliceValueError(SafetensorsError, ValueError):
 class MetaTensorError(UsageError, NotImplementedError):
     """A tensor on the ``meta`` device given to save: it holds no data (a ``NotImplementedError``,
     as the reference raises)."""
+
+
+class NotAModuleError(UsageError, AttributeError):
+    """Something given to ``save_model`` or ``load_model`` that has no ``state_dict`` (a dict,
+    ``None``): the reference's ``AttributeError``."""
 
 
 class FileClosedError(UsageError):

@@ -676,6 +676,23 @@ def test_save_model_and_load_model_match_the_reference(tmp_path: Path) -> None:
     assert ours.head.weight is ours.embed.weight
 
 
+def test_save_model_and_load_model_of_no_module_name_what_was_given(tmp_path: Path) -> None:
+    """Something with no ``state_dict`` given as the model raises an ``AttributeError``, as in
+    the reference, that is a :class:`UsageError` naming its type; nothing is written."""
+    path = tmp_path / "m.safetensors"
+    reference.save_file({"a": torch.ones(1)}, path)
+    out = tmp_path / "out.safetensors"
+    for given in ({"a": torch.ones(1)}, None, "model"):
+        with pytest.raises(AttributeError):
+            reference.save_model(given, out)  # type: ignore[arg-type]
+        name = type(given).__name__
+        with pytest.raises(UsageError, match=f"^save_model takes a torch.nn.Module, got {name}$"):
+            st.save_model(given, out)  # type: ignore[arg-type]
+        with pytest.raises(AttributeError, match=f"^load_model .* got {name}$"):
+            st.load_model(given, path)  # type: ignore[arg-type]
+    assert not out.exists()
+
+
 def test_load_model_receives_into_the_models_own_memory(tmp_path: Path) -> None:
     torch.manual_seed(1)
     source = Tied()
