@@ -58,7 +58,8 @@ class WrongTypeError(SafetensorsError, TypeError):
 
 class TorchDtypeError(DtypeError, KeyError):
     """A torch tensor given to save whose dtype safetensors cannot carry (``complex128``,
-    ``qint8``, ``uint4``...): the reference's ``KeyError``, and a
+    ``qint8``, ``uint4``...), or a tensor of a dtype torch has none for (``F6_E2M3``) in
+    the bytes given to ``stream_st.torch.load``: the reference's ``KeyError``, and a
     :class:`~stream_st.DtypeError` as stream_st's own writers raise."""
 
     def __str__(self) -> str:  # KeyError would repr() the message

@@ -636,6 +636,18 @@ def test_float4_of_an_odd_last_dimension_is_refused_as_the_reference_refuses_it(
         assert stream_st.numpy.load(blob)["w"].tolist() == list(range(1, nbytes + 1))
 
 
+def test_load_of_a_dtype_torch_lacks_is_a_key_error_as_the_reference_raises() -> None:
+    """``load`` of bytes holding an F6 tensor (no torch dtype) raises a ``KeyError``, as the
+    reference does, and stream_st's :class:`DtypeError`; ``load_file`` keeps its own error."""
+    text = json.dumps({"a": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [0, 3]}}).encode()
+    blob = len(text).to_bytes(8, "little") + text + bytes(3)
+    with pytest.raises(KeyError):
+        reference.load(blob)
+    with pytest.raises(DtypeError, match="F6_E2M3 has no torch dtype") as raised:
+        st.load(blob)
+    assert isinstance(raised.value, KeyError)
+
+
 async def read_torch(source: bytes) -> None:
     """Every tensor of ``source``, read as torch tensors by :func:`stream_st.open_stream`."""
     async with stream_st.open_stream(source, framework="pt") as stream:
