@@ -436,7 +436,7 @@ def test_cp_of_an_unknown_algorithm_names_the_argument_not_the_source(tmp_path: 
     assert str(missing) not in str(refused.value)
     index = tmp_path / "missing.safetensors.index.json"
     with pytest.raises(stream_st.UsageError, match=said):
-        anyio.run(partial(tools.mirror, index, f"{tmp_path}/out/", checksums="md5"))
+        anyio.run(partial(tools.mirror, str(index), f"{tmp_path}/out/", checksums="md5"))
     assert not list(tmp_path.iterdir())
 
 
