@@ -434,7 +434,6 @@ def load_model(
     from .compat._sync import check_sync_address
     from .transports.options import clock_of
 
-    _module(model, "load_model")
     if process_group is not None or include is not None or slices is not None:
         from .sharded import ranks
 
@@ -459,6 +458,7 @@ def load_model(
             clock=clock,
             device=device,
         )
+    _module(model, "load_model")  # with a group, a rank's failure is told to every rank there
     target = torch_device(device)
     check_sync_address(filename, "source")
     _local.refuse_missing(filename)
