@@ -39,9 +39,14 @@ from typing import TYPE_CHECKING, Any, Unpack
 from . import compat
 from .compat import _local, _save, _shared, safe_open
 from .compat._errors import InvalidTensorsError, MetaTensorError, NotAModuleError, TorchDtypeError
-from .core.arrays import is_torch_tensor, load_torch, torch_device, torch_dtypes
-from .core.header import LENGTH_PREFIX_SIZE, parse_header, parse_header_length
-from .errors import DtypeError, SafetensorsError, UsageError
+from .core.arrays import (
+    TorchlessDtypeError,
+    is_torch_tensor,
+    load_torch,
+    torch_device,
+    torch_dtypes,
+)
+from .errors import SafetensorsError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -211,19 +216,8 @@ def load(data: bytes | bytearray | memoryview, *, verify: bool = True) -> dict[s
     :class:`~stream_st.DtypeError`, a ``KeyError`` as well, as the reference raises."""
     try:
         return _facade.load_bytes(data, True, verify)
-    except DtypeError as exc:
-        if _torchless(data):
-            raise TorchDtypeError(str(exc)) from None
-        raise
-
-
-def _torchless(data: bytes | bytearray | memoryview) -> bool:
-    """Whether the header of ``data`` (a file's bytes, already read once) names a dtype this
-    torch has none for."""
-    view = memoryview(data).cast("B")
-    length = parse_header_length(view[:LENGTH_PREFIX_SIZE])
-    header = parse_header(view[LENGTH_PREFIX_SIZE : LENGTH_PREFIX_SIZE + length])
-    return any(info.dtype not in torch_dtypes() for info in header.tensors)
+    except TorchlessDtypeError as exc:
+        raise TorchDtypeError(str(exc)) from None
 
 
 def save_file(

@@ -30,6 +30,7 @@ from .layout import TensorSpec
 
 __all__ = [
     "Framework",
+    "TorchlessDtypeError",
     "as_array",
     "framework_of",
     "is_torch_tensor",
@@ -82,10 +83,15 @@ def torch_code(dtype: Any) -> str:
     return code
 
 
+class TorchlessDtypeError(DtypeError):
+    """A safetensors dtype code this torch has no dtype for (``F6_E2M3``): told apart so that
+    the torch drop-in's ``load`` raises it as the reference does (a ``KeyError``)."""
+
+
 def torch_dtype(code: str) -> Any:
     found = torch_dtypes().get(code)
     if found is None:
-        raise DtypeError(
+        raise TorchlessDtypeError(
             f"safetensors dtype {code} has no torch dtype: read it with framework='np'"
         )
     return found
