@@ -39,7 +39,14 @@ from ..core.digests import (
 from ..core.dtypes import dtype_from_code, wire_bytes
 from ..core.header import Header, TensorInfo
 from ..core.layout import TensorSpec
-from ..core.shards import join_address, literal_scheme, scheme_of, shard_address, split_address
+from ..core.shards import (
+    INDEX_SUFFIX,
+    join_address,
+    literal_scheme,
+    scheme_of,
+    shard_address,
+    split_address,
+)
 from ..core.stats import LoadStats, record_last
 from ..core.strict_json import decode_json
 from ..errors import (
@@ -817,7 +824,7 @@ async def _unindexed(written: list[str], clock: Clock) -> None:
             raise  # credentials that may not delete it: the older index stays, as before
 
 
-_INDEX_END = ".safetensors.index.json"
+_INDEX_END = ".safetensors" + INDEX_SUFFIX
 
 
 async def _superseded(written: list[str], into: str, prefix: str, clock: Clock) -> str | None:
