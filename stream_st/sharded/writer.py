@@ -795,6 +795,8 @@ class DatasetWriter(_RollingWriter):
         self._columns: frozenset[str] | None = None  # the first group's (see _check_columns)
         self._batches = False  # a group taken was surely a batch: its rows were checked
         self._kv_rows = False  # a group of other columns than the first was taken
+        # why a group taken unchecked (maybe KV rows) was no batch, the first one's
+        self._no_batch: str | None = None
 
     async def write_batch(self, tensors: Mapping[str, Any], samples: int) -> None:
         """Add a group of tensors holding ``samples`` samples; the group stays in one shard.
@@ -804,7 +806,7 @@ class DatasetWriter(_RollingWriter):
         group is written (the manifest would count samples its shard does not hold); so is a
         group of no tensor but some samples, a batch whose columns are not those of the
         dataset's first (:meth:`_check_columns`), and a batch whose column is of another dtype,
-        or holds rows of another shape, than the schema records (:meth:`_check_schema`).
+        or holds rows of another shape, than the schema records (:meth:`_schema_problem`).
         Arrays are taken as :func:`~stream_st.save` takes them (torch tensors included), of a
         dtype the manifest's schema can record (:data:`~stream_st.core.shards.MANIFEST_DTYPES`:
         not ``BOOL``, an 8-bit float nor F4, a :class:`DtypeError`). A group whose ``samples``
@@ -812,7 +814,8 @@ class DatasetWriter(_RollingWriter):
         ``{name}{separator}{column}`` of one name, or one tensor a sample, as the Spark writer
         counts them), each a value of any shape: it is taken as it is, unless batches of the
         same columns were taken before (then it is a batch, its rows checked: a last batch of
-        one sample).
+        one sample). A batch after such groups of its columns is refused where one of them was
+        no batch (:meth:`_check_columns`).
 
         The schema records each name's dtype and shape as first written, in a group taken (a
         group refused records nothing).
@@ -844,16 +847,18 @@ class DatasetWriter(_RollingWriter):
                 self._batches and self._columns == frozenset(arrays)
             )
             if batch:
-                _check_rows(arrays, samples)
+                _refuse(_rows_problem(arrays, samples))
             self._check_columns(arrays, samples, batch)
             if batch:
-                self._check_schema(specs)
+                _refuse(self._schema_problem(specs))
             await self._add_group(arrays, specs, samples)  # checks every column before any write
             if arrays:  # only a batch taken is recorded
                 if self._columns is None:
                     self._columns = frozenset(arrays)
                 self._kv_rows |= self._columns != set(arrays)
                 self._batches |= batch
+                if not (batch or self._no_batch):  # the schema not yet updated by this group
+                    self._no_batch = _rows_problem(arrays, samples) or self._schema_problem(specs)
             for spec in specs:
                 self._schema.setdefault(
                     spec.name, {"dtype": dtype_for(spec.dtype).code, "shape": list(spec.shape)}
@@ -865,7 +870,11 @@ class DatasetWriter(_RollingWriter):
         not those of the dataset's first group, a group of other columns once a batch was
         taken, or a batch after KV-mode rows (groups of other tensors). Readers take shards of
         other tensors for KV-mode rows, and a shard would hold, and its manifest entry count,
-        samples of two batches."""
+        samples of two batches. So is a batch after groups of its columns taken unchecked (1
+        sample, or as many as their columns: maybe KV-mode rows) where one of them was no batch
+        (:func:`_rows_problem`, :meth:`_schema_problem`): its shard's manifest entry would
+        count samples it does not hold, or readers would refuse the dataset. The groups taken
+        stay as written, as a group that is no batch is refused after a batch."""
         if not arrays or self._columns is None or not (batch or self._batches):
             return
         names = sorted(arrays)
@@ -881,25 +890,31 @@ class DatasetWriter(_RollingWriter):
                 f"{sorted(self._columns)}: every batch holds the same columns (readers take "
                 "shards of other columns for KV-mode rows); nothing of the batch was written"
             )
+        if self._no_batch:
+            raise UsageError(
+                f"write_batch: a batch of {samples} samples of {names} after a group of these "
+                f"columns that was no batch, taken as KV-mode rows ({self._no_batch}): a dataset "
+                "holds batches of the same columns, or KV rows; nothing of the batch was written"
+            )
 
-    def _check_schema(self, specs: list[TensorSpec]) -> None:
-        """:class:`UsageError` where a column of a batch (of the dataset's columns, see
-        :meth:`_check_columns`) holds another dtype, or rows of another shape, than the
-        schema records: the manifest would contradict the batch's shard, and readers refuse
-        shards whose columns differ."""
+    def _schema_problem(self, specs: list[TensorSpec]) -> str | None:
+        """Which column of a batch (of the dataset's columns, see :meth:`_check_columns`) holds
+        another dtype, or rows of another shape, than the schema records (the manifest would
+        contradict the batch's shard, and readers refuse shards whose columns differ); None
+        where none does."""
         for spec in specs:
             recorded = self._schema.get(spec.name)
             if recorded is None:
                 continue
             code = dtype_for(spec.dtype).code
             if code != recorded["dtype"] or list(spec.shape[1:]) != recorded["shape"][1:]:
-                raise UsageError(
-                    f"write_batch: column {spec.name!r} is {code} rows of shape "
-                    f"{list(spec.shape[1:])}, the dataset's {recorded['dtype']} rows of shape "
-                    f"{recorded['shape'][1:]}: a column's rows are of one dtype and shape in "
-                    "every batch (readers refuse shards whose columns differ); nothing of the "
-                    "batch was written"
+                return (
+                    f"column {spec.name!r} is {code} rows of shape {list(spec.shape[1:])}, the "
+                    f"dataset's {recorded['dtype']} rows of shape {recorded['shape'][1:]}: a "
+                    "column's rows are of one dtype and shape in every batch (readers refuse "
+                    "shards whose columns differ)"
                 )
+        return None
 
     def _shard_name(self, index: int) -> str:
         return shard_file_name(self.task_id, index, self._uuid)
@@ -970,22 +985,29 @@ def _taken(tensors: Mapping[str, Any]) -> tuple[dict[str, Array], list[TensorSpe
     return arrays, [spec_of(name, tensors[name], array) for name, array in arrays.items()]
 
 
-def _check_rows(arrays: Mapping[str, Array], samples: int) -> None:
-    """:class:`UsageError` unless every one of ``arrays`` (a batch of ``samples`` samples, see
-    :meth:`DatasetWriter.write_batch`) holds ``samples`` rows: a leading dimension of that
-    size."""
+def _rows_problem(arrays: Mapping[str, Array], samples: int) -> str | None:
+    """Which one of ``arrays`` (a batch of ``samples`` samples, see
+    :meth:`DatasetWriter.write_batch`) does not hold ``samples`` rows, a leading dimension of
+    that size; None where every one does."""
     for name, array in arrays.items():
         if array.ndim == 0:
-            raise UsageError(
-                f"write_batch: column {name!r} is 0-d (a single value): a batch of {samples} "
-                f"samples holds [{samples}, ...] of every column; nothing of the batch was written"
+            return (
+                f"column {name!r} is 0-d (a single value): a batch of {samples} samples holds "
+                f"[{samples}, ...] of every column"
             )
         if array.shape[0] != samples:
-            raise UsageError(
-                f"write_batch: column {name!r} holds {array.shape[0]} rows (shape "
-                f"{list(array.shape)}), not samples={samples}: a batch holds one row of every "
-                "column per sample; nothing of the batch was written"
+            return (
+                f"column {name!r} holds {array.shape[0]} rows (shape {list(array.shape)}), not "
+                f"samples={samples}: a batch holds one row of every column per sample"
             )
+    return None
+
+
+def _refuse(problem: str | None) -> None:
+    """:class:`UsageError` saying ``problem`` (:func:`_rows_problem`,
+    :meth:`DatasetWriter._schema_problem`) of a batch, where there is one."""
+    if problem:
+        raise UsageError(f"write_batch: {problem}; nothing of the batch was written")
 
 
 def missing_folders(directory: Path) -> list[Path]:

@@ -1,0 +1,97 @@
+"""A dataset's first groups taken as possible KV-mode rows, then a batch of their columns: the
+batch is refused where one of those groups was no batch, whichever came first."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import stream_st
+from stream_st.integrations.dataset import describe_dataset
+from stream_st.sharded.writer import open_dataset_writer
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+
+
+def batch(rows: int) -> Arrays:
+    """A real batch of ``rows`` samples of the columns ``x`` and ``y``."""
+    return {"x": np.ones((rows, 4), np.float32), "y": np.arange(rows)}
+
+
+def manifest(directory: Path) -> dict[str, Any]:
+    """The dataset's manifest."""
+    loaded: dict[str, Any] = json.loads((directory / "dataset_manifest.json").read_text())
+    return loaded
+
+
+@pytest.mark.parametrize(
+    ("earlier", "why"),
+    [
+        # 3 rows passed as 2 samples (2 columns): 8 samples read where the manifest said 7
+        ([({"x": np.zeros((3, 4), np.float32), "y": np.arange(3)}, 2)], r"'x' holds 3 rows"),
+        # columns of 7 rows and 2: the dataset was then no batch-mode dataset
+        ([({"x": np.zeros((7, 4), np.float32), "y": np.arange(2)}, 2)], r"'x' holds 7 rows"),
+        # one sample of 3 rows
+        ([({"x": np.zeros((3, 4), np.float32), "y": np.arange(1)}, 1)], r"'x' holds 3 rows"),
+        # a single value: refused before too, as rows of another shape than the schema's []
+        ([({"x": np.zeros((), np.float32), "y": np.arange(1)}, 1)], r"'x' is 0-d"),
+        # a later group of rows of another shape than the first's
+        (
+            [
+                ({"x": np.zeros((2, 4), np.float32), "y": np.arange(2)}, 2),
+                ({"x": np.zeros((2, 5), np.float32), "y": np.arange(2)}, 2),
+            ],
+            r"'x' is F32 rows of shape \[5\], the dataset's F32 rows of shape \[4\]",
+        ),
+    ],
+)
+async def test_a_batch_after_groups_that_were_no_batch_is_refused(
+    tmp_path: Path, earlier: list[tuple[Arrays, int]], why: str
+) -> None:
+    """The first groups (``samples`` 1 or their number of columns) were taken unchecked, and a
+    batch of their columns after them was accepted: the manifest counted samples their shards
+    did not hold, or readers refused the dataset; the same groups after the batch were refused.
+    The batch is refused now, nothing of it written; the groups taken stay as written (each in
+    its shard, sealed before the batch came) and the writer goes on."""
+    async with open_dataset_writer(tmp_path, target_shard_size=1) as d:
+        for group, samples in earlier:
+            await d.write_batch(group, samples)
+        with pytest.raises(stream_st.UsageError, match=f"{why}.*nothing of the batch was written"):
+            await d.write_batch(batch(5), samples=5)
+    written = manifest(tmp_path)
+    assert [s["samples_count"] for s in written["shards"]] == [samples for _, samples in earlier]
+    assert written["total_samples"] == sum(samples for _, samples in earlier)
+    shards = (await describe_dataset(tmp_path, kv=True)).headers
+    assert [{t.name: list(t.shape) for t in header} for header in shards] == [
+        {name: list(array.shape) for name, array in group.items()} for group, _ in earlier
+    ]
+
+
+async def test_the_other_order_is_refused_alike(tmp_path: Path) -> None:
+    """The batch first, then the group that is no batch: the group is refused (as before)."""
+    async with open_dataset_writer(tmp_path, target_shard_size=1) as d:
+        await d.write_batch(batch(5), samples=5)
+        with pytest.raises(stream_st.UsageError, match=r"'x' holds 3 rows"):
+            await d.write_batch({"x": np.zeros((3, 4), np.float32), "y": np.arange(3)}, 2)
+    assert manifest(tmp_path)["total_samples"] == 5
+
+
+@pytest.mark.parametrize("target_shard_size", [1, 1 << 20])
+async def test_first_groups_that_are_batches_still_take_batches(
+    tmp_path: Path, target_shard_size: int
+) -> None:
+    """First groups of 1 sample, or as many as their columns, whose every column holds that
+    many rows of the later batch's shape, are batches: the batch after them is taken, and the
+    dataset reads in batch mode, every sample the manifest counts."""
+    async with open_dataset_writer(tmp_path, target_shard_size=target_shard_size) as d:
+        await d.write_batch(batch(2), samples=2)
+        await d.write_batch(batch(1), samples=1)
+        await d.write_batch(batch(5), samples=5)
+    assert manifest(tmp_path)["total_samples"] == 8
+    info = await describe_dataset(tmp_path)
+    assert not info.kv
+    assert sum(header[name].shape[0] for header in info.headers for name in ("x", "y")) == 16
