@@ -5,7 +5,7 @@ Run it from the repository root (about a minute on 2 cores; needs the file's siz
 about twice that in RAM)::
 
     python benchmarks/bench_verify.py [--mib 512] [--tensor-mib 32] [--rounds 7] [--dir DIR]
-                                      [--cores 2,1] [--algorithm xxh3-128]
+                                      [--cores 2,1] [--algorithm xxh3-128] [--base DIR]
 
 It writes one file of ``--mib`` MiB of F32 tensors of ``--tensor-mib`` MiB each with per-tensor
 digests (``stream_st.save(..., checksums=algorithm)``; kept in ``--dir`` and reused if given),
@@ -21,6 +21,11 @@ Printed: per round and setting the two medians (wall time, and the CPU time of a
 threads), the ratios verified / plain and the load average (``os.getloadavg()``, 1 minute); then
 per setting the median and range of the ratios. The
 machine may be loaded by other work: the paired ratio is the figure to compare.
+
+``--base DIR`` also runs both reads with the stream_st of the checkout ``DIR`` (the code before a
+change; its modules first on the import path), in the same rounds, the four processes of a
+setting in an order that rotates from round to round; printed as well: the base's ratios, and
+the verified read's time (wall and CPU) over the base's.
 """
 
 from __future__ import annotations
@@ -79,13 +84,27 @@ def child(path: Path, verify: bool, cores: int, reads: int) -> None:
     print(json.dumps([statistics.median(column) for column in zip(*times, strict=True)]))
 
 
-def run_child(path: Path, verify: bool, cores: int, reads: int) -> tuple[float, float]:
-    """The median read time, wall and CPU, of a fresh process (see :func:`child`)."""
+def run_child(
+    path: Path, verify: bool, cores: int, reads: int, base: Path | None = None
+) -> tuple[float, float]:
+    """The median read time, wall and CPU, of a fresh process (see :func:`child`), with the
+    stream_st of checkout ``base`` if given."""
     command = [sys.executable, __file__, "--child", str(path), "--cores", str(cores)]
     command += ["--reads", str(reads)] + (["--verify"] if verify else [])
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    env = dict(os.environ)
+    if base is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(base), env.get("PYTHONPATH")]))
+    out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
     wall, cpu = json.loads(out.splitlines()[-1])
     return wall, cpu
+
+
+def summary(label: str, values: list[float]) -> str:
+    """``label``, then the median and range of ``values``."""
+    return (
+        f"{label} median {statistics.median(values):.3f} "
+        f"(range {min(values):.3f}-{max(values):.3f}, {len(values)} rounds)"
+    )
 
 
 def main() -> None:
@@ -97,6 +116,7 @@ def main() -> None:
     parser.add_argument("--cores", default="2,1")
     parser.add_argument("--algorithm", default="xxh3-128")
     parser.add_argument("--dir", type=Path)
+    parser.add_argument("--base", type=Path, help="a checkout of the code before, run alongside")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -116,31 +136,44 @@ def main() -> None:
             f"{args.algorithm}; {args.rounds} rounds x {args.reads} reads per process; "
             f"load average at start {os.getloadavg()[0]:.2f}"
         )
-        ratios: dict[int, list[float]] = {cores: [] for cores in settings}
-        cpu_ratios: dict[int, list[float]] = {cores: [] for cores in settings}
+        versions = [None] if args.base is None else [None, args.base.resolve()]
+        variants = [(base, verify) for base in versions for verify in (False, True)]
+        ratios: dict[tuple[int, str], list[float]] = {}
         loads: list[float] = []
         for round_ in range(args.rounds):
             for cores in settings:
-                order = (False, True) if round_ % 2 == 0 else (True, False)
-                times = {verify: run_child(path, verify, cores, args.reads) for verify in order}
-                (plain, plain_cpu), (verified, verified_cpu) = times[False], times[True]
-                ratios[cores].append(verified / plain)
-                cpu_ratios[cores].append(verified_cpu / plain_cpu)
+                turn = round_ % len(variants)
+                order = variants[turn:] + variants[:turn]
+                times = {key: run_child(path, key[1], cores, args.reads, key[0]) for key in order}
                 load = os.getloadavg()[0]
                 loads.append(load)
-                print(
-                    f"round {round_ + 1} cores {cores}: plain {plain:.3f} s "
-                    f"(CPU {plain_cpu:.3f} s), verified {verified:.3f} s (CPU {verified_cpu:.3f} "
-                    f"s), ratio {verified / plain:.3f}, CPU {verified_cpu / plain_cpu:.3f} "
-                    f"(load {load:.2f})"
-                )
-        for cores in settings:
-            for what, values in (("time", ratios[cores]), ("CPU", cpu_ratios[cores])):
-                print(
-                    f"cores {cores}: verified / plain {what} median "
-                    f"{statistics.median(values):.3f} (range {min(values):.3f}-"
-                    f"{max(values):.3f}, {len(values)} rounds)"
-                )
+                for base in versions:
+                    (plain, plain_cpu), (verified, verified_cpu) = (
+                        times[base, False],
+                        times[base, True],
+                    )
+                    label = "" if base is None else "base "
+                    ratios.setdefault((cores, f"{label}time"), []).append(verified / plain)
+                    ratios.setdefault((cores, f"{label}CPU"), []).append(verified_cpu / plain_cpu)
+                    print(
+                        f"round {round_ + 1} cores {cores}: {label}plain {plain:.3f} s "
+                        f"(CPU {plain_cpu:.3f} s), verified {verified:.3f} s (CPU "
+                        f"{verified_cpu:.3f} s), ratio {verified / plain:.3f}, CPU "
+                        f"{verified_cpu / plain_cpu:.3f} (load {load:.2f})"
+                    )
+                if args.base is not None:
+                    (now, now_cpu), (before, before_cpu) = (
+                        times[None, True],
+                        times[args.base.resolve(), True],
+                    )
+                    ratios.setdefault((cores, "over base time"), []).append(now / before)
+                    ratios.setdefault((cores, "over base CPU"), []).append(now_cpu / before_cpu)
+        for (cores, what), values in ratios.items():
+            if what.startswith("over base"):
+                label = f"cores {cores}: verified read now / base, {what.split()[-1]}"
+            else:
+                label = f"cores {cores}: verified / plain {what}"
+            print(summary(label, values))
         print(f"load average during the rounds: {min(loads):.2f}-{max(loads):.2f}")
 
 

@@ -13,10 +13,12 @@ job it waits for (:meth:`ReadAhead.wait`) is complete. The loop meanwhile hands 
 tensors and queues more.
 
 A job may also be fed to a function as it lands (a hash: ``feed=`` of :meth:`ReadAhead.add`):
-it is then cut into pieces of :data:`FEED_PIECE`, each read alone, and the thread that reads the
-piece next in order feeds it at once, while its bytes are still in the CPU's cache, then any later
-piece the other thread has read meanwhile (:class:`InOrder`); no thread waits for another's turn.
-The job is complete once every piece is fed.
+it is then cut into pieces of :data:`FEED_PIECE`, each read alone and fed at once, while its bytes
+are still in the CPU's cache. While a later job waits, one thread takes every piece of the fed job
+and reads them in order (the other threads take the later jobs); else the pieces are shared, and
+the thread that reads the piece next in order feeds it, then any later piece another thread has
+read meanwhile (:class:`InOrder`); no thread waits for another's turn. The job is complete once
+every piece is fed.
 
 Parts of the file the page cache does not hold are read straight from the disk, in smaller
 pieces by more threads (:mod:`stream_st.transports.file.direct`): the threads ask the kernel,
@@ -352,21 +354,28 @@ class ReadAhead:
                     self._call_soon(self._all_ended.set)
 
     def _serve(self, batch: list[_Piece], how: int, bounce: memoryview | None) -> None:
-        """Read ``batch`` (see :meth:`_read`), then account for each piece, or feed it."""
-        counts = self._read(batch, how == _DIRECT, bounce)
-        fed = []
+        """Read ``batch`` (see :meth:`_read`), then account for each piece, or feed it: a fed
+        job's pieces one at a time, each fed as soon as it is read (see :meth:`_batch`), until
+        the reading is stopped."""
         with self._lock:
+            feed = self._feeds.get(batch[0][0])
+        try:
+            if feed is None:
+                counts = self._read(batch, how == _DIRECT, bounce)
+                with self._lock:
+                    for (job, _, _, _), count in zip(batch, counts, strict=True):
+                        self._settle(job, count)
+                return
+            for piece in batch:
+                if self._stopped:  # the pieces left are nobody's to wait for
+                    break
+                (count,) = self._read([piece], how == _DIRECT, bounce)
+                feed.done(piece[1], piece[2], count)
+        finally:
             if how == _COLD:  # the next cold read may start
-                self._cold_reading = False
-                self._cond.notify_all()
-            for (job, offset, view, _), count in zip(batch, counts, strict=True):
-                feed = self._feeds.get(job)
-                if feed is None:
-                    self._settle(job, count)
-                else:
-                    fed.append((feed, offset, view, count))
-        for feed, offset, view, count in fed:
-            feed.done(offset, view, count)
+                with self._lock:
+                    self._cold_reading = False
+                    self._cond.notify_all()
 
     def _fed(self, job: int, count: int) -> None:
         """A piece of fed job ``job`` is fed (see :class:`InOrder`), ``count`` bytes of it."""
@@ -409,20 +418,22 @@ class ReadAhead:
         but pieces it lacks one thread at a time (the kernel then sees one sequential read and
         reads ahead of it: two threads' reads of cold 8 MiB pieces at once ran at 0.76x one's
         here), while another thread faults in fresh memory of the pieces after
-        (:data:`_POPULATE`, a single piece) or waits. A fed job's piece goes alone (see
-        :class:`InOrder`). Read directly, a piece with a frame goes alone, others up to
-        :data:`stream_st.transports.file.direct.BOUNCE` bytes together. Empty once stopped."""
+        (:data:`_POPULATE`, a single piece) or waits. A fed job's pieces go to one thread
+        together (:meth:`_run`); read directly, where the disk's pace is what counts, one by
+        one to every thread (fed in order by :class:`InOrder`), as does a piece with a frame;
+        others up to :data:`stream_st.transports.file.direct.BOUNCE` bytes together. Empty
+        once stopped."""
         with self._lock:
             while True:
                 while not self._pieces and not self._stopped:
                     self._cond.wait()
                 if self._stopped:
                     return [], _BUFFERED
-                _, offset, view, frame = self._pieces[0]
+                job, offset, view, frame = self._pieces[0]
                 direct_io = self._direct
                 if direct_io is not None and direct_io.uncached(offset, len(view)):
                     self._add_workers(_direct.WORKERS)
-                    if frame is not None:
+                    if frame is not None or job in self._feeds:  # the disk's pace: shared
                         return [self._pieces.popleft()], _DIRECT
                     return self._batch(_direct.BOUNCE), _DIRECT
                 residency = self._residency if direct_io is None else None
@@ -438,8 +449,10 @@ class ReadAhead:
 
     def _batch(self, limit: int) -> list[_Piece]:
         """The next piece and those adjacent to it, up to ``limit`` bytes (see :meth:`_take`;
-        called holding the lock, with a piece waiting)."""
+        called holding the lock, with a piece waiting); for a fed job, :meth:`_run`."""
         job, offset, view, _ = self._pieces[0]
+        if job in self._feeds:
+            return self._run(job)
         if len(view) > limit:  # the rest stays first in line
             self._pieces[0] = (job, offset + limit, view[limit:], None)
             self._left[job] += 1
@@ -447,8 +460,7 @@ class ReadAhead:
         else:
             batch = [self._pieces.popleft()]
         size = len(batch[0][2])
-        alone = job in self._feeds  # fed as soon as read: never batched
-        while self._pieces and len(batch) < _IOV_MAX and not alone:
+        while self._pieces and len(batch) < _IOV_MAX:
             following, offset, view, _ = self._pieces[0]
             if (
                 offset != batch[-1][1] + len(batch[-1][2])
@@ -458,6 +470,20 @@ class ReadAhead:
                 break
             batch.append(self._pieces.popleft())
             size += len(view)
+        return batch
+
+    def _run(self, job: int) -> list[_Piece]:
+        """The pieces of fed job ``job`` first in line: all of them while another job waits
+        behind them, else the first alone (called holding the lock). A thread given them all
+        reads and feeds them in order, each piece hashed while its bytes are still in the
+        CPU's cache, and the other threads take the jobs after; shared piece by piece, a job's
+        pieces finish out of order, and most were fed milliseconds after their read, by
+        another thread, from memory (512 MiB of 32 MiB tensors: 77 % of the pieces, hashed at
+        12.7 GB/s against 18 GB/s fed at once)."""
+        batch = [self._pieces.popleft()]
+        if self._pieces and self._pieces[-1][0] != job:  # a later job waits
+            while self._pieces and self._pieces[0][0] == job:
+                batch.append(self._pieces.popleft())
         return batch
 
     def _next_fresh(self) -> _Piece | None:
