@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Unpack, cast
 
@@ -159,26 +159,43 @@ def _code(array: Array) -> str | None:
         return None
 
 
-async def _each_of(items: AsyncIterable[Any] | Iterable[Any]) -> AsyncGenerator[Any, None]:
-    """The items of an async or a plain iterable, as an async iterator. Closing it closes the
-    iterable's iterator (a generator's cleanup runs then, not whenever it is collected)."""
-    if isinstance(items, AsyncIterable):
-        iterator = aiter(items)
+class _Producer:
+    """The iterator of a producer's ``layers``, taken at once: its items as an async iterator,
+    and the producer closed (its ``aclose()`` or ``close()``) once, by whichever of
+    :func:`send_kv`'s ways out comes first: the end of the iteration, or the end of the
+    transfer (one that failed or was cancelled before the iteration started included)."""
+
+    def __init__(self, layers: AsyncIterable[Any] | Iterable[Any]) -> None:
+        self._iterator: AsyncIterator[Any] | Iterator[Any] = (
+            aiter(layers) if isinstance(layers, AsyncIterable) else iter(layers)
+        )
+        self._closed = False
+
+    async def items(self) -> AsyncGenerator[Any, None]:
+        """The producer's items, a plain iterator's each taken in the event loop. Closing this
+        generator closes the producer (its cleanup runs then, not whenever it is collected)."""
         try:
-            async for item in iterator:
-                yield item
+            if isinstance(self._iterator, AsyncIterator):
+                async for item in self._iterator:
+                    yield item
+            else:
+                for item in self._iterator:
+                    yield item
+                    await anyio.lowlevel.checkpoint()
         finally:
-            if hasattr(iterator, "aclose"):
-                await iterator.aclose()
-    else:
-        plain = iter(items)
-        try:
-            for item in plain:
-                yield item
-                await anyio.lowlevel.checkpoint()
-        finally:
-            if hasattr(plain, "close"):
-                plain.close()
+            await self.close()
+
+    async def close(self) -> None:
+        """Close the producer, the first time only: an async iterator's ``aclose()``, a plain
+        one's ``close()``, where it has one."""
+        if self._closed:
+            return
+        self._closed = True
+        if isinstance(self._iterator, AsyncIterator):
+            if hasattr(self._iterator, "aclose"):
+                await self._iterator.aclose()
+        elif hasattr(self._iterator, "close"):
+            self._iterator.close()
 
 
 async def send_kv(
@@ -213,6 +230,28 @@ async def send_kv(
     cache's, as received) is a :class:`~stream_st.UsageError`: the transfer's metadata has no
     word for tensors stored in another dtype than ``kv_dtype``.
     """
+    if not isinstance(layers, AsyncIterable | Iterable):
+        raise UsageError(
+            f"layers must be an iterable or async iterable of (layer, key, value), "
+            f"not {type(layers).__name__}"
+        )
+    producer = _Producer(layers)
+    try:  # closed on every way out, a failure or a cancellation before the first layer included
+        return await _send(dst, layout, producer, queue=queue, **options)
+    finally:
+        await producer.close()
+
+
+async def _send(
+    dst: Connection | SinkLike,
+    layout: KVLayout,
+    producer: _Producer,
+    *,
+    queue: int,
+    **options: Unpack[TransportOptions],
+) -> SendReport:
+    """The transfer of :func:`send_kv`, of ``producer``'s layers (``send_kv`` closes the
+    producer whichever way this ends)."""
     if not isinstance(layout, KVLayout):
         raise ArgumentTypeError(f"layout must be a KVLayout, not {type(layout).__name__}")
     if layout.wire_dtype is not None:  # no metadata key says so: the tensors are of kv_dtype
@@ -221,11 +260,6 @@ async def send_kv(
             f"{layout.wire_dtype}: wire_dtype describes a seed-style cache as received; send "
             f"dataclasses.replace(layout, wire_dtype=None) with {layout.dtype} layers, or "
             f"a layout of dtype {layout.wire_dtype}"
-        )
-    if not isinstance(layers, AsyncIterable | Iterable):
-        raise UsageError(
-            f"layers must be an iterable or async iterable of (layer, key, value), "
-            f"not {type(layers).__name__}"
         )
     queue = integer_at_least("queue", queue, 1)
     report = SendReport()
@@ -248,7 +282,7 @@ async def send_kv(
         # The producer's failure ends the transfer with its error, after the layers it made
         # before (queued, or being sent) have gone out whole: the receiver has them, verified.
         try:
-            async with contextlib.aclosing(_each_of(layers)) as items:
+            async with contextlib.aclosing(producer.items()) as items:
                 async for item in items:
                     report.produced_at.append(time.perf_counter())
                     try:  # noted before the producer can change them

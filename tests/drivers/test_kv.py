@@ -704,6 +704,75 @@ async def test_a_send_that_cannot_connect_leaves_no_open_channel() -> None:
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
 
 
+class ClosableProducer:
+    """An async producer of ``layout``'s layers with an ``aclose()`` (one that holds buffers
+    until closed, say); counts its closes."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.closes = 0
+        self.layer = 0
+
+    def __aiter__(self) -> ClosableProducer:
+        return self
+
+    async def __anext__(self) -> tuple[int, Array, Array]:
+        if self.layer == self.layout.num_layers:
+            raise StopAsyncIteration
+        self.layer += 1
+        zeros = np.zeros(self.layout.shape, np.float32)
+        return self.layer - 1, zeros, zeros.copy()
+
+    async def aclose(self) -> None:
+        self.closes += 1
+
+
+async def test_a_send_that_cannot_start_closes_the_producer_once(tmp_path: Path) -> None:
+    """A destination that could not be opened (nothing listening, a missing directory, a closed
+    connection or one still writing another message), a refused argument or a send cancelled
+    before the first layer left the producer unclosed, where the docstring says it is closed
+    whichever way the transfer ends."""
+    layout = KVLayout(num_layers=2, shape=(1, 1, 4, 4), dtype="F32")
+
+    async def closes(dst: Any, error: type[Exception], **options: Any) -> int:
+        producer = ClosableProducer(layout)
+        with pytest.raises(error):
+            await send_kv(dst, layout, producer, **options)
+        assert producer.layer == 0, dst  # nothing was pulled
+        return producer.closes
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]  # nothing listens there
+    assert await closes(f"tcp://127.0.0.1:{port}", TransportError, timeout=5) == 1
+    missing = tmp_path / "no" / "such" / "kv.safetensors"
+    assert await closes(missing, stream_st.SourceNotFoundError) == 1
+    assert await closes(tmp_path / "kv.safetensors", stream_st.UsageError, queue=0) == 1
+    async with stream_st.listen("127.0.0.1", 0, timeout=10) as listener:
+        connection = await stream_st.connect(listener.url, timeout=10)
+        async with connection, connection.open_writer([]):  # the writing turn is taken
+            assert await closes(connection, stream_st.UsageError) == 1
+        assert await closes(connection, stream_st.UsageError) == 1  # closed
+
+    class Stalled(stream_st.transports.base.Sink):
+        async def send(self, buffer: memoryview) -> None:
+            await anyio.sleep_forever()  # the header never goes out
+
+        async def aclose(self) -> None:
+            pass
+
+        async def abort(self) -> None:
+            pass
+
+    producer = ClosableProducer(layout)
+    with anyio.move_on_after(0.1):
+        await send_kv(Stalled(), layout, producer)
+    assert producer.closes == 1 and producer.layer == 0
+    producer = ClosableProducer(layout)
+    await send_kv(tmp_path / "kv.safetensors", layout, producer)  # the normal way: once too
+    assert producer.closes == 1 and producer.layer == 2
+
+
 async def test_iterating_a_receiver_holds_one_layer_at_a_time(tmp_path: Path) -> None:
     """``async for layer, key, value in kv`` kept every layer handed out until the block was
     left: memory grew with the whole cache, where kv.md says it stays bounded."""
