@@ -165,15 +165,19 @@ async def hash(  # the command's name (shadows the builtin only inside this modu
         raise UsageError("the sha256 of a file takes one file, not a sharded checkpoint's index")
     hashing = _Hashing(await open_source(source, clock))
     try:
-        if content:
+        if content:  # the reader reads the message to its end (a whole object's end checked)
             result = await _content_of(source, hashing, clock, progress)
+            end = hashing.position
         else:
             async with stream_for(hashing, clock=clock, unknown_dtypes="keep") as stream:
                 header = stream.header
             result = structure_of(source, [header])
-        result["file_sha256"] = await hashing.finish()
-        if not content:  # read to its end: the bytes its header describes, no more, no fewer
+            end = header.file_size
+        # a whole object is read to its end, a connection to its message's (the rest unread)
+        result["file_sha256"] = await hashing.finish(None if hashing.whole_object else end)
+        if not content:  # the bytes its header describes, no more, no fewer
             check_size(header, hashing.position, hashing.name)
+        hashing.message_read()
     finally:
         await hashing.inner.aclose()
     return result
@@ -192,13 +196,15 @@ async def _content_of(
 
 class _Hashing(Source):
     """``inner`` read front to back, every byte that passes through a sha256 (the whole file's,
-    whoever reads it); closing it leaves ``inner`` open, so :meth:`finish` can read the rest."""
+    or a connection's message's, whoever reads it); closing it leaves ``inner`` open, so
+    :meth:`finish` can read the rest."""
 
     def __init__(self, inner: Source) -> None:
         super().__init__()
         self.inner = inner
         self.name = inner.name
         self.size = inner.size
+        self.whole_object = inner.whole_object
         self._sha = hashlib.sha256()
         self._started = False
 
@@ -214,13 +220,22 @@ class _Hashing(Source):
             self.position += got
         return got
 
-    async def finish(self) -> str:
-        """Read what no one read yet through the hash; the sha256 (hex) of every byte. The
-        operation's deadline is checked at every chunk (a local file's reads wait for nothing
-        it would bound otherwise)."""
+    def message_read(self) -> None:
+        """The message is read whole: ``inner``'s connection may go to the next one."""
+        self.inner.message_read()
+
+    async def finish(self, end: int | None = None) -> str:
+        """Read what no one read yet through the hash, up to byte ``end`` (None: to the
+        source's end; a connection's message ends where its header says, and what follows is
+        the next message's); the sha256 (hex) of every byte read. The operation's deadline is
+        checked at every chunk (a local file's reads wait for nothing it would bound
+        otherwise)."""
         await self.start()
         chunk = memoryview(bytearray(FILE_CHUNK))
-        while got := await self.inner.fill(chunk):
+        while end is None or self.position < end:
+            wanted = chunk if end is None else chunk[: end - self.position]
+            if not (got := await self.inner.fill(wanted)):
+                break
             self.inner.clock.check(self.name, self.position)
             await anyio.to_thread.run_sync(self._sha.update, chunk[:got])
             self.position += got

@@ -10,10 +10,16 @@ import subprocess
 import threading
 from pathlib import Path
 
+import anyio
 import pytest
+import safetensors.numpy as reference_numpy
+from anyio.abc import SocketAttribute, SocketStream
+
+from stream_st import tools
+from stream_st.transports.registry import SourceLike
 
 from ..servers.http_server import RangeHTTPServer
-from ._cli import COMMAND, run, write_model
+from ._cli import COMMAND, TENSORS, run, write_model
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
@@ -315,3 +321,40 @@ def test_deadline_bounds_hashing_a_local_file(tmp_path: Path, check: bool) -> No
     result = run(*args, "--deadline", "0.2")
     assert result.returncode == 2, result
     assert "deadline of 0.2 s passed" in result.stderr
+
+
+@pytest.mark.parametrize("content", [False, True], ids=["structure", "content"])
+@pytest.mark.parametrize("given", ["url", "stream"])
+async def test_file_sha256_of_a_connection_is_its_message_s(content: bool, given: str) -> None:
+    """A connection was hashed to its end, not its message's: a peer that sent a message and
+    kept the connection open (as between a Connection's messages) made ``hash --file`` wait for
+    its close (a ReadTimeoutError with a timeout, every byte of the message there), and a second
+    message after the first was refused as trailing bytes; every other read stops at the
+    message's end and leaves the rest unread, so the next message can be read."""
+    first = reference_numpy.save(TENSORS)
+    second = reference_numpy.save({"other": TENSORS["model.embed_tokens.weight"]})
+    done = anyio.Event()
+
+    async def peer(stream: SocketStream) -> None:
+        async with stream:
+            await stream.send(first + second)
+            await done.wait()  # the connection stays open until the test has its answers
+
+    async def hashed(source: SourceLike) -> str:
+        found = await tools.hash(source, file=True, content=content, timeout=5)
+        result: str = found["file_sha256"]
+        return result
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    async with listener, anyio.create_task_group() as group:
+        group.start_soon(listener.serve, peer)
+        port = listener.extra(SocketAttribute.local_port)
+        with anyio.fail_after(4):  # under the timeout: a wait for the peer's close fails here
+            if given == "url":
+                assert await hashed(f"tcp://127.0.0.1:{port}") == hashlib.sha256(first).hexdigest()
+            else:  # the caller's stream, read message after message
+                async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+                    assert await hashed(stream) == hashlib.sha256(first).hexdigest()
+                    assert await hashed(stream) == hashlib.sha256(second).hexdigest()
+        done.set()
+        group.cancel_scope.cancel()
