@@ -56,7 +56,14 @@ import numpy as np
 
 from .._util import AsyncClosing, allow_open_files, seen_through
 from ..core.arrays import as_array, spec_of
-from ..core.digests import Digests, digest_of, digests_for, without_record
+from ..core.digests import (
+    DEFAULT_ALGORITHM,
+    Digests,
+    algorithm_named,
+    asked_for,
+    digest_of,
+    without_record,
+)
 from ..core.dtypes import dtype_for, wire_bytes
 from ..core.header import DEFAULT_MAX_HEADER_SIZE, LENGTH_PREFIX_SIZE
 from ..core.layout import TensorSpec, build_header
@@ -267,6 +274,24 @@ def _local_folder(directory: object) -> Path:
     return Path(directory)
 
 
+def _algorithm_asked(checksums: object) -> str | None:
+    """The digest algorithm ``checksums=`` asks for: the one it names, the default for True,
+    None for False. A :class:`~stream_st.Digests` is an :class:`~stream_st.ArgumentTypeError`:
+    its values are digests given up front, which :func:`~stream_st.open_writer` checks the bytes
+    written against, where these writers compute each tensor's digest as they write it and
+    would commit other bytes under them unchecked. Anything else is a
+    :class:`~stream_st.UsageError` naming what ``checksums=`` takes."""
+    if isinstance(checksums, str):
+        return algorithm_named(checksums, "checksums=").name
+    if isinstance(checksums, Digests):
+        raise ArgumentTypeError(
+            "checksums takes no Digests here: a sharded or dataset writer computes each "
+            "tensor's digest as it writes it, and checks none given up front (open_writer and "
+            "save do); give checksums=True or an algorithm name"
+        )
+    return DEFAULT_ALGORITHM if asked_for(checksums, "or an algorithm name") else None
+
+
 _OPEN, _COMMITTED, _ABORTED = "open", "committed", "aborted"
 """A rolling writer's states: it takes writes, its index is in place, or it threw all away."""
 
@@ -294,8 +319,7 @@ class _RollingWriter(AsyncClosing):
         size_option: str = "max_shard_size",
     ) -> None:
         integer_at_least(size_option, target_size, 1)
-        digests = digests_for(checksums)
-        self._algorithm = None if digests is None else digests.algorithm
+        self._algorithm = _algorithm_asked(checksums)
         self.directory = _local_folder(directory)
         self._new_folders = missing_folders(self.directory)  # removed again by abort()
         self.target_size = target_size

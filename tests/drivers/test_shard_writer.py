@@ -837,3 +837,30 @@ async def test_a_folder_no_file_system_takes_is_refused(
         async with _writer(kind, folder.format(tmp=tmp_path)) as writer:
             await _add(writer, "a", np.ones(2, np.float32))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "dataset"])
+@pytest.mark.parametrize("given", ["of zeros", "of another name", "no values"])
+async def test_checksums_takes_no_digests_to_check(tmp_path: Path, kind: str, given: str) -> None:
+    """checksums=Digests(...), whose values open_writer and save check the bytes written
+    against, was taken for its algorithm alone: ones were committed under digests of zeros, or
+    of a tensor never written. It is refused, saying what to give, before anything is written;
+    another wrong value no longer offers a Digests either."""
+    ones = np.ones(4, np.float32)
+    digests = {
+        "of zeros": stream_st.Digests.compute({"w": np.zeros(4, np.float32)}),
+        "of another name": stream_st.Digests.compute({"not_written": ones}),
+        "no values": stream_st.Digests("sha256"),
+    }[given]
+    opened = open_sharded_writer if kind == "checkpoint" else open_dataset_writer
+    wrong: Any = digests
+    with pytest.raises(stream_st.ArgumentTypeError, match=r"give checksums=True or an algorithm"):
+        async with opened(tmp_path / "out", checksums=wrong) as writer:
+            await _add(writer, "w", ones.reshape(1, 4))
+    wrong = 1
+    with pytest.raises(
+        stream_st.UsageError,
+        match=r"^checksums must be True, False, or an algorithm name, got int$",
+    ):
+        opened(tmp_path / "out", checksums=wrong)
+    assert list(tmp_path.iterdir()) == []
