@@ -608,13 +608,29 @@ def codec_from_metadata(metadata: Mapping[str, str]) -> Codec:
 
 def decoded(codec: Codec, name: str, parts: Mapping[str, Array], code: str) -> Array:
     """Tensor ``name`` rebuilt by ``codec`` from its wire tensors ``parts`` as dtype ``code``;
-    values decoded beyond its range (from a scale far smaller than the codec writes: the codes
-    and the scales are finite) become infinite, and a :class:`~stream_st.StreamStWarning` says
-    how many (:func:`warn_infinite`), not numpy's bare overflow warning."""
+    finite values decoded beyond its range (from a scale far smaller than the codec writes, or
+    a "none" tensor wider than ``code``) become infinite, and a
+    :class:`~stream_st.StreamStWarning` says how many (:func:`warn_infinite`), not numpy's bare
+    overflow warning. NaN and Inf a "none" tensor carries are handed out as they were, uncounted.
+    """
     with np.errstate(over="ignore"):
         values = codec.decode(name, parts, dtype_from_code(code).numpy)
-    warn_infinite(name, code, values.size - int(np.count_nonzero(np.isfinite(values))))
+    # INT8's and INT4's codes and scales are finite: each value they decode to Inf was lost
+    source = _part(name, parts, name) if codec.key == "none" else None
+    warn_infinite(name, code, became_infinite(values, source))
     return values
+
+
+def became_infinite(converted: Array, source: Array | None = None) -> int:
+    """How many values of ``converted`` are not finite where ``source`` (of its shape; ``None``
+    for all finite) was: the finite values a conversion took beyond its dtype's range. NaN and
+    Inf that were so already are not counted. ``source`` is read only where ``converted`` is not
+    finite, and one boolean mask is the only temporary as large as the tensor."""
+    lost = np.isfinite(converted, out=np.empty(np.shape(converted), np.bool_))  # 0-d too
+    np.logical_not(lost, out=lost)
+    if source is None or not lost.any():
+        return int(np.count_nonzero(lost))
+    return int(np.count_nonzero(np.isfinite(np.asarray(source)[lost])))
 
 
 def warn_infinite(name: str, code: str, lost: int) -> None:

@@ -21,6 +21,7 @@ from .._api import header_of
 from .._util import allow_open_files, canonical_decimal
 from ..core.codecs import (
     Codec,
+    became_infinite,
     codec_from_metadata,
     decoded,
     get_codec,
@@ -126,9 +127,7 @@ def _convert(array: np.ndarray[Any, Any], code: str, name: str) -> np.ndarray[An
     else:
         with np.errstate(over="ignore"):
             converted = array.astype(dtype_from_code(code).numpy)
-    infinite = ~np.isfinite(converted)
-    if infinite.any():
-        warn_infinite(name, code, int(np.count_nonzero(np.isfinite(array[infinite]))))
+    warn_infinite(name, code, became_infinite(converted, array))
     return converted
 
 

@@ -326,6 +326,34 @@ async def test_values_decoded_beyond_the_dtype_are_counted_in_a_warning() -> Non
     ]
 
 
+async def test_nan_and_inf_carried_as_they_were_are_not_counted(tmp_path: Path) -> None:
+    """NaN and +-Inf are no finite values lost: a "none" F16 transfer carrying them arrived
+    bit-identical, yet each was counted as a finite value that "became infinite"; an F32 seed
+    cache decoded as its F16 ``original_dtype`` counts only the finite value beyond F16's range."""
+    layout = KVLayout(num_layers=1, shape=(1, 1, 2, 4), dtype="F16")
+    sent = np.array([np.nan, np.inf, -np.inf, 1, 2, 3, 4, 5], np.float16).reshape(layout.shape)
+    path = tmp_path / "kv.safetensors"
+    await send_kv(path, layout, [(0, sent, sent.copy())])
+    wide = np.array([np.nan, np.inf, -np.inf, 1e6, 2, 3, 4, 5], np.float32)
+    blob = ("F32", [1, 1, 2, 4], wide.tobytes())
+    seed = raw_file({"layer_0_key": blob, "layer_0_value": blob}, {"original_dtype": "float16"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, carried = await receive_all(path)
+        _, narrowed = await receive_all(seed)
+    for got in carried[0]:
+        assert got.view(np.uint16).tobytes() == sent.view(np.uint16).tobytes()
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (
+            stream_st.StreamStWarning,
+            f"tensor 'layer_0_{part}': 1 finite values beyond F16's range became infinite",
+        )
+        for part in ("key", "value")
+    ]
+    beyond = np.array([np.nan, np.inf, -np.inf, np.inf, 2, 3, 4, 5], np.float16)
+    assert np.array_equal(narrowed[0][0].reshape(-1), beyond, equal_nan=True)
+
+
 async def test_a_stream_st_transfer_still_needs_all_its_metadata(tmp_path: Path) -> None:
     """A header with any kv_* key is a stream_st transfer: no falling back to inference."""
     tensors = {"layer_0_key": f32(SHAPE), "layer_0_value": f32(SHAPE)}
