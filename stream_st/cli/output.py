@@ -456,9 +456,10 @@ def without_digests(metadata: Mapping[str, str]) -> dict[str, str]:
 
 def digests_line(shards: Sequence[tuple[Mapping[str, str], Collection[str]]]) -> str | None:
     """What the digests of ``shards`` (each a shard header's own metadata and its tensors'
-    names) say in one line: the algorithms, how many tensors have one, and whether a read can
-    check them (not for an unknown algorithm, nor for a shard whose digests are not one for each
-    of its tensors); None when there are none. Each shard's record is judged on its own."""
+    names) say in one line: the algorithms (named by a file's metadata, so each escaped as
+    :func:`shown` escapes a name), how many tensors have one, and whether a read can check them
+    (not for an unknown algorithm, nor for a shard whose digests are not one for each of its
+    tensors); None when there are none. Each shard's record is judged on its own."""
     algorithms: dict[str, None] = {}  # in shard order, each once
     digested = tensors = recorded = 0
     damaged = unchecked = False
@@ -467,7 +468,7 @@ def digests_line(shards: Sequence[tuple[Mapping[str, str], Collection[str]]]) ->
         algorithm = metadata.get(ALGORITHM_KEY)
         if not keys and algorithm is None:
             continue
-        algorithms[algorithm or "no algorithm named"] = None
+        algorithms[shown(algorithm) if algorithm else "no algorithm named"] = None
         digested, tensors, recorded = digested + len(keys), tensors + len(set(names)), recorded + 1
         unchecked |= algorithm not in ALGORITHMS
         damaged |= keys != set(names)
@@ -634,8 +635,9 @@ def _hex(byte: np.integer[Any]) -> str:
 
 def print_validation(result: tools.Validation) -> None:
     """The source, its statistics table, its warnings and errors and its verdict. A warning or
-    error names tensors unquoted (``w: 3 NaN values``): it is escaped as the names are
-    (:func:`shown`), so that the names ``a\\nb`` and ``a``, a newline, ``b`` show apart."""
+    error names tensors unquoted (``w: 3 NaN values``), the digests line the file's algorithms: they
+    are escaped as the names are (:func:`shown`), so that the names ``a\\nb`` and ``a``, a
+    newline, ``b`` show apart."""
     print(f"{shown(result.source)}:")
     names = [shown(t.name) for t in result.tensors]
     width = max([len("name"), *map(len, names)])
@@ -658,7 +660,7 @@ def print_validation(result: tools.Validation) -> None:
         print(f"warning: {shown(warning)}")
     for error in result.errors:
         print(f"error: {shown(error)}")
-    print(f"digests: {result.digests}")
+    print(f"digests: {shown(result.digests)}")
     print(
         f"{'valid' if result.ok else 'INVALID'}: {plural(len(result.tensors), 'tensor')}, "
         f"{plural(len(result.errors), 'error')}, {plural(len(result.warnings), 'warning')}"

@@ -380,6 +380,33 @@ def test_validate_s_findings_and_an_error_s_source_show_names_as_shown(
     assert capsys.readouterr().err == "stream-st: error: d\\\\x/m.safetensors: bad\\nheader\n"
 
 
+def test_a_digest_algorithm_s_name_is_shown_escaped(tmp_path: Path) -> None:
+    """The name of a file's digest algorithm (its ``stream_st.digest`` metadata) reached the
+    terminal as it is in inspect's checksummed line and validate's digests line: an escape
+    sequence drove the terminal, a newline forged a line of the output. It is escaped as a name
+    is, its backslash doubled, each of a sharded checkpoint's algorithms too."""
+    evil, literal = "\x1b]0;pwned\x07\x1b[31mRED\nforged line", "a\\nb"
+    shards = _two_shards(
+        tmp_path / "m",
+        [
+            {"stream_st.digest": evil, "stream_st.digest:w0": "00"},
+            {"stream_st.digest": literal, "stream_st.digest:w1": "00"},
+        ],
+    )
+    escaped = "\\x1b]0;pwned\\x07\\x1b[31mRED\\nforged line"
+    for source, inspected, validated in [
+        (shards / "model-00001-of-00002.safetensors", escaped, escaped),
+        (shards, f"{escaped} and a\\\\nb", f"{escaped}, a\\\\nb"),  # validate's sorted
+    ]:
+        lines = run("inspect", str(source)).stdout.splitlines()
+        said = f"  checksummed: {inspected} digests of "
+        assert any(line.startswith(said) for line in lines), lines
+        lines += run("validate", str(source)).stdout.splitlines()
+        assert f"digests: {validated}: FAILED (see the errors)" in lines, lines
+        assert not any(c in line for line in lines for c in "\x1b\x07"), lines
+        assert not any(line.startswith("forged line") for line in lines), lines
+
+
 def test_show_of_a_dataset_holds_one_shards_tensor_at_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
