@@ -192,16 +192,20 @@ def _cut(pieces: Iterable[memoryview], offset: int) -> Iterator[tuple[int, list[
 
 
 class Blocks:
-    """The blocks of :func:`_cut`, handed out one at a time to the threads that share them."""
+    """The blocks of :func:`_cut`, handed out one at a time to the threads that share them (an
+    iterator each thread may take from)."""
 
     def __init__(self, pieces: Iterable[memoryview], offset: int) -> None:
         self._blocks = _cut(pieces, offset)
         self._lock = threading.Lock()
 
-    def take(self) -> tuple[int, list[memoryview]] | None:
-        """The next block, or None when every one is taken."""
+    def __iter__(self) -> Blocks:
+        return self
+
+    def __next__(self) -> tuple[int, list[memoryview]]:
+        """The next block; ``StopIteration`` when every one is taken."""
         with self._lock:
-            return next(self._blocks, None)
+            return next(self._blocks)
 
 
 class Abandoned(WriterError):
@@ -213,15 +217,18 @@ class Abandoned(WriterError):
 
 
 def write_blocks(
-    fd: int, blocks: Blocks, name: str, stop: Callable[[], bool] | None = None
+    fd: int,
+    blocks: Iterator[tuple[int, list[memoryview]]],
+    name: str,
+    stop: Callable[[], bool] | None = None,
 ) -> None:
-    """Write blocks taken from ``blocks`` (shared by the threads writing them) until none is
-    left; a failure is a :class:`~stream_st.TransportError` naming ``name`` and the block.
-    ``stop``, asked before each block, ends the writing with :class:`Abandoned` when true."""
-    while (block := blocks.take()) is not None:
+    """Write blocks taken from ``blocks`` (:func:`_cut`'s, or :class:`Blocks` shared by the
+    threads writing them) until none is left; a failure is a
+    :class:`~stream_st.TransportError` naming ``name`` and the block. ``stop``, asked before
+    each block, ends the writing with :class:`Abandoned` when true."""
+    for offset, views in blocks:
         if stop is not None and stop():
             raise Abandoned()
-        offset, views = block
         try:
             pwrite_fully(fd, views, offset)
         except OSError as exc:
@@ -587,7 +594,7 @@ class AtomicFile:
             raise UsageError(f"{self.name}: the file sink is closed")
         try:
             self.reserve(size)
-            write_blocks(self._fd, Blocks(pieces, 0), self.name, stop)
+            write_blocks(self._fd, _cut(pieces, 0), self.name, stop)
             if self.fsync:
                 os.fsync(self._fd)
             if stop is not None and stop():
@@ -609,15 +616,15 @@ class AtomicFile:
         Either way the file goes to the destination's path as it is now: a directory moved away
         meanwhile is no longer the destination's, and the commit fails, the temporary removed
         by the caller (:meth:`_discard`), wherever the directory went."""
-        directory, base = os.path.split(self._target)
         if self.temp_path is None:
             try:
                 if not self._replacing and self._linked_in():
                     return
+                base = os.path.basename(self._target)
                 while self.temp_path is None:  # to be renamed over the file there
                     # Named before the link: an interrupt (a signal's exception) raised as the
                     # link returns still finds the name to remove.
-                    self.temp_path = _temp_name(directory, base)
+                    self.temp_path = _temp_name(self._directory, base)
                     try:
                         _link(self._fd, self.temp_path)
                     except FileExistsError:  # 48 random bits collided: that name is not ours
@@ -625,7 +632,7 @@ class AtomicFile:
             except OSError as exc:
                 if exc.errno not in _NOT_LINKED:
                     raise
-                self._name_a_copy(directory, base)
+                self._name_a_copy(self._directory, os.path.basename(self._target))
         temp = self.temp_path
         assert temp is not None  # linked in under it, or made so by _name_a_copy
         self._close_fd(keep_directory=True)
@@ -633,7 +640,7 @@ class AtomicFile:
         try:
             os.replace(_at(temp, at), self._target, src_dir_fd=at)
         except FileNotFoundError as exc:
-            missing = _missing(directory, self.name)
+            missing = _missing(self._directory, self.name)
             if missing is None:
                 raise
             raise missing from exc
