@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from stream_st import TransportError
-from stream_st.transports.file.readahead import FEED_PIECE, InOrder
+from stream_st.transports.file.readahead import _BUFFERED, FEED_PIECE, InOrder, ReadAhead
 from stream_st.transports.file.source import FileSource
 
 
@@ -128,3 +128,26 @@ async def test_a_feed_that_fails_fails_the_wait(tmp_path: Path) -> None:
                 await ahead.wait(job)
     finally:
         await source.aclose()
+
+
+async def test_a_fed_job_goes_to_one_thread_while_a_later_job_waits(tmp_path: Path) -> None:
+    """While a later job waits behind a fed job, the thread that takes the fed job's first
+    piece takes all of them (it reads and feeds them in order, each hashed while in its
+    cache); the last job queued is shared piece by piece, until one comes after it."""
+    path, _ = file_of(tmp_path, 12 * FEED_PIECE)
+    with path.open("rb") as file:
+        ahead = ReadAhead(file.fileno(), str(path))  # no thread started: the test takes
+        buffers = [bytearray(4 * FEED_PIECE) for _ in range(3)]
+        first = ahead.add(0, memoryview(buffers[0]), feed=bytearray().extend)
+        second = ahead.add(4 * FEED_PIECE, memoryview(buffers[1]), feed=bytearray().extend)
+
+        def taken() -> list[tuple[int, int]]:
+            batch, how = ahead._take()
+            assert how == _BUFFERED
+            return [(job, offset) for job, offset, _, _ in batch]
+
+        assert taken() == [(first, n * FEED_PIECE) for n in range(4)]
+        assert taken() == [(second, 4 * FEED_PIECE)]  # the last job: one piece
+        ahead.add(8 * FEED_PIECE, memoryview(buffers[2]))  # a plain job after it
+        assert taken() == [(second, n * FEED_PIECE) for n in range(5, 8)]
+        ahead.stop()
