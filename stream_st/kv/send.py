@@ -159,15 +159,27 @@ def _code(array: Array) -> str | None:
         return None
 
 
+_END = object()
+"""What :class:`_Producer` asks ``next()`` / ``anext()`` for once the producer is exhausted."""
+
+
 class _Producer:
     """The iterator of a producer's ``layers``, taken at once: its items as an async iterator,
-    and the producer closed (its ``aclose()`` or ``close()``) once, by whichever of
-    :func:`send_kv`'s ways out comes first: the end of the iteration, or the end of the
-    transfer (one that failed or was cancelled before the iteration started included)."""
+    and that iterator (``layers`` itself, for a generator) closed (its ``aclose()`` or
+    ``close()``) once, by whichever of :func:`send_kv`'s ways out comes first: the end of the
+    iteration, or the end of the transfer (one that failed or was cancelled before the iteration
+    started included).
+
+    Whether the producer is async is decided once, from ``layers`` (as ``async for`` would), and
+    its iterator is then only asked for its next item, as ``async for`` / ``for`` ask it: one
+    with ``__anext__`` and no ``__aiter__`` of its own is an async iterator all the same."""
 
     def __init__(self, layers: AsyncIterable[Any] | Iterable[Any]) -> None:
+        self._async = isinstance(layers, AsyncIterable)
         self._iterator: AsyncIterator[Any] | Iterator[Any] = (
-            aiter(layers) if isinstance(layers, AsyncIterable) else iter(layers)
+            aiter(cast("AsyncIterable[Any]", layers))
+            if self._async
+            else iter(cast("Iterable[Any]", layers))
         )
         self._closed = False
 
@@ -175,11 +187,13 @@ class _Producer:
         """The producer's items, a plain iterator's each taken in the event loop. Closing this
         generator closes the producer (its cleanup runs then, not whenever it is collected)."""
         try:
-            if isinstance(self._iterator, AsyncIterator):
-                async for item in self._iterator:
+            if self._async:
+                iterator = cast("AsyncIterator[Any]", self._iterator)
+                while (item := await anext(iterator, _END)) is not _END:
                     yield item
             else:
-                for item in self._iterator:
+                plain = cast("Iterator[Any]", self._iterator)
+                while (item := next(plain, _END)) is not _END:
                     yield item
                     await anyio.lowlevel.checkpoint()
         finally:
@@ -191,11 +205,13 @@ class _Producer:
         if self._closed:
             return
         self._closed = True
-        if isinstance(self._iterator, AsyncIterator):
-            if hasattr(self._iterator, "aclose"):
-                await self._iterator.aclose()
-        elif hasattr(self._iterator, "close"):
-            self._iterator.close()
+        close = getattr(self._iterator, "aclose" if self._async else "close", None)
+        if close is None:
+            return
+        if self._async:
+            await close()
+        else:
+            close()
 
 
 async def send_kv(
@@ -216,7 +232,8 @@ async def send_kv(
     raises at once and stops pulling from the producer; the receiver sees an incomplete message.
     If the producer raises, the layers it made before go out whole first (the receiver has
     them, verified), then the transfer ends with the producer's exception. ``layers`` is closed
-    (its ``aclose()`` or ``close()``) when the transfer ends, whichever way.
+    (its ``aclose()`` or ``close()``; for one whose ``__aiter__`` / ``__iter__`` hands out
+    another object, that iterator's) when the transfer ends, whichever way.
 
     Each key and value yielded is read until its layer is sent, which may be after the next
     ``queue`` layers are yielded: it must stay unchanged until then. A producer that refills

@@ -773,6 +773,60 @@ async def test_a_send_that_cannot_start_closes_the_producer_once(tmp_path: Path)
     assert producer.closes == 1 and producer.layer == 2
 
 
+async def test_a_producer_whose_iterator_is_bare_is_sent_and_closed(tmp_path: Path) -> None:
+    """A producer whose ``__aiter__`` hands out an object with ``__anext__`` and ``aclose()`` but
+    no ``__aiter__`` of its own (``async for`` takes it) was walked as a plain iterable: a bare
+    TypeError ("not iterable"), and its ``aclose()`` never called. A plain producer whose
+    ``__iter__`` hands out an object with ``__next__`` and ``close()`` alone (``for`` takes it)
+    failed the same way."""
+    layout = KVLayout(num_layers=2, shape=(1, 1, 4, 4), dtype="F32")
+    closed: list[str] = []
+
+    class Layers:
+        """``layout``'s layers by ``__next__`` alone, closed by ``close()``."""
+
+        def __init__(self) -> None:
+            self.numbers = iter(range(layout.num_layers))
+
+        def __next__(self) -> tuple[int, Array, Array]:
+            number = next(self.numbers)
+            zeros = np.zeros(layout.shape, np.float32)
+            return number, zeros + number, zeros
+
+        def close(self) -> None:
+            closed.append("plain")
+
+    class AsyncLayers:
+        """The same by ``__anext__`` alone, closed by ``aclose()``."""
+
+        def __init__(self) -> None:
+            self.layers = Layers()
+
+        async def __anext__(self) -> tuple[int, Array, Array]:
+            try:
+                return next(self.layers)
+            except StopIteration:
+                raise StopAsyncIteration from None
+
+        async def aclose(self) -> None:
+            closed.append("async")
+
+    class AsyncProducer:
+        def __aiter__(self) -> AsyncLayers:
+            return AsyncLayers()
+
+    class PlainProducer:
+        def __iter__(self) -> Layers:
+            return Layers()
+
+    for producer in (AsyncProducer(), PlainProducer()):
+        path = tmp_path / f"{type(producer).__name__}.safetensors"
+        await send_kv(path, layout, producer)  # type: ignore[arg-type]  # typing wants __iter__
+        async with receive_kv(path) as received:
+            assert [float(key.flat[0]) async for _, key, _ in received] == [0.0, 1.0]
+    assert closed == ["async", "plain"]
+
+
 async def test_iterating_a_receiver_holds_one_layer_at_a_time(tmp_path: Path) -> None:
     """``async for layer, key, value in kv`` kept every layer handed out until the block was
     left: memory grew with the whole cache, where kv.md says it stays bounded."""
