@@ -164,23 +164,36 @@ class DatasetInfo:
         were not read, ``from_manifest``)."""
         if self.kv and not self.headers and self.shards:
             return None
-        return _not_batch(self.shards, self.headers, self.manifest.get("schema"))
+        return _not_batch(self.shards, self.headers, self.manifest)
 
 
-def _not_batch(shards: Sequence[str], headers: Sequence[Header], schema: object) -> str | None:
-    """Why the shards at ``shards`` (their ``headers``) and the manifest's ``schema`` do not
-    form batch mode, or None where they do: batch mode is every shard holding the same tensors,
-    each with one leading (sample) dimension per shard, and the manifest's schema (if any)
-    naming exactly those. A shard of no tensor (a writer closed before its first batch writes
-    one) holds no sample of any. The reason names one tensor, never all of them (a KV-mode
-    dataset may hold millions)."""
+def _not_batch(
+    shards: Sequence[str], headers: Sequence[Header], manifest: Mapping[str, Any]
+) -> str | None:
+    """Why the shards at ``shards`` (their ``headers``) and their ``manifest`` (empty for a
+    directory without one) do not form batch mode, or None where they do: batch mode is every
+    shard holding the same tensors, each with one leading (sample) dimension per shard, as many
+    rows as the manifest counts samples in it (:func:`_miscounted`), and the manifest's schema
+    (if any) naming exactly those. A shard of no tensor (a writer closed before its first batch
+    writes one) holds no sample of any. The reason names one tensor, never all of them (a
+    KV-mode dataset may hold millions)."""
+    schema = manifest.get("schema")
     held = [(shard, header) for shard, header in zip(shards, headers, strict=True) if len(header)]
-    if not held:
-        if isinstance(schema, dict):
-            return None
-        if not shards:
-            return "it has no shard"
-        return "its shards hold no tensor and no manifest schema names its columns"
+    if held:
+        why = _unlike(held, schema)
+    elif isinstance(schema, dict):
+        why = None
+    elif not shards:
+        why = "it has no shard"
+    else:
+        why = "its shards hold no tensor and no manifest schema names its columns"
+    return why or _miscounted(shards, headers, manifest.get("shards"))
+
+
+def _unlike(held: Sequence[tuple[str, Header]], schema: object) -> str | None:
+    """Why the shards ``held`` (address and header, each holding some tensor) are not alike:
+    a tensor that one holds and another, or the manifest's ``schema`` (if any), does not, a 0-d
+    tensor, or tensors of one shard holding different numbers of rows; None where they are."""
     first, header = held[0]
     names = set(header.names())
     if isinstance(schema, dict) and schema and set(schema) != names:
@@ -207,6 +220,22 @@ def _not_batch(shards: Sequence[str], headers: Sequence[Header], schema: object)
                     f"in {shard}, tensor {info.name!r} holds {info.shape[0]} rows, "
                     f"{rows[0]!r} {rows[1]}"
                 )
+    return None
+
+
+def _miscounted(shards: Sequence[str], headers: Sequence[Header], entries: object) -> str | None:
+    """Which of the shards at ``shards`` (their ``headers``, alike: see :func:`_unlike`) holds
+    other rows than its manifest entry (of ``entries``, the manifest's ``shards``, one a shard in
+    their order) counts samples (``samples_count``; a shard of no tensor holds none): readers
+    would give samples the manifest does not count, or miss some it does. None where none does,
+    or where no entry counts them (a directory without a manifest)."""
+    if not isinstance(entries, list):
+        return None
+    for shard, header, entry in zip(shards, headers, entries, strict=True):
+        count = entry.get("samples_count") if isinstance(entry, dict) else None
+        rows = header.tensors[0].shape[0] if len(header) else 0
+        if _count(count) and rows != count:
+            return f"{shard} holds {rows} rows, the manifest counts {count} samples for it"
     return None
 
 
@@ -242,7 +271,8 @@ async def describe_dataset(
     directory, which cannot be listed, its ``dataset_manifest.json``) and every shard's header.
 
     ``kv`` forces the mode; by default a dataset is in batch mode when its shards hold the same
-    tensors, each with one leading sample dimension, and the manifest's schema names them.
+    tensors, each with one leading sample dimension of as many rows as the manifest counts
+    samples in its shard, and the manifest's schema names them.
     With ``from_manifest``, a KV-mode dataset whose manifest says its rows are whole
     (:func:`whole_rows`) is described from the manifest alone: no header is read, ``headers``
     is empty (a reader reads each shard's own, :func:`read_shard_rows`).
@@ -279,7 +309,7 @@ async def describe_dataset(
         if index is not None:
             index.check(name, shard, header)
         headers.append(header)
-    batch = _not_batch(shards, headers, manifest.get("schema")) is None if kv is None else not kv
+    batch = _not_batch(shards, headers, manifest) is None if kv is None else not kv
     return DatasetInfo(home, shards, tuple(headers), manifest, not batch)
 
 

@@ -1,17 +1,21 @@
 """A dataset's first groups taken as possible KV-mode rows, then a batch of their columns: the
-batch is refused where one of those groups was no batch, whichever came first."""
+batch is refused where one of those groups was no batch, whichever came first. Such groups alone,
+no batch after them: a shard holding other rows than the manifest counts for it is no batch-mode
+shard, so the dataset reads as no batch-mode dataset, saying which shard."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
 import stream_st
-from stream_st.integrations.dataset import describe_dataset
+from stream_st.integrations.dataset import describe_dataset, plan_pieces
 from stream_st.sharded.writer import open_dataset_writer
 
 Arrays = dict[str, np.ndarray[Any, Any]]
@@ -95,3 +99,75 @@ async def test_first_groups_that_are_batches_still_take_batches(
     info = await describe_dataset(tmp_path)
     assert not info.kv
     assert sum(header[name].shape[0] for header in info.headers for name in ("x", "y")) == 16
+
+
+@pytest.mark.parametrize(
+    ("groups", "why"),
+    [
+        # a batch of 3 rows given as 2 samples, then as 1: 6 samples read, 3 counted
+        ([(batch(3), 2), (batch(3), 1)], r"-0000-.* holds 3 rows, the manifest counts 2"),
+        # a single group: 3 rows given as 1 sample
+        ([(batch(3), 1)], r"-0000-.* holds 3 rows, the manifest counts 1"),
+        # the first shard right, the second not
+        ([(batch(2), 2), (batch(3), 1)], r"-0001-.* holds 3 rows, the manifest counts 1"),
+    ],
+)
+async def test_shards_holding_other_rows_than_their_count_are_no_batch(
+    tmp_path: Path, groups: list[tuple[Arrays, int]], why: str
+) -> None:
+    """Groups taken unchecked (``samples`` 1 or their number of columns) whose rows are not
+    their ``samples``, and no batch after them to refuse: the dataset was described as batch
+    mode and read every row of its shards, more samples than its manifest counted. It is no
+    batch-mode dataset now, and says which shard holds how many rows against which count."""
+    async with open_dataset_writer(tmp_path, target_shard_size=1) as d:
+        for group, samples in groups:
+            await d.write_batch(group, samples)
+    assert [s["samples_count"] for s in manifest(tmp_path)["shards"]] == [s for _, s in groups]
+    info = await describe_dataset(tmp_path)
+    assert info.kv
+    assert re.search(f"part-00000{why} samples for it", info.not_batch() or "")
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [
+        [(batch(1), 1), (batch(2), 2), (batch(5), 5)],  # counts 1 and 2 that are batches
+        [(batch(0), 0), (batch(3), 3)],  # a batch of no row first
+        [(batch(4), 4), (batch(0), 0)],  # and last
+        [(batch(0), 0)],  # a dataset of no sample
+        [],  # nothing written: one shard of no tensor
+    ],
+)
+async def test_shards_holding_their_count_stay_batch_mode(
+    tmp_path: Path, groups: list[tuple[Arrays, int]]
+) -> None:
+    """Shards whose rows are the samples their manifest entry counts, a shard of no row or of
+    no tensor included, are batch mode: every sample counted is read, no other."""
+    async with open_dataset_writer(tmp_path, target_shard_size=1) as d:
+        for group, samples in groups:
+            await d.write_batch(group, samples)
+    info = await describe_dataset(tmp_path)
+    assert not info.kv, info.not_batch()
+    assert info.not_batch() is None
+    read = sum(piece.stop - piece.start for piece in plan_pieces(info))  # the rows readers read
+    assert read == manifest(tmp_path)["total_samples"] == sum(s for _, s in groups)
+
+
+def test_the_torch_dataset_says_which_shard_holds_other_rows(tmp_path: Path) -> None:
+    """``SafetensorsDataset`` read 6 samples of a dataset whose manifest counted 3; it refuses
+    it now, as it refuses every dataset that is not in batch mode, naming the shard."""
+    pytest.importorskip("torch")
+    from stream_st.integrations.torch_dataset import SafetensorsDataset
+
+    async def write() -> None:
+        async with open_dataset_writer(tmp_path, target_shard_size=1) as d:
+            await d.write_batch(batch(3), samples=2)
+            await d.write_batch(batch(3), samples=1)
+
+    anyio.run(write)
+    with pytest.raises(
+        stream_st.UsageError,
+        match=r"not a batch-mode dataset \(.*-0000-.* holds 3 rows, the manifest counts 2 "
+        r"samples for it\).*KV-mode",
+    ):
+        SafetensorsDataset(tmp_path)
