@@ -12,7 +12,10 @@ Integer (and boolean) values keep their min and max exact, as Python ints taken 
 dtype (a 64-bit integer beyond 2**53 is not rounded through float64), and their exact sum
 (``integer_sum``, each chunk summed in integers: 64-bit values in their own type, modulo 2**64,
 set right by the chunk's float64 sum), so that their mean is that sum divided by the count,
-rounded once to float64. Their ``m2`` is taken in float64 as any other type's.
+rounded once to float64. Their ``m2`` is taken in float64 as any other type's, 64-bit values'
+from their differences from an integer shift, taken modulo 2**64 (:func:`_add_integers`:
+values a few units apart beyond 2**53 are not made equal by float64 first), and parts' means
+compared by their exact sums where parts merge.
 
 Each chunk of :data:`CHUNK` values (a few hundred KiB: it stays in the CPU's caches while every
 statistic is taken from it) is handled with a few numpy calls, most of which release the GIL:
@@ -195,22 +198,26 @@ class Moments:
             e=self.e + exponent - 1,
         )
 
-    def add(self, count: int, mean: float, m2: float, e: int) -> None:
+    def add(self, count: int, mean: float, m2: float, e: int, exact: float | None = None) -> None:
         """Add ``count`` (> 0) more values, of ``mean`` and ``m2`` in units of ``4**e``, to the
         count, mean and ``m2`` of these (Chan, Golub and LeVeque's pairwise update). Where
         float64 might not hold the sum of ``m2`` (see :data:`_FAR`), it is taken in the units of
-        its largest term."""
+        its largest term. ``exact``: ``mean - self.mean`` where it is known better than from the
+        two means (integer values' means, rounded to float64, from their exact sums)."""
         if not self.count:
             self.count, self.mean, self.m2, self.e = count, mean, m2, e
             return
         total = self.count + count
         weight = self.count * (count / total)
-        delta = mean - self.mean
+        delta = mean - self.mean if exact is None else exact
         if self.e == e == 0 and (not delta or _NEAR <= abs(delta) < _FAR):
             self.m2 += m2 + delta * delta * weight  # nothing over- or underflows
         else:  # the means' difference in units of 2**unit, the greater mean's in [0.5, 1)
             unit = math.frexp(max(abs(mean), abs(self.mean)))[1]
-            apart = math.ldexp(mean, -unit) - math.ldexp(self.mean, -unit)
+            if exact is None:
+                apart = math.ldexp(mean, -unit) - math.ldexp(self.mean, -unit)
+            else:
+                apart = math.ldexp(exact, -unit)
             terms = ((self.m2, self.e), (m2, e), (apart * apart * weight, unit))
             self.m2, self.e = _sum_of_squares(terms)
         if math.isfinite(delta):
@@ -226,7 +233,12 @@ class Moments:
         if not other.count:
             return
         first = not self.count
-        self.add(other.count, other.mean, other.m2, other.e)
+        exact = None
+        if not first and self.integer_sum is not None and other.integer_sum is not None:
+            exact = (other.integer_sum * self.count - self.integer_sum * other.count) / (
+                self.count * other.count
+            )  # the means' difference, rounded once
+        self.add(other.count, other.mean, other.m2, other.e, exact)
         if first:
             self.integer_sum = other.integer_sum
         elif self.integer_sum is None or other.integer_sum is None:
@@ -318,11 +330,7 @@ def _add_chunks(result: Moments, flat: Array, start: int, stop: int) -> None:
                 continue
             low, high = _MIN(chunk), _MAX(chunk)
         if integer:  # min and max exact, in the values' own type (float64 rounds beyond 2**53)
-            part = Moments()
-            _add_finite(part, chunk, int(low), int(high), scratch)
-            part.integer_sum = _integer_sum(chunk, part.mean * part.count)
-            part.mean = part.integer_sum / part.count
-            result.merge(part)
+            _add_integers(result, chunk, int(low), int(high), scratch)
             continue
         low, high = float(low), float(high)
         if compiled is not None:
@@ -337,6 +345,29 @@ def _add_chunks(result: Moments, flat: Array, start: int, stop: int) -> None:
             result.merge(part)
         else:
             _add_finite(result, chunk, low, high, scratch)
+
+
+def _add_integers(result: Moments, chunk: Array, low: int, high: int, scratch: Array) -> None:
+    """Merge the moments of integer ``chunk`` (from ``low`` to ``high``) into ``result``, with
+    their exact sum (:func:`_integer_sum`) and its quotient by the count as their mean. 64-bit
+    values are taken less an integer shift, the midpoint of ``low`` and ``high`` rounded up, in
+    int64 arithmetic (modulo 2**64, U64 values and the shift read as int64: the differences, from
+    ``-2**63`` to ``2**63 - 1``, come out right) before they become float64 in ``scratch``, in
+    the same numpy call: exact while the chunk's values span less than 2**53, where float64 would
+    round each value itself (values a few units apart near 2**62 became equal). Narrower values
+    are exact in float64 as they are."""
+    shift = low + (high - low + 1) // 2 if chunk.dtype.itemsize == 8 else 0
+    values = chunk
+    if shift:
+        values = scratch[: chunk.size]
+        wrapped = np.int64((shift + 2**63) % 2**64 - 2**63)
+        np.subtract(chunk, wrapped, values, dtype=np.int64, casting="unsafe")
+    part = Moments()
+    _add_finite(part, values, low - shift, high - shift, scratch)
+    part.integer_sum = _integer_sum(chunk, (part.mean + shift) * part.count)
+    part.mean = part.integer_sum / part.count
+    part.low, part.high = low, high
+    result.merge(part)
 
 
 def _integer_sum(chunk: Array, near: float) -> int:
@@ -467,7 +498,7 @@ def _add_finite(result: Moments, chunk: Array, low: float, high: float, scratch:
     n = chunk.size
     shifted = scratch[:n]
     if not np.may_share_memory(chunk, shifted):
-        np.copyto(shifted, chunk, casting="unsafe")  # float64: exact for every type but (U)I64
+        np.copyto(shifted, chunk, casting="unsafe")  # exact unless it spans 2**53 (64-bit ints)
 
     def sums(shift: float) -> Sums:
         if shift:
