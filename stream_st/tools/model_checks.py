@@ -218,7 +218,8 @@ class ModelConfig:
         """The configuration a parsed ``config.json`` gives; :class:`~stream_st.UsageError` for
         a missing or malformed number (not an integer from 1 to :data:`LARGEST`), one no Llama
         model has, or a ``tie_word_embeddings`` that is not a JSON boolean (``"false"`` would
-        be true)."""
+        be true). The dtype is ``dtype``'s, or ``torch_dtype``'s where ``dtype`` is missing or
+        null: transformers keeps ``dtype`` where both are given."""
         if not isinstance(config, Mapping):
             raise UsageError(f"{source} must be a JSON object")
 
@@ -234,6 +235,9 @@ class ModelConfig:
             return typed(_count, key, default)
 
         heads = number("num_attention_heads")
+        saved = config.get("dtype")
+        if saved is None:
+            saved = config.get("torch_dtype")
         found = cls(
             hidden_size=number("hidden_size"),
             num_hidden_layers=number("num_hidden_layers"),
@@ -242,7 +246,7 @@ class ModelConfig:
             intermediate_size=number("intermediate_size"),
             vocab_size=number("vocab_size"),
             tie_word_embeddings=typed(boolean, "tie_word_embeddings", False),
-            dtype=_TORCH_DTYPES.get(str(config.get("torch_dtype", config.get("dtype")))),
+            dtype=_TORCH_DTYPES.get(str(saved)),
         )
         head_dim = config.get("head_dim")
         if head_dim is not None and head_dim != found.hidden_size // heads:

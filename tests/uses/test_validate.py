@@ -523,6 +523,29 @@ def test_a_config_of_a_small_vocabulary_is_taken(vocab: int) -> None:
     assert ModelConfig.from_json({**CONFIG, "vocab_size": vocab}).vocab_size == vocab
 
 
+async def test_the_config_dtype_is_read_as_transformers_reads_it(tmp_path: Path) -> None:
+    """A ``"torch_dtype": null`` hid the config's ``"dtype"`` (no dtype, so a BF16 file passed
+    without the dtype warning); where both are given, transformers keeps ``dtype``."""
+    plain = {key: value for key, value in CONFIG.items() if key != "torch_dtype"}
+    cases: list[tuple[dict[str, str | None], str | None]] = [
+        ({"dtype": "float32"}, "F32"),
+        ({"torch_dtype": None, "dtype": "float32"}, "F32"),
+        ({"torch_dtype": "float32", "dtype": None}, "F32"),
+        ({"torch_dtype": "float32", "dtype": "bfloat16"}, "BF16"),
+        ({"torch_dtype": "bfloat16", "dtype": "float32"}, "F32"),
+        ({"torch_dtype": None, "dtype": None}, None),
+    ]
+    for dtypes, expected in cases:
+        assert ModelConfig.from_json({**plain, **dtypes}).dtype == expected, dtypes
+    path = tmp_path / "m.safetensors"
+    narrow = {name: array.astype(ml_dtypes.bfloat16) for name, array in model_tensors().items()}
+    reference_numpy.save_file(narrow, str(path))
+    result = await tools.validate(path, config={**plain, "torch_dtype": None, "dtype": "float32"})
+    assert [warning.split(":")[0] for warning in result.warnings] == [
+        "floating-point tensors not in the expected F32"
+    ]
+
+
 def test_an_unreadable_config_is_refused(tmp_path: Path) -> None:
     with pytest.raises(stream_st.SafetensorsError, match="cannot read the model config"):
         ModelConfig.read(tmp_path / "nope.json")
