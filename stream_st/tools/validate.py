@@ -7,10 +7,11 @@ Errors make a file invalid; warnings are reported apart (the split of the design
   config's); a tensor ``expect_shapes`` names that is missing; a layer lacking a part
   (``expect_layers=``, or one of the config's nine); a whole layer missing between layers that
   are there (layers 0, 1 and 3 but not 2); a layer beyond the config's ``num_hidden_layers``;
-* warnings: all-zero or constant tensors, values beyond ``warn_abs``, floating-point tensors
-  in more than one dtype (or other than the config's ``torch_dtype``), expected layers or
-  tensors missing around those present (a shard, a pipeline stage), tensors the config does
-  not describe, a parameter count other than the config's.
+* warnings: all-zero or constant tensors (a complex one: of constant magnitude), values beyond
+  ``warn_abs``, floating-point tensors in more than one dtype (or other than the config's
+  ``torch_dtype``), expected layers or tensors missing around those present (a shard, a
+  pipeline stage), tensors the config does not describe, a parameter count other than the
+  config's.
 
 Statistics come from :mod:`stream_st.core.moments` (one cache-friendly pass, float64-exact;
 an integer tensor's min and max exact ints, its mean its exact sum over its count), computed by
@@ -41,6 +42,7 @@ import numpy as np
 from .._api import stream_for
 from .._util import lock_and_condition, task_group
 from ..core.digests import ALGORITHM_KEY, Digests
+from ..core.dtypes import DTYPES
 from ..core.header import Header, TensorInfo
 from ..core.moments import Moments, moments_of, summarisable
 from ..core.stats import LoadStats
@@ -211,8 +213,9 @@ async def validate(
     ``expect_layers`` and whole layers missing between others. ``config``: a Llama-family
     model's ``config.json`` (a path, its parsed JSON or a :class:`ModelConfig`): the shapes,
     layers, parameter count and dtype it implies are checked too (see the module for which
-    findings are errors). Warnings: all-zero or constant tensors, values beyond ``warn_abs``,
-    floating-point tensors in several dtypes. ``result.load`` tells how the read went.
+    findings are errors). Warnings: all-zero or constant tensors (constant magnitude, for a
+    complex one), values beyond ``warn_abs``, floating-point tensors in several dtypes.
+    ``result.load`` tells how the read went.
 
     A name a dataset repeats in every shard (``dataset_manifest.json``) is validated shard by
     shard, each tensor against its own shard's header and digest, and reported as
@@ -606,5 +609,7 @@ def _findings(result: Validation, stats: TensorStats, info: TensorInfo, warn_abs
                 f"(beyond {warn_abs:g})"
             )
         if stats.min == stats.max and info.nelements > 1 and not (stats.nan or stats.inf):
-            what = "all zeros" if stats.min == 0 else f"constant {stats.min:.4g}"
+            # a complex tensor's statistics are its values' magnitudes: [1, -1, 1j] is not constant
+            of = " magnitude" if DTYPES[info.dtype].numpy.kind == "c" else ""
+            what = "all zeros" if stats.min == 0 else f"constant{of} {stats.min:.4g}"
             result.warnings.append(f"{name}: {what}")

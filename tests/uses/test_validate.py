@@ -143,6 +143,26 @@ def test_complex_magnitudes_are_taken_in_float64(dtype: type) -> None:
         assert abs(found.min - low) <= math.ulp(low) and abs(found.max - high) <= math.ulp(high)
 
 
+async def test_a_complex_tensor_of_one_magnitude_is_not_called_constant(tmp_path: Path) -> None:
+    """``[1, -1, 1j, -1j]`` was warned about as "constant 1", where only its values' magnitudes
+    (the statistics a complex tensor has) are: the warning says so, an all-zero one as before."""
+    path = tmp_path / "c.safetensors"
+    tensors = {
+        "w": np.array([3 + 4j, 5, -5j], np.complex64),
+        "z": np.array([1, -1, 1j, -1j], np.complex64),
+        "zero": np.zeros(3, np.complex64),
+        "real": np.full(3, 5.0, np.float32),
+    }
+    await stream_st.save(path, tensors)
+    result = await tools.validate(path)
+    assert sorted(result.warnings) == [
+        "real: constant 5",
+        "w: constant magnitude 5",
+        "z: constant magnitude 1",
+        "zero: all zeros",
+    ]
+
+
 def test_nan_and_inf_are_counted_apart_and_left_out() -> None:
     rng = np.random.default_rng(4)
     values = rng.standard_normal(200_000).astype(np.float32)
