@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -667,17 +668,30 @@ async def test_a_dataset_s_columns_are_validated_shard_by_shard(tmp_path: Path) 
     assert [(t.name, t.max) for t in result.tensors][1] == ("x (shard 1)", 5)
 
 
-async def test_deadline_bounds_the_summaries(tmp_path: Path) -> None:
+async def test_deadline_bounds_the_summaries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The summaries were no wait for the transport: a 512 MiB tensor was summarised to its
-    end (seconds) past deadline=0.3. Its data is a hole: made and mapped at once."""
+    end (seconds) past deadline=0.3. Its data is a hole: made and mapped at once. Each part's
+    summary is slowed to 0.1 s here (128 parts: 3.2 s on four threads), so the deadline passes
+    before the summaries end on any machine (a fast one summarised all the zeros within 0.3 s)."""
     path = tmp_path / "big.safetensors"
     size = 512 << 20
     header = json.dumps({"x": {"dtype": "F32", "shape": [size // 4], "data_offsets": [0, size]}})
     text = header.encode().ljust(-(-len(header) // 8) * 8)
     path.write_bytes(len(text).to_bytes(8, "little") + text)
     os.truncate(path, path.stat().st_size + size)
-    with pytest.raises(stream_st.ReadTimeoutError, match=r"deadline of 0\.3 s passed"):
-        await tools.validate(path, deadline=0.3)
+    summarised: list[int] = []
+
+    def slow(array: Any, start: int = 0, stop: int | None = None) -> Moments:
+        summarised.append(start)
+        time.sleep(0.1)
+        return moments_of(array, start, stop)
+
+    monkeypatch.setattr(importlib.import_module("stream_st.tools.validate"), "moments_of", slow)
+    with pytest.raises(stream_st.ReadTimeoutError, match=r"deadline of 1 s passed"):
+        await tools.validate(path, deadline=1)
+    assert len(summarised) < 128
 
 
 async def test_deadline_bounds_a_big_tensors_digest_check(
