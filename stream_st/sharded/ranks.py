@@ -126,9 +126,12 @@ __all__ = [
 
 
 def _header_digest(header: Header) -> str:
-    """What every rank must agree on: the tensor table and where the data starts."""
+    """What every rank must agree on: the tensor table, where the data starts and the metadata
+    (the digests recorded there among it: an owner checks the bytes it hands on against its own
+    header's digests, so every rank's must be the same)."""
     table = [(t.name, t.dtype, t.shape, t.start, t.end) for t in header.tensors]
-    return hashlib.sha256(repr((header.data_start, table)).encode()).hexdigest()
+    metadata = sorted(header.metadata.items())
+    return hashlib.sha256(repr((header.data_start, table, metadata)).encode()).hexdigest()
 
 
 def _index_digest(index: ShardIndex) -> str:
