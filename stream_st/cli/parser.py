@@ -159,7 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=handler)
         if name in ("completion", "serve"):
             return sub
-        limits = sub.add_argument_group("time limits (seconds; none by default)")
+        limits = sub.add_argument_group(
+            "time limits (seconds; --timeout 30 for each transfer by default, others none)"
+            if name == "demo"
+            else "time limits (seconds; none by default)"
+        )
         limits.add_argument(
             "--timeout",
             type=limit_arg("timeout"),

@@ -57,3 +57,17 @@ def test_the_demo_offers_no_allocation_caps(cap: str, capsys: pytest.CaptureFixt
         main(["demo", "--help"])
     shown = capsys.readouterr().out
     assert "--deadline" in shown and cap not in shown
+
+
+def test_the_demo_help_says_each_transfer_s_default_timeout(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``demo --help`` said its time limits were none by default, where each transfer has a
+    30 s ``--timeout`` unless given; another command's help still says none."""
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "--timeout 30 for each transfer by default, others none" in capsys.readouterr().out
+    assert demo._whole_run({})[1] == {"timeout": 30}
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    assert "time limits (seconds; none by default)" in capsys.readouterr().out
