@@ -222,6 +222,29 @@ def test_generate_of_no_tokens_checks_the_tokens() -> None:
     assert model.generate([1], None, 0) == []
 
 
+def test_a_forward_pass_from_a_later_position_without_a_past_is_causal() -> None:
+    """forward(tokens, start) with start > 0 and no past masked key j against position
+    start + i: a token attended to the tokens after it (the first token's logits changed with
+    the last token); a start past int64 was a bare OverflowError."""
+    model = small_model()
+
+    def logits(tokens: list[int], start: int) -> Any:
+        run = model.forward(tokens, start)
+        keys = [run.step()[0] for _ in range(2)]
+        return run.logits(), keys
+
+    first, _ = logits([3, 7, 1, 9], 5)
+    np.testing.assert_array_equal(first[:3], logits([3, 7, 1, 30], 5)[0][:3])
+    np.testing.assert_allclose(first, logits([3, 7, 1, 9], 0)[0], rtol=1e-4, atol=1e-4)
+    _, keys = logits([3, 7], 5)  # rotated at their own positions, 5 and 6
+    whole = model.cache([1, 2, 4, 5, 6, 3, 7])[0][0]
+    np.testing.assert_allclose(keys[0], whole[:, :, 5:], rtol=1e-5, atol=1e-5)
+    for start in (2**53 - 1, 2**70):
+        with pytest.raises(ModelError, match=r"positions must be below 2\*\*53"):
+            model.forward([1, 2], start)
+    assert model.forward([1], 2**53 - 1).step()[0].shape == (1, 2, 1, 8)
+
+
 async def test_a_partial_model_is_refused_before_its_checkpoint_is_written(
     tmp_path: Path,
 ) -> None:

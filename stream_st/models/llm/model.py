@@ -54,6 +54,8 @@ LAYER_PARTS = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
+POSITIONS = 2**53
+"""The positions a forward pass runs at are below this: its rotary angles, float64, are exact."""
 CONFIG_KEY = "llama_config"
 """The ``__metadata__`` key of a checkpoint that holds the :class:`LlamaConfig` as JSON."""
 
@@ -318,14 +320,20 @@ class Llama:
 
     def forward(self, tokens: Sequence[int] | Array, start: int = 0) -> Forward:
         """The forward pass of ``tokens`` at positions ``start``, ``start + 1``, ...; run its
-        layers with :meth:`Forward.step`. :class:`ModelError` unless ``tokens`` are 1 or more
-        ids of the vocabulary, :class:`~stream_st.ArgumentTypeError` for ids that are not
-        integers."""
+        layers with :meth:`Forward.step`, on top of the keys and values of the positions before
+        or of none (the tokens then attend to each other alone, rotated at their positions).
+        :class:`ModelError` unless ``tokens`` are 1 or more ids of the vocabulary at positions
+        below 2**53 (where the rotary angles, float64, are exact),
+        :class:`~stream_st.ArgumentTypeError` for ids that are not integers."""
         ids = token_ids(tokens)
         start = integer_at_least("start", start, 0)
         if ids.size == 0:
             raise ModelError(f"tokens must be 1 or more ids in [0, {self.config.vocab_size})")
         check_ids(ids, self.config.vocab_size, "tokens")
+        if start + ids.size > POSITIONS:
+            raise ModelError(
+                f"positions must be below 2**53, the {ids.size} tokens run from position {start}"
+            )
         return Forward(self, ids, start)
 
     def prefill(self, tokens: Sequence[int] | Array) -> Iterator[tuple[int, Array, Array]]:
@@ -443,7 +451,7 @@ class Llama:
         q = q.reshape(kv_heads, group * seq, head_dim)
         scores = (q @ k.transpose(0, 2, 1)) * np.float32(1.0 / math.sqrt(head_dim))
         scores = scores.reshape(kv_heads, group, seq, total)
-        future = np.arange(total)[None, :] > (start + np.arange(seq))[:, None]
+        future = np.arange(total)[None, :] > (total - seq + np.arange(seq))[:, None]  # past or not
         scores += np.where(future, np.float32(-np.inf), np.float32(0))  # a ufunc: no GIL held
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)
