@@ -199,6 +199,10 @@ class FileExchange:
         self.placed: set[int] = set()
         self.pieces: dict[int, list[tuple[int, int, int]]] = {}  # tensor -> (lo, hi, reader)
         self.bad: tuple[IntegrityError, int | None] | None = None  # found here, the rank named
+        # Wanted tensors not yet handed out, in offset order, and those done before an earlier
+        # one: see :meth:`complete`.
+        self.due = deque(sorted(wants))
+        self.held: dict[int, tuple[str, Any]] = {}
 
     def buffer(self, index: int, wanted: Slice | None) -> np.ndarray[Any, Any]:
         """The bytes tensor ``index`` (``wanted``: its slice; :data:`SCRATCH`: bytes only sent
@@ -487,13 +491,19 @@ class FileExchange:
 
     async def complete(self, pending: deque[_Pending], reader: _Reader) -> list[tuple[str, Any]]:
         """Wait for the first pending step's transfers (``reader`` reading ahead meanwhile),
-        then the tensors it completed, to hand out (each checked against its digest, if the
-        header records one)."""
+        then the tensors to hand out (each checked against its digest, if the header records
+        one): those it completed, in offset order, each once every earlier wanted tensor is out.
+
+        A stripe may span a tensor this rank reads alone (the plan, every rank's, does not cut
+        stripes where some rank's own reads fall: each cut would cost the group a gate), and
+        steps go in the offset order of their first bytes: such a stripe completes before that
+        tensor is read, and its tensors after it are held here until it is handed out. Stripes
+        do not overlap, so what is held at once is of one stripe: at most what it brought this
+        rank, memory its exchange held anyway."""
         step = pending[0]
         await reader.during(functools.partial(self.settle, step))
         pending.popleft()
         reader.give(step.owned)
-        items = []
         for index, wanted in step.ready:
             info = self.tensors[index]
             raw = self.buffers.pop((index, wanted), None)
@@ -512,5 +522,8 @@ class FileExchange:
             device = self.group.out_device
             if device is not None and self.group.torch.is_tensor(value):
                 value = value.to(device)
-            items.append((info.name, value))
+            self.held[index] = (info.name, value)
+        items = []
+        while self.due and self.due[0] in self.held:
+            items.append(self.held.pop(self.due.popleft()))
         return items
