@@ -51,6 +51,21 @@ def test_a_rope_theta_that_is_no_base_is_refused(theta: Any) -> None:
     assert LlamaConfig(**SIZES, num_layers=1, rope_theta=500000).rope_theta == 500000
 
 
+async def test_a_configuration_of_numpy_numbers_holds_python_numbers(tmp_path: Path) -> None:
+    """LlamaConfig took numpy's integers and floats as they were: a model of them ran, but
+    write_checkpoint died with a bare TypeError (int64 is not JSON serializable)."""
+    numbers: dict[str, Any] = {key: np.int64(value) for key, value in SIZES.items()}
+    numbers.update(num_layers=np.int32(2), rope_theta=np.float32(5e5), rms_norm_eps=np.float32(0.5))
+    config = LlamaConfig(**numbers)
+    assert config == LlamaConfig(**SIZES, num_layers=2, rope_theta=5e5, rms_norm_eps=0.5)
+    assert all(type(v) in (int, float) for v in vars(config).values()), vars(config)
+    rng = np.random.default_rng(0)
+    weights = {n: rng.standard_normal(config.shape(n), dtype=np.float32) for n in config.names()}
+    path = tmp_path / "model.safetensors"
+    await write_checkpoint(path, Llama(config, weights))
+    assert (await read_checkpoint(path)).config == config
+
+
 async def test_a_checkpoint_with_a_negative_rope_theta_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "model.safetensors"
     await write_checkpoint(path, small_model())

@@ -91,7 +91,8 @@ def token_ids(tokens: object, what: str = "tokens") -> Array:
 @dataclass(frozen=True)
 class LlamaConfig:
     """The numbers of a Llama model the forward pass needs; :class:`ModelError` for numbers
-    that make none (the beginning and end of sequence tokens too: ids in ``[0, vocab_size)``)."""
+    that make none (the beginning and end of sequence tokens too: ids in ``[0, vocab_size)``).
+    numpy's numbers are taken and held as Python's (``int`` and ``float``), as JSON writes them."""
 
     vocab_size: int
     hidden_size: int
@@ -130,6 +131,8 @@ class LlamaConfig:
                     f"not a Llama configuration: {name} {value!r} is no id in "
                     f"[0, {self.vocab_size})"
                 )
+        for name, kind in _CONFIG_FIELDS.items():  # numpy's numbers as Python's (frozen)
+            object.__setattr__(self, name, kind(getattr(self, name)))
 
     @property
     def head_dim(self) -> int:
