@@ -658,15 +658,15 @@ class _Slots:
             for name in sorted(group.difference([keep])):
                 if name in self._given:
                     unexpected.append(name)
-                elif name in self._loaded or self._view_again(name, keep):
+                elif (  # placed, left as built with the kept one (still shared), or viewed again
+                    name in self._loaded or keep not in self._loaded or self._view_again(name, keep)
+                ):
                     missing.discard(name)
         return missing, unexpected
 
     def _view_again(self, name: str, keep: str) -> bool:
         """View ``name`` in the tensor placed for ``keep`` as it viewed ``keep``'s old one;
-        False where ``keep`` was not placed or the view cannot be made alike."""
-        if keep not in self._loaded:
-            return False
+        False where the view cannot be made alike."""
         module, attribute = self._slot(keep)
         base = getattr(module, attribute)
         was, view = self._geometry[keep], self._geometry[name]

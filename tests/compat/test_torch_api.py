@@ -1250,6 +1250,35 @@ def test_load_model_assign_counts_both_names_of_a_tied_pair_as_without(tmp_path:
         assert got == expected, assign
 
 
+def test_load_model_assign_counts_a_tied_pair_the_file_lacks_once_as_without(
+    tmp_path: Path,
+) -> None:
+    """A file holding neither name of a tied pair: only the kept name is missing, as the
+    reference and load_model without assign count it (with assign=True both were, and a strict
+    load named both); on the meta device nothing shares memory, so both are, as there."""
+    path = tmp_path / "untied.safetensors"
+    state = {name: t.clone() for name, t in Tied().state_dict().items()}
+    reference.save_file({k: v for k, v in state.items() if k.startswith(("body", "scale"))}, path)
+    expected: Any = reference.load_model(Tied(), path, strict=False)
+    assert expected == ({"embed.weight"}, [])
+    with warnings.catch_warnings():  # copying into a meta tensor does nothing, torch warns
+        warnings.simplefilter("ignore", UserWarning)
+        on_meta: Any = reference.load_model(meta_tied(), path, strict=False)
+        assert st.load_model(meta_tied(), path, strict=False) == on_meta
+    assert on_meta == ({"embed.weight", "head.weight"}, [])
+    assert st.load_model(meta_tied(), path, strict=False, assign=True) == on_meta
+    for assign in (False, True):
+        model = Tied()
+        embed = model.embed.weight
+        assert st.load_model(model, path, strict=False, assign=assign) == expected, assign
+        assert model.head.weight is model.embed.weight is embed  # left as built, still tied
+    with pytest.raises(RuntimeError) as theirs:
+        reference.load_model(Tied(), path)
+    with pytest.raises(UsageError) as ours:
+        st.load_model(Tied(), path, assign=True)
+    assert str(ours.value) == str(theirs.value)
+
+
 def test_transformers_sharded_bf16_checkpoint_loads_into_the_same_class(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
