@@ -273,6 +273,46 @@ async def test_a_partial_model_is_refused_before_its_checkpoint_is_written(
     assert list(tmp_path.iterdir()) == []
 
 
+def lacking(part: str) -> Llama:
+    """The small model made with ``partial=True``, lacking the weights whose names hold
+    ``part``."""
+    full = small_model()
+    kept = {n: w for n, w in full.weights.items() if part not in n}
+    return Llama(full.config, kept, partial=True)
+
+
+@pytest.mark.parametrize(
+    ("part", "message"),
+    [
+        ("layers.1.", r"layer 1: \['model\.layers\.1\.input_layernorm\.weight', .*\] and 6 more"),
+        ("model.", r"the embeddings: \['model\.embed_tokens\.weight'\]$"),  # no weight at all
+        ("model.norm.", r"the logits: \['model\.norm\.weight'\]$"),
+    ],
+)
+def test_a_partial_model_run_names_the_weights_it_lacks(part: str, message: str) -> None:
+    """A model made with partial=True and run lacking weights raised a bare KeyError ('model.
+    layers.1.input_layernorm.weight', 'model.embed_tokens.weight')."""
+    model = lacking(part)
+    with pytest.raises(ModelError, match=f"the model lacks weights for {message}"):
+        model.score([1, 2])
+    with pytest.raises(ModelError, match="the model lacks weights for generate: "):
+        model.generate([1], None, 0)  # checked before anything runs, as the tokens are
+    if part == "model.norm.":
+        assert len(model.cache([1, 2])) == 2  # no logits: it runs
+    else:
+        with pytest.raises(ModelError, match=f"the model lacks weights for {message}"):
+            model.cache([1, 2])
+
+
+def test_generate_of_a_partial_model_leaves_its_cache_as_it_was() -> None:
+    """generate grew the first layers of the cache it was given, then raised a bare KeyError
+    at the first weight missing: the cache was left unusable."""
+    cache = small_model().cache([1, 2])
+    with pytest.raises(ModelError, match=r"the model lacks weights for generate: .* and 6 more"):
+        lacking("layers.1.").generate([3], cache, 1)
+    assert [key.shape[2] for key, _ in cache] == [2, 2]  # no layer grown
+
+
 def test_weights_that_are_not_floating_point_numbers_are_refused() -> None:
     """A string array was a bare ValueError, integers were taken, a list a bare AttributeError."""
     model = small_model()

@@ -321,6 +321,14 @@ class Llama:
         """The weights (of ``names``, default all) not there yet."""
         return [n for n in (names or self.config.names()) if n not in self.weights]
 
+    def weights_for(self, stage: str, names: Sequence[str]) -> list[Array]:
+        """The weights ``names`` that ``stage`` of the forward pass runs on; :class:`ModelError`
+        naming those not there (a model made with ``partial=True``)."""
+        if missing := self.missing(names):
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ModelError(f"the model lacks weights for {stage}: {missing[:3]}{more}")
+        return [self.weights[name] for name in names]
+
     def forward(self, tokens: Sequence[int] | Array, start: int = 0) -> Forward:
         """The forward pass of ``tokens`` at positions ``start``, ``start + 1``, ...; run its
         layers with :meth:`Forward.step`, on top of the keys and values of the positions before
@@ -394,7 +402,8 @@ class Llama:
         """Greedy generation: run ``tokens`` on top of ``cache`` (the prefill of the tokens
         before them, one pair per layer as :meth:`past_length` checks, or none), then pick the
         likeliest token ``max_new_tokens`` (an integer >= 0) times, stopping after the
-        end-of-sequence token. ``tokens`` and ``cache`` are checked whatever the number.
+        end-of-sequence token. ``tokens``, ``cache`` and the model's weights (one made with
+        ``partial=True`` may lack some) are checked whatever the number.
 
         ``cache``, a list, is extended in place, a layer at a time: each layer's grown keys and
         values replace the layer's before the next layer runs, so the cache is held once, plus
@@ -406,6 +415,7 @@ class Llama:
                 f"generate extends its cache in place: a list, not {type(cache).__name__}"
             )
         run = self.forward(tokens, self.past_length(cache))
+        self.weights_for("generate", self.config.names())  # before any layer of the cache grows
         cache = [] if cache is None else cache
         out: list[int] = []
         while len(out) < limit:
@@ -436,7 +446,7 @@ class Llama:
         attending to ``past`` (keys and values of the positions before); returns the new hidden
         states and the layer's keys and values, past and new."""
         c = self.config
-        w = [self.weights[name] for name in c.layer_names(layer)]
+        w = self.weights_for(f"layer {layer}", c.layer_names(layer))
         attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down = w
         seq, heads, kv_heads, head_dim = hidden.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
         group = heads // kv_heads
@@ -484,7 +494,7 @@ class Forward:
         if self.layers_done == self.model.config.num_layers:
             raise ModelError("the forward pass has run every layer already")
         if self.hidden is None:
-            self.hidden = self.model.weights[EMBEDDINGS][self.tokens]
+            self.hidden = self.model.weights_for("the embeddings", [EMBEDDINGS])[0][self.tokens]
         self.hidden, key, value = self.model.layer(self.layers_done, self.hidden, self.start, past)
         self.layers_done += 1
         return key, value
@@ -495,10 +505,10 @@ class Forward:
             raise ModelError(
                 f"the forward pass ran {self.layers_done} of {self.model.config.num_layers} layers"
             )
-        weights = self.model.weights
+        head = LM_HEAD if LM_HEAD in self.model.weights else EMBEDDINGS  # tied without
+        norm, output = self.model.weights_for("the logits", [FINAL_NORM, head])
         hidden = self.hidden[-1:] if last_only else self.hidden
-        normed = _rms_norm(hidden, weights[FINAL_NORM], self.model.config.rms_norm_eps)
-        out: Array = normed @ weights.get(LM_HEAD, weights[EMBEDDINGS]).T
+        out: Array = _rms_norm(hidden, norm, self.model.config.rms_norm_eps) @ output.T
         return out
 
 
