@@ -566,7 +566,7 @@ class _Slots:
     names grouped by the tensor they share (tied weights), no tensor held (so a replaced one is
     freed at once); each tensor placed is first copied to ``device`` unless it is None (the
     CPU). A tensor that views part of another's memory (a buffer over a slice of another) is
-    made again over the new tensor where the file has only the other (:meth:`outcome`)."""
+    made again over the new tensor (:meth:`outcome`)."""
 
     def __init__(self, model: torch.nn.Module, device: Any | None) -> None:
         self._model, self._device = model, device
@@ -576,6 +576,7 @@ class _Slots:
             if isinstance(value, _torch.Tensor):
                 by_tensor.setdefault(id(value), []).append(name)
         self._group = {name: names for names in by_tensor.values() for name in names}
+        self._order = {name: position for position, name in enumerate(state)}
         self._loaded: set[str] = set()
         self._given: set[str] = set()  # the names the file had that were placed
         self._overruled: set[str] = set()  # tied names the file has with a later one (seen)
@@ -646,46 +647,77 @@ class _Slots:
         had no name for, counted as the reference's ``load_model`` counts them: of names that
         share memory, those but the one kept (see
         :func:`~stream_st.compat._shared.remove_duplicate_names`) are unexpected where the file
-        has them, else not missing; such a name that views part of the kept one's memory is
-        viewed again in the new tensor (where the kept one's dtype is the file's and both are
-        laid out plainly; a view of another dtype too). A batch norm's count the file lacks is
-        filled in (:meth:`_fills_in`)."""
+        has them, else not missing (:meth:`_share_again` views them in the kept tensor again).
+        One that cannot be viewed so (the file's kept tensor of another dtype than the model's,
+        or either laid out otherwise than plainly) is missing where the file lacks it, else the
+        file's own tensor, the model's now: neither missing nor unexpected. A batch norm's count
+        the file lacks is filled in (:meth:`_fills_in`)."""
         missing = set(self._group).difference(self._loaded)
         missing.difference_update([name for name in missing if self._fills_in(name)])
         unexpected = [name for name, _ in others]
         for group, complete in self._shared:
             keep = _shared.kept_name(complete, self._given, frozenset())
-            for name in sorted(group.difference([keep])):
+            sharing = self._share_again(group, keep)
+            for name in sorted(sharing.difference([keep])):
                 if name in self._given:
                     unexpected.append(name)
-                elif (  # placed, left as built with the kept one (still shared), or viewed again
-                    name in self._loaded or keep not in self._loaded or self._view_again(name, keep)
-                ):
+                else:
                     missing.discard(name)
         return missing, unexpected
 
-    def _view_again(self, name: str, keep: str) -> bool:
-        """View ``name`` in the tensor placed for ``keep`` as it viewed ``keep``'s old one;
-        False where the view cannot be made alike."""
+    def _share_again(self, group: set[str], keep: str) -> set[str]:
+        """The names of ``group`` (names sharing memory, ``keep`` the one kept) that share the
+        kept tensor's memory once loaded: ``keep``'s ties, and each other tensor of the group
+        viewed in it again (:meth:`_view_again`), or left as it was where neither it nor the
+        kept one was placed. Where the file has such a tensor, its values are copied through
+        the view in the model's order, as the reference's ``load_model`` copies them (those
+        before the kept tensor's own, which covers them, are left out)."""
+        ties = self._group[keep]
+        placed = keep in self._loaded
+        last = max([self._order[name] for name in ties if name in self._given], default=-1)
+        sharing = set(ties)
+        writes: list[tuple[int, Any, Any]] = []
+        for names in {id(self._group[name]): self._group[name] for name in group}.values():
+            given = [self._order[name] for name in names if name in self._given]
+            if names is ties or not (given or placed):
+                sharing.update(names)
+                continue
+            module, attribute = self._slot(names[0])
+            value = getattr(module, attribute)  # the file's tensor where given
+            view = self._view_again(names, keep)
+            if view is None:
+                continue
+            sharing.update(names)
+            if given and max(given) > last:
+                writes.append((max(given), view, value))
+        with _torch.no_grad():
+            for _, view, value in sorted(writes, key=lambda write: write[0]):
+                view.copy_(value)
+        return sharing
+
+    def _view_again(self, names: list[str], keep: str) -> Any | None:
+        """View the tensor of ``names`` (tied names) in the one now ``keep``'s as it viewed
+        ``keep``'s old one, and put it in their slots; None where the view cannot be made
+        alike."""
         module, attribute = self._slot(keep)
         base = getattr(module, attribute)
-        was, view = self._geometry[keep], self._geometry[name]
+        was, view = self._geometry[keep], self._geometry[names[0]]
         if not (was.plain and base.is_contiguous() and base.dtype == was.dtype):
-            return False  # laid out otherwise, or of the file's dtype: its bytes are others
+            return None  # laid out otherwise, or of the file's dtype: its bytes are others
         at = base.storage_offset() * was.itemsize + view.offset * view.itemsize
         at -= was.offset * was.itemsize  # the view's first byte in the new storage
         if at < 0 or at % view.itemsize:
-            return False
+            return None
         try:  # a view of another dtype too (as .view(torch.int32) made it)
             new = _torch.empty(0, dtype=view.dtype, device=base.device).set_(
                 base.untyped_storage(), at // view.itemsize, view.shape, view.stride
             )
         except RuntimeError:  # past the new storage's end
-            return False
+            return None
         if view.parameter:
             new = _torch.nn.Parameter(new, requires_grad=view.requires_grad)
-        self._set([name], new)
-        return True
+        self._set(names, new)
+        return new
 
     def _set(self, names: list[str], tensor: Any) -> None:
         """Put ``tensor`` (a parameter or a buffer) in the slots of ``names``."""

@@ -1279,6 +1279,67 @@ def test_load_model_assign_counts_a_tied_pair_the_file_lacks_once_as_without(
     assert str(ours.value) == str(theirs.value)
 
 
+class RowsView(torch.nn.Module):
+    """A buffer ``sub.part`` viewing two rows of the parameter ``l.weight``, its module before
+    the parameter's in the model's order where ``view_first``."""
+
+    def __init__(self, view_first: bool = False) -> None:
+        super().__init__()
+        linear, holder = torch.nn.Linear(3, 4), torch.nn.Module()
+        holder.register_buffer("part", linear.weight.data[1:3])
+        for name, module in [("l", linear), ("sub", holder)][:: -1 if view_first else 1]:
+            self.add_module(name, module)
+
+
+@pytest.mark.parametrize("view_first", [False, True], ids=["view-last", "view-first"])
+@pytest.mark.parametrize("base", [True, False], ids=["base", "no-base"])
+def test_load_model_assign_copies_a_view_the_file_holds_through_it_as_the_reference(
+    tmp_path: Path, view_first: bool, base: bool
+) -> None:
+    """A file holding a buffer that views rows of a parameter (as save_file of a cloned state
+    dict writes it): load_model(assign=True) keeps the buffer a view of the parameter, the
+    file's values copied through it in the model's order, and reports it unexpected, as the
+    reference does (it put the file's buffer in the model, no longer a view, reported
+    unexpected); without the parameter in the file, the model's own parameter is written."""
+    path = tmp_path / "view.safetensors"
+    torch.manual_seed(3)
+    state = {"l.weight": torch.randn(4, 3), "l.bias": torch.randn(4)}
+    reference.save_file({**state, "sub.part": torch.full((2, 3), 7.0)}, path)
+    if not base:
+        reference.save_file({"l.bias": state["l.bias"], "sub.part": torch.full((2, 3), 7.0)}, path)
+    data = path.read_bytes()
+    torch.manual_seed(4)
+    expected_model = RowsView(view_first)
+    expected: Any = reference.load_model(expected_model, path, strict=False)
+    assert expected[1] == ["sub.part"]
+    for backend in ("mmap", "pread"):
+        torch.manual_seed(4)
+        model = RowsView(view_first)
+        got = st.load_model(model, path, strict=False, assign=True, backend=backend)
+        assert got == expected, backend
+        loaded = model.state_dict()
+        for name, tensor in expected_model.state_dict().items():
+            assert torch.equal(loaded[name], tensor), (backend, name)
+        assert loaded["sub.part"].data_ptr() == loaded["l.weight"][1].data_ptr()  # still a view
+        assert path.read_bytes() == data  # a mapped file's private pages written, not the file
+
+
+def test_load_model_assign_puts_a_view_it_cannot_make_again_as_its_own_tensor(
+    tmp_path: Path,
+) -> None:
+    """Where the file's parameter has another dtype than the model's, a buffer that viewed it
+    cannot view the new one alike: the file's buffer is the model's, its own tensor, and is
+    reported neither missing nor unexpected (the model holds it)."""
+    path = tmp_path / "view.safetensors"
+    weight = torch.randn(4, 3, dtype=torch.float64)
+    part = torch.full((2, 3), 7.0)
+    reference.save_file({"l.weight": weight, "l.bias": torch.zeros(4), "sub.part": part}, path)
+    model = RowsView()
+    assert st.load_model(model, path, assign=True) == (set(), [])
+    loaded = model.state_dict()
+    assert torch.equal(loaded["l.weight"], weight) and torch.equal(loaded["sub.part"], part)
+
+
 def test_transformers_sharded_bf16_checkpoint_loads_into_the_same_class(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
