@@ -2,9 +2,10 @@
 encoder (:mod:`.bert`) and the Llama decoder (:mod:`.llm`).
 
 Token ids must be integers (floats would be truncated, a string is no id) and rows of the
-weights they index (-1 would silently be the last row); a configuration's sizes integers of at
-least 1 and its epsilon a finite number >= 0, read from a JSON file only as JSON integers and
-numbers (``true`` is no size, the string ``"nan"`` no epsilon).
+weights they index (-1 would silently be the last row); weights floating point numbers (numpy's
+or ml_dtypes', not a void nor a record); a configuration's sizes integers of at least 1 and its
+epsilon a finite number >= 0, read from a JSON file only as JSON integers and numbers (``true``
+is no size, the string ``"nan"`` no epsilon).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from ..core.strict_json import Number
@@ -51,6 +53,19 @@ def check_ids(ids: Array, bound: int, what: str) -> None:
     if ids.size and (ids.min() < 0 or ids.max() >= bound):
         bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
         raise ModelError(f"{what} must be ids in [0, {bound}), got {bad}")
+
+
+def floating(dtype: np.dtype[Any]) -> bool:
+    """Whether ``dtype`` holds floating point numbers: numpy's (kind "f") or ml_dtypes'
+    (bfloat16, float8...: numpy's kind "V", as a void, a record or an ml_dtypes integer is,
+    which are not)."""
+    if dtype.kind != "V":
+        return dtype.kind == "f"
+    try:
+        ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
+    except ValueError:  # a void, a record, an ml_dtypes integer
+        return False
+    return True
 
 
 def counts(*values: object) -> bool:

@@ -28,7 +28,7 @@ import numpy as np
 from .._util import canonical_decimal, task_group
 from ..core.strict_json import decode_json
 from ..errors import ArgumentTypeError, HeaderError, UsageError
-from ._checks import ModelError, check_ids, config_number, counts, epsilon, integer_ids
+from ._checks import ModelError, check_ids, config_number, counts, epsilon, floating, integer_ids
 
 __all__ = [
     "BertConfig",
@@ -313,7 +313,7 @@ class StreamingBert:
             return False
         if not isinstance(array, np.ndarray):
             raise ArgumentTypeError(f"{name} is a {type(array).__name__}, not a numpy array")
-        if array.dtype.kind not in "fV":  # V: bfloat16 and float8 (ml_dtypes)
+        if not floating(array.dtype):  # ml_dtypes' bfloat16 and float8 too
             raise ModelError(f"{name} holds {array.dtype}, the model needs floating point")
         dims = dims[:1] if local.endswith(".bias") else dims
         given = list(array.shape)

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -138,11 +139,23 @@ def test_the_intermediate_size_is_the_configuration_s_or_the_first_weight_s() ->
         run_loaded(bert(), narrow)
 
 
-@pytest.mark.parametrize("dtype", [np.int32, np.bool_, np.complex64])
+@pytest.mark.parametrize(
+    "dtype", [np.int32, np.bool_, np.complex64, "V4", [("x", "<f4")], ml_dtypes.int4]
+)
 def test_weights_that_are_not_floating_point_are_a_model_error(dtype: Any) -> None:
+    """A void, a record or an ml_dtypes integer (numpy's kind "V", as ml_dtypes' floats) was
+    taken: the layer then died with numpy's UFuncTypeError."""
     bad = {**weights(), "encoder.layer.0.attention.self.value.weight": np.ones((8, 8), dtype)}
     with pytest.raises(ModelError, match=r"value\.weight holds .*, the model needs floating"):
         run_loaded(bert(), bad)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.float16])
+def test_weights_of_ml_dtypes_floats_are_taken(dtype: Any) -> None:
+    name = "encoder.layer.0.attention.self.value.weight"
+    given = weights()
+    out = run_loaded(bert(), {**given, name: given[name].astype(dtype)})
+    np.testing.assert_allclose(out, run_loaded(bert(), given), atol=0.2)
 
 
 def test_a_weight_that_is_no_array_is_an_argument_type_error() -> None:

@@ -24,7 +24,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from ..._util import canonical_decimal
@@ -33,7 +32,7 @@ from ...core.strict_json import decode_json
 from ...errors import ArgumentTypeError, HeaderError, boolean, integer_at_least
 from ...kv import KVLayout
 from .._checks import ModelError as ModelError
-from .._checks import check_ids, config_number, counts, epsilon, integer_ids
+from .._checks import check_ids, config_number, counts, epsilon, floating, integer_ids
 from ..bert import Stage
 
 Array = np.ndarray[Any, Any]
@@ -247,21 +246,9 @@ def floats(what: str, array: object) -> Array:
         out = np.asarray(array)
     except (TypeError, ValueError) as exc:  # ragged
         raise ModelError(f"{what} is not an array of numbers: {exc}") from None
-    if out.dtype.kind != "f" and not _ml_float(out.dtype):
+    if not floating(out.dtype):
         raise ModelError(f"{what} holds {out.dtype}, the model needs floating point")
     return out
-
-
-def _ml_float(dtype: np.dtype[Any]) -> bool:
-    """Whether ``dtype`` is one of ml_dtypes' floats (bfloat16, float8...: numpy's kind "V",
-    as a void or a record is, which are not)."""
-    if dtype.kind != "V":
-        return False
-    try:
-        ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
-    except ValueError:  # a void, a record, an ml_dtypes integer
-        return False
-    return True
 
 
 def _past(layer: int, past: Sequence[object], shape: tuple[int, ...]) -> tuple[Array, Array]:
@@ -523,7 +510,7 @@ def perplexity(logits: Array, targets: Sequence[int] | Array) -> float:
     included; ml_dtypes' floats are numbers)."""
     try:
         given = np.asarray(logits)
-        real = given.dtype.kind in "fiu" or _ml_float(given.dtype)  # no void, no record
+        real = given.dtype.kind in "iu" or floating(given.dtype)  # no void, no record
         wide = given.astype(np.float64) if real else None
     except (TypeError, ValueError) as exc:  # ragged
         raise ArgumentTypeError(f"logits must be an array of numbers: {exc}") from None
