@@ -78,11 +78,11 @@ async def test_open_writer_cuts_calls_at_blocks(
     """A large tensor's blocks are shared by two worker threads (each given them: on a loaded
     machine the first may take every block before the second starts), a mid-sized one's
     written in a worker thread, a small one's on the event loop's thread."""
-    given: dict[int, set[int]] = {}  # the threads each shared set of blocks was given to
-    real = atomic.write_blocks
+    given: list[tuple[Any, int]] = []  # each set of blocks (kept: its id is not reused) and
+    real = atomic.write_blocks  # a thread it was given to
 
     def write_blocks(fd: int, blocks: Any, *args: Any) -> None:
-        given.setdefault(id(blocks), set()).add(threading.get_ident())
+        given.append((blocks, threading.get_ident()))
         real(fd, blocks, *args)
 
     monkeypatch.setattr(sink, "write_blocks", write_blocks)
@@ -102,7 +102,8 @@ async def test_open_writer_cuts_calls_at_blocks(
         return {thread for offset, _, thread in calls if start <= offset < end}
 
     loop = threading.get_ident()
-    assert max(map(len, given.values())) == 2, "a large tensor is given to two threads"
+    shared = [{t for b, t in given if b is blocks} for blocks, _ in given]
+    assert max(map(len, shared)) == 2, "a large tensor is given to two threads"
     assert threads("big") and loop not in threads("big"), "it is written in worker threads"
     assert threads("row") and loop not in threads("row"), "a mid-sized one in worker threads"
     assert threads("odd") == {loop}, "a small tensor is written on the event loop's thread"
