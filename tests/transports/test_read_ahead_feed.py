@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 
 from stream_st import TransportError
-from stream_st.transports.file.readahead import _BUFFERED, FEED_PIECE, InOrder, ReadAhead
+from stream_st.transports.file.readahead import _BUFFERED, _COLD, FEED_PIECE, InOrder, ReadAhead
 from stream_st.transports.file.source import FileSource
 
 
@@ -151,3 +152,56 @@ async def test_a_fed_job_goes_to_one_thread_while_a_later_job_waits(tmp_path: Pa
         ahead.add(8 * FEED_PIECE, memoryview(buffers[2]))  # a plain job after it
         assert taken() == [(second, n * FEED_PIECE) for n in range(5, 8)]
         ahead.stop()
+
+
+class _Lacking:
+    """A page cache that lacks the file from ``cold_from`` on (what ``Residency`` says)."""
+
+    def __init__(self, cold_from: int) -> None:
+        self.cold_from = cold_from
+
+    def uncached(self, offset: int, length: int) -> bool:
+        return offset + length > self.cold_from
+
+
+async def test_a_fed_job_s_run_ends_where_the_page_cache_lacks_the_rest(tmp_path: Path) -> None:
+    """A thread's run of a fed job takes the pieces the page cache holds as it holds the first:
+    the pieces it lacks are left in line, to be taken for a cold read (one thread at a time),
+    as each piece was before runs; a cold run takes the pieces the cache lacks."""
+    path, data = file_of(tmp_path, 8 * FEED_PIECE)
+    with path.open("rb") as file:
+        residency: Any = _Lacking(2 * FEED_PIECE)
+        ahead = ReadAhead(file.fileno(), str(path), None, residency)  # the test takes
+        buffer = bytearray(4 * FEED_PIECE)
+        fed = bytearray()
+        job = ahead.add(0, memoryview(buffer), feed=fed.extend)
+        ahead.add(4 * FEED_PIECE, memoryview(bytearray(FEED_PIECE)))  # a later job waits
+        batch, how = ahead._take()
+        assert (how, [offset for _, offset, _, _ in batch]) == (_BUFFERED, [0, FEED_PIECE])
+        ahead._serve(batch, how, None)
+        batch, how = ahead._take()
+        assert how == _COLD
+        assert [offset for _, offset, _, _ in batch] == [2 * FEED_PIECE, 3 * FEED_PIECE]
+        ahead._serve(batch, how, None)
+        assert await ahead.wait(job) == len(buffer)
+        assert fed == buffer == data[: len(buffer)]
+        ahead.stop()
+
+
+async def test_pieces_taken_before_a_stop_are_not_read(tmp_path: Path) -> None:
+    """A stop between a thread's taking of a fed job's pieces and their reading (the job's
+    feed forgotten by then) leaves them unread: they were read as one plain batch, any length,
+    past the stop (over 1,024 pieces, a failed read)."""
+    path, _ = file_of(tmp_path, 8 * FEED_PIECE)
+    with path.open("rb") as file:
+        ahead = ReadAhead(file.fileno(), str(path))
+        buffer = bytearray(4 * FEED_PIECE)
+        job = ahead.add(0, memoryview(buffer), feed=bytearray().extend)
+        ahead.add(4 * FEED_PIECE, memoryview(bytearray(FEED_PIECE)))
+        batch, how = ahead._take()
+        assert len(batch) == 4
+        ahead.stop()
+        ahead._serve(batch, how, None)
+        assert buffer == bytearray(len(buffer))
+        with pytest.raises(TransportError, match="read stopped"):
+            await ahead.wait(job)

@@ -13,12 +13,13 @@ job it waits for (:meth:`ReadAhead.wait`) is complete. The loop meanwhile hands 
 tensors and queues more.
 
 A job may also be fed to a function as it lands (a hash: ``feed=`` of :meth:`ReadAhead.add`):
-it is then cut into pieces of :data:`FEED_PIECE`, each read alone and fed at once, while its bytes
-are still in the CPU's cache. While a later job waits, one thread takes every piece of the fed job
-and reads them in order (the other threads take the later jobs); else the pieces are shared, and
-the thread that reads the piece next in order feeds it, then any later piece another thread has
-read meanwhile (:class:`InOrder`); no thread waits for another's turn. The job is complete once
-every piece is fed.
+it is then cut into pieces of :data:`FEED_PIECE`, each read alone and fed at once, while its
+bytes are still in the CPU's cache. While a later job waits, one thread takes the fed job's
+pieces still in line (as far as the page cache holds them as it holds the first) and reads them
+in order (the other threads take the later jobs); else the pieces are shared, and the thread
+that reads the piece next in order feeds it, then any later piece another thread has read
+meanwhile (:class:`InOrder`); no thread waits for another's turn. The job is complete once every
+piece is fed.
 
 Parts of the file the page cache does not hold are read straight from the disk, in smaller
 pieces by more threads (:mod:`stream_st.transports.file.direct`): the threads ask the kernel,
@@ -358,8 +359,10 @@ class ReadAhead:
         job's pieces one at a time, each fed as soon as it is read (see :meth:`_batch`), until
         the reading is stopped."""
         with self._lock:
-            feed = self._feeds.get(batch[0][0])
+            stopped, feed = self._stopped, self._feeds.get(batch[0][0])
         try:
+            if stopped:  # since the pieces were taken: nobody waits for them
+                return
             if feed is None:
                 counts = self._read(batch, how == _DIRECT, bounce)
                 with self._lock:
@@ -441,18 +444,19 @@ class ReadAhead:
                     return self._batch(PIECE), _BUFFERED
                 if not self._cold_reading:
                     self._cold_reading = True
-                    return self._batch(PIECE), _COLD
+                    return self._batch(PIECE, cold=True), _COLD
                 fresh = self._next_fresh()
                 if fresh is not None:
                     return [fresh], _POPULATE
                 self._cond.wait()
 
-    def _batch(self, limit: int) -> list[_Piece]:
+    def _batch(self, limit: int, cold: bool = False) -> list[_Piece]:
         """The next piece and those adjacent to it, up to ``limit`` bytes (see :meth:`_take`;
-        called holding the lock, with a piece waiting); for a fed job, :meth:`_run`."""
+        called holding the lock, with a piece waiting); for a fed job, :meth:`_run` (``cold``:
+        the first piece is read as the page cache lacks it)."""
         job, offset, view, _ = self._pieces[0]
         if job in self._feeds:
-            return self._run(job)
+            return self._run(job, cold)
         if len(view) > limit:  # the rest stays first in line
             self._pieces[0] = (job, offset + limit, view[limit:], None)
             self._left[job] += 1
@@ -472,19 +476,31 @@ class ReadAhead:
             size += len(view)
         return batch
 
-    def _run(self, job: int) -> list[_Piece]:
-        """The pieces of fed job ``job`` first in line: all of them while another job waits
-        behind them, else the first alone (called holding the lock). A thread given them all
-        reads and feeds them in order, each piece hashed while its bytes are still in the
-        CPU's cache, and the other threads take the jobs after; shared piece by piece, a job's
-        pieces finish out of order, and most were fed milliseconds after their read, by
-        another thread, from memory (512 MiB of 32 MiB tensors: 77 % of the pieces, hashed at
-        12.7 GB/s against 18 GB/s fed at once)."""
+    def _run(self, job: int, cold: bool) -> list[_Piece]:
+        """The pieces of fed job ``job`` first in line, while another job waits behind them:
+        those the page cache holds as it holds the first (lacks them all where ``cold``, else
+        holds them all, as :meth:`_take` judges a piece); else the first alone (called holding
+        the lock). A thread given them reads and feeds them in order, each piece hashed while
+        its bytes are still in the CPU's cache, and the other threads take the jobs after;
+        shared piece by piece, a job's pieces finish out of order, and most were fed
+        milliseconds after their read, by another thread, from memory (512 MiB of 32 MiB
+        tensors: 77 % of the pieces, hashed at 12.7 GB/s against 18 GB/s fed at once). A piece
+        the page cache holds otherwise stays in line, to be read as :meth:`_take` decides."""
         batch = [self._pieces.popleft()]
         if self._pieces and self._pieces[-1][0] != job:  # a later job waits
             while self._pieces and self._pieces[0][0] == job:
+                _, offset, view, _ = self._pieces[0]
+                if self._uncached(offset, len(view)) != cold:
+                    break
                 batch.append(self._pieces.popleft())
         return batch
+
+    def _uncached(self, offset: int, size: int) -> bool:
+        """Whether :meth:`_take` would take ``size`` bytes at ``offset`` for bytes the page
+        cache lacks (read directly, where direct reads are open; else one thread at a time)."""
+        if self._direct is not None:
+            return self._direct.uncached(offset, size)
+        return self._residency is not None and self._residency.uncached(offset, min(size, PIECE))
 
     def _next_fresh(self) -> _Piece | None:
         """The first piece waiting in line (of the first :data:`_POPULATE_LOOK`) with fresh
