@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from ..core.strict_json import Number
@@ -61,6 +60,8 @@ def floating(dtype: np.dtype[Any]) -> bool:
     which are not)."""
     if dtype.kind != "V":
         return dtype.kind == "f"
+    import ml_dtypes  # on first use, as stream_st.core.dtypes imports it: milliseconds
+
     try:
         ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
     except ValueError:  # a void, a record, an ml_dtypes integer

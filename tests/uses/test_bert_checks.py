@@ -5,6 +5,8 @@ ModelError (or an ArgumentTypeError), never a bare numpy error nor a silent wron
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -260,3 +262,16 @@ def test_a_config_json_that_cannot_be_read_is_a_model_error(tmp_path: Path) -> N
         BertConfig.from_json(tmp_path / "missing.json")
     with pytest.raises(ModelError, match="cannot read BERT configuration"):
         BertConfig.from_json(tmp_path)  # a directory
+
+
+def test_importing_the_encoder_leaves_ml_dtypes_to_a_void_weight() -> None:
+    """``stream_st.models.bert`` imported ``ml_dtypes`` (milliseconds) once the float check
+    was shared with the decoder; it is imported where a void weight is checked."""
+    code = (
+        "import sys, numpy as np, stream_st.models.bert\n"
+        "from stream_st.models._checks import floating\n"
+        "assert 'ml_dtypes' not in sys.modules\n"
+        "assert floating(np.dtype(np.float32)) and 'ml_dtypes' not in sys.modules\n"
+        "assert not floating(np.dtype('V4')) and 'ml_dtypes' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
