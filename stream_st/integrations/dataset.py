@@ -228,8 +228,9 @@ def _miscounted(shards: Sequence[str], headers: Sequence[Header], entries: objec
     other rows than its manifest entry (of ``entries``, the manifest's ``shards``, one a shard in
     their order) counts samples (``samples_count``; a shard of no tensor holds none): readers
     would give samples the manifest does not count, or miss some it does. None where none does,
-    or where no entry counts them (a directory without a manifest)."""
-    if not isinstance(entries, list):
+    or where no entry counts them (a directory without a manifest, a manifest listing other
+    shards: refused where the dataset is described)."""
+    if not isinstance(entries, list) or len(entries) != len(shards):  # no entry a shard
         return None
     for shard, header, entry in zip(shards, headers, entries, strict=True):
         count = entry.get("samples_count") if isinstance(entry, dict) else None
