@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import stream_st
-from stream_st.integrations.dataset import describe_dataset, plan_pieces
+from stream_st.integrations.dataset import DatasetInfo, describe_dataset, plan_pieces
 from stream_st.sharded.writer import open_dataset_writer
 
 Arrays = dict[str, np.ndarray[Any, Any]]
@@ -171,3 +171,18 @@ def test_the_torch_dataset_says_which_shard_holds_other_rows(tmp_path: Path) -> 
         r"samples for it\).*KV-mode",
     ):
         SafetensorsDataset(tmp_path)
+
+
+async def test_a_made_description_whose_manifest_lists_other_shards_counts_none(
+    tmp_path: Path,
+) -> None:
+    """A ``DatasetInfo`` made by hand, its manifest listing another number of shards than it
+    holds, raised a bare ``ValueError`` from ``not_batch()``: no entry is a shard's there."""
+    path = tmp_path / "s.safetensors"
+    await stream_st.save(path, {"x": np.zeros((3, 2), np.float32)})
+    header = await stream_st.read_header(path)
+    entries = [{"samples_count": 2}, {"samples_count": 1}]
+    made = DatasetInfo(str(tmp_path), (str(path),), (header,), {"shards": entries}, False)
+    assert made.not_batch() is None
+    alone = DatasetInfo(str(tmp_path), (str(path),), (header,), {"shards": entries[:1]}, False)
+    assert "holds 3 rows, the manifest counts 2 samples" in str(alone.not_batch())
