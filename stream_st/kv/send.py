@@ -176,11 +176,14 @@ class _Producer:
 
     def __init__(self, layers: AsyncIterable[Any] | Iterable[Any]) -> None:
         self._async = isinstance(layers, AsyncIterable)
-        self._iterator: AsyncIterator[Any] | Iterator[Any] = (
-            aiter(cast("AsyncIterable[Any]", layers))
-            if self._async
-            else iter(cast("Iterable[Any]", layers))
-        )
+        try:
+            self._iterator: AsyncIterator[Any] | Iterator[Any] = (
+                aiter(cast("AsyncIterable[Any]", layers))
+                if self._async
+                else iter(cast("Iterable[Any]", layers))
+            )
+        except TypeError as exc:  # its __aiter__ (__iter__) gave no iterator
+            raise ArgumentTypeError(f"layers gave no iterator of layers: {exc}") from None
         self._closed = False
 
     async def items(self) -> AsyncGenerator[Any, None]:

@@ -863,3 +863,22 @@ async def test_the_layers_a_receiver_holds_are_let_go_at_the_blocks_end(tmp_path
         await kv_in.wait_for_layer(0)
     with pytest.raises(stream_st.UsageError, match="layer 2 was let go when the receive_kv block"):
         await kv_in.wait_for_layer(2)
+
+
+async def test_a_producer_that_gives_no_iterator_is_an_argument_error(tmp_path: Path) -> None:
+    """A producer whose ``__aiter__`` (``__iter__``) returns no iterator raised Python's bare
+    ``TypeError``; it is an :class:`~stream_st.ArgumentTypeError`, a ``TypeError`` too."""
+
+    class NoAsync:
+        def __aiter__(self) -> object:
+            return object()
+
+    class NoPlain:
+        def __iter__(self) -> object:
+            return object()
+
+    layout = KVLayout(num_layers=1, shape=SHAPE)
+    for producer in (NoAsync(), NoPlain()):
+        with pytest.raises(stream_st.ArgumentTypeError, match="gave no iterator of layers"):
+            await send_kv(tmp_path / "c.safetensors", layout, producer)  # type: ignore[arg-type]
+        assert not (tmp_path / "c.safetensors").exists()
