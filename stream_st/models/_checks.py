@@ -80,7 +80,10 @@ def epsilon(value: object) -> bool:
     """Whether ``value`` is a finite real number (numpy's too, not a ``bool``) >= 0."""
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
         return False
-    return math.isfinite(value) and bool(value >= 0)
+    try:
+        return math.isfinite(value) and bool(value >= 0)
+    except OverflowError:  # an integer past float's range: no finite number
+        return False
 
 
 def config_number(what: str, key: str, value: object, kind: type) -> int | float:

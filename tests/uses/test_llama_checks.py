@@ -43,9 +43,12 @@ def small_model(layers: int = 2) -> Llama:
     return Llama(config, weights)
 
 
-@pytest.mark.parametrize("theta", [float("nan"), float("inf"), 0.0, -10000.0, "1e4", True])
+@pytest.mark.parametrize(
+    "theta", [float("nan"), float("inf"), 0.0, -10000.0, "1e4", True, 10**400, -(10**400)]
+)
 def test_a_rope_theta_that_is_no_base_is_refused(theta: Any) -> None:
-    """NaN, inf, 0 and negative bases were taken: the model returned NaN logits."""
+    """NaN, inf, 0 and negative bases were taken: the model returned NaN logits; an integer
+    past float's range raised a bare ``OverflowError``."""
     with pytest.raises(ModelError, match="not a Llama configuration"):
         LlamaConfig(**SIZES, num_layers=1, rope_theta=theta)
     assert LlamaConfig(**SIZES, num_layers=1, rope_theta=500000).rope_theta == 500000
