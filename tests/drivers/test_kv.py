@@ -12,7 +12,7 @@ import struct
 import time
 import warnings
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -773,6 +773,21 @@ async def test_a_send_that_cannot_start_closes_the_producer_once(tmp_path: Path)
     assert producer.closes == 1 and producer.layer == 2
 
 
+def producers(gives_async: Callable[[], object], gives_plain: Callable[[], object]) -> list[Any]:
+    """An async producer whose ``__aiter__`` returns ``gives_async()`` and a plain one whose
+    ``__iter__`` returns ``gives_plain()``."""
+
+    class AsyncProducer:
+        def __aiter__(self) -> object:
+            return gives_async()
+
+    class PlainProducer:
+        def __iter__(self) -> object:
+            return gives_plain()
+
+    return [AsyncProducer(), PlainProducer()]
+
+
 async def test_a_producer_whose_iterator_is_bare_is_sent_and_closed(tmp_path: Path) -> None:
     """A producer whose ``__aiter__`` hands out an object with ``__anext__`` and ``aclose()`` but
     no ``__aiter__`` of its own (``async for`` takes it) was walked as a plain iterable: a bare
@@ -811,17 +826,9 @@ async def test_a_producer_whose_iterator_is_bare_is_sent_and_closed(tmp_path: Pa
         async def aclose(self) -> None:
             closed.append("async")
 
-    class AsyncProducer:
-        def __aiter__(self) -> AsyncLayers:
-            return AsyncLayers()
-
-    class PlainProducer:
-        def __iter__(self) -> Layers:
-            return Layers()
-
-    for producer in (AsyncProducer(), PlainProducer()):
+    for producer in producers(AsyncLayers, Layers):
         path = tmp_path / f"{type(producer).__name__}.safetensors"
-        await send_kv(path, layout, producer)  # type: ignore[arg-type]  # typing wants __iter__
+        await send_kv(path, layout, producer)
         async with receive_kv(path) as received:
             assert [float(key.flat[0]) async for _, key, _ in received] == [0.0, 1.0]
     assert closed == ["async", "plain"]
@@ -869,16 +876,8 @@ async def test_a_producer_that_gives_no_iterator_is_an_argument_error(tmp_path: 
     """A producer whose ``__aiter__`` (``__iter__``) returns no iterator raised Python's bare
     ``TypeError``; it is an :class:`~stream_st.ArgumentTypeError`, a ``TypeError`` too."""
 
-    class NoAsync:
-        def __aiter__(self) -> object:
-            return object()
-
-    class NoPlain:
-        def __iter__(self) -> object:
-            return object()
-
     layout = KVLayout(num_layers=1, shape=SHAPE)
-    for producer in (NoAsync(), NoPlain()):
+    for producer in producers(object, object):
         with pytest.raises(stream_st.ArgumentTypeError, match="gave no iterator of layers"):
-            await send_kv(tmp_path / "c.safetensors", layout, producer)  # type: ignore[arg-type]
+            await send_kv(tmp_path / "c.safetensors", layout, producer)
         assert not (tmp_path / "c.safetensors").exists()
