@@ -434,14 +434,13 @@ class ReadAhead:
                     return [], _BUFFERED
                 job, offset, view, frame = self._pieces[0]
                 direct_io = self._direct
-                if direct_io is not None and direct_io.uncached(offset, len(view)):
+                if not self._uncached(offset, len(view), direct_io):
+                    return self._batch(PIECE), _BUFFERED
+                if direct_io is not None:
                     self._add_workers(_direct.WORKERS)
                     if frame is not None or job in self._feeds:  # the disk's pace: shared
                         return [self._pieces.popleft()], _DIRECT
                     return self._batch(_direct.BOUNCE), _DIRECT
-                residency = self._residency if direct_io is None else None
-                if residency is None or not residency.uncached(offset, min(len(view), PIECE)):
-                    return self._batch(PIECE), _BUFFERED
                 if not self._cold_reading:
                     self._cold_reading = True
                     return self._batch(PIECE, cold=True), _COLD
@@ -490,16 +489,18 @@ class ReadAhead:
         if self._pieces and self._pieces[-1][0] != job:  # a later job waits
             while self._pieces and self._pieces[0][0] == job:
                 _, offset, view, _ = self._pieces[0]
-                if self._uncached(offset, len(view)) != cold:
+                if self._uncached(offset, len(view), self._direct) != cold:
                     break
                 batch.append(self._pieces.popleft())
         return batch
 
-    def _uncached(self, offset: int, size: int) -> bool:
-        """Whether :meth:`_take` would take ``size`` bytes at ``offset`` for bytes the page
-        cache lacks (read directly, where direct reads are open; else one thread at a time)."""
-        if self._direct is not None:
-            return self._direct.uncached(offset, size)
+    def _uncached(self, offset: int, size: int, direct_io: Direct | None) -> bool:
+        """Whether the page cache lacks what ``size`` bytes at ``offset`` need, as :meth:`_take`
+        judges a piece: where direct reads are open (``direct_io``), their judgement (such a
+        piece is read directly); else, where the kernel says what it caches, of the first
+        :data:`PIECE` bytes (such a piece is read one thread at a time); else never."""
+        if direct_io is not None:
+            return direct_io.uncached(offset, size)
         return self._residency is not None and self._residency.uncached(offset, min(size, PIECE))
 
     def _next_fresh(self) -> _Piece | None:
