@@ -9,9 +9,9 @@ Errors make a file invalid; warnings are reported apart (the split of the design
   are there (layers 0, 1 and 3 but not 2); a layer beyond the config's ``num_hidden_layers``;
 * warnings: all-zero or constant tensors (a complex one: of constant magnitude), values beyond
   ``warn_abs``, floating-point tensors in more than one dtype (or other than the config's
-  ``torch_dtype``), expected layers or tensors missing around those present (a shard, a
-  pipeline stage), tensors the config does not describe, a parameter count other than the
-  config's.
+  ``dtype``, or ``torch_dtype``), expected layers or tensors missing around those present (a
+  shard, a pipeline stage), tensors the config does not describe, a parameter count other than
+  the config's.
 
 Statistics come from :mod:`stream_st.core.moments` (one cache-friendly pass, float64-exact;
 an integer tensor's min and max exact ints, its mean its exact sum over its count), computed by
