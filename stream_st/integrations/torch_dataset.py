@@ -23,7 +23,7 @@ import os
 import random
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Self
 
 import numpy as np
@@ -36,7 +36,7 @@ from .._api import open_stream
 from ..compat._sync import run
 from ..core.arrays import to_torch
 from ..core.shards import scheme_of
-from ..errors import UsageError, boolean, integer_at_least
+from ..errors import ArgumentTypeError, UsageError, boolean, integer_at_least
 from ..reader.stream import include_names
 from .dataset import (
     DatasetInfo,
@@ -52,6 +52,9 @@ from .dataset import (
 __all__ = ["SafetensorsDataset"]
 
 Sample = dict[str, torch.Tensor]
+
+Columns = Iterable[str] | str | Callable[[str], bool] | None
+"""What ``columns=`` takes: one name, several, a predicate on the name, or None (all of them)."""
 
 SHUFFLE_DRAWS = 4096
 """Random slots of the shuffle buffer drawn at once (one numpy call, not one per sample)."""
@@ -82,6 +85,28 @@ def _from_environment(name: str, default: int) -> int:
     if not digits.isascii() or not digits.isdigit():
         raise UsageError(f"{name}={text!r} in the environment is not a whole number")
     return int(text)
+
+
+def _selected_columns(dataset: DatasetInfo, columns: Columns) -> list[str] | None:
+    """The columns ``columns`` selects: None for every one; a predicate's among the dataset's
+    columns, in their order; names as ``include=`` takes them, sorted (one the dataset lacks is
+    refused when the pieces are planned). :class:`~stream_st.ArgumentTypeError` naming
+    ``columns=`` for anything else, :class:`~stream_st.UsageError` where none is selected."""
+    if columns is None:
+        return None
+    if callable(columns):  # first, as include= takes it: a callable may be iterable too
+        selected = [name for name in dataset.columns if columns(name)]
+    else:
+        try:
+            selected = sorted(include_names(columns))
+        except ArgumentTypeError as error:  # its message names include=, which was not given
+            raise ArgumentTypeError(str(error).replace("include=", "columns=", 1)) from None
+    if not selected:  # a dataset of samples with nothing in them
+        raise UsageError(
+            "columns= selects no column: give None (the default) to read every one (the "
+            f"dataset has {dataset.columns})"
+        )
+    return selected
 
 
 def _checked_epoch(epoch: object) -> int:
@@ -129,8 +154,9 @@ _EPOCH_SLOTS = _EpochSlots()
 class SafetensorsDataset(IterableDataset[Sample]):
     """Samples of a batch-mode dataset, each ``{column: tensor}`` (one row of every column).
 
-    ``columns`` selects the tensors to read (only their bytes are fetched): one name or several,
-    as ``include=`` takes them (none is a :class:`~stream_st.UsageError`); None, all of them.
+    ``columns`` selects the tensors to read (only their bytes are fetched): one name, several or
+    a predicate on the name (tried on each of the dataset's columns), as ``include=`` takes them
+    (none selected is a :class:`~stream_st.UsageError`); None, all of them.
     ``shuffle`` shuffles the order of pieces each epoch (:meth:`set_epoch`; the same ``seed`` on
     every rank) and the samples within a buffer of
     ``shuffle_buffer`` samples in each worker: the order is the same for the same seed, epoch,
@@ -159,7 +185,7 @@ class SafetensorsDataset(IterableDataset[Sample]):
         self,
         source: str | os.PathLike[str],
         *,
-        columns: Iterable[str] | str | None = None,
+        columns: Columns = None,
         shuffle: bool = False,
         seed: int = 0,
         shuffle_buffer: int = 1024,
@@ -180,12 +206,7 @@ class SafetensorsDataset(IterableDataset[Sample]):
                 f"{os.fspath(source)} is not a batch-mode dataset ({why}), so it reads as a "
                 "KV-mode dataset: it holds no samples"
             )
-        self.columns = None if columns is None else sorted(include_names(columns))
-        if self.columns == []:  # a dataset of samples with nothing in them
-            raise UsageError(
-                "columns= names no column: give None (the default) to read every one (the "
-                f"dataset has {self.dataset.columns})"
-            )
+        self.columns = _selected_columns(self.dataset, columns)
         check_alike(self.dataset, self.columns)
         self.shuffle, self.seed = shuffle, seed
         # shared: a persistent DataLoader worker's copy of the dataset reads what set_epoch wrote
@@ -264,8 +285,13 @@ class SafetensorsDataset(IterableDataset[Sample]):
 
     def pieces(self, worker: int = 0, workers: int = 1, *, epoch: int | None = None) -> list[Piece]:
         """The row ranges ``worker`` (of ``workers``) of this rank reads in ``epoch`` (None: the
-        current one), in order."""
-        sequence = self._sequence(self.epoch if epoch is None else epoch)
+        current one), in order. A worker outside ``range(workers)`` is a
+        :class:`~stream_st.UsageError` (its rows would be another rank's)."""
+        worker = integer_at_least("worker", worker, 0)
+        workers = integer_at_least("workers", workers, 1)
+        if worker >= workers:
+            raise UsageError(f"worker {worker} is not one of {workers} workers")
+        sequence = self._sequence(self.epoch if epoch is None else _checked_epoch(epoch))
         ends = [0]
         for piece in sequence:
             ends.append(ends[-1] + piece.stop - piece.start)

@@ -8,6 +8,7 @@ import copy
 import gc
 import itertools
 import os
+import pickle
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -159,9 +160,66 @@ def test_columns_naming_none_is_refused(dataset_dir: Path, columns: Any) -> None
     """An empty ``columns=`` is a UsageError (None reads every column), where the dataset
     held no sample at all."""
     with pytest.raises(
-        stream_st.UsageError, match=r"columns= names no column.*\['image', 'label'\]"
+        stream_st.UsageError, match=r"columns= selects no column.*\['image', 'label'\]"
     ):
         SafetensorsDataset(dataset_dir, columns=columns)
+
+
+def test_columns_takes_a_predicate_on_the_name(tmp_path: Path) -> None:
+    """``columns=`` takes a predicate, as ``include=`` does (the docstring says so): it was
+    refused with an ArgumentTypeError naming ``include=`` and listing a predicate as taken. It
+    selects among the dataset's columns, in their order; selecting none is refused as naming
+    none is, and the dataset keeps the names, not the predicate (a lambda does not pickle)."""
+
+    async def main() -> None:
+        async with stream_st.open_dataset_writer(tmp_path) as writer:
+            z, a, m = np.arange(3), np.arange(3) * 10, np.ones(3, np.int8)
+            await writer.write_batch({"z": z, "a": a, "m": m}, 3)
+
+    anyio.run(main)
+    data = SafetensorsDataset(tmp_path, columns=lambda name: name != "m")
+    assert data.columns == ["z", "a"]
+    samples = list(pickle.loads(pickle.dumps(data)))
+    assert [{k: int(v) for k, v in s.items()} for s in samples] == [
+        {"z": i, "a": 10 * i} for i in range(3)
+    ]
+    with pytest.raises(
+        stream_st.UsageError, match=r"columns= selects no column.*\['z', 'a', 'm'\]"
+    ):
+        SafetensorsDataset(tmp_path, columns=lambda name: False)
+
+
+@pytest.mark.parametrize("columns", [5, [1], b"label", [["label"]]])
+def test_columns_of_the_wrong_type_are_refused_naming_columns(
+    dataset_dir: Path, columns: Any
+) -> None:
+    """A ``columns=`` that is no name, names or predicate is an ArgumentTypeError naming
+    ``columns=``, where it named ``include=``, which the caller never gave."""
+    with pytest.raises(stream_st.ArgumentTypeError, match=r"^columns= takes") as caught:
+        SafetensorsDataset(dataset_dir, columns=columns)
+    assert "include=" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("worker", "workers", "epoch", "error", "message"),
+    [
+        (0, 0, None, stream_st.UsageError, "workers must be an integer >= 1"),
+        ("0", 2, None, stream_st.ArgumentTypeError, "worker must be an integer >= 0"),
+        (-1, 2, None, stream_st.UsageError, "worker must be an integer >= 0"),
+        (2, 2, None, stream_st.UsageError, "worker 2 is not one of 2 workers"),
+        (0, 1, -1, stream_st.UsageError, "epoch must be an integer >= 0"),
+        (0, 1, "1", stream_st.ArgumentTypeError, "epoch must be an integer >= 0"),
+    ],
+)
+def test_pieces_refuses_bad_arguments_naming_them(
+    dataset_dir: Path, worker: Any, workers: Any, epoch: Any, error: type, message: str
+) -> None:
+    """``pieces()`` raised a bare ZeroDivisionError for no workers, a bare TypeError for a
+    worker that is no integer, and planned rows outside this rank's share for a worker past
+    the last (or before the first), an epoch of the wrong type or sign taken as a seed."""
+    data = SafetensorsDataset(dataset_dir)
+    with pytest.raises(error, match=message):
+        data.pieces(worker, workers, epoch=epoch)
 
 
 def test_kv_dataset_and_bad_rank_are_refused(tmp_path: Path) -> None:
