@@ -28,7 +28,7 @@ import os
 import queue
 import reprlib
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -353,9 +353,9 @@ async def _validate_stream(
         dtypes = {_label(key): info.dtype for key, info in infos.items()}
         result.warnings.extend(validate_dtype_consistency(dtypes))
     algorithms = {h.metadata[ALGORITHM_KEY] for h in headers if ALGORITHM_KEY in h.metadata}
-    digests, damaged = _recorded_digests(result, headers, infos)
+    digests, damaged, unchecked = _recorded_digests(result, headers, infos)
     expect_totals(progress, list(infos.values()))
-    checker = _Checker(infos, progress, clock, digests=digests, source=source)
+    checker = _Checker(infos, progress, clock, digests=digests, unchecked=unchecked, source=source)
     await checker.run(stream)
     for stats, info in checker.done:
         _findings(result, stats, info, warn_abs)
@@ -379,23 +379,26 @@ async def _validate_stream(
 
 def _recorded_digests(
     result: Validation, headers: Sequence[Header], infos: Mapping[Key, TensorInfo]
-) -> tuple[dict[Key, Digests], int]:
+) -> tuple[dict[Key, Digests], int, set[Key]]:
     """Each tensor's recorded digests (the :class:`Digests` of its header), by its key in
-    ``infos`` (a name repeated across shards: each shard's own), and how many headers record
+    ``infos`` (a name repeated across shards: each shard's own); how many headers record
     digests that cannot be checked (each an error in ``result``, naming a tensor as the other
-    findings do: unquoted, a name repeated across shards with its shard)."""
+    findings do: unquoted, a name repeated across shards with its shard), and the keys of
+    those headers' tensors."""
     found: dict[Key, Digests] = {}
     damaged = 0
+    unchecked: set[Key] = set()
     for shard, header in enumerate(headers):
         try:
             digests = Digests.from_header(header, partial(_named_in, infos, shard))
         except IntegrityError as exc:
             result.errors.append(str(exc))
             damaged += 1
+            unchecked.update(_key_in(infos, shard, name) for name in header.names())
             continue
         if digests is not None:
             found.update((_key_in(infos, shard, name), digests) for name in digests.values)
-    return found, damaged
+    return found, damaged, unchecked
 
 
 def _key_in(infos: Mapping[Key, TensorInfo], shard: int, name: str) -> Key:
@@ -443,9 +446,12 @@ class _Checker:
     them). ``done``: the statistics, with each tensor's info, in stream order. Each tensor with a
     recorded digest in ``digests`` (by the same keys) is checked against it: ``checked`` counts
     those that match, ``mismatches`` describes each that does not (every tensor is still
-    summarised). ``clock``: the operation's, whose deadline is checked at every part and
-    every slice of a digest's hashing (the summaries and the hashing are no wait for the
-    transport that it bounds otherwise)."""
+    summarised). A tensor that fails its digest, or one of ``unchecked`` (whose header records
+    digests that cannot be checked), refutes the copy a cache keeps of the read it came in
+    (:meth:`_refute`), as a read raising :class:`~stream_st.IntegrityError` does. ``clock``:
+    the operation's, whose deadline is checked at every part and every slice of a digest's
+    hashing (the summaries and the hashing are no wait for the transport that it bounds
+    otherwise)."""
 
     def __init__(
         self,
@@ -454,6 +460,7 @@ class _Checker:
         clock: Clock,
         *,
         digests: Mapping[Key, Digests] | None = None,
+        unchecked: Collection[Key] = (),
         source: str = "",
     ) -> None:
         self._infos = infos
@@ -464,6 +471,8 @@ class _Checker:
         self._clock = clock
         self._stop = clock.deadline_stop(source)  # of a big tensor's hashing, slice by slice
         self._digests = digests or {}
+        self._unchecked = unchecked
+        self._refuted: TensorStream | None = None  # the stream whose copy was last refuted
         self._source = source
         self.checked = 0
         self.mismatches: list[str] = []
@@ -504,7 +513,7 @@ class _Checker:
                     raise TensorNotFoundError(f"{name} streamed but not in the header")
                 key = keys.popleft()
                 info, label = self._infos[key], _label(key)
-                await self._check_digest(key, array)
+                await self._check_digest(key, array, stream)
                 self._slots.append(None)
                 starts = range(0, array.size, SEGMENT) if summarisable(info.dtype) else ()
                 slot = len(self._slots) - 1
@@ -522,18 +531,33 @@ class _Checker:
         except IntegrityError as exc:  # the tensors before it are still summarised
             self.failure = str(exc)
 
-    async def _check_digest(self, key: Key, array: Array) -> None:
-        """Check the tensor ``key`` against its recorded digest, if it has one: a mismatch is a
-        finding naming the tensor as the others do, unquoted (a name repeated across shards with
-        its shard), not the :class:`~stream_st.IntegrityError` a read raises, which quotes it."""
-        recorded = self._digests.get(key)
-        if recorded is None:
+    async def _check_digest(self, key: Key, array: Array, stream: TensorStream) -> None:
+        """Check the tensor ``key``, just streamed by ``stream``, against its recorded digest,
+        if it has one: a mismatch is a finding naming the tensor as the others do, unquoted (a
+        name repeated across shards with its shard), not the :class:`~stream_st.IntegrityError`
+        a read raises, which quotes it. A mismatch, or a tensor of ``unchecked``, refutes the
+        copy it was read through (once per stream)."""
+        if key in self._unchecked:
+            await self._refute(stream)
+        elif (recorded := self._digests.get(key)) is not None:
+            problem = await recorded.view_mismatch(key[0], array, self._stop)
+            if problem is None:
+                self.checked += 1
+            else:
+                self.mismatches.append(f"{_label(key)}: {problem}")
+                await self._refute(stream)
+
+    async def _refute(self, stream: TensorStream) -> None:
+        """The tensor ``stream`` just delivered fails the file's digests (or its header's record
+        of them): the stream that read it (for a sharded stream, the shard's) lets go of what it
+        keeps of its read, a cache's copy (:meth:`~stream_st.TensorStream._refuted`), so that the
+        next read fetches the object again; the read goes on, for the other tensors' findings."""
+        reading = stream._current if isinstance(stream, ShardedStream) else stream
+        if reading is None or reading is self._refuted:
             return
-        problem = await recorded.view_mismatch(key[0], array, self._stop)
-        if problem is None:
-            self.checked += 1
-        else:
-            self.mismatches.append(f"{_label(key)}: {problem}")
+        self._refuted = reading
+        with anyio.CancelScope(shield=True):  # a cancelled validation keeps no copy either
+            await reading._refuted()
 
     async def _put(self, piece: _Piece) -> None:
         """Queue ``piece``, once the parts before it leave room (:data:`IN_FLIGHT`)."""
