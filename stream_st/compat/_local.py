@@ -58,7 +58,7 @@ from ._errors import NoSuchFileError
 if TYPE_CHECKING:
     from ..core.digests import Digests
 
-__all__ = ["LocalFile", "load_mapped", "local_path", "refuse_missing"]
+__all__ = ["LocalFile", "aligned", "load_mapped", "local_path", "refuse_missing"]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -143,11 +143,12 @@ class LocalFile:
         return array
 
     def tensor(self, info: TensorInfo, torch: bool) -> Any:
-        """Tensor ``info`` whole, as :meth:`array` gives it, or as a torch tensor (``torch``):
-        from a mapping with no digest to check, viewed in it straight away (``torch.frombuffer``,
-        no numpy array made on the way)."""
+        """Tensor ``info`` whole, as :meth:`array` gives it (a copy where that is unaligned,
+        see :func:`aligned`), or as a torch tensor (``torch``): from a mapping with no digest to
+        check, viewed in it straight away (``torch.frombuffer``, no numpy array made on the way;
+        at any address, as the reference's torch tensors are)."""
         if not torch:
-            return self.array(info)
+            return aligned(self.array(info))
         if self._region is None or self._digests is not None or not info.nbytes:
             return to_torch(self.array(info), info.dtype, info.shape)
         dtype = torch_dtype(info.dtype)
@@ -156,6 +157,15 @@ class LocalFile:
         count = info.nbytes // dtype.itemsize
         flat = load_torch().frombuffer(self._region, dtype=dtype, count=count, offset=start)
         return flat.reshape(shape)
+
+
+def aligned(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``array``, or a copy of it where its memory does not start at a multiple of its dtype's
+    alignment: a view of a tensor at an odd offset of a file's data (a valid file, unpadded),
+    which numba, Cython and other code wanting aligned memory break on. The reference's numpy
+    arrays are copies, so aligned, whatever the offset; a drop-in's numpy reads hand out no
+    other."""
+    return array if array.flags.aligned else array.copy()
 
 
 def _digests(header: Header) -> Digests | None:

@@ -58,7 +58,7 @@ from ._errors import (
     SliceError,
     WrongTypeError,
 )
-from ._local import LocalFile, local_path, refuse_missing
+from ._local import LocalFile, aligned, local_path, refuse_missing
 from ._save import check_metadata, checked_tensors
 from ._serialize import TensorSpec, specs_of, write_specs
 from ._slicing import (
@@ -213,7 +213,23 @@ class SafeOpen(_Public):
     every row) against the digest the header records for it, if any (a ``verify`` that is no
     bool is an :class:`~stream_st.ArgumentTypeError`, as everywhere); a ``get_slice`` of some
     rows cannot be checked (a digest covers the whole tensor), but one of a tensor that failed
-    its check on the handle is refused (:class:`_Checks`)."""
+    its check on the handle is refused (:class:`_Checks`).
+
+    A handle takes no attribute but its own (``handle.foo = 1`` is an ``AttributeError``), as
+    the reference's takes none; unlike it, it may be referred to weakly (what closes a remote
+    source's connections when a handle is dropped unclosed needs that)."""
+
+    __slots__ = (
+        "__weakref__",
+        "_bridge",
+        "_checkpoint",
+        "_checks",
+        "_closed",
+        "_closer",
+        "_device",
+        "_local",
+        "_torch",
+    )
 
     def __init__(
         self,
@@ -272,7 +288,7 @@ class SafeOpen(_Public):
     def _out(self, array: np.ndarray[Any, Any], info: TensorInfo) -> Any:
         if self._torch:
             return self._place(to_torch(array, info.dtype, info.shape))
-        return array.copy() if self._shares else array
+        return array.copy() if self._shares else aligned(array)
 
     @property
     def _shares(self) -> bool:
@@ -419,7 +435,10 @@ class Slice:
     that writing to it changes nothing such a check reads); no rows of a tensor that failed its
     check are. numpy arrays are copies of their own (``copy``), as the
     reference's are. A slice of a local file still
-    reads after the file is closed, as the reference's do."""
+    reads after the file is closed, as the reference's do. It takes no attribute but its own,
+    as the reference's takes none."""
+
+    __slots__ = ("_copy", "_info", "_place", "_read")
 
     def __init__(
         self,
@@ -463,7 +482,7 @@ class Slice:
                 if not last:
                     rows = None
             picked = self._read(rows)[(*index, ...)]  # an array even where ints name one value
-        return picked.copy() if self._copy or not picked.flags.c_contiguous else picked
+        return picked.copy() if self._copy or not picked.flags.c_contiguous else aligned(picked)
 
     def _torch_item(self, key: object, place: Callable[[Any], Any]) -> Any:
         """``key`` taken by torch from the rows it names (on the CPU: only what it takes goes
@@ -581,6 +600,8 @@ async def _load(
     caps: Caps = NO_CAPS,
     include: Include = None,
 ) -> dict[str, Any]:
+    """Every tensor of ``src`` as :func:`load_file` and :func:`load_bytes` give them (numpy
+    arrays each :func:`~._local.aligned`, as the reference's are)."""
     delivery = Delivery("pt" if torch else "np", writable=True)
     stream = stream_for(
         src,
@@ -593,7 +614,8 @@ async def _load(
         max_tensor_bytes=caps.tensor,
         max_total_bytes=caps.total,
     )
-    return await tensor_dict(stream)
+    tensors = await tensor_dict(stream)
+    return tensors if torch else {name: aligned(array) for name, array in tensors.items()}
 
 
 def serialize(

@@ -9,6 +9,7 @@ import copy
 import importlib.util
 import inspect
 import io
+import json
 import pickle
 import subprocess
 import sys
@@ -29,6 +30,8 @@ import stream_st.numpy as st_np
 import stream_st.torch as st_pt
 from stream_st import HeaderError, SafetensorsError, UnsupportedFrameworkError
 from stream_st.compat._reference import SafeOpen
+
+from .test_local_load import odd_file
 
 
 def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
@@ -408,16 +411,44 @@ def test_a_read_cut_short_by_a_close_answers_file_is_closed(
     path = tmp_path / "two.safetensors"
     ref_pt.save_file({"a": torch.zeros(2), "b": torch.ones(2)}, path)
     f = compat.safe_open(path, "pt", backend=backend)
-    out = f._out
+    out = SafeOpen._out
 
-    def closing(array: Any, info: Any) -> Any:
-        f.close()
-        return out(array, info)
+    def closing(handle: SafeOpen, array: Any, info: Any) -> Any:
+        handle.close()
+        return out(handle, array, info)
 
-    monkeypatch.setattr(f, "_out", closing)
+    monkeypatch.setattr(SafeOpen, "_out", closing)  # a handle takes no attribute of its own
     with pytest.raises(compat.SafetensorError, match="File is closed") as caught:
         f.get_tensors()
     assert caught.value.__cause__ is not None
+
+
+def test_numpy_arrays_at_odd_offsets_are_aligned_as_the_reference_s(tmp_path: Path) -> None:
+    """A tensor whose bytes start at an odd offset of the file (a valid file, its header not
+    padded) was an unaligned view of the mapping from ``load_file`` (``flags.aligned`` False:
+    numba, Cython and other code wanting aligned memory break on it), where the reference's
+    array is aligned, as stream_st's own ``safe_open``'s was: every numpy read of the drop-in is
+    aligned, mapped or through the streaming core, of the file or of an index naming it. (Torch
+    tensors stay views at any address, as the reference's are.)"""
+    path = tmp_path / "odd.safetensors"
+    written = odd_file(path)
+    index = tmp_path / "odd.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": dict.fromkeys(written, path.name)}))
+    assert all(array.flags.aligned for array in ref_np.load_file(str(path)).values())
+    for source in (path, index):
+        with st_np.safe_open(source, "np") as f:
+            whole = [
+                st_np.load_file(source),
+                st_np.load_file(source, timeout=30),  # through the streaming core's mapping
+                {name: f.get_tensor(name) for name in written},
+                f.get_tensors(),
+                {name: f.get_slice(name)[...] for name in written},
+            ]
+            rows = {name: f.get_slice(name)[1:] for name in ("a", "b", "d")}
+        for got, take in [*((read, np.s_[:]) for read in whole), (rows, np.s_[1:])]:
+            for name, array in got.items():
+                assert array.flags.aligned, (source, name)
+                assert array.tobytes() == written[name][take].tobytes(), (source, name)
 
 
 def test_empty_metadata_reads_back_empty_and_none_as_none(tmp_path: Path) -> None:
@@ -1097,3 +1128,28 @@ def test_a_handle_and_its_slices_are_not_pickled_as_by_the_reference(
             with pytest.raises(TypeError, match=expected.value.args[0]) as info:
                 pickle.dumps(ours)
             assert isinstance(info.value, SafetensorsError)
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_a_handle_and_its_slices_take_no_new_attributes_as_the_reference_s(
+    tmp_path: Path, backend: str
+) -> None:
+    """``handle.foo = 1`` (a caller's typo, say) was kept on stream_st's handle where the
+    reference's raises AttributeError: a handle and its slices take no attribute of their own,
+    nor one over a method, as the reference's take none."""
+    path = small(tmp_path)
+    for framework in ("pt", "np"):
+        with (
+            safetensors.safe_open(path, framework) as r,
+            compat.safe_open(path, framework, backend=backend) as f,
+        ):
+            pairs = ((f, r, "keys"), (f.get_slice("a"), r.get_slice("a"), "get_shape"))
+            for ours, theirs, method in pairs:
+                for made in (ours, theirs):
+                    with pytest.raises(AttributeError):
+                        made.foo = 1  # type: ignore[union-attr]
+                    with pytest.raises(AttributeError):
+                        setattr(made, method, list)
+                    with pytest.raises(TypeError):
+                        vars(made)
+            assert f.keys() == r.keys()
