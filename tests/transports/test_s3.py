@@ -21,7 +21,7 @@ import safetensors.numpy as reference_numpy
 import stream_st
 from stream_st.transports.http import HTTPNotFoundError, HTTPProtocolError, HTTPStatusError
 from stream_st.transports.s3.config import S3Config, parse_s3_url
-from stream_st.transports.s3.sink import S3Sink
+from stream_st.transports.s3.sink import MIN_PART_SIZE, S3Sink
 from stream_st.transports.s3.source import S3Source, _parts_suffix
 
 from .._util import assert_same_arrays, sample_file, sample_tensors
@@ -231,6 +231,90 @@ async def test_a_part_size_that_is_no_number_is_a_protocol_error(
     )
     with pytest.raises(HTTPProtocolError, match="malformed Content-Length '12x'"):
         await S3Source("s3://b/k", config=config)._uploaded_part_size(2)
+
+
+def _upload_in_parts(client: Any, key: str, body: bytes, part_size: int) -> None:
+    """``body`` as ``models/key``, uploaded in parts of ``part_size`` with a CRC32 each (a
+    composite checksum)."""
+    upload = client.create_multipart_upload(Bucket="models", Key=key, ChecksumAlgorithm="CRC32")
+    parts = []
+    for number, start in enumerate(range(0, len(body), part_size), 1):
+        answer = client.upload_part(
+            Bucket="models",
+            Key=key,
+            UploadId=upload["UploadId"],
+            PartNumber=number,
+            Body=body[start : start + part_size],
+            ChecksumAlgorithm="CRC32",
+        )
+        parts.append(
+            {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32": answer["ChecksumCRC32"]}
+        )
+    client.complete_multipart_upload(
+        Bucket="models", Key=key, UploadId=upload["UploadId"], MultipartUpload={"Parts": parts}
+    )
+
+
+async def test_parts_sized_after_the_object_changed_are_a_change_not_damage(
+    s3: MotoS3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The object replaced (the same size and part count, parts of another size) between the
+    read's first answer and the HEADs of its parts: the composite checksum was built with the
+    new parts' size, and the intact bytes read were reported damaged (IntegrityError); the
+    change is reported instead."""
+    client = s3.client()
+    first, then = ({"x": np.full(3 << 20, value, np.float32)} for value in (1, 2))  # 12 MiB
+    old, new = reference_numpy.save(first), reference_numpy.save(then)
+    _upload_in_parts(client, "replaced", old, MIN_PART_SIZE + (1 << 20))  # 6 + 6 + 0.x MiB
+    head = S3Source._head
+
+    async def replacing_head(self: S3Source, part: int | None = None) -> Any:
+        stored = client.head_object(Bucket="models", Key="replaced")["ETag"]
+        if part is not None and stored == self.validators[0]:  # once: before the first part's
+            _upload_in_parts(client, "replaced", new, MIN_PART_SIZE)  # 5 + 5 + 2.x MiB
+        return await head(self, part)
+
+    monkeypatch.setattr(S3Source, "_head", replacing_head)
+    with pytest.raises(stream_st.SourceChangedError, match="412 Precondition Failed"):
+        await stream_st.load(S3Source("s3://models/replaced", config=s3.config(), concurrency=1))
+
+
+@pytest.mark.parametrize(
+    ("etag", "heads"),
+    [('"e1-3"', 0), ('"0cc175b9c0f1b6a831c399e269772661"', 1), ('"e2-3"', None)],
+    ids=["the-objects", "the-parts-own", "another-versions"],
+)
+async def test_the_parts_answers_are_of_the_version_read(
+    monkeypatch: pytest.MonkeyPatch, etag: str, heads: int | None
+) -> None:
+    """The parts' HEADs answered with the ETag of the version read (as S3 gives a part the
+    object's): their sizes are its parts'. With a part's own ETag (moto's): one HEAD of the
+    object after them, pinned, says it is still that version. With another object's ETag: the
+    object changed after the read's first answer."""
+    asked: list[int | None] = []
+
+    async def head(self: S3Source, part: int | None = None) -> Any:
+        asked.append(part)
+        size = "5" if part == 1 else "2"
+        return SimpleNamespace(
+            url="http://store/b/k", headers={"content-length": size, "etag": etag}
+        )
+
+    monkeypatch.setattr(S3Source, "_head", head)
+    config = S3Config.resolve(
+        endpoint_url="http://store", access_key_id="a", secret_access_key="b", environ={}
+    )
+    source = S3Source("s3://b/k", config=config)
+    source.size = 12
+    source._pin.seen = ('"e1-3"', "")
+    if heads is None:
+        with pytest.raises(stream_st.SourceChangedError, match="""ETag '"e1-3"', then '"e2-3"'"""):
+            await source._uploaded_part_size(3)
+        heads = 0
+    else:
+        assert await source._uploaded_part_size(3) == 5
+    assert set(asked[:2]) == {1, 3}
+    assert asked[2:] == [None] * heads
 
 
 def test_sigv4_matches_the_documented_example() -> None:

@@ -11,7 +11,11 @@ the whole object (what iterating a stream directly sends, one part at a time asi
 HEAD asks for it. An object uploaded in parts has a "checksum of checksums" (``<base64>-N``):
 it is checked from the parts' own checksums, computed as the bytes arrive, once two HEADs
 (``?partNumber=1`` and ``?partNumber=N``) have shown the parts to be of one size but the last,
-as every SDK uploads them; other layouts are not checked, and ``object_check`` says why.
+as every SDK uploads them; other layouts are not checked, and ``object_check`` says why. Those
+HEADs answer for the version read: S3 gives a part's answer the object's ETag, compared with the
+read's; a store that gives a part its own ETag (moto) is asked once more, after them, for the
+object pinned to that version. An object replaced meanwhile raises
+:class:`~stream_st.SourceChangedError`, never a false mismatch.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import NamedTuple, Unpack
 
 from ..._util import task_group
 from ...core.digests import Crc32, Hasher, ObjectDigest, PartedHash
-from ...errors import ArgumentTypeError, HTTPStatusError, string
+from ...errors import ArgumentTypeError, HTTPStatusError, SourceChangedError, string
 from ..base import Source
 from ..http import HTTPClient, Response, raise_for_status
 from ..http.framing import content_length
@@ -138,8 +142,9 @@ class S3Source(HttpSource):
 
     async def _head(self, part: int | None = None) -> Response:
         """A signed HEAD of the object, for the version the read has seen; of its ``part``
-        (a number from 1) if given: its size. (A part's answer is not compared with the
-        object's version: stores give it the part's ETag, or none.)"""
+        (a number from 1) if given: its size. (A part's HEAD carries no preconditions: moto
+        matches them with the part's own ETag, and refuses the version read; its answer is
+        compared with that version by :meth:`_confirm_version`.)"""
         await self.config.ready(self.clock, self.name)
         url = self.url if part is None else f"{self.url}?partNumber={part}"
         headers = {**self._headers, **(self._pin.preconditions() if part is None else {})}
@@ -192,14 +197,17 @@ class S3Source(HttpSource):
         """The size of each of the object's ``count`` parts when all but the last have one size
         (the first and last parts' HEADs tell); None otherwise."""
         sizes = [0, 0]
+        etags = ["", ""]
 
         async def size_of(index: int, number: int) -> None:
             response = await self._head(number)
             sizes[index] = content_length(response.headers, response.url) or 0
+            etags[index] = response.headers.get("etag", "")
 
         async with task_group() as group:
             group.start_soon(size_of, 0, 1)
             group.start_soon(size_of, 1, count)
+        await self._confirm_version(etags)
         first, last = sizes
         total = self.size or 0
         if count == 1:
@@ -207,6 +215,24 @@ class S3Source(HttpSource):
         if first > 0 and 0 < last <= first and (count - 1) * first + last == total:
             return first
         return None
+
+    async def _confirm_version(self, etags: list[str]) -> None:
+        """Raise :class:`SourceChangedError` unless the parts' answers, whose ETags are
+        ``etags``, are of the version read: each carries its strong ETag, or (a store that
+        gives a part its own ETag, a plain MD5, or none) a HEAD of the object, sent after them
+        and pinned to that version, is answered (a 412 raises). An answer with another
+        object's ETag (``<md5>-N``) is of another version."""
+        etag, _ = self.validators
+        other = next((tag for tag in etags if tag != etag and _parts_suffix(tag)), None)
+        if etag and other is not None:
+            raise SourceChangedError(
+                f"the object changed on the server during the read: ETag {etag!r}, then "
+                f"{other!r} (a HEAD of one of its parts)",
+                url=self.name,
+                position=0,
+            )
+        if not etag or etag.startswith("W/") or any(tag != etag for tag in etags):
+            await self._head()
 
 
 async def source_for(url: str, clock: Clock) -> Source:
