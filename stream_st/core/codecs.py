@@ -69,7 +69,9 @@ float32 *to odd*, which makes the second rounding correct.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import operator
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -83,8 +85,9 @@ from .._util import canonical_decimal
 from ..errors import ArgumentTypeError, CodecError, DtypeError, StreamStWarning
 from .casts import ErrorStats, error_stats, to_bfloat16
 from .dtypes import dtype_for, dtype_from_code
-from .layout import TensorSpec
+from .layout import TensorSpec, integer_shape
 from .moments import F16_UNIT, f16_over_unit, sign_extremes
+from .strict_json import brief
 
 __all__ = [
     "CODECS",
@@ -283,7 +286,10 @@ class NoneCodec:
         return [(name, np.asarray(array))]
 
     def decode(self, name: str, parts: Mapping[str, Array], dtype: DTypeLike) -> Array:
-        return _part(name, parts, name).astype(_resolve(dtype), copy=False)
+        """Tensor ``name`` as ``dtype``; a signaling NaN becomes a quiet one, without numpy's
+        bare "invalid value" warning."""
+        with np.errstate(invalid="ignore"):
+            return _part(name, parts, name).astype(_resolve(dtype), copy=False)
 
     def metadata(self, original_dtype: DTypeLike | None = None) -> dict[str, str]:
         return _metadata(self.compression, original_dtype, {})
@@ -417,7 +423,7 @@ class Int8Codec:
         if scale_arr.shape != (1,) or scale_arr.dtype != np.float32:
             raise CodecError(
                 f"tensor {name!r}: INT8 scale must be float32 of shape [1], got "
-                f"{scale_arr.dtype} of shape {list(scale_arr.shape)}"
+                f"{scale_arr.dtype} of shape {brief(list(scale_arr.shape))}"
             )
         scale = float(scale_arr.reshape(-1)[0])
         if not (math.isfinite(scale) and scale > 0.0):
@@ -452,9 +458,16 @@ class Int4Codec:
     suffix: ClassVar[str] = ".scales"
 
     def __post_init__(self) -> None:
+        """Hold ``group_size`` to a positive even integer (a numpy one too, kept as an int; not
+        a bool); a :class:`CodecError` echoing it cut short otherwise."""
         g = self.group_size
-        if isinstance(g, bool) or not isinstance(g, int) or g <= 0 or g % 2:
-            raise CodecError(f"INT4 group_size must be a positive even integer, got {g!r}")
+        size: int | None = None
+        if not isinstance(g, bool):
+            with contextlib.suppress(TypeError):
+                size = operator.index(g)
+        if size is None or size <= 0 or size % 2:
+            raise CodecError(f"INT4 group_size must be a positive even integer, got {brief(g)}")
+        object.__setattr__(self, "group_size", size)
 
     @property
     def key(self) -> str:
@@ -468,13 +481,21 @@ class Int4Codec:
         return [name, name + self.suffix]
 
     def _check_shape(self, name: str, shape: Sequence[int]) -> tuple[int, ...]:
-        dims = tuple(int(d) for d in shape)
+        """``shape`` as ints (:class:`~stream_st.ArgumentTypeError` unless integers), checked
+        to be one INT4 can group: a :class:`CodecError` for a scalar, a negative dimension or a
+        last one no multiple of the group size."""
+        try:
+            dims = integer_shape(shape)
+        except ArgumentTypeError as exc:
+            raise ArgumentTypeError(f"tensor {name!r}: {exc}") from None
         if not dims:
             raise CodecError(f"tensor {name!r}: INT4 needs at least one dimension (got a scalar)")
+        if min(dims) < 0:
+            raise CodecError(f"tensor {name!r}: shape {brief(list(dims))} has a negative dimension")
         if dims[-1] % self.group_size:
             raise CodecError(
                 f"tensor {name!r}: INT4 needs the last dimension to be a multiple of the group "
-                f"size {self.group_size}; shape {list(dims)} has {dims[-1]}"
+                f"size {brief(self.group_size)}; shape {brief(list(dims))} has {brief(dims[-1])}"
             )
         return dims
 
@@ -530,9 +551,9 @@ class Int4Codec:
             or packed.shape[-1] * 2 != steps.shape[-1] * g
         ):
             raise CodecError(
-                f"tensor {name!r}: INT4 codes of shape {list(packed.shape)} and scales of shape "
-                f"{list(steps.shape)} do not match group size {g} (expected codes [..., n/2] and "
-                "scales [..., n/group_size])"
+                f"tensor {name!r}: INT4 codes of shape {brief(list(packed.shape))} and scales of "
+                f"shape {brief(list(steps.shape))} do not match group size {brief(g)} (expected "
+                "codes [..., n/2] and scales [..., n/group_size])"
             )
         if not np.isfinite(steps).all():
             raise CodecError(f"tensor {name!r}: INT4 scales contain NaN or Inf")
@@ -591,7 +612,13 @@ def get_codec(key: str, *, group_size: int | None = None) -> Codec:
 def codec_from_metadata(metadata: Mapping[str, str]) -> Codec:
     """The codec a stream's ``__metadata__`` declares; "none" when it has no ``compression``.
     :class:`~stream_st.CodecError` for a compression or ``group_size`` it cannot take (the value
-    echoed up to 100 characters)."""
+    echoed up to 100 characters); :class:`~stream_st.ArgumentTypeError` for a ``metadata``
+    that is no mapping."""
+    if not isinstance(metadata, Mapping):
+        raise ArgumentTypeError(
+            f"codec_from_metadata reads a mapping (a stream's __metadata__), not "
+            f"{type(metadata).__name__}"
+        )
     compression = metadata.get("compression", "NONE")
     if not isinstance(compression, str) or compression.lower() not in CODECS:
         raise CodecError(f"unknown compression {compression!r:.100} in metadata")
@@ -626,11 +653,12 @@ def became_infinite(converted: Array, source: Array | None = None) -> int:
     for all finite) was: the finite values a conversion took beyond its dtype's range. NaN and
     Inf that were so already are not counted. ``source`` is read only where ``converted`` is not
     finite, and one boolean mask is the only temporary as large as the tensor."""
-    lost = np.isfinite(converted, out=np.empty(np.shape(converted), np.bool_))  # 0-d too
-    np.logical_not(lost, out=lost)
-    if source is None or not lost.any():
-        return int(np.count_nonzero(lost))
-    return int(np.count_nonzero(np.isfinite(np.asarray(source)[lost])))
+    with np.errstate(invalid="ignore"):  # a signaling NaN (BF16's) is not finite, no warning
+        lost = np.isfinite(converted, out=np.empty(np.shape(converted), np.bool_))  # 0-d too
+        np.logical_not(lost, out=lost)
+        if source is None or not lost.any():
+            return int(np.count_nonzero(lost))
+        return int(np.count_nonzero(np.isfinite(np.asarray(source)[lost])))
 
 
 def warn_infinite(name: str, code: str, lost: int) -> None:

@@ -15,7 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.extra import numpy as hnp
 
-from stream_st import SafetensorsError, TensorSpec, build_header, parse_header, save
+from stream_st import (
+    ArgumentTypeError,
+    SafetensorsError,
+    TensorSpec,
+    build_header,
+    parse_header,
+    save,
+)
 from stream_st.core.codecs import (
     CODECS,
     Codec,
@@ -23,7 +30,9 @@ from stream_st.core.codecs import (
     Int4Codec,
     Int8Codec,
     NoneCodec,
+    became_infinite,
     codec_from_metadata,
+    decoded,
     error_stats,
     get_codec,
     original_code,
@@ -159,10 +168,49 @@ def test_decode_accepts_the_metadata_dtype_name() -> None:
     assert y.dtype == BF16
 
 
-@pytest.mark.parametrize("group_size", [0, -2, 3, 63, True, 2.0])
+@pytest.mark.parametrize("group_size", [0, -2, 3, 63, True, np.True_, 2.0, np.int64(3)])
 def test_int4_group_size_must_be_positive_and_even(group_size: Any) -> None:
     with pytest.raises(CodecError, match="group_size"):
         Int4Codec(group_size=group_size)
+
+
+def test_int4_group_size_may_be_a_numpy_integer() -> None:
+    """A numpy integer is an integer (it was refused as none); it is kept as the int it is."""
+    codec = Int4Codec(np.int64(4))  # type: ignore[arg-type]
+    assert codec == Int4Codec(4)
+    assert type(codec.group_size) is int
+    assert get_codec("int4", group_size=np.int64(64)) == CODECS["int4"]  # type: ignore[arg-type]
+
+
+def test_a_long_group_size_is_echoed_cut_short() -> None:
+    """An odd group_size of 4000 digits was echoed whole (a 4053-character message), as was an
+    even one in the messages of the shapes it cannot group; each is cut short."""
+    with pytest.raises(CodecError, match="group_size") as caught:
+        codec_from_metadata({"compression": "INT4", "group_size": "3" * 4000})
+    assert len(str(caught.value)) < 200
+    codec = codec_from_metadata({"compression": "INT4", "group_size": "4" * 4000})
+    with pytest.raises(CodecError, match="multiple of the group size") as caught:
+        codec.specs("w", (2,), "F32")
+    assert len(str(caught.value)) < 200
+    parts: dict[str, Array] = {"w": np.zeros(1, np.uint8), "w.scales": np.ones(1, np.float16)}
+    with pytest.raises(CodecError, match="do not match group size") as caught:
+        codec.decode("w", parts, "F32")
+    assert len(str(caught.value)) < 200
+
+
+def test_codec_from_metadata_refuses_what_is_no_mapping() -> None:
+    """None for the metadata was a bare AttributeError."""
+    with pytest.raises(ArgumentTypeError, match="mapping"):
+        codec_from_metadata(None)  # type: ignore[arg-type]
+
+
+def test_int4_specs_refuse_a_negative_or_fractional_dimension() -> None:
+    """A shape [-2] was planned as codes and scales of shape [-1]; [2.9] as [1]."""
+    with pytest.raises(CodecError, match=r"'w': shape \[-2\] has a negative"):
+        Int4Codec(2).specs("w", (-2,), "F32")
+    with pytest.raises(ArgumentTypeError, match="'w'"):
+        Int4Codec(2).specs("w", (2.9,), "F32")  # type: ignore[arg-type]
+    assert Int4Codec(2).specs("w", (np.int64(4),), "F32")[0].shape == (2,)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- round trips
@@ -509,6 +557,34 @@ def test_non_finite_values_are_refused(key: str, bad: float, dtype: np.dtype[Any
         CODECS[key].encode("layer_3_value", x.astype(dtype))
     assert isinstance(info.value, SafetensorsError)
     assert isinstance(info.value, ValueError)
+
+
+SIGNALING_NANS = {
+    "F16": np.array([0x7C01, 0xFC01, 0x3C00, 0], np.uint16).view(np.float16),
+    "BF16": np.array([0x7F81, 0xFF81, 0x3F80, 0], np.uint16).view(BF16),
+    "F32": np.array([0x7F800001, 0xFF800001, 0x3F800000, 0], np.uint32).view(np.float32),
+    "F64": np.array([0x7FF << 52 | 1, 0xFFF << 52 | 1, 0x3FF << 52, 0], np.uint64).view(np.float64),
+}
+"""Two signaling NaNs (one negative), 1.0 and 0.0 in each float dtype."""
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("source", SIGNALING_NANS, ids=str)
+@pytest.mark.parametrize("code", SIGNALING_NANS, ids=str)
+def test_signaling_nans_pass_without_numpy_warnings(source: str, code: str) -> None:
+    """A signaling NaN passed "none" to another dtype (and was counted, as a BF16 source) with
+    numpy's bare "invalid value encountered in cast/isfinite" RuntimeWarning; it comes out a NaN
+    without a word, and INT8 and INT4 refuse it as any NaN."""
+    array = SIGNALING_NANS[source]
+    out = decoded(NoneCodec(), "w", {"w": array}, code)
+    assert out.dtype == dtype_for(code).numpy
+    with np.errstate(invalid="ignore"):  # a signaling NaN out, where source is code
+        values = as_f64(out)
+    assert np.isnan(values[:2]).all() and list(values[2:]) == [1.0, 0.0]
+    assert became_infinite(array, array) == 0
+    for codec in (Int8Codec(), Int4Codec(2)):
+        with pytest.raises(CodecError, match="2 NaN"):
+            codec.encode("w", array)
 
 
 def test_decode_refuses_bad_parts() -> None:
