@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import posixpath
@@ -53,6 +54,7 @@ from ..core.strict_json import decode_json
 from ..errors import (
     CodecError,
     HeaderError,
+    IntegrityError,
     SafetensorsError,
     StreamStWarning,
     TensorNotFoundError,
@@ -60,6 +62,7 @@ from ..errors import (
     UsageError,
     redact,
 )
+from ..kv.layout import _KV_KEYS, KVLayout, digest_name
 from ..reader import Include, TensorStream
 from ..reader.stream import listed
 from ..sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
@@ -147,11 +150,76 @@ def _quantized_by(metadata: Mapping[str, str]) -> Codec | None:
     return None if codec.key == "none" else codec
 
 
+class _Transfer:
+    """A KV transfer (:func:`~stream_st.send_kv`'s, its ``kv_*`` metadata announcing its
+    ``layout``) that ``cp`` converts. Its ``layer_{i}_digest`` tensors, each the SHA-256 of its
+    layer's wire tensors (``docs/kv-wire-format.md``), are checked against the bytes of the
+    layer as ``source`` gives them (a damaged layer would be given a digest it passes) and
+    computed anew over the copy's: kept as they were, :func:`~stream_st.receive_kv` refused the
+    copy (an :class:`~stream_st.IntegrityError`)."""
+
+    def __init__(self, layout: KVLayout, source: str) -> None:
+        self.layout, self.source = layout, source
+        self.layer_of = {
+            spec.name: layer
+            for layer in range(layout.num_layers)
+            for spec in layout.layer_specs(layer)
+        }
+        self.digests = {digest_name(layer) for layer in range(layout.num_layers)}
+        self.read: dict[int, hashlib._Hash] = {}  # layer -> its source bytes hashed so far
+        self.written: dict[int, hashlib._Hash] = {}  # layer -> its copy's bytes hashed so far
+
+    def resigned(
+        self, name: str, array: np.ndarray[Any, Any], parts: list[tuple[str, np.ndarray[Any, Any]]]
+    ) -> list[tuple[str, np.ndarray[Any, Any]]]:
+        """``parts``, the tensors written for the source tensor ``name`` (``array``), with a
+        layer's digest computed over the copy's tensors of the layer; an
+        :class:`~stream_st.IntegrityError` where the source's layer fails its digest."""
+        if not self.layout.digest:
+            return parts
+        layer = self.layer_of[name]
+        if name != digest_name(layer):
+            self.read.setdefault(layer, hashlib.sha256()).update(wire_bytes(array))
+            written = self.written.setdefault(layer, hashlib.sha256())
+            for _, part in parts:
+                written.update(wire_bytes(part))
+            return parts
+        if array.tobytes() != self.read.pop(layer).digest():
+            raise IntegrityError(
+                f"layer {layer} from {self.source} failed its SHA-256 check ({name}); nothing "
+                "written",
+                name=name,
+                source=self.source,
+                layer=layer,
+            )
+        return [(name, np.frombuffer(self.written.pop(layer).digest(), np.uint8))]
+
+
+def _transfer(
+    stream: TensorStream, headers: Sequence[Header], wanted: Sequence[TensorInfo]
+) -> _Transfer | None:
+    """The KV transfer ``cp`` converts, None where the source (``stream``, ``headers``) is none
+    (no ``kv_*`` key in its ``__metadata__``). Its layout and layer digests cover every layer: a
+    :class:`~stream_st.UsageError` where it is read from shards or ``include=`` takes some of
+    its tensors only (``wanted``), a :class:`~stream_st.HeaderError` where its tensors do not
+    follow its layout (:func:`~stream_st.receive_kv` refuses it too)."""
+    if not any(key in header.metadata for header in headers for key in _KV_KEYS):
+        return None
+    if isinstance(stream, ShardedStream) or len(wanted) != len(stream.header):
+        raise UsageError(
+            "the source is a KV transfer (kv_* keys in its __metadata__), whose layout and layer "
+            "digests cover every layer: convert it whole, one file, without include= (--include)"
+        )
+    return _Transfer(KVLayout.from_header(stream.header), stream.source.name)
+
+
 class _Plan:
     """How ``cp`` turns each source tensor into the tensors it writes: as it is, converted to
     ``target``, quantized with ``encoder`` or dequantized from ``decoder``'s wire tensors.
     ``every`` names all the source's tensors, ``wanted`` those copied (``include=``'s): a
-    tensor ``decoder`` rebuilds is taken whole or not at all (see :func:`_taken_whole`)."""
+    tensor ``decoder`` rebuilds is taken whole or not at all (see :func:`_taken_whole`). A KV
+    ``transfer``'s tensors are rebuilt as its ``kv_dtype``, which its copy records as the
+    dtype of its values, and its layer digests are computed anew (:class:`_Transfer`)."""
 
     def __init__(
         self,
@@ -161,6 +229,7 @@ class _Plan:
         encoder: Codec | None,
         decoder: Codec | None,
         every: Collection[str],
+        transfer: _Transfer | None = None,
     ) -> None:
         self.target, self.encoder, self.decoder = target, encoder, decoder
         self.specs: list[TensorSpec] = []
@@ -172,6 +241,8 @@ class _Plan:
             _taken_whole(decoder, names, every)
         originals = _originals(metadata) if decoder is not None else {}
         recorded = _original(metadata) if decoder is not None else "F32"
+        if transfer is not None:  # its original_dtype is informative, kv_dtype decides
+            recorded = transfer.layout.dtype
         for info in wanted:
             if decoder is not None:
                 wire = decoder.part_names(info.name)
@@ -192,6 +263,7 @@ class _Plan:
                 self.specs.append(TensorSpec(info.name, info.dtype, info.shape))
         rebuilt = self.rebuilt  # a wire tensor planned before its whole was known goes
         self.specs = [s for s in self.specs if s.name not in self.parts or s.name in rebuilt]
+        self.transfer = transfer if self.converted else None
         self.owned, self.record = self._record(metadata, wanted)
         self.metadata = self.recorded(metadata)
 
@@ -208,7 +280,23 @@ class _Plan:
         self, metadata: Mapping[str, str], wanted: Sequence[TensorInfo]
     ) -> tuple[set[str], dict[str, str]]:
         """The ``__metadata__`` keys the conversion answers for (the source's say nothing of
-        the copy), and the entries it records in their place."""
+        the copy), and the entries it records in their place: a KV transfer's those of
+        :meth:`_conversion_record`, and the dtype of its values (``kv_dtype``, and a plain
+        transfer's ``original_dtype``: they said the source's, and
+        :func:`~stream_st.receive_kv` refused the copy)."""
+        owned, record = self._conversion_record(metadata, wanted)
+        if self.transfer is None:
+            return owned, record
+        values = {"kv_dtype": self.target or self.transfer.layout.dtype}
+        if self.target is not None and self.decoder is None:  # dequantized: the codec's dropped
+            values["original_dtype"] = dtype_from_code(self.target).numpy.name
+        return owned | set(values), record | values
+
+    def _conversion_record(
+        self, metadata: Mapping[str, str], wanted: Sequence[TensorInfo]
+    ) -> tuple[set[str], dict[str, str]]:
+        """The ``__metadata__`` keys the conversion answers for, and the entries it records in
+        their place, for any file (see :meth:`_record`)."""
         if self.decoder is not None:
             # The codec's keys no longer describe the file: say what they were, in one key.
             dropped = [
@@ -246,7 +334,17 @@ class _Plan:
         self, name: str, array: np.ndarray[Any, Any], pending: dict[str, dict[str, Any]]
     ) -> list[tuple[str, np.ndarray[Any, Any]]]:
         """The tensors to write for the source tensor ``name``; wire tensors are held in
-        ``pending`` until every part of theirs has come."""
+        ``pending`` until every part of theirs has come, and a KV transfer's layer digests are
+        computed anew (:meth:`_Transfer.resigned`)."""
+        parts = await self._converted(name, array, pending)
+        if self.transfer is None:
+            return parts
+        return await anyio.to_thread.run_sync(self.transfer.resigned, name, array, parts)
+
+    async def _converted(
+        self, name: str, array: np.ndarray[Any, Any], pending: dict[str, dict[str, Any]]
+    ) -> list[tuple[str, np.ndarray[Any, Any]]]:
+        """The tensors converted from the source tensor ``name`` (see :meth:`parts_of`)."""
         if self.decoder is not None and name in self.parts:
             whole = self.parts[name]
             got = pending.setdefault(whole, {})
@@ -610,9 +708,14 @@ async def _copy(
         wanted = [t for t in tensors if included(include, t.name)]
         every = {t.name for t in tensors}
         decoder = _decoder(metadata, target, encoder, dequantize)
+        transfer = None
+        if target is not None or encoder is not None or decoder is not None:
+            with naming(src):
+                transfer = _transfer(stream, headers, wanted)
         if decoder is not None and checkpoint is None:  # a mirror's: checked over every shard
-            _decodable(decoder, metadata, wanted, every)
-        plan = _Plan(wanted, metadata, target, encoder, decoder, every)
+            signed = set() if transfer is None else transfer.digests  # U8, not INT4 codes
+            _decodable(decoder, metadata, [t for t in wanted if t.name not in signed], every)
+        plan = _Plan(wanted, metadata, target, encoder, decoder, every, transfer)
         if encoder is not None:
             (pairing or _Pairing(encoder)).add(plan, shard)
         with naming(src):  # a damaged digest record is the source's

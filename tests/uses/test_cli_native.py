@@ -515,6 +515,77 @@ def test_dequantize_int4_kv_transfer(tmp_path: Path) -> None:
     np.testing.assert_allclose(restored, key, atol=2 / 7)
 
 
+KV_SHAPE = (1, 2, 3, 64)
+
+
+def _kv_layers() -> list[tuple[int, np.ndarray[Any, Any], np.ndarray[Any, Any]]]:
+    """Two layers of F32 keys and values of :data:`KV_SHAPE`."""
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal((2, *KV_SHAPE)).astype(np.float32) for _ in range(2)]
+    return [(layer, key, value) for layer, (key, value) in enumerate(values)]
+
+
+@pytest.mark.parametrize(
+    ("codec", "options", "dtype", "atol"),
+    [
+        ("int8", {"dequantize": True}, "F32", 0.05),
+        ("int4", {"dequantize": True}, "F32", 0.5),
+        ("int8", {"dequantize": True, "dtype": "f16"}, "F16", 0.05),
+        ("none", {"quantize": "int8"}, "F32", 0.05),
+        ("none", {"dtype": "bf16"}, "BF16", 0.05),
+    ],
+    ids=["dequantize_int8", "dequantize_int4", "dequantize_to_f16", "quantize", "dtype"],
+)
+async def test_a_converted_kv_transfer_is_received(
+    tmp_path: Path, codec: str, options: dict[str, Any], dtype: str, atol: float
+) -> None:
+    """A KV transfer written by ``send_kv`` and converted by ``cp`` (``--dequantize``,
+    ``--quantize int8``, ``--dtype``) kept its ``layer_{i}_digest`` tensors and ``kv_dtype``:
+    ``receive_kv`` of the copy raised IntegrityError (or HeaderError), and an INT4 transfer was
+    refused (its U8 digests taken for codes without scales). The copy's digests are computed
+    anew over its bytes, once the source's are checked, and its metadata names its dtype."""
+    source, out = tmp_path / "kv.safetensors", tmp_path / "out.safetensors"
+    sent = _kv_layers()
+    layout = stream_st.KVLayout(num_layers=2, shape=KV_SHAPE, dtype="F32", codec=codec)
+    await stream_st.send_kv(str(source), layout, iter(sent))
+    copied = await stream_st.tools.cp(str(source), str(out), **options)
+    assert copied.converted == 4
+    async with stream_st.receive_kv(str(out)) as kv:
+        assert (kv.integrity, kv.layout.dtype, kv.layout.num_layers) == ("layer-sha256", dtype, 2)
+        received = [(layer, key, value) async for layer, key, value in kv]
+    assert [layer for layer, _, _ in received] == [0, 1]
+    for (_, key, value), (_, sent_key, sent_value) in zip(received, sent, strict=True):
+        assert key.dtype == stream_st.dtypes.dtype_for(dtype).numpy
+        np.testing.assert_allclose(key.astype(np.float32), sent_key, atol=atol)
+        np.testing.assert_allclose(value.astype(np.float32), sent_value, atol=atol)
+
+
+async def test_a_kv_transfer_is_converted_whole_its_digests_checked(tmp_path: Path) -> None:
+    """Converting a KV transfer checks each layer's bytes against its ``layer_{i}_digest``
+    before its digest is computed anew (a damaged layer would be given a digest it passes):
+    an IntegrityError naming the layer, nothing written. ``include=`` leaving some of its
+    tensors out (its layout and digests cover every layer) is refused before anything is
+    written."""
+    source, out = tmp_path / "kv.safetensors", tmp_path / "out.safetensors"
+    layout = stream_st.KVLayout(num_layers=2, shape=KV_SHAPE, dtype="F32", codec="int8")
+    await stream_st.send_kv(str(source), layout, iter(_kv_layers()))
+    damaged = bytearray(source.read_bytes())
+    header = await stream_st.read_header(str(source))
+    at = header.data_start + header["layer_1_value"].start
+    damaged[at] ^= 1
+    source.write_bytes(bytes(damaged))
+    with pytest.raises(stream_st.IntegrityError) as failed:
+        await stream_st.tools.cp(str(source), str(out), dequantize=True)
+    assert failed.value.layer == 1 and "layer_1_digest" in str(failed.value)
+    assert not out.exists()
+    with pytest.raises(stream_st.UsageError, match="KV transfer") as refused:
+        await stream_st.tools.cp(
+            str(source), str(out), dequantize=True, include=["layer_0_key", "layer_0_key.scale"]
+        )
+    assert "include=" in str(refused.value)
+    assert not out.exists()
+
+
 def test_dtype_on_a_file_already_of_that_dtype_converts_nothing(tmp_path: Path) -> None:
     f16 = tmp_path / "f16.safetensors"
     reference_numpy.save_file({"w": np.ones((2, 2), np.float16)}, str(f16))
