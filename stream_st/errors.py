@@ -58,7 +58,7 @@ import operator
 import os
 import re
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from ._regex import LazyPattern
 
@@ -104,31 +104,77 @@ __all__ = [
 
 # ---------------------------------------------------------------- what a message may show
 
-_USERINFO = LazyPattern(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s'\"<>]*)@")
-"""``scheme://userinfo@``: the userinfo runs to the last ``@`` before the path, as URL parsers
-read it (a password with an unescaped ``@`` in it included)."""
+_SCHEME_SOURCE = r"\b[A-Za-z][A-Za-z0-9+.-]*://"
 
-_TOKEN = LazyPattern(r"[^\s'\"<>]+")
-"""A run of text an address may fill (up to a space or a quote)."""
-
-_SCHEME = LazyPattern(r"\b[A-Za-z][A-Za-z0-9+.-]*://")
+_SCHEME = LazyPattern(_SCHEME_SOURCE)
 
 _USER = LazyPattern(r"[^/?#:]*")
 
 _AUTHORITY = LazyPattern(r"[^/?#]*")
 
 
-def _mask_cut_short(text: str) -> str:
+class _Reading(NamedTuple):
+    """Where the parts of an address end, as :func:`redact` reads them: in a text quoting
+    addresses (:data:`_IN_TEXT`), or in a text that is one address (:data:`_ONE_ADDRESS`)."""
+
+    userinfo: LazyPattern[str]
+    """``scheme://userinfo@``: the userinfo runs to the last ``@`` before the path, as URL
+    parsers read it (a password with an unescaped ``@`` in it included)."""
+
+    token: LazyPattern[str]
+    """A run of text an address may fill."""
+
+    chunk: LazyPattern[str]
+    """What follows a ``?``, ``&``, ``;`` or ``#`` (``#access_token=...``: OAuth's implicit flow
+    puts a token in the fragment) up to the next: a query's or fragment's parameter, a server
+    splitting at ``;`` as at ``&``."""
+
+    value: LazyPattern[str]
+    """A parameter's value: up to the next ``&`` or ``#``, a ``;`` included (a server splitting
+    the query at ``&`` alone reads it whole)."""
+
+
+_IN_TEXT = _Reading(
+    userinfo=LazyPattern(rf"(?P<scheme>{_SCHEME_SOURCE})(?P<userinfo>[^/?#\s]*)@"),
+    token=LazyPattern(r"\S+"),
+    chunk=LazyPattern(r"[?&#;](?P<chunk>[^?&#;\s<>]*)"),
+    value=LazyPattern(r"(?:[^&#\s<>'\"]|['\"](?![\s&#<>'\"]|[),.:;\]}]*(?:[\s<>]|$)))*"),
+)
+"""An address a text quotes ends at white space. A quote in a password or a parameter's value
+is theirs (RFC 3986 allows ``'`` in both), unless it closes the text's quoting of the address:
+at its end, or before closing punctuation there (``'...?token=abc'),``). An angle bracket is a
+password's too, and ends a parameter (markup around the address)."""
+
+_ONE_ADDRESS = _Reading(
+    userinfo=LazyPattern(rf"(?P<scheme>{_SCHEME_SOURCE})(?P<userinfo>[^/?#]*)@"),
+    token=LazyPattern(r".+"),
+    chunk=LazyPattern(r"[?&#;](?P<chunk>[^?&#;]*)"),
+    value=LazyPattern(r"[^&#]*"),
+)
+"""A text that is one address (:func:`_one_address`) is read whole: a space, a tab, a quote or
+an angle bracket in a password or a parameter is theirs, as URL parsers read them."""
+
+
+def _one_address(text: str) -> bool:
+    """Whether :func:`redact` reads ``text`` as one address, white space and all (a
+    transport's name, an error's ``url``): it starts with ``scheme://`` and holds no line break,
+    and nothing masked (a message quoting a name, ``{name}: ...``, is a text)."""
+    if MASK in text or "://" not in text or "\n" in text or "\r" in text:
+        return False
+    return _SCHEME.compiled.match(text) is not None
+
+
+def _mask_cut_short(text: str, reading: _Reading) -> str:
     """``text`` with the password of an address whose authority (up to the first ``/``, ``?``
     or ``#``) holds a ``:`` and no ``@`` masked from that ``:`` to the last ``@`` of the run it
     is in: a password with an unescaped ``/``, ``?`` or ``#`` in it, which URL parsers read as
     a host and port (a port followed by a path with an ``@`` in it is masked too). In time
     linear in the text: each run's last ``@`` is found once, each authority scanned once (a
     pattern running to the last ``@`` from every address took quadratic time, seconds for an
-    error page of 64 KiB)."""
+    error page of 64 KiB). ``reading``: where an address ends."""
     pieces: list[str] = []
     done = 0
-    for token in _TOKEN.compiled.finditer(text):
+    for token in reading.token.compiled.finditer(text):
         last = text.rfind("@", token.start(), token.end())
         if last < 0:
             continue
@@ -143,20 +189,11 @@ def _mask_cut_short(text: str) -> str:
     return "".join(pieces) + text[done:] if pieces else text
 
 
-_CHUNK = LazyPattern(r"[?&#;](?P<chunk>[^?&#;\s'\"<>]*)")
-"""What follows a ``?``, ``&``, ``;`` or ``#`` (``#access_token=...``: OAuth's implicit flow puts
-a token in the fragment) up to the next: a query's or fragment's parameter, a server splitting at
-``;`` as at ``&``."""
-
 _DECODED_PARAMETER = LazyPattern(
     r"(?:^|%26|%3[Bb])(?P<name>(?:[^=%]|%(?!26|3[BbDd]))*)(?P<equals>=|%3[Dd])?"
 )
 """A parameter within a chunk as a server decoding the query before splitting it reads it:
 ``%26`` and ``%3B`` split as ``&`` and ``;``, ``%3D`` ends a name as ``=``."""
-
-_VALUE = LazyPattern(r"[^&#\s'\"<>]*")
-"""A parameter's value: up to the next ``&`` or ``#``, a ``;`` included (a server splitting the
-query at ``&`` alone reads it whole)."""
 
 _SECRET_WORDS = ("signature", "credential", "token", "secret", "password", "passwd", "apikey")
 """A query parameter whose name holds one of these (any case) carries a secret: ``X-Amz-Signature``,
@@ -166,13 +203,15 @@ MASK = "***"
 """What stands for a secret in a message."""
 
 _AUTHORIZATION = LazyPattern(
-    r"\b(?P<scheme>Bearer|Basic)(?P<gap>[ \t]+)(?P<value>[A-Za-z0-9._~+/-]{8,}=*)(?![\w=~+/.-])"
+    r"(?i)\b(?P<scheme>Bearer|Basic)(?P<gap>[ \t]+)(?P<value>[A-Za-z0-9._~+/-]{8,}=*)(?![\w=~+/.-])"
     r"|\b(?P<aws>AWS4-HMAC-SHA256)[ \t]+[^\r\n'\"<>]*?Signature=[0-9A-Fa-f]+"
 )
-"""The credentials of an ``Authorization`` header quoted in a text (an error page echoing the
-request): a ``Bearer`` token of 8 characters or more (not ``Bearer realm=``), a ``Basic`` user
-and password (a value with a digit in it, of 20 characters or more, or Base64 of
-``user:password``: not ``Basic authentication``), or an AWS signature with its key id."""
+"""The credentials of an ``Authorization`` value quoted in a text without its header's name (an
+error page echoing the request as a table): a ``Bearer`` token of 8 characters or more (not
+``Bearer realm=``), a ``Basic`` user and password (a value with a digit in it, of 20 characters
+or more, or Base64 of ``user:password``: not ``Basic authentication``), either scheme in any case
+(RFC 9110), or an AWS signature with its key id. Quoted with its name, ``Authorization: ...``,
+a value of any scheme is masked (:data:`_HEADER`)."""
 
 
 SECRET_HEADERS = (
@@ -189,12 +228,21 @@ SECRET_HEADERS = (
 text quotes them, never sent to another origin on a redirect."""
 
 _HEADER = LazyPattern(
-    rf"(?i)\b(?P<name>{'|'.join(SECRET_HEADERS)})(?P<gap>[ \t]*:[ \t]*)"
-    r"(?P<value>[^\s<>\"';][^\r\n<>\"']*)"
+    rf"(?i)\b(?P<name>authorization|{'|'.join(SECRET_HEADERS)})(?P<gap>[\"']?[ \t]*:[ \t]*)"
+    r"(?P<scheme>[A-Za-z][A-Za-z-]{0,19}[ \t]+)?(?P<value>[^\s<>;][^\r\n<>]*)"
 )
 """A request header that carries a credential, quoted with its value in a text (an error page
-echoing the request): a session token stream_st sends with a signed request, a cookie, an API
-key given in ``headers=``."""
+echoing the request, as lines or as JSON, ``"Authorization": "..."``): the caller's
+``Authorization`` of any scheme (``token``, ``Digest``, ``Negotiate``...), a session token
+stream_st sends with a signed request, a cookie, an API key given in ``headers=``. The value runs
+to the end of its line, quotes included (Digest's ``response="..."``). An ``Authorization``
+value keeps its scheme, a word of letters before a space, to tell which credential it was."""
+
+
+def _mask_header(match: re.Match[str]) -> str:
+    """A credential header's value masked (see :data:`_HEADER`)."""
+    scheme = match["scheme"] if match["name"].lower() == "authorization" else None
+    return f"{match['name']}{match['gap']}{scheme or ''}{MASK}"
 
 
 def _mask_userinfo(match: re.Match[str]) -> str:
@@ -224,7 +272,7 @@ def _mask_authorization(match: re.Match[str]) -> str:
     if match["aws"]:
         return f"{match['aws']} {MASK}"
     value = match["value"]
-    if match["scheme"] == "Basic" and not (
+    if match["scheme"].lower() == "basic" and not (
         len(value) >= 20 or any(c.isdigit() for c in value) or _basic_pair(value)
     ):
         return match[0]  # a word ("Basic authentication"), not a credential
@@ -241,18 +289,18 @@ def _basic_pair(value: str) -> bool:
         return False
 
 
-def _mask_parameters(text: str) -> str:
+def _mask_parameters(text: str, reading: _Reading) -> str:
     """``text`` with the value of each query or fragment parameter whose name is a secret's
     (:func:`_secret_parameter`) masked, the name read percent-decoded each way a reader may read
     it: as ``parse_qsl`` (and so the cache's key) does, up to the first ``=`` (``%74oken`` is
     ``token``, ``x%3Dtoken`` is ``x=token``), and as a server decoding the query first does
     (``a=1%26token%3D...`` holds ``token``); a value masked from the first place either reading
-    starts it. In time linear in the text."""
+    starts it. ``reading``: where an address ends. In time linear in the text."""
     from urllib.parse import unquote_plus  # here: it imports ipaddress, ~5 ms
 
     pieces: list[str] = []
     done = start = 0
-    while found := _CHUNK.compiled.search(text, start):
+    while found := reading.chunk.compiled.search(text, start):
         chunk, begin = found["chunk"], found.start("chunk")
         start = found.end()
         equals = chunk.find("=")
@@ -267,7 +315,7 @@ def _mask_parameters(text: str) -> str:
                 break
         if masked_from is None:
             continue
-        value = _VALUE.compiled.match(text, masked_from)
+        value = reading.value.compiled.match(text, masked_from)
         assert value is not None  # it matches the empty string
         if value.end() > masked_from:
             pieces += [text[done:masked_from], MASK]
@@ -335,20 +383,26 @@ def redact(text: str) -> str:
     authenticates a request (``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``,
     ``Signature``, ``sig``, ``key`` and any name holding ``token``, ``secret``, ``password`` or
     ``credential``; its name read percent-decoded, ``%74oken`` as ``token``, and after a ``;``
-    as after a ``&``), and the credentials of an ``Authorization`` value quoted in it (``Bearer``,
-    ``Basic``, an AWS signature: an error page may echo the request), as are the values of
-    headers that carry one (``X-Amz-Security-Token``, ``Cookie``, ``X-Api-Key``,
-    ``Proxy-Authorization``, ...) quoted as ``name: value``. Masking again changes
-    nothing. Every error's message passes through it; use
-    it wherever an address is shown."""
+    as after a ``&``), and the credentials of an ``Authorization`` value quoted in it (of any
+    scheme after ``Authorization:``; ``Bearer``, ``Basic``, an AWS signature without it: an error
+    page may echo the request), as are the values of headers that carry one
+    (``X-Amz-Security-Token``, ``Cookie``, ``X-Api-Key``, ``Proxy-Authorization``, ...) quoted as
+    ``name: value``. A quote in a password or a parameter's value is masked with it, and so is
+    an angle bracket in a password; a text that is one address (it starts with ``scheme://``,
+    holds no line break and nothing masked yet: a transport's name, an error's ``url``) is read
+    whole, a space, a tab or an angle bracket in a password or a value masked with it. Masking
+    again changes nothing. Every error's message passes through it; use it wherever an address
+    is shown."""
+    reading = _ONE_ADDRESS if _one_address(text) else _IN_TEXT
     if "@" in text:
-        text = _mask_cut_short(_USERINFO.compiled.sub(_mask_userinfo, text))
+        text = _mask_cut_short(reading.userinfo.compiled.sub(_mask_userinfo, text), reading)
     if "=" in text or "%3" in text:
-        text = _mask_parameters(text)
-    if "Bearer" in text or "Basic" in text or "AWS4-" in text:
+        text = _mask_parameters(text, reading)
+    folded = text.lower()
+    if "bearer" in folded or "basic" in folded or "aws4-" in folded:
         text = _AUTHORIZATION.compiled.sub(_mask_authorization, text)
     if ":" in text:
-        text = _HEADER.compiled.sub(lambda match: f"{match['name']}{match['gap']}{MASK}", text)
+        text = _HEADER.compiled.sub(_mask_header, text)
     return text
 
 

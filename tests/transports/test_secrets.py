@@ -216,6 +216,42 @@ async def test_a_password_cut_short_by_a_delimiter_is_hidden(
         assert error.__cause__ is None and error.__suppress_context__  # no ValueError shown
 
 
+@pytest.mark.parametrize(
+    "password",
+    [f"it's-{SECRET}", f'it"{SECRET}', f"<{SECRET}>", f"it {SECRET}", f"it\t{SECRET}"],
+    ids=["quote", "double quote", "angle brackets", "space", "tab"],
+)
+async def test_a_password_with_a_quote_or_white_space_is_hidden(password: str) -> None:
+    """A quote is allowed unescaped in a URL's userinfo (RFC 3986), and URL parsers take a
+    double quote, an angle bracket, a space or a tab there too: the mask stopped at it, and
+    nothing was masked (``alice:it's-...`` shown whole, in the message, ``url`` and ``name``)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://alice:{password}@127.0.0.1:{port}/m.safetensors"
+    with pytest.raises(TransportError) as info:
+        await load(url)
+    shown = (str(info.value), info.value.url, HttpSource(url).name, redact(url))
+    assert_hidden(*shown)
+    for text in shown:
+        assert f"http://alice:***@127.0.0.1:{port}/m.safetensors" in text, text
+
+
+@pytest.mark.parametrize("mark", ["'", '"', " ", "<"])
+async def test_a_signed_parameter_with_a_quote_or_white_space_is_hidden(
+    server: RangeHTTPServer, mark: str
+) -> None:
+    """A token's value was masked up to a quote, a space or an angle bracket in it, and its
+    tail shown (``token=***'S3cr3tPw``)."""
+    source = HttpSource(server.url(f"/missing.safetensors?token=ab{mark}{SECRET}&file=m"))
+    with pytest.raises(HTTPNotFoundError) as info:
+        await load(source)
+    shown = (str(info.value), info.value.url, source.name)
+    assert_hidden(*shown)
+    for text in shown:
+        assert "/missing.safetensors?token=***&file=m" in text, text
+
+
 PRESIGNED = (
     "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIDEXAMPLE%2F20240101%2Fus-east-1"
     "&X-Amz-Date=20240101T000000Z&X-Amz-Expires=60&X-Amz-Security-Token=SESSIONTOKEN"
@@ -239,6 +275,16 @@ async def test_a_refused_redirect_hides_where_it_pointed(server: RangeHTTPServer
     with pytest.raises(HTTPProtocolError) as info:
         await load(server.url("/m"))
     assert_hidden(str(info.value), secrets=(SECRET, *PRESIGNED_SECRETS))
+
+
+async def test_an_unusable_redirect_hides_a_long_password(server: RangeHTTPServer) -> None:
+    """The refused Location was cut to 200 characters before it was masked: a password running
+    past them had lost its ``@``, and was shown."""
+    server.redirects["/m"] = f"http://user:{SECRET}{'p' * 300}@127.0.0.1:99999/x"
+    with pytest.raises(HTTPProtocolError, match="unusable address") as info:
+        await load(server.url("/m"))
+    assert_hidden(str(info.value), repr(info.value), secrets=(SECRET, "ppp"))
+    assert "'http://user:***@127.0.0.1:99999/x'" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -273,6 +319,46 @@ async def test_a_refused_redirect_hides_where_it_pointed(server: RangeHTTPServer
     ],
 )  # fmt: skip
 def test_redact(text: str, shown: str) -> None:
+    assert redact(text) == shown
+    assert redact(shown) == shown  # masking again changes nothing
+
+
+DIGEST = 'Digest username="u", realm="r", nonce="n", uri="/m", response="6629fae49393a0"'
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        (f"""open "http://a:it's-{SECRET}@h/m": refused""", 'open "http://a:***@h/m": refused'),
+        (f"""'http://a:it\\'s"{SECRET}@h/m', url=http://h/m""", "'http://a:***@h/m', url=http://h/m"),
+        (f"<http://a:<{SECRET}>@h/m>", "<http://a:***@h/m>"),
+        (f"'http://a:it's/{SECRET}@h:8/m': x", "'http://a:***@h:8/m': x"),  # cut short too
+        (f"""'https://h/x?sig=a"{SECRET}': HTTP 403, x""", "'https://h/x?sig=***': HTTP 403, x"),
+        (f"""<a href="https://h/x?token=ab'{SECRET}">here</a>""", '<a href="https://h/x?token=***">here</a>'),
+        (f"('https://h/x?token=ab'{SECRET}'), next", "('https://h/x?token=***'), next"),
+        (f"https://h/x?token=ab {SECRET}&file=m", "https://h/x?token=***&file=m"),  # one address
+        (f"https://h/x?token=ab<{SECRET}>", "https://h/x?token=***"),
+        ("https://h/x?token=*** holds 9 bytes", "https://h/x?token=*** holds 9 bytes"),  # a name
+        ("'https://h/x?a=1' (it's 'b=2')", "'https://h/x?a=1' (it's 'b=2')"),  # no secret: kept
+        (f"Authorization: bearer hf_{SECRET}", "Authorization: bearer ***"),
+        (f"authorization: token ghp_{SECRET} range: bytes=0-9", "authorization: token ***"),
+        (f"Authorization: Token 9944b0{SECRET}", "Authorization: Token ***"),
+        (f"Authorization: {DIGEST}\r\nHost: h", "Authorization: Digest ***\r\nHost: h"),
+        (f"Authorization: Negotiate YII{SECRET}==", "Authorization: Negotiate ***"),
+        (f"Authorization: SharedKey acct:{SECRET}=", "Authorization: SharedKey ***"),
+        (f"<td>Authorization: {SECRET}</td>", "<td>Authorization: ***</td>"),  # no scheme
+        (f"Authorization: ghp_{SECRET} Range: bytes=0-9", "Authorization: ***"),  # nor here
+        (f'{{"Authorization": "token {SECRET}"}}', '{"Authorization": ***'),  # JSON
+        (f"<p>BEARER hf_{SECRET}</p>", "<p>BEARER ***</p>"),  # any case
+        (f'Cookie: session="{SECRET}"', "Cookie: ***"),
+        ("basic authentication failed", "basic authentication failed"),
+    ],
+)  # fmt: skip
+def test_redact_masks_through_quotes_and_any_authorization_scheme(text: str, shown: str) -> None:
+    """A quote, a space or an angle bracket ended a password, a parameter's value or a header's
+    value where the mask stopped, and the rest was shown; an ``Authorization`` value was masked
+    only for ``Bearer``, ``Basic`` (so spelt) and AWS's scheme. A quote that closes the text's
+    own quoting stays, and so does the text after an address."""
     assert redact(text) == shown
     assert redact(shown) == shown  # masking again changes nothing
 
@@ -375,6 +461,39 @@ async def test_an_error_body_echoing_the_request_keeps_no_session_token(
     body = info.value.body
     assert token not in body and token.hex(" ").encode() not in body
     assert b"<Code>SignatureDoesNotMatch</Code>" in body and b"x-amz-security-token:***" in body
+
+
+class EchoServer(RangeHTTPServer):
+    """Answers every request 401 with a body quoting its headers, one a line, as debugging
+    gateways and echo services do."""
+
+    def _answer(
+        self, connection: socket.socket, reader: Any, method: str, target: str, headers: Any
+    ) -> bool:
+        body = "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode()
+        self._send_head(connection, 401, {"Content-Length": str(len(body))})
+        connection.sendall(body)
+        return True
+
+
+@pytest.mark.parametrize(
+    "credential",
+    [
+        f"bearer hf_{SECRET}",
+        f"token ghp_{SECRET}",
+        f"Token {SECRET}",
+        DIGEST.replace("6629fae49393a0", SECRET),
+        f"Negotiate {SECRET}",
+        f"SharedKey acct:{SECRET}",
+    ],
+)
+async def test_an_echoed_authorization_of_any_scheme_is_masked(credential: str) -> None:
+    """An error page echoing the request showed an ``Authorization`` value in full, in the
+    error's message and ``body``, unless its scheme was spelt ``Bearer`` or ``Basic``."""
+    with EchoServer() as echo, pytest.raises(HTTPStatusError) as info:
+        await load(echo.url("/m.safetensors"), headers={"Authorization": credential})
+    assert_hidden(str(info.value), info.value.body.decode("latin-1"))
+    assert f"authorization: {credential.split()[0]} ***" in str(info.value)
 
 
 @pytest.mark.parametrize("tail", [" @", "@", "a://b:c@" + "x"])

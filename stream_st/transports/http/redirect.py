@@ -27,7 +27,7 @@ import base64
 from collections.abc import Mapping
 from urllib.parse import unquote, urljoin, urlsplit
 
-from ...errors import SECRET_HEADERS, HTTPProtocolError, SafetensorsError
+from ...errors import SECRET_HEADERS, HTTPProtocolError, SafetensorsError, redact
 from .target import Target
 
 __all__ = [
@@ -83,8 +83,9 @@ def redirected(
         url = location if urlsplit(location).scheme else urljoin(target.url, location)
         new = Target.parse(url)
     except (SafetensorsError, ValueError) as exc:  # ValueError: an IPv6 bracket left open
+        # Masked before it is cut: a password cut from its '@' would no longer be seen as one.
         raise HTTPProtocolError(
-            f"redirect to an unusable address {location[:200]!r}", url=target.url
+            f"redirect to an unusable address {redact(location)[:200]!r}", url=target.url
         ) from exc
     if target.scheme == "https" and new.scheme == "http":
         raise HTTPProtocolError(
