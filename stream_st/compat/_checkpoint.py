@@ -67,6 +67,12 @@ class _File:
         self._verified: set[str] = set()  # mapped tensors checked; the caller may write to them
         self._lock = anyio.Lock()  # one read at a time on the source
 
+    @property
+    def mapped(self) -> bool:
+        """Whether its tensors are read as views of the file's private mapping (a write into
+        one is in every later view of the same bytes), not into fresh memory."""
+        return self._map is not None
+
     @classmethod
     async def open(cls, address: SourceLike, options: _Options, shard: bool = False) -> _File:
         stream = cached_stream(  # read on demand: not every byte (see CachedStream)
@@ -239,6 +245,11 @@ class _Checkpoint:
         if address is None:
             raise TensorNotFoundError(f"File does not contain tensor {name}")
         return self.files[address] if address == "" else await self._shard(address)
+
+    def mapped(self, name: str) -> bool:
+        """Whether tensor ``name``, its file open (:meth:`info` opened it), is read as views of
+        a private mapping (:attr:`_File.mapped`); safe to ask off the bridge's loop."""
+        return self.files[self.where[name]].mapped
 
     async def info(self, name: str) -> TensorInfo:
         return (await self.file_of(name)).header[name]

@@ -204,16 +204,19 @@ class SafeOpen(_Public):
     ``get_slice(name)[...]``.
 
     A local file is read synchronously: with ``backend="mmap"`` it is mapped privately and its
-    descriptor closed at once, so an open handle holds no descriptor and no thread (tensors are
-    copy-on-write views of the mapping); ``"pread"`` keeps the descriptor and reads each tensor
-    into fresh memory. Other sources (URLs, an index's shards) are read on a private event loop
-    the handle keeps, one ranged read per tensor; a slice over the first dimension reads only
-    those rows' bytes. Slices index as the reference's do (see :mod:`._slicing`). ``verify``
-    checks each whole tensor read (``get_tensor``, ``get_tensors``, a ``get_slice`` key taking
-    every row) against the digest the header records for it, if any (a ``verify`` that is no
-    bool is an :class:`~stream_st.ArgumentTypeError`, as everywhere); a ``get_slice`` of some
-    rows cannot be checked (a digest covers the whole tensor), but one of a tensor that failed
-    its check on the handle is refused (:class:`_Checks`).
+    descriptor closed at once, so an open handle holds no descriptor and no thread (torch
+    tensors are copy-on-write views of the mapping, a write into one seen by later reads, as the
+    reference's are; numpy arrays are copies of their own, as the reference's are: see
+    :meth:`_shares`); ``"pread"`` keeps the descriptor and reads each tensor into fresh memory.
+    Other sources (URLs, an index's shards) are read on a private event loop the handle keeps,
+    an index's local shards mapped as a local file is, others one ranged read per tensor; a
+    slice over the first dimension reads only those rows' bytes. Slices index as the
+    reference's do (see :mod:`._slicing`). ``verify`` checks each whole tensor read
+    (``get_tensor``, ``get_tensors``, a ``get_slice`` key taking every row) against the digest
+    the header records for it, if any (a ``verify`` that is no bool is an
+    :class:`~stream_st.ArgumentTypeError`, as everywhere); a ``get_slice`` of some rows cannot
+    be checked (a digest covers the whole tensor), but one of a tensor that failed its check on
+    the handle is refused (:class:`_Checks`).
 
     A handle takes no attribute but its own (``handle.foo = 1`` is an ``AttributeError``), as
     the reference's takes none; unlike it, it may be referred to weakly (what closes a remote
@@ -288,14 +291,18 @@ class SafeOpen(_Public):
     def _out(self, array: np.ndarray[Any, Any], info: TensorInfo) -> Any:
         if self._torch:
             return self._place(to_torch(array, info.dtype, info.shape))
-        return array.copy() if self._shares else aligned(array)
+        return array.copy() if self._shares(info) else aligned(array)
 
-    @property
-    def _shares(self) -> bool:
-        """Whether arrays are views of the handle's mapping, which numpy's are not to be: the
-        reference hands out each numpy array a copy of its own (a caller writing to one must
-        not change the next one it reads)."""
-        return self._local is not None and self._local.mapped
+    def _shares(self, info: TensorInfo) -> bool:
+        """Whether ``info``'s arrays are views of a mapping (a local file's, or that of the
+        index's shard holding it), which numpy's are not to be: the reference hands out each
+        numpy array a copy of its own (a caller writing to one must not change the next one it
+        reads). Torch tensors stay views, as the reference's are. Read fresh
+        (``backend="pread"``, a remote source), an array is already the caller's own."""
+        local = self._local
+        if local is not None:
+            return local.mapped
+        return self._checkpoint.mapped(info.name)
 
     def _place(self, tensor: Any) -> Any:
         """``tensor`` on the handle's device."""
@@ -367,7 +374,7 @@ class SafeOpen(_Public):
             info = self._info(name)
             if self._torch:
                 return Slice(info, self._reader(info), place=self._place)
-            return Slice(info, self._reader(as_bytes(info) or info), copy=self._shares)
+            return Slice(info, self._reader(as_bytes(info) or info), copy=self._shares(info))
 
     def _reader(self, info: TensorInfo) -> Callable[[Rows], np.ndarray[Any, Any]]:
         """Reads ``info``'s rows (all of them for None), as :class:`_Checks` has it."""

@@ -451,6 +451,53 @@ def test_numpy_arrays_at_odd_offsets_are_aligned_as_the_reference_s(tmp_path: Pa
                 assert array.tobytes() == written[name][take].tobytes(), (source, name)
 
 
+def writes_seen(f: Any) -> list[float]:
+    """What reads of tensor ``a`` through handle ``f`` see after a write into another call's
+    result (``get_tensor``, ``get_tensors``, a ``get_slice`` of some rows, of all): the value
+    a next ``get_tensor`` and a next slice read where each write went."""
+    takes = [
+        lambda: f.get_tensor("a"),
+        lambda: f.get_tensors()["a"],
+        lambda: f.get_slice("a")[:2],
+        lambda: f.get_slice("a")[...],
+    ]
+    seen = []
+    for value, take in enumerate(takes, start=100):
+        take()[0] = value
+        seen += [float(f.get_tensor("a")[0, 0]), float(f.get_slice("a")[:1][0, 0])]
+    return seen
+
+
+@pytest.mark.parametrize("framework", ["np", "pt"])
+def test_a_write_into_a_read_reaches_later_reads_as_in_the_reference(
+    tmp_path: Path, framework: str
+) -> None:
+    """A numpy ``safe_open`` of an index handed its shards' tensors out as views of their
+    mapping: a write into one (``get_tensor``, ``get_tensors``, a slice) was in every later
+    read of it, where each numpy array of the reference is a copy of its own. Now every numpy
+    read is the caller's own, of a file or of an index naming it, and torch tensors are views
+    of the mapping, a write into one seen by later reads, as the reference's are; neither write
+    reaches the file."""
+    path = small(tmp_path)
+    index = tmp_path / "small.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": path.name, "s": path.name}}))
+    with safetensors.safe_open(path, framework) as r:
+        expected = writes_seen(r)
+    assert expected == (
+        [0.0] * 8 if framework == "np" else [100, 100, 101, 101, 102, 102, 103, 103]
+    )
+    for source in (path, index):
+        with compat.safe_open(source, framework) as f:
+            assert writes_seen(f) == expected, source
+    for source in (path, index):
+        with compat.safe_open(source, framework, backend="pread") as f:
+            assert writes_seen(f) == [0.0] * 8, source  # fresh memory, each read
+        loaded = (st_np if framework == "np" else st_pt).load_file(source)
+        loaded["a"][0] = 100
+        assert ref_np.load_file(str(path))["a"][0, 0] == 0.0
+        assert st_np.load_file(source)["a"][0, 0] == 0.0
+
+
 def test_empty_metadata_reads_back_empty_and_none_as_none(tmp_path: Path) -> None:
     """``metadata={}`` is written as ``"__metadata__":{}`` and ``metadata()`` gives ``{}``
     (not None, which stands for no ``__metadata__`` at all), as the reference has it."""
