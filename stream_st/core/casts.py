@@ -50,6 +50,8 @@ def to_bfloat16(array: npt.ArrayLike) -> Array:
     round to +-Inf, NaN stays a (quiet) NaN with its sign, and +-Inf stays +-Inf.
     """
     values = np.asarray(array)
+    if not values.dtype.isnative:  # big-endian floats: the same values in the machine's order
+        values = values.astype(values.dtype.newbyteorder("="))
     if values.dtype == _BF16:
         return values.copy()
     if values.dtype == _F64:
@@ -99,14 +101,16 @@ def error_stats(original: npt.ArrayLike, decoded: npt.ArrayLike) -> ErrorStats:
     scaled by powers of two before they are squared, so the figures hold for values of any
     magnitude (1e-200 as 1e160).
     """
-    x = np.asarray(original).astype(np.float64)
-    y = np.asarray(decoded).astype(np.float64)
+    x = np.asarray(original)
+    y = np.asarray(decoded)
     if x.shape != y.shape:
         raise CodecError(f"error_stats: shapes differ, {list(x.shape)} vs {list(y.shape)}")
     if x.size == 0:
         return {"rmse": 0.0, "max_abs_error": 0.0, "snr_db": math.inf}
-    shift = max(_exponent(x), _exponent(y))  # x - y cannot overflow in units of 2**shift
-    x, y = np.ldexp(x, -shift), np.ldexp(y, -shift)
+    with np.errstate(invalid="ignore"):  # a signaling NaN: a quiet one, with no warning
+        x, y = x.astype(np.float64), y.astype(np.float64)
+        shift = max(_exponent(x), _exponent(y))  # x - y cannot overflow in units of 2**shift
+        x, y = np.ldexp(x, -shift), np.ldexp(y, -shift)
     diff = x - y
     noise, noise_e = _squares(diff)
     signal, signal_e = _squares(x)

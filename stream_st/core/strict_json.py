@@ -115,7 +115,17 @@ def _json_error(what: str, exc: ValueError | RecursionError) -> HeaderError:
     return HeaderError(f"{what} is not valid JSON: {exc}")
 
 
-_BRIEF = reprlib.Repr()
+class _Brief(reprlib.Repr):
+    """``reprlib``'s short ``repr``, also of an integer too long for ``repr`` itself (Python
+    refuses to write one of over 4,300 digits: said by its size in bits instead)."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 4000 * 3:  # 3,600 digits or more: a size is all a message needs
+            return f"<an integer of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_BRIEF = _Brief()
 _BRIEF.maxlist = _BRIEF.maxtuple = 8
 _BRIEF.maxstring = _BRIEF.maxother = 60
 

@@ -587,6 +587,34 @@ def test_signaling_nans_pass_without_numpy_warnings(source: str, code: str) -> N
             codec.encode("w", array)
 
 
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("original", SIGNALING_NANS, ids=str)
+@pytest.mark.parametrize("decoded_code", SIGNALING_NANS, ids=str)
+def test_error_stats_of_signaling_nans_say_nan_without_numpy_warnings(
+    original: str, decoded_code: str
+) -> None:
+    """error_stats of a signaling NaN printed numpy's bare "invalid value encountered in cast"
+    (or "in ldexp") warning; its figures are NaN, without a word."""
+    stats = error_stats(SIGNALING_NANS[original], SIGNALING_NANS[decoded_code])
+    assert all(math.isnan(float(value)) for value in stats.values())
+
+
+@pytest.mark.parametrize("code", ["F16", "F32", "F64"])
+def test_to_bfloat16_takes_big_endian_floats(code: str) -> None:
+    """A big-endian float array (as a file of another machine's numpy gives) was refused as no
+    float16/32/64; it is rounded as the same values in the machine's order are."""
+    native = np.array([1.5, -2.0, np.inf, 1 + 2**-8 + 2**-9], dtype_for(code).numpy)
+    swapped = native.astype(native.dtype.newbyteorder(">"))
+    assert to_bfloat16(swapped).tobytes() == to_bfloat16(native).tobytes()
+
+
+def test_a_group_size_too_long_to_print_is_refused_as_a_codec_error() -> None:
+    """An INT4 group size of over 4,300 digits raised Python's own ValueError (its repr is
+    refused) where any other bad size is a CodecError; it is one, naming its size."""
+    with pytest.raises(CodecError, match=r"an integer of \d+ bits"):
+        Int4Codec(10**5000 + 1)
+
+
 def test_decode_refuses_bad_parts() -> None:
     x = kv_tensor(np.dtype(np.float16), (2, 64))
     p8 = dict(CODECS["int8"].encode("t", x))
