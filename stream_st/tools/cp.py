@@ -523,11 +523,13 @@ def _decodable(
 ) -> None:
     """A :class:`~stream_st.CodecError` where ``--dequantize`` would not rebuild what the
     source's ``__metadata__`` says it quantized: no tensor of ``every`` beside all its wire
-    tensors; a tensor of ``wanted`` of the codes' dtype without its scale (copied as it was, the
-    codes then plain integers), unless :data:`KEPT_KEY` names it or ``quantized_tensors``
-    counts the tensors rebuilt (it was kept as it was; a mirror's shard counts the whole
-    checkpoint's); more tensors rebuilt than that counts; or a wire tensor of two tensors
-    (``w.scale`` the scale of ``w`` and the codes of ``w.scale.scale``)."""
+    tensors, unless ``quantized_tensors`` is recorded (``cp``'s record: a mirror's shard with no
+    float tensor, a file quantized with none to quantize, copied as they are); a tensor of
+    ``wanted`` of the codes' dtype without its scale (copied as it was, the codes then plain
+    integers), unless :data:`KEPT_KEY` names it or ``quantized_tensors`` counts the tensors
+    rebuilt (it was kept as it was; a mirror's shard counts the whole checkpoint's); more
+    tensors rebuilt than that counts; or a wire tensor of two tensors (``w.scale`` the scale of
+    ``w`` and the codes of ``w.scale.scale``)."""
     said = f"__metadata__ says compression={metadata.get('compression')}"
     owner: dict[str, str] = {}
     for name, wire in with_wire_tensors(decoder, every):
@@ -539,13 +541,13 @@ def _decodable(
                 )
             owner[part] = name
     rebuilt = len(set(owner.values()))
-    if not rebuilt:
+    recorded = canonical_decimal(metadata.get(QUANTIZED_KEY, ""))
+    if not rebuilt and recorded is None:
         spelled = " and ".join(decoder.part_names("<name>"))
         raise CodecError(
             f"dequantize= (--dequantize): the {said}, but no tensor has its wire tensors "
             f"({spelled})"
         )
-    recorded = canonical_decimal(metadata.get(QUANTIZED_KEY, ""))
     if recorded is not None and recorded < rebuilt:
         raise CodecError(
             f"dequantize= (--dequantize): the {said} and {QUANTIZED_KEY}={recorded}, but "

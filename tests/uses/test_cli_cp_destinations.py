@@ -380,6 +380,48 @@ def test_a_shard_of_a_quantized_mirror_is_dequantized_alone(tmp_path: Path) -> N
     assert done.returncode == 0, done.stderr
 
 
+def test_a_quantized_file_or_shard_without_a_float_tensor_is_dequantized(tmp_path: Path) -> None:
+    """A shard of a mirror quantized by ``cp --quantize`` that holds no float tensor (its
+    record, ``compression: INT8`` and ``quantized_tensors``, the whole checkpoint's), or a file
+    quantized with nothing to quantize (``quantized_tensors: 0``), was refused by ``cp
+    --dequantize`` ("no tensor has its wire tensors"), and the file then by every conversion.
+    Both are copied as they are, their record the dequantized one's; a file that says it is
+    quantized without cp's record is still refused."""
+    first, second = SHARDS
+    src, quantized = tmp_path / "src", tmp_path / "q8"
+    src.mkdir()
+    tensors: dict[str, dict[str, np.ndarray[Any, Any]]] = {
+        first: {"w": WEIGHTS},
+        second: {"pos": np.arange(4, dtype=np.int64)},
+    }
+    for shard, part in tensors.items():
+        reference_numpy.save_file(part, str(src / shard))
+    weight_map = {name: shard for shard, part in tensors.items() for name in part}
+    (src / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    done = run("cp", "-q", "--quantize", "int8", str(src / INDEX), f"{quantized}/")
+    assert done.returncode == 0, done.stderr
+    alone = tmp_path / "alone.safetensors"
+    done = run("cp", "-q", "--quantize", "int8", str(src / second), str(alone))
+    assert done.returncode == 0 and _metadata(alone)["quantized_tensors"] == "0", done.stderr
+    for number, source in enumerate([quantized / second, alone]):
+        out = tmp_path / f"back{number}.safetensors"
+        done = run("cp", "-q", "--dequantize", str(source), str(out))
+        assert done.returncode == 0, done.stderr
+        found = reference_numpy.load_file(str(out))
+        assert list(found) == ["pos"] and found["pos"].tolist() == [0, 1, 2, 3]
+        recorded = _metadata(out)
+        assert "compression" not in recorded and "quantized_tensors" not in recorded
+        assert recorded["dequantized_from"].startswith("0 tensors (compression=INT8")
+        again = tmp_path / f"again{number}.safetensors"
+        done = run("cp", "-q", "--quantize", "int8", str(out), str(again))
+        assert done.returncode == 0, done.stderr
+    unrecorded = tmp_path / "unrecorded.safetensors"
+    reference_numpy.save_file(tensors[second], str(unrecorded), metadata={"compression": "INT8"})
+    refused = run("cp", "-q", "--dequantize", str(unrecorded), str(tmp_path / "no.safetensors"))
+    assert refused.returncode == 2 and "no tensor has its wire tensors" in refused.stderr
+    assert not (tmp_path / "no.safetensors").exists()
+
+
 def test_shards_quantized_apart_merge_into_a_file_dequantize_reads(tmp_path: Path) -> None:
     """Shards quantized each on its own (``quantized_tensors: 1`` in each, by chance alike, and
     each its own ``kept_tensors``) merged by ``cp --merge`` into a file saying
