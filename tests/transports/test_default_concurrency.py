@@ -232,3 +232,36 @@ async def test_s3_objects_are_read_in_parallel_parts(
     small = S3Source("s3://adaptive/s.safetensors", part_size=PART)
     assert_same_arrays(await read(small), SMALL)
     assert small.concurrency == 1
+
+
+async def test_a_huge_concurrency_asks_for_parts_no_smaller_than_the_least() -> None:
+    """``concurrency=K`` spread the bytes over K parts however small: 300 parts of 7 KB for a
+    2 MiB object, each on its own connection, all at once (100,000 on a 1 MiB object: 95,000
+    connections of 11 bytes, the loop stuck connecting). Parts are now no smaller than
+    ``SMALLEST_PART`` (the ``part_size`` asked for, where it is smaller)."""
+    with serve(etag="strong") as server:
+        source = HttpSource(server.url("/model.safetensors"), concurrency=300)
+        assert_same_arrays(await read(source), MODEL)
+        server.settle()
+        size = len(server.objects["/model.safetensors"])
+        most = 1 + -(-size // parts.SMALLEST_PART)  # the first answer's, then the parts
+        assert len(ranges(server)) <= most
+        assert server.connections <= most
+
+
+async def test_a_huge_concurrency_is_held_to_the_most_parts_at_once(
+    store: CountingServer,
+) -> None:
+    """``concurrency=K`` was K connections at once however many: 128 parts of an object, 128
+    connections (a million parts, as many connections: the loop stuck connecting, gigabytes
+    held); no more than ``MOST_PARTS`` now."""
+    size = len(store.objects["/model.safetensors"])
+    part_size = 16 << 10
+    count = -(-size // part_size)
+    assert count > parts.MOST_PARTS
+    source = HttpSource(store.url("/model.safetensors"), part_size=part_size, concurrency=count)
+    assert_same_arrays(await read(source), MODEL)
+    store.settle()
+    assert source.concurrency == parts.MOST_PARTS
+    assert store.peak <= parts.MOST_PARTS
+    assert store.connections <= parts.MOST_PARTS + 1  # and the first answer's

@@ -3,9 +3,12 @@
 
 The next K parts of the plan from the read position are requested, each on its own connection,
 and received as they come, straight into the read that holds them or into part buffers; the next
-part is requested as soon as the reads have passed one. Tasks run only inside a read (no task
-outlives the call that started it): a read that is done stops them where nothing is lost, in a
-body (the bytes wait in the socket for the next read) or in a back-off, never within a request.
+part is requested as soon as the reads have passed one. K is at most :data:`MOST_PARTS`, and a
+part at least :data:`SMALLEST_PART` (or the ``part_size`` asked for, where that is smaller): a
+huge ``concurrency`` neither opens a connection for every few bytes nor holds thousands. Tasks
+run only inside a read (no task outlives the call that started it): a read that is done stops
+them where nothing is lost, in a body (the bytes wait in the socket for the next read) or in a
+back-off, never within a request.
 
 Adaptive (``limit`` above ``concurrency``): the window starts with one part, the first answer,
 streamed as one connection would; its bytes per second are the rate to beat (at
@@ -34,7 +37,7 @@ from ..._util import task_group
 from ...errors import HTTPProtocolError, ReadTimeoutError, TransportError
 from .framing import Response
 
-__all__ = ["PartWindow"]
+__all__ = ["MOST_PARTS", "SMALLEST_PART", "PartWindow"]
 
 Fetch = Callable[[int, int], Awaitable[Response | None]]
 """A GET for bytes ``start`` to ``end`` whose answer is checked to be that range (None: the
@@ -48,6 +51,15 @@ stream, need only be as fast as it was: its rate leaves the reader's own time ou
 FAST_STREAM = 500e6
 """Bytes per second of the first answer, one stream, at which an adaptive window tries no more
 parts: a local link, which one connection fills (an object store's connection is slower)."""
+
+SMALLEST_PART = 64 << 10
+"""Bytes a part spread from the planned bytes is at least (the ``part_size`` asked for, where
+that is smaller): a request and a connection for fewer bytes would cost more than they bring,
+and a huge ``concurrency`` would open a connection for every few bytes."""
+
+MOST_PARTS = 64
+"""Parts at once a window holds at most, whatever ``concurrency`` it is given: connections
+(and part buffers) in flight, 512 MiB of the default ``part_size``."""
 
 BackOff = Callable[[int, int], Awaitable[None]]
 """The wait before the next attempt, after ``failures`` failed ones, at a ``position``."""
@@ -75,7 +87,8 @@ class PartWindow:
     """The next K parts of a plan of ranges, each requested with ``fetch`` on its own
     connection; a break is resumed from the byte it reached, ``retries`` times per part, after
     ``back_off``. Reads (:meth:`read`) come out in offset order whatever order parts arrive in.
-    With ``limit`` above ``concurrency``, K grows while throughput does (see the module).
+    With ``limit`` above ``concurrency``, K grows while throughput does (see the module); K is
+    never above :data:`MOST_PARTS`.
     """
 
     def __init__(
@@ -91,9 +104,9 @@ class PartWindow:
         self._fetch = fetch
         self._back_off = back_off
         self._retries = retries
-        self._limit = max(concurrency, limit or concurrency)  # K grows up to it
-        self._first = concurrency  # K after the first part, when adaptive
-        self._concurrency = 1 if self._limit > concurrency else concurrency
+        self._limit = min(MOST_PARTS, max(concurrency, limit or concurrency))  # K grows to it
+        self._first = min(concurrency, self._limit)  # K after the first part, when adaptive
+        self._concurrency = 1 if self._limit > self._first else self._first
         self._before = 1  # K before its last change
         self._received = 0  # bytes received by every part so far
         self._since: tuple[float, int] | None = None  # time and bytes received at K's last change
@@ -122,7 +135,8 @@ class PartWindow:
         """Start on ``plan``: ``response``, if any, an open answer delivering bytes ``at`` to
         ``end``, becomes the first part (at most ``part_size`` of it: when the window settles on
         one stream there, the rest of the answer goes on as :attr:`rest`); the bytes left to plan
-        are spread over the other K - 1 parts, at most ``part_size`` each."""
+        are spread over the other K - 1 parts, at most ``part_size`` each and at least
+        :data:`SMALLEST_PART` (or ``part_size``, where that is smaller)."""
         self._plan = plan
         self._opened = None if response is None else (response, end)
         if response is not None and at < end:
@@ -132,7 +146,8 @@ class PartWindow:
             self._next_at = at
         rest = sum(max(0, stop - max(start, self._next_at)) for start, stop in plan)
         others = max(1, self._first - len(self._window))
-        self._step = max(1, min(self._part_size, -(-rest // others)))
+        least = min(SMALLEST_PART, self._part_size)
+        self._step = max(least, min(self._part_size, -(-rest // others)))
         self._extend()
 
     def replan(self, plan: list[tuple[int, int]]) -> None:
