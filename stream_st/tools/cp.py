@@ -237,32 +237,36 @@ class _Plan:
         self.parts: dict[str, str] = {}  # decoder: wire tensor -> the tensor it rebuilds
         self.rebuilt_as: dict[str, str] = {}  # decoder: rebuilt tensor -> its dtype code
         names = {t.name for t in wanted}
+        rebuilt: dict[str, TensorSpec] = {}  # decoder: each tensor rebuilt from wire tensors
         if decoder is not None:
             _taken_whole(decoder, names, every)
-        originals = _originals(metadata) if decoder is not None else {}
-        recorded = _original(metadata) if decoder is not None else "F32"
-        if transfer is not None:  # its original_dtype is informative, kv_dtype decides
-            recorded = transfer.layout.dtype
-        for info in wanted:
-            if decoder is not None:
+            originals = _originals(metadata)
+            # a KV transfer's original_dtype is informative: its kv_dtype decides
+            recorded = _original(metadata) if transfer is None else transfer.layout.dtype
+            for info in wanted:
                 wire = decoder.part_names(info.name)
                 if all(part in names for part in wire):
                     self.parts.update(dict.fromkeys(wire, info.name))
-                    shape = _decoded_shape(decoder, info)
                     code = self.rebuilt_as[info.name] = target or originals.get(info.name, recorded)
-                    self.specs.append(TensorSpec(info.name, code, shape))
-                elif info.name not in self.parts:
-                    self.specs.append(TensorSpec(info.name, info.dtype, info.shape))
-            elif info.dtype in CONVERTIBLE and encoder is not None:
+                    rebuilt[info.name] = TensorSpec(info.name, code, _decoded_shape(decoder, info))
+        # a rebuilt tensor is written once its last wire tensor has come (a stream's writer
+        # takes tensors in header order): it is planned where that one lies in the source
+        last = {self.parts[t.name]: t.name for t in wanted if t.name in self.parts}
+        at = {part: rebuilt[whole] for whole, part in last.items()}
+        for info in wanted:
+            convertible = decoder is None and info.dtype in CONVERTIBLE  # dequantize: as it is
+            if info.name in at:
+                self.specs.append(at[info.name])
+            elif info.name in self.parts:
+                continue  # a wire tensor of a tensor rebuilt further on
+            elif convertible and encoder is not None:
                 self.specs.extend(encoder.specs(info.name, info.shape, info.dtype))
                 self.changed.add(info.name)
-            elif info.dtype in CONVERTIBLE and target is not None and info.dtype != target:
+            elif convertible and target is not None and info.dtype != target:
                 self.specs.append(TensorSpec(info.name, target, info.shape))
                 self.changed.add(info.name)
             else:
                 self.specs.append(TensorSpec(info.name, info.dtype, info.shape))
-        rebuilt = self.rebuilt  # a wire tensor planned before its whole was known goes
-        self.specs = [s for s in self.specs if s.name not in self.parts or s.name in rebuilt]
         self.transfer = transfer if self.converted else None
         self.owned, self.record = self._record(metadata, wanted)
         self.metadata = self.recorded(metadata)

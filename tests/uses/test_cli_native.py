@@ -169,6 +169,25 @@ def test_a_model_directory_is_accepted_where_a_file_is(plain: Path, tmp_path: Pa
     assert several.returncode == 2 and b"name one of them" in several.stderr
 
 
+def test_a_directory_of_several_indexes_and_no_file_asks_to_name_one(tmp_path: Path) -> None:
+    """A folder holding two indexes whose shards lie in subfolders (and no ``*.safetensors`` of
+    its own) was said to hold "no safetensors files ... no index"; it holds several indexes,
+    as a folder with files beside them is said to, and the command asks to name one."""
+    for prefix in ("a", "b"):
+        (tmp_path / prefix).mkdir()
+        reference_numpy.save_file(
+            {"x": np.ones(2, np.float32)}, str(tmp_path / prefix / "s.safetensors")
+        )
+        weight_map = {"x": f"{prefix}/s.safetensors"}
+        index = tmp_path / f"{prefix}.safetensors.index.json"
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    listed = run("ls", str(tmp_path))
+    assert listed.returncode == 2
+    assert b"holds several indexes (a.safetensors.index.json, b.safetensors.index.json)" in (
+        listed.stderr
+    )
+
+
 def test_a_model_directory_is_accepted_as_a_file_url(plain: Path, tmp_path: Path) -> None:
     """``stream-st inspect file:///d/`` (cp, hash) of a model directory said "cannot read a
     directory" where the path ``/d`` was read: the URL was never taken for the directory."""
@@ -513,6 +532,41 @@ def test_dequantize_int4_kv_transfer(tmp_path: Path) -> None:
     restored = reference_numpy.load_file(str(out))["layer_0_key"]
     assert restored.dtype == np.float16 and restored.shape == key.shape
     np.testing.assert_allclose(restored, key, atol=2 / 7)
+
+
+def test_dequantize_to_stdout_writes_each_tensor_where_its_last_part_lies(
+    tmp_path: Path,
+) -> None:
+    """``cp --dequantize`` to stdout of a valid INT8 file whose codes ``w`` come before an F32
+    ``p`` and then their scale failed ("tensor 'p' is out of order") after writing part of the
+    copy: ``w`` was planned where its codes lay, and can only be written once its scale has
+    come. It is planned where its last wire tensor lies, to a pipe as to a file."""
+    parts: dict[str, np.ndarray[Any, Any]] = {
+        "w": np.array([1, -2, 127], np.int8),
+        "p": np.array([9.0], np.float32),
+        "w.scale": np.array([2.0], np.float32),
+    }
+    header: dict[str, Any] = {"__metadata__": {"compression": "INT8"}}
+    data = b""
+    for name, array in parts.items():  # offset order as listed, not the reference writer's
+        dtype = {"int8": "I8", "float32": "F32"}[array.dtype.name]
+        offsets = [len(data), len(data) + array.nbytes]
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": offsets}
+        data += array.tobytes()
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    source, out = tmp_path / "src.safetensors", tmp_path / "out.safetensors"
+    source.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    piped = run("cp", "-q", "--dequantize", str(source), "-")
+    assert piped.returncode == 0, piped.stderr
+    assert run("cp", "-q", "--dequantize", str(source), str(out)).returncode == 0
+    assert piped.stdout == out.read_bytes()
+    found = reference_numpy.load_file(str(out))
+    assert found["w"].tolist() == [0.5, -1.0, 63.5] and found["p"].tolist() == [9.0]
+    written = out.read_bytes()
+    tensors = json.loads(written[8 : 8 + int.from_bytes(written[:8], "little")])
+    del tensors["__metadata__"]
+    assert sorted(tensors, key=lambda name: tensors[name]["data_offsets"]) == ["p", "w"]
 
 
 KV_SHAPE = (1, 2, 3, 64)
