@@ -142,7 +142,7 @@ def model_sources(path: str) -> list[str]:
     if len(indexes) == 1:
         return [os.path.join(local, indexes[0])]
     files = [os.path.join(local, n) for n in names if n.endswith(".safetensors")]
-    if len(indexes) > 1 and files:
+    if len(indexes) > 1:
         raise UsageError(f"{path} holds several indexes ({', '.join(indexes)}): name one")
     if not files:
         raise SourceNotFoundError(
