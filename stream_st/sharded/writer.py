@@ -663,7 +663,8 @@ def checkpoint_files(prefix: str) -> re.Pattern[str]:
     earlier checkpoint's, removed at its commit, as transformers' ``save_pretrained`` does: a
     loader takes ``{prefix}.safetensors`` before the index, so a stale one would be loaded in
     place of the new checkpoint."""
-    return re.compile(rf"{re.escape(prefix)}(-\d{{5}}-of-\d{{5}})?\.safetensors")
+    # ASCII digits only: \d takes any script's, and a name no writer makes is no earlier shard
+    return re.compile(rf"{re.escape(prefix)}(-[0-9]{{5}}-of-[0-9]{{5}})?\.safetensors")
 
 
 def remove_unlisted(directory: Path, ours: re.Pattern[str], kept: Collection[str]) -> None:

@@ -55,6 +55,22 @@ async def test_an_index_that_cannot_be_written_replaces_no_previous_shard(tmp_pa
     assert after == previous
 
 
+async def test_a_name_of_other_digits_than_ascii_is_no_earlier_shard(tmp_path: Path) -> None:
+    """The commit removed every file named like an earlier checkpoint's shard, taking any
+    script's digits for its numbers: a user's ``model-١٢٣٤٥-of-٩٩٩٩٩.safetensors`` (no writer
+    makes such a name) was deleted. Only ASCII-numbered shards are an earlier checkpoint's."""
+    theirs = (
+        tmp_path
+        / "model-\u0661\u0662\u0663\u0664\u0665-of-\u0669\u0669\u0669\u0669\u0669.safetensors"
+    )
+    theirs.write_text("a user's file")
+    stale = tmp_path / "model-00007-of-00009.safetensors"
+    stale.write_text("an earlier checkpoint's shard")
+    await _write(tmp_path, 1.0)
+    assert theirs.read_text() == "a user's file"
+    assert not stale.exists()
+
+
 async def test_a_directory_at_a_shards_final_name_keeps_the_previous_index(
     tmp_path: Path,
 ) -> None:
