@@ -342,10 +342,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     converting = copy.add_mutually_exclusive_group()
     copy.add_argument(
-        "--dtype", choices=("bf16", "f16", "f32"), help="convert floating-point tensors"
+        "--dtype",
+        choices=("bf16", "f16", "f32"),
+        help="convert F16/BF16/F32/F64 tensors (F8, F6 and F4 ones are copied as they are, "
+        "with a warning)",
     )
     converting.add_argument(
-        "--quantize", choices=("int8",), help="per-tensor symmetric int8, scales as siblings"
+        "--quantize",
+        choices=("int8",),
+        help="per-tensor symmetric int8 of F16/BF16/F32/F64 tensors, scales as siblings",
     )
     copy.add_argument(
         "--checksums",

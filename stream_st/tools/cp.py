@@ -484,6 +484,24 @@ def _originals(metadata: Mapping[str, str]) -> dict[str, str]:
     return codes
 
 
+def _warn_unconverted(plan: _Plan, wanted: Sequence[TensorInfo]) -> None:
+    """A :class:`~stream_st.StreamStWarning` counting the floating-point tensors of ``wanted``
+    that ``plan``'s ``--dtype`` or ``--quantize`` copies as they are, of a dtype not in
+    :data:`CONVERTIBLE` (F8, F6, F4): they went without a word. ``--dequantize`` copies every
+    tensor but its codes as it is, and says nothing of them."""
+    others = [t.dtype for t in wanted if t.dtype.startswith("F") and t.dtype not in CONVERTIBLE]
+    if not others or plan.decoder is not None or (plan.target is None and plan.encoder is None):
+        return
+    option = "dtype= (--dtype)" if plan.encoder is None else "quantize= (--quantize)"
+    converted = f"{', '.join(CONVERTIBLE[:-1])} and {CONVERTIBLE[-1]}"
+    warnings.warn(
+        f"{option} converts {converted} tensors: {len(others)} tensors of other floating-point "
+        f"dtypes ({', '.join(sorted(set(others)))}) copied as they are",
+        StreamStWarning,
+        stacklevel=3,
+    )
+
+
 def _decoded_shape(codec: Codec, info: TensorInfo) -> tuple[int, ...]:
     """The shape of the tensor whose first wire tensor is ``info``; :class:`CodecError` where
     INT4 codes are 0-d (they pack the last axis: there is none)."""
@@ -584,14 +602,16 @@ async def cp(
     """Copy ``src`` to ``dst`` as a stream, tensor by tensor, never holding the whole file.
 
     ``include`` selects tensors. ``dtype`` (``"bf16"``, ``"f16"``, ``"f32"``) converts every
-    floating-point tensor not of that dtype yet (BF16 rounds to nearest even; a finite value
-    beyond the dtype's range becomes infinite, and a :class:`~stream_st.StreamStWarning` says
-    how many).
-    ``quantize="int8"`` stores every floating-point tensor as I8 codes plus a sibling F32
+    F16, BF16, F32 and F64 tensor (:data:`CONVERTIBLE`) not of that dtype yet (BF16 rounds to
+    nearest even; a finite value beyond the dtype's range becomes infinite, and a
+    :class:`~stream_st.StreamStWarning` says how many).
+    ``quantize="int8"`` stores every such tensor as I8 codes plus a sibling F32
     ``<name>.scale`` (symmetric, per tensor: ``scale = 127 / max|x|``, ``x ~= code / scale``),
     recorded in ``__metadata__``; a source whose metadata says it is quantized already is refused,
     as is a tensor not quantized written beside ``<its name>.scale`` (``dequantize`` would take them
-    for codes and their scale), before anything is written. ``dequantize`` rebuilds the
+    for codes and their scale), before anything is written. Both copy floating-point tensors of
+    other dtypes (F8, F6, F4) as they are, and a :class:`~stream_st.StreamStWarning` counts them.
+    ``dequantize`` rebuilds the
     floating-point tensors of a source quantized with the int8 or int4 codec (its ``__metadata__``
     names it) each as the dtype it was quantized from (``original_dtype`` where all were of one
     dtype, else ``original_dtypes`` naming each tensor's; F32 when unrecorded; a
@@ -722,6 +742,8 @@ async def _copy(
             signed = set() if transfer is None else transfer.digests  # U8, not INT4 codes
             _decodable(decoder, metadata, [t for t in wanted if t.name not in signed], every)
         plan = _Plan(wanted, metadata, target, encoder, decoder, every, transfer)
+        if checkpoint is None:  # a mirror's: said once, of every shard's
+            _warn_unconverted(plan, wanted)
         if encoder is not None:
             (pairing or _Pairing(encoder)).add(plan, shard)
         with naming(src):  # a damaged digest record is the source's
@@ -1124,6 +1146,7 @@ async def _planned(
     if decoder is not None:
         _decodable(decoder, common, wanted, weight_map)
     plan = _Plan(wanted, common, target, encoder, decoder, weight_map)
+    _warn_unconverted(plan, wanted)
     for part, name in plan.parts.items():
         if weight_map[part] != weight_map[name]:
             raise UsageError(

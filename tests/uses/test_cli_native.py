@@ -534,6 +534,22 @@ def test_dequantize_int4_kv_transfer(tmp_path: Path) -> None:
     np.testing.assert_allclose(restored, key, atol=2 / 7)
 
 
+def _write_raw(
+    path: Path, parts: dict[str, tuple[str, np.ndarray[Any, Any]]], metadata: dict[str, str]
+) -> None:
+    """A safetensors file of ``parts`` (name: dtype code and array) in the order given, which
+    the reference writer would not keep, or of dtypes it does not write."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    data = b""
+    for name, (dtype, array) in parts.items():
+        offsets = [len(data), len(data) + array.nbytes]
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": offsets}
+        data += array.tobytes()
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
 def test_dequantize_to_stdout_writes_each_tensor_where_its_last_part_lies(
     tmp_path: Path,
 ) -> None:
@@ -541,22 +557,13 @@ def test_dequantize_to_stdout_writes_each_tensor_where_its_last_part_lies(
     ``p`` and then their scale failed ("tensor 'p' is out of order") after writing part of the
     copy: ``w`` was planned where its codes lay, and can only be written once its scale has
     come. It is planned where its last wire tensor lies, to a pipe as to a file."""
-    parts: dict[str, np.ndarray[Any, Any]] = {
-        "w": np.array([1, -2, 127], np.int8),
-        "p": np.array([9.0], np.float32),
-        "w.scale": np.array([2.0], np.float32),
-    }
-    header: dict[str, Any] = {"__metadata__": {"compression": "INT8"}}
-    data = b""
-    for name, array in parts.items():  # offset order as listed, not the reference writer's
-        dtype = {"int8": "I8", "float32": "F32"}[array.dtype.name]
-        offsets = [len(data), len(data) + array.nbytes]
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": offsets}
-        data += array.tobytes()
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
     source, out = tmp_path / "src.safetensors", tmp_path / "out.safetensors"
-    source.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    parts: dict[str, tuple[str, np.ndarray[Any, Any]]] = {
+        "w": ("I8", np.array([1, -2, 127], np.int8)),
+        "p": ("F32", np.array([9.0], np.float32)),
+        "w.scale": ("F32", np.array([2.0], np.float32)),
+    }
+    _write_raw(source, parts, {"compression": "INT8"})
     piped = run("cp", "-q", "--dequantize", str(source), "-")
     assert piped.returncode == 0, piped.stderr
     assert run("cp", "-q", "--dequantize", str(source), str(out)).returncode == 0
@@ -567,6 +574,36 @@ def test_dequantize_to_stdout_writes_each_tensor_where_its_last_part_lies(
     tensors = json.loads(written[8 : 8 + int.from_bytes(written[:8], "little")])
     del tensors["__metadata__"]
     assert sorted(tensors, key=lambda name: tensors[name]["data_offsets"]) == ["p", "w"]
+
+
+def test_dtype_and_quantize_say_which_float_tensors_they_leave(tmp_path: Path) -> None:
+    """``cp --dtype`` and ``--quantize int8`` copied F8 tensors as they were without a word
+    (exit 0, ``converted: 0``), though their help said floating-point tensors are converted.
+    The help names the dtypes converted, and a warning counts the floating-point tensors of
+    others copied as they are; ``--dequantize``, which copies every tensor but its codes as it
+    is, says nothing of them."""
+    f8 = np.array([0x38, 0xC0, 0x08], np.uint8)  # F8_E4M3 1.0, -2.0 and a subnormal
+    source, out = tmp_path / "src.safetensors", tmp_path / "out.safetensors"
+    parts: dict[str, tuple[str, np.ndarray[Any, Any]]] = {
+        "w8": ("F8_E4M3", f8),
+        "w": ("F32", np.linspace(-1, 1, 8, dtype=np.float32)),
+        "e": ("F8_E5M2", f8),
+        "n": ("I64", np.arange(2, dtype=np.int64)),
+    }
+    _write_raw(source, parts, {})
+    said = "converts F16, BF16, F32 and F64 tensors: 2 tensors of other floating-point dtypes"
+    for option, value, dtype in (("dtype", "f16", "F16"), ("quantize", "int8", "I8")):
+        done = run("cp", "-q", f"--{option}", value, str(source), str(out))
+        assert done.returncode == 0, done.stderr
+        warned = f"{option}= (--{option}) {said} (F8_E4M3, F8_E5M2) copied as they are"
+        assert warned.encode() in done.stderr and done.stderr.count(b"\n") == 1, done.stderr
+        header = json.loads(run("inspect", "--json", str(out)).stdout)["tensors"]
+        dtypes = {t["name"]: t["dtype"] for t in header}
+        assert (dtypes["w"], dtypes["w8"], dtypes["e"]) == (dtype, "F8_E4M3", "F8_E5M2")
+    back = run("cp", "-q", "--dequantize", str(out), str(tmp_path / "back.safetensors"))
+    assert back.returncode == 0 and back.stderr == b"", back.stderr
+    helped = run("cp", "--help").stdout.decode()
+    assert helped.count("F16/BF16/F32/F64") == 2, helped
 
 
 KV_SHAPE = (1, 2, 3, 64)
