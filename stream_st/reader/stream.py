@@ -42,7 +42,6 @@ from ..errors import (
     TensorNotFoundError,
     TrailingDataError,
     TransportError,
-    TruncatedStreamError,
     UsageError,
     boolean,
     rebuilt,
@@ -55,7 +54,7 @@ from ..transports.options import Clock
 from ..transports.registry import Source, SourceLike
 from .ahead import READ_AHEAD_FROM, _read_ahead
 from .caps import Caps
-from .header import header_cap, open_under, start_and_read_header
+from .header import check_size, header_cap, open_under, start_and_read_header
 from .tensors import _read_tensor, merge_ranges
 from .turns import give_turn, run_in_turns
 
@@ -507,6 +506,8 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         for info in wanted:
             source.clock.check(source.name, source.position)
             await give_turn()
+            if not source.random_access:  # a loss in the bytes skipped is named as such
+                await _skip_to(source, header, base + info.start)
             target = delivery.target(info)
             if mapped is None or target is not None:
                 array = await _read_tensor(
@@ -552,17 +553,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         if source.random_access:
             return  # size checked against the header at open
         end = header.file_size
-        if source.position < end:
-            await source.skip(end - source.position)
-            if source.position < end:
-                last = header.tensors[-1]
-                raise TruncatedStreamError(
-                    f"tensor {last.name!r}",
-                    name=last.name,
-                    offset=source.position,
-                    expected=end,
-                    source=source.name,
-                )
+        await _skip_to(source, header, end)
         if source.whole_object and not await source.at_end():
             raise TrailingDataError(f"{source.name}: bytes follow the last tensor at byte {end}")
         source.message_read()
@@ -579,6 +570,17 @@ class _Opening:
         self.done = anyio.Event()
         self.header: Header | None = None
         self.failed: Exception | None = None
+
+
+async def _skip_to(source: Source, header: Header, offset: int) -> None:
+    """Move the sequential ``source`` ahead to the absolute ``offset`` of ``header``'s file,
+    discarding the bytes before it; :class:`~stream_st.TruncatedStreamError` if it ends
+    first, naming the tensor its bytes ran out in (one skipped, not the next one asked for nor
+    the file's last) and that tensor's end as the byte expected."""
+    if source.position < offset:
+        await source.skip(offset - source.position)
+        if source.position < offset:  # short of the file's end: check_size raises
+            check_size(header, source.position, source.name)
 
 
 def _closed_opening(source: Source) -> TransportError:
