@@ -28,6 +28,7 @@ import numpy as np
 
 from .._regex import LazyPattern
 from ..errors import (
+    ArgumentTypeError,
     DtypeError,
     HeaderError,
     HeaderTooLargeError,
@@ -413,13 +414,21 @@ class Header:
         return self.tensors.names()
 
     def __getitem__(self, name: str) -> TensorInfo:
+        """The tensor named ``name``: :class:`~stream_st.TensorNotFoundError` if none is,
+        :class:`~stream_st.ArgumentTypeError` for an unhashable key, which no name can be."""
         try:
             return self.tensors[self._index[name]]
         except KeyError:
             raise TensorNotFoundError(f"no tensor named {name!r} in the header") from None
+        except TypeError:  # unhashable: neither a dict nor a NameIndex can look it up
+            raise ArgumentTypeError(
+                f"tensor names are str, got {type(name).__name__} {_SHORT.repr(name)}"
+            ) from None
 
     def __contains__(self, name: object) -> bool:
-        return name in self._index
+        """Whether a tensor is named ``name``; False for any key but a string (an unhashable
+        one too)."""
+        return isinstance(name, str) and name in self._index
 
     def __iter__(self) -> Iterator[TensorInfo]:
         return iter(self.tensors)

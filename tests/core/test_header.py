@@ -14,6 +14,7 @@ import pytest
 
 from stream_st import (
     DTYPES,
+    ArgumentTypeError,
     Header,
     HeaderError,
     HeaderTooLargeError,
@@ -345,6 +346,21 @@ def test_lookup_of_missing_tensor() -> None:
     assert "b" not in header
     with pytest.raises(TensorNotFoundError, match="'b'"):
         header["b"]
+
+
+@pytest.mark.parametrize("count", [1, 2000])  # a dict of names; a NameIndex (a long header)
+def test_lookup_of_a_name_no_header_can_hold(count: int) -> None:
+    """A key that is no string is in no header; an unhashable one, looked up, is refused as a
+    misuse (a SafetensorsError, still a TypeError), whatever the header's size."""
+    names = {f"t{i}": entry(offsets=(i, i + 1)) for i in range(count)}
+    header = parse_header(json.dumps(names).encode(), stop=lambda: False)
+    assert type(header._index) is (dict if count == 1 else NameIndex)
+    unhashable: Any = ["t0"]
+    assert unhashable not in header and 0 not in header and "t0" in header
+    with pytest.raises(ArgumentTypeError, match="tensor names are str, got list"):
+        header[unhashable]
+    with pytest.raises(TensorNotFoundError, match="no tensor named 0"):
+        header[0]  # type: ignore[index]  # the wrong type on purpose
 
 
 @pytest.mark.parametrize("code", list(DTYPES))
