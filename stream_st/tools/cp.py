@@ -128,7 +128,8 @@ def _convert(array: np.ndarray[Any, Any], code: str, name: str) -> np.ndarray[An
     if code == "BF16":
         converted = to_bfloat16(array)  # round to nearest even, never truncation
     else:
-        with np.errstate(over="ignore"):
+        # over: counted below; invalid: a signaling NaN cast stays a NaN, as it should
+        with np.errstate(over="ignore", invalid="ignore"):
             converted = array.astype(dtype_from_code(code).numpy)
     warn_infinite(name, code, became_infinite(converted, array))
     return converted

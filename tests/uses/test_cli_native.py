@@ -606,6 +606,25 @@ def test_dtype_and_quantize_say_which_float_tensors_they_leave(tmp_path: Path) -
     assert helped.count("F16/BF16/F32/F64") == 2, helped
 
 
+def test_dtype_of_signaling_nans_prints_no_bare_cast_warning(tmp_path: Path) -> None:
+    """``cp --dtype f32`` of signaling NaNs (F64 and BF16) printed numpy's bare "invalid value
+    encountered in cast", which names neither tensor nor value (the values are right: NaNs
+    stay NaNs). The cast says nothing; the values are as before."""
+    source, out = tmp_path / "snan.safetensors", tmp_path / "out.safetensors"
+    parts: dict[str, tuple[str, np.ndarray[Any, Any]]] = {
+        "f64": ("F64", np.array([0x7FF0000000000001, 0x3FF0000000000000], np.uint64)),
+        "bf16": ("BF16", np.array([0x7F81, 0x3F80], np.uint16)),
+    }
+    _write_raw(source, parts, {})
+    done = run("cp", "-q", "--dtype", "f32", str(source), str(out))
+    assert done.returncode == 0, done.stderr
+    assert b"in cast" not in done.stderr, done.stderr
+    found = reference_numpy.load_file(str(out))
+    for name in parts:
+        assert found[name].dtype == np.float32 and np.isnan(found[name][0]), name
+        assert found[name][1] == 1.0, name
+
+
 KV_SHAPE = (1, 2, 3, 64)
 
 
