@@ -170,3 +170,26 @@ async def test_a_follower_in_the_same_process_and_a_writer_that_stops_early(
         assert_same_arrays(got, ARRAYS)
     assert not list((tmp_path / "objects").rglob("*.safetensors"))
     assert not list(tmp_path.rglob(".growing"))
+
+
+async def test_followers_of_a_slow_writer_fetch_nothing(tmp_path: Path) -> None:
+    """A link slower than :data:`PUBLISH_STEP` per second (over a second between two steps),
+    the object read in small tensors: three reads in the writer's own process follow its copy
+    to the end (its writes are progress), the server sends the object once."""
+    arrays = {f"s{i:02}": np.arange(i, i + 4096, dtype=np.float32) for i in range(40)}
+    data = reference_numpy.save(arrays)
+    rate = len(data) / 2  # two seconds for the object, 640 KiB
+    with RangeHTTPServer(objects={"/m.safetensors": data}, etag="strong", rate=rate) as running:
+        url = running.url("/m.safetensors")
+        results: list[tuple[dict[str, Any], str | None]] = []
+
+        async def one() -> None:
+            results.append(await read(url, tmp_path))
+
+        async with anyio.create_task_group() as group:
+            for _ in range(4):
+                group.start_soon(one)
+        assert sorted(str(state) for _, state in results) == ["fetch"] + ["shared"] * 3
+        for got, _ in results:
+            assert_same_arrays(got, arrays)
+        assert served(running) < len(data) + (128 << 10)  # fetched once

@@ -3,13 +3,14 @@ first is writing, as it grows.
 
 The writer (the entry's lock holder, :class:`~.tee.CopyWriter`) publishes in the entry's
 ``.growing`` file (:class:`Growing`; JSON, replaced by a rename) the copy's version, its size and
-how many bytes from the first are written, every :data:`PUBLISH_STEP` bytes; it removes the
-file once it stops writing (after the copy is committed, or given up). A reader that finds the
-lock held and a ``.growing`` file of a live writer reads the partial copy through a
-:class:`FollowSource`: each read waits until the bytes it asks for are written (polling the
-file every :data:`POLL` seconds, within the read's deadline) and reads them from the partial
-copy. The last byte is read only once the writer has committed the copy (it is then checked),
-so a follower, like the writer, never ends a read of bytes that did not check out.
+how many bytes from the first are written, every :data:`PUBLISH_STEP` bytes (and at least every
+:data:`PUBLISH_EVERY` seconds while it writes, on a slower link); it removes the file once it
+stops writing (after the copy is committed, or given up). A reader that finds the lock held
+and a ``.growing`` file of a live writer reads the partial copy through a :class:`FollowSource`:
+each read waits until the bytes it asks for are written (polling the file every :data:`POLL`
+seconds, within the read's deadline) and reads them from the partial copy. The last byte is
+read only once the writer has committed the copy (it is then checked), so a follower, like the
+writer, never ends a read of bytes that did not check out.
 
 A writer that stops without committing (killed: its lock is released by the kernel; or its read
 ended early, or its copy was given up) leaves the follower to read the rest from the server
@@ -18,12 +19,14 @@ itself, as a read without a cache would, for the same version of the object
 follower, taking the lock, removes. So does a writer that has written nothing for
 :data:`STALL` seconds (its link stalled; the read's ``timeout`` where shorter), or for
 :data:`HERE_STALL` seconds where it is in the follower's own process: the follower goes on by
-itself.
+itself. A byte written counts, published or not (the partial copy's modification time tells):
+a slow link is no stall.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 import uuid
@@ -50,11 +53,25 @@ from .store import (
     write_json,
 )
 
-__all__ = ["HERE_STALL", "POLL", "PUBLISH_STEP", "STALL", "FollowSource", "Growing", "follow"]
+__all__ = [
+    "HERE_STALL",
+    "POLL",
+    "PUBLISH_EVERY",
+    "PUBLISH_STEP",
+    "STALL",
+    "FollowSource",
+    "Growing",
+    "follow",
+]
 
 PUBLISH_STEP = 1 << 20
 """The writer publishes its progress each time this many more bytes are written (and at the
 end): a rename per step, and followers at most this far behind."""
+
+PUBLISH_EVERY = HERE_STALL / 4
+"""Seconds after which the writer publishes the bytes written since, fewer than
+:data:`PUBLISH_STEP` (a link slower than a step in this time): followers are not held a step
+behind."""
 
 POLL = 0.01
 """Seconds between two looks of a follower at the writer's progress."""
@@ -67,6 +84,7 @@ class Growing:
         self.path = path
         self._state = state
         self._published = -1
+        self._published_at = -math.inf  # monotonic time of the last publication
 
     @classmethod
     def start(cls, path: Path, version: str, record: Record) -> Growing:
@@ -84,14 +102,20 @@ class Growing:
 
     def publish(self, written: int) -> None:
         """``written`` bytes from the first are in the copy (published every
-        :data:`PUBLISH_STEP`, and when all are)."""
-        due = written >= self._published + PUBLISH_STEP or written == self._state["size"]
-        if written == self._published or not (due or self._published < 0):
+        :data:`PUBLISH_STEP`, at least every :data:`PUBLISH_EVERY` seconds while bytes are
+        written, and when all are)."""
+        now = time.monotonic()
+        due = (
+            written >= self._published + PUBLISH_STEP
+            or written == self._state["size"]
+            or now - self._published_at >= PUBLISH_EVERY
+        )
+        if written == self._published or not due:
             return
         self._state["written"] = written
         with contextlib.suppress(OSError):  # followers then wait, or read by themselves
             write_json(self.path, self._state)
-        self._published = written
+        self._published, self._published_at = written, now
 
     def end(self) -> None:
         remove_quietly(self.path)
@@ -172,10 +196,17 @@ class FollowSource(Source):
             return self._size
         return min(self._written, self._size - 1)
 
+    def _touched(self) -> int:
+        """When the partial copy was last written to (its modification time, in ns): the
+        writer's progress between two publications, such as one long read of a big tensor."""
+        fd = self._fd
+        assert fd is not None  # open until the rest is read from the server
+        return os.fstat(fd).st_mtime_ns
+
     async def _wait(self, end: int) -> None:
         """Wait until the copy holds the bytes up to ``end`` (:meth:`_available`), or the
         writer stopped (then :attr:`_remote` reads the rest)."""
-        stalled = time.monotonic()
+        stalled, touched = time.monotonic(), self._touched()
         while self._available() < end and self._remote is None:
             state = read_json(self._entry.growing)
             if isinstance(state, dict) and state.get("id") == self._id:
@@ -199,7 +230,10 @@ class FollowSource(Source):
                     self._lock.release()
                 await self._read_by_itself()
                 return
-            if time.monotonic() - stalled > self._stall:
+            mark = self._touched()
+            if mark != touched:  # bytes written since, not yet published
+                stalled, touched = time.monotonic(), mark
+            elif time.monotonic() - stalled > self._stall:
                 await self._read_by_itself()
                 return
             self.clock.check(self.name, self.position)
