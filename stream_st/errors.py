@@ -104,7 +104,11 @@ __all__ = [
 
 # ---------------------------------------------------------------- what a message may show
 
-_SCHEME_SOURCE = r"\b[A-Za-z][A-Za-z0-9+.-]*://"
+_SCHEME_SOURCE = r"(?<![A-Za-z0-9+.-])[0-9+.-]*+[A-Za-z][A-Za-z0-9+.-]*+://"
+"""A scheme and its ``://``, read from the start of the run of characters a scheme may hold
+(what comes before a letter there, ``1.`` in ``1.http://``, taken with it): one try a run, in
+time linear in the text (tried from every word boundary of a run, ``a.a.a...``, as ``\\b``
+would, it was quadratic: seconds for an error page of 64 KiB)."""
 
 _SCHEME = LazyPattern(_SCHEME_SOURCE)
 
@@ -157,11 +161,36 @@ an angle bracket in a password or a parameter is theirs, as URL parsers read the
 
 def _one_address(text: str) -> bool:
     """Whether :func:`redact` reads ``text`` as one address, white space and all (a
-    transport's name, an error's ``url``): it starts with ``scheme://`` and holds no line break,
-    and nothing masked (a message quoting a name, ``{name}: ...``, is a text)."""
-    if MASK in text or "://" not in text or "\n" in text or "\r" in text:
+    transport's name, an error's ``url``): it starts with ``scheme://``, holds no line break
+    but in a userinfo with no space in it (before the last ``@`` of its authority: URL parsers
+    drop a line break, and a password read from a file keeps its newline; a line
+    ``http://h:80 refused`` before one with an ``@`` in it is a text's), and nothing masked (a
+    message quoting a name, ``{name}: ...``, is a text)."""
+    if MASK in text or "://" not in text or not text[0].isalpha():
         return False
-    return _SCHEME.compiled.match(text) is not None
+    scheme = _SCHEME.compiled.match(text)
+    if scheme is None:
+        return False
+    authority = _AUTHORITY.compiled.match(text, scheme.end())
+    assert authority is not None  # it matches the empty string
+    host = max(text.rfind("@", scheme.end(), authority.end()) + 1, scheme.end())
+    if text.find("\n", host) >= 0 or text.find("\r", host) >= 0:
+        return False
+    userinfo = text[scheme.end() : host]
+    broken = "\n" in userinfo or "\r" in userinfo
+    return not broken or (" " not in userinfo and "\t" not in userinfo)
+
+
+_QUOTED = LazyPattern(
+    r"(?<!\\)(?P<quote>['\"])(?P<address>[A-Za-z][A-Za-z0-9+.-]*+://"
+    r"(?:(?!(?P=quote))[^\\\r\n]|\\.)*+)(?P=quote)(?=[),.:;\]}]*+(?:[\s<>]|$))"
+)
+"""An address a text quotes as ``repr`` and JSON do: from a quote to the next one of its kind
+on its line (but an escaped one, ``\\'``), where that one closes the quoting (before white
+space, an angle bracket or the end, after any closing punctuation: ``'...'),``). :func:`redact`
+reads it whole: a space in its password or in a parameter's value is theirs (``invalid URL
+'http://a:it s@h:99999/m'``). Each try stops at the next quote of its kind, where the next try
+starts: linear time."""
 
 
 def _mask_cut_short(text: str, reading: _Reading) -> str:
@@ -204,14 +233,16 @@ MASK = "***"
 
 _AUTHORIZATION = LazyPattern(
     r"(?i)\b(?P<scheme>Bearer|Basic)(?P<gap>[ \t]+)(?P<value>[A-Za-z0-9._~+/-]{8,}=*)(?![\w=~+/.-])"
-    r"|\b(?P<aws>AWS4-HMAC-SHA256)[ \t]+[^\r\n'\"<>]*?Signature=[0-9A-Fa-f]+"
+    r"|\b(?P<aws>AWS4-HMAC-SHA256)[ \t]++"
+    r"(?:(?!AWS4-HMAC-SHA256)[^\r\n'\"<>])*?Signature=[0-9A-Fa-f]+"
 )
 """The credentials of an ``Authorization`` value quoted in a text without its header's name (an
 error page echoing the request as a table): a ``Bearer`` token of 8 characters or more (not
 ``Bearer realm=``), a ``Basic`` user and password (a value with a digit in it, of 20 characters
 or more, or Base64 of ``user:password``: not ``Basic authentication``), either scheme in any case
-(RFC 9110), or an AWS signature with its key id. Quoted with its name, ``Authorization: ...``,
-a value of any scheme is masked (:data:`_HEADER`)."""
+(RFC 9110), or an AWS signature with its key id (looked for up to the end of its line or the
+next ``AWS4-HMAC-SHA256``: from each of them to the end of the line took quadratic time). Quoted
+with its name, ``Authorization: ...``, a value of any scheme is masked (:data:`_HEADER`)."""
 
 
 SECRET_HEADERS = (
@@ -376,6 +407,22 @@ def _filenames(error: BaseException) -> tuple[object, object]:
     return None, None
 
 
+def _mask_addresses(text: str, reading: _Reading) -> str:
+    """``text`` with the passwords and the signed parameters of the addresses in it masked,
+    ``reading`` telling where an address ends."""
+    if "@" in text:
+        text = _mask_cut_short(reading.userinfo.compiled.sub(_mask_userinfo, text), reading)
+    if "=" in text or "%3" in text:
+        text = _mask_parameters(text, reading)
+    return text
+
+
+def _mask_quoted(match: re.Match[str]) -> str:
+    """An address a text quotes (:data:`_QUOTED`) masked as one address, in its quotes."""
+    quote = match["quote"]
+    return f"{quote}{_mask_addresses(match['address'], _ONE_ADDRESS)}{quote}"
+
+
 def redact(text: str) -> str:
     """``text`` (an address, or a message quoting any number of them) with the secrets an address
     can carry masked: the password of ``scheme://user:password@host`` (the user name stays, to
@@ -389,15 +436,18 @@ def redact(text: str) -> str:
     (``X-Amz-Security-Token``, ``Cookie``, ``X-Api-Key``, ``Proxy-Authorization``, ...) quoted as
     ``name: value``. A quote in a password or a parameter's value is masked with it, and so is
     an angle bracket in a password; a text that is one address (it starts with ``scheme://``,
-    holds no line break and nothing masked yet: a transport's name, an error's ``url``) is read
-    whole, a space, a tab or an angle bracket in a password or a value masked with it. Masking
+    holds no line break but in its password and nothing masked yet: a transport's name, an
+    error's ``url``) is read whole, a space, a tab, a line break or an angle bracket in a
+    password or a value masked with it, and so is an address a text quotes as ``repr`` and
+    JSON do (``invalid URL '...'``, ``"url": "..."``). In time linear in the text. Masking
     again changes nothing. Every error's message passes through it; use it wherever an address
     is shown."""
-    reading = _ONE_ADDRESS if _one_address(text) else _IN_TEXT
-    if "@" in text:
-        text = _mask_cut_short(reading.userinfo.compiled.sub(_mask_userinfo, text), reading)
-    if "=" in text or "%3" in text:
-        text = _mask_parameters(text, reading)
+    if _one_address(text):
+        text = _mask_addresses(text, _ONE_ADDRESS)
+    else:
+        if "://" in text and ("'" in text or '"' in text):
+            text = _QUOTED.compiled.sub(_mask_quoted, text)
+        text = _mask_addresses(text, _IN_TEXT)
     folded = text.lower()
     if "bearer" in folded or "basic" in folded or "aws4-" in folded:
         text = _AUTHORIZATION.compiled.sub(_mask_authorization, text)

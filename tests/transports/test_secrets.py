@@ -252,6 +252,44 @@ async def test_a_signed_parameter_with_a_quote_or_white_space_is_hidden(
         assert "/missing.safetensors?token=***&file=m" in text, text
 
 
+@pytest.mark.parametrize(
+    "password",
+    [f"it\n{SECRET}", f"{SECRET}\n", f"it\r\n{SECRET}"],
+    ids=["line break", "trailing line break", "CRLF"],
+)
+async def test_a_password_with_a_line_break_is_hidden(password: str) -> None:
+    """URL parsers drop a line break from an address (a password read from a file with its
+    trailing newline works): the error's message, ``url`` and the transport's ``name``
+    showed the password whole."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://alice:{password}@127.0.0.1:{port}/m.safetensors"
+    with pytest.raises(TransportError) as info:
+        await load(url)
+    shown = (str(info.value), info.value.url, HttpSource(url).name, redact(url))
+    assert_hidden(*shown)
+    for text in shown:
+        assert f"http://alice:***@127.0.0.1:{port}/m.safetensors" in text, text
+
+
+@pytest.mark.parametrize(
+    ("address", "shown"),
+    [
+        (f"alice:it {SECRET}@127.0.0.1:99999/m", "alice:***@127.0.0.1:99999/m"),
+        (f"alice:it's {SECRET}@127.0.0.1:99999/m", "alice:***@127.0.0.1:99999/m"),
+        (f"127.0.0.1:99999/m?token=ab {SECRET}&b=1", "127.0.0.1:99999/m?token=***&b=1"),
+    ],
+)
+async def test_an_invalid_url_with_a_space_in_a_secret_hides_it(address: str, shown: str) -> None:
+    """``invalid URL '...'`` quotes the address as given: a space in its password or in a
+    signed parameter's value ended the mask there, and the message showed the rest."""
+    with pytest.raises(UsageError, match="invalid URL") as info:
+        await load(f"http://{address}")
+    assert_hidden(str(info.value), repr(info.value))
+    assert f"http://{shown}" in str(info.value)
+
+
 PRESIGNED = (
     "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIDEXAMPLE%2F20240101%2Fus-east-1"
     "&X-Amz-Date=20240101T000000Z&X-Amz-Expires=60&X-Amz-Security-Token=SESSIONTOKEN"
@@ -359,6 +397,33 @@ def test_redact_masks_through_quotes_and_any_authorization_scheme(text: str, sho
     value where the mask stopped, and the rest was shown; an ``Authorization`` value was masked
     only for ``Bearer``, ``Basic`` (so spelt) and AWS's scheme. A quote that closes the text's
     own quoting stays, and so does the text after an address."""
+    assert redact(text) == shown
+    assert redact(shown) == shown  # masking again changes nothing
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        (f"invalid URL 'http://a:it {SECRET}@h:9/m': x", "invalid URL 'http://a:***@h:9/m': x"),
+        (f"""invalid URL "http://a:it's {SECRET}@h/m\"""", 'invalid URL "http://a:***@h/m"'),
+        (f'{{"url": "https://h/x?token=ab {SECRET}&file=m"}}', '{"url": "https://h/x?token=***&file=m"}'),
+        (f"see 'https://h/x?sig=a b{SECRET}#top' (retry)", "see 'https://h/x?sig=***#top' (retry)"),
+        (f"url=http://a:b\\n{SECRET}@h/m", "url=http://a:***@h/m"),  # a repr's line break
+        ("the proxy http://me@127.0.0.1:32791 refused CONNECT: user:password@ in its URL",
+         "the proxy http://me@127.0.0.1:32791 refused CONNECT: user:password@ in its URL"),
+        ("the proxy 'http://me@h:32791' refused CONNECT: user:password@ in its URL",
+         "the proxy 'http://me@h:32791' refused CONNECT: user:password@ in its URL"),
+        ("'http://h/m' (it's 'a b@c'), \"https://h/x?a=1 2\" ok",
+         "'http://h/m' (it's 'a b@c'), \"https://h/x?a=1 2\" ok"),  # no secret: kept
+        ("http://h:80 refused\nmail a@h.org", "http://h:80 refused\nmail a@h.org"),  # a text
+        (f"1.http://a:{SECRET}@h/m", "1.http://a:***@h/m"),
+        (f"x_http://a:{SECRET}@h/m", "x_http://a:***@h/m"),
+    ],
+)  # fmt: skip
+def test_redact_reads_a_quoted_address_whole(text: str, shown: str) -> None:
+    """A text quoting an address (``invalid URL '...'``, JSON) showed the tail of a password or
+    a signed parameter's value after a space in it; an address quoted bare still ends at white
+    space (a sentence goes on after it), and a line break ends a text's address."""
     assert redact(text) == shown
     assert redact(shown) == shown  # masking again changes nothing
 
@@ -505,6 +570,32 @@ def test_masking_takes_time_linear_in_the_text(tail: str) -> None:
     started = time.process_time()
     redact(text)
     assert time.process_time() - started < 1.0
+
+
+ADVERSARIAL = 256 << 10
+"""Characters of an adversarial text: four times the body of an error answer kept and masked.
+Quadratic, masking one takes minutes; linear, milliseconds."""
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "x " + "a." * (ADVERSARIAL // 6) + "://" + "b" * (ADVERSARIAL * 2 // 3) + " @",
+        "x " + "a-" * (ADVERSARIAL // 2) + "@",
+        "x " + "a+" * (ADVERSARIAL // 2) + ":/@",
+        "AWS4-HMAC-SHA256 " * (ADVERSARIAL // 17),
+        "x '" + "a." * (ADVERSARIAL // 6) + "://" + "b" * (ADVERSARIAL * 2 // 3),
+        "x " + "'a://b:c@" * (ADVERSARIAL // 9),
+    ],
+    ids=["scheme", "no scheme", "no scheme +", "AWS signature", "quoted", "quotes"],
+)
+def test_masking_adversarial_text_takes_time_linear_in_it(text: str) -> None:
+    """A scheme was looked for from every word boundary of a run of letters and dots to its
+    ``://`` (256 KiB: minutes), and an AWS signature from every ``AWS4-HMAC-SHA256`` to the end
+    of its line: an error page of such text held the event loop for seconds."""
+    started = time.process_time()
+    redact(text)
+    assert time.process_time() - started < 10.0
 
 
 async def test_a_tcp_address_s_cut_password_is_hidden() -> None:
