@@ -60,7 +60,7 @@ class Answer(Protocol):
 
 _BODY_LIMIT = 64 << 10  # of an error answer's body, kept on the error
 _EXCERPT = 200  # characters of a body shown in a message
-_MARKUP = re.compile(r"<[^>]*>")
+_MARKUP = re.compile(r"<[^<>]*>")  # [^<>]: a run of "<" with no ">" stays linear
 _NO_CODING = frozenset({"", "identity"})
 
 
