@@ -3,13 +3,20 @@ where they can pay, one connection everywhere else; against real servers on 127.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import math
+import re
 import socket
+import threading
+import tracemalloc
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 import safetensors.numpy as reference_numpy
@@ -265,3 +272,151 @@ async def test_a_huge_concurrency_is_held_to_the_most_parts_at_once(
     assert source.concurrency == parts.MOST_PARTS
     assert store.peak <= parts.MOST_PARTS
     assert store.connections <= parts.MOST_PARTS + 1  # and the first answer's
+
+
+async def test_a_closed_stream_holds_no_part_buffer_until_a_collection() -> None:
+    """A read with ``concurrency`` kept its part buffers in a reference cycle (the source and
+    its window of parts) once its stream was closed, until the cyclic collector ran. With that
+    collector off, the tensors dropped and the stream closed leave no numpy memory behind."""
+    with serve(etag="strong") as server:
+        enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        tracemalloc.start()
+        try:
+            before = numpy_memory()
+            source = HttpSource(server.url("/model.safetensors"), part_size=PART, concurrency=4)
+            arrays = await read(source)
+            assert_same_arrays(arrays, MODEL)
+            del arrays, source
+            held = numpy_memory() - before
+        finally:
+            tracemalloc.stop()
+            if enabled:
+                gc.enable()
+    assert held < PART  # not one part buffer
+
+
+@dataclass
+class HeldServer(CountingServer):
+    """A :class:`CountingServer` that sends the body of a range from byte ``held_from`` on in
+    part: half of it, then the rest once :attr:`gate` is set (from ``stalled_from`` on: never,
+    the connection held open until the server stops)."""
+
+    held_from: int = 0
+    stalled_from: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.gate = threading.Event()
+        self._start = threading.local()  # the range start of this connection's answer
+
+    def _answer(
+        self, connection: socket.socket, reader: Any, method: str, target: str, headers: Any
+    ) -> bool:
+        asked = re.fullmatch(r"bytes=(\d+)-\d*", headers.get("range", ""))
+        self._start.at = int(asked.group(1)) if asked else 0
+        return super()._answer(connection, reader, method, target, headers)
+
+    def _send_body(self, connection: socket.socket, body: memoryview, chunked: bool) -> int:
+        at = self._start.at
+        if at < self.held_from:
+            return super()._send_body(connection, body, chunked)
+        half = len(body) // 2
+        connection.sendall(body[:half])
+        if at >= self.stalled_from:
+            self._stopping.wait()
+            return half
+        self.gate.wait()
+        connection.sendall(body[half:])
+        return len(body)
+
+
+def test_a_stopped_part_leaves_nothing_held_until_a_collection() -> None:
+    """A read with ``concurrency`` stopped the parts still arriving after it (cancelled in
+    their bodies) with an error that anyio's task group keeps in a reference cycle, with every
+    frame it went through: the part buffers, the window and the caller's results stayed until
+    the cyclic collector ran (a process reading a file after another grew by part_size x K and
+    more each time). With that collector off, the read's results and its part buffers are
+    freed as soon as they are dropped and the source is closed.
+
+    The server keeps the second part's body until the first read is done (it must be read by
+    the second read) and never finishes the third and fourth's: the second read stops them."""
+    server = HeldServer(etag="strong", held_from=PART, stalled_from=2 * PART)
+    server.objects["/model.safetensors"] = reference_numpy.save(MODEL)
+
+    async def read_two_parts() -> np.ndarray[Any, Any]:
+        source = HttpSource(server.url("/model.safetensors"), part_size=PART, concurrency=4)
+        await source.start(read_all=True)
+        first, second = np.empty(PART, np.uint8), np.empty(PART, np.uint8)
+        assert await source.read_into_at(0, first.data) == PART
+        server.gate.set()
+        assert await source.read_into_at(PART, second.data) == PART
+        await source.aclose()
+        return second
+
+    with server:
+        enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        tracemalloc.start()
+        try:
+            before = numpy_memory()
+            result = asyncio.run(read_two_parts())
+            assert bytes(result) == server.objects["/model.safetensors"][PART : 2 * PART]
+            dropped = weakref.ref(result)
+            del result
+            kept = dropped() is not None
+            held = numpy_memory() - before
+        finally:
+            tracemalloc.stop()
+            if enabled:
+                gc.enable()
+    assert not kept  # by a cycle through the loop's frames
+    assert held < PART  # not one part buffer
+
+
+async def test_a_cancelled_read_leaves_no_part_buffer_held_until_a_collection() -> None:
+    """A read with ``concurrency`` cancelled by its caller (or failing) cancels its parts too:
+    anyio's task group keeps their errors in reference cycles, and those held the frames the
+    errors went through, with the part buffers they were received into, until the cyclic
+    collector ran. With that collector off, they are freed once the source is closed."""
+    server = HeldServer(etag="strong", held_from=PART, stalled_from=2 * PART)
+    server.objects["/model.safetensors"] = reference_numpy.save(MODEL)
+    with server:
+        enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        tracemalloc.start()
+        try:
+            before = numpy_memory()
+            source = HttpSource(server.url("/model.safetensors"), part_size=PART, concurrency=4)
+            await source.start(read_all=True)
+            buffer = np.empty(2 * PART, np.uint8).data
+            assert await source.read_into_at(0, buffer[:PART]) == PART
+            async with anyio.create_task_group() as group:  # the parts' responses are open
+                with anyio.CancelScope() as scope:
+                    group.start_soon(cancel_when_blocked, scope)  # each part in its body
+                    await source.read_into_at(PART, buffer[PART:])
+            await source.aclose()
+            del source, buffer
+            held = numpy_memory() - before
+        finally:
+            server.gate.set()
+            tracemalloc.stop()
+            if enabled:
+                gc.enable()
+    assert held < PART  # not one part buffer
+
+
+async def cancel_when_blocked(scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` once every other task waits."""
+    await anyio.wait_all_tasks_blocked()
+    scope.cancel()
+
+
+def numpy_memory() -> int:
+    """The bytes of numpy's arrays tracemalloc sees allocated now."""
+    domain = tracemalloc.DomainFilter(inclusive=True, domain=np.lib.tracemalloc_domain)
+    snapshot = tracemalloc.take_snapshot().filter_traces([domain])
+    return sum(trace.size for trace in snapshot.traces)

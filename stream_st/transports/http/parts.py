@@ -35,6 +35,7 @@ from anyio.abc import TaskGroup
 
 from ..._util import task_group
 from ...errors import HTTPProtocolError, ReadTimeoutError, TransportError
+from ..file.readahead import _let_go
 from .framing import Response
 
 __all__ = ["MOST_PARTS", "SMALLEST_PART", "PartWindow"]
@@ -82,6 +83,11 @@ class _Part:
     failures: int = 0  # breaks so far, each resumed by a new request
     running: bool = False  # a task of the running read drives it
 
+    def drop_buffer(self) -> memoryview | None:
+        """The part buffer, if any, no longer the part's."""
+        buffer, self.buffer, self.data = self.buffer, None, None
+        return buffer
+
 
 class PartWindow:
     """The next K parts of a plan of ranges, each requested with ``fetch`` on its own
@@ -124,6 +130,7 @@ class PartWindow:
         self._step = part_size  # bytes per part
         self._spare: list[memoryview] = []  # part buffers of parts read past, for new parts
         self._group: TaskGroup | None = None  # the running read's tasks, inside a read only
+        self._stops: list[anyio.CancelScope] = []  # its tasks' own scopes, cancelled to stop them
         self._target: tuple[int, memoryview] | None = None  # the running read: offset, buffer
         self._requesting = 0  # parts waiting for the answer to their request
         self._stopping = False  # the read is done: its tasks stop where nothing is lost
@@ -184,8 +191,9 @@ class PartWindow:
         window = self._window
         while window and window[0].end <= at:
             part = window.popleft()
-            if part.buffer is not None and len(self._spare) < self._concurrency:
-                self._spare.append(part.buffer)
+            buffer = part.drop_buffer()  # a cancelled read's error may keep the part (_drive)
+            if buffer is not None and len(self._spare) < self._concurrency:
+                self._spare.append(buffer)
             if part.response is not None:
                 await part.response.aclose()
         if not window:
@@ -202,7 +210,9 @@ class PartWindow:
         if self._since is None:
             self._since = (time.monotonic(), self._received)
         part.running = True
-        self._group.start_soon(self._drive, part)
+        stop = anyio.CancelScope()
+        self._stops.append(stop)
+        self._group.start_soon(self._drive, part, stop)
 
     def _changed(self) -> None:
         """Wake the read waiting in :meth:`_wait`: a part arrived or a request was answered."""
@@ -263,7 +273,8 @@ class PartWindow:
                     self._stopping = True
                     while self._requesting:  # a request is never cut: its answer may be used
                         await self._wait()
-                    group.cancel_scope.cancel()
+                    for scope in self._stops:
+                        scope.cancel()
         finally:
             await self._stopped()
         return filled, outside
@@ -272,6 +283,7 @@ class PartWindow:
         """After a read: no task runs, no part is received into its buffer any more. A part
         left unfinished there (the read failed) starts again."""
         self._group = None
+        self._stops = []
         self._target = None
         self._stopping = False
         for part in self._window:
@@ -283,25 +295,37 @@ class PartWindow:
                 if response is not None:
                     await response.aclose()
 
-    async def _drive(self, part: _Part) -> None:
-        """Request ``part`` (again, from the byte it reached, after a break) and receive it."""
+    async def _drive(self, part: _Part, stop: anyio.CancelScope) -> None:
+        """Request ``part`` (again, from the byte it reached, after a break) and receive it;
+        ``stop`` is cancelled when the read is done.
+
+        The task ends without an error then (``stop`` catches its cancellation): anyio's task
+        group keeps the error a task ends with in a reference cycle, with the frames it came
+        through and those of the loop, until the cyclic collector runs; they hold the bytes
+        being received (a part buffer, or the tensor's own memory) and the caller's results.
+        Cancelled from outside (the read failed, or its caller gave up), it clears the frames
+        below it, those holding the bytes."""
         try:
-            while not part.done:
-                if part.response is None:
-                    if self._stopping:
-                        return
-                    self._requesting += 1
-                    try:
-                        part.response = await self._fetch(part.start + part.got, part.end)
-                    finally:
-                        self._requesting -= 1
-                        self._changed()
+            with stop:
+                while not part.done:
                     if part.response is None:
-                        self._finish(part)
-                        return
-                    if self._stopping:
-                        return
-                await self._receive(part, part.response)
+                        if self._stopping:
+                            return
+                        self._requesting += 1
+                        try:
+                            part.response = await self._fetch(part.start + part.got, part.end)
+                        finally:
+                            self._requesting -= 1
+                            self._changed()
+                        if part.response is None:
+                            self._finish(part)
+                            return
+                        if self._stopping:
+                            return
+                    await self._receive(part, part.response)
+        except anyio.get_cancelled_exc_class() as cancelled:
+            _let_go(cancelled)
+            raise
         finally:
             part.running = False
 
@@ -400,11 +424,15 @@ class PartWindow:
         return self.single and not self._window
 
     async def aclose(self) -> None:
-        """Close the answers of parts still open, and :attr:`rest`."""
+        """Close the answers of parts still open, and :attr:`rest`; let the part buffers go:
+        the window may be kept until the cyclic collector runs (by its source, whose methods it
+        holds, or by a cancelled read's error, see :meth:`_drive`)."""
         window, self._window = self._window, deque()
+        self._spare.clear()
         rest, self.rest = self.rest, None
         if rest is not None:
             await rest[0].aclose()
         for part in window:
+            part.drop_buffer()
             if part.response is not None:
                 await part.response.aclose()
