@@ -7,6 +7,7 @@ import contextlib
 import math
 import os
 import threading
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from types import TracebackType
@@ -22,6 +23,7 @@ __all__ = [
     "AsyncClosing",
     "allow_open_files",
     "call_soon_from_thread",
+    "let_go",
     "package_version",
     "process_running",
     "seen_through",
@@ -136,6 +138,18 @@ def call_soon_from_thread(
             native.call_soon_threadsafe(function)
         else:
             native.run_sync_soon(function)
+
+
+def let_go(error: BaseException) -> None:
+    """Clear the variables of the frames ``error`` (and the errors it came from) went through,
+    but those still running: a kept error then holds none of the memory they read into (a
+    thread's views, a part's buffer)."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        traceback.clear_frames(cause.__traceback__)
+        cause = cause.__cause__ or cause.__context__
 
 
 def process_running(pid: object) -> bool:

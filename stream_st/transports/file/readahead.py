@@ -47,7 +47,6 @@ import mmap
 import os
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -55,7 +54,7 @@ from contextlib import asynccontextmanager
 import anyio
 import anyio.lowlevel
 
-from ..._util import call_soon_from_thread, lock_and_condition
+from ..._util import call_soon_from_thread, let_go, lock_and_condition
 from ...errors import TransportError
 from ...memory.fresh import ALIGN, populate
 from . import direct as _direct
@@ -344,7 +343,7 @@ class ReadAhead:
             # outlives the read: it keeps no view of the caller's memory (the frames it went
             # through let go of theirs).
             batch, bounce = [], None
-            _let_go(exc)
+            let_go(exc)
             with self._lock:
                 self._error = exc
             self.stop()
@@ -524,17 +523,6 @@ class ReadAhead:
     def _call_soon(self, function: Callable[[], object]) -> None:
         """Have the event loop call ``function`` soon, from a worker thread, without waiting."""
         call_soon_from_thread(self._token, function)
-
-
-def _let_go(error: BaseException) -> None:
-    """Clear the variables of the frames ``error`` (and the errors it came from) went through,
-    but those still running: a kept error then holds none of the views they read into."""
-    seen: set[int] = set()
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        traceback.clear_frames(cause.__traceback__)
-        cause = cause.__cause__ or cause.__context__
 
 
 def _advise_sequential(fd: int) -> None:

@@ -33,9 +33,8 @@ import anyio
 import numpy as np
 from anyio.abc import TaskGroup
 
-from ..._util import task_group
+from ..._util import let_go, task_group
 from ...errors import HTTPProtocolError, ReadTimeoutError, TransportError
-from ..file.readahead import _let_go
 from .framing import Response
 
 __all__ = ["MOST_PARTS", "SMALLEST_PART", "PartWindow"]
@@ -324,7 +323,7 @@ class PartWindow:
                             return
                     await self._receive(part, part.response)
         except anyio.get_cancelled_exc_class() as cancelled:
-            _let_go(cancelled)
+            let_go(cancelled)
             raise
         finally:
             part.running = False
