@@ -11,8 +11,9 @@ everything needed: the total size (``Content-Range``) and whether ranges work (2
   A server that honours the first range but answers a later one with anything but that range
   (a 200 with the whole body, another start) raises :class:`~stream_st.TransportError`.
 * ``concurrency=K`` (K > 1): the data is fetched in parts of at most ``part_size`` bytes (the
-  planned bytes spread over K parts when that is less), each on its own connection, through a
-  window of the next K parts from the read position: as soon as the reads pass a part, the
+  planned bytes spread over K parts when that is less, though no part under 64 KiB unless
+  ``part_size`` is; K at most 64: :data:`~stream_st.transports.http.parts.MOST_PARTS`), each
+  on its own connection, through a window of the next K parts from the read position: as soon as the reads pass a part, the
   next one is requested, while the others are still arriving, across tensors. A part inside
   the tensor being read lands straight in its array, one beyond it in a part buffer (at most
   K, reused). Tensors still come out in offset order. When everything is read, the window
