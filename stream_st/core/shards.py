@@ -122,12 +122,15 @@ def scheme_of(address: object) -> str | None:
 
 
 def split_address(url: str) -> SplitResult:
-    """``url``'s parts, as ``urlsplit`` gives them, but an ``s3://`` address's key runs to its
-    end: an S3 key may hold ``?`` and ``#``, so it has no query and no fragment. A URL that
-    ``urlsplit`` cannot read (an unclosed ``[``) is a :class:`UsageError`."""
-    if url[:5].lower() == "s3://":
-        bucket, _, key = url[5:].partition("/")
-        return SplitResult(url[:2], bucket, "/" + key, "", "")
+    """``url``'s parts, as ``urlsplit`` gives them, but where the scheme names its object as
+    written (:func:`literal_scheme`: ``s3://bucket/key``, ``hf://org/repo/path``) the path runs
+    from the first ``/`` after the scheme to the end: an S3 key or a Hub path may hold ``?`` and
+    ``#``, so it has no query and no fragment. A URL that ``urlsplit`` cannot read (an unclosed
+    ``[``) is a :class:`UsageError`."""
+    scheme = scheme_of(url)
+    if scheme is not None and literal_scheme(scheme):
+        netloc, _, path = url[len(scheme) + 3 :].partition("/")
+        return SplitResult(url[: len(scheme)], netloc, "/" + path, "", "")
     try:
         return urlsplit(url)
     except ValueError as exc:  # a bracketed host unclosed or not an IPv6 address
@@ -162,8 +165,9 @@ def shard_address(index: str, shard: str) -> str:
 
 
 def join_address(scheme: str, netloc: str, path: str, query: str) -> str:
-    """The address of these parts (an ``s3://`` key as written: see :func:`split_address`)."""
-    if scheme.lower() == "s3":
+    """The address of these parts (an ``s3://`` key or ``hf://`` path as written, with no
+    query: see :func:`split_address`)."""
+    if literal_scheme(scheme):
         return f"{scheme}://{netloc}{path}"
     return urlunsplit((scheme, netloc, path, query, ""))
 

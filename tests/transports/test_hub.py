@@ -29,6 +29,7 @@ from stream_st import (
     UnsupportedSourceError,
     tools,
 )
+from stream_st.cli import main
 from stream_st.core.shards import shard_address
 from stream_st.tools import inspect
 from stream_st.transports.http.source import FIRST_RANGE, HttpSource
@@ -546,6 +547,49 @@ async def test_shard_names_are_held_to_the_policy(hub: FakeHub) -> None:
     with pytest.raises(HeaderError, match="stays next to the index"):
         await read_all("hf://org/bad/model.safetensors.index.json")
     assert len(on(hub, HUB)) == 1  # the index; no shard was asked for
+
+
+# ---------------------------------------------------------------- paths holding '?' and '#'
+
+# An hf:// path is taken as written, as an S3 key is: '?' and '#' are part of a name there, never
+# a query or a fragment.
+
+
+@pytest.mark.parametrize("folder", ["a#b", "a?b", "a?b#c"])
+async def test_an_index_in_a_folder_holding_a_query_or_fragment_character(
+    hub: FakeHub, folder: str
+) -> None:
+    shard = "model-00001-of-00001.safetensors"
+    beside: Arrays = {"w": np.full(4, 7.0, np.float32)}
+    hub.push(
+        "org/folders",
+        {
+            shard: reference_numpy.save({"w": np.zeros(4, np.float32)}),  # not the index's
+            f"{folder}/{shard}": reference_numpy.save(beside),
+            f"{folder}/model.safetensors.index.json": index_of({shard: beside}),
+        },
+    )
+    index = f"hf://org/folders/{folder}/model.safetensors.index.json"
+    assert shard_address(index, shard) == f"hf://org/folders/{folder}/{shard}"
+    assert_same_arrays(await read_all(index), beside)
+    assert_same_arrays(await stream_st.load(index), beside)
+
+
+def test_cp_into_a_directory_names_the_copy_by_the_whole_hub_path(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    files: dict[str, Arrays] = {
+        "w?a.safetensors": {"x": np.zeros(2, np.float32)},
+        "w#b.safetensors": {"x": np.ones(2, np.float32)},
+    }
+    hub.push("org/names", {name: reference_numpy.save(arrays) for name, arrays in files.items()})
+    into = tmp_path / "copies"
+    into.mkdir()
+    for name in files:  # the second once overwrote the first, both named 'w'
+        assert main(["cp", f"hf://org/names/{name}", f"{into}/"]) == 0
+    assert sorted(path.name for path in into.iterdir()) == sorted(files)
+    for name, arrays in files.items():
+        assert_same_arrays(reference_numpy.load_file(into / name), arrays)
 
 
 # ---------------------------------------------------------------- against huggingface_hub
