@@ -833,12 +833,13 @@ def open_writer(
     the destination to take bytes, ``deadline`` the whole write from opening to the last tensor,
     ``speed_limit``/``speed_time`` a transfer that stays too slow; ``headers`` and ``ssl_context``
     as there, for an HTTP or S3 destination. ``plan`` lists every tensor as a
-    :class:`~stream_st.TensorSpec` (dtype as a safetensors code or a numpy / ml_dtypes dtype);
-    ``order="reference"`` sorts it as the reference writer does. ``metadata`` (``str`` to
-    ``str``) is the header's ``__metadata__``; a digest record copied into it (the
-    ``stream_st.digest`` keys, which the new file's bytes would fail) is left out without
-    ``checksums``, and is a :class:`~stream_st.UsageError` with it (it records the new file's).
-    The header is built (and a bad plan refused) right away and written when the writer opens.
+    :class:`~stream_st.TensorSpec` (dtype as a safetensors code or a numpy dtype, ml_dtypes'
+    bfloat16 and float8 types included); ``order="reference"`` sorts it as the reference writer
+    does. ``metadata`` (``str`` to ``str``) is the header's ``__metadata__``; a digest record
+    copied into it (the ``stream_st.digest`` keys, which the new file's bytes would fail) is
+    left out without ``checksums``, and is a :class:`~stream_st.UsageError` with it (it records
+    the new file's). The header is built (and a bad plan refused) right away and written when
+    the writer opens.
 
     A file is written to a hidden temporary file beside ``dst`` and renamed into place only when
     every tensor has been written; tensors may come in any order. On a stream they must come in

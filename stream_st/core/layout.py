@@ -168,9 +168,12 @@ def _metadata_members(metadata: Mapping[str, str] | None) -> list[str]:
         )
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):
-            raise HeaderError(
-                f"metadata must map strings to strings; got {key!r}: {type(value).__name__}"
+            got = (
+                f"{key!r:.80}: {type(value).__name__}"
+                if isinstance(key, str)
+                else f"a key of type {type(key).__name__}, {key!r:.80}"
             )
+            raise HeaderError(f"metadata must map strings to strings; got {got}")
     return [f'"{METADATA_KEY}":{_compact(dict(metadata))}']
 
 

@@ -532,7 +532,9 @@ async def test_a_prefix_making_held_names_is_refused(tmp_path: Path, prefix: str
     [
         ({"prefix": None}, stream_st.ArgumentTypeError, "prefix must be a string, got NoneType"),
         ({"metadata": 5}, stream_st.UsageError, "metadata must be a mapping of strings"),
-        ({"metadata": {"k": 1}}, stream_st.HeaderError, "metadata must map strings to strings"),
+        ({"metadata": {"k": 1}}, stream_st.HeaderError, "to strings; got 'k': int"),
+        # a key not a string was shown as if its value's type were wrong ("got 1: str")
+        ({"metadata": {1: "v"}}, stream_st.HeaderError, "to strings; got a key of type int, 1"),
     ],
 )
 async def test_a_sharded_writer_checks_its_arguments_first(
