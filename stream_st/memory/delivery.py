@@ -19,7 +19,7 @@ from ..core.arrays import (
     torch_shape,
 )
 from ..core.header import TensorInfo
-from ..errors import DtypeError, TensorNotFoundError, UsageError
+from ..errors import ArgumentTypeError, DtypeError, TensorNotFoundError, UsageError
 
 __all__ = ["Delivery"]
 
@@ -54,6 +54,11 @@ class Delivery:
                 f"into= takes a mapping of names to buffers, got {type(into).__name__}"
             )
         self.into: Mapping[str, Any] = into or {}
+        for name in self.into:
+            if not isinstance(name, str):  # a bare TypeError sorting mixed names, else "not found"
+                raise ArgumentTypeError(
+                    f"into= names are str, got {type(name).__name__} {name!r:.80}"
+                )
         self.exact = exact
         self.writable = writable or self.torch
 

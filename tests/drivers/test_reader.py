@@ -234,6 +234,17 @@ async def test_a_released_memoryview_is_named_as_such() -> None:
         await read_all(data, into={name: released})
 
 
+async def test_into_names_that_are_no_strings_are_refused_as_such() -> None:
+    """into= with names of mixed types escaped as a bare TypeError (sorting them for the names
+    the header lacks), and a lone non-str name was "not in the header": refused as include=
+    refuses one, naming its type."""
+    data = sample_file()
+    name = next(iter(sample_tensors()))
+    for into in ({1: bytearray(4), name: bytearray(4)}, {1: bytearray(4)}):
+        with pytest.raises(stream_st.ArgumentTypeError, match="into= names are str, got int 1"):
+            await read_all(data, into=into)
+
+
 async def test_non_contiguous_buffers_are_read_in_c_order() -> None:
     data = sample_file()
     assert len(data) % 4 == 0
