@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 import numpy as np
+import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
@@ -172,14 +173,24 @@ async def test_a_follower_in_the_same_process_and_a_writer_that_stops_early(
     assert not list(tmp_path.rglob(".growing"))
 
 
-async def test_followers_of_a_slow_writer_fetch_nothing(tmp_path: Path) -> None:
-    """A link slower than :data:`PUBLISH_STEP` per second (over a second between two steps),
-    the object read in small tensors: three reads in the writer's own process follow its copy
-    to the end (its writes are progress), the server sends the object once."""
-    arrays = {f"s{i:02}": np.arange(i, i + 4096, dtype=np.float32) for i in range(40)}
+SLOW_LAYOUTS: dict[str, dict[str, np.ndarray[Any, Any]]] = {
+    # each tensor's read takes a twentieth of a second: the writer's writes show its progress
+    "small tensors": {f"s{i:02}": np.arange(i, i + 4096, dtype=np.float32) for i in range(40)},
+    # the writer's one read of the tensor takes two seconds: its bytes are written as they land
+    "one big tensor": {"big": np.random.default_rng(0).random(80 << 10)},
+}
+
+
+@pytest.mark.parametrize("layout", SLOW_LAYOUTS)
+async def test_followers_of_a_slow_writer_fetch_nothing(tmp_path: Path, layout: str) -> None:
+    """A link slower than :data:`PUBLISH_STEP` per second (over a second between two steps):
+    three reads in the writer's own process follow its copy to the end, the server sends the
+    object (640 KiB, two seconds) once."""
+    arrays = SLOW_LAYOUTS[layout]
     data = reference_numpy.save(arrays)
-    rate = len(data) / 2  # two seconds for the object, 640 KiB
-    with RangeHTTPServer(objects={"/m.safetensors": data}, etag="strong", rate=rate) as running:
+    with RangeHTTPServer(
+        objects={"/m.safetensors": data}, etag="strong", rate=len(data) / 2
+    ) as running:
         url = running.url("/m.safetensors")
         results: list[tuple[dict[str, Any], str | None]] = []
 

@@ -27,6 +27,7 @@ import contextlib
 import errno
 import os
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -42,7 +43,7 @@ from ...core.digests import Hasher, ObjectDigest, update_sliced
 from ...errors import CacheWarning, IntegrityError
 from ..base import DISCARD_CHUNK, Source
 from ..options import Transport
-from .follow import Growing
+from .follow import PUBLISH_EVERY, Growing
 from .store import (
     EntryLock,
     RangeSet,
@@ -573,31 +574,35 @@ class TeeSource(Source):
         passed on whole (its parts, when several connections are at work, land straight in
         ``view``), and the bytes are handed to the copy's thread in pieces as the source tells
         they have landed (:meth:`~stream_st.transports.base.Source.read_landing`), written and
-        hashed while the rest arrives; returns once all are written (the caller may use ``view``
-        again)."""
+        hashed while the rest arrives: each :data:`PIECE`, and what landed in
+        :data:`~.follow.PUBLISH_EVERY` seconds on a slower link, so that readers following the
+        copy see it grow (see :mod:`.follow`). Returns once all are written (the caller may use
+        ``view`` again)."""
         writer = self.writer
-        if len(view) <= PIECE or not writer.active:
-            got = await self.inner.read_into_at(offset, view)
-            await writer.took(offset, view[:got])
-            return got
+        if not writer.active:
+            return await self.inner.read_into_at(offset, view)
         handed = 0  # bytes of ``view`` handed to the copy's thread
+        handed_at = time.monotonic()
 
         def hand(end: int) -> None:
-            nonlocal handed
+            nonlocal handed, handed_at
             for start in range(handed, end, PIECE):
                 writer.hand(offset + start, view[start : min(end, start + PIECE)])
-            handed = end
+            handed, handed_at = end, time.monotonic()
 
         def landed(start: int, end: int) -> None:
             end -= offset
             if end - handed >= PIECE:
                 hand(end - (end - handed) % PIECE)
+            elif end > handed and time.monotonic() - handed_at >= PUBLISH_EVERY:
+                hand(end)
 
         try:
             landing = await self.inner.read_landing(offset, view, landed)
             # None: the source cannot tell, the bytes are kept once all are in
             got = await self.inner.read_into_at(offset, view) if landing is None else landing
-            hand(got)
+            if handed:
+                hand(got)
         except BaseException:
             # the copy's thread may still read pieces of ``view``: a read cancelled or failed
             # waits for it (shielded: a piece takes milliseconds), so the caller never gets
@@ -605,7 +610,10 @@ class TeeSource(Source):
             with anyio.CancelScope(shield=True):
                 await writer.settled()
             raise
-        await writer.written()
+        if handed:
+            await writer.written()
+        else:  # all landed at once: kept as a whole (see CopyWriter.took)
+            await writer.took(offset, view[:got])
         return got
 
     async def plan_reads(self, ranges: Sequence[tuple[int, int]]) -> None:
