@@ -62,7 +62,7 @@ from ..errors import (
     UsageError,
     redact,
 )
-from ..kv.layout import _KV_KEYS, KVLayout, digest_name
+from ..kv.layout import KVLayout, digest_name
 from ..reader import Include, TensorStream
 from ..reader.stream import listed
 from ..sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
@@ -199,19 +199,30 @@ class _Transfer:
 def _transfer(
     stream: TensorStream, headers: Sequence[Header], wanted: Sequence[TensorInfo]
 ) -> _Transfer | None:
-    """The KV transfer ``cp`` converts, None where the source (``stream``, ``headers``) is none
-    (no ``kv_*`` key in its ``__metadata__``). Its layout and layer digests cover every layer: a
-    :class:`~stream_st.UsageError` where it is read from shards or ``include=`` takes some of
-    its tensors only (``wanted``), a :class:`~stream_st.HeaderError` where its tensors do not
-    follow its layout (:func:`~stream_st.receive_kv` refuses it too)."""
-    if not any(key in header.metadata for header in headers for key in _KV_KEYS):
+    """The KV transfer ``cp`` converts, None where the source (``stream``, ``headers``) is none:
+    its ``__metadata__`` lacks a key of :data:`_TRANSFER_KEYS` (a checkpoint may record a
+    ``kv_dtype`` of its own), or its tensors do not follow the layout those keys announce
+    (:func:`~stream_st.receive_kv` would refuse it: copied as any file). Its layout and layer
+    digests cover every layer: a :class:`~stream_st.UsageError` where it is read from shards or
+    ``include=`` takes some of its tensors only (``wanted``)."""
+    if not any(all(key in header.metadata for key in _TRANSFER_KEYS) for header in headers):
         return None
-    if isinstance(stream, ShardedStream) or len(wanted) != len(stream.header):
+    layout = None
+    if not isinstance(stream, ShardedStream):
+        try:
+            layout = KVLayout.from_header(stream.header)
+        except HeaderError:
+            return None
+    if layout is None or len(wanted) != len(stream.header):
         raise UsageError(
             "the source is a KV transfer (kv_* keys in its __metadata__), whose layout and layer "
             "digests cover every layer: convert it whole, one file, without include= (--include)"
         )
-    return _Transfer(KVLayout.from_header(stream.header), stream.source.name)
+    return _Transfer(layout, stream.source.name)
+
+
+_TRANSFER_KEYS = ("kv_layers", "kv_shape", "kv_dtype")
+"""The ``__metadata__`` keys :func:`~stream_st.send_kv` always writes, which a KV transfer has."""
 
 
 class _Plan:

@@ -696,6 +696,32 @@ async def test_a_kv_transfer_is_converted_whole_its_digests_checked(tmp_path: Pa
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "metadata",
+    [{"kv_dtype": "fp8_e4m3"}, {"kv_layers": "2", "kv_shape": "[1, 2, 3, 64]", "kv_dtype": "F32"}],
+    ids=["one_kv_key", "no_kv_layout"],
+)
+async def test_a_checkpoint_recording_kv_keys_is_converted_as_any_file(
+    tmp_path: Path, metadata: dict[str, str]
+) -> None:
+    """A model's checkpoint whose ``__metadata__`` merely records a ``kv_*`` key (or all three a
+    transfer has, over tensors of no KV layout) was taken for a KV transfer: ``--dtype`` (and the
+    other conversions) refused it ("not a KV-cache transfer"), ``--include`` too. It is copied
+    and converted as any file, as before there were KV transfers to convert."""
+    source, out = tmp_path / "model.safetensors", tmp_path / "out.safetensors"
+    tensors = {"w": np.ones(4, np.float32), "b": np.zeros(2, np.float32)}
+    reference_numpy.save_file(tensors, str(source), metadata=metadata)
+    copied = await stream_st.tools.cp(str(source), str(out), dtype="f16")
+    assert copied.converted == 2
+    found = reference_numpy.load_file(str(out))
+    assert {name: array.dtype for name, array in found.items()} == {
+        "w": np.float16,
+        "b": np.float16,
+    }
+    partial = await stream_st.tools.cp(str(source), str(out), dtype="f16", include=["w"])
+    assert list(partial.header.names()) == ["w"]
+
+
 def test_dtype_on_a_file_already_of_that_dtype_converts_nothing(tmp_path: Path) -> None:
     f16 = tmp_path / "f16.safetensors"
     reference_numpy.save_file({"w": np.ones((2, 2), np.float16)}, str(f16))
