@@ -19,6 +19,7 @@ from ..core.arrays import (
     torch_shape,
 )
 from ..core.header import TensorInfo
+from ..core.strict_json import brief
 from ..errors import ArgumentTypeError, DtypeError, TensorNotFoundError, UsageError
 
 __all__ = ["Delivery"]
@@ -57,7 +58,7 @@ class Delivery:
         for name in self.into:
             if not isinstance(name, str):  # a bare TypeError sorting mixed names, else "not found"
                 raise ArgumentTypeError(
-                    f"into= names are str, got {type(name).__name__} {name!r:.80}"
+                    f"into= names are str, got {type(name).__name__} {brief(name)}"
                 )
         self.exact = exact
         self.writable = writable or self.torch

@@ -243,6 +243,8 @@ async def test_into_names_that_are_no_strings_are_refused_as_such() -> None:
     for into in ({1: bytearray(4), name: bytearray(4)}, {1: bytearray(4)}):
         with pytest.raises(stream_st.ArgumentTypeError, match="into= names are str, got int 1"):
             await read_all(data, into=into)
+    with pytest.raises(stream_st.ArgumentTypeError, match="got int <an integer of 16610 bits>"):
+        await read_all(data, into={10**5000: bytearray(4)})  # too long for repr
 
 
 async def test_non_contiguous_buffers_are_read_in_c_order() -> None:
