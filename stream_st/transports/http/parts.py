@@ -129,7 +129,7 @@ class PartWindow:
         self._step = part_size  # bytes per part
         self._spare: list[memoryview] = []  # part buffers of parts read past, for new parts
         self._group: TaskGroup | None = None  # the running read's tasks, inside a read only
-        self._stops: list[anyio.CancelScope] = []  # its tasks' own scopes, cancelled to stop them
+        self._stops: set[anyio.CancelScope] = set()  # its running tasks' own scopes (_drive)
         self._target: tuple[int, memoryview] | None = None  # the running read: offset, buffer
         self._requesting = 0  # parts waiting for the answer to their request
         self._stopping = False  # the read is done: its tasks stop where nothing is lost
@@ -210,7 +210,7 @@ class PartWindow:
             self._since = (time.monotonic(), self._received)
         part.running = True
         stop = anyio.CancelScope()
-        self._stops.append(stop)
+        self._stops.add(stop)
         self._group.start_soon(self._drive, part, stop)
 
     def _changed(self) -> None:
@@ -272,7 +272,7 @@ class PartWindow:
                     self._stopping = True
                     while self._requesting:  # a request is never cut: its answer may be used
                         await self._wait()
-                    for scope in self._stops:
+                    for scope in list(self._stops):  # each leaves the set as its task ends
                         scope.cancel()
         finally:
             await self._stopped()
@@ -282,7 +282,6 @@ class PartWindow:
         """After a read: no task runs, no part is received into its buffer any more. A part
         left unfinished there (the read failed) starts again."""
         self._group = None
-        self._stops = []
         self._target = None
         self._stopping = False
         for part in self._window:
@@ -296,7 +295,8 @@ class PartWindow:
 
     async def _drive(self, part: _Part, stop: anyio.CancelScope) -> None:
         """Request ``part`` (again, from the byte it reached, after a break) and receive it;
-        ``stop`` is cancelled when the read is done.
+        ``stop`` is cancelled when the read is done, and let go when the task ends: a long read
+        holds the scopes of the parts running only, not one for every part it started.
 
         The task ends without an error then (``stop`` catches its cancellation): anyio's task
         group keeps the error a task ends with in a reference cycle, with the frames it came
@@ -327,6 +327,7 @@ class PartWindow:
             raise
         finally:
             part.running = False
+            self._stops.discard(stop)
 
     async def _receive(self, part: _Part, response: Response) -> None:
         """Receive ``part``'s body from ``response``; a break is retried (``retries``, with
