@@ -217,6 +217,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         self._cut: str | None = None  # the source's name, once aclose cut the iteration short
         self._recycler = Recycler()  # fresh memory the caller has let go of, for later tensors
         self._closed = False
+        self._pid: int | None = None  # the process that opened it (see _check_here)
         self._head: tuple[bytes, memoryview] | None = None  # the prefix and header, as read
         self.object_check: str | None = None
         self.stats = LoadStats()
@@ -279,6 +280,8 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
 
     @property
     def source(self) -> Source:
+        """The open source the stream reads; in the process that opened it only."""
+        self._check_here()
         if self._source is None:
             raise UsageError("the stream is not open")
         return self._source
@@ -289,11 +292,14 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         closed since: an iteration's end), or raises an error of its own like that open's (its
         class, message and attributes), from it (where that open was cancelled instead, it
         opens the stream itself, unless that open closed it: then a
-        :class:`~stream_st.UsageError`, as for any closed stream).
+        :class:`~stream_st.UsageError`, as for any closed stream). In a copy of the process
+        that opened it made by ``os.fork()``, a :class:`~stream_st.UsageError` (see
+        :meth:`_check_here`).
 
         ``read_all`` promises that every tensor will be read next, so a ranged transport may
         fetch everything with its first request.
         """
+        self._check_here()
         while True:
             if self._closed:
                 raise UsageError("the stream is closed")
@@ -313,6 +319,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
                 finally:
                     del error
         opening = self._opening = _Opening()
+        self._pid = os.getpid()
         try:
             header = opening.header = await self._open(read_all=read_all)
             return header
@@ -347,7 +354,11 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
     async def aclose(self) -> None:
         """Close the source. Bytes not yet read stay unread. An iteration left part way (a
         ``break``) is closed first, so nothing still reads from the source (a local file's
-        read-ahead threads are stopped and waited for)."""
+        read-ahead threads are stopped and waited for). In a copy of the process that opened
+        it made by ``os.fork()``, only lets the copy go (see :meth:`_let_go`)."""
+        if not self._here():
+            self._let_go()
+            return
         self._closed = True
         await self._close_iteration()
         self._recycler = Recycler()  # no later tensor: let memory kept for one go
@@ -367,7 +378,12 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         """Close an iteration left part way, if any (its ``finally`` blocks run now), and stop
         its read-ahead threads and wait for them in any case: also where the iteration is
         running in another task at this moment (which then meets the closed source), or was
-        dropped after a ``break`` and waits for the loop to close it."""
+        dropped after a ``break`` and waits for the loop to close it. In a copy of the process
+        that opened the stream made by ``os.fork()``, only lets the copy go (see
+        :meth:`_let_go`)."""
+        if not self._here():
+            self._let_go()
+            return
         alive, self._generator = self._generator, None
         held, self._held = self._held, None
         generator = held if alive is None else alive()
@@ -384,6 +400,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         raise UsageError("a TensorStream is an async iterator: use `async for`")
 
     def __aiter__(self) -> AsyncIterator[tuple[str, TensorT]]:
+        self._check_here()
         if self._iterated:
             raise UsageError("a TensorStream can be iterated only once")
         self._iterated = True
@@ -392,6 +409,35 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         if self._opened():  # closed with the stream, which 'async with' does (see __init__)
             self._held = generator
         return _Iteration(generator, self)
+
+    def _here(self) -> bool:
+        """Whether this is the process that opened the stream (or it was not opened yet), not
+        a copy of it made by ``os.fork()``."""
+        return self._pid is None or self._pid == os.getpid()
+
+    def _check_here(self) -> None:
+        """:class:`~stream_st.UsageError` in a copy of the process that opened the stream made by
+        ``os.fork()``, before anything of the stream is touched: its source's connections are
+        the parent's sockets (each process would take part of the bytes of one response), and
+        a local file's read-ahead threads run in the parent alone (a step would wait for them
+        for ever)."""
+        if not self._here():
+            raise UsageError(
+                f"{self._shown_name()}: this stream was opened in another process, of which "
+                "this one is a copy made by os.fork() (a DataLoader worker is one): its "
+                "connections and read-ahead threads stayed there. Open it again in this process "
+                "(in a DataLoader worker: in worker_init_fn, or on first use in __getitem__)"
+            )
+
+    def _let_go(self) -> None:
+        """Close the stream in a copy of the process that opened it made by ``os.fork()``:
+        let go of the copy's references to its iteration and source, touching neither (their
+        connections are the parent's, their read-ahead threads run there alone)."""
+        self._closed = True
+        self._generator = self._held = None
+        self._reading = None
+        self._source = None
+        self._recycler = Recycler()
 
     def _shown_name(self) -> str:
         """The name of what this stream reads, for a message."""
@@ -621,6 +667,7 @@ class _Iteration(Generic[TensorT]):
         return self
 
     async def __anext__(self) -> tuple[str, TensorT]:
+        self._stream._check_here()  # a copy made by os.fork(): before the generator is touched
         if getattr(self._generator, "ag_running", False):  # another task's step is under way
             raise UsageError(
                 f"{self._stream._shown_name()}: a stream was iterated from two tasks at once; "
@@ -639,6 +686,9 @@ class _Iteration(Generic[TensorT]):
             raise
 
     async def aclose(self) -> None:
-        """Close the iteration (as an async generator's ``aclose``)."""
+        """Close the iteration (as an async generator's ``aclose``); in a copy of the process
+        that opened the stream made by ``os.fork()``, leave its generator untouched (its
+        ``finally`` blocks would close the parent's source, wait for its threads)."""
         self._over = True
-        await self._generator.aclose()
+        if self._stream._here():
+            await self._generator.aclose()
