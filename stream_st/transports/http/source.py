@@ -12,14 +12,14 @@ everything needed: the total size (``Content-Range``) and whether ranges work (2
   (a 200 with the whole body, another start) raises :class:`~stream_st.TransportError`.
 * ``concurrency=K`` (K > 1): the data is fetched in parts of at most ``part_size`` bytes (the
   planned bytes spread over K parts when that is less, though no part under 64 KiB unless
-  ``part_size`` is; K at most 64: :data:`~stream_st.transports.http.parts.MOST_PARTS`), each
-  on its own connection, through a window of the next K parts from the read position: as soon as the reads pass a part, the
-  next one is requested, while the others are still arriving, across tensors. A part inside
-  the tensor being read lands straight in its array, one beyond it in a part buffer (at most
-  K, reused). Tensors still come out in offset order. When everything is read, the window
-  opens as soon as the first answer's head tells the size, before the header has arrived.
-  ``open_stream(url, concurrency=K)`` sets it for any remote source; ``concurrency=1`` keeps
-  one connection.
+  ``part_size`` is; K at most 64: :data:`~stream_st.transports.http.parts.MOST_PARTS`), each on its
+  own connection, through a window of the next K parts from the read position: as soon as the reads
+  pass a part, the next one is requested, while the others are still arriving, across tensors. A
+  part inside the tensor being read lands straight in its array, one beyond it in a part buffer (at
+  most K, reused). Tensors still come out in offset order. When everything is read, the window opens
+  as soon as the first answer's head tells the size, before the header has arrived.
+  ``open_stream(url, concurrency=K)`` sets it for any remote source; ``concurrency=1`` keeps one
+  connection.
 * The default (``concurrency=None``) is adaptive: a window opens where more connections could
   pay: the server honours ranges, names the version with a strong ``ETag`` (each part is pinned
   to it with ``If-Match``) and more than ``part_size`` bytes are to be read. Its first part is
