@@ -133,6 +133,26 @@ def _read_on(loop: asyncio.AbstractEventLoop, iteration: Any, stream: TensorStre
     return loop.run_until_complete(asyncio.wait_for(rest(), 30))
 
 
+def _check_forked_while_reading(
+    stream: TensorStream, arrays: Arrays, read: int, shown: str, closing: str
+) -> None:
+    """Open ``stream`` (of ``arrays``) on a loop of its own, read ``read`` tensors, then fork:
+    the copy's uses of it are refused (naming ``shown``, see :func:`_check_refused`), and the
+    parent reads the rest, every tensor right."""
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(stream.__aenter__())
+        iteration = aiter(stream)
+        got = dict(loop.run_until_complete(anext(iteration)) for _ in range(read))
+        _check_refused(_in_child(lambda: _copy_uses(stream, iteration, closing)), shown)
+        got.update(_read_on(loop, iteration, stream))
+    finally:
+        loop.close()
+    assert list(got) == list(arrays)
+    for name, expected in arrays.items():
+        assert got[name].tobytes() == expected.tobytes(), name
+
+
 @pytest.mark.parametrize("closing", ["aclose", "exit"])
 def test_a_url_stream_copied_by_fork(tmp_path: Path, http: RangeHTTPServer, closing: str) -> None:
     """An http stream forked while its response comes: the copy, which shared the parent's
@@ -143,20 +163,7 @@ def test_a_url_stream_copied_by_fork(tmp_path: Path, http: RangeHTTPServer, clos
     reference_numpy.save_file(arrays, str(path))
     http.objects["/m.safetensors"] = path.read_bytes()
     url = http.url("/m.safetensors")
-    loop = asyncio.new_event_loop()
-    try:
-        stream = stream_st.open_stream(url, timeout=10)
-        loop.run_until_complete(stream.__aenter__())
-        iteration = aiter(stream)
-        first, array = loop.run_until_complete(anext(iteration))
-        got = {first: array}
-        _check_refused(_in_child(lambda: _copy_uses(stream, iteration, closing)), url)
-        got.update(_read_on(loop, iteration, stream))
-    finally:
-        loop.close()
-    assert list(got) == list(arrays)
-    for name, expected in arrays.items():
-        assert got[name].tobytes() == expected.tobytes(), name
+    _check_forked_while_reading(stream_st.open_stream(url, timeout=10), arrays, 1, url, closing)
 
 
 @pytest.mark.parametrize("closing", ["aclose", "exit"])
@@ -167,19 +174,7 @@ def test_a_local_stream_reading_ahead_copied_by_fork(tmp_path: Path, closing: st
     arrays = _arrays(12, (1024, 1024))  # 48 MiB: read ahead by threads
     path = tmp_path / "m.safetensors"
     reference_numpy.save_file(arrays, str(path))
-    loop = asyncio.new_event_loop()
-    try:
-        stream = stream_st.open_stream(path)
-        loop.run_until_complete(stream.__aenter__())
-        iteration = aiter(stream)
-        got = dict(loop.run_until_complete(anext(iteration)) for _ in range(2))
-        _check_refused(_in_child(lambda: _copy_uses(stream, iteration, closing)), str(path))
-        got.update(_read_on(loop, iteration, stream))
-    finally:
-        loop.close()
-    assert list(got) == list(arrays)
-    for name, expected in arrays.items():
-        assert got[name].tobytes() == expected.tobytes(), name
+    _check_forked_while_reading(stream_st.open_stream(path), arrays, 2, str(path), closing)
 
 
 def test_a_stream_opened_in_the_copy_reads_there(tmp_path: Path) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,19 @@ def damage_kept_copy(cache: Path, data: bytes, name: str) -> Path:
     return copy
 
 
+@contextmanager
+def a_damaged_kept_copy(tmp_path: Path) -> Iterator[tuple[str, Path, Path]]:
+    """A server of a checksummed file for the block, whose copy a stream's read kept in
+    ``tmp_path / "cache"`` (it fetched) and :func:`damage_kept_copy` then damaged in ``last``:
+    the file's URL, the cache, the copy."""
+    data = checksummed(tmp_path)
+    cache = tmp_path / "cache"
+    with RangeHTTPServer(objects={"/m.safetensors": data}, etag="strong") as server:
+        url = server.url("/m.safetensors")
+        assert read_stream(url, cache)[1] == "fetch"
+        yield url, cache, damage_kept_copy(cache, data, "last")
+
+
 def read_stream(url: str, cache: Path) -> tuple[dict[str, Any], str | None]:
     async def main() -> tuple[dict[str, Any], str | None]:
         async with stream_st.open_stream(url, cache=cache) as stream:
@@ -148,12 +163,7 @@ def test_a_kept_copy_failing_a_tensor_digest_is_removed(tmp_path: Path) -> None:
     """A copy the cache's own record vouches for (as one kept before copies were checked
     against the file's digests) whose tensor fails its digest: the read fails, the copy goes,
     the next read fetches the object again."""
-    data = checksummed(tmp_path)
-    cache = tmp_path / "cache"
-    with RangeHTTPServer(objects={"/m.safetensors": data}, etag="strong") as server:
-        url = server.url("/m.safetensors")
-        assert read_stream(url, cache)[1] == "fetch"
-        copy = damage_kept_copy(cache, data, "last")
+    with a_damaged_kept_copy(tmp_path) as (url, cache, copy):
         with pytest.raises(IntegrityError, match="last"):
             read_stream(url, cache)
         assert not copy.exists() and not copy.with_suffix(".json").exists()
@@ -190,12 +200,7 @@ def test_validate_keeps_no_copy_of_bytes_failing_the_digests(
 def test_validate_removes_a_kept_copy_failing_a_tensor_digest(tmp_path: Path) -> None:
     """A copy damaged on disk behind a record vouching for it: ``validate`` reported it and left
     it in place. It is removed now, and the next read fetches the object again."""
-    data = checksummed(tmp_path)
-    cache = tmp_path / "cache"
-    with RangeHTTPServer(objects={"/m.safetensors": data}, etag="strong") as server:
-        url = server.url("/m.safetensors")
-        assert read_stream(url, cache)[1] == "fetch"
-        copy = damage_kept_copy(cache, data, "last")
+    with a_damaged_kept_copy(tmp_path) as (url, cache, copy):
         assert validate(url, cache) == 1
         assert not copy.exists() and kept(cache) == []
         got, state = read_stream(url, cache)

@@ -11,7 +11,7 @@ import socket
 import threading
 import tracemalloc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -278,22 +278,12 @@ async def test_a_closed_stream_holds_no_part_buffer_until_a_collection() -> None
     """A read with ``concurrency`` kept its part buffers in a reference cycle (the source and
     its window of parts) once its stream was closed, until the cyclic collector ran. With that
     collector off, the tensors dropped and the stream closed leave no numpy memory behind."""
-    with serve(etag="strong") as server:
-        enabled = gc.isenabled()
-        gc.collect()
-        gc.disable()
-        tracemalloc.start()
-        try:
-            before = numpy_memory()
-            source = HttpSource(server.url("/model.safetensors"), part_size=PART, concurrency=4)
-            arrays = await read(source)
-            assert_same_arrays(arrays, MODEL)
-            del arrays, source
-            held = numpy_memory() - before
-        finally:
-            tracemalloc.stop()
-            if enabled:
-                gc.enable()
+    with serve(etag="strong") as server, numpy_memory_held() as held_since:
+        source = HttpSource(server.url("/model.safetensors"), part_size=PART, concurrency=4)
+        arrays = await read(source)
+        assert_same_arrays(arrays, MODEL)
+        del arrays, source
+        held = held_since()
     assert held < PART  # not one part buffer
 
 
@@ -355,23 +345,13 @@ def test_a_stopped_part_leaves_nothing_held_until_a_collection() -> None:
         await source.aclose()
         return second
 
-    with server:
-        enabled = gc.isenabled()
-        gc.collect()
-        gc.disable()
-        tracemalloc.start()
-        try:
-            before = numpy_memory()
-            result = asyncio.run(read_two_parts())
-            assert bytes(result) == server.objects["/model.safetensors"][PART : 2 * PART]
-            dropped = weakref.ref(result)
-            del result
-            kept = dropped() is not None
-            held = numpy_memory() - before
-        finally:
-            tracemalloc.stop()
-            if enabled:
-                gc.enable()
+    with server, numpy_memory_held() as held_since:
+        result = asyncio.run(read_two_parts())
+        assert bytes(result) == server.objects["/model.safetensors"][PART : 2 * PART]
+        dropped = weakref.ref(result)
+        del result
+        kept = dropped() is not None
+        held = held_since()
     assert not kept  # by a cycle through the loop's frames
     assert held < PART  # not one part buffer
 
@@ -383,13 +363,8 @@ async def test_a_cancelled_read_leaves_no_part_buffer_held_until_a_collection() 
     collector ran. With that collector off, they are freed once the source is closed."""
     server = HeldServer(etag="strong", held_from=PART, stalled_from=2 * PART)
     server.objects["/model.safetensors"] = reference_numpy.save(MODEL)
-    with server:
-        enabled = gc.isenabled()
-        gc.collect()
-        gc.disable()
-        tracemalloc.start()
+    with server, numpy_memory_held() as held_since:
         try:
-            before = numpy_memory()
             source = HttpSource(server.url("/model.safetensors"), part_size=PART, concurrency=4)
             await source.start(read_all=True)
             buffer = np.empty(2 * PART, np.uint8).data
@@ -400,12 +375,9 @@ async def test_a_cancelled_read_leaves_no_part_buffer_held_until_a_collection() 
                     await source.read_into_at(PART, buffer[PART:])
             await source.aclose()
             del source, buffer
-            held = numpy_memory() - before
+            held = held_since()
         finally:
             server.gate.set()
-            tracemalloc.stop()
-            if enabled:
-                gc.enable()
     assert held < PART  # not one part buffer
 
 
@@ -413,6 +385,24 @@ async def cancel_when_blocked(scope: anyio.CancelScope) -> None:
     """Cancel ``scope`` once every other task waits."""
     await anyio.wait_all_tasks_blocked()
     scope.cancel()
+
+
+@contextmanager
+def numpy_memory_held() -> Iterator[Callable[[], int]]:
+    """Within the block, the cyclic collector off (after one collection) and tracemalloc on;
+    what it yields gives the bytes of numpy's arrays allocated since the block began and still
+    held."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    tracemalloc.start()
+    try:
+        before = numpy_memory()
+        yield lambda: numpy_memory() - before
+    finally:
+        tracemalloc.stop()
+        if enabled:
+            gc.enable()
 
 
 def numpy_memory() -> int:

@@ -241,6 +241,22 @@ def _quantized(tmp_path: Path, shard_of: dict[str, str]) -> Path:
     return folder / INDEX
 
 
+def _mirrored_quantized(
+    tmp_path: Path, tensors: dict[str, dict[str, np.ndarray[Any, Any]]]
+) -> tuple[Path, Path]:
+    """``tensors`` (each shard's) saved as a sharded checkpoint in ``src``, then mirrored by
+    ``cp --quantize int8`` into ``q8``: the two folders."""
+    src, quantized = tmp_path / "src", tmp_path / "q8"
+    src.mkdir()
+    for shard, part in tensors.items():
+        reference_numpy.save_file(part, str(src / shard))
+    weight_map = {name: shard for shard, part in tensors.items() for name in part}
+    (src / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    done = run("cp", "-q", "--quantize", "int8", str(src / INDEX), f"{quantized}/")
+    assert done.returncode == 0, done.stderr
+    return src, quantized
+
+
 def _metadata(path: Path) -> dict[str, str]:
     with safe_open(str(path), "np") as opened:
         metadata: dict[str, str] = opened.metadata()
@@ -332,18 +348,11 @@ def test_a_shard_of_a_quantized_mirror_is_dequantized_alone(tmp_path: Path) -> N
     scale or a record that is no list of names, is still refused. Shards quantized each on its
     own, naming each its own, still merge."""
     first, second = SHARDS
-    src, quantized = tmp_path / "src", tmp_path / "q8"
-    src.mkdir()
     tensors: dict[str, dict[str, np.ndarray[Any, Any]]] = {
         first: {"a": WEIGHTS, "a2": -WEIGHTS, "k": np.arange(4, dtype=np.int8)},
         second: {"b": 2 * WEIGHTS, "k2": np.ones(2, np.int8)},
     }
-    for shard, part in tensors.items():
-        reference_numpy.save_file(part, str(src / shard))
-    weight_map = {name: shard for shard, part in tensors.items() for name in part}
-    (src / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    done = run("cp", "-q", "--quantize", "int8", str(src / INDEX), f"{quantized}/")
-    assert done.returncode == 0, done.stderr
+    src, quantized = _mirrored_quantized(tmp_path, tensors)
     for shard, part in tensors.items():
         out = tmp_path / f"back-{shard}"
         done = run("cp", "-q", "--dequantize", str(quantized / shard), str(out))
@@ -388,18 +397,11 @@ def test_a_quantized_file_or_shard_without_a_float_tensor_is_dequantized(tmp_pat
     Both are copied as they are, their record the dequantized one's; a file that says it is
     quantized without cp's record is still refused."""
     first, second = SHARDS
-    src, quantized = tmp_path / "src", tmp_path / "q8"
-    src.mkdir()
     tensors: dict[str, dict[str, np.ndarray[Any, Any]]] = {
         first: {"w": WEIGHTS},
         second: {"pos": np.arange(4, dtype=np.int64)},
     }
-    for shard, part in tensors.items():
-        reference_numpy.save_file(part, str(src / shard))
-    weight_map = {name: shard for shard, part in tensors.items() for name in part}
-    (src / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    done = run("cp", "-q", "--quantize", "int8", str(src / INDEX), f"{quantized}/")
-    assert done.returncode == 0, done.stderr
+    src, quantized = _mirrored_quantized(tmp_path, tensors)
     alone = tmp_path / "alone.safetensors"
     done = run("cp", "-q", "--quantize", "int8", str(src / second), str(alone))
     assert done.returncode == 0 and _metadata(alone)["quantized_tensors"] == "0", done.stderr
