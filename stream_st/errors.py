@@ -138,16 +138,24 @@ class _Reading(NamedTuple):
     the query at ``&`` alone reads it whole)."""
 
 
+_CLOSING_SOURCE = r"(?:[,:)\]}]|[),.:;\]}]*+(?:[\s<>]|$))"
+"""What follows a quote that closes a text's quoting (``repr``, JSON, markup): white space, an
+angle bracket or the end, after any closing punctuation (``'...?token=abc'),``), or a ``,``,
+``:``, ``)``, ``]`` or ``}`` (compact JSON, ``{"url":"...","email":"..."}``)."""
+
 _IN_TEXT = _Reading(
-    userinfo=LazyPattern(rf"(?P<scheme>{_SCHEME_SOURCE})(?P<userinfo>[^/?#\s]*)@"),
-    token=LazyPattern(r"\S+"),
+    userinfo=LazyPattern(
+        rf"(?P<scheme>{_SCHEME_SOURCE})(?P<userinfo>(?:[^/?#\s'\"]|['\"](?!{_CLOSING_SOURCE}))*)@"
+    ),
+    token=LazyPattern(rf"(?:[^\s'\"]|['\"](?!{_CLOSING_SOURCE}))+"),
     chunk=LazyPattern(r"[?&#;](?P<chunk>[^?&#;\s<>]*)"),
-    value=LazyPattern(r"(?:[^&#\s<>'\"]|['\"](?![\s&#<>'\"]|[),.:;\]}]*(?:[\s<>]|$)))*"),
+    value=LazyPattern(rf"(?:[^&#\s<>'\"]|['\"](?![&#'\"]|{_CLOSING_SOURCE}))*"),
 )
 """An address a text quotes ends at white space. A quote in a password or a parameter's value
-is theirs (RFC 3986 allows ``'`` in both), unless it closes the text's quoting of the address:
-at its end, or before closing punctuation there (``'...?token=abc'),``). An angle bracket is a
-password's too, and ends a parameter (markup around the address)."""
+is theirs (RFC 3986 allows ``'`` in both), unless it closes the text's quoting of the address
+(:data:`_CLOSING_SOURCE`): a password does not run on into the next field of compact JSON
+(``"url":"http://h","email":"a@b.c"``). An angle bracket is a password's too, and ends a
+parameter (markup around the address)."""
 
 _ONE_ADDRESS = _Reading(
     userinfo=LazyPattern(rf"(?P<scheme>{_SCHEME_SOURCE})(?P<userinfo>[^/?#]*)@"),
@@ -183,11 +191,11 @@ def _one_address(text: str) -> bool:
 
 _QUOTED = LazyPattern(
     r"(?<!\\)(?P<quote>['\"])(?P<address>[A-Za-z][A-Za-z0-9+.-]*+://"
-    r"(?:(?!(?P=quote))[^\\\r\n]|\\.)*+)(?P=quote)(?=[),.:;\]}]*+(?:[\s<>]|$))"
+    rf"(?:(?!(?P=quote))[^\\\r\n]|\\.)*+)(?P=quote)(?={_CLOSING_SOURCE})"
 )
 """An address a text quotes as ``repr`` and JSON do: from a quote to the next one of its kind
-on its line (but an escaped one, ``\\'``), where that one closes the quoting (before white
-space, an angle bracket or the end, after any closing punctuation: ``'...'),``). :func:`redact`
+on its line (but an escaped one, ``\\'``), where that one closes the quoting
+(:data:`_CLOSING_SOURCE`: ``'...'),``, ``{"url":"...","a":1}``). :func:`redact`
 reads it whole: a space in its password or in a parameter's value is theirs (``invalid URL
 'http://a:it s@h:99999/m'``). Each try stops at the next quote of its kind, where the next try
 starts: linear time."""
@@ -232,17 +240,20 @@ MASK = "***"
 """What stands for a secret in a message."""
 
 _AUTHORIZATION = LazyPattern(
-    r"(?i)\b(?P<scheme>Bearer|Basic)(?P<gap>[ \t]+)(?P<value>[A-Za-z0-9._~+/-]{8,}=*)(?![\w=~+/.-])"
+    r"\b(?P<scheme>Bearer|BEARER|Basic|BASIC)(?P<gap>[ \t]+)"
+    r"(?P<value>[A-Za-z0-9._~+/-]{8,}=*)(?![\w=~+/.-])"
     r"|\b(?P<aws>AWS4-HMAC-SHA256)[ \t]++"
     r"(?:(?!AWS4-HMAC-SHA256)[^\r\n'\"<>])*?Signature=[0-9A-Fa-f]+"
 )
 """The credentials of an ``Authorization`` value quoted in a text without its header's name (an
 error page echoing the request as a table): a ``Bearer`` token of 8 characters or more (not
 ``Bearer realm=``), a ``Basic`` user and password (a value with a digit in it, of 20 characters
-or more, or Base64 of ``user:password``: not ``Basic authentication``), either scheme in any case
-(RFC 9110), or an AWS signature with its key id (looked for up to the end of its line or the
-next ``AWS4-HMAC-SHA256``: from each of them to the end of the line took quadratic time). Quoted
-with its name, ``Authorization: ...``, a value of any scheme is masked (:data:`_HEADER`)."""
+or more, or Base64 of ``user:password``: not ``Basic authentication``), either scheme spelt so
+or in capitals (``bearer``, ``basic`` alone are words: a tensor ``basic model.layers.0.weight``),
+or an AWS signature with its key id (looked for up to the end of its line or the next
+``AWS4-HMAC-SHA256``: from each of them to the end of the line took quadratic time). Quoted with
+its name, ``Authorization: ...``, a value of a known scheme in any case, or a credential's of
+none, is masked (:data:`_HEADER`)."""
 
 
 SECRET_HEADERS = (
@@ -258,22 +269,60 @@ SECRET_HEADERS = (
 """Request headers, besides ``Authorization``, whose value is a credential: masked where a
 text quotes them, never sent to another origin on a redirect."""
 
+_AUTHORIZATION_SCHEMES = (
+    "Bearer",
+    "Basic",
+    "Digest",
+    "Negotiate",
+    "NTLM",
+    "Kerberos",
+    "token",
+    "AWS4-HMAC-SHA256",
+    "AWS",
+    "SharedKeyLite",
+    "SharedKey",
+    "HOBA",
+    "Mutual",
+    "SCRAM-SHA-256",
+    "SCRAM-SHA-1",
+    "OAuth",
+    "DPoP",
+    "GNAP",
+    "PrivateToken",
+    "Concealed",
+    "vapid",
+)
+"""The ``Authorization`` schemes a masked value keeps, to tell which credential it was: IANA's
+registry's, and those of NTLM, GitHub (``token``), AWS and Azure (``SharedKey``)."""
+
+_PROSE_WORD = r"(?-i:(?:[A-Z]?[a-z]{1,18}|[A-Z]{1,19})(?![A-Za-z])[,.;:!?]?(?=[\s\"']|$))"
+"""A word of prose: under 20 letters, in lower case, capitalized or in capitals, before white
+space, a quote or the end (after a punctuation mark): not a credential (``Authorization: the
+signature does not match``)."""
+
 _HEADER = LazyPattern(
-    rf"(?i)\b(?P<name>authorization|{'|'.join(SECRET_HEADERS)})(?P<gap>[\"']?[ \t]*:[ \t]*)"
-    r"(?P<scheme>[A-Za-z][A-Za-z-]{0,19}[ \t]+)?(?P<value>[^\s<>;][^\r\n<>]*)"
+    rf"(?i)\b(?P<name>(?P<authorization>authorization)|{'|'.join(SECRET_HEADERS)})"
+    r"(?P<gap>[\"']?[ \t]*:[ \t]*)(?P<quote>[\"'])?"
+    rf"(?(authorization)(?P<scheme>(?:{'|'.join(_AUTHORIZATION_SCHEMES)})[ \t]+)?"
+    rf"(?(scheme)|(?!{_PROSE_WORD})))"
+    r"(?(quote)(?:(?!(?P=quote))[^\\\r\n]|\\.)++(?P<closing>(?P=quote))?"
+    r"|[^\s<>;\"'][^\r\n<>]*)"
 )
 """A request header that carries a credential, quoted with its value in a text (an error page
-echoing the request, as lines or as JSON, ``"Authorization": "..."``): the caller's
-``Authorization`` of any scheme (``token``, ``Digest``, ``Negotiate``...), a session token
-stream_st sends with a signed request, a cookie, an API key given in ``headers=``. The value runs
-to the end of its line, quotes included (Digest's ``response="..."``). An ``Authorization``
-value keeps its scheme, a word of letters before a space, to tell which credential it was."""
+echoing the request, as lines, as JSON or as a ``repr``, ``"Authorization": "..."``): the
+caller's ``Authorization`` of any scheme (``token``, ``Digest``, ``Negotiate``...), a session
+token stream_st sends with a signed request, a cookie, an API key given in ``headers=``. A value
+in quotes runs to the quote that ends it (but an escaped one), the next fields of a dict kept;
+another to the end of its line, quotes included (Digest's ``response="..."``). An
+``Authorization`` value keeps its scheme if it is a known one (:data:`_AUTHORIZATION_SCHEMES`,
+any case), and is masked whole if not (``sk-abc def``); without a scheme, one whose first word
+is prose (:data:`_PROSE_WORD`) is the text's, not a credential, and kept."""
 
 
 def _mask_header(match: re.Match[str]) -> str:
     """A credential header's value masked (see :data:`_HEADER`)."""
-    scheme = match["scheme"] if match["name"].lower() == "authorization" else None
-    return f"{match['name']}{match['gap']}{scheme or ''}{MASK}"
+    parts = (match["quote"], match["scheme"], MASK, match["closing"])
+    return match["name"] + match["gap"] + "".join(part or "" for part in parts)
 
 
 def _mask_userinfo(match: re.Match[str]) -> str:
@@ -431,17 +480,18 @@ def redact(text: str) -> str:
     ``Signature``, ``sig``, ``key`` and any name holding ``token``, ``secret``, ``password`` or
     ``credential``; its name read percent-decoded, ``%74oken`` as ``token``, and after a ``;``
     as after a ``&``), and the credentials of an ``Authorization`` value quoted in it (of any
-    scheme after ``Authorization:``; ``Bearer``, ``Basic``, an AWS signature without it: an error
-    page may echo the request), as are the values of headers that carry one
-    (``X-Amz-Security-Token``, ``Cookie``, ``X-Api-Key``, ``Proxy-Authorization``, ...) quoted as
-    ``name: value``. A quote in a password or a parameter's value is masked with it, and so is
-    an angle bracket in a password; a text that is one address (it starts with ``scheme://``,
-    holds no line break but in its password and nothing masked yet: a transport's name, an
-    error's ``url``) is read whole, a space, a tab, a line break or an angle bracket in a
-    password or a value masked with it, and so is an address a text quotes as ``repr`` and
-    JSON do (``invalid URL '...'``, ``"url": "..."``). In time linear in the text. Masking
-    again changes nothing. Every error's message passes through it; use it wherever an address
-    is shown."""
+    scheme after ``Authorization:``, but prose, ``Authorization: the signature does not
+    match``; ``Bearer``, ``Basic``, an AWS signature without it: an error page may echo the
+    request), as are the values of headers that carry one (``X-Amz-Security-Token``,
+    ``Cookie``, ``X-Api-Key``, ``Proxy-Authorization``, ...) quoted as ``name: value``, a value
+    in quotes up to its closing quote. A quote in a password or a parameter's value is masked
+    with it, and so is an angle bracket in a password; a text that is one address (it starts
+    with ``scheme://``, holds no line break but in its password and nothing masked yet: a
+    transport's name, an error's ``url``) is read whole, a space, a tab, a line break or an
+    angle bracket in a password or a value masked with it, and so is an address a text quotes
+    as ``repr`` and JSON do (``invalid URL '...'``, ``"url": "..."``). In time linear in the
+    text. Masking again changes nothing. Every error's message passes through it; use it
+    wherever an address is shown."""
     if _one_address(text):
         text = _mask_addresses(text, _ONE_ADDRESS)
     else:

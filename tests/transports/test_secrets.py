@@ -386,7 +386,7 @@ DIGEST = 'Digest username="u", realm="r", nonce="n", uri="/m", response="6629fae
         (f"Authorization: SharedKey acct:{SECRET}=", "Authorization: SharedKey ***"),
         (f"<td>Authorization: {SECRET}</td>", "<td>Authorization: ***</td>"),  # no scheme
         (f"Authorization: ghp_{SECRET} Range: bytes=0-9", "Authorization: ***"),  # nor here
-        (f'{{"Authorization": "token {SECRET}"}}', '{"Authorization": ***'),  # JSON
+        (f'{{"Authorization": "token {SECRET}"}}', '{"Authorization": "token ***"}'),  # JSON
         (f"<p>BEARER hf_{SECRET}</p>", "<p>BEARER ***</p>"),  # any case
         (f'Cookie: session="{SECRET}"', "Cookie: ***"),
         ("basic authentication failed", "basic authentication failed"),
@@ -424,6 +424,54 @@ def test_redact_reads_a_quoted_address_whole(text: str, shown: str) -> None:
     """A text quoting an address (``invalid URL '...'``, JSON) showed the tail of a password or
     a signed parameter's value after a space in it; an address quoted bare still ends at white
     space (a sentence goes on after it), and a line break ends a text's address."""
+    assert redact(text) == shown
+    assert redact(shown) == shown  # masking again changes nothing
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "HTTP 403 for https://h/m: Authorization: the signature does not match; offset 5",
+        "expected header 'authorization': got none, retry",
+        "Authorization: failed for tensor 'x' at offset 10",
+        "tensor 'basic model.layers.10.weight' not found",
+        "the basic block_attention_weights_v2 is missing",
+        "bearer instruments_for_tests ok",
+        '{"url":"http://host","email":"a@b.com"}',
+        "{'url': 'http://host', 'email': 'a@b.com'}",
+        "authorization: Bearer",
+    ],
+)
+def test_redact_keeps_text_that_holds_no_credential(text: str) -> None:
+    """A text naming ``Authorization`` in prose (``Authorization: the signature does not
+    match``), a tensor named ``basic ...`` and the fields of compact JSON after an address were
+    masked, to the end of the line or up to the next ``@``."""
+    assert redact(text) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("{'cookie': 'abc', 'url': 'http://h/x', 'status': 403}",
+         "{'cookie': '***', 'url': 'http://h/x', 'status': 403}"),  # the cookie's quotes end it
+        (f'{{"authorization":"Bearer {SECRET}","status":401}}',
+         '{"authorization":"Bearer ***","status":401}'),
+        (f"{{'Authorization': 'Digest response=\"{SECRET}\"', 'status': 401}}",
+         "{'Authorization': 'Digest ***', 'status': 401}"),
+        (f'{{"Authorization": "Digest response=\\"{SECRET}\\"", "status": 401}}',
+         '{"Authorization": "Digest ***", "status": 401}'),  # an escaped quote is the value's
+        ("Authorization: sk-abcdef ghijkl", "Authorization: ***"),  # no scheme: all masked
+        ("Authorization: FQoGZXIvYXdzE", "Authorization: ***"),
+        (f'{{"url":"http://u:p w{SECRET}@h/x","a":1}}', '{"url":"http://u:***@h/x","a":1}'),
+        (f"['http://u:p w{SECRET}@h/x']", "['http://u:***@h/x']"),
+        (f'{{"url":"https://h/x?token={SECRET}","a":1}}', '{"url":"https://h/x?token=***","a":1}'),
+    ],
+)  # fmt: skip
+def test_redact_masks_a_credential_not_the_text_around_it(text: str, shown: str) -> None:
+    """The fields of a dict after a quoted cookie or ``Authorization`` were masked to the end
+    of the line; an ``Authorization`` value's first word was kept as its scheme whatever it was
+    (``sk-abcdef``), and a password with a space in an address compact JSON quotes was shown. A
+    credential is masked up to the quote that ends it, and the text around it is kept."""
     assert redact(text) == shown
     assert redact(shown) == shown  # masking again changes nothing
 
