@@ -10,8 +10,11 @@ False`` takes that path here).
 from __future__ import annotations
 
 import contextlib
+import dis
 import errno
+import functools
 import gc
+import itertools
 import os
 import signal
 import stat
@@ -19,8 +22,10 @@ import subprocess
 import sys
 import textwrap
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from types import CodeType, FrameType
 from typing import Any
 
 import numpy as np
@@ -226,7 +231,7 @@ def test_an_interrupt_as_the_temporary_gets_its_name_leaves_nothing(
     dst = tmp_path / "x.safetensors"
     dst.write_bytes(b"OLD")
     if where == "open":
-        monkeypatch.setattr(atomic, "_open_nameless", lambda directory: None)
+        monkeypatch.setattr(atomic, "USE_TMPFILE", False)
     real = getattr(os, where)
 
     def interrupted(*args: Any, **kwargs: Any) -> Any:
@@ -243,6 +248,115 @@ def test_an_interrupt_as_the_temporary_gets_its_name_leaves_nothing(
     monkeypatch.undo()
     assert dst.read_bytes() == b"OLD"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["warm.safetensors", "x.safetensors"]
+
+
+@functools.cache
+def checked_next(code: CodeType) -> dict[int, int]:
+    """Where CPython runs a pending signal's handler in ``code``, by the instruction before:
+    the offset of the instruction it runs it before, the next one after a call (that returned),
+    or the target of a jump back."""
+    listed = list(dis.get_instructions(code))
+    found = {}
+    for instruction, following in itertools.pairwise(listed):
+        if instruction.opname in ("CALL", "CALL_KW", "CALL_FUNCTION_EX"):
+            found[instruction.offset] = following.offset
+        elif instruction.opname == "JUMP_BACKWARD":
+            found[instruction.offset] = instruction.argval
+    return found
+
+
+class InterruptAt:
+    """A trace function raising ``KeyboardInterrupt`` at the ``at``-th point where CPython runs
+    a signal's handler in the writer's code (and in ``weakref``'s, which makes its finalizers):
+    as a function starts, as a call returns (before the next instruction: what the call
+    returned is on the interpreter's stack alone) and as a loop jumps back. ``seen``: the
+    points passed, that one included."""
+
+    TRACED = frozenset({atomic.__file__, weakref.__file__})
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.seen = 0
+        self.next: dict[int, int | None] = {}  # each traced frame's next point, if it is next
+
+    def __call__(self, frame: FrameType, event: str, arg: object) -> InterruptAt | None:
+        if event == "call":
+            if frame.f_code.co_filename not in self.TRACED:
+                return None
+            frame.f_trace_lines = False
+            frame.f_trace_opcodes = True
+            self.point()
+        elif event == "opcode":
+            if self.next.get(id(frame)) == frame.f_lasti:
+                self.point()
+            self.next[id(frame)] = checked_next(frame.f_code).get(frame.f_lasti)
+        elif event == "return":
+            self.next.pop(id(frame), None)
+        return self
+
+    def point(self) -> None:
+        self.seen += 1
+        if self.seen == self.at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("replacing", [False, True], ids=["new", "replacing"])
+@pytest.mark.parametrize("how", ["nameless", "named", "copied"])
+def test_an_interrupt_at_any_point_of_a_write_leaves_nothing_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, replacing: bool
+) -> None:
+    """A signal handler that raises (Ctrl-C, a ``SIGALRM`` timeout) at each point in turn where
+    Python runs it, of a whole write (``save_file``'s): the exception reaches the caller with
+    no descriptor left open (also one the handler ran for as its open returned) and no
+    temporary left, the destination as it was or written whole. Nameless temporaries, hidden
+    ones, and nameless ones the file system gives no name (copied into a hidden one)."""
+    if how != "named" and not nameless_works(tmp_path):
+        pytest.skip("no O_TMPFILE here")
+    monkeypatch.setattr(atomic, "USE_TMPFILE", how != "named")
+    monkeypatch.setattr(atomic, "_UNLINKABLE", set())
+    if how == "copied":
+        real = os.link
+
+        def no_proc(src: str, dst: str, **kwargs: Any) -> None:
+            if src.startswith("/proc/"):
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), src)
+            real(src, dst, **kwargs)
+
+        monkeypatch.setattr(os, "link", no_proc)
+    atomic.save_at_once(ARRAYS, os.fspath(tmp_path / "warm.safetensors"))  # imports done
+    os.unlink(tmp_path / "warm.safetensors")
+    dst = tmp_path / "x.safetensors"
+    failed: list[Any] = []  # a finalizer that closed a descriptor already closed, say
+    monkeypatch.setattr(sys, "unraisablehook", failed.append)
+    tracer = sys.gettrace()
+    interrupt = InterruptAt(0)
+    while interrupt.seen == interrupt.at:
+        interrupt = InterruptAt(interrupt.at + 1)
+        atomic._UNLINKABLE.clear()  # each write copies its file
+        if replacing:
+            dst.write_bytes(b"OLD")
+        before = open_fds()
+        # a writer the handler stopped as it was made is closed as the exception unwinds,
+        # dropped, with a ResourceWarning
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            try:
+                sys.settrace(interrupt)
+                atomic.save_at_once(ARRAYS, os.fspath(dst), fsync=True)
+            except KeyboardInterrupt:
+                assert open_fds() == before, interrupt.at  # the exception still alive
+            else:
+                assert interrupt.seen < interrupt.at, "the interrupt was swallowed"
+            finally:
+                sys.settrace(tracer)
+        left = os.listdir(tmp_path)
+        assert left == [dst.name] or (left == [] and not replacing), (interrupt.at, left)
+        assert not left or dst.read_bytes() in (b"OLD", EXPECTED), interrupt.at
+        assert sys.exc_info()[1] is None  # raised where Python could: no handler left open
+    assert interrupt.at > 50  # the points were reached
+    assert dst.read_bytes() == EXPECTED
+    gc.collect()
+    assert not failed, [(unraisable.object, unraisable.exc_value) for unraisable in failed]
 
 
 def test_a_nameless_file_the_system_gives_no_name_is_copied_into_a_hidden_one(

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import itertools
 import os
 import stat
@@ -372,14 +373,28 @@ def _no_file_in(directory: str, exc: OSError, url: str) -> TransportError:
     return _missing(directory, url) or SourceNotFoundError(why, url=url)
 
 
-def _open_nameless(directory: str) -> int | None:
+def _open_held(opened: list[int], path: str, flags: int, dir_fd: int | None = None) -> int:
+    """``os.open(path, flags, 0o666, dir_fd=dir_fd)``, the descriptor appended to ``opened``
+    too, for the caller's cleanup to close. Python runs a signal handler (Ctrl-C's, a
+    ``SIGALRM`` timeout's) as a call returns, among other points: one that raises as a plain
+    ``os.open(...)`` returns leaves the descriptor on the interpreter's stack alone, out of
+    any cleanup's reach. Here C code (``list.extend`` over ``map``) calls it and appends what
+    it returns, with no bytecode run between."""
+    opener = functools.partial(os.open, flags=flags, mode=0o666, dir_fd=dir_fd)
+    opened.extend(map(opener, (path,)))
+    return opened[-1]
+
+
+def _open_nameless(directory: str, opened: list[int] | None = None) -> int | None:
     """A nameless file in ``directory`` (``O_TMPFILE``), or None where the platform or the file
     system has none, or is known not to link one in (the caller then makes a named one, which
-    also reports any error the directory gives)."""
+    also reports any error the directory gives). Its descriptor is appended to ``opened`` (a
+    list of its own where none is given), for the caller's cleanup (:func:`_open_held`)."""
     if not USE_TMPFILE:
         return None
+    opened = [] if opened is None else opened
     try:
-        fd = os.open(directory, _TMPFILE_FLAGS, 0o666)
+        fd = _open_held(opened, directory, _TMPFILE_FLAGS)
     except OSError:  # EOPNOTSUPP, EISDIR on kernels without it; ENOENT, EACCES reported later
         return None
     try:
@@ -387,6 +402,7 @@ def _open_nameless(directory: str) -> int | None:
     except OSError:
         unlinkable = True
     if unlinkable:
+        del opened[-1]  # forgotten, then closed: no handler runs between
         os.close(fd)
         return None
     return fd
@@ -448,11 +464,13 @@ def closed_when_dropped(
 
 
 def fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    """Flush ``directory``'s entries (a rename in it) to stable storage."""
+    opened: list[int] = []
     try:
-        os.fsync(fd)
+        os.fsync(_open_held(opened, directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)))
     finally:
-        os.close(fd)
+        for fd in opened:
+            os.close(fd)
 
 
 class AtomicFile:
@@ -493,17 +511,27 @@ class AtomicFile:
         # a handle on the directory a named temporary was made in, which its commit and removal
         # go through: they reach it wherever the directory went (None: by its path)
         self._directory_fd: int | None = None
-        fd = _open_nameless(directory)
-        self._hold(self._create_named(directory, base) if fd is None else self._own(fd))
+        # what was opened since the file was last held (_hold), from the moment it was opened:
+        # where an interrupt (a signal handler's exception) came before that, it is closed then
+        self._opened: list[int] = []
+        try:
+            fd = _open_nameless(directory, self._opened)
+            self._hold(self._create_named(directory, base) if fd is None else self._own(fd))
+        except BaseException:  # an error, or an interrupt, before the file was held: nothing stays
+            self._remove_temporary()
+            self._close_fd()
+            raise
 
     def _hold(self, fd: int) -> None:
         """Write through ``fd``, the temporary file (named :attr:`temp_path`, if named): the
         file dropped unclosed (a writer entered and never left), it is closed and removed,
-        with a ``ResourceWarning`` (:func:`closed_when_dropped`)."""
-        self._fd = fd
+        with a ``ResourceWarning`` (:func:`closed_when_dropped`). Held from here on: no longer
+        among what an interrupt before this closes (:meth:`_close_opened`)."""
         self._unclosed = closed_when_dropped(
             self, fd, self.name, self.temp_path, self._directory_fd
         )
+        self._fd = fd
+        self._opened.clear()
 
     def _own(self, fd: int) -> int:
         """``fd``, a new file given the permission bits of the file it replaces, if any."""
@@ -514,27 +542,28 @@ class AtomicFile:
 
     def _create_named(self, directory: str, base: str) -> int:
         """A new hidden file beside the destination, open (see :meth:`_own`); its name in
-        :attr:`temp_path`, made through a handle on ``directory`` (:attr:`_directory_fd`)."""
+        :attr:`temp_path`, made through a handle on ``directory`` (:attr:`_directory_fd`). On
+        any failure, an interrupt included, the caller removes it and closes what was opened
+        (:meth:`_remove_temporary`, :meth:`_close_fd`)."""
         try:
-            self._directory_fd = os.open(directory, _DIRECTORY_FLAGS)
+            self._directory_fd = _open_held(self._opened, directory, _DIRECTORY_FLAGS)
         except PermissionError:  # no O_PATH (macOS): a directory one may write, not read
             self._directory_fd = None  # named by its path, as _at then does
         except OSError as exc:
             raise _no_file_in(directory, exc, self.name) from exc
         while True:
+            # Named before the open: an interrupt raised as the open returns still finds the
+            # name to remove.
             self.temp_path = _temp_name(directory, base)
             at = _at(self.temp_path, self._directory_fd)
             try:
-                return self._own(os.open(at, _OPEN_FLAGS, 0o666, dir_fd=self._directory_fd))
-            except FileExistsError:  # pragma: no cover - 48 random bits collided
-                continue
+                fd = _open_held(self._opened, at, _OPEN_FLAGS, self._directory_fd)
             except OSError as exc:
-                self._close_directory()
+                self.temp_path = None  # no file of ours has that name
+                if isinstance(exc, FileExistsError):  # pragma: no cover - 48 random bits collided
+                    continue
                 raise _no_file_in(directory, exc, self.name) from exc
-            except BaseException:  # an interrupt as the file was made: no sink owns it yet
-                self._remove_temporary()
-                self._close_directory()
-                raise
+            return self._own(fd)
 
     def reserve(self, size: int) -> None:
         """Reserve ``size`` bytes on disk from :data:`ALLOCATE_FROM` (where the platform can):
@@ -549,18 +578,42 @@ class AtomicFile:
         # Any other failure (EOPNOTSUPP on filesystems without it...) only costs the speed-up.
 
     def _close_fd(self, keep_directory: bool = False) -> None:
-        """Close the file, and unless ``keep_directory`` the handle on its directory."""
-        fd, self._fd = self._fd, -1
+        """Close the file, and unless ``keep_directory`` what was opened and not held yet
+        (:meth:`_close_opened`) and the handle on its directory."""
+        if not keep_directory:
+            self._close_opened()
+        fd = self._fd
         if fd >= 0:
             self._unclosed.detach()
+            self._fd = -1  # forgotten, then closed: no handler runs between
             os.close(fd)
         if not keep_directory:
             self._close_directory()
 
+    def _close_opened(self) -> None:
+        """Close what was opened since the file was last held and nothing holds: an interrupt
+        (a signal handler's exception) came between. A finalizer made for it meanwhile, which
+        the interrupt may have kept from being stored, is detached (it would close that number
+        again once this is dropped, another file's by then)."""
+        stray = [fd for fd in self._opened if fd not in (self._fd, self._directory_fd)]
+        self._opened.clear()
+        if not stray:
+            return
+        for ref in weakref.getweakrefs(self):
+            finalizer = ref.__callback__ if isinstance(ref, weakref.ref) else None
+            if isinstance(finalizer, weakref.finalize):
+                made = finalizer.peek()  # (owner, function, arguments, keywords) while alive
+                if made is not None and made[1] is _dropped and made[2][0] in stray:
+                    finalizer.detach()
+        for fd in stray:
+            with contextlib.suppress(OSError):  # nothing to lose: nothing was written yet
+                os.close(fd)
+
     def _close_directory(self) -> None:
-        directory_fd, self._directory_fd = self._directory_fd, None
+        directory_fd = self._directory_fd
         if directory_fd is not None:
             with contextlib.suppress(OSError):  # nothing to lose: it was only read through
+                self._directory_fd = None  # forgotten, then closed: no handler runs between
                 os.close(directory_fd)
 
     def _remove_temporary(self) -> None:
@@ -664,21 +717,18 @@ class AtomicFile:
         files: the link failed for the file system's sake, not for a directory removed
         meanwhile): later files there are named from the start."""
         nameless = self._fd
+        # on any failure the caller removes and closes both (:meth:`_discard`)
         named = self._create_named(directory, base)
         with contextlib.suppress(OSError):
             _UNLINKABLE.add(os.fstat(nameless).st_dev)
-        try:
-            size, offset = os.fstat(nameless).st_size, 0
-            while offset < size:
-                sent = os.sendfile(named, nameless, offset, size - offset)
-                if not sent:
-                    raise OSError(errno.EIO, "the copy of the temporary file ended early")
-                offset += sent
-            if self.fsync:
-                os.fsync(named)
-        except BaseException:
-            os.close(named)  # the named one is removed, the nameless one closed, by the caller
-            raise
+        size, offset = os.fstat(nameless).st_size, 0
+        while offset < size:
+            sent = os.sendfile(named, nameless, offset, size - offset)
+            if not sent:
+                raise OSError(errno.EIO, "the copy of the temporary file ended early")
+            offset += sent
+        if self.fsync:
+            os.fsync(named)
         self._close_fd(keep_directory=True)  # the nameless one
         self._hold(named)
 
@@ -769,7 +819,10 @@ def save_at_once(
     with nothing committed (:class:`Abandoned`) when it says so. ``seen``: what is at ``path``
     now, as :func:`local_target` found it (else looked at). Returns the header written."""
     prefix, header, data = lay_out(tensors, metadata, checksums, order)
-    AtomicFile(path, fsync=fsync, seen=seen).write_whole(
-        itertools.chain([memoryview(prefix)], data), header.file_size, stop
-    )
+    written = AtomicFile(path, fsync=fsync, seen=seen)
+    try:
+        written.write_whole(itertools.chain([memoryview(prefix)], data), header.file_size, stop)
+    except BaseException:  # also an interrupt as the call began, before it could clean up
+        written._discard()
+        raise
     return header
