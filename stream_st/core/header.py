@@ -234,6 +234,9 @@ class TensorTable(Sequence[TensorInfo]):
     def __getitem__(self, index: slice) -> TensorTable: ...
 
     def __getitem__(self, index: int | slice) -> TensorInfo | TensorTable:
+        """The tensor at position ``index`` (an ``IndexError`` past the end), or a table of the
+        ``index`` slice; :class:`~stream_st.ArgumentTypeError` (also a ``TypeError``) for an
+        index of another type: a name is looked up in the header (``header[name]``)."""
         if isinstance(index, slice):
             return TensorTable(
                 self._names[index],
@@ -242,14 +245,15 @@ class TensorTable(Sequence[TensorInfo]):
                 self._starts[index],
                 self._ends[index],
             )
+        try:
+            name = self._names[index]
+        except TypeError:
+            raise ArgumentTypeError(
+                f"a header's tensors are indexed by position, got {type(index).__name__} "
+                f"{brief(index)}: look a tensor up by name in the header (header[name])"
+            ) from None
         return _to_info(
-            (
-                self._names[index],
-                self._codes[index],
-                self._shapes[index],
-                self._starts[index],
-                self._ends[index],
-            )
+            (name, self._codes[index], self._shapes[index], self._starts[index], self._ends[index])
         )
 
     def __iter__(self) -> Iterator[TensorInfo]:

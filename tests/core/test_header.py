@@ -361,6 +361,10 @@ def test_lookup_of_a_name_no_header_can_hold(count: int) -> None:
         header[unhashable]
     with pytest.raises(TensorNotFoundError, match="no tensor named 0"):
         header[0]  # type: ignore[index]  # the wrong type on purpose
+    # the table of tensors is indexed by position: a name there was a bare TypeError
+    assert header.tensors[0].name == "t0" and header.tensors[-1].name == f"t{count - 1}"
+    with pytest.raises(ArgumentTypeError, match="indexed by position, got str 't0'"):
+        header.tensors["t0"]  # type: ignore[call-overload]  # the wrong type on purpose
 
 
 @pytest.mark.parametrize("code", list(DTYPES))
