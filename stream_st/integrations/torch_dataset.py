@@ -36,7 +36,7 @@ from .._api import open_stream
 from ..compat._sync import run
 from ..core.arrays import to_torch
 from ..core.shards import scheme_of
-from ..errors import ArgumentTypeError, UsageError, boolean, integer_at_least
+from ..errors import UsageError, boolean, integer_at_least
 from ..reader.stream import include_names
 from .dataset import (
     DatasetInfo,
@@ -97,10 +97,7 @@ def _selected_columns(dataset: DatasetInfo, columns: Columns) -> list[str] | Non
     if callable(columns):  # first, as include= takes it: a callable may be iterable too
         selected = [name for name in dataset.columns if columns(name)]
     else:
-        try:
-            selected = sorted(include_names(columns))
-        except ArgumentTypeError as error:  # its message names include=, which was not given
-            raise ArgumentTypeError(str(error).replace("include=", "columns=", 1)) from None
+        selected = sorted(include_names(columns, "columns="))
     if not selected:  # a dataset of samples with nothing in them
         raise UsageError(
             "columns= selects no column: give None (the default) to read every one (the "

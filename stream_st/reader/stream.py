@@ -92,13 +92,14 @@ async def tensor_dict(stream: AsyncIterable[tuple[str, T]]) -> dict[str, T]:
     return tensors
 
 
-def include_names(include: Iterable[str] | str) -> set[str]:
+def include_names(include: Iterable[str] | str, argument: str = "include=") -> set[str]:
     """The names an ``include=`` other than a predicate (or None) lists: one name, or a
     collection of them; :class:`~stream_st.ArgumentTypeError` for anything else (a number, a
-    list of lists, bytes, a collection holding other than strings)."""
+    list of lists, bytes, a collection holding other than strings), naming ``argument`` (the
+    caller's parameter taking names as ``include=`` does)."""
     if isinstance(include, str):
         return {include}
-    wrong = "include= takes a tensor name, a collection of names or a predicate on the name"
+    wrong = f"{argument} takes a tensor name, a collection of names or a predicate on the name"
     if isinstance(include, bytes | bytearray | memoryview):  # iterated, its bytes' numbers
         raise ArgumentTypeError(f"{wrong}, got bytes {reprlib.repr(include)}: names are str")
     try:
