@@ -66,7 +66,7 @@ from ..errors import (
 )
 from ..reader import _read_tensor
 from ..reader.header import _header_length, _named, _receive_header
-from ..reader.stream import tensor_dict
+from ..reader.stream import skip_to, tensor_dict
 from ..sharded.reader import ShardIndex, shard_address
 from ..transports import store as _store
 from ..transports.cache.resolve import _validators
@@ -1066,7 +1066,9 @@ async def read_piece(
             out = await tensor_dict(stream)
         else:
             out = {}
+            source, base = stream.source, header.data_start
             for info in sorted((header[n] for n in piece.names), key=lambda info: info.start):
                 part = info.rows(piece.start, piece.stop)
-                out[info.name] = await _read_tensor(stream.source, part, header.data_start)
+                await skip_to(source, header, base + part.start)  # a loss there named as such
+                out[info.name] = await _read_tensor(source, part, base)
         return {name: out[name] for name in piece.names}

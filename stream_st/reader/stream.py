@@ -553,8 +553,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         for info in wanted:
             source.clock.check(source.name, source.position)
             await give_turn()
-            if not source.random_access:  # a loss in the bytes skipped is named as such
-                await _skip_to(source, header, base + info.start)
+            await skip_to(source, header, base + info.start)  # a loss there named as such
             target = delivery.target(info)
             if mapped is None or target is not None:
                 array = await _read_tensor(
@@ -600,7 +599,7 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         if source.random_access:
             return  # size checked against the header at open
         end = header.file_size
-        await _skip_to(source, header, end)
+        await skip_to(source, header, end)
         if source.whole_object and not await source.at_end():
             raise TrailingDataError(f"{source.name}: bytes follow the last tensor at byte {end}")
         source.message_read()
@@ -619,12 +618,14 @@ class _Opening:
         self.failed: Exception | None = None
 
 
-async def _skip_to(source: Source, header: Header, offset: int) -> None:
-    """Move the sequential ``source`` ahead to the absolute ``offset`` of ``header``'s file,
+async def skip_to(source: Source, header: Header, offset: int) -> None:
+    """Move a sequential ``source`` ahead to the absolute ``offset`` of ``header``'s file,
     discarding the bytes before it; :class:`~stream_st.TruncatedStreamError` if it ends
     first, naming the tensor its bytes ran out in (one skipped, not the next one asked for nor
-    the file's last) and that tensor's end as the byte expected."""
-    if source.position < offset:
+    the file's last) and that tensor's end as the byte expected. A source that jumps (random
+    access) is left where it is: its reads go where they ask. Every loop reading chosen
+    tensors, or rows of them, from a stream skips the bytes between them through this."""
+    if not source.random_access and source.position < offset:
         await source.skip(offset - source.position)
         if source.position < offset:  # short of the file's end: check_size raises
             check_size(header, source.position, source.name)

@@ -13,8 +13,10 @@ import pytest
 import stream_st
 import stream_st.numpy
 from stream_st.core.shards import shard_position
-from stream_st.integrations.dataset import describe_dataset, plan_pieces, read_piece
+from stream_st.integrations.dataset import Piece, describe_dataset, plan_pieces, read_piece
 from stream_st.sharded.writer import open_dataset_writer
+
+from ..fuzz.fault_suite import Sender
 
 SHARDS = 5
 
@@ -156,3 +158,39 @@ async def test_the_dataset_writer_writes_the_tensor_index_when_asked(tmp_path: P
 def test_a_shard_name_of_other_digits_is_no_shard_name(name: str) -> None:
     assert shard_position(name) is None
     assert shard_position("part-00012-0003-x.safetensors") == (12, 3)
+
+
+@pytest.mark.parametrize("names", [("c",), ("b",), ("a", "c")])
+async def test_rows_of_a_stream_cut_in_bytes_skipped_name_the_tensor_they_ran_out_in(
+    names: tuple[str, ...],
+) -> None:
+    """Rows read from a source of unknown length (``tcp://``) cut before the last rows asked
+    for name the tensor the bytes ran out in, and where they ran out in bytes skipped (rows
+    before or after those asked for, a column not asked for) that tensor's end as the byte
+    expected, as a source of known size does; never the next column asked for."""
+    data = stream_st.numpy.save(
+        {
+            "a": np.arange(24, dtype=np.float32).reshape(6, 4),
+            "b": np.arange(12, dtype=np.int16).reshape(6, 2),
+            "c": np.arange(6, dtype=np.int64),
+        }
+    )
+    header = await stream_st.read_header(data)
+    base = header.data_start
+    assert [(t.name, t.start, t.end) for t in header.tensors] == [
+        ("c", 0, 48),
+        ("a", 48, 144),
+        ("b", 144, 168),
+    ]
+    parts = [header[name].rows(2, 4) for name in names]
+    for cut in range(base, max(base + part.end for part in parts)):
+        sender = Sender(data[:cut])
+        try:
+            with pytest.raises(stream_st.TruncatedStreamError) as info:
+                await read_piece(Piece(f"tcp://127.0.0.1:{sender.port}", names, 2, 4))
+        finally:
+            sender.stop()
+        ran_out_in = next(t for t in header.tensors if base + t.end > cut)
+        assert info.value.name == ran_out_in.name, cut
+        if not any(base + part.start <= cut < base + part.end for part in parts):
+            assert info.value.expected == base + ran_out_in.end, cut
