@@ -1,11 +1,15 @@
 """The HTTP server: aiohttp answering GET and HEAD of the served object (see ``served``).
 
-Each request is checked in this order: the bearer token (401), the path (404), the method
-(405), the files still the ones planned (409), then the conditions and the range
-(``conditions``: 304, 412, 416, 200 or 206). The files a body comes from are opened before the
-status goes out: no descriptor free is a 503 (``Retry-After``), a file no longer the one planned
-a 409. A body is sent piece by piece: a file's bytes with
-``sendfile`` (zero-copy), bytes in memory in slices of :data:`SLICE`. Its last byte is held back
+Every request aiohttp parses comes to :meth:`Server._answer` (no router: a target that is not a
+path, ``CONNECT host:port`` or ``OPTIONS *``, is answered as any other), checked in this order:
+the bearer token (401), the path (404; ``CONNECT`` names none), the method (405), the files
+still the ones planned (409), then the conditions and the range (``conditions``: 304, 412, 416,
+200 or 206). A client gone before or while its answer goes out is dropped without a word; a
+request aiohttp cannot parse gets aiohttp's 400 and one line in its log (see
+:class:`_ServerLog`). The files a body comes from are opened before the status goes out: no
+descriptor free is a 503 (``Retry-After``), a file no longer the one planned a 409. A body is
+sent piece by piece: a file's bytes with ``sendfile`` (zero-copy), bytes in memory in slices of
+:data:`SLICE`. Its last byte is held back
 until the files are found unchanged once more: a file changed (another inode, size or
 modification time) while it was being sent ends its answer one byte short (the connection is
 closed), never complete with a mix of two versions. ``sendfile`` queues the file's pages, not
@@ -24,7 +28,7 @@ import os
 import socket
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import anyio
@@ -118,6 +122,28 @@ class _Token:
         return "<token>"
 
 
+class _ServerLog(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's server log (``aiohttp.server``), where a request aiohttp cannot parse (a
+    client's, answered 400) is one line at INFO at most, not a traceback at ERROR: anyone who
+    reaches the port could fill the log (``stream-st serve``'s standard error) with those. Every
+    other record, an error of the server's own included, goes as aiohttp logs it."""
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        """Log as aiohttp asks, a request it cannot parse (``exc_info`` an
+        ``HttpProcessingError``) in one line: its reason's first line, without the traceback."""
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            del kwargs["exc_info"]
+            reason = next(iter(exc.message.strip().splitlines()), "")[:100]
+            level = min(level, logging.INFO)
+            msg = f"{msg}: answered %d to a malformed request (%s: %r)"
+            args = (*args, exc.code, type(exc).__name__, reason)
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1  # aiohttp's line, not this one
+        super().log(level, msg, *args, **kwargs)
+
+
 class Server:
     """A running server (from :func:`serving`): ``url`` is the address a reader loads from;
     ``host`` and ``port`` where it listens."""
@@ -127,7 +153,7 @@ class Server:
         self._token = token
         self.host = host
         self.port = port
-        self._answering: dict[asyncio.Task[object], web.Request] = {}  # by the task answering
+        self._answering: dict[asyncio.Task[object], web.BaseRequest] = {}  # by its task
 
     @property
     def path(self) -> str:
@@ -162,7 +188,7 @@ class Server:
 
     # ------------------------------------------------------------------ answering
 
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         """Answer one request, known as being answered until done (see :meth:`_stop`)."""
         task = asyncio.current_task()
         assert task is not None
@@ -172,7 +198,7 @@ class Server:
         finally:
             del self._answering[task]
 
-    async def _stop(self, runner: web.AppRunner) -> None:
+    async def _stop(self, runner: web.BaseRunner) -> None:
         """Stop: stop listening, give the answers being sent :data:`GRACE` seconds in all to
         finish, then end those still going (their tasks cancelled, their connections aborted)
         and clean up.
@@ -196,13 +222,13 @@ class Server:
             await asyncio.wait([task for task, _ in stuck], timeout=_LATE)
         await runner.cleanup()
 
-    async def _answer(self, request: web.Request) -> web.StreamResponse:
+    async def _answer(self, request: web.BaseRequest) -> web.StreamResponse:
         """Answer one request (see the module)."""
         from aiohttp import web
 
         if self._token is not None and not self._token.admits(request.headers.get("Authorization")):
             return _plain(401, "a bearer token is required", {"WWW-Authenticate": "Bearer"})
-        if request.path != self.path:
+        if request.path != self.path and request.method != "CONNECT":  # a host, not a path
             return _plain(404, f"not found: this server serves {self.path}")
         if request.method not in ("GET", "HEAD"):
             return _plain(405, "only GET and HEAD", {"Allow": _ALLOW})
@@ -243,10 +269,13 @@ class Server:
                 response.headers["Content-Range"] = (
                     f"bytes {decided.start}-{decided.end - 1}/{served.size}"
                 )
-            await response.prepare(request)
-            if sending:
-                await self._send(request, response, decided.start, decided.end, opened)
-            await response.write_eof()
+            try:
+                await response.prepare(request)
+                if sending:
+                    await self._send(request, response, decided.start, decided.end, opened)
+                await response.write_eof()
+            except ConnectionError:  # the client went away
+                pass
             return response
         finally:
             for handle in opened.values():
@@ -280,7 +309,7 @@ class Server:
 
     async def _send(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         response: web.StreamResponse,
         start: int,
         end: int,
@@ -288,32 +317,29 @@ class Server:
     ) -> None:
         """Send bytes ``start`` to ``end`` of the object, from the files ``opened`` (the caller
         closes them); the last one only once every file sent from is found unchanged (else the
-        connection is closed one byte short)."""
+        connection is closed one byte short). A client gone raises a ``ConnectionError``."""
         transport = request.transport
-        try:
-            for piece, low, high in self._served.pieces_in(start, end - 1):
-                if piece.file is None:
-                    assert piece.data is not None
-                    view = piece.data[low - piece.start : high - piece.start]
-                    for at in range(0, len(view), SLICE):
-                        await response.write(view[at : at + SLICE])
-                    continue
-                if transport is None or transport.is_closing():
-                    return
-                position = piece.offset + low - piece.start
-                await asyncio.get_running_loop().sendfile(
-                    transport, opened[piece.file], position, high - low
-                )
-            last = self._last_byte(end - 1, opened)
-            problem = next(filter(None, (file.change() for file in opened)), None)
-            if problem is not None:
-                log.warning("closing an answer one byte short: %s", problem)
-                if transport is not None:
-                    transport.abort()
+        for piece, low, high in self._served.pieces_in(start, end - 1):
+            if piece.file is None:
+                assert piece.data is not None
+                view = piece.data[low - piece.start : high - piece.start]
+                for at in range(0, len(view), SLICE):
+                    await response.write(view[at : at + SLICE])
+                continue
+            if transport is None or transport.is_closing():
                 return
-            await response.write(last)
-        except ConnectionError:  # the client went away
+            position = piece.offset + low - piece.start
+            await asyncio.get_running_loop().sendfile(
+                transport, opened[piece.file], position, high - low
+            )
+        last = self._last_byte(end - 1, opened)
+        problem = next(filter(None, (file.change() for file in opened)), None)
+        if problem is not None:
+            log.warning("closing an answer one byte short: %s", problem)
+            if transport is not None:
+                transport.abort()
             return
+        await response.write(last)
 
     def _last_byte(self, position: int, opened: dict[SourceFile, io.FileIO]) -> bytes:
         """Byte ``position`` of the object (from its file among ``opened``)."""
@@ -370,6 +396,7 @@ async def serving(
     """
     try:
         from aiohttp import web
+        from aiohttp.log import server_logger
     except ImportError:
         raise UsageError("serving needs aiohttp: pip install 'stream-st[serve]'") from None
     try:
@@ -381,9 +408,8 @@ async def serving(
     served = await served_object(source, name=name, metadata=metadata, checksums=checksums)
     sock = _listening_socket(host, port)
     server = Server(served, host, sock.getsockname()[1], checked)
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", server._handle)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=_LATE)
+    handler = web.Server(server._handle, access_log=None, logger=_ServerLog(server_logger))
+    runner = web.ServerRunner(handler, handle_signals=False, shutdown_timeout=_LATE)
     try:
         await runner.setup()
         await web.SockSite(runner, sock).start()

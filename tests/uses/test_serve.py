@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import http.client
 import json
+import logging
 import os
 import queue
 import random
@@ -539,6 +540,98 @@ async def test_a_file_replaced_after_its_answer_went_out_reaches_the_client_whol
         assert await anyio.to_thread.run_sync(fetch_while, server.url, replace) == old
 
 
+# ---------------------------------------------------------------- clients gone, requests not HTTP
+
+
+async def exchange(port: int, data: bytes) -> bytes:
+    """``data`` sent on a fresh connection to 127.0.0.1:``port``, then what comes back until the
+    server closes it."""
+    stream = await anyio.connect_tcp("127.0.0.1", port)
+    answer = b""
+    async with stream:
+        await stream.send(data)
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+            while True:
+                answer += await stream.receive()
+    return answer
+
+
+def ask_and_leave(port: int, data: bytes) -> None:
+    """``data`` sent on a fresh connection to 127.0.0.1:``port``, closed at once: the client is
+    gone before its answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+        client.sendall(data)
+
+
+MALFORMED = (
+    b"GET * HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET / HTTP/1.1\r\nBad Header\r\n\r\n",
+    b"GET /" + b"a" * 10000 + b" HTTP/1.1\r\n\r\n",
+    b"GET /m.safetensors HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
+    b"GET / HTTP/9.9\r\n\r\n",
+)
+"""Requests aiohttp cannot parse: a target that is not a path, a header line without a colon,
+a request line over 8 KiB, a negative length, an HTTP version that does not exist."""
+
+
+async def test_a_client_gone_before_its_answer_is_dropped_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client that asks for the object (GET or HEAD) and closes its connection at once is
+    dropped without a word, where aiohttp logged "Error handling request" with a traceback at
+    ERROR (the answer's headers written to a closed connection)."""
+    async with stream_st.serving(tensors(), name="m") as server:
+        for method in ("GET", "HEAD"):
+            request = f"{method} {server.path} HTTP/1.1\r\nHost: x\r\n\r\n"
+            ask_and_leave(server.port, request.encode())
+        await anyio.sleep(0.3)  # the server meets the closed connections
+        assert (await afetch(server.url))[0] == 200
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+async def test_a_request_not_http_is_logged_in_one_line_and_real_errors_in_full(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request aiohttp cannot parse gets its 400 and one line in the server's log, at INFO,
+    where it logged a traceback at ERROR (printed on ``stream-st serve``'s standard error); an
+    error of the server's own still gets its traceback at ERROR."""
+    caplog.set_level(logging.INFO, logger="aiohttp.server")
+    async with stream_st.serving(tensors(), name="m") as server:
+        for data in MALFORMED:
+            caplog.clear()
+            answer = await exchange(server.port, data)
+            assert answer.startswith(b"HTTP/1.0 400 Bad Request\r\n"), (data[:40], answer)
+            said = [(r.levelno, r.exc_info, r.getMessage()) for r in caplog.records]
+            assert len(said) == 1 and said[0][:2] == (logging.INFO, None), (data[:40], said)
+            assert "\n" not in said[0][2] and "400" in said[0][2], said
+
+        async def broken(*_: object) -> None:
+            raise RuntimeError("a bug of the server's")
+
+        monkeypatch.setattr("stream_st.server.app.Server._answer", broken)
+        caplog.clear()
+        assert (await afetch(server.url))[0] == 500
+    (record,) = caplog.records
+    assert record.levelno == logging.ERROR and record.exc_info is not None
+    assert isinstance(record.exc_info[1], RuntimeError)
+
+
+async def test_a_request_for_no_path_is_answered_as_every_other() -> None:
+    """``CONNECT host:port`` (a host, no path) and ``OPTIONS *`` are asked for the token (401),
+    and with it refused as other methods and paths are (405, 404), with ``Accept-Ranges``, where
+    aiohttp's router answered its own 404 without looking at the token."""
+    async with stream_st.serving(tensors(), name="m", token=TOKEN) as server:
+        for target, refused in (("CONNECT x:443", 405), ("OPTIONS *", 404)):
+            for given, status in (("", 401), (f"Authorization: Bearer {TOKEN}\r\n", refused)):
+                request = f"{target} HTTP/1.1\r\nHost: x\r\n{given}Connection: close\r\n\r\n"
+                answer = await exchange(server.port, request.encode())
+                head = answer.partition(b"\r\n\r\n")[0].decode().lower().split("\r\n")
+                assert head[0].startswith(f"http/1.1 {status} "), (target, given, head)
+                assert "accept-ranges: bytes" in head, (target, head)
+                expected = {401: "www-authenticate: bearer", 405: "allow: get, head"}
+                assert status == 404 or expected[status] in head, (target, head)
+
+
 # ---------------------------------------------------------------- the command
 
 
@@ -570,6 +663,35 @@ def test_the_command_serves_until_sigterm(tmp_path: Path) -> None:
     assert process.returncode == 128 + signal.SIGTERM
     assert "stopped by SIGTERM" in err
     assert TOKEN not in out + err
+
+
+def test_the_command_prints_no_traceback_for_a_client(tmp_path: Path) -> None:
+    """``stream-st serve``'s standard error stays free of tracebacks for what a client does: a
+    request the client leaves before its answer, requests aiohttp cannot parse."""
+    path = tmp_path / "m.safetensors"
+    reference_numpy.save_file(tensors(), str(path))
+    process = subprocess.Popen(
+        [COMMAND, "serve", str(path), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        url = process.stdout.readline().split()[1]
+        port = urlsplit(url).port
+        assert port is not None
+        for data in (b"HEAD /m.safetensors HTTP/1.1\r\nHost: x\r\n\r\n", *MALFORMED):
+            ask_and_leave(port, data)  # gone before the answer, or before its 400
+        time.sleep(0.3)  # the server meets the closed connections
+        assert fetch(url)[0] == 200
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert "Traceback" not in err and "Error handling request" not in err, err
 
 
 def test_import_stream_st_does_not_import_aiohttp() -> None:
