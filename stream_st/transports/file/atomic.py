@@ -43,7 +43,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 from ...core.header import Header
@@ -463,6 +463,20 @@ def closed_when_dropped(
     return finalizer
 
 
+def detach_dropped(owner: object, fds: Collection[int]) -> None:
+    """Detach each finalizer :func:`closed_when_dropped` made for ``owner`` and one of ``fds``,
+    which ``owner`` does not hold: an interrupt (a signal handler's exception) came as it took
+    them, and may have kept the finalizer from being stored. Left alive, it would close that
+    number again once ``owner`` is dropped, another file's by then; they are the caller's to
+    close."""
+    for ref in weakref.getweakrefs(owner):
+        finalizer = ref.__callback__ if isinstance(ref, weakref.ref) else None
+        if isinstance(finalizer, weakref.finalize):
+            made = finalizer.peek()  # (owner, function, arguments, keywords) while alive
+            if made is not None and made[1] is _dropped and made[2][0] in fds:
+                finalizer.detach()
+
+
 def fsync_directory(directory: str) -> None:
     """Flush ``directory``'s entries (a rename in it) to stable storage."""
     opened: list[int] = []
@@ -599,12 +613,7 @@ class AtomicFile:
         self._opened.clear()
         if not stray:
             return
-        for ref in weakref.getweakrefs(self):
-            finalizer = ref.__callback__ if isinstance(ref, weakref.ref) else None
-            if isinstance(finalizer, weakref.finalize):
-                made = finalizer.peek()  # (owner, function, arguments, keywords) while alive
-                if made is not None and made[1] is _dropped and made[2][0] in stray:
-                    finalizer.detach()
+        detach_dropped(self, stray)
         for fd in stray:
             with contextlib.suppress(OSError):  # nothing to lose: nothing was written yet
                 os.close(fd)

@@ -38,7 +38,7 @@ from ...errors import (
 from ..base import Source
 from ..nonblocking import NonBlockingEnd
 from ..options import UNLIMITED, Clock
-from .atomic import closed_when_dropped
+from .atomic import _open_held, closed_when_dropped, detach_dropped
 from .atomic import path_from_url as path_from_url  # re-exported: it was defined here
 from .mmap import FileMap
 from .pread import pread_fully
@@ -85,10 +85,12 @@ def _pread_cached(fd: int, buffer: memoryview, offset: int) -> int:
     return filled
 
 
-def open_path(name: str, flags: int) -> int:
-    """``os.open(name, flags | O_CLOEXEC)``; its failures raise SafetensorsError subclasses."""
+def open_path(name: str, flags: int, opened: list[int] | None = None) -> int:
+    """``os.open(name, flags | O_CLOEXEC)``; its failures raise SafetensorsError subclasses. The
+    descriptor is appended to ``opened`` too, where given, for the caller's cleanup to close,
+    also where a signal handler raises as the open returns (see :func:`~.atomic._open_held`)."""
     try:
-        return os.open(name, flags | _CLOEXEC)
+        return _open_held([] if opened is None else opened, name, flags | _CLOEXEC)
     except FileNotFoundError as exc:
         raise SourceNotFoundError(f"no such file: {name or repr(name)}", url=name) from exc
     except OSError as exc:
@@ -100,48 +102,82 @@ def open_path(name: str, flags: int) -> int:
 def open_file_source(path: str | os.PathLike[str], clock: Clock = UNLIMITED) -> Source:
     """The source for a local path: a :class:`FileSource` for a regular file, a
     :class:`PipeSource` for a FIFO, a pipe or a character device. Never blocks: a FIFO is opened
-    before its writer comes."""
+    before its writer comes. On any failure, an interrupt included (a signal handler's
+    exception, wherever Python runs it), the file is closed before the exception leaves."""
     try:
         name = os.fspath(path)
     except TypeError as exc:  # a PathLike whose __fspath__ gives neither str nor bytes
         raise ArgumentTypeError(f"not a path: {exc}") from None
-    fd = open_path(name, os.O_RDONLY | os.O_NONBLOCK)
+    opened: list[int] = []  # the descriptor, until the source made holds it
     try:
+        fd = open_path(name, os.O_RDONLY | os.O_NONBLOCK, opened)
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
             raise TransportError("cannot read a directory", url=name)
         if stat.S_ISREG(mode):
             os.set_blocking(fd, True)
+            return FileSource(name, fd=fd, opened=opened)
+        return PipeSource(fd, name, fifo=stat.S_ISFIFO(mode), clock=clock, opened=opened)
     except BaseException:
-        os.close(fd)
+        for unheld in opened:
+            os.close(unheld)
         raise
-    if stat.S_ISREG(mode):
-        return FileSource(name, fd=fd)
-    return PipeSource(fd, name, fifo=stat.S_ISFIFO(mode), clock=clock)
+
+
+def _given_back(owner: object, fd: int, opened: list[int] | None) -> None:
+    """Undo ``owner``'s hold on ``fd``, which a failure stopped as ``owner`` took it over (an
+    interrupt included: a signal handler's exception): a finalizer made for it is detached
+    (:func:`~.atomic.detach_dropped`), and ``fd`` is listed in ``opened`` again (where given:
+    see :class:`FileSource`), for the caller's cleanup to close."""
+    detach_dropped(owner, (fd,))
+    if opened is not None and fd not in opened:
+        opened.append(fd)
 
 
 class FileSource(Source):
     """A local regular file; ``size`` is known, so truncation and trailing bytes show before any
-    data. ``fd``, when given, is the file already open: the source takes it over."""
+    data. ``fd``, when given, is the file already open: the source takes it over, and on any
+    failure as it is made (an interrupt included: a signal handler's exception) leaves it the
+    caller's. ``opened``, where given, is a list the caller's cleanup closes, ``fd`` in it: the
+    source takes ``fd`` out of it once it holds it. A file it opens itself is closed on any
+    failure as it is made."""
 
     random_access = True
 
-    def __init__(self, path: str | os.PathLike[str], *, fd: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fd: int | None = None,
+        opened: list[int] | None = None,
+    ) -> None:
         super().__init__()
         self._inline_bytes = 0
         self.name = path_string("path", path)
+        mine: list[int] = []  # a file opened here, until the source holds it
         if fd is None:
-            self._fd = open_path(self.name, os.O_RDONLY)
+            opened = mine
         else:
-            self._fd = integer_at_least("fd", fd, 0)
+            fd = integer_at_least("fd", fd, 0)
         try:
-            self.size = os.fstat(self._fd).st_size
-        except (OSError, OverflowError) as exc:
-            if fd is not None:  # a descriptor given that is not open (or none there can be)
-                raise UsageError(f"{self.name}: fd={fd} is no open file descriptor") from None
-            os.close(self._fd)  # fstat on a file just opened does not fail in practice
-            raise TransportError(f"cannot stat: {exc}", url=self.name) from exc
-        self._unclosed = closed_when_dropped(self, self._fd, self.name)
+            if fd is None:
+                fd = open_path(self.name, os.O_RDONLY, mine)
+            try:
+                self.size = os.fstat(fd).st_size
+            except (OSError, OverflowError) as exc:
+                if not mine:  # a descriptor given that is not open (or none there can be)
+                    raise UsageError(f"{self.name}: fd={fd} is no open file descriptor") from None
+                raise TransportError(f"cannot stat: {exc}", url=self.name) from exc
+            self._unclosed = closed_when_dropped(self, fd, self.name)
+            self._fd = fd
+            if opened is not None:
+                opened.remove(fd)  # held
+        except BaseException:
+            if fd is not None:
+                _given_back(self, fd, opened)
+            for unheld in mine:
+                os.close(unheld)
+            raise
 
     def fileno(self) -> int:
         """The open file's descriptor (the source keeps it, and closes it with itself)."""
@@ -249,16 +285,24 @@ class PipeEnd(NonBlockingEnd[int]):
     """What a pipe source and a pipe sink share: the non-blocking descriptor ``fd``, the name to
     report, the waits bounded by ``clock`` (see
     :class:`~stream_st.transports.nonblocking.NonBlockingEnd`),
-    and closing it."""
+    and closing it. ``fd`` is taken over as by :class:`FileSource` (``opened`` too)."""
 
     receiving = "read"
     sending = "write"
     closed_here = "the file was closed on this side"
     peer_stalled = "the reader took no data"
 
-    def __init__(self, fd: int, name: str, *, clock: Clock = UNLIMITED) -> None:
-        super().__init__(fd, name, clock=clock)
-        self._unclosed = closed_when_dropped(self, fd, name)
+    def __init__(
+        self, fd: int, name: str, *, clock: Clock = UNLIMITED, opened: list[int] | None = None
+    ) -> None:
+        try:
+            super().__init__(fd, name, clock=clock)
+            self._unclosed = closed_when_dropped(self, fd, name)
+            if opened is not None:
+                opened.remove(fd)  # held
+        except BaseException:
+            _given_back(self, fd, opened)
+            raise
 
     def _close(self) -> None:
         """Close the descriptor, first waking any task waiting on it; closing twice is a no-op."""
@@ -279,9 +323,21 @@ class PipeSource(PipeEnd, Source):
     last writer closing.
     """
 
-    def __init__(self, fd: int, name: str, *, fifo: bool = False, clock: Clock = UNLIMITED) -> None:
-        super().__init__(fd, name, clock=clock)
+    def __init__(
+        self,
+        fd: int,
+        name: str,
+        *,
+        fifo: bool = False,
+        clock: Clock = UNLIMITED,
+        opened: list[int] | None = None,
+    ) -> None:
         self._wait_first = fifo
+        try:
+            super().__init__(fd, name, clock=clock, opened=opened)
+        except BaseException:  # also an interrupt as that returned, the descriptor held
+            _given_back(self, fd, opened)
+            raise
 
     async def receive_into(self, buffer: memoryview) -> int:
         if not buffer:
