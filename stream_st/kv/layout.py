@@ -4,6 +4,7 @@ metadata or a seed-style cache inferred from names and shapes).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -18,7 +19,6 @@ from ..core.codecs import (
     Int4Codec,
     codec_from_metadata,
     get_codec,
-    original_code,
 )
 from ..core.dtypes import dtype_for
 from ..core.header import Header
@@ -169,10 +169,18 @@ class KVLayout:
                 f"(codec {layout.codec}, {'a' if layout.digest else 'no'} digest), "
                 f"the header holds {len(header.tensors)} tensors"
             )
-        expected = [(s.name, dtype_for(s.dtype).code, s.shape) for s in layout.plan()]
-        actual = [(t.name, t.dtype, t.shape) for t in header.tensors]
-        if expected != actual:
+        plan = layout.plan()
+        expected = {s.name: (dtype_for(s.dtype).code, s.shape) for s in plan}
+        if expected != {t.name: (t.dtype, t.shape) for t in header.tensors}:
             raise HeaderError("the tensors do not follow the KV layout their metadata announces")
+        # in the plan's order in the data section; an empty tensor that starts where another
+        # does has no order of its own (the JSON's, which the format leaves free)
+        for before, after in itertools.pairwise(plan):
+            if header[after.name].start < header[before.name].end:
+                raise HeaderError(
+                    "the tensors do not follow the KV layout their metadata announces: "
+                    f"{after.name!r} lies before {before.name!r} in the data section"
+                )
         return layout
 
 
@@ -233,16 +241,28 @@ def _seed_name(name: str) -> tuple[int, str] | None:
     return layer, suffix
 
 
+_FLOAT_NAMES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+_ORIGINAL_CODES = {
+    **_FLOAT_NAMES,
+    **{f"torch.{name}": code for name, code in _FLOAT_NAMES.items()},
+    **{code: code for code in _FLOAT_CODES},
+}
+"""The seed's ``original_dtype`` spellings, as ``docs/kv-wire-format.md`` names them, to their
+codes: no other numpy or torch name of a float (``half``, ``<f2``, ``torch.half``), which
+``cp --dequantize`` takes."""
+
+
 def _original_dtype(meta: dict[str, str]) -> str | None:
     """The seed's ``original_dtype`` (``"float32"``, ``"torch.float16"``, ``"F16"``...) as a
     safetensors code, or None when absent."""
     raw = meta.get("original_dtype")
     if raw is None:
         return None
-    code = original_code(raw)
-    if code not in _FLOAT_CODES:
+    code = _ORIGINAL_CODES.get(raw)
+    if code is None:
         raise HeaderError(
-            f"not a KV cache: original_dtype {raw!r} is not float16, bfloat16 or float32"
+            f"not a KV cache: original_dtype {raw!r} is not float16, bfloat16 or float32 "
+            "(with or without torch.), or F16, BF16 or F32"
         )
     return code
 
@@ -254,8 +274,9 @@ def _seed_layout(header: Header) -> KVLayout:
     The tensors decide what the bytes are; the seed's metadata is honoured where it agrees:
     ``compression`` must match the wire tensors when they are encoded (I8 + ``.scale``: INT8,
     U8 + ``.scales``: INT4) and is recorded as a note when the tensors are plain floats (they are
-    read as they are: decoding them as INT4 would misread every byte); ``group_size`` must match
-    the INT4 scales' shape; ``original_dtype`` is the dtype the layers are handed out in.
+    read as they are: decoding them as INT4 would misread every byte); ``group_size`` is a
+    decimal whatever the codec, and must match the INT4 scales' shape; ``original_dtype`` is the
+    dtype the layers are handed out in.
     """
     meta = header.metadata
     tensors = {info.name: info for info in header.tensors}
@@ -339,10 +360,11 @@ def _seed_layout(header: Header) -> KVLayout:
                     f"not a KV cache: INT4 codes of {shape[-1]} values a row do not split into "
                     f"{scales.shape[-1]} equal groups"
                 )
-    if "group_size" in meta and (codec == "int4" or (declared or "").lower() == "int4"):
+    if "group_size" in meta:  # a decimal whatever the codec; a size INT4's alone
         raw = meta["group_size"]
         declared_size = canonical_decimal(raw)
-        if not declared_size:  # None or 0
+        int4 = codec == "int4" or (declared or "").lower() == "int4"
+        if declared_size is None or (int4 and not declared_size):
             raise HeaderError(f"not a KV cache: group_size {raw!r} is not a positive integer")
         if codec == "int4" and declared_size != group_size:
             raise HeaderError(

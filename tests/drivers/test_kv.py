@@ -483,14 +483,91 @@ async def test_bad_kv_metadata_is_a_header_error(tmp_path: Path) -> None:
         ("group_size", "064", "'group_size' must be a decimal integer, not '064'"),
     ]:
         meta = {**header.metadata, key: value}
-        tensors = {
-            t.name: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.start, t.end]}
-            for t in header.tensors
-        }
-        blob = json.dumps({"__metadata__": meta, **tensors}).encode()
-        blob_message = struct.pack("<Q", len(blob)) + blob + data[header.data_start :]
         with pytest.raises(stream_st.HeaderError, match=message):
-            async with receive_kv(blob_message):
+            async with receive_kv(rewritten(data, header, header.tensors, meta)):
+                pass
+
+
+def rewritten(
+    data: bytes,
+    header: stream_st.Header,
+    tensors: Any,
+    metadata: dict[str, str] | None = None,
+) -> bytes:
+    """The transfer ``data`` (whose header is ``header``) with a header listing ``tensors``
+    (:class:`~stream_st.TensorInfo`, in that JSON order, at their offsets) and ``metadata``
+    (``header``'s by default)."""
+    entries = {
+        t.name: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.start, t.end]}
+        for t in tensors
+    }
+    meta = header.metadata if metadata is None else metadata
+    blob = json.dumps({"__metadata__": meta, **entries}).encode()
+    return struct.pack("<Q", len(blob)) + blob + data[header.data_start :]
+
+
+EMPTY = (1, 2, 0, 8)
+"""An empty prompt's cache: no position, so every key and value is empty."""
+
+
+async def sent_empty(path: Path, layout: KVLayout) -> tuple[stream_st.Header, bytes]:
+    """The header and bytes of ``layout``'s transfer of empty layers (of :data:`EMPTY`, F32),
+    as :func:`send_kv` writes it to ``path``."""
+    empty = np.zeros(EMPTY, np.float32)
+    await send_kv(path, layout, [(layer, empty, empty) for layer in range(layout.num_layers)])
+    return await stream_st.read_header(path), path.read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("codec", "digest"), [("none", True), ("int4", True), ("int8", True), ("none", False)]
+)
+async def test_an_empty_transfer_is_read_whatever_the_order_of_its_json_keys(
+    tmp_path: Path, codec: str, digest: bool
+) -> None:
+    """Was: send_kv's own transfer of an empty cache, its JSON keys in another order (same
+    entries, same bytes), was refused ("the tensors do not follow the KV layout their metadata
+    announces"): its empty tensors start where the next tensor does, so their order in the data
+    section is the JSON's, which the format leaves free."""
+    layout = KVLayout(
+        num_layers=2, shape=EMPTY, dtype="F32", codec=codec, group_size=8, digest=digest
+    )
+    header, data = await sent_empty(tmp_path / "kv.safetensors", layout)
+    for tensors in (header.tensors, header.tensors[::-1]):
+        async with receive_kv(rewritten(data, header, tensors)) as kv_in:
+            assert kv_in.layout == layout
+            got = [(layer, key.shape, value.shape) async for layer, key, value in kv_in]
+        assert got == [(0, EMPTY, EMPTY), (1, EMPTY, EMPTY)]
+
+
+async def test_tensors_out_of_the_layouts_order_are_refused(tmp_path: Path) -> None:
+    """Whatever the JSON order, the data section's order is the layout's: a layer's value before
+    its key is refused, and so is an empty tensor that lies before a tensor planned ahead of it
+    (layer 1's key at 0, before layer 0's digest)."""
+    path = tmp_path / "kv.safetensors"
+    await send_kv(path, KVLayout(num_layers=2, shape=SHAPE), produce(2))
+    header = await stream_st.read_header(path)
+    key, value, *rest = header.tensors
+    swapped = [
+        key._replace(start=value.start, end=value.end),
+        value._replace(start=key.start, end=key.end),
+    ]
+    empty = tmp_path / "empty.safetensors"
+    empty_header, empty_data = await sent_empty(
+        empty, KVLayout(num_layers=2, shape=EMPTY, dtype="F32")
+    )
+    early = [t._replace(start=0, end=0) if t.name == "layer_1_key" else t for t in empty_header]
+    for message, names in (
+        (
+            rewritten(path.read_bytes(), header, [*swapped, *rest]),
+            "'layer_0_value' lies before 'layer_0_key'",
+        ),
+        (
+            rewritten(empty_data, empty_header, early),
+            "'layer_1_key' lies before 'layer_0_digest'",
+        ),
+    ):
+        with pytest.raises(stream_st.HeaderError, match=f"do not follow the KV layout .*: {names}"):
+            async with receive_kv(message):
                 pass
 
 

@@ -252,6 +252,28 @@ SCALE = ("F32", [1], np.float32(2.0).tobytes())
             {"compression": "INT4", "group_size": "064"},  # a decimal as str() writes it
             "'064' is not a positive",
         ),
+        # a group_size that is no decimal, though neither the tensors nor compression say INT4
+        # (was: read without a word)
+        (
+            {"layer_0_key": f32(SHAPE), "layer_0_value": f32(SHAPE)},
+            {"group_size": "abc"},
+            "group_size 'abc' is not a positive",
+        ),
+        (
+            {"layer_0_key": f32(SHAPE), "layer_0_value": f32(SHAPE)},
+            {"compression": "NONE", "group_size": "064"},
+            "group_size '064' is not a positive",
+        ),
+        (
+            {
+                "layer_0_key": I8,
+                "layer_0_key.scale": SCALE,
+                "layer_0_value": I8,
+                "layer_0_value.scale": SCALE,
+            },
+            {"compression": "INT8", "group_size": "+64"},
+            r"group_size '\+64' is not a positive",
+        ),
         (
             {"layer_0_key": f32(SHAPE), "layer_0_value": f32(SHAPE)},
             {"original_dtype": "int8"},
@@ -274,6 +296,39 @@ async def test_bad_seed_caches_are_header_errors(
 ) -> None:
     with anyio.fail_after(10), pytest.raises(stream_st.HeaderError, match=message):
         async with receive_kv(raw_file(tensors, meta)):
+            pass
+
+
+ORIGINALS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+@pytest.mark.parametrize(
+    ("original", "code"),
+    [
+        *ORIGINALS.items(),
+        *[(f"torch.{name}", code) for name, code in ORIGINALS.items()],
+        *[(code, code) for code in ORIGINALS.values()],
+    ],
+)
+async def test_original_dtype_is_named_as_the_format_names_it(original: str, code: str) -> None:
+    """float32 / float16 / bfloat16, with or without ``torch.``, or a code F32 / F16 / BF16."""
+    kv_in, got = await receive_all(raw_file(as_raw(seed_cache(1)), {"original_dtype": original}))
+    assert kv_in.layout.dtype == code and CODES[got[0][0].dtype] == code
+
+
+@pytest.mark.parametrize(
+    "original",
+    ["half", "single", "float", "e", "<f2", "f4", "torch.F16", "torch.half", "torch.float"],
+)
+async def test_original_dtype_in_another_spelling_is_refused(original: str) -> None:
+    """Was: numpy's and torch's other names of a float (``half``, ``e``, ``<f2``,
+    ``torch.half``...) and a code after ``torch.`` were taken, where the format names only
+    float32 / float16 / bfloat16, with or without ``torch.``, or a code."""
+    with (
+        anyio.fail_after(10),
+        pytest.raises(stream_st.HeaderError, match=f"original_dtype '{original}' is not"),
+    ):
+        async with receive_kv(raw_file(as_raw(seed_cache(1)), {"original_dtype": original})):
             pass
 
 
