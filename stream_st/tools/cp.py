@@ -452,8 +452,8 @@ def _original_dtypes(quantized: Sequence[TensorInfo]) -> dict[str, str]:
 
 
 def _original(metadata: Mapping[str, str]) -> str:
-    """The dtype code ``original_dtype`` names (a numpy name as the codecs write it, or, as the
-    KV reader takes, with a ``torch.`` prefix or a code), F32 where there is none; a
+    """The dtype code ``original_dtype`` names (a numpy name as the codecs write it, a torch
+    name, with or without its ``torch.`` prefix, or a code), F32 where there is none; a
     :class:`~stream_st.CodecError` where it names no floating-point dtype (``int32``), where
     the tensors were rebuilt as F32 without a word."""
     raw = metadata.get("original_dtype")

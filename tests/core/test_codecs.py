@@ -923,5 +923,6 @@ def test_int8_of_a_big_endian_array_is_that_of_its_values(dtype: str) -> None:
     ],
 )
 def test_original_code_reads_numpy_torch_and_code_names(raw: str, code: str) -> None:
-    """One reading of ``original_dtype`` for ``cp --dequantize`` and the KV reader."""
+    """The reading of ``original_dtype`` for ``cp --dequantize`` (the KV reader takes only the
+    spellings its format names)."""
     assert original_code(raw) == code
