@@ -42,6 +42,7 @@ from stream_st.integrations.dataset import (
     DatasetInfo,
     KvRows,
     Piece,
+    Spec,
     check_alike,
     describe_dataset,
     kv_rows,
@@ -51,7 +52,7 @@ from stream_st.integrations.dataset import (
     read_shard_rows,
 )
 
-from ._arrow import arrow_row_bytes, tensor_column, typed_column
+from ._arrow import arrow_row_bytes, row_bytes, tensor_column, typed_column
 from ._kv import LAYOUT_KEY, RowLayout, checked_header, read_laid_out
 from ._types import (
     TENSOR_COLUMN,
@@ -312,6 +313,12 @@ class SafetensorsReader(DataSourceReader):
         self.steps = {
             piece: self._rows_per_batch(piece, headers[piece.address]) for piece in pieces
         }
+        self.packed: dict[tuple[str, str], Spec] = {  # sub-byte ones: their arrays are bytes
+            (address, info.name): (info.dtype, info.shape if dataset.kv else info.shape[1:])
+            for address, header in headers.items()
+            for info in header.tensors
+            if dtype_from_code(info.dtype).packed and (names is None or info.name in names)
+        }
         size = limit << 20
         for piece in pieces:
             header = headers[piece.address]
@@ -353,12 +360,18 @@ class SafetensorsReader(DataSourceReader):
     def _rows_per_batch_of(self, specs: dict[str, list[tuple[str, tuple[int, ...]]]]) -> int:
         """KV mode, read as rows: the rows one Arrow batch holds (about :data:`BATCH_BYTES`, at
         least one) where each column holds tensors of the dtypes and shapes ``specs`` gives it;
-        refuses a value Spark's Arrow batches cannot carry."""
+        refuses a value Spark's Arrow batches cannot carry, and a sub-byte tensor (F4, F6: this
+        source writes none, and one arrives as its packed bytes, which are read raw only)."""
         widest = 1
         for column, kind in self.kinds.items():
             for code, shape in specs[column]:
-                itemsize = dtype_from_code(code).numpy.itemsize
-                widest = max(widest, arrow_row_bytes(column, 1, shape, itemsize, kind))
+                dtype = dtype_from_code(code)
+                if dtype.packed:
+                    raise UsageError(
+                        f"column {column!r} holds {code} tensors, which this source does not "
+                        "write: read the dataset with option raw=true"
+                    )
+                widest = max(widest, arrow_row_bytes(column, 1, shape, dtype, kind))
         return max(1, BATCH_BYTES // (widest * max(1, len(self.kinds))))
 
     def _plan_shards(self, dataset: DatasetInfo, limit: int) -> None:
@@ -373,8 +386,7 @@ class SafetensorsReader(DataSourceReader):
         for column, kind in self.kinds.items():
             code, shape = schema[column].get("dtype"), schema[column].get("shape")
             if code in DTYPES and isinstance(shape, list) and all(type(d) is int for d in shape):
-                itemsize = dtype_from_code(code).numpy.itemsize
-                arrow_row_bytes(column, 1, tuple(shape), itemsize, kind)
+                arrow_row_bytes(column, 1, tuple(shape), DTYPES[code], kind)
         entries = dataset.manifest["shards"]
         total = sum(entry["bytes"] for entry in entries)
         share = min(limit, max(SMALLEST_SHARE, total // (os.cpu_count() or 1)))
@@ -398,14 +410,12 @@ class SafetensorsReader(DataSourceReader):
         cost = 0
         for name in piece.names:
             info = header[name]
-            itemsize = dtype_from_code(info.dtype).numpy.itemsize
+            dtype = dtype_from_code(info.dtype)
             if self.kv:
-                arrow_row_bytes(
-                    name, 1, info.shape, itemsize, self.kinds.get("tensor", TENSOR_COLUMN)
-                )
+                arrow_row_bytes(name, 1, info.shape, dtype, self.kinds.get("tensor", TENSOR_COLUMN))
             else:
                 rows, sample = piece.stop - piece.start, info.shape[1:]
-                cost += arrow_row_bytes(name, rows, sample, itemsize, self.kinds[name])
+                cost += arrow_row_bytes(name, rows, sample, dtype, self.kinds[name])
         return max(1, BATCH_BYTES // max(1, cost))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -436,19 +446,34 @@ class SafetensorsReader(DataSourceReader):
                 yield from self._batches(piece, portal.call(self._read, piece))
 
     def _batches(self, piece: Piece, arrays: dict[str, Array]) -> Iterator[pa.RecordBatch]:
+        """The Arrow batches of ``piece``'s ``arrays``: in KV mode one, a row per tensor; in
+        batch mode batches of rows. A sub-byte tensor (F4, F6: :attr:`packed`) arrives as its
+        packed bytes, in rows only where its last dimension allows it: its rows are given as
+        ``[rows, row bytes]`` (whole bytes, as :meth:`_rows_per_batch` checked) with the dtype
+        and shape its header says."""
+        rows = 1 if self.kv else piece.stop - piece.start
+        if self.kv:  # each tensor a row
+            arrays = {key: array[None] for key, array in arrays.items()}
+        specs = {name: self.packed.get((piece.address, name)) for name in arrays}
+        for name, spec in specs.items():
+            if spec is not None:
+                arrays[name] = arrays[name].reshape(rows, row_bytes(*spec))
         if self.kv:
-            keys = list(arrays)
             kind = self.kinds.get("tensor", TENSOR_COLUMN)
-            tensors = [tensor_column(arrays[key][None], key, kind) for key in keys]
+            tensors = [tensor_column(arrays[key], key, kind, specs[key]) for key in arrays]
             yield pa.RecordBatch.from_arrays(
-                [pa.array(keys, pa.string()), pa.concat_arrays(tensors)], schema=self.arrow
+                [pa.array(list(arrays), pa.string()), pa.concat_arrays(tensors)],
+                schema=self.arrow,
             )
             return
         step = self.steps[piece]
-        for start in range(0, piece.stop - piece.start, step):
+        for start in range(0, rows, step):
             part = {name: array[start : start + step] for name, array in arrays.items()}
             yield pa.RecordBatch.from_arrays(  # in the schema's order
-                [typed_column(part[name], kind, name) for name, kind in self.kinds.items()],
+                [
+                    typed_column(part[name], kind, name, specs[name])
+                    for name, kind in self.kinds.items()
+                ],
                 schema=self.arrow,
             )
 

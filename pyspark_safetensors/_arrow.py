@@ -3,7 +3,9 @@
 A tensor column is ``struct<data: binary, shape: array<int>, dtype: string>`` (``data`` the
 little-endian bytes, ``dtype`` a safetensors code); a column of (nested) arrays of numbers gives
 one tensor per row shaped by its nesting; a number column one scalar per row. Both directions
-work on whole columns: numpy views of Arrow buffers and back, no Python object per row.
+work on whole columns: numpy views of Arrow buffers and back, no Python object per row. Sub-byte
+tensors (F4, F6), which arrive as their packed bytes, are given as tensor structs of the dtype
+and shape their header says, a row of whole bytes each.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from stream_st.core.dtypes import dtype_for, dtype_from_code
+from stream_st.core.dtypes import DType, dtype_for, dtype_from_code
 from stream_st.errors import UsageError
+from stream_st.integrations.dataset import Spec
 
 from ._types import SEED_DTYPES, TENSOR_COLUMN, Column
 
@@ -25,6 +28,7 @@ __all__ = [
     "arrow_row_bytes",
     "cast",
     "is_tensor_type",
+    "row_bytes",
     "stack_rows",
     "tensor_column",
     "truncate_to_bf16",
@@ -63,13 +67,15 @@ def _nested(sample: tuple[int, ...], kind: Column, name: str) -> tuple[int, ...]
 
 
 def arrow_row_bytes(
-    name: str, rows: int, sample: tuple[int, ...], itemsize: int, kind: Column
+    name: str, rows: int, sample: tuple[int, ...], dtype: DType, kind: Column
 ) -> int:
     """About how many bytes one row of a column of ``rows`` samples of shape ``sample`` (values
-    of ``itemsize`` bytes) takes as Arrow column ``kind`` (values and offsets, at least 1);
-    refuses (:class:`~stream_st.UsageError`) what Spark's Arrow batches cannot carry: more than
+    of ``dtype``) takes as Arrow column ``kind`` (values and offsets, at least 1); refuses
+    (:class:`~stream_st.UsageError`) what Spark's Arrow batches cannot carry: more than
     :data:`ARROW_LIMIT` rows, or a row of more bytes, values or list entries than that, or a
-    dimension the tensor struct's shape numbers cannot hold."""
+    dimension the tensor struct's shape numbers cannot hold, or a row of sub-byte values that
+    is no whole number of bytes; and sub-byte values read as numbers (they arrive as their
+    packed bytes)."""
     where = f"{name!r} (rows of shape {list(sample)})"
     if rows > ARROW_LIMIT:
         raise UsageError(
@@ -83,8 +89,19 @@ def arrow_row_bytes(
                 f"{where}: a dimension does not fit the tensor struct's shape "
                 f"({kind.spark.simpleString()})"
             )
-        entries = [math.prod(sample) * itemsize]  # the binary value's bytes
+        nbytes = dtype.nbytes(math.prod(sample))
+        if nbytes is None:
+            raise UsageError(
+                f"{where}: a row of {dtype.code} values is no whole number of bytes, which a "
+                "tensor struct's data cannot hold; read the shard with stream_st instead"
+            )
+        entries = [nbytes]  # the binary value's bytes
         offsets = 2 + len(sample)  # the data's, the shape's and its numbers
+    elif dtype.packed:
+        raise UsageError(
+            f"{where}: {dtype.code} values cannot be read as {kind.spark.simpleString()} (read "
+            "it as the tensor struct, or with option raw=true)"
+        )
     else:
         nested = _nested(sample, kind, name)
         entries = [math.prod(nested[: level + 1]) for level in range(len(nested))]
@@ -130,7 +147,7 @@ def _struct_rows(column: pa.StructArray, name: str) -> Array:
     codes = column.field("dtype")
     shapes = column.field("shape")
     data = column.field("data")
-    for part in (codes, shapes, data):
+    for part in (codes, shapes, shapes.flatten(), data):
         _no_nulls(part, name)
     code = _uniform(np.asarray(codes.to_numpy(zero_copy_only=False)), "dtype", name)
     if code not in SEED_DTYPES:
@@ -316,27 +333,47 @@ def stack_rows(
     return array
 
 
-def _batch_checked(array: Array, kind: Column, name: str) -> None:
-    """Refuse ``array`` ``[rows, *shape]`` as one Arrow batch of column ``kind`` where a row, or
-    the batch, counts more than Spark's Arrow batches hold (:func:`arrow_row_bytes`)."""
-    rows, sample = array.shape[0], tuple(array.shape[1:])
-    arrow_row_bytes(name, rows, sample, array.itemsize, kind)
-    per_row = math.prod(sample) * (array.itemsize if kind.tensor else 1)
+def row_bytes(code: str, sample: tuple[int, ...]) -> int:
+    """The bytes of a row of ``sample`` values of dtype ``code`` (rounded down: a row of
+    sub-byte values that is no whole number of bytes is refused by :func:`arrow_row_bytes`)."""
+    return dtype_from_code(code).bits * math.prod(sample) // 8
+
+
+def _rows_of(array: Array, spec: Spec | None) -> tuple[DType, tuple[int, ...]]:
+    """The dtype and row shape of the rows of ``array`` ``[rows, ...]``: ``spec``'s where given
+    (rows of sub-byte values, which ``array`` carries as ``[rows, row bytes]``), else its own."""
+    if spec is None:
+        return dtype_for(array.dtype), tuple(array.shape[1:])
+    return dtype_from_code(spec[0]), spec[1]
+
+
+def _batch_checked(array: Array, kind: Column, name: str, spec: Spec | None) -> Spec:
+    """Refuse ``array`` ``[rows, ...]`` (its rows' dtype and shape as :func:`_rows_of` tells
+    them) as one Arrow batch of column ``kind`` where a row, or the batch, counts more than
+    Spark's Arrow batches hold, or a row cannot be given as ``kind`` (:func:`arrow_row_bytes`);
+    the rows' dtype code and shape."""
+    rows = array.shape[0]
+    dtype, sample = _rows_of(array, spec)
+    arrow_row_bytes(name, rows, sample, dtype, kind)
+    per_row = row_bytes(dtype.code, sample) if kind.tensor else math.prod(sample)
     if rows * per_row > ARROW_LIMIT:
         raise UsageError(
             f"column {name!r}: {rows} rows of {per_row} bytes or values are more than one "
             f"Arrow batch holds ({ARROW_LIMIT}); read them in smaller batches"
         )
+    return dtype.code, sample
 
 
-def tensor_column(array: Array, name: str, kind: Column = TENSOR_COLUMN) -> pa.StructArray:
+def tensor_column(
+    array: Array, name: str, kind: Column = TENSOR_COLUMN, spec: Spec | None = None
+) -> pa.StructArray:
     """``array`` ``[rows, *shape]`` as a tensor column ``name`` of ``rows`` rows (its memory is
     shared), of the Arrow type of ``kind`` (the tensor struct, ``shape`` as int32 unless
-    ``kind`` says int64; its fields in ``kind``'s order)."""
-    _batch_checked(array, kind, name)
+    ``kind`` says int64; its fields in ``kind``'s order). Rows of sub-byte values are given as
+    ``[rows, row bytes]``, and ``spec`` their dtype code and shape."""
+    code, sample = _batch_checked(array, kind, name, spec)
     count = array.shape[0]
-    row_bytes = array.nbytes // count if count else 0
-    offsets = np.arange(count + 1, dtype=np.int32) * np.int32(row_bytes)
+    offsets = np.arange(count + 1, dtype=np.int32) * np.int32(row_bytes(code, sample))
     raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
     struct = kind.arrow
     fields = {
@@ -344,11 +381,11 @@ def tensor_column(array: Array, name: str, kind: Column = TENSOR_COLUMN) -> pa.S
             pa.binary(), count, [None, pa.py_buffer(offsets), pa.py_buffer(raw)]
         ),
         "shape": pa.ListArray.from_arrays(
-            pa.array(np.arange(count + 1, dtype=np.int32) * np.int32(array.ndim - 1)),
-            pa.array(np.tile(np.asarray(array.shape[1:], kind.shape_type), count)),
+            pa.array(np.arange(count + 1, dtype=np.int32) * np.int32(len(sample))),
+            pa.array(np.tile(np.asarray(sample, kind.shape_type), count)),
             type=struct.field("shape").type,
         ),
-        "dtype": pa.repeat(pa.scalar(dtype_for(array.dtype).code, pa.string()), count),
+        "dtype": pa.repeat(pa.scalar(code, pa.string()), count),
     }
     return pa.StructArray.from_arrays([fields[f.name] for f in struct], fields=list(struct))
 
@@ -357,14 +394,15 @@ READ_HINT = "the type it is read as; read it as another, or with option raw=true
 """What a read's refused cast names as its cause."""
 
 
-def typed_column(array: Array, kind: Column, name: str) -> pa.Array:
+def typed_column(array: Array, kind: Column, name: str, spec: Spec | None = None) -> pa.Array:
     """``array`` ``[rows, *shape]`` as an Arrow column of the Spark type ``kind`` describes
     (:attr:`Column.arrow`): numbers, or arrays nested ``kind.depth`` deep (a deeper tensor is
     flattened into a 1-deep array; a one-value tensor becomes a number), each value cast to
-    its type, refusing one it cannot hold (:func:`converted`)."""
+    its type, refusing one it cannot hold (:func:`converted`); or tensor structs
+    (:func:`tensor_column`, which takes ``spec``)."""
     if kind.tensor:
-        return tensor_column(array, name, kind)
-    _batch_checked(array, kind, name)
+        return tensor_column(array, name, kind, spec)
+    _batch_checked(array, kind, name, spec)
     rows, sample = array.shape[0], _nested(tuple(array.shape[1:]), kind, name)
     what = kind.element.simpleString()
     values = converted(array.reshape(-1), kind.numpy, name, what, READ_HINT)

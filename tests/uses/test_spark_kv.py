@@ -488,6 +488,20 @@ def test_a_shard_whose_header_changed_is_read_from_its_header(tmp_path: Path) ->
         read(tmp_path)
 
 
+def test_a_sub_byte_tensor_among_the_rows_is_refused_and_read_raw(tmp_path: Path) -> None:
+    """This source writes no F4 or F6 tensor; one a shard holds since (its header rewritten)
+    arrives as its packed bytes, which the rows would give as numbers of those bytes: refused,
+    naming the read that gives it, as a tensor struct of its own dtype and shape."""
+    write(tmp_path, [[batch(["a", "b"], [4, 4])]])
+    (shard,) = shards(tmp_path)
+    blob = shard.read_bytes()
+    shard.write_bytes(blob.replace(b'"dtype":"F32","shape":[4]', b'"dtype":"F4","shape":[32]', 1))
+    with pytest.raises(stream_st.UsageError, match=r"'x' holds F4 tensors.*raw=true"):
+        read(tmp_path)
+    tensors = {row["tensor_key"]: row["tensor"] for row in read(tmp_path, raw="true")}
+    assert (tensors["a__x"]["dtype"], tensors["a__x"]["shape"]) == ("F4", [32])
+
+
 @pytest.mark.parametrize("field", ["header", "blocks", "specs", "columns"])
 def test_a_layout_changed_in_the_manifest_is_not_trusted(tmp_path: Path, field: str) -> None:
     write(tmp_path, [[batch(["a", "bb", "c"])]])
