@@ -11,8 +11,11 @@ steps go backwards (as in Python; a bound outside the dimension is refused eithe
 whose start passes its stop selects nothing, and a dimension of size 0 can be sliced whole
 (``[:]``, ``[0:0]``). An index outside the tensor raises
 :class:`~stream_st.compat.SliceError` (a ``SafetensorError`` and an ``IndexError``) with the
-reference's message; a slice bound before the first row an ``OverflowError`` too, as the
-reference's.
+reference's message; a slice bound before the first row or past 64 bits an ``OverflowError``
+too (:class:`~stream_st.compat.SliceOverflowError`), as the reference's. Checks come in its
+order: each index's bounds, then its step, before the next index's, and all of them before the
+dimensions are counted (a bound of an index past the last dimension, or of any on a 0-d tensor,
+is one of a dimension of size 0) or a position is checked against the end of its dimension.
 
 torch (:func:`torch_rows`, :func:`pick`): the key is whatever torch takes, and torch itself
 applies it to the rows read, so it means what it means to a tensor: ``True`` and ``False`` add a
@@ -119,8 +122,9 @@ def _show(index: Index | EllipsisType) -> str:
 
 def plan(key: object, shape: Sequence[int]) -> Plan:
     """The rows to read and the index to apply for ``key`` over a tensor of ``shape``, by the
-    reference's numpy rules; :class:`SliceError` or :class:`SliceTypeError` (both
-    :class:`~stream_st.SafetensorsError`) for a key the reference refuses."""
+    reference's numpy rules; :class:`SliceError` (:class:`SliceOverflowError` for a slice bound
+    before the first row or past 64 bits) or :class:`SliceTypeError` (all
+    :class:`~stream_st.SafetensorsError` s) for a key the reference refuses."""
     parsed = [_parse(item, at) for at, item in enumerate(_items(key))]
     dims = list(shape)
     ellipses = sum(1 for index in parsed if index is Ellipsis)
@@ -132,17 +136,22 @@ def plan(key: object, shape: Sequence[int]) -> Plan:
         shown = ", ".join(_show(index) for index in parsed)
         return SliceError(f"Error during slicing [{shown}] with shape {dims}: {reason}")
 
-    if named > len(dims):
-        raise failed("more slicing indexes than dimensions in tensor")
     expanded: list[Index] = []
     for index in parsed:
         if index is Ellipsis:
             expanded.extend(slice(None) for _ in range(len(dims) - named))
         else:
             expanded.append(index)
+    sizes = [*dims, *[0] * (len(expanded) - len(dims))]  # none past the last dimension
+    bounded = [
+        _bounded(index, dim, size, failed)
+        for dim, (index, size) in enumerate(zip(expanded, sizes, strict=False))
+    ]
+    if named > len(dims):
+        raise failed("more slicing indexes than dimensions in tensor")
     final = [
         _within(index, dim, size, failed)
-        for dim, (index, size) in enumerate(zip(expanded, dims, strict=False))
+        for dim, (index, size) in enumerate(zip(bounded, dims, strict=False))
     ]
     if all(takes_whole(index, size) for index, size in zip(final, dims, strict=False)):
         # the whole tensor: read (and checked) as get_tensor reads it
@@ -165,21 +174,18 @@ def takes_whole(index: Index, size: int) -> bool:
 
 
 def _within(index: Index, dim: int, size: int, failed: Callable[[str], SliceError]) -> Index:
-    """``index`` over a dimension ``dim`` of ``size``, with negative positions resolved;
-    refused (the error made by ``failed``) where it reaches outside the dimension."""
+    """``index`` (:func:`_bounded`) over a dimension ``dim`` of ``size``; refused (the error
+    made by ``failed``) where it reaches past the end of the dimension."""
     if isinstance(index, int):
         return _position(index, dim, size, failed)
-    if index.step is not None and index.step == 0:
-        raise SliceError("Slice step must be a positive integer, got 0")
-    start = _resolved(index.start, size, dim, 0)
-    stop = _resolved(index.stop, size, dim, size)
+    start = 0 if index.start is None else index.start
+    stop = size if index.stop is None else index.stop
     if (start >= size and size > 0) or start > size:
         raise failed(f"index {start} out of bounds for tensor dimension #{dim} of size {size}")
     if stop > size:
         raise failed(f"index {stop - 1} out of bounds for tensor dimension #{dim} of size {size}")
     if index.step is not None and index.step < 0:  # from start down to stop (None: to the end)
-        first = None if index.start is None else start
-        return slice(first, None if index.stop is None else stop, index.step)
+        return index
     return slice(start, max(start, stop), index.step)
 
 
@@ -196,17 +202,33 @@ def _position(index: int, dim: int, size: int, failed: Callable[[str], SliceErro
     return resolved
 
 
-def _resolved(bound: int | None, size: int, dim: int, default: int) -> int:
-    """A slice bound as a position from the start of the dimension; :class:`SliceOverflowError`
-    (an ``OverflowError``, as the reference's for any negative bound) for one before the first
-    row."""
+_UNSIGNED = 2**64
+"""The first bound past the reference's: it takes a slice bound as an unsigned 64-bit int."""
+
+
+def _bounded(index: Index, dim: int, size: int, failed: Callable[[str], SliceError]) -> Index:
+    """``index`` over a dimension ``dim`` of ``size`` with its negative position, or its slice
+    bounds (None kept), as positions from the start of the dimension, checked as the reference
+    checks each index before the next (a position past the end is checked later, by
+    :func:`_within`): :class:`SliceOverflowError` (an ``OverflowError``, as the reference's for
+    any negative bound and any past 64 bits) for a slice bound before the first row or past 64
+    bits, then :class:`SliceError` for a step of 0 or a position before the first row."""
+    if isinstance(index, int):
+        return _position(index, dim, size, failed) if index < 0 else index
+    bounded = slice(_resolved(index.start, dim, size), _resolved(index.stop, dim, size), index.step)
+    if index.step == 0:
+        raise SliceError("Slice step must be a positive integer, got 0")
+    return bounded
+
+
+def _resolved(bound: int | None, dim: int, size: int) -> int | None:
+    """One slice bound of :func:`_bounded` (negative: from the end of the dimension)."""
     if bound is None:
-        return default
-    if bound < 0:
-        if bound + size < 0:
-            raise SliceOverflowError(f"Invalid index {bound} for dimension {dim} of size {size}")
-        return bound + size
-    return bound
+        return None
+    position = bound + size if bound < 0 else bound
+    if not 0 <= position < _UNSIGNED:
+        raise SliceOverflowError(f"Invalid index {bound} for dimension {dim} of size {size}")
+    return position
 
 
 # ------------------------------------------------------------------------------------ torch

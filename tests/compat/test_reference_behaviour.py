@@ -831,6 +831,68 @@ def test_a_numpy_slice_bound_before_the_first_row_is_an_overflow_error(tmp_path:
             assert torch.equal(ours.get_slice("a")[key], ref.get_slice("a")[key]), key
 
 
+def test_a_numpy_slice_bound_past_64_bits_or_on_no_dimension_is_an_overflow_error(
+    tmp_path: Path,
+) -> None:
+    """The reference takes every numpy slice bound as an unsigned 64-bit integer before it counts
+    dimensions or checks a range: one of 2**64 or more, or a negative one on a 0-d tensor (or an
+    index past the last dimension), is an OverflowError there. They were a SliceError here (an
+    IndexError only); each is a SliceOverflowError now, an OverflowError and an IndexError. Each
+    index is checked before the next, as there. Torch's answers are the reference's, as they
+    were."""
+    path = small(tmp_path)
+    keys: list[tuple[str, Any]] = [
+        ("a", slice(None, 2**64)),
+        ("a", slice(2**64, None)),
+        ("a", slice(2**70, None, -1)),
+        ("a", slice(None, 2**64, 0)),
+        ("a", (slice(None, 10), slice(None, 2**64))),
+        ("a", (slice(None, 10), slice(-9, None))),
+        ("a", (slice(None), slice(None), slice(-1, None))),
+        ("a", (0, 0, slice(None, 2**64))),
+        ("s", slice(-2, None)),
+        ("s", slice(None, -2)),
+        ("s", slice(None, 2**64)),
+        ("s", (..., slice(-2, None))),
+        ("s", (0, slice(-1, None))),
+    ]
+    with compat.safe_open(path, "np") as ours, safetensors.safe_open(path, "np") as ref:
+        for name, key in keys:
+            with pytest.raises(OverflowError):
+                ref.get_slice(name)[key]
+            with pytest.raises(OverflowError, match="Invalid index") as caught:
+                ours.get_slice(name)[key]
+            assert isinstance(caught.value, IndexError) and isinstance(
+                caught.value, SafetensorsError
+            ), (name, key)
+        # just inside 64 bits, or a 0-d tensor's bounds that are not negative: out of bounds;
+        # a step of 0 or a position before the first row, met before such a bound, checked first
+        refused: list[tuple[str, Any]] = [
+            ("a", slice(None, 2**64 - 1)),
+            ("s", slice(0, 2**64 - 1)),
+            ("a", (-11, slice(-9, None))),
+            ("a", (slice(None, None, 0), slice(-9, None))),
+            ("a", (slice(None, 20), -6)),
+            ("a", (0, 0, -1)),
+            ("s", -1),
+            ("s", (-1, slice(None, 2**64))),
+        ]
+        for name, key in refused:
+            raises_as_reference(
+                partial(ours.get_slice(name).__getitem__, key),
+                partial(ref.get_slice(name).__getitem__, key),
+            )
+    with compat.safe_open(path, "pt") as ours, safetensors.safe_open(path, "pt") as ref:
+        for name, key in keys:
+            if outcome(partial(ref.get_slice(name).__getitem__, key))[0] == "ok":
+                assert torch.equal(ours.get_slice(name)[key], ref.get_slice(name)[key]), key
+            else:
+                raises_as_reference(
+                    partial(ours.get_slice(name).__getitem__, key),
+                    partial(ref.get_slice(name).__getitem__, key),
+                )
+
+
 def test_open_file_objects_as_the_reference(tmp_path: Path) -> None:
     fsspec = pytest.importorskip("fsspec")
     path = small(tmp_path)
