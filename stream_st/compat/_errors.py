@@ -88,7 +88,8 @@ class SliceError(SafetensorsError, IndexError):
 
 class SliceOverflowError(SliceError, OverflowError):
     """A numpy slice bound of ``get_slice(name)[...]`` before the first row (``[-10:2]`` of 7
-    rows): the reference's ``OverflowError`` (it takes every bound as unsigned), and the
+    rows, any negative one on a 0-d tensor) or of 2**64 or more: the reference's
+    ``OverflowError`` (it takes every bound as a 64-bit unsigned integer), and the
     ``IndexError`` any other index outside the tensor is."""
 
 
