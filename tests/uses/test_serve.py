@@ -20,6 +20,7 @@ import sys
 import termios
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -635,17 +636,29 @@ async def test_a_request_for_no_path_is_answered_as_every_other() -> None:
 # ---------------------------------------------------------------- the command
 
 
-def test_the_command_serves_until_sigterm(tmp_path: Path) -> None:
-    path = tmp_path / "model.safetensors"
-    reference_numpy.save_file(tensors(), str(path))
+@contextlib.contextmanager
+def command_serving(path: Path, **env: str) -> Iterator[subprocess.Popen[str]]:
+    """``stream-st serve PATH --port 0`` running (``env`` added to its environment), killed
+    on the way out if still running; the caller ends it with a signal and ``communicate()``."""
     process = subprocess.Popen(
         [COMMAND, "serve", str(path), "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "STREAM_ST_SERVE_TOKEN": TOKEN},
+        env={**os.environ, **env},
     )
     try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+def test_the_command_serves_until_sigterm(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    reference_numpy.save_file(tensors(), str(path))
+    with command_serving(path, STREAM_ST_SERVE_TOKEN=TOKEN) as process:
         assert process.stdout is not None
         line = process.stdout.readline()
         assert line.startswith("serving http://127.0.0.1:"), line
@@ -656,10 +669,6 @@ def test_the_command_serves_until_sigterm(tmp_path: Path) -> None:
         assert loaded.keys() == tensors().keys()
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
     assert process.returncode == 128 + signal.SIGTERM
     assert "stopped by SIGTERM" in err
     assert TOKEN not in out + err
@@ -670,13 +679,7 @@ def test_the_command_prints_no_traceback_for_a_client(tmp_path: Path) -> None:
     request the client leaves before its answer, requests aiohttp cannot parse."""
     path = tmp_path / "m.safetensors"
     reference_numpy.save_file(tensors(), str(path))
-    process = subprocess.Popen(
-        [COMMAND, "serve", str(path), "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with command_serving(path) as process:
         assert process.stdout is not None
         url = process.stdout.readline().split()[1]
         port = urlsplit(url).port
@@ -687,10 +690,6 @@ def test_the_command_prints_no_traceback_for_a_client(tmp_path: Path) -> None:
         assert fetch(url)[0] == 200
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
     assert "Traceback" not in err and "Error handling request" not in err, err
 
 
