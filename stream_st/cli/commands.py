@@ -387,7 +387,8 @@ async def run_hash_check(args: argparse.Namespace) -> int:
             failed(listed, exc)
             status = EXIT_ERROR
             continue
-        entries = [parse_checksum_line(line) for line in lines if line.strip()]
+        # a blank line or a comment (its first character a #) skipped, as sha256sum -c does
+        entries = [parse_checksum_line(line) for line in lines if line.strip() and line[0] != "#"]
         malformed = entries.count(None)
         if malformed == len(entries):
             failed(listed, UsageError("no properly formatted SHA256 checksum lines found"))

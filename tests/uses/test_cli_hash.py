@@ -255,6 +255,32 @@ def test_check_splits_lines_at_line_feeds_alone(model: Path, tmp_path: Path) -> 
     assert checked.returncode == 0 and checked.stdout.count(": OK\n") == 2, checked.stderr
 
 
+def test_check_skips_comment_lines_as_sha256sum_does(model: Path, tmp_path: Path) -> None:
+    """A list's line whose first character is ``#`` (a comment) was counted as improperly
+    formatted, with a warning sha256sum -c (--strict too) does not give; it is skipped, as there.
+    A ``#`` after a space begins no comment; a list of comments alone holds no checksum line."""
+    want = hashlib.sha256(model.read_bytes()).hexdigest()
+    sums = tmp_path / "sums"
+    for text, warned in (
+        (f"# release 1\n#\n#\r\n{want}  {model.name}\n", ""),
+        (f" # indented\n{want}  {model.name}\n", "WARNING: 1 line is improperly formatted\n"),
+    ):
+        sums.write_text(text, newline="")
+        if shutil.which("sha256sum"):
+            theirs = subprocess.run(
+                ["sha256sum", "-c", str(sums)], cwd=tmp_path, capture_output=True, text=True
+            )
+            assert (theirs.returncode, theirs.stdout) == (0, f"{model.name}: OK\n")
+            assert theirs.stderr.removeprefix("sha256sum: ") == warned
+        checked = run("hash", "--check", str(sums), cwd=tmp_path)
+        assert (checked.returncode, checked.stdout) == (0, f"{model.name}: OK\n"), checked.stderr
+        assert checked.stderr.removeprefix("stream-st: ") == warned
+    sums.write_text("# comments alone\n")
+    checked = run("hash", "--check", str(sums), cwd=tmp_path)
+    assert (checked.returncode, checked.stdout) == (2, ""), checked.stderr
+    assert "no properly formatted SHA256 checksum lines found" in checked.stderr
+
+
 @pytest.mark.parametrize("encoding", ["utf-8", "ascii", "latin-1"])
 def test_file_line_holds_the_names_bytes_whatever_the_output_encoding(
     model: Path, tmp_path: Path, encoding: str
