@@ -490,7 +490,8 @@ class CachedStream(TensorStream[Any]):
     it: ``"hit"`` (the local copy, checked fresh), ``"offline"`` (the copy, no request),
     ``"stale"`` (the copy; the server could not be asked), ``"fetch"`` (the remote object,
     kept while read), ``"shared"`` (the copy another process is writing, read as it grows) or
-    ``"uncached"``.
+    ``"uncached"`` (the remote object, nothing kept; also a ``"shared"`` read once the copy's
+    writer stopped first and the rest is read from the server).
 
     While the request that checks the local copy is in flight, it reads the copy ahead (its
     header and first tensors, :class:`_CopyAhead`), and hands out nothing of it, header
@@ -511,7 +512,6 @@ class CachedStream(TensorStream[Any]):
         self._options = options
         self._ahead: _CopyAhead | None = None
         self._resolved: Resolved | None = None
-        self.cache_state: str | None = None
 
     async def _open(self, *, read_all: bool) -> Header:
         try:
@@ -556,9 +556,14 @@ class CachedStream(TensorStream[Any]):
             await resolved.target.aclose()
         else:
             self._source_like = resolved.target
-        self.cache_state = resolved.state
         self._resolved = resolved
         return resolved
+
+    @property
+    def cache_state(self) -> str | None:
+        """How the cache served this stream (see the class), as it stands; None before it
+        opens."""
+        return None if self._resolved is None else self._resolved.served
 
     async def _refuted(self) -> None:
         """A tensor failed its digest: the cache keeps nothing of what was read (see

@@ -37,6 +37,7 @@ async def main():
     async with stream_st.open_stream(sys.argv[1], cache=sys.argv[2]) as stream:
         print(stream.cache_state, flush=True)
         sums = {name: float(array.sum()) async for name, array in stream}
+        print(stream.cache_state, flush=True)
     print(json.dumps(sums), flush=True)
 
 asyncio.run(main())
@@ -73,11 +74,13 @@ def wait_until(condition: Any, what: str) -> None:
         time.sleep(0.01)
 
 
-def finish(process: subprocess.Popen[str]) -> dict[str, float]:
+def finish(process: subprocess.Popen[str]) -> tuple[str, dict[str, float]]:
+    """A reader's ``cache_state`` once it read every tensor, and the tensors' sums."""
     out, err = process.communicate(timeout=60)
     assert process.returncode == 0, err
-    result: dict[str, float] = json.loads(out.splitlines()[-1])
-    return result
+    state, sums = out.splitlines()[-2:]
+    result: dict[str, float] = json.loads(sums)
+    return state, result
 
 
 SUMS = {name: float(array.sum()) for name, array in ARRAYS.items()}
@@ -118,7 +121,8 @@ async def test_two_reads_at_once_fetch_the_object_once(tmp_path: Path) -> None:
 
 def test_a_follower_whose_writer_is_killed_reads_the_rest_itself(tmp_path: Path) -> None:
     """Processes: the writer's answer stalls part way, a second reader follows its copy, the
-    writer is killed; the follower reads the rest from the server, removes the leftovers."""
+    writer is killed; the follower reads the rest from the server (its ``cache_state`` then
+    ``"uncached"``), removes the leftovers."""
     objects = {"/m.safetensors": DATA}
     stall = 5 * PUBLISH_STEP  # the writer's answer stops there; the follower's rest is shorter
     with RangeHTTPServer(objects=objects, etag="strong", stall_after=stall) as running:
@@ -131,7 +135,7 @@ def test_a_follower_whose_writer_is_killed_reads_the_rest_itself(tmp_path: Path)
         wait_until(lambda: written(tmp_path) >= 4 * PUBLISH_STEP, "the writer gets part way")
         writer.send_signal(signal.SIGKILL)
         writer.communicate()
-        assert finish(follower) == SUMS
+        assert finish(follower) == ("uncached", SUMS)
         # the follower took the lock and removed the dead writer's leftovers; it kept no copy
         assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["lock"]
         running.stall_after = None
@@ -144,7 +148,8 @@ async def test_a_follower_in_the_same_process_and_a_writer_that_stops_early(
     tmp_path: Path,
 ) -> None:
     """Two reads at once in one process: the second follows the first's copy; the first stops
-    after two tensors (no copy is kept), the second reads the rest from the server itself."""
+    after two tensors (no copy is kept), the second reads the rest from the server itself: its
+    ``cache_state``, ``"shared"`` until then, is ``"uncached"``."""
     with RangeHTTPServer(objects={"/m.safetensors": DATA}, etag="strong", rate=RATE) as running:
         url = running.url("/m.safetensors")
         writer = stream_st.open_stream(url, cache=tmp_path)
@@ -162,14 +167,48 @@ async def test_a_follower_in_the_same_process_and_a_writer_that_stops_early(
             async def follow() -> None:
                 await published(tmp_path)
                 async with follower:
+                    assert getattr(follower, "cache_state", None) == "shared"
                     got.update({name: array async for name, array in follower})
 
             group.start_soon(write)
             group.start_soon(follow)
         assert getattr(writer, "cache_state", None) == "fetch"
-        assert getattr(follower, "cache_state", None) == "shared"
+        assert getattr(follower, "cache_state", None) == "uncached"
         assert_same_arrays(got, ARRAYS)
     assert not list((tmp_path / "objects").rglob("*.safetensors"))
+    assert not list(tmp_path.rglob(".growing"))
+
+
+async def test_a_follower_whose_writer_stalls_tells_it_read_without_the_cache(
+    tmp_path: Path,
+) -> None:
+    """Two reads at once in one process: the first's answer stalls part way, the second follows
+    its copy, then reads the rest from the server itself once the writer wrote nothing for
+    :data:`~stream_st.transports.cache.follow.HERE_STALL`: its ``cache_state`` is
+    ``"uncached"``, no longer ``"shared"``."""
+    stall = 5 * PUBLISH_STEP  # the writer's answer stops there; the follower's rest is shorter
+    with RangeHTTPServer(
+        objects={"/m.safetensors": DATA}, etag="strong", stall_after=stall
+    ) as running:
+        url = running.url("/m.safetensors")
+        follower = stream_st.open_stream(url, cache=tmp_path)
+        got: dict[str, Any] = {}
+        states: list[str | None] = []
+        async with anyio.create_task_group() as group:
+
+            async def write() -> None:
+                async for _ in stream_st.open_stream(url, cache=tmp_path):
+                    pass
+
+            group.start_soon(write)
+            await published(tmp_path)
+            async with follower:
+                states.append(getattr(follower, "cache_state", None))
+                got.update({name: array async for name, array in follower})
+                states.append(getattr(follower, "cache_state", None))
+            group.cancel_scope.cancel()  # the writer, still waiting on its stalled answer
+        assert states == ["shared", "uncached"]
+        assert_same_arrays(got, ARRAYS)
     assert not list(tmp_path.rglob(".growing"))
 
 

@@ -175,6 +175,11 @@ class FollowSource(Source):
         self._remote: Source | None = None  # the server, once the writer stopped first
         self._plan: list[tuple[int, int]] = []
 
+    @property
+    def by_itself(self) -> bool:
+        """Whether the writer stopped first: the rest is read from the server, nothing kept."""
+        return self._remote is not None
+
     # -- the writer's progress
 
     def _commit_seen(self) -> bool:

@@ -94,12 +94,21 @@ class Resolved:
     cache served it, ``state``: ``"hit"`` (the copy, checked fresh), ``"offline"`` (the copy,
     no request), ``"stale"`` (the copy; the server could not say), ``"fetch"`` (the object,
     kept while read), ``"shared"`` (the copy another process is writing, read as it grows) or
-    ``"uncached"`` (the object, as without a cache)."""
+    ``"uncached"`` (the object, as without a cache); :attr:`served` tells it as it stands."""
 
     target: str | Source
     state: str
     home: str | None = None  # where its neighbours are, when not at the address (hf://, pinned)
     files: tuple[Path, ...] = ()  # the copy's, where ``target`` is a copy that may be wrong
+
+    @property
+    def served(self) -> str:
+        """``state`` as it stands now: a ``"shared"`` copy whose writer stopped first (the rest
+        read from the server by the follower itself, nothing kept) is ``"uncached"`` from then
+        on."""
+        if isinstance(self.target, FollowSource) and self.target.by_itself:
+            return "uncached"
+        return self.state
 
     async def refuted(self) -> None:
         """Bytes read from ``target`` failed the file's own digests (a tensor's): the cache
