@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterable, Mapping, Sequence
+from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -27,7 +27,14 @@ import numpy as np
 
 from .._util import canonical_decimal, task_group
 from ..core.strict_json import decode_json
-from ..errors import ArgumentTypeError, HeaderError, UsageError
+from ..errors import (
+    ArgumentTypeError,
+    HeaderError,
+    UsageError,
+    integer_at_least,
+    path_string,
+    string,
+)
 from ._checks import ModelError, check_ids, config_number, counts, epsilon, floating, integer_ids
 
 __all__ = [
@@ -496,16 +503,30 @@ def minilm_dir() -> Path:
 def tokenize(
     directory: str | Path, sentences: Sequence[str], *, length: int | None = None
 ) -> tuple[Array, Array]:
-    """``input_ids`` and ``attention_mask`` ``[batch, seq]`` for ``sentences``, with the
+    """``input_ids`` and ``attention_mask`` ``[batch, seq]`` for ``sentences`` (strings; a
+    ``str`` alone is refused, not taken as sentences of one character each), with the
     ``tokenizer.json`` in ``directory`` (needs ``tokenizers``, in the ``models`` extra): padded to
-    the longest sentence, or padded and truncated to ``length`` tokens."""
+    the longest sentence, or padded and truncated to ``length`` tokens, an integer >= 2 (the
+    ``[CLS]`` and ``[SEP]`` tokens are never cut). :class:`~stream_st.UsageError` for a shorter
+    length; :class:`~stream_st.ArgumentTypeError` for a length or sentences of another type or a
+    directory that is no path; :class:`ModelError`, naming the file, for a ``tokenizer.json``
+    missing or unreadable."""
+    if length is not None:
+        length = integer_at_least("length", length, 2)
+    if isinstance(sentences, str) or not isinstance(sentences, Iterable):
+        raise ArgumentTypeError(f"sentences must be strings, not a {type(sentences).__name__}")
+    batch = [string(f"sentences[{i}]", sentence) for i, sentence in enumerate(sentences)]
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise UsageError(f"tokenizing needs an optional extra: {_MODELS_EXTRA}") from None
-    tokenizer = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
+    path = Path(path_string("directory", directory)) / "tokenizer.json"
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception, missing file or bad JSON
+        raise ModelError(f"cannot read tokenizer {path}: {exc}") from None
     tokenizer.enable_padding(pad_id=0, pad_token="[PAD]", length=length)
     if length is not None:
         tokenizer.enable_truncation(max_length=length)
-    encoded = tokenizer.encode_batch(list(sentences))
+    encoded = tokenizer.encode_batch(batch)
     return np.array([e.ids for e in encoded]), np.array([e.attention_mask for e in encoded])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 import stream_st
 from stream_st.models.bert import (
     BertConfig,
+    ModelError,
     StreamingBert,
     mean_pool,
     minilm_dir,
@@ -54,6 +57,49 @@ def test_tokenize_pads_to_the_longest_or_to_a_length() -> None:
     assert mask[1].tolist() == [1, 1, 1, 0, 0, 0, 0] and ids[1, 3:].tolist() == [0] * 4
     ids, mask = tokenize(MODEL_DIR, ["a b c d e", "x"], length=4)
     assert ids.shape == (2, 4) and mask[0].tolist() == [1, 1, 1, 1]
+    ids, mask = tokenize(MODEL_DIR, ("a b c",), length=2)  # [CLS] [SEP]: the least length
+    assert ids.tolist() == [[101, 102]] and mask.tolist() == [[1, 1]]
+
+
+@pytest.mark.parametrize(
+    ("sentences", "length", "error", "message"),
+    [
+        (["a b c"], 1, stream_st.UsageError, "length must be an integer >= 2, got 1"),
+        (["a b c"], 0, stream_st.UsageError, "length must be an integer >= 2, got 0"),
+        (["a b c"], -1, stream_st.UsageError, "length must be an integer >= 2, got -1"),
+        (["a b c"], True, stream_st.ArgumentTypeError, "length must be an integer >= 2"),
+        (["a b c"], 4.0, stream_st.ArgumentTypeError, "length must be an integer >= 2"),
+        ("hi", None, stream_st.ArgumentTypeError, "sentences must be strings, not a str"),
+        (["hi", 3], None, stream_st.ArgumentTypeError, "sentences[1] must be a string, got int"),
+    ],
+)
+def test_tokenize_refuses_a_length_it_cannot_honour_and_sentences_not_strings(
+    sentences: Any, length: Any, error: type[Exception], message: str
+) -> None:
+    """length=1 or 0 gave 7 tokens, not the length asked (the [CLS] and [SEP] tokens are not
+    cut), -1 a bare OverflowError; a str was taken as sentences of one character each."""
+    with pytest.raises(error) as info:
+        tokenize(MODEL_DIR, sentences, length=length)
+    assert type(info.value) is error and message in str(info.value)
+
+
+def test_tokenize_refuses_a_directory_that_is_no_path() -> None:
+    """None was a bare TypeError from pathlib."""
+    with pytest.raises(
+        stream_st.ArgumentTypeError, match=r"directory must be a str or os\.PathLike"
+    ):
+        tokenize(None, ["hi"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("content", [None, b"", b"{not json"])
+def test_a_missing_or_unreadable_tokenizer_is_a_model_error(
+    tmp_path: Path, content: bytes | None
+) -> None:
+    """It was tokenizers' bare builtin Exception ("No such file or directory (os error 2)")."""
+    if content is not None:
+        (tmp_path / "tokenizer.json").write_bytes(content)
+    with pytest.raises(ModelError, match=re.escape(f"tokenizer {tmp_path / 'tokenizer.json'}:")):
+        tokenize(tmp_path, ["hi"])
 
 
 async def test_streamed_from_a_file_equals_load_then_run(
