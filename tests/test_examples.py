@@ -76,6 +76,7 @@ def test_a_prompt_of_one_token_is_refused_with_a_message() -> None:
         ("llm_kv_transfer.py", ["--tokens", "-1"], "argument --tokens: must be 0 or more"),
         ("streaming_inference.py", ["--rate", "0"], "argument --rate: must be more than 0"),
         ("streaming_inference.py", ["--rate", "-3"], "argument --rate: must be more than 0"),
+        ("streaming_inference.py", ["--rate", "1e-300"], "argument --rate: must be at least"),
         ("read_stream.py", ["/nonexistent/model.safetensors"], "error: no such file"),
     ],
 )
@@ -83,7 +84,8 @@ def test_bad_arguments_are_refused_with_a_message(
     example: str, args: list[str], message: str
 ) -> None:
     """--tokens -1 ran the whole transfer, then a 48-line ExceptionGroup traceback; --rate 0 a
-    ZeroDivisionError in a thread (-3 was taken); a missing file a traceback."""
+    ZeroDivisionError in a thread (-3 was taken), 1e-300 an OverflowError sleeping there (then a
+    TruncatedStreamError traceback); a missing file a traceback."""
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / example), *args],
         capture_output=True,
