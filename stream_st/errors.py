@@ -265,8 +265,11 @@ SECRET_HEADERS = (
     "api-key",
     "private-token",
     "x-auth-token",
+    "x-amz-server-side-encryption-customer-key",
+    "x-amz-copy-source-server-side-encryption-customer-key",
 )
-"""Request headers, besides ``Authorization``, whose value is a credential: masked where a
+"""Request headers, besides ``Authorization``, whose value is a credential (an SSE-C key given
+in ``headers=``: whoever holds it reads the object; not its ``-MD5`` digest): masked where a
 text quotes them, never sent to another origin on a redirect."""
 
 _AUTHORIZATION_SCHEMES = (
@@ -824,12 +827,55 @@ _REQUEST_BYTES = LazyPattern(rb"(<CanonicalRequestBytes>)[^<]*(</CanonicalReques
 """An S3 ``SignatureDoesNotMatch`` answer's hex of the request it signed (the session token in
 it, as hex, which :func:`redact` cannot see)."""
 
+_CANONICAL_REQUEST = LazyPattern(rb"<CanonicalRequest>[^<]*</CanonicalRequest>")
+"""An S3 ``SignatureDoesNotMatch`` answer's text of the request it signed, every signed header
+one a line (:data:`_SIGNED_HEADER`): all those given in ``headers=``, which stream_st signs."""
+
+_SIGNED_HEADER = LazyPattern(rb"(?m)^(?P<name>[a-z0-9-]+):(?P<value>[^\n<]*)")
+"""A header's line in a canonical request: its name in lower case, a colon, its value."""
+
+_PLAIN_SIGNED_HEADERS = frozenset(
+    {
+        "host",
+        "range",
+        "content-length",
+        "content-md5",
+        "content-type",
+        "if-match",
+        "if-none-match",
+        "if-unmodified-since",
+        "x-amz-content-sha256",
+        "x-amz-copy-source",
+        "x-amz-date",
+    }
+)
+"""The headers whose value a canonical request S3 echoes shows (:func:`_redacted_body`): those
+that tell where, when and what was asked, no secret. Any other's is masked: a caller's header
+may carry a credential under a name no list here knows."""
+
+
+def _mask_signed_header(match: re.Match[bytes]) -> bytes:
+    """A header's line in a canonical request (:data:`_SIGNED_HEADER`), its value masked unless
+    it is one of :data:`_PLAIN_SIGNED_HEADERS`' (or empty)."""
+    if not match["value"] or match["name"].decode("ascii") in _PLAIN_SIGNED_HEADERS:
+        return match[0]
+    return match["name"] + b":" + MASK.encode()
+
+
+def _mask_canonical_request(match: re.Match[bytes]) -> bytes:
+    """A canonical request S3 echoes (:data:`_CANONICAL_REQUEST`), its headers' values masked
+    but those of :data:`_PLAIN_SIGNED_HEADERS`."""
+    return _SIGNED_HEADER.compiled.sub(_mask_signed_header, match[0])
+
 
 def _redacted_body(body: bytes) -> bytes:
     """``body`` with the secrets :func:`redact` masks masked (an S3 error page echoes the
-    request it refused, ``x-amz-security-token:`` included), and the request's bytes in hex
-    left out; bytes as they were elsewhere (Latin-1 keeps every byte)."""
+    request it refused, ``x-amz-security-token:`` included), the value of every header of the
+    canonical request it echoes masked (an SSE-C key, a caller's token under any name) but
+    those of :data:`_PLAIN_SIGNED_HEADERS`, and the request's bytes in hex left out; bytes as
+    they were elsewhere (Latin-1 keeps every byte). In time linear in the body."""
     body = _REQUEST_BYTES.compiled.sub(rb"\1" + MASK.encode() + rb"\2", body)
+    body = _CANONICAL_REQUEST.compiled.sub(_mask_canonical_request, body)
     return redact(body.decode("latin-1")).encode("latin-1")
 
 

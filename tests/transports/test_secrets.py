@@ -354,6 +354,12 @@ async def test_an_unusable_redirect_hides_a_long_password(server: RangeHTTPServe
         ("X-Api-Key:k123\r\nPrivate-Token: glpat-1", "X-Api-Key:***\r\nPrivate-Token: ***"),
         ("x-amz-security-token: T0K authorization: x", "x-amz-security-token: ***"),  # to the end
         ("Proxy-Authorization: Basic YWxpY2U6c2VjcmV0", "Proxy-Authorization: ***"),
+        ("x-amz-server-side-encryption-customer-key: a2V5=",
+         "x-amz-server-side-encryption-customer-key: ***"),  # an SSE-C key
+        ("X-Amz-Copy-Source-Server-Side-Encryption-Customer-Key:a2V5=",
+         "X-Amz-Copy-Source-Server-Side-Encryption-Customer-Key:***"),
+        ("x-amz-server-side-encryption-customer-key-MD5: bWQ1",
+         "x-amz-server-side-encryption-customer-key-MD5: bWQ1"),  # its digest: no secret
     ],
 )  # fmt: skip
 def test_redact(text: str, shown: str) -> None:
@@ -566,6 +572,75 @@ async def test_an_error_body_echoing_the_request_keeps_no_session_token(
     assert b"<Code>SignatureDoesNotMatch</Code>" in body and b"x-amz-security-token:***" in body
 
 
+class SignatureMismatchServer(RangeHTTPServer):
+    """Answers every request but a HEAD 403 ``SignatureDoesNotMatch``, echoing the canonical
+    request with every header it got, one a line, as text and as hex, as S3 does."""
+
+    def _answer(
+        self, connection: socket.socket, reader: Any, method: str, target: str, headers: Any
+    ) -> bool:
+        if method == "HEAD":
+            return super()._answer(connection, reader, method, target, headers)
+        if method in ("PUT", "POST"):
+            self._read_body(reader, headers)
+        lines = "".join(f"{name}:{value}\n" for name, value in sorted(headers.items()))
+        canonical = f"{method}\n{target.partition('?')[0]}\n\n{lines}\n{';'.join(sorted(headers))}"
+        body = (
+            "<Error><Code>SignatureDoesNotMatch</Code>"
+            f"<CanonicalRequest>{canonical}\nUNSIGNED-PAYLOAD</CanonicalRequest>"
+            f"<CanonicalRequestBytes>{canonical.encode().hex(' ')}</CanonicalRequestBytes></Error>"
+        ).encode()
+        head = {"Content-Type": "application/xml", "Content-Length": str(len(body))}
+        self._send_head(connection, 403, head)
+        connection.sendall(body)
+        return True
+
+
+SSE_C_KEY = base64.b64encode(f"{SECRET}-a-customer-key-of-32-by".encode()).decode()
+"""An SSE-C key, as ``headers=`` gives it (Base64 of 32 bytes): whoever holds it reads the
+object."""
+
+
+@pytest.mark.parametrize("operation", ["read", "write"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "x-amz-server-side-encryption-customer-key",
+        "x-amz-copy-source-server-side-encryption-customer-key",
+    ],
+)
+async def test_an_error_body_echoing_the_request_keeps_no_sse_c_key(
+    operation: str, name: str
+) -> None:
+    """An S3 ``SignatureDoesNotMatch`` page echoes every header of the request it refused, all
+    signed (stream_st signs every header given): an SSE-C key given in ``headers=`` (to read or
+    write an object encrypted with it, or to copy one) showed in full in the error's ``body``,
+    where the session token was masked, and so did a credential under a name stream_st does not
+    know. The request's echoed headers show only the values that are no secret (host, date)."""
+    headers = {name: SSE_C_KEY, f"{name}-MD5": "bWQ1", "cf-access-client-secret": SECRET}
+    url = "s3://bkt/m.safetensors"
+    with SignatureMismatchServer() as server:
+        server.objects["/bkt/m.safetensors"] = FILE
+        config = S3Config.resolve(
+            endpoint_url=server.url(""),
+            access_key_id="AKIDEXAMPLE",
+            secret_access_key="x",
+            session_token=f"token-{SECRET}",
+            environ={},
+        )
+        with pytest.raises(HTTPStatusError) as info, anyio.fail_after(20):
+            if operation == "read":
+                await stream_st.load(stream_st.S3Source(url, config=config, headers=headers))
+            else:
+                await stream_st.save(stream_st.S3Sink(url, config=config, headers=headers), ARRAYS)
+    error = info.value
+    body = error.body.decode("latin-1")
+    assert_hidden(body, str(error), repr(error), secrets=(SECRET, SSE_C_KEY))
+    assert f"\n{name}:***\n" in body and "\ncf-access-client-secret:***\n" in body
+    assert f"\nhost:127.0.0.1:{server.port}\n" in body and "\nx-amz-date:20" in body
+    assert "<Code>SignatureDoesNotMatch</Code>" in body
+
+
 class EchoServer(RangeHTTPServer):
     """Answers every request 401 with a body quoting its headers, one a line, as debugging
     gateways and echo services do."""
@@ -633,6 +708,23 @@ def test_masking_adversarial_text_takes_time_linear_in_it(text: str) -> None:
     of its line: an error page of such text held the event loop for seconds."""
     started = time.process_time()
     redact(text)
+    assert time.process_time() - started < 10.0
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"<CanonicalRequest>" * (ADVERSARIAL // 18),
+        b"<CanonicalRequest>" * 100 + b"x-k:v\n" * (ADVERSARIAL // 6) + b"</CanonicalRequest>",
+        b"<CanonicalRequest>" + b"a-" * (ADVERSARIAL // 2) + b"</CanonicalRequest>",
+        b"<CanonicalRequest>k:v</CanonicalRequest>" * (ADVERSARIAL // 39),
+    ],
+    ids=["open tags", "headers", "one name", "requests"],
+)
+def test_masking_an_echoed_request_takes_time_linear_in_it(body: bytes) -> None:
+    """The headers of a canonical request an error page echoes are each looked at once."""
+    started = time.process_time()
+    HTTPStatusError(403, "Forbidden", body=body)
     assert time.process_time() - started < 10.0
 
 
