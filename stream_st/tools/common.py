@@ -129,11 +129,19 @@ def expect_totals(progress: Progress | None, tensors: Sequence[TensorInfo]) -> N
         totals(sum(t.nbytes for t in tensors), len(tensors))
 
 
-def model_sources(path: str) -> list[str]:
-    """The sources a command argument names: ``path`` itself, or for a local directory (a path
-    or a ``file://`` URL) its index (``*.safetensors.index.json`` or ``dataset_manifest.json``)
-    when it holds exactly one, else every ``*.safetensors`` file in it, in name order, by their
-    paths. A directory with neither raises :class:`~stream_st.SourceNotFoundError`."""
+def model_sources(path: str | os.PathLike[str]) -> list[str]:
+    """The sources a command argument names: ``path`` itself (as a string), or for a local
+    directory (a path or a ``file://`` URL) its index (``*.safetensors.index.json`` or
+    ``dataset_manifest.json``) when it holds exactly one, else every ``*.safetensors`` file in
+    it, in name order, by their paths. A directory with neither raises
+    :class:`~stream_st.SourceNotFoundError`; a ``path`` neither a ``str`` nor an
+    ``os.PathLike`` of one, :class:`~stream_st.ArgumentTypeError`."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        raise ArgumentTypeError(
+            f"model_sources takes a path or URL (a str or os.PathLike), got {type(path).__name__}"
+        )
     local = local_path(path, UnsupportedSourceError) or path
     if not os.path.isdir(local):
         return [path]

@@ -94,3 +94,17 @@ async def test_cp_refusals_name_the_keywords(source: Path, tmp_path: Path) -> No
         with pytest.raises(stream_st.UsageError, match=re.escape(named)):
             await tools.cp(src, dst, **options)
         assert not dst.exists()
+
+
+def test_model_sources_takes_a_path(source: Path, tmp_path: Path) -> None:
+    """model_sources(Path(directory)) and model_sources(Path(file)) raised "argument of type
+    'PosixPath' is not iterable", where every other tool takes a Path, and model_sources(None) a
+    bare TypeError too: a path is taken as its string is; anything else is refused, named."""
+    assert tools.model_sources(tmp_path) == tools.model_sources(str(tmp_path)) == [str(source)]
+    assert tools.model_sources(source) == tools.model_sources(str(source)) == [str(source)]
+    for wrong in (None, b"a.safetensors", 5):
+        with pytest.raises(
+            stream_st.ArgumentTypeError,
+            match=f"model_sources takes a path or URL .*, got {type(wrong).__name__}$",
+        ):
+            tools.model_sources(wrong)  # type: ignore[arg-type]
