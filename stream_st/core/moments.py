@@ -3,7 +3,12 @@
 :func:`moments_of` summarises a run of values as :class:`Moments`: the count of finite values,
 their min, max, mean and sum of squared deviations (``m2``), and the NaN and Inf counts.
 Summaries of parts merge exactly (:meth:`Moments.merge`, the pairwise update of Chan, Golub and
-LeVeque), so a big tensor is summarised in parts by several threads and merged in order. ``m2`` is
+LeVeque), so a big tensor is summarised in parts by several threads and merged in order. The mean
+is kept as two float64s, ``mean`` and the ``tail`` that it lacks, and each chunk's as its shift
+and its offset from it, so that the difference of two means, squared into ``m2`` as parts merge,
+keeps float64's accuracy in units of the values' spread: at 1e8 +- 1e-3, float64's spacing
+(1.5e-8) is a hundredth of the difference of two chunks' means (the std over several chunks was
+1.35e-8 off, that of 1e15 plus 0 to 3 9e-6, where one float64 held each mean). ``m2`` is
 kept in units of a power of 4 where float64 could not hold it (values far from 1, as
 :func:`~stream_st.core.casts.error_stats` keeps its sums of squares): the std of F64 values near
 1e300 or 1e-200 is theirs, not infinite or 0.
@@ -158,7 +163,9 @@ class Moments:
     in units of ``2**e``), and the ``nan`` and ``inf`` values left out of them. ``low`` and
     ``high`` are ``inf`` and ``-inf`` while ``count`` is 0; for integer values they are exact
     Python ints. ``integer_sum``: the exact sum of integer values (None for floating ones), of
-    which ``mean`` is then the quotient by ``count``, rounded once.
+    which ``mean`` is then the quotient by ``count``, rounded once. ``tail``: what ``mean``
+    lacks of the mean (floating values' mean is ``mean + tail`` to about twice float64's
+    precision; 0 with an integer sum, which says more).
     """
 
     count: int = 0
@@ -170,6 +177,7 @@ class Moments:
     inf: int = 0
     integer_sum: int | None = None
     e: int = 0
+    tail: float = 0.0
 
     @property
     def variance(self) -> float | None:
@@ -196,34 +204,49 @@ class Moments:
             self.nan,
             self.inf,
             e=self.e + exponent - 1,
+            tail=self.tail * factor,
         )
 
-    def add(self, count: int, mean: float, m2: float, e: int, exact: float | None = None) -> None:
-        """Add ``count`` (> 0) more values, of ``mean`` and ``m2`` in units of ``4**e``, to the
-        count, mean and ``m2`` of these (Chan, Golub and LeVeque's pairwise update). Where
-        float64 might not hold the sum of ``m2`` (see :data:`_FAR`), it is taken in the units of
-        its largest term. ``exact``: ``mean - self.mean`` where it is known better than from the
-        two means (integer values' means, rounded to float64, from their exact sums)."""
+    def add(
+        self,
+        count: int,
+        mean: float,
+        m2: float,
+        e: int,
+        exact: float | None = None,
+        tail: float = 0.0,
+    ) -> None:
+        """Add ``count`` (> 0) more values, of mean ``mean + tail`` and ``m2`` in units of
+        ``4**e``, to the count, mean and ``m2`` of these (Chan, Golub and LeVeque's pairwise
+        update). The means' difference is taken part by part, ``mean - self.mean`` (exact where
+        they are close) and ``tail - self.tail``: ``mean`` may be a chunk's shift, and ``tail``
+        its mean's offset from it. Where float64 might not hold the sum of ``m2`` (see
+        :data:`_FAR`), it is taken in the units of its largest term. ``exact``: the means'
+        difference where it is known better than from them (integer values' means, rounded to
+        float64, from their exact sums)."""
         if not self.count:
-            self.count, self.mean, self.m2, self.e = count, mean, m2, e
+            self.count, self.m2, self.e = count, m2, e
+            self.mean, self.tail = _two_sum(mean, tail)
             return
         total = self.count + count
         weight = self.count * (count / total)
-        delta = mean - self.mean if exact is None else exact
+        delta = (mean - self.mean) + (tail - self.tail) if exact is None else exact
         if self.e == e == 0 and (not delta or _NEAR <= abs(delta) < _FAR):
             self.m2 += m2 + delta * delta * weight  # nothing over- or underflows
         else:  # the means' difference in units of 2**unit, the greater mean's in [0.5, 1)
-            unit = math.frexp(max(abs(mean), abs(self.mean)))[1]
+            unit = math.frexp(max(abs(mean + tail), abs(self.mean)))[1]  # mean: maybe a shift
             if exact is None:
                 apart = math.ldexp(mean, -unit) - math.ldexp(self.mean, -unit)
+                apart += math.ldexp(tail - self.tail, -unit)
             else:
                 apart = math.ldexp(exact, -unit)
             terms = ((self.m2, self.e), (m2, e), (apart * apart * weight, unit))
             self.m2, self.e = _sum_of_squares(terms)
         if math.isfinite(delta):
-            self.mean += delta * (count / total)
+            self.mean, self.tail = _two_sum(self.mean, self.tail + delta * (count / total))
         else:  # means near float64's ends, of opposite signs: weighted, they cannot overflow
             self.mean = self.mean * (self.count / total) + mean * (count / total)
+            self.tail = 0.0
         self.count = total
 
     def merge(self, other: Moments) -> None:
@@ -238,16 +261,24 @@ class Moments:
             exact = (other.integer_sum * self.count - self.integer_sum * other.count) / (
                 self.count * other.count
             )  # the means' difference, rounded once
-        self.add(other.count, other.mean, other.m2, other.e, exact)
+        self.add(other.count, other.mean, other.m2, other.e, exact, other.tail)
         if first:
             self.integer_sum = other.integer_sum
         elif self.integer_sum is None or other.integer_sum is None:
             self.integer_sum = None
         else:
             self.integer_sum += other.integer_sum
-            self.mean = self.integer_sum / self.count  # exact, rounded once
+            self.mean, self.tail = self.integer_sum / self.count, 0.0  # exact, rounded once
         self.low = min(self.low, other.low)
         self.high = max(self.high, other.high)
+
+
+def _two_sum(high: float, low: float) -> tuple[float, float]:
+    """``high + low`` as the float64 nearest it and what that lacks, exactly (Knuth's TwoSum:
+    six additions, right whichever of the two is the greater)."""
+    total = high + low
+    part = total - high
+    return total, (high - (total - part)) + (low - part)
 
 
 def _sum_of_squares(terms: tuple[tuple[float, int], ...]) -> tuple[float, int]:
@@ -365,7 +396,7 @@ def _add_integers(result: Moments, chunk: Array, low: int, high: int, scratch: A
     part = Moments()
     _add_finite(part, values, low - shift, high - shift, scratch)
     part.integer_sum = _integer_sum(chunk, (part.mean + shift) * part.count)
-    part.mean = part.integer_sum / part.count
+    part.mean, part.tail = part.integer_sum / part.count, 0.0
     part.low, part.high = low, high
     result.merge(part)
 
@@ -512,17 +543,21 @@ def _add_sums(result: Moments, n: int, low: float, high: float, sums: Shifts) ->
     """Merge into ``result`` the moments of ``n`` finite values from ``low`` to ``high``, whose
     sums ``sums`` gives about a shift: first about the mean so far (for the first values the
     midpoint of ``low`` and ``high``; none for values about 0), then, where that cancelled most
-    digits, about their own mean."""
+    digits, about the float64 nearest their own mean. Their mean goes to ``result`` as the
+    shift and the offset from it (``s1 / n``, in the units of the values' spread), not rounded
+    to float64 as one: far from 0, float64's spacing of means can be much of their spread."""
     shift = result.mean if result.count else low + (high - low) / 2
     if abs(shift) <= high - low:  # values about 0: little to cancel, one pass saved
         shift = 0.0
     s1, s2 = sums(shift)
     m2 = s2 - s1 * (s1 / n)
-    mean = shift + s1 / n
+    offset = s1 / n
     if m2 < _RECENTRE * s2:  # cancelled: deviations again, from the chunk's own mean
-        r1, r2 = sums(s1 / n)
+        # the shifts add up to the float64 nearest that mean, as the compiled sums take them
+        centre = (shift + offset) - shift  # exact where |offset| <= |shift|
+        r1, r2 = sums(centre)
         m2 = r2 - r1 * (r1 / n)
-        mean += r1 / n
-    result.add(n, mean, max(m2, 0.0), 0)
+        offset = centre + r1 / n
+    result.add(n, shift, max(m2, 0.0), 0, tail=offset)
     result.low = min(result.low, low)
     result.high = max(result.high, high)

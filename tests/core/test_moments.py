@@ -222,12 +222,16 @@ def test_f64_std_far_from_1_is_taken_scaled(power: int) -> None:
 
 
 def test_f64_chunks_far_from_1_and_near_it_merge() -> None:
-    """A chunk near 1 between two at 2**1000 (summed scaled): merged in their units."""
+    """A chunk near 1 between two at 2**1000 (summed scaled): merged in their units; and one
+    near 2**20 after one at 2**-900 (summed scaled up), in units of the greater mean."""
     values = np.random.default_rng(20).integers(-(2**12), 2**12, CHUNK).astype(np.float64)
     array = np.concatenate([np.ldexp(values, 1000), values, np.ldexp(values + 9, 1000)])
     found = moments_of(array)
     expected = math.ldexp(float(np.ldexp(array, -1000).std()), 1000)
     assert found.std is not None and math.isclose(found.std, expected, rel_tol=1e-12)
+    array = np.concatenate([np.ldexp(values, -900), values + 2**20])
+    found = moments_of(array)
+    assert found.std is not None and math.isclose(found.std, float(array.std()), rel_tol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -292,3 +296,52 @@ def test_std_of_64_bit_integers_takes_their_differences_exactly(name: str) -> No
         assert found.mean == total / n
         assert found.std is not None
         assert math.isclose(found.std, math.sqrt(variance), rel_tol=1e-12), (found.std, name)
+
+
+def exact_mean_and_std(values: Array) -> tuple[Fraction, float]:
+    """The exact mean of float ``values`` and their exact std rounded once, from Python ints:
+    each value is an integer times a power of 2 (its 53-bit mantissa times ``2**(e - 53)``)."""
+    mantissas, exponents = np.frexp(values.astype(np.float64))
+    unit = int(exponents.min()) - 53
+    integers = np.ldexp(mantissas, 53).astype(np.int64).tolist()
+    scaled = [m << s for m, s in zip(integers, (exponents - 53 - unit).tolist(), strict=True)]
+    n, total = len(scaled), sum(scaled)
+    variance = Fraction(n * sum(v * v for v in scaled) - total * total, n * n)
+    return Fraction(total, n) * Fraction(2) ** unit, math.ldexp(math.sqrt(variance), unit)
+
+
+def far_mean_cases() -> dict[str, Array]:
+    """Values whose mean is far from zero in units of their spread, over several chunks (a
+    number that no chunk divides, too): F64 at 1e8 +- 1e-3, 1e15 plus 0 to 3 (every value
+    exact), -3e9 +- 1e-4, near 2**997 (summed scaled) a few thousand units apart, and F32 at
+    2**23 plus 0 or 1 (its compiled sums)."""
+    rng = np.random.default_rng(21)
+    near_top = 2**52 + rng.integers(0, 2**10, 2 * CHUNK + 7)
+    return {
+        "1e8 +- 1e-3": 1e8 + rng.standard_normal(200_000) * 1e-3,
+        "1e15 + 0..3": 1e15 + rng.integers(0, 4, 1 << 20).astype(np.float64),
+        "-3e9 +- 1e-4": -(3e9 + rng.standard_normal(3 * CHUNK + 12_345) * 1e-4),
+        "2**997 + 2**945 k": np.ldexp(near_top.astype(np.float64), 945),
+        "f32 2**23 + 0 or 1": (2**23 + rng.integers(0, 2, 16 * CHUNK + 5)).astype(np.float32),
+    }
+
+
+@pytest.mark.parametrize("name", list(far_mean_cases()))
+def test_std_of_values_far_from_zero_over_several_chunks_is_exact(name: str) -> None:
+    """Each chunk's mean was rounded to float64, and so was the mean so far, and their
+    difference came from the two: the std of F64 values at 1e8 +- 1e-3 over several chunks
+    was 1.35e-8 off, that of 1e15 plus 0 to 3 8.9e-6 (numpy's float64 std: 2e-10 and 8e-8),
+    that of F32 values at 2**23 plus 0 or 1 up to 5e-12 where parts merged.
+    It agrees with the exact one (Python ints) to 1e-12, its mean is the exact one to a unit
+    in the last place, in one call and merged from parts (as validate merges a big tensor's)."""
+    values = far_mean_cases()[name]
+    mean, std = exact_mean_and_std(values)
+    step = 100_003  # parts that end inside chunks
+    merged = Moments()
+    for start in range(0, values.size, step):
+        merged.merge(moments_of(values, start, start + step))
+    for found in (moments_of(values), merged):
+        assert found.count == values.size
+        assert abs(Fraction(found.mean) - mean) <= math.ulp(float(mean)), (found.mean, name)
+        assert found.std is not None
+        assert math.isclose(found.std, std, rel_tol=1e-12), (found.std, std, name)
