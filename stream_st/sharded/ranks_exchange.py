@@ -287,13 +287,18 @@ class FileExchange:
             raise
         except BaseException as exc:
             named = self.bad[1] if self.bad is not None and self.bad[0] is exc else None
+            told = functools.partial(self.tell, pending, Failure.of(exc, named))
             try:
-                with anyio.CancelScope(shield=True):
-                    while pending:
-                        await self.settle(pending.popleft())
-                    await self.group.agree(Failure.of(exc, named))
+                await self.group.finish(told)
             except GeneratorExit:
                 return
+
+    async def tell(self, pending: deque[_Pending], failure: Failure) -> None:
+        """Wait for the transfers this rank has begun (``pending``), then tell the group its
+        ``failure`` at their next gate, where every rank raises (see :meth:`RankGroup.fail`)."""
+        while pending:
+            await self.settle(pending.popleft())
+        await self.group.agree(failure)
 
     async def _steps(self, plan: Plan, pending: deque[_Pending]) -> AsyncGenerator[tuple[str, Any]]:
         """:meth:`run` without its failure handling: ``pending``, the steps whose transfers
@@ -328,11 +333,10 @@ class FileExchange:
                     await reader.until(own)
                     await self.check_cut(stripe)
                 transfers = self.prepare(stripe)
-                await reader.during(group.agree)
-                await self.issue(transfers, stripe.owner)  # no await between: both or neither
-                await anyio.lowlevel.checkpoint_if_cancelled()  # a cancellation is handled here
+                await group.finish(functools.partial(self.gate, reader, transfers, stripe.owner))
                 nbytes = 0 if own is None else own.nbytes
                 pending.append(_Pending(transfers, plan.done[me][which], nbytes, stripe.owner))
+                await anyio.lowlevel.checkpoint()  # a cancellation, asyncio's own too, comes here
             while pending and (
                 not pending[0].transfers or sum(1 for p in pending if p.transfers) > WINDOW_STRIPES
             ):
@@ -387,6 +391,14 @@ class FileExchange:
                             _Transfer(start, view, (view, raw) if group.cuda else None)
                         )
         return transfers
+
+    async def gate(self, reader: _Reader, transfers: list[_Transfer], owner: int) -> None:
+        """Meet the group at a stripe's gate (``reader`` reading ahead meanwhile), then begin
+        its ``transfers``: both or neither, whatever cancellation comes (see
+        :meth:`RankGroup.finish`), as every rank's next collective after a gate is the
+        stripe's."""
+        await reader.during(self.group.agree)
+        await self.issue(transfers, owner)
 
     async def issue(self, transfers: list[_Transfer], owner: int) -> None:
         """Begin ``transfers`` (every rank has passed the gate); :class:`RankLostError` if the

@@ -3,23 +3,25 @@ event loop, the gate where ranks agree all is well, and failures told apart (a r
 a rank that is gone).
 
 Cancelled while it waits for a transfer, a rank stops waiting (the transfer goes on); a gate or a
-gather, once begun, is finished first (shielded): a rank that left one half done would be out of
-step with the others, who would then wait for it until the group's timeout."""
+gather, once begun, is finished first (:meth:`RankGroup.finish`), whatever cancels it, anyio's or
+asyncio's own: a rank that left one half done would be out of step with the others, who would
+then wait for it until the group's timeout."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import socket
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import anyio
 import anyio.to_thread
 
-from .._util import process_running
+from .._util import process_running, seen_through
 from ..core.arrays import load_torch, torch_device
 from ..errors import ArgumentTypeError, RankFailedError, RankLostError, UsageError
 
@@ -130,14 +132,37 @@ class RankGroup:
         except RuntimeError as exc:
             raise await anyio.to_thread.run_sync(self.lost, exc, source) from None
 
+    async def finish(self, call: Callable[[], Awaitable[object]]) -> None:
+        """``await call()`` (a collective, or a gate and what goes with it) to its end, whatever
+        cancellation comes meanwhile: anyio's (trio's) is held off by a shield and raised at the
+        task's next checkpoint; asyncio's own (``Task.cancel``: ``asyncio.timeout``,
+        ``wait_for``), which goes through shields, is taken in once the call has ended and asked
+        of the task again (see :func:`_cancel_again`), to be raised at its next wait likewise:
+        there a rank that fails tells the group at its next gate. The call's failure is raised
+        as it is."""
+        failed: list[BaseException] = []
+
+        async def through() -> None:
+            try:
+                await call()
+            except BaseException as exc:  # raised below: cancelled, seen_through would not
+                failed.append(exc)
+
+        try:
+            await seen_through(through, _unbounded)
+        except asyncio.CancelledError as exc:  # asyncio's own (anyio's: returned from)
+            _cancel_again(exc)
+        if failed:
+            raise failed.pop()
+
     async def gather(self, value: Any, failure: Failure | None = None) -> list[Any]:
-        """Every rank's ``value`` (small, picklable) and whether it failed, in rank order. If a
+        """Every rank's ``value`` (small, picklable) and whether it failed, in rank order, the
+        collective finished even if this task is cancelled meanwhile (see :meth:`finish`). If a
         rank gave a ``failure``, every rank raises (see :meth:`fail`)."""
         out: list[Any] = [None] * self.world
         told = (value, None if failure is None else (failure.cause, failure.named))
-        with anyio.CancelScope(shield=True):
-            gathering = functools.partial(self.dist.all_gather_object, out, told, group=self.group)
-            await self._blocking(gathering, None)
+        gathering = functools.partial(self.dist.all_gather_object, out, told, group=self.group)
+        await self.finish(functools.partial(self._blocking, gathering, None))
         failed = [(rank, *said) for rank, (_, said) in enumerate(out) if said is not None]
         if failed:
             self.fail(failed, failure)
@@ -146,7 +171,8 @@ class RankGroup:
     async def agree(self, failure: Failure | None = None) -> None:
         """The gate before each stripe and at the end: every rank says whether it is well
         (``failure`` None) or why not, in one collective, finished even if this task is
-        cancelled meanwhile; if one is not, every rank raises (see :meth:`fail`)."""
+        cancelled meanwhile (see :meth:`finish`); if one is not, every rank raises (see
+        :meth:`fail`)."""
         torch = self.torch
         said = torch.zeros((self.world, MESSAGE_BYTES), dtype=torch.uint8, device=self.device)
         if failure is not None:
@@ -154,8 +180,8 @@ class RankGroup:
             raw = named.to_bytes(_NAMED, "little") + (failure.cause.encode() or b"?")
             raw = raw[:MESSAGE_BYTES]
             said[self.rank, : len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        with anyio.CancelScope(shield=True):
-            await self.wait(self.dist.all_reduce(said, group=self.group, async_op=True))
+        work = self.dist.all_reduce(said, group=self.group, async_op=True)
+        await self.finish(functools.partial(self.wait, work))
         failed = []
         for rank, row in enumerate(said.cpu().numpy()):
             named, cause = int.from_bytes(row[:_NAMED], "little"), bytes(row[_NAMED:]).rstrip(b"\0")
@@ -217,6 +243,29 @@ LOST_LOOKS = 20
 LOST_PAUSE = 0.05
 """After a failed collective, the ranks of this host are looked at up to :data:`LOST_LOOKS` times,
 :data:`LOST_PAUSE` seconds apart, for one that has stopped (1 s at most)."""
+
+
+def _unbounded(_: anyio.CancelScope) -> None:
+    """A collective, cancelled, is waited for to its end: it ends when every rank has joined it,
+    or at the group's timeout."""
+
+
+def _cancel_again(cancelled: asyncio.CancelledError) -> None:
+    """Ask asyncio's cancellation ``cancelled``, taken in once what it came in was seen through,
+    of the current task again as it next waits, as anyio raises its own at the next checkpoint;
+    unless it was taken back by then (``Task.uncancel``: an ``asyncio.timeout`` whose block
+    ended first, the task past what it was to cancel). The count of cancellations asked of the
+    task (which ``asyncio.timeout`` and task groups check as they exit) stays as it was."""
+    task = asyncio.current_task()
+    assert task is not None
+    message = cancelled.args[0] if cancelled.args else None
+
+    def again() -> None:
+        if task.cancelling() and not task.done():
+            task.uncancel()
+            task.cancel(message)
+
+    asyncio.get_running_loop().call_soon(again)
 
 
 def describe(exc: BaseException) -> str:

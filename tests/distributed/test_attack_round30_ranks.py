@@ -1,0 +1,225 @@
+"""Group loads found wrong by an attack (round 30), in real gloo groups.
+
+A rank whose load was cancelled by asyncio's own cancellation (``asyncio.timeout``,
+``Task.cancel``: it goes through anyio's shields) left a gate or a gather half done: every rank
+then waited until the group's timeout and raised :class:`~stream_st.RankLostError`, and the
+group could not be used again. Now the collective is finished first, as under anyio's
+cancellation: the others raise :class:`~stream_st.RankFailedError` ("it was cancelled") at once,
+the cancelled rank gets its own cancellation, and the group stays in step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
+
+from safetensors.torch import save_file as reference_save  # noqa: E402
+
+from ._group import ENV, ROOT, WAIT, free_port  # noqa: E402
+
+GROUP_TIMEOUT = 5
+"""The scenarios' group waits this long: a rank left behind makes the others wait that long."""
+
+HEAD = """
+import asyncio, datetime, json, os, sys, time
+import anyio, torch, torch.distributed as dist
+import stream_st, stream_st.torch
+from stream_st.sharded.ranks_group import RankGroup
+from stream_st.transports.file.source import FileSource
+from tests.distributed._worker import init
+
+params = json.loads(open(sys.argv[1]).read())
+rank = int(sys.argv[2])
+init(params["port"], rank, 2, 60)
+group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=params["timeout"]))
+state = {"arm": None, "got": 0, "slow": 0.0, "where": None, "count": 0}
+
+def slowed(read):
+    async def read_into_at(self, offset, buffer):
+        if state["slow"]:
+            await anyio.sleep(state["slow"])
+        return await read(self, offset, buffer)
+    return read_into_at
+
+FileSource.read_into_at = slowed(FileSource.read_into_at)
+
+def described(exc):
+    named = getattr(exc, "rank", None)
+    return {"error": type(exc).__name__, "message": str(exc), "named": named}
+
+report = {}
+"""
+"""Each rank: the group (waiting ``timeout`` seconds), its file reads slowed down while
+``state["slow"]``, errors described."""
+
+CANCEL = """
+agree, gather = RankGroup.agree, RankGroup.gather
+
+def arm():
+    if state["arm"] is not None:
+        state["arm"], fire = None, state["arm"]
+        fire()
+
+async def arming_agree(self, failure=None):
+    if failure is None and state["where"] == "gate" and state["got"]:
+        arm()
+    if failure is None and state["where"] == "end" and state["got"] == state["count"]:
+        arm()
+    return await agree(self, failure)
+
+async def arming_gather(self, value, failure=None):
+    if state["where"] == "open":
+        arm()
+    return await gather(self, value, failure)
+
+RankGroup.agree, RankGroup.gather = arming_agree, arming_gather
+
+async def consume(src, where, count):
+    if rank == 0 and where == "open":
+        time.sleep(params["delay"])  # late to the first gather
+    async with stream_st.open_stream(src, framework="pt", process_group=group) as stream:
+        async for name, tensor in stream:
+            state["got"] += 1
+            if rank == 0 and (where, state["got"]) in (("gate", 1), ("end", count)):
+                time.sleep(params["delay"])  # late to its next gate: rank 1 waits there
+    return state["got"]
+
+async def cancelled(src, where, how, count):
+    loop = asyncio.get_running_loop()
+    result = {}
+    try:
+        if rank == 0:
+            result["got"] = await consume(src, where, count)
+        elif how == "timeout":
+            async with asyncio.timeout(None) as scope:
+                state["arm"] = lambda: scope.reschedule(loop.time() + params["after"])
+                result["got"] = await consume(src, where, count)
+        else:
+            task = asyncio.create_task(consume(src, where, count))
+            state["arm"] = lambda: loop.call_later(params["after"], task.cancel)
+            result["got"] = await task
+    except BaseException as exc:
+        result.update(described(exc))
+    try:  # a cancellation asked again of the task is raised within its scope, not here
+        await asyncio.sleep(0.05)
+    except asyncio.CancelledError:
+        result["leaked"] = True
+    return result
+
+for where, how in params.get("cancels", []):
+    state.update(where=where, got=0, count=params["count"])
+    state["slow"] = params["slow"] if rank == 1 and where == "gate" else 0.0
+    result = asyncio.run(cancelled(params["src"], where, how, params["count"]))
+    state.update(slow=0.0, arm=None, where=None)
+    try:
+        result["again"] = len(stream_st.torch.load_file(params["src"], process_group=group))
+    except Exception as exc:
+        result["again"] = described(exc)
+    report[f"{where}-{how}"] = result
+"""
+"""Rank 1 cancelled by asyncio (``cancels``: where, how) while it waits for rank 0 in a
+collective (rank 0 is late: ``delay`` seconds), ``after`` seconds into it; then both load the
+file again."""
+
+TAIL = """
+with open(os.path.join(params["dir"], f"rank{rank}.json"), "w") as out:
+    json.dump(report, out)
+dist.destroy_process_group()
+"""
+
+
+def run_ranks(tmp: Path, **params: Any) -> list[dict[str, Any]]:
+    """Run the scenarios ``params`` name as two ranks in one group; each rank's report."""
+    script = tmp / "rank.py"
+    script.write_text(HEAD + CANCEL + TAIL)
+    spec = tmp / "params.json"
+    spec.write_text(
+        json.dumps({**params, "port": free_port(), "timeout": GROUP_TIMEOUT, "dir": str(tmp)})
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(spec), str(rank)],
+            cwd=ROOT,
+            env=ENV,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    errors = []
+    try:
+        for process in processes:
+            errors.append(process.communicate(timeout=WAIT)[1])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    reports = []
+    for rank in range(2):
+        path = tmp / f"rank{rank}.json"
+        assert path.exists(), errors[rank][-3000:]
+        reports.append(json.loads(path.read_text()))
+    return reports
+
+
+COUNT = 16
+
+CANCELS = [("gate", "timeout"), ("gate", "task"), ("open", "timeout"), ("end", "timeout")]
+"""Where rank 1 is cancelled (at a gate mid-load, reading ahead meanwhile; at the gather of
+headers; at the last gate), and how (``asyncio.timeout``; ``Task.cancel`` of the task)."""
+
+
+@pytest.fixture(scope="module")
+def cancels(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every run of :data:`CANCELS`, one after another in one group: rank 0 is late (a slow
+    consumer, or late to open) while rank 1 waits for it in a collective, where asyncio cancels
+    rank 1; then every rank loads the file again with the same group."""
+    tmp = tmp_path_factory.mktemp("cancel")
+    src = tmp / "layers.safetensors"
+    gen = torch.Generator().manual_seed(30)
+    layers = {f"layer{i:02d}": torch.randn(192, 256, generator=gen) for i in range(COUNT)}
+    reference_save(layers, str(src))
+    return run_ranks(
+        tmp,
+        src=str(src),
+        cancels=CANCELS,
+        count=COUNT,
+        delay=0.8,
+        after=0.2,
+        slow=0.1,  # rank 1 reads slowly: it still reads ahead when the gate it waits at ends
+    )
+
+
+@pytest.mark.parametrize(("where", "how"), CANCELS)
+def test_a_rank_cancelled_by_asyncio_fails_the_group_at_once(
+    cancels: list[dict[str, Any]], where: str, how: str
+) -> None:
+    """Cancelled mid-load (or at the gather of headers), rank 1 raises its own cancellation
+    (``TimeoutError`` out of ``asyncio.timeout``, ``CancelledError`` out of the cancelled
+    task) and rank 0 ``RankFailedError`` naming it, both well within the group's timeout (they
+    waited for it and raised ``RankLostError``); the group loads again. Cancelled at the last
+    gate, the load is over for every rank: rank 0 has every tensor, and rank 1 too (as under
+    anyio, where no checkpoint came before its block ended) or raises its cancellation; nothing
+    of it is left to cancel the task past its ``asyncio.timeout`` block."""
+    first, second = (report[f"{where}-{how}"] for report in cancels)
+    for result in (first, second):
+        assert result["again"] == COUNT, result
+        assert not result.get("leaked"), result
+    expected = "TimeoutError" if how == "timeout" else "CancelledError"
+    if where == "end":
+        assert first == {"got": COUNT, "again": COUNT}, first
+        assert second.get("got") == COUNT or second.get("error") == expected, second
+        return
+    assert second.get("error") == expected, second
+    assert first.get("error") == "RankFailedError", first
+    assert first["named"] == 1 and "rank 1 failed: it was cancelled" in first["message"], first
