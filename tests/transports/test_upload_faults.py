@@ -23,9 +23,11 @@ import safetensors.numpy as reference_numpy
 import stream_st
 from stream_st import OutcomeUnknownError, TensorSpec, TransportError
 from stream_st.transports.http import HTTPStatusError
+from stream_st.transports.http.retry import Retries
 from stream_st.transports.http.sink import HttpSink
+from stream_st.transports.s3 import sink as s3_sink_module
 from stream_st.transports.s3.config import S3Config
-from stream_st.transports.s3.sink import MIN_PART_SIZE, S3Sink
+from stream_st.transports.s3.sink import MAX_PART_SIZE, MIN_PART_SIZE, S3Sink
 
 from ..servers.http_server import RangeHTTPServer
 from ..servers.lossy_proxy import LossyProxy
@@ -57,6 +59,17 @@ ANSWER_503 = b"HTTP/1.1 503 Slow Down\r\nContent-Length: %d\r\n\r\n%s" % (
     len(SLOW_DOWN),
     SLOW_DOWN,
 )
+
+
+def answer(status: int, reason: str, retry_after: str | None = None) -> bytes:
+    """An S3 error answer with ``status`` (and a ``Retry-After``)."""
+    head = f"HTTP/1.1 {status} {reason}\r\n" + (
+        f"Retry-After: {retry_after}\r\n" if retry_after else ""
+    )
+    return b"%sContent-Length: %d\r\n\r\n%s" % (head.encode(), len(SLOW_DOWN), SLOW_DOWN)
+
+
+ANSWER_503_AFTER_1 = answer(503, "Slow Down", "1")
 REDIRECT = (
     b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://elsewhere.invalid/\r\n"
     b"Content-Length: 0\r\n\r\n"
@@ -131,6 +144,36 @@ async def write_cancelled_at(
                 (notes if notes is not None else []).extend(getattr(exc, "__notes__", []))
                 raise
     return scope
+
+
+# ---------------------------------------------------------------- part_size
+
+
+@pytest.mark.parametrize("part_size", [MAX_PART_SIZE + 1, 8 << 30, 64 << 30])
+def test_a_part_size_over_s3s_largest_is_a_usage_error(part_size: int) -> None:
+    """S3 takes parts (and a single PutObject) of at most 5 GiB: a larger ``part_size`` is
+    refused as the sink is made, where it was taken (a plan over 10,000 parts of 5 GiB then
+    opened, a file over 5 GiB was planned as one PUT, and each part was held in memory)."""
+    with pytest.raises(stream_st.UsageError, match=f"part_size must be at most {MAX_PART_SIZE}"):
+        S3Sink(f"s3://{BUCKET}/big", part_size=part_size)
+
+
+async def test_a_plan_past_10000_parts_of_s3s_largest_is_refused_before_sending() -> None:
+    """With parts of S3's largest (5 GiB), a 6 GiB file goes in two parts, never one PUT, and a
+    plan over 10,000 of them is a :class:`~stream_st.UsageError` before any byte is sent (the
+    store, nowhere, is never asked)."""
+    config = S3Config.resolve(
+        endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b", environ={}
+    )
+    sink = S3Sink(f"s3://{BUCKET}/big", config=config, part_size=MAX_PART_SIZE)
+    await sink.allocate(6 << 30)
+    assert sink._part_size == MAX_PART_SIZE  # a 6 GiB file: more than one part
+    await sink.abort()
+    plan = [TensorSpec("x", "U8", (60 << 40,))]
+    sink = S3Sink(f"s3://{BUCKET}/big", config=config, part_size=MAX_PART_SIZE)
+    with pytest.raises(stream_st.UsageError, match="more than 10000 parts"):
+        async with stream_st.open_writer(sink, plan):
+            raise AssertionError("opened")  # pragma: no cover
 
 
 # ---------------------------------------------------------------- CreateMultipartUpload
@@ -285,14 +328,94 @@ async def test_failure_aborts_the_upload(
     action: str | bytes,
     error: str,
 ) -> None:
-    """A lost part, or a completion the store did not carry out: the upload is aborted and the
-    error says what happened."""
-    proxy.lose(*at, action)
+    """A lost part, a part the store keeps refusing, or a completion the store did not carry
+    out: the upload is aborted and the error says what happened."""
+    proxy.lose(*at, action, times=None)
     with pytest.raises(TransportError, match=error) as info:
         await write(s3_sink(proxy, key), TWO_PARTS)
     assert not isinstance(info.value, OutcomeUnknownError)
     assert pending(store, key) == []
     assert stored(store, key) is None
+
+
+@pytest.mark.parametrize(
+    ("at", "arrays", "action", "forward"),
+    [
+        (PART, TWO_PARTS, ANSWER_503_AFTER_1, False),
+        (PART, TWO_PARTS, ANSWER_429, False),
+        (PART, TWO_PARTS, ANSWER_500, True),
+        (PART, TWO_PARTS, answer(502, "Bad Gateway"), False),
+        (PART, TWO_PARTS, answer(504, "Gateway Timeout"), True),
+        (PUT, SMALL, ANSWER_503_AFTER_1, False),
+        (PUT, SMALL, ANSWER_500, True),
+    ],
+    ids=["part-503", "part-429", "part-500", "part-502", "part-504", "put-503", "put-500"],
+)
+async def test_a_part_or_put_the_store_is_too_busy_for_is_sent_again(
+    store: MotoS3Server,
+    proxy: LossyProxy,
+    key: str,
+    at: tuple[str, str],
+    arrays: Arrays,
+    action: bytes,
+    forward: bool,
+) -> None:
+    """An UploadPart (or a single PutObject) answered once with a 429 or a 5xx (S3's
+    ``SlowDown``) is sent again, the same bytes under the same part number, after the
+    ``Retry-After`` the store asked for: the write succeeds, where the whole upload was aborted."""
+    proxy.lose(*at, action, forward=forward)
+    began = time.monotonic()
+    with anyio.fail_after(60):
+        await write(s3_sink(proxy, key), arrays)
+    waited = time.monotonic() - began
+    assert stored(store, key) == reference_numpy.save(arrays)
+    assert pending(store, key) == []
+    sent = [target for method, target, _ in proxy.requests if method == at[0]]
+    assert len(sent) == len(set(sent)) + 1 and sent[0] == sent[1]  # the first one, twice
+    if b"Retry-After: 1" in action:
+        assert waited >= 1.0  # as long as the store asked, not the back-off's quarter second
+
+
+async def test_a_part_the_store_keeps_refusing_is_tried_a_bounded_number_of_times(
+    store: MotoS3Server, proxy: LossyProxy, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every attempt answered 503: after the retries the upload is aborted and the store's
+    answer raised."""
+    monkeypatch.setattr(s3_sink_module, "_PART_RETRIES", Retries(count=2, backoff=0.01))
+    proxy.lose(*PART, ANSWER_503, times=None)
+    with anyio.fail_after(60), pytest.raises(HTTPStatusError, match=r"HTTP 503.*SlowDown") as info:
+        await write(s3_sink(proxy, key), TWO_PARTS)
+    assert info.value.status == 503
+    parts = [target for method, target, _ in proxy.requests if method == "PUT"]
+    assert len(parts) == 3 and len(set(parts)) == 1
+    assert pending(store, key) == [] and stored(store, key) is None
+
+
+@pytest.mark.parametrize(
+    ("retry_after", "deadline", "error"),
+    [("30", 5.0, stream_st.ReadTimeoutError), ("600", None, HTTPStatusError)],
+    ids=["past-the-deadline", "over-5-minutes"],
+)
+async def test_a_retry_after_too_long_is_not_waited_for(
+    store: MotoS3Server,
+    proxy: LossyProxy,
+    key: str,
+    retry_after: str,
+    deadline: float | None,
+    error: type[Exception],
+) -> None:
+    """A part's ``Retry-After`` past the write's deadline ends the write at once (a
+    :class:`~stream_st.ReadTimeoutError`), as does one over 5 minutes without a deadline (the
+    store's answer): no wait, and the upload is aborted."""
+    proxy.lose(*PART, answer(503, "Slow Down", retry_after))
+    plan = [TensorSpec(n, a.dtype, a.shape) for n, a in TWO_PARTS.items()]
+    began = time.monotonic()
+    with anyio.fail_after(60), pytest.raises(error, match=r"Retry-After|SlowDown"):
+        async with stream_st.open_writer(s3_sink(proxy, key), plan, deadline=deadline) as writer:
+            for name, array in TWO_PARTS.items():
+                await writer.write(name, array)
+    assert time.monotonic() - began < 4
+    assert pending(store, key) == [] and stored(store, key) is None
 
 
 async def test_cancel_with_a_stalled_store_and_no_timeout_ends(
@@ -320,7 +443,7 @@ async def stopped(sink: S3Sink, proxy: LossyProxy, how: str) -> BaseException:
     body or while the store holds a part unanswered."""
     plan = [TensorSpec(name, ONE_PART.dtype, ONE_PART.shape) for name in "ab"]
     if how == "failure":
-        proxy.lose(*PART, ANSWER_500)
+        proxy.lose(*PART, ANSWER_500, times=None)
     elif how == "cancel-in-part":
         proxy.lose(*PART, "stall")
     caught: list[BaseException] = []

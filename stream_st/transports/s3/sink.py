@@ -1,7 +1,12 @@
 """``s3://bucket/key`` sinks: a multipart upload fed by the streaming writer.
 
 Bytes are gathered into parts of ``part_size`` (at least 5 MiB, S3's minimum for every part but
-the last) and each full part is uploaded as it fills, so memory stays at one part. S3 takes at
+the last, and at most 5 GiB, its largest part and PUT) and each full part is uploaded as it
+fills, so memory stays at one part. A part (or a single PUT) answered with a status worth
+retrying (a 429, a 5xx: a busy store's ``SlowDown``) is sent again, the same bytes under the same
+number, as a read's request is (:data:`_PART_RETRIES`): after the ``Retry-After`` a 429 or 503
+asks for (unless that passes the ``deadline``, a :class:`~stream_st.ReadTimeoutError` at once,
+or is over 5 minutes without one), else after an exponential back-off. S3 takes at
 most :attr:`S3Sink.max_parts` (10,000) parts: a message announced (:meth:`S3Sink.allocate`) as
 larger than that many parts hold has its parts made larger, the size over 10,000 rounded up to a
 MiB (so is the memory the part takes), and one over 10,000 parts of 5 GiB, S3's largest, is
@@ -105,6 +110,11 @@ _ABORT_RETRIES = Retries(count=4, backoff=0.25)
 store, or one racing a part it is still storing) is sent again, as a read's request is: it is
 idempotent. The clean-up's :attr:`S3Sink.abort_timeout` bounds the attempts in all."""
 
+_PART_RETRIES = Retries(count=3, backoff=0.25)
+"""How an UploadPart, or the single PutObject, answered with a status worth retrying is sent
+again, as a read's request is (its defaults): the same bytes under the same part number (or
+key), idempotent. CompleteMultipartUpload is never sent again: see :meth:`S3Sink._settle`."""
+
 
 class _ErrorIn200(TransportError):
     """A 200 carrying an S3 ``<Error>`` (:meth:`S3Sink._call`): the store answered, with an
@@ -132,9 +142,10 @@ def _checked(checksum: str) -> dict[str, str]:
 
 
 def _part_size(value: object) -> int:
-    """``part_size`` as an ``int`` (numpy's integers too) of at least :data:`MIN_PART_SIZE`:
-    :class:`~stream_st.ArgumentTypeError` for any other type (a float, a string, a bool),
-    :class:`~stream_st.UsageError` if it is less."""
+    """``part_size`` as an ``int`` (numpy's integers too) from :data:`MIN_PART_SIZE` to
+    :data:`MAX_PART_SIZE`: :class:`~stream_st.ArgumentTypeError` for any other type (a float, a
+    string, a bool), :class:`~stream_st.UsageError` outside that range (S3 refuses a larger part,
+    or a single PUT, only once it has been sent)."""
     try:
         if isinstance(value, bool):
             raise TypeError
@@ -147,6 +158,11 @@ def _part_size(value: object) -> int:
     if size < MIN_PART_SIZE:
         raise UsageError(
             f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum), got {size}"
+        )
+    if size > MAX_PART_SIZE:
+        raise UsageError(
+            f"part_size must be at most {MAX_PART_SIZE} bytes (S3's largest part and PUT), got "
+            f"{size}"
         )
     return size
 
@@ -218,6 +234,8 @@ class S3Sink(ClientUser, Sink):
         *,
         key: str | None = None,
         headers: Mapping[str, str] | None = None,
+        retries: Retries | None = None,
+        position: int = 0,
     ) -> tuple[dict[str, str], bytes]:
         """Send one signed request about the object (``key=""``: about the bucket): the answer's
         headers and body.
@@ -225,11 +243,32 @@ class S3Sink(ClientUser, Sink):
         A redirect or an error status raises :class:`HTTPStatusError` (404:
         :class:`HTTPNotFoundError`); a 200 carrying an S3 ``<Error>`` (S3 reports some failed
         completions that way) raises :class:`TransportError`.
+
+        With ``retries`` (an idempotent request), a status worth retrying has the request sent
+        again, signed anew, after the ``Retry-After`` the store asks for or the back-off, as a
+        read's is; not when that wait would pass the write's deadline
+        (:class:`~stream_st.ReadTimeoutError` at ``position``, the message's offset of ``body``)
+        or the scope's (the clean-up's time: the status is raised), nor a ``Retry-After`` over 5
+        minutes without a deadline (the status is raised).
         """
         url = self.config.object_url(self.bucket, self.key if key is None else key, query)
-        await self.config.ready(self.clock, self.name)
-        signed = self.config.sign(method, url, {**self._headers, **(headers or {})})
-        response = await self._request(method, url, signed, body, follow_redirects=False)
+        for attempt in range(retries.count + 1 if retries else 1):
+            await self.config.ready(self.clock, self.name)
+            signed = self.config.sign(method, url, {**self._headers, **(headers or {})})
+            response = await self._request(method, url, signed, body, follow_redirects=False)
+            if (
+                retries is None
+                or attempt == retries.count
+                or not retries.retryable(response.status)
+            ):
+                break
+            wait = await retries.server_wait(response, self.clock, self.name, position)
+            if wait is None:
+                wait = retries.delay(attempt + 1)
+            if anyio.current_time() + wait >= anyio.current_effective_deadline():
+                break  # the time would run out waiting (wait is inf: too long): the status
+            await response.discard()
+            await retries.back_off(self.clock, attempt + 1, self.name, position, wait)
         await raise_for_status(response, name=self.name)
         async with response:
             answer = await response.read_all()
@@ -331,12 +370,21 @@ class S3Sink(ClientUser, Sink):
             await self._upload_part(self._cut, bytes(part))
 
     async def _upload_part(self, number: int, body: bytes) -> None:
+        """UploadPart ``number`` (creating the upload first if need be), sent again while the
+        store answers a status worth retrying (:data:`_PART_RETRIES`)."""
         if self._upload_id is None:
             await self._create()
         assert self._upload_id is not None
         query = f"partNumber={number}&{self._upload_query(self._upload_id)}"
         checksum = _crc32(body)
-        headers, _ = await self._call("PUT", query, body, headers=_checked(checksum))
+        headers, _ = await self._call(
+            "PUT",
+            query,
+            body,
+            headers=_checked(checksum),
+            retries=_PART_RETRIES,
+            position=(number - 1) * self._part_size,
+        )
         etag = headers.get("etag")
         if not etag:
             raise TransportError(f"no ETag in the answer to UploadPart {number}", url=self.name)
@@ -369,7 +417,9 @@ class S3Sink(ClientUser, Sink):
             body = bytes(self._part)
             await self._last(
                 "PutObject",
-                lambda: self._call("PUT", "", body, headers=_checked(_crc32(body))),
+                lambda: self._call(
+                    "PUT", "", body, headers=_checked(_crc32(body)), retries=_PART_RETRIES
+                ),
                 lambda: _md5_etag(body),
             )
             return
@@ -489,25 +539,13 @@ class S3Sink(ClientUser, Sink):
     async def _delete(self, upload_id: str) -> bool:
         """Abort the multipart upload ``upload_id``: True if it was pending, False if gone (or
         aborted by an attempt whose answer was a status worth retrying: see
-        :data:`_ABORT_RETRIES`; an attempt is made only if its back-off ends before the
-        clean-up's time does)."""
-        for attempt in range(_ABORT_RETRIES.count + 1):
-            try:
-                await self._call("DELETE", self._upload_query(upload_id))
-            except HTTPNotFoundError:
-                return False
-            except HTTPStatusError as exc:
-                wait = _ABORT_RETRIES.delay(attempt + 1)
-                if (
-                    not _ABORT_RETRIES.retryable(exc.status)
-                    or attempt == _ABORT_RETRIES.count
-                    or anyio.current_time() + wait >= anyio.current_effective_deadline()
-                ):
-                    raise  # the clean-up's time would run out waiting: say what the store said
-                await _ABORT_RETRIES.back_off(self.clock, attempt + 1, self.name, 0)
-            else:
-                return True
-        raise AssertionError("unreachable")  # pragma: no cover
+        :data:`_ABORT_RETRIES`; an attempt is made only if its wait ends before the clean-up's
+        time does, else what the store said is raised)."""
+        try:
+            await self._call("DELETE", self._upload_query(upload_id), retries=_ABORT_RETRIES)
+        except HTTPNotFoundError:
+            return False
+        return True
 
     async def _cleaning_up_on_failure(self, step: Awaitable[None]) -> None:
         """Await ``step``; on any failure or cancellation clean up at once and re-raise, with a
