@@ -189,15 +189,12 @@ def test_torch_tensors_over_a_mapped_file_survive_a_write(tmp_path: Path) -> Non
 
 
 @linux_only
-@pytest.mark.skipif(
-    sys.version_info < (3, 13),
-    reason="before Python 3.13 mmap keeps a descriptor while mapped (see docs/guarantees.md)",
-)
 async def test_no_descriptor_outlives_a_zero_copy_load(tmp_path: Path) -> None:
-    # copy=False maps the file; Python's mmap keeps a dup of the descriptor for as long as the
-    # mapping lives, i.e. as long as any array handed out. The promise is that no descriptor
-    # outlives the call: with one held per mapped file, a sharded or dataset read of more files
-    # than RLIMIT_NOFILE allows fails with EMFILE while the arrays live.
+    # copy=False maps the file; Python's mmap before 3.13 keeps a dup of the descriptor for as
+    # long as the mapping lives, i.e. as long as any array handed out (stream_st maps through
+    # the C library there). The promise is that no descriptor outlives the call: with one held
+    # per mapped file, a sharded or dataset read of more files than RLIMIT_NOFILE allows fails
+    # with EMFILE while the arrays live.
     paths = []
     for i in range(3):
         path = tmp_path / f"f{i}.safetensors"
