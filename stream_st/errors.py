@@ -149,9 +149,10 @@ _IN_TEXT = _Reading(
     ),
     token=LazyPattern(rf"(?:[^\s'\"]|['\"](?!{_CLOSING_SOURCE}))+"),
     chunk=LazyPattern(r"[?&#;](?P<chunk>[^?&#;\s<>]*)"),
-    value=LazyPattern(rf"(?:[^&#\s<>'\"]|['\"](?![&#'\"]|{_CLOSING_SOURCE}))*"),
+    value=LazyPattern(rf"(?:[^&#\s<>'\":]|:(?!\s)|['\"](?![&#'\"]|{_CLOSING_SOURCE}))*"),
 )
-"""An address a text quotes ends at white space. A quote in a password or a parameter's value
+"""An address a text quotes ends at white space, and a ``:`` right before it is the text's
+(``{address}: reason``), not a parameter's value. A quote in a password or a parameter's value
 is theirs (RFC 3986 allows ``'`` in both), unless it closes the text's quoting of the address
 (:data:`_CLOSING_SOURCE`): a password does not run on into the next field of compact JSON
 (``"url":"http://h","email":"a@b.c"``). An angle bracket is a password's too, and ends a
@@ -492,9 +493,12 @@ def redact(text: str) -> str:
     with ``scheme://``, holds no line break but in its password and nothing masked yet: a
     transport's name, an error's ``url``) is read whole, a space, a tab, a line break or an
     angle bracket in a password or a value masked with it, and so is an address a text quotes
-    as ``repr`` and JSON do (``invalid URL '...'``, ``"url": "..."``). In time linear in the
+    as ``repr`` and JSON do (``invalid URL '...'``, ``"url": "..."``). Elsewhere a value ends at
+    white space, a ``:`` before it the text's (``{address}: reason``). In time linear in the
     text. Masking again changes nothing. Every error's message passes through it; use it
-    wherever an address is shown."""
+    wherever an address is shown, and on the address alone where a message begins with it
+    (``f"{redact(url)} is ..."``): the message read as one address, a signed value would run
+    to its end."""
     if _one_address(text):
         text = _mask_addresses(text, _ONE_ADDRESS)
     else:

@@ -245,9 +245,10 @@ async def run_show(args: argparse.Namespace) -> int:
                 show_values(args, info, array)
                 del array
     except TensorNotFoundError:
+        source = redact(args.source)  # alone: masked in the message, a signed value ran to its end
         raise UsageError(
-            f"{args.source} has no tensor {surrogates_as_bytes(repr(args.name))} "
-            f"(stream-st ls {args.source} lists them)"
+            f"{source} has no tensor {surrogates_as_bytes(repr(args.name))} "
+            f"(stream-st ls {source} lists them)"
         ) from None
     return EXIT_OK
 
@@ -542,9 +543,10 @@ def _source_name(src: str, dst: str) -> str:
     path = split_address(src).path if local is None else local
     name = posixpath.basename(path.rstrip("/"))
     if not name or src == "/dev/stdin" or src.lower().startswith("tcp://"):
-        shown = STDIO if src == "/dev/stdin" else src
+        shown = STDIO if src == "/dev/stdin" else redact(src)
         raise UsageError(
-            f"{dst} is a directory: name the file to write in it ({shown} has no name to take)"
+            f"{redact(dst)} is a directory: name the file to write in it ({shown} has no name "
+            "to take)"
         )
     return name
 
@@ -581,8 +583,8 @@ async def run_cp(args: argparse.Namespace) -> int:
     if is_index(src) and not args.merge:
         if not into:
             raise UsageError(
-                f"{args.src} is a sharded checkpoint: copy it into a directory or prefix (a "
-                "destination ending in /) to mirror its shards and index, or merge it into one "
+                f"{redact(args.src)} is a sharded checkpoint: copy it into a directory or prefix "
+                "(a destination ending in /) to mirror its shards and index, or merge it into one "
                 "file with --merge"
             )
         with progress_reporter("copying", args.quiet) as progress, _include_named(args):
@@ -594,7 +596,9 @@ async def run_cp(args: argparse.Namespace) -> int:
         name = _source_name(src, args.dst)
         if is_index(src):  # --merge: one file, named as the index less its suffix
             if not name.endswith(INDEX_SUFFIX):
-                raise UsageError(f"{args.src} is a manifest: name the file to merge it into")
+                raise UsageError(
+                    f"{redact(args.src)} is a manifest: name the file to merge it into"
+                )
             name = name[: -len(INDEX_SUFFIX)]
         args.dst = address_in(args.dst, name)
     elif is_index(src) and args.dst.endswith(INDEX_SUFFIX):

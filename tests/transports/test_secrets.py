@@ -452,6 +452,26 @@ def test_redact_reads_a_quoted_address_or_credential_whole(text: str, shown: str
 
 
 @pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("https://h/m?token=***: tensor 'a' declares 80 bytes",
+         "https://h/m?token=***: tensor 'a' declares 80 bytes"),  # a masked name quoted
+        (f"reading https://h/m?sig={SECRET}: refused", "reading https://h/m?sig=***: refused"),
+        (f"reading https://h/m?sig={SECRET}:\tx", "reading https://h/m?sig=***:\tx"),
+        (f"reading https://h/m?sig=a:{SECRET}: x", "reading https://h/m?sig=***: x"),  # its ":"
+        (f"https://h/m?token=ab: {SECRET}", "https://h/m?token=***"),  # one address: read whole
+        (f"https://h/m?token=ab {SECRET}: x", "https://h/m?token=***"),
+    ],
+)  # fmt: skip
+def test_a_colon_after_a_masked_value_is_the_messages(text: str, shown: str) -> None:
+    """A message naming an address, ``{address}: reason``, lost the ``:`` after a masked value
+    (``?token=*** reason``): it was read as the value's last character. An address alone is
+    still read whole, a ``: `` in a value masked with it."""
+    assert redact(text) == shown
+    assert redact(shown) == shown  # masking again changes nothing
+
+
+@pytest.mark.parametrize(
     "text",
     [
         "HTTP 403 for https://h/m: Authorization: the signature does not match; offset 5",
