@@ -48,26 +48,34 @@ the wait it filled is over."""
 @dataclass(slots=True)
 class _Read:
     """Something this rank reads from the source: a stripe it owns or a tensor it reads alone.
-    ``ranges``: ``(file offset, end, where the bytes land)``; ``next``: the range, and the bytes
-    into it, to read next; ``error``: why it was not read."""
+    ``ranges``: ``(file offset, end, where the bytes land)``; ``left``: how many are not read
+    yet; ``begun``: whether one is being read or was; ``error``: why it was not read."""
 
-    at: int
     ranges: list[tuple[int, int, memoryview]]
     nbytes: int
-    next: tuple[int, int] = (0, 0)
+    left: int = 0
+    begun: bool = False
     done: bool = False
     error: Exception | None = None
 
+    def __post_init__(self) -> None:
+        self.left = len(self.ranges)
+
 
 class _Reader:
-    """This rank's reads of one file, in offset order, a chunk at a time: by the exchange when
-    it needs one (:meth:`until`), and ahead of it, at most :data:`READ_AHEAD_BYTES` (or one
-    read), while it waits for the group (:meth:`during`). A failure is kept on the read and
-    every later one, raised where the exchange needs them."""
+    """This rank's reads of one file, a chunk at a time, their ranges in offset order (a read
+    may span another, as a stripe spans a tensor this rank reads alone: a sequential source is
+    only read forward, each byte once): by the exchange when it needs one (:meth:`until`), and
+    ahead of it, at most :data:`READ_AHEAD_BYTES` (or one read), while it waits for the group
+    (:meth:`during`). A failure is kept on the read and every later one, raised where the
+    exchange needs them."""
 
     def __init__(self, source: Source, reads: list[_Read]) -> None:
         self.source = source
-        self.reads = deque(reads)
+        every = [(read, which) for read in reads for which in range(len(read.ranges))]
+        every.sort(key=lambda each: each[0].ranges[each[1]][0])
+        self.ranges = deque(every)  # (read, which of its ranges) not read yet
+        self.into = 0  # bytes of the first of them read
         self.held = 0  # bytes of reads begun and not yet let go (:meth:`give`)
         self.planned = False
 
@@ -103,44 +111,43 @@ class _Reader:
 
     def _room(self) -> bool:
         """Whether the next read may go on now."""
-        if not self.reads:
+        if not self.ranges:
             return False
-        read = self.reads[0]
-        begun = read.next != (0, 0)
-        return begun or not self.held or self.held + read.nbytes <= READ_AHEAD_BYTES
+        read = self.ranges[0][0]
+        return read.begun or not self.held or self.held + read.nbytes <= READ_AHEAD_BYTES
 
     async def _chunk(self) -> None:
-        """Read the next chunk of the first read not done."""
-        read = self.reads[0]
+        """Read the next chunk of the first range not read."""
+        read, which = self.ranges[0]
         source = self.source
         try:
             if not self.planned:
                 self.planned = True
-                await source.plan_reads(
-                    merge_ranges((a, b) for each in self.reads for a, b, _ in each.ranges)
-                )
-            if read.next == (0, 0):
+                ranges = (each.ranges[number] for each, number in self.ranges)
+                await source.plan_reads(merge_ranges((a, b) for a, b, _ in ranges))
+            if not read.begun:
+                read.begun = True
                 self.held += read.nbytes
-            which, into = read.next
-            if which < len(read.ranges):
-                start, end, view = read.ranges[which]
-                count = min(READ_CHUNK, end - start - into)
-                if count > 0:
-                    got = await source.read_into_at(start + into, view[into : into + count])
-                    if got < count:
-                        raise SafetensorsError(
-                            f"{source.name} ended at byte {start + into + got}, "
-                            f"expected data up to byte {end}"
-                        )
-                into += count
-                read.next = (which + 1, 0) if into >= end - start else (which, into)
-            if read.next[0] >= len(read.ranges):
-                read.done = True
-                self.reads.popleft()
+            start, end, view = read.ranges[which]
+            into = self.into
+            count = min(READ_CHUNK, end - start - into)
+            if count > 0:
+                got = await source.read_into_at(start + into, view[into : into + count])
+                if got < count:
+                    raise SafetensorsError(
+                        f"{source.name} ended at byte {start + into + got}, "
+                        f"expected data up to byte {end}"
+                    )
+            self.into = into + count
+            if self.into >= end - start:
+                self.ranges.popleft()
+                self.into = 0
+                read.left -= 1
+                read.done = not read.left
         except Exception as exc:
-            for each in self.reads:
+            for each, _ in self.ranges:
                 each.error, each.done = exc, True
-            self.reads.clear()
+            self.ranges.clear()
 
 
 @dataclass(slots=True)
@@ -251,7 +258,7 @@ class FileExchange:
                     ranges.append(
                         (start + piece.lo, start + piece.hi, raw.data[piece.lo : piece.hi])
                     )
-                owned[number] = _Read(ranges[0][0], ranges, stripe.nbytes)
+                owned[number] = _Read(ranges, stripe.nbytes)
         alone = []
         for index, wanted in plan.direct[me]:
             info = self.tensors[index]
@@ -259,9 +266,7 @@ class FileExchange:
             lo, hi = span or (0, 0)
             start = base + info.start
             raw = self.buffer(index, wanted)
-            alone.append(
-                (index, wanted, _Read(start + lo, [(start + lo, start + hi, raw.data)], hi - lo))
-            )
+            alone.append((index, wanted, _Read([(start + lo, start + hi, raw.data)], hi - lo)))
         return owned, alone
 
     async def run(self, plan: Plan) -> AsyncGenerator[tuple[str, Any]]:
@@ -306,7 +311,7 @@ class FileExchange:
         group = self.group
         me = group.rank
         owned, alone = self.plan_reads(plan)
-        reads = sorted([*owned.values(), *(read for _, _, read in alone)], key=lambda r: r.at)
+        reads = [*owned.values(), *(read for _, _, read in alone)]
         steps: list[tuple[int, int, int]] = []  # (offset, 0 stripe / 1 alone, which)
         for number, stripe in enumerate(plan.stripes):
             first = stripe.pieces[0]
@@ -509,7 +514,7 @@ class FileExchange:
         A stripe may span a tensor this rank reads alone (the plan, every rank's, does not cut
         stripes where some rank's own reads fall: each cut would cost the group a gate), and
         steps go in the offset order of their first bytes: such a stripe completes before that
-        tensor is read, and its tensors after it are held here until it is handed out. Stripes
+        tensor's step, and its tensors after it are held here until it is handed out. Stripes
         do not overlap, so what is held at once is of one stripe: at most what it brought this
         rank, memory its exchange held anyway."""
         step = pending[0]

@@ -143,10 +143,13 @@ def plan_exchange(
     """The plan for ``tensors`` (in offset order) when rank ``r`` wants ``wants[r]``: tensor
     index -> None (the whole tensor) or a slice. ``stripe`` overrides :func:`stripe_size`.
     ``checked[r]``: rank ``r`` checks digests, so its slices, contiguous ones too, are cut by an
-    owner that reads (and checks) the whole tensor, never read alone (a part has no digest)."""
+    owner that reads (and checks) the whole tensor, never read alone (a part has no digest).
+    The owner of a tensor sent point to point cuts its own contiguous slice from the whole it
+    reads, rather than reading those bytes again alone."""
     world = len(wants)
     checked = checked or [False] * world
     direct: list[list[tuple[int, Slice | None]]] = [[] for _ in range(world)]
+    alone: dict[tuple[int, int], Slice] = {}  # (rank, tensor): a contiguous slice read alone
     shared: list[tuple[int, tuple[tuple[int, Slice | None], ...] | None]] = []
     for index, info in enumerate(tensors):
         asking = [(rank, want[index]) for rank, want in enumerate(wants) if index in want]
@@ -161,6 +164,7 @@ def plan_exchange(
                 scattered.append((rank, wanted))
             if not cut or info.nbytes == 0:
                 direct[rank].append((index, wanted))
+                alone[(rank, index)] = wanted
         if info.nbytes == 0:  # nothing to exchange: everyone makes its own empty tensor
             for rank in whole:
                 direct[rank].append((index, None))
@@ -183,6 +187,7 @@ def plan_exchange(
                 each.append([])
         stripes[-1].pieces.append(piece)
 
+    cut_by_owner: set[tuple[int, int]] = set()  # (rank, tensor) of ``alone`` it owns after all
     counted = 0
     for index, to in shared:
         nbytes = tensors[index].nbytes
@@ -195,8 +200,15 @@ def plan_exchange(
             for each in done:
                 each[-1].append((index, None))
         else:
-            add(((counted + nbytes // 2) // size) % world, Piece(index, 0, nbytes, to))
+            owner = ((counted + nbytes // 2) // size) % world
+            own = alone.get((owner, index))
+            if own is not None:  # it reads the tensor whole: its slice is cut from it
+                cut_by_owner.add((owner, index))
+                to = tuple(sorted(((owner, own), *to), key=lambda each: each[0]))
+            add(owner, Piece(index, 0, nbytes, to))
             for rank, part in to:
                 done[rank][-1].append((index, part))
         counted += nbytes
+    for rank, reads in enumerate(direct):
+        reads[:] = [each for each in reads if (rank, each[0]) not in cut_by_owner]
     return Plan(stripes, direct, done)

@@ -5,10 +5,17 @@ A rank whose load was cancelled by asyncio's own cancellation (``asyncio.timeout
 then waited until the group's timeout and raised :class:`~stream_st.RankLostError`, and the
 group could not be used again. Now the collective is finished first, as under anyio's
 cancellation: the others raise :class:`~stream_st.RankFailedError` ("it was cancelled") at once,
-the cancelled rank gets its own cancellation, and the group stays in step."""
+the cancelled rank gets its own cancellation, and the group stays in step.
+
+A rank that owned a tensor (reading it whole to cut another rank's slice) and wanted a
+contiguous slice of it itself read that slice's bytes a second time; and a rank read its ranges
+in the order of its reads, not of their offsets (a stripe that spans a tensor it reads alone):
+from a sequential source (a FIFO, an async iterator) both were a seek back, and every rank
+raised. Now each rank reads each byte once, in offset order."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -30,10 +37,11 @@ GROUP_TIMEOUT = 5
 """The scenarios' group waits this long: a rank left behind makes the others wait that long."""
 
 HEAD = """
-import asyncio, datetime, json, os, sys, time
+import asyncio, datetime, json, os, sys, threading, time
 import anyio, torch, torch.distributed as dist
 import stream_st, stream_st.torch
 from stream_st.sharded.ranks_group import RankGroup
+from stream_st.transports.base import Source
 from stream_st.transports.file.source import FileSource
 from tests.distributed._worker import init
 
@@ -42,15 +50,19 @@ rank = int(sys.argv[2])
 init(params["port"], rank, 2, 60)
 group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=params["timeout"]))
 state = {"arm": None, "got": 0, "slow": 0.0, "where": None, "count": 0}
+reads = []
 
-def slowed(read):
+def counted(read):
     async def read_into_at(self, offset, buffer):
         if state["slow"]:
             await anyio.sleep(state["slow"])
-        return await read(self, offset, buffer)
+        got = await read(self, offset, buffer)
+        reads.append((offset, offset + got))
+        return got
     return read_into_at
 
-FileSource.read_into_at = slowed(FileSource.read_into_at)
+FileSource.read_into_at = counted(FileSource.read_into_at)
+Source.read_into_at = counted(Source.read_into_at)
 
 def described(exc):
     named = getattr(exc, "rank", None)
@@ -58,8 +70,8 @@ def described(exc):
 
 report = {}
 """
-"""Each rank: the group (waiting ``timeout`` seconds), its file reads slowed down while
-``state["slow"]``, errors described."""
+"""Each rank: the group (waiting ``timeout`` seconds), reads counted (and slowed down while
+``state["slow"]``), errors described."""
 
 CANCEL = """
 agree, gather = RankGroup.agree, RankGroup.gather
@@ -130,6 +142,53 @@ for where, how in params.get("cancels", []):
 collective (rank 0 is late: ``delay`` seconds), ``after`` seconds into it; then both load the
 file again."""
 
+READ = """
+def source(kind, name):
+    path = os.path.join(params["dir"], f"{name}.safetensors")
+    if kind == "file":
+        return path
+    data = open(path, "rb").read()
+    if kind == "fifo":
+        path = os.path.join(params["dir"], f"{name}.fifo{rank}")
+        os.mkfifo(path)
+
+        def feed():
+            try:
+                with open(path, "wb") as pipe:
+                    pipe.write(data)
+            except BrokenPipeError:
+                pass
+
+        threading.Thread(target=feed, daemon=True).start()
+        return path
+
+    async def chunks():
+        yield data
+
+    return chunks()
+
+async def read_once(src, options):
+    out = {}
+    async with stream_st.open_stream(src, framework="pt", process_group=group, **options) as s:
+        async for name, tensor in s:
+            out[name] = tensor.tolist()
+    return out
+
+for case, kind in params.get("reads", []):
+    options = dict(params["options"][case][rank])
+    if "slices" in options:
+        options["slices"] = {k: tuple(v) for k, v in options["slices"].items()}
+    del reads[:]
+    try:
+        result = {"got": asyncio.run(read_once(source(kind, case), options))}
+    except Exception as exc:
+        result = described(exc)
+    result["reads"] = list(reads)
+    report[f"{case}-{kind}"] = result
+"""
+"""Each of ``reads`` (case, kind) read from a file, a FIFO or an async iterator, with each
+rank's ``options`` of the case; every read of the source reported."""
+
 TAIL = """
 with open(os.path.join(params["dir"], f"rank{rank}.json"), "w") as out:
     json.dump(report, out)
@@ -140,7 +199,7 @@ dist.destroy_process_group()
 def run_ranks(tmp: Path, **params: Any) -> list[dict[str, Any]]:
     """Run the scenarios ``params`` name as two ranks in one group; each rank's report."""
     script = tmp / "rank.py"
-    script.write_text(HEAD + CANCEL + TAIL)
+    script.write_text(HEAD + CANCEL + READ + TAIL)
     spec = tmp / "params.json"
     spec.write_text(
         json.dumps({**params, "port": free_port(), "timeout": GROUP_TIMEOUT, "dir": str(tmp)})
@@ -223,3 +282,60 @@ def test_a_rank_cancelled_by_asyncio_fails_the_group_at_once(
     assert second.get("error") == expected, second
     assert first.get("error") == "RankFailedError", first
     assert first["named"] == 1 and "rank 1 failed: it was cancelled" in first["message"], first
+
+
+OPTIONS: dict[str, list[dict[str, Any]]] = {
+    "slices": [{"slices": {"w": [0, 0, 2]}}, {"slices": {"w": [1, 1, 2]}}],
+    "include": [{}, {"include": ["a", "c"]}],
+}
+"""Per case, each rank's options: ``slices`` (rank 0 wants a contiguous part of ``w`` and owns
+it, reading it whole to cut rank 1's part); ``include`` (rank 0 reads ``b`` alone, between the
+stripes it shares: one of them spans it)."""
+
+SMALL = {"a": 5, "b": 7, "c": 5}
+"""The ``include`` case's tensors and their bytes (a stripe is a byte or two)."""
+
+
+def _small() -> dict[str, Any]:
+    """:data:`SMALL`'s tensors, each numbered from ten times its place."""
+    return {
+        name: torch.arange(size, dtype=torch.uint8) + 10 * place
+        for place, (name, size) in enumerate(SMALL.items())
+    }
+
+
+READS = [(case, kind) for case in OPTIONS for kind in ("file", "fifo", "aiter")]
+
+
+@pytest.fixture(scope="module")
+def reads(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every run of :data:`READS`, one after another in one group."""
+    tmp = tmp_path_factory.mktemp("reads")
+    reference_save({"w": torch.arange(4096.0).reshape(64, 64)}, str(tmp / "slices.safetensors"))
+    reference_save(_small(), str(tmp / "include.safetensors"))
+    return run_ranks(tmp, reads=READS, options=OPTIONS)
+
+
+def _expected(case: str, rank: int) -> dict[str, Any]:
+    if case == "include":
+        every = {name: tensor.tolist() for name, tensor in _small().items()}
+        return every if rank == 0 else {"a": every["a"], "c": every["c"]}
+    whole = torch.arange(4096.0).reshape(64, 64)
+    dim, part, parts = OPTIONS["slices"][rank]["slices"]["w"]
+    return {"w": torch.tensor_split(whole, parts, dim=dim)[part].tolist()}
+
+
+@pytest.mark.parametrize(("case", "kind"), READS)
+def test_each_rank_reads_each_byte_once_in_offset_order(
+    reads: list[dict[str, Any]], case: str, kind: str
+) -> None:
+    """Each rank gets what it asked for, from a file, a FIFO or an async iterator alike, and
+    reads no byte twice, its reads in offset order (rank 0 read its part of ``w`` again after
+    the whole tensor; read ``c``'s first bytes before ``b``: from a sequential source each was
+    a seek back, and every rank raised ``RankFailedError``)."""
+    for rank, report in enumerate(reads):
+        result = report[f"{case}-{kind}"]
+        assert result.get("got") == _expected(case, rank), result
+        spans = [tuple(span) for span in result["reads"] if span[1] > span[0]]
+        assert spans == sorted(spans), spans
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), spans

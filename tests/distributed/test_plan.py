@@ -83,11 +83,27 @@ def test_slice_bounds_and_checks() -> None:
 
 def test_slices_of_a_rank_that_checks_digests_are_cut_by_an_owner() -> None:
     """A part has no digest: a rank that checks digests gets even a contiguous slice cut from
-    the whole tensor by its owner (who checks it first); a rank that does not reads it alone."""
+    the whole tensor by its owner (who checks it first); a rank that does not reads it alone
+    (unless it owns the tensor: see :func:`test_an_owner_cuts_its_own_slice_too`)."""
     tensors = table((8, 6))
     wants = [{0: (0, 0, 2)}, {0: (0, 1, 2)}]
-    plan = plan_exchange(tensors, wants, checked=[False, True])
+    plan = plan_exchange(tensors, wants, stripe=96, checked=[False, True])  # rank 1 owns it
     assert plan.direct == [[(0, (0, 0, 2))], []]
     [stripe] = plan.stripes
     assert [(p.lo, p.hi, p.targets) for p in stripe.pieces] == [(0, 192, ((1, (0, 1, 2)),))]
     assert plan_exchange(tensors, wants).stripes == []
+
+
+def test_an_owner_cuts_its_own_slice_too() -> None:
+    """The owner of a tensor it reads whole to cut another rank's slice cuts its own
+    contiguous slice from it too, rather than reading those bytes a second time."""
+    tensors = table((8, 6))
+    wants = [{0: (0, 0, 2)}, {0: (0, 1, 2)}]
+    plan = plan_exchange(tensors, wants, stripe=192, checked=[False, True])  # rank 0 owns it
+    assert plan.direct == [[], []]
+    [stripe] = plan.stripes
+    assert stripe.owner == 0
+    assert [(p.lo, p.hi, p.targets) for p in stripe.pieces] == [
+        (0, 192, ((0, (0, 0, 2)), (1, (0, 1, 2))))
+    ]
+    assert plan.done == [[[(0, (0, 0, 2))]], [[(0, (0, 1, 2))]]]
