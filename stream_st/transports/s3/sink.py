@@ -3,10 +3,11 @@
 Bytes are gathered into parts of ``part_size`` (at least 5 MiB, S3's minimum for every part but
 the last, and at most 5 GiB, its largest part and PUT) and each full part is uploaded as it
 fills, so memory stays at one part. A part (or a single PUT) answered with a status worth
-retrying (a 429, a 5xx: a busy store's ``SlowDown``) is sent again, the same bytes under the same
-number, as a read's request is (:data:`_PART_RETRIES`): after the ``Retry-After`` a 429 or 503
-asks for (unless that passes the ``deadline``, a :class:`~stream_st.ReadTimeoutError` at once,
-or is over 5 minutes without one), else after an exponential back-off. S3 takes at
+retrying (408, 425, 429, 500, 502, 503, 504: a busy store's ``SlowDown``) is sent again, the
+same bytes under the same number, as a read's request is (:data:`_PART_RETRIES`): after the
+``Retry-After`` a 429 or 503 asks for (unless that passes the ``deadline``, a
+:class:`~stream_st.ReadTimeoutError` at once, or is over 5 minutes without one), else after an
+exponential back-off. S3 takes at
 most :attr:`S3Sink.max_parts` (10,000) parts: a message announced (:meth:`S3Sink.allocate`) as
 larger than that many parts hold has its parts made larger, the size over 10,000 rounded up to a
 MiB (so is the memory the part takes), and one over 10,000 parts of 5 GiB, S3's largest, is
