@@ -44,6 +44,7 @@ from .atomic import (
     ALLOCATE_FROM,
     AtomicFile,
     Blocks,
+    _open_held,
     fsync_directory,
     path_from_url,
     replaced,
@@ -401,9 +402,18 @@ class PipeSink(PipeEnd, Sink):
 
     @classmethod
     async def open(cls, path: str | os.PathLike[str], clock: Clock = UNLIMITED) -> PipeSink:
-        """Open ``path`` for writing without blocking the event loop."""
+        """Open ``path`` for writing without blocking the event loop. On any failure, an
+        interrupt included (a signal handler's exception, wherever Python runs it), the file is
+        closed before the exception leaves."""
         name = os.fspath(path)
-        return cls(await _open_for_writing(name, clock), name, clock=clock)
+        opened: list[int] = []  # the descriptor, until the sink made holds it
+        try:
+            fd = await _open_for_writing(name, clock, opened)
+            return cls(fd, name, clock=clock, opened=opened)
+        except BaseException:
+            for unheld in opened:
+                os.close(unheld)
+            raise
 
     async def send(self, buffer: memoryview) -> None:
         await self._send_all(self._write, buffer)
@@ -421,15 +431,17 @@ class PipeSink(PipeEnd, Sink):
         self._close()
 
 
-async def _open_for_writing(name: str, clock: Clock) -> int:
-    """Open ``name`` for non-blocking writes. A FIFO refuses (ENXIO) until a reader has it
-    open: try again, pausing a little longer each time, within ``clock``'s limits."""
+async def _open_for_writing(name: str, clock: Clock, opened: list[int]) -> int:
+    """Open ``name`` for non-blocking writes, the descriptor appended to ``opened`` too, for
+    the caller's cleanup to close (:func:`~.atomic._open_held`). A FIFO refuses (ENXIO) until
+    a reader has it open: try again, pausing a little longer each time, within ``clock``'s
+    limits."""
     pause = 0.001
     try:
         with clock.waiting(name, stalled="no reader opened the FIFO"):
             while True:
                 try:
-                    return os.open(name, _PIPE_FLAGS)
+                    return _open_held(opened, name, _PIPE_FLAGS)
                 except OSError as exc:
                     if exc.errno != errno.ENXIO or not stat.S_ISFIFO(os.stat(name).st_mode):
                         break
@@ -439,7 +451,7 @@ async def _open_for_writing(name: str, clock: Clock) -> int:
         raise
     except OSError:  # not a FIFO waiting for its reader: the plain open below says why
         pass
-    return open_path(name, _PIPE_FLAGS)
+    return open_path(name, _PIPE_FLAGS, opened)
 
 
 async def sink_for(url: str, clock: Clock, fsync: bool) -> Sink:

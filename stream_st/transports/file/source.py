@@ -285,7 +285,12 @@ class PipeEnd(NonBlockingEnd[int]):
     """What a pipe source and a pipe sink share: the non-blocking descriptor ``fd``, the name to
     report, the waits bounded by ``clock`` (see
     :class:`~stream_st.transports.nonblocking.NonBlockingEnd`),
-    and closing it. ``fd`` is taken over as by :class:`FileSource` (``opened`` too)."""
+    and closing it. ``fd`` is taken over: on any failure as the end is made (an interrupt
+    included: a signal handler's exception) it is closed before the exception leaves, but where
+    ``opened`` is given, a list the caller's cleanup closes, ``fd`` in it: there it is left for
+    that cleanup, and taken out of the list once the end holds it. Only an interrupt as the
+    constructor is called, before any of its code runs, leaves ``fd`` open, the caller's: a
+    caller that must close it then too passes ``opened``."""
 
     receiving = "read"
     sending = "write"
@@ -295,14 +300,22 @@ class PipeEnd(NonBlockingEnd[int]):
     def __init__(
         self, fd: int, name: str, *, clock: Clock = UNLIMITED, opened: list[int] | None = None
     ) -> None:
+        unheld = [fd] if opened is None else opened  # fd, until held
         try:
             super().__init__(fd, name, clock=clock)
             self._unclosed = closed_when_dropped(self, fd, name)
-            if opened is not None:
-                opened.remove(fd)  # held
+            unheld.remove(fd)  # held
         except BaseException:
-            _given_back(self, fd, opened)
+            self._let_go(fd, unheld, opened)
             raise
+
+    def _let_go(self, fd: int, unheld: list[int], opened: list[int] | None) -> None:
+        """Undo the hold on ``fd`` that a failure stopped as this end was made: ``fd`` is given
+        back into ``unheld`` (:func:`_given_back`), which is ``opened`` where the caller gave
+        one, for its cleanup to close; else ``fd`` was handed over, and is closed here."""
+        _given_back(self, fd, unheld)
+        if opened is None:
+            os.close(fd)
 
     def _close(self) -> None:
         """Close the descriptor, first waking any task waiting on it; closing twice is a no-op."""
@@ -333,10 +346,11 @@ class PipeSource(PipeEnd, Source):
         opened: list[int] | None = None,
     ) -> None:
         self._wait_first = fifo
+        unheld = [fd] if opened is None else opened  # fd, until held
         try:
-            super().__init__(fd, name, clock=clock, opened=opened)
+            super().__init__(fd, name, clock=clock, opened=unheld)
         except BaseException:  # also an interrupt as that returned, the descriptor held
-            _given_back(self, fd, opened)
+            self._let_go(fd, unheld, opened)
             raise
 
     async def receive_into(self, buffer: memoryview) -> int:
