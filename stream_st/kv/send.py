@@ -39,6 +39,20 @@ class SendReport:
     wire_bytes: int = 0
     header_sent_at: float = 0.0
 
+    def __repr__(self) -> str:
+        """The number of layers and each list's first and last times alone: a report of many
+        layers stays short to print (``asyncio.run`` formats a task's result)."""
+        return (
+            f"SendReport(layers={len(self.produced_at)}, wire_bytes={self.wire_bytes!r}, "
+            f"header_sent_at={self.header_sent_at!r}, produced_at={_ends(self.produced_at)}, "
+            f"sent_at={_ends(self.sent_at)})"
+        )
+
+
+def _ends(times: list[float]) -> str:
+    """``times`` as a list, those between the first and the last left out."""
+    return repr(times) if len(times) <= 2 else f"[{times[0]!r}, ..., {times[-1]!r}]"
+
 
 HASH_IN_THREAD = 256 << 10
 """Tensors from this size on are hashed in a worker thread (hashlib releases the GIL), so the

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import stream_st
-from stream_st.models.bert import BertConfig, ModelError, StreamingBert, run_loaded
+from stream_st.models.bert import BertConfig, ModelError, Stage, StreamingBert, run_loaded
 from stream_st.models.llm import ModelError as LlamaModelError
 
 Array = np.ndarray[Any, Any]
@@ -195,6 +195,33 @@ def test_the_bert_prefix_is_found_past_tensors_of_a_head() -> None:
     model = StreamingBert(CONFIG, ids, mask)
     np.testing.assert_array_equal(run_loaded(model, prefixed), expected)
     assert model.prefix == "bert."
+
+
+def test_an_encoder_has_a_short_repr() -> None:
+    """asyncio.run formats a task's result, and run_streaming returns its model: an encoder
+    printed every weight, key, value and stage it held (327,541 characters for all-MiniLM-L6-v2
+    after a run)."""
+    ids = np.ones((8, 4), np.int64)
+    ran = StreamingBert(CONFIG, ids, ids)
+    run_loaded(ran, weights())
+    many = StreamingBert(
+        CONFIG,
+        np.ones((100, 100), np.int64),
+        np.ones((100, 100), np.int64),
+        weights={f"w{i}": np.zeros(900, np.float32) for i in range(1000)},
+        stages=[Stage("layer 0", 0.0, 1.0)] * 1000,
+        keys=[np.zeros(900, np.float32)] * 1000,
+        values=[np.zeros(900, np.float32)] * 1000,
+        hidden=np.zeros(999, np.float32),
+    )
+    for shown in (repr(ran), str(ran), repr(many), str(many)):
+        assert len(shown) < 2000, len(shown)
+    assert repr(ran) == (
+        f"StreamingBert(config={CONFIG!r}, input_ids=<array [8, 4] int64>, "
+        "attention_mask=<array [8, 4] int64>, token_type_ids=None, prefix='', "
+        "weights=<dict of 0>, stages=<list of 2>, keys=<list of 1>, values=<list of 1>, "
+        "hidden=<array [8, 4, 8] float32>, layers_done=0)"
+    )
 
 
 def test_one_model_error_for_both_models() -> None:

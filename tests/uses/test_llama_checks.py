@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from stream_st import ArgumentTypeError
+from stream_st.models.bert import Stage
 from stream_st.models.llm import (
     Llama,
     LlamaConfig,
@@ -355,6 +356,32 @@ def test_a_cache_of_keys_or_values_that_are_not_floats_is_refused() -> None:
     np.testing.assert_allclose(model.score([4], half), model.score([4], cache), atol=0.05)
     with pytest.raises(ArgumentTypeError, match="real numbers, not complex128"):
         perplexity(np.zeros((1, 3), dtype=complex), [0])
+
+
+def test_a_prefill_and_a_forward_pass_have_short_reprs() -> None:
+    """asyncio.run formats a task's result, and run_streaming returns its model: a prefill
+    printed its whole cache (1,274,674 characters for a tiny 32-layer Llama), its tokens and
+    stages, a forward pass its tokens and hidden states."""
+    model = small_model()
+    key = np.zeros((1, 2, 500, 8), np.float32)
+    prefill = StreamingPrefill(
+        model.config,
+        [1] * 100_000,
+        [Stage("layer 0", 0.0, 1.0)] * 1000,
+        [(key, key)] * 1000,
+    )
+    run = model.forward(np.ones(999, np.int64))
+    run.hidden = np.zeros(999, np.float32)
+    for shown in (repr(prefill), str(prefill), repr(run), str(run)):
+        assert len(shown) < 2000, len(shown)
+    assert repr(prefill) == (
+        f"StreamingPrefill(config={model.config!r}, tokens=<list of 100000>, "
+        "stages=<list of 1000>, cache=<list of 1000>, tied=None)"
+    )
+    assert repr(run) == (
+        f"Forward(model={model!r}, tokens=<array [999] int64>, start=0, "
+        "hidden=<array [999] float32>, layers_done=0)"
+    )
 
 
 def test_perplexity_of_logits_that_are_records_or_voids_is_refused() -> None:

@@ -33,7 +33,7 @@ from ...errors import ArgumentTypeError, HeaderError, boolean, integer_at_least
 from ...kv import KVLayout
 from .._checks import ModelError as ModelError
 from .._checks import check_ids, config_number, counts, epsilon, floating, integer_ids
-from ..bert import Stage
+from ..bert import Stage, short_repr
 
 Array = np.ndarray[Any, Any]
 KVCache = list[tuple[Array, Array]]
@@ -475,6 +475,11 @@ class Forward:
     hidden: Array | None = None
     layers_done: int = 0
 
+    def __repr__(self) -> str:
+        """The tokens' and hidden states' sizes and the progress: see
+        :func:`~stream_st.models.bert.short_repr`."""
+        return short_repr(self)
+
     def step(self, past: tuple[Array, Array] | None = None) -> tuple[Array, Array]:
         """Run the next layer on top of ``past``, that layer's keys and values of the positions
         before ``start`` (``None`` for a prefill); returns the layer's keys and values."""
@@ -549,6 +554,11 @@ class StreamingPrefill:
     stages: list[Stage] = field(default_factory=list)
     cache: KVCache = field(default_factory=list)
     tied: bool | None = field(default=None, kw_only=True)
+
+    def __repr__(self) -> str:
+        """The configuration, the number of tokens, of stages run and of layers cached: see
+        :func:`~stream_st.models.bert.short_repr`."""
+        return short_repr(self)
 
     def __post_init__(self) -> None:
         if self.tied is not None:  # numpy's bool_ as a bool: output() tells False by identity
