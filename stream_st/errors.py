@@ -835,8 +835,10 @@ _CANONICAL_REQUEST = LazyPattern(rb"<CanonicalRequest>[^<]*</CanonicalRequest>")
 """An S3 ``SignatureDoesNotMatch`` answer's text of the request it signed, every signed header
 one a line (:data:`_SIGNED_HEADER`): all those given in ``headers=``, which stream_st signs."""
 
-_SIGNED_HEADER = LazyPattern(rb"(?m)^(?P<name>[a-z0-9-]+):(?P<value>[^\n<]*)")
-"""A header's line in a canonical request: its name in lower case, a colon, its value."""
+_SIGNED_HEADER = LazyPattern(rb"(?m)^(?P<name>[^:\s<]+):(?P<value>[^\n<]*)")
+"""A header's line in a canonical request: its name (in lower case; any characters but a colon,
+whitespace or ``<``, as ``headers=`` takes them: ``x_token``, ``x.auth.key``), a colon, its
+value. Tried only where a line starts, never past its end: in time linear in the request."""
 
 _PLAIN_SIGNED_HEADERS = frozenset(
     {
@@ -861,7 +863,7 @@ may carry a credential under a name no list here knows."""
 def _mask_signed_header(match: re.Match[bytes]) -> bytes:
     """A header's line in a canonical request (:data:`_SIGNED_HEADER`), its value masked unless
     it is one of :data:`_PLAIN_SIGNED_HEADERS`' (or empty)."""
-    if not match["value"] or match["name"].decode("ascii") in _PLAIN_SIGNED_HEADERS:
+    if not match["value"] or match["name"].decode("latin-1") in _PLAIN_SIGNED_HEADERS:
         return match[0]
     return match["name"] + b":" + MASK.encode()
 

@@ -621,6 +621,29 @@ SSE_C_KEY = base64.b64encode(f"{SECRET}-a-customer-key-of-32-by".encode()).decod
 object."""
 
 
+async def _refused_signature(
+    operation: str, headers: dict[str, str]
+) -> tuple[HTTPStatusError, int]:
+    """The error reading (``operation`` ``"read"``) or writing ``s3://bkt/m.safetensors`` with
+    ``headers`` raises from a :class:`SignatureMismatchServer`, and that server's port."""
+    url = "s3://bkt/m.safetensors"
+    with SignatureMismatchServer() as server:
+        server.objects["/bkt/m.safetensors"] = FILE
+        config = S3Config.resolve(
+            endpoint_url=server.url(""),
+            access_key_id="AKIDEXAMPLE",
+            secret_access_key="x",
+            session_token=f"token-{SECRET}",
+            environ={},
+        )
+        with pytest.raises(HTTPStatusError) as info, anyio.fail_after(20):
+            if operation == "read":
+                await stream_st.load(stream_st.S3Source(url, config=config, headers=headers))
+            else:
+                await stream_st.save(stream_st.S3Sink(url, config=config, headers=headers), ARRAYS)
+    return info.value, server.port
+
+
 @pytest.mark.parametrize("operation", ["read", "write"])
 @pytest.mark.parametrize(
     "name",
@@ -638,27 +661,28 @@ async def test_an_error_body_echoing_the_request_keeps_no_sse_c_key(
     where the session token was masked, and so did a credential under a name stream_st does not
     know. The request's echoed headers show only the values that are no secret (host, date)."""
     headers = {name: SSE_C_KEY, f"{name}-MD5": "bWQ1", "cf-access-client-secret": SECRET}
-    url = "s3://bkt/m.safetensors"
-    with SignatureMismatchServer() as server:
-        server.objects["/bkt/m.safetensors"] = FILE
-        config = S3Config.resolve(
-            endpoint_url=server.url(""),
-            access_key_id="AKIDEXAMPLE",
-            secret_access_key="x",
-            session_token=f"token-{SECRET}",
-            environ={},
-        )
-        with pytest.raises(HTTPStatusError) as info, anyio.fail_after(20):
-            if operation == "read":
-                await stream_st.load(stream_st.S3Source(url, config=config, headers=headers))
-            else:
-                await stream_st.save(stream_st.S3Sink(url, config=config, headers=headers), ARRAYS)
-    error = info.value
+    error, port = await _refused_signature(operation, headers)
     body = error.body.decode("latin-1")
     assert_hidden(body, str(error), repr(error), secrets=(SECRET, SSE_C_KEY))
     assert f"\n{name}:***\n" in body and "\ncf-access-client-secret:***\n" in body
-    assert f"\nhost:127.0.0.1:{server.port}\n" in body and "\nx-amz-date:20" in body
+    assert f"\nhost:127.0.0.1:{port}\n" in body and "\nx-amz-date:20" in body
     assert "<Code>SignatureDoesNotMatch</Code>" in body
+
+
+@pytest.mark.parametrize("operation", ["read", "write"])
+async def test_an_error_body_echoing_the_request_masks_a_header_of_any_name(
+    operation: str,
+) -> None:
+    """A header's name in ``headers=`` may hold any character of an HTTP token besides letters,
+    digits and ``-`` (``x_my_token``, ``x.auth.key``), or another the headers take (``x/key``):
+    the request S3 echoed showed those headers' values in full. Each is masked."""
+    names = ["x_my_token", "x.auth.key", *(f"x{c}key" for c in "!#$%&'*+^`|~/@")]
+    headers = {name: f"{SECRET}-{i}" for i, name in enumerate(names)}
+    error, port = await _refused_signature(operation, headers)
+    body = error.body.decode("latin-1")
+    assert_hidden(body, str(error), repr(error))
+    assert all(f"\n{name}:***\n" in body for name in names), body
+    assert f"\nhost:127.0.0.1:{port}\n" in body and "\nx-amz-date:20" in body
 
 
 class EchoServer(RangeHTTPServer):
@@ -738,8 +762,10 @@ def test_masking_adversarial_text_takes_time_linear_in_it(text: str) -> None:
         b"<CanonicalRequest>" * 100 + b"x-k:v\n" * (ADVERSARIAL // 6) + b"</CanonicalRequest>",
         b"<CanonicalRequest>" + b"a-" * (ADVERSARIAL // 2) + b"</CanonicalRequest>",
         b"<CanonicalRequest>k:v</CanonicalRequest>" * (ADVERSARIAL // 39),
+        b"<CanonicalRequest>" + b"x_.!~'*+^`|#$%&" * (ADVERSARIAL // 15) + b"</CanonicalRequest>",
+        b"<CanonicalRequest>" + b"x_k:" * (ADVERSARIAL // 4) + b"</CanonicalRequest>",
     ],
-    ids=["open tags", "headers", "one name", "requests"],
+    ids=["open tags", "headers", "one name", "requests", "token name", "colons"],
 )
 def test_masking_an_echoed_request_takes_time_linear_in_it(body: bytes) -> None:
     """The headers of a canonical request an error page echoes are each looked at once."""
