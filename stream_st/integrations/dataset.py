@@ -63,6 +63,7 @@ from ..errors import (
     TruncatedStreamError,
     UnsupportedSourceError,
     UsageError,
+    redact,
 )
 from ..reader import _read_tensor
 from ..reader.header import _header_length, _named, _receive_header
@@ -300,7 +301,7 @@ async def describe_dataset(
     else:
         names = [n for n in await _store.list_names(address) if SHARD_NAME.fullmatch(n)]
         if not names:
-            raise SourceNotFoundError(f"{address}: no {MANIFEST_NAME} and no shards")
+            raise SourceNotFoundError(f"{redact(address)}: no {MANIFEST_NAME} and no shards")
         home = address.rstrip("/")
         shards = tuple(_store.join(home, name) for name in names)
         index = None
@@ -607,7 +608,7 @@ def _shard_tensors(raw: Array, address: str) -> _Tensors:
     try:
         header = parse_header(raw.data)
     except HeaderError as exc:
-        raise _named(exc, address) from None
+        raise _named(exc, redact(address)) from None
     return _header_tensors(header)
 
 
@@ -701,7 +702,7 @@ def _last_copies(cell: Array, shard: Array, keys: Any, shards: tuple[str, ...]) 
     if same.any():
         twice = int(later[np.argmax(same)])
         raise HeaderError(
-            f"{shards[int(shard[twice])]}: tensor {keys[twice].as_py()!r} is listed twice"
+            f"{redact(shards[int(shard[twice])])}: tensor {keys[twice].as_py()!r} is listed twice"
         )
     return kept
 
@@ -729,12 +730,12 @@ async def read_shard_rows(
     described = LENGTH_PREFIX_SIZE + n + data
     if size is not None and size != described:
         raise HeaderError(
-            f"{address}: the manifest says {size} bytes, the shard's header describes a "
+            f"{redact(address)}: the manifest says {size} bytes, the shard's header describes a "
             "different size"
         )
     if held is not None and held > described:
         raise TrailingDataError(
-            f"{address}: {held - described} bytes follow the last tensor (the header "
+            f"{redact(address)}: {held - described} bytes follow the last tensor (the header "
             f"describes {described} bytes, the source has {held})"
         )
     return _rows_of([table], (address,), (LENGTH_PREFIX_SIZE + n,), columns, separator)
@@ -979,7 +980,7 @@ def plan_pieces(
 def changed(address: str) -> SourceChangedError:
     """The error for shard ``address`` found rewritten since the dataset was described."""
     return SourceChangedError(
-        f"{address} changed since the dataset was described (its header is another): "
+        f"{redact(address)} changed since the dataset was described (its header is another): "
         "describe the dataset again",
         url=address,
     )
@@ -1052,13 +1053,15 @@ async def read_piece(
         header = stream.header
         rows = header[piece.names[0]].shape[:1]
         if any(header[name].shape[:1] != rows for name in piece.names):
-            raise HeaderError(f"{piece.address}: the columns hold different numbers of samples")
+            raise HeaderError(
+                f"{redact(piece.address)}: the columns hold different numbers of samples"
+            )
         if (described is not None and header != described) or piece.stop > sum(rows):
             raise changed(piece.address)
         seen = _validators(stream.source)
         if any(old and old != new for old, new in zip(version, seen, strict=True)):
             raise SourceChangedError(
-                f"{piece.address} changed since its digests were checked "
+                f"{redact(piece.address)} changed since its digests were checked "
                 f"(ETag, Last-Modified {version}, then {seen}): describe the dataset again",
                 url=piece.address,
             )

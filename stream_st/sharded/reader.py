@@ -61,6 +61,7 @@ from ..errors import (
     TruncatedStreamError,
     UsageError,
     rebuilt,
+    redact,
 )
 from ..memory.delivery import Delivery
 from ..reader import Include, TensorStream
@@ -91,7 +92,7 @@ def _without_contents(exc: SafetensorsError, address: str) -> SafetensorsError:
         (text for kind, text in _PROBLEMS.items() if isinstance(exc, kind)),
         f"it cannot be read as a shard ({type(exc).__name__})",
     )
-    return rebuilt(exc, f"{address}: {problem}")
+    return rebuilt(exc, f"{redact(address)}: {problem}")  # rebuilt() masks nothing itself
 
 
 async def _open_shard(stream: TensorStream[Any], address: str, *, read_all: bool = False) -> Header:
@@ -142,23 +143,24 @@ class ShardIndex:
 
     def __init__(self, raw: bytes, name: str, home: str | None = None) -> None:
         self.home = name if home is None else home
+        shown = redact(name)  # what messages begin with: an address, masked alone
         if holds_safetensors(raw, len(raw)):  # a length prefix and a JSON object: not an index
             raise UsageError(
-                f"{name} is a safetensors file, not an index of shards: read or copy it as a file "
-                "(a remote one named *.index.json or dataset_manifest.json is taken for an "
+                f"{shown} is a safetensors file, not an index of shards: read or copy it as a "
+                "file (a remote one named *.index.json or dataset_manifest.json is taken for an "
                 "index: read it from a local copy)"
             )
-        obj = decode_json(raw, f"{name}: the index", strict=True)  # a key once, no NaN
+        obj = decode_json(raw, f"{shown}: the index", strict=True)  # a key once, no NaN
         if not isinstance(obj, dict):
-            raise HeaderError(f"{name}: the index must be a JSON object")
+            raise HeaderError(f"{shown}: the index must be a JSON object")
         self.weight_map: dict[str, str] | None = None
         self.shard_bytes: dict[str, int] = {}
         self._names: dict[str, set[str]] = {}
         self.manifest: dict[str, Any] = {}
         if address_path(name).endswith(MANIFEST_NAME):
-            self._read_manifest(obj, name)
+            self._read_manifest(obj, shown)
         else:
-            self._read_index(obj, name)
+            self._read_index(obj, shown)
 
     @classmethod
     async def read(cls, address: str, clock: Clock) -> ShardIndex:
@@ -166,34 +168,34 @@ class ShardIndex:
         raw, home = await read_object(address, clock, limit=MAX_INDEX_SIZE)
         return cls(raw, address, home)
 
-    def _read_index(self, obj: dict[str, Any], name: str) -> None:
+    def _read_index(self, obj: dict[str, Any], shown: str) -> None:
         weight_map = obj.get("weight_map")
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):
-            raise HeaderError(f"{name}: the index needs a 'weight_map' of tensor name -> shard")
+            raise HeaderError(f"{shown}: the index needs a 'weight_map' of tensor name -> shard")
         metadata = obj.get("metadata", {})
         self.metadata: dict[str, Any] = metadata if isinstance(metadata, dict) else {}
         self.weight_map = weight_map
         for tensor, shard in weight_map.items():  # one pass: names_in() is a look-up
             self._names.setdefault(shard, set()).add(tensor)
-        self.shards = sorted(shard_name(shard, name) for shard in self._names)
+        self.shards = sorted(shard_name(shard, shown) for shard in self._names)
 
-    def _read_manifest(self, obj: dict[str, Any], name: str) -> None:
+    def _read_manifest(self, obj: dict[str, Any], shown: str) -> None:
         shards = obj.get("shards")
         if not isinstance(shards, list):
-            raise HeaderError(f"{name}: the manifest needs a 'shards' list")
+            raise HeaderError(f"{shown}: the manifest needs a 'shards' list")
         self.shards = []
         for entry in shards:
             size = entry.get("bytes") if isinstance(entry, dict) else None
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise HeaderError(
-                    f"{name}: each shard needs a 'shard_path' and its size in 'bytes' (an integer "
-                    ">= 0)"
+                    f"{shown}: each shard needs a 'shard_path' and its size in 'bytes' (an "
+                    "integer >= 0)"
                 )
-            shard = shard_name(entry.get("shard_path"), name)
+            shard = shard_name(entry.get("shard_path"), shown)
             if shard in self.shard_bytes:  # every reader would read its samples twice
-                raise HeaderError(f"{name}: the manifest lists shard {shard!r} twice")
+                raise HeaderError(f"{shown}: the manifest lists shard {shard!r} twice")
             self.shards.append(shard)
             self.shard_bytes[shard] = size
         self.metadata = {k: v for k, v in obj.items() if k not in ("shards", "schema")}
@@ -229,13 +231,14 @@ class ShardIndex:
             lacking = sorted(expected.difference(header.names()))
             detail = f"it lacks {lacking[:5]}" if lacking else "it holds tensors not assigned it"
             raise HeaderError(
-                f"{address}: the shard's tensors differ from those the index assigns it ({detail})"
+                f"{redact(address)}: the shard's tensors differ from those the index assigns it "
+                f"({detail})"
             )
         size = self.shard_bytes.get(shard)
         if size is not None and size != header.file_size:
             raise HeaderError(
-                f"{address}: the manifest says {size} bytes, the shard's header describes a "
-                "different size"
+                f"{redact(address)}: the manifest says {size} bytes, the shard's header describes "
+                "a different size"
             )
 
 
@@ -451,8 +454,8 @@ def repeated_name(index: str, name: str, first: str, shard: str) -> UsageError:
     ``shard`` both hold tensor ``name`` (a batch-mode dataset repeats its columns in every shard):
     it names the ways to read such a checkpoint."""
     return UsageError(
-        f"{index}: tensor {name!r} is in more than one shard ({first} and {shard}), so one dict "
-        "of names cannot hold them all: read it as a stream (async for name, array in "
+        f"{redact(index)}: tensor {name!r} is in more than one shard ({first} and {shard}), so "
+        "one dict of names cannot hold them all: read it as a stream (async for name, array in "
         "stream_st.open_stream(...)), shard after shard, or, for a dataset, by rows "
         "(stream_st.integrations.dataset.plan_pieces and read_piece, or SafetensorsDataset)"
     )

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.header import TensorInfo
 from ..core.strict_json import decode_json
-from ..errors import ArgumentTypeError, SafetensorsError, UsageError, boolean
+from ..errors import ArgumentTypeError, SafetensorsError, UsageError, boolean, redact
 from .common import plural
 
 if TYPE_CHECKING:
@@ -220,14 +220,15 @@ class ModelConfig:
         model has, or a ``tie_word_embeddings`` that is not a JSON boolean (``"false"`` would
         be true). The dtype is ``dtype``'s, or ``torch_dtype``'s where ``dtype`` is missing or
         null: transformers keeps ``dtype`` where both are given."""
+        shown = redact(source)  # what messages begin with: an address, masked alone
         if not isinstance(config, Mapping):
-            raise UsageError(f"{source} must be a JSON object")
+            raise UsageError(f"{shown} must be a JSON object")
 
         def typed(check: Callable[[str, object], _T], key: str, default: object) -> _T:
             value = config.get(key)
             value = default if value is None else value
             try:
-                return check(f"{source}: {key}", value)
+                return check(f"{shown}: {key}", value)
             except ArgumentTypeError as exc:  # a wrong type in a file: the file's error
                 raise UsageError(str(exc)) from None
 
@@ -251,7 +252,7 @@ class ModelConfig:
         head_dim = config.get("head_dim")
         if head_dim is not None and head_dim != found.hidden_size // heads:
             raise UsageError(
-                f"{source}: head_dim {head_dim} is not hidden_size / num_attention_heads "
+                f"{shown}: head_dim {head_dim} is not hidden_size / num_attention_heads "
                 f"({found.hidden_size} / {heads}): not supported"
             )
         found.llama()  # the numbers make a model

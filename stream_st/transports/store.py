@@ -48,7 +48,7 @@ def _local(address: str) -> str | None:
         return None
     if scheme in (None, "file"):
         return address if scheme is None else path_from_url(address, UnsupportedSinkError)
-    raise UnsupportedSinkError(f"{address}: a dataset is written to a path or an s3:// URL")
+    raise UnsupportedSinkError(f"{redact(address)}: a dataset is written to a path or an s3:// URL")
 
 
 def listable(address: str) -> bool:

@@ -10,10 +10,12 @@ another host).
 from __future__ import annotations
 
 import base64
+import json
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -29,13 +31,18 @@ from stream_st import (
     SafetensorsError,
     UsageError,
 )
+from stream_st.core.layout import framed_header
 from stream_st.errors import TransportError, redact
+from stream_st.integrations.dataset import Piece, describe_dataset, read_piece, read_shard_rows
+from stream_st.tools.model_checks import ModelConfig
+from stream_st.transports.cache.config import Cache
 from stream_st.transports.cache.keys import object_key
 from stream_st.transports.http.proxy import Proxy
 from stream_st.transports.http.source import HttpSource
 from stream_st.transports.hub import HubClient, HubSource
 from stream_st.transports.options import Transport
 from stream_st.transports.s3.config import Keys, S3Config
+from stream_st.transports.store import write_object
 
 from .._util import assert_same_arrays
 from ..servers.http_server import RangeHTTPServer
@@ -323,6 +330,184 @@ async def test_an_unusable_redirect_hides_a_long_password(server: RangeHTTPServe
         await load(server.url("/m"))
     assert_hidden(str(info.value), repr(info.value), secrets=(SECRET, "ppp"))
     assert "'http://user:***@127.0.0.1:99999/x'" in str(info.value)
+
+
+MASKED_PRESIGNED = (
+    "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=***&X-Amz-Date=20240101T000000Z"
+    "&X-Amz-Expires=60&X-Amz-Security-Token=***&X-Amz-Signature=***"
+)
+SHARD = reference_numpy.save({"a": np.arange(10, dtype=np.float32)})
+
+
+def _index(weight_map: dict[str, str]) -> bytes:
+    """An index of shards assigning them the tensors of ``weight_map``."""
+    return json.dumps({"weight_map": weight_map}).encode()
+
+
+def _manifest(*shards: str, size: int = len(SHARD)) -> bytes:
+    """A dataset's manifest listing ``shards``, each of ``size`` bytes."""
+    entries = [{"shard_path": shard, "bytes": size} for shard in shards]
+    return json.dumps({"shards": entries}).encode()
+
+
+@pytest.fixture
+def signed() -> Iterator[RangeHTTPServer]:
+    """Checkpoints, datasets and shards that each fail to read, for presigned URLs (the server
+    ignores the query)."""
+    entry = '"k__n":{{"dtype":"I64","shape":[],"data_offsets":[{},{}]}}'
+    twice = f"{{{entry.format(0, 8)},{entry.format(8, 16)}}}"  # a KV key listed twice
+    unparsable = '{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}'
+    with RangeHTTPServer(etag="strong") as running:
+        running.objects.update({
+            "/a.safetensors": SHARD,
+            "/ab.safetensors": reference_numpy.save({**ARRAYS, "a": np.zeros(3, np.float32)}),
+            "/trailing.safetensors": SHARD + b"zz",
+            "/junk.safetensors": b"\xff" * 64,
+            "/twice.safetensors": framed_header(twice.encode()) + bytes(16),
+            "/unparsable.safetensors": framed_header(unparsable.encode()) + bytes(8),
+            "/lacking.safetensors.index.json": _index({"a": "a.safetensors", "b": "a.safetensors"}),
+            "/junk.safetensors.index.json": _index({"a": "junk.safetensors"}),
+            "/climbing.safetensors.index.json": _index({"a": "../a.safetensors"}),
+            "/list.safetensors.index.json": b"[]",
+            "/broken.safetensors.index.json": b"{",
+            "/sized/dataset_manifest.json": _manifest("a.safetensors", size=99),
+            "/sized/a.safetensors": SHARD,
+            "/twice/dataset_manifest.json": _manifest("a.safetensors", "b.safetensors"),
+            "/twice/a.safetensors": SHARD,
+            "/twice/b.safetensors": SHARD,
+        })  # fmt: skip
+        yield running
+
+
+@dataclass
+class _Signed:
+    """What a reading of :data:`SIGNED_READINGS` is given: ``url(path)``, the presigned URL of
+    ``path`` on ``server``; ``tmp``, a folder of its own."""
+
+    server: RangeHTTPServer
+    tmp: Path
+
+    def url(self, path: str) -> str:
+        """The presigned URL of ``path`` on the server."""
+        return self.server.url(f"{path}?{PRESIGNED}")
+
+
+async def _rewritten(at: _Signed) -> object:
+    """Rows of a shard described by another header: rewritten since the dataset was."""
+    other = await stream_st.read_header(at.url("/ab.safetensors"))
+    return await read_piece(Piece(at.url("/a.safetensors"), ("a",), 0, 5), other)
+
+
+async def _another_version(at: _Signed) -> object:
+    """Rows of a shard answering with another ETag than its digests were checked at."""
+    described = await stream_st.read_header(at.url("/a.safetensors"))
+    return await read_piece(Piece(at.url("/a.safetensors"), ("a",), 0, 5), described, ('"old"', ""))
+
+
+async def _rows(at: _Signed, path: str, size: int | None = None) -> object:
+    """The KV rows of the shard at ``path`` (``size``: the bytes its manifest gives it)."""
+    pytest.importorskip("pyarrow")  # a KV shard's header is read a field at a time with it
+    return await read_shard_rows(at.url(path), ["n"], "__", size=size)
+
+
+async def _config(at: _Signed) -> object:
+    """A model's configuration, named by the presigned URL it was read from, lacking numbers."""
+    return ModelConfig.from_json({}, source=at.url("/config.json"))
+
+
+SIGNED_READINGS: dict[str, tuple[Callable[[_Signed], Awaitable[object]], str]] = {
+    "a shard unlike the index": (
+        lambda at: stream_st.load(at.url("/lacking.safetensors.index.json")),
+        "/a.safetensors?...: the shard's tensors differ from those the index assigns it",
+    ),
+    "a shard of another size": (
+        lambda at: stream_st.load(at.url("/sized/dataset_manifest.json")),
+        "/a.safetensors?...: the manifest says 99 bytes, the shard's header describes",
+    ),
+    "a shard not safetensors": (
+        lambda at: stream_st.load(at.url("/junk.safetensors.index.json")),
+        "/junk.safetensors?...: its header is larger than max_header_size allows",
+    ),
+    "an index not an object": (
+        lambda at: stream_st.load(at.url("/list.safetensors.index.json")),
+        ".index.json?...: the index must be a JSON object",
+    ),
+    "an index not JSON": (
+        lambda at: stream_st.load(at.url("/broken.safetensors.index.json")),
+        ".index.json?...: the index is not valid JSON",
+    ),
+    "a shard outside": (
+        lambda at: stream_st.load(at.url("/climbing.safetensors.index.json")),
+        ".index.json?...: shard name '../a.safetensors' has an empty, '.' or '..' part",
+    ),
+    "a tensor in two shards": (
+        lambda at: stream_st.load(at.url("/twice/dataset_manifest.json")),
+        "/dataset_manifest.json?...: tensor 'a' is in more than one shard",
+    ),
+    "KV rows of another size": (
+        lambda at: _rows(at, "/a.safetensors", 99),
+        "/a.safetensors?...: the manifest says 99 bytes, the shard's header describes",
+    ),
+    "KV rows, bytes after": (
+        lambda at: _rows(at, "/trailing.safetensors"),
+        "/trailing.safetensors?...: 2 bytes follow the last tensor",
+    ),
+    "KV rows, a key twice": (
+        lambda at: _rows(at, "/twice.safetensors"),
+        "/twice.safetensors?...: tensor 'k__n' is listed twice",
+    ),
+    "KV rows, a bad header": (
+        lambda at: _rows(at, "/unparsable.safetensors"),
+        "/unparsable.safetensors?...: tensor 'a': shape [2] x F32 needs 8 bytes",
+    ),
+    "rows rewritten": (_rewritten, "/a.safetensors?... changed since the dataset was described"),
+    "rows of another version": (
+        _another_version,
+        "/a.safetensors?... changed since its digests were checked",
+    ),
+    "rows of other lengths": (
+        lambda at: read_piece(Piece(at.url("/ab.safetensors"), ("a", "b"), 0, 2)),
+        "/ab.safetensors?...: the columns hold different numbers of samples",
+    ),
+    "a dataset not written there": (
+        lambda at: write_object(at.url("/out/part-00000.safetensors"), b""),
+        "/part-00000.safetensors?...: a dataset is written to a path or an s3:// URL",
+    ),
+    "a folder of no shards": (
+        lambda at: describe_dataset(f"{at.tmp.as_uri()}/?{PRESIGNED}"),
+        "/?...: no dataset_manifest.json and no shards",
+    ),
+    "not in the offline cache": (
+        lambda at: stream_st.load(
+            f"hf://org/repo/m.safetensors?{PRESIGNED}",
+            cache=Cache(at.tmp / "objects", at.tmp / "hub", offline=True),
+        ),
+        "/m.safetensors?... is not in the cache (HF_HUB_OFFLINE or cache='offline')",
+    ),
+    "a model config": (_config, "/config.json?...: num_attention_heads must be a positive"),
+}
+
+
+@pytest.mark.parametrize(
+    ("reading", "said"), list(SIGNED_READINGS.values()), ids=list(SIGNED_READINGS)
+)
+async def test_an_error_beginning_with_a_signed_address_keeps_its_reason(
+    signed: RangeHTTPServer,
+    tmp_path: Path,
+    reading: Callable[[_Signed], Awaitable[object]],
+    said: str,
+) -> None:
+    """A message beginning with the address it is about, one holding a signed parameter (a
+    presigned shard of an index or manifest, a shard of a dataset), showed the masked address
+    alone, its reason masked as the signature's value (``.../a.safetensors?...&X-Amz-Signature=
+    ***``); a shard that is no safetensors file showed the signature itself. It now shows the
+    masked address, then the reason."""
+    with pytest.raises(SafetensorsError) as info:
+        with anyio.fail_after(20):
+            await reading(_Signed(signed, tmp_path))
+    text = str(info.value)
+    assert_hidden(text, repr(info.value), secrets=PRESIGNED_SECRETS)
+    assert said.replace("?...", f"?{MASKED_PRESIGNED}") in text, text
 
 
 @pytest.mark.parametrize(

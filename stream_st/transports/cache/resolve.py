@@ -44,6 +44,7 @@ from ...errors import (
     HTTPStatusError,
     SafetensorsError,
     TransportError,
+    redact,
 )
 from ..base import Source
 from ..http.framing import sendable
@@ -444,7 +445,8 @@ async def _hub(
         return Resolved(str(local), state, file.address(known), files)
     if cache.offline:
         raise CacheMissError(
-            f"{address} is not in the cache (HF_HUB_OFFLINE or cache='offline')", url=address
+            f"{redact(address)} is not in the cache (HF_HUB_OFFLINE or cache='offline')",
+            url=address,
         )
     if local is not None and on_copy is not None:
         on_copy(str(local))
