@@ -98,31 +98,38 @@ class Pool:
                 process.wait()
 
 
-def run_group(tmp: Path, world: int, **params: Any) -> list[dict[str, Any]]:
-    """Run ``world`` ranks in fresh processes with ``params``; each rank's report (see
-    :mod:`._worker`)."""
-    out, path = _write(tmp, world, params)
+def spawn(commands: list[list[str]]) -> tuple[list[int | None], list[str]]:
+    """Run ``commands`` (one a rank) at once, each in a process of its own at the repository's
+    root with :data:`ENV`: each one's exit status and standard error once every one has ended.
+    One still running :data:`WAIT` seconds after the one before it ended fails the test (a hang),
+    every process left killed."""
     processes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.distributed._worker", str(path), str(rank)],
-            cwd=ROOT,
-            env=ENV,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world)
+        subprocess.Popen(command, cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
+        for command in commands
     ]
     errors = []
     try:
         for process in processes:
-            _, err = process.communicate(timeout=WAIT)
-            errors.append(err)
+            errors.append(process.communicate(timeout=WAIT)[1])
     finally:
         for process in processes:
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    return _reports(out, world, [p.returncode for p in processes], errors)
+    return [process.returncode for process in processes], errors
+
+
+def run_group(tmp: Path, world: int, **params: Any) -> list[dict[str, Any]]:
+    """Run ``world`` ranks in fresh processes with ``params``; each rank's report (see
+    :mod:`._worker`)."""
+    out, path = _write(tmp, world, params)
+    codes, errors = spawn(
+        [
+            [sys.executable, "-m", "tests.distributed._worker", str(path), str(rank)]
+            for rank in range(world)
+        ]
+    )
+    return _reports(out, world, codes, errors)
 
 
 def _reports(

@@ -5,7 +5,6 @@ shards repeat names, ``device="meta"`` and a ``process_group=`` that is no proce
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -23,7 +22,7 @@ from safetensors.torch import save_file as reference_save  # noqa: E402
 import stream_st  # noqa: E402
 import stream_st.torch  # noqa: E402
 
-from ._group import ENV, ROOT, WAIT, Pool, free_port  # noqa: E402
+from ._group import Pool, free_port, spawn  # noqa: E402
 from .test_failures import PROMPT, failed  # noqa: E402
 from .test_load import ok, write_index  # noqa: E402
 
@@ -69,25 +68,12 @@ def test_tied_weights_on_one_rank_corrupt_no_rank(tmp_path: Path) -> None:
     script = tmp_path / "tied.py"
     script.write_text(TIED)
     port = str(free_port())
-    processes = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(src), str(tmp_path), port, str(rank)],
-            cwd=ROOT,
-            env=ENV,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    errors = []
-    try:
-        for process in processes:
-            errors.append(process.communicate(timeout=WAIT)[1])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    _, errors = spawn(
+        [
+            [sys.executable, str(script), str(src), str(tmp_path), port, str(rank)]
+            for rank in range(2)
+        ]
+    )
     for rank in range(2):
         path = tmp_path / f"rank{rank}.json"
         assert path.exists(), errors[rank][-3000:]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
 
 from safetensors.torch import save_file as reference_save  # noqa: E402
 
-from ._group import ENV, ROOT, WAIT, free_port  # noqa: E402
+from ._group import free_port, spawn  # noqa: E402
 
 GROUP_TIMEOUT = 5
 """The scenarios' group waits this long: a rank left behind makes the others wait that long."""
@@ -49,7 +48,8 @@ params = json.loads(open(sys.argv[1]).read())
 rank = int(sys.argv[2])
 init(params["port"], rank, 2, 60)
 group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=params["timeout"]))
-state = {"arm": None, "got": 0, "slow": 0.0, "where": None, "count": 0}
+state = {"arm": None, "asked": None, "got": 0, "slow": 0.0, "where": None, "how": None}
+state.update(count=0, calls=0, met=False)
 reads = []
 
 def counted(read):
@@ -76,48 +76,77 @@ report = {}
 CANCEL = """
 agree, gather = RankGroup.agree, RankGroup.gather
 
-def arm():
-    if state["arm"] is not None:
-        state["arm"], fire = None, state["arm"]
-        fire()
+def note(path, said):
+    with open(path + ".part", "w") as out:
+        out.write(said)
+    os.replace(path + ".part", path)
+
+def note_once_cancelled(path):
+    if state["asked"]():
+        note(path, "cancelled")
+    else:
+        asyncio.get_running_loop().call_later(0.01, note_once_cancelled, path)
+
+async def met(arming, collective):
+    if state["where"] is None or state["met"]:
+        return await collective()
+    state["calls"] += 1
+    path = os.path.join(params["dir"], f"{state['where']}-{state['how']}-{state['calls']}")
+    if rank == 1:
+        if arming:
+            state["met"] = True
+            state["arm"]()
+            note_once_cancelled(path)
+        else:
+            note(path, "entered")
+        return await collective()
+    held = time.monotonic() + params["hold"]
+    while not os.path.exists(path):
+        if time.monotonic() > held:
+            state["met"] = True
+            raise RuntimeError(f"rank 1 did not come to collective {state['calls']}")
+        await asyncio.sleep(0.01)
+    with open(path) as said:
+        state["met"] = said.read() == "cancelled"
+    return await collective()
 
 async def arming_agree(self, failure=None):
-    if failure is None and state["where"] == "gate" and state["got"]:
-        arm()
-    if failure is None and state["where"] == "end" and state["got"] == state["count"]:
-        arm()
-    return await agree(self, failure)
+    got, where = state["got"], state["where"]
+    arming = failure is None and (
+        (where == "gate" and got) or (where == "end" and got == state["count"])
+    )
+    return await met(arming, lambda: agree(self, failure))
 
 async def arming_gather(self, value, failure=None):
-    if state["where"] == "open":
-        arm()
-    return await gather(self, value, failure)
+    return await met(state["where"] == "open", lambda: gather(self, value, failure))
 
 RankGroup.agree, RankGroup.gather = arming_agree, arming_gather
 
-async def consume(src, where, count):
-    if rank == 0 and where == "open":
-        time.sleep(params["delay"])  # late to the first gather
+async def consume(src):
     async with stream_st.open_stream(src, framework="pt", process_group=group) as stream:
         async for name, tensor in stream:
             state["got"] += 1
-            if rank == 0 and (where, state["got"]) in (("gate", 1), ("end", count)):
-                time.sleep(params["delay"])  # late to its next gate: rank 1 waits there
     return state["got"]
 
-async def cancelled(src, where, how, count):
+async def cancelled(src, how):
     loop = asyncio.get_running_loop()
     result = {}
     try:
         if rank == 0:
-            result["got"] = await consume(src, where, count)
+            result["got"] = await consume(src)
         elif how == "timeout":
             async with asyncio.timeout(None) as scope:
                 state["arm"] = lambda: scope.reschedule(loop.time() + params["after"])
-                result["got"] = await consume(src, where, count)
+                state["asked"] = scope.expired
+                result["got"] = await consume(src)
         else:
-            task = asyncio.create_task(consume(src, where, count))
-            state["arm"] = lambda: loop.call_later(params["after"], task.cancel)
+            task, asked = asyncio.create_task(consume(src)), []
+
+            def cancel():
+                asked.append(task.cancel())
+
+            state["arm"] = lambda: loop.call_later(params["after"], cancel)
+            state["asked"] = lambda: bool(asked)
             result["got"] = await task
     except BaseException as exc:
         result.update(described(exc))
@@ -128,19 +157,22 @@ async def cancelled(src, where, how, count):
     return result
 
 for where, how in params.get("cancels", []):
-    state.update(where=where, got=0, count=params["count"])
+    state.update(where=where, how=how, got=0, count=params["count"], calls=0, met=False)
     state["slow"] = params["slow"] if rank == 1 and where == "gate" else 0.0
-    result = asyncio.run(cancelled(params["src"], where, how, params["count"]))
-    state.update(slow=0.0, arm=None, where=None)
+    result = asyncio.run(cancelled(params["src"], how))
+    state.update(slow=0.0, arm=None, asked=None, where=None)
     try:
         result["again"] = len(stream_st.torch.load_file(params["src"], process_group=group))
     except Exception as exc:
         result["again"] = described(exc)
     report[f"{where}-{how}"] = result
 """
-"""Rank 1 cancelled by asyncio (``cancels``: where, how) while it waits for rank 0 in a
-collective (rank 0 is late: ``delay`` seconds), ``after`` seconds into it; then both load the
-file again."""
+"""Rank 1 cancelled by asyncio (``cancels``: where, how) ``after`` seconds into a collective
+where it waits for rank 0: it notes each collective of the load it comes to in a file (rank 0
+comes to each only once that note is there), and the one it is to be cancelled in only once
+the cancellation has been asked of its task, so that it lands inside the collective however
+slow the machine (rank 0 gives up after ``hold`` seconds without a note, a hang guard); then
+both load the file again."""
 
 READ = """
 def source(kind, name):
@@ -204,25 +236,7 @@ def run_ranks(tmp: Path, **params: Any) -> list[dict[str, Any]]:
     spec.write_text(
         json.dumps({**params, "port": free_port(), "timeout": GROUP_TIMEOUT, "dir": str(tmp)})
     )
-    processes = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(spec), str(rank)],
-            cwd=ROOT,
-            env=ENV,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    errors = []
-    try:
-        for process in processes:
-            errors.append(process.communicate(timeout=WAIT)[1])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    _, errors = spawn([[sys.executable, str(script), str(spec), str(rank)] for rank in range(2)])
     reports = []
     for rank in range(2):
         path = tmp / f"rank{rank}.json"
@@ -240,9 +254,9 @@ headers; at the last gate), and how (``asyncio.timeout``; ``Task.cancel`` of the
 
 @pytest.fixture(scope="module")
 def cancels(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Every run of :data:`CANCELS`, one after another in one group: rank 0 is late (a slow
-    consumer, or late to open) while rank 1 waits for it in a collective, where asyncio cancels
-    rank 1; then every rank loads the file again with the same group."""
+    """Every run of :data:`CANCELS`, one after another in one group: rank 1 waits for rank 0 in
+    a collective, where asyncio cancels rank 1, rank 0 held out of it until then; then every
+    rank loads the file again with the same group."""
     tmp = tmp_path_factory.mktemp("cancel")
     src = tmp / "layers.safetensors"
     gen = torch.Generator().manual_seed(30)
@@ -253,8 +267,8 @@ def cancels(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         src=str(src),
         cancels=CANCELS,
         count=COUNT,
-        delay=0.8,
         after=0.2,
+        hold=30,
         slow=0.1,  # rank 1 reads slowly: it still reads ahead when the gate it waits at ends
     )
 
