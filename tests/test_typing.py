@@ -130,7 +130,7 @@ PROGRAMS = {
             print(result.ok, len(result.tensors), result.load.summary())
     """,
     "safe_open_class": """
-        from typing import assert_type
+        from typing import Any, assert_type
 
         import numpy as np
         import torch
@@ -152,13 +152,63 @@ PROGRAMS = {
                 return handle
 
 
-        assert_type(stream_st.torch.safe_open("a.safetensors", "pt"), safe_open)
-        assert_type(stream_st.numpy.safe_open("a.safetensors", "np"), safe_open)
+        assert_type(stream_st.torch.safe_open("a.safetensors", "pt"), safe_open[torch.Tensor])
+        assert_type(
+            stream_st.numpy.safe_open("a.safetensors", "np"), safe_open[np.ndarray[Any, Any]]
+        )
         stream_st.torch.safe_open("a.safetensors", "pt", device=torch.device("cpu"), timeout=5)
         stream_st.compat._safe_open_handle(open("a.safetensors", "rb"), "np").metadata()
-        stream_st.torch.safe_open("a.safetensors", "pt", timeot=5)  # type: ignore[call-arg]
-        stream_st.torch.safe_open("a.safetensors")  # type: ignore[call-arg]
+        stream_st.torch.safe_open("a.safetensors", "pt", timeot=5)  # type: ignore[call-overload]
+        stream_st.torch.safe_open("a.safetensors")  # type: ignore[call-overload]
         np.asarray(safe_open("a.safetensors", "np").get_tensor("a"))
+    """,
+    "safe_open_tensors": """
+        from typing import Any, assert_type
+
+        import numpy as np
+        import torch
+
+        import stream_st.numpy
+        import stream_st.torch
+        from stream_st.compat import safe_open
+
+
+        def read(path: str, framework: str) -> None:
+            with stream_st.torch.safe_open(path, framework="pt") as f:
+                assert_type(f.get_tensor("a"), torch.Tensor)
+                assert_type(f.get_slice("a")[0:1], torch.Tensor)
+                assert_type(f.get_tensors(), dict[str, torch.Tensor])
+                assert_type(f.metadata(), dict[str, Any] | None)  # an index's: not only str
+                f.get_tensor("a").no_such_method()  # type: ignore[attr-defined]
+                text: str = f.get_tensor("a")  # type: ignore[assignment]
+                rows: str = f.get_slice("a")[0:1]  # type: ignore[assignment]
+            with stream_st.numpy.safe_open(path, framework="np") as g:
+                assert_type(g.get_tensor("a"), np.ndarray[Any, Any])
+                assert_type(g.get_slice("a")[0], np.ndarray[Any, Any])
+                array: str = g.get_tensor("a")  # type: ignore[assignment]
+            assert_type(safe_open(path, "torch"), safe_open[torch.Tensor])
+            assert_type(safe_open(path, "numpy"), safe_open[np.ndarray[Any, Any]])
+            assert_type(safe_open(path, framework), safe_open[Any])  # told when it runs
+            assert_type(stream_st.torch.safe_open(path, "np"), safe_open[np.ndarray[Any, Any]])
+    """,
+    "tool_records": """
+        from typing import assert_type
+
+        from stream_st import tools
+
+
+        async def records(path: str) -> None:
+            found = await tools.hash(path, content=True, file=True)
+            assert_type(found["structural_hash"], str)
+            assert_type(found["tensor_count"], int)
+            assert_type(found["content_hash"], str)
+            assert_type(found["file_sha256"], str)
+            found["content"]  # type: ignore[typeddict-item]
+            ident = await tools.weight_inspect(path)
+            assert_type(ident["id"], str)
+            assert_type(ident["schema"], int)
+            assert_type(ident["metadata_count"], int)
+            digest: bytes = ident["structural_hash"]  # type: ignore[assignment]
     """,
     "torch_dropin_names": """
         from typing import Any, assert_type
@@ -193,7 +243,13 @@ PROGRAMS = {
 }
 """Each program, by the name its test goes under."""
 
-NEEDS_TORCH = {"framework_pt", "safe_open_class", "torch_dropin_names", "torch_load_buffers"}
+NEEDS_TORCH = {
+    "framework_pt",
+    "safe_open_class",
+    "safe_open_tensors",
+    "torch_dropin_names",
+    "torch_load_buffers",
+}
 """The programs that import torch (skipped where it is missing)."""
 
 

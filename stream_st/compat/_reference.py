@@ -23,7 +23,19 @@ import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NoReturn, Self, TypeAlias, Unpack
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Generic,
+    Literal,
+    NoReturn,
+    Self,
+    TypeAlias,
+    TypeVar,
+    Unpack,
+    cast,
+    overload,
+)
 
 import numpy as np
 
@@ -95,6 +107,17 @@ __all__ = [
 ]
 
 BACKENDS = ("mmap", "pread")
+
+# What a handle (and its slices) hands out: torch tensors for framework="pt", numpy arrays for
+# "np"; a bare ``safe_open`` (the reference's class, written in an annotation) is any framework's.
+# typing's TypeVar takes a default from Python 3.13 on; checkers know typing_extensions' (their
+# own stubs: it is not imported when the code runs).
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar as DefaultTypeVar
+
+    TensorT = DefaultTypeVar("TensorT", covariant=True, default=Any)
+else:
+    TensorT = TypeVar("TensorT", covariant=True)
 
 
 def maps(backend: object) -> bool:
@@ -187,7 +210,7 @@ class _Checks:
             raise
 
 
-class SafeOpen(_Public):
+class SafeOpen(_Public, Generic[TensorT]):
     """A safetensors file (or sharded checkpoint) opened for reading tensors by name: what the
     reference's ``safe_open`` gives (:class:`stream_st.compat.safe_open`, whose subclass this is:
     calling that makes one of these). Close it with ``with`` or :meth:`close`; every method but
@@ -220,7 +243,13 @@ class SafeOpen(_Public):
 
     A handle takes no attribute but its own (``handle.foo = 1`` is an ``AttributeError``), as
     the reference's takes none; unlike it, it may be referred to weakly (what closes a remote
-    source's connections when a handle is dropped unclosed needs that)."""
+    source's connections when a handle is dropped unclosed needs that).
+
+    For type checkers a handle is ``safe_open[torch.Tensor]`` opened with ``framework="pt"``,
+    ``safe_open[np.ndarray[Any, Any]]`` with ``"np"``: what its ``get_tensor``, ``get_tensors``
+    and slices hand out; ``safe_open`` alone (a framework named only when the code runs) hands
+    out ``Any``. ``safe_open[...]`` is for checkers only: write it in an annotation quoted, or
+    under ``from __future__ import annotations``."""
 
     __slots__ = (
         "__weakref__",
@@ -233,6 +262,45 @@ class SafeOpen(_Public):
         "_local",
         "_torch",
     )
+
+    @overload
+    def __init__(
+        self: SafeOpen[torch.Tensor],
+        filename: SourceLike,
+        framework: Literal["pt", "torch", "pytorch"],
+        device: str | int | torch.device = "cpu",
+        *,
+        backend: str = "mmap",
+        verify: bool = True,
+        cache: CacheLike = None,
+        **options: Unpack[TransportOptions],
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: SafeOpen[np.ndarray[Any, Any]],
+        filename: SourceLike,
+        framework: Literal["np", "numpy"],
+        device: str | int | torch.device = "cpu",
+        *,
+        backend: str = "mmap",
+        verify: bool = True,
+        cache: CacheLike = None,
+        **options: Unpack[TransportOptions],
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: SafeOpen[Any],
+        filename: SourceLike,
+        framework: str,
+        device: str | int | torch.device = "cpu",
+        *,
+        backend: str = "mmap",
+        verify: bool = True,
+        cache: CacheLike = None,
+        **options: Unpack[TransportOptions],
+    ) -> None: ...
 
     def __init__(
         self,
@@ -288,10 +356,10 @@ class SafeOpen(_Public):
                 raise
             raise FileClosedError() from exc
 
-    def _out(self, array: np.ndarray[Any, Any], info: TensorInfo) -> Any:
+    def _out(self, array: np.ndarray[Any, Any], info: TensorInfo) -> TensorT:
         if self._torch:
-            return self._place(to_torch(array, info.dtype, info.shape))
-        return array.copy() if self._shares(info) else aligned(array)
+            return cast(TensorT, self._place(to_torch(array, info.dtype, info.shape)))
+        return cast(TensorT, array.copy() if self._shares(info) else aligned(array))
 
     def _shares(self, info: TensorInfo) -> bool:
         """Whether ``info``'s arrays are views of a mapping (a local file's, or that of the
@@ -339,7 +407,9 @@ class SafeOpen(_Public):
             return [name for header in headers for name in header.names()]
 
     def metadata(self) -> dict[str, Any] | None:
-        """The header's ``__metadata__`` (``None`` if it has none); an index's ``metadata``."""
+        """The header's ``__metadata__`` (``None`` if it has none); an index's ``metadata``
+        (typed ``Any``: a header's values are strings, an index's whatever its JSON holds, such
+        as the number ``total_size``)."""
         with self._reading():
             if self._local is not None:
                 return _metadata(self._local.header)
@@ -348,14 +418,14 @@ class SafeOpen(_Public):
                 return dict(index.metadata) or None
             return _metadata(self._checkpoint.files[""].header)
 
-    def get_tensor(self, name: str) -> Any:
+    def get_tensor(self, name: str) -> TensorT:
         """The whole tensor ``name``, viewed in the mapped file (or read from the source now)
         and checked against its digest, if the header records one."""
         with self._reading():
             info = self._info(name)
             return self._out(self._reader(info)(None), info)
 
-    def get_tensors(self) -> dict[str, Any]:
+    def get_tensors(self) -> dict[str, TensorT]:
         """Every tensor, in offset order, each checked as by :meth:`get_tensor`."""
         with self._reading():
             if self._local is not None:
@@ -368,7 +438,7 @@ class SafeOpen(_Public):
             infos = {t.name: t for header in headers for t in header.tensors}
             return {name: self._out(array, infos[name]) for name, array in arrays.items()}
 
-    def get_slice(self, name: str) -> Slice:
+    def get_slice(self, name: str) -> Slice[TensorT]:
         """A :class:`Slice` of tensor ``name``: index it to read part of it."""
         with self._reading():
             info = self._info(name)
@@ -429,7 +499,7 @@ def _unpicklable(kind: str) -> ArgumentTypeError:
     )
 
 
-class Slice:
+class Slice(Generic[TensorT]):
     """Part of one tensor, read on indexing: ``f.get_slice(name)[2:5]``, ``[0]``, ``[..., :3]``,
     ``[1:3, ::2]``: numpy arrays by the reference's strict rules, torch tensors as torch indexes
     them (``place`` given: it puts a tensor on the handle's device; see
@@ -443,7 +513,8 @@ class Slice:
     check are. numpy arrays are copies of their own (``copy``), as the
     reference's are. A slice of a local file still
     reads after the file is closed, as the reference's do. It takes no attribute but its own,
-    as the reference's takes none."""
+    as the reference's takes none. For type checkers it hands out what its handle does
+    (``Slice[torch.Tensor]`` of a ``safe_open[torch.Tensor]``)."""
 
     __slots__ = ("_copy", "_info", "_place", "_read")
 
@@ -471,9 +542,9 @@ class Slice:
     def __reduce__(self) -> Any:
         raise _unpicklable("PySafeSlice")
 
-    def __getitem__(self, key: object) -> Any:
+    def __getitem__(self, key: object) -> TensorT:
         if self._place is not None:
-            return self._torch_item(key, self._place)
+            return cast(TensorT, self._torch_item(key, self._place))
         info = self._info
         planned = plan(key, info.shape)
         if as_bytes(info) is not None:  # read as its bytes (get_slice), a row a line
@@ -489,7 +560,10 @@ class Slice:
                 if not last:
                     rows = None
             picked = self._read(rows)[(*index, ...)]  # an array even where ints name one value
-        return picked.copy() if self._copy or not picked.flags.c_contiguous else aligned(picked)
+        return cast(
+            TensorT,
+            picked.copy() if self._copy or not picked.flags.c_contiguous else aligned(picked),
+        )
 
     def _torch_item(self, key: object, place: Callable[[Any], Any]) -> Any:
         """``key`` taken by torch from the rows it names (on the CPU: only what it takes goes

@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Unpack
+from typing import Any, NotRequired, TypedDict, Unpack
 
 import anyio
 import numpy as np
@@ -39,12 +39,26 @@ from .common import (
 
 __all__ = [
     "FILE_CHUNK",
+    "Hashes",
     "content_digests",
     "file_sha256",
     "hash",
     "structural_hash",
     "structure_of",
 ]
+
+
+class Hashes(TypedDict):
+    """What :func:`hash` gives (``stream-st hash --json`` prints it): the ``source`` (any
+    credentials in it redacted), its ``structural_hash`` (:func:`structural_hash`) and
+    ``tensor_count``; with ``content``, the ``content_hash``; with ``file``, the
+    ``file_sha256``."""
+
+    source: str
+    structural_hash: str
+    tensor_count: int
+    content_hash: NotRequired[str]
+    file_sha256: NotRequired[str]
 
 
 def structural_hash(tensors: Iterable[TensorInfo]) -> str:
@@ -144,7 +158,7 @@ async def hash(  # the command's name (shadows the builtin only inside this modu
     file: bool = False,
     progress: Progress | None = None,
     **options: Unpack[TransportOptions],
-) -> dict[str, Any]:
+) -> Hashes:
     """The structural hash (header only); with ``content``, also a hash of the data; with
     ``file``, the plain sha256 of the file's bytes (``file_sha256``: what ``sha256sum`` prints,
     and a Hugging Face Hub LFS file's oid).
@@ -185,7 +199,7 @@ async def hash(  # the command's name (shadows the builtin only inside this modu
 
 async def _content_of(
     source: SourceLike, reading: SourceLike, clock: Clock, progress: Progress | None
-) -> dict[str, Any]:
+) -> Hashes:
     """The structure and content hash of ``source``, read from ``reading``."""
     async with opened(reading, clock) as (stream, headers):
         result = structure_of(source, headers)
@@ -254,7 +268,7 @@ async def file_sha256(source: SourceLike, **options: Unpack[TransportOptions]) -
 FILE_CHUNK = 8 << 20
 
 
-def structure_of(source: SourceLike, headers: Sequence[Header]) -> dict[str, Any]:
+def structure_of(source: SourceLike, headers: Sequence[Header]) -> Hashes:
     return {
         "source": redact(str(source)),
         "structural_hash": structural_hash(tensors_of(headers)),

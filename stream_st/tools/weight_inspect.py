@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Unpack
+from typing import Any, TypedDict, Unpack
 
 from ..core.header import Header
 from ..core.shards import is_index
@@ -31,7 +31,32 @@ from ..transports.options import TransportOptions
 from ..transports.registry import SourceLike
 from .common import command_clock, headers_of
 
-__all__ = ["canonical_artifact", "weight_inspect", "weight_inspect_id"]
+__all__ = [
+    "Identity",
+    "WeightInspectId",
+    "canonical_artifact",
+    "weight_inspect",
+    "weight_inspect_id",
+]
+
+
+class WeightInspectId(TypedDict):
+    """weight-inspect's identity of a file (:func:`weight_inspect_id`)."""
+
+    id: str
+    structural_hash: str
+    tensor_count: int
+    metadata_count: int
+
+
+class Identity(WeightInspectId):
+    """What :func:`weight_inspect` gives (``stream-st hash --format weight-inspect --json``
+    prints it): the file's :class:`WeightInspectId` with its ``source`` (any credentials in it
+    redacted) and weight-inspect's ``schema`` and ``format``."""
+
+    source: str
+    schema: int
+    format: str
 
 
 def _canonical_string(text: str) -> str:
@@ -76,7 +101,7 @@ def canonical_artifact(
     return json.dumps(artifact, ensure_ascii=False, separators=(",", ":"))
 
 
-def weight_inspect_id(header: Header) -> dict[str, Any]:
+def weight_inspect_id(header: Header) -> WeightInspectId:
     """weight-inspect's identity of the file whose header is ``header``: ``id``
     (``wi:safetensors:0:<8 hex>``), ``structural_hash``, ``tensor_count``, ``metadata_count``."""
     empty = next((t.name for t in header if t.end <= t.start), None)
@@ -98,7 +123,7 @@ def weight_inspect_id(header: Header) -> dict[str, Any]:
     }
 
 
-async def weight_inspect(source: SourceLike, **options: Unpack[TransportOptions]) -> dict[str, Any]:
+async def weight_inspect(source: SourceLike, **options: Unpack[TransportOptions]) -> Identity:
     """weight-inspect's identity (:func:`weight_inspect_id`) of one file, from its header alone
     (ranged requests on remote sources), with ``source`` and weight-inspect's ``schema`` and
     ``format``. A sharded checkpoint's index is a :class:`~stream_st.UsageError`: weight-inspect
