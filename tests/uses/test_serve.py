@@ -33,6 +33,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 import stream_st.numpy
+from stream_st.server.app import Server
 from stream_st.server.conditions import UNSATISFIABLE, Answer, answer, byte_range, etags
 from stream_st.tools import cp
 
@@ -576,16 +577,32 @@ a request line over 8 KiB, a negative length, an HTTP version that does not exis
 
 
 async def test_a_client_gone_before_its_answer_is_dropped_quietly(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A client that asks for the object (GET or HEAD) and closes its connection at once is
     dropped without a word, where aiohttp logged "Error handling request" with a traceback at
-    ERROR (the answer's headers written to a closed connection)."""
+    ERROR (the answer's headers written to a closed connection) as the request's handler
+    ended: the log is looked at once both handlers have ended."""
+    ended: list[str] = []
+    both = anyio.Event()
+    handle = Server._handle
+
+    async def counted(self: Server, request: Any) -> Any:
+        try:
+            return await handle(self, request)
+        finally:
+            ended.append(request.method)
+            if len(ended) == 2:
+                both.set()
+
+    monkeypatch.setattr(Server, "_handle", counted)
     async with stream_st.serving(tensors(), name="m") as server:
         for method in ("GET", "HEAD"):
             request = f"{method} {server.path} HTTP/1.1\r\nHost: x\r\n\r\n"
             ask_and_leave(server.port, request.encode())
-        await anyio.sleep(0.3)  # the server meets the closed connections
+        with anyio.fail_after(30):  # a hang guard
+            await both.wait()
+        assert sorted(ended) == ["GET", "HEAD"]
         assert (await afetch(server.url))[0] == 200
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
@@ -655,6 +672,26 @@ def command_serving(path: Path, **env: str) -> Iterator[subprocess.Popen[str]]:
             process.communicate()
 
 
+def sockets(pid: int) -> int:
+    """How many sockets process ``pid`` holds (``/proc``)."""
+    held = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            held += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return held
+
+
+def done_with_every_connection(pid: int, port: int, idle: int) -> bool:
+    """Whether the server ``pid`` has taken every connection made to its ``port`` (the
+    listening socket's queue is empty: ``/proc/net/tcp``), then closed each (it holds no more
+    sockets than ``idle``, its count before them): aiohttp closes a connection once it has
+    logged what its request raised."""
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table][1:]
+    listening = [row for row in rows if row[1].endswith(f":{port:04X}") and row[3] == "0A"]
+    return all(row[4].endswith(":00000000") for row in listening) and sockets(pid) <= idle
+
+
 def test_the_command_serves_until_sigterm(tmp_path: Path) -> None:
     path = tmp_path / "model.safetensors"
     reference_numpy.save_file(tensors(), str(path))
@@ -676,7 +713,8 @@ def test_the_command_serves_until_sigterm(tmp_path: Path) -> None:
 
 def test_the_command_prints_no_traceback_for_a_client(tmp_path: Path) -> None:
     """``stream-st serve``'s standard error stays free of tracebacks for what a client does: a
-    request the client leaves before its answer, requests aiohttp cannot parse."""
+    request the client leaves before its answer, requests aiohttp cannot parse; looked at once
+    the server has taken and closed every connection of theirs."""
     path = tmp_path / "m.safetensors"
     reference_numpy.save_file(tensors(), str(path))
     with command_serving(path) as process:
@@ -684,9 +722,13 @@ def test_the_command_prints_no_traceback_for_a_client(tmp_path: Path) -> None:
         url = process.stdout.readline().split()[1]
         port = urlsplit(url).port
         assert port is not None
+        idle = sockets(process.pid)
         for data in (b"HEAD /m.safetensors HTTP/1.1\r\nHost: x\r\n\r\n", *MALFORMED):
             ask_and_leave(port, data)  # gone before the answer, or before its 400
-        time.sleep(0.3)  # the server meets the closed connections
+        deadline = time.monotonic() + 30  # a hang guard
+        while not done_with_every_connection(process.pid, port, idle):
+            assert time.monotonic() < deadline, "the server still holds a client's connection"
+            time.sleep(0.01)
         assert fetch(url)[0] == 200
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=30)
