@@ -42,6 +42,7 @@ from .._api import load, open_stream, read_header
 from ..core.digests import Digests, algorithm_named
 from ..core.dtypes import array_shape, dtype_from_code
 from ..core.header import (
+    _SHORT,
     DEFAULT_MAX_HEADER_SIZE,
     LENGTH_PREFIX_SIZE,
     METADATA_KEY,
@@ -158,6 +159,22 @@ class DatasetInfo:
     @property
     def keys(self) -> dict[str, int]:
         return {name: i for i, header in enumerate(self.headers) for name in header.names()}
+
+    def __repr__(self) -> str:
+        """A bounded summary (a KV-mode dataset may hold millions of tensors): the home, the
+        mode, how many shards and tensors (KV mode) or columns (batch mode) and the first shard,
+        addresses masked; the headers are not counted where they were not read."""
+        if self.shards and not self.headers:
+            held = "headers not read"
+        elif self.kv:
+            held = f"n_tensors={sum(len(header) for header in self.headers)}"
+        else:
+            held = f"n_columns={len(self.columns)}"
+        first = redact(self.shards[0]) if self.shards else None
+        return (
+            f"DatasetInfo(home={redact(self.home)!r}, kv={self.kv}, "
+            f"n_shards={len(self.shards)}, {held}, first_shard={first!r})"
+        )
 
     def not_batch(self) -> str | None:
         """Why the shards do not form batch mode (see :func:`describe_dataset`): which shard or
@@ -922,6 +939,15 @@ class Piece:
     def rows(self) -> bool:
         return self.stop > self.start
 
+    def __repr__(self) -> str:
+        """A bounded summary (a KV-mode piece may name a hundred thousand tensors): the address
+        masked, how many names and the first, and the rows."""
+        first = _SHORT.repr(self.names[0]) if self.names else None
+        return (
+            f"Piece(address={redact(self.address)!r}, n_names={len(self.names)}, "
+            f"first={first}, start={self.start}, stop={self.stop})"
+        )
+
 
 def plan_pieces(
     dataset: DatasetInfo,
@@ -962,7 +988,11 @@ def plan_pieces(
     columns = dataset.columns if wanted is None else [c for c in dataset.columns if c in wanted]
     missing = sorted((wanted or set()) - set(dataset.columns))
     if missing:
-        raise UsageError(f"the dataset has no column {missing[0]!r} (it has {dataset.columns})")
+        held = dataset.columns
+        raise UsageError(
+            f"the dataset has no column {missing[0]!r} (it has {len(held)} columns: "
+            f"{_SHORT.repr(held)})"
+        )
     cuts = max(1, math.ceil(at_least / max(1, len(dataset.shards))))
     for address, header in zip(dataset.shards, dataset.headers, strict=True):
         rows = header[columns[0]].shape[0] if columns and len(header) else 0  # empty: none

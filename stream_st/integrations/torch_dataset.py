@@ -35,8 +35,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .._api import open_stream
 from ..compat._sync import run
 from ..core.arrays import to_torch
+from ..core.header import _SHORT
 from ..core.shards import scheme_of
-from ..errors import UsageError, boolean, integer_at_least
+from ..errors import UsageError, boolean, integer_at_least, redact
 from ..reader.stream import include_names
 from .dataset import (
     DatasetInfo,
@@ -101,7 +102,7 @@ def _selected_columns(dataset: DatasetInfo, columns: Columns) -> list[str] | Non
     if not selected:  # a dataset of samples with nothing in them
         raise UsageError(
             "columns= selects no column: give None (the default) to read every one (the "
-            f"dataset has {dataset.columns})"
+            f"dataset has {len(dataset.columns)} columns: {_SHORT.repr(dataset.columns)})"
         )
     return selected
 
@@ -200,8 +201,8 @@ class SafetensorsDataset(IterableDataset[Sample]):
         if self.dataset.kv:
             why = self.dataset.not_batch()  # the reason it was found to be KV-mode
             raise UsageError(
-                f"{os.fspath(source)} is not a batch-mode dataset ({why}), so it reads as a "
-                "KV-mode dataset: it holds no samples"
+                f"{redact(os.fspath(source))} is not a batch-mode dataset ({why}), so it reads "
+                "as a KV-mode dataset: it holds no samples"
             )
         self.columns = _selected_columns(self.dataset, columns)
         check_alike(self.dataset, self.columns)

@@ -65,7 +65,7 @@ from ..core.digests import (
     without_record,
 )
 from ..core.dtypes import dtype_for, wire_bytes
-from ..core.header import DEFAULT_MAX_HEADER_SIZE, LENGTH_PREFIX_SIZE
+from ..core.header import _SHORT, DEFAULT_MAX_HEADER_SIZE, LENGTH_PREFIX_SIZE
 from ..core.layout import TensorSpec, build_header
 from ..core.shards import (
     INDEX_NAME,
@@ -902,7 +902,7 @@ class DatasetWriter(_RollingWriter):
         stay as written, as a group that is no batch is refused after a batch."""
         if not arrays or self._columns is None or not (batch or self._batches):
             return
-        names = sorted(arrays)
+        names = f"{len(arrays)} columns {_SHORT.repr(sorted(arrays))}"
         if self._kv_rows:
             raise UsageError(
                 f"write_batch: a batch of {samples} samples of {names} after KV-mode rows "
@@ -911,9 +911,10 @@ class DatasetWriter(_RollingWriter):
             )
         if self._columns != set(arrays):
             raise UsageError(
-                f"write_batch: the batch's columns {names} are not the dataset's "
-                f"{sorted(self._columns)}: every batch holds the same columns (readers take "
-                "shards of other columns for KV-mode rows); nothing of the batch was written"
+                f"write_batch: the batch's {names} are not the dataset's {len(self._columns)} "
+                f"columns {_SHORT.repr(sorted(self._columns))}: every batch holds the same "
+                "columns (readers take shards of other columns for KV-mode rows); nothing of the "
+                "batch was written"
             )
         if self._no_batch:
             raise UsageError(

@@ -194,3 +194,78 @@ async def test_rows_of_a_stream_cut_in_bytes_skipped_name_the_tensor_they_ran_ou
         assert info.value.name == ran_out_in.name, cut
         if not any(base + part.start <= cut < base + part.end for part in parts):
             assert info.value.expected == base + ran_out_in.end, cut
+
+
+MANY = 20_000
+"""Tensors enough that listing them all would take hundreds of kilobytes."""
+
+
+async def test_a_kv_dataset_and_its_pieces_have_bounded_reprs(tmp_path: Path) -> None:
+    """A dataset's :class:`DatasetInfo` and :class:`Piece` printed every shard's header and
+    every name (4.5 MB for 10**5 keys); they now show counts and the first shard or name."""
+    async with open_dataset_writer(tmp_path) as writer:
+        keys = {f"k{i}__v": np.zeros(1, np.uint8) for i in range(MANY)}
+        await writer.write_batch(keys, samples=MANY)
+    for dataset in (
+        await describe_dataset(tmp_path),
+        await describe_dataset(tmp_path, from_manifest=True),
+    ):
+        assert dataset.kv
+        text = repr(dataset)
+        assert len(text) < 1000 and "n_shards=1" in text and str(tmp_path) in text, text[:500]
+    text = repr(await describe_dataset(tmp_path))
+    assert f"n_tensors={MANY}" in text, text[:500]
+    (piece,) = plan_pieces(await describe_dataset(tmp_path))
+    assert len(piece.names) == MANY
+    text = repr(piece)
+    assert len(text) < 1000 and f"n_names={MANY}" in text and "'k0__v'" in text, text[:500]
+    assert "start=0, stop=0" in text, text[:500]
+
+
+def test_a_pieces_repr_masks_its_address() -> None:
+    text = repr(Piece("https://h/d/part-0.safetensors?X-Amz-Signature=5ec2e7", ("a",), 0, 4))
+    assert "5ec2e7" not in text and "X-Amz-Signature=***" in text, text[:500]
+    assert "start=0, stop=4" in text, text[:500]
+
+
+async def write_wide(directory: Path) -> None:
+    """A batch-mode dataset of :data:`MANY` columns of two samples each."""
+    async with open_dataset_writer(directory) as writer:
+        await writer.write_batch({f"c{i}": np.zeros(2, np.uint8) for i in range(MANY)}, samples=2)
+
+
+async def test_a_wide_dataset_and_an_unknown_column_are_told_briefly(tmp_path: Path) -> None:
+    """Planning a column a dataset of many lacks listed every column (189 KB for 20,000); the
+    error now counts them and shows the first few, and the dataset's repr is bounded too."""
+    await write_wide(tmp_path)
+    dataset = await describe_dataset(tmp_path)
+    assert not dataset.kv and len(dataset.columns) == MANY
+    text = repr(dataset)
+    assert len(text) < 1000 and f"n_columns={MANY}" in text, text[:500]
+    with pytest.raises(stream_st.UsageError) as info:
+        plan_pieces(dataset, ["c1", "nope"])
+    text = str(info.value)
+    assert len(text) < 500 and "'nope'" in text and f"{MANY} columns" in text, text[:500]
+    assert "'c0'" in text, text[:500]
+
+
+async def test_the_dataset_writers_refusals_name_a_few_columns(tmp_path: Path) -> None:
+    """A batch after KV-mode rows, or of other columns than the dataset's, listed every column
+    of the batch and of the dataset (2 MB for 10**5); the errors now count them and show the
+    first few."""
+    batch = {f"c{i}": np.zeros(2, np.uint8) for i in range(MANY)}
+    async with open_dataset_writer(tmp_path / "kv") as writer:
+        await writer.write_batch({"a": np.arange(3)}, samples=1)
+        await writer.write_batch({"b": np.arange(3)}, samples=1)  # KV rows
+        with pytest.raises(stream_st.UsageError, match="after KV-mode rows") as info:
+            await writer.write_batch(batch, samples=2)
+    text = str(info.value)
+    assert len(text) < 1000 and f"{MANY} columns" in text and "'c0'" in text, text[:500]
+    async with open_dataset_writer(tmp_path / "batches") as writer:
+        await writer.write_batch(batch, samples=2)
+        other = {f"d{i}": np.zeros(2, np.uint8) for i in range(MANY)}
+        with pytest.raises(stream_st.UsageError, match="are not the dataset's") as info:
+            await writer.write_batch(other, samples=2)
+    text = str(info.value)
+    assert len(text) < 1000 and "'d0'" in text and "'c0'" in text, text[:500]
+    assert text.count(f"{MANY} columns") == 2, text[:500]

@@ -235,6 +235,43 @@ def test_kv_dataset_and_bad_rank_are_refused(tmp_path: Path) -> None:
         SafetensorsDataset(tmp_path / "batch", rank=2, world_size=2)
 
 
+def test_a_presigned_kv_manifest_is_refused_with_its_reason(tmp_path: Path) -> None:
+    """A KV-mode dataset given as a presigned manifest URL was refused with the address masked
+    and its reason masked with it (read as the signature's value); the reason now shows after
+    the masked address."""
+
+    async def main() -> None:
+        async with stream_st.open_dataset_writer(tmp_path) as writer:
+            await writer.write_batch({"a__x": np.zeros(3), "b__x": np.zeros((2, 2))}, 1)
+
+    anyio.run(main)
+    with RangeHTTPServer() as server:  # the query is ignored
+        for path in tmp_path.iterdir():
+            server.objects[f"/data/{path.name}"] = path.read_bytes()
+        url = server.url("/data/dataset_manifest.json?X-Amz-Signature=5ec2e7de0fa1")
+        with pytest.raises(stream_st.UsageError) as info:
+            SafetensorsDataset(url)
+    text = str(info.value)
+    assert "5ec2e7de0fa1" not in text and "X-Amz-Signature=***" in text, text
+    assert "is not a batch-mode dataset (" in text and "KV-mode dataset" in text, text
+
+
+def test_selecting_no_column_of_many_names_a_few(tmp_path: Path) -> None:
+    """``columns=`` selecting none of a dataset of many columns listed every one (hundreds of
+    kilobytes); the error now counts them and shows the first few."""
+    many = 20_000
+
+    async def main() -> None:
+        async with stream_st.open_dataset_writer(tmp_path) as writer:
+            await writer.write_batch({f"c{i}": np.zeros(2, np.uint8) for i in range(many)}, 2)
+
+    anyio.run(main)
+    with pytest.raises(stream_st.UsageError, match="columns= selects no column") as info:
+        SafetensorsDataset(tmp_path, columns=lambda name: False)
+    text = str(info.value)
+    assert len(text) < 500 and f"{many} columns" in text and "'c0'" in text, text[:500]
+
+
 def test_a_damaged_checksummed_shard_is_refused(tmp_path: Path) -> None:
     async def main() -> None:
         async with stream_st.open_dataset_writer(tmp_path, checksums=True) as writer:
