@@ -57,7 +57,7 @@ from __future__ import annotations
 import operator
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from ._regex import LazyPattern
@@ -620,6 +620,19 @@ class TensorNotFoundError(SafetensorsError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
+
+
+NAMES_SHOWN = 8
+"""How many names :func:`some_names` shows."""
+
+
+def some_names(names: Sequence[str]) -> str:
+    """``names`` for a message, its length bounded whatever their number: all of them if
+    :data:`NAMES_SHOWN` or fewer (``['a', 'b']``), else the first of them and how many more
+    (``['a', ..., 'h'] and 99992 more``)."""
+    first = list(names[:NAMES_SHOWN])
+    more = len(names) - len(first)
+    return f"{first} and {more} more" if more else f"{first}"
 
 
 class DtypeError(SafetensorsError, ValueError):

@@ -27,7 +27,7 @@ from typing import Any, TypeGuard
 from urllib.parse import SplitResult, quote, unquote, urlsplit, urlunsplit
 
 from .._regex import LazyPattern
-from ..errors import HeaderError, UsageError, unreadable
+from ..errors import HeaderError, UsageError, redact, unreadable
 
 __all__ = [
     "FORMAT_VERSION",
@@ -160,7 +160,9 @@ def shard_address(index: str, shard: str) -> str:
         path = posixpath.join(posixpath.dirname(parts.path), name)
         address = join_address(parts.scheme, parts.netloc, path, parts.query)
     if not _inside(index, address):
-        raise HeaderError(f"{index}: shard {shard!r} resolves to {address}, outside the index")
+        raise HeaderError(
+            f"{redact(index)}: shard {shard!r} resolves to {redact(address)} outside the index"
+        )
     return address
 
 

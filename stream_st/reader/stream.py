@@ -45,6 +45,7 @@ from ..errors import (
     UsageError,
     boolean,
     rebuilt,
+    some_names,
 )
 from ..memory.delivery import Delivery
 from ..memory.recycle import Recycler
@@ -131,7 +132,9 @@ def _selector(include: Listed, header: Header) -> Callable[[str], bool]:
         return include
     missing = sorted(n for n in include if n not in header)
     if missing:
-        raise TensorNotFoundError(f"include= names tensors not in the header: {missing}")
+        raise TensorNotFoundError(
+            f"include= names tensors not in the header: {some_names(missing)}"
+        )
     return include.__contains__
 
 

@@ -77,6 +77,7 @@ from ..errors import (
     SafetensorsError,
     TensorNotFoundError,
     UsageError,
+    some_names,
 )
 from ..memory.delivery import Delivery
 from ..reader import Include, TensorStream
@@ -304,7 +305,7 @@ class DistributedStream(TensorStream[TensorT]):
         missing = sorted(named - present)
         if missing:
             raise TensorNotFoundError(
-                f"include= or slices= name tensors not in the source: {missing}"
+                f"include= or slices= name tensors not in the source: {some_names(missing)}"
             )
 
     def _wants(self, header: Header) -> dict[int, Slice | None]:

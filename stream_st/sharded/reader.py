@@ -62,6 +62,7 @@ from ..errors import (
     UsageError,
     rebuilt,
     redact,
+    some_names,
 )
 from ..memory.delivery import Delivery
 from ..reader import Include, TensorStream
@@ -212,7 +213,9 @@ class ShardIndex:
         if self.weight_map is not None:
             missing = sorted(names - self.weight_map.keys())
             if missing:
-                raise TensorNotFoundError(f"include= names tensors not in the index: {missing}")
+                raise TensorNotFoundError(
+                    f"include= names tensors not in the index: {some_names(missing)}"
+                )
         return names.__contains__
 
     def names_in(self, shard: str) -> set[str] | None:
@@ -438,7 +441,7 @@ class ShardedStream(TensorStream[TensorT]):
         found = {name for header in self.headers.values() for name in header.names()}
         missing = sorted(include - found)
         if missing:
-            raise TensorNotFoundError(f"include= names tensors in no shard: {missing}")
+            raise TensorNotFoundError(f"include= names tensors in no shard: {some_names(missing)}")
 
     async def aclose(self) -> None:
         self._closed = True  # an iteration running in another task opens no further shard

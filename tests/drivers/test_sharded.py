@@ -78,6 +78,25 @@ async def test_include_across_shards_opens_only_needed_shards(tmp_path: Path) ->
         await read_all(index, include=5)
 
 
+async def test_include_unknown_names_error_is_bounded(tmp_path: Path) -> None:
+    """``include=`` naming 10**5 tensors an index or a manifest lacks listed every one (a 2.9 MB
+    message); it now lists the first 8 and how many more. A short list is shown whole."""
+    index = write_checkpoint(tmp_path)
+    async with open_dataset_writer(tmp_path / "dataset") as writer:
+        await writer.write_batch({"x": np.arange(3)}, samples=1)
+    manifest = tmp_path / "dataset" / "dataset_manifest.json"
+    wanted = [f"model.layers.{i}.weight" for i in range(10**5)]
+    first = sorted(wanted)[:8]
+    for source, where in ((index, "not in the index"), (manifest, "in no shard")):
+        with pytest.raises(stream_st.TensorNotFoundError) as info:
+            await stream_st.load(source, include=wanted)
+        said = str(info.value)
+        assert said == f"include= names tensors {where}: {first} and 99992 more", said[:500]
+        with pytest.raises(stream_st.TensorNotFoundError) as info:
+            await stream_st.load(source, include=["nope", "nix"])
+        assert str(info.value) == f"include= names tensors {where}: ['nix', 'nope']"
+
+
 async def test_include_an_iterator_is_taken_once(tmp_path: Path) -> None:
     """A manifest's stream looks at include= twice (the selection, then the check at its end
     that each name was found): an iterator's names are kept, where the selection spent it and

@@ -32,6 +32,7 @@ from stream_st import (
     UsageError,
 )
 from stream_st.core.layout import framed_header
+from stream_st.core.shards import shard_address
 from stream_st.errors import TransportError, redact
 from stream_st.integrations.dataset import Piece, describe_dataset, read_piece, read_shard_rows
 from stream_st.tools.model_checks import ModelConfig
@@ -508,6 +509,20 @@ async def test_an_error_beginning_with_a_signed_address_keeps_its_reason(
     text = str(info.value)
     assert_hidden(text, repr(info.value), secrets=PRESIGNED_SECRETS)
     assert said.replace("?...", f"?{MASKED_PRESIGNED}") in text, text
+
+
+def test_a_shard_outside_a_signed_index_keeps_its_reason() -> None:
+    """A shard resolving outside a presigned index's directory (an index with no path) showed
+    the masked index address alone, the reason masked as the signature's value; it now shows
+    the masked index, then the reason, the shard's address masked too."""
+    with pytest.raises(stream_st.HeaderError) as info:
+        shard_address(f"http://host?{PRESIGNED}", "a.safetensors")
+    text = str(info.value)
+    assert_hidden(text, repr(info.value), secrets=PRESIGNED_SECRETS)
+    assert text == (
+        f"http://host?{MASKED_PRESIGNED}: shard 'a.safetensors' resolves to "
+        f"http://host/a.safetensors?{MASKED_PRESIGNED} outside the index"
+    ), text
 
 
 @pytest.mark.parametrize(
