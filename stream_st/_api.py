@@ -699,17 +699,13 @@ class _CopyAhead:
         if self._dropped:
             return
         self._path = path
+        opened: list[int] = []  # the copy's descriptor, until its source holds it
         try:
-            fd = open_path(path, os.O_RDONLY)
-            try:
-                info = os.fstat(fd)
-                source = FileSource(path, fd=fd)
-            except BaseException:
-                os.close(fd)
-                raise
+            fd = open_path(path, os.O_RDONLY, opened)
+            info = os.fstat(fd)
+            self._source = FileSource(path, fd=fd, opened=opened)
             self._identity = (info.st_dev, info.st_ino)
-            self._source = source
-            self._stream = self._new_stream(source)
+            self._stream = self._new_stream(self._source)
             self._items = self._stream.__aiter__()
             self._held.append(await anext(self._items))
             sizes = [t.nbytes for t in self._stream.selected()]
@@ -723,6 +719,9 @@ class _CopyAhead:
             self.ended = True
         except Exception:
             return
+        finally:  # a failure before the source held the copy, an interrupt included
+            for unheld in opened:
+                os.close(unheld)
         self._read = True
 
     def named(self, resolved: Resolved) -> bool:
@@ -746,13 +745,16 @@ class _CopyAhead:
             yield self._held.pop(0)
 
     async def drop(self) -> None:
-        """Close what was read ahead (also when still being read: it stops)."""
+        """Close what was read ahead (also when still being read: it stops), the copy's source
+        too where no stream opened it (a failure, or an interrupt, before the stream did)."""
         self._dropped = True
         self._held.clear()
         stream, self._stream = self._stream, None
         if stream is not None:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()  # its iteration too: held here until closed
+        if self._source is not None:
+            await self._source.aclose()  # closing it again is a no-op
         self._items = None
 
 

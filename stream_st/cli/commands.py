@@ -121,7 +121,16 @@ async def _destination(text: str) -> SinkLike:
     fd = sys.stdout.fileno()
     if stat.S_ISFIFO(os.fstat(fd).st_mode):
         return await PipeSink.open("/dev/stdout")
-    return PipeSink(os.dup(fd), "standard output")
+    # The duplicate listed as os.dup returns (C code appends it, no bytecode run between), so
+    # that an interrupt (a signal handler's exception) there or as the sink takes it closes it.
+    opened: list[int] = []
+    try:
+        opened.extend(map(os.dup, (fd,)))
+        return PipeSink(opened[0], "standard output", opened=opened)
+    except BaseException:
+        for unheld in opened:
+            os.close(unheld)
+        raise
 
 
 async def _each(args: argparse.Namespace, run: Callable[[str], Awaitable[int]]) -> int:

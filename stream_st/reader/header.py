@@ -229,8 +229,9 @@ def _cached_header(name: str, max_header_size: int, unknown_dtypes: UnknownDtype
             return None  # a FIFO, a device, a directory: their sources handle them
     except (OSError, ValueError):
         return None
-    fd = open_path(name, os.O_RDONLY)
+    opened: list[int] = []  # the file, closed below also where an interrupt came as it opened
     try:
+        fd = open_path(name, os.O_RDONLY, opened)
         size = os.fstat(fd).st_size
         first = memoryview(bytearray(min(size, CACHED_FIRST_READ)))  # zeroed in microseconds
         got = _pread_cached(fd, first, 0)
@@ -247,7 +248,8 @@ def _cached_header(name: str, max_header_size: int, unknown_dtypes: UnknownDtype
             if _pread_cached(fd, raw[start:], LENGTH_PREFIX_SIZE + start) < n - start:
                 return None
     finally:
-        os.close(fd)
+        for fd in opened:
+            os.close(fd)
     header = parse_header(raw, unknown_dtypes=unknown_dtypes)
     check_size(header, size, name)
     return header

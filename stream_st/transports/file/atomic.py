@@ -71,6 +71,7 @@ __all__ = [
     "local_path",
     "local_target",
     "name_max",
+    "open_held",
     "path_from_url",
     "replaced",
     "save_at_once",
@@ -373,7 +374,7 @@ def _no_file_in(directory: str, exc: OSError, url: str) -> TransportError:
     return _missing(directory, url) or SourceNotFoundError(why, url=url)
 
 
-def _open_held(opened: list[int], path: str, flags: int, dir_fd: int | None = None) -> int:
+def open_held(opened: list[int], path: str, flags: int, dir_fd: int | None = None) -> int:
     """``os.open(path, flags, 0o666, dir_fd=dir_fd)``, the descriptor appended to ``opened``
     too, for the caller's cleanup to close. Python runs a signal handler (Ctrl-C's, a
     ``SIGALRM`` timeout's) as a call returns, among other points: one that raises as a plain
@@ -389,12 +390,12 @@ def _open_nameless(directory: str, opened: list[int] | None = None) -> int | Non
     """A nameless file in ``directory`` (``O_TMPFILE``), or None where the platform or the file
     system has none, or is known not to link one in (the caller then makes a named one, which
     also reports any error the directory gives). Its descriptor is appended to ``opened`` (a
-    list of its own where none is given), for the caller's cleanup (:func:`_open_held`)."""
+    list of its own where none is given), for the caller's cleanup (:func:`open_held`)."""
     if not USE_TMPFILE:
         return None
     opened = [] if opened is None else opened
     try:
-        fd = _open_held(opened, directory, _TMPFILE_FLAGS)
+        fd = open_held(opened, directory, _TMPFILE_FLAGS)
     except OSError:  # EOPNOTSUPP, EISDIR on kernels without it; ENOENT, EACCES reported later
         return None
     try:
@@ -481,7 +482,7 @@ def fsync_directory(directory: str) -> None:
     """Flush ``directory``'s entries (a rename in it) to stable storage."""
     opened: list[int] = []
     try:
-        os.fsync(_open_held(opened, directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)))
+        os.fsync(open_held(opened, directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)))
     finally:
         for fd in opened:
             os.close(fd)
@@ -560,7 +561,7 @@ class AtomicFile:
         any failure, an interrupt included, the caller removes it and closes what was opened
         (:meth:`_remove_temporary`, :meth:`_close_fd`)."""
         try:
-            self._directory_fd = _open_held(self._opened, directory, _DIRECTORY_FLAGS)
+            self._directory_fd = open_held(self._opened, directory, _DIRECTORY_FLAGS)
         except PermissionError:  # no O_PATH (macOS): a directory one may write, not read
             self._directory_fd = None  # named by its path, as _at then does
         except OSError as exc:
@@ -571,7 +572,7 @@ class AtomicFile:
             self.temp_path = _temp_name(directory, base)
             at = _at(self.temp_path, self._directory_fd)
             try:
-                fd = _open_held(self._opened, at, _OPEN_FLAGS, self._directory_fd)
+                fd = open_held(self._opened, at, _OPEN_FLAGS, self._directory_fd)
             except OSError as exc:
                 self.temp_path = None  # no file of ours has that name
                 if isinstance(exc, FileExistsError):  # pragma: no cover - 48 random bits collided

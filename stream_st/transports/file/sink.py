@@ -44,8 +44,8 @@ from .atomic import (
     ALLOCATE_FROM,
     AtomicFile,
     Blocks,
-    _open_held,
     fsync_directory,
+    open_held,
     path_from_url,
     replaced,
     write_blocks,
@@ -433,7 +433,7 @@ class PipeSink(PipeEnd, Sink):
 
 async def _open_for_writing(name: str, clock: Clock, opened: list[int]) -> int:
     """Open ``name`` for non-blocking writes, the descriptor appended to ``opened`` too, for
-    the caller's cleanup to close (:func:`~.atomic._open_held`). A FIFO refuses (ENXIO) until
+    the caller's cleanup to close (:func:`~.atomic.open_held`). A FIFO refuses (ENXIO) until
     a reader has it open: try again, pausing a little longer each time, within ``clock``'s
     limits."""
     pause = 0.001
@@ -441,7 +441,7 @@ async def _open_for_writing(name: str, clock: Clock, opened: list[int]) -> int:
         with clock.waiting(name, stalled="no reader opened the FIFO"):
             while True:
                 try:
-                    return _open_held(opened, name, _PIPE_FLAGS)
+                    return open_held(opened, name, _PIPE_FLAGS)
                 except OSError as exc:
                     if exc.errno != errno.ENXIO or not stat.S_ISFIFO(os.stat(name).st_mode):
                         break

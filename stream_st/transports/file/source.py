@@ -38,7 +38,7 @@ from ...errors import (
 from ..base import Source
 from ..nonblocking import NonBlockingEnd
 from ..options import UNLIMITED, Clock
-from .atomic import _open_held, closed_when_dropped, detach_dropped
+from .atomic import closed_when_dropped, detach_dropped, open_held
 from .atomic import path_from_url as path_from_url  # re-exported: it was defined here
 from .mmap import FileMap
 from .pread import pread_fully
@@ -85,12 +85,13 @@ def _pread_cached(fd: int, buffer: memoryview, offset: int) -> int:
     return filled
 
 
-def open_path(name: str, flags: int, opened: list[int] | None = None) -> int:
+def open_path(name: str, flags: int, opened: list[int]) -> int:
     """``os.open(name, flags | O_CLOEXEC)``; its failures raise SafetensorsError subclasses. The
-    descriptor is appended to ``opened`` too, where given, for the caller's cleanup to close,
-    also where a signal handler raises as the open returns (see :func:`~.atomic._open_held`)."""
+    descriptor is appended to ``opened`` too, for the caller's cleanup to close, also where a
+    signal handler raises as the open returns (see :func:`~.atomic.open_held`): the caller
+    closes what is in it on any failure, an interrupt included, until something holds it."""
     try:
-        return _open_held([] if opened is None else opened, name, flags | _CLOEXEC)
+        return open_held(opened, name, flags | _CLOEXEC)
     except FileNotFoundError as exc:
         raise SourceNotFoundError(f"no such file: {name or repr(name)}", url=name) from exc
     except OSError as exc:
