@@ -15,9 +15,9 @@ import pathlib
 import sys
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import CodeType, FrameType
+from types import CodeType, FrameType, ModuleType
 from typing import Any
 
 import numpy as np
@@ -43,23 +43,39 @@ def within(frame: FrameType | None, code: CodeType) -> bool:
     return False
 
 
+def module_files(module: ModuleType) -> set[str]:
+    """The source files of ``module``: its own, or each of its package's (``pathlib`` is a
+    package from Python 3.13 on, its classes in ``pathlib/_local.py``)."""
+    assert module.__spec__ is not None and module.__file__ is not None
+    folders = module.__spec__.submodule_search_locations
+    if not folders:
+        return {module.__file__}
+    return {os.fspath(p) for folder in folders for p in Path(folder).rglob("*.py")}
+
+
+REACHED = (stream_st, weakref, pathlib)
+"""The modules whose code an open runs: the library's, ``weakref``'s (its finalizers),
+``pathlib``'s (a path's name)."""
+
+
 class InterruptOpening(InterruptAt):
     """:class:`InterruptAt` at each point, in turn, of a call of ``opening`` (a code object) and
-    of what it calls, in the library, in ``weakref`` (its finalizers) and in ``pathlib`` (a
-    path's name); nowhere else."""
+    of what it calls, in the modules of :data:`REACHED`; nowhere else. ``reached``: the files
+    of those modules whose code ran."""
 
-    TRACED = frozenset(
-        {os.fspath(p) for p in Path(stream_st.__file__).parent.rglob("*.py")}
-        | {weakref.__file__, pathlib.__file__}
-    )
+    TRACED = frozenset(path for module in REACHED for path in module_files(module))
 
     def __init__(self, at: int, opening: CodeType) -> None:
         super().__init__(at)
         self.opening = opening
+        self.reached: set[str] = set()
 
     def __call__(self, frame: FrameType, event: str, arg: object) -> InterruptAt | None:
-        if event == "call" and not within(frame, self.opening):
-            return None
+        if event == "call":
+            if not within(frame, self.opening):
+                return None
+            if frame.f_code.co_filename in self.TRACED:
+                self.reached.add(frame.f_code.co_filename)
         return super().__call__(frame, event, arg)
 
 
@@ -77,6 +93,22 @@ def interrupted(at: int, opening: CodeType) -> Iterator[InterruptOpening]:
             yield interrupt
         finally:
             sys.settrace(tracer)
+
+
+def interrupt_each_point(attempt: Callable[[int], InterruptOpening]) -> None:
+    """Each point in turn of those an uninterrupted ``attempt(0)`` passes (some in each module
+    of :data:`REACHED`): ``attempt(at)``, which makes its own checks, is interrupted there.
+    From Python 3.12 on, a function's instructions are traced from its next call once its
+    frame asks for them (on 3.13 again once an interrupt has unwound it), so an uninterrupted
+    attempt arms them before the points are counted and before each interrupted attempt, which
+    then numbers the points as the count did."""
+    attempt(0)
+    counted = attempt(0)
+    for module in REACHED:
+        assert counted.reached & module_files(module), module.__name__
+    for at in range(1, counted.seen + 1):
+        attempt(0)
+        assert attempt(at).seen == at, (at, counted.seen)  # interrupted there
 
 
 async def header_of(path: Path) -> Header:
@@ -120,9 +152,9 @@ def test_an_interrupt_as_a_local_path_opens_leaves_nothing_open(
         asyncio.run(header_of(path))  # imports done
     failed: list[Any] = []  # a finalizer that closed a descriptor already closed, say
     monkeypatch.setattr(sys, "unraisablehook", failed.append)
-    at, seen = 0, 0
-    while seen == at:
-        at += 1
+
+    def attempt(at: int) -> InterruptOpening:
+        """The header read, interrupted at point ``at`` (none: 0), nothing left open."""
         with fed(fifo):
             before = open_fds()
             with interrupted(at, open_file_source.__code__) as interrupt:
@@ -131,12 +163,13 @@ def test_an_interrupt_as_a_local_path_opens_leaves_nothing_open(
                 except KeyboardInterrupt:
                     assert open_fds() == before, at  # the exception still alive
                 else:
-                    assert interrupt.seen < at, "the interrupt was swallowed"
+                    assert interrupt.seen != at, "the interrupt was swallowed"
                     assert [tensor.name for tensor in header.tensors] == ["a"]
-            seen = interrupt.seen
             gc.collect()
             assert open_fds() == before, at
-    assert at > 25  # the points were reached
+        return interrupt
+
+    interrupt_each_point(attempt)
     assert not failed, [(unraisable.object, unraisable.exc_value) for unraisable in failed]
 
 
@@ -152,9 +185,10 @@ def test_an_interrupt_as_a_file_source_is_made_leaves_nothing_open(
     path.write_bytes(RAW)
     failed: list[Any] = []
     monkeypatch.setattr(sys, "unraisablehook", failed.append)
-    at, seen = 0, 0
-    while seen == at:
-        at += 1
+
+    def attempt(at: int) -> InterruptOpening:
+        """The source made, interrupted at point ``at`` (none: 0), then closed; nothing left
+        open but a given descriptor the interrupt left the caller."""
         start = open_fds()
         fd = os.open(path, os.O_RDONLY) if given else None
         before = open_fds()
@@ -164,16 +198,17 @@ def test_an_interrupt_as_a_file_source_is_made_leaves_nothing_open(
             except KeyboardInterrupt:
                 assert open_fds() == before, at  # the exception still alive
             else:
-                assert interrupt.seen < at, "the interrupt was swallowed"
+                assert interrupt.seen != at, "the interrupt was swallowed"
                 assert source.size == len(RAW)
                 asyncio.run(source.aclose())  # the caller's descriptor too, taken over
                 del source
                 before = start
-            seen = interrupt.seen
         gc.collect()  # a finalizer left for the caller's descriptor would close it now
         assert open_fds() == before, at
-        if fd is not None and seen == at:
+        if fd is not None and interrupt.seen == at:
             os.close(fd)  # still the caller's
-    assert at > 15  # the points were reached
+        return interrupt
+
+    interrupt_each_point(attempt)
     gc.collect()
     assert not failed, [(unraisable.object, unraisable.exc_value) for unraisable in failed]
