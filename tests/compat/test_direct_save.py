@@ -21,12 +21,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy as reference_numpy
-import safetensors.torch as reference_torch
-import torch
 
 import stream_st
 import stream_st.numpy
-import stream_st.torch
 from stream_st import SafetensorsError, TransportError
 from stream_st.transports.file import atomic
 
@@ -61,6 +58,12 @@ def test_numpy_save_file_and_save_match_the_reference(tmp_path: Path) -> None:
 
 
 def test_torch_save_file_and_save_match_the_reference(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    import safetensors.torch as reference_torch
+    import torch
+
+    import stream_st.torch
+
     generator = torch.Generator().manual_seed(5)
     dtypes = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int16, torch.bool]
     tensors = {
@@ -89,6 +92,12 @@ def test_saving_to_a_local_file_imports_no_event_loop_nor_streaming_core(tmp_pat
     """In a fresh process: numpy's ``save_file`` (a path, a ``file://`` URL, digests) and
     ``save``, then torch's (torch itself imports asyncio and ssl), load nothing of the
     streaming core, and write the reference's bytes."""
+    pytest.importorskip("torch")
+    import safetensors.torch as reference_torch
+    import torch
+
+    import stream_st.torch
+
     script = f"""
 import json, sys
 import numpy as np
@@ -279,6 +288,11 @@ def test_refusals_create_nothing(tmp_path: Path) -> None:
 
 def _lone_surrogate_cases() -> list[tuple[Any, Any, Any, Any]]:
     """(reference save, stream_st save, tensors, metadata) of text UTF-8 cannot encode."""
+    import safetensors.torch as reference_torch
+    import torch
+
+    import stream_st.torch
+
     np_one, pt_one = np.zeros(2, np.float32), torch.zeros(2)
     return [
         (reference_numpy.save, stream_st.numpy.save, {"\ud800": np_one}, None),
@@ -293,6 +307,12 @@ def test_refusals_derive_from_the_references_built_in_types(tmp_path: Path) -> N
     """A torch dtype safetensors cannot carry is the reference's ``KeyError``, text UTF-8 cannot
     encode its ``UnicodeEncodeError``; each a SafetensorsError too (DtypeError, HeaderError),
     on the direct path and the streamed one, nothing created."""
+    pytest.importorskip("torch")
+    import safetensors.torch as reference_torch
+    import torch
+
+    import stream_st.torch
+
     zeros = torch.zeros(2)
     dtypes = [
         torch.zeros(2, dtype=torch.complex128),

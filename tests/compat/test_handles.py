@@ -13,6 +13,9 @@ import threading
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("torch")
+
 import safetensors.torch as ref_pt
 import torch
 

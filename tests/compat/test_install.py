@@ -27,6 +27,7 @@ def run(code: str) -> str:
 
 
 def test_install_makes_every_later_import_stream_st() -> None:
+    pytest.importorskip("torch")
     out = run(
         """
         import sys
@@ -53,6 +54,7 @@ def test_install_makes_every_later_import_stream_st() -> None:
 
 
 def test_install_after_the_reference_was_imported_warns() -> None:
+    pytest.importorskip("torch")
     out = run(
         """
         import warnings
@@ -104,6 +106,7 @@ def test_safe_open_is_one_class_as_the_references(tmp_path: Path) -> None:
     ``safetensors.numpy`` as the reference's is, its handles instances of it: code written for
     the reference that uses it as a type runs (a union annotation is evaluated when the ``def``
     runs). Importing it imports no streaming core; ``framework`` is required, as there."""
+    pytest.importorskip("torch")
     path = tmp_path / "a.safetensors"
     out = run(
         f"""
@@ -144,6 +147,7 @@ def test_safe_open_shows_its_arguments_and_takes_them_by_the_references_names(
     arguments, where the class's ``__new__`` showed ``(*args, **kwargs)``; they are taken by
     name as the reference takes them (``filename=``, which the drop-ins' functions took too
     before ``safe_open`` became a class)."""
+    pytest.importorskip("torch")
     import inspect
 
     import safetensors

@@ -13,6 +13,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+
+pytest.importorskip("torch")
+
 import safetensors.torch as reference
 import torch
 

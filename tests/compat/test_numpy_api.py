@@ -10,7 +10,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
@@ -33,17 +33,45 @@ from stream_st.errors import (
 
 from .._util import raw_file
 from ..fuzz.fault_suite import Collector, Sender
-from ..memory.test_zero_copy import linux_only
+from ..memory.test_zero_copy import linux_only, modify_in_place
 from ..servers.http_server import RangeHTTPServer
 from ..transports import test_s3 as s3_tests
-from . import test_torch_api
-from .test_torch_api import corrupt, in_mapping_of
+
+if TYPE_CHECKING:
+    import torch
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 
 s3 = s3_tests.s3
 aws_env = s3_tests.aws_env
-aws = test_torch_api.aws
+
+
+@pytest.fixture
+def aws(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The moto server of ``tests/transports/test_s3.py`` (its bucket ``models``), credentials
+    from the environment, no instance metadata."""
+    request.getfixturevalue("aws_env")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def in_mapping_of(path: Path, tensor: torch.Tensor | np.ndarray[Any, Any]) -> bool:
+    """Whether the memory of ``tensor`` (an array, or a torch tensor) lies in this process's
+    mapping of ``path``."""
+    address = tensor.ctypes.data if isinstance(tensor, np.ndarray) else tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, *rest = line.split(maxsplit=5)
+            low, high = (int(part, 16) for part in span.split("-"))
+            if low <= address < high and len(rest) == 5 and rest[4].strip() == str(path):
+                return True
+    return False
+
+
+def corrupt(path: Path, name: str) -> None:
+    """Flip one byte in the middle of tensor ``name``'s data."""
+    header = asyncio.run(stream_st.read_header(path))
+    info = header[name]
+    modify_in_place(path, header.data_start + (info.start + info.end) // 2, b"\xa5")
 
 
 def arrays() -> Arrays:

@@ -20,6 +20,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+pytest.importorskip("torch")
+
 import safetensors
 import safetensors.numpy as ref_np
 import safetensors.torch as ref_pt
@@ -522,9 +525,9 @@ def test_framework_is_named_as_the_reference_names_it(tmp_path: Path) -> None:
     for wrong in (None, 3):
         for opener in (safetensors.safe_open, compat.safe_open):
             with pytest.raises(TypeError):
-                opener(path, wrong)  # type: ignore[arg-type]
+                opener(path, wrong)  # type: ignore[call-overload]
         with pytest.raises(SafetensorsError, match="framework must be a name"):
-            compat.safe_open(path, wrong)  # type: ignore[arg-type]
+            compat.safe_open(path, wrong)  # type: ignore[call-overload]
     with pytest.raises(SafetensorsError, match="framework must be 'pt' or 'np', got 'PT'"):
         compat.safe_open(path, "PT")
 

@@ -19,6 +19,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+pytest.importorskip("torch")
+
 import safetensors.torch as reference
 import torch
 import trio
@@ -45,6 +48,8 @@ from ..fuzz.fault_suite import Collector, Sender
 from ..memory.test_zero_copy import linux_only, modify_in_place
 from ..servers.http_server import RangeHTTPServer
 from ..transports import test_s3 as s3_tests
+from . import test_numpy_api
+from .test_numpy_api import corrupt, in_mapping_of
 
 Tensors = dict[str, torch.Tensor]
 
@@ -336,18 +341,6 @@ def test_tensors_land_on_the_cuda_device(ref_file: Path, device: str | int) -> N
 # ---------------------------------------------------------------------- local files mapped
 
 
-def in_mapping_of(path: Path, tensor: torch.Tensor | np.ndarray[Any, Any]) -> bool:
-    """Whether the memory of ``tensor`` (or array) lies in this process's mapping of ``path``."""
-    address = tensor.data_ptr() if isinstance(tensor, torch.Tensor) else tensor.ctypes.data
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            span, *rest = line.split(maxsplit=5)
-            low, high = (int(part, 16) for part in span.split("-"))
-            if low <= address < high and len(rest) == 5 and rest[4].strip() == str(path):
-                return True
-    return False
-
-
 @linux_only
 def test_load_file_and_safe_open_map_a_local_file_writably(ref_file: Path) -> None:
     """As the reference does: tensors are views of a mapping of the file, writable, and a write
@@ -412,13 +405,6 @@ def test_open_stream_copy_false_gives_torch_writable_private_views(ref_file: Pat
 
 
 # ---------------------------------------------------------------------- integrity
-
-
-def corrupt(path: Path, name: str) -> None:
-    """Flip one byte in the middle of tensor ``name``'s data."""
-    header = asyncio.run(stream_st.read_header(path))
-    info = header[name]
-    modify_in_place(path, header.data_start + (info.start + info.end) // 2, b"\xa5")
 
 
 EVERY_ROW: list[Any] = [np.s_[:, 5:6], np.s_[0:100, 3], np.s_[::3], np.s_[..., 1:2], np.s_[:, :]]
@@ -1590,14 +1576,7 @@ def http() -> Iterator[RangeHTTPServer]:
 
 s3 = s3_tests.s3
 aws_env = s3_tests.aws_env
-
-
-@pytest.fixture
-def aws(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The moto server of ``tests/transports/test_s3.py`` (its bucket ``models``), credentials
-    from the environment, no instance metadata."""
-    request.getfixturevalue("aws_env")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+aws = test_numpy_api.aws
 
 
 def check_remote(address: str, ref_file: Path) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import anyio
 import numpy as np
+import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
@@ -153,6 +154,7 @@ def test_total_of_no_tensor_then_some() -> None:
 
 
 def test_the_drop_in_s_load_file_leaves_its_stats(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
     import stream_st.numpy
     import stream_st.torch
 

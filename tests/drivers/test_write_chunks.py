@@ -15,12 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 import safetensors.numpy as reference_numpy
-import safetensors.torch as reference_torch
-import torch
 
 import stream_st
 import stream_st.numpy
-import stream_st.torch
 from stream_st import writer
 from stream_st.tools.cp import cp
 from stream_st.transports.file import atomic, sink
@@ -121,6 +118,12 @@ async def test_parts_at_any_offset(tmp_path: Path, calls: list[tuple[int, int, i
 
 
 def test_drop_ins_cut_calls_at_blocks(tmp_path: Path, calls: list[tuple[int, int, int]]) -> None:
+    pytest.importorskip("torch")
+    import safetensors.torch as reference_torch
+    import torch
+
+    import stream_st.torch
+
     tensors = arrays(1)
     path = tmp_path / "n.safetensors"
     stream_st.numpy.save_file(tensors, str(path))
