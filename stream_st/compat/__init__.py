@@ -29,7 +29,7 @@ import warnings
 from types import ModuleType
 from typing import IO, TYPE_CHECKING, Any
 
-from ..errors import ArgumentTypeError, StreamStWarning
+from ..errors import ArgumentTypeError, StreamStWarning, UsageError
 from ._errors import SafetensorError, WrongTypeError
 
 if TYPE_CHECKING:
@@ -179,8 +179,8 @@ def install() -> None:
     sys.modules["safetensors.numpy"] = importlib.import_module("stream_st.numpy")
     try:
         sys.modules["safetensors.torch"] = importlib.import_module("stream_st.torch")
-    except ImportError:  # no torch here: safetensors.torch fails to import, as the reference's
-        sys.modules.pop("safetensors.torch", None)
+    except (ImportError, UsageError):  # no torch here (stream_st.torch says how to install it):
+        sys.modules.pop("safetensors.torch", None)  # safetensors.torch fails, as the reference's
 
 
 def installed() -> bool:

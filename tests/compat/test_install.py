@@ -53,6 +53,29 @@ def test_install_makes_every_later_import_stream_st() -> None:
     assert out == "ok"
 
 
+def test_install_without_torch_gives_the_numpy_drop_in() -> None:
+    """Without torch (``import torch`` refused here), ``install()`` raised the
+    :class:`~stream_st.UsageError` importing ``stream_st.torch`` gives; ``safetensors.numpy``
+    is the drop-in, and ``safetensors.torch`` fails to import, as the reference's does there."""
+    out = run(
+        """
+        import sys
+        sys.modules["torch"] = None  # import torch: ModuleNotFoundError, as without it
+        import stream_st.compat as compat
+        compat.install()
+        import safetensors.numpy as sn
+        import stream_st.numpy
+        assert compat.installed() and sn is stream_st.numpy
+        assert "safetensors.torch" not in sys.modules
+        try:
+            import safetensors.torch
+        except ImportError:
+            print("ok")
+        """
+    )
+    assert out == "ok"
+
+
 def test_install_after_the_reference_was_imported_warns() -> None:
     pytest.importorskip("torch")
     out = run(
