@@ -95,20 +95,24 @@ def interrupted(at: int, opening: CodeType) -> Iterator[InterruptOpening]:
             sys.settrace(tracer)
 
 
-def interrupt_each_point(attempt: Callable[[int], InterruptOpening]) -> None:
+def interrupt_each_point(
+    attempt: Callable[[int], InterruptOpening], reached: tuple[ModuleType, ...] = REACHED
+) -> int:
     """Each point in turn of those an uninterrupted ``attempt(0)`` passes (some in each module
-    of :data:`REACHED`): ``attempt(at)``, which makes its own checks, is interrupted there.
+    of ``reached``): ``attempt(at)``, which makes its own checks, is interrupted there; the
+    number of points.
     From Python 3.12 on, a function's instructions are traced from its next call once its
     frame asks for them (on 3.13 again once an interrupt has unwound it), so an uninterrupted
     attempt arms them before the points are counted and before each interrupted attempt, which
     then numbers the points as the count did."""
     attempt(0)
     counted = attempt(0)
-    for module in REACHED:
+    for module in reached:
         assert counted.reached & module_files(module), module.__name__
     for at in range(1, counted.seen + 1):
         attempt(0)
         assert attempt(at).seen == at, (at, counted.seen)  # interrupted there
+    return counted.seen
 
 
 async def header_of(path: Path) -> Header:

@@ -29,9 +29,8 @@ from stream_st.transports.base import Source
 from stream_st.transports.file.sink import PipeSink
 from stream_st.transports.file.source import _RWF_NOWAIT
 
-from .test_file_open_interrupts import RAW, InterruptOpening, interrupted
+from .test_file_open_interrupts import RAW, InterruptOpening, interrupt_each_point, interrupted
 from .test_file_temporaries import open_fds
-from .test_pipe_sink_interrupts import each_point
 
 
 @pytest.fixture
@@ -72,7 +71,7 @@ def test_an_interrupt_as_a_cached_header_is_read_leaves_nothing_open(
         assert open_fds() == before, at
         return interrupt
 
-    assert each_point(attempt) > 10  # the points were reached
+    assert interrupt_each_point(attempt, (stream_st,)) > 10  # the points were reached
 
 
 def test_an_interrupt_as_standard_output_is_taken_leaves_nothing_open(
@@ -105,7 +104,7 @@ def test_an_interrupt_as_standard_output_is_taken_leaves_nothing_open(
             assert open_fds() == before, at
             return interrupt
 
-        assert each_point(attempt) > 10  # the points were reached
+        assert interrupt_each_point(attempt, (stream_st,)) > 10  # the points were reached
 
 
 def test_an_interrupt_as_a_cached_copy_is_read_ahead_leaves_nothing_open(
@@ -150,4 +149,4 @@ def test_an_interrupt_as_a_cached_copy_is_read_ahead_leaves_nothing_open(
         assert open_fds() == before, at
         return interrupt
 
-    assert each_point(attempt) > 10  # the points were reached
+    assert interrupt_each_point(attempt, (stream_st,)) > 10  # the points were reached

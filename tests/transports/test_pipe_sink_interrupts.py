@@ -10,31 +10,17 @@ import asyncio
 import gc
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import stream_st
 from stream_st.transports.file.sink import PipeSink
 from stream_st.transports.file.source import PipeSource
 
-from .test_file_open_interrupts import InterruptOpening, interrupted
+from .test_file_open_interrupts import InterruptOpening, interrupt_each_point, interrupted
 from .test_file_temporaries import open_fds
-
-
-def each_point(attempt: Callable[[int], InterruptOpening]) -> int:
-    """``attempt(at)`` (its own checks made) interrupted at each point in turn, until one runs
-    past them all; the number of points. Each follows an uninterrupted ``attempt(0)``: from
-    Python 3.12 on, a function's instructions are traced from its next call once its frame
-    asks for them (on 3.13 again once an interrupt has unwound it), so each attempt then
-    numbers the points alike."""
-    at = 0
-    while True:
-        attempt(0)
-        if attempt(at + 1).seen <= at:  # past them all, uninterrupted
-            return at
-        at += 1
 
 
 @pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
@@ -69,7 +55,7 @@ def test_an_interrupt_as_a_pipe_sink_opens_leaves_nothing_open(
         return interrupt
 
     try:
-        assert each_point(attempt) > 25  # the points were reached
+        assert interrupt_each_point(attempt, (stream_st,)) > 25  # the points were reached
     finally:
         os.close(reader)
     assert not failed, [(unraisable.object, unraisable.exc_value) for unraisable in failed]
@@ -117,5 +103,5 @@ def test_an_interrupt_as_a_pipe_end_is_made_leaves_nothing_open(
         assert open_fds() == before, at
         return interrupt
 
-    assert each_point(attempt) > 15  # the points were reached
+    assert interrupt_each_point(attempt, (stream_st,)) > 15  # the points were reached
     assert not failed, [(unraisable.object, unraisable.exc_value) for unraisable in failed]
