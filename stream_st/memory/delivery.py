@@ -20,7 +20,7 @@ from ..core.arrays import (
 )
 from ..core.header import TensorInfo
 from ..core.strict_json import brief
-from ..errors import ArgumentTypeError, DtypeError, TensorNotFoundError, UsageError
+from ..errors import ArgumentTypeError, DtypeError, TensorNotFoundError, UsageError, some_names
 
 __all__ = ["Delivery"]
 
@@ -74,7 +74,9 @@ class Delivery:
         """:class:`~stream_st.TensorNotFoundError` for ``into=`` names not among ``names``."""
         missing = sorted(set(self.into).difference(names))
         if missing and self.exact:
-            raise TensorNotFoundError(f"into= names tensors not in the header: {missing[:8]}")
+            raise TensorNotFoundError(
+                f"into= names tensors not in the header: {some_names(missing)}"
+            )
 
     def check_apart(self, infos: Sequence[TensorInfo]) -> None:
         """:class:`UsageError` if the caller's memory for two of ``infos`` overlaps (one

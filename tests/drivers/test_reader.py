@@ -388,6 +388,16 @@ async def test_include_unknown_names_error_is_bounded(sample_path: pathlib.Path)
     assert str(info.value) == "include= names tensors not in the header: ['nix', 'nope']"
 
 
+async def test_into_unknown_names_error_tells_how_many_more(sample_path: pathlib.Path) -> None:
+    """``into=`` naming tensors the file lacks lists the first 8 and how many more (it listed
+    the first 8 alone, saying nothing of the rest), as ``include=`` does."""
+    into = {f"x{i:02}": np.empty(1, np.float32) for i in range(20)}
+    with pytest.raises(TensorNotFoundError) as info:
+        await read_all(sample_path, into=into)
+    expected = f"into= names tensors not in the header: {sorted(into)[:8]} and 12 more"
+    assert str(info.value) == expected
+
+
 @pytest.mark.parametrize("include", [5, 1.5, [["weight"]]], ids=["int", "float", "nested"])
 async def test_include_neither_names_nor_a_predicate(
     sample_path: pathlib.Path, include: Any
