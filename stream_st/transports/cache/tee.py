@@ -40,7 +40,7 @@ import anyio.to_thread
 
 from ..._util import call_soon_from_thread, lock_and_condition
 from ...core.digests import Hasher, ObjectDigest, update_sliced
-from ...errors import CacheWarning, IntegrityError
+from ...errors import CacheWarning, IntegrityError, redact
 from ..base import DISCARD_CHUNK, Source
 from ..options import Transport
 from .follow import PUBLISH_EVERY, Growing
@@ -231,14 +231,15 @@ class _Keeper:
 class CopyWriter:
     """The copy being written for one read (see the module). ``lock`` is held until the copy
     is committed or the read ends; ``check`` is the transport's digest of the object, checked
-    too when it can be."""
+    too when it can be. ``name``, the object's address, is kept masked (see
+    :func:`~stream_st.errors.redact`): every warning and error of the copy begins with it."""
 
     def __init__(
         self, destination: Destination, lock: EntryLock, name: str, check: ObjectDigest | None
     ) -> None:
         self.destination = destination
         self.lock = lock
-        self.name = name
+        self.name = redact(name)
         record = destination.record
         self.size: int | None = record.size if record.size >= 0 else None
         self.held = destination.held
@@ -255,7 +256,7 @@ class CopyWriter:
                 remove_quietly(part)
                 lock.release()  # no copy to write: another reader may fetch it meanwhile
                 self.given_up = f"no room for the copy: {exc}"
-                warnings.warn(f"{name}: not keeping a copy: {self.given_up}", CacheWarning, 2)
+                warnings.warn(f"{self.name}: not keeping a copy: {self.given_up}", CacheWarning, 2)
         self._hashers: list[Hasher] = [new_hasher(record.algorithm, self.size)]
         self._check = check if check is not None and check.new is not None else None
         if self._check is not None and self._check.new is not None:
@@ -520,13 +521,14 @@ class CopyWriter:
 
 class TeeSource(Source):
     """``inner`` (a remote source, already started) with every byte read also kept by
-    ``writer`` (see the module); reads of bytes the partial copy holds go to it instead."""
+    ``writer`` (see the module); reads of bytes the partial copy holds go to it instead. Its
+    ``name`` is ``inner``'s masked (see :func:`~stream_st.errors.redact`), as errors show it."""
 
     def __init__(self, inner: Source, writer: CopyWriter) -> None:
         super().__init__()
         self.inner = inner
         self.writer = writer
-        self.name = inner.name
+        self.name = redact(inner.name)
         self.size = inner.size
         self.whole_object = True
         self.random_access = inner.random_access
