@@ -7,7 +7,9 @@ retrying (408, 425, 429, 500, 502, 503, 504: a busy store's ``SlowDown``) is sen
 same bytes under the same number, as a read's request is (:data:`_PART_RETRIES`): after the
 ``Retry-After`` a 429 or 503 asks for (unless that passes the ``deadline``, a
 :class:`~stream_st.ReadTimeoutError` at once, or is over 5 minutes without one), else after an
-exponential back-off. S3 takes at
+exponential back-off. So is a part whose connection is reset or closed before its answer came
+(sending it, or waiting for the answer), after the back-off, within the same retries and
+deadline; when they run out, the connection's error is raised and the upload aborted. S3 takes at
 most :attr:`S3Sink.max_parts` (10,000) parts: a message announced (:meth:`S3Sink.allocate`) as
 larger than that many parts hold has its parts made larger, the size over 10,000 rounded up to a
 MiB (so is the memory the part takes), and one over 10,000 parts of 5 GiB, S3's largest, is
@@ -97,6 +99,7 @@ from ..http import (
     summary,
     xml_field,
 )
+from ..http.client import _dropped
 from ..http.retry import Retries
 from ..options import Clock, LimitOptions, Limits
 from .config import S3Config, parse_s3_url
@@ -111,10 +114,16 @@ _ABORT_RETRIES = Retries(count=4, backoff=0.25)
 store, or one racing a part it is still storing) is sent again, as a read's request is: it is
 idempotent. The clean-up's :attr:`S3Sink.abort_timeout` bounds the attempts in all."""
 
+_ONCE = Retries(count=0, backoff=0.0)
+"""A request sent once, whatever its answer: one that is not idempotent."""
+
 _PART_RETRIES = Retries(count=3, backoff=0.25)
 """How an UploadPart, or the single PutObject, answered with a status worth retrying is sent
 again, as a read's request is (its defaults): the same bytes under the same part number (or
-key), idempotent. CompleteMultipartUpload is never sent again: see :meth:`S3Sink._settle`."""
+key), idempotent. An UploadPart whose connection dropped before its answer came is sent again
+too, within the same count. A PutObject's lost answer is not: it stores the object, and is seen
+through as CompleteMultipartUpload is, which is never sent again (see :meth:`S3Sink._settle`);
+nor is CreateMultipartUpload, which would make another upload."""
 
 
 class _ErrorIn200(TransportError):
@@ -235,7 +244,8 @@ class S3Sink(ClientUser, Sink):
         *,
         key: str | None = None,
         headers: Mapping[str, str] | None = None,
-        retries: Retries | None = None,
+        retries: Retries = _ONCE,
+        dropped: bool = False,
         position: int = 0,
     ) -> tuple[dict[str, str], bytes]:
         """Send one signed request about the object (``key=""``: about the bucket): the answer's
@@ -247,28 +257,38 @@ class S3Sink(ClientUser, Sink):
 
         With ``retries`` (an idempotent request), a status worth retrying has the request sent
         again, signed anew, after the ``Retry-After`` the store asks for or the back-off, as a
-        read's is; not when that wait would pass the write's deadline
+        read's is; so has a connection reset or closed before the answer came, with
+        ``dropped``, after the back-off (a request the store may have carried out: one sent
+        again must do no more than once). Not when that wait would pass the write's deadline
         (:class:`~stream_st.ReadTimeoutError` at ``position``, the message's offset of ``body``)
-        or the scope's (the clean-up's time: the status is raised), nor a ``Retry-After`` over 5
-        minutes without a deadline (the status is raised).
+        or the scope's (the clean-up's time: the status, or the connection's error, is raised),
+        nor a ``Retry-After`` over 5 minutes without a deadline (the status is raised).
         """
         url = self.config.object_url(self.bucket, self.key if key is None else key, query)
-        for attempt in range(retries.count + 1 if retries else 1):
+        for attempt in range(retries.count + 1):
+            last = attempt == retries.count
             await self.config.ready(self.clock, self.name)
             signed = self.config.sign(method, url, {**self._headers, **(headers or {})})
-            response = await self._request(method, url, signed, body, follow_redirects=False)
-            if (
-                retries is None
-                or attempt == retries.count
-                or not retries.retryable(response.status)
-            ):
-                break
-            wait = await retries.server_wait(response, self.clock, self.name, position)
+            lost: TransportError | None = None  # the connection's error, if it dropped
+            wait: float | None = None  # what the store asks to wait, if it does
+            try:
+                response = await self._request(method, url, signed, body, follow_redirects=False)
+            except TransportError as exc:
+                if last or not dropped or not _dropped(exc):
+                    raise
+                lost = exc
+            else:
+                if last or not retries.retryable(response.status):
+                    break
+                wait = await retries.server_wait(response, self.clock, self.name, position)
             if wait is None:
                 wait = retries.delay(attempt + 1)
             if anyio.current_time() + wait >= anyio.current_effective_deadline():
+                if lost is not None:
+                    raise lost
                 break  # the time would run out waiting (wait is inf: too long): the status
-            await response.discard()
+            if lost is None:
+                await response.discard()
             await retries.back_off(self.clock, attempt + 1, self.name, position, wait)
         await raise_for_status(response, name=self.name)
         async with response:
@@ -372,7 +392,8 @@ class S3Sink(ClientUser, Sink):
 
     async def _upload_part(self, number: int, body: bytes) -> None:
         """UploadPart ``number`` (creating the upload first if need be), sent again while the
-        store answers a status worth retrying (:data:`_PART_RETRIES`)."""
+        store answers a status worth retrying, or the connection drops before the answer
+        (:data:`_PART_RETRIES`)."""
         if self._upload_id is None:
             await self._create()
         assert self._upload_id is not None
@@ -384,6 +405,7 @@ class S3Sink(ClientUser, Sink):
             body,
             headers=_checked(checksum),
             retries=_PART_RETRIES,
+            dropped=True,
             position=(number - 1) * self._part_size,
         )
         etag = headers.get("etag")
