@@ -536,7 +536,8 @@ def tokenize(
     ``str`` alone is refused, not taken as sentences of one character each), with the
     ``tokenizer.json`` in ``directory`` (needs ``tokenizers``, in the ``models`` extra): padded to
     the longest sentence, or padded and truncated to ``length`` tokens, an integer from 2 (the
-    ``[CLS]`` and ``[SEP]`` tokens are never cut) to 2**20. :class:`~stream_st.UsageError` for
+    ``[CLS]`` and ``[SEP]`` tokens are never cut) to 2**20; no sentences are an empty batch,
+    ``[0, length]`` (``[0, 0]`` padded to the longest). :class:`~stream_st.UsageError` for
     a length out of that range; :class:`~stream_st.ArgumentTypeError` for a length or sentences
     of another type or a directory that is no path; :class:`ModelError`, naming the file, for a
     ``tokenizer.json`` missing or unreadable."""
@@ -560,4 +561,6 @@ def tokenize(
     if length is not None:
         tokenizer.enable_truncation(max_length=length)
     encoded = tokenizer.encode_batch(batch)
-    return np.array([e.ids for e in encoded]), np.array([e.attention_mask for e in encoded])
+    shape = (len(encoded), len(encoded[0].ids) if encoded else length or 0)
+    ids = np.array([e.ids for e in encoded], np.int64).reshape(shape)
+    return ids, np.array([e.attention_mask for e in encoded], np.int64).reshape(shape)

@@ -61,6 +61,17 @@ def test_tokenize_pads_to_the_longest_or_to_a_length() -> None:
     assert ids.tolist() == [[101, 102]] and mask.tolist() == [[1, 1]]
 
 
+@pytest.mark.parametrize(("length", "width"), [(None, 0), (4, 4)], ids=["longest", "length"])
+def test_tokenize_no_sentences_is_an_empty_batch(length: int | None, width: int) -> None:
+    """No sentences gave two arrays of shape ``(0,)`` and dtype float64, no ``[batch, seq]``
+    to index as one; they are ``(0, length)`` (no tokens when padded to the longest), of the
+    integers n sentences give, as transformers' tokenizers give an empty batch."""
+    ids, mask = tokenize(MODEL_DIR, [], length=length)
+    assert ids.shape == mask.shape == (0, width)
+    one_ids, one_mask = tokenize(MODEL_DIR, ["x"], length=length)
+    assert ids.dtype == one_ids.dtype and mask.dtype == one_mask.dtype
+
+
 @pytest.mark.parametrize(
     ("sentences", "length", "error", "message"),
     [
