@@ -32,7 +32,8 @@ calls); each reads the header itself, then:
   rank's word). Whatever goes wrong on one rank (its source, memory, its selection or another
   argument, its ``include=`` function, a digest, its consumer leaving the stream before the end,
   a cancellation) is told to the others at once: at the gather of headers and wants if it
-  happens before any byte moves, else at their next gate, where this rank meets them after
+  happens before any byte of the file moves (of a shard: since the last gate of the shard
+  before, its closing included), else at their next gate, where this rank meets them after
   waiting for the transfers it has begun. Every rank then raises :class:`RankFailedError`
   naming that rank and the cause (on that rank, chained to its own error; a consumer that left,
   or a cancellation, gets its own exception back); bytes found bad against their digest name
@@ -340,7 +341,7 @@ class DistributedStream(TensorStream[TensorT]):
                 self._delivery.check_apart(whole)  # received together: no memory given twice
                 digests = Digests.from_header(header) if self._verify else None
                 digest = ("header", _header_digest(header))
-            except Exception as exc:  # include= and slices= may be the caller's functions
+            except BaseException as exc:  # include= and slices= may be the caller's functions
                 failure = Failure.of(exc)
         caps = (self._caps.tensor, self._caps.total)
         everyone = await group.gather((digest, wants, caps, digests is not None), failure)
@@ -403,25 +404,33 @@ class DistributedStream(TensorStream[TensorT]):
                 return
             index = self._index
             assert index is not None
-            for shard in index.shards:
-                address = shard_address(index.home, shard)
-                stream = self._shard = TensorStream(
-                    address, max_header_size=self._max_header_size, clock=self._clock
-                )
-                failure = None
-                try:
-                    self.headers[shard] = await stream.open()
-                    index.check(shard, address, stream.header)
-                except BaseException as exc:  # told to the group first, raised after
-                    failure = Failure.of(exc)
-                try:
+            stream: TensorStream[Any] | None = None
+            try:
+                for shard in index.shards:
+                    failure = None
+                    # From the last gate of the shard before (closed here) to this shard's
+                    # gather, the others' next collective: a failure is told to them there,
+                    # raised after, or they would wait for this rank until the group's timeout.
+                    try:
+                        if stream is not None:
+                            self._shard = None
+                            await stream.aclose()
+                        address = shard_address(index.home, shard)
+                        stream = self._shard = TensorStream(
+                            address, max_header_size=self._max_header_size, clock=self._clock
+                        )
+                        self.headers[shard] = await stream.open()
+                        index.check(shard, address, stream.header)
+                    except BaseException as exc:
+                        failure = Failure.of(exc)
                     exchange = self._exchange(stream, failure, shard)
                     async with contextlib.aclosing(exchange) as items:
                         async for item in items:
                             yield item
                             del item
-                finally:
-                    self._shard = None
+            finally:
+                self._shard = None
+                if stream is not None:
                     await stream.aclose()
         finally:
             if owns:
