@@ -57,6 +57,7 @@ from __future__ import annotations
 import operator
 import os
 import re
+import reprlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -623,16 +624,26 @@ class TensorNotFoundError(SafetensorsError, KeyError):
 
 
 NAMES_SHOWN = 8
-"""How many names :func:`some_names` shows."""
+"""How many names :func:`some_names` shows unless told."""
+
+NAME_CHARACTERS = 100
+"""The most characters :func:`some_names` shows of one name, its quotes included."""
+
+_NAME = reprlib.Repr()
+_NAME.maxstring = _NAME.maxother = NAME_CHARACTERS
 
 
-def some_names(names: Sequence[str]) -> str:
-    """``names`` for a message, its length bounded whatever their number: all of them if
-    :data:`NAMES_SHOWN` or fewer (``['a', 'b']``), else the first of them and how many more
-    (``['a', ..., 'h'] and 99992 more``)."""
-    first = list(names[:NAMES_SHOWN])
+def some_names(names: Sequence[str], shown: int = NAMES_SHOWN) -> str:
+    """``names`` for a message or a ``repr``, bounded whatever their number and length (under a
+    thousand characters for the default ``shown``): the first ``shown`` (all of them if no more),
+    each quoted as ``repr`` quotes it (a line break or a bidirectional override shows as its
+    escape), and how many more (``['a', 'b']``, ``['a', ..., 'h'] and 99992 more``). A name of
+    over :data:`NAME_CHARACTERS` is cut in the middle (``'model.emb...weight'``), in time bounded
+    whatever its length (a name can be megabytes)."""
+    first = list(names[:shown])
     more = len(names) - len(first)
-    return f"{first} and {more} more" if more else f"{first}"
+    listed = f"[{', '.join(map(_NAME.repr, first))}]"
+    return f"{listed} and {more} more" if more else listed
 
 
 class DtypeError(SafetensorsError, ValueError):

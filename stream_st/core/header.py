@@ -35,6 +35,7 @@ from ..errors import (
     TensorNotFoundError,
     UnknownDtypeError,
     UsageError,
+    some_names,
 )
 from .dtypes import DTYPES, DType, array_shape, dtype_from_code
 from .strict_json import (
@@ -285,7 +286,8 @@ _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxlong = 40
 _SHORT.maxdict = _SHORT.maxtuple = _SHORT.maxlist = 4
 _SHOWN = 2
-"""How many tensors a :class:`TensorTable` or :class:`Header` shows in its ``repr``."""
+"""How many tensors a :class:`TensorTable` or :class:`Header` shows in its ``repr``, and how many
+names of unreadable tensors (:func:`~stream_st.errors.some_names`)."""
 
 
 def _first_tensors(table: TensorTable) -> str:
@@ -442,8 +444,10 @@ class Header:
 
     def __repr__(self) -> str:
         """A bounded summary (a header may list millions of tensors): counts, sizes, the
-        metadata shortened and the first tensors."""
-        unreadable = f", unreadable={_SHORT.repr(self.unreadable)}" if self.unreadable else ""
+        metadata shortened, the first tensors, and the first unreadable tensors' names and how
+        many more."""
+        names = some_names(self.unreadable, _SHOWN)
+        unreadable = f", unreadable={names}" if self.unreadable else ""
         return (
             f"Header(n_tensors={len(self)}, data_bytes={self.data_size}, "
             f"header_size={self.header_size}, metadata={_SHORT.repr(self.metadata)}, "

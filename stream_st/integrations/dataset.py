@@ -42,7 +42,6 @@ from .._api import load, open_stream, read_header
 from ..core.digests import Digests, algorithm_named
 from ..core.dtypes import array_shape, dtype_from_code
 from ..core.header import (
-    _SHORT,
     DEFAULT_MAX_HEADER_SIZE,
     LENGTH_PREFIX_SIZE,
     METADATA_KEY,
@@ -65,6 +64,7 @@ from ..errors import (
     UnsupportedSourceError,
     UsageError,
     redact,
+    some_names,
 )
 from ..reader import _read_tensor
 from ..reader.header import _header_length, _named, _receive_header
@@ -462,7 +462,7 @@ def _split_keys(keys: Any, columns: Sequence[str], separator: str, shard: str) -
             return names, np.array([position[column] for _, column in found_pairs], np.int32)
         bad = keys[pairs.index(None)].as_py()
     raise UsageError(
-        f"tensor {bad!r} of {shard} is no column of {list(columns)} "
+        f"tensor {bad!r} of {shard} is no column of {some_names(columns)} "
         f"(key {{name}}{separator}{{column}})"
     )
 
@@ -941,11 +941,10 @@ class Piece:
 
     def __repr__(self) -> str:
         """A bounded summary (a KV-mode piece may name a hundred thousand tensors): the address
-        masked, how many names and the first, and the rows."""
-        first = _SHORT.repr(self.names[0]) if self.names else None
+        masked, the first name and how many more, and the rows."""
         return (
-            f"Piece(address={redact(self.address)!r}, n_names={len(self.names)}, "
-            f"first={first}, start={self.start}, stop={self.stop})"
+            f"Piece(address={redact(self.address)!r}, names={some_names(self.names, 1)}, "
+            f"start={self.start}, stop={self.stop})"
         )
 
 
@@ -990,8 +989,8 @@ def plan_pieces(
     if missing:
         held = dataset.columns
         raise UsageError(
-            f"the dataset has no column {missing[0]!r} (it has {len(held)} columns: "
-            f"{_SHORT.repr(held)})"
+            f"the dataset has no column {some_names(missing)} (it has {len(held)} columns: "
+            f"{some_names(held)})"
         )
     cuts = max(1, math.ceil(at_least / max(1, len(dataset.shards))))
     for address, header in zip(dataset.shards, dataset.headers, strict=True):

@@ -35,9 +35,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .._api import open_stream
 from ..compat._sync import run
 from ..core.arrays import to_torch
-from ..core.header import _SHORT
 from ..core.shards import scheme_of
-from ..errors import UsageError, boolean, integer_at_least, redact
+from ..errors import UsageError, boolean, integer_at_least, redact, some_names
 from ..reader.stream import include_names
 from .dataset import (
     DatasetInfo,
@@ -102,7 +101,7 @@ def _selected_columns(dataset: DatasetInfo, columns: Columns) -> list[str] | Non
     if not selected:  # a dataset of samples with nothing in them
         raise UsageError(
             "columns= selects no column: give None (the default) to read every one (the "
-            f"dataset has {len(dataset.columns)} columns: {_SHORT.repr(dataset.columns)})"
+            f"dataset has {len(dataset.columns)} columns: {some_names(dataset.columns)})"
         )
     return selected
 

@@ -1,5 +1,6 @@
-"""What the models check of what they are given, and the error they raise: shared by the BERT
-encoder (:mod:`.bert`) and the Llama decoder (:mod:`.llm`).
+"""What the models check of what they are given, the error they raise, and their short
+``repr`` (:func:`short_repr`): shared by the BERT encoder (:mod:`.bert`) and the Llama decoder
+(:mod:`.llm`).
 
 Token ids must be integers (floats would be truncated, a string is no id) and rows of the
 weights they index (-1 would silently be the last row); weights floating point numbers (numpy's
@@ -11,6 +12,8 @@ is no size, the string ``"nan"`` no epsilon).
 from __future__ import annotations
 
 import math
+from collections.abc import Sized
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -96,3 +99,21 @@ def config_number(what: str, key: str, value: object, kind: type) -> int | float
     if kind is float and isinstance(value, Number) and math.isfinite(number := float(value)):
         return number
     raise ModelError(f"{what} gives {key} = {value!r}")
+
+
+def short_repr(model: Any) -> str:
+    """The repr of the dataclass ``model`` with each array, list, dict or other collection (but
+    a string) shown by its size alone: a model holding many weights, keys, values or tokens stays
+    short to print (``asyncio.run`` formats a task's result, and
+    :func:`~stream_st.models.bert.run_streaming` returns its model)."""
+    shown = (f"{f.name}={_sized(getattr(model, f.name))}" for f in fields(model) if f.repr)
+    return f"{type(model).__name__}({', '.join(shown)})"
+
+
+def _sized(value: object) -> str:
+    """``value``'s repr, or its shape and dtype (an array), its type and length (a collection)."""
+    if isinstance(value, np.ndarray):
+        return f"<array {list(value.shape)} {value.dtype}>"
+    if isinstance(value, Sized) and not isinstance(value, str):
+        return f"<{type(value).__name__} of {len(value)}>"
+    return repr(value)

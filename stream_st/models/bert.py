@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterable, Iterable, Mapping, Sequence, Sized
-from dataclasses import dataclass, field, fields
+from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -35,7 +35,16 @@ from ..errors import (
     path_string,
     string,
 )
-from ._checks import ModelError, check_ids, config_number, counts, epsilon, floating, integer_ids
+from ._checks import (
+    ModelError,
+    check_ids,
+    config_number,
+    counts,
+    epsilon,
+    floating,
+    integer_ids,
+    short_repr,
+)
 
 __all__ = [
     "BertConfig",
@@ -231,24 +240,6 @@ class StageRunner(Protocol):
 Runner = TypeVar("Runner", bound=StageRunner)
 
 
-def short_repr(model: Any) -> str:
-    """The repr of the dataclass ``model`` with each array, list, dict or other collection (but
-    a string) shown by its size alone: a model holding many weights, keys, values or tokens stays
-    short to print (``asyncio.run`` formats a task's result, and :func:`run_streaming` returns
-    its model)."""
-    shown = (f"{f.name}={_sized(getattr(model, f.name))}" for f in fields(model) if f.repr)
-    return f"{type(model).__name__}({', '.join(shown)})"
-
-
-def _sized(value: object) -> str:
-    """``value``'s repr, or its shape and dtype (an array), its type and length (a collection)."""
-    if isinstance(value, np.ndarray):
-        return f"<array {list(value.shape)} {value.dtype}>"
-    if isinstance(value, Sized) and not isinstance(value, str):
-        return f"<{type(value).__name__} of {len(value)}>"
-    return repr(value)
-
-
 @dataclass
 class StreamingBert:
     """Runs a BERT encoder stage by stage as weights are fed in. See the module docstring.
@@ -279,7 +270,7 @@ class StreamingBert:
 
     def __repr__(self) -> str:
         """The configuration, the inputs' and weights' sizes, the progress: see
-        :func:`short_repr`."""
+        :func:`~stream_st.models._checks.short_repr`."""
         return short_repr(self)
 
     def __post_init__(self) -> None:

@@ -29,11 +29,19 @@ import numpy as np
 from ..._util import canonical_decimal
 from ...core.header import Header
 from ...core.strict_json import decode_json
-from ...errors import ArgumentTypeError, HeaderError, boolean, integer_at_least
+from ...errors import ArgumentTypeError, HeaderError, boolean, integer_at_least, some_names
 from ...kv import KVLayout
 from .._checks import ModelError as ModelError
-from .._checks import check_ids, config_number, counts, epsilon, floating, integer_ids
-from ..bert import Stage, short_repr
+from .._checks import (
+    check_ids,
+    config_number,
+    counts,
+    epsilon,
+    floating,
+    integer_ids,
+    short_repr,
+)
+from ..bert import Stage
 
 Array = np.ndarray[Any, Any]
 KVCache = list[tuple[Array, Array]]
@@ -178,7 +186,7 @@ class LlamaConfig:
                 )
         missing = [name for name in self.names() if name not in header]
         if missing:
-            raise ModelError(f"the checkpoint lacks {len(missing)} weights: {missing[:3]}...")
+            raise ModelError(f"the checkpoint lacks {len(missing)} weights: {some_names(missing)}")
 
     def check_count(self, tensors: int) -> None:
         """:class:`ModelError` unless ``tensors``, the number a file holds, are enough for this
@@ -292,7 +300,7 @@ class Llama:
         for name, array in weights.items():
             self.add(name, array)
         if not partial and (missing := self.missing()):
-            raise ModelError(f"the weights lack {len(missing)} tensors: {missing[:3]}...")
+            raise ModelError(f"the weights lack {len(missing)} tensors: {some_names(missing)}")
         self._inv_freq: Array | None = None  # made at the first rotation: sized by head_dim
 
     def add(self, name: str, array: Array) -> None:
@@ -312,8 +320,7 @@ class Llama:
         """The weights ``names`` that ``stage`` of the forward pass runs on; :class:`ModelError`
         naming those not there (a model made with ``partial=True``)."""
         if missing := self.missing(names):
-            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-            raise ModelError(f"the model lacks weights for {stage}: {missing[:3]}{more}")
+            raise ModelError(f"the model lacks weights for {stage}: {some_names(missing)}")
         return [self.weights[name] for name in names]
 
     def forward(self, tokens: Sequence[int] | Array, start: int = 0) -> Forward:
@@ -477,7 +484,7 @@ class Forward:
 
     def __repr__(self) -> str:
         """The tokens' and hidden states' sizes and the progress: see
-        :func:`~stream_st.models.bert.short_repr`."""
+        :func:`~stream_st.models._checks.short_repr`."""
         return short_repr(self)
 
     def step(self, past: tuple[Array, Array] | None = None) -> tuple[Array, Array]:
@@ -557,7 +564,7 @@ class StreamingPrefill:
 
     def __repr__(self) -> str:
         """The configuration, the number of tokens, of stages run and of layers cached: see
-        :func:`~stream_st.models.bert.short_repr`."""
+        :func:`~stream_st.models._checks.short_repr`."""
         return short_repr(self)
 
     def __post_init__(self) -> None:
@@ -623,7 +630,9 @@ class StreamingPrefill:
             head = self._head if self.tied is False else []  # None: lm_head may never come
             awaited = self.model.missing([*self.config.names(), *head])
             missing = [n for n in awaited if n not in self._used()]
-            raise ModelError(f"the weights ended early: {len(missing)} missing, {missing[:3]}...")
+            raise ModelError(
+                f"the weights ended early: {len(missing)} missing, {some_names(missing)}"
+            )
         return self._logits
 
     def _used(self) -> set[str]:
