@@ -11,11 +11,12 @@ steps go backwards (as in Python; a bound outside the dimension is refused eithe
 whose start passes its stop selects nothing, and a dimension of size 0 can be sliced whole
 (``[:]``, ``[0:0]``). An index outside the tensor raises
 :class:`~stream_st.compat.SliceError` (a ``SafetensorError`` and an ``IndexError``) with the
-reference's message; a slice bound before the first row or past 64 bits an ``OverflowError``
-too (:class:`~stream_st.compat.SliceOverflowError`), as the reference's. Checks come in its
-order: each index's bounds, then its step, before the next index's, and all of them before the
-dimensions are counted (a bound of an index past the last dimension, or of any on a 0-d tensor,
-is one of a dimension of size 0) or a position is checked against the end of its dimension.
+reference's message; a slice bound before the first row or past 64 bits, or a step past 64
+bits (signed), an ``OverflowError`` too (:class:`~stream_st.compat.SliceOverflowError`), as
+the reference's. Checks come in its order: each index's bounds, then its step (past 64 bits,
+then 0), before the next index's, and all of them before the dimensions are counted (a bound
+of an index past the last dimension, or of any on a 0-d tensor, is one of a dimension of size
+0) or a position is checked against the end of its dimension.
 
 torch (:func:`torch_rows`, :func:`pick`): the key is whatever torch takes, and torch itself
 applies it to the rows read, so it means what it means to a tensor: ``True`` and ``False`` add a
@@ -205,6 +206,10 @@ def _position(index: int, dim: int, size: int, failed: Callable[[str], SliceErro
 _UNSIGNED = 2**64
 """The first bound past the reference's: it takes a slice bound as an unsigned 64-bit int."""
 
+_SIGNED = 2**63
+"""The first step past the reference's either way: it takes a slice step as a signed 64-bit
+int."""
+
 
 def _bounded(index: Index, dim: int, size: int, failed: Callable[[str], SliceError]) -> Index:
     """``index`` over a dimension ``dim`` of ``size`` with its negative position, or its slice
@@ -212,13 +217,19 @@ def _bounded(index: Index, dim: int, size: int, failed: Callable[[str], SliceErr
     checks each index before the next (a position past the end is checked later, by
     :func:`_within`): :class:`SliceOverflowError` (an ``OverflowError``, as the reference's for
     any negative bound and any past 64 bits) for a slice bound before the first row or past 64
-    bits, then :class:`SliceError` for a step of 0 or a position before the first row."""
+    bits, then for a step past 64 bits (signed), then :class:`SliceError` for a step of 0 or a
+    position before the first row."""
     if isinstance(index, int):
         return _position(index, dim, size, failed) if index < 0 else index
-    bounded = slice(_resolved(index.start, dim, size), _resolved(index.stop, dim, size), index.step)
+    start, stop = _resolved(index.start, dim, size), _resolved(index.stop, dim, size)
+    if index.step is not None and not -_SIGNED <= index.step < _SIGNED:
+        raise SliceOverflowError(
+            f"Invalid step {index.step} for dimension {dim} of size {size}: "
+            "a slice step must fit in a signed 64-bit integer"
+        )
     if index.step == 0:
         raise SliceError("Slice step must be a positive integer, got 0")
-    return bounded
+    return slice(start, stop, index.step)
 
 
 def _resolved(bound: int | None, dim: int, size: int) -> int | None:

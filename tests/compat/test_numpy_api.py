@@ -144,6 +144,86 @@ def test_bf16_and_f8_read_where_the_reference_cannot(tmp_path: Path) -> None:
     )
 
 
+# ---------------------------------------------------------------------- slice steps
+
+STEPPED: Arrays = {
+    "i4": np.arange(7, dtype=np.int32),
+    "f2": np.arange(12).reshape(4, 3).astype(np.float16),
+    "u1": np.arange(6, dtype=np.uint8).reshape(2, 3),
+    "bool": np.array([True, False, True, True]),
+    "empty": np.zeros((0, 3), dtype=np.float64),
+    "none": np.zeros((0,), dtype=np.int8),
+    "scalar": np.array(2.5, dtype=np.float32),
+}
+"""1-D, 2-D, 0-size and 0-d tensors of several dtypes, to slice with steps."""
+
+PAST_64_BITS = [2**63, 2**64, 2**70, -(2**63) - 1, -(2**64), -(2**70)]
+"""Slice steps the reference cannot take: it takes a step as a signed 64-bit integer."""
+
+INSIDE: list[tuple[int | None, int | None]] = [(None, None), (0, 3), (0, 0), (1, None)]
+"""Slice bounds (start, stop) inside 64 bits."""
+
+OUTSIDE: list[tuple[int | None, int | None]] = [
+    (None, 2**64 - 1),
+    (2**70, None),
+    (None, 2**70),
+    (-(2**70), 3),
+    (2**64, 2**70),
+]
+"""Slice bounds the reference refuses, or not (``2**64 - 1``) before the step."""
+
+
+def step_keys(steps: list[int], bounds: list[tuple[int | None, int | None]]) -> list[Any]:
+    """Keys that cut with each of ``steps`` from and to each of ``bounds``: alone, before or
+    after another index, after ``...``, before bounds past 64 bits, after a step of 0."""
+    keys: list[Any] = []
+    for step in steps:
+        for start, stop in bounds:
+            cut = slice(start, stop, step)
+            keys += [cut, (cut, 0), (0, cut), (slice(None), cut), (..., cut)]
+            keys += [(cut, slice(None, 2**64)), (slice(None, None, 0), cut)]
+    return keys
+
+
+def test_a_slice_step_past_64_bits_is_refused_as_the_reference_refuses_it(
+    tmp_path: Path,
+) -> None:
+    """The reference reads a numpy slice's start, then its stop (unsigned 64-bit integers), then
+    its step (a signed one) before the next index and before it counts dimensions: a step past
+    64 bits (``[::2**63]``, ``[0:3:2**70]``, ``[::-2**64]``) is an OverflowError there. Here it
+    was taken (``[::2**63]`` gave the first row), or refused later, as an index past the
+    dimensions (an IndexError that ``except OverflowError`` missed); it is refused where the
+    reference refuses it, an OverflowError too. A step of 0 is refused after the bounds, as
+    there. Steps inside 64 bits give what the reference gives (negative ones what numpy gives:
+    the reference refuses them)."""
+    path = tmp_path / "stepped.safetensors"
+    reference.save_file(STEPPED, str(path))
+    refused = step_keys([0, *PAST_64_BITS], [*INSIDE, *OUTSIDE])
+    taken = step_keys([2**63 - 1, 2**62, 3], INSIDE)
+    with reference_open(path, framework="np") as ref, sn.safe_open(path, "np") as ours:
+        for name, whole in STEPPED.items():
+            for key in refused:
+                with pytest.raises(Exception) as expected:
+                    ref.get_slice(name)[key]
+                with pytest.raises(SafetensorsError) as caught:
+                    ours.get_slice(name)[key]
+                for kind in (OverflowError, IndexError, TypeError, ValueError):
+                    if isinstance(expected.value, kind):
+                        assert isinstance(caught.value, kind), (name, key, caught.value)
+            for key in taken:
+                try:
+                    want = ref.get_slice(name)[key]
+                except Exception:  # refused for its bounds or dimensions, not the step
+                    continue
+                got = ours.get_slice(name)[key]
+                assert got.dtype == want.dtype and got.shape == want.shape, (name, key)
+                assert np.array_equal(got, want), (name, key)
+            if whole.ndim and whole.shape[0]:  # beyond the reference: negative steps
+                for step in (-(2**63), -(2**63) + 1):
+                    key = (slice(None, None, step), *[slice(2, 0, step)] * (whole.ndim - 1))
+                    assert np.array_equal(ours.get_slice(name)[key], whole[key]), (name, key)
+
+
 @linux_only
 def test_load_file_and_safe_open_map_a_local_file_writably(ref_file: Path) -> None:
     original = ref_file.read_bytes()
