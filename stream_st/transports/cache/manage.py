@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..._util import process_running
+from ...errors import redact
 from ..http.status import ascii_number
 from .config import Cache
 from .layout import HubEntry, ObjectEntry, hub_file, partner
@@ -31,7 +32,8 @@ __all__ = ["Entry", "entries", "prune", "remove", "total_size"]
 
 @dataclass
 class Entry:
-    """One copy in the cache. ``shown``: its address (an ``hf://`` one pinned to its commit);
+    """One copy in the cache. ``shown``: its address (an ``hf://`` one pinned to its commit,
+    its path's signed values masked as errors show them: :func:`~stream_st.errors.redact`);
     ``size``: bytes on disk (a partial copy: bytes held); ``last_used``: seconds since the
     epoch; ``complete``: False for a partial copy; ``files``: what removing it removes;
     ``lock``: the entry's lock file; ``leftover``: what a killed writer left (see the module),
@@ -237,7 +239,7 @@ def _hub_entries(cache: Cache) -> list[Entry]:
                     shown = f"hf://{prefix}{at}/{extra.get('path', '')}"
                 found.append(
                     Entry(
-                        shown,
+                        redact(shown),
                         record.size,
                         _mtime(mine / name),
                         True,
@@ -248,9 +250,10 @@ def _hub_entries(cache: Cache) -> list[Entry]:
                 )
             elif ending == ".part.json":
                 state = read_json(mine / name)
+                shown = _recorded_address(state) or f"hf:// {folder} (partial copy of {etag[:12]})"
                 found.append(
                     Entry(
-                        _recorded_address(state) or f"hf:// {folder} (partial copy of {etag[:12]})",
+                        redact(shown),
                         _held(state),
                         _mtime(mine / name),
                         False,

@@ -142,8 +142,10 @@ async def resolve(
     except OSError as exc:
         if isinstance(exc, SafetensorsError):  # the read's own failure (TransportError)
             raise
+        # masked: a Hub file's snapshot link is named by its path, signed values and all
+        problem = redact(f"{exc.strerror or exc}: {exc.filename}")
         warnings.warn(  # a cache folder that is a file, read-only, replaced...
-            f"the cache cannot be used ({exc.strerror or exc}: {exc.filename}): reading without it",
+            f"the cache cannot be used ({problem}): reading without it",
             CacheWarning,
             stacklevel=2,
         )
