@@ -38,7 +38,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from ..._util import call_soon_from_thread, lock_and_condition
+from ..._util import call_soon_from_thread, lock_and_condition, seen_through
 from ...core.digests import Hasher, ObjectDigest, update_sliced
 from ...errors import CacheWarning, IntegrityError, redact
 from ..base import DISCARD_CHUNK, Source
@@ -115,6 +115,13 @@ def _allocate(fd: int, size: int, reserve: bool) -> None:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
         os.ftruncate(fd, size)
+
+
+def _to_its_end(_: anyio.CancelScope) -> None:
+    """A copy's commit or close, cancelled, is seen to its end, then the cancellation raised:
+    moving a file, linking it and writing a record take a moment, and one cut short (asyncio's
+    own cancellation goes through anyio's shields) left the whole object as a partial copy whose
+    ranges no one recorded, a Hub blob no snapshot links to, or the copy's file open."""
 
 
 class _Keeper:
@@ -382,8 +389,7 @@ class CopyWriter:
 
     async def complete(self) -> None:
         """Every byte is held: finish the digest, check it, move the copy into place."""
-        fd = self._fd
-        assert fd is not None and self.size is not None
+        assert self._fd is not None and self.size is not None
         destination = self.destination
         record = destination.record
         part = destination.part
@@ -408,29 +414,38 @@ class CopyWriter:
             raise IntegrityError(problem, source=self.name)
         record.digest = digest
         record.created = now()
-        # Not cancellable from here: the file is closed before it is moved, and a commit cut
-        # short (cancelled before its thread started) left the whole copy as a partial copy
-        # whose ranges no one would record. Moving a file and writing a record take a moment.
-        with anyio.CancelScope(shield=True):
-            await self._keeper.stop()
-            self._fd = None
-            os.close(fd)
+        await seen_through(self._commit, _to_its_end)
+        if destination.on_committed is not None:
+            with contextlib.suppress(OSError):
+                await anyio.to_thread.run_sync(destination.on_committed)
+
+    async def _commit(self) -> None:
+        """Close the copy, move it into place and link it (see :class:`Destination`); the read's
+        cancellation, asyncio's own too, waits for the end (see :func:`_to_its_end`). A copy
+        that cannot be moved into place is thrown away, one that cannot be linked kept: each
+        with a warning."""
+        destination = self.destination
+        fd = self._fd
+        assert fd is not None
+        await self._keeper.stop()
+        self._fd = None
+        os.close(fd)
+        try:
+            await anyio.to_thread.run_sync(destination.commit, destination.part, destination.record)
+        except OSError as exc:
+            remove_quietly(destination.part)
+            self._forget_part()
+            self._unpublish()
+            self.lock.release()
+            self.given_up = f"keeping the copy failed: {exc}"
+            warnings.warn(f"{self.name}: {self.given_up}", CacheWarning, stacklevel=2)
+            return
+        unlinked = None
+        if destination.link is not None:
             try:
-                await anyio.to_thread.run_sync(destination.commit, part, record)
+                await anyio.to_thread.run_sync(destination.link)
             except OSError as exc:
-                remove_quietly(part)
-                self._forget_part()
-                self._unpublish()
-                self.lock.release()
-                self.given_up = f"keeping the copy failed: {exc}"
-                warnings.warn(f"{self.name}: {self.given_up}", CacheWarning, stacklevel=2)
-                return
-            unlinked = None
-            if destination.link is not None:
-                try:
-                    await anyio.to_thread.run_sync(destination.link)
-                except OSError as exc:
-                    unlinked = exc
+                unlinked = exc
         self._forget_part()
         self.committed = True
         self._unpublish()
@@ -441,9 +456,6 @@ class CopyWriter:
                 CacheWarning,
                 stacklevel=2,
             )
-        if destination.on_committed is not None:
-            with contextlib.suppress(OSError):
-                await anyio.to_thread.run_sync(destination.on_committed)
 
     def _forget_part(self) -> None:
         if self.destination.part_record is not None:
@@ -477,11 +489,11 @@ class CopyWriter:
 
     async def close(self) -> None:
         """The read is over. An incomplete copy of known size is kept as a partial copy for a
-        later read (its data flushed before the ranges are recorded), else thrown away. Not
-        cancellable (a read cancelled closes in a cancelled scope): a flush cut short left the
-        copy's file open and its preallocated blocks unrecorded, as a killed writer's."""
-        with anyio.CancelScope(shield=True):
-            await self._close()
+        later read (its data flushed before the ranges are recorded), else thrown away. Seen to
+        its end, whatever cancellation comes (see :func:`_to_its_end`; a read cancelled closes
+        in a cancelled scope): a flush cut short left the copy's file open and its preallocated
+        blocks unrecorded, as a killed writer's."""
+        await seen_through(self._close, _to_its_end)
 
     async def _close(self) -> None:
         await self._keeper.stop()
@@ -497,9 +509,10 @@ class CopyWriter:
             return
         self._fd = None
         try:
-            await anyio.to_thread.run_sync(os.fsync, fd)
-            os.close(fd)
-            fd = -1
+            try:
+                await anyio.to_thread.run_sync(os.fsync, fd)
+            finally:
+                os.close(fd)
             record = destination.record
             state = {
                 "shown": record.shown,  # for cache ls and rm
@@ -511,8 +524,6 @@ class CopyWriter:
             assert destination.part_record is not None
             record_partial(destination.part, destination.part_record, state)
         except OSError:
-            if fd >= 0:
-                os.close(fd)
             remove_quietly(destination.part)
             self._forget_part()
         finally:
