@@ -1,9 +1,10 @@
 """The compiled modules, which ``pyproject.toml`` cannot declare without a warning: the sums of
 F16, BF16 and F32 values for the validator's statistics, in C with the GIL released
-(``stream_st/core/_sums.c``), and the reader of a header written as the reference writer writes
-it (``stream_st/core/_compact.c``). Optional: without a C compiler (GCC or Clang) the package
+(``stream_st/core/_sums.c``), the reader of a header written as the reference writer writes it
+(``stream_st/core/_compact.c``), and the writer of a small file of plain numpy arrays
+(``stream_st/core/_small.c``). Optional: without a C compiler (GCC or Clang) the package
 installs all the same, and numpy computes the same sums, the Python parse reads every header,
-both slower. Everything else is in ``pyproject.toml``."""
+the Python write makes every file, all slower. Everything else is in ``pyproject.toml``."""
 
 from setuptools import Extension, setup
 
@@ -21,6 +22,6 @@ def _compiled(name: str) -> Extension:
 
 
 setup(
-    ext_modules=[_compiled("_sums"), _compiled("_compact")],
+    ext_modules=[_compiled("_sums"), _compiled("_compact"), _compiled("_small")],
     options={"bdist_wheel": {"py_limited_api": "cp311"}},
 )

@@ -139,10 +139,15 @@ def test_wheel_installs_with_license_metadata_and_version(
     # rich is in the cli extra; xxhash checks the digests every reader verifies by default
     assert core == ["anyio", "ml_dtypes", "numpy", "xxhash"]
     assert "stream_st/cli/demo_text.txt" in names  # the demo's text, package data
-    assert {"stream_st/core/_sums.pyi", "stream_st/core/_compact.pyi"} <= {*names}  # their types
+    stubs = {"stream_st/core/_sums.pyi", "stream_st/core/_compact.pyi", "stream_st/core/_small.pyi"}
+    assert stubs <= {*names}  # their types
     compiled = sorted(n for n in names if n.startswith("stream_st/core/_") and n.endswith(".so"))
     if _compiler():  # built for every Python from 3.11 on (the stable ABI)
-        assert compiled == ["stream_st/core/_compact.abi3.so", "stream_st/core/_sums.abi3.so"]
+        assert compiled == [
+            "stream_st/core/_compact.abi3.so",
+            "stream_st/core/_small.abi3.so",
+            "stream_st/core/_sums.abi3.so",
+        ]
         assert "-cp311-abi3-" in wheel.name
     assert metadata.get_all("Project-URL") and metadata.get_all("Classifier")
     python = _fresh_venv(tmp_path / "venv")

@@ -82,13 +82,22 @@ def lay_out(
         if digests is not None:
             digests = Digests.compute(arrays, digests.algorithm)
             metadata = digests.add_to(metadata, [name for name, _, _ in rows])
-    elif metadata:  # a digest record copied from a checksummed file's metadata is left out
-        from .digests import without_record
-
-        metadata = without_record(metadata)
+    else:
+        metadata = unrecorded(metadata)
     members = _metadata_members(metadata)
     prefix, header = _header_of(members, rows, metadata, _found)
     return prefix, header, (wire_bytes(arrays[name]) for name in header.names())
+
+
+def unrecorded(metadata: Mapping[str, str] | None) -> Mapping[str, str] | None:
+    """``metadata`` as a file with no digests recorded holds it: a digest record copied from a
+    checksummed file's metadata is left out (see
+    :func:`~stream_st.core.digests.without_record`)."""
+    if not metadata:
+        return metadata
+    from .digests import without_record  # imported here: hashing is not needed to write
+
+    return without_record(metadata)
 
 
 def _found(name: str, dtype: Any) -> DType:

@@ -19,6 +19,7 @@ import safetensors.numpy as reference_numpy
 import stream_st
 import stream_st.numpy
 from stream_st import writer
+from stream_st.compat import _save
 from stream_st.tools.cp import cp
 from stream_st.transports.file import atomic, sink
 
@@ -30,7 +31,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int, int]
     """The ``(offset, length, thread)`` of every ``os.pwritev`` call, each still made (after 2 ms,
     so that both threads of a shared write take blocks); blocks of 4 KiB, worker threads from
     8 KiB and a split from 16 KiB so that small tensors exercise every path; tensors under 8 KiB
-    gathered by ``write_many``, 16 KiB at most in one write."""
+    gathered by ``write_many``, 16 KiB at most in one write. The drop-ins' ``save_file`` writes
+    every file the Python way, whose calls these are (the compiled module's, for small files,
+    are made in C: ``tests/compat/test_small_save.py``)."""
     seen: list[tuple[int, int, int]] = []
     real = os.pwritev
 
@@ -45,6 +48,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int, int]
     monkeypatch.setattr(sink, "WRITE_INLINE", 2 * BLOCK)
     monkeypatch.setattr(writer, "GATHER_BELOW", 2 * BLOCK)
     monkeypatch.setattr(writer, "GATHER_MAX", 4 * BLOCK)
+    monkeypatch.setattr(_save, "SMALL", 0)
     yield seen
 
 

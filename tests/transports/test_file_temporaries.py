@@ -34,6 +34,7 @@ import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import TensorSpec, WriterError
+from stream_st.compat import _save
 from stream_st.transports.file import atomic
 
 from .._util import nameless_works
@@ -53,6 +54,14 @@ def temporaries(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(atomic, "USE_TMPFILE", request.param == "nameless")
         yield request.param
+
+
+@pytest.fixture
+def python_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drop-ins' ``save_file`` writing every file the Python way, whose system calls these
+    tests intercept: the compiled module (``stream_st/core/_small.c``), which makes the same
+    calls in C out of their reach, takes no file with data."""
+    monkeypatch.setattr(_save, "SMALL", 0)
 
 
 def long_name(size: int, letter: str = "m") -> str:
@@ -220,6 +229,7 @@ def test_a_killed_writer_leaves_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("where", ["link", "open"])
+@pytest.mark.usefixtures("python_write")
 def test_an_interrupt_as_the_temporary_gets_its_name_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
@@ -359,6 +369,7 @@ def test_an_interrupt_at_any_point_of_a_write_leaves_nothing_open(
     assert not failed, [(unraisable.object, unraisable.exc_value) for unraisable in failed]
 
 
+@pytest.mark.usefixtures("python_write")
 def test_a_nameless_file_the_system_gives_no_name_is_copied_into_a_hidden_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
