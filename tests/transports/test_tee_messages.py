@@ -114,6 +114,21 @@ async def test_a_copy_kept_but_not_linked_says_why(signed_hub: FakeHub, tmp_path
     assert (storage(tmp_path) / "blobs" / SHA).read_bytes() == DATA
 
 
+async def test_a_snapshot_link_that_cannot_be_made_says_why(
+    signed_hub: FakeHub, tmp_path: Path
+) -> None:
+    """A folder where the snapshot link goes: the copy is kept, with a warning whose reason (the
+    system's error) named the link and its temporary file, signed values and all."""
+    commit = signed_hub.repos[("model", "org/model")].refs["main"]
+    (storage(tmp_path) / "snapshots" / commit / FILE).mkdir(parents=True)
+    with pytest.warns(CacheWarning) as caught:
+        assert_same_arrays(await stream_st.load(ADDRESS, cache=True), ARRAYS)
+    (warning,) = caught
+    assert_shown(str(warning.message), "the copy is kept, but linking it to its revision failed")
+    assert "Is a directory" in str(warning.message)
+    assert (storage(tmp_path) / "blobs" / SHA).read_bytes() == DATA
+
+
 CHILD = """
 import asyncio, json, resource, signal, sys, warnings
 import stream_st

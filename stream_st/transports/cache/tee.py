@@ -450,9 +450,10 @@ class CopyWriter:
         self.committed = True
         self._unpublish()
         self.lock.release()
-        if unlinked is not None:
+        if unlinked is not None:  # its reason masked: the link is named by the file's path
             warnings.warn(
-                f"{self.name}: the copy is kept, but linking it to its revision failed: {unlinked}",
+                f"{self.name}: the copy is kept, but linking it to its revision failed: "
+                f"{redact(str(unlinked))}",
                 CacheWarning,
                 stacklevel=2,
             )
