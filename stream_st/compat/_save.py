@@ -22,6 +22,7 @@ to the Python write (:func:`_written_small`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections.abc import Mapping
@@ -30,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from ..core.arrays import is_torch_tensor, torch_code
-from ..core.dtypes import dtype_for
+from ..core.arrays import is_torch_tensor, torch_code, torch_dtypes, torch_to_array
+from ..core.dtypes import DTYPES
 from ..core.header import DEFAULT_MAX_HEADER_SIZE
 from ..core.layout import _metadata_members
 from ..core.message import lay_out, unrecorded
@@ -142,12 +143,14 @@ def _written_small(tensors: object, dst: object, metadata: object) -> bool:
         return False
     if isinstance(dst, os.PathLike):
         dst = os.fspath(dst)
-    checked_tensors(tensors)  # its errors before the metadata's, as the Python write's
+    arrays = _arrays(checked_tensors(tensors))  # its errors before the metadata's, as there
+    if arrays is None:
+        return False
     member = (
         None if metadata is None else _metadata_members(unrecorded(check_metadata(metadata)))[0]
     )
     done = small.save(
-        tensors,
+        arrays,
         dst,
         _FORMATS,
         np.ndarray,
@@ -157,6 +160,30 @@ def _written_small(tensors: object, dst: object, metadata: object) -> bool:
         DEFAULT_MAX_HEADER_SIZE,
     )
     return done is True
+
+
+def _arrays(tensors: Mapping[Any, Any]) -> Mapping[Any, Any] | None:
+    """``tensors`` as the compiled module takes them: numpy arrays as they are; torch tensors
+    of a dtype numpy has a type of its own for, at most :data:`SMALL` bytes in all, as arrays
+    over their memory, as the Python write sees them (None for any other)."""
+    if not is_torch_tensor(next(iter(tensors.values()), None)):
+        return tensors
+    plain, size = _plain_torch_dtypes(), 0
+    for tensor in tensors.values():
+        size += tensor.nbytes if is_torch_tensor(tensor) and tensor.dtype in plain else SMALL + 1
+        if size > SMALL:  # nothing copied from a device, or made contiguous, for nothing
+            return None
+    return {name: torch_to_array(tensor, name) for name, tensor in tensors.items()}
+
+
+@functools.cache
+def _plain_torch_dtypes() -> frozenset[Any]:
+    """The torch dtypes whose arrays are of numpy's own types (not ml_dtypes', not packed)."""
+    return frozenset(
+        dtype
+        for code, dtype in torch_dtypes().items()
+        if isinstance(DTYPES[code].kind, np.dtype) and not DTYPES[code].packed
+    )
 
 
 _FORMATS: dict[str, tuple[str, int]] = {}
@@ -175,13 +202,13 @@ def _small_module() -> ModuleType | None:
     except ImportError:  # built without a C compiler: every file the Python way
         _SMALL.append(None)
         return None
+    # numpy's own types, each type code of one (int64 has two); not ml_dtypes' (which give no
+    # buffer, and whose import would cost a first write 8 ms), not the packed ones' uint8
+    own = {d.kind: d for d in DTYPES.values() if isinstance(d.kind, np.dtype) and not d.packed}
     for char in np.typecodes["All"]:
-        try:
-            found = dtype_for(np.dtype(char))
-            kind = np.empty(0, char).data.format
-        except (DtypeError, TypeError, ValueError):  # no safetensors dtype, or no buffer
-            continue
-        _FORMATS[kind] = (found.code, found.rank)
+        found = own.get(np.dtype(char))
+        if found is not None:
+            _FORMATS[np.empty(0, char).data.format] = (found.code, found.rank)
     _SMALL.append(_small)
     return _small
 

@@ -279,3 +279,51 @@ def test_a_disk_that_fills_leaves_the_old_file_and_nothing_else(tmp_path: Path) 
     assert "small module used: True" in done.stdout
     assert path.read_bytes() == b"OLD"
     assert os.listdir(tmp_path) == ["m.safetensors"]
+
+
+def test_torch_tensors_of_numpys_own_types_are_written_as_the_reference_writes_them(
+    tmp_path: Path,
+) -> None:
+    torch = pytest.importorskip("torch")
+    import safetensors.torch as reference_torch
+
+    tensors = {
+        "w": torch.randn(4, 3, requires_grad=True),
+        "i": torch.arange(5),
+        "b": torch.tensor([True, False]),
+        "h": torch.zeros((), dtype=torch.float16),
+        "e": torch.zeros(0, 2, dtype=torch.uint8),
+    }
+    path = tmp_path / "m.safetensors"
+    assert written(tensors, path, {"format": "pt"})
+    assert path.read_bytes() == reference_torch.save(tensors, {"format": "pt"})
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float4_e2m1fn_x2"])
+def test_torch_tensors_numpy_has_no_type_for_are_left_to_the_python_write(
+    tmp_path: Path, dtype: str
+) -> None:
+    torch = pytest.importorskip("torch")
+    import stream_st.torch as st_torch
+
+    if not hasattr(torch, dtype):
+        pytest.skip(f"this torch has no {dtype}")
+    tensors = {"a": torch.zeros(2, 4, dtype=torch.uint8).view(getattr(torch, dtype))}
+    path = tmp_path / "m.safetensors"
+    assert not written(tensors, path)
+    assert os.listdir(tmp_path) == []
+    st_torch.save_file(tensors, path)
+    assert path.read_bytes() == st_torch.save(tensors)
+
+
+def test_a_large_torch_tensor_is_not_copied_for_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensors past the compiled writer's bytes are left to the Python write before any is
+    made an array (a device's copied to the CPU, a non-contiguous one packed)."""
+    torch = pytest.importorskip("torch")
+    made: list[str] = []
+    monkeypatch.setattr(_save, "torch_to_array", lambda tensor, name: made.append(name))
+    tensors = {"a": torch.zeros(3), "b": torch.zeros(_save.SMALL // 4 + 1)}
+    assert not written(tensors, tmp_path / "m.safetensors")
+    assert made == []
