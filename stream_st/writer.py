@@ -34,6 +34,7 @@ from .core.header import Header, TensorInfo
 from .core.layout import TensorSpec, build_header
 from .core.message import Order, lay_out, ordered
 from .errors import (
+    NAMES_SHOWN,
     ArgumentTypeError,
     TensorNotFoundError,
     TruncatedStreamError,
@@ -41,6 +42,7 @@ from .errors import (
     WriterError,
     boolean,
     integer_at_least,
+    some_names,
 )
 from .transports.file.atomic import local_destination, save_at_once
 from .transports.file.sink import NOT_STAGED, STAGED_WROTE, FileSink
@@ -96,7 +98,7 @@ def _check_dtype(info: TensorInfo, array: np.ndarray[Any, Any]) -> DType:
             ok = False
     if not ok:
         raise WriterError(
-            f"tensor {info.name!r}: planned {_describe(info)} takes an array of dtype "
+            f"tensor {info.name!r:.80}: planned {_describe(info)} takes an array of dtype "
             f"{info.array_dtype}, got {array.dtype}",
             name=info.name,
         )
@@ -110,7 +112,7 @@ def _whole_view(info: TensorInfo, value: Any) -> memoryview:
     packed = _check_dtype(info, array).packed
     if array.shape != (info.array_shape if packed else info.shape):
         raise WriterError(
-            f"tensor {info.name!r}: planned {_describe(info)} takes an array of shape "
+            f"tensor {info.name!r:.80}: planned {_describe(info)} takes an array of shape "
             f"{info.array_shape}, got {array.shape}",
             name=info.name,
         )
@@ -127,7 +129,7 @@ def _piece_view(info: TensorInfo, value: Any) -> memoryview:
     rows = piece.ndim == len(shape) and piece.shape[1:] == rest
     if not (rows or piece.shape == rest):
         raise WriterError(
-            f"tensor {info.name!r}: a part of {_describe(info)} must have shape "
+            f"tensor {info.name!r:.80}: a part of {_describe(info)} must have shape "
             f"(rows, *{rest}) or {rest}, got {piece.shape}",
             name=info.name,
         )
@@ -162,11 +164,11 @@ class _Progress:
         claimed = self._claimed.get(name)
         if claimed is not None and mode != "part":
             state = "written" if claimed == info.nbytes else "being written in parts"
-            raise WriterError(f"tensor {name!r} is already {state}", name=name)
+            raise WriterError(f"tensor {name!r:.80} is already {state}", name=name)
         start = claimed or 0
         if start + count > info.nbytes:
             raise WriterError(
-                f"tensor {name!r}: parts add up to {start + count} bytes, more than the "
+                f"tensor {name!r:.80}: parts add up to {start + count} bytes, more than the "
                 f"{info.nbytes} bytes planned for {_describe(info)}",
                 name=name,
             )
@@ -177,8 +179,8 @@ class _Progress:
             if index != self._next and not (claimed is not None and count == 0):
                 expected = self.header.tensors[self._next].name
                 raise WriterError(
-                    f"tensor {name!r} is out of order: a stream takes tensors in header order "
-                    f"and the next one is {expected!r}",
+                    f"tensor {name!r:.80} is out of order: a stream takes tensors in header order "
+                    f"and the next one is {expected!r:.80}",
                     name=name,
                 )
         self._claimed[name] = start + count
@@ -197,13 +199,10 @@ class _Progress:
         if len(done) == len(self.header) and sum(done.values()) == self.header.data_size:
             return None  # every tensor started, none past its size: every one complete
         missing = [t for t in self.header.tensors if not self.complete(t)]
-        details = ", ".join(
-            f"{t.name!r} ({self.written(t.name)} of {t.nbytes} bytes)" for t in missing[:8]
-        )
-        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        written = ", ".join(f"{self.written(t.name)} of {t.nbytes}" for t in missing[:NAMES_SHOWN])
         return WriterError(
             f"{len(missing)} tensor(s) not completely written when the writer closed: "
-            f"{details}{more}",
+            f"{some_names([t.name for t in missing])} (written: {written} bytes)",
             name=missing[0].name,
         )
 
@@ -435,7 +434,7 @@ class TensorWriter(AsyncClosing):
             for info in self._header.tensors:
                 if computed[info.name] != given[info.name]:
                     raise WriterError(
-                        f"tensor {info.name!r}: the bytes written do not match the "
+                        f"tensor {info.name!r:.80}: the bytes written do not match the "
                         f"{self._digests.algorithm} digest given for them",
                         name=info.name,
                     )
@@ -632,8 +631,8 @@ class TensorWriter(AsyncClosing):
                 info, before = self._lookup(following), run[-1]
                 if info.start != before.start + before.nbytes:
                     raise UsageError(
-                        f"copy_from_file: tensor {following!r} does not follow {before.name!r} "
-                        "in the file being written"
+                        f"copy_from_file: tensor {following!r:.80} does not follow "
+                        f"{before.name!r:.80} in the file being written"
                     )
                 run.append(info)
             for info in run:
@@ -643,7 +642,7 @@ class TensorWriter(AsyncClosing):
             if copied < count:
                 short = next(i for i in run if i.start + i.nbytes - first.start > copied)
                 raise TruncatedStreamError(
-                    f"tensor {short.name!r}",
+                    f"tensor {short.name!r:.80}",
                     name=short.name,
                     offset=at + copied,
                     expected=at + short.start + short.nbytes - first.start,
@@ -665,11 +664,11 @@ class TensorWriter(AsyncClosing):
 
     def _lookup(self, name: str) -> TensorInfo:
         if not isinstance(name, str):
-            raise ArgumentTypeError(f"tensor names are str, got {type(name).__name__} {name!r}")
+            raise ArgumentTypeError(f"tensor names are str, got {type(name).__name__} {name!r:.80}")
         try:
             return self._header[name]
         except TensorNotFoundError:
-            raise WriterError(f"no tensor named {name!r} in the plan", name=name) from None
+            raise WriterError(f"no tensor named {name!r:.80} in the plan", name=name) from None
 
     def _claim(self, info: TensorInfo, count: int, mode: Mode) -> int:
         """Reserve the next ``count`` bytes of ``info``; returns their offset in the tensor."""
@@ -805,7 +804,7 @@ class TensorParts:
         if writer._state == _OPEN and self.remaining:
             info = self.info
             error = WriterError(
-                f"tensor {self.name!r}: parts add up to {self.written} bytes, fewer than the "
+                f"tensor {self.name!r:.80}: parts add up to {self.written} bytes, fewer than the "
                 f"{info.nbytes} bytes planned for {_describe(info)}",
                 name=self.name,
             )

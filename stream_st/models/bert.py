@@ -33,6 +33,7 @@ from ..errors import (
     UsageError,
     integer_at_least,
     path_string,
+    some_names,
     string,
 )
 from ._checks import (
@@ -324,18 +325,18 @@ class StreamingBert:
             layers = self.config.num_hidden_layers
             number = canonical_decimal(layer)
             if part not in _LAYER or number is None:
-                raise ModelError(f"{name} is no weight of a BERT layer")
+                raise ModelError(f"{name!r:.80} is no weight of a BERT layer")
             if number >= layers:
-                raise ModelError(f"{name}: the configuration has {layers} layers")
+                raise ModelError(f"{name!r:.80}: the configuration has {layers} layers")
             dims = _LAYER_PARTS[part.rpartition(".")[0]]
         elif local in _EMBEDDINGS:
             dims = ("hidden",) if "LayerNorm" in local else ("rows", "hidden")
         else:
             return False
         if not isinstance(array, np.ndarray):
-            raise ArgumentTypeError(f"{name} is a {type(array).__name__}, not a numpy array")
+            raise ArgumentTypeError(f"{name!r:.80} is a {type(array).__name__}, not a numpy array")
         if not floating(array.dtype):  # ml_dtypes' bfloat16 and float8 too
-            raise ModelError(f"{name} holds {array.dtype}, the model needs floating point")
+            raise ModelError(f"{name!r:.80} holds {array.dtype}, the model needs floating point")
         dims = dims[:1] if local.endswith(".bias") else dims
         given = list(array.shape)
         if len(given) == len(dims):
@@ -344,7 +345,7 @@ class StreamingBert:
             if all(self._sizes[dim] in (None, n) for dim, n in zip(dims, given, strict=True)):
                 return True
         needed = ", ".join(f"{self._sizes[dim]}".replace("None", "n") for dim in dims)
-        raise ModelError(f"{name} has shape {given}, the configuration needs [{needed}]")
+        raise ModelError(f"{name!r:.80} has shape {given}, the configuration needs [{needed}]")
 
     @property
     def ready(self) -> bool:
@@ -369,10 +370,7 @@ class StreamingBert:
         """The last hidden state ``[batch, seq, hidden]``; every stage must have run."""
         if not self.finished or self.hidden is None:
             missing = self._missing()
-            raise ModelError(
-                f"the forward pass is incomplete: missing {missing[:5]}"
-                + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            )
+            raise ModelError(f"the forward pass is incomplete: missing {some_names(missing)}")
         return self.hidden
 
     def _names(self, stage: int) -> list[str]:

@@ -65,7 +65,7 @@ from ..core.digests import (
     without_record,
 )
 from ..core.dtypes import dtype_for, wire_bytes
-from ..core.header import _SHORT, DEFAULT_MAX_HEADER_SIZE, LENGTH_PREFIX_SIZE
+from ..core.header import DEFAULT_MAX_HEADER_SIZE, LENGTH_PREFIX_SIZE
 from ..core.layout import TensorSpec, build_header
 from ..core.shards import (
     INDEX_NAME,
@@ -90,6 +90,7 @@ from ..errors import (
     boolean,
     integer_at_least,
     redact,
+    some_names,
 )
 from ..transports.file.atomic import name_max, path_from_url, temp_keeps_name
 from ..transports.file.sink import FileSink
@@ -391,7 +392,7 @@ class _RollingWriter(AsyncClosing):
         repeats = current is not None and not current.names.isdisjoint(arrays)
         for name in arrays:
             if name in (self._written if self.unique_names else ()):
-                raise WriterError(f"tensor {name!r} was already written", name=name)
+                raise WriterError(f"tensor {name!r:.80} was already written", name=name)
         # refuses, before any write, what no header takes: a dtype safetensors cannot carry, a
         # name that is not a string, is __metadata__ or is not Unicode text (a lone surrogate)
         build_header(specs)
@@ -860,10 +861,10 @@ class DatasetWriter(_RollingWriter):
             code = dtype_for(spec.dtype).code  # refuses dtypes safetensors cannot carry
             if code not in MANIFEST_DTYPES:
                 raise DtypeError(
-                    f"write_batch: column {spec.name!r} is {code}, a dtype the dataset manifest's "
-                    f"schema cannot record (it allows {', '.join(MANIFEST_DTYPES)}): cast it "
-                    "(BOOL to U8, as the Spark writer writes booleans); nothing of the batch was "
-                    "written"
+                    f"write_batch: column {spec.name!r:.80} is {code}, a dtype the dataset "
+                    f"manifest's schema cannot record (it allows {', '.join(MANIFEST_DTYPES)}): "
+                    "cast it (BOOL to U8, as the Spark writer writes booleans); nothing of the "
+                    "batch was written"
                 )
         async with self._turn():  # the dataset's state is read and updated from here on
             # else maybe KV rows, their shapes free; but not once batches of these columns were
@@ -902,7 +903,7 @@ class DatasetWriter(_RollingWriter):
         stay as written, as a group that is no batch is refused after a batch."""
         if not arrays or self._columns is None or not (batch or self._batches):
             return
-        names = f"{len(arrays)} columns {_SHORT.repr(sorted(arrays))}"
+        names = f"{len(arrays)} columns ({some_names(sorted(arrays))})"
         if self._kv_rows:
             raise UsageError(
                 f"write_batch: a batch of {samples} samples of {names} after KV-mode rows "
@@ -912,7 +913,7 @@ class DatasetWriter(_RollingWriter):
         if self._columns != set(arrays):
             raise UsageError(
                 f"write_batch: the batch's {names} are not the dataset's {len(self._columns)} "
-                f"columns {_SHORT.repr(sorted(self._columns))}: every batch holds the same "
+                f"columns ({some_names(sorted(self._columns))}): every batch holds the same "
                 "columns (readers take shards of other columns for KV-mode rows); nothing of the "
                 "batch was written"
             )
@@ -935,7 +936,7 @@ class DatasetWriter(_RollingWriter):
             code = dtype_for(spec.dtype).code
             if code != recorded["dtype"] or list(spec.shape[1:]) != recorded["shape"][1:]:
                 return (
-                    f"column {spec.name!r} is {code} rows of shape {list(spec.shape[1:])}, the "
+                    f"column {spec.name!r:.80} is {code} rows of shape {list(spec.shape[1:])}, the "
                     f"dataset's {recorded['dtype']} rows of shape {recorded['shape'][1:]}: a "
                     "column's rows are of one dtype and shape in every batch (readers refuse "
                     "shards whose columns differ)"
@@ -1018,12 +1019,12 @@ def _rows_problem(arrays: Mapping[str, Array], samples: int) -> str | None:
     for name, array in arrays.items():
         if array.ndim == 0:
             return (
-                f"column {name!r} is 0-d (a single value): a batch of {samples} samples holds "
+                f"column {name!r:.80} is 0-d (a single value): a batch of {samples} samples holds "
                 f"[{samples}, ...] of every column"
             )
         if array.shape[0] != samples:
             return (
-                f"column {name!r} holds {array.shape[0]} rows (shape {list(array.shape)}), not "
+                f"column {name!r:.80} holds {array.shape[0]} rows (shape {list(array.shape)}), not "
                 f"samples={samples}: a batch holds one row of every column per sample"
             )
     return None

@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.header import TensorInfo
 from ..core.strict_json import decode_json
-from ..errors import ArgumentTypeError, SafetensorsError, UsageError, boolean, redact
+from ..errors import (
+    NAMES_SHOWN,
+    ArgumentTypeError,
+    SafetensorsError,
+    UsageError,
+    boolean,
+    redact,
+    some_names,
+)
 from .common import plural
 
 if TYPE_CHECKING:
@@ -150,21 +158,16 @@ def validate_dtype_consistency(
 
 
 def _listing(by_dtype: Mapping[str, list[str]], shown: int = 3) -> str:
-    """``BF16 (289 tensors), F32 (2: a, b)``: the most common dtype counted, the others named."""
+    """``BF16 (289 tensors), F32 (2: ['a', 'b'])``: the most common dtype counted, the others
+    named (the first ``shown`` of each, see :func:`~stream_st.errors.some_names`)."""
     ordered = sorted(by_dtype.items(), key=lambda item: (-len(item[1]), item[0]))
     parts = []
     for rank, (dtype, names) in enumerate(ordered):
         if rank == 0 and len(ordered) > 1:
             parts.append(f"{dtype} ({plural(len(names), 'tensor')})")
         else:
-            parts.append(f"{dtype} ({len(names)}: {_some(names, shown)})")
+            parts.append(f"{dtype} ({len(names)}: {some_names(names, shown)})")
     return ", ".join(parts)
-
-
-def _some(names: Sequence[str], shown: int = 3) -> str:
-    """The first ``shown`` of ``names`` and how many more: ``a, b, c, ... 18 more``."""
-    more = f", ... {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
 
 
 _TORCH_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
@@ -381,7 +384,7 @@ class ModelConfig:
             )
         outside = [n for n in self._ends() if n not in infos and self._position(n) is not None]
         if outside:
-            warnings.append(f"expected tensors missing: {', '.join(outside)}")
+            warnings.append(f"expected tensors missing: {some_names(outside)}")
         if self.tie_word_embeddings and LM_HEAD in infos:
             warnings.append(f"{LM_HEAD} present, though the config ties it to the embeddings")
         unknown = [
@@ -389,7 +392,8 @@ class ModelConfig:
         ]
         if unknown:
             warnings.append(
-                f"{plural(len(unknown), 'tensor')} the config does not describe: {_some(unknown)}"
+                f"{plural(len(unknown), 'tensor')} the config does not describe: "
+                f"{some_names(unknown)}"
             )
         count = sum(info.nelements for info in infos.values())
         want = self.parameter_count()
@@ -441,12 +445,10 @@ def _nothing_matches(config: ModelConfig, infos: Mapping[str, TensorInfo]) -> st
     """The error for a file none of whose tensors the config names (a config for another model,
     or another naming of the same one): some names of each side (the config's first few, not
     all of them made)."""
-    held = f"{plural(len(infos), 'tensor')}: {_some(list(infos))}" if infos else "no tensor"
-    count = config.tensor_count()
-    first = list(itertools.islice(config.names(), 3))
-    more = f", ... {count - len(first)} more" if count > len(first) else ""
+    held = f"{plural(len(infos), 'tensor')}: {some_names(list(infos))}" if infos else "no tensor"
+    first = list(itertools.islice(config.names(), NAMES_SHOWN))
     return (
         "no tensor of the file is one the config names (a config for another model?): the "
-        f"config expects {plural(count, 'tensor')}: {', '.join(first)}{more}; "
-        f"the file holds {held}"
+        f"config expects {plural(config.tensor_count(), 'tensor')}, the first "
+        f"{some_names(first)}; the file holds {held}"
     )

@@ -695,7 +695,7 @@ async def test_every_batch_of_a_dataset_holds_the_same_columns(tmp_path: Path) -
         await d.write_batch({"image": np.zeros((4, 2), np.float32)}, 4)
         for other, samples in (({"label": np.arange(4)}, 4), ({"label": np.arange(1)}, 1)):
             with pytest.raises(
-                stream_st.UsageError, match=r"columns \['label'\] are not .*'image'"
+                stream_st.UsageError, match=r"columns \(\['label'\]\) are not .*'image'"
             ):
                 await d.write_batch(other, samples)
         await d.write_batch({"image": np.ones((3, 2), np.float32)}, 3)

@@ -917,7 +917,7 @@ MISUSES: dict[str, tuple[Misuse, type[BaseException], str | None]] = {
     "more bytes than planned": (_more_bytes_than_planned, WriterError, "36 bytes, more"),
     "wrong part shape": (_wrong_part_shape, WriterError, "a part of F32"),
     "fewer bytes in a block": (_fewer_bytes_in_a_block, WriterError, "12 bytes, fewer"),
-    "never written": (_never_written, WriterError, r"'c' \(0 of 0 bytes\)"),
+    "never written": (_never_written, WriterError, r"\['c'\] \(written: 0 of 0 bytes\)"),
     "empty never written": (_empty_never_written, WriterError, "not completely written"),
     "exception in body": (_exception_in_body, Boom, None),
     "exception in tensor block": (_exception_in_tensor_block, Boom, None),
@@ -938,7 +938,7 @@ async def test_misuse_on_a_file_leaves_nothing(
     if case == "fewer bytes at close":
         action: Misuse = _fewer_bytes_at_close
         error: type[BaseException] = WriterError
-        match: str | None = r"'a' \(12 of 24 bytes\)"
+        match: str | None = r"\['a'\] \(written: 12 of 24 bytes\)"
     else:
         action, error, match = MISUSES[case]
     fds = open_fds()

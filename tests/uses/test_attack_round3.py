@@ -126,8 +126,8 @@ def test_one_of_a_thing_is_not_counted_as_many(tmp_path: Path) -> None:
     from stream_st.tools.model_checks import validate_dtype_consistency
 
     assert validate_dtype_consistency({"a": "F16", "b": "F32", "c": "F32"}) == [
-        "floating-point tensors in 2 dtypes: F32 (2 tensors), F16 (1: a)"
+        "floating-point tensors in 2 dtypes: F32 (2 tensors), F16 (1: ['a'])"
     ]
     assert validate_dtype_consistency({"a": "F16", "b": "F32"}) == [
-        "floating-point tensors in 2 dtypes: F16 (1 tensor), F32 (1: b)"
+        "floating-point tensors in 2 dtypes: F16 (1 tensor), F32 (1: ['b'])"
     ]

@@ -206,14 +206,12 @@ async def test_a_config_no_tensor_matches_is_an_error(tmp_path: Path) -> None:
     assert not result.ok and result.warnings == []
     [error] = result.errors
     assert error.startswith("no tensor of the file is one the config names")
-    assert (
-        "model.embed_tokens.weight" in error and "21 tensors: " in error and "... 18 more" in error
-    )
-    assert (
-        "encoder.layer.0.attention.weight" in error
-        and "5 tensors: " in error
-        and "... 2 more" in error
-    )
+    assert "expects 21 tensors, the first ['model.embed_tokens.weight', " in error, error
+    assert error.endswith(
+        "5 tensors: ['encoder.layer.0.attention.weight', 'encoder.layer.1.attention.weight', "
+        "'encoder.layer.2.attention.weight', 'encoder.layer.3.attention.weight', "
+        "'encoder.layer.4.attention.weight']"
+    ), error
 
 
 def test_the_command_fails_a_file_no_tensor_of_which_the_config_names(

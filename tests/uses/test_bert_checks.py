@@ -103,7 +103,7 @@ def test_inputs_that_are_not_integers_or_numbers_are_an_argument_type_error(
 def test_embeddings_of_another_width_than_the_configuration_are_a_model_error() -> None:
     config = BertConfig(hidden_size=4, num_attention_heads=2, num_hidden_layers=1)
     needs = "has shape [10, 8], the configuration needs [n, 4]"
-    with pytest.raises(ModelError, match=re.escape(f"word_embeddings.weight {needs}")):
+    with pytest.raises(ModelError, match=re.escape(f"word_embeddings.weight' {needs}")):
         run([[1, 2]], [[1, 1]], config=config)
 
 
@@ -124,7 +124,7 @@ def test_a_weight_of_another_shape_than_the_configuration_is_a_model_error(
     """A [1] LayerNorm weight or bias was broadcast silently (off by up to 6.6 on MiniLM), a
     dense weight of another shape a bare numpy ValueError."""
     bad = {**weights(), name: np.ones(shape, np.float32)}
-    message = f"{name} has shape {list(shape)}, the configuration needs {needed}"
+    message = f"{name!r} has shape {list(shape)}, the configuration needs {needed}"
     with pytest.raises(ModelError, match=re.escape(message)):
         run_loaded(bert(replace(CONFIG, intermediate_size=16)), bad)
 
@@ -137,7 +137,7 @@ def test_the_intermediate_size_is_the_configuration_s_or_the_first_weight_s() ->
     backwards = dict(reversed(weights().items()))  # output.dense (8, 16) comes first
     assert run_loaded(bert(), backwards).shape == (1, 2, 8)
     narrow = {**weights(), "encoder.layer.0.intermediate.dense.weight": np.ones((12, 8))}
-    with pytest.raises(ModelError, match=r"dense\.bias has shape \[16\], .* needs \[12\]"):
+    with pytest.raises(ModelError, match=r"dense\.bias' has shape \[16\], .* needs \[12\]"):
         run_loaded(bert(), narrow)
 
 
@@ -148,7 +148,7 @@ def test_weights_that_are_not_floating_point_are_a_model_error(dtype: Any) -> No
     """A void, a record or an ml_dtypes integer (numpy's kind "V", as ml_dtypes' floats) was
     taken: the layer then died with numpy's UFuncTypeError."""
     bad = {**weights(), "encoder.layer.0.attention.self.value.weight": np.ones((8, 8), dtype)}
-    with pytest.raises(ModelError, match=r"value\.weight holds .*, the model needs floating"):
+    with pytest.raises(ModelError, match=r"value\.weight' holds .*, the model needs floating"):
         run_loaded(bert(), bad)
 
 
@@ -163,7 +163,7 @@ def test_weights_of_ml_dtypes_floats_are_taken(dtype: Any) -> None:
 def test_a_weight_that_is_no_array_is_an_argument_type_error() -> None:
     """A list was a bare AttributeError ('list' object has no attribute 'T') as its layer ran."""
     listed = {**weights(), "encoder.layer.0.output.dense.bias": [0.0] * 8}
-    with pytest.raises(stream_st.ArgumentTypeError, match=r"dense\.bias is a list, not a numpy"):
+    with pytest.raises(stream_st.ArgumentTypeError, match=r"dense\.bias' is a list, not a numpy"):
         run_loaded(bert(), listed)  # type: ignore[arg-type]
 
 
@@ -178,8 +178,10 @@ def test_a_weight_that_is_no_array_is_an_argument_type_error() -> None:
     ],
 )
 def test_a_layer_the_configuration_has_not_is_a_model_error(name: str, message: str) -> None:
-    """A checkpoint of more layers than config.json says was run on its first ones, silently."""
-    with pytest.raises(ModelError, match=f"{re.escape(name)}:? {message}"):
+    """A checkpoint of more layers than config.json says was run on its first ones, silently.
+    The name shows quoted, cut at 80 characters."""
+    shown = f"{name!r:.80}"
+    with pytest.raises(ModelError, match=f"^{re.escape(shown)}:? {message}$"):
         run_loaded(bert(), {**weights(), name: np.ones(8)})
 
 

@@ -385,10 +385,10 @@ def test_dtype_consistency() -> None:
     assert validate_dtype_consistency({"a": "BF16", "b": "BF16", "codes": "I8"}) == []
     mixed = {"a": "BF16", "b": "BF16", "c": "BF16", "norm": "F32"}
     assert validate_dtype_consistency(mixed) == [
-        "floating-point tensors in 2 dtypes: BF16 (3 tensors), F32 (1: norm)"
+        "floating-point tensors in 2 dtypes: BF16 (3 tensors), F32 (1: ['norm'])"
     ]
     assert validate_dtype_consistency(mixed, "F32") == [
-        "floating-point tensors not in the expected F32: BF16 (3: a, b, c)"
+        "floating-point tensors not in the expected F32: BF16 (3: ['a', 'b', 'c'])"
     ]
 
 
@@ -402,7 +402,7 @@ async def test_validate_warns_about_mixed_dtypes(tmp_path: Path) -> None:
     reference_numpy.save_file(tensors, str(path))
     result = await tools.validate(path)
     assert result.ok
-    assert "floating-point tensors in 2 dtypes: F32 (2 tensors), BF16 (1: a)" in result.warnings
+    assert "floating-point tensors in 2 dtypes: F32 (2 tensors), BF16 (1: ['a'])" in result.warnings
 
 
 # -- a model's config -----------------------------------------------------------------------------
@@ -493,7 +493,7 @@ async def test_layers_missing_around_those_present_are_warnings(tmp_path: Path) 
     assert result.ok
     assert result.warnings[:2] == [
         "expected layers missing: 0 of the config's 3 (layers 1-2 present)",
-        "expected tensors missing: model.embed_tokens.weight",
+        "expected tensors missing: ['model.embed_tokens.weight']",
     ]
     assert result.warnings[2].startswith("parameter count 6,256 differs")
 
@@ -513,9 +513,9 @@ async def test_tied_heads_unknown_tensors_and_dtypes_are_warnings(tmp_path: Path
     assert result.ok
     assert result.warnings == [
         "lm_head.weight present, though the config ties it to the embeddings",
-        "1 tensor the config does not describe: model.layers.0.self_attn.rotary_emb.inv_freq",
+        "1 tensor the config does not describe: ['model.layers.0.self_attn.rotary_emb.inv_freq']",
         "parameter count 9,778 differs from the config's 8,976 (+8.9%)",
-        "floating-point tensors not in the expected F32: F16 (1: model.norm.weight)",
+        "floating-point tensors not in the expected F32: F16 (1: ['model.norm.weight'])",
     ]
 
 
