@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..core.arrays import load_torch, to_torch, torch_dtype, torch_shape
-from ..core.dtypes import wire_bytes
+from ..core.dtypes import array_shape, wire_bytes
 from ..core.header import (
     DEFAULT_MAX_HEADER_SIZE,
     LENGTH_PREFIX_SIZE,
@@ -116,12 +116,15 @@ class LocalFile:
         would change the mapping a later check of the whole reads."""
         wanted = info if rows is None else info.rows(*rows)
         start = self.header.data_start + wanted.start
-        dtype = wanted.array_dtype
+        row = wanted.dtype_info
+        dtype = row.numpy
+        shape = array_shape(row, wanted.shape) if row.packed else wanted.shape
         if self._region is not None:
             count = wanted.nbytes // dtype.itemsize
-            raw = np.frombuffer(self._region, dtype=dtype, count=count, offset=start)
+            array = np.frombuffer(self._region, dtype=dtype, count=count, offset=start)
             if rows is not None and self._digests is not None and info.name not in self._checked:
-                raw = raw.copy()
+                array = array.copy()
+            array = array.reshape(shape)
         else:
             raw = fresh_bytes(wanted.nbytes)
             got = pread_fully(self._fd, raw.data, start)
@@ -133,7 +136,7 @@ class LocalFile:
                     expected=start + wanted.nbytes,
                     source=self.name,
                 )
-        array = raw.view(dtype).reshape(wanted.array_shape)
+            array = raw.view(dtype).reshape(shape)
         if rows is None and self._digests is not None and info.name not in self._checked:
             hasher = self._digests.hasher()
             hasher.update(wire_bytes(array))
