@@ -8,11 +8,12 @@
  * byte, through the same nameless temporary file and commit, in one call, for the plain case
  * only:
  *
- * - ``tensors`` a dict of str names to arrays of type exactly ``ndarray``, C-contiguous, each
- *   of a buffer format that is a key of ``formats`` (format -> (dtype code, rank): the rank
- *   orders the tensors as the reference does, descending, then the names' code points); no
- *   name "__metadata__" or holding a quote, a backslash or a control character (which JSON
- *   escapes); their data at most ``limit`` bytes in all;
+ * - ``tensors`` a dict of names (exactly str: a subclass may sort otherwise) to arrays of type
+ *   exactly ``ndarray``, C-contiguous, each of a buffer format that is a key of ``formats``
+ *   (format -> (dtype code, rank): the rank orders the tensors as the reference does,
+ *   descending, then the names' code points); no name "__metadata__" or holding a quote, a
+ *   backslash or a control character (which JSON escapes); their data at most ``limit`` bytes
+ *   in all;
  * - ``path`` a str naming a local file with nothing there, or a regular file, which is
  *   replaced (the new file takes its permission bits, less set-user-ID and set-group-ID); no
  *   URL, nothing ending in "/";
@@ -258,7 +259,8 @@ static PyObject *save(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     size_t data = 0;
     while (PyDict_Next(tensors, &position, &key, &value)) {
         Row *row = &rows[taken];
-        if (!PyUnicode_Check(key) || Py_TYPE(value) != (PyTypeObject *)ndarray) goto declined;
+        if (!PyUnicode_CheckExact(key) || Py_TYPE(value) != (PyTypeObject *)ndarray)
+            goto declined;
         row->name = PyUnicode_AsUTF8AndSize(key, &row->name_len);
         if (row->name == NULL || !plain_name(row->name, row->name_len)) goto cleared;
         if (PyObject_GetBuffer(value, &row->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
