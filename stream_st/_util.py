@@ -171,19 +171,22 @@ def process_running(pid: object) -> bool:
 
 
 async def seen_through(
-    call: Callable[[], Awaitable[T]], on_cancel: Callable[[anyio.CancelScope], None]
+    call: Callable[[], Awaitable[T]], on_cancel: Callable[[anyio.CancelScope], None] | None = None
 ) -> T:
     """``call()``'s result, the call seen through whatever cancellation comes meanwhile: it runs
     shielded, in a task of its own, so that a cancellation of the caller (an anyio one, or
     asyncio's own ``Task.cancel``, which goes through anyio's shields) is seen. Cancelled, the
     caller tells ``on_cancel`` (given the shield, to bound it with a deadline, or a flag the
-    work asks) and waits for the call to end. Then: done, under a cancelled anyio scope (which
-    cancels the caller's next checkpoint, again and again), its result is returned, so that the
-    caller knows what was done; else the cancellation goes on, never swallowed (asyncio's own
-    is delivered once, and its timeouts and task groups count on it). Interrupted (Ctrl-C
-    under trio raises ``KeyboardInterrupt`` in the caller as it waits), the caller tells
-    ``on_cancel`` too, waits for the call to end, and raises the interrupt as itself (see
-    :func:`task_group`). A failure of the call is raised as it is."""
+    work asks) and waits for the call to end. Without ``on_cancel`` the call is waited for
+    however long it takes: for a step that must not stop midway (a commit's renames, a
+    collective every rank joins), which would leave what a killed process leaves. Then: done,
+    under a cancelled anyio scope (which cancels the caller's next checkpoint, again and
+    again), its result is returned, so that the caller knows what was done; else the
+    cancellation goes on, never swallowed (asyncio's own is delivered once, and its timeouts
+    and task groups count on it). Interrupted (Ctrl-C under trio raises ``KeyboardInterrupt``
+    in the caller as it waits), the caller tells ``on_cancel`` too, waits for the call to end,
+    and raises the interrupt as itself (see :func:`task_group`). A failure of the call is
+    raised as it is."""
     shield = anyio.CancelScope(shield=True)
     finished = anyio.Event()
     outcome: list[T] = []
@@ -206,7 +209,8 @@ async def seen_through(
             try:
                 await finished.wait()
             except BaseException:  # cancelled, or interrupted
-                on_cancel(shield)
+                if on_cancel is not None:
+                    on_cancel(shield)
                 raise
     except anyio.get_cancelled_exc_class() as exc:
         cancelled = exc

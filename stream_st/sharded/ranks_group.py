@@ -149,7 +149,8 @@ class RankGroup:
                 failed.append(exc)
 
         try:
-            await seen_through(through, _unbounded)
+            # unbounded: a collective ends when every rank has joined it, or at the timeout
+            await seen_through(through)
         except asyncio.CancelledError as exc:  # asyncio's own (anyio's: returned from)
             _cancel_again(exc)
         if failed:
@@ -243,11 +244,6 @@ LOST_LOOKS = 20
 LOST_PAUSE = 0.05
 """After a failed collective, the ranks of this host are looked at up to :data:`LOST_LOOKS` times,
 :data:`LOST_PAUSE` seconds apart, for one that has stopped (1 s at most)."""
-
-
-def _unbounded(_: anyio.CancelScope) -> None:
-    """A collective, cancelled, is waited for to its end: it ends when every rank has joined it,
-    or at the group's timeout."""
 
 
 def _cancel_again(cancelled: asyncio.CancelledError) -> None:

@@ -297,13 +297,6 @@ _OPEN, _COMMITTED, _ABORTED = "open", "committed", "aborted"
 """A rolling writer's states: it takes writes, its index is in place, or it threw all away."""
 
 
-def _unstoppable(_: anyio.CancelScope) -> None:
-    """A commit, cancelled, is seen to its end: renames are quick, and stopping between two of
-    them would leave the directory in a state a killed process leaves (see
-    :meth:`ShardedWriter._rename_sealed`). So is a claim of the directory (:func:`_claim`,
-    which waits at most for another writer's sweep), for the writer to let it go."""
-
-
 class _RollingWriter(AsyncClosing):
     """Shards rolled over at ``target_size`` bytes of data; subclasses name them and write the
     index."""
@@ -428,7 +421,9 @@ class _RollingWriter(AsyncClosing):
                     self, _dropped_open, self.directory, mine, self._new_folders, os.getpid()
                 )
             claim = functools.partial(anyio.to_thread.run_sync, self._hold_directory)
-            await seen_through(claim, _unstoppable)
+            # seen to its end (it waits at most for another writer's sweep), for the writer,
+            # cancelled, to let the directory go
+            await seen_through(claim)
 
     def _hold_directory(self) -> None:
         """:func:`_claim` the directory (in a worker thread), its descriptor held by the writer
@@ -580,7 +575,9 @@ class _RollingWriter(AsyncClosing):
             self._index_file = self._held_name(name)
             self._files.append(await _filled(self._index_file, text))
             commit = functools.partial(self._link_and_commit, self.directory / name)
-            await seen_through(commit, _unstoppable)
+            # seen to its end: renames are quick, and stopping between two of them would leave
+            # the directory as a killed process leaves it (see ShardedWriter._rename_sealed)
+            await seen_through(commit)
         except BaseException as exc:
             if self._state != _COMMITTED:  # nothing of the commit runs still: throw it all away
                 await self._abort(exc)

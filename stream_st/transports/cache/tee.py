@@ -117,13 +117,6 @@ def _allocate(fd: int, size: int, reserve: bool) -> None:
         os.ftruncate(fd, size)
 
 
-def _to_its_end(_: anyio.CancelScope) -> None:
-    """A copy's commit or close, cancelled, is seen to its end, then the cancellation raised:
-    moving a file, linking it and writing a record take a moment, and one cut short (asyncio's
-    own cancellation goes through anyio's shields) left the whole object as a partial copy whose
-    ranges no one recorded, a Hub blob no snapshot links to, or the copy's file open."""
-
-
 class _Keeper:
     """The thread that writes and hashes one copy's pieces (``work``: offset, view, whether to
     write it) in the order they are handed over; started with the first piece, ended by
@@ -414,14 +407,17 @@ class CopyWriter:
             raise IntegrityError(problem, source=self.name)
         record.digest = digest
         record.created = now()
-        await seen_through(self._commit, _to_its_end)
+        await seen_through(self._commit)
         if destination.on_committed is not None:
             with contextlib.suppress(OSError):
                 await anyio.to_thread.run_sync(destination.on_committed)
 
     async def _commit(self) -> None:
-        """Close the copy, move it into place and link it (see :class:`Destination`); the read's
-        cancellation, asyncio's own too, waits for the end (see :func:`_to_its_end`). A copy
+        """Close the copy, move it into place and link it (see :class:`Destination`); the
+        read's cancellation, asyncio's own too, waits for the end (see
+        :func:`~stream_st._util.seen_through`): these take a moment, and one cut short
+        (asyncio's own cancellation goes through anyio's shields) left the whole object as a
+        partial copy whose ranges no one recorded, or a Hub blob no snapshot links to. A copy
         that cannot be moved into place is thrown away, one that cannot be linked kept: each
         with a warning."""
         destination = self.destination
@@ -491,10 +487,10 @@ class CopyWriter:
     async def close(self) -> None:
         """The read is over. An incomplete copy of known size is kept as a partial copy for a
         later read (its data flushed before the ranges are recorded), else thrown away. Seen to
-        its end, whatever cancellation comes (see :func:`_to_its_end`; a read cancelled closes
-        in a cancelled scope): a flush cut short left the copy's file open and its preallocated
-        blocks unrecorded, as a killed writer's."""
-        await seen_through(self._close, _to_its_end)
+        its end, whatever cancellation comes (:func:`~stream_st._util.seen_through`; a read
+        cancelled closes in a cancelled scope): a flush cut short left the copy's file open and
+        its preallocated blocks unrecorded, as a killed writer's."""
+        await seen_through(self._close)
 
     async def _close(self) -> None:
         await self._keeper.stop()
