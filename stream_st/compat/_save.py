@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import sys
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
@@ -143,6 +144,8 @@ def _written_small(tensors: object, dst: object, metadata: object) -> bool:
         return False
     if isinstance(dst, os.PathLike):
         dst = os.fspath(dst)
+    if type(dst) is not str or "://" in dst:  # no tensor converted for a stream or a URL
+        return False
     arrays = _arrays(checked_tensors(tensors))  # its errors before the metadata's, as there
     if arrays is None:
         return False
@@ -198,6 +201,8 @@ def _small_module() -> ModuleType | None:
     if _SMALL:
         return _SMALL[0]
     try:
+        if sys.byteorder != "little":  # its arrays' memory is not the file's byte order
+            raise ImportError("the compiled writer copies memory as it lies")
         from ..core import _small
     except ImportError:  # built without a C compiler: every file the Python way
         _SMALL.append(None)

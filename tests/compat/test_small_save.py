@@ -40,7 +40,7 @@ def python_bytes(tensors: dict[str, Any], metadata: dict[str, str] | None = None
     return st_np.save(tensors, metadata)
 
 
-def written(tensors: Any, path: Path | str, metadata: Any = None) -> bool:
+def written(tensors: Any, path: object, metadata: Any = None) -> bool:
     """Whether the compiled writer took the file."""
     return _save._written_small(tensors, path, metadata)
 
@@ -338,3 +338,26 @@ def test_a_name_of_a_str_subclass_is_left_to_the_python_write(tmp_path: Path) ->
     path = tmp_path / "m.safetensors"
     assert not written({Name("a"): np.ones(2, np.float32)}, path)
     assert os.listdir(tmp_path) == []
+
+
+def test_on_a_big_endian_machine_every_file_is_written_the_python_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled writer copies the arrays' memory as it lies, which is the file's byte order
+    only on a little-endian machine: elsewhere the Python write swaps the bytes."""
+    monkeypatch.setattr(_save, "_SMALL", [])
+    monkeypatch.setattr(sys, "byteorder", "big")
+    assert not written({"a": np.ones(2, np.float32)}, tmp_path / "m.safetensors")
+    assert _save._SMALL == [None]
+    assert os.listdir(tmp_path) == []
+
+
+def test_no_torch_tensor_is_converted_for_a_destination_it_does_not_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch = pytest.importorskip("torch")
+    made: list[str] = []
+    monkeypatch.setattr(_save, "torch_to_array", lambda tensor, name: made.append(name))
+    for destination in ("s3://bucket/m.safetensors", "http://127.0.0.1:9/m", object()):
+        assert not written({"a": torch.zeros(3)}, destination)
+    assert made == []
