@@ -88,9 +88,10 @@ class SliceError(SafetensorsError, IndexError):
 
 class SliceOverflowError(SliceError, OverflowError):
     """A numpy slice bound of ``get_slice(name)[...]`` before the first row (``[-10:2]`` of 7
-    rows, any negative one on a 0-d tensor) or of 2**64 or more: the reference's
-    ``OverflowError`` (it takes every bound as a 64-bit unsigned integer), and the
-    ``IndexError`` any other index outside the tensor is."""
+    rows, any negative one on a 0-d tensor) or of 2**64 or more, or a step outside a signed
+    64-bit integer (2**63 or more, below -2**63): the reference's ``OverflowError`` (it takes
+    every bound as a 64-bit unsigned integer, a step as a signed one), and the ``IndexError``
+    any other index outside the tensor is."""
 
 
 class SliceTypeError(SafetensorsError, TypeError):
