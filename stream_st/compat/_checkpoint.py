@@ -103,7 +103,10 @@ class _File:
 
     async def read(self, info: TensorInfo, rows: Rows) -> np.ndarray[Any, Any]:
         """Tensor ``info`` (or its ``rows``), reading only those bytes from the source; a whole
-        tensor is checked against its digest."""
+        tensor is checked against its digest. Rows of a mapped tensor with a digest not yet
+        checked are a copy, as :meth:`~stream_st.compat._local.LocalFile.array` gives them: a
+        caller writing to a view of them would change the mapping a later check of the whole
+        reads (a false :class:`~stream_st.IntegrityError`, and a cache's good copy let go)."""
         if self._arrays is not None:
             whole = self._arrays[info.name]
             return (whole if rows is None else whole[rows[0] : rows[1]]).copy()
@@ -112,7 +115,10 @@ class _File:
         base = self.header.data_start
         async with self._refuting():
             if self._map is not None:  # faulted in as touched, as the reference's views are
-                return await self._view(wanted, digests)
+                array = await self._view(wanted, digests)
+                if rows is None or self._digests is None or info.name in self._verified:
+                    return array
+                return array.copy()
             async with self._lock:
                 source = self.stream.source
                 await source.plan_reads(merge_ranges([(base + wanted.start, base + wanted.end)]))
