@@ -615,10 +615,11 @@ class TeeSource(Source):
                 hand(got)
         except BaseException:
             # the copy's thread may still read pieces of ``view``: a read cancelled or failed
-            # waits for it (shielded: a piece takes milliseconds), so the caller never gets
-            # ``view`` back while it is being read; the next read accounts for those pieces
-            with anyio.CancelScope(shield=True):
-                await writer.settled()
+            # waits for it (a piece takes milliseconds), seen through whatever cancellation
+            # comes meanwhile (a second asyncio one would go through an anyio shield: ``view``
+            # back while being read, what the caller puts in it next would go into the copy
+            # as the object's bytes); the next read accounts for those pieces
+            await seen_through(writer.settled)
             raise
         if handed:
             await writer.written()
