@@ -28,7 +28,10 @@ are renamed to their final names and the index last (:meth:`ShardedWriter._renam
 in which order, so that a process killed at any point leaves a previous checkpoint whole, the new
 one whole, or no index). A writer holds its directory while it works (a shared ``flock``); one
 that finds no other writer there first removes what writers killed there left under held names
-(:func:`_claim`).
+(:func:`_claim`). The directory is made (with its parents) for the first shard only: one removed
+or moved away meanwhile is not made again, the next shard or the commit fails
+(:class:`~stream_st.SourceNotFoundError`) and the writer is aborted, as a single file's write
+whose directory was moved away fails.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ from ..errors import (
     DtypeError,
     HeaderError,
     SafetensorsError,
+    SourceNotFoundError,
     TransportError,
     UnsupportedSinkError,
     UsageError,
@@ -325,7 +329,7 @@ class _RollingWriter(AsyncClosing):
         self._index_file: Path | None = None  # the index's held name, until it is in place
         self._hold: weakref.finalize[Any, Any] | None = None  # lets the directory go (_claim)
         self._drop: weakref.finalize[Any, Any] | None = None  # the new folders, if dropped open
-        self._claimed = False
+        self._folder: tuple[int, int] | None = None  # the directory held (_identity), once made
         self._written: set[str] = set()
         self._state = _OPEN
         self._failure: BaseException | None = None  # why it was aborted (None: by abort())
@@ -410,11 +414,14 @@ class _RollingWriter(AsyncClosing):
         current.samples += samples
 
     async def _open_directory(self) -> None:
-        """Make the directory, and hold it from the first time on (:func:`_claim`)."""
-        with _io("creating the directory", self.directory):
-            self.directory.mkdir(parents=True, exist_ok=True)
-        if not self._claimed:
-            self._claimed = True
+        """Make the directory (and its parents) and hold it (:func:`_claim`) the first time; a
+        later shard, or the commit, finds it still there (:meth:`_check_directory`)."""
+        if self._folder is not None:
+            self._check_directory()
+        else:
+            with _io("creating the directory", self.directory):
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self._folder = _identity(self.directory)
             if self._new_folders:  # a writer dropped unclosed leaves them as it found them
                 mine = re.compile(rf"\.\.?{self._tag}\.partial\..+")  # its held names
                 self._drop = weakref.finalize(
@@ -424,6 +431,27 @@ class _RollingWriter(AsyncClosing):
             # seen to its end (it waits at most for another writer's sweep), for the writer,
             # cancelled, to let the directory go
             await seen_through(claim)
+
+    def _check_directory(self) -> None:
+        """:class:`~stream_st.SourceNotFoundError` where the directory made (or found) and held
+        for the first shard is no longer at its path: removed, or moved away (another one may
+        have taken its place). It is not made again: the checkpoint would land in a folder the
+        user removed, its sealed shards linked in there, and the folders made again would stay
+        after a failure (:meth:`abort` removes those it made at first)."""
+        with _io("looking at the directory", self.directory):
+            try:
+                found: tuple[int, int] | None = _identity(self.directory)
+            except (FileNotFoundError, NotADirectoryError):
+                found = None
+        if found == self._folder:
+            return
+        if found is None:
+            why = f"no such directory: {self.directory}: it was removed or moved away"
+        else:
+            why = f"{self.directory} is another directory: the one written in was moved away"
+        raise SourceNotFoundError(
+            f"{why} while the writer wrote in it; nothing was committed", url=str(self.directory)
+        )
 
     def _hold_directory(self) -> None:
         """:func:`_claim` the directory (in a worker thread), its descriptor held by the writer
@@ -567,8 +595,8 @@ class _RollingWriter(AsyncClosing):
             return
         try:
             await self._seal()
-            if not self._sealed:  # nothing written: the directory may not exist yet
-                await self._open_directory()
+            await self._open_directory()  # nothing written: not made yet; else found still there
+            if not self._sealed:
                 await self._nothing_written()
             await self._before_index()
             name, text = _index_text(*self._index())
@@ -1075,6 +1103,12 @@ def _dropped_open(
 _HELD = re.compile(r"\.\.?[0-9a-f]{8}\.partial\..+")
 """What a writer holds in its directory until its commit (:meth:`_RollingWriter._held_name`),
 the hidden temporary file of one (``..<tag>.partial.<name>.<random>.tmp``) included."""
+
+
+def _identity(folder: Path) -> tuple[int, int]:
+    """The device and inode of ``folder``: what tells it from another put at its path."""
+    found = os.stat(folder)
+    return found.st_dev, found.st_ino
 
 
 def _claim(directory: Path) -> int | None:
