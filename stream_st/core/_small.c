@@ -258,6 +258,7 @@ static PyObject *save(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t position = 0;
     size_t data = 0;
     while (PyDict_Next(tensors, &position, &key, &value)) {
+        if (taken >= n) goto declined; /* the dict grew: no longer the caller's */
         Row *row = &rows[taken];
         if (!PyUnicode_CheckExact(key) || Py_TYPE(value) != (PyTypeObject *)ndarray)
             goto declined;

@@ -253,17 +253,21 @@ import stream_st, stream_st.numpy as st_np
 from stream_st.compat import _save
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+tensors = {"a": np.ones(200_000, np.uint8)}
+print("compiled writer took it:", _save._written_small(tensors, sys.argv[1], None))
+print("left:", sorted(os.listdir(os.path.dirname(sys.argv[1]))))
 try:
-    st_np.save_file({"a": np.ones(200_000, np.uint8)}, sys.argv[1])
+    st_np.save_file(tensors, sys.argv[1])
 except stream_st.TransportError as exc:
     print("refused:", exc)
-print("small module used:", _save._SMALL[0] is not None)
 """
 
 
 def test_a_disk_that_fills_leaves_the_old_file_and_nothing_else(tmp_path: Path) -> None:
     """Writes that fail partway (the file-size limit, as a full disk): the compiled writer gives
     the file up, the Python write then reports why; the old file stays, nothing else is left."""
+    assert written({"a": np.ones(200_000, np.uint8)}, tmp_path / "taken.safetensors")
+    os.unlink(tmp_path / "taken.safetensors")  # a file it takes, where nothing stops its writes
     path = tmp_path / "m.safetensors"
     path.write_bytes(b"OLD")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -275,8 +279,9 @@ def test_a_disk_that_fills_leaves_the_old_file_and_nothing_else(tmp_path: Path) 
         timeout=120,
         check=True,
     )
+    assert "compiled writer took it: False" in done.stdout, done.stdout
+    assert "left: ['m.safetensors']" in done.stdout, done.stdout
     assert "refused:" in done.stdout and "File too large" in done.stdout, done.stdout
-    assert "small module used: True" in done.stdout
     assert path.read_bytes() == b"OLD"
     assert os.listdir(tmp_path) == ["m.safetensors"]
 
@@ -361,3 +366,14 @@ def test_no_torch_tensor_is_converted_for_a_destination_it_does_not_write(
     for destination in ("s3://bucket/m.safetensors", "http://127.0.0.1:9/m", object()):
         assert not written({"a": torch.zeros(3)}, destination)
     assert made == []
+
+
+def test_a_path_not_in_utf8_on_a_file_system_of_another_encoding_is_left_to_the_python_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled writer names files in UTF-8: where the file system's encoding is another, a
+    path beyond ASCII is the Python write's, which encodes it as every other call does."""
+    monkeypatch.setattr(sys, "getfilesystemencoding", lambda: "ascii")
+    assert not written({"a": np.ones(2, np.float32)}, tmp_path / "café.safetensors")
+    assert written({"a": np.ones(2, np.float32)}, tmp_path / "cafe.safetensors")
+    assert os.listdir(tmp_path) == ["cafe.safetensors"]
