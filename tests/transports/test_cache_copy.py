@@ -229,3 +229,31 @@ def test_ctrl_c_anywhere_in_the_copy_under_trio_never_hangs(tmp_path: Path) -> N
     with RangeHTTPServer(objects={"/m.safetensors": BIG_DATA}, etag="strong") as running:
         tried = run_script(CTRL_C_EVERYWHERE, running.url("/m.safetensors"), str(tmp_path))
     assert tried >= 20  # the trace reached the copy
+
+
+async def test_a_copy_that_cannot_be_moved_into_place_prunes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy's commit fails (a full disk, say): the read goes on with a warning, and the
+    cache's pruning, which keeps the new copy, is not run for a copy that is not there."""
+    from stream_st.transports.cache import resolve, tee
+
+    pruned: list[object] = []
+    monkeypatch.setattr(resolve, "_pruner", lambda cache, keep: lambda: pruned.append(keep))
+    made = tee.CopyWriter.__init__
+
+    def failing_commit(self: Any, destination: Any, *args: Any) -> None:
+        def commit(part: Any, record: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        destination.commit = commit
+        made(self, destination, *args)
+
+    monkeypatch.setattr(tee.CopyWriter, "__init__", failing_commit)
+    data = reference_numpy.save({"a": np.arange(10_000, dtype=np.float32)})
+    with RangeHTTPServer(objects={"/m.safetensors": data}, etag="strong") as server:
+        cache = Cache(tmp_path / "cache", tmp_path / "hub", max_size=10**9)
+        with pytest.warns(stream_st.CacheWarning, match="keeping the copy failed"):
+            got = await stream_st.load(server.url("/m.safetensors"), cache=cache)
+    assert np.array_equal(got["a"], np.arange(10_000, dtype=np.float32))
+    assert pruned == []

@@ -408,7 +408,7 @@ class CopyWriter:
         record.digest = digest
         record.created = now()
         await seen_through(self._commit)
-        if destination.on_committed is not None:
+        if self.committed and destination.on_committed is not None:  # none to keep otherwise
             with contextlib.suppress(OSError):
                 await anyio.to_thread.run_sync(destination.on_committed)
 
