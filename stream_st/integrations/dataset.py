@@ -462,7 +462,7 @@ def _split_keys(keys: Any, columns: Sequence[str], separator: str, shard: str) -
             return names, np.array([position[column] for _, column in found_pairs], np.int32)
         bad = keys[pairs.index(None)].as_py()
     raise UsageError(
-        f"tensor {bad!r} of {shard} is no column of {some_names(columns)} "
+        f"tensor {bad!r:.80} of {shard} is no column of {some_names(columns)} "
         f"(key {{name}}{separator}{{column}})"
     )
 

@@ -14,14 +14,10 @@ that. The servers are tests/servers/hub_server.py's (the Hub on 127.0.0.1, its C
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
-import safetensors.numpy as reference_numpy
 
 import stream_st
 from stream_st import CacheWarning, ReadTimeoutError
@@ -30,21 +26,7 @@ from stream_st.transports.cache.store import EntryLock
 
 from .._util import assert_same_arrays, run_command
 from ..servers.hub_server import FakeHub
-
-ARRAYS: dict[str, np.ndarray[Any, Any]] = {
-    "a": np.arange(50_000, dtype=np.float32),
-    "b": np.full(300, 7, np.uint8),
-}
-DATA = reference_numpy.save(ARRAYS)
-SHA = hashlib.sha256(DATA).hexdigest()
-SECRETS = ("AKIDEXAMPLE", "SESSIONTOKEN", "5ec2e7de0fa1")
-SIGNED = (
-    "X-Amz-Credential=AKIDEXAMPLE&X-Amz-Date=20240101T000000Z"
-    "&X-Amz-Security-Token=SESSIONTOKEN&X-Amz-Signature=5ec2e7de0fa1"
-)
-MASKED = "X-Amz-Credential=***&X-Amz-Date=20240101T000000Z&X-Amz-Security-Token=***"
-FILE = f"model.safetensors?{SIGNED}"
-ADDRESS = f"hf://org/model/{FILE}"
+from .test_tee_messages import ADDRESS, ARRAYS, DATA, FILE, MASKED, SECRETS, SHA
 
 
 @pytest.fixture
