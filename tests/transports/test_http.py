@@ -255,7 +255,9 @@ async def test_parallel_failure_is_our_error_not_a_group(server: RangeHTTPServer
         ("backoff", float("nan"), stream_st.UsageError, "backoff must be a number >= 0"),
         ("backoff", float("inf"), stream_st.UsageError, "backoff must be finite"),
         ("backoff", None, stream_st.ArgumentTypeError, "backoff must be a number"),
-        ("backoff", "1", stream_st.UsageError, "backoff must be a number"),
+        ("backoff", "1", stream_st.ArgumentTypeError, "backoff must be a number"),
+        ("backoff", True, stream_st.ArgumentTypeError, "backoff must be a number"),
+        ("backoff", [1], stream_st.ArgumentTypeError, "backoff must be a number"),
         ("concurrency", 1.5, stream_st.ArgumentTypeError, "concurrency must be an integer"),
     ],
 )

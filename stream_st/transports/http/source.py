@@ -61,6 +61,7 @@ import ssl
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from numbers import Real
 from operator import itemgetter
 from typing import Unpack
 
@@ -134,9 +135,13 @@ class HttpSource(ClientUser, Source):
             concurrency = integer_at_least(f"{kind} concurrency", concurrency, 1)
         self._concurrency = concurrency
         self._part_size = integer_at_least(f"{kind} part_size", part_size, 1, " (bytes)")
-        delay = checked_number(f"{kind} backoff", backoff, infinite=False)
-        if delay is None:
-            raise ArgumentTypeError(f"{kind} backoff must be a number of seconds >= 0, got None")
+        given: object = backoff  # as the caller gave it: any type
+        if given is None or isinstance(given, bool) or not isinstance(given, Real):
+            raise ArgumentTypeError(
+                f"{kind} backoff must be a number of seconds >= 0, got "
+                f"{type(given).__name__} {given!r:.80}"
+            )
+        delay = checked_number(f"{kind} backoff", given, infinite=False) or 0.0  # None: never
         self._parts: PartWindow | None = None  # reads go through it once open (see the module)
         self._single = False  # adaptive and settled on one stream: no window any more
         self._use_client(client, headers, ssl_context, limits)
