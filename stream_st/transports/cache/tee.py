@@ -328,13 +328,19 @@ class CopyWriter:
             self._keeper.hand(offset, view, fresh)
 
     async def settled(self) -> None:
-        """Wait until every piece handed over is written (their memory is the caller's again);
-        the next :meth:`written` accounts for them."""
-        await self._keeper.settled()
+        """Wait until every piece handed over is written (their memory is the caller's again),
+        seen through whatever cancellation comes meanwhile, then raise it (see
+        :func:`~stream_st._util.seen_through`; a piece takes milliseconds): a read returning
+        earlier hands the caller its memory while the thread still reads it, and what the
+        caller puts in it next goes into the copy as the object's bytes. The next
+        :meth:`written` accounts for the pieces."""
+        if not self._keeper.idle:
+            await seen_through(self._keeper.settled)
 
     async def written(self) -> None:
-        """Wait until every piece handed over is written, then account for them (and commit
-        the copy when it is complete)."""
+        """Wait until every piece handed over is written (see :meth:`settled`), then account
+        for them (and commit the copy when it is complete)."""
+        await self.settled()
         done, error = await self._keeper.drained()
         if error is not None:
             await self.give_up(f"writing the copy failed: {error}")
@@ -615,11 +621,8 @@ class TeeSource(Source):
                 hand(got)
         except BaseException:
             # the copy's thread may still read pieces of ``view``: a read cancelled or failed
-            # waits for it (a piece takes milliseconds), seen through whatever cancellation
-            # comes meanwhile (a second asyncio one would go through an anyio shield: ``view``
-            # back while being read, what the caller puts in it next would go into the copy
-            # as the object's bytes); the next read accounts for those pieces
-            await seen_through(writer.settled)
+            # waits for it (see CopyWriter.settled); the next read accounts for those pieces
+            await writer.settled()
             raise
         if handed:
             await writer.written()
