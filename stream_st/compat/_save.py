@@ -139,8 +139,9 @@ def _written_small(tensors: object, dst: object, metadata: object) -> bool:
     """Whether the compiled module wrote ``tensors`` to ``dst`` and put it in place (see the
     module's docstring); False where it is not built, or left the file to the Python write,
     nothing written."""
-    small = _small_module()
-    if small is None or type(tensors) is not dict or atomic._UNLINKABLE or not atomic.USE_TMPFILE:
+    compiled = _compiled()
+    unnamed = atomic._UNLINKABLE or not atomic.USE_TMPFILE  # no nameless file to link in
+    if compiled is None or type(tensors) is not dict or unnamed:
         return False
     if isinstance(dst, os.PathLike):
         dst = os.fspath(dst)
@@ -154,10 +155,11 @@ def _written_small(tensors: object, dst: object, metadata: object) -> bool:
     member = (
         None if metadata is None else _metadata_members(unrecorded(check_metadata(metadata)))[0]
     )
+    small, formats = compiled
     done = small.save(
         arrays,
         dst,
-        _FORMATS,
+        formats,
         np.ndarray,
         member,
         SMALL,
@@ -191,33 +193,26 @@ def _plain_torch_dtypes() -> frozenset[Any]:
     )
 
 
-_FORMATS: dict[str, tuple[str, int]] = {}
-"""Each buffer format of a numpy dtype that safetensors carries: its code and rank."""
-
-_SMALL: list[ModuleType | None] = []
-"""The compiled module once imported (None where it was not built)."""
-
-
-def _small_module() -> ModuleType | None:
-    """The compiled module, imported at the first write (and :data:`_FORMATS` made then)."""
-    if _SMALL:
-        return _SMALL[0]
+@functools.cache
+def _compiled() -> tuple[ModuleType, dict[str, tuple[str, int]]] | None:
+    """The compiled module, imported at the first write, and each buffer format of a numpy
+    dtype that safetensors carries, with its code and rank; None where it was not built, or on
+    a big-endian machine (it copies the arrays' memory as it lies, not in the file's order)."""
+    if sys.byteorder != "little":
+        return None
     try:
-        if sys.byteorder != "little":  # its arrays' memory is not the file's byte order
-            raise ImportError("the compiled writer copies memory as it lies")
         from ..core import _small
     except ImportError:  # built without a C compiler: every file the Python way
-        _SMALL.append(None)
         return None
     # numpy's own types, each type code of one (int64 has two); not ml_dtypes' (which give no
     # buffer, and whose import would cost a first write 8 ms), not the packed ones' uint8
     own = {d.kind: d for d in DTYPES.values() if isinstance(d.kind, np.dtype) and not d.packed}
+    formats = {}
     for char in np.typecodes["All"]:
         found = own.get(np.dtype(char))
         if found is not None:
-            _FORMATS[np.empty(0, char).data.format] = (found.code, found.rank)
-    _SMALL.append(_small)
-    return _small
+            formats[np.empty(0, char).data.format] = (found.code, found.rank)
+    return _small, formats
 
 
 def save_bytes(tensors: object, metadata: object, checksums: bool | str) -> bytes:
