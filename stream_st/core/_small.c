@@ -165,6 +165,8 @@ static int commit(const char *directory, const char *path, const char *base, int
                   mode_t mode, const char **bases, const size_t *lens, Py_ssize_t n,
                   size_t block) {
 #if HAVE_NAMELESS
+    size_t dir_len = strlen(directory), base_len = strlen(base);
+    if (replacing && base_len + 18 > 255) return 0; /* the Python write names it otherwise */
     int fd = open(directory, O_RDWR | O_TMPFILE | O_CLOEXEC, 0666);
     if (fd < 0) return 0;
     if (replacing) (void)fchmod(fd, mode); /* a file system without them keeps the default */
@@ -177,8 +179,6 @@ static int commit(const char *directory, const char *path, const char *base, int
         goto out;
     }
     /* ".<base>.<12 hex digits>.tmp" beside it, as the Python write names its temporary */
-    size_t dir_len = strlen(directory), base_len = strlen(base);
-    if (base_len + 18 > 255) goto out; /* the Python write names it otherwise */
     char *temp = malloc(dir_len + base_len + 20);
     if (temp == NULL) goto out;
     for (int tries = 0; tries < 8 && !done; tries++) {

@@ -380,3 +380,23 @@ def test_a_path_not_in_utf8_on_a_file_system_of_another_encoding_is_left_to_the_
     assert not written({"a": np.ones(2, np.float32)}, tmp_path / "café.safetensors")
     assert written({"a": np.ones(2, np.float32)}, tmp_path / "cafe.safetensors")
     assert os.listdir(tmp_path) == ["cafe.safetensors"]
+
+
+def test_a_file_replaced_whose_temporary_name_would_be_too_long_is_left_to_the_python_write(
+    tmp_path: Path,
+) -> None:
+    """``.<name>.<12 hex digits>.tmp`` past 255 bytes: the Python write names its temporary
+    otherwise, so the compiled writer declines before writing anything; a new file of that
+    name needs no temporary name and is its own."""
+    tensors = {"a": np.ones(2, np.float32)}
+    old = tmp_path / ("m" * 228 + ".safetensors")  # 240 bytes
+    old.write_bytes(b"OLD")
+    assert not written(tensors, old)
+    assert old.read_bytes() == b"OLD"
+    assert os.listdir(tmp_path) == [old.name]
+    new = tmp_path / ("n" * 228 + ".safetensors")
+    assert written(tensors, new)
+    assert new.read_bytes() == python_bytes(tensors)
+    st_np.save_file(tensors, old)
+    assert old.read_bytes() == python_bytes(tensors)
+    assert sorted(os.listdir(tmp_path)) == sorted([old.name, new.name])
