@@ -86,8 +86,12 @@ def load(
     data: bytes | bytearray | memoryview, *, verify: bool = True
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Every tensor of a safetensors file given as ``bytes`` (or a ``bytearray`` or
-    ``memoryview``; digests checked unless ``verify=False``)."""
-    return _facade.load_bytes(data, False, verify)
+    ``memoryview``; digests checked unless ``verify=False``). A dtype a program put into
+    ``_TYPES`` (as programs patch the reference's: ``_TYPES["BF16"] = np.uint16``) is the one
+    the tensors of its code are viewed as, as the reference's ``load`` views them."""
+    arrays = _facade.load_bytes(data, False, verify)
+    arrays.update(_view2np(_facade.retyped_views(data, arrays, _TYPES, _BUILT_IN_TYPES)))
+    return arrays
 
 
 def save_file(
@@ -115,9 +119,10 @@ def save(
     return _save.save_bytes(tensor_dict, metadata, checksums)
 
 
-def _getdtype(dtype_str: str) -> np.dtype[Any]:
-    """The numpy dtype of a safetensors dtype code (``KeyError`` for one numpy has no type of
-    its own for), as the reference's private helper that other libraries import is."""
+def _getdtype(dtype_str: str) -> type[Any]:
+    """The numpy scalar type of a safetensors dtype code in ``_TYPES`` (``KeyError`` for one
+    numpy has no type of its own for, unless patched in), as the reference's private helper
+    that other libraries import is."""
     return _TYPES[dtype_str]
 
 
@@ -131,10 +136,16 @@ def _view2np(safeview: Any) -> dict[str, np.ndarray[Any, Any]]:
     }
 
 
-_NUMPY_OWN = ("BOOL", "U8", "I8", "U16", "I16", "F16", "U32", "I32", "F32", "U64", "I64", "F64")
-_TYPES: dict[str, np.dtype[Any]] = {code: DTYPES[code].numpy for code in (*_NUMPY_OWN, "C64")}
-"""Dtype code to numpy dtype, for the codes numpy has a type of its own for (the reference's
-private table, which programs import; ``ml_dtypes``' types are left out, as there)."""
+_NUMPY_OWN = ("F64", "F32", "F16", "I64", "U64", "I32", "U32", "I16", "U16", "I8", "U8", "BOOL")
+_TYPES: dict[str, type[Any]] = {
+    code: bool if code == "BOOL" else DTYPES[code].numpy.type for code in (*_NUMPY_OWN, "C64")
+}
+"""Dtype code to numpy scalar type (the builtin ``bool`` for ``BOOL``), for the codes numpy
+has a type of its own for: the reference's private table, which programs import and patch
+(:func:`load` reads it when called); ``ml_dtypes``' types are left out, as there."""
+
+_BUILT_IN_TYPES = dict(_TYPES)
+""":data:`_TYPES` as made, unpatched: what :func:`load` tells a patch by."""
 
 
 if not TYPE_CHECKING:  # checkers see the names imported above, not Any for every name

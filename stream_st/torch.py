@@ -63,7 +63,6 @@ if TYPE_CHECKING:
     from .transports.registry import SinkLike, SourceLike
 
     # Made when first asked for (__getattr__ below), declared here for checkers.
-    _TYPES: dict[str, torch.dtype]
     _SIZE: dict[torch.dtype, int]
 else:  # the streaming core, imported when a call needs it (see stream_st.compat._lazy)
     from .compat._lazy import reference as _facade
@@ -213,11 +212,16 @@ def load(data: bytes | bytearray | memoryview, *, verify: bool = True) -> dict[s
     """Every tensor of a safetensors file given as ``bytes`` (or a ``bytearray`` or
     ``memoryview``), checked against the digests the header records, if any (unless
     ``verify=False``). A tensor of a dtype torch has none for (``F6_E2M3``) raises
-    :class:`~stream_st.DtypeError`, a ``KeyError`` as well, as the reference raises."""
+    :class:`~stream_st.DtypeError`, a ``KeyError`` as well, as the reference raises. A dtype a
+    program put into ``_TYPES`` (as programs patch the reference's: ``_TYPES["BF16"] =
+    torch.int16``) is the one the tensors of its code are viewed as, as the reference's
+    ``load`` views them."""
     try:
-        return _facade.load_bytes(data, True, verify)
+        tensors = _facade.load_bytes(data, True, verify)
     except TorchlessDtypeError as exc:
         raise TorchDtypeError(str(exc)) from None
+    tensors.update(_view2torch(_facade.retyped_views(data, tensors, _TYPES, torch_dtypes())))
+    return tensors
 
 
 def save_file(
@@ -305,25 +309,41 @@ _find_shared_tensors = _shared.find_shared_tensors
 _remove_duplicate_names = _shared.remove_duplicate_names
 
 
+_TYPES: dict[str, torch.dtype] = dict(torch_dtypes())
+"""Dtype code to torch dtype, for every code this torch has a dtype for: the reference's
+private table, which programs import (vLLM) and patch (:func:`load` reads it when called)."""
+
+
 def _getdtype(dtype_str: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype code (``KeyError`` for one this torch lacks), as
-    the reference's private helper that other libraries import is."""
-    dtype: torch.dtype = torch_dtypes()[dtype_str]
-    return dtype
+    """The torch dtype of a safetensors dtype code in ``_TYPES`` (``KeyError`` for one this
+    torch lacks, unless patched in), as the reference's private helper that other libraries
+    import (torch's checkpoint reader) is."""
+    return _TYPES[dtype_str]
+
+
+def _view2torch(safeview: Any) -> dict[str, torch.Tensor]:
+    """The tensors of ``(name, {"dtype", "shape", "data"})`` pairs (what
+    :func:`stream_st.compat.deserialize` gives), over their data, as the reference's private
+    helper makes them (one of no bytes made anew: torch views no empty buffer)."""
+    return {
+        name: (
+            _torch.frombuffer(view["data"], dtype=_getdtype(view["dtype"])).reshape(view["shape"])
+            if len(view["data"])
+            else _torch.empty(view["shape"], dtype=_getdtype(view["dtype"]))
+        )
+        for name, view in safeview
+    }
 
 
 if not TYPE_CHECKING:  # checkers see the names declared above, not Any for every name
 
     def __getattr__(name: str) -> Any:
-        """Names the reference's module has that programs import from it (torch's checkpoint
-        reader imports ``_getdtype``, vLLM ``_TYPES``), made when first asked for: ``_TYPES``
-        (dtype code to torch dtype), ``_SIZE`` (torch dtype to its bytes per element), and
-        ``TensorSpec``, ``serialize``, ``serialize_file``, ``deserialize``
-        (:mod:`stream_st.compat`'s, which import the streaming core)."""
-        if name == "_TYPES":
-            value: Any = dict(torch_dtypes())
-        elif name == "_SIZE":
-            value = {dtype: dtype.itemsize for dtype in torch_dtypes().values()}
+        """Names the reference's module has that programs import from it, made when first
+        asked for: ``_SIZE`` (torch dtype to its bytes per element), and ``TensorSpec``,
+        ``serialize``, ``serialize_file``, ``deserialize`` (:mod:`stream_st.compat`'s, which
+        import the streaming core)."""
+        if name == "_SIZE":
+            value: Any = {dtype: dtype.itemsize for dtype in torch_dtypes().values()}
         elif name in compat._LAZY:
             value = getattr(compat, name)
         else:

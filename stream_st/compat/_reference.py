@@ -43,13 +43,21 @@ from .._api import save as save_async
 from .._api import stream_for
 from ..core.arrays import (
     framework_of,
+    is_torch_tensor,
     one_cpu,
+    raw_bytes,
     to_torch,
     torch_device,
     torch_dtype,
     torch_shape,
 )
-from ..core.header import Header, TensorInfo
+from ..core.header import (
+    LENGTH_PREFIX_SIZE,
+    Header,
+    TensorInfo,
+    parse_header,
+    parse_header_length,
+)
 from ..errors import (
     ArgumentTypeError,
     DeviceError,
@@ -62,6 +70,7 @@ from ..memory.delivery import Delivery
 from ..reader import Include
 from ..reader.caps import NO_CAPS, Caps
 from ..reader.stream import tensor_dict
+from ..transports.inmemory import as_bytes_view
 from ..transports.options import Clock, TransportOptions, clock_of
 from ..transports.registry import Sink, SinkLike, SourceLike
 from ._checkpoint import Rows, _Checkpoint, _Options
@@ -101,6 +110,7 @@ __all__ = [
     "load_bytes",
     "load_file",
     "maps",
+    "retyped_views",
     "save_file",
     "serialize",
     "serialize_file",
@@ -669,6 +679,43 @@ def load_bytes(data: bytes | bytearray | memoryview, torch: bool, verify: bool) 
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ArgumentTypeError(f"load takes the bytes of a file, got {type(data).__name__}")
     return run(_load, data, torch, verify, True, Clock())
+
+
+def retyped_views(
+    data: bytes | bytearray | memoryview,
+    tensors: Mapping[str, Any],
+    types: Mapping[str, object],
+    built_in: Mapping[str, object],
+) -> list[tuple[str, dict[str, Any]]]:
+    """The tensors of ``data`` whose dtype code ``types`` (a drop-in's ``_TYPES``, which
+    programs patch as they patch the reference's) maps to another dtype than ``built_in`` (the
+    table as the drop-in made it) does, as :func:`~._serialize.deserialize` gives tensors, each
+    one's ``data`` the memory of its tensor in ``tensors`` (what :func:`load_bytes` gave for
+    ``data``, checked; no copy): for the drop-in's ``_view2np`` or ``_view2torch`` to view as
+    the patched dtype, as the reference's ``load`` does. None, at the cost of comparing the
+    two tables, while ``types`` is unpatched."""
+    if types == built_in:
+        return []
+    codes = {code for code, kind in types.items() if code not in built_in or built_in[code] != kind}
+    view = as_bytes_view(data)
+    length = parse_header_length(view[:LENGTH_PREFIX_SIZE])
+    header = parse_header(view[LENGTH_PREFIX_SIZE : LENGTH_PREFIX_SIZE + length])
+    return [
+        (
+            info.name,
+            {"dtype": info.dtype, "shape": list(info.shape), "data": _memory(tensors[info.name])},
+        )
+        for info in header.tensors
+        if info.dtype in codes
+    ]
+
+
+def _memory(tensor: Any) -> np.ndarray[Any, Any]:
+    """The memory of a contiguous array or CPU tensor as a 1-D ``uint8`` array (no copy)."""
+    if is_torch_tensor(tensor):
+        return raw_bytes(tensor)
+    flat: np.ndarray[Any, Any] = tensor.reshape(-1).view(np.uint8)
+    return flat
 
 
 async def _load(
