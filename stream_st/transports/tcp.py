@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import anyio
 import anyio.lowlevel
 
+from .._util import seen_through
 from ..errors import (
     SafetensorsError,
     TransportError,
@@ -345,28 +346,34 @@ class SocketSink(SocketEnd, Sink):
     async def aclose(self) -> None:
         """Commit: an owned socket that carried its whole message is ended gracefully (see
         :meth:`_finish`) before it is closed; one left short of the length announced closes at
-        once, so the peer sees the message end early. A lent socket stays open."""
+        once, so the peer sees the message end early. A lent socket stays open.
+
+        The graceful end is past the commit point and bounded, so it is seen through whatever
+        cancellation comes meanwhile (:func:`~stream_st._util.seen_through`: asyncio's own
+        ``Task.cancel``, which goes through anyio's shields, included): the cancellation takes
+        effect once it is over. Cut short, the close would find the peer's bytes unread and
+        reset the connection under the message's end."""
         whole = self._size is None or self.position >= self._size
         try:
             if self._turn is None and whole and not self._closed():
-                await self._finish()
+                await seen_through(self._finish)
         finally:
             await super().aclose()
 
     async def _finish(self) -> None:
         """Send FIN after every byte queued, then read and drop what the peer sends until it
         closes, for :data:`CLOSE_GRACE` seconds at most, so that the close that follows finds
-        nothing unread and cannot reset the connection under bytes still on their way. Past the
-        commit point: shielded from cancellation (the wait is bounded). A peer that resets the
-        connection meanwhile closed with bytes of the message unread in its socket: that is a
-        :class:`~stream_st.TransportError`, not a delivery; its clean close is one."""
+        nothing unread and cannot reset the connection under bytes still on their way. A peer
+        that resets the connection meanwhile may have closed with bytes of the message unread
+        in its socket (TCP does not tell): that is a :class:`~stream_st.TransportError`, not a
+        delivery; its clean close is one."""
         sock = self._handle
         try:
             sock.shutdown(socket.SHUT_WR)
         except OSError as exc:  # reset already
             raise self._unread(exc) from exc
         scratch = bytearray(64 << 10)
-        with anyio.CancelScope(shield=True, deadline=anyio.current_time() + CLOSE_GRACE):
+        with anyio.move_on_after(CLOSE_GRACE):
             while True:
                 try:
                     if not sock.recv_into(scratch):
@@ -382,10 +389,12 @@ class SocketSink(SocketEnd, Sink):
                     await anyio.lowlevel.checkpoint()  # a peer that keeps sending: let others in
 
     def _unread(self, exc: OSError) -> TransportError:
-        """The error for a reset seen after the message's last byte went out."""
+        """The error for a reset seen after the message's last byte went out: whether the peer
+        read the message to its end before it reset the connection, TCP does not tell."""
         return TransportError(
-            "the peer reset the connection before reading the whole message "
-            f"({exc.strerror or exc})",
+            "the peer reset the connection before reading the whole message or after (a reset "
+            "does not tell which: the message may not have been read in full; "
+            f"{exc.strerror or exc})",
             url=self.name,
             position=self.position,
         )
