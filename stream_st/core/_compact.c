@@ -1,4 +1,5 @@
-/* stream_st.core._compact: a header piece written as the reference writer writes it, read in C.
+/* stream_st.core._compact: a header piece written as the reference writer writes it, read in C;
+ * and a plain plan's header laid out in C (laid, below).
  *
  * piece(table, dtypes, max_ndim, plain_bits, text, first) -> (metadata, table(names, codes,
  * shapes, starts, ends), in_order) or None.
@@ -329,6 +330,244 @@ done:
     return result;
 }
 
+/* laid(rows, attrs, head, layout_of) -> (text, names, codes, shapes, starts, ends, positions)
+   or None: the header of a plan laid out back to back, as stream_st.core.layout._header_of
+   lays it out in Python (see there), for plain plans only.
+
+   ``rows`` is a list of the plan's rows, (name, dtype, shape) tuples, or of objects whose
+   attributes named by ``attrs`` (a tuple of three str) are those (None: tuples). ``head`` is the header's first members, joined
+   (the metadata's, or ""). For each distinct (dtype, shape), ``layout_of(name, dtype, shape)``
+   gives (code, bytes, member text up to the offsets) or raises what the Python layout raises
+   for that row. Accepted only where every name is exactly a str that JSON writes as it is (no
+   quote, backslash or control character, valid UTF-8), is not "__metadata__" and comes once,
+   every row is a 3-tuple whose (dtype, shape) pair is hashable, and the data ends below 2**64:
+   anything else gives None, and the Python layout lays the plan out, which tells what is
+   wrong. Rows are checked in order, each name before its layout, as the Python layout checks
+   them, so an error ``layout_of`` raises is the one the Python layout would raise first. */
+typedef struct {
+    char *s;
+    size_t n, cap;
+} Text;
+
+/* Room in ``t`` for ``len`` more bytes; 0 if out of memory. */
+static int reserve(Text *t, size_t len) {
+    if (t->n + len <= t->cap) return 1;
+    size_t cap = t->cap ? t->cap : 4096;
+    while (cap < t->n + len) cap *= 2;
+    char *grown = PyMem_Realloc(t->s, cap);
+    if (grown == NULL) return 0;
+    t->s = grown;
+    t->cap = cap;
+    return 1;
+}
+
+/* ``len`` bytes appended to ``t``, which has room for them. */
+static void put(Text *t, const char *s, size_t len) {
+    memcpy(t->s + t->n, s, len);
+    t->n += len;
+}
+
+/* ``value`` in decimal (at most 20 digits) appended to ``t``, which has room for it (by hand:
+   snprintf took most of a row's time). */
+static void put_number(Text *t, u64 value) {
+    char digits[20];
+    size_t i = sizeof digits;
+    do {
+        digits[--i] = (char)('0' + value % 10);
+        value /= 10;
+    } while (value != 0);
+    put(t, digits + i, sizeof digits - i);
+}
+
+/* Whether JSON writes ``name`` as it is between quotes, and it is no header key. */
+static int plain_name(const char *name, Py_ssize_t len) {
+    if (len == 12 && memcmp(name, "__metadata__", 12) == 0) return 0;
+    for (Py_ssize_t i = 0; i < len; i++) {
+        unsigned char b = (unsigned char)name[i];
+        if (b < 0x20 || b == '"' || b == '\\') return 0;
+    }
+    return 1;
+}
+
+typedef struct {
+    PyObject *given, *shape; /* the last row's (held) */
+    PyObject *entry;         /* its layout: (code, bytes, text), borrowed from the cache */
+    PyObject *code;
+    u64 nbytes;
+    const char *text;
+    Py_ssize_t text_len;
+} Layout;
+
+/* The layout of ``given`` and ``shape`` (of tensor ``name``) in ``*last``: 1, 0 where it is not
+   plain, -1 on an error (one ``layout_of`` raised: the row's own). */
+static int layout(PyObject *cache, PyObject *layout_of, PyObject *name, PyObject *given,
+                  PyObject *shape, Layout *last) {
+    if (last->entry != NULL && given == last->given) {
+        int same = shape == last->shape ? 1 : PyObject_RichCompareBool(shape, last->shape, Py_EQ);
+        if (same < 0) return -1;
+        if (same) return 1;
+    }
+    PyObject *key = PyTuple_Pack(2, given, shape);
+    if (key == NULL) return -1;
+    PyObject *entry = PyDict_GetItemWithError(cache, key); /* borrowed */
+    if (entry == NULL && PyErr_Occurred()) {
+        Py_DECREF(key);
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) return -1;
+        PyErr_Clear(); /* unhashable: the Python layout says what is wrong */
+        return 0;
+    }
+    if (entry == NULL) {
+        PyObject *made = PyObject_CallFunctionObjArgs(layout_of, name, given, shape, NULL);
+        int stored = made != NULL ? PyDict_SetItem(cache, key, made) : -1;
+        Py_XDECREF(made); /* the cache holds it */
+        if (stored < 0) {
+            Py_DECREF(key);
+            return -1;
+        }
+        entry = made;
+    }
+    Py_DECREF(key);
+    if (!PyTuple_Check(entry) || PyTuple_Size(entry) != 3) return 0;
+    PyObject *code = PyTuple_GetItem(entry, 0), *nbytes = PyTuple_GetItem(entry, 1);
+    if (!PyUnicode_CheckExact(code) || !PyLong_Check(nbytes)) return 0;
+    u64 size = PyLong_AsUnsignedLongLong(nbytes);
+    if (size == (u64)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    const char *text = PyUnicode_AsUTF8AndSize(PyTuple_GetItem(entry, 2), &last->text_len);
+    if (text == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_XDECREF(last->given);
+    Py_XDECREF(last->shape);
+    last->given = Py_NewRef(given);
+    last->shape = Py_NewRef(shape);
+    last->entry = entry;
+    last->code = code;
+    last->nbytes = size;
+    last->text = text;
+    return 1;
+}
+
+/* Sets ``list[i]`` to ``item`` (a new reference, stolen); -1 if ``item`` is NULL. */
+static int set_new(PyObject *list, Py_ssize_t i, PyObject *item) {
+    return item == NULL ? -1 : PyList_SetItem(list, i, item);
+}
+
+static int set_borrowed(PyObject *list, Py_ssize_t i, PyObject *item) {
+    return PyList_SetItem(list, i, Py_NewRef(item));
+}
+
+/* The row of ``item`` in ``field`` (new references): the items of the item itself (a 3-tuple)
+   where ``attrs`` is NULL, else its three attributes; 1, 0 where it is no such tuple, -1 on an
+   error. */
+static int row_of(PyObject *item, PyObject *attrs, PyObject *field[3]) {
+    if (attrs == NULL && (!PyTuple_Check(item) || PyTuple_Size(item) != 3)) return 0;
+    for (Py_ssize_t f = 0; f < 3; f++) {
+        field[f] = attrs == NULL ? Py_NewRef(PyTuple_GetItem(item, f))
+                                 : PyObject_GetAttr(item, PyTuple_GetItem(attrs, f));
+        if (field[f] == NULL) return -1;
+    }
+    return 1;
+}
+
+static PyObject *laid(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    PyObject *attrs = nargs == 4 && args[1] != Py_None ? args[1] : NULL;
+    if (nargs != 4 || !PyList_Check(args[0]) || !PyUnicode_Check(args[2]) ||
+        (attrs != NULL && (!PyTuple_Check(attrs) || PyTuple_Size(attrs) != 3))) {
+        PyErr_SetString(PyExc_TypeError, "laid(rows: list, attrs, head: str, layout_of)");
+        return NULL;
+    }
+    PyObject *rows = args[0];
+    PyObject *layout_of = args[3];
+    Py_ssize_t head_len, n = PyList_Size(rows);
+    const char *head = PyUnicode_AsUTF8AndSize(args[2], &head_len);
+    if (head == NULL) { /* a lone surrogate: the Python layout refuses it */
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *columns[5] = {NULL}; /* names, codes, shapes, starts, ends */
+    PyObject *positions = PyDict_New(), *cache = PyDict_New(), *result = NULL;
+    PyObject *field[3] = {NULL}; /* the row's name, dtype and shape */
+    Text t = {0};
+    Layout last = {0};
+    for (int c = 0; c < 5; c++) columns[c] = PyList_New(n);
+    for (int c = 0; c < 5; c++)
+        if (columns[c] == NULL) goto done;
+    if (positions == NULL || cache == NULL) goto done;
+    if (!reserve(&t, (size_t)head_len + 2)) goto nomemory;
+    put(&t, "{", 1);
+    put(&t, head, (size_t)head_len);
+    u64 offset = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i >= PyList_Size(rows)) goto declined; /* changed meanwhile (by layout_of) */
+        int plain = row_of(PyList_GetItem(rows, i), attrs, field);
+        if (plain < 0) goto done;
+        if (plain == 0) goto declined;
+        PyObject *name = field[0], *given = field[1], *shape = field[2];
+        if (!PyUnicode_CheckExact(name)) goto declined;
+        Py_ssize_t name_len;
+        const char *utf8 = PyUnicode_AsUTF8AndSize(name, &name_len);
+        if (utf8 == NULL) {
+            PyErr_Clear();
+            goto declined;
+        }
+        if (!plain_name(utf8, name_len)) goto declined;
+        PyObject *index = PyLong_FromSsize_t(i);
+        int stored = index != NULL ? PyDict_SetItem(positions, name, index) : -1;
+        Py_XDECREF(index);
+        if (stored < 0) goto done;
+        if (PyDict_Size(positions) != i + 1) goto declined; /* the name came before */
+        int got = layout(cache, layout_of, name, given, shape, &last);
+        if (got < 0) goto done;
+        if (got == 0) goto declined;
+        u64 end = offset + last.nbytes;
+        if (end < offset) goto declined; /* past 2**64 - 1: the Python layout says so */
+        /* ,"name":{...,"data_offsets":[offset,end]} (and the closing brace) */
+        if (!reserve(&t, (size_t)name_len + (size_t)last.text_len + 50)) goto nomemory;
+        if (i > 0 || head_len > 0) put(&t, ",", 1);
+        put(&t, "\"", 1);
+        put(&t, utf8, (size_t)name_len);
+        put(&t, "\":", 2);
+        put(&t, last.text, (size_t)last.text_len);
+        put_number(&t, offset);
+        put(&t, ",", 1);
+        put_number(&t, end);
+        put(&t, "]}", 2);
+        if (set_borrowed(columns[0], i, name) || set_borrowed(columns[1], i, last.code) ||
+            set_borrowed(columns[2], i, shape) ||
+            set_new(columns[3], i, PyLong_FromUnsignedLongLong(offset)) ||
+            set_new(columns[4], i, PyLong_FromUnsignedLongLong(end)))
+            goto done;
+        offset = end;
+        for (int f = 0; f < 3; f++) Py_CLEAR(field[f]);
+    }
+    if (!reserve(&t, 1)) goto nomemory;
+    put(&t, "}", 1);
+    PyObject *text = PyBytes_FromStringAndSize(t.s, (Py_ssize_t)t.n);
+    if (text == NULL) goto done;
+    result = Py_BuildValue("(NOOOOOO)", text, columns[0], columns[1], columns[2], columns[3],
+                           columns[4], positions);
+    goto done;
+nomemory:
+    PyErr_NoMemory();
+    goto done;
+declined:
+    result = Py_NewRef(Py_None);
+done:
+    for (int f = 0; f < 3; f++) Py_XDECREF(field[f]);
+    for (int c = 0; c < 5; c++) Py_XDECREF(columns[c]);
+    Py_XDECREF(positions);
+    Py_XDECREF(cache);
+    Py_XDECREF(last.given);
+    Py_XDECREF(last.shape);
+    PyMem_Free(t.s);
+    return result;
+}
+
 /* untracked(list) -> list: ``list`` itself, no longer tracked by the cyclic garbage collector.
    For the columns of a big header's table, which hold only strings, integers, None and tuples
    of integers, none of which can refer back to the list: it can never be part of a reference
@@ -346,6 +585,9 @@ static PyObject *untracked(PyObject *module, PyObject *list) {
 static PyMethodDef methods[] = {
     {"untracked", untracked, METH_O,
      "untracked(list): the list, untracked by the garbage collector (see the module's source)."},
+    {"laid", (PyCFunction)(void (*)(void))laid, METH_FASTCALL,
+     "laid(rows, attrs, head, layout_of): the header text and columns of a plan laid out back "
+     "to back, or None (see the module's source)."},
     {"piece", (PyCFunction)(void (*)(void))piece, METH_FASTCALL,
      "piece(table, dtypes, max_ndim, plain_bits, text, first): the table of a header piece "
      "written as the reference writer writes it, or None (see the module's source)."},

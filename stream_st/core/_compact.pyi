@@ -1,8 +1,8 @@
 """Stub of the compiled module ``stream_st/core/_compact.c``: a header piece written as the
-reference writer writes it, read in C."""
+reference writer writes it, read in C; a plain plan's header laid out in C."""
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -25,3 +25,20 @@ def untracked(column: list[T], /) -> list[T]:
     """``column`` itself, no longer tracked by the cyclic garbage collector: for a big header's
     columns, which hold only strings, integers, None and tuples of integers (no cycle can pass
     through them), so that no collection walks their places."""
+
+def laid(
+    rows: list[Any],
+    attrs: tuple[str, str, str] | None,
+    head: str,
+    layout_of: Callable[[str, Any, tuple[int, ...]], tuple[str, int, str]],
+    /,
+) -> (
+    tuple[bytes, list[str], list[str], list[tuple[int, ...]], list[int], list[int], dict[str, int]]
+    | None
+):
+    """The header text (unframed), its five columns and each name's position of ``rows`` (each
+    a (name, dtype, shape) tuple, or an object whose ``attrs`` are those) laid out back to back
+    after ``head`` (the first members, joined), each distinct (dtype, shape)'s layout given by
+    ``layout_of`` (which raises what is wrong with it); None for a plan that is not plain (a name
+    JSON escapes, ``__metadata__``, a name twice, data past 2**64 - 1...), which the Python
+    layout then lays out."""
