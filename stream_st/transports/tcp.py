@@ -392,9 +392,8 @@ class SocketSink(SocketEnd, Sink):
         """The error for a reset seen after the message's last byte went out: whether the peer
         read the message to its end before it reset the connection, TCP does not tell."""
         return TransportError(
-            "the peer reset the connection before reading the whole message or after (a reset "
-            "does not tell which: the message may not have been read in full; "
-            f"{exc.strerror or exc})",
+            "the peer reset the connection after the message was sent: it may not have read "
+            f"it in full (a reset does not tell; {exc.strerror or exc})",
             url=self.name,
             position=self.position,
         )
