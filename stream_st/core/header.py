@@ -725,6 +725,10 @@ def _shape_error(name: str, shape: object) -> HeaderError:
     )
 
 
+_JSON_KINDS = {dict: "an object", list: "an array", bool: "a boolean", type(None): "null"}
+"""What a JSON value other than a string or a number is, by the type it is parsed into."""
+
+
 def _header_dtype(name: str, code: object) -> DType:
     try:
         return dtype_from_code(code)
@@ -737,6 +741,8 @@ def _header_dtype(name: str, code: object) -> DType:
             )
         elif type(code) is str and code.upper() in DTYPES:
             hint = f"; codes are upper case ({code.upper()!r})"
+        elif type(code) is not str:
+            hint = f"; a dtype is a JSON string, got {_JSON_KINDS.get(type(code), 'a number')}"
         raise UnknownDtypeError(f"tensor {name!r}: {exc}{hint}") from None
 
 

@@ -22,6 +22,7 @@ from stream_st import (
     TensorInfo,
     TensorNotFoundError,
     TensorSpec,
+    UnknownDtypeError,
     build_header,
     parse_header,
 )
@@ -551,3 +552,15 @@ def test_a_name_index_in_several_dicts_is_one_mapping() -> None:
     assert len(index) == 1000 and index["layer.3"] == 1000
     with pytest.raises(KeyError):
         index["missing"]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kind"),
+    [({"F32": None}, "an object"), (["F32"], "an array"), (32, "a number"), (None, "null")],
+)
+def test_a_dtype_that_is_no_string_is_named_as_such(dtype: object, kind: str) -> None:
+    """A dtype written as another JSON value (the reference reads ``{"F32": null}``) is refused
+    with a message that says a dtype is a string."""
+    text = json.dumps({"a": {"dtype": dtype, "shape": [2], "data_offsets": [0, 8]}}).encode()
+    with pytest.raises(UnknownDtypeError, match=f"a dtype is a JSON string, got {kind}"):
+        parse_header(text)
