@@ -165,3 +165,16 @@ def test_a_key_of_no_column_is_refused(keys: list[str]) -> None:
 
     with pytest.raises(stream_st.UsageError, match=f"tensor '{keys[1]}' of s is no column"):
         dataset._split_keys(pa.array(keys), COLUMNS, "__", "s")
+
+
+@pytest.mark.parametrize("separator", ["__", ""])  # numpy's split, and key by key
+def test_a_long_key_of_no_column_is_cut_in_the_message(separator: str) -> None:
+    """The refused key's repr is cut at 80 characters, whatever its length."""
+    import pyarrow as pa
+
+    key = "k" * 10_000 + "__y"
+    with pytest.raises(stream_st.UsageError) as caught:
+        dataset._split_keys(pa.array(["a__n", key]), COLUMNS, separator, "s")
+    message = str(caught.value)
+    assert f"tensor {repr(key)[:80]} of s is no column" in message
+    assert len(message) < 300
