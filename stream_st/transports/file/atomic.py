@@ -266,8 +266,14 @@ def _target_of(
     is), looked at unless ``seen`` holds it already (:func:`local_target`); and the permission
     bits the new file takes: those of the regular file there, or that a symlink there leads to,
     less set-user-ID and set-group-ID, which a write into that file would clear too (None: the
-    default)."""
-    target = name if os.path.isabs(name) else os.path.join(os.getcwd(), name)
+    default). A relative ``name`` whose working directory was removed is a
+    :class:`~stream_st.SourceNotFoundError` naming it, as a missing directory is."""
+    try:
+        target = name if os.path.isabs(name) else os.path.join(os.getcwd(), name)
+    except FileNotFoundError:  # no path leads to the working directory any more
+        raise SourceNotFoundError(
+            f"the working directory was removed: cannot write {name}", url=name
+        ) from None
     found = _existing(target, follow=False) if seen is None else seen[0]
     if found is not None and stat.S_ISLNK(found.st_mode) and _through_proc(target):
         held = os.path.realpath(target)  # the file a descriptor holds, not /dev's link
