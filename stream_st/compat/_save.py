@@ -149,11 +149,15 @@ def _written_small(tensors: object, dst: object, metadata: object) -> bool:
         return False
     if not dst.isascii() and sys.getfilesystemencoding() != "utf-8":  # it names files in UTF-8
         return False
-    arrays = _arrays(checked_tensors(tensors))  # its errors before the metadata's, as there
+    # the errors of the Python write, in its order: the tensors' checks, the metadata's, then
+    # the tensors' conversion (a shape numpy cannot hold)
+    checked = checked_tensors(tensors)
+    checked_metadata = check_metadata(metadata)
+    arrays = _arrays(checked)
     if arrays is None:
         return False
     member = (
-        None if metadata is None else _metadata_members(unrecorded(check_metadata(metadata)))[0]
+        None if checked_metadata is None else _metadata_members(unrecorded(checked_metadata))[0]
     )
     small, formats = compiled
     done = small.save(
