@@ -15,6 +15,7 @@ def _compiled(name: str) -> Extension:
     return Extension(
         f"stream_st.core.{name}",
         [f"stream_st/core/{name}.c"],
+        depends=["stream_st/core/_text.h"],  # shared by the modules that write header text
         optional=True,
         py_limited_api=True,
         extra_compile_args=["-O3"],

@@ -41,6 +41,7 @@ SKIP = shutil.ignore_patterns(
     ".hypothesis",
 )
 SDIST_NEEDS = [
+    "stream_st/core/_text.h",  # the compiled modules' shared header: without it they are not built
     "LICENSE",
     "README.md",
     "CHANGELOG.md",

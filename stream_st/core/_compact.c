@@ -33,6 +33,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_text.h"
+
 typedef unsigned long long u64;
 
 typedef struct {
@@ -345,51 +347,6 @@ done:
    wrong. Rows are checked in order, each name before its layout, as the Python layout checks
    them, so an error ``layout_of`` raises is the one the Python layout would raise first. */
 typedef struct {
-    char *s;
-    size_t n, cap;
-} Text;
-
-/* Room in ``t`` for ``len`` more bytes; 0 if out of memory. */
-static int reserve(Text *t, size_t len) {
-    if (t->n + len <= t->cap) return 1;
-    size_t cap = t->cap ? t->cap : 4096;
-    while (cap < t->n + len) cap *= 2;
-    char *grown = PyMem_Realloc(t->s, cap);
-    if (grown == NULL) return 0;
-    t->s = grown;
-    t->cap = cap;
-    return 1;
-}
-
-/* ``len`` bytes appended to ``t``, which has room for them. */
-static void put(Text *t, const char *s, size_t len) {
-    memcpy(t->s + t->n, s, len);
-    t->n += len;
-}
-
-/* ``value`` in decimal (at most 20 digits) appended to ``t``, which has room for it (by hand:
-   snprintf took most of a row's time). */
-static void put_number(Text *t, u64 value) {
-    char digits[20];
-    size_t i = sizeof digits;
-    do {
-        digits[--i] = (char)('0' + value % 10);
-        value /= 10;
-    } while (value != 0);
-    put(t, digits + i, sizeof digits - i);
-}
-
-/* Whether JSON writes ``name`` as it is between quotes, and it is no header key. */
-static int plain_name(const char *name, Py_ssize_t len) {
-    if (len == 12 && memcmp(name, "__metadata__", 12) == 0) return 0;
-    for (Py_ssize_t i = 0; i < len; i++) {
-        unsigned char b = (unsigned char)name[i];
-        if (b < 0x20 || b == '"' || b == '\\') return 0;
-    }
-    return 1;
-}
-
-typedef struct {
     PyObject *given, *shape; /* the last row's (held) */
     PyObject *entry;         /* its layout: (code, bytes, text), borrowed from the cache */
     PyObject *code;
@@ -527,7 +484,8 @@ static PyObject *laid(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         u64 end = offset + last.nbytes;
         if (end < offset) goto declined; /* past 2**64 - 1: the Python layout says so */
         /* ,"name":{...,"data_offsets":[offset,end]} (and the closing brace) */
-        if (!reserve(&t, (size_t)name_len + (size_t)last.text_len + 50)) goto nomemory;
+        if (!reserve(&t, (size_t)name_len + (size_t)last.text_len + 2 * NUMBER_ROOM + 8))
+            goto nomemory;
         if (i > 0 || head_len > 0) put(&t, ",", 1);
         put(&t, "\"", 1);
         put(&t, utf8, (size_t)name_len);

@@ -43,6 +43,8 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "_text.h"
+
 #if defined(O_TMPFILE) && defined(AT_SYMLINK_FOLLOW)
 #define HAVE_NAMELESS 1
 #else
@@ -59,44 +61,6 @@ typedef struct {
     long rank;
     Py_buffer view;
 } Row;
-
-typedef struct {
-    char *s;
-    size_t n, cap;
-} Text;
-
-/* ``len`` bytes appended to ``t``; 0 if out of memory. */
-static int put(Text *t, const char *s, size_t len) {
-    if (t->n + len > t->cap) {
-        size_t cap = t->cap ? t->cap : 256;
-        while (cap < t->n + len) cap *= 2;
-        char *grown = realloc(t->s, cap);
-        if (grown == NULL) return 0;
-        t->s = grown;
-        t->cap = cap;
-    }
-    memcpy(t->s + t->n, s, len);
-    t->n += len;
-    return 1;
-}
-
-#define PUT(t, lit) put((t), (lit), sizeof(lit) - 1)
-
-static int put_number(Text *t, unsigned long long value) {
-    char digits[24];
-    int len = snprintf(digits, sizeof digits, "%llu", value);
-    return put(t, digits, (size_t)len);
-}
-
-/* Whether JSON writes ``name`` as it is between quotes, and it is no header key. */
-static int plain_name(const char *name, Py_ssize_t len) {
-    if (len == 12 && memcmp(name, "__metadata__", 12) == 0) return 0;
-    for (Py_ssize_t i = 0; i < len; i++) {
-        unsigned char b = (unsigned char)name[i];
-        if (b < 0x20 || b == '"' || b == '\\') return 0;
-    }
-    return 1;
-}
 
 /* The reference's order: descending rank, then the names' code points (their UTF-8 bytes'
    order); names are distinct. */
@@ -280,35 +244,43 @@ static PyObject *save(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     qsort(rows, (size_t)n, sizeof(Row), by_reference);
 
     /* the header, as the Python write makes it: see stream_st.core.layout._header_of */
-    int ok = PUT(&text, "01234567{"); /* the length prefix's place, filled in below */
+    size_t room = 8 + 1 + (size_t)metadata_len + 1 + 1 + 7; /* prefix, braces, comma, padding */
+    for (Py_ssize_t i = 0; i < n; i++) /* each member: its name, code, dims and offsets */
+        room += (size_t)rows[i].name_len + (size_t)rows[i].code_len + 48 +
+                (size_t)(rows[i].view.ndim + 2) * (NUMBER_ROOM + 1);
+    if (!reserve(&text, room)) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    PUT(&text, "01234567{"); /* the length prefix's place, filled in below */
     if (metadata_text != NULL) {
-        ok = ok && put(&text, metadata_text, (size_t)metadata_len);
-        if (n > 0) ok = ok && PUT(&text, ",");
+        put(&text, metadata_text, (size_t)metadata_len);
+        if (n > 0) PUT(&text, ",");
     }
     unsigned long long offset = 0;
-    for (Py_ssize_t i = 0; i < n && ok; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         Row *row = &rows[i];
-        if (i > 0) ok = ok && PUT(&text, ",");
-        ok = ok && PUT(&text, "\"") && put(&text, row->name, (size_t)row->name_len) &&
-             PUT(&text, "\":{\"dtype\":\"") && put(&text, row->code, (size_t)row->code_len) &&
-             PUT(&text, "\",\"shape\":[");
-        for (int d = 0; d < row->view.ndim && ok; d++) {
-            if (d > 0) ok = ok && PUT(&text, ",");
-            ok = ok && put_number(&text, (unsigned long long)row->view.shape[d]);
+        if (i > 0) PUT(&text, ",");
+        PUT(&text, "\"");
+        put(&text, row->name, (size_t)row->name_len);
+        PUT(&text, "\":{\"dtype\":\"");
+        put(&text, row->code, (size_t)row->code_len);
+        PUT(&text, "\",\"shape\":[");
+        for (int d = 0; d < row->view.ndim; d++) {
+            if (d > 0) PUT(&text, ",");
+            put_number(&text, (unsigned long long)row->view.shape[d]);
         }
-        ok = ok && PUT(&text, "],\"data_offsets\":[") && put_number(&text, offset) &&
-             PUT(&text, ",") && put_number(&text, offset + (unsigned long long)row->view.len) &&
-             PUT(&text, "]}");
+        PUT(&text, "],\"data_offsets\":[");
+        put_number(&text, offset);
+        PUT(&text, ",");
+        put_number(&text, offset + (unsigned long long)row->view.len);
+        PUT(&text, "]}");
         offset += (unsigned long long)row->view.len;
         bases[i + 1] = row->view.buf;
         lens[i + 1] = (size_t)row->view.len;
     }
-    ok = ok && PUT(&text, "}");
-    while (ok && (text.n - 8) % 8 != 0) ok = PUT(&text, " ");
-    if (!ok) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    PUT(&text, "}");
+    while ((text.n - 8) % 8 != 0) PUT(&text, " ");
     if (text.n - 8 > max_header) goto declined;
     unsigned long long header_size = text.n - 8;
     for (int b = 0; b < 8; b++) text.s[b] = (char)((header_size >> (8 * b)) & 0xff);
@@ -350,7 +322,7 @@ done:
     PyMem_Free(rows);
     PyMem_Free(bases);
     PyMem_Free(lens);
-    free(text.s);
+    PyMem_Free(text.s);
     free(directory);
     return result;
 }
