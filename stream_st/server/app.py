@@ -5,21 +5,22 @@ path, ``CONNECT host:port`` or ``OPTIONS *``, is answered as any other), checked
 the bearer token (401), the path (404; ``CONNECT`` names none), the method (405), the files
 still the ones planned (409), then the conditions and the range (``conditions``: 304, 412, 416,
 200 or 206). A client gone before or while its answer goes out is dropped without a word; a
-request aiohttp cannot parse gets aiohttp's 400 and one line in its log (see
-:class:`_ServerLog`). The files a body comes from are opened before the status goes out: no
-descriptor free is a 503 (``Retry-After``), a file no longer the one planned a 409. A body is
-sent piece by piece: a file's bytes with ``sendfile`` (zero-copy), bytes in memory in slices of
-:data:`SLICE`. Its last byte is held back
-until the files are found unchanged once more: a file changed (another inode, size or
-modification time) while it was being sent ends its answer one byte short (the connection is
-closed), never complete with a mix of two versions. ``sendfile`` queues the file's pages, not
-copies: a write in place after that check still reaches a client that has not read those bytes
-yet (``docs/serve.md``: served files are replaced by rename).
+request aiohttp cannot parse gets aiohttp's 400 and one line in its log, both naming the kind
+of failure, neither repeating a byte of the request (see :func:`_malformed`). The files a body
+comes from are opened before the status goes out: no descriptor free is a 503
+(``Retry-After``), a file no longer the one planned a 409. A body is sent piece by piece: a
+file's bytes with ``sendfile`` (zero-copy), bytes in memory in slices of :data:`SLICE`. Its
+last byte is held back until the files are found unchanged once more: a file changed (another
+inode, size or modification time) while it was being sent ends its answer one byte short (the
+connection is closed), never complete with a mix of two versions. ``sendfile`` queues the
+file's pages, not copies: a write in place after that check still reaches a client that has not
+read those bytes yet (``docs/serve.md``: served files are replaced by rename).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import io
@@ -122,6 +123,14 @@ class _Token:
         return "<token>"
 
 
+def _malformed(exc: BaseException) -> str:
+    """What is said of a request aiohttp cannot parse, in its 400's body and in the log: the
+    kind of failure, aiohttp's exception's name (``LineTooLong`` for a request line or header
+    over 8190 bytes). Never aiohttp's reason: it quotes the request's bytes (the start of an
+    ``Authorization`` line too long: a client's credential, or the server's own token)."""
+    return f"malformed request ({type(exc).__name__})"
+
+
 class _ServerLog(logging.LoggerAdapter[logging.Logger]):
     """aiohttp's server log (``aiohttp.server``), where a request aiohttp cannot parse (a
     client's, answered 400) is one line at INFO at most, not a traceback at ERROR: anyone who
@@ -130,18 +139,57 @@ class _ServerLog(logging.LoggerAdapter[logging.Logger]):
 
     def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
         """Log as aiohttp asks, a request it cannot parse (``exc_info`` an
-        ``HttpProcessingError``) in one line: its reason's first line, without the traceback."""
+        ``HttpProcessingError``) in one line: the status and :func:`_malformed`'s words,
+        without the traceback (whose exception quotes the request)."""
         from aiohttp.http_exceptions import HttpProcessingError
 
         exc = kwargs.get("exc_info")
         if isinstance(exc, HttpProcessingError):
             del kwargs["exc_info"]
-            reason = next(iter(exc.message.strip().splitlines()), "")[:100]
             level = min(level, logging.INFO)
-            msg = f"{msg}: answered %d to a malformed request (%s: %r)"
-            args = (*args, exc.code, type(exc).__name__, reason)
+            msg = f"{msg}: answered %d to a %s"
+            args = (*args, exc.code, _malformed(exc))
         kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1  # aiohttp's line, not this one
         super().log(level, msg, *args, **kwargs)
+
+
+@functools.cache
+def _web_server() -> type[web.Server]:
+    """aiohttp's low-level ``web.Server`` (no access log, its log through :class:`_ServerLog`)
+    whose connections answer a request aiohttp cannot parse with :func:`_malformed`'s words,
+    where aiohttp's 400 gave its reason, quoting the request's bytes back."""
+    from aiohttp import web
+    from aiohttp.http_exceptions import HttpProcessingError
+    from aiohttp.log import server_logger
+
+    # aiohttp takes None for no access log and any logger-like object, as web.Server's
+    # keywords pass them on; its annotations say Logger for both
+    options: dict[str, Any] = {"access_log": None, "logger": _ServerLog(server_logger)}
+
+    class Connection(web.RequestHandler):
+        """aiohttp's handler of one connection, its 400s said in fixed words."""
+
+        def handle_error(
+            self,
+            request: web.BaseRequest,
+            status: int = 500,
+            exc: BaseException | None = None,
+            message: str | None = None,
+        ) -> web.StreamResponse:
+            """aiohttp's answer to an error, a request it cannot parse said as
+            :func:`_malformed` says it."""
+            if isinstance(exc, HttpProcessingError):
+                message = _malformed(exc) + "\n"
+            return super().handle_error(request, status, exc, message)
+
+    class WebServer(web.Server):
+        """aiohttp's ``web.Server``, its connections handled by ``Connection``."""
+
+        def __call__(self) -> web.RequestHandler:
+            """A new connection's handler (aiohttp's ``web.Server`` is its protocol factory)."""
+            return Connection(self, loop=asyncio.get_running_loop(), **options)
+
+    return WebServer
 
 
 class Server:
@@ -396,7 +444,6 @@ async def serving(
     """
     try:
         from aiohttp import web
-        from aiohttp.log import server_logger
     except ImportError:
         raise UsageError("serving needs aiohttp: pip install 'stream-st[serve]'") from None
     try:
@@ -408,7 +455,7 @@ async def serving(
     served = await served_object(source, name=name, metadata=metadata, checksums=checksums)
     sock = _listening_socket(host, port)
     server = Server(served, host, sock.getsockname()[1], checked)
-    handler = web.Server(server._handle, access_log=None, logger=_ServerLog(server_logger))
+    handler = _web_server()(server._handle)
     runner = web.ServerRunner(handler, handle_signals=False, shutdown_timeout=_LATE)
     try:
         await runner.setup()
