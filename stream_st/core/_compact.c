@@ -332,77 +332,113 @@ done:
     return result;
 }
 
-/* laid(rows, attrs, head, layout_of) -> (text, names, codes, shapes, starts, ends, positions)
-   or None: the header of a plan laid out back to back, as stream_st.core.layout._header_of
-   lays it out in Python (see there), for plain plans only.
+/* laid(rows, attrs, head, dtype_of, layout_of) -> (text, names, codes, shapes, starts, ends,
+   positions) or None: the header of a plan laid out back to back, as
+   stream_st.core.layout._laid_here lays it out in Python (see there), for plain plans only.
 
    ``rows`` is a list of the plan's rows, (name, dtype, shape) tuples, or of objects whose
-   attributes named by ``attrs`` (a tuple of three str) are those (None: tuples). ``head`` is the header's first members, joined
-   (the metadata's, or ""). For each distinct (dtype, shape), ``layout_of(name, dtype, shape)``
-   gives (code, bytes, member text up to the offsets) or raises what the Python layout raises
-   for that row. Accepted only where every name is exactly a str that JSON writes as it is (no
-   quote, backslash or control character, valid UTF-8), is not "__metadata__" and comes once,
-   every row is a 3-tuple whose (dtype, shape) pair is hashable, and the data ends below 2**64:
-   anything else gives None, and the Python layout lays the plan out, which tells what is
-   wrong. Rows are checked in order, each name before its layout, as the Python layout checks
-   them, so an error ``layout_of`` raises is the one the Python layout would raise first. */
+   attributes named by ``attrs`` (a tuple of three str) are those (None: tuples). ``head`` is
+   the header's first members, joined (the metadata's, or ""). The callbacks are the Python
+   layout's, called as it calls them: ``dtype_of(name, dtype)`` (its DType, whose ``code`` is a
+   str) for each row whose dtype object is not the row before's, and ``layout_of(name, DType,
+   shape)`` (bytes, member text up to the offsets) for each distinct (code, shape); each raises
+   what is wrong with that row, as there. Accepted only where every name is exactly a str that
+   JSON writes as it is (no quote, backslash or control character, valid UTF-8), is not
+   "__metadata__" and comes once, every row is a 3-tuple, every (code, shape) is looked up as
+   a dict key without an error, and the data ends below 2**64: anything else gives None, and the
+   Python layout lays the plan out, which tells what is wrong. Rows are checked in order, each
+   name before its layout, as the Python layout checks them, so an error a callback raises is
+   the one the Python layout raises first. */
 typedef struct {
-    PyObject *given, *shape; /* the last row's (held) */
-    PyObject *entry;         /* its layout: (code, bytes, text), borrowed from the cache */
-    PyObject *code;
+    PyObject *given, *dtype; /* the last row's dtype, as given and as found (held) */
+    PyObject *code;          /* the found dtype's code (held) */
+    PyObject *shape;         /* the last row's shape (held) */
+    PyObject *entry;         /* its layout: (bytes, text), borrowed from the cache */
     u64 nbytes;
     const char *text;
     Py_ssize_t text_len;
 } Layout;
 
-/* The layout of ``given`` and ``shape`` (of tensor ``name``) in ``*last``: 1, 0 where it is not
-   plain, -1 on an error (one ``layout_of`` raised: the row's own). */
-static int layout(PyObject *cache, PyObject *layout_of, PyObject *name, PyObject *given,
-                  PyObject *shape, Layout *last) {
-    if (last->entry != NULL && given == last->given) {
-        int same = shape == last->shape ? 1 : PyObject_RichCompareBool(shape, last->shape, Py_EQ);
-        if (same < 0) return -1;
-        if (same) return 1;
+/* Whether ``a`` and ``b`` are the same shape, where that can be told without calling code a
+   caller defined: the same object, or tuples of exact ints equal item by item; else 0 (the
+   cache then compares them, as the Python layout's dict does). */
+static int same_shape(PyObject *a, PyObject *b) {
+    if (a == b) return 1;
+    if (!PyTuple_CheckExact(a) || !PyTuple_CheckExact(b)) return 0;
+    Py_ssize_t n = PyTuple_Size(a);
+    if (PyTuple_Size(b) != n) return 0;
+    for (Py_ssize_t d = 0; d < n; d++) {
+        PyObject *x = PyTuple_GetItem(a, d), *y = PyTuple_GetItem(b, d);
+        if (!PyLong_CheckExact(x) || !PyLong_CheckExact(y)) return 0;
+        if (PyObject_RichCompareBool(x, y, Py_EQ) != 1) return 0; /* ints: no error */
     }
-    PyObject *key = PyTuple_Pack(2, given, shape);
+    return 1;
+}
+
+/* Hold ``value`` in ``*slot`` (a new reference), dropping what it held. */
+static void hold(PyObject **slot, PyObject *value) {
+    PyObject *old = *slot;
+    *slot = Py_NewRef(value);
+    Py_XDECREF(old);
+}
+
+/* The layout of ``given`` and ``shape`` (of tensor ``name``) in ``*last``: 1, 0 where it is not
+   plain, -1 on an error (one a callback raised: the row's own). */
+static int layout(PyObject *cache, PyObject *dtype_of, PyObject *layout_of, PyObject *name,
+                  PyObject *given, PyObject *shape, Layout *last) {
+    if (last->dtype == NULL || given != last->given) { /* as the Python layout's ``found`` */
+        PyObject *dtype = PyObject_CallFunctionObjArgs(dtype_of, name, given, NULL);
+        if (dtype == NULL) return -1;
+        PyObject *code = PyObject_GetAttrString(dtype, "code");
+        if (code == NULL || !PyUnicode_CheckExact(code)) {
+            Py_DECREF(dtype);
+            Py_XDECREF(code);
+            PyErr_Clear();
+            return 0;
+        }
+        hold(&last->given, given);
+        hold(&last->dtype, dtype);
+        if (code != last->code) last->entry = NULL;
+        hold(&last->code, code);
+        Py_DECREF(dtype);
+        Py_DECREF(code);
+    } else if (last->entry != NULL && same_shape(shape, last->shape)) {
+        return 1;
+    }
+    PyObject *key = PyTuple_Pack(2, last->code, shape);
     if (key == NULL) return -1;
     PyObject *entry = PyDict_GetItemWithError(cache, key); /* borrowed */
-    if (entry == NULL && PyErr_Occurred()) {
+    if (entry == NULL && PyErr_Occurred()) { /* the shape's hash or == failed */
         Py_DECREF(key);
-        if (!PyErr_ExceptionMatches(PyExc_TypeError)) return -1;
-        PyErr_Clear(); /* unhashable: the Python layout says what is wrong */
+        PyErr_Clear(); /* the Python layout says what is wrong */
         return 0;
     }
     if (entry == NULL) {
-        PyObject *made = PyObject_CallFunctionObjArgs(layout_of, name, given, shape, NULL);
+        PyObject *made = PyObject_CallFunctionObjArgs(layout_of, name, last->dtype, shape, NULL);
         int stored = made != NULL ? PyDict_SetItem(cache, key, made) : -1;
         Py_XDECREF(made); /* the cache holds it */
         if (stored < 0) {
             Py_DECREF(key);
-            return -1;
+            return made != NULL ? (PyErr_Clear(), 0) : -1;
         }
         entry = made;
     }
     Py_DECREF(key);
-    if (!PyTuple_Check(entry) || PyTuple_Size(entry) != 3) return 0;
-    PyObject *code = PyTuple_GetItem(entry, 0), *nbytes = PyTuple_GetItem(entry, 1);
-    if (!PyUnicode_CheckExact(code) || !PyLong_Check(nbytes)) return 0;
+    if (!PyTuple_Check(entry) || PyTuple_Size(entry) != 2) return 0;
+    PyObject *nbytes = PyTuple_GetItem(entry, 0);
+    if (!PyLong_Check(nbytes)) return 0;
     u64 size = PyLong_AsUnsignedLongLong(nbytes);
     if (size == (u64)-1 && PyErr_Occurred()) {
         PyErr_Clear();
         return 0;
     }
-    const char *text = PyUnicode_AsUTF8AndSize(PyTuple_GetItem(entry, 2), &last->text_len);
+    const char *text = PyUnicode_AsUTF8AndSize(PyTuple_GetItem(entry, 1), &last->text_len);
     if (text == NULL) {
         PyErr_Clear();
         return 0;
     }
-    Py_XDECREF(last->given);
-    Py_XDECREF(last->shape);
-    last->given = Py_NewRef(given);
-    last->shape = Py_NewRef(shape);
+    hold(&last->shape, shape);
     last->entry = entry;
-    last->code = code;
     last->nbytes = size;
     last->text = text;
     return 1;
@@ -432,14 +468,15 @@ static int row_of(PyObject *item, PyObject *attrs, PyObject *field[3]) {
 
 static PyObject *laid(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    PyObject *attrs = nargs == 4 && args[1] != Py_None ? args[1] : NULL;
-    if (nargs != 4 || !PyList_Check(args[0]) || !PyUnicode_Check(args[2]) ||
+    PyObject *attrs = nargs == 5 && args[1] != Py_None ? args[1] : NULL;
+    if (nargs != 5 || !PyList_Check(args[0]) || !PyUnicode_Check(args[2]) ||
         (attrs != NULL && (!PyTuple_Check(attrs) || PyTuple_Size(attrs) != 3))) {
-        PyErr_SetString(PyExc_TypeError, "laid(rows: list, attrs, head: str, layout_of)");
+        PyErr_SetString(PyExc_TypeError,
+                        "laid(rows: list, attrs, head: str, dtype_of, layout_of)");
         return NULL;
     }
     PyObject *rows = args[0];
-    PyObject *layout_of = args[3];
+    PyObject *dtype_of = args[3], *layout_of = args[4];
     Py_ssize_t head_len, n = PyList_Size(rows);
     const char *head = PyUnicode_AsUTF8AndSize(args[2], &head_len);
     if (head == NULL) { /* a lone surrogate: the Python layout refuses it */
@@ -460,7 +497,7 @@ static PyObject *laid(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     put(&t, head, (size_t)head_len);
     u64 offset = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i >= PyList_Size(rows)) goto declined; /* changed meanwhile (by layout_of) */
+        if (i >= PyList_Size(rows)) goto declined; /* changed meanwhile (by a callback) */
         int plain = row_of(PyList_GetItem(rows, i), attrs, field);
         if (plain < 0) goto done;
         if (plain == 0) goto declined;
@@ -478,7 +515,7 @@ static PyObject *laid(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_XDECREF(index);
         if (stored < 0) goto done;
         if (PyDict_Size(positions) != i + 1) goto declined; /* the name came before */
-        int got = layout(cache, layout_of, name, given, shape, &last);
+        int got = layout(cache, dtype_of, layout_of, name, given, shape, &last);
         if (got < 0) goto done;
         if (got == 0) goto declined;
         u64 end = offset + last.nbytes;
@@ -521,6 +558,8 @@ done:
     Py_XDECREF(positions);
     Py_XDECREF(cache);
     Py_XDECREF(last.given);
+    Py_XDECREF(last.dtype);
+    Py_XDECREF(last.code);
     Py_XDECREF(last.shape);
     PyMem_Free(t.s);
     return result;
@@ -544,7 +583,7 @@ static PyMethodDef methods[] = {
     {"untracked", untracked, METH_O,
      "untracked(list): the list, untracked by the garbage collector (see the module's source)."},
     {"laid", (PyCFunction)(void (*)(void))laid, METH_FASTCALL,
-     "laid(rows, attrs, head, layout_of): the header text and columns of a plan laid out back "
+     "laid(rows, attrs, head, dtype_of, layout_of): the header text and columns of a plan laid out back "
      "to back, or None (see the module's source)."},
     {"piece", (PyCFunction)(void (*)(void))piece, METH_FASTCALL,
      "piece(table, dtypes, max_ndim, plain_bits, text, first): the table of a header piece "

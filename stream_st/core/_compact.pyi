@@ -30,7 +30,8 @@ def laid(
     rows: list[Any],
     attrs: tuple[str, str, str] | None,
     head: str,
-    layout_of: Callable[[str, Any, tuple[int, ...]], tuple[str, int, str]],
+    dtype_of: Callable[[str, Any], Any],
+    layout_of: Callable[[str, Any, tuple[int, ...]], tuple[int, str]],
     /,
 ) -> (
     tuple[bytes, list[str], list[str], list[tuple[int, ...]], list[int], list[int], dict[str, int]]
@@ -38,7 +39,8 @@ def laid(
 ):
     """The header text (unframed), its five columns and each name's position of ``rows`` (each
     a (name, dtype, shape) tuple, or an object whose ``attrs`` are those) laid out back to back
-    after ``head`` (the first members, joined), each distinct (dtype, shape)'s layout given by
-    ``layout_of`` (which raises what is wrong with it); None for a plan that is not plain (a name
-    JSON escapes, ``__metadata__``, a name twice, data past 2**64 - 1...), which the Python
-    layout then lays out."""
+    after ``head`` (the first members, joined), calling ``dtype_of(name, dtype)`` for each row
+    whose dtype object is not the row before's and ``layout_of(name, DType, shape)`` for each
+    distinct (code, shape), as the Python layout calls them (they raise what is wrong with a
+    row); None for a plan that is not plain (a name JSON escapes, ``__metadata__``, a name
+    twice, data past 2**64 - 1...), which the Python layout then lays out."""

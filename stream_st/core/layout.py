@@ -38,8 +38,9 @@ __all__ = ["TensorSpec", "build_header", "framed_header", "integer_shape", "plan
 class TensorSpec:
     """One planned tensor: ``dtype`` is a safetensors code or a numpy / ml_dtypes dtype.
 
-    ``name`` is a string and ``shape`` a sequence of integers (Python or numpy); anything else
-    raises :class:`~stream_st.ArgumentTypeError` (a :class:`~stream_st.UsageError` and a
+    ``name`` is a string (kept as a plain ``str``: a subclass's comparisons could let a name
+    pass twice) and ``shape`` a sequence of integers (Python or numpy); anything else raises
+    :class:`~stream_st.ArgumentTypeError` (a :class:`~stream_st.UsageError` and a
     ``TypeError``).
     """
 
@@ -50,8 +51,10 @@ class TensorSpec:
     def __init__(self, name: str, dtype: str | np.dtype[Any] | type, shape: Sequence[int]) -> None:
         # Written out, not generated: a plan of many small tensors makes a spec for each, and
         # the frozen dataclass's own __init__ and __post_init__ took twice as long.
-        if not isinstance(name, str):
-            raise _name_error(name)
+        if type(name) is not str:
+            if not isinstance(name, str):
+                raise _name_error(name)
+            name = str.__str__(name)  # a subclass's ==, hash and repr are not the name's
         _set = object.__setattr__
         _set(self, "name", name)
         _set(self, "dtype", dtype)
@@ -194,11 +197,11 @@ def _header_of(
     size (each distinct dtype and shape checked and written once).
 
     A plain plan is laid out by the compiled module where it was built
-    (:func:`stream_st.core._compact.laid`: a tenth of the time for most plans; 10**6 tensors
-    in well under a second, where this loop took seconds); any other, by the loop here, which
-    raises what is wrong."""
+    (:func:`stream_st.core._compact.laid`: a third of the loop's instructions, with the same
+    calls of ``dtype_of`` and :func:`_layout`); any other, by the loop here
+    (:func:`_laid_here`), which raises what is wrong."""
     attrs = _SPEC_FIELDS if specs else None
-    laid = _LAID(rows, attrs, ",".join(members), _layout_by(dtype_of)) if _LAID else None
+    laid = _LAID(rows, attrs, ",".join(members), dtype_of, _layout) if _LAID else None
     if laid is not None:
         text, names, codes, shapes, starts, ends, positions = laid
     else:
@@ -263,19 +266,6 @@ def _layout(name: str, dtype: DType, shape: tuple[int, ...]) -> tuple[int, str]:
     nbytes = data_size(name, dtype, dims)
     shape_text = ",".join(map(str, dims))  # as JSON writes them: a tenth of its time
     return nbytes, f'{{"dtype":"{dtype.code}","shape":[{shape_text}],"data_offsets":['
-
-
-def _layout_by(
-    dtype_of: Callable[[str, Any], DType],
-) -> Callable[[str, Any, tuple[int, ...]], tuple[str, int, str]]:
-    """The layout of a row as the compiled module asks for it: the code of the dtype
-    ``dtype_of`` finds, and :func:`_layout`'s size and text."""
-
-    def layout_of(name: str, given: Any, shape: tuple[int, ...]) -> tuple[str, int, str]:
-        dtype = dtype_of(name, given)
-        return dtype.code, *_layout(name, dtype, shape)
-
-    return layout_of
 
 
 def _compiled_laid() -> Callable[..., Any] | None:

@@ -59,6 +59,8 @@ def lay_out(
     rows: list[_Row] = []
     found: dict[np.dtype[Any], DType] = {}  # each array dtype's safetensors dtype, found once
     for name, value in tensors.items():
+        if type(name) is not str and isinstance(name, str):
+            name = str.__str__(name)  # a subclass's ==, hash and repr are not the name's
         if type(value) is np.ndarray:  # most tensors: no torch tensor, nothing to convert
             if not isinstance(name, str):
                 raise _name_error(name)

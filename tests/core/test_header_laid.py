@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stream_st import TensorSpec
+from stream_st import HeaderError, TensorSpec
 from stream_st.core import layout
-from stream_st.core.layout import _dtype_named, _layout_by, build_header
+from stream_st.core.layout import _dtype_named, _layout, build_header
 from stream_st.core.message import lay_out
 from stream_st.errors import SafetensorsError
 
@@ -46,8 +46,9 @@ def both(call: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
 
 def test_a_plain_plan_is_laid_out_in_c() -> None:
     rows = [TensorSpec("a", "F32", (2, 3)), TensorSpec("b", np.float16, (4,))]
-    layout_of = _layout_by(_dtype_named)
-    laid = compiled.laid(rows, ("name", "dtype", "shape"), '"__metadata__":{}', layout_of)
+    laid = compiled.laid(
+        rows, ("name", "dtype", "shape"), '"__metadata__":{}', _dtype_named, _layout
+    )
     assert laid is not None
     text, names, codes, shapes, starts, ends, positions = laid
     assert text == (
@@ -72,14 +73,13 @@ class Name(str):
         [("line\nbreak", "F32", (1,))],
         [("\ud800", "F32", (1,))],  # no UTF-8
         [(Name("a"), "F32", (1,))],
-        [("a", "F32", (1,)), ("b", ["F32"], (1,))],  # unhashable dtype
+        [("a", "F32", (1,)), ("b", "F32", [1])],  # an unhashable shape
         [("a", "F32", (1,), "extra")],
         [(f"t{i}", "U8", (2**61 - 1,)) for i in range(9)],  # past 2**64 - 1 bytes
     ],
 )
 def test_what_is_not_plain_is_declined(rows: list[Any]) -> None:
-    layout_of = _layout_by(_dtype_named)
-    assert compiled.laid(rows, None, "", layout_of) is None
+    assert compiled.laid(rows, None, "", _dtype_named, _layout) is None
 
 
 def test_a_layout_error_is_the_rows_own(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,3 +131,71 @@ def test_the_same_header_or_error(rows: list[Any], metadata: dict[str, str] | No
     with pytest.MonkeyPatch.context() as monkeypatch:
         with_c, in_python = both(plan, monkeypatch)
     assert with_c == in_python
+
+
+class Lying:
+    """A dtype-like object (numpy reads ``.dtype``) that equals every other and hashes as one."""
+
+    def __init__(self, dtype: str) -> None:
+        self.dtype = np.dtype(dtype)
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return 1
+
+
+class Raising(Lying):
+    """A dtype-like object whose hash and == raise."""
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("== boom")
+
+    def __hash__(self) -> int:
+        raise ValueError("hash boom")
+
+
+class NoDtype:
+    """An object that hashes as ``"F32"``, equals everything and names no dtype."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return hash("F32")
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        [Lying("f4"), Lying("f2")],
+        ["F32", NoDtype()],
+        [Raising("f4"), Raising("f2")],
+    ],
+)
+def test_dtypes_are_told_apart_as_the_python_layout_tells_them(
+    dtypes: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row's dtype is looked up whenever its object is not the row before's, never by its
+    == or hash: a lying or raising dtype object gives the Python layout's header or error."""
+    plan = [TensorSpec(name, dtype, (2,)) for name, dtype in zip("ab", dtypes, strict=True)]
+    with_c, in_python = both(lambda: build_header(plan), monkeypatch)
+    assert with_c == in_python
+
+
+class IdName(str):
+    """A name whose == and hash are the object's own: two of them never compare equal."""
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+
+@pytest.mark.parametrize("names", [["a", "a"], ["__metadata__"]])
+def test_a_str_subclass_name_is_checked_as_its_text(names: list[str]) -> None:
+    """Names are taken as plain str: one whose == and hash are its identity does not pass twice,
+    nor as ``__metadata__``, in a plan or in a dict of arrays."""
+    with pytest.raises(HeaderError):
+        build_header([TensorSpec(IdName(name), "F32", (1,)) for name in names])
+    with pytest.raises(HeaderError):
+        lay_out({IdName(name): np.zeros(1, np.float32) for name in names})
