@@ -92,7 +92,7 @@ def nameless_works(directory: Path) -> bool:
     """Whether the writers hold ``directory``'s files with no name (``O_TMPFILE``)."""
     from stream_st.transports.file import atomic
 
-    fd = atomic._open_nameless(os.fspath(directory))
+    fd = atomic._open_nameless(os.fspath(directory), [])
     if fd is None:
         return False
     os.close(fd)

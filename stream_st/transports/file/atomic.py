@@ -392,14 +392,13 @@ def open_held(opened: list[int], path: str, flags: int, dir_fd: int | None = Non
     return opened[-1]
 
 
-def _open_nameless(directory: str, opened: list[int] | None = None) -> int | None:
+def _open_nameless(directory: str, opened: list[int]) -> int | None:
     """A nameless file in ``directory`` (``O_TMPFILE``), or None where the platform or the file
     system has none, or is known not to link one in (the caller then makes a named one, which
-    also reports any error the directory gives). Its descriptor is appended to ``opened`` (a
-    list of its own where none is given), for the caller's cleanup (:func:`open_held`)."""
+    also reports any error the directory gives). Its descriptor is appended to ``opened``, the
+    caller's, for its cleanup (:func:`open_held`): an interruption anywhere leaves it there."""
     if not USE_TMPFILE:
         return None
-    opened = [] if opened is None else opened
     try:
         fd = open_held(opened, directory, _TMPFILE_FLAGS)
     except OSError:  # EOPNOTSUPP, EISDIR on kernels without it; ENOENT, EACCES reported later
