@@ -10,7 +10,7 @@ import re
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._api import using_cache
 from ..errors import SafetensorsError, UsageError
@@ -18,6 +18,9 @@ from ..transports.cache import Cache
 from .exits import EXIT_DIFFERENT, EXIT_OK
 from .options import directory_arg, size_arg
 from .output import PROG, human, print_json, shown
+
+if TYPE_CHECKING:
+    from ..transports.cache.manage import Entry
 
 __all__ = ["add_cache_command", "add_cache_option"]
 
@@ -101,6 +104,16 @@ async def run_cache(args: argparse.Namespace) -> int:
         ) from exc
 
 
+def _said(removed: list[Entry], busy: list[Entry]) -> int:
+    """Print what ``cache rm`` or ``cache prune`` removed and the copies it left (``busy``:
+    another process is writing them); the exit status: 1 where one was left."""
+    for entry in removed:
+        print(f"removed {shown(entry.shown)} ({human(entry.size)})")
+    for entry in busy:
+        print(f"left {shown(entry.shown)}: another process is writing it")
+    return EXIT_DIFFERENT if busy else EXIT_OK
+
+
 def _run_cache(args: argparse.Namespace, cache: Cache) -> int:
     from ..transports.cache.manage import entries, prune, remove
 
@@ -158,20 +171,15 @@ def _run_cache(args: argparse.Namespace, cache: Cache) -> int:
             )
             return EXIT_DIFFERENT
         busy = [e for e in chosen if not remove(e)]
-        for entry in chosen:
-            if entry not in busy:
-                print(f"removed {shown(entry.shown)} ({human(entry.size)})")
-        for entry in busy:
-            print(f"left {shown(entry.shown)}: another process is writing it")
-        return EXIT_DIFFERENT if busy else EXIT_OK
+        return _said([e for e in chosen if e not in busy], busy)
     cap = cache.max_size if args.max_size is None else args.max_size
     if cap is None:
         raise UsageError("give --max-size SIZE (or set STREAM_ST_CACHE_MAX)")
-    removed = prune(cache, cap)
-    for entry in removed:
-        print(f"removed {shown(entry.shown)} ({human(entry.size)})")
+    left: list[Entry] = []
+    removed = prune(cache, cap, left=left)
+    status = _said(removed, left)
     print(f"removed {len(removed)} copies, {human(sum(e.size for e in removed))}")
-    return EXIT_OK
+    return status
 
 
 def add_cache_command(commands: Any) -> argparse.ArgumentParser:

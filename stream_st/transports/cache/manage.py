@@ -330,10 +330,17 @@ def _paired(path: Path) -> bool:
     return other is not None and path.is_file() and path.with_name(other).is_file()
 
 
-def prune(cache: Cache, max_size: int, *, keep: tuple[Path, ...] = ()) -> list[Entry]:
+def prune(
+    cache: Cache,
+    max_size: int,
+    *,
+    keep: tuple[Path, ...] = (),
+    left: list[Entry] | None = None,
+) -> list[Entry]:
     """Remove what killed writers left (see the module), then the least recently used copies
     until those left hold at most ``max_size`` bytes; copies whose files are in ``keep``, and
-    those being written, stay. Returns those removed."""
+    those being written, stay. Returns those removed; appends to ``left``, where given, those
+    it would have removed but another process holds (see :func:`remove`)."""
     found = [entry for entry in entries(cache) if not entry.writing]
     total = sum(entry.size for entry in found)
     removed: list[Entry] = []
@@ -345,4 +352,6 @@ def prune(cache: Cache, max_size: int, *, keep: tuple[Path, ...] = ()) -> list[E
         if remove(entry):
             total -= entry.size
             removed.append(entry)
+        elif left is not None:
+            left.append(entry)
     return removed
