@@ -31,7 +31,10 @@ that finds no other writer there first removes what writers killed there left un
 (:func:`_claim`). The directory is made (with its parents) for the first shard only: one removed
 or moved away meanwhile is not made again, the next shard or the commit fails
 (:class:`~stream_st.SourceNotFoundError`) and the writer is aborted, as a single file's write
-whose directory was moved away fails.
+whose directory was moved away fails. The writer holds a descriptor of the directory from then
+on: the commit's renames, and the removals after it or at an abort, go through it, so they reach
+the directory written in wherever it went, never another folder put at its path; an abort
+removes a folder only where it is still the one the writer made, and empty.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import struct
 import uuid
 import weakref
@@ -330,6 +334,9 @@ class _RollingWriter(AsyncClosing):
         self._hold: weakref.finalize[Any, Any] | None = None  # lets the directory go (_claim)
         self._drop: weakref.finalize[Any, Any] | None = None  # the new folders, if dropped open
         self._folder: tuple[int, int] | None = None  # the directory held (_identity), once made
+        self._fd: int | None = None  # a descriptor of it (_open_folder), until it is let go
+        self._close_fd: weakref.finalize[Any, Any] | None = None  # closes _fd, if dropped open
+        self._made: dict[Path, tuple[int, int]] = {}  # the folders made (_make_folders)
         self._written: set[str] = set()
         self._state = _OPEN
         self._failure: BaseException | None = None  # why it was aborted (None: by abort())
@@ -414,18 +421,27 @@ class _RollingWriter(AsyncClosing):
         current.samples += samples
 
     async def _open_directory(self) -> None:
-        """Make the directory (and its parents) and hold it (:func:`_claim`) the first time; a
-        later shard, or the commit, finds it still there (:meth:`_check_directory`)."""
+        """Make the directory (and its parents, :func:`_make_folders`), open it (its descriptor,
+        :attr:`_dir_fd`, which the commit goes through) and hold it (:func:`_claim`) the first
+        time; a later shard, or the commit, finds it still there (:meth:`_check_directory`)."""
         if self._folder is not None:
             self._check_directory()
         else:
             with _io("creating the directory", self.directory):
-                self.directory.mkdir(parents=True, exist_ok=True)
-                self._folder = _identity(self.directory)
+                _make_folders(self.directory, self._made)
+                fd = _open_folder(self.directory)
+                self._fd, self._close_fd = fd, weakref.finalize(self, os.close, fd)
+                self._folder = _identity(fd)
             if self._new_folders:  # a writer dropped unclosed leaves them as it found them
                 mine = re.compile(rf"\.\.?{self._tag}\.partial\..+")  # its held names
                 self._drop = weakref.finalize(
-                    self, _dropped_open, self.directory, mine, self._new_folders, os.getpid()
+                    self,
+                    _dropped_open,
+                    self.directory,
+                    mine,
+                    self._new_folders,
+                    self._made,
+                    os.getpid(),
                 )
             claim = functools.partial(anyio.to_thread.run_sync, self._hold_directory)
             # seen to its end (it waits at most for another writer's sweep), for the writer,
@@ -452,6 +468,14 @@ class _RollingWriter(AsyncClosing):
         raise SourceNotFoundError(
             f"{why} while the writer wrote in it; nothing was committed", url=str(self.directory)
         )
+
+    @property
+    def _dir_fd(self) -> int:
+        """The descriptor of the directory held (:meth:`_open_directory`): the commit's renames,
+        and the removals after it or at an abort, go through it, so they reach that directory
+        wherever it was moved, never another folder put at its path."""
+        assert self._fd is not None, "the directory is open from the first shard on"
+        return self._fd
 
     def _hold_directory(self) -> None:
         """:func:`_claim` the directory (in a worker thread), its descriptor held by the writer
@@ -517,7 +541,7 @@ class _RollingWriter(AsyncClosing):
         """Rename the sealed shard ``index`` to ``final``."""
         name, size, samples, specs = self._sealed[index]
         with _io("moving a shard into place", self.directory / final):
-            os.replace(self.directory / name, self.directory / final)
+            os.replace(name, final, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         self._sealed[index] = (final, size, samples, specs)  # abort() removes it from here
 
     def _rename_sealed(self, index: Path) -> None:
@@ -527,11 +551,16 @@ class _RollingWriter(AsyncClosing):
             self._put(number, self._final_name(number))
 
     def _commit(self, index: Path) -> None:
-        """The shards to their final names, then the index to ``index`` (in a worker thread)."""
+        """The shards to their final names, then the index to ``index`` (in a worker thread),
+        all in the directory held (:attr:`_dir_fd`). The files were linked in by its path: the
+        directory is first found still there (:meth:`_check_directory`), or what went into a
+        folder put at its path is taken away again by the abort (:meth:`_remove_held`)."""
+        self._check_directory()
         self._rename_sealed(index)
         assert self._index_file is not None  # linked in by aclose
+        folder = self._dir_fd
         with _io("moving the index into place", index):
-            os.replace(self._index_file, index)
+            os.replace(self._index_file.name, index.name, src_dir_fd=folder, dst_dir_fd=folder)
         self._index_file = None
         self._state = _COMMITTED
 
@@ -554,7 +583,7 @@ class _RollingWriter(AsyncClosing):
     def _remove_unlisted(self, ours: re.Pattern[str]) -> None:
         """Remove the files of the directory whose names ``ours`` matches (an earlier write's
         shards) that the new index, in place, does not name."""
-        remove_unlisted(self.directory, ours, {name for name, *_ in self._sealed})
+        remove_unlisted(self.directory, ours, {name for name, *_ in self._sealed}, self._dir_fd)
 
     async def aclose(self) -> None:
         """Seal the last shard, write the index (or manifest) whole, then commit, seen through
@@ -621,6 +650,9 @@ class _RollingWriter(AsyncClosing):
             self._drop.detach()
         if self._hold is not None:
             self._hold()
+        if self._close_fd is not None:
+            self._fd = None
+            self._close_fd()
 
     async def abort(self) -> None:
         """Remove every shard written so far and the one in the making, and the index if written;
@@ -643,12 +675,29 @@ class _RollingWriter(AsyncClosing):
         if self._index_file is not None:
             names.append(self._index_file.name)
             self._index_file = None
-        for name in names:
-            with contextlib.suppress(OSError):  # removing the rest matters more
-                (self.directory / name).unlink(missing_ok=True)
+        self._remove_held(names)
         self._sealed.clear()
         self._let_go()
-        remove_new_folders(self._new_folders)
+        remove_new_folders(self._new_folders, self._made)
+
+    def _remove_held(self, names: Sequence[str]) -> None:
+        """Remove ``names``, files (or a staged index's folder) the writer holds until its commit,
+        from the directory held (:attr:`_dir_fd`); and from another folder put at its path, where
+        the commit, which links the files in by the path, may have put them (a held name, with
+        the writer's tag in it, is the writer's own). Nothing where the directory was never
+        made; an error is let pass: removing the rest matters more."""
+        if self._fd is None:
+            return
+        try:
+            elsewhere = _identity(self.directory) != self._folder
+        except OSError:  # nothing at the path: nothing went there
+            elsewhere = False
+        for name in names:
+            with contextlib.suppress(OSError):
+                _remove_entry(name, self._fd)
+            if elsewhere:
+                with contextlib.suppress(OSError):
+                    _remove_entry(str(self.directory / name))
 
     async def _abandon(self, cause: BaseException) -> None:
         await self._abort(cause)
@@ -693,17 +742,27 @@ def checkpoint_files(prefix: str) -> re.Pattern[str]:
     return re.compile(rf"{re.escape(prefix)}(-[0-9]{{5}}-of-[0-9]{{5}})?\.safetensors")
 
 
-def remove_unlisted(directory: Path, ours: re.Pattern[str], kept: Collection[str]) -> None:
+def remove_unlisted(
+    directory: Path, ours: re.Pattern[str], kept: Collection[str], dir_fd: int | None = None
+) -> None:
     """Remove the files of ``directory`` whose names ``ours`` matches (an earlier write's
-    shards) that are not in ``kept`` (those the new index, in place, names)."""
+    shards) that are not in ``kept`` (those the new index, in place, names). With ``dir_fd``, a
+    descriptor of ``directory`` (:func:`_open_folder`), the listing and the removals go
+    through it: they reach that directory wherever it was moved, never another folder put at
+    its path."""
     try:
-        entries = list(os.scandir(directory))
+        with os.scandir(directory if dir_fd is None else dir_fd) as listing:
+            # an entry's path is its name where the listing went through a descriptor
+            stale = [
+                entry.path
+                for entry in listing
+                if ours.fullmatch(entry.name) and entry.name not in kept and not entry.is_dir()
+            ]
     except OSError:
         return
-    for entry in entries:
-        if ours.fullmatch(entry.name) and entry.name not in kept and not entry.is_dir():
-            with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
-                os.unlink(entry.path)
+    for path in stale:
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+            os.unlink(path, dir_fd=dir_fd)
 
 
 class ShardedWriter(_RollingWriter):
@@ -779,31 +838,32 @@ class ShardedWriter(_RollingWriter):
         name), or the new checkpoint is or replaces ``{prefix}.safetensors`` (loaders take it
         before any index), the previous index is removed before any of that: a process killed
         from then until the new index is in place leaves no index, never one naming a mix of
-        old and new shards."""
+        old and new shards. All in the directory held (:attr:`_dir_fd`)."""
+        folder = self._dir_fd
         single = f"{self.prefix}.safetensors"
         finals = [self._final_name(number) for number in range(len(self._sealed))]
         later = []
         for number, final in enumerate(finals):
-            if final == single or os.path.lexists(self.directory / final):
+            if final == single or _found(final, folder) is not None:
                 later.append(number)
             else:
                 self._put(number, final)
-        stale = single not in finals and os.path.lexists(self.directory / single)
+        stale = single not in finals and _found(single, folder) is not None
         if not later and not stale:
             return
         for number in later:  # refused while the previous checkpoint is whole, not once its
             # index is gone: a directory there cannot be replaced
-            target = self.directory / finals[number]
-            if target.is_dir() and not target.is_symlink():
-                with _io("moving a shard into place", target):
+            found = _found(finals[number], folder)
+            if found is not None and stat.S_ISDIR(found.st_mode):
+                with _io("moving a shard into place", self.directory / finals[number]):
                     raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
-        with _io("removing the previous index", index):
-            index.unlink(missing_ok=True)
+        with _io("removing the previous index", index), contextlib.suppress(FileNotFoundError):
+            os.unlink(index.name, dir_fd=folder)
         for number in later:
             self._put(number, finals[number])
         if stale:
             with contextlib.suppress(OSError):  # not a file ours to remove: _after_commit's say
-                os.unlink(self.directory / single)
+                os.unlink(single, dir_fd=folder)
 
     def _after_commit(self) -> None:
         """Remove the shards of an earlier checkpoint of this prefix that the new index does not
@@ -1017,15 +1077,14 @@ class DatasetWriter(_RollingWriter):
         ``_tensor_index.parquet`` in the old one's place (without ``generate_index``, an earlier
         one removed: it would name shards the new manifest does not)."""
         super()._rename_sealed(index)
-        table = self.directory / INDEX_NAME
-        _remove_index(table)
+        folder = self._dir_fd
+        _remove_entry(INDEX_NAME, folder)
         if self.generate_index:
-            self._staged_index.rename(table)
+            os.replace(self._staged_index.name, INDEX_NAME, src_dir_fd=folder, dst_dir_fd=folder)
 
     async def _abort(self, cause: BaseException | None) -> None:
         if self.generate_index and self._state == _OPEN:  # the directory held: no sweep races it
-            with contextlib.suppress(OSError):
-                _remove_index(self._staged_index)
+            self._remove_held([self._staged_index.name])
         await super()._abort(cause)
 
 
@@ -1062,6 +1121,20 @@ def _refuse(problem: str | None) -> None:
         raise UsageError(f"write_batch: {problem}; nothing of the batch was written")
 
 
+def _make_folders(directory: Path, made: dict[Path, tuple[int, int]]) -> None:
+    """Make ``directory`` and the folders above it that are missing (as ``mkdir -p`` does), each
+    one made here put in ``made`` as it is made, with its device and inode (:func:`_identity`):
+    not one made by another meanwhile, which :func:`remove_new_folders` then leaves."""
+    for folder in reversed(missing_folders(directory)):
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            if not folder.is_dir():
+                raise
+            continue
+        made[folder] = _identity(folder)
+
+
 def missing_folders(directory: Path) -> list[Path]:
     """``directory`` and those above it that do not exist yet, the deepest first: what a writer
     makes, and takes away again if its write fails (:func:`remove_new_folders`)."""
@@ -1073,11 +1146,18 @@ def missing_folders(directory: Path) -> list[Path]:
     return missing
 
 
-def remove_new_folders(folders: Sequence[Path]) -> None:
+def remove_new_folders(
+    folders: Sequence[Path], made: Mapping[Path, tuple[int, int]] | None = None
+) -> None:
     """Remove ``folders`` (:func:`missing_folders`, the deepest first) where a failed write left
-    them empty: one not empty stays, with those above it."""
+    them empty: one not empty stays, with those above it. With ``made`` (the device and inode of
+    each folder the write made, :func:`_make_folders`), a folder is removed only where it is
+    still the one made: one another made, or put at its path once the write's was moved away,
+    stays, with those above it (which hold it)."""
     for folder in folders:
         try:
+            if made is not None and _identity(folder) != made.get(folder):
+                break
             folder.rmdir()
         except FileNotFoundError:
             continue
@@ -1086,18 +1166,22 @@ def remove_new_folders(folders: Sequence[Path]) -> None:
 
 
 def _dropped_open(
-    directory: Path, mine: re.Pattern[str], folders: Sequence[Path], pid: int
+    directory: Path,
+    mine: re.Pattern[str],
+    folders: Sequence[Path],
+    made: Mapping[Path, tuple[int, int]],
+    pid: int,
 ) -> None:
     """Take away what a writer dropped unclosed left: the files under its held names in
-    ``directory`` (``mine``), then the ``folders`` it made (:func:`remove_new_folders`). Its
-    shards' hidden temporary files (where the file system has no nameless file) are among those
-    files: their own finalizers, which remove them too, may run only after this one, when the
-    writer lets its shards go, and would find the folders kept. In a process forked from
-    ``pid``, the writer's, nothing is removed: the folders and files are the parent's, whose
-    writer may still be at work on them."""
+    ``directory`` (``mine``), then the ``folders`` it made, where still those ``made``
+    (:func:`remove_new_folders`). Its shards' hidden temporary files (where the file system
+    has no nameless file) are among those files: their own finalizers, which remove them too,
+    may run only after this one, when the writer lets its shards go, and would find the folders
+    kept. In a process forked from ``pid``, the writer's, nothing is removed: the folders and
+    files are the parent's, whose writer may still be at work on them."""
     if os.getpid() == pid:
         _sweep(directory, mine)
-        remove_new_folders(folders)
+        remove_new_folders(folders, made)
 
 
 _HELD = re.compile(r"\.\.?[0-9a-f]{8}\.partial\..+")
@@ -1105,10 +1189,38 @@ _HELD = re.compile(r"\.\.?[0-9a-f]{8}\.partial\..+")
 the hidden temporary file of one (``..<tag>.partial.<name>.<random>.tmp``) included."""
 
 
-def _identity(folder: Path) -> tuple[int, int]:
-    """The device and inode of ``folder``: what tells it from another put at its path."""
+def _identity(folder: Path | int) -> tuple[int, int]:
+    """The device and inode of ``folder`` (or of the directory open as it): what tells it from
+    another put at its path."""
     found = os.stat(folder)
     return found.st_dev, found.st_ino
+
+
+_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+"""How a writer opens its directory (:func:`_open_folder`)."""
+
+
+def _open_folder(directory: Path) -> int:
+    """A descriptor of ``directory``, to list it and to rename and remove in it
+    (:attr:`_RollingWriter._dir_fd`); where it may not be read (a folder one may only write
+    in), ``O_PATH`` where there is one: renames and removals only, the listing then fails (as
+    it failed by the path)."""
+    try:
+        return os.open(directory, _FOLDER_FLAGS)
+    except PermissionError:
+        only_path = getattr(os, "O_PATH", 0)
+        if not only_path:
+            raise
+        return os.open(directory, only_path | _FOLDER_FLAGS)
+
+
+def _found(name: str, folder: int | None = None) -> os.stat_result | None:
+    """What ``name`` is (in the directory open as ``folder``, where given; a link itself, not
+    followed); None where nothing is."""
+    try:
+        return os.lstat(name, dir_fd=folder)
+    except FileNotFoundError:
+        return None
 
 
 def _claim(directory: Path) -> int | None:
@@ -1153,12 +1265,17 @@ def _sweep(directory: Path, held: re.Pattern[str] = _HELD) -> None:
                     os.unlink(entry.path)
 
 
-def _remove_index(index: Path) -> None:
-    """Remove ``_tensor_index.parquet``, a directory or (as older writers made it) one file."""
-    if index.is_dir() and not index.is_symlink():
-        shutil.rmtree(index)
+def _remove_entry(name: str, folder: int | None = None) -> None:
+    """Remove ``name`` (in the directory open as ``folder``, where given): a folder with what it
+    holds (``_tensor_index.parquet``, or a staged one), or a file (or, as older writers made
+    ``_tensor_index.parquet``, a file of that name); nothing where nothing is there."""
+    found = _found(name, folder)
+    if found is None:
+        return
+    if stat.S_ISDIR(found.st_mode):
+        shutil.rmtree(name, dir_fd=folder)
     else:
-        index.unlink(missing_ok=True)
+        os.unlink(name, dir_fd=folder)
 
 
 def tensor_index_table(rows: Iterable[tuple[str, str, Sequence[int], str]]) -> bytes:
