@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import codecs
 import errno
+import functools
 import io
+import itertools
 import json
 import math
 import os
@@ -351,11 +353,24 @@ def print_json(value: Any) -> None:
 
 
 def _json_text(value: Any) -> str:
-    """``value`` as :func:`print_json` writes it, without the line's end."""
+    """``value`` as :func:`print_json` writes it, without the line's end: every character
+    :func:`shown` escapes (a control or format character, U+2028: ``json`` writes all but
+    U+0000 to U+001F as they are) in a JSON escape, so the record parses to the same text."""
     ascii_only = not _utf8_output()
-    return json.dumps(
+    text = json.dumps(
         _strict(value), ensure_ascii=ascii_only, separators=(",", ":"), allow_nan=False
     )
+    return _escape_unprintable(text, _json_escape)  # in strings alone: the rest is ASCII
+
+
+def _json_escape(character: str) -> str:
+    """``character`` as a JSON escape, ``\\u009b``; past U+FFFF as its UTF-16 surrogate pair,
+    ``\\udb40\\udc01``, as JSON writes it."""
+    code = ord(character)
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    code -= 0x10000
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
 def _utf8_output() -> bool:
@@ -412,9 +427,39 @@ def shown_message(text: str) -> str:
     """A message (an error's, a warning's) escaped as :func:`shown` escapes a name, its
     backslashes left as they are: the names in it are quoted as ``repr`` quotes them, their
     backslashes doubled already."""
+    return _escape_unprintable(text, _escaped)
+
+
+def _escape_unprintable(text: str, escape: Callable[[str], str]) -> str:
+    """``text`` with every character that is not printable (as ``str.isprintable`` says: a
+    control or format character, a line or paragraph separator, a space but U+0020, a
+    surrogate, one for private use or unassigned) written as ``escape`` writes it: the one
+    notion of what the command's output escapes, its text's and its JSON's. In one pass of
+    :func:`_unprintable` over the text, at C's speed where there is nothing to escape."""
     if text.isprintable():
         return text
-    return "".join(c if c.isprintable() else _escaped(c) for c in text)
+
+    def escaped(match: re.Match[str]) -> str:
+        found = match[0]
+        return found if found.isprintable() else escape(found)  # printable past U+FFFF
+
+    return _unprintable().sub(escaped, text)
+
+
+@functools.cache
+def _unprintable() -> re.Pattern[str]:
+    """What :func:`_escape_unprintable` looks for: a character up to U+FFFF that is not
+    printable, or any past U+FFFF (their ranges, hundreds, would make the test of every
+    character slow: one is judged as it is found, in text seldom past U+FFFF). Made on its
+    first use from ``str.isprintable`` itself (some 40 ms), so it follows Python's Unicode
+    tables; one character a match (a run, ``[...]+``, takes ``re`` three times as long)."""
+    ranges, start = [], 0
+    for printable, run in itertools.groupby(map(chr, range(0x10000)), str.isprintable):
+        end = start + sum(1 for _ in run)
+        if not printable:
+            ranges.append(f"\\u{start:04x}-\\u{end - 1:04x}")
+        start = end
+    return re.compile(f"[{''.join(ranges)}\\U00010000-\\U0010ffff]")
 
 
 def _escaped(character: str) -> str:
