@@ -748,6 +748,40 @@ class AllocationError(SafetensorsError, MemoryError):
     """A tensor the header declares could not be allocated."""
 
 
+_WORDS = LazyPattern(r"[\w '-]*")
+"""An address that may be words of a message's own (``files``, ``d``, ``no index``): letters,
+digits, ``_``, ``-``, ``'`` and spaces alone."""
+
+_AS_FIELD = r"(?:^|(?<=: )|(?<=url=)){}(?=$|[:,])"
+"""Where a message cites an address that may be words of its own (:data:`_WORDS`), ``{}``: as
+a field of it, after its start, ``": "`` or ``url=``, and before a colon, a comma or its end."""
+
+_SET_OFF = r"(?:^|(?<=[\s'\"`(\[<=])){}(?=$|[\s'\"`)\]>:,;])"
+"""Where a message cites any other address, ``{}``: set off from the text around it by white
+space, quotes or brackets, ``=`` before it, or a colon, comma or semicolon after it."""
+
+
+def cites(message: str, address: str) -> bool:
+    """Whether ``message`` names ``address`` (a source's, a destination's), so that what reports
+    the message need not name it again. An address that may be words of the message's own
+    (:data:`_WORDS`: ``d``, ``files``) is named only as a field of it (``no such file: model``,
+    ``model: Permission denied``, ``..., url=model``), not where it is a word or a piece of one
+    (``files`` and ``d`` in ``no safetensors files in this directory``); any other
+    (``m.safetensors``, ``s3://b/k``) wherever it stands apart from the text around it
+    (``cannot read m.safetensors: ...``, ``s3://b/k changed on the server``), or as ``repr``
+    quotes it (``'a\\x00b'``). Read from the text alone: an address that is also, set off the
+    same way, a piece of the message's own counts as named."""
+    if not address:
+        return False
+    if _WORDS.compiled.fullmatch(address):
+        where = _AS_FIELD
+    elif repr(address) in message:
+        return True
+    else:
+        where = _SET_OFF
+    return re.search(where.format(re.escape(address)), message) is not None
+
+
 class TransportError(SafetensorsError, OSError):
     """The underlying I/O failed. ``url`` names the source, ``position`` the byte offset reached."""
 
@@ -764,7 +798,7 @@ class TransportError(SafetensorsError, OSError):
 
     def _text(self) -> str:
         parts = [self._message]
-        if self.url and self.url not in self._message:  # named once
+        if self.url and not cites(self._message, self.url):  # named once
             parts.append(f"url={self.url}")
         if self.position is not None:
             parts.append(f"at byte {self.position}")

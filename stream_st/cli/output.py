@@ -27,7 +27,7 @@ import numpy as np
 from .. import tools
 from ..core.digests import ALGORITHM_KEY, ALGORITHMS, DIGEST_KEY_PREFIX
 from ..core.header import TensorInfo
-from ..errors import SafetensorsError, StreamStWarning, UsageError, redact
+from ..errors import SafetensorsError, StreamStWarning, UsageError, cites, redact
 from ..tools.common import Progress, plural
 
 __all__ = ["PROG", "STDIO", "OutputError"]
@@ -534,7 +534,7 @@ def failed(source: str, exc: SafetensorsError) -> None:
     source's name (from a file or a list) is shown as :func:`shown` shows a name, where the
     message names it too: it cannot forge a line, nor two names show alike."""
     text, source = str(exc), redact(source)
-    named = source in text or (source == "/dev/stdin" and "stdin" in text)
+    named = cites(text, source) or (source == "/dev/stdin" and "stdin" in text)
     name = shown(source)
     message = text.replace(source, name) if named else f"{name}: {text}"
     print(f"stream-st: error: {shown_message(message)}", file=sys.stderr)
