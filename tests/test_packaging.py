@@ -140,15 +140,11 @@ def test_wheel_installs_with_license_metadata_and_version(
     # rich is in the cli extra; xxhash checks the digests every reader verifies by default
     assert core == ["anyio", "ml_dtypes", "numpy", "xxhash"]
     assert "stream_st/cli/demo_text.txt" in names  # the demo's text, package data
-    stubs = {"stream_st/core/_sums.pyi", "stream_st/core/_compact.pyi", "stream_st/core/_small.pyi"}
-    assert stubs <= {*names}  # their types
-    compiled = sorted(n for n in names if n.startswith("stream_st/core/_") and n.endswith(".so"))
+    modules = ["core/_compact", "core/_small", "core/_sums", "transports/file/_held"]
+    assert {f"stream_st/{module}.pyi" for module in modules} <= {*names}  # their types
+    compiled = sorted(n for n in names if n.startswith("stream_st/") and n.endswith(".so"))
     if _compiler():  # built for every Python from 3.11 on (the stable ABI)
-        assert compiled == [
-            "stream_st/core/_compact.abi3.so",
-            "stream_st/core/_small.abi3.so",
-            "stream_st/core/_sums.abi3.so",
-        ]
+        assert compiled == [f"stream_st/{module}.abi3.so" for module in modules]
         assert "-cp311-abi3-" in wheel.name
     assert metadata.get_all("Project-URL") and metadata.get_all("Classifier")
     python = _fresh_venv(tmp_path / "venv")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import stat
 import sys
-import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +50,7 @@ from ..errors import (
     boolean,
 )
 from ..memory.fresh import fresh_bytes
-from ..transports.file.mmap import map_file
+from ..transports.file.mmap import Held, map_file, open_held
 from ..transports.file.pread import pread_fully
 from ._errors import NoSuchFileError
 
@@ -82,7 +81,8 @@ class LocalFile:
 
     def __init__(self, name: str, *, mapped: bool = True, verify: bool = True) -> None:
         self.name = name
-        fd = _open(name)
+        held = _open(name)  # closed when dropped: no interrupt can leave it to no one
+        fd = held.fileno()
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
@@ -91,16 +91,16 @@ class LocalFile:
             self._digests = _digests(self.header) if verify else None
             self._region: Any = map_file(fd, info.st_size, private=True) if mapped else None
         except OSError as exc:
-            os.close(fd)
+            held.close()
             raise TransportError(f"cannot read: {exc.strerror or exc}", url=name) from exc
         except BaseException:
-            os.close(fd)
+            held.close()  # now: the error's frames hold it
             raise
         if mapped:
-            os.close(fd)
+            held.close()
             fd = -1
         else:  # closed with the last user: the handle, or a slice taken before its close
-            weakref.finalize(self, os.close, fd)
+            self._held = held
         self._fd = fd
         self._checked: set[str] = set()
 
@@ -250,9 +250,9 @@ def _capped() -> bool:
     return caps is not None and bool(caps.current_caps() != caps.NO_CAPS)
 
 
-def _open(name: str) -> int:
+def _open(name: str) -> Held:
     try:
-        return os.open(name, os.O_RDONLY | _CLOEXEC)
+        return open_held(name, os.O_RDONLY | _CLOEXEC)
     except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL
         raise NoSuchFileError(name) from None  # as the reference says of all three
     except OSError as exc:

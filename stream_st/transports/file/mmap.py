@@ -24,8 +24,11 @@ written, then the kernel copies it for this process alone, so writes never reach
 
 :func:`map_file` makes the mapping (for :class:`FileMap`, and for the drop-ins' local files,
 :mod:`stream_st.compat._local`) holding no descriptor: Python before 3.13 keeps a duplicate of
-the descriptor for as long as an ``mmap.mmap`` lives, so there the C library's ``mmap`` is
-called directly (POSIX), and a thousand mapped shards take no descriptor each. The event loop's
+the descriptor for as long as an ``mmap.mmap`` lives, so the C library's ``mmap`` is called
+directly (POSIX), and a thousand mapped shards take no descriptor each: by the compiled module
+``stream_st/transports/file/_held.c``, which also unmaps in C (a finalizer, Python code, could
+be cut short by a Ctrl-C, leaving the file mapped for the life of the process), else through
+ctypes, freed by a finalizer. The event loop's
 modules are imported only by the methods that wait, so the drop-ins' synchronous load imports
 none of them.
 """
@@ -40,14 +43,14 @@ import sys
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 
 from ...core.header import TensorInfo
 from ...errors import TransportError
 
-__all__ = ["INLINE_STEP", "WINDOW", "FileMap", "map_file"]
+__all__ = ["INLINE_STEP", "WINDOW", "FileMap", "Held", "map_file", "open_held"]
 
 WINDOW = 64 << 20
 """Bytes populated per call (at least the tensor asked for)."""
@@ -116,21 +119,76 @@ def _libc_mapping() -> _LibcMapping | None:
         return None
 
 
-_LIBC = _libc_mapping()
+def _compiled() -> tuple[Callable[[int, int, int, int], Any], Callable[[int], object]] | None:
+    """The compiled module's ``map`` and ``descriptor`` (:mod:`stream_st.transports.file._held`:
+    a mapping that holds no descriptor and is unmapped in C, a descriptor closed in C, where no
+    interrupt can cut the release short); None where the package was built without it, or off
+    POSIX."""
+    if os.name != "posix":  # pragma: no cover - Windows
+        return None
+    try:
+        from ._held import descriptor, map
+    except ImportError:  # built without a C compiler: ctypes, or mmap.mmap, maps every file
+        return None
+    return map, descriptor
+
+
+_COMPILED = _compiled()
+_LIBC = None if _COMPILED is not None else _libc_mapping()
+
+
+class Held(Protocol):
+    """A descriptor held, closed when this is gone or by :meth:`close`."""
+
+    def fileno(self) -> int:
+        """The descriptor (-1 once closed)."""
+
+    def close(self) -> None:
+        """Close it now (once)."""
+
+
+class _Held:
+    """A descriptor closed when this is gone, by a finalizer (where the compiled module was not
+    built: a Ctrl-C as the finalizer begins leaves the descriptor open)."""
+
+    __slots__ = ("__weakref__", "_close", "_fd")
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._close = weakref.finalize(self, os.close, fd)
+
+    def fileno(self) -> int:
+        """The descriptor (-1 once closed)."""
+        return self._fd if self._close.alive else -1
+
+    def close(self) -> None:
+        """Close it now (once)."""
+        self._close()
+
+
+def open_held(path: str, flags: int) -> Held:
+    """``os.open(path, flags)``, held: closed when the object returned is gone, or by its
+    ``close()``. Where the compiled module was built, C code opens and holds it, with no Python
+    step between where an interrupt could leave the descriptor to no one."""
+    if _COMPILED is not None:
+        return cast(Held, next(map(_COMPILED[1], map(os.open, (path,), (flags,)))))
+    return _Held(os.open(path, flags))
 
 
 def map_file(fd: int, size: int, *, private: bool = False) -> Any:
     """The file ``fd`` of ``size`` bytes mapped whole, shared and read-only, or copy-on-write
-    (``private``), holding no descriptor where the platform allows: a buffer (an ``mmap.mmap``
-    or a ctypes array) that unmaps when it and every view of it are gone. A shared mapping made
-    with the C library's ``mmap`` is a writable buffer: read-only views are for the caller to
-    make (``memoryview(...).toreadonly()``)."""
+    (``private``), holding no descriptor where the platform allows: a buffer (the compiled
+    module's ``Mapping``, else an ``mmap.mmap`` or a ctypes array) that unmaps when it and every
+    view of it are gone. A shared mapping made by ctypes is a writable buffer: read-only views
+    are for the caller to make (``memoryview(...).toreadonly()``)."""
     if os.name == "posix":
         flags, prot = (
             (mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
             if private
             else (mmap.MAP_SHARED, mmap.PROT_READ)
         )
+        if _COMPILED is not None:
+            return _COMPILED[0](fd, size, flags, prot)
         if _LIBC is not None:
             return _LIBC.map(fd, size, flags, prot)
         return mmap.mmap(fd, size, flags=flags, prot=prot, **_UNTRACKED)
@@ -140,7 +198,7 @@ def map_file(fd: int, size: int, *, private: bool = False) -> Any:
 
 def _advise(region: Any, advice: int, start: int, length: int) -> None:
     """``madvise(advice)`` over ``length`` bytes of ``region`` (made by :func:`map_file`)."""
-    if isinstance(region, mmap.mmap):
+    if hasattr(region, "madvise"):  # an mmap.mmap, or the compiled module's Mapping
         region.madvise(advice, start, length)
     else:
         assert _LIBC is not None
