@@ -13,22 +13,25 @@ by SIGPIPE.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import posixpath
 import re
 import stat
 import sys
 import unicodedata
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from contextlib import aclosing, contextmanager, suppress
 from dataclasses import asdict
 from types import EllipsisType
 from typing import Any
 
 import anyio
+import numpy as np
 
 from .. import tools
 from .._api import open_stream
+from ..core.digests import ALGORITHM_KEY
 from ..core.header import TensorInfo
 from ..core.shards import INDEX_SUFFIX, is_index, split_address
 from ..core.stats import LoadStats, last_stats
@@ -38,16 +41,21 @@ from ..errors import (
     SourceNotFoundError,
     TensorNotFoundError,
     TransportError,
+    TruncatedStreamError,
     UnsupportedSourceError,
     UsageError,
     redact,
 )
+from ..reader import TensorStream
+from ..sharded.reader import ShardedStream
 from ..tools.common import command_clock, headers_of, naming, plural
 from ..tools.cp import address_in, local_path, make_directory
 from ..tools.inspect import described
 from ..tools.model_checks import ModelConfig
 from ..tools.validate import expected_shapes
 from ..transports.file.sink import PipeSink
+from ..transports.file.source import FileSource
+from ..transports.options import TransportOptions
 from ..transports.registry import SinkLike
 from .demo import print_report, run_demo
 from .exits import EXIT_DIFFERENT, EXIT_ERROR, EXIT_OK, SIGNAL_GRACE
@@ -235,23 +243,32 @@ def parse_index(text: str) -> tuple[int | slice | EllipsisType, ...]:
 
 async def run_show(args: argparse.Namespace) -> int:
     source = one_source_arg(args.source)
-    # mapped where the source is a local file: a big tensor is not copied into new memory to
-    # show a slice of it, or the edges a summary shows
-    stream = open_stream(source, include=[args.name], copy=False, **options_of(args))
+    options = options_of(args)
+    with naming(source):
+        checksummed = await _checksummed(source, options)
+    # A local file is mapped (copy=False): a big tensor is not read into new memory to show a
+    # slice of it, or the edges a summary shows; those alone are copied out of the file
+    # (_printed). A checksummed one is read whole to be checked: copied as it is (the check of a
+    # mapping reads pages a file truncated meanwhile has lost: SIGBUS).
+    stream = open_stream(source, include=[args.name], copy=checksummed, **options)
 
-    async def arrivals() -> AsyncGenerator[tuple[TensorInfo, Any]]:
+    async def arrivals() -> AsyncGenerator[tuple[argparse.Namespace, TensorInfo, Any]]:
         """The tensor as each shard delivers it (a dataset's: one a shard, each of its own
-        shape), with its info from that shard's header, one held at a time."""
+        shape), what is printed of it (:func:`_printed`) with the arguments it is printed with
+        and its info from that shard's header, one held at a time."""
         with naming(source):  # the source's own errors only, not the options' nor --slice's
             async with stream:
                 async for _, array in stream:
-                    yield stream.header[args.name], array
+                    info = stream.header[args.name]
+                    printed = await _printed(args, stream, info, array)
                     del array
+                    yield printed[0], info, printed[1]
+                    del printed
 
     try:
         async with aclosing(arrivals()) as arrived:
-            async for info, array in arrived:
-                show_values(args, info, array)
+            async for shown_args, info, array in arrived:
+                show_values(shown_args, info, array)
                 del array
     except TensorNotFoundError:
         source = redact(args.source)  # alone: masked in the message, a signed value ran to its end
@@ -260,6 +277,114 @@ async def run_show(args: argparse.Namespace) -> int:
             f"(stream-st ls {source} lists them)"
         ) from None
     return EXIT_OK
+
+
+async def _checksummed(source: str, options: TransportOptions) -> bool:
+    """Whether ``source`` is a local regular file (or index) whose header records digests (or a
+    shard's does): ``show`` reads its tensor whole then, to check it."""
+    path = local_path(source, UnsupportedSourceError)
+    if path is None or not await anyio.Path(path).is_file():  # a pipe is read once, by show
+        return False
+    headers = await headers_of(source, command_clock(options), unknown_dtypes="keep")
+    return any(ALGORITHM_KEY in header.metadata for header in headers)
+
+
+SUMMARY_THRESHOLD = 200
+"""More values than this are summarized by ``show`` (numpy's ``threshold``, as
+:func:`~.output.show_values` gives it): only the edges of each axis are printed."""
+
+SUMMARY_EDGE = 3
+"""Values a summary prints at each end of an axis (numpy's ``edgeitems``, as
+:func:`~.output.show_values` gives it)."""
+
+NEAR_BYTES = 64 << 10
+"""Bytes of a tensor that ``show`` reads in one read where they lie within this span (or within
+twice their own size), else one row at a time: a read of 64 KiB costs about what a handful of
+small ones do."""
+
+
+async def _printed(
+    args: argparse.Namespace, stream: TensorStream[Any], info: TensorInfo, array: Any
+) -> tuple[argparse.Namespace, Any]:
+    """What ``show`` prints of ``array``, the tensor ``info`` as ``stream`` delivered it, with the
+    arguments to print it with.
+
+    A view of a local file's mapping (read-only: ``copy=False``) is never read through: a file
+    truncated meanwhile (a training job saving a checkpoint in place truncates it first) kills
+    the process with SIGBUS where a lost page is touched. The values printed are copied out of
+    the file instead, with positioned reads, a :class:`~stream_st.TruncatedStreamError` where
+    the file has ended: the ``--slice`` alone (applied here: the arguments returned have none),
+    of a summary only its edges (:func:`_edges`), into an array of its shape whose other values
+    are zeros never read (memory the system gives as it is written). An F4 tensor, decoded whole
+    before it is sliced, is copied whole; a ``--slice`` that does not fit is left to
+    :func:`~.output.show_values` to refuse, nothing read. An array in fresh memory (another
+    source's) is returned as it is."""
+    reading = stream._current if isinstance(stream, ShardedStream) else stream
+    assert reading is not None  # a shard's stream, while it hands out its tensors
+    source, start, base = reading.source, stream.header.data_start + info.start, array.ctypes.data
+    if array.flags.writeable or not isinstance(source, FileSource):  # not a view of a mapping
+        return args, array
+
+    async def copy(into: Any, part: Any) -> None:
+        """Copy ``part``, a view of ``array``, into ``into`` from the file."""
+        low, high = _bounds(part)
+        if high - low > max(NEAR_BYTES, 2 * part.nbytes):  # far apart: at least one axis
+            for row in range(len(part)):
+                await copy(into[row, ...], part[row, ...])
+            return
+        whole = part.flags.c_contiguous and into.flags.c_contiguous  # read straight into it
+        read = into if whole else np.empty(high - low, np.uint8)
+        offset = start + low - base
+        got = await source.read_into_at(offset, read.reshape(-1).view(np.uint8).data)
+        if got < high - low:
+            raise TruncatedStreamError(
+                f"tensor {info.name!r}",
+                name=info.name,
+                offset=offset + got,
+                expected=offset + high - low,
+                source=source.name,
+            )
+        if not whole:
+            into[...] = np.ndarray(
+                part.shape, part.dtype, read, part.ctypes.data - low, part.strides
+            )
+
+    selected, shown_args = array, args
+    if args.slice and not info.dtype_info.packed:
+        index = args.slice if Ellipsis in args.slice else (*args.slice, Ellipsis)  # 0-d: a view
+        try:
+            selected = array[index]
+        except (IndexError, TypeError):
+            return args, np.zeros(array.shape, array.dtype)
+        shown_args = argparse.Namespace(**{**vars(args), "slice": None})
+    values = np.zeros(selected.shape, selected.dtype)
+    summarized = not args.json and info.dtype != "F4" and selected.size > SUMMARY_THRESHOLD
+    for at in _edges(selected.shape) if summarized else [(Ellipsis,)]:
+        if selected[at].size:
+            await copy(values[at], selected[at])
+    return shown_args, values
+
+
+def _edges(shape: Sequence[int]) -> list[tuple[slice, ...]]:
+    """The blocks of an array of ``shape`` that a summary of it prints (numpy's): along each
+    axis longer than twice :data:`SUMMARY_EDGE`, its first and last :data:`SUMMARY_EDGE`
+    values, along the others all of them."""
+    edges = [slice(None, SUMMARY_EDGE), slice(-SUMMARY_EDGE, None)]
+    return list(
+        itertools.product(*(edges if n > 2 * SUMMARY_EDGE else [slice(None)] for n in shape))
+    )
+
+
+def _bounds(array: Any) -> tuple[int, int]:
+    """The address of the first byte of ``array``'s values (at least one), and one past its
+    last, whatever the signs of its strides."""
+    low = high = array.ctypes.data
+    for size, stride in zip(array.shape, array.strides, strict=True):
+        if stride < 0:
+            low += (size - 1) * stride
+        else:
+            high += (size - 1) * stride
+    return low, high + array.itemsize
 
 
 async def run_hash(args: argparse.Namespace) -> int:
