@@ -10,6 +10,7 @@ compiled module was not built (the fallback is that finalizer).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
@@ -70,10 +71,8 @@ def mappings_of(path: Path) -> int:
 def descriptors_of(path: Path) -> int:
     found = 0
     for name in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):  # closed meanwhile (the listing's own)
             found += os.readlink(f"/proc/self/fd/{name}") == str(path)
-        except OSError:
-            pass
     return found
 
 
