@@ -20,6 +20,7 @@ import re
 import stat
 import sys
 import unicodedata
+from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from contextlib import aclosing, contextmanager, suppress
 from dataclasses import asdict
@@ -50,6 +51,7 @@ from ..reader import TensorStream
 from ..sharded.reader import ShardedStream
 from ..tools.common import command_clock, headers_of, naming, plural
 from ..tools.cp import address_in, local_path, make_directory
+from ..tools.hash import Hashes, structure_of
 from ..tools.inspect import described
 from ..tools.model_checks import ModelConfig
 from ..tools.validate import expected_shapes
@@ -397,15 +399,8 @@ async def run_hash(args: argparse.Namespace) -> int:
             "--file prints sha256sum's lines, which have no room for --content: add --json"
         )
 
-    async def one(source: str) -> int:
-        with progress_reporter("hashing", args.quiet or not args.content) as progress:
-            result = await tools.hash(
-                source,
-                content=args.content,
-                file=args.file,
-                progress=progress,
-                **options_of(args),
-            )
+    def printed(source: str, result: Hashes) -> None:
+        """Print ``result``, the hashes of ``source``."""
         if args.json:
             print_json(result)
         elif args.file:  # as sha256sum prints it: sha256sum -c and stream-st hash --check take it
@@ -416,9 +411,40 @@ async def run_hash(args: argparse.Namespace) -> int:
             print(f"structural {result['structural_hash']}  {named}")
             if "content_hash" in result:
                 print(f"content    {result['content_hash']}  {named}")
+
+    async def one(source: str) -> int:
+        if args.content and not args.file and is_index(source):
+            await _one_digest_a_name(source, args, printed)
+        with progress_reporter("hashing", args.quiet or not args.content) as progress:
+            result = await tools.hash(
+                source,
+                content=args.content,
+                file=args.file,
+                progress=progress,
+                **options_of(args),
+            )
+        printed(source, result)
         return EXIT_OK
 
     return await _each(args, one)
+
+
+async def _one_digest_a_name(
+    source: str, args: argparse.Namespace, printed: Callable[[str, Hashes], None]
+) -> None:
+    """Refuse ``hash --content`` of a checkpoint whose shards repeat a tensor name (a batch-mode
+    dataset's columns are in every shard), before any tensor is read: the content hash gives
+    one name one digest. Its structural hash is ``printed`` first, then a
+    :class:`~stream_st.UsageError` raised."""
+    headers = await headers_of(source, command_clock(options_of(args)), unknown_dtypes="keep")
+    shards = Counter(name for header in headers for name in header.names())
+    name, count = max(shards.items(), key=lambda item: item[1], default=("", 1))
+    if count > 1:
+        printed(source, structure_of(source, headers))
+        raise UsageError(
+            f"tensor {name!r} is in {count} shards, and --content gives one name one digest: "
+            "hash each shard (stream-st hash --content SHARD...)"
+        )
 
 
 async def run_weight_inspect(args: argparse.Namespace) -> int:
