@@ -6,15 +6,15 @@ own token."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 
-import anyio
 import numpy as np
 import pytest
 
 import stream_st
+
+from .test_serve import exchange
 
 pytest.importorskip("aiohttp")
 
@@ -43,19 +43,6 @@ OTHER = (
 """Other requests aiohttp answers 400, its reason quoting them (the kind of failure differs
 between its C and Python parsers): a control character in a header, a header line without a
 colon, a method that is not a token (logged at DEBUG, a first request not HTTP)."""
-
-
-async def exchange(port: int, data: bytes) -> bytes:
-    """``data`` sent on a fresh connection to 127.0.0.1:``port``, then what comes back until the
-    server closes it."""
-    stream = await anyio.connect_tcp("127.0.0.1", port)
-    answer = b""
-    async with stream:
-        await stream.send(data)
-        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
-            while True:
-                answer += await stream.receive()
-    return answer
 
 
 async def test_a_malformed_request_is_neither_logged_nor_echoed(
