@@ -498,7 +498,9 @@ static PyObject *laid(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     u64 offset = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i >= PyList_Size(rows)) goto declined; /* changed meanwhile (by a callback) */
-        int plain = row_of(PyList_GetItem(rows, i), attrs, field);
+        PyObject *item = Py_NewRef(PyList_GetItem(rows, i)); /* held: attrs run Python code */
+        int plain = row_of(item, attrs, field);
+        Py_DECREF(item);
         if (plain < 0) goto done;
         if (plain == 0) goto declined;
         PyObject *name = field[0], *given = field[1], *shape = field[2];

@@ -9,6 +9,7 @@ package was installed without a C compiler.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import ml_dtypes
@@ -199,3 +200,24 @@ def test_a_str_subclass_name_is_checked_as_its_text(names: list[str]) -> None:
         build_header([TensorSpec(IdName(name), "F32", (1,)) for name in names])
     with pytest.raises(HeaderError):
         lay_out({IdName(name): np.zeros(1, np.float32) for name in names})
+
+
+def test_a_row_stays_held_while_its_attributes_run_code() -> None:
+    """A row whose attribute getter empties the rows list was read after it was freed (a
+    borrowed reference): the row is held while its attributes are read."""
+    rows: list[Any] = []
+
+    class Spec:
+        dtype = "F32"
+        shape = (1,)
+
+        @property
+        def name(self) -> str:
+            rows.clear()
+            gc.collect()
+            _ = [bytearray(64) for _ in range(1000)]  # the freed row's memory taken again
+            return "a"
+
+    rows.append(Spec())
+    laid = compiled.laid(rows, ("name", "dtype", "shape"), "", _dtype_named, _layout)
+    assert laid is not None and laid[1] == ["a"]
