@@ -31,7 +31,9 @@ wrapped over two lines in a credentials file would send its second line as a hea
 own): the error names the key and where it came from, never its value. A broken configuration is
 one too: an unknown profile, an unreadable file, a region that is no region name (it goes into
 AWS's host name) or an endpoint that is no http(s) URL when the configuration is resolved (named
-by where it came from), a failing credential process on first use.
+by where it came from), a failing credential process (named by its exit status, never by what it
+printed, which may hold a secret) or credentials still expired once refreshed, on first use or
+at a refresh.
 
 Only the keys come from the chain: the signing (SigV4, below) and the transport are ours.
 
@@ -48,8 +50,9 @@ import hmac
 import importlib.util
 import os
 import re
+import subprocess
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -59,6 +62,7 @@ from urllib.parse import quote, urlsplit
 
 import anyio
 
+from ..._util import call_soon_from_thread
 from ...errors import (
     MASK,
     ArgumentTypeError,
@@ -314,6 +318,7 @@ class CredentialChain:
         self._lock = threading.Lock()  # one search, however many threads ask at once
         self._searched = False
         self._found: Any = None  # botocore's credentials, once searched; None if none found
+        self._helper: subprocess.Popen[bytes] | None = None  # the last credential_process run
 
     @staticmethod
     def available() -> bool:
@@ -336,14 +341,17 @@ class CredentialChain:
         try:
             with self._lock:
                 if not self._searched:
-                    self._found = Session(profile=self.profile).get_credentials()
+                    session = Session(profile=self.profile)
+                    resolver = session.get_component("credential_provider")
+                    resolver.get_provider("custom-process")._popen = self._run_helper
+                    self._found = session.get_credentials()
                     self._searched = True
             frozen = None if self._found is None else self._found.get_frozen_credentials()
-        except (BotoCoreError, OSError, ValueError) as exc:
-            detail = _one_line(exc)
-            if not isinstance(exc, BotoCoreError):
-                detail = f"{type(exc).__name__}: {detail}"
-            raise CredentialsError(f"cannot get AWS credentials{self._named()}: {detail}") from None
+        except (BotoCoreError, OSError, ValueError, RuntimeError) as exc:
+            # RuntimeError: botocore's "refreshed credentials are still expired"
+            raise CredentialsError(
+                f"cannot get AWS credentials{self._named()}: {self._failure(exc)}"
+            ) from None
         if frozen is None or not frozen.access_key or not frozen.secret_key:
             raise CredentialsError(
                 f"no AWS credentials found{self._named()} (environment, AWS files and profiles, "
@@ -357,6 +365,50 @@ class CredentialChain:
 
     def _named(self) -> str:
         return "" if self.profile is None else f" for the profile {self.profile!r}"
+
+    def _run_helper(self, *args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        """Start a ``credential_process`` helper for botocore, kept to tell its exit status
+        (:meth:`_failure`)."""
+        self._helper = subprocess.Popen(*args, **kwargs)
+        return self._helper
+
+    def _failure(self, exc: BaseException) -> str:
+        """What made the chain fail with ``exc``, for a message: a ``credential_process`` that
+        failed by its exit status alone, never by its error output, which botocore quotes (a
+        helper may print a secret there)."""
+        from botocore.exceptions import BotoCoreError, CredentialRetrievalError
+
+        helper = self._helper
+        if isinstance(exc, CredentialRetrievalError) and helper is not None and helper.returncode:
+            return (
+                f"{exc.kwargs.get('provider')}: the credential_process exited with status "
+                f"{helper.returncode} (its output is not shown)"
+            )
+        detail = _one_line(exc)
+        return detail if isinstance(exc, BotoCoreError) else f"{type(exc).__name__}: {detail}"
+
+
+async def _in_daemon_thread(function: Callable[[], object]) -> None:
+    """Call ``function`` in a daemon thread of its own and wait for it to return (raising what
+    it raises). A cancellation ends the wait at once, the thread left to end by itself; a
+    daemon, it never keeps the process from exiting (as anyio's worker threads, joined at exit,
+    would while a credential process hangs)."""
+    token = anyio.lowlevel.current_token()
+    done = anyio.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            function()
+        except BaseException as exc:  # raised in the waiting task, if it still waits
+            failure.append(exc)
+        finally:
+            call_soon_from_thread(token, done.set)
+
+    threading.Thread(target=run, name="stream_st AWS credentials", daemon=True).start()
+    await done.wait()
+    if failure:
+        raise failure[0]
 
 
 @dataclass(frozen=True)
@@ -487,14 +539,14 @@ class S3Config:
         )
 
     async def ready(self, clock: Clock = UNLIMITED, name: str | None = None) -> None:
-        """Look for the credentials, or refresh them, in a worker thread when that may block
+        """Look for the credentials, or refresh them, in a daemon thread when that may block
         (botocore's chain, on first use and as they near their expiry), within ``clock``'s
         limits (reported for ``name``): :meth:`sign` after it does not block. Call it before
         signing from async code; at once when nothing is due."""
         if self.anonymous or self.chain is None or not self.chain.due():
             return
         with clock.waiting(name, stalled="no AWS credentials"):
-            await anyio.to_thread.run_sync(self.chain.keys, abandon_on_cancel=True)
+            await _in_daemon_thread(self.chain.keys)
 
     def object_url(self, bucket: str, key: str, query: str = "") -> str:
         """The HTTP address of ``key`` in ``bucket`` (``query`` already encoded, without ``?``);

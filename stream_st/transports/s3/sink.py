@@ -82,7 +82,6 @@ import anyio
 from ..._util import seen_through
 from ...errors import (
     ArgumentTypeError,
-    SafetensorsError,
     TransportError,
     UnsupportedSinkError,
     UsageError,
@@ -225,8 +224,9 @@ class S3Sink(ClientUser, Sink):
         self._upload_id: str | None = None
         # Why an upload CreateMultipartUpload may have made has no known id; None if none may
         self._unnamed: str | None = None
-        # The final request, sent and cancelled before its answer came, and the ETag it stores
-        self._unanswered: tuple[str, str | None] | None = None
+        # The final request, sent before a cancellation: its name, the ETag it stores, and
+        # whether its answer came (it stored the object)
+        self._final: tuple[str, str | None, bool] | None = None
         self._etags: dict[int, str] = {}  # by part number
         self._checksums: dict[int, str] = {}  # by part number: what the store checked
         self._cut = 0  # parts cut from the message so far
@@ -480,28 +480,38 @@ class S3Sink(ClientUser, Sink):
         A cancellation before it is sent raises here (the upload is then aborted); once sent it
         is the commit point: a cancellation lets it finish (stored, nothing is left to abort),
         then goes on as :func:`~stream_st._util.seen_through` says."""
+        answered = False  # whether the store's answer came: then it stored the object
+
+        async def answer() -> None:
+            nonlocal answered
+            await call()
+            answered = True
+
         await anyio.lowlevel.checkpoint_if_cancelled()
         sending = self._client.sending
         try:
-            await self._through(call)
+            await self._through(answer)
         except Exception as exc:
             if _refusal(exc) or self._client.sending == sending:
                 raise
             await self._settle(request, exc, etag())
         except BaseException:  # cancelled, its answer waited for abort_timeout at most
-            if self._client.sending != sending:  # sent: the clean-up finds out what it did
-                self._unanswered = (request, etag())
+            if self._client.sending != sending:  # sent: the clean-up says what it did
+                self._final = (request, etag(), answered)
             raise
 
     async def _through(self, call: Callable[[], Awaitable[object]]) -> None:
         """Await ``call()`` shielded from cancellation, in a task of its own so that a
         cancellation (an anyio one, or asyncio's ``Task.cancel()``, which goes through anyio's
         shields) is seen: from then on the request has :attr:`abort_timeout` more seconds (the
-        clock's limits apply as always); see :func:`~stream_st._util.seen_through`."""
+        clock's limits apply as always); see :func:`~stream_st._util.seen_through`. The
+        credentials are looked for first, unshielded: a cancellation while they are (a credential
+        process that hangs) ends the write at once, no request having gone out."""
 
         def bound(shield: anyio.CancelScope) -> None:
             shield.deadline = anyio.current_time() + self.abort_timeout
 
+        await self.config.ready(self.clock, self.name)
         await seen_through(call, bound)
 
     def _multipart_etag(self) -> str | None:
@@ -583,10 +593,11 @@ class S3Sink(ClientUser, Sink):
 
     async def _clean_up(self) -> str | None:
         """Abort the upload, shielded and within ``abort_timeout``: None once nothing of this
-        write is pending, else what may be, or what a final request sent but unanswered did."""
+        write is pending, else what may be, or what the final request, sent before a
+        cancellation, did."""
         upload_id, self._upload_id = self._upload_id, None
         unnamed, self._unnamed = self._unnamed, None
-        unanswered, self._unanswered = self._unanswered, None
+        final, self._final = self._final, None
         self._part, self._held = bytearray(), {}
         problem = None
         if unnamed is not None:
@@ -601,21 +612,9 @@ class S3Sink(ClientUser, Sink):
             try:
                 if upload_id is not None:
                     gone = not await self._delete(upload_id)
-                if unanswered is not None and gone:  # no upload left: the request's outcome
-                    request, etag = unanswered
-                    problem = (
-                        f"the {request} sent before the cancellation had no answer within "
-                        f"{self.abort_timeout} s: the object at {self.name} may or may not be "
-                        "the one written"
-                    )
-                    with contextlib.suppress(TransportError):
-                        if etag is not None and await self._stored_etag() == etag:
-                            problem = (
-                                f"the {request} sent before the cancellation was carried out: "
-                                f"the object at {self.name} is the one written (its answer did "
-                                f"not come within {self.abort_timeout} s)"
-                            )
-            except SafetensorsError as exc:
+                if final is not None and gone:  # no upload left: the request's outcome
+                    problem = await self._outcome(*final)
+            except Exception as exc:  # a TransportError, or no credentials to sign the abort
                 problem = (
                     f"aborting multipart upload {upload_id} of {self.name} failed ({exc}): it "
                     "may still be pending"
@@ -628,6 +627,24 @@ class S3Sink(ClientUser, Sink):
                 f"{self.abort_timeout} s: it may still be pending"
             )
         return problem
+
+    async def _outcome(self, request: str, etag: str | None, answered: bool) -> str:
+        """The note on the cancellation of a write whose final request, ``request``, was sent
+        before it: carried out when its answer came (``answered``) or the object at the key has
+        the ``etag`` it stores (asked of the store), else an unknown outcome."""
+        carried_out = (
+            f"the {request} sent before the cancellation was carried out: the object at "
+            f"{self.name} is the one written"
+        )
+        if answered:
+            return carried_out
+        with contextlib.suppress(TransportError):
+            if etag is not None and await self._stored_etag() == etag:
+                return f"{carried_out} (its answer did not come within {self.abort_timeout} s)"
+        return (
+            f"the {request} sent before the cancellation had no answer within "
+            f"{self.abort_timeout} s: the object at {self.name} may or may not be the one written"
+        )
 
     async def abort(self) -> None:
         """Abort the multipart upload, if one was started; see the module docstring. Raises
