@@ -50,7 +50,7 @@ from ..errors import (
     boolean,
 )
 from ..memory.fresh import fresh_bytes
-from ..transports.file.mmap import Held, map_file, open_held
+from ..transports.file.mmap import Held, map_file, open_descriptor
 from ..transports.file.pread import pread_fully
 from ._errors import NoSuchFileError
 
@@ -252,7 +252,7 @@ def _capped() -> bool:
 
 def _open(name: str) -> Held:
     try:
-        return open_held(name, os.O_RDONLY | _CLOEXEC)
+        return open_descriptor(name, os.O_RDONLY | _CLOEXEC)
     except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL
         raise NoSuchFileError(name) from None  # as the reference says of all three
     except OSError as exc:

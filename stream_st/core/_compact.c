@@ -398,7 +398,6 @@ static int layout(PyObject *cache, PyObject *dtype_of, PyObject *layout_of, PyOb
         }
         hold(&last->given, given);
         hold(&last->dtype, dtype);
-        if (code != last->code) last->entry = NULL;
         hold(&last->code, code);
         Py_DECREF(dtype);
         Py_DECREF(code);
@@ -542,6 +541,7 @@ static PyObject *laid(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         offset = end;
         for (int f = 0; f < 3; f++) Py_CLEAR(field[f]);
     }
+    if (PyList_Size(rows) != n) goto declined; /* grown meanwhile (by a callback) */
     if (!reserve(&t, 1)) goto nomemory;
     put(&t, "}", 1);
     PyObject *text = PyBytes_FromStringAndSize(t.s, (Py_ssize_t)t.n);

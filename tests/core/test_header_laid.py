@@ -220,4 +220,23 @@ def test_a_row_stays_held_while_its_attributes_run_code() -> None:
 
     rows.append(Spec())
     laid = compiled.laid(rows, ("name", "dtype", "shape"), "", _dtype_named, _layout)
-    assert laid is not None and laid[1] == ["a"]
+    assert laid is None  # no crash; the list changed: left to the Python loop
+
+
+def test_rows_added_while_laid_out_are_left_to_the_python_loop() -> None:
+    """A row added to the list while the plan is laid out was dropped (the columns sized to the
+    rows at the start), where the Python loop, going through the same list, lays it out too."""
+    rows: list[Any] = []
+
+    class Spec:
+        dtype = "F32"
+        shape = (1,)
+
+        @property
+        def name(self) -> str:
+            if len(rows) == 1:
+                rows.append(TensorSpec("b", "F32", (1,)))
+            return "a"
+
+    rows.append(Spec())
+    assert compiled.laid(rows, ("name", "dtype", "shape"), "", _dtype_named, _layout) is None

@@ -113,7 +113,7 @@ def test_the_mapping_is_the_compiled_one_and_read_only_where_shared(path: Path) 
 
 
 def test_a_held_descriptor_closes_once(path: Path) -> None:
-    descriptor = file_mmap.open_held(str(path), os.O_RDONLY)
+    descriptor = file_mmap.open_descriptor(str(path), os.O_RDONLY)
     fd = descriptor.fileno()
     os.fstat(fd)
     descriptor.close()

@@ -100,7 +100,8 @@ static PyType_Slot mapping_slots[] = {
 
 static PyType_Spec mapping_spec = {
     "stream_st.transports.file._held.Mapping", sizeof(Mapping), 0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, mapping_slots,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_IMMUTABLETYPE,
+    mapping_slots,
 };
 
 static PyObject *map(PyObject *module, PyObject *args) {
@@ -122,7 +123,9 @@ static PyObject *map(PyObject *module, PyObject *args) {
     address = mmap(NULL, (size_t)size, prot, flags, fd, 0);
     Py_END_ALLOW_THREADS
     if (address == MAP_FAILED) {
+        int error = errno; /* before the object's release, which may set it */
         Py_DECREF(mapping);
+        errno = error;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     mapping->address = address;
@@ -166,7 +169,8 @@ static PyType_Slot descriptor_slots[] = {
 
 static PyType_Spec descriptor_spec = {
     "stream_st.transports.file._held.Descriptor", sizeof(Descriptor), 0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, descriptor_slots,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_IMMUTABLETYPE,
+    descriptor_slots,
 };
 
 static PyObject *descriptor(PyObject *module, PyObject *args) {

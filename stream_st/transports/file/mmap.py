@@ -50,7 +50,7 @@ import numpy as np
 from ...core.header import TensorInfo
 from ...errors import TransportError
 
-__all__ = ["INLINE_STEP", "WINDOW", "FileMap", "Held", "map_file", "open_held"]
+__all__ = ["INLINE_STEP", "WINDOW", "FileMap", "Held", "map_file", "open_descriptor"]
 
 WINDOW = 64 << 20
 """Bytes populated per call (at least the tensor asked for)."""
@@ -166,7 +166,7 @@ class _Held:
         self._close()
 
 
-def open_held(path: str, flags: int) -> Held:
+def open_descriptor(path: str, flags: int) -> Held:
     """``os.open(path, flags)``, held: closed when the object returned is gone, or by its
     ``close()``. Where the compiled module was built, C code opens and holds it, with no Python
     step between where an interrupt could leave the descriptor to no one."""
