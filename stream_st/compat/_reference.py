@@ -689,14 +689,16 @@ def retyped_views(
 ) -> list[tuple[str, dict[str, Any]]]:
     """The tensors of ``data`` whose dtype code ``types`` (a drop-in's ``_TYPES``, which
     programs patch as they patch the reference's) maps to another dtype than ``built_in`` (the
-    table as the drop-in made it) does, as :func:`~._serialize.deserialize` gives tensors, each
-    one's ``data`` the memory of its tensor in ``tensors`` (what :func:`load_bytes` gave for
-    ``data``, checked; no copy): for the drop-in's ``_view2np`` or ``_view2torch`` to view as
-    the patched dtype, as the reference's ``load`` does. None, at the cost of comparing the
-    two tables, while ``types`` is unpatched."""
+    table as the drop-in made it) does, or no longer holds, as :func:`~._serialize.deserialize`
+    gives tensors, each one's ``data`` the memory of its tensor in ``tensors`` (what
+    :func:`load_bytes` gave for ``data``, checked; no copy): for the drop-in's ``_view2np`` or
+    ``_view2torch`` to view as the patched dtype (or fail, a code removed, as the reference's
+    ``load`` fails), as the reference's ``load`` does. None (an empty list), at the cost of
+    comparing the two tables, while ``types`` is unpatched."""
     if types == built_in:
         return []
     codes = {code for code, kind in types.items() if code not in built_in or built_in[code] != kind}
+    codes.update(built_in.keys() - types.keys())  # removed: the drop-in's lookup fails there
     view = as_bytes_view(data)
     length = parse_header_length(view[:LENGTH_PREFIX_SIZE])
     header = parse_header(view[LENGTH_PREFIX_SIZE : LENGTH_PREFIX_SIZE + length])

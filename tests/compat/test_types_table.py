@@ -149,3 +149,17 @@ def test_torch_table_is_the_reference_s() -> None:
         patch.setitem(st._TYPES, "BF16", torch.int16)
         assert st._getdtype("BF16") is torch.int16
     assert st.load(checkpoint(True))["bf16"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("code", ["F32", "BOOL"])
+def test_numpy_load_fails_as_the_reference_for_a_code_removed(
+    code: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A code a program deleted from ``_TYPES`` made the reference's ``load`` raise its
+    ``KeyError`` while the drop-in read the tensor as before."""
+    data = checkpoint(False)
+    monkeypatch.delitem(reference_numpy._TYPES, code)
+    monkeypatch.delitem(sn._TYPES, code)
+    expected = outcome(reference_numpy.load, data)
+    assert isinstance(expected, tuple) and expected[0] is KeyError
+    assert outcome(sn.load, data) == expected
