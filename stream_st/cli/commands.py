@@ -282,10 +282,18 @@ async def run_show(args: argparse.Namespace) -> int:
 
 
 async def _checksummed(source: str, options: TransportOptions) -> bool:
-    """Whether ``source`` is a local regular file (or index) whose header records digests (or a
-    shard's does): ``show`` reads its tensor whole then, to check it."""
+    """Whether ``source`` is a local regular file, index or dataset folder whose header records
+    digests (or a shard's does): ``show`` reads its tensor whole then, to check it."""
     path = local_path(source, UnsupportedSourceError)
-    if path is None or not await anyio.Path(path).is_file():  # a pipe is read once, by show
+    if path is None:
+        return False
+    found = anyio.Path(path)
+    if await found.is_dir():  # a dataset's folder, or a checkpoint's: its index
+        sources = tools.model_sources(path)
+        if len(sources) != 1:
+            return False
+        source = sources[0]
+    elif not await found.is_file():  # a pipe is read once, by show
         return False
     headers = await headers_of(source, command_clock(options), unknown_dtypes="keep")
     return any(ALGORITHM_KEY in header.metadata for header in headers)

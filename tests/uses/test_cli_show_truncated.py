@@ -210,3 +210,16 @@ def test_show_prints_the_same_as_from_fresh_memory(
     assert main(args) == status
     assert capsys.readouterr() == shown
     assert shown.out or shown.err
+
+
+async def test_a_checksummed_dataset_folder_is_read_whole_to_check(tmp_path: Path) -> None:
+    """A dataset given as its folder was taken for no checksummed file, so show checked its
+    tensor's digest on the mapping (a truncation meanwhile: SIGBUS); it reads it whole."""
+    folder = tmp_path / "ds"
+    async with stream_st.open_dataset_writer(folder, checksums=True) as writer:
+        await writer.write_batch({"x": np.zeros((4, 2), np.float32)}, 4)
+    assert await commands._checksummed(str(folder), {})
+    plain = tmp_path / "plain"
+    async with stream_st.open_dataset_writer(plain) as writer:
+        await writer.write_batch({"x": np.zeros((4, 2), np.float32)}, 4)
+    assert not await commands._checksummed(str(plain), {})
