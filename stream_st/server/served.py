@@ -87,7 +87,7 @@ class SourceFile:
         except FileNotFoundError:
             raise SourceNotFoundError(f"no such file: {path}", url=path) from None
         except OSError as exc:
-            raise SourceNotFoundError(f"cannot read {path}: {exc.strerror}", url=path) from None
+            raise SourceNotFoundError(f"{path}: cannot read: {exc.strerror}", url=path) from None
         if not stat.S_ISREG(status.st_mode):
             raise UsageError(f"{path} is not a regular file")
         return cls(path, cls.identity_of(status))

@@ -101,6 +101,7 @@ from ..errors import (
     some_names,
 )
 from ..transports.file.atomic import name_max, path_from_url, temp_keeps_name
+from ..transports.file.mmap import Held, open_descriptor
 from ..transports.file.sink import FileSink
 from .reader import MAX_INDEX_SIZE
 
@@ -335,7 +336,7 @@ class _RollingWriter(AsyncClosing):
         self._drop: weakref.finalize[Any, Any] | None = None  # the new folders, if dropped open
         self._folder: tuple[int, int] | None = None  # the directory held (_identity), once made
         self._fd: int | None = None  # a descriptor of it (_open_folder), until it is let go
-        self._close_fd: weakref.finalize[Any, Any] | None = None  # closes _fd, if dropped open
+        self._held_fd: Held | None = None  # closes _fd, by _let_go or once dropped (in C)
         self._made: dict[Path, tuple[int, int]] = {}  # the folders made (_make_folders)
         self._written: set[str] = set()
         self._state = _OPEN
@@ -429,9 +430,9 @@ class _RollingWriter(AsyncClosing):
         else:
             with _io("creating the directory", self.directory):
                 _make_folders(self.directory, self._made)
-                fd = _open_folder(self.directory)
-                self._fd, self._close_fd = fd, weakref.finalize(self, os.close, fd)
-                self._folder = _identity(fd)
+                self._held_fd = _open_folder(self.directory)
+                self._fd = self._held_fd.fileno()
+                self._folder = _identity(self._fd)
             if self._new_folders:  # a writer dropped unclosed leaves them as it found them
                 mine = re.compile(rf"\.\.?{self._tag}\.partial\..+")  # its held names
                 self._drop = weakref.finalize(
@@ -650,9 +651,9 @@ class _RollingWriter(AsyncClosing):
             self._drop.detach()
         if self._hold is not None:
             self._hold()
-        if self._close_fd is not None:
+        if self._held_fd is not None:
             self._fd = None
-            self._close_fd()
+            self._held_fd.close()
 
     async def abort(self) -> None:
         """Remove every shard written so far and the one in the making, and the index if written;
@@ -1142,7 +1143,8 @@ def missing_folders(directory: Path) -> list[Path]:
     for folder in (directory, *directory.parents):
         if folder.exists():
             break
-        missing.append(folder)
+        if folder.name not in ("", ".", ".."):  # made (and removed) as the folder it names
+            missing.append(folder)
     return missing
 
 
@@ -1200,18 +1202,19 @@ _FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 """How a writer opens its directory (:func:`_open_folder`)."""
 
 
-def _open_folder(directory: Path) -> int:
-    """A descriptor of ``directory``, to list it and to rename and remove in it
-    (:attr:`_RollingWriter._dir_fd`); where it may not be read (a folder one may only write
-    in), ``O_PATH`` where there is one: renames and removals only, the listing then fails (as
-    it failed by the path)."""
+def _open_folder(directory: Path) -> Held:
+    """A descriptor of ``directory``, held (closed once dropped, in C where the compiled module
+    was built: :func:`~stream_st.transports.file.mmap.open_descriptor`), to list it and to
+    rename and remove in it (:attr:`_RollingWriter._dir_fd`); where it may not be read (a
+    folder one may only write in), ``O_PATH`` where there is one: renames and removals only,
+    the listing then fails (as it failed by the path)."""
     try:
-        return os.open(directory, _FOLDER_FLAGS)
+        return open_descriptor(str(directory), _FOLDER_FLAGS)
     except PermissionError:
         only_path = getattr(os, "O_PATH", 0)
         if not only_path:
             raise
-        return os.open(directory, only_path | _FOLDER_FLAGS)
+        return open_descriptor(str(directory), only_path | _FOLDER_FLAGS)
 
 
 def _found(name: str, folder: int | None = None) -> os.stat_result | None:

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
-from stream_st import SourceNotFoundError
+from stream_st import SourceNotFoundError, open_sharded_writer
 from stream_st.core.shards import MANIFEST_NAME
 from stream_st.sharded.writer import DatasetWriter, ShardedWriter
 
@@ -131,3 +132,15 @@ async def test_an_abort_leaves_the_empty_folders_put_in_place_of_the_moved_ones(
         await _end(writer, how)
     gone = ["gone", "gone/ck"] if moved == "sub" else ["gone"]
     assert _tree(tmp_path) == sorted([*gone, "sub", "sub/ck"])
+
+
+async def test_an_aborted_write_through_dot_dot_removes_every_folder_it_made(
+    tmp_path: Path,
+) -> None:
+    """A failed write into ``x/../y/z`` (none there) left ``x``: the folders to make and remove
+    were listed with ``x/..`` among them, which is not one made, and the removal stopped there."""
+    with pytest.raises(RuntimeError, match="the program fails"):
+        async with open_sharded_writer(tmp_path / "x/../y/z") as writer:
+            await writer.write("t", np.zeros(200, np.float32))
+            raise RuntimeError("the program fails")
+    assert sorted(os.listdir(tmp_path)) == []

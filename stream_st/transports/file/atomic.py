@@ -272,7 +272,7 @@ def _target_of(
         target = name if os.path.isabs(name) else os.path.join(os.getcwd(), name)
     except FileNotFoundError:  # no path leads to the working directory any more
         raise SourceNotFoundError(
-            f"the working directory was removed: cannot write {name}", url=name
+            f"{name}: cannot write it: the working directory was removed", url=name
         ) from None
     found = _existing(target, follow=False) if seen is None else seen[0]
     if found is not None and stat.S_ISLNK(found.st_mode) and _through_proc(target):
