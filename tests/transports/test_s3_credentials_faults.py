@@ -26,12 +26,12 @@ import pytest
 import safetensors.numpy as reference_numpy
 
 import stream_st
-from stream_st import TensorSpec
 from stream_st.transports.s3.config import S3Config
 from stream_st.transports.s3.sink import MIN_PART_SIZE, S3Sink
 
 from ..servers.lossy_proxy import LossyProxy
 from ..servers.s3_server import CREDENTIALS, MotoS3Server
+from .test_upload_faults import pending, stored, write
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 BUCKET = "credfaults"
@@ -117,27 +117,6 @@ def wait_for_helper(directory: Path) -> None:
     while not (directory / "helper.pid").exists():
         assert time.monotonic() < deadline, "the helper never started"
         time.sleep(0.01)
-
-
-async def write(sink: S3Sink, arrays: Arrays) -> None:
-    plan = [TensorSpec(n, a.dtype, a.shape) for n, a in arrays.items()]
-    async with stream_st.open_writer(sink, plan) as writer:
-        for name, array in arrays.items():
-            await writer.write(name, array)
-
-
-def pending(store: MotoS3Server, key: str) -> list[str]:
-    """Upload ids of the multipart uploads of exactly ``key`` still pending."""
-    answer = store.client().list_multipart_uploads(Bucket=BUCKET, Prefix=key)
-    return [u["UploadId"] for u in answer.get("Uploads", []) if u["Key"] == key]
-
-
-def stored(store: MotoS3Server, key: str) -> bytes | None:
-    client = store.client()
-    try:
-        return bytes(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
-    except client.exceptions.NoSuchKey:
-        return None
 
 
 # ---------------------------------------------------------------- a helper that hangs
@@ -247,7 +226,7 @@ async def test_credentials_expiring_mid_upload_fail_the_abort_with_a_note(
         sink.abort_timeout = 5.0
         with pytest.raises(stream_st.CredentialsError, match="still expired") as info:
             await write(sink, TWO_PARTS)
-    (upload_id,) = pending(store, key)
+    (upload_id,) = pending(store, key, BUCKET)
     notes = getattr(info.value, "__notes__", [])
     assert len(notes) == 1, notes
     assert f"aborting multipart upload {upload_id} of s3://{BUCKET}/{key} failed" in notes[0]
@@ -306,5 +285,5 @@ async def test_a_task_cancelled_before_the_completes_answer_says_it_was_carried_
         f"at s3://{BUCKET}/{key} is the one written"
     ]
     assert methods == ["POST", "PUT", "PUT", "POST"]
-    assert stored(store, key) == reference_numpy.save(TWO_PARTS)
-    assert pending(store, key) == []
+    assert stored(store, key, BUCKET) == reference_numpy.save(TWO_PARTS)
+    assert pending(store, key, BUCKET) == []
