@@ -54,6 +54,7 @@ from stream_st.integrations.dataset import (
 from stream_st.sharded.reader import ShardIndex
 from stream_st.sharded.writer import (
     _local_folder,
+    make_folders,
     missing_folders,
     remove_new_folders,
     tensor_index_table,
@@ -587,6 +588,9 @@ class SafetensorsWriter(DataSourceArrowWriter):
         self.overwrite = overwrite
         self.staging = _store.join(options.path, f"_temporary/{uuid.uuid4()}")
         self.new_folders = _new_folders(options.path)  # abort() removes them again, if empty
+        self.made: dict[Path, tuple[int, int]] = {}  # each one made here, as it was made
+        if self.new_folders:  # a local folder: made one level at a time, each one recorded
+            make_folders(self.new_folders[0], self.made)
         # Made here, before any task runs, and never by a task: once abort() has removed it, a
         # task still running cannot write there any more, and removes what it wrote.
         anyio.run(_store.make_directory, self.staging)
@@ -620,7 +624,7 @@ class SafetensorsWriter(DataSourceArrowWriter):
         parent = self.staging.rsplit("/", 1)[0]
         if not await _store.list_names(parent):
             await _store.remove_tree(parent)
-        remove_new_folders(self.new_folders)
+        remove_new_folders(self.new_folders, self.made)  # not one put in place of a moved one
 
     async def _commit(self, messages: list[ShardsWritten]) -> None:
         path = self.options.path

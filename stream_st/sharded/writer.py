@@ -109,6 +109,7 @@ __all__ = [
     "DatasetWriter",
     "ShardedWriter",
     "checkpoint_files",
+    "make_folders",
     "missing_folders",
     "open_dataset_writer",
     "open_sharded_writer",
@@ -337,7 +338,7 @@ class _RollingWriter(AsyncClosing):
         self._folder: tuple[int, int] | None = None  # the directory held (_identity), once made
         self._fd: int | None = None  # a descriptor of it (_open_folder), until it is let go
         self._held_fd: Held | None = None  # closes _fd, by _let_go or once dropped (in C)
-        self._made: dict[Path, tuple[int, int]] = {}  # the folders made (_make_folders)
+        self._made: dict[Path, tuple[int, int]] = {}  # the folders made (make_folders)
         self._written: set[str] = set()
         self._state = _OPEN
         self._failure: BaseException | None = None  # why it was aborted (None: by abort())
@@ -422,14 +423,14 @@ class _RollingWriter(AsyncClosing):
         current.samples += samples
 
     async def _open_directory(self) -> None:
-        """Make the directory (and its parents, :func:`_make_folders`), open it (its descriptor,
+        """Make the directory (and its parents, :func:`make_folders`), open it (its descriptor,
         :attr:`_dir_fd`, which the commit goes through) and hold it (:func:`_claim`) the first
         time; a later shard, or the commit, finds it still there (:meth:`_check_directory`)."""
         if self._folder is not None:
             self._check_directory()
         else:
             with _io("creating the directory", self.directory):
-                _make_folders(self.directory, self._made)
+                make_folders(self.directory, self._made)
                 self._held_fd = _open_folder(self.directory)
                 self._fd = self._held_fd.fileno()
                 self._folder = _identity(self._fd)
@@ -1122,7 +1123,7 @@ def _refuse(problem: str | None) -> None:
         raise UsageError(f"write_batch: {problem}; nothing of the batch was written")
 
 
-def _make_folders(directory: Path, made: dict[Path, tuple[int, int]]) -> None:
+def make_folders(directory: Path, made: dict[Path, tuple[int, int]]) -> None:
     """Make ``directory`` and the folders above it that are missing (as ``mkdir -p`` does), each
     one made here put in ``made`` as it is made, with its device and inode (:func:`_identity`):
     not one made by another meanwhile, which :func:`remove_new_folders` then leaves."""
@@ -1153,7 +1154,7 @@ def remove_new_folders(
 ) -> None:
     """Remove ``folders`` (:func:`missing_folders`, the deepest first) where a failed write left
     them empty: one not empty stays, with those above it. With ``made`` (the device and inode of
-    each folder the write made, :func:`_make_folders`), a folder is removed only where it is
+    each folder the write made, :func:`make_folders`), a folder is removed only where it is
     still the one made: one another made, or put at its path once the write's was moved away,
     stays, with those above it (which hold it)."""
     for folder in folders:
