@@ -29,6 +29,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._loopback import LoopbackServer
@@ -178,3 +179,34 @@ class LossyProxy(LoopbackServer):
                 return True
         _reset(connection)
         return False
+
+
+class DelayingProxy(LossyProxy):
+    """A :class:`LossyProxy` that holds each request ``method`` whose target ``matches`` for
+    ``delay`` seconds: before the server sees it, or (``after``) once the server has answered
+    it, before the answer goes back. ``seen`` is set once such a request arrives."""
+
+    def __init__(
+        self,
+        upstream_port: int,
+        method: bytes,
+        matches: Callable[[bytes], bool],
+        delay: float,
+        *,
+        after: bool = False,
+    ) -> None:
+        super().__init__(upstream_port)
+        self.method, self.matches, self.delay, self.after = method, matches, delay, after
+        self.seen = threading.Event()
+
+    def _forward(self, request: bytes) -> bytes:
+        method, target, _ = request.split(b" ", 2)
+        held = method == self.method and self.matches(target)
+        if held:
+            self.seen.set()
+            if not self.after:
+                time.sleep(self.delay)
+        answer = super()._forward(request)
+        if held and self.after:
+            time.sleep(self.delay)
+        return answer

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,9 +28,11 @@ import stream_st
 from stream_st.transports.s3.config import S3Config
 from stream_st.transports.s3.sink import MIN_PART_SIZE, S3Sink
 
-from ..servers.lossy_proxy import LossyProxy
-from ..servers.s3_server import CREDENTIALS, MotoS3Server
-from .test_upload_faults import pending, stored, write
+from ..servers.lossy_proxy import DelayingProxy, LossyProxy
+from ..servers.s3_server import MotoS3Server
+from ._s3_faults import bucket_store
+from ._s3_faults import proxy as proxy
+from .test_upload_faults import pending, s3_sink, stored, write
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 BUCKET = "credfaults"
@@ -66,16 +67,7 @@ print(json.dumps({{
 """
 
 
-@pytest.fixture(scope="module")
-def store(moto_s3: MotoS3Server) -> MotoS3Server:
-    moto_s3.client().create_bucket(Bucket=BUCKET)
-    return moto_s3
-
-
-@pytest.fixture
-def proxy(store: MotoS3Server) -> Iterator[LossyProxy]:
-    with LossyProxy(store.port) as proxy:
-        yield proxy
+store = bucket_store(BUCKET)
 
 
 @pytest.fixture
@@ -237,26 +229,6 @@ async def test_credentials_expiring_mid_upload_fail_the_abort_with_a_note(
 # ---------------------------------------------------------------- a cancellation once answered
 
 
-class SlowComplete(LossyProxy):
-    """A :class:`LossyProxy` that answers each CompleteMultipartUpload ``delay`` seconds after
-    the store has (``seen`` is set once one arrives)."""
-
-    def __init__(self, upstream_port: int, delay: float) -> None:
-        super().__init__(upstream_port)
-        self.delay = delay
-        self.seen = threading.Event()
-
-    def _forward(self, request: bytes) -> bytes:
-        method, target, _ = request.split(b" ", 2)
-        completing = method == b"POST" and b"?uploadId=" in target
-        if completing:
-            self.seen.set()
-        answer = super()._forward(request)
-        if completing:
-            time.sleep(self.delay)
-        return answer
-
-
 async def test_a_task_cancelled_before_the_completes_answer_says_it_was_carried_out(
     store: MotoS3Server, key: str
 ) -> None:
@@ -264,15 +236,10 @@ async def test_a_task_cancelled_before_the_completes_answer_says_it_was_carried_
     coming within abort_timeout: the cancellation goes on, its note saying the object is the one
     written and nothing more, and no HEAD asks the store; the note said that its answer did not
     come, and a HEAD was sent."""
-    proxy = SlowComplete(store.port, delay=1.0)
+    completing = b"?uploadId="  # held once the store has answered it
+    proxy = DelayingProxy(store.port, b"POST", lambda target: completing in target, 1.0, after=True)
     with proxy:
-        config = S3Config.resolve(
-            endpoint_url=proxy.url,
-            access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-            secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-            environ={},
-        )
-        sink = S3Sink(f"s3://{BUCKET}/{key}", config=config, part_size=MIN_PART_SIZE)
+        sink = s3_sink(proxy, key, BUCKET)
         sink.abort_timeout = 10.0  # time enough for the answer, however busy the machine
         task = asyncio.create_task(write(sink, TWO_PARTS))
         await anyio.to_thread.run_sync(proxy.seen.wait, 30)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -32,6 +31,8 @@ from stream_st.transports.s3.sink import MIN_PART_SIZE, S3Sink
 from ..servers.fault_proxy import Fault, FaultProxy
 from ..servers.lossy_proxy import LossyProxy
 from ..servers.s3_server import CREDENTIALS, MotoS3Server
+from ._s3_faults import bucket_store
+from ._s3_faults import proxy as proxy
 
 pytestmark = [
     pytest.mark.filterwarnings("error::ResourceWarning"),
@@ -55,16 +56,7 @@ def no_instance_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
 
-@pytest.fixture(scope="module")
-def store(moto_s3: MotoS3Server) -> MotoS3Server:
-    moto_s3.client().create_bucket(Bucket=BUCKET)
-    return moto_s3
-
-
-@pytest.fixture
-def proxy(store: MotoS3Server) -> Iterator[LossyProxy]:
-    with LossyProxy(store.port) as proxy:
-        yield proxy
+store = bucket_store(BUCKET)
 
 
 def s3_sink(endpoint_url: str, key: str) -> S3Sink:

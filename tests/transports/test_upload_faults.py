@@ -30,8 +30,10 @@ from stream_st.transports.s3.config import S3Config
 from stream_st.transports.s3.sink import MAX_PART_SIZE, MIN_PART_SIZE, S3Sink
 
 from ..servers.http_server import RangeHTTPServer
-from ..servers.lossy_proxy import LossyProxy
+from ..servers.lossy_proxy import DelayingProxy, LossyProxy
 from ..servers.s3_server import CREDENTIALS, MotoS3Server
+from ._s3_faults import bucket_store
+from ._s3_faults import proxy as proxy
 
 pytestmark = [
     pytest.mark.filterwarnings("error::ResourceWarning"),
@@ -76,16 +78,7 @@ REDIRECT = (
 )
 
 
-@pytest.fixture(scope="module")
-def store(moto_s3: MotoS3Server) -> MotoS3Server:
-    moto_s3.client().create_bucket(Bucket=BUCKET)
-    return moto_s3
-
-
-@pytest.fixture
-def proxy(store: MotoS3Server) -> Iterator[LossyProxy]:
-    with LossyProxy(store.port) as proxy:
-        yield proxy
+store = bucket_store(BUCKET)
 
 
 def s3_sink(proxy: LossyProxy, key: str, bucket: str = BUCKET, **kwargs: Any) -> S3Sink:
@@ -258,23 +251,6 @@ async def test_a_first_request_never_sent_is_a_plain_failure(arrays: Arrays) -> 
     assert not getattr(info.value, "__notes__", None)
 
 
-class SlowCreate(LossyProxy):
-    """A :class:`LossyProxy` that holds each CreateMultipartUpload ``delay`` seconds before the
-    store sees it (``sent`` is set once one arrives)."""
-
-    def __init__(self, upstream_port: int, delay: float) -> None:
-        super().__init__(upstream_port)
-        self.delay = delay
-        self.sent = threading.Event()
-
-    def _forward(self, request: bytes) -> bytes:
-        method, target, _ = request.split(b" ", 2)
-        if method == b"POST" and target.endswith(b"?uploads="):
-            self.sent.set()
-            time.sleep(self.delay)
-        return super()._forward(request)
-
-
 async def test_cancelled_during_its_create_a_write_aborts_its_own_upload_only(
     store: MotoS3Server, key: str
 ) -> None:
@@ -284,13 +260,14 @@ async def test_cancelled_during_its_create_a_write_aborts_its_own_upload_only(
     after that, pending."""
     others: list[str] = []
 
-    async def another_writer_then_cancel(slow: SlowCreate, scope: anyio.CancelScope) -> None:
-        await anyio.to_thread.run_sync(slow.sent.wait)
+    async def another_writer_then_cancel(slow: DelayingProxy, scope: anyio.CancelScope) -> None:
+        await anyio.to_thread.run_sync(slow.seen.wait)
         upload = store.client().create_multipart_upload(Bucket=BUCKET, Key=key)
         others.append(upload["UploadId"])
         scope.cancel()
 
-    slow = SlowCreate(store.port, delay=0.5)
+    creating = b"?uploads="  # held before the store sees it
+    slow = DelayingProxy(store.port, b"POST", lambda target: target.endswith(creating), 0.5)
     with slow:
         sink = s3_sink(slow, key)
         sink.abort_timeout = 10.0  # time enough for the answer, however busy the machine
