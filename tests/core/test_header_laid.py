@@ -10,6 +10,7 @@ package was installed without a C compiler.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes
@@ -202,9 +203,9 @@ def test_a_str_subclass_name_is_checked_as_its_text(names: list[str]) -> None:
         lay_out({IdName(name): np.zeros(1, np.float32) for name in names})
 
 
-def test_a_row_stays_held_while_its_attributes_run_code() -> None:
-    """A row whose attribute getter empties the rows list was read after it was freed (a
-    borrowed reference): the row is held while its attributes are read."""
+def laid_changing(change: Callable[[list[Any]], None]) -> Any:
+    """``laid`` of a plan of one row whose ``name`` getter calls ``change(rows)`` on the list
+    being laid out (code a caller defined, run as the compiled layout reads the row)."""
     rows: list[Any] = []
 
     class Spec:
@@ -213,30 +214,31 @@ def test_a_row_stays_held_while_its_attributes_run_code() -> None:
 
         @property
         def name(self) -> str:
-            rows.clear()
-            gc.collect()
-            _ = [bytearray(64) for _ in range(1000)]  # the freed row's memory taken again
+            change(rows)
             return "a"
 
     rows.append(Spec())
-    laid = compiled.laid(rows, ("name", "dtype", "shape"), "", _dtype_named, _layout)
-    assert laid is None  # no crash; the list changed: left to the Python loop
+    return compiled.laid(rows, ("name", "dtype", "shape"), "", _dtype_named, _layout)
+
+
+def test_a_row_stays_held_while_its_attributes_run_code() -> None:
+    """A row whose attribute getter empties the rows list was read after it was freed (a
+    borrowed reference): the row is held while its attributes are read."""
+
+    def empty(rows: list[Any]) -> None:
+        rows.clear()
+        gc.collect()
+        _ = [bytearray(64) for _ in range(1000)]  # the freed row's memory taken again
+
+    assert laid_changing(empty) is None  # no crash; the list changed: left to the Python loop
 
 
 def test_rows_added_while_laid_out_are_left_to_the_python_loop() -> None:
     """A row added to the list while the plan is laid out was dropped (the columns sized to the
     rows at the start), where the Python loop, going through the same list, lays it out too."""
-    rows: list[Any] = []
 
-    class Spec:
-        dtype = "F32"
-        shape = (1,)
+    def grow(rows: list[Any]) -> None:
+        if len(rows) == 1:
+            rows.append(TensorSpec("b", "F32", (1,)))
 
-        @property
-        def name(self) -> str:
-            if len(rows) == 1:
-                rows.append(TensorSpec("b", "F32", (1,)))
-            return "a"
-
-    rows.append(Spec())
-    assert compiled.laid(rows, ("name", "dtype", "shape"), "", _dtype_named, _layout) is None
+    assert laid_changing(grow) is None
