@@ -342,8 +342,7 @@ class CredentialChain:
             with self._lock:
                 if not self._searched:
                     session = Session(profile=self.profile)
-                    resolver = session.get_component("credential_provider")
-                    resolver.get_provider("custom-process")._popen = self._run_helper
+                    self._watch_helper(session)
                     self._found = session.get_credentials()
                     self._searched = True
             frozen = None if self._found is None else self._found.get_frozen_credentials()
@@ -365,6 +364,20 @@ class CredentialChain:
 
     def _named(self) -> str:
         return "" if self.profile is None else f" for the profile {self.profile!r}"
+
+    def _watch_helper(self, session: Any) -> None:
+        """Have ``session``'s ``credential_process`` provider start its helper through
+        :meth:`_run_helper`, where this botocore has that provider as this code knows it (its
+        private ``_popen``); else leave it as it is (a failing helper is then told as botocore
+        tells it)."""
+        from botocore.exceptions import BotoCoreError
+
+        try:
+            provider = session.get_component("credential_provider").get_provider("custom-process")
+        except (BotoCoreError, KeyError):
+            return
+        if hasattr(provider, "_popen"):
+            provider._popen = self._run_helper
 
     def _run_helper(self, *args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
         """Start a ``credential_process`` helper for botocore, kept to tell its exit status
