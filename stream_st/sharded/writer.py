@@ -336,8 +336,7 @@ class _RollingWriter(AsyncClosing):
         self._hold: weakref.finalize[Any, Any] | None = None  # lets the directory go (_claim)
         self._drop: weakref.finalize[Any, Any] | None = None  # the new folders, if dropped open
         self._folder: tuple[int, int] | None = None  # the directory held (_identity), once made
-        self._fd: int | None = None  # a descriptor of it (_open_folder), until it is let go
-        self._held_fd: Held | None = None  # closes _fd, by _let_go or once dropped (in C)
+        self._held_fd: Held | None = None  # a descriptor of it (_open_folder), until let go
         self._made: dict[Path, tuple[int, int]] = {}  # the folders made (make_folders)
         self._written: set[str] = set()
         self._state = _OPEN
@@ -432,8 +431,7 @@ class _RollingWriter(AsyncClosing):
             with _io("creating the directory", self.directory):
                 make_folders(self.directory, self._made)
                 self._held_fd = _open_folder(self.directory)
-                self._fd = self._held_fd.fileno()
-                self._folder = _identity(self._fd)
+                self._folder = _identity(self._held_fd.fileno())
             if self._new_folders:  # a writer dropped unclosed leaves them as it found them
                 mine = re.compile(rf"\.\.?{self._tag}\.partial\..+")  # its held names
                 self._drop = weakref.finalize(
@@ -476,8 +474,9 @@ class _RollingWriter(AsyncClosing):
         """The descriptor of the directory held (:meth:`_open_directory`): the commit's renames,
         and the removals after it or at an abort, go through it, so they reach that directory
         wherever it was moved, never another folder put at its path."""
-        assert self._fd is not None, "the directory is open from the first shard on"
-        return self._fd
+        fd = -1 if self._held_fd is None else self._held_fd.fileno()
+        assert fd >= 0, "the directory is open from the first shard on, until it is let go"
+        return fd
 
     def _hold_directory(self) -> None:
         """:func:`_claim` the directory (in a worker thread), its descriptor held by the writer
@@ -653,7 +652,6 @@ class _RollingWriter(AsyncClosing):
         if self._hold is not None:
             self._hold()
         if self._held_fd is not None:
-            self._fd = None
             self._held_fd.close()
 
     async def abort(self) -> None:
@@ -688,7 +686,8 @@ class _RollingWriter(AsyncClosing):
         the commit, which links the files in by the path, may have put them (a held name, with
         the writer's tag in it, is the writer's own). Nothing where the directory was never
         made; an error is let pass: removing the rest matters more."""
-        if self._fd is None:
+        fd = -1 if self._held_fd is None else self._held_fd.fileno()
+        if fd < 0:  # never made, or let go
             return
         try:
             elsewhere = _identity(self.directory) != self._folder
@@ -696,7 +695,7 @@ class _RollingWriter(AsyncClosing):
             elsewhere = False
         for name in names:
             with contextlib.suppress(OSError):
-                _remove_entry(name, self._fd)
+                _remove_entry(name, fd)
             if elsewhere:
                 with contextlib.suppress(OSError):
                     _remove_entry(str(self.directory / name))
