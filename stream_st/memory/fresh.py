@@ -6,12 +6,12 @@ See :func:`fresh_mapping` for the pages large arrays get.
 
 from __future__ import annotations
 
+import _thread
 import ctypes
 import errno
 import functools
 import mmap
 import sys
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Final
@@ -79,7 +79,7 @@ class _Held:
     """The bytes of mappings advised for huge pages still in use (any thread allocates)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()
         self._bytes = 0
 
     def take(self, nbytes: int) -> bool:

@@ -46,6 +46,25 @@ print(json.dumps([first, loaded, tensors["w"].tolist(), arrays["w"].tolist()]))
     assert tensor == array == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
 
 
+def test_the_numpy_drop_in_imports_no_threading(tmp_path: Path) -> None:
+    """``threading`` (0.5 ms, which numpy does not import) is not imported by the numpy drop-in,
+    nor by its ``save_file`` and mapped ``load_file``, small or large: their locks are
+    ``_thread``'s."""
+    script = f"""
+import json, sys
+import numpy as np
+import stream_st.numpy
+for n in (3, 1 << 20):
+    path = {str(tmp_path)!r} + f"/{{n}}.safetensors"
+    stream_st.numpy.save_file({{"w": np.ones(n, "f4")}}, path, metadata={{"a": "b"}})
+    assert stream_st.numpy.load_file(path)["w"].sum() == n
+print(json.dumps("threading" in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) is False
+
+
 def test_ml_dtypes_is_imported_for_its_types_only(tmp_path: Path) -> None:
     """The drop-ins and the writer import ``ml_dtypes`` (a third of the drop-ins' import time)
     only once a tensor or a dtype of its types is met (numpy's own names and types do not): a

@@ -32,6 +32,7 @@ led to).
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
 import errno
@@ -40,7 +41,6 @@ import itertools
 import os
 import stat
 import sys
-import threading
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
@@ -199,7 +199,7 @@ class Blocks:
 
     def __init__(self, pieces: Iterable[memoryview], offset: int) -> None:
         self._blocks = _cut(pieces, offset)
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()
 
     def __iter__(self) -> Blocks:
         return self
