@@ -21,9 +21,8 @@ import numpy as np
 
 from ._util import task_group
 from .core.arrays import Framework, as_array, spec_of
-from .core.digests import Digests
 from .core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes
-from .core.shards import is_index
+from .core.shards import is_index, scheme_of
 from .errors import ArgumentTypeError, IntegrityError, SafetensorsError, UsageError, boolean
 from .memory.delivery import Delivery
 from .reader import NO_CAPS, Caps, Include, TensorStream
@@ -33,18 +32,18 @@ from .reader.header import header_only
 from .reader.stream import ObjectOnly, tensor_dict
 from .sharded.reader import MAX_INDEX_SIZE, ShardedStream, ShardIndex
 from .transports.base import Source
-from .transports.cache import Cache, CacheLike
-from .transports.cache.config import hub_offline
 from .transports.file.source import FileSource, open_path
 from .transports.options import UNLIMITED, Clock, TransportOptions, clock_of
 from .transports.registry import SinkLike, SourceLike
-from .writer import Order, TensorWriter, local_destination, run_stoppable, save_at_once
 
 if TYPE_CHECKING:
     import torch
 
+    from .core.digests import Digests
     from .sharded.ranks import Slices
+    from .transports.cache import Cache, CacheLike
     from .transports.cache.resolve import OnCopy, Resolved
+    from .writer import Order
 
 __all__ = [
     "CachedShardedStream",
@@ -100,6 +99,10 @@ async def save(
             f"save takes a mapping of names to arrays, got {type(tensors).__name__}"
         )
     fsync = boolean("fsync", fsync)
+    # Imported here: a read needs neither (a tenth of the first read's imports).
+    from .core.digests import Digests
+    from .writer import TensorWriter, local_destination, run_stoppable, save_at_once
+
     if not options and not isinstance(checksums, Digests):
         path = local_destination(dst)
         if path is not None:  # every array in memory: written at once, off the loop
@@ -758,6 +761,16 @@ class _CopyAhead:
         self._items = None
 
 
+def _cache_of(cache: object) -> Cache | None:
+    """:meth:`~stream_st.Cache.of` of ``cache``: the cache's modules (a twentieth of a first
+    read's time) are imported only where a cache is named, not for a read without one."""
+    if cache is None or cache is False:
+        return None
+    from .transports.cache import Cache
+
+    return Cache.of(cache)
+
+
 def _cache_for(source: object, cache: object) -> Cache | None:
     """The cache a read of ``source`` goes through: the one ``cache`` (any ``cache=`` value, see
     :meth:`~stream_st.Cache.of`; None: the one :func:`using_cache` set) names, when ``source``
@@ -765,9 +778,12 @@ def _cache_for(source: object, cache: object) -> Cache | None:
     read with ``HF_HUB_OFFLINE`` set and no cache asked for goes through the offline cache:
     the Hub is not asked (as ``huggingface_hub`` does not ask it), a missing copy is a
     :class:`~stream_st.CacheMissError`."""
-    settings = Cache.of(cache) if cache is not None else current_cache()
-    if settings is None and hub_offline(source):
-        settings = Cache.of("offline")
+    settings = _cache_of(cache) if cache is not None else current_cache()
+    if settings is None and scheme_of(source) == "hf":
+        from .transports.cache.config import hub_offline
+
+        if hub_offline(source):
+            settings = _cache_of("offline")
     if settings is None:
         return None
     from .transports.cache.resolve import is_cached_address
@@ -828,7 +844,7 @@ def using_cache(cache: object) -> Iterator[Cache | None]:
     """Every read in the ``with`` block (in this task and those it starts) that is given no
     ``cache=`` of its own uses ``cache`` (any ``cache=`` value; None or False: none): how the
     command's ``--cache`` reaches its subcommands, and the drop-in functions their reads."""
-    settings = Cache.of(cache)
+    settings = _cache_of(cache)
     token = _AMBIENT.set(settings)
     try:
         yield settings

@@ -9,7 +9,6 @@ from .transports.hub import HubSource
 from .transports.inmemory import BytesSource, ChunkIteratorSource
 from .transports.registry import (
     AsyncReadInto,
-    ReadIntoSource,
     Source,
     SourceLike,
     open_source,
@@ -17,7 +16,7 @@ from .transports.registry import (
     read_object,
 )
 from .transports.s3.source import S3Source
-from .transports.streams import AnyioStreamSource, AsyncioStreamSource
+from .transports.streams import AnyioStreamSource, AsyncioStreamSource, ReadIntoSource
 from .transports.tcp import SocketSource
 
 __all__ = [

@@ -8,11 +8,10 @@ import functools
 import sys
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..core.digests import Digests, Hasher
 from ..core.header import TensorInfo
 from ..memory.delivery import Delivery
 from ..memory.fresh import ALIGN
@@ -22,6 +21,9 @@ from ..transports.file.source import FileSource
 from .tensors import _allocate_framed as _allocate_framed  # looked up here: tests patch it
 from .tensors import _cut_short
 from .turns import give_turn
+
+if TYPE_CHECKING:
+    from ..core.digests import Digests, Hasher
 
 READ_AHEAD_FROM = 8 << 20
 """A local file's tensors are read ahead by worker threads (:func:`_read_ahead`)

@@ -24,7 +24,6 @@ import anyio
 import numpy as np
 
 from .._util import AsyncClosing
-from ..core.digests import Digests, Hasher, ObjectDigest, hash_view
 from ..core.header import (
     DEFAULT_MAX_HEADER_SIZE,
     Header,
@@ -70,6 +69,8 @@ T = TypeVar("T")
 # checkers know typing_extensions' (their own stubs: it is not imported when the code runs).
 if TYPE_CHECKING:
     from typing_extensions import TypeVar as DefaultTypeVar
+
+    from ..core.digests import Hasher, ObjectDigest
 
     TensorT = DefaultTypeVar("TensorT", covariant=True, default=np.ndarray[Any, Any])
 else:
@@ -520,7 +521,9 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         base = header.data_start
         wanted, total = await run_in_turns(self._checked(header, selected, source.name))
         digests = None
-        if self._verify is True:
+        if self._verify is True and header.metadata:  # digests are kept in the metadata
+            from ..core.digests import Digests
+
             digests = await run_in_turns(Digests.from_header_steps(header))
         ranges: list[tuple[int, int]] = []
         for part in slices(wanted):
@@ -591,6 +594,8 @@ class TensorStream(AsyncClosing, Generic[TensorT]):
         if digest.new is None:
             self.object_check = f"{digest.label}: not checked, {digest.reason}"
             return None
+        from ..core.digests import hash_view
+
         hasher = digest.new()
         hasher.update(head[0])
         await hash_view(hasher, head[1])

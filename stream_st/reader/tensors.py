@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 import numpy as np
 
 from .._util import task_group
-from ..core.digests import HASH_INLINE, Digests, Hasher, update_sliced
 from ..core.header import TensorInfo
 from ..errors import AllocationError, TruncatedStreamError
 from ..memory.fresh import fresh_bytes
 from ..transports.registry import Source
+
+if TYPE_CHECKING:
+    from ..core.digests import Digests, Hasher
 
 PROVE_ABOVE = 1 << 30
 """On a source of unknown length, a tensor larger than this is allocated only once its first
@@ -135,6 +137,8 @@ async def read_hashing(
     thread fed chunk by chunk. Either way the bytes are hashed while still in the CPU's caches.
     Returns the bytes read (fewer if the source ended).
     """
+    from ..core.digests import HASH_INLINE, update_sliced  # here: only a verified read hashes
+
     hashers = list(hashers)
 
     def update(piece: memoryview) -> None:

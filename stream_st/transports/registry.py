@@ -28,18 +28,10 @@ from .file.sink import open_file_sink
 from .file.source import open_file_source, path_from_url
 from .inmemory import BytesSource, ChunkIteratorSource, aiohttp_source, refuse_path_bytes
 from .options import UNLIMITED, Clock
-from .streams import (
-    AnyioStreamSink,
-    AnyioStreamSource,
-    AsyncioStreamSink,
-    AsyncioStreamSource,
-    ReadIntoSource,
-)
 
 __all__ = [
     "SCHEMES",
     "AsyncReadInto",
-    "ReadIntoSource",
     "Scheme",
     "Sink",
     "SinkLender",
@@ -143,10 +135,16 @@ async def _new_source(obj: SourceLike, clock: Clock) -> Source:
         refuse_path_bytes(obj)
         return BytesSource(obj)
     if isinstance(obj, asyncio.StreamReader):
+        from .streams import AsyncioStreamSource  # here: TLS and stapled streams, 5 ms
+
         return AsyncioStreamSource(obj)
     if isinstance(obj, ByteReceiveStream):
+        from .streams import AnyioStreamSource
+
         return AnyioStreamSource(obj)
     if inspect.iscoroutinefunction(getattr(obj, "readinto", None)):  # not a blocking file's
+        from .streams import ReadIntoSource
+
         return ReadIntoSource(cast(AsyncReadInto, obj))
     chunks = getattr(obj, "iter_any", None)
     if callable(chunks) and inspect.iscoroutinefunction(getattr(obj, "readany", None)):
@@ -207,8 +205,12 @@ async def _new_sink(dst: SinkLike, fsync: bool, clock: Clock) -> Sink:
     if isinstance(dst, str | os.PathLike):
         return await open_file_sink(dst, fsync=fsync, clock=clock)
     if isinstance(dst, asyncio.StreamWriter):
+        from .streams import AsyncioStreamSink
+
         return AsyncioStreamSink(dst)
     if isinstance(dst, ByteSendStream):
+        from .streams import AnyioStreamSink
+
         return AnyioStreamSink(dst)
     raise UnsupportedSinkError(
         f"cannot write safetensors to {type(dst).__name__}: expected a path, a URL, "
