@@ -18,6 +18,7 @@ from typing import Any, SupportsIndex, cast
 
 import numpy as np
 
+from ..core.digests import Digests
 from ..core.header import LENGTH_PREFIX_SIZE, parse_header, parse_header_length
 from ..core.layout import TensorSpec as PlanEntry
 from ..core.layout import integer_shape
@@ -27,6 +28,7 @@ from ..errors import (
     TrailingDataError,
     TruncatedStreamError,
     UsageError,
+    boolean,
 )
 from ..transports.inmemory import as_bytes_view
 from ..transports.registry import SinkLike
@@ -212,12 +214,20 @@ async def write_specs(
             await writer.write(info.name, raw.view(info.array_dtype).reshape(info.array_shape))
 
 
-def deserialize(bytes: builtins.bytes | bytearray | memoryview) -> list[tuple[str, dict[str, Any]]]:
+def deserialize(
+    bytes: builtins.bytes | bytearray | memoryview, *, verify: bool = True
+) -> list[tuple[str, dict[str, Any]]]:
     """The tensors of the safetensors file ``bytes`` (the argument named as the reference names
     it), in offset order, as the reference gives them:
-    ``[(name, {"dtype": "F32", "shape": [2, 3], "data": bytearray(...)}), ...]``."""
+    ``[(name, {"dtype": "F32", "shape": [2, 3], "data": bytearray(...)}), ...]``.
+
+    Each tensor is checked against the digest the header records for it, if any, as
+    :func:`stream_st.load` checks it: a mismatch, or a record that cannot be checked, raises
+    :class:`~stream_st.IntegrityError`; ``verify=False`` skips the check. A file without
+    digests is read as the reference reads it."""
     if not isinstance(bytes, builtins.bytes | bytearray | memoryview):
         raise WrongTypeError(f"deserialize takes bytes, got {type(bytes).__name__}")
+    verify = boolean("verify", verify)
     view = as_bytes_view(bytes)  # a non-contiguous view copied
     length = parse_header_length(view[:LENGTH_PREFIX_SIZE])
     if len(view) < LENGTH_PREFIX_SIZE + length:
@@ -231,15 +241,14 @@ def deserialize(bytes: builtins.bytes | bytearray | memoryview) -> list[tuple[st
                 "the tensors' data", name=None, offset=len(view), expected=header.file_size
             )
         raise TrailingDataError(f"bytes follow the last tensor at byte {header.file_size}")
+    digests = Digests.from_header(header) if verify else None
     base = header.data_start
-    return [
-        (
-            info.name,
-            {
-                "dtype": info.dtype,
-                "shape": list(info.shape),
-                "data": bytearray(view[base + info.start : base + info.end]),
-            },
-        )
-        for info in header.tensors
-    ]
+    tensors: list[tuple[str, dict[str, Any]]] = []
+    for info in header.tensors:
+        data = bytearray(view[base + info.start : base + info.end])
+        if digests is not None:  # the copy handed out is the one checked
+            hasher = digests.hasher()
+            hasher.update(data)
+            digests.check(info.name, hasher, "<bytes>")  # named as load(bytes) names it
+        tensors.append((info.name, {"dtype": info.dtype, "shape": list(info.shape), "data": data}))
+    return tensors
