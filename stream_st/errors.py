@@ -33,6 +33,8 @@ Every error raised for bad data or misuse derives from :class:`SafetensorsError`
     │                                 fewer bytes than planned, a tensor unwritten at close
     ├── IntegrityError                bytes do not match their recorded digest (a tensor's, a
     │                                 KV layer's, the whole object's): they are not delivered
+    ├── ModelError                    weights or inputs that do not make a model of
+    │                                 ``stream_st.llm`` or ``stream_st.bert`` (also ValueError)
     └── TransportError                the underlying I/O failed; carries the URL and position
         ├── SourceNotFoundError       the file or object does not exist (also FileNotFoundError)
         │   └── CacheMissError        offline, and no verified local copy of the object
@@ -80,6 +82,7 @@ __all__ = [
     "HeaderError",
     "HeaderTooLargeError",
     "IntegrityError",
+    "ModelError",
     "OutcomeUnknownError",
     "RangeIgnoredWarning",
     "RankFailedError",
@@ -849,6 +852,15 @@ class IntegrityError(SafetensorsError):
         self.name = name
         self.source = redact(source)
         self.layer = layer
+
+
+class ModelError(SafetensorsError, ValueError):
+    """Weights or a model file that do not make the model (``stream_st.llm``,
+    ``stream_st.bert``): a tensor missing or misshapen, a configuration missing or unsupported,
+    a GGUF file that cannot be read (cut short, say), token ids (or perplexity targets, token
+    types) outside the rows of the weights they index, inputs of shapes that do not go
+    together, a cache of another number of layers or shape than the model's. Token ids that are
+    not integers (floats, a string) are an :class:`~stream_st.ArgumentTypeError` instead."""
 
 
 class OutcomeUnknownError(TransportError):

@@ -19,18 +19,9 @@ from typing import Any
 import numpy as np
 
 from ..core.strict_json import Number
-from ..errors import ArgumentTypeError, SafetensorsError
+from ..errors import ArgumentTypeError, ModelError
 
 Array = np.ndarray[Any, Any]
-
-
-class ModelError(SafetensorsError, ValueError):
-    """Weights or a model file that do not make the model: a tensor missing or misshapen, a
-    configuration missing or unsupported, a GGUF file that cannot be read (cut short, say),
-    token ids (or perplexity targets, token types) outside the rows of the weights they index,
-    inputs of shapes that do not go together, a cache of another number of layers or shape
-    than the model's. Token ids that are not integers (floats, a string) are an
-    :class:`~stream_st.ArgumentTypeError` instead."""
 
 
 def integer_ids(tokens: object, what: str) -> Array:

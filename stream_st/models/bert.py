@@ -30,6 +30,7 @@ from ..core.strict_json import decode_json
 from ..errors import (
     ArgumentTypeError,
     HeaderError,
+    ModelError,
     UsageError,
     integer_at_least,
     path_string,
@@ -37,7 +38,6 @@ from ..errors import (
     string,
 )
 from ._checks import (
-    ModelError,
     check_ids,
     config_number,
     counts,

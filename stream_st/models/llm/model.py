@@ -30,8 +30,8 @@ from ..._util import canonical_decimal
 from ...core.header import Header
 from ...core.strict_json import decode_json
 from ...errors import ArgumentTypeError, HeaderError, boolean, integer_at_least, some_names
+from ...errors import ModelError as ModelError
 from ...kv import KVLayout
-from .._checks import ModelError as ModelError
 from .._checks import (
     check_ids,
     config_number,
