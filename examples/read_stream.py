@@ -7,6 +7,7 @@ Without a path it writes a small demo file to a temporary directory and reads th
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -40,10 +41,14 @@ async def main(path: str, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", nargs="?", help="the file to read (default: a small demo file)")
+    parser.add_argument("names", nargs="*", help="read only these tensors (default: all)")
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        target = sys.argv[1] if len(sys.argv) > 1 else str(_demo_file(tmp))
+        target = args.path if args.path is not None else str(_demo_file(tmp))
         try:
-            anyio.run(main, target, sys.argv[2:])
+            anyio.run(main, target, args.names)
         except stream_st.SafetensorsError as exc:  # one line, exit status 2, as stream-st says it
             print(f"read_stream.py: error: {exc}", file=sys.stderr)
             sys.exit(2)

@@ -315,7 +315,8 @@ def open_stream(
     each rank reads its share of the bytes and the group exchanges them; ``include=`` may differ
     per rank, and ``slices=`` (name -> ``(dim, part, parts)``) gives a rank only its part of a
     tensor (see :mod:`stream_st.sharded.ranks`); ``into=`` memory shared by several names of a
-    file is a :class:`~stream_st.UsageError` there (the group fills them at once).
+    file is refused there (the group fills them at once): every rank raises
+    :class:`~stream_st.RankFailedError`, its cause the :class:`~stream_st.UsageError`.
 
     ``cache`` (``True``, a directory, ``"offline"`` or a :class:`~stream_st.Cache`) keeps a
     verified local copy of an ``http(s)://``, ``s3://`` or ``hf://`` object while it is read, and

@@ -70,6 +70,19 @@ def test_a_prompt_of_one_token_is_refused_with_a_message() -> None:
         assert "give one of 2 tokens or more" in result.stderr
 
 
+@pytest.mark.parametrize("example", ["read_stream.py", *sorted(NEEDS)])
+def test_help_is_answered(example: str) -> None:
+    """``--help`` prints the usage and exits 0 (read_stream.py read it as a file name)."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / example), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage:")
+
+
 @pytest.mark.parametrize(
     ("example", "args", "message"),
     [

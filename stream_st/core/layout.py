@@ -199,7 +199,9 @@ def _header_of(
     A plain plan is laid out by the compiled module where it was built
     (:func:`stream_st.core._compact.laid`: a third of the loop's instructions, with the same
     calls of ``dtype_of`` and :func:`_layout`); any other, by the loop here
-    (:func:`_laid_here`), which raises what is wrong."""
+    (:func:`_laid_here`), which raises what is wrong. A plan the module declines part way (a
+    later name JSON escapes, say) is laid out again from its first row by the loop: the rows
+    before it are looked up a second time."""
     attrs = _SPEC_FIELDS if specs else None
     laid = _LAID(rows, attrs, ",".join(members), dtype_of, _layout) if _LAID else None
     if laid is not None:
