@@ -11,9 +11,10 @@ only when it is not already (one copy then). Not public API.
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, SupportsIndex
 
 import numpy as np
 
@@ -212,21 +213,37 @@ def one_cpu(device: object, index: int | None) -> None:
         raise DeviceError(f"device={device!r}: there is one CPU device, 'cpu' (or 'cpu:0')")
 
 
+def _cuda_index(device: object) -> int:
+    """``device`` given as a CUDA index: an ``int`` or what stands for one (a numpy integer),
+    as the reference takes it, but not a ``bool``; anything else (``b"cpu"``, ``1.0``) is
+    refused with a :class:`~stream_st.errors.DeviceError` worded as the reference's
+    ``SafetensorError`` (``device b'cpu' is invalid``)."""
+    if isinstance(device, SupportsIndex) and not isinstance(device, bool):
+        return operator.index(device)
+    raise DeviceError(
+        f"device {device!r} is invalid: a device is a name ('cpu', 'cuda:1'), a CUDA index "
+        f"or a torch.device, not {type(device).__name__}"
+    )
+
+
 def torch_device(device: object) -> Any | None:
     """The ``torch.device`` tensors are handed out on, or None for the CPU (where they are
-    received). ``device`` is what the reference takes: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, a
-    CUDA index (``0``), or a ``torch.device``; and beyond it ``"cpu:0"``. A name torch does not
-    know, or a CPU but the one (``"cpu:1"``, which the reference refuses too), is a
+    received). ``device`` is what the reference takes: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` (a
+    ``str``, or a subclass of it), a CUDA index (``0``, not ``True``); and beyond it
+    ``"cpu:0"`` or a ``torch.device``. Another type (``b"cpu"``), a name torch does not know,
+    or a CPU but the one (``"cpu:1"``), which the reference refuses too, is a
     :class:`~stream_st.errors.DeviceError` (a ``ValueError`` too, as the reference's),
     a device neither the CPU nor CUDA (``"xla"``) an
     :class:`~stream_st.errors.UnsupportedDeviceError` (a ``NotImplementedError`` too, as torch
     raises for the reference), a device this torch cannot use (no CUDA build, no such GPU) a
     :class:`UsageError`, before anything is read."""
-    if device is None or str(device) == "cpu":
+    if device is None or (isinstance(device, str) and device == "cpu"):
         return None
     torch = load_torch()
+    named = isinstance(device, (str, torch.device))
+    index = None if named else _cuda_index(device)
     try:
-        chosen = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        chosen = torch.device(device) if named else torch.device("cuda", index)
     except (RuntimeError, TypeError, ValueError) as exc:
         raise DeviceError(f"device={device!r} is not a device torch knows: {exc}") from None
     if chosen.type == "cpu":
