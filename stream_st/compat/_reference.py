@@ -146,7 +146,7 @@ def _on_cpu(device: object) -> None:
     torch, such a name as torch spells it): a :class:`UsageError`; a :class:`DeviceError` (a
     ``ValueError`` too, as the reference's) for a CPU but the one (``"cpu:1"``, with torch or
     without), or for a name torch does not know (``"cuda:x"``), where torch is there to tell."""
-    if device is None or str(device) == "cpu":
+    if device is None or (isinstance(device, str) and device == "cpu"):
         return
     try:
         if torch_device(device) is None:  # a CPU device

@@ -101,6 +101,18 @@ def test_a_device_of_another_type_is_invalid_as_the_reference_says(
     assert isinstance(ours.value, ValueError)
 
 
+@pytest.mark.parametrize("device", [SaysCpu(), b"cpu", 1.0], ids=repr)
+def test_numpy_handles_refuse_a_device_of_another_type_as_the_reference(
+    path: Path, device: Any
+) -> None:
+    """``safe_open(path, "np", device=...)`` took an object whose ``str()`` is ``"cpu"`` as the
+    CPU; the reference refuses it, as every other type that is no device."""
+    with pytest.raises(ReferenceError) as theirs:
+        reference_open(path, "np", device=device)
+    with pytest.raises(SafetensorError, match=f"^{re.escape(str(theirs.value))}"):
+        st.safe_open(path, "np", device=device)
+
+
 CPU_DEVICES = [None, "cpu", CpuName("cpu"), torch.device("cpu"), "cpu:0"]
 
 
