@@ -110,9 +110,10 @@ class Connection(AsyncClosing, SinkLender):
     ) -> TensorStream:
         """The next message on this connection, as a :class:`~stream_st.TensorStream`.
 
-        Closing that stream leaves the connection open for the next message.
-        ``max_tensor_bytes`` and ``max_total_bytes`` cap what the peer's message may make the
-        reader allocate (see :func:`~stream_st.open_stream`). A peer that closed the connection
+        Closing that stream leaves the connection open for the next message. ``include``
+        selects the tensors to read; ``max_header_size``, ``max_tensor_bytes`` and
+        ``max_total_bytes`` cap what the peer's message may make the reader allocate (all as
+        for :func:`~stream_st.open_stream`). A peer that closed the connection
         instead of sending a message makes opening the stream raise
         :class:`~stream_st.TruncatedStreamError` (:meth:`messages` ends there instead).
         """
@@ -155,8 +156,9 @@ class Connection(AsyncClosing, SinkLender):
         max_total_bytes: int | None = None,
         **limits: Unpack[LimitOptions],
     ) -> _Messages:
-        """Every message until the peer closes the connection between two messages; caps as
-        for :meth:`open_stream`, for each message.
+        """Every message until the peer closes the connection between two messages;
+        ``include``, ``max_header_size``, ``max_tensor_bytes`` and ``max_total_bytes`` as for
+        :meth:`open_stream`, for each message.
 
         Each stream is opened (header read) before it is handed out; read it before asking for
         the next one, which closes it. Closing the iteration (``async with
@@ -170,6 +172,8 @@ class Connection(AsyncClosing, SinkLender):
         return _Messages(self, limits, stream_of)
 
     async def aclose(self) -> None:
+        """Close the connection (closing it again does nothing); a task waiting on it fails
+        with :class:`~stream_st.TransportError`."""
         self._closed = True
         close_socket(self._sock)
 

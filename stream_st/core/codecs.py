@@ -270,19 +270,24 @@ class NoneCodec:
 
     @property
     def key(self) -> str:
+        """The registry key, ``"none"``."""
         return "none"
 
     @property
     def compression(self) -> str:
+        """The ``"compression"`` metadata value, ``"NONE"``."""
         return "NONE"
 
     def part_names(self, name: str) -> list[str]:
+        """``[name]``: the tensor is its own wire tensor."""
         return [name]
 
     def specs(self, name: str, shape: Sequence[int], dtype: DTypeLike) -> list[TensorSpec]:
+        """One wire tensor, ``name`` of ``shape`` and ``dtype`` as given."""
         return [TensorSpec(name, dtype, tuple(shape))]
 
     def encode(self, name: str, array: Array) -> list[tuple[str, Array]]:
+        """``array`` itself (as an array, not copied) under ``name``."""
         return [(name, np.asarray(array))]
 
     def decode(self, name: str, parts: Mapping[str, Array], dtype: DTypeLike) -> Array:
@@ -292,6 +297,7 @@ class NoneCodec:
             return _part(name, parts, name).astype(_resolve(dtype), copy=False)
 
     def metadata(self, original_dtype: DTypeLike | None = None) -> dict[str, str]:
+        """``compression`` (and ``original_dtype``, if given)."""
         return _metadata(self.compression, original_dtype, {})
 
 
@@ -372,19 +378,25 @@ class Int8Codec:
     ``code / scale``."""
 
     suffix: ClassVar[str] = ".scale"
+    """The scale tensor's name: the tensor's name and this suffix."""
 
     @property
     def key(self) -> str:
+        """The registry key, ``"int8"``."""
         return "int8"
 
     @property
     def compression(self) -> str:
+        """The ``"compression"`` metadata value, ``"INT8"``."""
         return "INT8"
 
     def part_names(self, name: str) -> list[str]:
+        """``[name, name + ".scale"]``: the codes, then the scale."""
         return [name, name + self.suffix]
 
     def specs(self, name: str, shape: Sequence[int], dtype: DTypeLike) -> list[TensorSpec]:
+        """I8 codes of ``shape`` and an F32 scale of shape ``[1]``; a :class:`CodecError`
+        unless ``dtype`` is a float."""
         _float_dtype(dtype, name, "INT8")
         return [TensorSpec(name, "I8", tuple(shape)), TensorSpec(name + self.suffix, "F32", (1,))]
 
@@ -402,6 +414,8 @@ class Int8Codec:
         return np.float32(scale)
 
     def encode(self, name: str, array: Array) -> list[tuple[str, Array]]:
+        """The I8 codes of ``array`` and its F32 scale; a :class:`CodecError` for a tensor
+        that is not a float, holds NaN or Inf, or is too large for an F32 scale."""
         source = np.asarray(array)
         if not source.dtype.isnative:  # the bit patterns below are read in this machine's order
             source = source.astype(source.dtype.newbyteorder("="))
@@ -415,6 +429,8 @@ class Int8Codec:
         return [(name, codes), (name + self.suffix, np.array([scale], dtype=np.float32))]
 
     def decode(self, name: str, parts: Mapping[str, Array], dtype: DTypeLike) -> Array:
+        """Tensor ``name`` as ``dtype``, ``code / scale``; a :class:`CodecError` for a missing
+        wire tensor, codes that are not I8 or a scale that is not one finite, positive F32."""
         out_dtype = _float_dtype(dtype, name, "INT8")
         codes = _part(name, parts, name)
         scale_arr = _part(name, parts, name + self.suffix)
@@ -434,6 +450,8 @@ class Int8Codec:
         return values.astype(out_dtype, copy=False)
 
     def metadata(self, original_dtype: DTypeLike | None = None) -> dict[str, str]:
+        """``compression``, ``scale`` and ``scale_tensor`` (and ``original_dtype``, if
+        given)."""
         return _metadata(
             self.compression,
             original_dtype,
@@ -456,6 +474,7 @@ class Int4Codec:
 
     group_size: int = DEFAULT_GROUP_SIZE
     suffix: ClassVar[str] = ".scales"
+    """The steps tensor's name: the tensor's name and this suffix."""
 
     def __post_init__(self) -> None:
         """Hold ``group_size`` to a positive even integer (a numpy one too, kept as an int; not
@@ -471,13 +490,16 @@ class Int4Codec:
 
     @property
     def key(self) -> str:
+        """The registry key, ``"int4"``."""
         return "int4"
 
     @property
     def compression(self) -> str:
+        """The ``"compression"`` metadata value, ``"INT4"``."""
         return "INT4"
 
     def part_names(self, name: str) -> list[str]:
+        """``[name, name + ".scales"]``: the packed codes, then the steps."""
         return [name, name + self.suffix]
 
     def _check_shape(self, name: str, shape: Sequence[int]) -> tuple[int, ...]:
@@ -500,6 +522,9 @@ class Int4Codec:
         return dims
 
     def specs(self, name: str, shape: Sequence[int], dtype: DTypeLike) -> list[TensorSpec]:
+        """U8 codes of shape ``[..., n // 2]`` and F16 steps of shape ``[..., n // group_size]``
+        for ``shape`` ``[..., n]``; a :class:`CodecError` unless ``dtype`` is a float and ``n``
+        a multiple of the group size."""
         _float_dtype(dtype, name, "INT4")
         dims = self._check_shape(name, shape)
         *lead, n = dims
@@ -509,6 +534,9 @@ class Int4Codec:
         ]
 
     def encode(self, name: str, array: Array) -> list[tuple[str, Array]]:
+        """The packed U8 codes of ``array`` and its F16 steps; a :class:`CodecError` for a
+        tensor that is not a float or that :meth:`specs` refuses, that holds NaN or Inf, or
+        whose group's ``max|x|`` exceeds ``7 * 65504``."""
         work = _prepare(name, array, "INT4")
         dims = self._check_shape(name, work.shape)
         *lead, n = dims
@@ -535,6 +563,9 @@ class Int4Codec:
         return [(name, packed), (name + self.suffix, steps)]
 
     def decode(self, name: str, parts: Mapping[str, Array], dtype: DTypeLike) -> Array:
+        """Tensor ``name`` as ``dtype``, ``code * step``; a :class:`CodecError` for a missing
+        wire tensor, codes that are not U8, steps that are not F16, shapes that do not match
+        the group size, or a step that is negative, NaN or Inf."""
         out_dtype = _float_dtype(dtype, name, "INT4")
         packed = _part(name, parts, name)
         steps = _part(name, parts, name + self.suffix)
@@ -576,6 +607,8 @@ class Int4Codec:
         return values.reshape(*lead, n).astype(out_dtype, copy=False)
 
     def metadata(self, original_dtype: DTypeLike | None = None) -> dict[str, str]:
+        """``compression``, ``group_size``, ``scale``, ``scale_tensor`` and ``packing`` (and
+        ``original_dtype``, if given)."""
         return _metadata(
             self.compression,
             original_dtype,

@@ -396,6 +396,10 @@ class Header:
     def from_tensors(
         cls, tensors: Iterable[TensorInfo], metadata: Mapping[str, str], header_size: int
     ) -> Header:
+        """A header of ``tensors`` taken as given, in offset order (unlike
+        :func:`~stream_st.parse_header`, nothing here checks them), with ``metadata`` and
+        ``header_size``; the tensors whose dtype stream_st does not know are its
+        ``unreadable``."""
         table = TensorTable.of(tensors)
         unreadable = tuple(t.name for t in table if t.dtype not in DTYPES)
         return cls(table, dict(metadata), header_size, _positions(table.names()), unreadable)
@@ -407,6 +411,7 @@ class Header:
 
     @property
     def data_size(self) -> int:
+        """Length of the data section: the end offset of the last tensor (0 for none)."""
         ends = self.tensors._ends
         return ends[-1] if ends else 0
 

@@ -30,6 +30,8 @@ __all__ = ["DIGEST_SIZE", "IntegrityError", "KVLayout"]
 
 Array = np.ndarray[Any, Any]
 DIGEST_SIZE = 32
+"""Bytes of a layer's digest tensor, ``layer_{i}_digest`` (U8 of this shape): the SHA-256 of
+the layer's key and value wire bytes."""
 
 
 def key_name(layer: int) -> str:
@@ -47,7 +49,10 @@ def digest_name(layer: int) -> str:
 @dataclass(frozen=True)
 class KVLayout:
     """What a transfer carries: ``num_layers`` of key and value, each of ``shape`` and ``dtype``
-    (a safetensors code: F16, BF16, F32), through ``codec`` ("none", "int8", "int4")."""
+    (a safetensors code: F16, BF16, F32), through ``codec`` ("none", "int8", "int4") with its
+    ``group_size`` for INT4. With ``digest`` each layer ends in a SHA-256 of its bytes, which
+    the receiver checks before it hands the layer out. ``wire_dtype``, ``style`` and ``notes``
+    describe a layout as received: :func:`receive_kv` sets them for a seed-style cache."""
 
     num_layers: int
     shape: tuple[int, ...]
@@ -101,9 +106,11 @@ class KVLayout:
 
     @property
     def numpy_dtype(self) -> np.dtype[Any]:
+        """``dtype`` as a numpy (or ml_dtypes) dtype: what the layers are handed out in."""
         return dtype_for(self.dtype).numpy
 
     def get_codec(self) -> Codec:
+        """The codec that carries the layers, with this layout's group size for INT4."""
         return get_codec(self.codec, group_size=self.group_size if self.codec == "int4" else None)
 
     def layer_specs(self, layer: int) -> list[TensorSpec]:
@@ -119,9 +126,14 @@ class KVLayout:
         return specs
 
     def plan(self) -> list[TensorSpec]:
+        """Every wire tensor of the transfer, in the order they are sent: :meth:`layer_specs`
+        of layer 0, 1, ..."""
         return [spec for layer in range(self.num_layers) for spec in self.layer_specs(layer)]
 
     def metadata(self) -> dict[str, str]:
+        """The ``__metadata__`` :func:`send_kv` writes for this layout: the codec's entries
+        and ``kv_layers``, ``kv_shape``, ``kv_dtype``, ``kv_digest`` and ``kv_layout``, from
+        which :meth:`from_header` reads it back."""
         meta = self.get_codec().metadata(self.numpy_dtype)
         meta.update(
             kv_layers=str(self.num_layers),

@@ -297,6 +297,8 @@ class ShardedStream(TensorStream[TensorT]):
 
     @property
     def index(self) -> ShardIndex:
+        """The index read as the stream opened (its shards, which tensor each holds); a
+        :class:`~stream_st.UsageError` before that."""
         if self._index is None:
             raise UsageError("the index is read when the stream opens: use 'async with' first")
         return self._index

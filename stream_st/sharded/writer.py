@@ -23,12 +23,12 @@ commit, the writer is aborted and nothing new is left in the directory.
 The commit comes once the index or manifest is written whole, seen to its end whatever
 cancellation comes (asyncio's own, which goes through anyio's shields, is raised once it has
 ended; a commit that failed is thrown away then, never while it runs, one done is kept): every
-file is linked in under a held name (hidden, :meth:`_RollingWriter._held_name`), then the shards
-are renamed to their final names and the index last (:meth:`ShardedWriter._rename_sealed` says
-in which order, so that a process killed at any point leaves a previous checkpoint whole, the new
-one whole, or no index). A writer holds its directory while it works (a shared ``flock``); one
+file is linked in under a held name (hidden, ``_RollingWriter._held_name``), then the shards are
+renamed to their final names and the index last (``ShardedWriter._rename_sealed`` says in which
+order, so that a process killed at any point leaves a previous checkpoint whole, the new one
+whole, or no index). A writer holds its directory while it works (a shared ``flock``); one
 that finds no other writer there first removes what writers killed there left under held names
-(:func:`_claim`). The directory is made (with its parents) for the first shard only: one removed
+(``_claim``). The directory is made (with its parents) for the first shard only: one removed
 or moved away meanwhile is not made again, the next shard or the commit fails
 (:class:`~stream_st.SourceNotFoundError`) and the writer is aborted, as a single file's write
 whose directory was moved away fails. The writer holds a descriptor of the directory from then
@@ -1329,8 +1329,9 @@ def open_sharded_writer(
     that the new index does not name (``{prefix}.safetensors``,
     ``{prefix}-NNNNN-of-NNNNN.safetensors``) are removed, as
     transformers' ``save_pretrained`` removes them: loaders take a ``{prefix}.safetensors``
-    before the index, so that one goes before the new index is in place (see
-    :meth:`ShardedWriter._rename_sealed`), the others once it is."""
+    before the index, so that one goes before the new index is in place, the others once it is.
+    A process killed at any point of the commit leaves the previous checkpoint whole, the new
+    one whole, or no index."""
     return ShardedWriter(
         directory,
         max_shard_size=max_shard_size,

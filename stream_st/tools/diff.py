@@ -46,6 +46,8 @@ class Diff:
 
     @property
     def equal(self) -> bool:
+        """True when no tensor or metadata key was added, removed or changed, and no content
+        compared differs."""
         return not (
             self.added
             or self.removed
@@ -61,6 +63,8 @@ class Diff:
         return result_repr(self, equal=self.equal)
 
     def to_json(self) -> dict[str, Any]:
+        """The result as JSON-ready values (every field, and ``equal``): what ``stream-st diff
+        --json`` prints."""
         return {**asdict(self), "equal": self.equal}
 
 

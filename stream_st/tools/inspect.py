@@ -33,6 +33,8 @@ class Inspection:
         return result_repr(self)
 
     def to_json(self) -> dict[str, Any]:
+        """The result as JSON-ready values (every field): what ``stream-st inspect --json``
+        prints."""
         return asdict(self)
 
 

@@ -80,6 +80,7 @@ __all__ = [
 ]
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
+"""The public Hub's base URL: :func:`hub_endpoint` unless ``HF_ENDPOINT`` names another."""
 DEFAULT_REVISION = "main"
 MAX_HUB_HOPS = 5
 """Redirects within the Hub (a renamed repository) followed before giving up."""
@@ -246,6 +247,7 @@ class HubClient(HTTPClient):
 
     @property
     def has_token(self) -> bool:
+        """Whether the client was given a token to send to the Hub."""
         return self._token is not None
 
     async def request(

@@ -109,7 +109,15 @@ class HttpSource(ClientUser, Source):
     ``headers`` go with every request; ``ssl_context`` decides which certificates https trusts
     (default: the system's). ``limits`` (``timeout``, ``deadline``, ``speed_limit``,
     ``speed_time``) are used unless the reader is given its own, also with a ``client`` (which
-    may be shared: it keeps no limits of any one read)."""
+    may be shared: it keeps no limits of any one read).
+
+    ``url`` is the object's address; ``name`` is what error messages call it (default: ``url``;
+    shown without a password or signature). A read that breaks, or an answer worth asking again
+    for (408, 429, most 5xx), is tried again up to ``retries`` times, from the byte it reached,
+    after ``backoff`` seconds doubled each time (or the server's ``Retry-After``). With
+    ``concurrency`` K above 1 the data comes in parts of at most ``part_size`` bytes, K at once,
+    each on its own connection; ``1`` keeps one connection, and the default (None) opens more
+    only where they pay. ``docs/remote.md`` ("HTTP(S) and S3") says more."""
 
     def __init__(
         self,

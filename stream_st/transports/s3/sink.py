@@ -185,9 +185,13 @@ def _splice(part: bytearray, start: int, head: memoryview) -> None:
 
 class S3Sink(ClientUser, Sink):
     """An object in an S3-compatible store, written by multipart upload. See the module docstring
-    for what a failure leaves behind. ``headers`` go (signed) with every request; ``ssl_context``
-    and ``limits`` (``timeout``, ``deadline``, ``speed_limit``, ``speed_time``) as in
-    :class:`~stream_st.HttpSource`; the limits are used unless the writer is given its own."""
+    for what a failure leaves behind. ``url`` is ``s3://bucket/key``; ``config`` (an
+    :class:`~stream_st.S3Config`) defaults to the AWS environment, as :class:`~stream_st.S3Source`'s
+    does. ``headers`` go (signed) with every request; ``client``, ``ssl_context`` and ``limits``
+    (``timeout``, ``deadline``, ``speed_limit``, ``speed_time``) as in
+    :class:`~stream_st.HttpSource`; the limits are used unless the writer is given its own. The
+    bytes go up in parts of ``part_size`` (default 16 MiB; from 5 MiB to 5 GiB, S3's bounds;
+    larger for a message announced as more than :attr:`max_parts` parts hold)."""
 
     abort_timeout: float = 15.0
     """Seconds the clean-up after a failure may take in all, whatever ``timeout`` is; also what
