@@ -302,7 +302,11 @@ def _checked(tensors: object) -> Mapping[str, Any]:
 
 
 storage_ptr = _shared.storage_ptr
+"""The address of a tensor's storage (0 for one that has none, on ``meta``), as the reference's
+``storage_ptr``."""
 storage_size = _shared.storage_size
+"""The bytes of a tensor's storage (its own bytes for one without), as the reference's
+``storage_size``."""
 _end_ptr = _shared.end_ptr
 _is_complete = _shared.is_complete
 _find_shared_tensors = _shared.find_shared_tensors

@@ -100,13 +100,6 @@ def _api_targets() -> dict[str, tuple[str, ...] | None]:
 
 API_TARGETS = _api_targets()
 
-_LEFT_UNDOCUMENTED = {
-    "stream_st.torch": "storage_ptr and storage_size are bare assignments, with no docstring",
-    "stream_st.AsyncReadInto": "its readinto is described by the class docstring alone",
-}
-"""Targets that still render a member without a docstring, each with what is missing. The mark
-is strict: once they are documented, the passing test fails the run until the entry goes."""
-
 
 @pytest.fixture(scope="module")
 def package() -> Any:
@@ -179,18 +172,7 @@ def _documented(obj: Any, parent: Any, on_page: set[str]) -> bool:
     )
 
 
-@pytest.mark.parametrize(
-    "target",
-    [
-        pytest.param(
-            target,
-            marks=pytest.mark.xfail(reason=_LEFT_UNDOCUMENTED[target], strict=True)
-            if target in _LEFT_UNDOCUMENTED
-            else (),
-        )
-        for target in API_TARGETS
-    ],
-)
+@pytest.mark.parametrize("target", API_TARGETS)
 def test_every_member_the_api_page_lists_has_a_docstring(
     package: Any, on_page: set[str], target: str
 ) -> None:

@@ -98,7 +98,9 @@ class AsyncReadInto(Protocol):
     one whole file, front to back; unlike chunks from an async iterator, the bytes are not
     copied a second time."""
 
-    async def readinto(self, buffer: memoryview, /) -> int: ...
+    async def readinto(self, buffer: memoryview, /) -> int:
+        """Write the next bytes into ``buffer``; how many were written, 0 only at the end."""
+        ...
 
 
 class Source(ABC):
