@@ -12,6 +12,7 @@ S3 upload's commit does.
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 from collections.abc import Mapping
 from typing import Unpack
@@ -36,6 +37,10 @@ __all__ = ["HttpSink"]
 METHODS = ("PUT", "POST")
 """The methods an :class:`HttpSink` uploads with, spelt as HTTP has them (methods are
 case-sensitive: ``put`` is another method, which servers refuse)."""
+
+ANSWER_BODY_WAIT = 1.0
+"""The most seconds the body of a 2xx answer to an upload is waited for: the upload is committed
+by then, and the body is read only so that its connection can serve another request."""
 
 
 class HttpSink(ClientUser, Sink):
@@ -94,11 +99,14 @@ class HttpSink(ClientUser, Sink):
         self.position += len(buffer)
 
     async def aclose(self) -> None:
-        """The commit: end the body and read the answer. The whole body went out, so the server
-        may store it: a cancellation now lets the answer come, for :attr:`abort_timeout` seconds
-        more at most, then goes on as :func:`~stream_st._util.seen_through` says (stored, the
-        write reports success under a cancel scope; asyncio's own cancellation is raised once
-        the answer is in), never reporting a cancelled write the server went on to store."""
+        """The commit: end the body and read the answer. A 2xx status is the commit, whatever
+        its body then does (read for :data:`ANSWER_BODY_WAIT` seconds at most, its errors
+        ignored); an error status raises with what its body says. The whole body went out, so
+        the server may store it: a cancellation now lets the answer come, for
+        :attr:`abort_timeout` seconds more at most, then goes on as
+        :func:`~stream_st._util.seen_through` says (stored, the write reports success under a
+        cancel scope; asyncio's own cancellation is raised once the answer is in), never
+        reporting a cancelled write the server went on to store."""
         try:
             upload, self._upload = self._upload, None
             if upload is None:
@@ -107,8 +115,11 @@ class HttpSink(ClientUser, Sink):
             async def commit() -> None:
                 response = await upload.finish()
                 await raise_for_status(response, name=self.name)
+                # 2xx: committed. The answer's body is only read to keep the connection, when
+                # short and quick to come; otherwise the connection is dropped unread.
                 async with response:
-                    await response.read_all()
+                    with anyio.move_on_after(ANSWER_BODY_WAIT), contextlib.suppress(OSError):
+                        await response.discard()
 
             def bound(shield: anyio.CancelScope) -> None:
                 shield.deadline = anyio.current_time() + self.abort_timeout
