@@ -525,11 +525,6 @@ def send_and_wait(raw: bytes) -> Handler:
             HTTPProtocolError,
             "Content-Length 'x'",
         ),
-        (
-            send_and_wait(b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\nqq\r\n"),
-            HTTPProtocolError,
-            "chunk size line",
-        ),
     ],
 )
 async def test_upload_answered_badly(
