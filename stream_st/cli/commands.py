@@ -17,6 +17,7 @@ import itertools
 import os
 import posixpath
 import re
+import socket
 import stat
 import sys
 import unicodedata
@@ -59,6 +60,7 @@ from ..transports.file.sink import PipeSink
 from ..transports.file.source import FileSource
 from ..transports.options import TransportOptions
 from ..transports.registry import SinkLike
+from ..transports.tcp import SocketSink
 from .demo import print_report, run_demo
 from .exits import EXIT_DIFFERENT, EXIT_ERROR, EXIT_OK, SIGNAL_GRACE
 from .options import limits_of, options_of
@@ -120,17 +122,24 @@ def one_source_arg(text: str) -> str:
 async def _destination(text: str) -> SinkLike:
     """A destination argument as the library takes it: ``-`` is standard output, written
     through in place, never to a terminal. A pipe is opened anew (a descriptor of its own, set
-    non-blocking without touching the one other processes share); anything else (a file
-    redirected with ``>`` or ``>>``, a socket) is written through the inherited descriptor, so
-    the bytes land at the shell's offset, appended under ``>>``."""
+    non-blocking without touching the one other processes share). A socket (inetd's, systemd's
+    socket activation, ``socat EXEC:``), which cannot be opened anew, is written as a
+    ``tcp://`` peer is, through a duplicate of the descriptor left blocking as the processes
+    sharing it hold it, each ``send`` non-blocking by itself: the waits for the peer to take
+    bytes are the event loop's, within ``--timeout``, and a signal stops them. Anything else (a
+    file redirected with ``>`` or ``>>``) is written through the inherited descriptor, so the
+    bytes land at the shell's offset, appended under ``>>``."""
     if text != STDIO:
         return text
     if sys.stdout.isatty():
         raise UsageError("refusing to write safetensors to a terminal: redirect or pipe stdout")
     sys.stdout.flush()
     fd = sys.stdout.fileno()
-    if stat.S_ISFIFO(os.fstat(fd).st_mode):
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISFIFO(mode):
         return await PipeSink.open("/dev/stdout")
+    if stat.S_ISSOCK(mode):
+        return SocketSink(socket.socket(fileno=os.dup(fd)), "standard output", shared=True)
     # The duplicate listed as os.dup returns (C code appends it, no bytecode run between), so
     # that an interrupt (a signal handler's exception) there or as the sink takes it closes it.
     opened: list[int] = []
@@ -786,7 +795,11 @@ async def run_cp(args: argparse.Namespace) -> int:
                 if args.dst == STDIO and isinstance(exc.__cause__, BrokenPipeError):
                     raise exc.__cause__ from None  # the reader went away (``| head``): exit 141
                 cause = exc.__cause__
-                if isinstance(dst, PipeSink) and exc.url == dst.name and isinstance(cause, OSError):
+                if (
+                    isinstance(dst, PipeSink | SocketSink)
+                    and exc.url == dst.name
+                    and isinstance(cause, OSError)
+                ):
                     raise OutputError(cause, exc.position) from cause  # as every command says it
                 raise
     except BaseException:  # failed, interrupted or stopped: nothing left at DST, no directory

@@ -2,10 +2,13 @@
 
 Bytes are received with non-blocking ``recv_into`` straight into each array's memory, waiting with
 ``anyio.wait_readable`` only when the socket is empty: no per-chunk ``bytes`` objects, and it runs
-on asyncio and trio alike. ``send`` returns once the kernel has taken every byte, so no reference
-to the caller's memory outlives the call, with no copy. A failed message closes the socket, so the
-peer sees a message that ends early; a message written in full ends gracefully (see
-:data:`CLOSE_GRACE`).
+on asyncio and trio alike. Every call is non-blocking by itself (``MSG_DONTWAIT``), whatever the
+socket's mode: a socket shared with other processes (standard input or output inherited from
+inetd, systemd or ``socat``, the shell holding it too) is read and written without setting
+``O_NONBLOCK`` on the file description they share. ``send`` returns once the kernel has taken
+every byte, so no reference to the caller's memory outlives the call, with no copy. A failed
+message closes the socket, so the peer sees a message that ends early; a message written in full
+ends gracefully (see :data:`CLOSE_GRACE`).
 """
 
 from __future__ import annotations
@@ -206,11 +209,15 @@ class Turn:
         return self._holder is end
 
 
+DONTWAIT = socket.MSG_DONTWAIT
+"""The flag of every ``recv`` and ``send``: the call does not block, in a socket's blocking mode
+too (see the module's docstring)."""
+
+
 class SocketEnd(NonBlockingEnd[socket.socket]):
-    """What a socket source and a socket sink share: the socket, the name to report, the waits
-    bounded by ``clock`` (see :class:`~stream_st.transports.nonblocking.NonBlockingEnd`), and who
-    closes
-    the socket.
+    """What a socket source and a socket sink share: the socket, non-blocking or not (every call
+    is, by itself: :data:`DONTWAIT`), the name to report, the waits bounded by ``clock`` (see
+    :class:`~stream_st.transports.nonblocking.NonBlockingEnd`), and who closes the socket.
 
     Without a ``turn`` the end owns the socket and closing the end closes it. With one, the socket
     is lent by a :class:`~stream_st.Connection` for one message: the end holds the turn while it
@@ -256,14 +263,18 @@ class SocketSource(SocketEnd, Source):
     async def receive_into(self, buffer: memoryview) -> int:
         if not buffer:
             return 0
-        return await self._receive(self._handle.recv_into, buffer)
+        return await self._receive(self._recv_into, buffer)
+
+    def _recv_into(self, buffer: memoryview) -> int:
+        """One ``recv_into`` of ``buffer`` that does not block."""
+        return self._handle.recv_into(buffer, 0, DONTWAIT)
 
     async def fill(self, buffer: memoryview) -> int:
         """Fill ``buffer`` (a tensor's memory) in one tight loop of ``recv_into`` calls, waiting
         only when the socket is empty; the bytes are counted once per wait, not once per call,
         and at least every :data:`YIELD_EVERY` bytes, where the loop also lets other tasks (and
         a cancellation) in."""
-        recv_into = self._handle.recv_into
+        recv_into = self._recv_into
         total = len(buffer)
         filled = counted = 0
         try:
@@ -311,7 +322,7 @@ class SocketSource(SocketEnd, Source):
         """
         while True:
             try:
-                return self._handle.recv(1, socket.MSG_PEEK) == b""
+                return self._handle.recv(1, socket.MSG_PEEK | DONTWAIT) == b""
             except BlockingIOError:
                 await self.wait_readable()
             except OSError as exc:
@@ -325,28 +336,52 @@ class SocketSource(SocketEnd, Source):
 class SocketSink(SocketEnd, Sink):
     """One TCP socket written front to back. ``clock`` bounds each wait for the peer to take
     bytes (a stalled receiver); ``turn`` is given when a :class:`~stream_st.Connection` lends its
-    socket to this one message, which committing then leaves open (see :class:`SocketEnd`)."""
+    socket to this one message, which committing then leaves open (see :class:`SocketEnd`).
+
+    ``shared`` says that ``sock`` is a duplicate of a descriptor other processes hold too
+    (standard output that is a socket, which the shell shares, where a later command may write
+    the next message): closing the sink, committed or aborted, closes the duplicate alone; it
+    neither shuts the socket down nor reads what the peer sends (standard input's bytes, where
+    it is the same socket)."""
 
     _size: int | None = None  # the message's length, once announced by allocate
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        name: str,
+        *,
+        clock: Clock = UNLIMITED,
+        turn: Turn | None = None,
+        shared: bool = False,
+    ) -> None:
+        super().__init__(sock, name, clock=clock, turn=turn)
+        self._shared = shared
 
     async def allocate(self, size: int) -> None:
         self._claim()  # the writer announces the message before its first byte
         self._size = size
 
     async def send(self, buffer: memoryview) -> None:
-        await self._send_all(self._handle.send, buffer)
+        await self._send_all(self._send, buffer)
+
+    def _send(self, view: memoryview) -> int:
+        """One ``send`` of ``view`` that does not block."""
+        return self._handle.send(view, DONTWAIT)
 
     async def abort(self) -> None:
         if self._turn is not None and not self._turn.held_by(self):
             return  # refused the connection's turn: sent nothing, and must not end another message
-        with contextlib.suppress(OSError):  # already gone: nothing to tell the peer
-            self._handle.shutdown(socket.SHUT_RDWR)
+        if not self._shared:
+            with contextlib.suppress(OSError):  # already gone: nothing to tell the peer
+                self._handle.shutdown(socket.SHUT_RDWR)
         close_socket(self._handle)  # a lent socket too: the connection refuses further messages
 
     async def aclose(self) -> None:
         """Commit: an owned socket that carried its whole message is ended gracefully (see
         :meth:`_finish`) before it is closed; one left short of the length announced closes at
-        once, so the peer sees the message end early. A lent socket stays open.
+        once, so the peer sees the message end early. A lent socket stays open; a shared one's
+        duplicate is closed at once (see :class:`SocketSink`).
 
         The graceful end is past the commit point and bounded, so it is seen through whatever
         cancellation comes meanwhile (:func:`~stream_st._util.seen_through`: asyncio's own
@@ -355,7 +390,7 @@ class SocketSink(SocketEnd, Sink):
         reset the connection under the message's end."""
         whole = self._size is None or self.position >= self._size
         try:
-            if self._turn is None and whole and not self._closed():
+            if self._turn is None and not self._shared and whole and not self._closed():
                 await seen_through(self._finish)
         finally:
             await super().aclose()
@@ -376,7 +411,7 @@ class SocketSink(SocketEnd, Sink):
         with anyio.move_on_after(CLOSE_GRACE):
             while True:
                 try:
-                    if not sock.recv_into(scratch):
+                    if not sock.recv_into(scratch, 0, DONTWAIT):
                         return  # the peer's clean close: it has read everything it wanted
                 except BlockingIOError:
                     try:
