@@ -59,8 +59,8 @@ from ..tools.validate import expected_shapes
 from ..transports.file.sink import PipeSink
 from ..transports.file.source import FileSource
 from ..transports.options import TransportOptions
-from ..transports.registry import SinkLike
-from ..transports.tcp import SocketSink
+from ..transports.registry import SinkLike, SourceLike
+from ..transports.tcp import SocketSink, SocketSource
 from .demo import print_report, run_demo
 from .exits import EXIT_DIFFERENT, EXIT_ERROR, EXIT_OK, SIGNAL_GRACE
 from .options import limits_of, options_of
@@ -85,7 +85,8 @@ from .output import (
 
 
 def source_arg(text: str) -> str:
-    """A source argument as the library takes it: ``-`` is standard input (``/dev/stdin``).
+    """A source argument as the library takes it: ``-`` is standard input (``/dev/stdin``,
+    which :func:`_readable` opens).
     Standard input that is a regular file read already past its start (``(head -c 8 >
     /dev/null; stream-st hash --file -) < f``) is a :class:`~stream_st.UsageError`: the path
     opens the file anew, read from its start, not from where the shell's reads left it."""
@@ -107,6 +108,29 @@ def _stdin_offset() -> int:
         if stat.S_ISREG(os.fstat(0).st_mode):
             return os.lseek(0, 0, os.SEEK_CUR)
     return 0
+
+
+class _SocketInput(SocketSource):
+    """Standard input that is a socket, read as a ``tcp://`` peer is (see :func:`_readable`),
+    and named ``/dev/stdin`` where a result names its source, as standard input that is a pipe
+    is."""
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _readable(source: str) -> SourceLike:
+    """``source``, one of :func:`source_arg`'s, as the library reads it. Standard input that is
+    a socket (inetd's, systemd's socket activation, ``socat EXEC:``), which ``/dev/stdin``
+    cannot open anew (``ENXIO``), is read through a duplicate of its descriptor, left blocking
+    as the processes sharing it hold it, each ``recv`` non-blocking by itself: the waits for
+    the peer's bytes are the event loop's, within ``--timeout``, and a signal stops them."""
+    if source != "/dev/stdin":
+        return source
+    with suppress(OSError):  # closed: opening /dev/stdin says so
+        if stat.S_ISSOCK(os.fstat(0).st_mode):
+            return _SocketInput(socket.socket(fileno=os.dup(0)), source)
+    return source
 
 
 def one_source_arg(text: str) -> str:
@@ -184,7 +208,7 @@ async def _each(args: argparse.Namespace, run: Callable[[str], Awaitable[int]]) 
 async def run_inspect(args: argparse.Namespace) -> int:
     async def one(source: str) -> int:
         clock = command_clock(options_of(args))
-        headers = await headers_of(source, clock, unknown_dtypes="keep")
+        headers = await headers_of(_readable(source), clock, unknown_dtypes="keep")
         result = described(source, headers)
         if args.json:
             print_json(result.to_json())
@@ -219,7 +243,7 @@ async def run_inspect(args: argparse.Namespace) -> int:
 
 async def run_ls(args: argparse.Namespace) -> int:
     async def one(source: str) -> int:
-        result = await tools.inspect(source, **options_of(args))
+        result = await tools.inspect(_readable(source), **options_of(args))
         for t in result.tensors:
             print(shown(t["name"]))
         return EXIT_OK
@@ -261,7 +285,7 @@ async def run_show(args: argparse.Namespace) -> int:
     # slice of it, or the edges a summary shows; those alone are copied out of the file
     # (_printed). A checksummed one is read whole to be checked: copied as it is (the check of a
     # mapping reads pages a file truncated meanwhile has lost: SIGBUS).
-    stream = open_stream(source, include=[args.name], copy=checksummed, **options)
+    stream = open_stream(_readable(source), include=[args.name], copy=checksummed, **options)
 
     async def arrivals() -> AsyncGenerator[tuple[argparse.Namespace, TensorInfo, Any]]:
         """The tensor as each shard delivers it (a dataset's: one a shard, each of its own
@@ -434,7 +458,7 @@ async def run_hash(args: argparse.Namespace) -> int:
             await _one_digest_a_name(source, args, printed)
         with progress_reporter("hashing", args.quiet or not args.content) as progress:
             result = await tools.hash(
-                source,
+                _readable(source),
                 content=args.content,
                 file=args.file,
                 progress=progress,
@@ -473,7 +497,7 @@ async def run_weight_inspect(args: argparse.Namespace) -> int:
         )
 
     async def one(source: str) -> int:
-        found = await tools.weight_inspect(source, **options_of(args))
+        found = await tools.weight_inspect(_readable(source), **options_of(args))
         if args.json:
             print_json(found)
         else:
@@ -578,7 +602,7 @@ async def run_hash_check(args: argparse.Namespace) -> int:
             want, name = entry
             named = shown(redact(name))  # no password nor signature; no line forged
             try:
-                got = await tools.file_sha256(source_arg(name), **options_of(args))
+                got = await tools.file_sha256(_readable(source_arg(name)), **options_of(args))
             except SafetensorsError as exc:
                 failed(name, exc)
                 print(f"{named}: FAILED open or read")
@@ -607,7 +631,13 @@ async def run_diff(args: argparse.Namespace) -> int:
     if a == b == "/dev/stdin":
         raise UsageError("standard input can be read once: name '-' once")
     with progress_reporter("comparing", args.quiet or not args.content) as progress:
-        result = await tools.diff(a, b, content=args.content, progress=progress, **options_of(args))
+        result = await tools.diff(
+            _readable(a),
+            _readable(b),
+            content=args.content,
+            progress=progress,
+            **options_of(args),
+        )
     if args.json:
         print_json(result.to_json())
     else:
@@ -681,7 +711,7 @@ async def run_validate(args: argparse.Namespace) -> int:
     async def one(source: str) -> int:
         with progress_reporter("validating", args.quiet) as progress:
             result = await tools.validate(
-                source,
+                _readable(source),
                 expect_shapes=shapes,
                 expect_layers=args.expect_layers or (),
                 config=config,
@@ -790,7 +820,7 @@ async def run_cp(args: argparse.Namespace) -> int:
         dst = await _destination(args.dst)
         with progress_reporter("copying", args.quiet) as progress, _include_named(args):
             try:
-                copied = await tools.cp(src, dst, **_copy_options(args, progress))
+                copied = await tools.cp(_readable(src), dst, **_copy_options(args, progress))
             except TransportError as exc:
                 if args.dst == STDIO and isinstance(exc.__cause__, BrokenPipeError):
                     raise exc.__cause__ from None  # the reader went away (``| head``): exit 141

@@ -1,9 +1,11 @@
-"""``-`` where standard output is a socket, as inetd, systemd socket activation and ``socat
-EXEC:`` start the command: written like a ``tcp://`` peer, bounded by ``--timeout`` and stopped
-by SIGINT, the socket's file description (the shell's too) left as it was, blocking."""
+"""``-`` where standard input or output is a socket, as inetd, systemd socket activation and
+``socat EXEC:`` start the command: read and written like a ``tcp://`` peer, bounded by
+``--timeout`` and stopped by SIGINT, the socket's file description (the shell's too) left as it
+was, blocking."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -110,4 +112,84 @@ def test_sigint_stops_a_copy_to_a_socket_nobody_reads(
     assert theirs.recv(1, socket.MSG_PEEK)  # writing, and soon waiting for the peer to read
     process.send_signal(signal.SIGINT)
     assert _ended(process)[0] == 130
+    assert _blocking(ours)
+
+
+def _fed(theirs: socket.socket, data: bytes) -> None:
+    """``data`` sent by the peer, then nothing: returns once the command has taken all but what
+    the sockets' buffers hold, as it reads. A command that refused the socket takes nothing:
+    the send times out (the socket stays open here) and the command's status says why."""
+    with contextlib.suppress(TimeoutError):
+        theirs.sendall(data)
+
+
+@pytest.mark.parametrize(
+    ("args", "sent", "shown"),
+    [
+        pytest.param(["inspect", "-"], 100, b"/dev/stdin\n  1 tensor, 16 parameters", id="inspect"),
+        pytest.param(["hash", "--json", "/dev/stdin"], None, b'"source":"/dev/stdin"', id="hash"),
+    ],
+)
+def test_standard_input_that_is_a_socket_is_read(
+    tmp_path: Path,
+    peers: tuple[socket.socket, socket.socket],
+    args: list[str],
+    sent: int | None,
+    shown: bytes,
+) -> None:
+    """``inspect`` reading the header alone (the peer sends a header's worth and keeps the
+    socket open), ``hash`` the whole file, up to the peer's end; the source named as a pipe's
+    is."""
+    ours, theirs = peers
+    small = write_model(tmp_path / "small.safetensors", {"w": np.ones(16, np.float32)})
+    theirs.sendall(small.read_bytes()[:sent])  # within a socket's buffers
+    if sent is None:
+        theirs.shutdown(socket.SHUT_WR)
+    done = subprocess.run(
+        [COMMAND, *args], stdin=ours.fileno(), capture_output=True, timeout=LIMIT, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert shown in done.stdout
+    assert _blocking(ours)
+
+
+def test_a_copy_from_standard_input_that_is_a_socket_is_whole(
+    model: Path, peers: tuple[socket.socket, socket.socket], tmp_path: Path
+) -> None:
+    ours, theirs = peers
+    data = model.read_bytes()
+    copy = tmp_path / "copy.safetensors"
+    process = _started(["cp", "-q", "-", str(copy)], stdin=ours)
+    _fed(theirs, data)
+    theirs.shutdown(socket.SHUT_WR)
+    assert _ended(process) == (0, "")
+    assert copy.read_bytes() == data
+    assert _blocking(ours)
+
+
+def test_a_read_of_a_socket_that_stalls_times_out(
+    model: Path, peers: tuple[socket.socket, socket.socket], tmp_path: Path
+) -> None:
+    ours, theirs = peers
+    copy = tmp_path / "copy.safetensors"
+    process = _started(["cp", "-q", "--timeout", "1", "-", str(copy)], stdin=ours)
+    _fed(theirs, model.read_bytes()[: 1 << 20])
+    status, stderr = _ended(process)
+    assert status == 2, stderr
+    assert "(timeout), url=/dev/stdin" in stderr
+    assert not copy.exists()
+    assert _blocking(ours)
+
+
+def test_sigint_stops_a_read_of_a_socket_that_stalls(
+    model: Path, peers: tuple[socket.socket, socket.socket], tmp_path: Path
+) -> None:
+    ours, theirs = peers
+    copy = tmp_path / "copy.safetensors"
+    process = _started(["cp", "-q", "-", str(copy)], stdin=ours)
+    _fed(theirs, model.read_bytes()[: 1 << 20])
+    process.send_signal(signal.SIGINT)
+    status, stderr = _ended(process)
+    assert status == 130, stderr
+    assert not copy.exists()
     assert _blocking(ours)
