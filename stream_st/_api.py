@@ -22,6 +22,7 @@ import numpy as np
 from ._util import task_group
 from .core.arrays import Framework, as_array, spec_of
 from .core.header import DEFAULT_MAX_HEADER_SIZE, Header, UnknownDtypes
+from .core.message import Order
 from .core.shards import is_index, scheme_of
 from .errors import ArgumentTypeError, IntegrityError, SafetensorsError, UsageError, boolean
 from .memory.delivery import Delivery
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
     from .sharded.ranks import Slices
     from .transports.cache import Cache, CacheLike
     from .transports.cache.resolve import OnCopy, Resolved
-    from .writer import Order
 
 __all__ = [
     "CachedShardedStream",
