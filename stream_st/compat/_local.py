@@ -284,7 +284,9 @@ def _read_header(fd: int, size: int, name: str) -> Header:
             source=name,
         )
     length = parse_header_length(  # a file shorter than the length: a HeaderError, as read else
-        first[: min(got, LENGTH_PREFIX_SIZE)], max_header_size=DEFAULT_MAX_HEADER_SIZE
+        first[: min(got, LENGTH_PREFIX_SIZE)],
+        max_header_size=DEFAULT_MAX_HEADER_SIZE,
+        fixed_limit=True,
     )
     end = LENGTH_PREFIX_SIZE + length
     if end <= got:

@@ -675,9 +675,13 @@ def load_file(
 
 
 def load_bytes(data: bytes | bytearray | memoryview, torch: bool, verify: bool) -> dict[str, Any]:
-    """Every tensor of a safetensors file given as bytes (or a bytearray or memoryview)."""
+    """Every tensor of a safetensors file given as bytes (or a bytearray or memoryview). Its
+    length prefix is checked first, against the drop-ins' fixed limit (the reference's), so
+    that a header over it is refused without advice to raise ``max_header_size``, which a
+    drop-in does not take (as :func:`~._serialize.deserialize` refuses it)."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ArgumentTypeError(f"load takes the bytes of a file, got {type(data).__name__}")
+    parse_header_length(as_bytes_view(data)[:LENGTH_PREFIX_SIZE], fixed_limit=True)
     return run(_load, data, torch, verify, True, Clock())
 
 

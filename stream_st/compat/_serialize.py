@@ -229,7 +229,7 @@ def deserialize(
         raise WrongTypeError(f"deserialize takes bytes, got {type(bytes).__name__}")
     verify = boolean("verify", verify)
     view = as_bytes_view(bytes)  # a non-contiguous view copied
-    length = parse_header_length(view[:LENGTH_PREFIX_SIZE])
+    length = parse_header_length(view[:LENGTH_PREFIX_SIZE], fixed_limit=True)
     if len(view) < LENGTH_PREFIX_SIZE + length:
         raise TruncatedStreamError(
             "the header", name=None, offset=len(view), expected=LENGTH_PREFIX_SIZE + length

@@ -28,6 +28,7 @@ import numpy as np
 
 from .._regex import LazyPattern
 from ..errors import (
+    IMPLAUSIBLE_HEADER_LENGTH,
     ArgumentTypeError,
     DtypeError,
     HeaderError,
@@ -461,12 +462,17 @@ class Header:
 
 
 def parse_header_length(
-    prefix: bytes | bytearray | memoryview, *, max_header_size: int = DEFAULT_MAX_HEADER_SIZE
+    prefix: bytes | bytearray | memoryview,
+    *,
+    max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+    fixed_limit: bool = False,
 ) -> int:
     """Decode the 8-byte length prefix and check it against ``max_header_size``.
 
     Raises :class:`HeaderError` for fewer than 8 bytes or an empty header and
-    :class:`HeaderTooLargeError` before anything is allocated for an oversized one.
+    :class:`HeaderTooLargeError` before anything is allocated for an oversized one; with
+    ``fixed_limit`` (a caller that cannot raise the limit: a drop-in's, the reference's 100 MB)
+    its message does not advise raising ``max_header_size``.
     """
     if len(prefix) < LENGTH_PREFIX_SIZE:
         raise HeaderError(
@@ -474,10 +480,28 @@ def parse_header_length(
         )
     n = int.from_bytes(prefix[:LENGTH_PREFIX_SIZE], "little")
     if n > max_header_size:
-        raise HeaderTooLargeError(n, max_header_size)
+        raise (
+            _over_fixed_limit(n, max_header_size)
+            if fixed_limit
+            else HeaderTooLargeError(n, max_header_size)
+        )
     if n < 2:
         raise HeaderError(f"header length {n} is too small to hold a JSON object")
     return n
+
+
+def _over_fixed_limit(declared: int, limit: int) -> HeaderTooLargeError:
+    """The error for a header of ``declared`` bytes over a ``limit`` its reader cannot raise:
+    :class:`HeaderTooLargeError`'s own, less its advice to raise ``max_header_size``; a length no
+    header has (:data:`~stream_st.errors.IMPLAUSIBLE_HEADER_LENGTH`) still names no safetensors
+    file."""
+    if declared >= IMPLAUSIBLE_HEADER_LENGTH:
+        return HeaderTooLargeError(declared, limit)
+    error = HeaderTooLargeError(
+        f"header length {declared} bytes exceeds the limit of {limit} bytes"
+    )
+    error.declared, error.limit = declared, limit
+    return error
 
 
 def _strict_entry(text: str, name: str) -> Any:
