@@ -558,9 +558,12 @@ than 100 MB): the first 8 bytes of a text file, an archive or an executable read
 class HeaderTooLargeError(HeaderError):
     """The declared header length exceeds ``max_header_size``; nothing was allocated for it.
     Raised by a writer too (``writing=True``) for a header over the default limit, before the
-    destination is opened."""
+    destination is opened. ``fixed``: the reader takes no ``max_header_size`` (the drop-ins,
+    as the reference), so the message does not advise raising it."""
 
-    def __init__(self, declared: int | str, limit: int = 0, *, writing: bool = False) -> None:
+    def __init__(
+        self, declared: int | str, limit: int = 0, *, writing: bool = False, fixed: bool = False
+    ) -> None:
         if isinstance(declared, str):  # a message alone (see SafetensorsError): sizes unknown
             super().__init__(declared)
             self.declared = self.limit = 0
@@ -573,10 +576,9 @@ class HeaderTooLargeError(HeaderError):
         elif declared >= IMPLAUSIBLE_HEADER_LENGTH:
             message = "not a safetensors file (its first 8 bytes are not a header length)"
         else:
-            message = (
-                f"header length {declared} bytes exceeds the limit of {limit} bytes "
-                "(raise max_header_size if the file is trusted)"
-            )
+            message = f"header length {declared} bytes exceeds the limit of {limit} bytes"
+            if not fixed:
+                message += " (raise max_header_size if the file is trusted)"
         super().__init__(message)
         self.declared = declared
         self.limit = limit

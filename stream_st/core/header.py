@@ -28,7 +28,6 @@ import numpy as np
 
 from .._regex import LazyPattern
 from ..errors import (
-    IMPLAUSIBLE_HEADER_LENGTH,
     ArgumentTypeError,
     DtypeError,
     HeaderError,
@@ -480,28 +479,10 @@ def parse_header_length(
         )
     n = int.from_bytes(prefix[:LENGTH_PREFIX_SIZE], "little")
     if n > max_header_size:
-        raise (
-            _over_fixed_limit(n, max_header_size)
-            if fixed_limit
-            else HeaderTooLargeError(n, max_header_size)
-        )
+        raise HeaderTooLargeError(n, max_header_size, fixed=fixed_limit)
     if n < 2:
         raise HeaderError(f"header length {n} is too small to hold a JSON object")
     return n
-
-
-def _over_fixed_limit(declared: int, limit: int) -> HeaderTooLargeError:
-    """The error for a header of ``declared`` bytes over a ``limit`` its reader cannot raise:
-    :class:`HeaderTooLargeError`'s own, less its advice to raise ``max_header_size``; a length no
-    header has (:data:`~stream_st.errors.IMPLAUSIBLE_HEADER_LENGTH`) still names no safetensors
-    file."""
-    if declared >= IMPLAUSIBLE_HEADER_LENGTH:
-        return HeaderTooLargeError(declared, limit)
-    error = HeaderTooLargeError(
-        f"header length {declared} bytes exceeds the limit of {limit} bytes"
-    )
-    error.declared, error.limit = declared, limit
-    return error
 
 
 def _strict_entry(text: str, name: str) -> Any:
