@@ -32,6 +32,7 @@ from ..errors import (
     HeaderError,
     SafetensorsError,
     SourceNotFoundError,
+    TransportError,
     UnsupportedSourceError,
     UsageError,
     redact,
@@ -145,7 +146,10 @@ def model_sources(path: str | os.PathLike[str]) -> list[str]:
     local = local_path(path, UnsupportedSourceError) or path
     if not os.path.isdir(local):
         return [path]
-    names = sorted(os.listdir(local))
+    try:
+        names = sorted(os.listdir(local))
+    except OSError as exc:  # unreadable (EACCES), out of descriptors, a damaged folder
+        raise TransportError(f"listing failed: {exc.strerror}", url=path) from exc
     indexes = [n for n in names if n.endswith(".safetensors" + INDEX_SUFFIX) or n == MANIFEST_NAME]
     if len(indexes) == 1:
         return [os.path.join(local, indexes[0])]

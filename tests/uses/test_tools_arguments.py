@@ -5,6 +5,8 @@ a wrong type is an :class:`~stream_st.ArgumentTypeError` naming the argument, wh
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -108,3 +110,24 @@ def test_model_sources_takes_a_path(source: Path, tmp_path: Path) -> None:
             match=f"model_sources takes a path or URL .*, got {type(wrong).__name__}$",
         ):
             tools.model_sources(wrong)  # type: ignore[arg-type]
+
+
+def test_a_folder_that_cannot_be_listed_is_a_transport_error(tmp_path: Path) -> None:
+    """A local folder whose listing fails (here out of descriptors: EMFILE; EACCES or a damaged
+    folder alike) raised a bare OSError, and the command printed a traceback (exit 3); it is a
+    TransportError naming the folder, as the command's other I/O failures are (exit 2)."""
+    st_np.save_file({"a": np.zeros(2, np.float32)}, str(tmp_path / "m.safetensors"))
+    script = f"""
+import os, resource, sys
+from stream_st import tools
+from stream_st.errors import TransportError
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1, hard))
+try:
+    tools.model_sources({str(tmp_path)!r})
+except TransportError as exc:
+    print(type(exc).__name__, exc.url == {str(tmp_path)!r}, str(exc).startswith("listing failed"))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["TransportError", "True", "True"]
