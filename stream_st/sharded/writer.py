@@ -26,7 +26,10 @@ ended; a commit that failed is thrown away then, never while it runs, one done i
 file is linked in under a held name (hidden, ``_RollingWriter._held_name``), then the shards are
 renamed to their final names and the index last (``ShardedWriter._rename_sealed`` says in which
 order, so that a process killed at any point leaves a previous checkpoint whole, the new one
-whole, or no index). A writer holds its directory while it works (a shared ``flock``); one
+whole, or no index). An earlier file that a rename replaces, or that the commit removes (the
+previous index...), is first set aside under a held name (``_RollingWriter._set_aside``): a
+commit that fails part way puts each one back, leaving the previous checkpoint as it was, and
+one done removes them. A writer holds its directory while it works (a shared ``flock``); one
 that finds no other writer there first removes what writers killed there left under held names
 (``_claim``). The directory is made (with its parents) for the first shard only: one removed
 or moved away meanwhile is not made again, the next shard or the commit fails
@@ -333,6 +336,7 @@ class _RollingWriter(AsyncClosing):
         self._sealed: list[tuple[str, int, int, list[TensorSpec]]] = []
         self._files: list[FileSink] = []  # complete, not linked in yet: the sealed shards, index
         self._index_file: Path | None = None  # the index's held name, until it is in place
+        self._aside: list[tuple[str, str]] = []  # earlier files set aside: name, held name
         self._hold: weakref.finalize[Any, Any] | None = None  # lets the directory go (_claim)
         self._drop: weakref.finalize[Any, Any] | None = None  # the new folders, if dropped open
         self._folder: tuple[int, int] | None = None  # the directory held (_identity), once made
@@ -539,11 +543,60 @@ class _RollingWriter(AsyncClosing):
         raise NotImplementedError
 
     def _put(self, index: int, final: str) -> None:
-        """Rename the sealed shard ``index`` to ``final``."""
+        """Rename the sealed shard ``index`` to ``final``, an earlier file of that name kept
+        aside (:meth:`_set_aside`) until the commit is done."""
         name, size, samples, specs = self._sealed[index]
         with _io("moving a shard into place", self.directory / final):
+            self._set_aside(final, keep=True)
             os.replace(name, final, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         self._sealed[index] = (final, size, samples, specs)  # abort() removes it from here
+
+    def _set_aside(self, name: str, *, keep: bool = False, folders: bool = False) -> None:
+        """Move the earlier file ``name``, one the commit replaces or removes, aside under a held
+        name (:meth:`_held_name`, hidden), in the directory held (:attr:`_dir_fd`): an abort puts
+        it back (:meth:`_put_back`), the commit removes it once the index is in place, a later
+        writer's sweep (:func:`_claim`) where a process killed meanwhile left it. With ``keep``
+        it stays at ``name`` too (a hard link aside; renamed where the file system makes none),
+        so that the rename over it replaces it at once. Nothing where nothing is at ``name``,
+        nor where a folder is, but with ``folders`` (a rename over one then fails)."""
+        folder = self._dir_fd
+        found = _found(name, folder)
+        if found is None or (stat.S_ISDIR(found.st_mode) and not folders):
+            return
+        aside = self._held_name(f"aside.{name}").name
+        linked = False
+        if keep:
+            with contextlib.suppress(OSError):  # no hard link there: renamed
+                os.link(name, aside, src_dir_fd=folder, dst_dir_fd=folder, follow_symlinks=False)
+                linked = True
+        if not linked:
+            os.rename(name, aside, src_dir_fd=folder, dst_dir_fd=folder)
+        self._aside.append((name, aside))
+
+    def _put_back(self, cause: BaseException | None) -> set[str]:
+        """Put the earlier files set aside (:meth:`_set_aside`) back in their places, over what
+        the commit put there, the last set aside first: an earlier index, set aside before the
+        shards it names, goes back only once each of them is back. One that cannot be put back
+        stops it, a note on ``cause`` saying so: it and those still aside stay under their held
+        names, and no earlier index names a mix of shards. Returns the names put back."""
+        restored: set[str] = set()
+        while self._aside:
+            name, aside = self._aside[-1]
+            folder = self._dir_fd
+            try:
+                os.replace(aside, name, src_dir_fd=folder, dst_dir_fd=folder)
+            except OSError as exc:
+                if cause is not None:
+                    cause.add_note(
+                        f"putting the earlier {name} back failed too ({exc.strerror or exc}): it "
+                        f"is left as {aside}, which the next writer in {self.directory} removes"
+                    )
+                break
+            self._aside.pop()
+            restored.add(name)
+            with contextlib.suppress(OSError):  # a link of the file at name: os.replace left it
+                os.unlink(aside, dir_fd=folder)
+        return restored
 
     def _rename_sealed(self, index: Path) -> None:
         """Give the sealed shards, linked in under their held names, their final names (see
@@ -564,6 +617,8 @@ class _RollingWriter(AsyncClosing):
             os.replace(self._index_file.name, index.name, src_dir_fd=folder, dst_dir_fd=folder)
         self._index_file = None
         self._state = _COMMITTED
+        self._remove_held([aside for _, aside in self._aside])  # the earlier files replaced
+        self._aside.clear()
 
     async def _link_and_commit(self, index: Path) -> None:
         """Link every file in under its held name, then :meth:`_commit` (the index last)."""
@@ -675,7 +730,8 @@ class _RollingWriter(AsyncClosing):
         if self._index_file is not None:
             names.append(self._index_file.name)
             self._index_file = None
-        self._remove_held(names)
+        restored = self._put_back(cause)  # over the new files there: those are gone
+        self._remove_held([name for name in names if name not in restored])
         self._sealed.clear()
         self._let_go()
         remove_new_folders(self._new_folders, self._made)
@@ -837,9 +893,11 @@ class ShardedWriter(_RollingWriter):
         it can be. A shard whose name is free goes there first: the previous index names no
         such file. Then, where a shard takes the place of a file (a previous shard of that
         name), or the new checkpoint is or replaces ``{prefix}.safetensors`` (loaders take it
-        before any index), the previous index is removed before any of that: a process killed
-        from then until the new index is in place leaves no index, never one naming a mix of
-        old and new shards. All in the directory held (:attr:`_dir_fd`)."""
+        before any index), the previous index is set aside (:meth:`_set_aside`) before any of
+        that: a process killed from then until the new index is in place leaves no index,
+        never one naming a mix of old and new shards; a commit that fails puts it back, and
+        every file replaced, once the new shards are gone. All in the directory held
+        (:attr:`_dir_fd`)."""
         folder = self._dir_fd
         single = f"{self.prefix}.safetensors"
         finals = [self._final_name(number) for number in range(len(self._sealed))]
@@ -858,13 +916,13 @@ class ShardedWriter(_RollingWriter):
             if found is not None and stat.S_ISDIR(found.st_mode):
                 with _io("moving a shard into place", self.directory / finals[number]):
                     raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
-        with _io("removing the previous index", index), contextlib.suppress(FileNotFoundError):
-            os.unlink(index.name, dir_fd=folder)
+        with _io("setting the previous index aside", index), contextlib.suppress(FileNotFoundError):
+            self._set_aside(index.name)
         for number in later:
             self._put(number, finals[number])
         if stale:
             with contextlib.suppress(OSError):  # not a file ours to remove: _after_commit's say
-                os.unlink(single, dir_fd=folder)
+                self._set_aside(single)
 
     def _after_commit(self) -> None:
         """Remove the shards of an earlier checkpoint of this prefix that the new index does not
@@ -904,6 +962,7 @@ class DatasetWriter(_RollingWriter):
         self.generate_index = boolean("generate_index", generate_index)
         self._uuid = str(uuid.uuid4())
         self._schema: dict[str, dict[str, Any]] = {}
+        self._index_placed = False  # the new _tensor_index.parquet is at its name (_abort)
         self._columns: frozenset[str] | None = None  # the first group's (see _check_columns)
         self._batches = False  # a group taken was surely a batch: its rows were checked
         self._kv_rows = False  # a group of other columns than the first was taken
@@ -1076,16 +1135,26 @@ class DatasetWriter(_RollingWriter):
     def _rename_sealed(self, index: Path) -> None:
         """The shards to their final names (new ones: the writer's UUID is in them), then the new
         ``_tensor_index.parquet`` in the old one's place (without ``generate_index``, an earlier
-        one removed: it would name shards the new manifest does not)."""
+        one removed: it would name shards the new manifest does not), the old one set aside
+        (:meth:`_set_aside`): put back where the manifest then fails to take its place."""
         super()._rename_sealed(index)
         folder = self._dir_fd
-        _remove_entry(INDEX_NAME, folder)
-        if self.generate_index:
-            os.replace(self._staged_index.name, INDEX_NAME, src_dir_fd=folder, dst_dir_fd=folder)
+        with _io("moving the tensor index into place", self.directory / INDEX_NAME):
+            self._set_aside(INDEX_NAME, folders=True)
+            if self.generate_index:
+                staged = self._staged_index.name
+                os.replace(staged, INDEX_NAME, src_dir_fd=folder, dst_dir_fd=folder)
+                self._index_placed = True
 
     async def _abort(self, cause: BaseException | None) -> None:
+        """:meth:`_RollingWriter._abort`, the new ``_tensor_index.parquet`` removed first, staged
+        or in place (where an earlier one then goes back)."""
         if self.generate_index and self._state == _OPEN:  # the directory held: no sweep races it
-            self._remove_held([self._staged_index.name])
+            if self._index_placed:
+                with contextlib.suppress(OSError):  # removing the rest matters more
+                    _remove_entry(INDEX_NAME, self._dir_fd)
+            else:
+                self._remove_held([self._staged_index.name])
         await super()._abort(cause)
 
 
