@@ -69,6 +69,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import io
 import operator
 import ssl
 import zlib
@@ -176,11 +177,20 @@ def _part_size(value: object) -> int:
     return size
 
 
-def _splice(part: bytearray, start: int, head: memoryview) -> None:
+def _body(part: io.BytesIO) -> bytes:
+    """The bytes written to ``part``, which is written no more, as a request's body: its own
+    buffer, cut where writing stopped and handed over (``getvalue`` copies nothing while no view
+    of the buffer is held), so a part is in memory once; a part sent again sends these bytes."""
+    part.truncate()
+    return part.getvalue()
+
+
+def _splice(part: io.BytesIO, start: int, head: memoryview) -> None:
     """Copy over ``part`` (the message's bytes from ``start``) what ``head`` (its first bytes)
     holds for that range."""
-    piece = head[start : start + len(part)]
-    part[: len(piece)] = piece
+    with part.getbuffer() as view:
+        piece = head[start : start + len(view)]
+        view[: len(piece)] = piece
 
 
 class S3Sink(ClientUser, Sink):
@@ -223,7 +233,7 @@ class S3Sink(ClientUser, Sink):
         self.config = config or S3Config.resolve()
         self._use_client(client, headers, ssl_context, limits)
         self._part_size = part_size
-        self._part = bytearray()
+        self._part = io.BytesIO()  # the part filling, written up to its tell(); see _new_part
         self._size: int | None = None
         self._upload_id: str | None = None
         # Why an upload CreateMultipartUpload may have made has no known id; None if none may
@@ -235,7 +245,7 @@ class S3Sink(ClientUser, Sink):
         self._checksums: dict[int, str] = {}  # by part number: what the store checked
         self._cut = 0  # parts cut from the message so far
         self._head = 0  # the message's first bytes, to be patched before the commit
-        self._held: dict[int, bytearray] = {}  # by part number: parts holding the head
+        self._held: dict[int, io.BytesIO] = {}  # by part number: parts holding the head
 
     def _upload_query(self, upload_id: str) -> str:
         return f"uploadId={quote(upload_id, safe='')}"
@@ -330,14 +340,26 @@ class S3Sink(ClientUser, Sink):
     async def send(self, buffer: memoryview) -> None:
         view = buffer.cast("B") if buffer.format != "B" else buffer
         while view:
-            room = self._part_size - len(self._part)
-            self._part += view[:room]
+            if not self._part.tell():
+                self._part = self._new_part()
+            room = self._part_size - self._part.tell()
+            self._part.write(view[:room])
             view = view[room:]
-            if len(self._part) == self._part_size and (
+            if self._part.tell() == self._part_size and (
                 self._size is None or self._size > self._part_size
             ):
                 await self._cleaning_up_on_failure(self._cut_part())
         self.position += len(buffer)
+
+    def _new_part(self) -> io.BytesIO:
+        """The buffer of a part starting, made at once as large as the part will be (a whole part,
+        or the rest of a message announced as smaller) and written over in place: a buffer grown
+        as bytes come may be copied as it grows, and sent, it would be copied again
+        (:func:`_body` hands it over)."""
+        size = self._part_size
+        if self._size is not None:
+            size = min(size, self._size - self._cut * self._part_size)
+        return io.BytesIO(bytes(max(size, 0)))
 
     async def _create(self) -> None:
         """CreateMultipartUpload, seen through as the commit is (:meth:`_through`): a
@@ -388,11 +410,11 @@ class S3Sink(ClientUser, Sink):
                 "part_size"
             )
         self._cut += 1
-        part, self._part = self._part, bytearray()
+        part, self._part = self._part, io.BytesIO()
         if (self._cut - 1) * self._part_size < self._head:
             self._held[self._cut] = part
         else:
-            await self._upload_part(self._cut, bytes(part))
+            await self._upload_part(self._cut, _body(part))
 
     async def _upload_part(self, number: int, body: bytes) -> None:
         """UploadPart ``number`` (creating the upload first if need be), sent again while the
@@ -425,23 +447,23 @@ class S3Sink(ClientUser, Sink):
 
     async def _upload_rest(self) -> None:
         """Upload the part filling (if any, or if nothing else is) and the parts held back."""
-        if self._part or not (self._upload_id or self._held):
+        if self._part.tell() or not (self._upload_id or self._held):
             await self._cut_part()
         held, self._held = self._held, {}
         for number, part in held.items():
-            await self._upload_part(number, bytes(part))
+            await self._upload_part(number, _body(part))
 
     async def aclose(self) -> None:
         try:
             await self._cleaning_up_on_failure(self._commit())
         finally:
-            self._part = bytearray()
+            self._part = io.BytesIO()
             with self._bounded():  # committed and cancelled: the write is done all the same
                 await self._close_client()
 
     async def _commit(self) -> None:
         if self._upload_id is None and not self._held:  # it all fits in one part: one PUT
-            body = bytes(self._part)
+            body = _body(self._part)
             await self._last(
                 "PutObject",
                 lambda: self._call(
@@ -602,7 +624,7 @@ class S3Sink(ClientUser, Sink):
         upload_id, self._upload_id = self._upload_id, None
         unnamed, self._unnamed = self._unnamed, None
         final, self._final = self._final, None
-        self._part, self._held = bytearray(), {}
+        self._part, self._held = io.BytesIO(), {}
         problem = None
         if unnamed is not None:
             problem = (
