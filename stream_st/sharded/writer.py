@@ -103,7 +103,7 @@ from ..errors import (
     redact,
     some_names,
 )
-from ..transports.file.atomic import name_max, path_from_url, temp_keeps_name
+from ..transports.file.atomic import _existing, name_max, path_from_url, temp_keeps_name
 from ..transports.file.mmap import Held, open_descriptor
 from ..transports.file.sink import FileSink
 from .reader import MAX_INDEX_SIZE
@@ -1207,10 +1207,12 @@ def make_folders(directory: Path, made: dict[Path, tuple[int, int]]) -> None:
 
 def missing_folders(directory: Path) -> list[Path]:
     """``directory`` and those above it that do not exist yet, the deepest first: what a writer
-    makes, and takes away again if its write fails (:func:`remove_new_folders`)."""
+    makes, and takes away again if its write fails (:func:`remove_new_folders`). One that cannot
+    be looked at (a name or path too long, a folder above it one may not search) is a
+    :class:`~stream_st.TransportError` naming it, as :func:`~stream_st.save` says."""
     missing = []
     for folder in (directory, *directory.parents):
-        if folder.exists():
+        if _existing(str(folder)) is not None:
             break
         if folder.name not in ("", ".", ".."):  # made (and removed) as the folder it names
             missing.append(folder)

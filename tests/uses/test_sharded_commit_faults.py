@@ -196,3 +196,22 @@ async def test_a_dataset_whose_manifest_fails_keeps_the_previous_one(
     assert sorted(shard["shard_path"] for shard in manifest["shards"]) == sorted(
         name for name in before if name.endswith(".safetensors")
     )
+
+
+@pytest.mark.parametrize("kind", ["sharded", "dataset"])
+@pytest.mark.parametrize("too_long", ["name", "path"])
+def test_a_folder_whose_path_cannot_be_looked_at_is_a_transport_error(
+    tmp_path: Path, kind: str, too_long: str
+) -> None:
+    """A folder of a name over 255 bytes (``ENAMETOOLONG``), or a path over ``PATH_MAX``: the
+    writer's constructor raised a bare ``OSError`` looking for the folders to make, where
+    :func:`~stream_st.save` raises a :class:`~stream_st.TransportError` for the same path."""
+    if too_long == "name":
+        folder = tmp_path / ("n" * 256) / "ck"
+    else:
+        folder = tmp_path.joinpath(*["d" * 200] * 25, "ck")
+    opener = open_sharded_writer if kind == "sharded" else open_dataset_writer
+    with pytest.raises(TransportError, match="cannot look at") as raised:
+        opener(folder)
+    assert os.strerror(errno.ENAMETOOLONG) in str(raised.value)
+    assert os.listdir(tmp_path) == []
