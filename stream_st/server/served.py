@@ -35,8 +35,9 @@ from typing import Any
 
 import anyio.to_thread
 
-from .._api import load
-from ..core.digests import Digests, digests_for, is_record_key
+from .._api import stream_for
+from ..core.digests import Digests, algorithm_named, digests_for, hash_view, is_record_key
+from ..core.dtypes import wire_bytes
 from ..core.header import Header
 from ..core.layout import TensorSpec, build_header
 from ..core.shards import INDEX_SUFFIX, is_index, scheme_of, shard_address
@@ -50,6 +51,7 @@ from ..errors import (
 from ..sharded.reader import ShardIndex
 from ..tools.common import command_clock, headers_of, merged_metadata, model_sources, tensors_of
 from ..tools.cp import _copied_digests
+from ..transports.options import Clock
 from ..writer import lay_out
 
 __all__ = ["Piece", "ServedObject", "SourceFile", "Tensors", "checked_name", "served_object"]
@@ -288,11 +290,7 @@ async def _from_checkpoint(
     digests = _copied_digests(checksums, headers, names, False)
     inherited = isinstance(digests, Digests)
     if isinstance(digests, str) or (digests is False and any(map(_recorded, headers))):
-        # Every tensor is read, mapped: the read checks the digests recorded before they are
-        # replaced or dropped (a damaged tensor is never served as a clean one).
-        arrays = await load(address, copy=False)
-        if isinstance(digests, str):
-            digests = await anyio.to_thread.run_sync(Digests.compute, arrays, digests)
+        digests = await _read_through(address, clock, digests)
     now = [SourceFile.of(path) for path in paths]
     if now != files:  # replaced while its header (or digests) were read
         raise SourceChangedError(f"{address} changed while it was being read", url=address)
@@ -322,6 +320,24 @@ async def _from_checkpoint(
             )
         pieces = _merged(pieces)
     return ServedObject(served, header, pieces, _etag(head, files, unique=False))
+
+
+async def _read_through(address: str, clock: Clock, algorithm: str | bool) -> Digests | bool:
+    """Read every tensor of ``address`` under ``clock``, mapped: the read checks the digests
+    recorded before they are replaced or dropped (a damaged tensor is never served as a clean
+    one), and refuses shards that repeat a name. Returns the digests by ``algorithm`` where it
+    names one, else ``algorithm``. One tensor at a time, each view hashed and dropped before the
+    next, so the mapping lets go of each window read (every view held and hashed at the end kept
+    the whole file in memory)."""
+    values: dict[str, str] = {}
+    async with stream_for(address, clock=clock, copy=False) as stream:
+        async for name, array in stream:
+            if isinstance(algorithm, str):
+                hasher = algorithm_named(algorithm).new()
+                await hash_view(hasher, wire_bytes(array))
+                values[name] = hasher.digest().hex()
+            del array
+    return Digests(algorithm, values) if isinstance(algorithm, str) else algorithm
 
 
 def _recorded(header: Header) -> bool:

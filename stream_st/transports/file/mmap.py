@@ -16,6 +16,14 @@ worker thread in one call per window, so the event loop never waits for the disk
 kernel to read the next window ahead (``MADV_WILLNEED``) as well was measured slower here, both
 for the mapping and for copying reads (0.80x), so it is not done.
 
+Once the consumer is handed a tensor beyond what was populated, the pages before it are let go of
+(``madvise(MADV_DONTNEED)``): a populated page stays mapped, and so counted in the process's
+resident memory, until it is unmapped, so a stream whose every view was dropped held the whole
+file (768 MiB of a 768 MiB file; a window and the tensor in hand now). On a shared mapping this
+only drops this process's page-table entries: the bytes stay in the page cache, and a view the
+caller still holds reads them again when touched. Never on a private mapping, where it would
+drop the caller's writes.
+
 :func:`fresh_bytes` is the other side: the memory a copied tensor is read into.
 
 A ``private`` mapping (``MAP_PRIVATE``, ``PROT_READ | PROT_WRITE``) gives writable views, as the
@@ -60,6 +68,9 @@ INLINE_STEP = 16 << 20
 
 MADV_POPULATE_READ: int = getattr(mmap, "MADV_POPULATE_READ", 22)
 """Linux's value; Python names it only from 3.13 on."""
+
+MADV_DONTNEED: int = getattr(mmap, "MADV_DONTNEED", 4)
+"""The platform's value (Python names it where the platform has ``madvise``)."""
 
 _UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 
@@ -211,7 +222,9 @@ class FileMap:
     nothing is taken as cached); the caller keeps the descriptor, and must keep it open for
     ``cached`` as long as views are taken. ``private``: writable copy-on-write views. ``stop``
     is called before each step of population (at most :data:`WINDOW` bytes), and raises to end
-    it (a deadline passed)."""
+    it (a deadline passed). A shared mapping lets go of the pages before a view that needs
+    population (see the module's notes): views are taken in ascending order (an earlier one
+    taken after it still reads its bytes, faulted in again)."""
 
     def __init__(
         self,
@@ -235,6 +248,8 @@ class FileMap:
         self._pending: deque[tuple[int, int]] = deque()
         self._populated = 0
         self._populate = not isinstance(self._map, mmap.mmap) or hasattr(self._map, "madvise")
+        self._release = self._populate and not private
+        self._released = 0  # the pages before this byte were let go of
 
     def plan(self, ranges: Sequence[tuple[int, int]]) -> None:
         """The absolute byte ranges that will be viewed, ascending: only those get populated."""
@@ -246,9 +261,24 @@ class FileMap:
         start = base + info.start
         end = start + info.nbytes
         if end > self._populated:
+            self._let_go(start)
             await self._populate_to(end)
         raw = np.frombuffer(self._buffer, dtype=np.uint8, count=info.nbytes, offset=start)
         return raw.view(info.array_dtype).reshape(info.array_shape)
+
+    def _let_go(self, end: int) -> None:
+        """``MADV_DONTNEED`` over the whole pages before byte ``end`` not let go of yet; a
+        mapping the advice fails on (locked pages: ``EINVAL``) keeps its pages, as it would
+        without it, and is not advised again."""
+        end -= end % mmap.PAGESIZE
+        if not self._release or end <= self._released:
+            return
+        try:
+            _advise(self._map, MADV_DONTNEED, self._released, end - self._released)
+        except OSError:
+            self._release = False
+            return
+        self._released = end
 
     async def _populate_to(self, end: int) -> None:
         """Populate the pending ranges up to ``end`` and at least one window past their head:
