@@ -290,9 +290,10 @@ class Digests:
                         name=name,
                     )
             yield
-        if len(names) != len(self.values):
-            extra = next(name for name in self.values if name not in among)
-            raise IntegrityError(f"the header has a digest for no tensor: {quote(extra)}")
+        if len(names) != len(self.values):  # a name given twice is no digest too many
+            extra = next((name for name in self.values if name not in among), None)
+            if extra is not None:
+                raise IntegrityError(f"the header has a digest for no tensor: {quote(extra)}")
 
     def add_to(self, metadata: Mapping[str, str] | None, names: Collection[str]) -> dict[str, str]:
         """``metadata`` with these digests recorded for the tensors ``names``, in that order;

@@ -841,3 +841,12 @@ async def test_cp_keeps_the_source_digests_even_to_a_stream(tmp_path: Path) -> N
     header = (await tools.cp(data, tmp_path / "f32.safetensors", dtype="f32")).header
     assert Digests.from_header(header) is not None
     await stream_st.load(tmp_path / "f32.safetensors")
+
+
+def test_check_names_given_a_name_twice_checks_it_once() -> None:
+    """A name given twice made the count differ from the digests' and the search for the
+    digest of no tensor find none: "generator raised StopIteration" (a RuntimeError)."""
+    digests = Digests.compute({"a": np.zeros(2, np.float32), "b": np.ones(2, np.float32)})
+    digests.check_names(["a", "b", "a"])
+    with pytest.raises(IntegrityError, match="a digest for no tensor: 'b'"):
+        digests.check_names(["a", "a", "a"])
