@@ -261,20 +261,25 @@ class Digests:
                 f"(known: {sorted(ALGORITHMS)}); read with verify=False to skip the check"
             )
         digests = cls(name, values)
-        yield from digests._names_checked(header.names(), header, quote)
+        yield from digests._names_checked(header.names(), header, len(header), quote)
         return digests
 
     def check_names(self, names: Collection[str]) -> None:
         """Raise :class:`~stream_st.IntegrityError` unless ``values`` holds one well-formed
         digest for each of ``names`` and nothing else."""
-        run_steps(self._names_checked(tuple(names), names))
+        distinct = frozenset(names)
+        run_steps(self._names_checked(tuple(names), distinct, len(distinct)))
 
     def _names_checked(
-        self, names: Sequence[str], among: Container[str], quote: Callable[[str], str] = repr
+        self,
+        names: Sequence[str],
+        among: Container[str],
+        distinct: int,
+        quote: Callable[[str], str] = repr,
     ) -> Generator[None, None, None]:
-        """:meth:`check_names` of ``names`` (``among`` holds them too, for a quicker look-up)
-        as a generator that yields between two slices of them, naming a tensor as ``quote``
-        writes it."""
+        """:meth:`check_names` of ``names`` (``among`` holds them too, for a quicker look-up;
+        ``distinct`` of them differ) as a generator that yields between two slices of them,
+        naming a tensor as ``quote`` writes it."""
         size = 2 * ALGORITHMS[self.algorithm].digest_size
         for part in slices(names):
             for name in part:
@@ -290,10 +295,9 @@ class Digests:
                         name=name,
                     )
             yield
-        if len(names) != len(self.values):  # a name given twice is no digest too many
-            extra = next((name for name in self.values if name not in among), None)
-            if extra is not None:
-                raise IntegrityError(f"the header has a digest for no tensor: {quote(extra)}")
+        if distinct != len(self.values):  # each name has its digest: one more is no tensor's
+            extra = next(name for name in self.values if name not in among)
+            raise IntegrityError(f"the header has a digest for no tensor: {quote(extra)}")
 
     def add_to(self, metadata: Mapping[str, str] | None, names: Collection[str]) -> dict[str, str]:
         """``metadata`` with these digests recorded for the tensors ``names``, in that order;
