@@ -155,7 +155,13 @@ def _on_cpu(device: object) -> None:
         raise
     except UsageError:  # torch missing, or a device this torch cannot use: refused below
         kind, _, index = str(device).partition(":")
-        if kind == "cpu" and index.isascii() and index.isdigit() and str(int(index)) == index:
+        if (
+            isinstance(device, str)
+            and kind == "cpu"
+            and index.isascii()
+            and index.isdigit()
+            and str(int(index)) == index
+        ):
             one_cpu(device, int(index))
             return  # "cpu:0" without torch to tell
     raise UsageError(f"device={device!r}: numpy arrays live on the CPU")

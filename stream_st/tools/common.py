@@ -149,7 +149,7 @@ def model_sources(path: str | os.PathLike[str]) -> list[str]:
     try:
         names = sorted(os.listdir(local))
     except OSError as exc:  # unreadable (EACCES), out of descriptors, a damaged folder
-        raise TransportError(f"listing failed: {exc.strerror}", url=path) from exc
+        raise TransportError(f"listing failed: {exc.strerror or exc}", url=path) from exc
     indexes = [n for n in names if n.endswith(".safetensors" + INDEX_SUFFIX) or n == MANIFEST_NAME]
     if len(indexes) == 1:
         return [os.path.join(local, indexes[0])]

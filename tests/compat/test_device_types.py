@@ -6,6 +6,8 @@ reference takes (a ``str``, a CUDA index) and the extras docs/dropin.md lists (a
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -163,3 +165,26 @@ def test_a_negative_index_is_refused_as_the_reference(path: Path, load: Load) ->
     ours = _outcome(load, st, path, -1)
     assert isinstance(ours, DeviceError)
     assert isinstance(ours, SafetensorError)
+
+
+def test_without_torch_numpy_handles_take_only_a_str_as_the_cpu(path: Path) -> None:
+    """Without torch, ``"cpu:0"`` was read from ``str(device)``, so any object that prints so
+    was taken as the CPU; only a ``str`` is, as with torch."""
+    script = f"""
+import sys
+sys.modules["torch"] = None  # no torch
+import stream_st.numpy as st
+from stream_st.compat import SafetensorError
+class Printed:
+    def __str__(self):
+        return "cpu:0"
+with st.safe_open({str(path)!r}, "np", device="cpu:0") as handle:
+    assert handle.get_tensor("a").tolist() == [0.0, 1.0, 2.0, 3.0]
+try:
+    st.safe_open({str(path)!r}, "np", device=Printed())
+except SafetensorError as exc:
+    print(type(exc).__name__)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["UsageError"]
