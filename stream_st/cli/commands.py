@@ -127,10 +127,27 @@ def _readable(source: str) -> SourceLike:
     the peer's bytes are the event loop's, within ``--timeout``, and a signal stops them."""
     if source != "/dev/stdin":
         return source
-    with suppress(OSError):  # closed: opening /dev/stdin says so
-        if stat.S_ISSOCK(os.fstat(0).st_mode):
-            return _SocketInput(socket.socket(fileno=os.dup(0)), source)
-    return source
+    try:
+        mode = os.fstat(0).st_mode
+    except OSError:  # closed: opening /dev/stdin says so
+        return source
+    if not stat.S_ISSOCK(mode):
+        return source
+    return _SocketInput(_socket_of(0, source), source)
+
+
+def _socket_of(fd: int, name: str) -> socket.socket:
+    """A socket object over a duplicate of ``fd`` (a socket other processes share), closed
+    again if it cannot be made; out of descriptors is a :class:`~stream_st.TransportError`."""
+    try:
+        duplicate = os.dup(fd)
+    except OSError as exc:
+        raise TransportError(f"cannot use {name}: {exc.strerror or exc}", url=name) from None
+    try:
+        return socket.socket(fileno=duplicate)
+    except BaseException:
+        os.close(duplicate)
+        raise
 
 
 def one_source_arg(text: str) -> str:
@@ -163,7 +180,7 @@ async def _destination(text: str) -> SinkLike:
     if stat.S_ISFIFO(mode):
         return await PipeSink.open("/dev/stdout")
     if stat.S_ISSOCK(mode):
-        return SocketSink(socket.socket(fileno=os.dup(fd)), "standard output", shared=True)
+        return SocketSink(_socket_of(fd, "standard output"), "standard output", shared=True)
     # The duplicate listed as os.dup returns (C code appends it, no bytecode run between), so
     # that an interrupt (a signal handler's exception) there or as the sink takes it closes it.
     opened: list[int] = []

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -193,3 +194,29 @@ def test_sigint_stops_a_read_of_a_socket_that_stalls(
     assert status == 130, stderr
     assert not copy.exists()
     assert _blocking(ours)
+
+
+def test_standard_input_that_is_a_socket_with_no_descriptor_left_is_an_error(
+    peers: tuple[socket.socket, socket.socket], model: Path
+) -> None:
+    """Out of descriptors when standard input (a socket) is duplicated: an ``EMFILE`` was
+    swallowed and the command said ``No such device or address``; it names the failure."""
+    ours, _ = peers
+    script = (
+        "import os, resource, sys\n"
+        "from stream_st.cli import main\n"
+        f"main(['inspect', {str(model)!r}])  # every module the command needs imported\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, "
+        "(len(os.listdir('/proc/self/fd')) - 1 + 5, hard))  # 5: loop, signals\n"
+        "sys.exit(main(['inspect', '-']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        stdin=ours.fileno(),
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "cannot use /dev/stdin: Too many open files" in done.stderr
