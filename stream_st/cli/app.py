@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
 import signal
 import socket
@@ -249,7 +250,10 @@ def _command(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
         return 128 + stopped.signum
     except OutputError:
         raise
-    except Exception:
+    except Exception as exc:
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+            print(f"{PROG}: error: {exc.strerror} (see ulimit -n)", file=sys.stderr)
+            return EXIT_ERROR  # out of descriptors (the command's own too): no bug of ours
         traceback.print_exc()
         print(
             f"{PROG}: internal error (a bug, please report it with the traceback above)",

@@ -441,3 +441,22 @@ def test_show_of_a_dataset_holds_one_shards_tensor_at_a_time(
     assert held == [0, 0, 0, 0], held
     printed = capsys.readouterr().out
     assert printed.count("x: float32 [4]") == 4, printed
+
+
+def test_out_of_descriptors_is_an_error_not_a_bug(tmp_path: Path) -> None:
+    """The process out of file descriptors (the command's own event loop could not be made):
+    a traceback and "internal error (a bug...)", exit 3; one line saying so, exit 2."""
+    path = tmp_path / "m.safetensors"
+    write_model(path, {"a": np.zeros(2, np.float32)})
+    script = (
+        "import os, resource, sys\n"
+        "from stream_st.cli import main\n"
+        f"main(['inspect', {str(path)!r}])  # every module the command needs imported\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) - 1, hard))\n"
+        f"sys.exit(main(['inspect', {str(path)!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert "stream-st: error: Too many open files (see ulimit -n)" in done.stderr
+    assert "internal error" not in done.stderr
