@@ -31,6 +31,7 @@ from ..errors import HeaderError, UsageError, redact, unreadable
 
 __all__ = [
     "FORMAT_VERSION",
+    "HELD_NAME",
     "INDEX_NAME",
     "INDEX_SUFFIX",
     "MANIFEST_DTYPES",
@@ -270,6 +271,12 @@ INDEX_SUFFIX = ".index.json"
 
 
 MANIFEST_NAME = "dataset_manifest.json"
+
+
+HELD_NAME = re.compile(r"\.\.?[0-9a-f]{8}\.partial\..+")
+"""What a sharded or dataset writer holds in its directory until its commit, the hidden
+temporary file of one (``..<tag>.partial.<name>.<random>.tmp``) and what its commit sets aside
+included: none is part of a checkpoint, and a writer's sweep removes those of one killed."""
 
 
 def holds_safetensors(head: bytes, size: int) -> bool:

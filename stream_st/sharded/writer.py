@@ -78,6 +78,7 @@ from ..core.dtypes import dtype_for, wire_bytes
 from ..core.header import DEFAULT_MAX_HEADER_SIZE, LENGTH_PREFIX_SIZE
 from ..core.layout import TensorSpec, build_header
 from ..core.shards import (
+    HELD_NAME,
     INDEX_NAME,
     MANIFEST_DTYPES,
     MANIFEST_NAME,
@@ -764,7 +765,8 @@ def _checked_prefix(prefix: object) -> str:
     """``prefix=`` of a sharded checkpoint, checked before anything is written: a plain file
     name, not empty, without ``/`` or surrounding spaces, that makes shard names an index may
     hold (:func:`~stream_st.core.shards.shard_name`: no control character, ``\\``, ``:``,
-    ``?`` or ``#``), none of them a held name (:data:`_HELD`, which a writer's sweep removes).
+    ``?`` or ``#``), none of them a held name (:data:`~stream_st.core.shards.HELD_NAME`,
+    which a writer's sweep removes).
     :class:`ArgumentTypeError` unless a string, :class:`UsageError` else."""
     if not isinstance(prefix, str):
         raise ArgumentTypeError(f"prefix must be a string, got {type(prefix).__name__}")
@@ -779,7 +781,7 @@ def _checked_prefix(prefix: object) -> str:
             "prefix must be a plain file name, without '/', surrounding spaces, control "
             f"characters, '\\', ':', '?' or '#', got {prefix!r}"
         )
-    if any(_HELD.fullmatch(f"{prefix}{end}") for end in (".safetensors", "-00001.safetensors")):
+    if any(HELD_NAME.fullmatch(f"{prefix}{end}") for end in (".safetensors", "-00001.safetensors")):
         raise UsageError(
             f"prefix {prefix!r} makes names of the form .<8 hex digits>.partial.<name>, those a "
             "writer holds until its commit: the next writer in the folder would remove the "
@@ -1257,11 +1259,6 @@ def _dropped_open(
         remove_new_folders(folders, made)
 
 
-_HELD = re.compile(r"\.\.?[0-9a-f]{8}\.partial\..+")
-"""What a writer holds in its directory until its commit (:meth:`_RollingWriter._held_name`),
-the hidden temporary file of one (``..<tag>.partial.<name>.<random>.tmp``) included."""
-
-
 def _identity(folder: Path | int) -> tuple[int, int]:
     """The device and inode of ``folder`` (or of the directory open as it): what tells it from
     another put at its path."""
@@ -1301,8 +1298,8 @@ def _claim(directory: Path) -> int | None:
     """A descriptor of ``directory`` holding a shared ``flock`` of it, the mark of a writer at
     work there (the kernel lets it go when the process ends, killed or not). First, where no
     other writer holds the directory (an exclusive lock is granted at once), remove what writers
-    killed there left under held names (:data:`_HELD`): none is at work to commit them. None
-    where the file system has no such lock (nothing is removed then)."""
+    killed there left under held names (:data:`~stream_st.core.shards.HELD_NAME`): none is at
+    work to commit them. None where the file system has no such lock (nothing is removed then)."""
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
@@ -1323,7 +1320,7 @@ def _claim(directory: Path) -> int | None:
     return fd
 
 
-def _sweep(directory: Path, held: re.Pattern[str] = _HELD) -> None:
+def _sweep(directory: Path, held: re.Pattern[str] = HELD_NAME) -> None:
     """Remove the files (and a staged index's folder) under held names (``held``) in
     ``directory``."""
     try:

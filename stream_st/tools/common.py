@@ -24,7 +24,7 @@ from .._util import canonical_decimal
 from ..core.codecs import CODECS, Codec
 from ..core.digests import is_record_key
 from ..core.header import _SHORT, Header, TensorInfo, UnknownDtypes
-from ..core.shards import INDEX_SUFFIX, MANIFEST_NAME, is_index
+from ..core.shards import HELD_NAME, INDEX_SUFFIX, MANIFEST_NAME, is_index
 from ..core.strict_json import decode_json
 from ..errors import (
     ArgumentTypeError,
@@ -147,7 +147,7 @@ def model_sources(path: str | os.PathLike[str]) -> list[str]:
     if not os.path.isdir(local):
         return [path]
     try:
-        names = sorted(os.listdir(local))
+        names = sorted(n for n in os.listdir(local) if not HELD_NAME.fullmatch(n))
     except OSError as exc:  # unreadable (EACCES), out of descriptors, a damaged folder
         raise TransportError(f"listing failed: {exc.strerror or exc}", url=path) from exc
     indexes = [n for n in names if n.endswith(".safetensors" + INDEX_SUFFIX) or n == MANIFEST_NAME]

@@ -131,3 +131,16 @@ except TransportError as exc:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["TransportError", "True", "True"]
+
+
+def test_a_folder_s_held_names_are_no_part_of_its_checkpoint(tmp_path: Path) -> None:
+    """A writer killed mid-commit leaves its held files (``.<tag>.partial.<name>``, and what the
+    commit set aside) beside the checkpoint: they were counted, so a whole earlier index was
+    "several indexes" and a lone file lost to a dead writer's index. They are skipped."""
+    st_np.save_file({"a": np.zeros(2, np.float32)}, str(tmp_path / "model.safetensors"))
+    held = tmp_path / ".0123abcd.partial.model.safetensors.index.json"
+    held.write_text('{"weight_map": {}}')
+    (tmp_path / ".0123abcd.partial.aside.model-00001-of-00002.safetensors").write_bytes(b"x")
+    assert tools.model_sources(tmp_path) == [str(tmp_path / "model.safetensors")]
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    assert tools.model_sources(tmp_path) == [str(tmp_path / "model.safetensors.index.json")]
