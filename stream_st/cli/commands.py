@@ -59,7 +59,7 @@ from ..tools.validate import expected_shapes
 from ..transports.file.sink import PipeSink
 from ..transports.file.source import FileSource
 from ..transports.options import TransportOptions
-from ..transports.registry import SinkLike, SourceLike
+from ..transports.registry import SinkLike, read_object
 from ..transports.tcp import SocketSink, SocketSource
 from .demo import print_report, run_demo
 from .exits import EXIT_DIFFERENT, EXIT_ERROR, EXIT_OK, SIGNAL_GRACE
@@ -119,7 +119,7 @@ class _SocketInput(SocketSource):
         return self.name
 
 
-def _readable(source: str) -> SourceLike:
+def _readable(source: str) -> str | SocketSource:
     """``source``, one of :func:`source_arg`'s, as the library reads it. Standard input that is
     a socket (inetd's, systemd's socket activation, ``socat EXEC:``), which ``/dev/stdin``
     cannot open anew (``ENXIO``), is read through a duplicate of its descriptor, left blocking
@@ -580,8 +580,12 @@ async def _read_list(text: str) -> list[str]:
     """The lines of the checksum list ``text`` (``-``: standard input), split at line feeds
     alone, one carriage return before each dropped (a list written on Windows), as
     ``sha256sum -c`` reads them: a name may hold any other character (U+2028, a form feed)."""
+    listed = _readable(source_arg(text))
     try:
-        data = await anyio.Path(source_arg(text)).read_bytes()
+        if isinstance(listed, str):
+            data = await anyio.Path(listed).read_bytes()
+        else:  # a socket on standard input, read to its end
+            data, _ = await read_object(listed)
     except OSError as exc:
         raise SourceNotFoundError(
             f"cannot read checksum list: {exc.strerror or exc}", url=text

@@ -6,11 +6,13 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import threading
 from pathlib import Path
 
 import anyio
+import numpy as np
 import pytest
 import safetensors.numpy as reference_numpy
 from anyio.abc import SocketAttribute, SocketStream
@@ -384,3 +386,20 @@ async def test_file_sha256_of_a_connection_is_its_message_s(content: bool, given
                     assert await hashed(stream) == hashlib.sha256(second).hexdigest()
         done.set()
         group.cancel_scope.cancel()
+
+
+def test_a_checksum_list_on_a_socket_is_read(tmp_path: Path) -> None:
+    """``hash --check -`` where standard input is a socket (inetd, ``socat EXEC:``): the list
+    was opened anew as ``/dev/stdin``, which a socket refuses (``No such device or
+    address``); it is read to the peer's end, as a checkpoint on ``-`` is."""
+    model = write_model(tmp_path / "listed.safetensors", {"w": np.ones(4, np.float32)})
+    digest = hashlib.sha256(model.read_bytes()).hexdigest()
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(f"{digest}  {model}\n".encode())
+        theirs.shutdown(socket.SHUT_WR)
+        done = subprocess.run(
+            [COMMAND, "hash", "--check", "-"], stdin=ours.fileno(), capture_output=True, timeout=60
+        )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode() == f"{model}: OK\n"
