@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import ipaddress
 import os
 import socket
+import struct
+import termios
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -47,7 +50,15 @@ closes the socket. Closing a socket while bytes the peer sent lie unread in it (
 acknowledgement) makes the kernel answer with a reset and drop what it still had queued to send:
 the peer would lose the message's end. So the sink sends its FIN after the last byte, reads and
 discards whatever the peer sends until the peer closes, and only then closes; bounded, so a peer
-that keeps its side open delays the close by this much at most."""
+that keeps its side open delays the close by this much at most.
+
+A shared socket (see :class:`SocketSink`) is neither read nor shut down: its sink waits instead
+until the kernel has sent every byte, as long as the peer goes on taking them, and fails if the
+peer takes none for this long."""
+
+DRAIN_POLL = 0.01
+"""Seconds between two looks at what a shared socket's kernel has still to send (no event
+tells when its send queue empties)."""
 
 __all__ = [
     "SocketEnd",
@@ -342,7 +353,8 @@ class SocketSink(SocketEnd, Sink):
     (standard output that is a socket, which the shell shares, where a later command may write
     the next message): closing the sink, committed or aborted, closes the duplicate alone; it
     neither shuts the socket down nor reads what the peer sends (standard input's bytes, where
-    it is the same socket)."""
+    it is the same socket). Committed, it waits until the kernel has sent every byte (see
+    :meth:`_drain`)."""
 
     _size: int | None = None  # the message's length, once announced by allocate
 
@@ -381,17 +393,22 @@ class SocketSink(SocketEnd, Sink):
         """Commit: an owned socket that carried its whole message is ended gracefully (see
         :meth:`_finish`) before it is closed; one left short of the length announced closes at
         once, so the peer sees the message end early. A lent socket stays open; a shared one's
-        duplicate is closed at once (see :class:`SocketSink`).
+        duplicate is closed once the kernel has sent the whole message (see :meth:`_drain`).
 
         The graceful end is past the commit point and bounded, so it is seen through whatever
         cancellation comes meanwhile (:func:`~stream_st._util.seen_through`: asyncio's own
         ``Task.cancel``, which goes through anyio's shields, included): the cancellation takes
         effect once it is over. Cut short, the close would find the peer's bytes unread and
-        reset the connection under the message's end."""
+        reset the connection under the message's end. A shared socket's wait, which lasts as
+        long as the peer goes on taking bytes, ends :data:`CLOSE_GRACE` seconds after the
+        cancellation at most."""
         whole = self._size is None or self.position >= self._size
         try:
-            if self._turn is None and not self._shared and whole and not self._closed():
-                await seen_through(self._finish)
+            if self._turn is None and whole and not self._closed():
+                if self._shared:
+                    await seen_through(self._drain, _within_grace)
+                else:
+                    await seen_through(self._finish)
         finally:
             await super().aclose()
 
@@ -423,15 +440,60 @@ class SocketSink(SocketEnd, Sink):
                 else:
                     await anyio.lowlevel.checkpoint()  # a peer that keeps sending: let others in
 
+    async def _drain(self) -> None:
+        """Wait until the kernel has sent every byte of a shared socket (``TIOCOUTQ``: the bytes
+        not yet acknowledged by a TCP peer, not yet read by a UNIX one), neither reading the
+        peer's bytes nor shutting the socket down (see :class:`SocketSink`): the command may hold
+        the socket's last descriptor (inetd, ``socat EXEC:``), whose close with bytes of the peer
+        unread resets the connection and drops what the kernel still had to send. Polled every
+        :data:`DRAIN_POLL` seconds, within the clock's deadline; a peer that takes nothing for
+        :data:`CLOSE_GRACE` seconds is a :class:`~stream_st.TransportError`. Where the kernel
+        does not tell (the ``ioctl`` fails), the duplicate is closed at once."""
+        try:
+            queued = self._queued()
+        except OSError:
+            return
+        with self.clock.within_deadline(self.name, self.position):
+            while queued:
+                left = queued
+                with anyio.move_on_after(CLOSE_GRACE) as scope:
+                    while queued >= left:  # until the peer takes some
+                        await anyio.sleep(DRAIN_POLL)
+                        queued = self._queued()
+                if scope.cancelled_caught:
+                    raise self._unconfirmed(
+                        f"the peer took nothing of the message's end still queued for "
+                        f"{CLOSE_GRACE:g} s after it was sent",
+                        "the command does not wait longer",
+                    )
+
+    def _queued(self) -> int:
+        """The bytes the kernel has still to send on the socket (see :meth:`_drain`)."""
+        packed = fcntl.ioctl(self._handle.fileno(), termios.TIOCOUTQ, struct.pack("i", 0))
+        count: int = struct.unpack("i", packed)[0]
+        return count
+
     def _unread(self, exc: OSError) -> TransportError:
         """The error for a reset seen after the message's last byte went out: whether the peer
         read the message to its end before it reset the connection, TCP does not tell."""
+        return self._unconfirmed(
+            "the peer reset the connection after the message was sent",
+            f"a reset does not tell; {exc.strerror or exc}",
+        )
+
+    def _unconfirmed(self, what: str, why: str) -> TransportError:
+        """The error for a message sent in full whose delivery is not confirmed: ``what``
+        happened after its last byte went out, ``why`` it tells nothing more."""
         return TransportError(
-            "the peer reset the connection after the message was sent: it may not have read "
-            f"it in full (a reset does not tell; {exc.strerror or exc})",
+            f"{what}: it may not have read it in full ({why})",
             url=self.name,
             position=self.position,
         )
+
+
+def _within_grace(shield: anyio.CancelScope) -> None:
+    """Bound the rest of a cancelled wait (``shield``'s) by :data:`CLOSE_GRACE` seconds."""
+    shield.deadline = min(shield.deadline, anyio.current_time() + CLOSE_GRACE)
 
 
 async def source_for(url: str, clock: Clock) -> Source:

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -220,3 +221,28 @@ def test_standard_input_that_is_a_socket_with_no_descriptor_left_is_an_error(
     )
     assert done.returncode == 2, done.stderr
     assert "cannot use /dev/stdin: Too many open files" in done.stderr
+
+
+def test_a_copy_to_a_tcp_socket_the_command_alone_holds_arrives_whole(model: Path) -> None:
+    """Standard output a TCP connection only the command holds (inetd, ``socat EXEC:``, systemd
+    ``Accept=yes``) whose peer sent a greeting the command never reads, and reads slowly: the
+    command's exit closed the socket with those bytes unread, so the kernel reset the
+    connection and dropped the copy's tail still queued, after an exit status of 0. It waits
+    for the kernel to have sent everything first, so the peer gets the whole copy."""
+    data = model.read_bytes()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        peer = socket.create_connection(listener.getsockname())
+        served, _ = listener.accept()
+    with peer:
+        peer.settimeout(LIMIT)
+        peer.sendall(b"HELLO\n")  # a greeting the command never reads
+        with served:
+            process = _started(["cp", "-q", str(model), "-"], stdout=served)
+        got = bytearray()
+        with contextlib.suppress(ConnectionResetError):  # reported as a short copy below
+            while len(got) < len(data) and (chunk := peer.recv(64 << 10)):
+                got += chunk
+                time.sleep(0.002)  # a reader slower than the loopback
+        assert _ended(process) == (0, "")
+        assert len(got) == len(data)
+        assert got == data
