@@ -555,6 +555,10 @@ IMPLAUSIBLE_HEADER_LENGTH = 1 << 32
 than 100 MB): the first 8 bytes of a text file, an archive or an executable read that way."""
 
 
+RAISE_THE_LIMIT = " (raise max_header_size if the file is trusted)"
+"""What :class:`HeaderTooLargeError` advises a reader that takes ``max_header_size``."""
+
+
 class HeaderTooLargeError(HeaderError):
     """The declared header length exceeds ``max_header_size``; nothing was allocated for it.
     Raised by a writer too (``writing=True``) for a header over the default limit, before the
@@ -578,7 +582,7 @@ class HeaderTooLargeError(HeaderError):
         else:
             message = f"header length {declared} bytes exceeds the limit of {limit} bytes"
             if not fixed:
-                message += " (raise max_header_size if the file is trusted)"
+                message += RAISE_THE_LIMIT
         super().__init__(message)
         self.declared = declared
         self.limit = limit

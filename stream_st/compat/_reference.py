@@ -52,7 +52,6 @@ from ..core.arrays import (
     torch_shape,
 )
 from ..core.header import (
-    DEFAULT_MAX_HEADER_SIZE,
     LENGTH_PREFIX_SIZE,
     Header,
     TensorInfo,
@@ -682,19 +681,9 @@ def load_file(
 
 
 def load_bytes(data: bytes | bytearray | memoryview, torch: bool, verify: bool) -> dict[str, Any]:
-    """Every tensor of a safetensors file given as bytes (or a bytearray or memoryview). Its
-    length prefix is looked at first: a header over the drop-ins' fixed limit (the reference's)
-    is refused there without advice to raise ``max_header_size``, which a drop-in does not take
-    (as :func:`~._serialize.deserialize` refuses it); any other fault of the file, the reader's
-    message names ``<bytes>``."""
+    """Every tensor of a safetensors file given as bytes (or a bytearray or memoryview)."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ArgumentTypeError(f"load takes the bytes of a file, got {type(data).__name__}")
-    prefix = as_bytes_view(data)[:LENGTH_PREFIX_SIZE]
-    if (
-        len(prefix) == LENGTH_PREFIX_SIZE
-        and int.from_bytes(prefix, "little") > DEFAULT_MAX_HEADER_SIZE
-    ):
-        parse_header_length(prefix, fixed_limit=True)  # raises
     return run(_load, data, torch, verify, True, Clock())
 
 

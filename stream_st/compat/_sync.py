@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterable, Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterator
 from concurrent.futures import CancelledError, Future, InvalidStateError
 from typing import Any, TypeVar
 
@@ -31,7 +31,7 @@ import anyio
 from anyio.abc import ByteReceiveStream, ByteSendStream
 from anyio.from_thread import BlockingPortal
 
-from ..errors import ArgumentTypeError, UsageError
+from ..errors import RAISE_THE_LIMIT, ArgumentTypeError, HeaderTooLargeError, UsageError
 
 __all__ = ["Bridge", "check_sync_address", "run"]
 
@@ -106,7 +106,8 @@ class Bridge:
                 "a coroutine it runs); use the async API there"
             ) from None
         try:
-            return future.result()
+            with _no_advice_to_raise_the_limit():
+                return future.result()
         except CancelledError:
             raise UsageError("the file was closed during the call") from None
         except BaseException:
@@ -247,6 +248,21 @@ def _nothing() -> None:
     pass
 
 
+@contextlib.contextmanager
+def _no_advice_to_raise_the_limit() -> Iterator[None]:
+    """A drop-in takes no ``max_header_size`` (its limit is the reference's): a header over it
+    read through the streaming reader (a URL, a FIFO) is refused without the advice to raise
+    it, as a local file's and bytes' are (:class:`HeaderTooLargeError` ``fixed``)."""
+    try:
+        yield
+    except HeaderTooLargeError as exc:
+        if RAISE_THE_LIMIT not in str(exc):
+            raise
+        fixed = HeaderTooLargeError(str(exc).replace(RAISE_THE_LIMIT, "", 1))
+        fixed.__dict__.update(exc.__dict__)
+        raise fixed from None
+
+
 async def _boxed(
     box: list[T], handlers: _CallersHandlers, function: Callable[..., Awaitable[T]], *args: Any
 ) -> None:
@@ -268,7 +284,7 @@ def run(function: Callable[..., Awaitable[T]], *args: Any) -> T:
         box: list[T] = []
         handlers = _CallersHandlers()
         try:
-            with handlers:
+            with handlers, _no_advice_to_raise_the_limit():
                 anyio.run(
                     _boxed,
                     box,

@@ -17,6 +17,8 @@ import stream_st.compat
 import stream_st.numpy
 from stream_st.errors import HeaderTooLargeError
 
+from ..servers.http_server import RangeHTTPServer
+
 DECLARED = 100_000_001
 """One byte over the default limit: the prefix claims it, the file holds two bytes after it."""
 
@@ -82,3 +84,17 @@ def test_a_drop_in_still_calls_a_non_header_prefix_no_safetensors_file(tmp_path:
     path.write_bytes(b"not a safetensors file at all")
     with pytest.raises(HeaderTooLargeError, match="not a safetensors file"):
         stream_st.numpy.load_file(path)
+
+
+@pytest.mark.parametrize("call", [_torch_load_file, _safe_open], ids=["load_file", "safe_open"])
+def test_a_drop_in_reading_a_url_says_so_without_advice_too(
+    big_header: Path, call: Callable[[Any], Any]
+) -> None:
+    """Read over HTTP (the streaming reader, where the limit's message is made with the advice),
+    the drop-ins still said "raise max_header_size", which they refuse."""
+    with RangeHTTPServer(objects={"/big.safetensors": big_header.read_bytes()}) as server:
+        url = server.url("/big.safetensors")
+        with pytest.raises(HeaderTooLargeError) as info:
+            call(url)
+    assert str(info.value) == f"{url}: {OVER}"
+    assert (info.value.declared, info.value.limit) == (DECLARED, 100_000_000)
