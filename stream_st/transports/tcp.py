@@ -441,14 +441,17 @@ class SocketSink(SocketEnd, Sink):
                     await anyio.lowlevel.checkpoint()  # a peer that keeps sending: let others in
 
     async def _drain(self) -> None:
-        """Wait until the kernel has sent every byte of a shared socket (``TIOCOUTQ``: the bytes
-        not yet acknowledged by a TCP peer, not yet read by a UNIX one), neither reading the
+        """Wait until the kernel has sent every byte of a shared TCP socket (``TIOCOUTQ``: the
+        bytes not yet acknowledged by the peer), neither reading the
         peer's bytes nor shutting the socket down (see :class:`SocketSink`): the command may hold
         the socket's last descriptor (inetd, ``socat EXEC:``), whose close with bytes of the peer
         unread resets the connection and drops what the kernel still had to send. Polled every
         :data:`DRAIN_POLL` seconds, within the clock's deadline; a peer that takes nothing for
         :data:`CLOSE_GRACE` seconds is a :class:`~stream_st.TransportError`. Where the kernel
-        does not tell (the ``ioctl`` fails), the duplicate is closed at once."""
+        does not tell (the ``ioctl`` fails), the duplicate is closed at once, as a UNIX socket's
+        is: what it sent stays in the peer's queue whatever the close finds unread."""
+        if self._handle.family not in (socket.AF_INET, socket.AF_INET6):
+            return
         try:
             queued = self._queued()
         except OSError:

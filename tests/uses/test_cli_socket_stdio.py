@@ -246,3 +246,23 @@ def test_a_copy_to_a_tcp_socket_the_command_alone_holds_arrives_whole(model: Pat
         assert _ended(process) == (0, "")
         assert len(got) == len(data)
         assert got == data
+
+
+def test_a_unix_socket_read_after_the_command_ends_gets_the_whole_copy(
+    tmp_path: Path, peers: tuple[socket.socket, socket.socket]
+) -> None:
+    """A UNIX socket keeps what was sent in the peer's queue whatever the close finds unread:
+    the command ends at once (no wait for a reader that comes later), and the copy is whole."""
+    ours, theirs = peers
+    small = write_model(tmp_path / "small.safetensors", {"w": np.ones(16, np.float32)})
+    theirs.sendall(b"HELLO\n")  # unread by the command
+    done = subprocess.run(
+        [COMMAND, "cp", str(small), "-"],
+        stdout=ours.fileno(),
+        capture_output=False,
+        stderr=subprocess.PIPE,
+        timeout=LIMIT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert _received(theirs, small.stat().st_size) == small.read_bytes()
