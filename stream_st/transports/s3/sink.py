@@ -20,7 +20,8 @@ or abort before that the multipart upload is aborted: no object at the key, no p
 left. A message
 that fits in one part is sent as a single PUT instead, unless :meth:`S3Sink.prepare` asks for every
 byte to be sent before the commit (copying a sharded checkpoint: every shard's upload is completed
-only once all are uploaded).
+only once all are uploaded); one announced as fitting that outgrows a part all the same goes up
+as a multipart upload, the announced size being a hint.
 
 Every part (and a single PUT) carries its CRC32 (``x-amz-checksum-crc32``), which the store
 checks before it takes the part: a byte changed on the way is refused, never stored. A writer
@@ -338,6 +339,10 @@ class S3Sink(ClientUser, Sink):
         _splice(self._part, self._cut * self._part_size, buffer)
 
     async def send(self, buffer: memoryview) -> None:
+        """Append ``buffer`` to the part filling, cutting each part as it fills. A full part is
+        cut at once unless the announced size fits in one part (kept for a single PUT), and then
+        as soon as a byte more comes: :meth:`allocate` is a hint, and a message that outgrows it
+        goes up as a multipart upload, as one of unknown size does."""
         view = buffer.cast("B") if buffer.format != "B" else buffer
         while view:
             if not self._part.tell():
@@ -346,7 +351,7 @@ class S3Sink(ClientUser, Sink):
             self._part.write(view[:room])
             view = view[room:]
             if self._part.tell() == self._part_size and (
-                self._size is None or self._size > self._part_size
+                view or self._size is None or self._size > self._part_size
             ):
                 await self._cleaning_up_on_failure(self._cut_part())
         self.position += len(buffer)
