@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import os
 import threading
@@ -102,9 +103,11 @@ async def task_group() -> AsyncIterator[TaskGroup]:
             first.__context__, first.__suppress_context__ = context, suppress  # ... its own stays
 
 
+@functools.cache
 def package_version() -> str:
     """The installed distribution's version (pyproject.toml is the one place it is written);
-    ``0+unknown`` for a source tree on ``sys.path`` that was never installed."""
+    ``0+unknown`` for a source tree on ``sys.path`` that was never installed. Read once: the
+    command builds its parser, which shows it, at every call."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
