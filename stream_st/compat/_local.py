@@ -138,9 +138,7 @@ class LocalFile:
                 )
             array = raw.view(dtype).reshape(shape)
         if rows is None and self._digests is not None and info.name not in self._checked:
-            hasher = self._digests.hasher()
-            hasher.update(wire_bytes(array))
-            self._digests.check(info.name, hasher, self.name)
+            self._digests.check_bytes(info.name, wire_bytes(array), self.name)
             if self._region is not None:  # what the caller writes to a view since is no damage
                 self._checked.add(info.name)
         return array

@@ -327,6 +327,13 @@ class Digests:
         """A fresh hasher of this algorithm."""
         return ALGORITHMS[self.algorithm].new()
 
+    def check_bytes(self, name: str, data: Any, source: str = "") -> None:
+        """:meth:`check` of ``data``, tensor ``name``'s bytes as a file holds them (a buffer),
+        hashed here, on the caller's thread."""
+        hasher = self.hasher()
+        hasher.update(data)
+        self.check(name, hasher, source)
+
     async def check_view(
         self,
         name: str,
