@@ -479,9 +479,13 @@ class _RollingWriter(AsyncClosing):
         """The descriptor of the directory held (:meth:`_open_directory`): the commit's renames,
         and the removals after it or at an abort, go through it, so they reach that directory
         wherever it was moved, never another folder put at its path."""
-        fd = -1 if self._held_fd is None else self._held_fd.fileno()
+        fd = self._folder_fd()
         assert fd >= 0, "the directory is open from the first shard on, until it is let go"
         return fd
+
+    def _folder_fd(self) -> int:
+        """The descriptor of the directory held, -1 before it is made or once let go."""
+        return -1 if self._held_fd is None else self._held_fd.fileno()
 
     def _hold_directory(self) -> None:
         """:func:`_claim` the directory (in a worker thread), its descriptor held by the writer
@@ -583,7 +587,7 @@ class _RollingWriter(AsyncClosing):
         restored: set[str] = set()
         while self._aside:
             name, aside = self._aside[-1]
-            folder = self._dir_fd
+            folder = self._dir_fd  # open wherever a file was set aside
             try:
                 os.replace(aside, name, src_dir_fd=folder, dst_dir_fd=folder)
             except OSError as exc:
@@ -743,7 +747,7 @@ class _RollingWriter(AsyncClosing):
         the commit, which links the files in by the path, may have put them (a held name, with
         the writer's tag in it, is the writer's own). Nothing where the directory was never
         made; an error is let pass: removing the rest matters more."""
-        fd = -1 if self._held_fd is None else self._held_fd.fileno()
+        fd = self._folder_fd()
         if fd < 0:  # never made, or let go
             return
         try:
