@@ -180,7 +180,7 @@ async def _destination(text: str) -> SinkLike:
     if stat.S_ISFIFO(mode):
         return await PipeSink.open("/dev/stdout")
     if stat.S_ISSOCK(mode):
-        return SocketSink(_socket_of(fd, "standard output"), "standard output", shared=True)
+        return SocketSink.over_shared(_socket_of(fd, "standard output"), "standard output")
     # The duplicate listed as os.dup returns (C code appends it, no bytecode run between), so
     # that an interrupt (a signal handler's exception) there or as the sink takes it closes it.
     opened: list[int] = []

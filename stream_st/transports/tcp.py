@@ -52,9 +52,9 @@ the peer would lose the message's end. So the sink sends its FIN after the last 
 discards whatever the peer sends until the peer closes, and only then closes; bounded, so a peer
 that keeps its side open delays the close by this much at most.
 
-A shared socket (see :class:`SocketSink`) is neither read nor shut down: its sink waits instead
-until the kernel has sent every byte, as long as the peer goes on taking them, and fails if the
-peer takes none for this long."""
+A shared socket (see :meth:`SocketSink.over_shared`) is neither read nor shut down: its sink
+waits instead until the kernel has sent every byte, as long as the peer goes on taking them, and
+fails if the peer takes none for this long."""
 
 DRAIN_POLL = 0.01
 """Seconds between two looks at what a shared socket's kernel has still to send (no event
@@ -347,28 +347,23 @@ class SocketSource(SocketEnd, Source):
 class SocketSink(SocketEnd, Sink):
     """One TCP socket written front to back. ``clock`` bounds each wait for the peer to take
     bytes (a stalled receiver); ``turn`` is given when a :class:`~stream_st.Connection` lends its
-    socket to this one message, which committing then leaves open (see :class:`SocketEnd`).
-
-    ``shared`` says that ``sock`` is a duplicate of a descriptor other processes hold too
-    (standard output that is a socket, which the shell shares, where a later command may write
-    the next message): closing the sink, committed or aborted, closes the duplicate alone; it
-    neither shuts the socket down nor reads what the peer sends (standard input's bytes, where
-    it is the same socket). Committed, it waits until the kernel has sent every byte (see
-    :meth:`_drain`)."""
+    socket to this one message, which committing then leaves open (see :class:`SocketEnd`); a
+    sink over a socket other processes hold too is made by :meth:`over_shared`."""
 
     _size: int | None = None  # the message's length, once announced by allocate
+    _shared = False  # over a descriptor other processes hold too (over_shared)
 
-    def __init__(
-        self,
-        sock: socket.socket,
-        name: str,
-        *,
-        clock: Clock = UNLIMITED,
-        turn: Turn | None = None,
-        shared: bool = False,
-    ) -> None:
-        super().__init__(sock, name, clock=clock, turn=turn)
-        self._shared = shared
+    @classmethod
+    def over_shared(cls, sock: socket.socket, name: str) -> SocketSink:
+        """A sink over ``sock``, a duplicate of a descriptor other processes hold too (standard
+        output that is a socket, which the shell shares, where a later command may write the
+        next message): closing it, committed or aborted, closes the duplicate alone; it neither
+        shuts the socket down nor reads what the peer sends (standard input's bytes, where it is
+        the same socket). Committed, it waits until the kernel has sent every byte (see
+        :meth:`_drain`)."""
+        sink = cls(sock, name)
+        sink._shared = True
+        return sink
 
     async def allocate(self, size: int) -> None:
         self._claim()  # the writer announces the message before its first byte
@@ -442,9 +437,9 @@ class SocketSink(SocketEnd, Sink):
 
     async def _drain(self) -> None:
         """Wait until the kernel has sent every byte of a shared TCP socket (``TIOCOUTQ``: the
-        bytes not yet acknowledged by the peer), neither reading the
-        peer's bytes nor shutting the socket down (see :class:`SocketSink`): the command may hold
-        the socket's last descriptor (inetd, ``socat EXEC:``), whose close with bytes of the peer
+        bytes not yet acknowledged by the peer), neither reading the peer's bytes nor shutting
+        the socket down (see :meth:`over_shared`): the command may hold the socket's last
+        descriptor (inetd, ``socat EXEC:``), whose close with bytes of the peer
         unread resets the connection and drops what the kernel still had to send. Polled every
         :data:`DRAIN_POLL` seconds, within the clock's deadline; a peer that takes nothing for
         :data:`CLOSE_GRACE` seconds is a :class:`~stream_st.TransportError`. Where the kernel
