@@ -94,26 +94,28 @@ def test_copies_to_standard_output_that_is_a_socket_arrive_whole_one_after_the_o
     assert _blocking(ours)
 
 
-def test_a_copy_to_a_socket_nobody_reads_times_out(
-    model: Path, peers: tuple[socket.socket, socket.socket]
-) -> None:
-    ours, theirs = peers
-    process = _started(["cp", "-q", "--timeout", "1", str(model), "-"], stdout=ours)
-    assert theirs.recv(1, socket.MSG_PEEK)  # writing
-    status, stderr = _ended(process)
-    assert status == 2, stderr
-    assert "(timeout), url=standard output" in stderr
-    assert _blocking(ours)
+STOPS = {
+    "timeout": (["--timeout", "1"], None, 2, "(timeout), url="),
+    "sigint": ([], signal.SIGINT, 130, None),
+}
+"""How a command stalled on a socket is stopped: its options, the signal sent (if any), the exit
+status and what its standard error says (followed by the socket's name)."""
 
 
-def test_sigint_stops_a_copy_to_a_socket_nobody_reads(
-    model: Path, peers: tuple[socket.socket, socket.socket]
+@pytest.mark.parametrize("how", sorted(STOPS))
+def test_a_copy_to_a_socket_nobody_reads_is_stopped(
+    model: Path, peers: tuple[socket.socket, socket.socket], how: str
 ) -> None:
+    options, signum, expected, said = STOPS[how]
     ours, theirs = peers
-    process = _started(["cp", "-q", str(model), "-"], stdout=ours)
+    process = _started(["cp", "-q", *options, str(model), "-"], stdout=ours)
     assert theirs.recv(1, socket.MSG_PEEK)  # writing, and soon waiting for the peer to read
-    process.send_signal(signal.SIGINT)
-    assert _ended(process)[0] == 130
+    if signum is not None:
+        process.send_signal(signum)
+    status, stderr = _ended(process)
+    assert status == expected, stderr
+    if said is not None:
+        assert said + "standard output" in stderr
     assert _blocking(ours)
 
 
@@ -169,30 +171,21 @@ def test_a_copy_from_standard_input_that_is_a_socket_is_whole(
     assert _blocking(ours)
 
 
-def test_a_read_of_a_socket_that_stalls_times_out(
-    model: Path, peers: tuple[socket.socket, socket.socket], tmp_path: Path
+@pytest.mark.parametrize("how", sorted(STOPS))
+def test_a_read_of_a_socket_that_stalls_is_stopped(
+    model: Path, peers: tuple[socket.socket, socket.socket], tmp_path: Path, how: str
 ) -> None:
+    options, signum, expected, said = STOPS[how]
     ours, theirs = peers
     copy = tmp_path / "copy.safetensors"
-    process = _started(["cp", "-q", "--timeout", "1", "-", str(copy)], stdin=ours)
+    process = _started(["cp", "-q", *options, "-", str(copy)], stdin=ours)
     _fed(theirs, model.read_bytes()[: 1 << 20])
+    if signum is not None:
+        process.send_signal(signum)
     status, stderr = _ended(process)
-    assert status == 2, stderr
-    assert "(timeout), url=/dev/stdin" in stderr
-    assert not copy.exists()
-    assert _blocking(ours)
-
-
-def test_sigint_stops_a_read_of_a_socket_that_stalls(
-    model: Path, peers: tuple[socket.socket, socket.socket], tmp_path: Path
-) -> None:
-    ours, theirs = peers
-    copy = tmp_path / "copy.safetensors"
-    process = _started(["cp", "-q", "-", str(copy)], stdin=ours)
-    _fed(theirs, model.read_bytes()[: 1 << 20])
-    process.send_signal(signal.SIGINT)
-    status, stderr = _ended(process)
-    assert status == 130, stderr
+    assert status == expected, stderr
+    if said is not None:
+        assert said + "/dev/stdin" in stderr
     assert not copy.exists()
     assert _blocking(ours)
 
